@@ -1,0 +1,54 @@
+# megatron.c build.
+#   make            every binary: train_gpt, test_megatron, prepro tools
+#   make test       build and run the test suite (GPU tests skip without a GPU)
+#   make GPU_ARCH=90a ...   override the CUDA target (default: the visible GPU, else sm_90)
+
+NVCC    ?= nvcc
+CC      ?= cc
+CFLAGS  ?= -O3 -Wall -Wextra -Wno-unused-parameter -std=c11 -D_GNU_SOURCE
+NVFLAGS ?= -O3 -std=c++17 -Xcompiler -Wall,-Wno-unused-parameter,-Wno-unused-function
+
+# CUDA target: the compute capability of the first visible GPU, else Hopper (sm_90), e.g. in CI.
+GPU_ARCH ?= $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d '.[:space:]')
+ifeq ($(strip $(GPU_ARCH)),)
+  GPU_ARCH := 90
+endif
+NVFLAGS += -gencode=arch=compute_$(GPU_ARCH),code=sm_$(GPU_ARCH)
+
+# MPI is used when mpicc is on the PATH (set USE_MPI=0 to build without it).
+USE_MPI ?= $(if $(shell command -v mpicc 2>/dev/null),1,0)
+ifeq ($(USE_MPI),1)
+  MPI_CFLAGS := $(shell mpicc --showme:compile 2>/dev/null) -DMT_USE_MPI
+  MPI_LIBS   := $(shell mpicc --showme:link 2>/dev/null)
+endif
+
+CUDA_LIBS := -lcublas -lcublasLt -lnccl
+HOST_LIBS := -lpthread -lm
+
+PREPRO := prepro/preprocess_data prepro/merge_datasets prepro/dataset_info
+HEADERS := megatron.h prepro/tokenizer.h
+
+.PHONY: all test clean
+all: train_gpt test_megatron $(PREPRO)
+
+megatron.o: megatron.cu $(HEADERS)
+	$(NVCC) $(NVFLAGS) -c $< -o $@
+
+train_gpt.o: train_gpt.c $(HEADERS)
+	$(CC) $(CFLAGS) $(MPI_CFLAGS) -c $< -o $@
+
+train_gpt: train_gpt.o megatron.o
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(CUDA_LIBS) $(MPI_LIBS) $(HOST_LIBS)
+
+# The test suite includes megatron.cu whole, so it can reach the kernels behind the API.
+test_megatron: test_megatron.cu megatron.cu $(HEADERS) $(wildcard tests/*.h)
+	$(NVCC) $(NVFLAGS) $(MPI_CFLAGS) $< -o $@ $(CUDA_LIBS) $(MPI_LIBS) $(HOST_LIBS)
+
+prepro/%: prepro/%.c $(HEADERS)
+	$(CC) $(CFLAGS) $< -o $@ $(HOST_LIBS)
+
+test: test_megatron
+	./test_megatron
+
+clean:
+	rm -f *.o train_gpt test_megatron $(PREPRO)

@@ -1,0 +1,1580 @@
+/*
+ * megatron.cu — everything of megatron.c that touches the GPU: kernels, GEMMs, the transformer's
+ * forward and backward, the optimizer, checkpoints, and the trainer API declared in megatron.h.
+ *
+ * Reading order (DESIGN.md):
+ *   1. Checks and utilities
+ *   2. Kernels, one section per layer: init, embedding, LayerNorm, bias/column reductions, GELU,
+ *      attention (permute, causal softmax), cross entropy, residual, gradient norm, AdamW
+ *   3. GEMM: one wrapper over cuBLAS for fp32/bf16/fp16 with fp32 accumulation
+ *   4. Process groups (one GPU for now: every group has size 1)
+ *   5. Parallel layers: linear forward/backward (column/row parallel degenerate to plain at TP=1)
+ *   6. The model: memory layout, forward and backward of one stage, GPT-2 flavour
+ *   7. Pipeline engine (one stage for now)
+ *   8. Optimizer: gradient norm, clipping, fp16 loss scaler, AdamW
+ *   9. Checkpoints
+ *  10. The trainer API
+ *
+ * Precision: the model runs in a type T (float, bf16 or fp16) chosen at run time; every kernel is a
+ * template over T and does its arithmetic in fp32. Weight gradients are accumulated in fp32 by the
+ * GEMMs themselves (Megatron's gradient-accumulation fusion); fp32 master weights and Adam moments.
+ *
+ * Determinism: no floating-point atomics anywhere. Column sums (bias, norm and position-embedding
+ * gradients) reduce fixed row chunks, then the chunks in order; the word-embedding gradient sums each
+ * token's positions in order from a host-built index; reductions use fixed trees.
+ */
+#define MEGATRON_IMPLEMENTATION
+#include "megatron.h"
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <errno.h>
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <dirent.h>
+
+/* ============================================================================================== */
+/* 1. Checks and utilities                                                                         */
+/*    Library code never exits: the first failing CUDA/cuBLAS call is recorded in an mt_gpu_error  */
+/*    owned by the trainer, later work is skipped, and the API call returns it.                    */
+/* ============================================================================================== */
+
+typedef struct {
+    mt_status status;
+    mt_error error;
+} mt_gpu_error;
+
+static bool mt_cuda_ok(mt_gpu_error* e, cudaError_t code, const char* what, const char* file, int line) {
+    if (code == cudaSuccess) return true;
+    if (e->status == MT_OK) {
+        e->status = code == cudaErrorMemoryAllocation ? MT_ERR_OOM : MT_ERR_CUDA;
+        snprintf(e->error.message, sizeof(e->error.message), "CUDA error %s (%s) in %s at %s:%d",
+                 cudaGetErrorName(code), cudaGetErrorString(code), what, file, line);
+    }
+    return false;
+}
+
+static bool mt_cublas_ok(mt_gpu_error* e, cublasStatus_t code, const char* what, const char* file, int line) {
+    if (code == CUBLAS_STATUS_SUCCESS) return true;
+    if (e->status == MT_OK) {
+        e->status = MT_ERR_CUDA;
+        snprintf(e->error.message, sizeof(e->error.message), "cuBLAS error %s (%s) in %s at %s:%d",
+                 cublasGetStatusName(code), cublasGetStatusString(code), what, file, line);
+    }
+    return false;
+}
+
+#define CUDA_CHECK(e, call) mt_cuda_ok((e), (call), #call, __FILE__, __LINE__)
+#define CUBLAS_CHECK(e, call) mt_cublas_ok((e), (call), #call, __FILE__, __LINE__)
+#define LAUNCH_CHECK(e) mt_cuda_ok((e), cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
+
+/* Hands a recorded error to the caller's mt_error. */
+static mt_status mt_gpu_error_return(const mt_gpu_error* e, mt_error* err) {
+    if (e->status != MT_OK && err) *err = e->error;
+    return e->status;
+}
+
+static inline int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
+
+/* fp32 <-> storage type conversions; all arithmetic happens in fp32. */
+template <typename T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+template <typename T> static cudaDataType_t cuda_type();
+template <> cudaDataType_t cuda_type<float>() { return CUDA_R_32F; }
+template <> cudaDataType_t cuda_type<__nv_bfloat16>() { return CUDA_R_16BF; }
+template <> cudaDataType_t cuda_type<__half>() { return CUDA_R_16F; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+/* Block-wide sum/max with a fixed tree (deterministic). blockDim.x must be a multiple of 32, <= 1024. */
+__device__ float block_sum(float v) {
+    __shared__ float shared[32];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = lane < warps ? shared[lane] : 0.0f;
+    return warp_sum(v);
+}
+__device__ float block_max(float v) {
+    __shared__ float shared[32];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = lane < warps ? shared[lane] : -INFINITY;
+    return warp_max(v);
+}
+
+/* ============================================================================================== */
+/* 2. Kernels                                                                                      */
+/* ============================================================================================== */
+
+/* ---- 2.1 Initialisation: a counter-based normal generator, so every element's initial value
+ *      depends only on (seed, tensor, global index): the same model at any parallel layout. ---- */
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+__global__ void init_param_kernel(float* out, int64_t n, int mode, float std, uint64_t seed, uint64_t tensor_id) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    if (mode == 0) { out[i] = 0.0f; return; }
+    if (mode == 1) { out[i] = 1.0f; return; }
+    uint64_t r1 = splitmix64(seed ^ splitmix64((tensor_id << 48) ^ (uint64_t)(2 * i)));
+    uint64_t r2 = splitmix64(seed ^ splitmix64((tensor_id << 48) ^ (uint64_t)(2 * i + 1)));
+    double u1 = ((double)(r1 >> 11) + 1.0) * (1.0 / 9007199254740992.0); /* (0, 1] */
+    double u2 = (double)(r2 >> 11) * (1.0 / 9007199254740992.0);         /* [0, 1) */
+    double z = sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+    out[i] = (float)(z * std);
+}
+
+template <typename T>
+__global__ void cast_from_float_kernel(T* dst, const float* src, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = from_float<T>(src[i]);
+}
+template <typename T>
+__global__ void cast_to_float_kernel(float* dst, const T* src, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = to_float<T>(src[i]);
+}
+
+/* ---- 2.2 Embedding: x[b,t,:] = word[token] + position[t]. ---- */
+
+template <typename T>
+__global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T* wte, const T* wpe, int BT, int seq,
+                                         int C) {
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (int64_t)BT * C) return;
+    int bt = (int)(idx / C), c = (int)(idx % C);
+    int t = bt % seq;
+    int64_t tok = tokens[bt];
+    out[idx] = from_float<T>(to_float(wte[tok * C + c]) + to_float(wpe[(int64_t)t * C + c]));
+}
+
+/* Position-embedding gradient: dwpe[t,c] += sum over the batch, in batch order. */
+template <typename T>
+__global__ void position_embedding_backward_kernel(float* dwpe, const T* dout, int B, int seq, int C) {
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (int64_t)seq * C) return;
+    float s = 0.0f;
+    for (int b = 0; b < B; b++) s += to_float(dout[(int64_t)b * seq * C + idx]);
+    dwpe[idx] += s;
+}
+
+/* Word-embedding gradient: one block per distinct token of the micro-batch; it sums that token's
+ * positions in increasing order (index built on the host), so no atomics are needed. */
+template <typename T>
+__global__ void word_embedding_backward_kernel(float* dwte, const T* dout, const int32_t* unique_tokens,
+                                               const int32_t* offsets, const int32_t* positions, int C) {
+    int u = blockIdx.x;
+    int64_t tok = unique_tokens[u];
+    int begin = offsets[u], end = offsets[u + 1];
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float s = 0.0f;
+        for (int p = begin; p < end; p++) s += to_float(dout[(int64_t)positions[p] * C + c]);
+        dwte[tok * C + c] += s;
+    }
+}
+
+/* ---- 2.3 LayerNorm: one warp per row, statistics in fp32, mean and 1/std saved for backward. ---- */
+
+template <typename T>
+__global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_out, const T* x, const T* weight,
+                                         const T* bias, int N, int C, float eps) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const T* xr = x + (int64_t)row * C;
+    float sum = 0.0f;
+    for (int c = lane; c < C; c += 32) sum += to_float(xr[c]);
+    float mean = warp_sum(sum) / C;
+    float var = 0.0f;
+    for (int c = lane; c < C; c += 32) {
+        float d = to_float(xr[c]) - mean;
+        var += d * d;
+    }
+    var = warp_sum(var) / C;
+    float rstd = 1.0f / sqrtf(var + eps);
+    T* o = out + (int64_t)row * C;
+    for (int c = lane; c < C; c += 32)
+        o[c] = from_float<T>((to_float(xr[c]) - mean) * rstd * to_float(weight[c]) + to_float(bias[c]));
+    if (lane == 0) {
+        mean_out[row] = mean;
+        rstd_out[row] = rstd;
+    }
+}
+
+/* Input gradient, added into the residual gradient: dres += rstd * (g - mean(g) - xhat * mean(g*xhat)),
+ * g = dy * weight. */
+template <typename T>
+__global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const T* x, const T* weight,
+                                                const float* mean, const float* rstd, int N, int C) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const T* dyr = dy + (int64_t)row * C;
+    const T* xr = x + (int64_t)row * C;
+    float m = mean[row], rs = rstd[row];
+    float sum_g = 0.0f, sum_gx = 0.0f;
+    for (int c = lane; c < C; c += 32) {
+        float g = to_float(dyr[c]) * to_float(weight[c]);
+        sum_g += g;
+        sum_gx += g * (to_float(xr[c]) - m) * rs;
+    }
+    float mean_g = warp_sum(sum_g) / C, mean_gx = warp_sum(sum_gx) / C;
+    T* dr = dresidual + (int64_t)row * C;
+    for (int c = lane; c < C; c += 32) {
+        float xhat = (to_float(xr[c]) - m) * rs;
+        float g = to_float(dyr[c]) * to_float(weight[c]);
+        dr[c] = from_float<T>(to_float(dr[c]) + rs * (g - mean_g - xhat * mean_gx));
+    }
+}
+
+/* ---- 2.4 Deterministic column sums: bias gradients and norm-weight gradients.
+ *      Pass 1: block (x, chunk) sums rows [chunk*rows_per_chunk, ...) of its columns into partial.
+ *      Pass 2: dst[c] += sum over chunks in order. ---- */
+
+enum { COLSUM_PLAIN = 0, COLSUM_LAYERNORM = 1 };
+
+template <typename T, int MODE>
+__global__ void column_partial_sum_kernel(float* partial_a, float* partial_b, const T* dy, const T* x,
+                                          const float* mean, const float* rstd, int N, int C, int rows_per_chunk) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int chunk = blockIdx.y;
+    if (c >= C) return;
+    int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float a = 0.0f, b = 0.0f;
+    for (int r = r0; r < r1; r++) {
+        float g = to_float(dy[(int64_t)r * C + c]);
+        if (MODE == COLSUM_LAYERNORM) {
+            float xhat = (to_float(x[(int64_t)r * C + c]) - mean[r]) * rstd[r];
+            a += g * xhat; /* d weight */
+            b += g;        /* d bias */
+        } else {
+            a += g;
+        }
+    }
+    partial_a[(int64_t)chunk * C + c] = a;
+    if (MODE == COLSUM_LAYERNORM) partial_b[(int64_t)chunk * C + c] = b;
+}
+
+__global__ void column_final_sum_kernel(float* dst, const float* partial, int chunks, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float s = 0.0f;
+    for (int k = 0; k < chunks; k++) s += partial[(int64_t)k * C + c];
+    dst[c] += s;
+}
+
+/* ---- 2.5 Bias, residual, GELU (tanh approximation) ---- */
+
+template <typename T>
+__global__ void bias_add_kernel(T* y, const T* bias, int64_t N, int C) {
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= N * C) return;
+    y[idx] = from_float<T>(to_float(y[idx]) + to_float(bias[idx % C]));
+}
+
+template <typename T>
+__global__ void residual_add_kernel(T* out, const T* a, const T* b, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
+}
+
+#define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
+template <typename T>
+__global__ void gelu_forward_kernel(T* out, const T* in, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float x = to_float(in[i]);
+    out[i] = from_float<T>(0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x))));
+}
+/* In place: d <- d * gelu'(x). */
+template <typename T>
+__global__ void gelu_backward_kernel(T* d, const T* in, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float x = to_float(in[i]);
+    float th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
+    float dtanh = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x) * (1.0f - th * th);
+    d[i] = from_float<T>(to_float(d[i]) * (0.5f * (1.0f + th) + 0.5f * x * dtanh));
+}
+
+/* ---- 2.6 Attention pieces (the exact, simple path: scores are materialised per layer).
+ *      The fused QKV row of one token is Megatron's grouped layout [groups, (q_per_group + 2), d]:
+ *      q_1 .. q_{q_per_group}, k, v for each query group. Heads of one group share K and V. ---- */
+
+/* qkv [B, T, groups*(qpg+2)*d] -> q, k, v [B, heads, T, d] (k and v repeated for each head of a group). */
+template <typename T>
+__global__ void attention_split_heads_kernel(T* q, T* k, T* v, const T* qkv, int B, int seq, int heads, int groups,
+                                             int d) {
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (int64_t)B * heads * seq * d) return;
+    int e = (int)(idx % d);
+    int t = (int)((idx / d) % seq);
+    int h = (int)((idx / ((int64_t)d * seq)) % heads);
+    int b = (int)(idx / ((int64_t)d * seq * heads));
+    int qpg = heads / groups, g = h / qpg, s = h % qpg;
+    const T* row = qkv + ((int64_t)b * seq + t) * (int64_t)groups * (qpg + 2) * d + (int64_t)g * (qpg + 2) * d;
+    q[idx] = row[s * d + e];
+    k[idx] = row[qpg * d + e];
+    v[idx] = row[(qpg + 1) * d + e];
+}
+
+/* Backward of the split: dqkv from dq, dk, dv; a group's dk/dv sum its heads in order. */
+template <typename T>
+__global__ void attention_merge_head_grads_kernel(T* dqkv, const T* dq, const T* dk, const T* dv, int B, int seq,
+                                                  int heads, int groups, int d) {
+    int qpg = heads / groups;
+    int width = groups * (qpg + 2) * d;
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (int64_t)B * seq * width) return;
+    int col = (int)(idx % width);
+    int64_t bt = idx / width;
+    int b = (int)(bt / seq), t = (int)(bt % seq);
+    int g = col / ((qpg + 2) * d), slot = (col / d) % (qpg + 2), e = col % d;
+    float acc = 0.0f;
+    if (slot < qpg) {
+        int h = g * qpg + slot;
+        acc = to_float(dq[(((int64_t)b * heads + h) * seq + t) * d + e]);
+    } else {
+        const T* src = slot == qpg ? dk : dv;
+        for (int s = 0; s < qpg; s++) {
+            int h = g * qpg + s;
+            acc += to_float(src[(((int64_t)b * heads + h) * seq + t) * d + e]);
+        }
+    }
+    dqkv[idx] = from_float<T>(acc);
+}
+
+/* [B, heads, T, d] <-> [B, T, heads*d] */
+template <typename T>
+__global__ void attention_merge_heads_kernel(T* out, const T* in, int B, int seq, int heads, int d) {
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (int64_t)B * heads * seq * d) return;
+    int e = (int)(idx % d);
+    int h = (int)((idx / d) % heads);
+    int t = (int)((idx / ((int64_t)d * heads)) % seq);
+    int b = (int)(idx / ((int64_t)d * heads * seq));
+    out[idx] = in[(((int64_t)b * heads + h) * seq + t) * d + e];
+}
+template <typename T>
+__global__ void attention_split_grad_kernel(T* out, const T* in, int B, int seq, int heads, int d) {
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; /* over out [B, heads, T, d] */
+    if (idx >= (int64_t)B * heads * seq * d) return;
+    int e = (int)(idx % d);
+    int t = (int)((idx / d) % seq);
+    int h = (int)((idx / ((int64_t)d * seq)) % heads);
+    int b = (int)(idx / ((int64_t)d * seq * heads));
+    out[idx] = in[(((int64_t)b * seq + t) * heads + h) * d + e];
+}
+
+/* Causal softmax in place over rows of scores [B*heads, T, T]: p = softmax(scale * s) over k <= q,
+ * exactly 0 above the diagonal. One warp per row. */
+template <typename T>
+__global__ void causal_softmax_forward_kernel(T* scores, int rows, int seq, float scale) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    int q = row % seq;
+    T* s = scores + (int64_t)row * seq;
+    float mx = -INFINITY;
+    for (int k = lane; k <= q; k += 32) mx = fmaxf(mx, scale * to_float(s[k]));
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int k = lane; k <= q; k += 32) sum += expf(scale * to_float(s[k]) - mx);
+    sum = warp_sum(sum);
+    float inv = 1.0f / sum;
+    for (int k = lane; k < seq; k += 32)
+        s[k] = from_float<T>(k <= q ? expf(scale * to_float(s[k]) - mx) * inv : 0.0f);
+}
+
+/* In place over dP: dS = scale * P * (dP - sum_k dP*P). */
+template <typename T>
+__global__ void causal_softmax_backward_kernel(T* dscores, const T* probs, int rows, int seq, float scale) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    int q = row % seq;
+    T* ds = dscores + (int64_t)row * seq;
+    const T* p = probs + (int64_t)row * seq;
+    float dot = 0.0f;
+    for (int k = lane; k <= q; k += 32) dot += to_float(ds[k]) * to_float(p[k]);
+    dot = warp_sum(dot);
+    for (int k = lane; k < seq; k += 32)
+        ds[k] = from_float<T>(k <= q ? scale * to_float(p[k]) * (to_float(ds[k]) - dot) : 0.0f);
+}
+
+/* ---- 2.7 Cross entropy fused with softmax: one block per token. Loss in fp32 over all padded
+ *      vocabulary columns (as Megatron); when grad_scale != 0 the logits are overwritten in place by
+ *      d loss / d logits = (softmax - onehot) * grad_scale, so probabilities are never stored. ---- */
+
+template <typename T>
+__global__ void cross_entropy_kernel(T* logits, float* losses, const int32_t* targets, int V, float grad_scale) {
+    int64_t row = blockIdx.x;
+    T* x = logits + row * V;
+    float mx = -INFINITY;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, to_float(x[i]));
+    mx = block_max(mx);
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) sum += expf(to_float(x[i]) - mx);
+    sum = block_sum(sum);
+    float lse = mx + logf(sum);
+    int target = targets[row];
+    float target_logit = to_float(x[target]);
+    if (threadIdx.x == 0) losses[row] = lse - target_logit;
+    __syncthreads(); /* every read of x precedes the in-place writes */
+    if (grad_scale != 0.0f) {
+        for (int i = threadIdx.x; i < V; i += blockDim.x) {
+            float p = expf(to_float(x[i]) - lse);
+            x[i] = from_float<T>((p - (i == target ? 1.0f : 0.0f)) * grad_scale);
+        }
+    }
+}
+
+/* ---- 2.8 Gradient norm: fixed grid of partial sums in double, then one block in fixed order. ---- */
+
+#define NORM_BLOCKS 512
+__global__ void sum_squares_partial_kernel(double* partial, const float* x, int64_t n) {
+    __shared__ double shared[256];
+    double s = 0.0;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        double v = x[i];
+        s += v * v;
+    }
+    shared[threadIdx.x] = s;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if ((int)threadIdx.x < stride) shared[threadIdx.x] += shared[threadIdx.x + stride];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[blockIdx.x] = shared[0];
+}
+__global__ void sum_partials_kernel(double* out, const double* partial, int count) {
+    __shared__ double shared[256];
+    double s = 0.0;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) s += partial[i];
+    shared[threadIdx.x] = s;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if ((int)threadIdx.x < stride) shared[threadIdx.x] += shared[threadIdx.x + stride];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *out = shared[0];
+}
+
+/* ---- 2.9 AdamW (apex/TE FusedAdam, adam_w_mode): the fp32 master is updated and the model copy
+ *      (when the model runs in bf16/fp16) rewritten from it. grad_scale folds clipping and the fp16
+ *      loss-scale unscaling. ---- */
+
+template <typename T>
+__global__ void adamw_kernel(float* master, T* model, const float* grad, float* m, float* v, int64_t n, float lr,
+                             float beta1, float beta2, float bias_correction1, float bias_correction2, float eps,
+                             float weight_decay, float grad_scale) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = grad[i] * grad_scale;
+    float mi = beta1 * m[i] + (1.0f - beta1) * g;
+    float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    float p = master[i];
+    float update = (mi / bias_correction1) / (sqrtf(vi / bias_correction2) + eps) + weight_decay * p;
+    p -= lr * update;
+    master[i] = p;
+    if ((void*)model != (void*)master) model[i] = from_float<T>(p);
+}
+
+/* ============================================================================================== */
+/* 3. GEMM: row-major C[M,N] = op(A) op(B) through cuBLAS (column-major underneath), A and B in     */
+/*    the model type, C in the model type or fp32 (weight gradients accumulate straight into the   */
+/*    fp32 gradient buffer with beta = 1), always fp32 accumulation, batched by strides.          */
+/* ============================================================================================== */
+
+typedef struct {
+    cublasHandle_t handle;
+    cudaStream_t stream;
+    mt_gpu_error* error;
+} mt_gemm_context;
+
+/* Row-major: C[M,N] (ldc) = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, where op(A) = A ([M,K], lda)
+ * or A^T (A stored [K,M]); likewise B. Implemented as the column-major C^T = op(B)^T op(A)^T. */
+template <typename T, typename TC>
+static void gemm(mt_gemm_context* g, bool transA, bool transB, int M, int N, int K, const T* A, int lda, const T* B,
+                 int ldb, TC* C, int ldc, float alpha, float beta, int batch = 1, int64_t strideA = 0,
+                 int64_t strideB = 0, int64_t strideC = 0) {
+    if (g->error->status != MT_OK) return;
+    cublasOperation_t opB = transB ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasOperation_t opA = transA ? CUBLAS_OP_T : CUBLAS_OP_N;
+    if (batch == 1) {
+        CUBLAS_CHECK(g->error, cublasGemmEx(g->handle, opB, opA, N, M, K, &alpha, B, cuda_type<T>(), ldb, A,
+                                            cuda_type<T>(), lda, &beta, C, cuda_type<TC>(), ldc, CUBLAS_COMPUTE_32F,
+                                            CUBLAS_GEMM_DEFAULT));
+    } else {
+        CUBLAS_CHECK(g->error,
+                     cublasGemmStridedBatchedEx(g->handle, opB, opA, N, M, K, &alpha, B, cuda_type<T>(), ldb, strideB,
+                                                A, cuda_type<T>(), lda, strideA, &beta, C, cuda_type<TC>(), ldc,
+                                                strideC, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+}
+
+/* ============================================================================================== */
+/* 4. Process groups                                                                               */
+/*    One GPU: tensor, pipeline and data-parallel groups all have size 1, so the collectives of    */
+/*    sections 5 and 8 are identities. The NCCL communicators arrive with data parallelism.        */
+/* ============================================================================================== */
+
+typedef struct {
+    int tp_size, tp_rank;
+    int pp_size, pp_rank;
+    int dp_size, dp_rank;
+} mt_process_groups;
+
+/* ============================================================================================== */
+/* 5. Parallel layers                                                                              */
+/*    linear_forward/backward are the column- and row-parallel linears of Megatron with a tensor-  */
+/*    parallel group of one: y = x W^T + b, W stored [out, in]. Weight and bias gradients are     */
+/*    accumulated in fp32.                                                                        */
+/* ============================================================================================== */
+
+typedef struct {
+    float* partial_a; /* [chunks, max_columns] fp32 scratch for column sums */
+    float* partial_b;
+    int max_chunks;
+} mt_colsum_scratch;
+
+static int colsum_chunks(int N, int max_chunks, int* rows_per_chunk) {
+    int rows = ceil_div(N, max_chunks);
+    if (rows < 1) rows = 1;
+    *rows_per_chunk = rows;
+    return ceil_div(N, rows);
+}
+
+/* dst[c] += sum_r dy[r, c] */
+template <typename T>
+static void column_sum(mt_gemm_context* g, mt_colsum_scratch* s, float* dst, const T* dy, int N, int C) {
+    int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
+    dim3 grid(ceil_div(C, 256), chunks);
+    column_partial_sum_kernel<T, COLSUM_PLAIN><<<grid, 256, 0, g->stream>>>(s->partial_a, NULL, dy, NULL, NULL, NULL, N,
+                                                                           C, rows);
+    column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, g->stream>>>(dst, s->partial_a, chunks, C);
+    LAUNCH_CHECK(g->error);
+}
+
+/* y[N, out] = x[N, in] W[out, in]^T (+ bias) */
+template <typename T>
+static void linear_forward(mt_gemm_context* g, T* y, const T* x, const T* weight, const T* bias, int N, int in,
+                           int out) {
+    gemm<T, T>(g, false, true, N, out, in, x, in, weight, in, y, out, 1.0f, 0.0f);
+    if (bias) {
+        bias_add_kernel<T><<<ceil_div((int64_t)N * out, 256), 256, 0, g->stream>>>(y, bias, N, out);
+        LAUNCH_CHECK(g->error);
+    }
+}
+
+/* dx[N, in] = dy W;  dW[out, in] += dy^T x;  db[out] += column sums of dy. */
+template <typename T>
+static void linear_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dx, float* dweight, float* dbias, const T* dy,
+                            const T* x, const T* weight, int N, int in, int out) {
+    if (dx) gemm<T, T>(g, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
+    gemm<T, float>(g, true, false, out, in, N, dy, out, x, in, dweight, in, 1.0f, 1.0f);
+    if (dbias) column_sum<T>(g, s, dbias, dy, N, out);
+}
+
+template <typename T>
+static void layernorm_forward(mt_gemm_context* g, T* out, float* mean, float* rstd, const T* x, const T* w, const T* b,
+                              int N, int C, float eps) {
+    layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(out, mean, rstd, x, w, b, N, C, eps);
+    LAUNCH_CHECK(g->error);
+}
+
+/* dresidual += d LN(x)/dx . dy ; dweight, dbias += their column sums. */
+template <typename T>
+static void layernorm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dresidual, float* dweight, float* dbias,
+                               const T* dy, const T* x, const T* w, const float* mean, const float* rstd, int N, int C) {
+    layernorm_backward_input_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(dresidual, dy, x, w, mean, rstd, N, C);
+    int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
+    dim3 grid(ceil_div(C, 256), chunks);
+    column_partial_sum_kernel<T, COLSUM_LAYERNORM><<<grid, 256, 0, g->stream>>>(s->partial_a, s->partial_b, dy, x, mean,
+                                                                               rstd, N, C, rows);
+    column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, g->stream>>>(dweight, s->partial_a, chunks, C);
+    column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, g->stream>>>(dbias, s->partial_b, chunks, C);
+    LAUNCH_CHECK(g->error);
+}
+
+/* ============================================================================================== */
+/* 6. The model                                                                                    */
+/*    Parameters: one flat buffer in canonical order (megatron.h mt_param_layout), per-layer       */
+/*    tensors stacked [L, ...]. Activations: one arena for one micro-batch, sized at creation.    */
+/* ============================================================================================== */
+
+typedef struct {
+    /* saved for backward, per layer l (pointers to layer 0; layer l is + l * stride) */
+    void* residual;      /* [L+1, BT, h]: input of layer l; [L] is the input of the final norm */
+    void* ln1;           /* [L, BT, h] */
+    float* ln1_mean;     /* [L, BT] */
+    float* ln1_rstd;     /* [L, BT] */
+    void* qkv;           /* [L, BT, qkv_width] */
+    void* probs;         /* [L, B*heads, T, T] attention probabilities */
+    void* attn_out;      /* [L, BT, heads*d] */
+    void* residual_mid;  /* [L, BT, h]: after the attention residual */
+    void* ln2;           /* [L, BT, h] */
+    float* ln2_mean;     /* [L, BT] */
+    float* ln2_rstd;     /* [L, BT] */
+    void* fc1;           /* [L, BT, f]: before GELU */
+    void* gelu;          /* [L, BT, f] */
+    void* lnf;           /* [BT, h] */
+    float* lnf_mean;     /* [BT] */
+    float* lnf_rstd;     /* [BT] */
+    void* logits;        /* [BT, Vp], overwritten by its gradient */
+    /* scratch, reused by every layer */
+    void* q;             /* [B, heads, T, d] (q, then dq) */
+    void* k;             /* [B, heads, T, d] */
+    void* v;             /* [B, heads, T, d] */
+    void* o;             /* [B, heads, T, d] attention output before merging heads, then d out */
+    void* dk;            /* [B, heads, T, d] */
+    void* dv;            /* [B, heads, T, d] */
+    void* dscores;       /* [B*heads, T, T] */
+    void* branch;        /* [BT, max(h, qkv_width, f)]: a sublayer's output / gradient */
+    void* branch2;       /* [BT, max(h, heads*d, f)] */
+    void* dresidual;     /* [BT, h] gradient of the residual stream */
+    int32_t* inputs;     /* [BT] */
+    int32_t* targets;    /* [BT] */
+    float* losses;       /* [BT] */
+    int32_t* embed_index;/* word-embedding backward index: unique tokens, offsets, positions */
+} mt_activations;
+
+struct mt_trainer {
+    mt_config cfg;
+    mt_gpu_error error;
+    mt_process_groups groups;
+    cudaStream_t stream;
+    cublasHandle_t cublas;
+    void* cublas_workspace;
+    mt_gemm_context gemm;
+    mt_colsum_scratch colsum;
+    mt_param_info params_info[MT_NUM_PARAM_TENSORS];
+    int64_t num_params;
+    size_t elem;              /* bytes per model element */
+    void* params;             /* [num_params] model type (aliases master in fp32) */
+    float* master;            /* [num_params] fp32 */
+    float* grads;             /* [num_params] fp32 */
+    float* adam_m;
+    float* adam_v;
+    double* norm_partial;     /* [NORM_BLOCKS + 1] */
+    mt_activations act;
+    void* arena;              /* activations + scratch, one allocation */
+    size_t arena_bytes;
+    int32_t* host_tokens;     /* pinned staging: [micro, T] inputs, targets and the embedding index */
+    float* host_losses;       /* pinned [BT] */
+    int32_t* host_index;      /* pinned embedding backward index for one micro-batch */
+    /* optimizer state */
+    int64_t scheduler_steps;  /* samples seen by the LR scheduler (Megatron's num_steps) */
+    int64_t adam_step;        /* optimizer steps taken */
+    double loss_scale;        /* fp16 dynamic loss scale (1 otherwise) */
+    int growth_tracker;
+    int hysteresis_tracker;
+};
+
+/* Element offset of layer l in a stacked per-layer tensor of `per_layer` elements. */
+#define LAYER(ptr, T, l, per_layer) ((T*)(ptr) + (int64_t)(l) * (per_layer))
+
+template <typename T>
+static T* param_ptr(mt_trainer* t, int which) {
+    return (T*)t->params + t->params_info[which].offset;
+}
+static float* grad_ptr(mt_trainer* t, int which) { return t->grads + t->params_info[which].offset; }
+
+/* Shapes used everywhere below. */
+typedef struct {
+    int B, S, BT, h, heads, groups, d, qkv_width, attn_width, f, L;
+    int64_t V;
+} mt_shape;
+
+static mt_shape model_shape(const mt_trainer* t) {
+    const mt_config* c = &t->cfg;
+    mt_shape s;
+    s.B = c->micro_batch_size;
+    s.S = c->seq_length;
+    s.BT = s.B * s.S;
+    s.h = c->hidden_size;
+    s.heads = c->num_attention_heads;
+    s.groups = c->num_query_groups;
+    s.d = c->kv_channels;
+    s.qkv_width = (s.heads + 2 * s.groups) * s.d;
+    s.attn_width = s.heads * s.d;
+    s.f = c->ffn_hidden_size;
+    s.L = c->num_layers;
+    s.V = c->padded_vocab_size;
+    return s;
+}
+
+/* Forward of one micro-batch whose inputs/targets are already on the device. Leaves the logits
+ * (or, when grad_scale != 0, their gradient) in act.logits and per-token losses in act.losses. */
+template <typename T>
+static void model_forward(mt_trainer* t, float grad_scale) {
+    mt_shape s = model_shape(t);
+    mt_activations* a = &t->act;
+    mt_gemm_context* g = &t->gemm;
+    cudaStream_t st = t->stream;
+    int64_t BTh = (int64_t)s.BT * s.h;
+    float eps = (float)t->cfg.norm_epsilon;
+    int64_t head_elems = (int64_t)s.B * s.heads * s.S * s.d;
+    int64_t score_elems = (int64_t)s.B * s.heads * s.S * s.S;
+    float scale = 1.0f / sqrtf((float)s.d);
+
+    embedding_forward_kernel<T><<<ceil_div(BTh, 256), 256, 0, st>>>(
+        (T*)a->residual, a->inputs, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS), param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS),
+        s.BT, s.S, s.h);
+    LAUNCH_CHECK(&t->error);
+
+    for (int l = 0; l < s.L; l++) {
+        T* x = LAYER(a->residual, T, l, BTh);
+        T* ln1 = LAYER(a->ln1, T, l, BTh);
+        T* qkv = LAYER(a->qkv, T, l, (int64_t)s.BT * s.qkv_width);
+        T* probs = LAYER(a->probs, T, l, score_elems);
+        T* attn = LAYER(a->attn_out, T, l, (int64_t)s.BT * s.attn_width);
+        T* mid = LAYER(a->residual_mid, T, l, BTh);
+        T* ln2 = LAYER(a->ln2, T, l, BTh);
+        T* fc1 = LAYER(a->fc1, T, l, (int64_t)s.BT * s.f);
+        T* gelu = LAYER(a->gelu, T, l, (int64_t)s.BT * s.f);
+        T* out = LAYER(a->residual, T, l + 1, BTh);
+
+        /* attention block */
+        layernorm_forward<T>(g, ln1, a->ln1_mean + (int64_t)l * s.BT, a->ln1_rstd + (int64_t)l * s.BT, x,
+                             LAYER(param_ptr<T>(t, MT_P_LN1_WEIGHT), T, l, s.h),
+                             LAYER(param_ptr<T>(t, MT_P_LN1_BIAS), T, l, s.h), s.BT, s.h, eps);
+        linear_forward<T>(g, qkv, ln1, LAYER(param_ptr<T>(t, MT_P_QKV_WEIGHT), T, l, (int64_t)s.qkv_width * s.h),
+                          LAYER(param_ptr<T>(t, MT_P_QKV_BIAS), T, l, s.qkv_width), s.BT, s.h, s.qkv_width);
+        attention_split_heads_kernel<T><<<ceil_div(head_elems, 256), 256, 0, st>>>((T*)a->q, (T*)a->k, (T*)a->v, qkv,
+                                                                                   s.B, s.S, s.heads, s.groups, s.d);
+        LAUNCH_CHECK(&t->error);
+        /* scores[q, k] = Q K^T, per (batch, head) */
+        gemm<T, T>(g, false, true, s.S, s.S, s.d, (T*)a->q, s.d, (T*)a->k, s.d, probs, s.S, 1.0f, 0.0f,
+                   s.B * s.heads, (int64_t)s.S * s.d, (int64_t)s.S * s.d, (int64_t)s.S * s.S);
+        causal_softmax_forward_kernel<T><<<ceil_div((int64_t)s.B * s.heads * s.S, 8), 256, 0, st>>>(
+            probs, s.B * s.heads * s.S, s.S, scale);
+        LAUNCH_CHECK(&t->error);
+        /* o = P V */
+        gemm<T, T>(g, false, false, s.S, s.d, s.S, probs, s.S, (T*)a->v, s.d, (T*)a->o, s.d, 1.0f, 0.0f, s.B * s.heads,
+                   (int64_t)s.S * s.S, (int64_t)s.S * s.d, (int64_t)s.S * s.d);
+        attention_merge_heads_kernel<T><<<ceil_div(head_elems, 256), 256, 0, st>>>(attn, (T*)a->o, s.B, s.S, s.heads,
+                                                                                   s.d);
+        LAUNCH_CHECK(&t->error);
+        linear_forward<T>(g, (T*)a->branch, attn,
+                          LAYER(param_ptr<T>(t, MT_P_PROJ_WEIGHT), T, l, (int64_t)s.h * s.attn_width),
+                          LAYER(param_ptr<T>(t, MT_P_PROJ_BIAS), T, l, s.h), s.BT, s.attn_width, s.h);
+        residual_add_kernel<T><<<ceil_div(BTh, 256), 256, 0, st>>>(mid, x, (T*)a->branch, BTh);
+        LAUNCH_CHECK(&t->error);
+
+        /* MLP block */
+        layernorm_forward<T>(g, ln2, a->ln2_mean + (int64_t)l * s.BT, a->ln2_rstd + (int64_t)l * s.BT, mid,
+                             LAYER(param_ptr<T>(t, MT_P_LN2_WEIGHT), T, l, s.h),
+                             LAYER(param_ptr<T>(t, MT_P_LN2_BIAS), T, l, s.h), s.BT, s.h, eps);
+        linear_forward<T>(g, fc1, ln2, LAYER(param_ptr<T>(t, MT_P_FC1_WEIGHT), T, l, (int64_t)s.f * s.h),
+                          LAYER(param_ptr<T>(t, MT_P_FC1_BIAS), T, l, s.f), s.BT, s.h, s.f);
+        gelu_forward_kernel<T><<<ceil_div((int64_t)s.BT * s.f, 256), 256, 0, st>>>(gelu, fc1, (int64_t)s.BT * s.f);
+        LAUNCH_CHECK(&t->error);
+        linear_forward<T>(g, (T*)a->branch, gelu, LAYER(param_ptr<T>(t, MT_P_FC2_WEIGHT), T, l, (int64_t)s.h * s.f),
+                          LAYER(param_ptr<T>(t, MT_P_FC2_BIAS), T, l, s.h), s.BT, s.f, s.h);
+        residual_add_kernel<T><<<ceil_div(BTh, 256), 256, 0, st>>>(out, mid, (T*)a->branch, BTh);
+        LAUNCH_CHECK(&t->error);
+    }
+
+    /* final norm, output layer tied to the word embeddings, cross entropy */
+    layernorm_forward<T>(g, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, LAYER(a->residual, T, s.L, BTh),
+                         param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.BT, s.h, eps);
+    linear_forward<T>(g, (T*)a->logits, (T*)a->lnf, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS), (const T*)NULL, s.BT, s.h,
+                      (int)s.V);
+    cross_entropy_kernel<T><<<s.BT, 512, 0, st>>>((T*)a->logits, a->losses, a->targets, (int)s.V, grad_scale);
+    LAUNCH_CHECK(&t->error);
+}
+
+/* Backward of the micro-batch model_forward just ran with grad_scale != 0: accumulates every
+ * parameter's gradient into t->grads (fp32). `index_count` describes the word-embedding index. */
+template <typename T>
+static void model_backward(mt_trainer* t, int unique_tokens) {
+    mt_shape s = model_shape(t);
+    mt_activations* a = &t->act;
+    mt_gemm_context* g = &t->gemm;
+    mt_colsum_scratch* cs = &t->colsum;
+    cudaStream_t st = t->stream;
+    int64_t BTh = (int64_t)s.BT * s.h;
+    int64_t head_elems = (int64_t)s.B * s.heads * s.S * s.d;
+    int64_t score_elems = (int64_t)s.B * s.heads * s.S * s.S;
+    float scale = 1.0f / sqrtf((float)s.d);
+    T* dres = (T*)a->dresidual;
+
+    /* output layer and final norm: dlnf = dlogits W; dW_word += dlogits^T lnf */
+    CUDA_CHECK(&t->error, cudaMemsetAsync(dres, 0, BTh * sizeof(T), st));
+    linear_backward<T>(g, cs, (T*)a->branch, grad_ptr(t, MT_P_WORD_EMBEDDINGS), (float*)NULL, (T*)a->logits,
+                       (T*)a->lnf, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS), s.BT, s.h, (int)s.V);
+    layernorm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS),
+                          (T*)a->branch, LAYER(a->residual, T, s.L, BTh), param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT),
+                          a->lnf_mean, a->lnf_rstd, s.BT, s.h);
+
+    for (int l = s.L - 1; l >= 0; l--) {
+        T* x = LAYER(a->residual, T, l, BTh);
+        T* ln1 = LAYER(a->ln1, T, l, BTh);
+        T* qkv = LAYER(a->qkv, T, l, (int64_t)s.BT * s.qkv_width);
+        T* probs = LAYER(a->probs, T, l, score_elems);
+        T* attn = LAYER(a->attn_out, T, l, (int64_t)s.BT * s.attn_width);
+        T* mid = LAYER(a->residual_mid, T, l, BTh);
+        T* ln2 = LAYER(a->ln2, T, l, BTh);
+        T* fc1 = LAYER(a->fc1, T, l, (int64_t)s.BT * s.f);
+        T* gelu = LAYER(a->gelu, T, l, (int64_t)s.BT * s.f);
+
+        /* MLP block: dres is d(out); the branch sees the same gradient */
+        linear_backward<T>(g, cs, (T*)a->branch2, LAYER(grad_ptr(t, MT_P_FC2_WEIGHT), float, l, (int64_t)s.h * s.f),
+                           LAYER(grad_ptr(t, MT_P_FC2_BIAS), float, l, s.h), dres, gelu,
+                           LAYER(param_ptr<T>(t, MT_P_FC2_WEIGHT), T, l, (int64_t)s.h * s.f), s.BT, s.f, s.h);
+        gelu_backward_kernel<T><<<ceil_div((int64_t)s.BT * s.f, 256), 256, 0, st>>>((T*)a->branch2, fc1,
+                                                                                    (int64_t)s.BT * s.f);
+        LAUNCH_CHECK(&t->error);
+        linear_backward<T>(g, cs, (T*)a->branch, LAYER(grad_ptr(t, MT_P_FC1_WEIGHT), float, l, (int64_t)s.f * s.h),
+                           LAYER(grad_ptr(t, MT_P_FC1_BIAS), float, l, s.f), (T*)a->branch2, ln2,
+                           LAYER(param_ptr<T>(t, MT_P_FC1_WEIGHT), T, l, (int64_t)s.f * s.h), s.BT, s.h, s.f);
+        layernorm_backward<T>(g, cs, dres, LAYER(grad_ptr(t, MT_P_LN2_WEIGHT), float, l, s.h),
+                              LAYER(grad_ptr(t, MT_P_LN2_BIAS), float, l, s.h), (T*)a->branch, mid,
+                              LAYER(param_ptr<T>(t, MT_P_LN2_WEIGHT), T, l, s.h), a->ln2_mean + (int64_t)l * s.BT,
+                              a->ln2_rstd + (int64_t)l * s.BT, s.BT, s.h);
+
+        /* attention block: dres is now d(mid) */
+        linear_backward<T>(g, cs, (T*)a->branch2,
+                           LAYER(grad_ptr(t, MT_P_PROJ_WEIGHT), float, l, (int64_t)s.h * s.attn_width),
+                           LAYER(grad_ptr(t, MT_P_PROJ_BIAS), float, l, s.h), dres, attn,
+                           LAYER(param_ptr<T>(t, MT_P_PROJ_WEIGHT), T, l, (int64_t)s.h * s.attn_width), s.BT,
+                           s.attn_width, s.h);
+        attention_split_grad_kernel<T><<<ceil_div(head_elems, 256), 256, 0, st>>>((T*)a->o, (T*)a->branch2, s.B, s.S,
+                                                                                  s.heads, s.d);
+        attention_split_heads_kernel<T><<<ceil_div(head_elems, 256), 256, 0, st>>>((T*)a->q, (T*)a->k, (T*)a->v, qkv,
+                                                                                   s.B, s.S, s.heads, s.groups, s.d);
+        LAUNCH_CHECK(&t->error);
+        int batch = s.B * s.heads;
+        int64_t sd = (int64_t)s.S * s.d, ss = (int64_t)s.S * s.S;
+        /* dP = dO V^T;  dV = P^T dO */
+        gemm<T, T>(g, false, true, s.S, s.S, s.d, (T*)a->o, s.d, (T*)a->v, s.d, (T*)a->dscores, s.S, 1.0f, 0.0f, batch,
+                   sd, sd, ss);
+        gemm<T, T>(g, true, false, s.S, s.d, s.S, probs, s.S, (T*)a->o, s.d, (T*)a->dv, s.d, 1.0f, 0.0f, batch, ss,
+                   sd, sd);
+        causal_softmax_backward_kernel<T><<<ceil_div((int64_t)batch * s.S, 8), 256, 0, st>>>(
+            (T*)a->dscores, probs, batch * s.S, s.S, scale);
+        LAUNCH_CHECK(&t->error);
+        /* dK = dS^T Q (before dQ overwrites q);  dQ = dS K */
+        gemm<T, T>(g, true, false, s.S, s.d, s.S, (T*)a->dscores, s.S, (T*)a->q, s.d, (T*)a->dk, s.d, 1.0f, 0.0f,
+                   batch, ss, sd, sd);
+        gemm<T, T>(g, false, false, s.S, s.d, s.S, (T*)a->dscores, s.S, (T*)a->k, s.d, (T*)a->q, s.d, 1.0f, 0.0f,
+                   batch, ss, sd, sd);
+        attention_merge_head_grads_kernel<T><<<ceil_div((int64_t)s.BT * s.qkv_width, 256), 256, 0, st>>>(
+            (T*)a->branch, (T*)a->q, (T*)a->dk, (T*)a->dv, s.B, s.S, s.heads, s.groups, s.d);
+        LAUNCH_CHECK(&t->error);
+        linear_backward<T>(g, cs, (T*)a->branch2,
+                           LAYER(grad_ptr(t, MT_P_QKV_WEIGHT), float, l, (int64_t)s.qkv_width * s.h),
+                           LAYER(grad_ptr(t, MT_P_QKV_BIAS), float, l, s.qkv_width), (T*)a->branch, ln1,
+                           LAYER(param_ptr<T>(t, MT_P_QKV_WEIGHT), T, l, (int64_t)s.qkv_width * s.h), s.BT, s.h,
+                           s.qkv_width);
+        layernorm_backward<T>(g, cs, dres, LAYER(grad_ptr(t, MT_P_LN1_WEIGHT), float, l, s.h),
+                              LAYER(grad_ptr(t, MT_P_LN1_BIAS), float, l, s.h), (T*)a->branch2, x,
+                              LAYER(param_ptr<T>(t, MT_P_LN1_WEIGHT), T, l, s.h), a->ln1_mean + (int64_t)l * s.BT,
+                              a->ln1_rstd + (int64_t)l * s.BT, s.BT, s.h);
+    }
+
+    /* embeddings: dres is d(embedding output) */
+    position_embedding_backward_kernel<T><<<ceil_div((int64_t)s.S * s.h, 256), 256, 0, st>>>(
+        grad_ptr(t, MT_P_POSITION_EMBEDDINGS), dres, s.B, s.S, s.h);
+    const int32_t* idx = a->embed_index;
+    word_embedding_backward_kernel<T><<<unique_tokens, 256, 0, st>>>(grad_ptr(t, MT_P_WORD_EMBEDDINGS), dres, idx,
+                                                                     idx + s.BT + 1, idx + 2 * (s.BT + 1), s.h);
+    LAUNCH_CHECK(&t->error);
+}
+
+/* ============================================================================================== */
+/* 7. Pipeline engine                                                                              */
+/*    One stage: a "schedule" is the micro-batches in order, forward then backward for each.       */
+/*    This section stages one micro-batch's tokens onto the device and runs it.                    */
+/* ============================================================================================== */
+
+/* Builds the word-embedding backward index of one micro-batch on the host: the distinct tokens in
+ * increasing order, offsets into a position list, and each token's positions in increasing order
+ * (counting sort). Layout: [unique (BT+1)] [offsets (BT+1)] [positions (BT)]. Returns #unique. */
+static int build_embedding_index(int32_t* index, const int32_t* inputs, int BT, int64_t V, int32_t* counts) {
+    int32_t* unique = index;
+    int32_t* offsets = index + BT + 1;
+    int32_t* positions = index + 2 * (BT + 1);
+    memset(counts, 0, sizeof(int32_t) * (size_t)V);
+    for (int i = 0; i < BT; i++) counts[inputs[i]]++;
+    int n = 0, running = 0;
+    for (int64_t v = 0; v < V; v++) {
+        if (!counts[v]) continue;
+        unique[n] = (int32_t)v;
+        offsets[n] = running;
+        int c = counts[v];
+        counts[v] = running; /* becomes the write cursor */
+        running += c;
+        n++;
+    }
+    offsets[n] = running;
+    for (int i = 0; i < BT; i++) positions[counts[inputs[i]]++] = i;
+    return n;
+}
+
+/* Copies micro-batch `mb` of tokens [*, B, S+1] to the device as inputs/targets (+ backward index). */
+static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb, int with_index, int* unique_out,
+                                   mt_error* err) {
+    mt_shape s = model_shape(t);
+    const int32_t* src = tokens + (int64_t)mb * s.B * (s.S + 1);
+    int32_t* inputs = t->host_tokens;
+    int32_t* targets = t->host_tokens + s.BT;
+    for (int b = 0; b < s.B; b++) {
+        for (int i = 0; i < s.S; i++) {
+            int32_t x = src[(int64_t)b * (s.S + 1) + i], y = src[(int64_t)b * (s.S + 1) + i + 1];
+            if (x < 0 || x >= s.V || y < 0 || y >= s.V)
+                return mt_fail(err, MT_ERR_RANGE, "token id %d outside the padded vocabulary of %lld",
+                               (x < 0 || x >= s.V) ? x : y, (long long)s.V);
+            inputs[b * s.S + i] = x;
+            targets[b * s.S + i] = y;
+        }
+    }
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream)); /* the staging buffers are about to be reused */
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.inputs, inputs, sizeof(int32_t) * s.BT, cudaMemcpyHostToDevice,
+                                          t->stream));
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.targets, targets, sizeof(int32_t) * s.BT, cudaMemcpyHostToDevice,
+                                          t->stream));
+    if (with_index) {
+        int32_t* counts = t->host_tokens + 2 * s.BT;
+        *unique_out = build_embedding_index(t->host_index, inputs, s.BT, s.V, counts);
+        CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.embed_index, t->host_index, sizeof(int32_t) * (3 * s.BT + 2),
+                                              cudaMemcpyHostToDevice, t->stream));
+    }
+    return mt_gpu_error_return(&t->error, err);
+}
+
+/* Sum of the per-token losses of the micro-batch just run (host, double, in order). */
+static double micro_batch_loss_sum(mt_trainer* t) {
+    int BT = t->cfg.micro_batch_size * t->cfg.seq_length;
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(t->host_losses, t->act.losses, sizeof(float) * BT, cudaMemcpyDeviceToHost,
+                                          t->stream));
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    double sum = 0.0;
+    for (int i = 0; i < BT; i++) sum += t->host_losses[i];
+    return sum;
+}
+
+/* Forward (+ backward when training) of micro-batches [0, count) of tokens; returns the mean loss.
+ * Gradients accumulate: d(mean over all count*BT tokens of loss * loss_scale). */
+static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int count, int train, double loss_scale,
+                                   double* mean_loss, mt_error* err) {
+    mt_shape s = model_shape(t);
+    double total = 0.0;
+    float grad_scale = train ? (float)(loss_scale / ((double)count * s.BT)) : 0.0f;
+    if (train) CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, sizeof(float) * t->num_params, t->stream));
+    for (int mb = 0; mb < count; mb++) {
+        int unique = 0;
+        mt_status st = stage_micro_batch(t, tokens, mb, train, &unique, err);
+        if (st != MT_OK) return st;
+        switch (t->cfg.precision) {
+            case MT_FP32:
+                model_forward<float>(t, grad_scale);
+                if (train) model_backward<float>(t, unique);
+                break;
+            case MT_BF16:
+                model_forward<__nv_bfloat16>(t, grad_scale);
+                if (train) model_backward<__nv_bfloat16>(t, unique);
+                break;
+            case MT_FP16:
+                model_forward<__half>(t, grad_scale);
+                if (train) model_backward<__half>(t, unique);
+                break;
+        }
+        total += micro_batch_loss_sum(t);
+        if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    }
+    *mean_loss = total / ((double)count * s.BT);
+    return MT_OK;
+}
+
+/* ============================================================================================== */
+/* 8. Optimizer: global gradient norm, clipping, Megatron's fp16 DynamicGradScaler, AdamW          */
+/* ============================================================================================== */
+
+/* Squared L2 norm of the fp32 gradient buffer (deterministic). */
+static double gradient_norm_squared(mt_trainer* t) {
+    sum_squares_partial_kernel<<<NORM_BLOCKS, 256, 0, t->stream>>>(t->norm_partial, t->grads, t->num_params);
+    sum_partials_kernel<<<1, 256, 0, t->stream>>>(t->norm_partial + NORM_BLOCKS, t->norm_partial, NORM_BLOCKS);
+    LAUNCH_CHECK(&t->error);
+    double result = 0.0;
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(&result, t->norm_partial + NORM_BLOCKS, sizeof(double),
+                                          cudaMemcpyDeviceToHost, t->stream));
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    return result;
+}
+
+/* Megatron's DynamicGradScaler.update. */
+static void loss_scaler_update(mt_trainer* t, int found_inf) {
+    const mt_config* c = &t->cfg;
+    if (c->precision != MT_FP16 || c->loss_scale > 0) return;
+    if (found_inf) {
+        t->growth_tracker = 0;
+        t->hysteresis_tracker--;
+        if (t->hysteresis_tracker <= 0) {
+            t->loss_scale = t->loss_scale * 0.5;
+            if (t->loss_scale < c->min_loss_scale) t->loss_scale = c->min_loss_scale;
+        }
+    } else {
+        t->growth_tracker++;
+        if (t->growth_tracker == c->loss_scale_window) {
+            t->growth_tracker = 0;
+            t->hysteresis_tracker = c->hysteresis;
+            t->loss_scale *= 2.0;
+        }
+    }
+}
+
+template <typename T>
+static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
+    const mt_config* c = &t->cfg;
+    t->adam_step++;
+    float bc1 = (float)(1.0 - pow(c->adam_beta1, (double)t->adam_step));
+    float bc2 = (float)(1.0 - pow(c->adam_beta2, (double)t->adam_step));
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
+        const mt_param_info* p = &t->params_info[i];
+        float wd = p->weight_decay ? (float)c->weight_decay : 0.0f;
+        adamw_kernel<T><<<ceil_div(p->numel, 256), 256, 0, t->stream>>>(
+            t->master + p->offset, (T*)t->params + p->offset, t->grads + p->offset, t->adam_m + p->offset,
+            t->adam_v + p->offset, p->numel, lr, (float)c->adam_beta1, (float)c->adam_beta2, bc1, bc2,
+            (float)c->adam_eps, wd, grad_scale);
+    }
+    LAUNCH_CHECK(&t->error);
+}
+
+/* ============================================================================================== */
+/* 9. Checkpoints                                                                                  */
+/*    <dir>/iter_0000100/mp_rank_00/model_optim_rng.bin: a header (magic, version, model shape,    */
+/*    progress counters), then fp32 master weights, Adam m and v. Written into a temporary          */
+/*    directory that is renamed into place; latest_checkpointed_iteration.txt is written last.    */
+/* ============================================================================================== */
+
+#define MT_CKPT_MAGIC 0x4b43544d /* "MTCK" */
+#define MT_CKPT_VERSION 1
+enum {
+    CK_MAGIC = 0, CK_VERSION, CK_LAYERS, CK_HIDDEN, CK_HEADS, CK_GROUPS, CK_KV, CK_FFN, CK_VOCAB, CK_POSITIONS,
+    CK_NUM_PARAMS, CK_PRECISION, CK_ITERATION, CK_CONSUMED, CK_SCHED_STEPS, CK_ADAM_STEP, CK_SEED,
+    CK_GROWTH, CK_HYSTERESIS, CK_LOSS_SCALE_BITS, CK_TP, CK_PP, CK_HEADER_WORDS = 64
+};
+
+static mt_status write_all(FILE* f, const void* data, size_t bytes, const char* path, mt_error* err) {
+    if (fwrite(data, 1, bytes, f) != bytes) return mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+    return MT_OK;
+}
+
+static mt_status remove_tree(const char* path) {
+    DIR* d = opendir(path);
+    if (!d) return unlink(path) == 0 || errno == ENOENT ? MT_OK : MT_ERR_IO;
+    struct dirent* e;
+    char child[4096];
+    while ((e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        snprintf(child, sizeof(child), "%s/%s", path, e->d_name);
+        remove_tree(child);
+    }
+    closedir(d);
+    return rmdir(path) == 0 ? MT_OK : MT_ERR_IO;
+}
+
+static mt_status copy_device_to_host(mt_trainer* t, void* dst, const void* src, size_t bytes, mt_error* err) {
+    CUDA_CHECK(&t->error, cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+    return mt_gpu_error_return(&t->error, err);
+}
+
+mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples, mt_error* err) {
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    char final_dir[4096], tmp_dir[4096], rank_dir[4160], path[4224], old_dir[4160];
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        return mt_fail(err, MT_ERR_IO, "cannot create checkpoint directory %s: %s", dir, strerror(errno));
+    snprintf(final_dir, sizeof(final_dir), "%s/iter_%07lld", dir, (long long)iteration);
+    snprintf(tmp_dir, sizeof(tmp_dir), "%s/.tmp_iter_%07lld_%d", dir, (long long)iteration, (int)getpid());
+    snprintf(rank_dir, sizeof(rank_dir), "%s/mp_rank_00", tmp_dir);
+    remove_tree(tmp_dir);
+    if (mkdir(tmp_dir, 0755) != 0 || mkdir(rank_dir, 0755) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", rank_dir, strerror(errno));
+    snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
+
+    const mt_config* c = &t->cfg;
+    int64_t header[CK_HEADER_WORDS];
+    memset(header, 0, sizeof(header));
+    header[CK_MAGIC] = MT_CKPT_MAGIC;
+    header[CK_VERSION] = MT_CKPT_VERSION;
+    header[CK_LAYERS] = c->num_layers;
+    header[CK_HIDDEN] = c->hidden_size;
+    header[CK_HEADS] = c->num_attention_heads;
+    header[CK_GROUPS] = c->num_query_groups;
+    header[CK_KV] = c->kv_channels;
+    header[CK_FFN] = c->ffn_hidden_size;
+    header[CK_VOCAB] = c->padded_vocab_size;
+    header[CK_POSITIONS] = c->max_position_embeddings;
+    header[CK_NUM_PARAMS] = t->num_params;
+    header[CK_PRECISION] = c->precision;
+    header[CK_ITERATION] = iteration;
+    header[CK_CONSUMED] = consumed_samples;
+    header[CK_SCHED_STEPS] = t->scheduler_steps;
+    header[CK_ADAM_STEP] = t->adam_step;
+    header[CK_SEED] = (int64_t)c->seed;
+    header[CK_GROWTH] = t->growth_tracker;
+    header[CK_HYSTERESIS] = t->hysteresis_tracker;
+    memcpy(&header[CK_LOSS_SCALE_BITS], &t->loss_scale, sizeof(double));
+    header[CK_TP] = c->tensor_model_parallel_size;
+    header[CK_PP] = c->pipeline_model_parallel_size;
+
+    size_t bytes = sizeof(float) * (size_t)t->num_params;
+    float* host = (float*)malloc(bytes);
+    if (!host) return mt_fail(err, MT_ERR_OOM, "cannot allocate %zu bytes to save a checkpoint", bytes);
+    FILE* f = fopen(path, "wb");
+    mt_status st = f ? MT_OK : mt_fail(err, MT_ERR_IO, "cannot create %s: %s", path, strerror(errno));
+    if (st == MT_OK) st = write_all(f, header, sizeof(header), path, err);
+    const float* sources[3] = {t->master, t->adam_m, t->adam_v};
+    for (int i = 0; i < 3 && st == MT_OK; i++) {
+        st = copy_device_to_host(t, host, sources[i], bytes, err);
+        if (st == MT_OK) st = write_all(f, host, bytes, path, err);
+    }
+    free(host);
+    if (f && fclose(f) != 0 && st == MT_OK) st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+    if (st != MT_OK) {
+        remove_tree(tmp_dir);
+        return st;
+    }
+    /* move into place (replacing an older copy of the same iteration), then the tracker */
+    snprintf(old_dir, sizeof(old_dir), "%s.old", final_dir);
+    remove_tree(old_dir);
+    if (rename(final_dir, old_dir) != 0 && errno != ENOENT)
+        return mt_fail(err, MT_ERR_IO, "cannot replace %s: %s", final_dir, strerror(errno));
+    if (rename(tmp_dir, final_dir) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", tmp_dir, final_dir, strerror(errno));
+    remove_tree(old_dir);
+    char tracker[4096], tracker_tmp[4160];
+    snprintf(tracker, sizeof(tracker), "%s/latest_checkpointed_iteration.txt", dir);
+    snprintf(tracker_tmp, sizeof(tracker_tmp), "%s.tmp", tracker);
+    FILE* tf = fopen(tracker_tmp, "w");
+    if (!tf || fprintf(tf, "%lld", (long long)iteration) < 0 || fclose(tf) != 0 || rename(tracker_tmp, tracker) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot write %s: %s", tracker, strerror(errno));
+    return MT_OK;
+}
+
+mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
+                          int64_t* consumed_out, mt_error* err) {
+    char path[4096];
+    if (iteration < 0) {
+        snprintf(path, sizeof(path), "%s/latest_checkpointed_iteration.txt", dir);
+        FILE* tf = fopen(path, "r");
+        if (!tf) return mt_fail(err, MT_ERR_IO, "no checkpoint in %s (cannot open %s)", dir, path);
+        long long it = -1;
+        int ok = fscanf(tf, "%lld", &it) == 1;
+        fclose(tf);
+        if (!ok || it < 0) return mt_fail(err, MT_ERR_FORMAT, "%s does not hold an iteration number", path);
+        iteration = it;
+    }
+    snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_00/model_optim_rng.bin", dir, (long long)iteration);
+    FILE* f = fopen(path, "rb");
+    if (!f) return mt_fail(err, MT_ERR_IO, "cannot open checkpoint %s: %s", path, strerror(errno));
+    int64_t h[CK_HEADER_WORDS];
+    if (fread(h, sizeof(h), 1, f) != 1) {
+        fclose(f);
+        return mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
+    }
+    const mt_config* c = &t->cfg;
+    struct { int word; int64_t mine; const char* what; } shape[] = {
+        {CK_LAYERS, c->num_layers, "--num-layers"},
+        {CK_HIDDEN, c->hidden_size, "--hidden-size"},
+        {CK_HEADS, c->num_attention_heads, "--num-attention-heads"},
+        {CK_GROUPS, c->num_query_groups, "--num-query-groups"},
+        {CK_KV, c->kv_channels, "--kv-channels"},
+        {CK_FFN, c->ffn_hidden_size, "--ffn-hidden-size"},
+        {CK_VOCAB, c->padded_vocab_size, "padded vocabulary size"},
+        {CK_POSITIONS, c->max_position_embeddings, "--max-position-embeddings"},
+        {CK_TP, c->tensor_model_parallel_size, "--tensor-model-parallel-size"},
+        {CK_PP, c->pipeline_model_parallel_size, "--pipeline-model-parallel-size"},
+    };
+    if (h[CK_MAGIC] != MT_CKPT_MAGIC || h[CK_VERSION] != MT_CKPT_VERSION) {
+        fclose(f);
+        return mt_fail(err, MT_ERR_FORMAT, "%s is not a megatron.c checkpoint (bad magic or version)", path);
+    }
+    for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++) {
+        if (h[shape[i].word] != shape[i].mine) {
+            fclose(f);
+            return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has %s %lld but this run has %lld", path, shape[i].what,
+                           (long long)h[shape[i].word], (long long)shape[i].mine);
+        }
+    }
+    size_t bytes = sizeof(float) * (size_t)t->num_params;
+    float* host = (float*)malloc(bytes);
+    if (!host) {
+        fclose(f);
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate %zu bytes to load a checkpoint", bytes);
+    }
+    float* targets[3] = {t->master, t->adam_m, t->adam_v};
+    mt_status st = MT_OK;
+    for (int i = 0; i < 3 && st == MT_OK; i++) {
+        if (fread(host, 1, bytes, f) != bytes) {
+            st = mt_fail(err, MT_ERR_FORMAT, "%s is truncated", path);
+            break;
+        }
+        CUDA_CHECK(&t->error, cudaMemcpy(targets[i], host, bytes, cudaMemcpyHostToDevice));
+        st = mt_gpu_error_return(&t->error, err);
+    }
+    free(host);
+    fclose(f);
+    if (st != MT_OK) return st;
+    /* the model-precision copy is rebuilt from the master by the same rounding the optimizer uses */
+    if ((void*)t->params != (void*)t->master) {
+        int64_t n = t->num_params;
+        if (c->precision == MT_BF16)
+            cast_from_float_kernel<__nv_bfloat16><<<ceil_div(n, 256), 256, 0, t->stream>>>((__nv_bfloat16*)t->params,
+                                                                                          t->master, n);
+        else
+            cast_from_float_kernel<__half><<<ceil_div(n, 256), 256, 0, t->stream>>>((__half*)t->params, t->master, n);
+        LAUNCH_CHECK(&t->error);
+        CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    }
+    t->scheduler_steps = h[CK_SCHED_STEPS];
+    t->adam_step = h[CK_ADAM_STEP];
+    t->growth_tracker = (int)h[CK_GROWTH];
+    t->hysteresis_tracker = (int)h[CK_HYSTERESIS];
+    memcpy(&t->loss_scale, &h[CK_LOSS_SCALE_BITS], sizeof(double));
+    if (iteration_out) *iteration_out = h[CK_ITERATION];
+    if (consumed_out) *consumed_out = h[CK_CONSUMED];
+    return mt_gpu_error_return(&t->error, err);
+}
+
+/* ============================================================================================== */
+/* 10. The trainer API                                                                             */
+/* ============================================================================================== */
+
+/* Carves the activation arena. With base == NULL it only measures (returns the size in bytes). */
+static size_t layout_activations(mt_activations* a, const mt_trainer* t, char* base) {
+    mt_shape s = model_shape(t);
+    size_t e = t->elem, off = 0;
+    int64_t BT = s.BT, L = s.L;
+    int64_t heads_elems = (int64_t)s.B * s.heads * s.S * s.d;
+    int64_t score_elems = (int64_t)s.B * s.heads * s.S * s.S;
+    int64_t wide = s.h;
+    if (s.qkv_width > wide) wide = s.qkv_width;
+    if (s.f > wide) wide = s.f;
+    if (s.attn_width > wide) wide = s.attn_width;
+#define CARVE(field, type, bytes)                                  \
+    do {                                                           \
+        a->field = (type)(base ? base + off : NULL);               \
+        off += ((size_t)(bytes) + 255) & ~(size_t)255;             \
+    } while (0)
+    CARVE(residual, void*, (L + 1) * BT * s.h * e);
+    CARVE(ln1, void*, L * BT * s.h * e);
+    CARVE(ln1_mean, float*, L * BT * 4);
+    CARVE(ln1_rstd, float*, L * BT * 4);
+    CARVE(qkv, void*, L * BT * s.qkv_width * e);
+    CARVE(probs, void*, L * score_elems * e);
+    CARVE(attn_out, void*, L * BT * s.attn_width * e);
+    CARVE(residual_mid, void*, L * BT * s.h * e);
+    CARVE(ln2, void*, L * BT * s.h * e);
+    CARVE(ln2_mean, float*, L * BT * 4);
+    CARVE(ln2_rstd, float*, L * BT * 4);
+    CARVE(fc1, void*, L * BT * s.f * e);
+    CARVE(gelu, void*, L * BT * s.f * e);
+    CARVE(lnf, void*, BT * s.h * e);
+    CARVE(lnf_mean, float*, BT * 4);
+    CARVE(lnf_rstd, float*, BT * 4);
+    CARVE(logits, void*, BT * s.V * e);
+    CARVE(q, void*, heads_elems * e);
+    CARVE(k, void*, heads_elems * e);
+    CARVE(v, void*, heads_elems * e);
+    CARVE(o, void*, heads_elems * e);
+    CARVE(dk, void*, heads_elems * e);
+    CARVE(dv, void*, heads_elems * e);
+    CARVE(dscores, void*, score_elems * e);
+    CARVE(branch, void*, BT * wide * e);
+    CARVE(branch2, void*, BT * wide * e);
+    CARVE(dresidual, void*, BT * s.h * e);
+    CARVE(inputs, int32_t*, BT * 4);
+    CARVE(targets, int32_t*, BT * 4);
+    CARVE(losses, float*, BT * 4);
+    CARVE(embed_index, int32_t*, (3 * BT + 2) * 4);
+#undef CARVE
+    return off;
+}
+
+#define COLSUM_MAX_CHUNKS 128
+#define CUBLAS_WORKSPACE_BYTES (32u << 20)
+
+static size_t max_columns(const mt_trainer* t) {
+    mt_shape s = model_shape(t);
+    size_t w = (size_t)s.h;
+    if ((size_t)s.qkv_width > w) w = s.qkv_width;
+    if ((size_t)s.f > w) w = s.f;
+    return w;
+}
+
+mt_memory_plan mt_trainer_memory_plan(const mt_trainer* t) {
+    mt_memory_plan p;
+    memset(&p, 0, sizeof(p));
+    p.num_parameters = t->num_params;
+    p.parameter_bytes = (size_t)t->num_params * t->elem;
+    p.master_bytes = t->cfg.precision == MT_FP32 ? 0 : (size_t)t->num_params * 4;
+    p.gradient_bytes = (size_t)t->num_params * 4;
+    p.optimizer_bytes = (size_t)t->num_params * 8;
+    p.activation_bytes = t->arena_bytes;
+    p.workspace_bytes = CUBLAS_WORKSPACE_BYTES + 2 * COLSUM_MAX_CHUNKS * max_columns(t) * 4 +
+                        (NORM_BLOCKS + 1) * sizeof(double);
+    p.total_bytes = p.parameter_bytes + p.master_bytes + p.gradient_bytes + p.optimizer_bytes + p.activation_bytes +
+                    p.workspace_bytes;
+    return p;
+}
+
+static void* device_alloc(mt_trainer* t, size_t bytes) {
+    void* p = NULL;
+    if (!CUDA_CHECK(&t->error, cudaMalloc(&p, bytes ? bytes : 1))) return NULL;
+    return p;
+}
+
+/* Initialises the fp32 master weights as Megatron does, then the model copy. */
+static void initialise_parameters(mt_trainer* t) {
+    const mt_config* c = &t->cfg;
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
+        const mt_param_info* p = &t->params_info[i];
+        float std = (float)c->init_method_std;
+        if (p->init == 3) std = (float)(c->init_method_std / sqrt(2.0 * c->num_layers));
+        int mode = p->init == 3 ? 2 : p->init;
+        init_param_kernel<<<ceil_div(p->numel, 256), 256, 0, t->stream>>>(t->master + p->offset, p->numel, mode, std,
+                                                                         c->seed, (uint64_t)i);
+    }
+    LAUNCH_CHECK(&t->error);
+}
+
+static void sync_model_from_master(mt_trainer* t) {
+    int64_t n = t->num_params;
+    if (t->cfg.precision == MT_BF16)
+        cast_from_float_kernel<__nv_bfloat16><<<ceil_div(n, 256), 256, 0, t->stream>>>((__nv_bfloat16*)t->params,
+                                                                                      t->master, n);
+    else if (t->cfg.precision == MT_FP16)
+        cast_from_float_kernel<__half><<<ceil_div(n, 256), 256, 0, t->stream>>>((__half*)t->params, t->master, n);
+    LAUNCH_CHECK(&t->error);
+}
+
+mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* err) {
+    *out = NULL;
+    if (cfg->padded_vocab_size <= 0 || cfg->kv_channels <= 0 || cfg->ffn_hidden_size <= 0)
+        return mt_fail(err, MT_ERR_CONFIG, "mt_trainer_create needs a finalized config (mt_config_finalize)");
+    if (cfg->tensor_model_parallel_size != 1 || cfg->pipeline_model_parallel_size != 1 || cfg->data_parallel_size != 1)
+        return mt_fail(err, MT_ERR_CONFIG, "this build trains on one GPU only (tensor/pipeline/data parallel size 1)");
+    mt_trainer* t = (mt_trainer*)calloc(1, sizeof(mt_trainer));
+    if (!t) return mt_fail(err, MT_ERR_OOM, "cannot allocate the trainer");
+    t->cfg = *cfg;
+    t->groups.tp_size = t->groups.pp_size = t->groups.dp_size = 1;
+    t->elem = cfg->precision == MT_FP32 ? 4 : 2;
+    t->num_params = mt_param_layout(cfg, t->params_info);
+    t->loss_scale = 1.0;
+    if (cfg->precision == MT_FP16) t->loss_scale = cfg->loss_scale > 0 ? cfg->loss_scale : cfg->initial_loss_scale;
+    t->hysteresis_tracker = cfg->hysteresis;
+
+    mt_shape s = model_shape(t);
+    CUDA_CHECK(&t->error, cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking));
+    CUBLAS_CHECK(&t->error, cublasCreate(&t->cublas));
+    CUBLAS_CHECK(&t->error, cublasSetStream(t->cublas, t->stream));
+    /* fp32 stays fp32: no TF32 (Megatron's fp32 default), so parity with a float64 reference holds */
+    CUBLAS_CHECK(&t->error, cublasSetMathMode(t->cublas, CUBLAS_DEFAULT_MATH));
+    t->cublas_workspace = device_alloc(t, CUBLAS_WORKSPACE_BYTES);
+    if (t->cublas_workspace)
+        CUBLAS_CHECK(&t->error, cublasSetWorkspace(t->cublas, t->cublas_workspace, CUBLAS_WORKSPACE_BYTES));
+    t->gemm.handle = t->cublas;
+    t->gemm.stream = t->stream;
+    t->gemm.error = &t->error;
+
+    size_t n = (size_t)t->num_params;
+    t->master = (float*)device_alloc(t, n * 4);
+    t->params = cfg->precision == MT_FP32 ? (void*)t->master : device_alloc(t, n * t->elem);
+    t->grads = (float*)device_alloc(t, n * 4);
+    t->adam_m = (float*)device_alloc(t, n * 4);
+    t->adam_v = (float*)device_alloc(t, n * 4);
+    t->norm_partial = (double*)device_alloc(t, (NORM_BLOCKS + 1) * sizeof(double));
+    t->colsum.max_chunks = COLSUM_MAX_CHUNKS;
+    t->colsum.partial_a = (float*)device_alloc(t, COLSUM_MAX_CHUNKS * max_columns(t) * 4);
+    t->colsum.partial_b = (float*)device_alloc(t, COLSUM_MAX_CHUNKS * max_columns(t) * 4);
+    t->arena_bytes = layout_activations(&t->act, t, NULL);
+    t->arena = device_alloc(t, t->arena_bytes);
+    if (t->arena) layout_activations(&t->act, t, (char*)t->arena);
+    /* host staging: inputs, targets, a V-sized counting buffer; the embedding index; losses */
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_tokens, sizeof(int32_t) * (2 * (size_t)s.BT + (size_t)s.V)));
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_index, sizeof(int32_t) * (3 * (size_t)s.BT + 2)));
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_losses, sizeof(float) * (size_t)s.BT));
+    if (t->error.status == MT_OK) {
+        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_m, 0, n * 4, t->stream));
+        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_v, 0, n * 4, t->stream));
+        CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, n * 4, t->stream));
+        initialise_parameters(t);
+        sync_model_from_master(t);
+        CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    }
+    if (t->error.status != MT_OK) {
+        mt_status st = mt_gpu_error_return(&t->error, err);
+        mt_trainer_free(t);
+        return st;
+    }
+    *out = t;
+    return MT_OK;
+}
+
+void mt_trainer_free(mt_trainer* t) {
+    if (!t) return;
+    if (t->stream) cudaStreamSynchronize(t->stream);
+    if (t->params != (void*)t->master) cudaFree(t->params);
+    cudaFree(t->master);
+    cudaFree(t->grads);
+    cudaFree(t->adam_m);
+    cudaFree(t->adam_v);
+    cudaFree(t->norm_partial);
+    cudaFree(t->colsum.partial_a);
+    cudaFree(t->colsum.partial_b);
+    cudaFree(t->arena);
+    cudaFree(t->cublas_workspace);
+    cudaFreeHost(t->host_tokens);
+    cudaFreeHost(t->host_index);
+    cudaFreeHost(t->host_losses);
+    if (t->cublas) cublasDestroy(t->cublas);
+    if (t->stream) cudaStreamDestroy(t->stream);
+    free(t);
+}
+
+mt_status mt_trainer_compute_gradients(mt_trainer* t, const int32_t* tokens, int num_micro_batches, double* loss,
+                                       mt_error* err) {
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    return run_micro_batches(t, tokens, num_micro_batches, 1, 1.0, loss, err);
+}
+
+mt_status mt_trainer_evaluate(mt_trainer* t, const int32_t* tokens, int num_micro_batches, double* loss,
+                              mt_error* err) {
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    return run_micro_batches(t, tokens, num_micro_batches, 0, 1.0, loss, err);
+}
+
+mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_result* out, mt_error* err) {
+    const mt_config* c = &t->cfg;
+    memset(out, 0, sizeof(*out));
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    double loss = 0.0, scale = t->loss_scale;
+    mt_status st = run_micro_batches(t, tokens, mt_num_micro_batches(c), 1, scale, &loss, err);
+    if (st != MT_OK) return st;
+    out->lm_loss = loss;
+    out->loss_scale = scale;
+    out->nan = !isfinite(loss);
+
+    /* unscale, look for overflow (fp16), clip on the global norm */
+    double norm = sqrt(gradient_norm_squared(t)) / scale;
+    int found_inf = !isfinite(norm);
+    double lr = mt_learning_rate(c, t->scheduler_steps);
+    out->learning_rate = lr;
+    if (c->precision == MT_FP16 && found_inf) {
+        loss_scaler_update(t, 1);
+        out->skipped = 1;
+        out->next_learning_rate = lr; /* a skipped step does not advance the scheduler */
+        return mt_gpu_error_return(&t->error, err);
+    }
+    loss_scaler_update(t, 0);
+    out->grad_norm = norm;
+    double clip = 1.0;
+    if (c->clip_grad > 0) {
+        double coeff = c->clip_grad / (norm + 1e-6);
+        if (coeff < 1.0) clip = coeff;
+    }
+    float grad_scale = (float)(clip / scale);
+    switch (c->precision) {
+        case MT_FP32: adamw_step<float>(t, (float)lr, grad_scale); break;
+        case MT_BF16: adamw_step<__nv_bfloat16>(t, (float)lr, grad_scale); break;
+        case MT_FP16: adamw_step<__half>(t, (float)lr, grad_scale); break;
+    }
+    t->scheduler_steps += c->global_batch_size;
+    out->next_learning_rate = mt_learning_rate(c, t->scheduler_steps);
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    return mt_gpu_error_return(&t->error, err);
+}
+
+mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits, mt_error* err) {
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    mt_shape s = model_shape(t);
+    /* tokens come as [B, S]; make [B, S+1] rows with a dummy label so the usual staging applies */
+    int32_t* rows = (int32_t*)malloc(sizeof(int32_t) * (size_t)s.B * (s.S + 1));
+    if (!rows) return mt_fail(err, MT_ERR_OOM, "cannot allocate token staging");
+    for (int b = 0; b < s.B; b++) {
+        memcpy(rows + (int64_t)b * (s.S + 1), tokens + (int64_t)b * s.S, sizeof(int32_t) * s.S);
+        rows[(int64_t)b * (s.S + 1) + s.S] = 0;
+    }
+    double loss;
+    mt_status st = run_micro_batches(t, rows, 1, 0, 1.0, &loss, err);
+    free(rows);
+    if (st != MT_OK) return st;
+    int64_t n = (int64_t)s.BT * s.V;
+    if (t->cfg.precision == MT_FP32) {
+        CUDA_CHECK(&t->error, cudaMemcpy(logits, t->act.logits, n * 4, cudaMemcpyDeviceToHost));
+    } else {
+        /* convert to fp32 in chunks through the attention-gradient scratch */
+        int64_t chunk = (int64_t)s.B * s.heads * s.S * s.S * t->elem / 4; /* floats that fit in dscores */
+        if (chunk < 1) chunk = 1;
+        for (int64_t off = 0; off < n && t->error.status == MT_OK; off += chunk) {
+            int64_t m = n - off < chunk ? n - off : chunk;
+            float* stage = (float*)t->act.dscores;
+            if (t->cfg.precision == MT_BF16)
+                cast_to_float_kernel<__nv_bfloat16><<<ceil_div(m, 256), 256, 0, t->stream>>>(
+                    stage, (const __nv_bfloat16*)t->act.logits + off, m);
+            else
+                cast_to_float_kernel<__half><<<ceil_div(m, 256), 256, 0, t->stream>>>(
+                    stage, (const __half*)t->act.logits + off, m);
+            LAUNCH_CHECK(&t->error);
+            CUDA_CHECK(&t->error, cudaMemcpyAsync(logits + off, stage, m * 4, cudaMemcpyDeviceToHost, t->stream));
+            CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+        }
+    }
+    return mt_gpu_error_return(&t->error, err);
+}
+
+mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error* err) {
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    CUDA_CHECK(&t->error, cudaMemcpy(t->master, params, sizeof(float) * t->num_params, cudaMemcpyHostToDevice));
+    sync_model_from_master(t);
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    return mt_gpu_error_return(&t->error, err);
+}
+
+mt_status mt_trainer_get_parameters(mt_trainer* t, float* params, mt_error* err) {
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    CUDA_CHECK(&t->error, cudaMemcpy(params, t->master, sizeof(float) * t->num_params, cudaMemcpyDeviceToHost));
+    return mt_gpu_error_return(&t->error, err);
+}
+
+mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err) {
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    CUDA_CHECK(&t->error, cudaMemcpy(grads, t->grads, sizeof(float) * t->num_params, cudaMemcpyDeviceToHost));
+    return mt_gpu_error_return(&t->error, err);
+}
