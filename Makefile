@@ -5,8 +5,8 @@
 
 NVCC    ?= nvcc
 CC      ?= cc
-CFLAGS  ?= -O3 -Wall -Wextra -Wno-unused-parameter -std=c11 -D_GNU_SOURCE
-NVFLAGS ?= -O3 -std=c++17 -Xcompiler -Wall,-Wno-unused-parameter,-Wno-unused-function
+CFLAGS  ?= -I. -O3 -Wall -Wextra -Wno-unused-parameter -std=c11 -D_GNU_SOURCE
+NVFLAGS ?= -I. -O3 -std=c++17 -Xcompiler -Wall,-Wno-unused-parameter,-Wno-unused-function
 
 # CUDA target: the compute capability of the first visible GPU, else Hopper (sm_90), e.g. in CI.
 GPU_ARCH ?= $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d '.[:space:]')

@@ -1578,3 +1578,61 @@ mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err) {
     CUDA_CHECK(&t->error, cudaMemcpy(grads, t->grads, sizeof(float) * t->num_params, cudaMemcpyDeviceToHost));
     return mt_gpu_error_return(&t->error, err);
 }
+
+mt_status mt_trainer_next_token_logits(mt_trainer* t, const int32_t* context, int length, float* logits,
+                                       mt_error* err) {
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    mt_shape s = model_shape(t);
+    if (length < 1 || length > s.S) return mt_fail(err, MT_ERR_ARG, "context length %d not in [1, %d]", length, s.S);
+    /* row 0 holds the context; causal attention makes the rest irrelevant to position length-1 */
+    size_t count = (size_t)s.B * (s.S + 1);
+    int32_t* rows = (int32_t*)calloc(count, sizeof(int32_t));
+    if (!rows) return mt_fail(err, MT_ERR_OOM, "cannot allocate token staging");
+    memcpy(rows, context, sizeof(int32_t) * length);
+    double loss;
+    mt_status st = run_micro_batches(t, rows, 1, 0, 1.0, &loss, err);
+    free(rows);
+    if (st != MT_OK) return st;
+    float* stage = (float*)t->act.dscores; /* at least S*S*elem*B*heads bytes >= V floats? checked below */
+    size_t stage_bytes = (size_t)s.B * s.heads * s.S * s.S * t->elem;
+    if (stage_bytes < (size_t)s.V * 4) stage = (float*)t->act.branch;
+    const char* row = (const char*)t->act.logits + (size_t)(length - 1) * s.V * t->elem;
+    if (t->cfg.precision == MT_FP32)
+        CUDA_CHECK(&t->error, cudaMemcpyAsync(stage, row, (size_t)s.V * 4, cudaMemcpyDeviceToDevice, t->stream));
+    else if (t->cfg.precision == MT_BF16)
+        cast_to_float_kernel<__nv_bfloat16><<<ceil_div(s.V, 256), 256, 0, t->stream>>>(stage, (const __nv_bfloat16*)row, s.V);
+    else
+        cast_to_float_kernel<__half><<<ceil_div(s.V, 256), 256, 0, t->stream>>>(stage, (const __half*)row, s.V);
+    LAUNCH_CHECK(&t->error);
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(logits, stage, (size_t)s.V * 4, cudaMemcpyDeviceToHost, t->stream));
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    return mt_gpu_error_return(&t->error, err);
+}
+
+/* Dense tensor-core peaks from NVIDIA's datasheets (SXM parts), for Megatron-style MFU. */
+double mt_device_peak_tflops(mt_precision precision) {
+    cudaDeviceProp prop;
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+        cudaGetLastError();
+        return 0.0;
+    }
+    struct { const char* name; double half, single; } table[] = {
+        {"H200", 989.0, 67.0}, {"H100", 989.0, 67.0}, {"H800", 989.0, 67.0}, {"GH200", 989.0, 67.0},
+        {"A100", 312.0, 19.5}, {"A800", 312.0, 19.5}, {"L40S", 362.0, 91.6}, {"B200", 2250.0, 80.0},
+    };
+    for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++)
+        if (strstr(prop.name, table[i].name)) return precision == MT_FP32 ? table[i].single : table[i].half;
+    return 0.0;
+}
+
+mt_status mt_device_info(char* name, size_t name_size, size_t* free_bytes, size_t* total_bytes, mt_error* err) {
+    cudaDeviceProp prop;
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = cudaGetDeviceProperties(&prop, device);
+    if (e == cudaSuccess) e = cudaMemGetInfo(free_bytes, total_bytes);
+    if (e != cudaSuccess) return mt_fail(err, MT_ERR_CUDA, "no usable CUDA device: %s", cudaGetErrorString(e));
+    snprintf(name, name_size, "%s", prop.name);
+    return MT_OK;
+}

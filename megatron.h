@@ -67,6 +67,228 @@ mt_status mt_fail(mt_error* err, mt_status status, const char* fmt, ...)
 /* SECTION 2-5 DECLARATIONS: see below */
 
 /* ---------------------------------------------------------------------------------------------- */
+/* 2. Indexed datasets (.bin/.idx, Megatron MMIDIDX v1): reader and writer                         */
+/*    A dataset is <prefix>.idx + <prefix>.bin (megatron/core/datasets/indexed_dataset.py). The    */
+/*    .idx is a 34-byte header (magic "MMIDIDX\0\0", u64 version 1, u8 dtype code, u64 N          */
+/*    sequences, u64 D document-index entries), then int32 lengths[N], int64 byte pointers[N] and  */
+/*    int64 document_indices[D] (0 ... N; document k is sequences [doc[k], doc[k+1])), little      */
+/*    endian, unaligned, optionally followed by int8 modes[N] (multimodal). The .bin is the tokens */
+/*    of every sequence back to back, headerless.                                                  */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* Megatron's DType codes. preprocess writes 8 (uint16) for vocabularies < 65500, else 4 (int32). */
+enum {
+    MT_DTYPE_UINT8 = 1,
+    MT_DTYPE_INT8 = 2,
+    MT_DTYPE_INT16 = 3,
+    MT_DTYPE_INT32 = 4,
+    MT_DTYPE_INT64 = 5,
+    MT_DTYPE_FLOAT64 = 6,
+    MT_DTYPE_FLOAT32 = 7,
+    MT_DTYPE_UINT16 = 8
+};
+size_t mt_indexed_dtype_size(int dtype_code);      /* bytes per token, 0 for an unknown code */
+const char* mt_indexed_dtype_name(int dtype_code); /* "uint16", "int32", ... or "unknown" */
+int mt_indexed_dtype_for_vocab(int64_t vocab_size); /* DType.optimal_dtype: 8 (uint16) if < 65500 else 4 */
+
+/* Reader. Both files are mmapped and fully validated at open (header, sizes, document indices,
+ * pointers = prefix sum of length*itemsize, .bin size); afterwards reads cannot go out of bounds.
+ * A dataset is read-only and may be shared by threads. */
+typedef struct mt_indexed_dataset mt_indexed_dataset;
+mt_status mt_indexed_dataset_open(mt_indexed_dataset** out, const char* prefix, mt_error* err);
+void mt_indexed_dataset_close(mt_indexed_dataset* ds);
+const char* mt_indexed_dataset_prefix(const mt_indexed_dataset* ds);
+int mt_indexed_dataset_dtype(const mt_indexed_dataset* ds);
+int64_t mt_indexed_dataset_num_sequences(const mt_indexed_dataset* ds);
+int64_t mt_indexed_dataset_num_documents(const mt_indexed_dataset* ds); /* D - 1 */
+int64_t mt_indexed_dataset_num_tokens(const mt_indexed_dataset* ds);
+/* Tokens of sequence i; -1 if i is out of range. */
+int64_t mt_indexed_dataset_sequence_length(const mt_indexed_dataset* ds, int64_t i);
+/* First sequence of document k, for k in [0, num_documents] (k = num_documents gives N); -1 if out
+ * of range. A document with no sequences has document_start(k) == document_start(k+1). */
+int64_t mt_indexed_dataset_document_start(const mt_indexed_dataset* ds, int64_t k);
+/* count tokens of sequence seq starting at token offset, converted to int32 (integer dtypes only;
+ * an int64 or uint token that does not fit int32 is MT_ERR_RANGE). */
+mt_status mt_indexed_dataset_read(const mt_indexed_dataset* ds, int64_t seq, int64_t offset, int64_t count,
+                                  int32_t* out, mt_error* err);
+
+/* Writer: Megatron's IndexedDatasetBuilder. Writes <prefix>.bin.tmp.<pid> and <prefix>.idx.tmp.<pid>
+ * and renames them into place in finalize, so a failed or aborted run leaves nothing behind.
+ * Integer dtypes only; every token is range-checked against the dtype before anything is written,
+ * so a rejected add_document leaves the writer unchanged. */
+typedef struct mt_indexed_writer mt_indexed_writer;
+mt_status mt_indexed_writer_open(mt_indexed_writer** out, const char* prefix, int dtype_code, mt_error* err);
+/* One document of num_sequences sequences (tokens holds sum(sequence_lengths) tokens back to back).
+ * num_sequences == 0 writes an empty document (a repeated entry in the document index), exactly as
+ * Megatron's add_document does for a document that tokenizes to nothing. */
+mt_status mt_indexed_writer_add_document(mt_indexed_writer* w, const int32_t* tokens,
+                                         const int64_t* sequence_lengths, int64_t num_sequences,
+                                         mt_error* err);
+/* Appends a whole dataset (Megatron's add_index, used for merging): its lengths, its document
+ * indices shifted by the current sequence count, and a byte copy of its .bin. The dtypes must match. */
+mt_status mt_indexed_writer_add_index(mt_indexed_writer* w, const char* other_prefix, mt_error* err);
+int64_t mt_indexed_writer_num_sequences(const mt_indexed_writer* w);
+int64_t mt_indexed_writer_num_documents(const mt_indexed_writer* w);
+/* Writes the .idx, renames both files into place and frees w, in every case (on failure the
+ * temporary files are removed). */
+mt_status mt_indexed_writer_finalize(mt_indexed_writer* w, mt_error* err);
+void mt_indexed_writer_abort(mt_indexed_writer* w); /* removes the temporary files, frees */
+
+/* ---------------------------------------------------------------------------------------------- */
+/* 3. GPT datasets: --split, document/sample/shuffle index, blending (bit-exact with Megatron)     */
+/*    megatron/core/datasets/{gpt_dataset.py, helpers.cpp, blended_dataset.py,                     */
+/*    blended_megatron_dataset_builder.py, blended_megatron_dataset_config.py}. Every array below  */
+/*    equals, element for element and in Megatron's dtype, what Megatron caches as                 */
+/*    *-GPTDataset-{train,valid,test}-{document,sample,shuffle}_index.npy and                      */
+/*    *-BlendedDataset-*-dataset_{index,sample_index}.npy for the same data, flags and seed.       */
+/* ---------------------------------------------------------------------------------------------- */
+
+enum { MT_SPLIT_TRAIN = 0, MT_SPLIT_VALID = 1, MT_SPLIT_TEST = 2 };
+const char* mt_split_name(int split); /* "train", "valid", "test" */
+
+/* --split "969,30,1": the numbers matched by the regex [.0-9]+, padded with zeros to three,
+ * normalised by their sum; split i covers [begin[i], end[i]) of [0, 1], or is empty (Megatron's
+ * None) when end <= begin. */
+typedef struct {
+    int present[3];
+    double begin[3], end[3];
+} mt_split_matrix;
+mt_status mt_split_parse(const char* split, mt_split_matrix* out, mt_error* err);
+/* Sequence range of split i in a dataset of n sequences: [int(round(begin*n)), int(round(end*n))),
+ * Python's round, i.e. half to even (nearbyint under the default rounding mode). Empty: 0, 0. */
+void mt_split_range(const mt_split_matrix* m, int split, int64_t n, int64_t* begin, int64_t* end);
+
+/* Megatron's requested samples per split (training.py, get_train_valid_test_num_samples):
+ * train train_iters*gbs, valid (train_iters // eval_interval + 1) * eval_iters * gbs, test
+ * eval_iters*gbs. (With --train-samples, put that in out[0] instead.) eval_interval <= 0 counts as
+ * no evaluation during training (valid = eval_iters*gbs). */
+void mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t eval_iters, int64_t global_batch_size,
+                        int64_t out[3]);
+
+/* numpy.random.RandomState's generator: legacy MT19937 seeded with init_genrand(seed), and the
+ * Fisher-Yates shuffle of RandomState.shuffle (for i = n-1 .. 1: j = random_interval(i), swap),
+ * where random_interval(max) draws (32-bit, or 64-bit hi-word-first when max > 0xffffffff) words
+ * masked by the smallest all-ones mask >= max until one is <= max. */
+typedef struct {
+    uint32_t key[624];
+    int pos;
+} mt_mt19937;
+void mt_mt19937_seed(mt_mt19937* rng, uint32_t seed);
+uint32_t mt_mt19937_next32(mt_mt19937* rng);
+uint64_t mt_mt19937_next64(mt_mt19937* rng);
+uint64_t mt_mt19937_interval(mt_mt19937* rng, uint64_t max);
+/* Shuffles n elements of itemsize bytes (1, 2, 4 or 8) in place, exactly as RandomState.shuffle. */
+void mt_shuffle(mt_mt19937* rng, void* data, int64_t n, size_t itemsize);
+
+/* numpy's float64 sum (pairwise summation) and utils.normalize (w / sum(w)). */
+double mt_numpy_sum(const double* x, int64_t n);
+void mt_normalize_weights(const double* w, int n, double* out);
+
+/* One split of one indexed dataset: Megatron's GPTDataset (the "mid-level" dataset).
+ * Sequences [begin, end) of ds form one epoch of tokens_per_epoch tokens; with S = seq_length:
+ *   num_epochs     the smallest E >= 1 with E*T >= num_samples*S + 1 (1 when num_samples < 0,
+ *                  Megatron's None);
+ *   separate final epoch  if E > 1 and (num_samples - ((E-1)*T - 1)//S) < int(0.80 * ((T-1)//S));
+ *   document_index the split's sequence ids tiled E times and shuffled (E-1 epochs and the last
+ *                  epoch shuffled separately when the final epoch is separate), int32;
+ *   sample_index   [n+1][2] rows (position in document_index, token offset), n = (E*T - 1)//S,
+ *                  helpers.cpp build_sample_idx; int32, or int64 when the document index is
+ *                  longer than INT32_MAX;
+ *   shuffle_index  a permutation of [0, n) (of [0, sans) and [sans, n) separately when the final
+ *                  epoch is separate); uint32, or int64 when n >= 2^32 - 2.
+ * One RandomState(seed) per dataset: document-index shuffle(s), then shuffle-index shuffle(s).
+ * Sample k is tokens [k*S, k*S + S] of the shuffled token stream: S + 1 tokens. Building takes
+ * O(E*sequences + n) memory and time; the dataset keeps a pointer to ds, which must outlive it. */
+typedef struct mt_gpt_dataset mt_gpt_dataset;
+typedef struct {
+    int64_t begin, end;            /* the split's sequences */
+    int64_t tokens_per_epoch;      /* T */
+    int64_t num_samples_requested; /* -1: None */
+    int64_t num_epochs;            /* E */
+    int separate_final_epoch;
+    int64_t num_samples_sans_final_epoch; /* first shuffle range: sans if separate, else n */
+    int64_t num_samples;                  /* n = len(dataset) */
+    int64_t document_index_length;
+    const int32_t* document_index;
+    int sample_index_itemsize; /* 4: int32, 8: int64 */
+    const void* sample_index;  /* (n + 1) * 2 elements */
+    int shuffle_index_itemsize; /* 4: uint32, 8: int64 */
+    const void* shuffle_index;  /* n elements */
+} mt_gpt_dataset_info;
+mt_status mt_gpt_dataset_build(mt_gpt_dataset** out, const mt_indexed_dataset* ds, int64_t begin, int64_t end,
+                               int seq_length, uint32_t seed, int64_t num_samples, mt_error* err);
+void mt_gpt_dataset_free(mt_gpt_dataset* g);
+void mt_gpt_dataset_get_info(const mt_gpt_dataset* g, mt_gpt_dataset_info* info);
+int64_t mt_gpt_dataset_num_samples(const mt_gpt_dataset* g);
+int64_t mt_gpt_dataset_shuffle_index(const mt_gpt_dataset* g, int64_t i);
+void mt_gpt_dataset_sample_index(const mt_gpt_dataset* g, int64_t row, int64_t* doc_position, int64_t* offset);
+/* Sample idx (after the shuffle): seq_length + 1 tokens across document boundaries. */
+mt_status mt_gpt_dataset_get(const mt_gpt_dataset* g, int64_t idx, int32_t* tokens, mt_error* err);
+/* Writes <dir>/<name_prefix>{document_index,sample_index,shuffle_index}.npy (name_prefix may be
+ * NULL), in Megatron's dtypes and numpy.save's exact bytes. */
+mt_status mt_gpt_dataset_save_indices(const mt_gpt_dataset* g, const char* dir, const char* name_prefix,
+                                      mt_error* err);
+
+/* helpers.cpp build_blending_indices: for each sample s, the dataset d with the largest
+ * weights[d]*max(s,1) - count[d] (lowest d on ties) supplies its next sample. No RNG. */
+void mt_build_blending_indices(const double* weights, int num_datasets, int64_t size, int16_t* dataset_index,
+                               int64_t* dataset_sample_index);
+/* helpers.cpp build_exhaustive_blending_indices: exactly sizes[d] samples from each dataset
+ * (size = sum(sizes)), used for an unweighted blend whose split size is None. */
+void mt_build_exhaustive_blending_indices(const int64_t* sizes, int num_datasets, int16_t* dataset_index,
+                                          int64_t* dataset_sample_index);
+
+#define MT_MID_LEVEL_DATASET_SURPLUS 0.005 /* --mid-level-dataset-surplus default */
+
+/* The train/valid/test datasets of a --data-path, as BlendedMegatronDatasetBuilder builds them:
+ *   - one prefix and no weights: each split is that prefix's GPTDataset asked for num_samples[i];
+ *   - weights (w1 p1 w2 p2 ..., also a single "1.0 p"): w = normalize(weights); dataset k's split i
+ *     is asked for ceil(ceil(num_samples[i]*w[k]) * 1.005) samples; the blend has
+ *     sum_k ceil(num_samples[i]*w[k]) samples, blended with normalize(w);
+ *   - several prefixes and no weights: each dataset's split is one epoch (num_samples None); the
+ *     blend has min(num_samples[i], sum of their lengths) samples weighted by those lengths
+ *     (exhaustive blending when num_samples[i] < 0).
+ * Each dataset and split has its own RandomState(seed). num_samples[i] < 0 means None. A split the
+ * --split string leaves empty has 0 samples. A blend that asks a dataset for more samples than it
+ * built is an error, as in Megatron. */
+typedef struct mt_gpt_data mt_gpt_data;
+mt_status mt_gpt_data_open(mt_gpt_data** out, int num_prefixes, const char* const* prefixes, const double* weights,
+                           const char* split, int seq_length, uint32_t seed, const int64_t num_samples[3],
+                           mt_error* err);
+int64_t mt_gpt_data_num_samples(const mt_gpt_data* d, int split); /* 0 for an empty split */
+mt_status mt_gpt_data_get(const mt_gpt_data* d, int split, int64_t index, int32_t* tokens /* [seq_length+1] */,
+                          mt_error* err);
+void mt_gpt_data_close(mt_gpt_data* d);
+int mt_gpt_data_num_datasets(const mt_gpt_data* d);
+const mt_indexed_dataset* mt_gpt_data_indexed(const mt_gpt_data* d, int k);
+int mt_gpt_data_is_blended(const mt_gpt_data* d);
+const mt_split_matrix* mt_gpt_data_split_matrix(const mt_gpt_data* d);
+/* Dataset k's GPTDataset for a split; NULL when the split is empty. */
+const mt_gpt_dataset* mt_gpt_data_dataset(const mt_gpt_data* d, int split, int k);
+/* A blended split's dataset_index (int16) and dataset_sample_index (int64), each
+ * mt_gpt_data_num_samples long; NULL when not blended. */
+const int16_t* mt_gpt_data_blend_dataset_index(const mt_gpt_data* d, int split);
+const int64_t* mt_gpt_data_blend_sample_index(const mt_gpt_data* d, int split);
+
+/* Megatron's MegatronPretrainingSampler (data_samplers.py) is sequential: it walks the global
+ * sample indices from consumed_samples on in chunks of micro_batch_size * dp_size consecutive
+ * indices, and data-parallel rank r takes [r*mbs, (r+1)*mbs) of each chunk; an incomplete last
+ * chunk is dropped. consumed_samples grows by mbs*dp per micro-batch (by global_batch_size per
+ * iteration), so micro-batch j of iteration it starts at it*gbs + j*mbs*dp. This returns the global
+ * index of sample k (0 <= k < mbs) of rank dp_rank's next micro-batch. */
+int64_t mt_sampler_index(int64_t consumed_samples, int64_t micro_batch_size, int dp_rank, int64_t k);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* 4. .npy writer (Megatron's index cache format)                                                   */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* Writes a C-order array in NumPy format 1.0 with numpy.save's exact header; dtype is a NumPy
+ * descr: "<i2", "<i4", "<i8", "<u2", "<u4", "<u8", "|i1", "|u1", "<f4", "<f8". Written to a
+ * temporary name and renamed. */
+mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int64_t* shape, const void* data,
+                       mt_error* err);
+
+/* ---------------------------------------------------------------------------------------------- */
 /* 5. Training configuration, learning-rate schedule, FLOP formula                                 */
 /*    Field names follow Megatron's flags (--hidden-size -> hidden_size). mt_config_defaults()     */
 /*    gives Megatron's defaults; mt_config_finalize() derives what Megatron derives (padded vocab, */
@@ -228,6 +450,14 @@ mt_status mt_trainer_evaluate(mt_trainer* t, const int32_t* tokens, int num_micr
 /* Logits of one micro-batch: tokens [micro_batch_size, seq_length], logits [micro, seq, padded vocab] (fp32). */
 mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits, mt_error* err);
 
+/* Logits (fp32, padded vocabulary) that follow context[0 .. length-1], for generation; length <= seq_length. */
+mt_status mt_trainer_next_token_logits(mt_trainer* t, const int32_t* context, int length, float* logits,
+                                       mt_error* err);
+/* Dense bf16/fp16 (or fp32) tensor-core peak of the current device in TFLOP/s, for MFU; 0 if unknown. */
+double mt_device_peak_tflops(mt_precision precision);
+/* The current device's name and its free/total memory as the driver reports them. */
+mt_status mt_device_info(char* name, size_t name_size, size_t* free_bytes, size_t* total_bytes, mt_error* err);
+
 /* Parameters and gradients in canonical order, fp32 (mt_num_parameters elements). */
 mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error* err);
 mt_status mt_trainer_get_parameters(mt_trainer* t, float* params, mt_error* err);
@@ -289,6 +519,1302 @@ mt_status mt_fail(mt_error* err, mt_status status, const char* fmt, ...) {
 }
 
 /* SECTION 2-5 IMPLEMENTATION: see below */
+
+/* 2. Indexed datasets (.bin/.idx) -------------------------------------------------------------- */
+
+#ifdef __cplusplus
+}
+#endif
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The .idx arrays start at byte 34, so they are unaligned: every load goes through memcpy (one
+ * instruction on x86 and ARM). The files are little-endian; so is every host we build for. */
+static inline int32_t mt__load_i32(const unsigned char* p) { int32_t v; memcpy(&v, p, 4); return v; }
+static inline int64_t mt__load_i64(const unsigned char* p) { int64_t v; memcpy(&v, p, 8); return v; }
+static inline uint64_t mt__load_u64(const unsigned char* p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+static char* mt__strdup(const char* s) {
+    size_t n = strlen(s) + 1;
+    char* d = (char*)malloc(n);
+    if (d) memcpy(d, s, n);
+    return d;
+}
+
+/* malloc'd "<a><b>" (b may be NULL). */
+static char* mt__concat(const char* a, const char* b) {
+    size_t na = strlen(a), nb = b ? strlen(b) : 0;
+    char* d = (char*)malloc(na + nb + 1);
+    if (!d) return NULL;
+    memcpy(d, a, na);
+    if (nb) memcpy(d + na, b, nb);
+    d[na + nb] = 0;
+    return d;
+}
+
+/* Writes all n bytes to fd. */
+static int mt__write_all(int fd, const void* buf, size_t n) {
+    const char* p = (const char*)buf;
+    while (n > 0) {
+        ssize_t k = write(fd, p, n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+size_t mt_indexed_dtype_size(int dtype_code) {
+    switch (dtype_code) {
+        case MT_DTYPE_UINT8: case MT_DTYPE_INT8: return 1;
+        case MT_DTYPE_INT16: case MT_DTYPE_UINT16: return 2;
+        case MT_DTYPE_INT32: case MT_DTYPE_FLOAT32: return 4;
+        case MT_DTYPE_INT64: case MT_DTYPE_FLOAT64: return 8;
+    }
+    return 0;
+}
+
+const char* mt_indexed_dtype_name(int dtype_code) {
+    switch (dtype_code) {
+        case MT_DTYPE_UINT8: return "uint8";
+        case MT_DTYPE_INT8: return "int8";
+        case MT_DTYPE_INT16: return "int16";
+        case MT_DTYPE_INT32: return "int32";
+        case MT_DTYPE_INT64: return "int64";
+        case MT_DTYPE_FLOAT64: return "float64";
+        case MT_DTYPE_FLOAT32: return "float32";
+        case MT_DTYPE_UINT16: return "uint16";
+    }
+    return "unknown";
+}
+
+int mt_indexed_dtype_for_vocab(int64_t vocab_size) {
+    return vocab_size < 65500 ? MT_DTYPE_UINT16 : MT_DTYPE_INT32;
+}
+
+static const unsigned char mt__idx_magic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', 0, 0};
+#define MT__IDX_HEADER_BYTES 34
+
+struct mt_indexed_dataset {
+    char* prefix;
+    int dtype;
+    size_t itemsize;
+    int64_t num_sequences;  /* N */
+    int64_t num_doc_entries; /* D = documents + 1 */
+    int64_t num_tokens;
+    unsigned char* idx_map;
+    size_t idx_size;
+    unsigned char* bin_map;
+    size_t bin_size;
+    const unsigned char* lengths;  /* int32[N] */
+    const unsigned char* pointers; /* int64[N] */
+    const unsigned char* docs;     /* int64[D] */
+};
+
+/* mmaps a whole file read-only; an empty file maps to NULL with size 0. */
+static mt_status mt__map_file(const char* path, unsigned char** map, size_t* size, mt_error* err) {
+    *map = NULL;
+    *size = 0;
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
+        close(fd);
+        return mt_fail(err, MT_ERR_IO, "cannot stat %s: %s", path, strerror(e));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return mt_fail(err, MT_ERR_IO, "%s is not a regular file", path);
+    }
+    if (st.st_size > 0) {
+        void* p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) {
+            int e = errno;
+            close(fd);
+            return mt_fail(err, MT_ERR_IO, "cannot mmap %s: %s", path, strerror(e));
+        }
+        *map = (unsigned char*)p;
+        *size = (size_t)st.st_size;
+    }
+    close(fd);
+    return MT_OK;
+}
+
+void mt_indexed_dataset_close(mt_indexed_dataset* ds) {
+    if (!ds) return;
+    if (ds->idx_map) munmap(ds->idx_map, ds->idx_size);
+    if (ds->bin_map) munmap(ds->bin_map, ds->bin_size);
+    free(ds->prefix);
+    free(ds);
+}
+
+static mt_status mt__validate_idx(mt_indexed_dataset* ds, const char* path, mt_error* err) {
+    const unsigned char* p = ds->idx_map;
+    size_t size = ds->idx_size;
+    if (size < MT__IDX_HEADER_BYTES)
+        return mt_fail(err, MT_ERR_FORMAT, "%s: truncated header (%zu bytes, a Megatron index needs at least %d)",
+                       path, size, MT__IDX_HEADER_BYTES);
+    if (memcmp(p, mt__idx_magic, 9) != 0)
+        return mt_fail(err, MT_ERR_FORMAT, "%s: bad magic (not a Megatron MMIDIDX index file)", path);
+    uint64_t version = mt__load_u64(p + 9);
+    if (version != 1)
+        return mt_fail(err, MT_ERR_FORMAT, "%s: unsupported index version %llu (expected 1)", path,
+                       (unsigned long long)version);
+    int code = p[17];
+    ds->dtype = code;
+    ds->itemsize = mt_indexed_dtype_size(code);
+    if (ds->itemsize == 0) return mt_fail(err, MT_ERR_FORMAT, "%s: unknown dtype code %d", path, code);
+    uint64_t n = mt__load_u64(p + 18), d = mt__load_u64(p + 26);
+    /* Each sequence costs 12 bytes and each document entry 8, so anything larger than the file is wrong
+     * (and this keeps the arithmetic below far from overflow). */
+    if (n > size / 12 || d > size / 8 || MT__IDX_HEADER_BYTES + n * 12 + d * 8 > size)
+        return mt_fail(err, MT_ERR_FORMAT,
+                       "%s: truncated (%zu bytes, but the header declares %llu sequences and %llu document entries)",
+                       path, size, (unsigned long long)n, (unsigned long long)d);
+    uint64_t expected = MT__IDX_HEADER_BYTES + n * 12 + d * 8;
+    if (size != expected && size != expected + n)
+        return mt_fail(err, MT_ERR_FORMAT,
+                       "%s: %zu bytes, but %llu sequences and %llu document entries need %llu (or %llu with modes)",
+                       path, size, (unsigned long long)n, (unsigned long long)d, (unsigned long long)expected,
+                       (unsigned long long)(expected + n));
+    ds->num_sequences = (int64_t)n;
+    ds->num_doc_entries = (int64_t)d;
+    ds->lengths = p + MT__IDX_HEADER_BYTES;
+    ds->pointers = ds->lengths + n * 4;
+    ds->docs = ds->pointers + n * 8;
+
+    if (d < 1) return mt_fail(err, MT_ERR_FORMAT, "%s: empty document index (it must start with 0)", path);
+    if (mt__load_i64(ds->docs) != 0)
+        return mt_fail(err, MT_ERR_FORMAT, "%s: document index starts with %lld, not 0", path,
+                       (long long)mt__load_i64(ds->docs));
+    int64_t prev = 0;
+    for (uint64_t k = 1; k < d; k++) {
+        int64_t v = mt__load_i64(ds->docs + k * 8);
+        if (v < prev)
+            return mt_fail(err, MT_ERR_FORMAT, "%s: document index entry %llu (%lld) is smaller than the previous (%lld)",
+                           path, (unsigned long long)k, (long long)v, (long long)prev);
+        prev = v;
+    }
+    if (prev != (int64_t)n)
+        return mt_fail(err, MT_ERR_FORMAT, "%s: document index ends at %lld, but there are %llu sequences", path,
+                       (long long)prev, (unsigned long long)n);
+
+    int64_t ptr = 0, tokens = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        int32_t len = mt__load_i32(ds->lengths + i * 4);
+        int64_t got = mt__load_i64(ds->pointers + i * 8);
+        if (len < 0)
+            return mt_fail(err, MT_ERR_FORMAT, "%s: sequence %llu has negative length %d", path,
+                           (unsigned long long)i, (int)len);
+        if (got != ptr)
+            return mt_fail(err, MT_ERR_FORMAT,
+                           "%s: sequence %llu points to byte %lld, expected %lld (the sum of the previous lengths * %zu)",
+                           path, (unsigned long long)i, (long long)got, (long long)ptr, ds->itemsize);
+        ptr += (int64_t)len * (int64_t)ds->itemsize;
+        tokens += len;
+    }
+    ds->num_tokens = tokens;
+    return MT_OK;
+}
+
+mt_status mt_indexed_dataset_open(mt_indexed_dataset** out, const char* prefix, mt_error* err) {
+    *out = NULL;
+    const uint16_t one = 1;
+    if (*(const unsigned char*)&one != 1)
+        return mt_fail(err, MT_ERR_CONFIG, "indexed datasets are little-endian; this host is big-endian");
+    mt_indexed_dataset* ds = (mt_indexed_dataset*)calloc(1, sizeof(mt_indexed_dataset));
+    char* idx_path = mt__concat(prefix, ".idx");
+    char* bin_path = mt__concat(prefix, ".bin");
+    mt_status st = MT_OK;
+    if (!ds || !idx_path || !bin_path || !(ds->prefix = mt__strdup(prefix))) {
+        st = mt_fail(err, MT_ERR_OOM, "out of memory opening %s", prefix);
+        goto done;
+    }
+    if ((st = mt__map_file(idx_path, &ds->idx_map, &ds->idx_size, err)) != MT_OK) goto done;
+    if ((st = mt__validate_idx(ds, idx_path, err)) != MT_OK) goto done;
+    if ((st = mt__map_file(bin_path, &ds->bin_map, &ds->bin_size, err)) != MT_OK) goto done;
+    if ((uint64_t)ds->bin_size != (uint64_t)ds->num_tokens * ds->itemsize) {
+        st = mt_fail(err, MT_ERR_FORMAT, "%s: %zu bytes, but the index describes %lld tokens of %s (%llu bytes)",
+                     bin_path, ds->bin_size, (long long)ds->num_tokens, mt_indexed_dtype_name(ds->dtype),
+                     (unsigned long long)((uint64_t)ds->num_tokens * ds->itemsize));
+        goto done;
+    }
+done:
+    free(idx_path);
+    free(bin_path);
+    if (st != MT_OK) mt_indexed_dataset_close(ds);
+    else *out = ds;
+    return st;
+}
+
+const char* mt_indexed_dataset_prefix(const mt_indexed_dataset* ds) { return ds->prefix; }
+int mt_indexed_dataset_dtype(const mt_indexed_dataset* ds) { return ds->dtype; }
+int64_t mt_indexed_dataset_num_sequences(const mt_indexed_dataset* ds) { return ds->num_sequences; }
+int64_t mt_indexed_dataset_num_documents(const mt_indexed_dataset* ds) { return ds->num_doc_entries - 1; }
+int64_t mt_indexed_dataset_num_tokens(const mt_indexed_dataset* ds) { return ds->num_tokens; }
+
+int64_t mt_indexed_dataset_sequence_length(const mt_indexed_dataset* ds, int64_t i) {
+    if (i < 0 || i >= ds->num_sequences) return -1;
+    return mt__load_i32(ds->lengths + i * 4);
+}
+
+int64_t mt_indexed_dataset_document_start(const mt_indexed_dataset* ds, int64_t k) {
+    if (k < 0 || k >= ds->num_doc_entries) return -1;
+    return mt__load_i64(ds->docs + k * 8);
+}
+
+mt_status mt_indexed_dataset_read(const mt_indexed_dataset* ds, int64_t seq, int64_t offset, int64_t count,
+                                  int32_t* out, mt_error* err) {
+    if (seq < 0 || seq >= ds->num_sequences)
+        return mt_fail(err, MT_ERR_RANGE, "%s: sequence %lld out of range [0, %lld)", ds->prefix, (long long)seq,
+                       (long long)ds->num_sequences);
+    int64_t len = mt__load_i32(ds->lengths + seq * 4);
+    if (offset < 0 || count < 0 || offset > len || count > len - offset)
+        return mt_fail(err, MT_ERR_RANGE, "%s: tokens [%lld, %lld) out of range of sequence %lld (%lld tokens)",
+                       ds->prefix, (long long)offset, (long long)(offset + count), (long long)seq, (long long)len);
+    if (count == 0) return MT_OK;
+    const unsigned char* p = ds->bin_map + mt__load_i64(ds->pointers + seq * 8) + offset * (int64_t)ds->itemsize;
+    int64_t i;
+    switch (ds->dtype) {
+        case MT_DTYPE_UINT8: for (i = 0; i < count; i++) out[i] = p[i]; break;
+        case MT_DTYPE_INT8: for (i = 0; i < count; i++) out[i] = (int8_t)p[i]; break;
+        case MT_DTYPE_INT16:
+            for (i = 0; i < count; i++) { int16_t v; memcpy(&v, p + 2 * i, 2); out[i] = v; }
+            break;
+        case MT_DTYPE_UINT16:
+            for (i = 0; i < count; i++) { uint16_t v; memcpy(&v, p + 2 * i, 2); out[i] = v; }
+            break;
+        case MT_DTYPE_INT32:
+            if (count > 0) memcpy(out, p, (size_t)count * 4);
+            break;
+        case MT_DTYPE_INT64:
+            for (i = 0; i < count; i++) {
+                int64_t v = mt__load_i64(p + 8 * i);
+                if (v < INT32_MIN || v > INT32_MAX)
+                    return mt_fail(err, MT_ERR_RANGE, "%s: token %lld of sequence %lld (%lld) does not fit int32",
+                                   ds->prefix, (long long)(offset + i), (long long)seq, (long long)v);
+                out[i] = (int32_t)v;
+            }
+            break;
+        default:
+            return mt_fail(err, MT_ERR_FORMAT, "%s: tokens of dtype %s cannot be read as token ids", ds->prefix,
+                           mt_indexed_dtype_name(ds->dtype));
+    }
+    return MT_OK;
+}
+
+/* The writer keeps the lengths and document indices in memory (12 bytes per sequence, 8 per
+ * document, as Megatron's builder does) and streams tokens through a 16 MiB buffer. */
+#define MT__WRITER_BUFFER_BYTES ((size_t)16 << 20)
+
+struct mt_indexed_writer {
+    char* prefix;
+    char* bin_tmp;
+    char* idx_tmp;
+    int fd;
+    int dtype;
+    size_t itemsize;
+    unsigned char* buf;
+    size_t buf_used;
+    int32_t* lengths;
+    int64_t num_sequences, lengths_cap;
+    int64_t* docs;
+    int64_t num_docs, docs_cap; /* entries, starting with the 0 */
+    int64_t bin_bytes;
+};
+
+static void mt__writer_free(mt_indexed_writer* w) {
+    if (!w) return;
+    if (w->fd >= 0) close(w->fd);
+    free(w->prefix);
+    free(w->bin_tmp);
+    free(w->idx_tmp);
+    free(w->buf);
+    free(w->lengths);
+    free(w->docs);
+    free(w);
+}
+
+mt_status mt_indexed_writer_open(mt_indexed_writer** out, const char* prefix, int dtype_code, mt_error* err) {
+    *out = NULL;
+    if (dtype_code == MT_DTYPE_FLOAT32 || dtype_code == MT_DTYPE_FLOAT64 || mt_indexed_dtype_size(dtype_code) == 0)
+        return mt_fail(err, MT_ERR_ARG, "cannot write %s: token dtype code %d is not an integer dtype", prefix,
+                       dtype_code);
+    mt_indexed_writer* w = (mt_indexed_writer*)calloc(1, sizeof(mt_indexed_writer));
+    if (!w) return mt_fail(err, MT_ERR_OOM, "out of memory opening a writer for %s", prefix);
+    w->fd = -1;
+    w->dtype = dtype_code;
+    w->itemsize = mt_indexed_dtype_size(dtype_code);
+    char suffix[64];
+    snprintf(suffix, sizeof(suffix), ".tmp.%ld", (long)getpid());
+    char* bin = mt__concat(prefix, ".bin");
+    char* idx = mt__concat(prefix, ".idx");
+    w->prefix = mt__strdup(prefix);
+    w->bin_tmp = bin ? mt__concat(bin, suffix) : NULL;
+    w->idx_tmp = idx ? mt__concat(idx, suffix) : NULL;
+    free(bin);
+    free(idx);
+    w->buf = (unsigned char*)malloc(MT__WRITER_BUFFER_BYTES);
+    w->docs_cap = w->lengths_cap = 1024;
+    w->docs = (int64_t*)malloc((size_t)w->docs_cap * sizeof(int64_t));
+    w->lengths = (int32_t*)malloc((size_t)w->lengths_cap * sizeof(int32_t));
+    if (!w->prefix || !w->bin_tmp || !w->idx_tmp || !w->buf || !w->docs || !w->lengths) {
+        mt__writer_free(w);
+        return mt_fail(err, MT_ERR_OOM, "out of memory opening a writer for %s", prefix);
+    }
+    w->docs[0] = 0;
+    w->num_docs = 1;
+    w->fd = open(w->bin_tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (w->fd < 0) {
+        mt_status st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", w->bin_tmp, strerror(errno));
+        mt__writer_free(w);
+        return st;
+    }
+    *out = w;
+    return MT_OK;
+}
+
+static mt_status mt__writer_flush(mt_indexed_writer* w, mt_error* err) {
+    if (w->buf_used == 0) return MT_OK;
+    if (mt__write_all(w->fd, w->buf, w->buf_used) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot write %s: %s", w->bin_tmp, strerror(errno));
+    w->buf_used = 0;
+    return MT_OK;
+}
+
+static mt_status mt__writer_bytes(mt_indexed_writer* w, const void* data, size_t n, mt_error* err) {
+    const unsigned char* p = (const unsigned char*)data;
+    while (n > 0) {
+        if (w->buf_used == MT__WRITER_BUFFER_BYTES) {
+            mt_status st = mt__writer_flush(w, err);
+            if (st != MT_OK) return st;
+        }
+        size_t k = MT__WRITER_BUFFER_BYTES - w->buf_used;
+        if (k > n) k = n;
+        memcpy(w->buf + w->buf_used, p, k);
+        w->buf_used += k;
+        p += k;
+        n -= k;
+    }
+    w->bin_bytes += (int64_t)(p - (const unsigned char*)data);
+    return MT_OK;
+}
+
+/* Grows a malloc'd (non-NULL) array to hold need elements; NULL (array untouched) when out of memory. */
+static void* mt__grow(void* arr, int64_t* cap, int64_t need, size_t elem) {
+    if (need <= *cap) return arr;
+    int64_t c = *cap ? *cap : 1024;
+    while (c < need) c *= 2;
+    void* p = realloc(arr, (size_t)c * elem);
+    if (p) *cap = c;
+    return p;
+}
+
+static int mt__token_fits(int dtype, int32_t v) {
+    switch (dtype) {
+        case MT_DTYPE_UINT8: return v >= 0 && v <= 255;
+        case MT_DTYPE_INT8: return v >= -128 && v <= 127;
+        case MT_DTYPE_INT16: return v >= -32768 && v <= 32767;
+        case MT_DTYPE_UINT16: return v >= 0 && v <= 65535;
+    }
+    return 1; /* int32, int64 */
+}
+
+mt_status mt_indexed_writer_add_document(mt_indexed_writer* w, const int32_t* tokens,
+                                         const int64_t* sequence_lengths, int64_t num_sequences, mt_error* err) {
+    if (num_sequences < 0) return mt_fail(err, MT_ERR_ARG, "%s: negative sequence count %lld", w->prefix,
+                                          (long long)num_sequences);
+    int64_t total = 0;
+    for (int64_t i = 0; i < num_sequences; i++) {
+        if (sequence_lengths[i] < 0 || sequence_lengths[i] > INT32_MAX)
+            return mt_fail(err, MT_ERR_ARG, "%s: sequence length %lld out of range [0, 2^31)", w->prefix,
+                           (long long)sequence_lengths[i]);
+        total += sequence_lengths[i];
+    }
+    for (int64_t i = 0; i < total; i++)
+        if (!mt__token_fits(w->dtype, tokens[i]))
+            return mt_fail(err, MT_ERR_RANGE, "%s: token id %d does not fit the dataset dtype %s", w->prefix,
+                           (int)tokens[i], mt_indexed_dtype_name(w->dtype));
+    void* p = mt__grow(w->lengths, &w->lengths_cap, w->num_sequences + num_sequences, sizeof(int32_t));
+    if (p) w->lengths = (int32_t*)p;
+    void* q = p ? mt__grow(w->docs, &w->docs_cap, w->num_docs + 1, sizeof(int64_t)) : NULL;
+    if (q) w->docs = (int64_t*)q;
+    if (!p || !q) return mt_fail(err, MT_ERR_OOM, "%s: out of memory growing the index", w->prefix);
+    /* Convert in chunks to the dtype (little-endian host: the low bytes of each int32 / int64). */
+    unsigned char tmp[4096];
+    size_t per = sizeof(tmp) / w->itemsize;
+    for (int64_t i = 0; i < total;) {
+        size_t k = (size_t)(total - i) < per ? (size_t)(total - i) : per;
+        for (size_t j = 0; j < k; j++) {
+            int32_t v = tokens[i + (int64_t)j];
+            if (w->itemsize == 8) { int64_t v8 = v; memcpy(tmp + 8 * j, &v8, 8); }
+            else if (w->itemsize == 4) memcpy(tmp + 4 * j, &v, 4);
+            else if (w->itemsize == 2) { uint16_t v2 = (uint16_t)v; memcpy(tmp + 2 * j, &v2, 2); }
+            else tmp[j] = (unsigned char)v;
+        }
+        mt_status st = mt__writer_bytes(w, tmp, k * w->itemsize, err);
+        if (st != MT_OK) return st;
+        i += (int64_t)k;
+    }
+    for (int64_t i = 0; i < num_sequences; i++) w->lengths[w->num_sequences++] = (int32_t)sequence_lengths[i];
+    w->docs[w->num_docs++] = w->num_sequences;
+    return MT_OK;
+}
+
+mt_status mt_indexed_writer_add_index(mt_indexed_writer* w, const char* other_prefix, mt_error* err) {
+    mt_indexed_dataset* ds = NULL;
+    mt_status st = mt_indexed_dataset_open(&ds, other_prefix, err);
+    if (st != MT_OK) return st;
+    if (ds->dtype != w->dtype) {
+        st = mt_fail(err, MT_ERR_FORMAT, "cannot merge %s (dtype %s) into %s (dtype %s): the dtypes differ",
+                     other_prefix, mt_indexed_dtype_name(ds->dtype), w->prefix, mt_indexed_dtype_name(w->dtype));
+        mt_indexed_dataset_close(ds);
+        return st;
+    }
+    int64_t n = ds->num_sequences, d = ds->num_doc_entries;
+    void* p = mt__grow(w->lengths, &w->lengths_cap, w->num_sequences + n, sizeof(int32_t));
+    if (p) w->lengths = (int32_t*)p;
+    void* q = p ? mt__grow(w->docs, &w->docs_cap, w->num_docs + d - 1, sizeof(int64_t)) : NULL;
+    if (q) w->docs = (int64_t*)q;
+    if (!p || !q) {
+        mt_indexed_dataset_close(ds);
+        return mt_fail(err, MT_ERR_OOM, "%s: out of memory growing the index", w->prefix);
+    }
+    st = mt__writer_bytes(w, ds->bin_map, ds->bin_size, err);
+    if (st == MT_OK) {
+        int64_t offset = w->num_sequences;
+        if (n > 0) memcpy(w->lengths + w->num_sequences, ds->lengths, (size_t)n * 4);
+        w->num_sequences += n;
+        for (int64_t k = 1; k < d; k++) w->docs[w->num_docs++] = offset + mt__load_i64(ds->docs + k * 8);
+    }
+    mt_indexed_dataset_close(ds);
+    return st;
+}
+
+int64_t mt_indexed_writer_num_sequences(const mt_indexed_writer* w) { return w->num_sequences; }
+int64_t mt_indexed_writer_num_documents(const mt_indexed_writer* w) { return w->num_docs - 1; }
+
+void mt_indexed_writer_abort(mt_indexed_writer* w) {
+    if (!w) return;
+    if (w->fd >= 0) { close(w->fd); w->fd = -1; }
+    unlink(w->bin_tmp);
+    unlink(w->idx_tmp);
+    mt__writer_free(w);
+}
+
+static mt_status mt__write_idx(mt_indexed_writer* w, mt_error* err) {
+    int fd = open(w->idx_tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", w->idx_tmp, strerror(errno));
+    /* Reuse the token buffer: header, lengths, pointers (prefix sums), document indices. */
+    unsigned char* b = w->buf;
+    size_t used = 0, cap = MT__WRITER_BUFFER_BYTES;
+    int failed = 0;
+#define MT__IDX_PUT(src, n)                                                                          \
+    do {                                                                                             \
+        if (used + (n) > cap) { failed |= mt__write_all(fd, b, used); used = 0; }                    \
+        memcpy(b + used, (src), (n));                                                                \
+        used += (n);                                                                                 \
+    } while (0)
+    uint64_t version = 1, n = (uint64_t)w->num_sequences, d = (uint64_t)w->num_docs;
+    unsigned char code = (unsigned char)w->dtype;
+    MT__IDX_PUT(mt__idx_magic, 9);
+    MT__IDX_PUT(&version, 8);
+    MT__IDX_PUT(&code, 1);
+    MT__IDX_PUT(&n, 8);
+    MT__IDX_PUT(&d, 8);
+    for (int64_t i = 0; i < w->num_sequences; i++) MT__IDX_PUT(&w->lengths[i], 4);
+    int64_t ptr = 0;
+    for (int64_t i = 0; i < w->num_sequences; i++) {
+        MT__IDX_PUT(&ptr, 8);
+        ptr += (int64_t)w->lengths[i] * (int64_t)w->itemsize;
+    }
+    for (int64_t i = 0; i < w->num_docs; i++) MT__IDX_PUT(&w->docs[i], 8);
+#undef MT__IDX_PUT
+    failed |= mt__write_all(fd, b, used);
+    int e = errno;
+    if (close(fd) != 0) failed = 1;
+    if (failed) return mt_fail(err, MT_ERR_IO, "cannot write %s: %s", w->idx_tmp, strerror(e));
+    return MT_OK;
+}
+
+mt_status mt_indexed_writer_finalize(mt_indexed_writer* w, mt_error* err) {
+    mt_status st = mt__writer_flush(w, err);
+    if (st == MT_OK) {
+        int rc = close(w->fd);
+        w->fd = -1;
+        if (rc != 0) st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", w->bin_tmp, strerror(errno));
+    }
+    if (st == MT_OK) st = mt__write_idx(w, err);
+    if (st == MT_OK) {
+        char* bin = mt__concat(w->prefix, ".bin");
+        char* idx = mt__concat(w->prefix, ".idx");
+        if (!bin || !idx) st = mt_fail(err, MT_ERR_OOM, "out of memory finalizing %s", w->prefix);
+        else if (rename(w->bin_tmp, bin) != 0)
+            st = mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", w->bin_tmp, bin, strerror(errno));
+        else if (rename(w->idx_tmp, idx) != 0) {
+            st = mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", w->idx_tmp, idx, strerror(errno));
+            unlink(bin); /* a .bin without its .idx is worse than nothing */
+        }
+        free(bin);
+        free(idx);
+    }
+    if (st != MT_OK) mt_indexed_writer_abort(w);
+    else mt__writer_free(w);
+    return st;
+}
+
+/* 3. GPT datasets ----------------------------------------------------------------------------- */
+
+const char* mt_split_name(int split) {
+    switch (split) {
+        case MT_SPLIT_TRAIN: return "train";
+        case MT_SPLIT_VALID: return "valid";
+        case MT_SPLIT_TEST: return "test";
+    }
+    return "unknown";
+}
+
+/* numpy's pairwise summation (umath loops, PW_BLOCKSIZE 128) for float64; np.sum(x) is
+ * 0.0 + pairwise(x). Only the order of additions matters for bit-exactness. */
+static double mt__pairwise_sum(const double* a, int64_t n) {
+    if (n < 8) {
+        double res = 0.;
+        for (int64_t i = 0; i < n; i++) res += a[i];
+        return res;
+    } else if (n <= 128) {
+        double r[8];
+        int64_t i;
+        for (int j = 0; j < 8; j++) r[j] = a[j];
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; j++) r[j] += a[i + j];
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) res += a[i];
+        return res;
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return mt__pairwise_sum(a, n2) + mt__pairwise_sum(a + n2, n - n2);
+}
+
+double mt_numpy_sum(const double* x, int64_t n) { return 0.0 + mt__pairwise_sum(x, n); }
+
+void mt_normalize_weights(const double* w, int n, double* out) {
+    double s = mt_numpy_sum(w, n);
+    for (int i = 0; i < n; i++) out[i] = w[i] / s;
+}
+
+mt_status mt_split_parse(const char* split, mt_split_matrix* out, mt_error* err) {
+    /* re.findall(r"[.0-9]+", split), each run parsed by Python's float(): the whole run must parse. */
+    double v[3] = {0, 0, 0};
+    int count = 0;
+    const char* p = split;
+    memset(out, 0, sizeof(*out));
+    while (*p) {
+        if (!((*p >= '0' && *p <= '9') || *p == '.')) { p++; continue; }
+        const char* q = p;
+        while ((*q >= '0' && *q <= '9') || *q == '.') q++;
+        char run[64];
+        size_t len = (size_t)(q - p);
+        if (len >= sizeof(run)) return mt_fail(err, MT_ERR_ARG, "--split \"%s\": number too long", split);
+        memcpy(run, p, len);
+        run[len] = 0;
+        char* end = NULL;
+        double x = strtod(run, &end);
+        if (end != run + len) return mt_fail(err, MT_ERR_ARG, "--split \"%s\": \"%s\" is not a number", split, run);
+        if (count == 3)
+            return mt_fail(err, MT_ERR_ARG, "--split \"%s\": more than 3 numbers (train, valid, test)", split);
+        v[count++] = x;
+        p = q;
+    }
+    double s = mt_numpy_sum(v, 3);
+    if (!(s > 0)) return mt_fail(err, MT_ERR_ARG, "--split \"%s\": the weights sum to zero", split);
+    double w[3], bookend[4];
+    for (int i = 0; i < 3; i++) w[i] = v[i] / s;
+    /* functools.reduce cumulative sum: [0, w0, w0+w1, w0+w1+w2] */
+    bookend[0] = 0;
+    for (int i = 0; i < 3; i++) bookend[i + 1] = bookend[i] + w[i];
+    for (int i = 0; i < 3; i++) {
+        out->begin[i] = bookend[i];
+        out->end[i] = bookend[i + 1];
+        out->present[i] = !(bookend[i + 1] <= bookend[i]);
+    }
+    return MT_OK;
+}
+
+void mt_split_range(const mt_split_matrix* m, int split, int64_t n, int64_t* begin, int64_t* end) {
+    *begin = *end = 0;
+    if (split < 0 || split > 2 || !m->present[split]) return;
+    /* int(round(x)): Python rounds half to even, as nearbyint does in the default rounding mode. */
+    *begin = (int64_t)nearbyint(m->begin[split] * (double)n);
+    *end = (int64_t)nearbyint(m->end[split] * (double)n);
+}
+
+void mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t eval_iters, int64_t global_batch_size,
+                        int64_t out[3]) {
+    int64_t evals = (eval_interval > 0 ? train_iters / eval_interval : 0) + 1;
+    out[0] = train_iters * global_batch_size;
+    out[1] = evals * eval_iters * global_batch_size;
+    out[2] = eval_iters * global_batch_size;
+}
+
+/* MT19937 as numpy's legacy RandomState: mt19937_seed, mt19937_gen, tempering. */
+#define MT__MT_N 624
+#define MT__MT_M 397
+
+void mt_mt19937_seed(mt_mt19937* rng, uint32_t seed) {
+    uint32_t s = seed;
+    for (int i = 0; i < MT__MT_N; i++) {
+        rng->key[i] = s;
+        s = 1812433253u * (s ^ (s >> 30)) + (uint32_t)(i + 1);
+    }
+    rng->pos = MT__MT_N;
+}
+
+static void mt__mt19937_gen(mt_mt19937* rng) {
+    uint32_t* k = rng->key;
+    int i;
+    uint32_t y;
+    for (i = 0; i < MT__MT_N - MT__MT_M; i++) {
+        y = (k[i] & 0x80000000u) | (k[i + 1] & 0x7fffffffu);
+        k[i] = k[i + MT__MT_M] ^ (y >> 1) ^ ((0u - (y & 1u)) & 0x9908b0dfu);
+    }
+    for (; i < MT__MT_N - 1; i++) {
+        y = (k[i] & 0x80000000u) | (k[i + 1] & 0x7fffffffu);
+        k[i] = k[i + (MT__MT_M - MT__MT_N)] ^ (y >> 1) ^ ((0u - (y & 1u)) & 0x9908b0dfu);
+    }
+    y = (k[MT__MT_N - 1] & 0x80000000u) | (k[0] & 0x7fffffffu);
+    k[MT__MT_N - 1] = k[MT__MT_M - 1] ^ (y >> 1) ^ ((0u - (y & 1u)) & 0x9908b0dfu);
+    rng->pos = 0;
+}
+
+uint32_t mt_mt19937_next32(mt_mt19937* rng) {
+    if (rng->pos == MT__MT_N) mt__mt19937_gen(rng);
+    uint32_t y = rng->key[rng->pos++];
+    y ^= (y >> 11);
+    y ^= (y << 7) & 0x9d2c5680u;
+    y ^= (y << 15) & 0xefc60000u;
+    y ^= (y >> 18);
+    return y;
+}
+
+uint64_t mt_mt19937_next64(mt_mt19937* rng) {
+    uint64_t hi = mt_mt19937_next32(rng);
+    return (hi << 32) | mt_mt19937_next32(rng);
+}
+
+uint64_t mt_mt19937_interval(mt_mt19937* rng, uint64_t max) {
+    if (max == 0) return 0;
+    uint64_t mask = max, v;
+    mask |= mask >> 1;
+    mask |= mask >> 2;
+    mask |= mask >> 4;
+    mask |= mask >> 8;
+    mask |= mask >> 16;
+    mask |= mask >> 32;
+    if (max <= 0xffffffffull) {
+        while ((v = (mt_mt19937_next32(rng) & mask)) > max) {}
+    } else {
+        while ((v = (mt_mt19937_next64(rng) & mask)) > max) {}
+    }
+    return v;
+}
+
+#define MT__SHUFFLE_LOOP(T)                                                                \
+    do {                                                                                   \
+        T* x = (T*)data;                                                                   \
+        for (int64_t i = n - 1; i >= 1; i--) {                                             \
+            int64_t j = (int64_t)mt_mt19937_interval(rng, (uint64_t)i);                    \
+            T t = x[i];                                                                    \
+            x[i] = x[j];                                                                   \
+            x[j] = t;                                                                      \
+        }                                                                                  \
+    } while (0)
+
+void mt_shuffle(mt_mt19937* rng, void* data, int64_t n, size_t itemsize) {
+    switch (itemsize) {
+        case 1: MT__SHUFFLE_LOOP(uint8_t); break;
+        case 2: MT__SHUFFLE_LOOP(uint16_t); break;
+        case 4: MT__SHUFFLE_LOOP(uint32_t); break;
+        case 8: MT__SHUFFLE_LOOP(uint64_t); break;
+    }
+}
+#undef MT__SHUFFLE_LOOP
+
+struct mt_gpt_dataset {
+    const mt_indexed_dataset* ds;
+    int seq_length;
+    int64_t begin, end;
+    int64_t tokens_per_epoch;
+    int64_t num_samples_requested;
+    int64_t num_epochs;
+    int separate_final_epoch;
+    int64_t num_samples_sans_final_epoch;
+    int64_t num_samples;
+    int64_t document_index_length;
+    int32_t* document_index;
+    int sample_itemsize;
+    void* sample_index;
+    int shuffle_itemsize;
+    void* shuffle_index;
+};
+
+void mt_gpt_dataset_free(mt_gpt_dataset* g) {
+    if (!g) return;
+    free(g->document_index);
+    free(g->sample_index);
+    free(g->shuffle_index);
+    free(g);
+}
+
+static inline int64_t mt__get_index(const void* base, int itemsize, int64_t i) {
+    if (itemsize == 4) return ((const int32_t*)base)[i];
+    return ((const int64_t*)base)[i];
+}
+
+static inline int64_t mt__get_shuffle(const void* base, int itemsize, int64_t i) {
+    if (itemsize == 4) return ((const uint32_t*)base)[i];
+    return ((const int64_t*)base)[i];
+}
+
+/* _build_document_index: the split's sequence ids tiled `epochs` times, epoch-major, shuffled whole. */
+static void mt__tile_and_shuffle(int32_t* out, int64_t begin, int64_t end, int64_t epochs, mt_mt19937* rng) {
+    int64_t m = end - begin, k = 0;
+    for (int64_t e = 0; e < epochs; e++)
+        for (int64_t s = begin; s < end; s++) out[k++] = (int32_t)s;
+    mt_shuffle(rng, out, epochs * m, sizeof(int32_t));
+}
+
+mt_status mt_gpt_dataset_build(mt_gpt_dataset** out, const mt_indexed_dataset* ds, int64_t begin, int64_t end,
+                               int seq_length, uint32_t seed, int64_t num_samples, mt_error* err) {
+    *out = NULL;
+    const char* name = ds->prefix;
+    if (seq_length < 2 || seq_length > (1 << 30))
+        return mt_fail(err, MT_ERR_ARG, "sequence length %d out of range [2, 2^30]", seq_length);
+    if (begin < 0 || end > ds->num_sequences || begin > end)
+        return mt_fail(err, MT_ERR_RANGE, "%s: sequence range [%lld, %lld) out of range [0, %lld]", name,
+                       (long long)begin, (long long)end, (long long)ds->num_sequences);
+    if (ds->num_sequences > INT32_MAX)
+        return mt_fail(err, MT_ERR_FORMAT, "%s: %lld sequences; Megatron's int32 document index holds at most 2^31-1",
+                       name, (long long)ds->num_sequences);
+    const int64_t S = seq_length;
+    int64_t T = 0;
+    for (int64_t s = begin; s < end; s++) T += mt__load_i32(ds->lengths + s * 4);
+    if (T < 2)
+        return mt_fail(err, MT_ERR_CONFIG,
+                       "%s: sequences [%lld, %lld) hold %lld tokens; a GPT dataset split needs at least 2 (check --split)",
+                       name, (long long)begin, (long long)end, (long long)T);
+
+    mt_gpt_dataset* g = (mt_gpt_dataset*)calloc(1, sizeof(mt_gpt_dataset));
+    if (!g) return mt_fail(err, MT_ERR_OOM, "out of memory building the %s sample index", name);
+    g->ds = ds;
+    g->seq_length = seq_length;
+    g->begin = begin;
+    g->end = end;
+    g->tokens_per_epoch = T;
+    g->num_samples_requested = num_samples < 0 ? -1 : num_samples;
+
+    /* _get_num_epochs: the smallest E with E*T >= num_samples*S + 1 (add_extra_token). */
+    int64_t E = 1;
+    if (num_samples > 0) {
+        if (num_samples > (INT64_MAX - 1) / S) {
+            mt_gpt_dataset_free(g);
+            return mt_fail(err, MT_ERR_ARG, "%lld samples of %d tokens overflow", (long long)num_samples, seq_length);
+        }
+        int64_t need = num_samples * S + 1;
+        E = need / T + (need % T != 0);
+        if (E < 1) E = 1;
+    }
+    if (E > INT32_MAX || E > INT64_MAX / T) {
+        mt_gpt_dataset_free(g);
+        return mt_fail(err, MT_ERR_CONFIG, "%s: %lld samples need %lld epochs of %lld tokens; too many", name,
+                       (long long)num_samples, (long long)E, (long long)T);
+    }
+    g->num_epochs = E;
+    int64_t sans = 0;
+    if (E > 1) {
+        sans = ((E - 1) * T - 1) / S;
+        int64_t from_final = num_samples - sans;
+        int64_t per_epoch = (T - 1) / S;
+        if (from_final < 0 || from_final > per_epoch + 1) { /* Megatron asserts these */
+            mt_gpt_dataset_free(g);
+            return mt_fail(err, MT_ERR_CONFIG, "%s: inconsistent epoch arithmetic (%lld samples from the final epoch)",
+                           name, (long long)from_final);
+        }
+        g->separate_final_epoch = from_final < (int64_t)(0.80 * (double)per_epoch);
+    }
+
+    /* Document index (int32): tile + RandomState.shuffle; the final epoch shuffled on its own if separate. */
+    int64_t m = end - begin;
+    if (E > INT64_MAX / (m > 0 ? m : 1) || (uint64_t)(E * m) > SIZE_MAX / sizeof(int32_t)) {
+        mt_gpt_dataset_free(g);
+        return mt_fail(err, MT_ERR_OOM, "%s: document index of %lld epochs too large", name, (long long)E);
+    }
+    g->document_index_length = E * m;
+    g->document_index = (int32_t*)malloc((size_t)(E * m) * sizeof(int32_t) + 1);
+    if (!g->document_index) {
+        mt_gpt_dataset_free(g);
+        return mt_fail(err, MT_ERR_OOM, "out of memory for the %s document index (%lld entries)", name,
+                       (long long)(E * m));
+    }
+    mt_mt19937 rng;
+    mt_mt19937_seed(&rng, seed);
+    if (!g->separate_final_epoch) {
+        mt__tile_and_shuffle(g->document_index, begin, end, E, &rng);
+    } else {
+        mt__tile_and_shuffle(g->document_index, begin, end, E - 1, &rng);
+        mt__tile_and_shuffle(g->document_index + (E - 1) * m, begin, end, 1, &rng);
+    }
+
+    /* Sample index: helpers.cpp build_sample_idx (drop_last_partial_sequence = True,
+     * add_extra_token_to_sequence = 1). int64 when max(len(document_index), max length) > INT32_MAX. */
+    const int64_t n = (E * T - 1) / S;
+    g->num_samples = n;
+    g->num_samples_sans_final_epoch = g->separate_final_epoch ? sans : n;
+    g->sample_itemsize = g->document_index_length > INT32_MAX ? 8 : 4;
+    g->sample_index = malloc((size_t)(n + 1) * 2 * (size_t)g->sample_itemsize);
+    g->shuffle_itemsize = n >= (int64_t)UINT32_MAX - 1 ? 8 : 4;
+    g->shuffle_index = malloc((size_t)n * (size_t)g->shuffle_itemsize + 1);
+    if (!g->sample_index || !g->shuffle_index) {
+        mt_gpt_dataset_free(g);
+        return mt_fail(err, MT_ERR_OOM, "out of memory for the %s sample index (%lld samples)", name, (long long)n);
+    }
+    {
+        int32_t* s32 = (int32_t*)g->sample_index;
+        int64_t* s64 = (int64_t*)g->sample_index;
+        const int wide = g->sample_itemsize == 8;
+        const int32_t* doc = g->document_index;
+        const int64_t last = g->document_index_length - 1;
+        int64_t d = 0, off = 0;
+        if (wide) { s64[0] = 0; s64[1] = 0; } else { s32[0] = 0; s32[1] = 0; }
+        for (int64_t k = 1; k <= n; k++) {
+            int64_t remaining = S + 1;
+            while (remaining != 0) {
+                int64_t len = (int64_t)mt__load_i32(ds->lengths + (int64_t)doc[d] * 4) - off;
+                remaining -= len;
+                if (remaining <= 0) { /* the sample ends inside this document */
+                    off += remaining + len - 1;
+                    remaining = 0;
+                } else {
+                    if (d == last) { /* out of documents (only without drop_last) */
+                        off = (int64_t)mt__load_i32(ds->lengths + (int64_t)doc[d] * 4) - 1;
+                        break;
+                    }
+                    d++;
+                    off = 0;
+                }
+            }
+            if (wide) { s64[2 * k] = d; s64[2 * k + 1] = off; }
+            else { s32[2 * k] = (int32_t)d; s32[2 * k + 1] = (int32_t)off; }
+        }
+    }
+
+    /* Shuffle index: arange(n) shuffled, or arange(sans) and arange(sans, n) shuffled separately. */
+    {
+        const int64_t first = g->num_samples_sans_final_epoch;
+        if (g->shuffle_itemsize == 4) {
+            uint32_t* sh = (uint32_t*)g->shuffle_index;
+            for (int64_t i = 0; i < n; i++) sh[i] = (uint32_t)i;
+        } else {
+            int64_t* sh = (int64_t*)g->shuffle_index;
+            for (int64_t i = 0; i < n; i++) sh[i] = i;
+        }
+        unsigned char* base = (unsigned char*)g->shuffle_index;
+        mt_shuffle(&rng, base, first, (size_t)g->shuffle_itemsize);
+        if (first < n) mt_shuffle(&rng, base + first * g->shuffle_itemsize, n - first, (size_t)g->shuffle_itemsize);
+    }
+    *out = g;
+    return MT_OK;
+}
+
+void mt_gpt_dataset_get_info(const mt_gpt_dataset* g, mt_gpt_dataset_info* info) {
+    info->begin = g->begin;
+    info->end = g->end;
+    info->tokens_per_epoch = g->tokens_per_epoch;
+    info->num_samples_requested = g->num_samples_requested;
+    info->num_epochs = g->num_epochs;
+    info->separate_final_epoch = g->separate_final_epoch;
+    info->num_samples_sans_final_epoch = g->num_samples_sans_final_epoch;
+    info->num_samples = g->num_samples;
+    info->document_index_length = g->document_index_length;
+    info->document_index = g->document_index;
+    info->sample_index_itemsize = g->sample_itemsize;
+    info->sample_index = g->sample_index;
+    info->shuffle_index_itemsize = g->shuffle_itemsize;
+    info->shuffle_index = g->shuffle_index;
+}
+
+int64_t mt_gpt_dataset_num_samples(const mt_gpt_dataset* g) { return g->num_samples; }
+
+int64_t mt_gpt_dataset_shuffle_index(const mt_gpt_dataset* g, int64_t i) {
+    return mt__get_shuffle(g->shuffle_index, g->shuffle_itemsize, i);
+}
+
+void mt_gpt_dataset_sample_index(const mt_gpt_dataset* g, int64_t row, int64_t* doc_position, int64_t* offset) {
+    *doc_position = mt__get_index(g->sample_index, g->sample_itemsize, 2 * row);
+    *offset = mt__get_index(g->sample_index, g->sample_itemsize, 2 * row + 1);
+}
+
+mt_status mt_gpt_dataset_get(const mt_gpt_dataset* g, int64_t idx, int32_t* tokens, mt_error* err) {
+    if (idx < 0 || idx >= g->num_samples)
+        return mt_fail(err, MT_ERR_RANGE, "%s: sample %lld out of range [0, %lld)", g->ds->prefix, (long long)idx,
+                       (long long)g->num_samples);
+    const int64_t want = (int64_t)g->seq_length + 1;
+    int64_t i = mt_gpt_dataset_shuffle_index(g, idx), d0, o0, d1, o1, got = 0;
+    mt_gpt_dataset_sample_index(g, i, &d0, &o0);
+    mt_gpt_dataset_sample_index(g, i + 1, &d1, &o1);
+    for (int64_t d = d0; d <= d1; d++) {
+        int64_t seq = g->document_index[d];
+        int64_t off = d == d0 ? o0 : 0;
+        int64_t len = d < d1 ? mt__load_i32(g->ds->lengths + seq * 4) - off : o1 + 1 - off;
+        if (len > want - got)
+            return mt_fail(err, MT_ERR_FORMAT, "%s: sample %lld spans more than %lld tokens", g->ds->prefix,
+                           (long long)idx, (long long)want);
+        mt_status st = mt_indexed_dataset_read(g->ds, seq, off, len, tokens + got, err);
+        if (st != MT_OK) return st;
+        got += len;
+    }
+    for (; got < want; got++) tokens[got] = -1; /* Megatron's pad (only without drop_last) */
+    return MT_OK;
+}
+
+mt_status mt_gpt_dataset_save_indices(const mt_gpt_dataset* g, const char* dir, const char* name_prefix,
+                                      mt_error* err) {
+    const char* names[3] = {"document_index.npy", "sample_index.npy", "shuffle_index.npy"};
+    const char* dtypes[3] = {"<i4", g->sample_itemsize == 4 ? "<i4" : "<i8", g->shuffle_itemsize == 4 ? "<u4" : "<i8"};
+    int64_t shapes[3][2] = {{g->document_index_length, 0}, {g->num_samples + 1, 2}, {g->num_samples, 0}};
+    int ndims[3] = {1, 2, 1};
+    const void* data[3] = {g->document_index, g->sample_index, g->shuffle_index};
+    for (int i = 0; i < 3; i++) {
+        size_t len = strlen(dir) + (name_prefix ? strlen(name_prefix) : 0) + strlen(names[i]) + 2;
+        char* path = (char*)malloc(len);
+        if (!path) return mt_fail(err, MT_ERR_OOM, "out of memory");
+        snprintf(path, len, "%s/%s%s", dir, name_prefix ? name_prefix : "", names[i]);
+        mt_status st = mt_npy_write(path, dtypes[i], ndims[i], shapes[i], data[i], err);
+        free(path);
+        if (st != MT_OK) return st;
+    }
+    return MT_OK;
+}
+
+void mt_build_blending_indices(const double* weights, int num_datasets, int64_t size, int16_t* dataset_index,
+                               int64_t* dataset_sample_index) {
+    int64_t* current = (int64_t*)calloc((size_t)(num_datasets > 0 ? num_datasets : 1), sizeof(int64_t));
+    if (!current) return;
+    for (int64_t s = 0; s < size; s++) {
+        double x = s > 1 ? (double)s : 1.0;
+        int best = 0;
+        double best_err = weights[0] * x - (double)current[0];
+        for (int d = 1; d < num_datasets; d++) {
+            double e = weights[d] * x - (double)current[d];
+            if (e > best_err) {
+                best_err = e;
+                best = d;
+            }
+        }
+        dataset_index[s] = (int16_t)best;
+        dataset_sample_index[s] = current[best]++;
+    }
+    free(current);
+}
+
+void mt_build_exhaustive_blending_indices(const int64_t* sizes, int num_datasets, int16_t* dataset_index,
+                                          int64_t* dataset_sample_index) {
+    int64_t total = 0;
+    for (int d = 0; d < num_datasets; d++) total += sizes[d];
+    int64_t* count = (int64_t*)calloc((size_t)(num_datasets > 0 ? num_datasets : 1), sizeof(int64_t));
+    double* w = (double*)malloc((size_t)(num_datasets > 0 ? num_datasets : 1) * sizeof(double));
+    unsigned char* spent = (unsigned char*)calloc((size_t)(num_datasets > 0 ? num_datasets : 1), 1);
+    if (!count || !w || !spent) { free(count); free(w); free(spent); return; }
+    int unspent = num_datasets; /* Megatron's std::set of unspent datasets, walked in ascending order */
+    for (int d = 0; d < num_datasets; d++) w[d] = (double)sizes[d] / (double)total;
+    for (int64_t s = 0; s < total && unspent > 0; s++) {
+        double x = s > 1 ? (double)s : 1.0;
+        int best = -1;
+        double best_err = -1.7976931348623157e308; /* numeric_limits<double>::lowest() */
+        for (int d = 0; d < num_datasets; d++) {
+            if (spent[d]) continue;
+            double e = w[d] * x - (double)count[d];
+            if (e > best_err) {
+                best_err = e;
+                best = d;
+            }
+        }
+        dataset_index[s] = (int16_t)best;
+        dataset_sample_index[s] = count[best]++;
+        if ((double)sizes[best] - (double)count[best] == 0) {
+            spent[best] = 1;
+            unspent--;
+        }
+    }
+    free(count);
+    free(w);
+    free(spent);
+}
+
+int64_t mt_sampler_index(int64_t consumed_samples, int64_t micro_batch_size, int dp_rank, int64_t k) {
+    return consumed_samples + (int64_t)dp_rank * micro_batch_size + k;
+}
+
+struct mt_gpt_data {
+    int num_prefixes;
+    int blended;
+    int seq_length;
+    mt_split_matrix split;
+    mt_indexed_dataset** indexed;  /* [num_prefixes] */
+    mt_gpt_dataset** mid[3];       /* [num_prefixes] per split; NULL entries for an empty split */
+    int64_t size[3];
+    int16_t* dataset_index[3];
+    int64_t* dataset_sample_index[3];
+};
+
+void mt_gpt_data_close(mt_gpt_data* d) {
+    if (!d) return;
+    for (int s = 0; s < 3; s++) {
+        if (d->mid[s])
+            for (int k = 0; k < d->num_prefixes; k++) mt_gpt_dataset_free(d->mid[s][k]);
+        free(d->mid[s]);
+        free(d->dataset_index[s]);
+        free(d->dataset_sample_index[s]);
+    }
+    if (d->indexed)
+        for (int k = 0; k < d->num_prefixes; k++) mt_indexed_dataset_close(d->indexed[k]);
+    free(d->indexed);
+    free(d);
+}
+
+static mt_status mt__gpt_data_build(mt_gpt_data* d, const double* weights, uint32_t seed, const int64_t num_samples[3],
+                                    mt_error* err) {
+    const int K = d->num_prefixes;
+    double* w1 = (double*)calloc((size_t)K, sizeof(double));
+    double* w2 = (double*)calloc((size_t)K, sizeof(double));
+    int64_t* target = (int64_t*)malloc((size_t)K * sizeof(int64_t));
+    mt_status st = MT_OK;
+    if (!w1 || !w2 || !target) { st = mt_fail(err, MT_ERR_OOM, "out of memory"); goto done; }
+    if (weights) {
+        for (int k = 0; k < K; k++)
+            if (!(weights[k] > 0) || weights[k] > 1e300) {
+                st = mt_fail(err, MT_ERR_ARG, "--data-path weight %g of %s must be a positive number", weights[k],
+                             d->indexed[k]->prefix);
+                goto done;
+            }
+        mt_normalize_weights(weights, K, w1); /* the builder normalizes ... */
+        mt_normalize_weights(w1, K, w2);     /* ... and BlendedDataset again (bitwise as Megatron) */
+    }
+    for (int s = 0; s < 3; s++) {
+        d->mid[s] = (mt_gpt_dataset**)calloc((size_t)K, sizeof(mt_gpt_dataset*));
+        if (!d->mid[s]) { st = mt_fail(err, MT_ERR_OOM, "out of memory"); goto done; }
+        if (!d->split.present[s]) continue;
+        const int64_t t = num_samples[s];
+        if (weights && t < 0) {
+            st = mt_fail(err, MT_ERR_CONFIG, "the %s split needs a sample count to blend datasets with weights",
+                         mt_split_name(s));
+            goto done;
+        }
+        for (int k = 0; k < K; k++) {
+            int64_t request;
+            if (!d->blended) request = t;
+            else if (!weights) request = -1; /* one epoch */
+            else {
+                target[k] = (int64_t)ceil((double)t * w1[k]);
+                request = (int64_t)ceil((double)target[k] * (1.0 + MT_MID_LEVEL_DATASET_SURPLUS));
+            }
+            int64_t b, e;
+            mt_split_range(&d->split, s, d->indexed[k]->num_sequences, &b, &e);
+            st = mt_gpt_dataset_build(&d->mid[s][k], d->indexed[k], b, e, d->seq_length, seed, request, err);
+            if (st != MT_OK) goto done;
+        }
+        if (!d->blended) {
+            d->size[s] = d->mid[s][0]->num_samples;
+            continue;
+        }
+        /* The top-level BlendedDataset. */
+        int64_t size = 0;
+        int exhaustive = 0;
+        if (weights) {
+            for (int k = 0; k < K; k++) size += target[k];
+        } else {
+            int64_t total = 0;
+            for (int k = 0; k < K; k++) {
+                w1[k] = (double)d->mid[s][k]->num_samples;
+                total += d->mid[s][k]->num_samples;
+                if (d->mid[s][k]->num_samples == 0) {
+                    st = mt_fail(err, MT_ERR_CONFIG, "%s: the %s split has no samples to blend",
+                                 d->indexed[k]->prefix, mt_split_name(s));
+                    goto done;
+                }
+            }
+            if (t >= 0) {
+                size = t < total ? t : total;
+                mt_normalize_weights(w1, K, w2);
+            } else {
+                size = total;
+                exhaustive = 1;
+            }
+        }
+        d->size[s] = size;
+        d->dataset_index[s] = (int16_t*)malloc((size_t)size * sizeof(int16_t) + 1);
+        d->dataset_sample_index[s] = (int64_t*)malloc((size_t)size * sizeof(int64_t) + 1);
+        if (!d->dataset_index[s] || !d->dataset_sample_index[s]) {
+            st = mt_fail(err, MT_ERR_OOM, "out of memory for the %s blend (%lld samples)", mt_split_name(s),
+                         (long long)size);
+            goto done;
+        }
+        if (exhaustive) {
+            for (int k = 0; k < K; k++) target[k] = d->mid[s][k]->num_samples;
+            mt_build_exhaustive_blending_indices(target, K, d->dataset_index[s], d->dataset_sample_index[s]);
+        } else {
+            mt_build_blending_indices(w2, K, size, d->dataset_index[s], d->dataset_sample_index[s]);
+        }
+        /* Megatron raises IndexError when the blend oversamples a dataset. */
+        for (int k = 0; k < K; k++) target[k] = 0;
+        for (int64_t i = 0; i < size; i++) target[d->dataset_index[s][i]]++;
+        for (int k = 0; k < K; k++)
+            if (target[k] > d->mid[s][k]->num_samples) {
+                st = mt_fail(err, MT_ERR_CONFIG,
+                             "the %s blend draws %lld samples from %s, which has only %lld (raise the mid-level surplus)",
+                             mt_split_name(s), (long long)target[k], d->indexed[k]->prefix,
+                             (long long)d->mid[s][k]->num_samples);
+                goto done;
+            }
+    }
+done:
+    free(w1);
+    free(w2);
+    free(target);
+    return st;
+}
+
+mt_status mt_gpt_data_open(mt_gpt_data** out, int num_prefixes, const char* const* prefixes, const double* weights,
+                           const char* split, int seq_length, uint32_t seed, const int64_t num_samples[3],
+                           mt_error* err) {
+    *out = NULL;
+    if (num_prefixes < 1) return mt_fail(err, MT_ERR_ARG, "no --data-path given");
+    if (num_prefixes >= 32767) return mt_fail(err, MT_ERR_ARG, "too many datasets to blend (%d)", num_prefixes);
+    mt_gpt_data* d = (mt_gpt_data*)calloc(1, sizeof(mt_gpt_data));
+    if (!d) return mt_fail(err, MT_ERR_OOM, "out of memory");
+    d->num_prefixes = num_prefixes;
+    d->seq_length = seq_length;
+    d->blended = num_prefixes > 1 || weights != NULL;
+    mt_status st = mt_split_parse(split ? split : "969, 30, 1", &d->split, err);
+    if (st == MT_OK) {
+        d->indexed = (mt_indexed_dataset**)calloc((size_t)num_prefixes, sizeof(mt_indexed_dataset*));
+        if (!d->indexed) st = mt_fail(err, MT_ERR_OOM, "out of memory");
+    }
+    for (int k = 0; st == MT_OK && k < num_prefixes; k++) st = mt_indexed_dataset_open(&d->indexed[k], prefixes[k], err);
+    if (st == MT_OK) st = mt__gpt_data_build(d, weights, seed, num_samples, err);
+    if (st != MT_OK) {
+        mt_gpt_data_close(d);
+        return st;
+    }
+    *out = d;
+    return MT_OK;
+}
+
+int64_t mt_gpt_data_num_samples(const mt_gpt_data* d, int split) {
+    if (split < 0 || split > 2) return 0;
+    return d->size[split];
+}
+
+mt_status mt_gpt_data_get(const mt_gpt_data* d, int split, int64_t index, int32_t* tokens, mt_error* err) {
+    if (split < 0 || split > 2) return mt_fail(err, MT_ERR_ARG, "no split %d", split);
+    if (index < 0 || index >= d->size[split])
+        return mt_fail(err, MT_ERR_RANGE, "%s sample %lld out of range [0, %lld)", mt_split_name(split),
+                       (long long)index, (long long)d->size[split]);
+    if (!d->blended) return mt_gpt_dataset_get(d->mid[split][0], index, tokens, err);
+    return mt_gpt_dataset_get(d->mid[split][d->dataset_index[split][index]], d->dataset_sample_index[split][index],
+                              tokens, err);
+}
+
+int mt_gpt_data_num_datasets(const mt_gpt_data* d) { return d->num_prefixes; }
+const mt_indexed_dataset* mt_gpt_data_indexed(const mt_gpt_data* d, int k) { return d->indexed[k]; }
+int mt_gpt_data_is_blended(const mt_gpt_data* d) { return d->blended; }
+const mt_split_matrix* mt_gpt_data_split_matrix(const mt_gpt_data* d) { return &d->split; }
+
+const mt_gpt_dataset* mt_gpt_data_dataset(const mt_gpt_data* d, int split, int k) {
+    if (split < 0 || split > 2 || k < 0 || k >= d->num_prefixes) return NULL;
+    return d->mid[split][k];
+}
+
+const int16_t* mt_gpt_data_blend_dataset_index(const mt_gpt_data* d, int split) {
+    return split >= 0 && split <= 2 ? d->dataset_index[split] : NULL;
+}
+
+const int64_t* mt_gpt_data_blend_sample_index(const mt_gpt_data* d, int split) {
+    return split >= 0 && split <= 2 ? d->dataset_sample_index[split] : NULL;
+}
+
+/* 4. .npy writer ------------------------------------------------------------------------------- */
+
+mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int64_t* shape, const void* data,
+                       mt_error* err) {
+    static const char* const descrs[] = {"<i2", "<i4", "<i8", "<u2", "<u4", "<u8", "|i1", "|u1", "<f4", "<f8"};
+    static const size_t sizes[] = {2, 4, 8, 2, 4, 8, 1, 1, 4, 8};
+    size_t itemsize = 0;
+    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++)
+        if (strcmp(dtype, descrs[i]) == 0) itemsize = sizes[i];
+    if (!itemsize) return mt_fail(err, MT_ERR_ARG, "%s: unsupported .npy dtype \"%s\"", path, dtype);
+    if (ndim < 0 || ndim > 8) return mt_fail(err, MT_ERR_ARG, "%s: %d dimensions", path, ndim);
+    /* numpy.lib.format 1.0 as numpy.save writes it: the dict repr, spaces for the first axis to grow
+     * to 21 digits, then spaces and '\n' up to a multiple of 64 bytes including the 10-byte preamble. */
+    char header[512], shape_str[256];
+    int64_t count = 1;
+    size_t n = 0;
+    shape_str[0] = 0;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0) return mt_fail(err, MT_ERR_ARG, "%s: negative dimension", path);
+        count *= shape[i];
+        n += (size_t)snprintf(shape_str + n, sizeof(shape_str) - n, i == 0 ? "%lld" : ", %lld", (long long)shape[i]);
+    }
+    if (ndim == 1) n += (size_t)snprintf(shape_str + n, sizeof(shape_str) - n, ",");
+    int len = snprintf(header, sizeof(header), "{'descr': '%s', 'fortran_order': False, 'shape': (%s), }", dtype,
+                       shape_str);
+    if (ndim > 0) {
+        char first[32];
+        int digits = snprintf(first, sizeof(first), "%lld", (long long)shape[0]);
+        for (int i = digits; i < 21; i++) header[len++] = ' ';
+    }
+    int total = 10 + len + 1;
+    int pad = 64 - total % 64; /* numpy pads 1..64 bytes, never 0 */
+    for (int i = 0; i < pad; i++) header[len++] = ' ';
+    header[len++] = '\n';
+    unsigned char pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (unsigned char)(len & 0xff),
+                             (unsigned char)(len >> 8)};
+
+    char suffix[64];
+    snprintf(suffix, sizeof(suffix), ".tmp.%ld", (long)getpid());
+    char* tmp = mt__concat(path, suffix);
+    if (!tmp) return mt_fail(err, MT_ERR_OOM, "out of memory");
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) {
+        mt_status st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", tmp, strerror(errno));
+        free(tmp);
+        return st;
+    }
+    int failed = mt__write_all(fd, pre, 10) || mt__write_all(fd, header, (size_t)len) ||
+                 (count > 0 && mt__write_all(fd, data, (size_t)count * itemsize));
+    int e = errno;
+    if (close(fd) != 0 && !failed) { failed = 1; e = errno; }
+    if (!failed && rename(tmp, path) != 0) { failed = 1; e = errno; }
+    if (failed) {
+        unlink(tmp);
+        free(tmp);
+        return mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(e));
+    }
+    free(tmp);
+    return MT_OK;
+}
 
 /* 5. Training configuration, learning-rate schedule, FLOP formula ------------------------------ */
 

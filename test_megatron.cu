@@ -11,6 +11,7 @@
 #include "tests/test_common.h"
 #include "tests/test_dataset.h"
 #include "tests/test_tokenizer.h"
+#include "tests/test_train.h"
 #include "tests/test_gpu.h"
 
 typedef struct {
@@ -26,6 +27,7 @@ int main(int argc, char** argv) {
     test_group groups[] = {
         GROUP("dataset", dataset_tests),
         GROUP("tokenizer", tokenizer_tests),
+        GROUP("train", train_tests),
         GROUP("gpu", gpu_tests),
     };
     int passed = 0, failed = 0, skipped = 0;

@@ -1,7 +1,7 @@
 /* tests/test_common.h — the tiny test harness shared by every test file of test_megatron.
  *
  * A test is `static test_result test_name(void)`; it returns TEST_PASS, or fails/skips through the
- * macros below, which print one line saying where and why. Each tests/*.h file ends with a table of
+ * macros below, which print one line saying where and why. Each file under tests/ ends with a table of
  * its tests (test_case[]), which test_megatron.cu runs in order. */
 #ifndef MT_TEST_COMMON_H
 #define MT_TEST_COMMON_H
@@ -29,13 +29,15 @@ typedef struct {
         }                                                                    \
     } while (0)
 
+static inline const char* test_error_message(const mt_error* e) { return e ? e->message : ""; }
+
 /* Fail unless an mt_status is MT_OK, printing the library's message. */
 #define EXPECT_OK(call, errp)                                                              \
     do {                                                                                   \
         mt_status st_ = (call);                                                            \
         if (st_ != MT_OK) {                                                                \
             printf("    FAIL %s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call,            \
-                   mt_status_name(st_), (errp) ? (errp)->message : "");                    \
+                   mt_status_name(st_), test_error_message(errp));                         \
             return TEST_FAIL;                                                              \
         }                                                                                  \
     } while (0)

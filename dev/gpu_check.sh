@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# dev/gpu_check.sh — the one command to run on a GPU machine: build for sm_90, run the test suite
+# (GPU tests included; multi-GPU tests under mpirun when several GPUs are visible), run the
+# built-in training job, and end with a short summary table. Logs go to $OUT (or /tmp/mt_gpu_check).
+#   dev/gpu_check.sh            everything
+#   dev/gpu_check.sh tests      build + tests only
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/mt_gpu_check}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0
+what=${1:-all}
+declare -a rows
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+
+start=$(date +%s)
+if make -j"$(nproc)" GPU_ARCH=90 all >"$OUT/build.log" 2>&1; then
+  rows+=("build (sm_90)|ok|$(( $(date +%s) - start )) s")
+else
+  tail -30 "$OUT/build.log"; rows+=("build (sm_90)|FAILED|see build.log")
+  printf '%s\n' "${rows[@]}" | column -t -s'|'; exit 1
+fi
+
+./test_megatron 2>&1 | tee "$OUT/test.log"
+rows+=("test_megatron|$(tail -n1 "$OUT/test.log")|")
+if [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null && grep -q "mpi" "$OUT/test.log" 2>/dev/null; then
+  mpirun --allow-run-as-root -np "$ngpu" ./test_megatron mpi 2>&1 | tee "$OUT/test_mpi.log"
+  rows+=("test_megatron (mpirun -np $ngpu)|$(tail -n1 "$OUT/test_mpi.log")|")
+fi
+
+if [ "$what" = all ]; then
+  rm -rf checkpoints/builtin
+  start=$(date +%s)
+  ./train_gpt 2>&1 | tee "$OUT/train_builtin.log"
+  last=$(grep " iteration " "$OUT/train_builtin.log" | tail -n1)
+  val=$(grep "validation loss" "$OUT/train_builtin.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
+  ms=$(echo "$last" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
+  tf=$(echo "$last" | sed 's/.*TFLOP\/s\/GPU): \([^ ]*\).*/\1/')
+  loss=$(echo "$last" | sed 's/.*lm loss: \([^ ]*\).*/\1/')
+  rows+=("train_gpt (built-in job)|loss $loss val $val|${ms} ms/iter ${tf} TFLOP/s $(( $(date +%s) - start )) s")
+fi
+
+echo
+echo "==== summary ($(head -n1 "$OUT/gpu.txt")) ===="
+printf '%s\n' "${rows[@]}" | column -t -s'|'

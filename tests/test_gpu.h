@@ -1,0 +1,509 @@
+/* tests/test_gpu.h — GPU tests of the GPT core: parity with the float64 PyTorch reference
+ * (dev/ref_gpt.py -> dev/data/gpt_vectors/NAME.bin: logits, loss, every gradient, S AdamW steps),
+ * determinism, save/resume, the fp16 loss scaler, initialisation, checkpoint validation.
+ * Every test skips when no GPU is visible.
+ *
+ * Tolerances. Errors are measured per tensor as ||ours - ref|| / ||ref|| (norm-wise relative), which
+ * is what rounding error bounds speak of; elementwise ratios explode on entries near zero.
+ *   fp32: every GEMM runs in true fp32 (no TF32), so errors are a few fp32 ulps amplified by depth:
+ *         1e-5 on logits, loss and gradients. After S Adam steps: 1e-5 on the weights, because Adam's
+ *         update m/sqrt(v) is scale-free, so a gradient error of e moves a weight by about lr*e.
+ *   bf16: weights and activations carry 8 mantissa bits (relative rounding 2^-9 = 2e-3 per value),
+ *         accumulated over ~10 roundings per layer on the forward path: 3e-2 on logits and gradients
+ *         of this 2-layer model, 1e-2 relative on losses; weights after S steps within 3e-3 (the fp32
+ *         master moves by lr-sized steps, so errors stay a small fraction of the update).
+ * Excluded by design: the key-bias entries of qkv_bias. Their exact gradient is 0 (softmax is
+ * invariant to a constant added to every score), so both sides hold rounding noise there and Adam
+ * normalises noise into lr-sized steps; the test instead checks that those gradients are ~0. */
+#ifndef MT_TEST_GPU_H
+#define MT_TEST_GPU_H
+
+static int gpu_available(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return n > 0;
+}
+#define REQUIRE_GPU() \
+    do { if (!gpu_available()) SKIP("no GPU visible"); } while (0)
+
+/* ---- reading dev/ref_gpt.py's vector files ---- */
+
+typedef struct {
+    int32_t header[256];
+    float hyper[64];
+    int L, h, heads, f, Vp, P, T, G, mb, S, groups;
+    int64_t n;           /* parameter floats */
+    float* params0;      /* [n] */
+    int32_t* tokens;     /* [S, G, T+1] */
+    float* logits;       /* [G, T, Vp] */
+    float loss0;
+    float* grads0;       /* [n] */
+    float* losses;       /* [S] */
+    float* grad_norms;   /* [S] */
+    float* lrs;          /* [S] */
+    float* params_final; /* [n] */
+    char* blob;
+} gpt_vectors;
+
+static int load_gpt_vectors(gpt_vectors* v, const char* path) {
+    size_t size = 0;
+    memset(v, 0, sizeof(*v));
+    v->blob = test_read_file(path, &size);
+    if (!v->blob || size < 1024 + 256) return 0;
+    memcpy(v->header, v->blob, 1024);
+    memcpy(v->hyper, v->blob + 1024, 256);
+    if (v->header[0] != 20261121 || v->header[1] != 1) return 0;
+    v->L = v->header[3]; v->h = v->header[4]; v->heads = v->header[5]; v->f = v->header[6]; v->Vp = v->header[7];
+    v->P = v->header[8]; v->T = v->header[9]; v->G = v->header[10]; v->mb = v->header[11]; v->S = v->header[12];
+    v->n = v->header[13]; v->groups = v->header[14];
+    char* p = v->blob + 1280;
+    v->params0 = (float*)p; p += 4 * v->n;
+    v->tokens = (int32_t*)p; p += 4 * (size_t)v->S * v->G * (v->T + 1);
+    v->logits = (float*)p; p += 4 * (size_t)v->G * v->T * v->Vp;
+    memcpy(&v->loss0, p, 4); p += 4;
+    v->grads0 = (float*)p; p += 4 * v->n;
+    v->losses = (float*)p; p += 4 * v->S;
+    v->grad_norms = (float*)p; p += 4 * v->S;
+    v->lrs = (float*)p; p += 4 * v->S;
+    v->params_final = (float*)p; p += 4 * v->n;
+    return (size_t)(p - v->blob) == size;
+}
+
+static mt_config config_from_vectors(const gpt_vectors* v, mt_precision precision) {
+    mt_config c;
+    mt_config_defaults(&c);
+    c.num_layers = v->L;
+    c.hidden_size = v->h;
+    c.num_attention_heads = v->heads;
+    c.num_query_groups = v->groups;
+    c.ffn_hidden_size = v->f;
+    c.vocab_size = v->Vp;
+    c.seq_length = v->T;
+    c.max_position_embeddings = v->P;
+    c.micro_batch_size = v->mb;
+    c.global_batch_size = v->G;
+    c.train_iters = v->S;
+    c.lr = v->hyper[0];
+    c.min_lr = v->hyper[1];
+    c.lr_warmup_iters = (int64_t)v->hyper[2];
+    c.lr_decay_iters = (int64_t)v->hyper[3];
+    c.lr_decay_style = MT_LR_COSINE;
+    c.adam_beta1 = v->hyper[4];
+    c.adam_beta2 = v->hyper[5];
+    c.adam_eps = v->hyper[6];
+    c.weight_decay = v->hyper[7];
+    c.clip_grad = v->hyper[8];
+    c.norm_epsilon = v->hyper[9];
+    c.precision = precision;
+    return c;
+}
+
+static double rel_error(const float* a, const float* ref, int64_t n, const unsigned char* skip) {
+    double num = 0.0, den = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        if (skip && skip[i]) continue;
+        double d = (double)a[i] - (double)ref[i];
+        if (d != d) return INFINITY;
+        num += d * d;
+        den += (double)ref[i] * ref[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* Marks the key-bias entries of qkv_bias in a parameter-sized mask. */
+static unsigned char* key_bias_mask(const mt_config* c) {
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    int64_t n = mt_param_layout(c, info);
+    unsigned char* mask = (unsigned char*)calloc((size_t)n, 1);
+    int qpg = c->num_attention_heads / c->num_query_groups, d = c->kv_channels;
+    int width = (c->num_attention_heads + 2 * c->num_query_groups) * d;
+    for (int l = 0; l < c->num_layers; l++)
+        for (int g = 0; g < c->num_query_groups; g++)
+            for (int e = 0; e < d; e++)
+                mask[info[MT_P_QKV_BIAS].offset + (int64_t)l * width + (int64_t)g * (qpg + 2) * d + qpg * d + e] = 1;
+    return mask;
+}
+
+/* Compares ours vs ref tensor by tensor; prints every tensor's error; returns the worst. */
+static double compare_params(const char* what, const mt_config* c, const float* ours, const float* ref,
+                             const unsigned char* skip, int verbose) {
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(c, info);
+    double worst = 0.0;
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
+        double e = rel_error(ours + info[i].offset, ref + info[i].offset, info[i].numel,
+                             skip ? skip + info[i].offset : NULL);
+        if (verbose) printf("      %-8s %-20s rel err %.3e\n", what, info[i].name, e);
+        if (!(e <= worst)) worst = e;
+    }
+    return worst;
+}
+
+/* The vector check for one file and precision. */
+static test_result check_against_reference(const char* path, mt_precision precision, double tol_logits,
+                                           double tol_loss, double tol_grads, double tol_steps_loss,
+                                           double tol_params) {
+    REQUIRE_GPU();
+    gpt_vectors v;
+    if (!load_gpt_vectors(&v, path)) {
+        free(v.blob);
+        printf("    FAIL cannot read test vectors %s (run dev/ref_gpt.py)\n", path);
+        return TEST_FAIL;
+    }
+    mt_config c = config_from_vectors(&v, precision);
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT(c.padded_vocab_size == v.Vp && mt_num_parameters(&c) == v.n, "shape mismatch with %s", path);
+    unsigned char* mask = key_bias_mask(&c);
+    float* buf = (float*)malloc(sizeof(float) * (size_t)(v.n > (int64_t)v.G * v.T * v.Vp ? v.n : (int64_t)v.G * v.T * v.Vp));
+    test_result result = TEST_PASS;
+    mt_trainer* t = NULL;
+#define CHECK_OR_FAIL(cond, ...)                                            \
+    do {                                                                    \
+        if (!(cond)) {                                                      \
+            printf("    FAIL %s:%d: ", __FILE__, __LINE__);                 \
+            printf(__VA_ARGS__);                                            \
+            printf("\n");                                                   \
+            result = TEST_FAIL;                                             \
+            goto done;                                                      \
+        }                                                                   \
+    } while (0)
+#define OK_OR_FAIL(call)                                                                              \
+    do {                                                                                              \
+        mt_status st_ = (call);                                                                       \
+        CHECK_OR_FAIL(st_ == MT_OK, "%s -> %s: %s", #call, mt_status_name(st_), err.message);        \
+    } while (0)
+    {
+        OK_OR_FAIL(mt_trainer_create(&t, &c, &err));
+        OK_OR_FAIL(mt_trainer_set_parameters(t, v.params0, &err));
+
+        /* 1. logits of step 0's batch, one micro-batch at a time */
+        int32_t* rows = (int32_t*)malloc(sizeof(int32_t) * (size_t)v.mb * v.T);
+        double worst_logits = 0.0;
+        for (int m = 0; m < v.G / v.mb; m++) {
+            for (int b = 0; b < v.mb; b++)
+                memcpy(rows + (size_t)b * v.T, v.tokens + ((size_t)m * v.mb + b) * (v.T + 1), sizeof(int32_t) * v.T);
+            mt_status st = mt_trainer_logits(t, rows, buf, &err);
+            if (st != MT_OK) { free(rows); OK_OR_FAIL(st); }
+            double e = rel_error(buf, v.logits + (size_t)m * v.mb * v.T * v.Vp, (int64_t)v.mb * v.T * v.Vp, NULL);
+            if (e > worst_logits) worst_logits = e;
+        }
+        free(rows);
+        printf("      logits rel err %.3e (tol %.1e)\n", worst_logits, tol_logits);
+        CHECK_OR_FAIL(worst_logits <= tol_logits, "logits rel err %.3e > %.1e", worst_logits, tol_logits);
+
+        /* 2. loss and every gradient of step 0's batch (G/mb micro-batches accumulated) */
+        double loss = 0.0;
+        OK_OR_FAIL(mt_trainer_compute_gradients(t, v.tokens, v.G / v.mb, &loss, &err));
+        double loss_err = fabs(loss - v.loss0) / fabs(v.loss0);
+        printf("      loss %.7f ref %.7f rel err %.3e (tol %.1e)\n", loss, v.loss0, loss_err, tol_loss);
+        CHECK_OR_FAIL(loss_err <= tol_loss, "loss %.7f vs %.7f", loss, v.loss0);
+        OK_OR_FAIL(mt_trainer_get_gradients(t, buf, &err));
+        double worst_grad = compare_params("grad", &c, buf, v.grads0, mask, 1);
+        CHECK_OR_FAIL(worst_grad <= tol_grads, "gradient rel err %.3e > %.1e", worst_grad, tol_grads);
+        double key_bias_max = 0.0;
+        for (int64_t i = 0; i < v.n; i++)
+            if (mask[i] && fabs(buf[i]) > key_bias_max) key_bias_max = fabs(buf[i]);
+        printf("      key-bias gradient max |g| %.3e (exactly 0 in exact arithmetic)\n", key_bias_max);
+        CHECK_OR_FAIL(key_bias_max < 1e-4, "key-bias gradient %.3e is not ~0", key_bias_max);
+        mt_trainer_free(t);
+        t = NULL;
+
+        /* 3. S optimizer steps from params0 */
+        OK_OR_FAIL(mt_trainer_create(&t, &c, &err));
+        OK_OR_FAIL(mt_trainer_set_parameters(t, v.params0, &err));
+        for (int k = 0; k < v.S; k++) {
+            mt_step_result r;
+            OK_OR_FAIL(mt_trainer_train_step(t, v.tokens + (size_t)k * v.G * (v.T + 1), &r, &err));
+            double le = fabs(r.lm_loss - v.losses[k]) / fabs(v.losses[k]);
+            double ne = fabs(r.grad_norm - v.grad_norms[k]) / fabs(v.grad_norms[k]);
+            double lre = fabs(r.learning_rate - v.lrs[k]);
+            printf("      step %2d loss %.6f ref %.6f | norm %.5f ref %.5f | lr %.4e ref %.4e\n", k, r.lm_loss,
+                   v.losses[k], r.grad_norm, v.grad_norms[k], r.learning_rate, v.lrs[k]);
+            CHECK_OR_FAIL(le <= tol_steps_loss, "step %d loss rel err %.3e", k, le);
+            CHECK_OR_FAIL(ne <= 10 * tol_grads, "step %d grad norm rel err %.3e", k, ne);
+            CHECK_OR_FAIL(lre <= 1e-9 + 1e-6 * v.lrs[k], "step %d lr %.9g vs %.9g", k, r.learning_rate, v.lrs[k]);
+        }
+        OK_OR_FAIL(mt_trainer_get_parameters(t, buf, &err));
+        double worst_params = compare_params("weights", &c, buf, v.params_final, mask, 1);
+        CHECK_OR_FAIL(worst_params <= tol_params, "weights after %d steps rel err %.3e > %.1e", v.S, worst_params,
+                      tol_params);
+    }
+done:
+#undef CHECK_OR_FAIL
+#undef OK_OR_FAIL
+    if (t) mt_trainer_free(t);
+    free(mask);
+    free(buf);
+    free(v.blob);
+    return result;
+}
+
+static test_result test_gpt2_tiny_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_tiny.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_gpt2_small_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_small.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_gpt2_tiny_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_tiny.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 3e-3);
+}
+static test_result test_gpt2_small_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_small.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 3e-3);
+}
+
+/* ---- determinism, resume, fp16 scaler, initialisation, checkpoint validation ---- */
+
+static mt_config gpu_small_config(mt_precision precision) {
+    mt_config c;
+    mt_config_defaults(&c);
+    c.num_layers = 2;
+    c.hidden_size = 128;
+    c.num_attention_heads = 4;
+    c.seq_length = 64;
+    c.vocab_size = 1000;
+    c.micro_batch_size = 4;
+    c.global_batch_size = 8;
+    c.train_iters = 20;
+    c.lr = 1e-3;
+    c.min_lr = 1e-4;
+    c.lr_warmup_iters = 3;
+    c.lr_decay_style = MT_LR_COSINE;
+    c.precision = precision;
+    return c;
+}
+
+/* Random tokens with a little structure (so the loss can fall), from a fixed LCG. */
+static void fill_tokens(int32_t* tokens, int64_t n, int vocab, uint64_t seed) {
+    uint64_t x = seed * 6364136223846793005ull + 1442695040888963407ull;
+    for (int64_t i = 0; i < n; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        int r = (int)((x >> 33) % (uint64_t)vocab);
+        tokens[i] = (i % 3 == 2) ? (tokens[i - 1] * 7 + 3) % vocab : r;
+    }
+}
+
+static test_result run_steps(mt_config* c, const char* load_dir, const char* save_dir, int first, int count,
+                             double* losses, float* params_out) {
+    mt_error err;
+    mt_trainer* t = NULL;
+    EXPECT_OK(mt_trainer_create(&t, c, &err), &err);
+    if (load_dir) {
+        int64_t it = 0, consumed = 0;
+        mt_status st = mt_trainer_load(t, load_dir, -1, &it, &consumed, &err);
+        if (st != MT_OK) { mt_trainer_free(t); EXPECT_OK(st, &err); }
+        EXPECT(it == first && consumed == (int64_t)first * c->global_batch_size, "resumed at %lld", (long long)it);
+    }
+    int64_t per_step = (int64_t)c->global_batch_size * (c->seq_length + 1);
+    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * per_step);
+    for (int k = first; k < first + count; k++) {
+        fill_tokens(tokens, per_step, (int)c->vocab_size, 1000 + k);
+        mt_step_result r;
+        mt_status st = mt_trainer_train_step(t, tokens, &r, &err);
+        if (st != MT_OK) { free(tokens); mt_trainer_free(t); EXPECT_OK(st, &err); }
+        losses[k] = r.lm_loss;
+    }
+    free(tokens);
+    if (save_dir) {
+        mt_status st = mt_trainer_save(t, save_dir, first + count, (int64_t)(first + count) * c->global_batch_size, &err);
+        if (st != MT_OK) { mt_trainer_free(t); EXPECT_OK(st, &err); }
+    }
+    if (params_out) {
+        mt_status st = mt_trainer_get_parameters(t, params_out, &err);
+        if (st != MT_OK) { mt_trainer_free(t); EXPECT_OK(st, &err); }
+    }
+    mt_trainer_free(t);
+    return TEST_PASS;
+}
+
+static test_result determinism_and_resume(mt_precision precision) {
+    REQUIRE_GPU();
+    mt_config c = gpu_small_config(precision);
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    int64_t n = mt_num_parameters(&c);
+    double a[20], b[20], r[20];
+    float* pa = (float*)malloc(sizeof(float) * n);
+    float* pb = (float*)malloc(sizeof(float) * n);
+    float* pr = (float*)malloc(sizeof(float) * n);
+    char dir[256];
+    snprintf(dir, sizeof(dir), "/tmp/mt_test_ckpt_%d_%d", (int)getpid(), (int)precision);
+    remove_tree(dir);
+    test_result res = TEST_PASS;
+    if (run_steps(&c, NULL, NULL, 0, 20, a, pa) != TEST_PASS || run_steps(&c, NULL, NULL, 0, 20, b, pb) != TEST_PASS ||
+        run_steps(&c, NULL, dir, 0, 10, r, NULL) != TEST_PASS || run_steps(&c, dir, NULL, 10, 10, r, pr) != TEST_PASS) {
+        res = TEST_FAIL;
+    } else {
+        for (int k = 0; k < 20 && res == TEST_PASS; k++) {
+            if (memcmp(&a[k], &b[k], sizeof(double)) != 0) {
+                printf("    FAIL step %d: two runs differ (%.9g vs %.9g)\n", k, a[k], b[k]);
+                res = TEST_FAIL;
+            } else if (memcmp(&a[k], &r[k], sizeof(double)) != 0) {
+                printf("    FAIL step %d: 10 + save + load + 10 differs from 20 straight (%.9g vs %.9g)\n", k, r[k], a[k]);
+                res = TEST_FAIL;
+            }
+        }
+        if (res == TEST_PASS && memcmp(pa, pb, sizeof(float) * n) != 0) {
+            printf("    FAIL final weights of two runs differ\n");
+            res = TEST_FAIL;
+        }
+        if (res == TEST_PASS && memcmp(pa, pr, sizeof(float) * n) != 0) {
+            printf("    FAIL final weights after resume differ\n");
+            res = TEST_FAIL;
+        }
+        if (res == TEST_PASS && !(a[19] < a[0])) {
+            printf("    FAIL loss did not fall: %.5f -> %.5f\n", a[0], a[19]);
+            res = TEST_FAIL;
+        }
+        printf("      losses %.6f -> %.6f, bitwise equal across runs and across save/load\n", a[0], a[19]);
+    }
+    remove_tree(dir);
+    free(pa);
+    free(pb);
+    free(pr);
+    return res;
+}
+static test_result test_determinism_and_resume_bf16(void) { return determinism_and_resume(MT_BF16); }
+static test_result test_determinism_and_resume_fp32(void) { return determinism_and_resume(MT_FP32); }
+
+/* fp16 with Megatron's initial scale 2^32 overflows at first: those steps are skipped (weights
+ * untouched, scheduler not advanced) and the scale backs off per the hysteresis rule until steps
+ * go through. */
+static test_result test_fp16_loss_scaler(void) {
+    REQUIRE_GPU();
+    mt_config c = gpu_small_config(MT_FP16);
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    mt_trainer* t = NULL;
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    int64_t n = mt_num_parameters(&c), per_step = (int64_t)c.global_batch_size * (c.seq_length + 1);
+    float* before = (float*)malloc(sizeof(float) * n);
+    float* after = (float*)malloc(sizeof(float) * n);
+    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * per_step);
+    double scale = c.initial_loss_scale, first_loss = 0, last_loss = 0;
+    int hysteresis = c.hysteresis, skipped = 0, taken = 0;
+    test_result res = TEST_PASS;
+    for (int k = 0; k < 40 && res == TEST_PASS; k++) {
+        fill_tokens(tokens, per_step, (int)c.vocab_size, 1000 + (taken % 20));
+        mt_step_result r;
+        mt_trainer_get_parameters(t, before, &err);
+        if (mt_trainer_train_step(t, tokens, &r, &err) != MT_OK) { printf("    FAIL %s\n", err.message); res = TEST_FAIL; break; }
+        mt_trainer_get_parameters(t, after, &err);
+        if (r.loss_scale != scale) { printf("    FAIL step %d scale %g, expected %g\n", k, r.loss_scale, scale); res = TEST_FAIL; }
+        if (r.skipped) {
+            skipped++;
+            if (memcmp(before, after, sizeof(float) * n) != 0) { printf("    FAIL skipped step %d changed weights\n", k); res = TEST_FAIL; }
+            if (--hysteresis <= 0) scale = scale * 0.5 < 1 ? 1 : scale * 0.5;
+        } else {
+            if (taken == 0) first_loss = r.lm_loss;
+            last_loss = r.lm_loss;
+            taken++;
+            if (memcmp(before, after, sizeof(float) * n) == 0) { printf("    FAIL step %d changed nothing\n", k); res = TEST_FAIL; }
+        }
+    }
+    printf("      %d skipped, %d taken, final scale %g, loss %.4f -> %.4f\n", skipped, taken, scale, first_loss, last_loss);
+    if (res == TEST_PASS && (skipped == 0 || taken < 10)) { printf("    FAIL expected early skips then progress\n"); res = TEST_FAIL; }
+    if (res == TEST_PASS && !(last_loss < first_loss)) { printf("    FAIL loss did not fall\n"); res = TEST_FAIL; }
+    free(before);
+    free(after);
+    free(tokens);
+    mt_trainer_free(t);
+    return res;
+}
+
+/* Megatron's initialisation: normal(std) weights and embeddings, output projections std/sqrt(2L),
+ * biases 0, norm weights 1; different seeds give different weights, the same seed the same. */
+static test_result test_initialisation(void) {
+    REQUIRE_GPU();
+    mt_config c = gpu_small_config(MT_BF16);
+    c.num_layers = 4;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    int64_t n = mt_param_layout(&c, info);
+    float* p = (float*)malloc(sizeof(float) * n);
+    float* q = (float*)malloc(sizeof(float) * n);
+    mt_trainer* t = NULL;
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    mt_trainer_get_parameters(t, p, &err);
+    mt_trainer_free(t);
+    c.seed = 4321;
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    mt_trainer_get_parameters(t, q, &err);
+    mt_trainer_free(t);
+    test_result res = TEST_PASS;
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS && res == TEST_PASS; i++) {
+        double sum = 0, sq = 0;
+        for (int64_t j = 0; j < info[i].numel; j++) {
+            sum += p[info[i].offset + j];
+            sq += (double)p[info[i].offset + j] * p[info[i].offset + j];
+        }
+        double mean = sum / info[i].numel, std = sqrt(sq / info[i].numel - mean * mean);
+        double want_std = info[i].init == 2 ? 0.02 : info[i].init == 3 ? 0.02 / sqrt(8.0) : 0.0;
+        double want_mean = info[i].init == 1 ? 1.0 : 0.0;
+        double tol = want_std > 0 ? 4 * want_std / sqrt((double)info[i].numel) + 0.02 * want_std : 0.0;
+        if (fabs(mean - want_mean) > (want_std > 0 ? 4 * want_std / sqrt((double)info[i].numel) : 0) ||
+            fabs(std - want_std) > tol) {
+            printf("    FAIL %s: mean %.5f std %.5f, expected %.5f / %.5f\n", info[i].name, mean, std, want_mean, want_std);
+            res = TEST_FAIL;
+        }
+    }
+    if (res == TEST_PASS && memcmp(p, q, sizeof(float) * info[MT_P_WORD_EMBEDDINGS].numel) == 0) {
+        printf("    FAIL seeds 1234 and 4321 gave the same embeddings\n");
+        res = TEST_FAIL;
+    }
+    free(p);
+    free(q);
+    return res;
+}
+
+static test_result test_checkpoint_refuses_other_shape(void) {
+    REQUIRE_GPU();
+    mt_config c = gpu_small_config(MT_BF16);
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    char dir[256];
+    snprintf(dir, sizeof(dir), "/tmp/mt_test_shape_%d", (int)getpid());
+    remove_tree(dir);
+    mt_trainer* t = NULL;
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    mt_status st = mt_trainer_save(t, dir, 7, 56, &err);
+    mt_trainer_free(t);
+    EXPECT_OK(st, &err);
+    /* the layout Megatron users expect */
+    char path[512];
+    snprintf(path, sizeof(path), "%s/latest_checkpointed_iteration.txt", dir);
+    char* tracker = test_read_file(path, NULL);
+    EXPECT(tracker && !strcmp(tracker, "7"), "tracker holds '%s'", tracker ? tracker : "(missing)");
+    free(tracker);
+    snprintf(path, sizeof(path), "%s/iter_0000007/mp_rank_00/model_optim_rng.bin", dir);
+    EXPECT(access(path, R_OK) == 0, "missing %s", path);
+    mt_config other = gpu_small_config(MT_BF16);
+    other.hidden_size = 256;
+    EXPECT_OK(mt_config_finalize(&other, &err), &err);
+    EXPECT_OK(mt_trainer_create(&t, &other, &err), &err);
+    err.message[0] = 0;
+    st = mt_trainer_load(t, dir, -1, NULL, NULL, &err);
+    mt_trainer_free(t);
+    remove_tree(dir);
+    EXPECT(st == MT_ERR_CONFIG, "status %d", (int)st);
+    EXPECT(strstr(err.message, "--hidden-size 128 but this run has 256") != NULL, "message: %s", err.message);
+    return TEST_PASS;
+}
+
+static const test_case gpu_tests[] = {
+    {"gpt2_tiny_fp32_matches_reference", test_gpt2_tiny_fp32},
+    {"gpt2_small_fp32_matches_reference", test_gpt2_small_fp32},
+    {"gpt2_tiny_bf16_matches_reference", test_gpt2_tiny_bf16},
+    {"gpt2_small_bf16_matches_reference", test_gpt2_small_bf16},
+    {"determinism_and_resume_bf16", test_determinism_and_resume_bf16},
+    {"determinism_and_resume_fp32", test_determinism_and_resume_fp32},
+    {"fp16_loss_scaler", test_fp16_loss_scaler},
+    {"initialisation", test_initialisation},
+    {"checkpoint_refuses_other_shape", test_checkpoint_refuses_other_shape},
+};
+
+#endif

@@ -1,0 +1,127 @@
+/* tests/test_train.h — host tests of megatron.h section 5: configuration, the learning-rate
+ * schedule and Megatron's FLOP formula. Pure functions: these run everywhere, CI included. */
+#ifndef MT_TEST_TRAIN_H
+#define MT_TEST_TRAIN_H
+
+static mt_config small_test_config(void) {
+    mt_config c;
+    mt_config_defaults(&c);
+    c.num_layers = 2;
+    c.hidden_size = 64;
+    c.num_attention_heads = 4;
+    c.seq_length = 32;
+    c.vocab_size = 500;
+    c.micro_batch_size = 2;
+    c.global_batch_size = 8;
+    c.train_iters = 100;
+    c.lr = 1e-3;
+    return c;
+}
+
+static test_result test_config_derives_megatron_values(void) {
+    mt_config c = small_test_config();
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT(c.ffn_hidden_size == 256, "ffn %d", c.ffn_hidden_size);
+    EXPECT(c.kv_channels == 16, "kv %d", c.kv_channels);
+    EXPECT(c.num_query_groups == 4, "groups %d", c.num_query_groups);
+    EXPECT(c.padded_vocab_size == 512, "padded %lld", (long long)c.padded_vocab_size);
+    EXPECT(c.max_position_embeddings == 32, "positions %d", c.max_position_embeddings);
+    EXPECT(mt_num_micro_batches(&c) == 4, "micro batches %d", mt_num_micro_batches(&c));
+    EXPECT(c.lr_decay_iters == 100, "decay iters %lld", (long long)c.lr_decay_iters);
+    /* Megatron's padding examples: GPT-2 50257 -> 50304 at TP=1, 50432 at TP=4 (multiple of 512) */
+    EXPECT(mt_padded_vocab_size(50257, 128, 1) == 50304, "tp1");
+    EXPECT(mt_padded_vocab_size(50257, 128, 4) == 50688, "tp4 %lld", (long long)mt_padded_vocab_size(50257, 128, 4));
+    EXPECT(mt_padded_vocab_size(128256, 128, 1) == 128256, "llama3");
+    return TEST_PASS;
+}
+
+static test_result test_config_rejects_inconsistent(void) {
+    struct { const char* what; int field; int value; const char* needle; } cases[] = {
+        {"heads", 0, 5, "divisible by --num-attention-heads"},
+        {"global batch", 1, 7, "--global-batch-size"},
+        {"dropout", 2, 1, "dropout"},
+        {"seq > positions", 3, 64, "--max-position-embeddings"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        mt_config c = small_test_config();
+        if (cases[i].field == 0) c.num_attention_heads = cases[i].value;
+        if (cases[i].field == 1) c.global_batch_size = cases[i].value;
+        if (cases[i].field == 2) c.hidden_dropout = 0.1;
+        if (cases[i].field == 3) { c.seq_length = cases[i].value; c.max_position_embeddings = 32; }
+        mt_error err;
+        err.message[0] = 0;
+        mt_status st = mt_config_finalize(&c, &err);
+        EXPECT(st == MT_ERR_CONFIG, "%s: status %d", cases[i].what, (int)st);
+        EXPECT(strstr(err.message, cases[i].needle) != NULL, "%s: message '%s'", cases[i].what, err.message);
+    }
+    return TEST_PASS;
+}
+
+static int close_to(double a, double b, double tol) { return fabs(a - b) <= tol * (fabs(b) > 1 ? fabs(b) : 1); }
+
+/* Values worked out by hand from Megatron's OptimizerParamScheduler (lengths in samples). */
+static test_result test_learning_rate_schedules(void) {
+    mt_config c = small_test_config(); /* gbs 8, train 100 iters */
+    c.lr = 1.0;
+    c.min_lr = 0.1;
+    c.lr_warmup_iters = 10;
+    mt_error err;
+    c.lr_decay_style = MT_LR_COSINE;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT(close_to(mt_learning_rate(&c, 0), 0.0, 1e-12), "warmup starts at 0");
+    EXPECT(close_to(mt_learning_rate(&c, 40), 0.5, 1e-12), "half warmup");
+    EXPECT(close_to(mt_learning_rate(&c, 80), 1.0, 1e-12), "end of warmup");
+    /* halfway through decay: ratio 0.5 -> 0.1 + 0.9 * 0.5 */
+    EXPECT(close_to(mt_learning_rate(&c, 80 + 360), 0.55, 1e-12), "cosine middle %.17g", mt_learning_rate(&c, 440));
+    EXPECT(close_to(mt_learning_rate(&c, 800), 0.1, 1e-12), "end of decay");
+    EXPECT(close_to(mt_learning_rate(&c, 10000), 0.1, 1e-12), "after decay");
+    c.lr_decay_style = MT_LR_LINEAR;
+    EXPECT(close_to(mt_learning_rate(&c, 80 + 180), 0.1 + 0.9 * 0.75, 1e-12), "linear quarter");
+    c.lr_decay_style = MT_LR_CONSTANT;
+    EXPECT(close_to(mt_learning_rate(&c, 500), 1.0, 1e-12), "constant");
+    c.lr_decay_style = MT_LR_INVERSE_SQUARE_ROOT;
+    EXPECT(close_to(mt_learning_rate(&c, 320), sqrt(80.0) / sqrt(320.0), 1e-12), "inverse sqrt");
+    c.lr_decay_style = MT_LR_WSD;
+    c.lr_wsd_decay_iters = 20; /* anneal over the last 160 samples: 640..800 */
+    c.lr_wsd_decay_style = MT_WSD_LINEAR;
+    EXPECT(close_to(mt_learning_rate(&c, 600), 1.0, 1e-12), "wsd stable");
+    EXPECT(close_to(mt_learning_rate(&c, 720), 0.55, 1e-12), "wsd anneal middle %.17g", mt_learning_rate(&c, 720));
+    c.lr_decay_style = MT_LR_COSINE;
+    c.lr_warmup_iters = 0;
+    c.lr_warmup_fraction = 0.25; /* of 800 decay samples -> 200 */
+    EXPECT(close_to(mt_learning_rate(&c, 100), 0.5, 1e-12), "warmup fraction");
+    return TEST_PASS;
+}
+
+static test_result test_flops_formula(void) {
+    /* GPT-2 124M shape: the formula reduces to B*s*(72 L h^2 + 6 s h L + 6 h V) */
+    mt_config c;
+    mt_config_defaults(&c);
+    c.num_layers = 12;
+    c.hidden_size = 768;
+    c.num_attention_heads = 12;
+    c.seq_length = 1024;
+    c.vocab_size = 50257;
+    c.micro_batch_size = 8;
+    c.train_iters = 1;
+    c.lr = 1e-4;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    double B = 8, s = 1024, L = 12, h = 768, V = 50304;
+    double expected = B * s * (72 * L * h * h + 6 * s * h * L + 6 * h * V);
+    double got = mt_flops_per_iteration(&c, 8);
+    EXPECT(fabs(got - expected) / expected < 1e-12, "flops %.6e vs %.6e", got, expected);
+    /* parameters: 124M GPT-2 with padded vocab and 1024 positions = 124,475,904 */
+    EXPECT(mt_num_parameters(&c) == 124475904LL, "params %lld", (long long)mt_num_parameters(&c));
+    return TEST_PASS;
+}
+
+static const test_case train_tests[] = {
+    {"config_derives_megatron_values", test_config_derives_megatron_values},
+    {"config_rejects_inconsistent", test_config_rejects_inconsistent},
+    {"learning_rate_schedules", test_learning_rate_schedules},
+    {"flops_formula", test_flops_formula},
+};
+
+#endif

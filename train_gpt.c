@@ -1,0 +1,678 @@
+/*
+ * train_gpt.c — the command-line trainer: Megatron's pretrain_gpt.py flags -> mt_config, the data
+ * pipeline (Megatron's .bin/.idx datasets and sample index), the training loop through the trainer
+ * API, Megatron's log line, evaluation, checkpoints and a text sample at the end.
+ *
+ *   ./train_gpt                                  the built-in job: a small GPT on tiny shakespeare
+ *   ./train_gpt --num-layers 12 --hidden-size 768 ... --data-path my_text_document
+ *
+ * Without --data-path every flag defaults to the built-in job (the corpus is tokenized on first use
+ * into dev/data/tinyshakespeare_text_document.{bin,idx}). With --data-path, Megatron's defaults and
+ * required flags apply. An unknown flag or an inconsistent configuration is one line and exit 2.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+#ifdef MT_USE_MPI
+#include <mpi.h>
+#endif
+
+#include "megatron.h"
+#define MT_TOKENIZER_IMPLEMENTATION
+#include "prepro/tokenizer.h"
+
+#define MAX_DATA_PATHS 64
+
+/* Everything the command line sets besides the model/optimizer config. */
+typedef struct {
+    mt_config cfg;
+    int num_data_paths;
+    const char* data_paths[MAX_DATA_PATHS];
+    double data_weights[MAX_DATA_PATHS];
+    int weighted;
+    const char* split;
+    const char* tokenizer_type;
+    const char* vocab_file;
+    const char* merge_file;
+    const char* tokenizer_model;
+    int64_t null_vocab_size;
+    int64_t log_interval, eval_interval, eval_iters, save_interval;
+    const char* save;
+    const char* load;
+    int64_t exit_interval;
+    int sample_tokens;
+    double peak_tflops;
+    int builtin; /* no --data-path: the built-in job */
+} run_options;
+
+static void die(int code, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "train_gpt: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+#ifdef MT_USE_MPI
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (initialized) MPI_Abort(MPI_COMM_WORLD, code);
+#endif
+    exit(code);
+}
+
+/* ---- flags ------------------------------------------------------------------------------------ */
+
+typedef enum { F_INT, F_INT64, F_DOUBLE, F_STRING, F_TRUE, F_IGNORED_VALUE, F_IGNORED_SWITCH } flag_kind;
+typedef struct {
+    const char* name;
+    flag_kind kind;
+    void* target;
+} flag_spec;
+
+static int parse_int64(const char* s, int64_t* out) {
+    char* end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end) return 0;
+    *out = v;
+    return 1;
+}
+static int parse_double(const char* s, double* out) {
+    char* end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end) return 0;
+    *out = v;
+    return 1;
+}
+
+static void set_builtin_defaults(run_options* o) {
+    mt_config* c = &o->cfg;
+    c->num_layers = 6;
+    c->hidden_size = 384;
+    c->num_attention_heads = 6;
+    c->seq_length = 256;
+    c->micro_batch_size = 32;
+    c->global_batch_size = 32;
+    c->train_iters = 600;
+    c->lr = 6e-4;
+    c->min_lr = 6e-5;
+    c->lr_warmup_iters = 30;
+    c->lr_decay_style = MT_LR_COSINE;
+    c->weight_decay = 0.1;
+    c->adam_beta2 = 0.95;
+    c->precision = MT_BF16;
+    o->log_interval = 20;
+    o->eval_interval = 100;
+    o->eval_iters = 5;
+    o->save = "checkpoints/builtin";
+    o->save_interval = 0;
+    o->sample_tokens = 128;
+}
+
+static void parse_args(run_options* o, int argc, char** argv) {
+    mt_config* c = &o->cfg;
+    int64_t v64;
+    double vd;
+    int bf16 = 0, fp16 = 0;
+    const char* decay_style = NULL;
+    const char* wsd_style = NULL;
+    const char* normalization = NULL;
+    const char* position_type = NULL;
+    int64_t num_layers = -1, hidden = -1, ffn = -1, heads = -1, groups = -1, kv = -1, seq = -1, maxpos = -1;
+    int64_t divisible = -1, mbs = -1, gbs = -1, iters = -1, warmup = -1, decay_iters = -1, wsd_iters = -1, tp = -1,
+            pp = -1, window = -1, hysteresis = -1, seed = -1;
+    double lr = -1, min_lr = -1, warmup_fraction = -1, warmup_init = -1, b1 = -1, b2 = -1, eps = -1, wd = -1,
+           clip = -1, std = -1, norm_eps = -1, hidden_dropout = -1, attention_dropout = -1, loss_scale = -1,
+           initial_loss_scale = -1, min_loss_scale = -1;
+    int untie = 0, swiglu = 0, no_bias = 0, gqa = 0;
+    flag_spec flags[] = {
+        {"--num-layers", F_INT64, &num_layers},
+        {"--hidden-size", F_INT64, &hidden},
+        {"--ffn-hidden-size", F_INT64, &ffn},
+        {"--num-attention-heads", F_INT64, &heads},
+        {"--num-query-groups", F_INT64, &groups},
+        {"--group-query-attention", F_TRUE, &gqa},
+        {"--kv-channels", F_INT64, &kv},
+        {"--seq-length", F_INT64, &seq},
+        {"--max-position-embeddings", F_INT64, &maxpos},
+        {"--make-vocab-size-divisible-by", F_INT64, &divisible},
+        {"--init-method-std", F_DOUBLE, &std},
+        {"--norm-epsilon", F_DOUBLE, &norm_eps},
+        {"--layernorm-epsilon", F_DOUBLE, &norm_eps},
+        {"--normalization", F_STRING, &normalization},
+        {"--position-embedding-type", F_STRING, &position_type},
+        {"--untie-embeddings-and-output-weights", F_TRUE, &untie},
+        {"--swiglu", F_TRUE, &swiglu},
+        {"--disable-bias-linear", F_TRUE, &no_bias},
+        {"--hidden-dropout", F_DOUBLE, &hidden_dropout},
+        {"--attention-dropout", F_DOUBLE, &attention_dropout},
+        {"--bf16", F_TRUE, &bf16},
+        {"--fp16", F_TRUE, &fp16},
+        {"--loss-scale", F_DOUBLE, &loss_scale},
+        {"--initial-loss-scale", F_DOUBLE, &initial_loss_scale},
+        {"--min-loss-scale", F_DOUBLE, &min_loss_scale},
+        {"--loss-scale-window", F_INT64, &window},
+        {"--hysteresis", F_INT64, &hysteresis},
+        {"--lr", F_DOUBLE, &lr},
+        {"--min-lr", F_DOUBLE, &min_lr},
+        {"--lr-decay-style", F_STRING, &decay_style},
+        {"--lr-warmup-iters", F_INT64, &warmup},
+        {"--lr-warmup-fraction", F_DOUBLE, &warmup_fraction},
+        {"--lr-warmup-init", F_DOUBLE, &warmup_init},
+        {"--lr-decay-iters", F_INT64, &decay_iters},
+        {"--lr-wsd-decay-iters", F_INT64, &wsd_iters},
+        {"--lr-wsd-decay-style", F_STRING, &wsd_style},
+        {"--adam-beta1", F_DOUBLE, &b1},
+        {"--adam-beta2", F_DOUBLE, &b2},
+        {"--adam-eps", F_DOUBLE, &eps},
+        {"--weight-decay", F_DOUBLE, &wd},
+        {"--clip-grad", F_DOUBLE, &clip},
+        {"--micro-batch-size", F_INT64, &mbs},
+        {"--global-batch-size", F_INT64, &gbs},
+        {"--train-iters", F_INT64, &iters},
+        {"--seed", F_INT64, &seed},
+        {"--tensor-model-parallel-size", F_INT64, &tp},
+        {"--pipeline-model-parallel-size", F_INT64, &pp},
+        {"--split", F_STRING, &o->split},
+        {"--tokenizer-type", F_STRING, &o->tokenizer_type},
+        {"--vocab-file", F_STRING, &o->vocab_file},
+        {"--merge-file", F_STRING, &o->merge_file},
+        {"--tokenizer-model", F_STRING, &o->tokenizer_model},
+        {"--vocab-size", F_INT64, &o->null_vocab_size},
+        {"--log-interval", F_INT64, &o->log_interval},
+        {"--eval-interval", F_INT64, &o->eval_interval},
+        {"--eval-iters", F_INT64, &o->eval_iters},
+        {"--save", F_STRING, &o->save},
+        {"--save-interval", F_INT64, &o->save_interval},
+        {"--load", F_STRING, &o->load},
+        {"--exit-interval", F_INT64, &o->exit_interval},
+        {"--sample-tokens", F_INT, &o->sample_tokens},
+        {"--peak-tflops", F_DOUBLE, &o->peak_tflops},
+        /* accepted for launch-script compatibility; they do not change what this build computes */
+        {"--log-throughput", F_IGNORED_SWITCH, NULL},
+        {"--use-mcore-models", F_IGNORED_SWITCH, NULL},
+        {"--use-flash-attn", F_IGNORED_SWITCH, NULL},
+        {"--no-masked-softmax-fusion", F_IGNORED_SWITCH, NULL},
+        {"--no-bias-gelu-fusion", F_IGNORED_SWITCH, NULL},
+        {"--no-gradient-accumulation-fusion", F_IGNORED_SWITCH, NULL},
+        {"--distributed-backend", F_IGNORED_VALUE, NULL},
+        {"--attention-softmax-in-fp32", F_IGNORED_SWITCH, NULL},
+        {"--tensorboard-dir", F_IGNORED_VALUE, NULL},
+        {"--wandb-project", F_IGNORED_VALUE, NULL},
+        {"--wandb-exp-name", F_IGNORED_VALUE, NULL},
+        {"--data-cache-path", F_IGNORED_VALUE, NULL},
+    };
+    size_t nflags = sizeof(flags) / sizeof(flags[0]);
+    for (int i = 1; i < argc; i++) {
+        const char* a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            printf("usage: train_gpt [Megatron pretrain_gpt.py flags]\n"
+                   "  With no --data-path, trains the built-in small GPT on tiny shakespeare.\n"
+                   "  --data-path [w1] p1 [w2 p2 ...]   Megatron .bin/.idx prefixes (with weights)\n"
+                   "  Supported flags:");
+            for (size_t k = 0; k < nflags; k++) printf("%s %s", k % 4 ? "" : "\n   ", flags[k].name);
+            printf("\n");
+            exit(0);
+        }
+        if (!strcmp(a, "--data-path")) {
+            int start = i + 1, end = start;
+            while (end < argc && strncmp(argv[end], "--", 2) != 0) end++;
+            int n = end - start;
+            if (n == 0) die(2, "--data-path needs at least one prefix");
+            double w;
+            o->weighted = n % 2 == 0 && parse_double(argv[start], &w);
+            if (o->weighted) {
+                for (int k = start; k < end; k += 2) {
+                    if (o->num_data_paths == MAX_DATA_PATHS) die(2, "--data-path: at most %d datasets", MAX_DATA_PATHS);
+                    if (!parse_double(argv[k], &o->data_weights[o->num_data_paths]) ||
+                        o->data_weights[o->num_data_paths] < 0)
+                        die(2, "--data-path: '%s' is not a weight (expected weight prefix pairs)", argv[k]);
+                    o->data_paths[o->num_data_paths++] = argv[k + 1];
+                }
+            } else {
+                for (int k = start; k < end; k++) {
+                    if (o->num_data_paths == MAX_DATA_PATHS) die(2, "--data-path: at most %d datasets", MAX_DATA_PATHS);
+                    o->data_paths[o->num_data_paths++] = argv[k];
+                }
+            }
+            i = end - 1;
+            continue;
+        }
+        size_t k = 0;
+        while (k < nflags && strcmp(a, flags[k].name) != 0) k++;
+        if (k == nflags) die(2, "unknown flag %s (see --help)", a);
+        flag_spec* f = &flags[k];
+        if (f->kind == F_TRUE) { *(int*)f->target = 1; continue; }
+        if (f->kind == F_IGNORED_SWITCH) continue;
+        if (i + 1 >= argc) die(2, "%s needs a value", a);
+        const char* val = argv[++i];
+        switch (f->kind) {
+            case F_INT:
+                if (!parse_int64(val, &v64) || v64 < -2147483647 || v64 > 2147483647) die(2, "%s: '%s' is not an integer", a, val);
+                *(int*)f->target = (int)v64;
+                break;
+            case F_INT64:
+                if (!parse_int64(val, &v64) || v64 < 0) die(2, "%s: '%s' is not a non-negative integer", a, val);
+                *(int64_t*)f->target = v64;
+                break;
+            case F_DOUBLE:
+                if (!parse_double(val, &vd)) die(2, "%s: '%s' is not a number", a, val);
+                *(double*)f->target = vd;
+                break;
+            case F_STRING: *(const char**)f->target = val; break;
+            default: break;
+        }
+    }
+
+    o->builtin = o->num_data_paths == 0;
+    if (o->builtin) set_builtin_defaults(o);
+    else {
+        o->log_interval = o->log_interval ? o->log_interval : 100;
+        o->eval_interval = o->eval_interval ? o->eval_interval : 1000;
+        o->eval_iters = o->eval_iters ? o->eval_iters : 100;
+        if (!o->split) o->split = "969, 30, 1"; /* Megatron's legacy default with --data-path */
+        const char* required[][2] = {{"--num-layers", (const char*)(num_layers < 0 ? "" : NULL)},
+                                     {"--hidden-size", (const char*)(hidden < 0 ? "" : NULL)},
+                                     {"--num-attention-heads", (const char*)(heads < 0 ? "" : NULL)},
+                                     {"--seq-length", (const char*)(seq < 0 ? "" : NULL)},
+                                     {"--micro-batch-size", (const char*)(mbs < 0 ? "" : NULL)},
+                                     {"--train-iters", (const char*)(iters < 0 ? "" : NULL)},
+                                     {"--lr", (const char*)(lr < 0 ? "" : NULL)}};
+        for (size_t k = 0; k < sizeof(required) / sizeof(required[0]); k++)
+            if (required[k][1]) die(2, "%s is required with --data-path", required[k][0]);
+    }
+    if (!o->split) o->split = "969, 30, 1";
+
+    /* the Llama flavour's switches belong to a later build: refuse them clearly */
+    if (untie || swiglu || no_bias) die(2, "--untie-embeddings-and-output-weights/--swiglu/--disable-bias-linear are not supported yet (GPT-2 flavour only)");
+    if (normalization && strcmp(normalization, "LayerNorm")) die(2, "--normalization %s is not supported yet (LayerNorm only)", normalization);
+    if (position_type && strcmp(position_type, "learned_absolute")) die(2, "--position-embedding-type %s is not supported yet (learned_absolute only)", position_type);
+
+    if (num_layers >= 0) c->num_layers = (int)num_layers;
+    if (hidden >= 0) c->hidden_size = (int)hidden;
+    if (ffn >= 0) c->ffn_hidden_size = (int)ffn;
+    if (heads >= 0) c->num_attention_heads = (int)heads;
+    if (groups >= 0) {
+        if (!gqa) die(2, "--num-query-groups needs --group-query-attention");
+        c->num_query_groups = (int)groups;
+    }
+    if (kv >= 0) c->kv_channels = (int)kv;
+    if (seq >= 0) c->seq_length = (int)seq;
+    if (maxpos >= 0) c->max_position_embeddings = (int)maxpos;
+    if (divisible >= 0) c->make_vocab_size_divisible_by = (int)divisible;
+    if (std >= 0) c->init_method_std = std;
+    if (norm_eps >= 0) c->norm_epsilon = norm_eps;
+    if (hidden_dropout >= 0) c->hidden_dropout = hidden_dropout;
+    if (attention_dropout >= 0) c->attention_dropout = attention_dropout;
+    if (bf16 && fp16) die(2, "--bf16 and --fp16 are mutually exclusive");
+    if (bf16) c->precision = MT_BF16;
+    if (fp16) c->precision = MT_FP16;
+    if (loss_scale >= 0) c->loss_scale = loss_scale;
+    if (initial_loss_scale >= 0) c->initial_loss_scale = initial_loss_scale;
+    if (min_loss_scale >= 0) c->min_loss_scale = min_loss_scale;
+    if (window >= 0) c->loss_scale_window = (int)window;
+    if (hysteresis >= 0) c->hysteresis = (int)hysteresis;
+    if (lr >= 0) c->lr = lr;
+    if (min_lr >= 0) c->min_lr = min_lr;
+    if (warmup >= 0) c->lr_warmup_iters = warmup;
+    if (warmup_fraction >= 0) { c->lr_warmup_fraction = warmup_fraction; if (warmup < 0) c->lr_warmup_iters = 0; }
+    if (warmup_init >= 0) c->lr_warmup_init = warmup_init;
+    if (decay_iters >= 0) c->lr_decay_iters = decay_iters;
+    if (wsd_iters >= 0) c->lr_wsd_decay_iters = wsd_iters;
+    if (b1 >= 0) c->adam_beta1 = b1;
+    if (b2 >= 0) c->adam_beta2 = b2;
+    if (eps >= 0) c->adam_eps = eps;
+    if (wd >= 0) c->weight_decay = wd;
+    if (clip >= 0) c->clip_grad = clip;
+    if (mbs >= 0) c->micro_batch_size = (int)mbs;
+    if (gbs >= 0) c->global_batch_size = (int)gbs;
+    if (iters >= 0) c->train_iters = iters;
+    if (seed >= 0) c->seed = (uint64_t)seed;
+    if (tp >= 0) c->tensor_model_parallel_size = (int)tp;
+    if (pp >= 0) c->pipeline_model_parallel_size = (int)pp;
+    if (decay_style) {
+        const char* names[] = {"constant", "linear", "cosine", "inverse-square-root", "WSD"};
+        int found = -1;
+        for (int k = 0; k < 5; k++) if (!strcmp(decay_style, names[k])) found = k;
+        if (found < 0) die(2, "--lr-decay-style %s: expected constant, linear, cosine, inverse-square-root or WSD", decay_style);
+        c->lr_decay_style = (mt_lr_decay_style)found;
+    }
+    if (wsd_style) {
+        const char* names[] = {"exponential", "linear", "cosine", "minus_sqrt"};
+        int found = -1;
+        for (int k = 0; k < 4; k++) if (!strcmp(wsd_style, names[k])) found = k;
+        if (found < 0) die(2, "--lr-wsd-decay-style %s: expected exponential, linear, cosine or minus_sqrt", wsd_style);
+        c->lr_wsd_decay_style = (mt_wsd_decay_style)found;
+    }
+    if (o->log_interval <= 0) die(2, "--log-interval must be positive");
+}
+
+/* ---- tokenizer and the built-in corpus ------------------------------------------------------- */
+
+static mt_tokenizer* load_tokenizer(run_options* o) {
+    mt_error err;
+    mt_tokenizer* tok = NULL;
+    const char* type = o->tokenizer_type ? o->tokenizer_type : "GPT2BPETokenizer";
+    if (o->builtin && !o->vocab_file) {
+        o->vocab_file = "dev/data/gpt2/gpt2-vocab.json";
+        o->merge_file = "dev/data/gpt2/gpt2-merges.txt";
+    }
+    if (!strcmp(type, "GPT2BPETokenizer")) {
+        if (!o->vocab_file || !o->merge_file) die(2, "GPT2BPETokenizer needs --vocab-file and --merge-file");
+        if (mt_tokenizer_load_gpt2(&tok, o->vocab_file, o->merge_file, &err) != MT_OK) die(1, "%s", err.message);
+    } else if (!strcmp(type, "TikTokenizer") || !strcmp(type, "Llama3Tokenizer")) {
+        if (!o->tokenizer_model) die(2, "--tokenizer-type %s needs --tokenizer-model", type);
+        mt_tokenizer_kind kind = MT_TOKENIZER_CL100K;
+        if (!strcmp(type, "Llama3Tokenizer") || strstr(o->tokenizer_model, "tokenizer.model")) kind = MT_TOKENIZER_LLAMA3;
+        else if (strstr(o->tokenizer_model, "o200k")) kind = MT_TOKENIZER_O200K;
+        else if (strstr(o->tokenizer_model, "r50k")) kind = MT_TOKENIZER_GPT2;
+        if (mt_tokenizer_load_tiktoken(&tok, o->tokenizer_model, kind, &err) != MT_OK) die(1, "%s", err.message);
+    } else if (!strcmp(type, "NullTokenizer")) {
+        if (o->null_vocab_size <= 0) die(2, "NullTokenizer needs --vocab-size");
+        return NULL;
+    } else {
+        die(2, "--tokenizer-type %s: expected GPT2BPETokenizer, TikTokenizer, Llama3Tokenizer or NullTokenizer", type);
+    }
+    return tok;
+}
+
+/* Tokenizes dev/data/tinyshakespeare.txt into Megatron's format, one document per blank-line
+ * separated passage with the end-of-document token appended (preprocess_data --append-eod). */
+static void prepare_builtin_corpus(const mt_tokenizer* tok, const char* prefix) {
+    char path[512];
+    snprintf(path, sizeof(path), "%s.idx", prefix);
+    if (access(path, R_OK) == 0) return;
+    const char* text_path = "dev/data/tinyshakespeare.txt";
+    FILE* f = fopen(text_path, "rb");
+    if (!f) die(1, "cannot open the built-in corpus %s (run from the repository root)", text_path);
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char* text = (char*)malloc((size_t)size + 1);
+    if (!text || fread(text, 1, (size_t)size, f) != (size_t)size) die(1, "cannot read %s", text_path);
+    fclose(f);
+    text[size] = 0;
+    mt_error err;
+    mt_indexed_writer* w = NULL;
+    if (mt_indexed_writer_open(&w, prefix, mt_indexed_dtype_for_vocab(mt_tokenizer_vocab_size(tok)), &err) != MT_OK)
+        die(1, "%s", err.message);
+    int32_t* tokens = NULL;
+    size_t count = 0, cap = 0;
+    long start = 0;
+    int64_t docs = 0;
+    while (start < size) {
+        char* sep = strstr(text + start, "\n\n");
+        long end = sep ? (long)(sep - text) + 2 : size;
+        count = 0;
+        if (mt_tokenizer_encode(tok, text + start, (size_t)(end - start), &tokens, &count, &cap) < 0)
+            die(1, "cannot tokenize the built-in corpus");
+        if (count > 0) {
+            if (count == cap) {
+                cap = cap * 2 + 16;
+                tokens = (int32_t*)realloc(tokens, cap * sizeof(int32_t));
+            }
+            tokens[count++] = mt_tokenizer_eod(tok);
+            int64_t len = (int64_t)count;
+            if (mt_indexed_writer_add_document(w, tokens, &len, 1, &err) != MT_OK) {
+                mt_indexed_writer_abort(w);
+                die(1, "%s", err.message);
+            }
+            docs++;
+        }
+        start = end;
+    }
+    if (mt_indexed_writer_finalize(w, &err) != MT_OK) die(1, "%s", err.message);
+    free(tokens);
+    free(text);
+    printf("prepared the built-in corpus: %lld documents -> %s.{bin,idx}\n", (long long)docs, prefix);
+}
+
+/* ---- logging ---------------------------------------------------------------------------------- */
+
+static double now_seconds(void) {
+    struct timeval tv;
+    gettimeofday(&tv, NULL);
+    return tv.tv_sec + tv.tv_usec * 1e-6;
+}
+
+static void timestamp(char* buf, size_t n) {
+    struct timeval tv;
+    gettimeofday(&tv, NULL);
+    struct tm tm;
+    localtime_r(&tv.tv_sec, &tm);
+    char base[32];
+    strftime(base, sizeof(base), "%Y-%m-%d %H:%M:%S", &tm);
+    snprintf(buf, n, "%s.%06ld", base, (long)tv.tv_usec);
+}
+
+static void print_memory_plan(mt_trainer* t, const mt_config* c) {
+    mt_memory_plan p = mt_trainer_memory_plan(t);
+    double gib = 1024.0 * 1024.0 * 1024.0;
+    char name[256];
+    size_t free_bytes = 0, total_bytes = 0;
+    mt_error err;
+    mt_device_info(name, sizeof(name), &free_bytes, &total_bytes, &err);
+    printf("memory plan per GPU (%s, %lld parameters, %s):\n", name, (long long)p.num_parameters,
+           c->precision == MT_FP32 ? "fp32" : c->precision == MT_BF16 ? "bf16" : "fp16");
+    printf("  parameters   %8.3f GiB  (%zu bytes/param)\n", p.parameter_bytes / gib,
+           p.num_parameters ? p.parameter_bytes / (size_t)p.num_parameters : 0);
+    printf("  master fp32  %8.3f GiB\n", p.master_bytes / gib);
+    printf("  gradients    %8.3f GiB  (fp32)\n", p.gradient_bytes / gib);
+    printf("  optimizer    %8.3f GiB  (Adam m, v fp32)\n", p.optimizer_bytes / gib);
+    printf("  activations  %8.3f GiB  (micro-batch %d x %d tokens)\n", p.activation_bytes / gib, c->micro_batch_size,
+           c->seq_length);
+    printf("  workspace    %8.3f GiB\n", p.workspace_bytes / gib);
+    printf("  total        %8.3f GiB planned; device reports %.3f GiB in use of %.3f GiB\n", p.total_bytes / gib,
+           (total_bytes - free_bytes) / gib, total_bytes / gib);
+}
+
+/* ---- data ------------------------------------------------------------------------------------- */
+
+/* Fills tokens [count, S+1] with samples [first, first+count) of a split (Megatron's sequential
+ * sampler: one data-parallel rank takes consecutive samples). */
+static void fetch_batch(const mt_gpt_data* data, int split, int64_t first, int count, int seq, int32_t* tokens) {
+    mt_error err;
+    int64_t n = mt_gpt_data_num_samples(data, split);
+    for (int i = 0; i < count; i++) {
+        int64_t index = first + i;
+        if (index >= n) die(1, "the %s split ran out of samples at %lld of %lld", mt_split_name(split), (long long)index, (long long)n);
+        if (mt_gpt_data_get(data, split, index, tokens + (int64_t)i * (seq + 1), &err) != MT_OK) die(1, "%s", err.message);
+    }
+}
+
+static double evaluate(mt_trainer* t, const mt_gpt_data* data, int64_t* consumed_valid, int64_t eval_iters,
+                       const mt_config* c, int32_t* tokens) {
+    mt_error err;
+    double total = 0.0;
+    int micro = mt_num_micro_batches(c);
+    for (int64_t k = 0; k < eval_iters; k++) {
+        fetch_batch(data, MT_SPLIT_VALID, *consumed_valid, c->global_batch_size, c->seq_length, tokens);
+        *consumed_valid += c->global_batch_size;
+        double loss = 0.0;
+        if (mt_trainer_evaluate(t, tokens, micro, &loss, &err) != MT_OK) die(1, "%s", err.message);
+        total += loss;
+    }
+    return total / (double)eval_iters;
+}
+
+static void print_validation(const char* what, int64_t iteration, double loss) {
+    char line[256];
+    int n = snprintf(line, sizeof(line), " %s loss at iteration %lld | lm loss value: %.6E | lm loss PPL: %.6E | ",
+                     what, (long long)iteration, loss, exp(loss < 20 ? loss : 20));
+    char dashes[256];
+    memset(dashes, '-', (size_t)n);
+    dashes[n] = 0;
+    printf("%s\n%s\n%s\n", dashes, line, dashes);
+}
+
+/* ---- sampling --------------------------------------------------------------------------------- */
+
+static void print_sample(mt_trainer* t, const mt_tokenizer* tok, const mt_config* c, int num_tokens, uint64_t seed) {
+    if (!tok || num_tokens <= 0) return;
+    mt_error err;
+    int S = c->seq_length;
+    int32_t* context = (int32_t*)malloc(sizeof(int32_t) * (size_t)S);
+    float* logits = (float*)malloc(sizeof(float) * (size_t)c->padded_vocab_size);
+    double* probs = (double*)malloc(sizeof(double) * (size_t)c->vocab_size);
+    int len = 1;
+    context[0] = mt_tokenizer_eod(tok);
+    uint64_t rng = seed * 2862933555777941757ull + 3037000493ull;
+    printf("sample (temperature 0.8, %d tokens):\n---\n", num_tokens);
+    for (int i = 0; i < num_tokens; i++) {
+        int start = len > S ? len - S : 0;
+        if (mt_trainer_next_token_logits(t, context + start, len - start, logits, &err) != MT_OK) die(1, "%s", err.message);
+        double mx = -1e30, sum = 0.0;
+        for (int64_t v = 0; v < c->vocab_size; v++) if (logits[v] > mx) mx = logits[v];
+        for (int64_t v = 0; v < c->vocab_size; v++) sum += probs[v] = exp((logits[v] - mx) / 0.8);
+        rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+        double u = (double)(rng >> 11) / 9007199254740992.0 * sum, acc = 0.0;
+        int32_t next = (int32_t)(c->vocab_size - 1);
+        for (int64_t v = 0; v < c->vocab_size; v++) { acc += probs[v]; if (acc > u) { next = (int32_t)v; break; } }
+        if (next == mt_tokenizer_eod(tok)) break;
+        const char* bytes = NULL;
+        size_t n = mt_tokenizer_token_bytes(tok, next, &bytes);
+        fwrite(bytes, 1, n, stdout);
+        if (len == S) { memmove(context, context + 1, sizeof(int32_t) * (size_t)(S - 1)); len--; }
+        context[len++] = next;
+    }
+    printf("\n---\n");
+    free(context);
+    free(logits);
+    free(probs);
+}
+
+/* ---- main ------------------------------------------------------------------------------------- */
+
+int main(int argc, char** argv) {
+    int rank = 0, world = 1;
+#ifdef MT_USE_MPI
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+#endif
+    run_options o;
+    memset(&o, 0, sizeof(o));
+    mt_config_defaults(&o.cfg);
+    parse_args(&o, argc, argv);
+    mt_config* c = &o.cfg;
+    c->world_size = world;
+    c->rank = rank;
+    if (world > 1) die(2, "%d ranks: data, tensor and pipeline parallelism are not in this build yet; run one process", world);
+
+    mt_tokenizer* tok = load_tokenizer(&o);
+    c->vocab_size = tok ? mt_tokenizer_vocab_size(tok) : o.null_vocab_size;
+    mt_error err;
+    if (mt_config_finalize(c, &err) != MT_OK) die(2, "%s", err.message);
+    if (o.builtin) {
+        static const char* builtin_prefix = "dev/data/tinyshakespeare_text_document";
+        prepare_builtin_corpus(tok, builtin_prefix);
+        o.data_paths[0] = builtin_prefix;
+        o.num_data_paths = 1;
+    }
+
+    /* data: Megatron's sample counts and indices */
+    int64_t num_samples[3];
+    mt_gpt_num_samples(c->train_iters, o.eval_interval, o.eval_iters, c->global_batch_size, num_samples);
+    mt_gpt_data* data = NULL;
+    if (mt_gpt_data_open(&data, o.num_data_paths, o.data_paths, o.weighted ? o.data_weights : NULL, o.split,
+                         c->seq_length, (uint32_t)c->seed, num_samples, &err) != MT_OK)
+        die(1, "%s", err.message);
+    printf("data: %d dataset(s), split '%s': train %lld, valid %lld, test %lld samples of %d tokens\n",
+           o.num_data_paths, o.split, (long long)mt_gpt_data_num_samples(data, MT_SPLIT_TRAIN),
+           (long long)mt_gpt_data_num_samples(data, MT_SPLIT_VALID),
+           (long long)mt_gpt_data_num_samples(data, MT_SPLIT_TEST), c->seq_length);
+
+    printf("model: %d layers, hidden %d, %d heads, ffn %d, seq %d, vocab %lld (padded %lld), micro-batch %d, "
+           "global batch %d, %lld iterations\n",
+           c->num_layers, c->hidden_size, c->num_attention_heads, c->ffn_hidden_size, c->seq_length,
+           (long long)c->vocab_size, (long long)c->padded_vocab_size, c->micro_batch_size, c->global_batch_size,
+           (long long)c->train_iters);
+    mt_trainer* t = NULL;
+    if (mt_trainer_create(&t, c, &err) != MT_OK) die(1, "%s", err.message);
+    print_memory_plan(t, c);
+
+    int64_t iteration = 0, consumed = 0, consumed_valid = 0;
+    if (o.load) {
+        char tracker[4096];
+        snprintf(tracker, sizeof(tracker), "%s/latest_checkpointed_iteration.txt", o.load);
+        if (access(tracker, R_OK) == 0) {
+            if (mt_trainer_load(t, o.load, -1, &iteration, &consumed, &err) != MT_OK) die(1, "%s", err.message);
+            printf("loaded checkpoint from %s at iteration %lld (%lld samples consumed)\n", o.load, (long long)iteration,
+                   (long long)consumed);
+            if (o.eval_interval > 0) consumed_valid = (iteration / o.eval_interval) * o.eval_iters * c->global_batch_size;
+        } else {
+            printf("no checkpoint found in %s: training from scratch\n", o.load);
+        }
+    }
+
+    double peak = o.peak_tflops > 0 ? o.peak_tflops : mt_device_peak_tflops(c->precision);
+    double flops_per_iter = mt_flops_per_iteration(c, c->global_batch_size);
+    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * (size_t)c->global_batch_size * (c->seq_length + 1));
+    if (!tokens) die(1, "cannot allocate the batch");
+    double interval_loss = 0.0, interval_time = 0.0;
+    int interval_steps = 0, interval_skipped = 0, interval_nan = 0;
+    double t_start = now_seconds();
+    while (iteration < c->train_iters) {
+        fetch_batch(data, MT_SPLIT_TRAIN, consumed, c->global_batch_size, c->seq_length, tokens);
+        double t0 = now_seconds();
+        mt_step_result r;
+        if (mt_trainer_train_step(t, tokens, &r, &err) != MT_OK) die(1, "iteration %lld: %s", (long long)iteration + 1, err.message);
+        interval_time += now_seconds() - t0;
+        iteration++;
+        consumed += c->global_batch_size;
+        if (r.skipped) interval_skipped++;
+        else interval_loss += r.lm_loss;
+        if (r.nan) interval_nan++;
+        interval_steps++;
+
+        if (iteration % o.log_interval == 0 || iteration == c->train_iters) {
+            double ms = 1000.0 * interval_time / interval_steps;
+            double tflops = flops_per_iter / (ms / 1000.0) / 1e12 / c->world_size;
+            int good = interval_steps - interval_skipped;
+            char ts[64];
+            timestamp(ts, sizeof(ts));
+            printf(" [%s] iteration %8lld/%8lld | consumed samples: %12lld | elapsed time per iteration (ms): %.1f | "
+                   "throughput per GPU (TFLOP/s/GPU): %.1f | learning rate: %.6E | global batch size: %5d | "
+                   "lm loss: %.6E | loss scale: %.1f | grad norm: %.3f | number of skipped iterations: %3d | "
+                   "number of nan iterations: %3d | MFU: %.1f%% |\n",
+                   ts, (long long)iteration, (long long)c->train_iters, (long long)consumed, ms, tflops,
+                   r.next_learning_rate, c->global_batch_size, good ? interval_loss / good : 0.0, r.loss_scale,
+                   r.grad_norm, interval_skipped, interval_nan, peak > 0 ? 100.0 * tflops / peak : 0.0);
+            fflush(stdout);
+            interval_loss = interval_time = 0.0;
+            interval_steps = interval_skipped = interval_nan = 0;
+        }
+        if (o.eval_interval > 0 && iteration % o.eval_interval == 0 && o.eval_iters > 0 &&
+            mt_gpt_data_num_samples(data, MT_SPLIT_VALID) > 0) {
+            print_validation("validation", iteration, evaluate(t, data, &consumed_valid, o.eval_iters, c, tokens));
+        }
+        if (o.save && o.save_interval > 0 && iteration % o.save_interval == 0) {
+            if (mt_trainer_save(t, o.save, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
+            printf("saved checkpoint at iteration %lld to %s\n", (long long)iteration, o.save);
+        }
+        if (o.exit_interval > 0 && iteration % o.exit_interval == 0) break;
+    }
+    printf("training took %.1f s\n", now_seconds() - t_start);
+    if (o.save && (o.save_interval <= 0 || iteration % o.save_interval != 0)) {
+        if (mt_trainer_save(t, o.save, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
+        printf("saved checkpoint at iteration %lld to %s\n", (long long)iteration, o.save);
+    }
+    print_sample(t, tok, c, o.sample_tokens, c->seed);
+
+    free(tokens);
+    mt_trainer_free(t);
+    mt_gpt_data_close(data);
+    if (tok) mt_tokenizer_free(tok);
+#ifdef MT_USE_MPI
+    MPI_Finalize();
+#endif
+    return 0;
+}
