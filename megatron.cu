@@ -713,6 +713,15 @@ static T* param_ptr(mt_trainer* t, int which) {
 }
 static float* grad_ptr(mt_trainer* t, int which) { return t->grads + t->params_info[which].offset; }
 
+/* Host <-> device copies, ordered on the trainer's stream and finished on return. (The stream is
+ * non-blocking, so a plain cudaMemcpy on the legacy stream would not be ordered with its kernels.) */
+static mt_status copy_sync(mt_trainer* t, void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                           mt_error* err) {
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(dst, src, bytes, kind, t->stream));
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    return mt_gpu_error_return(&t->error, err);
+}
+
 /* Shapes used everywhere below. */
 typedef struct {
     int B, S, BT, h, heads, groups, d, qkv_width, attn_width, f, L;
@@ -1109,15 +1118,24 @@ static mt_status remove_tree(const char* path) {
     return rmdir(path) == 0 ? MT_OK : MT_ERR_IO;
 }
 
-static mt_status copy_device_to_host(mt_trainer* t, void* dst, const void* src, size_t bytes, mt_error* err) {
-    CUDA_CHECK(&t->error, cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
-    return mt_gpu_error_return(&t->error, err);
+
+/* mkdir -p */
+static int make_directories(const char* path) {
+    char buf[4096];
+    snprintf(buf, sizeof(buf), "%s", path);
+    for (char* p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
+        *p = '/';
+    }
+    return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
 }
 
 mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     char final_dir[4096], tmp_dir[4096], rank_dir[4160], path[4224], old_dir[4160];
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+    if (make_directories(dir) != 0)
         return mt_fail(err, MT_ERR_IO, "cannot create checkpoint directory %s: %s", dir, strerror(errno));
     snprintf(final_dir, sizeof(final_dir), "%s/iter_%07lld", dir, (long long)iteration);
     snprintf(tmp_dir, sizeof(tmp_dir), "%s/.tmp_iter_%07lld_%d", dir, (long long)iteration, (int)getpid());
@@ -1161,7 +1179,7 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
     if (st == MT_OK) st = write_all(f, header, sizeof(header), path, err);
     const float* sources[3] = {t->master, t->adam_m, t->adam_v};
     for (int i = 0; i < 3 && st == MT_OK; i++) {
-        st = copy_device_to_host(t, host, sources[i], bytes, err);
+        st = copy_sync(t, host, sources[i], bytes, cudaMemcpyDeviceToHost, err);
         if (st == MT_OK) st = write_all(f, host, bytes, path, err);
     }
     free(host);
@@ -1245,8 +1263,7 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
             st = mt_fail(err, MT_ERR_FORMAT, "%s is truncated", path);
             break;
         }
-        CUDA_CHECK(&t->error, cudaMemcpy(targets[i], host, bytes, cudaMemcpyHostToDevice));
-        st = mt_gpu_error_return(&t->error, err);
+        st = copy_sync(t, targets[i], host, bytes, cudaMemcpyHostToDevice, err);
     }
     free(host);
     fclose(f);
@@ -1537,7 +1554,7 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
     if (st != MT_OK) return st;
     int64_t n = (int64_t)s.BT * s.V;
     if (t->cfg.precision == MT_FP32) {
-        CUDA_CHECK(&t->error, cudaMemcpy(logits, t->act.logits, n * 4, cudaMemcpyDeviceToHost));
+        copy_sync(t, logits, t->act.logits, n * 4, cudaMemcpyDeviceToHost, err);
     } else {
         /* convert to fp32 in chunks through the attention-gradient scratch */
         int64_t chunk = (int64_t)s.B * s.heads * s.S * s.S * t->elem / 4; /* floats that fit in dscores */
@@ -1561,22 +1578,19 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
 
 mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
-    CUDA_CHECK(&t->error, cudaMemcpy(t->master, params, sizeof(float) * t->num_params, cudaMemcpyHostToDevice));
+    if (copy_sync(t, t->master, params, sizeof(float) * t->num_params, cudaMemcpyHostToDevice, err) != MT_OK)
+        return t->error.status;
     sync_model_from_master(t);
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     return mt_gpu_error_return(&t->error, err);
 }
 
 mt_status mt_trainer_get_parameters(mt_trainer* t, float* params, mt_error* err) {
-    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
-    CUDA_CHECK(&t->error, cudaMemcpy(params, t->master, sizeof(float) * t->num_params, cudaMemcpyDeviceToHost));
-    return mt_gpu_error_return(&t->error, err);
+    return copy_sync(t, params, t->master, sizeof(float) * t->num_params, cudaMemcpyDeviceToHost, err);
 }
 
 mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err) {
-    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
-    CUDA_CHECK(&t->error, cudaMemcpy(grads, t->grads, sizeof(float) * t->num_params, cudaMemcpyDeviceToHost));
-    return mt_gpu_error_return(&t->error, err);
+    return copy_sync(t, grads, t->grads, sizeof(float) * t->num_params, cudaMemcpyDeviceToHost, err);
 }
 
 mt_status mt_trainer_next_token_logits(mt_trainer* t, const int32_t* context, int length, float* logits,

@@ -488,14 +488,16 @@ static void fetch_batch(const mt_gpt_data* data, int split, int64_t first, int c
     }
 }
 
-static double evaluate(mt_trainer* t, const mt_gpt_data* data, int64_t* consumed_valid, int64_t eval_iters,
+/* Mean loss over eval_iters global batches of a split, continuing from *consumed (Megatron's
+ * validation iterator carries on across evaluations). */
+static double evaluate(mt_trainer* t, const mt_gpt_data* data, int split, int64_t* consumed, int64_t eval_iters,
                        const mt_config* c, int32_t* tokens) {
     mt_error err;
     double total = 0.0;
     int micro = mt_num_micro_batches(c);
     for (int64_t k = 0; k < eval_iters; k++) {
-        fetch_batch(data, MT_SPLIT_VALID, *consumed_valid, c->global_batch_size, c->seq_length, tokens);
-        *consumed_valid += c->global_batch_size;
+        fetch_batch(data, split, *consumed, c->global_batch_size, c->seq_length, tokens);
+        *consumed += c->global_batch_size;
         double loss = 0.0;
         if (mt_trainer_evaluate(t, tokens, micro, &loss, &err) != MT_OK) die(1, "%s", err.message);
         total += loss;
@@ -652,7 +654,7 @@ int main(int argc, char** argv) {
         }
         if (o.eval_interval > 0 && iteration % o.eval_interval == 0 && o.eval_iters > 0 &&
             mt_gpt_data_num_samples(data, MT_SPLIT_VALID) > 0) {
-            print_validation("validation", iteration, evaluate(t, data, &consumed_valid, o.eval_iters, c, tokens));
+            print_validation("validation", iteration, evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens));
         }
         if (o.save && o.save_interval > 0 && iteration % o.save_interval == 0) {
             if (mt_trainer_save(t, o.save, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
@@ -661,6 +663,14 @@ int main(int argc, char** argv) {
         if (o.exit_interval > 0 && iteration % o.exit_interval == 0) break;
     }
     printf("training took %.1f s\n", now_seconds() - t_start);
+    /* as Megatron: validation and test losses at the end of training */
+    if (o.eval_iters > 0 && mt_gpt_data_num_samples(data, MT_SPLIT_VALID) >= consumed_valid + o.eval_iters * c->global_batch_size)
+        print_validation("validation", iteration, evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens));
+    if (o.eval_iters > 0 && mt_gpt_data_num_samples(data, MT_SPLIT_TEST) >= o.eval_iters * c->global_batch_size) {
+        int64_t consumed_test = 0;
+        double test_loss = evaluate(t, data, MT_SPLIT_TEST, &consumed_test, o.eval_iters, c, tokens);
+        print_validation("test", iteration, test_loss);
+    }
     if (o.save && (o.save_interval <= 0 || iteration % o.save_interval != 0)) {
         if (mt_trainer_save(t, o.save, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
         printf("saved checkpoint at iteration %lld to %s\n", (long long)iteration, o.save);
