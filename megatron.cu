@@ -746,6 +746,28 @@ static mt_shape model_shape(const mt_trainer* t) {
     return s;
 }
 
+/* One layer's saved activations, as pointers into the arena. */
+template <typename T>
+struct layer_view {
+    T *x, *ln1, *qkv, *probs, *attn, *mid, *ln2, *fc1, *gelu, *out;
+};
+template <typename T>
+static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& s, int l) {
+    int64_t BTh = (int64_t)s.BT * s.h;
+    layer_view<T> v;
+    v.x = LAYER(a->residual, T, l, BTh);                /* layer input */
+    v.ln1 = LAYER(a->ln1, T, l, BTh);
+    v.qkv = LAYER(a->qkv, T, l, (int64_t)s.BT * s.qkv_width);
+    v.probs = LAYER(a->probs, T, l, (int64_t)s.B * s.heads * s.S * s.S);
+    v.attn = LAYER(a->attn_out, T, l, (int64_t)s.BT * s.attn_width);
+    v.mid = LAYER(a->residual_mid, T, l, BTh);
+    v.ln2 = LAYER(a->ln2, T, l, BTh);
+    v.fc1 = LAYER(a->fc1, T, l, (int64_t)s.BT * s.f);
+    v.gelu = LAYER(a->gelu, T, l, (int64_t)s.BT * s.f);
+    v.out = LAYER(a->residual, T, l + 1, BTh);          /* layer output = next layer's input */
+    return v;
+}
+
 /* Forward of one micro-batch whose inputs/targets are already on the device. Leaves the logits
  * (or, when grad_scale != 0, their gradient) in act.logits and per-token losses in act.losses. */
 template <typename T>
@@ -757,7 +779,6 @@ static void model_forward(mt_trainer* t, float grad_scale) {
     int64_t BTh = (int64_t)s.BT * s.h;
     float eps = (float)t->cfg.norm_epsilon;
     int64_t head_elems = (int64_t)s.B * s.heads * s.S * s.d;
-    int64_t score_elems = (int64_t)s.B * s.heads * s.S * s.S;
     float scale = 1.0f / sqrtf((float)s.d);
 
     embedding_forward_kernel<T><<<ceil_div(BTh, 256), 256, 0, st>>>(
@@ -766,16 +787,7 @@ static void model_forward(mt_trainer* t, float grad_scale) {
     LAUNCH_CHECK(&t->error);
 
     for (int l = 0; l < s.L; l++) {
-        T* x = LAYER(a->residual, T, l, BTh);
-        T* ln1 = LAYER(a->ln1, T, l, BTh);
-        T* qkv = LAYER(a->qkv, T, l, (int64_t)s.BT * s.qkv_width);
-        T* probs = LAYER(a->probs, T, l, score_elems);
-        T* attn = LAYER(a->attn_out, T, l, (int64_t)s.BT * s.attn_width);
-        T* mid = LAYER(a->residual_mid, T, l, BTh);
-        T* ln2 = LAYER(a->ln2, T, l, BTh);
-        T* fc1 = LAYER(a->fc1, T, l, (int64_t)s.BT * s.f);
-        T* gelu = LAYER(a->gelu, T, l, (int64_t)s.BT * s.f);
-        T* out = LAYER(a->residual, T, l + 1, BTh);
+        auto [x, ln1, qkv, probs, attn, mid, ln2, fc1, gelu, out] = layer_activations<T>(a, s, l);
 
         /* attention block */
         layernorm_forward<T>(g, ln1, a->ln1_mean + (int64_t)l * s.BT, a->ln1_rstd + (int64_t)l * s.BT, x,
@@ -838,7 +850,6 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
     cudaStream_t st = t->stream;
     int64_t BTh = (int64_t)s.BT * s.h;
     int64_t head_elems = (int64_t)s.B * s.heads * s.S * s.d;
-    int64_t score_elems = (int64_t)s.B * s.heads * s.S * s.S;
     float scale = 1.0f / sqrtf((float)s.d);
     T* dres = (T*)a->dresidual;
 
@@ -851,15 +862,8 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
                           a->lnf_mean, a->lnf_rstd, s.BT, s.h);
 
     for (int l = s.L - 1; l >= 0; l--) {
-        T* x = LAYER(a->residual, T, l, BTh);
-        T* ln1 = LAYER(a->ln1, T, l, BTh);
-        T* qkv = LAYER(a->qkv, T, l, (int64_t)s.BT * s.qkv_width);
-        T* probs = LAYER(a->probs, T, l, score_elems);
-        T* attn = LAYER(a->attn_out, T, l, (int64_t)s.BT * s.attn_width);
-        T* mid = LAYER(a->residual_mid, T, l, BTh);
-        T* ln2 = LAYER(a->ln2, T, l, BTh);
-        T* fc1 = LAYER(a->fc1, T, l, (int64_t)s.BT * s.f);
-        T* gelu = LAYER(a->gelu, T, l, (int64_t)s.BT * s.f);
+        auto [x, ln1, qkv, probs, attn, mid, ln2, fc1, gelu, out] = layer_activations<T>(a, s, l);
+        (void)out;
 
         /* MLP block: dres is d(out); the branch sees the same gradient */
         linear_backward<T>(g, cs, (T*)a->branch2, LAYER(grad_ptr(t, MT_P_FC2_WEIGHT), float, l, (int64_t)s.h * s.f),
