@@ -270,6 +270,14 @@ const mt_gpt_dataset* mt_gpt_data_dataset(const mt_gpt_data* d, int split, int k
 const int16_t* mt_gpt_data_blend_dataset_index(const mt_gpt_data* d, int split);
 const int64_t* mt_gpt_data_blend_sample_index(const mt_gpt_data* d, int split);
 
+/* --data-path's arguments (utils.get_blend_from_list): an even number of entries whose every
+ * other one (w1 p1 w2 p2 ...) is a number is a weighted blend; otherwise every entry is a prefix
+ * (weights are then the datasets' lengths, or none for a single prefix). prefixes[] points into
+ * args; prefixes and weights need room for n entries; *weighted says which form it was. A mix
+ * (some weight positions numbers, some not) is refused rather than guessed. */
+mt_status mt_data_path_parse(int n, const char* const* args, const char** prefixes, double* weights, int* num_prefixes,
+                             int* weighted, mt_error* err);
+
 /* Megatron's MegatronPretrainingSampler (data_samplers.py) is sequential: it walks the global
  * sample indices from consumed_samples on in chunks of micro_batch_size * dp_size consecutive
  * indices, and data-parallel rank r takes [r*mbs, (r+1)*mbs) of each chunk; an incomplete last
@@ -1565,6 +1573,46 @@ void mt_build_exhaustive_blending_indices(const int64_t* sizes, int num_datasets
 
 int64_t mt_sampler_index(int64_t consumed_samples, int64_t micro_batch_size, int dp_rank, int64_t k) {
     return consumed_samples + (int64_t)dp_rank * micro_batch_size + k;
+}
+
+/* Python's float(): the whole string, surrounding whitespace allowed. */
+static int mt__parse_float(const char* s, double* out) {
+    char* end = NULL;
+    while (*s == ' ' || *s == '\t') s++;
+    if (!*s) return 0;
+    *out = strtod(s, &end);
+    if (end == s) return 0;
+    while (*end == ' ' || *end == '\t' || *end == '\n') end++;
+    return *end == 0;
+}
+
+mt_status mt_data_path_parse(int n, const char* const* args, const char** prefixes, double* weights, int* num_prefixes,
+                             int* weighted, mt_error* err) {
+    *num_prefixes = 0;
+    *weighted = 0;
+    if (n < 1) return mt_fail(err, MT_ERR_ARG, "--data-path needs at least one dataset prefix");
+    int numbers = 0;
+    if (n % 2 == 0) {
+        for (int i = 0; i < n; i += 2) {
+            double w;
+            numbers += mt__parse_float(args[i], &w);
+        }
+        if (numbers == n / 2) {
+            for (int i = 0; i < n; i += 2) {
+                mt__parse_float(args[i], &weights[i / 2]);
+                prefixes[i / 2] = args[i + 1];
+            }
+            *num_prefixes = n / 2;
+            *weighted = 1;
+            return MT_OK;
+        }
+        if (numbers > 0)
+            return mt_fail(err, MT_ERR_ARG,
+                           "--data-path: give either weight-prefix pairs (w1 p1 w2 p2 ...) or only prefixes, not a mix");
+    }
+    for (int i = 0; i < n; i++) prefixes[i] = args[i];
+    *num_prefixes = n;
+    return MT_OK;
 }
 
 struct mt_gpt_data {
