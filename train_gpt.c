@@ -225,24 +225,11 @@ static void parse_args(run_options* o, int argc, char** argv) {
         if (!strcmp(a, "--data-path")) {
             int start = i + 1, end = start;
             while (end < argc && strncmp(argv[end], "--", 2) != 0) end++;
-            int n = end - start;
-            if (n == 0) die(2, "--data-path needs at least one prefix");
-            double w;
-            o->weighted = n % 2 == 0 && parse_double(argv[start], &w);
-            if (o->weighted) {
-                for (int k = start; k < end; k += 2) {
-                    if (o->num_data_paths == MAX_DATA_PATHS) die(2, "--data-path: at most %d datasets", MAX_DATA_PATHS);
-                    if (!parse_double(argv[k], &o->data_weights[o->num_data_paths]) ||
-                        o->data_weights[o->num_data_paths] < 0)
-                        die(2, "--data-path: '%s' is not a weight (expected weight prefix pairs)", argv[k]);
-                    o->data_paths[o->num_data_paths++] = argv[k + 1];
-                }
-            } else {
-                for (int k = start; k < end; k++) {
-                    if (o->num_data_paths == MAX_DATA_PATHS) die(2, "--data-path: at most %d datasets", MAX_DATA_PATHS);
-                    o->data_paths[o->num_data_paths++] = argv[k];
-                }
-            }
+            if (end - start > MAX_DATA_PATHS) die(2, "--data-path: at most %d entries", MAX_DATA_PATHS);
+            mt_error err;
+            if (mt_data_path_parse(end - start, (const char* const*)argv + start, o->data_paths, o->data_weights,
+                                   &o->num_data_paths, &o->weighted, &err) != MT_OK)
+                die(2, "%s", err.message);
             i = end - 1;
             continue;
         }
