@@ -1,0 +1,310 @@
+/*
+ * prepro/preprocess_data.c — Megatron-LM's tools/preprocess_data.py in C: documents in, a tokenized
+ * .bin/.idx dataset (MMIDIDX v1) out, readable by Megatron and by train_gpt.
+ *
+ *   prepro/preprocess_data --input corpus.jsonl --output-prefix data/corpus \
+ *       --tokenizer-type GPT2BPETokenizer --vocab-file dev/data/gpt2/gpt2-vocab.json \
+ *       --merge-file dev/data/gpt2/gpt2-merges.txt --append-eod --workers 8
+ *   -> data/corpus_text_document.bin / .idx   (train with --data-path data/corpus_text_document)
+ *
+ * The work happens in prepro/tokenizer.h (mt_preprocess); this file parses the flags and prints
+ * progress. Run with --help for the flags.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#define MEGATRON_IMPLEMENTATION
+#include "../megatron.h"
+#define MT_TOKENIZER_IMPLEMENTATION
+#include "tokenizer.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static const char* const usage =
+    "usage: preprocess_data --input PATH... --output-prefix PREFIX --tokenizer-type TYPE [options]\n"
+    "\n"
+    "Tokenizes documents into Megatron datasets {PREFIX}_{KEY}_document.bin/.idx, one per JSON key,\n"
+    "as Megatron's tools/preprocess_data.py does (token ids equal tiktoken's; invalid UTF-8 is read\n"
+    "as U+FFFD, like Python's errors='replace'). The output bytes do not depend on --workers.\n"
+    "Outputs appear only when the whole run succeeded.\n"
+    "\n"
+    "input:\n"
+    "  --input PATH...           input files, read in the order given; a directory stands for every\n"
+    "                            file under it (depth first, sorted by name, hidden names skipped)\n"
+    "  --input-format FMT        jsonl (default: one JSON object per line, blank lines skipped) or\n"
+    "                            text (each file is one document, its raw bytes)\n"
+    "  --json-keys KEY...        keys to tokenize, one dataset each (default: text); text mode: the\n"
+    "                            one key only names the output\n"
+    "  --skip-bad-lines          skip malformed JSONL lines (bad JSON, missing key, value not a\n"
+    "                            string), report each and count them, instead of stopping at the first\n"
+    "output:\n"
+    "  --output-prefix PREFIX    output path prefix\n"
+    "  --append-eod              append the end-of-document token to every non-empty document\n"
+    "tokenizer:\n"
+    "  --tokenizer-type TYPE     GPT2BPETokenizer (needs --vocab-file, --merge-file),\n"
+    "                            TikTokenizer (needs --tokenizer-model), or Llama3Tokenizer (needs\n"
+    "                            --tokenizer-model: Llama-3's tokenizer.model)\n"
+    "  --vocab-file FILE         GPT-2 encoder.json (e.g. dev/data/gpt2/gpt2-vocab.json)\n"
+    "  --merge-file FILE         GPT-2 vocab.bpe (e.g. dev/data/gpt2/gpt2-merges.txt)\n"
+    "  --tokenizer-model FILE    a tiktoken rank file (r50k_base/cl100k_base/o200k_base.tiktoken, or\n"
+    "                            Llama-3's tokenizer.model)\n"
+    "  --tiktoken-encoding NAME  r50k_base, cl100k_base, o200k_base or llama3 (default: from the\n"
+    "                            --tokenizer-model file name)\n"
+    "run:\n"
+    "  --workers N               encoding threads (default: the number of CPUs)\n"
+    "  --quiet                   no progress lines\n"
+    "  --help\n"
+    "accepted for compatibility, no effect on the output:\n"
+    "  --log-interval N, --partitions 1, --keep-sequential-samples, --dataset-impl mmap\n"
+    "not supported: --split-sentences (and --lang, --keep-newlines which go with it).\n";
+
+typedef struct {
+    const char** inputs;
+    int num_inputs;
+    const char** keys;
+    int num_keys;
+    const char* format;
+    const char* output_prefix;
+    const char* tokenizer_type;
+    const char* vocab_file;
+    const char* merge_file;
+    const char* tokenizer_model;
+    const char* tiktoken_encoding;
+    int append_eod, workers, skip_bad_lines, quiet;
+} options;
+
+static volatile sig_atomic_t g_interrupted = 0;
+
+static void on_sigint(int sig) {
+    g_interrupted = 1;
+    signal(sig, SIG_DFL); /* a second Ctrl-C kills at once */
+}
+
+static int die(const char* fmt, const char* a) {
+    fprintf(stderr, "preprocess_data: ");
+    fprintf(stderr, fmt, a);
+    fprintf(stderr, "\n");
+    return 1;
+}
+
+/* ---- progress ---- */
+
+typedef struct {
+    int quiet, tty;
+    double last;
+    int64_t bad_reported;
+} progress_state;
+
+static double now_seconds(void) {
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void print_progress(const mt_preprocess_stats* s, int final, int tty) {
+    double mb = (double)s->bytes_read / 1e6, total = (double)s->bytes_total / 1e6;
+    double rate = s->seconds > 0 ? mb / s->seconds : 0.0;
+    double eta = rate > 0 && total > mb ? (total - mb) / rate : 0.0;
+    fprintf(stderr, "%s%lld docs, %.1f/%.1f MB (%.0f%%), %.1f MB/s, %.2fM tokens%s%.0fs%s", tty ? "\r" : "",
+            (long long)s->documents, mb, total, total > 0 ? 100.0 * mb / total : 100.0, rate, (double)s->tokens / 1e6,
+            final ? ", took " : ", ETA ", final ? s->seconds : eta, tty ? "\033[K" : "\n");
+    if (final && tty) fprintf(stderr, "\n");
+    fflush(stderr);
+}
+
+static void on_progress(void* user, const mt_preprocess_stats* s) {
+    progress_state* p = (progress_state*)user;
+    if (p->quiet) return;
+    double t = now_seconds();
+    if (t - p->last < (p->tty ? 0.25 : 5.0)) return;
+    p->last = t;
+    print_progress(s, 0, p->tty);
+}
+
+static void on_bad_line(void* user, const char* message) {
+    progress_state* p = (progress_state*)user;
+    if (p->bad_reported++ < 20) fprintf(stderr, "%sskipped %s\n", p->tty && !p->quiet ? "\r\033[K" : "", message);
+    else if (p->bad_reported == 21) fprintf(stderr, "(more skipped lines not shown)\n");
+}
+
+/* ---- flags ---- */
+
+/* Collects the values after a flag up to the next "--" flag (argparse nargs='+'). */
+static int take_list(int argc, char** argv, int* i, const char*** list, int* n) {
+    int start = *i + 1, end = start;
+    while (end < argc && strncmp(argv[end], "--", 2) != 0) end++;
+    if (end == start) return -1;
+    const char** l = (const char**)realloc((void*)*list, (size_t)(*n + end - start) * sizeof(char*));
+    if (!l) return -1;
+    for (int k = start; k < end; k++) l[(*n)++] = argv[k];
+    *list = l;
+    *i = end - 1;
+    return 0;
+}
+
+static int parse_args(int argc, char** argv, options* o) {
+    for (int i = 1; i < argc; i++) {
+        char* a = argv[i];
+#define VALUE(dst)                                                                       \
+    do {                                                                                 \
+        if (i + 1 >= argc) return die("%s needs a value", a);                          \
+        dst = argv[++i];                                                                 \
+    } while (0)
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { fputs(usage, stdout); exit(0); }
+        else if (!strcmp(a, "--input")) { if (take_list(argc, argv, &i, &o->inputs, &o->num_inputs)) return die("%s needs a value", a); }
+        else if (!strcmp(a, "--json-keys")) { if (take_list(argc, argv, &i, &o->keys, &o->num_keys)) return die("%s needs a value", a); }
+        else if (!strcmp(a, "--input-format")) VALUE(o->format);
+        else if (!strcmp(a, "--output-prefix")) VALUE(o->output_prefix);
+        else if (!strcmp(a, "--tokenizer-type")) VALUE(o->tokenizer_type);
+        else if (!strcmp(a, "--vocab-file")) VALUE(o->vocab_file);
+        else if (!strcmp(a, "--merge-file")) VALUE(o->merge_file);
+        else if (!strcmp(a, "--tokenizer-model")) VALUE(o->tokenizer_model);
+        else if (!strcmp(a, "--tiktoken-encoding")) VALUE(o->tiktoken_encoding);
+        else if (!strcmp(a, "--append-eod")) o->append_eod = 1;
+        else if (!strcmp(a, "--skip-bad-lines")) o->skip_bad_lines = 1;
+        else if (!strcmp(a, "--quiet")) o->quiet = 1;
+        else if (!strcmp(a, "--workers")) {
+            const char* v;
+            VALUE(v);
+            char* end;
+            long w = strtol(v, &end, 10);
+            if (*end || w < 1 || w > 4096) return die("--workers must be a positive integer, not '%s'", v);
+            o->workers = (int)w;
+        } else if (!strcmp(a, "--log-interval") || !strcmp(a, "--dataset-impl")) {
+            const char* v;
+            VALUE(v);
+            if (!strcmp(a, "--dataset-impl") && strcmp(v, "mmap") != 0) return die("--dataset-impl %s: only mmap is written", v);
+        } else if (!strcmp(a, "--partitions")) {
+            const char* v;
+            VALUE(v);
+            if (strcmp(v, "1") != 0)
+                return die("--partitions %s: not supported (use --workers for parallelism; partitions > 1 also reorder documents in Megatron)", v);
+        } else if (!strcmp(a, "--keep-sequential-samples")) {
+            /* only matters with --partitions > 1 */
+        } else if (!strcmp(a, "--split-sentences") || !strcmp(a, "--keep-newlines") || !strcmp(a, "--lang")) {
+            return die("%s: sentence splitting (NLTK punkt) is not supported; documents are tokenized whole, as Megatron does without it", a);
+        } else if (!strncmp(a, "--tiktoken-", 11)) {
+            return die("%s: not supported; give the tiktoken rank file with --tokenizer-model and its encoding with --tiktoken-encoding", a);
+        } else {
+            return die("unknown argument '%s' (see --help)", a);
+        }
+#undef VALUE
+    }
+    return 0;
+}
+
+static int load_tokenizer(const options* o, mt_tokenizer** tok) {
+    mt_error err;
+    const char* type = o->tokenizer_type;
+    if (!type) return die("%s", "--tokenizer-type is required (GPT2BPETokenizer, TikTokenizer or Llama3Tokenizer)");
+    if (!strcmp(type, "GPT2BPETokenizer")) {
+        if (!o->vocab_file || !o->merge_file) return die("%s", "GPT2BPETokenizer needs --vocab-file and --merge-file");
+        if (mt_tokenizer_load_gpt2(tok, o->vocab_file, o->merge_file, &err) != MT_OK) return die("%s", err.message);
+        return 0;
+    }
+    if (!strcmp(type, "TikTokenizer") || !strcmp(type, "Llama3Tokenizer")) {
+        mt_tokenizer_kind kind;
+        if (!o->tokenizer_model) return die("%s needs --tokenizer-model", type);
+        if (o->tiktoken_encoding) {
+            if (mt_tokenizer_kind_from_name(o->tiktoken_encoding, &kind, &err) != MT_OK) return die("%s", err.message);
+        } else if (!strcmp(type, "Llama3Tokenizer")) {
+            kind = MT_TOKENIZER_LLAMA3;
+        } else if (!mt_tokenizer_kind_from_path(o->tokenizer_model, &kind)) {
+            return die("cannot tell the encoding of %s from its name: give --tiktoken-encoding r50k_base|cl100k_base|o200k_base|llama3",
+                       o->tokenizer_model);
+        }
+        if (!strcmp(type, "Llama3Tokenizer") && kind != MT_TOKENIZER_LLAMA3)
+            return die("%s", "Llama3Tokenizer takes Llama-3's tokenizer.model (--tiktoken-encoding llama3)");
+        if (mt_tokenizer_load_tiktoken(tok, o->tokenizer_model, kind, &err) != MT_OK) return die("%s", err.message);
+        return 0;
+    }
+    return die("--tokenizer-type %s is not supported (GPT2BPETokenizer, TikTokenizer, Llama3Tokenizer)", type);
+}
+
+int main(int argc, char** argv) {
+    options o;
+    memset(&o, 0, sizeof(o));
+    if (argc < 2) { fputs(usage, stderr); return 1; }
+    /* --flag=value is --flag value, as with argparse */
+    char** args = (char**)malloc((size_t)argc * 2 * sizeof(char*));
+    int nargs = 0;
+    if (!args) return die("%s", "out of memory");
+    for (int i = 0; i < argc; i++) {
+        char* eq = i > 0 && !strncmp(argv[i], "--", 2) ? strchr(argv[i], '=') : NULL;
+        if (eq) { *eq = 0; args[nargs++] = argv[i]; args[nargs++] = eq + 1; }
+        else args[nargs++] = argv[i];
+    }
+    if (parse_args(nargs, args, &o)) return 1;
+    if (!o.num_inputs) return die("%s", "--input is required");
+    if (!o.output_prefix) return die("%s", "--output-prefix is required");
+    mt_input_format format = MT_INPUT_JSONL;
+    if (o.format && !strcmp(o.format, "text")) format = MT_INPUT_TEXT;
+    else if (o.format && strcmp(o.format, "jsonl") != 0 && strcmp(o.format, "json") != 0)
+        return die("--input-format %s: use jsonl or text", o.format);
+    if (!o.workers) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        o.workers = n > 0 ? (int)n : 1;
+    }
+
+    mt_tokenizer* tok = NULL;
+    if (load_tokenizer(&o, &tok)) return 1;
+
+    progress_state ps;
+    memset(&ps, 0, sizeof(ps));
+    ps.quiet = o.quiet;
+    ps.tty = isatty(2);
+    ps.last = now_seconds();
+
+    mt_preprocess_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.inputs = o.inputs;
+    cfg.num_inputs = o.num_inputs;
+    cfg.format = format;
+    cfg.output_prefix = o.output_prefix;
+    cfg.json_keys = o.keys;
+    cfg.num_json_keys = o.num_keys;
+    cfg.tokenizer = tok;
+    cfg.append_eod = o.append_eod;
+    cfg.workers = o.workers;
+    cfg.skip_bad_lines = o.skip_bad_lines;
+    cfg.progress = on_progress;
+    cfg.bad_line = on_bad_line;
+    cfg.user = &ps;
+    cfg.cancel = &g_interrupted;
+    signal(SIGINT, on_sigint);
+    signal(SIGTERM, on_sigint);
+
+    if (!o.quiet)
+        fprintf(stderr, "preprocess_data: tokenizer %s (vocab %lld, eod %d), %d workers\n", mt_tokenizer_kind_name(mt_tokenizer_get_kind(tok)),
+                (long long)mt_tokenizer_vocab_size(tok), mt_tokenizer_eod(tok), o.workers);
+    mt_preprocess_stats stats;
+    mt_error err;
+    mt_status st = mt_preprocess(&cfg, &stats, &err);
+    if (!o.quiet && stats.documents > 0 && ps.tty) fprintf(stderr, "\r\033[K");
+    if (st != MT_OK) {
+        fprintf(stderr, "preprocess_data: %s\n", err.message);
+        mt_tokenizer_free(tok);
+        free((void*)o.inputs);
+        free((void*)o.keys);
+        free(args);
+        return 1;
+    }
+    if (!o.quiet) print_progress(&stats, 1, 0);
+    int nk = o.num_keys ? o.num_keys : 1;
+    for (int k = 0; k < nk; k++)
+        printf("wrote %s_%s_document.bin/.idx\n", o.output_prefix, o.num_keys ? o.keys[k] : "text");
+    printf("%lld documents, %lld tokens (%s%s), %.1f MB in %.1f s\n", (long long)stats.documents, (long long)stats.tokens,
+           mt_indexed_dtype_name(mt_indexed_dtype_for_vocab(mt_tokenizer_vocab_size(tok))), nk > 1 ? ", all keys" : "",
+           (double)stats.bytes_read / 1e6, stats.seconds);
+    if (stats.bad_lines) fprintf(stderr, "preprocess_data: skipped %lld malformed lines\n", (long long)stats.bad_lines);
+    if (stats.empty_docs) fprintf(stderr, "preprocess_data: %lld documents encoded to no tokens (kept as empty documents)\n", (long long)stats.empty_docs);
+    mt_tokenizer_free(tok);
+    free((void*)o.inputs);
+    free((void*)o.keys);
+    free(args);
+    return 0;
+}
