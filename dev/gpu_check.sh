@@ -11,6 +11,7 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
 what=${1:-all}
 declare -a rows
+print_rows() { printf '%s\n' "${rows[@]}" | awk -F'|' '{ printf "%-34s %-44s %s\n", $1, $2, $3 }'; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -20,12 +21,12 @@ if make -j"$(nproc)" GPU_ARCH=90 all >"$OUT/build.log" 2>&1; then
   rows+=("build (sm_90)|ok|$(( $(date +%s) - start )) s")
 else
   tail -30 "$OUT/build.log"; rows+=("build (sm_90)|FAILED|see build.log")
-  printf '%s\n' "${rows[@]}" | column -t -s'|'; exit 1
+  print_rows; exit 1
 fi
 
 ./test_megatron 2>&1 | tee "$OUT/test.log"
 rows+=("test_megatron|$(tail -n1 "$OUT/test.log")|")
-if [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null && grep -q "mpi" "$OUT/test.log" 2>/dev/null; then
+if [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null; then
   mpirun --allow-run-as-root -np "$ngpu" ./test_megatron mpi 2>&1 | tee "$OUT/test_mpi.log"
   rows+=("test_megatron (mpirun -np $ngpu)|$(tail -n1 "$OUT/test_mpi.log")|")
 fi
@@ -44,4 +45,4 @@ fi
 
 echo
 echo "==== summary ($(head -n1 "$OUT/gpu.txt")) ===="
-printf '%s\n' "${rows[@]}" | column -t -s'|'
+print_rows
