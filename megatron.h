@@ -64,7 +64,6 @@ mt_status mt_fail(mt_error* err, mt_status status, const char* fmt, ...)
 #endif
     ;
 
-/* SECTION 2-5 DECLARATIONS: see below */
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 2. Indexed datasets (.bin/.idx, Megatron MMIDIDX v1): reader and writer                         */
@@ -526,7 +525,6 @@ mt_status mt_fail(mt_error* err, mt_status status, const char* fmt, ...) {
     return status;
 }
 
-/* SECTION 2-5 IMPLEMENTATION: see below */
 
 /* 2. Indexed datasets (.bin/.idx) -------------------------------------------------------------- */
 
