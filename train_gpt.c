@@ -109,12 +109,12 @@ static void set_builtin_defaults(run_options* o) {
     c->weight_decay = 0.1;
     c->adam_beta2 = 0.95;
     c->precision = MT_BF16;
-    o->log_interval = 20;
-    o->eval_interval = 100;
-    o->eval_iters = 5;
-    o->save = "checkpoints/builtin";
-    o->save_interval = 0;
-    o->sample_tokens = 128;
+    if (o->log_interval < 0) o->log_interval = 20;
+    if (o->eval_interval < 0) o->eval_interval = 100;
+    if (o->eval_iters < 0) o->eval_iters = 5;
+    if (o->save_interval < 0) o->save_interval = 0;
+    if (!o->save) o->save = "checkpoints/builtin";
+    if (o->sample_tokens < 0) o->sample_tokens = 128;
 }
 
 static void parse_args(run_options* o, int argc, char** argv) {
@@ -262,9 +262,10 @@ static void parse_args(run_options* o, int argc, char** argv) {
     o->builtin = o->num_data_paths == 0;
     if (o->builtin) set_builtin_defaults(o);
     else {
-        o->log_interval = o->log_interval ? o->log_interval : 100;
-        o->eval_interval = o->eval_interval ? o->eval_interval : 1000;
-        o->eval_iters = o->eval_iters ? o->eval_iters : 100;
+        if (o->log_interval < 0) o->log_interval = 100;
+        if (o->eval_interval < 0) o->eval_interval = 1000;
+        if (o->eval_iters < 0) o->eval_iters = 100;
+        if (o->save_interval < 0) o->save_interval = 0;
         if (!o->split) o->split = "969, 30, 1"; /* Megatron's legacy default with --data-path */
         const char* required[][2] = {{"--num-layers", (const char*)(num_layers < 0 ? "" : NULL)},
                                      {"--hidden-size", (const char*)(hidden < 0 ? "" : NULL)},
@@ -550,6 +551,8 @@ int main(int argc, char** argv) {
     run_options o;
     memset(&o, 0, sizeof(o));
     mt_config_defaults(&o.cfg);
+    o.log_interval = o.eval_interval = o.eval_iters = o.save_interval = -1; /* unset */
+    o.sample_tokens = -1;
     parse_args(&o, argc, argv);
     mt_config* c = &o.cfg;
     c->world_size = world;
