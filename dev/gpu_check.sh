@@ -35,7 +35,7 @@ if [ "$what" = all ]; then
   rm -rf checkpoints/builtin
   start=$(date +%s)
   ./train_gpt 2>&1 | tee "$OUT/train_builtin.log"
-  last=$(grep " iteration " "$OUT/train_builtin.log" | tail -n1)
+  last=$(grep "elapsed time per iteration" "$OUT/train_builtin.log" | tail -n1)
   val=$(grep "validation loss" "$OUT/train_builtin.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
   ms=$(echo "$last" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
   tf=$(echo "$last" | sed 's/.*TFLOP\/s\/GPU): \([^ ]*\).*/\1/')
