@@ -27,6 +27,7 @@
 #include "megatron.h"
 
 #include <cublas_v2.h>
+#include <nccl.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -73,7 +74,19 @@ static bool mt_cublas_ok(mt_gpu_error* e, cublasStatus_t code, const char* what,
     return false;
 }
 
+/* NCCL failures name the rank: with N processes, the one line that reaches the user must say which. */
+static bool mt_nccl_ok(mt_gpu_error* e, ncclResult_t code, const char* what, int rank, const char* file, int line) {
+    if (code == ncclSuccess || code == ncclInProgress) return true;
+    if (e->status == MT_OK) {
+        e->status = MT_ERR_NCCL;
+        snprintf(e->error.message, sizeof(e->error.message), "rank %d: NCCL error %s (%s) in %s at %s:%d", rank,
+                 ncclGetErrorString(code), ncclGetLastError(NULL), what, file, line);
+    }
+    return false;
+}
+
 #define CUDA_CHECK(e, call) mt_cuda_ok((e), (call), #call, __FILE__, __LINE__)
+#define NCCL_CHECK(e, rank, call) mt_nccl_ok((e), (call), #call, (rank), __FILE__, __LINE__)
 #define CUBLAS_CHECK(e, call) mt_cublas_ok((e), (call), #call, __FILE__, __LINE__)
 #define LAUNCH_CHECK(e) mt_cuda_ok((e), cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
 
@@ -144,17 +157,21 @@ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-__global__ void init_param_kernel(float* out, int64_t n, int mode, float std, uint64_t seed, uint64_t tensor_id) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    if (mode == 0) { out[i] = 0.0f; return; }
-    if (mode == 1) { out[i] = 1.0f; return; }
+/* out[j] = the value of element first + j of tensor tensor_id (0, 1, or normal(0, std)). */
+__global__ void init_param_kernel(float* out, int64_t n, int64_t first, int mode, float std, uint64_t seed,
+                                  uint64_t tensor_id) {
+    int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) return;
+    out += j;
+    int64_t i = first + j;
+    if (mode == 0) { out[0] = 0.0f; return; }
+    if (mode == 1) { out[0] = 1.0f; return; }
     uint64_t r1 = splitmix64(seed ^ splitmix64((tensor_id << 48) ^ (uint64_t)(2 * i)));
     uint64_t r2 = splitmix64(seed ^ splitmix64((tensor_id << 48) ^ (uint64_t)(2 * i + 1)));
     double u1 = ((double)(r1 >> 11) + 1.0) * (1.0 / 9007199254740992.0); /* (0, 1] */
     double u2 = (double)(r2 >> 11) * (1.0 / 9007199254740992.0);         /* [0, 1) */
     double z = sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
-    out[i] = (float)(z * std);
+    out[0] = (float)(z * std);
 }
 
 template <typename T>
@@ -1194,12 +1211,23 @@ __global__ void cross_entropy_kernel(T* logits, float* losses, const int32_t* ta
 
 /* ---- 2.9 Gradient norm: fixed grid of partial sums in double, then one block in fixed order. ---- */
 
-#define NORM_BLOCKS 512
-__global__ void sum_squares_partial_kernel(double* partial, const float* x, int64_t n) {
+/* A piece of the optimizer's work: `length` elements of one parameter, at `buffer` in the
+ * parameter/gradient buffers and at `master` in the optimizer's shard. */
+typedef struct {
+    int64_t buffer;
+    int64_t master;
+    int32_t length;
+    int32_t weight_decay;
+} mt_opt_chunk;
+#define OPT_CHUNK_ELEMENTS 32768
+
+/* partial[c] = sum of squares of chunk c of the gradient buffer. */
+__global__ void chunk_sum_squares_kernel(double* partial, const mt_opt_chunk* chunks, const float* x) {
     __shared__ double shared[256];
+    mt_opt_chunk c = chunks[blockIdx.x];
     double s = 0.0;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        double v = x[i];
+    for (int i = threadIdx.x; i < c.length; i += blockDim.x) {
+        double v = x[c.buffer + i];
         s += v * v;
     }
     shared[threadIdx.x] = s;
@@ -1228,21 +1256,24 @@ __global__ void sum_partials_kernel(double* out, const double* partial, int coun
  *      loss-scale unscaling. ---- */
 
 template <typename T>
-__global__ void adamw_kernel(float* master, T* model, const float* grad, float* m, float* v, int64_t n, float lr,
-                             float beta1, float beta2, float bias_correction1, float bias_correction2, float eps,
-                             float weight_decay, float grad_scale) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float g = grad[i] * grad_scale;
-    float mi = beta1 * m[i] + (1.0f - beta1) * g;
-    float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    float p = master[i];
-    float update = (mi / bias_correction1) / (sqrtf(vi / bias_correction2) + eps) + weight_decay * p;
-    p -= lr * update;
-    master[i] = p;
-    if ((void*)model != (void*)master) model[i] = from_float<T>(p);
+__global__ void adamw_kernel(const mt_opt_chunk* chunks, float* master, T* model, const float* grad, float* m,
+                             float* v, float lr, float beta1, float beta2, float bias_correction1,
+                             float bias_correction2, float eps, float weight_decay, float grad_scale) {
+    mt_opt_chunk c = chunks[blockIdx.x];
+    float wd = c.weight_decay ? weight_decay : 0.0f;
+    for (int i = threadIdx.x; i < c.length; i += blockDim.x) {
+        int64_t k = c.master + i, b = c.buffer + i;
+        float g = grad[b] * grad_scale;
+        float mi = beta1 * m[k] + (1.0f - beta1) * g;
+        float vi = beta2 * v[k] + (1.0f - beta2) * g * g;
+        m[k] = mi;
+        v[k] = vi;
+        float p = master[k];
+        float update = (mi / bias_correction1) / (sqrtf(vi / bias_correction2) + eps) + wd * p;
+        p -= lr * update;
+        master[k] = p;
+        if ((void*)model != (void*)master) model[b] = from_float<T>(p);
+    }
 }
 
 /* ============================================================================================== */
@@ -1280,15 +1311,54 @@ static void gemm(mt_gemm_context* g, bool transA, bool transB, int M, int N, int
 
 /* ============================================================================================== */
 /* 4. Process groups                                                                               */
-/*    One GPU: tensor, pipeline and data-parallel groups all have size 1, so the collectives of    */
-/*    sections 5 and 8 are identities. The NCCL communicators arrive with data parallelism.        */
+/*    Megatron's rank layout (megatron.h: tp-cp-ep-dp-pp) gives each rank its coordinates. The     */
+/*    data-parallel group is an NCCL communicator over the ranks that hold the same model shard;   */
+/*    its collectives run on their own stream so they overlap the compute stream. Tensor and       */
+/*    pipeline groups have size 1 in this build.                                                    */
 /* ============================================================================================== */
 
 typedef struct {
     int tp_size, tp_rank;
     int pp_size, pp_rank;
     int dp_size, dp_rank;
+    ncclComm_t dp;              /* the data-parallel communicator; NULL when dp_size == 1 */
+    cudaStream_t comm_stream;   /* DP collectives */
 } mt_process_groups;
+
+mt_status mt_comm_id_create(mt_comm_id* id, mt_error* err) {
+    static_assert(sizeof(mt_comm_id) == sizeof(ncclUniqueId), "mt_comm_id must hold an ncclUniqueId");
+    ncclUniqueId unique;
+    ncclResult_t r = ncclGetUniqueId(&unique);
+    if (r != ncclSuccess) return mt_fail(err, MT_ERR_NCCL, "ncclGetUniqueId failed: %s", ncclGetErrorString(r));
+    memcpy(id->internal, &unique, sizeof(unique));
+    return MT_OK;
+}
+
+/* Joins the job's communicators (blocks until every rank has joined). */
+static void process_groups_create(mt_process_groups* g, const mt_config* c, mt_gpu_error* e) {
+    mt_rank_coords me = mt_rank_coordinates(c, c->rank);
+    g->tp_size = c->tensor_model_parallel_size;
+    g->pp_size = c->pipeline_model_parallel_size;
+    g->dp_size = c->data_parallel_size;
+    g->tp_rank = me.tp;
+    g->pp_rank = me.pp;
+    g->dp_rank = me.dp;
+    if (!mt_cuda_ok(e, cudaStreamCreateWithFlags(&g->comm_stream, cudaStreamNonBlocking), "comm stream", __FILE__,
+                    __LINE__))
+        return;
+    if (g->dp_size == 1) return;
+    /* with tp = pp = 1 the data-parallel group is the whole world, in rank order */
+    ncclUniqueId id;
+    memcpy(&id, c->comm_id.internal, sizeof(id));
+    NCCL_CHECK(e, c->rank, ncclCommInitRank(&g->dp, c->world_size, id, c->rank));
+}
+
+static void process_groups_free(mt_process_groups* g) {
+    if (g->dp) ncclCommDestroy(g->dp);
+    if (g->comm_stream) cudaStreamDestroy(g->comm_stream);
+    memset(g, 0, sizeof(*g));
+}
+
 
 /* ============================================================================================== */
 /* 5. Parallel layers                                                                              */
@@ -1419,15 +1489,33 @@ struct mt_trainer {
     mt_gemm_context gemm;
     mt_colsum_scratch colsum;
     mt_param_info params_info[MT_NUM_PARAM_TENSORS];
-    int64_t num_params;
+    int64_t num_params;       /* the model's parameters (canonical count, no padding) */
     size_t elem;              /* bytes per model element */
     int flash;                /* attention by the flash kernels (bf16, head dim 64/128), else exact */
-    void* params;             /* [num_params] model type (aliases master in fp32) */
-    float* master;            /* [num_params] fp32 */
-    float* grads;             /* [num_params] fp32 */
-    float* adam_m;
-    float* adam_v;
-    double* norm_partial;     /* [NORM_BLOCKS + 1] */
+    /* parameters and gradients share one buffer layout (megatron.h, mt_buffer_layout): reverse model
+     * order, cut into data-parallel buckets */
+    mt_buffer_layout buffer;
+    void* params;             /* [buffer.size] model type; aliases master in fp32 without the distributed optimizer */
+    float* grads;             /* [buffer.size] fp32 */
+    /* the optimizer's part: each bucket's owned range (its DP shard, or all of it without the
+     * distributed optimizer), concatenated in bucket order */
+    float* master;            /* [shard_numel] fp32 */
+    float* adam_m;            /* [shard_numel] */
+    float* adam_v;            /* [shard_numel] */
+    int64_t shard_numel;
+    int64_t* shard_offset;    /* [num_buckets]: where bucket b's owned range starts in master */
+    int sharded;              /* distributed optimizer with dp > 1 */
+    mt_opt_chunk* chunks;     /* device [num_chunks]: the owned parameter elements in pieces */
+    int num_chunks;
+    double* norm_partial;     /* [num_chunks + 1] */
+    double* reduce_scratch;   /* [2]: the loss and norm all-reduced over DP */
+    /* data-parallel reduction and gathering state */
+    int reduce_in_backward;   /* launch bucket reductions from the backward (last micro-batch, overlap) */
+    int next_bucket;          /* next bucket to reduce in this step */
+    int gather_pending;       /* parameter all-gathers of the last step still in flight */
+    cudaEvent_t compute_done, comm_done;
+    cudaEvent_t* gathered;    /* [num_buckets]: bucket b's parameters all-gathered */
+    size_t state_bytes_measured; /* device memory taken by params, grads, master, Adam (cudaMemGetInfo) */
     mt_activations act;
     void* arena;              /* activations + scratch, one allocation */
     size_t arena_bytes;
@@ -1445,11 +1533,12 @@ struct mt_trainer {
 /* Element offset of layer l in a stacked per-layer tensor of `per_layer` elements. */
 #define LAYER(ptr, T, l, per_layer) ((T*)(ptr) + (int64_t)(l) * (per_layer))
 
+/* Parameter `which` of layer l (l ignored outside the layers) in the model-type and gradient buffers. */
 template <typename T>
-static T* param_ptr(mt_trainer* t, int which) {
-    return (T*)t->params + t->params_info[which].offset;
+static T* param_ptr(mt_trainer* t, int which, int l = 0) {
+    return (T*)t->params + mt_buffer_offset(&t->buffer, which, l);
 }
-static float* grad_ptr(mt_trainer* t, int which) { return t->grads + t->params_info[which].offset; }
+static float* grad_ptr(mt_trainer* t, int which, int l = 0) { return t->grads + mt_buffer_offset(&t->buffer, which, l); }
 
 /* Host <-> device copies, ordered on the trainer's stream and finished on return. (The stream is
  * non-blocking, so a plain cudaMemcpy on the legacy stream would not be ordered with its kernels.) */
@@ -1570,6 +1659,13 @@ static T* attention_core_backward(mt_trainer* t, T* probs, const T* attn, const 
     return (T*)a->q;
 }
 
+/* The data-parallel hooks the model calls (section 8): the forward waits for each layer's
+ * parameters when the last step's all-gather still runs; the backward reports each layer whose
+ * gradients are final, so full buckets can start their reduction. Layer -1 is the embeddings,
+ * layer L the final norm and output layer. */
+static void wait_for_parameters(mt_trainer* t, int layer);
+static void gradients_ready(mt_trainer* t, int layer);
+
 /* Forward of one micro-batch whose inputs/targets are already on the device. Leaves the logits
  * (or, when grad_scale != 0, their gradient) in act.logits and per-token losses in act.losses. */
 template <typename T>
@@ -1583,6 +1679,7 @@ static void model_forward(mt_trainer* t, float grad_scale) {
     int64_t head_elems = (int64_t)s.B * s.heads * s.S * s.d;
     float scale = 1.0f / sqrtf((float)s.d);
 
+    wait_for_parameters(t, -1);
     embedding_forward_kernel<T><<<ceil_div(BTh, 256), 256, 0, st>>>(
         (T*)a->residual, a->inputs, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS), param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS),
         s.BT, s.S, s.h);
@@ -1590,13 +1687,14 @@ static void model_forward(mt_trainer* t, float grad_scale) {
 
     for (int l = 0; l < s.L; l++) {
         auto [x, ln1, qkv, probs, attn, mid, ln2, fc1, gelu, out] = layer_activations<T>(a, s, l);
+        wait_for_parameters(t, l);
 
         /* attention block */
         layernorm_forward<T>(g, ln1, a->ln1_mean + (int64_t)l * s.BT, a->ln1_rstd + (int64_t)l * s.BT, x,
-                             LAYER(param_ptr<T>(t, MT_P_LN1_WEIGHT), T, l, s.h),
-                             LAYER(param_ptr<T>(t, MT_P_LN1_BIAS), T, l, s.h), s.BT, s.h, eps);
-        linear_forward<T>(g, qkv, ln1, LAYER(param_ptr<T>(t, MT_P_QKV_WEIGHT), T, l, (int64_t)s.qkv_width * s.h),
-                          LAYER(param_ptr<T>(t, MT_P_QKV_BIAS), T, l, s.qkv_width), s.BT, s.h, s.qkv_width);
+                             param_ptr<T>(t, MT_P_LN1_WEIGHT, l),
+                             param_ptr<T>(t, MT_P_LN1_BIAS, l), s.BT, s.h, eps);
+        linear_forward<T>(g, qkv, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l),
+                          param_ptr<T>(t, MT_P_QKV_BIAS, l), s.BT, s.h, s.qkv_width);
         attention_split_heads_kernel<T><<<ceil_div(head_elems, 256), 256, 0, st>>>((T*)a->q, (T*)a->k, (T*)a->v, qkv,
                                                                                    s.B, s.S, s.heads, s.groups, s.d);
         LAUNCH_CHECK(&t->error);
@@ -1605,26 +1703,27 @@ static void model_forward(mt_trainer* t, float grad_scale) {
                                                                                    s.d);
         LAUNCH_CHECK(&t->error);
         linear_forward<T>(g, (T*)a->branch, attn,
-                          LAYER(param_ptr<T>(t, MT_P_PROJ_WEIGHT), T, l, (int64_t)s.h * s.attn_width),
-                          LAYER(param_ptr<T>(t, MT_P_PROJ_BIAS), T, l, s.h), s.BT, s.attn_width, s.h);
+                          param_ptr<T>(t, MT_P_PROJ_WEIGHT, l),
+                          param_ptr<T>(t, MT_P_PROJ_BIAS, l), s.BT, s.attn_width, s.h);
         residual_add_kernel<T><<<ceil_div(BTh, 256), 256, 0, st>>>(mid, x, (T*)a->branch, BTh);
         LAUNCH_CHECK(&t->error);
 
         /* MLP block */
         layernorm_forward<T>(g, ln2, a->ln2_mean + (int64_t)l * s.BT, a->ln2_rstd + (int64_t)l * s.BT, mid,
-                             LAYER(param_ptr<T>(t, MT_P_LN2_WEIGHT), T, l, s.h),
-                             LAYER(param_ptr<T>(t, MT_P_LN2_BIAS), T, l, s.h), s.BT, s.h, eps);
-        linear_forward<T>(g, fc1, ln2, LAYER(param_ptr<T>(t, MT_P_FC1_WEIGHT), T, l, (int64_t)s.f * s.h),
-                          LAYER(param_ptr<T>(t, MT_P_FC1_BIAS), T, l, s.f), s.BT, s.h, s.f);
+                             param_ptr<T>(t, MT_P_LN2_WEIGHT, l),
+                             param_ptr<T>(t, MT_P_LN2_BIAS, l), s.BT, s.h, eps);
+        linear_forward<T>(g, fc1, ln2, param_ptr<T>(t, MT_P_FC1_WEIGHT, l),
+                          param_ptr<T>(t, MT_P_FC1_BIAS, l), s.BT, s.h, s.f);
         gelu_forward_kernel<T><<<ceil_div((int64_t)s.BT * s.f, 256), 256, 0, st>>>(gelu, fc1, (int64_t)s.BT * s.f);
         LAUNCH_CHECK(&t->error);
-        linear_forward<T>(g, (T*)a->branch, gelu, LAYER(param_ptr<T>(t, MT_P_FC2_WEIGHT), T, l, (int64_t)s.h * s.f),
-                          LAYER(param_ptr<T>(t, MT_P_FC2_BIAS), T, l, s.h), s.BT, s.f, s.h);
+        linear_forward<T>(g, (T*)a->branch, gelu, param_ptr<T>(t, MT_P_FC2_WEIGHT, l),
+                          param_ptr<T>(t, MT_P_FC2_BIAS, l), s.BT, s.f, s.h);
         residual_add_kernel<T><<<ceil_div(BTh, 256), 256, 0, st>>>(out, mid, (T*)a->branch, BTh);
         LAUNCH_CHECK(&t->error);
     }
 
     /* final norm, output layer tied to the word embeddings, cross entropy */
+    wait_for_parameters(t, s.L);
     layernorm_forward<T>(g, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, LAYER(a->residual, T, s.L, BTh),
                          param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.BT, s.h, eps);
     linear_forward<T>(g, (T*)a->logits, (T*)a->lnf, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS), (const T*)NULL, s.BT, s.h,
@@ -1654,31 +1753,32 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
     layernorm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS),
                           (T*)a->branch, LAYER(a->residual, T, s.L, BTh), param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT),
                           a->lnf_mean, a->lnf_rstd, s.BT, s.h);
+    gradients_ready(t, s.L);
 
     for (int l = s.L - 1; l >= 0; l--) {
         auto [x, ln1, qkv, probs, attn, mid, ln2, fc1, gelu, out] = layer_activations<T>(a, s, l);
         (void)out;
 
         /* MLP block: dres is d(out); the branch sees the same gradient */
-        linear_backward<T>(g, cs, (T*)a->branch2, LAYER(grad_ptr(t, MT_P_FC2_WEIGHT), float, l, (int64_t)s.h * s.f),
-                           LAYER(grad_ptr(t, MT_P_FC2_BIAS), float, l, s.h), dres, gelu,
-                           LAYER(param_ptr<T>(t, MT_P_FC2_WEIGHT), T, l, (int64_t)s.h * s.f), s.BT, s.f, s.h);
+        linear_backward<T>(g, cs, (T*)a->branch2, grad_ptr(t, MT_P_FC2_WEIGHT, l),
+                           grad_ptr(t, MT_P_FC2_BIAS, l), dres, gelu,
+                           param_ptr<T>(t, MT_P_FC2_WEIGHT, l), s.BT, s.f, s.h);
         gelu_backward_kernel<T><<<ceil_div((int64_t)s.BT * s.f, 256), 256, 0, st>>>((T*)a->branch2, fc1,
                                                                                     (int64_t)s.BT * s.f);
         LAUNCH_CHECK(&t->error);
-        linear_backward<T>(g, cs, (T*)a->branch, LAYER(grad_ptr(t, MT_P_FC1_WEIGHT), float, l, (int64_t)s.f * s.h),
-                           LAYER(grad_ptr(t, MT_P_FC1_BIAS), float, l, s.f), (T*)a->branch2, ln2,
-                           LAYER(param_ptr<T>(t, MT_P_FC1_WEIGHT), T, l, (int64_t)s.f * s.h), s.BT, s.h, s.f);
-        layernorm_backward<T>(g, cs, dres, LAYER(grad_ptr(t, MT_P_LN2_WEIGHT), float, l, s.h),
-                              LAYER(grad_ptr(t, MT_P_LN2_BIAS), float, l, s.h), (T*)a->branch, mid,
-                              LAYER(param_ptr<T>(t, MT_P_LN2_WEIGHT), T, l, s.h), a->ln2_mean + (int64_t)l * s.BT,
+        linear_backward<T>(g, cs, (T*)a->branch, grad_ptr(t, MT_P_FC1_WEIGHT, l),
+                           grad_ptr(t, MT_P_FC1_BIAS, l), (T*)a->branch2, ln2,
+                           param_ptr<T>(t, MT_P_FC1_WEIGHT, l), s.BT, s.h, s.f);
+        layernorm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN2_WEIGHT, l),
+                              grad_ptr(t, MT_P_LN2_BIAS, l), (T*)a->branch, mid,
+                              param_ptr<T>(t, MT_P_LN2_WEIGHT, l), a->ln2_mean + (int64_t)l * s.BT,
                               a->ln2_rstd + (int64_t)l * s.BT, s.BT, s.h);
 
         /* attention block: dres is now d(mid) */
         linear_backward<T>(g, cs, (T*)a->branch2,
-                           LAYER(grad_ptr(t, MT_P_PROJ_WEIGHT), float, l, (int64_t)s.h * s.attn_width),
-                           LAYER(grad_ptr(t, MT_P_PROJ_BIAS), float, l, s.h), dres, attn,
-                           LAYER(param_ptr<T>(t, MT_P_PROJ_WEIGHT), T, l, (int64_t)s.h * s.attn_width), s.BT,
+                           grad_ptr(t, MT_P_PROJ_WEIGHT, l),
+                           grad_ptr(t, MT_P_PROJ_BIAS, l), dres, attn,
+                           param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), s.BT,
                            s.attn_width, s.h);
         attention_split_grad_kernel<T><<<ceil_div(head_elems, 256), 256, 0, st>>>((T*)a->o, (T*)a->branch2, s.B, s.S,
                                                                                   s.heads, s.d);
@@ -1690,14 +1790,15 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
             (T*)a->branch, dq, (T*)a->dk, (T*)a->dv, s.B, s.S, s.heads, s.groups, s.d);
         LAUNCH_CHECK(&t->error);
         linear_backward<T>(g, cs, (T*)a->branch2,
-                           LAYER(grad_ptr(t, MT_P_QKV_WEIGHT), float, l, (int64_t)s.qkv_width * s.h),
-                           LAYER(grad_ptr(t, MT_P_QKV_BIAS), float, l, s.qkv_width), (T*)a->branch, ln1,
-                           LAYER(param_ptr<T>(t, MT_P_QKV_WEIGHT), T, l, (int64_t)s.qkv_width * s.h), s.BT, s.h,
+                           grad_ptr(t, MT_P_QKV_WEIGHT, l),
+                           grad_ptr(t, MT_P_QKV_BIAS, l), (T*)a->branch, ln1,
+                           param_ptr<T>(t, MT_P_QKV_WEIGHT, l), s.BT, s.h,
                            s.qkv_width);
-        layernorm_backward<T>(g, cs, dres, LAYER(grad_ptr(t, MT_P_LN1_WEIGHT), float, l, s.h),
-                              LAYER(grad_ptr(t, MT_P_LN1_BIAS), float, l, s.h), (T*)a->branch2, x,
-                              LAYER(param_ptr<T>(t, MT_P_LN1_WEIGHT), T, l, s.h), a->ln1_mean + (int64_t)l * s.BT,
+        layernorm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN1_WEIGHT, l),
+                              grad_ptr(t, MT_P_LN1_BIAS, l), (T*)a->branch2, x,
+                              param_ptr<T>(t, MT_P_LN1_WEIGHT, l), a->ln1_mean + (int64_t)l * s.BT,
                               a->ln1_rstd + (int64_t)l * s.BT, s.BT, s.h);
+        gradients_ready(t, l);
     }
 
     /* embeddings: dres is d(embedding output) */
@@ -1707,6 +1808,7 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
     word_embedding_backward_kernel<T><<<unique_tokens, 256, 0, st>>>(grad_ptr(t, MT_P_WORD_EMBEDDINGS), dres, idx,
                                                                      idx + s.BT + 1, idx + 2 * (s.BT + 1), s.h);
     LAUNCH_CHECK(&t->error);
+    gradients_ready(t, -1);
 }
 
 /* ============================================================================================== */
@@ -1781,18 +1883,30 @@ static double micro_batch_loss_sum(mt_trainer* t) {
     return sum;
 }
 
-/* Forward (+ backward when training) of micro-batches [0, count) of tokens; returns the mean loss.
- * Gradients accumulate: d(mean over all count*BT tokens of loss * loss_scale). */
+static void finish_gradient_reduction(mt_trainer* t);
+static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_error* err);
+
+/* Forward (+ backward when training) of micro-batches [0, count) of this rank's tokens; returns the
+ * mean loss, over all data-parallel ranks when `across_dp`. Training leaves in t->grads the gradient
+ * of the mean loss over the global batch (times loss_scale), reduced over DP: summed by all-reduce,
+ * or with the distributed optimizer by reduce-scatter (then only this rank's shards hold sums). */
 static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int count, int train, double loss_scale,
-                                   double* mean_loss, mt_error* err) {
+                                   int across_dp, double* mean_loss, mt_error* err) {
     mt_shape s = model_shape(t);
+    int dp = t->groups.dp_size;
     double total = 0.0;
-    float grad_scale = train ? (float)(loss_scale / ((double)count * s.BT)) : 0.0f;
-    if (train) CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, sizeof(float) * t->num_params, t->stream));
+    /* Megatron pre-scales each rank's gradients by 1/dp and sums them */
+    float grad_scale = train ? (float)(loss_scale / ((double)count * s.BT * dp)) : 0.0f;
+    if (train) {
+        CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, sizeof(float) * t->buffer.size, t->stream));
+        t->next_bucket = 0;
+    }
     for (int mb = 0; mb < count; mb++) {
         int unique = 0;
         mt_status st = stage_micro_batch(t, tokens, mb, train, &unique, err);
         if (st != MT_OK) return st;
+        /* --overlap-grad-reduce: buckets go out during the last micro-batch's backward */
+        t->reduce_in_backward = train && dp > 1 && t->cfg.overlap_grad_reduce && mb == count - 1;
         switch (t->cfg.precision) {
             case MT_FP32:
                 model_forward<float>(t, grad_scale);
@@ -1807,26 +1921,148 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
                 if (train) model_backward<__half>(t, unique);
                 break;
         }
+        t->reduce_in_backward = 0;
         total += micro_batch_loss_sum(t);
         if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     }
-    *mean_loss = total / ((double)count * s.BT);
-    return MT_OK;
+    if (train) finish_gradient_reduction(t);
+    double tokens_counted = (double)count * s.BT;
+    if (across_dp && dp > 1) {
+        mt_status st = all_reduce_sum(t, &total, err);
+        if (st != MT_OK) return st;
+        tokens_counted *= dp;
+    }
+    *mean_loss = total / tokens_counted;
+    return mt_gpu_error_return(&t->error, err);
 }
 
 /* ============================================================================================== */
-/* 8. Optimizer: global gradient norm, clipping, Megatron's fp16 DynamicGradScaler, AdamW          */
+/* 8. Optimizer: data-parallel buckets, global gradient norm, clipping, Megatron's fp16           */
+/*    DynamicGradScaler, AdamW over this rank's shard, and the all-gather of the new parameters.   */
+/*    Every DP collective runs on the communication stream, in the same order on every rank; the  */
+/*    compute stream and the communication stream hand over with events.                          */
 /* ============================================================================================== */
 
-/* Squared L2 norm of the fp32 gradient buffer (deterministic). */
+/* The communication stream starts after everything issued so far on the compute stream. */
+static void comm_after_compute(mt_trainer* t) {
+    CUDA_CHECK(&t->error, cudaEventRecord(t->compute_done, t->stream));
+    CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->groups.comm_stream, t->compute_done, 0));
+}
+/* The compute stream continues after everything issued so far on the communication stream. */
+static void compute_after_comm(mt_trainer* t) {
+    CUDA_CHECK(&t->error, cudaEventRecord(t->comm_done, t->groups.comm_stream));
+    CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, t->comm_done, 0));
+}
+
+/* [begin, end) of bucket b that this rank's optimizer owns: its DP shard, or all of it. */
+static void owned_range(const mt_trainer* t, int b, int64_t* begin, int64_t* end) {
+    if (t->sharded) mt_bucket_shard(&t->buffer.buckets[b], t->groups.dp_size, t->groups.dp_rank, begin, end);
+    else mt_bucket_shard(&t->buffer.buckets[b], 1, 0, begin, end);
+}
+
+/* Starts the DP reduction of bucket b's gradients (already pre-scaled by 1/dp): an all-reduce, or
+ * with the distributed optimizer a reduce-scatter leaving this rank the sum over its own shard. */
+static void reduce_bucket(mt_trainer* t, int b) {
+    const mt_buffer_bucket* k = &t->buffer.buckets[b];
+    mt_process_groups* g = &t->groups;
+    float* base = t->grads + k->start;
+    comm_after_compute(t);
+    if (t->sharded) {
+        int64_t begin, end;
+        owned_range(t, b, &begin, &end);
+        NCCL_CHECK(&t->error, t->cfg.rank,
+                   ncclReduceScatter(base, t->grads + begin, (size_t)(end - begin), ncclFloat, ncclSum, g->dp,
+                                     g->comm_stream));
+    } else {
+        NCCL_CHECK(&t->error, t->cfg.rank,
+                   ncclAllReduce(base, base, (size_t)(k->end - k->start), ncclFloat, ncclSum, g->dp, g->comm_stream));
+    }
+}
+
+static void gradients_ready(mt_trainer* t, int layer) {
+    if (!t->reduce_in_backward) return;
+    /* buckets run in buffer order = backprop order; bucket b is final once its lowest layer is done */
+    while (t->next_bucket < t->buffer.num_buckets && t->buffer.buckets[t->next_bucket].ready_layer >= layer)
+        reduce_bucket(t, t->next_bucket++);
+}
+
+/* After the last micro-batch: reduce the buckets the backward has not, then let compute wait. */
+static void finish_gradient_reduction(mt_trainer* t) {
+    if (t->groups.dp_size == 1) return;
+    while (t->next_bucket < t->buffer.num_buckets) reduce_bucket(t, t->next_bucket++);
+    compute_after_comm(t);
+}
+
+/* Sum of a host double over the DP group (the loss, the squared norm of sharded gradients). */
+static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_error* err) {
+    if (t->groups.dp_size == 1) return MT_OK;
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(t->reduce_scratch, value, sizeof(double), cudaMemcpyHostToDevice, t->stream));
+    comm_after_compute(t);
+    NCCL_CHECK(&t->error, t->cfg.rank,
+               ncclAllReduce(t->reduce_scratch, t->reduce_scratch, 1, ncclDouble, ncclSum, t->groups.dp,
+                             t->groups.comm_stream));
+    compute_after_comm(t);
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(value, t->reduce_scratch, sizeof(double), cudaMemcpyDeviceToHost, t->stream));
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    return mt_gpu_error_return(&t->error, err);
+}
+
+/* 1 on every rank if `ok` holds on every rank (a barrier too); used where files are shared. */
+static int all_ranks_ok(mt_trainer* t, int ok) {
+    double bad = ok ? 0.0 : 1.0;
+    if (all_reduce_sum(t, &bad, NULL) != MT_OK) return 0;
+    return bad == 0.0;
+}
+
+/* After the optimizer step with the distributed optimizer: each rank has written its shard of the
+ * model-type parameters; all-gather every bucket, in forward order (last bucket first). Without
+ * --overlap-param-gather the compute stream waits here; with it, the next forward waits per layer. */
+static void gather_parameters(mt_trainer* t) {
+    if (!t->sharded) return;
+    mt_process_groups* g = &t->groups;
+    ncclDataType_t type = t->cfg.precision == MT_FP32 ? ncclFloat : t->cfg.precision == MT_BF16 ? ncclBfloat16 : ncclHalf;
+    comm_after_compute(t);
+    for (int b = t->buffer.num_buckets - 1; b >= 0; b--) {
+        int64_t begin, end;
+        owned_range(t, b, &begin, &end);
+        char* base = (char*)t->params;
+        NCCL_CHECK(&t->error, t->cfg.rank,
+                   ncclAllGather(base + begin * t->elem, base + t->buffer.buckets[b].start * t->elem,
+                                 (size_t)(end - begin), type, g->dp, g->comm_stream));
+        CUDA_CHECK(&t->error, cudaEventRecord(t->gathered[b], g->comm_stream));
+    }
+    if (t->cfg.overlap_param_gather) t->gather_pending = 1;
+    else compute_after_comm(t);
+}
+
+static void wait_for_parameters(mt_trainer* t, int layer) {
+    if (!t->gather_pending) return;
+    const mt_buffer_layout* B = &t->buffer;
+    /* gathers were issued from the last bucket down: waiting for the lowest bucket holding any of
+     * this layer's parameters covers all of them (the first in buffer order: fc2's bias) */
+    int b;
+    if (layer < 0) b = B->params[B->index[MT_P_POSITION_EMBEDDINGS * B->num_layers]].bucket;
+    else if (layer >= B->num_layers) b = 0;
+    else b = B->params[B->index[MT_P_FC2_BIAS * B->num_layers + layer]].bucket;
+    CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, t->gathered[b], 0));
+    if (b == 0) t->gather_pending = 0;
+}
+
+static void wait_for_all_parameters(mt_trainer* t) {
+    if (t->gather_pending) wait_for_parameters(t, t->buffer.num_layers);
+}
+
+/* Squared L2 norm of the gradients, over the whole model (deterministic): each rank sums its owned
+ * elements in fixed chunks; with the distributed optimizer the shards' sums are added over DP. */
 static double gradient_norm_squared(mt_trainer* t) {
-    sum_squares_partial_kernel<<<NORM_BLOCKS, 256, 0, t->stream>>>(t->norm_partial, t->grads, t->num_params);
-    sum_partials_kernel<<<1, 256, 0, t->stream>>>(t->norm_partial + NORM_BLOCKS, t->norm_partial, NORM_BLOCKS);
+    chunk_sum_squares_kernel<<<t->num_chunks, 256, 0, t->stream>>>(t->norm_partial, t->chunks, t->grads);
+    sum_partials_kernel<<<1, 256, 0, t->stream>>>(t->norm_partial + t->num_chunks, t->norm_partial, t->num_chunks);
     LAUNCH_CHECK(&t->error);
     double result = 0.0;
-    CUDA_CHECK(&t->error, cudaMemcpyAsync(&result, t->norm_partial + NORM_BLOCKS, sizeof(double),
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(&result, t->norm_partial + t->num_chunks, sizeof(double),
                                           cudaMemcpyDeviceToHost, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    if (t->sharded) all_reduce_sum(t, &result, NULL);
     return result;
 }
 
@@ -1857,22 +2093,25 @@ static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
     t->adam_step++;
     float bc1 = (float)(1.0 - pow(c->adam_beta1, (double)t->adam_step));
     float bc2 = (float)(1.0 - pow(c->adam_beta2, (double)t->adam_step));
-    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
-        const mt_param_info* p = &t->params_info[i];
-        float wd = p->weight_decay ? (float)c->weight_decay : 0.0f;
-        adamw_kernel<T><<<ceil_div(p->numel, 256), 256, 0, t->stream>>>(
-            t->master + p->offset, (T*)t->params + p->offset, t->grads + p->offset, t->adam_m + p->offset,
-            t->adam_v + p->offset, p->numel, lr, (float)c->adam_beta1, (float)c->adam_beta2, bc1, bc2,
-            (float)c->adam_eps, wd, grad_scale);
-    }
+    /* one launch over every owned chunk (a multi-tensor AdamW) */
+    adamw_kernel<T><<<t->num_chunks, 256, 0, t->stream>>>(t->chunks, t->master, (T*)t->params, t->grads, t->adam_m,
+                                                          t->adam_v, lr, (float)c->adam_beta1, (float)c->adam_beta2,
+                                                          bc1, bc2, (float)c->adam_eps, (float)c->weight_decay,
+                                                          grad_scale);
     LAUNCH_CHECK(&t->error);
+    gather_parameters(t);
 }
 
 /* ============================================================================================== */
 /* 9. Checkpoints                                                                                  */
 /*    <dir>/iter_0000100/mp_rank_00/model_optim_rng.bin: a header (magic, version, model shape,    */
-/*    progress counters), then fp32 master weights, Adam m and v. Written into a temporary          */
-/*    directory that is renamed into place; latest_checkpointed_iteration.txt is written last.    */
+/*    progress counters), then the fp32 master weights, Adam m and v, each in canonical order, so  */
+/*    a checkpoint does not depend on the buffer layout or the number of data-parallel ranks.      */
+/*    With the distributed optimizer the file holds the master weights only, and every DP rank r   */
+/*    writes its shard of master, m and v to distrib_optim_dp<r>.bin beside it (Megatron's         */
+/*    distrib_optim.pt); such a checkpoint resumes on the same number of ranks. Everything is     */
+/*    written into a temporary directory that rank 0 renames into place once every rank has       */
+/*    written; latest_checkpointed_iteration.txt comes last. Ranks share the file system.          */
 /* ============================================================================================== */
 
 #define MT_CKPT_MAGIC 0x4b43544d /* "MTCK" */
@@ -1880,7 +2119,11 @@ static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
 enum {
     CK_MAGIC = 0, CK_VERSION, CK_LAYERS, CK_HIDDEN, CK_HEADS, CK_GROUPS, CK_KV, CK_FFN, CK_VOCAB, CK_POSITIONS,
     CK_NUM_PARAMS, CK_PRECISION, CK_ITERATION, CK_CONSUMED, CK_SCHED_STEPS, CK_ADAM_STEP, CK_SEED,
-    CK_GROWTH, CK_HYSTERESIS, CK_LOSS_SCALE_BITS, CK_TP, CK_PP, CK_HEADER_WORDS = 64
+    CK_GROWTH, CK_HYSTERESIS, CK_LOSS_SCALE_BITS, CK_TP, CK_PP,
+    CK_SHARDED_DP,   /* 0: m and v follow the master weights; d > 0: sharded over d DP ranks */
+    CK_DP_RANK,      /* shard files: the DP rank */
+    CK_SHARD_NUMEL,  /* shard files: elements per array */
+    CK_HEADER_WORDS = 64
 };
 
 static mt_status write_all(FILE* f, const void* data, size_t bytes, const char* path, mt_error* err) {
@@ -1916,22 +2159,96 @@ static int make_directories(const char* path) {
     return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
 }
 
-mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples, mt_error* err) {
-    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
-    char final_dir[4096], tmp_dir[4096], rank_dir[4160], path[4224], old_dir[4160];
-    if (make_directories(dir) != 0)
-        return mt_fail(err, MT_ERR_IO, "cannot create checkpoint directory %s: %s", dir, strerror(errno));
-    snprintf(final_dir, sizeof(final_dir), "%s/iter_%07lld", dir, (long long)iteration);
-    snprintf(tmp_dir, sizeof(tmp_dir), "%s/.tmp_iter_%07lld_%d", dir, (long long)iteration, (int)getpid());
-    snprintf(rank_dir, sizeof(rank_dir), "%s/mp_rank_00", tmp_dir);
-    remove_tree(tmp_dir);
-    if (mkdir(tmp_dir, 0755) != 0 || mkdir(rank_dir, 0755) != 0)
-        return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", rank_dir, strerror(errno));
-    snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
+/* ---- fp32 arrays between the optimizer shard, the full buffer layout, and canonical order ---- */
 
+/* Copies every bucket's owned range between a full buffer-layout array and an optimizer-shard array. */
+static void copy_owned(mt_trainer* t, float* shard, float* full, int to_shard) {
+    for (int b = 0; b < t->buffer.num_buckets; b++) {
+        int64_t begin, end;
+        owned_range(t, b, &begin, &end);
+        float* s = shard + t->shard_offset[b];
+        float* f = full + begin;
+        CUDA_CHECK(&t->error, cudaMemcpyAsync(to_shard ? s : f, to_shard ? f : s, sizeof(float) * (end - begin),
+                                              cudaMemcpyDeviceToDevice, t->stream));
+    }
+}
+
+/* The full fp32 master weights in buffer layout: the master itself, or with the distributed
+ * optimizer the shards all-gathered into the gradient buffer (free between steps). Collective. */
+static float* full_master(mt_trainer* t) {
+    if (!t->sharded) return t->master;
+    copy_owned(t, t->master, t->grads, 0);
+    comm_after_compute(t);
+    for (int b = 0; b < t->buffer.num_buckets; b++) {
+        int64_t begin, end;
+        owned_range(t, b, &begin, &end);
+        NCCL_CHECK(&t->error, t->cfg.rank,
+                   ncclAllGather(t->grads + begin, t->grads + t->buffer.buckets[b].start, (size_t)(end - begin),
+                                 ncclFloat, t->groups.dp, t->groups.comm_stream));
+    }
+    compute_after_comm(t);
+    return t->grads;
+}
+
+/* Master weights (this rank's part) and the model-type copy from a full fp32 buffer-layout array. */
+static void set_master_from_full(mt_trainer* t, float* full) {
+    if (full != t->master) copy_owned(t, t->master, full, 1);
+    if (t->params == (void*)t->master) return;
+    int64_t n = t->buffer.size;
+    switch (t->cfg.precision) {
+        case MT_FP32: cast_from_float_kernel<float><<<ceil_div(n, 256), 256, 0, t->stream>>>((float*)t->params, full, n); break;
+        case MT_BF16:
+            cast_from_float_kernel<__nv_bfloat16><<<ceil_div(n, 256), 256, 0, t->stream>>>((__nv_bfloat16*)t->params, full, n);
+            break;
+        case MT_FP16: cast_from_float_kernel<__half><<<ceil_div(n, 256), 256, 0, t->stream>>>((__half*)t->params, full, n); break;
+    }
+    LAUNCH_CHECK(&t->error);
+}
+
+/* Canonical host array <-> full buffer-layout device array (padding zeroed on upload). */
+static mt_status canonical_transfer(mt_trainer* t, float* device_full, float* host, int upload, mt_error* err) {
+    if (upload) CUDA_CHECK(&t->error, cudaMemsetAsync(device_full, 0, sizeof(float) * t->buffer.size, t->stream));
+    for (int i = 0; i < t->buffer.num_params; i++) {
+        const mt_buffer_param* p = &t->buffer.params[i];
+        float* d = device_full + p->offset;
+        float* h = host + p->canonical;
+        CUDA_CHECK(&t->error, cudaMemcpyAsync(upload ? d : h, upload ? h : d, sizeof(float) * p->numel,
+                                              upload ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, t->stream));
+    }
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    return mt_gpu_error_return(&t->error, err);
+}
+
+/* A host copy of a shard-layout optimizer array, written to f. */
+static mt_status write_device_array(mt_trainer* t, FILE* f, const float* device, int64_t n, float* host,
+                                    const char* path, mt_error* err) {
+    mt_status st = copy_sync(t, host, device, sizeof(float) * n, cudaMemcpyDeviceToHost, err);
+    return st == MT_OK ? write_all(f, host, sizeof(float) * n, path, err) : st;
+}
+
+static mt_status read_device_array(mt_trainer* t, FILE* f, float* device, int64_t n, float* host, const char* path,
+                                   mt_error* err) {
+    if (fread(host, sizeof(float), (size_t)n, f) != (size_t)n) return mt_fail(err, MT_ERR_FORMAT, "%s is truncated", path);
+    return copy_sync(t, device, host, sizeof(float) * n, cudaMemcpyHostToDevice, err);
+}
+
+/* A canonical-order array of the full model: download from the buffer layout and write. */
+static mt_status write_canonical(mt_trainer* t, FILE* f, float* device_full, float* host, const char* path,
+                                 mt_error* err) {
+    mt_status st = canonical_transfer(t, device_full, host, 0, err);
+    return st == MT_OK ? write_all(f, host, sizeof(float) * t->num_params, path, err) : st;
+}
+
+static mt_status read_canonical(mt_trainer* t, FILE* f, float* device_full, float* host, const char* path,
+                                mt_error* err) {
+    if (fread(host, sizeof(float), (size_t)t->num_params, f) != (size_t)t->num_params)
+        return mt_fail(err, MT_ERR_FORMAT, "%s is truncated", path);
+    return canonical_transfer(t, device_full, host, 1, err);
+}
+
+static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration, int64_t consumed_samples) {
     const mt_config* c = &t->cfg;
-    int64_t header[CK_HEADER_WORDS];
-    memset(header, 0, sizeof(header));
+    memset(header, 0, sizeof(int64_t) * CK_HEADER_WORDS);
     header[CK_MAGIC] = MT_CKPT_MAGIC;
     header[CK_VERSION] = MT_CKPT_VERSION;
     header[CK_LAYERS] = c->num_layers;
@@ -1954,62 +2271,106 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
     memcpy(&header[CK_LOSS_SCALE_BITS], &t->loss_scale, sizeof(double));
     header[CK_TP] = c->tensor_model_parallel_size;
     header[CK_PP] = c->pipeline_model_parallel_size;
-
-    size_t bytes = sizeof(float) * (size_t)t->num_params;
-    float* host = (float*)malloc(bytes);
-    if (!host) return mt_fail(err, MT_ERR_OOM, "cannot allocate %zu bytes to save a checkpoint", bytes);
-    FILE* f = fopen(path, "wb");
-    mt_status st = f ? MT_OK : mt_fail(err, MT_ERR_IO, "cannot create %s: %s", path, strerror(errno));
-    if (st == MT_OK) st = write_all(f, header, sizeof(header), path, err);
-    const float* sources[3] = {t->master, t->adam_m, t->adam_v};
-    for (int i = 0; i < 3 && st == MT_OK; i++) {
-        st = copy_sync(t, host, sources[i], bytes, cudaMemcpyDeviceToHost, err);
-        if (st == MT_OK) st = write_all(f, host, bytes, path, err);
-    }
-    free(host);
-    if (f && fclose(f) != 0 && st == MT_OK) st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
-    if (st != MT_OK) {
-        remove_tree(tmp_dir);
-        return st;
-    }
-    /* move into place (replacing an older copy of the same iteration), then the tracker */
-    snprintf(old_dir, sizeof(old_dir), "%s.old", final_dir);
-    remove_tree(old_dir);
-    if (rename(final_dir, old_dir) != 0 && errno != ENOENT)
-        return mt_fail(err, MT_ERR_IO, "cannot replace %s: %s", final_dir, strerror(errno));
-    if (rename(tmp_dir, final_dir) != 0)
-        return mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", tmp_dir, final_dir, strerror(errno));
-    remove_tree(old_dir);
-    char tracker[4096], tracker_tmp[4160];
-    snprintf(tracker, sizeof(tracker), "%s/latest_checkpointed_iteration.txt", dir);
-    snprintf(tracker_tmp, sizeof(tracker_tmp), "%s.tmp", tracker);
-    FILE* tf = fopen(tracker_tmp, "w");
-    if (!tf || fprintf(tf, "%lld", (long long)iteration) < 0 || fclose(tf) != 0 || rename(tracker_tmp, tracker) != 0)
-        return mt_fail(err, MT_ERR_IO, "cannot write %s: %s", tracker, strerror(errno));
-    return MT_OK;
+    header[CK_SHARDED_DP] = t->sharded ? t->groups.dp_size : 0;
+    header[CK_DP_RANK] = t->groups.dp_rank;
+    header[CK_SHARD_NUMEL] = t->sharded ? t->shard_numel : 0;
 }
 
-mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
-                          int64_t* consumed_out, mt_error* err) {
-    char path[4096];
-    if (iteration < 0) {
-        snprintf(path, sizeof(path), "%s/latest_checkpointed_iteration.txt", dir);
-        FILE* tf = fopen(path, "r");
-        if (!tf) return mt_fail(err, MT_ERR_IO, "no checkpoint in %s (cannot open %s)", dir, path);
-        long long it = -1;
-        int ok = fscanf(tf, "%lld", &it) == 1;
-        fclose(tf);
-        if (!ok || it < 0) return mt_fail(err, MT_ERR_FORMAT, "%s does not hold an iteration number", path);
-        iteration = it;
+/* Writes header + arrays to path; the arrays are canonical full-model (model file) or shards. */
+static mt_status write_checkpoint_file(mt_trainer* t, const char* path, const int64_t* header, int shard_file,
+                                       float* master_full, float* host, mt_error* err) {
+    FILE* f = fopen(path, "wb");
+    if (!f) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", path, strerror(errno));
+    mt_status st = write_all(f, header, sizeof(int64_t) * CK_HEADER_WORDS, path, err);
+    if (shard_file) {
+        const float* arrays[3] = {t->master, t->adam_m, t->adam_v};
+        for (int i = 0; i < 3 && st == MT_OK; i++) st = write_device_array(t, f, arrays[i], t->shard_numel, host, path, err);
+    } else {
+        if (st == MT_OK) st = write_canonical(t, f, master_full, host, path, err);
+        /* without sharding, m and v are full buffer-layout arrays like the master */
+        if (!t->sharded && st == MT_OK) st = write_canonical(t, f, t->adam_m, host, path, err);
+        if (!t->sharded && st == MT_OK) st = write_canonical(t, f, t->adam_v, host, path, err);
     }
-    snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_00/model_optim_rng.bin", dir, (long long)iteration);
-    FILE* f = fopen(path, "rb");
+    if (fclose(f) != 0 && st == MT_OK) st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+    return st;
+}
+
+/* A failure somewhere else: every rank returns an error, the failing one its own message. */
+static mt_status other_rank_failed(mt_status st, mt_error* err, const char* what, const char* path) {
+    if (st != MT_OK) return st;
+    return mt_fail(err, MT_ERR_IO, "%s %s failed on another data-parallel rank", what, path);
+}
+
+mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples, mt_error* err) {
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    char final_dir[4096], tmp_dir[4096], rank_dir[4160], path[4224], old_dir[4160];
+    int writer = t->groups.dp_rank == 0; /* replicas hold the same model: DP rank 0 writes it */
+    snprintf(final_dir, sizeof(final_dir), "%s/iter_%07lld", dir, (long long)iteration);
+    snprintf(tmp_dir, sizeof(tmp_dir), "%s/.tmp_iter_%07lld", dir, (long long)iteration);
+    snprintf(rank_dir, sizeof(rank_dir), "%s/mp_rank_00", tmp_dir);
+    wait_for_all_parameters(t);
+
+    /* 1. rank 0 makes the temporary directory */
+    mt_status st = MT_OK;
+    if (writer) {
+        if (make_directories(dir) != 0)
+            st = mt_fail(err, MT_ERR_IO, "cannot create checkpoint directory %s: %s", dir, strerror(errno));
+        remove_tree(tmp_dir);
+        if (st == MT_OK && (mkdir(tmp_dir, 0755) != 0 || mkdir(rank_dir, 0755) != 0))
+            st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", rank_dir, strerror(errno));
+    }
+    if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", final_dir);
+
+    /* 2. every rank writes its files (all take part in gathering the sharded master) */
+    int64_t header[CK_HEADER_WORDS];
+    fill_header(t, header, iteration, consumed_samples);
+    size_t host_elems = (size_t)(t->num_params > t->shard_numel ? t->num_params : t->shard_numel);
+    float* host = (float*)malloc(sizeof(float) * host_elems);
+    if (!host) st = mt_fail(err, MT_ERR_OOM, "cannot allocate %zu bytes to save a checkpoint", sizeof(float) * host_elems);
+    float* master_full = full_master(t); /* collective with the distributed optimizer */
+    if (t->sharded && st == MT_OK) {
+        snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, t->groups.dp_rank);
+        st = write_checkpoint_file(t, path, header, 1, master_full, host, err);
+    }
+    if (writer && st == MT_OK) {
+        snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
+        st = write_checkpoint_file(t, path, header, 0, master_full, host, err);
+    }
+    free(host);
+    if (!all_ranks_ok(t, st == MT_OK)) {
+        if (writer) remove_tree(tmp_dir);
+        return other_rank_failed(st, err, "saving", final_dir);
+    }
+
+    /* 3. rank 0 moves it into place (replacing an older copy of the same iteration), then the tracker */
+    if (writer) {
+        snprintf(old_dir, sizeof(old_dir), "%s.old", final_dir);
+        remove_tree(old_dir);
+        if (rename(final_dir, old_dir) != 0 && errno != ENOENT)
+            st = mt_fail(err, MT_ERR_IO, "cannot replace %s: %s", final_dir, strerror(errno));
+        else if (rename(tmp_dir, final_dir) != 0)
+            st = mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", tmp_dir, final_dir, strerror(errno));
+        remove_tree(old_dir);
+        char tracker[4096], tracker_tmp[4160];
+        snprintf(tracker, sizeof(tracker), "%s/latest_checkpointed_iteration.txt", dir);
+        snprintf(tracker_tmp, sizeof(tracker_tmp), "%s.tmp", tracker);
+        if (st == MT_OK) {
+            FILE* tf = fopen(tracker_tmp, "w");
+            if (!tf || fprintf(tf, "%lld", (long long)iteration) < 0 || fclose(tf) != 0 || rename(tracker_tmp, tracker) != 0)
+                st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", tracker, strerror(errno));
+        }
+    }
+    if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", final_dir);
+    return mt_gpu_error_return(&t->error, err);
+}
+
+/* Reads and checks a checkpoint header against this run's model. */
+static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int64_t* h, mt_error* err) {
     if (!f) return mt_fail(err, MT_ERR_IO, "cannot open checkpoint %s: %s", path, strerror(errno));
-    int64_t h[CK_HEADER_WORDS];
-    if (fread(h, sizeof(h), 1, f) != 1) {
-        fclose(f);
+    if (fread(h, sizeof(int64_t), CK_HEADER_WORDS, f) != CK_HEADER_WORDS)
         return mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
-    }
+    if (h[CK_MAGIC] != MT_CKPT_MAGIC || h[CK_VERSION] != MT_CKPT_VERSION)
+        return mt_fail(err, MT_ERR_FORMAT, "%s is not a megatron.c checkpoint (bad magic or version)", path);
     const mt_config* c = &t->cfg;
     struct { int word; int64_t mine; const char* what; } shape[] = {
         {CK_LAYERS, c->num_layers, "--num-layers"},
@@ -2023,46 +2384,75 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
         {CK_TP, c->tensor_model_parallel_size, "--tensor-model-parallel-size"},
         {CK_PP, c->pipeline_model_parallel_size, "--pipeline-model-parallel-size"},
     };
-    if (h[CK_MAGIC] != MT_CKPT_MAGIC || h[CK_VERSION] != MT_CKPT_VERSION) {
-        fclose(f);
-        return mt_fail(err, MT_ERR_FORMAT, "%s is not a megatron.c checkpoint (bad magic or version)", path);
-    }
-    for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++) {
-        if (h[shape[i].word] != shape[i].mine) {
-            fclose(f);
+    for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++)
+        if (h[shape[i].word] != shape[i].mine)
             return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has %s %lld but this run has %lld", path, shape[i].what,
                            (long long)h[shape[i].word], (long long)shape[i].mine);
-        }
-    }
-    size_t bytes = sizeof(float) * (size_t)t->num_params;
-    float* host = (float*)malloc(bytes);
-    if (!host) {
-        fclose(f);
-        return mt_fail(err, MT_ERR_OOM, "cannot allocate %zu bytes to load a checkpoint", bytes);
-    }
-    float* targets[3] = {t->master, t->adam_m, t->adam_v};
+    int64_t sharded = h[CK_SHARDED_DP], mine = t->sharded ? t->groups.dp_size : 0;
+    if (sharded != 0 && sharded != mine)
+        return mt_fail(err, MT_ERR_CONFIG,
+                       "checkpoint %s holds optimizer state sharded over %lld data-parallel ranks "
+                       "(--use-distributed-optimizer); this run has %d ranks%s: resume with the same layout",
+                       path, (long long)sharded, t->groups.dp_size, t->sharded ? "" : " without it");
+    return MT_OK;
+}
+
+mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
+                          int64_t* consumed_out, mt_error* err) {
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    char path[4096];
     mt_status st = MT_OK;
-    for (int i = 0; i < 3 && st == MT_OK; i++) {
-        if (fread(host, 1, bytes, f) != bytes) {
-            st = mt_fail(err, MT_ERR_FORMAT, "%s is truncated", path);
-            break;
+    if (iteration < 0) {
+        snprintf(path, sizeof(path), "%s/latest_checkpointed_iteration.txt", dir);
+        FILE* tf = fopen(path, "r");
+        long long it = -1;
+        if (!tf) st = mt_fail(err, MT_ERR_IO, "no checkpoint in %s (cannot open %s)", dir, path);
+        else {
+            if (fscanf(tf, "%lld", &it) != 1 || it < 0)
+                st = mt_fail(err, MT_ERR_FORMAT, "%s does not hold an iteration number", path);
+            fclose(tf);
         }
-        st = copy_sync(t, targets[i], host, bytes, cudaMemcpyHostToDevice, err);
+        iteration = it;
+    }
+    wait_for_all_parameters(t);
+    int64_t h[CK_HEADER_WORDS];
+    float* host = (float*)malloc(sizeof(float) * (size_t)(t->num_params > t->shard_numel ? t->num_params : t->shard_numel));
+    if (!host && st == MT_OK) st = mt_fail(err, MT_ERR_OOM, "cannot allocate host memory to load a checkpoint");
+    if (st == MT_OK) {
+        /* the model file: master weights (then m and v unless sharded), through the gradient buffer */
+        snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_00/model_optim_rng.bin", dir, (long long)iteration);
+        FILE* f = fopen(path, "rb");
+        st = read_header(t, f, path, h, err);
+        if (st == MT_OK) st = read_canonical(t, f, t->grads, host, path, err);
+        if (st == MT_OK) set_master_from_full(t, t->grads);
+        if (st == MT_OK && h[CK_SHARDED_DP] == 0) {
+            float* moments[2] = {t->adam_m, t->adam_v};
+            for (int i = 0; i < 2 && st == MT_OK; i++) {
+                st = read_canonical(t, f, t->grads, host, path, err);
+                if (st == MT_OK) copy_owned(t, moments[i], t->grads, 1);
+            }
+        }
+        if (f) fclose(f);
+    }
+    if (st == MT_OK && h[CK_SHARDED_DP] != 0) {
+        /* this rank's shard of master, m and v */
+        snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_00/distrib_optim_dp%03d.bin", dir, (long long)iteration,
+                 t->groups.dp_rank);
+        FILE* f = fopen(path, "rb");
+        int64_t hs[CK_HEADER_WORDS];
+        st = read_header(t, f, path, hs, err);
+        if (st == MT_OK && (hs[CK_DP_RANK] != t->groups.dp_rank || hs[CK_SHARD_NUMEL] != t->shard_numel))
+            st = mt_fail(err, MT_ERR_FORMAT, "%s is the shard of DP rank %lld with %lld elements, not of rank %d with %lld",
+                         path, (long long)hs[CK_DP_RANK], (long long)hs[CK_SHARD_NUMEL], t->groups.dp_rank,
+                         (long long)t->shard_numel);
+        float* arrays[3] = {t->master, t->adam_m, t->adam_v};
+        for (int i = 0; i < 3 && st == MT_OK; i++) st = read_device_array(t, f, arrays[i], t->shard_numel, host, path, err);
+        if (f) fclose(f);
     }
     free(host);
-    fclose(f);
-    if (st != MT_OK) return st;
-    /* the model-precision copy is rebuilt from the master by the same rounding the optimizer uses */
-    if ((void*)t->params != (void*)t->master) {
-        int64_t n = t->num_params;
-        if (c->precision == MT_BF16)
-            cast_from_float_kernel<__nv_bfloat16><<<ceil_div(n, 256), 256, 0, t->stream>>>((__nv_bfloat16*)t->params,
-                                                                                          t->master, n);
-        else
-            cast_from_float_kernel<__half><<<ceil_div(n, 256), 256, 0, t->stream>>>((__half*)t->params, t->master, n);
-        LAUNCH_CHECK(&t->error);
-        CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
-    }
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    if (st == MT_OK) st = mt_gpu_error_return(&t->error, err);
+    if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "loading from", dir);
     t->scheduler_steps = h[CK_SCHED_STEPS];
     t->adam_step = h[CK_ADAM_STEP];
     t->growth_tracker = (int)h[CK_GROWTH];
@@ -2070,7 +2460,7 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
     memcpy(&t->loss_scale, &h[CK_LOSS_SCALE_BITS], sizeof(double));
     if (iteration_out) *iteration_out = h[CK_ITERATION];
     if (consumed_out) *consumed_out = h[CK_CONSUMED];
-    return mt_gpu_error_return(&t->error, err);
+    return MT_OK;
 }
 
 /* ============================================================================================== */
@@ -2149,15 +2539,18 @@ mt_memory_plan mt_trainer_memory_plan(const mt_trainer* t) {
     mt_memory_plan p;
     memset(&p, 0, sizeof(p));
     p.num_parameters = t->num_params;
-    p.parameter_bytes = (size_t)t->num_params * t->elem;
-    p.master_bytes = t->cfg.precision == MT_FP32 ? 0 : (size_t)t->num_params * 4;
-    p.gradient_bytes = (size_t)t->num_params * 4;
-    p.optimizer_bytes = (size_t)t->num_params * 8;
+    p.buffer_elements = t->buffer.size;
+    p.shard_elements = t->shard_numel;
+    p.parameter_bytes = (size_t)t->buffer.size * t->elem;
+    p.master_bytes = t->params == (void*)t->master ? 0 : (size_t)t->shard_numel * 4;
+    p.gradient_bytes = (size_t)t->buffer.size * 4;
+    p.optimizer_bytes = (size_t)t->shard_numel * 8;
     p.activation_bytes = t->arena_bytes;
     p.workspace_bytes = CUBLAS_WORKSPACE_BYTES + 2 * COLSUM_MAX_CHUNKS * max_columns(t) * 4 +
-                        (NORM_BLOCKS + 1) * sizeof(double);
+                        ((size_t)t->num_chunks + 1) * sizeof(double) + (size_t)t->num_chunks * sizeof(mt_opt_chunk);
     p.total_bytes = p.parameter_bytes + p.master_bytes + p.gradient_bytes + p.optimizer_bytes + p.activation_bytes +
                     p.workspace_bytes;
+    p.state_bytes_measured = t->state_bytes_measured;
     return p;
 }
 
@@ -2167,40 +2560,85 @@ static void* device_alloc(mt_trainer* t, size_t bytes) {
     return p;
 }
 
-/* Initialises the fp32 master weights as Megatron does, then the model copy. */
+/* Initialises the weights as Megatron does into a full fp32 buffer-layout array (the gradient
+ * buffer, free at this point), then the master and the model copy from it. Each element's value
+ * depends only on (seed, tensor, its index in the canonical tensor): the same at any layout. */
 static void initialise_parameters(mt_trainer* t) {
     const mt_config* c = &t->cfg;
-    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
-        const mt_param_info* p = &t->params_info[i];
+    CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, sizeof(float) * t->buffer.size, t->stream));
+    for (int k = 0; k < t->buffer.num_params; k++) {
+        const mt_buffer_param* p = &t->buffer.params[k];
+        const mt_param_info* info = &t->params_info[p->tensor];
         float std = (float)c->init_method_std;
-        if (p->init == 3) std = (float)(c->init_method_std / sqrt(2.0 * c->num_layers));
-        int mode = p->init == 3 ? 2 : p->init;
-        init_param_kernel<<<ceil_div(p->numel, 256), 256, 0, t->stream>>>(t->master + p->offset, p->numel, mode, std,
-                                                                         c->seed, (uint64_t)i);
+        if (info->init == 3) std = (float)(c->init_method_std / sqrt(2.0 * c->num_layers));
+        int mode = info->init == 3 ? 2 : info->init;
+        init_param_kernel<<<ceil_div(p->numel, 256), 256, 0, t->stream>>>(
+            t->grads + p->offset, p->numel, p->canonical - info->offset, mode, std, c->seed, (uint64_t)p->tensor);
     }
     LAUNCH_CHECK(&t->error);
+    set_master_from_full(t, t->grads);
+    CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, sizeof(float) * t->buffer.size, t->stream));
 }
 
-static void sync_model_from_master(mt_trainer* t) {
-    int64_t n = t->num_params;
-    if (t->cfg.precision == MT_BF16)
-        cast_from_float_kernel<__nv_bfloat16><<<ceil_div(n, 256), 256, 0, t->stream>>>((__nv_bfloat16*)t->params,
-                                                                                      t->master, n);
-    else if (t->cfg.precision == MT_FP16)
-        cast_from_float_kernel<__half><<<ceil_div(n, 256), 256, 0, t->stream>>>((__half*)t->params, t->master, n);
-    LAUNCH_CHECK(&t->error);
+/* The optimizer's shard: each bucket's owned range, and the chunks AdamW and the norm walk. */
+static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
+    const mt_buffer_layout* B = &t->buffer;
+    t->shard_offset = (int64_t*)calloc((size_t)B->num_buckets, sizeof(int64_t));
+    int64_t capacity = 0;
+    for (int b = 0; b < B->num_buckets; b++) capacity += (B->buckets[b].end - B->buckets[b].start) / OPT_CHUNK_ELEMENTS + 1;
+    capacity += B->num_params;
+    mt_opt_chunk* chunks = (mt_opt_chunk*)malloc(sizeof(mt_opt_chunk) * (size_t)capacity);
+    if (!t->shard_offset || !chunks) {
+        free(chunks);
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate the optimizer plan");
+    }
+    int64_t shard = 0;
+    int n = 0;
+    for (int b = 0; b < B->num_buckets; b++) {
+        int64_t begin, end;
+        owned_range(t, b, &begin, &end);
+        t->shard_offset[b] = shard;
+        for (int i = 0; i < B->num_params; i++) {
+            const mt_buffer_param* p = &B->params[i];
+            if (p->bucket != b) continue;
+            int64_t lo = p->offset > begin ? p->offset : begin;
+            int64_t hi = p->offset + p->numel < end ? p->offset + p->numel : end;
+            for (int64_t x = lo; x < hi; x += OPT_CHUNK_ELEMENTS) {
+                mt_opt_chunk* c = &chunks[n++];
+                c->buffer = x;
+                c->master = shard + (x - begin);
+                c->length = (int32_t)(hi - x < OPT_CHUNK_ELEMENTS ? hi - x : OPT_CHUNK_ELEMENTS);
+                c->weight_decay = t->params_info[p->tensor].weight_decay;
+            }
+        }
+        shard += end - begin;
+    }
+    t->shard_numel = shard;
+    t->num_chunks = n;
+    t->chunks = (mt_opt_chunk*)device_alloc(t, sizeof(mt_opt_chunk) * (size_t)(n > 0 ? n : 1));
+    if (t->chunks)
+        CUDA_CHECK(&t->error, cudaMemcpy(t->chunks, chunks, sizeof(mt_opt_chunk) * (size_t)n, cudaMemcpyHostToDevice));
+    free(chunks);
+    return mt_gpu_error_return(&t->error, err);
 }
 
 mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* err) {
     *out = NULL;
-    if (cfg->padded_vocab_size <= 0 || cfg->kv_channels <= 0 || cfg->ffn_hidden_size <= 0)
+    if (cfg->padded_vocab_size <= 0 || cfg->kv_channels <= 0 || cfg->ffn_hidden_size <= 0 || cfg->data_parallel_size <= 0)
         return mt_fail(err, MT_ERR_CONFIG, "mt_trainer_create needs a finalized config (mt_config_finalize)");
-    if (cfg->tensor_model_parallel_size != 1 || cfg->pipeline_model_parallel_size != 1 || cfg->data_parallel_size != 1)
-        return mt_fail(err, MT_ERR_CONFIG, "this build trains on one GPU only (tensor/pipeline/data parallel size 1)");
+    if (cfg->tensor_model_parallel_size != 1 || cfg->pipeline_model_parallel_size != 1)
+        return mt_fail(err, MT_ERR_CONFIG,
+                       "this build has data parallelism only (--tensor-model-parallel-size and "
+                       "--pipeline-model-parallel-size must be 1)");
+    if (cfg->local_rank >= 0) {
+        cudaError_t e = cudaSetDevice(cfg->local_rank);
+        if (e != cudaSuccess)
+            return mt_fail(err, MT_ERR_CUDA, "rank %d: cannot use GPU %d: %s", cfg->rank, cfg->local_rank,
+                           cudaGetErrorString(e));
+    }
     mt_trainer* t = (mt_trainer*)calloc(1, sizeof(mt_trainer));
     if (!t) return mt_fail(err, MT_ERR_OOM, "cannot allocate the trainer");
     t->cfg = *cfg;
-    t->groups.tp_size = t->groups.pp_size = t->groups.dp_size = 1;
     t->elem = cfg->precision == MT_FP32 ? 4 : 2;
     /* bf16 attention runs on the flash kernels; fp32/fp16 keep the exact path (fp32 parity is 1e-5) */
     t->flash = cfg->precision == MT_BF16 && (cfg->kv_channels == 64 || cfg->kv_channels == 128);
@@ -2208,9 +2646,21 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     t->loss_scale = 1.0;
     if (cfg->precision == MT_FP16) t->loss_scale = cfg->loss_scale > 0 ? cfg->loss_scale : cfg->initial_loss_scale;
     t->hysteresis_tracker = cfg->hysteresis;
+    mt_status st = mt_buffer_layout_build(&t->buffer, cfg, err);
+    if (st != MT_OK) {
+        mt_trainer_free(t);
+        return st;
+    }
 
     mt_shape s = model_shape(t);
+    process_groups_create(&t->groups, cfg, &t->error);
+    t->sharded = cfg->use_distributed_optimizer && t->groups.dp_size > 1;
     CUDA_CHECK(&t->error, cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking));
+    CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->compute_done, cudaEventDisableTiming));
+    CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->comm_done, cudaEventDisableTiming));
+    t->gathered = (cudaEvent_t*)calloc((size_t)t->buffer.num_buckets, sizeof(cudaEvent_t));
+    for (int b = 0; t->gathered && b < t->buffer.num_buckets; b++)
+        CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->gathered[b], cudaEventDisableTiming));
     CUBLAS_CHECK(&t->error, cublasCreate(&t->cublas));
     CUBLAS_CHECK(&t->error, cublasSetStream(t->cublas, t->stream));
     /* fp32 stays fp32: no TF32 (Megatron's fp32 default), so parity with a float64 reference holds */
@@ -2221,14 +2671,27 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     t->gemm.handle = t->cublas;
     t->gemm.stream = t->stream;
     t->gemm.error = &t->error;
+    if (t->error.status == MT_OK && plan_optimizer_shard(t, err) != MT_OK && t->error.status == MT_OK) {
+        mt_trainer_free(t);
+        return MT_ERR_OOM;
+    }
 
-    size_t n = (size_t)t->num_params;
-    t->master = (float*)device_alloc(t, n * 4);
-    t->params = cfg->precision == MT_FP32 ? (void*)t->master : device_alloc(t, n * t->elem);
+    /* the model state, measured as the device sees it */
+    size_t free_before = 0, free_after = 0, total = 0;
+    CUDA_CHECK(&t->error, cudaDeviceSynchronize());
+    CUDA_CHECK(&t->error, cudaMemGetInfo(&free_before, &total));
+    size_t n = (size_t)t->buffer.size, shard = (size_t)t->shard_numel;
+    int alias = cfg->precision == MT_FP32 && !t->sharded; /* fp32 weights are their own master */
     t->grads = (float*)device_alloc(t, n * 4);
-    t->adam_m = (float*)device_alloc(t, n * 4);
-    t->adam_v = (float*)device_alloc(t, n * 4);
-    t->norm_partial = (double*)device_alloc(t, (NORM_BLOCKS + 1) * sizeof(double));
+    t->master = (float*)device_alloc(t, shard * 4);
+    t->params = alias ? (void*)t->master : device_alloc(t, n * t->elem);
+    t->adam_m = (float*)device_alloc(t, shard * 4);
+    t->adam_v = (float*)device_alloc(t, shard * 4);
+    CUDA_CHECK(&t->error, cudaMemGetInfo(&free_after, &total));
+    t->state_bytes_measured = free_before - free_after;
+
+    t->norm_partial = (double*)device_alloc(t, ((size_t)t->num_chunks + 1) * sizeof(double));
+    t->reduce_scratch = (double*)device_alloc(t, 2 * sizeof(double));
     t->colsum.max_chunks = COLSUM_MAX_CHUNKS;
     t->colsum.partial_a = (float*)device_alloc(t, COLSUM_MAX_CHUNKS * max_columns(t) * 4);
     t->colsum.partial_b = (float*)device_alloc(t, COLSUM_MAX_CHUNKS * max_columns(t) * 4);
@@ -2240,17 +2703,16 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_index, sizeof(int32_t) * (3 * (size_t)s.BT + 2)));
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_losses, sizeof(float) * (size_t)s.BT));
     if (t->error.status == MT_OK) {
-        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_m, 0, n * 4, t->stream));
-        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_v, 0, n * 4, t->stream));
-        CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, n * 4, t->stream));
+        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_m, 0, shard * 4, t->stream));
+        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_v, 0, shard * 4, t->stream));
+        if (!alias) CUDA_CHECK(&t->error, cudaMemsetAsync(t->params, 0, n * t->elem, t->stream));
         initialise_parameters(t);
-        sync_model_from_master(t);
         CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     }
     if (t->error.status != MT_OK) {
-        mt_status st = mt_gpu_error_return(&t->error, err);
+        mt_status st2 = mt_gpu_error_return(&t->error, err);
         mt_trainer_free(t);
-        return st;
+        return st2;
     }
     *out = t;
     return MT_OK;
@@ -2259,12 +2721,15 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
 void mt_trainer_free(mt_trainer* t) {
     if (!t) return;
     if (t->stream) cudaStreamSynchronize(t->stream);
+    if (t->groups.comm_stream) cudaStreamSynchronize(t->groups.comm_stream);
     if (t->params != (void*)t->master) cudaFree(t->params);
     cudaFree(t->master);
     cudaFree(t->grads);
     cudaFree(t->adam_m);
     cudaFree(t->adam_v);
+    cudaFree(t->chunks);
     cudaFree(t->norm_partial);
+    cudaFree(t->reduce_scratch);
     cudaFree(t->colsum.partial_a);
     cudaFree(t->colsum.partial_b);
     cudaFree(t->arena);
@@ -2273,20 +2738,28 @@ void mt_trainer_free(mt_trainer* t) {
     cudaFreeHost(t->host_index);
     cudaFreeHost(t->host_losses);
     if (t->cublas) cublasDestroy(t->cublas);
+    for (int b = 0; t->gathered && b < t->buffer.num_buckets; b++)
+        if (t->gathered[b]) cudaEventDestroy(t->gathered[b]);
+    free(t->gathered);
+    if (t->compute_done) cudaEventDestroy(t->compute_done);
+    if (t->comm_done) cudaEventDestroy(t->comm_done);
+    process_groups_free(&t->groups);
     if (t->stream) cudaStreamDestroy(t->stream);
+    free(t->shard_offset);
+    mt_buffer_layout_free(&t->buffer);
     free(t);
 }
 
 mt_status mt_trainer_compute_gradients(mt_trainer* t, const int32_t* tokens, int num_micro_batches, double* loss,
                                        mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
-    return run_micro_batches(t, tokens, num_micro_batches, 1, 1.0, loss, err);
+    return run_micro_batches(t, tokens, num_micro_batches, 1, 1.0, 1, loss, err);
 }
 
 mt_status mt_trainer_evaluate(mt_trainer* t, const int32_t* tokens, int num_micro_batches, double* loss,
                               mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
-    return run_micro_batches(t, tokens, num_micro_batches, 0, 1.0, loss, err);
+    return run_micro_batches(t, tokens, num_micro_batches, 0, 1.0, 1, loss, err);
 }
 
 mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_result* out, mt_error* err) {
@@ -2294,7 +2767,7 @@ mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_re
     memset(out, 0, sizeof(*out));
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     double loss = 0.0, scale = t->loss_scale;
-    mt_status st = run_micro_batches(t, tokens, mt_num_micro_batches(c), 1, scale, &loss, err);
+    mt_status st = run_micro_batches(t, tokens, mt_num_micro_batches(c), 1, scale, 1, &loss, err);
     if (st != MT_OK) return st;
     out->lm_loss = loss;
     out->loss_scale = scale;
@@ -2341,7 +2814,7 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
         rows[(int64_t)b * (s.S + 1) + s.S] = 0;
     }
     double loss;
-    mt_status st = run_micro_batches(t, rows, 1, 0, 1.0, &loss, err);
+    mt_status st = run_micro_batches(t, rows, 1, 0, 1.0, 0, &loss, err);
     free(rows);
     if (st != MT_OK) return st;
     int64_t n = (int64_t)s.BT * s.V;
@@ -2368,21 +2841,38 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
     return mt_gpu_error_return(&t->error, err);
 }
 
+/* Parameters in canonical order, through the gradient buffer (free between steps). */
 mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
-    if (copy_sync(t, t->master, params, sizeof(float) * t->num_params, cudaMemcpyHostToDevice, err) != MT_OK)
-        return t->error.status;
-    sync_model_from_master(t);
+    wait_for_all_parameters(t);
+    if (canonical_transfer(t, t->grads, (float*)params, 1, err) != MT_OK) return t->error.status;
+    set_master_from_full(t, t->grads);
+    CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, sizeof(float) * t->buffer.size, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     return mt_gpu_error_return(&t->error, err);
 }
 
 mt_status mt_trainer_get_parameters(mt_trainer* t, float* params, mt_error* err) {
-    return copy_sync(t, params, t->master, sizeof(float) * t->num_params, cudaMemcpyDeviceToHost, err);
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    wait_for_all_parameters(t);
+    return canonical_transfer(t, full_master(t), params, 0, err);
 }
 
 mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err) {
-    return copy_sync(t, grads, t->grads, sizeof(float) * t->num_params, cudaMemcpyDeviceToHost, err);
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    if (t->sharded) {
+        /* each rank holds the sums of its shards: gather them (in place) */
+        comm_after_compute(t);
+        for (int b = 0; b < t->buffer.num_buckets; b++) {
+            int64_t begin, end;
+            owned_range(t, b, &begin, &end);
+            NCCL_CHECK(&t->error, t->cfg.rank,
+                       ncclAllGather(t->grads + begin, t->grads + t->buffer.buckets[b].start, (size_t)(end - begin),
+                                     ncclFloat, t->groups.dp, t->groups.comm_stream));
+        }
+        compute_after_comm(t);
+    }
+    return canonical_transfer(t, t->grads, grads, 0, err);
 }
 
 mt_status mt_trainer_next_token_logits(mt_trainer* t, const int32_t* context, int length, float* logits,
@@ -2396,7 +2886,7 @@ mt_status mt_trainer_next_token_logits(mt_trainer* t, const int32_t* context, in
     if (!rows) return mt_fail(err, MT_ERR_OOM, "cannot allocate token staging");
     memcpy(rows, context, sizeof(int32_t) * length);
     double loss;
-    mt_status st = run_micro_batches(t, rows, 1, 0, 1.0, &loss, err);
+    mt_status st = run_micro_batches(t, rows, 1, 0, 1.0, 0, &loss, err);
     free(rows);
     if (st != MT_OK) return st;
     float* stage = t->act.logits_row;

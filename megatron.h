@@ -304,6 +304,10 @@ mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int6
 
 typedef enum { MT_FP32 = 0, MT_BF16 = 1, MT_FP16 = 2 } mt_precision;
 
+/* The identifier every rank of a job needs to join one NCCL communicator (ncclUniqueId's 128
+ * bytes): rank 0 makes it (mt_comm_id_create, in megatron.cu) and the launcher broadcasts it. */
+typedef struct { char internal[128]; } mt_comm_id;
+
 typedef enum {
     MT_LR_CONSTANT = 0,
     MT_LR_LINEAR,
@@ -360,7 +364,15 @@ typedef struct {
     int tensor_model_parallel_size;
     int pipeline_model_parallel_size;
     int data_parallel_size;           /* derived: world / (tp * pp) */
+    /* data-parallel gradient reduction and optimizer (Megatron's DistributedDataParallelConfig) */
+    int use_distributed_optimizer;    /* --use-distributed-optimizer: fp32 master + Adam sharded over DP */
+    int overlap_grad_reduce;          /* --overlap-grad-reduce: reduce each bucket during the backward */
+    int overlap_param_gather;         /* --overlap-param-gather: all-gather overlapped with the next forward */
+    int64_t ddp_bucket_size;          /* --ddp-bucket-size in elements (0: max(40M, 1M * dp)) */
+    /* launch: filled by the launcher (train_gpt.c does it from MPI) */
     int world_size, rank;
+    int local_rank;                   /* this process's GPU on its node */
+    mt_comm_id comm_id;               /* NCCL id made by rank 0 with mt_comm_id_create, sent to every rank */
 } mt_config;
 
 void mt_config_defaults(mt_config* cfg);
@@ -408,6 +420,46 @@ typedef struct {
 /* Fills info[MT_NUM_PARAM_TENSORS]; returns the total element count. */
 int64_t mt_param_layout(const mt_config* cfg, mt_param_info* info);
 
+/* Megatron's rank layout, order tp-cp-ep-dp-pp (cp = ep = 1 for now):
+ * rank = tp + TP * (dp + DP * pp). Groups: tp contiguous, dp stride TP, pp stride TP * DP. */
+typedef struct { int tp, dp, pp; } mt_rank_coords;
+mt_rank_coords mt_rank_coordinates(const mt_config* cfg, int rank);
+int mt_rank_of(const mt_config* cfg, mt_rank_coords coords);
+
+/* The parameter/gradient buffer of Megatron's DDP (param_and_grad_buffer.py). Each (tensor, layer)
+ * slice is one parameter; they are laid out in reverse model order (backprop order: final norm,
+ * layer L-1 .. layer 0, position and word embeddings) and cut into buckets that close once they
+ * hold ddp_bucket_size elements (only with --overlap-grad-reduce; otherwise one bucket). With the
+ * distributed optimizer every parameter starts at a multiple of 64 elements and every bucket ends at
+ * a multiple of lcm(dp, 128); each bucket is then cut into dp equal shards, DP rank r owning shard r.
+ * (Megatron gives the tied embedding its own bucket only when PP > 1; with PP = 1 it does not.) */
+typedef struct {
+    int tensor;          /* MT_P_* */
+    int layer;           /* 0 for tensors outside the layers */
+    int64_t numel;
+    int64_t canonical;   /* element offset in the canonical order of mt_param_layout */
+    int64_t offset;      /* element offset in the buffer */
+    int bucket;
+} mt_buffer_param;
+typedef struct {
+    int64_t start, end;  /* [start, end) in buffer elements, padding included */
+    int64_t numel_unpadded;
+    int ready_layer;     /* gradients final once backward has done this layer (L: final norm, -1: embeddings) */
+} mt_buffer_bucket;
+typedef struct {
+    int num_params, num_buckets, num_layers;
+    mt_buffer_param* params;    /* buffer order */
+    mt_buffer_bucket* buckets;  /* buffer order (= the order their gradients become final) */
+    int* index;                 /* [MT_NUM_PARAM_TENSORS * num_layers]: params[] position of (tensor, layer) */
+    int64_t size;               /* elements, padding included */
+} mt_buffer_layout;
+mt_status mt_buffer_layout_build(mt_buffer_layout* layout, const mt_config* cfg, mt_error* err);
+void mt_buffer_layout_free(mt_buffer_layout* layout);
+/* Buffer offset of (tensor, layer); layer is ignored for tensors outside the layers. */
+int64_t mt_buffer_offset(const mt_buffer_layout* layout, int tensor, int layer);
+/* DP rank r's shard of bucket b: [begin, end) in buffer elements (the whole bucket when dp == 1). */
+void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* 6. The trainer (GPU; implemented in megatron.cu)                                                */
 /* ---------------------------------------------------------------------------------------------- */
@@ -417,13 +469,16 @@ typedef struct mt_trainer mt_trainer;
 /* Where every byte of device memory goes, per GPU. */
 typedef struct {
     int64_t num_parameters;
+    int64_t buffer_elements;  /* the parameter/gradient buffer: parameters plus Megatron's padding */
+    int64_t shard_elements;   /* what this rank's optimizer owns (buffer / dp with the distributed optimizer) */
     size_t parameter_bytes;   /* model-precision weights */
-    size_t master_bytes;      /* fp32 master weights (0 in fp32, where the weights are the master) */
+    size_t master_bytes;      /* fp32 master weights (0 in fp32 without sharding: the weights are the master) */
     size_t gradient_bytes;    /* fp32 gradient accumulation buffer */
     size_t optimizer_bytes;   /* Adam moments */
     size_t activation_bytes;  /* the activation arena for one micro-batch */
     size_t workspace_bytes;   /* cuBLAS workspace, reduction scratch, staging */
     size_t total_bytes;
+    size_t state_bytes_measured; /* what the device reported the weights, master, gradients and Adam took */
 } mt_memory_plan;
 
 typedef struct {
@@ -437,6 +492,9 @@ typedef struct {
 } mt_step_result;
 
 typedef void (*mt_log_fn)(void* user, const char* line);
+
+/* Makes the NCCL id of a multi-process job (rank 0 calls it; the launcher sends it to all ranks). */
+mt_status mt_comm_id_create(mt_comm_id* id, mt_error* err);
 
 /* Creates a trainer on the current CUDA device: plans and allocates all memory once, initialises
  * the weights from cfg->seed as Megatron does (normal(std), output projections scaled by 1/sqrt(2L),
@@ -1887,6 +1945,7 @@ void mt_config_defaults(mt_config* cfg) {
     cfg->tensor_model_parallel_size = 1;
     cfg->pipeline_model_parallel_size = 1;
     cfg->world_size = 1;
+    cfg->local_rank = -1;
 }
 
 int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int tensor_parallel_size) {
@@ -1951,6 +2010,13 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
         return mt_fail(err, MT_ERR_CONFIG, "Adam betas must be in [0, 1)");
     if (c->precision == MT_FP16 && c->loss_scale <= 0 && c->initial_loss_scale <= 0)
         return mt_fail(err, MT_ERR_CONFIG, "--initial-loss-scale must be positive");
+    if (c->overlap_param_gather && !c->use_distributed_optimizer)
+        return mt_fail(err, MT_ERR_CONFIG, "--overlap-param-gather needs --use-distributed-optimizer");
+    if (c->overlap_param_gather && !c->overlap_grad_reduce)
+        return mt_fail(err, MT_ERR_CONFIG, "--overlap-param-gather needs --overlap-grad-reduce");
+    if (c->ddp_bucket_size < 0) return mt_fail(err, MT_ERR_CONFIG, "--ddp-bucket-size must be positive");
+    if (c->rank < 0 || c->rank >= c->world_size)
+        return mt_fail(err, MT_ERR_CONFIG, "rank %d outside a world of %d", c->rank, c->world_size);
     return MT_OK;
 }
 
@@ -2048,6 +2114,113 @@ int64_t mt_param_layout(const mt_config* c, mt_param_info* info) {
 }
 
 int64_t mt_num_parameters(const mt_config* c) { return mt_param_layout(c, NULL); }
+
+mt_rank_coords mt_rank_coordinates(const mt_config* c, int rank) {
+    mt_rank_coords r;
+    int tp = c->tensor_model_parallel_size, dp = c->data_parallel_size;
+    r.tp = rank % tp;
+    r.dp = (rank / tp) % dp;
+    r.pp = rank / (tp * dp);
+    return r;
+}
+
+int mt_rank_of(const mt_config* c, mt_rank_coords r) {
+    return r.tp + c->tensor_model_parallel_size * (r.dp + c->data_parallel_size * r.pp);
+}
+
+static int mt__param_in_layers(int tensor) { return tensor >= MT_P_LN1_WEIGHT && tensor <= MT_P_FC2_BIAS; }
+static int64_t mt__round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+static int64_t mt__gcd(int64_t a, int64_t b) { while (b) { int64_t t = a % b; a = b; b = t; } return a; }
+
+void mt_buffer_layout_free(mt_buffer_layout* b) {
+    if (!b) return;
+    free(b->params);
+    free(b->buckets);
+    free(b->index);
+    memset(b, 0, sizeof(*b));
+}
+
+mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_error* err) {
+    memset(b, 0, sizeof(*b));
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(c, info);
+    int L = c->num_layers, dp = c->data_parallel_size > 0 ? c->data_parallel_size : 1;
+    int n = 0;
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) n += mt__param_in_layers(i) ? L : 1;
+    b->num_layers = L;
+    b->params = (mt_buffer_param*)calloc((size_t)n, sizeof(mt_buffer_param));
+    b->buckets = (mt_buffer_bucket*)calloc((size_t)n, sizeof(mt_buffer_bucket));
+    b->index = (int*)calloc((size_t)MT_NUM_PARAM_TENSORS * (size_t)L, sizeof(int));
+    if (!b->params || !b->buckets || !b->index) {
+        mt_buffer_layout_free(b);
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate the gradient buffer layout");
+    }
+    /* model order (Megatron's module.parameters()): embeddings, each layer, final norm; walk it backwards */
+    int k = 0;
+    for (int pos = n - 1; pos >= 0; pos--) {
+        /* position pos in model order -> (tensor, layer) */
+        int tensor, layer = 0, r = pos;
+        if (r < 2) tensor = r;
+        else if (r < 2 + 12 * L) { layer = (r - 2) / 12; tensor = MT_P_LN1_WEIGHT + (r - 2) % 12; }
+        else tensor = MT_P_FINAL_LN_WEIGHT + (r - 2 - 12 * L);
+        mt_buffer_param* p = &b->params[k];
+        p->tensor = tensor;
+        p->layer = layer;
+        p->numel = mt__param_in_layers(tensor) ? info[tensor].numel / L : info[tensor].numel;
+        p->canonical = info[tensor].offset + (int64_t)layer * p->numel;
+        b->index[tensor * L + layer] = k;
+        if (!mt__param_in_layers(tensor))
+            for (int l = 1; l < L; l++) b->index[tensor * L + l] = k;
+        k++;
+    }
+    b->num_params = n;
+    int64_t bucket_size = 0; /* 0: one bucket */
+    if (c->overlap_grad_reduce) {
+        bucket_size = c->ddp_bucket_size > 0 ? c->ddp_bucket_size : 40000000;
+        if (c->ddp_bucket_size <= 0 && 1000000LL * dp > bucket_size) bucket_size = 1000000LL * dp;
+    }
+    int dist = c->use_distributed_optimizer;
+    int64_t bucket_divisor = dp / mt__gcd(dp, 128) * 128; /* lcm(dp, 128) */
+    int64_t start = 0, bucket_start = 0, end = 0;
+    int nb = 0, first = 0;
+    for (int i = 0; i < n; i++) {
+        mt_buffer_param* p = &b->params[i];
+        if (dist) start = mt__round_up(start, 64);
+        p->offset = start;
+        p->bucket = nb;
+        end = start + p->numel;
+        if ((bucket_size > 0 && end - bucket_start >= bucket_size) || i == n - 1) {
+            mt_buffer_bucket* bk = &b->buckets[nb];
+            bk->start = bucket_start;
+            bk->numel_unpadded = end - bucket_start;
+            bk->end = dist ? mt__round_up(end, bucket_divisor) : end;
+            bk->ready_layer = L;
+            for (int j = first; j <= i; j++) {
+                const mt_buffer_param* q = &b->params[j];
+                int ready = mt__param_in_layers(q->tensor) ? q->layer : (q->tensor >= MT_P_FINAL_LN_WEIGHT ? L : -1);
+                if (ready < bk->ready_layer) bk->ready_layer = ready;
+            }
+            bucket_start = start = bk->end;
+            first = i + 1;
+            nb++;
+        } else {
+            start = end;
+        }
+    }
+    b->num_buckets = nb;
+    b->size = bucket_start;
+    return MT_OK;
+}
+
+int64_t mt_buffer_offset(const mt_buffer_layout* b, int tensor, int layer) {
+    return b->params[b->index[tensor * b->num_layers + layer]].offset;
+}
+
+void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end) {
+    int64_t shard = (bucket->end - bucket->start) / dp;
+    *begin = bucket->start + (int64_t)dp_rank * shard;
+    *end = *begin + shard;
+}
 
 #ifdef __cplusplus
 }

@@ -52,10 +52,13 @@ typedef struct {
     int builtin; /* no --data-path: the built-in job */
 } run_options;
 
+static int g_rank = 0, g_world = 1; /* for error lines only: which of the N processes failed */
+
 static void die(int code, const char* fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "train_gpt: ");
+    if (g_world > 1) fprintf(stderr, "train_gpt: rank %d: ", g_rank);
+    else fprintf(stderr, "train_gpt: ");
     vfprintf(stderr, fmt, ap);
     fprintf(stderr, "\n");
     va_end(ap);
@@ -181,6 +184,10 @@ static void parse_args(run_options* o, int argc, char** argv) {
         {"--seed", F_INT64, &seed},
         {"--tensor-model-parallel-size", F_INT64, &tp},
         {"--pipeline-model-parallel-size", F_INT64, &pp},
+        {"--use-distributed-optimizer", F_TRUE, &c->use_distributed_optimizer},
+        {"--overlap-grad-reduce", F_TRUE, &c->overlap_grad_reduce},
+        {"--overlap-param-gather", F_TRUE, &c->overlap_param_gather},
+        {"--ddp-bucket-size", F_INT64, &c->ddp_bucket_size},
         {"--split", F_STRING, &o->split},
         {"--tokenizer-type", F_STRING, &o->tokenizer_type},
         {"--vocab-file", F_STRING, &o->vocab_file},
@@ -458,21 +465,31 @@ static void print_memory_plan(mt_trainer* t, const mt_config* c) {
     printf("  activations  %8.3f GiB  (micro-batch %d x %d tokens)\n", p.activation_bytes / gib, c->micro_batch_size,
            c->seq_length);
     printf("  workspace    %8.3f GiB\n", p.workspace_bytes / gib);
+    size_t state = p.parameter_bytes + p.master_bytes + p.gradient_bytes + p.optimizer_bytes;
+    printf("  model state  %8.3f GiB  (%.2f bytes/param; the device reported %.3f GiB)\n", state / gib,
+           (double)state / (double)p.num_parameters, p.state_bytes_measured / gib);
     printf("  total        %8.3f GiB planned; device reports %.3f GiB in use of %.3f GiB\n", p.total_bytes / gib,
            (total_bytes - free_bytes) / gib, total_bytes / gib);
 }
 
 /* ---- data ------------------------------------------------------------------------------------- */
 
-/* Fills tokens [count, S+1] with samples [first, first+count) of a split (Megatron's sequential
- * sampler: one data-parallel rank takes consecutive samples). */
-static void fetch_batch(const mt_gpt_data* data, int split, int64_t first, int count, int seq, int32_t* tokens) {
+/* Fills tokens [micro-batches, mbs, S+1] with this data-parallel rank's part of the global batch
+ * that starts at sample `consumed` (Megatron's MegatronPretrainingSampler: micro-batch j of every
+ * rank comes from the chunk of mbs * dp samples at consumed + j * mbs * dp; rank r takes the r-th mbs). */
+static void fetch_batch(const mt_gpt_data* data, int split, int64_t consumed, const mt_config* c, int32_t* tokens) {
     mt_error err;
     int64_t n = mt_gpt_data_num_samples(data, split);
-    for (int i = 0; i < count; i++) {
-        int64_t index = first + i;
-        if (index >= n) die(1, "the %s split ran out of samples at %lld of %lld", mt_split_name(split), (long long)index, (long long)n);
-        if (mt_gpt_data_get(data, split, index, tokens + (int64_t)i * (seq + 1), &err) != MT_OK) die(1, "%s", err.message);
+    int mbs = c->micro_batch_size, dp = c->data_parallel_size, dp_rank = mt_rank_coordinates(c, c->rank).dp;
+    int micro = mt_num_micro_batches(c);
+    for (int j = 0; j < micro; j++) {
+        for (int k = 0; k < mbs; k++) {
+            int64_t index = mt_sampler_index(consumed + (int64_t)j * mbs * dp, mbs, dp_rank, k);
+            if (index >= n)
+                die(1, "the %s split ran out of samples at %lld of %lld", mt_split_name(split), (long long)index, (long long)n);
+            int32_t* row = tokens + ((int64_t)j * mbs + k) * (c->seq_length + 1);
+            if (mt_gpt_data_get(data, split, index, row, &err) != MT_OK) die(1, "%s", err.message);
+        }
     }
 }
 
@@ -484,7 +501,7 @@ static double evaluate(mt_trainer* t, const mt_gpt_data* data, int split, int64_
     double total = 0.0;
     int micro = mt_num_micro_batches(c);
     for (int64_t k = 0; k < eval_iters; k++) {
-        fetch_batch(data, split, *consumed, c->global_batch_size, c->seq_length, tokens);
+        fetch_batch(data, split, *consumed, c, tokens);
         *consumed += c->global_batch_size;
         double loss = 0.0;
         if (mt_trainer_evaluate(t, tokens, micro, &loss, &err) != MT_OK) die(1, "%s", err.message);
@@ -542,11 +559,29 @@ static void print_sample(mt_trainer* t, const mt_tokenizer* tok, const mt_config
 /* ---- main ------------------------------------------------------------------------------------- */
 
 int main(int argc, char** argv) {
-    int rank = 0, world = 1;
+    /* launch: one process per GPU, started by mpirun or srun. MPI gives each its rank and its GPU
+     * on the node (the rank among the processes that share the node's memory); rank 0 makes the
+     * NCCL id and MPI sends it to everyone. Only rank 0 writes the log. */
+    int rank = 0, world = 1, local_rank = -1;
+    mt_comm_id comm_id;
+    memset(&comm_id, 0, sizeof(comm_id));
 #ifdef MT_USE_MPI
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
+    g_rank = rank;
+    g_world = world;
+    if (world > 1) {
+        MPI_Comm node;
+        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+        MPI_Comm_rank(node, &local_rank);
+        MPI_Comm_free(&node);
+        mt_error id_err;
+        int ok = rank != 0 || mt_comm_id_create(&comm_id, &id_err) == MT_OK;
+        if (!ok) die(1, "%s", id_err.message);
+        MPI_Bcast(&comm_id, (int)sizeof(comm_id), MPI_BYTE, 0, MPI_COMM_WORLD);
+        if (rank != 0 && !freopen("/dev/null", "w", stdout)) die(1, "cannot silence stdout: %s", strerror(errno));
+    }
 #endif
     run_options o;
     memset(&o, 0, sizeof(o));
@@ -557,7 +592,8 @@ int main(int argc, char** argv) {
     mt_config* c = &o.cfg;
     c->world_size = world;
     c->rank = rank;
-    if (world > 1) die(2, "%d ranks: data, tensor and pipeline parallelism are not in this build yet; run one process", world);
+    c->local_rank = local_rank;
+    c->comm_id = comm_id;
 
     mt_tokenizer* tok = load_tokenizer(&o);
     c->vocab_size = tok ? mt_tokenizer_vocab_size(tok) : o.null_vocab_size;
@@ -565,7 +601,10 @@ int main(int argc, char** argv) {
     if (mt_config_finalize(c, &err) != MT_OK) die(2, "%s", err.message);
     if (o.builtin) {
         static const char* builtin_prefix = "dev/data/tinyshakespeare_text_document";
-        prepare_builtin_corpus(tok, builtin_prefix);
+        if (rank == 0) prepare_builtin_corpus(tok, builtin_prefix);
+#ifdef MT_USE_MPI
+        MPI_Barrier(MPI_COMM_WORLD); /* the others read what rank 0 wrote */
+#endif
         o.data_paths[0] = builtin_prefix;
         o.num_data_paths = 1;
     }
@@ -587,6 +626,10 @@ int main(int argc, char** argv) {
            c->num_layers, c->hidden_size, c->num_attention_heads, c->ffn_hidden_size, c->seq_length,
            (long long)c->vocab_size, (long long)c->padded_vocab_size, c->micro_batch_size, c->global_batch_size,
            (long long)c->train_iters);
+    printf("parallel: %d GPU(s), data-parallel %d, tensor-parallel %d, pipeline-parallel %d%s%s%s\n", c->world_size,
+           c->data_parallel_size, c->tensor_model_parallel_size, c->pipeline_model_parallel_size,
+           c->use_distributed_optimizer ? ", distributed optimizer" : "",
+           c->overlap_grad_reduce ? ", overlapped grad reduce" : "", c->overlap_param_gather ? ", overlapped param gather" : "");
     mt_trainer* t = NULL;
     if (mt_trainer_create(&t, c, &err) != MT_OK) die(1, "%s", err.message);
     print_memory_plan(t, c);
@@ -607,13 +650,14 @@ int main(int argc, char** argv) {
 
     double peak = o.peak_tflops > 0 ? o.peak_tflops : mt_device_peak_tflops(c->precision);
     double flops_per_iter = mt_flops_per_iteration(c, c->global_batch_size);
-    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * (size_t)c->global_batch_size * (c->seq_length + 1));
+    size_t rank_samples = (size_t)mt_num_micro_batches(c) * c->micro_batch_size; /* this rank's share */
+    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * rank_samples * (c->seq_length + 1));
     if (!tokens) die(1, "cannot allocate the batch");
     double interval_loss = 0.0, interval_time = 0.0;
     int interval_steps = 0, interval_skipped = 0, interval_nan = 0;
     double t_start = now_seconds();
     while (iteration < c->train_iters) {
-        fetch_batch(data, MT_SPLIT_TRAIN, consumed, c->global_batch_size, c->seq_length, tokens);
+        fetch_batch(data, MT_SPLIT_TRAIN, consumed, c, tokens);
         double t0 = now_seconds();
         mt_step_result r;
         if (mt_trainer_train_step(t, tokens, &r, &err) != MT_OK) die(1, "iteration %lld: %s", (long long)iteration + 1, err.message);
@@ -665,7 +709,7 @@ int main(int argc, char** argv) {
         if (mt_trainer_save(t, o.save, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
         printf("saved checkpoint at iteration %lld to %s\n", (long long)iteration, o.save);
     }
-    print_sample(t, tok, c, o.sample_tokens, c->seed);
+    if (rank == 0) print_sample(t, tok, c, o.sample_tokens, c->seed); /* no collectives inside */
 
     free(tokens);
     mt_trainer_free(t);
