@@ -11,6 +11,7 @@
  * required flags apply. An unknown flag or an inconsistent configuration is one line and exit 2.
  */
 #include <errno.h>
+#include <stdint.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -50,6 +51,7 @@ typedef struct {
     int sample_tokens;
     double peak_tflops;
     int builtin; /* no --data-path: the built-in job */
+    int mock_data; /* --mock-data: random tokens, no files (benchmarks) */
 } run_options;
 
 static int g_rank = 0, g_world = 1; /* for error lines only: which of the N processes failed */
@@ -188,6 +190,7 @@ static void parse_args(run_options* o, int argc, char** argv) {
         {"--overlap-grad-reduce", F_TRUE, &c->overlap_grad_reduce},
         {"--overlap-param-gather", F_TRUE, &c->overlap_param_gather},
         {"--ddp-bucket-size", F_INT64, &c->ddp_bucket_size},
+        {"--mock-data", F_TRUE, &o->mock_data},
         {"--split", F_STRING, &o->split},
         {"--tokenizer-type", F_STRING, &o->tokenizer_type},
         {"--vocab-file", F_STRING, &o->vocab_file},
@@ -266,7 +269,7 @@ static void parse_args(run_options* o, int argc, char** argv) {
         }
     }
 
-    o->builtin = o->num_data_paths == 0;
+    o->builtin = o->num_data_paths == 0 && !o->mock_data;
     if (o->builtin) set_builtin_defaults(o);
     else {
         if (o->log_interval < 0) o->log_interval = 100;
@@ -477,9 +480,20 @@ static void print_memory_plan(mt_trainer* t, const mt_config* c) {
 /* Fills tokens [micro-batches, mbs, S+1] with this data-parallel rank's part of the global batch
  * that starts at sample `consumed` (Megatron's MegatronPretrainingSampler: micro-batch j of every
  * rank comes from the chunk of mbs * dp samples at consumed + j * mbs * dp; rank r takes the r-th mbs). */
+static uint64_t mock_token(uint64_t seed, int split, int64_t sample, int position) {
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ ((uint64_t)split << 60) ^ ((uint64_t)sample << 20) ^ (uint64_t)position;
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull; x ^= x >> 33;
+    return x;
+}
+
+/* Samples in a split; --mock-data has no end. */
+static int64_t split_samples(const mt_gpt_data* data, int split) {
+    return data ? mt_gpt_data_num_samples(data, split) : INT64_MAX;
+}
+
 static void fetch_batch(const mt_gpt_data* data, int split, int64_t consumed, const mt_config* c, int32_t* tokens) {
     mt_error err;
-    int64_t n = mt_gpt_data_num_samples(data, split);
+    int64_t n = split_samples(data, split);
     int mbs = c->micro_batch_size, dp = c->data_parallel_size, dp_rank = mt_rank_coordinates(c, c->rank).dp;
     int micro = mt_num_micro_batches(c);
     for (int j = 0; j < micro; j++) {
@@ -488,7 +502,12 @@ static void fetch_batch(const mt_gpt_data* data, int split, int64_t consumed, co
             if (index >= n)
                 die(1, "the %s split ran out of samples at %lld of %lld", mt_split_name(split), (long long)index, (long long)n);
             int32_t* row = tokens + ((int64_t)j * mbs + k) * (c->seq_length + 1);
-            if (mt_gpt_data_get(data, split, index, row, &err) != MT_OK) die(1, "%s", err.message);
+            if (!data) { /* --mock-data: a fixed function of (seed, split, sample, position) */
+                for (int i = 0; i <= c->seq_length; i++)
+                    row[i] = (int32_t)(mock_token(c->seed, split, index, i) % (uint64_t)c->vocab_size);
+            } else if (mt_gpt_data_get(data, split, index, row, &err) != MT_OK) {
+                die(1, "%s", err.message);
+            }
         }
     }
 }
@@ -613,13 +632,17 @@ int main(int argc, char** argv) {
     int64_t num_samples[3];
     mt_gpt_num_samples(c->train_iters, o.eval_interval, o.eval_iters, c->global_batch_size, num_samples);
     mt_gpt_data* data = NULL;
-    if (mt_gpt_data_open(&data, o.num_data_paths, o.data_paths, o.weighted ? o.data_weights : NULL, o.split,
-                         c->seq_length, (uint32_t)c->seed, num_samples, &err) != MT_OK)
-        die(1, "%s", err.message);
-    printf("data: %d dataset(s), split '%s': train %lld, valid %lld, test %lld samples of %d tokens\n",
-           o.num_data_paths, o.split, (long long)mt_gpt_data_num_samples(data, MT_SPLIT_TRAIN),
-           (long long)mt_gpt_data_num_samples(data, MT_SPLIT_VALID),
-           (long long)mt_gpt_data_num_samples(data, MT_SPLIT_TEST), c->seq_length);
+    if (o.mock_data) {
+        printf("data: --mock-data, random tokens\n");
+    } else {
+        if (mt_gpt_data_open(&data, o.num_data_paths, o.data_paths, o.weighted ? o.data_weights : NULL, o.split,
+                             c->seq_length, (uint32_t)c->seed, num_samples, &err) != MT_OK)
+            die(1, "%s", err.message);
+        printf("data: %d dataset(s), split '%s': train %lld, valid %lld, test %lld samples of %d tokens\n",
+               o.num_data_paths, o.split, (long long)mt_gpt_data_num_samples(data, MT_SPLIT_TRAIN),
+               (long long)mt_gpt_data_num_samples(data, MT_SPLIT_VALID),
+               (long long)mt_gpt_data_num_samples(data, MT_SPLIT_TEST), c->seq_length);
+    }
 
     printf("model: %d layers, hidden %d, %d heads, ffn %d, seq %d, vocab %lld (padded %lld), micro-batch %d, "
            "global batch %d, %lld iterations\n",
@@ -687,7 +710,7 @@ int main(int argc, char** argv) {
             interval_steps = interval_skipped = interval_nan = 0;
         }
         if (o.eval_interval > 0 && iteration % o.eval_interval == 0 && o.eval_iters > 0 &&
-            mt_gpt_data_num_samples(data, MT_SPLIT_VALID) > 0) {
+            split_samples(data, MT_SPLIT_VALID) > 0) {
             print_validation("validation", iteration, evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens));
         }
         if (o.save && o.save_interval > 0 && iteration % o.save_interval == 0) {
@@ -698,9 +721,9 @@ int main(int argc, char** argv) {
     }
     printf("training took %.1f s\n", now_seconds() - t_start);
     /* as Megatron: validation and test losses at the end of training */
-    if (o.eval_iters > 0 && mt_gpt_data_num_samples(data, MT_SPLIT_VALID) >= consumed_valid + o.eval_iters * c->global_batch_size)
+    if (o.eval_iters > 0 && split_samples(data, MT_SPLIT_VALID) >= consumed_valid + o.eval_iters * c->global_batch_size)
         print_validation("validation", iteration, evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens));
-    if (o.eval_iters > 0 && mt_gpt_data_num_samples(data, MT_SPLIT_TEST) >= o.eval_iters * c->global_batch_size) {
+    if (o.eval_iters > 0 && split_samples(data, MT_SPLIT_TEST) >= o.eval_iters * c->global_batch_size) {
         int64_t consumed_test = 0;
         double test_loss = evaluate(t, data, MT_SPLIT_TEST, &consumed_test, o.eval_iters, c, tokens);
         print_validation("test", iteration, test_loss);
@@ -713,7 +736,7 @@ int main(int argc, char** argv) {
 
     free(tokens);
     mt_trainer_free(t);
-    mt_gpt_data_close(data);
+    if (data) mt_gpt_data_close(data);
     if (tok) mt_tokenizer_free(tok);
 #ifdef MT_USE_MPI
     MPI_Finalize();

@@ -26,9 +26,14 @@ fi
 
 ./test_megatron 2>&1 | tee "$OUT/test.log"
 rows+=("test_megatron|$(tail -n1 "$OUT/test.log")|")
+# multi-GPU tests: data parallel over 2 and (with 4 GPUs) 4 ranks, each against DP=1
+MPIRUN="mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE=0"
 if [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null; then
-  mpirun --allow-run-as-root -np "$ngpu" ./test_megatron mpi 2>&1 | tee "$OUT/test_mpi.log"
-  rows+=("test_megatron (mpirun -np $ngpu)|$(tail -n1 "$OUT/test_mpi.log")|")
+  for np in 2 4; do
+    [ "$ngpu" -ge "$np" ] || continue
+    timeout 600 $MPIRUN -np "$np" ./test_megatron multigpu 2>&1 | tee "$OUT/test_mpi$np.log"
+    rows+=("test_megatron (mpirun -np $np)|$(tail -n1 "$OUT/test_mpi$np.log")|")
+  done
 fi
 
 if [ "$what" = all ]; then
@@ -41,6 +46,19 @@ if [ "$what" = all ]; then
   tf=$(echo "$last" | sed 's/.*TFLOP\/s\/GPU): \([^ ]*\).*/\1/')
   loss=$(echo "$last" | sed 's/.*lm loss: \([^ ]*\).*/\1/')
   rows+=("train_gpt (built-in job)|loss $loss val $val|${ms} ms/iter ${tf} TFLOP/s $(( $(date +%s) - start )) s")
+  # the same job data-parallel: the same global batch of 32, split over the ranks
+  if [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null; then
+    np=$ngpu; [ "$np" -gt 4 ] && np=4
+    rm -rf checkpoints/builtin_dp
+    start=$(date +%s)
+    timeout 600 $MPIRUN -np "$np" ./train_gpt --micro-batch-size $((32 / np)) --use-distributed-optimizer \
+      --overlap-grad-reduce --overlap-param-gather --save checkpoints/builtin_dp 2>&1 | tee "$OUT/train_builtin_dp.log"
+    last=$(grep "elapsed time per iteration" "$OUT/train_builtin_dp.log" | tail -n1)
+    val=$(grep "validation loss" "$OUT/train_builtin_dp.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
+    ms=$(echo "$last" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
+    loss=$(echo "$last" | sed 's/.*lm loss: \([^ ]*\).*/\1/')
+    rows+=("train_gpt built-in, $np GPUs DP|loss $loss val $val|${ms} ms/iter $(( $(date +%s) - start )) s")
+  fi
 fi
 
 echo

@@ -1,0 +1,416 @@
+/* tests/test_parallel.h — data parallelism.
+ *
+ * Host tests (everywhere): Megatron's rank layout and its DDP buffer layout (reverse order,
+ * buckets, the distributed optimizer's padding and shards).
+ *
+ * Multi-GPU tests (under `mpirun -np 2` or `-np 4`, one process per GPU; they skip in a single
+ * process): every rank trains the same small GPT data-parallel over all ranks and, for comparison,
+ * alone (DP=1) on the same global batches, then checks:
+ *   - losses within 1e-5 relative of DP=1 in fp32 and 1e-3 in bf16 for 20 steps, and final weights
+ *     within 1e-5 (fp32) and 3e-3 (bf16), with and without the distributed optimizer and overlap.
+ *     Why these bounds: DP=N computes the same micro-batches as DP=1; only the order in which the
+ *     fp32 gradient sums are added differs (NCCL's sum over ranks vs accumulation in one buffer),
+ *     a relative change of a few fp32 ulps per step. In fp32 that stays ~1e-7 (Adam's update is
+ *     scale-free, so a gradient error e moves a weight by about lr*e). In bf16 a few-ulp change in
+ *     an fp32 master weight can flip its bf16 rounding, a 2^-9 relative change of that weight,
+ *     which then feeds the next steps: loss changes stay ~1e-4, weights ~1e-3, like the bf16
+ *     parity bounds of tests/test_gpu.h.
+ *   - two runs give bitwise identical losses and weights;
+ *   - 10 steps, save, load, 10 steps give bitwise the 20 straight steps (sharded optimizer state);
+ *   - the memory plan of a GPT-2 124M: model state bytes per parameter follow Megatron's 18 and
+ *     6 + 12/d, and the device's own accounting (cudaMemGetInfo around the allocations) agrees. */
+#ifndef MT_TEST_PARALLEL_H
+#define MT_TEST_PARALLEL_H
+
+#ifdef MT_USE_MPI
+#include <mpi.h>
+#endif
+
+/* ---- host tests ---- */
+
+static mt_config parallel_layout_config(int dp, int dist, int overlap, int64_t bucket) {
+    mt_config c;
+    mt_config_defaults(&c);
+    c.num_layers = 3;
+    c.hidden_size = 96;
+    c.num_attention_heads = 4;
+    c.seq_length = 32;
+    c.vocab_size = 1000;
+    c.micro_batch_size = 1;
+    c.train_iters = 10;
+    c.lr = 1e-3;
+    c.world_size = dp;
+    c.use_distributed_optimizer = dist;
+    c.overlap_grad_reduce = overlap;
+    c.ddp_bucket_size = bucket;
+    mt_error err;
+    mt_config_finalize(&c, &err);
+    return c;
+}
+
+static test_result test_rank_layout(void) {
+    mt_config c;
+    mt_config_defaults(&c);
+    c.num_layers = 2; c.hidden_size = 64; c.num_attention_heads = 4; c.seq_length = 8; c.vocab_size = 100;
+    c.train_iters = 1; c.lr = 1e-3; c.micro_batch_size = 1;
+    c.tensor_model_parallel_size = 2;
+    c.pipeline_model_parallel_size = 2;
+    c.world_size = 16;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT(c.data_parallel_size == 4, "dp %d", c.data_parallel_size);
+    for (int r = 0; r < 16; r++) {
+        mt_rank_coords x = mt_rank_coordinates(&c, r);
+        /* Megatron: rank = tp + TP * (dp + DP * pp) */
+        EXPECT(x.tp == r % 2 && x.dp == (r / 2) % 4 && x.pp == r / 8, "rank %d -> tp %d dp %d pp %d", r, x.tp, x.dp, x.pp);
+        EXPECT(mt_rank_of(&c, x) == r, "round trip of rank %d", r);
+    }
+    return TEST_PASS;
+}
+
+/* Every canonical element appears exactly once; parameters do not overlap; reverse model order. */
+static test_result check_layout_covers(const mt_config* c, const mt_buffer_layout* b) {
+    int64_t n = mt_num_parameters(c);
+    char* seen = (char*)calloc((size_t)n, 1);
+    int64_t prev_end = 0;
+    for (int i = 0; i < b->num_params; i++) {
+        const mt_buffer_param* p = &b->params[i];
+        EXPECT(p->offset >= prev_end, "param %d overlaps the previous one", i);
+        prev_end = p->offset + p->numel;
+        for (int64_t j = 0; j < p->numel; j++) {
+            if (seen[p->canonical + j]) { free(seen); EXPECT(0, "canonical element %lld twice", (long long)(p->canonical + j)); }
+            seen[p->canonical + j] = 1;
+        }
+        const mt_buffer_bucket* k = &b->buckets[p->bucket];
+        EXPECT(p->offset >= k->start && p->offset + p->numel <= k->end, "param %d outside its bucket", i);
+    }
+    for (int64_t j = 0; j < n; j++) if (!seen[j]) { free(seen); EXPECT(0, "canonical element %lld missing", (long long)j); }
+    free(seen);
+    EXPECT(prev_end <= b->size, "buffer size %lld < end %lld", (long long)b->size, (long long)prev_end);
+    /* backprop order: final norm first, word embeddings last, layers from L-1 down */
+    EXPECT(b->params[0].tensor == MT_P_FINAL_LN_BIAS, "first param is tensor %d", b->params[0].tensor);
+    EXPECT(b->params[b->num_params - 1].tensor == MT_P_WORD_EMBEDDINGS, "last param is tensor %d",
+           b->params[b->num_params - 1].tensor);
+    EXPECT(b->params[2].tensor == MT_P_FC2_BIAS && b->params[2].layer == c->num_layers - 1, "third param: %d/%d",
+           b->params[2].tensor, b->params[2].layer);
+    for (int k = 1; k < b->num_buckets; k++) {
+        EXPECT(b->buckets[k].start == b->buckets[k - 1].end, "bucket %d does not follow %d", k, k - 1);
+        EXPECT(b->buckets[k].ready_layer <= b->buckets[k - 1].ready_layer, "bucket %d ready before %d", k, k - 1);
+    }
+    EXPECT(b->buckets[b->num_buckets - 1].ready_layer == -1, "the embeddings' bucket must wait for the whole backward");
+    return TEST_PASS;
+}
+
+static test_result test_buffer_layout_megatron_rules(void) {
+    mt_error err;
+    mt_buffer_layout b;
+    /* no overlap: one bucket, no padding without the distributed optimizer */
+    mt_config c = parallel_layout_config(4, 0, 0, 0);
+    EXPECT_OK(mt_buffer_layout_build(&b, &c, &err), &err);
+    EXPECT(b.num_buckets == 1 && b.size == mt_num_parameters(&c), "%d buckets, size %lld", b.num_buckets, (long long)b.size);
+    test_result r = check_layout_covers(&c, &b);
+    mt_buffer_layout_free(&b);
+    if (r != TEST_PASS) return r;
+
+    /* distributed optimizer, overlap, dp 3, small buckets: params at multiples of 64, buckets end at
+     * multiples of lcm(3, 128) = 384, each bucket closes once it holds >= bucket_size elements */
+    int64_t bucket = 20000;
+    c = parallel_layout_config(3, 1, 1, bucket);
+    EXPECT_OK(mt_buffer_layout_build(&b, &c, &err), &err);
+    r = check_layout_covers(&c, &b);
+    for (int i = 0; i < b.num_params && r == TEST_PASS; i++)
+        if (b.params[i].offset % 64) { printf("    FAIL param %d at %lld\n", i, (long long)b.params[i].offset); r = TEST_FAIL; }
+    for (int k = 0; k < b.num_buckets && r == TEST_PASS; k++) {
+        const mt_buffer_bucket* x = &b.buckets[k];
+        if (x->end % 384 || (x->end - x->start) % 3) { printf("    FAIL bucket %d ends at %lld\n", k, (long long)x->end); r = TEST_FAIL; }
+        /* Megatron closes a bucket at the first param that takes it to bucket_size */
+        if (k < b.num_buckets - 1 && x->numel_unpadded < bucket) { printf("    FAIL bucket %d holds %lld\n", k, (long long)x->numel_unpadded); r = TEST_FAIL; }
+        int64_t lo, hi, total = 0;
+        for (int d = 0; d < 3; d++) {
+            mt_bucket_shard(x, 3, d, &lo, &hi);
+            if (lo != x->start + d * (x->end - x->start) / 3) r = TEST_FAIL;
+            total += hi - lo;
+        }
+        if (total != x->end - x->start) { printf("    FAIL shards of bucket %d do not tile it\n", k); r = TEST_FAIL; }
+    }
+    EXPECT(b.num_buckets > 5, "only %d buckets", b.num_buckets);
+    mt_buffer_layout_free(&b);
+    if (r != TEST_PASS) return r;
+
+    /* Megatron's default bucket size: max(40M, 1M * dp) elements, only with --overlap-grad-reduce */
+    mt_config big;
+    mt_config_defaults(&big);
+    big.num_layers = 48; big.hidden_size = 1600; big.num_attention_heads = 25; big.seq_length = 1024;
+    big.vocab_size = 50257; big.micro_batch_size = 1; big.train_iters = 1; big.lr = 1e-4;
+    big.world_size = 64; big.use_distributed_optimizer = 1; big.overlap_grad_reduce = 1;
+    EXPECT_OK(mt_config_finalize(&big, &err), &err);
+    EXPECT_OK(mt_buffer_layout_build(&b, &big, &err), &err);
+    for (int k = 0; k < b.num_buckets - 1 && r == TEST_PASS; k++) {
+        const mt_buffer_bucket* x = &b.buckets[k];
+        /* closes at the first parameter that reaches 64M: less than one more parameter beyond it */
+        if (x->numel_unpadded < 64000000 || x->numel_unpadded > 64000000 + 1600LL * 6400 + 64) {
+            printf("    FAIL bucket %d holds %lld elements\n", k, (long long)x->numel_unpadded);
+            r = TEST_FAIL;
+        }
+        if (x->end % 128) r = TEST_FAIL; /* lcm(64, 128) */
+    }
+    printf("      1.5B shape, dp 64: %d buckets of >= 64M elements, buffer %lld for %lld parameters\n", b.num_buckets,
+           (long long)b.size, (long long)mt_num_parameters(&big));
+    mt_buffer_layout_free(&b);
+    return r;
+}
+
+static const test_case parallel_tests[] = {
+    {"rank_layout_tp_dp_pp", test_rank_layout},
+    {"buffer_layout_megatron_rules", test_buffer_layout_megatron_rules},
+};
+
+/* ---- multi-GPU tests ---- */
+
+static int mpi_rank(void) {
+    int r = 0;
+#ifdef MT_USE_MPI
+    int init = 0;
+    MPI_Initialized(&init);
+    if (init) MPI_Comm_rank(MPI_COMM_WORLD, &r);
+#endif
+    return r;
+}
+static int mpi_world(void) {
+    int w = 1;
+#ifdef MT_USE_MPI
+    int init = 0;
+    MPI_Initialized(&init);
+    if (init) MPI_Comm_size(MPI_COMM_WORLD, &w);
+#endif
+    return w;
+}
+static int mpi_local_rank(void) {
+    int r = 0;
+#ifdef MT_USE_MPI
+    if (mpi_world() > 1) {
+        MPI_Comm node;
+        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, mpi_rank(), MPI_INFO_NULL, &node);
+        MPI_Comm_rank(node, &r);
+        MPI_Comm_free(&node);
+    }
+#endif
+    return r;
+}
+/* A new NCCL id for every data-parallel trainer (an id serves one communicator). */
+static mt_status fresh_comm_id(mt_comm_id* id, mt_error* err) {
+    memset(id, 0, sizeof(*id));
+    mt_status st = MT_OK;
+    if (mpi_rank() == 0) st = mt_comm_id_create(id, err);
+#ifdef MT_USE_MPI
+    MPI_Bcast(id, (int)sizeof(*id), MPI_BYTE, 0, MPI_COMM_WORLD);
+#endif
+    return st;
+}
+#define REQUIRE_MPI_GPUS()                                                                     \
+    do {                                                                                       \
+        if (mpi_world() < 2) SKIP("needs several processes: mpirun -np 2 ./test_megatron multigpu"); \
+        if (!gpu_available()) SKIP("no GPU visible");                                          \
+    } while (0)
+
+/* The small GPT of the DP tests: head dim 64 (bf16 runs the flash kernels), micro-batch 2, global
+ * batch 16 (8 micro-batches at DP=1, 2 per rank at DP=4), 20000-element buckets (~30 of them). */
+static mt_config dp_config(mt_precision precision, int dp, int dist, int overlap) {
+    mt_config c = gpu_small_config(precision);
+    c.micro_batch_size = 2;
+    c.global_batch_size = 16;
+    c.world_size = dp;
+    c.rank = dp > 1 ? mpi_rank() : 0;
+    c.local_rank = mpi_local_rank();
+    c.use_distributed_optimizer = dist;
+    c.overlap_grad_reduce = overlap;
+    c.overlap_param_gather = dist && overlap;
+    c.ddp_bucket_size = 20000;
+    return c;
+}
+
+/* This rank's share of a global batch [gbs, S+1], in Megatron's sampler order. */
+static void dp_slice(const mt_config* c, const int32_t* global, int32_t* mine) {
+    int mbs = c->micro_batch_size, dp = c->data_parallel_size, r = mt_rank_coordinates(c, c->rank).dp;
+    int64_t row = c->seq_length + 1;
+    for (int j = 0; j < mt_num_micro_batches(c); j++)
+        for (int k = 0; k < mbs; k++) {
+            int64_t index = mt_sampler_index((int64_t)j * mbs * dp, mbs, r, k);
+            memcpy(mine + ((int64_t)j * mbs + k) * row, global + index * row, sizeof(int32_t) * row);
+        }
+}
+
+/* Steps [first, first + count) of the DP tests' data on config c (loading/saving as asked). */
+static test_result dp_run(mt_config c, const char* load_dir, const char* save_dir, int first, int count,
+                          double* losses, float* params_out) {
+    mt_error err;
+    if (c.world_size > 1) EXPECT_OK(fresh_comm_id(&c.comm_id, &err), &err);
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    mt_trainer* t = NULL;
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    test_result res = TEST_PASS;
+    int64_t row = c.seq_length + 1;
+    int32_t* global = (int32_t*)malloc(sizeof(int32_t) * c.global_batch_size * row);
+    int32_t* mine = (int32_t*)malloc(sizeof(int32_t) * c.global_batch_size * row);
+    if (load_dir) {
+        int64_t it = 0, consumed = 0;
+        if (mt_trainer_load(t, load_dir, -1, &it, &consumed, &err) != MT_OK || it != first) {
+            printf("    FAIL load: %s (iteration %lld)\n", err.message, (long long)it);
+            res = TEST_FAIL;
+        }
+    }
+    for (int k = first; k < first + count && res == TEST_PASS; k++) {
+        fill_tokens(global, c.global_batch_size * row, (int)c.vocab_size, 1000 + k);
+        dp_slice(&c, global, mine);
+        mt_step_result r;
+        if (mt_trainer_train_step(t, mine, &r, &err) != MT_OK) { printf("    FAIL step %d: %s\n", k, err.message); res = TEST_FAIL; }
+        losses[k] = r.lm_loss;
+    }
+    if (res == TEST_PASS && save_dir && mt_trainer_save(t, save_dir, first + count, 0, &err) != MT_OK) {
+        printf("    FAIL save: %s\n", err.message);
+        res = TEST_FAIL;
+    }
+    if (res == TEST_PASS && params_out && mt_trainer_get_parameters(t, params_out, &err) != MT_OK) {
+        printf("    FAIL get_parameters: %s\n", err.message);
+        res = TEST_FAIL;
+    }
+    free(global);
+    free(mine);
+    mt_trainer_free(t);
+    return res;
+}
+
+static double relative_norm_difference(const float* a, const float* b, int64_t n) {
+    double d = 0, r = 0;
+    for (int64_t i = 0; i < n; i++) {
+        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        r += (double)b[i] * b[i];
+    }
+    return sqrt(d / (r > 0 ? r : 1));
+}
+
+static test_result dp_matches_single(mt_precision precision, double loss_tol, double weight_tol) {
+    REQUIRE_MPI_GPUS();
+    int dp = mpi_world();
+    mt_config base = dp_config(precision, 1, 0, 0);
+    mt_error err;
+    mt_config fin = base;
+    EXPECT_OK(mt_config_finalize(&fin, &err), &err);
+    int64_t n = mt_num_parameters(&fin);
+    double ref[20], got[20];
+    float* ref_params = (float*)malloc(sizeof(float) * n);
+    float* params = (float*)malloc(sizeof(float) * n);
+    test_result res = dp_run(base, NULL, NULL, 0, 20, ref, ref_params);
+    const char* names[4] = {"all-reduce", "all-reduce, overlapped", "distributed optimizer",
+                            "distributed optimizer, overlapped reduce-scatter and all-gather"};
+    for (int v = 0; v < 4 && res == TEST_PASS; v++) {
+        res = dp_run(dp_config(precision, dp, v >= 2, v % 2), NULL, NULL, 0, 20, got, params);
+        double worst = 0;
+        for (int k = 0; k < 20 && res == TEST_PASS; k++) {
+            double rel = fabs(got[k] - ref[k]) / fabs(ref[k]);
+            if (rel > worst) worst = rel;
+            if (rel > loss_tol) { printf("    FAIL %s step %d: loss %.9f vs DP=1 %.9f\n", names[v], k, got[k], ref[k]); res = TEST_FAIL; }
+        }
+        double w = relative_norm_difference(params, ref_params, n);
+        printf("      DP=%d %s: losses %.6f -> %.6f, worst relative difference to DP=1 %.2e, weights %.2e\n", dp,
+               names[v], got[0], got[19], worst, w);
+        if (res == TEST_PASS && w > weight_tol) { printf("    FAIL weights differ by %.3e\n", w); res = TEST_FAIL; }
+    }
+    free(ref_params);
+    free(params);
+    return res;
+}
+static test_result test_dp_matches_single_fp32(void) { return dp_matches_single(MT_FP32, 1e-5, 1e-5); }
+static test_result test_dp_matches_single_bf16(void) { return dp_matches_single(MT_BF16, 1e-3, 3e-3); }
+
+/* Two runs bitwise equal; 10 + save + load + 10 bitwise equal to 20 straight. */
+static test_result dp_repeat_and_resume(mt_precision precision, int dist) {
+    REQUIRE_MPI_GPUS();
+    int dp = mpi_world();
+    mt_config c = dp_config(precision, dp, dist, 1);
+    mt_error err;
+    mt_config fin = c;
+    EXPECT_OK(mt_config_finalize(&fin, &err), &err);
+    int64_t n = mt_num_parameters(&fin);
+    double a[20], b[20], r[20];
+    float* pa = (float*)malloc(sizeof(float) * n);
+    float* pb = (float*)malloc(sizeof(float) * n);
+    float* pr = (float*)malloc(sizeof(float) * n);
+    /* one directory for all ranks (they share this node's /tmp), named by rank 0 */
+    int tag = (int)getpid();
+#ifdef MT_USE_MPI
+    MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
+#endif
+    char dir[256];
+    snprintf(dir, sizeof(dir), "/tmp/mt_test_dp_ckpt_%d_%d_%d", tag, (int)precision, dist);
+    test_result res = dp_run(c, NULL, NULL, 0, 20, a, pa);
+    if (res == TEST_PASS) res = dp_run(c, NULL, NULL, 0, 20, b, pb);
+    if (res == TEST_PASS) res = dp_run(c, NULL, dir, 0, 10, r, NULL);
+    if (res == TEST_PASS) res = dp_run(c, dir, NULL, 10, 10, r, pr);
+    for (int k = 0; k < 20 && res == TEST_PASS; k++) {
+        if (memcmp(&a[k], &b[k], sizeof(double))) { printf("    FAIL step %d: runs differ %.9g vs %.9g\n", k, a[k], b[k]); res = TEST_FAIL; }
+        else if (memcmp(&a[k], &r[k], sizeof(double))) { printf("    FAIL step %d: resumed %.9g vs %.9g\n", k, r[k], a[k]); res = TEST_FAIL; }
+    }
+    if (res == TEST_PASS && memcmp(pa, pb, sizeof(float) * n)) { printf("    FAIL weights of two runs differ\n"); res = TEST_FAIL; }
+    if (res == TEST_PASS && memcmp(pa, pr, sizeof(float) * n)) { printf("    FAIL weights after resume differ\n"); res = TEST_FAIL; }
+    if (res == TEST_PASS) {
+        /* the sharded checkpoint: one optimizer file per DP rank beside the model file */
+        char path[512];
+        snprintf(path, sizeof(path), "%s/iter_0000010/mp_rank_00/distrib_optim_dp%03d.bin", dir, dp - 1);
+        if (dist && access(path, R_OK) != 0) { printf("    FAIL missing %s\n", path); res = TEST_FAIL; }
+        printf("      DP=%d%s: losses %.6f -> %.6f, bitwise equal across runs and across save/load\n", dp,
+               dist ? " with the distributed optimizer" : "", a[0], a[19]);
+    }
+#ifdef MT_USE_MPI
+    MPI_Barrier(MPI_COMM_WORLD);
+#endif
+    if (mpi_rank() == 0) remove_tree(dir);
+    free(pa);
+    free(pb);
+    free(pr);
+    return res;
+}
+static test_result test_dp_repeat_resume_bf16_distributed(void) { return dp_repeat_and_resume(MT_BF16, 1); }
+static test_result test_dp_repeat_resume_fp32_allreduce(void) { return dp_repeat_and_resume(MT_FP32, 0); }
+
+/* Model state per parameter of a GPT-2 124M: 18 bytes (bf16 weights 2, fp32 gradients 4, master 4,
+ * Adam 8) without the distributed optimizer, 6 + 12/d with it, Megatron's table; padding adds
+ * < 0.1% here. The device's accounting must agree with the plan to within cudaMalloc's 2 MiB
+ * granularity per allocation (5 allocations). */
+static test_result test_dp_memory_plan(void) {
+    REQUIRE_MPI_GPUS();
+    int dp = mpi_world();
+    test_result res = TEST_PASS;
+    for (int dist = 0; dist <= 1 && res == TEST_PASS; dist++) {
+        mt_config c = dp_config(MT_BF16, dp, dist, 1);
+        c.num_layers = 12; c.hidden_size = 768; c.num_attention_heads = 12; c.vocab_size = 50257;
+        c.seq_length = 128; c.micro_batch_size = 1; c.global_batch_size = dp;
+        mt_error err;
+        EXPECT_OK(fresh_comm_id(&c.comm_id, &err), &err);
+        EXPECT_OK(mt_config_finalize(&c, &err), &err);
+        mt_trainer* t = NULL;
+        EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+        mt_memory_plan p = mt_trainer_memory_plan(t);
+        mt_trainer_free(t);
+        size_t state = p.parameter_bytes + p.master_bytes + p.gradient_bytes + p.optimizer_bytes;
+        double per_param = (double)state / (double)p.num_parameters;
+        double want = dist ? 6.0 + 12.0 / dp : 18.0;
+        double measured_diff = fabs((double)p.state_bytes_measured - (double)state);
+        printf("      DP=%d%s: %.3f bytes/param planned (Megatron: %.3f), %.1f MiB planned, device reported %.1f MiB\n",
+               dp, dist ? " distributed optimizer" : "", per_param, want, state / 1048576.0,
+               p.state_bytes_measured / 1048576.0);
+        if (fabs(per_param - want) > 0.001 * want) { printf("    FAIL bytes per parameter\n"); res = TEST_FAIL; }
+        if (measured_diff > 10.0 * 1048576.0) { printf("    FAIL device accounting differs by %.1f MiB\n", measured_diff / 1048576.0); res = TEST_FAIL; }
+    }
+    return res;
+}
+
+static const test_case multigpu_tests[] = {
+    {"dp_matches_single_gpu_fp32", test_dp_matches_single_fp32},
+    {"dp_matches_single_gpu_bf16", test_dp_matches_single_bf16},
+    {"dp_repeatable_and_resumes_bf16_distributed_optimizer", test_dp_repeat_resume_bf16_distributed},
+    {"dp_repeatable_and_resumes_fp32_allreduce", test_dp_repeat_resume_fp32_allreduce},
+    {"dp_memory_plan_follows_megatron", test_dp_memory_plan},
+};
+
+#endif
