@@ -375,8 +375,9 @@ static test_result test_dp_repeat_resume_fp32_allreduce(void) { return dp_repeat
 
 /* Model state per parameter of a GPT-2 124M: 18 bytes (bf16 weights 2, fp32 gradients 4, master 4,
  * Adam 8) without the distributed optimizer, 6 + 12/d with it, Megatron's table; padding adds
- * < 0.1% here. The device's accounting must agree with the plan to within cudaMalloc's 2 MiB
- * granularity per allocation (5 allocations). */
+ * < 0.1% here. The device's accounting must agree with the plan to within 16 MiB (under 1% of the
+ * state): cudaMalloc hands out 2 MiB pages, so each of the 5 allocations may round up by < 2 MiB,
+ * plus a few MiB of driver bookkeeping (9 MiB observed on an H200). */
 static test_result test_dp_memory_plan(void) {
     REQUIRE_MPI_GPUS();
     int dp = mpi_world();
@@ -400,7 +401,7 @@ static test_result test_dp_memory_plan(void) {
                dp, dist ? " distributed optimizer" : "", per_param, want, state / 1048576.0,
                p.state_bytes_measured / 1048576.0);
         if (fabs(per_param - want) > 0.001 * want) { printf("    FAIL bytes per parameter\n"); res = TEST_FAIL; }
-        if (measured_diff > 10.0 * 1048576.0) { printf("    FAIL device accounting differs by %.1f MiB\n", measured_diff / 1048576.0); res = TEST_FAIL; }
+        if (measured_diff > 16.0 * 1048576.0) { printf("    FAIL device accounting differs by %.1f MiB\n", measured_diff / 1048576.0); res = TEST_FAIL; }
     }
     return res;
 }
