@@ -7,12 +7,13 @@
  *   2. Kernels, one section per layer: init, embedding, LayerNorm, bias/column reductions, GELU,
  *      attention (permute, causal softmax), cross entropy, residual, gradient norm, AdamW
  *   3. GEMM: one wrapper over cuBLAS for fp32/bf16/fp16 with fp32 accumulation
- *   4. Process groups (one GPU for now: every group has size 1)
+ *   4. Process groups: Megatron's rank layout, the NCCL data-parallel communicator, its stream
  *   5. Parallel layers: linear forward/backward (column/row parallel degenerate to plain at TP=1)
  *   6. The model: memory layout, forward and backward of one stage, GPT-2 flavour
  *   7. Pipeline engine (one stage for now)
- *   8. Optimizer: gradient norm, clipping, fp16 loss scaler, AdamW
- *   9. Checkpoints
+ *   8. Optimizer: DP gradient buckets (all-reduce / reduce-scatter overlapped with the backward),
+ *      gradient norm, clipping, fp16 loss scaler, AdamW over this rank's shard, parameter all-gather
+ *   9. Checkpoints (sharded optimizer state with the distributed optimizer)
  *  10. The trainer API
  *
  * Precision: the model runs in a type T (float, bf16 or fp16) chosen at run time; every kernel is a
@@ -1434,8 +1435,9 @@ static void layernorm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dres
 
 /* ============================================================================================== */
 /* 6. The model                                                                                    */
-/*    Parameters: one flat buffer in canonical order (megatron.h mt_param_layout), per-layer       */
-/*    tensors stacked [L, ...]. Activations: one arena for one micro-batch, sized at creation.    */
+/*    Parameters: one buffer in Megatron's DDP layout (megatron.h mt_buffer_layout: reverse model  */
+/*    order, buckets); param_ptr(t, tensor, layer) finds a slice. Activations: one arena for one  */
+/*    micro-batch, sized at creation.                                                             */
 /* ============================================================================================== */
 
 typedef struct {
