@@ -144,6 +144,30 @@ __device__ float block_max(float v) {
     return warp_max(v);
 }
 
+/* 16-byte vector access: 8 bf16/fp16 or 4 fp32 values per load or store, converted to fp32. The
+ * vectorised kernels need rows of a multiple of 16 bytes and 16-byte-aligned pointers; their
+ * launchers fall back to the scalar kernels otherwise. */
+template <typename T>
+struct vec16 {
+    static constexpr int N = 16 / sizeof(T);
+};
+template <typename T>
+__device__ __forceinline__ void load16(float* out, const T* p) {
+    int4 raw = *reinterpret_cast<const int4*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < vec16<T>::N; i++) out[i] = to_float(e[i]);
+}
+template <typename T>
+__device__ __forceinline__ void store16(T* p, const float* in) {
+    int4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < vec16<T>::N; i++) e[i] = from_float<T>(in[i]);
+    *reinterpret_cast<int4*>(p) = raw;
+}
+static inline bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
+
 /* ============================================================================================== */
 /* 2. Kernels                                                                                      */
 /* ============================================================================================== */
@@ -278,6 +302,82 @@ __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const
     }
 }
 
+/* The same two kernels with 16-byte loads (one warp per row; C a multiple of the vector width).
+ * Statistics are summed in the same per-lane-then-warp pattern, so results are deterministic. */
+template <typename T>
+__global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rstd_out, const T* x, const T* weight,
+                                             const T* bias, int N, int C, float eps) {
+    constexpr int V = vec16<T>::N;
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const T* xr = x + (int64_t)row * C;
+    float v[V], w[V], b[V];
+    float sum = 0.0f;
+    for (int c = lane * V; c < C; c += 32 * V) {
+        load16(v, xr + c);
+#pragma unroll
+        for (int i = 0; i < V; i++) sum += v[i];
+    }
+    float mean = warp_sum(sum) / C;
+    float var = 0.0f;
+    for (int c = lane * V; c < C; c += 32 * V) {
+        load16(v, xr + c);
+#pragma unroll
+        for (int i = 0; i < V; i++) var += (v[i] - mean) * (v[i] - mean);
+    }
+    float rstd = 1.0f / sqrtf(warp_sum(var) / C + eps);
+    T* o = out + (int64_t)row * C;
+    for (int c = lane * V; c < C; c += 32 * V) {
+        load16(v, xr + c);
+        load16(w, weight + c);
+        load16(b, bias + c);
+#pragma unroll
+        for (int i = 0; i < V; i++) v[i] = (v[i] - mean) * rstd * w[i] + b[i];
+        store16(o + c, v);
+    }
+    if (lane == 0) {
+        mean_out[row] = mean;
+        rstd_out[row] = rstd;
+    }
+}
+
+template <typename T>
+__global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, const T* x, const T* weight,
+                                                    const float* mean, const float* rstd, int N, int C) {
+    constexpr int V = vec16<T>::N;
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const T* dyr = dy + (int64_t)row * C;
+    const T* xr = x + (int64_t)row * C;
+    float m = mean[row], rs = rstd[row];
+    float g[V], xv[V], w[V], d[V];
+    float sum_g = 0.0f, sum_gx = 0.0f;
+    for (int c = lane * V; c < C; c += 32 * V) {
+        load16(g, dyr + c);
+        load16(xv, xr + c);
+        load16(w, weight + c);
+#pragma unroll
+        for (int i = 0; i < V; i++) {
+            float gi = g[i] * w[i];
+            sum_g += gi;
+            sum_gx += gi * (xv[i] - m) * rs;
+        }
+    }
+    float mean_g = warp_sum(sum_g) / C, mean_gx = warp_sum(sum_gx) / C;
+    T* dr = dresidual + (int64_t)row * C;
+    for (int c = lane * V; c < C; c += 32 * V) {
+        load16(g, dyr + c);
+        load16(xv, xr + c);
+        load16(w, weight + c);
+        load16(d, dr + c);
+#pragma unroll
+        for (int i = 0; i < V; i++) d[i] += rs * (g[i] * w[i] - mean_g - (xv[i] - m) * rs * mean_gx);
+        store16(dr + c, d);
+    }
+}
+
 /* ---- 2.4 Deterministic column sums: bias gradients and norm-weight gradients.
  *      Pass 1: block (x, chunk) sums rows [chunk*rows_per_chunk, ...) of its columns into partial.
  *      Pass 2: dst[c] += sum over chunks in order. ---- */
@@ -346,6 +446,45 @@ __global__ void gelu_backward_kernel(T* d, const T* in, int64_t n) {
     float th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
     float dtanh = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x) * (1.0f - th * th);
     d[i] = from_float<T>(to_float(d[i]) * (0.5f * (1.0f + th) + 0.5f * x * dtanh));
+}
+
+/* Fused epilogues of the linears, 16-byte vectors, i indexes vectors of [N, C] (C % V == 0):
+ * out = residual + branch + bias (a row-parallel linear's bias folded into the residual add), and
+ * pre = y + bias, act = gelu(pre) (the first MLP linear; pre is kept for the backward). */
+template <typename T>
+__global__ void bias_residual_vec_kernel(T* out, const T* residual, const T* branch, const T* bias, int64_t vectors,
+                                         int C) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    int64_t e = i * V;
+    float r[V], y[V], b[V];
+    load16(r, residual + e);
+    load16(y, branch + e);
+    load16(b, bias + e % C);
+#pragma unroll
+    for (int k = 0; k < V; k++) r[k] += y[k] + b[k];
+    store16(out + e, r);
+}
+
+template <typename T>
+__global__ void bias_gelu_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int C) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    int64_t e = i * V;
+    float y[V], b[V], a[V];
+    load16(y, pre + e);
+    load16(b, bias + e % C);
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        /* round the pre-activation to T first: the backward recomputes gelu' from the stored value */
+        float x = to_float(from_float<T>(y[k] + b[k]));
+        y[k] = x;
+        a[k] = 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
+    }
+    store16(pre + e, y);
+    store16(act + e, a);
 }
 
 /* ---- 2.6 Attention pieces (the exact, simple path: scores are materialised per layer).
@@ -1415,7 +1554,38 @@ static void linear_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dx, flo
 template <typename T>
 static void layernorm_forward(mt_gemm_context* g, T* out, float* mean, float* rstd, const T* x, const T* w, const T* b,
                               int N, int C, float eps) {
-    layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(out, mean, rstd, x, w, b, N, C, eps);
+    if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
+        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(out, mean, rstd, x, w, b, N, C, eps);
+    else
+        layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(out, mean, rstd, x, w, b, N, C, eps);
+    LAUNCH_CHECK(g->error);
+}
+
+/* out[N, C] = residual + branch + bias[C] */
+template <typename T>
+static void bias_residual(mt_gemm_context* g, T* out, const T* residual, T* branch, const T* bias, int N, int C) {
+    int64_t n = (int64_t)N * C;
+    if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(residual) && aligned16(branch) && aligned16(bias)) {
+        int64_t vectors = n / vec16<T>::N;
+        bias_residual_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, g->stream>>>(out, residual, branch, bias, vectors, C);
+    } else {
+        bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(branch, bias, N, C);
+        residual_add_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(out, residual, branch, n);
+    }
+    LAUNCH_CHECK(g->error);
+}
+
+/* pre[N, C] += bias; act = gelu(pre) */
+template <typename T>
+static void bias_gelu(mt_gemm_context* g, T* pre, T* act, const T* bias, int N, int C) {
+    int64_t n = (int64_t)N * C;
+    if (C % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias)) {
+        int64_t vectors = n / vec16<T>::N;
+        bias_gelu_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, g->stream>>>(pre, act, bias, vectors, C);
+    } else {
+        bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(pre, bias, N, C);
+        gelu_forward_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(act, pre, n);
+    }
     LAUNCH_CHECK(g->error);
 }
 
@@ -1423,7 +1593,11 @@ static void layernorm_forward(mt_gemm_context* g, T* out, float* mean, float* rs
 template <typename T>
 static void layernorm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dresidual, float* dweight, float* dbias,
                                const T* dy, const T* x, const T* w, const float* mean, const float* rstd, int N, int C) {
-    layernorm_backward_input_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(dresidual, dy, x, w, mean, rstd, N, C);
+    if (C % vec16<T>::N == 0 && aligned16(dresidual) && aligned16(dy) && aligned16(x) && aligned16(w))
+        layernorm_backward_input_vec_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(dresidual, dy, x, w, mean, rstd,
+                                                                                      N, C);
+    else
+        layernorm_backward_input_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(dresidual, dy, x, w, mean, rstd, N, C);
     int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
     dim3 grid(ceil_div(C, 256), chunks);
     column_partial_sum_kernel<T, COLSUM_LAYERNORM><<<grid, 256, 0, g->stream>>>(s->partial_a, s->partial_b, dy, x, mean,
@@ -1704,24 +1878,19 @@ static void model_forward(mt_trainer* t, float grad_scale) {
         attention_merge_heads_kernel<T><<<ceil_div(head_elems, 256), 256, 0, st>>>(attn, (T*)a->o, s.B, s.S, s.heads,
                                                                                    s.d);
         LAUNCH_CHECK(&t->error);
-        linear_forward<T>(g, (T*)a->branch, attn,
-                          param_ptr<T>(t, MT_P_PROJ_WEIGHT, l),
-                          param_ptr<T>(t, MT_P_PROJ_BIAS, l), s.BT, s.attn_width, s.h);
-        residual_add_kernel<T><<<ceil_div(BTh, 256), 256, 0, st>>>(mid, x, (T*)a->branch, BTh);
-        LAUNCH_CHECK(&t->error);
+        linear_forward<T>(g, (T*)a->branch, attn, param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), (const T*)NULL, s.BT,
+                          s.attn_width, s.h);
+        bias_residual<T>(g, mid, x, (T*)a->branch, param_ptr<T>(t, MT_P_PROJ_BIAS, l), s.BT, s.h);
 
         /* MLP block */
         layernorm_forward<T>(g, ln2, a->ln2_mean + (int64_t)l * s.BT, a->ln2_rstd + (int64_t)l * s.BT, mid,
                              param_ptr<T>(t, MT_P_LN2_WEIGHT, l),
                              param_ptr<T>(t, MT_P_LN2_BIAS, l), s.BT, s.h, eps);
-        linear_forward<T>(g, fc1, ln2, param_ptr<T>(t, MT_P_FC1_WEIGHT, l),
-                          param_ptr<T>(t, MT_P_FC1_BIAS, l), s.BT, s.h, s.f);
-        gelu_forward_kernel<T><<<ceil_div((int64_t)s.BT * s.f, 256), 256, 0, st>>>(gelu, fc1, (int64_t)s.BT * s.f);
-        LAUNCH_CHECK(&t->error);
-        linear_forward<T>(g, (T*)a->branch, gelu, param_ptr<T>(t, MT_P_FC2_WEIGHT, l),
-                          param_ptr<T>(t, MT_P_FC2_BIAS, l), s.BT, s.f, s.h);
-        residual_add_kernel<T><<<ceil_div(BTh, 256), 256, 0, st>>>(out, mid, (T*)a->branch, BTh);
-        LAUNCH_CHECK(&t->error);
+        linear_forward<T>(g, fc1, ln2, param_ptr<T>(t, MT_P_FC1_WEIGHT, l), (const T*)NULL, s.BT, s.h, s.f);
+        bias_gelu<T>(g, fc1, gelu, param_ptr<T>(t, MT_P_FC1_BIAS, l), s.BT, s.f);
+        linear_forward<T>(g, (T*)a->branch, gelu, param_ptr<T>(t, MT_P_FC2_WEIGHT, l), (const T*)NULL, s.BT, s.f,
+                          s.h);
+        bias_residual<T>(g, out, mid, (T*)a->branch, param_ptr<T>(t, MT_P_FC2_BIAS, l), s.BT, s.h);
     }
 
     /* final norm, output layer tied to the word embeddings, cross entropy */

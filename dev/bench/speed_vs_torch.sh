@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# dev/bench/speed_vs_torch.sh — single-GPU training speed of train_gpt against PyTorch on the same
+# GPU in the same command: same model (GPT-2 layout), same micro-batch, same sequence length, bf16.
+# PyTorch: torch.compile, bf16 autocast, SDPA flash attention, fused AdamW (dev/bench/torch_speed.py).
+# Ours: train_gpt --mock-data --bf16 (timing from its log line over the second half of the run).
+#
+# Run from the repository root on a GPU machine after `make train_gpt`:
+#   dev/bench/speed_vs_torch.sh [models...]          models: 124m 1.5b (default both)
+# Environment: ITERS (30), OUT (/tmp/speed_vs_torch), MAX_MBS=1 to also search the largest
+# micro-batch that fits (doubling; each torch attempt recompiles, so it is slow).
+# Reported: tokens/s, TFLOP/s/GPU (Megatron's formula), MFU (989 TFLOP/s dense bf16 on H100/H200),
+# peak memory (ours: what the device reports in use once everything is allocated; torch: the
+# caching allocator's max reserved, and max allocated), and the ratio ours / torch.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/speed_vs_torch}
+ITERS=${ITERS:-30}
+mkdir -p "$OUT"
+models=("$@")
+[ ${#models[@]} -eq 0 ] && models=(124m 1.5b)
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)
+peak=989
+
+ours() { # model-flags mbs log -> "ms gib" or ""
+  local shape=$1 mbs=$2 log=$3
+  ./train_gpt $shape --seq-length 1024 --max-position-embeddings 1024 --mock-data --tokenizer-type NullTokenizer \
+    --vocab-size 50257 --bf16 --micro-batch-size "$mbs" --global-batch-size "$mbs" --train-iters "$ITERS" \
+    --log-interval $((ITERS / 2)) --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 \
+    --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --eval-iters 0 --sample-tokens 0 >"$log" 2>&1 || return 1
+  local ms gib
+  ms=$(grep "elapsed time per iteration" "$log" | tail -n1 | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
+  gib=$(grep "device reports" "$log" | sed 's/.*device reports \([^ ]*\) GiB.*/\1/')
+  echo "$ms $gib"
+}
+
+table="$OUT/speed_vs_torch.md"
+{
+  echo "| model | micro-batch | side | ms/iter | tokens/s | TFLOP/s/GPU | MFU | peak memory (GiB) | ours / torch |"
+  echo "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+} >"$table"
+
+for model in "${models[@]}"; do
+  case "$model" in
+    124m) L=12; H=768; N=12; MBS=16; MAXTRY="32 64 128" ;;
+    1.5b) L=48; H=1600; N=25; MBS=8; MAXTRY="16 32" ;;
+    *) echo "speed_vs_torch: unknown model $model" >&2; exit 2 ;;
+  esac
+  shape="--num-layers $L --hidden-size $H --num-attention-heads $N"
+  r=$(ours "$shape" "$MBS" "$OUT/ours_$model.log")
+  ms_o=${r%% *}; gib_o=${r##* }
+  python dev/bench/torch_speed.py --num-layers $L --hidden-size $H --num-attention-heads $N --mbs "$MBS" \
+    --iters "$ITERS" >"$OUT/torch_$model.log" 2>&1
+  res=$(grep '^RESULT ' "$OUT/torch_$model.log" | sed 's/^RESULT //')
+  if [ -z "$r" ] || [ -z "$res" ]; then
+    echo "| $model | $MBS | FAILED (see $OUT) | | | | | | |" >>"$table"; tail -5 "$OUT/ours_$model.log" "$OUT/torch_$model.log"; continue
+  fi
+  python3 - "$model" "$MBS" "$ms_o" "$gib_o" "$res" "$L" "$H" "$N" "$peak" >>"$table" <<'EOF'
+import json, sys
+model, mbs, ms_o, gib_o, res, L, H, N, peak = sys.argv[1:]
+t = json.loads(res)
+mbs, ms_o, gib_o, L, H, N, peak = int(mbs), float(ms_o), float(gib_o), int(L), int(H), int(N), float(peak)
+S, V, f, d = 1024, 50304, 4 * H, H // N
+tok = mbs * S
+flops = tok * (6.0 * H * f * L + 6.0 * (H * (N * d + 2.0 * N * d) + N * d * H) * L + 6.0 * H * V) + mbs * S * S * 6.0 * N * d * L
+def row(side, ms, mem, ratio):
+    tf = flops / (ms / 1e3) / 1e12
+    print(f"| {model} | {mbs} | {side} | {ms:.1f} | {tok / (ms / 1e3):,.0f} | {tf:.1f} | {100 * tf / peak:.1f}% | {mem} | {ratio} |")
+row("megatron.c", ms_o, f"{gib_o:.1f} (device in use)", f"**{t['ms'] / ms_o:.2f}x**")
+row(f"torch {t['torch']} compile", t["ms"], f"{t['peak_reserved_gib']:.1f} reserved, {t['peak_allocated_gib']:.1f} allocated", "1.00x")
+EOF
+  if [ "${MAX_MBS:-0}" = 1 ]; then
+    best_o=$MBS; best_t=$MBS
+    for m in $MAXTRY; do ITERS=4 ours "$shape" "$m" "$OUT/ours_${model}_mbs$m.log" >/dev/null && best_o=$m || break; done
+    for m in $MAXTRY; do python dev/bench/torch_speed.py --num-layers $L --hidden-size $H --num-attention-heads $N \
+      --mbs "$m" --iters 2 --warmup 1 >"$OUT/torch_${model}_mbs$m.log" 2>&1 && best_t=$m || break; done
+    echo "| $model | largest micro-batch tried ($MBS $MAXTRY) | ours $best_o, torch $best_t | | | | | | |" >>"$table"
+  fi
+done
+echo
+echo "==== single-GPU speed vs PyTorch ($gpu) ===="
+cat "$table"
