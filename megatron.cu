@@ -448,6 +448,36 @@ __global__ void gelu_backward_kernel(T* d, const T* in, int64_t n) {
     d[i] = from_float<T>(to_float(d[i]) * (0.5f * (1.0f + th) + 0.5f * x * dtanh));
 }
 
+/* gelu backward and bias add with 16-byte vectors (i indexes vectors; C % V == 0 for the bias). */
+template <typename T>
+__global__ void gelu_backward_vec_kernel(T* d, const T* in, int64_t vectors) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    float g[V], x[V];
+    load16(g, d + i * V);
+    load16(x, in + i * V);
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        float th = tanhf(GELU_SCALE * (x[k] + 0.044715f * x[k] * x[k] * x[k]));
+        float dtanh = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x[k] * x[k]) * (1.0f - th * th);
+        g[k] *= 0.5f * (1.0f + th) + 0.5f * x[k] * dtanh;
+    }
+    store16(d + i * V, g);
+}
+template <typename T>
+__global__ void bias_add_vec_kernel(T* y, const T* bias, int64_t vectors, int C) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    float a[V], b[V];
+    load16(a, y + i * V);
+    load16(b, bias + (i * V) % C);
+#pragma unroll
+    for (int k = 0; k < V; k++) a[k] += b[k];
+    store16(y + i * V, a);
+}
+
 /* Fused epilogues of the linears, 16-byte vectors, i indexes vectors of [N, C] (C % V == 0):
  * out = residual + branch + bias (a row-parallel linear's bias folded into the residual add), and
  * pre = y + bias, act = gelu(pre) (the first MLP linear; pre is kept for the backward). */
@@ -554,6 +584,82 @@ __global__ void attention_split_grad_kernel(T* out, const T* in, int B, int seq,
     int h = (int)((idx / ((int64_t)d * seq)) % heads);
     int b = (int)(idx / ((int64_t)d * seq * heads));
     out[idx] = in[(((int64_t)b * seq + t) * heads + h) * d + e];
+}
+
+/* The same four permutes moving 16-byte vectors (d a multiple of the vector width): index math once
+ * per vector instead of per element, full-width loads and stores. `i` indexes vectors of the output. */
+template <typename T>
+__global__ void attention_split_heads_vec_kernel(T* q, T* k, T* v, const T* qkv, int B, int seq, int heads, int groups,
+                                                 int d) {
+    constexpr int V = vec16<T>::N;
+    int dv = d / V;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)B * heads * seq * dv) return;
+    int e = (int)(i % dv) * V;
+    int t = (int)((i / dv) % seq);
+    int h = (int)((i / ((int64_t)dv * seq)) % heads);
+    int b = (int)(i / ((int64_t)dv * seq * heads));
+    int qpg = heads / groups, g = h / qpg, s = h % qpg;
+    const T* row = qkv + ((int64_t)b * seq + t) * (int64_t)groups * (qpg + 2) * d + (int64_t)g * (qpg + 2) * d;
+    reinterpret_cast<int4*>(q)[i] = *reinterpret_cast<const int4*>(row + s * d + e);
+    reinterpret_cast<int4*>(k)[i] = *reinterpret_cast<const int4*>(row + qpg * d + e);
+    reinterpret_cast<int4*>(v)[i] = *reinterpret_cast<const int4*>(row + (qpg + 1) * d + e);
+}
+
+template <typename T>
+__global__ void attention_merge_head_grads_vec_kernel(T* dqkv, const T* dq, const T* dk, const T* dv, int B, int seq,
+                                                      int heads, int groups, int d) {
+    constexpr int V = vec16<T>::N;
+    int qpg = heads / groups;
+    int width = groups * (qpg + 2) * d;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)B * seq * (width / V)) return;
+    int col = (int)(i % (width / V)) * V;
+    int64_t bt = i / (width / V);
+    int b = (int)(bt / seq), t = (int)(bt % seq);
+    int g = col / ((qpg + 2) * d), slot = (col / d) % (qpg + 2), e = col % d;
+    if (slot < qpg) {
+        int h = g * qpg + slot;
+        reinterpret_cast<int4*>(dqkv)[i] = *reinterpret_cast<const int4*>(dq + (((int64_t)b * heads + h) * seq + t) * d + e);
+        return;
+    }
+    const T* src = slot == qpg ? dk : dv;
+    float acc[V], x[V];
+#pragma unroll
+    for (int j = 0; j < V; j++) acc[j] = 0.0f;
+    for (int s = 0; s < qpg; s++) { /* a group's heads, in order */
+        int h = g * qpg + s;
+        load16(x, src + (((int64_t)b * heads + h) * seq + t) * d + e);
+#pragma unroll
+        for (int j = 0; j < V; j++) acc[j] += x[j];
+    }
+    store16(dqkv + i * V, acc);
+}
+
+template <typename T>
+__global__ void attention_merge_heads_vec_kernel(T* out, const T* in, int B, int seq, int heads, int d) {
+    constexpr int V = vec16<T>::N;
+    int dv = d / V;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; /* over out [B, T, heads, d] */
+    if (i >= (int64_t)B * heads * seq * dv) return;
+    int e = (int)(i % dv) * V;
+    int h = (int)((i / dv) % heads);
+    int t = (int)((i / ((int64_t)dv * heads)) % seq);
+    int b = (int)(i / ((int64_t)dv * heads * seq));
+    reinterpret_cast<int4*>(out)[i] = *reinterpret_cast<const int4*>(in + (((int64_t)b * heads + h) * seq + t) * d + e);
+}
+
+template <typename T>
+__global__ void attention_split_grad_vec_kernel(T* out, const T* in, int B, int seq, int heads, int d) {
+    constexpr int V = vec16<T>::N;
+    int dv = d / V;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; /* over out [B, heads, T, d] */
+    if (i >= (int64_t)B * heads * seq * dv) return;
+    int e = (int)(i % dv) * V;
+    int t = (int)((i / dv) % seq);
+    int h = (int)((i / ((int64_t)dv * seq)) % heads);
+    int b = (int)(i / ((int64_t)dv * seq * heads));
+    reinterpret_cast<int4*>(out)[i] = *reinterpret_cast<const int4*>(in + (((int64_t)b * seq + t) * heads + h) * d + e);
 }
 
 /* Causal softmax in place over rows of scores [B*heads, T, T]: p = softmax(scale * s) over k <= q,
@@ -1537,7 +1643,11 @@ static void linear_forward(mt_gemm_context* g, T* y, const T* x, const T* weight
                            int out) {
     gemm<T, T>(g, false, true, N, out, in, x, in, weight, in, y, out, 1.0f, 0.0f);
     if (bias) {
-        bias_add_kernel<T><<<ceil_div((int64_t)N * out, 256), 256, 0, g->stream>>>(y, bias, N, out);
+        int64_t n = (int64_t)N * out;
+        if (out % vec16<T>::N == 0 && aligned16(y) && aligned16(bias))
+            bias_add_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, g->stream>>>(y, bias, n / vec16<T>::N, out);
+        else
+            bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(y, bias, N, out);
         LAUNCH_CHECK(g->error);
     }
 }
@@ -1774,6 +1884,57 @@ static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& 
 /* The attention core of one layer: O = softmax(causal(Q K^T / sqrt(d))) V on q, k, v [B, heads, T, d]
  * (already split) into o. Exact path: the probabilities are kept in probs [B*heads, T, T]. Flash path
  * (bf16): only the log-sum-exp [B*heads, T] is kept. */
+/* Head permutes between [B, T, heads*d] rows and the attention kernels' [B, heads, T, d]; the
+ * vectorised kernels when d is a multiple of the vector width (always for bf16 at d = 64/128). */
+template <typename T>
+static void split_qkv(mt_trainer* t, const T* qkv) { /* qkv [BT, qkv_width] -> act.q, act.k, act.v */
+    mt_shape s = model_shape(t);
+    mt_activations* a = &t->act;
+    int64_t n = (int64_t)s.B * s.heads * s.S * s.d;
+    if (s.d % vec16<T>::N == 0)
+        attention_split_heads_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(
+            (T*)a->q, (T*)a->k, (T*)a->v, qkv, s.B, s.S, s.heads, s.groups, s.d);
+    else
+        attention_split_heads_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>((T*)a->q, (T*)a->k, (T*)a->v, qkv,
+                                                                                 s.B, s.S, s.heads, s.groups, s.d);
+    LAUNCH_CHECK(&t->error);
+}
+template <typename T>
+static void merge_heads(mt_trainer* t, T* out, const T* in) { /* [B, heads, T, d] -> [BT, heads*d] */
+    mt_shape s = model_shape(t);
+    int64_t n = (int64_t)s.B * s.heads * s.S * s.d;
+    if (s.d % vec16<T>::N == 0)
+        attention_merge_heads_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(out, in, s.B, s.S,
+                                                                                                 s.heads, s.d);
+    else
+        attention_merge_heads_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(out, in, s.B, s.S, s.heads, s.d);
+    LAUNCH_CHECK(&t->error);
+}
+template <typename T>
+static void split_heads_of(mt_trainer* t, T* out, const T* in) { /* [BT, heads*d] -> [B, heads, T, d] */
+    mt_shape s = model_shape(t);
+    int64_t n = (int64_t)s.B * s.heads * s.S * s.d;
+    if (s.d % vec16<T>::N == 0)
+        attention_split_grad_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(out, in, s.B, s.S,
+                                                                                                s.heads, s.d);
+    else
+        attention_split_grad_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(out, in, s.B, s.S, s.heads, s.d);
+    LAUNCH_CHECK(&t->error);
+}
+template <typename T>
+static void merge_qkv_grads(mt_trainer* t, T* dqkv, const T* dq) { /* dq, act.dk, act.dv -> [BT, qkv_width] */
+    mt_shape s = model_shape(t);
+    mt_activations* a = &t->act;
+    int64_t n = (int64_t)s.BT * s.qkv_width;
+    if (s.d % vec16<T>::N == 0)
+        attention_merge_head_grads_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(
+            dqkv, dq, (T*)a->dk, (T*)a->dv, s.B, s.S, s.heads, s.groups, s.d);
+    else
+        attention_merge_head_grads_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(dqkv, dq, (T*)a->dk, (T*)a->dv,
+                                                                                     s.B, s.S, s.heads, s.groups, s.d);
+    LAUNCH_CHECK(&t->error);
+}
+
 template <typename T>
 static void attention_core_forward(mt_trainer* t, T* probs, float* lse) {
     mt_shape s = model_shape(t);
@@ -1805,12 +1966,9 @@ static T* attention_core_backward(mt_trainer* t, T* probs, const T* attn, const 
     mt_shape s = model_shape(t);
     mt_activations* a = &t->act;
     mt_gemm_context* g = &t->gemm;
-    int64_t head_elems = (int64_t)s.B * s.heads * s.S * s.d;
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
-            attention_split_grad_kernel<T><<<ceil_div(head_elems, 256), 256, 0, t->stream>>>((T*)a->o_saved, attn,
-                                                                                             s.B, s.S, s.heads, s.d);
-            LAUNCH_CHECK(&t->error);
+            split_heads_of<T>(t, (T*)a->o_saved, attn);
             CUDA_CHECK(&t->error, flash_attention_backward((bf16*)a->dq, (bf16*)a->dk, (bf16*)a->dv, a->dsum,
                                                            (const bf16*)a->o, (const bf16*)a->q, (const bf16*)a->k,
                                                            (const bf16*)a->v, (const bf16*)a->o_saved, lse, s.B,
@@ -1852,7 +2010,6 @@ static void model_forward(mt_trainer* t, float grad_scale) {
     cudaStream_t st = t->stream;
     int64_t BTh = (int64_t)s.BT * s.h;
     float eps = (float)t->cfg.norm_epsilon;
-    int64_t head_elems = (int64_t)s.B * s.heads * s.S * s.d;
     float scale = 1.0f / sqrtf((float)s.d);
 
     wait_for_parameters(t, -1);
@@ -1871,13 +2028,9 @@ static void model_forward(mt_trainer* t, float grad_scale) {
                              param_ptr<T>(t, MT_P_LN1_BIAS, l), s.BT, s.h, eps);
         linear_forward<T>(g, qkv, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l),
                           param_ptr<T>(t, MT_P_QKV_BIAS, l), s.BT, s.h, s.qkv_width);
-        attention_split_heads_kernel<T><<<ceil_div(head_elems, 256), 256, 0, st>>>((T*)a->q, (T*)a->k, (T*)a->v, qkv,
-                                                                                   s.B, s.S, s.heads, s.groups, s.d);
-        LAUNCH_CHECK(&t->error);
+        split_qkv<T>(t, qkv);
         attention_core_forward<T>(t, probs, a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL);
-        attention_merge_heads_kernel<T><<<ceil_div(head_elems, 256), 256, 0, st>>>(attn, (T*)a->o, s.B, s.S, s.heads,
-                                                                                   s.d);
-        LAUNCH_CHECK(&t->error);
+        merge_heads<T>(t, attn, (T*)a->o);
         linear_forward<T>(g, (T*)a->branch, attn, param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), (const T*)NULL, s.BT,
                           s.attn_width, s.h);
         bias_residual<T>(g, mid, x, (T*)a->branch, param_ptr<T>(t, MT_P_PROJ_BIAS, l), s.BT, s.h);
@@ -1913,7 +2066,6 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
     mt_colsum_scratch* cs = &t->colsum;
     cudaStream_t st = t->stream;
     int64_t BTh = (int64_t)s.BT * s.h;
-    int64_t head_elems = (int64_t)s.B * s.heads * s.S * s.d;
     float scale = 1.0f / sqrtf((float)s.d);
     T* dres = (T*)a->dresidual;
 
@@ -1934,9 +2086,15 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
         linear_backward<T>(g, cs, (T*)a->branch2, grad_ptr(t, MT_P_FC2_WEIGHT, l),
                            grad_ptr(t, MT_P_FC2_BIAS, l), dres, gelu,
                            param_ptr<T>(t, MT_P_FC2_WEIGHT, l), s.BT, s.f, s.h);
-        gelu_backward_kernel<T><<<ceil_div((int64_t)s.BT * s.f, 256), 256, 0, st>>>((T*)a->branch2, fc1,
-                                                                                    (int64_t)s.BT * s.f);
-        LAUNCH_CHECK(&t->error);
+        {
+            int64_t n = (int64_t)s.BT * s.f;
+            if (n % vec16<T>::N == 0 && aligned16(a->branch2) && aligned16(fc1))
+                gelu_backward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, st>>>((T*)a->branch2, fc1,
+                                                                                           n / vec16<T>::N);
+            else
+                gelu_backward_kernel<T><<<ceil_div(n, 256), 256, 0, st>>>((T*)a->branch2, fc1, n);
+            LAUNCH_CHECK(&t->error);
+        }
         linear_backward<T>(g, cs, (T*)a->branch, grad_ptr(t, MT_P_FC1_WEIGHT, l),
                            grad_ptr(t, MT_P_FC1_BIAS, l), (T*)a->branch2, ln2,
                            param_ptr<T>(t, MT_P_FC1_WEIGHT, l), s.BT, s.h, s.f);
@@ -1951,15 +2109,10 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
                            grad_ptr(t, MT_P_PROJ_BIAS, l), dres, attn,
                            param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), s.BT,
                            s.attn_width, s.h);
-        attention_split_grad_kernel<T><<<ceil_div(head_elems, 256), 256, 0, st>>>((T*)a->o, (T*)a->branch2, s.B, s.S,
-                                                                                  s.heads, s.d);
-        attention_split_heads_kernel<T><<<ceil_div(head_elems, 256), 256, 0, st>>>((T*)a->q, (T*)a->k, (T*)a->v, qkv,
-                                                                                   s.B, s.S, s.heads, s.groups, s.d);
-        LAUNCH_CHECK(&t->error);
+        split_heads_of<T>(t, (T*)a->o, (T*)a->branch2);
+        split_qkv<T>(t, qkv);
         T* dq = attention_core_backward<T>(t, probs, attn, a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL);
-        attention_merge_head_grads_kernel<T><<<ceil_div((int64_t)s.BT * s.qkv_width, 256), 256, 0, st>>>(
-            (T*)a->branch, dq, (T*)a->dk, (T*)a->dv, s.B, s.S, s.heads, s.groups, s.d);
-        LAUNCH_CHECK(&t->error);
+        merge_qkv_grads<T>(t, (T*)a->branch, dq);
         linear_backward<T>(g, cs, (T*)a->branch2,
                            grad_ptr(t, MT_P_QKV_WEIGHT, l),
                            grad_ptr(t, MT_P_QKV_BIAS, l), (T*)a->branch, ln1,

@@ -8,7 +8,8 @@
 #   dev/bench/speed_vs_torch.sh [models...]          models: 124m 1.5b (default both)
 # Environment: ITERS (30), OUT (/tmp/speed_vs_torch), MAX_MBS=1 to also search the largest
 # micro-batch that fits (doubling; each torch attempt recompiles, so it is slow).
-# Reported: tokens/s, TFLOP/s/GPU (Megatron's formula), MFU (989 TFLOP/s dense bf16 on H100/H200),
+# Reported: tokens/s, TFLOP/s/GPU (Megatron's formula, from train_gpt's log line; the same FLOPs per
+# iteration for torch), MFU (989 TFLOP/s dense bf16 on H100/H200),
 # peak memory (ours: what the device reports in use once everything is allocated; torch: the
 # caching allocator's max reserved, and max allocated), and the ratio ours / torch.
 set -uo pipefail
@@ -27,10 +28,11 @@ ours() { # model-flags mbs log -> "ms gib" or ""
     --vocab-size 50257 --bf16 --micro-batch-size "$mbs" --global-batch-size "$mbs" --train-iters "$ITERS" \
     --log-interval $((ITERS / 2)) --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 \
     --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --eval-iters 0 --sample-tokens 0 >"$log" 2>&1 || return 1
-  local ms gib
+  local ms gib tf
   ms=$(grep "elapsed time per iteration" "$log" | tail -n1 | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
+  tf=$(grep "elapsed time per iteration" "$log" | tail -n1 | sed 's/.*TFLOP\/s\/GPU): \([^ ]*\).*/\1/')
   gib=$(grep "device reports" "$log" | sed 's/.*device reports \([^ ]*\) GiB.*/\1/')
-  echo "$ms $gib"
+  echo "$ms $tf $gib"
 }
 
 table="$OUT/speed_vs_torch.md"
@@ -47,21 +49,21 @@ for model in "${models[@]}"; do
   esac
   shape="--num-layers $L --hidden-size $H --num-attention-heads $N"
   r=$(ours "$shape" "$MBS" "$OUT/ours_$model.log")
-  ms_o=${r%% *}; gib_o=${r##* }
+  read -r ms_o tf_o gib_o <<<"$r"
   python dev/bench/torch_speed.py --num-layers $L --hidden-size $H --num-attention-heads $N --mbs "$MBS" \
     --iters "$ITERS" >"$OUT/torch_$model.log" 2>&1
   res=$(grep '^RESULT ' "$OUT/torch_$model.log" | sed 's/^RESULT //')
   if [ -z "$r" ] || [ -z "$res" ]; then
     echo "| $model | $MBS | FAILED (see $OUT) | | | | | | |" >>"$table"; tail -5 "$OUT/ours_$model.log" "$OUT/torch_$model.log"; continue
   fi
-  python3 - "$model" "$MBS" "$ms_o" "$gib_o" "$res" "$L" "$H" "$N" "$peak" >>"$table" <<'EOF'
+  python3 - "$model" "$MBS" "$ms_o" "$gib_o" "$res" "$tf_o" "$peak" >>"$table" <<'EOF'
 import json, sys
-model, mbs, ms_o, gib_o, res, L, H, N, peak = sys.argv[1:]
+model, mbs, ms_o, gib_o, res, tf_o, peak = sys.argv[1:]
 t = json.loads(res)
-mbs, ms_o, gib_o, L, H, N, peak = int(mbs), float(ms_o), float(gib_o), int(L), int(H), int(N), float(peak)
-S, V, f, d = 1024, 50304, 4 * H, H // N
+mbs, ms_o, gib_o, tf_o, peak = int(mbs), float(ms_o), float(gib_o), float(tf_o), float(peak)
+S = 1024
 tok = mbs * S
-flops = tok * (6.0 * H * f * L + 6.0 * (H * (N * d + 2.0 * N * d) + N * d * H) * L + 6.0 * H * V) + mbs * S * S * 6.0 * N * d * L
+flops = tf_o * 1e12 * ms_o / 1e3  # Megatron's FLOPs per iteration, as train_gpt computes them
 def row(side, ms, mem, ratio):
     tf = flops / (ms / 1e3) / 1e12
     print(f"| {model} | {mbs} | {side} | {ms:.1f} | {tok / (ms / 1e3):,.0f} | {tf:.1f} | {100 * tf / peak:.1f}% | {mem} | {ratio} |")

@@ -3,7 +3,7 @@ dev/bench/ref_train_gpt2.py: GPT-2 layout, tied embeddings, tanh GELU): torch.co
 SDPA flash attention, fused AdamW, gradient clipping, random tokens (like train_gpt --mock-data).
 
 Prints one line `RESULT {json}` with the median ms per iteration (CUDA events, after warm-up),
-tokens/s, Megatron's TFLOP/s (the same formula as train_gpt) and peak memory (max allocated and max
+tokens/s and peak memory (max allocated and max
 reserved by the caching allocator). Exit code 3 on out-of-memory, for the micro-batch search of
 dev/bench/speed_vs_torch.sh.
 
@@ -11,7 +11,6 @@ dev/bench/speed_vs_torch.sh.
 """
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -19,13 +18,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ref_train_gpt2 import GPT  # noqa: E402
-
-
-def megatron_flops(L, h, n, f, V, s, tokens):
-    """Megatron's num_floating_point_operations (training.py) for a GPT without GQA/SwiGLU."""
-    d = h // n
-    return tokens * (6.0 * h * f * L + 6.0 * (h * (n * d + 2.0 * n * d) + n * d * h) * L + 6.0 * h * V) + \
-        (tokens / s) * s * s * 6.0 * n * d * L
 
 
 def main():
@@ -85,9 +77,8 @@ def main():
     times.sort()
     ms = times[len(times) // 2]
     toks = a.accum * a.mbs * S
-    tflops = megatron_flops(L, h, n, f, V, S, toks) / (ms / 1e3) / 1e12
     out = {
-        "ms": round(ms, 2), "tokens_per_s": round(toks / (ms / 1e3)), "tflops": round(tflops, 1),
+        "ms": round(ms, 2), "tokens_per_s": round(toks / (ms / 1e3)),
         "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
         "loss": round(float(loss), 4), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),

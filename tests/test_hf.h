@@ -1,0 +1,982 @@
+/* tests/test_hf.h — prepro/safetensors.h (JSON reader, safetensors reader/writer) and
+ * prepro/hf_gpt2.h (Hugging Face GPT-2 <-> megatron.c parameters and checkpoints).
+ *
+ * Host tests: the JSON reader's strictness; safetensors files written and read back (F32, BF16,
+ * F16, metadata, scalars, empty tensors, sharded through an index); every kind of corrupt file
+ * refused with its message; float <-> bf16/fp16 rounding; the GPT-2 mapping both ways, bitwise,
+ * and against an independent statement of the QKV layout; a GPT-2 forward written the way
+ * transformers computes it (Conv1D weights, [q | k | v] columns) run on exported reference weights
+ * must give dev/ref_gpt.py's logits (dev/data/gpt_vectors/gpt2_tiny.bin); whole directories
+ * through import, checkpoint and export. GPU test: a checkpoint written by the converter loads into
+ * the trainer (same bytes back) and its logits equal the transformers-style forward.
+ *
+ * Files go to /tmp/mt_test_hf_<pid>_*, removed at the end. Run from the repository root. */
+#ifndef MT_TEST_HF_H
+#define MT_TEST_HF_H
+
+#include <stdint.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "test_common.h"
+
+#define MT_SAFETENSORS_IMPLEMENTATION
+#include "../prepro/safetensors.h"
+#define MT_HF_GPT2_IMPLEMENTATION
+#include "../prepro/hf_gpt2.h"
+
+/* ---- helpers ------------------------------------------------------------------------------------ */
+
+static void thf_path(char* buf, size_t cap, const char* name) {
+    snprintf(buf, cap, "/tmp/mt_test_hf_%d_%s", (int)getpid(), name);
+}
+
+/* rm -r of the small trees these tests make */
+static void thf_remove(const char* path) {
+    char cmd[600];
+    if (strncmp(path, "/tmp/mt_test_hf_", 16) != 0) return; /* never anything else */
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", path);
+    if (system(cmd) != 0) { /* nothing more to do */ }
+}
+
+static int thf_write_bytes(const char* path, const void* data, size_t n) {
+    FILE* f = fopen(path, "wb");
+    if (!f) return -1;
+    size_t k = fwrite(data, 1, n, f);
+    return fclose(f) == 0 && k == n ? 0 : -1;
+}
+
+/* A safetensors file from a header text and n data bytes (the header padded with spaces to 8). */
+static int thf_write_raw(const char* path, const char* header, size_t data_bytes) {
+    size_t hn = strlen(header), pad = (8 - (8 + hn) % 8) % 8;
+    size_t total = 8 + hn + pad + data_bytes;
+    unsigned char* b = (unsigned char*)calloc(total, 1);
+    if (!b) return -1;
+    uint64_t n = hn + pad;
+    memcpy(b, &n, 8);
+    memcpy(b + 8, header, hn);
+    memset(b + 8 + hn, ' ', pad);
+    for (size_t i = 0; i < data_bytes; i++) b[8 + hn + pad + i] = (unsigned char)(i * 7);
+    int r = thf_write_bytes(path, b, total);
+    free(b);
+    return r;
+}
+
+/* Opening path must fail with `status` and a message containing `words`. */
+static int thf_rejects(const char* path, mt_status status, const char* words, char* message, size_t cap) {
+    mt_safetensors* st = NULL;
+    mt_error err;
+    err.message[0] = 0;
+    mt_status s = mt_safetensors_open(&st, path, &err);
+    snprintf(message, cap, "status %s, message \"%s\"", mt_status_name(s), err.message);
+    if (st) mt_safetensors_close(st);
+    return s == status && st == NULL && strstr(err.message, words) != NULL;
+}
+
+static uint64_t thf_rng = 88172645463325252ull;
+static float thf_uniform(void) { /* xorshift64, [-1, 1) */
+    thf_rng ^= thf_rng << 13;
+    thf_rng ^= thf_rng >> 7;
+    thf_rng ^= thf_rng << 17;
+    return (float)((double)(thf_rng >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+/* A 2-layer, hidden 64, 4-head GPT-2 with a 100-token vocabulary (padded 128), 16 positions. */
+static mt_config thf_small_config(void) {
+    mt_hf_gpt2_config hf;
+    memset(&hf, 0, sizeof(hf));
+    hf.n_layer = 2;
+    hf.n_embd = 64;
+    hf.n_head = 4;
+    hf.n_inner = 256;
+    hf.n_positions = 16;
+    hf.vocab_size = 100;
+    hf.layer_norm_epsilon = 1e-5;
+    hf.tie_word_embeddings = 1;
+    mt_config c;
+    mt_error err;
+    if (mt_hf_gpt2_to_mt_config(&hf, &c, &err) != MT_OK) printf("    config: %s\n", err.message);
+    return c;
+}
+
+/* Random canonical parameters; the padded vocabulary rows zero (as an import leaves them). */
+static float* thf_random_params(const mt_config* c) {
+    int64_t n = mt_num_parameters(c);
+    float* p = (float*)malloc(sizeof(float) * (size_t)n);
+    if (!p) return NULL;
+    for (int64_t i = 0; i < n; i++) p[i] = thf_uniform();
+    memset(p + c->vocab_size * c->hidden_size, 0, sizeof(float) * (size_t)((c->padded_vocab_size - c->vocab_size) * c->hidden_size));
+    return p;
+}
+
+/* ---- JSON --------------------------------------------------------------------------------------- */
+
+static test_result test_hf_json(void) {
+    mt_json* v = NULL;
+    mt_error err;
+    const char* good =
+        " {\"a\": [1, -2, 3.5e2, true, false, null], \"s\": \"x\\\"\\\\\\/\\b\\f\\n\\r\\t\\u00e9\\ud83d\\ude00\","
+        " \"big\": 9223372036854775807, \"neg\": -9223372036854775808, \"huge\": 18446744073709551616,"
+        " \"o\": {}, \"e\": []} \n";
+    EXPECT_OK(mt_json_parse(&v, good, strlen(good), "good", &err), &err);
+    EXPECT(v->type == MT_JSON_OBJECT && v->count == 7, "root");
+    const mt_json* a = mt_json_get(v, "a");
+    EXPECT(a && a->type == MT_JSON_ARRAY && a->count == 6, "array");
+    EXPECT(a->items[0].is_integer && a->items[0].integer == 1 && a->items[1].integer == -2, "ints");
+    EXPECT(!a->items[2].is_integer && a->items[2].number == 350.0, "float");
+    EXPECT(a->items[3].type == MT_JSON_TRUE && a->items[4].type == MT_JSON_FALSE && a->items[5].type == MT_JSON_NULL, "words");
+    const mt_json* s = mt_json_get(v, "s");
+    EXPECT(s && !strcmp(s->string, "x\"\\/\b\f\n\r\t\xc3\xa9\xf0\x9f\x98\x80"), "escapes: %s", s ? s->string : "");
+    EXPECT(mt_json_get(v, "big")->is_integer && mt_json_get(v, "big")->integer == INT64_MAX, "int64 max exact");
+    EXPECT(mt_json_get(v, "neg")->is_integer && mt_json_get(v, "neg")->integer == INT64_MIN, "int64 min exact");
+    EXPECT(!mt_json_get(v, "huge")->is_integer, "2^64 is not an int64");
+    EXPECT(mt_json_get(v, "o")->count == 0 && mt_json_get(v, "e")->count == 0 && !mt_json_get(v, "zz"), "empties");
+    mt_json_free(v);
+
+    struct { const char* text; const char* words; } bad[] = {
+        {"{\"a\": 1,}", "object key"},
+        {"[1, 2,]", "unexpected character"},
+        {"{\"a\": 01}", "leading zero"},
+        {"{\"a\": 1, \"a\": 2}", "duplicate object key"},
+        {"{\"a\": \"abc", "unterminated string"},
+        {"{\"a\": \"a\x01\"}", "control character"},
+        {"{\"a\": NaN}", "unexpected character"},
+        {"{\"a\": 1} x", "trailing characters"},
+        {"{\"a\" 1}", "':' expected"},
+        {"{\"a\": \"\\ud800\"}", "unpaired surrogate"},
+        {"{\"a\": \"\\q\"}", "bad escape"},
+        {"{\"a\": \"\xff\"}", "invalid UTF-8"},
+        {"{\"a\": 1.}", "digit expected"},
+        {"{\"a\": tru}", "unexpected character"},
+        {"", "unexpected end"},
+        {"// c\n{}", "unexpected character"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        err.message[0] = 0;
+        mt_status st = mt_json_parse(&v, bad[i].text, strlen(bad[i].text), "bad.json", &err);
+        EXPECT(st == MT_ERR_FORMAT && !v && strstr(err.message, bad[i].words) && strstr(err.message, "bad.json: malformed JSON"),
+               "case %zu (%s): %s", i, bad[i].text, err.message);
+    }
+    char deep[200];
+    memset(deep, '[', 100);
+    memset(deep + 100, ']', 100);
+    EXPECT(mt_json_parse(&v, deep, 200, "deep", &err) == MT_ERR_FORMAT && strstr(err.message, "nested too deeply"),
+           "depth: %s", err.message);
+    return TEST_PASS;
+}
+
+/* ---- safetensors -------------------------------------------------------------------------------- */
+
+static test_result test_hf_float_conversions(void) {
+    EXPECT(mt_st_f32_to_bf16(1.0f) == 0x3F80 && mt_st_bf16_to_f32(0x3F80) == 1.0f, "bf16 1");
+    EXPECT(mt_st_f32_to_bf16(-2.5f) == 0xC020, "bf16 -2.5");
+    /* 1 + 2^-8 is halfway between bf16 1 and 1 + 2^-7: ties to even (1); 1 + 3*2^-8 -> 1 + 2^-6 */
+    EXPECT(mt_st_f32_to_bf16(1.00390625f) == 0x3F80 && mt_st_f32_to_bf16(1.01171875f) == 0x3F82, "bf16 ties to even");
+    EXPECT(mt_st_f32_to_bf16(nextafterf(1.00390625f, 2.0f)) == 0x3F81, "bf16 just above the tie rounds up");
+    EXPECT(mt_st_bf16_to_f32(mt_st_f32_to_bf16(NAN)) != mt_st_bf16_to_f32(mt_st_f32_to_bf16(NAN)), "bf16 NaN");
+    EXPECT(mt_st_f32_to_bf16(INFINITY) == 0x7F80 && mt_st_f32_to_bf16(3.4e38f) == 0x7F80, "bf16 overflow to inf");
+    EXPECT(mt_st_f32_to_f16(1.0f) == 0x3C00 && mt_st_f16_to_f32(0x3C00) == 1.0f, "f16 1");
+    EXPECT(mt_st_f32_to_f16(65504.0f) == 0x7BFF && mt_st_f32_to_f16(65520.0f) == 0x7C00 && mt_st_f32_to_f16(65519.0f) == 0x7BFF,
+           "f16 max / overflow");
+    EXPECT(mt_st_f32_to_f16(-0.0f) == 0x8000 && mt_st_f16_to_f32(0x8000) == 0.0f, "f16 -0");
+    EXPECT(mt_st_f32_to_f16(5.9604644775390625e-08f) == 0x0001 && mt_st_f16_to_f32(0x0001) == 5.9604644775390625e-08f,
+           "f16 smallest subnormal");
+    EXPECT(mt_st_f32_to_f16(2.98023223876953125e-08f) == 0x0000, "half the smallest subnormal ties to 0");
+    EXPECT(mt_st_f32_to_f16(6.103515625e-05f) == 0x0400 && mt_st_f16_to_f32(0x03FF) == 6.097555160522461e-05f,
+           "f16 smallest normal, largest subnormal");
+    EXPECT(mt_st_f32_to_f16(1.00048828125f) == 0x3C00 && mt_st_f32_to_f16(1.00146484375f) == 0x3C02, "f16 ties to even");
+    EXPECT(mt_st_f16_to_f32(mt_st_f32_to_f16(NAN)) != mt_st_f16_to_f32(mt_st_f32_to_f16(NAN)), "f16 NaN");
+    /* every f16 value survives f16 -> f32 -> f16 */
+    for (uint32_t h = 0; h < 0x10000; h++) {
+        if ((h & 0x7C00) == 0x7C00 && (h & 0x3FF)) continue; /* NaNs */
+        uint16_t back = mt_st_f32_to_f16(mt_st_f16_to_f32((uint16_t)h));
+        EXPECT(back == h, "f16 %04x -> %g -> %04x", h, mt_st_f16_to_f32((uint16_t)h), back);
+    }
+    return TEST_PASS;
+}
+
+static test_result test_hf_safetensors_roundtrip(void) {
+    char path[256];
+    thf_path(path, sizeof(path), "rt.safetensors");
+    float a[6] = {1.0f, -2.5f, 3.25f, 0.0f, -0.0f, 1e-30f};
+    float b[5] = {1.0f, -2.0f, 0.5f, 1.00390625f, 3.14159265f}; /* the last two round in bf16 */
+    float scalar = 42.0f;
+    float c[3] = {1.0f, 0.000061035156f, -65504.0f};
+    mt_st_write_tensor t[5];
+    memset(t, 0, sizeof(t));
+    t[0].name = "weights.f32"; t[0].dtype = MT_ST_F32; t[0].ndim = 2; t[0].shape[0] = 2; t[0].shape[1] = 3; t[0].data = a;
+    t[1].name = "b \"quoted\" \\ name"; t[1].dtype = MT_ST_BF16; t[1].ndim = 1; t[1].shape[0] = 5; t[1].data = b;
+    t[2].name = "scalar"; t[2].dtype = MT_ST_F32; t[2].ndim = 0; t[2].data = &scalar;
+    t[3].name = "empty"; t[3].dtype = MT_ST_BF16; t[3].ndim = 2; t[3].shape[0] = 0; t[3].shape[1] = 4; t[3].data = NULL;
+    t[4].name = "half"; t[4].dtype = MT_ST_F16; t[4].ndim = 1; t[4].shape[0] = 3; t[4].data = c;
+    const char* const meta[] = {"format", "pt", "note", "a\nb", NULL};
+    mt_error err;
+    EXPECT_OK(mt_safetensors_write(path, t, 5, meta, &err), &err);
+    /* header length: data 8-byte aligned */
+    size_t size = 0;
+    char* raw = test_read_file(path, &size);
+    EXPECT(raw, "cannot read back %s", path);
+    uint64_t n;
+    memcpy(&n, raw, 8);
+    EXPECT((8 + n) % 8 == 0 && raw[8] == '{' && size == 8 + n + 24 + 10 + 4 + 0 + 6, "header %llu, size %zu",
+           (unsigned long long)n, size);
+    free(raw);
+    char tmpname[300];
+    snprintf(tmpname, sizeof(tmpname), "%s.tmp.%d", path, (int)getpid());
+    EXPECT(access(tmpname, F_OK) != 0, "temporary file left behind");
+
+    mt_safetensors* st = NULL;
+    EXPECT_OK(mt_safetensors_open(&st, path, &err), &err);
+    EXPECT(mt_safetensors_count(st) == 5, "count %d", mt_safetensors_count(st));
+    EXPECT(!strcmp(mt_safetensors_metadata(st, "format"), "pt") && !strcmp(mt_safetensors_metadata(st, "note"), "a\nb") &&
+               !mt_safetensors_metadata(st, "x"), "metadata");
+    const mt_st_tensor* ta = mt_safetensors_find(st, "weights.f32");
+    const mt_st_tensor* tb = mt_safetensors_find(st, "b \"quoted\" \\ name");
+    const mt_st_tensor* ts = mt_safetensors_find(st, "scalar");
+    const mt_st_tensor* te = mt_safetensors_find(st, "empty");
+    const mt_st_tensor* th = mt_safetensors_find(st, "half");
+    EXPECT(ta && tb && ts && te && th && !mt_safetensors_find(st, "nope"), "find");
+    EXPECT(ta->dtype == MT_ST_F32 && ta->ndim == 2 && ta->shape[0] == 2 && ta->shape[1] == 3 && ta->numel == 6, "f32 entry");
+    EXPECT(tb->dtype == MT_ST_BF16 && tb->ndim == 1 && tb->numel == 5, "bf16 entry");
+    EXPECT(ts->ndim == 0 && ts->numel == 1 && te->numel == 0 && th->dtype == MT_ST_F16, "scalar, empty, f16");
+    float out[8];
+    EXPECT_OK(mt_safetensors_read_f32(st, ta, out, &err), &err);
+    EXPECT(!memcmp(out, a, sizeof(a)), "f32 bitwise");
+    EXPECT_OK(mt_safetensors_read_f32(st, tb, out, &err), &err);
+    for (int i = 0; i < 5; i++)
+        EXPECT(out[i] == mt_st_bf16_to_f32(mt_st_f32_to_bf16(b[i])), "bf16 %d: %g", i, out[i]);
+    EXPECT(out[0] == 1.0f && out[1] == -2.0f && out[2] == 0.5f && out[3] == 1.0f && out[4] == 3.140625f, "bf16 values");
+    EXPECT_OK(mt_safetensors_read_f32(st, ts, out, &err), &err);
+    EXPECT(out[0] == 42.0f, "scalar");
+    EXPECT_OK(mt_safetensors_read_f32(st, th, out, &err), &err);
+    EXPECT(out[0] == 1.0f && out[2] == -65504.0f && fabsf(out[1] - 0.000061035156f) < 1e-9f, "f16 values");
+    mt_safetensors_close(st);
+
+    /* the writer refuses what it cannot store, and leaves nothing */
+    char bad_path[256];
+    thf_path(bad_path, sizeof(bad_path), "bad.safetensors");
+    t[0].dtype = MT_ST_I64;
+    EXPECT(mt_safetensors_write(bad_path, t, 1, NULL, &err) == MT_ERR_ARG && strstr(err.message, "I64"), "I64: %s", err.message);
+    t[0].dtype = MT_ST_F32;
+    t[1].name = t[0].name;
+    EXPECT(mt_safetensors_write(bad_path, t, 2, NULL, &err) == MT_ERR_ARG && strstr(err.message, "twice"), "dup: %s", err.message);
+    EXPECT(access(bad_path, F_OK) != 0, "refused file exists");
+    char nodir[300];
+    snprintf(nodir, sizeof(nodir), "/nonexistent_dir_%d/x.safetensors", (int)getpid());
+    EXPECT(mt_safetensors_write(nodir, t, 1, NULL, &err) == MT_ERR_IO && strstr(err.message, "cannot create"), "io: %s", err.message);
+    thf_remove(path);
+    return TEST_PASS;
+}
+
+static test_result test_hf_safetensors_rejects(void) {
+    char path[256], msg[700];
+    thf_path(path, sizeof(path), "corrupt.safetensors");
+    /* a good file to start from: two F32 tensors of 4 and 2 elements */
+    const char* good = "{\"__metadata__\":{\"format\":\"pt\"},\"a\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[0,16]},"
+                       "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[16,24]}}";
+    EXPECT(thf_write_raw(path, good, 24) == 0, "write");
+    mt_safetensors* st = NULL;
+    mt_error err;
+    EXPECT_OK(mt_safetensors_open(&st, path, &err), &err);
+    mt_safetensors_close(st);
+
+    /* truncated: the data region is shorter than the largest end */
+    size_t size = 0;
+    char* raw = test_read_file(path, &size);
+    EXPECT(raw, "read");
+    EXPECT(truncate(path, (off_t)(size - 3)) == 0, "truncate");
+    EXPECT(thf_rejects(path, MT_ERR_FORMAT, "truncated: tensor \"b\" ends at byte 24 of the data region, which holds only 21",
+                       msg, sizeof(msg)), "%s", msg);
+    EXPECT(strstr(msg, path) != NULL, "message names the file: %s", msg);
+    /* truncated inside the header */
+    EXPECT(truncate(path, 40) == 0, "truncate");
+    EXPECT(thf_rejects(path, MT_ERR_FORMAT, "is larger than the file", msg, sizeof(msg)), "%s", msg);
+    /* shorter than the length field; empty */
+    EXPECT(truncate(path, 5) == 0 && thf_rejects(path, MT_ERR_FORMAT, "truncated: 5 bytes", msg, sizeof(msg)), "%s", msg);
+    EXPECT(truncate(path, 0) == 0 && thf_rejects(path, MT_ERR_FORMAT, "truncated: 0 bytes", msg, sizeof(msg)), "%s", msg);
+    /* bad header length */
+    uint64_t huge = (uint64_t)1 << 40;
+    memcpy(raw, &huge, 8);
+    EXPECT(thf_write_bytes(path, raw, size) == 0, "write");
+    EXPECT(thf_rejects(path, MT_ERR_FORMAT, "header length 1099511627776 is larger than the file", msg, sizeof(msg)), "%s", msg);
+    free(raw);
+    /* trailing bytes after the last tensor */
+    EXPECT(thf_write_raw(path, good, 30) == 0, "write");
+    EXPECT(thf_rejects(path, MT_ERR_FORMAT, "6 bytes after the last tensor", msg, sizeof(msg)), "%s", msg);
+
+    struct { const char* header; const char* words; } cases[] = {
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[0,16]},}", "malformed JSON"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[0,16]}", "malformed JSON"},
+        {"[1, 2]", "does not start with '{'"},
+        {"{\"a\":{\"dtype\":\"F33\",\"shape\":[2,2],\"data_offsets\":[0,16]}}", "tensor \"a\": unknown dtype \"F33\""},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[16,0]}}", "end before begin"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[0,12]}}", "span 12 bytes but shape [2, 2] of F32 needs 16"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[0,16]},\"b\":{\"dtype\":\"F32\",\"shape\":[2],"
+         "\"data_offsets\":[12,20]}}", "tensors \"a\" [0, 16) and \"b\" [12, 20) overlap"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[0,16]},\"b\":{\"dtype\":\"F32\",\"shape\":[2],"
+         "\"data_offsets\":[0,8]}}", "overlap"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[4,20]},\"b\":{\"dtype\":\"F32\",\"shape\":[1],"
+         "\"data_offsets\":[20,24]}}", "bytes [0, 4) of the data region belong to no tensor"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[0,16]},\"b\":{\"dtype\":\"F32\",\"shape\":[3],"
+         "\"data_offsets\":[16,28]}}", "truncated: tensor \"b\" ends at byte 28"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,-2],\"data_offsets\":[0,16]}}", "shape entry 1 is not a non-negative integer"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,2.0],\"data_offsets\":[0,16]}}", "shape entry 1"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[0]}}", "data_offsets is not [begin, end]"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,2]}}", "expected exactly the keys"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[0,16],\"x\":1}}", "expected exactly the keys"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,4294967296],\"data_offsets\":[0,16]}}", "impossibly large"},
+        {"{\"__metadata__\":{\"format\":1},\"a\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[0,16]}}",
+         "__metadata__ value of \"format\" is not a string"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[0,16]},\"a\":{\"dtype\":\"F32\",\"shape\":[2],"
+         "\"data_offsets\":[16,24]}}", "duplicate object key"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        EXPECT(thf_write_raw(path, cases[i].header, 24) == 0, "write");
+        EXPECT(thf_rejects(path, MT_ERR_FORMAT, cases[i].words, msg, sizeof(msg)), "case %zu: %s", i, msg);
+    }
+    /* a tensor of another dtype opens, but does not convert to float32 */
+    EXPECT(thf_write_raw(path, "{\"i\":{\"dtype\":\"I64\",\"shape\":[3],\"data_offsets\":[0,24]}}", 24) == 0, "write");
+    EXPECT_OK(mt_safetensors_open(&st, path, &err), &err);
+    float out[3];
+    mt_status s = mt_safetensors_read_f32(st, mt_safetensors_find(st, "i"), out, &err);
+    mt_safetensors_close(st);
+    EXPECT(s == MT_ERR_FORMAT && strstr(err.message, "has dtype I64"), "I64 read: %s", err.message);
+    /* a missing file */
+    thf_remove(path);
+    EXPECT(thf_rejects(path, MT_ERR_IO, "cannot open", msg, sizeof(msg)), "%s", msg);
+    return TEST_PASS;
+}
+
+static test_result test_hf_safetensors_sharded(void) {
+    char dir[256], p1[300], p2[300], index[300], msg[700];
+    thf_path(dir, sizeof(dir), "shards");
+    thf_remove(dir);
+    EXPECT(mkdir(dir, 0755) == 0, "mkdir %s", dir);
+    snprintf(p1, sizeof(p1), "%s/model-00001-of-00002.safetensors", dir);
+    snprintf(p2, sizeof(p2), "%s/model-00002-of-00002.safetensors", dir);
+    snprintf(index, sizeof(index), "%s/model.safetensors.index.json", dir);
+    float x[4] = {1, 2, 3, 4}, y[2] = {5, 6};
+    mt_st_write_tensor t[2];
+    memset(t, 0, sizeof(t));
+    t[0].name = "x"; t[0].dtype = MT_ST_F32; t[0].ndim = 1; t[0].shape[0] = 4; t[0].data = x;
+    t[1].name = "y"; t[1].dtype = MT_ST_BF16; t[1].ndim = 1; t[1].shape[0] = 2; t[1].data = y;
+    mt_error err;
+    EXPECT_OK(mt_safetensors_write(p1, &t[0], 1, NULL, &err), &err);
+    EXPECT_OK(mt_safetensors_write(p2, &t[1], 1, NULL, &err), &err);
+    const char* good = "{\"metadata\": {\"total_size\": 20}, \"weight_map\": {\"x\": \"model-00001-of-00002.safetensors\", "
+                       "\"y\": \"model-00002-of-00002.safetensors\"}}";
+    EXPECT(thf_write_bytes(index, good, strlen(good)) == 0, "write index");
+    mt_safetensors* st = NULL;
+    EXPECT_OK(mt_safetensors_open(&st, index, &err), &err);
+    EXPECT(mt_safetensors_count(st) == 2, "count");
+    float out[4];
+    EXPECT_OK(mt_safetensors_read_f32(st, mt_safetensors_find(st, "x"), out, &err), &err);
+    EXPECT(out[0] == 1 && out[3] == 4, "x");
+    EXPECT_OK(mt_safetensors_read_f32(st, mt_safetensors_find(st, "y"), out, &err), &err);
+    EXPECT(out[0] == 5 && out[1] == 6, "y");
+    EXPECT(strstr(mt_safetensors_file_path(st, mt_safetensors_find(st, "y")), "00002") != NULL, "file path");
+    mt_safetensors_close(st);
+
+    struct { const char* text; mt_status status; const char* words; } bad[] = {
+        {"{\"weight_map\": {\"x\": \"model-00001-of-00002.safetensors\", \"z\": \"model-00002-of-00002.safetensors\"}}",
+         MT_ERR_FORMAT, "tensor \"z\" is mapped to model-00002-of-00002.safetensors, which does not hold it"},
+        {"{\"weight_map\": {\"x\": \"model-00002-of-00002.safetensors\", \"y\": \"model-00001-of-00002.safetensors\"}}",
+         MT_ERR_FORMAT, "is mapped to model-00002-of-00002.safetensors but found in"},
+        {"{\"weight_map\": {\"x\": \"model-00003-of-00002.safetensors\"}}", MT_ERR_IO, "cannot open"},
+        {"{\"weight_map\": {\"x\": \"../x.safetensors\"}}", MT_ERR_FORMAT, "outside the checkpoint's directory"},
+        {"{\"weight_map\": {}}", MT_ERR_FORMAT, "the weight_map is empty"},
+        {"{\"weights\": {}}", MT_ERR_FORMAT, "no \"weight_map\" object"},
+        {"{\"weight_map\": {\"x\": 1}}", MT_ERR_FORMAT, "is not a file name"},
+        {"{\"weight_map\": ", MT_ERR_FORMAT, "malformed JSON"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        EXPECT(thf_write_bytes(index, bad[i].text, strlen(bad[i].text)) == 0, "write index");
+        EXPECT(thf_rejects(index, bad[i].status, bad[i].words, msg, sizeof(msg)), "case %zu: %s", i, msg);
+    }
+    /* the same tensor in two shards */
+    t[1].name = "x";
+    EXPECT_OK(mt_safetensors_write(p2, &t[1], 1, NULL, &err), &err);
+    EXPECT(thf_write_bytes(index, good, strlen(good)) == 0, "write index");
+    EXPECT(thf_rejects(index, MT_ERR_FORMAT, "tensor \"x\" is in two shards", msg, sizeof(msg)), "%s", msg);
+    thf_remove(dir);
+    return TEST_PASS;
+}
+
+/* ---- the GPT-2 mapping -------------------------------------------------------------------------- */
+
+/* Canonical -> every HF tensor -> canonical is the identity, bitwise; and HF -> canonical -> HF too. */
+static test_result test_hf_gpt2_mapping_roundtrip(void) {
+    mt_config c = thf_small_config();
+    int64_t V = c.vocab_size, n = mt_num_parameters(&c);
+    mt_error err;
+    EXPECT(c.padded_vocab_size == 128 && c.kv_channels == 16 && c.ffn_hidden_size == 256, "config");
+    EXPECT_OK(mt_hf_gpt2_check_shape(&c, V, &err), &err);
+    EXPECT(mt_hf_gpt2_num_tensors(&c) == 28, "tensor count %d", mt_hf_gpt2_num_tensors(&c));
+    float* p = thf_random_params(&c);
+    float* q = (float*)calloc((size_t)n, sizeof(float));
+    float* hf = (float*)malloc(sizeof(float) * (size_t)n);
+    float* hf2 = (float*)malloc(sizeof(float) * (size_t)n);
+    EXPECT(p && q && hf && hf2, "alloc");
+    for (int64_t i = 0; i < n; i++) q[i] = 12345.0f; /* every element must be overwritten */
+    int64_t total = 0;
+    for (int i = 0; i < mt_hf_gpt2_num_tensors(&c); i++) {
+        mt_hf_tensor t;
+        mt_hf_gpt2_tensor(&c, V, i, &t);
+        mt_hf_gpt2_export_tensor(&c, V, &t, p, hf + total);
+        mt_hf_gpt2_import_tensor(&c, V, &t, hf + total, q);
+        total += t.numel;
+    }
+    EXPECT(total == n - (c.padded_vocab_size - V) * c.hidden_size, "HF holds every parameter but the padding: %lld", (long long)total);
+    EXPECT(!memcmp(p, q, sizeof(float) * (size_t)n), "canonical -> HF -> canonical is not bitwise the identity");
+    total = 0;
+    for (int i = 0; i < mt_hf_gpt2_num_tensors(&c); i++) {
+        mt_hf_tensor t;
+        mt_hf_gpt2_tensor(&c, V, i, &t);
+        mt_hf_gpt2_export_tensor(&c, V, &t, q, hf2 + total);
+        total += t.numel;
+    }
+    EXPECT(!memcmp(hf, hf2, sizeof(float) * (size_t)total), "HF -> canonical -> HF is not bitwise the identity");
+
+    /* names and shapes as transformers' GPT2LMHeadModel has them */
+    mt_hf_tensor t;
+    mt_hf_gpt2_tensor(&c, V, 0, &t);
+    EXPECT(!strcmp(t.name, "transformer.wte.weight") && t.shape[0] == 100 && t.shape[1] == 64, "wte");
+    mt_hf_gpt2_tensor(&c, V, 1, &t);
+    EXPECT(!strcmp(t.name, "transformer.wpe.weight") && t.shape[0] == 16 && t.shape[1] == 64, "wpe");
+    mt_hf_gpt2_tensor(&c, V, 2 + 12 + 2, &t);
+    EXPECT(!strcmp(t.name, "transformer.h.1.attn.c_attn.weight") && t.kind == MT_P_QKV_WEIGHT && t.layer == 1 &&
+               t.shape[0] == 64 && t.shape[1] == 192, "c_attn: %s", t.name);
+    mt_hf_gpt2_tensor(&c, V, 2 + 10, &t);
+    EXPECT(!strcmp(t.name, "transformer.h.0.mlp.c_proj.weight") && t.shape[0] == 256 && t.shape[1] == 64, "mlp.c_proj");
+    mt_hf_gpt2_tensor(&c, V, 27, &t);
+    EXPECT(!strcmp(t.name, "transformer.ln_f.bias") && t.ndim == 1, "ln_f");
+
+    /* the layout, stated independently: our row for (head j, part q/k/v, channel x) is
+     * j*3d + part*d + x (dev/ref_gpt.py); transformers' column is part*h + j*d + x; Conv1D [in, out] */
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(&c, info);
+    int64_t h = c.hidden_size, d = c.kv_channels, f = c.ffn_hidden_size, R = 3 * h;
+    for (int layer = 0; layer < 2; layer++) {
+        float out[64 * 256];
+        mt_hf_gpt2_tensor(&c, V, 2 + 12 * layer + 2, &t);
+        mt_hf_gpt2_export_tensor(&c, V, &t, p, out);
+        const float* w = p + info[MT_P_QKV_WEIGHT].offset + layer * R * h;
+        for (int j = 0; j < c.num_attention_heads; j++)
+            for (int part = 0; part < 3; part++)
+                for (int x = 0; x < d; x++)
+                    for (int i = 0; i < h; i++)
+                        EXPECT(out[i * R + part * h + j * d + x] == w[(j * 3 * d + part * d + x) * h + i],
+                               "c_attn layer %d head %d part %d channel %d input %d", layer, j, part, x, i);
+        mt_hf_gpt2_tensor(&c, V, 2 + 12 * layer + 3, &t);
+        mt_hf_gpt2_export_tensor(&c, V, &t, p, out);
+        const float* bias = p + info[MT_P_QKV_BIAS].offset + layer * R;
+        for (int j = 0; j < c.num_attention_heads; j++)
+            for (int part = 0; part < 3; part++)
+                for (int x = 0; x < d; x++)
+                    EXPECT(out[part * h + j * d + x] == bias[j * 3 * d + part * d + x], "c_attn bias");
+        mt_hf_gpt2_tensor(&c, V, 2 + 12 * layer + 8, &t); /* mlp.c_fc [h, f] = fc1 [f, h]^T */
+        mt_hf_gpt2_export_tensor(&c, V, &t, p, out);
+        const float* fc1 = p + info[MT_P_FC1_WEIGHT].offset + layer * f * h;
+        for (int o = 0; o < f; o++)
+            for (int i = 0; i < h; i++) EXPECT(out[i * f + o] == fc1[o * h + i], "c_fc");
+    }
+    /* import zeroes the padded vocabulary rows */
+    for (int64_t i = 0; i < n; i++) q[i] = 7.0f;
+    mt_hf_gpt2_tensor(&c, V, 0, &t);
+    mt_hf_gpt2_import_tensor(&c, V, &t, hf, q);
+    for (int64_t i = V * h; i < c.padded_vocab_size * h; i++) EXPECT(q[i] == 0.0f, "padding row element %lld", (long long)i);
+    free(p);
+    free(q);
+    free(hf);
+    free(hf2);
+    return TEST_PASS;
+}
+
+/* GPT-2's forward as transformers computes it, in double: HF tensors in mt_hf_gpt2_tensor order
+ * (hf_data[i] points at tensor i), Conv1D y = x W + b with W [in, out], c_attn's output split
+ * [q | k | v], heads of d channels each. logits [T, V]. */
+static void thf_hf_forward(const mt_config* c, int64_t V, float* const* w, const int32_t* tokens, int T, double* logits) {
+    int h = c->hidden_size, f = c->ffn_hidden_size, heads = c->num_attention_heads, d = h / heads;
+    double eps = c->norm_epsilon;
+    double* x = (double*)calloc((size_t)T * h, sizeof(double));
+    double* a = (double*)calloc((size_t)T * h, sizeof(double));
+    double* qkv = (double*)calloc((size_t)T * 3 * h, sizeof(double));
+    double* o = (double*)calloc((size_t)T * h, sizeof(double));
+    double* z = (double*)calloc((size_t)T * f, sizeof(double));
+    double* s = (double*)calloc((size_t)T, sizeof(double));
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < h; i++) x[t * h + i] = (double)w[0][(int64_t)tokens[t] * h + i] + (double)w[1][t * h + i];
+#define THF_LN(src, gain, shift, dst)                                                  \
+    for (int t = 0; t < T; t++) {                                                      \
+        double mu = 0, var = 0;                                                        \
+        for (int i = 0; i < h; i++) mu += src[t * h + i];                              \
+        mu /= h;                                                                       \
+        for (int i = 0; i < h; i++) var += (src[t * h + i] - mu) * (src[t * h + i] - mu); \
+        var /= h;                                                                      \
+        for (int i = 0; i < h; i++)                                                    \
+            dst[t * h + i] = (src[t * h + i] - mu) / sqrt(var + eps) * gain[i] + shift[i]; \
+    }
+    for (int l = 0; l < c->num_layers; l++) {
+        float* const* lw = w + 2 + 12 * l;
+        THF_LN(x, lw[0], lw[1], a)
+        for (int t = 0; t < T; t++)
+            for (int k = 0; k < 3 * h; k++) {
+                double acc = lw[3][k];
+                for (int i = 0; i < h; i++) acc += a[t * h + i] * lw[2][(int64_t)i * 3 * h + k];
+                qkv[t * 3 * h + k] = acc;
+            }
+        for (int j = 0; j < heads; j++)
+            for (int t = 0; t < T; t++) {
+                double mx = -1e300, sum = 0;
+                for (int u = 0; u <= t; u++) {
+                    double dot = 0;
+                    for (int e = 0; e < d; e++) dot += qkv[t * 3 * h + j * d + e] * qkv[u * 3 * h + h + j * d + e];
+                    s[u] = dot / sqrt((double)d);
+                    if (s[u] > mx) mx = s[u];
+                }
+                for (int u = 0; u <= t; u++) sum += s[u] = exp(s[u] - mx);
+                for (int e = 0; e < d; e++) {
+                    double acc = 0;
+                    for (int u = 0; u <= t; u++) acc += s[u] / sum * qkv[u * 3 * h + 2 * h + j * d + e];
+                    o[t * h + j * d + e] = acc;
+                }
+            }
+        for (int t = 0; t < T; t++)
+            for (int k = 0; k < h; k++) {
+                double acc = lw[5][k];
+                for (int i = 0; i < h; i++) acc += o[t * h + i] * lw[4][(int64_t)i * h + k];
+                x[t * h + k] += acc;
+            }
+        THF_LN(x, lw[6], lw[7], a)
+        for (int t = 0; t < T; t++)
+            for (int k = 0; k < f; k++) {
+                double acc = lw[9][k];
+                for (int i = 0; i < h; i++) acc += a[t * h + i] * lw[8][(int64_t)i * f + k];
+                z[t * f + k] = 0.5 * acc * (1.0 + tanh(sqrt(2.0 / 3.14159265358979323846) * (acc + 0.044715 * acc * acc * acc)));
+            }
+        for (int t = 0; t < T; t++)
+            for (int k = 0; k < h; k++) {
+                double acc = lw[11][k];
+                for (int i = 0; i < f; i++) acc += z[t * f + i] * lw[10][(int64_t)i * h + k];
+                x[t * h + k] += acc;
+            }
+    }
+    float* const* fw = w + 2 + 12 * c->num_layers;
+    THF_LN(x, fw[0], fw[1], a)
+#undef THF_LN
+    for (int t = 0; t < T; t++)
+        for (int64_t v = 0; v < V; v++) {
+            double acc = 0;
+            for (int i = 0; i < h; i++) acc += a[t * h + i] * w[0][v * h + i]; /* lm_head tied to wte */
+            logits[t * V + v] = acc;
+        }
+    free(x); free(a); free(qkv); free(o); free(z); free(s);
+}
+
+/* All HF tensors of canonical params, one malloc; ptrs[i] -> tensor i. */
+static float* thf_export_all(const mt_config* c, int64_t V, const float* params, float** ptrs) {
+    int64_t total = 0;
+    for (int i = 0; i < mt_hf_gpt2_num_tensors(c); i++) {
+        mt_hf_tensor t;
+        mt_hf_gpt2_tensor(c, V, i, &t);
+        total += t.numel;
+    }
+    float* data = (float*)malloc(sizeof(float) * (size_t)total);
+    if (!data) return NULL;
+    total = 0;
+    for (int i = 0; i < mt_hf_gpt2_num_tensors(c); i++) {
+        mt_hf_tensor t;
+        mt_hf_gpt2_tensor(c, V, i, &t);
+        mt_hf_gpt2_export_tensor(c, V, &t, params, data + total);
+        ptrs[i] = data + total;
+        total += t.numel;
+    }
+    return data;
+}
+
+/* dev/ref_gpt.py's logits for gpt2_tiny (computed in its own layout) from the exported weights
+ * through the transformers-style forward: the mapping computes the same function. */
+static test_result test_hf_gpt2_matches_reference_logits(void) {
+    const char* path = "dev/data/gpt_vectors/gpt2_tiny.bin";
+    size_t size = 0;
+    char* blob = test_read_file(path, &size);
+    if (!blob) SKIP("%s not found (run from the repository root)", path);
+    int32_t hd[256];
+    EXPECT(size > 1280, "%s too small", path);
+    memcpy(hd, blob, sizeof(hd));
+    EXPECT(hd[0] == 20261121 && hd[2] == 0 && hd[14] == hd[5], "%s: not a GPT-2 vector file", path);
+    mt_config c;
+    mt_config_defaults(&c);
+    c.num_layers = hd[3];
+    c.hidden_size = hd[4];
+    c.num_attention_heads = hd[5];
+    c.ffn_hidden_size = hd[6];
+    c.vocab_size = hd[7];
+    c.max_position_embeddings = hd[8];
+    c.seq_length = hd[9];
+    c.train_iters = 1;
+    float hyper[64];
+    memcpy(hyper, blob + 1024, sizeof(hyper));
+    c.norm_epsilon = hyper[9];
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    int64_t n = hd[13], Vp = c.padded_vocab_size;
+    int T = hd[9], G = hd[10], S = hd[12];
+    EXPECT(n == mt_num_parameters(&c) && Vp == hd[7], "parameter count / vocabulary");
+    const float* params = (const float*)(blob + 1280);
+    const int32_t* tokens = (const int32_t*)(blob + 1280 + 4 * n);
+    const float* ref = (const float*)(blob + 1280 + 4 * n + 4 * (size_t)S * G * (T + 1));
+    float* ptrs[64];
+    EXPECT(mt_hf_gpt2_num_tensors(&c) <= 64, "too many layers for this test");
+    float* data = thf_export_all(&c, Vp, params, ptrs); /* V = Vp: every row compared */
+    double* logits = (double*)malloc(sizeof(double) * (size_t)T * Vp);
+    EXPECT(data && logits, "alloc");
+    double num = 0, den = 0;
+    for (int g = 0; g < G; g++) {
+        thf_hf_forward(&c, Vp, ptrs, tokens + (int64_t)g * (T + 1), T, logits);
+        for (int64_t i = 0; i < (int64_t)T * Vp; i++) {
+            double r = ref[(int64_t)g * T * Vp + i];
+            num += (logits[i] - r) * (logits[i] - r);
+            den += r * r;
+        }
+    }
+    free(data);
+    free(logits);
+    free(blob);
+    double rel = sqrt(num / den);
+    EXPECT(rel < 1e-6, "transformers-style forward of the exported weights vs ref_gpt.py logits: rel err %.3g", rel);
+    return TEST_PASS;
+}
+
+/* ---- directories: config.json + model.safetensors <-> checkpoint ------------------------------ */
+
+static int thf_write_text(const char* dir, const char* name, const char* text) {
+    char path[600];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    return thf_write_bytes(path, text, strlen(text));
+}
+
+static test_result test_hf_gpt2_directories(void) {
+    char root[256], hf_dir[300], ck_dir[300], out_dir[300], bf_dir[300], path[400];
+    thf_path(root, sizeof(root), "dirs");
+    thf_remove(root);
+    snprintf(hf_dir, sizeof(hf_dir), "%s/hf", root);
+    snprintf(ck_dir, sizeof(ck_dir), "%s/ckpt", root);
+    snprintf(out_dir, sizeof(out_dir), "%s/out", root);
+    snprintf(bf_dir, sizeof(bf_dir), "%s/bf16", root);
+    mt_config c = thf_small_config();
+    c.norm_epsilon = 1e-6;
+    int64_t n = mt_num_parameters(&c);
+    float* p = thf_random_params(&c);
+    mt_error err;
+    EXPECT(p, "alloc");
+    /* save as transformers would: config.json + model.safetensors */
+    EXPECT_OK(mt_hf_gpt2_save(hf_dir, &c, p, c.vocab_size, MT_ST_F32, &err), &err);
+    snprintf(path, sizeof(path), "%s/config.json", hf_dir);
+    mt_json* cj = NULL;
+    EXPECT_OK(mt_json_parse_file(&cj, path, &err), &err);
+    const char* want_str[][2] = {{"model_type", "gpt2"}, {"activation_function", "gelu_new"}, {"torch_dtype", "float32"}};
+    for (int i = 0; i < 3; i++) {
+        const mt_json* v = mt_json_get(cj, want_str[i][0]);
+        EXPECT(v && v->type == MT_JSON_STRING && !strcmp(v->string, want_str[i][1]), "config.json %s", want_str[i][0]);
+    }
+    const char* want_int[] = {"n_layer", "n_embd", "n_head", "n_inner", "n_positions", "n_ctx", "vocab_size", "bos_token_id",
+                              "eos_token_id"};
+    int64_t want_val[] = {2, 64, 4, 256, 16, 16, 100, 99, 99};
+    for (int i = 0; i < 9; i++) {
+        const mt_json* v = mt_json_get(cj, want_int[i]);
+        EXPECT(v && v->is_integer && v->integer == want_val[i], "config.json %s", want_int[i]);
+    }
+    const mt_json* arch = mt_json_get(cj, "architectures");
+    EXPECT(arch && arch->count == 1 && !strcmp(arch->items[0].string, "GPT2LMHeadModel"), "architectures");
+    EXPECT(mt_json_get(cj, "tie_word_embeddings")->type == MT_JSON_TRUE, "tied");
+    EXPECT(mt_json_get(cj, "layer_norm_epsilon")->number == 1e-6, "epsilon");
+    mt_json_free(cj);
+
+    /* load it back: the same config and bitwise the same parameters */
+    mt_config c2;
+    float* q = NULL;
+    mt_hf_gpt2_config hf;
+    EXPECT_OK(mt_hf_gpt2_load(hf_dir, &c2, &q, &hf, &err), &err);
+    EXPECT(c2.num_layers == 2 && c2.hidden_size == 64 && c2.num_attention_heads == 4 && c2.ffn_hidden_size == 256 &&
+               c2.seq_length == 16 && c2.max_position_embeddings == 16 && c2.vocab_size == 100 &&
+               c2.padded_vocab_size == 128 && c2.norm_epsilon == 1e-6 && c2.num_query_groups == 4 && c2.kv_channels == 16,
+           "config from config.json");
+    EXPECT(!memcmp(p, q, sizeof(float) * (size_t)n), "load(save(p)) != p");
+    free(q);
+
+    /* through our checkpoint format and back */
+    EXPECT_OK(mt_hf_checkpoint_write(ck_dir, &c2, p, 0, &err), &err);
+    snprintf(path, sizeof(path), "%s/latest_checkpointed_iteration.txt", ck_dir);
+    char* tracker = test_read_file(path, NULL);
+    EXPECT(tracker && !strcmp(tracker, "0"), "tracker");
+    free(tracker);
+    snprintf(path, sizeof(path), "%s/iter_0000000/mp_rank_00/model_optim_rng.bin", ck_dir);
+    size_t size = 0;
+    char* raw = test_read_file(path, &size);
+    EXPECT(raw && size == 512 + 12 * (size_t)n, "checkpoint size %zu", size);
+    int64_t hw[64];
+    memcpy(hw, raw, sizeof(hw));
+    double scale;
+    memcpy(&scale, &hw[19], 8);
+    int64_t want_h[23] = {0x4b43544d, 1, 2, 64, 4, 4, 16, 256, 128, 16, n, 1, 0, 0, 0, 0, 1234, 0, 2, hw[19], 1, 1, 0};
+    for (int i = 0; i < 23; i++) EXPECT(hw[i] == want_h[i], "header word %d: %lld", i, (long long)hw[i]);
+    for (int i = 23; i < 64; i++) EXPECT(hw[i] == 0, "header word %d", i);
+    EXPECT(scale == 1.0, "loss scale");
+    EXPECT(!memcmp(raw + 512, p, 4 * (size_t)n), "master weights");
+    for (size_t i = 512 + 4 * (size_t)n; i < size; i++) EXPECT(raw[i] == 0, "Adam moments not zero");
+    free(raw);
+    /* it refuses to overwrite */
+    err.message[0] = 0;
+    EXPECT(mt_hf_checkpoint_write(ck_dir, &c2, p, 0, &err) == MT_ERR_IO && strstr(err.message, "already holds a checkpoint"),
+           "overwrite: %s", err.message);
+
+    mt_config c3;
+    int64_t header[64];
+    EXPECT_OK(mt_hf_checkpoint_read(ck_dir, -1, &c3, &q, header, &err), &err);
+    EXPECT(c3.num_layers == 2 && c3.hidden_size == 64 && c3.padded_vocab_size == 128 && c3.max_position_embeddings == 16 &&
+               header[12] == 0, "config from the checkpoint");
+    EXPECT(!memcmp(p, q, sizeof(float) * (size_t)n), "checkpoint read != written");
+    EXPECT_OK(mt_hf_gpt2_save(out_dir, &c3, q, 100, MT_ST_F32, &err), &err);
+    free(q);
+    /* the exported model.safetensors is byte-identical to the first one */
+    char a_path[400], b_path[400];
+    snprintf(a_path, sizeof(a_path), "%s/model.safetensors", hf_dir);
+    snprintf(b_path, sizeof(b_path), "%s/model.safetensors", out_dir);
+    size_t na = 0, nb = 0;
+    char* a = test_read_file(a_path, &na);
+    char* b = test_read_file(b_path, &nb);
+    EXPECT(a && b && na == nb && !memcmp(a, b, na), "exported model.safetensors differs");
+    free(a);
+    free(b);
+
+    /* bfloat16 export: loads as the bf16-rounded parameters */
+    EXPECT_OK(mt_hf_gpt2_save(bf_dir, &c3, p, 100, MT_ST_BF16, &err), &err);
+    EXPECT_OK(mt_hf_gpt2_load(bf_dir, &c2, &q, NULL, &err), &err);
+    for (int64_t i = 0; i < n; i++) EXPECT(q[i] == mt_st_bf16_to_f32(mt_st_f32_to_bf16(p[i])), "bf16 element %lld", (long long)i);
+    free(q);
+
+    /* a truncated checkpoint, a bad tracker */
+    snprintf(path, sizeof(path), "%s/iter_0000000/mp_rank_00/model_optim_rng.bin", ck_dir);
+    EXPECT(truncate(path, (off_t)(512 + 12 * n - 4)) == 0, "truncate");
+    err.message[0] = 0;
+    EXPECT(mt_hf_checkpoint_read(ck_dir, 0, &c3, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "is truncated"),
+           "truncated checkpoint: %s", err.message);
+    EXPECT(mt_hf_checkpoint_read(ck_dir, 5, &c3, &q, NULL, &err) == MT_ERR_IO && strstr(err.message, "iter_0000005"),
+           "missing iteration: %s", err.message);
+    EXPECT(thf_write_text(ck_dir, "latest_checkpointed_iteration.txt", "x7") == 0, "tracker");
+    EXPECT(mt_hf_checkpoint_read(ck_dir, -1, &c3, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "iteration number"),
+           "bad tracker: %s", err.message);
+    /* a shape GPT-2 cannot hold */
+    mt_config gqa = c2;
+    gqa.num_query_groups = 2;
+    EXPECT(mt_hf_gpt2_check_shape(&gqa, 100, &err) == MT_ERR_CONFIG && strstr(err.message, "query groups"), "gqa");
+    EXPECT(mt_hf_gpt2_check_shape(&c2, 129, &err) == MT_ERR_ARG, "vocab above the padded size");
+    free(p);
+    thf_remove(root);
+    return TEST_PASS;
+}
+
+/* config.json and weight files that must be refused, each with its message; and the variants accepted. */
+static test_result test_hf_gpt2_rejects(void) {
+    char root[256], dir[300];
+    thf_path(root, sizeof(root), "rejects");
+    thf_remove(root);
+    snprintf(dir, sizeof(dir), "%s/hf", root);
+    mt_config c = thf_small_config();
+    float* p = thf_random_params(&c);
+    mt_error err;
+    EXPECT(p, "alloc");
+    EXPECT_OK(mt_hf_gpt2_save(dir, &c, p, 100, MT_ST_F32, &err), &err);
+    /* config.json = these fields, less the ones a case sets itself, plus the case's */
+    const char* base[][2] = {{"model_type", "\"gpt2\""}, {"n_layer", "2"}, {"n_embd", "64"}, {"n_head", "4"},
+                             {"n_positions", "16"}, {"vocab_size", "100"}};
+    struct { const char* extra; mt_status status; const char* words; } cases[] = {
+        {", \"n_inner\": null, \"activation_function\": \"gelu_new\"", MT_OK, ""},
+        {", \"activation_function\": \"gelu_pytorch_tanh\", \"layer_norm_epsilon\": 1e-05", MT_OK, ""},
+        {", \"activation_function\": \"gelu\"", MT_ERR_CONFIG, "activation_function \"gelu\" is not supported"},
+        {", \"scale_attn_by_inverse_layer_idx\": true", MT_ERR_CONFIG, "scale_attn_by_inverse_layer_idx"},
+        {", \"scale_attn_weights\": false", MT_ERR_CONFIG, "scale_attn_weights"},
+        {", \"add_cross_attention\": true", MT_ERR_CONFIG, "add_cross_attention"},
+        {", \"n_inner\": 128", MT_ERR_FORMAT, "tensor transformer.h.0.mlp.c_fc.weight has shape [64, 256] but config.json implies [64, 128]"},
+        {", \"n_layer\": 3", MT_ERR_FORMAT, "transformer.h.2.ln_1.weight is missing"},
+        {", \"tie_word_embeddings\": false", MT_ERR_CONFIG, "untied output layers are not supported"},
+        {", \"n_head\": 5", MT_ERR_CONFIG, "not divisible by n_head"},
+        {", \"n_layer\": \"2\"", MT_ERR_FORMAT, "\"n_layer\" is not an integer"},
+        {", \"n_layer\": 0", MT_ERR_FORMAT, "\"n_layer\" is 0, outside"},
+        {", \"layer_norm_epsilon\": -1", MT_ERR_FORMAT, "layer_norm_epsilon"},
+        {", \"model_type\": \"llama\"", MT_ERR_FORMAT, "duplicate object key"},
+        {",", MT_ERR_FORMAT, "malformed JSON"},
+    };
+    char text[1024];
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        size_t len = (size_t)snprintf(text, sizeof(text), "{\"model_type\": \"gpt2\"");
+        for (int k = 1; k < 6; k++) {
+            char quoted[64];
+            snprintf(quoted, sizeof(quoted), "\"%s\"", base[k][0]);
+            if (!strstr(cases[i].extra, quoted))
+                len += (size_t)snprintf(text + len, sizeof(text) - len, ", %s: %s", quoted, base[k][1]);
+        }
+        snprintf(text + len, sizeof(text) - len, "%s}", cases[i].extra);
+        EXPECT(thf_write_text(dir, "config.json", text) == 0, "write");
+        mt_config c2;
+        float* q = NULL;
+        err.message[0] = 0;
+        mt_status st = mt_hf_gpt2_load(dir, &c2, &q, NULL, &err);
+        EXPECT(st == cases[i].status && strstr(err.message, cases[i].words), "case %zu: %s -> %s: %s", i, cases[i].extra,
+               mt_status_name(st), err.message);
+        if (st == MT_OK) EXPECT(c2.ffn_hidden_size == 256 && !memcmp(p, q, sizeof(float) * (size_t)mt_num_parameters(&c)), "case %zu", i);
+        free(q);
+    }
+    EXPECT(thf_write_text(dir, "config.json", "{\"model_type\": \"llama\"}") == 0, "write");
+    mt_config c2;
+    float* q = NULL;
+    EXPECT(mt_hf_gpt2_load(dir, &c2, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "model_type is \"llama\""),
+           "llama: %s", err.message);
+    size_t len = (size_t)snprintf(text, sizeof(text), "{");
+    for (int k = 0; k < 6; k++) len += (size_t)snprintf(text + len, sizeof(text) - len, "%s\"%s\": %s", k ? ", " : "", base[k][0], base[k][1]);
+    snprintf(text + len, sizeof(text) - len, "}");
+    EXPECT(thf_write_text(dir, "config.json", text) == 0, "write");
+
+    /* weight files: no transformer. prefix + mask buffers accepted; an extra tensor, an untied head refused */
+    char path[400];
+    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+    int count = mt_hf_gpt2_num_tensors(&c);
+    float* ptrs[64];
+    float* data = thf_export_all(&c, 100, p, ptrs);
+    mt_st_write_tensor wt[64];
+    mt_hf_tensor ht[64];
+    memset(wt, 0, sizeof(wt));
+    for (int i = 0; i < count; i++) {
+        mt_hf_gpt2_tensor(&c, 100, i, &ht[i]);
+        wt[i].name = ht[i].name + strlen("transformer."); /* GPT2Model's names */
+        wt[i].dtype = MT_ST_F32;
+        wt[i].ndim = ht[i].ndim;
+        wt[i].shape[0] = ht[i].shape[0];
+        wt[i].shape[1] = ht[i].shape[1];
+        wt[i].data = ptrs[i];
+    }
+    float mask[16 * 16], masked = -1e4f;
+    for (int i = 0; i < 256; i++) mask[i] = (float)(i % 16 <= i / 16);
+    mt_st_write_tensor extra[3];
+    memset(extra, 0, sizeof(extra));
+    extra[0].name = "h.0.attn.bias"; extra[0].dtype = MT_ST_F32; extra[0].ndim = 2; extra[0].shape[0] = 16;
+    extra[0].shape[1] = 16; extra[0].data = mask;
+    extra[1].name = "h.1.attn.masked_bias"; extra[1].dtype = MT_ST_F32; extra[1].ndim = 0; extra[1].data = &masked;
+    extra[2].name = "lm_head.weight"; extra[2].dtype = MT_ST_F32; extra[2].ndim = 2; extra[2].shape[0] = 100;
+    extra[2].shape[1] = 64; extra[2].data = ptrs[0];
+    memcpy(wt + count, extra, sizeof(extra));
+    EXPECT_OK(mt_safetensors_write(path, wt, count + 3, NULL, &err), &err);
+    EXPECT_OK(mt_hf_gpt2_load(dir, &c2, &q, NULL, &err), &err);
+    EXPECT(!memcmp(p, q, sizeof(float) * (size_t)mt_num_parameters(&c)), "old names: parameters differ");
+    free(q);
+    /* lm_head.weight that is not the embeddings */
+    float* head = (float*)malloc(sizeof(float) * 6400);
+    memcpy(head, ptrs[0], sizeof(float) * 6400);
+    head[17] += 1.0f;
+    wt[count + 2].data = head;
+    EXPECT_OK(mt_safetensors_write(path, wt, count + 3, NULL, &err), &err);
+    EXPECT(mt_hf_gpt2_load(dir, &c2, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "lm_head.weight differs"),
+           "untied head: %s", err.message);
+    free(head);
+    /* a tensor GPT2LMHeadModel does not have */
+    extra[2].name = "score.weight";
+    wt[count + 2] = extra[2];
+    EXPECT_OK(mt_safetensors_write(path, wt, count + 3, NULL, &err), &err);
+    EXPECT(mt_hf_gpt2_load(dir, &c2, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "unexpected tensor score.weight"),
+           "extra tensor: %s", err.message);
+    /* both spellings of one tensor */
+    wt[count + 2].name = "transformer.wte.weight";
+    EXPECT_OK(mt_safetensors_write(path, wt, count + 3, NULL, &err), &err);
+    EXPECT(mt_hf_gpt2_load(dir, &c2, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "holds both"),
+           "both names: %s", err.message);
+    /* no weights at all */
+    unlink(path);
+    EXPECT(mt_hf_gpt2_load(dir, &c2, &q, NULL, &err) == MT_ERR_IO && strstr(err.message, "neither model.safetensors"),
+           "no weights: %s", err.message);
+    free(data);
+    free(p);
+    thf_remove(root);
+    return TEST_PASS;
+}
+
+/* ---- GPU: the converter's checkpoint in the trainer ------------------------------------------- */
+
+static test_result test_hf_gpu_load(void) {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+        cudaGetLastError();
+        SKIP("no GPU visible");
+    }
+    char root[256];
+    thf_path(root, sizeof(root), "gpu_ckpt");
+    thf_remove(root);
+    mt_config c = thf_small_config();
+    c.micro_batch_size = 2;
+    c.global_batch_size = 2;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    int64_t n = mt_num_parameters(&c);
+    float* p = thf_random_params(&c);
+    for (int64_t i = 0; i < n; i++) p[i] *= 0.1f; /* a model with a sane scale */
+    EXPECT_OK(mt_hf_checkpoint_write(root, &c, p, 0, &err), &err);
+    int32_t tokens[2 * 16];
+    for (int i = 0; i < 32; i++) tokens[i] = (i * 37 + 11) % 100;
+    float* ptrs[64];
+    float* data = thf_export_all(&c, 100, p, ptrs);
+    double* want = (double*)malloc(sizeof(double) * 2 * 16 * 100);
+    for (int b = 0; b < 2; b++) thf_hf_forward(&c, 100, ptrs, tokens + 16 * b, 16, want + 16 * 100 * b);
+    float* q = (float*)malloc(sizeof(float) * (size_t)n);
+    float* logits = (float*)malloc(sizeof(float) * 2 * 16 * (size_t)c.padded_vocab_size);
+    test_result res = TEST_PASS;
+    mt_precision precisions[2] = {MT_FP32, MT_BF16};
+    for (int k = 0; k < 2 && res == TEST_PASS; k++) {
+        c.precision = precisions[k];
+        mt_trainer* t = NULL;
+        int64_t it = -1;
+        mt_status st = mt_trainer_create(&t, &c, &err);
+        if (st == MT_OK) st = mt_trainer_load(t, root, -1, &it, NULL, &err);
+        if (st == MT_OK) st = mt_trainer_get_parameters(t, q, &err);
+        if (st == MT_OK) st = mt_trainer_logits(t, tokens, logits, &err);
+        mt_trainer_free(t);
+        if (st != MT_OK) { printf("    FAIL %s: %s\n", k ? "bf16" : "fp32", err.message); res = TEST_FAIL; break; }
+        if (it != 0 || memcmp(p, q, sizeof(float) * (size_t)n) != 0) {
+            printf("    FAIL the trainer's parameters are not the checkpoint's (iteration %lld)\n", (long long)it);
+            res = TEST_FAIL;
+            break;
+        }
+        double num = 0, den = 0;
+        for (int b = 0; b < 2; b++)
+            for (int s = 0; s < 16; s++)
+                for (int v = 0; v < 100; v++) {
+                    double d = logits[((int64_t)b * 16 + s) * c.padded_vocab_size + v] - want[(b * 16 + s) * 100 + v];
+                    num += d * d;
+                    den += want[(b * 16 + s) * 100 + v] * want[(b * 16 + s) * 100 + v];
+                }
+        double rel = sqrt(num / den), tol = k ? 3e-2 : 1e-5;
+        printf("    %s logits vs the transformers-style forward: rel err %.2e (tol %.0e)\n", k ? "bf16" : "fp32", rel, tol);
+        if (!(rel < tol)) res = TEST_FAIL;
+    }
+    free(q);
+    free(logits);
+    free(want);
+    free(data);
+    free(p);
+    thf_remove(root);
+    return res;
+}
+
+static const test_case hf_tests[] = {
+    {"hf_json", test_hf_json},
+    {"hf_float_conversions", test_hf_float_conversions},
+    {"hf_safetensors_roundtrip", test_hf_safetensors_roundtrip},
+    {"hf_safetensors_rejects", test_hf_safetensors_rejects},
+    {"hf_safetensors_sharded", test_hf_safetensors_sharded},
+    {"hf_gpt2_mapping_roundtrip", test_hf_gpt2_mapping_roundtrip},
+    {"hf_gpt2_matches_reference_logits", test_hf_gpt2_matches_reference_logits},
+    {"hf_gpt2_directories", test_hf_gpt2_directories},
+    {"hf_gpt2_rejects", test_hf_gpt2_rejects},
+    {"hf_gpu_load", test_hf_gpu_load},
+};
+
+#endif
