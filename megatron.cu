@@ -1455,6 +1455,45 @@ __global__ void cross_entropy_kernel(T* logits, float* losses, const int32_t* ta
     }
 }
 
+/* The same with 16-byte loads and an online softmax: one pass finds each thread's running max and
+ * its rescaled sum of exponentials, the block combines them in a fixed order, a second pass writes
+ * the gradient (two reads of the logits instead of three). V must be a multiple of the vector width. */
+template <typename T>
+__global__ void cross_entropy_vec_kernel(T* logits, float* losses, const int32_t* targets, int V, float grad_scale) {
+    constexpr int W = vec16<T>::N;
+    int64_t row = blockIdx.x;
+    T* x = logits + row * V;
+    float v[W];
+    float mx = -INFINITY, sum = 0.0f;
+    for (int i = threadIdx.x * W; i < V; i += blockDim.x * W) {
+        load16(v, x + i);
+        float local = v[0];
+#pragma unroll
+        for (int k = 1; k < W; k++) local = fmaxf(local, v[k]);
+        if (local > mx) {
+            sum *= expf(mx - local);
+            mx = local;
+        }
+#pragma unroll
+        for (int k = 0; k < W; k++) sum += expf(v[k] - mx);
+    }
+    float block_mx = block_max(mx);
+    sum = mx == -INFINITY ? 0.0f : sum * expf(mx - block_mx);
+    float lse = block_mx + logf(block_sum(sum));
+    int target = targets[row];
+    float target_logit = to_float(x[target]);
+    if (threadIdx.x == 0) losses[row] = lse - target_logit;
+    __syncthreads(); /* every read of x precedes the in-place writes */
+    if (grad_scale != 0.0f) {
+        for (int i = threadIdx.x * W; i < V; i += blockDim.x * W) {
+            load16(v, x + i);
+#pragma unroll
+            for (int k = 0; k < W; k++) v[k] = (expf(v[k] - lse) - (i + k == target ? 1.0f : 0.0f)) * grad_scale;
+            store16(x + i, v);
+        }
+    }
+}
+
 /* ---- 2.9 Gradient norm: fixed grid of partial sums in double, then one block in fixed order. ---- */
 
 /* A piece of the optimizer's work: `length` elements of one parameter, at `buffer` in the
@@ -2052,7 +2091,10 @@ static void model_forward(mt_trainer* t, float grad_scale) {
                          param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.BT, s.h, eps);
     linear_forward<T>(g, (T*)a->logits, (T*)a->lnf, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS), (const T*)NULL, s.BT, s.h,
                       (int)s.V);
-    cross_entropy_kernel<T><<<s.BT, 512, 0, st>>>((T*)a->logits, a->losses, a->targets, (int)s.V, grad_scale);
+    if (s.V % vec16<T>::N == 0)
+        cross_entropy_vec_kernel<T><<<s.BT, 512, 0, st>>>((T*)a->logits, a->losses, a->targets, (int)s.V, grad_scale);
+    else
+        cross_entropy_kernel<T><<<s.BT, 512, 0, st>>>((T*)a->logits, a->losses, a->targets, (int)s.V, grad_scale);
     LAUNCH_CHECK(&t->error);
 }
 
