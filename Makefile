@@ -25,7 +25,7 @@ endif
 CUDA_LIBS := -lcublas -lcublasLt -lnccl
 HOST_LIBS := -lpthread -lm
 
-PREPRO := prepro/preprocess_data prepro/merge_datasets prepro/dataset_info
+PREPRO := prepro/preprocess_data prepro/merge_datasets prepro/dataset_info prepro/convert_hf
 HEADERS := megatron.h prepro/tokenizer.h
 
 .PHONY: all test clean
@@ -46,9 +46,16 @@ test_megatron: test_megatron.cu megatron.cu $(HEADERS) $(wildcard tests/*.h)
 
 prepro/%: prepro/%.c $(HEADERS)
 	$(CC) $(CFLAGS) $< -o $@ $(HOST_LIBS)
+prepro/convert_hf: prepro/safetensors.h prepro/hf_gpt2.h
+test_megatron: prepro/safetensors.h prepro/hf_gpt2.h
+
+# dev/hf_logits: a checkpoint's logits for a token file (used by dev/hf_check.py on a GPU machine)
+dev/hf_logits: dev/hf_logits.c megatron.o $(HEADERS)
+	$(CC) $(CFLAGS) -c $< -o dev/hf_logits.o
+	$(NVCC) $(NVFLAGS) dev/hf_logits.o megatron.o -o $@ $(CUDA_LIBS) $(HOST_LIBS)
 
 test: test_megatron
 	./test_megatron
 
 clean:
-	rm -f *.o train_gpt test_megatron $(PREPRO)
+	rm -f *.o train_gpt test_megatron dev/hf_logits $(PREPRO)

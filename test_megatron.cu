@@ -15,6 +15,7 @@
 #include "tests/test_train.h"
 #include "tests/test_gpu.h"
 #include "tests/test_parallel.h"
+#include "tests/test_hf.h"
 
 typedef struct {
     const char* group;
@@ -40,6 +41,7 @@ int main(int argc, char** argv) {
         GROUP("tokenizer", tokenizer_tests),
         GROUP("train", train_tests),
         GROUP("parallel", parallel_tests),
+        GROUP("hf", hf_tests),
         GROUP("gpu", gpu_tests),
         GROUP("multigpu", multigpu_tests),
     };

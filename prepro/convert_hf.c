@@ -6,11 +6,13 @@
  *       weights, Adam moments zero) and CKPT_DIR/latest_checkpointed_iteration.txt, and prints the
  *       train_gpt flags of the model (load it with --load CKPT_DIR).
  *
- *   convert_hf --export CKPT_DIR --out HF_DIR [--iteration N] [--vocab-size V] [--dtype float32|bfloat16]
+ *   convert_hf --export CKPT_DIR --out HF_DIR [--iteration N] [--vocab-size V] [--norm-epsilon E]
+ *              [--dtype float32|bfloat16]
  *       reads the checkpoint's master weights (the tracker's iteration unless --iteration) and writes
  *       HF_DIR/config.json and HF_DIR/model.safetensors, loadable with
  *       GPT2LMHeadModel.from_pretrained(HF_DIR). The padded vocabulary is cut back to V (default: 50257,
- *       or the padded size if smaller).
+ *       or the padded size if smaller). The checkpoint does not record the LayerNorm epsilon: pass the
+ *       --norm-epsilon the model was trained with (default 1e-5, train_gpt's and GPT-2's).
  *
  * The mapping (Conv1D transposes, Megatron's grouped QKV rows <-> HF's [q | k | v] columns) is in
  * prepro/hf_gpt2.h, the safetensors reader/writer in prepro/safetensors.h. Errors: one line on
@@ -30,7 +32,8 @@
 static void usage(void) {
     fprintf(stderr,
             "usage: convert_hf --import HF_DIR --save CKPT_DIR\n"
-            "       convert_hf --export CKPT_DIR --out HF_DIR [--iteration N] [--vocab-size V] [--dtype float32|bfloat16]\n"
+            "       convert_hf --export CKPT_DIR --out HF_DIR [--iteration N] [--vocab-size V] [--norm-epsilon E]\n"
+            "                  [--dtype float32|bfloat16]\n"
             "  --import HF_DIR     a transformers GPT-2 directory: config.json + model.safetensors\n"
             "                      (or model.safetensors.index.json and its shards)\n"
             "  --save CKPT_DIR     where to write the megatron.c checkpoint (iteration 0); must not hold one\n"
@@ -38,6 +41,7 @@ static void usage(void) {
             "  --out HF_DIR        where to write config.json and model.safetensors\n"
             "  --iteration N       the checkpoint's iteration (default: latest_checkpointed_iteration.txt)\n"
             "  --vocab-size V      the tokenizer's vocabulary (default 50257, or the padded size if smaller)\n"
+            "  --norm-epsilon E    the LayerNorm epsilon the model was trained with (default 1e-5)\n"
             "  --dtype T           float32 (default) or bfloat16 weights in model.safetensors\n");
 }
 
@@ -47,8 +51,7 @@ static int fail(const mt_error* err) {
 }
 
 static int bad_usage(const char* what, const char* arg) {
-    fprintf(stderr, "convert_hf: %s%s%s\n", what, arg ? " " : "", arg ? arg : "");
-    usage();
+    fprintf(stderr, "convert_hf: %s%s%s (convert_hf --help for usage)\n", what, arg ? " " : "", arg ? arg : "");
     return 2;
 }
 
@@ -95,7 +98,8 @@ static int do_import(const char* hf_dir, const char* ckpt_dir) {
     return 0;
 }
 
-static int do_export(const char* ckpt_dir, const char* hf_dir, int64_t iteration, int64_t vocab, mt_st_dtype dtype) {
+static int do_export(const char* ckpt_dir, const char* hf_dir, int64_t iteration, int64_t vocab, double eps,
+                     mt_st_dtype dtype) {
     mt_error err;
     mt_config cfg;
     float* params = NULL;
@@ -103,7 +107,7 @@ static int do_export(const char* ckpt_dir, const char* hf_dir, int64_t iteration
     if (mt_hf_checkpoint_read(ckpt_dir, iteration, &cfg, &params, header, &err) != MT_OK) return fail(&err);
     if (vocab < 0) vocab = cfg.padded_vocab_size < 50257 ? cfg.padded_vocab_size : 50257;
     mt_status st = mt_hf_gpt2_check_shape(&cfg, vocab, &err);
-    /* the checkpoint does not record the norm epsilon: GPT-2's (and train_gpt's default) 1e-5 */
+    cfg.norm_epsilon = eps; /* not in the checkpoint */
     if (st == MT_OK) st = mt_hf_gpt2_save(hf_dir, &cfg, params, vocab, dtype, &err);
     free(params);
     if (st != MT_OK) {
@@ -123,6 +127,7 @@ static int do_export(const char* ckpt_dir, const char* hf_dir, int64_t iteration
 int main(int argc, char** argv) {
     const char *import_dir = NULL, *save_dir = NULL, *export_dir = NULL, *out_dir = NULL;
     int64_t iteration = -1, vocab = -1;
+    double eps = -1.0;
     mt_st_dtype dtype = MT_ST_F32;
     for (int i = 1; i < argc; i++) {
         const char* a = argv[i];
@@ -140,6 +145,10 @@ int main(int argc, char** argv) {
             if (parse_int64(v, &iteration)) return bad_usage("--iteration needs a non-negative integer, not", v);
         } else if (!strcmp(a, "--vocab-size")) {
             if (parse_int64(v, &vocab) || vocab == 0) return bad_usage("--vocab-size needs a positive integer, not", v);
+        } else if (!strcmp(a, "--norm-epsilon")) {
+            char* end = NULL;
+            eps = strtod(v, &end);
+            if (!*v || *end || !(eps > 0 && eps < 1)) return bad_usage("--norm-epsilon needs a number in (0, 1), not", v);
         } else if (!strcmp(a, "--dtype")) {
             if (!strcmp(v, "float32") || !strcmp(v, "fp32")) dtype = MT_ST_F32;
             else if (!strcmp(v, "bfloat16") || !strcmp(v, "bf16")) dtype = MT_ST_BF16;
@@ -151,14 +160,14 @@ int main(int argc, char** argv) {
     if (import_dir && export_dir) return bad_usage("give one of --import and --export", NULL);
     if (import_dir) {
         if (!save_dir) return bad_usage("--import needs --save CKPT_DIR", NULL);
-        if (out_dir || iteration >= 0 || vocab >= 0 || dtype != MT_ST_F32)
-            return bad_usage("--out, --iteration, --vocab-size and --dtype go with --export", NULL);
+        if (out_dir || iteration >= 0 || vocab >= 0 || eps > 0 || dtype != MT_ST_F32)
+            return bad_usage("--out, --iteration, --vocab-size, --norm-epsilon and --dtype go with --export", NULL);
         return do_import(import_dir, save_dir);
     }
     if (export_dir) {
         if (!out_dir) return bad_usage("--export needs --out HF_DIR", NULL);
         if (save_dir) return bad_usage("--save goes with --import", NULL);
-        return do_export(export_dir, out_dir, iteration, vocab, dtype);
+        return do_export(export_dir, out_dir, iteration, vocab, eps > 0 ? eps : 1e-5, dtype);
     }
     return bad_usage("give --import HF_DIR --save CKPT_DIR or --export CKPT_DIR --out HF_DIR", NULL);
 }

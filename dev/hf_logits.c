@@ -1,0 +1,74 @@
+/* dev/hf_logits.c — the logits of a megatron.c checkpoint for a batch of tokens, through the trainer
+ * API (mt_trainer_load + mt_trainer_logits). dev/hf_check.py compares them with transformers'.
+ *
+ *   make dev/hf_logits && dev/hf_logits CKPT_DIR TOKENS.bin LOGITS.bin [--bf16]
+ *
+ * TOKENS.bin: int32 B, int32 T, int32 tokens [B*T]. LOGITS.bin: int32 B, T, Vp, float32 [B, T, Vp].
+ * The model's shape comes from the checkpoint's header (megatron.cu section 9), so no flags. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "megatron.h"
+
+static int fail(const char* what, const char* detail) {
+    fprintf(stderr, "hf_logits: %s%s%s\n", what, detail ? ": " : "", detail ? detail : "");
+    return 1;
+}
+
+int main(int argc, char** argv) {
+    if (argc < 4) return fprintf(stderr, "usage: hf_logits CKPT_DIR TOKENS.bin LOGITS.bin [--bf16]\n"), 2;
+    const char* dir = argv[1];
+    int bf16 = argc > 4 && !strcmp(argv[4], "--bf16");
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/latest_checkpointed_iteration.txt", dir);
+    FILE* f = fopen(path, "r");
+    long long it = -1;
+    if (!f || fscanf(f, "%lld", &it) != 1) return fail("cannot read", path);
+    fclose(f);
+    snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_00/model_optim_rng.bin", dir, it);
+    int64_t h[64];
+    f = fopen(path, "rb");
+    if (!f || fread(h, sizeof(h), 1, f) != 1) return fail("cannot read the header of", path);
+    fclose(f);
+    f = fopen(argv[2], "rb");
+    int32_t bt[2];
+    if (!f || fread(bt, sizeof(bt), 1, f) != 1) return fail("cannot read", argv[2]);
+    int B = bt[0], T = bt[1];
+    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * (size_t)B * T);
+    if (!tokens || fread(tokens, sizeof(int32_t), (size_t)B * T, f) != (size_t)B * T) return fail("truncated", argv[2]);
+    fclose(f);
+
+    mt_config c;
+    mt_config_defaults(&c);
+    c.num_layers = (int)h[2];
+    c.hidden_size = (int)h[3];
+    c.num_attention_heads = (int)h[4];
+    c.num_query_groups = (int)h[5];
+    c.kv_channels = (int)h[6];
+    c.ffn_hidden_size = (int)h[7];
+    c.vocab_size = h[8]; /* the padded size: pads to itself */
+    c.max_position_embeddings = (int)h[9];
+    c.seq_length = T;
+    c.micro_batch_size = B;
+    c.global_batch_size = B;
+    c.train_iters = 1;
+    c.lr = 1e-4;
+    c.precision = bf16 ? MT_BF16 : MT_FP32;
+    mt_error err;
+    mt_trainer* t = NULL;
+    if (mt_config_finalize(&c, &err) != MT_OK || mt_trainer_create(&t, &c, &err) != MT_OK ||
+        mt_trainer_load(t, dir, -1, NULL, NULL, &err) != MT_OK)
+        return fail(err.message, NULL);
+    size_t n = (size_t)B * T * (size_t)c.padded_vocab_size;
+    float* logits = (float*)malloc(sizeof(float) * n);
+    if (!logits || mt_trainer_logits(t, tokens, logits, &err) != MT_OK) return fail(logits ? err.message : "out of memory", NULL);
+    f = fopen(argv[3], "wb");
+    int32_t shape[3] = {B, T, (int32_t)c.padded_vocab_size};
+    if (!f || fwrite(shape, sizeof(shape), 1, f) != 1 || fwrite(logits, sizeof(float), n, f) != n || fclose(f) != 0)
+        return fail("cannot write", argv[3]);
+    mt_trainer_free(t);
+    free(logits);
+    free(tokens);
+    return 0;
+}
