@@ -2480,17 +2480,7 @@ static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
 /*    written; latest_checkpointed_iteration.txt comes last. Ranks share the file system.          */
 /* ============================================================================================== */
 
-#define MT_CKPT_MAGIC 0x4b43544d /* "MTCK" */
-#define MT_CKPT_VERSION 1
-enum {
-    CK_MAGIC = 0, CK_VERSION, CK_LAYERS, CK_HIDDEN, CK_HEADS, CK_GROUPS, CK_KV, CK_FFN, CK_VOCAB, CK_POSITIONS,
-    CK_NUM_PARAMS, CK_PRECISION, CK_ITERATION, CK_CONSUMED, CK_SCHED_STEPS, CK_ADAM_STEP, CK_SEED,
-    CK_GROWTH, CK_HYSTERESIS, CK_LOSS_SCALE_BITS, CK_TP, CK_PP,
-    CK_SHARDED_DP,   /* 0: m and v follow the master weights; d > 0: sharded over d DP ranks */
-    CK_DP_RANK,      /* shard files: the DP rank */
-    CK_SHARD_NUMEL,  /* shard files: elements per array */
-    CK_HEADER_WORDS = 64
-};
+/* the header words: megatron.h, MT_CK_* */
 
 static mt_status write_all(FILE* f, const void* data, size_t bytes, const char* path, mt_error* err) {
     if (fwrite(data, 1, bytes, f) != bytes) return mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
@@ -2512,19 +2502,6 @@ static mt_status remove_tree(const char* path) {
 }
 
 
-/* mkdir -p */
-static int make_directories(const char* path) {
-    char buf[4096];
-    snprintf(buf, sizeof(buf), "%s", path);
-    for (char* p = buf + 1; *p; p++) {
-        if (*p != '/') continue;
-        *p = 0;
-        if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
-        *p = '/';
-    }
-    return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
-}
-
 /* ---- fp32 arrays between the optimizer shard, the full buffer layout, and canonical order ---- */
 
 /* Copies every bucket's owned range between a full buffer-layout array and an optimizer-shard array. */
@@ -2541,18 +2518,23 @@ static void copy_owned(mt_trainer* t, float* shard, float* full, int to_shard) {
 
 /* The full fp32 master weights in buffer layout: the master itself, or with the distributed
  * optimizer the shards all-gathered into the gradient buffer (free between steps). Collective. */
-static float* full_master(mt_trainer* t) {
-    if (!t->sharded) return t->master;
-    copy_owned(t, t->master, t->grads, 0);
+/* Every rank's owned ranges of a full fp32 buffer-layout array, all-gathered in place. Collective. */
+static void gather_owned_fp32(mt_trainer* t, float* full) {
     comm_after_compute(t);
     for (int b = 0; b < t->buffer.num_buckets; b++) {
         int64_t begin, end;
         owned_range(t, b, &begin, &end);
         NCCL_CHECK(&t->error, t->cfg.rank,
-                   ncclAllGather(t->grads + begin, t->grads + t->buffer.buckets[b].start, (size_t)(end - begin),
-                                 ncclFloat, t->groups.dp, t->groups.comm_stream));
+                   ncclAllGather(full + begin, full + t->buffer.buckets[b].start, (size_t)(end - begin), ncclFloat,
+                                 t->groups.dp, t->groups.comm_stream));
     }
     compute_after_comm(t);
+}
+
+static float* full_master(mt_trainer* t) {
+    if (!t->sharded) return t->master;
+    copy_owned(t, t->master, t->grads, 0);
+    gather_owned_fp32(t, t->grads);
     return t->grads;
 }
 
@@ -2613,33 +2595,17 @@ static mt_status read_canonical(mt_trainer* t, FILE* f, float* device_full, floa
 }
 
 static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration, int64_t consumed_samples) {
-    const mt_config* c = &t->cfg;
-    memset(header, 0, sizeof(int64_t) * CK_HEADER_WORDS);
-    header[CK_MAGIC] = MT_CKPT_MAGIC;
-    header[CK_VERSION] = MT_CKPT_VERSION;
-    header[CK_LAYERS] = c->num_layers;
-    header[CK_HIDDEN] = c->hidden_size;
-    header[CK_HEADS] = c->num_attention_heads;
-    header[CK_GROUPS] = c->num_query_groups;
-    header[CK_KV] = c->kv_channels;
-    header[CK_FFN] = c->ffn_hidden_size;
-    header[CK_VOCAB] = c->padded_vocab_size;
-    header[CK_POSITIONS] = c->max_position_embeddings;
-    header[CK_NUM_PARAMS] = t->num_params;
-    header[CK_PRECISION] = c->precision;
-    header[CK_ITERATION] = iteration;
-    header[CK_CONSUMED] = consumed_samples;
-    header[CK_SCHED_STEPS] = t->scheduler_steps;
-    header[CK_ADAM_STEP] = t->adam_step;
-    header[CK_SEED] = (int64_t)c->seed;
-    header[CK_GROWTH] = t->growth_tracker;
-    header[CK_HYSTERESIS] = t->hysteresis_tracker;
-    memcpy(&header[CK_LOSS_SCALE_BITS], &t->loss_scale, sizeof(double));
-    header[CK_TP] = c->tensor_model_parallel_size;
-    header[CK_PP] = c->pipeline_model_parallel_size;
-    header[CK_SHARDED_DP] = t->sharded ? t->groups.dp_size : 0;
-    header[CK_DP_RANK] = t->groups.dp_rank;
-    header[CK_SHARD_NUMEL] = t->sharded ? t->shard_numel : 0;
+    mt_checkpoint_header_init(header, &t->cfg);
+    header[MT_CK_ITERATION] = iteration;
+    header[MT_CK_CONSUMED] = consumed_samples;
+    header[MT_CK_SCHED_STEPS] = t->scheduler_steps;
+    header[MT_CK_ADAM_STEP] = t->adam_step;
+    header[MT_CK_GROWTH] = t->growth_tracker;
+    header[MT_CK_HYSTERESIS] = t->hysteresis_tracker;
+    memcpy(&header[MT_CK_LOSS_SCALE_BITS], &t->loss_scale, sizeof(double));
+    header[MT_CK_SHARDED_DP] = t->sharded ? t->groups.dp_size : 0;
+    header[MT_CK_DP_RANK] = t->groups.dp_rank;
+    header[MT_CK_SHARD_NUMEL] = t->sharded ? t->shard_numel : 0;
 }
 
 /* Writes header + arrays to path; the arrays are canonical full-model (model file) or shards. */
@@ -2647,7 +2613,7 @@ static mt_status write_checkpoint_file(mt_trainer* t, const char* path, const in
                                        float* master_full, float* host, mt_error* err) {
     FILE* f = fopen(path, "wb");
     if (!f) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", path, strerror(errno));
-    mt_status st = write_all(f, header, sizeof(int64_t) * CK_HEADER_WORDS, path, err);
+    mt_status st = write_all(f, header, sizeof(int64_t) * MT_CK_HEADER_WORDS, path, err);
     if (shard_file) {
         const float* arrays[3] = {t->master, t->adam_m, t->adam_v};
         for (int i = 0; i < 3 && st == MT_OK; i++) st = write_device_array(t, f, arrays[i], t->shard_numel, host, path, err);
@@ -2679,7 +2645,7 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
     /* 1. rank 0 makes the temporary directory */
     mt_status st = MT_OK;
     if (writer) {
-        if (make_directories(dir) != 0)
+        if (mt_make_directories(dir) != 0)
             st = mt_fail(err, MT_ERR_IO, "cannot create checkpoint directory %s: %s", dir, strerror(errno));
         remove_tree(tmp_dir);
         if (st == MT_OK && (mkdir(tmp_dir, 0755) != 0 || mkdir(rank_dir, 0755) != 0))
@@ -2688,7 +2654,7 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", final_dir);
 
     /* 2. every rank writes its files (all take part in gathering the sharded master) */
-    int64_t header[CK_HEADER_WORDS];
+    int64_t header[MT_CK_HEADER_WORDS];
     fill_header(t, header, iteration, consumed_samples);
     size_t host_elems = (size_t)(t->num_params > t->shard_numel ? t->num_params : t->shard_numel);
     float* host = (float*)malloc(sizeof(float) * host_elems);
@@ -2733,28 +2699,28 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
 /* Reads and checks a checkpoint header against this run's model. */
 static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int64_t* h, mt_error* err) {
     if (!f) return mt_fail(err, MT_ERR_IO, "cannot open checkpoint %s: %s", path, strerror(errno));
-    if (fread(h, sizeof(int64_t), CK_HEADER_WORDS, f) != CK_HEADER_WORDS)
+    if (fread(h, sizeof(int64_t), MT_CK_HEADER_WORDS, f) != MT_CK_HEADER_WORDS)
         return mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
-    if (h[CK_MAGIC] != MT_CKPT_MAGIC || h[CK_VERSION] != MT_CKPT_VERSION)
+    if (h[MT_CK_MAGIC] != MT_CKPT_MAGIC || h[MT_CK_VERSION] != MT_CKPT_VERSION)
         return mt_fail(err, MT_ERR_FORMAT, "%s is not a megatron.c checkpoint (bad magic or version)", path);
     const mt_config* c = &t->cfg;
     struct { int word; int64_t mine; const char* what; } shape[] = {
-        {CK_LAYERS, c->num_layers, "--num-layers"},
-        {CK_HIDDEN, c->hidden_size, "--hidden-size"},
-        {CK_HEADS, c->num_attention_heads, "--num-attention-heads"},
-        {CK_GROUPS, c->num_query_groups, "--num-query-groups"},
-        {CK_KV, c->kv_channels, "--kv-channels"},
-        {CK_FFN, c->ffn_hidden_size, "--ffn-hidden-size"},
-        {CK_VOCAB, c->padded_vocab_size, "padded vocabulary size"},
-        {CK_POSITIONS, c->max_position_embeddings, "--max-position-embeddings"},
-        {CK_TP, c->tensor_model_parallel_size, "--tensor-model-parallel-size"},
-        {CK_PP, c->pipeline_model_parallel_size, "--pipeline-model-parallel-size"},
+        {MT_CK_LAYERS, c->num_layers, "--num-layers"},
+        {MT_CK_HIDDEN, c->hidden_size, "--hidden-size"},
+        {MT_CK_HEADS, c->num_attention_heads, "--num-attention-heads"},
+        {MT_CK_GROUPS, c->num_query_groups, "--num-query-groups"},
+        {MT_CK_KV, c->kv_channels, "--kv-channels"},
+        {MT_CK_FFN, c->ffn_hidden_size, "--ffn-hidden-size"},
+        {MT_CK_VOCAB, c->padded_vocab_size, "padded vocabulary size"},
+        {MT_CK_POSITIONS, c->max_position_embeddings, "--max-position-embeddings"},
+        {MT_CK_TP, c->tensor_model_parallel_size, "--tensor-model-parallel-size"},
+        {MT_CK_PP, c->pipeline_model_parallel_size, "--pipeline-model-parallel-size"},
     };
     for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++)
         if (h[shape[i].word] != shape[i].mine)
             return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has %s %lld but this run has %lld", path, shape[i].what,
                            (long long)h[shape[i].word], (long long)shape[i].mine);
-    int64_t sharded = h[CK_SHARDED_DP], mine = t->sharded ? t->groups.dp_size : 0;
+    int64_t sharded = h[MT_CK_SHARDED_DP], mine = t->sharded ? t->groups.dp_size : 0;
     if (sharded != 0 && sharded != mine)
         return mt_fail(err, MT_ERR_CONFIG,
                        "checkpoint %s holds optimizer state sharded over %lld data-parallel ranks "
@@ -2781,7 +2747,7 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
         iteration = it;
     }
     wait_for_all_parameters(t);
-    int64_t h[CK_HEADER_WORDS];
+    int64_t h[MT_CK_HEADER_WORDS];
     float* host = (float*)malloc(sizeof(float) * (size_t)(t->num_params > t->shard_numel ? t->num_params : t->shard_numel));
     if (!host && st == MT_OK) st = mt_fail(err, MT_ERR_OOM, "cannot allocate host memory to load a checkpoint");
     if (st == MT_OK) {
@@ -2791,7 +2757,7 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
         st = read_header(t, f, path, h, err);
         if (st == MT_OK) st = read_canonical(t, f, t->grads, host, path, err);
         if (st == MT_OK) set_master_from_full(t, t->grads);
-        if (st == MT_OK && h[CK_SHARDED_DP] == 0) {
+        if (st == MT_OK && h[MT_CK_SHARDED_DP] == 0) {
             float* moments[2] = {t->adam_m, t->adam_v};
             for (int i = 0; i < 2 && st == MT_OK; i++) {
                 st = read_canonical(t, f, t->grads, host, path, err);
@@ -2800,16 +2766,16 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
         }
         if (f) fclose(f);
     }
-    if (st == MT_OK && h[CK_SHARDED_DP] != 0) {
+    if (st == MT_OK && h[MT_CK_SHARDED_DP] != 0) {
         /* this rank's shard of master, m and v */
         snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_00/distrib_optim_dp%03d.bin", dir, (long long)iteration,
                  t->groups.dp_rank);
         FILE* f = fopen(path, "rb");
-        int64_t hs[CK_HEADER_WORDS];
+        int64_t hs[MT_CK_HEADER_WORDS];
         st = read_header(t, f, path, hs, err);
-        if (st == MT_OK && (hs[CK_DP_RANK] != t->groups.dp_rank || hs[CK_SHARD_NUMEL] != t->shard_numel))
+        if (st == MT_OK && (hs[MT_CK_DP_RANK] != t->groups.dp_rank || hs[MT_CK_SHARD_NUMEL] != t->shard_numel))
             st = mt_fail(err, MT_ERR_FORMAT, "%s is the shard of DP rank %lld with %lld elements, not of rank %d with %lld",
-                         path, (long long)hs[CK_DP_RANK], (long long)hs[CK_SHARD_NUMEL], t->groups.dp_rank,
+                         path, (long long)hs[MT_CK_DP_RANK], (long long)hs[MT_CK_SHARD_NUMEL], t->groups.dp_rank,
                          (long long)t->shard_numel);
         float* arrays[3] = {t->master, t->adam_m, t->adam_v};
         for (int i = 0; i < 3 && st == MT_OK; i++) st = read_device_array(t, f, arrays[i], t->shard_numel, host, path, err);
@@ -2819,13 +2785,13 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     if (st == MT_OK) st = mt_gpu_error_return(&t->error, err);
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "loading from", dir);
-    t->scheduler_steps = h[CK_SCHED_STEPS];
-    t->adam_step = h[CK_ADAM_STEP];
-    t->growth_tracker = (int)h[CK_GROWTH];
-    t->hysteresis_tracker = (int)h[CK_HYSTERESIS];
-    memcpy(&t->loss_scale, &h[CK_LOSS_SCALE_BITS], sizeof(double));
-    if (iteration_out) *iteration_out = h[CK_ITERATION];
-    if (consumed_out) *consumed_out = h[CK_CONSUMED];
+    t->scheduler_steps = h[MT_CK_SCHED_STEPS];
+    t->adam_step = h[MT_CK_ADAM_STEP];
+    t->growth_tracker = (int)h[MT_CK_GROWTH];
+    t->hysteresis_tracker = (int)h[MT_CK_HYSTERESIS];
+    memcpy(&t->loss_scale, &h[MT_CK_LOSS_SCALE_BITS], sizeof(double));
+    if (iteration_out) *iteration_out = h[MT_CK_ITERATION];
+    if (consumed_out) *consumed_out = h[MT_CK_CONSUMED];
     return MT_OK;
 }
 
@@ -3226,18 +3192,7 @@ mt_status mt_trainer_get_parameters(mt_trainer* t, float* params, mt_error* err)
 
 mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
-    if (t->sharded) {
-        /* each rank holds the sums of its shards: gather them (in place) */
-        comm_after_compute(t);
-        for (int b = 0; b < t->buffer.num_buckets; b++) {
-            int64_t begin, end;
-            owned_range(t, b, &begin, &end);
-            NCCL_CHECK(&t->error, t->cfg.rank,
-                       ncclAllGather(t->grads + begin, t->grads + t->buffer.buckets[b].start, (size_t)(end - begin),
-                                     ncclFloat, t->groups.dp, t->groups.comm_stream));
-        }
-        compute_after_comm(t);
-    }
+    if (t->sharded) gather_owned_fp32(t, t->grads); /* each rank holds the sums of its shards */
     return canonical_transfer(t, t->grads, grads, 0, err);
 }
 

@@ -420,6 +420,31 @@ typedef struct {
 /* Fills info[MT_NUM_PARAM_TENSORS]; returns the total element count. */
 int64_t mt_param_layout(const mt_config* cfg, mt_param_info* info);
 
+/* The checkpoint format. <dir>/iter_%07d/mp_rank_00/model_optim_rng.bin is a header of
+ * MT_CK_HEADER_WORDS little-endian int64 words (indices below), then fp32 master weights, Adam m and
+ * v, each in canonical order (only the master weights when MT_CK_SHARDED_DP > 0: then every DP rank
+ * r also has distrib_optim_dp<r>.bin, the same header and its shard of master, m, v). megatron.cu
+ * writes and loads it; prepro/convert_hf writes and reads it. */
+#define MT_CKPT_MAGIC 0x4b43544d /* "MTCK" */
+#define MT_CKPT_VERSION 1
+enum {
+    MT_CK_MAGIC = 0, MT_CK_VERSION, MT_CK_LAYERS, MT_CK_HIDDEN, MT_CK_HEADS, MT_CK_GROUPS, MT_CK_KV, MT_CK_FFN,
+    MT_CK_VOCAB,         /* padded vocabulary */
+    MT_CK_POSITIONS, MT_CK_NUM_PARAMS, MT_CK_PRECISION, MT_CK_ITERATION, MT_CK_CONSUMED, MT_CK_SCHED_STEPS,
+    MT_CK_ADAM_STEP, MT_CK_SEED, MT_CK_GROWTH, MT_CK_HYSTERESIS,
+    MT_CK_LOSS_SCALE_BITS, /* the double's bits */
+    MT_CK_TP, MT_CK_PP,
+    MT_CK_SHARDED_DP,    /* 0: m and v follow the master weights; d > 0: sharded over d DP ranks */
+    MT_CK_DP_RANK,       /* shard files: the DP rank */
+    MT_CK_SHARD_NUMEL,   /* shard files: elements per array */
+    MT_CK_HEADER_WORDS = 64
+};
+/* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
+ * shape, parameter count, precision, seed, parallel sizes (progress words stay 0). */
+void mt_checkpoint_header_init(int64_t* header, const mt_config* cfg);
+/* mkdir -p: 0, or -1 with errno set. */
+int mt_make_directories(const char* path);
+
 /* Megatron's rank layout, order tp-cp-ep-dp-pp (cp = ep = 1 for now):
  * rank = tp + TP * (dp + DP * pp). Groups: tp contiguous, dp stride TP, pp stride TP * DP. */
 typedef struct { int tp, dp, pp; } mt_rank_coords;
@@ -2114,6 +2139,37 @@ int64_t mt_param_layout(const mt_config* c, mt_param_info* info) {
 }
 
 int64_t mt_num_parameters(const mt_config* c) { return mt_param_layout(c, NULL); }
+
+void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
+    memset(h, 0, sizeof(int64_t) * MT_CK_HEADER_WORDS);
+    h[MT_CK_MAGIC] = MT_CKPT_MAGIC;
+    h[MT_CK_VERSION] = MT_CKPT_VERSION;
+    h[MT_CK_LAYERS] = c->num_layers;
+    h[MT_CK_HIDDEN] = c->hidden_size;
+    h[MT_CK_HEADS] = c->num_attention_heads;
+    h[MT_CK_GROUPS] = c->num_query_groups;
+    h[MT_CK_KV] = c->kv_channels;
+    h[MT_CK_FFN] = c->ffn_hidden_size;
+    h[MT_CK_VOCAB] = c->padded_vocab_size;
+    h[MT_CK_POSITIONS] = c->max_position_embeddings;
+    h[MT_CK_NUM_PARAMS] = mt_num_parameters(c);
+    h[MT_CK_PRECISION] = c->precision;
+    h[MT_CK_SEED] = (int64_t)c->seed;
+    h[MT_CK_TP] = c->tensor_model_parallel_size;
+    h[MT_CK_PP] = c->pipeline_model_parallel_size;
+}
+
+int mt_make_directories(const char* path) {
+    char buf[4096];
+    snprintf(buf, sizeof(buf), "%s", path);
+    for (char* p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
+        *p = '/';
+    }
+    return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
 
 mt_rank_coords mt_rank_coordinates(const mt_config* c, int rank) {
     mt_rank_coords r;

@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
     if (!f || fscanf(f, "%lld", &it) != 1) return fail("cannot read", path);
     fclose(f);
     snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_00/model_optim_rng.bin", dir, it);
-    int64_t h[64];
+    int64_t h[MT_CK_HEADER_WORDS];
     f = fopen(path, "rb");
     if (!f || fread(h, sizeof(h), 1, f) != 1) return fail("cannot read the header of", path);
     fclose(f);
@@ -41,14 +41,14 @@ int main(int argc, char** argv) {
 
     mt_config c;
     mt_config_defaults(&c);
-    c.num_layers = (int)h[2];
-    c.hidden_size = (int)h[3];
-    c.num_attention_heads = (int)h[4];
-    c.num_query_groups = (int)h[5];
-    c.kv_channels = (int)h[6];
-    c.ffn_hidden_size = (int)h[7];
-    c.vocab_size = h[8]; /* the padded size: pads to itself */
-    c.max_position_embeddings = (int)h[9];
+    c.num_layers = (int)h[MT_CK_LAYERS];
+    c.hidden_size = (int)h[MT_CK_HIDDEN];
+    c.num_attention_heads = (int)h[MT_CK_HEADS];
+    c.num_query_groups = (int)h[MT_CK_GROUPS];
+    c.kv_channels = (int)h[MT_CK_KV];
+    c.ffn_hidden_size = (int)h[MT_CK_FFN];
+    c.vocab_size = h[MT_CK_VOCAB]; /* the padded size: pads to itself */
+    c.max_position_embeddings = (int)h[MT_CK_POSITIONS];
     c.seq_length = T;
     c.micro_batch_size = B;
     c.global_batch_size = B;

@@ -103,7 +103,7 @@ static int do_export(const char* ckpt_dir, const char* hf_dir, int64_t iteration
     mt_error err;
     mt_config cfg;
     float* params = NULL;
-    int64_t header[MT_HF_CK_HEADER_WORDS];
+    int64_t header[MT_CK_HEADER_WORDS];
     if (mt_hf_checkpoint_read(ckpt_dir, iteration, &cfg, &params, header, &err) != MT_OK) return fail(&err);
     if (vocab < 0) vocab = cfg.padded_vocab_size < 50257 ? cfg.padded_vocab_size : 50257;
     mt_status st = mt_hf_gpt2_check_shape(&cfg, vocab, &err);
@@ -118,7 +118,7 @@ static int do_export(const char* ckpt_dir, const char* hf_dir, int64_t iteration
     }
     printf("exported %s iteration %lld (%d layers, hidden %d, %d heads, ffn %d, %d positions, vocab %lld of %lld "
            "padded) to %s/config.json and %s/model.safetensors (%s)\n",
-           ckpt_dir, (long long)header[MT_HF_CK_ITERATION], cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads,
+           ckpt_dir, (long long)header[MT_CK_ITERATION], cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads,
            cfg.ffn_hidden_size, cfg.max_position_embeddings, (long long)vocab, (long long)cfg.padded_vocab_size, hf_dir,
            hf_dir, mt_st_dtype_name(dtype));
     return 0;

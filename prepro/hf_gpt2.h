@@ -102,16 +102,7 @@ mt_status mt_hf_gpt2_load(const char* hf_dir, mt_config* cfg, float** params, mt
 mt_status mt_hf_gpt2_save(const char* hf_dir, const mt_config* cfg, const float* params, int64_t vocab_size,
                           mt_st_dtype dtype, mt_error* err);
 
-/* 3. megatron.c checkpoints (must match megatron.cu section 9) */
-enum {
-    MT_HF_CK_MAGIC = 0, MT_HF_CK_VERSION, MT_HF_CK_LAYERS, MT_HF_CK_HIDDEN, MT_HF_CK_HEADS, MT_HF_CK_GROUPS,
-    MT_HF_CK_KV, MT_HF_CK_FFN, MT_HF_CK_VOCAB, MT_HF_CK_POSITIONS, MT_HF_CK_NUM_PARAMS, MT_HF_CK_PRECISION,
-    MT_HF_CK_ITERATION, MT_HF_CK_CONSUMED, MT_HF_CK_SCHED_STEPS, MT_HF_CK_ADAM_STEP, MT_HF_CK_SEED,
-    MT_HF_CK_GROWTH, MT_HF_CK_HYSTERESIS, MT_HF_CK_LOSS_SCALE_BITS, MT_HF_CK_TP, MT_HF_CK_PP, MT_HF_CK_SHARDED_DP,
-    MT_HF_CK_HEADER_WORDS = 64
-};
-#define MT_HF_CK_MAGIC_VALUE 0x4b43544d /* "MTCK" */
-#define MT_HF_CK_VERSION_VALUE 1
+/* 3. megatron.c checkpoints (the format: megatron.h, MT_CK_*) */
 
 /* Writes a fresh checkpoint of cfg's model at `iteration`: the master weights, Adam m = v = 0, no
  * progress (consumed samples, scheduler and Adam steps 0), loss scale 1, precision word bf16. The
@@ -555,26 +546,13 @@ mt_status mt_hf_gpt2_load(const char* hf_dir, mt_config* cfg, float** params_out
     return MT_OK;
 }
 
-/* mkdir -p */
-static int mt_hf__mkdirs(const char* path) {
-    char buf[4096];
-    snprintf(buf, sizeof(buf), "%s", path);
-    for (char* p = buf + 1; *p; p++) {
-        if (*p != '/') continue;
-        *p = 0;
-        if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
-        *p = '/';
-    }
-    return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
-}
-
 mt_status mt_hf_gpt2_save(const char* hf_dir, const mt_config* cfg, const float* params, int64_t vocab_size,
                           mt_st_dtype dtype, mt_error* err) {
     mt_status s = mt_hf_gpt2_check_shape(cfg, vocab_size, err);
     if (s != MT_OK) return s;
     if (dtype != MT_ST_F32 && dtype != MT_ST_BF16 && dtype != MT_ST_F16)
         return mt_fail(err, MT_ERR_ARG, "export dtype %s: use F32, BF16 or F16", mt_st_dtype_name(dtype));
-    if (mt_hf__mkdirs(hf_dir) != 0) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", hf_dir, strerror(errno));
+    if (mt_make_directories(hf_dir) != 0) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", hf_dir, strerror(errno));
     int count = mt_hf_gpt2_num_tensors(cfg);
     mt_hf_tensor* ht = (mt_hf_tensor*)malloc(sizeof(mt_hf_tensor) * (size_t)count);
     mt_st_write_tensor* wt = (mt_st_write_tensor*)calloc((size_t)count, sizeof(mt_st_write_tensor));
@@ -635,7 +613,7 @@ mt_status mt_hf_checkpoint_write(const char* dir, const mt_config* c, const floa
     if (stat(tracker, &sb) == 0 || stat(final_dir, &sb) == 0)
         return mt_fail(err, MT_ERR_IO, "%s already holds a checkpoint (%s): choose an empty directory", dir,
                        stat(tracker, &sb) == 0 ? "latest_checkpointed_iteration.txt" : final_dir);
-    if (mt_hf__mkdirs(dir) != 0) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", dir, strerror(errno));
+    if (mt_make_directories(dir) != 0) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", dir, strerror(errno));
     if (mkdir(tmp_dir, 0755) != 0 || mkdir(rank_dir, 0755) != 0) {
         int e = errno;
         rmdir(rank_dir);
@@ -643,27 +621,13 @@ mt_status mt_hf_checkpoint_write(const char* dir, const mt_config* c, const floa
         return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", rank_dir, strerror(e));
     }
     int64_t n = mt_param_layout(c, NULL);
-    int64_t h[MT_HF_CK_HEADER_WORDS];
-    memset(h, 0, sizeof(h));
+    int64_t h[MT_CK_HEADER_WORDS];
     double scale = 1.0;
-    h[MT_HF_CK_MAGIC] = MT_HF_CK_MAGIC_VALUE;
-    h[MT_HF_CK_VERSION] = MT_HF_CK_VERSION_VALUE;
-    h[MT_HF_CK_LAYERS] = c->num_layers;
-    h[MT_HF_CK_HIDDEN] = c->hidden_size;
-    h[MT_HF_CK_HEADS] = c->num_attention_heads;
-    h[MT_HF_CK_GROUPS] = c->num_query_groups;
-    h[MT_HF_CK_KV] = c->kv_channels;
-    h[MT_HF_CK_FFN] = c->ffn_hidden_size;
-    h[MT_HF_CK_VOCAB] = c->padded_vocab_size;
-    h[MT_HF_CK_POSITIONS] = c->max_position_embeddings;
-    h[MT_HF_CK_NUM_PARAMS] = n;
-    h[MT_HF_CK_PRECISION] = MT_BF16;
-    h[MT_HF_CK_ITERATION] = iteration;
-    h[MT_HF_CK_SEED] = (int64_t)c->seed;
-    h[MT_HF_CK_HYSTERESIS] = c->hysteresis;
-    memcpy(&h[MT_HF_CK_LOSS_SCALE_BITS], &scale, sizeof(double));
-    h[MT_HF_CK_TP] = 1;
-    h[MT_HF_CK_PP] = 1;
+    mt_checkpoint_header_init(h, c);
+    h[MT_CK_PRECISION] = MT_BF16;
+    h[MT_CK_ITERATION] = iteration;
+    h[MT_CK_HYSTERESIS] = c->hysteresis;
+    memcpy(&h[MT_CK_LOSS_SCALE_BITS], &scale, sizeof(double));
     FILE* f = fopen(file, "wb");
     int bad = !f;
     int e = errno;
@@ -727,37 +691,37 @@ mt_status mt_hf_checkpoint_read(const char* dir, int64_t iteration, mt_config* c
     FILE* f = fopen(path, "rb");
     if (!f) return mt_fail(err, MT_ERR_IO, "cannot open checkpoint %s: %s", path, strerror(errno));
     struct stat sb;
-    int64_t h[MT_HF_CK_HEADER_WORDS];
-    if (fstat(fileno(f), &sb) != 0 || fread(h, sizeof(int64_t), MT_HF_CK_HEADER_WORDS, f) != MT_HF_CK_HEADER_WORDS) {
+    int64_t h[MT_CK_HEADER_WORDS];
+    if (fstat(fileno(f), &sb) != 0 || fread(h, sizeof(int64_t), MT_CK_HEADER_WORDS, f) != MT_CK_HEADER_WORDS) {
         fclose(f);
         return mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
     }
     mt_status s = MT_OK;
-    if (h[MT_HF_CK_MAGIC] != MT_HF_CK_MAGIC_VALUE || h[MT_HF_CK_VERSION] != MT_HF_CK_VERSION_VALUE)
+    if (h[MT_CK_MAGIC] != MT_CKPT_MAGIC || h[MT_CK_VERSION] != MT_CKPT_VERSION)
         s = mt_fail(err, MT_ERR_FORMAT, "%s is not a megatron.c checkpoint (bad magic or version)", path);
-    for (int w = MT_HF_CK_LAYERS; s == MT_OK && w <= MT_HF_CK_POSITIONS; w++)
+    for (int w = MT_CK_LAYERS; s == MT_OK && w <= MT_CK_POSITIONS; w++)
         if (h[w] <= 0 || h[w] > ((int64_t)1 << 31))
             s = mt_fail(err, MT_ERR_FORMAT, "%s: header word %d (model shape) is %lld", path, w, (long long)h[w]);
-    if (s == MT_OK && (h[MT_HF_CK_TP] != 1 || h[MT_HF_CK_PP] != 1))
+    if (s == MT_OK && (h[MT_CK_TP] != 1 || h[MT_CK_PP] != 1))
         s = mt_fail(err, MT_ERR_FORMAT, "%s was saved with tensor/pipeline parallel sizes %lld/%lld: only 1/1 converts",
-                    path, (long long)h[MT_HF_CK_TP], (long long)h[MT_HF_CK_PP]);
+                    path, (long long)h[MT_CK_TP], (long long)h[MT_CK_PP]);
     mt_config_defaults(c);
-    c->num_layers = (int)h[MT_HF_CK_LAYERS];
-    c->hidden_size = (int)h[MT_HF_CK_HIDDEN];
-    c->num_attention_heads = (int)h[MT_HF_CK_HEADS];
-    c->num_query_groups = (int)h[MT_HF_CK_GROUPS];
-    c->kv_channels = (int)h[MT_HF_CK_KV];
-    c->ffn_hidden_size = (int)h[MT_HF_CK_FFN];
-    c->padded_vocab_size = c->vocab_size = h[MT_HF_CK_VOCAB];
-    c->max_position_embeddings = c->seq_length = (int)h[MT_HF_CK_POSITIONS];
+    c->num_layers = (int)h[MT_CK_LAYERS];
+    c->hidden_size = (int)h[MT_CK_HIDDEN];
+    c->num_attention_heads = (int)h[MT_CK_HEADS];
+    c->num_query_groups = (int)h[MT_CK_GROUPS];
+    c->kv_channels = (int)h[MT_CK_KV];
+    c->ffn_hidden_size = (int)h[MT_CK_FFN];
+    c->padded_vocab_size = c->vocab_size = h[MT_CK_VOCAB];
+    c->max_position_embeddings = c->seq_length = (int)h[MT_CK_POSITIONS];
     int64_t n = s == MT_OK ? mt_param_layout(c, NULL) : 0;
-    if (s == MT_OK && h[MT_HF_CK_NUM_PARAMS] != n)
+    if (s == MT_OK && h[MT_CK_NUM_PARAMS] != n)
         s = mt_fail(err, MT_ERR_FORMAT, "%s: header says %lld parameters but its model shape has %lld", path,
-                    (long long)h[MT_HF_CK_NUM_PARAMS], (long long)n);
-    int arrays = h[MT_HF_CK_SHARDED_DP] > 0 ? 1 : 3; /* sharded optimizer state: master weights only */
+                    (long long)h[MT_CK_NUM_PARAMS], (long long)n);
+    int arrays = h[MT_CK_SHARDED_DP] > 0 ? 1 : 3; /* sharded optimizer state: master weights only */
     uint64_t want = sizeof(h) + (uint64_t)arrays * sizeof(float) * (uint64_t)n;
-    if (s == MT_OK && h[MT_HF_CK_SHARDED_DP] < 0)
-        s = mt_fail(err, MT_ERR_FORMAT, "%s: bad sharding word %lld", path, (long long)h[MT_HF_CK_SHARDED_DP]);
+    if (s == MT_OK && h[MT_CK_SHARDED_DP] < 0)
+        s = mt_fail(err, MT_ERR_FORMAT, "%s: bad sharding word %lld", path, (long long)h[MT_CK_SHARDED_DP]);
     if (s == MT_OK && (uint64_t)sb.st_size != want)
         s = mt_fail(err, MT_ERR_FORMAT, "%s is %s: %lld bytes, expected %llu", path,
                     (uint64_t)sb.st_size < want ? "truncated" : "too long", (long long)sb.st_size, (unsigned long long)want);
