@@ -210,7 +210,7 @@ __global__ void cast_to_float_kernel(float* dst, const T* src, int64_t n) {
     if (i < n) dst[i] = to_float<T>(src[i]);
 }
 
-/* ---- 2.2 Embedding: x[b,t,:] = word[token] + position[t]. ---- */
+/* ---- 2.2 Embedding: x[b,t,:] = word[token] + position[t] (no position table with RoPE: wpe NULL). ---- */
 
 template <typename T>
 __global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T* wte, const T* wpe, int BT, int seq,
@@ -220,7 +220,7 @@ __global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T*
     int bt = (int)(idx / C), c = (int)(idx % C);
     int t = bt % seq;
     int64_t tok = tokens[bt];
-    out[idx] = from_float<T>(to_float(wte[tok * C + c]) + to_float(wpe[(int64_t)t * C + c]));
+    out[idx] = from_float<T>(to_float(wte[tok * C + c]) + (wpe ? to_float(wpe[(int64_t)t * C + c]) : 0.0f));
 }
 
 /* Position-embedding gradient: dwpe[t,c] += sum over the batch, in batch order. */
@@ -248,18 +248,20 @@ __global__ void word_embedding_backward_kernel(float* dwte, const T* dout, const
     }
 }
 
-/* ---- 2.3 LayerNorm: one warp per row, statistics in fp32, mean and 1/std saved for backward. ---- */
+/* ---- 2.3 LayerNorm and RMSNorm: one warp per row, statistics in fp32, mean and 1/std saved for
+ *      backward. RMSNorm is the same kernel with the mean fixed at 0 (saved as 0, so the backward's
+ *      x-hat is x * rstd) and no bias: y = x / sqrt(mean(x^2) + eps) * w. ---- */
 
 template <typename T>
 __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_out, const T* x, const T* weight,
-                                         const T* bias, int N, int C, float eps) {
+                                         const T* bias, int N, int C, float eps, bool rms) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= N) return;
     const T* xr = x + (int64_t)row * C;
     float sum = 0.0f;
     for (int c = lane; c < C; c += 32) sum += to_float(xr[c]);
-    float mean = warp_sum(sum) / C;
+    float mean = rms ? 0.0f : warp_sum(sum) / C;
     float var = 0.0f;
     for (int c = lane; c < C; c += 32) {
         float d = to_float(xr[c]) - mean;
@@ -269,7 +271,7 @@ __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_ou
     float rstd = 1.0f / sqrtf(var + eps);
     T* o = out + (int64_t)row * C;
     for (int c = lane; c < C; c += 32)
-        o[c] = from_float<T>((to_float(xr[c]) - mean) * rstd * to_float(weight[c]) + to_float(bias[c]));
+        o[c] = from_float<T>((to_float(xr[c]) - mean) * rstd * to_float(weight[c]) + (bias ? to_float(bias[c]) : 0.0f));
     if (lane == 0) {
         mean_out[row] = mean;
         rstd_out[row] = rstd;
@@ -277,10 +279,10 @@ __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_ou
 }
 
 /* Input gradient, added into the residual gradient: dres += rstd * (g - mean(g) - xhat * mean(g*xhat)),
- * g = dy * weight. */
+ * g = dy * weight (RMSNorm: without the mean(g) term). */
 template <typename T>
 __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const T* x, const T* weight,
-                                                const float* mean, const float* rstd, int N, int C) {
+                                                const float* mean, const float* rstd, int N, int C, bool rms) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= N) return;
@@ -293,7 +295,7 @@ __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const
         sum_g += g;
         sum_gx += g * (to_float(xr[c]) - m) * rs;
     }
-    float mean_g = warp_sum(sum_g) / C, mean_gx = warp_sum(sum_gx) / C;
+    float mean_g = rms ? 0.0f : warp_sum(sum_g) / C, mean_gx = warp_sum(sum_gx) / C;
     T* dr = dresidual + (int64_t)row * C;
     for (int c = lane; c < C; c += 32) {
         float xhat = (to_float(xr[c]) - m) * rs;
@@ -306,7 +308,7 @@ __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const
  * Statistics are summed in the same per-lane-then-warp pattern, so results are deterministic. */
 template <typename T>
 __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rstd_out, const T* x, const T* weight,
-                                             const T* bias, int N, int C, float eps) {
+                                             const T* bias, int N, int C, float eps, bool rms) {
     constexpr int V = vec16<T>::N;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -319,7 +321,7 @@ __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rst
 #pragma unroll
         for (int i = 0; i < V; i++) sum += v[i];
     }
-    float mean = warp_sum(sum) / C;
+    float mean = rms ? 0.0f : warp_sum(sum) / C;
     float var = 0.0f;
     for (int c = lane * V; c < C; c += 32 * V) {
         load16(v, xr + c);
@@ -331,9 +333,9 @@ __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rst
     for (int c = lane * V; c < C; c += 32 * V) {
         load16(v, xr + c);
         load16(w, weight + c);
-        load16(b, bias + c);
+        if (bias) load16(b, bias + c);
 #pragma unroll
-        for (int i = 0; i < V; i++) v[i] = (v[i] - mean) * rstd * w[i] + b[i];
+        for (int i = 0; i < V; i++) v[i] = (v[i] - mean) * rstd * w[i] + (bias ? b[i] : 0.0f);
         store16(o + c, v);
     }
     if (lane == 0) {
@@ -344,7 +346,7 @@ __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rst
 
 template <typename T>
 __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, const T* x, const T* weight,
-                                                    const float* mean, const float* rstd, int N, int C) {
+                                                    const float* mean, const float* rstd, int N, int C, bool rms) {
     constexpr int V = vec16<T>::N;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -365,7 +367,7 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
             sum_gx += gi * (xv[i] - m) * rs;
         }
     }
-    float mean_g = warp_sum(sum_g) / C, mean_gx = warp_sum(sum_gx) / C;
+    float mean_g = rms ? 0.0f : warp_sum(sum_g) / C, mean_gx = warp_sum(sum_gx) / C;
     T* dr = dresidual + (int64_t)row * C;
     for (int c = lane * V; c < C; c += 32 * V) {
         load16(g, dyr + c);
@@ -375,6 +377,61 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
 #pragma unroll
         for (int i = 0; i < V; i++) d[i] += rs * (g[i] * w[i] - mean_g - (xv[i] - m) * rs * mean_gx);
         store16(dr + c, d);
+    }
+}
+
+/* The residual add fused with the next norm: sum = residual + branch (+ bias), stored (it is the
+ * residual stream and the norm's saved input), then y = norm(sum). The row stays in registers
+ * between the two (at most 32 * MAXV vectors per row; the launcher checks), so the sum is read
+ * back from no memory at all. The stored sum is rounded to T before the statistics, exactly as if
+ * the norm had read it back. */
+template <typename T, int MAXV>
+__global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean_out, float* rstd_out,
+                                                 const T* residual, const T* branch, const T* bias, const T* weight,
+                                                 const T* norm_bias, int N, int C, float eps, bool rms) {
+    constexpr int V = vec16<T>::N;
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= N) return;
+    int64_t base = (int64_t)row * C;
+    float r[MAXV][V], y[V], w[V];
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < MAXV; j++) {
+        int c = (lane + 32 * j) * V;
+        if (c >= C) break;
+        load16(r[j], residual + base + c);
+        load16(y, branch + base + c);
+        if (bias) load16(w, bias + c);
+#pragma unroll
+        for (int i = 0; i < V; i++) {
+            r[j][i] = to_float(from_float<T>(r[j][i] + y[i] + (bias ? w[i] : 0.0f)));
+            sum += r[j][i];
+        }
+        store16(sum_out + base + c, r[j]);
+    }
+    float mean = rms ? 0.0f : warp_sum(sum) / C;
+    float var = 0.0f;
+#pragma unroll
+    for (int j = 0; j < MAXV; j++) {
+        if ((lane + 32 * j) * V >= C) break;
+#pragma unroll
+        for (int i = 0; i < V; i++) var += (r[j][i] - mean) * (r[j][i] - mean);
+    }
+    float rstd = 1.0f / sqrtf(warp_sum(var) / C + eps);
+#pragma unroll
+    for (int j = 0; j < MAXV; j++) {
+        int c = (lane + 32 * j) * V;
+        if (c >= C) break;
+        load16(w, weight + c);
+        if (norm_bias) load16(y, norm_bias + c);
+#pragma unroll
+        for (int i = 0; i < V; i++) y[i] = (r[j][i] - mean) * rstd * w[i] + (norm_bias ? y[i] : 0.0f);
+        store16(out + base + c, y);
+    }
+    if (lane == 0) {
+        mean_out[row] = mean;
+        rstd_out[row] = rstd;
     }
 }
 
@@ -414,7 +471,8 @@ __global__ void column_final_sum_kernel(float* dst, const float* partial, int ch
     dst[c] += s;
 }
 
-/* ---- 2.5 Bias, residual, GELU (tanh approximation) ---- */
+/* ---- 2.5 Bias, residual, GELU (tanh approximation), SwiGLU. A NULL bias means the model has none
+ *      (--disable-bias-linear). ---- */
 
 template <typename T>
 __global__ void bias_add_kernel(T* y, const T* bias, int64_t N, int C) {
@@ -491,9 +549,9 @@ __global__ void bias_residual_vec_kernel(T* out, const T* residual, const T* bra
     float r[V], y[V], b[V];
     load16(r, residual + e);
     load16(y, branch + e);
-    load16(b, bias + e % C);
+    if (bias) load16(b, bias + e % C);
 #pragma unroll
-    for (int k = 0; k < V; k++) r[k] += y[k] + b[k];
+    for (int k = 0; k < V; k++) r[k] += y[k] + (bias ? b[k] : 0.0f);
     store16(out + e, r);
 }
 
@@ -505,11 +563,11 @@ __global__ void bias_gelu_vec_kernel(T* pre, T* act, const T* bias, int64_t vect
     int64_t e = i * V;
     float y[V], b[V], a[V];
     load16(y, pre + e);
-    load16(b, bias + e % C);
+    if (bias) load16(b, bias + e % C);
 #pragma unroll
     for (int k = 0; k < V; k++) {
         /* round the pre-activation to T first: the backward recomputes gelu' from the stored value */
-        float x = to_float(from_float<T>(y[k] + b[k]));
+        float x = to_float(from_float<T>(y[k] + (bias ? b[k] : 0.0f)));
         y[k] = x;
         a[k] = 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
     }
@@ -517,31 +575,111 @@ __global__ void bias_gelu_vec_kernel(T* pre, T* act, const T* bias, int64_t vect
     store16(act + e, a);
 }
 
-/* ---- 2.6 Attention pieces (the exact, simple path: scores are materialised per layer).
- *      The fused QKV row of one token is Megatron's grouped layout [groups, (q_per_group + 2), d]:
- *      q_1 .. q_{q_per_group}, k, v for each query group. Heads of one group share K and V. ---- */
+/* SwiGLU (Megatron's --swiglu): the first MLP linear gives pre [N, 2f] = [gate | up] per row;
+ * act [N, f] = silu(gate) * up. The bias, if any, is added into pre first (rounded to T, as the
+ * backward reads it back). i indexes elements (scalar) or vectors (vec) of act. */
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
-/* qkv [B, T, groups*(qpg+2)*d] -> q, k, v [B, heads, T, d] (k and v repeated for each head of a group). */
 template <typename T>
-__global__ void attention_split_heads_kernel(T* q, T* k, T* v, const T* qkv, int B, int seq, int heads, int groups,
-                                             int d) {
-    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (int64_t)B * heads * seq * d) return;
-    int e = (int)(idx % d);
-    int t = (int)((idx / d) % seq);
-    int h = (int)((idx / ((int64_t)d * seq)) % heads);
-    int b = (int)(idx / ((int64_t)d * seq * heads));
-    int qpg = heads / groups, g = h / qpg, s = h % qpg;
-    const T* row = qkv + ((int64_t)b * seq + t) * (int64_t)groups * (qpg + 2) * d + (int64_t)g * (qpg + 2) * d;
-    q[idx] = row[s * d + e];
-    k[idx] = row[qpg * d + e];
-    v[idx] = row[(qpg + 1) * d + e];
+__global__ void swiglu_forward_kernel(T* pre, T* act, const T* bias, int64_t N, int f) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N * f) return;
+    int64_t row = i / f;
+    int col = (int)(i % f);
+    T* g = pre + row * 2 * f + col;
+    float gate = to_float(*g), up = to_float(g[f]);
+    if (bias) {
+        gate = to_float(from_float<T>(gate + to_float(bias[col])));
+        up = to_float(from_float<T>(up + to_float(bias[f + col])));
+        g[0] = from_float<T>(gate);
+        g[f] = from_float<T>(up);
+    }
+    act[i] = from_float<T>(silu(gate) * up);
 }
 
-/* Backward of the split: dqkv from dq, dk, dv; a group's dk/dv sum its heads in order. */
+/* dpre [N, 2f] from dact [N, f]: dgate = dact * up * silu'(gate), dup = dact * silu(gate), with
+ * silu'(x) = s (1 + x (1 - s)), s = sigmoid(x). */
 template <typename T>
-__global__ void attention_merge_head_grads_kernel(T* dqkv, const T* dq, const T* dk, const T* dv, int B, int seq,
-                                                  int heads, int groups, int d) {
+__global__ void swiglu_backward_kernel(T* dpre, const T* dact, const T* pre, int64_t N, int f) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N * f) return;
+    int64_t row = i / f;
+    int col = (int)(i % f);
+    float gate = to_float(pre[row * 2 * f + col]), up = to_float(pre[row * 2 * f + f + col]);
+    float s = 1.0f / (1.0f + expf(-gate)), d = to_float(dact[i]);
+    dpre[row * 2 * f + col] = from_float<T>(d * up * s * (1.0f + gate * (1.0f - s)));
+    dpre[row * 2 * f + f + col] = from_float<T>(d * gate * s);
+}
+
+template <typename T>
+__global__ void swiglu_forward_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int f) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    int64_t row = i * V / f;
+    int col = (int)(i * V % f);
+    T* g = pre + row * 2 * f + col;
+    float gate[V], up[V], b[V], a[V];
+    load16(gate, g);
+    load16(up, g + f);
+    if (bias) {
+        load16(b, bias + col);
+#pragma unroll
+        for (int k = 0; k < V; k++) gate[k] = to_float(from_float<T>(gate[k] + b[k]));
+        load16(b, bias + f + col);
+#pragma unroll
+        for (int k = 0; k < V; k++) up[k] = to_float(from_float<T>(up[k] + b[k]));
+        store16(g, gate);
+        store16(g + f, up);
+    }
+#pragma unroll
+    for (int k = 0; k < V; k++) a[k] = silu(gate[k]) * up[k];
+    store16(act + i * V, a);
+}
+
+template <typename T>
+__global__ void swiglu_backward_vec_kernel(T* dpre, const T* dact, const T* pre, int64_t vectors, int f) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    int64_t row = i * V / f;
+    int col = (int)(i * V % f);
+    float gate[V], up[V], d[V], dg[V];
+    load16(gate, pre + row * 2 * f + col);
+    load16(up, pre + row * 2 * f + f + col);
+    load16(d, dact + i * V);
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        float s = 1.0f / (1.0f + expf(-gate[k]));
+        dg[k] = d[k] * up[k] * s * (1.0f + gate[k] * (1.0f - s));
+        up[k] = d[k] * gate[k] * s;
+    }
+    store16(dpre + row * 2 * f + col, dg);
+    store16(dpre + row * 2 * f + f + col, up);
+}
+
+/* ---- 2.6 Attention pieces (the exact, simple path: scores are materialised per layer).
+ *      The fused QKV row of one token is Megatron's grouped layout [groups, (q_per_group + 2), d]:
+ *      q_1 .. q_{q_per_group}, k, v for each query group. Heads of one group share K and V, which
+ *      are kept once per group (never repeated per head).
+ *      RoPE (Megatron's non-interleaved form) rotates the first `rot` channels of every q and k
+ *      head at position t: with half = rot/2, c = cos(t w_i), s = sin(t w_i), i = e mod half,
+ *        y[e] = x[e] c - x[e + half] s   (e < half),   y[e] = x[e] c + x[e - half] s   (half <= e < rot).
+ *      It is fused into the split (and its transpose into the gradient merge); rot = 0 without
+ *      RoPE. cos/sin tables are [T, half] fp32. ---- */
+
+/* Where channel e of QKV-row slot `slot` of group g goes: q [B, heads, T, d], k and v [B, groups, T, d]. */
+__device__ __forceinline__ int64_t qkv_destination(int slot, int qpg, int g, int b, int t, int e, int seq, int heads,
+                                                   int groups, int d) {
+    if (slot < qpg) return (((int64_t)b * heads + g * qpg + slot) * seq + t) * d + e;
+    return (((int64_t)b * groups + g) * seq + t) * d + e;
+}
+
+/* qkv [B, T, groups*(qpg+2)*d] -> q, k, v; q and k rotated. One thread per element of qkv. */
+template <typename T>
+__global__ void attention_split_heads_kernel(T* q, T* k, T* v, const T* qkv, const float* cos_table,
+                                             const float* sin_table, int B, int seq, int heads, int groups, int d,
+                                             int rot) {
     int qpg = heads / groups;
     int width = groups * (qpg + 2) * d;
     int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -550,18 +688,75 @@ __global__ void attention_merge_head_grads_kernel(T* dqkv, const T* dq, const T*
     int64_t bt = idx / width;
     int b = (int)(bt / seq), t = (int)(bt % seq);
     int g = col / ((qpg + 2) * d), slot = (col / d) % (qpg + 2), e = col % d;
-    float acc = 0.0f;
-    if (slot < qpg) {
-        int h = g * qpg + slot;
-        acc = to_float(dq[(((int64_t)b * heads + h) * seq + t) * d + e]);
-    } else {
-        const T* src = slot == qpg ? dk : dv;
-        for (int s = 0; s < qpg; s++) {
-            int h = g * qpg + s;
-            acc += to_float(src[(((int64_t)b * heads + h) * seq + t) * d + e]);
-        }
+    float x = to_float(qkv[idx]);
+    if (slot <= qpg && e < rot) {
+        int half = rot / 2, i = e % half;
+        float c = cos_table[(int64_t)t * half + i], s = sin_table[(int64_t)t * half + i];
+        x = e < half ? x * c - to_float(qkv[idx + half]) * s : x * c + to_float(qkv[idx - half]) * s;
     }
-    dqkv[idx] = from_float<T>(acc);
+    T* dst = slot < qpg ? q : (slot == qpg ? k : v);
+    dst[qkv_destination(slot, qpg, g, b, t, e, seq, heads, groups, d)] = from_float<T>(x);
+}
+
+/* Backward of the split: dqkv from dq [B, heads, T, d], dk, dv [B, groups, T, d], un-rotating
+ * (the transpose of the rotation: dx[e] = dy[e] c + dy[e + half] s, dx[e + half] = dy[e + half] c - dy[e] s). */
+template <typename T>
+__global__ void attention_merge_head_grads_kernel(T* dqkv, const T* dq, const T* dk, const T* dv,
+                                                  const float* cos_table, const float* sin_table, int B, int seq,
+                                                  int heads, int groups, int d, int rot) {
+    int qpg = heads / groups;
+    int width = groups * (qpg + 2) * d;
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (int64_t)B * seq * width) return;
+    int col = (int)(idx % width);
+    int64_t bt = idx / width;
+    int b = (int)(bt / seq), t = (int)(bt % seq);
+    int g = col / ((qpg + 2) * d), slot = (col / d) % (qpg + 2), e = col % d;
+    const T* src = slot < qpg ? dq : (slot == qpg ? dk : dv);
+    int64_t at = qkv_destination(slot, qpg, g, b, t, e, seq, heads, groups, d);
+    float x = to_float(src[at]);
+    if (slot <= qpg && e < rot) {
+        int half = rot / 2, i = e % half;
+        float c = cos_table[(int64_t)t * half + i], s = sin_table[(int64_t)t * half + i];
+        x = e < half ? x * c + to_float(src[at + half]) * s : x * c - to_float(src[at - half]) * s;
+    }
+    dqkv[idx] = from_float<T>(x);
+}
+
+/* The same two with 16-byte vectors (d and, with RoPE, half a multiple of the vector width, so a
+ * vector never straddles a head, the rotary halves or the rotary end). i indexes vectors of qkv. */
+template <typename T, bool BACKWARD>
+__global__ void attention_qkv_permute_vec_kernel(T* qkv, T* q, T* k, T* v, const float* cos_table,
+                                                 const float* sin_table, int B, int seq, int heads, int groups, int d,
+                                                 int rot) {
+    constexpr int V = vec16<T>::N;
+    int qpg = heads / groups;
+    int width = groups * (qpg + 2) * d;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)B * seq * (width / V)) return;
+    int col = (int)(i % (width / V)) * V;
+    int64_t bt = i / (width / V);
+    int b = (int)(bt / seq), t = (int)(bt % seq);
+    int g = col / ((qpg + 2) * d), slot = (col / d) % (qpg + 2), e = col % d;
+    T* heads_side = slot < qpg ? q : (slot == qpg ? k : v);
+    int64_t at = qkv_destination(slot, qpg, g, b, t, e, seq, heads, groups, d);
+    const T* src = BACKWARD ? heads_side + at : qkv + i * V;
+    T* dst = BACKWARD ? qkv + i * V : heads_side + at;
+    if (slot > qpg || e >= rot) {
+        *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(src);
+        return;
+    }
+    int half = rot / 2, first = e < half;
+    float x[V], p[V];
+    load16(x, src);
+    load16(p, first ? src + half : src - half);
+    const float* cs = cos_table + (int64_t)t * half + e % half;
+    const float* sn = sin_table + (int64_t)t * half + e % half;
+    /* forward: first half x c - p s, second x c + p s; backward (transpose): the signs swap */
+    float sign = (first != BACKWARD) ? -1.0f : 1.0f;
+#pragma unroll
+    for (int j = 0; j < V; j++) x[j] = x[j] * cs[j] + sign * p[j] * sn[j];
+    store16(dst, x);
 }
 
 /* [B, heads, T, d] <-> [B, T, heads*d] */
@@ -586,56 +781,8 @@ __global__ void attention_split_grad_kernel(T* out, const T* in, int B, int seq,
     out[idx] = in[(((int64_t)b * seq + t) * heads + h) * d + e];
 }
 
-/* The same four permutes moving 16-byte vectors (d a multiple of the vector width): index math once
+/* The same two permutes moving 16-byte vectors (d a multiple of the vector width): index math once
  * per vector instead of per element, full-width loads and stores. `i` indexes vectors of the output. */
-template <typename T>
-__global__ void attention_split_heads_vec_kernel(T* q, T* k, T* v, const T* qkv, int B, int seq, int heads, int groups,
-                                                 int d) {
-    constexpr int V = vec16<T>::N;
-    int dv = d / V;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (int64_t)B * heads * seq * dv) return;
-    int e = (int)(i % dv) * V;
-    int t = (int)((i / dv) % seq);
-    int h = (int)((i / ((int64_t)dv * seq)) % heads);
-    int b = (int)(i / ((int64_t)dv * seq * heads));
-    int qpg = heads / groups, g = h / qpg, s = h % qpg;
-    const T* row = qkv + ((int64_t)b * seq + t) * (int64_t)groups * (qpg + 2) * d + (int64_t)g * (qpg + 2) * d;
-    reinterpret_cast<int4*>(q)[i] = *reinterpret_cast<const int4*>(row + s * d + e);
-    reinterpret_cast<int4*>(k)[i] = *reinterpret_cast<const int4*>(row + qpg * d + e);
-    reinterpret_cast<int4*>(v)[i] = *reinterpret_cast<const int4*>(row + (qpg + 1) * d + e);
-}
-
-template <typename T>
-__global__ void attention_merge_head_grads_vec_kernel(T* dqkv, const T* dq, const T* dk, const T* dv, int B, int seq,
-                                                      int heads, int groups, int d) {
-    constexpr int V = vec16<T>::N;
-    int qpg = heads / groups;
-    int width = groups * (qpg + 2) * d;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (int64_t)B * seq * (width / V)) return;
-    int col = (int)(i % (width / V)) * V;
-    int64_t bt = i / (width / V);
-    int b = (int)(bt / seq), t = (int)(bt % seq);
-    int g = col / ((qpg + 2) * d), slot = (col / d) % (qpg + 2), e = col % d;
-    if (slot < qpg) {
-        int h = g * qpg + slot;
-        reinterpret_cast<int4*>(dqkv)[i] = *reinterpret_cast<const int4*>(dq + (((int64_t)b * heads + h) * seq + t) * d + e);
-        return;
-    }
-    const T* src = slot == qpg ? dk : dv;
-    float acc[V], x[V];
-#pragma unroll
-    for (int j = 0; j < V; j++) acc[j] = 0.0f;
-    for (int s = 0; s < qpg; s++) { /* a group's heads, in order */
-        int h = g * qpg + s;
-        load16(x, src + (((int64_t)b * heads + h) * seq + t) * d + e);
-#pragma unroll
-        for (int j = 0; j < V; j++) acc[j] += x[j];
-    }
-    store16(dqkv + i * V, acc);
-}
-
 template <typename T>
 __global__ void attention_merge_heads_vec_kernel(T* out, const T* in, int B, int seq, int heads, int d) {
     constexpr int V = vec16<T>::N;
@@ -1700,17 +1847,18 @@ static void linear_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dx, flo
     if (dbias) column_sum<T>(g, s, dbias, dy, N, out);
 }
 
+/* out = norm(x): LayerNorm (w, b) or RMSNorm (w; b NULL, rms) over rows of [N, C]. */
 template <typename T>
-static void layernorm_forward(mt_gemm_context* g, T* out, float* mean, float* rstd, const T* x, const T* w, const T* b,
-                              int N, int C, float eps) {
+static void norm_forward(mt_gemm_context* g, T* out, float* mean, float* rstd, const T* x, const T* w, const T* b,
+                         int N, int C, float eps, bool rms) {
     if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
-        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(out, mean, rstd, x, w, b, N, C, eps);
+        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
     else
-        layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(out, mean, rstd, x, w, b, N, C, eps);
+        layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
     LAUNCH_CHECK(g->error);
 }
 
-/* out[N, C] = residual + branch + bias[C] */
+/* out[N, C] = residual + branch + bias[C] (bias may be NULL) */
 template <typename T>
 static void bias_residual(mt_gemm_context* g, T* out, const T* residual, T* branch, const T* bias, int N, int C) {
     int64_t n = (int64_t)N * C;
@@ -1718,13 +1866,31 @@ static void bias_residual(mt_gemm_context* g, T* out, const T* residual, T* bran
         int64_t vectors = n / vec16<T>::N;
         bias_residual_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, g->stream>>>(out, residual, branch, bias, vectors, C);
     } else {
-        bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(branch, bias, N, C);
+        if (bias) bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(branch, bias, N, C);
         residual_add_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(out, residual, branch, n);
     }
     LAUNCH_CHECK(g->error);
 }
 
-/* pre[N, C] += bias; act = gelu(pre) */
+/* sum = residual + branch + bias (the residual stream), then out = norm(sum): one kernel when a
+ * row fits the registers of one warp (C <= 32 * 8 vectors: hidden 2048 in bf16), else two. */
+#define RESIDUAL_NORM_MAXV 8
+template <typename T>
+static void residual_norm_forward(mt_gemm_context* g, T* sum, T* out, float* mean, float* rstd, const T* residual,
+                                  T* branch, const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms) {
+    constexpr int V = vec16<T>::N;
+    if (C % V == 0 && C <= 32 * V * RESIDUAL_NORM_MAXV && aligned16(sum) && aligned16(out) && aligned16(residual) &&
+        aligned16(branch) && aligned16(bias) && aligned16(w) && aligned16(b)) {
+        residual_norm_forward_vec_kernel<T, RESIDUAL_NORM_MAXV><<<ceil_div(N, 8), 256, 0, g->stream>>>(
+            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms);
+        LAUNCH_CHECK(g->error);
+        return;
+    }
+    bias_residual<T>(g, sum, residual, branch, bias, N, C);
+    norm_forward<T>(g, out, mean, rstd, sum, w, b, N, C, eps, rms);
+}
+
+/* pre[N, C] += bias (may be NULL); act = gelu(pre) */
 template <typename T>
 static void bias_gelu(mt_gemm_context* g, T* pre, T* act, const T* bias, int N, int C) {
     int64_t n = (int64_t)N * C;
@@ -1732,27 +1898,63 @@ static void bias_gelu(mt_gemm_context* g, T* pre, T* act, const T* bias, int N, 
         int64_t vectors = n / vec16<T>::N;
         bias_gelu_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, g->stream>>>(pre, act, bias, vectors, C);
     } else {
-        bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(pre, bias, N, C);
+        if (bias) bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(pre, bias, N, C);
         gelu_forward_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(act, pre, n);
     }
     LAUNCH_CHECK(g->error);
 }
 
-/* dresidual += d LN(x)/dx . dy ; dweight, dbias += their column sums. */
+/* pre[N, 2f] += bias (may be NULL); act[N, f] = silu(gate) * up */
 template <typename T>
-static void layernorm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dresidual, float* dweight, float* dbias,
-                               const T* dy, const T* x, const T* w, const float* mean, const float* rstd, int N, int C) {
+static void bias_swiglu(mt_gemm_context* g, T* pre, T* act, const T* bias, int N, int f) {
+    int64_t n = (int64_t)N * f;
+    if (f % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias))
+        swiglu_forward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, g->stream>>>(pre, act, bias,
+                                                                                           n / vec16<T>::N, f);
+    else
+        swiglu_forward_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(pre, act, bias, N, f);
+    LAUNCH_CHECK(g->error);
+}
+
+/* d <- d * gelu'(pre), in place over [n] */
+template <typename T>
+static void gelu_backward(mt_gemm_context* g, T* d, const T* pre, int64_t n) {
+    if (n % vec16<T>::N == 0 && aligned16(d) && aligned16(pre))
+        gelu_backward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, g->stream>>>(d, pre, n / vec16<T>::N);
+    else
+        gelu_backward_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(d, pre, n);
+    LAUNCH_CHECK(g->error);
+}
+
+/* dpre[N, 2f] from dact[N, f] and pre[N, 2f] */
+template <typename T>
+static void swiglu_backward(mt_gemm_context* g, T* dpre, const T* dact, const T* pre, int N, int f) {
+    int64_t n = (int64_t)N * f;
+    if (f % vec16<T>::N == 0 && aligned16(dpre) && aligned16(dact) && aligned16(pre))
+        swiglu_backward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, g->stream>>>(dpre, dact, pre,
+                                                                                            n / vec16<T>::N, f);
+    else
+        swiglu_backward_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(dpre, dact, pre, N, f);
+    LAUNCH_CHECK(g->error);
+}
+
+/* dresidual += d norm(x)/dx . dy ; dweight (and dbias, LayerNorm only) += their column sums. */
+template <typename T>
+static void norm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dresidual, float* dweight, float* dbias,
+                          const T* dy, const T* x, const T* w, const float* mean, const float* rstd, int N, int C,
+                          bool rms) {
     if (C % vec16<T>::N == 0 && aligned16(dresidual) && aligned16(dy) && aligned16(x) && aligned16(w))
         layernorm_backward_input_vec_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(dresidual, dy, x, w, mean, rstd,
-                                                                                      N, C);
+                                                                                      N, C, rms);
     else
-        layernorm_backward_input_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(dresidual, dy, x, w, mean, rstd, N, C);
+        layernorm_backward_input_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(dresidual, dy, x, w, mean, rstd, N,
+                                                                                  C, rms);
     int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
     dim3 grid(ceil_div(C, 256), chunks);
     column_partial_sum_kernel<T, COLSUM_LAYERNORM><<<grid, 256, 0, g->stream>>>(s->partial_a, s->partial_b, dy, x, mean,
                                                                                rstd, N, C, rows);
     column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, g->stream>>>(dweight, s->partial_a, chunks, C);
-    column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, g->stream>>>(dbias, s->partial_b, chunks, C);
+    if (dbias) column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, g->stream>>>(dbias, s->partial_b, chunks, C);
     LAUNCH_CHECK(g->error);
 }
 
@@ -1766,7 +1968,7 @@ static void layernorm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dres
 typedef struct {
     /* saved for backward, per layer l (pointers to layer 0; layer l is + l * stride) */
     void* residual;      /* [L+1, BT, h]: input of layer l; [L] is the input of the final norm */
-    void* ln1;           /* [L, BT, h] */
+    void* ln1;           /* [L, BT, h] (the first norm's output: LayerNorm or RMSNorm) */
     float* ln1_mean;     /* [L, BT] */
     float* ln1_rstd;     /* [L, BT] */
     void* qkv;           /* [L, BT, qkv_width] */
@@ -1777,26 +1979,26 @@ typedef struct {
     void* ln2;           /* [L, BT, h] */
     float* ln2_mean;     /* [L, BT] */
     float* ln2_rstd;     /* [L, BT] */
-    void* fc1;           /* [L, BT, f]: before GELU */
-    void* gelu;          /* [L, BT, f] */
+    void* fc1;           /* [L, BT, f1]: before the activation (f1 = 2f with SwiGLU: gate | up) */
+    void* act;           /* [L, BT, f]: GELU or SwiGLU output */
     void* lnf;           /* [BT, h] */
     float* lnf_mean;     /* [BT] */
     float* lnf_rstd;     /* [BT] */
     void* logits;        /* [BT, Vp], overwritten by its gradient */
     /* scratch, reused by every layer */
-    void* q;             /* [B, heads, T, d] (q, then dq) */
-    void* k;             /* [B, heads, T, d] */
-    void* v;             /* [B, heads, T, d] */
+    void* q;             /* [B, heads, T, d] (q, then dq), rotated with RoPE */
+    void* k;             /* [B, groups, T, d] rotated with RoPE */
+    void* v;             /* [B, groups, T, d] */
     void* o;             /* [B, heads, T, d] attention output before merging heads, then d out */
-    void* dk;            /* [B, heads, T, d] */
-    void* dv;            /* [B, heads, T, d] */
+    void* dk;            /* [B, groups, T, d] */
+    void* dv;            /* [B, groups, T, d] */
     void* dscores;       /* [B*heads, T, T] (exact path only) */
     void* dq;            /* [B, heads, T, d] (flash path only) */
     void* o_saved;       /* [B, heads, T, d] the forward's output, re-split for backward (flash path) */
     float* dsum;         /* [B*heads*T] rowsum(dO * O) (flash path) */
     float* logits_row;   /* [Vp] fp32 staging of one row of logits */
-    void* branch;        /* [BT, max(h, qkv_width, f)]: a sublayer's output / gradient */
-    void* branch2;       /* [BT, max(h, heads*d, f)] */
+    void* branch;        /* [BT, max(h, qkv_width, heads*d, f1)]: a sublayer's output / gradient */
+    void* branch2;       /* [BT, same] */
     void* dresidual;     /* [BT, h] gradient of the residual stream */
     int32_t* inputs;     /* [BT] */
     int32_t* targets;    /* [BT] */
@@ -1817,6 +2019,8 @@ struct mt_trainer {
     int64_t num_params;       /* the model's parameters (canonical count, no padding) */
     size_t elem;              /* bytes per model element */
     int flash;                /* attention by the flash kernels (bf16, head dim 64/128), else exact */
+    float* rope_cos;          /* [T, rot/2] RoPE tables (NULL without RoPE) */
+    float* rope_sin;
     /* parameters and gradients share one buffer layout (megatron.h, mt_buffer_layout): reverse model
      * order, cut into data-parallel buckets */
     mt_buffer_layout buffer;
@@ -1859,11 +2063,16 @@ struct mt_trainer {
 #define LAYER(ptr, T, l, per_layer) ((T*)(ptr) + (int64_t)(l) * (per_layer))
 
 /* Parameter `which` of layer l (l ignored outside the layers) in the model-type and gradient buffers. */
+/* NULL for a tensor the flavour does not have (a bias with --disable-bias-linear, ...). */
 template <typename T>
 static T* param_ptr(mt_trainer* t, int which, int l = 0) {
-    return (T*)t->params + mt_buffer_offset(&t->buffer, which, l);
+    int64_t offset = mt_buffer_offset(&t->buffer, which, l);
+    return offset < 0 ? NULL : (T*)t->params + offset;
 }
-static float* grad_ptr(mt_trainer* t, int which, int l = 0) { return t->grads + mt_buffer_offset(&t->buffer, which, l); }
+static float* grad_ptr(mt_trainer* t, int which, int l = 0) {
+    int64_t offset = mt_buffer_offset(&t->buffer, which, l);
+    return offset < 0 ? NULL : t->grads + offset;
+}
 
 /* Host <-> device copies, ordered on the trainer's stream and finished on return. (The stream is
  * non-blocking, so a plain cudaMemcpy on the legacy stream would not be ordered with its kernels.) */
@@ -1877,6 +2086,10 @@ static mt_status copy_sync(mt_trainer* t, void* dst, const void* src, size_t byt
 /* Shapes used everywhere below. */
 typedef struct {
     int B, S, BT, h, heads, groups, d, qkv_width, attn_width, f, L;
+    int f1;        /* first MLP linear's width: 2f with SwiGLU */
+    int rot;       /* rotary channels per head (0 without RoPE) */
+    bool rms;      /* RMSNorm, else LayerNorm */
+    bool swiglu;
     int64_t V;
 } mt_shape;
 
@@ -1893,6 +2106,10 @@ static mt_shape model_shape(const mt_trainer* t) {
     s.qkv_width = (s.heads + 2 * s.groups) * s.d;
     s.attn_width = s.heads * s.d;
     s.f = c->ffn_hidden_size;
+    s.swiglu = c->swiglu != 0;
+    s.f1 = s.swiglu ? 2 * s.f : s.f;
+    s.rot = c->position_embedding_type == MT_POSITION_ROPE ? (int)(c->kv_channels * c->rotary_percent) : 0;
+    s.rms = c->normalization == MT_NORM_RMSNORM;
     s.L = c->num_layers;
     s.V = c->padded_vocab_size;
     return s;
@@ -1901,7 +2118,7 @@ static mt_shape model_shape(const mt_trainer* t) {
 /* One layer's saved activations, as pointers into the arena. */
 template <typename T>
 struct layer_view {
-    T *x, *ln1, *qkv, *probs, *attn, *mid, *ln2, *fc1, *gelu, *out;
+    T *x, *ln1, *qkv, *probs, *attn, *mid, *ln2, *fc1, *act, *out;
 };
 template <typename T>
 static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& s, int l) {
@@ -1914,28 +2131,48 @@ static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& 
     v.attn = LAYER(a->attn_out, T, l, (int64_t)s.BT * s.attn_width);
     v.mid = LAYER(a->residual_mid, T, l, BTh);
     v.ln2 = LAYER(a->ln2, T, l, BTh);
-    v.fc1 = LAYER(a->fc1, T, l, (int64_t)s.BT * s.f);
-    v.gelu = LAYER(a->gelu, T, l, (int64_t)s.BT * s.f);
+    v.fc1 = LAYER(a->fc1, T, l, (int64_t)s.BT * s.f1);
+    v.act = LAYER(a->act, T, l, (int64_t)s.BT * s.f);
     v.out = LAYER(a->residual, T, l + 1, BTh);          /* layer output = next layer's input */
     return v;
 }
 
-/* The attention core of one layer: O = softmax(causal(Q K^T / sqrt(d))) V on q, k, v [B, heads, T, d]
- * (already split) into o. Exact path: the probabilities are kept in probs [B*heads, T, T]. Flash path
- * (bf16): only the log-sum-exp [B*heads, T] is kept. */
-/* Head permutes between [B, T, heads*d] rows and the attention kernels' [B, heads, T, d]; the
- * vectorised kernels when d is a multiple of the vector width (always for bf16 at d = 64/128). */
+/* The attention core of one layer: O = softmax(causal(Q K^T / sqrt(d))) V on q [B, heads, T, d] and
+ * k, v [B, groups, T, d] (already split) into o [B, heads, T, d]. Exact path: the probabilities are
+ * kept in probs [B*heads, T, T]. Flash path (bf16): only the log-sum-exp [B*heads, T] is kept. */
+/* Head permutes between [B, T, heads*d] rows and the attention kernels' layouts; the vectorised
+ * kernels when d (and, with RoPE, half the rotary channels) is a multiple of the vector width. */
 template <typename T>
-static void split_qkv(mt_trainer* t, const T* qkv) { /* qkv [BT, qkv_width] -> act.q, act.k, act.v */
+static bool qkv_permute_vectorised(const mt_shape& s) {
+    constexpr int V = vec16<T>::N;
+    return s.d % V == 0 && (s.rot == 0 || (s.rot / 2) % V == 0);
+}
+/* qkv [BT, qkv_width] -> act.q, act.k, act.v, RoPE applied to q and k */
+template <typename T>
+static void split_qkv(mt_trainer* t, const T* qkv) {
     mt_shape s = model_shape(t);
     mt_activations* a = &t->act;
-    int64_t n = (int64_t)s.B * s.heads * s.S * s.d;
-    if (s.d % vec16<T>::N == 0)
-        attention_split_heads_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(
-            (T*)a->q, (T*)a->k, (T*)a->v, qkv, s.B, s.S, s.heads, s.groups, s.d);
+    int64_t n = (int64_t)s.BT * s.qkv_width;
+    if (qkv_permute_vectorised<T>(s))
+        attention_qkv_permute_vec_kernel<T, false><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(
+            (T*)qkv, (T*)a->q, (T*)a->k, (T*)a->v, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
     else
-        attention_split_heads_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>((T*)a->q, (T*)a->k, (T*)a->v, qkv,
-                                                                                 s.B, s.S, s.heads, s.groups, s.d);
+        attention_split_heads_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(
+            (T*)a->q, (T*)a->k, (T*)a->v, qkv, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
+    LAUNCH_CHECK(&t->error);
+}
+/* dq, act.dk, act.dv -> dqkv [BT, qkv_width], RoPE's transpose applied to dq and dk */
+template <typename T>
+static void merge_qkv_grads(mt_trainer* t, T* dqkv, T* dq) {
+    mt_shape s = model_shape(t);
+    mt_activations* a = &t->act;
+    int64_t n = (int64_t)s.BT * s.qkv_width;
+    if (qkv_permute_vectorised<T>(s))
+        attention_qkv_permute_vec_kernel<T, true><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(
+            dqkv, dq, (T*)a->dk, (T*)a->dv, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
+    else
+        attention_merge_head_grads_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(
+            dqkv, dq, (T*)a->dk, (T*)a->dv, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
     LAUNCH_CHECK(&t->error);
 }
 template <typename T>
@@ -1960,20 +2197,12 @@ static void split_heads_of(mt_trainer* t, T* out, const T* in) { /* [BT, heads*d
         attention_split_grad_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(out, in, s.B, s.S, s.heads, s.d);
     LAUNCH_CHECK(&t->error);
 }
-template <typename T>
-static void merge_qkv_grads(mt_trainer* t, T* dqkv, const T* dq) { /* dq, act.dk, act.dv -> [BT, qkv_width] */
-    mt_shape s = model_shape(t);
-    mt_activations* a = &t->act;
-    int64_t n = (int64_t)s.BT * s.qkv_width;
-    if (s.d % vec16<T>::N == 0)
-        attention_merge_head_grads_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(
-            dqkv, dq, (T*)a->dk, (T*)a->dv, s.B, s.S, s.heads, s.groups, s.d);
-    else
-        attention_merge_head_grads_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(dqkv, dq, (T*)a->dk, (T*)a->dv,
-                                                                                     s.B, s.S, s.heads, s.groups, s.d);
-    LAUNCH_CHECK(&t->error);
-}
 
+/* Exact path with grouped K/V: the heads of one group are adjacent in q [B, heads, T, d], so per
+ * (batch, group) Q is one [qpg*T, d] matrix against that group's K [T, d]. Every GEMM is batched
+ * over B*groups with M = qpg*T; the scores [B*groups, qpg*T, T] are the same memory as
+ * [B*heads, T, T], so the softmax kernels see one row per (head, query). dK and dV come out summed
+ * over the group's heads by the GEMMs themselves. */
 template <typename T>
 static void attention_core_forward(mt_trainer* t, T* probs, float* lse) {
     mt_shape s = model_shape(t);
@@ -1982,19 +2211,19 @@ static void attention_core_forward(mt_trainer* t, T* probs, float* lse) {
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
             CUDA_CHECK(&t->error, flash_attention_forward((bf16*)a->o, lse, (const bf16*)a->q, (const bf16*)a->k,
-                                                          (const bf16*)a->v, s.B, s.heads, s.heads, s.S, s.d,
+                                                          (const bf16*)a->v, s.B, s.heads, s.groups, s.S, s.d,
                                                           t->stream));
             return;
         }
     }
-    int batch = s.B * s.heads;
-    int64_t sd = (int64_t)s.S * s.d, ss = (int64_t)s.S * s.S;
-    /* scores[q, k] = Q K^T per (batch, head), causal softmax in place, o = P V */
-    gemm<T, T>(g, false, true, s.S, s.S, s.d, (T*)a->q, s.d, (T*)a->k, s.d, probs, s.S, 1.0f, 0.0f, batch, sd, sd, ss);
-    causal_softmax_forward_kernel<T><<<ceil_div((int64_t)batch * s.S, 8), 256, 0, t->stream>>>(
-        probs, batch * s.S, s.S, 1.0f / sqrtf((float)s.d));
+    int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
+    int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
+    /* scores[q, k] = Q K^T per (batch, group), causal softmax in place, o = P V */
+    gemm<T, T>(g, false, true, M, s.S, s.d, (T*)a->q, s.d, (T*)a->k, s.d, probs, s.S, 1.0f, 0.0f, batch, qd, sd, qs);
+    causal_softmax_forward_kernel<T><<<ceil_div((int64_t)s.B * s.heads * s.S, 8), 256, 0, t->stream>>>(
+        probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d));
     LAUNCH_CHECK(&t->error);
-    gemm<T, T>(g, false, false, s.S, s.d, s.S, probs, s.S, (T*)a->v, s.d, (T*)a->o, s.d, 1.0f, 0.0f, batch, ss, sd, sd);
+    gemm<T, T>(g, false, false, M, s.d, s.S, probs, s.S, (T*)a->v, s.d, (T*)a->o, s.d, 1.0f, 0.0f, batch, qs, sd, qd);
 }
 
 /* Backward of the attention core. On entry a->o holds dO [B, heads, T, d] and q, k, v the forward's
@@ -2011,24 +2240,24 @@ static T* attention_core_backward(mt_trainer* t, T* probs, const T* attn, const 
             CUDA_CHECK(&t->error, flash_attention_backward((bf16*)a->dq, (bf16*)a->dk, (bf16*)a->dv, a->dsum,
                                                            (const bf16*)a->o, (const bf16*)a->q, (const bf16*)a->k,
                                                            (const bf16*)a->v, (const bf16*)a->o_saved, lse, s.B,
-                                                           s.heads, s.heads, s.S, s.d, t->stream));
+                                                           s.heads, s.groups, s.S, s.d, t->stream));
             return (T*)a->dq;
         }
     }
-    int batch = s.B * s.heads;
-    int64_t sd = (int64_t)s.S * s.d, ss = (int64_t)s.S * s.S;
+    int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
+    int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
     /* dP = dO V^T;  dV = P^T dO */
-    gemm<T, T>(g, false, true, s.S, s.S, s.d, (T*)a->o, s.d, (T*)a->v, s.d, (T*)a->dscores, s.S, 1.0f, 0.0f, batch,
-               sd, sd, ss);
-    gemm<T, T>(g, true, false, s.S, s.d, s.S, probs, s.S, (T*)a->o, s.d, (T*)a->dv, s.d, 1.0f, 0.0f, batch, ss, sd, sd);
-    causal_softmax_backward_kernel<T><<<ceil_div((int64_t)batch * s.S, 8), 256, 0, t->stream>>>(
-        (T*)a->dscores, probs, batch * s.S, s.S, 1.0f / sqrtf((float)s.d));
+    gemm<T, T>(g, false, true, M, s.S, s.d, (T*)a->o, s.d, (T*)a->v, s.d, (T*)a->dscores, s.S, 1.0f, 0.0f, batch, qd,
+               sd, qs);
+    gemm<T, T>(g, true, false, s.S, s.d, M, probs, s.S, (T*)a->o, s.d, (T*)a->dv, s.d, 1.0f, 0.0f, batch, qs, qd, sd);
+    causal_softmax_backward_kernel<T><<<ceil_div((int64_t)s.B * s.heads * s.S, 8), 256, 0, t->stream>>>(
+        (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d));
     LAUNCH_CHECK(&t->error);
     /* dK = dS^T Q (before dQ overwrites q);  dQ = dS K */
-    gemm<T, T>(g, true, false, s.S, s.d, s.S, (T*)a->dscores, s.S, (T*)a->q, s.d, (T*)a->dk, s.d, 1.0f, 0.0f, batch,
-               ss, sd, sd);
-    gemm<T, T>(g, false, false, s.S, s.d, s.S, (T*)a->dscores, s.S, (T*)a->k, s.d, (T*)a->q, s.d, 1.0f, 0.0f, batch,
-               ss, sd, sd);
+    gemm<T, T>(g, true, false, s.S, s.d, M, (T*)a->dscores, s.S, (T*)a->q, s.d, (T*)a->dk, s.d, 1.0f, 0.0f, batch, qs,
+               qd, sd);
+    gemm<T, T>(g, false, false, M, s.d, s.S, (T*)a->dscores, s.S, (T*)a->k, s.d, (T*)a->q, s.d, 1.0f, 0.0f, batch, qs,
+               sd, qd);
     return (T*)a->q;
 }
 
@@ -2039,8 +2268,21 @@ static T* attention_core_backward(mt_trainer* t, T* probs, const T* attn, const 
 static void wait_for_parameters(mt_trainer* t, int layer);
 static void gradients_ready(mt_trainer* t, int layer);
 
+/* The output layer's weight: the word embeddings (tied, GPT-2's default) or its own (untied). */
+template <typename T>
+static T* output_weight(mt_trainer* t) {
+    T* w = param_ptr<T>(t, MT_P_OUTPUT_WEIGHT);
+    return w ? w : param_ptr<T>(t, MT_P_WORD_EMBEDDINGS);
+}
+static float* output_weight_grad(mt_trainer* t) {
+    float* w = grad_ptr(t, MT_P_OUTPUT_WEIGHT);
+    return w ? w : grad_ptr(t, MT_P_WORD_EMBEDDINGS);
+}
+
 /* Forward of one micro-batch whose inputs/targets are already on the device. Leaves the logits
- * (or, when grad_scale != 0, their gradient) in act.logits and per-token losses in act.losses. */
+ * (or, when grad_scale != 0, their gradient) in act.logits and per-token losses in act.losses.
+ * Each residual add is fused with the norm that follows it: the attention residual with the MLP's
+ * norm, the MLP residual with the next layer's first norm (or the final norm). */
 template <typename T>
 static void model_forward(mt_trainer* t, float grad_scale) {
     mt_shape s = model_shape(t);
@@ -2049,48 +2291,51 @@ static void model_forward(mt_trainer* t, float grad_scale) {
     cudaStream_t st = t->stream;
     int64_t BTh = (int64_t)s.BT * s.h;
     float eps = (float)t->cfg.norm_epsilon;
-    float scale = 1.0f / sqrtf((float)s.d);
 
     wait_for_parameters(t, -1);
     embedding_forward_kernel<T><<<ceil_div(BTh, 256), 256, 0, st>>>(
         (T*)a->residual, a->inputs, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS), param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS),
         s.BT, s.S, s.h);
     LAUNCH_CHECK(&t->error);
+    wait_for_parameters(t, 0);
+    norm_forward<T>(g, (T*)a->ln1, a->ln1_mean, a->ln1_rstd, (T*)a->residual, param_ptr<T>(t, MT_P_LN1_WEIGHT, 0),
+                    param_ptr<T>(t, MT_P_LN1_BIAS, 0), s.BT, s.h, eps, s.rms);
 
     for (int l = 0; l < s.L; l++) {
-        auto [x, ln1, qkv, probs, attn, mid, ln2, fc1, gelu, out] = layer_activations<T>(a, s, l);
-        wait_for_parameters(t, l);
+        auto [x, ln1, qkv, probs, attn, mid, ln2, fc1, act, out] = layer_activations<T>(a, s, l);
 
-        /* attention block */
-        layernorm_forward<T>(g, ln1, a->ln1_mean + (int64_t)l * s.BT, a->ln1_rstd + (int64_t)l * s.BT, x,
-                             param_ptr<T>(t, MT_P_LN1_WEIGHT, l),
-                             param_ptr<T>(t, MT_P_LN1_BIAS, l), s.BT, s.h, eps);
-        linear_forward<T>(g, qkv, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l),
-                          param_ptr<T>(t, MT_P_QKV_BIAS, l), s.BT, s.h, s.qkv_width);
+        /* attention block: ln1 = norm1(x) is already there */
+        linear_forward<T>(g, qkv, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), param_ptr<T>(t, MT_P_QKV_BIAS, l), s.BT, s.h,
+                          s.qkv_width);
         split_qkv<T>(t, qkv);
         attention_core_forward<T>(t, probs, a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL);
         merge_heads<T>(t, attn, (T*)a->o);
         linear_forward<T>(g, (T*)a->branch, attn, param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), (const T*)NULL, s.BT,
                           s.attn_width, s.h);
-        bias_residual<T>(g, mid, x, (T*)a->branch, param_ptr<T>(t, MT_P_PROJ_BIAS, l), s.BT, s.h);
+        /* mid = x + proj + bias; ln2 = norm2(mid) */
+        residual_norm_forward<T>(g, mid, ln2, a->ln2_mean + (int64_t)l * s.BT, a->ln2_rstd + (int64_t)l * s.BT, x,
+                                 (T*)a->branch, param_ptr<T>(t, MT_P_PROJ_BIAS, l), param_ptr<T>(t, MT_P_LN2_WEIGHT, l),
+                                 param_ptr<T>(t, MT_P_LN2_BIAS, l), s.BT, s.h, eps, s.rms);
 
         /* MLP block */
-        layernorm_forward<T>(g, ln2, a->ln2_mean + (int64_t)l * s.BT, a->ln2_rstd + (int64_t)l * s.BT, mid,
-                             param_ptr<T>(t, MT_P_LN2_WEIGHT, l),
-                             param_ptr<T>(t, MT_P_LN2_BIAS, l), s.BT, s.h, eps);
-        linear_forward<T>(g, fc1, ln2, param_ptr<T>(t, MT_P_FC1_WEIGHT, l), (const T*)NULL, s.BT, s.h, s.f);
-        bias_gelu<T>(g, fc1, gelu, param_ptr<T>(t, MT_P_FC1_BIAS, l), s.BT, s.f);
-        linear_forward<T>(g, (T*)a->branch, gelu, param_ptr<T>(t, MT_P_FC2_WEIGHT, l), (const T*)NULL, s.BT, s.f,
-                          s.h);
-        bias_residual<T>(g, out, mid, (T*)a->branch, param_ptr<T>(t, MT_P_FC2_BIAS, l), s.BT, s.h);
+        linear_forward<T>(g, fc1, ln2, param_ptr<T>(t, MT_P_FC1_WEIGHT, l), (const T*)NULL, s.BT, s.h, s.f1);
+        if (s.swiglu)
+            bias_swiglu<T>(g, fc1, act, param_ptr<T>(t, MT_P_FC1_BIAS, l), s.BT, s.f);
+        else
+            bias_gelu<T>(g, fc1, act, param_ptr<T>(t, MT_P_FC1_BIAS, l), s.BT, s.f);
+        linear_forward<T>(g, (T*)a->branch, act, param_ptr<T>(t, MT_P_FC2_WEIGHT, l), (const T*)NULL, s.BT, s.f, s.h);
+        /* out = mid + fc2 + bias; then the next norm: layer l+1's first, or the final norm */
+        bool last = l == s.L - 1;
+        wait_for_parameters(t, l + 1);
+        residual_norm_forward<T>(
+            g, out, last ? (T*)a->lnf : LAYER(a->ln1, T, l + 1, BTh), last ? a->lnf_mean : a->ln1_mean + (int64_t)(l + 1) * s.BT,
+            last ? a->lnf_rstd : a->ln1_rstd + (int64_t)(l + 1) * s.BT, mid, (T*)a->branch,
+            param_ptr<T>(t, MT_P_FC2_BIAS, l), last ? param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT) : param_ptr<T>(t, MT_P_LN1_WEIGHT, l + 1),
+            last ? param_ptr<T>(t, MT_P_FINAL_LN_BIAS) : param_ptr<T>(t, MT_P_LN1_BIAS, l + 1), s.BT, s.h, eps, s.rms);
     }
 
-    /* final norm, output layer tied to the word embeddings, cross entropy */
-    wait_for_parameters(t, s.L);
-    layernorm_forward<T>(g, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, LAYER(a->residual, T, s.L, BTh),
-                         param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.BT, s.h, eps);
-    linear_forward<T>(g, (T*)a->logits, (T*)a->lnf, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS), (const T*)NULL, s.BT, s.h,
-                      (int)s.V);
+    /* output layer (tied to the word embeddings, or untied), cross entropy */
+    linear_forward<T>(g, (T*)a->logits, (T*)a->lnf, output_weight<T>(t), (const T*)NULL, s.BT, s.h, (int)s.V);
     if (s.V % vec16<T>::N == 0)
         cross_entropy_vec_kernel<T><<<s.BT, 512, 0, st>>>((T*)a->logits, a->losses, a->targets, (int)s.V, grad_scale);
     else
@@ -2099,7 +2344,7 @@ static void model_forward(mt_trainer* t, float grad_scale) {
 }
 
 /* Backward of the micro-batch model_forward just ran with grad_scale != 0: accumulates every
- * parameter's gradient into t->grads (fp32). `index_count` describes the word-embedding index. */
+ * parameter's gradient into t->grads (fp32). `unique_tokens` describes the word-embedding index. */
 template <typename T>
 static void model_backward(mt_trainer* t, int unique_tokens) {
     mt_shape s = model_shape(t);
@@ -2108,68 +2353,60 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
     mt_colsum_scratch* cs = &t->colsum;
     cudaStream_t st = t->stream;
     int64_t BTh = (int64_t)s.BT * s.h;
-    float scale = 1.0f / sqrtf((float)s.d);
     T* dres = (T*)a->dresidual;
 
-    /* output layer and final norm: dlnf = dlogits W; dW_word += dlogits^T lnf */
+    /* output layer and final norm: dlnf = dlogits W; dW_out += dlogits^T lnf */
     CUDA_CHECK(&t->error, cudaMemsetAsync(dres, 0, BTh * sizeof(T), st));
-    linear_backward<T>(g, cs, (T*)a->branch, grad_ptr(t, MT_P_WORD_EMBEDDINGS), (float*)NULL, (T*)a->logits,
-                       (T*)a->lnf, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS), s.BT, s.h, (int)s.V);
-    layernorm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS),
-                          (T*)a->branch, LAYER(a->residual, T, s.L, BTh), param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT),
-                          a->lnf_mean, a->lnf_rstd, s.BT, s.h);
+    linear_backward<T>(g, cs, (T*)a->branch, output_weight_grad(t), (float*)NULL, (T*)a->logits, (T*)a->lnf,
+                       output_weight<T>(t), s.BT, s.h, (int)s.V);
+    norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS), (T*)a->branch,
+                     LAYER(a->residual, T, s.L, BTh), param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean, a->lnf_rstd,
+                     s.BT, s.h, s.rms);
     gradients_ready(t, s.L);
 
     for (int l = s.L - 1; l >= 0; l--) {
-        auto [x, ln1, qkv, probs, attn, mid, ln2, fc1, gelu, out] = layer_activations<T>(a, s, l);
+        auto [x, ln1, qkv, probs, attn, mid, ln2, fc1, act, out] = layer_activations<T>(a, s, l);
         (void)out;
 
-        /* MLP block: dres is d(out); the branch sees the same gradient */
-        linear_backward<T>(g, cs, (T*)a->branch2, grad_ptr(t, MT_P_FC2_WEIGHT, l),
-                           grad_ptr(t, MT_P_FC2_BIAS, l), dres, gelu,
-                           param_ptr<T>(t, MT_P_FC2_WEIGHT, l), s.BT, s.f, s.h);
-        {
-            int64_t n = (int64_t)s.BT * s.f;
-            if (n % vec16<T>::N == 0 && aligned16(a->branch2) && aligned16(fc1))
-                gelu_backward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, st>>>((T*)a->branch2, fc1,
-                                                                                           n / vec16<T>::N);
-            else
-                gelu_backward_kernel<T><<<ceil_div(n, 256), 256, 0, st>>>((T*)a->branch2, fc1, n);
-            LAUNCH_CHECK(&t->error);
+        /* MLP block: dres is d(out); the branch sees the same gradient. d(act) -> branch2, then
+         * d(fc1 output) in place (GELU) or into branch (SwiGLU: twice as wide) */
+        linear_backward<T>(g, cs, (T*)a->branch2, grad_ptr(t, MT_P_FC2_WEIGHT, l), grad_ptr(t, MT_P_FC2_BIAS, l), dres,
+                           act, param_ptr<T>(t, MT_P_FC2_WEIGHT, l), s.BT, s.f, s.h);
+        T* dfc1 = (T*)a->branch2;
+        T* dln2 = (T*)a->branch;
+        if (s.swiglu) {
+            swiglu_backward<T>(g, (T*)a->branch, (T*)a->branch2, fc1, s.BT, s.f);
+            dfc1 = (T*)a->branch;
+            dln2 = (T*)a->branch2;
+        } else {
+            gelu_backward<T>(g, (T*)a->branch2, fc1, (int64_t)s.BT * s.f);
         }
-        linear_backward<T>(g, cs, (T*)a->branch, grad_ptr(t, MT_P_FC1_WEIGHT, l),
-                           grad_ptr(t, MT_P_FC1_BIAS, l), (T*)a->branch2, ln2,
-                           param_ptr<T>(t, MT_P_FC1_WEIGHT, l), s.BT, s.h, s.f);
-        layernorm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN2_WEIGHT, l),
-                              grad_ptr(t, MT_P_LN2_BIAS, l), (T*)a->branch, mid,
-                              param_ptr<T>(t, MT_P_LN2_WEIGHT, l), a->ln2_mean + (int64_t)l * s.BT,
-                              a->ln2_rstd + (int64_t)l * s.BT, s.BT, s.h);
+        linear_backward<T>(g, cs, dln2, grad_ptr(t, MT_P_FC1_WEIGHT, l), grad_ptr(t, MT_P_FC1_BIAS, l), dfc1, ln2,
+                           param_ptr<T>(t, MT_P_FC1_WEIGHT, l), s.BT, s.h, s.f1);
+        norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN2_WEIGHT, l), grad_ptr(t, MT_P_LN2_BIAS, l), dln2, mid,
+                         param_ptr<T>(t, MT_P_LN2_WEIGHT, l), a->ln2_mean + (int64_t)l * s.BT,
+                         a->ln2_rstd + (int64_t)l * s.BT, s.BT, s.h, s.rms);
 
         /* attention block: dres is now d(mid) */
-        linear_backward<T>(g, cs, (T*)a->branch2,
-                           grad_ptr(t, MT_P_PROJ_WEIGHT, l),
-                           grad_ptr(t, MT_P_PROJ_BIAS, l), dres, attn,
-                           param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), s.BT,
-                           s.attn_width, s.h);
+        linear_backward<T>(g, cs, (T*)a->branch2, grad_ptr(t, MT_P_PROJ_WEIGHT, l), grad_ptr(t, MT_P_PROJ_BIAS, l), dres,
+                           attn, param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), s.BT, s.attn_width, s.h);
         split_heads_of<T>(t, (T*)a->o, (T*)a->branch2);
         split_qkv<T>(t, qkv);
         T* dq = attention_core_backward<T>(t, probs, attn, a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL);
         merge_qkv_grads<T>(t, (T*)a->branch, dq);
-        linear_backward<T>(g, cs, (T*)a->branch2,
-                           grad_ptr(t, MT_P_QKV_WEIGHT, l),
-                           grad_ptr(t, MT_P_QKV_BIAS, l), (T*)a->branch, ln1,
-                           param_ptr<T>(t, MT_P_QKV_WEIGHT, l), s.BT, s.h,
-                           s.qkv_width);
-        layernorm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN1_WEIGHT, l),
-                              grad_ptr(t, MT_P_LN1_BIAS, l), (T*)a->branch2, x,
-                              param_ptr<T>(t, MT_P_LN1_WEIGHT, l), a->ln1_mean + (int64_t)l * s.BT,
-                              a->ln1_rstd + (int64_t)l * s.BT, s.BT, s.h);
+        linear_backward<T>(g, cs, (T*)a->branch2, grad_ptr(t, MT_P_QKV_WEIGHT, l), grad_ptr(t, MT_P_QKV_BIAS, l),
+                           (T*)a->branch, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), s.BT, s.h, s.qkv_width);
+        norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN1_WEIGHT, l), grad_ptr(t, MT_P_LN1_BIAS, l), (T*)a->branch2, x,
+                         param_ptr<T>(t, MT_P_LN1_WEIGHT, l), a->ln1_mean + (int64_t)l * s.BT,
+                         a->ln1_rstd + (int64_t)l * s.BT, s.BT, s.h, s.rms);
         gradients_ready(t, l);
     }
 
     /* embeddings: dres is d(embedding output) */
-    position_embedding_backward_kernel<T><<<ceil_div((int64_t)s.S * s.h, 256), 256, 0, st>>>(
-        grad_ptr(t, MT_P_POSITION_EMBEDDINGS), dres, s.B, s.S, s.h);
+    float* dwpe = grad_ptr(t, MT_P_POSITION_EMBEDDINGS);
+    if (dwpe)
+        position_embedding_backward_kernel<T><<<ceil_div((int64_t)s.S * s.h, 256), 256, 0, st>>>(dwpe, dres, s.B, s.S,
+                                                                                                s.h);
     const int32_t* idx = a->embed_index;
     word_embedding_backward_kernel<T><<<unique_tokens, 256, 0, st>>>(grad_ptr(t, MT_P_WORD_EMBEDDINGS), dres, idx,
                                                                      idx + s.BT + 1, idx + 2 * (s.BT + 1), s.h);
@@ -2405,11 +2642,16 @@ static void wait_for_parameters(mt_trainer* t, int layer) {
     if (!t->gather_pending) return;
     const mt_buffer_layout* B = &t->buffer;
     /* gathers were issued from the last bucket down: waiting for the lowest bucket holding any of
-     * this layer's parameters covers all of them (the first in buffer order: fc2's bias) */
-    int b;
-    if (layer < 0) b = B->params[B->index[MT_P_POSITION_EMBEDDINGS * B->num_layers]].bucket;
-    else if (layer >= B->num_layers) b = 0;
-    else b = B->params[B->index[MT_P_FC2_BIAS * B->num_layers + layer]].bucket;
+     * this layer's parameters covers all of them. Layer -1: the embeddings; L: final norm and output. */
+    int b = 0;
+    if (layer < B->num_layers) {
+        b = B->num_buckets - 1;
+        for (int k = 0; k < B->num_params; k++) {
+            const mt_buffer_param* p = &B->params[k];
+            int owner = p->tensor <= MT_P_POSITION_EMBEDDINGS ? -1 : p->layer; /* layer -1: the embeddings */
+            if (p->tensor < MT_P_FINAL_LN_WEIGHT && owner == (layer < 0 ? -1 : layer) && p->bucket < b) b = p->bucket;
+        }
+    }
     CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, t->gathered[b], 0));
     if (b == 0) t->gather_pending = 0;
 }
@@ -2704,6 +2946,8 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
     if (h[MT_CK_MAGIC] != MT_CKPT_MAGIC || h[MT_CK_VERSION] != MT_CKPT_VERSION)
         return mt_fail(err, MT_ERR_FORMAT, "%s is not a megatron.c checkpoint (bad magic or version)", path);
     const mt_config* c = &t->cfg;
+    int64_t expected[MT_CK_HEADER_WORDS];
+    mt_checkpoint_header_init(expected, c);
     struct { int word; int64_t mine; const char* what; } shape[] = {
         {MT_CK_LAYERS, c->num_layers, "--num-layers"},
         {MT_CK_HIDDEN, c->hidden_size, "--hidden-size"},
@@ -2715,6 +2959,14 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
         {MT_CK_POSITIONS, c->max_position_embeddings, "--max-position-embeddings"},
         {MT_CK_TP, c->tensor_model_parallel_size, "--tensor-model-parallel-size"},
         {MT_CK_PP, c->pipeline_model_parallel_size, "--pipeline-model-parallel-size"},
+        {MT_CK_NORMALIZATION, expected[MT_CK_NORMALIZATION], "--normalization (0 LayerNorm, 1 RMSNorm)"},
+        {MT_CK_SWIGLU, expected[MT_CK_SWIGLU], "--swiglu"},
+        {MT_CK_POSITION_TYPE, expected[MT_CK_POSITION_TYPE], "--position-embedding-type (0 learned_absolute, 1 rope)"},
+        {MT_CK_ROTARY_BASE_BITS, expected[MT_CK_ROTARY_BASE_BITS], "--rotary-base (bits)"},
+        {MT_CK_ROTARY_PERCENT_BITS, expected[MT_CK_ROTARY_PERCENT_BITS], "--rotary-percent (bits)"},
+        {MT_CK_ROPE_SCALING_FACTOR_BITS, expected[MT_CK_ROPE_SCALING_FACTOR_BITS], "--rope-scaling-factor (bits)"},
+        {MT_CK_UNTIED, expected[MT_CK_UNTIED], "--untie-embeddings-and-output-weights"},
+        {MT_CK_NO_BIAS_LINEAR, expected[MT_CK_NO_BIAS_LINEAR], "--disable-bias-linear"},
     };
     for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++)
         if (h[shape[i].word] != shape[i].mine)
@@ -2805,10 +3057,11 @@ static size_t layout_activations(mt_activations* a, const mt_trainer* t, char* b
     size_t e = t->elem, off = 0;
     int64_t BT = s.BT, L = s.L;
     int64_t heads_elems = (int64_t)s.B * s.heads * s.S * s.d;
+    int64_t group_elems = (int64_t)s.B * s.groups * s.S * s.d;
     int64_t score_elems = (int64_t)s.B * s.heads * s.S * s.S;
     int64_t wide = s.h;
     if (s.qkv_width > wide) wide = s.qkv_width;
-    if (s.f > wide) wide = s.f;
+    if (s.f1 > wide) wide = s.f1;
     if (s.attn_width > wide) wide = s.attn_width;
 #define CARVE(field, type, bytes)                                  \
     do {                                                           \
@@ -2828,18 +3081,18 @@ static size_t layout_activations(mt_activations* a, const mt_trainer* t, char* b
     CARVE(ln2, void*, L * BT * s.h * e);
     CARVE(ln2_mean, float*, L * BT * 4);
     CARVE(ln2_rstd, float*, L * BT * 4);
-    CARVE(fc1, void*, L * BT * s.f * e);
-    CARVE(gelu, void*, L * BT * s.f * e);
+    CARVE(fc1, void*, L * BT * s.f1 * e);
+    CARVE(act, void*, L * BT * s.f * e);
     CARVE(lnf, void*, BT * s.h * e);
     CARVE(lnf_mean, float*, BT * 4);
     CARVE(lnf_rstd, float*, BT * 4);
     CARVE(logits, void*, BT * s.V * e);
     CARVE(q, void*, heads_elems * e);
-    CARVE(k, void*, heads_elems * e);
-    CARVE(v, void*, heads_elems * e);
+    CARVE(k, void*, group_elems * e);
+    CARVE(v, void*, group_elems * e);
     CARVE(o, void*, heads_elems * e);
-    CARVE(dk, void*, heads_elems * e);
-    CARVE(dv, void*, heads_elems * e);
+    CARVE(dk, void*, group_elems * e);
+    CARVE(dv, void*, group_elems * e);
     CARVE(dscores, void*, flash ? 0 : score_elems * e);
     CARVE(dq, void*, flash ? heads_elems * e : 0);
     CARVE(o_saved, void*, flash ? heads_elems * e : 0);
@@ -2863,7 +3116,7 @@ static size_t max_columns(const mt_trainer* t) {
     mt_shape s = model_shape(t);
     size_t w = (size_t)s.h;
     if ((size_t)s.qkv_width > w) w = s.qkv_width;
-    if ((size_t)s.f > w) w = s.f;
+    if ((size_t)s.f1 > w) w = s.f1;
     return w;
 }
 
@@ -2890,6 +3143,48 @@ static void* device_alloc(mt_trainer* t, size_t bytes) {
     void* p = NULL;
     if (!CUDA_CHECK(&t->error, cudaMalloc(&p, bytes ? bytes : 1))) return NULL;
     return p;
+}
+
+/* RoPE's cos/sin tables [T, rot/2], as Megatron builds them: w_i = base^(-2i/rot) (fp32), with
+ * Llama-3.1's scaling (low/high frequency factors 1 and 4, original context 8192): wavelengths
+ * 2 pi / w above 8192 are stretched by the factor, those below 2048 kept, those between blended;
+ * angle = t * w_i in fp32, its cos and sin rounded to fp32. */
+static void create_rope_tables(mt_trainer* t) {
+    const mt_config* c = &t->cfg;
+    mt_shape s = model_shape(t);
+    if (s.rot == 0) return;
+    const double pi = 3.14159265358979323846, original = 8192.0, low = 1.0, high = 4.0;
+    int half = s.rot / 2;
+    size_t n = (size_t)s.S * half;
+    float* host = (float*)malloc(2 * n * sizeof(float));
+    if (!host) {
+        t->error.status = mt_fail(&t->error.error, MT_ERR_OOM, "cannot allocate the RoPE tables");
+        return;
+    }
+    for (int i = 0; i < half; i++) {
+        double w = 1.0 / pow(c->rotary_base, 2.0 * i / s.rot);
+        if (c->use_rope_scaling) {
+            double factor = c->rope_scaling_factor, wavelen = 2.0 * pi / w;
+            if (wavelen > original / low) {
+                w /= factor;
+            } else if (wavelen >= original / high) {
+                double smooth = (original / wavelen - low) / (high - low);
+                w = (1.0 - smooth) * w / factor + smooth * w;
+            }
+        }
+        float wf = (float)w;
+        for (int pos = 0; pos < s.S; pos++) {
+            float angle = (float)pos * wf;
+            host[(size_t)pos * half + i] = (float)cos((double)angle);
+            host[n + (size_t)pos * half + i] = (float)sin((double)angle);
+        }
+    }
+    t->rope_cos = (float*)device_alloc(t, 2 * n * sizeof(float));
+    if (t->rope_cos) {
+        t->rope_sin = t->rope_cos + n;
+        CUDA_CHECK(&t->error, cudaMemcpy(t->rope_cos, host, 2 * n * sizeof(float), cudaMemcpyHostToDevice));
+    }
+    free(host);
 }
 
 /* Initialises the weights as Megatron does into a full fp32 buffer-layout array (the gradient
@@ -3030,6 +3325,7 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     t->arena_bytes = layout_activations(&t->act, t, NULL);
     t->arena = device_alloc(t, t->arena_bytes);
     if (t->arena) layout_activations(&t->act, t, (char*)t->arena);
+    if (t->error.status == MT_OK) create_rope_tables(t);
     /* host staging: inputs, targets, a V-sized counting buffer; the embedding index; losses */
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_tokens, sizeof(int32_t) * (2 * (size_t)s.BT + (size_t)s.V)));
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_index, sizeof(int32_t) * (3 * (size_t)s.BT + 2)));
@@ -3065,6 +3361,7 @@ void mt_trainer_free(mt_trainer* t) {
     cudaFree(t->colsum.partial_a);
     cudaFree(t->colsum.partial_b);
     cudaFree(t->arena);
+    cudaFree(t->rope_cos); /* the sin table shares its allocation */
     cudaFree(t->cublas_workspace);
     cudaFreeHost(t->host_tokens);
     cudaFreeHost(t->host_index);

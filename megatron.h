@@ -303,6 +303,8 @@ mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int6
 /* ---------------------------------------------------------------------------------------------- */
 
 typedef enum { MT_FP32 = 0, MT_BF16 = 1, MT_FP16 = 2 } mt_precision;
+typedef enum { MT_NORM_LAYERNORM = 0, MT_NORM_RMSNORM = 1 } mt_normalization;
+typedef enum { MT_POSITION_LEARNED = 0, MT_POSITION_ROPE = 1 } mt_position_embedding;
 
 /* The identifier every rank of a job needs to join one NCCL communicator (ncclUniqueId's 128
  * bytes): rank 0 makes it (mt_comm_id_create, in megatron.cu) and the launcher broadcasts it. */
@@ -333,6 +335,18 @@ typedef struct {
     int64_t padded_vocab_size;        /* derived: ceil(vocab / (divisible_by * tp)) * divisible_by * tp */
     double init_method_std;           /* --init-method-std (0.02) */
     double norm_epsilon;              /* --norm-epsilon (1e-5) */
+    /* the model flavour: GPT-2 by default; Llama is RMSNorm + SwiGLU + RoPE + GQA + untied output,
+     * no biases. Each switch is independent, as in Megatron. */
+    mt_normalization normalization;   /* --normalization LayerNorm|RMSNorm */
+    int swiglu;                       /* --swiglu: fc1 is [2f, h] = [gate; up], act = silu(gate) * up */
+    mt_position_embedding position_embedding_type; /* --position-embedding-type learned_absolute|rope */
+    double rotary_base;               /* --rotary-base (10000) */
+    double rotary_percent;            /* --rotary-percent (1.0): the first rotary_percent * d channels rotate */
+    int use_rope_scaling;             /* --use-rope-scaling: Llama-3.1's frequency scaling */
+    double rope_scaling_factor;       /* --rope-scaling-factor (8); low/high frequency factors 1 and 4,
+                                         original context 8192, as Megatron */
+    int untie_embeddings_and_output_weights; /* --untie-embeddings-and-output-weights */
+    int add_bias_linear;              /* 1 unless --disable-bias-linear */
     double hidden_dropout;            /* --hidden-dropout (must be 0 for now) */
     double attention_dropout;         /* --attention-dropout (must be 0 for now) */
     mt_precision precision;           /* --bf16 / --fp16, default fp32 */
@@ -390,24 +404,28 @@ double mt_learning_rate(const mt_config* cfg, int64_t num_steps);
 double mt_flops_per_iteration(const mt_config* cfg, int64_t global_batch_size);
 int64_t mt_num_parameters(const mt_config* cfg);
 
-/* The model's parameter tensors in canonical order (the order of checkpoints and test vectors). */
+/* The model's parameter tensors in canonical order (the order of checkpoints and test vectors).
+ * A tensor the flavour does not have has numel 0 and takes no space: position embeddings with RoPE,
+ * the norm biases with RMSNorm, the linear biases with --disable-bias-linear, the output weight
+ * while it is tied to the word embeddings. f1 = 2f with SwiGLU (gate rows, then up rows), else f. */
 enum {
     MT_P_WORD_EMBEDDINGS = 0, /* [Vp, h] */
-    MT_P_POSITION_EMBEDDINGS, /* [P, h] */
+    MT_P_POSITION_EMBEDDINGS, /* [P, h]  (learned_absolute only) */
     MT_P_LN1_WEIGHT,          /* [L, h] */
-    MT_P_LN1_BIAS,            /* [L, h] */
+    MT_P_LN1_BIAS,            /* [L, h]  (LayerNorm only) */
     MT_P_QKV_WEIGHT,          /* [L, (heads + 2 * groups) * kv, h], Megatron's grouped layout */
     MT_P_QKV_BIAS,            /* [L, (heads + 2 * groups) * kv] */
     MT_P_PROJ_WEIGHT,         /* [L, h, heads * kv] */
     MT_P_PROJ_BIAS,           /* [L, h] */
     MT_P_LN2_WEIGHT,          /* [L, h] */
-    MT_P_LN2_BIAS,            /* [L, h] */
-    MT_P_FC1_WEIGHT,          /* [L, f, h] */
-    MT_P_FC1_BIAS,            /* [L, f] */
+    MT_P_LN2_BIAS,            /* [L, h]  (LayerNorm only) */
+    MT_P_FC1_WEIGHT,          /* [L, f1, h] */
+    MT_P_FC1_BIAS,            /* [L, f1] */
     MT_P_FC2_WEIGHT,          /* [L, h, f] */
     MT_P_FC2_BIAS,            /* [L, h] */
     MT_P_FINAL_LN_WEIGHT,     /* [h] */
-    MT_P_FINAL_LN_BIAS,       /* [h] */
+    MT_P_FINAL_LN_BIAS,       /* [h]     (LayerNorm only) */
+    MT_P_OUTPUT_WEIGHT,       /* [Vp, h] (--untie-embeddings-and-output-weights only) */
     MT_NUM_PARAM_TENSORS
 };
 typedef struct {
@@ -437,11 +455,24 @@ enum {
     MT_CK_SHARDED_DP,    /* 0: m and v follow the master weights; d > 0: sharded over d DP ranks */
     MT_CK_DP_RANK,       /* shard files: the DP rank */
     MT_CK_SHARD_NUMEL,   /* shard files: elements per array */
+    /* the flavour; 0 in every word is GPT-2 (so files from before these words load as GPT-2) */
+    MT_CK_NORMALIZATION, /* mt_normalization */
+    MT_CK_SWIGLU,
+    MT_CK_POSITION_TYPE, /* mt_position_embedding */
+    MT_CK_ROTARY_BASE_BITS, MT_CK_ROTARY_PERCENT_BITS, /* the doubles' bits (rope only) */
+    MT_CK_ROPE_SCALING_FACTOR_BITS, /* 0: no Llama-3.1 scaling */
+    MT_CK_UNTIED,
+    MT_CK_NO_BIAS_LINEAR,
+    MT_CK_NORM_EPS_BITS, /* informational (for export): --norm-epsilon's bits */
+    MT_CK_TRUE_VOCAB,    /* informational (for export): the tokenizer's vocabulary, 0 if unknown */
     MT_CK_HEADER_WORDS = 64
 };
 /* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
  * shape, parameter count, precision, seed, parallel sizes (progress words stay 0). */
 void mt_checkpoint_header_init(int64_t* header, const mt_config* cfg);
+/* The reverse: the model fields of cfg (shape and flavour) from a header; vocab_size is set to the
+ * padded size (it pads to itself). Other fields are left as they are. */
+void mt_config_from_checkpoint_header(mt_config* cfg, const int64_t* header);
 /* mkdir -p: 0, or -1 with errno set. */
 int mt_make_directories(const char* path);
 
@@ -480,7 +511,8 @@ typedef struct {
 } mt_buffer_layout;
 mt_status mt_buffer_layout_build(mt_buffer_layout* layout, const mt_config* cfg, mt_error* err);
 void mt_buffer_layout_free(mt_buffer_layout* layout);
-/* Buffer offset of (tensor, layer); layer is ignored for tensors outside the layers. */
+/* Buffer offset of (tensor, layer); layer is ignored for tensors outside the layers; -1 for a tensor
+ * the flavour does not have. */
 int64_t mt_buffer_offset(const mt_buffer_layout* layout, int tensor, int layer);
 /* DP rank r's shard of bucket b: [begin, end) in buffer elements (the whole bucket when dp == 1). */
 void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end);
@@ -1952,6 +1984,10 @@ void mt_config_defaults(mt_config* cfg) {
     cfg->make_vocab_size_divisible_by = 128;
     cfg->init_method_std = 0.02;
     cfg->norm_epsilon = 1e-5;
+    cfg->rotary_base = 10000.0;
+    cfg->rotary_percent = 1.0;
+    cfg->rope_scaling_factor = 8.0;
+    cfg->add_bias_linear = 1;
     cfg->precision = MT_FP32;
     cfg->initial_loss_scale = 4294967296.0; /* 2^32 */
     cfg->min_loss_scale = 1.0;
@@ -1985,7 +2021,14 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if (c->num_attention_heads <= 0) return mt_fail(err, MT_ERR_CONFIG, "--num-attention-heads must be positive");
     if (c->seq_length <= 0) return mt_fail(err, MT_ERR_CONFIG, "--seq-length must be positive");
     if (c->vocab_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "the vocabulary size must be positive");
-    if (c->ffn_hidden_size == 0) c->ffn_hidden_size = 4 * c->hidden_size;
+    if (c->ffn_hidden_size == 0) /* Megatron: 4h, or with SwiGLU 2/3 of it rounded down to 64 */
+        c->ffn_hidden_size = c->swiglu ? (4 * c->hidden_size * 2 / 3) / 64 * 64 : 4 * c->hidden_size;
+    if (c->ffn_hidden_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--ffn-hidden-size must be positive");
+    if (c->normalization != MT_NORM_LAYERNORM && c->normalization != MT_NORM_RMSNORM)
+        return mt_fail(err, MT_ERR_CONFIG, "--normalization must be LayerNorm or RMSNorm");
+    if (c->position_embedding_type != MT_POSITION_LEARNED && c->position_embedding_type != MT_POSITION_ROPE)
+        return mt_fail(err, MT_ERR_CONFIG, "--position-embedding-type must be learned_absolute or rope");
+    if (c->norm_epsilon <= 0) return mt_fail(err, MT_ERR_CONFIG, "--norm-epsilon must be positive");
     if (c->num_query_groups == 0) c->num_query_groups = c->num_attention_heads;
     if (c->kv_channels == 0) {
         if (c->hidden_size % c->num_attention_heads)
@@ -1996,6 +2039,16 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if (c->num_attention_heads % c->num_query_groups)
         return mt_fail(err, MT_ERR_CONFIG, "--num-attention-heads %d is not divisible by --num-query-groups %d",
                        c->num_attention_heads, c->num_query_groups);
+    if (c->kv_channels <= 0) return mt_fail(err, MT_ERR_CONFIG, "--kv-channels must be positive");
+    if (c->position_embedding_type == MT_POSITION_ROPE) {
+        int rotary = (int)(c->kv_channels * c->rotary_percent);
+        if (c->rotary_percent <= 0 || c->rotary_percent > 1 || rotary < 2 || rotary % 2)
+            return mt_fail(err, MT_ERR_CONFIG, "--rotary-percent %g of --kv-channels %d must give an even number of "
+                           "rotary channels", c->rotary_percent, c->kv_channels);
+        if (c->rotary_base <= 0) return mt_fail(err, MT_ERR_CONFIG, "--rotary-base must be positive");
+        if (c->use_rope_scaling && c->rope_scaling_factor < 1)
+            return mt_fail(err, MT_ERR_CONFIG, "--rope-scaling-factor must be >= 1");
+    }
     if (c->max_position_embeddings == 0) c->max_position_embeddings = c->seq_length;
     if (c->seq_length > c->max_position_embeddings)
         return mt_fail(err, MT_ERR_CONFIG, "--seq-length %d exceeds --max-position-embeddings %d", c->seq_length,
@@ -2096,33 +2149,36 @@ double mt_learning_rate(const mt_config* c, int64_t num_steps) {
 double mt_flops_per_iteration(const mt_config* c, int64_t batch) {
     double s = c->seq_length, h = c->hidden_size, L = c->num_layers, V = (double)c->padded_vocab_size;
     double n = c->num_attention_heads, g = c->num_query_groups, d = c->kv_channels, f = c->ffn_hidden_size;
-    double mlp_factor = 2.0; /* 3 with SwiGLU */
+    double mlp_factor = c->swiglu ? 3.0 : 2.0; /* two GEMMs, or three with SwiGLU's gate */
     double tokens = (double)batch * s;
     return tokens * (6.0 * h * f * mlp_factor * L + 6.0 * (h * (n * d + 2.0 * g * d) + n * d * h) * L + 6.0 * h * V) +
            (double)batch * s * s * 6.0 * n * d * L;
 }
 
 int64_t mt_param_layout(const mt_config* c, mt_param_info* info) {
-    int64_t L = c->num_layers, h = c->hidden_size, f = c->ffn_hidden_size;
+    int64_t L = c->num_layers, h = c->hidden_size, f = c->ffn_hidden_size, f1 = c->swiglu ? 2 * f : f;
     int64_t qkv = (int64_t)(c->num_attention_heads + 2 * c->num_query_groups) * c->kv_channels;
     int64_t attn = (int64_t)c->num_attention_heads * c->kv_channels;
+    int64_t ln_bias = c->normalization == MT_NORM_LAYERNORM, bias = c->add_bias_linear != 0;
+    int64_t positions = c->position_embedding_type == MT_POSITION_LEARNED ? c->max_position_embeddings : 0;
     struct { const char* name; int64_t numel; int wd; int init; } t[MT_NUM_PARAM_TENSORS] = {
         {"word_embeddings", c->padded_vocab_size * h, 1, 2},
-        {"position_embeddings", (int64_t)c->max_position_embeddings * h, 1, 2},
+        {"position_embeddings", positions * h, 1, 2},
         {"ln1_weight", L * h, 0, 1},
-        {"ln1_bias", L * h, 0, 0},
+        {"ln1_bias", ln_bias * L * h, 0, 0},
         {"qkv_weight", L * qkv * h, 1, 2},
-        {"qkv_bias", L * qkv, 0, 0},
+        {"qkv_bias", bias * L * qkv, 0, 0},
         {"proj_weight", L * h * attn, 1, 3},
-        {"proj_bias", L * h, 0, 0},
+        {"proj_bias", bias * L * h, 0, 0},
         {"ln2_weight", L * h, 0, 1},
-        {"ln2_bias", L * h, 0, 0},
-        {"fc1_weight", L * f * h, 1, 2},
-        {"fc1_bias", L * f, 0, 0},
+        {"ln2_bias", ln_bias * L * h, 0, 0},
+        {"fc1_weight", L * f1 * h, 1, 2},
+        {"fc1_bias", bias * L * f1, 0, 0},
         {"fc2_weight", L * h * f, 1, 3},
-        {"fc2_bias", L * h, 0, 0},
+        {"fc2_bias", bias * L * h, 0, 0},
         {"final_ln_weight", h, 0, 1},
-        {"final_ln_bias", h, 0, 0},
+        {"final_ln_bias", ln_bias * h, 0, 0},
+        {"output_weight", c->untie_embeddings_and_output_weights ? c->padded_vocab_size * h : 0, 1, 2},
     };
     int64_t offset = 0;
     for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
@@ -2157,6 +2213,45 @@ void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
     h[MT_CK_SEED] = (int64_t)c->seed;
     h[MT_CK_TP] = c->tensor_model_parallel_size;
     h[MT_CK_PP] = c->pipeline_model_parallel_size;
+    h[MT_CK_NORMALIZATION] = c->normalization;
+    h[MT_CK_SWIGLU] = c->swiglu != 0;
+    h[MT_CK_POSITION_TYPE] = c->position_embedding_type;
+    if (c->position_embedding_type == MT_POSITION_ROPE) {
+        double scaling = c->use_rope_scaling ? c->rope_scaling_factor : 0.0;
+        memcpy(&h[MT_CK_ROTARY_BASE_BITS], &c->rotary_base, sizeof(double));
+        memcpy(&h[MT_CK_ROTARY_PERCENT_BITS], &c->rotary_percent, sizeof(double));
+        memcpy(&h[MT_CK_ROPE_SCALING_FACTOR_BITS], &scaling, sizeof(double));
+    }
+    h[MT_CK_UNTIED] = c->untie_embeddings_and_output_weights != 0;
+    h[MT_CK_NO_BIAS_LINEAR] = !c->add_bias_linear;
+    memcpy(&h[MT_CK_NORM_EPS_BITS], &c->norm_epsilon, sizeof(double));
+    h[MT_CK_TRUE_VOCAB] = c->vocab_size;
+}
+
+void mt_config_from_checkpoint_header(mt_config* c, const int64_t* h) {
+    c->num_layers = (int)h[MT_CK_LAYERS];
+    c->hidden_size = (int)h[MT_CK_HIDDEN];
+    c->num_attention_heads = (int)h[MT_CK_HEADS];
+    c->num_query_groups = (int)h[MT_CK_GROUPS];
+    c->kv_channels = (int)h[MT_CK_KV];
+    c->ffn_hidden_size = (int)h[MT_CK_FFN];
+    c->padded_vocab_size = h[MT_CK_VOCAB];
+    c->vocab_size = h[MT_CK_VOCAB]; /* pads to itself; the true size is h[MT_CK_TRUE_VOCAB] */
+    c->max_position_embeddings = (int)h[MT_CK_POSITIONS];
+    c->normalization = (mt_normalization)h[MT_CK_NORMALIZATION];
+    c->swiglu = (int)h[MT_CK_SWIGLU];
+    c->position_embedding_type = (mt_position_embedding)h[MT_CK_POSITION_TYPE];
+    if (c->position_embedding_type == MT_POSITION_ROPE) {
+        double scaling;
+        memcpy(&c->rotary_base, &h[MT_CK_ROTARY_BASE_BITS], sizeof(double));
+        memcpy(&c->rotary_percent, &h[MT_CK_ROTARY_PERCENT_BITS], sizeof(double));
+        memcpy(&scaling, &h[MT_CK_ROPE_SCALING_FACTOR_BITS], sizeof(double));
+        c->use_rope_scaling = scaling > 0;
+        if (scaling > 0) c->rope_scaling_factor = scaling;
+    }
+    c->untie_embeddings_and_output_weights = (int)h[MT_CK_UNTIED];
+    c->add_bias_linear = !h[MT_CK_NO_BIAS_LINEAR];
+    if (h[MT_CK_NORM_EPS_BITS]) memcpy(&c->norm_epsilon, &h[MT_CK_NORM_EPS_BITS], sizeof(double));
 }
 
 int mt_make_directories(const char* path) {
@@ -2201,8 +2296,22 @@ mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_err
     mt_param_info info[MT_NUM_PARAM_TENSORS];
     mt_param_layout(c, info);
     int L = c->num_layers, dp = c->data_parallel_size > 0 ? c->data_parallel_size : 1;
-    int n = 0;
-    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) n += mt__param_in_layers(i) ? L : 1;
+    /* model order (Megatron's module.parameters()): embeddings, each layer, final norm, output
+     * layer; tensors the flavour lacks (numel 0) are not parameters */
+    int n = 0, order[MT_NUM_PARAM_TENSORS * 2 + 1];
+    int outside[] = {MT_P_WORD_EMBEDDINGS, MT_P_POSITION_EMBEDDINGS, -1, MT_P_FINAL_LN_WEIGHT, MT_P_FINAL_LN_BIAS,
+                     MT_P_OUTPUT_WEIGHT};
+    int per_layer = 0, num_order = 0;
+    for (size_t i = 0; i < sizeof(outside) / sizeof(outside[0]); i++) {
+        if (outside[i] < 0) { /* the layers */
+            for (int tsr = MT_P_LN1_WEIGHT; tsr <= MT_P_FC2_BIAS; tsr++)
+                if (info[tsr].numel > 0) { order[num_order++] = tsr; per_layer++; }
+        } else if (info[outside[i]].numel > 0) {
+            order[num_order++] = outside[i];
+            n++;
+        }
+    }
+    n += per_layer * L;
     b->num_layers = L;
     b->params = (mt_buffer_param*)calloc((size_t)n, sizeof(mt_buffer_param));
     b->buckets = (mt_buffer_bucket*)calloc((size_t)n, sizeof(mt_buffer_bucket));
@@ -2211,22 +2320,33 @@ mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_err
         mt_buffer_layout_free(b);
         return mt_fail(err, MT_ERR_OOM, "cannot allocate the gradient buffer layout");
     }
-    /* model order (Megatron's module.parameters()): embeddings, each layer, final norm; walk it backwards */
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS * L; i++) b->index[i] = -1;
+    /* walk the model order backwards */
     int k = 0;
-    for (int pos = n - 1; pos >= 0; pos--) {
-        /* position pos in model order -> (tensor, layer) */
-        int tensor, layer = 0, r = pos;
-        if (r < 2) tensor = r;
-        else if (r < 2 + 12 * L) { layer = (r - 2) / 12; tensor = MT_P_LN1_WEIGHT + (r - 2) % 12; }
-        else tensor = MT_P_FINAL_LN_WEIGHT + (r - 2 - 12 * L);
+    for (int o = num_order - 1; o >= 0; o--) {
+        int tensor = order[o], layered = mt__param_in_layers(tensor);
+        /* a run of per-layer tensors: walk layers L-1..0, each layer's tensors in reverse */
+        if (layered) {
+            int first = o;
+            while (first > 0 && mt__param_in_layers(order[first - 1])) first--;
+            for (int layer = L - 1; layer >= 0; layer--)
+                for (int j = o; j >= first; j--) {
+                    int tsr = order[j];
+                    mt_buffer_param* p = &b->params[k];
+                    p->tensor = tsr;
+                    p->layer = layer;
+                    p->numel = info[tsr].numel / L;
+                    p->canonical = info[tsr].offset + (int64_t)layer * p->numel;
+                    b->index[tsr * L + layer] = k++;
+                }
+            o = first;
+            continue;
+        }
         mt_buffer_param* p = &b->params[k];
         p->tensor = tensor;
-        p->layer = layer;
-        p->numel = mt__param_in_layers(tensor) ? info[tensor].numel / L : info[tensor].numel;
-        p->canonical = info[tensor].offset + (int64_t)layer * p->numel;
-        b->index[tensor * L + layer] = k;
-        if (!mt__param_in_layers(tensor))
-            for (int l = 1; l < L; l++) b->index[tensor * L + l] = k;
+        p->numel = info[tensor].numel;
+        p->canonical = info[tensor].offset;
+        for (int l = 0; l < L; l++) b->index[tensor * L + l] = k;
         k++;
     }
     b->num_params = n;
@@ -2253,7 +2373,8 @@ mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_err
             bk->ready_layer = L;
             for (int j = first; j <= i; j++) {
                 const mt_buffer_param* q = &b->params[j];
-                int ready = mt__param_in_layers(q->tensor) ? q->layer : (q->tensor >= MT_P_FINAL_LN_WEIGHT ? L : -1);
+                int ready = mt__param_in_layers(q->tensor) ? q->layer
+                            : (q->tensor >= MT_P_FINAL_LN_WEIGHT ? L : -1); /* final norm, output layer: L */
                 if (ready < bk->ready_layer) bk->ready_layer = ready;
             }
             bucket_start = start = bk->end;
@@ -2269,7 +2390,8 @@ mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_err
 }
 
 int64_t mt_buffer_offset(const mt_buffer_layout* b, int tensor, int layer) {
-    return b->params[b->index[tensor * b->num_layers + layer]].offset;
+    int i = b->index[tensor * b->num_layers + layer];
+    return i < 0 ? -1 : b->params[i].offset;
 }
 
 void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end) {

@@ -137,7 +137,8 @@ static void parse_args(run_options* o, int argc, char** argv) {
     double lr = -1, min_lr = -1, warmup_fraction = -1, warmup_init = -1, b1 = -1, b2 = -1, eps = -1, wd = -1,
            clip = -1, std = -1, norm_eps = -1, hidden_dropout = -1, attention_dropout = -1, loss_scale = -1,
            initial_loss_scale = -1, min_loss_scale = -1;
-    int untie = 0, swiglu = 0, no_bias = 0, gqa = 0;
+    int untie = 0, swiglu = 0, no_bias = 0, gqa = 0, rope_scaling = 0;
+    double rotary_base = -1, rotary_percent = -1, rope_factor = -1;
     flag_spec flags[] = {
         {"--num-layers", F_INT64, &num_layers},
         {"--hidden-size", F_INT64, &hidden},
@@ -156,6 +157,10 @@ static void parse_args(run_options* o, int argc, char** argv) {
         {"--position-embedding-type", F_STRING, &position_type},
         {"--untie-embeddings-and-output-weights", F_TRUE, &untie},
         {"--swiglu", F_TRUE, &swiglu},
+        {"--rotary-base", F_DOUBLE, &rotary_base},
+        {"--rotary-percent", F_DOUBLE, &rotary_percent},
+        {"--use-rope-scaling", F_TRUE, &rope_scaling},
+        {"--rope-scaling-factor", F_DOUBLE, &rope_factor},
         {"--disable-bias-linear", F_TRUE, &no_bias},
         {"--hidden-dropout", F_DOUBLE, &hidden_dropout},
         {"--attention-dropout", F_DOUBLE, &attention_dropout},
@@ -289,10 +294,24 @@ static void parse_args(run_options* o, int argc, char** argv) {
     }
     if (!o->split) o->split = "969, 30, 1";
 
-    /* the Llama flavour's switches belong to a later build: refuse them clearly */
-    if (untie || swiglu || no_bias) die(2, "--untie-embeddings-and-output-weights/--swiglu/--disable-bias-linear are not supported yet (GPT-2 flavour only)");
-    if (normalization && strcmp(normalization, "LayerNorm")) die(2, "--normalization %s is not supported yet (LayerNorm only)", normalization);
-    if (position_type && strcmp(position_type, "learned_absolute")) die(2, "--position-embedding-type %s is not supported yet (learned_absolute only)", position_type);
+    /* the model flavour (GPT-2 by default; Llama: RMSNorm, SwiGLU, rope, GQA, untied, no biases) */
+    if (normalization) {
+        if (!strcmp(normalization, "LayerNorm")) c->normalization = MT_NORM_LAYERNORM;
+        else if (!strcmp(normalization, "RMSNorm")) c->normalization = MT_NORM_RMSNORM;
+        else die(2, "--normalization %s: expected LayerNorm or RMSNorm", normalization);
+    }
+    if (position_type) {
+        if (!strcmp(position_type, "learned_absolute")) c->position_embedding_type = MT_POSITION_LEARNED;
+        else if (!strcmp(position_type, "rope")) c->position_embedding_type = MT_POSITION_ROPE;
+        else die(2, "--position-embedding-type %s: expected learned_absolute or rope", position_type);
+    }
+    if (rotary_base >= 0) c->rotary_base = rotary_base;
+    if (rotary_percent >= 0) c->rotary_percent = rotary_percent;
+    if (rope_factor >= 0) c->rope_scaling_factor = rope_factor;
+    c->use_rope_scaling = rope_scaling;
+    c->swiglu = swiglu;
+    c->untie_embeddings_and_output_weights = untie;
+    c->add_bias_linear = !no_bias;
 
     if (num_layers >= 0) c->num_layers = (int)num_layers;
     if (hidden >= 0) c->hidden_size = (int)hidden;

@@ -98,6 +98,21 @@ static mt_config config_from_vectors(const gpt_vectors* v, mt_precision precisio
     c.weight_decay = v->hyper[7];
     c.clip_grad = v->hyper[8];
     c.norm_epsilon = v->hyper[9];
+    /* the flavour (all 0 in GPT-2 files): header [15] kv channels, [16] RMSNorm, [17] SwiGLU, [18] rope,
+     * [19] untied, [20] no linear biases, [21] Llama-3.1 rope scaling; hyper [10] rotary base,
+     * [11] rotary percent, [12] rope scaling factor */
+    c.kv_channels = v->header[15];
+    c.normalization = v->header[16] ? MT_NORM_RMSNORM : MT_NORM_LAYERNORM;
+    c.swiglu = v->header[17];
+    c.position_embedding_type = v->header[18] ? MT_POSITION_ROPE : MT_POSITION_LEARNED;
+    c.untie_embeddings_and_output_weights = v->header[19];
+    c.add_bias_linear = !v->header[20];
+    c.use_rope_scaling = v->header[21];
+    if (v->header[18]) {
+        c.rotary_base = v->hyper[10];
+        c.rotary_percent = v->hyper[11];
+        c.rope_scaling_factor = v->hyper[12];
+    }
     c.precision = precision;
     return c;
 }
@@ -119,6 +134,7 @@ static unsigned char* key_bias_mask(const mt_config* c) {
     mt_param_info info[MT_NUM_PARAM_TENSORS];
     int64_t n = mt_param_layout(c, info);
     unsigned char* mask = (unsigned char*)calloc((size_t)n, 1);
+    if (info[MT_P_QKV_BIAS].numel == 0) return mask; /* no biases */
     int qpg = c->num_attention_heads / c->num_query_groups, d = c->kv_channels;
     int width = (c->num_attention_heads + 2 * c->num_query_groups) * d;
     for (int l = 0; l < c->num_layers; l++)
@@ -255,6 +271,22 @@ static test_result test_gpt2_tiny_bf16(void) {
 static test_result test_gpt2_small_bf16(void) {
     return check_against_reference("dev/data/gpt_vectors/gpt2_small.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 3e-3);
 }
+/* The Llama flavour (RMSNorm, SwiGLU, RoPE, GQA, untied output, no biases), same tolerances:
+ * llama_tiny (head dim 16, 4 heads in 2 groups, Llama-3.1 rope scaling, exact attention path),
+ * llama_small (head dim 64 = kv channels with hidden 64, 2 heads sharing 1 group, half the channels
+ * rotary, base 500000; bf16 runs the flash kernels with grouped K/V). */
+static test_result test_llama_tiny_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_tiny.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_llama_small_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_small.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_llama_tiny_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_tiny.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 3e-3);
+}
+static test_result test_llama_small_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_small.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 3e-3);
+}
 
 /* ---- determinism, resume, fp16 scaler, initialisation, checkpoint validation ---- */
 
@@ -274,6 +306,24 @@ static mt_config gpu_small_config(mt_precision precision) {
     c.lr_warmup_iters = 3;
     c.lr_decay_style = MT_LR_COSINE;
     c.precision = precision;
+    return c;
+}
+
+/* The same size in the Llama flavour: GQA 4 heads in 2 groups of head dim 64, rope with Llama-3.1
+ * scaling, RMSNorm, SwiGLU, untied output, no biases. */
+static mt_config gpu_small_llama_config(mt_precision precision) {
+    mt_config c = gpu_small_config(precision);
+    c.num_attention_heads = 4;
+    c.num_query_groups = 2;
+    c.kv_channels = 64;
+    c.ffn_hidden_size = 320;
+    c.normalization = MT_NORM_RMSNORM;
+    c.swiglu = 1;
+    c.position_embedding_type = MT_POSITION_ROPE;
+    c.rotary_base = 500000;
+    c.use_rope_scaling = 1;
+    c.untie_embeddings_and_output_weights = 1;
+    c.add_bias_linear = 0;
     return c;
 }
 
@@ -320,9 +370,9 @@ static test_result run_steps(mt_config* c, const char* load_dir, const char* sav
     return TEST_PASS;
 }
 
-static test_result determinism_and_resume(mt_precision precision) {
+static test_result determinism_and_resume(mt_precision precision, int llama) {
     REQUIRE_GPU();
-    mt_config c = gpu_small_config(precision);
+    mt_config c = llama ? gpu_small_llama_config(precision) : gpu_small_config(precision);
     mt_error err;
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
     int64_t n = mt_num_parameters(&c);
@@ -331,7 +381,7 @@ static test_result determinism_and_resume(mt_precision precision) {
     float* pb = (float*)malloc(sizeof(float) * n);
     float* pr = (float*)malloc(sizeof(float) * n);
     char dir[256];
-    snprintf(dir, sizeof(dir), "/tmp/mt_test_ckpt_%d_%d", (int)getpid(), (int)precision);
+    snprintf(dir, sizeof(dir), "/tmp/mt_test_ckpt_%d_%d_%d", (int)getpid(), (int)precision, llama);
     remove_tree(dir);
     test_result res = TEST_PASS;
     if (run_steps(&c, NULL, NULL, 0, 20, a, pa) != TEST_PASS || run_steps(&c, NULL, NULL, 0, 20, b, pb) != TEST_PASS ||
@@ -367,8 +417,9 @@ static test_result determinism_and_resume(mt_precision precision) {
     free(pr);
     return res;
 }
-static test_result test_determinism_and_resume_bf16(void) { return determinism_and_resume(MT_BF16); }
-static test_result test_determinism_and_resume_fp32(void) { return determinism_and_resume(MT_FP32); }
+static test_result test_determinism_and_resume_bf16(void) { return determinism_and_resume(MT_BF16, 0); }
+static test_result test_determinism_and_resume_fp32(void) { return determinism_and_resume(MT_FP32, 0); }
+static test_result test_determinism_and_resume_llama_bf16(void) { return determinism_and_resume(MT_BF16, 1); }
 
 /* fp16 with Megatron's initial scale 2^32 overflows at first: those steps are skipped (weights
  * untouched, scheduler not advanced) and the scale backs off per the hysteresis rule until steps
@@ -418,9 +469,9 @@ static test_result test_fp16_loss_scaler(void) {
 
 /* Megatron's initialisation: normal(std) weights and embeddings, output projections std/sqrt(2L),
  * biases 0, norm weights 1; different seeds give different weights, the same seed the same. */
-static test_result test_initialisation(void) {
+static test_result initialisation(int llama) {
     REQUIRE_GPU();
-    mt_config c = gpu_small_config(MT_BF16);
+    mt_config c = llama ? gpu_small_llama_config(MT_BF16) : gpu_small_config(MT_BF16);
     c.num_layers = 4;
     mt_error err;
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
@@ -438,6 +489,7 @@ static test_result test_initialisation(void) {
     mt_trainer_free(t);
     test_result res = TEST_PASS;
     for (int i = 0; i < MT_NUM_PARAM_TENSORS && res == TEST_PASS; i++) {
+        if (info[i].numel == 0) continue; /* not in this flavour */
         double sum = 0, sq = 0;
         for (int64_t j = 0; j < info[i].numel; j++) {
             sum += p[info[i].offset + j];
@@ -461,6 +513,8 @@ static test_result test_initialisation(void) {
     free(q);
     return res;
 }
+static test_result test_initialisation(void) { return initialisation(0); }
+static test_result test_initialisation_llama(void) { return initialisation(1); }
 
 static test_result test_checkpoint_refuses_other_shape(void) {
     REQUIRE_GPU();
@@ -493,6 +547,20 @@ static test_result test_checkpoint_refuses_other_shape(void) {
     remove_tree(dir);
     EXPECT(st == MT_ERR_CONFIG, "status %d", (int)st);
     EXPECT(strstr(err.message, "--hidden-size 128 but this run has 256") != NULL, "message: %s", err.message);
+    /* same shape, other flavour: an RMSNorm model refuses a LayerNorm checkpoint, naming the flag */
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    st = mt_trainer_save(t, dir, 7, 56, &err);
+    mt_trainer_free(t);
+    EXPECT_OK(st, &err);
+    other = gpu_small_config(MT_BF16);
+    other.normalization = MT_NORM_RMSNORM;
+    EXPECT_OK(mt_config_finalize(&other, &err), &err);
+    EXPECT_OK(mt_trainer_create(&t, &other, &err), &err);
+    st = mt_trainer_load(t, dir, -1, NULL, NULL, &err);
+    mt_trainer_free(t);
+    remove_tree(dir);
+    EXPECT(st == MT_ERR_CONFIG && strstr(err.message, "--normalization") != NULL, "status %d, message: %s", (int)st,
+           err.message);
     return TEST_PASS;
 }
 
@@ -503,6 +571,12 @@ static const test_case gpu_tests[] = {
     {"gpt2_small_bf16_matches_reference", test_gpt2_small_bf16},
     {"determinism_and_resume_bf16", test_determinism_and_resume_bf16},
     {"determinism_and_resume_fp32", test_determinism_and_resume_fp32},
+    {"llama_tiny_fp32_matches_reference", test_llama_tiny_fp32},
+    {"llama_small_fp32_matches_reference", test_llama_small_fp32},
+    {"llama_tiny_bf16_matches_reference", test_llama_tiny_bf16},
+    {"llama_small_bf16_matches_reference", test_llama_small_bf16},
+    {"determinism_and_resume_llama_bf16", test_determinism_and_resume_llama_bf16},
+    {"initialisation_llama", test_initialisation_llama},
     {"fp16_loss_scaler", test_fp16_loss_scaler},
     {"initialisation", test_initialisation},
     {"checkpoint_refuses_other_shape", test_checkpoint_refuses_other_shape},
