@@ -46,8 +46,9 @@ test_megatron: test_megatron.cu megatron.cu $(HEADERS) $(wildcard tests/*.h)
 
 prepro/%: prepro/%.c $(HEADERS)
 	$(CC) $(CFLAGS) $< -o $@ $(HOST_LIBS)
-prepro/convert_hf: prepro/safetensors.h prepro/hf_gpt2.h
-test_megatron: prepro/safetensors.h prepro/hf_gpt2.h
+HF_HEADERS := prepro/safetensors.h prepro/hf_checkpoint.h prepro/hf_gpt2.h prepro/hf_llama.h
+prepro/convert_hf: $(HF_HEADERS)
+test_megatron: $(HF_HEADERS)
 
 # dev/hf_logits: a checkpoint's logits for a token file (used by dev/hf_check.py on a GPU machine)
 dev/hf_logits: dev/hf_logits.c megatron.o $(HEADERS)

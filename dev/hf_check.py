@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """
-hf_check.py: end-to-end check of prepro/convert_hf against Hugging Face transformers' GPT-2.
+hf_check.py: end-to-end check of prepro/convert_hf against Hugging Face transformers' GPT-2 and Llama.
 
     make prepro/convert_hf && python dev/hf_check.py            # from the repository root
     python dev/hf_check.py --hf-logits ./dev/hf_logits --keep /tmp/hfc
@@ -34,6 +34,25 @@ mapping error can hide behind a zero or a one) it
      header, unknown dtype, overlapping offsets, missing tensor, unsupported activation): each must
      exit 1 with one error line that names the problem, and leave no checkpoint behind.
 
+The Llama cases mirror these with three small random LlamaForCausalLMs (2 layers, hidden 128, 4
+heads, 2 kv heads, intermediate 256, vocab 1000, 16384 positions, rope_theta 500000, llama3 rope
+scaling with factor 8; head_dim 32 untied, head_dim 64 untied, head_dim 32 tied; every weight and norm
+perturbed):
+
+  1. import, with the printed train_gpt flags (RMSNorm, SwiGLU, rope, GQA, untied, no biases);
+  2. the checkpoint read back: the header's shape and flavour words (RMSNorm, SwiGLU, rope, base,
+     percent, scaling factor, untied, no biases, epsilon, true vocabulary), Adam m = v = 0, and the
+     master weights equal, bitwise, to the HF tensors laid out as Megatron does (stated here: per
+     query group the q rows of its heads, then its k rows, its v rows; fc1 = [gate; up]; zero padded
+     vocabulary rows);
+  3. GPU logits (fp32 and bf16) against transformers' fp32, the same tolerances;
+  4. export without --vocab-size (the header has it), LlamaForCausalLM.from_pretrained with no
+     missing / unexpected keys, config.json's fields as the original's, every tensor and the logits
+     bitwise; a bfloat16 export; re-importing the export gives a byte-identical checkpoint;
+  5. the model saved sharded and in bfloat16 imports to a byte-identical checkpoint;
+  6. refused with one line: rope scaling type "linear", attention_bias true, hidden_act "gelu", a
+     missing k_proj.
+
 Prints one table and exits non-zero if any row failed.
 """
 import argparse
@@ -58,7 +77,7 @@ torch.set_default_dtype(torch.float32)
 
 import transformers  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 CK_HEADER_WORDS = 64
 MODELS = [  # name, heads
@@ -66,6 +85,17 @@ MODELS = [  # name, heads
     ("gpt2_h4", 4),
 ]
 L, H, P, V, B = 2, 128, 64, 1000, 2
+LLAMA_MODELS = [  # name, head_dim, tied
+    ("llama_d32", 32, False),
+    ("llama_d64", 64, False),
+    ("llama_d32_tied", 32, True),
+]
+LN, LG, LF, LP, LT = 4, 2, 256, 16384, 64  # heads, kv heads, intermediate, max positions, tokens per row
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+# header words (megatron.h, MT_CK_*)
+CK_NORMALIZATION, CK_SWIGLU, CK_POSITION_TYPE, CK_ROTARY_BASE, CK_ROTARY_PERCENT, CK_ROPE_SCALING = 25, 26, 27, 28, 29, 30
+CK_UNTIED, CK_NO_BIAS, CK_NORM_EPS, CK_TRUE_VOCAB = 31, 32, 33, 34
 
 rows = []  # (check, status, detail)
 
@@ -118,14 +148,18 @@ def read_checkpoint(ckpt):
     return it, header, arrays, n, raw
 
 
-def load_logged(path):
+def as_double(word):
+    return struct.unpack("<d", struct.pack("<q", int(word)))[0]
+
+
+def load_logged(path, cls=GPT2LMHeadModel):
     """from_pretrained with transformers' log captured; returns (model, info, log text)."""
     buf = io.StringIO()
     handler = logging.StreamHandler(buf)
     logger = logging.getLogger("transformers")
     logger.addHandler(handler)
     try:
-        model, info = GPT2LMHeadModel.from_pretrained(path, output_loading_info=True)
+        model, info = cls.from_pretrained(path, output_loading_info=True)
     finally:
         logger.removeHandler(handler)
     return model.eval(), info, buf.getvalue()
@@ -180,7 +214,9 @@ def check_model(name, heads, seed, args, work):
                 [L, H, heads, heads, d, 4 * H, Vp, P] and n == ref_gpt.num_params(cfg) and header[11] == 1 and
                 header[12] == 0 and header[16] == 1234 and header[18] == 2 and
                 struct.unpack("<d", struct.pack("<q", int(header[19])))[0] == 1.0 and header[20] == 1 and
-                header[21] == 1 and header[22] == 0 and not header[23:].any())
+                header[21] == 1 and header[22] == 0 and not header[23:CK_NORM_EPS].any() and
+                as_double(header[CK_NORM_EPS]) == 1e-5 and header[CK_TRUE_VOCAB] == V and
+                not header[CK_TRUE_VOCAB + 1:].any())
     size_ok = len(raw) == 8 * CK_HEADER_WORDS + 12 * n
     master, m, v = arrays[:n], arrays[n:2 * n], arrays[2 * n:3 * n]
     params = ref_gpt.unflatten(cfg, master)
@@ -323,6 +359,211 @@ def corrupt_cases(args, work):
         record(f"rejects {label}", ok, message if lines else f"rc {rc}, no message")
 
 
+def make_llama(head_dim, tied, seed):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=H, intermediate_size=LF, num_hidden_layers=L, num_attention_heads=LN,
+                      num_key_value_heads=LG, head_dim=head_dim, vocab_size=V, max_position_embeddings=LP,
+                      rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=dict(LLAMA3), tie_word_embeddings=tied,
+                      bos_token_id=V - 1, eos_token_id=V - 1)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # no unit norm weights, nothing left at its initial value
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + torch.randn_like(p) * 0.1)
+            else:
+                p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def llama_canonical(sd, d, tied):
+    """Our canonical parameter vector of a Llama state dict, stated on its own: per layer the fused QKV
+    rows in Megatron's grouped layout (for query group j: the q rows of its LN/LG heads, its k rows, its
+    v rows), fc1 = [gate; up]; padded vocabulary rows zero; order word_embeddings, ln1, qkv, proj, ln2,
+    fc1, fc2, final norm, output layer (untied only)."""
+    Vp = (V + 127) // 128 * 128
+    t = {k: v.detach().float().numpy() for k, v in sd.items()}
+
+    def padded(w):
+        out = np.zeros((Vp, H), dtype=np.float32)
+        out[:V] = w
+        return out
+
+    layer = lambda l, name: t[f"model.layers.{l}.{name}.weight"]  # noqa: E731
+    qkv = []
+    for l in range(L):
+        q = layer(l, "self_attn.q_proj").reshape(LG, LN // LG * d, H)
+        k = layer(l, "self_attn.k_proj").reshape(LG, d, H)
+        v = layer(l, "self_attn.v_proj").reshape(LG, d, H)
+        qkv.append(np.concatenate([q, k, v], axis=1).reshape(-1))
+    pieces = [padded(t["model.embed_tokens.weight"]).reshape(-1)]
+    pieces += [layer(l, "input_layernorm") for l in range(L)] + qkv
+    pieces += [layer(l, "self_attn.o_proj").reshape(-1) for l in range(L)]
+    pieces += [layer(l, "post_attention_layernorm") for l in range(L)]
+    pieces += [np.concatenate([layer(l, "mlp.gate_proj"), layer(l, "mlp.up_proj")]).reshape(-1) for l in range(L)]
+    pieces += [layer(l, "mlp.down_proj").reshape(-1) for l in range(L)]
+    pieces += [t["model.norm.weight"]]
+    if not tied:
+        pieces += [padded(t["lm_head.weight"]).reshape(-1)]
+    return np.concatenate(pieces).astype(np.float32)
+
+
+LLAMA_CONFIG_FIELDS = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
+                       "tie_word_embeddings", "hidden_act", "attention_bias", "mlp_bias", "rope_theta", "rope_scaling",
+                       "rope_parameters"]
+
+
+def check_llama(name, d, tied, seed, args, work):
+    conv = args.convert_hf
+    model = make_llama(d, tied, seed)
+    hf_dir = os.path.join(work, name + "_hf")
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, V, size=(B, LT), dtype=np.int64)
+    ref32 = hf_logits(model, tokens)
+
+    # 1. import
+    ckpt = os.path.join(work, name + "_ckpt")
+    rc, out, err = run([conv, "--import", hf_dir, "--save", ckpt])
+    if not record(f"{name}: import", rc == 0, err.strip() or "rc 0"):
+        return
+    want_flags = [f"--num-layers {L}", f"--hidden-size {H}", f"--num-attention-heads {LN}",
+                  f"--group-query-attention --num-query-groups {LG}", f"--ffn-hidden-size {LF}",
+                  f"--seq-length {LP}", f"--max-position-embeddings {LP}", "--norm-epsilon 1e-05",
+                  "--normalization RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type rope",
+                  "--rotary-base 500000", "--use-rope-scaling --rope-scaling-factor 8", f"--vocab-size {V}"]
+    want_flags += [f"--kv-channels {d}"] if d * LN != H else []
+    missing = [f for f in want_flags if f not in out]
+    extra = [f for f in ["--kv-channels"] if d * LN == H and f in out]
+    extra += ["--untie-embeddings-and-output-weights"] if tied and "--untie" in out else []
+    missing += ["--untie-embeddings-and-output-weights"] if not tied and "--untie" not in out else []
+    record(f"{name}: printed train_gpt flags", not missing and not extra,
+           "missing " + ", ".join(missing) if missing else ("unwanted " + ", ".join(extra) if extra else "all present"))
+
+    # 2. the checkpoint, read back: header words and the canonical layout, bitwise
+    it, header, arrays, n, raw = read_checkpoint(ckpt)
+    Vp = 1024
+    want = llama_canonical(model.state_dict(), d, tied)
+    words_ok = (it == 0 and header[0] == 0x4B43544D and header[1] == 1 and
+                list(header[2:10]) == [L, H, LN, LG, d, LF, Vp, LP] and n == want.size and header[11] == 1 and
+                header[12] == 0 and header[20] == 1 and header[21] == 1 and header[22] == 0 and
+                header[CK_NORMALIZATION] == 1 and header[CK_SWIGLU] == 1 and header[CK_POSITION_TYPE] == 1 and
+                as_double(header[CK_ROTARY_BASE]) == 500000.0 and as_double(header[CK_ROTARY_PERCENT]) == 1.0 and
+                as_double(header[CK_ROPE_SCALING]) == 8.0 and header[CK_UNTIED] == (0 if tied else 1) and
+                header[CK_NO_BIAS] == 1 and as_double(header[CK_NORM_EPS]) == 1e-5 and header[CK_TRUE_VOCAB] == V and
+                not header[CK_TRUE_VOCAB + 1:].any())
+    size_ok = len(raw) == 8 * CK_HEADER_WORDS + 12 * n
+    master, m, v = arrays[:n], arrays[n:2 * n], arrays[2 * n:3 * n]
+    record(f"{name}: checkpoint header (shape, flavour words)", bool(words_ok and size_ok and not m.any() and not v.any()),
+           f"{len(raw)} bytes, {n} parameters, m = v = 0" + ("" if words_ok else f"; header {list(header[:35])}"))
+    same = master.shape == want.shape and np.array_equal(master.view(np.uint32), want.view(np.uint32))
+    record(f"{name}: canonical weights = HF tensors in Megatron's layout", bool(same),
+           "bitwise (grouped QKV, [gate; up], zero padding)" if same else "differ")
+
+    # 3. GPU logits through the trainer
+    tool = args.hf_logits
+    if tool and os.path.exists(tool):
+        tok_path = os.path.join(work, name + "_tokens.bin")
+        write_tokens(tok_path, tokens)
+        for prec, tol, flags in (("fp32", 1e-5, []), ("bf16", 3e-2, ["--bf16"])):
+            out_path = os.path.join(work, f"{name}_logits_{prec}.bin")
+            rc, out, err = run([tool, ckpt, tok_path, out_path] + flags)
+            if rc != 0:
+                record(f"{name}: GPU logits {prec} vs transformers fp32", False, (err.strip() or out.strip())[-200:])
+                continue
+            ours = read_logits(out_path)
+            e = rel_err(ours[:, :, :V], ref32)
+            record(f"{name}: GPU logits {prec} vs transformers fp32", e < tol, f"rel err {e:.1e} (tol {tol:g})")
+    else:
+        record(f"{name}: GPU logits vs transformers", None, f"no {tool} (see the docstring)")
+
+    # 4. export (vocabulary and epsilon from the header) and reload
+    out_dir = os.path.join(work, name + "_export")
+    rc, out, err = run([conv, "--export", ckpt, "--out", out_dir])
+    if record(f"{name}: export", rc == 0, err.strip() or "rc 0"):
+        back, info, log = load_logged(out_dir, LlamaForCausalLM)
+        ok, detail = clean_load(info, log)
+        record(f"{name}: from_pretrained(export) loads cleanly", ok, detail)
+        diff_cfg = [k for k in LLAMA_CONFIG_FIELDS if getattr(back.config, k, None) != getattr(model.config, k, None)]
+        record(f"{name}: exported config.json", not diff_cfg, "differs: " + ", ".join(diff_cfg) if diff_cfg else
+               f"{len(LLAMA_CONFIG_FIELDS)} fields as the original's")
+        sd0, sd1 = model.state_dict(), back.state_dict()
+        diff = [k for k in sd0 if k not in sd1 or not torch.equal(sd0[k], sd1[k])]
+        record(f"{name}: exported tensors bitwise equal", not diff and set(sd0) == set(sd1),
+               f"{len(sd0)} tensors" + (", differ: " + ", ".join(diff[:3]) if diff else ""))
+        e = float(np.abs(hf_logits(back, tokens) - ref32).max())
+        record(f"{name}: round-trip logits vs original", e <= 1e-6, "bitwise" if e == 0 else f"max abs diff {e:.1e}")
+        keys = set(load_file(os.path.join(out_dir, "model.safetensors")))
+        record(f"{name}: exported keys", keys == set(k for k in sd0 if not (tied and k == "lm_head.weight")),
+               f"{len(keys)} keys" + (", lm_head.weight tied (not stored)" if tied else ", lm_head.weight stored"))
+        again = os.path.join(work, name + "_reimport")
+        rc, _, err = run([conv, "--import", out_dir, "--save", again])
+        same = rc == 0 and read_checkpoint(again)[4] == raw
+        record(f"{name}: import(export) checkpoint", same, err.strip() if rc else ("byte-identical" if same else "differs"))
+    bf_dir = os.path.join(work, name + "_export_bf16")
+    rc, out, err = run([conv, "--export", ckpt, "--out", bf_dir, "--dtype", "bfloat16"])
+    if record(f"{name}: export --dtype bfloat16", rc == 0, err.strip() or "rc 0"):
+        back, info, log = load_logged(bf_dir, LlamaForCausalLM)
+        ok, detail = clean_load(info, log)
+        e = rel_err(hf_logits(back.float(), tokens), ref32)
+        record(f"{name}: bf16 export loads cleanly, logits close", ok and e < 3e-2, f"{detail}; rel err {e:.1e}")
+
+    # 5. the same model, stored differently: the checkpoint must come out byte-identical
+    shard_dir = os.path.join(work, name + "_sharded")
+    model.save_pretrained(shard_dir, safe_serialization=True, max_shard_size="500KB")
+    bf_src = os.path.join(work, name + "_bf16src")
+    model_bf = make_llama(d, tied, seed).to(torch.bfloat16)
+    model_bf.save_pretrained(bf_src, safe_serialization=True)
+    ref_bf = os.path.join(work, name + "_bf16ref")
+    model_bf.float().save_pretrained(ref_bf, safe_serialization=True)
+    rc, _, err = run([conv, "--import", ref_bf, "--save", ref_bf + "_ckpt"])
+    variants = {"sharded (index.json)": (shard_dir, raw),
+                "stored in bfloat16": (bf_src, read_checkpoint(ref_bf + "_ckpt")[4] if rc == 0 else None)}
+    for label, (src, want_raw) in variants.items():
+        dst = src + "_ckpt"
+        rc, _, err = run([conv, "--import", src, "--save", dst])
+        same = rc == 0 and want_raw is not None and read_checkpoint(dst)[4] == want_raw
+        record(f"{name}: import {label}", same, err.strip() if rc else ("byte-identical checkpoint" if same else "differs"))
+
+
+def llama_reject_cases(args, work):
+    conv = args.convert_hf
+    good = os.path.join(work, "llama_reject_src")
+    make_llama(32, False, 11).save_pretrained(good, safe_serialization=True)
+    config = json.load(open(os.path.join(good, "config.json")))
+    blob = open(os.path.join(good, "model.safetensors"), "rb").read()
+
+    def rope_linear(c):  # transformers 5 writes rope_parameters, 4 rope_scaling
+        c["rope_parameters" if c.get("rope_parameters") else "rope_scaling"]["rope_type"] = "linear"
+
+    sd = load_file(os.path.join(good, "model.safetensors"))
+    sd.pop("model.layers.0.self_attn.k_proj.weight")
+    missing_path = os.path.join(work, "llama_missing.safetensors")
+    save_file(sd, missing_path, metadata={"format": "pt"})
+    cases = [  # label, config change, model.safetensors bytes, expected words
+        ("rope scaling type linear", rope_linear, blob, 'type "linear" is not supported'),
+        ("attention_bias true", lambda c: c.update(attention_bias=True), blob, "attention_bias true is not supported"),
+        ("hidden_act gelu", lambda c: c.update(hidden_act="gelu"), blob, 'hidden_act "gelu" is not supported'),
+        ("missing k_proj", lambda c: None, open(missing_path, "rb").read(),
+         "model.layers.0.self_attn.k_proj.weight is missing"),
+    ]
+    for k, (label, change, data, words) in enumerate(cases):
+        src = os.path.join(work, "lcase%d" % k)
+        os.makedirs(src)
+        c = json.loads(json.dumps(config))
+        change(c)
+        with open(os.path.join(src, "config.json"), "w") as f:
+            json.dump(c, f)
+        with open(os.path.join(src, "model.safetensors"), "wb") as f:
+            f.write(data)
+        dst = src + "_ckpt"
+        rc, out, err = run([conv, "--import", src, "--save", dst])
+        lines = err.strip().splitlines()
+        message = lines[0].replace(src + "/", "") if lines else ""
+        ok = rc == 1 and len(lines) == 1 and words in message and not os.path.exists(dst)
+        record(f"llama rejects {label}", ok, message if lines else f"rc {rc}, no message")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--convert-hf", default=os.path.join(ROOT, "prepro", "convert_hf"))
@@ -341,6 +582,9 @@ def main():
         for i, (name, heads) in enumerate(MODELS):
             check_model(name, heads, 1234 + i, args, work)
         corrupt_cases(args, work)
+        for i, (name, head_dim, tied) in enumerate(LLAMA_MODELS):
+            check_llama(name, head_dim, tied, 4321 + i, args, work)
+        llama_reject_cases(args, work)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -4,7 +4,8 @@
  *   make dev/hf_logits && dev/hf_logits CKPT_DIR TOKENS.bin LOGITS.bin [--bf16]
  *
  * TOKENS.bin: int32 B, int32 T, int32 tokens [B*T]. LOGITS.bin: int32 B, T, Vp, float32 [B, T, Vp].
- * The model's shape comes from the checkpoint's header (megatron.cu section 9), so no flags. */
+ * The model's shape and flavour (GPT-2 or Llama: norm, MLP, positions, rope, tied output, biases, norm
+ * epsilon) come from the checkpoint's header (mt_config_from_checkpoint_header), so no flags. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,14 +42,7 @@ int main(int argc, char** argv) {
 
     mt_config c;
     mt_config_defaults(&c);
-    c.num_layers = (int)h[MT_CK_LAYERS];
-    c.hidden_size = (int)h[MT_CK_HIDDEN];
-    c.num_attention_heads = (int)h[MT_CK_HEADS];
-    c.num_query_groups = (int)h[MT_CK_GROUPS];
-    c.kv_channels = (int)h[MT_CK_KV];
-    c.ffn_hidden_size = (int)h[MT_CK_FFN];
-    c.vocab_size = h[MT_CK_VOCAB]; /* the padded size: pads to itself */
-    c.max_position_embeddings = (int)h[MT_CK_POSITIONS];
+    mt_config_from_checkpoint_header(&c, h); /* shape and flavour; vocab_size = the padded size (pads to itself) */
     c.seq_length = T;
     c.micro_batch_size = B;
     c.global_batch_size = B;

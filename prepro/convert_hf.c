@@ -1,29 +1,32 @@
-/* prepro/convert_hf.c — Hugging Face GPT-2 checkpoints <-> megatron.c checkpoints.
+/* prepro/convert_hf.c — Hugging Face GPT-2 and Llama checkpoints <-> megatron.c checkpoints.
  *
  *   convert_hf --import HF_DIR --save CKPT_DIR
- *       reads HF_DIR/config.json (GPT2LMHeadModel) and HF_DIR/model.safetensors (or the shards of
- *       model.safetensors.index.json; F32, F16 or BF16), writes CKPT_DIR/iter_0000000/ (fp32 master
- *       weights, Adam moments zero) and CKPT_DIR/latest_checkpointed_iteration.txt, and prints the
- *       train_gpt flags of the model (load it with --load CKPT_DIR).
+ *       reads HF_DIR/config.json (GPT2LMHeadModel or LlamaForCausalLM, told apart by model_type or
+ *       architectures) and HF_DIR/model.safetensors (or the shards of model.safetensors.index.json;
+ *       F32, F16 or BF16), writes CKPT_DIR/iter_0000000/ (fp32 master weights, Adam moments zero; the
+ *       header records the flavour, the norm epsilon and the true vocabulary) and
+ *       CKPT_DIR/latest_checkpointed_iteration.txt, and prints the train_gpt flags of the model (load
+ *       it with --load CKPT_DIR).
  *
  *   convert_hf --export CKPT_DIR --out HF_DIR [--iteration N] [--vocab-size V] [--norm-epsilon E]
  *              [--dtype float32|bfloat16]
  *       reads the checkpoint's master weights (the tracker's iteration unless --iteration) and writes
- *       HF_DIR/config.json and HF_DIR/model.safetensors, loadable with
- *       GPT2LMHeadModel.from_pretrained(HF_DIR). The padded vocabulary is cut back to V (default: 50257,
- *       or the padded size if smaller). The checkpoint does not record the LayerNorm epsilon: pass the
- *       --norm-epsilon the model was trained with (default 1e-5, train_gpt's and GPT-2's).
+ *       HF_DIR/config.json and HF_DIR/model.safetensors (shards + index past 5 GB), loadable with
+ *       GPT2LMHeadModel / LlamaForCausalLM.from_pretrained(HF_DIR): the class follows the checkpoint's
+ *       flavour (a flavour transformers has no class for is refused). The padded vocabulary is cut back
+ *       to V and the norm epsilon is E: by default the ones the header records (checkpoints from before
+ *       those words: 50257, or the padded size if smaller, and 1e-5).
  *
- * The mapping (Conv1D transposes, Megatron's grouped QKV rows <-> HF's [q | k | v] columns) is in
- * prepro/hf_gpt2.h, the safetensors reader/writer in prepro/safetensors.h. Errors: one line on
- * stderr and exit 1 (bad usage: exit 2); nothing is left half-written.
+ * The mappings are prepro/hf_gpt2.h and prepro/hf_llama.h, what they share (loading, saving,
+ * checkpoints) prepro/hf_checkpoint.h, the safetensors reader/writer prepro/safetensors.h. Errors: one
+ * line on stderr and exit 1 (bad usage: exit 2); nothing is left half-written.
  */
 #define MEGATRON_IMPLEMENTATION
 #include "../megatron.h"
 #define MT_SAFETENSORS_IMPLEMENTATION
 #include "safetensors.h"
-#define MT_HF_GPT2_IMPLEMENTATION
-#include "hf_gpt2.h"
+#define MT_HF_IMPLEMENTATION
+#include "hf_checkpoint.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,14 +37,15 @@ static void usage(void) {
             "usage: convert_hf --import HF_DIR --save CKPT_DIR\n"
             "       convert_hf --export CKPT_DIR --out HF_DIR [--iteration N] [--vocab-size V] [--norm-epsilon E]\n"
             "                  [--dtype float32|bfloat16]\n"
-            "  --import HF_DIR     a transformers GPT-2 directory: config.json + model.safetensors\n"
+            "  --import HF_DIR     a transformers GPT-2 or Llama directory: config.json + model.safetensors\n"
             "                      (or model.safetensors.index.json and its shards)\n"
             "  --save CKPT_DIR     where to write the megatron.c checkpoint (iteration 0); must not hold one\n"
             "  --export CKPT_DIR   a megatron.c checkpoint directory (train_gpt --save)\n"
             "  --out HF_DIR        where to write config.json and model.safetensors\n"
             "  --iteration N       the checkpoint's iteration (default: latest_checkpointed_iteration.txt)\n"
-            "  --vocab-size V      the tokenizer's vocabulary (default 50257, or the padded size if smaller)\n"
-            "  --norm-epsilon E    the LayerNorm epsilon the model was trained with (default 1e-5)\n"
+            "  --vocab-size V      the tokenizer's vocabulary (default: the checkpoint's; else 50257, or the\n"
+            "                      padded size if smaller)\n"
+            "  --norm-epsilon E    the norm epsilon the model was trained with (default: the checkpoint's; else 1e-5)\n"
             "  --dtype T           float32 (default) or bfloat16 weights in model.safetensors\n");
 }
 
@@ -63,36 +67,56 @@ static int parse_int64(const char* s, int64_t* out) {
     return 0;
 }
 
+static const char* shortest(char* buf, size_t cap, double x) { /* the shortest text that reads back as x */
+    if (x == (double)(int64_t)x && x < 1e15 && x > -1e15) { /* 500000, not 5e+05 */
+        snprintf(buf, cap, "%lld", (long long)x);
+        return buf;
+    }
+    for (int prec = 1; prec <= 17; prec++) {
+        snprintf(buf, cap, "%.*g", prec, x);
+        if (strtod(buf, NULL) == x) break;
+    }
+    return buf;
+}
+
 static int do_import(const char* hf_dir, const char* ckpt_dir) {
     mt_error err;
-    mt_config cfg;
-    mt_hf_gpt2_config hf;
+    mt_config c;
+    const mt_hf_arch* arch = NULL;
     float* params = NULL;
-    if (mt_hf_gpt2_load(hf_dir, &cfg, &params, &hf, &err) != MT_OK) return fail(&err);
-    mt_status st = mt_hf_checkpoint_write(ckpt_dir, &cfg, params, 0, &err);
+    if (mt_hf_load(hf_dir, &c, &params, &arch, &err) != MT_OK) return fail(&err);
+    mt_status st = mt_hf_checkpoint_write(ckpt_dir, &c, params, 0, &err);
     free(params);
     if (st != MT_OK) return fail(&err);
-    char eps[64];
-    for (int prec = 1; prec <= 17; prec++) { /* the shortest text that reads back as the same double */
-        snprintf(eps, sizeof(eps), "%.*g", prec, cfg.norm_epsilon);
-        if (strtod(eps, NULL) == cfg.norm_epsilon) break;
-    }
-    printf("imported %s: GPT-2, %d layers, hidden %d, %d heads, ffn %d, %d positions, vocab %lld (padded %lld), "
-           "%lld parameters\n",
-           hf_dir, cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn_hidden_size,
-           cfg.max_position_embeddings, (long long)cfg.vocab_size, (long long)cfg.padded_vocab_size,
-           (long long)mt_num_parameters(&cfg));
+    int llama = arch == &mt_hf_llama_arch;
+    char eps[64], base[64], factor[64];
+    shortest(eps, sizeof(eps), c.norm_epsilon);
+    printf("imported %s: %s, %d layers, hidden %d, %d heads", hf_dir, arch->title, c.num_layers, c.hidden_size,
+           c.num_attention_heads);
+    if (llama) printf(", %d query groups, head dim %d", c.num_query_groups, c.kv_channels);
+    printf(", ffn %d, %d positions, vocab %lld (padded %lld), %lld parameters\n", c.ffn_hidden_size,
+           c.max_position_embeddings, (long long)c.vocab_size, (long long)c.padded_vocab_size,
+           (long long)mt_num_parameters(&c));
     printf("wrote %s/iter_0000000/mp_rank_00/model_optim_rng.bin (iteration 0, Adam state zero)\n", ckpt_dir);
     printf("train_gpt flags for this model:\n");
-    printf("  --num-layers %d --hidden-size %d --num-attention-heads %d --ffn-hidden-size %d \\\n"
+    printf("  --num-layers %d --hidden-size %d --num-attention-heads %d", c.num_layers, c.hidden_size,
+           c.num_attention_heads);
+    if (c.num_query_groups != c.num_attention_heads) printf(" --group-query-attention --num-query-groups %d", c.num_query_groups);
+    if ((int64_t)c.kv_channels * c.num_attention_heads != c.hidden_size) printf(" --kv-channels %d", c.kv_channels);
+    printf(" --ffn-hidden-size %d \\\n"
            "  --seq-length %d --max-position-embeddings %d --norm-epsilon %s --make-vocab-size-divisible-by %d \\\n",
-           cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn_hidden_size, cfg.seq_length,
-           cfg.max_position_embeddings, eps, cfg.make_vocab_size_divisible_by);
-    if (cfg.vocab_size == 50257)
+           c.ffn_hidden_size, c.seq_length, c.max_position_embeddings, eps, c.make_vocab_size_divisible_by);
+    if (llama) {
+        printf("  --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope --rotary-base %s",
+               shortest(base, sizeof(base), c.rotary_base));
+        if (c.use_rope_scaling) printf(" --use-rope-scaling --rope-scaling-factor %s", shortest(factor, sizeof(factor), c.rope_scaling_factor));
+        printf(c.untie_embeddings_and_output_weights ? " \\\n  --untie-embeddings-and-output-weights \\\n" : " \\\n");
+    }
+    if (!llama && c.vocab_size == 50257)
         printf("  --tokenizer-type GPT2BPETokenizer --vocab-file dev/data/gpt2/gpt2-vocab.json "
                "--merge-file dev/data/gpt2/gpt2-merges.txt \\\n");
     else
-        printf("  --tokenizer-type NullTokenizer --vocab-size %lld \\\n", (long long)cfg.vocab_size);
+        printf("  --tokenizer-type NullTokenizer --vocab-size %lld \\\n", (long long)c.vocab_size);
     printf("  --load %s\n", ckpt_dir);
     printf("(--seq-length may be lowered; the other flags must stay as printed for the checkpoint to load)\n");
     return 0;
@@ -105,10 +129,12 @@ static int do_export(const char* ckpt_dir, const char* hf_dir, int64_t iteration
     float* params = NULL;
     int64_t header[MT_CK_HEADER_WORDS];
     if (mt_hf_checkpoint_read(ckpt_dir, iteration, &cfg, &params, header, &err) != MT_OK) return fail(&err);
-    if (vocab < 0) vocab = cfg.padded_vocab_size < 50257 ? cfg.padded_vocab_size : 50257;
-    mt_status st = mt_hf_gpt2_check_shape(&cfg, vocab, &err);
-    cfg.norm_epsilon = eps; /* not in the checkpoint */
-    if (st == MT_OK) st = mt_hf_gpt2_save(hf_dir, &cfg, params, vocab, dtype, &err);
+    if (vocab < 0) vocab = header[MT_CK_TRUE_VOCAB] > 0 ? header[MT_CK_TRUE_VOCAB]
+                         : cfg.padded_vocab_size < 50257 ? cfg.padded_vocab_size : 50257;
+    if (eps > 0) cfg.norm_epsilon = eps; /* else the header's (or 1e-5 when it has none) */
+    const mt_hf_arch* arch = NULL;
+    mt_status st = mt_hf_arch_for_config(&cfg, &arch, &err);
+    if (st == MT_OK) st = mt_hf_save(hf_dir, &cfg, params, vocab, dtype, 0, &err);
     free(params);
     if (st != MT_OK) {
         char where[600];
@@ -116,11 +142,16 @@ static int do_export(const char* ckpt_dir, const char* hf_dir, int64_t iteration
         mt_fail(&err, st, "exporting %s: %s", ckpt_dir, where);
         return fail(&err);
     }
-    printf("exported %s iteration %lld (%d layers, hidden %d, %d heads, ffn %d, %d positions, vocab %lld of %lld "
-           "padded) to %s/config.json and %s/model.safetensors (%s)\n",
-           ckpt_dir, (long long)header[MT_CK_ITERATION], cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads,
-           cfg.ffn_hidden_size, cfg.max_position_embeddings, (long long)vocab, (long long)cfg.padded_vocab_size, hf_dir,
-           hf_dir, mt_st_dtype_name(dtype));
+    char index[4200];
+    snprintf(index, sizeof(index), "%s/model.safetensors.index.json", hf_dir);
+    FILE* f = fopen(index, "r");
+    if (f) fclose(f);
+    printf("exported %s iteration %lld (%s: %d layers, hidden %d, %d heads, ffn %d, %d positions, vocab %lld of %lld "
+           "padded) to %s/config.json and %s/%s (%s)\n",
+           ckpt_dir, (long long)header[MT_CK_ITERATION], arch->name, cfg.num_layers, cfg.hidden_size,
+           cfg.num_attention_heads, cfg.ffn_hidden_size, cfg.max_position_embeddings, (long long)vocab,
+           (long long)cfg.padded_vocab_size, hf_dir, hf_dir, f ? "model.safetensors.index.json + shards" : "model.safetensors",
+           mt_st_dtype_name(dtype));
     return 0;
 }
 
@@ -167,7 +198,7 @@ int main(int argc, char** argv) {
     if (export_dir) {
         if (!out_dir) return bad_usage("--export needs --out HF_DIR", NULL);
         if (save_dir) return bad_usage("--save goes with --import", NULL);
-        return do_export(export_dir, out_dir, iteration, vocab, eps > 0 ? eps : 1e-5, dtype);
+        return do_export(export_dir, out_dir, iteration, vocab, eps, dtype);
     }
     return bad_usage("give --import HF_DIR --save CKPT_DIR or --export CKPT_DIR --out HF_DIR", NULL);
 }

@@ -275,7 +275,7 @@ static test_result test_gpt2_small_bf16(void) {
  * the bf16 weights after S steps, 5e-3: untied word-embedding rows only see the sparse gradient of
  * their own tokens (no dense output-layer gradient as when tied), and Adam normalises each row's
  * update, so those rows carry the whole bf16 gradient error (~5e-3 measured) into the update
- * instead of a fraction of it (llama_tiny: 3.3e-3 on word_embeddings, every other tensor <= 2e-3). */
+ * instead of a fraction of it (llama_tiny: 3.3e-3 on word_embeddings, every other tensor <= 2e-3).
  * llama_tiny (head dim 16, 4 heads in 2 groups, Llama-3.1 rope scaling, exact attention path),
  * llama_small (head dim 64 = kv channels with hidden 64, 2 heads sharing 1 group, half the channels
  * rotary, base 500000; bf16 runs the flash kernels with grouped K/V). */

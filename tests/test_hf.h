@@ -1,5 +1,6 @@
 /* tests/test_hf.h — prepro/safetensors.h (JSON reader, safetensors reader/writer) and
- * prepro/hf_gpt2.h (Hugging Face GPT-2 <-> megatron.c parameters and checkpoints).
+ * prepro/hf_checkpoint.h with its mappings prepro/hf_gpt2.h and prepro/hf_llama.h (Hugging Face
+ * GPT-2 and Llama <-> megatron.c parameters and checkpoints).
  *
  * Host tests: the JSON reader's strictness; safetensors files written and read back (F32, BF16,
  * F16, metadata, scalars, empty tensors, sharded through an index); every kind of corrupt file
@@ -7,8 +8,13 @@
  * and against an independent statement of the QKV layout; a GPT-2 forward written the way
  * transformers computes it (Conv1D weights, [q | k | v] columns) run on exported reference weights
  * must give dev/ref_gpt.py's logits (dev/data/gpt_vectors/gpt2_tiny.bin); whole directories
- * through import, checkpoint and export. GPU test: a checkpoint written by the converter loads into
- * the trainer (same bytes back) and its logits equal the transformers-style forward.
+ * through import, checkpoint and export. Llama: tiny HF directories written here tensor by tensor
+ * (GQA with head_dim != hidden / heads, llama3 rope scaling, untied; and a tied MHA one) are imported
+ * (every tensor checked in place against an independent statement of Megatron's grouped QKV and
+ * [gate; up] layouts, the header's flavour words), exported back bitwise with config.json's fields,
+ * and every unsupported config.json or weight file is refused with its one-line message. GPU tests:
+ * GPT-2 and Llama checkpoints written by the converter load into the trainer (same bytes back) and
+ * their logits equal a forward written the way transformers computes it.
  *
  * Files go to /tmp/mt_test_hf_<pid>_*, removed at the end. Run from the repository root. */
 #ifndef MT_TEST_HF_H
@@ -22,8 +28,8 @@
 
 #define MT_SAFETENSORS_IMPLEMENTATION
 #include "../prepro/safetensors.h"
-#define MT_HF_GPT2_IMPLEMENTATION
-#include "../prepro/hf_gpt2.h"
+#define MT_HF_IMPLEMENTATION
+#include "../prepro/hf_checkpoint.h"
 
 /* ---- helpers ------------------------------------------------------------------------------------ */
 
@@ -671,7 +677,7 @@ static test_result test_hf_gpt2_directories(void) {
     mt_error err;
     EXPECT(p, "alloc");
     /* save as transformers would: config.json + model.safetensors */
-    EXPECT_OK(mt_hf_gpt2_save(hf_dir, &c, p, c.vocab_size, MT_ST_F32, &err), &err);
+    EXPECT_OK(mt_hf_save(hf_dir, &c, p, c.vocab_size, MT_ST_F32, 0, &err), &err);
     snprintf(path, sizeof(path), "%s/config.json", hf_dir);
     mt_json* cj = NULL;
     EXPECT_OK(mt_json_parse_file(&cj, path, &err), &err);
@@ -696,8 +702,9 @@ static test_result test_hf_gpt2_directories(void) {
     /* load it back: the same config and bitwise the same parameters */
     mt_config c2;
     float* q = NULL;
-    mt_hf_gpt2_config hf;
-    EXPECT_OK(mt_hf_gpt2_load(hf_dir, &c2, &q, &hf, &err), &err);
+    const mt_hf_arch* detected = NULL;
+    EXPECT_OK(mt_hf_load(hf_dir, &c2, &q, &detected, &err), &err);
+    EXPECT(detected == &mt_hf_gpt2_arch, "detected %s", detected ? detected->name : "nothing");
     EXPECT(c2.num_layers == 2 && c2.hidden_size == 64 && c2.num_attention_heads == 4 && c2.ffn_hidden_size == 256 &&
                c2.seq_length == 16 && c2.max_position_embeddings == 16 && c2.vocab_size == 100 &&
                c2.padded_vocab_size == 128 && c2.norm_epsilon == 1e-6 && c2.num_query_groups == 4 && c2.kv_channels == 16,
@@ -721,7 +728,12 @@ static test_result test_hf_gpt2_directories(void) {
     memcpy(&scale, &hw[19], 8);
     int64_t want_h[23] = {0x4b43544d, 1, 2, 64, 4, 4, 16, 256, 128, 16, n, 1, 0, 0, 0, 0, 1234, 0, 2, hw[19], 1, 1, 0};
     for (int i = 0; i < 23; i++) EXPECT(hw[i] == want_h[i], "header word %d: %lld", i, (long long)hw[i]);
-    for (int i = 23; i < 64; i++) EXPECT(hw[i] == 0, "header word %d", i);
+    double eps_word;
+    memcpy(&eps_word, &hw[MT_CK_NORM_EPS_BITS], 8);
+    EXPECT(eps_word == 1e-6 && hw[MT_CK_TRUE_VOCAB] == 100, "epsilon %g, true vocabulary %lld in the header", eps_word,
+           (long long)hw[MT_CK_TRUE_VOCAB]);
+    for (int i = 23; i < 64; i++) /* the GPT-2 flavour is all zero words */
+        EXPECT(hw[i] == 0 || i == MT_CK_NORM_EPS_BITS || i == MT_CK_TRUE_VOCAB, "header word %d", i);
     EXPECT(scale == 1.0, "loss scale");
     EXPECT(!memcmp(raw + 512, p, 4 * (size_t)n), "master weights");
     for (size_t i = 512 + 4 * (size_t)n; i < size; i++) EXPECT(raw[i] == 0, "Adam moments not zero");
@@ -737,7 +749,7 @@ static test_result test_hf_gpt2_directories(void) {
     EXPECT(c3.num_layers == 2 && c3.hidden_size == 64 && c3.padded_vocab_size == 128 && c3.max_position_embeddings == 16 &&
                header[12] == 0, "config from the checkpoint");
     EXPECT(!memcmp(p, q, sizeof(float) * (size_t)n), "checkpoint read != written");
-    EXPECT_OK(mt_hf_gpt2_save(out_dir, &c3, q, 100, MT_ST_F32, &err), &err);
+    EXPECT_OK(mt_hf_save(out_dir, &c3, q, 100, MT_ST_F32, 0, &err), &err);
     free(q);
     /* the exported model.safetensors is byte-identical to the first one */
     char a_path[400], b_path[400];
@@ -751,8 +763,8 @@ static test_result test_hf_gpt2_directories(void) {
     free(b);
 
     /* bfloat16 export: loads as the bf16-rounded parameters */
-    EXPECT_OK(mt_hf_gpt2_save(bf_dir, &c3, p, 100, MT_ST_BF16, &err), &err);
-    EXPECT_OK(mt_hf_gpt2_load(bf_dir, &c2, &q, NULL, &err), &err);
+    EXPECT_OK(mt_hf_save(bf_dir, &c3, p, 100, MT_ST_BF16, 0, &err), &err);
+    EXPECT_OK(mt_hf_load(bf_dir, &c2, &q, NULL, &err), &err);
     for (int64_t i = 0; i < n; i++) EXPECT(q[i] == mt_st_bf16_to_f32(mt_st_f32_to_bf16(p[i])), "bf16 element %lld", (long long)i);
     free(q);
 
@@ -787,7 +799,7 @@ static test_result test_hf_gpt2_rejects(void) {
     float* p = thf_random_params(&c);
     mt_error err;
     EXPECT(p, "alloc");
-    EXPECT_OK(mt_hf_gpt2_save(dir, &c, p, 100, MT_ST_F32, &err), &err);
+    EXPECT_OK(mt_hf_save(dir, &c, p, 100, MT_ST_F32, 0, &err), &err);
     /* config.json = these fields, less the ones a case sets itself, plus the case's */
     const char* base[][2] = {{"model_type", "\"gpt2\""}, {"n_layer", "2"}, {"n_embd", "64"}, {"n_head", "4"},
                              {"n_positions", "16"}, {"vocab_size", "100"}};
@@ -822,17 +834,20 @@ static test_result test_hf_gpt2_rejects(void) {
         mt_config c2;
         float* q = NULL;
         err.message[0] = 0;
-        mt_status st = mt_hf_gpt2_load(dir, &c2, &q, NULL, &err);
+        mt_status st = mt_hf_load(dir, &c2, &q, NULL, &err);
         EXPECT(st == cases[i].status && strstr(err.message, cases[i].words), "case %zu: %s -> %s: %s", i, cases[i].extra,
                mt_status_name(st), err.message);
         if (st == MT_OK) EXPECT(c2.ffn_hidden_size == 256 && !memcmp(p, q, sizeof(float) * (size_t)mt_num_parameters(&c)), "case %zu", i);
         free(q);
     }
-    EXPECT(thf_write_text(dir, "config.json", "{\"model_type\": \"llama\"}") == 0, "write");
+    EXPECT(thf_write_text(dir, "config.json", "{\"model_type\": \"bert\", \"architectures\": [\"BertModel\"]}") == 0, "write");
     mt_config c2;
     float* q = NULL;
-    EXPECT(mt_hf_gpt2_load(dir, &c2, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "model_type is \"llama\""),
-           "llama: %s", err.message);
+    EXPECT(mt_hf_load(dir, &c2, &q, NULL, &err) == MT_ERR_FORMAT &&
+               strstr(err.message, "model_type \"bert\" (architectures[0] \"BertModel\") is not supported"),
+           "bert: %s", err.message);
+    EXPECT(thf_write_text(dir, "config.json", "{\"model_type\": \"gpt2\", \"architectures\": [\"LlamaForCausalLM\"]}") == 0, "write");
+    EXPECT(mt_hf_load(dir, &c2, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "disagree"), "mixed: %s", err.message);
     size_t len = (size_t)snprintf(text, sizeof(text), "{");
     for (int k = 0; k < 6; k++) len += (size_t)snprintf(text + len, sizeof(text) - len, "%s\"%s\": %s", k ? ", " : "", base[k][0], base[k][1]);
     snprintf(text + len, sizeof(text) - len, "}");
@@ -867,7 +882,7 @@ static test_result test_hf_gpt2_rejects(void) {
     extra[2].shape[1] = 64; extra[2].data = ptrs[0];
     memcpy(wt + count, extra, sizeof(extra));
     EXPECT_OK(mt_safetensors_write(path, wt, count + 3, NULL, &err), &err);
-    EXPECT_OK(mt_hf_gpt2_load(dir, &c2, &q, NULL, &err), &err);
+    EXPECT_OK(mt_hf_load(dir, &c2, &q, NULL, &err), &err);
     EXPECT(!memcmp(p, q, sizeof(float) * (size_t)mt_num_parameters(&c)), "old names: parameters differ");
     free(q);
     /* lm_head.weight that is not the embeddings */
@@ -876,28 +891,697 @@ static test_result test_hf_gpt2_rejects(void) {
     head[17] += 1.0f;
     wt[count + 2].data = head;
     EXPECT_OK(mt_safetensors_write(path, wt, count + 3, NULL, &err), &err);
-    EXPECT(mt_hf_gpt2_load(dir, &c2, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "lm_head.weight differs"),
+    EXPECT(mt_hf_load(dir, &c2, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "lm_head.weight differs"),
            "untied head: %s", err.message);
     free(head);
     /* a tensor GPT2LMHeadModel does not have */
     extra[2].name = "score.weight";
     wt[count + 2] = extra[2];
     EXPECT_OK(mt_safetensors_write(path, wt, count + 3, NULL, &err), &err);
-    EXPECT(mt_hf_gpt2_load(dir, &c2, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "unexpected tensor score.weight"),
+    EXPECT(mt_hf_load(dir, &c2, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "unexpected tensor score.weight"),
            "extra tensor: %s", err.message);
     /* both spellings of one tensor */
     wt[count + 2].name = "transformer.wte.weight";
     EXPECT_OK(mt_safetensors_write(path, wt, count + 3, NULL, &err), &err);
-    EXPECT(mt_hf_gpt2_load(dir, &c2, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "holds both"),
+    EXPECT(mt_hf_load(dir, &c2, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "holds both"),
            "both names: %s", err.message);
     /* no weights at all */
     unlink(path);
-    EXPECT(mt_hf_gpt2_load(dir, &c2, &q, NULL, &err) == MT_ERR_IO && strstr(err.message, "neither model.safetensors"),
+    EXPECT(mt_hf_load(dir, &c2, &q, NULL, &err) == MT_ERR_IO && strstr(err.message, "neither model.safetensors"),
            "no weights: %s", err.message);
     free(data);
     free(p);
     thf_remove(root);
     return TEST_PASS;
+}
+
+/* ---- Llama: directories written here, tensor by tensor, independently of the mapping ----------- */
+
+typedef struct { int L, h, n, g, d, f, V, P, tied; } thf_llama_spec;
+/* GQA (4 heads, 2 groups), head_dim 24 != hidden / heads, untied; every dimension distinct */
+static const thf_llama_spec thf_llama_gqa = {2, 64, 4, 2, 24, 80, 100, 32, 0};
+/* one group per head, head_dim = hidden / heads (both left to config.json's defaults), tied */
+static const thf_llama_spec thf_llama_tied = {2, 64, 4, 4, 16, 80, 100, 32, 1};
+
+typedef struct {
+    char name[96];
+    int ndim;
+    int64_t shape[2], numel;
+    float* data;
+} thf_tensor;
+typedef struct {
+    int count;
+    thf_tensor t[64];
+} thf_model;
+
+/* LlamaForCausalLM's tensors with random values, in its state-dict order */
+static void thf_llama_tensors(const thf_llama_spec* s, thf_model* m) {
+    memset(m, 0, sizeof(*m));
+    const char* names[9] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                            "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"};
+    int64_t rows[9] = {s->n * s->d, s->g * s->d, s->g * s->d, s->h, s->f, s->f, s->h, s->h, s->h};
+    int64_t cols[9] = {s->h, s->h, s->h, s->n * s->d, s->h, s->h, s->f, 0, 0};
+    for (int i = 0; i < 2 + 9 * s->L + !s->tied; i++) {
+        thf_tensor* t = &m->t[m->count++];
+        t->ndim = 2;
+        if (i == 0) {
+            snprintf(t->name, sizeof(t->name), "model.embed_tokens.weight");
+            t->shape[0] = s->V;
+            t->shape[1] = s->h;
+        } else if (i <= 9 * s->L) {
+            int k = (i - 1) % 9;
+            snprintf(t->name, sizeof(t->name), "model.layers.%d.%s.weight", (i - 1) / 9, names[k]);
+            t->ndim = cols[k] ? 2 : 1;
+            t->shape[0] = rows[k];
+            t->shape[1] = cols[k];
+        } else if (i == 1 + 9 * s->L) {
+            snprintf(t->name, sizeof(t->name), "model.norm.weight");
+            t->ndim = 1;
+            t->shape[0] = s->h;
+        } else {
+            snprintf(t->name, sizeof(t->name), "lm_head.weight");
+            t->shape[0] = s->V;
+            t->shape[1] = s->h;
+        }
+        t->numel = t->shape[0] * (t->ndim == 2 ? t->shape[1] : 1);
+        t->data = (float*)malloc(sizeof(float) * (size_t)t->numel);
+        for (int64_t e = 0; e < t->numel; e++) t->data[e] = thf_uniform();
+    }
+}
+
+static void thf_model_free(thf_model* m) {
+    for (int i = 0; i < m->count; i++) free(m->t[i].data);
+    m->count = 0;
+}
+
+static const thf_tensor* thf_model_find(const thf_model* m, const char* name) {
+    for (int i = 0; i < m->count; i++)
+        if (!strcmp(m->t[i].name, name)) return &m->t[i];
+    return NULL;
+}
+
+/* dir/model.safetensors: m's tensors (in reverse: the order must not matter) but `skip`, plus `extra` */
+static mt_status thf_write_model(const char* dir, const thf_model* m, const char* skip, const mt_st_write_tensor* extra,
+                                 mt_error* err) {
+    char path[600];
+    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+    mt_st_write_tensor wt[66];
+    int k = 0;
+    memset(wt, 0, sizeof(wt));
+    for (int i = m->count - 1; i >= 0; i--) {
+        if (skip && !strcmp(m->t[i].name, skip)) continue;
+        wt[k].name = m->t[i].name;
+        wt[k].dtype = MT_ST_F32;
+        wt[k].ndim = m->t[i].ndim;
+        wt[k].shape[0] = m->t[i].shape[0];
+        wt[k].shape[1] = m->t[i].shape[1];
+        wt[k++].data = m->t[i].data;
+    }
+    if (extra) wt[k++] = *extra;
+    static const char* const metadata[] = {"format", "pt", NULL}; /* as transformers writes (4.x requires it) */
+    return mt_safetensors_write(path, wt, k, metadata, err);
+}
+
+/* config.json as transformers 4 writes it; kv heads and head_dim only when not the defaults */
+static void thf_llama_config_text(char* buf, size_t cap, const thf_llama_spec* s, const char* extra) {
+    size_t n = (size_t)snprintf(buf, cap,
+                                "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\", \"hidden_size\": %d, "
+                                "\"intermediate_size\": %d, \"num_hidden_layers\": %d, \"num_attention_heads\": %d, "
+                                "\"max_position_embeddings\": %d, \"vocab_size\": %d, \"rms_norm_eps\": 1e-05, "
+                                "\"tie_word_embeddings\": %s",
+                                s->h, s->f, s->L, s->n, s->P, s->V, s->tied ? "true" : "false");
+    if (s->g != s->n) n += (size_t)snprintf(buf + n, cap - n, ", \"num_key_value_heads\": %d", s->g);
+    if (s->d * s->n != s->h) n += (size_t)snprintf(buf + n, cap - n, ", \"head_dim\": %d", s->d);
+    snprintf(buf + n, cap - n, "%s}", extra);
+}
+
+static const char* const thf_llama3 =
+    ", \"hidden_act\": \"silu\", \"attention_bias\": false, \"mlp_bias\": false, \"rope_theta\": 500000.0, "
+    "\"rope_scaling\": {\"factor\": 8.0, \"high_freq_factor\": 4.0, \"low_freq_factor\": 1.0, "
+    "\"original_max_position_embeddings\": 8192, \"rope_type\": \"llama3\"}, \"torch_dtype\": \"float32\"";
+
+/* Every HF tensor is where Megatron's layout puts it, stated here on its own: per query group j, the
+ * q rows of its n/g heads, then its k rows, its v rows; fc1 = [gate; up]; padded vocabulary rows 0. */
+static test_result thf_llama_check_params(const thf_llama_spec* s, const thf_model* m, const mt_config* c, const float* p) {
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    int64_t total = mt_param_layout(c, info);
+    int64_t h = s->h, d = s->d, f = s->f, nd = s->n * d, per = s->n / s->g * d + 2 * d, R = (s->n + 2 * s->g) * d;
+    int64_t want_total = 128 * h * (s->tied ? 1 : 2) + s->L * (2 * h + R * h + h * nd + 3 * f * h) + h;
+    EXPECT(total == want_total && total == mt_num_parameters(c), "parameters %lld, want %lld", (long long)total,
+           (long long)want_total);
+    int absent[] = {MT_P_POSITION_EMBEDDINGS, MT_P_LN1_BIAS, MT_P_QKV_BIAS, MT_P_PROJ_BIAS, MT_P_LN2_BIAS,
+                    MT_P_FC1_BIAS, MT_P_FC2_BIAS, MT_P_FINAL_LN_BIAS};
+    for (int k = 0; k < 8; k++) EXPECT(info[absent[k]].numel == 0, "tensor %s present", info[absent[k]].name);
+    EXPECT(info[MT_P_OUTPUT_WEIGHT].numel == (s->tied ? 0 : 128 * h), "output weight %lld", (long long)info[MT_P_OUTPUT_WEIGHT].numel);
+    char name[96];
+    for (int out = 0; out < 2 - s->tied; out++) {
+        const thf_tensor* t = thf_model_find(m, out ? "lm_head.weight" : "model.embed_tokens.weight");
+        const float* w = p + info[out ? MT_P_OUTPUT_WEIGHT : MT_P_WORD_EMBEDDINGS].offset;
+        for (int64_t e = 0; e < 128 * h; e++)
+            EXPECT(w[e] == (e < s->V * h ? t->data[e] : 0.0f), "%s element %lld", t->name, (long long)e);
+    }
+    for (int l = 0; l < s->L; l++) {
+        const float* qkv = p + info[MT_P_QKV_WEIGHT].offset + l * R * h;
+        const thf_tensor* part[3];
+        const char* parts[3] = {"q_proj", "k_proj", "v_proj"};
+        for (int k = 0; k < 3; k++) {
+            snprintf(name, sizeof(name), "model.layers.%d.self_attn.%s.weight", l, parts[k]);
+            part[k] = thf_model_find(m, name);
+        }
+        for (int j = 0; j < s->g; j++)
+            for (int64_t w = 0; w < per; w++) {
+                int64_t q_rows = s->n / s->g * d;
+                const float* src = w < q_rows ? part[0]->data + (j * q_rows + w) * h
+                                 : w < q_rows + d ? part[1]->data + (j * d + w - q_rows) * h
+                                                  : part[2]->data + (j * d + w - q_rows - d) * h;
+                EXPECT(!memcmp(qkv + (j * per + w) * h, src, sizeof(float) * (size_t)h), "layer %d group %d qkv row %lld", l,
+                       j, (long long)w);
+            }
+        struct { const char* hf; int kind; int64_t numel, at; } plain[] = {
+            {"self_attn.o_proj", MT_P_PROJ_WEIGHT, h * nd, 0},  {"mlp.gate_proj", MT_P_FC1_WEIGHT, f * h, 0},
+            {"mlp.up_proj", MT_P_FC1_WEIGHT, f * h, f * h},     {"mlp.down_proj", MT_P_FC2_WEIGHT, h * f, 0},
+            {"input_layernorm", MT_P_LN1_WEIGHT, h, 0},         {"post_attention_layernorm", MT_P_LN2_WEIGHT, h, 0}};
+        for (int k = 0; k < 6; k++) {
+            snprintf(name, sizeof(name), "model.layers.%d.%s.weight", l, plain[k].hf);
+            int64_t per_layer = info[plain[k].kind].numel / s->L;
+            const float* dst = p + info[plain[k].kind].offset + l * per_layer + plain[k].at;
+            EXPECT(!memcmp(dst, thf_model_find(m, name)->data, sizeof(float) * (size_t)plain[k].numel), "%s", name);
+        }
+    }
+    EXPECT(!memcmp(p + info[MT_P_FINAL_LN_WEIGHT].offset, thf_model_find(m, "model.norm.weight")->data, sizeof(float) * (size_t)h),
+           "model.norm.weight");
+    return TEST_PASS;
+}
+
+/* HF_DIR's model.safetensors holds exactly m's tensors, F32, bitwise */
+static test_result thf_same_tensors(const char* dir, const thf_model* m) {
+    char path[600];
+    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+    mt_safetensors* st = NULL;
+    mt_error err;
+    EXPECT_OK(mt_safetensors_open(&st, path, &err), &err);
+    int count = mt_safetensors_count(st);
+    test_result r = TEST_PASS;
+    for (int i = 0; i < m->count && r == TEST_PASS; i++) {
+        const mt_st_tensor* t = mt_safetensors_find(st, m->t[i].name);
+        int ok = t && t->dtype == MT_ST_F32 && t->ndim == m->t[i].ndim && t->shape[0] == m->t[i].shape[0] &&
+                 (t->ndim == 1 || t->shape[1] == m->t[i].shape[1]) &&
+                 !memcmp(mt_safetensors_data(st, t), m->t[i].data, sizeof(float) * (size_t)m->t[i].numel);
+        if (!ok) printf("    FAIL exported %s: %s\n", m->t[i].name, t ? "differs" : "missing");
+        if (!ok) r = TEST_FAIL;
+    }
+    mt_safetensors_close(st);
+    EXPECT(r == TEST_PASS && count == m->count, "exported %d tensors, the original %d", count, m->count);
+    return TEST_PASS;
+}
+
+static int thf_json_equal(const mt_json* a, const mt_json* b) {
+    if (!a || !b || a->type != b->type) return 0;
+    switch (a->type) {
+        case MT_JSON_NUMBER: return a->number == b->number;
+        case MT_JSON_STRING: return !strcmp(a->string, b->string);
+        case MT_JSON_ARRAY:
+            if (a->count != b->count) return 0;
+            for (int i = 0; i < a->count; i++)
+                if (!thf_json_equal(&a->items[i], &b->items[i])) return 0;
+            return 1;
+        case MT_JSON_OBJECT:
+            if (a->count != b->count) return 0;
+            for (int i = 0; i < a->count; i++)
+                if (!thf_json_equal(&a->items[i], mt_json_get(b, a->keys[i]))) return 0;
+            return 1;
+        default: return 1;
+    }
+}
+
+/* Every field of the original config.json has the same value in the exported one. */
+static test_result thf_config_roundtrip(const char* original_text, const char* exported_dir, mt_json** exported) {
+    char path[600];
+    mt_error err;
+    mt_json* a = NULL;
+    EXPECT_OK(mt_json_parse(&a, original_text, strlen(original_text), "original", &err), &err);
+    snprintf(path, sizeof(path), "%s/config.json", exported_dir);
+    EXPECT_OK(mt_json_parse_file(exported, path, &err), &err);
+    for (int i = 0; i < a->count; i++)
+        EXPECT(thf_json_equal(&a->items[i], mt_json_get(*exported, a->keys[i])), "config.json field %s differs", a->keys[i]);
+    mt_json_free(a);
+    return TEST_PASS;
+}
+
+static double thf_word_double(const int64_t* h, int w) {
+    double x;
+    memcpy(&x, &h[w], sizeof(x));
+    return x;
+}
+
+/* A tiny GQA Llama with llama3 rope scaling and an untied head: import (every tensor in place, the
+ * header's flavour words), checkpoint, export bitwise to the original tensors and config.json; the
+ * transformers 5 config.json form, bf16 and sharded exports. */
+static test_result test_hf_llama_directories(void) {
+    char root[256], hf_dir[300], ck_dir[300], out_dir[300], v5_dir[300], sh_dir[300], path[400], text[2048];
+    thf_path(root, sizeof(root), "llama");
+    thf_remove(root);
+    snprintf(hf_dir, sizeof(hf_dir), "%s/hf", root);
+    snprintf(ck_dir, sizeof(ck_dir), "%s/ckpt", root);
+    snprintf(out_dir, sizeof(out_dir), "%s/out", root);
+    snprintf(v5_dir, sizeof(v5_dir), "%s/v5", root);
+    snprintf(sh_dir, sizeof(sh_dir), "%s/sharded", root);
+    const thf_llama_spec* s = &thf_llama_gqa;
+    thf_model m;
+    thf_llama_tensors(s, &m);
+    mt_error err;
+    EXPECT(mt_make_directories(hf_dir) == 0, "mkdir");
+    thf_llama_config_text(text, sizeof(text), s, thf_llama3);
+    EXPECT(thf_write_text(hf_dir, "config.json", text) == 0, "write config");
+    EXPECT_OK(thf_write_model(hf_dir, &m, NULL, NULL, &err), &err);
+
+    mt_config c;
+    float* p = NULL;
+    const mt_hf_arch* arch = NULL;
+    EXPECT_OK(mt_hf_load(hf_dir, &c, &p, &arch, &err), &err);
+    EXPECT(arch == &mt_hf_llama_arch, "detected %s", arch->name);
+    EXPECT(c.num_layers == 2 && c.hidden_size == 64 && c.num_attention_heads == 4 && c.num_query_groups == 2 &&
+               c.kv_channels == 24 && c.ffn_hidden_size == 80 && c.max_position_embeddings == 32 && c.vocab_size == 100 &&
+               c.padded_vocab_size == 128 && c.norm_epsilon == 1e-5, "shape from config.json");
+    EXPECT(c.normalization == MT_NORM_RMSNORM && c.swiglu && c.position_embedding_type == MT_POSITION_ROPE &&
+               c.rotary_base == 500000.0 && c.rotary_percent == 1.0 && c.use_rope_scaling && c.rope_scaling_factor == 8.0 &&
+               c.untie_embeddings_and_output_weights && !c.add_bias_linear, "flavour from config.json");
+    if (thf_llama_check_params(s, &m, &c, p) != TEST_PASS) return TEST_FAIL;
+    int64_t n = mt_num_parameters(&c);
+
+    /* the checkpoint: the flavour words, the epsilon, the true vocabulary */
+    EXPECT_OK(mt_hf_checkpoint_write(ck_dir, &c, p, 0, &err), &err);
+    snprintf(path, sizeof(path), "%s/iter_0000000/mp_rank_00/model_optim_rng.bin", ck_dir);
+    size_t size = 0;
+    char* raw = test_read_file(path, &size);
+    EXPECT(raw && size == 512 + 12 * (size_t)n, "checkpoint size %zu", size);
+    int64_t hw[64];
+    memcpy(hw, raw, sizeof(hw));
+    free(raw);
+    EXPECT(hw[MT_CK_GROUPS] == 2 && hw[MT_CK_KV] == 24 && hw[MT_CK_FFN] == 80 && hw[MT_CK_VOCAB] == 128 &&
+               hw[MT_CK_POSITIONS] == 32 && hw[MT_CK_NUM_PARAMS] == n, "shape words");
+    EXPECT(hw[MT_CK_NORMALIZATION] == MT_NORM_RMSNORM && hw[MT_CK_SWIGLU] == 1 && hw[MT_CK_POSITION_TYPE] == MT_POSITION_ROPE &&
+               thf_word_double(hw, MT_CK_ROTARY_BASE_BITS) == 500000.0 && thf_word_double(hw, MT_CK_ROTARY_PERCENT_BITS) == 1.0 &&
+               thf_word_double(hw, MT_CK_ROPE_SCALING_FACTOR_BITS) == 8.0 && hw[MT_CK_UNTIED] == 1 &&
+               hw[MT_CK_NO_BIAS_LINEAR] == 1, "flavour words");
+    EXPECT(thf_word_double(hw, MT_CK_NORM_EPS_BITS) == 1e-5 && hw[MT_CK_TRUE_VOCAB] == 100, "epsilon / true vocabulary words");
+    mt_config c2;
+    float* q = NULL;
+    int64_t header[64];
+    EXPECT_OK(mt_hf_checkpoint_read(ck_dir, -1, &c2, &q, header, &err), &err);
+    EXPECT(c2.num_query_groups == 2 && c2.kv_channels == 24 && c2.normalization == MT_NORM_RMSNORM && c2.swiglu &&
+               c2.position_embedding_type == MT_POSITION_ROPE && c2.rotary_base == 500000.0 && c2.use_rope_scaling &&
+               c2.rope_scaling_factor == 8.0 && c2.untie_embeddings_and_output_weights && !c2.add_bias_linear &&
+               c2.norm_epsilon == 1e-5 && header[MT_CK_TRUE_VOCAB] == 100, "config from the checkpoint");
+    EXPECT(!memcmp(p, q, sizeof(float) * (size_t)n), "checkpoint read != written");
+
+    /* export: the original tensors bitwise, config.json's fields */
+    EXPECT_OK(mt_hf_save(out_dir, &c2, q, header[MT_CK_TRUE_VOCAB], MT_ST_F32, 0, &err), &err);
+    if (thf_same_tensors(out_dir, &m) != TEST_PASS) return TEST_FAIL;
+    mt_json* cj = NULL;
+    if (thf_config_roundtrip(text, out_dir, &cj) != TEST_PASS) return TEST_FAIL;
+    EXPECT(mt_json_get(cj, "pretraining_tp")->integer == 1 && mt_json_get(cj, "rope_scaling")->count == 5, "exported config");
+    mt_json_free(cj);
+    float* r = NULL;
+    EXPECT_OK(mt_hf_load(out_dir, &c2, &r, NULL, &err), &err);
+    EXPECT(!memcmp(p, r, sizeof(float) * (size_t)n), "load(export) != import");
+    free(r);
+
+    /* transformers 5's config.json: rope_parameters instead of rope_theta + rope_scaling */
+    EXPECT(mt_make_directories(v5_dir) == 0, "mkdir");
+    thf_llama_config_text(text, sizeof(text), s,
+                          ", \"hidden_act\": \"silu\", \"dtype\": \"float32\", \"rope_parameters\": {\"factor\": 8.0, "
+                          "\"high_freq_factor\": 4.0, \"low_freq_factor\": 1.0, \"original_max_position_embeddings\": 8192, "
+                          "\"rope_theta\": 500000.0, \"rope_type\": \"llama3\"}");
+    EXPECT(thf_write_text(v5_dir, "config.json", text) == 0, "write config");
+    EXPECT_OK(thf_write_model(v5_dir, &m, NULL, NULL, &err), &err);
+    EXPECT_OK(mt_hf_load(v5_dir, &c2, &r, NULL, &err), &err);
+    EXPECT(c2.rotary_base == 500000.0 && c2.use_rope_scaling && c2.rope_scaling_factor == 8.0 && !memcmp(p, r, sizeof(float) * (size_t)n),
+           "rope_parameters");
+    free(r);
+
+    /* bfloat16: loads as the rounded parameters; sharded: the same parameters through the index */
+    EXPECT_OK(mt_hf_save(out_dir, &c, p, 100, MT_ST_BF16, 0, &err), &err);
+    EXPECT_OK(mt_hf_load(out_dir, &c2, &r, NULL, &err), &err);
+    for (int64_t i = 0; i < n; i++) EXPECT(r[i] == mt_st_bf16_to_f32(mt_st_f32_to_bf16(p[i])), "bf16 element %lld", (long long)i);
+    free(r);
+    EXPECT_OK(mt_hf_save(sh_dir, &c, p, 100, MT_ST_F32, 40000, &err), &err);
+    snprintf(path, sizeof(path), "%s/model.safetensors", sh_dir);
+    EXPECT(access(path, F_OK) != 0, "sharded export wrote model.safetensors");
+    snprintf(path, sizeof(path), "%s/model.safetensors.index.json", sh_dir);
+    EXPECT_OK(mt_json_parse_file(&cj, path, &err), &err);
+    const mt_json* map = mt_json_get(cj, "weight_map");
+    EXPECT(map && map->count == m.count && mt_json_get(cj, "metadata") && !strcmp(map->items[0].string, "model-00001-of-00012.safetensors") &&
+               !strcmp(map->items[map->count - 1].string, "model-00012-of-00012.safetensors"), "index");
+    mt_json_free(cj);
+    EXPECT_OK(mt_hf_load(sh_dir, &c2, &r, NULL, &err), &err);
+    EXPECT(!memcmp(p, r, sizeof(float) * (size_t)n), "sharded export loads differently");
+    free(r);
+    /* exporting the single file again over it removes the index */
+    EXPECT_OK(mt_hf_save(sh_dir, &c, p, 100, MT_ST_F32, 0, &err), &err);
+    snprintf(path, sizeof(path), "%s/model.safetensors.index.json", sh_dir);
+    EXPECT(access(path, F_OK) != 0, "stale index left behind");
+    free(p);
+    free(q);
+    thf_model_free(&m);
+    thf_remove(root);
+    return TEST_PASS;
+}
+
+/* Tied embeddings, MHA, no rope scaling, config.json's defaults for kv heads and head_dim. */
+static test_result test_hf_llama_tied(void) {
+    char root[256], hf_dir[300], out_dir[300], text[2048];
+    thf_path(root, sizeof(root), "llama_tied");
+    thf_remove(root);
+    snprintf(hf_dir, sizeof(hf_dir), "%s/hf", root);
+    snprintf(out_dir, sizeof(out_dir), "%s/out", root);
+    const thf_llama_spec* s = &thf_llama_tied;
+    thf_model m;
+    thf_llama_tensors(s, &m);
+    mt_error err;
+    EXPECT(mt_make_directories(hf_dir) == 0, "mkdir");
+    thf_llama_config_text(text, sizeof(text), s, ", \"rope_scaling\": null");
+    EXPECT(thf_write_text(hf_dir, "config.json", text) == 0, "write config");
+    EXPECT_OK(thf_write_model(hf_dir, &m, NULL, NULL, &err), &err);
+    mt_config c;
+    float *p = NULL, *q = NULL;
+    EXPECT_OK(mt_hf_load(hf_dir, &c, &p, NULL, &err), &err);
+    EXPECT(c.num_query_groups == 4 && c.kv_channels == 16 && !c.untie_embeddings_and_output_weights && !c.use_rope_scaling &&
+               c.rotary_base == 10000.0, "defaults");
+    if (thf_llama_check_params(s, &m, &c, p) != TEST_PASS) return TEST_FAIL;
+    int64_t n = mt_num_parameters(&c);
+    EXPECT_OK(mt_hf_save(out_dir, &c, p, 100, MT_ST_F32, 0, &err), &err);
+    if (thf_same_tensors(out_dir, &m) != TEST_PASS) return TEST_FAIL; /* no lm_head.weight */
+    mt_json* cj = NULL;
+    if (thf_config_roundtrip(text, out_dir, &cj) != TEST_PASS) return TEST_FAIL;
+    EXPECT(mt_json_get(cj, "head_dim")->integer == 16 && mt_json_get(cj, "num_key_value_heads")->integer == 4 &&
+               mt_json_get(cj, "rope_theta")->number == 10000.0, "exported defaults");
+    mt_json_free(cj);
+    /* an lm_head.weight equal to the embeddings is accepted; a different one is not */
+    const thf_tensor* e = &m.t[0];
+    float* head = (float*)malloc(sizeof(float) * (size_t)e->numel);
+    memcpy(head, e->data, sizeof(float) * (size_t)e->numel);
+    mt_st_write_tensor extra;
+    memset(&extra, 0, sizeof(extra));
+    extra.name = "lm_head.weight";
+    extra.dtype = MT_ST_F32;
+    extra.ndim = 2;
+    extra.shape[0] = e->shape[0];
+    extra.shape[1] = e->shape[1];
+    extra.data = head;
+    EXPECT_OK(thf_write_model(hf_dir, &m, NULL, &extra, &err), &err);
+    EXPECT_OK(mt_hf_load(hf_dir, &c, &q, NULL, &err), &err);
+    EXPECT(!memcmp(p, q, sizeof(float) * (size_t)n), "with a tied lm_head.weight");
+    free(q);
+    head[5] += 1.0f;
+    EXPECT_OK(thf_write_model(hf_dir, &m, NULL, &extra, &err), &err);
+    EXPECT(mt_hf_load(hf_dir, &c, &q, NULL, &err) == MT_ERR_FORMAT &&
+               strstr(err.message, "lm_head.weight differs from model.embed_tokens.weight"), "differing head: %s", err.message);
+    free(head);
+    free(p);
+    thf_model_free(&m);
+    thf_remove(root);
+    return TEST_PASS;
+}
+
+/* What must be refused, on import and on export, each with one line naming the problem. */
+static test_result test_hf_llama_rejects(void) {
+    char root[256], dir[300], out[300], text[2048], extra[1024];
+    thf_path(root, sizeof(root), "llama_rejects");
+    thf_remove(root);
+    snprintf(dir, sizeof(dir), "%s/hf", root);
+    snprintf(out, sizeof(out), "%s/out", root);
+    thf_llama_spec s = thf_llama_gqa;
+    thf_model m;
+    thf_llama_tensors(&s, &m);
+    mt_error err;
+    EXPECT(mt_make_directories(dir) == 0, "mkdir");
+    float buffer[12] = {0};
+    mt_st_write_tensor inv_freq, bias;
+    memset(&inv_freq, 0, sizeof(inv_freq));
+    inv_freq.name = "model.layers.1.self_attn.rotary_emb.inv_freq";
+    inv_freq.dtype = MT_ST_F32;
+    inv_freq.ndim = 1;
+    inv_freq.shape[0] = 12;
+    inv_freq.data = buffer;
+    bias = inv_freq;
+    bias.name = "model.layers.0.self_attn.q_proj.bias";
+    bias.shape[0] = 96;
+    float biases[96] = {0};
+    bias.data = biases;
+    const char* llama3_low2 = ", \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 2.0, "
+                              "\"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 8192}";
+    const char* llama3_4k = ", \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 1.0, "
+                            "\"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 4096}";
+    struct {
+        const char* extra;           /* config.json fields */
+        int groups;                  /* config.json's num_key_value_heads (0: 2, as the tensors) */
+        const char* skip;            /* a tensor left out */
+        const mt_st_write_tensor* add; /* a tensor added */
+        mt_status status;
+        const char* words;
+    } cases[] = {
+        {", \"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 2.0}", 0, NULL, NULL, MT_ERR_CONFIG,
+         "rope_scaling type \"linear\" is not supported: megatron.c's RoPE scaling is Llama 3.1's"},
+        {", \"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2.0}", 0, NULL, NULL, MT_ERR_CONFIG,
+         "rope_scaling type \"dynamic\" is not supported"},
+        {", \"rope_parameters\": {\"rope_type\": \"yarn\", \"rope_theta\": 10000.0, \"factor\": 4.0}", 0, NULL, NULL,
+         MT_ERR_CONFIG, "rope_parameters type \"yarn\" is not supported"},
+        {llama3_low2, 0, NULL, NULL, MT_ERR_CONFIG, "rope_scaling low_freq_factor 2 is not supported"},
+        {llama3_4k, 0, NULL, NULL, MT_ERR_CONFIG, "rope_scaling original_max_position_embeddings 4096 is not supported"},
+        {", \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0}", 0, NULL, NULL, MT_ERR_FORMAT,
+         "\"low_freq_factor\" is missing"},
+        {", \"partial_rotary_factor\": 0.5", 0, NULL, NULL, MT_ERR_CONFIG, "partial_rotary_factor 0.5 is not supported"},
+        {", \"attention_bias\": true", 0, NULL, NULL, MT_ERR_CONFIG, "attention_bias true is not supported"},
+        {", \"mlp_bias\": true", 0, NULL, NULL, MT_ERR_CONFIG, "mlp_bias true is not supported"},
+        {", \"hidden_act\": \"gelu\"", 0, NULL, NULL, MT_ERR_CONFIG, "hidden_act \"gelu\" is not supported"},
+        {"", 3, NULL, NULL, MT_ERR_CONFIG, "num_attention_heads 4 is not divisible by num_key_value_heads 3"},
+        {"", 4, NULL, NULL, MT_ERR_FORMAT,
+         "tensor model.layers.0.self_attn.k_proj.weight has shape [48, 64] but config.json implies [96, 64]"},
+        {"", 0, "model.layers.0.self_attn.k_proj.weight", NULL, MT_ERR_FORMAT,
+         "tensor model.layers.0.self_attn.k_proj.weight is missing"},
+        {"", 0, "lm_head.weight", NULL, MT_ERR_FORMAT, "tensor lm_head.weight is missing"},
+        {"", 0, NULL, &bias, MT_ERR_FORMAT,
+         "unexpected tensor model.layers.0.self_attn.q_proj.bias (not part of LlamaForCausalLM)"},
+        {", \"model_type\": \"mistral\"", 0, NULL, NULL, MT_ERR_FORMAT, "duplicate object key"},
+        /* accepted: an old rotary buffer; rope_type "default" */
+        {"", 0, NULL, &inv_freq, MT_OK, ""},
+        {", \"rope_scaling\": {\"rope_type\": \"default\"}", 0, NULL, NULL, MT_OK, ""},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        s.g = cases[i].groups ? cases[i].groups : thf_llama_gqa.g;
+        snprintf(extra, sizeof(extra), "%s", cases[i].extra);
+        thf_llama_config_text(text, sizeof(text), &s, extra);
+        s.g = thf_llama_gqa.g;
+        EXPECT(thf_write_text(dir, "config.json", text) == 0, "write");
+        EXPECT_OK(thf_write_model(dir, &m, cases[i].skip, cases[i].add, &err), &err);
+        mt_config c;
+        float* q = NULL;
+        err.message[0] = 0;
+        mt_status st = mt_hf_load(dir, &c, &q, NULL, &err);
+        EXPECT(st == cases[i].status && strstr(err.message, cases[i].words) && !strchr(err.message, '\n') &&
+                   (st == MT_OK) == (q != NULL), "case %zu (%s): %s: %s", i, cases[i].extra, mt_status_name(st), err.message);
+        if (st == MT_OK) EXPECT(thf_llama_check_params(&s, &m, &c, q) == TEST_PASS, "case %zu", i);
+        free(q);
+    }
+    /* config.json with architectures alone (no model_type) is a Llama too */
+    EXPECT(thf_write_text(dir, "config.json", "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 64, "
+                                              "\"intermediate_size\": 80, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, "
+                                              "\"num_key_value_heads\": 2, \"head_dim\": 24, \"vocab_size\": 100}") == 0, "write");
+    EXPECT_OK(thf_write_model(dir, &m, NULL, NULL, &err), &err);
+    mt_config c;
+    float* p = NULL;
+    const mt_hf_arch* arch = NULL;
+    EXPECT_OK(mt_hf_load(dir, &c, &p, &arch, &err), &err);
+    EXPECT(arch == &mt_hf_llama_arch && c.max_position_embeddings == 2048 && c.norm_epsilon == 1e-6, "LlamaConfig defaults");
+
+    /* export: flavours transformers cannot hold */
+    mt_config bad = c;
+    bad.rotary_percent = 0.5;
+    EXPECT(mt_hf_save(out, &bad, p, 100, MT_ST_F32, 0, &err) == MT_ERR_CONFIG &&
+               strstr(err.message, "rotary_percent 0.5: transformers' Llama rotates every channel"), "%s", err.message);
+    bad = c;
+    bad.normalization = MT_NORM_LAYERNORM; /* LayerNorm + rope */
+    EXPECT(mt_hf_save(out, &bad, p, 100, MT_ST_F32, 0, &err) == MT_ERR_CONFIG &&
+               strstr(err.message, "(LayerNorm, SwiGLU, rope positions, untied output layer, no linear biases) is neither"),
+           "%s", err.message);
+    mt_config gpt2 = thf_small_config();
+    gpt2.untie_embeddings_and_output_weights = 1;
+    EXPECT(mt_hf_save(out, &gpt2, p, 100, MT_ST_F32, 0, &err) == MT_ERR_CONFIG && strstr(err.message, "is neither GPT-2"),
+           "untied GPT-2: %s", err.message);
+    EXPECT(mt_hf_save(out, &c, p, 129, MT_ST_F32, 0, &err) == MT_ERR_ARG, "vocabulary above the padded size");
+    EXPECT(access(out, F_OK) != 0, "a refused export wrote %s", out);
+    free(p);
+    thf_model_free(&m);
+    thf_remove(root);
+    return TEST_PASS;
+}
+
+/* Canonical -> HF -> canonical and HF -> canonical -> HF are the identity, bitwise (GQA, untied). */
+static test_result test_hf_llama_mapping_roundtrip(void) {
+    mt_config c;
+    mt_config_defaults(&c);
+    c.num_layers = 2;
+    c.hidden_size = 64;
+    c.num_attention_heads = 4;
+    c.num_query_groups = 2;
+    c.kv_channels = 24;
+    c.ffn_hidden_size = 80;
+    c.seq_length = 32;
+    c.vocab_size = 100;
+    c.normalization = MT_NORM_RMSNORM;
+    c.swiglu = 1;
+    c.position_embedding_type = MT_POSITION_ROPE;
+    c.untie_embeddings_and_output_weights = 1;
+    c.add_bias_linear = 0;
+    c.train_iters = 1;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    const mt_hf_arch* arch = NULL;
+    EXPECT_OK(mt_hf_arch_for_config(&c, &arch, &err), &err);
+    EXPECT(arch == &mt_hf_llama_arch && mt_hf_llama_num_tensors(&c) == 21, "arch / tensor count");
+    int64_t n = mt_num_parameters(&c), V = 100;
+    float* p = (float*)malloc(sizeof(float) * (size_t)n);
+    float* q = (float*)malloc(sizeof(float) * (size_t)n);
+    float* hf = (float*)malloc(sizeof(float) * (size_t)n);
+    float* hf2 = (float*)malloc(sizeof(float) * (size_t)n);
+    EXPECT(p && q && hf && hf2, "alloc");
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(&c, info);
+    for (int64_t i = 0; i < n; i++) {
+        p[i] = thf_uniform();
+        q[i] = 12345.0f; /* every element must be overwritten */
+    }
+    for (int k = 0; k < 2; k++) /* padded rows: zero, as an import leaves them */
+        memset(p + info[k ? MT_P_OUTPUT_WEIGHT : MT_P_WORD_EMBEDDINGS].offset + V * 64, 0, sizeof(float) * 28 * 64);
+    int64_t total = 0;
+    for (int i = 0; i < mt_hf_llama_num_tensors(&c); i++) {
+        mt_hf_tensor t;
+        mt_hf_llama_tensor(&c, V, i, &t);
+        mt_hf_llama_export_tensor(&c, V, &t, p, hf + total);
+        mt_hf_llama_import_tensor(&c, V, &t, hf + total, q);
+        total += t.numel;
+    }
+    EXPECT(total == n - 2 * 28 * 64, "HF holds every parameter but the padding: %lld", (long long)total);
+    EXPECT(!memcmp(p, q, sizeof(float) * (size_t)n), "canonical -> HF -> canonical is not bitwise the identity");
+    total = 0;
+    for (int i = 0; i < mt_hf_llama_num_tensors(&c); i++) {
+        mt_hf_tensor t;
+        mt_hf_llama_tensor(&c, V, i, &t);
+        mt_hf_llama_export_tensor(&c, V, &t, q, hf2 + total);
+        total += t.numel;
+    }
+    EXPECT(!memcmp(hf, hf2, sizeof(float) * (size_t)total), "HF -> canonical -> HF is not bitwise the identity");
+    mt_hf_tensor t;
+    mt_hf_llama_tensor(&c, V, 1 + 9 + 2, &t);
+    EXPECT(!strcmp(t.name, "model.layers.1.self_attn.v_proj.weight") && t.kind == MT_P_QKV_WEIGHT && t.part == 2 &&
+               t.layer == 1 && t.shape[0] == 48 && t.shape[1] == 64, "v_proj: %s", t.name);
+    mt_hf_llama_tensor(&c, V, 20, &t);
+    EXPECT(!strcmp(t.name, "lm_head.weight") && t.kind == MT_P_OUTPUT_WEIGHT && t.shape[0] == 100, "lm_head");
+    free(p);
+    free(q);
+    free(hf);
+    free(hf2);
+    return TEST_PASS;
+}
+
+/* Llama's forward as transformers computes it, in double, on thf_llama_tensors' tensors: RMSNorm,
+ * q/k/v with head j reading kv group j / (n/g), rotate_half RoPE (rope_theta `base`, llama3 scaling
+ * by `factor` when > 0), SwiGLU, the tied or untied head. logits [T, V]. */
+static double thf_llama3_inv_freq(double inv, double factor) {
+    const double pi = 3.14159265358979323846, old = 8192.0, low = 1.0, high = 4.0;
+    double wavelen = 2.0 * pi / inv;
+    if (wavelen < old / high) return inv;
+    if (wavelen > old / low) return inv / factor;
+    double smooth = (old / wavelen - low) / (high - low);
+    return (1.0 - smooth) * inv / factor + smooth * inv;
+}
+
+static void thf_llama_forward(const thf_llama_spec* s, const thf_model* m, double base, double factor, double eps,
+                              const int32_t* tokens, int T, double* logits) {
+    int h = s->h, n = s->n, g = s->g, d = s->d, f = s->f, nd = n * d, gd = g * d;
+    double* x = (double*)calloc((size_t)T * h, sizeof(double));
+    double* a = (double*)calloc((size_t)T * h, sizeof(double));
+    double* q = (double*)calloc((size_t)T * nd, sizeof(double));
+    double* k = (double*)calloc((size_t)T * gd, sizeof(double));
+    double* v = (double*)calloc((size_t)T * gd, sizeof(double));
+    double* o = (double*)calloc((size_t)T * nd, sizeof(double));
+    double* z = (double*)calloc((size_t)T * f, sizeof(double));
+    double* sc = (double*)calloc((size_t)T, sizeof(double));
+    double* inv = (double*)calloc((size_t)d / 2, sizeof(double));
+    for (int i = 0; i < d / 2; i++) {
+        inv[i] = 1.0 / pow(base, 2.0 * i / d);
+        if (factor > 0) inv[i] = thf_llama3_inv_freq(inv[i], factor);
+    }
+    const float* emb = m->t[0].data;
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < h; i++) x[t * h + i] = emb[(int64_t)tokens[t] * h + i];
+#define THF_RMS(src, gain, dst)                                                  \
+    for (int t = 0; t < T; t++) {                                                \
+        double ms = 0;                                                           \
+        for (int i = 0; i < h; i++) ms += src[t * h + i] * src[t * h + i];       \
+        double r = 1.0 / sqrt(ms / h + eps);                                     \
+        for (int i = 0; i < h; i++) dst[t * h + i] = src[t * h + i] * r * gain[i]; \
+    }
+/* y[t, r] = sum_i in[t, i] W[r, i] (nn.Linear: W [rows, cols]) */
+#define THF_LINEAR(in, cols, W, rows, out, acc_op)                               \
+    for (int t = 0; t < T; t++)                                                  \
+        for (int r = 0; r < rows; r++) {                                         \
+            double acc = 0;                                                      \
+            for (int i = 0; i < cols; i++) acc += in[t * cols + i] * (double)W[(int64_t)r * cols + i]; \
+            out[t * rows + r] acc_op acc;                                        \
+        }
+    for (int l = 0; l < s->L; l++) {
+        const thf_tensor* w = &m->t[1 + 9 * l]; /* q, k, v, o, gate, up, down, input norm, post norm */
+        THF_RMS(x, w[7].data, a)
+        THF_LINEAR(a, h, w[0].data, nd, q, =)
+        THF_LINEAR(a, h, w[1].data, gd, k, =)
+        THF_LINEAR(a, h, w[2].data, gd, v, =)
+        for (int t = 0; t < T; t++) /* rotate_half: channel i pairs with i + d/2 */
+            for (int hd = 0; hd < n + g; hd++) {
+                double* r = hd < n ? q + t * nd + hd * d : k + t * gd + (hd - n) * d;
+                for (int i = 0; i < d / 2; i++) {
+                    double c = cos(t * inv[i]), sn = sin(t * inv[i]), x1 = r[i], x2 = r[i + d / 2];
+                    r[i] = x1 * c - x2 * sn;
+                    r[i + d / 2] = x2 * c + x1 * sn;
+                }
+            }
+        for (int j = 0; j < n; j++) {
+            int kv = j / (n / g);
+            for (int t = 0; t < T; t++) {
+                double mx = -1e300, sum = 0;
+                for (int u = 0; u <= t; u++) {
+                    double dot = 0;
+                    for (int e = 0; e < d; e++) dot += q[t * nd + j * d + e] * k[u * gd + kv * d + e];
+                    sc[u] = dot / sqrt((double)d);
+                    if (sc[u] > mx) mx = sc[u];
+                }
+                for (int u = 0; u <= t; u++) sum += sc[u] = exp(sc[u] - mx);
+                for (int e = 0; e < d; e++) {
+                    double acc = 0;
+                    for (int u = 0; u <= t; u++) acc += sc[u] / sum * v[u * gd + kv * d + e];
+                    o[t * nd + j * d + e] = acc;
+                }
+            }
+        }
+        THF_LINEAR(o, nd, w[3].data, h, x, +=)
+        THF_RMS(x, w[8].data, a)
+        THF_LINEAR(a, h, w[4].data, f, z, =)
+        for (int t = 0; t < T; t++)
+            for (int r = 0; r < f; r++) {
+                double gate = z[t * f + r], up = 0;
+                for (int i = 0; i < h; i++) up += a[t * h + i] * (double)w[5].data[(int64_t)r * h + i];
+                z[t * f + r] = gate / (1.0 + exp(-gate)) * up;
+            }
+        THF_LINEAR(z, f, w[6].data, h, x, +=)
+    }
+    THF_RMS(x, m->t[1 + 9 * s->L].data, a)
+    const float* head = s->tied ? emb : m->t[2 + 9 * s->L].data;
+    int V = s->V;
+    THF_LINEAR(a, h, head, V, logits, =)
+#undef THF_RMS
+#undef THF_LINEAR
+    free(x); free(a); free(q); free(k); free(v); free(o); free(z); free(sc); free(inv);
 }
 
 /* ---- GPU: the converter's checkpoint in the trainer ------------------------------------------- */
@@ -966,6 +1650,92 @@ static test_result test_hf_gpu_load(void) {
     return res;
 }
 
+/* The converter's Llama checkpoints (GQA + llama3 scaling + untied; tied without scaling) in the
+ * trainer: the same bytes back, and logits equal to the transformers-style forward above (checked
+ * against transformers itself: rel err < 1e-7, transformers' RoPE being fp32). */
+static test_result test_hf_gpu_load_llama(void) {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+        cudaGetLastError();
+        SKIP("no GPU visible");
+    }
+    const thf_llama_spec* specs[2] = {&thf_llama_gqa, &thf_llama_tied};
+    const char* extras[2] = {thf_llama3, ", \"rope_scaling\": null"};
+    test_result res = TEST_PASS;
+    for (int k = 0; k < 2 && res == TEST_PASS; k++) {
+        const thf_llama_spec* s = specs[k];
+        char root[256], hf_dir[300], ck_dir[300], text[2048];
+        thf_path(root, sizeof(root), k ? "gpu_llama_tied" : "gpu_llama");
+        thf_remove(root);
+        snprintf(hf_dir, sizeof(hf_dir), "%s/hf", root);
+        snprintf(ck_dir, sizeof(ck_dir), "%s/ckpt", root);
+        thf_model m;
+        thf_llama_tensors(s, &m);
+        for (int i = 0; i < m.count; i++) /* a model with a sane scale */
+            for (int64_t e = 0; e < m.t[i].numel; e++) m.t[i].data[e] *= 0.3f;
+        mt_error err;
+        EXPECT(mt_make_directories(hf_dir) == 0, "mkdir");
+        thf_llama_config_text(text, sizeof(text), s, extras[k]);
+        EXPECT(thf_write_text(hf_dir, "config.json", text) == 0, "write config");
+        EXPECT_OK(thf_write_model(hf_dir, &m, NULL, NULL, &err), &err);
+        mt_config c;
+        float* p = NULL;
+        EXPECT_OK(mt_hf_load(hf_dir, &c, &p, NULL, &err), &err);
+        EXPECT_OK(mt_hf_checkpoint_write(ck_dir, &c, p, 0, &err), &err);
+        c.seq_length = 16;
+        c.micro_batch_size = 2;
+        c.global_batch_size = 2;
+        EXPECT_OK(mt_config_finalize(&c, &err), &err);
+        int64_t n = mt_num_parameters(&c), V = s->V;
+        int32_t tokens[2 * 16];
+        for (int i = 0; i < 32; i++) tokens[i] = (i * 37 + 11) % V;
+        double* want = (double*)malloc(sizeof(double) * 2 * 16 * V);
+        for (int b = 0; b < 2; b++)
+            thf_llama_forward(s, &m, k ? 10000.0 : 500000.0, k ? 0.0 : 8.0, 1e-5, tokens + 16 * b, 16, want + 16 * V * b);
+        float* q = (float*)malloc(sizeof(float) * (size_t)n);
+        float* logits = (float*)malloc(sizeof(float) * 2 * 16 * (size_t)c.padded_vocab_size);
+        mt_precision precisions[2] = {MT_FP32, MT_BF16};
+        for (int pr = 0; pr < 2 && res == TEST_PASS; pr++) {
+            c.precision = precisions[pr];
+            mt_trainer* t = NULL;
+            int64_t it = -1;
+            mt_status st = mt_trainer_create(&t, &c, &err);
+            if (st == MT_OK) st = mt_trainer_load(t, ck_dir, -1, &it, NULL, &err);
+            if (st == MT_OK) st = mt_trainer_get_parameters(t, q, &err);
+            if (st == MT_OK) st = mt_trainer_logits(t, tokens, logits, &err);
+            mt_trainer_free(t);
+            if (st != MT_OK) {
+                printf("    FAIL %s %s: %s\n", root, pr ? "bf16" : "fp32", err.message);
+                res = TEST_FAIL;
+                break;
+            }
+            if (it != 0 || memcmp(p, q, sizeof(float) * (size_t)n) != 0) {
+                printf("    FAIL the trainer's parameters are not the checkpoint's (iteration %lld)\n", (long long)it);
+                res = TEST_FAIL;
+                break;
+            }
+            double num = 0, den = 0;
+            for (int bs = 0; bs < 32; bs++)
+                for (int64_t v = 0; v < V; v++) {
+                    double d = logits[bs * c.padded_vocab_size + v] - want[bs * V + v];
+                    num += d * d;
+                    den += want[bs * V + v] * want[bs * V + v];
+                }
+            double rel = sqrt(num / den), tol = pr ? 3e-2 : 1e-5;
+            printf("    %s %s logits vs the transformers-style forward: rel err %.2e (tol %.0e)\n",
+                   k ? "tied, no scaling" : "GQA, llama3, untied", pr ? "bf16" : "fp32", rel, tol);
+            if (!(rel < tol)) res = TEST_FAIL;
+        }
+        free(q);
+        free(logits);
+        free(want);
+        free(p);
+        thf_model_free(&m);
+        thf_remove(root);
+    }
+    return res;
+}
+
 static const test_case hf_tests[] = {
     {"hf_json", test_hf_json},
     {"hf_float_conversions", test_hf_float_conversions},
@@ -976,7 +1746,12 @@ static const test_case hf_tests[] = {
     {"hf_gpt2_matches_reference_logits", test_hf_gpt2_matches_reference_logits},
     {"hf_gpt2_directories", test_hf_gpt2_directories},
     {"hf_gpt2_rejects", test_hf_gpt2_rejects},
+    {"hf_llama_mapping_roundtrip", test_hf_llama_mapping_roundtrip},
+    {"hf_llama_directories", test_hf_llama_directories},
+    {"hf_llama_tied", test_hf_llama_tied},
+    {"hf_llama_rejects", test_hf_llama_rejects},
     {"hf_gpu_load", test_hf_gpu_load},
+    {"hf_gpu_load_llama", test_hf_gpu_load_llama},
 };
 
 #endif

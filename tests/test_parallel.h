@@ -160,9 +160,53 @@ static test_result test_buffer_layout_megatron_rules(void) {
     return r;
 }
 
+/* The Llama flavour's buffer: only the tensors it has (no position embeddings, norm or linear
+ * biases), the untied output weight first in buffer order (it is last in model order), every
+ * canonical element exactly once, absent tensors at offset -1. */
+static test_result test_buffer_layout_llama(void) {
+    mt_config c;
+    mt_config_defaults(&c);
+    c.num_layers = 3; c.hidden_size = 64; c.num_attention_heads = 4; c.num_query_groups = 2; c.seq_length = 32;
+    c.vocab_size = 300; c.train_iters = 1; c.lr = 1e-4;
+    c.normalization = MT_NORM_RMSNORM; c.swiglu = 1; c.position_embedding_type = MT_POSITION_ROPE;
+    c.untie_embeddings_and_output_weights = 1; c.add_bias_linear = 0;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT(c.ffn_hidden_size == 128, "SwiGLU ffn default %d, Megatron gives (4*64*2/3)/64*64 = 128", c.ffn_hidden_size);
+    mt_buffer_layout b;
+    EXPECT_OK(mt_buffer_layout_build(&b, &c, &err), &err);
+    int64_t n = mt_num_parameters(&c);
+    test_result r = TEST_PASS;
+    if (b.num_params != 3 + 6 * c.num_layers || b.size != n) {
+        printf("    FAIL %d parameters in %lld elements (want %d in %lld)\n", b.num_params, (long long)b.size,
+               3 + 6 * c.num_layers, (long long)n);
+        r = TEST_FAIL;
+    }
+    if (b.params[0].tensor != MT_P_OUTPUT_WEIGHT || b.params[1].tensor != MT_P_FINAL_LN_WEIGHT ||
+        b.params[2].tensor != MT_P_FC2_WEIGHT || b.params[2].layer != c.num_layers - 1 ||
+        b.params[b.num_params - 1].tensor != MT_P_WORD_EMBEDDINGS) {
+        printf("    FAIL buffer order: %d %d %d ... %d\n", b.params[0].tensor, b.params[1].tensor, b.params[2].tensor,
+               b.params[b.num_params - 1].tensor);
+        r = TEST_FAIL;
+    }
+    int absent[] = {MT_P_POSITION_EMBEDDINGS, MT_P_LN1_BIAS, MT_P_QKV_BIAS, MT_P_PROJ_BIAS, MT_P_LN2_BIAS,
+                    MT_P_FC1_BIAS, MT_P_FC2_BIAS, MT_P_FINAL_LN_BIAS};
+    for (size_t i = 0; i < sizeof(absent) / sizeof(absent[0]); i++)
+        if (mt_buffer_offset(&b, absent[i], 0) != -1) { printf("    FAIL tensor %d present\n", absent[i]); r = TEST_FAIL; }
+    unsigned char* seen = (unsigned char*)calloc((size_t)n, 1);
+    for (int k = 0; k < b.num_params; k++)
+        for (int64_t e = 0; e < b.params[k].numel; e++) seen[b.params[k].canonical + e]++;
+    for (int64_t e = 0; e < n && r == TEST_PASS; e++)
+        if (seen[e] != 1) { printf("    FAIL canonical element %lld covered %d times\n", (long long)e, seen[e]); r = TEST_FAIL; }
+    free(seen);
+    mt_buffer_layout_free(&b);
+    return r;
+}
+
 static const test_case parallel_tests[] = {
     {"rank_layout_tp_dp_pp", test_rank_layout},
     {"buffer_layout_megatron_rules", test_buffer_layout_megatron_rules},
+    {"buffer_layout_llama", test_buffer_layout_llama},
 };
 
 /* ---- multi-GPU tests ---- */
@@ -215,8 +259,8 @@ static mt_status fresh_comm_id(mt_comm_id* id, mt_error* err) {
 
 /* The small GPT of the DP tests: head dim 64 (bf16 runs the flash kernels), micro-batch 2, global
  * batch 16 (8 micro-batches at DP=1, 2 per rank at DP=4), 20000-element buckets (~30 of them). */
-static mt_config dp_config(mt_precision precision, int dp, int dist, int overlap) {
-    mt_config c = gpu_small_config(precision);
+static mt_config dp_config(mt_precision precision, int dp, int dist, int overlap, int llama) {
+    mt_config c = llama ? gpu_small_llama_config(precision) : gpu_small_config(precision);
     c.micro_batch_size = 2;
     c.global_batch_size = 16;
     c.world_size = dp;
@@ -289,10 +333,10 @@ static double relative_norm_difference(const float* a, const float* b, int64_t n
     return sqrt(d / (r > 0 ? r : 1));
 }
 
-static test_result dp_matches_single(mt_precision precision, double loss_tol, double weight_tol) {
+static test_result dp_matches_single(mt_precision precision, double loss_tol, double weight_tol, int llama) {
     REQUIRE_MPI_GPUS();
     int dp = mpi_world();
-    mt_config base = dp_config(precision, 1, 0, 0);
+    mt_config base = dp_config(precision, 1, 0, 0, llama);
     mt_error err;
     mt_config fin = base;
     EXPECT_OK(mt_config_finalize(&fin, &err), &err);
@@ -304,7 +348,7 @@ static test_result dp_matches_single(mt_precision precision, double loss_tol, do
     const char* names[4] = {"all-reduce", "all-reduce, overlapped", "distributed optimizer",
                             "distributed optimizer, overlapped reduce-scatter and all-gather"};
     for (int v = 0; v < 4 && res == TEST_PASS; v++) {
-        res = dp_run(dp_config(precision, dp, v >= 2, v % 2), NULL, NULL, 0, 20, got, params);
+        res = dp_run(dp_config(precision, dp, v >= 2, v % 2, llama), NULL, NULL, 0, 20, got, params);
         double worst = 0;
         for (int k = 0; k < 20 && res == TEST_PASS; k++) {
             double rel = fabs(got[k] - ref[k]) / fabs(ref[k]);
@@ -320,14 +364,16 @@ static test_result dp_matches_single(mt_precision precision, double loss_tol, do
     free(params);
     return res;
 }
-static test_result test_dp_matches_single_fp32(void) { return dp_matches_single(MT_FP32, 1e-5, 1e-5); }
-static test_result test_dp_matches_single_bf16(void) { return dp_matches_single(MT_BF16, 1e-3, 3e-3); }
+static test_result test_dp_matches_single_fp32(void) { return dp_matches_single(MT_FP32, 1e-5, 1e-5, 0); }
+static test_result test_dp_matches_single_bf16(void) { return dp_matches_single(MT_BF16, 1e-3, 3e-3, 0); }
+/* the Llama flavour's buffer (no biases, untied output weight in the first bucket) through every DP variant */
+static test_result test_dp_matches_single_llama_bf16(void) { return dp_matches_single(MT_BF16, 1e-3, 3e-3, 1); }
 
 /* Two runs bitwise equal; 10 + save + load + 10 bitwise equal to 20 straight. */
 static test_result dp_repeat_and_resume(mt_precision precision, int dist) {
     REQUIRE_MPI_GPUS();
     int dp = mpi_world();
-    mt_config c = dp_config(precision, dp, dist, 1);
+    mt_config c = dp_config(precision, dp, dist, 1, 0);
     mt_error err;
     mt_config fin = c;
     EXPECT_OK(mt_config_finalize(&fin, &err), &err);
@@ -383,7 +429,7 @@ static test_result test_dp_memory_plan(void) {
     int dp = mpi_world();
     test_result res = TEST_PASS;
     for (int dist = 0; dist <= 1 && res == TEST_PASS; dist++) {
-        mt_config c = dp_config(MT_BF16, dp, dist, 1);
+        mt_config c = dp_config(MT_BF16, dp, dist, 1, 0);
         c.num_layers = 12; c.hidden_size = 768; c.num_attention_heads = 12; c.vocab_size = 50257;
         c.seq_length = 128; c.micro_batch_size = 1; c.global_batch_size = dp;
         mt_error err;
@@ -409,6 +455,7 @@ static test_result test_dp_memory_plan(void) {
 static const test_case multigpu_tests[] = {
     {"dp_matches_single_gpu_fp32", test_dp_matches_single_fp32},
     {"dp_matches_single_gpu_bf16", test_dp_matches_single_bf16},
+    {"dp_matches_single_gpu_llama_bf16", test_dp_matches_single_llama_bf16},
     {"dp_repeatable_and_resumes_bf16_distributed_optimizer", test_dp_repeat_resume_bf16_distributed},
     {"dp_repeatable_and_resumes_fp32_allreduce", test_dp_repeat_resume_fp32_allreduce},
     {"dp_memory_plan_follows_megatron", test_dp_memory_plan},
