@@ -463,6 +463,43 @@ __global__ void column_partial_sum_kernel(float* partial_a, float* partial_b, co
     if (MODE == COLSUM_LAYERNORM) partial_b[(int64_t)chunk * C + c] = b;
 }
 
+/* The same with 16-byte loads: each thread owns V adjacent columns (C % V == 0), so a warp reads
+ * 512 contiguous bytes of a row instead of 64. Every column is still summed over the same rows in
+ * the same order, so the results are bitwise those of the scalar kernel. */
+template <typename T, int MODE>
+__global__ void column_partial_sum_vec_kernel(float* partial_a, float* partial_b, const T* dy, const T* x,
+                                              const float* mean, const float* rstd, int N, int C, int rows_per_chunk) {
+    constexpr int V = vec16<T>::N;
+    int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+    int chunk = blockIdx.y;
+    if (c >= C) return;
+    int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float a[V], b[V], g[V], xv[V];
+#pragma unroll
+    for (int i = 0; i < V; i++) a[i] = b[i] = 0.0f;
+#pragma unroll 4
+    for (int r = r0; r < r1; r++) {
+        load16(g, dy + (int64_t)r * C + c);
+        if (MODE == COLSUM_LAYERNORM) {
+            load16(xv, x + (int64_t)r * C + c);
+            float m = mean[r], rs = rstd[r];
+#pragma unroll
+            for (int i = 0; i < V; i++) {
+                a[i] += g[i] * ((xv[i] - m) * rs);
+                b[i] += g[i];
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < V; i++) a[i] += g[i];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < V; i++) {
+        partial_a[(int64_t)chunk * C + c + i] = a[i];
+        if (MODE == COLSUM_LAYERNORM) partial_b[(int64_t)chunk * C + c + i] = b[i];
+    }
+}
+
 __global__ void column_final_sum_kernel(float* dst, const float* partial, int chunks, int C) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
@@ -675,9 +712,14 @@ __device__ __forceinline__ int64_t qkv_destination(int slot, int qpg, int g, int
     return (((int64_t)b * groups + g) * seq + t) * d + e;
 }
 
-/* qkv [B, T, groups*(qpg+2)*d] -> q, k, v; q and k rotated. One thread per element of qkv. */
+/* qkv [B, T, groups*(qpg+2)*d] (+ the QKV linear's bias [width], may be NULL; the sum rounded to T
+ * as a separate bias add would) -> q, k, v; q and k rotated. One thread per element of qkv. */
 template <typename T>
-__global__ void attention_split_heads_kernel(T* q, T* k, T* v, const T* qkv, const float* cos_table,
+__device__ __forceinline__ float qkv_element(const T* qkv, const T* bias, int64_t idx, int col) {
+    return bias ? to_float(from_float<T>(to_float(qkv[idx]) + to_float(bias[col]))) : to_float(qkv[idx]);
+}
+template <typename T>
+__global__ void attention_split_heads_kernel(T* q, T* k, T* v, const T* qkv, const T* bias, const float* cos_table,
                                              const float* sin_table, int B, int seq, int heads, int groups, int d,
                                              int rot) {
     int qpg = heads / groups;
@@ -688,11 +730,12 @@ __global__ void attention_split_heads_kernel(T* q, T* k, T* v, const T* qkv, con
     int64_t bt = idx / width;
     int b = (int)(bt / seq), t = (int)(bt % seq);
     int g = col / ((qpg + 2) * d), slot = (col / d) % (qpg + 2), e = col % d;
-    float x = to_float(qkv[idx]);
+    float x = qkv_element(qkv, bias, idx, col);
     if (slot <= qpg && e < rot) {
         int half = rot / 2, i = e % half;
         float c = cos_table[(int64_t)t * half + i], s = sin_table[(int64_t)t * half + i];
-        x = e < half ? x * c - to_float(qkv[idx + half]) * s : x * c + to_float(qkv[idx - half]) * s;
+        x = e < half ? x * c - qkv_element(qkv, bias, idx + half, col + half) * s
+                     : x * c + qkv_element(qkv, bias, idx - half, col - half) * s;
     }
     T* dst = slot < qpg ? q : (slot == qpg ? k : v);
     dst[qkv_destination(slot, qpg, g, b, t, e, seq, heads, groups, d)] = from_float<T>(x);
@@ -726,7 +769,7 @@ __global__ void attention_merge_head_grads_kernel(T* dqkv, const T* dq, const T*
 /* The same two with 16-byte vectors (d and, with RoPE, half a multiple of the vector width, so a
  * vector never straddles a head, the rotary halves or the rotary end). i indexes vectors of qkv. */
 template <typename T, bool BACKWARD>
-__global__ void attention_qkv_permute_vec_kernel(T* qkv, T* q, T* k, T* v, const float* cos_table,
+__global__ void attention_qkv_permute_vec_kernel(T* qkv, T* q, T* k, T* v, const T* bias, const float* cos_table,
                                                  const float* sin_table, int B, int seq, int heads, int groups, int d,
                                                  int rot) {
     constexpr int V = vec16<T>::N;
@@ -742,14 +785,29 @@ __global__ void attention_qkv_permute_vec_kernel(T* qkv, T* q, T* k, T* v, const
     int64_t at = qkv_destination(slot, qpg, g, b, t, e, seq, heads, groups, d);
     const T* src = BACKWARD ? heads_side + at : qkv + i * V;
     T* dst = BACKWARD ? qkv + i * V : heads_side + at;
-    if (slot > qpg || e >= rot) {
+    bool rotate = slot <= qpg && e < rot;
+    if (!rotate && (BACKWARD || !bias)) {
         *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(src);
         return;
     }
-    int half = rot / 2, first = e < half;
-    float x[V], p[V];
+    int half = rot / 2, first = e < half, partner = first ? half : -half;
+    float x[V], p[V], bv[V];
     load16(x, src);
-    load16(p, first ? src + half : src - half);
+    if (!BACKWARD && bias) { /* the forward adds the QKV bias, rounded to T as a separate add would */
+        load16(bv, bias + col);
+#pragma unroll
+        for (int j = 0; j < V; j++) x[j] = to_float(from_float<T>(x[j] + bv[j]));
+    }
+    if (!rotate) {
+        store16(dst, x);
+        return;
+    }
+    load16(p, src + partner);
+    if (!BACKWARD && bias) {
+        load16(bv, bias + col + partner);
+#pragma unroll
+        for (int j = 0; j < V; j++) p[j] = to_float(from_float<T>(p[j] + bv[j]));
+    }
     const float* cs = cos_table + (int64_t)t * half + e % half;
     const float* sn = sin_table + (int64_t)t * half + e % half;
     /* forward: first half x c - p s, second x c + p s; backward (transpose): the signs swap */
@@ -1816,9 +1874,13 @@ static int colsum_chunks(int N, int max_chunks, int* rows_per_chunk) {
 template <typename T>
 static void column_sum(mt_gemm_context* g, mt_colsum_scratch* s, float* dst, const T* dy, int N, int C) {
     int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
-    dim3 grid(ceil_div(C, 256), chunks);
-    column_partial_sum_kernel<T, COLSUM_PLAIN><<<grid, 256, 0, g->stream>>>(s->partial_a, NULL, dy, NULL, NULL, NULL, N,
-                                                                           C, rows);
+    if (C % vec16<T>::N == 0 && aligned16(dy))
+        column_partial_sum_vec_kernel<T, COLSUM_PLAIN><<<dim3(ceil_div(C / vec16<T>::N, 256), chunks), 256, 0,
+                                                         g->stream>>>(s->partial_a, NULL, dy, NULL, NULL, NULL, N, C,
+                                                                      rows);
+    else
+        column_partial_sum_kernel<T, COLSUM_PLAIN><<<dim3(ceil_div(C, 256), chunks), 256, 0, g->stream>>>(
+            s->partial_a, NULL, dy, NULL, NULL, NULL, N, C, rows);
     column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, g->stream>>>(dst, s->partial_a, chunks, C);
     LAUNCH_CHECK(g->error);
 }
@@ -1950,9 +2012,13 @@ static void norm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dresidual
         layernorm_backward_input_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(dresidual, dy, x, w, mean, rstd, N,
                                                                                   C, rms);
     int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
-    dim3 grid(ceil_div(C, 256), chunks);
-    column_partial_sum_kernel<T, COLSUM_LAYERNORM><<<grid, 256, 0, g->stream>>>(s->partial_a, s->partial_b, dy, x, mean,
-                                                                               rstd, N, C, rows);
+    if (C % vec16<T>::N == 0 && aligned16(dy) && aligned16(x))
+        column_partial_sum_vec_kernel<T, COLSUM_LAYERNORM><<<dim3(ceil_div(C / vec16<T>::N, 256), chunks), 256, 0,
+                                                             g->stream>>>(s->partial_a, s->partial_b, dy, x, mean, rstd,
+                                                                          N, C, rows);
+    else
+        column_partial_sum_kernel<T, COLSUM_LAYERNORM><<<dim3(ceil_div(C, 256), chunks), 256, 0, g->stream>>>(
+            s->partial_a, s->partial_b, dy, x, mean, rstd, N, C, rows);
     column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, g->stream>>>(dweight, s->partial_a, chunks, C);
     if (dbias) column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, g->stream>>>(dbias, s->partial_b, chunks, C);
     LAUNCH_CHECK(g->error);
@@ -1971,7 +2037,7 @@ typedef struct {
     void* ln1;           /* [L, BT, h] (the first norm's output: LayerNorm or RMSNorm) */
     float* ln1_mean;     /* [L, BT] */
     float* ln1_rstd;     /* [L, BT] */
-    void* qkv;           /* [L, BT, qkv_width] */
+    void* qkv;           /* [L, BT, qkv_width], before the bias (the split adds it) */
     void* probs;         /* [L, B*heads, T, T] attention probabilities (exact path only) */
     float* lse;          /* [L, B*heads, T] softmax log-sum-exp (flash path only) */
     void* attn_out;      /* [L, BT, heads*d] */
@@ -2147,18 +2213,19 @@ static bool qkv_permute_vectorised(const mt_shape& s) {
     constexpr int V = vec16<T>::N;
     return s.d % V == 0 && (s.rot == 0 || (s.rot / 2) % V == 0);
 }
-/* qkv [BT, qkv_width] -> act.q, act.k, act.v, RoPE applied to q and k */
+/* qkv [BT, qkv_width] + bias (may be NULL) -> act.q, act.k, act.v, RoPE applied to q and k */
 template <typename T>
-static void split_qkv(mt_trainer* t, const T* qkv) {
+static void split_qkv(mt_trainer* t, const T* qkv, const T* bias) {
     mt_shape s = model_shape(t);
     mt_activations* a = &t->act;
     int64_t n = (int64_t)s.BT * s.qkv_width;
     if (qkv_permute_vectorised<T>(s))
         attention_qkv_permute_vec_kernel<T, false><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(
-            (T*)qkv, (T*)a->q, (T*)a->k, (T*)a->v, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
+            (T*)qkv, (T*)a->q, (T*)a->k, (T*)a->v, bias, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d,
+            s.rot);
     else
         attention_split_heads_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(
-            (T*)a->q, (T*)a->k, (T*)a->v, qkv, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
+            (T*)a->q, (T*)a->k, (T*)a->v, qkv, bias, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
     LAUNCH_CHECK(&t->error);
 }
 /* dq, act.dk, act.dv -> dqkv [BT, qkv_width], RoPE's transpose applied to dq and dk */
@@ -2169,7 +2236,8 @@ static void merge_qkv_grads(mt_trainer* t, T* dqkv, T* dq) {
     int64_t n = (int64_t)s.BT * s.qkv_width;
     if (qkv_permute_vectorised<T>(s))
         attention_qkv_permute_vec_kernel<T, true><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(
-            dqkv, dq, (T*)a->dk, (T*)a->dv, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
+            dqkv, dq, (T*)a->dk, (T*)a->dv, (const T*)NULL, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups,
+            s.d, s.rot);
     else
         attention_merge_head_grads_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(
             dqkv, dq, (T*)a->dk, (T*)a->dv, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
@@ -2304,10 +2372,10 @@ static void model_forward(mt_trainer* t, float grad_scale) {
     for (int l = 0; l < s.L; l++) {
         auto [x, ln1, qkv, probs, attn, mid, ln2, fc1, act, out] = layer_activations<T>(a, s, l);
 
-        /* attention block: ln1 = norm1(x) is already there */
-        linear_forward<T>(g, qkv, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), param_ptr<T>(t, MT_P_QKV_BIAS, l), s.BT, s.h,
-                          s.qkv_width);
-        split_qkv<T>(t, qkv);
+        /* attention block: ln1 = norm1(x) is already there; qkv is kept without its bias, which the
+         * split adds (here and when the backward splits again) */
+        linear_forward<T>(g, qkv, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), (const T*)NULL, s.BT, s.h, s.qkv_width);
+        split_qkv<T>(t, qkv, param_ptr<T>(t, MT_P_QKV_BIAS, l));
         attention_core_forward<T>(t, probs, a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL);
         merge_heads<T>(t, attn, (T*)a->o);
         linear_forward<T>(g, (T*)a->branch, attn, param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), (const T*)NULL, s.BT,
@@ -2391,7 +2459,7 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
         linear_backward<T>(g, cs, (T*)a->branch2, grad_ptr(t, MT_P_PROJ_WEIGHT, l), grad_ptr(t, MT_P_PROJ_BIAS, l), dres,
                            attn, param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), s.BT, s.attn_width, s.h);
         split_heads_of<T>(t, (T*)a->o, (T*)a->branch2);
-        split_qkv<T>(t, qkv);
+        split_qkv<T>(t, qkv, param_ptr<T>(t, MT_P_QKV_BIAS, l));
         T* dq = attention_core_backward<T>(t, probs, attn, a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL);
         merge_qkv_grads<T>(t, (T*)a->branch, dq);
         linear_backward<T>(g, cs, (T*)a->branch2, grad_ptr(t, MT_P_QKV_WEIGHT, l), grad_ptr(t, MT_P_QKV_BIAS, l),
