@@ -817,54 +817,31 @@ __global__ void attention_qkv_permute_vec_kernel(T* qkv, T* q, T* k, T* v, const
     store16(dst, x);
 }
 
-/* [B, heads, T, d] <-> [B, T, heads*d] */
-template <typename T>
-__global__ void attention_merge_heads_kernel(T* out, const T* in, int B, int seq, int heads, int d) {
+/* [B, heads, T, d] <-> [B, T, heads*d]: the attention output into rows (TO_ROWS), or a gradient in
+ * rows back into heads. One thread per element of the rows layout (scalar) or per 16-byte vector
+ * (vec: d a multiple of the vector width); reads or writes of the heads side are the strided ones. */
+__device__ __forceinline__ int64_t heads_index(int64_t rows_index, int B, int seq, int heads, int d) {
+    int e = (int)(rows_index % d);
+    int h = (int)((rows_index / d) % heads);
+    int64_t bt = rows_index / ((int64_t)d * heads);
+    int b = (int)(bt / seq), t = (int)(bt % seq);
+    return (((int64_t)b * heads + h) * seq + t) * d + e;
+}
+template <typename T, bool TO_ROWS>
+__global__ void attention_heads_permute_kernel(T* out, const T* in, int B, int seq, int heads, int d) {
     int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (int64_t)B * heads * seq * d) return;
-    int e = (int)(idx % d);
-    int h = (int)((idx / d) % heads);
-    int t = (int)((idx / ((int64_t)d * heads)) % seq);
-    int b = (int)(idx / ((int64_t)d * heads * seq));
-    out[idx] = in[(((int64_t)b * heads + h) * seq + t) * d + e];
+    int64_t other = heads_index(idx, B, seq, heads, d);
+    if (TO_ROWS) out[idx] = in[other];
+    else out[other] = in[idx];
 }
-template <typename T>
-__global__ void attention_split_grad_kernel(T* out, const T* in, int B, int seq, int heads, int d) {
-    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; /* over out [B, heads, T, d] */
-    if (idx >= (int64_t)B * heads * seq * d) return;
-    int e = (int)(idx % d);
-    int t = (int)((idx / d) % seq);
-    int h = (int)((idx / ((int64_t)d * seq)) % heads);
-    int b = (int)(idx / ((int64_t)d * seq * heads));
-    out[idx] = in[(((int64_t)b * seq + t) * heads + h) * d + e];
-}
-
-/* The same two permutes moving 16-byte vectors (d a multiple of the vector width): index math once
- * per vector instead of per element, full-width loads and stores. `i` indexes vectors of the output. */
-template <typename T>
-__global__ void attention_merge_heads_vec_kernel(T* out, const T* in, int B, int seq, int heads, int d) {
+template <typename T, bool TO_ROWS>
+__global__ void attention_heads_permute_vec_kernel(T* out, const T* in, int B, int seq, int heads, int d) {
     constexpr int V = vec16<T>::N;
-    int dv = d / V;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; /* over out [B, T, heads, d] */
-    if (i >= (int64_t)B * heads * seq * dv) return;
-    int e = (int)(i % dv) * V;
-    int h = (int)((i / dv) % heads);
-    int t = (int)((i / ((int64_t)dv * heads)) % seq);
-    int b = (int)(i / ((int64_t)dv * heads * seq));
-    reinterpret_cast<int4*>(out)[i] = *reinterpret_cast<const int4*>(in + (((int64_t)b * heads + h) * seq + t) * d + e);
-}
-
-template <typename T>
-__global__ void attention_split_grad_vec_kernel(T* out, const T* in, int B, int seq, int heads, int d) {
-    constexpr int V = vec16<T>::N;
-    int dv = d / V;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; /* over out [B, heads, T, d] */
-    if (i >= (int64_t)B * heads * seq * dv) return;
-    int e = (int)(i % dv) * V;
-    int t = (int)((i / dv) % seq);
-    int h = (int)((i / ((int64_t)dv * seq)) % heads);
-    int b = (int)(i / ((int64_t)dv * seq * heads));
-    reinterpret_cast<int4*>(out)[i] = *reinterpret_cast<const int4*>(in + (((int64_t)b * seq + t) * heads + h) * d + e);
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)B * heads * seq * (d / V)) return;
+    int64_t rows = i * V, other = heads_index(rows, B, seq, heads, d);
+    *reinterpret_cast<int4*>(out + (TO_ROWS ? rows : other)) = *reinterpret_cast<const int4*>(in + (TO_ROWS ? other : rows));
 }
 
 /* Causal softmax in place over rows of scores [B*heads, T, T]: p = softmax(scale * s) over k <= q,
@@ -2110,6 +2087,7 @@ struct mt_trainer {
     int gather_pending;       /* parameter all-gathers of the last step still in flight */
     cudaEvent_t compute_done, comm_done;
     cudaEvent_t* gathered;    /* [num_buckets]: bucket b's parameters all-gathered */
+    int* first_bucket_of_layer; /* [L + 2]: see first_bucket_of_layers */
     size_t state_bytes_measured; /* device memory taken by params, grads, master, Adam (cudaMemGetInfo) */
     mt_activations act;
     void* arena;              /* activations + scratch, one allocation */
@@ -2243,26 +2221,17 @@ static void merge_qkv_grads(mt_trainer* t, T* dqkv, T* dq) {
             dqkv, dq, (T*)a->dk, (T*)a->dv, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
     LAUNCH_CHECK(&t->error);
 }
+/* [B, heads, T, d] <-> [BT, heads*d] (to_rows: the first into the second) */
 template <typename T>
-static void merge_heads(mt_trainer* t, T* out, const T* in) { /* [B, heads, T, d] -> [BT, heads*d] */
+static void permute_heads(mt_trainer* t, T* out, const T* in, bool to_rows) {
     mt_shape s = model_shape(t);
     int64_t n = (int64_t)s.B * s.heads * s.S * s.d;
-    if (s.d % vec16<T>::N == 0)
-        attention_merge_heads_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(out, in, s.B, s.S,
-                                                                                                 s.heads, s.d);
-    else
-        attention_merge_heads_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(out, in, s.B, s.S, s.heads, s.d);
-    LAUNCH_CHECK(&t->error);
-}
-template <typename T>
-static void split_heads_of(mt_trainer* t, T* out, const T* in) { /* [BT, heads*d] -> [B, heads, T, d] */
-    mt_shape s = model_shape(t);
-    int64_t n = (int64_t)s.B * s.heads * s.S * s.d;
-    if (s.d % vec16<T>::N == 0)
-        attention_split_grad_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(out, in, s.B, s.S,
-                                                                                                s.heads, s.d);
-    else
-        attention_split_grad_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(out, in, s.B, s.S, s.heads, s.d);
+    bool vec = s.d % vec16<T>::N == 0;
+    int blocks = ceil_div(vec ? n / vec16<T>::N : n, 256);
+    if (vec && to_rows) attention_heads_permute_vec_kernel<T, true><<<blocks, 256, 0, t->stream>>>(out, in, s.B, s.S, s.heads, s.d);
+    else if (vec) attention_heads_permute_vec_kernel<T, false><<<blocks, 256, 0, t->stream>>>(out, in, s.B, s.S, s.heads, s.d);
+    else if (to_rows) attention_heads_permute_kernel<T, true><<<blocks, 256, 0, t->stream>>>(out, in, s.B, s.S, s.heads, s.d);
+    else attention_heads_permute_kernel<T, false><<<blocks, 256, 0, t->stream>>>(out, in, s.B, s.S, s.heads, s.d);
     LAUNCH_CHECK(&t->error);
 }
 
@@ -2304,7 +2273,7 @@ static T* attention_core_backward(mt_trainer* t, T* probs, const T* attn, const 
     mt_gemm_context* g = &t->gemm;
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
-            split_heads_of<T>(t, (T*)a->o_saved, attn);
+            permute_heads<T>(t, (T*)a->o_saved, attn, false);
             CUDA_CHECK(&t->error, flash_attention_backward((bf16*)a->dq, (bf16*)a->dk, (bf16*)a->dv, a->dsum,
                                                            (const bf16*)a->o, (const bf16*)a->q, (const bf16*)a->k,
                                                            (const bf16*)a->v, (const bf16*)a->o_saved, lse, s.B,
@@ -2377,7 +2346,7 @@ static void model_forward(mt_trainer* t, float grad_scale) {
         linear_forward<T>(g, qkv, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), (const T*)NULL, s.BT, s.h, s.qkv_width);
         split_qkv<T>(t, qkv, param_ptr<T>(t, MT_P_QKV_BIAS, l));
         attention_core_forward<T>(t, probs, a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL);
-        merge_heads<T>(t, attn, (T*)a->o);
+        permute_heads<T>(t, attn, (T*)a->o, true);
         linear_forward<T>(g, (T*)a->branch, attn, param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), (const T*)NULL, s.BT,
                           s.attn_width, s.h);
         /* mid = x + proj + bias; ln2 = norm2(mid) */
@@ -2393,13 +2362,15 @@ static void model_forward(mt_trainer* t, float grad_scale) {
             bias_gelu<T>(g, fc1, act, param_ptr<T>(t, MT_P_FC1_BIAS, l), s.BT, s.f);
         linear_forward<T>(g, (T*)a->branch, act, param_ptr<T>(t, MT_P_FC2_WEIGHT, l), (const T*)NULL, s.BT, s.f, s.h);
         /* out = mid + fc2 + bias; then the next norm: layer l+1's first, or the final norm */
-        bool last = l == s.L - 1;
         wait_for_parameters(t, l + 1);
-        residual_norm_forward<T>(
-            g, out, last ? (T*)a->lnf : LAYER(a->ln1, T, l + 1, BTh), last ? a->lnf_mean : a->ln1_mean + (int64_t)(l + 1) * s.BT,
-            last ? a->lnf_rstd : a->ln1_rstd + (int64_t)(l + 1) * s.BT, mid, (T*)a->branch,
-            param_ptr<T>(t, MT_P_FC2_BIAS, l), last ? param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT) : param_ptr<T>(t, MT_P_LN1_WEIGHT, l + 1),
-            last ? param_ptr<T>(t, MT_P_FINAL_LN_BIAS) : param_ptr<T>(t, MT_P_LN1_BIAS, l + 1), s.BT, s.h, eps, s.rms);
+        bool last = l == s.L - 1;
+        T* next_norm = last ? (T*)a->lnf : LAYER(a->ln1, T, l + 1, BTh);
+        float* next_mean = last ? a->lnf_mean : a->ln1_mean + (int64_t)(l + 1) * s.BT;
+        float* next_rstd = last ? a->lnf_rstd : a->ln1_rstd + (int64_t)(l + 1) * s.BT;
+        const T* next_w = last ? param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT) : param_ptr<T>(t, MT_P_LN1_WEIGHT, l + 1);
+        const T* next_b = last ? param_ptr<T>(t, MT_P_FINAL_LN_BIAS) : param_ptr<T>(t, MT_P_LN1_BIAS, l + 1);
+        residual_norm_forward<T>(g, out, next_norm, next_mean, next_rstd, mid, (T*)a->branch,
+                                 param_ptr<T>(t, MT_P_FC2_BIAS, l), next_w, next_b, s.BT, s.h, eps, s.rms);
     }
 
     /* output layer (tied to the word embeddings, or untied), cross entropy */
@@ -2458,7 +2429,7 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
         /* attention block: dres is now d(mid) */
         linear_backward<T>(g, cs, (T*)a->branch2, grad_ptr(t, MT_P_PROJ_WEIGHT, l), grad_ptr(t, MT_P_PROJ_BIAS, l), dres,
                            attn, param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), s.BT, s.attn_width, s.h);
-        split_heads_of<T>(t, (T*)a->o, (T*)a->branch2);
+        permute_heads<T>(t, (T*)a->o, (T*)a->branch2, false);
         split_qkv<T>(t, qkv, param_ptr<T>(t, MT_P_QKV_BIAS, l));
         T* dq = attention_core_backward<T>(t, probs, attn, a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL);
         merge_qkv_grads<T>(t, (T*)a->branch, dq);
@@ -2708,20 +2679,27 @@ static void gather_parameters(mt_trainer* t) {
 
 static void wait_for_parameters(mt_trainer* t, int layer) {
     if (!t->gather_pending) return;
-    const mt_buffer_layout* B = &t->buffer;
-    /* gathers were issued from the last bucket down: waiting for the lowest bucket holding any of
-     * this layer's parameters covers all of them. Layer -1: the embeddings; L: final norm and output. */
-    int b = 0;
-    if (layer < B->num_layers) {
-        b = B->num_buckets - 1;
-        for (int k = 0; k < B->num_params; k++) {
-            const mt_buffer_param* p = &B->params[k];
-            int owner = p->tensor <= MT_P_POSITION_EMBEDDINGS ? -1 : p->layer; /* layer -1: the embeddings */
-            if (p->tensor < MT_P_FINAL_LN_WEIGHT && owner == (layer < 0 ? -1 : layer) && p->bucket < b) b = p->bucket;
-        }
-    }
+    int b = t->first_bucket_of_layer[layer + 1];
     CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, t->gathered[b], 0));
     if (b == 0) t->gather_pending = 0;
+}
+
+/* For wait_for_parameters, computed once: the lowest bucket holding a parameter of each layer
+ * (gathers are issued from the last bucket down, so waiting for it covers the whole layer). Index
+ * layer + 1: 0 the embeddings, L + 1 the final norm and output layer (always bucket 0). */
+static int* first_bucket_of_layers(const mt_buffer_layout* B) {
+    int L = B->num_layers;
+    int* first = (int*)malloc(sizeof(int) * (size_t)(L + 2));
+    if (!first) return NULL;
+    for (int l = 0; l <= L; l++) first[l] = B->num_buckets - 1;
+    first[L + 1] = 0;
+    for (int k = 0; k < B->num_params; k++) {
+        const mt_buffer_param* p = &B->params[k];
+        if (p->tensor >= MT_P_FINAL_LN_WEIGHT) continue;
+        int slot = p->tensor <= MT_P_POSITION_EMBEDDINGS ? 0 : p->layer + 1;
+        if (p->bucket < first[slot]) first[slot] = p->bucket;
+    }
+    return first;
 }
 
 static void wait_for_all_parameters(mt_trainer* t) {
@@ -3013,33 +2991,33 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
         return mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
     if (h[MT_CK_MAGIC] != MT_CKPT_MAGIC || h[MT_CK_VERSION] != MT_CKPT_VERSION)
         return mt_fail(err, MT_ERR_FORMAT, "%s is not a megatron.c checkpoint (bad magic or version)", path);
-    const mt_config* c = &t->cfg;
     int64_t expected[MT_CK_HEADER_WORDS];
-    mt_checkpoint_header_init(expected, c);
-    struct { int word; int64_t mine; const char* what; } shape[] = {
-        {MT_CK_LAYERS, c->num_layers, "--num-layers"},
-        {MT_CK_HIDDEN, c->hidden_size, "--hidden-size"},
-        {MT_CK_HEADS, c->num_attention_heads, "--num-attention-heads"},
-        {MT_CK_GROUPS, c->num_query_groups, "--num-query-groups"},
-        {MT_CK_KV, c->kv_channels, "--kv-channels"},
-        {MT_CK_FFN, c->ffn_hidden_size, "--ffn-hidden-size"},
-        {MT_CK_VOCAB, c->padded_vocab_size, "padded vocabulary size"},
-        {MT_CK_POSITIONS, c->max_position_embeddings, "--max-position-embeddings"},
-        {MT_CK_TP, c->tensor_model_parallel_size, "--tensor-model-parallel-size"},
-        {MT_CK_PP, c->pipeline_model_parallel_size, "--pipeline-model-parallel-size"},
-        {MT_CK_NORMALIZATION, expected[MT_CK_NORMALIZATION], "--normalization (0 LayerNorm, 1 RMSNorm)"},
-        {MT_CK_SWIGLU, expected[MT_CK_SWIGLU], "--swiglu"},
-        {MT_CK_POSITION_TYPE, expected[MT_CK_POSITION_TYPE], "--position-embedding-type (0 learned_absolute, 1 rope)"},
-        {MT_CK_ROTARY_BASE_BITS, expected[MT_CK_ROTARY_BASE_BITS], "--rotary-base (bits)"},
-        {MT_CK_ROTARY_PERCENT_BITS, expected[MT_CK_ROTARY_PERCENT_BITS], "--rotary-percent (bits)"},
-        {MT_CK_ROPE_SCALING_FACTOR_BITS, expected[MT_CK_ROPE_SCALING_FACTOR_BITS], "--rope-scaling-factor (bits)"},
-        {MT_CK_UNTIED, expected[MT_CK_UNTIED], "--untie-embeddings-and-output-weights"},
-        {MT_CK_NO_BIAS_LINEAR, expected[MT_CK_NO_BIAS_LINEAR], "--disable-bias-linear"},
+    mt_checkpoint_header_init(expected, &t->cfg);
+    /* every word that describes the model (shape, flavour, parallel layout) must be this run's */
+    struct { int word; const char* what; } shape[] = {
+        {MT_CK_LAYERS, "--num-layers"},
+        {MT_CK_HIDDEN, "--hidden-size"},
+        {MT_CK_HEADS, "--num-attention-heads"},
+        {MT_CK_GROUPS, "--num-query-groups"},
+        {MT_CK_KV, "--kv-channels"},
+        {MT_CK_FFN, "--ffn-hidden-size"},
+        {MT_CK_VOCAB, "padded vocabulary size"},
+        {MT_CK_POSITIONS, "--max-position-embeddings"},
+        {MT_CK_TP, "--tensor-model-parallel-size"},
+        {MT_CK_PP, "--pipeline-model-parallel-size"},
+        {MT_CK_NORMALIZATION, "--normalization (0 LayerNorm, 1 RMSNorm)"},
+        {MT_CK_SWIGLU, "--swiglu"},
+        {MT_CK_POSITION_TYPE, "--position-embedding-type (0 learned_absolute, 1 rope)"},
+        {MT_CK_ROTARY_BASE_BITS, "--rotary-base (bits)"},
+        {MT_CK_ROTARY_PERCENT_BITS, "--rotary-percent (bits)"},
+        {MT_CK_ROPE_SCALING_FACTOR_BITS, "--rope-scaling-factor (bits)"},
+        {MT_CK_UNTIED, "--untie-embeddings-and-output-weights"},
+        {MT_CK_NO_BIAS_LINEAR, "--disable-bias-linear"},
     };
     for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++)
-        if (h[shape[i].word] != shape[i].mine)
+        if (h[shape[i].word] != expected[shape[i].word])
             return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has %s %lld but this run has %lld", path, shape[i].what,
-                           (long long)h[shape[i].word], (long long)shape[i].mine);
+                           (long long)h[shape[i].word], (long long)expected[shape[i].word]);
     int64_t sharded = h[MT_CK_SHARDED_DP], mine = t->sharded ? t->groups.dp_size : 0;
     if (sharded != 0 && sharded != mine)
         return mt_fail(err, MT_ERR_CONFIG,
@@ -3354,6 +3332,11 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->compute_done, cudaEventDisableTiming));
     CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->comm_done, cudaEventDisableTiming));
     t->gathered = (cudaEvent_t*)calloc((size_t)t->buffer.num_buckets, sizeof(cudaEvent_t));
+    t->first_bucket_of_layer = first_bucket_of_layers(&t->buffer);
+    if (!t->first_bucket_of_layer || !t->gathered) {
+        mt_trainer_free(t);
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate the trainer's bucket tables");
+    }
     for (int b = 0; t->gathered && b < t->buffer.num_buckets; b++)
         CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->gathered[b], cudaEventDisableTiming));
     CUBLAS_CHECK(&t->error, cublasCreate(&t->cublas));
@@ -3438,6 +3421,7 @@ void mt_trainer_free(mt_trainer* t) {
     for (int b = 0; t->gathered && b < t->buffer.num_buckets; b++)
         if (t->gathered[b]) cudaEventDestroy(t->gathered[b]);
     free(t->gathered);
+    free(t->first_bucket_of_layer);
     if (t->compute_done) cudaEventDestroy(t->compute_done);
     if (t->comm_done) cudaEventDestroy(t->comm_done);
     process_groups_free(&t->groups);
