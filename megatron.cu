@@ -182,13 +182,15 @@ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-/* out[j] = the value of element first + j of tensor tensor_id (0, 1, or normal(0, std)). */
-__global__ void init_param_kernel(float* out, int64_t n, int64_t first, int mode, float std, uint64_t seed,
-                                  uint64_t tensor_id) {
+/* out[j] = the value of element i of tensor tensor_id (0, 1, or normal(0, std)), where element j of
+ * this tensor-parallel rank's slice is element i = first + mt_tp_full_index(j, ...) of the full
+ * tensor (megatron.h): the slice holds rows [row0, row0 + rows) of rows_full, each of `inner`. */
+__global__ void init_param_kernel(float* out, int64_t n, int64_t first, int64_t rows, int64_t inner, int64_t rows_full,
+                                  int64_t row0, int mode, float std, uint64_t seed, uint64_t tensor_id) {
     int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= n) return;
     out += j;
-    int64_t i = first + j;
+    int64_t i = first + mt_tp_full_index(j, rows, inner, rows_full, row0);
     if (mode == 0) { out[0] = 0.0f; return; }
     if (mode == 1) { out[0] = 1.0f; return; }
     uint64_t r1 = splitmix64(seed ^ splitmix64((tensor_id << 48) ^ (uint64_t)(2 * i)));
@@ -210,17 +212,20 @@ __global__ void cast_to_float_kernel(float* dst, const T* src, int64_t n) {
     if (i < n) dst[i] = to_float<T>(src[i]);
 }
 
-/* ---- 2.2 Embedding: x[b,t,:] = word[token] + position[t] (no position table with RoPE: wpe NULL). ---- */
+/* ---- 2.2 Embedding: x[b,t,:] = word[token] + position[t] (no position table with RoPE: wpe NULL).
+ *      Vocab-parallel: wte holds rows [vocab_start, vocab_start + vocab_rows); a token outside them
+ *      contributes zeros, and the sum over the tensor-parallel ranks completes the lookup. ---- */
 
 template <typename T>
 __global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T* wte, const T* wpe, int BT, int seq,
-                                         int C) {
+                                         int C, int64_t vocab_start, int64_t vocab_rows) {
     int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (int64_t)BT * C) return;
     int bt = (int)(idx / C), c = (int)(idx % C);
     int t = bt % seq;
-    int64_t tok = tokens[bt];
-    out[idx] = from_float<T>(to_float(wte[tok * C + c]) + (wpe ? to_float(wpe[(int64_t)t * C + c]) : 0.0f));
+    int64_t tok = tokens[bt] - vocab_start;
+    float word = tok >= 0 && tok < vocab_rows ? to_float(wte[tok * C + c]) : 0.0f;
+    out[idx] = from_float<T>(word + (wpe ? to_float(wpe[(int64_t)t * C + c]) : 0.0f));
 }
 
 /* Position-embedding gradient: dwpe[t,c] += sum over the batch, in batch order. */
@@ -237,9 +242,10 @@ __global__ void position_embedding_backward_kernel(float* dwpe, const T* dout, i
  * positions in increasing order (index built on the host), so no atomics are needed. */
 template <typename T>
 __global__ void word_embedding_backward_kernel(float* dwte, const T* dout, const int32_t* unique_tokens,
-                                               const int32_t* offsets, const int32_t* positions, int C) {
+                                               const int32_t* offsets, const int32_t* positions, int C,
+                                               int64_t vocab_start) {
     int u = blockIdx.x;
-    int64_t tok = unique_tokens[u];
+    int64_t tok = unique_tokens[u] - vocab_start;
     int begin = offsets[u], end = offsets[u + 1];
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         float s = 0.0f;
@@ -1637,14 +1643,11 @@ __global__ void cross_entropy_kernel(T* logits, float* losses, const int32_t* ta
     }
 }
 
-/* The same with 16-byte loads and an online softmax: one pass finds each thread's running max and
- * its rescaled sum of exponentials, the block combines them in a fixed order, a second pass writes
- * the gradient (two reads of the logits instead of three). V must be a multiple of the vector width. */
+/* One row's online softmax with 16-byte loads: each thread keeps a running max and its rescaled sum
+ * of exponentials, the block combines them in a fixed order. Returns (max, sum of exp(x - max)). */
 template <typename T>
-__global__ void cross_entropy_vec_kernel(T* logits, float* losses, const int32_t* targets, int V, float grad_scale) {
+__device__ __forceinline__ float2 row_softmax_stats(const T* x, int V) {
     constexpr int W = vec16<T>::N;
-    int64_t row = blockIdx.x;
-    T* x = logits + row * V;
     float v[W];
     float mx = -INFINITY, sum = 0.0f;
     for (int i = threadIdx.x * W; i < V; i += blockDim.x * W) {
@@ -1661,7 +1664,20 @@ __global__ void cross_entropy_vec_kernel(T* logits, float* losses, const int32_t
     }
     float block_mx = block_max(mx);
     sum = mx == -INFINITY ? 0.0f : sum * expf(mx - block_mx);
-    float lse = block_mx + logf(block_sum(sum));
+    return make_float2(block_mx, block_sum(sum));
+}
+
+/* The same with 16-byte loads and an online softmax: one pass for the statistics, a second pass
+ * writes the gradient (two reads of the logits instead of three). V must be a multiple of the
+ * vector width. */
+template <typename T>
+__global__ void cross_entropy_vec_kernel(T* logits, float* losses, const int32_t* targets, int V, float grad_scale) {
+    constexpr int W = vec16<T>::N;
+    int64_t row = blockIdx.x;
+    T* x = logits + row * V;
+    float v[W];
+    float2 stats = row_softmax_stats(x, V);
+    float lse = stats.x + logf(stats.y);
     int target = targets[row];
     float target_logit = to_float(x[target]);
     if (threadIdx.x == 0) losses[row] = lse - target_logit;
@@ -1676,6 +1692,51 @@ __global__ void cross_entropy_vec_kernel(T* logits, float* losses, const int32_t
     }
 }
 
+/* Vocab-parallel cross entropy (Megatron's VocabParallelCrossEntropy, in fp32): each tensor-parallel
+ * rank holds the logits of vocabulary columns [vocab_start, vocab_start + V). Pass 1 writes its
+ * partial statistics per row: (max, sum of exp(x - max), the target's logit if it is one of this
+ * rank's columns, else 0), stats [BT, 3]. The ranks all-gather them; pass 2 combines the TP ranks'
+ * statistics in rank order (the same on every rank), writes the loss and the gradient in place. */
+template <typename T>
+__global__ void cross_entropy_partial_kernel(float* stats, const T* logits, const int32_t* targets, int V,
+                                             int64_t vocab_start) {
+    int64_t row = blockIdx.x;
+    const T* x = logits + row * V;
+    float2 st = row_softmax_stats(x, V);
+    if (threadIdx.x == 0) {
+        int64_t target = targets[row] - vocab_start;
+        stats[row * 3 + 0] = st.x;
+        stats[row * 3 + 1] = st.y;
+        stats[row * 3 + 2] = target >= 0 && target < V ? to_float(x[target]) : 0.0f;
+    }
+}
+/* stats: [tp, BT, 3] (every rank's pass-1 output). */
+template <typename T>
+__global__ void cross_entropy_combine_kernel(T* logits, float* losses, const float* stats, int tp, int BT,
+                                             const int32_t* targets, int V, int64_t vocab_start, float grad_scale) {
+    constexpr int W = vec16<T>::N;
+    int64_t row = blockIdx.x;
+    float mx = -INFINITY, sum = 0.0f, target_logit = 0.0f;
+    for (int r = 0; r < tp; r++) mx = fmaxf(mx, stats[((int64_t)r * BT + row) * 3]);
+    for (int r = 0; r < tp; r++) {
+        const float* p = stats + ((int64_t)r * BT + row) * 3;
+        if (p[1] > 0.0f) sum += p[1] * expf(p[0] - mx);
+        target_logit += p[2];
+    }
+    float lse = mx + logf(sum);
+    if (threadIdx.x == 0) losses[row] = lse - target_logit;
+    if (grad_scale == 0.0f) return;
+    T* x = logits + row * V;
+    int64_t target = targets[row] - vocab_start;
+    float v[W];
+    for (int i = threadIdx.x * W; i < V; i += blockDim.x * W) {
+        load16(v, x + i);
+#pragma unroll
+        for (int k = 0; k < W; k++) v[k] = (expf(v[k] - lse) - (i + k == target ? 1.0f : 0.0f)) * grad_scale;
+        store16(x + i, v);
+    }
+}
+
 /* ---- 2.9 Gradient norm: fixed grid of partial sums in double, then one block in fixed order. ---- */
 
 /* A piece of the optimizer's work: `length` elements of one parameter, at `buffer` in the
@@ -1685,6 +1746,8 @@ typedef struct {
     int64_t master;
     int32_t length;
     int32_t weight_decay;
+    int32_t count_in_norm; /* 0 for a tensor-parallel replica's copy of a whole tensor (counted on TP rank 0) */
+    int32_t unused;
 } mt_opt_chunk;
 #define OPT_CHUNK_ELEMENTS 32768
 
@@ -1693,6 +1756,7 @@ __global__ void chunk_sum_squares_kernel(double* partial, const mt_opt_chunk* ch
     __shared__ double shared[256];
     mt_opt_chunk c = chunks[blockIdx.x];
     double s = 0.0;
+    if (!c.count_in_norm) c.length = 0;
     for (int i = threadIdx.x; i < c.length; i += blockDim.x) {
         double v = x[c.buffer + i];
         s += v * v;
@@ -1778,18 +1842,22 @@ static void gemm(mt_gemm_context* g, bool transA, bool transB, int M, int N, int
 
 /* ============================================================================================== */
 /* 4. Process groups                                                                               */
-/*    Megatron's rank layout (megatron.h: tp-cp-ep-dp-pp) gives each rank its coordinates. The     */
-/*    data-parallel group is an NCCL communicator over the ranks that hold the same model shard;   */
-/*    its collectives run on their own stream so they overlap the compute stream. Tensor and       */
-/*    pipeline groups have size 1 in this build.                                                    */
+/*    Megatron's rank layout (megatron.h: tp-cp-ep-dp-pp) gives each rank its coordinates. One     */
+/*    NCCL communicator spans the job; it is split into the tensor-parallel group (the TP ranks   */
+/*    of one model replica, contiguous ranks) and the data-parallel group (the ranks that hold    */
+/*    the same shard, stride TP). Each group's collectives run on a stream of their own: TP       */
+/*    collectives sit on the model's critical path, DP reductions overlap the backward.          */
 /* ============================================================================================== */
 
 typedef struct {
     int tp_size, tp_rank;
     int pp_size, pp_rank;
     int dp_size, dp_rank;
-    ncclComm_t dp;              /* the data-parallel communicator; NULL when dp_size == 1 */
-    cudaStream_t comm_stream;   /* DP collectives */
+    ncclComm_t world;           /* every rank; NULL in a one-process job */
+    ncclComm_t tp;              /* the tensor-parallel group; NULL when tp_size == 1 */
+    ncclComm_t dp;              /* the data-parallel group; NULL when dp_size == 1 */
+    cudaStream_t comm_stream;   /* DP collectives (and the world's) */
+    cudaStream_t tp_stream;     /* TP collectives */
 } mt_process_groups;
 
 mt_status mt_comm_id_create(mt_comm_id* id, mt_error* err) {
@@ -1811,28 +1879,82 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, mt_g
     g->pp_rank = me.pp;
     g->dp_rank = me.dp;
     if (!mt_cuda_ok(e, cudaStreamCreateWithFlags(&g->comm_stream, cudaStreamNonBlocking), "comm stream", __FILE__,
+                    __LINE__) ||
+        !mt_cuda_ok(e, cudaStreamCreateWithFlags(&g->tp_stream, cudaStreamNonBlocking), "tp stream", __FILE__,
                     __LINE__))
         return;
-    if (g->dp_size == 1) return;
-    /* with tp = pp = 1 the data-parallel group is the whole world, in rank order */
+    if (c->world_size == 1) return;
     ncclUniqueId id;
     memcpy(&id, c->comm_id.internal, sizeof(id));
-    NCCL_CHECK(e, c->rank, ncclCommInitRank(&g->dp, c->world_size, id, c->rank));
+    if (!NCCL_CHECK(e, c->rank, ncclCommInitRank(&g->world, c->world_size, id, c->rank))) return;
+    /* the split is collective over the world: every rank takes part in both (sizes are uniform);
+     * colour = the coordinates the group's members share, key = the coordinate that orders them */
+    if (g->tp_size > 1)
+        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.dp + g->dp_size * me.pp, me.tp, &g->tp, NULL));
+    if (g->dp_size > 1)
+        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.tp + g->tp_size * me.pp, me.dp, &g->dp, NULL));
 }
 
 static void process_groups_free(mt_process_groups* g) {
+    if (g->tp) ncclCommDestroy(g->tp);
     if (g->dp) ncclCommDestroy(g->dp);
+    if (g->world) ncclCommDestroy(g->world);
     if (g->comm_stream) cudaStreamDestroy(g->comm_stream);
+    if (g->tp_stream) cudaStreamDestroy(g->tp_stream);
     memset(g, 0, sizeof(*g));
 }
 
 
 /* ============================================================================================== */
 /* 5. Parallel layers                                                                              */
-/*    linear_forward/backward are the column- and row-parallel linears of Megatron with a tensor-  */
-/*    parallel group of one: y = x W^T + b, W stored [out, in]. Weight and bias gradients are     */
-/*    accumulated in fp32.                                                                        */
+/*    linear_forward/backward: y = x W^T + b, W stored [out, in], weight and bias gradients        */
+/*    accumulated in fp32. Megatron's tensor parallelism around them: a column-parallel linear    */
+/*    holds rows of W (its output columns) and needs the whole input; a row-parallel linear holds  */
+/*    columns of W and produces partial sums, added over the TP group. Without sequence            */
+/*    parallelism the input is whole on every rank and the sums are all-reduced; with it, the     */
+/*    regions between (norms, residuals) hold R = BT/TP rows per rank: an all-gather before each   */
+/*    column-parallel linear and a reduce-scatter after each row-parallel one replace the         */
+/*    all-reduce (and swap roles in the backward). At TP = 1 every collective vanishes and these  */
+/*    are the plain linears.                                                                       */
 /* ============================================================================================== */
+
+/* The tensor-parallel group as the model uses it: collectives of activations in the model type, on
+ * the TP stream after the compute stream's work so far; the compute stream waits for them with
+ * tp_join (everything issued) or tp_join_mark (up to the last tp_mark). */
+typedef struct {
+    ncclComm_t comm;
+    int size, rank, sp;
+    ncclDataType_t type;
+    cudaStream_t compute, stream;
+    cudaEvent_t issued, marked, done;
+    int world_rank;
+    mt_gpu_error* error;
+} mt_tp_group;
+
+static void tp_after_compute(mt_tp_group* tp) {
+    CUDA_CHECK(tp->error, cudaEventRecord(tp->issued, tp->compute));
+    CUDA_CHECK(tp->error, cudaStreamWaitEvent(tp->stream, tp->issued, 0));
+}
+static void tp_all_reduce(mt_tp_group* tp, void* x, size_t n) {
+    tp_after_compute(tp);
+    NCCL_CHECK(tp->error, tp->world_rank, ncclAllReduce(x, x, n, tp->type, ncclSum, tp->comm, tp->stream));
+}
+/* shard [n_shard] = this rank's part of the sum of full [size * n_shard] over the group */
+static void tp_reduce_scatter(mt_tp_group* tp, void* shard, const void* full, size_t n_shard) {
+    tp_after_compute(tp);
+    NCCL_CHECK(tp->error, tp->world_rank, ncclReduceScatter(full, shard, n_shard, tp->type, ncclSum, tp->comm, tp->stream));
+}
+/* full [size * n_shard] = every rank's shard [n_shard], in rank order */
+static void tp_all_gather(mt_tp_group* tp, void* full, const void* shard, size_t n_shard) {
+    tp_after_compute(tp);
+    NCCL_CHECK(tp->error, tp->world_rank, ncclAllGather(shard, full, n_shard, tp->type, tp->comm, tp->stream));
+}
+static void tp_mark(mt_tp_group* tp) { CUDA_CHECK(tp->error, cudaEventRecord(tp->marked, tp->stream)); }
+static void tp_join_mark(mt_tp_group* tp) { CUDA_CHECK(tp->error, cudaStreamWaitEvent(tp->compute, tp->marked, 0)); }
+static void tp_join(mt_tp_group* tp) {
+    CUDA_CHECK(tp->error, cudaEventRecord(tp->done, tp->stream));
+    CUDA_CHECK(tp->error, cudaStreamWaitEvent(tp->compute, tp->done, 0));
+}
 
 typedef struct {
     float* partial_a; /* [chunks, max_columns] fp32 scratch for column sums */
@@ -1884,6 +2006,66 @@ static void linear_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dx, flo
     if (dx) gemm<T, T>(g, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
     gemm<T, float>(g, true, false, out, in, N, dy, out, x, in, dweight, in, 1.0f, 1.0f);
     if (dbias) column_sum<T>(g, s, dbias, dy, N, out);
+}
+
+/* The whole input [BT, C] of a column-parallel linear: with sequence parallelism this rank's R rows
+ * x [R, C] all-gathered into `gathered`; otherwise x itself. */
+template <typename T>
+static const T* column_parallel_input(mt_tp_group* tp, T* gathered, const T* x, int R, int C) {
+    if (!tp->sp) return x;
+    tp_all_gather(tp, gathered, x, (size_t)R * C);
+    tp_join(tp);
+    return gathered;
+}
+
+/* The output of a row-parallel linear, y [BT, C] partial over TP: all-reduced in place (returns y),
+ * or with sequence parallelism reduce-scattered into this rank's rows [R, C] (returns rows). */
+template <typename T>
+static T* row_parallel_output(mt_tp_group* tp, T* y, T* rows, int BT, int R, int C) {
+    if (tp->size == 1) return y;
+    if (tp->sp) tp_reduce_scatter(tp, rows, y, (size_t)R * C);
+    else tp_all_reduce(tp, y, (size_t)BT * C);
+    tp_join(tp);
+    return tp->sp ? rows : y;
+}
+
+/* Backward of a column-parallel linear y [BT, out] = x W^T (+ b), W this rank's [out, in], whose
+ * input came from x_saved (with sequence parallelism its R rows, gathered again here into
+ * `gathered`). d x is partial over TP: its all-reduce (or reduce-scatter into dx_rows) runs while
+ * the weight gradient is computed. Returns d x: dx [BT, in] whole, or dx_rows [R, in]. */
+template <typename T>
+static T* column_parallel_backward(mt_gemm_context* g, mt_colsum_scratch* s, mt_tp_group* tp, T* dx, T* dx_rows,
+                                   T* gathered, float* dweight, float* dbias, const T* dy, const T* x_saved,
+                                   const T* weight, int BT, int R, int in, int out) {
+    const T* x = x_saved;
+    if (tp->sp) { /* issued first: it overlaps the dgrad GEMM */
+        tp_all_gather(tp, gathered, x_saved, (size_t)R * in);
+        tp_mark(tp);
+        x = gathered;
+    }
+    gemm<T, T>(g, false, false, BT, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
+    if (tp->size > 1) {
+        if (tp->sp) tp_reduce_scatter(tp, dx_rows, dx, (size_t)R * in);
+        else tp_all_reduce(tp, dx, (size_t)BT * in);
+    }
+    if (tp->sp) tp_join_mark(tp); /* the input is gathered; the reduction may still run */
+    gemm<T, float>(g, true, false, out, in, BT, dy, out, x, in, dweight, in, 1.0f, 1.0f);
+    if (dbias) column_sum<T>(g, s, dbias, dy, BT, out);
+    if (tp->size > 1) tp_join(tp);
+    return tp->sp ? dx_rows : dx;
+}
+
+/* Backward of a row-parallel linear y = x W^T (+ b), W this rank's [out, in], x [BT, in], whose
+ * output (after the reduction and the whole bias) fed the region that holds dy_rows [R, out]: with
+ * sequence parallelism gathered to [BT, out] into `gathered` first. The bias gradient sums this
+ * rank's rows (with sequence parallelism a partial sum, completed over TP with the norms'). */
+template <typename T>
+static void row_parallel_backward(mt_gemm_context* g, mt_colsum_scratch* s, mt_tp_group* tp, T* dx, float* dweight,
+                                  float* dbias, const T* dy_rows, T* gathered, const T* x, const T* weight, int BT,
+                                  int R, int in, int out) {
+    const T* dy = column_parallel_input(tp, gathered, dy_rows, R, out);
+    linear_backward<T>(g, s, dx, dweight, (float*)NULL, dy, x, weight, BT, in, out);
+    if (dbias) column_sum<T>(g, s, dbias, dy_rows, R, out);
 }
 
 /* out = norm(x): LayerNorm (w, b) or RMSNorm (w; b NULL, rms) over rows of [N, C]. */
@@ -2004,30 +2186,33 @@ static void norm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dresidual
 /* ============================================================================================== */
 /* 6. The model                                                                                    */
 /*    Parameters: one buffer in Megatron's DDP layout (megatron.h mt_buffer_layout: reverse model  */
-/*    order, buckets); param_ptr(t, tensor, layer) finds a slice. Activations: one arena for one  */
-/*    micro-batch, sized at creation.                                                             */
+/*    order, buckets) of this tensor-parallel rank's shard; param_ptr(t, tensor, layer) finds a   */
+/*    slice. Activations: one arena for one micro-batch, sized at creation. Shapes below are a    */
+/*    rank's: heads, groups, f and V are the full model's divided by TP; the norm and residual    */
+/*    regions hold R rows (BT, or BT/TP with sequence parallelism: the micro-batch's [B*T] rows   */
+/*    cut into TP consecutive blocks, Megatron's [s/tp, b, h] in this codebase's row order).       */
 /* ============================================================================================== */
 
 typedef struct {
     /* saved for backward, per layer l (pointers to layer 0; layer l is + l * stride) */
-    void* residual;      /* [L+1, BT, h]: input of layer l; [L] is the input of the final norm */
-    void* ln1;           /* [L, BT, h] (the first norm's output: LayerNorm or RMSNorm) */
-    float* ln1_mean;     /* [L, BT] */
-    float* ln1_rstd;     /* [L, BT] */
+    void* residual;      /* [L+1, R, h]: input of layer l; [L] is the input of the final norm */
+    void* ln1;           /* [L, R, h] (the first norm's output: LayerNorm or RMSNorm) */
+    float* ln1_mean;     /* [L, R] */
+    float* ln1_rstd;     /* [L, R] */
     void* qkv;           /* [L, BT, qkv_width], before the bias (the split adds it) */
     void* probs;         /* [L, B*heads, T, T] attention probabilities (exact path only) */
     float* lse;          /* [L, B*heads, T] softmax log-sum-exp (flash path only) */
     void* attn_out;      /* [L, BT, heads*d] */
-    void* residual_mid;  /* [L, BT, h]: after the attention residual */
-    void* ln2;           /* [L, BT, h] */
-    float* ln2_mean;     /* [L, BT] */
-    float* ln2_rstd;     /* [L, BT] */
+    void* residual_mid;  /* [L, R, h]: after the attention residual */
+    void* ln2;           /* [L, R, h] */
+    float* ln2_mean;     /* [L, R] */
+    float* ln2_rstd;     /* [L, R] */
     void* fc1;           /* [L, BT, f1]: before the activation (f1 = 2f with SwiGLU: gate | up) */
     void* act;           /* [L, BT, f]: GELU or SwiGLU output */
-    void* lnf;           /* [BT, h] */
-    float* lnf_mean;     /* [BT] */
-    float* lnf_rstd;     /* [BT] */
-    void* logits;        /* [BT, Vp], overwritten by its gradient */
+    void* lnf;           /* [R, h] */
+    float* lnf_mean;     /* [R] */
+    float* lnf_rstd;     /* [R] */
+    void* logits;        /* [BT, V] (this rank's vocabulary columns), overwritten by its gradient */
     /* scratch, reused by every layer */
     void* q;             /* [B, heads, T, d] (q, then dq), rotated with RoPE */
     void* k;             /* [B, groups, T, d] rotated with RoPE */
@@ -2039,10 +2224,15 @@ typedef struct {
     void* dq;            /* [B, heads, T, d] (flash path only) */
     void* o_saved;       /* [B, heads, T, d] the forward's output, re-split for backward (flash path) */
     float* dsum;         /* [B*heads*T] rowsum(dO * O) (flash path) */
-    float* logits_row;   /* [Vp] fp32 staging of one row of logits */
+    float* logits_row;   /* [Vp] fp32 staging of one row of logits (the whole vocabulary) */
     void* branch;        /* [BT, max(h, qkv_width, heads*d, f1)]: a sublayer's output / gradient */
     void* branch2;       /* [BT, same] */
-    void* dresidual;     /* [BT, h] gradient of the residual stream */
+    void* dresidual;     /* [R, h] gradient of the residual stream */
+    /* tensor and sequence parallelism */
+    void* gathered;      /* [BT, h]: a norm's output gathered for a column-parallel linear (SP) */
+    void* gathered_grad; /* [BT, h]: the residual gradient gathered for a row-parallel backward (SP) */
+    void* rows;          /* [R, h]: a row-parallel output or input gradient reduce-scattered (SP) */
+    float* ce_stats;     /* [TP, BT, 3]: every rank's vocab-parallel cross-entropy statistics (TP > 1) */
     int32_t* inputs;     /* [BT] */
     int32_t* targets;    /* [BT] */
     float* losses;       /* [BT] */
@@ -2053,13 +2243,15 @@ struct mt_trainer {
     mt_config cfg;
     mt_gpu_error error;
     mt_process_groups groups;
+    mt_tp_group tp;           /* the tensor-parallel group as the model uses it */
     cudaStream_t stream;
     cublasHandle_t cublas;
     void* cublas_workspace;
     mt_gemm_context gemm;
     mt_colsum_scratch colsum;
-    mt_param_info params_info[MT_NUM_PARAM_TENSORS];
-    int64_t num_params;       /* the model's parameters (canonical count, no padding) */
+    mt_param_info params_info[MT_NUM_PARAM_TENSORS];      /* this TP rank's shard (mt_param_layout_shard) */
+    mt_param_info params_info_full[MT_NUM_PARAM_TENSORS]; /* the full model (mt_param_layout) */
+    int64_t num_params;       /* this TP rank's parameters (canonical count of its shard, no padding) */
     size_t elem;              /* bytes per model element */
     int flash;                /* attention by the flash kernels (bf16, head dim 64/128), else exact */
     float* rope_cos;          /* [T, rot/2] RoPE tables (NULL without RoPE) */
@@ -2085,6 +2277,7 @@ struct mt_trainer {
     int reduce_in_backward;   /* launch bucket reductions from the backward (last micro-batch, overlap) */
     int next_bucket;          /* next bucket to reduce in this step */
     int gather_pending;       /* parameter all-gathers of the last step still in flight */
+    int last_micro_batch;     /* the backward running is the step's last: gradients become final */
     cudaEvent_t compute_done, comm_done;
     cudaEvent_t* gathered;    /* [num_buckets]: bucket b's parameters all-gathered */
     int* first_bucket_of_layer; /* [L + 2]: see first_bucket_of_layers */
@@ -2128,34 +2321,46 @@ static mt_status copy_sync(mt_trainer* t, void* dst, const void* src, size_t byt
 }
 
 /* Shapes used everywhere below. */
+/* One tensor-parallel rank's shapes: heads, groups, widths, f and V are its shares. */
 typedef struct {
     int B, S, BT, h, heads, groups, d, qkv_width, attn_width, f, L;
     int f1;        /* first MLP linear's width: 2f with SwiGLU */
     int rot;       /* rotary channels per head (0 without RoPE) */
     bool rms;      /* RMSNorm, else LayerNorm */
     bool swiglu;
-    int64_t V;
+    int tp, tp_rank;
+    bool sp;       /* sequence parallelism */
+    int R;         /* rows of the norm/residual regions: BT, or BT / tp with sequence parallelism */
+    int64_t V;          /* this rank's vocabulary columns: Vp / tp */
+    int64_t V_full;     /* the padded vocabulary Vp */
+    int64_t vocab_start;/* the first of this rank's columns */
 } mt_shape;
 
 static mt_shape model_shape(const mt_trainer* t) {
     const mt_config* c = &t->cfg;
     mt_shape s;
+    s.tp = c->tensor_model_parallel_size;
+    s.tp_rank = t->groups.tp_rank;
+    s.sp = c->sequence_parallel && s.tp > 1;
     s.B = c->micro_batch_size;
     s.S = c->seq_length;
     s.BT = s.B * s.S;
+    s.R = s.sp ? s.BT / s.tp : s.BT;
     s.h = c->hidden_size;
-    s.heads = c->num_attention_heads;
-    s.groups = c->num_query_groups;
+    s.heads = c->num_attention_heads / s.tp;
+    s.groups = c->num_query_groups / s.tp;
     s.d = c->kv_channels;
     s.qkv_width = (s.heads + 2 * s.groups) * s.d;
     s.attn_width = s.heads * s.d;
-    s.f = c->ffn_hidden_size;
+    s.f = c->ffn_hidden_size / s.tp;
     s.swiglu = c->swiglu != 0;
     s.f1 = s.swiglu ? 2 * s.f : s.f;
     s.rot = c->position_embedding_type == MT_POSITION_ROPE ? (int)(c->kv_channels * c->rotary_percent) : 0;
     s.rms = c->normalization == MT_NORM_RMSNORM;
     s.L = c->num_layers;
-    s.V = c->padded_vocab_size;
+    s.V_full = c->padded_vocab_size;
+    s.V = s.V_full / s.tp;
+    s.vocab_start = s.V * s.tp_rank;
     return s;
 }
 
@@ -2166,18 +2371,18 @@ struct layer_view {
 };
 template <typename T>
 static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& s, int l) {
-    int64_t BTh = (int64_t)s.BT * s.h;
+    int64_t Rh = (int64_t)s.R * s.h;
     layer_view<T> v;
-    v.x = LAYER(a->residual, T, l, BTh);                /* layer input */
-    v.ln1 = LAYER(a->ln1, T, l, BTh);
+    v.x = LAYER(a->residual, T, l, Rh);                 /* layer input */
+    v.ln1 = LAYER(a->ln1, T, l, Rh);
     v.qkv = LAYER(a->qkv, T, l, (int64_t)s.BT * s.qkv_width);
     v.probs = a->probs ? LAYER(a->probs, T, l, (int64_t)s.B * s.heads * s.S * s.S) : NULL;
     v.attn = LAYER(a->attn_out, T, l, (int64_t)s.BT * s.attn_width);
-    v.mid = LAYER(a->residual_mid, T, l, BTh);
-    v.ln2 = LAYER(a->ln2, T, l, BTh);
+    v.mid = LAYER(a->residual_mid, T, l, Rh);
+    v.ln2 = LAYER(a->ln2, T, l, Rh);
     v.fc1 = LAYER(a->fc1, T, l, (int64_t)s.BT * s.f1);
     v.act = LAYER(a->act, T, l, (int64_t)s.BT * s.f);
-    v.out = LAYER(a->residual, T, l + 1, BTh);          /* layer output = next layer's input */
+    v.out = LAYER(a->residual, T, l + 1, Rh);           /* layer output = next layer's input */
     return v;
 }
 
@@ -2316,91 +2521,156 @@ static float* output_weight_grad(mt_trainer* t) {
     return w ? w : grad_ptr(t, MT_P_WORD_EMBEDDINGS);
 }
 
+/* Vocab-parallel cross entropy over this rank's logits [BT, V] (see the kernels in 2.8); at TP = 1
+ * the one fused kernel. Per-token losses (the same on every TP rank) go to act.losses; when
+ * grad_scale != 0 the logits are overwritten by their gradient. */
+template <typename T>
+static void cross_entropy(mt_trainer* t, float grad_scale) {
+    mt_shape s = model_shape(t);
+    mt_activations* a = &t->act;
+    cudaStream_t st = t->stream;
+    if (s.tp == 1) {
+        if (s.V % vec16<T>::N == 0)
+            cross_entropy_vec_kernel<T><<<s.BT, 512, 0, st>>>((T*)a->logits, a->losses, a->targets, (int)s.V, grad_scale);
+        else
+            cross_entropy_kernel<T><<<s.BT, 512, 0, st>>>((T*)a->logits, a->losses, a->targets, (int)s.V, grad_scale);
+        LAUNCH_CHECK(&t->error);
+        return;
+    }
+    /* V = Vp / tp is a multiple of 128, so the 16-byte kernels always apply */
+    float* mine = a->ce_stats + (int64_t)s.tp_rank * s.BT * 3;
+    cross_entropy_partial_kernel<T><<<s.BT, 512, 0, st>>>(mine, (const T*)a->logits, a->targets, (int)s.V, s.vocab_start);
+    LAUNCH_CHECK(&t->error);
+    tp_after_compute(&t->tp);
+    NCCL_CHECK(&t->error, t->cfg.rank, ncclAllGather(mine, a->ce_stats, (size_t)s.BT * 3, ncclFloat, t->tp.comm, t->tp.stream));
+    tp_join(&t->tp);
+    cross_entropy_combine_kernel<T><<<s.BT, 512, 0, st>>>((T*)a->logits, a->losses, a->ce_stats, s.tp, s.BT, a->targets,
+                                                          (int)s.V, s.vocab_start, grad_scale);
+    LAUNCH_CHECK(&t->error);
+}
+
 /* Forward of one micro-batch whose inputs/targets are already on the device. Leaves the logits
  * (or, when grad_scale != 0, their gradient) in act.logits and per-token losses in act.losses.
  * Each residual add is fused with the norm that follows it: the attention residual with the MLP's
- * norm, the MLP residual with the next layer's first norm (or the final norm). */
+ * norm, the MLP residual with the next layer's first norm (or the final norm). With tensor
+ * parallelism: QKV and fc1 are column-parallel, proj and fc2 row-parallel, the embedding and the
+ * output layer vocab-parallel (section 5). */
 template <typename T>
 static void model_forward(mt_trainer* t, float grad_scale) {
     mt_shape s = model_shape(t);
     mt_activations* a = &t->act;
     mt_gemm_context* g = &t->gemm;
+    mt_tp_group* tp = &t->tp;
     cudaStream_t st = t->stream;
-    int64_t BTh = (int64_t)s.BT * s.h;
+    int64_t BTh = (int64_t)s.BT * s.h, Rh = (int64_t)s.R * s.h;
     float eps = (float)t->cfg.norm_epsilon;
+    T* gathered = (T*)a->gathered;
 
+    /* embedding: this rank's vocabulary rows (position embeddings added on TP rank 0), summed over TP */
     wait_for_parameters(t, -1);
+    T* embedded = s.sp ? (T*)a->branch : (T*)a->residual;
     embedding_forward_kernel<T><<<ceil_div(BTh, 256), 256, 0, st>>>(
-        (T*)a->residual, a->inputs, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS), param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS),
-        s.BT, s.S, s.h);
+        embedded, a->inputs, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS),
+        s.tp_rank == 0 ? param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS) : (const T*)NULL, s.BT, s.S, s.h, s.vocab_start, s.V);
     LAUNCH_CHECK(&t->error);
+    row_parallel_output<T>(tp, embedded, (T*)a->residual, s.BT, s.R, s.h); /* the sum lands in a->residual */
     wait_for_parameters(t, 0);
     norm_forward<T>(g, (T*)a->ln1, a->ln1_mean, a->ln1_rstd, (T*)a->residual, param_ptr<T>(t, MT_P_LN1_WEIGHT, 0),
-                    param_ptr<T>(t, MT_P_LN1_BIAS, 0), s.BT, s.h, eps, s.rms);
+                    param_ptr<T>(t, MT_P_LN1_BIAS, 0), s.R, s.h, eps, s.rms);
 
     for (int l = 0; l < s.L; l++) {
         auto [x, ln1, qkv, probs, attn, mid, ln2, fc1, act, out] = layer_activations<T>(a, s, l);
 
         /* attention block: ln1 = norm1(x) is already there; qkv is kept without its bias, which the
          * split adds (here and when the backward splits again) */
-        linear_forward<T>(g, qkv, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), (const T*)NULL, s.BT, s.h, s.qkv_width);
+        const T* ln1_in = column_parallel_input<T>(tp, gathered, ln1, s.R, s.h);
+        linear_forward<T>(g, qkv, ln1_in, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), (const T*)NULL, s.BT, s.h, s.qkv_width);
         split_qkv<T>(t, qkv, param_ptr<T>(t, MT_P_QKV_BIAS, l));
         attention_core_forward<T>(t, probs, a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL);
         permute_heads<T>(t, attn, (T*)a->o, true);
         linear_forward<T>(g, (T*)a->branch, attn, param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), (const T*)NULL, s.BT,
                           s.attn_width, s.h);
+        T* proj = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
         /* mid = x + proj + bias; ln2 = norm2(mid) */
-        residual_norm_forward<T>(g, mid, ln2, a->ln2_mean + (int64_t)l * s.BT, a->ln2_rstd + (int64_t)l * s.BT, x,
-                                 (T*)a->branch, param_ptr<T>(t, MT_P_PROJ_BIAS, l), param_ptr<T>(t, MT_P_LN2_WEIGHT, l),
-                                 param_ptr<T>(t, MT_P_LN2_BIAS, l), s.BT, s.h, eps, s.rms);
+        residual_norm_forward<T>(g, mid, ln2, a->ln2_mean + (int64_t)l * s.R, a->ln2_rstd + (int64_t)l * s.R, x, proj,
+                                 param_ptr<T>(t, MT_P_PROJ_BIAS, l), param_ptr<T>(t, MT_P_LN2_WEIGHT, l),
+                                 param_ptr<T>(t, MT_P_LN2_BIAS, l), s.R, s.h, eps, s.rms);
 
         /* MLP block */
-        linear_forward<T>(g, fc1, ln2, param_ptr<T>(t, MT_P_FC1_WEIGHT, l), (const T*)NULL, s.BT, s.h, s.f1);
+        const T* ln2_in = column_parallel_input<T>(tp, gathered, ln2, s.R, s.h);
+        linear_forward<T>(g, fc1, ln2_in, param_ptr<T>(t, MT_P_FC1_WEIGHT, l), (const T*)NULL, s.BT, s.h, s.f1);
         if (s.swiglu)
             bias_swiglu<T>(g, fc1, act, param_ptr<T>(t, MT_P_FC1_BIAS, l), s.BT, s.f);
         else
             bias_gelu<T>(g, fc1, act, param_ptr<T>(t, MT_P_FC1_BIAS, l), s.BT, s.f);
         linear_forward<T>(g, (T*)a->branch, act, param_ptr<T>(t, MT_P_FC2_WEIGHT, l), (const T*)NULL, s.BT, s.f, s.h);
+        T* fc2 = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
         /* out = mid + fc2 + bias; then the next norm: layer l+1's first, or the final norm */
         wait_for_parameters(t, l + 1);
         bool last = l == s.L - 1;
-        T* next_norm = last ? (T*)a->lnf : LAYER(a->ln1, T, l + 1, BTh);
-        float* next_mean = last ? a->lnf_mean : a->ln1_mean + (int64_t)(l + 1) * s.BT;
-        float* next_rstd = last ? a->lnf_rstd : a->ln1_rstd + (int64_t)(l + 1) * s.BT;
+        T* next_norm = last ? (T*)a->lnf : LAYER(a->ln1, T, l + 1, Rh);
+        float* next_mean = last ? a->lnf_mean : a->ln1_mean + (int64_t)(l + 1) * s.R;
+        float* next_rstd = last ? a->lnf_rstd : a->ln1_rstd + (int64_t)(l + 1) * s.R;
         const T* next_w = last ? param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT) : param_ptr<T>(t, MT_P_LN1_WEIGHT, l + 1);
         const T* next_b = last ? param_ptr<T>(t, MT_P_FINAL_LN_BIAS) : param_ptr<T>(t, MT_P_LN1_BIAS, l + 1);
-        residual_norm_forward<T>(g, out, next_norm, next_mean, next_rstd, mid, (T*)a->branch,
-                                 param_ptr<T>(t, MT_P_FC2_BIAS, l), next_w, next_b, s.BT, s.h, eps, s.rms);
+        residual_norm_forward<T>(g, out, next_norm, next_mean, next_rstd, mid, fc2, param_ptr<T>(t, MT_P_FC2_BIAS, l),
+                                 next_w, next_b, s.R, s.h, eps, s.rms);
     }
 
-    /* output layer (tied to the word embeddings, or untied), cross entropy */
-    linear_forward<T>(g, (T*)a->logits, (T*)a->lnf, output_weight<T>(t), (const T*)NULL, s.BT, s.h, (int)s.V);
-    if (s.V % vec16<T>::N == 0)
-        cross_entropy_vec_kernel<T><<<s.BT, 512, 0, st>>>((T*)a->logits, a->losses, a->targets, (int)s.V, grad_scale);
-    else
-        cross_entropy_kernel<T><<<s.BT, 512, 0, st>>>((T*)a->logits, a->losses, a->targets, (int)s.V, grad_scale);
-    LAUNCH_CHECK(&t->error);
+    /* output layer (tied to the word embeddings, or untied; vocab-parallel), cross entropy */
+    const T* lnf_in = column_parallel_input<T>(tp, gathered, (const T*)a->lnf, s.R, s.h);
+    linear_forward<T>(g, (T*)a->logits, lnf_in, output_weight<T>(t), (const T*)NULL, s.BT, s.h, (int)s.V);
+    cross_entropy<T>(t, grad_scale);
+}
+
+/* With sequence parallelism the norms' weights and biases and the row-parallel biases see only
+ * this rank's rows: once a layer's gradients are final (the step's last micro-batch), they are
+ * summed over TP (Megatron's sequence-parallel gradient all-reduce), before any DP reduction. */
+static void reduce_sequence_parallel_gradients(mt_trainer* t, int layer) {
+    mt_shape s = model_shape(t);
+    if (!s.sp || !t->last_micro_batch) return;
+    static const int per_layer[] = {MT_P_LN1_WEIGHT, MT_P_LN1_BIAS, MT_P_PROJ_BIAS, MT_P_LN2_WEIGHT, MT_P_LN2_BIAS,
+                                    MT_P_FC2_BIAS};
+    static const int final_norm[] = {MT_P_FINAL_LN_WEIGHT, MT_P_FINAL_LN_BIAS};
+    const int* list = layer == s.L ? final_norm : per_layer;
+    int count = layer == s.L ? 2 : 6;
+    tp_after_compute(&t->tp);
+    NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupStart());
+    for (int i = 0; i < count; i++) {
+        float* grad = grad_ptr(t, list[i], layer == s.L ? 0 : layer);
+        if (grad)
+            NCCL_CHECK(&t->error, t->cfg.rank,
+                       ncclAllReduce(grad, grad, (size_t)s.h, ncclFloat, ncclSum, t->tp.comm, t->tp.stream));
+    }
+    NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupEnd());
+    tp_join(&t->tp);
 }
 
 /* Backward of the micro-batch model_forward just ran with grad_scale != 0: accumulates every
- * parameter's gradient into t->grads (fp32). `unique_tokens` describes the word-embedding index. */
+ * parameter's gradient into t->grads (fp32). `unique_tokens` describes the word-embedding index
+ * (this rank's vocabulary rows only). */
 template <typename T>
 static void model_backward(mt_trainer* t, int unique_tokens) {
     mt_shape s = model_shape(t);
     mt_activations* a = &t->act;
     mt_gemm_context* g = &t->gemm;
     mt_colsum_scratch* cs = &t->colsum;
+    mt_tp_group* tp = &t->tp;
     cudaStream_t st = t->stream;
-    int64_t BTh = (int64_t)s.BT * s.h;
+    int64_t Rh = (int64_t)s.R * s.h;
     T* dres = (T*)a->dresidual;
+    T* gathered = (T*)a->gathered;
+    T* gathered_grad = (T*)a->gathered_grad;
 
-    /* output layer and final norm: dlnf = dlogits W; dW_out += dlogits^T lnf */
-    CUDA_CHECK(&t->error, cudaMemsetAsync(dres, 0, BTh * sizeof(T), st));
-    linear_backward<T>(g, cs, (T*)a->branch, output_weight_grad(t), (float*)NULL, (T*)a->logits, (T*)a->lnf,
-                       output_weight<T>(t), s.BT, s.h, (int)s.V);
-    norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS), (T*)a->branch,
-                     LAYER(a->residual, T, s.L, BTh), param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean, a->lnf_rstd,
-                     s.BT, s.h, s.rms);
+    /* output layer and final norm: dlnf = dlogits W (summed over TP); dW_out += dlogits^T lnf */
+    CUDA_CHECK(&t->error, cudaMemsetAsync(dres, 0, Rh * sizeof(T), st));
+    T* dlnf = column_parallel_backward<T>(g, cs, tp, (T*)a->branch, (T*)a->rows, gathered, output_weight_grad(t),
+                                          (float*)NULL, (T*)a->logits, (T*)a->lnf, output_weight<T>(t), s.BT, s.R,
+                                          s.h, (int)s.V);
+    norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS), dlnf,
+                     LAYER(a->residual, T, s.L, Rh), param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean, a->lnf_rstd,
+                     s.R, s.h, s.rms);
+    reduce_sequence_parallel_gradients(t, s.L);
     gradients_ready(t, s.L);
 
     for (int l = s.L - 1; l >= 0; l--) {
@@ -2409,8 +2679,9 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
 
         /* MLP block: dres is d(out); the branch sees the same gradient. d(act) -> branch2, then
          * d(fc1 output) in place (GELU) or into branch (SwiGLU: twice as wide) */
-        linear_backward<T>(g, cs, (T*)a->branch2, grad_ptr(t, MT_P_FC2_WEIGHT, l), grad_ptr(t, MT_P_FC2_BIAS, l), dres,
-                           act, param_ptr<T>(t, MT_P_FC2_WEIGHT, l), s.BT, s.f, s.h);
+        row_parallel_backward<T>(g, cs, tp, (T*)a->branch2, grad_ptr(t, MT_P_FC2_WEIGHT, l),
+                                 grad_ptr(t, MT_P_FC2_BIAS, l), dres, gathered_grad, act,
+                                 param_ptr<T>(t, MT_P_FC2_WEIGHT, l), s.BT, s.R, s.f, s.h);
         T* dfc1 = (T*)a->branch2;
         T* dln2 = (T*)a->branch;
         if (s.swiglu) {
@@ -2420,35 +2691,44 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
         } else {
             gelu_backward<T>(g, (T*)a->branch2, fc1, (int64_t)s.BT * s.f);
         }
-        linear_backward<T>(g, cs, dln2, grad_ptr(t, MT_P_FC1_WEIGHT, l), grad_ptr(t, MT_P_FC1_BIAS, l), dfc1, ln2,
-                           param_ptr<T>(t, MT_P_FC1_WEIGHT, l), s.BT, s.h, s.f1);
+        dln2 = column_parallel_backward<T>(g, cs, tp, dln2, (T*)a->rows, gathered, grad_ptr(t, MT_P_FC1_WEIGHT, l),
+                                           grad_ptr(t, MT_P_FC1_BIAS, l), dfc1, ln2, param_ptr<T>(t, MT_P_FC1_WEIGHT, l),
+                                           s.BT, s.R, s.h, s.f1);
         norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN2_WEIGHT, l), grad_ptr(t, MT_P_LN2_BIAS, l), dln2, mid,
-                         param_ptr<T>(t, MT_P_LN2_WEIGHT, l), a->ln2_mean + (int64_t)l * s.BT,
-                         a->ln2_rstd + (int64_t)l * s.BT, s.BT, s.h, s.rms);
+                         param_ptr<T>(t, MT_P_LN2_WEIGHT, l), a->ln2_mean + (int64_t)l * s.R,
+                         a->ln2_rstd + (int64_t)l * s.R, s.R, s.h, s.rms);
 
         /* attention block: dres is now d(mid) */
-        linear_backward<T>(g, cs, (T*)a->branch2, grad_ptr(t, MT_P_PROJ_WEIGHT, l), grad_ptr(t, MT_P_PROJ_BIAS, l), dres,
-                           attn, param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), s.BT, s.attn_width, s.h);
+        row_parallel_backward<T>(g, cs, tp, (T*)a->branch2, grad_ptr(t, MT_P_PROJ_WEIGHT, l),
+                                 grad_ptr(t, MT_P_PROJ_BIAS, l), dres, gathered_grad, attn,
+                                 param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), s.BT, s.R, s.attn_width, s.h);
         permute_heads<T>(t, (T*)a->o, (T*)a->branch2, false);
         split_qkv<T>(t, qkv, param_ptr<T>(t, MT_P_QKV_BIAS, l));
         T* dq = attention_core_backward<T>(t, probs, attn, a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL);
         merge_qkv_grads<T>(t, (T*)a->branch, dq);
-        linear_backward<T>(g, cs, (T*)a->branch2, grad_ptr(t, MT_P_QKV_WEIGHT, l), grad_ptr(t, MT_P_QKV_BIAS, l),
-                           (T*)a->branch, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), s.BT, s.h, s.qkv_width);
-        norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN1_WEIGHT, l), grad_ptr(t, MT_P_LN1_BIAS, l), (T*)a->branch2, x,
-                         param_ptr<T>(t, MT_P_LN1_WEIGHT, l), a->ln1_mean + (int64_t)l * s.BT,
-                         a->ln1_rstd + (int64_t)l * s.BT, s.BT, s.h, s.rms);
+        T* dln1 = column_parallel_backward<T>(g, cs, tp, (T*)a->branch2, (T*)a->rows, gathered,
+                                              grad_ptr(t, MT_P_QKV_WEIGHT, l), grad_ptr(t, MT_P_QKV_BIAS, l),
+                                              (T*)a->branch, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), s.BT, s.R, s.h,
+                                              s.qkv_width);
+        norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN1_WEIGHT, l), grad_ptr(t, MT_P_LN1_BIAS, l), dln1, x,
+                         param_ptr<T>(t, MT_P_LN1_WEIGHT, l), a->ln1_mean + (int64_t)l * s.R,
+                         a->ln1_rstd + (int64_t)l * s.R, s.R, s.h, s.rms);
+        reduce_sequence_parallel_gradients(t, l);
         gradients_ready(t, l);
     }
 
-    /* embeddings: dres is d(embedding output) */
+    /* embeddings: dres is d(embedding output) (gathered to every row with sequence parallelism, so
+     * the position embeddings' gradient is whole on every TP rank) */
+    const T* demb = column_parallel_input<T>(tp, gathered_grad, dres, s.R, s.h);
     float* dwpe = grad_ptr(t, MT_P_POSITION_EMBEDDINGS);
     if (dwpe)
-        position_embedding_backward_kernel<T><<<ceil_div((int64_t)s.S * s.h, 256), 256, 0, st>>>(dwpe, dres, s.B, s.S,
+        position_embedding_backward_kernel<T><<<ceil_div((int64_t)s.S * s.h, 256), 256, 0, st>>>(dwpe, demb, s.B, s.S,
                                                                                                 s.h);
     const int32_t* idx = a->embed_index;
-    word_embedding_backward_kernel<T><<<unique_tokens, 256, 0, st>>>(grad_ptr(t, MT_P_WORD_EMBEDDINGS), dres, idx,
-                                                                     idx + s.BT + 1, idx + 2 * (s.BT + 1), s.h);
+    if (unique_tokens > 0)
+        word_embedding_backward_kernel<T><<<unique_tokens, 256, 0, st>>>(grad_ptr(t, MT_P_WORD_EMBEDDINGS), demb, idx,
+                                                                         idx + s.BT + 1, idx + 2 * (s.BT + 1), s.h,
+                                                                         s.vocab_start);
     LAUNCH_CHECK(&t->error);
     gradients_ready(t, -1);
 }
@@ -2459,19 +2739,22 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
 /*    This section stages one micro-batch's tokens onto the device and runs it.                    */
 /* ============================================================================================== */
 
-/* Builds the word-embedding backward index of one micro-batch on the host: the distinct tokens in
- * increasing order, offsets into a position list, and each token's positions in increasing order
- * (counting sort). Layout: [unique (BT+1)] [offsets (BT+1)] [positions (BT)]. Returns #unique. */
-static int build_embedding_index(int32_t* index, const int32_t* inputs, int BT, int64_t V, int32_t* counts) {
+/* Builds the word-embedding backward index of one micro-batch on the host: the distinct tokens of
+ * this rank's vocabulary rows [first, first + V) in increasing order, offsets into a position list,
+ * and each token's positions in increasing order (counting sort). Layout: [unique (BT+1)]
+ * [offsets (BT+1)] [positions (BT)]. Returns #unique. */
+static int build_embedding_index(int32_t* index, const int32_t* inputs, int BT, int64_t first, int64_t V,
+                                 int32_t* counts) {
     int32_t* unique = index;
     int32_t* offsets = index + BT + 1;
     int32_t* positions = index + 2 * (BT + 1);
     memset(counts, 0, sizeof(int32_t) * (size_t)V);
-    for (int i = 0; i < BT; i++) counts[inputs[i]]++;
+    for (int i = 0; i < BT; i++)
+        if (inputs[i] >= first && inputs[i] < first + V) counts[inputs[i] - first]++;
     int n = 0, running = 0;
     for (int64_t v = 0; v < V; v++) {
         if (!counts[v]) continue;
-        unique[n] = (int32_t)v;
+        unique[n] = (int32_t)(first + v);
         offsets[n] = running;
         int c = counts[v];
         counts[v] = running; /* becomes the write cursor */
@@ -2479,7 +2762,8 @@ static int build_embedding_index(int32_t* index, const int32_t* inputs, int BT, 
         n++;
     }
     offsets[n] = running;
-    for (int i = 0; i < BT; i++) positions[counts[inputs[i]]++] = i;
+    for (int i = 0; i < BT; i++)
+        if (inputs[i] >= first && inputs[i] < first + V) positions[counts[inputs[i] - first]++] = i;
     return n;
 }
 
@@ -2493,9 +2777,9 @@ static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb,
     for (int b = 0; b < s.B; b++) {
         for (int i = 0; i < s.S; i++) {
             int32_t x = src[(int64_t)b * (s.S + 1) + i], y = src[(int64_t)b * (s.S + 1) + i + 1];
-            if (x < 0 || x >= s.V || y < 0 || y >= s.V)
+            if (x < 0 || x >= s.V_full || y < 0 || y >= s.V_full)
                 return mt_fail(err, MT_ERR_RANGE, "token id %d outside the padded vocabulary of %lld",
-                               (x < 0 || x >= s.V) ? x : y, (long long)s.V);
+                               (x < 0 || x >= s.V_full) ? x : y, (long long)s.V_full);
             inputs[b * s.S + i] = x;
             targets[b * s.S + i] = y;
         }
@@ -2507,7 +2791,7 @@ static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb,
                                           t->stream));
     if (with_index) {
         int32_t* counts = t->host_tokens + 2 * s.BT;
-        *unique_out = build_embedding_index(t->host_index, inputs, s.BT, s.V, counts);
+        *unique_out = build_embedding_index(t->host_index, inputs, s.BT, s.vocab_start, s.V, counts);
         CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.embed_index, t->host_index, sizeof(int32_t) * (3 * s.BT + 2),
                                               cudaMemcpyHostToDevice, t->stream));
     }
@@ -2526,7 +2810,8 @@ static double micro_batch_loss_sum(mt_trainer* t) {
 }
 
 static void finish_gradient_reduction(mt_trainer* t);
-static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_error* err);
+typedef enum { GROUP_DP, GROUP_TP, GROUP_WORLD } mt_group_kind;
+static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_group_kind group, mt_error* err);
 
 /* Forward (+ backward when training) of micro-batches [0, count) of this rank's tokens; returns the
  * mean loss, over all data-parallel ranks when `across_dp`. Training leaves in t->grads the gradient
@@ -2548,7 +2833,8 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
         mt_status st = stage_micro_batch(t, tokens, mb, train, &unique, err);
         if (st != MT_OK) return st;
         /* --overlap-grad-reduce: buckets go out during the last micro-batch's backward */
-        t->reduce_in_backward = train && dp > 1 && t->cfg.overlap_grad_reduce && mb == count - 1;
+        t->last_micro_batch = train && mb == count - 1;
+        t->reduce_in_backward = t->last_micro_batch && dp > 1 && t->cfg.overlap_grad_reduce;
         switch (t->cfg.precision) {
             case MT_FP32:
                 model_forward<float>(t, grad_scale);
@@ -2564,13 +2850,14 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
                 break;
         }
         t->reduce_in_backward = 0;
+        t->last_micro_batch = 0;
         total += micro_batch_loss_sum(t);
         if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     }
     if (train) finish_gradient_reduction(t);
     double tokens_counted = (double)count * s.BT;
     if (across_dp && dp > 1) {
-        mt_status st = all_reduce_sum(t, &total, err);
+        mt_status st = all_reduce_sum(t, &total, GROUP_DP, err);
         if (st != MT_OK) return st;
         tokens_counted *= dp;
     }
@@ -2635,15 +2922,24 @@ static void finish_gradient_reduction(mt_trainer* t) {
     compute_after_comm(t);
 }
 
-/* Sum of a host double over the DP group (the loss, the squared norm of sharded gradients). */
-static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_error* err) {
-    if (t->groups.dp_size == 1) return MT_OK;
+/* Sum of a host double over a group (the loss over DP, the squared gradient norm over TP and DP,
+ * the world's agreement before files are renamed). TP's on its stream, the others on the DP one. */
+static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_group_kind group, mt_error* err) {
+    mt_process_groups* g = &t->groups;
+    ncclComm_t comm = group == GROUP_DP ? g->dp : group == GROUP_TP ? g->tp : g->world;
+    if (!comm) return MT_OK; /* a group of one */
     CUDA_CHECK(&t->error, cudaMemcpyAsync(t->reduce_scratch, value, sizeof(double), cudaMemcpyHostToDevice, t->stream));
-    comm_after_compute(t);
-    NCCL_CHECK(&t->error, t->cfg.rank,
-               ncclAllReduce(t->reduce_scratch, t->reduce_scratch, 1, ncclDouble, ncclSum, t->groups.dp,
-                             t->groups.comm_stream));
-    compute_after_comm(t);
+    if (group == GROUP_TP) {
+        tp_after_compute(&t->tp);
+        NCCL_CHECK(&t->error, t->cfg.rank,
+                   ncclAllReduce(t->reduce_scratch, t->reduce_scratch, 1, ncclDouble, ncclSum, comm, g->tp_stream));
+        tp_join(&t->tp);
+    } else {
+        comm_after_compute(t);
+        NCCL_CHECK(&t->error, t->cfg.rank,
+                   ncclAllReduce(t->reduce_scratch, t->reduce_scratch, 1, ncclDouble, ncclSum, comm, g->comm_stream));
+        compute_after_comm(t);
+    }
     CUDA_CHECK(&t->error, cudaMemcpyAsync(value, t->reduce_scratch, sizeof(double), cudaMemcpyDeviceToHost, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     return mt_gpu_error_return(&t->error, err);
@@ -2652,7 +2948,7 @@ static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_error* err) {
 /* 1 on every rank if `ok` holds on every rank (a barrier too); used where files are shared. */
 static int all_ranks_ok(mt_trainer* t, int ok) {
     double bad = ok ? 0.0 : 1.0;
-    if (all_reduce_sum(t, &bad, NULL) != MT_OK) return 0;
+    if (all_reduce_sum(t, &bad, GROUP_WORLD, NULL) != MT_OK) return 0;
     return bad == 0.0;
 }
 
@@ -2707,7 +3003,8 @@ static void wait_for_all_parameters(mt_trainer* t) {
 }
 
 /* Squared L2 norm of the gradients, over the whole model (deterministic): each rank sums its owned
- * elements in fixed chunks; with the distributed optimizer the shards' sums are added over DP. */
+ * elements in fixed chunks; the TP ranks' sums are added (a whole tensor that every TP rank holds
+ * is counted on TP rank 0 only), and with the distributed optimizer the shards' sums over DP. */
 static double gradient_norm_squared(mt_trainer* t) {
     chunk_sum_squares_kernel<<<t->num_chunks, 256, 0, t->stream>>>(t->norm_partial, t->chunks, t->grads);
     sum_partials_kernel<<<1, 256, 0, t->stream>>>(t->norm_partial + t->num_chunks, t->norm_partial, t->num_chunks);
@@ -2716,7 +3013,8 @@ static double gradient_norm_squared(mt_trainer* t) {
     CUDA_CHECK(&t->error, cudaMemcpyAsync(&result, t->norm_partial + t->num_chunks, sizeof(double),
                                           cudaMemcpyDeviceToHost, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
-    if (t->sharded) all_reduce_sum(t, &result, NULL);
+    all_reduce_sum(t, &result, GROUP_TP, NULL);
+    if (t->sharded) all_reduce_sum(t, &result, GROUP_DP, NULL);
     return result;
 }
 
@@ -2763,7 +3061,8 @@ static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
 /*    a checkpoint does not depend on the buffer layout or the number of data-parallel ranks.      */
 /*    With the distributed optimizer the file holds the master weights only, and every DP rank r   */
 /*    writes its shard of master, m and v to distrib_optim_dp<r>.bin beside it (Megatron's         */
-/*    distrib_optim.pt); such a checkpoint resumes on the same number of ranks. Everything is     */
+/*    distrib_optim.pt); such a checkpoint resumes on the same number of ranks. With tensor       */
+/*    parallelism each TP rank's shard goes to mp_rank_<tp>/ and resumes at the same TP. All is   */
 /*    written into a temporary directory that rank 0 renames into place once every rank has       */
 /*    written; latest_checkpointed_iteration.txt comes last. Ranks share the file system.          */
 /* ============================================================================================== */
@@ -2894,6 +3193,7 @@ static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration,
     header[MT_CK_SHARDED_DP] = t->sharded ? t->groups.dp_size : 0;
     header[MT_CK_DP_RANK] = t->groups.dp_rank;
     header[MT_CK_SHARD_NUMEL] = t->sharded ? t->shard_numel : 0;
+    header[MT_CK_TP_RANK] = t->groups.tp_rank;
 }
 
 /* Writes header + arrays to path; the arrays are canonical full-model (model file) or shards. */
@@ -2918,27 +3218,32 @@ static mt_status write_checkpoint_file(mt_trainer* t, const char* path, const in
 /* A failure somewhere else: every rank returns an error, the failing one its own message. */
 static mt_status other_rank_failed(mt_status st, mt_error* err, const char* what, const char* path) {
     if (st != MT_OK) return st;
-    return mt_fail(err, MT_ERR_IO, "%s %s failed on another data-parallel rank", what, path);
+    return mt_fail(err, MT_ERR_IO, "%s %s failed on another rank", what, path);
 }
 
 mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     char final_dir[4096], tmp_dir[4096], rank_dir[4160], path[4224], old_dir[4160];
-    int writer = t->groups.dp_rank == 0; /* replicas hold the same model: DP rank 0 writes it */
+    int leader = t->cfg.rank == 0;       /* makes and renames the directories */
+    int writer = t->groups.dp_rank == 0; /* replicas hold the same shard: DP rank 0 of each TP rank writes it */
     snprintf(final_dir, sizeof(final_dir), "%s/iter_%07lld", dir, (long long)iteration);
     snprintf(tmp_dir, sizeof(tmp_dir), "%s/.tmp_iter_%07lld", dir, (long long)iteration);
-    snprintf(rank_dir, sizeof(rank_dir), "%s/mp_rank_00", tmp_dir);
     wait_for_all_parameters(t);
 
-    /* 1. rank 0 makes the temporary directory */
+    /* 1. rank 0 makes the temporary directory, one mp_rank_<tp> per tensor-parallel rank */
     mt_status st = MT_OK;
-    if (writer) {
+    if (leader) {
         if (mt_make_directories(dir) != 0)
             st = mt_fail(err, MT_ERR_IO, "cannot create checkpoint directory %s: %s", dir, strerror(errno));
         remove_tree(tmp_dir);
-        if (st == MT_OK && (mkdir(tmp_dir, 0755) != 0 || mkdir(rank_dir, 0755) != 0))
-            st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", rank_dir, strerror(errno));
+        if (st == MT_OK && mkdir(tmp_dir, 0755) != 0)
+            st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", tmp_dir, strerror(errno));
+        for (int r = 0; r < t->groups.tp_size && st == MT_OK; r++) {
+            snprintf(rank_dir, sizeof(rank_dir), "%s/mp_rank_%02d", tmp_dir, r);
+            if (mkdir(rank_dir, 0755) != 0) st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", rank_dir, strerror(errno));
+        }
     }
+    snprintf(rank_dir, sizeof(rank_dir), "%s/mp_rank_%02d", tmp_dir, t->groups.tp_rank);
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", final_dir);
 
     /* 2. every rank writes its files (all take part in gathering the sharded master) */
@@ -2958,12 +3263,12 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
     }
     free(host);
     if (!all_ranks_ok(t, st == MT_OK)) {
-        if (writer) remove_tree(tmp_dir);
+        if (leader) remove_tree(tmp_dir);
         return other_rank_failed(st, err, "saving", final_dir);
     }
 
     /* 3. rank 0 moves it into place (replacing an older copy of the same iteration), then the tracker */
-    if (writer) {
+    if (leader) {
         snprintf(old_dir, sizeof(old_dir), "%s.old", final_dir);
         remove_tree(old_dir);
         if (rename(final_dir, old_dir) != 0 && errno != ENOENT)
@@ -3018,6 +3323,9 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
         if (h[shape[i].word] != expected[shape[i].word])
             return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has %s %lld but this run has %lld", path, shape[i].what,
                            (long long)h[shape[i].word], (long long)expected[shape[i].word]);
+    if (h[MT_CK_TP_RANK] != t->groups.tp_rank)
+        return mt_fail(err, MT_ERR_FORMAT, "%s holds tensor-parallel rank %lld's shard, not rank %d's", path,
+                       (long long)h[MT_CK_TP_RANK], t->groups.tp_rank);
     int64_t sharded = h[MT_CK_SHARDED_DP], mine = t->sharded ? t->groups.dp_size : 0;
     if (sharded != 0 && sharded != mine)
         return mt_fail(err, MT_ERR_CONFIG,
@@ -3050,7 +3358,8 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
     if (!host && st == MT_OK) st = mt_fail(err, MT_ERR_OOM, "cannot allocate host memory to load a checkpoint");
     if (st == MT_OK) {
         /* the model file: master weights (then m and v unless sharded), through the gradient buffer */
-        snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_00/model_optim_rng.bin", dir, (long long)iteration);
+        snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_%02d/model_optim_rng.bin", dir, (long long)iteration,
+                 t->groups.tp_rank);
         FILE* f = fopen(path, "rb");
         st = read_header(t, f, path, h, err);
         if (st == MT_OK) st = read_canonical(t, f, t->grads, host, path, err);
@@ -3066,8 +3375,8 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
     }
     if (st == MT_OK && h[MT_CK_SHARDED_DP] != 0) {
         /* this rank's shard of master, m and v */
-        snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_00/distrib_optim_dp%03d.bin", dir, (long long)iteration,
-                 t->groups.dp_rank);
+        snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_%02d/distrib_optim_dp%03d.bin", dir, (long long)iteration,
+                 t->groups.tp_rank, t->groups.dp_rank);
         FILE* f = fopen(path, "rb");
         int64_t hs[MT_CK_HEADER_WORDS];
         st = read_header(t, f, path, hs, err);
@@ -3101,7 +3410,7 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
 static size_t layout_activations(mt_activations* a, const mt_trainer* t, char* base) {
     mt_shape s = model_shape(t);
     size_t e = t->elem, off = 0;
-    int64_t BT = s.BT, L = s.L;
+    int64_t BT = s.BT, L = s.L, R = s.R;
     int64_t heads_elems = (int64_t)s.B * s.heads * s.S * s.d;
     int64_t group_elems = (int64_t)s.B * s.groups * s.S * s.d;
     int64_t score_elems = (int64_t)s.B * s.heads * s.S * s.S;
@@ -3114,24 +3423,24 @@ static size_t layout_activations(mt_activations* a, const mt_trainer* t, char* b
         a->field = (type)(base && (bytes) != 0 ? base + off : NULL); \
         off += ((size_t)(bytes) + 255) & ~(size_t)255;             \
     } while (0)
-    CARVE(residual, void*, (L + 1) * BT * s.h * e);
-    CARVE(ln1, void*, L * BT * s.h * e);
-    CARVE(ln1_mean, float*, L * BT * 4);
-    CARVE(ln1_rstd, float*, L * BT * 4);
+    CARVE(residual, void*, (L + 1) * R * s.h * e);
+    CARVE(ln1, void*, L * R * s.h * e);
+    CARVE(ln1_mean, float*, L * R * 4);
+    CARVE(ln1_rstd, float*, L * R * 4);
     CARVE(qkv, void*, L * BT * s.qkv_width * e);
     int flash = t->flash;
     CARVE(probs, void*, flash ? 0 : L * score_elems * e);
     CARVE(lse, float*, flash ? L * s.B * s.heads * s.S * 4 : 0);
     CARVE(attn_out, void*, L * BT * s.attn_width * e);
-    CARVE(residual_mid, void*, L * BT * s.h * e);
-    CARVE(ln2, void*, L * BT * s.h * e);
-    CARVE(ln2_mean, float*, L * BT * 4);
-    CARVE(ln2_rstd, float*, L * BT * 4);
+    CARVE(residual_mid, void*, L * R * s.h * e);
+    CARVE(ln2, void*, L * R * s.h * e);
+    CARVE(ln2_mean, float*, L * R * 4);
+    CARVE(ln2_rstd, float*, L * R * 4);
     CARVE(fc1, void*, L * BT * s.f1 * e);
     CARVE(act, void*, L * BT * s.f * e);
-    CARVE(lnf, void*, BT * s.h * e);
-    CARVE(lnf_mean, float*, BT * 4);
-    CARVE(lnf_rstd, float*, BT * 4);
+    CARVE(lnf, void*, R * s.h * e);
+    CARVE(lnf_mean, float*, R * 4);
+    CARVE(lnf_rstd, float*, R * 4);
     CARVE(logits, void*, BT * s.V * e);
     CARVE(q, void*, heads_elems * e);
     CARVE(k, void*, group_elems * e);
@@ -3143,10 +3452,14 @@ static size_t layout_activations(mt_activations* a, const mt_trainer* t, char* b
     CARVE(dq, void*, flash ? heads_elems * e : 0);
     CARVE(o_saved, void*, flash ? heads_elems * e : 0);
     CARVE(dsum, float*, flash ? (int64_t)s.B * s.heads * s.S * 4 : 0);
-    CARVE(logits_row, float*, s.V * 4);
+    CARVE(logits_row, float*, s.V_full * 4);
     CARVE(branch, void*, BT * wide * e);
     CARVE(branch2, void*, BT * wide * e);
-    CARVE(dresidual, void*, BT * s.h * e);
+    CARVE(dresidual, void*, R * s.h * e);
+    CARVE(gathered, void*, s.sp ? BT * s.h * e : 0);
+    CARVE(gathered_grad, void*, s.sp ? BT * s.h * e : 0);
+    CARVE(rows, void*, s.sp ? R * s.h * e : 0);
+    CARVE(ce_stats, float*, s.tp > 1 ? s.tp * BT * 3 * 4 : 0);
     CARVE(inputs, int32_t*, BT * 4);
     CARVE(targets, int32_t*, BT * 4);
     CARVE(losses, float*, BT * 4);
@@ -3235,18 +3548,23 @@ static void create_rope_tables(mt_trainer* t) {
 
 /* Initialises the weights as Megatron does into a full fp32 buffer-layout array (the gradient
  * buffer, free at this point), then the master and the model copy from it. Each element's value
- * depends only on (seed, tensor, its index in the canonical tensor): the same at any layout. */
+ * depends only on (seed, tensor, its index in the full model's tensor): the same at any layout and
+ * any tensor-parallel size, each TP rank computing the elements of its shard. */
 static void initialise_parameters(mt_trainer* t) {
     const mt_config* c = &t->cfg;
     CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, sizeof(float) * t->buffer.size, t->stream));
     for (int k = 0; k < t->buffer.num_params; k++) {
         const mt_buffer_param* p = &t->buffer.params[k];
-        const mt_param_info* info = &t->params_info[p->tensor];
+        const mt_param_info* full = &t->params_info_full[p->tensor];
         float std = (float)c->init_method_std;
-        if (info->init == 3) std = (float)(c->init_method_std / sqrt(2.0 * c->num_layers));
-        int mode = info->init == 3 ? 2 : info->init;
+        if (full->init == 3) std = (float)(c->init_method_std / sqrt(2.0 * c->num_layers));
+        int mode = full->init == 3 ? 2 : full->init;
+        int64_t per_layer_full = full->split_outer * full->split_rows * full->split_inner;
+        int64_t rows = full->tp_split ? full->split_rows / t->groups.tp_size : full->split_rows;
+        int64_t row0 = full->tp_split ? rows * t->groups.tp_rank : 0;
         init_param_kernel<<<ceil_div(p->numel, 256), 256, 0, t->stream>>>(
-            t->grads + p->offset, p->numel, p->canonical - info->offset, mode, std, c->seed, (uint64_t)p->tensor);
+            t->grads + p->offset, p->numel, (int64_t)p->layer * per_layer_full, rows, full->split_inner,
+            full->split_rows, row0, mode, std, c->seed, (uint64_t)p->tensor);
     }
     LAUNCH_CHECK(&t->error);
     set_master_from_full(t, t->grads);
@@ -3282,6 +3600,8 @@ static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
                 c->master = shard + (x - begin);
                 c->length = (int32_t)(hi - x < OPT_CHUNK_ELEMENTS ? hi - x : OPT_CHUNK_ELEMENTS);
                 c->weight_decay = t->params_info[p->tensor].weight_decay;
+                c->count_in_norm = t->params_info[p->tensor].tp_split || t->groups.tp_rank == 0;
+                c->unused = 0;
             }
         }
         shard += end - begin;
@@ -3299,10 +3619,9 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     *out = NULL;
     if (cfg->padded_vocab_size <= 0 || cfg->kv_channels <= 0 || cfg->ffn_hidden_size <= 0 || cfg->data_parallel_size <= 0)
         return mt_fail(err, MT_ERR_CONFIG, "mt_trainer_create needs a finalized config (mt_config_finalize)");
-    if (cfg->tensor_model_parallel_size != 1 || cfg->pipeline_model_parallel_size != 1)
+    if (cfg->pipeline_model_parallel_size != 1)
         return mt_fail(err, MT_ERR_CONFIG,
-                       "this build has data parallelism only (--tensor-model-parallel-size and "
-                       "--pipeline-model-parallel-size must be 1)");
+                       "this build has no pipeline parallelism yet (--pipeline-model-parallel-size must be 1)");
     if (cfg->local_rank >= 0) {
         cudaError_t e = cudaSetDevice(cfg->local_rank);
         if (e != cudaSuccess)
@@ -3315,7 +3634,8 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     t->elem = cfg->precision == MT_FP32 ? 4 : 2;
     /* bf16 attention runs on the flash kernels; fp32/fp16 keep the exact path (fp32 parity is 1e-5) */
     t->flash = cfg->precision == MT_BF16 && (cfg->kv_channels == 64 || cfg->kv_channels == 128);
-    t->num_params = mt_param_layout(cfg, t->params_info);
+    t->num_params = mt_param_layout_shard(cfg, t->params_info);
+    mt_param_layout(cfg, t->params_info_full);
     t->loss_scale = 1.0;
     if (cfg->precision == MT_FP16) t->loss_scale = cfg->loss_scale > 0 ? cfg->loss_scale : cfg->initial_loss_scale;
     t->hysteresis_tracker = cfg->hysteresis;
@@ -3329,6 +3649,18 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     process_groups_create(&t->groups, cfg, &t->error);
     t->sharded = cfg->use_distributed_optimizer && t->groups.dp_size > 1;
     CUDA_CHECK(&t->error, cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking));
+    t->tp.comm = t->groups.tp;
+    t->tp.size = t->groups.tp_size;
+    t->tp.rank = t->groups.tp_rank;
+    t->tp.sp = s.sp;
+    t->tp.type = cfg->precision == MT_FP32 ? ncclFloat : cfg->precision == MT_BF16 ? ncclBfloat16 : ncclHalf;
+    t->tp.compute = t->stream;
+    t->tp.stream = t->groups.tp_stream;
+    t->tp.world_rank = cfg->rank;
+    t->tp.error = &t->error;
+    CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->tp.issued, cudaEventDisableTiming));
+    CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->tp.marked, cudaEventDisableTiming));
+    CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->tp.done, cudaEventDisableTiming));
     CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->compute_done, cudaEventDisableTiming));
     CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->comm_done, cudaEventDisableTiming));
     t->gathered = (cudaEvent_t*)calloc((size_t)t->buffer.num_buckets, sizeof(cudaEvent_t));
@@ -3378,7 +3710,7 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     if (t->arena) layout_activations(&t->act, t, (char*)t->arena);
     if (t->error.status == MT_OK) create_rope_tables(t);
     /* host staging: inputs, targets, a V-sized counting buffer; the embedding index; losses */
-    CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_tokens, sizeof(int32_t) * (2 * (size_t)s.BT + (size_t)s.V)));
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_tokens, sizeof(int32_t) * (2 * (size_t)s.BT + (size_t)s.V_full)));
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_index, sizeof(int32_t) * (3 * (size_t)s.BT + 2)));
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_losses, sizeof(float) * (size_t)s.BT));
     if (t->error.status == MT_OK) {
@@ -3401,6 +3733,7 @@ void mt_trainer_free(mt_trainer* t) {
     if (!t) return;
     if (t->stream) cudaStreamSynchronize(t->stream);
     if (t->groups.comm_stream) cudaStreamSynchronize(t->groups.comm_stream);
+    if (t->groups.tp_stream) cudaStreamSynchronize(t->groups.tp_stream);
     if (t->params != (void*)t->master) cudaFree(t->params);
     cudaFree(t->master);
     cudaFree(t->grads);
@@ -3424,6 +3757,9 @@ void mt_trainer_free(mt_trainer* t) {
     free(t->first_bucket_of_layer);
     if (t->compute_done) cudaEventDestroy(t->compute_done);
     if (t->comm_done) cudaEventDestroy(t->comm_done);
+    if (t->tp.issued) cudaEventDestroy(t->tp.issued);
+    if (t->tp.marked) cudaEventDestroy(t->tp.marked);
+    if (t->tp.done) cudaEventDestroy(t->tp.done);
     process_groups_free(&t->groups);
     if (t->stream) cudaStreamDestroy(t->stream);
     free(t->shard_offset);
@@ -3499,7 +3835,33 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
     free(rows);
     if (st != MT_OK) return st;
     int64_t n = (int64_t)s.BT * s.V;
-    if (t->cfg.precision == MT_FP32) {
+    if (s.tp > 1) {
+        /* every rank's columns in turn: cast to fp32, broadcast over TP, placed at the rank's columns */
+        float* mine = (float*)device_alloc(t, sizeof(float) * (size_t)n);
+        float* staging = (float*)device_alloc(t, sizeof(float) * (size_t)n);
+        if (t->error.status == MT_OK) {
+            if (t->cfg.precision == MT_FP32)
+                CUDA_CHECK(&t->error, cudaMemcpyAsync(mine, t->act.logits, n * 4, cudaMemcpyDeviceToDevice, t->stream));
+            else if (t->cfg.precision == MT_BF16)
+                cast_to_float_kernel<__nv_bfloat16><<<ceil_div(n, 256), 256, 0, t->stream>>>(
+                    mine, (const __nv_bfloat16*)t->act.logits, n);
+            else
+                cast_to_float_kernel<__half><<<ceil_div(n, 256), 256, 0, t->stream>>>(mine, (const __half*)t->act.logits, n);
+            LAUNCH_CHECK(&t->error);
+        }
+        for (int r = 0; r < s.tp && t->error.status == MT_OK; r++) {
+            tp_after_compute(&t->tp);
+            NCCL_CHECK(&t->error, t->cfg.rank,
+                       ncclBroadcast(mine, staging, (size_t)n, ncclFloat, r, t->groups.tp, t->groups.tp_stream));
+            tp_join(&t->tp);
+            CUDA_CHECK(&t->error, cudaMemcpy2DAsync(logits + (int64_t)r * s.V, (size_t)s.V_full * 4, staging,
+                                                    (size_t)s.V * 4, (size_t)s.V * 4, (size_t)s.BT,
+                                                    cudaMemcpyDeviceToHost, t->stream));
+            CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+        }
+        cudaFree(mine);
+        cudaFree(staging);
+    } else if (t->cfg.precision == MT_FP32) {
         copy_sync(t, logits, t->act.logits, n * 4, cudaMemcpyDeviceToHost, err);
     } else {
         /* convert to fp32 in chunks through the sublayer scratch (unused after the forward) */
@@ -3522,11 +3884,44 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
     return mt_gpu_error_return(&t->error, err);
 }
 
-/* Parameters in canonical order, through the gradient buffer (free between steps). */
+/* The full model's canonical array from a full buffer-layout array of every TP rank: each rank's
+ * shard in turn is broadcast over the TP group, downloaded and put in place (mt_tp_shard_copy).
+ * Collective over TP; allocates a staging copy for the call (not in the training loop). */
+static mt_status gather_full_model(mt_trainer* t, float* device_full, float* host_full, mt_error* err) {
+    if (t->groups.tp_size == 1) return canonical_transfer(t, device_full, host_full, 0, err);
+    float* shard = (float*)malloc(sizeof(float) * (size_t)t->num_params);
+    float* staging = (float*)device_alloc(t, sizeof(float) * (size_t)t->buffer.size);
+    if (!shard) t->error.status = mt_fail(&t->error.error, MT_ERR_OOM, "cannot allocate a host shard of %lld floats",
+                                          (long long)t->num_params);
+    for (int r = 0; r < t->groups.tp_size && t->error.status == MT_OK; r++) {
+        tp_after_compute(&t->tp);
+        NCCL_CHECK(&t->error, t->cfg.rank,
+                   ncclBroadcast(device_full, staging, (size_t)t->buffer.size, ncclFloat, r, t->groups.tp,
+                                 t->groups.tp_stream));
+        tp_join(&t->tp);
+        if (canonical_transfer(t, staging, shard, 0, err) != MT_OK) break;
+        mt_tp_shard_copy(&t->cfg, r, host_full, shard, 0);
+    }
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    cudaFree(staging);
+    free(shard);
+    return mt_gpu_error_return(&t->error, err);
+}
+
+/* Parameters in canonical order (the full model; each TP rank keeps its shard), through the
+ * gradient buffer (free between steps). */
 mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     wait_for_all_parameters(t);
-    if (canonical_transfer(t, t->grads, (float*)params, 1, err) != MT_OK) return t->error.status;
+    float* shard = (float*)params;
+    if (t->groups.tp_size > 1) {
+        shard = (float*)malloc(sizeof(float) * (size_t)t->num_params);
+        if (!shard) return mt_fail(err, MT_ERR_OOM, "cannot allocate a host shard of %lld floats", (long long)t->num_params);
+        mt_tp_shard_copy(&t->cfg, t->groups.tp_rank, (float*)params, shard, 1);
+    }
+    mt_status st = canonical_transfer(t, t->grads, shard, 1, err);
+    if (shard != params) free(shard);
+    if (st != MT_OK) return st;
     set_master_from_full(t, t->grads);
     CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, sizeof(float) * t->buffer.size, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
@@ -3536,13 +3931,13 @@ mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error
 mt_status mt_trainer_get_parameters(mt_trainer* t, float* params, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     wait_for_all_parameters(t);
-    return canonical_transfer(t, full_master(t), params, 0, err);
+    return gather_full_model(t, full_master(t), params, err);
 }
 
 mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     if (t->sharded) gather_owned_fp32(t, t->grads); /* each rank holds the sums of its shards */
-    return canonical_transfer(t, t->grads, grads, 0, err);
+    return gather_full_model(t, t->grads, grads, err);
 }
 
 mt_status mt_trainer_next_token_logits(mt_trainer* t, const int32_t* context, int length, float* logits,
@@ -3559,7 +3954,8 @@ mt_status mt_trainer_next_token_logits(mt_trainer* t, const int32_t* context, in
     mt_status st = run_micro_batches(t, rows, 1, 0, 1.0, 0, &loss, err);
     free(rows);
     if (st != MT_OK) return st;
-    float* stage = t->act.logits_row;
+    /* this rank's columns of the row, in fp32 at their place in the whole vocabulary, then gathered */
+    float* stage = t->act.logits_row + s.vocab_start;
     const char* row = (const char*)t->act.logits + (size_t)(length - 1) * s.V * t->elem;
     if (t->cfg.precision == MT_FP32)
         CUDA_CHECK(&t->error, cudaMemcpyAsync(stage, row, (size_t)s.V * 4, cudaMemcpyDeviceToDevice, t->stream));
@@ -3568,7 +3964,14 @@ mt_status mt_trainer_next_token_logits(mt_trainer* t, const int32_t* context, in
     else
         cast_to_float_kernel<__half><<<ceil_div(s.V, 256), 256, 0, t->stream>>>(stage, (const __half*)row, s.V);
     LAUNCH_CHECK(&t->error);
-    CUDA_CHECK(&t->error, cudaMemcpyAsync(logits, stage, (size_t)s.V * 4, cudaMemcpyDeviceToHost, t->stream));
+    if (s.tp > 1) {
+        tp_after_compute(&t->tp);
+        NCCL_CHECK(&t->error, t->cfg.rank,
+                   ncclAllGather(stage, t->act.logits_row, (size_t)s.V, ncclFloat, t->groups.tp, t->groups.tp_stream));
+        tp_join(&t->tp);
+    }
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(logits, t->act.logits_row, (size_t)s.V_full * 4, cudaMemcpyDeviceToHost,
+                                          t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     return mt_gpu_error_return(&t->error, err);
 }

@@ -375,7 +375,8 @@ typedef struct {
     int64_t train_iters;              /* --train-iters */
     uint64_t seed;                    /* --seed (1234) */
     /* parallel layout (1 everywhere on one GPU) */
-    int tensor_model_parallel_size;
+    int tensor_model_parallel_size;   /* --tensor-model-parallel-size: each layer split over TP GPUs */
+    int sequence_parallel;            /* --sequence-parallel: norms and residuals hold BT/TP rows (TP > 1) */
     int pipeline_model_parallel_size;
     int data_parallel_size;           /* derived: world / (tp * pp) */
     /* data-parallel gradient reduction and optimizer (Megatron's DistributedDataParallelConfig) */
@@ -434,15 +435,43 @@ typedef struct {
     int64_t offset;        /* in elements, into the one flat parameter buffer */
     int weight_decay;      /* 1 for matrices and embeddings, 0 for biases and norms (Megatron) */
     int init;              /* 0 zeros, 1 ones, 2 normal(std), 3 normal(std / sqrt(2 L)) */
+    /* Tensor parallelism: each layer's slice, viewed as [split_outer, split_rows, split_inner] of the
+     * full model, has its rows cut into TP equal parts, rank r holding part r (tp_split = 0: every
+     * rank holds all of it). Column-parallel weights and biases (QKV, fc1) and the vocab-parallel
+     * embeddings and output layer are cut by output rows; row-parallel weights (proj, fc2) by input
+     * columns (outer = out, rows = in, inner = 1); fc1 with SwiGLU is [2, f, h] so each rank holds
+     * its gate rows and its up rows; norms, row-parallel biases and position embeddings are whole. */
+    int tp_split;
+    int64_t split_outer, split_rows, split_inner;
 } mt_param_info;
-/* Fills info[MT_NUM_PARAM_TENSORS]; returns the total element count. */
+/* The full model: fills info[MT_NUM_PARAM_TENSORS]; returns the total element count. */
 int64_t mt_param_layout(const mt_config* cfg, mt_param_info* info);
+/* One tensor-parallel rank's shard (every TP rank's is the same shape): numel and offset count
+ * this rank's elements, in the same canonical order. Equals mt_param_layout at TP = 1. */
+int64_t mt_param_layout_shard(const mt_config* cfg, mt_param_info* info);
+/* Copies between a full-model canonical array and TP rank tp_rank's shard-layout array (from the
+ * full one when to_shard, else into it). */
+void mt_tp_shard_copy(const mt_config* cfg, int tp_rank, float* full, float* shard, int to_shard);
+/* Index, within one layer's slice of the full tensor, of element i of a rank's slice: the slice
+ * [outer, rows, inner] holds rows [row0, row0 + rows_shard) of rows_full. */
+#ifdef __CUDACC__
+#define MT_HOST_DEVICE __host__ __device__
+#else
+#define MT_HOST_DEVICE
+#endif
+static inline MT_HOST_DEVICE int64_t mt_tp_full_index(int64_t i, int64_t rows_shard, int64_t inner, int64_t rows_full,
+                                                      int64_t row0) {
+    int64_t per_outer = rows_shard * inner, o = i / per_outer, rem = i - o * per_outer;
+    return (o * rows_full + row0) * inner + rem;
+}
 
 /* The checkpoint format. <dir>/iter_%07d/mp_rank_00/model_optim_rng.bin is a header of
  * MT_CK_HEADER_WORDS little-endian int64 words (indices below), then fp32 master weights, Adam m and
  * v, each in canonical order (only the master weights when MT_CK_SHARDED_DP > 0: then every DP rank
- * r also has distrib_optim_dp<r>.bin, the same header and its shard of master, m, v). megatron.cu
- * writes and loads it; prepro/convert_hf writes and reads it. */
+ * r also has distrib_optim_dp<r>.bin, the same header and its shard of master, m, v). With tensor
+ * parallelism every TP rank t writes mp_rank_<t>/ (two digits, Megatron's naming) holding its shard
+ * in mt_param_layout_shard's order; MT_CK_NUM_PARAMS is always the full model's count. megatron.cu
+ * writes and loads it; prepro/convert_hf writes and reads it (TP = 1). */
 #define MT_CKPT_MAGIC 0x4b43544d /* "MTCK" */
 #define MT_CKPT_VERSION 1
 enum {
@@ -465,6 +494,7 @@ enum {
     MT_CK_NO_BIAS_LINEAR,
     MT_CK_NORM_EPS_BITS, /* informational (for export): --norm-epsilon's bits */
     MT_CK_TRUE_VOCAB,    /* informational (for export): the tokenizer's vocabulary, 0 if unknown */
+    MT_CK_TP_RANK,       /* the tensor-parallel rank whose shard the file holds (mp_rank_<tp>) */
     MT_CK_HEADER_WORDS = 64
 };
 /* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
@@ -493,7 +523,7 @@ typedef struct {
     int tensor;          /* MT_P_* */
     int layer;           /* 0 for tensors outside the layers */
     int64_t numel;
-    int64_t canonical;   /* element offset in the canonical order of mt_param_layout */
+    int64_t canonical;   /* element offset in the canonical order of mt_param_layout_shard (this TP rank) */
     int64_t offset;      /* element offset in the buffer */
     int bucket;
 } mt_buffer_param;
@@ -569,7 +599,8 @@ mt_status mt_trainer_compute_gradients(mt_trainer* t, const int32_t* tokens, int
 /* Mean loss over num_micro_batches micro-batches, no gradients. */
 mt_status mt_trainer_evaluate(mt_trainer* t, const int32_t* tokens, int num_micro_batches, double* loss,
                               mt_error* err);
-/* Logits of one micro-batch: tokens [micro_batch_size, seq_length], logits [micro, seq, padded vocab] (fp32). */
+/* Logits of one micro-batch: tokens [micro_batch_size, seq_length], logits [micro, seq, padded vocab] (fp32).
+ * With tensor parallelism every TP rank calls it and receives the whole vocabulary. */
 mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits, mt_error* err);
 
 /* Logits (fp32, padded vocabulary) that follow context[0 .. length-1], for generation; length <= seq_length. */
@@ -580,7 +611,9 @@ double mt_device_peak_tflops(mt_precision precision);
 /* The current device's name and its free/total memory as the driver reports them. */
 mt_status mt_device_info(char* name, size_t name_size, size_t* free_bytes, size_t* total_bytes, mt_error* err);
 
-/* Parameters and gradients in canonical order, fp32 (mt_num_parameters elements). */
+/* Parameters and gradients of the full model in canonical order, fp32 (mt_num_parameters elements).
+ * With tensor parallelism every rank calls them: get gathers the TP shards to full shape, set cuts
+ * each rank's shard from the full array. */
 mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error* err);
 mt_status mt_trainer_get_parameters(mt_trainer* t, float* params, mt_error* err);
 mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err);
@@ -2064,6 +2097,18 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
         return mt_fail(err, MT_ERR_CONFIG, "world size %d is not divisible by tensor x pipeline parallel size %d",
                        c->world_size, model_parallel);
     c->data_parallel_size = c->world_size / model_parallel;
+    int tp = c->tensor_model_parallel_size;
+    if (c->num_attention_heads % tp || c->num_query_groups % tp)
+        return mt_fail(err, MT_ERR_CONFIG,
+                       "--num-attention-heads %d and --num-query-groups %d must be divisible by "
+                       "--tensor-model-parallel-size %d", c->num_attention_heads, c->num_query_groups, tp);
+    if (c->ffn_hidden_size % tp)
+        return mt_fail(err, MT_ERR_CONFIG, "--ffn-hidden-size %d is not divisible by --tensor-model-parallel-size %d",
+                       c->ffn_hidden_size, tp);
+    if (tp == 1) c->sequence_parallel = 0; /* as Megatron: nothing to split */
+    if (c->sequence_parallel && c->seq_length % tp)
+        return mt_fail(err, MT_ERR_CONFIG, "--sequence-parallel needs --seq-length %d divisible by "
+                       "--tensor-model-parallel-size %d", c->seq_length, tp);
     c->padded_vocab_size =
         mt_padded_vocab_size(c->vocab_size, c->make_vocab_size_divisible_by, c->tensor_model_parallel_size);
     if (c->micro_batch_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--micro-batch-size must be positive");
@@ -2155,43 +2200,82 @@ double mt_flops_per_iteration(const mt_config* c, int64_t batch) {
            (double)batch * s * s * 6.0 * n * d * L;
 }
 
-int64_t mt_param_layout(const mt_config* c, mt_param_info* info) {
-    int64_t L = c->num_layers, h = c->hidden_size, f = c->ffn_hidden_size, f1 = c->swiglu ? 2 * f : f;
+/* The layout at a tensor-parallel size of tp (1: the full model). Each tensor is given per layer as
+ * [outer, rows, inner] with the rows cut over TP when split (see mt_param_info). */
+static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* info) {
+    int64_t L = c->num_layers, h = c->hidden_size, f = c->ffn_hidden_size;
     int64_t qkv = (int64_t)(c->num_attention_heads + 2 * c->num_query_groups) * c->kv_channels;
     int64_t attn = (int64_t)c->num_attention_heads * c->kv_channels;
     int64_t ln_bias = c->normalization == MT_NORM_LAYERNORM, bias = c->add_bias_linear != 0;
     int64_t positions = c->position_embedding_type == MT_POSITION_LEARNED ? c->max_position_embeddings : 0;
-    struct { const char* name; int64_t numel; int wd; int init; } t[MT_NUM_PARAM_TENSORS] = {
-        {"word_embeddings", c->padded_vocab_size * h, 1, 2},
-        {"position_embeddings", positions * h, 1, 2},
-        {"ln1_weight", L * h, 0, 1},
-        {"ln1_bias", ln_bias * L * h, 0, 0},
-        {"qkv_weight", L * qkv * h, 1, 2},
-        {"qkv_bias", bias * L * qkv, 0, 0},
-        {"proj_weight", L * h * attn, 1, 3},
-        {"proj_bias", bias * L * h, 0, 0},
-        {"ln2_weight", L * h, 0, 1},
-        {"ln2_bias", ln_bias * L * h, 0, 0},
-        {"fc1_weight", L * f1 * h, 1, 2},
-        {"fc1_bias", bias * L * f1, 0, 0},
-        {"fc2_weight", L * h * f, 1, 3},
-        {"fc2_bias", bias * L * h, 0, 0},
-        {"final_ln_weight", h, 0, 1},
-        {"final_ln_bias", ln_bias * h, 0, 0},
-        {"output_weight", c->untie_embeddings_and_output_weights ? c->padded_vocab_size * h : 0, 1, 2},
+    int64_t V = c->padded_vocab_size, untied = c->untie_embeddings_and_output_weights != 0;
+    int64_t glu = c->swiglu ? 2 : 1;
+    struct { const char* name; int64_t layers, outer, rows, inner; int split, wd, init; } t[MT_NUM_PARAM_TENSORS] = {
+        /* name                 layers        outer rows       inner split wd init */
+        {"word_embeddings",     1,            1,    V,         h,    1, 1, 2},
+        {"position_embeddings", 1,            1,    positions, h,    0, 1, 2},
+        {"ln1_weight",          L,            1,    h,         1,    0, 0, 1},
+        {"ln1_bias",            ln_bias * L,  1,    h,         1,    0, 0, 0},
+        {"qkv_weight",          L,            1,    qkv,       h,    1, 1, 2}, /* groups are whole row blocks */
+        {"qkv_bias",            bias * L,     1,    qkv,       1,    1, 0, 0},
+        {"proj_weight",         L,            h,    attn,      1,    1, 1, 3},
+        {"proj_bias",           bias * L,     1,    h,         1,    0, 0, 0},
+        {"ln2_weight",          L,            1,    h,         1,    0, 0, 1},
+        {"ln2_bias",            ln_bias * L,  1,    h,         1,    0, 0, 0},
+        {"fc1_weight",          L,            glu,  f,         h,    1, 1, 2},
+        {"fc1_bias",            bias * L,     glu,  f,         1,    1, 0, 0},
+        {"fc2_weight",          L,            h,    f,         1,    1, 1, 3},
+        {"fc2_bias",            bias * L,     1,    h,         1,    0, 0, 0},
+        {"final_ln_weight",     1,            1,    h,         1,    0, 0, 1},
+        {"final_ln_bias",       ln_bias,      1,    h,         1,    0, 0, 0},
+        {"output_weight",       untied,       1,    V,         h,    1, 1, 2},
     };
     int64_t offset = 0;
     for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
+        int64_t rows = t[i].split ? t[i].rows / tp : t[i].rows;
+        int64_t numel = t[i].layers * t[i].outer * rows * t[i].inner;
         if (info) {
             info[i].name = t[i].name;
-            info[i].numel = t[i].numel;
+            info[i].numel = numel;
             info[i].offset = offset;
             info[i].weight_decay = t[i].wd;
             info[i].init = t[i].init;
+            info[i].tp_split = t[i].split;
+            info[i].split_outer = t[i].outer;
+            info[i].split_rows = t[i].rows;
+            info[i].split_inner = t[i].inner;
         }
-        offset += t[i].numel;
+        offset += numel;
     }
     return offset;
+}
+
+int64_t mt_param_layout(const mt_config* c, mt_param_info* info) { return mt__param_layout_tp(c, 1, info); }
+
+int64_t mt_param_layout_shard(const mt_config* c, mt_param_info* info) {
+    return mt__param_layout_tp(c, c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1, info);
+}
+
+void mt_tp_shard_copy(const mt_config* c, int tp_rank, float* full, float* shard, int to_shard) {
+    mt_param_info whole[MT_NUM_PARAM_TENSORS], part[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(c, whole);
+    mt_param_layout_shard(c, part);
+    int tp = c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1;
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
+        if (part[i].numel == 0) continue;
+        int64_t per_layer_full = whole[i].split_outer * whole[i].split_rows * whole[i].split_inner;
+        int64_t layers = whole[i].numel / per_layer_full, per_layer = part[i].numel / layers;
+        int64_t rows = part[i].tp_split ? whole[i].split_rows / tp : whole[i].split_rows;
+        int64_t row0 = part[i].tp_split ? (int64_t)tp_rank * rows : 0;
+        for (int64_t l = 0; l < layers; l++)
+            for (int64_t j = 0; j < per_layer; j++) {
+                float* a = full + whole[i].offset + l * per_layer_full +
+                           mt_tp_full_index(j, rows, whole[i].split_inner, whole[i].split_rows, row0);
+                float* b = shard + part[i].offset + l * per_layer + j;
+                if (to_shard) *b = *a;
+                else *a = *b;
+            }
+    }
 }
 
 int64_t mt_num_parameters(const mt_config* c) { return mt_param_layout(c, NULL); }
@@ -2294,7 +2378,7 @@ void mt_buffer_layout_free(mt_buffer_layout* b) {
 mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_error* err) {
     memset(b, 0, sizeof(*b));
     mt_param_info info[MT_NUM_PARAM_TENSORS];
-    mt_param_layout(c, info);
+    mt_param_layout_shard(c, info); /* this tensor-parallel rank's shard */
     int L = c->num_layers, dp = c->data_parallel_size > 0 ? c->data_parallel_size : 1;
     /* model order (Megatron's module.parameters()): embeddings, each layer, final norm, output
      * layer; tensors the flavour lacks (numel 0) are not parameters */

@@ -190,6 +190,7 @@ static void parse_args(run_options* o, int argc, char** argv) {
         {"--train-iters", F_INT64, &iters},
         {"--seed", F_INT64, &seed},
         {"--tensor-model-parallel-size", F_INT64, &tp},
+        {"--sequence-parallel", F_TRUE, &c->sequence_parallel},
         {"--pipeline-model-parallel-size", F_INT64, &pp},
         {"--use-distributed-optimizer", F_TRUE, &c->use_distributed_optimizer},
         {"--overlap-grad-reduce", F_TRUE, &c->overlap_grad_reduce},
@@ -668,8 +669,9 @@ int main(int argc, char** argv) {
            c->num_layers, c->hidden_size, c->num_attention_heads, c->ffn_hidden_size, c->seq_length,
            (long long)c->vocab_size, (long long)c->padded_vocab_size, c->micro_batch_size, c->global_batch_size,
            (long long)c->train_iters);
-    printf("parallel: %d GPU(s), data-parallel %d, tensor-parallel %d, pipeline-parallel %d%s%s%s\n", c->world_size,
-           c->data_parallel_size, c->tensor_model_parallel_size, c->pipeline_model_parallel_size,
+    printf("parallel: %d GPU(s), data-parallel %d, tensor-parallel %d%s, pipeline-parallel %d%s%s%s\n", c->world_size,
+           c->data_parallel_size, c->tensor_model_parallel_size, c->sequence_parallel ? " (sequence parallel)" : "",
+           c->pipeline_model_parallel_size,
            c->use_distributed_optimizer ? ", distributed optimizer" : "",
            c->overlap_grad_reduce ? ", overlapped grad reduce" : "", c->overlap_param_gather ? ", overlapped param gather" : "");
     mt_trainer* t = NULL;
@@ -751,7 +753,9 @@ int main(int argc, char** argv) {
         if (mt_trainer_save(t, o.save, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
         printf("saved checkpoint at iteration %lld to %s\n", (long long)iteration, o.save);
     }
-    if (rank == 0) print_sample(t, tok, c, o.sample_tokens, c->seed); /* no collectives inside */
+    /* every rank samples (the same tokens: same seed; with tensor parallelism the forward needs the
+     * whole TP group); only rank 0's stdout is open */
+    print_sample(t, tok, c, o.sample_tokens, c->seed);
 
     free(tokens);
     mt_trainer_free(t);

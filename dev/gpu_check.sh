@@ -26,7 +26,7 @@ fi
 
 ./test_megatron 2>&1 | tee "$OUT/test.log"
 rows+=("test_megatron|$(tail -n1 "$OUT/test.log")|")
-# multi-GPU tests: data parallel over 2 and (with 4 GPUs) 4 ranks, each against DP=1
+# multi-GPU tests: data and tensor parallel over 2 and (with 4 GPUs) 4 ranks, each against one GPU
 MPIRUN="mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE=0"
 if [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null; then
   for np in 2 4; do
@@ -58,6 +58,16 @@ if [ "$what" = all ]; then
     ms=$(echo "$last" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
     loss=$(echo "$last" | sed 's/.*lm loss: \([^ ]*\).*/\1/')
     rows+=("train_gpt built-in, $np GPUs DP|loss $loss val $val|${ms} ms/iter $(( $(date +%s) - start )) s")
+    # tensor parallel over 2 GPUs (the built-in model has 6 heads: TP=2), with sequence parallelism
+    rm -rf checkpoints/builtin_tp
+    start=$(date +%s)
+    timeout 600 $MPIRUN -np 2 ./train_gpt --tensor-model-parallel-size 2 --sequence-parallel \
+      --save checkpoints/builtin_tp 2>&1 | tee "$OUT/train_builtin_tp.log"
+    last=$(grep "elapsed time per iteration" "$OUT/train_builtin_tp.log" | tail -n1)
+    val=$(grep "validation loss" "$OUT/train_builtin_tp.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
+    ms=$(echo "$last" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
+    loss=$(echo "$last" | sed 's/.*lm loss: \([^ ]*\).*/\1/')
+    rows+=("train_gpt built-in, TP=2 + SP|loss $loss val $val|${ms} ms/iter $(( $(date +%s) - start )) s")
   fi
 fi
 
