@@ -15,6 +15,7 @@
 #include "tests/test_train.h"
 #include "tests/test_gpu.h"
 #include "tests/test_parallel.h"
+#include "tests/test_tp.h"
 #include "tests/test_hf.h"
 
 typedef struct {
@@ -41,9 +42,11 @@ int main(int argc, char** argv) {
         GROUP("tokenizer", tokenizer_tests),
         GROUP("train", train_tests),
         GROUP("parallel", parallel_tests),
+        GROUP("tp", tp_host_tests),
         GROUP("hf", hf_tests),
         GROUP("gpu", gpu_tests),
         GROUP("multigpu", multigpu_tests),
+        GROUP("multigpu", tp_multigpu_tests),
     };
     int passed = 0, failed = 0, skipped = 0;
     for (size_t g = 0; g < sizeof(groups) / sizeof(groups[0]); g++) {
