@@ -45,6 +45,7 @@ int main(int argc, char** argv) {
         GROUP("tp", tp_host_tests),
         GROUP("hf", hf_tests),
         GROUP("gpu", gpu_tests),
+        GROUP("gpu", tp_gpu_tests),
         GROUP("multigpu", multigpu_tests),
         GROUP("multigpu", tp_multigpu_tests),
     };

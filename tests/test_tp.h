@@ -912,6 +912,83 @@ static test_result test_tp_memory_plan(void) {
     return res;
 }
 
+/* ---- GPU test (one GPU): the vocab-parallel cross entropy's two kernels ---- */
+
+/* The logits of `rows` tokens over a vocabulary of V_full, cut into tp column blocks as the TP ranks
+ * hold them: each block's statistics (cross_entropy_partial_kernel) gathered into one array as the
+ * all-gather leaves them, then every block's loss and gradient (cross_entropy_combine_kernel),
+ * against a double-precision log-sum-exp over the whole row, for tp = 1..8 (odd ones too: the
+ * combine must not depend on how its loop over the ranks is compiled). Tolerance: fp32 logits of
+ * magnitude ~5 give log-sum-exp and softmax with a few ulps of error: 1e-5 relative. */
+static test_result test_tp_vocab_parallel_cross_entropy(void) {
+    REQUIRE_GPU();
+    enum { rows = 7 };
+    test_result res = TEST_PASS;
+    for (int tp = 1; tp <= 8 && res == TEST_PASS; tp++) {
+        int V = 128 * 3, Vf = V * tp; /* each rank's columns a multiple of 128, as the padding makes them */
+        float* logits = (float*)malloc(sizeof(float) * rows * Vf);
+        int32_t targets[rows];
+        uint64_t x = 12345 + tp;
+        for (int i = 0; i < rows * Vf; i++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            logits[i] = (float)((double)(x >> 11) / 9007199254740992.0 * 10.0 - 5.0);
+        }
+        for (int r = 0; r < rows; r++) targets[r] = (r * 977 + tp * 131) % Vf;
+        float *d_logits, *d_stats, *d_losses;
+        int32_t* d_targets;
+        cudaMalloc(&d_logits, sizeof(float) * rows * V);
+        cudaMalloc(&d_stats, sizeof(float) * tp * rows * 3);
+        cudaMalloc(&d_losses, sizeof(float) * rows);
+        cudaMalloc(&d_targets, sizeof(int32_t) * rows);
+        cudaMemcpy(d_targets, targets, sizeof(int32_t) * rows, cudaMemcpyHostToDevice);
+        float* block = (float*)malloc(sizeof(float) * rows * V);
+        float* grads = (float*)malloc(sizeof(float) * rows * Vf);
+        float losses[rows];
+        for (int pass = 0; pass < 2; pass++)
+            for (int k = 0; k < tp; k++) { /* pass 0: every rank's statistics; pass 1: losses and gradients */
+                for (int r = 0; r < rows; r++) memcpy(block + (int64_t)r * V, logits + (int64_t)r * Vf + (int64_t)k * V, sizeof(float) * V);
+                cudaMemcpy(d_logits, block, sizeof(float) * rows * V, cudaMemcpyHostToDevice);
+                if (pass == 0) {
+                    cross_entropy_partial_kernel<float><<<rows, 512>>>(d_stats + (int64_t)k * rows * 3, d_logits, d_targets, V, (int64_t)k * V);
+                } else {
+                    cross_entropy_combine_kernel<float><<<rows, 512>>>(d_logits, d_losses, d_stats, tp, rows, d_targets, V, (int64_t)k * V, 1.0f);
+                    cudaMemcpy(block, d_logits, sizeof(float) * rows * V, cudaMemcpyDeviceToHost);
+                    for (int r = 0; r < rows; r++) memcpy(grads + (int64_t)r * Vf + (int64_t)k * V, block + (int64_t)r * V, sizeof(float) * V);
+                    float l[rows];
+                    cudaMemcpy(l, d_losses, sizeof(l), cudaMemcpyDeviceToHost);
+                    if (k == 0) memcpy(losses, l, sizeof(l));
+                    else if (memcmp(l, losses, sizeof(l))) { printf("    FAIL tp %d: rank %d computed other losses than rank 0\n", tp, k); res = TEST_FAIL; }
+                }
+            }
+        cudaError_t e = cudaDeviceSynchronize();
+        if (e != cudaSuccess) { printf("    FAIL tp %d: %s\n", tp, cudaGetErrorString(e)); res = TEST_FAIL; }
+        double worst_loss = 0, worst_grad = 0;
+        for (int r = 0; r < rows; r++) {
+            const float* z = logits + (int64_t)r * Vf;
+            double mx = z[0], sum = 0;
+            for (int i = 1; i < Vf; i++) mx = z[i] > mx ? z[i] : mx;
+            for (int i = 0; i < Vf; i++) sum += exp((double)z[i] - mx);
+            double lse = mx + log(sum), want = lse - z[targets[r]];
+            double el = fabs(losses[r] - want) / fabs(want);
+            if (!(el <= worst_loss)) worst_loss = el;
+            for (int i = 0; i < Vf; i++) {
+                double g = exp((double)z[i] - lse) - (i == targets[r] ? 1.0 : 0.0);
+                double eg = fabs(grads[(int64_t)r * Vf + i] - g);
+                if (!(eg <= worst_grad)) worst_grad = eg;
+            }
+        }
+        printf("      tp %d (%d columns per rank): loss %.2e relative, gradient %.2e absolute\n", tp, V, worst_loss, worst_grad);
+        if (!(worst_loss <= 1e-5) || !(worst_grad <= 1e-5)) { printf("    FAIL tp %d\n", tp); res = TEST_FAIL; }
+        cudaFree(d_logits); cudaFree(d_stats); cudaFree(d_losses); cudaFree(d_targets);
+        free(logits); free(block); free(grads);
+    }
+    return res;
+}
+
+static const test_case tp_gpu_tests[] = {
+    {"tp_vocab_parallel_cross_entropy_tp_1_to_8", test_tp_vocab_parallel_cross_entropy},
+};
+
 static const test_case tp_multigpu_tests[] = {
     {"tp_matches_single_gpu_fp32", test_tp_matches_single_fp32},
     {"tp_matches_single_gpu_bf16", test_tp_matches_single_bf16},
