@@ -555,7 +555,7 @@ typedef struct mt_trainer mt_trainer;
 
 /* Where every byte of device memory goes, per GPU. */
 typedef struct {
-    int64_t num_parameters;
+    int64_t num_parameters;   /* this GPU's: its tensor-parallel shard of the model */
     int64_t buffer_elements;  /* the parameter/gradient buffer: parameters plus Megatron's padding */
     int64_t shard_elements;   /* what this rank's optimizer owns (buffer / dp with the distributed optimizer) */
     size_t parameter_bytes;   /* model-precision weights */

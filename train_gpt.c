@@ -478,7 +478,8 @@ static void print_memory_plan(mt_trainer* t, const mt_config* c) {
     size_t free_bytes = 0, total_bytes = 0;
     mt_error err;
     mt_device_info(name, sizeof(name), &free_bytes, &total_bytes, &err);
-    printf("memory plan per GPU (%s, %lld parameters, %s):\n", name, (long long)p.num_parameters,
+    printf("memory plan per GPU (%s, %lld parameters%s, %s):\n", name, (long long)p.num_parameters,
+           c->tensor_model_parallel_size > 1 ? " of this tensor-parallel rank" : "",
            c->precision == MT_FP32 ? "fp32" : c->precision == MT_BF16 ? "bf16" : "fp16");
     printf("  parameters   %8.3f GiB  (%zu bytes/param)\n", p.parameter_bytes / gib,
            p.num_parameters ? p.parameter_bytes / (size_t)p.num_parameters : 0);
