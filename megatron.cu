@@ -7,9 +7,10 @@
  *   2. Kernels, one section per layer: init, embedding, LayerNorm, bias/column reductions, GELU,
  *      attention (permute, causal softmax), cross entropy, residual, gradient norm, AdamW
  *   3. GEMM: one wrapper over cuBLAS for fp32/bf16/fp16 with fp32 accumulation
- *   4. Process groups: Megatron's rank layout, the NCCL data-parallel communicator, its stream
- *   5. Parallel layers: linear forward/backward (column/row parallel degenerate to plain at TP=1)
- *   6. The model: memory layout, forward and backward of one stage, GPT-2 flavour
+ *   4. Process groups: Megatron's rank layout, the world, tensor- and data-parallel communicators
+ *   5. Parallel layers: column- and row-parallel linears with sequence parallelism (plain at TP=1)
+ *   6. The model: memory layout, forward and backward of one stage (GPT-2 and Llama flavours;
+ *      vocab-parallel embedding, output layer and cross entropy)
  *   7. Pipeline engine (one stage for now)
  *   8. Optimizer: DP gradient buckets (all-reduce / reduce-scatter overlapped with the backward),
  *      gradient norm, clipping, fp16 loss scaler, AdamW over this rank's shard, parameter all-gather
@@ -22,7 +23,8 @@
  *
  * Determinism: no floating-point atomics anywhere. Column sums (bias, norm and position-embedding
  * gradients) reduce fixed row chunks, then the chunks in order; the word-embedding gradient sums each
- * token's positions in order from a host-built index; reductions use fixed trees.
+ * token's positions in order from a host-built index; reductions use fixed trees; NCCL's sums are
+ * the same from run to run on the same layout.
  */
 #define MEGATRON_IMPLEMENTATION
 #include "megatron.h"
