@@ -30,6 +30,7 @@
 #include "megatron.h"
 
 #include <cublas_v2.h>
+#include <cublasLt.h>
 #include <nccl.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -1818,36 +1819,179 @@ __global__ void adamw_kernel(const mt_opt_chunk* chunks, float* master, T* model
 }
 
 /* ============================================================================================== */
-/* 3. GEMM: row-major C[M,N] = op(A) op(B) through cuBLAS (column-major underneath), A and B in     */
+/* 3. GEMM: row-major C[M,N] = op(A) op(B) through cuBLASLt (column-major underneath), A and B in   */
 /*    the model type, C in the model type or fp32 (weight gradients accumulate straight into the   */
-/*    fp32 gradient buffer with beta = 1), always fp32 accumulation, batched by strides.          */
+/*    fp32 gradient buffer with beta = 1), always fp32 accumulation, batched by strides. Each     */
+/*    distinct GEMM (shapes, types, pointer alignment, epilogue) gets a plan once: descriptors,  */
+/*    layouts and the heuristic's algorithm, cached for the trainer's life. Epilogues fuse bias  */
+/*    + GELU into the first MLP GEMM (keeping the pre-activation as cuBLASLt's aux output) and   */
+/*    GELU's derivative into the second MLP GEMM's input gradient.                              */
 /* ============================================================================================== */
 
+typedef enum {
+    GEMM_PLAIN = 0,
+    GEMM_GELU_AUX_BIAS, /* D = gelu(AB + bias), aux = AB + bias (bias may be absent) */
+    GEMM_DGELU,         /* D = AB * gelu'(aux) */
+} mt_gemm_epilogue;
+
+/* What makes two GEMMs the same plan (memset to 0 before filling, compared with memcmp). */
 typedef struct {
-    cublasHandle_t handle;
+    int transA, transB, M, N, K, lda, ldb, ldc, batch;
+    int epilogue, has_bias, alignment;
+    int ab_type, c_type;
+    int64_t strideA, strideB, strideC;
+} mt_gemm_key;
+
+typedef struct {
+    mt_gemm_key key;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t a, b, c;
+    cublasLtMatmulAlgo_t algo;
+    int supported; /* the heuristic found an algorithm */
+} mt_gemm_plan;
+
+#define GEMM_MAX_PLANS 256
+typedef struct {
+    cublasLtHandle_t lt;
+    cublasHandle_t handle;   /* plain cuBLAS, for a GEMM cuBLASLt has no algorithm for */
+    void* workspace;
+    size_t workspace_bytes;
     cudaStream_t stream;
     mt_gpu_error* error;
+    mt_gemm_plan* plans;     /* [GEMM_MAX_PLANS] */
+    int num_plans;
 } mt_gemm_context;
 
+/* The largest power of two (<= 256) that divides the address. */
+static int pointer_alignment(const void* p) {
+    uintptr_t x = (uintptr_t)p;
+    int a = 256;
+    while (a > 1 && (x % a)) a >>= 1;
+    return a;
+}
+
+/* Builds the plan of a key: the row-major problem is the column-major C^T[N,M] = op(B)^T op(A)^T,
+ * so cuBLASLt's "A" is our B and its "B" our A. */
+static void gemm_plan_build(mt_gemm_context* g, mt_gemm_plan* p) {
+    const mt_gemm_key* k = &p->key;
+    cudaDataType_t ab = (cudaDataType_t)k->ab_type, ct = (cudaDataType_t)k->c_type;
+    mt_gpu_error* e = g->error;
+    cublasOperation_t opA = k->transB ? CUBLAS_OP_T : CUBLAS_OP_N, opB = k->transA ? CUBLAS_OP_T : CUBLAS_OP_N;
+    if (!CUBLAS_CHECK(e, cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F))) return;
+    CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof(opA)));
+    CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &opB, sizeof(opB)));
+    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
+    if (k->epilogue == GEMM_GELU_AUX_BIAS) epi = k->has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    if (k->epilogue == GEMM_DGELU) epi = CUBLASLT_EPILOGUE_DGELU;
+    CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    if (k->epilogue != GEMM_PLAIN) {
+        int64_t aux_ld = k->ldc;
+        CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld,
+                                                       sizeof(aux_ld)));
+    }
+    /* stored shapes (column-major rows x cols) */
+    uint64_t a_rows = k->transB ? k->K : k->N, a_cols = k->transB ? k->N : k->K;
+    uint64_t b_rows = k->transA ? k->M : k->K, b_cols = k->transA ? k->K : k->M;
+    CUBLAS_CHECK(e, cublasLtMatrixLayoutCreate(&p->a, ab, a_rows, a_cols, k->ldb));
+    CUBLAS_CHECK(e, cublasLtMatrixLayoutCreate(&p->b, ab, b_rows, b_cols, k->lda));
+    CUBLAS_CHECK(e, cublasLtMatrixLayoutCreate(&p->c, ct, k->N, k->M, k->ldc));
+    if (k->batch > 1) {
+        struct { cublasLtMatrixLayout_t l; int64_t stride; } batched[3] = {{p->a, k->strideB}, {p->b, k->strideA}, {p->c, k->strideC}};
+        for (int i = 0; i < 3; i++) {
+            int32_t count = k->batch;
+            CUBLAS_CHECK(e, cublasLtMatrixLayoutSetAttribute(batched[i].l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                                             sizeof(count)));
+            CUBLAS_CHECK(e, cublasLtMatrixLayoutSetAttribute(batched[i].l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                             &batched[i].stride, sizeof(int64_t)));
+        }
+    }
+    cublasLtMatmulPreference_t pref;
+    if (!CUBLAS_CHECK(e, cublasLtMatmulPreferenceCreate(&pref))) return;
+    uint64_t ws = g->workspace_bytes;
+    uint32_t align = (uint32_t)k->alignment;
+    CUBLAS_CHECK(e, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    cublasLtMatmulPreferenceAttributes_t aligns[] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4; i++) CUBLAS_CHECK(e, cublasLtMatmulPreferenceSetAttribute(pref, aligns[i], &align, sizeof(align)));
+    cublasLtMatmulHeuristicResult_t result;
+    int found = 0;
+    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g->lt, p->desc, p->a, p->b, p->c, p->c, pref, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    p->supported = st == CUBLAS_STATUS_SUCCESS && found > 0;
+    if (p->supported) p->algo = result.algo;
+}
+
+static void gemm_plans_free(mt_gemm_context* g) {
+    for (int i = 0; g->plans && i < g->num_plans; i++) {
+        mt_gemm_plan* p = &g->plans[i];
+        if (p->desc) cublasLtMatmulDescDestroy(p->desc);
+        if (p->a) cublasLtMatrixLayoutDestroy(p->a);
+        if (p->b) cublasLtMatrixLayoutDestroy(p->b);
+        if (p->c) cublasLtMatrixLayoutDestroy(p->c);
+    }
+    free(g->plans);
+    g->plans = NULL;
+    g->num_plans = 0;
+}
+
 /* Row-major: C[M,N] (ldc) = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, where op(A) = A ([M,K], lda)
- * or A^T (A stored [K,M]); likewise B. Implemented as the column-major C^T = op(B)^T op(A)^T. */
+ * or A^T (A stored [K,M]); likewise B; with an epilogue (bias [N], aux [M,N] with ld ldc). Returns
+ * false, doing nothing, when cuBLASLt has no algorithm for an epilogue (the caller then runs the
+ * plain GEMM and its own kernels); a plain GEMM without one goes to cublasGemmEx. */
+template <typename T, typename TC>
+static bool gemm_epilogue(mt_gemm_context* g, mt_gemm_epilogue epilogue, bool transA, bool transB, int M, int N, int K,
+                          const T* A, int lda, const T* B, int ldb, TC* C, int ldc, float alpha, float beta,
+                          const T* bias, T* aux, int batch = 1, int64_t strideA = 0, int64_t strideB = 0,
+                          int64_t strideC = 0) {
+    if (g->error->status != MT_OK) return true;
+    mt_gemm_key key;
+    memset(&key, 0, sizeof(key));
+    key.transA = transA; key.transB = transB; key.M = M; key.N = N; key.K = K;
+    key.lda = lda; key.ldb = ldb; key.ldc = ldc; key.batch = batch;
+    key.strideA = strideA; key.strideB = strideB; key.strideC = strideC;
+    key.epilogue = epilogue; key.has_bias = bias != NULL;
+    key.ab_type = cuda_type<T>(); key.c_type = cuda_type<TC>();
+    int align = pointer_alignment(A);
+    const void* others[4] = {B, C, bias, aux};
+    for (int i = 0; i < 4; i++)
+        if (others[i] && pointer_alignment(others[i]) < align) align = pointer_alignment(others[i]);
+    key.alignment = align;
+    mt_gemm_plan* plan = NULL;
+    for (int i = 0; i < g->num_plans && !plan; i++)
+        if (!memcmp(&g->plans[i].key, &key, sizeof(key))) plan = &g->plans[i];
+    if (!plan && g->num_plans < GEMM_MAX_PLANS) {
+        plan = &g->plans[g->num_plans++];
+        memset(plan, 0, sizeof(*plan));
+        plan->key = key;
+        gemm_plan_build(g, plan);
+    }
+    if (plan && plan->supported) {
+        if (bias) CUBLAS_CHECK(g->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                                        &bias, sizeof(bias)));
+        if (aux) CUBLAS_CHECK(g->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                                       &aux, sizeof(aux)));
+        CUBLAS_CHECK(g->error, cublasLtMatmul(g->lt, plan->desc, &alpha, B, plan->a, A, plan->b, &beta, C, plan->c, C,
+                                              plan->c, &plan->algo, g->workspace, g->workspace_bytes, g->stream));
+        return true;
+    }
+    if (epilogue != GEMM_PLAIN) return false;
+    /* no cuBLASLt algorithm (or the plan cache is full): cuBLAS's own GEMM */
+    cublasOperation_t opB = transB ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasOperation_t opA = transA ? CUBLAS_OP_T : CUBLAS_OP_N;
+    CUBLAS_CHECK(g->error, cublasGemmStridedBatchedEx(g->handle, opB, opA, N, M, K, &alpha, B, cuda_type<T>(), ldb,
+                                                      strideB, A, cuda_type<T>(), lda, strideA, &beta, C,
+                                                      cuda_type<TC>(), ldc, strideC, batch, CUBLAS_COMPUTE_32F,
+                                                      CUBLAS_GEMM_DEFAULT));
+    return true;
+}
+
 template <typename T, typename TC>
 static void gemm(mt_gemm_context* g, bool transA, bool transB, int M, int N, int K, const T* A, int lda, const T* B,
                  int ldb, TC* C, int ldc, float alpha, float beta, int batch = 1, int64_t strideA = 0,
                  int64_t strideB = 0, int64_t strideC = 0) {
-    if (g->error->status != MT_OK) return;
-    cublasOperation_t opB = transB ? CUBLAS_OP_T : CUBLAS_OP_N;
-    cublasOperation_t opA = transA ? CUBLAS_OP_T : CUBLAS_OP_N;
-    if (batch == 1) {
-        CUBLAS_CHECK(g->error, cublasGemmEx(g->handle, opB, opA, N, M, K, &alpha, B, cuda_type<T>(), ldb, A,
-                                            cuda_type<T>(), lda, &beta, C, cuda_type<TC>(), ldc, CUBLAS_COMPUTE_32F,
-                                            CUBLAS_GEMM_DEFAULT));
-    } else {
-        CUBLAS_CHECK(g->error,
-                     cublasGemmStridedBatchedEx(g->handle, opB, opA, N, M, K, &alpha, B, cuda_type<T>(), ldb, strideB,
-                                                A, cuda_type<T>(), lda, strideA, &beta, C, cuda_type<TC>(), ldc,
-                                                strideC, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    }
+    gemm_epilogue<T, TC>(g, GEMM_PLAIN, transA, transB, M, N, K, A, lda, B, ldb, C, ldc, alpha, beta, (const T*)NULL,
+                         (T*)NULL, batch, strideA, strideB, strideC);
 }
 
 /* ============================================================================================== */
@@ -2009,11 +2153,24 @@ static void linear_forward(mt_gemm_context* g, T* y, const T* x, const T* weight
     }
 }
 
-/* dx[N, in] = dy W;  dW[out, in] += dy^T x;  db[out] += column sums of dy. */
+template <typename T>
+static void gelu_backward(mt_gemm_context* g, T* d, const T* pre, int64_t n);
+
+/* dx[N, in] = dy W;  dW[out, in] += dy^T x;  db[out] += column sums of dy. With gelu_pre (the
+ * GELU's input [N, in] that produced x), dx is instead the gradient of gelu_pre: dy W * gelu'(pre),
+ * through cuBLASLt's DGELU epilogue (or the GEMM and then the kernel). */
 template <typename T>
 static void linear_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dx, float* dweight, float* dbias, const T* dy,
-                            const T* x, const T* weight, int N, int in, int out) {
-    if (dx) gemm<T, T>(g, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
+                            const T* x, const T* weight, int N, int in, int out, const T* gelu_pre = NULL) {
+    if (dx && gelu_pre) {
+        if (!gemm_epilogue<T, T>(g, GEMM_DGELU, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f,
+                                 (const T*)NULL, (T*)gelu_pre)) {
+            gemm<T, T>(g, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
+            gelu_backward<T>(g, dx, gelu_pre, (int64_t)N * in);
+        }
+    } else if (dx) {
+        gemm<T, T>(g, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
+    }
     gemm<T, float>(g, true, false, out, in, N, dy, out, x, in, dweight, in, 1.0f, 1.0f);
     if (dbias) column_sum<T>(g, s, dbias, dy, N, out);
 }
@@ -2072,9 +2229,9 @@ static T* column_parallel_backward(mt_gemm_context* g, mt_colsum_scratch* s, mt_
 template <typename T>
 static void row_parallel_backward(mt_gemm_context* g, mt_colsum_scratch* s, mt_tp_group* tp, T* dx, float* dweight,
                                   float* dbias, const T* dy_rows, T* gathered, const T* x, const T* weight, int BT,
-                                  int R, int in, int out) {
+                                  int R, int in, int out, const T* gelu_pre = NULL) {
     const T* dy = column_parallel_input(tp, gathered, dy_rows, R, out);
-    linear_backward<T>(g, s, dx, dweight, (float*)NULL, dy, x, weight, BT, in, out);
+    linear_backward<T>(g, s, dx, dweight, (float*)NULL, dy, x, weight, BT, in, out, gelu_pre);
     if (dbias) column_sum<T>(g, s, dbias, dy_rows, R, out);
 }
 
@@ -2531,6 +2688,13 @@ static float* output_weight_grad(mt_trainer* t) {
     return w ? w : grad_ptr(t, MT_P_WORD_EMBEDDINGS);
 }
 
+/* GELU through cuBLASLt's epilogues: in bf16/fp16, where the epilogue's own GELU is within the
+ * storage type's rounding; fp32 keeps the kernels (its parity with the float64 reference is 1e-7). */
+template <typename T>
+static bool gelu_fused(const mt_shape& s) {
+    return !s.swiglu && sizeof(T) == 2;
+}
+
 /* Vocab-parallel cross entropy over this rank's logits [BT, V] (see the kernels in 2.8); at TP = 1
  * the one fused kernel. Per-token losses (the same on every TP rank) go to act.losses; when
  * grad_scale != 0 the logits are overwritten by their gradient. */
@@ -2608,11 +2772,18 @@ static void model_forward(mt_trainer* t, float grad_scale) {
 
         /* MLP block */
         const T* ln2_in = column_parallel_input<T>(tp, gathered, ln2, s.R, s.h);
-        linear_forward<T>(g, fc1, ln2_in, param_ptr<T>(t, MT_P_FC1_WEIGHT, l), (const T*)NULL, s.BT, s.h, s.f1);
-        if (s.swiglu)
-            bias_swiglu<T>(g, fc1, act, param_ptr<T>(t, MT_P_FC1_BIAS, l), s.BT, s.f);
-        else
-            bias_gelu<T>(g, fc1, act, param_ptr<T>(t, MT_P_FC1_BIAS, l), s.BT, s.f);
+        const T* fc1_w = param_ptr<T>(t, MT_P_FC1_WEIGHT, l);
+        const T* fc1_b = param_ptr<T>(t, MT_P_FC1_BIAS, l);
+        /* bf16/fp16 GELU: act = gelu(ln2 W^T + b) with fc1 = the pre-activation, one cuBLASLt GEMM */
+        bool fused = gelu_fused<T>(s) && gemm_epilogue<T, T>(g, GEMM_GELU_AUX_BIAS, false, true, s.BT, s.f, s.h, ln2_in,
+                                                             s.h, fc1_w, s.h, act, s.f, 1.0f, 0.0f, fc1_b, fc1);
+        if (!fused) {
+            linear_forward<T>(g, fc1, ln2_in, fc1_w, (const T*)NULL, s.BT, s.h, s.f1);
+            if (s.swiglu)
+                bias_swiglu<T>(g, fc1, act, fc1_b, s.BT, s.f);
+            else
+                bias_gelu<T>(g, fc1, act, fc1_b, s.BT, s.f);
+        }
         linear_forward<T>(g, (T*)a->branch, act, param_ptr<T>(t, MT_P_FC2_WEIGHT, l), (const T*)NULL, s.BT, s.f, s.h);
         T* fc2 = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
         /* out = mid + fc2 + bias; then the next norm: layer l+1's first, or the final norm */
@@ -2689,16 +2860,17 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
 
         /* MLP block: dres is d(out); the branch sees the same gradient. d(act) -> branch2, then
          * d(fc1 output) in place (GELU) or into branch (SwiGLU: twice as wide) */
+        bool fused = gelu_fused<T>(s); /* d(act) and GELU's derivative in one GEMM (DGELU epilogue) */
         row_parallel_backward<T>(g, cs, tp, (T*)a->branch2, grad_ptr(t, MT_P_FC2_WEIGHT, l),
                                  grad_ptr(t, MT_P_FC2_BIAS, l), dres, gathered_grad, act,
-                                 param_ptr<T>(t, MT_P_FC2_WEIGHT, l), s.BT, s.R, s.f, s.h);
+                                 param_ptr<T>(t, MT_P_FC2_WEIGHT, l), s.BT, s.R, s.f, s.h, fused ? fc1 : (const T*)NULL);
         T* dfc1 = (T*)a->branch2;
         T* dln2 = (T*)a->branch;
         if (s.swiglu) {
             swiglu_backward<T>(g, (T*)a->branch, (T*)a->branch2, fc1, s.BT, s.f);
             dfc1 = (T*)a->branch;
             dln2 = (T*)a->branch2;
-        } else {
+        } else if (!fused) {
             gelu_backward<T>(g, (T*)a->branch2, fc1, (int64_t)s.BT * s.f);
         }
         dln2 = column_parallel_backward<T>(g, cs, tp, dln2, (T*)a->rows, gathered, grad_ptr(t, MT_P_FC1_WEIGHT, l),
@@ -3689,6 +3861,12 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     if (t->cublas_workspace)
         CUBLAS_CHECK(&t->error, cublasSetWorkspace(t->cublas, t->cublas_workspace, CUBLAS_WORKSPACE_BYTES));
     t->gemm.handle = t->cublas;
+    CUBLAS_CHECK(&t->error, cublasLtCreate(&t->gemm.lt));
+    t->gemm.workspace = t->cublas_workspace;
+    t->gemm.workspace_bytes = CUBLAS_WORKSPACE_BYTES;
+    t->gemm.plans = (mt_gemm_plan*)calloc(GEMM_MAX_PLANS, sizeof(mt_gemm_plan));
+    if (!t->gemm.plans && t->error.status == MT_OK)
+        t->error.status = mt_fail(&t->error.error, MT_ERR_OOM, "cannot allocate the GEMM plan cache");
     t->gemm.stream = t->stream;
     t->gemm.error = &t->error;
     if (t->error.status == MT_OK && plan_optimizer_shard(t, err) != MT_OK && t->error.status == MT_OK) {
@@ -3761,6 +3939,8 @@ void mt_trainer_free(mt_trainer* t) {
     cudaFreeHost(t->host_index);
     cudaFreeHost(t->host_losses);
     if (t->cublas) cublasDestroy(t->cublas);
+    gemm_plans_free(&t->gemm);
+    if (t->gemm.lt) cublasLtDestroy(t->gemm.lt);
     for (int b = 0; t->gathered && b < t->buffer.num_buckets; b++)
         if (t->gathered[b]) cudaEventDestroy(t->gathered[b]);
     free(t->gathered);
