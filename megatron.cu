@@ -2089,19 +2089,26 @@ static void tp_after_compute(mt_tp_group* tp) {
     CUDA_CHECK(tp->error, cudaEventRecord(tp->issued, tp->compute));
     CUDA_CHECK(tp->error, cudaStreamWaitEvent(tp->stream, tp->issued, 0));
 }
-static void tp_all_reduce(mt_tp_group* tp, void* x, size_t n) {
+/* x [n] summed over the group in place; `type` is the model type (tp->type) for activations */
+static void tp_all_reduce(mt_tp_group* tp, void* x, size_t n, ncclDataType_t type) {
     tp_after_compute(tp);
-    NCCL_CHECK(tp->error, tp->world_rank, ncclAllReduce(x, x, n, tp->type, ncclSum, tp->comm, tp->stream));
+    NCCL_CHECK(tp->error, tp->world_rank, ncclAllReduce(x, x, n, type, ncclSum, tp->comm, tp->stream));
 }
 /* shard [n_shard] = this rank's part of the sum of full [size * n_shard] over the group */
-static void tp_reduce_scatter(mt_tp_group* tp, void* shard, const void* full, size_t n_shard) {
+static void tp_reduce_scatter(mt_tp_group* tp, void* shard, const void* full, size_t n_shard, ncclDataType_t type) {
     tp_after_compute(tp);
-    NCCL_CHECK(tp->error, tp->world_rank, ncclReduceScatter(full, shard, n_shard, tp->type, ncclSum, tp->comm, tp->stream));
+    NCCL_CHECK(tp->error, tp->world_rank, ncclReduceScatter(full, shard, n_shard, type, ncclSum, tp->comm, tp->stream));
 }
-/* full [size * n_shard] = every rank's shard [n_shard], in rank order */
-static void tp_all_gather(mt_tp_group* tp, void* full, const void* shard, size_t n_shard) {
+/* full [size * n_shard] = every rank's shard [n_shard], in rank order (in place when shard is
+ * full + rank * n_shard) */
+static void tp_all_gather(mt_tp_group* tp, void* full, const void* shard, size_t n_shard, ncclDataType_t type) {
     tp_after_compute(tp);
-    NCCL_CHECK(tp->error, tp->world_rank, ncclAllGather(shard, full, n_shard, tp->type, tp->comm, tp->stream));
+    NCCL_CHECK(tp->error, tp->world_rank, ncclAllGather(shard, full, n_shard, type, tp->comm, tp->stream));
+}
+/* dst [n] = root's src [n] on every rank of the group */
+static void tp_broadcast(mt_tp_group* tp, void* dst, const void* src, size_t n, ncclDataType_t type, int root) {
+    tp_after_compute(tp);
+    NCCL_CHECK(tp->error, tp->world_rank, ncclBroadcast(src, dst, n, type, root, tp->comm, tp->stream));
 }
 static void tp_mark(mt_tp_group* tp) { CUDA_CHECK(tp->error, cudaEventRecord(tp->marked, tp->stream)); }
 static void tp_join_mark(mt_tp_group* tp) { CUDA_CHECK(tp->error, cudaStreamWaitEvent(tp->compute, tp->marked, 0)); }
@@ -2180,7 +2187,7 @@ static void linear_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dx, flo
 template <typename T>
 static const T* column_parallel_input(mt_tp_group* tp, T* gathered, const T* x, int R, int C) {
     if (!tp->sp) return x;
-    tp_all_gather(tp, gathered, x, (size_t)R * C);
+    tp_all_gather(tp, gathered, x, (size_t)R * C, tp->type);
     tp_join(tp);
     return gathered;
 }
@@ -2190,8 +2197,8 @@ static const T* column_parallel_input(mt_tp_group* tp, T* gathered, const T* x, 
 template <typename T>
 static T* row_parallel_output(mt_tp_group* tp, T* y, T* rows, int BT, int R, int C) {
     if (tp->size == 1) return y;
-    if (tp->sp) tp_reduce_scatter(tp, rows, y, (size_t)R * C);
-    else tp_all_reduce(tp, y, (size_t)BT * C);
+    if (tp->sp) tp_reduce_scatter(tp, rows, y, (size_t)R * C, tp->type);
+    else tp_all_reduce(tp, y, (size_t)BT * C, tp->type);
     tp_join(tp);
     return tp->sp ? rows : y;
 }
@@ -2206,14 +2213,14 @@ static T* column_parallel_backward(mt_gemm_context* g, mt_colsum_scratch* s, mt_
                                    const T* weight, int BT, int R, int in, int out) {
     const T* x = x_saved;
     if (tp->sp) { /* issued first: it overlaps the dgrad GEMM */
-        tp_all_gather(tp, gathered, x_saved, (size_t)R * in);
+        tp_all_gather(tp, gathered, x_saved, (size_t)R * in, tp->type);
         tp_mark(tp);
         x = gathered;
     }
     gemm<T, T>(g, false, false, BT, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
     if (tp->size > 1) {
-        if (tp->sp) tp_reduce_scatter(tp, dx_rows, dx, (size_t)R * in);
-        else tp_all_reduce(tp, dx, (size_t)BT * in);
+        if (tp->sp) tp_reduce_scatter(tp, dx_rows, dx, (size_t)R * in, tp->type);
+        else tp_all_reduce(tp, dx, (size_t)BT * in, tp->type);
     }
     if (tp->sp) tp_join_mark(tp); /* the input is gathered; the reduction may still run */
     gemm<T, float>(g, true, false, out, in, BT, dy, out, x, in, dweight, in, 1.0f, 1.0f);
@@ -2718,8 +2725,7 @@ static void cross_entropy(mt_trainer* t, float grad_scale) {
     float* mine = a->ce_stats + (int64_t)s.tp_rank * s.BT * 3;
     cross_entropy_partial_kernel<T><<<s.BT, 512, 0, st>>>(mine, (const T*)a->logits, a->targets, (int)s.V, s.vocab_start);
     LAUNCH_CHECK(&t->error);
-    tp_after_compute(&t->tp);
-    NCCL_CHECK(&t->error, t->cfg.rank, ncclAllGather(mine, a->ce_stats, (size_t)s.BT * 3, ncclFloat, t->tp.comm, t->tp.stream));
+    tp_all_gather(&t->tp, a->ce_stats, mine, (size_t)s.BT * 3, ncclFloat);
     tp_join(&t->tp);
     cross_entropy_combine_kernel<T><<<s.BT, 512, 0, st>>>((T*)a->logits, a->losses, a->ce_stats, s.tp, s.BT, a->targets,
                                                           (int)s.V, s.vocab_start, grad_scale);
@@ -3115,9 +3121,7 @@ static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_group_kind grou
     if (!comm) return MT_OK; /* a group of one */
     CUDA_CHECK(&t->error, cudaMemcpyAsync(t->reduce_scratch, value, sizeof(double), cudaMemcpyHostToDevice, t->stream));
     if (group == GROUP_TP) {
-        tp_after_compute(&t->tp);
-        NCCL_CHECK(&t->error, t->cfg.rank,
-                   ncclAllReduce(t->reduce_scratch, t->reduce_scratch, 1, ncclDouble, ncclSum, comm, g->tp_stream));
+        tp_all_reduce(&t->tp, t->reduce_scratch, 1, ncclDouble);
         tp_join(&t->tp);
     } else {
         comm_after_compute(t);
@@ -3745,8 +3749,8 @@ static void initialise_parameters(mt_trainer* t) {
         if (full->init == 3) std = (float)(c->init_method_std / sqrt(2.0 * c->num_layers));
         int mode = full->init == 3 ? 2 : full->init;
         int64_t per_layer_full = full->split_outer * full->split_rows * full->split_inner;
-        int64_t rows = full->tp_split ? full->split_rows / t->groups.tp_size : full->split_rows;
-        int64_t row0 = full->tp_split ? rows * t->groups.tp_rank : 0;
+        int64_t rows, row0;
+        mt_tp_rows(full, t->groups.tp_size, t->groups.tp_rank, &rows, &row0);
         init_param_kernel<<<ceil_div(p->numel, 256), 256, 0, t->stream>>>(
             t->grads + p->offset, p->numel, (int64_t)p->layer * per_layer_full, rows, full->split_inner,
             full->split_rows, row0, mode, std, c->seed, (uint64_t)p->tensor);
@@ -3830,8 +3834,8 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
         return st;
     }
 
-    mt_shape s = model_shape(t);
     process_groups_create(&t->groups, cfg, &t->error);
+    mt_shape s = model_shape(t); /* after the groups: it holds this rank's TP coordinate */
     t->sharded = cfg->use_distributed_optimizer && t->groups.dp_size > 1;
     CUDA_CHECK(&t->error, cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking));
     t->tp.comm = t->groups.tp;
@@ -4043,9 +4047,7 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
             LAUNCH_CHECK(&t->error);
         }
         for (int r = 0; r < s.tp && t->error.status == MT_OK; r++) {
-            tp_after_compute(&t->tp);
-            NCCL_CHECK(&t->error, t->cfg.rank,
-                       ncclBroadcast(mine, staging, (size_t)n, ncclFloat, r, t->groups.tp, t->groups.tp_stream));
+            tp_broadcast(&t->tp, staging, mine, (size_t)n, ncclFloat, r);
             tp_join(&t->tp);
             CUDA_CHECK(&t->error, cudaMemcpy2DAsync(logits + (int64_t)r * s.V, (size_t)s.V_full * 4, staging,
                                                     (size_t)s.V * 4, (size_t)s.V * 4, (size_t)s.BT,
@@ -4087,10 +4089,7 @@ static mt_status gather_full_model(mt_trainer* t, float* device_full, float* hos
     if (!shard) t->error.status = mt_fail(&t->error.error, MT_ERR_OOM, "cannot allocate a host shard of %lld floats",
                                           (long long)t->num_params);
     for (int r = 0; r < t->groups.tp_size && t->error.status == MT_OK; r++) {
-        tp_after_compute(&t->tp);
-        NCCL_CHECK(&t->error, t->cfg.rank,
-                   ncclBroadcast(device_full, staging, (size_t)t->buffer.size, ncclFloat, r, t->groups.tp,
-                                 t->groups.tp_stream));
+        tp_broadcast(&t->tp, staging, device_full, (size_t)t->buffer.size, ncclFloat, r);
         tp_join(&t->tp);
         if (canonical_transfer(t, staging, shard, 0, err) != MT_OK) break;
         mt_tp_shard_copy(&t->cfg, r, host_full, shard, 0);
@@ -4158,9 +4157,7 @@ mt_status mt_trainer_next_token_logits(mt_trainer* t, const int32_t* context, in
         cast_to_float_kernel<__half><<<ceil_div(s.V, 256), 256, 0, t->stream>>>(stage, (const __half*)row, s.V);
     LAUNCH_CHECK(&t->error);
     if (s.tp > 1) {
-        tp_after_compute(&t->tp);
-        NCCL_CHECK(&t->error, t->cfg.rank,
-                   ncclAllGather(stage, t->act.logits_row, (size_t)s.V, ncclFloat, t->groups.tp, t->groups.tp_stream));
+        tp_all_gather(&t->tp, t->act.logits_row, stage, (size_t)s.V, ncclFloat);
         tp_join(&t->tp);
     }
     CUDA_CHECK(&t->error, cudaMemcpyAsync(logits, t->act.logits_row, (size_t)s.V_full * 4, cudaMemcpyDeviceToHost,

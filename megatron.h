@@ -452,6 +452,9 @@ int64_t mt_param_layout_shard(const mt_config* cfg, mt_param_info* info);
 /* Copies between a full-model canonical array and TP rank tp_rank's shard-layout array (from the
  * full one when to_shard, else into it). */
 void mt_tp_shard_copy(const mt_config* cfg, int tp_rank, float* full, float* shard, int to_shard);
+/* The rows of `full` (an mt_param_layout entry) that TP rank tp_rank holds: [*row0, *row0 + *rows)
+ * of full->split_rows (all of them when the tensor is not split). */
+void mt_tp_rows(const mt_param_info* full, int tp, int tp_rank, int64_t* rows, int64_t* row0);
 /* Index, within one layer's slice of the full tensor, of element i of a rank's slice: the slice
  * [outer, rows, inner] holds rows [row0, row0 + rows_shard) of rows_full. */
 #ifdef __CUDACC__
@@ -2256,6 +2259,11 @@ int64_t mt_param_layout_shard(const mt_config* c, mt_param_info* info) {
     return mt__param_layout_tp(c, c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1, info);
 }
 
+void mt_tp_rows(const mt_param_info* full, int tp, int tp_rank, int64_t* rows, int64_t* row0) {
+    *rows = full->tp_split ? full->split_rows / tp : full->split_rows;
+    *row0 = full->tp_split ? (int64_t)tp_rank * *rows : 0;
+}
+
 void mt_tp_shard_copy(const mt_config* c, int tp_rank, float* full, float* shard, int to_shard) {
     mt_param_info whole[MT_NUM_PARAM_TENSORS], part[MT_NUM_PARAM_TENSORS];
     mt_param_layout(c, whole);
@@ -2265,8 +2273,8 @@ void mt_tp_shard_copy(const mt_config* c, int tp_rank, float* full, float* shard
         if (part[i].numel == 0) continue;
         int64_t per_layer_full = whole[i].split_outer * whole[i].split_rows * whole[i].split_inner;
         int64_t layers = whole[i].numel / per_layer_full, per_layer = part[i].numel / layers;
-        int64_t rows = part[i].tp_split ? whole[i].split_rows / tp : whole[i].split_rows;
-        int64_t row0 = part[i].tp_split ? (int64_t)tp_rank * rows : 0;
+        int64_t rows, row0;
+        mt_tp_rows(&whole[i], tp, tp_rank, &rows, &row0);
         for (int64_t l = 0; l < layers; l++)
             for (int64_t j = 0; j < per_layer; j++) {
                 float* a = full + whole[i].offset + l * per_layer_full +
