@@ -721,14 +721,10 @@ __device__ __forceinline__ int64_t qkv_destination(int slot, int qpg, int g, int
     return (((int64_t)b * groups + g) * seq + t) * d + e;
 }
 
-/* qkv [B, T, groups*(qpg+2)*d] (+ the QKV linear's bias [width], may be NULL; the sum rounded to T
- * as a separate bias add would) -> q, k, v; q and k rotated. One thread per element of qkv. */
+/* qkv [B, T, groups*(qpg+2)*d] (the QKV linear's output, bias included) -> q, k, v; q and k
+ * rotated. One thread per element of qkv. */
 template <typename T>
-__device__ __forceinline__ float qkv_element(const T* qkv, const T* bias, int64_t idx, int col) {
-    return bias ? to_float(from_float<T>(to_float(qkv[idx]) + to_float(bias[col]))) : to_float(qkv[idx]);
-}
-template <typename T>
-__global__ void attention_split_heads_kernel(T* q, T* k, T* v, const T* qkv, const T* bias, const float* cos_table,
+__global__ void attention_split_heads_kernel(T* q, T* k, T* v, const T* qkv, const float* cos_table,
                                              const float* sin_table, int B, int seq, int heads, int groups, int d,
                                              int rot) {
     int qpg = heads / groups;
@@ -739,12 +735,11 @@ __global__ void attention_split_heads_kernel(T* q, T* k, T* v, const T* qkv, con
     int64_t bt = idx / width;
     int b = (int)(bt / seq), t = (int)(bt % seq);
     int g = col / ((qpg + 2) * d), slot = (col / d) % (qpg + 2), e = col % d;
-    float x = qkv_element(qkv, bias, idx, col);
+    float x = to_float(qkv[idx]);
     if (slot <= qpg && e < rot) {
         int half = rot / 2, i = e % half;
         float c = cos_table[(int64_t)t * half + i], s = sin_table[(int64_t)t * half + i];
-        x = e < half ? x * c - qkv_element(qkv, bias, idx + half, col + half) * s
-                     : x * c + qkv_element(qkv, bias, idx - half, col - half) * s;
+        x = e < half ? x * c - to_float(qkv[idx + half]) * s : x * c + to_float(qkv[idx - half]) * s;
     }
     T* dst = slot < qpg ? q : (slot == qpg ? k : v);
     dst[qkv_destination(slot, qpg, g, b, t, e, seq, heads, groups, d)] = from_float<T>(x);
@@ -778,7 +773,7 @@ __global__ void attention_merge_head_grads_kernel(T* dqkv, const T* dq, const T*
 /* The same two with 16-byte vectors (d and, with RoPE, half a multiple of the vector width, so a
  * vector never straddles a head, the rotary halves or the rotary end). i indexes vectors of qkv. */
 template <typename T, bool BACKWARD>
-__global__ void attention_qkv_permute_vec_kernel(T* qkv, T* q, T* k, T* v, const T* bias, const float* cos_table,
+__global__ void attention_qkv_permute_vec_kernel(T* qkv, T* q, T* k, T* v, const float* cos_table,
                                                  const float* sin_table, int B, int seq, int heads, int groups, int d,
                                                  int rot) {
     constexpr int V = vec16<T>::N;
@@ -795,28 +790,14 @@ __global__ void attention_qkv_permute_vec_kernel(T* qkv, T* q, T* k, T* v, const
     const T* src = BACKWARD ? heads_side + at : qkv + i * V;
     T* dst = BACKWARD ? qkv + i * V : heads_side + at;
     bool rotate = slot <= qpg && e < rot;
-    if (!rotate && (BACKWARD || !bias)) {
+    if (!rotate) {
         *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(src);
         return;
     }
     int half = rot / 2, first = e < half, partner = first ? half : -half;
-    float x[V], p[V], bv[V];
+    float x[V], p[V];
     load16(x, src);
-    if (!BACKWARD && bias) { /* the forward adds the QKV bias, rounded to T as a separate add would */
-        load16(bv, bias + col);
-#pragma unroll
-        for (int j = 0; j < V; j++) x[j] = to_float(from_float<T>(x[j] + bv[j]));
-    }
-    if (!rotate) {
-        store16(dst, x);
-        return;
-    }
     load16(p, src + partner);
-    if (!BACKWARD && bias) {
-        load16(bv, bias + col + partner);
-#pragma unroll
-        for (int j = 0; j < V; j++) p[j] = to_float(from_float<T>(p[j] + bv[j]));
-    }
     const float* cs = cos_table + (int64_t)t * half + e % half;
     const float* sn = sin_table + (int64_t)t * half + e % half;
     /* forward: first half x c - p s, second x c + p s; backward (transpose): the signs swap */
@@ -824,6 +805,49 @@ __global__ void attention_qkv_permute_vec_kernel(T* qkv, T* q, T* k, T* v, const
 #pragma unroll
     for (int j = 0; j < V; j++) x[j] = x[j] * cs[j] + sign * p[j] * sn[j];
     store16(dst, x);
+}
+
+/* RoPE in place on the fused QKV rows [B*T, groups*(qpg+2)*d] (the flash path, whose kernels read q,
+ * k and v straight from those rows): every q and k head of row (b, t) rotated at position t, or
+ * (BACKWARD) a gradient un-rotated by the transpose. One thread per V channels of a head's first
+ * rotary half; it also owns the matching channels of the second half, so the update is in place. */
+template <typename T, int V>
+__device__ __forceinline__ void load_n(float* out, const T* p) {
+    if constexpr (V == vec16<T>::N) load16(out, p);
+    else
+        for (int j = 0; j < V; j++) out[j] = to_float(p[j]);
+}
+template <typename T, int V>
+__device__ __forceinline__ void store_n(T* p, const float* in) {
+    if constexpr (V == vec16<T>::N) store16(p, in);
+    else
+        for (int j = 0; j < V; j++) p[j] = from_float<T>(in[j]);
+}
+template <typename T, int V, bool BACKWARD>
+__global__ void rope_qkv_rows_kernel(T* qkv, const float* cos_table, const float* sin_table, int64_t BT, int seq,
+                                     int groups, int qpg, int d, int rot) {
+    const int half = rot / 2, pieces = half / V, rotated = groups * (qpg + 1); /* q and k heads per row */
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= BT * rotated * pieces) return;
+    const int piece = (int)(i % pieces), head = (int)((i / pieces) % rotated);
+    const int64_t bt = i / ((int64_t)pieces * rotated);
+    const int g = head / (qpg + 1), slot = head % (qpg + 1), t = (int)(bt % seq);
+    T* x1 = qkv + bt * groups * (qpg + 2) * d + ((int64_t)g * (qpg + 2) + slot) * d + piece * V;
+    T* x2 = x1 + half;
+    float a[V], b[V], y1[V], y2[V];
+    load_n<T, V>(a, x1);
+    load_n<T, V>(b, x2);
+    const float* cs = cos_table + (int64_t)t * half + piece * V;
+    const float* sn = sin_table + (int64_t)t * half + piece * V;
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+        /* forward: (a c - b s, b c + a s); backward, the transpose: (a c + b s, b c - a s) */
+        const float s = BACKWARD ? -sn[j] : sn[j];
+        y1[j] = a[j] * cs[j] - b[j] * s;
+        y2[j] = b[j] * cs[j] + a[j] * s;
+    }
+    store_n<T, V>(x1, y1);
+    store_n<T, V>(x2, y2);
 }
 
 /* [B, heads, T, d] <-> [B, T, heads*d]: the attention output into rows (TO_ROWS), or a gradient in
@@ -950,10 +974,26 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
-/* ---- Tile movement: global [T, D] rows -> shared [ROWS][D+8], 16 bytes per cp.async. Rows at or
- *      past T are zero-filled (the source address is clamped to row 0 so it stays valid). ---- */
+/* ---- Where a head's [T, d] rows live. Row t of query head h in batch b starts at
+ *        p + b*batch + t*row + (h / qpg)*group + (h % qpg)*head
+ *      (qpg = query heads per kv head; K and V views are indexed by kv head with qpg = 1). One view
+ *      covers the packed [B, H, T, d] layout and the model's own rows without copies: the fused QKV
+ *      rows [B*T, groups*(qpg+2)*d] (q_1..q_qpg, k, v per group) and the attention output rows
+ *      [B*T, H*d]. Strides are in elements, multiples of 8 (16-byte rows for cp.async). ---- */
+template <typename E>
+struct heads_view {
+    E* p;
+    int64_t batch, row, group, head;
+    __host__ __device__ E* at(int b, int h, int qpg) const {
+        return p + b * batch + (int64_t)(h / qpg) * group + (int64_t)(h % qpg) * head;
+    }
+};
+
+/* ---- Tile movement: global rows (stride `ld` elements) -> shared [ROWS][D+8], 16 bytes per
+ *      cp.async. Rows at or past T are zero-filled (the source address is clamped to row 0 so it
+ *      stays valid). ---- */
 template <int ROWS, int D>
-__device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int row0, int T) {
+__device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int64_t ld, int row0, int T) {
     constexpr int CHUNKS = D / 8, STRIDE = D + 8, N = ROWS * CHUNKS;
     static_assert(N % THREADS == 0, "tile must split evenly over the CTA");
 #pragma unroll
@@ -962,7 +1002,7 @@ __device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int row0, int 
         int r = i / CHUNKS, c = i % CHUNKS;
         int row = row0 + r;
         bool valid = row < T;
-        cp_async_16(smem_u32(s + r * STRIDE + c * 8), g + (size_t)(valid ? row : 0) * D + c * 8, valid);
+        cp_async_16(smem_u32(s + r * STRIDE + c * 8), g + (valid ? row : 0) * ld + c * 8, valid);
     }
 }
 /* ROWS fp32 values g[row0 ..] -> s[0 .. ROWS), zero past T. */
@@ -1088,8 +1128,8 @@ constexpr size_t fwd_smem_bytes() {
 
 template <int D, int BM>
 __global__ void __launch_bounds__(THREADS)
-    flash_fwd_kernel(bf16* __restrict__ O, float* __restrict__ LSE, const bf16* __restrict__ Q,
-                     const bf16* __restrict__ K, const bf16* __restrict__ V, int H, int Hkv, int T, float scale) {
+    flash_fwd_kernel(heads_view<bf16> O, float* __restrict__ LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
+                     heads_view<const bf16> V, int H, int Hkv, int T, float scale) {
     constexpr int MT = BM / 64; /* m16 row blocks per warp: a warp owns 16*MT query rows */
     constexpr int S = D + 8, NT = BN / 8, DT = D / 8;
     static_assert(BM % 64 == 0 && (D == 64 || D == 128), "tile shape");
@@ -1102,20 +1142,20 @@ __global__ void __launch_bounds__(THREADS)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
-    const int hkv = h / (H / Hkv);                      /* GQA: the kv head this query head reads */
+    const int qpg = H / Hkv, hkv = h / qpg;             /* GQA: the kv head this query head reads */
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;   /* heaviest (last) query tiles launch first */
     const int wrow = warp * 16 * MT;                    /* this warp's first row inside the tile */
     const int wq_first = q0 + wrow, wq_last = wq_first + 16 * MT - 1;
-    const bf16* Qh = Q + (size_t)bh * T * D;            /* [T, D] of (b, h) */
-    const bf16* Kh = K + ((size_t)b * Hkv + hkv) * T * D;
-    const bf16* Vh = V + ((size_t)b * Hkv + hkv) * T * D;
+    const bf16* Qh = Q.at(b, h, qpg);                   /* row 0 of (b, h); rows Q.row apart */
+    const bf16* Kh = K.at(b, hkv, 1);
+    const bf16* Vh = V.at(b, hkv, 1);
     const float c = scale * LOG2E;                      /* softmax in base 2: exp(x*scale) = 2^(x*c) */
     const int n_kt = (min(q0 + BM, T) - 1) / BN + 1;    /* causal: key tiles up to the last row */
 
     /* prologue: Q tile and the first K/V tile in one cp.async group */
-    load_tile<BM, D>(sQ, Qh, q0, T);
-    load_tile<BN, D>(sK, Kh, 0, T);
-    load_tile<BN, D>(sV, Vh, 0, T);
+    load_tile<BM, D>(sQ, Qh, Q.row, q0, T);
+    load_tile<BN, D>(sK, Kh, K.row, 0, T);
+    load_tile<BN, D>(sV, Vh, V.row, 0, T);
     cp_async_commit();
 
     uint32_t qf[MT][D / 16][4]; /* this warp's Q rows as A fragments, loaded once */
@@ -1136,8 +1176,8 @@ __global__ void __launch_bounds__(THREADS)
         /* prefetch the next K/V tile into the other stage (freed by the barrier that ended the
          * previous iteration), then wait for this tile; an empty group keeps the count uniform */
         if (kt + 1 < n_kt) {
-            load_tile<BN, D>(sK + ((kt + 1) & 1) * BN * S, Kh, k0 + BN, T);
-            load_tile<BN, D>(sV + ((kt + 1) & 1) * BN * S, Vh, k0 + BN, T);
+            load_tile<BN, D>(sK + ((kt + 1) & 1) * BN * S, Kh, K.row, k0 + BN, T);
+            load_tile<BN, D>(sV + ((kt + 1) & 1) * BN * S, Vh, V.row, k0 + BN, T);
         }
         cp_async_commit();
         cp_async_wait<1>();
@@ -1223,7 +1263,7 @@ __global__ void __launch_bounds__(THREADS)
             const int row = wq_first + mt * 16 + g + r * 8;
             if (row < T) {
                 const float inv = 1.0f / lsum;
-                bf16* orow = O + ((size_t)bh * T + row) * D;
+                bf16* orow = O.at(b, h, qpg) + (int64_t)row * O.row;
 #pragma unroll
                 for (int dt = 0; dt < DT; dt++)
                     *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) =
@@ -1237,18 +1277,19 @@ __global__ void __launch_bounds__(THREADS)
 /* 2.7.3 Backward                                                                                      */
 /* ============================================================================================== */
 
-/* Dsum[row] = sum_e dO[row][e] * O[row][e], D/8 threads per row, 16-byte loads. */
+/* Dsum[(b*H + h)*T + t] = sum_e dO[b,h,t][e] * O[b,h,t][e], D/8 threads per row, 16-byte loads. */
 template <int D>
-__global__ void flash_bwd_dot_kernel(float* __restrict__ Dsum, const bf16* __restrict__ dO,
-                                     const bf16* __restrict__ O, size_t rows) {
+__global__ void flash_bwd_dot_kernel(float* __restrict__ Dsum, heads_view<const bf16> dO, heads_view<const bf16> O,
+                                     int H, int qpg, int T, size_t rows) {
     constexpr int TPR = D / 8; /* threads per row (8 or 16, a power of two dividing the warp) */
     const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     const size_t row = idx / TPR;
     const int part = (int)(idx % TPR);
     float acc = 0.0f;
     if (row < rows) {
-        uint4 a = *reinterpret_cast<const uint4*>(dO + row * D + part * 8);
-        uint4 o = *reinterpret_cast<const uint4*>(O + row * D + part * 8);
+        const int t = (int)(row % T), bh = (int)(row / T), b = bh / H, h = bh % H;
+        uint4 a = *reinterpret_cast<const uint4*>(dO.at(b, h, qpg) + (int64_t)t * dO.row + part * 8);
+        uint4 o = *reinterpret_cast<const uint4*>(O.at(b, h, qpg) + (int64_t)t * O.row + part * 8);
         const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
         const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
 #pragma unroll
@@ -1276,8 +1317,8 @@ constexpr size_t dkdv_smem_bytes() {
  * BMQ rows from the one holding query k0 (earlier queries see none of these keys) to the end. */
 template <int D, int BMQ>
 __global__ void __launch_bounds__(THREADS)
-    flash_bwd_dkdv_kernel(bf16* __restrict__ dK, bf16* __restrict__ dV, const bf16* __restrict__ Q,
-                          const bf16* __restrict__ K, const bf16* __restrict__ V, const bf16* __restrict__ dO,
+    flash_bwd_dkdv_kernel(heads_view<bf16> dK, heads_view<bf16> dV, heads_view<const bf16> Q,
+                          heads_view<const bf16> K, heads_view<const bf16> V, heads_view<const bf16> dO,
                           const float* __restrict__ LSE, const float* __restrict__ Dsum, int H, int Hkv, int T,
                           float scale) {
     constexpr int S = D + 8, NQ = BMQ / 8, DT = D / 8;
@@ -1308,14 +1349,14 @@ __global__ void __launch_bounds__(THREADS)
         const int h = hkv * qpg + it / per_head;
         const int q0 = (qt_first + it % per_head) * BMQ;
         const size_t bh = (size_t)b * H + h;
-        load_tile<BMQ, D>(sQ + st * BMQ * S, Q + bh * T * D, q0, T);
-        load_tile<BMQ, D>(sdO + st * BMQ * S, dO + bh * T * D, q0, T);
+        load_tile<BMQ, D>(sQ + st * BMQ * S, Q.at(b, h, qpg), Q.row, q0, T);
+        load_tile<BMQ, D>(sdO + st * BMQ * S, dO.at(b, h, qpg), dO.row, q0, T);
         load_vec<BMQ>(sL + st * BMQ, LSE + bh * T, q0, T);
         load_vec<BMQ>(sD + st * BMQ, Dsum + bh * T, q0, T);
     };
 
-    load_tile<BN, D>(sK, K + (size_t)bkv * T * D, k0, T);
-    load_tile<BN, D>(sV, V + (size_t)bkv * T * D, k0, T);
+    load_tile<BN, D>(sK, K.at(b, hkv, 1), K.row, k0, T);
+    load_tile<BN, D>(sV, V.at(b, hkv, 1), V.row, k0, T);
     load_q_tiles(0, 0);
     cp_async_commit();
 
@@ -1383,12 +1424,13 @@ __global__ void __launch_bounds__(THREADS)
     for (int r = 0; r < 2; r++) {
         const int key = wk_first + g + r * 8;
         if (key < T) {
-            const size_t off = ((size_t)bkv * T + key) * D;
+            bf16* dk_row = dK.at(b, hkv, 1) + (int64_t)key * dK.row;
+            bf16* dv_row = dV.at(b, hkv, 1) + (int64_t)key * dV.row;
 #pragma unroll
             for (int dt = 0; dt < DT; dt++) {
-                *reinterpret_cast<uint32_t*>(dK + off + dt * 8 + 2 * t) =
+                *reinterpret_cast<uint32_t*>(dk_row + dt * 8 + 2 * t) =
                     pack_bf16(dk[0][dt][2 * r] * scale, dk[0][dt][2 * r + 1] * scale);
-                *reinterpret_cast<uint32_t*>(dV + off + dt * 8 + 2 * t) =
+                *reinterpret_cast<uint32_t*>(dv_row + dt * 8 + 2 * t) =
                     pack_bf16(dv[0][dt][2 * r], dv[0][dt][2 * r + 1]);
             }
         }
@@ -1406,8 +1448,8 @@ constexpr size_t dq_smem_bytes() {
  * finally dQ *= scale. */
 template <int D, int BM>
 __global__ void __launch_bounds__(THREADS)
-    flash_bwd_dq_kernel(bf16* __restrict__ dQ, const bf16* __restrict__ Q, const bf16* __restrict__ K,
-                        const bf16* __restrict__ V, const bf16* __restrict__ dO, const float* __restrict__ LSE,
+    flash_bwd_dq_kernel(heads_view<bf16> dQ, heads_view<const bf16> Q, heads_view<const bf16> K,
+                        heads_view<const bf16> V, heads_view<const bf16> dO, const float* __restrict__ LSE,
                         const float* __restrict__ Dsum, int H, int Hkv, int T, float scale) {
     constexpr int MT = BM / 64;
     constexpr int S = D + 8, NT = BN / 8, DT = D / 8;
@@ -1422,19 +1464,19 @@ __global__ void __launch_bounds__(THREADS)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
-    const int hkv = h / (H / Hkv);
+    const int qpg = H / Hkv, hkv = h / qpg;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
     const int wrow = warp * 16 * MT;
     const int wq_first = q0 + wrow, wq_last = wq_first + 16 * MT - 1;
-    const bf16* Kh = K + ((size_t)b * Hkv + hkv) * T * D;
-    const bf16* Vh = V + ((size_t)b * Hkv + hkv) * T * D;
+    const bf16* Kh = K.at(b, hkv, 1);
+    const bf16* Vh = V.at(b, hkv, 1);
     const float c = scale * LOG2E;
     const int n_kt = (min(q0 + BM, T) - 1) / BN + 1;
 
-    load_tile<BM, D>(sQ, Q + (size_t)bh * T * D, q0, T);
-    load_tile<BM, D>(sdO, dO + (size_t)bh * T * D, q0, T);
-    load_tile<BN, D>(sK, Kh, 0, T);
-    load_tile<BN, D>(sV, Vh, 0, T);
+    load_tile<BM, D>(sQ, Q.at(b, h, qpg), Q.row, q0, T);
+    load_tile<BM, D>(sdO, dO.at(b, h, qpg), dO.row, q0, T);
+    load_tile<BN, D>(sK, Kh, K.row, 0, T);
+    load_tile<BN, D>(sV, Vh, V.row, 0, T);
     cp_async_commit();
 
     /* per-row constants of this thread's rows (g, g+8 of each m16 block); padded rows get 0 */
@@ -1459,8 +1501,8 @@ __global__ void __launch_bounds__(THREADS)
         const bf16* sKs = sK + (kt & 1) * BN * S;
         const bf16* sVs = sV + (kt & 1) * BN * S;
         if (kt + 1 < n_kt) {
-            load_tile<BN, D>(sK + ((kt + 1) & 1) * BN * S, Kh, k0 + BN, T);
-            load_tile<BN, D>(sV + ((kt + 1) & 1) * BN * S, Vh, k0 + BN, T);
+            load_tile<BN, D>(sK + ((kt + 1) & 1) * BN * S, Kh, K.row, k0 + BN, T);
+            load_tile<BN, D>(sV + ((kt + 1) & 1) * BN * S, Vh, V.row, k0 + BN, T);
         }
         cp_async_commit();
         cp_async_wait<1>();
@@ -1517,7 +1559,7 @@ __global__ void __launch_bounds__(THREADS)
         for (int r = 0; r < 2; r++) {
             const int row = wq_first + mt * 16 + g + r * 8;
             if (row < T) {
-                bf16* drow = dQ + ((size_t)bh * T + row) * D;
+                bf16* drow = dQ.at(b, h, qpg) + (int64_t)row * dQ.row;
 #pragma unroll
                 for (int dt = 0; dt < DT; dt++)
                     *reinterpret_cast<uint32_t*>(drow + dt * 8 + 2 * t) =
@@ -1561,14 +1603,20 @@ static cudaError_t set_smem_limits() {
     return cudaSuccess;
 }
 
+static bool view_ok(const void* p, int64_t batch, int64_t row, int64_t group, int64_t head) {
+    return (uintptr_t)p % 16 == 0 && batch % 8 == 0 && row % 8 == 0 && group % 8 == 0 && head % 8 == 0;
+}
+template <typename E>
+static bool view_ok(const heads_view<E>& v) { return view_ok(v.p, v.batch, v.row, v.group, v.head); }
+
 static bool shape_ok(int B, int H, int Hkv, int T, int d) {
     return B >= 1 && H >= 1 && Hkv >= 1 && H % Hkv == 0 && T >= 1 && (d == 64 || d == 128) &&
            (T + 63) / 64 <= 65535;
 }
 
 template <int D>
-static cudaError_t forward_d(bf16* O, float* LSE, const bf16* Q, const bf16* K, const bf16* V, int B, int H, int Hkv,
-                             int T, cudaStream_t st) {
+static cudaError_t forward_d(heads_view<bf16> O, float* LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
+                             heads_view<const bf16> V, int B, int H, int Hkv, int T, cudaStream_t st) {
     constexpr int BM = Tiles<D>::FWD_BM;
     cudaError_t e = set_smem_limits<D>();
     if (e != cudaSuccess) return e;
@@ -1579,15 +1627,17 @@ static cudaError_t forward_d(bf16* O, float* LSE, const bf16* Q, const bf16* K, 
 }
 
 template <int D>
-static cudaError_t backward_d(bf16* dQ, bf16* dK, bf16* dV, float* Dsum, const bf16* dO, const bf16* Q,
-                              const bf16* K, const bf16* V, const bf16* O, const float* LSE, int B, int H, int Hkv,
-                              int T, cudaStream_t st) {
+static cudaError_t backward_d(heads_view<bf16> dQ, heads_view<bf16> dK, heads_view<bf16> dV, float* Dsum,
+                              heads_view<const bf16> dO, heads_view<const bf16> Q, heads_view<const bf16> K,
+                              heads_view<const bf16> V, heads_view<const bf16> O, const float* LSE, int B, int H,
+                              int Hkv, int T, cudaStream_t st) {
     constexpr int BMQ = Tiles<D>::DKDV_BMQ, BM = Tiles<D>::DQ_BM;
     const float scale = 1.0f / sqrtf((float)D);
     cudaError_t e = set_smem_limits<D>();
     if (e != cudaSuccess) return e;
     const size_t rows = (size_t)B * H * T;
-    flash_bwd_dot_kernel<D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, st>>>(Dsum, dO, O, rows);
+    flash_bwd_dot_kernel<D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, st>>>(Dsum, dO, O, H, H / Hkv, T,
+                                                                                      rows);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     dim3 grid_kv(B * Hkv, (T + BN - 1) / BN);
     flash_bwd_dkdv_kernel<D, BMQ><<<grid_kv, THREADS, dkdv_smem_bytes<D, BMQ>(), st>>>(dK, dV, Q, K, V, dO, LSE,
@@ -1601,20 +1651,45 @@ static cudaError_t backward_d(bf16* dQ, bf16* dK, bf16* dV, float* Dsum, const b
 
 } // namespace fa
 
-/* Causal attention forward: O [B,H,T,d] and LSE [B,H,T] from Q [B,H,T,d], K, V [B,Hkv,T,d]. */
-static cudaError_t flash_attention_forward(bf16* O, float* LSE, const bf16* Q, const bf16* K, const bf16* V, int B,
+typedef fa::heads_view<bf16> attn_view;
+typedef fa::heads_view<const bf16> attn_cview;
+
+/* Views of the common layouts (see fa::heads_view). Packed [B, H, T, d] (H kv heads for K/V, with
+ * qpg = 1): */
+[[maybe_unused]] static attn_view packed_heads_view(bf16* p, int H, int T, int d, int qpg) {
+    return {p, (int64_t)H * T * d, d, (int64_t)qpg * T * d, (int64_t)T * d};
+}
+/* The model's rows [B*T, width]: the attention output / its gradient (width H*d, head h at column
+ * h*d), or slot `slot` of the fused QKV rows (width groups*(qpg+2)*d; slot 0 the query heads, qpg
+ * the key, qpg+1 the value of each group). */
+static attn_view attention_rows_view(bf16* p, int T, int H, int d, int qpg) {
+    return {p, (int64_t)T * H * d, (int64_t)H * d, (int64_t)qpg * d, d};
+}
+static attn_view qkv_rows_view(bf16* qkv, int T, int groups, int d, int qpg, int slot) {
+    int64_t width = (int64_t)groups * (qpg + 2) * d;
+    return {qkv + (int64_t)slot * d, T * width, width, (int64_t)(qpg + 2) * d, d};
+}
+static attn_cview cview(attn_view v) { return {v.p, v.batch, v.row, v.group, v.head}; }
+
+/* Causal attention forward: O and LSE [B, H, T] (fp32, packed) from Q (H heads), K, V (Hkv heads),
+ * each a view (any of the layouts above). */
+static cudaError_t flash_attention_forward(attn_view O, float* LSE, attn_cview Q, attn_cview K, attn_cview V, int B,
                                            int H, int Hkv, int T, int d, cudaStream_t st) {
-    if (!fa::shape_ok(B, H, Hkv, T, d)) return cudaErrorInvalidValue;
+    if (!fa::shape_ok(B, H, Hkv, T, d) || !fa::view_ok(O) || !fa::view_ok(Q) || !fa::view_ok(K) || !fa::view_ok(V))
+        return cudaErrorInvalidValue;
     return d == 64 ? fa::forward_d<64>(O, LSE, Q, K, V, B, H, Hkv, T, st)
                    : fa::forward_d<128>(O, LSE, Q, K, V, B, H, Hkv, T, st);
 }
 
-/* Causal attention backward: dQ [B,H,T,d], dK, dV [B,Hkv,T,d] from dO and the forward's Q, K, V, O,
- * LSE. Dsum [B,H,T] fp32 is scratch. Deterministic: no atomics, fixed summation order. */
-static cudaError_t flash_attention_backward(bf16* dQ, bf16* dK, bf16* dV, float* Dsum, const bf16* dO, const bf16* Q,
-                                            const bf16* K, const bf16* V, const bf16* O, const float* LSE, int B,
-                                            int H, int Hkv, int T, int d, cudaStream_t st) {
-    if (!fa::shape_ok(B, H, Hkv, T, d)) return cudaErrorInvalidValue;
+/* Causal attention backward: dQ (H heads), dK, dV (Hkv heads) from dO and the forward's Q, K, V, O,
+ * LSE. Dsum [B, H, T] fp32 is scratch. Deterministic: no atomics, fixed summation order. */
+static cudaError_t flash_attention_backward(attn_view dQ, attn_view dK, attn_view dV, float* Dsum, attn_cview dO,
+                                            attn_cview Q, attn_cview K, attn_cview V, attn_cview O, const float* LSE,
+                                            int B, int H, int Hkv, int T, int d, cudaStream_t st) {
+    attn_cview views[] = {cview(dQ), cview(dK), cview(dV), dO, Q, K, V, O};
+    bool ok = fa::shape_ok(B, H, Hkv, T, d);
+    for (const attn_cview& v : views) ok = ok && fa::view_ok(v);
+    if (!ok) return cudaErrorInvalidValue;
     return d == 64 ? fa::backward_d<64>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st)
                    : fa::backward_d<128>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st);
 }
@@ -1830,6 +1905,7 @@ __global__ void adamw_kernel(const mt_opt_chunk* chunks, float* master, T* model
 
 typedef enum {
     GEMM_PLAIN = 0,
+    GEMM_BIAS,          /* D = AB + bias */
     GEMM_GELU_AUX_BIAS, /* D = gelu(AB + bias), aux = AB + bias (bias may be absent) */
     GEMM_DGELU,         /* D = AB * gelu'(aux) */
 } mt_gemm_epilogue;
@@ -1883,8 +1959,9 @@ static void gemm_plan_build(mt_gemm_context* g, mt_gemm_plan* p) {
     cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
     if (k->epilogue == GEMM_GELU_AUX_BIAS) epi = k->has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
     if (k->epilogue == GEMM_DGELU) epi = CUBLASLT_EPILOGUE_DGELU;
+    if (k->epilogue == GEMM_BIAS) epi = CUBLASLT_EPILOGUE_BIAS;
     CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-    if (k->epilogue != GEMM_PLAIN) {
+    if (k->epilogue == GEMM_GELU_AUX_BIAS || k->epilogue == GEMM_DGELU) {
         int64_t aux_ld = k->ldc;
         CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld,
                                                        sizeof(aux_ld)));
@@ -2145,10 +2222,13 @@ static void column_sum(mt_gemm_context* g, mt_colsum_scratch* s, float* dst, con
     LAUNCH_CHECK(g->error);
 }
 
-/* y[N, out] = x[N, in] W[out, in]^T (+ bias) */
+/* y[N, out] = x[N, in] W[out, in]^T (+ bias, in the GEMM's epilogue where cuBLASLt has one) */
 template <typename T>
 static void linear_forward(mt_gemm_context* g, T* y, const T* x, const T* weight, const T* bias, int N, int in,
                            int out) {
+    if (bias && gemm_epilogue<T, T>(g, GEMM_BIAS, false, true, N, out, in, x, in, weight, in, y, out, 1.0f, 0.0f, bias,
+                                    (T*)NULL))
+        return;
     gemm<T, T>(g, false, true, N, out, in, x, in, weight, in, y, out, 1.0f, 0.0f);
     if (bias) {
         int64_t n = (int64_t)N * out;
@@ -2376,7 +2456,7 @@ typedef struct {
     void* ln1;           /* [L, R, h] (the first norm's output: LayerNorm or RMSNorm) */
     float* ln1_mean;     /* [L, R] */
     float* ln1_rstd;     /* [L, R] */
-    void* qkv;           /* [L, BT, qkv_width], before the bias (the split adds it) */
+    void* qkv;           /* [L, BT, qkv_width], bias included; flash path: q and k rotated (RoPE) */
     void* probs;         /* [L, B*heads, T, T] attention probabilities (exact path only) */
     float* lse;          /* [L, B*heads, T] softmax log-sum-exp (flash path only) */
     void* attn_out;      /* [L, BT, heads*d] */
@@ -2391,15 +2471,14 @@ typedef struct {
     float* lnf_rstd;     /* [R] */
     void* logits;        /* [BT, V] (this rank's vocabulary columns), overwritten by its gradient */
     /* scratch, reused by every layer */
+    /* the exact path's head layouts (the flash path reads and writes the rows in place) */
     void* q;             /* [B, heads, T, d] (q, then dq), rotated with RoPE */
     void* k;             /* [B, groups, T, d] rotated with RoPE */
     void* v;             /* [B, groups, T, d] */
     void* o;             /* [B, heads, T, d] attention output before merging heads, then d out */
     void* dk;            /* [B, groups, T, d] */
     void* dv;            /* [B, groups, T, d] */
-    void* dscores;       /* [B*heads, T, T] (exact path only) */
-    void* dq;            /* [B, heads, T, d] (flash path only) */
-    void* o_saved;       /* [B, heads, T, d] the forward's output, re-split for backward (flash path) */
+    void* dscores;       /* [B*heads, T, T] */
     float* dsum;         /* [B*heads*T] rowsum(dO * O) (flash path) */
     float* logits_row;   /* [Vp] fp32 staging of one row of logits (the whole vocabulary) */
     void* branch;        /* [BT, max(h, qkv_width, heads*d, f1)]: a sublayer's output / gradient */
@@ -2573,19 +2652,18 @@ static bool qkv_permute_vectorised(const mt_shape& s) {
     constexpr int V = vec16<T>::N;
     return s.d % V == 0 && (s.rot == 0 || (s.rot / 2) % V == 0);
 }
-/* qkv [BT, qkv_width] + bias (may be NULL) -> act.q, act.k, act.v, RoPE applied to q and k */
+/* qkv [BT, qkv_width] -> act.q, act.k, act.v, RoPE applied to q and k */
 template <typename T>
-static void split_qkv(mt_trainer* t, const T* qkv, const T* bias) {
+static void split_qkv(mt_trainer* t, const T* qkv) {
     mt_shape s = model_shape(t);
     mt_activations* a = &t->act;
     int64_t n = (int64_t)s.BT * s.qkv_width;
     if (qkv_permute_vectorised<T>(s))
         attention_qkv_permute_vec_kernel<T, false><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(
-            (T*)qkv, (T*)a->q, (T*)a->k, (T*)a->v, bias, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d,
-            s.rot);
+            (T*)qkv, (T*)a->q, (T*)a->k, (T*)a->v, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
     else
         attention_split_heads_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(
-            (T*)a->q, (T*)a->k, (T*)a->v, qkv, bias, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
+            (T*)a->q, (T*)a->k, (T*)a->v, qkv, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
     LAUNCH_CHECK(&t->error);
 }
 /* dq, act.dk, act.dv -> dqkv [BT, qkv_width], RoPE's transpose applied to dq and dk */
@@ -2596,8 +2674,7 @@ static void merge_qkv_grads(mt_trainer* t, T* dqkv, T* dq) {
     int64_t n = (int64_t)s.BT * s.qkv_width;
     if (qkv_permute_vectorised<T>(s))
         attention_qkv_permute_vec_kernel<T, true><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(
-            dqkv, dq, (T*)a->dk, (T*)a->dv, (const T*)NULL, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups,
-            s.d, s.rot);
+            dqkv, dq, (T*)a->dk, (T*)a->dv, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
     else
         attention_merge_head_grads_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(
             dqkv, dq, (T*)a->dk, (T*)a->dv, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
@@ -2617,24 +2694,66 @@ static void permute_heads(mt_trainer* t, T* out, const T* in, bool to_rows) {
     LAUNCH_CHECK(&t->error);
 }
 
+/* Flash path (bf16, head dim 64 or 128): the kernels read q, k, v straight from the fused QKV rows
+ * and write the output straight into the attention output rows; the backward reads dO and O from
+ * rows and writes dq, dk, dv into the gradient's QKV rows. No split, no head permutes. RoPE rotates
+ * q and k in place in the saved QKV rows (forward) and un-rotates their gradient (backward). */
+template <typename T>
+static void rope_qkv_rows(mt_trainer* t, T* qkv, bool backward) {
+    mt_shape s = model_shape(t);
+    if (s.rot == 0) return;
+    int half = s.rot / 2, qpg = s.heads / s.groups;
+    constexpr int V = vec16<T>::N;
+    bool vec = half % V == 0;
+    int64_t threads = (int64_t)s.BT * s.groups * (qpg + 1) * (vec ? half / V : half);
+    unsigned blocks = ceil_div(threads, 256);
+    if (vec && backward)
+        rope_qkv_rows_kernel<T, V, true><<<blocks, 256, 0, t->stream>>>(qkv, t->rope_cos, t->rope_sin, s.BT, s.S, s.groups, qpg, s.d, s.rot);
+    else if (vec)
+        rope_qkv_rows_kernel<T, V, false><<<blocks, 256, 0, t->stream>>>(qkv, t->rope_cos, t->rope_sin, s.BT, s.S, s.groups, qpg, s.d, s.rot);
+    else if (backward)
+        rope_qkv_rows_kernel<T, 1, true><<<blocks, 256, 0, t->stream>>>(qkv, t->rope_cos, t->rope_sin, s.BT, s.S, s.groups, qpg, s.d, s.rot);
+    else
+        rope_qkv_rows_kernel<T, 1, false><<<blocks, 256, 0, t->stream>>>(qkv, t->rope_cos, t->rope_sin, s.BT, s.S, s.groups, qpg, s.d, s.rot);
+    LAUNCH_CHECK(&t->error);
+}
+
+/* The row views of one layer's fused QKV rows (query heads, keys, values) and of [BT, heads*d] rows. */
+struct qkv_views {
+    attn_view q, k, v;
+};
+static qkv_views qkv_rows_views(const mt_shape& s, void* qkv) {
+    int qpg = s.heads / s.groups;
+    return {qkv_rows_view((bf16*)qkv, s.S, s.groups, s.d, qpg, 0), qkv_rows_view((bf16*)qkv, s.S, s.groups, s.d, qpg, qpg),
+            qkv_rows_view((bf16*)qkv, s.S, s.groups, s.d, qpg, qpg + 1)};
+}
+static attn_view heads_rows_view(const mt_shape& s, void* rows) {
+    return attention_rows_view((bf16*)rows, s.S, s.heads, s.d, s.heads / s.groups);
+}
+
 /* Exact path with grouped K/V: the heads of one group are adjacent in q [B, heads, T, d], so per
  * (batch, group) Q is one [qpg*T, d] matrix against that group's K [T, d]. Every GEMM is batched
  * over B*groups with M = qpg*T; the scores [B*groups, qpg*T, T] are the same memory as
  * [B*heads, T, T], so the softmax kernels see one row per (head, query). dK and dV come out summed
- * over the group's heads by the GEMMs themselves. */
+ * over the group's heads by the GEMMs themselves. The probabilities are kept in probs [B*heads, T, T]. */
+
+/* One layer's attention: qkv [BT, qkv_width] (the QKV linear's output) -> attn [BT, heads*d].
+ * Flash path: only the log-sum-exp lse [B*heads, T] is kept; exact path: the probabilities. */
 template <typename T>
-static void attention_core_forward(mt_trainer* t, T* probs, float* lse) {
+static void attention_forward(mt_trainer* t, T* qkv, T* probs, float* lse, T* attn) {
     mt_shape s = model_shape(t);
     mt_activations* a = &t->act;
     mt_gemm_context* g = &t->gemm;
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
-            CUDA_CHECK(&t->error, flash_attention_forward((bf16*)a->o, lse, (const bf16*)a->q, (const bf16*)a->k,
-                                                          (const bf16*)a->v, s.B, s.heads, s.groups, s.S, s.d,
-                                                          t->stream));
+            rope_qkv_rows<T>(t, qkv, false);
+            qkv_views in = qkv_rows_views(s, qkv);
+            CUDA_CHECK(&t->error, flash_attention_forward(heads_rows_view(s, attn), lse, cview(in.q), cview(in.k),
+                                                          cview(in.v), s.B, s.heads, s.groups, s.S, s.d, t->stream));
             return;
         }
     }
+    split_qkv<T>(t, qkv);
     int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
     int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
     /* scores[q, k] = Q K^T per (batch, group), causal softmax in place, o = P V */
@@ -2643,26 +2762,31 @@ static void attention_core_forward(mt_trainer* t, T* probs, float* lse) {
         probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d));
     LAUNCH_CHECK(&t->error);
     gemm<T, T>(g, false, false, M, s.d, s.S, probs, s.S, (T*)a->v, s.d, (T*)a->o, s.d, 1.0f, 0.0f, batch, qs, sd, qd);
+    permute_heads<T>(t, attn, (T*)a->o, true);
 }
 
-/* Backward of the attention core. On entry a->o holds dO [B, heads, T, d] and q, k, v the forward's
- * inputs; on return dqkv-ready gradients are in dq (returned), a->dk and a->dv. attn is the layer's
- * saved output [BT, heads*d] (the flash backward needs O). */
+/* Backward of one layer's attention: dattn [BT, heads*d] -> dqkv [BT, qkv_width], from the saved qkv,
+ * probs or lse, and attn (the flash backward needs O). */
 template <typename T>
-static T* attention_core_backward(mt_trainer* t, T* probs, const T* attn, const float* lse) {
+static void attention_backward(mt_trainer* t, T* dqkv, const T* dattn, T* qkv, T* probs, const float* lse,
+                               const T* attn) {
     mt_shape s = model_shape(t);
     mt_activations* a = &t->act;
     mt_gemm_context* g = &t->gemm;
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
-            permute_heads<T>(t, (T*)a->o_saved, attn, false);
-            CUDA_CHECK(&t->error, flash_attention_backward((bf16*)a->dq, (bf16*)a->dk, (bf16*)a->dv, a->dsum,
-                                                           (const bf16*)a->o, (const bf16*)a->q, (const bf16*)a->k,
-                                                           (const bf16*)a->v, (const bf16*)a->o_saved, lse, s.B,
-                                                           s.heads, s.groups, s.S, s.d, t->stream));
-            return (T*)a->dq;
+            qkv_views in = qkv_rows_views(s, qkv), out = qkv_rows_views(s, dqkv);
+            CUDA_CHECK(&t->error, flash_attention_backward(out.q, out.k, out.v, a->dsum,
+                                                           cview(heads_rows_view(s, (void*)dattn)), cview(in.q),
+                                                           cview(in.k), cview(in.v),
+                                                           cview(heads_rows_view(s, (void*)attn)), lse, s.B, s.heads,
+                                                           s.groups, s.S, s.d, t->stream));
+            rope_qkv_rows<T>(t, dqkv, true);
+            return;
         }
     }
+    permute_heads<T>(t, (T*)a->o, dattn, false);
+    split_qkv<T>(t, qkv);
     int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
     int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
     /* dP = dO V^T;  dV = P^T dO */
@@ -2677,7 +2801,7 @@ static T* attention_core_backward(mt_trainer* t, T* probs, const T* attn, const 
                qd, sd);
     gemm<T, T>(g, false, false, M, s.d, s.S, (T*)a->dscores, s.S, (T*)a->k, s.d, (T*)a->q, s.d, 1.0f, 0.0f, batch, qs,
                sd, qd);
-    return (T*)a->q;
+    merge_qkv_grads<T>(t, dqkv, (T*)a->q);
 }
 
 /* The data-parallel hooks the model calls (section 8): the forward waits for each layer's
@@ -2764,13 +2888,11 @@ static void model_forward(mt_trainer* t, float grad_scale) {
     for (int l = 0; l < s.L; l++) {
         auto [x, ln1, qkv, probs, attn, mid, ln2, fc1, act, out] = layer_activations<T>(a, s, l);
 
-        /* attention block: ln1 = norm1(x) is already there; qkv is kept without its bias, which the
-         * split adds (here and when the backward splits again) */
+        /* attention block: ln1 = norm1(x) is already there */
         const T* ln1_in = column_parallel_input<T>(tp, gathered, ln1, s.R, s.h);
-        linear_forward<T>(g, qkv, ln1_in, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), (const T*)NULL, s.BT, s.h, s.qkv_width);
-        split_qkv<T>(t, qkv, param_ptr<T>(t, MT_P_QKV_BIAS, l));
-        attention_core_forward<T>(t, probs, a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL);
-        permute_heads<T>(t, attn, (T*)a->o, true);
+        linear_forward<T>(g, qkv, ln1_in, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), param_ptr<T>(t, MT_P_QKV_BIAS, l), s.BT,
+                          s.h, s.qkv_width);
+        attention_forward<T>(t, qkv, probs, a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL, attn);
         linear_forward<T>(g, (T*)a->branch, attn, param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), (const T*)NULL, s.BT,
                           s.attn_width, s.h);
         T* proj = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
@@ -2893,10 +3015,8 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
         row_parallel_backward<T>(g, cs, tp, (T*)a->branch2, grad_ptr(t, MT_P_PROJ_WEIGHT, l),
                                  grad_ptr(t, MT_P_PROJ_BIAS, l), dres, gathered_grad, attn,
                                  param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), s.BT, s.R, s.attn_width, s.h);
-        permute_heads<T>(t, (T*)a->o, (T*)a->branch2, false);
-        split_qkv<T>(t, qkv, param_ptr<T>(t, MT_P_QKV_BIAS, l));
-        T* dq = attention_core_backward<T>(t, probs, attn, a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL);
-        merge_qkv_grads<T>(t, (T*)a->branch, dq);
+        attention_backward<T>(t, (T*)a->branch, (T*)a->branch2, qkv, probs,
+                              a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL, attn);
         T* dln1 = column_parallel_backward<T>(g, cs, tp, (T*)a->branch2, (T*)a->rows, gathered,
                                               grad_ptr(t, MT_P_QKV_WEIGHT, l), grad_ptr(t, MT_P_QKV_BIAS, l),
                                               (T*)a->branch, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), s.BT, s.R, s.h,
@@ -3631,15 +3751,13 @@ static size_t layout_activations(mt_activations* a, const mt_trainer* t, char* b
     CARVE(lnf_mean, float*, R * 4);
     CARVE(lnf_rstd, float*, R * 4);
     CARVE(logits, void*, BT * s.V * e);
-    CARVE(q, void*, heads_elems * e);
-    CARVE(k, void*, group_elems * e);
-    CARVE(v, void*, group_elems * e);
-    CARVE(o, void*, heads_elems * e);
-    CARVE(dk, void*, group_elems * e);
-    CARVE(dv, void*, group_elems * e);
+    CARVE(q, void*, flash ? 0 : heads_elems * e);
+    CARVE(k, void*, flash ? 0 : group_elems * e);
+    CARVE(v, void*, flash ? 0 : group_elems * e);
+    CARVE(o, void*, flash ? 0 : heads_elems * e);
+    CARVE(dk, void*, flash ? 0 : group_elems * e);
+    CARVE(dv, void*, flash ? 0 : group_elems * e);
     CARVE(dscores, void*, flash ? 0 : score_elems * e);
-    CARVE(dq, void*, flash ? heads_elems * e : 0);
-    CARVE(o_saved, void*, flash ? heads_elems * e : 0);
     CARVE(dsum, float*, flash ? (int64_t)s.B * s.heads * s.S * 4 : 0);
     CARVE(logits_row, float*, s.V_full * 4);
     CARVE(branch, void*, BT * wide * e);

@@ -14,6 +14,7 @@
 #include "tests/test_tokenizer.h"
 #include "tests/test_train.h"
 #include "tests/test_gpu.h"
+#include "tests/test_flash.h"
 #include "tests/test_parallel.h"
 #include "tests/test_tp.h"
 #include "tests/test_hf.h"
@@ -45,6 +46,7 @@ int main(int argc, char** argv) {
         GROUP("tp", tp_host_tests),
         GROUP("hf", hf_tests),
         GROUP("gpu", gpu_tests),
+        GROUP("gpu", flash_tests),
         GROUP("gpu", tp_gpu_tests),
         GROUP("multigpu", multigpu_tests),
         GROUP("multigpu", tp_multigpu_tests),

@@ -10,12 +10,14 @@
 #
 # Run from the repository root on a GPU machine after `make train_gpt`:
 #   dev/bench/speed_vs_torch.sh [models...]          models: 124m 1.5b llama1b (default: 124m 1.5b)
-# Environment: ITERS (30), OUT (/tmp/speed_vs_torch), MAX_MBS=1 to also search the largest
+# Environment: ITERS (30), OUT (/tmp/speed_vs_torch), PROFILE=1 to add torch's per-kernel GPU time of one
+# step to $OUT/torch_<model>.log, MAX_MBS=1 to also search the largest
 # micro-batch that fits (doubling; each torch attempt recompiles, so it is slow).
 # Reported: tokens/s, TFLOP/s/GPU (Megatron's formula, from train_gpt's log line; the same FLOPs per
 # iteration for torch), MFU (989 TFLOP/s dense bf16 on H100/H200),
-# peak memory (ours: what the device reports in use once everything is allocated; torch: the
-# caching allocator's max reserved, and max allocated), and the ratio ours / torch.
+# peak memory (both: what the device reports in use, context and libraries included; ours once
+# everything is allocated, torch's after its timed steps, its allocator keeping what it reserved; and
+# torch's allocator max reserved and max allocated), and the ratio ours / torch.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/speed_vs_torch}
@@ -63,7 +65,8 @@ for model in "${models[@]}"; do
   fi
   r=$(ours "$shape" "$MBS" "$OUT/ours_$model.log")
   read -r ms_o tf_o gib_o <<<"$r"
-  python dev/bench/torch_speed.py $tshape --mbs "$MBS" --iters "$ITERS" >"$OUT/torch_$model.log" 2>&1
+  python dev/bench/torch_speed.py $tshape --mbs "$MBS" --iters "$ITERS" ${PROFILE:+--profile} \
+    >"$OUT/torch_$model.log" 2>&1
   res=$(grep '^RESULT ' "$OUT/torch_$model.log" | sed 's/^RESULT //')
   if [ -z "$r" ] || [ -z "$res" ]; then
     echo "| $model | $MBS | FAILED (see $OUT) | | | | | | |" >>"$table"; tail -5 "$OUT/ours_$model.log" "$OUT/torch_$model.log"; continue
@@ -79,7 +82,8 @@ def row(side, ms, mem, ratio):
     tf = flops / (ms / 1e3) / 1e12
     print(f"| {model} | {mbs} | {side} | {ms:.1f} | {tok / (ms / 1e3):,.0f} | {tf:.1f} | {100 * tf / peak:.1f}% | {mem} | {ratio} |")
 row("megatron.c", ms_o, f"{gib_o:.1f} (device in use)", f"**{t['ms'] / ms_o:.2f}x**")
-row(f"torch {t['torch']} compile", t["ms"], f"{t['peak_reserved_gib']:.1f} reserved, {t['peak_allocated_gib']:.1f} allocated", "1.00x")
+row(f"torch {t['torch']} compile", t["ms"], f"{t['device_in_use_gib']:.1f} (device in use); {t['peak_reserved_gib']:.1f} "
+    f"reserved, {t['peak_allocated_gib']:.1f} allocated", "1.00x")
 EOF
   if [ "${MAX_MBS:-0}" = 1 ]; then
     best_o=$MBS; best_t=$MBS

@@ -55,6 +55,26 @@ def pick_sdpa_backend(B, n, g, S, d, dev):
     sys.exit("sdpa: no fused attention backend takes these shapes")
 
 
+def profile_one_step(step):
+    """GPU time of one training step per kernel name (summed over calls), largest first, on stderr."""
+    from collections import defaultdict
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    total, calls = defaultdict(float), defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name[:70]
+            total[name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            calls[name] += 1
+    s = sum(total.values())
+    print(f"{'kernel (torch, one step)':70s} {'calls':>6s} {'ms':>8s} share", file=sys.stderr)
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:30]:
+        print(f"{name:70s} {calls[name]:6d} {us / 1e3:8.3f} {100 * us / s:5.1f}%", file=sys.stderr)
+    print(f"{'total':70s} {sum(calls.values()):6d} {s / 1e3:8.3f}", file=sys.stderr)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gpt", choices=["gpt", "llama"])
@@ -70,6 +90,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--compile", default="on", choices=["on", "off"])
+    ap.add_argument("--profile", action="store_true", help="after timing: one step under torch.profiler, the "
+                    "GPU time per kernel name printed to stderr")
     a = ap.parse_args()
     for key, val in DEFAULTS[a.model].items():
         if getattr(a, key, None) is None:
@@ -129,11 +151,15 @@ def main():
         sys.exit(3)
     times.sort()
     ms = times[len(times) // 2]
+    free, total = torch.cuda.mem_get_info()  # what the device reports in use (context, cuBLAS, allocator)
+    if a.profile:
+        profile_one_step(step)
     toks = a.accum * a.mbs * S
     out = {
         "ms": round(ms, 2), "tokens_per_s": round(toks / (ms / 1e3)),
         "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        "device_in_use_gib": round((total - free) / 2**30, 2),
         "loss": round(float(loss), 4), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
         "compile": a.compile, "mbs": a.mbs, "accum": a.accum,
     }

@@ -12,6 +12,8 @@
  * Add -Xptxas -v to read each kernel's registers, shared memory and spills.
  *
  * ---- Layout (the same as megatron.cu's attention) -----------------------------------------------
+ *   (the lab's layout; the kernels take any strided view of it, megatron.cu's fa::heads_view, so the
+ *   model passes its fused QKV rows and attention output rows as they are)
  *   Q, O, dO, dQ   [B, H,   T, d]  bf16
  *   K, V, dK, dV   [B, Hkv, T, d]  bf16   grouped-query attention: query head h reads kv head
  *                                         h / (H / Hkv); K and V are never repeated in memory
@@ -321,14 +323,20 @@ static void ref_backward(Buffers* x) {
     LAB_CHECK(cudaGetLastError());
 }
 
+/* The lab keeps the packed layout [B, H, T, d]; the model's row layouts go through the same kernels
+ * by other strides (tests/test_flash.h checks those against a reference, and bitwise against this). */
+static attn_view qv(bf16* p, Shape s) { return packed_heads_view(p, s.H, s.T, s.d, s.H / s.Hkv); }
+static attn_view kv(bf16* p, Shape s) { return packed_heads_view(p, s.Hkv, s.T, s.d, 1); }
 static void flash_forward(Buffers* x) {
     Shape s = x->s;
-    LAB_CHECK(flash_attention_forward(x->O, x->LSE, x->Q, x->K, x->V, s.B, s.H, s.Hkv, s.T, s.d, 0));
+    LAB_CHECK(flash_attention_forward(qv(x->O, s), x->LSE, cview(qv(x->Q, s)), cview(kv(x->K, s)), cview(kv(x->V, s)),
+                                      s.B, s.H, s.Hkv, s.T, s.d, 0));
 }
 static void flash_backward(Buffers* x) {
     Shape s = x->s;
-    LAB_CHECK(flash_attention_backward(x->dQ, x->dK, x->dV, x->Dsum, x->dO, x->Q, x->K, x->V, x->O, x->LSE, s.B, s.H,
-                                        s.Hkv, s.T, s.d, 0));
+    LAB_CHECK(flash_attention_backward(qv(x->dQ, s), kv(x->dK, s), kv(x->dV, s), x->Dsum, cview(qv(x->dO, s)),
+                                       cview(qv(x->Q, s)), cview(kv(x->K, s)), cview(kv(x->V, s)), cview(qv(x->O, s)),
+                                       x->LSE, s.B, s.H, s.Hkv, s.T, s.d, 0));
 }
 
 /* ||out - ref|| / ||ref|| over all elements, in double on the host; NaN anywhere gives NaN. Where the
@@ -464,9 +472,10 @@ int main(int argc, char** argv) {
     int failed = 0;
     for (const Shape& s : checks) failed += !check_shape(s);
     /* invalid shapes are refused, not launched */
-    if (flash_attention_forward(nullptr, nullptr, nullptr, nullptr, nullptr, 1, 6, 4, 128, 64, 0) !=
+    attn_view none = {nullptr, 0, 0, 0, 0};
+    if (flash_attention_forward(none, nullptr, cview(none), cview(none), cview(none), 1, 6, 4, 128, 64, 0) !=
             cudaErrorInvalidValue ||
-        flash_attention_forward(nullptr, nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 128, 96, 0) !=
+        flash_attention_forward(none, nullptr, cview(none), cview(none), cview(none), 1, 4, 4, 128, 96, 0) !=
             cudaErrorInvalidValue) {
         printf("  invalid shape was not refused: FAIL\n");
         failed++;

@@ -23,8 +23,9 @@
  *      cross_entropy_combine_kernel at tp = 1 and tp = 4, the ranks simulated on one GPU
  *   7. AdamW: adamw_kernel<bf16> over GPT-2 124M's parameters cut into OPT_CHUNK_ELEMENTS chunks
  *   8. QKV split (attention_qkv_permute_vec_kernel<T, false> vs attention_split_heads_kernel, without
- *      RoPE and with RoPE) and the head permutes (attention_heads_permute_vec_kernel vs scalar, both
- *      directions)
+ *      RoPE and with RoPE; the exact attention path), RoPE in place on the QKV rows (the flash path:
+ *      rope_qkv_rows_kernel 16-byte vs scalar, forward and backward) and the head permutes
+ *      (attention_heads_permute_vec_kernel vs scalar, both directions)
  * and prints one markdown table at the end. The exit code is 1 if any check failed (2 on a CUDA error).
  *
  * Build and run (from the repository root, on an sm_90 GPU; about 20-30 s, most of it host-side input
@@ -1272,15 +1273,15 @@ static void item_qkv_split(bool rope) {
     const int width = groups * (qpg + 2) * d, rot = rope ? d : 0, half = rot / 2;
     const int rowsN = B * T;
     const size_t n = (size_t)rowsN * width, nq = (size_t)B * heads * T * d, nkv = (size_t)B * groups * T * d;
-    const char* kname = rope ? "QKV split + RoPE" : "QKV split + bias";
+    const char* kname = rope ? "QKV split + RoPE" : "QKV split";
     printf("\n[8] %s: qkv[%d, %d] -> q, k, v [B=%d, %d, T=%d, d=%d]; %s\n", kname, rowsN, width, B, heads, T, d,
-           rope ? "RoPE on all 64 channels (rot = 64), no bias (Llama)" : "QKV bias added, no RoPE (GPT-2)");
+           rope ? "RoPE on all 64 channels (rot = 64) (Llama)" : "no RoPE (GPT-2; the bias is in the QKV GEMM)");
     if (d % vec16<bf16>::N != 0 || (rot != 0 && half % vec16<bf16>::N != 0)) {
         printf("    NOTE: shape not vectorisable: skipped\n");
         return;
     }
     Arena A;
-    std::vector<uint16_t> h_qkv = rand_bf16(n, -2.0f, 2.0f, rope ? 811 : 801), h_b = rand_bf16(width, -0.5f, 0.5f, 802);
+    std::vector<uint16_t> h_qkv = rand_bf16(n, -2.0f, 2.0f, rope ? 811 : 801);
     std::vector<float> h_cos((size_t)T * std::max(half, 1)), h_sin((size_t)T * std::max(half, 1));
     for (int i = 0; i < half; i++) {
         double w = 1.0 / pow(10000.0, 2.0 * i / rot);
@@ -1291,7 +1292,6 @@ static void item_qkv_split(bool rope) {
         }
     }
     bf16* qkv = upload_bf16(A, h_qkv);
-    bf16* bias = rope ? nullptr : upload_bf16(A, h_b);
     float* cosd = rope ? upload(A, h_cos) : nullptr;
     float* sind = rope ? upload(A, h_sin) : nullptr;
     bf16* q = A.alloc<bf16>(nq);
@@ -1299,11 +1299,11 @@ static void item_qkv_split(bool rope) {
     bf16* v = A.alloc<bf16>(nkv);
     auto vec = [&] {
         attention_qkv_permute_vec_kernel<bf16, false><<<ceil_div((int64_t)n / vec16<bf16>::N, 256), 256, 0, S>>>(
-            qkv, q, k, v, bias, cosd, sind, B, T, heads, groups, d, rot);
+            qkv, q, k, v, cosd, sind, B, T, heads, groups, d, rot);
     };
     auto scalar = [&] {
-        attention_split_heads_kernel<bf16><<<ceil_div((int64_t)n, 256), 256, 0, S>>>(q, k, v, qkv, bias, cosd, sind, B,
-                                                                                     T, heads, groups, d, rot);
+        attention_split_heads_kernel<bf16><<<ceil_div((int64_t)n, 256), 256, 0, S>>>(q, k, v, qkv, cosd, sind, B, T,
+                                                                                     heads, groups, d, rot);
     };
     std::vector<int> rows = sample_rows(rowsN);
     auto check = [&](auto run) {
@@ -1318,9 +1318,7 @@ static void item_qkv_split(bool rope) {
         for (int bt : rows) {
             int b = bt / T, t = bt % T;
             const uint16_t* row = &h_qkv[(size_t)bt * width];
-            auto xval = [&](int col) {
-                return bias ? add_round(bf2f(row[col]), bf2f(h_b[col])) : (double)bf2f(row[col]);
-            };
+            auto xval = [&](int col) { return (double)bf2f(row[col]); };
             for (int col = 0; col < width; col++) {
                 int g = col / ((qpg + 2) * d), slot = (col / d) % (qpg + 2), e = col % d;
                 double y = xval(col);
@@ -1338,8 +1336,8 @@ static void item_qkv_split(bool rope) {
         ck.add("q,k,v", compare(got, ref, rms_of(ref)), rope ? TOL_BF16 : TOL_EXACT);
         return ck;
     };
-    /* bytes: qkv r, q + k + v w (2 x rows*width*2); bias r; cos + sin tables r (2 T*half*4) */
-    const double bytes = 2.0 * (double)n * 2.0 + (bias ? width * 2.0 : 0.0) + (rope ? 2.0 * T * half * 4.0 : 0.0);
+    /* bytes: qkv r, q + k + v w (2 x rows*width*2); cos + sin tables r (2 T*half*4) */
+    const double bytes = 2.0 * (double)n * 2.0 + (rope ? 2.0 * T * half * 4.0 : 0.0);
     std::string shp = "B16 T1024 H12 d64";
     printf("    attention_qkv_permute_vec_kernel<bf16, false>\n");
     Check c1 = check(vec);
@@ -1347,6 +1345,84 @@ static void item_qkv_split(bool rope) {
     printf("    attention_split_heads_kernel (scalar)\n");
     Check c2 = check(scalar);
     record(kname, "attention_split_heads_kernel (scalar)", shp, time_us(noprep, scalar), bytes, &c2);
+    A.release();
+}
+
+/* RoPE in place on the fused QKV rows (the flash path: no split): rope_qkv_rows_kernel with 16-byte
+ * vectors vs one channel per thread, forward and backward (the transpose), Llama-3.2-1B's layout:
+ * 32 query heads over 8 kv heads, d = 64, rot = 64, B = 4, T = 2048. */
+static void item_rope_rows(bool backward) {
+    const int B = 4, T = 2048, heads = 32, groups = 8, d = 64, qpg = heads / groups, rot = 64, half = rot / 2;
+    const int width = groups * (qpg + 2) * d;
+    const int64_t BT = (int64_t)B * T;
+    const size_t n = (size_t)BT * width;
+    const char* kname = backward ? "RoPE rows backward (in place)" : "RoPE rows forward (in place)";
+    printf("\n[8] %s: qkv[%lld, %d], %d q + %d k heads rotated per row\n", kname, (long long)BT, width, heads, groups);
+    Arena A;
+    std::vector<uint16_t> h_qkv = rand_bf16(n, -2.0f, 2.0f, backward ? 832 : 831);
+    std::vector<float> h_cos((size_t)T * half), h_sin((size_t)T * half);
+    for (int i = 0; i < half; i++) {
+        double w = 1.0 / pow(500000.0, 2.0 * i / rot);
+        for (int t = 0; t < T; t++) {
+            h_cos[(size_t)t * half + i] = (float)cos(t * w);
+            h_sin[(size_t)t * half + i] = (float)sin(t * w);
+        }
+    }
+    bf16* qkv = upload_bf16(A, h_qkv);
+    float* cosd = upload(A, h_cos);
+    float* sind = upload(A, h_sin);
+    constexpr int V = vec16<bf16>::N;
+    const int64_t rotated = (int64_t)BT * groups * (qpg + 1);
+    auto vec = [&] {
+        if (backward)
+            rope_qkv_rows_kernel<bf16, V, true><<<ceil_div(rotated * (half / V), 256), 256, 0, S>>>(qkv, cosd, sind, BT, T, groups, qpg, d, rot);
+        else
+            rope_qkv_rows_kernel<bf16, V, false><<<ceil_div(rotated * (half / V), 256), 256, 0, S>>>(qkv, cosd, sind, BT, T, groups, qpg, d, rot);
+    };
+    auto scalar = [&] {
+        if (backward)
+            rope_qkv_rows_kernel<bf16, 1, true><<<ceil_div(rotated * half, 256), 256, 0, S>>>(qkv, cosd, sind, BT, T, groups, qpg, d, rot);
+        else
+            rope_qkv_rows_kernel<bf16, 1, false><<<ceil_div(rotated * half, 256), 256, 0, S>>>(qkv, cosd, sind, BT, T, groups, qpg, d, rot);
+    };
+    /* in place: every timed run starts from the original rows */
+    auto reset = [&] { CK(cudaMemcpyAsync(qkv, h_qkv.data(), n * 2, cudaMemcpyHostToDevice, S)); };
+    std::vector<int> rows = sample_rows((int)BT);
+    auto check = [&](auto run) {
+        reset();
+        run();
+        sync_check(kname);
+        std::vector<float> g = fetch_bf16(qkv, 0, n);
+        std::vector<float> got;
+        std::vector<double> ref;
+        for (int bt : rows) {
+            int t = bt % T;
+            const uint16_t* row = &h_qkv[(size_t)bt * width];
+            for (int col = 0; col < width; col++) {
+                int slot = (col / d) % (qpg + 2), e = col % d;
+                double y = bf2f(row[col]);
+                if (slot <= qpg && e < rot) {
+                    int i = e % half;
+                    double c = h_cos[(size_t)t * half + i], s = backward ? -h_sin[(size_t)t * half + i] : h_sin[(size_t)t * half + i];
+                    y = e < half ? bf2f(row[col]) * c - bf2f(row[col + half]) * s : bf2f(row[col]) * c + bf2f(row[col - half]) * s;
+                }
+                got.push_back(g[(size_t)bt * width + col]);
+                ref.push_back(y);
+            }
+        }
+        Check ck;
+        ck.add("q,k,v rows", compare(got, ref, rms_of(ref)), TOL_BF16);
+        return ck;
+    };
+    /* bytes: the q and k columns read and written; cos + sin tables read */
+    const double bytes = 2.0 * BT * groups * (qpg + 1) * d * 2.0 + 2.0 * T * half * 4.0;
+    std::string shp = "B4 T2048 H32/8 d64";
+    printf("    rope_qkv_rows_kernel<bf16, 8>\n");
+    Check c1 = check(vec);
+    record(kname, "rope_qkv_rows_kernel<T,8> (16-byte)", shp, time_us(reset, vec), bytes, &c1);
+    printf("    rope_qkv_rows_kernel<bf16, 1>\n");
+    Check c2 = check(scalar);
+    record(kname, "rope_qkv_rows_kernel<T,1> (scalar)", shp, time_us(reset, scalar), bytes, &c2);
     A.release();
 }
 
@@ -1478,6 +1554,8 @@ int main() {
     item_adamw();
     item_qkv_split(false);
     item_qkv_split(true);
+    item_rope_rows(false);
+    item_rope_rows(true);
     item_heads_permute(true);
     item_heads_permute(false);
 
