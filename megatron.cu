@@ -444,6 +444,41 @@ __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean
     }
 }
 
+/* V elements from / to memory: 16-byte accesses when V is the vector width, else one by one. */
+template <typename T, int V>
+__device__ __forceinline__ void load_n(float* out, const T* p) {
+    if constexpr (V == vec16<T>::N) load16(out, p);
+    else
+        for (int j = 0; j < V; j++) out[j] = to_float(p[j]);
+}
+template <typename T, int V>
+__device__ __forceinline__ void store_n(T* p, const float* in) {
+    if constexpr (V == vec16<T>::N) store16(p, in);
+    else
+        for (int j = 0; j < V; j++) p[j] = from_float<T>(in[j]);
+}
+
+/* A norm's output again from its saved input and statistics: y = (x - mean) * rstd * w (+ b), the
+ * forward kernels' own expression, so the backward recomputes what the forward produced (the first
+ * norm's output is not kept per layer). One thread per V elements (V = 1 when C is not a multiple
+ * of the vector width). */
+template <typename T, int V>
+__global__ void norm_apply_kernel(T* out, const T* x, const float* mean, const float* rstd, const T* w, const T* b,
+                                  int64_t N, int C) {
+    int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * V;
+    if (i >= N * C) return;
+    int64_t row = i / C;
+    int c = (int)(i % C);
+    float v[V], wv[V], bv[V];
+    load_n<T, V>(v, x + i);
+    load_n<T, V>(wv, w + c);
+    if (b) load_n<T, V>(bv, b + c);
+    const float m = mean[row], rs = rstd[row];
+#pragma unroll
+    for (int k = 0; k < V; k++) v[k] = (v[k] - m) * rs * wv[k] + (b ? bv[k] : 0.0f);
+    store_n<T, V>(out + i, v);
+}
+
 /* ---- 2.4 Deterministic column sums: bias gradients and norm-weight gradients.
  *      Pass 1: block (x, chunk) sums rows [chunk*rows_per_chunk, ...) of its columns into partial.
  *      Pass 2: dst[c] += sum over chunks in order. ---- */
@@ -515,6 +550,122 @@ __global__ void column_final_sum_kernel(float* dst, const float* partial, int ch
     float s = 0.0f;
     for (int k = 0; k < chunks; k++) s += partial[(int64_t)k * C + c];
     dst[c] += s;
+}
+/* Up to three column sums finished in one launch (blockIdx.y picks one; a NULL dst is skipped). A
+ * block [32 columns x 16 lanes of chunks]: lane y sums chunks y, y+16, ..., then lane 0 adds the 16
+ * in order (a fixed order: deterministic). */
+__global__ void __launch_bounds__(512) column_final_sums_kernel(float* dst0, const float* p0, float* dst1,
+                                                                const float* p1, float* dst2, const float* p2,
+                                                                int chunks, int C) {
+    __shared__ float part[16][33];
+    float* dst = blockIdx.y == 0 ? dst0 : blockIdx.y == 1 ? dst1 : dst2;
+    const float* partial = blockIdx.y == 0 ? p0 : blockIdx.y == 1 ? p1 : p2;
+    if (!dst) return;
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    float s = 0.0f;
+    if (c < C)
+        for (int k = threadIdx.y; k < chunks; k += 16) s += partial[(int64_t)k * C + c];
+    part[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+        float total = 0.0f;
+#pragma unroll
+        for (int y = 0; y < 16; y++) total += part[y][threadIdx.x];
+        dst[c] += total;
+    }
+}
+
+/* ---- The norm backward fused with every column sum that reads the same rows. A block owns tiles of
+ *      NORM_BWD_ROWS rows (grid-strided, at most NORM_BWD_BLOCKS blocks: a count fixed by N alone, so
+ *      the sums do not depend on the device). Phase 1: a warp per row computes the row's statistics
+ *      mean(g) and mean(g * xhat), g = dy * w, into shared memory. Phase 2: each thread owns V
+ *      adjacent columns (NJ groups of them when C > 256 V) and walks the tile's rows: dres += dx, and
+ *      in registers d weight += dy * xhat, d bias += dy, and (prev != NULL) the new dres itself: the
+ *      gradient of the residual stream here, i.e. the bias gradient of the row-parallel linear whose
+ *      output was added to it (proj before the second norm, fc2 before the next layer's first).
+ *      Each block writes its partial sums once; column_final_sums_kernel adds them in block order, so
+ *      every sum is deterministic. dres, dy and x are read once from memory (phase 2 re-reads the
+ *      tile's rows from cache). ---- */
+#define NORM_BWD_ROWS 16
+#define NORM_BWD_BLOCKS 512
+template <typename T, int NJ>
+__global__ void __launch_bounds__(256)
+    norm_backward_fused_kernel(T* dres, float* part_w, float* part_b, float* part_prev, const T* dy, const T* x,
+                               const T* w, const float* mean, const float* rstd, int N, int C, bool rms) {
+    constexpr int V = vec16<T>::N, WARPS = 8;
+    __shared__ float s_mg[NORM_BWD_ROWS], s_mgx[NORM_BWD_ROWS], s_m[NORM_BWD_ROWS], s_rs[NORM_BWD_ROWS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nvec = C / V;
+    float aw[NJ][V], ab[NJ][V], ar[NJ][V];
+#pragma unroll
+    for (int j = 0; j < NJ; j++)
+#pragma unroll
+        for (int i = 0; i < V; i++) aw[j][i] = ab[j][i] = ar[j][i] = 0.0f;
+
+    for (int tile = blockIdx.x; tile * NORM_BWD_ROWS < N; tile += gridDim.x) {
+        const int r0 = tile * NORM_BWD_ROWS, rows = min(NORM_BWD_ROWS, N - r0);
+        for (int rr = warp; rr < rows; rr += WARPS) { /* phase 1 */
+            const int64_t base = (int64_t)(r0 + rr) * C;
+            const float m = mean[r0 + rr], rs = rstd[r0 + rr];
+            float g[V], xv[V], wv[V], sum_g = 0.0f, sum_gx = 0.0f;
+            for (int c = lane * V; c < C; c += 32 * V) {
+                load16(g, dy + base + c);
+                load16(xv, x + base + c);
+                load16(wv, w + c);
+#pragma unroll
+                for (int i = 0; i < V; i++) {
+                    float gi = g[i] * wv[i];
+                    sum_g += gi;
+                    sum_gx += gi * (xv[i] - m) * rs;
+                }
+            }
+            sum_g = warp_sum(sum_g);
+            sum_gx = warp_sum(sum_gx);
+            if (lane == 0) {
+                s_mg[rr] = rms ? 0.0f : sum_g / C;
+                s_mgx[rr] = sum_gx / C;
+                s_m[rr] = m;
+                s_rs[rr] = rs;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < NJ; j++) { /* phase 2 */
+            const int c = (threadIdx.x + 256 * j) * V;
+            if (c >= nvec * V) continue;
+            float wv[V], g[V], xv[V], d[V];
+            load16(wv, w + c);
+#pragma unroll 2
+            for (int rr = 0; rr < rows; rr++) {
+                const int64_t at = (int64_t)(r0 + rr) * C + c;
+                const float m = s_m[rr], rs = s_rs[rr], mg = s_mg[rr], mgx = s_mgx[rr];
+                load16(g, dy + at);
+                load16(xv, x + at);
+                load16(d, dres + at);
+#pragma unroll
+                for (int i = 0; i < V; i++) {
+                    const float xhat = (xv[i] - m) * rs;
+                    d[i] = to_float(from_float<T>(d[i] + rs * (g[i] * wv[i] - mg - xhat * mgx)));
+                    aw[j][i] += g[i] * xhat;
+                    ab[j][i] += g[i];
+                    ar[j][i] += d[i];
+                }
+                store16(dres + at, d);
+            }
+        }
+        __syncthreads(); /* the statistics are rewritten by the next tile */
+    }
+#pragma unroll
+    for (int j = 0; j < NJ; j++) {
+        const int c = (threadIdx.x + 256 * j) * V;
+        if (c >= nvec * V) continue;
+        const int64_t at = (int64_t)blockIdx.x * C + c;
+#pragma unroll
+        for (int i = 0; i < V; i++) {
+            part_w[at + i] = aw[j][i];
+            if (part_b) part_b[at + i] = ab[j][i];
+            if (part_prev) part_prev[at + i] = ar[j][i];
+        }
+    }
 }
 
 /* ---- 2.5 Bias, residual, GELU (tanh approximation), SwiGLU. A NULL bias means the model has none
@@ -811,18 +962,6 @@ __global__ void attention_qkv_permute_vec_kernel(T* qkv, T* q, T* k, T* v, const
  * k and v straight from those rows): every q and k head of row (b, t) rotated at position t, or
  * (BACKWARD) a gradient un-rotated by the transpose. One thread per V channels of a head's first
  * rotary half; it also owns the matching channels of the second half, so the update is in place. */
-template <typename T, int V>
-__device__ __forceinline__ void load_n(float* out, const T* p) {
-    if constexpr (V == vec16<T>::N) load16(out, p);
-    else
-        for (int j = 0; j < V; j++) out[j] = to_float(p[j]);
-}
-template <typename T, int V>
-__device__ __forceinline__ void store_n(T* p, const float* in) {
-    if constexpr (V == vec16<T>::N) store16(p, in);
-    else
-        for (int j = 0; j < V; j++) p[j] = from_float<T>(in[j]);
-}
 template <typename T, int V, bool BACKWARD>
 __global__ void rope_qkv_rows_kernel(T* qkv, const float* cos_table, const float* sin_table, int64_t BT, int seq,
                                      int groups, int qpg, int d, int rot) {
@@ -992,13 +1131,13 @@ struct heads_view {
 /* ---- Tile movement: global rows (stride `ld` elements) -> shared [ROWS][D+8], 16 bytes per
  *      cp.async. Rows at or past T are zero-filled (the source address is clamped to row 0 so it
  *      stays valid). ---- */
-template <int ROWS, int D>
+template <int ROWS, int D, int NTH = THREADS>
 __device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int64_t ld, int row0, int T) {
     constexpr int CHUNKS = D / 8, STRIDE = D + 8, N = ROWS * CHUNKS;
-    static_assert(N % THREADS == 0, "tile must split evenly over the CTA");
+    static_assert(N % NTH == 0, "tile must split evenly over the CTA");
 #pragma unroll
-    for (int k = 0; k < N / THREADS; k++) {
-        int i = k * THREADS + threadIdx.x;
+    for (int k = 0; k < N / NTH; k++) {
+        int i = k * NTH + threadIdx.x;
         int r = i / CHUNKS, c = i % CHUNKS;
         int row = row0 + r;
         bool valid = row < T;
@@ -1006,9 +1145,9 @@ __device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int64_t ld, in
     }
 }
 /* ROWS fp32 values g[row0 ..] -> s[0 .. ROWS), zero past T. */
-template <int ROWS>
+template <int ROWS, int NTH = THREADS>
 __device__ __forceinline__ void load_vec(float* s, const float* g, int row0, int T) {
-    static_assert(ROWS <= THREADS, "one element per thread");
+    static_assert(ROWS <= NTH, "one element per thread");
     int i = threadIdx.x;
     if (i < ROWS) {
         int row = row0 + i;
@@ -1126,13 +1265,13 @@ constexpr size_t fwd_smem_bytes() {
     return (size_t)(BM + 4 * BN) * (D + 8) * sizeof(bf16);
 }
 
-template <int D, int BM>
-__global__ void __launch_bounds__(THREADS)
+template <int D, int BM, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS)
     flash_fwd_kernel(heads_view<bf16> O, float* __restrict__ LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
                      heads_view<const bf16> V, int H, int Hkv, int T, float scale) {
-    constexpr int MT = BM / 64; /* m16 row blocks per warp: a warp owns 16*MT query rows */
+    constexpr int NTH = 32 * WARPS, MT = BM / (16 * WARPS); /* m16 row blocks per warp: a warp owns 16*MT rows */
     constexpr int S = D + 8, NT = BN / 8, DT = D / 8;
-    static_assert(BM % 64 == 0 && (D == 64 || D == 128), "tile shape");
+    static_assert(BM % (16 * WARPS) == 0 && (D == 64 || D == 128), "tile shape");
 
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* sQ = reinterpret_cast<bf16*>(smem);
@@ -1153,9 +1292,9 @@ __global__ void __launch_bounds__(THREADS)
     const int n_kt = (min(q0 + BM, T) - 1) / BN + 1;    /* causal: key tiles up to the last row */
 
     /* prologue: Q tile and the first K/V tile in one cp.async group */
-    load_tile<BM, D>(sQ, Qh, Q.row, q0, T);
-    load_tile<BN, D>(sK, Kh, K.row, 0, T);
-    load_tile<BN, D>(sV, Vh, V.row, 0, T);
+    load_tile<BM, D, NTH>(sQ, Qh, Q.row, q0, T);
+    load_tile<BN, D, NTH>(sK, Kh, K.row, 0, T);
+    load_tile<BN, D, NTH>(sV, Vh, V.row, 0, T);
     cp_async_commit();
 
     uint32_t qf[MT][D / 16][4]; /* this warp's Q rows as A fragments, loaded once */
@@ -1176,8 +1315,8 @@ __global__ void __launch_bounds__(THREADS)
         /* prefetch the next K/V tile into the other stage (freed by the barrier that ended the
          * previous iteration), then wait for this tile; an empty group keeps the count uniform */
         if (kt + 1 < n_kt) {
-            load_tile<BN, D>(sK + ((kt + 1) & 1) * BN * S, Kh, K.row, k0 + BN, T);
-            load_tile<BN, D>(sV + ((kt + 1) & 1) * BN * S, Vh, V.row, k0 + BN, T);
+            load_tile<BN, D, NTH>(sK + ((kt + 1) & 1) * BN * S, Kh, K.row, k0 + BN, T);
+            load_tile<BN, D, NTH>(sV + ((kt + 1) & 1) * BN * S, Vh, V.row, k0 + BN, T);
         }
         cp_async_commit();
         cp_async_wait<1>();
@@ -1303,31 +1442,31 @@ __global__ void flash_bwd_dot_kernel(float* __restrict__ Dsum, heads_view<const 
     if (row < rows && part == 0) Dsum[row] = acc;
 }
 
-/* Shared memory of dK/dV: sK, sV [BN][D+8]; sQ, sdO [2][BMQ][D+8]; sL, sD [2][BMQ] fp32. */
-template <int D, int BMQ>
+/* Shared memory of dK/dV: sK, sV [KEYS][D+8]; sQ, sdO [2][BMQ][D+8]; sL, sD [2][BMQ] fp32. */
+template <int D, int BMQ, int KEYS>
 constexpr size_t dkdv_smem_bytes() {
-    return (size_t)(2 * BN + 4 * BMQ) * (D + 8) * sizeof(bf16) + 4 * BMQ * sizeof(float);
+    return (size_t)(2 * KEYS + 4 * BMQ) * (D + 8) * sizeof(bf16) + 4 * BMQ * sizeof(float);
 }
 
-/* One CTA per (b, kv head, tile of BN = 64 keys); warp w owns keys k0+16w .. k0+16w+15. Everything
+/* One CTA per (b, kv head, tile of KEYS = 16*WARPS keys); warp w owns keys k0+16w .. k0+16w+15. Everything
  * is computed transposed (keys as rows), so each warp's dK and dV rows stay in its registers:
  *   S^T = K Q^T,  P^T = exp(scale*S^T - LSE[q]),  dV += P^T dO,
  *   dP^T = V dO^T,  dS^T = P^T * (dP^T - Dsum[q]),  dK += dS^T Q,   finally dK *= scale.
  * The loop runs over the H/Hkv query heads of this kv head, and for each over the query tiles of
  * BMQ rows from the one holding query k0 (earlier queries see none of these keys) to the end. */
-template <int D, int BMQ>
-__global__ void __launch_bounds__(THREADS)
+template <int D, int BMQ, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS)
     flash_bwd_dkdv_kernel(heads_view<bf16> dK, heads_view<bf16> dV, heads_view<const bf16> Q,
                           heads_view<const bf16> K, heads_view<const bf16> V, heads_view<const bf16> dO,
                           const float* __restrict__ LSE, const float* __restrict__ Dsum, int H, int Hkv, int T,
                           float scale) {
-    constexpr int S = D + 8, NQ = BMQ / 8, DT = D / 8;
+    constexpr int S = D + 8, NQ = BMQ / 8, DT = D / 8, NTH = 32 * WARPS, KEYS = 16 * WARPS;
     static_assert(BMQ % 16 == 0 && (D == 64 || D == 128), "tile shape");
 
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* sK = reinterpret_cast<bf16*>(smem);
-    bf16* sV = sK + BN * S;
-    bf16* sQ = sV + BN * S;       /* [2][BMQ][S] */
+    bf16* sV = sK + KEYS * S;
+    bf16* sQ = sV + KEYS * S;     /* [2][BMQ][S] */
     bf16* sdO = sQ + 2 * BMQ * S; /* [2][BMQ][S] */
     float* sL = reinterpret_cast<float*>(sdO + 2 * BMQ * S); /* [2][BMQ] */
     float* sD = sL + 2 * BMQ;                                /* [2][BMQ] */
@@ -1335,7 +1474,7 @@ __global__ void __launch_bounds__(THREADS)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int bkv = blockIdx.x, b = bkv / Hkv, hkv = bkv % Hkv;
-    const int k0 = blockIdx.y * BN; /* low key tiles have the most work and launch first */
+    const int k0 = blockIdx.y * KEYS; /* low key tiles have the most work and launch first */
     const int qpg = H / Hkv;        /* query heads per kv head: heads hkv*qpg .. hkv*qpg+qpg-1 */
     const int wk_first = k0 + warp * 16, wk_last = wk_first + 15;
     const float c = scale * LOG2E;
@@ -1349,14 +1488,14 @@ __global__ void __launch_bounds__(THREADS)
         const int h = hkv * qpg + it / per_head;
         const int q0 = (qt_first + it % per_head) * BMQ;
         const size_t bh = (size_t)b * H + h;
-        load_tile<BMQ, D>(sQ + st * BMQ * S, Q.at(b, h, qpg), Q.row, q0, T);
-        load_tile<BMQ, D>(sdO + st * BMQ * S, dO.at(b, h, qpg), dO.row, q0, T);
-        load_vec<BMQ>(sL + st * BMQ, LSE + bh * T, q0, T);
-        load_vec<BMQ>(sD + st * BMQ, Dsum + bh * T, q0, T);
+        load_tile<BMQ, D, NTH>(sQ + st * BMQ * S, Q.at(b, h, qpg), Q.row, q0, T);
+        load_tile<BMQ, D, NTH>(sdO + st * BMQ * S, dO.at(b, h, qpg), dO.row, q0, T);
+        load_vec<BMQ, NTH>(sL + st * BMQ, LSE + bh * T, q0, T);
+        load_vec<BMQ, NTH>(sD + st * BMQ, Dsum + bh * T, q0, T);
     };
 
-    load_tile<BN, D>(sK, K.at(b, hkv, 1), K.row, k0, T);
-    load_tile<BN, D>(sV, V.at(b, hkv, 1), V.row, k0, T);
+    load_tile<KEYS, D, NTH>(sK, K.at(b, hkv, 1), K.row, k0, T);
+    load_tile<KEYS, D, NTH>(sV, V.at(b, hkv, 1), V.row, k0, T);
     load_q_tiles(0, 0);
     cp_async_commit();
 
@@ -1446,14 +1585,14 @@ constexpr size_t dq_smem_bytes() {
 /* One CTA per (b, h, tile of BM query rows), warps own 16*MT rows, loop over key tiles as in the
  * forward:  S = Q K^T,  P = exp(scale*S - LSE),  dP = dO V^T,  dS = P * (dP - Dsum),  dQ += dS K;
  * finally dQ *= scale. */
-template <int D, int BM>
-__global__ void __launch_bounds__(THREADS)
+template <int D, int BM, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS)
     flash_bwd_dq_kernel(heads_view<bf16> dQ, heads_view<const bf16> Q, heads_view<const bf16> K,
                         heads_view<const bf16> V, heads_view<const bf16> dO, const float* __restrict__ LSE,
                         const float* __restrict__ Dsum, int H, int Hkv, int T, float scale) {
-    constexpr int MT = BM / 64;
+    constexpr int NTH = 32 * WARPS, MT = BM / (16 * WARPS);
     constexpr int S = D + 8, NT = BN / 8, DT = D / 8;
-    static_assert(BM % 64 == 0 && (D == 64 || D == 128), "tile shape");
+    static_assert(BM % (16 * WARPS) == 0 && (D == 64 || D == 128), "tile shape");
 
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* sQ = reinterpret_cast<bf16*>(smem);
@@ -1473,10 +1612,10 @@ __global__ void __launch_bounds__(THREADS)
     const float c = scale * LOG2E;
     const int n_kt = (min(q0 + BM, T) - 1) / BN + 1;
 
-    load_tile<BM, D>(sQ, Q.at(b, h, qpg), Q.row, q0, T);
-    load_tile<BM, D>(sdO, dO.at(b, h, qpg), dO.row, q0, T);
-    load_tile<BN, D>(sK, Kh, K.row, 0, T);
-    load_tile<BN, D>(sV, Vh, V.row, 0, T);
+    load_tile<BM, D, NTH>(sQ, Q.at(b, h, qpg), Q.row, q0, T);
+    load_tile<BM, D, NTH>(sdO, dO.at(b, h, qpg), dO.row, q0, T);
+    load_tile<BN, D, NTH>(sK, Kh, K.row, 0, T);
+    load_tile<BN, D, NTH>(sV, Vh, V.row, 0, T);
     cp_async_commit();
 
     /* per-row constants of this thread's rows (g, g+8 of each m16 block); padded rows get 0 */
@@ -1501,8 +1640,8 @@ __global__ void __launch_bounds__(THREADS)
         const bf16* sKs = sK + (kt & 1) * BN * S;
         const bf16* sVs = sV + (kt & 1) * BN * S;
         if (kt + 1 < n_kt) {
-            load_tile<BN, D>(sK + ((kt + 1) & 1) * BN * S, Kh, K.row, k0 + BN, T);
-            load_tile<BN, D>(sV + ((kt + 1) & 1) * BN * S, Vh, V.row, k0 + BN, T);
+            load_tile<BN, D, NTH>(sK + ((kt + 1) & 1) * BN * S, Kh, K.row, k0 + BN, T);
+            load_tile<BN, D, NTH>(sV + ((kt + 1) & 1) * BN * S, Vh, V.row, k0 + BN, T);
         }
         cp_async_commit();
         cp_async_wait<1>();
@@ -1572,35 +1711,24 @@ __global__ void __launch_bounds__(THREADS)
 /* 2.7.4 Host launchers                                                                                */
 /* ============================================================================================== */
 
-/* Tile choices (rows of queries per CTA). The forward keeps Q fragments in registers, so 128 rows
- * (32 per warp) fit for d = 64 but not for d = 128. dQ and dK/dV use 16 rows per warp.
+/* Tile choices (rows of queries per CTA, warps per CTA). The forward keeps Q fragments in registers,
+ * so 32 rows per warp fit for d = 64 but not for d = 128. dQ and dK/dV use 16 rows per warp.
  * Measured on an H200 against the alternatives: a 64-row forward for d = 64 was 7-13% slower;
  * query tiles of 32 or 128 in dK/dV were within 2% either way; a 128-row dQ for d = 64 spills. */
 template <int D>
 struct Tiles {
-    static constexpr int FWD_BM = D == 64 ? 128 : 64;
-    static constexpr int DQ_BM = 64;
-    static constexpr int DKDV_BMQ = 64;
+    static constexpr int FWD_BM = D == 64 ? 128 : 64, FWD_WARPS = 4;
+    static constexpr int DQ_BM = 64, DQ_WARPS = 4;
+    static constexpr int DKDV_BMQ = 64, DKDV_WARPS = 4;
 };
 
-template <int D>
-static cudaError_t set_smem_limits() {
-    static bool done = false; /* per kernel, on the current device: set once per instantiation (one GPU
-                                 per process, as in megatron.cu) */
-    if (done) return cudaSuccess;
-    cudaError_t e;
-    e = cudaFuncSetAttribute(flash_fwd_kernel<D, Tiles<D>::FWD_BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)fwd_smem_bytes<D, Tiles<D>::FWD_BM>());
-    if (e != cudaSuccess) return e;
-    e = cudaFuncSetAttribute(flash_bwd_dkdv_kernel<D, Tiles<D>::DKDV_BMQ>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)dkdv_smem_bytes<D, Tiles<D>::DKDV_BMQ>());
-    if (e != cudaSuccess) return e;
-    e = cudaFuncSetAttribute(flash_bwd_dq_kernel<D, Tiles<D>::DQ_BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)dq_smem_bytes<D, Tiles<D>::DQ_BM>());
-    if (e != cudaSuccess) return e;
-    done = true;
-    return cudaSuccess;
+/* Each kernel instantiation gets its shared-memory limit once (one GPU per process, as in megatron.cu). */
+template <typename K>
+static cudaError_t set_smem_limit(K kernel, size_t bytes, bool* done) {
+    if (*done) return cudaSuccess;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    *done = e == cudaSuccess;
+    return e;
 }
 
 static bool view_ok(const void* p, int64_t batch, int64_t row, int64_t group, int64_t head) {
@@ -1614,16 +1742,48 @@ static bool shape_ok(int B, int H, int Hkv, int T, int d) {
            (T + 63) / 64 <= 65535;
 }
 
+/* Launchers for any tile choice (the lab compares them); forward_d / backward_d use Tiles<D>. */
+template <int D, int BM, int WARPS>
+static cudaError_t forward_tiles(heads_view<bf16> O, float* LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
+                                 heads_view<const bf16> V, int B, int H, int Hkv, int T, cudaStream_t st) {
+    static bool ready = false;
+    cudaError_t e = set_smem_limit(flash_fwd_kernel<D, BM, WARPS>, fwd_smem_bytes<D, BM>(), &ready);
+    if (e != cudaSuccess) return e;
+    dim3 grid(B * H, (T + BM - 1) / BM);
+    flash_fwd_kernel<D, BM, WARPS><<<grid, 32 * WARPS, fwd_smem_bytes<D, BM>(), st>>>(O, LSE, Q, K, V, H, Hkv, T,
+                                                                                    1.0f / sqrtf((float)D));
+    return cudaGetLastError();
+}
+
+template <int D, int BMQ, int KV_WARPS, int BM, int Q_WARPS>
+static cudaError_t backward_tiles(heads_view<bf16> dQ, heads_view<bf16> dK, heads_view<bf16> dV, float* Dsum,
+                                  heads_view<const bf16> dO, heads_view<const bf16> Q, heads_view<const bf16> K,
+                                  heads_view<const bf16> V, heads_view<const bf16> O, const float* LSE, int B, int H,
+                                  int Hkv, int T, cudaStream_t st) {
+    constexpr int KEYS = 16 * KV_WARPS;
+    static bool ready_kv = false, ready_q = false;
+    const float scale = 1.0f / sqrtf((float)D);
+    cudaError_t e = set_smem_limit(flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS>, dkdv_smem_bytes<D, BMQ, KEYS>(), &ready_kv);
+    if (e == cudaSuccess) e = set_smem_limit(flash_bwd_dq_kernel<D, BM, Q_WARPS>, dq_smem_bytes<D, BM>(), &ready_q);
+    if (e != cudaSuccess) return e;
+    const size_t rows = (size_t)B * H * T;
+    flash_bwd_dot_kernel<D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, st>>>(Dsum, dO, O, H, H / Hkv, T,
+                                                                                      rows);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    dim3 grid_kv(B * Hkv, (T + KEYS - 1) / KEYS);
+    flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS><<<grid_kv, 32 * KV_WARPS, dkdv_smem_bytes<D, BMQ, KEYS>(), st>>>(
+        dK, dV, Q, K, V, dO, LSE, Dsum, H, Hkv, T, scale);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    dim3 grid_q(B * H, (T + BM - 1) / BM);
+    flash_bwd_dq_kernel<D, BM, Q_WARPS><<<grid_q, 32 * Q_WARPS, dq_smem_bytes<D, BM>(), st>>>(dQ, Q, K, V, dO, LSE,
+                                                                                            Dsum, H, Hkv, T, scale);
+    return cudaGetLastError();
+}
+
 template <int D>
 static cudaError_t forward_d(heads_view<bf16> O, float* LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
                              heads_view<const bf16> V, int B, int H, int Hkv, int T, cudaStream_t st) {
-    constexpr int BM = Tiles<D>::FWD_BM;
-    cudaError_t e = set_smem_limits<D>();
-    if (e != cudaSuccess) return e;
-    dim3 grid(B * H, (T + BM - 1) / BM);
-    flash_fwd_kernel<D, BM><<<grid, THREADS, fwd_smem_bytes<D, BM>(), st>>>(O, LSE, Q, K, V, H, Hkv, T,
-                                                                          1.0f / sqrtf((float)D));
-    return cudaGetLastError();
+    return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS>(O, LSE, Q, K, V, B, H, Hkv, T, st);
 }
 
 template <int D>
@@ -1631,22 +1791,8 @@ static cudaError_t backward_d(heads_view<bf16> dQ, heads_view<bf16> dK, heads_vi
                               heads_view<const bf16> dO, heads_view<const bf16> Q, heads_view<const bf16> K,
                               heads_view<const bf16> V, heads_view<const bf16> O, const float* LSE, int B, int H,
                               int Hkv, int T, cudaStream_t st) {
-    constexpr int BMQ = Tiles<D>::DKDV_BMQ, BM = Tiles<D>::DQ_BM;
-    const float scale = 1.0f / sqrtf((float)D);
-    cudaError_t e = set_smem_limits<D>();
-    if (e != cudaSuccess) return e;
-    const size_t rows = (size_t)B * H * T;
-    flash_bwd_dot_kernel<D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, st>>>(Dsum, dO, O, H, H / Hkv, T,
-                                                                                      rows);
-    if ((e = cudaGetLastError()) != cudaSuccess) return e;
-    dim3 grid_kv(B * Hkv, (T + BN - 1) / BN);
-    flash_bwd_dkdv_kernel<D, BMQ><<<grid_kv, THREADS, dkdv_smem_bytes<D, BMQ>(), st>>>(dK, dV, Q, K, V, dO, LSE,
-                                                                                      Dsum, H, Hkv, T, scale);
-    if ((e = cudaGetLastError()) != cudaSuccess) return e;
-    dim3 grid_q(B * H, (T + BM - 1) / BM);
-    flash_bwd_dq_kernel<D, BM><<<grid_q, THREADS, dq_smem_bytes<D, BM>(), st>>>(dQ, Q, K, V, dO, LSE, Dsum, H, Hkv,
-                                                                               T, scale);
-    return cudaGetLastError();
+    return backward_tiles<D, Tiles<D>::DKDV_BMQ, Tiles<D>::DKDV_WARPS, Tiles<D>::DQ_BM, Tiles<D>::DQ_WARPS>(
+        dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st);
 }
 
 } // namespace fa
@@ -1908,6 +2054,8 @@ typedef enum {
     GEMM_BIAS,          /* D = AB + bias */
     GEMM_GELU_AUX_BIAS, /* D = gelu(AB + bias), aux = AB + bias (bias may be absent) */
     GEMM_DGELU,         /* D = AB * gelu'(aux) */
+    GEMM_BGRADB,        /* D = AB (+ beta C), and bias = the sums of B over k (fp32): a weight gradient and
+                           the bias gradient from the same read of the output gradient */
 } mt_gemm_epilogue;
 
 /* What makes two GEMMs the same plan (memset to 0 before filling, compared with memcmp). */
@@ -1960,7 +2108,14 @@ static void gemm_plan_build(mt_gemm_context* g, mt_gemm_plan* p) {
     if (k->epilogue == GEMM_GELU_AUX_BIAS) epi = k->has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
     if (k->epilogue == GEMM_DGELU) epi = CUBLASLT_EPILOGUE_DGELU;
     if (k->epilogue == GEMM_BIAS) epi = CUBLASLT_EPILOGUE_BIAS;
+    /* our A is cuBLASLt's B (see above): the sums of our A over k */
+    if (k->epilogue == GEMM_BGRADB) epi = CUBLASLT_EPILOGUE_BGRADB;
     CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    if (k->epilogue == GEMM_BGRADB) {
+        cudaDataType_t bias_type = CUDA_R_32F;
+        CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+                                                       sizeof(bias_type)));
+    }
     if (k->epilogue == GEMM_GELU_AUX_BIAS || k->epilogue == GEMM_DGELU) {
         int64_t aux_ld = k->ldc;
         CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld,
@@ -2013,13 +2168,14 @@ static void gemm_plans_free(mt_gemm_context* g) {
 }
 
 /* Row-major: C[M,N] (ldc) = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, where op(A) = A ([M,K], lda)
- * or A^T (A stored [K,M]); likewise B; with an epilogue (bias [N], aux [M,N] with ld ldc). Returns
+ * or A^T (A stored [K,M]); likewise B; with an epilogue (bias [N] of type T, or with GEMM_BGRADB the
+ * fp32 output [M]: sums of op(A) over k; aux [M,N] with ld ldc). Returns
  * false, doing nothing, when cuBLASLt has no algorithm for an epilogue (the caller then runs the
  * plain GEMM and its own kernels); a plain GEMM without one goes to cublasGemmEx. */
 template <typename T, typename TC>
 static bool gemm_epilogue(mt_gemm_context* g, mt_gemm_epilogue epilogue, bool transA, bool transB, int M, int N, int K,
                           const T* A, int lda, const T* B, int ldb, TC* C, int ldc, float alpha, float beta,
-                          const T* bias, T* aux, int batch = 1, int64_t strideA = 0, int64_t strideB = 0,
+                          const void* bias, T* aux, int batch = 1, int64_t strideA = 0, int64_t strideB = 0,
                           int64_t strideC = 0) {
     if (g->error->status != MT_OK) return true;
     mt_gemm_key key;
@@ -2067,8 +2223,8 @@ template <typename T, typename TC>
 static void gemm(mt_gemm_context* g, bool transA, bool transB, int M, int N, int K, const T* A, int lda, const T* B,
                  int ldb, TC* C, int ldc, float alpha, float beta, int batch = 1, int64_t strideA = 0,
                  int64_t strideB = 0, int64_t strideC = 0) {
-    gemm_epilogue<T, TC>(g, GEMM_PLAIN, transA, transB, M, N, K, A, lda, B, ldb, C, ldc, alpha, beta, (const T*)NULL,
-                         (T*)NULL, batch, strideA, strideB, strideC);
+    gemm_epilogue<T, TC>(g, GEMM_PLAIN, transA, transB, M, N, K, A, lda, B, ldb, C, ldc, alpha, beta, NULL, (T*)NULL,
+                         batch, strideA, strideB, strideC);
 }
 
 /* ============================================================================================== */
@@ -2197,6 +2353,7 @@ static void tp_join(mt_tp_group* tp) {
 typedef struct {
     float* partial_a; /* [chunks, max_columns] fp32 scratch for column sums */
     float* partial_b;
+    float* partial_c;
     int max_chunks;
 } mt_colsum_scratch;
 
@@ -2243,6 +2400,22 @@ static void linear_forward(mt_gemm_context* g, T* y, const T* x, const T* weight
 template <typename T>
 static void gelu_backward(mt_gemm_context* g, T* d, const T* pre, int64_t n);
 
+/* dW[out, in] += dy^T x (fp32) and, when dbias != NULL, dbias[out] += column sums of dy [N, out]: in the
+ * same GEMM (cuBLASLt's BGRADB epilogue writes the sums to scratch, then added) where cuBLASLt has an
+ * algorithm for it, else by the column-sum kernels. */
+template <typename T>
+static void weight_gradient(mt_gemm_context* g, mt_colsum_scratch* s, float* dweight, float* dbias, const T* dy,
+                            const T* x, int N, int in, int out) {
+    if (dbias && gemm_epilogue<T, float>(g, GEMM_BGRADB, true, false, out, in, N, dy, out, x, in, dweight, in, 1.0f,
+                                         1.0f, s->partial_c, (T*)NULL)) {
+        column_final_sum_kernel<<<ceil_div(out, 256), 256, 0, g->stream>>>(dbias, s->partial_c, 1, out);
+        LAUNCH_CHECK(g->error);
+        return;
+    }
+    gemm<T, float>(g, true, false, out, in, N, dy, out, x, in, dweight, in, 1.0f, 1.0f);
+    if (dbias) column_sum<T>(g, s, dbias, dy, N, out);
+}
+
 /* dx[N, in] = dy W;  dW[out, in] += dy^T x;  db[out] += column sums of dy. With gelu_pre (the
  * GELU's input [N, in] that produced x), dx is instead the gradient of gelu_pre: dy W * gelu'(pre),
  * through cuBLASLt's DGELU epilogue (or the GEMM and then the kernel). */
@@ -2258,8 +2431,7 @@ static void linear_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dx, flo
     } else if (dx) {
         gemm<T, T>(g, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
     }
-    gemm<T, float>(g, true, false, out, in, N, dy, out, x, in, dweight, in, 1.0f, 1.0f);
-    if (dbias) column_sum<T>(g, s, dbias, dy, N, out);
+    weight_gradient<T>(g, s, dweight, dbias, dy, x, N, in, out);
 }
 
 /* The whole input [BT, C] of a column-parallel linear: with sequence parallelism this rank's R rows
@@ -2303,23 +2475,35 @@ static T* column_parallel_backward(mt_gemm_context* g, mt_colsum_scratch* s, mt_
         else tp_all_reduce(tp, dx, (size_t)BT * in, tp->type);
     }
     if (tp->sp) tp_join_mark(tp); /* the input is gathered; the reduction may still run */
-    gemm<T, float>(g, true, false, out, in, BT, dy, out, x, in, dweight, in, 1.0f, 1.0f);
-    if (dbias) column_sum<T>(g, s, dbias, dy, BT, out);
+    weight_gradient<T>(g, s, dweight, dbias, dy, x, BT, in, out);
     if (tp->size > 1) tp_join(tp);
     return tp->sp ? dx_rows : dx;
 }
 
 /* Backward of a row-parallel linear y = x W^T (+ b), W this rank's [out, in], x [BT, in], whose
  * output (after the reduction and the whole bias) fed the region that holds dy_rows [R, out]: with
- * sequence parallelism gathered to [BT, out] into `gathered` first. The bias gradient sums this
- * rank's rows (with sequence parallelism a partial sum, completed over TP with the norms'). */
+ * sequence parallelism gathered to [BT, out] into `gathered` first. Its bias gradient (the column
+ * sums of dy_rows: with sequence parallelism a partial sum, completed over TP with the norms') is
+ * taken by the norm backward that produced dy_rows (norm_backward's dprev_bias). */
 template <typename T>
 static void row_parallel_backward(mt_gemm_context* g, mt_colsum_scratch* s, mt_tp_group* tp, T* dx, float* dweight,
-                                  float* dbias, const T* dy_rows, T* gathered, const T* x, const T* weight, int BT,
-                                  int R, int in, int out, const T* gelu_pre = NULL) {
+                                  const T* dy_rows, T* gathered, const T* x, const T* weight, int BT, int R, int in,
+                                  int out, const T* gelu_pre = NULL) {
     const T* dy = column_parallel_input(tp, gathered, dy_rows, R, out);
     linear_backward<T>(g, s, dx, dweight, (float*)NULL, dy, x, weight, BT, in, out, gelu_pre);
-    if (dbias) column_sum<T>(g, s, dbias, dy_rows, R, out);
+}
+
+/* out = (x - mean) * rstd * w (+ b) over rows of [N, C], from the statistics the forward saved. */
+template <typename T>
+static void norm_apply(mt_gemm_context* g, T* out, const T* x, const float* mean, const float* rstd, const T* w,
+                       const T* b, int N, int C) {
+    constexpr int V = vec16<T>::N;
+    int64_t n = (int64_t)N * C;
+    if (C % V == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
+        norm_apply_kernel<T, V><<<ceil_div(n / V, 256), 256, 0, g->stream>>>(out, x, mean, rstd, w, b, N, C);
+    else
+        norm_apply_kernel<T, 1><<<ceil_div(n, 256), 256, 0, g->stream>>>(out, x, mean, rstd, w, b, N, C);
+    LAUNCH_CHECK(g->error);
 }
 
 /* out = norm(x): LayerNorm (w, b) or RMSNorm (w; b NULL, rms) over rows of [N, C]. */
@@ -2413,11 +2597,35 @@ static void swiglu_backward(mt_gemm_context* g, T* dpre, const T* dact, const T*
     LAUNCH_CHECK(g->error);
 }
 
-/* dresidual += d norm(x)/dx . dy ; dweight (and dbias, LayerNorm only) += their column sums. */
+/* dresidual += d norm(x)/dx . dy ; dweight (and dbias, LayerNorm only) += their column sums; and
+ * dprev_bias (may be NULL) += the column sums of the updated dresidual: the bias gradient of the
+ * row-parallel linear whose output this residual stream received (see norm_backward_fused_kernel). */
 template <typename T>
 static void norm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dresidual, float* dweight, float* dbias,
-                          const T* dy, const T* x, const T* w, const float* mean, const float* rstd, int N, int C,
-                          bool rms) {
+                          float* dprev_bias, const T* dy, const T* x, const T* w, const float* mean,
+                          const float* rstd, int N, int C, bool rms) {
+    constexpr int V = vec16<T>::N;
+    const int nj = ceil_div(C / V, 256);
+    if (C % V == 0 && (nj == 1 || nj == 2 || nj == 4) && aligned16(dresidual) && aligned16(dy) && aligned16(x) &&
+        aligned16(w)) {
+        int blocks = ceil_div(N, NORM_BWD_ROWS);
+        if (blocks > NORM_BWD_BLOCKS) blocks = NORM_BWD_BLOCKS;
+        float* pb = dbias ? s->partial_b : NULL;
+        float* pp = dprev_bias ? s->partial_c : NULL;
+        if (nj == 1)
+            norm_backward_fused_kernel<T, 1><<<blocks, 256, 0, g->stream>>>(dresidual, s->partial_a, pb, pp, dy, x, w,
+                                                                            mean, rstd, N, C, rms);
+        else if (nj == 2)
+            norm_backward_fused_kernel<T, 2><<<blocks, 256, 0, g->stream>>>(dresidual, s->partial_a, pb, pp, dy, x, w,
+                                                                            mean, rstd, N, C, rms);
+        else
+            norm_backward_fused_kernel<T, 4><<<blocks, 256, 0, g->stream>>>(dresidual, s->partial_a, pb, pp, dy, x, w,
+                                                                            mean, rstd, N, C, rms);
+        column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, g->stream>>>(
+            dweight, s->partial_a, dbias, s->partial_b, dprev_bias, s->partial_c, blocks, C);
+        LAUNCH_CHECK(g->error);
+        return;
+    }
     if (C % vec16<T>::N == 0 && aligned16(dresidual) && aligned16(dy) && aligned16(x) && aligned16(w))
         layernorm_backward_input_vec_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(dresidual, dy, x, w, mean, rstd,
                                                                                       N, C, rms);
@@ -2438,6 +2646,7 @@ static void norm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dresidual
     column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, g->stream>>>(dweight, s->partial_a, chunks, C);
     if (dbias) column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, g->stream>>>(dbias, s->partial_b, chunks, C);
     LAUNCH_CHECK(g->error);
+    if (dprev_bias) column_sum<T>(g, s, dprev_bias, dresidual, N, C);
 }
 
 /* ============================================================================================== */
@@ -2453,7 +2662,8 @@ static void norm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dresidual
 typedef struct {
     /* saved for backward, per layer l (pointers to layer 0; layer l is + l * stride) */
     void* residual;      /* [L+1, R, h]: input of layer l; [L] is the input of the final norm */
-    void* ln1;           /* [L, R, h] (the first norm's output: LayerNorm or RMSNorm) */
+    void* ln1;           /* [R, h] the first norm's output, one layer at a time: the forward's, then the
+                            backward recomputes it from residual, ln1_mean and ln1_rstd */
     float* ln1_mean;     /* [L, R] */
     float* ln1_rstd;     /* [L, R] */
     void* qkv;           /* [L, BT, qkv_width], bias included; flash path: q and k rotated (RoPE) */
@@ -2630,7 +2840,7 @@ static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& 
     int64_t Rh = (int64_t)s.R * s.h;
     layer_view<T> v;
     v.x = LAYER(a->residual, T, l, Rh);                 /* layer input */
-    v.ln1 = LAYER(a->ln1, T, l, Rh);
+    v.ln1 = (T*)a->ln1;                                 /* not kept per layer (see mt_activations) */
     v.qkv = LAYER(a->qkv, T, l, (int64_t)s.BT * s.qkv_width);
     v.probs = a->probs ? LAYER(a->probs, T, l, (int64_t)s.B * s.heads * s.S * s.S) : NULL;
     v.attn = LAYER(a->attn_out, T, l, (int64_t)s.BT * s.attn_width);
@@ -2869,7 +3079,7 @@ static void model_forward(mt_trainer* t, float grad_scale) {
     mt_gemm_context* g = &t->gemm;
     mt_tp_group* tp = &t->tp;
     cudaStream_t st = t->stream;
-    int64_t BTh = (int64_t)s.BT * s.h, Rh = (int64_t)s.R * s.h;
+    int64_t BTh = (int64_t)s.BT * s.h;
     float eps = (float)t->cfg.norm_epsilon;
     T* gathered = (T*)a->gathered;
 
@@ -2920,7 +3130,7 @@ static void model_forward(mt_trainer* t, float grad_scale) {
         /* out = mid + fc2 + bias; then the next norm: layer l+1's first, or the final norm */
         wait_for_parameters(t, l + 1);
         bool last = l == s.L - 1;
-        T* next_norm = last ? (T*)a->lnf : LAYER(a->ln1, T, l + 1, Rh);
+        T* next_norm = last ? (T*)a->lnf : (T*)a->ln1;
         float* next_mean = last ? a->lnf_mean : a->ln1_mean + (int64_t)(l + 1) * s.R;
         float* next_rstd = last ? a->lnf_rstd : a->ln1_rstd + (int64_t)(l + 1) * s.R;
         const T* next_w = last ? param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT) : param_ptr<T>(t, MT_P_LN1_WEIGHT, l + 1);
@@ -2979,7 +3189,8 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
     T* dlnf = column_parallel_backward<T>(g, cs, tp, (T*)a->branch, (T*)a->rows, gathered, output_weight_grad(t),
                                           (float*)NULL, (T*)a->logits, (T*)a->lnf, output_weight<T>(t), s.BT, s.R,
                                           s.h, (int)s.V);
-    norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS), dlnf,
+    norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS),
+                     grad_ptr(t, MT_P_FC2_BIAS, s.L - 1), dlnf,
                      LAYER(a->residual, T, s.L, Rh), param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean, a->lnf_rstd,
                      s.R, s.h, s.rms);
     reduce_sequence_parallel_gradients(t, s.L);
@@ -2992,8 +3203,7 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
         /* MLP block: dres is d(out); the branch sees the same gradient. d(act) -> branch2, then
          * d(fc1 output) in place (GELU) or into branch (SwiGLU: twice as wide) */
         bool fused = gelu_fused<T>(s); /* d(act) and GELU's derivative in one GEMM (DGELU epilogue) */
-        row_parallel_backward<T>(g, cs, tp, (T*)a->branch2, grad_ptr(t, MT_P_FC2_WEIGHT, l),
-                                 grad_ptr(t, MT_P_FC2_BIAS, l), dres, gathered_grad, act,
+        row_parallel_backward<T>(g, cs, tp, (T*)a->branch2, grad_ptr(t, MT_P_FC2_WEIGHT, l), dres, gathered_grad, act,
                                  param_ptr<T>(t, MT_P_FC2_WEIGHT, l), s.BT, s.R, s.f, s.h, fused ? fc1 : (const T*)NULL);
         T* dfc1 = (T*)a->branch2;
         T* dln2 = (T*)a->branch;
@@ -3007,21 +3217,24 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
         dln2 = column_parallel_backward<T>(g, cs, tp, dln2, (T*)a->rows, gathered, grad_ptr(t, MT_P_FC1_WEIGHT, l),
                                            grad_ptr(t, MT_P_FC1_BIAS, l), dfc1, ln2, param_ptr<T>(t, MT_P_FC1_WEIGHT, l),
                                            s.BT, s.R, s.h, s.f1);
-        norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN2_WEIGHT, l), grad_ptr(t, MT_P_LN2_BIAS, l), dln2, mid,
+        norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN2_WEIGHT, l), grad_ptr(t, MT_P_LN2_BIAS, l),
+                         grad_ptr(t, MT_P_PROJ_BIAS, l), dln2, mid,
                          param_ptr<T>(t, MT_P_LN2_WEIGHT, l), a->ln2_mean + (int64_t)l * s.R,
                          a->ln2_rstd + (int64_t)l * s.R, s.R, s.h, s.rms);
 
         /* attention block: dres is now d(mid) */
-        row_parallel_backward<T>(g, cs, tp, (T*)a->branch2, grad_ptr(t, MT_P_PROJ_WEIGHT, l),
-                                 grad_ptr(t, MT_P_PROJ_BIAS, l), dres, gathered_grad, attn,
+        row_parallel_backward<T>(g, cs, tp, (T*)a->branch2, grad_ptr(t, MT_P_PROJ_WEIGHT, l), dres, gathered_grad, attn,
                                  param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), s.BT, s.R, s.attn_width, s.h);
         attention_backward<T>(t, (T*)a->branch, (T*)a->branch2, qkv, probs,
                               a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL, attn);
+        norm_apply<T>(g, ln1, x, a->ln1_mean + (int64_t)l * s.R, a->ln1_rstd + (int64_t)l * s.R,
+                      param_ptr<T>(t, MT_P_LN1_WEIGHT, l), param_ptr<T>(t, MT_P_LN1_BIAS, l), s.R, s.h);
         T* dln1 = column_parallel_backward<T>(g, cs, tp, (T*)a->branch2, (T*)a->rows, gathered,
                                               grad_ptr(t, MT_P_QKV_WEIGHT, l), grad_ptr(t, MT_P_QKV_BIAS, l),
                                               (T*)a->branch, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), s.BT, s.R, s.h,
                                               s.qkv_width);
-        norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN1_WEIGHT, l), grad_ptr(t, MT_P_LN1_BIAS, l), dln1, x,
+        norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN1_WEIGHT, l), grad_ptr(t, MT_P_LN1_BIAS, l),
+                         l > 0 ? grad_ptr(t, MT_P_FC2_BIAS, l - 1) : (float*)NULL, dln1, x,
                          param_ptr<T>(t, MT_P_LN1_WEIGHT, l), a->ln1_mean + (int64_t)l * s.R,
                          a->ln1_rstd + (int64_t)l * s.R, s.R, s.h, s.rms);
         reduce_sequence_parallel_gradients(t, l);
@@ -3733,7 +3946,7 @@ static size_t layout_activations(mt_activations* a, const mt_trainer* t, char* b
         off += ((size_t)(bytes) + 255) & ~(size_t)255;             \
     } while (0)
     CARVE(residual, void*, (L + 1) * R * s.h * e);
-    CARVE(ln1, void*, L * R * s.h * e);
+    CARVE(ln1, void*, R * s.h * e);
     CARVE(ln1_mean, float*, L * R * 4);
     CARVE(ln1_rstd, float*, L * R * 4);
     CARVE(qkv, void*, L * BT * s.qkv_width * e);
@@ -3785,6 +3998,11 @@ static size_t max_columns(const mt_trainer* t) {
     if ((size_t)s.f1 > w) w = s.f1;
     return w;
 }
+/* floats of each column-sum scratch: [chunks, columns] of column_sum, [blocks, h] of the fused norm backward */
+static size_t colsum_scratch_floats(const mt_trainer* t) {
+    size_t a = COLSUM_MAX_CHUNKS * max_columns(t), b = (size_t)NORM_BWD_BLOCKS * model_shape(t).h;
+    return a > b ? a : b;
+}
 
 mt_memory_plan mt_trainer_memory_plan(const mt_trainer* t) {
     mt_memory_plan p;
@@ -3797,7 +4015,7 @@ mt_memory_plan mt_trainer_memory_plan(const mt_trainer* t) {
     p.gradient_bytes = (size_t)t->buffer.size * 4;
     p.optimizer_bytes = (size_t)t->shard_numel * 8;
     p.activation_bytes = t->arena_bytes;
-    p.workspace_bytes = CUBLAS_WORKSPACE_BYTES + 2 * COLSUM_MAX_CHUNKS * max_columns(t) * 4 +
+    p.workspace_bytes = CUBLAS_WORKSPACE_BYTES + 3 * colsum_scratch_floats(t) * 4 +
                         ((size_t)t->num_chunks + 1) * sizeof(double) + (size_t)t->num_chunks * sizeof(mt_opt_chunk);
     p.total_bytes = p.parameter_bytes + p.master_bytes + p.gradient_bytes + p.optimizer_bytes + p.activation_bytes +
                     p.workspace_bytes;
@@ -4016,8 +4234,9 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     t->norm_partial = (double*)device_alloc(t, ((size_t)t->num_chunks + 1) * sizeof(double));
     t->reduce_scratch = (double*)device_alloc(t, 2 * sizeof(double));
     t->colsum.max_chunks = COLSUM_MAX_CHUNKS;
-    t->colsum.partial_a = (float*)device_alloc(t, COLSUM_MAX_CHUNKS * max_columns(t) * 4);
-    t->colsum.partial_b = (float*)device_alloc(t, COLSUM_MAX_CHUNKS * max_columns(t) * 4);
+    t->colsum.partial_a = (float*)device_alloc(t, colsum_scratch_floats(t) * 4);
+    t->colsum.partial_b = (float*)device_alloc(t, colsum_scratch_floats(t) * 4);
+    t->colsum.partial_c = (float*)device_alloc(t, colsum_scratch_floats(t) * 4);
     t->arena_bytes = layout_activations(&t->act, t, NULL);
     t->arena = device_alloc(t, t->arena_bytes);
     if (t->arena) layout_activations(&t->act, t, (char*)t->arena);
@@ -4057,6 +4276,7 @@ void mt_trainer_free(mt_trainer* t) {
     cudaFree(t->reduce_scratch);
     cudaFree(t->colsum.partial_a);
     cudaFree(t->colsum.partial_b);
+    cudaFree(t->colsum.partial_c);
     cudaFree(t->arena);
     cudaFree(t->rope_cos); /* the sin table shares its allocation */
     cudaFree(t->cublas_workspace);

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Per-kernel GPU time of one train_gpt iteration, from Nsight Compute (ncu), summed by kernel name.
+# Per-kernel GPU time of one train_gpt iteration, from Nsight Compute (ncu), summed by kernel name
+# (clocks left as they run, --clock-control none, so the times compare with a torch.profiler trace).
 #   dev/bench/profile_kernels.sh [train_gpt flags...]   (default: GPT-2 124M, T=1024, micro-batch 8)
 # Needs dev/data/tinyshakespeare_text_document.{bin,idx} (run ./train_gpt once) and ncu on the PATH.
 set -euo pipefail
@@ -14,7 +15,7 @@ if [ ${#ARGS[@]} -eq 0 ]; then
         --eval-iters 0 --split 1,0,0)
 fi
 ./train_gpt "${ARGS[@]}" --train-iters 30 --log-interval 10 | grep " iteration " | tail -n 2
-ncu --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu.csv" ./train_gpt "${ARGS[@]}" --train-iters 1 >/dev/null
+ncu --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu.csv" ./train_gpt "${ARGS[@]}" --train-iters 1 >/dev/null
 python3 - "$OUT/ncu.csv" <<'PY'
 import csv, re, sys, collections
 rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))]

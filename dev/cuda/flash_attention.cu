@@ -453,6 +453,59 @@ static void bench_shape(Shape s) {
     free_buffers(&x);
 }
 
+/* Tile variants (d = 64): each checked against the reference, then timed like bench_shape. */
+template <int BM, int W>
+static void variant_fwd(Buffers* x, const char* name, double flop) {
+    Shape s = x->s;
+    auto run = [&] {
+        LAB_CHECK((fa::forward_tiles<64, BM, W>(qv(x->O, s), x->LSE, cview(qv(x->Q, s)), cview(kv(x->K, s)),
+                                                cview(kv(x->V, s)), s.B, s.H, s.Hkv, s.T, 0)));
+    };
+    LAB_CHECK(cudaMemset(x->O, 0xFF, x->nq * 2));
+    run();
+    LAB_CHECK(cudaDeviceSynchronize());
+    double e = rel_err(x->O, true, x->Or, x->nq);
+    float ms = median_ms(run, 3, 20);
+    printf("    fwd %-28s %8.3f ms %6.1f TFLOP/s  O err %.1e %s\n", name, ms, flop / ms * 1e-9, e, e < TOL ? "" : "FAIL");
+}
+template <int BMQ, int KVW, int BM, int QW>
+static void variant_bwd(Buffers* x, const char* name, double flop) {
+    Shape s = x->s;
+    auto run = [&] {
+        LAB_CHECK((fa::backward_tiles<64, BMQ, KVW, BM, QW>(qv(x->dQ, s), kv(x->dK, s), kv(x->dV, s), x->Dsum,
+                                                            cview(qv(x->dO, s)), cview(qv(x->Q, s)), cview(kv(x->K, s)),
+                                                            cview(kv(x->V, s)), cview(qv(x->O, s)), x->LSE, s.B, s.H,
+                                                            s.Hkv, s.T, 0)));
+    };
+    LAB_CHECK(cudaMemset(x->dQ, 0xFF, x->nq * 2));
+    LAB_CHECK(cudaMemset(x->dK, 0xFF, x->nkv * 2));
+    run();
+    LAB_CHECK(cudaDeviceSynchronize());
+    double eq = rel_err(x->dQ, true, x->dQr, x->nq), ek = rel_err(x->dK, true, x->dKr, x->nkv);
+    float ms = median_ms(run, 3, 20);
+    printf("    bwd %-28s %8.3f ms %6.1f TFLOP/s  dQ %.1e dK %.1e %s\n", name, ms, flop / ms * 1e-9, eq, ek,
+           eq < TOL && ek < TOL ? "" : "FAIL");
+}
+static void bench_variants(Shape s) {
+    Buffers x;
+    alloc_buffers(&x, s, true);
+    ref_forward(&x);
+    ref_backward(&x);
+    flash_forward(&x);
+    const double fwd_flop = 2.0 * 2.0 * s.B * s.H * (double)s.T * s.T * s.d / 2.0, bwd_flop = 2.5 * fwd_flop;
+    printf("  variants at %d x %d/%d x %d x %d:\n", s.B, s.H, s.Hkv, s.T, s.d);
+    variant_fwd<128, 4>(&x, "BM 128, 4 warps (current)", fwd_flop);
+    variant_fwd<128, 8>(&x, "BM 128, 8 warps", fwd_flop);
+    variant_fwd<64, 4>(&x, "BM 64, 4 warps", fwd_flop);
+    variant_bwd<64, 4, 64, 4>(&x, "kv 64q/4w, dq 64/4w (current)", bwd_flop);
+    variant_bwd<64, 8, 64, 4>(&x, "kv 64q/8w, dq 64/4w", bwd_flop);
+    variant_bwd<128, 8, 64, 4>(&x, "kv 128q/8w, dq 64/4w", bwd_flop);
+    variant_bwd<64, 4, 128, 8>(&x, "kv 64q/4w, dq 128/8w", bwd_flop);
+    variant_bwd<64, 8, 128, 8>(&x, "kv 64q/8w, dq 128/8w", bwd_flop);
+    variant_bwd<32, 8, 64, 2>(&x, "kv 32q/8w, dq 64/2w", bwd_flop);
+    free_buffers(&x);
+}
+
 int main(int argc, char** argv) {
     int dev;
     cudaDeviceProp prop;
@@ -492,5 +545,10 @@ int main(int argc, char** argv) {
     printf("  B x  H/Hkv x    T x   d |  fwd ms  TFLOP/s |  bwd ms  TFLOP/s | naive fwd  naive bwd (ms)\n");
     const Shape benches[] = {{8, 12, 12, 1024, 64}, {4, 25, 25, 1024, 64}, {4, 32, 8, 2048, 64}, {4, 16, 16, 2048, 128}};
     for (const Shape& s : benches) bench_shape(s);
+    if (argc > 1 && strcmp(argv[1], "--variants") == 0) {
+        bench_variants({8, 12, 12, 1024, 64});
+        bench_variants({4, 25, 25, 1024, 64});
+        bench_variants({4, 32, 8, 2048, 64});
+    }
     return 0;
 }

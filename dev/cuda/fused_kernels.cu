@@ -12,6 +12,8 @@
  *      LayerNorm (GPT-2: residual bias and norm bias) and RMSNorm (Llama: no biases)
  *   2. norm backward: layernorm_backward_input_vec_kernel vs layernorm_backward_input_kernel (LN and
  *      RMS), and the weight/bias gradient column sums, column_partial_sum_vec_kernel<COLSUM_LAYERNORM>
+ *      (these separate passes are the fallback now); then norm_backward_fused_kernel, the input gradient
+ *      and three column sums in one pass (what megatron.cu runs)
  *      + column_final_sum_kernel vs the scalar column_partial_sum_kernel + column_final_sum_kernel
  *   3. bias gradient column sums over [BT, f]: column_sum (COLSUM_PLAIN, vec) vs the scalar kernel
  *   4. bias + GELU forward (bias_gelu_vec_kernel vs bias_add_kernel + gelu_forward_kernel), GELU
@@ -669,6 +671,57 @@ static void item_norm_backward(bool rms) {
         printf("    column_partial_sum_kernel<COLSUM_LAYERNORM> (scalar) + 2 x column_final_sum_kernel\n");
         Check c4 = ccheck(cscalar, false);
         record(cname, "column_partial_sum<LN> (scalar) + final x2", shp, time_us(zero, cscalar), cbytes, &c4);
+
+        /* what megatron.cu runs now: one kernel for the input gradient and three column sums (dweight,
+         * dbias, and the sums of the new dresidual: the preceding row-parallel linear's bias gradient),
+         * replacing the input-gradient kernel above, these column sums and a plain column sum of dres */
+        const char* fname = "LayerNorm bwd fused + 3 column sums";
+        printf("\n[2] %s: [%d, %d], norm_backward_fused_kernel + column_final_sums_kernel\n", fname, N, C);
+        const int blocks = std::min(ceil_div(N, NORM_BWD_ROWS), NORM_BWD_BLOCKS);
+        float* qa = A.alloc<float>((size_t)blocks * C);
+        float* qb = A.alloc<float>((size_t)blocks * C);
+        float* qc = A.alloc<float>((size_t)blocks * C);
+        float* dP = A.alloc<float>(C);
+        auto fprep = [&] {
+            restore();
+            zero();
+            CK(cudaMemsetAsync(dP, 0, C * sizeof(float), S));
+        };
+        auto fused = [&] {
+            norm_backward_fused_kernel<bf16, 1><<<blocks, 256, 0, S>>>(dres, qa, qb, qc, dy, x, w, mean, rstd, N, C, false);
+            column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, S>>>(dW, qa, dB, qb, dP, qc, blocks, C);
+        };
+        /* reference of the new dresidual's column sums: every row's new value in double, rounded to bf16 as
+         * stored (the kernel sums what it stores) */
+        std::vector<double> rP(C, 0.0);
+        for (int r = 0; r < N; r++) {
+            size_t base = (size_t)r * C;
+            double m = h_mean[r], rs = h_rstd[r], sg = 0.0, sgx = 0.0;
+            for (int c = 0; c < C; c++) {
+                double g = (double)bf2f(h_dy[base + c]) * bf2f(h_w[c]);
+                sg += g;
+                sgx += g * ((double)bf2f(h_x[base + c]) - m) * rs;
+            }
+            for (int c = 0; c < C; c++) {
+                double g = (double)bf2f(h_dy[base + c]) * bf2f(h_w[c]);
+                double xhat = ((double)bf2f(h_x[base + c]) - m) * rs;
+                double d = (double)bf2f(h_d0[base + c]) + rs * (g - sg / C - xhat * sgx / C);
+                rP[c] += bf2f(f2bf((float)d));
+            }
+        }
+        Check c5 = check([&] {
+            zero();
+            CK(cudaMemsetAsync(dP, 0, C * sizeof(float), S));
+            fused();
+        });
+        std::vector<float> gW = fetch_f32(dW, 0, C), gB = fetch_f32(dB, 0, C), gP = fetch_f32(dP, 0, C);
+        c5.add("dweight", compare(gW, rW, rms_of(rW)), TOL_STAT);
+        c5.add("dbias", compare(gB, rB, rms_of(rB)), TOL_STAT);
+        /* bf16 tolerance: a value rounded one ulp apart from the reference's rounding moves the sum */
+        c5.add("sum of new dres", compare(gP, rP, rms_of(rP)), TOL_BF16);
+        /* bytes: dy r, x r, dresidual r + w (4 NC), mean + rstd r, three partials written and read */
+        double fbytes = 4 * NC + (double)N * 8.0 + 6.0 * blocks * C * 4.0 + 6.0 * C * 4.0;
+        record(fname, "norm_backward_fused_kernel + final sums", shp, time_us(fprep, fused), fbytes, &c5);
     }
     A.release();
 }
