@@ -579,30 +579,37 @@ __global__ void __launch_bounds__(512) column_final_sums_kernel(float* dst0, con
  *      NORM_BWD_ROWS rows (grid-strided, at most NORM_BWD_BLOCKS blocks: a count fixed by N alone, so
  *      the sums do not depend on the device). Phase 1: a warp per row computes the row's statistics
  *      mean(g) and mean(g * xhat), g = dy * w, into shared memory. Phase 2: each thread owns V
- *      adjacent columns (NJ groups of them when C > 256 V) and walks the tile's rows: dres += dx, and
+ *      adjacent columns (NJ groups of them when C > 256 V; with fewer than 256 vectors per row the
+ *      spare threads take every RG-th row) and walks the tile's rows: dres += dx, and
  *      in registers d weight += dy * xhat, d bias += dy, and (prev != NULL) the new dres itself: the
  *      gradient of the residual stream here, i.e. the bias gradient of the row-parallel linear whose
  *      output was added to it (proj before the second norm, fc2 before the next layer's first).
  *      Each block writes its partial sums once; column_final_sums_kernel adds them in block order, so
  *      every sum is deterministic. dres, dy and x are read once from memory (phase 2 re-reads the
  *      tile's rows from cache). ---- */
-#define NORM_BWD_ROWS 16
-#define NORM_BWD_BLOCKS 512
-template <typename T, int NJ>
+#define NORM_BWD_ROWS 16    /* rows per tile; 32 from hidden 1024 on (dev/cuda/fused_kernels.cu on an H100:
+                               16384 x 768: 81 us at 16 rows, 86 at 32; 8192 x 1600: 99 at 16, 90 at 32) */
+#define NORM_BWD_BLOCKS 1024
+template <typename T, int NJ, int ROWS = NORM_BWD_ROWS>
 __global__ void __launch_bounds__(256)
     norm_backward_fused_kernel(T* dres, float* part_w, float* part_b, float* part_prev, const T* dy, const T* x,
                                const T* w, const float* mean, const float* rstd, int N, int C, bool rms) {
     constexpr int V = vec16<T>::N, WARPS = 8;
-    __shared__ float s_mg[NORM_BWD_ROWS], s_mgx[NORM_BWD_ROWS], s_m[NORM_BWD_ROWS], s_rs[NORM_BWD_ROWS];
+    __shared__ float s_mg[ROWS], s_mgx[ROWS], s_m[ROWS], s_rs[ROWS];
+    __shared__ float s_red[3 * 256 * V]; /* [group][3][C] partial sums of the row groups (RG * C <= 256 V) */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nvec = C / V;
+    /* phase 2 threads: column vector cv of row group rg; with fewer than 256 vectors per row the
+     * spare threads take other rows of the tile (RG groups), so every thread streams memory */
+    const int width = nvec < 256 ? nvec : 256, RG = 256 / width;
+    const int cv0 = threadIdx.x % width, rg = threadIdx.x / width;
     float aw[NJ][V], ab[NJ][V], ar[NJ][V];
 #pragma unroll
     for (int j = 0; j < NJ; j++)
 #pragma unroll
         for (int i = 0; i < V; i++) aw[j][i] = ab[j][i] = ar[j][i] = 0.0f;
 
-    for (int tile = blockIdx.x; tile * NORM_BWD_ROWS < N; tile += gridDim.x) {
-        const int r0 = tile * NORM_BWD_ROWS, rows = min(NORM_BWD_ROWS, N - r0);
+    for (int tile = blockIdx.x; tile * ROWS < N; tile += gridDim.x) {
+        const int r0 = tile * ROWS, rows = min(ROWS, N - r0);
         for (int rr = warp; rr < rows; rr += WARPS) { /* phase 1 */
             const int64_t base = (int64_t)(r0 + rr) * C;
             const float m = mean[r0 + rr], rs = rstd[r0 + rr];
@@ -628,35 +635,62 @@ __global__ void __launch_bounds__(256)
             }
         }
         __syncthreads();
+        if (rg < RG) {
 #pragma unroll
-        for (int j = 0; j < NJ; j++) { /* phase 2 */
-            const int c = (threadIdx.x + 256 * j) * V;
-            if (c >= nvec * V) continue;
-            float wv[V], g[V], xv[V], d[V];
-            load16(wv, w + c);
+            for (int j = 0; j < NJ; j++) { /* phase 2 */
+                const int c = (cv0 + 256 * j) * V;
+                if (c >= nvec * V) continue;
+                float wv[V], g[V], xv[V], d[V];
+                load16(wv, w + c);
 #pragma unroll 2
-            for (int rr = 0; rr < rows; rr++) {
-                const int64_t at = (int64_t)(r0 + rr) * C + c;
-                const float m = s_m[rr], rs = s_rs[rr], mg = s_mg[rr], mgx = s_mgx[rr];
-                load16(g, dy + at);
-                load16(xv, x + at);
-                load16(d, dres + at);
+                for (int rr = rg; rr < rows; rr += RG) {
+                    const int64_t at = (int64_t)(r0 + rr) * C + c;
+                    const float m = s_m[rr], rs = s_rs[rr], mg = s_mg[rr], mgx = s_mgx[rr];
+                    load16(g, dy + at);
+                    load16(xv, x + at);
+                    load16(d, dres + at);
 #pragma unroll
-                for (int i = 0; i < V; i++) {
-                    const float xhat = (xv[i] - m) * rs;
-                    d[i] = to_float(from_float<T>(d[i] + rs * (g[i] * wv[i] - mg - xhat * mgx)));
-                    aw[j][i] += g[i] * xhat;
-                    ab[j][i] += g[i];
-                    ar[j][i] += d[i];
+                    for (int i = 0; i < V; i++) {
+                        const float xhat = (xv[i] - m) * rs;
+                        d[i] = to_float(from_float<T>(d[i] + rs * (g[i] * wv[i] - mg - xhat * mgx)));
+                        aw[j][i] += g[i] * xhat;
+                        ab[j][i] += g[i];
+                        ar[j][i] += d[i];
+                    }
+                    store16(dres + at, d);
                 }
-                store16(dres + at, d);
             }
         }
         __syncthreads(); /* the statistics are rewritten by the next tile */
     }
+    /* the row groups' sums, added in group order (NJ == 1 whenever RG > 1) */
+    if (RG > 1) {
+        if (rg < RG)
+#pragma unroll
+            for (int i = 0; i < V; i++) {
+                s_red[(rg * 3 + 0) * C + cv0 * V + i] = aw[0][i];
+                s_red[(rg * 3 + 1) * C + cv0 * V + i] = ab[0][i];
+                s_red[(rg * 3 + 2) * C + cv0 * V + i] = ar[0][i];
+            }
+        __syncthreads();
+        if (rg == 0)
+#pragma unroll
+            for (int i = 0; i < V; i++) {
+                float sw = 0.0f, sb = 0.0f, sr = 0.0f;
+                for (int k = 0; k < RG; k++) {
+                    sw += s_red[(k * 3 + 0) * C + cv0 * V + i];
+                    sb += s_red[(k * 3 + 1) * C + cv0 * V + i];
+                    sr += s_red[(k * 3 + 2) * C + cv0 * V + i];
+                }
+                aw[0][i] = sw;
+                ab[0][i] = sb;
+                ar[0][i] = sr;
+            }
+    }
+    if (rg != 0) return;
 #pragma unroll
     for (int j = 0; j < NJ; j++) {
-        const int c = (threadIdx.x + 256 * j) * V;
+        const int c = (cv0 + 256 * j) * V;
         if (c >= nvec * V) continue;
         const int64_t at = (int64_t)blockIdx.x * C + c;
 #pragma unroll
@@ -2400,18 +2434,13 @@ static void linear_forward(mt_gemm_context* g, T* y, const T* x, const T* weight
 template <typename T>
 static void gelu_backward(mt_gemm_context* g, T* d, const T* pre, int64_t n);
 
-/* dW[out, in] += dy^T x (fp32) and, when dbias != NULL, dbias[out] += column sums of dy [N, out]: in the
- * same GEMM (cuBLASLt's BGRADB epilogue writes the sums to scratch, then added) where cuBLASLt has an
- * algorithm for it, else by the column-sum kernels. */
+/* dW[out, in] += dy^T x (fp32) and, when dbias != NULL, dbias[out] += column sums of dy [N, out]. The
+ * GEMM and then the column-sum kernels: cuBLASLt's BGRADB epilogue (GEMM_BGRADB) would take the sums
+ * from the GEMM's own read of dy, but dev/cuda/fused_kernels.cu measured it no faster at GPT-2 124M
+ * and 18% slower at 1.5B's fc1 on an H100 (it drops the split-K algorithm). */
 template <typename T>
 static void weight_gradient(mt_gemm_context* g, mt_colsum_scratch* s, float* dweight, float* dbias, const T* dy,
                             const T* x, int N, int in, int out) {
-    if (dbias && gemm_epilogue<T, float>(g, GEMM_BGRADB, true, false, out, in, N, dy, out, x, in, dweight, in, 1.0f,
-                                         1.0f, s->partial_c, (T*)NULL)) {
-        column_final_sum_kernel<<<ceil_div(out, 256), 256, 0, g->stream>>>(dbias, s->partial_c, 1, out);
-        LAUNCH_CHECK(g->error);
-        return;
-    }
     gemm<T, float>(g, true, false, out, in, N, dy, out, x, in, dweight, in, 1.0f, 1.0f);
     if (dbias) column_sum<T>(g, s, dbias, dy, N, out);
 }
@@ -2608,11 +2637,15 @@ static void norm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dresidual
     const int nj = ceil_div(C / V, 256);
     if (C % V == 0 && (nj == 1 || nj == 2 || nj == 4) && aligned16(dresidual) && aligned16(dy) && aligned16(x) &&
         aligned16(w)) {
-        int blocks = ceil_div(N, NORM_BWD_ROWS);
+        const bool tall = C >= 1024 && nj == 1;
+        int blocks = ceil_div(N, tall ? 2 * NORM_BWD_ROWS : NORM_BWD_ROWS);
         if (blocks > NORM_BWD_BLOCKS) blocks = NORM_BWD_BLOCKS;
         float* pb = dbias ? s->partial_b : NULL;
         float* pp = dprev_bias ? s->partial_c : NULL;
-        if (nj == 1)
+        if (tall)
+            norm_backward_fused_kernel<T, 1, 2 * NORM_BWD_ROWS><<<blocks, 256, 0, g->stream>>>(
+                dresidual, s->partial_a, pb, pp, dy, x, w, mean, rstd, N, C, rms);
+        else if (nj == 1)
             norm_backward_fused_kernel<T, 1><<<blocks, 256, 0, g->stream>>>(dresidual, s->partial_a, pb, pp, dy, x, w,
                                                                             mean, rstd, N, C, rms);
         else if (nj == 2)

@@ -531,8 +531,7 @@ static void item_residual_norm(bool rms) {
 /* 2. Norm backward: input gradient, weight/bias gradient column sums                               */
 /* ============================================================================================== */
 
-static void item_norm_backward(bool rms) {
-    const int N = BT, C = HID;
+static void item_norm_backward(bool rms, int N = BT, int C = HID) {
     const size_t n = (size_t)N * C;
     const char* kname = rms ? "RMSNorm bwd (input grad)" : "LayerNorm bwd (input grad)";
     printf("\n[2] %s: [%d, %d] bf16, dresidual += d norm(x)/dx . dy\n", kname, N, C);
@@ -722,6 +721,29 @@ static void item_norm_backward(bool rms) {
         /* bytes: dy r, x r, dresidual r + w (4 NC), mean + rstd r, three partials written and read */
         double fbytes = 4 * NC + (double)N * 8.0 + 6.0 * blocks * C * 4.0 + 6.0 * C * 4.0;
         record(fname, "norm_backward_fused_kernel + final sums", shp, time_us(fprep, fused), fbytes, &c5);
+        /* tile heights: rows per block (grid min(N/ROWS, NORM_BWD_BLOCKS)); the sums are checked again */
+        auto variant = [&](auto kernel, int rows_per_tile, const char* vname) {
+            const int nb = std::min(ceil_div(N, rows_per_tile), NORM_BWD_BLOCKS);
+            float* va = A.alloc<float>((size_t)nb * C);
+            float* vb = A.alloc<float>((size_t)nb * C);
+            float* vc = A.alloc<float>((size_t)nb * C);
+            auto run = [&] {
+                kernel<<<nb, 256, 0, S>>>(dres, va, vb, vc, dy, x, w, mean, rstd, N, C, false);
+                column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, S>>>(dW, va, dB, vb, dP, vc, nb, C);
+            };
+            Check cv = check([&] {
+                zero();
+                CK(cudaMemsetAsync(dP, 0, C * sizeof(float), S));
+                run();
+            });
+            std::vector<float> vW = fetch_f32(dW, 0, C), vP = fetch_f32(dP, 0, C);
+            cv.add("dweight", compare(vW, rW, rms_of(rW)), TOL_STAT);
+            cv.add("sum of new dres", compare(vP, rP, rms_of(rP)), TOL_BF16);
+            double vbytes = 4 * NC + (double)N * 8.0 + 6.0 * nb * C * 4.0 + 6.0 * C * 4.0;
+            record(fname, vname, shp, time_us(fprep, run), vbytes, &cv);
+        };
+        variant(norm_backward_fused_kernel<bf16, 1, 8>, 8, "fused, 8-row tiles");
+        variant(norm_backward_fused_kernel<bf16, 1, 32>, 32, "fused, 32-row tiles");
     }
     A.release();
 }
@@ -869,6 +891,69 @@ static void item_gelu_backward() {
     printf("    gelu_backward_kernel (scalar)\n");
     Check c2 = check(scalar);
     record(kname, "gelu_backward_kernel (scalar)", shp, time_us(restore, scalar), bytes, &c2);
+    A.release();
+}
+
+/* Weight gradient with the bias gradient of a column-parallel linear (QKV, fc1): dW[out, in] += dy^T x
+ * (fp32, beta = 1) and db[out] += column sums of dy [N, out]. Versions: the GEMM then column_sum (two
+ * reads of dy), and weight_gradient's cuBLASLt BGRADB epilogue (the sums from the GEMM's own read of
+ * dy, then one small add). Shapes: GPT-2 124M at micro-batch 16 (QKV, fc1) and 1.5B at 8 (fc1). */
+static void item_wgrad_bias(int N, int in, int out, const char* what) {
+    const char* kname = "wgrad + bias grad";
+    printf("\n[4] %s (%s): dW[%d, %d] += dy^T x, db += colsum(dy), dy [%d, %d] bf16\n", kname, what, out, in, N, out);
+    Arena A;
+    std::vector<uint16_t> h_dy = rand_bf16((size_t)N * out, -1.0f, 1.0f, 431), h_x = rand_bf16((size_t)N * in, -1.7f, 1.7f, 432);
+    bf16* dy = upload_bf16(A, h_dy);
+    bf16* x = upload_bf16(A, h_x);
+    float* dW = A.alloc<float>((size_t)out * in);
+    float* db = A.alloc<float>(out);
+    mt_colsum_scratch cs;
+    cs.max_chunks = COLSUM_MAX_CHUNKS;
+    cs.partial_a = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * out);
+    cs.partial_b = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * out);
+    cs.partial_c = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * out);
+    auto zero = [&] {
+        CK(cudaMemsetAsync(dW, 0, (size_t)out * in * 4, S));
+        CK(cudaMemsetAsync(db, 0, (size_t)out * 4, S));
+    };
+    auto separate = [&] {
+        gemm<bf16, float>(&G, true, false, out, in, N, dy, out, x, in, dW, in, 1.0f, 1.0f);
+        column_sum<bf16>(&G, &cs, db, dy, N, out);
+    };
+    bool epilogue_ok = true;
+    auto epilogue = [&] {
+        epilogue_ok = gemm_epilogue<bf16, float>(&G, GEMM_BGRADB, true, false, out, in, N, dy, out, x, in, dW, in, 1.0f,
+                                                 1.0f, cs.partial_c, (bf16*)NULL);
+        if (epilogue_ok) column_final_sum_kernel<<<ceil_div(out, 256), 256, 0, S>>>(db, cs.partial_c, 1, out);
+    };
+    std::vector<double> rb(out, 0.0);
+    for (int r = 0; r < N; r++)
+        for (int c = 0; c < out; c++) rb[c] += bf2f(h_dy[(size_t)r * out + c]);
+    std::vector<float> w_sep;
+    auto check = [&](auto run, bool keep) {
+        zero();
+        run();
+        sync_check(kname);
+        std::vector<float> g = fetch_f32(db, 0, out), w = fetch_f32(dW, 0, (size_t)out * in);
+        Check ck;
+        ck.add("dbias", compare(g, rb, rms_of(rb)), TOL_STAT);
+        if (keep) w_sep = w;
+        else {
+            std::vector<double> wref(w_sep.begin(), w_sep.end());
+            /* the two GEMMs may pick different algorithms (split-K or not): fp32 sums in another order */
+            ck.add("dW vs separate", compare(w, wref, rms_of(wref)), TOL_STAT);
+        }
+        return ck;
+    };
+    const double flops = 2.0 * N * in * out;
+    std::string shp = std::to_string(N) + "x" + std::to_string(out) + "^T * " + std::to_string(N) + "x" + std::to_string(in);
+    printf("    gemm (fp32 C, beta 1) + column_sum\n");
+    Check c1 = check(separate, true);
+    record(kname, (std::string("gemm + column_sum, ") + what).c_str(), shp, time_us(zero, separate), 0.0, &c1, flops);
+    printf("    gemm_epilogue(GEMM_BGRADB) + add\n");
+    Check c2 = check(epilogue, false);
+    if (!epilogue_ok) printf("    NOTE: cuBLASLt has no BGRADB algorithm here (the model falls back to the column sum)\n");
+    else record(kname, (std::string("BGRADB epilogue + add, ") + what).c_str(), shp, time_us(zero, epilogue), 0.0, &c2, flops);
     A.release();
 }
 
@@ -1597,11 +1682,15 @@ int main() {
     item_residual_norm(false);
     item_residual_norm(true);
     item_norm_backward(false);
+    item_norm_backward(false, 8192, 1600); /* GPT-2 1.5B at micro-batch 8 */
     item_norm_backward(true);
     item_bias_colsum();
     item_bias_gelu();
     item_gelu_backward();
     item_fc1_gemm();
+    item_wgrad_bias(16384, 768, 2304, "124M QKV");
+    item_wgrad_bias(16384, 768, 3072, "124M fc1");
+    item_wgrad_bias(8192, 1600, 6400, "1.5B fc1");
     item_swiglu();
     item_cross_entropy();
     item_adamw();
