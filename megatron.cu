@@ -353,17 +353,13 @@ __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rst
     }
 }
 
+/* A warp's statistics of one row for the norm backward: (mean of g, mean of g * xhat), g = dy * w,
+ * 16-byte loads, lanes striding the row (RMSNorm: mean of g is 0). Every lane gets both. */
 template <typename T>
-__global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, const T* x, const T* weight,
-                                                    const float* mean, const float* rstd, int N, int C, bool rms) {
+__device__ __forceinline__ float2 norm_backward_row_means(const T* dyr, const T* xr, const T* weight, float m, float rs,
+                                                          int C, int lane, bool rms) {
     constexpr int V = vec16<T>::N;
-    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    int lane = threadIdx.x % 32;
-    if (row >= N) return;
-    const T* dyr = dy + (int64_t)row * C;
-    const T* xr = x + (int64_t)row * C;
-    float m = mean[row], rs = rstd[row];
-    float g[V], xv[V], w[V], d[V];
+    float g[V], xv[V], w[V];
     float sum_g = 0.0f, sum_gx = 0.0f;
     for (int c = lane * V; c < C; c += 32 * V) {
         load16(g, dyr + c);
@@ -376,7 +372,22 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
             sum_gx += gi * (xv[i] - m) * rs;
         }
     }
-    float mean_g = rms ? 0.0f : warp_sum(sum_g) / C, mean_gx = warp_sum(sum_gx) / C;
+    return make_float2(rms ? 0.0f : warp_sum(sum_g) / C, warp_sum(sum_gx) / C);
+}
+
+template <typename T>
+__global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, const T* x, const T* weight,
+                                                    const float* mean, const float* rstd, int N, int C, bool rms) {
+    constexpr int V = vec16<T>::N;
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const T* dyr = dy + (int64_t)row * C;
+    const T* xr = x + (int64_t)row * C;
+    float m = mean[row], rs = rstd[row];
+    float g[V], xv[V], w[V], d[V];
+    const float2 means = norm_backward_row_means(dyr, xr, weight, m, rs, C, lane, rms);
+    const float mean_g = means.x, mean_gx = means.y;
     T* dr = dresidual + (int64_t)row * C;
     for (int c = lane * V; c < C; c += 32 * V) {
         load16(g, dyr + c);
@@ -613,23 +624,10 @@ __global__ void __launch_bounds__(256)
         for (int rr = warp; rr < rows; rr += WARPS) { /* phase 1 */
             const int64_t base = (int64_t)(r0 + rr) * C;
             const float m = mean[r0 + rr], rs = rstd[r0 + rr];
-            float g[V], xv[V], wv[V], sum_g = 0.0f, sum_gx = 0.0f;
-            for (int c = lane * V; c < C; c += 32 * V) {
-                load16(g, dy + base + c);
-                load16(xv, x + base + c);
-                load16(wv, w + c);
-#pragma unroll
-                for (int i = 0; i < V; i++) {
-                    float gi = g[i] * wv[i];
-                    sum_g += gi;
-                    sum_gx += gi * (xv[i] - m) * rs;
-                }
-            }
-            sum_g = warp_sum(sum_g);
-            sum_gx = warp_sum(sum_gx);
+            const float2 means = norm_backward_row_means(dy + base, x + base, w, m, rs, C, lane, rms);
             if (lane == 0) {
-                s_mg[rr] = rms ? 0.0f : sum_g / C;
-                s_mgx[rr] = sum_gx / C;
+                s_mg[rr] = means.x;
+                s_mgx[rr] = means.y;
                 s_m[rr] = m;
                 s_rs[rr] = rs;
             }
