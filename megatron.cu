@@ -2407,7 +2407,8 @@ static void column_sum(mt_gemm_context* g, mt_colsum_scratch* s, float* dst, con
     else
         column_partial_sum_kernel<T, COLSUM_PLAIN><<<dim3(ceil_div(C, 256), chunks), 256, 0, g->stream>>>(
             s->partial_a, NULL, dy, NULL, NULL, NULL, N, C, rows);
-    column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, g->stream>>>(dst, s->partial_a, chunks, C);
+    column_final_sums_kernel<<<dim3(ceil_div(C, 32), 1), dim3(32, 16), 0, g->stream>>>(
+        dst, s->partial_a, NULL, NULL, NULL, NULL, chunks, C);
     LAUNCH_CHECK(g->error);
 }
 
@@ -4019,7 +4020,7 @@ static size_t layout_activations(mt_activations* a, const mt_trainer* t, char* b
     return off;
 }
 
-#define COLSUM_MAX_CHUNKS 128
+#define COLSUM_MAX_CHUNKS 256
 #define CUBLAS_WORKSPACE_BYTES (32u << 20)
 
 static size_t max_columns(const mt_trainer* t) {

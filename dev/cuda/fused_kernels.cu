@@ -796,6 +796,17 @@ static void item_bias_colsum() {
     printf("    column_partial_sum_kernel<COLSUM_PLAIN> (scalar) + column_final_sum_kernel\n");
     Check c2 = check(scalar);
     record(kname, "column_partial_sum<PLAIN> (scalar) + final", shp, time_us(zero, scalar), bytes, &c2);
+    /* the launcher as it was: 128 chunks and one thread per column in the final sum */
+    int rows128 = 0, chunks128 = colsum_chunks(N, 128, &rows128);
+    auto vec128 = [&] {
+        column_partial_sum_vec_kernel<bf16, COLSUM_PLAIN><<<dim3(ceil_div(C / vec16<bf16>::N, 256), chunks128), 256, 0, S>>>(
+            pa, (float*)NULL, dy, (const bf16*)NULL, (const float*)NULL, (const float*)NULL, N, C, rows128);
+        column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, S>>>(dst, pa, chunks128, C);
+    };
+    printf("    column_partial_sum_vec_kernel, 128 chunks + column_final_sum_kernel (before)\n");
+    Check c3 = check(vec128);
+    record(kname, "vec, 128 chunks + 1-thread final (before)", shp, time_us(zero, vec128),
+           (double)n * 2.0 + 2.0 * chunks128 * C * 4.0 + 2.0 * C * 4.0, &c3);
     A.release();
 }
 
