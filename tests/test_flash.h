@@ -41,6 +41,17 @@ static void flash_fill(uint16_t* x, size_t n, float amp, uint64_t* state) {
     }
 }
 
+/* The column of head hh's first channel in a row: kind 0 a query head, 1 a key, 2 a value (fused QKV
+ * rows, width groups*(qpg+2)*d), 3 a head of the attention output rows (width H*d). */
+static size_t flash_head_column(int kind, int hh, int qpg, int d) {
+    switch (kind) {
+        case 0: return (size_t)(hh / qpg) * (qpg + 2) * d + (size_t)(hh % qpg) * d;
+        case 1: return (size_t)hh * (qpg + 2) * d + (size_t)qpg * d;
+        case 2: return (size_t)hh * (qpg + 2) * d + (size_t)(qpg + 1) * d;
+        default: return (size_t)hh * d;
+    }
+}
+
 static double flash_rel(const double* out, const double* ref, size_t n) {
     double num = 0.0, den = 0.0;
     for (size_t i = 0; i < n; i++) {
@@ -61,8 +72,8 @@ static void flash_reference(const flash_shape* s, const uint16_t* qkv, const uin
     for (int b = 0; b < s->B; b++)
         for (int h = 0; h < s->H; h++) {
             int g = h / qpg;
-            size_t qoff = (size_t)g * (qpg + 2) * d + (size_t)(h % qpg) * d;
-            size_t koff = (size_t)g * (qpg + 2) * d + (size_t)qpg * d, voff = koff + d;
+            size_t qoff = flash_head_column(0, h, qpg, d), koff = flash_head_column(1, g, qpg, d),
+                   voff = flash_head_column(2, g, qpg, d);
             for (int i = 0; i < T; i++) {
                 const uint16_t* q = qkv + ((size_t)b * T + i) * W + qoff;
                 double mx = -INFINITY;
@@ -212,10 +223,7 @@ static int flash_check_shape(const flash_shape* s) {
                 for (int hh = 0; hh < packs[k].heads; hh++)
                     for (int t = 0; t < T; t++)
                         for (int e = 0; e < d; e++) {
-                            size_t col = packs[k].slot_of_head == 0   ? (size_t)(hh / qpg) * (qpg + 2) * d + (hh % qpg) * d
-                                         : packs[k].slot_of_head == 1 ? (size_t)hh * (qpg + 2) * d + (size_t)qpg * d
-                                         : packs[k].slot_of_head == 2 ? (size_t)hh * (qpg + 2) * d + (size_t)(qpg + 1) * d
-                                                                      : (size_t)hh * d;
+                            size_t col = flash_head_column(packs[k].slot_of_head, hh, qpg, d);
                             hp[(((size_t)b * packs[k].heads + hh) * T + t) * d + e] =
                                 packs[k].src[((size_t)b * T + t) * packs[k].width + col + e];
                         }
@@ -246,11 +254,7 @@ static int flash_check_shape(const flash_shape* s) {
                 for (int hh = 0; hh < outs[k2].heads && ok; hh++)
                     for (int t = 0; t < T && ok; t++)
                         for (int e = 0; e < d && ok; e++) {
-                            int sl = outs[k2].slot_of_head;
-                            size_t col = sl == 0   ? (size_t)(hh / qpg) * (qpg + 2) * d + (hh % qpg) * d
-                                         : sl == 1 ? (size_t)hh * (qpg + 2) * d + (size_t)qpg * d
-                                         : sl == 2 ? (size_t)hh * (qpg + 2) * d + (size_t)(qpg + 1) * d
-                                                   : (size_t)hh * d;
+                            size_t col = flash_head_column(outs[k2].slot_of_head, hh, qpg, d);
                             if (h_packed[(((size_t)b * outs[k2].heads + hh) * T + t) * d + e] !=
                                 outs[k2].rows[((size_t)b * T + t) * outs[k2].width + col + e]) {
                                 printf("    FAIL packed and row layouts differ: %s at b %d head %d t %d e %d\n",

@@ -1417,6 +1417,21 @@ static int64_t host_heads_index(int64_t rows_index, int T, int heads, int d) {
     return (((int64_t)b * heads + hh) * T + t) * d + e;
 }
 
+/* RoPE tables [T, rot/2] (at least one column), angle t * base^(-2i/rot) (the angle rounded to fp32) */
+static void rope_tables(int T, int rot, double base, std::vector<float>& cs, std::vector<float>& sn) {
+    const int half = rot / 2;
+    cs.assign((size_t)T * std::max(half, 1), 0.0f);
+    sn.assign((size_t)T * std::max(half, 1), 0.0f);
+    for (int i = 0; i < half; i++) {
+        double w = 1.0 / pow(base, 2.0 * i / rot);
+        for (int t = 0; t < T; t++) {
+            float ang = (float)t * (float)w;
+            cs[(size_t)t * half + i] = (float)cos((double)ang);
+            sn[(size_t)t * half + i] = (float)sin((double)ang);
+        }
+    }
+}
+
 static void item_qkv_split(bool rope) {
     const int B = 16, T = 1024, heads = 12, groups = 12, d = 64, qpg = heads / groups;
     const int width = groups * (qpg + 2) * d, rot = rope ? d : 0, half = rot / 2;
@@ -1431,15 +1446,8 @@ static void item_qkv_split(bool rope) {
     }
     Arena A;
     std::vector<uint16_t> h_qkv = rand_bf16(n, -2.0f, 2.0f, rope ? 811 : 801);
-    std::vector<float> h_cos((size_t)T * std::max(half, 1)), h_sin((size_t)T * std::max(half, 1));
-    for (int i = 0; i < half; i++) {
-        double w = 1.0 / pow(10000.0, 2.0 * i / rot);
-        for (int t = 0; t < T; t++) {
-            float ang = (float)t * (float)w;
-            h_cos[(size_t)t * half + i] = (float)cos((double)ang);
-            h_sin[(size_t)t * half + i] = (float)sin((double)ang);
-        }
-    }
+    std::vector<float> h_cos, h_sin;
+    rope_tables(T, rot, 10000.0, h_cos, h_sin);
     bf16* qkv = upload_bf16(A, h_qkv);
     float* cosd = rope ? upload(A, h_cos) : nullptr;
     float* sind = rope ? upload(A, h_sin) : nullptr;
@@ -1509,14 +1517,8 @@ static void item_rope_rows(bool backward) {
     printf("\n[8] %s: qkv[%lld, %d], %d q + %d k heads rotated per row\n", kname, (long long)BT, width, heads, groups);
     Arena A;
     std::vector<uint16_t> h_qkv = rand_bf16(n, -2.0f, 2.0f, backward ? 832 : 831);
-    std::vector<float> h_cos((size_t)T * half), h_sin((size_t)T * half);
-    for (int i = 0; i < half; i++) {
-        double w = 1.0 / pow(500000.0, 2.0 * i / rot);
-        for (int t = 0; t < T; t++) {
-            h_cos[(size_t)t * half + i] = (float)cos(t * w);
-            h_sin[(size_t)t * half + i] = (float)sin(t * w);
-        }
-    }
+    std::vector<float> h_cos, h_sin;
+    rope_tables(T, rot, 500000.0, h_cos, h_sin);
     bf16* qkv = upload_bf16(A, h_qkv);
     float* cosd = upload(A, h_cos);
     float* sind = upload(A, h_sin);
