@@ -171,6 +171,23 @@ __device__ __forceinline__ void store16(T* p, const float* in) {
 }
 static inline bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
+/* Asynchronous global -> shared copies (sm_80+): the loads of a whole tile go out at once without
+ * passing through registers; a thread waits for its own groups, then a barrier publishes them. */
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+/* 16-byte global -> shared copy that bypasses registers; valid == false writes 16 zero bytes. */
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+/* Wait until at most N of this thread's committed groups are still in flight. */
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 /* ============================================================================================== */
 /* 2. Kernels                                                                                      */
 /* ============================================================================================== */
@@ -231,14 +248,16 @@ __global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T*
     out[idx] = from_float<T>(word + (wpe ? to_float(wpe[(int64_t)t * C + c]) : 0.0f));
 }
 
-/* Position-embedding gradient: dwpe[t,c] += sum over the batch, in batch order. */
+/* Position-embedding gradient: dwpe[t,c] (+)= sum over the batch, in batch order (accumulate 0: the
+ * step's first micro-batch overwrites). */
 template <typename T>
-__global__ void position_embedding_backward_kernel(float* dwpe, const T* dout, int B, int seq, int C) {
+__global__ void position_embedding_backward_kernel(float* dwpe, const T* dout, int B, int seq, int C,
+                                                   int accumulate) {
     int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (int64_t)seq * C) return;
     float s = 0.0f;
     for (int b = 0; b < B; b++) s += to_float(dout[(int64_t)b * seq * C + idx]);
-    dwpe[idx] += s;
+    dwpe[idx] = accumulate ? dwpe[idx] + s : s;
 }
 
 /* Word-embedding gradient: one block per distinct token of the micro-batch; it sums that token's
@@ -555,19 +574,14 @@ __global__ void column_partial_sum_vec_kernel(float* partial_a, float* partial_b
     }
 }
 
-__global__ void column_final_sum_kernel(float* dst, const float* partial, int chunks, int C) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    float s = 0.0f;
-    for (int k = 0; k < chunks; k++) s += partial[(int64_t)k * C + c];
-    dst[c] += s;
-}
-/* Up to three column sums finished in one launch (blockIdx.y picks one; a NULL dst is skipped). A
- * block [32 columns x 16 lanes of chunks]: lane y sums chunks y, y+16, ..., then lane 0 adds the 16
- * in order (a fixed order: deterministic). */
+/* Up to three column sums finished in one launch (blockIdx.y picks one; a NULL dst is skipped):
+ * dst[c] (+)= the sum of partial[k, c] over the chunks k; `accumulate` 0 overwrites dst (the first
+ * micro-batch of a step: the gradient buffer is not zeroed). A block [32 columns x 16 lanes of
+ * chunks]: lane y sums chunks y, y+16, ..., then lane 0 adds the 16 in order (a fixed order:
+ * deterministic). */
 __global__ void __launch_bounds__(512) column_final_sums_kernel(float* dst0, const float* p0, float* dst1,
                                                                 const float* p1, float* dst2, const float* p2,
-                                                                int chunks, int C) {
+                                                                int chunks, int C, int accumulate) {
     __shared__ float part[16][33];
     float* dst = blockIdx.y == 0 ? dst0 : blockIdx.y == 1 ? dst1 : dst2;
     const float* partial = blockIdx.y == 0 ? p0 : blockIdx.y == 1 ? p1 : p2;
@@ -582,49 +596,82 @@ __global__ void __launch_bounds__(512) column_final_sums_kernel(float* dst0, con
         float total = 0.0f;
 #pragma unroll
         for (int y = 0; y < 16; y++) total += part[y][threadIdx.x];
-        dst[c] += total;
+        dst[c] = accumulate ? dst[c] + total : total;
     }
 }
 
-/* ---- The norm backward fused with every column sum that reads the same rows. A block owns tiles of
- *      NORM_BWD_ROWS rows (grid-strided, at most NORM_BWD_BLOCKS blocks: a count fixed by N alone, so
- *      the sums do not depend on the device). Phase 1: a warp per row computes the row's statistics
- *      mean(g) and mean(g * xhat), g = dy * w, into shared memory. Phase 2: each thread owns V
- *      adjacent columns (NJ groups of them when C > 256 V; with fewer than 256 vectors per row the
- *      spare threads take every RG-th row) and walks the tile's rows: dres += dx, and
- *      in registers d weight += dy * xhat, d bias += dy, and (prev != NULL) the new dres itself: the
- *      gradient of the residual stream here, i.e. the bias gradient of the row-parallel linear whose
- *      output was added to it (proj before the second norm, fc2 before the next layer's first).
+/* ---- The norm backward fused with every column sum that reads the same rows. A block walks tiles of
+ *      `rows` rows (grid-strided over at most NORM_BWD_BLOCKS blocks: counts fixed by N and C alone,
+ *      so the sums do not depend on the device), two tiles in shared memory at a time:
+ *      1. cp.async copies the next tile's dy, x and dres rows into the other buffer (every byte is
+ *         read from memory once, and a whole tile's loads are in flight while this one computes);
+ *      2. a warp per row: the row's statistics mean(g), mean(g * xhat), g = dy * w;
+ *      3. each thread owns V adjacent columns (NJ groups of them when C > 256 V; with fewer than 256
+ *         vectors per row the spare threads take every RG-th row) and walks the tile's rows:
+ *         dres += dx (stored), and in registers d weight += dy * xhat, d bias += dy, and (prev !=
+ *         NULL) the new dres itself: the gradient of the residual stream here, i.e. the bias
+ *         gradient of the row-parallel linear whose output was added to it (proj before the second
+ *         norm, fc2 before the next layer's first).
  *      Each block writes its partial sums once; column_final_sums_kernel adds them in block order, so
- *      every sum is deterministic. dres, dy and x are read once from memory (phase 2 re-reads the
- *      tile's rows from cache). ---- */
-#define NORM_BWD_ROWS 16    /* rows per tile; 32 from hidden 1024 on (dev/cuda/fused_kernels.cu on an H100:
-                               16384 x 768: 81 us at 16 rows, 86 at 32; 8192 x 1600: 99 at 16, 90 at 32) */
-#define NORM_BWD_BLOCKS 1024
-template <typename T, int NJ, int ROWS = NORM_BWD_ROWS>
+ *      every sum is deterministic. The previous version (dev/cuda/fused_kernels.cu keeps it) re-read
+ *      dy and x from L2 for step 3, which at 8192 x 1600 spilled to memory: 90 us against ~45. ---- */
+#define NORM_BWD_BLOCKS 256       /* at most; partial sums are blocks x C x 3 floats */
+#define NORM_BWD_STAGE_BYTES 49152 /* one tile of dy, x, dres in shared memory (two are kept) */
+#define NORM_BWD_MAX_ROWS 32
+/* Rows per tile and blocks for [N, C] rows of `elem`-byte values; the kernel's dynamic shared memory
+ * is 2 * 3 * rows * C * elem bytes. */
+static inline int norm_backward_tile_rows(int C, int elem) {
+    int rows = NORM_BWD_STAGE_BYTES / (3 * C * elem);
+    return rows < 1 ? 1 : rows > NORM_BWD_MAX_ROWS ? NORM_BWD_MAX_ROWS : rows;
+}
+template <typename T, int NJ>
 __global__ void __launch_bounds__(256)
     norm_backward_fused_kernel(T* dres, float* part_w, float* part_b, float* part_prev, const T* dy, const T* x,
-                               const T* w, const float* mean, const float* rstd, int N, int C, bool rms) {
+                               const T* w, const float* mean, const float* rstd, int N, int C, int rows, bool rms) {
     constexpr int V = vec16<T>::N, WARPS = 8;
-    __shared__ float s_mg[ROWS], s_mgx[ROWS], s_m[ROWS], s_rs[ROWS];
-    __shared__ float s_red[3 * 256 * V]; /* [group][3][C] partial sums of the row groups (RG * C <= 256 V) */
+    extern __shared__ int4 norm_tiles[]; /* [2 buffers][3: dy, x, dres][rows][C / V] 16-byte vectors */
+    __shared__ float s_mg[NORM_BWD_MAX_ROWS], s_mgx[NORM_BWD_MAX_ROWS], s_m[NORM_BWD_MAX_ROWS], s_rs[NORM_BWD_MAX_ROWS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nvec = C / V;
-    /* phase 2 threads: column vector cv of row group rg; with fewer than 256 vectors per row the
-     * spare threads take other rows of the tile (RG groups), so every thread streams memory */
-    const int width = nvec < 256 ? nvec : 256, RG = 256 / width;
+    const int tile_vecs = rows * nvec, tiles = (N + rows - 1) / rows;
+    /* step 3 threads: column vector cv0 of row group rg; with fewer than 256 vectors per row the
+     * spare threads take other rows of the tile (RG groups, at most what the final reduction's
+     * shared memory holds: RG * 3 * C floats in the two buffers) */
+    const int width = nvec < 256 ? nvec : 256;
+    const int RG = min(256 / width, rows * (int)sizeof(T) / 2);
     const int cv0 = threadIdx.x % width, rg = threadIdx.x / width;
+    /* one tile's copy: 3 * rows * nvec vectors spread over the block; rows past N are not copied */
+    auto issue = [&](int tile, int buf) {
+        const int r0 = tile * rows, n = min(rows, N - r0) * nvec;
+        int4* s = norm_tiles + (size_t)buf * 3 * tile_vecs;
+        const int64_t base = (int64_t)r0 * nvec;
+        for (int k = threadIdx.x; k < n; k += 256) {
+            cp_async_16(smem_u32(s + k), reinterpret_cast<const int4*>(dy) + base + k, true);
+            cp_async_16(smem_u32(s + tile_vecs + k), reinterpret_cast<const int4*>(x) + base + k, true);
+            cp_async_16(smem_u32(s + 2 * tile_vecs + k), reinterpret_cast<const int4*>(dres) + base + k, true);
+        }
+    };
     float aw[NJ][V], ab[NJ][V], ar[NJ][V];
 #pragma unroll
     for (int j = 0; j < NJ; j++)
 #pragma unroll
         for (int i = 0; i < V; i++) aw[j][i] = ab[j][i] = ar[j][i] = 0.0f;
 
-    for (int tile = blockIdx.x; tile * ROWS < N; tile += gridDim.x) {
-        const int r0 = tile * ROWS, rows = min(ROWS, N - r0);
-        for (int rr = warp; rr < rows; rr += WARPS) { /* phase 1 */
-            const int64_t base = (int64_t)(r0 + rr) * C;
+    if (blockIdx.x < tiles) issue(blockIdx.x, 0);
+    cp_async_commit();
+    int buf = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, buf ^= 1) {
+        if (tile + gridDim.x < tiles) issue(tile + gridDim.x, buf ^ 1); /* step 1 for the next tile */
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const T* s_dy = reinterpret_cast<const T*>(norm_tiles + (size_t)buf * 3 * tile_vecs);
+        const T* s_x = s_dy + (size_t)tile_vecs * V;
+        const T* s_d = s_x + (size_t)tile_vecs * V;
+        const int r0 = tile * rows, n = min(rows, N - r0);
+        for (int rr = warp; rr < n; rr += WARPS) { /* step 2 */
             const float m = mean[r0 + rr], rs = rstd[r0 + rr];
-            const float2 means = norm_backward_row_means(dy + base, x + base, w, m, rs, C, lane, rms);
+            const float2 means =
+                norm_backward_row_means(s_dy + (size_t)rr * C, s_x + (size_t)rr * C, w, m, rs, C, lane, rms);
             if (lane == 0) {
                 s_mg[rr] = means.x;
                 s_mgx[rr] = means.y;
@@ -635,18 +682,17 @@ __global__ void __launch_bounds__(256)
         __syncthreads();
         if (rg < RG) {
 #pragma unroll
-            for (int j = 0; j < NJ; j++) { /* phase 2 */
+            for (int j = 0; j < NJ; j++) { /* step 3 */
                 const int c = (cv0 + 256 * j) * V;
                 if (c >= nvec * V) continue;
                 float wv[V], g[V], xv[V], d[V];
                 load16(wv, w + c);
-#pragma unroll 2
-                for (int rr = rg; rr < rows; rr += RG) {
-                    const int64_t at = (int64_t)(r0 + rr) * C + c;
+                for (int rr = rg; rr < n; rr += RG) {
+                    const int64_t at = (int64_t)rr * C + c;
                     const float m = s_m[rr], rs = s_rs[rr], mg = s_mg[rr], mgx = s_mgx[rr];
-                    load16(g, dy + at);
-                    load16(xv, x + at);
-                    load16(d, dres + at);
+                    load16(g, s_dy + at);
+                    load16(xv, s_x + at);
+                    load16(d, s_d + at);
 #pragma unroll
                     for (int i = 0; i < V; i++) {
                         const float xhat = (xv[i] - m) * rs;
@@ -655,14 +701,17 @@ __global__ void __launch_bounds__(256)
                         ab[j][i] += g[i];
                         ar[j][i] += d[i];
                     }
-                    store16(dres + at, d);
+                    store16(dres + (int64_t)r0 * C + at, d);
                 }
             }
         }
-        __syncthreads(); /* the statistics are rewritten by the next tile */
+        __syncthreads(); /* this buffer is refilled two tiles on; the statistics by the next tile */
     }
-    /* the row groups' sums, added in group order (NJ == 1 whenever RG > 1) */
+    cp_async_wait<0>();
+    /* the row groups' sums, added in group order (NJ == 1 whenever RG > 1), through the tile buffers */
     if (RG > 1) {
+        float* s_red = reinterpret_cast<float*>(norm_tiles); /* [RG][3][C] */
+        __syncthreads();
         if (rg < RG)
 #pragma unroll
             for (int i = 0; i < V; i++) {
@@ -1097,21 +1146,6 @@ constexpr int THREADS = 128; /* 4 warps per CTA in every tiled kernel */
 constexpr int BN = 64;       /* keys per K/V tile (forward, dQ) and keys per CTA (dK/dV) */
 constexpr float LOG2E = 1.4426950408889634f;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-/* 16-byte global -> shared copy that bypasses registers; valid == false writes 16 zero bytes. */
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-/* Wait until at most N of this thread's committed groups are still in flight. */
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -2114,6 +2148,10 @@ typedef struct {
     size_t workspace_bytes;
     cudaStream_t stream;
     mt_gpu_error* error;
+    /* 0 while the first micro-batch of a step runs its backward: every gradient writer (weight
+     * GEMMs with beta 0, column sums, embeddings) then overwrites its tensor, so the fp32 gradient
+     * buffer is never zeroed (6 GB of writes per step at 1.5B); 1 afterwards: writers accumulate */
+    int accumulate_gradients;
     mt_gemm_plan* plans;     /* [GEMM_MAX_PLANS] */
     int num_plans;
 } mt_gemm_context;
@@ -2396,7 +2434,7 @@ static int colsum_chunks(int N, int max_chunks, int* rows_per_chunk) {
     return ceil_div(N, rows);
 }
 
-/* dst[c] += sum_r dy[r, c] */
+/* dst[c] += sum_r dy[r, c] (= when g->accumulate_gradients is 0) */
 template <typename T>
 static void column_sum(mt_gemm_context* g, mt_colsum_scratch* s, float* dst, const T* dy, int N, int C) {
     int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
@@ -2408,7 +2446,7 @@ static void column_sum(mt_gemm_context* g, mt_colsum_scratch* s, float* dst, con
         column_partial_sum_kernel<T, COLSUM_PLAIN><<<dim3(ceil_div(C, 256), chunks), 256, 0, g->stream>>>(
             s->partial_a, NULL, dy, NULL, NULL, NULL, N, C, rows);
     column_final_sums_kernel<<<dim3(ceil_div(C, 32), 1), dim3(32, 16), 0, g->stream>>>(
-        dst, s->partial_a, NULL, NULL, NULL, NULL, chunks, C);
+        dst, s->partial_a, NULL, NULL, NULL, NULL, chunks, C, g->accumulate_gradients);
     LAUNCH_CHECK(g->error);
 }
 
@@ -2433,14 +2471,15 @@ static void linear_forward(mt_gemm_context* g, T* y, const T* x, const T* weight
 template <typename T>
 static void gelu_backward(mt_gemm_context* g, T* d, const T* pre, int64_t n);
 
-/* dW[out, in] += dy^T x (fp32) and, when dbias != NULL, dbias[out] += column sums of dy [N, out]. The
+/* dW[out, in] += dy^T x (fp32) and, when dbias != NULL, dbias[out] += column sums of dy [N, out] (both
+ * overwrite when g->accumulate_gradients is 0: beta = 0). The
  * GEMM and then the column-sum kernels: cuBLASLt's BGRADB epilogue (GEMM_BGRADB) would take the sums
  * from the GEMM's own read of dy, but dev/cuda/fused_kernels.cu measured it no faster at GPT-2 124M
  * and 18% slower at 1.5B's fc1 on an H100 (it drops the split-K algorithm). */
 template <typename T>
 static void weight_gradient(mt_gemm_context* g, mt_colsum_scratch* s, float* dweight, float* dbias, const T* dy,
                             const T* x, int N, int in, int out) {
-    gemm<T, float>(g, true, false, out, in, N, dy, out, x, in, dweight, in, 1.0f, 1.0f);
+    gemm<T, float>(g, true, false, out, in, N, dy, out, x, in, dweight, in, 1.0f, (float)g->accumulate_gradients);
     if (dbias) column_sum<T>(g, s, dbias, dy, N, out);
 }
 
@@ -2625,7 +2664,25 @@ static void swiglu_backward(mt_gemm_context* g, T* dpre, const T* dact, const T*
     LAUNCH_CHECK(g->error);
 }
 
-/* dresidual += d norm(x)/dx . dy ; dweight (and dbias, LayerNorm only) += their column sums; and
+/* Launches norm_backward_fused_kernel with `rows`-row tiles over at most max_blocks blocks (NJ = nj:
+ * 1, 2 or 4 groups of 256 vectors per row); returns the block count, i.e. the partial sums written. */
+template <typename T>
+static int norm_backward_fused(mt_gpu_error* err, cudaStream_t stream, int nj, int rows, int max_blocks, T* dres,
+                               float* part_w, float* part_b, float* part_prev, const T* dy, const T* x, const T* w,
+                               const float* mean, const float* rstd, int N, int C, bool rms) {
+    const int tiles = ceil_div(N, rows), blocks = tiles < max_blocks ? tiles : max_blocks;
+    const size_t smem = (size_t)2 * 3 * rows * C * sizeof(T);
+    auto kernel = nj == 1 ? norm_backward_fused_kernel<T, 1>
+                  : nj == 2 ? norm_backward_fused_kernel<T, 2>
+                            : norm_backward_fused_kernel<T, 4>;
+    CUDA_CHECK(err, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<blocks, 256, smem, stream>>>(dres, part_w, part_b, part_prev, dy, x, w, mean, rstd, N, C, rows, rms);
+    LAUNCH_CHECK(err);
+    return blocks;
+}
+
+/* dresidual += d norm(x)/dx . dy ; dweight (and dbias, LayerNorm only) += their column sums (= when
+ * g->accumulate_gradients is 0); and
  * dprev_bias (may be NULL) += the column sums of the updated dresidual: the bias gradient of the
  * row-parallel linear whose output this residual stream received (see norm_backward_fused_kernel). */
 template <typename T>
@@ -2636,25 +2693,12 @@ static void norm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dresidual
     const int nj = ceil_div(C / V, 256);
     if (C % V == 0 && (nj == 1 || nj == 2 || nj == 4) && aligned16(dresidual) && aligned16(dy) && aligned16(x) &&
         aligned16(w)) {
-        const bool tall = C >= 1024 && nj == 1;
-        int blocks = ceil_div(N, tall ? 2 * NORM_BWD_ROWS : NORM_BWD_ROWS);
-        if (blocks > NORM_BWD_BLOCKS) blocks = NORM_BWD_BLOCKS;
-        float* pb = dbias ? s->partial_b : NULL;
-        float* pp = dprev_bias ? s->partial_c : NULL;
-        if (tall)
-            norm_backward_fused_kernel<T, 1, 2 * NORM_BWD_ROWS><<<blocks, 256, 0, g->stream>>>(
-                dresidual, s->partial_a, pb, pp, dy, x, w, mean, rstd, N, C, rms);
-        else if (nj == 1)
-            norm_backward_fused_kernel<T, 1><<<blocks, 256, 0, g->stream>>>(dresidual, s->partial_a, pb, pp, dy, x, w,
-                                                                            mean, rstd, N, C, rms);
-        else if (nj == 2)
-            norm_backward_fused_kernel<T, 2><<<blocks, 256, 0, g->stream>>>(dresidual, s->partial_a, pb, pp, dy, x, w,
-                                                                            mean, rstd, N, C, rms);
-        else
-            norm_backward_fused_kernel<T, 4><<<blocks, 256, 0, g->stream>>>(dresidual, s->partial_a, pb, pp, dy, x, w,
-                                                                            mean, rstd, N, C, rms);
+        const int rows = norm_backward_tile_rows(C, sizeof(T));
+        const int blocks = norm_backward_fused<T>(g->error, g->stream, nj, rows, NORM_BWD_BLOCKS, dresidual, s->partial_a,
+                                                  dbias ? s->partial_b : NULL, dprev_bias ? s->partial_c : NULL, dy,
+                                                  x, w, mean, rstd, N, C, rms);
         column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, g->stream>>>(
-            dweight, s->partial_a, dbias, s->partial_b, dprev_bias, s->partial_c, blocks, C);
+            dweight, s->partial_a, dbias, s->partial_b, dprev_bias, s->partial_c, blocks, C, g->accumulate_gradients);
         LAUNCH_CHECK(g->error);
         return;
     }
@@ -2675,8 +2719,8 @@ static void norm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dresidual
     else
         column_partial_sum_kernel<T, COLSUM_LAYERNORM><<<dim3(ceil_div(C, 256), chunks), 256, 0, g->stream>>>(
             s->partial_a, s->partial_b, dy, x, mean, rstd, N, C, rows);
-    column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, g->stream>>>(dweight, s->partial_a, chunks, C);
-    if (dbias) column_final_sum_kernel<<<ceil_div(C, 256), 256, 0, g->stream>>>(dbias, s->partial_b, chunks, C);
+    column_final_sums_kernel<<<dim3(ceil_div(C, 32), 2), dim3(32, 16), 0, g->stream>>>(
+        dweight, s->partial_a, dbias, s->partial_b, NULL, NULL, chunks, C, g->accumulate_gradients);
     LAUNCH_CHECK(g->error);
     if (dprev_bias) column_sum<T>(g, s, dprev_bias, dresidual, N, C);
 }
@@ -3201,7 +3245,8 @@ static void reduce_sequence_parallel_gradients(mt_trainer* t, int layer) {
 }
 
 /* Backward of the micro-batch model_forward just ran with grad_scale != 0: accumulates every
- * parameter's gradient into t->grads (fp32). `unique_tokens` describes the word-embedding index
+ * parameter's gradient into t->grads (fp32), or writes it when t->gemm.accumulate_gradients is 0
+ * (the step's first micro-batch: every tensor of the buffer is written below). `unique_tokens` describes the word-embedding index
  * (this rank's vocabulary rows only). */
 template <typename T>
 static void model_backward(mt_trainer* t, int unique_tokens) {
@@ -3278,11 +3323,16 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
     const T* demb = column_parallel_input<T>(tp, gathered_grad, dres, s.R, s.h);
     float* dwpe = grad_ptr(t, MT_P_POSITION_EMBEDDINGS);
     if (dwpe)
-        position_embedding_backward_kernel<T><<<ceil_div((int64_t)s.S * s.h, 256), 256, 0, st>>>(dwpe, demb, s.B, s.S,
-                                                                                                s.h);
+        position_embedding_backward_kernel<T><<<ceil_div((int64_t)s.S * s.h, 256), 256, 0, st>>>(
+            dwpe, demb, s.B, s.S, s.h, g->accumulate_gradients);
+    /* the word embeddings' gradient is a scatter-add over the micro-batch's tokens: tied, the output
+     * layer's weight GEMM wrote the whole tensor above; untied, the first micro-batch zeroes it */
+    float* dwte = grad_ptr(t, MT_P_WORD_EMBEDDINGS);
+    if (!g->accumulate_gradients && dwte != output_weight_grad(t))
+        CUDA_CHECK(&t->error, cudaMemsetAsync(dwte, 0, sizeof(float) * (size_t)s.V * s.h, st));
     const int32_t* idx = a->embed_index;
     if (unique_tokens > 0)
-        word_embedding_backward_kernel<T><<<unique_tokens, 256, 0, st>>>(grad_ptr(t, MT_P_WORD_EMBEDDINGS), demb, idx,
+        word_embedding_backward_kernel<T><<<unique_tokens, 256, 0, st>>>(dwte, demb, idx,
                                                                          idx + s.BT + 1, idx + 2 * (s.BT + 1), s.h,
                                                                          s.vocab_start);
     LAUNCH_CHECK(&t->error);
@@ -3380,16 +3430,14 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
     double total = 0.0;
     /* Megatron pre-scales each rank's gradients by 1/dp and sums them */
     float grad_scale = train ? (float)(loss_scale / ((double)count * s.BT * dp)) : 0.0f;
-    if (train) {
-        CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, sizeof(float) * t->buffer.size, t->stream));
-        t->next_bucket = 0;
-    }
+    if (train) t->next_bucket = 0; /* no zeroing: the first micro-batch's backward writes every gradient */
     for (int mb = 0; mb < count; mb++) {
         int unique = 0;
         mt_status st = stage_micro_batch(t, tokens, mb, train, &unique, err);
         if (st != MT_OK) return st;
         /* --overlap-grad-reduce: buckets go out during the last micro-batch's backward */
         t->last_micro_batch = train && mb == count - 1;
+        t->gemm.accumulate_gradients = mb > 0;
         t->reduce_in_backward = t->last_micro_batch && dp > 1 && t->cfg.overlap_grad_reduce;
         switch (t->cfg.precision) {
             case MT_FP32:

@@ -568,6 +568,68 @@ static test_result test_checkpoint_refuses_other_shape(void) {
     return TEST_PASS;
 }
 
+/* The gradient buffer is never zeroed: the first micro-batch of a step writes every gradient (weight
+ * GEMMs with beta 0, column sums and embeddings overwriting) and later ones add. Poisoning every
+ * tensor's gradient with NaN (0xFF bytes) after another batch's step must not change the gradients
+ * of the next batch by a single bit (two micro-batches: the overwrite and the accumulation both
+ * run). GPT-2 (tied embeddings, biases) and Llama (untied output, no biases) flavours. */
+static test_result gradients_overwrite(int llama) {
+    REQUIRE_GPU();
+    mt_config c = llama ? gpu_small_llama_config(MT_BF16) : gpu_small_config(MT_BF16);
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    const int count = (int)(c.global_batch_size / c.micro_batch_size);
+    EXPECT(count == 2, "the test wants two micro-batches, config gives %d", count);
+    int64_t per_step = (int64_t)c.global_batch_size * (c.seq_length + 1), n = mt_num_parameters(&c);
+    int32_t* batch_a = (int32_t*)malloc(sizeof(int32_t) * per_step);
+    int32_t* batch_b = (int32_t*)malloc(sizeof(int32_t) * per_step);
+    float* clean = (float*)malloc(sizeof(float) * n);
+    float* after = (float*)malloc(sizeof(float) * n);
+    fill_tokens(batch_a, per_step, (int)c.vocab_size, 11);
+    fill_tokens(batch_b, per_step, (int)c.vocab_size, 12);
+    test_result result = TEST_PASS;
+    double loss_clean = 0.0, loss_after = 0.0;
+    mt_trainer* t = NULL;
+    mt_status st = mt_trainer_create(&t, &c, &err);
+    if (st == MT_OK) st = mt_trainer_compute_gradients(t, batch_a, count, &loss_clean, &err);
+    if (st == MT_OK) st = mt_trainer_get_gradients(t, clean, &err);
+    /* another batch, then NaN in every tensor's gradient (not the alignment gaps between them,
+     * which stay zero from creation on and which the global norm reads) */
+    if (st == MT_OK) st = mt_trainer_compute_gradients(t, batch_b, count, &loss_after, &err);
+    for (int k = 0; st == MT_OK && k < t->buffer.num_params; k++) {
+        const mt_buffer_param* p = &t->buffer.params[k];
+        if (cudaMemset(t->grads + p->offset, 0xFF, sizeof(float) * (size_t)p->numel) != cudaSuccess) st = MT_ERR_CUDA;
+    }
+    if (st == MT_OK) st = mt_trainer_compute_gradients(t, batch_a, count, &loss_after, &err);
+    if (st == MT_OK) st = mt_trainer_get_gradients(t, after, &err);
+    if (t) mt_trainer_free(t);
+    if (st != MT_OK) {
+        printf("    FAIL %s: %s\n", mt_status_name(st), err.message);
+        result = TEST_FAIL;
+    } else {
+        int64_t differ = 0, first = -1;
+        for (int64_t i = 0; i < n; i++)
+            if (memcmp(&clean[i], &after[i], sizeof(float)) != 0) {
+                if (first < 0) first = i;
+                differ++;
+            }
+        printf("      loss %.7f / %.7f; %lld of %lld gradients differ after poisoning\n", loss_clean, loss_after,
+               (long long)differ, (long long)n);
+        if (differ || loss_clean != loss_after) {
+            printf("    FAIL first differing gradient %lld: %g vs %g\n", (long long)first,
+                   first >= 0 ? clean[first] : 0.0, first >= 0 ? after[first] : 0.0);
+            result = TEST_FAIL;
+        }
+    }
+    free(batch_a);
+    free(batch_b);
+    free(clean);
+    free(after);
+    return result;
+}
+static test_result test_gradients_overwrite(void) { return gradients_overwrite(0); }
+static test_result test_gradients_overwrite_llama(void) { return gradients_overwrite(1); }
+
 static const test_case gpu_tests[] = {
     {"gpt2_tiny_fp32_matches_reference", test_gpt2_tiny_fp32},
     {"gpt2_small_fp32_matches_reference", test_gpt2_small_fp32},
@@ -584,6 +646,8 @@ static const test_case gpu_tests[] = {
     {"fp16_loss_scaler", test_fp16_loss_scaler},
     {"initialisation", test_initialisation},
     {"checkpoint_refuses_other_shape", test_checkpoint_refuses_other_shape},
+    {"gradients_overwrite_no_zeroing", test_gradients_overwrite},
+    {"gradients_overwrite_no_zeroing_llama", test_gradients_overwrite_llama},
 };
 
 #endif

@@ -12,7 +12,8 @@
 #   dev/bench/speed_vs_torch.sh [models...]          models: 124m 1.5b llama1b (default: 124m 1.5b)
 # Environment: ITERS (30), OUT (/tmp/speed_vs_torch), PROFILE=1 to add torch's per-kernel GPU time of one
 # step to $OUT/torch_<model>.log, MAX_MBS=1 to also search the largest
-# micro-batch that fits (doubling; each torch attempt recompiles, so it is slow).
+# micro-batch that fits (doubling; each torch attempt recompiles, so it is slow), OURS_ONLY=1 to time
+# train_gpt alone (a quick check between changes; no ratio).
 # Reported: tokens/s, TFLOP/s/GPU (Megatron's formula, from train_gpt's log line; the same FLOPs per
 # iteration for torch), MFU (989 TFLOP/s dense bf16 on H100/H200),
 # peak memory (both: what the device reports in use, context and libraries included; ours once
@@ -65,6 +66,10 @@ for model in "${models[@]}"; do
   fi
   r=$(ours "$shape" "$MBS" "$OUT/ours_$model.log")
   read -r ms_o tf_o gib_o <<<"$r"
+  if [ "${OURS_ONLY:-0}" = 1 ]; then
+    echo "| $model | $MBS | megatron.c | ${ms_o:-FAILED} | | ${tf_o:-} | | ${gib_o:-} (device in use) | |" >>"$table"
+    continue
+  fi
   python dev/bench/torch_speed.py $tshape --mbs "$MBS" --iters "$ITERS" ${PROFILE:+--profile} \
     >"$OUT/torch_$model.log" 2>&1
   res=$(grep '^RESULT ' "$OUT/torch_$model.log" | sed 's/^RESULT //')

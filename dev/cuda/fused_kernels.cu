@@ -531,6 +531,119 @@ static void item_residual_norm(bool rms) {
 /* 2. Norm backward: input gradient, weight/bias gradient column sums                               */
 /* ============================================================================================== */
 
+/* The column sums' previous final kernel (megatron.cu now runs column_final_sums_kernel, 16 lanes of
+ * chunks per column): one thread per column adds every chunk's partial in order. */
+__global__ void column_final_sum_kernel(float* dst, const float* partial, int chunks, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float s = 0.0f;
+    for (int k = 0; k < chunks; k++) s += partial[(int64_t)k * C + c];
+    dst[c] += s;
+}
+
+/* The previous norm_backward_fused_kernel of megatron.cu (kept here for comparison): a block takes one
+ * tile of ROWS rows at a time; step 2 (statistics) reads dy and x from memory, step 3 re-reads them
+ * from L2, and with all blocks resident at once (one wave) the tiles in flight outgrow L2 at 8192 x
+ * 1600 (52 MB of dy and x against 50 MB), so step 3 reads most of them from memory again. */
+template <typename T, int NJ, int ROWS>
+__global__ void __launch_bounds__(256)
+    norm_backward_l2_kernel(T* dres, float* part_w, float* part_b, float* part_prev, const T* dy, const T* x,
+                               const T* w, const float* mean, const float* rstd, int N, int C, bool rms) {
+    constexpr int V = vec16<T>::N, WARPS = 8;
+    __shared__ float s_mg[ROWS], s_mgx[ROWS], s_m[ROWS], s_rs[ROWS];
+    __shared__ float s_red[3 * 256 * V]; /* [group][3][C] partial sums of the row groups (RG * C <= 256 V) */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nvec = C / V;
+    /* phase 2 threads: column vector cv of row group rg; with fewer than 256 vectors per row the
+     * spare threads take other rows of the tile (RG groups), so every thread streams memory */
+    const int width = nvec < 256 ? nvec : 256, RG = 256 / width;
+    const int cv0 = threadIdx.x % width, rg = threadIdx.x / width;
+    float aw[NJ][V], ab[NJ][V], ar[NJ][V];
+#pragma unroll
+    for (int j = 0; j < NJ; j++)
+#pragma unroll
+        for (int i = 0; i < V; i++) aw[j][i] = ab[j][i] = ar[j][i] = 0.0f;
+
+    for (int tile = blockIdx.x; tile * ROWS < N; tile += gridDim.x) {
+        const int r0 = tile * ROWS, rows = min(ROWS, N - r0);
+        for (int rr = warp; rr < rows; rr += WARPS) { /* phase 1 */
+            const int64_t base = (int64_t)(r0 + rr) * C;
+            const float m = mean[r0 + rr], rs = rstd[r0 + rr];
+            const float2 means = norm_backward_row_means(dy + base, x + base, w, m, rs, C, lane, rms);
+            if (lane == 0) {
+                s_mg[rr] = means.x;
+                s_mgx[rr] = means.y;
+                s_m[rr] = m;
+                s_rs[rr] = rs;
+            }
+        }
+        __syncthreads();
+        if (rg < RG) {
+#pragma unroll
+            for (int j = 0; j < NJ; j++) { /* phase 2 */
+                const int c = (cv0 + 256 * j) * V;
+                if (c >= nvec * V) continue;
+                float wv[V], g[V], xv[V], d[V];
+                load16(wv, w + c);
+#pragma unroll 2
+                for (int rr = rg; rr < rows; rr += RG) {
+                    const int64_t at = (int64_t)(r0 + rr) * C + c;
+                    const float m = s_m[rr], rs = s_rs[rr], mg = s_mg[rr], mgx = s_mgx[rr];
+                    load16(g, dy + at);
+                    load16(xv, x + at);
+                    load16(d, dres + at);
+#pragma unroll
+                    for (int i = 0; i < V; i++) {
+                        const float xhat = (xv[i] - m) * rs;
+                        d[i] = to_float(from_float<T>(d[i] + rs * (g[i] * wv[i] - mg - xhat * mgx)));
+                        aw[j][i] += g[i] * xhat;
+                        ab[j][i] += g[i];
+                        ar[j][i] += d[i];
+                    }
+                    store16(dres + at, d);
+                }
+            }
+        }
+        __syncthreads(); /* the statistics are rewritten by the next tile */
+    }
+    /* the row groups' sums, added in group order (NJ == 1 whenever RG > 1) */
+    if (RG > 1) {
+        if (rg < RG)
+#pragma unroll
+            for (int i = 0; i < V; i++) {
+                s_red[(rg * 3 + 0) * C + cv0 * V + i] = aw[0][i];
+                s_red[(rg * 3 + 1) * C + cv0 * V + i] = ab[0][i];
+                s_red[(rg * 3 + 2) * C + cv0 * V + i] = ar[0][i];
+            }
+        __syncthreads();
+        if (rg == 0)
+#pragma unroll
+            for (int i = 0; i < V; i++) {
+                float sw = 0.0f, sb = 0.0f, sr = 0.0f;
+                for (int k = 0; k < RG; k++) {
+                    sw += s_red[(k * 3 + 0) * C + cv0 * V + i];
+                    sb += s_red[(k * 3 + 1) * C + cv0 * V + i];
+                    sr += s_red[(k * 3 + 2) * C + cv0 * V + i];
+                }
+                aw[0][i] = sw;
+                ab[0][i] = sb;
+                ar[0][i] = sr;
+            }
+    }
+    if (rg != 0) return;
+#pragma unroll
+    for (int j = 0; j < NJ; j++) {
+        const int c = (cv0 + 256 * j) * V;
+        if (c >= nvec * V) continue;
+        const int64_t at = (int64_t)blockIdx.x * C + c;
+#pragma unroll
+        for (int i = 0; i < V; i++) {
+            part_w[at + i] = aw[j][i];
+            if (part_b) part_b[at + i] = ab[j][i];
+            if (part_prev) part_prev[at + i] = ar[j][i];
+        }
+    }
+}
+
 static void item_norm_backward(bool rms, int N = BT, int C = HID) {
     const size_t n = (size_t)N * C;
     const char* kname = rms ? "RMSNorm bwd (input grad)" : "LayerNorm bwd (input grad)";
@@ -676,10 +789,12 @@ static void item_norm_backward(bool rms, int N = BT, int C = HID) {
          * replacing the input-gradient kernel above, these column sums and a plain column sum of dres */
         const char* fname = "LayerNorm bwd fused + 3 column sums";
         printf("\n[2] %s: [%d, %d], norm_backward_fused_kernel + column_final_sums_kernel\n", fname, N, C);
-        const int blocks = std::min(ceil_div(N, NORM_BWD_ROWS), NORM_BWD_BLOCKS);
-        float* qa = A.alloc<float>((size_t)blocks * C);
-        float* qb = A.alloc<float>((size_t)blocks * C);
-        float* qc = A.alloc<float>((size_t)blocks * C);
+        const int rows_now = norm_backward_tile_rows(C, sizeof(bf16));
+        const int blocks = std::min(ceil_div(N, rows_now), NORM_BWD_BLOCKS);
+        const int max_parts = std::max(blocks, 1024); /* the variants below use up to 1024 blocks */
+        float* qa = A.alloc<float>((size_t)max_parts * C);
+        float* qb = A.alloc<float>((size_t)max_parts * C);
+        float* qc = A.alloc<float>((size_t)max_parts * C);
         float* dP = A.alloc<float>(C);
         auto fprep = [&] {
             restore();
@@ -687,8 +802,9 @@ static void item_norm_backward(bool rms, int N = BT, int C = HID) {
             CK(cudaMemsetAsync(dP, 0, C * sizeof(float), S));
         };
         auto fused = [&] {
-            norm_backward_fused_kernel<bf16, 1><<<blocks, 256, 0, S>>>(dres, qa, qb, qc, dy, x, w, mean, rstd, N, C, false);
-            column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, S>>>(dW, qa, dB, qb, dP, qc, blocks, C);
+            norm_backward_fused<bf16>(&GERR, S, 1, rows_now, NORM_BWD_BLOCKS, dres, qa, qb, qc, dy, x, w, mean, rstd, N,
+                                      C, false);
+            column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, S>>>(dW, qa, dB, qb, dP, qc, blocks, C, 1);
         };
         /* reference of the new dresidual's column sums: every row's new value in double, rounded to bf16 as
          * stored (the kernel sums what it stores) */
@@ -721,29 +837,46 @@ static void item_norm_backward(bool rms, int N = BT, int C = HID) {
         /* bytes: dy r, x r, dresidual r + w (4 NC), mean + rstd r, three partials written and read */
         double fbytes = 4 * NC + (double)N * 8.0 + 6.0 * blocks * C * 4.0 + 6.0 * C * 4.0;
         record(fname, "norm_backward_fused_kernel + final sums", shp, time_us(fprep, fused), fbytes, &c5);
-        /* tile heights: rows per block (grid min(N/ROWS, NORM_BWD_BLOCKS)); the sums are checked again */
-        auto variant = [&](auto kernel, int rows_per_tile, const char* vname) {
-            const int nb = std::min(ceil_div(N, rows_per_tile), NORM_BWD_BLOCKS);
-            float* va = A.alloc<float>((size_t)nb * C);
-            float* vb = A.alloc<float>((size_t)nb * C);
-            float* vc = A.alloc<float>((size_t)nb * C);
-            auto run = [&] {
-                kernel<<<nb, 256, 0, S>>>(dres, va, vb, vc, dy, x, w, mean, rstd, N, C, false);
-                column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, S>>>(dW, va, dB, vb, dP, vc, nb, C);
+        /* tile heights and block counts of the staged kernel, and the previous version (norm_backward_l2_kernel:
+         * no staging, step 3 re-reads dy and x from L2); the sums are checked again */
+        auto variant = [&](const char* vname, int nb, auto run) {
+            auto go = [&] {
+                run();
+                column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, S>>>(dW, qa, dB, qb, dP, qc, nb, C, 1);
             };
             Check cv = check([&] {
                 zero();
                 CK(cudaMemsetAsync(dP, 0, C * sizeof(float), S));
-                run();
+                go();
             });
             std::vector<float> vW = fetch_f32(dW, 0, C), vP = fetch_f32(dP, 0, C);
             cv.add("dweight", compare(vW, rW, rms_of(rW)), TOL_STAT);
             cv.add("sum of new dres", compare(vP, rP, rms_of(rP)), TOL_BF16);
             double vbytes = 4 * NC + (double)N * 8.0 + 6.0 * nb * C * 4.0 + 6.0 * C * 4.0;
-            record(fname, vname, shp, time_us(fprep, run), vbytes, &cv);
+            record(fname, vname, shp, time_us(fprep, go), vbytes, &cv);
         };
-        variant(norm_backward_fused_kernel<bf16, 1, 8>, 8, "fused, 8-row tiles");
-        variant(norm_backward_fused_kernel<bf16, 1, 32>, 32, "fused, 32-row tiles");
+        for (int stage : {12288, 24576, 49152, 98304})
+            for (int cap : {128, 256, 512, 1024}) {
+                const int rows = std::max(1, std::min(NORM_BWD_MAX_ROWS, stage / (3 * C * (int)sizeof(bf16))));
+                const int nb = std::min(ceil_div(N, rows), cap);
+                char vname[96];
+                snprintf(vname, sizeof vname, "staged, %d-row tiles, <= %d blocks", rows, cap);
+                variant(vname, nb, [&] {
+                    norm_backward_fused<bf16>(&GERR, S, 1, rows, cap, dres, qa, qb, qc, dy, x, w, mean, rstd, N, C,
+                                              false);
+                });
+            }
+        for (int rows : {16, 32}) {
+            const int nb = std::min(ceil_div(N, rows), 1024);
+            char vname[96];
+            snprintf(vname, sizeof vname, "previous (L2 re-read), %d-row tiles", rows);
+            variant(vname, nb, [&] {
+                if (rows == 16)
+                    norm_backward_l2_kernel<bf16, 1, 16><<<nb, 256, 0, S>>>(dres, qa, qb, qc, dy, x, w, mean, rstd, N, C, false);
+                else
+                    norm_backward_l2_kernel<bf16, 1, 32><<<nb, 256, 0, S>>>(dres, qa, qb, qc, dy, x, w, mean, rstd, N, C, false);
+            });
+        }
     }
     A.release();
 }
@@ -1688,6 +1821,7 @@ int main() {
         return 2;
     }
     G.num_plans = 0;
+    G.accumulate_gradients = 1; /* the column sums add to their destination, as for a later micro-batch */
     G.stream = S;
     G.error = &GERR;
 
