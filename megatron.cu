@@ -2120,6 +2120,8 @@ typedef enum {
     GEMM_BIAS,          /* D = AB + bias */
     GEMM_GELU_AUX_BIAS, /* D = gelu(AB + bias), aux = AB + bias (bias may be absent) */
     GEMM_DGELU,         /* D = AB * gelu'(aux) */
+    GEMM_DGELU_BGRAD,   /* D = AB * gelu'(aux), and bias = the column sums of D (fp32, [N], before D's
+                           rounding): GELU's input gradient and the bias gradient of the linear before it */
     GEMM_BGRADB,        /* D = AB (+ beta C), and bias = the sums of B over k (fp32): a weight gradient and
                            the bias gradient from the same read of the output gradient */
 } mt_gemm_epilogue;
@@ -2177,16 +2179,17 @@ static void gemm_plan_build(mt_gemm_context* g, mt_gemm_plan* p) {
     cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
     if (k->epilogue == GEMM_GELU_AUX_BIAS) epi = k->has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
     if (k->epilogue == GEMM_DGELU) epi = CUBLASLT_EPILOGUE_DGELU;
+    if (k->epilogue == GEMM_DGELU_BGRAD) epi = CUBLASLT_EPILOGUE_DGELU_BGRAD;
     if (k->epilogue == GEMM_BIAS) epi = CUBLASLT_EPILOGUE_BIAS;
     /* our A is cuBLASLt's B (see above): the sums of our A over k */
     if (k->epilogue == GEMM_BGRADB) epi = CUBLASLT_EPILOGUE_BGRADB;
     CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-    if (k->epilogue == GEMM_BGRADB) {
+    if (k->epilogue == GEMM_BGRADB || k->epilogue == GEMM_DGELU_BGRAD) {
         cudaDataType_t bias_type = CUDA_R_32F;
         CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
                                                        sizeof(bias_type)));
     }
-    if (k->epilogue == GEMM_GELU_AUX_BIAS || k->epilogue == GEMM_DGELU) {
+    if (k->epilogue == GEMM_GELU_AUX_BIAS || k->epilogue == GEMM_DGELU || k->epilogue == GEMM_DGELU_BGRAD) {
         int64_t aux_ld = k->ldc;
         CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld,
                                                        sizeof(aux_ld)));
@@ -2239,7 +2242,8 @@ static void gemm_plans_free(mt_gemm_context* g) {
 
 /* Row-major: C[M,N] (ldc) = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, where op(A) = A ([M,K], lda)
  * or A^T (A stored [K,M]); likewise B; with an epilogue (bias [N] of type T, or with GEMM_BGRADB the
- * fp32 output [M]: sums of op(A) over k; aux [M,N] with ld ldc). Returns
+ * fp32 output [M]: sums of op(A) over k, with GEMM_DGELU_BGRAD the fp32 output [N]: sums of C's
+ * columns; aux [M,N] with ld ldc). Returns
  * false, doing nothing, when cuBLASLt has no algorithm for an epilogue (the caller then runs the
  * plain GEMM and its own kernels); a plain GEMM without one goes to cublasGemmEx. */
 template <typename T, typename TC>
@@ -2485,16 +2489,26 @@ static void weight_gradient(mt_gemm_context* g, mt_colsum_scratch* s, float* dwe
 
 /* dx[N, in] = dy W;  dW[out, in] += dy^T x;  db[out] += column sums of dy. With gelu_pre (the
  * GELU's input [N, in] that produced x), dx is instead the gradient of gelu_pre: dy W * gelu'(pre),
- * through cuBLASLt's DGELU epilogue (or the GEMM and then the kernel). */
+ * through cuBLASLt's DGELU epilogue (or the GEMM and then the kernel); then gelu_bias (may be NULL)
+ * += the column sums of that dx: the bias gradient of the linear whose output was gelu_pre, taken in
+ * the same epilogue (DGELU_BGRAD, into the scratch, then added) where cuBLASLt has it. */
 template <typename T>
 static void linear_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dx, float* dweight, float* dbias, const T* dy,
-                            const T* x, const T* weight, int N, int in, int out, const T* gelu_pre = NULL) {
+                            const T* x, const T* weight, int N, int in, int out, const T* gelu_pre = NULL,
+                            float* gelu_bias = NULL) {
     if (dx && gelu_pre) {
-        if (!gemm_epilogue<T, T>(g, GEMM_DGELU, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f,
-                                 (const T*)NULL, (T*)gelu_pre)) {
+        if (gelu_bias && gemm_epilogue<T, T>(g, GEMM_DGELU_BGRAD, false, false, N, in, out, dy, out, weight, in, dx,
+                                             in, 1.0f, 0.0f, s->partial_a, (T*)gelu_pre)) {
+            column_final_sums_kernel<<<dim3(ceil_div(in, 32), 1), dim3(32, 16), 0, g->stream>>>(
+                gelu_bias, s->partial_a, NULL, NULL, NULL, NULL, 1, in, g->accumulate_gradients);
+            LAUNCH_CHECK(g->error);
+            gelu_bias = NULL;
+        } else if (!gemm_epilogue<T, T>(g, GEMM_DGELU, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f,
+                                        0.0f, (const T*)NULL, (T*)gelu_pre)) {
             gemm<T, T>(g, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
             gelu_backward<T>(g, dx, gelu_pre, (int64_t)N * in);
         }
+        if (gelu_bias) column_sum<T>(g, s, gelu_bias, dx, N, in);
     } else if (dx) {
         gemm<T, T>(g, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
     }
@@ -2551,13 +2565,14 @@ static T* column_parallel_backward(mt_gemm_context* g, mt_colsum_scratch* s, mt_
  * output (after the reduction and the whole bias) fed the region that holds dy_rows [R, out]: with
  * sequence parallelism gathered to [BT, out] into `gathered` first. Its bias gradient (the column
  * sums of dy_rows: with sequence parallelism a partial sum, completed over TP with the norms') is
- * taken by the norm backward that produced dy_rows (norm_backward's dprev_bias). */
+ * taken by the norm backward that produced dy_rows (norm_backward's dprev_bias). With gelu_pre, dx is
+ * the gradient of the GELU's input, and gelu_bias (may be NULL) += its column sums (linear_backward). */
 template <typename T>
 static void row_parallel_backward(mt_gemm_context* g, mt_colsum_scratch* s, mt_tp_group* tp, T* dx, float* dweight,
                                   const T* dy_rows, T* gathered, const T* x, const T* weight, int BT, int R, int in,
-                                  int out, const T* gelu_pre = NULL) {
+                                  int out, const T* gelu_pre = NULL, float* gelu_bias = NULL) {
     const T* dy = column_parallel_input(tp, gathered, dy_rows, R, out);
-    linear_backward<T>(g, s, dx, dweight, (float*)NULL, dy, x, weight, BT, in, out, gelu_pre);
+    linear_backward<T>(g, s, dx, dweight, (float*)NULL, dy, x, weight, BT, in, out, gelu_pre, gelu_bias);
 }
 
 /* out = (x - mean) * rstd * w (+ b) over rows of [N, C], from the statistics the forward saved. */
@@ -3279,9 +3294,12 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
 
         /* MLP block: dres is d(out); the branch sees the same gradient. d(act) -> branch2, then
          * d(fc1 output) in place (GELU) or into branch (SwiGLU: twice as wide) */
-        bool fused = gelu_fused<T>(s); /* d(act) and GELU's derivative in one GEMM (DGELU epilogue) */
+        /* d(act) and GELU's derivative in one GEMM, with fc1's bias gradient (DGELU_BGRAD epilogue) */
+        bool fused = gelu_fused<T>(s);
+        float* dfc1_bias = grad_ptr(t, MT_P_FC1_BIAS, l);
         row_parallel_backward<T>(g, cs, tp, (T*)a->branch2, grad_ptr(t, MT_P_FC2_WEIGHT, l), dres, gathered_grad, act,
-                                 param_ptr<T>(t, MT_P_FC2_WEIGHT, l), s.BT, s.R, s.f, s.h, fused ? fc1 : (const T*)NULL);
+                                 param_ptr<T>(t, MT_P_FC2_WEIGHT, l), s.BT, s.R, s.f, s.h, fused ? fc1 : (const T*)NULL,
+                                 fused ? dfc1_bias : (float*)NULL);
         T* dfc1 = (T*)a->branch2;
         T* dln2 = (T*)a->branch;
         if (s.swiglu) {
@@ -3292,7 +3310,7 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
             gelu_backward<T>(g, (T*)a->branch2, fc1, (int64_t)s.BT * s.f);
         }
         dln2 = column_parallel_backward<T>(g, cs, tp, dln2, (T*)a->rows, gathered, grad_ptr(t, MT_P_FC1_WEIGHT, l),
-                                           grad_ptr(t, MT_P_FC1_BIAS, l), dfc1, ln2, param_ptr<T>(t, MT_P_FC1_WEIGHT, l),
+                                           fused ? (float*)NULL : dfc1_bias, dfc1, ln2, param_ptr<T>(t, MT_P_FC1_WEIGHT, l),
                                            s.BT, s.R, s.h, s.f1);
         norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN2_WEIGHT, l), grad_ptr(t, MT_P_LN2_BIAS, l),
                          grad_ptr(t, MT_P_PROJ_BIAS, l), dln2, mid,

@@ -13,7 +13,9 @@
 # Environment: ITERS (30), OUT (/tmp/speed_vs_torch), PROFILE=1 to add torch's per-kernel GPU time of one
 # step to $OUT/torch_<model>.log, MAX_MBS=1 to also search the largest
 # micro-batch that fits (doubling; each torch attempt recompiles, so it is slow), OURS_ONLY=1 to time
-# train_gpt alone (a quick check between changes; no ratio).
+# train_gpt alone (a quick check between changes; no ratio), BASELINE=path/to/another/train_gpt with
+# OURS_ONLY=1 to time that binary and ./train_gpt alternately, ROUNDS (3) times each, in one table (an
+# A/B on one machine: H100 instances differ by a few percent).
 # Reported: tokens/s, TFLOP/s/GPU (Megatron's formula, from train_gpt's log line; the same FLOPs per
 # iteration for torch), MFU (989 TFLOP/s dense bf16 on H100/H200),
 # peak memory (both: what the device reports in use, context and libraries included; ours once
@@ -29,9 +31,9 @@ models=("$@")
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)
 peak=989
 
-ours() { # model-flags mbs log -> "ms tflops gib" or ""; sequence length $S and vocabulary $V of the model
-  local shape=$1 mbs=$2 log=$3
-  ./train_gpt $shape --seq-length "$S" --max-position-embeddings "$S" --mock-data --tokenizer-type NullTokenizer \
+ours() { # model-flags mbs log [binary] -> "ms tflops gib" or ""; sequence length $S and vocabulary $V of the model
+  local shape=$1 mbs=$2 log=$3 bin=${4:-./train_gpt}
+  $bin $shape --seq-length "$S" --max-position-embeddings "$S" --mock-data --tokenizer-type NullTokenizer \
     --vocab-size "$V" --bf16 --micro-batch-size "$mbs" --global-batch-size "$mbs" --train-iters "$ITERS" \
     --log-interval $((ITERS / 2)) --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 \
     --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --eval-iters 0 --sample-tokens 0 >"$log" 2>&1 || return 1
@@ -63,6 +65,16 @@ for model in "${models[@]}"; do
       --normalization RMSNorm --position-embedding-type rope --rotary-base 500000 --use-rope-scaling \
       --rope-scaling-factor 32 --disable-bias-linear"
     tshape="--model llama $tshape --num-query-groups 8 --ffn-hidden-size 8192 --padded-vocab-size $V"
+  fi
+  if [ "${OURS_ONLY:-0}" = 1 ] && [ -n "${BASELINE:-}" ]; then
+    for round in $(seq "${ROUNDS:-3}"); do
+      for side in baseline ours; do
+        bin=./train_gpt; [ $side = baseline ] && bin=$BASELINE
+        read -r ms_o tf_o gib_o <<<"$(ours "$shape" "$MBS" "$OUT/${side}_${model}_$round.log" "$bin")"
+        echo "| $model | $MBS | $side ($bin), round $round | ${ms_o:-FAILED} | | ${tf_o:-} | | ${gib_o:-} (device in use) | |" >>"$table"
+      done
+    done
+    continue
   fi
   r=$(ours "$shape" "$MBS" "$OUT/ours_$model.log")
   read -r ms_o tf_o gib_o <<<"$r"

@@ -1101,6 +1101,75 @@ static void item_wgrad_bias(int N, int in, int out, const char* what) {
     A.release();
 }
 
+/* fc2's input gradient and fc1's bias gradient: dpre[N, f] = (dy[N, h] W2[h, f]) * gelu'(pre) and
+ * db1 = colsum(dpre). Before: the DGELU epilogue, then column_sum over dpre (a full read of [N, f]);
+ * now: DGELU_BGRAD, the sums taken in the GEMM's epilogue (fp32, before dpre's rounding), then the
+ * one-chunk final sum that adds them to the gradient. */
+static void item_dgelu_bgrad(int N, int h, int f, const char* what) {
+    const char* kname = "fc2 dgrad + GELU' + fc1 bias grad";
+    printf("\n[4] %s (%s): dpre = (dy[%d, %d] W2[%d, %d]) * gelu'(pre), db1 = colsum(dpre), bf16\n", kname, what, N, h,
+           h, f);
+    Arena A;
+    const float aw = 1.7f / sqrtf((float)h);
+    std::vector<uint16_t> h_dy = rand_bf16((size_t)N * h, -1.0f, 1.0f, 441), h_w = rand_bf16((size_t)h * f, -aw, aw, 442),
+                          h_pre = rand_bf16((size_t)N * f, -3.0f, 3.0f, 443);
+    bf16* dy = upload_bf16(A, h_dy);
+    bf16* w2 = upload_bf16(A, h_w);
+    bf16* pre = upload_bf16(A, h_pre);
+    bf16* dpre = A.alloc<bf16>((size_t)N * f);
+    float* db = A.alloc<float>(f);
+    mt_colsum_scratch cs;
+    cs.max_chunks = COLSUM_MAX_CHUNKS;
+    cs.partial_a = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * f);
+    cs.partial_b = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * f);
+    cs.partial_c = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * f);
+    auto zero = [&] { CK(cudaMemsetAsync(db, 0, (size_t)f * 4, S)); };
+    auto before = [&] {
+        gemm_epilogue<bf16, bf16>(&G, GEMM_DGELU, false, false, N, f, h, dy, h, w2, f, dpre, f, 1.0f, 0.0f,
+                                  (const bf16*)NULL, pre);
+        column_sum<bf16>(&G, &cs, db, dpre, N, f);
+    };
+    bool epilogue_ok = true;
+    auto now = [&] {
+        epilogue_ok = gemm_epilogue<bf16, bf16>(&G, GEMM_DGELU_BGRAD, false, false, N, f, h, dy, h, w2, f, dpre, f, 1.0f,
+                                                0.0f, cs.partial_a, pre);
+        if (epilogue_ok)
+            column_final_sums_kernel<<<dim3(ceil_div(f, 32), 1), dim3(32, 16), 0, S>>>(db, cs.partial_a, NULL, NULL, NULL,
+                                                                                       NULL, 1, f, 1);
+    };
+    /* reference: the column sums of the DGELU output the plain path stores (bf16), in double; the
+     * epilogue sums the fp32 values before rounding, so it sits within bf16 rounding of them */
+    std::vector<double> rb;
+    std::vector<float> dpre_before;
+    auto check = [&](auto run, bool first) {
+        zero();
+        run();
+        sync_check(kname);
+        std::vector<float> g = fetch_f32(db, 0, f), d = fetch_bf16(dpre, 0, (size_t)N * f);
+        Check ck;
+        if (first) {
+            rb.assign(f, 0.0);
+            for (size_t i = 0; i < d.size(); i++) rb[i % f] += d[i];
+            dpre_before = d;
+        } else {
+            std::vector<double> dref(dpre_before.begin(), dpre_before.end());
+            ck.add("dpre vs DGELU", compare(d, dref, rms_of(dref)), TOL_BF16);
+        }
+        ck.add("db1", compare(g, rb, rms_of(rb)), first ? TOL_STAT : TOL_BF16);
+        return ck;
+    };
+    const double flops = 2.0 * N * h * f;
+    std::string shp = std::to_string(N) + "x" + std::to_string(h) + " * " + std::to_string(h) + "x" + std::to_string(f);
+    printf("    DGELU epilogue + column_sum (before)\n");
+    Check c1 = check(before, true);
+    record(kname, (std::string("DGELU + column_sum, ") + what).c_str(), shp, time_us(zero, before), 0.0, &c1, flops);
+    printf("    DGELU_BGRAD epilogue + final sum (now)\n");
+    Check c2 = check(now, false);
+    if (!epilogue_ok) printf("    NOTE: cuBLASLt has no DGELU_BGRAD algorithm here (the model falls back to DGELU + column_sum)\n");
+    else record(kname, (std::string("DGELU_BGRAD + final sum, ") + what).c_str(), shp, time_us(zero, now), 0.0, &c2, flops);
+    A.release();
+}
+
 static void item_fc1_gemm() {
     const int M = BT, N = FF, K = HID;
     const char* kname = "fc1 GEMM + bias + GELU";
@@ -1838,6 +1907,8 @@ int main() {
     item_wgrad_bias(16384, 768, 2304, "124M QKV");
     item_wgrad_bias(16384, 768, 3072, "124M fc1");
     item_wgrad_bias(8192, 1600, 6400, "1.5B fc1");
+    item_dgelu_bgrad(16384, 768, 3072, "124M");
+    item_dgelu_bgrad(8192, 1600, 6400, "1.5B");
     item_swiglu();
     item_cross_entropy();
     item_adamw();
