@@ -1144,6 +1144,7 @@ namespace fa {
 
 constexpr int THREADS = 128; /* 4 warps per CTA in every tiled kernel */
 constexpr int BN = 64;       /* keys per K/V tile (forward, dQ) and keys per CTA (dK/dV) */
+constexpr int COLSUM_TILE = 64; /* rows per chunk of the backward's column sums (dQ and dK/dV tiles) */
 constexpr float LOG2E = 1.4426950408889634f;
 
 
@@ -1192,7 +1193,43 @@ struct heads_view {
     __host__ __device__ E* at(int b, int h, int qpg) const {
         return p + b * batch + (int64_t)(h / qpg) * group + (int64_t)(h % qpg) * head;
     }
+    /* head h's first element within its row (a column of the model's rows) */
+    __host__ __device__ int64_t column(int h, int qpg) const { return (int64_t)(h / qpg) * group + (int64_t)(h % qpg) * head; }
 };
+
+/* ---- Column sums of a gradient tile, for the bias of the linear that produced Q, K, V (the QKV
+ *      bias gradient): each warp's 16 rows (fragment rows g and g+8 of each m16 block, values as
+ *      stored: rounded to bf16, rows at or past T left out) are summed per column over the 8 lanes
+ *      sharing a column, then the warps' sums in warp order through shared memory (`red`, WARPS * D
+ *      floats), and written to partial[chunk * ld + column0 + c], c < D. Fixed order: deterministic. */
+template <int D, int WARPS, int MT>
+__device__ __forceinline__ void tile_column_sums(float* __restrict__ partial, int64_t ld, int64_t chunk, int64_t column0,
+                                                 const float (&acc)[MT][D / 8][4], float scale, int row0, int T,
+                                                 float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; dt++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            float s = 0.0f;
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+                    if (row0 + mt * 16 + g + r * 8 < T) s += __bfloat162float(__float2bfloat16(acc[mt][dt][2 * r + e] * scale));
+            s += __shfl_xor_sync(0xffffffffu, s, 4);
+            s += __shfl_xor_sync(0xffffffffu, s, 8);
+            s += __shfl_xor_sync(0xffffffffu, s, 16);
+            if (g == 0) red[warp * D + dt * 8 + 2 * t + e] = s;
+        }
+    __syncthreads();
+    for (int c = threadIdx.x; c < D; c += 32 * WARPS) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) s += red[w * D + c];
+        partial[chunk * ld + column0 + c] = s;
+    }
+}
 
 /* ---- Tile movement: global rows (stride `ld` elements) -> shared [ROWS][D+8], 16 bytes per
  *      cp.async. Rows at or past T are zero-filled (the source address is clamped to row 0 so it
@@ -1525,7 +1562,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     flash_bwd_dkdv_kernel(heads_view<bf16> dK, heads_view<bf16> dV, heads_view<const bf16> Q,
                           heads_view<const bf16> K, heads_view<const bf16> V, heads_view<const bf16> dO,
                           const float* __restrict__ LSE, const float* __restrict__ Dsum, int H, int Hkv, int T,
-                          float scale) {
+                          float scale, float* __restrict__ colsum) {
     constexpr int S = D + 8, NQ = BMQ / 8, DT = D / 8, NTH = 32 * WARPS, KEYS = 16 * WARPS;
     static_assert(BMQ % 16 == 0 && (D == 64 || D == 128), "tile shape");
 
@@ -1640,6 +1677,15 @@ __global__ void __launch_bounds__(32 * WARPS)
             }
         }
     }
+    /* with colsum: this tile's column sums of dK and dV, chunk (b, key tile) (the loop's last barrier
+     * freed shared memory) */
+    if (colsum) {
+        float* red = reinterpret_cast<float*>(smem);
+        const int64_t chunk = (int64_t)b * gridDim.y + blockIdx.y;
+        tile_column_sums<D, WARPS, 1>(colsum, dK.row, chunk, dK.column(hkv, 1), dk, scale, k0 + warp * 16, T, red);
+        __syncthreads();
+        tile_column_sums<D, WARPS, 1>(colsum, dV.row, chunk, dV.column(hkv, 1), dv, 1.0f, k0 + warp * 16, T, red);
+    }
 }
 
 /* Shared memory of dQ: sQ, sdO [BM][D+8]; sK, sV [2][BN][D+8]. */
@@ -1655,7 +1701,8 @@ template <int D, int BM, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS)
     flash_bwd_dq_kernel(heads_view<bf16> dQ, heads_view<const bf16> Q, heads_view<const bf16> K,
                         heads_view<const bf16> V, heads_view<const bf16> dO, const float* __restrict__ LSE,
-                        const float* __restrict__ Dsum, int H, int Hkv, int T, float scale) {
+                        const float* __restrict__ Dsum, int H, int Hkv, int T, float scale,
+                        float* __restrict__ colsum) {
     constexpr int NTH = 32 * WARPS, MT = BM / (16 * WARPS);
     constexpr int S = D + 8, NT = BN / 8, DT = D / 8;
     static_assert(BM % (16 * WARPS) == 0 && (D == 64 || D == 128), "tile shape");
@@ -1771,6 +1818,10 @@ __global__ void __launch_bounds__(32 * WARPS)
                         pack_bf16(dq[mt][dt][2 * r] * scale, dq[mt][dt][2 * r + 1] * scale);
             }
         }
+    /* with colsum: this tile's column sums of dQ, chunk (b, query tile) */
+    if (colsum)
+        tile_column_sums<D, WARPS, MT>(colsum, dQ.row, (int64_t)b * gridDim.y + q0 / BM, dQ.column(h, qpg), dq, scale,
+                                       wq_first, T, reinterpret_cast<float*>(smem));
 }
 
 /* ============================================================================================== */
@@ -1825,8 +1876,10 @@ template <int D, int BMQ, int KV_WARPS, int BM, int Q_WARPS>
 static cudaError_t backward_tiles(heads_view<bf16> dQ, heads_view<bf16> dK, heads_view<bf16> dV, float* Dsum,
                                   heads_view<const bf16> dO, heads_view<const bf16> Q, heads_view<const bf16> K,
                                   heads_view<const bf16> V, heads_view<const bf16> O, const float* LSE, int B, int H,
-                                  int Hkv, int T, cudaStream_t st) {
+                                  int Hkv, int T, cudaStream_t st, float* colsum = NULL) {
     constexpr int KEYS = 16 * KV_WARPS;
+    /* one chunk of column sums per (b, 64-row tile) in both kernels */
+    if (colsum && (KEYS != COLSUM_TILE || BM != COLSUM_TILE)) return cudaErrorInvalidValue;
     static bool ready_kv = false, ready_q = false;
     const float scale = 1.0f / sqrtf((float)D);
     cudaError_t e = set_smem_limit(flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS>, dkdv_smem_bytes<D, BMQ, KEYS>(), &ready_kv);
@@ -1838,11 +1891,12 @@ static cudaError_t backward_tiles(heads_view<bf16> dQ, heads_view<bf16> dK, head
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     dim3 grid_kv(B * Hkv, (T + KEYS - 1) / KEYS);
     flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS><<<grid_kv, 32 * KV_WARPS, dkdv_smem_bytes<D, BMQ, KEYS>(), st>>>(
-        dK, dV, Q, K, V, dO, LSE, Dsum, H, Hkv, T, scale);
+        dK, dV, Q, K, V, dO, LSE, Dsum, H, Hkv, T, scale, colsum);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     dim3 grid_q(B * H, (T + BM - 1) / BM);
     flash_bwd_dq_kernel<D, BM, Q_WARPS><<<grid_q, 32 * Q_WARPS, dq_smem_bytes<D, BM>(), st>>>(dQ, Q, K, V, dO, LSE,
-                                                                                            Dsum, H, Hkv, T, scale);
+                                                                                            Dsum, H, Hkv, T, scale,
+                                                                                            colsum);
     return cudaGetLastError();
 }
 
@@ -1856,9 +1910,9 @@ template <int D>
 static cudaError_t backward_d(heads_view<bf16> dQ, heads_view<bf16> dK, heads_view<bf16> dV, float* Dsum,
                               heads_view<const bf16> dO, heads_view<const bf16> Q, heads_view<const bf16> K,
                               heads_view<const bf16> V, heads_view<const bf16> O, const float* LSE, int B, int H,
-                              int Hkv, int T, cudaStream_t st) {
+                              int Hkv, int T, cudaStream_t st, float* colsum) {
     return backward_tiles<D, Tiles<D>::DKDV_BMQ, Tiles<D>::DKDV_WARPS, Tiles<D>::DQ_BM, Tiles<D>::DQ_WARPS>(
-        dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st);
+        dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum);
 }
 
 } // namespace fa
@@ -1894,16 +1948,23 @@ static cudaError_t flash_attention_forward(attn_view O, float* LSE, attn_cview Q
 }
 
 /* Causal attention backward: dQ (H heads), dK, dV (Hkv heads) from dO and the forward's Q, K, V, O,
- * LSE. Dsum [B, H, T] fp32 is scratch. Deterministic: no atomics, fixed summation order. */
+ * LSE. Dsum [B, H, T] fp32 is scratch. Deterministic: no atomics, fixed summation order. With colsum
+ * (may be NULL): the column sums of the gradient as stored, per chunk: colsum[chunk, column] for
+ * chunk = b * ceil(T / 64) + (64-row tile), column = the element's column in the gradient's rows
+ * (dQ, dK, dV share one row width: the QKV rows); every column of dQ, dK, dV's heads is written
+ * for every chunk, and their sum over chunks is the QKV bias gradient. */
+static int flash_colsum_chunks(int B, int T) { return B * ((T + fa::COLSUM_TILE - 1) / fa::COLSUM_TILE); }
 static cudaError_t flash_attention_backward(attn_view dQ, attn_view dK, attn_view dV, float* Dsum, attn_cview dO,
                                             attn_cview Q, attn_cview K, attn_cview V, attn_cview O, const float* LSE,
-                                            int B, int H, int Hkv, int T, int d, cudaStream_t st) {
+                                            int B, int H, int Hkv, int T, int d, cudaStream_t st,
+                                            float* colsum = NULL) {
     attn_cview views[] = {cview(dQ), cview(dK), cview(dV), dO, Q, K, V, O};
     bool ok = fa::shape_ok(B, H, Hkv, T, d);
     for (const attn_cview& v : views) ok = ok && fa::view_ok(v);
+    if (colsum && (dK.row != dQ.row || dV.row != dQ.row)) ok = false;
     if (!ok) return cudaErrorInvalidValue;
-    return d == 64 ? fa::backward_d<64>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st)
-                   : fa::backward_d<128>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st);
+    return d == 64 ? fa::backward_d<64>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum)
+                   : fa::backward_d<128>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum);
 }
 
 /* ---- 2.8 Cross entropy fused with softmax: one block per token. Loss in fp32 over all padded
@@ -2489,26 +2550,18 @@ static void weight_gradient(mt_gemm_context* g, mt_colsum_scratch* s, float* dwe
 
 /* dx[N, in] = dy W;  dW[out, in] += dy^T x;  db[out] += column sums of dy. With gelu_pre (the
  * GELU's input [N, in] that produced x), dx is instead the gradient of gelu_pre: dy W * gelu'(pre),
- * through cuBLASLt's DGELU epilogue (or the GEMM and then the kernel); then gelu_bias (may be NULL)
- * += the column sums of that dx: the bias gradient of the linear whose output was gelu_pre, taken in
- * the same epilogue (DGELU_BGRAD, into the scratch, then added) where cuBLASLt has it. */
+ * through cuBLASLt's DGELU epilogue (or the GEMM and then the kernel). (DGELU_BGRAD, which would
+ * also take the column sums of dx for the bias before the GELU, has no algorithm with fp32 sums and
+ * bf16 dx in cuBLAS 13.0 on an H100: dev/cuda/fused_kernels.cu asks.) */
 template <typename T>
 static void linear_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dx, float* dweight, float* dbias, const T* dy,
-                            const T* x, const T* weight, int N, int in, int out, const T* gelu_pre = NULL,
-                            float* gelu_bias = NULL) {
+                            const T* x, const T* weight, int N, int in, int out, const T* gelu_pre = NULL) {
     if (dx && gelu_pre) {
-        if (gelu_bias && gemm_epilogue<T, T>(g, GEMM_DGELU_BGRAD, false, false, N, in, out, dy, out, weight, in, dx,
-                                             in, 1.0f, 0.0f, s->partial_a, (T*)gelu_pre)) {
-            column_final_sums_kernel<<<dim3(ceil_div(in, 32), 1), dim3(32, 16), 0, g->stream>>>(
-                gelu_bias, s->partial_a, NULL, NULL, NULL, NULL, 1, in, g->accumulate_gradients);
-            LAUNCH_CHECK(g->error);
-            gelu_bias = NULL;
-        } else if (!gemm_epilogue<T, T>(g, GEMM_DGELU, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f,
-                                        0.0f, (const T*)NULL, (T*)gelu_pre)) {
+        if (!gemm_epilogue<T, T>(g, GEMM_DGELU, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f,
+                                 (const T*)NULL, (T*)gelu_pre)) {
             gemm<T, T>(g, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
             gelu_backward<T>(g, dx, gelu_pre, (int64_t)N * in);
         }
-        if (gelu_bias) column_sum<T>(g, s, gelu_bias, dx, N, in);
     } else if (dx) {
         gemm<T, T>(g, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
     }
@@ -2565,14 +2618,13 @@ static T* column_parallel_backward(mt_gemm_context* g, mt_colsum_scratch* s, mt_
  * output (after the reduction and the whole bias) fed the region that holds dy_rows [R, out]: with
  * sequence parallelism gathered to [BT, out] into `gathered` first. Its bias gradient (the column
  * sums of dy_rows: with sequence parallelism a partial sum, completed over TP with the norms') is
- * taken by the norm backward that produced dy_rows (norm_backward's dprev_bias). With gelu_pre, dx is
- * the gradient of the GELU's input, and gelu_bias (may be NULL) += its column sums (linear_backward). */
+ * taken by the norm backward that produced dy_rows (norm_backward's dprev_bias). */
 template <typename T>
 static void row_parallel_backward(mt_gemm_context* g, mt_colsum_scratch* s, mt_tp_group* tp, T* dx, float* dweight,
                                   const T* dy_rows, T* gathered, const T* x, const T* weight, int BT, int R, int in,
-                                  int out, const T* gelu_pre = NULL, float* gelu_bias = NULL) {
+                                  int out, const T* gelu_pre = NULL) {
     const T* dy = column_parallel_input(tp, gathered, dy_rows, R, out);
-    linear_backward<T>(g, s, dx, dweight, (float*)NULL, dy, x, weight, BT, in, out, gelu_pre, gelu_bias);
+    linear_backward<T>(g, s, dx, dweight, (float*)NULL, dy, x, weight, BT, in, out, gelu_pre);
 }
 
 /* out = (x - mean) * rstd * w (+ b) over rows of [N, C], from the statistics the forward saved. */
@@ -3067,23 +3119,34 @@ static void attention_forward(mt_trainer* t, T* qkv, T* probs, float* lse, T* at
 }
 
 /* Backward of one layer's attention: dattn [BT, heads*d] -> dqkv [BT, qkv_width], from the saved qkv,
- * probs or lse, and attn (the flash backward needs O). */
+ * probs or lse, and attn (the flash backward needs O). With dbias (the QKV bias gradient; may be
+ * NULL), the flash path without RoPE also takes dbias += the column sums of dqkv from the kernels'
+ * own registers (one read of [BT, qkv_width] less than a column sum) and returns true; otherwise
+ * the caller sums them. */
 template <typename T>
-static void attention_backward(mt_trainer* t, T* dqkv, const T* dattn, T* qkv, T* probs, const float* lse,
-                               const T* attn) {
+static bool attention_backward(mt_trainer* t, T* dqkv, const T* dattn, T* qkv, T* probs, const float* lse,
+                               const T* attn, float* dbias) {
     mt_shape s = model_shape(t);
     mt_activations* a = &t->act;
     mt_gemm_context* g = &t->gemm;
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
+            const int chunks = flash_colsum_chunks(s.B, s.S);
+            const bool sums = dbias && s.rot == 0 && chunks <= t->colsum.max_chunks;
             qkv_views in = qkv_rows_views(s, qkv), out = qkv_rows_views(s, dqkv);
             CUDA_CHECK(&t->error, flash_attention_backward(out.q, out.k, out.v, a->dsum,
                                                            cview(heads_rows_view(s, (void*)dattn)), cview(in.q),
                                                            cview(in.k), cview(in.v),
                                                            cview(heads_rows_view(s, (void*)attn)), lse, s.B, s.heads,
-                                                           s.groups, s.S, s.d, t->stream));
+                                                           s.groups, s.S, s.d, t->stream,
+                                                           sums ? t->colsum.partial_a : (float*)NULL));
             rope_qkv_rows<T>(t, dqkv, true);
-            return;
+            if (sums) {
+                column_final_sums_kernel<<<dim3(ceil_div(s.qkv_width, 32), 1), dim3(32, 16), 0, t->stream>>>(
+                    dbias, t->colsum.partial_a, NULL, NULL, NULL, NULL, chunks, s.qkv_width, g->accumulate_gradients);
+                LAUNCH_CHECK(&t->error);
+            }
+            return sums;
         }
     }
     permute_heads<T>(t, (T*)a->o, dattn, false);
@@ -3103,6 +3166,7 @@ static void attention_backward(mt_trainer* t, T* dqkv, const T* dattn, T* qkv, T
     gemm<T, T>(g, false, false, M, s.d, s.S, (T*)a->dscores, s.S, (T*)a->k, s.d, (T*)a->q, s.d, 1.0f, 0.0f, batch, qs,
                sd, qd);
     merge_qkv_grads<T>(t, dqkv, (T*)a->q);
+    return false;
 }
 
 /* The data-parallel hooks the model calls (section 8): the forward waits for each layer's
@@ -3294,12 +3358,9 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
 
         /* MLP block: dres is d(out); the branch sees the same gradient. d(act) -> branch2, then
          * d(fc1 output) in place (GELU) or into branch (SwiGLU: twice as wide) */
-        /* d(act) and GELU's derivative in one GEMM, with fc1's bias gradient (DGELU_BGRAD epilogue) */
-        bool fused = gelu_fused<T>(s);
-        float* dfc1_bias = grad_ptr(t, MT_P_FC1_BIAS, l);
+        bool fused = gelu_fused<T>(s); /* d(act) and GELU's derivative in one GEMM (DGELU epilogue) */
         row_parallel_backward<T>(g, cs, tp, (T*)a->branch2, grad_ptr(t, MT_P_FC2_WEIGHT, l), dres, gathered_grad, act,
-                                 param_ptr<T>(t, MT_P_FC2_WEIGHT, l), s.BT, s.R, s.f, s.h, fused ? fc1 : (const T*)NULL,
-                                 fused ? dfc1_bias : (float*)NULL);
+                                 param_ptr<T>(t, MT_P_FC2_WEIGHT, l), s.BT, s.R, s.f, s.h, fused ? fc1 : (const T*)NULL);
         T* dfc1 = (T*)a->branch2;
         T* dln2 = (T*)a->branch;
         if (s.swiglu) {
@@ -3310,7 +3371,7 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
             gelu_backward<T>(g, (T*)a->branch2, fc1, (int64_t)s.BT * s.f);
         }
         dln2 = column_parallel_backward<T>(g, cs, tp, dln2, (T*)a->rows, gathered, grad_ptr(t, MT_P_FC1_WEIGHT, l),
-                                           fused ? (float*)NULL : dfc1_bias, dfc1, ln2, param_ptr<T>(t, MT_P_FC1_WEIGHT, l),
+                                           grad_ptr(t, MT_P_FC1_BIAS, l), dfc1, ln2, param_ptr<T>(t, MT_P_FC1_WEIGHT, l),
                                            s.BT, s.R, s.h, s.f1);
         norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN2_WEIGHT, l), grad_ptr(t, MT_P_LN2_BIAS, l),
                          grad_ptr(t, MT_P_PROJ_BIAS, l), dln2, mid,
@@ -3320,12 +3381,14 @@ static void model_backward(mt_trainer* t, int unique_tokens) {
         /* attention block: dres is now d(mid) */
         row_parallel_backward<T>(g, cs, tp, (T*)a->branch2, grad_ptr(t, MT_P_PROJ_WEIGHT, l), dres, gathered_grad, attn,
                                  param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), s.BT, s.R, s.attn_width, s.h);
-        attention_backward<T>(t, (T*)a->branch, (T*)a->branch2, qkv, probs,
-                              a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL, attn);
+        float* dqkv_bias = grad_ptr(t, MT_P_QKV_BIAS, l);
+        if (attention_backward<T>(t, (T*)a->branch, (T*)a->branch2, qkv, probs,
+                                  a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL, attn, dqkv_bias))
+            dqkv_bias = NULL; /* taken from the attention kernels */
         norm_apply<T>(g, ln1, x, a->ln1_mean + (int64_t)l * s.R, a->ln1_rstd + (int64_t)l * s.R,
                       param_ptr<T>(t, MT_P_LN1_WEIGHT, l), param_ptr<T>(t, MT_P_LN1_BIAS, l), s.R, s.h);
         T* dln1 = column_parallel_backward<T>(g, cs, tp, (T*)a->branch2, (T*)a->rows, gathered,
-                                              grad_ptr(t, MT_P_QKV_WEIGHT, l), grad_ptr(t, MT_P_QKV_BIAS, l),
+                                              grad_ptr(t, MT_P_QKV_WEIGHT, l), dqkv_bias,
                                               (T*)a->branch, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), s.BT, s.R, s.h,
                                               s.qkv_width);
         norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN1_WEIGHT, l), grad_ptr(t, MT_P_LN1_BIAS, l),

@@ -6,6 +6,10 @@
  * double-precision CPU reference of causal attention computed from the same bf16 values; the same
  * inputs packed into [B, H, T, d] and run again must give bitwise the same results (one kernel, only
  * the addresses differ), and a second backward must be bitwise the same as the first (no atomics).
+ * The second backward also takes the column sums of the gradient rows per 64-row chunk (the QKV bias
+ * gradient, megatron.cu's attention_backward): summed over the chunks they must equal the column
+ * sums of the stored gradient (fp32 sums of the same bf16 values in another order: 1e-5 norm-wise),
+ * every column of every chunk written (the buffer starts as NaN), the gradient itself unchanged.
  *
  * Tolerances (norm-wise, ||out - ref|| / ||ref||): outputs are rounded to bf16 (2^-9 relative per
  * element, ~2e-3 norm-wise) and P, dS are rounded to bf16 before their tensor-core products (the
@@ -143,7 +147,9 @@ static int flash_check_shape(const flash_shape* s) {
     double *got = (double*)malloc(n_qkv * 8), *want = (double*)malloc(n_qkv * 8);
     bf16 *qkv = NULL, *dout = NULL, *out = NULL, *dqkv = NULL, *pq = NULL, *pk = NULL, *pv = NULL, *po = NULL,
          *pdo = NULL, *pdq = NULL, *pdk = NULL, *pdv = NULL;
-    float *lse = NULL, *dsum = NULL;
+    float *lse = NULL, *dsum = NULL, *colsum = NULL;
+    const int chunks = flash_colsum_chunks(s->B, T);
+    float* h_colsum = (float*)malloc((size_t)chunks * W * 4);
     uint64_t rng = 0x5DEECE66Dull + (uint64_t)T * 131 + d;
     flash_fill(h_qkv, n_qkv, 1.7f, &rng); /* |q.k| * scale spreads the softmax without saturating it */
     flash_fill(h_dout, n_rows, 1.0f, &rng);
@@ -155,6 +161,8 @@ static int flash_check_shape(const flash_shape* s) {
     FLASH_CUDA(cudaMalloc(&out, n_rows * 2));
     FLASH_CUDA(cudaMalloc(&lse, n_lse * 4));
     FLASH_CUDA(cudaMalloc(&dsum, n_lse * 4));
+    FLASH_CUDA(cudaMalloc(&colsum, (size_t)chunks * W * 4));
+    FLASH_CUDA(cudaMemset(colsum, 0xFF, (size_t)chunks * W * 4));
     FLASH_CUDA(cudaMemcpy(qkv, h_qkv, n_qkv * 2, cudaMemcpyHostToDevice));
     FLASH_CUDA(cudaMemcpy(dout, h_dout, n_rows * 2, cudaMemcpyHostToDevice));
     FLASH_CUDA(cudaMemset(out, 0xFF, n_rows * 2)); /* poisoned: NaN wherever nothing is written */
@@ -168,7 +176,7 @@ static int flash_check_shape(const flash_shape* s) {
         FLASH_CUDA(flash_attention_forward(o, lse, cview(q), cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0));
         for (int run = 0; run < 2; run++) {
             FLASH_CUDA(flash_attention_backward(dq, dk, dv, dsum, cview(go), cview(q), cview(k), cview(v), cview(o),
-                                                lse, s->B, s->H, s->Hkv, T, d, 0));
+                                                lse, s->B, s->H, s->Hkv, T, d, 0, run ? colsum : (float*)NULL));
             FLASH_CUDA(cudaMemcpy(run ? h_dqkv2 : h_dqkv, dqkv, n_qkv * 2, cudaMemcpyDeviceToHost));
             FLASH_CUDA(cudaMemset(dqkv, 0xFF, n_qkv * 2));
         }
@@ -195,6 +203,20 @@ static int flash_check_shape(const flash_shape* s) {
             e_part[part] = flash_rel(got, want, n);
         }
         int same = memcmp(h_dqkv, h_dqkv2, n_qkv * 2) == 0;
+        /* the column sums: chunks added in double against the stored gradient's column sums */
+        FLASH_CUDA(cudaMemcpy(h_colsum, colsum, (size_t)chunks * W * 4, cudaMemcpyDeviceToHost));
+        for (int c = 0; c < W; c++) got[c] = want[c] = 0.0;
+        for (int k = 0; k < chunks; k++)
+            for (int c = 0; c < W; c++) got[c] += h_colsum[(size_t)k * W + c];
+        for (size_t r = 0; r < BT; r++)
+            for (int c = 0; c < W; c++) want[c] += flash_bf2d(h_dqkv2[r * W + c]);
+        double e_sums = flash_rel(got, want, W);
+        printf("      column sums (QKV bias gradient) over %d chunks: %.2e\n", chunks, e_sums);
+        if (!(e_sums < 1e-5)) {
+            printf("    FAIL the backward's column sums are not those of its gradient\n");
+            ok = 0;
+            goto done;
+        }
         printf("      B=%d H=%d Hkv=%d T=%d d=%d: O %.2e LSE %.2e dq %.2e dk %.2e dv %.2e%s\n", s->B, s->H, s->Hkv, T, d,
                e_o, e_lse, e_part[0], e_part[1], e_part[2], same ? "" : " (backward NOT deterministic)");
         if (!(e_o < 2e-2 && e_lse < 1e-4 && e_part[0] < 2e-2 && e_part[1] < 2e-2 && e_part[2] < 2e-2 && same)) {
@@ -265,9 +287,9 @@ static int flash_check_shape(const flash_shape* s) {
         }
     }
 done:
-    cudaFree(qkv); cudaFree(dqkv); cudaFree(dout); cudaFree(out); cudaFree(lse); cudaFree(dsum);
+    cudaFree(qkv); cudaFree(dqkv); cudaFree(dout); cudaFree(out); cudaFree(lse); cudaFree(dsum); cudaFree(colsum);
     cudaFree(pq); cudaFree(pk); cudaFree(pv); cudaFree(po); cudaFree(pdo); cudaFree(pdq); cudaFree(pdk); cudaFree(pdv);
-    free(h_qkv); free(h_dout); free(h_out); free(h_dqkv); free(h_dqkv2); free(h_packed); free(h_lse);
+    free(h_qkv); free(h_dout); free(h_out); free(h_dqkv); free(h_dqkv2); free(h_packed); free(h_lse); free(h_colsum);
     free(r_o); free(r_lse); free(r_dqkv); free(got); free(want);
     return ok;
 }
