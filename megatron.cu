@@ -1193,7 +1193,7 @@ struct heads_view {
     __host__ __device__ E* at(int b, int h, int qpg) const {
         return p + b * batch + (int64_t)(h / qpg) * group + (int64_t)(h % qpg) * head;
     }
-    /* head h's first element within its row (a column of the model's rows) */
+    /* head h's first element relative to p within a row (add p's own column for the model's rows) */
     __host__ __device__ int64_t column(int h, int qpg) const { return (int64_t)(h / qpg) * group + (int64_t)(h % qpg) * head; }
 };
 
@@ -1562,7 +1562,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     flash_bwd_dkdv_kernel(heads_view<bf16> dK, heads_view<bf16> dV, heads_view<const bf16> Q,
                           heads_view<const bf16> K, heads_view<const bf16> V, heads_view<const bf16> dO,
                           const float* __restrict__ LSE, const float* __restrict__ Dsum, int H, int Hkv, int T,
-                          float scale, float* __restrict__ colsum) {
+                          float scale, float* __restrict__ colsum, int64_t k_column, int64_t v_column) {
     constexpr int S = D + 8, NQ = BMQ / 8, DT = D / 8, NTH = 32 * WARPS, KEYS = 16 * WARPS;
     static_assert(BMQ % 16 == 0 && (D == 64 || D == 128), "tile shape");
 
@@ -1677,14 +1677,16 @@ __global__ void __launch_bounds__(32 * WARPS)
             }
         }
     }
-    /* with colsum: this tile's column sums of dK and dV, chunk (b, key tile) (the loop's last barrier
-     * freed shared memory) */
+    /* with colsum: this tile's column sums of dK and dV, chunk (b, key tile); k_column and v_column
+     * are where dK's and dV's heads start in the rows (the loop's last barrier freed shared memory) */
     if (colsum) {
         float* red = reinterpret_cast<float*>(smem);
         const int64_t chunk = (int64_t)b * gridDim.y + blockIdx.y;
-        tile_column_sums<D, WARPS, 1>(colsum, dK.row, chunk, dK.column(hkv, 1), dk, scale, k0 + warp * 16, T, red);
+        tile_column_sums<D, WARPS, 1>(colsum, dK.row, chunk, k_column + dK.column(hkv, 1), dk, scale, k0 + warp * 16, T,
+                                      red);
         __syncthreads();
-        tile_column_sums<D, WARPS, 1>(colsum, dV.row, chunk, dV.column(hkv, 1), dv, 1.0f, k0 + warp * 16, T, red);
+        tile_column_sums<D, WARPS, 1>(colsum, dV.row, chunk, v_column + dV.column(hkv, 1), dv, 1.0f, k0 + warp * 16, T,
+                                      red);
     }
 }
 
@@ -1818,7 +1820,7 @@ __global__ void __launch_bounds__(32 * WARPS)
                         pack_bf16(dq[mt][dt][2 * r] * scale, dq[mt][dt][2 * r + 1] * scale);
             }
         }
-    /* with colsum: this tile's column sums of dQ, chunk (b, query tile) */
+    /* with colsum: this tile's column sums of dQ, chunk (b, query tile) (dQ's rows start at dQ.p) */
     if (colsum)
         tile_column_sums<D, WARPS, MT>(colsum, dQ.row, (int64_t)b * gridDim.y + q0 / BM, dQ.column(h, qpg), dq, scale,
                                        wq_first, T, reinterpret_cast<float*>(smem));
@@ -1891,7 +1893,7 @@ static cudaError_t backward_tiles(heads_view<bf16> dQ, heads_view<bf16> dK, head
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     dim3 grid_kv(B * Hkv, (T + KEYS - 1) / KEYS);
     flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS><<<grid_kv, 32 * KV_WARPS, dkdv_smem_bytes<D, BMQ, KEYS>(), st>>>(
-        dK, dV, Q, K, V, dO, LSE, Dsum, H, Hkv, T, scale, colsum);
+        dK, dV, Q, K, V, dO, LSE, Dsum, H, Hkv, T, scale, colsum, dK.p - dQ.p, dV.p - dQ.p);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     dim3 grid_q(B * H, (T + BM - 1) / BM);
     flash_bwd_dq_kernel<D, BM, Q_WARPS><<<grid_q, 32 * Q_WARPS, dq_smem_bytes<D, BM>(), st>>>(dQ, Q, K, V, dO, LSE,
@@ -1950,9 +1952,9 @@ static cudaError_t flash_attention_forward(attn_view O, float* LSE, attn_cview Q
 /* Causal attention backward: dQ (H heads), dK, dV (Hkv heads) from dO and the forward's Q, K, V, O,
  * LSE. Dsum [B, H, T] fp32 is scratch. Deterministic: no atomics, fixed summation order. With colsum
  * (may be NULL): the column sums of the gradient as stored, per chunk: colsum[chunk, column] for
- * chunk = b * ceil(T / 64) + (64-row tile), column = the element's column in the gradient's rows
- * (dQ, dK, dV share one row width: the QKV rows); every column of dQ, dK, dV's heads is written
- * for every chunk, and their sum over chunks is the QKV bias gradient. */
+ * chunk = b * ceil(T / 64) + (64-row tile), column = the element's column in the gradient's rows:
+ * dQ, dK, dV are views of one set of rows (the QKV rows) that starts at dQ.p; every column of their
+ * heads is written for every chunk, and the sum over chunks is the QKV bias gradient. */
 static int flash_colsum_chunks(int B, int T) { return B * ((T + fa::COLSUM_TILE - 1) / fa::COLSUM_TILE); }
 static cudaError_t flash_attention_backward(attn_view dQ, attn_view dK, attn_view dV, float* Dsum, attn_cview dO,
                                             attn_cview Q, attn_cview K, attn_cview V, attn_cview O, const float* LSE,
@@ -1961,7 +1963,9 @@ static cudaError_t flash_attention_backward(attn_view dQ, attn_view dK, attn_vie
     attn_cview views[] = {cview(dQ), cview(dK), cview(dV), dO, Q, K, V, O};
     bool ok = fa::shape_ok(B, H, Hkv, T, d);
     for (const attn_cview& v : views) ok = ok && fa::view_ok(v);
-    if (colsum && (dK.row != dQ.row || dV.row != dQ.row)) ok = false;
+    if (colsum) /* one set of rows, starting at dQ.p */
+        ok = ok && dK.row == dQ.row && dV.row == dQ.row && dK.batch == dQ.batch && dV.batch == dQ.batch &&
+             dK.p - dQ.p >= 0 && dK.p - dQ.p < dQ.row && dV.p - dQ.p >= 0 && dV.p - dQ.p < dQ.row;
     if (!ok) return cudaErrorInvalidValue;
     return d == 64 ? fa::backward_d<64>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum)
                    : fa::backward_d<128>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum);
@@ -2116,7 +2120,16 @@ __global__ void chunk_sum_squares_kernel(double* partial, const mt_opt_chunk* ch
     mt_opt_chunk c = chunks[blockIdx.x];
     double s = 0.0;
     if (!c.count_in_norm) c.length = 0;
-    for (int i = threadIdx.x; i < c.length; i += blockDim.x) {
+    int done = 0;
+    if ((c.buffer & 3) == 0) { /* 16 bytes per load where the chunk is aligned (as AdamW) */
+        const int n4 = c.length / 4;
+        for (int j = threadIdx.x; j < n4; j += blockDim.x) {
+            const float4 v = *reinterpret_cast<const float4*>(x + c.buffer + 4 * (int64_t)j);
+            s += (double)v.x * v.x + (double)v.y * v.y + (double)v.z * v.z + (double)v.w * v.w;
+        }
+        done = n4 * 4;
+    }
+    for (int i = done + threadIdx.x; i < c.length; i += blockDim.x) {
         double v = x[c.buffer + i];
         s += v * v;
     }
@@ -2145,24 +2158,60 @@ __global__ void sum_partials_kernel(double* out, const double* partial, int coun
  *      (when the model runs in bf16/fp16) rewritten from it. grad_scale folds clipping and the fp16
  *      loss-scale unscaling. ---- */
 
+/* One element's step: g is the (scaled) gradient; m, v, p (the fp32 master) are updated in place. */
+__device__ __forceinline__ void adamw_element(float g, float& m, float& v, float& p, float lr, float beta1, float beta2,
+                                              float bias_correction1, float bias_correction2, float eps, float wd) {
+    m = beta1 * m + (1.0f - beta1) * g;
+    v = beta2 * v + (1.0f - beta2) * g * g;
+    const float update = (m / bias_correction1) / (sqrtf(v / bias_correction2) + eps) + wd * p;
+    p -= lr * update;
+}
+/* A block per chunk. Chunks whose buffer and master offsets are multiples of 4 elements (every chunk
+ * of the distributed optimizer's 64-element-aligned layout, most of the others) go 16 bytes per
+ * load (4 elements: the model copy 8 bytes for bf16/fp16); the rest, and the last length % 4, one
+ * element at a time. Per element the same arithmetic either way. (dev/cuda/fused_kernels.cu: the
+ * one-element-per-load version reached 88% of the copy ceiling on an H100.) */
 template <typename T>
 __global__ void adamw_kernel(const mt_opt_chunk* chunks, float* master, T* model, const float* grad, float* m,
                              float* v, float lr, float beta1, float beta2, float bias_correction1,
                              float bias_correction2, float eps, float weight_decay, float grad_scale) {
-    mt_opt_chunk c = chunks[blockIdx.x];
-    float wd = c.weight_decay ? weight_decay : 0.0f;
-    for (int i = threadIdx.x; i < c.length; i += blockDim.x) {
-        int64_t k = c.master + i, b = c.buffer + i;
-        float g = grad[b] * grad_scale;
-        float mi = beta1 * m[k] + (1.0f - beta1) * g;
-        float vi = beta2 * v[k] + (1.0f - beta2) * g * g;
+    const mt_opt_chunk c = chunks[blockIdx.x];
+    const float wd = c.weight_decay ? weight_decay : 0.0f;
+    const bool copy = (void*)model != (void*)master;
+    int done = 0;
+    if (((c.master | c.buffer) & 3) == 0) {
+        const int n4 = c.length / 4;
+        for (int j = threadIdx.x; j < n4; j += blockDim.x) {
+            const int64_t k = c.master + 4 * (int64_t)j, b = c.buffer + 4 * (int64_t)j;
+            const float4 g = *reinterpret_cast<const float4*>(grad + b);
+            float4 mi = *reinterpret_cast<const float4*>(m + k), vi = *reinterpret_cast<const float4*>(v + k);
+            float4 p = *reinterpret_cast<const float4*>(master + k);
+            adamw_element(g.x * grad_scale, mi.x, vi.x, p.x, lr, beta1, beta2, bias_correction1, bias_correction2, eps, wd);
+            adamw_element(g.y * grad_scale, mi.y, vi.y, p.y, lr, beta1, beta2, bias_correction1, bias_correction2, eps, wd);
+            adamw_element(g.z * grad_scale, mi.z, vi.z, p.z, lr, beta1, beta2, bias_correction1, bias_correction2, eps, wd);
+            adamw_element(g.w * grad_scale, mi.w, vi.w, p.w, lr, beta1, beta2, bias_correction1, bias_correction2, eps, wd);
+            *reinterpret_cast<float4*>(m + k) = mi;
+            *reinterpret_cast<float4*>(v + k) = vi;
+            *reinterpret_cast<float4*>(master + k) = p;
+            if (copy) {
+                struct alignas(4 * sizeof(T)) four { T e[4]; } out;
+                out.e[0] = from_float<T>(p.x);
+                out.e[1] = from_float<T>(p.y);
+                out.e[2] = from_float<T>(p.z);
+                out.e[3] = from_float<T>(p.w);
+                *reinterpret_cast<four*>(model + b) = out;
+            }
+        }
+        done = n4 * 4;
+    }
+    for (int i = done + threadIdx.x; i < c.length; i += blockDim.x) {
+        const int64_t k = c.master + i, b = c.buffer + i;
+        float mi = m[k], vi = v[k], p = master[k];
+        adamw_element(grad[b] * grad_scale, mi, vi, p, lr, beta1, beta2, bias_correction1, bias_correction2, eps, wd);
         m[k] = mi;
         v[k] = vi;
-        float p = master[k];
-        float update = (mi / bias_correction1) / (sqrtf(vi / bias_correction2) + eps) + wd * p;
-        p -= lr * update;
         master[k] = p;
-        if ((void*)model != (void*)master) model[b] = from_float<T>(p);
+        if (copy) model[b] = from_float<T>(p);
     }
 }
 
