@@ -2,9 +2,11 @@
  * dev/cuda/fused_kernels.cu — the fused elementwise and row kernels of megatron.cu: a CPU reference
  * for each, every version that exists, and achieved bandwidth against the device's measured ceiling.
  *
- * Unlike flash_attention.cu this lab holds no kernels of its own (except a plain copy kernel for the
- * ceiling): it includes megatron.cu whole and launches its real kernels (section 2) and static
- * launchers (section 5) with the same launch expressions as the model. main() runs, in order:
+ * Unlike flash_attention.cu this lab holds no kernels of its own except a plain copy kernel for the
+ * ceiling and the versions megatron.cu replaced (norm_backward_l2_kernel, adamw_scalar_kernel,
+ * column_final_sum_kernel), kept to compare: it includes megatron.cu whole and launches its real
+ * kernels (section 2) and static launchers (section 5) with the same launch expressions as the
+ * model. main() runs, in order:
  *   0. the ceiling: a 1 GiB device-to-device cudaMemcpyAsync and a 16-byte copy kernel of our own
  *      (bytes = 2 x 1 GiB, read + write); the better of the two is "the ceiling"
  *   1. residual + norm: residual_norm_forward_vec_kernel (fused) vs bias_residual + norm_forward
@@ -13,12 +15,14 @@
  *   2. norm backward: layernorm_backward_input_vec_kernel vs layernorm_backward_input_kernel (LN and
  *      RMS), and the weight/bias gradient column sums, column_partial_sum_vec_kernel<COLSUM_LAYERNORM>
  *      (these separate passes are the fallback now); then norm_backward_fused_kernel, the input gradient
- *      and three column sums in one pass (what megatron.cu runs)
- *      + column_final_sum_kernel vs the scalar column_partial_sum_kernel + column_final_sum_kernel
+ *      and three column sums in one pass, tiles staged through shared memory (what megatron.cu runs),
+ *      over tile heights x block caps, and the previous unstaged norm_backward_l2_kernel
  *   3. bias gradient column sums over [BT, f]: column_sum (COLSUM_PLAIN, vec) vs the scalar kernel
  *   4. bias + GELU forward (bias_gelu_vec_kernel vs bias_add_kernel + gelu_forward_kernel), GELU
  *      backward (gelu_backward_vec_kernel vs gelu_backward_kernel), and the fc1 GEMM with cuBLASLt's
- *      GELU_AUX_BIAS epilogue vs gemm + bias_gelu (TFLOP/s, 2*BT*h*f flops)
+ *      GELU_AUX_BIAS epilogue vs gemm + bias_gelu (TFLOP/s, 2*BT*h*f flops); weight + bias gradient
+ *      (GEMM + column_sum vs BGRADB) and fc2's input gradient + fc1's bias gradient (DGELU +
+ *      column_sum vs DGELU_BGRAD, which cuBLASLt may not offer: the run says so)
  *   5. SwiGLU forward / backward: the _vec kernels vs the scalar ones (no bias, as in Llama)
  *   6. cross entropy: cross_entropy_vec_kernel (online softmax) vs cross_entropy_kernel, in-place
  *      gradient (grad_scale = 1/BT); the vocab-parallel pair cross_entropy_partial_kernel +
