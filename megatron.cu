@@ -624,6 +624,53 @@ static inline int norm_backward_tile_rows(int C, int elem) {
     int rows = NORM_BWD_STAGE_BYTES / (3 * C * elem);
     return rows < 1 ? 1 : rows > NORM_BWD_MAX_ROWS ? NORM_BWD_MAX_ROWS : rows;
 }
+/* The end of a norm-backward kernel: the row groups' column sums added in group order through s_red
+ * ([RG][3][C] floats; NJ == 1 whenever RG > 1), then row group 0 writes the block's partial sums
+ * part_*[blockIdx.x, C] (part_b, part_prev may be NULL). Every thread of the block calls it. */
+template <int V, int NJ>
+__device__ __forceinline__ void norm_backward_block_partials(float (&aw)[NJ][V], float (&ab)[NJ][V],
+                                                             float (&ar)[NJ][V], float* s_red, int RG, int rg, int cv0,
+                                                             int nvec, int C, float* part_w, float* part_b,
+                                                             float* part_prev) {
+    if (RG > 1) {
+        __syncthreads(); /* s_red may alias memory the block was still reading */
+        if (rg < RG)
+#pragma unroll
+            for (int i = 0; i < V; i++) {
+                s_red[(rg * 3 + 0) * C + cv0 * V + i] = aw[0][i];
+                s_red[(rg * 3 + 1) * C + cv0 * V + i] = ab[0][i];
+                s_red[(rg * 3 + 2) * C + cv0 * V + i] = ar[0][i];
+            }
+        __syncthreads();
+        if (rg == 0)
+#pragma unroll
+            for (int i = 0; i < V; i++) {
+                float sw = 0.0f, sb = 0.0f, sr = 0.0f;
+                for (int k = 0; k < RG; k++) {
+                    sw += s_red[(k * 3 + 0) * C + cv0 * V + i];
+                    sb += s_red[(k * 3 + 1) * C + cv0 * V + i];
+                    sr += s_red[(k * 3 + 2) * C + cv0 * V + i];
+                }
+                aw[0][i] = sw;
+                ab[0][i] = sb;
+                ar[0][i] = sr;
+            }
+    }
+    if (rg != 0) return;
+#pragma unroll
+    for (int j = 0; j < NJ; j++) {
+        const int c = (cv0 + 256 * j) * V;
+        if (c >= nvec * V) continue;
+        const int64_t at = (int64_t)blockIdx.x * C + c;
+#pragma unroll
+        for (int i = 0; i < V; i++) {
+            part_w[at + i] = aw[j][i];
+            if (part_b) part_b[at + i] = ab[j][i];
+            if (part_prev) part_prev[at + i] = ar[j][i];
+        }
+    }
+}
+
 template <typename T, int NJ>
 __global__ void __launch_bounds__(256)
     norm_backward_fused_kernel(T* dres, float* part_w, float* part_b, float* part_prev, const T* dy, const T* x,
@@ -708,45 +755,8 @@ __global__ void __launch_bounds__(256)
         __syncthreads(); /* this buffer is refilled two tiles on; the statistics by the next tile */
     }
     cp_async_wait<0>();
-    /* the row groups' sums, added in group order (NJ == 1 whenever RG > 1), through the tile buffers */
-    if (RG > 1) {
-        float* s_red = reinterpret_cast<float*>(norm_tiles); /* [RG][3][C] */
-        __syncthreads();
-        if (rg < RG)
-#pragma unroll
-            for (int i = 0; i < V; i++) {
-                s_red[(rg * 3 + 0) * C + cv0 * V + i] = aw[0][i];
-                s_red[(rg * 3 + 1) * C + cv0 * V + i] = ab[0][i];
-                s_red[(rg * 3 + 2) * C + cv0 * V + i] = ar[0][i];
-            }
-        __syncthreads();
-        if (rg == 0)
-#pragma unroll
-            for (int i = 0; i < V; i++) {
-                float sw = 0.0f, sb = 0.0f, sr = 0.0f;
-                for (int k = 0; k < RG; k++) {
-                    sw += s_red[(k * 3 + 0) * C + cv0 * V + i];
-                    sb += s_red[(k * 3 + 1) * C + cv0 * V + i];
-                    sr += s_red[(k * 3 + 2) * C + cv0 * V + i];
-                }
-                aw[0][i] = sw;
-                ab[0][i] = sb;
-                ar[0][i] = sr;
-            }
-    }
-    if (rg != 0) return;
-#pragma unroll
-    for (int j = 0; j < NJ; j++) {
-        const int c = (cv0 + 256 * j) * V;
-        if (c >= nvec * V) continue;
-        const int64_t at = (int64_t)blockIdx.x * C + c;
-#pragma unroll
-        for (int i = 0; i < V; i++) {
-            part_w[at + i] = aw[j][i];
-            if (part_b) part_b[at + i] = ab[j][i];
-            if (part_prev) part_prev[at + i] = ar[j][i];
-        }
-    }
+    norm_backward_block_partials<V, NJ>(aw, ab, ar, reinterpret_cast<float*>(norm_tiles), RG, rg, cv0, nvec, C, part_w,
+                                        part_b, part_prev);
 }
 
 /* ---- 2.5 Bias, residual, GELU (tanh approximation), SwiGLU. A NULL bias means the model has none

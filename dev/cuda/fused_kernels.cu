@@ -610,43 +610,7 @@ __global__ void __launch_bounds__(256)
         }
         __syncthreads(); /* the statistics are rewritten by the next tile */
     }
-    /* the row groups' sums, added in group order (NJ == 1 whenever RG > 1) */
-    if (RG > 1) {
-        if (rg < RG)
-#pragma unroll
-            for (int i = 0; i < V; i++) {
-                s_red[(rg * 3 + 0) * C + cv0 * V + i] = aw[0][i];
-                s_red[(rg * 3 + 1) * C + cv0 * V + i] = ab[0][i];
-                s_red[(rg * 3 + 2) * C + cv0 * V + i] = ar[0][i];
-            }
-        __syncthreads();
-        if (rg == 0)
-#pragma unroll
-            for (int i = 0; i < V; i++) {
-                float sw = 0.0f, sb = 0.0f, sr = 0.0f;
-                for (int k = 0; k < RG; k++) {
-                    sw += s_red[(k * 3 + 0) * C + cv0 * V + i];
-                    sb += s_red[(k * 3 + 1) * C + cv0 * V + i];
-                    sr += s_red[(k * 3 + 2) * C + cv0 * V + i];
-                }
-                aw[0][i] = sw;
-                ab[0][i] = sb;
-                ar[0][i] = sr;
-            }
-    }
-    if (rg != 0) return;
-#pragma unroll
-    for (int j = 0; j < NJ; j++) {
-        const int c = (cv0 + 256 * j) * V;
-        if (c >= nvec * V) continue;
-        const int64_t at = (int64_t)blockIdx.x * C + c;
-#pragma unroll
-        for (int i = 0; i < V; i++) {
-            part_w[at + i] = aw[j][i];
-            if (part_b) part_b[at + i] = ab[j][i];
-            if (part_prev) part_prev[at + i] = ar[j][i];
-        }
-    }
+    norm_backward_block_partials<V, NJ>(aw, ab, ar, s_red, RG, rg, cv0, nvec, C, part_w, part_b, part_prev);
 }
 
 static void item_norm_backward(bool rms, int N = BT, int C = HID) {
@@ -1047,6 +1011,16 @@ static void item_gelu_backward() {
  * (fp32, beta = 1) and db[out] += column sums of dy [N, out]. Versions: the GEMM then column_sum (two
  * reads of dy), and weight_gradient's cuBLASLt BGRADB epilogue (the sums from the GEMM's own read of
  * dy, then one small add). Shapes: GPT-2 124M at micro-batch 16 (QKV, fc1) and 1.5B at 8 (fc1). */
+/* The column-sum scratch of the model's launchers for sums over `columns` columns. */
+static mt_colsum_scratch colsum_scratch(Arena& A, int columns) {
+    mt_colsum_scratch cs;
+    cs.max_chunks = COLSUM_MAX_CHUNKS;
+    cs.partial_a = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * columns);
+    cs.partial_b = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * columns);
+    cs.partial_c = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * columns);
+    return cs;
+}
+
 static void item_wgrad_bias(int N, int in, int out, const char* what) {
     const char* kname = "wgrad + bias grad";
     printf("\n[4] %s (%s): dW[%d, %d] += dy^T x, db += colsum(dy), dy [%d, %d] bf16\n", kname, what, out, in, N, out);
@@ -1056,11 +1030,7 @@ static void item_wgrad_bias(int N, int in, int out, const char* what) {
     bf16* x = upload_bf16(A, h_x);
     float* dW = A.alloc<float>((size_t)out * in);
     float* db = A.alloc<float>(out);
-    mt_colsum_scratch cs;
-    cs.max_chunks = COLSUM_MAX_CHUNKS;
-    cs.partial_a = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * out);
-    cs.partial_b = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * out);
-    cs.partial_c = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * out);
+    mt_colsum_scratch cs = colsum_scratch(A, out);
     auto zero = [&] {
         CK(cudaMemsetAsync(dW, 0, (size_t)out * in * 4, S));
         CK(cudaMemsetAsync(db, 0, (size_t)out * 4, S));
@@ -1123,11 +1093,7 @@ static void item_dgelu_bgrad(int N, int h, int f, const char* what) {
     bf16* pre = upload_bf16(A, h_pre);
     bf16* dpre = A.alloc<bf16>((size_t)N * f);
     float* db = A.alloc<float>(f);
-    mt_colsum_scratch cs;
-    cs.max_chunks = COLSUM_MAX_CHUNKS;
-    cs.partial_a = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * f);
-    cs.partial_b = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * f);
-    cs.partial_c = A.alloc<float>((size_t)COLSUM_MAX_CHUNKS * f);
+    mt_colsum_scratch cs = colsum_scratch(A, f);
     auto zero = [&] { CK(cudaMemsetAsync(db, 0, (size_t)f * 4, S)); };
     auto before = [&] {
         gemm_epilogue<bf16, bf16>(&G, GEMM_DGELU, false, false, N, f, h, dy, h, w2, f, dpre, f, 1.0f, 0.0f,
