@@ -1269,6 +1269,26 @@ __device__ __forceinline__ void load_vec(float* s, const float* g, int row0, int
     }
 }
 
+/* ---- The K/V loop step of the forward and dQ kernels: K and V tiles of BN keys double-buffered in
+ *      sK, sV [2][BN][D+8]. Step kt prefetches tile kt+1 into the other stage (freed by the barrier
+ *      that ended the previous step; an empty group keeps the count uniform), waits for tile kt and
+ *      returns its stage. ---- */
+template <int D, int NTH>
+__device__ __forceinline__ void kv_stage_step(bf16* sK, bf16* sV, const bf16* Kh, const bf16* Vh, int64_t k_ld,
+                                              int64_t v_ld, int kt, int n_kt, int T, const bf16** sKs,
+                                              const bf16** sVs) {
+    constexpr int S = D + 8;
+    *sKs = sK + (kt & 1) * BN * S;
+    *sVs = sV + (kt & 1) * BN * S;
+    if (kt + 1 < n_kt) {
+        load_tile<BN, D, NTH>(sK + ((kt + 1) & 1) * BN * S, Kh, k_ld, (kt + 1) * BN, T);
+        load_tile<BN, D, NTH>(sV + ((kt + 1) & 1) * BN * S, Vh, v_ld, (kt + 1) * BN, T);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+}
+
 /* ---- Fragment loads from padded shared tiles (stride S elements per row) ---- */
 
 /* A fragment of the 16x16 block at (row0, col0) of a row-major tile. Lanes 0-15 address rows
@@ -1423,17 +1443,8 @@ __global__ void __launch_bounds__(32 * WARPS)
 
     for (int kt = 0; kt < n_kt; kt++) {
         const int k0 = kt * BN;
-        const bf16* sKs = sK + (kt & 1) * BN * S;
-        const bf16* sVs = sV + (kt & 1) * BN * S;
-        /* prefetch the next K/V tile into the other stage (freed by the barrier that ended the
-         * previous iteration), then wait for this tile; an empty group keeps the count uniform */
-        if (kt + 1 < n_kt) {
-            load_tile<BN, D, NTH>(sK + ((kt + 1) & 1) * BN * S, Kh, K.row, k0 + BN, T);
-            load_tile<BN, D, NTH>(sV + ((kt + 1) & 1) * BN * S, Vh, V.row, k0 + BN, T);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
+        const bf16 *sKs, *sVs;
+        kv_stage_step<D, NTH>(sK, sV, Kh, Vh, K.row, V.row, kt, n_kt, T, &sKs, &sVs);
 
         if (kt == 0) {
 #pragma unroll
@@ -1762,15 +1773,8 @@ __global__ void __launch_bounds__(32 * WARPS)
 
     for (int kt = 0; kt < n_kt; kt++) {
         const int k0 = kt * BN;
-        const bf16* sKs = sK + (kt & 1) * BN * S;
-        const bf16* sVs = sV + (kt & 1) * BN * S;
-        if (kt + 1 < n_kt) {
-            load_tile<BN, D, NTH>(sK + ((kt + 1) & 1) * BN * S, Kh, K.row, k0 + BN, T);
-            load_tile<BN, D, NTH>(sV + ((kt + 1) & 1) * BN * S, Vh, V.row, k0 + BN, T);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
+        const bf16 *sKs, *sVs;
+        kv_stage_step<D, NTH>(sK, sV, Kh, Vh, K.row, V.row, kt, n_kt, T, &sKs, &sVs);
 
         if (k0 <= wq_last) {
             /* S = Q K^T */
@@ -3119,14 +3123,9 @@ static void rope_qkv_rows(mt_trainer* t, T* qkv, bool backward) {
     bool vec = half % V == 0;
     int64_t threads = (int64_t)s.BT * s.groups * (qpg + 1) * (vec ? half / V : half);
     unsigned blocks = ceil_div(threads, 256);
-    if (vec && backward)
-        rope_qkv_rows_kernel<T, V, true><<<blocks, 256, 0, t->stream>>>(qkv, t->rope_cos, t->rope_sin, s.BT, s.S, s.groups, qpg, s.d, s.rot);
-    else if (vec)
-        rope_qkv_rows_kernel<T, V, false><<<blocks, 256, 0, t->stream>>>(qkv, t->rope_cos, t->rope_sin, s.BT, s.S, s.groups, qpg, s.d, s.rot);
-    else if (backward)
-        rope_qkv_rows_kernel<T, 1, true><<<blocks, 256, 0, t->stream>>>(qkv, t->rope_cos, t->rope_sin, s.BT, s.S, s.groups, qpg, s.d, s.rot);
-    else
-        rope_qkv_rows_kernel<T, 1, false><<<blocks, 256, 0, t->stream>>>(qkv, t->rope_cos, t->rope_sin, s.BT, s.S, s.groups, qpg, s.d, s.rot);
+    auto kernel = vec ? (backward ? rope_qkv_rows_kernel<T, V, true> : rope_qkv_rows_kernel<T, V, false>)
+                      : (backward ? rope_qkv_rows_kernel<T, 1, true> : rope_qkv_rows_kernel<T, 1, false>);
+    kernel<<<blocks, 256, 0, t->stream>>>(qkv, t->rope_cos, t->rope_sin, s.BT, s.S, s.groups, qpg, s.d, s.rot);
     LAUNCH_CHECK(&t->error);
 }
 
