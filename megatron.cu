@@ -2805,7 +2805,12 @@ static int norm_backward_fused(mt_gpu_error* err, cudaStream_t stream, int nj, i
     auto kernel = nj == 1 ? norm_backward_fused_kernel<T, 1>
                   : nj == 2 ? norm_backward_fused_kernel<T, 2>
                             : norm_backward_fused_kernel<T, 4>;
-    CUDA_CHECK(err, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    /* each instantiation's shared-memory limit is raised only when a launch needs more than before
+     * (once per process in training: rows * C is fixed by the model), not on every call */
+    static size_t limit[3] = {0, 0, 0};
+    size_t& set = limit[nj == 1 ? 0 : nj == 2 ? 1 : 2];
+    if (smem > set && CUDA_CHECK(err, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)))
+        set = smem;
     kernel<<<blocks, 256, smem, stream>>>(dres, part_w, part_b, part_prev, dy, x, w, mean, rstd, N, C, rows, rms);
     LAUNCH_CHECK(err);
     return blocks;
