@@ -1,21 +1,31 @@
 /*
  * megatron.cu — everything of megatron.c that touches the GPU: kernels, GEMMs, the transformer's
- * forward and backward, the optimizer, checkpoints, and the trainer API declared in megatron.h.
+ * forward and backward, the parallel collectives, the optimizer, checkpoints, and the trainer API
+ * declared in megatron.h. DESIGN.md is the map; this file reads top to bottom in this order.
  *
- * Reading order (DESIGN.md):
- *   1. Checks and utilities
- *   2. Kernels, one section per layer: init, embedding, LayerNorm, bias/column reductions, GELU,
- *      attention (permute, causal softmax), cross entropy, residual, gradient norm, AdamW
- *   3. GEMM: one wrapper over cuBLAS for fp32/bf16/fp16 with fp32 accumulation
- *   4. Process groups: Megatron's rank layout, the world, tensor- and data-parallel communicators
- *   5. Parallel layers: column- and row-parallel linears with sequence parallelism (plain at TP=1)
- *   6. The model: memory layout, forward and backward of one stage (GPT-2 and Llama flavours;
- *      vocab-parallel embedding, output layer and cross entropy)
- *   7. Pipeline engine (one stage for now)
- *   8. Optimizer: DP gradient buckets (all-reduce / reduce-scatter overlapped with the backward),
- *      gradient norm, clipping, fp16 loss scaler, AdamW over this rank's shard, parameter all-gather
- *   9. Checkpoints (sharded optimizer state with the distributed optimizer)
- *  10. The trainer API
+ * Contents (each operation's kernels and their launchers are one section):
+ *    1. Checks, utilities and the execution context (mt_exec)
+ *    2. Initialisation and casts
+ *    3. Column sums
+ *    4. Embedding
+ *    5. Bias, residual and activations (GELU, SwiGLU)
+ *    6. LayerNorm and RMSNorm (fused with the residual add; recompute; fused backward)
+ *    7. Attention layout and RoPE
+ *    8. Exact attention (causal softmax)
+ *    9. Flash attention (bf16)
+ *   10. Cross entropy (vocab-parallel)
+ *   11. Gradient norm and AdamW
+ *   12. GEMM (cuBLASLt plans and epilogues)
+ *   13. Process groups
+ *   14. Parallel layers (column- and row-parallel linears, sequence parallelism)
+ *   15. The model (parameter, gradient and activation views; attention; forward and backward)
+ *   16. The micro-batch loop
+ *   17. Optimizer (DP buckets, gradient norm, clipping, fp16 loss scaler, distributed optimizer)
+ *   18. Checkpoints
+ *   19. The trainer API
+ *
+ * Launchers take `const mt_exec* ex` first: the stream, the error record, the GEMM plans and the
+ * micro-batch's mode, built by whoever decides the work (run_micro_batches, the optimizer, tests).
  *
  * Precision: the model runs in a type T (float, bf16 or fp16) chosen at run time; every kernel is a
  * template over T and does its arithmetic in fp32. Weight gradients are accumulated in fp32 by the
@@ -48,9 +58,13 @@
 #include <type_traits>
 
 /* ============================================================================================== */
-/* 1. Checks and utilities                                                                         */
-/*    Library code never exits: the first failing CUDA/cuBLAS call is recorded in an mt_gpu_error  */
-/*    owned by the trainer, later work is skipped, and the API call returns it.                    */
+/* 1. Checks, utilities and the execution context                                                 */
+/*    Library code never exits: the first failing CUDA/cuBLAS/NCCL call is recorded in an         */
+/*    mt_gpu_error owned by the trainer, later work is skipped, and the API call returns it.      */
+/*    Every launcher and layer takes an mt_exec: the stream, that error record, the GEMM plans    */
+/*    and the micro-batch's mode. Then the fp32 <-> storage conversions, warp/block reductions    */
+/*    in a fixed order, 16-byte vector access and asynchronous global -> shared copies that the   */
+/*    kernels below share.                                                                        */
 /* ============================================================================================== */
 
 typedef struct {
@@ -210,11 +224,11 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 /* ============================================================================================== */
-/* 2. Kernels                                                                                      */
+/* 2. Initialisation and casts                                                                    */
+/*    A counter-based normal generator, so every element's initial value depends only on (seed,   */
+/*    tensor, global index): the same model at any parallel layout. Casts between the fp32        */
+/*    master and the model type.                                                                  */
 /* ============================================================================================== */
-
-/* ---- 2.1 Initialisation: a counter-based normal generator, so every element's initial value
- *      depends only on (seed, tensor, global index): the same model at any parallel layout. ---- */
 
 __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
     x += 0x9E3779B97F4A7C15ull;
@@ -284,9 +298,148 @@ static void cast_to_float(const mt_exec* ex, mt_precision precision, float* dst,
     LAUNCH_CHECK(ex->error);
 }
 
-/* ---- 2.2 Embedding: x[b,t,:] = word[token] + position[t] (no position table with RoPE: wpe NULL).
- *      Vocab-parallel: wte holds rows [vocab_start, vocab_start + vocab_rows); a token outside them
- *      contributes zeros, and the sum over the tensor-parallel ranks completes the lookup. ---- */
+/* ============================================================================================== */
+/* 3. Column sums                                                                                 */
+/*    Deterministic column sums for bias gradients and norm-weight gradients, no atomics. Pass    */
+/*    1: block (x, chunk) sums rows [chunk*rows_per_chunk, ...) of its columns into a partial     */
+/*    row. Pass 2 (column_final_sums): dst[c] (+)= the partial rows in order; the step's first    */
+/*    micro-batch overwrites (the gradient buffer is never zeroed). Fused kernels (the norm       */
+/*    backward, flash attention's backward) write the same partial rows and finish with pass 2.   */
+/* ============================================================================================== */
+
+enum { COLSUM_PLAIN = 0, COLSUM_LAYERNORM = 1 };
+
+template <typename T, int MODE>
+__global__ void column_partial_sum_kernel(float* partial_a, float* partial_b, const T* dy, const T* x,
+                                          const float* mean, const float* rstd, int N, int C, int rows_per_chunk) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int chunk = blockIdx.y;
+    if (c >= C) return;
+    int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float a = 0.0f, b = 0.0f;
+    for (int r = r0; r < r1; r++) {
+        float g = to_float(dy[(int64_t)r * C + c]);
+        if (MODE == COLSUM_LAYERNORM) {
+            float xhat = (to_float(x[(int64_t)r * C + c]) - mean[r]) * rstd[r];
+            a += g * xhat; /* d weight */
+            b += g;        /* d bias */
+        } else {
+            a += g;
+        }
+    }
+    partial_a[(int64_t)chunk * C + c] = a;
+    if (MODE == COLSUM_LAYERNORM) partial_b[(int64_t)chunk * C + c] = b;
+}
+
+/* The same with 16-byte loads: each thread owns V adjacent columns (C % V == 0), so a warp reads
+ * 512 contiguous bytes of a row instead of 64. Every column is still summed over the same rows in
+ * the same order, so the results are bitwise those of the scalar kernel. */
+template <typename T, int MODE>
+__global__ void column_partial_sum_vec_kernel(float* partial_a, float* partial_b, const T* dy, const T* x,
+                                              const float* mean, const float* rstd, int N, int C, int rows_per_chunk) {
+    constexpr int V = vec16<T>::N;
+    int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+    int chunk = blockIdx.y;
+    if (c >= C) return;
+    int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float a[V], b[V], g[V], xv[V];
+#pragma unroll
+    for (int i = 0; i < V; i++) a[i] = b[i] = 0.0f;
+#pragma unroll 4
+    for (int r = r0; r < r1; r++) {
+        load16(g, dy + (int64_t)r * C + c);
+        if (MODE == COLSUM_LAYERNORM) {
+            load16(xv, x + (int64_t)r * C + c);
+            float m = mean[r], rs = rstd[r];
+#pragma unroll
+            for (int i = 0; i < V; i++) {
+                a[i] += g[i] * ((xv[i] - m) * rs);
+                b[i] += g[i];
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < V; i++) a[i] += g[i];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < V; i++) {
+        partial_a[(int64_t)chunk * C + c + i] = a[i];
+        if (MODE == COLSUM_LAYERNORM) partial_b[(int64_t)chunk * C + c + i] = b[i];
+    }
+}
+
+/* Up to three column sums finished in one launch (blockIdx.y picks one; a NULL dst is skipped):
+ * dst[c] (+)= the sum of partial[k, c] over the chunks k; `accumulate` 0 overwrites dst (the first
+ * micro-batch of a step: the gradient buffer is not zeroed). A block [32 columns x 16 lanes of
+ * chunks]: lane y sums chunks y, y+16, ..., then lane 0 adds the 16 in order (a fixed order:
+ * deterministic). */
+__global__ void __launch_bounds__(512) column_final_sums_kernel(float* dst0, const float* p0, float* dst1,
+                                                                const float* p1, float* dst2, const float* p2,
+                                                                int chunks, int C, int accumulate) {
+    __shared__ float part[16][33];
+    float* dst = blockIdx.y == 0 ? dst0 : blockIdx.y == 1 ? dst1 : dst2;
+    const float* partial = blockIdx.y == 0 ? p0 : blockIdx.y == 1 ? p1 : p2;
+    if (!dst) return;
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    float s = 0.0f;
+    if (c < C)
+        for (int k = threadIdx.y; k < chunks; k += 16) s += partial[(int64_t)k * C + c];
+    part[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+        float total = 0.0f;
+#pragma unroll
+        for (int y = 0; y < 16; y++) total += part[y][threadIdx.x];
+        dst[c] = accumulate ? dst[c] + total : total;
+    }
+}
+
+/* dst_i[C] (+)= the sums over `chunks` partial rows of part_i [chunks, C], i < count (a NULL dst_i is
+ * skipped); the step's first micro-batch overwrites (ex->mode.accumulate_gradients == 0) */
+static void column_final_sums(const mt_exec* ex, int count, int chunks, int C, float* dst0, const float* p0,
+                              float* dst1 = NULL, const float* p1 = NULL, float* dst2 = NULL, const float* p2 = NULL) {
+    column_final_sums_kernel<<<dim3(ceil_div(C, 32), count), dim3(32, 16), 0, ex->stream>>>(
+        dst0, p0, dst1, p1, dst2, p2, chunks, C, ex->mode.accumulate_gradients);
+    LAUNCH_CHECK(ex->error);
+}
+
+typedef struct {
+    float* partial_a; /* [chunks, max_columns] fp32 scratch for column sums */
+    float* partial_b;
+    float* partial_c;
+    int max_chunks;
+} mt_colsum_scratch;
+
+static int colsum_chunks(int N, int max_chunks, int* rows_per_chunk) {
+    int rows = ceil_div(N, max_chunks);
+    if (rows < 1) rows = 1;
+    *rows_per_chunk = rows;
+    return ceil_div(N, rows);
+}
+
+/* dst[c] += sum_r dy[r, c] (= when ex->mode.accumulate_gradients is 0) */
+template <typename T>
+static void column_sum(const mt_exec* ex, mt_colsum_scratch* s, float* dst, const T* dy, int N, int C) {
+    int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
+    if (C % vec16<T>::N == 0 && aligned16(dy))
+        column_partial_sum_vec_kernel<T, COLSUM_PLAIN><<<dim3(ceil_div(C / vec16<T>::N, 256), chunks), 256, 0,
+                                                         ex->stream>>>(s->partial_a, NULL, dy, NULL, NULL, NULL, N, C,
+                                                                      rows);
+    else
+        column_partial_sum_kernel<T, COLSUM_PLAIN><<<dim3(ceil_div(C, 256), chunks), 256, 0, ex->stream>>>(
+            s->partial_a, NULL, dy, NULL, NULL, NULL, N, C, rows);
+    column_final_sums_kernel<<<dim3(ceil_div(C, 32), 1), dim3(32, 16), 0, ex->stream>>>(
+        dst, s->partial_a, NULL, NULL, NULL, NULL, chunks, C, ex->mode.accumulate_gradients);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ============================================================================================== */
+/* 4. Embedding                                                                                   */
+/*    x[b,t,:] = word[token] + position[t] (no position table with RoPE: wpe NULL). Vocab-        */
+/*    parallel: wte holds rows [vocab_start, vocab_start + vocab_rows); a token outside them      */
+/*    contributes zeros, and the sum over the tensor-parallel ranks completes the lookup. The     */
+/*    backward sums each token's positions in order from a host-built index (no atomics).         */
+/* ============================================================================================== */
 
 template <typename T>
 __global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T* wte, const T* wpe, int BT, int seq,
@@ -354,9 +507,271 @@ static void word_embedding_backward(const mt_exec* ex, float* dwte, const T* dou
     LAUNCH_CHECK(ex->error);
 }
 
-/* ---- 2.3 LayerNorm and RMSNorm: one warp per row, statistics in fp32, mean and 1/std saved for
- *      backward. RMSNorm is the same kernel with the mean fixed at 0 (saved as 0, so the backward's
- *      x-hat is x * rstd) and no bias: y = x / sqrt(mean(x^2) + eps) * w. ---- */
+/* ============================================================================================== */
+/* 5. Bias, residual and activations                                                              */
+/*    Bias add, the residual add, GELU (tanh approximation) and SwiGLU (Megatron's --swiglu),     */
+/*    each as a scalar kernel and a 16-byte one that the launcher picks when rows are a multiple  */
+/*    of the vector width and pointers aligned. A NULL bias means the model has none (--disable-  */
+/*    bias-linear).                                                                               */
+/* ============================================================================================== */
+
+template <typename T>
+__global__ void bias_add_kernel(T* y, const T* bias, int64_t N, int C) {
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= N * C) return;
+    y[idx] = from_float<T>(to_float(y[idx]) + to_float(bias[idx % C]));
+}
+
+template <typename T>
+__global__ void residual_add_kernel(T* out, const T* a, const T* b, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
+}
+
+#define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
+template <typename T>
+__global__ void gelu_forward_kernel(T* out, const T* in, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float x = to_float(in[i]);
+    out[i] = from_float<T>(0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x))));
+}
+/* In place: d <- d * gelu'(x). */
+template <typename T>
+__global__ void gelu_backward_kernel(T* d, const T* in, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float x = to_float(in[i]);
+    float th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
+    float dtanh = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x) * (1.0f - th * th);
+    d[i] = from_float<T>(to_float(d[i]) * (0.5f * (1.0f + th) + 0.5f * x * dtanh));
+}
+
+/* gelu backward and bias add with 16-byte vectors (i indexes vectors; C % V == 0 for the bias). */
+template <typename T>
+__global__ void gelu_backward_vec_kernel(T* d, const T* in, int64_t vectors) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    float g[V], x[V];
+    load16(g, d + i * V);
+    load16(x, in + i * V);
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        float th = tanhf(GELU_SCALE * (x[k] + 0.044715f * x[k] * x[k] * x[k]));
+        float dtanh = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x[k] * x[k]) * (1.0f - th * th);
+        g[k] *= 0.5f * (1.0f + th) + 0.5f * x[k] * dtanh;
+    }
+    store16(d + i * V, g);
+}
+template <typename T>
+__global__ void bias_add_vec_kernel(T* y, const T* bias, int64_t vectors, int C) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    float a[V], b[V];
+    load16(a, y + i * V);
+    load16(b, bias + (i * V) % C);
+#pragma unroll
+    for (int k = 0; k < V; k++) a[k] += b[k];
+    store16(y + i * V, a);
+}
+
+/* Fused epilogues of the linears, 16-byte vectors, i indexes vectors of [N, C] (C % V == 0):
+ * out = residual + branch + bias (a row-parallel linear's bias folded into the residual add), and
+ * pre = y + bias, act = gelu(pre) (the first MLP linear; pre is kept for the backward). */
+template <typename T>
+__global__ void bias_residual_vec_kernel(T* out, const T* residual, const T* branch, const T* bias, int64_t vectors,
+                                         int C) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    int64_t e = i * V;
+    float r[V], y[V], b[V];
+    load16(r, residual + e);
+    load16(y, branch + e);
+    if (bias) load16(b, bias + e % C);
+#pragma unroll
+    for (int k = 0; k < V; k++) r[k] += y[k] + (bias ? b[k] : 0.0f);
+    store16(out + e, r);
+}
+
+template <typename T>
+__global__ void bias_gelu_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int C) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    int64_t e = i * V;
+    float y[V], b[V], a[V];
+    load16(y, pre + e);
+    if (bias) load16(b, bias + e % C);
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        /* round the pre-activation to T first: the backward recomputes gelu' from the stored value */
+        float x = to_float(from_float<T>(y[k] + (bias ? b[k] : 0.0f)));
+        y[k] = x;
+        a[k] = 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
+    }
+    store16(pre + e, y);
+    store16(act + e, a);
+}
+
+/* SwiGLU (Megatron's --swiglu): the first MLP linear gives pre [N, 2f] = [gate | up] per row;
+ * act [N, f] = silu(gate) * up. The bias, if any, is added into pre first (rounded to T, as the
+ * backward reads it back). i indexes elements (scalar) or vectors (vec) of act. */
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+template <typename T>
+__global__ void swiglu_forward_kernel(T* pre, T* act, const T* bias, int64_t N, int f) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N * f) return;
+    int64_t row = i / f;
+    int col = (int)(i % f);
+    T* g = pre + row * 2 * f + col;
+    float gate = to_float(*g), up = to_float(g[f]);
+    if (bias) {
+        gate = to_float(from_float<T>(gate + to_float(bias[col])));
+        up = to_float(from_float<T>(up + to_float(bias[f + col])));
+        g[0] = from_float<T>(gate);
+        g[f] = from_float<T>(up);
+    }
+    act[i] = from_float<T>(silu(gate) * up);
+}
+
+/* dpre [N, 2f] from dact [N, f]: dgate = dact * up * silu'(gate), dup = dact * silu(gate), with
+ * silu'(x) = s (1 + x (1 - s)), s = sigmoid(x). */
+template <typename T>
+__global__ void swiglu_backward_kernel(T* dpre, const T* dact, const T* pre, int64_t N, int f) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N * f) return;
+    int64_t row = i / f;
+    int col = (int)(i % f);
+    float gate = to_float(pre[row * 2 * f + col]), up = to_float(pre[row * 2 * f + f + col]);
+    float s = 1.0f / (1.0f + expf(-gate)), d = to_float(dact[i]);
+    dpre[row * 2 * f + col] = from_float<T>(d * up * s * (1.0f + gate * (1.0f - s)));
+    dpre[row * 2 * f + f + col] = from_float<T>(d * gate * s);
+}
+
+template <typename T>
+__global__ void swiglu_forward_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int f) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    int64_t row = i * V / f;
+    int col = (int)(i * V % f);
+    T* g = pre + row * 2 * f + col;
+    float gate[V], up[V], b[V], a[V];
+    load16(gate, g);
+    load16(up, g + f);
+    if (bias) {
+        load16(b, bias + col);
+#pragma unroll
+        for (int k = 0; k < V; k++) gate[k] = to_float(from_float<T>(gate[k] + b[k]));
+        load16(b, bias + f + col);
+#pragma unroll
+        for (int k = 0; k < V; k++) up[k] = to_float(from_float<T>(up[k] + b[k]));
+        store16(g, gate);
+        store16(g + f, up);
+    }
+#pragma unroll
+    for (int k = 0; k < V; k++) a[k] = silu(gate[k]) * up[k];
+    store16(act + i * V, a);
+}
+
+template <typename T>
+__global__ void swiglu_backward_vec_kernel(T* dpre, const T* dact, const T* pre, int64_t vectors, int f) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    int64_t row = i * V / f;
+    int col = (int)(i * V % f);
+    float gate[V], up[V], d[V], dg[V];
+    load16(gate, pre + row * 2 * f + col);
+    load16(up, pre + row * 2 * f + f + col);
+    load16(d, dact + i * V);
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        float s = 1.0f / (1.0f + expf(-gate[k]));
+        dg[k] = d[k] * up[k] * s * (1.0f + gate[k] * (1.0f - s));
+        up[k] = d[k] * gate[k] * s;
+    }
+    store16(dpre + row * 2 * f + col, dg);
+    store16(dpre + row * 2 * f + f + col, up);
+}
+
+/* out[N, C] = residual + branch + bias[C] (bias may be NULL) */
+template <typename T>
+static void bias_residual(const mt_exec* ex, T* out, const T* residual, T* branch, const T* bias, int N, int C) {
+    int64_t n = (int64_t)N * C;
+    if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(residual) && aligned16(branch) && aligned16(bias)) {
+        int64_t vectors = n / vec16<T>::N;
+        bias_residual_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, ex->stream>>>(out, residual, branch, bias, vectors, C);
+    } else {
+        if (bias) bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(branch, bias, N, C);
+        residual_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, residual, branch, n);
+    }
+    LAUNCH_CHECK(ex->error);
+}
+
+/* pre[N, C] += bias (may be NULL); act = gelu(pre) */
+template <typename T>
+static void bias_gelu(const mt_exec* ex, T* pre, T* act, const T* bias, int N, int C) {
+    int64_t n = (int64_t)N * C;
+    if (C % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias)) {
+        int64_t vectors = n / vec16<T>::N;
+        bias_gelu_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, ex->stream>>>(pre, act, bias, vectors, C);
+    } else {
+        if (bias) bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(pre, bias, N, C);
+        gelu_forward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(act, pre, n);
+    }
+    LAUNCH_CHECK(ex->error);
+}
+
+/* pre[N, 2f] += bias (may be NULL); act[N, f] = silu(gate) * up */
+template <typename T>
+static void bias_swiglu(const mt_exec* ex, T* pre, T* act, const T* bias, int N, int f) {
+    int64_t n = (int64_t)N * f;
+    if (f % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias))
+        swiglu_forward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(pre, act, bias,
+                                                                                           n / vec16<T>::N, f);
+    else
+        swiglu_forward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(pre, act, bias, N, f);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* d <- d * gelu'(pre), in place over [n] */
+template <typename T>
+static void gelu_backward(const mt_exec* ex, T* d, const T* pre, int64_t n) {
+    if (n % vec16<T>::N == 0 && aligned16(d) && aligned16(pre))
+        gelu_backward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(d, pre, n / vec16<T>::N);
+    else
+        gelu_backward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(d, pre, n);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* dpre[N, 2f] from dact[N, f] and pre[N, 2f] */
+template <typename T>
+static void swiglu_backward(const mt_exec* ex, T* dpre, const T* dact, const T* pre, int N, int f) {
+    int64_t n = (int64_t)N * f;
+    if (f % vec16<T>::N == 0 && aligned16(dpre) && aligned16(dact) && aligned16(pre))
+        swiglu_backward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(dpre, dact, pre,
+                                                                                            n / vec16<T>::N, f);
+    else
+        swiglu_backward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(dpre, dact, pre, N, f);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ============================================================================================== */
+/* 6. LayerNorm and RMSNorm                                                                       */
+/*    One warp per row, statistics in fp32, mean and 1/std saved for the backward. RMSNorm is     */
+/*    the same kernel with the mean fixed at 0 (saved as 0, so the backward's x-hat is x * rstd)  */
+/*    and no bias: y = x / sqrt(mean(x^2) + eps) * w. The forward is fused with the residual add  */
+/*    before it (residual_norm_forward); norm_apply recomputes a norm's output from its saved     */
+/*    statistics (the backward does so for the first norm instead of keeping it per layer). The   */
+/*    backward is one fused kernel (input gradient and the weight, bias and preceding row-        */
+/*    parallel bias column sums), staged through shared memory, with the two-kernel path as the   */
+/*    fallback.                                                                                   */
+/* ============================================================================================== */
 
 template <typename T>
 __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_out, const T* x, const T* weight,
@@ -552,7 +967,7 @@ __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean
     }
 }
 
-/* V elements from / to memory: 16-byte accesses when V is the vector width, else one by one. */
+/* V elements from / to memory: 16-byte accesses when V is the vector width, else one by one.     */
 template <typename T, int V>
 __device__ __forceinline__ void load_n(float* out, const T* p) {
     if constexpr (V == vec16<T>::N) load16(out, p);
@@ -585,106 +1000,6 @@ __global__ void norm_apply_kernel(T* out, const T* x, const float* mean, const f
 #pragma unroll
     for (int k = 0; k < V; k++) v[k] = (v[k] - m) * rs * wv[k] + (b ? bv[k] : 0.0f);
     store_n<T, V>(out + i, v);
-}
-
-/* ---- 2.4 Deterministic column sums: bias gradients and norm-weight gradients.
- *      Pass 1: block (x, chunk) sums rows [chunk*rows_per_chunk, ...) of its columns into partial.
- *      Pass 2: dst[c] += sum over chunks in order. ---- */
-
-enum { COLSUM_PLAIN = 0, COLSUM_LAYERNORM = 1 };
-
-template <typename T, int MODE>
-__global__ void column_partial_sum_kernel(float* partial_a, float* partial_b, const T* dy, const T* x,
-                                          const float* mean, const float* rstd, int N, int C, int rows_per_chunk) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    int chunk = blockIdx.y;
-    if (c >= C) return;
-    int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
-    float a = 0.0f, b = 0.0f;
-    for (int r = r0; r < r1; r++) {
-        float g = to_float(dy[(int64_t)r * C + c]);
-        if (MODE == COLSUM_LAYERNORM) {
-            float xhat = (to_float(x[(int64_t)r * C + c]) - mean[r]) * rstd[r];
-            a += g * xhat; /* d weight */
-            b += g;        /* d bias */
-        } else {
-            a += g;
-        }
-    }
-    partial_a[(int64_t)chunk * C + c] = a;
-    if (MODE == COLSUM_LAYERNORM) partial_b[(int64_t)chunk * C + c] = b;
-}
-
-/* The same with 16-byte loads: each thread owns V adjacent columns (C % V == 0), so a warp reads
- * 512 contiguous bytes of a row instead of 64. Every column is still summed over the same rows in
- * the same order, so the results are bitwise those of the scalar kernel. */
-template <typename T, int MODE>
-__global__ void column_partial_sum_vec_kernel(float* partial_a, float* partial_b, const T* dy, const T* x,
-                                              const float* mean, const float* rstd, int N, int C, int rows_per_chunk) {
-    constexpr int V = vec16<T>::N;
-    int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
-    int chunk = blockIdx.y;
-    if (c >= C) return;
-    int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
-    float a[V], b[V], g[V], xv[V];
-#pragma unroll
-    for (int i = 0; i < V; i++) a[i] = b[i] = 0.0f;
-#pragma unroll 4
-    for (int r = r0; r < r1; r++) {
-        load16(g, dy + (int64_t)r * C + c);
-        if (MODE == COLSUM_LAYERNORM) {
-            load16(xv, x + (int64_t)r * C + c);
-            float m = mean[r], rs = rstd[r];
-#pragma unroll
-            for (int i = 0; i < V; i++) {
-                a[i] += g[i] * ((xv[i] - m) * rs);
-                b[i] += g[i];
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < V; i++) a[i] += g[i];
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < V; i++) {
-        partial_a[(int64_t)chunk * C + c + i] = a[i];
-        if (MODE == COLSUM_LAYERNORM) partial_b[(int64_t)chunk * C + c + i] = b[i];
-    }
-}
-
-/* Up to three column sums finished in one launch (blockIdx.y picks one; a NULL dst is skipped):
- * dst[c] (+)= the sum of partial[k, c] over the chunks k; `accumulate` 0 overwrites dst (the first
- * micro-batch of a step: the gradient buffer is not zeroed). A block [32 columns x 16 lanes of
- * chunks]: lane y sums chunks y, y+16, ..., then lane 0 adds the 16 in order (a fixed order:
- * deterministic). */
-__global__ void __launch_bounds__(512) column_final_sums_kernel(float* dst0, const float* p0, float* dst1,
-                                                                const float* p1, float* dst2, const float* p2,
-                                                                int chunks, int C, int accumulate) {
-    __shared__ float part[16][33];
-    float* dst = blockIdx.y == 0 ? dst0 : blockIdx.y == 1 ? dst1 : dst2;
-    const float* partial = blockIdx.y == 0 ? p0 : blockIdx.y == 1 ? p1 : p2;
-    if (!dst) return;
-    const int c = blockIdx.x * 32 + threadIdx.x;
-    float s = 0.0f;
-    if (c < C)
-        for (int k = threadIdx.y; k < chunks; k += 16) s += partial[(int64_t)k * C + c];
-    part[threadIdx.y][threadIdx.x] = s;
-    __syncthreads();
-    if (threadIdx.y == 0 && c < C) {
-        float total = 0.0f;
-#pragma unroll
-        for (int y = 0; y < 16; y++) total += part[y][threadIdx.x];
-        dst[c] = accumulate ? dst[c] + total : total;
-    }
-}
-
-/* dst_i[C] (+)= the sums over `chunks` partial rows of part_i [chunks, C], i < count (a NULL dst_i is
- * skipped); the step's first micro-batch overwrites (ex->mode.accumulate_gradients == 0) */
-static void column_final_sums(const mt_exec* ex, int count, int chunks, int C, float* dst0, const float* p0,
-                              float* dst1 = NULL, const float* p1 = NULL, float* dst2 = NULL, const float* p2 = NULL) {
-    column_final_sums_kernel<<<dim3(ceil_div(C, 32), count), dim3(32, 16), 0, ex->stream>>>(
-        dst0, p0, dst1, p1, dst2, p2, chunks, C, ex->mode.accumulate_gradients);
-    LAUNCH_CHECK(ex->error);
 }
 
 /* ---- The norm backward fused with every column sum that reads the same rows. A block walks tiles of
@@ -846,202 +1161,127 @@ __global__ void __launch_bounds__(256)
                                         part_b, part_prev);
 }
 
-/* ---- 2.5 Bias, residual, GELU (tanh approximation), SwiGLU. A NULL bias means the model has none
- *      (--disable-bias-linear). ---- */
-
+/* out = (x - mean) * rstd * w (+ b) over rows of [N, C], from the statistics the forward saved. */
 template <typename T>
-__global__ void bias_add_kernel(T* y, const T* bias, int64_t N, int C) {
-    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= N * C) return;
-    y[idx] = from_float<T>(to_float(y[idx]) + to_float(bias[idx % C]));
-}
-
-template <typename T>
-__global__ void residual_add_kernel(T* out, const T* a, const T* b, int64_t n) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
-}
-
-#define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
-template <typename T>
-__global__ void gelu_forward_kernel(T* out, const T* in, int64_t n) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float x = to_float(in[i]);
-    out[i] = from_float<T>(0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x))));
-}
-/* In place: d <- d * gelu'(x). */
-template <typename T>
-__global__ void gelu_backward_kernel(T* d, const T* in, int64_t n) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float x = to_float(in[i]);
-    float th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
-    float dtanh = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x) * (1.0f - th * th);
-    d[i] = from_float<T>(to_float(d[i]) * (0.5f * (1.0f + th) + 0.5f * x * dtanh));
-}
-
-/* gelu backward and bias add with 16-byte vectors (i indexes vectors; C % V == 0 for the bias). */
-template <typename T>
-__global__ void gelu_backward_vec_kernel(T* d, const T* in, int64_t vectors) {
+static void norm_apply(const mt_exec* ex, T* out, const T* x, const float* mean, const float* rstd, const T* w,
+                       const T* b, int N, int C) {
     constexpr int V = vec16<T>::N;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= vectors) return;
-    float g[V], x[V];
-    load16(g, d + i * V);
-    load16(x, in + i * V);
-#pragma unroll
-    for (int k = 0; k < V; k++) {
-        float th = tanhf(GELU_SCALE * (x[k] + 0.044715f * x[k] * x[k] * x[k]));
-        float dtanh = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x[k] * x[k]) * (1.0f - th * th);
-        g[k] *= 0.5f * (1.0f + th) + 0.5f * x[k] * dtanh;
+    int64_t n = (int64_t)N * C;
+    if (C % V == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
+        norm_apply_kernel<T, V><<<ceil_div(n / V, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C);
+    else
+        norm_apply_kernel<T, 1><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* out = norm(x): LayerNorm (w, b) or RMSNorm (w; b NULL, rms) over rows of [N, C]. */
+template <typename T>
+static void norm_forward(const mt_exec* ex, T* out, float* mean, float* rstd, const T* x, const T* w, const T* b,
+                         int N, int C, float eps, bool rms) {
+    if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
+        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
+    else
+        layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* sum = residual + branch + bias (the residual stream), then out = norm(sum): one kernel when a
+ * row fits the registers of one warp (C <= 32 * 8 vectors: hidden 2048 in bf16), else two. */
+#define RESIDUAL_NORM_MAXV 8
+template <typename T>
+static void residual_norm_forward(const mt_exec* ex, T* sum, T* out, float* mean, float* rstd, const T* residual,
+                                  T* branch, const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms) {
+    constexpr int V = vec16<T>::N;
+    if (C % V == 0 && C <= 32 * V * RESIDUAL_NORM_MAXV && aligned16(sum) && aligned16(out) && aligned16(residual) &&
+        aligned16(branch) && aligned16(bias) && aligned16(w) && aligned16(b)) {
+        residual_norm_forward_vec_kernel<T, RESIDUAL_NORM_MAXV><<<ceil_div(N, 8), 256, 0, ex->stream>>>(
+            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms);
+        LAUNCH_CHECK(ex->error);
+        return;
     }
-    store16(d + i * V, g);
-}
-template <typename T>
-__global__ void bias_add_vec_kernel(T* y, const T* bias, int64_t vectors, int C) {
-    constexpr int V = vec16<T>::N;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= vectors) return;
-    float a[V], b[V];
-    load16(a, y + i * V);
-    load16(b, bias + (i * V) % C);
-#pragma unroll
-    for (int k = 0; k < V; k++) a[k] += b[k];
-    store16(y + i * V, a);
+    bias_residual<T>(ex, sum, residual, branch, bias, N, C);
+    norm_forward<T>(ex, out, mean, rstd, sum, w, b, N, C, eps, rms);
 }
 
-/* Fused epilogues of the linears, 16-byte vectors, i indexes vectors of [N, C] (C % V == 0):
- * out = residual + branch + bias (a row-parallel linear's bias folded into the residual add), and
- * pre = y + bias, act = gelu(pre) (the first MLP linear; pre is kept for the backward). */
+/* Launches norm_backward_fused_kernel with `rows`-row tiles over at most max_blocks blocks (NJ = nj:
+ * 1, 2 or 4 groups of 256 vectors per row); returns the block count, i.e. the partial sums written. */
 template <typename T>
-__global__ void bias_residual_vec_kernel(T* out, const T* residual, const T* branch, const T* bias, int64_t vectors,
-                                         int C) {
-    constexpr int V = vec16<T>::N;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= vectors) return;
-    int64_t e = i * V;
-    float r[V], y[V], b[V];
-    load16(r, residual + e);
-    load16(y, branch + e);
-    if (bias) load16(b, bias + e % C);
-#pragma unroll
-    for (int k = 0; k < V; k++) r[k] += y[k] + (bias ? b[k] : 0.0f);
-    store16(out + e, r);
+static int norm_backward_fused(const mt_exec* ex, int nj, int rows, int max_blocks, T* dres,
+                               float* part_w, float* part_b, float* part_prev, const T* dy, const T* x, const T* w,
+                               const float* mean, const float* rstd, int N, int C, bool rms) {
+    const int tiles = ceil_div(N, rows), blocks = tiles < max_blocks ? tiles : max_blocks;
+    const size_t smem = (size_t)2 * 3 * rows * C * sizeof(T);
+    auto kernel = nj == 1 ? norm_backward_fused_kernel<T, 1>
+                  : nj == 2 ? norm_backward_fused_kernel<T, 2>
+                            : norm_backward_fused_kernel<T, 4>;
+    /* each instantiation's shared-memory limit is raised only when a launch needs more than before
+     * (once per process in training: rows * C is fixed by the model), not on every call */
+    static size_t limit[3] = {0, 0, 0};
+    size_t& set = limit[nj == 1 ? 0 : nj == 2 ? 1 : 2];
+    if (smem > set && CUDA_CHECK(ex->error, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)))
+        set = smem;
+    kernel<<<blocks, 256, smem, ex->stream>>>(dres, part_w, part_b, part_prev, dy, x, w, mean, rstd, N, C, rows, rms);
+    LAUNCH_CHECK(ex->error);
+    return blocks;
 }
 
+/* dresidual += d norm(x)/dx . dy ; dweight (and dbias, LayerNorm only) += their column sums (= when
+ * ex->mode.accumulate_gradients is 0); and
+ * dprev_bias (may be NULL) += the column sums of the updated dresidual: the bias gradient of the
+ * row-parallel linear whose output this residual stream received (see norm_backward_fused_kernel). */
 template <typename T>
-__global__ void bias_gelu_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int C) {
+static void norm_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dresidual, float* dweight, float* dbias,
+                          float* dprev_bias, const T* dy, const T* x, const T* w, const float* mean,
+                          const float* rstd, int N, int C, bool rms) {
     constexpr int V = vec16<T>::N;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= vectors) return;
-    int64_t e = i * V;
-    float y[V], b[V], a[V];
-    load16(y, pre + e);
-    if (bias) load16(b, bias + e % C);
-#pragma unroll
-    for (int k = 0; k < V; k++) {
-        /* round the pre-activation to T first: the backward recomputes gelu' from the stored value */
-        float x = to_float(from_float<T>(y[k] + (bias ? b[k] : 0.0f)));
-        y[k] = x;
-        a[k] = 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
+    const int nj = ceil_div(C / V, 256);
+    if (C % V == 0 && (nj == 1 || nj == 2 || nj == 4) && aligned16(dresidual) && aligned16(dy) && aligned16(x) &&
+        aligned16(w)) {
+        const int rows = norm_backward_tile_rows(C, sizeof(T));
+        const int blocks = norm_backward_fused<T>(ex, nj, rows, NORM_BWD_BLOCKS, dresidual, s->partial_a,
+                                                  dbias ? s->partial_b : NULL, dprev_bias ? s->partial_c : NULL, dy,
+                                                  x, w, mean, rstd, N, C, rms);
+        column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, ex->stream>>>(
+            dweight, s->partial_a, dbias, s->partial_b, dprev_bias, s->partial_c, blocks, C, ex->mode.accumulate_gradients);
+        LAUNCH_CHECK(ex->error);
+        return;
     }
-    store16(pre + e, y);
-    store16(act + e, a);
+    if (C % vec16<T>::N == 0 && aligned16(dresidual) && aligned16(dy) && aligned16(x) && aligned16(w))
+        layernorm_backward_input_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(dresidual, dy, x, w, mean, rstd,
+                                                                                      N, C, rms);
+    else
+        layernorm_backward_input_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(dresidual, dy, x, w, mean, rstd, N,
+                                                                                  C, rms);
+    int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
+    /* the 16-byte kernel gives each thread 8 columns (x2 sums), so at hidden sizes up to a few
+     * thousand it leaves most of the GPU idle: dev/cuda/fused_kernels.cu measured it at 91 us
+     * against the scalar kernel's 57 us (bitwise the same sums) at 16384 x 768 on an H100 */
+    if (C % vec16<T>::N == 0 && C / vec16<T>::N >= 1024 && aligned16(dy) && aligned16(x))
+        column_partial_sum_vec_kernel<T, COLSUM_LAYERNORM><<<dim3(ceil_div(C / vec16<T>::N, 256), chunks), 256, 0,
+                                                             ex->stream>>>(s->partial_a, s->partial_b, dy, x, mean, rstd,
+                                                                          N, C, rows);
+    else
+        column_partial_sum_kernel<T, COLSUM_LAYERNORM><<<dim3(ceil_div(C, 256), chunks), 256, 0, ex->stream>>>(
+            s->partial_a, s->partial_b, dy, x, mean, rstd, N, C, rows);
+    column_final_sums_kernel<<<dim3(ceil_div(C, 32), 2), dim3(32, 16), 0, ex->stream>>>(
+        dweight, s->partial_a, dbias, s->partial_b, NULL, NULL, chunks, C, ex->mode.accumulate_gradients);
+    LAUNCH_CHECK(ex->error);
+    if (dprev_bias) column_sum<T>(ex, s, dprev_bias, dresidual, N, C);
 }
 
-/* SwiGLU (Megatron's --swiglu): the first MLP linear gives pre [N, 2f] = [gate | up] per row;
- * act [N, f] = silu(gate) * up. The bias, if any, is added into pre first (rounded to T, as the
- * backward reads it back). i indexes elements (scalar) or vectors (vec) of act. */
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-
-template <typename T>
-__global__ void swiglu_forward_kernel(T* pre, T* act, const T* bias, int64_t N, int f) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= N * f) return;
-    int64_t row = i / f;
-    int col = (int)(i % f);
-    T* g = pre + row * 2 * f + col;
-    float gate = to_float(*g), up = to_float(g[f]);
-    if (bias) {
-        gate = to_float(from_float<T>(gate + to_float(bias[col])));
-        up = to_float(from_float<T>(up + to_float(bias[f + col])));
-        g[0] = from_float<T>(gate);
-        g[f] = from_float<T>(up);
-    }
-    act[i] = from_float<T>(silu(gate) * up);
-}
-
-/* dpre [N, 2f] from dact [N, f]: dgate = dact * up * silu'(gate), dup = dact * silu(gate), with
- * silu'(x) = s (1 + x (1 - s)), s = sigmoid(x). */
-template <typename T>
-__global__ void swiglu_backward_kernel(T* dpre, const T* dact, const T* pre, int64_t N, int f) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= N * f) return;
-    int64_t row = i / f;
-    int col = (int)(i % f);
-    float gate = to_float(pre[row * 2 * f + col]), up = to_float(pre[row * 2 * f + f + col]);
-    float s = 1.0f / (1.0f + expf(-gate)), d = to_float(dact[i]);
-    dpre[row * 2 * f + col] = from_float<T>(d * up * s * (1.0f + gate * (1.0f - s)));
-    dpre[row * 2 * f + f + col] = from_float<T>(d * gate * s);
-}
-
-template <typename T>
-__global__ void swiglu_forward_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int f) {
-    constexpr int V = vec16<T>::N;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= vectors) return;
-    int64_t row = i * V / f;
-    int col = (int)(i * V % f);
-    T* g = pre + row * 2 * f + col;
-    float gate[V], up[V], b[V], a[V];
-    load16(gate, g);
-    load16(up, g + f);
-    if (bias) {
-        load16(b, bias + col);
-#pragma unroll
-        for (int k = 0; k < V; k++) gate[k] = to_float(from_float<T>(gate[k] + b[k]));
-        load16(b, bias + f + col);
-#pragma unroll
-        for (int k = 0; k < V; k++) up[k] = to_float(from_float<T>(up[k] + b[k]));
-        store16(g, gate);
-        store16(g + f, up);
-    }
-#pragma unroll
-    for (int k = 0; k < V; k++) a[k] = silu(gate[k]) * up[k];
-    store16(act + i * V, a);
-}
-
-template <typename T>
-__global__ void swiglu_backward_vec_kernel(T* dpre, const T* dact, const T* pre, int64_t vectors, int f) {
-    constexpr int V = vec16<T>::N;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= vectors) return;
-    int64_t row = i * V / f;
-    int col = (int)(i * V % f);
-    float gate[V], up[V], d[V], dg[V];
-    load16(gate, pre + row * 2 * f + col);
-    load16(up, pre + row * 2 * f + f + col);
-    load16(d, dact + i * V);
-#pragma unroll
-    for (int k = 0; k < V; k++) {
-        float s = 1.0f / (1.0f + expf(-gate[k]));
-        dg[k] = d[k] * up[k] * s * (1.0f + gate[k] * (1.0f - s));
-        up[k] = d[k] * gate[k] * s;
-    }
-    store16(dpre + row * 2 * f + col, dg);
-    store16(dpre + row * 2 * f + f + col, up);
-}
-
-/* ---- 2.6 Attention pieces (the exact, simple path: scores are materialised per layer).
- *      The fused QKV row of one token is Megatron's grouped layout [groups, (q_per_group + 2), d]:
- *      q_1 .. q_{q_per_group}, k, v for each query group. Heads of one group share K and V, which
- *      are kept once per group (never repeated per head).
- *      RoPE (Megatron's non-interleaved form) rotates the first `rot` channels of every q and k
- *      head at position t: with half = rot/2, c = cos(t w_i), s = sin(t w_i), i = e mod half,
- *        y[e] = x[e] c - x[e + half] s   (e < half),   y[e] = x[e] c + x[e - half] s   (half <= e < rot).
- *      It is fused into the split (and its transpose into the gradient merge); rot = 0 without
- *      RoPE. cos/sin tables are [T, half] fp32. ---- */
+/* ============================================================================================== */
+/* 7. Attention layout and RoPE                                                                   */
+/*    The fused QKV row of one token is Megatron's grouped layout [groups, (q_per_group + 2),     */
+/*    d]: q_1 .. q_{q_per_group}, k, v for each query group. Heads of one group share K and V,    */
+/*    which are kept once per group (never repeated per head). RoPE (Megatron's non-interleaved   */
+/*    form) rotates the first `rot` channels of every q and k head at position t: with half =     */
+/*    rot/2, c = cos(t w_i), s = sin(t w_i), i = e mod half,                                      */
+/*      y[e] = x[e] c - x[e + half] s   (e < half),                                               */
+/*      y[e] = x[e] c + x[e - half] s   (half <= e < rot).                                        */
+/*    The exact path splits the rows into head layouts with RoPE fused (and merges the gradients  */
+/*    with its transpose); the flash path rotates q and k in place in the rows. cos/sin tables    */
+/*    [T, half] fp32.                                                                             */
+/* ============================================================================================== */
 
 /* Where channel e of QKV-row slot `slot` of group g goes: q [B, heads, T, d], k and v [B, groups, T, d]. */
 __device__ __forceinline__ int64_t qkv_destination(int slot, int qpg, int g, int b, int t, int e, int seq, int heads,
@@ -1209,7 +1449,7 @@ static bool qkv_permute_vectorised(const mt_attention_dims& a) {
     constexpr int V = vec16<T>::N;
     return a.d % V == 0 && (a.rot == 0 || (a.rot / 2) % V == 0);
 }
-/* qkv [BT, qkv_width] -> q [B, heads, T, d], k, v [B, groups, T, d], RoPE applied to q and k */
+/* qkv [BT, qkv_width] -> q [B, heads, T, d], k, v [B, groups, T, d], RoPE applied to q and k     */
 template <typename T>
 static void split_qkv(const mt_exec* ex, const mt_attention_dims& a, T* q, T* k, T* v, const T* qkv) {
     int64_t n = (int64_t)a.B * a.S * (a.heads + 2 * a.groups) * a.d;
@@ -1265,6 +1505,14 @@ static void rope_qkv_rows(const mt_exec* ex, const mt_attention_dims& a, T* qkv,
     LAUNCH_CHECK(ex->error);
 }
 
+/* ============================================================================================== */
+/* 8. Exact attention                                                                             */
+/*    The simple path (fp32, fp16, and bf16 head dims other than 64/128): the scores are          */
+/*    materialised per layer, softmax(scale * Q K^T) with the causal mask in place, and its       */
+/*    backward dS = scale * P * (dP - rowsum(dP * P)). The GEMMs around it are in the model       */
+/*    (section 15).                                                                               */
+/* ============================================================================================== */
+
 /* Causal softmax in place over rows of scores [B*heads, T, T]: p = softmax(scale * s) over k <= q,
  * exactly 0 above the diagonal. One warp per row. */
 template <typename T>
@@ -1314,12 +1562,15 @@ static void causal_softmax_backward(const mt_exec* ex, T* dscores, const T* prob
     LAUNCH_CHECK(ex->error);
 }
 
-typedef __nv_bfloat16 bf16;
+/* ============================================================================================== */
+/* 9. Flash attention (bf16)                                                                      */
+/*    Causal flash attention on tensor cores for head dims 64 and 128, deterministic (no          */
+/*    atomics): device helpers, forward, backward (dK/dV and dQ kernels), launchers. The lab      */
+/*    dev/cuda/flash_attention.cu checks it against a CPU reference, times it and explains the    */
+/*    design.                                                                                     */
+/* ============================================================================================== */
 
-/* ============================================================================================== */
-/* 2.7 Flash attention (bf16 path): device helpers, forward, backward, launchers. Moved from the     */
-/*     lab dev/cuda/flash_attention.cu, which keeps its checks and benchmark and explains the design. */
-/* ============================================================================================== */
+typedef __nv_bfloat16 bf16;
 
 namespace fa {
 
@@ -1516,7 +1767,7 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[MT][N / 8][4], const bf16*
         }
     }
 }
-/* Same, with A already in registers as fragments a[MT][D/16][4] (the forward keeps Q there). */
+/* Same, with A already in registers as fragments a[MT][D/16][4] (the forward keeps Q there).     */
 template <int MT, int N, int D>
 __device__ __forceinline__ void gemm_abt_rega(float (&acc)[MT][N / 8][4], const uint32_t (&a)[MT][D / 16][4],
                                               const bf16* sB, int lane) {
@@ -1560,7 +1811,7 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MT][D / 8][4], const float 
 }
 
 /* ============================================================================================== */
-/* 2.7.2 Forward                                                                                       */
+/* 9.2 Forward                                                                                    */
 /* ============================================================================================== */
 
 /* Shared memory: sQ [BM][D+8], sK [2][BN][D+8], sV [2][BN][D+8] (two stages each). */
@@ -1708,7 +1959,7 @@ __global__ void __launch_bounds__(32 * WARPS)
 }
 
 /* ============================================================================================== */
-/* 2.7.3 Backward                                                                                      */
+/* 9.3 Backward                                                                                   */
 /* ============================================================================================== */
 
 /* Dsum[(b*H + h)*T + t] = sum_e dO[b,h,t][e] * O[b,h,t][e], D/8 threads per row, 16-byte loads. */
@@ -2012,7 +2263,7 @@ __global__ void __launch_bounds__(32 * WARPS)
 }
 
 /* ============================================================================================== */
-/* 2.7.4 Host launchers                                                                                */
+/* 9.4 Host launchers                                                                             */
 /* ============================================================================================== */
 
 /* Tile choices (rows of queries per CTA, warps per CTA). The forward keeps Q fragments in registers,
@@ -2156,9 +2407,15 @@ static cudaError_t flash_attention_backward(attn_view dQ, attn_view dK, attn_vie
                    : fa::backward_d<128>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum);
 }
 
-/* ---- 2.8 Cross entropy fused with softmax: one block per token. Loss in fp32 over all padded
- *      vocabulary columns (as Megatron); when grad_scale != 0 the logits are overwritten in place by
- *      d loss / d logits = (softmax - onehot) * grad_scale, so probabilities are never stored. ---- */
+/* ============================================================================================== */
+/* 10. Cross entropy                                                                              */
+/*    Fused with the softmax: one block per token, the loss in fp32 over all padded vocabulary    */
+/*    columns (as Megatron); when grad_scale != 0 the logits are overwritten in place by d loss   */
+/*    / d logits = (softmax - onehot) * grad_scale, so probabilities are never stored. With       */
+/*    tensor parallelism (Megatron's VocabParallelCrossEntropy) each rank computes its columns'   */
+/*    (max, sum, target logit), the ranks exchange them, and every rank combines them in rank     */
+/*    order.                                                                                      */
+/* ============================================================================================== */
 
 template <typename T>
 __global__ void cross_entropy_kernel(T* logits, float* losses, const int32_t* targets, int V, float grad_scale) {
@@ -2313,7 +2570,14 @@ static void cross_entropy_combine(const mt_exec* ex, T* logits, float* losses, c
     LAUNCH_CHECK(ex->error);
 }
 
-/* ---- 2.9 Gradient norm: fixed grid of partial sums in double, then one block in fixed order. ---- */
+/* ============================================================================================== */
+/* 11. Gradient norm and AdamW                                                                    */
+/*    The optimizer's work comes in chunks (mt_opt_chunk) of the owned parameter elements. The    */
+/*    global gradient norm: a fixed grid of partial sums in double, then one block in fixed       */
+/*    order. AdamW (apex/ TE FusedAdam, adam_w_mode): the fp32 master is updated and the model    */
+/*    copy (bf16/fp16) rewritten from it, one launch for every chunk; grad_scale folds clipping   */
+/*    and the fp16 loss-scale unscaling.                                                          */
+/* ============================================================================================== */
 
 /* A piece of the optimizer's work: `length` elements of one parameter, at `buffer` in the
  * parameter/gradient buffers and at `master` in the optimizer's shard. */
@@ -2375,10 +2639,6 @@ static void gradient_sum_squares(const mt_exec* ex, double* partial, const mt_op
     sum_partials_kernel<<<1, 256, 0, ex->stream>>>(partial + num_chunks, partial, num_chunks);
     LAUNCH_CHECK(ex->error);
 }
-
-/* ---- 2.10 AdamW (apex/TE FusedAdam, adam_w_mode): the fp32 master is updated and the model copy
- *      (when the model runs in bf16/fp16) rewritten from it. grad_scale folds clipping and the fp16
- *      loss-scale unscaling. ---- */
 
 /* One element's step: g is the (scaled) gradient; m, v, p (the fp32 master) are updated in place. */
 __device__ __forceinline__ void adamw_element(float g, float& m, float& v, float& p, float lr, float beta1, float beta2,
@@ -2452,13 +2712,14 @@ static void adamw_update(const mt_exec* ex, const mt_adamw_step* h, const mt_opt
 }
 
 /* ============================================================================================== */
-/* 3. GEMM: row-major C[M,N] = op(A) op(B) through cuBLASLt (column-major underneath), A and B in   */
-/*    the model type, C in the model type or fp32 (weight gradients accumulate straight into the   */
+/* 12. GEMM                                                                                       */
+/*    Row-major C[M,N] = op(A) op(B) through cuBLASLt (column-major underneath), A and B in the   */
+/*    model type, C in the model type or fp32 (weight gradients accumulate straight into the      */
 /*    fp32 gradient buffer with beta = 1), always fp32 accumulation, batched by strides. Each     */
-/*    distinct GEMM (shapes, types, pointer alignment, epilogue) gets a plan once: descriptors,  */
-/*    layouts and the heuristic's algorithm, cached for the trainer's life. Epilogues fuse bias  */
-/*    + GELU into the first MLP GEMM (keeping the pre-activation as cuBLASLt's aux output) and   */
-/*    GELU's derivative into the second MLP GEMM's input gradient.                              */
+/*    distinct GEMM (shapes, types, pointer alignment, epilogue) gets a plan once: descriptors,   */
+/*    layouts and the heuristic's algorithm, cached for the trainer's life (mt_gemm_plans).       */
+/*    Epilogues fuse bias + GELU into the first MLP GEMM (keeping the pre-activation as           */
+/*    cuBLASLt's aux output) and GELU's derivative into the second MLP GEMM's input gradient.     */
 /* ============================================================================================== */
 
 typedef enum {
@@ -2645,12 +2906,14 @@ static void gemm(const mt_exec* ex, bool transA, bool transB, int M, int N, int 
 }
 
 /* ============================================================================================== */
-/* 4. Process groups                                                                               */
-/*    Megatron's rank layout (megatron.h: tp-cp-ep-dp-pp) gives each rank its coordinates. One     */
+/* 13. Process groups                                                                             */
+/*    Megatron's rank layout (megatron.h: tp-cp-ep-dp-pp) gives each rank its coordinates. One    */
 /*    NCCL communicator spans the job; it is split into the tensor-parallel group (the TP ranks   */
 /*    of one model replica, contiguous ranks) and the data-parallel group (the ranks that hold    */
 /*    the same shard, stride TP). Each group's collectives run on a stream of their own: TP       */
-/*    collectives sit on the model's critical path, DP reductions overlap the backward.          */
+/*    collectives sit on the model's critical path, DP reductions overlap the backward.           */
+/*    mt_process_groups is the one place a rank's parallel sizes and coordinates live once the    */
+/*    trainer exists.                                                                             */
 /* ============================================================================================== */
 
 /* The tensor-parallel group as the model uses it: collectives of activations in the model type, on
@@ -2766,50 +3029,17 @@ static void process_groups_free(mt_process_groups* g) {
     memset(g, 0, sizeof(*g));
 }
 
-
 /* ============================================================================================== */
-/* 5. Parallel layers                                                                              */
-/*    linear_forward/backward: y = x W^T + b, W stored [out, in], weight and bias gradients        */
-/*    accumulated in fp32. Megatron's tensor parallelism around them: a column-parallel linear    */
-/*    holds rows of W (its output columns) and needs the whole input; a row-parallel linear holds  */
-/*    columns of W and produces partial sums, added over the TP group. Without sequence            */
-/*    parallelism the input is whole on every rank and the sums are all-reduced; with it, the     */
-/*    regions between (norms, residuals) hold R = BT/TP rows per rank: an all-gather before each   */
-/*    column-parallel linear and a reduce-scatter after each row-parallel one replace the         */
-/*    all-reduce (and swap roles in the backward). At TP = 1 every collective vanishes and these  */
-/*    are the plain linears.                                                                       */
+/* 14. Parallel layers                                                                            */
+/*    linear_forward/backward: y = x W^T + b, W stored [out, in], weight and bias gradients in    */
+/*    fp32. Megatron's tensor parallelism around them: a column-parallel linear holds rows of W   */
+/*    (its output columns) and needs the whole input; a row-parallel linear holds columns of W    */
+/*    and produces partial sums, added over the TP group. Without sequence parallelism the input  */
+/*    is whole on every rank and the sums are all-reduced; with it, the regions between (norms,   */
+/*    residuals) hold R = BT/TP rows per rank: an all-gather before each column-parallel linear   */
+/*    and a reduce-scatter after each row-parallel one replace the all-reduce (and swap roles in  */
+/*    the backward). At TP = 1 every collective vanishes and these are the plain linears.         */
 /* ============================================================================================== */
-
-
-typedef struct {
-    float* partial_a; /* [chunks, max_columns] fp32 scratch for column sums */
-    float* partial_b;
-    float* partial_c;
-    int max_chunks;
-} mt_colsum_scratch;
-
-static int colsum_chunks(int N, int max_chunks, int* rows_per_chunk) {
-    int rows = ceil_div(N, max_chunks);
-    if (rows < 1) rows = 1;
-    *rows_per_chunk = rows;
-    return ceil_div(N, rows);
-}
-
-/* dst[c] += sum_r dy[r, c] (= when ex->mode.accumulate_gradients is 0) */
-template <typename T>
-static void column_sum(const mt_exec* ex, mt_colsum_scratch* s, float* dst, const T* dy, int N, int C) {
-    int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
-    if (C % vec16<T>::N == 0 && aligned16(dy))
-        column_partial_sum_vec_kernel<T, COLSUM_PLAIN><<<dim3(ceil_div(C / vec16<T>::N, 256), chunks), 256, 0,
-                                                         ex->stream>>>(s->partial_a, NULL, dy, NULL, NULL, NULL, N, C,
-                                                                      rows);
-    else
-        column_partial_sum_kernel<T, COLSUM_PLAIN><<<dim3(ceil_div(C, 256), chunks), 256, 0, ex->stream>>>(
-            s->partial_a, NULL, dy, NULL, NULL, NULL, N, C, rows);
-    column_final_sums_kernel<<<dim3(ceil_div(C, 32), 1), dim3(32, 16), 0, ex->stream>>>(
-        dst, s->partial_a, NULL, NULL, NULL, NULL, chunks, C, ex->mode.accumulate_gradients);
-    LAUNCH_CHECK(ex->error);
-}
 
 /* y[N, out] = x[N, in] W[out, in]^T (+ bias, in the GEMM's epilogue where cuBLASLt has one) */
 template <typename T>
@@ -2828,9 +3058,6 @@ static void linear_forward(const mt_exec* ex, T* y, const T* x, const T* weight,
         LAUNCH_CHECK(ex->error);
     }
 }
-
-template <typename T>
-static void gelu_backward(const mt_exec* ex, T* d, const T* pre, int64_t n);
 
 /* dW[out, in] += dy^T x (fp32) and, when dbias != NULL, dbias[out] += column sums of dy [N, out] (both
  * overwrite when ex->mode.accumulate_gradients is 0: beta = 0). The
@@ -2923,184 +3150,16 @@ static void row_parallel_backward(const mt_exec* ex, mt_colsum_scratch* s, mt_tp
     linear_backward<T>(ex, s, dx, dweight, (float*)NULL, dy, x, weight, BT, in, out, gelu_pre);
 }
 
-/* out = (x - mean) * rstd * w (+ b) over rows of [N, C], from the statistics the forward saved. */
-template <typename T>
-static void norm_apply(const mt_exec* ex, T* out, const T* x, const float* mean, const float* rstd, const T* w,
-                       const T* b, int N, int C) {
-    constexpr int V = vec16<T>::N;
-    int64_t n = (int64_t)N * C;
-    if (C % V == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
-        norm_apply_kernel<T, V><<<ceil_div(n / V, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C);
-    else
-        norm_apply_kernel<T, 1><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C);
-    LAUNCH_CHECK(ex->error);
-}
-
-/* out = norm(x): LayerNorm (w, b) or RMSNorm (w; b NULL, rms) over rows of [N, C]. */
-template <typename T>
-static void norm_forward(const mt_exec* ex, T* out, float* mean, float* rstd, const T* x, const T* w, const T* b,
-                         int N, int C, float eps, bool rms) {
-    if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
-        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
-    else
-        layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
-    LAUNCH_CHECK(ex->error);
-}
-
-/* out[N, C] = residual + branch + bias[C] (bias may be NULL) */
-template <typename T>
-static void bias_residual(const mt_exec* ex, T* out, const T* residual, T* branch, const T* bias, int N, int C) {
-    int64_t n = (int64_t)N * C;
-    if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(residual) && aligned16(branch) && aligned16(bias)) {
-        int64_t vectors = n / vec16<T>::N;
-        bias_residual_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, ex->stream>>>(out, residual, branch, bias, vectors, C);
-    } else {
-        if (bias) bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(branch, bias, N, C);
-        residual_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, residual, branch, n);
-    }
-    LAUNCH_CHECK(ex->error);
-}
-
-/* sum = residual + branch + bias (the residual stream), then out = norm(sum): one kernel when a
- * row fits the registers of one warp (C <= 32 * 8 vectors: hidden 2048 in bf16), else two. */
-#define RESIDUAL_NORM_MAXV 8
-template <typename T>
-static void residual_norm_forward(const mt_exec* ex, T* sum, T* out, float* mean, float* rstd, const T* residual,
-                                  T* branch, const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms) {
-    constexpr int V = vec16<T>::N;
-    if (C % V == 0 && C <= 32 * V * RESIDUAL_NORM_MAXV && aligned16(sum) && aligned16(out) && aligned16(residual) &&
-        aligned16(branch) && aligned16(bias) && aligned16(w) && aligned16(b)) {
-        residual_norm_forward_vec_kernel<T, RESIDUAL_NORM_MAXV><<<ceil_div(N, 8), 256, 0, ex->stream>>>(
-            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms);
-        LAUNCH_CHECK(ex->error);
-        return;
-    }
-    bias_residual<T>(ex, sum, residual, branch, bias, N, C);
-    norm_forward<T>(ex, out, mean, rstd, sum, w, b, N, C, eps, rms);
-}
-
-/* pre[N, C] += bias (may be NULL); act = gelu(pre) */
-template <typename T>
-static void bias_gelu(const mt_exec* ex, T* pre, T* act, const T* bias, int N, int C) {
-    int64_t n = (int64_t)N * C;
-    if (C % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias)) {
-        int64_t vectors = n / vec16<T>::N;
-        bias_gelu_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, ex->stream>>>(pre, act, bias, vectors, C);
-    } else {
-        if (bias) bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(pre, bias, N, C);
-        gelu_forward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(act, pre, n);
-    }
-    LAUNCH_CHECK(ex->error);
-}
-
-/* pre[N, 2f] += bias (may be NULL); act[N, f] = silu(gate) * up */
-template <typename T>
-static void bias_swiglu(const mt_exec* ex, T* pre, T* act, const T* bias, int N, int f) {
-    int64_t n = (int64_t)N * f;
-    if (f % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias))
-        swiglu_forward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(pre, act, bias,
-                                                                                           n / vec16<T>::N, f);
-    else
-        swiglu_forward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(pre, act, bias, N, f);
-    LAUNCH_CHECK(ex->error);
-}
-
-/* d <- d * gelu'(pre), in place over [n] */
-template <typename T>
-static void gelu_backward(const mt_exec* ex, T* d, const T* pre, int64_t n) {
-    if (n % vec16<T>::N == 0 && aligned16(d) && aligned16(pre))
-        gelu_backward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(d, pre, n / vec16<T>::N);
-    else
-        gelu_backward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(d, pre, n);
-    LAUNCH_CHECK(ex->error);
-}
-
-/* dpre[N, 2f] from dact[N, f] and pre[N, 2f] */
-template <typename T>
-static void swiglu_backward(const mt_exec* ex, T* dpre, const T* dact, const T* pre, int N, int f) {
-    int64_t n = (int64_t)N * f;
-    if (f % vec16<T>::N == 0 && aligned16(dpre) && aligned16(dact) && aligned16(pre))
-        swiglu_backward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(dpre, dact, pre,
-                                                                                            n / vec16<T>::N, f);
-    else
-        swiglu_backward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(dpre, dact, pre, N, f);
-    LAUNCH_CHECK(ex->error);
-}
-
-/* Launches norm_backward_fused_kernel with `rows`-row tiles over at most max_blocks blocks (NJ = nj:
- * 1, 2 or 4 groups of 256 vectors per row); returns the block count, i.e. the partial sums written. */
-template <typename T>
-static int norm_backward_fused(const mt_exec* ex, int nj, int rows, int max_blocks, T* dres,
-                               float* part_w, float* part_b, float* part_prev, const T* dy, const T* x, const T* w,
-                               const float* mean, const float* rstd, int N, int C, bool rms) {
-    const int tiles = ceil_div(N, rows), blocks = tiles < max_blocks ? tiles : max_blocks;
-    const size_t smem = (size_t)2 * 3 * rows * C * sizeof(T);
-    auto kernel = nj == 1 ? norm_backward_fused_kernel<T, 1>
-                  : nj == 2 ? norm_backward_fused_kernel<T, 2>
-                            : norm_backward_fused_kernel<T, 4>;
-    /* each instantiation's shared-memory limit is raised only when a launch needs more than before
-     * (once per process in training: rows * C is fixed by the model), not on every call */
-    static size_t limit[3] = {0, 0, 0};
-    size_t& set = limit[nj == 1 ? 0 : nj == 2 ? 1 : 2];
-    if (smem > set && CUDA_CHECK(ex->error, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)))
-        set = smem;
-    kernel<<<blocks, 256, smem, ex->stream>>>(dres, part_w, part_b, part_prev, dy, x, w, mean, rstd, N, C, rows, rms);
-    LAUNCH_CHECK(ex->error);
-    return blocks;
-}
-
-/* dresidual += d norm(x)/dx . dy ; dweight (and dbias, LayerNorm only) += their column sums (= when
- * ex->mode.accumulate_gradients is 0); and
- * dprev_bias (may be NULL) += the column sums of the updated dresidual: the bias gradient of the
- * row-parallel linear whose output this residual stream received (see norm_backward_fused_kernel). */
-template <typename T>
-static void norm_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dresidual, float* dweight, float* dbias,
-                          float* dprev_bias, const T* dy, const T* x, const T* w, const float* mean,
-                          const float* rstd, int N, int C, bool rms) {
-    constexpr int V = vec16<T>::N;
-    const int nj = ceil_div(C / V, 256);
-    if (C % V == 0 && (nj == 1 || nj == 2 || nj == 4) && aligned16(dresidual) && aligned16(dy) && aligned16(x) &&
-        aligned16(w)) {
-        const int rows = norm_backward_tile_rows(C, sizeof(T));
-        const int blocks = norm_backward_fused<T>(ex, nj, rows, NORM_BWD_BLOCKS, dresidual, s->partial_a,
-                                                  dbias ? s->partial_b : NULL, dprev_bias ? s->partial_c : NULL, dy,
-                                                  x, w, mean, rstd, N, C, rms);
-        column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, ex->stream>>>(
-            dweight, s->partial_a, dbias, s->partial_b, dprev_bias, s->partial_c, blocks, C, ex->mode.accumulate_gradients);
-        LAUNCH_CHECK(ex->error);
-        return;
-    }
-    if (C % vec16<T>::N == 0 && aligned16(dresidual) && aligned16(dy) && aligned16(x) && aligned16(w))
-        layernorm_backward_input_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(dresidual, dy, x, w, mean, rstd,
-                                                                                      N, C, rms);
-    else
-        layernorm_backward_input_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(dresidual, dy, x, w, mean, rstd, N,
-                                                                                  C, rms);
-    int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
-    /* the 16-byte kernel gives each thread 8 columns (x2 sums), so at hidden sizes up to a few
-     * thousand it leaves most of the GPU idle: dev/cuda/fused_kernels.cu measured it at 91 us
-     * against the scalar kernel's 57 us (bitwise the same sums) at 16384 x 768 on an H100 */
-    if (C % vec16<T>::N == 0 && C / vec16<T>::N >= 1024 && aligned16(dy) && aligned16(x))
-        column_partial_sum_vec_kernel<T, COLSUM_LAYERNORM><<<dim3(ceil_div(C / vec16<T>::N, 256), chunks), 256, 0,
-                                                             ex->stream>>>(s->partial_a, s->partial_b, dy, x, mean, rstd,
-                                                                          N, C, rows);
-    else
-        column_partial_sum_kernel<T, COLSUM_LAYERNORM><<<dim3(ceil_div(C, 256), chunks), 256, 0, ex->stream>>>(
-            s->partial_a, s->partial_b, dy, x, mean, rstd, N, C, rows);
-    column_final_sums_kernel<<<dim3(ceil_div(C, 32), 2), dim3(32, 16), 0, ex->stream>>>(
-        dweight, s->partial_a, dbias, s->partial_b, NULL, NULL, chunks, C, ex->mode.accumulate_gradients);
-    LAUNCH_CHECK(ex->error);
-    if (dprev_bias) column_sum<T>(ex, s, dprev_bias, dresidual, N, C);
-}
-
 /* ============================================================================================== */
-/* 6. The model                                                                                    */
-/*    Parameters: one buffer in Megatron's DDP layout (megatron.h mt_buffer_layout: reverse model  */
-/*    order, buckets) of this tensor-parallel rank's shard; param_ptr(t, tensor, layer) finds a   */
-/*    slice. Activations: one arena for one micro-batch, sized at creation. Shapes below are a    */
-/*    rank's: heads, groups, f and V are the full model's divided by TP; the norm and residual    */
-/*    regions hold R rows (BT, or BT/TP with sequence parallelism: the micro-batch's [B*T] rows   */
-/*    cut into TP consecutive blocks, Megatron's [s/tp, b, h] in this codebase's row order).       */
+/* 15. The model                                                                                  */
+/*    Parameters: one buffer in Megatron's DDP layout (megatron.h mt_buffer_layout: reverse       */
+/*    model order, buckets) of this tensor-parallel rank's shard; layer_params / layer_grads      */
+/*    name one layer's tensors in it. Activations: one arena for one micro-batch, sized at        */
+/*    creation; layer_activations names one layer's. Shapes below are a rank's: heads, groups, f  */
+/*    and V are the full model's divided by TP; the norm and residual regions hold R rows (BT,    */
+/*    or BT/TP with sequence parallelism: the micro-batch's [B*T] rows cut into TP consecutive    */
+/*    blocks, Megatron's [s/tp, b, h] in this codebase's row order). Then the attention layer     */
+/*    (exact or flash), the forward and the backward of one stage.                                */
 /* ============================================================================================== */
 
 typedef struct {
@@ -3664,9 +3723,11 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) 
 }
 
 /* ============================================================================================== */
-/* 7. Pipeline engine                                                                              */
-/*    One stage: a "schedule" is the micro-batches in order, forward then backward for each.       */
-/*    This section stages one micro-batch's tokens onto the device and runs it.                    */
+/* 16. The micro-batch loop                                                                       */
+/*    One stage, the micro-batches in order, forward then backward for each (pipeline schedules   */
+/*    are not built yet). Stages one micro-batch's tokens onto the device, builds its mode        */
+/*    (first micro-batch overwrites gradients, the last one's backward starts the DP reductions)  */
+/*    and runs it.                                                                                */
 /* ============================================================================================== */
 
 /* Builds the word-embedding backward index of one micro-batch on the host: the distinct tokens of
@@ -3794,8 +3855,8 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
 }
 
 /* ============================================================================================== */
-/* 8. Optimizer: data-parallel buckets, global gradient norm, clipping, Megatron's fp16           */
-/*    DynamicGradScaler, AdamW over this rank's shard, and the all-gather of the new parameters.   */
+/* 17. Optimizer: data-parallel buckets, global gradient norm, clipping, Megatron's fp16          */
+/*    DynamicGradScaler, AdamW over this rank's shard, and the all-gather of the new parameters.  */
 /*    Every DP collective runs on the communication stream, in the same order on every rank; the  */
 /*    compute stream and the communication stream hand over with events.                          */
 /* ============================================================================================== */
@@ -3983,16 +4044,16 @@ static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
 }
 
 /* ============================================================================================== */
-/* 9. Checkpoints                                                                                  */
-/*    <dir>/iter_0000100/mp_rank_00/model_optim_rng.bin: a header (magic, version, model shape,    */
-/*    progress counters), then the fp32 master weights, Adam m and v, each in canonical order, so  */
-/*    a checkpoint does not depend on the buffer layout or the number of data-parallel ranks.      */
-/*    With the distributed optimizer the file holds the master weights only, and every DP rank r   */
-/*    writes its shard of master, m and v to distrib_optim_dp<r>.bin beside it (Megatron's         */
+/* 18. Checkpoints                                                                                */
+/*    <dir>/iter_0000100/mp_rank_00/model_optim_rng.bin: a header (magic, version, model shape,   */
+/*    progress counters), then the fp32 master weights, Adam m and v, each in canonical order,    */
+/*    so a checkpoint does not depend on the buffer layout or the number of data-parallel ranks.  */
+/*    With the distributed optimizer the file holds the master weights only, and every DP rank r  */
+/*    writes its shard of master, m and v to distrib_optim_dp<r>.bin beside it (Megatron's        */
 /*    distrib_optim.pt); such a checkpoint resumes on the same number of ranks. With tensor       */
 /*    parallelism each TP rank's shard goes to mp_rank_<tp>/ and resumes at the same TP. All is   */
 /*    written into a temporary directory that rank 0 renames into place once every rank has       */
-/*    written; latest_checkpointed_iteration.txt comes last. Ranks share the file system.          */
+/*    written; latest_checkpointed_iteration.txt comes last. Ranks share the file system.         */
 /* ============================================================================================== */
 
 /* the header words: megatron.h, MT_CK_* */
@@ -4015,7 +4076,6 @@ static mt_status remove_tree(const char* path) {
     closedir(d);
     return rmdir(path) == 0 ? MT_OK : MT_ERR_IO;
 }
-
 
 /* ---- fp32 arrays between the optimizer shard, the full buffer layout, and canonical order ---- */
 
@@ -4324,7 +4384,7 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
 }
 
 /* ============================================================================================== */
-/* 10. The trainer API                                                                             */
+/* 19. The trainer API                                                                            */
 /* ============================================================================================== */
 
 /* Carves the activation arena. With base == NULL it only measures (returns the size in bytes). */
