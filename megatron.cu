@@ -3112,42 +3112,58 @@ static T* row_parallel_output(mt_tp_group* tp, T* y, T* rows, int BT, int R, int
     return tp->sp ? rows : y;
 }
 
+/* What the backward of every parallel linear of one micro-batch shares: the execution context, the
+ * column-sum scratch, the TP group, the row counts (BT whole, R in the norm/residual regions) and
+ * the sequence-parallel staging buffers. */
+template <typename T>
+struct parallel_backward_ctx {
+    const mt_exec* ex;
+    mt_colsum_scratch* cs;
+    mt_tp_group* tp;
+    int BT, R;
+    T* gathered;      /* [BT, h]: a linear's input gathered again (SP) */
+    T* gathered_grad; /* [BT, h]: a row-parallel output's gradient gathered (SP) */
+    T* rows;          /* [R, h]: an input gradient reduce-scattered to this rank's rows (SP) */
+};
+
 /* Backward of a column-parallel linear y [BT, out] = x W^T (+ b), W this rank's [out, in], whose
  * input came from x_saved (with sequence parallelism its R rows, gathered again here into
- * `gathered`). d x is partial over TP: its all-reduce (or reduce-scatter into dx_rows) runs while
- * the weight gradient is computed. Returns d x: dx [BT, in] whole, or dx_rows [R, in]. */
+ * pc.gathered). d x is partial over TP: its all-reduce (or reduce-scatter into pc.rows) runs while
+ * the weight gradient is computed. Returns d x: dx [BT, in] whole, or pc.rows [R, in]. */
 template <typename T>
-static T* column_parallel_backward(const mt_exec* ex, mt_colsum_scratch* s, mt_tp_group* tp, T* dx, T* dx_rows,
-                                   T* gathered, float* dweight, float* dbias, const T* dy, const T* x_saved,
-                                   const T* weight, int BT, int R, int in, int out) {
+static T* column_parallel_backward(const parallel_backward_ctx<T>& pc, T* dx, float* dweight, float* dbias,
+                                   const T* dy, const T* x_saved, const T* weight, int in, int out) {
+    const mt_exec* ex = pc.ex;
+    mt_tp_group* tp = pc.tp;
+    const int BT = pc.BT, R = pc.R;
     const T* x = x_saved;
     if (tp->sp) { /* issued first: it overlaps the dgrad GEMM */
-        tp_all_gather(tp, gathered, x_saved, (size_t)R * in, tp->type);
+        tp_all_gather(tp, pc.gathered, x_saved, (size_t)R * in, tp->type);
         tp_mark(tp);
-        x = gathered;
+        x = pc.gathered;
     }
     gemm<T, T>(ex, false, false, BT, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
     if (tp->size > 1) {
-        if (tp->sp) tp_reduce_scatter(tp, dx_rows, dx, (size_t)R * in, tp->type);
+        if (tp->sp) tp_reduce_scatter(tp, pc.rows, dx, (size_t)R * in, tp->type);
         else tp_all_reduce(tp, dx, (size_t)BT * in, tp->type);
     }
     if (tp->sp) tp_join_mark(tp); /* the input is gathered; the reduction may still run */
-    weight_gradient<T>(ex, s, dweight, dbias, dy, x, BT, in, out);
+    weight_gradient<T>(ex, pc.cs, dweight, dbias, dy, x, BT, in, out);
     if (tp->size > 1) tp_join(tp);
-    return tp->sp ? dx_rows : dx;
+    return tp->sp ? pc.rows : dx;
 }
 
 /* Backward of a row-parallel linear y = x W^T (+ b), W this rank's [out, in], x [BT, in], whose
  * output (after the reduction and the whole bias) fed the region that holds dy_rows [R, out]: with
- * sequence parallelism gathered to [BT, out] into `gathered` first. Its bias gradient (the column
- * sums of dy_rows: with sequence parallelism a partial sum, completed over TP with the norms') is
- * taken by the norm backward that produced dy_rows (norm_backward's dprev_bias). */
+ * sequence parallelism gathered to [BT, out] into pc.gathered_grad first. Its bias gradient (the
+ * column sums of dy_rows: with sequence parallelism a partial sum, completed over TP with the
+ * norms') is taken by the norm backward that produced dy_rows (norm_backward's dprev_bias). With
+ * gelu_pre, dx is the gradient of the GELU's input (see linear_backward). */
 template <typename T>
-static void row_parallel_backward(const mt_exec* ex, mt_colsum_scratch* s, mt_tp_group* tp, T* dx, float* dweight,
-                                  const T* dy_rows, T* gathered, const T* x, const T* weight, int BT, int R, int in,
-                                  int out, const T* gelu_pre = NULL) {
-    const T* dy = column_parallel_input(tp, gathered, dy_rows, R, out);
-    linear_backward<T>(ex, s, dx, dweight, (float*)NULL, dy, x, weight, BT, in, out, gelu_pre);
+static void row_parallel_backward(const parallel_backward_ctx<T>& pc, T* dx, float* dweight, const T* dy_rows,
+                                  const T* x, const T* weight, int in, int out, const T* gelu_pre = NULL) {
+    const T* dy = column_parallel_input(pc.tp, pc.gathered_grad, dy_rows, pc.R, out);
+    linear_backward<T>(pc.ex, pc.cs, dx, dweight, (float*)NULL, dy, x, weight, pc.BT, in, out, gelu_pre);
 }
 
 /* ============================================================================================== */
@@ -3655,14 +3671,13 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) 
     mt_tp_group* tp = &t->groups.tp;
     int64_t Rh = (int64_t)s.R * s.h;
     T* dres = (T*)a->dresidual;
-    T* gathered = (T*)a->gathered;
     T* gathered_grad = (T*)a->gathered_grad;
+    const parallel_backward_ctx<T> pc = {ex, cs, tp, s.BT, s.R, (T*)a->gathered, gathered_grad, (T*)a->rows};
 
     /* output layer and final norm: dlnf = dlogits W (summed over TP); dW_out += dlogits^T lnf */
     CUDA_CHECK(ex->error, cudaMemsetAsync(dres, 0, Rh * sizeof(T), ex->stream));
-    T* dlnf = column_parallel_backward<T>(ex, cs, tp, (T*)a->branch, (T*)a->rows, gathered, output_weight_grad(t),
-                                          (float*)NULL, (T*)a->logits, (T*)a->lnf, output_weight<T>(t), s.BT, s.R,
-                                          s.h, (int)s.V);
+    T* dlnf = column_parallel_backward<T>(pc, (T*)a->branch, output_weight_grad(t), (float*)NULL, (T*)a->logits,
+                                          (T*)a->lnf, output_weight<T>(t), s.h, (int)s.V);
     norm_backward<T>(ex, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS),
                      layer_grads(t, s.L - 1).fc2_b, dlnf, LAYER(a->residual, T, s.L, Rh),
                      param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean, a->lnf_rstd, s.R, s.h, s.rms);
@@ -3677,8 +3692,8 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) 
         /* MLP block: dres is d(out); the branch sees the same gradient. d(act) -> branch2, then
          * d(fc1 output) in place (GELU) or into branch (SwiGLU: twice as wide) */
         bool fused = gelu_fused<T>(s); /* d(act) and GELU's derivative in one GEMM (DGELU epilogue) */
-        row_parallel_backward<T>(ex, cs, tp, (T*)a->branch2, dp.fc2_w, dres, gathered_grad, v.act, p.fc2_w, s.BT, s.R,
-                                 s.f, s.h, fused ? v.fc1 : (const T*)NULL);
+        row_parallel_backward<T>(pc, (T*)a->branch2, dp.fc2_w, dres, v.act, p.fc2_w, s.f, s.h,
+                                 fused ? v.fc1 : (const T*)NULL);
         T* dfc1 = (T*)a->branch2;
         T* dln2 = (T*)a->branch;
         if (s.swiglu) {
@@ -3688,20 +3703,18 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) 
         } else if (!fused) {
             gelu_backward<T>(ex, (T*)a->branch2, v.fc1, (int64_t)s.BT * s.f);
         }
-        dln2 = column_parallel_backward<T>(ex, cs, tp, dln2, (T*)a->rows, gathered, dp.fc1_w, dp.fc1_b, dfc1, v.ln2,
-                                           p.fc1_w, s.BT, s.R, s.h, s.f1);
+        dln2 = column_parallel_backward<T>(pc, dln2, dp.fc1_w, dp.fc1_b, dfc1, v.ln2, p.fc1_w, s.h, s.f1);
         norm_backward<T>(ex, cs, dres, dp.ln2_w, dp.ln2_b, dp.proj_b, dln2, v.mid, p.ln2_w, v.ln2_mean, v.ln2_rstd, s.R,
                          s.h, s.rms);
 
         /* attention block: dres is now d(mid) */
-        row_parallel_backward<T>(ex, cs, tp, (T*)a->branch2, dp.proj_w, dres, gathered_grad, v.attn, p.proj_w, s.BT, s.R,
-                                 s.attn_width, s.h);
+        row_parallel_backward<T>(pc, (T*)a->branch2, dp.proj_w, dres, v.attn, p.proj_w, s.attn_width, s.h);
         float* dqkv_bias = dp.qkv_b;
         if (attention_backward<T>(t, ex, (T*)a->branch, (T*)a->branch2, v.qkv, v.probs, v.lse, v.attn, dqkv_bias))
             dqkv_bias = NULL; /* taken from the attention kernels */
         norm_apply<T>(ex, v.ln1, v.x, v.ln1_mean, v.ln1_rstd, p.ln1_w, p.ln1_b, s.R, s.h);
-        T* dln1 = column_parallel_backward<T>(ex, cs, tp, (T*)a->branch2, (T*)a->rows, gathered, dp.qkv_w, dqkv_bias,
-                                              (T*)a->branch, v.ln1, p.qkv_w, s.BT, s.R, s.h, s.qkv_width);
+        T* dln1 = column_parallel_backward<T>(pc, (T*)a->branch2, dp.qkv_w, dqkv_bias, (T*)a->branch, v.ln1, p.qkv_w,
+                                              s.h, s.qkv_width);
         norm_backward<T>(ex, cs, dres, dp.ln1_w, dp.ln1_b, l > 0 ? layer_grads(t, l - 1).fc2_b : (float*)NULL, dln1,
                          v.x, p.ln1_w, v.ln1_mean, v.ln1_rstd, s.R, s.h, s.rms);
         reduce_sequence_parallel_gradients(t, ex, l);
