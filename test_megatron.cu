@@ -12,11 +12,11 @@
 #include "tests/test_common.h"
 #include "tests/test_dataset.h"
 #include "tests/test_tokenizer.h"
-#include "tests/test_train.h"
-#include "tests/test_gpu.h"
-#include "tests/test_flash.h"
-#include "tests/test_parallel.h"
-#include "tests/test_tp.h"
+#include "tests/test_config.h"
+#include "tests/test_model.h"
+#include "tests/test_attention.h"
+#include "tests/test_data_parallel.h"
+#include "tests/test_tensor_parallel.h"
 #include "tests/test_hf.h"
 
 typedef struct {

@@ -1,4 +1,4 @@
-/* tests/test_tp.h — tensor parallelism (TP) and sequence parallelism (SP).
+/* tests/test_tensor_parallel.h — tensor parallelism (TP) and sequence parallelism (SP).
  *
  * Host tests (everywhere). Three flavours: GPT-2 (LayerNorm, learned positions, tied output,
  * biases), Llama (RMSNorm, SwiGLU, RoPE, GQA, untied output, no biases) and a mix of the two
@@ -39,13 +39,13 @@
  *     reduce-scatter with SP), the column-parallel layers' input gradients (QKV, fc1) likewise, the
  *     vocab-parallel cross entropy adds its softmax over TP pieces, and with SP each replicated
  *     tensor's gradient is a sum of TP partial sums. In fp32 that is a few ulps (1e-7) per sum,
- *     amplified by depth as in the fp64 parity tests of tests/test_gpu.h, which bound fp32 against
+ *     amplified by depth as in the fp64 parity tests of tests/test_model.h, which bound fp32 against
  *     exact arithmetic by 1e-5. In bf16 each partial sum is rounded to bf16 (2^-9 = 2e-3 relative)
  *     before it is added, where TP=1 rounds the whole sum once: one or two extra roundings per layer
  *     on top of the ~10 a bf16 layer already has, moving gradients by a few 1e-3. 1e-2 is a third of
  *     the bf16 parity bound against fp64 (3e-2), which covers all the roundings together. The
  *     key-bias entries of qkv_bias are left out (their exact gradient is 0: both sides hold noise;
- *     see tests/test_gpu.h);
+ *     see tests/test_model.h);
  *   - 20 train steps: losses within 1e-3 relative of TP=1 (the issue's bound), in fp32 within 1e-5
  *     (the DP tests' argument: reordered fp32 sums change gradients by ~1e-7, and Adam's update is
  *     scale-free, so weights and losses move by ~lr * 1e-7 per step). Final weights, relative norm
@@ -69,8 +69,8 @@
  *     0.13% of the model, and the vocabulary pads by up to 384 more rows at TP=4: 0.6% in all), and
  *     the device's accounting agrees within 16 MiB (the DP tests' bound: 2 MiB pages per allocation
  *     plus driver bookkeeping); the activation arena is smaller with SP than without. */
-#ifndef MT_TEST_TP_H
-#define MT_TEST_TP_H
+#ifndef MT_TEST_TENSOR_PARALLEL_H
+#define MT_TEST_TENSOR_PARALLEL_H
 
 /* ---- host tests ---- */
 

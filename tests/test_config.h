@@ -1,7 +1,7 @@
-/* tests/test_train.h — host tests of megatron.h section 5: configuration, the learning-rate
+/* tests/test_config.h — host tests of megatron.h section 5: configuration, the learning-rate
  * schedule and Megatron's FLOP formula. Pure functions: these run everywhere, CI included. */
-#ifndef MT_TEST_TRAIN_H
-#define MT_TEST_TRAIN_H
+#ifndef MT_TEST_CONFIG_H
+#define MT_TEST_CONFIG_H
 
 static mt_config small_test_config(void) {
     mt_config c;

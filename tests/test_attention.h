@@ -1,4 +1,4 @@
-/* tests/test_flash.h — the flash-attention kernels (megatron.cu section 2.7) on the layouts the model
+/* tests/test_attention.h — the flash-attention kernels (megatron.cu section 2.7) on the layouts the model
  * hands them: q, k, v read straight from the fused QKV rows [B*T, groups*(qpg+2)*d], the output
  * written into the attention rows [B*T, H*d], dq, dk, dv written into the gradient's QKV rows.
  *
@@ -16,8 +16,8 @@
  * same order, largely averaging out over the keys); accumulation is fp32. Measured errors are a few
  * 1e-3; 2e-2 leaves a margin while any indexing, masking, stride or GQA mistake gives errors of
  * order 1. LSE is fp32 throughout: 1e-4. */
-#ifndef MT_TEST_FLASH_H
-#define MT_TEST_FLASH_H
+#ifndef MT_TEST_ATTENTION_H
+#define MT_TEST_ATTENTION_H
 
 typedef struct {
     int B, H, Hkv, T, d;

@@ -1,4 +1,4 @@
-/* tests/test_parallel.h — data parallelism.
+/* tests/test_data_parallel.h — data parallelism.
  *
  * Host tests (everywhere): Megatron's rank layout and its DDP buffer layout (reverse order,
  * buckets, the distributed optimizer's padding and shards).
@@ -14,13 +14,13 @@
  *     scale-free, so a gradient error e moves a weight by about lr*e). In bf16 a few-ulp change in
  *     an fp32 master weight can flip its bf16 rounding, a 2^-9 relative change of that weight,
  *     which then feeds the next steps: loss changes stay ~1e-4, weights ~1e-3, like the bf16
- *     parity bounds of tests/test_gpu.h.
+ *     parity bounds of tests/test_model.h.
  *   - two runs give bitwise identical losses and weights;
  *   - 10 steps, save, load, 10 steps give bitwise the 20 straight steps (sharded optimizer state);
  *   - the memory plan of a GPT-2 124M: model state bytes per parameter follow Megatron's 18 and
  *     6 + 12/d, and the device's own accounting (cudaMemGetInfo around the allocations) agrees. */
-#ifndef MT_TEST_PARALLEL_H
-#define MT_TEST_PARALLEL_H
+#ifndef MT_TEST_DATA_PARALLEL_H
+#define MT_TEST_DATA_PARALLEL_H
 
 #ifdef MT_USE_MPI
 #include <mpi.h>

@@ -1,4 +1,4 @@
-/* tests/test_gpu.h — GPU tests of the GPT core: parity with the float64 PyTorch reference
+/* tests/test_model.h — GPU tests of the GPT core: parity with the float64 PyTorch reference
  * (dev/ref_gpt.py -> dev/data/gpt_vectors/NAME.bin: logits, loss, every gradient, S AdamW steps),
  * determinism, save/resume, the fp16 loss scaler, initialisation, checkpoint validation.
  * Every test skips when no GPU is visible.
@@ -16,8 +16,8 @@
  * Excluded by design: the key-bias entries of qkv_bias. Their exact gradient is 0 (softmax is
  * invariant to a constant added to every score), so both sides hold rounding noise there and Adam
  * normalises noise into lr-sized steps; the test instead checks that those gradients are ~0. */
-#ifndef MT_TEST_GPU_H
-#define MT_TEST_GPU_H
+#ifndef MT_TEST_MODEL_H
+#define MT_TEST_MODEL_H
 
 static int gpu_available(void) {
     int n = 0;
