@@ -10,6 +10,7 @@
 #include "prepro/tokenizer.h"
 
 #include "tests/test_common.h"
+#include "tests/test_configs.h"
 #include "tests/test_dataset.h"
 #include "tests/test_tokenizer.h"
 #include "tests/test_config.h"

@@ -3,18 +3,11 @@
 #ifndef MT_TEST_CONFIG_H
 #define MT_TEST_CONFIG_H
 
+/* 2 layers of 64 in 4 heads, seq 32, vocabulary 500; micro-batch 2 of a global batch 8, 100 steps at lr 1e-3. */
 static mt_config small_test_config(void) {
-    mt_config c;
-    mt_config_defaults(&c);
-    c.num_layers = 2;
-    c.hidden_size = 64;
-    c.num_attention_heads = 4;
-    c.seq_length = 32;
-    c.vocab_size = 500;
-    c.micro_batch_size = 2;
-    c.global_batch_size = 8;
+    mt_config c = test_config_sized(2, 64, 4, 32, 500);
+    test_config_batch(&c, 2, 8);
     c.train_iters = 100;
-    c.lr = 1e-3;
     return c;
 }
 
@@ -96,15 +89,8 @@ static test_result test_learning_rate_schedules(void) {
 
 static test_result test_flops_formula(void) {
     /* GPT-2 124M shape: the formula reduces to B*s*(72 L h^2 + 6 s h L + 6 h V) */
-    mt_config c;
-    mt_config_defaults(&c);
-    c.num_layers = 12;
-    c.hidden_size = 768;
-    c.num_attention_heads = 12;
-    c.seq_length = 1024;
-    c.vocab_size = 50257;
-    c.micro_batch_size = 8;
-    c.train_iters = 1;
+    mt_config c = test_config_sized(12, 768, 12, 1024, 50257);
+    test_config_batch(&c, 8, 0);
     c.lr = 1e-4;
     mt_error err;
     EXPECT_OK(mt_config_finalize(&c, &err), &err);

@@ -19,17 +19,6 @@
 #ifndef MT_TEST_MODEL_H
 #define MT_TEST_MODEL_H
 
-static int gpu_available(void) {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-        cudaGetLastError();
-        return 0;
-    }
-    return n > 0;
-}
-#define REQUIRE_GPU() \
-    do { if (!gpu_available()) SKIP("no GPU visible"); } while (0)
-
 /* ---- reading dev/ref_gpt.py's vector files ---- */
 
 typedef struct {
@@ -294,53 +283,6 @@ static test_result test_llama_small_bf16(void) {
 
 /* ---- determinism, resume, fp16 scaler, initialisation, checkpoint validation ---- */
 
-static mt_config gpu_small_config(mt_precision precision) {
-    mt_config c;
-    mt_config_defaults(&c);
-    c.num_layers = 2;
-    c.hidden_size = 128;
-    c.num_attention_heads = 2; /* head dim 64: bf16 runs the flash kernels, so determinism covers them */
-    c.seq_length = 64;
-    c.vocab_size = 1000;
-    c.micro_batch_size = 4;
-    c.global_batch_size = 8;
-    c.train_iters = 20;
-    c.lr = 1e-3;
-    c.min_lr = 1e-4;
-    c.lr_warmup_iters = 3;
-    c.lr_decay_style = MT_LR_COSINE;
-    c.precision = precision;
-    return c;
-}
-
-/* The same size in the Llama flavour: GQA 4 heads in 2 groups of head dim 64, rope with Llama-3.1
- * scaling, RMSNorm, SwiGLU, untied output, no biases. */
-static mt_config gpu_small_llama_config(mt_precision precision) {
-    mt_config c = gpu_small_config(precision);
-    c.num_attention_heads = 4;
-    c.num_query_groups = 2;
-    c.kv_channels = 64;
-    c.ffn_hidden_size = 320;
-    c.normalization = MT_NORM_RMSNORM;
-    c.swiglu = 1;
-    c.position_embedding_type = MT_POSITION_ROPE;
-    c.rotary_base = 500000;
-    c.use_rope_scaling = 1;
-    c.untie_embeddings_and_output_weights = 1;
-    c.add_bias_linear = 0;
-    return c;
-}
-
-/* Random tokens with a little structure (so the loss can fall), from a fixed LCG. */
-static void fill_tokens(int32_t* tokens, int64_t n, int vocab, uint64_t seed) {
-    uint64_t x = seed * 6364136223846793005ull + 1442695040888963407ull;
-    for (int64_t i = 0; i < n; i++) {
-        x = x * 6364136223846793005ull + 1442695040888963407ull;
-        int r = (int)((x >> 33) % (uint64_t)vocab);
-        tokens[i] = (i % 3 == 2) ? (tokens[i - 1] * 7 + 3) % vocab : r;
-    }
-}
-
 static test_result run_steps(mt_config* c, const char* load_dir, const char* save_dir, int first, int count,
                              double* losses, float* params_out) {
     mt_error err;
@@ -376,7 +318,7 @@ static test_result run_steps(mt_config* c, const char* load_dir, const char* sav
 
 static test_result determinism_and_resume(mt_precision precision, int llama) {
     REQUIRE_GPU();
-    mt_config c = llama ? gpu_small_llama_config(precision) : gpu_small_config(precision);
+    mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, precision);
     mt_error err;
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
     int64_t n = mt_num_parameters(&c);
@@ -430,7 +372,7 @@ static test_result test_determinism_and_resume_llama_bf16(void) { return determi
  * go through. */
 static test_result test_fp16_loss_scaler(void) {
     REQUIRE_GPU();
-    mt_config c = gpu_small_config(MT_FP16);
+    mt_config c = test_config(TEST_GPT2, MT_FP16);
     mt_error err;
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
     mt_trainer* t = NULL;
@@ -475,7 +417,7 @@ static test_result test_fp16_loss_scaler(void) {
  * biases 0, norm weights 1; different seeds give different weights, the same seed the same. */
 static test_result initialisation(int llama) {
     REQUIRE_GPU();
-    mt_config c = llama ? gpu_small_llama_config(MT_BF16) : gpu_small_config(MT_BF16);
+    mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, MT_BF16);
     c.num_layers = 4;
     mt_error err;
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
@@ -522,7 +464,7 @@ static test_result test_initialisation_llama(void) { return initialisation(1); }
 
 static test_result test_checkpoint_refuses_other_shape(void) {
     REQUIRE_GPU();
-    mt_config c = gpu_small_config(MT_BF16);
+    mt_config c = test_config(TEST_GPT2, MT_BF16);
     mt_error err;
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
     char dir[256];
@@ -541,7 +483,7 @@ static test_result test_checkpoint_refuses_other_shape(void) {
     free(tracker);
     snprintf(path, sizeof(path), "%s/iter_0000007/mp_rank_00/model_optim_rng.bin", dir);
     EXPECT(access(path, R_OK) == 0, "missing %s", path);
-    mt_config other = gpu_small_config(MT_BF16);
+    mt_config other = test_config(TEST_GPT2, MT_BF16);
     other.hidden_size = 256;
     EXPECT_OK(mt_config_finalize(&other, &err), &err);
     EXPECT_OK(mt_trainer_create(&t, &other, &err), &err);
@@ -556,7 +498,7 @@ static test_result test_checkpoint_refuses_other_shape(void) {
     st = mt_trainer_save(t, dir, 7, 56, &err);
     mt_trainer_free(t);
     EXPECT_OK(st, &err);
-    other = gpu_small_config(MT_BF16);
+    other = test_config(TEST_GPT2, MT_BF16);
     other.normalization = MT_NORM_RMSNORM;
     EXPECT_OK(mt_config_finalize(&other, &err), &err);
     EXPECT_OK(mt_trainer_create(&t, &other, &err), &err);
@@ -575,7 +517,7 @@ static test_result test_checkpoint_refuses_other_shape(void) {
  * run). GPT-2 (tied embeddings, biases) and Llama (untied output, no biases) flavours. */
 static test_result gradients_overwrite(int llama) {
     REQUIRE_GPU();
-    mt_config c = llama ? gpu_small_llama_config(MT_BF16) : gpu_small_config(MT_BF16);
+    mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, MT_BF16);
     mt_error err;
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
     const int count = (int)(c.global_batch_size / c.micro_batch_size);

@@ -79,31 +79,14 @@ static const char* tp_flavour_names[3] = {"GPT-2", "Llama", "GQA+SwiGLU with bia
 /* Small models of each flavour (indices stay below 2^24). Vocabulary 1100 pads to 1152, 1280 and
  * 1536 at TP=1, 2 and 4, so the vocab-parallel tensors' shapes change with TP. Not finalized. */
 static mt_config tp_layout_config(int flavour, int tp, int dp) {
-    mt_config c;
-    mt_config_defaults(&c);
-    c.num_layers = 2;
-    c.hidden_size = 64;
-    c.num_attention_heads = 4;
-    c.seq_length = 16;
-    c.vocab_size = 1100;
-    c.micro_batch_size = 1;
-    c.train_iters = 1;
-    c.lr = 1e-3;
+    mt_config c = test_config_sized(2, 64, 4, 16, 1100);
     if (flavour >= 1) { /* GQA: 8 heads of 16 in 4 groups (heads * kv = 128 != hidden), SwiGLU, untied */
-        c.num_attention_heads = 8;
-        c.num_query_groups = 4;
-        c.kv_channels = 16;
-        c.ffn_hidden_size = 192;
+        test_config_attention(&c, 8, 4, 16, 192);
         c.swiglu = 1;
         c.untie_embeddings_and_output_weights = 1;
     }
-    if (flavour == 1) {
-        c.normalization = MT_NORM_RMSNORM;
-        c.position_embedding_type = MT_POSITION_ROPE;
-        c.add_bias_linear = 0;
-    }
-    c.tensor_model_parallel_size = tp;
-    c.world_size = tp * dp;
+    if (flavour == 1) test_config_llama(&c); /* and RMSNorm, RoPE, no linear biases */
+    test_config_parallel(&c, tp, tp * dp, 0);
     return c;
 }
 
@@ -342,18 +325,8 @@ static test_result test_tp_shard_geometry(void) {
 
 /* A config TP can split 8 ways unless a case changes it: hidden 128 in 8 heads, seq 32. */
 static mt_config tp_rules_config(int tp, int world) {
-    mt_config c;
-    mt_config_defaults(&c);
-    c.num_layers = 2;
-    c.hidden_size = 128;
-    c.num_attention_heads = 8;
-    c.seq_length = 32;
-    c.vocab_size = 1000;
-    c.micro_batch_size = 1;
-    c.train_iters = 1;
-    c.lr = 1e-3;
-    c.tensor_model_parallel_size = tp;
-    c.world_size = world;
+    mt_config c = test_config_sized(2, 128, 8, 32, 1000);
+    test_config_parallel(&c, tp, world, 0);
     return c;
 }
 
@@ -585,24 +558,14 @@ static int tp_same_on_all_ranks(const void* data, size_t bytes) {
 
 /* The TP tests' model (see the top): tp x dp ranks; tp = dp = 1 is the single-GPU reference. */
 static mt_config tp_config(mt_precision precision, int tp, int dp, int sp, int llama) {
-    mt_config c = llama ? gpu_small_llama_config(precision) : gpu_small_config(precision);
+    mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, precision);
     c.hidden_size = 256;
-    c.num_attention_heads = 4;
-    if (llama) {
-        c.num_attention_heads = 8;
-        c.num_query_groups = 4;
-        c.kv_channels = 64;
-        c.ffn_hidden_size = 640;
-    }
-    c.seq_length = 64;
-    c.micro_batch_size = 2;
-    c.global_batch_size = 16;
-    c.tensor_model_parallel_size = tp;
-    c.sequence_parallel = sp;
-    c.world_size = tp * dp;
-    c.rank = c.world_size > 1 ? mpi_rank() : 0;
-    c.local_rank = mpi_local_rank();
-    c.ddp_bucket_size = 20000;
+    if (llama) test_config_attention(&c, 8, 4, 64, 640);
+    else c.num_attention_heads = 4;
+    test_config_batch(&c, 2, 16);
+    test_config_parallel(&c, tp, tp * dp, sp);
+    test_config_ddp(&c, 0, 0, 0, 20000);
+    test_config_this_rank(&c);
     return c;
 }
 
