@@ -1,6 +1,7 @@
-/* tests/test_attention.h — the flash-attention kernels (megatron.cu section 2.7) on the layouts the model
- * hands them: q, k, v read straight from the fused QKV rows [B*T, groups*(qpg+2)*d], the output
- * written into the attention rows [B*T, H*d], dq, dk, dv written into the gradient's QKV rows.
+/* tests/test_attention.h — attention (GPU test; skips when no GPU is visible): the flash-attention
+ * kernels (megatron.cu section 2.7) on the layouts the model hands them: q, k, v read straight from
+ * the fused QKV rows [B*T, groups*(qpg+2)*d], the output written into the attention rows [B*T, H*d],
+ * dq, dk, dv written into the gradient's QKV rows.
  *
  * Each shape: random bf16 inputs (never zero), forward and backward on the row views, against a
  * double-precision CPU reference of causal attention computed from the same bf16 values; the same
@@ -312,7 +313,7 @@ static test_result test_flash_attention_row_layouts(void) {
     return TEST_PASS;
 }
 
-static const test_case flash_tests[] = {
+static const test_case attention_gpu_tests[] = {
     {"flash_attention_row_layouts_match_reference", test_flash_attention_row_layouts},
 };
 

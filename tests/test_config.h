@@ -1,5 +1,6 @@
-/* tests/test_config.h — host tests of megatron.h section 5: configuration, the learning-rate
- * schedule and Megatron's FLOP formula. Pure functions: these run everywhere, CI included. */
+/* tests/test_config.h — the configuration (host tests): what mt_config_finalize derives and what it
+ * refuses, Megatron's rank layout over TP, DP and PP, the learning-rate schedules and Megatron's
+ * FLOP formula. Pure functions: these run everywhere, CI included. */
 #ifndef MT_TEST_CONFIG_H
 #define MT_TEST_CONFIG_H
 
@@ -47,6 +48,23 @@ static test_result test_config_rejects_inconsistent(void) {
         mt_status st = mt_config_finalize(&c, &err);
         EXPECT(st == MT_ERR_CONFIG, "%s: status %d", cases[i].what, (int)st);
         EXPECT(strstr(err.message, cases[i].needle) != NULL, "%s: message '%s'", cases[i].what, err.message);
+    }
+    return TEST_PASS;
+}
+
+/* Megatron's rank layout: TP fastest, then DP, then PP; data_parallel_size derived from the world. */
+static test_result test_rank_layout(void) {
+    mt_config c = test_config_sized(2, 64, 4, 8, 100);
+    test_config_parallel(&c, 2, 16, 0);
+    c.pipeline_model_parallel_size = 2;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT(c.data_parallel_size == 4, "dp %d", c.data_parallel_size);
+    for (int r = 0; r < 16; r++) {
+        mt_rank_coords x = mt_rank_coordinates(&c, r);
+        /* Megatron: rank = tp + TP * (dp + DP * pp) */
+        EXPECT(x.tp == r % 2 && x.dp == (r / 2) % 4 && x.pp == r / 8, "rank %d -> tp %d dp %d pp %d", r, x.tp, x.dp, x.pp);
+        EXPECT(mt_rank_of(&c, x) == r, "round trip of rank %d", r);
     }
     return TEST_PASS;
 }
@@ -103,9 +121,10 @@ static test_result test_flops_formula(void) {
     return TEST_PASS;
 }
 
-static const test_case train_tests[] = {
+static const test_case config_tests[] = {
     {"config_derives_megatron_values", test_config_derives_megatron_values},
     {"config_rejects_inconsistent", test_config_rejects_inconsistent},
+    {"rank_layout_tp_dp_pp", test_rank_layout},
     {"learning_rate_schedules", test_learning_rate_schedules},
     {"flops_formula", test_flops_formula},
 };

@@ -1,7 +1,7 @@
 /* tests/test_data_parallel.h — data parallelism.
  *
- * Host tests (everywhere): Megatron's rank layout and its DDP buffer layout (reverse order,
- * buckets, the distributed optimizer's padding and shards).
+ * Host tests (everywhere): Megatron's DDP buffer layout (reverse order, buckets, the distributed
+ * optimizer's padding and shards), GPT-2 and Llama flavours.
  *
  * Multi-GPU tests (under `mpirun -np 2` or `-np 4`, one process per GPU; they skip in a single
  * process): every rank trains the same small GPT data-parallel over all ranks and, for comparison,
@@ -32,22 +32,6 @@ static mt_config parallel_layout_config(int dp, int dist, int overlap, int64_t b
     mt_error err;
     mt_config_finalize(&c, &err);
     return c;
-}
-
-static test_result test_rank_layout(void) {
-    mt_config c = test_config_sized(2, 64, 4, 8, 100);
-    test_config_parallel(&c, 2, 16, 0);
-    c.pipeline_model_parallel_size = 2;
-    mt_error err;
-    EXPECT_OK(mt_config_finalize(&c, &err), &err);
-    EXPECT(c.data_parallel_size == 4, "dp %d", c.data_parallel_size);
-    for (int r = 0; r < 16; r++) {
-        mt_rank_coords x = mt_rank_coordinates(&c, r);
-        /* Megatron: rank = tp + TP * (dp + DP * pp) */
-        EXPECT(x.tp == r % 2 && x.dp == (r / 2) % 4 && x.pp == r / 8, "rank %d -> tp %d dp %d pp %d", r, x.tp, x.dp, x.pp);
-        EXPECT(mt_rank_of(&c, x) == r, "round trip of rank %d", r);
-    }
-    return TEST_PASS;
 }
 
 /* Every canonical element appears exactly once; parameters do not overlap; reverse model order. */
@@ -182,8 +166,7 @@ static test_result test_buffer_layout_llama(void) {
     return r;
 }
 
-static const test_case parallel_tests[] = {
-    {"rank_layout_tp_dp_pp", test_rank_layout},
+static const test_case data_parallel_tests[] = {
     {"buffer_layout_megatron_rules", test_buffer_layout_megatron_rules},
     {"buffer_layout_llama", test_buffer_layout_llama},
 };
@@ -380,7 +363,7 @@ static test_result test_dp_memory_plan(void) {
     return res;
 }
 
-static const test_case multigpu_tests[] = {
+static const test_case data_parallel_multigpu_tests[] = {
     {"dp_matches_single_gpu_fp32", test_dp_matches_single_fp32},
     {"dp_matches_single_gpu_bf16", test_dp_matches_single_bf16},
     {"dp_matches_single_gpu_llama_bf16", test_dp_matches_single_llama_bf16},

@@ -1739,6 +1739,9 @@ static const test_case hf_tests[] = {
     {"hf_llama_directories", test_hf_llama_directories},
     {"hf_llama_tied", test_hf_llama_tied},
     {"hf_llama_rejects", test_hf_llama_rejects},
+};
+
+static const test_case hf_gpu_tests[] = {
     {"hf_gpu_load", test_hf_gpu_load},
     {"hf_gpu_load_llama", test_hf_gpu_load_llama},
 };

@@ -24,6 +24,9 @@
  * These checks are exact: the layout is index arithmetic, and every index of these small models
  * is below 2^24, so it survives as a float value.
  *
+ * GPU test (one GPU; skips without one): the vocab-parallel cross entropy's two kernels, the logits
+ * cut into TP column blocks for TP = 1..8, against a double-precision reference.
+ *
  * Multi-GPU tests (under `mpirun -np 2` or `-np 4`; they skip in a single process): TP = the number
  * of processes, DP = 1 unless stated. The model is the DP tests' small GPT widened to hidden 256 in
  * 4 heads of 64 (bf16 runs the flash kernels), seq 64, micro-batch 2, global batch 16; the Llama
@@ -514,7 +517,7 @@ static test_result test_tp_checkpoint_header(void) {
     return TEST_PASS;
 }
 
-static const test_case tp_host_tests[] = {
+static const test_case tensor_parallel_tests[] = {
     {"tp_shard_layout_tiles_full_model", test_tp_shard_layout},
     {"tp_shard_geometry_by_hand", test_tp_shard_geometry},
     {"tp_config_finalize_rules", test_tp_config_rules},
@@ -953,11 +956,11 @@ static test_result test_tp_vocab_parallel_cross_entropy(void) {
     return res;
 }
 
-static const test_case tp_gpu_tests[] = {
+static const test_case tensor_parallel_gpu_tests[] = {
     {"tp_vocab_parallel_cross_entropy_tp_1_to_8", test_tp_vocab_parallel_cross_entropy},
 };
 
-static const test_case tp_multigpu_tests[] = {
+static const test_case tensor_parallel_multigpu_tests[] = {
     {"tp_matches_single_gpu_fp32", test_tp_matches_single_fp32},
     {"tp_matches_single_gpu_bf16", test_tp_matches_single_bf16},
     {"tp_matches_single_gpu_llama_bf16", test_tp_matches_single_llama_bf16},
