@@ -2515,7 +2515,7 @@ __global__ void cross_entropy_combine_kernel(T* logits, float* losses, const flo
     int64_t row = blockIdx.x;
     /* the ranks' (max, sum) pairs merged one by one, as the online softmax merges its pieces. (Not
      * unrolled: nvcc 13.0 at -O3 miscompiled the unrolled-by-4 form of a two-loop version of this,
-     * giving inf at tp = 4; tests/test_tp.h checks every tp from 1 to 8 against a CPU reference.) */
+     * giving inf at tp = 4; tests/test_tensor_parallel.h checks every tp from 1 to 8 against a CPU reference.) */
     float mx = -INFINITY, sum = 0.0f, target_logit = 0.0f;
 #pragma unroll 1
     for (int r = 0; r < tp; r++) {
