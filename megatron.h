@@ -355,6 +355,16 @@ typedef enum {
 
 typedef enum { MT_WSD_EXPONENTIAL = 0, MT_WSD_LINEAR, MT_WSD_COSINE, MT_WSD_MINUS_SQRT } mt_wsd_decay_style;
 
+/* FP8 (Megatron's --fp8-* flags, Transformer Engine's recipes). e4m3: every FP8 operand E4M3 (max
+ * 448); hybrid: E4M3 forward (activations, weights), E5M2 (max 57344) for the gradients. */
+typedef enum { MT_FP8_NONE = 0, MT_FP8_E4M3, MT_FP8_HYBRID } mt_fp8_format;
+/* delayed: the scale from an amax history (updated after every step); tensorwise: from the tensor's
+ * own amax at cast time; blockwise: 1x128 (activations, gradients) and 128x128 (weights) blocks */
+typedef enum { MT_FP8_DELAYED = 0, MT_FP8_TENSORWISE, MT_FP8_BLOCKWISE } mt_fp8_recipe;
+typedef enum { MT_FP8_AMAX_MOST_RECENT = 0, MT_FP8_AMAX_MAX } mt_fp8_amax_algo;
+#define MT_FP8_E4M3_MAX 448.0f
+#define MT_FP8_E5M2_MAX 57344.0f
+
 typedef struct {
     /* model */
     int num_layers;                   /* --num-layers */
@@ -385,6 +395,18 @@ typedef struct {
     double hidden_dropout;            /* --hidden-dropout (must be 0 for now) */
     double attention_dropout;         /* --attention-dropout (must be 0 for now) */
     mt_precision precision;           /* --bf16 / --fp16, default fp32 */
+    /* FP8: the four linears of each transformer layer (QKV, proj, fc1, fc2) run their forward,
+     * input-gradient and weight-gradient GEMMs in FP8 on Hopper; everything else stays bf16 */
+    mt_fp8_format fp8_format;         /* --fp8-format e4m3|hybrid (default: no FP8) */
+    mt_fp8_recipe fp8_recipe;         /* --fp8-recipe delayed|tensorwise|blockwise (delayed) */
+    int fp8_margin;                   /* --fp8-margin (0): scale = fp8_max / amax / 2^margin */
+    int fp8_amax_history_len;         /* --fp8-amax-history-len (1) */
+    mt_fp8_amax_algo fp8_amax_compute_algo; /* --fp8-amax-compute-algo max|most_recent (most_recent) */
+    int fp8_wgrad;                    /* 1 unless --no-fp8-wgrad (then weight gradients in bf16) */
+    int first_last_layers_bf16;       /* --first-last-layers-bf16: the layers below stay bf16 */
+    int num_layers_at_start_in_bf16;  /* --num-layers-at-start-in-bf16 (1) */
+    int num_layers_at_end_in_bf16;    /* --num-layers-at-end-in-bf16 (1) */
+    int fp8_param_gather;             /* --fp8-param-gather: all-gather parameters in FP8 */
     /* fp16 dynamic loss scaler (Megatron's DynamicGradScaler) */
     double loss_scale;                /* --loss-scale: > 0 means a constant scale */
     double initial_loss_scale;        /* --initial-loss-scale (2^32) */
@@ -439,6 +461,16 @@ double mt_learning_rate(const mt_config* cfg, int64_t num_steps);
 /* Megatron's num_floating_point_operations for one global batch (training.py), and the parameter count. */
 double mt_flops_per_iteration(const mt_config* cfg, int64_t global_batch_size);
 int64_t mt_num_parameters(const mt_config* cfg);
+
+/* FP8: whether transformer layer l runs its linears in FP8 (FP8 on, and l outside the bf16 layers
+ * of --first-last-layers-bf16). */
+int mt_fp8_layer(const mt_config* cfg, int layer);
+/* Delayed scaling (Transformer Engine's DelayedScaling): the scale of one tensor after a step, from
+ * its amax history [len] (max over it, or the most recent entry `newest`), the format's max and the
+ * margin: fp8_max / amax / 2^margin; the previous scale when that amax is 0 or not finite. The
+ * GPU's update (megatron.cu) computes exactly this. */
+float mt_fp8_delayed_scale(const float* history, int len, int newest, mt_fp8_amax_algo algo, float fp8_max,
+                           int margin, float previous_scale);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout           */
@@ -2095,12 +2127,89 @@ void mt_config_defaults(mt_config* cfg) {
     cfg->pipeline_model_parallel_size = 1;
     cfg->world_size = 1;
     cfg->local_rank = -1;
+    cfg->fp8_format = MT_FP8_NONE;
+    cfg->fp8_recipe = MT_FP8_DELAYED;
+    cfg->fp8_amax_history_len = 1;
+    cfg->fp8_amax_compute_algo = MT_FP8_AMAX_MOST_RECENT;
+    cfg->fp8_wgrad = 1;
+    cfg->num_layers_at_start_in_bf16 = 1;
+    cfg->num_layers_at_end_in_bf16 = 1;
 }
 
 int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int tensor_parallel_size) {
     int64_t multiple = (int64_t)divisible_by * tensor_parallel_size;
     if (multiple <= 0) return vocab_size;
     return (vocab_size + multiple - 1) / multiple * multiple;
+}
+
+/* The FP8 flags: ranges, the combinations Megatron refuses, and the shapes FP8 GEMMs can take
+ * (every dimension of the four linears' GEMMs, per tensor-parallel rank, a multiple of 16; the
+ * blockwise recipe's blocks need multiples of 128). */
+static mt_status mt_fp8_config_check(const mt_config* c, mt_error* err) {
+    if (c->fp8_format == MT_FP8_NONE) {
+        if (c->fp8_param_gather) return mt_fail(err, MT_ERR_CONFIG, "--fp8-param-gather needs --fp8-format");
+        return MT_OK;
+    }
+    if (c->fp8_format != MT_FP8_E4M3 && c->fp8_format != MT_FP8_HYBRID)
+        return mt_fail(err, MT_ERR_CONFIG, "--fp8-format must be e4m3 or hybrid");
+    if (c->fp8_recipe != MT_FP8_DELAYED && c->fp8_recipe != MT_FP8_TENSORWISE && c->fp8_recipe != MT_FP8_BLOCKWISE)
+        return mt_fail(err, MT_ERR_CONFIG, "--fp8-recipe must be delayed, tensorwise or blockwise");
+    if (c->precision != MT_BF16)
+        return mt_fail(err, MT_ERR_CONFIG, "FP8 training needs --bf16 (FP8 with %s is not supported)",
+                       c->precision == MT_FP16 ? "--fp16" : "fp32");
+    if (c->fp8_margin < 0 || c->fp8_margin > 30)
+        return mt_fail(err, MT_ERR_CONFIG, "--fp8-margin %d must be in [0, 30]", c->fp8_margin);
+    if (c->fp8_amax_history_len < 1 || c->fp8_amax_history_len > 65536)
+        return mt_fail(err, MT_ERR_CONFIG, "--fp8-amax-history-len %d must be in [1, 65536]", c->fp8_amax_history_len);
+    if (c->fp8_amax_compute_algo != MT_FP8_AMAX_MAX && c->fp8_amax_compute_algo != MT_FP8_AMAX_MOST_RECENT)
+        return mt_fail(err, MT_ERR_CONFIG, "--fp8-amax-compute-algo must be max or most_recent");
+    if (c->first_last_layers_bf16) {
+        if (c->fp8_recipe == MT_FP8_DELAYED)
+            return mt_fail(err, MT_ERR_CONFIG,
+                           "--first-last-layers-bf16 is not supported with --fp8-recipe delayed (as in Megatron)");
+        if (c->num_layers_at_start_in_bf16 < 0 || c->num_layers_at_end_in_bf16 < 0 ||
+            (int64_t)c->num_layers_at_start_in_bf16 + c->num_layers_at_end_in_bf16 > c->num_layers)
+            return mt_fail(err, MT_ERR_CONFIG,
+                           "--num-layers-at-start-in-bf16 %d and --num-layers-at-end-in-bf16 %d must be >= 0 and "
+                           "together at most --num-layers %d", c->num_layers_at_start_in_bf16,
+                           c->num_layers_at_end_in_bf16, c->num_layers);
+    }
+    if (c->fp8_param_gather && !c->use_distributed_optimizer)
+        return mt_fail(err, MT_ERR_CONFIG, "--fp8-param-gather needs --use-distributed-optimizer");
+    int tp = c->tensor_model_parallel_size;
+    int64_t ffn1 = c->swiglu ? 2 * (int64_t)c->ffn_hidden_size : c->ffn_hidden_size;
+    struct { const char* what; int64_t n; } dims[] = {
+        {"--hidden-size", c->hidden_size},
+        {"the QKV width per tensor-parallel rank", (int64_t)(c->num_attention_heads + 2 * c->num_query_groups) *
+                                                      c->kv_channels / tp},
+        {"the attention width per tensor-parallel rank", (int64_t)c->num_attention_heads * c->kv_channels / tp},
+        {"--ffn-hidden-size per tensor-parallel rank", c->ffn_hidden_size / tp},
+        {"the first MLP linear's width per tensor-parallel rank", ffn1 / tp},
+        {"the tokens of a micro-batch (--micro-batch-size x --seq-length)",
+         (int64_t)c->micro_batch_size * c->seq_length},
+    };
+    int multiple = c->fp8_recipe == MT_FP8_BLOCKWISE ? 128 : 16;
+    for (size_t i = 0; i < sizeof(dims) / sizeof(dims[0]); i++)
+        if (dims[i].n % multiple)
+            return mt_fail(err, MT_ERR_CONFIG, "FP8 GEMMs need %s (%lld) to be a multiple of %d", dims[i].what,
+                           (long long)dims[i].n, multiple);
+    return MT_OK;
+}
+
+int mt_fp8_layer(const mt_config* c, int layer) {
+    if (c->fp8_format == MT_FP8_NONE) return 0;
+    if (!c->first_last_layers_bf16) return 1;
+    return layer >= c->num_layers_at_start_in_bf16 && layer < c->num_layers - c->num_layers_at_end_in_bf16;
+}
+
+float mt_fp8_delayed_scale(const float* history, int len, int newest, mt_fp8_amax_algo algo, float fp8_max,
+                           int margin, float previous_scale) {
+    float amax = history[newest];
+    if (algo == MT_FP8_AMAX_MAX)
+        for (int i = 0; i < len; i++) amax = history[i] > amax ? history[i] : amax;
+    if (!(amax > 0.0f) || !isfinite(amax)) return previous_scale;
+    float scale = fp8_max / amax / (float)(1 << margin);
+    return isfinite(scale) ? scale : previous_scale;
 }
 
 mt_status mt_config_finalize(mt_config* c, mt_error* err) {
@@ -2179,6 +2288,7 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if (c->lr_warmup_fraction >= 0 && c->lr_warmup_iters > 0)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive");
     if (c->lr_warmup_fraction > 1.0) return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction must be <= 1");
+    if (mt_fp8_config_check(c, err) != MT_OK) return MT_ERR_CONFIG;
     if (c->lr_warmup_iters > c->lr_decay_iters)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-iters %lld exceeds --lr-decay-iters %lld",
                        (long long)c->lr_warmup_iters, (long long)c->lr_decay_iters);

@@ -139,6 +139,11 @@ static void parse_args(run_options* o, int argc, char** argv) {
            initial_loss_scale = -1, min_loss_scale = -1;
     int untie = 0, swiglu = 0, no_bias = 0, gqa = 0, rope_scaling = 0;
     double rotary_base = -1, rotary_percent = -1, rope_factor = -1;
+    const char* fp8_format = NULL;
+    const char* fp8_recipe = NULL;
+    const char* fp8_algo = NULL;
+    int fp8_margin = -1, fp8_history = -1, no_fp8_wgrad = 0, first_last_bf16 = 0, bf16_start = -1, bf16_end = -1;
+    int fp8_param_gather = 0;
     flag_spec flags[] = {
         {"--num-layers", F_INT64, &num_layers},
         {"--hidden-size", F_INT64, &hidden},
@@ -166,6 +171,16 @@ static void parse_args(run_options* o, int argc, char** argv) {
         {"--attention-dropout", F_DOUBLE, &attention_dropout},
         {"--bf16", F_TRUE, &bf16},
         {"--fp16", F_TRUE, &fp16},
+        {"--fp8-format", F_STRING, &fp8_format},
+        {"--fp8-recipe", F_STRING, &fp8_recipe},
+        {"--fp8-margin", F_INT, &fp8_margin},
+        {"--fp8-amax-history-len", F_INT, &fp8_history},
+        {"--fp8-amax-compute-algo", F_STRING, &fp8_algo},
+        {"--no-fp8-wgrad", F_TRUE, &no_fp8_wgrad},
+        {"--first-last-layers-bf16", F_TRUE, &first_last_bf16},
+        {"--num-layers-at-start-in-bf16", F_INT, &bf16_start},
+        {"--num-layers-at-end-in-bf16", F_INT, &bf16_end},
+        {"--fp8-param-gather", F_TRUE, &fp8_param_gather},
         {"--loss-scale", F_DOUBLE, &loss_scale},
         {"--initial-loss-scale", F_DOUBLE, &initial_loss_scale},
         {"--min-loss-scale", F_DOUBLE, &min_loss_scale},
@@ -294,6 +309,34 @@ static void parse_args(run_options* o, int argc, char** argv) {
             if (required[k][1]) die(2, "%s is required with --data-path", required[k][0]);
     }
     if (!o->split) o->split = "969, 30, 1";
+
+    /* FP8 (ranges and combinations are checked by mt_config_finalize) */
+    if (fp8_format) {
+        if (!strcmp(fp8_format, "e4m3")) c->fp8_format = MT_FP8_E4M3;
+        else if (!strcmp(fp8_format, "hybrid")) c->fp8_format = MT_FP8_HYBRID;
+        else die(2, "--fp8-format %s: expected e4m3 or hybrid", fp8_format);
+    }
+    if (fp8_recipe) {
+        if (!strcmp(fp8_recipe, "delayed")) c->fp8_recipe = MT_FP8_DELAYED;
+        else if (!strcmp(fp8_recipe, "tensorwise")) c->fp8_recipe = MT_FP8_TENSORWISE;
+        else if (!strcmp(fp8_recipe, "blockwise")) c->fp8_recipe = MT_FP8_BLOCKWISE;
+        else die(2, "--fp8-recipe %s: expected delayed, tensorwise or blockwise", fp8_recipe);
+    }
+    if (fp8_algo) {
+        if (!strcmp(fp8_algo, "max")) c->fp8_amax_compute_algo = MT_FP8_AMAX_MAX;
+        else if (!strcmp(fp8_algo, "most_recent")) c->fp8_amax_compute_algo = MT_FP8_AMAX_MOST_RECENT;
+        else die(2, "--fp8-amax-compute-algo %s: expected max or most_recent", fp8_algo);
+    }
+    if (fp8_margin != -1) c->fp8_margin = fp8_margin;
+    if (fp8_history != -1) c->fp8_amax_history_len = fp8_history;
+    if (no_fp8_wgrad) c->fp8_wgrad = 0;
+    c->first_last_layers_bf16 = first_last_bf16;
+    if (bf16_start != -1) c->num_layers_at_start_in_bf16 = bf16_start;
+    if (bf16_end != -1) c->num_layers_at_end_in_bf16 = bf16_end;
+    c->fp8_param_gather = fp8_param_gather;
+    if (!fp8_format && (fp8_recipe || fp8_algo || fp8_margin != -1 || fp8_history != -1 || no_fp8_wgrad ||
+                        first_last_bf16 || fp8_param_gather))
+        die(2, "the --fp8-* flags need --fp8-format e4m3|hybrid");
 
     /* the model flavour (GPT-2 by default; Llama: RMSNorm, SwiGLU, rope, GQA, untied, no biases) */
     if (normalization) {
