@@ -18,6 +18,7 @@
 #include "tests/test_parallel.h"
 #include "tests/test_tp.h"
 #include "tests/test_hf.h"
+#include "tests/test_header.h"
 
 typedef struct {
     const char* group;
@@ -45,6 +46,7 @@ int main(int argc, char** argv) {
         GROUP("parallel", parallel_tests),
         GROUP("tp", tp_host_tests),
         GROUP("hf", hf_tests),
+        GROUP("header", header_tests),
         GROUP("gpu", gpu_tests),
         GROUP("gpu", flash_tests),
         GROUP("gpu", tp_gpu_tests),
