@@ -25,6 +25,7 @@
 #include "tests/test_data_parallel.h"
 #include "tests/test_tensor_parallel.h"
 #include "tests/test_hf.h"
+#include "tests/test_header.h"
 
 typedef struct {
     const char* group; /* kind.feature: kind is host, gpu or multigpu */
@@ -41,8 +42,9 @@ static int group_is_multigpu(const char* group) {
 
 int main(int argc, char** argv) {
     const char* filter = argc > 1 ? argv[1] : NULL;
-    int world = 1, rank = 0;
+    int world = 1;
 #ifdef MT_USE_MPI
+    int rank = 0;
     if (getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK")) { /* under mpirun / srun */
         MPI_Init(&argc, &argv);
         MPI_Comm_size(MPI_COMM_WORLD, &world);
@@ -57,6 +59,7 @@ int main(int argc, char** argv) {
         GROUP("host.data_parallel", data_parallel_tests),
         GROUP("host.tensor_parallel", tensor_parallel_tests),
         GROUP("host.hf", hf_tests),
+        GROUP("host.header", header_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),
         GROUP("gpu.checkpoint", checkpoint_gpu_tests),
