@@ -121,12 +121,81 @@ static test_result test_flops_formula(void) {
     return TEST_PASS;
 }
 
+/* FP8 flags: the combinations and shapes Megatron (and Hopper's FP8 GEMMs) refuse, each with one
+ * line naming the problem; the layers that stay bf16; and the delayed-scaling rule itself. */
+static test_result test_config_fp8(void) {
+    struct { const char* what; int field; int value; const char* needle; } cases[] = {
+        {"fp16", 0, 0, "--bf16"},
+        {"fp32", 1, 0, "--bf16"},
+        {"delayed + first/last bf16", 2, 0, "--first-last-layers-bf16"},
+        {"margin", 3, -1, "--fp8-margin"},
+        {"history", 4, 0, "--fp8-amax-history-len"},
+        {"hidden not a multiple of 16", 5, 72, "multiple of 16"},
+        {"tokens not a multiple of 16", 6, 0, "tokens of a micro-batch"},
+        {"blockwise needs 128", 7, 0, "multiple of 128"},
+        {"too many bf16 layers", 8, 0, "--num-layers-at-start-in-bf16"},
+        {"param gather without the distributed optimizer", 9, 0, "--use-distributed-optimizer"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        mt_config c = small_test_config();
+        c.precision = MT_BF16;
+        c.fp8_format = MT_FP8_HYBRID;
+        switch (cases[i].field) {
+            case 0: c.precision = MT_FP16; break;
+            case 1: c.precision = MT_FP32; break;
+            case 2: c.first_last_layers_bf16 = 1; break;
+            case 3: c.fp8_margin = cases[i].value; break;
+            case 4: c.fp8_amax_history_len = cases[i].value; break;
+            case 5: c.hidden_size = cases[i].value; c.num_attention_heads = 4; break;
+            case 6: c.seq_length = 30; c.micro_batch_size = 1; c.max_position_embeddings = 32; break;
+            case 7: c.fp8_recipe = MT_FP8_BLOCKWISE; break;
+            case 8: c.fp8_recipe = MT_FP8_TENSORWISE; c.first_last_layers_bf16 = 1;
+                    c.num_layers_at_start_in_bf16 = 2; c.num_layers_at_end_in_bf16 = 1; break;
+            case 9: c.fp8_param_gather = 1; break;
+        }
+        mt_error err;
+        err.message[0] = 0;
+        mt_status st = mt_config_finalize(&c, &err);
+        EXPECT(st == MT_ERR_CONFIG, "%s: status %d", cases[i].what, (int)st);
+        EXPECT(strstr(err.message, cases[i].needle) != NULL, "%s: message '%s'", cases[i].what, err.message);
+    }
+    /* accepted: hybrid, tensorwise, the first and last layer in bf16 */
+    mt_config c = small_test_config();
+    c.precision = MT_BF16;
+    c.num_layers = 4;
+    c.fp8_format = MT_FP8_HYBRID;
+    c.fp8_recipe = MT_FP8_TENSORWISE;
+    c.first_last_layers_bf16 = 1;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT(!mt_fp8_layer(&c, 0) && mt_fp8_layer(&c, 1) && mt_fp8_layer(&c, 2) && !mt_fp8_layer(&c, 3), "bf16 layers");
+    c.first_last_layers_bf16 = 0;
+    EXPECT(mt_fp8_layer(&c, 0) && mt_fp8_layer(&c, 3), "all FP8");
+    c.fp8_format = MT_FP8_NONE;
+    EXPECT(!mt_fp8_layer(&c, 1), "no FP8");
+
+    /* delayed scaling: 448 / amax / 2^margin from the newest entry or the history's max; the old
+     * scale when that amax is 0, inf or NaN */
+    float h[4] = {2.0f, 7.0f, 0.5f, 3.5f};
+    EXPECT(mt_fp8_delayed_scale(h, 4, 3, MT_FP8_AMAX_MOST_RECENT, 448.0f, 0, 9.0f) == 448.0f / 3.5f, "most recent");
+    EXPECT(mt_fp8_delayed_scale(h, 4, 3, MT_FP8_AMAX_MAX, 448.0f, 0, 9.0f) == 448.0f / 7.0f, "max");
+    EXPECT(mt_fp8_delayed_scale(h, 4, 0, MT_FP8_AMAX_MAX, 57344.0f, 2, 9.0f) == 57344.0f / 7.0f / 4.0f, "margin");
+    float z[2] = {0.0f, 0.0f};
+    EXPECT(mt_fp8_delayed_scale(z, 2, 1, MT_FP8_AMAX_MAX, 448.0f, 0, 9.0f) == 9.0f, "zero amax keeps the scale");
+    float n[2] = {1.0f, NAN};
+    EXPECT(mt_fp8_delayed_scale(n, 2, 1, MT_FP8_AMAX_MOST_RECENT, 448.0f, 0, 9.0f) == 9.0f, "nan keeps the scale");
+    float inf[1] = {INFINITY};
+    EXPECT(mt_fp8_delayed_scale(inf, 1, 0, MT_FP8_AMAX_MOST_RECENT, 448.0f, 0, 9.0f) == 9.0f, "inf keeps the scale");
+    return TEST_PASS;
+}
+
 static const test_case config_tests[] = {
     {"config_derives_megatron_values", test_config_derives_megatron_values},
     {"config_rejects_inconsistent", test_config_rejects_inconsistent},
     {"rank_layout_tp_dp_pp", test_rank_layout},
     {"learning_rate_schedules", test_learning_rate_schedules},
     {"flops_formula", test_flops_formula},
+    {"config_fp8_flags_and_delayed_scaling", test_config_fp8},
 };
 
 #endif
