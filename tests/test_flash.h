@@ -312,8 +312,22 @@ static test_result test_flash_attention_row_layouts(void) {
     return TEST_PASS;
 }
 
+/* Long sequences: T = 4096 (64 query tiles, 64 key tiles per head) at both head dims, the same checks.
+ * One head each: the CPU reference is O(T^2 d), a few seconds per shape. */
+static test_result test_flash_attention_long_sequences(void) {
+    REQUIRE_GPU();
+    const flash_shape shapes[] = {
+        {1, 1, 1, 4096, 64},
+        {1, 1, 1, 4096, 128},
+    };
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
+        if (!flash_check_shape(&shapes[i])) return TEST_FAIL;
+    return TEST_PASS;
+}
+
 static const test_case flash_tests[] = {
     {"flash_attention_row_layouts_match_reference", test_flash_attention_row_layouts},
+    {"flash_attention_long_sequences_match_reference", test_flash_attention_long_sequences},
 };
 
 #endif
