@@ -1,21 +1,31 @@
 /*
  * megatron.cu — everything of megatron.c that touches the GPU: kernels, GEMMs, the transformer's
- * forward and backward, the optimizer, checkpoints, and the trainer API declared in megatron.h.
+ * forward and backward, the parallel collectives, the optimizer, checkpoints, and the trainer API
+ * declared in megatron.h. DESIGN.md is the map; this file reads top to bottom in this order.
  *
- * Reading order (DESIGN.md):
- *   1. Checks and utilities
- *   2. Kernels, one section per layer: init, embedding, LayerNorm, bias/column reductions, GELU,
- *      attention (permute, causal softmax), cross entropy, residual, gradient norm, AdamW
- *   3. GEMM: one wrapper over cuBLAS for fp32/bf16/fp16 with fp32 accumulation
- *   4. Process groups: Megatron's rank layout, the world, tensor- and data-parallel communicators
- *   5. Parallel layers: column- and row-parallel linears with sequence parallelism (plain at TP=1)
- *   6. The model: memory layout, forward and backward of one stage (GPT-2 and Llama flavours;
- *      vocab-parallel embedding, output layer and cross entropy)
- *   7. Pipeline engine (one stage for now)
- *   8. Optimizer: DP gradient buckets (all-reduce / reduce-scatter overlapped with the backward),
- *      gradient norm, clipping, fp16 loss scaler, AdamW over this rank's shard, parameter all-gather
- *   9. Checkpoints (sharded optimizer state with the distributed optimizer)
- *  10. The trainer API
+ * Contents (each operation's kernels and their launchers are one section):
+ *    1. Checks, utilities and the execution context (mt_exec)
+ *    2. Initialisation and casts
+ *    3. Column sums
+ *    4. Embedding
+ *    5. Bias, residual and activations (GELU, SwiGLU)
+ *    6. LayerNorm and RMSNorm (fused with the residual add; recompute; fused backward)
+ *    7. Attention layout and RoPE
+ *    8. Exact attention (causal softmax)
+ *    9. Flash attention (bf16)
+ *   10. Cross entropy (vocab-parallel)
+ *   11. Gradient norm and AdamW
+ *   12. GEMM (cuBLASLt plans and epilogues)
+ *   13. Process groups
+ *   14. Parallel layers (column- and row-parallel linears, sequence parallelism)
+ *   15. The model (parameter, gradient and activation views; attention; forward and backward)
+ *   16. The micro-batch loop
+ *   17. Optimizer (DP buckets, gradient norm, clipping, fp16 loss scaler, distributed optimizer)
+ *   18. Checkpoints
+ *   19. The trainer API
+ *
+ * Launchers take `const mt_exec* ex` first: the stream, the error record, the GEMM plans and the
+ * micro-batch's mode, built by whoever decides the work (run_micro_batches, the optimizer, tests).
  *
  * Precision: the model runs in a type T (float, bf16 or fp16) chosen at run time; every kernel is a
  * template over T and does its arithmetic in fp32. Weight gradients are accumulated in fp32 by the
@@ -48,9 +58,13 @@
 #include <type_traits>
 
 /* ============================================================================================== */
-/* 1. Checks and utilities                                                                         */
-/*    Library code never exits: the first failing CUDA/cuBLAS call is recorded in an mt_gpu_error  */
-/*    owned by the trainer, later work is skipped, and the API call returns it.                    */
+/* 1. Checks, utilities and the execution context                                                 */
+/*    Library code never exits: the first failing CUDA/cuBLAS/NCCL call is recorded in an         */
+/*    mt_gpu_error owned by the trainer, later work is skipped, and the API call returns it.      */
+/*    Every launcher and layer takes an mt_exec: the stream, that error record, the GEMM plans    */
+/*    and the micro-batch's mode. Then the fp32 <-> storage conversions, warp/block reductions    */
+/*    in a fixed order, 16-byte vector access and asynchronous global -> shared copies that the   */
+/*    kernels below share.                                                                        */
 /* ============================================================================================== */
 
 typedef struct {
@@ -99,6 +113,27 @@ static mt_status mt_gpu_error_return(const mt_gpu_error* e, mt_error* err) {
     if (e->status != MT_OK && err) *err = e->error;
     return e->status;
 }
+
+/* The execution context every launcher and layer takes: the stream its work goes to, the error
+ * record its first failure lands in, the GEMM plans, and the mode of the micro-batch it belongs to.
+ * It is built where that work is decided (run_micro_batches for training; a plain one for
+ * evaluation, the optimizer, tests) and passed down explicitly, never read from a field set elsewhere. */
+typedef struct {
+    /* 0 while the first micro-batch of a step runs its backward: every gradient writer (weight
+     * GEMMs with beta 0, column sums, embeddings) then overwrites its tensor, so the fp32 gradient
+     * buffer is never zeroed (6 GB of writes per step at 1.5B); 1 afterwards: writers accumulate */
+    int accumulate_gradients;
+    int last;               /* the step's last micro-batch: after its backward the gradients are final */
+    int reduce_in_backward; /* buckets start their DP reduction from this backward (--overlap-grad-reduce) */
+} mt_micro_batch_mode;
+
+typedef struct mt_gemm_plans mt_gemm_plans; /* section 12 */
+typedef struct {
+    cudaStream_t stream;
+    mt_gpu_error* error;
+    mt_gemm_plans* gemm;    /* NULL where no GEMM is issued */
+    mt_micro_batch_mode mode;
+} mt_exec;
 
 static inline int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
@@ -189,11 +224,11 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 /* ============================================================================================== */
-/* 2. Kernels                                                                                      */
+/* 2. Initialisation and casts                                                                    */
+/*    A counter-based normal generator, so every element's initial value depends only on (seed,   */
+/*    tensor, global index): the same model at any parallel layout. Casts between the fp32        */
+/*    master and the model type.                                                                  */
 /* ============================================================================================== */
-
-/* ---- 2.1 Initialisation: a counter-based normal generator, so every element's initial value
- *      depends only on (seed, tensor, global index): the same model at any parallel layout. ---- */
 
 __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
     x += 0x9E3779B97F4A7C15ull;
@@ -232,9 +267,179 @@ __global__ void cast_to_float_kernel(float* dst, const T* src, int64_t n) {
     if (i < n) dst[i] = to_float<T>(src[i]);
 }
 
-/* ---- 2.2 Embedding: x[b,t,:] = word[token] + position[t] (no position table with RoPE: wpe NULL).
- *      Vocab-parallel: wte holds rows [vocab_start, vocab_start + vocab_rows); a token outside them
- *      contributes zeros, and the sum over the tensor-parallel ranks completes the lookup. ---- */
+/* n elements of one tensor (see init_param_kernel), written as fp32 into out */
+static void init_param(const mt_exec* ex, float* out, int64_t n, int64_t first, int64_t rows, int64_t inner,
+                       int64_t rows_full, int64_t row0, int mode, float std, uint64_t seed, uint64_t tensor_id) {
+    init_param_kernel<<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, n, first, rows, inner, rows_full, row0, mode, std,
+                                                                 seed, tensor_id);
+    LAUNCH_CHECK(ex->error);
+}
+/* dst[n] (model type of `precision`) = src[n] (fp32), and back */
+static void cast_from_float(const mt_exec* ex, mt_precision precision, void* dst, const float* src, int64_t n) {
+    switch (precision) {
+        case MT_FP32: cast_from_float_kernel<float><<<ceil_div(n, 256), 256, 0, ex->stream>>>((float*)dst, src, n); break;
+        case MT_BF16:
+            cast_from_float_kernel<__nv_bfloat16><<<ceil_div(n, 256), 256, 0, ex->stream>>>((__nv_bfloat16*)dst, src, n);
+            break;
+        case MT_FP16: cast_from_float_kernel<__half><<<ceil_div(n, 256), 256, 0, ex->stream>>>((__half*)dst, src, n); break;
+    }
+    LAUNCH_CHECK(ex->error);
+}
+static void cast_to_float(const mt_exec* ex, mt_precision precision, float* dst, const void* src, int64_t n) {
+    switch (precision) {
+        case MT_FP32:
+            CUDA_CHECK(ex->error, cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, ex->stream));
+            return;
+        case MT_BF16:
+            cast_to_float_kernel<__nv_bfloat16><<<ceil_div(n, 256), 256, 0, ex->stream>>>(dst, (const __nv_bfloat16*)src, n);
+            break;
+        case MT_FP16: cast_to_float_kernel<__half><<<ceil_div(n, 256), 256, 0, ex->stream>>>(dst, (const __half*)src, n); break;
+    }
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ============================================================================================== */
+/* 3. Column sums                                                                                 */
+/*    Deterministic column sums for bias gradients and norm-weight gradients, no atomics. Pass    */
+/*    1: block (x, chunk) sums rows [chunk*rows_per_chunk, ...) of its columns into a partial     */
+/*    row. Pass 2 (column_final_sums): dst[c] (+)= the partial rows in order; the step's first    */
+/*    micro-batch overwrites (the gradient buffer is never zeroed). Fused kernels (the norm       */
+/*    backward, flash attention's backward) write the same partial rows and finish with pass 2.   */
+/* ============================================================================================== */
+
+enum { COLSUM_PLAIN = 0, COLSUM_LAYERNORM = 1 };
+
+template <typename T, int MODE>
+__global__ void column_partial_sum_kernel(float* partial_a, float* partial_b, const T* dy, const T* x,
+                                          const float* mean, const float* rstd, int N, int C, int rows_per_chunk) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int chunk = blockIdx.y;
+    if (c >= C) return;
+    int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float a = 0.0f, b = 0.0f;
+    for (int r = r0; r < r1; r++) {
+        float g = to_float(dy[(int64_t)r * C + c]);
+        if (MODE == COLSUM_LAYERNORM) {
+            float xhat = (to_float(x[(int64_t)r * C + c]) - mean[r]) * rstd[r];
+            a += g * xhat; /* d weight */
+            b += g;        /* d bias */
+        } else {
+            a += g;
+        }
+    }
+    partial_a[(int64_t)chunk * C + c] = a;
+    if (MODE == COLSUM_LAYERNORM) partial_b[(int64_t)chunk * C + c] = b;
+}
+
+/* The same with 16-byte loads: each thread owns V adjacent columns (C % V == 0), so a warp reads
+ * 512 contiguous bytes of a row instead of 64. Every column is still summed over the same rows in
+ * the same order, so the results are bitwise those of the scalar kernel. */
+template <typename T, int MODE>
+__global__ void column_partial_sum_vec_kernel(float* partial_a, float* partial_b, const T* dy, const T* x,
+                                              const float* mean, const float* rstd, int N, int C, int rows_per_chunk) {
+    constexpr int V = vec16<T>::N;
+    int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+    int chunk = blockIdx.y;
+    if (c >= C) return;
+    int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float a[V], b[V], g[V], xv[V];
+#pragma unroll
+    for (int i = 0; i < V; i++) a[i] = b[i] = 0.0f;
+#pragma unroll 4
+    for (int r = r0; r < r1; r++) {
+        load16(g, dy + (int64_t)r * C + c);
+        if (MODE == COLSUM_LAYERNORM) {
+            load16(xv, x + (int64_t)r * C + c);
+            float m = mean[r], rs = rstd[r];
+#pragma unroll
+            for (int i = 0; i < V; i++) {
+                a[i] += g[i] * ((xv[i] - m) * rs);
+                b[i] += g[i];
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < V; i++) a[i] += g[i];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < V; i++) {
+        partial_a[(int64_t)chunk * C + c + i] = a[i];
+        if (MODE == COLSUM_LAYERNORM) partial_b[(int64_t)chunk * C + c + i] = b[i];
+    }
+}
+
+/* Up to three column sums finished in one launch (blockIdx.y picks one; a NULL dst is skipped):
+ * dst[c] (+)= the sum of partial[k, c] over the chunks k; `accumulate` 0 overwrites dst (the first
+ * micro-batch of a step: the gradient buffer is not zeroed). A block [32 columns x 16 lanes of
+ * chunks]: lane y sums chunks y, y+16, ..., then lane 0 adds the 16 in order (a fixed order:
+ * deterministic). */
+__global__ void __launch_bounds__(512) column_final_sums_kernel(float* dst0, const float* p0, float* dst1,
+                                                                const float* p1, float* dst2, const float* p2,
+                                                                int chunks, int C, int accumulate) {
+    __shared__ float part[16][33];
+    float* dst = blockIdx.y == 0 ? dst0 : blockIdx.y == 1 ? dst1 : dst2;
+    const float* partial = blockIdx.y == 0 ? p0 : blockIdx.y == 1 ? p1 : p2;
+    if (!dst) return;
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    float s = 0.0f;
+    if (c < C)
+        for (int k = threadIdx.y; k < chunks; k += 16) s += partial[(int64_t)k * C + c];
+    part[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+        float total = 0.0f;
+#pragma unroll
+        for (int y = 0; y < 16; y++) total += part[y][threadIdx.x];
+        dst[c] = accumulate ? dst[c] + total : total;
+    }
+}
+
+/* dst_i[C] (+)= the sums over `chunks` partial rows of part_i [chunks, C], i < count (a NULL dst_i is
+ * skipped); the step's first micro-batch overwrites (ex->mode.accumulate_gradients == 0) */
+static void column_final_sums(const mt_exec* ex, int count, int chunks, int C, float* dst0, const float* p0,
+                              float* dst1 = NULL, const float* p1 = NULL, float* dst2 = NULL, const float* p2 = NULL) {
+    column_final_sums_kernel<<<dim3(ceil_div(C, 32), count), dim3(32, 16), 0, ex->stream>>>(
+        dst0, p0, dst1, p1, dst2, p2, chunks, C, ex->mode.accumulate_gradients);
+    LAUNCH_CHECK(ex->error);
+}
+
+typedef struct {
+    float* partial_a; /* [chunks, max_columns] fp32 scratch for column sums */
+    float* partial_b;
+    float* partial_c;
+    int max_chunks;
+} mt_colsum_scratch;
+
+static int colsum_chunks(int N, int max_chunks, int* rows_per_chunk) {
+    int rows = ceil_div(N, max_chunks);
+    if (rows < 1) rows = 1;
+    *rows_per_chunk = rows;
+    return ceil_div(N, rows);
+}
+
+/* dst[c] += sum_r dy[r, c] (= when ex->mode.accumulate_gradients is 0) */
+template <typename T>
+static void column_sum(const mt_exec* ex, mt_colsum_scratch* s, float* dst, const T* dy, int N, int C) {
+    int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
+    if (C % vec16<T>::N == 0 && aligned16(dy))
+        column_partial_sum_vec_kernel<T, COLSUM_PLAIN><<<dim3(ceil_div(C / vec16<T>::N, 256), chunks), 256, 0,
+                                                         ex->stream>>>(s->partial_a, NULL, dy, NULL, NULL, NULL, N, C,
+                                                                      rows);
+    else
+        column_partial_sum_kernel<T, COLSUM_PLAIN><<<dim3(ceil_div(C, 256), chunks), 256, 0, ex->stream>>>(
+            s->partial_a, NULL, dy, NULL, NULL, NULL, N, C, rows);
+    column_final_sums_kernel<<<dim3(ceil_div(C, 32), 1), dim3(32, 16), 0, ex->stream>>>(
+        dst, s->partial_a, NULL, NULL, NULL, NULL, chunks, C, ex->mode.accumulate_gradients);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ============================================================================================== */
+/* 4. Embedding                                                                                   */
+/*    x[b,t,:] = word[token] + position[t] (no position table with RoPE: wpe NULL). Vocab-        */
+/*    parallel: wte holds rows [vocab_start, vocab_start + vocab_rows); a token outside them      */
+/*    contributes zeros, and the sum over the tensor-parallel ranks completes the lookup. The     */
+/*    backward sums each token's positions in order from a host-built index (no atomics).         */
+/* ============================================================================================== */
 
 template <typename T>
 __global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T* wte, const T* wpe, int BT, int seq,
@@ -276,9 +481,297 @@ __global__ void word_embedding_backward_kernel(float* dwte, const T* dout, const
     }
 }
 
-/* ---- 2.3 LayerNorm and RMSNorm: one warp per row, statistics in fp32, mean and 1/std saved for
- *      backward. RMSNorm is the same kernel with the mean fixed at 0 (saved as 0, so the backward's
- *      x-hat is x * rstd) and no bias: y = x / sqrt(mean(x^2) + eps) * w. ---- */
+/* out [BT, C] = the embedding of tokens [BT] (this rank's vocabulary rows; wpe NULL: none) */
+template <typename T>
+static void embedding_forward(const mt_exec* ex, T* out, const int32_t* tokens, const T* wte, const T* wpe, int BT,
+                              int seq, int C, int64_t vocab_start, int64_t vocab_rows) {
+    embedding_forward_kernel<T><<<ceil_div((int64_t)BT * C, 256), 256, 0, ex->stream>>>(out, tokens, wte, wpe, BT, seq, C,
+                                                                                      vocab_start, vocab_rows);
+    LAUNCH_CHECK(ex->error);
+}
+/* dwpe [seq, C] (+)= the batch sum of dout [B, seq, C] (overwritten in the step's first micro-batch) */
+template <typename T>
+static void position_embedding_backward(const mt_exec* ex, float* dwpe, const T* dout, int B, int seq, int C) {
+    position_embedding_backward_kernel<T><<<ceil_div((int64_t)seq * C, 256), 256, 0, ex->stream>>>(
+        dwpe, dout, B, seq, C, ex->mode.accumulate_gradients);
+    LAUNCH_CHECK(ex->error);
+}
+/* dwte += the scatter of dout [BT, C] by token; index = [unique (BT+1)][offsets (BT+1)][positions (BT)]
+ * as built by build_embedding_index (section 16) for `unique_tokens` distinct tokens */
+template <typename T>
+static void word_embedding_backward(const mt_exec* ex, float* dwte, const T* dout, const int32_t* index,
+                                    int unique_tokens, int BT, int C, int64_t vocab_start) {
+    if (unique_tokens <= 0) return;
+    word_embedding_backward_kernel<T><<<unique_tokens, 256, 0, ex->stream>>>(
+        dwte, dout, index, index + BT + 1, index + 2 * (BT + 1), C, vocab_start);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ============================================================================================== */
+/* 5. Bias, residual and activations                                                              */
+/*    Bias add, the residual add, GELU (tanh approximation) and SwiGLU (Megatron's --swiglu),     */
+/*    each as a scalar kernel and a 16-byte one that the launcher picks when rows are a multiple  */
+/*    of the vector width and pointers aligned. A NULL bias means the model has none (--disable-  */
+/*    bias-linear).                                                                               */
+/* ============================================================================================== */
+
+template <typename T>
+__global__ void bias_add_kernel(T* y, const T* bias, int64_t N, int C) {
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= N * C) return;
+    y[idx] = from_float<T>(to_float(y[idx]) + to_float(bias[idx % C]));
+}
+
+template <typename T>
+__global__ void residual_add_kernel(T* out, const T* a, const T* b, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
+}
+
+#define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
+template <typename T>
+__global__ void gelu_forward_kernel(T* out, const T* in, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float x = to_float(in[i]);
+    out[i] = from_float<T>(0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x))));
+}
+/* In place: d <- d * gelu'(x). */
+template <typename T>
+__global__ void gelu_backward_kernel(T* d, const T* in, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float x = to_float(in[i]);
+    float th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
+    float dtanh = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x) * (1.0f - th * th);
+    d[i] = from_float<T>(to_float(d[i]) * (0.5f * (1.0f + th) + 0.5f * x * dtanh));
+}
+
+/* gelu backward and bias add with 16-byte vectors (i indexes vectors; C % V == 0 for the bias). */
+template <typename T>
+__global__ void gelu_backward_vec_kernel(T* d, const T* in, int64_t vectors) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    float g[V], x[V];
+    load16(g, d + i * V);
+    load16(x, in + i * V);
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        float th = tanhf(GELU_SCALE * (x[k] + 0.044715f * x[k] * x[k] * x[k]));
+        float dtanh = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x[k] * x[k]) * (1.0f - th * th);
+        g[k] *= 0.5f * (1.0f + th) + 0.5f * x[k] * dtanh;
+    }
+    store16(d + i * V, g);
+}
+template <typename T>
+__global__ void bias_add_vec_kernel(T* y, const T* bias, int64_t vectors, int C) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    float a[V], b[V];
+    load16(a, y + i * V);
+    load16(b, bias + (i * V) % C);
+#pragma unroll
+    for (int k = 0; k < V; k++) a[k] += b[k];
+    store16(y + i * V, a);
+}
+
+/* Fused epilogues of the linears, 16-byte vectors, i indexes vectors of [N, C] (C % V == 0):
+ * out = residual + branch + bias (a row-parallel linear's bias folded into the residual add), and
+ * pre = y + bias, act = gelu(pre) (the first MLP linear; pre is kept for the backward). */
+template <typename T>
+__global__ void bias_residual_vec_kernel(T* out, const T* residual, const T* branch, const T* bias, int64_t vectors,
+                                         int C) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    int64_t e = i * V;
+    float r[V], y[V], b[V];
+    load16(r, residual + e);
+    load16(y, branch + e);
+    if (bias) load16(b, bias + e % C);
+#pragma unroll
+    for (int k = 0; k < V; k++) r[k] += y[k] + (bias ? b[k] : 0.0f);
+    store16(out + e, r);
+}
+
+template <typename T>
+__global__ void bias_gelu_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int C) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    int64_t e = i * V;
+    float y[V], b[V], a[V];
+    load16(y, pre + e);
+    if (bias) load16(b, bias + e % C);
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        /* round the pre-activation to T first: the backward recomputes gelu' from the stored value */
+        float x = to_float(from_float<T>(y[k] + (bias ? b[k] : 0.0f)));
+        y[k] = x;
+        a[k] = 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
+    }
+    store16(pre + e, y);
+    store16(act + e, a);
+}
+
+/* SwiGLU (Megatron's --swiglu): the first MLP linear gives pre [N, 2f] = [gate | up] per row;
+ * act [N, f] = silu(gate) * up. The bias, if any, is added into pre first (rounded to T, as the
+ * backward reads it back). i indexes elements (scalar) or vectors (vec) of act. */
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+template <typename T>
+__global__ void swiglu_forward_kernel(T* pre, T* act, const T* bias, int64_t N, int f) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N * f) return;
+    int64_t row = i / f;
+    int col = (int)(i % f);
+    T* g = pre + row * 2 * f + col;
+    float gate = to_float(*g), up = to_float(g[f]);
+    if (bias) {
+        gate = to_float(from_float<T>(gate + to_float(bias[col])));
+        up = to_float(from_float<T>(up + to_float(bias[f + col])));
+        g[0] = from_float<T>(gate);
+        g[f] = from_float<T>(up);
+    }
+    act[i] = from_float<T>(silu(gate) * up);
+}
+
+/* dpre [N, 2f] from dact [N, f]: dgate = dact * up * silu'(gate), dup = dact * silu(gate), with
+ * silu'(x) = s (1 + x (1 - s)), s = sigmoid(x). */
+template <typename T>
+__global__ void swiglu_backward_kernel(T* dpre, const T* dact, const T* pre, int64_t N, int f) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N * f) return;
+    int64_t row = i / f;
+    int col = (int)(i % f);
+    float gate = to_float(pre[row * 2 * f + col]), up = to_float(pre[row * 2 * f + f + col]);
+    float s = 1.0f / (1.0f + expf(-gate)), d = to_float(dact[i]);
+    dpre[row * 2 * f + col] = from_float<T>(d * up * s * (1.0f + gate * (1.0f - s)));
+    dpre[row * 2 * f + f + col] = from_float<T>(d * gate * s);
+}
+
+template <typename T>
+__global__ void swiglu_forward_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int f) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    int64_t row = i * V / f;
+    int col = (int)(i * V % f);
+    T* g = pre + row * 2 * f + col;
+    float gate[V], up[V], b[V], a[V];
+    load16(gate, g);
+    load16(up, g + f);
+    if (bias) {
+        load16(b, bias + col);
+#pragma unroll
+        for (int k = 0; k < V; k++) gate[k] = to_float(from_float<T>(gate[k] + b[k]));
+        load16(b, bias + f + col);
+#pragma unroll
+        for (int k = 0; k < V; k++) up[k] = to_float(from_float<T>(up[k] + b[k]));
+        store16(g, gate);
+        store16(g + f, up);
+    }
+#pragma unroll
+    for (int k = 0; k < V; k++) a[k] = silu(gate[k]) * up[k];
+    store16(act + i * V, a);
+}
+
+template <typename T>
+__global__ void swiglu_backward_vec_kernel(T* dpre, const T* dact, const T* pre, int64_t vectors, int f) {
+    constexpr int V = vec16<T>::N;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vectors) return;
+    int64_t row = i * V / f;
+    int col = (int)(i * V % f);
+    float gate[V], up[V], d[V], dg[V];
+    load16(gate, pre + row * 2 * f + col);
+    load16(up, pre + row * 2 * f + f + col);
+    load16(d, dact + i * V);
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        float s = 1.0f / (1.0f + expf(-gate[k]));
+        dg[k] = d[k] * up[k] * s * (1.0f + gate[k] * (1.0f - s));
+        up[k] = d[k] * gate[k] * s;
+    }
+    store16(dpre + row * 2 * f + col, dg);
+    store16(dpre + row * 2 * f + f + col, up);
+}
+
+/* out[N, C] = residual + branch + bias[C] (bias may be NULL) */
+template <typename T>
+static void bias_residual(const mt_exec* ex, T* out, const T* residual, T* branch, const T* bias, int N, int C) {
+    int64_t n = (int64_t)N * C;
+    if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(residual) && aligned16(branch) && aligned16(bias)) {
+        int64_t vectors = n / vec16<T>::N;
+        bias_residual_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, ex->stream>>>(out, residual, branch, bias, vectors, C);
+    } else {
+        if (bias) bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(branch, bias, N, C);
+        residual_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, residual, branch, n);
+    }
+    LAUNCH_CHECK(ex->error);
+}
+
+/* pre[N, C] += bias (may be NULL); act = gelu(pre) */
+template <typename T>
+static void bias_gelu(const mt_exec* ex, T* pre, T* act, const T* bias, int N, int C) {
+    int64_t n = (int64_t)N * C;
+    if (C % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias)) {
+        int64_t vectors = n / vec16<T>::N;
+        bias_gelu_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, ex->stream>>>(pre, act, bias, vectors, C);
+    } else {
+        if (bias) bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(pre, bias, N, C);
+        gelu_forward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(act, pre, n);
+    }
+    LAUNCH_CHECK(ex->error);
+}
+
+/* pre[N, 2f] += bias (may be NULL); act[N, f] = silu(gate) * up */
+template <typename T>
+static void bias_swiglu(const mt_exec* ex, T* pre, T* act, const T* bias, int N, int f) {
+    int64_t n = (int64_t)N * f;
+    if (f % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias))
+        swiglu_forward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(pre, act, bias,
+                                                                                           n / vec16<T>::N, f);
+    else
+        swiglu_forward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(pre, act, bias, N, f);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* d <- d * gelu'(pre), in place over [n] */
+template <typename T>
+static void gelu_backward(const mt_exec* ex, T* d, const T* pre, int64_t n) {
+    if (n % vec16<T>::N == 0 && aligned16(d) && aligned16(pre))
+        gelu_backward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(d, pre, n / vec16<T>::N);
+    else
+        gelu_backward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(d, pre, n);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* dpre[N, 2f] from dact[N, f] and pre[N, 2f] */
+template <typename T>
+static void swiglu_backward(const mt_exec* ex, T* dpre, const T* dact, const T* pre, int N, int f) {
+    int64_t n = (int64_t)N * f;
+    if (f % vec16<T>::N == 0 && aligned16(dpre) && aligned16(dact) && aligned16(pre))
+        swiglu_backward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(dpre, dact, pre,
+                                                                                            n / vec16<T>::N, f);
+    else
+        swiglu_backward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(dpre, dact, pre, N, f);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ============================================================================================== */
+/* 6. LayerNorm and RMSNorm                                                                       */
+/*    One warp per row, statistics in fp32, mean and 1/std saved for the backward. RMSNorm is     */
+/*    the same kernel with the mean fixed at 0 (saved as 0, so the backward's x-hat is x * rstd)  */
+/*    and no bias: y = x / sqrt(mean(x^2) + eps) * w. The forward is fused with the residual add  */
+/*    before it (residual_norm_forward); norm_apply recomputes a norm's output from its saved     */
+/*    statistics (the backward does so for the first norm instead of keeping it per layer). The   */
+/*    backward is one fused kernel (input gradient and the weight, bias and preceding row-        */
+/*    parallel bias column sums), staged through shared memory, with the two-kernel path as the   */
+/*    fallback.                                                                                   */
+/* ============================================================================================== */
 
 template <typename T>
 __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_out, const T* x, const T* weight,
@@ -474,7 +967,7 @@ __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean
     }
 }
 
-/* V elements from / to memory: 16-byte accesses when V is the vector width, else one by one. */
+/* V elements from / to memory: 16-byte accesses when V is the vector width, else one by one.     */
 template <typename T, int V>
 __device__ __forceinline__ void load_n(float* out, const T* p) {
     if constexpr (V == vec16<T>::N) load16(out, p);
@@ -507,97 +1000,6 @@ __global__ void norm_apply_kernel(T* out, const T* x, const float* mean, const f
 #pragma unroll
     for (int k = 0; k < V; k++) v[k] = (v[k] - m) * rs * wv[k] + (b ? bv[k] : 0.0f);
     store_n<T, V>(out + i, v);
-}
-
-/* ---- 2.4 Deterministic column sums: bias gradients and norm-weight gradients.
- *      Pass 1: block (x, chunk) sums rows [chunk*rows_per_chunk, ...) of its columns into partial.
- *      Pass 2: dst[c] += sum over chunks in order. ---- */
-
-enum { COLSUM_PLAIN = 0, COLSUM_LAYERNORM = 1 };
-
-template <typename T, int MODE>
-__global__ void column_partial_sum_kernel(float* partial_a, float* partial_b, const T* dy, const T* x,
-                                          const float* mean, const float* rstd, int N, int C, int rows_per_chunk) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    int chunk = blockIdx.y;
-    if (c >= C) return;
-    int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
-    float a = 0.0f, b = 0.0f;
-    for (int r = r0; r < r1; r++) {
-        float g = to_float(dy[(int64_t)r * C + c]);
-        if (MODE == COLSUM_LAYERNORM) {
-            float xhat = (to_float(x[(int64_t)r * C + c]) - mean[r]) * rstd[r];
-            a += g * xhat; /* d weight */
-            b += g;        /* d bias */
-        } else {
-            a += g;
-        }
-    }
-    partial_a[(int64_t)chunk * C + c] = a;
-    if (MODE == COLSUM_LAYERNORM) partial_b[(int64_t)chunk * C + c] = b;
-}
-
-/* The same with 16-byte loads: each thread owns V adjacent columns (C % V == 0), so a warp reads
- * 512 contiguous bytes of a row instead of 64. Every column is still summed over the same rows in
- * the same order, so the results are bitwise those of the scalar kernel. */
-template <typename T, int MODE>
-__global__ void column_partial_sum_vec_kernel(float* partial_a, float* partial_b, const T* dy, const T* x,
-                                              const float* mean, const float* rstd, int N, int C, int rows_per_chunk) {
-    constexpr int V = vec16<T>::N;
-    int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
-    int chunk = blockIdx.y;
-    if (c >= C) return;
-    int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
-    float a[V], b[V], g[V], xv[V];
-#pragma unroll
-    for (int i = 0; i < V; i++) a[i] = b[i] = 0.0f;
-#pragma unroll 4
-    for (int r = r0; r < r1; r++) {
-        load16(g, dy + (int64_t)r * C + c);
-        if (MODE == COLSUM_LAYERNORM) {
-            load16(xv, x + (int64_t)r * C + c);
-            float m = mean[r], rs = rstd[r];
-#pragma unroll
-            for (int i = 0; i < V; i++) {
-                a[i] += g[i] * ((xv[i] - m) * rs);
-                b[i] += g[i];
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < V; i++) a[i] += g[i];
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < V; i++) {
-        partial_a[(int64_t)chunk * C + c + i] = a[i];
-        if (MODE == COLSUM_LAYERNORM) partial_b[(int64_t)chunk * C + c + i] = b[i];
-    }
-}
-
-/* Up to three column sums finished in one launch (blockIdx.y picks one; a NULL dst is skipped):
- * dst[c] (+)= the sum of partial[k, c] over the chunks k; `accumulate` 0 overwrites dst (the first
- * micro-batch of a step: the gradient buffer is not zeroed). A block [32 columns x 16 lanes of
- * chunks]: lane y sums chunks y, y+16, ..., then lane 0 adds the 16 in order (a fixed order:
- * deterministic). */
-__global__ void __launch_bounds__(512) column_final_sums_kernel(float* dst0, const float* p0, float* dst1,
-                                                                const float* p1, float* dst2, const float* p2,
-                                                                int chunks, int C, int accumulate) {
-    __shared__ float part[16][33];
-    float* dst = blockIdx.y == 0 ? dst0 : blockIdx.y == 1 ? dst1 : dst2;
-    const float* partial = blockIdx.y == 0 ? p0 : blockIdx.y == 1 ? p1 : p2;
-    if (!dst) return;
-    const int c = blockIdx.x * 32 + threadIdx.x;
-    float s = 0.0f;
-    if (c < C)
-        for (int k = threadIdx.y; k < chunks; k += 16) s += partial[(int64_t)k * C + c];
-    part[threadIdx.y][threadIdx.x] = s;
-    __syncthreads();
-    if (threadIdx.y == 0 && c < C) {
-        float total = 0.0f;
-#pragma unroll
-        for (int y = 0; y < 16; y++) total += part[y][threadIdx.x];
-        dst[c] = accumulate ? dst[c] + total : total;
-    }
 }
 
 /* ---- The norm backward fused with every column sum that reads the same rows. A block walks tiles of
@@ -759,202 +1161,127 @@ __global__ void __launch_bounds__(256)
                                         part_b, part_prev);
 }
 
-/* ---- 2.5 Bias, residual, GELU (tanh approximation), SwiGLU. A NULL bias means the model has none
- *      (--disable-bias-linear). ---- */
-
+/* out = (x - mean) * rstd * w (+ b) over rows of [N, C], from the statistics the forward saved. */
 template <typename T>
-__global__ void bias_add_kernel(T* y, const T* bias, int64_t N, int C) {
-    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= N * C) return;
-    y[idx] = from_float<T>(to_float(y[idx]) + to_float(bias[idx % C]));
-}
-
-template <typename T>
-__global__ void residual_add_kernel(T* out, const T* a, const T* b, int64_t n) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
-}
-
-#define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
-template <typename T>
-__global__ void gelu_forward_kernel(T* out, const T* in, int64_t n) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float x = to_float(in[i]);
-    out[i] = from_float<T>(0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x))));
-}
-/* In place: d <- d * gelu'(x). */
-template <typename T>
-__global__ void gelu_backward_kernel(T* d, const T* in, int64_t n) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float x = to_float(in[i]);
-    float th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
-    float dtanh = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x) * (1.0f - th * th);
-    d[i] = from_float<T>(to_float(d[i]) * (0.5f * (1.0f + th) + 0.5f * x * dtanh));
-}
-
-/* gelu backward and bias add with 16-byte vectors (i indexes vectors; C % V == 0 for the bias). */
-template <typename T>
-__global__ void gelu_backward_vec_kernel(T* d, const T* in, int64_t vectors) {
+static void norm_apply(const mt_exec* ex, T* out, const T* x, const float* mean, const float* rstd, const T* w,
+                       const T* b, int N, int C) {
     constexpr int V = vec16<T>::N;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= vectors) return;
-    float g[V], x[V];
-    load16(g, d + i * V);
-    load16(x, in + i * V);
-#pragma unroll
-    for (int k = 0; k < V; k++) {
-        float th = tanhf(GELU_SCALE * (x[k] + 0.044715f * x[k] * x[k] * x[k]));
-        float dtanh = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x[k] * x[k]) * (1.0f - th * th);
-        g[k] *= 0.5f * (1.0f + th) + 0.5f * x[k] * dtanh;
+    int64_t n = (int64_t)N * C;
+    if (C % V == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
+        norm_apply_kernel<T, V><<<ceil_div(n / V, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C);
+    else
+        norm_apply_kernel<T, 1><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* out = norm(x): LayerNorm (w, b) or RMSNorm (w; b NULL, rms) over rows of [N, C]. */
+template <typename T>
+static void norm_forward(const mt_exec* ex, T* out, float* mean, float* rstd, const T* x, const T* w, const T* b,
+                         int N, int C, float eps, bool rms) {
+    if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
+        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
+    else
+        layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* sum = residual + branch + bias (the residual stream), then out = norm(sum): one kernel when a
+ * row fits the registers of one warp (C <= 32 * 8 vectors: hidden 2048 in bf16), else two. */
+#define RESIDUAL_NORM_MAXV 8
+template <typename T>
+static void residual_norm_forward(const mt_exec* ex, T* sum, T* out, float* mean, float* rstd, const T* residual,
+                                  T* branch, const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms) {
+    constexpr int V = vec16<T>::N;
+    if (C % V == 0 && C <= 32 * V * RESIDUAL_NORM_MAXV && aligned16(sum) && aligned16(out) && aligned16(residual) &&
+        aligned16(branch) && aligned16(bias) && aligned16(w) && aligned16(b)) {
+        residual_norm_forward_vec_kernel<T, RESIDUAL_NORM_MAXV><<<ceil_div(N, 8), 256, 0, ex->stream>>>(
+            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms);
+        LAUNCH_CHECK(ex->error);
+        return;
     }
-    store16(d + i * V, g);
-}
-template <typename T>
-__global__ void bias_add_vec_kernel(T* y, const T* bias, int64_t vectors, int C) {
-    constexpr int V = vec16<T>::N;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= vectors) return;
-    float a[V], b[V];
-    load16(a, y + i * V);
-    load16(b, bias + (i * V) % C);
-#pragma unroll
-    for (int k = 0; k < V; k++) a[k] += b[k];
-    store16(y + i * V, a);
+    bias_residual<T>(ex, sum, residual, branch, bias, N, C);
+    norm_forward<T>(ex, out, mean, rstd, sum, w, b, N, C, eps, rms);
 }
 
-/* Fused epilogues of the linears, 16-byte vectors, i indexes vectors of [N, C] (C % V == 0):
- * out = residual + branch + bias (a row-parallel linear's bias folded into the residual add), and
- * pre = y + bias, act = gelu(pre) (the first MLP linear; pre is kept for the backward). */
+/* Launches norm_backward_fused_kernel with `rows`-row tiles over at most max_blocks blocks (NJ = nj:
+ * 1, 2 or 4 groups of 256 vectors per row); returns the block count, i.e. the partial sums written. */
 template <typename T>
-__global__ void bias_residual_vec_kernel(T* out, const T* residual, const T* branch, const T* bias, int64_t vectors,
-                                         int C) {
-    constexpr int V = vec16<T>::N;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= vectors) return;
-    int64_t e = i * V;
-    float r[V], y[V], b[V];
-    load16(r, residual + e);
-    load16(y, branch + e);
-    if (bias) load16(b, bias + e % C);
-#pragma unroll
-    for (int k = 0; k < V; k++) r[k] += y[k] + (bias ? b[k] : 0.0f);
-    store16(out + e, r);
+static int norm_backward_fused(const mt_exec* ex, int nj, int rows, int max_blocks, T* dres,
+                               float* part_w, float* part_b, float* part_prev, const T* dy, const T* x, const T* w,
+                               const float* mean, const float* rstd, int N, int C, bool rms) {
+    const int tiles = ceil_div(N, rows), blocks = tiles < max_blocks ? tiles : max_blocks;
+    const size_t smem = (size_t)2 * 3 * rows * C * sizeof(T);
+    auto kernel = nj == 1 ? norm_backward_fused_kernel<T, 1>
+                  : nj == 2 ? norm_backward_fused_kernel<T, 2>
+                            : norm_backward_fused_kernel<T, 4>;
+    /* each instantiation's shared-memory limit is raised only when a launch needs more than before
+     * (once per process in training: rows * C is fixed by the model), not on every call */
+    static size_t limit[3] = {0, 0, 0};
+    size_t& set = limit[nj == 1 ? 0 : nj == 2 ? 1 : 2];
+    if (smem > set && CUDA_CHECK(ex->error, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)))
+        set = smem;
+    kernel<<<blocks, 256, smem, ex->stream>>>(dres, part_w, part_b, part_prev, dy, x, w, mean, rstd, N, C, rows, rms);
+    LAUNCH_CHECK(ex->error);
+    return blocks;
 }
 
+/* dresidual += d norm(x)/dx . dy ; dweight (and dbias, LayerNorm only) += their column sums (= when
+ * ex->mode.accumulate_gradients is 0); and
+ * dprev_bias (may be NULL) += the column sums of the updated dresidual: the bias gradient of the
+ * row-parallel linear whose output this residual stream received (see norm_backward_fused_kernel). */
 template <typename T>
-__global__ void bias_gelu_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int C) {
+static void norm_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dresidual, float* dweight, float* dbias,
+                          float* dprev_bias, const T* dy, const T* x, const T* w, const float* mean,
+                          const float* rstd, int N, int C, bool rms) {
     constexpr int V = vec16<T>::N;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= vectors) return;
-    int64_t e = i * V;
-    float y[V], b[V], a[V];
-    load16(y, pre + e);
-    if (bias) load16(b, bias + e % C);
-#pragma unroll
-    for (int k = 0; k < V; k++) {
-        /* round the pre-activation to T first: the backward recomputes gelu' from the stored value */
-        float x = to_float(from_float<T>(y[k] + (bias ? b[k] : 0.0f)));
-        y[k] = x;
-        a[k] = 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
+    const int nj = ceil_div(C / V, 256);
+    if (C % V == 0 && (nj == 1 || nj == 2 || nj == 4) && aligned16(dresidual) && aligned16(dy) && aligned16(x) &&
+        aligned16(w)) {
+        const int rows = norm_backward_tile_rows(C, sizeof(T));
+        const int blocks = norm_backward_fused<T>(ex, nj, rows, NORM_BWD_BLOCKS, dresidual, s->partial_a,
+                                                  dbias ? s->partial_b : NULL, dprev_bias ? s->partial_c : NULL, dy,
+                                                  x, w, mean, rstd, N, C, rms);
+        column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, ex->stream>>>(
+            dweight, s->partial_a, dbias, s->partial_b, dprev_bias, s->partial_c, blocks, C, ex->mode.accumulate_gradients);
+        LAUNCH_CHECK(ex->error);
+        return;
     }
-    store16(pre + e, y);
-    store16(act + e, a);
+    if (C % vec16<T>::N == 0 && aligned16(dresidual) && aligned16(dy) && aligned16(x) && aligned16(w))
+        layernorm_backward_input_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(dresidual, dy, x, w, mean, rstd,
+                                                                                      N, C, rms);
+    else
+        layernorm_backward_input_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(dresidual, dy, x, w, mean, rstd, N,
+                                                                                  C, rms);
+    int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
+    /* the 16-byte kernel gives each thread 8 columns (x2 sums), so at hidden sizes up to a few
+     * thousand it leaves most of the GPU idle: dev/cuda/fused_kernels.cu measured it at 91 us
+     * against the scalar kernel's 57 us (bitwise the same sums) at 16384 x 768 on an H100 */
+    if (C % vec16<T>::N == 0 && C / vec16<T>::N >= 1024 && aligned16(dy) && aligned16(x))
+        column_partial_sum_vec_kernel<T, COLSUM_LAYERNORM><<<dim3(ceil_div(C / vec16<T>::N, 256), chunks), 256, 0,
+                                                             ex->stream>>>(s->partial_a, s->partial_b, dy, x, mean, rstd,
+                                                                          N, C, rows);
+    else
+        column_partial_sum_kernel<T, COLSUM_LAYERNORM><<<dim3(ceil_div(C, 256), chunks), 256, 0, ex->stream>>>(
+            s->partial_a, s->partial_b, dy, x, mean, rstd, N, C, rows);
+    column_final_sums_kernel<<<dim3(ceil_div(C, 32), 2), dim3(32, 16), 0, ex->stream>>>(
+        dweight, s->partial_a, dbias, s->partial_b, NULL, NULL, chunks, C, ex->mode.accumulate_gradients);
+    LAUNCH_CHECK(ex->error);
+    if (dprev_bias) column_sum<T>(ex, s, dprev_bias, dresidual, N, C);
 }
 
-/* SwiGLU (Megatron's --swiglu): the first MLP linear gives pre [N, 2f] = [gate | up] per row;
- * act [N, f] = silu(gate) * up. The bias, if any, is added into pre first (rounded to T, as the
- * backward reads it back). i indexes elements (scalar) or vectors (vec) of act. */
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-
-template <typename T>
-__global__ void swiglu_forward_kernel(T* pre, T* act, const T* bias, int64_t N, int f) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= N * f) return;
-    int64_t row = i / f;
-    int col = (int)(i % f);
-    T* g = pre + row * 2 * f + col;
-    float gate = to_float(*g), up = to_float(g[f]);
-    if (bias) {
-        gate = to_float(from_float<T>(gate + to_float(bias[col])));
-        up = to_float(from_float<T>(up + to_float(bias[f + col])));
-        g[0] = from_float<T>(gate);
-        g[f] = from_float<T>(up);
-    }
-    act[i] = from_float<T>(silu(gate) * up);
-}
-
-/* dpre [N, 2f] from dact [N, f]: dgate = dact * up * silu'(gate), dup = dact * silu(gate), with
- * silu'(x) = s (1 + x (1 - s)), s = sigmoid(x). */
-template <typename T>
-__global__ void swiglu_backward_kernel(T* dpre, const T* dact, const T* pre, int64_t N, int f) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= N * f) return;
-    int64_t row = i / f;
-    int col = (int)(i % f);
-    float gate = to_float(pre[row * 2 * f + col]), up = to_float(pre[row * 2 * f + f + col]);
-    float s = 1.0f / (1.0f + expf(-gate)), d = to_float(dact[i]);
-    dpre[row * 2 * f + col] = from_float<T>(d * up * s * (1.0f + gate * (1.0f - s)));
-    dpre[row * 2 * f + f + col] = from_float<T>(d * gate * s);
-}
-
-template <typename T>
-__global__ void swiglu_forward_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int f) {
-    constexpr int V = vec16<T>::N;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= vectors) return;
-    int64_t row = i * V / f;
-    int col = (int)(i * V % f);
-    T* g = pre + row * 2 * f + col;
-    float gate[V], up[V], b[V], a[V];
-    load16(gate, g);
-    load16(up, g + f);
-    if (bias) {
-        load16(b, bias + col);
-#pragma unroll
-        for (int k = 0; k < V; k++) gate[k] = to_float(from_float<T>(gate[k] + b[k]));
-        load16(b, bias + f + col);
-#pragma unroll
-        for (int k = 0; k < V; k++) up[k] = to_float(from_float<T>(up[k] + b[k]));
-        store16(g, gate);
-        store16(g + f, up);
-    }
-#pragma unroll
-    for (int k = 0; k < V; k++) a[k] = silu(gate[k]) * up[k];
-    store16(act + i * V, a);
-}
-
-template <typename T>
-__global__ void swiglu_backward_vec_kernel(T* dpre, const T* dact, const T* pre, int64_t vectors, int f) {
-    constexpr int V = vec16<T>::N;
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= vectors) return;
-    int64_t row = i * V / f;
-    int col = (int)(i * V % f);
-    float gate[V], up[V], d[V], dg[V];
-    load16(gate, pre + row * 2 * f + col);
-    load16(up, pre + row * 2 * f + f + col);
-    load16(d, dact + i * V);
-#pragma unroll
-    for (int k = 0; k < V; k++) {
-        float s = 1.0f / (1.0f + expf(-gate[k]));
-        dg[k] = d[k] * up[k] * s * (1.0f + gate[k] * (1.0f - s));
-        up[k] = d[k] * gate[k] * s;
-    }
-    store16(dpre + row * 2 * f + col, dg);
-    store16(dpre + row * 2 * f + f + col, up);
-}
-
-/* ---- 2.6 Attention pieces (the exact, simple path: scores are materialised per layer).
- *      The fused QKV row of one token is Megatron's grouped layout [groups, (q_per_group + 2), d]:
- *      q_1 .. q_{q_per_group}, k, v for each query group. Heads of one group share K and V, which
- *      are kept once per group (never repeated per head).
- *      RoPE (Megatron's non-interleaved form) rotates the first `rot` channels of every q and k
- *      head at position t: with half = rot/2, c = cos(t w_i), s = sin(t w_i), i = e mod half,
- *        y[e] = x[e] c - x[e + half] s   (e < half),   y[e] = x[e] c + x[e - half] s   (half <= e < rot).
- *      It is fused into the split (and its transpose into the gradient merge); rot = 0 without
- *      RoPE. cos/sin tables are [T, half] fp32. ---- */
+/* ============================================================================================== */
+/* 7. Attention layout and RoPE                                                                   */
+/*    The fused QKV row of one token is Megatron's grouped layout [groups, (q_per_group + 2),     */
+/*    d]: q_1 .. q_{q_per_group}, k, v for each query group. Heads of one group share K and V,    */
+/*    which are kept once per group (never repeated per head). RoPE (Megatron's non-interleaved   */
+/*    form) rotates the first `rot` channels of every q and k head at position t: with half =     */
+/*    rot/2, c = cos(t w_i), s = sin(t w_i), i = e mod half,                                      */
+/*      y[e] = x[e] c - x[e + half] s   (e < half),                                               */
+/*      y[e] = x[e] c + x[e - half] s   (half <= e < rot).                                        */
+/*    The exact path splits the rows into head layouts with RoPE fused (and merges the gradients  */
+/*    with its transpose); the flash path rotates q and k in place in the rows. cos/sin tables    */
+/*    [T, half] fp32.                                                                             */
+/* ============================================================================================== */
 
 /* Where channel e of QKV-row slot `slot` of group g goes: q [B, heads, T, d], k and v [B, groups, T, d]. */
 __device__ __forceinline__ int64_t qkv_destination(int slot, int qpg, int g, int b, int t, int e, int seq, int heads,
@@ -1107,6 +1434,85 @@ __global__ void attention_heads_permute_vec_kernel(T* out, const T* in, int B, i
     *reinterpret_cast<int4*>(out + (TO_ROWS ? rows : other)) = *reinterpret_cast<const int4*>(in + (TO_ROWS ? other : rows));
 }
 
+/* The attention geometry one tensor-parallel rank sees. */
+typedef struct {
+    int B, S, heads, groups, d; /* this rank's query heads and K/V groups (heads % groups == 0), head dim */
+    int rot;                    /* rotary channels per head (0: no RoPE) */
+    const float* rope_cos;      /* [S, rot/2] (NULL without RoPE) */
+    const float* rope_sin;
+} mt_attention_dims;
+
+/* Head permutes between [B, T, heads*d] rows and the attention kernels' layouts; the vectorised
+ * kernels when d (and, with RoPE, half the rotary channels) is a multiple of the vector width. */
+template <typename T>
+static bool qkv_permute_vectorised(const mt_attention_dims& a) {
+    constexpr int V = vec16<T>::N;
+    return a.d % V == 0 && (a.rot == 0 || (a.rot / 2) % V == 0);
+}
+/* qkv [BT, qkv_width] -> q [B, heads, T, d], k, v [B, groups, T, d], RoPE applied to q and k     */
+template <typename T>
+static void split_qkv(const mt_exec* ex, const mt_attention_dims& a, T* q, T* k, T* v, const T* qkv) {
+    int64_t n = (int64_t)a.B * a.S * (a.heads + 2 * a.groups) * a.d;
+    if (qkv_permute_vectorised<T>(a))
+        attention_qkv_permute_vec_kernel<T, false><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(
+            (T*)qkv, q, k, v, a.rope_cos, a.rope_sin, a.B, a.S, a.heads, a.groups, a.d, a.rot);
+    else
+        attention_split_heads_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(
+            q, k, v, qkv, a.rope_cos, a.rope_sin, a.B, a.S, a.heads, a.groups, a.d, a.rot);
+    LAUNCH_CHECK(ex->error);
+}
+/* dq [B, heads, T, d], dk, dv [B, groups, T, d] -> dqkv [BT, qkv_width], RoPE's transpose applied to dq and dk */
+template <typename T>
+static void merge_qkv_grads(const mt_exec* ex, const mt_attention_dims& a, T* dqkv, T* dq, T* dk, T* dv) {
+    int64_t n = (int64_t)a.B * a.S * (a.heads + 2 * a.groups) * a.d;
+    if (qkv_permute_vectorised<T>(a))
+        attention_qkv_permute_vec_kernel<T, true><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(
+            dqkv, dq, dk, dv, a.rope_cos, a.rope_sin, a.B, a.S, a.heads, a.groups, a.d, a.rot);
+    else
+        attention_merge_head_grads_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(
+            dqkv, dq, dk, dv, a.rope_cos, a.rope_sin, a.B, a.S, a.heads, a.groups, a.d, a.rot);
+    LAUNCH_CHECK(ex->error);
+}
+/* [B, heads, T, d] <-> [BT, heads*d] (to_rows: the first into the second) */
+template <typename T>
+static void permute_heads(const mt_exec* ex, const mt_attention_dims& a, T* out, const T* in, bool to_rows) {
+    int64_t n = (int64_t)a.B * a.heads * a.S * a.d;
+    bool vec = a.d % vec16<T>::N == 0;
+    int blocks = ceil_div(vec ? n / vec16<T>::N : n, 256);
+    if (vec && to_rows) attention_heads_permute_vec_kernel<T, true><<<blocks, 256, 0, ex->stream>>>(out, in, a.B, a.S, a.heads, a.d);
+    else if (vec) attention_heads_permute_vec_kernel<T, false><<<blocks, 256, 0, ex->stream>>>(out, in, a.B, a.S, a.heads, a.d);
+    else if (to_rows) attention_heads_permute_kernel<T, true><<<blocks, 256, 0, ex->stream>>>(out, in, a.B, a.S, a.heads, a.d);
+    else attention_heads_permute_kernel<T, false><<<blocks, 256, 0, ex->stream>>>(out, in, a.B, a.S, a.heads, a.d);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* Flash path (bf16, head dim 64 or 128): the kernels read q, k, v straight from the fused QKV rows
+ * and write the output straight into the attention output rows; the backward reads dO and O from
+ * rows and writes dq, dk, dv into the gradient's QKV rows. No split, no head permutes. RoPE rotates
+ * q and k in place in the saved QKV rows (forward) and un-rotates their gradient (backward). */
+template <typename T>
+static void rope_qkv_rows(const mt_exec* ex, const mt_attention_dims& a, T* qkv, bool backward) {
+    if (a.rot == 0) return;
+    int half = a.rot / 2, qpg = a.heads / a.groups;
+    constexpr int V = vec16<T>::N;
+    bool vec = half % V == 0;
+    int64_t BT = (int64_t)a.B * a.S;
+    int64_t threads = BT * a.groups * (qpg + 1) * (vec ? half / V : half);
+    unsigned blocks = ceil_div(threads, 256);
+    auto kernel = vec ? (backward ? rope_qkv_rows_kernel<T, V, true> : rope_qkv_rows_kernel<T, V, false>)
+                      : (backward ? rope_qkv_rows_kernel<T, 1, true> : rope_qkv_rows_kernel<T, 1, false>);
+    kernel<<<blocks, 256, 0, ex->stream>>>(qkv, a.rope_cos, a.rope_sin, BT, a.S, a.groups, qpg, a.d, a.rot);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ============================================================================================== */
+/* 8. Exact attention                                                                             */
+/*    The simple path (fp32, fp16, and bf16 head dims other than 64/128): the scores are          */
+/*    materialised per layer, softmax(scale * Q K^T) with the causal mask in place, and its       */
+/*    backward dS = scale * P * (dP - rowsum(dP * P)). The GEMMs around it are in the model       */
+/*    (section 15).                                                                               */
+/* ============================================================================================== */
+
 /* Causal softmax in place over rows of scores [B*heads, T, T]: p = softmax(scale * s) over k <= q,
  * exactly 0 above the diagonal. One warp per row. */
 template <typename T>
@@ -1143,12 +1549,28 @@ __global__ void causal_softmax_backward_kernel(T* dscores, const T* probs, int r
         ds[k] = from_float<T>(k <= q ? scale * to_float(p[k]) * (to_float(ds[k]) - dot) : 0.0f);
 }
 
-typedef __nv_bfloat16 bf16;
+/* probs [rows, S, S] (rows = B*heads query rows of S keys): softmax(scale * scores), causal, in place */
+template <typename T>
+static void causal_softmax_forward(const mt_exec* ex, T* probs, int rows, int S, float scale) {
+    causal_softmax_forward_kernel<T><<<ceil_div(rows, 8), 256, 0, ex->stream>>>(probs, rows, S, scale);
+    LAUNCH_CHECK(ex->error);
+}
+/* dscores [rows, S, S]: dP -> dS in place, from the forward's probs */
+template <typename T>
+static void causal_softmax_backward(const mt_exec* ex, T* dscores, const T* probs, int rows, int S, float scale) {
+    causal_softmax_backward_kernel<T><<<ceil_div(rows, 8), 256, 0, ex->stream>>>(dscores, probs, rows, S, scale);
+    LAUNCH_CHECK(ex->error);
+}
 
 /* ============================================================================================== */
-/* 2.7 Flash attention (bf16 path): device helpers, forward, backward, launchers. Moved from the     */
-/*     lab dev/cuda/flash_attention.cu, which keeps its checks and benchmark and explains the design. */
+/* 9. Flash attention (bf16)                                                                      */
+/*    Causal flash attention on tensor cores for head dims 64 and 128, deterministic (no          */
+/*    atomics): device helpers, forward, backward (dK/dV and dQ kernels), launchers. The lab      */
+/*    dev/cuda/flash_attention.cu checks it against a CPU reference, times it and explains the    */
+/*    design.                                                                                     */
 /* ============================================================================================== */
+
+typedef __nv_bfloat16 bf16;
 
 namespace fa {
 
@@ -1345,7 +1767,7 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[MT][N / 8][4], const bf16*
         }
     }
 }
-/* Same, with A already in registers as fragments a[MT][D/16][4] (the forward keeps Q there). */
+/* Same, with A already in registers as fragments a[MT][D/16][4] (the forward keeps Q there).     */
 template <int MT, int N, int D>
 __device__ __forceinline__ void gemm_abt_rega(float (&acc)[MT][N / 8][4], const uint32_t (&a)[MT][D / 16][4],
                                               const bf16* sB, int lane) {
@@ -1389,7 +1811,7 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MT][D / 8][4], const float 
 }
 
 /* ============================================================================================== */
-/* 2.7.2 Forward                                                                                       */
+/* 9.2 Forward                                                                                    */
 /* ============================================================================================== */
 
 /* Shared memory: sQ [BM][D+8], sK [2][BN][D+8], sV [2][BN][D+8] (two stages each). */
@@ -1537,7 +1959,7 @@ __global__ void __launch_bounds__(32 * WARPS)
 }
 
 /* ============================================================================================== */
-/* 2.7.3 Backward                                                                                      */
+/* 9.3 Backward                                                                                   */
 /* ============================================================================================== */
 
 /* Dsum[(b*H + h)*T + t] = sum_e dO[b,h,t][e] * O[b,h,t][e], D/8 threads per row, 16-byte loads. */
@@ -1841,7 +2263,7 @@ __global__ void __launch_bounds__(32 * WARPS)
 }
 
 /* ============================================================================================== */
-/* 2.7.4 Host launchers                                                                                */
+/* 9.4 Host launchers                                                                             */
 /* ============================================================================================== */
 
 /* Tile choices (rows of queries per CTA, warps per CTA). The forward keeps Q fragments in registers,
@@ -1985,9 +2407,15 @@ static cudaError_t flash_attention_backward(attn_view dQ, attn_view dK, attn_vie
                    : fa::backward_d<128>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum);
 }
 
-/* ---- 2.8 Cross entropy fused with softmax: one block per token. Loss in fp32 over all padded
- *      vocabulary columns (as Megatron); when grad_scale != 0 the logits are overwritten in place by
- *      d loss / d logits = (softmax - onehot) * grad_scale, so probabilities are never stored. ---- */
+/* ============================================================================================== */
+/* 10. Cross entropy                                                                              */
+/*    Fused with the softmax: one block per token, the loss in fp32 over all padded vocabulary    */
+/*    columns (as Megatron); when grad_scale != 0 the logits are overwritten in place by d loss   */
+/*    / d logits = (softmax - onehot) * grad_scale, so probabilities are never stored. With       */
+/*    tensor parallelism (Megatron's VocabParallelCrossEntropy) each rank computes its columns'   */
+/*    (max, sum, target logit), the ranks exchange them, and every rank combines them in rank     */
+/*    order.                                                                                      */
+/* ============================================================================================== */
 
 template <typename T>
 __global__ void cross_entropy_kernel(T* logits, float* losses, const int32_t* targets, int V, float grad_scale) {
@@ -2087,7 +2515,7 @@ __global__ void cross_entropy_combine_kernel(T* logits, float* losses, const flo
     int64_t row = blockIdx.x;
     /* the ranks' (max, sum) pairs merged one by one, as the online softmax merges its pieces. (Not
      * unrolled: nvcc 13.0 at -O3 miscompiled the unrolled-by-4 form of a two-loop version of this,
-     * giving inf at tp = 4; tests/test_tp.h checks every tp from 1 to 8 against a CPU reference.) */
+     * giving inf at tp = 4; tests/test_tensor_parallel.h checks every tp from 1 to 8 against a CPU reference.) */
     float mx = -INFINITY, sum = 0.0f, target_logit = 0.0f;
 #pragma unroll 1
     for (int r = 0; r < tp; r++) {
@@ -2114,7 +2542,42 @@ __global__ void cross_entropy_combine_kernel(T* logits, float* losses, const flo
     }
 }
 
-/* ---- 2.9 Gradient norm: fixed grid of partial sums in double, then one block in fixed order. ---- */
+/* One rank's whole vocabulary (TP = 1): losses [BT] from logits [BT, V], which become their gradient
+ * (times grad_scale) when grad_scale != 0. */
+template <typename T>
+static void cross_entropy_fused(const mt_exec* ex, T* logits, float* losses, const int32_t* targets, int BT, int V,
+                                float grad_scale) {
+    if (V % vec16<T>::N == 0)
+        cross_entropy_vec_kernel<T><<<BT, 512, 0, ex->stream>>>(logits, losses, targets, V, grad_scale);
+    else
+        cross_entropy_kernel<T><<<BT, 512, 0, ex->stream>>>(logits, losses, targets, V, grad_scale);
+    LAUNCH_CHECK(ex->error);
+}
+/* Vocab-parallel pass 1: this rank's statistics stats [BT, 3] of its columns [vocab_start, + V) */
+template <typename T>
+static void cross_entropy_partial(const mt_exec* ex, float* stats, const T* logits, const int32_t* targets, int BT,
+                                  int V, int64_t vocab_start) {
+    cross_entropy_partial_kernel<T><<<BT, 512, 0, ex->stream>>>(stats, logits, targets, V, vocab_start);
+    LAUNCH_CHECK(ex->error);
+}
+/* Vocab-parallel pass 2: every rank's statistics [tp, BT, 3] -> losses [BT] and, when grad_scale != 0,
+ * this rank's logits' gradient in place */
+template <typename T>
+static void cross_entropy_combine(const mt_exec* ex, T* logits, float* losses, const float* stats, int tp, int BT,
+                                  const int32_t* targets, int V, int64_t vocab_start, float grad_scale) {
+    cross_entropy_combine_kernel<T><<<BT, 512, 0, ex->stream>>>(logits, losses, stats, tp, BT, targets, V, vocab_start,
+                                                                grad_scale);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ============================================================================================== */
+/* 11. Gradient norm and AdamW                                                                    */
+/*    The optimizer's work comes in chunks (mt_opt_chunk) of the owned parameter elements. The    */
+/*    global gradient norm: a fixed grid of partial sums in double, then one block in fixed       */
+/*    order. AdamW (apex/ TE FusedAdam, adam_w_mode): the fp32 master is updated and the model    */
+/*    copy (bf16/fp16) rewritten from it, one launch for every chunk; grad_scale folds clipping   */
+/*    and the fp16 loss-scale unscaling.                                                          */
+/* ============================================================================================== */
 
 /* A piece of the optimizer's work: `length` elements of one parameter, at `buffer` in the
  * parameter/gradient buffers and at `master` in the optimizer's shard. */
@@ -2168,9 +2631,14 @@ __global__ void sum_partials_kernel(double* out, const double* partial, int coun
     if (threadIdx.x == 0) *out = shared[0];
 }
 
-/* ---- 2.10 AdamW (apex/TE FusedAdam, adam_w_mode): the fp32 master is updated and the model copy
- *      (when the model runs in bf16/fp16) rewritten from it. grad_scale folds clipping and the fp16
- *      loss-scale unscaling. ---- */
+/* partial[num_chunks] = the sum of squares of the chunks' gradients (counted chunks only), in a fixed
+ * order; partial [num_chunks + 1] on the device */
+static void gradient_sum_squares(const mt_exec* ex, double* partial, const mt_opt_chunk* chunks, int num_chunks,
+                                 const float* grads) {
+    chunk_sum_squares_kernel<<<num_chunks, 256, 0, ex->stream>>>(partial, chunks, grads);
+    sum_partials_kernel<<<1, 256, 0, ex->stream>>>(partial + num_chunks, partial, num_chunks);
+    LAUNCH_CHECK(ex->error);
+}
 
 /* One element's step: g is the (scaled) gradient; m, v, p (the fp32 master) are updated in place. */
 __device__ __forceinline__ void adamw_element(float g, float& m, float& v, float& p, float lr, float beta1, float beta2,
@@ -2229,14 +2697,29 @@ __global__ void adamw_kernel(const mt_opt_chunk* chunks, float* master, T* model
     }
 }
 
+/* One AdamW step over every chunk (a multi-tensor AdamW, one launch). */
+typedef struct {
+    float lr, beta1, beta2, bias_correction1, bias_correction2, eps, weight_decay;
+    float grad_scale; /* clipping and the fp16 loss scale's unscaling, folded */
+} mt_adamw_step;
+template <typename T>
+static void adamw_update(const mt_exec* ex, const mt_adamw_step* h, const mt_opt_chunk* chunks, int num_chunks,
+                         float* master, T* model, const float* grads, float* m, float* v) {
+    adamw_kernel<T><<<num_chunks, 256, 0, ex->stream>>>(chunks, master, model, grads, m, v, h->lr, h->beta1, h->beta2,
+                                                        h->bias_correction1, h->bias_correction2, h->eps,
+                                                        h->weight_decay, h->grad_scale);
+    LAUNCH_CHECK(ex->error);
+}
+
 /* ============================================================================================== */
-/* 3. GEMM: row-major C[M,N] = op(A) op(B) through cuBLASLt (column-major underneath), A and B in   */
-/*    the model type, C in the model type or fp32 (weight gradients accumulate straight into the   */
+/* 12. GEMM                                                                                       */
+/*    Row-major C[M,N] = op(A) op(B) through cuBLASLt (column-major underneath), A and B in the   */
+/*    model type, C in the model type or fp32 (weight gradients accumulate straight into the      */
 /*    fp32 gradient buffer with beta = 1), always fp32 accumulation, batched by strides. Each     */
-/*    distinct GEMM (shapes, types, pointer alignment, epilogue) gets a plan once: descriptors,  */
-/*    layouts and the heuristic's algorithm, cached for the trainer's life. Epilogues fuse bias  */
-/*    + GELU into the first MLP GEMM (keeping the pre-activation as cuBLASLt's aux output) and   */
-/*    GELU's derivative into the second MLP GEMM's input gradient.                              */
+/*    distinct GEMM (shapes, types, pointer alignment, epilogue) gets a plan once: descriptors,   */
+/*    layouts and the heuristic's algorithm, cached for the trainer's life (mt_gemm_plans).       */
+/*    Epilogues fuse bias + GELU into the first MLP GEMM (keeping the pre-activation as           */
+/*    cuBLASLt's aux output) and GELU's derivative into the second MLP GEMM's input gradient.     */
 /* ============================================================================================== */
 
 typedef enum {
@@ -2267,20 +2750,16 @@ typedef struct {
 } mt_gemm_plan;
 
 #define GEMM_MAX_PLANS 256
-typedef struct {
+/* The handles, the workspace and the plan cache (mt_exec.gemm points here; the stream and the
+ * error record come with the mt_exec of each call). */
+struct mt_gemm_plans {
     cublasLtHandle_t lt;
     cublasHandle_t handle;   /* plain cuBLAS, for a GEMM cuBLASLt has no algorithm for */
     void* workspace;
     size_t workspace_bytes;
-    cudaStream_t stream;
-    mt_gpu_error* error;
-    /* 0 while the first micro-batch of a step runs its backward: every gradient writer (weight
-     * GEMMs with beta 0, column sums, embeddings) then overwrites its tensor, so the fp32 gradient
-     * buffer is never zeroed (6 GB of writes per step at 1.5B); 1 afterwards: writers accumulate */
-    int accumulate_gradients;
     mt_gemm_plan* plans;     /* [GEMM_MAX_PLANS] */
     int num_plans;
-} mt_gemm_context;
+};
 
 /* The largest power of two (<= 256) that divides the address. */
 static int pointer_alignment(const void* p) {
@@ -2292,10 +2771,9 @@ static int pointer_alignment(const void* p) {
 
 /* Builds the plan of a key: the row-major problem is the column-major C^T[N,M] = op(B)^T op(A)^T,
  * so cuBLASLt's "A" is our B and its "B" our A. */
-static void gemm_plan_build(mt_gemm_context* g, mt_gemm_plan* p) {
+static void gemm_plan_build(mt_gemm_plans* g, mt_gpu_error* e, mt_gemm_plan* p) {
     const mt_gemm_key* k = &p->key;
     cudaDataType_t ab = (cudaDataType_t)k->ab_type, ct = (cudaDataType_t)k->c_type;
-    mt_gpu_error* e = g->error;
     cublasOperation_t opA = k->transB ? CUBLAS_OP_T : CUBLAS_OP_N, opB = k->transA ? CUBLAS_OP_T : CUBLAS_OP_N;
     if (!CUBLAS_CHECK(e, cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F))) return;
     CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof(opA)));
@@ -2351,7 +2829,7 @@ static void gemm_plan_build(mt_gemm_context* g, mt_gemm_plan* p) {
     if (p->supported) p->algo = result.algo;
 }
 
-static void gemm_plans_free(mt_gemm_context* g) {
+static void gemm_plans_free(mt_gemm_plans* g) {
     for (int i = 0; g->plans && i < g->num_plans; i++) {
         mt_gemm_plan* p = &g->plans[i];
         if (p->desc) cublasLtMatmulDescDestroy(p->desc);
@@ -2371,11 +2849,12 @@ static void gemm_plans_free(mt_gemm_context* g) {
  * false, doing nothing, when cuBLASLt has no algorithm for an epilogue (the caller then runs the
  * plain GEMM and its own kernels); a plain GEMM without one goes to cublasGemmEx. */
 template <typename T, typename TC>
-static bool gemm_epilogue(mt_gemm_context* g, mt_gemm_epilogue epilogue, bool transA, bool transB, int M, int N, int K,
-                          const T* A, int lda, const T* B, int ldb, TC* C, int ldc, float alpha, float beta,
+static bool gemm_epilogue(const mt_exec* ex, mt_gemm_epilogue epilogue, bool transA, bool transB, int M, int N,
+                          int K, const T* A, int lda, const T* B, int ldb, TC* C, int ldc, float alpha, float beta,
                           const void* bias, T* aux, int batch = 1, int64_t strideA = 0, int64_t strideB = 0,
                           int64_t strideC = 0) {
-    if (g->error->status != MT_OK) return true;
+    mt_gemm_plans* g = ex->gemm;
+    if (ex->error->status != MT_OK) return true;
     mt_gemm_key key;
     memset(&key, 0, sizeof(key));
     key.transA = transA; key.transB = transB; key.M = M; key.N = N; key.K = K;
@@ -2395,22 +2874,23 @@ static bool gemm_epilogue(mt_gemm_context* g, mt_gemm_epilogue epilogue, bool tr
         plan = &g->plans[g->num_plans++];
         memset(plan, 0, sizeof(*plan));
         plan->key = key;
-        gemm_plan_build(g, plan);
+        gemm_plan_build(g, ex->error, plan);
     }
     if (plan && plan->supported) {
-        if (bias) CUBLAS_CHECK(g->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+        if (bias) CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                                         &bias, sizeof(bias)));
-        if (aux) CUBLAS_CHECK(g->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+        if (aux) CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
                                                                        &aux, sizeof(aux)));
-        CUBLAS_CHECK(g->error, cublasLtMatmul(g->lt, plan->desc, &alpha, B, plan->a, A, plan->b, &beta, C, plan->c, C,
-                                              plan->c, &plan->algo, g->workspace, g->workspace_bytes, g->stream));
+        CUBLAS_CHECK(ex->error, cublasLtMatmul(g->lt, plan->desc, &alpha, B, plan->a, A, plan->b, &beta, C, plan->c, C,
+                                              plan->c, &plan->algo, g->workspace, g->workspace_bytes, ex->stream));
         return true;
     }
     if (epilogue != GEMM_PLAIN) return false;
     /* no cuBLASLt algorithm (or the plan cache is full): cuBLAS's own GEMM */
+    CUBLAS_CHECK(ex->error, cublasSetStream(g->handle, ex->stream));
     cublasOperation_t opB = transB ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublasOperation_t opA = transA ? CUBLAS_OP_T : CUBLAS_OP_N;
-    CUBLAS_CHECK(g->error, cublasGemmStridedBatchedEx(g->handle, opB, opA, N, M, K, &alpha, B, cuda_type<T>(), ldb,
+    CUBLAS_CHECK(ex->error, cublasGemmStridedBatchedEx(g->handle, opB, opA, N, M, K, &alpha, B, cuda_type<T>(), ldb,
                                                       strideB, A, cuda_type<T>(), lda, strideA, &beta, C,
                                                       cuda_type<TC>(), ldc, strideC, batch, CUBLAS_COMPUTE_32F,
                                                       CUBLAS_GEMM_DEFAULT));
@@ -2418,98 +2898,33 @@ static bool gemm_epilogue(mt_gemm_context* g, mt_gemm_epilogue epilogue, bool tr
 }
 
 template <typename T, typename TC>
-static void gemm(mt_gemm_context* g, bool transA, bool transB, int M, int N, int K, const T* A, int lda, const T* B,
+static void gemm(const mt_exec* ex, bool transA, bool transB, int M, int N, int K, const T* A, int lda, const T* B,
                  int ldb, TC* C, int ldc, float alpha, float beta, int batch = 1, int64_t strideA = 0,
                  int64_t strideB = 0, int64_t strideC = 0) {
-    gemm_epilogue<T, TC>(g, GEMM_PLAIN, transA, transB, M, N, K, A, lda, B, ldb, C, ldc, alpha, beta, NULL, (T*)NULL,
+    gemm_epilogue<T, TC>(ex, GEMM_PLAIN, transA, transB, M, N, K, A, lda, B, ldb, C, ldc, alpha, beta, NULL, (T*)NULL,
                          batch, strideA, strideB, strideC);
 }
 
 /* ============================================================================================== */
-/* 4. Process groups                                                                               */
-/*    Megatron's rank layout (megatron.h: tp-cp-ep-dp-pp) gives each rank its coordinates. One     */
+/* 13. Process groups                                                                             */
+/*    Megatron's rank layout (megatron.h: tp-cp-ep-dp-pp) gives each rank its coordinates. One    */
 /*    NCCL communicator spans the job; it is split into the tensor-parallel group (the TP ranks   */
 /*    of one model replica, contiguous ranks) and the data-parallel group (the ranks that hold    */
 /*    the same shard, stride TP). Each group's collectives run on a stream of their own: TP       */
-/*    collectives sit on the model's critical path, DP reductions overlap the backward.          */
-/* ============================================================================================== */
-
-typedef struct {
-    int tp_size, tp_rank;
-    int pp_size, pp_rank;
-    int dp_size, dp_rank;
-    ncclComm_t world;           /* every rank; NULL in a one-process job */
-    ncclComm_t tp;              /* the tensor-parallel group; NULL when tp_size == 1 */
-    ncclComm_t dp;              /* the data-parallel group; NULL when dp_size == 1 */
-    cudaStream_t comm_stream;   /* DP collectives (and the world's) */
-    cudaStream_t tp_stream;     /* TP collectives */
-} mt_process_groups;
-
-mt_status mt_comm_id_create(mt_comm_id* id, mt_error* err) {
-    static_assert(sizeof(mt_comm_id) == sizeof(ncclUniqueId), "mt_comm_id must hold an ncclUniqueId");
-    ncclUniqueId unique;
-    ncclResult_t r = ncclGetUniqueId(&unique);
-    if (r != ncclSuccess) return mt_fail(err, MT_ERR_NCCL, "ncclGetUniqueId failed: %s", ncclGetErrorString(r));
-    memcpy(id->internal, &unique, sizeof(unique));
-    return MT_OK;
-}
-
-/* Joins the job's communicators (blocks until every rank has joined). */
-static void process_groups_create(mt_process_groups* g, const mt_config* c, mt_gpu_error* e) {
-    mt_rank_coords me = mt_rank_coordinates(c, c->rank);
-    g->tp_size = c->tensor_model_parallel_size;
-    g->pp_size = c->pipeline_model_parallel_size;
-    g->dp_size = c->data_parallel_size;
-    g->tp_rank = me.tp;
-    g->pp_rank = me.pp;
-    g->dp_rank = me.dp;
-    if (!mt_cuda_ok(e, cudaStreamCreateWithFlags(&g->comm_stream, cudaStreamNonBlocking), "comm stream", __FILE__,
-                    __LINE__) ||
-        !mt_cuda_ok(e, cudaStreamCreateWithFlags(&g->tp_stream, cudaStreamNonBlocking), "tp stream", __FILE__,
-                    __LINE__))
-        return;
-    if (c->world_size == 1) return;
-    ncclUniqueId id;
-    memcpy(&id, c->comm_id.internal, sizeof(id));
-    if (!NCCL_CHECK(e, c->rank, ncclCommInitRank(&g->world, c->world_size, id, c->rank))) return;
-    /* the split is collective over the world: every rank takes part in both (sizes are uniform);
-     * colour = the coordinates the group's members share, key = the coordinate that orders them */
-    if (g->tp_size > 1)
-        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.dp + g->dp_size * me.pp, me.tp, &g->tp, NULL));
-    if (g->dp_size > 1)
-        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.tp + g->tp_size * me.pp, me.dp, &g->dp, NULL));
-}
-
-static void process_groups_free(mt_process_groups* g) {
-    if (g->tp) ncclCommDestroy(g->tp);
-    if (g->dp) ncclCommDestroy(g->dp);
-    if (g->world) ncclCommDestroy(g->world);
-    if (g->comm_stream) cudaStreamDestroy(g->comm_stream);
-    if (g->tp_stream) cudaStreamDestroy(g->tp_stream);
-    memset(g, 0, sizeof(*g));
-}
-
-
-/* ============================================================================================== */
-/* 5. Parallel layers                                                                              */
-/*    linear_forward/backward: y = x W^T + b, W stored [out, in], weight and bias gradients        */
-/*    accumulated in fp32. Megatron's tensor parallelism around them: a column-parallel linear    */
-/*    holds rows of W (its output columns) and needs the whole input; a row-parallel linear holds  */
-/*    columns of W and produces partial sums, added over the TP group. Without sequence            */
-/*    parallelism the input is whole on every rank and the sums are all-reduced; with it, the     */
-/*    regions between (norms, residuals) hold R = BT/TP rows per rank: an all-gather before each   */
-/*    column-parallel linear and a reduce-scatter after each row-parallel one replace the         */
-/*    all-reduce (and swap roles in the backward). At TP = 1 every collective vanishes and these  */
-/*    are the plain linears.                                                                       */
+/*    collectives sit on the model's critical path, DP reductions overlap the backward.           */
+/*    mt_process_groups is the one place a rank's parallel sizes and coordinates live once the    */
+/*    trainer exists.                                                                             */
 /* ============================================================================================== */
 
 /* The tensor-parallel group as the model uses it: collectives of activations in the model type, on
  * the TP stream after the compute stream's work so far; the compute stream waits for them with
  * tp_join (everything issued) or tp_join_mark (up to the last tp_mark). */
 typedef struct {
-    ncclComm_t comm;
-    int size, rank, sp;
-    ncclDataType_t type;
+    int size, rank;           /* the one copy of this rank's TP size and rank (from --tensor-model-parallel-size
+                                 and the rank layout) */
+    int sp;                   /* sequence parallelism (--sequence-parallel with size > 1) */
+    ncclComm_t comm;          /* NULL when size == 1 */
+    ncclDataType_t type;      /* the model type: activations travel in it */
     cudaStream_t compute, stream;
     cudaEvent_t issued, marked, done;
     int world_rank;
@@ -2548,67 +2963,112 @@ static void tp_join(mt_tp_group* tp) {
     CUDA_CHECK(tp->error, cudaStreamWaitEvent(tp->compute, tp->done, 0));
 }
 
+/* This rank's groups: the one place its parallel sizes and coordinates live once the trainer exists
+ * (mt_config holds the flags they come from). */
 typedef struct {
-    float* partial_a; /* [chunks, max_columns] fp32 scratch for column sums */
-    float* partial_b;
-    float* partial_c;
-    int max_chunks;
-} mt_colsum_scratch;
+    mt_tp_group tp;             /* the tensor-parallel group, on a stream of its own */
+    int pp_size, pp_rank;
+    int dp_size, dp_rank;
+    ncclComm_t world;           /* every rank; NULL in a one-process job */
+    ncclComm_t dp;              /* the data-parallel group; NULL when dp_size == 1 */
+    cudaStream_t comm_stream;   /* DP collectives (and the world's) */
+} mt_process_groups;
 
-static int colsum_chunks(int N, int max_chunks, int* rows_per_chunk) {
-    int rows = ceil_div(N, max_chunks);
-    if (rows < 1) rows = 1;
-    *rows_per_chunk = rows;
-    return ceil_div(N, rows);
+mt_status mt_comm_id_create(mt_comm_id* id, mt_error* err) {
+    static_assert(sizeof(mt_comm_id) == sizeof(ncclUniqueId), "mt_comm_id must hold an ncclUniqueId");
+    ncclUniqueId unique;
+    ncclResult_t r = ncclGetUniqueId(&unique);
+    if (r != ncclSuccess) return mt_fail(err, MT_ERR_NCCL, "ncclGetUniqueId failed: %s", ncclGetErrorString(r));
+    memcpy(id->internal, &unique, sizeof(unique));
+    return MT_OK;
 }
 
-/* dst[c] += sum_r dy[r, c] (= when g->accumulate_gradients is 0) */
-template <typename T>
-static void column_sum(mt_gemm_context* g, mt_colsum_scratch* s, float* dst, const T* dy, int N, int C) {
-    int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
-    if (C % vec16<T>::N == 0 && aligned16(dy))
-        column_partial_sum_vec_kernel<T, COLSUM_PLAIN><<<dim3(ceil_div(C / vec16<T>::N, 256), chunks), 256, 0,
-                                                         g->stream>>>(s->partial_a, NULL, dy, NULL, NULL, NULL, N, C,
-                                                                      rows);
-    else
-        column_partial_sum_kernel<T, COLSUM_PLAIN><<<dim3(ceil_div(C, 256), chunks), 256, 0, g->stream>>>(
-            s->partial_a, NULL, dy, NULL, NULL, NULL, N, C, rows);
-    column_final_sums_kernel<<<dim3(ceil_div(C, 32), 1), dim3(32, 16), 0, g->stream>>>(
-        dst, s->partial_a, NULL, NULL, NULL, NULL, chunks, C, g->accumulate_gradients);
-    LAUNCH_CHECK(g->error);
+/* Joins the job's communicators (blocks until every rank has joined). `compute` is the stream the
+ * model runs on (TP collectives start after its work and hand back to it). */
+static void process_groups_create(mt_process_groups* g, const mt_config* c, cudaStream_t compute, mt_gpu_error* e) {
+    mt_rank_coords me = mt_rank_coordinates(c, c->rank);
+    mt_tp_group* tp = &g->tp;
+    tp->size = c->tensor_model_parallel_size;
+    tp->rank = me.tp;
+    tp->sp = c->sequence_parallel && tp->size > 1;
+    tp->type = c->precision == MT_FP32 ? ncclFloat : c->precision == MT_BF16 ? ncclBfloat16 : ncclHalf;
+    tp->compute = compute;
+    tp->world_rank = c->rank;
+    tp->error = e;
+    g->pp_size = c->pipeline_model_parallel_size;
+    g->dp_size = c->data_parallel_size;
+    g->pp_rank = me.pp;
+    g->dp_rank = me.dp;
+    if (!CUDA_CHECK(e, cudaStreamCreateWithFlags(&g->comm_stream, cudaStreamNonBlocking)) ||
+        !CUDA_CHECK(e, cudaStreamCreateWithFlags(&tp->stream, cudaStreamNonBlocking)) ||
+        !CUDA_CHECK(e, cudaEventCreateWithFlags(&tp->issued, cudaEventDisableTiming)) ||
+        !CUDA_CHECK(e, cudaEventCreateWithFlags(&tp->marked, cudaEventDisableTiming)) ||
+        !CUDA_CHECK(e, cudaEventCreateWithFlags(&tp->done, cudaEventDisableTiming)))
+        return;
+    if (c->world_size == 1) return;
+    ncclUniqueId id;
+    memcpy(&id, c->comm_id.internal, sizeof(id));
+    if (!NCCL_CHECK(e, c->rank, ncclCommInitRank(&g->world, c->world_size, id, c->rank))) return;
+    /* the split is collective over the world: every rank takes part in both (sizes are uniform);
+     * colour = the coordinates the group's members share, key = the coordinate that orders them */
+    if (tp->size > 1)
+        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.dp + g->dp_size * me.pp, me.tp, &tp->comm, NULL));
+    if (g->dp_size > 1)
+        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.tp + tp->size * me.pp, me.dp, &g->dp, NULL));
 }
+
+static void process_groups_free(mt_process_groups* g) {
+    if (g->tp.comm) ncclCommDestroy(g->tp.comm);
+    if (g->dp) ncclCommDestroy(g->dp);
+    if (g->world) ncclCommDestroy(g->world);
+    if (g->comm_stream) cudaStreamDestroy(g->comm_stream);
+    if (g->tp.stream) cudaStreamDestroy(g->tp.stream);
+    if (g->tp.issued) cudaEventDestroy(g->tp.issued);
+    if (g->tp.marked) cudaEventDestroy(g->tp.marked);
+    if (g->tp.done) cudaEventDestroy(g->tp.done);
+    memset(g, 0, sizeof(*g));
+}
+
+/* ============================================================================================== */
+/* 14. Parallel layers                                                                            */
+/*    linear_forward/backward: y = x W^T + b, W stored [out, in], weight and bias gradients in    */
+/*    fp32. Megatron's tensor parallelism around them: a column-parallel linear holds rows of W   */
+/*    (its output columns) and needs the whole input; a row-parallel linear holds columns of W    */
+/*    and produces partial sums, added over the TP group. Without sequence parallelism the input  */
+/*    is whole on every rank and the sums are all-reduced; with it, the regions between (norms,   */
+/*    residuals) hold R = BT/TP rows per rank: an all-gather before each column-parallel linear   */
+/*    and a reduce-scatter after each row-parallel one replace the all-reduce (and swap roles in  */
+/*    the backward). At TP = 1 every collective vanishes and these are the plain linears.         */
+/* ============================================================================================== */
 
 /* y[N, out] = x[N, in] W[out, in]^T (+ bias, in the GEMM's epilogue where cuBLASLt has one) */
 template <typename T>
-static void linear_forward(mt_gemm_context* g, T* y, const T* x, const T* weight, const T* bias, int N, int in,
+static void linear_forward(const mt_exec* ex, T* y, const T* x, const T* weight, const T* bias, int N, int in,
                            int out) {
-    if (bias && gemm_epilogue<T, T>(g, GEMM_BIAS, false, true, N, out, in, x, in, weight, in, y, out, 1.0f, 0.0f, bias,
+    if (bias && gemm_epilogue<T, T>(ex, GEMM_BIAS, false, true, N, out, in, x, in, weight, in, y, out, 1.0f, 0.0f, bias,
                                     (T*)NULL))
         return;
-    gemm<T, T>(g, false, true, N, out, in, x, in, weight, in, y, out, 1.0f, 0.0f);
+    gemm<T, T>(ex, false, true, N, out, in, x, in, weight, in, y, out, 1.0f, 0.0f);
     if (bias) {
         int64_t n = (int64_t)N * out;
         if (out % vec16<T>::N == 0 && aligned16(y) && aligned16(bias))
-            bias_add_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, g->stream>>>(y, bias, n / vec16<T>::N, out);
+            bias_add_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(y, bias, n / vec16<T>::N, out);
         else
-            bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(y, bias, N, out);
-        LAUNCH_CHECK(g->error);
+            bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(y, bias, N, out);
+        LAUNCH_CHECK(ex->error);
     }
 }
 
-template <typename T>
-static void gelu_backward(mt_gemm_context* g, T* d, const T* pre, int64_t n);
-
 /* dW[out, in] += dy^T x (fp32) and, when dbias != NULL, dbias[out] += column sums of dy [N, out] (both
- * overwrite when g->accumulate_gradients is 0: beta = 0). The
+ * overwrite when ex->mode.accumulate_gradients is 0: beta = 0). The
  * GEMM and then the column-sum kernels: cuBLASLt's BGRADB epilogue (GEMM_BGRADB) would take the sums
  * from the GEMM's own read of dy, but dev/cuda/fused_kernels.cu measured it no faster at GPT-2 124M
  * and 18% slower at 1.5B's fc1 on an H100 (it drops the split-K algorithm). */
 template <typename T>
-static void weight_gradient(mt_gemm_context* g, mt_colsum_scratch* s, float* dweight, float* dbias, const T* dy,
+static void weight_gradient(const mt_exec* ex, mt_colsum_scratch* s, float* dweight, float* dbias, const T* dy,
                             const T* x, int N, int in, int out) {
-    gemm<T, float>(g, true, false, out, in, N, dy, out, x, in, dweight, in, 1.0f, (float)g->accumulate_gradients);
-    if (dbias) column_sum<T>(g, s, dbias, dy, N, out);
+    gemm<T, float>(ex, true, false, out, in, N, dy, out, x, in, dweight, in, 1.0f, (float)ex->mode.accumulate_gradients);
+    if (dbias) column_sum<T>(ex, s, dbias, dy, N, out);
 }
 
 /* dx[N, in] = dy W;  dW[out, in] += dy^T x;  db[out] += column sums of dy. With gelu_pre (the
@@ -2617,18 +3077,18 @@ static void weight_gradient(mt_gemm_context* g, mt_colsum_scratch* s, float* dwe
  * also take the column sums of dx for the bias before the GELU, has no algorithm with fp32 sums and
  * bf16 dx in cuBLAS 13.0 on an H100: dev/cuda/fused_kernels.cu asks.) */
 template <typename T>
-static void linear_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dx, float* dweight, float* dbias, const T* dy,
+static void linear_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dx, float* dweight, float* dbias, const T* dy,
                             const T* x, const T* weight, int N, int in, int out, const T* gelu_pre = NULL) {
     if (dx && gelu_pre) {
-        if (!gemm_epilogue<T, T>(g, GEMM_DGELU, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f,
+        if (!gemm_epilogue<T, T>(ex, GEMM_DGELU, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f,
                                  (const T*)NULL, (T*)gelu_pre)) {
-            gemm<T, T>(g, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
-            gelu_backward<T>(g, dx, gelu_pre, (int64_t)N * in);
+            gemm<T, T>(ex, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
+            gelu_backward<T>(ex, dx, gelu_pre, (int64_t)N * in);
         }
     } else if (dx) {
-        gemm<T, T>(g, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
+        gemm<T, T>(ex, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
     }
-    weight_gradient<T>(g, s, dweight, dbias, dy, x, N, in, out);
+    weight_gradient<T>(ex, s, dweight, dbias, dy, x, N, in, out);
 }
 
 /* The whole input [BT, C] of a column-parallel linear: with sequence parallelism this rank's R rows
@@ -2652,222 +3112,70 @@ static T* row_parallel_output(mt_tp_group* tp, T* y, T* rows, int BT, int R, int
     return tp->sp ? rows : y;
 }
 
+/* What the backward of every parallel linear of one micro-batch shares: the execution context, the
+ * column-sum scratch, the TP group, the row counts (BT whole, R in the norm/residual regions) and
+ * the sequence-parallel staging buffers. */
+template <typename T>
+struct parallel_backward_ctx {
+    const mt_exec* ex;
+    mt_colsum_scratch* cs;
+    mt_tp_group* tp;
+    int BT, R;
+    T* gathered;      /* [BT, h]: a linear's input gathered again (SP) */
+    T* gathered_grad; /* [BT, h]: a row-parallel output's gradient gathered (SP) */
+    T* rows;          /* [R, h]: an input gradient reduce-scattered to this rank's rows (SP) */
+};
+
 /* Backward of a column-parallel linear y [BT, out] = x W^T (+ b), W this rank's [out, in], whose
  * input came from x_saved (with sequence parallelism its R rows, gathered again here into
- * `gathered`). d x is partial over TP: its all-reduce (or reduce-scatter into dx_rows) runs while
- * the weight gradient is computed. Returns d x: dx [BT, in] whole, or dx_rows [R, in]. */
+ * pc.gathered). d x is partial over TP: its all-reduce (or reduce-scatter into pc.rows) runs while
+ * the weight gradient is computed. Returns d x: dx [BT, in] whole, or pc.rows [R, in]. */
 template <typename T>
-static T* column_parallel_backward(mt_gemm_context* g, mt_colsum_scratch* s, mt_tp_group* tp, T* dx, T* dx_rows,
-                                   T* gathered, float* dweight, float* dbias, const T* dy, const T* x_saved,
-                                   const T* weight, int BT, int R, int in, int out) {
+static T* column_parallel_backward(const parallel_backward_ctx<T>& pc, T* dx, float* dweight, float* dbias,
+                                   const T* dy, const T* x_saved, const T* weight, int in, int out) {
+    const mt_exec* ex = pc.ex;
+    mt_tp_group* tp = pc.tp;
+    const int BT = pc.BT, R = pc.R;
     const T* x = x_saved;
     if (tp->sp) { /* issued first: it overlaps the dgrad GEMM */
-        tp_all_gather(tp, gathered, x_saved, (size_t)R * in, tp->type);
+        tp_all_gather(tp, pc.gathered, x_saved, (size_t)R * in, tp->type);
         tp_mark(tp);
-        x = gathered;
+        x = pc.gathered;
     }
-    gemm<T, T>(g, false, false, BT, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
+    gemm<T, T>(ex, false, false, BT, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
     if (tp->size > 1) {
-        if (tp->sp) tp_reduce_scatter(tp, dx_rows, dx, (size_t)R * in, tp->type);
+        if (tp->sp) tp_reduce_scatter(tp, pc.rows, dx, (size_t)R * in, tp->type);
         else tp_all_reduce(tp, dx, (size_t)BT * in, tp->type);
     }
     if (tp->sp) tp_join_mark(tp); /* the input is gathered; the reduction may still run */
-    weight_gradient<T>(g, s, dweight, dbias, dy, x, BT, in, out);
+    weight_gradient<T>(ex, pc.cs, dweight, dbias, dy, x, BT, in, out);
     if (tp->size > 1) tp_join(tp);
-    return tp->sp ? dx_rows : dx;
+    return tp->sp ? pc.rows : dx;
 }
 
 /* Backward of a row-parallel linear y = x W^T (+ b), W this rank's [out, in], x [BT, in], whose
  * output (after the reduction and the whole bias) fed the region that holds dy_rows [R, out]: with
- * sequence parallelism gathered to [BT, out] into `gathered` first. Its bias gradient (the column
- * sums of dy_rows: with sequence parallelism a partial sum, completed over TP with the norms') is
- * taken by the norm backward that produced dy_rows (norm_backward's dprev_bias). */
+ * sequence parallelism gathered to [BT, out] into pc.gathered_grad first. Its bias gradient (the
+ * column sums of dy_rows: with sequence parallelism a partial sum, completed over TP with the
+ * norms') is taken by the norm backward that produced dy_rows (norm_backward's dprev_bias). With
+ * gelu_pre, dx is the gradient of the GELU's input (see linear_backward). */
 template <typename T>
-static void row_parallel_backward(mt_gemm_context* g, mt_colsum_scratch* s, mt_tp_group* tp, T* dx, float* dweight,
-                                  const T* dy_rows, T* gathered, const T* x, const T* weight, int BT, int R, int in,
-                                  int out, const T* gelu_pre = NULL) {
-    const T* dy = column_parallel_input(tp, gathered, dy_rows, R, out);
-    linear_backward<T>(g, s, dx, dweight, (float*)NULL, dy, x, weight, BT, in, out, gelu_pre);
-}
-
-/* out = (x - mean) * rstd * w (+ b) over rows of [N, C], from the statistics the forward saved. */
-template <typename T>
-static void norm_apply(mt_gemm_context* g, T* out, const T* x, const float* mean, const float* rstd, const T* w,
-                       const T* b, int N, int C) {
-    constexpr int V = vec16<T>::N;
-    int64_t n = (int64_t)N * C;
-    if (C % V == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
-        norm_apply_kernel<T, V><<<ceil_div(n / V, 256), 256, 0, g->stream>>>(out, x, mean, rstd, w, b, N, C);
-    else
-        norm_apply_kernel<T, 1><<<ceil_div(n, 256), 256, 0, g->stream>>>(out, x, mean, rstd, w, b, N, C);
-    LAUNCH_CHECK(g->error);
-}
-
-/* out = norm(x): LayerNorm (w, b) or RMSNorm (w; b NULL, rms) over rows of [N, C]. */
-template <typename T>
-static void norm_forward(mt_gemm_context* g, T* out, float* mean, float* rstd, const T* x, const T* w, const T* b,
-                         int N, int C, float eps, bool rms) {
-    if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
-        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
-    else
-        layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
-    LAUNCH_CHECK(g->error);
-}
-
-/* out[N, C] = residual + branch + bias[C] (bias may be NULL) */
-template <typename T>
-static void bias_residual(mt_gemm_context* g, T* out, const T* residual, T* branch, const T* bias, int N, int C) {
-    int64_t n = (int64_t)N * C;
-    if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(residual) && aligned16(branch) && aligned16(bias)) {
-        int64_t vectors = n / vec16<T>::N;
-        bias_residual_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, g->stream>>>(out, residual, branch, bias, vectors, C);
-    } else {
-        if (bias) bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(branch, bias, N, C);
-        residual_add_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(out, residual, branch, n);
-    }
-    LAUNCH_CHECK(g->error);
-}
-
-/* sum = residual + branch + bias (the residual stream), then out = norm(sum): one kernel when a
- * row fits the registers of one warp (C <= 32 * 8 vectors: hidden 2048 in bf16), else two. */
-#define RESIDUAL_NORM_MAXV 8
-template <typename T>
-static void residual_norm_forward(mt_gemm_context* g, T* sum, T* out, float* mean, float* rstd, const T* residual,
-                                  T* branch, const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms) {
-    constexpr int V = vec16<T>::N;
-    if (C % V == 0 && C <= 32 * V * RESIDUAL_NORM_MAXV && aligned16(sum) && aligned16(out) && aligned16(residual) &&
-        aligned16(branch) && aligned16(bias) && aligned16(w) && aligned16(b)) {
-        residual_norm_forward_vec_kernel<T, RESIDUAL_NORM_MAXV><<<ceil_div(N, 8), 256, 0, g->stream>>>(
-            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms);
-        LAUNCH_CHECK(g->error);
-        return;
-    }
-    bias_residual<T>(g, sum, residual, branch, bias, N, C);
-    norm_forward<T>(g, out, mean, rstd, sum, w, b, N, C, eps, rms);
-}
-
-/* pre[N, C] += bias (may be NULL); act = gelu(pre) */
-template <typename T>
-static void bias_gelu(mt_gemm_context* g, T* pre, T* act, const T* bias, int N, int C) {
-    int64_t n = (int64_t)N * C;
-    if (C % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias)) {
-        int64_t vectors = n / vec16<T>::N;
-        bias_gelu_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, g->stream>>>(pre, act, bias, vectors, C);
-    } else {
-        if (bias) bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(pre, bias, N, C);
-        gelu_forward_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(act, pre, n);
-    }
-    LAUNCH_CHECK(g->error);
-}
-
-/* pre[N, 2f] += bias (may be NULL); act[N, f] = silu(gate) * up */
-template <typename T>
-static void bias_swiglu(mt_gemm_context* g, T* pre, T* act, const T* bias, int N, int f) {
-    int64_t n = (int64_t)N * f;
-    if (f % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias))
-        swiglu_forward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, g->stream>>>(pre, act, bias,
-                                                                                           n / vec16<T>::N, f);
-    else
-        swiglu_forward_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(pre, act, bias, N, f);
-    LAUNCH_CHECK(g->error);
-}
-
-/* d <- d * gelu'(pre), in place over [n] */
-template <typename T>
-static void gelu_backward(mt_gemm_context* g, T* d, const T* pre, int64_t n) {
-    if (n % vec16<T>::N == 0 && aligned16(d) && aligned16(pre))
-        gelu_backward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, g->stream>>>(d, pre, n / vec16<T>::N);
-    else
-        gelu_backward_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(d, pre, n);
-    LAUNCH_CHECK(g->error);
-}
-
-/* dpre[N, 2f] from dact[N, f] and pre[N, 2f] */
-template <typename T>
-static void swiglu_backward(mt_gemm_context* g, T* dpre, const T* dact, const T* pre, int N, int f) {
-    int64_t n = (int64_t)N * f;
-    if (f % vec16<T>::N == 0 && aligned16(dpre) && aligned16(dact) && aligned16(pre))
-        swiglu_backward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, g->stream>>>(dpre, dact, pre,
-                                                                                            n / vec16<T>::N, f);
-    else
-        swiglu_backward_kernel<T><<<ceil_div(n, 256), 256, 0, g->stream>>>(dpre, dact, pre, N, f);
-    LAUNCH_CHECK(g->error);
-}
-
-/* Launches norm_backward_fused_kernel with `rows`-row tiles over at most max_blocks blocks (NJ = nj:
- * 1, 2 or 4 groups of 256 vectors per row); returns the block count, i.e. the partial sums written. */
-template <typename T>
-static int norm_backward_fused(mt_gpu_error* err, cudaStream_t stream, int nj, int rows, int max_blocks, T* dres,
-                               float* part_w, float* part_b, float* part_prev, const T* dy, const T* x, const T* w,
-                               const float* mean, const float* rstd, int N, int C, bool rms) {
-    const int tiles = ceil_div(N, rows), blocks = tiles < max_blocks ? tiles : max_blocks;
-    const size_t smem = (size_t)2 * 3 * rows * C * sizeof(T);
-    auto kernel = nj == 1 ? norm_backward_fused_kernel<T, 1>
-                  : nj == 2 ? norm_backward_fused_kernel<T, 2>
-                            : norm_backward_fused_kernel<T, 4>;
-    /* each instantiation's shared-memory limit is raised only when a launch needs more than before
-     * (once per process in training: rows * C is fixed by the model), not on every call */
-    static size_t limit[3] = {0, 0, 0};
-    size_t& set = limit[nj == 1 ? 0 : nj == 2 ? 1 : 2];
-    if (smem > set && CUDA_CHECK(err, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)))
-        set = smem;
-    kernel<<<blocks, 256, smem, stream>>>(dres, part_w, part_b, part_prev, dy, x, w, mean, rstd, N, C, rows, rms);
-    LAUNCH_CHECK(err);
-    return blocks;
-}
-
-/* dresidual += d norm(x)/dx . dy ; dweight (and dbias, LayerNorm only) += their column sums (= when
- * g->accumulate_gradients is 0); and
- * dprev_bias (may be NULL) += the column sums of the updated dresidual: the bias gradient of the
- * row-parallel linear whose output this residual stream received (see norm_backward_fused_kernel). */
-template <typename T>
-static void norm_backward(mt_gemm_context* g, mt_colsum_scratch* s, T* dresidual, float* dweight, float* dbias,
-                          float* dprev_bias, const T* dy, const T* x, const T* w, const float* mean,
-                          const float* rstd, int N, int C, bool rms) {
-    constexpr int V = vec16<T>::N;
-    const int nj = ceil_div(C / V, 256);
-    if (C % V == 0 && (nj == 1 || nj == 2 || nj == 4) && aligned16(dresidual) && aligned16(dy) && aligned16(x) &&
-        aligned16(w)) {
-        const int rows = norm_backward_tile_rows(C, sizeof(T));
-        const int blocks = norm_backward_fused<T>(g->error, g->stream, nj, rows, NORM_BWD_BLOCKS, dresidual, s->partial_a,
-                                                  dbias ? s->partial_b : NULL, dprev_bias ? s->partial_c : NULL, dy,
-                                                  x, w, mean, rstd, N, C, rms);
-        column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, g->stream>>>(
-            dweight, s->partial_a, dbias, s->partial_b, dprev_bias, s->partial_c, blocks, C, g->accumulate_gradients);
-        LAUNCH_CHECK(g->error);
-        return;
-    }
-    if (C % vec16<T>::N == 0 && aligned16(dresidual) && aligned16(dy) && aligned16(x) && aligned16(w))
-        layernorm_backward_input_vec_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(dresidual, dy, x, w, mean, rstd,
-                                                                                      N, C, rms);
-    else
-        layernorm_backward_input_kernel<T><<<ceil_div(N, 8), 256, 0, g->stream>>>(dresidual, dy, x, w, mean, rstd, N,
-                                                                                  C, rms);
-    int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
-    /* the 16-byte kernel gives each thread 8 columns (x2 sums), so at hidden sizes up to a few
-     * thousand it leaves most of the GPU idle: dev/cuda/fused_kernels.cu measured it at 91 us
-     * against the scalar kernel's 57 us (bitwise the same sums) at 16384 x 768 on an H100 */
-    if (C % vec16<T>::N == 0 && C / vec16<T>::N >= 1024 && aligned16(dy) && aligned16(x))
-        column_partial_sum_vec_kernel<T, COLSUM_LAYERNORM><<<dim3(ceil_div(C / vec16<T>::N, 256), chunks), 256, 0,
-                                                             g->stream>>>(s->partial_a, s->partial_b, dy, x, mean, rstd,
-                                                                          N, C, rows);
-    else
-        column_partial_sum_kernel<T, COLSUM_LAYERNORM><<<dim3(ceil_div(C, 256), chunks), 256, 0, g->stream>>>(
-            s->partial_a, s->partial_b, dy, x, mean, rstd, N, C, rows);
-    column_final_sums_kernel<<<dim3(ceil_div(C, 32), 2), dim3(32, 16), 0, g->stream>>>(
-        dweight, s->partial_a, dbias, s->partial_b, NULL, NULL, chunks, C, g->accumulate_gradients);
-    LAUNCH_CHECK(g->error);
-    if (dprev_bias) column_sum<T>(g, s, dprev_bias, dresidual, N, C);
+static void row_parallel_backward(const parallel_backward_ctx<T>& pc, T* dx, float* dweight, const T* dy_rows,
+                                  const T* x, const T* weight, int in, int out, const T* gelu_pre = NULL) {
+    const T* dy = column_parallel_input(pc.tp, pc.gathered_grad, dy_rows, pc.R, out);
+    linear_backward<T>(pc.ex, pc.cs, dx, dweight, (float*)NULL, dy, x, weight, pc.BT, in, out, gelu_pre);
 }
 
 /* ============================================================================================== */
-/* 6. The model                                                                                    */
-/*    Parameters: one buffer in Megatron's DDP layout (megatron.h mt_buffer_layout: reverse model  */
-/*    order, buckets) of this tensor-parallel rank's shard; param_ptr(t, tensor, layer) finds a   */
-/*    slice. Activations: one arena for one micro-batch, sized at creation. Shapes below are a    */
-/*    rank's: heads, groups, f and V are the full model's divided by TP; the norm and residual    */
-/*    regions hold R rows (BT, or BT/TP with sequence parallelism: the micro-batch's [B*T] rows   */
-/*    cut into TP consecutive blocks, Megatron's [s/tp, b, h] in this codebase's row order).       */
+/* 15. The model                                                                                  */
+/*    Parameters: one buffer in Megatron's DDP layout (megatron.h mt_buffer_layout: reverse       */
+/*    model order, buckets) of this tensor-parallel rank's shard; layer_params / layer_grads      */
+/*    name one layer's tensors in it. Activations: one arena for one micro-batch, sized at        */
+/*    creation; layer_activations names one layer's. Shapes below are a rank's: heads, groups, f  */
+/*    and V are the full model's divided by TP; the norm and residual regions hold R rows (BT,    */
+/*    or BT/TP with sequence parallelism: the micro-batch's [B*T] rows cut into TP consecutive    */
+/*    blocks, Megatron's [s/tp, b, h] in this codebase's row order). Then the attention layer     */
+/*    (exact or flash), the forward and the backward of one stage.                                */
 /* ============================================================================================== */
 
 typedef struct {
@@ -2920,11 +3228,10 @@ struct mt_trainer {
     mt_config cfg;
     mt_gpu_error error;
     mt_process_groups groups;
-    mt_tp_group tp;           /* the tensor-parallel group as the model uses it */
     cudaStream_t stream;
     cublasHandle_t cublas;
     void* cublas_workspace;
-    mt_gemm_context gemm;
+    mt_gemm_plans gemm;
     mt_colsum_scratch colsum;
     mt_param_info params_info[MT_NUM_PARAM_TENSORS];      /* this TP rank's shard (mt_param_layout_shard) */
     mt_param_info params_info_full[MT_NUM_PARAM_TENSORS]; /* the full model (mt_param_layout) */
@@ -2951,10 +3258,8 @@ struct mt_trainer {
     double* norm_partial;     /* [num_chunks + 1] */
     double* reduce_scratch;   /* [2]: the loss and norm all-reduced over DP */
     /* data-parallel reduction and gathering state */
-    int reduce_in_backward;   /* launch bucket reductions from the backward (last micro-batch, overlap) */
     int next_bucket;          /* next bucket to reduce in this step */
     int gather_pending;       /* parameter all-gathers of the last step still in flight */
-    int last_micro_batch;     /* the backward running is the step's last: gradients become final */
     cudaEvent_t compute_done, comm_done;
     cudaEvent_t* gathered;    /* [num_buckets]: bucket b's parameters all-gathered */
     int* first_bucket_of_layer; /* [L + 2]: see first_bucket_of_layers */
@@ -2988,6 +3293,17 @@ static float* grad_ptr(mt_trainer* t, int which, int l = 0) {
     return offset < 0 ? NULL : t->grads + offset;
 }
 
+/* The execution context of work on the trainer's stream (mode: the micro-batch's, or all zero
+ * outside the micro-batch loop). */
+static mt_exec trainer_exec(mt_trainer* t, mt_micro_batch_mode mode = mt_micro_batch_mode()) {
+    mt_exec ex;
+    ex.stream = t->stream;
+    ex.error = &t->error;
+    ex.gemm = &t->gemm;
+    ex.mode = mode;
+    return ex;
+}
+
 /* Host <-> device copies, ordered on the trainer's stream and finished on return. (The stream is
  * non-blocking, so a plain cudaMemcpy on the legacy stream would not be ordered with its kernels.) */
 static mt_status copy_sync(mt_trainer* t, void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
@@ -3016,9 +3332,9 @@ typedef struct {
 static mt_shape model_shape(const mt_trainer* t) {
     const mt_config* c = &t->cfg;
     mt_shape s;
-    s.tp = c->tensor_model_parallel_size;
-    s.tp_rank = t->groups.tp_rank;
-    s.sp = c->sequence_parallel && s.tp > 1;
+    s.tp = t->groups.tp.size;
+    s.tp_rank = t->groups.tp.rank;
+    s.sp = t->groups.tp.sp != 0;
     s.B = c->micro_batch_size;
     s.S = c->seq_length;
     s.BT = s.B * s.S;
@@ -3041,97 +3357,71 @@ static mt_shape model_shape(const mt_trainer* t) {
     return s;
 }
 
-/* One layer's saved activations, as pointers into the arena. */
+/* One layer's saved activations, as pointers into the arena (R rows in the norm/residual regions,
+ * BT elsewhere; see mt_activations). */
 template <typename T>
 struct layer_view {
-    T *x, *ln1, *qkv, *probs, *attn, *mid, *ln2, *fc1, *act, *out;
+    T *x;                       /* [R, h] layer input (the residual stream) */
+    T *ln1;                     /* [R, h] norm1(x): not kept per layer, recomputed in the backward */
+    float *ln1_mean, *ln1_rstd; /* [R] */
+    T *qkv;                     /* [BT, qkv_width] */
+    T *probs;                   /* [B*heads, T, T] exact path, else NULL */
+    float *lse;                 /* [B*heads, T] flash path, else NULL */
+    T *attn;                    /* [BT, heads*d] */
+    T *mid;                     /* [R, h] x + attention branch */
+    T *ln2;                     /* [R, h] norm2(mid) */
+    float *ln2_mean, *ln2_rstd; /* [R] */
+    T *fc1;                     /* [BT, f1] pre-activation */
+    T *act;                     /* [BT, f] */
+    T *out;                     /* [R, h] layer output = the next layer's input */
 };
 template <typename T>
 static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& s, int l) {
     int64_t Rh = (int64_t)s.R * s.h;
     layer_view<T> v;
-    v.x = LAYER(a->residual, T, l, Rh);                 /* layer input */
-    v.ln1 = (T*)a->ln1;                                 /* not kept per layer (see mt_activations) */
+    v.x = LAYER(a->residual, T, l, Rh);
+    v.ln1 = (T*)a->ln1;
+    v.ln1_mean = a->ln1_mean + (int64_t)l * s.R;
+    v.ln1_rstd = a->ln1_rstd + (int64_t)l * s.R;
     v.qkv = LAYER(a->qkv, T, l, (int64_t)s.BT * s.qkv_width);
     v.probs = a->probs ? LAYER(a->probs, T, l, (int64_t)s.B * s.heads * s.S * s.S) : NULL;
+    v.lse = a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL;
     v.attn = LAYER(a->attn_out, T, l, (int64_t)s.BT * s.attn_width);
     v.mid = LAYER(a->residual_mid, T, l, Rh);
     v.ln2 = LAYER(a->ln2, T, l, Rh);
+    v.ln2_mean = a->ln2_mean + (int64_t)l * s.R;
+    v.ln2_rstd = a->ln2_rstd + (int64_t)l * s.R;
     v.fc1 = LAYER(a->fc1, T, l, (int64_t)s.BT * s.f1);
     v.act = LAYER(a->act, T, l, (int64_t)s.BT * s.f);
-    v.out = LAYER(a->residual, T, l + 1, Rh);           /* layer output = next layer's input */
+    v.out = LAYER(a->residual, T, l + 1, Rh);
     return v;
 }
 
-/* The attention core of one layer: O = softmax(causal(Q K^T / sqrt(d))) V on q [B, heads, T, d] and
- * k, v [B, groups, T, d] (already split) into o [B, heads, T, d]. Exact path: the probabilities are
- * kept in probs [B*heads, T, T]. Flash path (bf16): only the log-sum-exp [B*heads, T] is kept. */
-/* Head permutes between [B, T, heads*d] rows and the attention kernels' layouts; the vectorised
- * kernels when d (and, with RoPE, half the rotary channels) is a multiple of the vector width. */
-template <typename T>
-static bool qkv_permute_vectorised(const mt_shape& s) {
-    constexpr int V = vec16<T>::N;
-    return s.d % V == 0 && (s.rot == 0 || (s.rot / 2) % V == 0);
+/* One layer's parameters (E = the model type, in t->params) or gradients (E = float, in t->grads),
+ * by name; NULL for a tensor the flavour does not have (biases with --disable-bias-linear, the norm
+ * biases with RMSNorm). Shapes are this TP rank's: qkv_w [qkv_width, h], proj_w [h, heads*d],
+ * fc1_w [f1, h], fc2_w [h, f]; norms and row-parallel biases [h]. */
+template <typename E>
+struct layer_tensors {
+    E *ln1_w, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc1_w, *fc1_b, *fc2_w, *fc2_b;
+};
+template <typename E>
+static layer_tensors<E> layer_tensors_in(const mt_trainer* t, E* base, int l) {
+    auto at = [&](int which) {
+        int64_t offset = mt_buffer_offset(&t->buffer, which, l);
+        return offset < 0 ? (E*)NULL : base + offset;
+    };
+    return {at(MT_P_LN1_WEIGHT), at(MT_P_LN1_BIAS), at(MT_P_QKV_WEIGHT),  at(MT_P_QKV_BIAS),
+            at(MT_P_PROJ_WEIGHT), at(MT_P_PROJ_BIAS), at(MT_P_LN2_WEIGHT), at(MT_P_LN2_BIAS),
+            at(MT_P_FC1_WEIGHT),  at(MT_P_FC1_BIAS),  at(MT_P_FC2_WEIGHT), at(MT_P_FC2_BIAS)};
 }
-/* qkv [BT, qkv_width] -> act.q, act.k, act.v, RoPE applied to q and k */
 template <typename T>
-static void split_qkv(mt_trainer* t, const T* qkv) {
-    mt_shape s = model_shape(t);
-    mt_activations* a = &t->act;
-    int64_t n = (int64_t)s.BT * s.qkv_width;
-    if (qkv_permute_vectorised<T>(s))
-        attention_qkv_permute_vec_kernel<T, false><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(
-            (T*)qkv, (T*)a->q, (T*)a->k, (T*)a->v, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
-    else
-        attention_split_heads_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(
-            (T*)a->q, (T*)a->k, (T*)a->v, qkv, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
-    LAUNCH_CHECK(&t->error);
-}
-/* dq, act.dk, act.dv -> dqkv [BT, qkv_width], RoPE's transpose applied to dq and dk */
-template <typename T>
-static void merge_qkv_grads(mt_trainer* t, T* dqkv, T* dq) {
-    mt_shape s = model_shape(t);
-    mt_activations* a = &t->act;
-    int64_t n = (int64_t)s.BT * s.qkv_width;
-    if (qkv_permute_vectorised<T>(s))
-        attention_qkv_permute_vec_kernel<T, true><<<ceil_div(n / vec16<T>::N, 256), 256, 0, t->stream>>>(
-            dqkv, dq, (T*)a->dk, (T*)a->dv, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
-    else
-        attention_merge_head_grads_kernel<T><<<ceil_div(n, 256), 256, 0, t->stream>>>(
-            dqkv, dq, (T*)a->dk, (T*)a->dv, t->rope_cos, t->rope_sin, s.B, s.S, s.heads, s.groups, s.d, s.rot);
-    LAUNCH_CHECK(&t->error);
-}
-/* [B, heads, T, d] <-> [BT, heads*d] (to_rows: the first into the second) */
-template <typename T>
-static void permute_heads(mt_trainer* t, T* out, const T* in, bool to_rows) {
-    mt_shape s = model_shape(t);
-    int64_t n = (int64_t)s.B * s.heads * s.S * s.d;
-    bool vec = s.d % vec16<T>::N == 0;
-    int blocks = ceil_div(vec ? n / vec16<T>::N : n, 256);
-    if (vec && to_rows) attention_heads_permute_vec_kernel<T, true><<<blocks, 256, 0, t->stream>>>(out, in, s.B, s.S, s.heads, s.d);
-    else if (vec) attention_heads_permute_vec_kernel<T, false><<<blocks, 256, 0, t->stream>>>(out, in, s.B, s.S, s.heads, s.d);
-    else if (to_rows) attention_heads_permute_kernel<T, true><<<blocks, 256, 0, t->stream>>>(out, in, s.B, s.S, s.heads, s.d);
-    else attention_heads_permute_kernel<T, false><<<blocks, 256, 0, t->stream>>>(out, in, s.B, s.S, s.heads, s.d);
-    LAUNCH_CHECK(&t->error);
-}
+static layer_tensors<T> layer_params(const mt_trainer* t, int l) { return layer_tensors_in<T>(t, (T*)t->params, l); }
+static layer_tensors<float> layer_grads(const mt_trainer* t, int l) { return layer_tensors_in<float>(t, t->grads, l); }
 
-/* Flash path (bf16, head dim 64 or 128): the kernels read q, k, v straight from the fused QKV rows
- * and write the output straight into the attention output rows; the backward reads dO and O from
- * rows and writes dq, dk, dv into the gradient's QKV rows. No split, no head permutes. RoPE rotates
- * q and k in place in the saved QKV rows (forward) and un-rotates their gradient (backward). */
-template <typename T>
-static void rope_qkv_rows(mt_trainer* t, T* qkv, bool backward) {
-    mt_shape s = model_shape(t);
-    if (s.rot == 0) return;
-    int half = s.rot / 2, qpg = s.heads / s.groups;
-    constexpr int V = vec16<T>::N;
-    bool vec = half % V == 0;
-    int64_t threads = (int64_t)s.BT * s.groups * (qpg + 1) * (vec ? half / V : half);
-    unsigned blocks = ceil_div(threads, 256);
-    auto kernel = vec ? (backward ? rope_qkv_rows_kernel<T, V, true> : rope_qkv_rows_kernel<T, V, false>)
-                      : (backward ? rope_qkv_rows_kernel<T, 1, true> : rope_qkv_rows_kernel<T, 1, false>);
-    kernel<<<blocks, 256, 0, t->stream>>>(qkv, t->rope_cos, t->rope_sin, s.BT, s.S, s.groups, qpg, s.d, s.rot);
-    LAUNCH_CHECK(&t->error);
+/* The attention geometry of this rank (section 7), from its shapes and the RoPE tables. */
+static mt_attention_dims attention_dims(const mt_trainer* t, const mt_shape& s) {
+    return {s.B, s.S, s.heads, s.groups, s.d, s.rot, t->rope_cos, t->rope_sin};
 }
 
 /* The row views of one layer's fused QKV rows (query heads, keys, values) and of [BT, heads*d] rows. */
@@ -3156,29 +3446,27 @@ static attn_view heads_rows_view(const mt_shape& s, void* rows) {
 /* One layer's attention: qkv [BT, qkv_width] (the QKV linear's output) -> attn [BT, heads*d].
  * Flash path: only the log-sum-exp lse [B*heads, T] is kept; exact path: the probabilities. */
 template <typename T>
-static void attention_forward(mt_trainer* t, T* qkv, T* probs, float* lse, T* attn) {
+static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs, float* lse, T* attn) {
     mt_shape s = model_shape(t);
+    mt_attention_dims dims = attention_dims(t, s);
     mt_activations* a = &t->act;
-    mt_gemm_context* g = &t->gemm;
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
-            rope_qkv_rows<T>(t, qkv, false);
+            rope_qkv_rows<T>(ex, dims, qkv, false);
             qkv_views in = qkv_rows_views(s, qkv);
-            CUDA_CHECK(&t->error, flash_attention_forward(heads_rows_view(s, attn), lse, cview(in.q), cview(in.k),
-                                                          cview(in.v), s.B, s.heads, s.groups, s.S, s.d, t->stream));
+            CUDA_CHECK(ex->error, flash_attention_forward(heads_rows_view(s, attn), lse, cview(in.q), cview(in.k),
+                                                          cview(in.v), s.B, s.heads, s.groups, s.S, s.d, ex->stream));
             return;
         }
     }
-    split_qkv<T>(t, qkv);
+    split_qkv<T>(ex, dims, (T*)a->q, (T*)a->k, (T*)a->v, qkv);
     int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
     int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
     /* scores[q, k] = Q K^T per (batch, group), causal softmax in place, o = P V */
-    gemm<T, T>(g, false, true, M, s.S, s.d, (T*)a->q, s.d, (T*)a->k, s.d, probs, s.S, 1.0f, 0.0f, batch, qd, sd, qs);
-    causal_softmax_forward_kernel<T><<<ceil_div((int64_t)s.B * s.heads * s.S, 8), 256, 0, t->stream>>>(
-        probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d));
-    LAUNCH_CHECK(&t->error);
-    gemm<T, T>(g, false, false, M, s.d, s.S, probs, s.S, (T*)a->v, s.d, (T*)a->o, s.d, 1.0f, 0.0f, batch, qs, sd, qd);
-    permute_heads<T>(t, attn, (T*)a->o, true);
+    gemm<T, T>(ex, false, true, M, s.S, s.d, (T*)a->q, s.d, (T*)a->k, s.d, probs, s.S, 1.0f, 0.0f, batch, qd, sd, qs);
+    causal_softmax_forward<T>(ex, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d));
+    gemm<T, T>(ex, false, false, M, s.d, s.S, probs, s.S, (T*)a->v, s.d, (T*)a->o, s.d, 1.0f, 0.0f, batch, qs, sd, qd);
+    permute_heads<T>(ex, dims, attn, (T*)a->o, true);
 }
 
 /* Backward of one layer's attention: dattn [BT, heads*d] -> dqkv [BT, qkv_width], from the saved qkv,
@@ -3187,57 +3475,51 @@ static void attention_forward(mt_trainer* t, T* qkv, T* probs, float* lse, T* at
  * own registers (one read of [BT, qkv_width] less than a column sum) and returns true; otherwise
  * the caller sums them. */
 template <typename T>
-static bool attention_backward(mt_trainer* t, T* dqkv, const T* dattn, T* qkv, T* probs, const float* lse,
-                               const T* attn, float* dbias) {
+static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const T* dattn, T* qkv, T* probs,
+                               const float* lse, const T* attn, float* dbias) {
     mt_shape s = model_shape(t);
+    mt_attention_dims dims = attention_dims(t, s);
     mt_activations* a = &t->act;
-    mt_gemm_context* g = &t->gemm;
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
             const int chunks = flash_colsum_chunks(s.B, s.S);
             const bool sums = dbias && s.rot == 0 && chunks <= t->colsum.max_chunks;
             qkv_views in = qkv_rows_views(s, qkv), out = qkv_rows_views(s, dqkv);
-            CUDA_CHECK(&t->error, flash_attention_backward(out.q, out.k, out.v, a->dsum,
+            CUDA_CHECK(ex->error, flash_attention_backward(out.q, out.k, out.v, a->dsum,
                                                            cview(heads_rows_view(s, (void*)dattn)), cview(in.q),
                                                            cview(in.k), cview(in.v),
                                                            cview(heads_rows_view(s, (void*)attn)), lse, s.B, s.heads,
-                                                           s.groups, s.S, s.d, t->stream,
+                                                           s.groups, s.S, s.d, ex->stream,
                                                            sums ? t->colsum.partial_a : (float*)NULL));
-            rope_qkv_rows<T>(t, dqkv, true);
-            if (sums) {
-                column_final_sums_kernel<<<dim3(ceil_div(s.qkv_width, 32), 1), dim3(32, 16), 0, t->stream>>>(
-                    dbias, t->colsum.partial_a, NULL, NULL, NULL, NULL, chunks, s.qkv_width, g->accumulate_gradients);
-                LAUNCH_CHECK(&t->error);
-            }
+            rope_qkv_rows<T>(ex, dims, dqkv, true);
+            if (sums) column_final_sums(ex, 1, chunks, s.qkv_width, dbias, t->colsum.partial_a);
             return sums;
         }
     }
-    permute_heads<T>(t, (T*)a->o, dattn, false);
-    split_qkv<T>(t, qkv);
+    permute_heads<T>(ex, dims, (T*)a->o, dattn, false);
+    split_qkv<T>(ex, dims, (T*)a->q, (T*)a->k, (T*)a->v, qkv);
     int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
     int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
     /* dP = dO V^T;  dV = P^T dO */
-    gemm<T, T>(g, false, true, M, s.S, s.d, (T*)a->o, s.d, (T*)a->v, s.d, (T*)a->dscores, s.S, 1.0f, 0.0f, batch, qd,
+    gemm<T, T>(ex, false, true, M, s.S, s.d, (T*)a->o, s.d, (T*)a->v, s.d, (T*)a->dscores, s.S, 1.0f, 0.0f, batch, qd,
                sd, qs);
-    gemm<T, T>(g, true, false, s.S, s.d, M, probs, s.S, (T*)a->o, s.d, (T*)a->dv, s.d, 1.0f, 0.0f, batch, qs, qd, sd);
-    causal_softmax_backward_kernel<T><<<ceil_div((int64_t)s.B * s.heads * s.S, 8), 256, 0, t->stream>>>(
-        (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d));
-    LAUNCH_CHECK(&t->error);
+    gemm<T, T>(ex, true, false, s.S, s.d, M, probs, s.S, (T*)a->o, s.d, (T*)a->dv, s.d, 1.0f, 0.0f, batch, qs, qd, sd);
+    causal_softmax_backward<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d));
     /* dK = dS^T Q (before dQ overwrites q);  dQ = dS K */
-    gemm<T, T>(g, true, false, s.S, s.d, M, (T*)a->dscores, s.S, (T*)a->q, s.d, (T*)a->dk, s.d, 1.0f, 0.0f, batch, qs,
+    gemm<T, T>(ex, true, false, s.S, s.d, M, (T*)a->dscores, s.S, (T*)a->q, s.d, (T*)a->dk, s.d, 1.0f, 0.0f, batch, qs,
                qd, sd);
-    gemm<T, T>(g, false, false, M, s.d, s.S, (T*)a->dscores, s.S, (T*)a->k, s.d, (T*)a->q, s.d, 1.0f, 0.0f, batch, qs,
+    gemm<T, T>(ex, false, false, M, s.d, s.S, (T*)a->dscores, s.S, (T*)a->k, s.d, (T*)a->q, s.d, 1.0f, 0.0f, batch, qs,
                sd, qd);
-    merge_qkv_grads<T>(t, dqkv, (T*)a->q);
+    merge_qkv_grads<T>(ex, dims, dqkv, (T*)a->q, (T*)a->dk, (T*)a->dv);
     return false;
 }
 
-/* The data-parallel hooks the model calls (section 8): the forward waits for each layer's
+/* The data-parallel hooks the model calls (section 17): the forward waits for each layer's
  * parameters when the last step's all-gather still runs; the backward reports each layer whose
- * gradients are final, so full buckets can start their reduction. Layer -1 is the embeddings,
- * layer L the final norm and output layer. */
+ * gradients are final, so full buckets can start their reduction (when the micro-batch's mode says
+ * so). Layer -1 is the embeddings, layer L the final norm and output layer. */
 static void wait_for_parameters(mt_trainer* t, int layer);
-static void gradients_ready(mt_trainer* t, int layer);
+static void gradients_ready(mt_trainer* t, const mt_exec* ex, int layer);
 
 /* The output layer's weight: the word embeddings (tied, GPT-2's default) or its own (untied). */
 template <typename T>
@@ -3257,31 +3539,24 @@ static bool gelu_fused(const mt_shape& s) {
     return !s.swiglu && sizeof(T) == 2;
 }
 
-/* Vocab-parallel cross entropy over this rank's logits [BT, V] (see the kernels in 2.8); at TP = 1
- * the one fused kernel. Per-token losses (the same on every TP rank) go to act.losses; when
- * grad_scale != 0 the logits are overwritten by their gradient. */
+/* Vocab-parallel cross entropy over this rank's logits [BT, V] (section 10); at TP = 1 the one
+ * fused kernel. Per-token losses (the same on every TP rank) go to act.losses; when grad_scale != 0
+ * the logits are overwritten by their gradient. */
 template <typename T>
-static void cross_entropy(mt_trainer* t, float grad_scale) {
+static void cross_entropy(mt_trainer* t, const mt_exec* ex, float grad_scale) {
     mt_shape s = model_shape(t);
     mt_activations* a = &t->act;
-    cudaStream_t st = t->stream;
     if (s.tp == 1) {
-        if (s.V % vec16<T>::N == 0)
-            cross_entropy_vec_kernel<T><<<s.BT, 512, 0, st>>>((T*)a->logits, a->losses, a->targets, (int)s.V, grad_scale);
-        else
-            cross_entropy_kernel<T><<<s.BT, 512, 0, st>>>((T*)a->logits, a->losses, a->targets, (int)s.V, grad_scale);
-        LAUNCH_CHECK(&t->error);
+        cross_entropy_fused<T>(ex, (T*)a->logits, a->losses, a->targets, s.BT, (int)s.V, grad_scale);
         return;
     }
     /* V = Vp / tp is a multiple of 128, so the 16-byte kernels always apply */
     float* mine = a->ce_stats + (int64_t)s.tp_rank * s.BT * 3;
-    cross_entropy_partial_kernel<T><<<s.BT, 512, 0, st>>>(mine, (const T*)a->logits, a->targets, (int)s.V, s.vocab_start);
-    LAUNCH_CHECK(&t->error);
-    tp_all_gather(&t->tp, a->ce_stats, mine, (size_t)s.BT * 3, ncclFloat);
-    tp_join(&t->tp);
-    cross_entropy_combine_kernel<T><<<s.BT, 512, 0, st>>>((T*)a->logits, a->losses, a->ce_stats, s.tp, s.BT, a->targets,
-                                                          (int)s.V, s.vocab_start, grad_scale);
-    LAUNCH_CHECK(&t->error);
+    cross_entropy_partial<T>(ex, mine, (const T*)a->logits, a->targets, s.BT, (int)s.V, s.vocab_start);
+    tp_all_gather(&t->groups.tp, a->ce_stats, mine, (size_t)s.BT * 3, ncclFloat);
+    tp_join(&t->groups.tp);
+    cross_entropy_combine<T>(ex, (T*)a->logits, a->losses, a->ce_stats, s.tp, s.BT, a->targets, (int)s.V,
+                             s.vocab_start, grad_scale);
 }
 
 /* Forward of one micro-batch whose inputs/targets are already on the device. Leaves the logits
@@ -3289,204 +3564,183 @@ static void cross_entropy(mt_trainer* t, float grad_scale) {
  * Each residual add is fused with the norm that follows it: the attention residual with the MLP's
  * norm, the MLP residual with the next layer's first norm (or the final norm). With tensor
  * parallelism: QKV and fc1 are column-parallel, proj and fc2 row-parallel, the embedding and the
- * output layer vocab-parallel (section 5). */
+ * output layer vocab-parallel (section 14). */
 template <typename T>
-static void model_forward(mt_trainer* t, float grad_scale) {
+static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale) {
     mt_shape s = model_shape(t);
     mt_activations* a = &t->act;
-    mt_gemm_context* g = &t->gemm;
-    mt_tp_group* tp = &t->tp;
-    cudaStream_t st = t->stream;
-    int64_t BTh = (int64_t)s.BT * s.h;
+    mt_tp_group* tp = &t->groups.tp;
     float eps = (float)t->cfg.norm_epsilon;
     T* gathered = (T*)a->gathered;
 
     /* embedding: this rank's vocabulary rows (position embeddings added on TP rank 0), summed over TP */
     wait_for_parameters(t, -1);
     T* embedded = s.sp ? (T*)a->branch : (T*)a->residual;
-    embedding_forward_kernel<T><<<ceil_div(BTh, 256), 256, 0, st>>>(
-        embedded, a->inputs, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS),
-        s.tp_rank == 0 ? param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS) : (const T*)NULL, s.BT, s.S, s.h, s.vocab_start, s.V);
-    LAUNCH_CHECK(&t->error);
+    embedding_forward<T>(ex, embedded, a->inputs, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS),
+                         s.tp_rank == 0 ? param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS) : (const T*)NULL, s.BT, s.S, s.h,
+                         s.vocab_start, s.V);
     row_parallel_output<T>(tp, embedded, (T*)a->residual, s.BT, s.R, s.h); /* the sum lands in a->residual */
     wait_for_parameters(t, 0);
-    norm_forward<T>(g, (T*)a->ln1, a->ln1_mean, a->ln1_rstd, (T*)a->residual, param_ptr<T>(t, MT_P_LN1_WEIGHT, 0),
-                    param_ptr<T>(t, MT_P_LN1_BIAS, 0), s.R, s.h, eps, s.rms);
+    {
+        const layer_tensors<T> p = layer_params<T>(t, 0);
+        const layer_view<T> v = layer_activations<T>(a, s, 0);
+        norm_forward<T>(ex, v.ln1, v.ln1_mean, v.ln1_rstd, v.x, p.ln1_w, p.ln1_b, s.R, s.h, eps, s.rms);
+    }
 
     for (int l = 0; l < s.L; l++) {
-        auto [x, ln1, qkv, probs, attn, mid, ln2, fc1, act, out] = layer_activations<T>(a, s, l);
+        const layer_view<T> v = layer_activations<T>(a, s, l);
+        const layer_tensors<T> p = layer_params<T>(t, l);
 
         /* attention block: ln1 = norm1(x) is already there */
-        const T* ln1_in = column_parallel_input<T>(tp, gathered, ln1, s.R, s.h);
-        linear_forward<T>(g, qkv, ln1_in, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), param_ptr<T>(t, MT_P_QKV_BIAS, l), s.BT,
-                          s.h, s.qkv_width);
-        attention_forward<T>(t, qkv, probs, a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL, attn);
-        linear_forward<T>(g, (T*)a->branch, attn, param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), (const T*)NULL, s.BT,
-                          s.attn_width, s.h);
+        const T* ln1_in = column_parallel_input<T>(tp, gathered, v.ln1, s.R, s.h);
+        linear_forward<T>(ex, v.qkv, ln1_in, p.qkv_w, p.qkv_b, s.BT, s.h, s.qkv_width);
+        attention_forward<T>(t, ex, v.qkv, v.probs, v.lse, v.attn);
+        linear_forward<T>(ex, (T*)a->branch, v.attn, p.proj_w, (const T*)NULL, s.BT, s.attn_width, s.h);
         T* proj = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
         /* mid = x + proj + bias; ln2 = norm2(mid) */
-        residual_norm_forward<T>(g, mid, ln2, a->ln2_mean + (int64_t)l * s.R, a->ln2_rstd + (int64_t)l * s.R, x, proj,
-                                 param_ptr<T>(t, MT_P_PROJ_BIAS, l), param_ptr<T>(t, MT_P_LN2_WEIGHT, l),
-                                 param_ptr<T>(t, MT_P_LN2_BIAS, l), s.R, s.h, eps, s.rms);
+        residual_norm_forward<T>(ex, v.mid, v.ln2, v.ln2_mean, v.ln2_rstd, v.x, proj, p.proj_b, p.ln2_w, p.ln2_b, s.R,
+                                 s.h, eps, s.rms);
 
         /* MLP block */
-        const T* ln2_in = column_parallel_input<T>(tp, gathered, ln2, s.R, s.h);
-        const T* fc1_w = param_ptr<T>(t, MT_P_FC1_WEIGHT, l);
-        const T* fc1_b = param_ptr<T>(t, MT_P_FC1_BIAS, l);
+        const T* ln2_in = column_parallel_input<T>(tp, gathered, v.ln2, s.R, s.h);
         /* bf16/fp16 GELU: act = gelu(ln2 W^T + b) with fc1 = the pre-activation, one cuBLASLt GEMM */
-        bool fused = gelu_fused<T>(s) && gemm_epilogue<T, T>(g, GEMM_GELU_AUX_BIAS, false, true, s.BT, s.f, s.h, ln2_in,
-                                                             s.h, fc1_w, s.h, act, s.f, 1.0f, 0.0f, fc1_b, fc1);
+        bool fused = gelu_fused<T>(s) && gemm_epilogue<T, T>(ex, GEMM_GELU_AUX_BIAS, false, true, s.BT, s.f, s.h, ln2_in,
+                                                             s.h, p.fc1_w, s.h, v.act, s.f, 1.0f, 0.0f, p.fc1_b, v.fc1);
         if (!fused) {
-            linear_forward<T>(g, fc1, ln2_in, fc1_w, (const T*)NULL, s.BT, s.h, s.f1);
+            linear_forward<T>(ex, v.fc1, ln2_in, p.fc1_w, (const T*)NULL, s.BT, s.h, s.f1);
             if (s.swiglu)
-                bias_swiglu<T>(g, fc1, act, fc1_b, s.BT, s.f);
+                bias_swiglu<T>(ex, v.fc1, v.act, p.fc1_b, s.BT, s.f);
             else
-                bias_gelu<T>(g, fc1, act, fc1_b, s.BT, s.f);
+                bias_gelu<T>(ex, v.fc1, v.act, p.fc1_b, s.BT, s.f);
         }
-        linear_forward<T>(g, (T*)a->branch, act, param_ptr<T>(t, MT_P_FC2_WEIGHT, l), (const T*)NULL, s.BT, s.f, s.h);
+        linear_forward<T>(ex, (T*)a->branch, v.act, p.fc2_w, (const T*)NULL, s.BT, s.f, s.h);
         T* fc2 = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
         /* out = mid + fc2 + bias; then the next norm: layer l+1's first, or the final norm */
         wait_for_parameters(t, l + 1);
-        bool last = l == s.L - 1;
-        T* next_norm = last ? (T*)a->lnf : (T*)a->ln1;
-        float* next_mean = last ? a->lnf_mean : a->ln1_mean + (int64_t)(l + 1) * s.R;
-        float* next_rstd = last ? a->lnf_rstd : a->ln1_rstd + (int64_t)(l + 1) * s.R;
-        const T* next_w = last ? param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT) : param_ptr<T>(t, MT_P_LN1_WEIGHT, l + 1);
-        const T* next_b = last ? param_ptr<T>(t, MT_P_FINAL_LN_BIAS) : param_ptr<T>(t, MT_P_LN1_BIAS, l + 1);
-        residual_norm_forward<T>(g, out, next_norm, next_mean, next_rstd, mid, fc2, param_ptr<T>(t, MT_P_FC2_BIAS, l),
-                                 next_w, next_b, s.R, s.h, eps, s.rms);
+        if (l < s.L - 1) {
+            const layer_view<T> next = layer_activations<T>(a, s, l + 1);
+            const layer_tensors<T> np = layer_params<T>(t, l + 1);
+            residual_norm_forward<T>(ex, v.out, next.ln1, next.ln1_mean, next.ln1_rstd, v.mid, fc2, p.fc2_b, np.ln1_w,
+                                     np.ln1_b, s.R, s.h, eps, s.rms);
+        } else {
+            residual_norm_forward<T>(ex, v.out, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, v.mid, fc2, p.fc2_b,
+                                     param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.R,
+                                     s.h, eps, s.rms);
+        }
     }
 
     /* output layer (tied to the word embeddings, or untied; vocab-parallel), cross entropy */
     const T* lnf_in = column_parallel_input<T>(tp, gathered, (const T*)a->lnf, s.R, s.h);
-    linear_forward<T>(g, (T*)a->logits, lnf_in, output_weight<T>(t), (const T*)NULL, s.BT, s.h, (int)s.V);
-    cross_entropy<T>(t, grad_scale);
+    linear_forward<T>(ex, (T*)a->logits, lnf_in, output_weight<T>(t), (const T*)NULL, s.BT, s.h, (int)s.V);
+    cross_entropy<T>(t, ex, grad_scale);
 }
 
 /* With sequence parallelism the norms' weights and biases and the row-parallel biases see only
  * this rank's rows: once a layer's gradients are final (the step's last micro-batch), they are
  * summed over TP (Megatron's sequence-parallel gradient all-reduce), before any DP reduction. */
-static void reduce_sequence_parallel_gradients(mt_trainer* t, int layer) {
+static void reduce_sequence_parallel_gradients(mt_trainer* t, const mt_exec* ex, int layer) {
     mt_shape s = model_shape(t);
-    if (!s.sp || !t->last_micro_batch) return;
+    if (!s.sp || !ex->mode.last) return;
     static const int per_layer[] = {MT_P_LN1_WEIGHT, MT_P_LN1_BIAS, MT_P_PROJ_BIAS, MT_P_LN2_WEIGHT, MT_P_LN2_BIAS,
                                     MT_P_FC2_BIAS};
     static const int final_norm[] = {MT_P_FINAL_LN_WEIGHT, MT_P_FINAL_LN_BIAS};
     const int* list = layer == s.L ? final_norm : per_layer;
     int count = layer == s.L ? 2 : 6;
-    tp_after_compute(&t->tp);
-    NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupStart());
+    mt_tp_group* tp = &t->groups.tp;
+    tp_after_compute(tp);
+    NCCL_CHECK(ex->error, tp->world_rank, ncclGroupStart());
     for (int i = 0; i < count; i++) {
         float* grad = grad_ptr(t, list[i], layer == s.L ? 0 : layer);
         if (grad)
-            NCCL_CHECK(&t->error, t->cfg.rank,
-                       ncclAllReduce(grad, grad, (size_t)s.h, ncclFloat, ncclSum, t->tp.comm, t->tp.stream));
+            NCCL_CHECK(ex->error, tp->world_rank,
+                       ncclAllReduce(grad, grad, (size_t)s.h, ncclFloat, ncclSum, tp->comm, tp->stream));
     }
-    NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupEnd());
-    tp_join(&t->tp);
+    NCCL_CHECK(ex->error, tp->world_rank, ncclGroupEnd());
+    tp_join(tp);
 }
 
 /* Backward of the micro-batch model_forward just ran with grad_scale != 0: accumulates every
- * parameter's gradient into t->grads (fp32), or writes it when t->gemm.accumulate_gradients is 0
- * (the step's first micro-batch: every tensor of the buffer is written below). `unique_tokens` describes the word-embedding index
- * (this rank's vocabulary rows only). */
+ * parameter's gradient into t->grads (fp32), or writes it when ex->mode.accumulate_gradients is 0
+ * (the step's first micro-batch: every tensor of the buffer is written below). `unique_tokens`
+ * describes the word-embedding index (this rank's vocabulary rows only). */
 template <typename T>
-static void model_backward(mt_trainer* t, int unique_tokens) {
+static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) {
     mt_shape s = model_shape(t);
     mt_activations* a = &t->act;
-    mt_gemm_context* g = &t->gemm;
     mt_colsum_scratch* cs = &t->colsum;
-    mt_tp_group* tp = &t->tp;
-    cudaStream_t st = t->stream;
+    mt_tp_group* tp = &t->groups.tp;
     int64_t Rh = (int64_t)s.R * s.h;
     T* dres = (T*)a->dresidual;
-    T* gathered = (T*)a->gathered;
     T* gathered_grad = (T*)a->gathered_grad;
+    const parallel_backward_ctx<T> pc = {ex, cs, tp, s.BT, s.R, (T*)a->gathered, gathered_grad, (T*)a->rows};
 
     /* output layer and final norm: dlnf = dlogits W (summed over TP); dW_out += dlogits^T lnf */
-    CUDA_CHECK(&t->error, cudaMemsetAsync(dres, 0, Rh * sizeof(T), st));
-    T* dlnf = column_parallel_backward<T>(g, cs, tp, (T*)a->branch, (T*)a->rows, gathered, output_weight_grad(t),
-                                          (float*)NULL, (T*)a->logits, (T*)a->lnf, output_weight<T>(t), s.BT, s.R,
-                                          s.h, (int)s.V);
-    norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS),
-                     grad_ptr(t, MT_P_FC2_BIAS, s.L - 1), dlnf,
-                     LAYER(a->residual, T, s.L, Rh), param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean, a->lnf_rstd,
-                     s.R, s.h, s.rms);
-    reduce_sequence_parallel_gradients(t, s.L);
-    gradients_ready(t, s.L);
+    CUDA_CHECK(ex->error, cudaMemsetAsync(dres, 0, Rh * sizeof(T), ex->stream));
+    T* dlnf = column_parallel_backward<T>(pc, (T*)a->branch, output_weight_grad(t), (float*)NULL, (T*)a->logits,
+                                          (T*)a->lnf, output_weight<T>(t), s.h, (int)s.V);
+    norm_backward<T>(ex, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS),
+                     layer_grads(t, s.L - 1).fc2_b, dlnf, LAYER(a->residual, T, s.L, Rh),
+                     param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean, a->lnf_rstd, s.R, s.h, s.rms);
+    reduce_sequence_parallel_gradients(t, ex, s.L);
+    gradients_ready(t, ex, s.L);
 
     for (int l = s.L - 1; l >= 0; l--) {
-        auto [x, ln1, qkv, probs, attn, mid, ln2, fc1, act, out] = layer_activations<T>(a, s, l);
-        (void)out;
+        const layer_view<T> v = layer_activations<T>(a, s, l);
+        const layer_tensors<T> p = layer_params<T>(t, l);
+        const layer_tensors<float> dp = layer_grads(t, l);
 
         /* MLP block: dres is d(out); the branch sees the same gradient. d(act) -> branch2, then
          * d(fc1 output) in place (GELU) or into branch (SwiGLU: twice as wide) */
         bool fused = gelu_fused<T>(s); /* d(act) and GELU's derivative in one GEMM (DGELU epilogue) */
-        row_parallel_backward<T>(g, cs, tp, (T*)a->branch2, grad_ptr(t, MT_P_FC2_WEIGHT, l), dres, gathered_grad, act,
-                                 param_ptr<T>(t, MT_P_FC2_WEIGHT, l), s.BT, s.R, s.f, s.h, fused ? fc1 : (const T*)NULL);
+        row_parallel_backward<T>(pc, (T*)a->branch2, dp.fc2_w, dres, v.act, p.fc2_w, s.f, s.h,
+                                 fused ? v.fc1 : (const T*)NULL);
         T* dfc1 = (T*)a->branch2;
         T* dln2 = (T*)a->branch;
         if (s.swiglu) {
-            swiglu_backward<T>(g, (T*)a->branch, (T*)a->branch2, fc1, s.BT, s.f);
+            swiglu_backward<T>(ex, (T*)a->branch, (T*)a->branch2, v.fc1, s.BT, s.f);
             dfc1 = (T*)a->branch;
             dln2 = (T*)a->branch2;
         } else if (!fused) {
-            gelu_backward<T>(g, (T*)a->branch2, fc1, (int64_t)s.BT * s.f);
+            gelu_backward<T>(ex, (T*)a->branch2, v.fc1, (int64_t)s.BT * s.f);
         }
-        dln2 = column_parallel_backward<T>(g, cs, tp, dln2, (T*)a->rows, gathered, grad_ptr(t, MT_P_FC1_WEIGHT, l),
-                                           grad_ptr(t, MT_P_FC1_BIAS, l), dfc1, ln2, param_ptr<T>(t, MT_P_FC1_WEIGHT, l),
-                                           s.BT, s.R, s.h, s.f1);
-        norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN2_WEIGHT, l), grad_ptr(t, MT_P_LN2_BIAS, l),
-                         grad_ptr(t, MT_P_PROJ_BIAS, l), dln2, mid,
-                         param_ptr<T>(t, MT_P_LN2_WEIGHT, l), a->ln2_mean + (int64_t)l * s.R,
-                         a->ln2_rstd + (int64_t)l * s.R, s.R, s.h, s.rms);
+        dln2 = column_parallel_backward<T>(pc, dln2, dp.fc1_w, dp.fc1_b, dfc1, v.ln2, p.fc1_w, s.h, s.f1);
+        norm_backward<T>(ex, cs, dres, dp.ln2_w, dp.ln2_b, dp.proj_b, dln2, v.mid, p.ln2_w, v.ln2_mean, v.ln2_rstd, s.R,
+                         s.h, s.rms);
 
         /* attention block: dres is now d(mid) */
-        row_parallel_backward<T>(g, cs, tp, (T*)a->branch2, grad_ptr(t, MT_P_PROJ_WEIGHT, l), dres, gathered_grad, attn,
-                                 param_ptr<T>(t, MT_P_PROJ_WEIGHT, l), s.BT, s.R, s.attn_width, s.h);
-        float* dqkv_bias = grad_ptr(t, MT_P_QKV_BIAS, l);
-        if (attention_backward<T>(t, (T*)a->branch, (T*)a->branch2, qkv, probs,
-                                  a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL, attn, dqkv_bias))
+        row_parallel_backward<T>(pc, (T*)a->branch2, dp.proj_w, dres, v.attn, p.proj_w, s.attn_width, s.h);
+        float* dqkv_bias = dp.qkv_b;
+        if (attention_backward<T>(t, ex, (T*)a->branch, (T*)a->branch2, v.qkv, v.probs, v.lse, v.attn, dqkv_bias))
             dqkv_bias = NULL; /* taken from the attention kernels */
-        norm_apply<T>(g, ln1, x, a->ln1_mean + (int64_t)l * s.R, a->ln1_rstd + (int64_t)l * s.R,
-                      param_ptr<T>(t, MT_P_LN1_WEIGHT, l), param_ptr<T>(t, MT_P_LN1_BIAS, l), s.R, s.h);
-        T* dln1 = column_parallel_backward<T>(g, cs, tp, (T*)a->branch2, (T*)a->rows, gathered,
-                                              grad_ptr(t, MT_P_QKV_WEIGHT, l), dqkv_bias,
-                                              (T*)a->branch, ln1, param_ptr<T>(t, MT_P_QKV_WEIGHT, l), s.BT, s.R, s.h,
-                                              s.qkv_width);
-        norm_backward<T>(g, cs, dres, grad_ptr(t, MT_P_LN1_WEIGHT, l), grad_ptr(t, MT_P_LN1_BIAS, l),
-                         l > 0 ? grad_ptr(t, MT_P_FC2_BIAS, l - 1) : (float*)NULL, dln1, x,
-                         param_ptr<T>(t, MT_P_LN1_WEIGHT, l), a->ln1_mean + (int64_t)l * s.R,
-                         a->ln1_rstd + (int64_t)l * s.R, s.R, s.h, s.rms);
-        reduce_sequence_parallel_gradients(t, l);
-        gradients_ready(t, l);
+        norm_apply<T>(ex, v.ln1, v.x, v.ln1_mean, v.ln1_rstd, p.ln1_w, p.ln1_b, s.R, s.h);
+        T* dln1 = column_parallel_backward<T>(pc, (T*)a->branch2, dp.qkv_w, dqkv_bias, (T*)a->branch, v.ln1, p.qkv_w,
+                                              s.h, s.qkv_width);
+        norm_backward<T>(ex, cs, dres, dp.ln1_w, dp.ln1_b, l > 0 ? layer_grads(t, l - 1).fc2_b : (float*)NULL, dln1,
+                         v.x, p.ln1_w, v.ln1_mean, v.ln1_rstd, s.R, s.h, s.rms);
+        reduce_sequence_parallel_gradients(t, ex, l);
+        gradients_ready(t, ex, l);
     }
 
     /* embeddings: dres is d(embedding output) (gathered to every row with sequence parallelism, so
      * the position embeddings' gradient is whole on every TP rank) */
     const T* demb = column_parallel_input<T>(tp, gathered_grad, dres, s.R, s.h);
     float* dwpe = grad_ptr(t, MT_P_POSITION_EMBEDDINGS);
-    if (dwpe)
-        position_embedding_backward_kernel<T><<<ceil_div((int64_t)s.S * s.h, 256), 256, 0, st>>>(
-            dwpe, demb, s.B, s.S, s.h, g->accumulate_gradients);
+    if (dwpe) position_embedding_backward<T>(ex, dwpe, demb, s.B, s.S, s.h);
     /* the word embeddings' gradient is a scatter-add over the micro-batch's tokens: tied, the output
      * layer's weight GEMM wrote the whole tensor above; untied, the first micro-batch zeroes it */
     float* dwte = grad_ptr(t, MT_P_WORD_EMBEDDINGS);
-    if (!g->accumulate_gradients && dwte != output_weight_grad(t))
-        CUDA_CHECK(&t->error, cudaMemsetAsync(dwte, 0, sizeof(float) * (size_t)s.V * s.h, st));
-    const int32_t* idx = a->embed_index;
-    if (unique_tokens > 0)
-        word_embedding_backward_kernel<T><<<unique_tokens, 256, 0, st>>>(dwte, demb, idx,
-                                                                         idx + s.BT + 1, idx + 2 * (s.BT + 1), s.h,
-                                                                         s.vocab_start);
-    LAUNCH_CHECK(&t->error);
-    gradients_ready(t, -1);
+    if (!ex->mode.accumulate_gradients && dwte != output_weight_grad(t))
+        CUDA_CHECK(ex->error, cudaMemsetAsync(dwte, 0, sizeof(float) * (size_t)s.V * s.h, ex->stream));
+    word_embedding_backward<T>(ex, dwte, demb, a->embed_index, unique_tokens, s.BT, s.h, s.vocab_start);
+    gradients_ready(t, ex, -1);
 }
 
 /* ============================================================================================== */
-/* 7. Pipeline engine                                                                              */
-/*    One stage: a "schedule" is the micro-batches in order, forward then backward for each.       */
-/*    This section stages one micro-batch's tokens onto the device and runs it.                    */
+/* 16. The micro-batch loop                                                                       */
+/*    One stage, the micro-batches in order, forward then backward for each (pipeline schedules   */
+/*    are not built yet). Stages one micro-batch's tokens onto the device, builds its mode        */
+/*    (first micro-batch overwrites gradients, the last one's backward starts the DP reductions)  */
+/*    and runs it.                                                                                */
 /* ============================================================================================== */
 
 /* Builds the word-embedding backward index of one micro-batch on the host: the distinct tokens of
@@ -3579,26 +3833,26 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
         int unique = 0;
         mt_status st = stage_micro_batch(t, tokens, mb, train, &unique, err);
         if (st != MT_OK) return st;
-        /* --overlap-grad-reduce: buckets go out during the last micro-batch's backward */
-        t->last_micro_batch = train && mb == count - 1;
-        t->gemm.accumulate_gradients = mb > 0;
-        t->reduce_in_backward = t->last_micro_batch && dp > 1 && t->cfg.overlap_grad_reduce;
+        /* this micro-batch's mode; --overlap-grad-reduce: buckets go out during the last one's backward */
+        mt_micro_batch_mode mode;
+        mode.accumulate_gradients = mb > 0;
+        mode.last = train && mb == count - 1;
+        mode.reduce_in_backward = mode.last && dp > 1 && t->cfg.overlap_grad_reduce;
+        const mt_exec ex = trainer_exec(t, mode);
         switch (t->cfg.precision) {
             case MT_FP32:
-                model_forward<float>(t, grad_scale);
-                if (train) model_backward<float>(t, unique);
+                model_forward<float>(t, &ex, grad_scale);
+                if (train) model_backward<float>(t, &ex, unique);
                 break;
             case MT_BF16:
-                model_forward<__nv_bfloat16>(t, grad_scale);
-                if (train) model_backward<__nv_bfloat16>(t, unique);
+                model_forward<__nv_bfloat16>(t, &ex, grad_scale);
+                if (train) model_backward<__nv_bfloat16>(t, &ex, unique);
                 break;
             case MT_FP16:
-                model_forward<__half>(t, grad_scale);
-                if (train) model_backward<__half>(t, unique);
+                model_forward<__half>(t, &ex, grad_scale);
+                if (train) model_backward<__half>(t, &ex, unique);
                 break;
         }
-        t->reduce_in_backward = 0;
-        t->last_micro_batch = 0;
         total += micro_batch_loss_sum(t);
         if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     }
@@ -3614,8 +3868,8 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
 }
 
 /* ============================================================================================== */
-/* 8. Optimizer: data-parallel buckets, global gradient norm, clipping, Megatron's fp16           */
-/*    DynamicGradScaler, AdamW over this rank's shard, and the all-gather of the new parameters.   */
+/* 17. Optimizer: data-parallel buckets, global gradient norm, clipping, Megatron's fp16          */
+/*    DynamicGradScaler, AdamW over this rank's shard, and the all-gather of the new parameters.  */
 /*    Every DP collective runs on the communication stream, in the same order on every rank; the  */
 /*    compute stream and the communication stream hand over with events.                          */
 /* ============================================================================================== */
@@ -3656,8 +3910,8 @@ static void reduce_bucket(mt_trainer* t, int b) {
     }
 }
 
-static void gradients_ready(mt_trainer* t, int layer) {
-    if (!t->reduce_in_backward) return;
+static void gradients_ready(mt_trainer* t, const mt_exec* ex, int layer) {
+    if (!ex->mode.reduce_in_backward) return;
     /* buckets run in buffer order = backprop order; bucket b is final once its lowest layer is done */
     while (t->next_bucket < t->buffer.num_buckets && t->buffer.buckets[t->next_bucket].ready_layer >= layer)
         reduce_bucket(t, t->next_bucket++);
@@ -3674,12 +3928,12 @@ static void finish_gradient_reduction(mt_trainer* t) {
  * the world's agreement before files are renamed). TP's on its stream, the others on the DP one. */
 static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_group_kind group, mt_error* err) {
     mt_process_groups* g = &t->groups;
-    ncclComm_t comm = group == GROUP_DP ? g->dp : group == GROUP_TP ? g->tp : g->world;
+    ncclComm_t comm = group == GROUP_DP ? g->dp : group == GROUP_TP ? g->tp.comm : g->world;
     if (!comm) return MT_OK; /* a group of one */
     CUDA_CHECK(&t->error, cudaMemcpyAsync(t->reduce_scratch, value, sizeof(double), cudaMemcpyHostToDevice, t->stream));
     if (group == GROUP_TP) {
-        tp_all_reduce(&t->tp, t->reduce_scratch, 1, ncclDouble);
-        tp_join(&t->tp);
+        tp_all_reduce(&t->groups.tp, t->reduce_scratch, 1, ncclDouble);
+        tp_join(&t->groups.tp);
     } else {
         comm_after_compute(t);
         NCCL_CHECK(&t->error, t->cfg.rank,
@@ -3752,9 +4006,8 @@ static void wait_for_all_parameters(mt_trainer* t) {
  * elements in fixed chunks; the TP ranks' sums are added (a whole tensor that every TP rank holds
  * is counted on TP rank 0 only), and with the distributed optimizer the shards' sums over DP. */
 static double gradient_norm_squared(mt_trainer* t) {
-    chunk_sum_squares_kernel<<<t->num_chunks, 256, 0, t->stream>>>(t->norm_partial, t->chunks, t->grads);
-    sum_partials_kernel<<<1, 256, 0, t->stream>>>(t->norm_partial + t->num_chunks, t->norm_partial, t->num_chunks);
-    LAUNCH_CHECK(&t->error);
+    const mt_exec ex = trainer_exec(t);
+    gradient_sum_squares(&ex, t->norm_partial, t->chunks, t->num_chunks, t->grads);
     double result = 0.0;
     CUDA_CHECK(&t->error, cudaMemcpyAsync(&result, t->norm_partial + t->num_chunks, sizeof(double),
                                           cudaMemcpyDeviceToHost, t->stream));
@@ -3789,28 +4042,31 @@ template <typename T>
 static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
     const mt_config* c = &t->cfg;
     t->adam_step++;
-    float bc1 = (float)(1.0 - pow(c->adam_beta1, (double)t->adam_step));
-    float bc2 = (float)(1.0 - pow(c->adam_beta2, (double)t->adam_step));
-    /* one launch over every owned chunk (a multi-tensor AdamW) */
-    adamw_kernel<T><<<t->num_chunks, 256, 0, t->stream>>>(t->chunks, t->master, (T*)t->params, t->grads, t->adam_m,
-                                                          t->adam_v, lr, (float)c->adam_beta1, (float)c->adam_beta2,
-                                                          bc1, bc2, (float)c->adam_eps, (float)c->weight_decay,
-                                                          grad_scale);
-    LAUNCH_CHECK(&t->error);
+    mt_adamw_step h;
+    h.lr = lr;
+    h.beta1 = (float)c->adam_beta1;
+    h.beta2 = (float)c->adam_beta2;
+    h.bias_correction1 = (float)(1.0 - pow(c->adam_beta1, (double)t->adam_step));
+    h.bias_correction2 = (float)(1.0 - pow(c->adam_beta2, (double)t->adam_step));
+    h.eps = (float)c->adam_eps;
+    h.weight_decay = (float)c->weight_decay;
+    h.grad_scale = grad_scale;
+    const mt_exec ex = trainer_exec(t);
+    adamw_update<T>(&ex, &h, t->chunks, t->num_chunks, t->master, (T*)t->params, t->grads, t->adam_m, t->adam_v);
     gather_parameters(t);
 }
 
 /* ============================================================================================== */
-/* 9. Checkpoints                                                                                  */
-/*    <dir>/iter_0000100/mp_rank_00/model_optim_rng.bin: a header (magic, version, model shape,    */
-/*    progress counters), then the fp32 master weights, Adam m and v, each in canonical order, so  */
-/*    a checkpoint does not depend on the buffer layout or the number of data-parallel ranks.      */
-/*    With the distributed optimizer the file holds the master weights only, and every DP rank r   */
-/*    writes its shard of master, m and v to distrib_optim_dp<r>.bin beside it (Megatron's         */
+/* 18. Checkpoints                                                                                */
+/*    <dir>/iter_0000100/mp_rank_00/model_optim_rng.bin: a header (magic, version, model shape,   */
+/*    progress counters), then the fp32 master weights, Adam m and v, each in canonical order,    */
+/*    so a checkpoint does not depend on the buffer layout or the number of data-parallel ranks.  */
+/*    With the distributed optimizer the file holds the master weights only, and every DP rank r  */
+/*    writes its shard of master, m and v to distrib_optim_dp<r>.bin beside it (Megatron's        */
 /*    distrib_optim.pt); such a checkpoint resumes on the same number of ranks. With tensor       */
 /*    parallelism each TP rank's shard goes to mp_rank_<tp>/ and resumes at the same TP. All is   */
 /*    written into a temporary directory that rank 0 renames into place once every rank has       */
-/*    written; latest_checkpointed_iteration.txt comes last. Ranks share the file system.          */
+/*    written; latest_checkpointed_iteration.txt comes last. Ranks share the file system.         */
 /* ============================================================================================== */
 
 /* the header words: megatron.h, MT_CK_* */
@@ -3833,7 +4089,6 @@ static mt_status remove_tree(const char* path) {
     closedir(d);
     return rmdir(path) == 0 ? MT_OK : MT_ERR_IO;
 }
-
 
 /* ---- fp32 arrays between the optimizer shard, the full buffer layout, and canonical order ---- */
 
@@ -3875,15 +4130,8 @@ static float* full_master(mt_trainer* t) {
 static void set_master_from_full(mt_trainer* t, float* full) {
     if (full != t->master) copy_owned(t, t->master, full, 1);
     if (t->params == (void*)t->master) return;
-    int64_t n = t->buffer.size;
-    switch (t->cfg.precision) {
-        case MT_FP32: cast_from_float_kernel<float><<<ceil_div(n, 256), 256, 0, t->stream>>>((float*)t->params, full, n); break;
-        case MT_BF16:
-            cast_from_float_kernel<__nv_bfloat16><<<ceil_div(n, 256), 256, 0, t->stream>>>((__nv_bfloat16*)t->params, full, n);
-            break;
-        case MT_FP16: cast_from_float_kernel<__half><<<ceil_div(n, 256), 256, 0, t->stream>>>((__half*)t->params, full, n); break;
-    }
-    LAUNCH_CHECK(&t->error);
+    const mt_exec ex = trainer_exec(t);
+    cast_from_float(&ex, t->cfg.precision, t->params, full, t->buffer.size);
 }
 
 /* Canonical host array <-> full buffer-layout device array (padding zeroed on upload). */
@@ -3939,7 +4187,7 @@ static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration,
     header[MT_CK_SHARDED_DP] = t->sharded ? t->groups.dp_size : 0;
     header[MT_CK_DP_RANK] = t->groups.dp_rank;
     header[MT_CK_SHARD_NUMEL] = t->sharded ? t->shard_numel : 0;
-    header[MT_CK_TP_RANK] = t->groups.tp_rank;
+    header[MT_CK_TP_RANK] = t->groups.tp.rank;
 }
 
 /* Writes header + arrays to path; the arrays are canonical full-model (model file) or shards. */
@@ -3984,12 +4232,12 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
         remove_tree(tmp_dir);
         if (st == MT_OK && mkdir(tmp_dir, 0755) != 0)
             st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", tmp_dir, strerror(errno));
-        for (int r = 0; r < t->groups.tp_size && st == MT_OK; r++) {
+        for (int r = 0; r < t->groups.tp.size && st == MT_OK; r++) {
             snprintf(rank_dir, sizeof(rank_dir), "%s/mp_rank_%02d", tmp_dir, r);
             if (mkdir(rank_dir, 0755) != 0) st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", rank_dir, strerror(errno));
         }
     }
-    snprintf(rank_dir, sizeof(rank_dir), "%s/mp_rank_%02d", tmp_dir, t->groups.tp_rank);
+    snprintf(rank_dir, sizeof(rank_dir), "%s/mp_rank_%02d", tmp_dir, t->groups.tp.rank);
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", final_dir);
 
     /* 2. every rank writes its files (all take part in gathering the sharded master) */
@@ -4069,9 +4317,9 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
         if (h[shape[i].word] != expected[shape[i].word])
             return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has %s %lld but this run has %lld", path, shape[i].what,
                            (long long)h[shape[i].word], (long long)expected[shape[i].word]);
-    if (h[MT_CK_TP_RANK] != t->groups.tp_rank)
+    if (h[MT_CK_TP_RANK] != t->groups.tp.rank)
         return mt_fail(err, MT_ERR_FORMAT, "%s holds tensor-parallel rank %lld's shard, not rank %d's", path,
-                       (long long)h[MT_CK_TP_RANK], t->groups.tp_rank);
+                       (long long)h[MT_CK_TP_RANK], t->groups.tp.rank);
     int64_t sharded = h[MT_CK_SHARDED_DP], mine = t->sharded ? t->groups.dp_size : 0;
     if (sharded != 0 && sharded != mine)
         return mt_fail(err, MT_ERR_CONFIG,
@@ -4105,7 +4353,7 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
     if (st == MT_OK) {
         /* the model file: master weights (then m and v unless sharded), through the gradient buffer */
         snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_%02d/model_optim_rng.bin", dir, (long long)iteration,
-                 t->groups.tp_rank);
+                 t->groups.tp.rank);
         FILE* f = fopen(path, "rb");
         st = read_header(t, f, path, h, err);
         if (st == MT_OK) st = read_canonical(t, f, t->grads, host, path, err);
@@ -4122,7 +4370,7 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
     if (st == MT_OK && h[MT_CK_SHARDED_DP] != 0) {
         /* this rank's shard of master, m and v */
         snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_%02d/distrib_optim_dp%03d.bin", dir, (long long)iteration,
-                 t->groups.tp_rank, t->groups.dp_rank);
+                 t->groups.tp.rank, t->groups.dp_rank);
         FILE* f = fopen(path, "rb");
         int64_t hs[MT_CK_HEADER_WORDS];
         st = read_header(t, f, path, hs, err);
@@ -4149,7 +4397,7 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
 }
 
 /* ============================================================================================== */
-/* 10. The trainer API                                                                             */
+/* 19. The trainer API                                                                            */
 /* ============================================================================================== */
 
 /* Carves the activation arena. With base == NULL it only measures (returns the size in bytes). */
@@ -4301,6 +4549,7 @@ static void create_rope_tables(mt_trainer* t) {
  * any tensor-parallel size, each TP rank computing the elements of its shard. */
 static void initialise_parameters(mt_trainer* t) {
     const mt_config* c = &t->cfg;
+    const mt_exec ex = trainer_exec(t);
     CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, sizeof(float) * t->buffer.size, t->stream));
     for (int k = 0; k < t->buffer.num_params; k++) {
         const mt_buffer_param* p = &t->buffer.params[k];
@@ -4310,12 +4559,10 @@ static void initialise_parameters(mt_trainer* t) {
         int mode = full->init == 3 ? 2 : full->init;
         int64_t per_layer_full = full->split_outer * full->split_rows * full->split_inner;
         int64_t rows, row0;
-        mt_tp_rows(full, t->groups.tp_size, t->groups.tp_rank, &rows, &row0);
-        init_param_kernel<<<ceil_div(p->numel, 256), 256, 0, t->stream>>>(
-            t->grads + p->offset, p->numel, (int64_t)p->layer * per_layer_full, rows, full->split_inner,
-            full->split_rows, row0, mode, std, c->seed, (uint64_t)p->tensor);
+        mt_tp_rows(full, t->groups.tp.size, t->groups.tp.rank, &rows, &row0);
+        init_param(&ex, t->grads + p->offset, p->numel, (int64_t)p->layer * per_layer_full, rows, full->split_inner,
+                   full->split_rows, row0, mode, std, c->seed, (uint64_t)p->tensor);
     }
-    LAUNCH_CHECK(&t->error);
     set_master_from_full(t, t->grads);
     CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, sizeof(float) * t->buffer.size, t->stream));
 }
@@ -4349,7 +4596,7 @@ static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
                 c->master = shard + (x - begin);
                 c->length = (int32_t)(hi - x < OPT_CHUNK_ELEMENTS ? hi - x : OPT_CHUNK_ELEMENTS);
                 c->weight_decay = t->params_info[p->tensor].weight_decay;
-                c->count_in_norm = t->params_info[p->tensor].tp_split || t->groups.tp_rank == 0;
+                c->count_in_norm = t->params_info[p->tensor].tp_split || t->groups.tp.rank == 0;
                 c->unused = 0;
             }
         }
@@ -4394,22 +4641,10 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
         return st;
     }
 
-    process_groups_create(&t->groups, cfg, &t->error);
+    CUDA_CHECK(&t->error, cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking));
+    process_groups_create(&t->groups, cfg, t->stream, &t->error);
     mt_shape s = model_shape(t); /* after the groups: it holds this rank's TP coordinate */
     t->sharded = cfg->use_distributed_optimizer && t->groups.dp_size > 1;
-    CUDA_CHECK(&t->error, cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking));
-    t->tp.comm = t->groups.tp;
-    t->tp.size = t->groups.tp_size;
-    t->tp.rank = t->groups.tp_rank;
-    t->tp.sp = s.sp;
-    t->tp.type = cfg->precision == MT_FP32 ? ncclFloat : cfg->precision == MT_BF16 ? ncclBfloat16 : ncclHalf;
-    t->tp.compute = t->stream;
-    t->tp.stream = t->groups.tp_stream;
-    t->tp.world_rank = cfg->rank;
-    t->tp.error = &t->error;
-    CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->tp.issued, cudaEventDisableTiming));
-    CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->tp.marked, cudaEventDisableTiming));
-    CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->tp.done, cudaEventDisableTiming));
     CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->compute_done, cudaEventDisableTiming));
     CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->comm_done, cudaEventDisableTiming));
     t->gathered = (cudaEvent_t*)calloc((size_t)t->buffer.num_buckets, sizeof(cudaEvent_t));
@@ -4434,8 +4669,6 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     t->gemm.plans = (mt_gemm_plan*)calloc(GEMM_MAX_PLANS, sizeof(mt_gemm_plan));
     if (!t->gemm.plans && t->error.status == MT_OK)
         t->error.status = mt_fail(&t->error.error, MT_ERR_OOM, "cannot allocate the GEMM plan cache");
-    t->gemm.stream = t->stream;
-    t->gemm.error = &t->error;
     if (t->error.status == MT_OK && plan_optimizer_shard(t, err) != MT_OK && t->error.status == MT_OK) {
         mt_trainer_free(t);
         return MT_ERR_OOM;
@@ -4489,7 +4722,7 @@ void mt_trainer_free(mt_trainer* t) {
     if (!t) return;
     if (t->stream) cudaStreamSynchronize(t->stream);
     if (t->groups.comm_stream) cudaStreamSynchronize(t->groups.comm_stream);
-    if (t->groups.tp_stream) cudaStreamSynchronize(t->groups.tp_stream);
+    if (t->groups.tp.stream) cudaStreamSynchronize(t->groups.tp.stream);
     if (t->params != (void*)t->master) cudaFree(t->params);
     cudaFree(t->master);
     cudaFree(t->grads);
@@ -4516,9 +4749,6 @@ void mt_trainer_free(mt_trainer* t) {
     free(t->first_bucket_of_layer);
     if (t->compute_done) cudaEventDestroy(t->compute_done);
     if (t->comm_done) cudaEventDestroy(t->comm_done);
-    if (t->tp.issued) cudaEventDestroy(t->tp.issued);
-    if (t->tp.marked) cudaEventDestroy(t->tp.marked);
-    if (t->tp.done) cudaEventDestroy(t->tp.done);
     process_groups_free(&t->groups);
     if (t->stream) cudaStreamDestroy(t->stream);
     free(t->shard_offset);
@@ -4598,19 +4828,11 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
         /* every rank's columns in turn: cast to fp32, broadcast over TP, placed at the rank's columns */
         float* mine = (float*)device_alloc(t, sizeof(float) * (size_t)n);
         float* staging = (float*)device_alloc(t, sizeof(float) * (size_t)n);
-        if (t->error.status == MT_OK) {
-            if (t->cfg.precision == MT_FP32)
-                CUDA_CHECK(&t->error, cudaMemcpyAsync(mine, t->act.logits, n * 4, cudaMemcpyDeviceToDevice, t->stream));
-            else if (t->cfg.precision == MT_BF16)
-                cast_to_float_kernel<__nv_bfloat16><<<ceil_div(n, 256), 256, 0, t->stream>>>(
-                    mine, (const __nv_bfloat16*)t->act.logits, n);
-            else
-                cast_to_float_kernel<__half><<<ceil_div(n, 256), 256, 0, t->stream>>>(mine, (const __half*)t->act.logits, n);
-            LAUNCH_CHECK(&t->error);
-        }
+        const mt_exec ex = trainer_exec(t);
+        if (t->error.status == MT_OK) cast_to_float(&ex, t->cfg.precision, mine, t->act.logits, n);
         for (int r = 0; r < s.tp && t->error.status == MT_OK; r++) {
-            tp_broadcast(&t->tp, staging, mine, (size_t)n, ncclFloat, r);
-            tp_join(&t->tp);
+            tp_broadcast(&t->groups.tp, staging, mine, (size_t)n, ncclFloat, r);
+            tp_join(&t->groups.tp);
             CUDA_CHECK(&t->error, cudaMemcpy2DAsync(logits + (int64_t)r * s.V, (size_t)s.V_full * 4, staging,
                                                     (size_t)s.V * 4, (size_t)s.V * 4, (size_t)s.BT,
                                                     cudaMemcpyDeviceToHost, t->stream));
@@ -4627,13 +4849,8 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
         for (int64_t off = 0; off < n && t->error.status == MT_OK; off += chunk) {
             int64_t m = n - off < chunk ? n - off : chunk;
             float* stage = (float*)t->act.branch;
-            if (t->cfg.precision == MT_BF16)
-                cast_to_float_kernel<__nv_bfloat16><<<ceil_div(m, 256), 256, 0, t->stream>>>(
-                    stage, (const __nv_bfloat16*)t->act.logits + off, m);
-            else
-                cast_to_float_kernel<__half><<<ceil_div(m, 256), 256, 0, t->stream>>>(
-                    stage, (const __half*)t->act.logits + off, m);
-            LAUNCH_CHECK(&t->error);
+            const mt_exec ex = trainer_exec(t);
+            cast_to_float(&ex, t->cfg.precision, stage, (const char*)t->act.logits + off * (int64_t)t->elem, m);
             CUDA_CHECK(&t->error, cudaMemcpyAsync(logits + off, stage, m * 4, cudaMemcpyDeviceToHost, t->stream));
             CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
         }
@@ -4645,14 +4862,14 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
  * shard in turn is broadcast over the TP group, downloaded and put in place (mt_tp_shard_copy).
  * Collective over TP; allocates a staging copy for the call (not in the training loop). */
 static mt_status gather_full_model(mt_trainer* t, float* device_full, float* host_full, mt_error* err) {
-    if (t->groups.tp_size == 1) return canonical_transfer(t, device_full, host_full, 0, err);
+    if (t->groups.tp.size == 1) return canonical_transfer(t, device_full, host_full, 0, err);
     float* shard = (float*)malloc(sizeof(float) * (size_t)t->num_params);
     float* staging = (float*)device_alloc(t, sizeof(float) * (size_t)t->buffer.size);
     if (!shard) t->error.status = mt_fail(&t->error.error, MT_ERR_OOM, "cannot allocate a host shard of %lld floats",
                                           (long long)t->num_params);
-    for (int r = 0; r < t->groups.tp_size && t->error.status == MT_OK; r++) {
-        tp_broadcast(&t->tp, staging, device_full, (size_t)t->buffer.size, ncclFloat, r);
-        tp_join(&t->tp);
+    for (int r = 0; r < t->groups.tp.size && t->error.status == MT_OK; r++) {
+        tp_broadcast(&t->groups.tp, staging, device_full, (size_t)t->buffer.size, ncclFloat, r);
+        tp_join(&t->groups.tp);
         if (canonical_transfer(t, staging, shard, 0, err) != MT_OK) break;
         mt_tp_shard_copy(&t->cfg, r, host_full, shard, 0);
     }
@@ -4668,10 +4885,10 @@ mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     wait_for_all_parameters(t);
     float* shard = (float*)params;
-    if (t->groups.tp_size > 1) {
+    if (t->groups.tp.size > 1) {
         shard = (float*)malloc(sizeof(float) * (size_t)t->num_params);
         if (!shard) return mt_fail(err, MT_ERR_OOM, "cannot allocate a host shard of %lld floats", (long long)t->num_params);
-        mt_tp_shard_copy(&t->cfg, t->groups.tp_rank, (float*)params, shard, 1);
+        mt_tp_shard_copy(&t->cfg, t->groups.tp.rank, (float*)params, shard, 1);
     }
     mt_status st = canonical_transfer(t, t->grads, shard, 1, err);
     if (shard != params) free(shard);
@@ -4711,16 +4928,11 @@ mt_status mt_trainer_next_token_logits(mt_trainer* t, const int32_t* context, in
     /* this rank's columns of the row, in fp32 at their place in the whole vocabulary, then gathered */
     float* stage = t->act.logits_row + s.vocab_start;
     const char* row = (const char*)t->act.logits + (size_t)(length - 1) * s.V * t->elem;
-    if (t->cfg.precision == MT_FP32)
-        CUDA_CHECK(&t->error, cudaMemcpyAsync(stage, row, (size_t)s.V * 4, cudaMemcpyDeviceToDevice, t->stream));
-    else if (t->cfg.precision == MT_BF16)
-        cast_to_float_kernel<__nv_bfloat16><<<ceil_div(s.V, 256), 256, 0, t->stream>>>(stage, (const __nv_bfloat16*)row, s.V);
-    else
-        cast_to_float_kernel<__half><<<ceil_div(s.V, 256), 256, 0, t->stream>>>(stage, (const __half*)row, s.V);
-    LAUNCH_CHECK(&t->error);
+    const mt_exec ex = trainer_exec(t);
+    cast_to_float(&ex, t->cfg.precision, stage, row, s.V);
     if (s.tp > 1) {
-        tp_all_gather(&t->tp, t->act.logits_row, stage, (size_t)s.V, ncclFloat);
-        tp_join(&t->tp);
+        tp_all_gather(&t->groups.tp, t->act.logits_row, stage, (size_t)s.V, ncclFloat);
+        tp_join(&t->groups.tp);
     }
     CUDA_CHECK(&t->error, cudaMemcpyAsync(logits, t->act.logits_row, (size_t)s.V_full * 4, cudaMemcpyDeviceToHost,
                                           t->stream));

@@ -1,28 +1,63 @@
 /*
- * megatron.h — the public C API of megatron.c, plus its host-only code (stb style).
+ * megatron.h — the public C API of megatron.c plus its host-only code, as one single-file library in
+ * the stb manner.
  *
- * megatron.c is Megatron-LM's pretraining system as a small C/CUDA codebase. This header is the
- * one file you copy into another project:
+ * megatron.c is Megatron-LM's pretraining system as a small C/CUDA codebase. This header is the one
+ * file you copy into another project. It declares the whole C API (C99 and C++, extern "C", every
+ * public name prefixed mt_ / MT_) and implements its host-only part: Megatron's .bin/.idx datasets,
+ * the GPT sample index and blending, the .npy writer, the configuration, learning-rate schedules and
+ * FLOP formula, the parallel geometry and the checkpoint header. A plain C program has all of that
+ * without CUDA.
  *
- *   - Declarations are always visible, C99, usable from C and C++ (extern "C"), every public name
- *     prefixed mt_ / MT_.
- *   - Host-only implementation (datasets, sample index, config helpers, FLOP formula ...) sits under
- *     #ifdef MEGATRON_IMPLEMENTATION. Define it in exactly one C or C++ file before including this
- *     header. A plain C program then has the .bin/.idx reader and writer and Megatron's GPT sample
- *     index without CUDA.
- *   - The GPU-side API (mt_trainer_*) is declared here and implemented in megatron.cu, which defines
- *     MEGATRON_IMPLEMENTATION itself; link megatron.o (built by nvcc) to use it.
+ * Use. Include it wherever you need the declarations. In exactly one C or C++ file of the program,
+ * define MEGATRON_IMPLEMENTATION before including it: that file also gets the implementation.
+ *
+ *     // data.c: the one file that holds the implementation
+ *     #define MEGATRON_IMPLEMENTATION
+ *     #include "megatron.h"
+ *
+ *     // main.c, and any other file: declarations only
+ *     #include "megatron.h"
+ *
+ *     cc -std=c99 data.c main.c -o prog -lm
+ *
+ * The implementation may also follow the declarations in the same file (when a header of yours has
+ * already included megatron.h): `#define MEGATRON_IMPLEMENTATION` and `#include "megatron.h"` again
+ * further down. The declarations and the implementation each appear once per translation unit,
+ * however often the header is included.
+ *
+ * Link: -lm (sqrt, pow, cos, ceil, nearbyint). No threads: -lpthread is not needed.
+ * Platform: POSIX. Besides ISO C the implementation calls open, write, close, fstat, mmap, munmap,
+ * mkdir, unlink and getpid (<fcntl.h>, <sys/mman.h>, <sys/stat.h>, <unistd.h>). Those headers are
+ * POSIX's own and declare these functions in strict ISO modes too (glibc does; tests/test_header.h
+ * builds with -std=c99 -pedantic), so no feature-test macro is needed: neither _POSIX_C_SOURCE nor
+ * _GNU_SOURCE, and this header defines neither. On a system that hides them, define
+ * _POSIX_C_SOURCE=200809L when compiling the implementation file.
+ * The files it reads and writes are little-endian, as is every host it targets.
+ *
+ * The GPU side (the trainer, mt_comm_id_create, mt_device_*; section 8) is declared here and
+ * implemented in megatron.cu, which defines MEGATRON_IMPLEMENTATION itself: megatron.o (built by
+ * nvcc) holds this header's implementation too, so a program that links it (with -lcudart -lcublas
+ * -lcublasLt -lnccl) defines MEGATRON_IMPLEMENTATION nowhere else, as train_gpt.c does.
+ *
+ * Companion headers (prepro/): tokenizer.h (MT_TOKENIZER_IMPLEMENTATION), safetensors.h
+ * (MT_SAFETENSORS_IMPLEMENTATION) and hf_checkpoint.h with hf_gpt2.h and hf_llama.h
+ * (MT_HF_IMPLEMENTATION) follow the same scheme. They include "megatron.h": keep them next to it, or
+ * put its directory on the include path (-I), as this repository's builds do.
  *
  * Errors: every fallible function returns an mt_status and, when given a non-NULL mt_error*, a
  * one-line message naming the problem. Library code never exits and never prints.
  *
- * Sections (declarations, then implementation in the same order):
+ * Sections (declarations in this order, then the implementation in the same order; section 8's is
+ * in megatron.cu):
  *   1. Status and errors
  *   2. Indexed datasets (.bin/.idx, Megatron MMIDIDX v1): reader and writer
  *   3. GPT datasets: --split, document/sample/shuffle index, blending (bit-exact with Megatron)
  *   4. .npy writer (Megatron's index cache format)
  *   5. Training configuration, learning-rate schedule, FLOP formula
- *   6. The trainer API (GPU; implemented in megatron.cu)
+ *   6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout
+ *   7. Checkpoint format: the header words, config <-> header
+ *   8. The trainer API (GPU; implemented in megatron.cu)
  */
 #ifndef MEGATRON_H
 #define MEGATRON_H
@@ -405,6 +440,13 @@ double mt_learning_rate(const mt_config* cfg, int64_t num_steps);
 double mt_flops_per_iteration(const mt_config* cfg, int64_t global_batch_size);
 int64_t mt_num_parameters(const mt_config* cfg);
 
+/* ---------------------------------------------------------------------------------------------- */
+/* 6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout           */
+/*    Where every parameter element lives: its place in the canonical order (checkpoints, test     */
+/*    vectors), the slice a tensor-parallel rank holds, the coordinates of a rank, and the offset, */
+/*    bucket and data-parallel shard of the DDP / distributed-optimizer buffer.                    */
+/* ---------------------------------------------------------------------------------------------- */
+
 /* The model's parameter tensors in canonical order (the order of checkpoints and test vectors).
  * A tensor the flavour does not have has numel 0 and takes no space: position embeddings with RoPE,
  * the norm biases with RMSNorm, the linear biases with --disable-bias-linear, the output weight
@@ -468,47 +510,6 @@ static inline MT_HOST_DEVICE int64_t mt_tp_full_index(int64_t i, int64_t rows_sh
     return (o * rows_full + row0) * inner + rem;
 }
 
-/* The checkpoint format. <dir>/iter_%07d/mp_rank_00/model_optim_rng.bin is a header of
- * MT_CK_HEADER_WORDS little-endian int64 words (indices below), then fp32 master weights, Adam m and
- * v, each in canonical order (only the master weights when MT_CK_SHARDED_DP > 0: then every DP rank
- * r also has distrib_optim_dp<r>.bin, the same header and its shard of master, m, v). With tensor
- * parallelism every TP rank t writes mp_rank_<t>/ (two digits, Megatron's naming) holding its shard
- * in mt_param_layout_shard's order; MT_CK_NUM_PARAMS is always the full model's count. megatron.cu
- * writes and loads it; prepro/convert_hf writes and reads it (TP = 1). */
-#define MT_CKPT_MAGIC 0x4b43544d /* "MTCK" */
-#define MT_CKPT_VERSION 1
-enum {
-    MT_CK_MAGIC = 0, MT_CK_VERSION, MT_CK_LAYERS, MT_CK_HIDDEN, MT_CK_HEADS, MT_CK_GROUPS, MT_CK_KV, MT_CK_FFN,
-    MT_CK_VOCAB,         /* padded vocabulary */
-    MT_CK_POSITIONS, MT_CK_NUM_PARAMS, MT_CK_PRECISION, MT_CK_ITERATION, MT_CK_CONSUMED, MT_CK_SCHED_STEPS,
-    MT_CK_ADAM_STEP, MT_CK_SEED, MT_CK_GROWTH, MT_CK_HYSTERESIS,
-    MT_CK_LOSS_SCALE_BITS, /* the double's bits */
-    MT_CK_TP, MT_CK_PP,
-    MT_CK_SHARDED_DP,    /* 0: m and v follow the master weights; d > 0: sharded over d DP ranks */
-    MT_CK_DP_RANK,       /* shard files: the DP rank */
-    MT_CK_SHARD_NUMEL,   /* shard files: elements per array */
-    /* the flavour; 0 in every word is GPT-2 (so files from before these words load as GPT-2) */
-    MT_CK_NORMALIZATION, /* mt_normalization */
-    MT_CK_SWIGLU,
-    MT_CK_POSITION_TYPE, /* mt_position_embedding */
-    MT_CK_ROTARY_BASE_BITS, MT_CK_ROTARY_PERCENT_BITS, /* the doubles' bits (rope only) */
-    MT_CK_ROPE_SCALING_FACTOR_BITS, /* 0: no Llama-3.1 scaling */
-    MT_CK_UNTIED,
-    MT_CK_NO_BIAS_LINEAR,
-    MT_CK_NORM_EPS_BITS, /* informational (for export): --norm-epsilon's bits */
-    MT_CK_TRUE_VOCAB,    /* informational (for export): the tokenizer's vocabulary, 0 if unknown */
-    MT_CK_TP_RANK,       /* the tensor-parallel rank whose shard the file holds (mp_rank_<tp>) */
-    MT_CK_HEADER_WORDS = 64
-};
-/* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
- * shape, parameter count, precision, seed, parallel sizes (progress words stay 0). */
-void mt_checkpoint_header_init(int64_t* header, const mt_config* cfg);
-/* The reverse: the model fields of cfg (shape and flavour) from a header; vocab_size is set to the
- * padded size (it pads to itself). Other fields are left as they are. */
-void mt_config_from_checkpoint_header(mt_config* cfg, const int64_t* header);
-/* mkdir -p: 0, or -1 with errno set. */
-int mt_make_directories(const char* path);
-
 /* Megatron's rank layout, order tp-cp-ep-dp-pp (cp = ep = 1 for now):
  * rank = tp + TP * (dp + DP * pp). Groups: tp contiguous, dp stride TP, pp stride TP * DP. */
 typedef struct { int tp, dp, pp; } mt_rank_coords;
@@ -551,7 +552,52 @@ int64_t mt_buffer_offset(const mt_buffer_layout* layout, int tensor, int layer);
 void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* 6. The trainer (GPU; implemented in megatron.cu)                                                */
+/* 7. Checkpoint format: the header words, config <-> header                                       */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* The checkpoint format. <dir>/iter_%07d/mp_rank_00/model_optim_rng.bin is a header of
+ * MT_CK_HEADER_WORDS little-endian int64 words (indices below), then fp32 master weights, Adam m and
+ * v, each in canonical order (only the master weights when MT_CK_SHARDED_DP > 0: then every DP rank
+ * r also has distrib_optim_dp<r>.bin, the same header and its shard of master, m, v). With tensor
+ * parallelism every TP rank t writes mp_rank_<t>/ (two digits, Megatron's naming) holding its shard
+ * in mt_param_layout_shard's order; MT_CK_NUM_PARAMS is always the full model's count. megatron.cu
+ * writes and loads it; prepro/convert_hf writes and reads it (TP = 1). */
+#define MT_CKPT_MAGIC 0x4b43544d /* "MTCK" */
+#define MT_CKPT_VERSION 1
+enum {
+    MT_CK_MAGIC = 0, MT_CK_VERSION, MT_CK_LAYERS, MT_CK_HIDDEN, MT_CK_HEADS, MT_CK_GROUPS, MT_CK_KV, MT_CK_FFN,
+    MT_CK_VOCAB,         /* padded vocabulary */
+    MT_CK_POSITIONS, MT_CK_NUM_PARAMS, MT_CK_PRECISION, MT_CK_ITERATION, MT_CK_CONSUMED, MT_CK_SCHED_STEPS,
+    MT_CK_ADAM_STEP, MT_CK_SEED, MT_CK_GROWTH, MT_CK_HYSTERESIS,
+    MT_CK_LOSS_SCALE_BITS, /* the double's bits */
+    MT_CK_TP, MT_CK_PP,
+    MT_CK_SHARDED_DP,    /* 0: m and v follow the master weights; d > 0: sharded over d DP ranks */
+    MT_CK_DP_RANK,       /* shard files: the DP rank */
+    MT_CK_SHARD_NUMEL,   /* shard files: elements per array */
+    /* the flavour; 0 in every word is GPT-2 (so files from before these words load as GPT-2) */
+    MT_CK_NORMALIZATION, /* mt_normalization */
+    MT_CK_SWIGLU,
+    MT_CK_POSITION_TYPE, /* mt_position_embedding */
+    MT_CK_ROTARY_BASE_BITS, MT_CK_ROTARY_PERCENT_BITS, /* the doubles' bits (rope only) */
+    MT_CK_ROPE_SCALING_FACTOR_BITS, /* 0: no Llama-3.1 scaling */
+    MT_CK_UNTIED,
+    MT_CK_NO_BIAS_LINEAR,
+    MT_CK_NORM_EPS_BITS, /* informational (for export): --norm-epsilon's bits */
+    MT_CK_TRUE_VOCAB,    /* informational (for export): the tokenizer's vocabulary, 0 if unknown */
+    MT_CK_TP_RANK,       /* the tensor-parallel rank whose shard the file holds (mp_rank_<tp>) */
+    MT_CK_HEADER_WORDS = 64
+};
+/* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
+ * shape, parameter count, precision, seed, parallel sizes (progress words stay 0). */
+void mt_checkpoint_header_init(int64_t* header, const mt_config* cfg);
+/* The reverse: the model fields of cfg (shape and flavour) from a header; vocab_size is set to the
+ * padded size (it pads to itself). Other fields are left as they are. */
+void mt_config_from_checkpoint_header(mt_config* cfg, const int64_t* header);
+/* mkdir -p: 0, or -1 with errno set. */
+int mt_make_directories(const char* path);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* 8. The trainer (GPU; implemented in megatron.cu)                                                */
 /* ---------------------------------------------------------------------------------------------- */
 
 typedef struct mt_trainer mt_trainer;
@@ -635,10 +681,16 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
 }
 #endif
 
+#endif /* MEGATRON_H */
+
 /* ============================================================================================== */
 /*                                       IMPLEMENTATION                                           */
 /* ============================================================================================== */
-#ifdef MEGATRON_IMPLEMENTATION
+/* Outside the declarations' guard, so that a file may include this header for the declarations
+ * first and define MEGATRON_IMPLEMENTATION before a later include; the second guard keeps the
+ * implementation to one copy per translation unit however often the header is included. */
+#if defined(MEGATRON_IMPLEMENTATION) && !defined(MEGATRON_IMPLEMENTATION_DONE)
+#define MEGATRON_IMPLEMENTATION_DONE
 
 #include <math.h>
 #include <stdarg.h>
@@ -2203,6 +2255,10 @@ double mt_flops_per_iteration(const mt_config* c, int64_t batch) {
            (double)batch * s * s * 6.0 * n * d * L;
 }
 
+int64_t mt_num_parameters(const mt_config* c) { return mt_param_layout(c, NULL); }
+
+/* 6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout -------- */
+
 /* The layout at a tensor-parallel size of tp (1: the full model). Each tensor is given per layer as
  * [outer, rows, inner] with the rows cut over TP when split (see mt_param_info). */
 static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* info) {
@@ -2284,78 +2340,6 @@ void mt_tp_shard_copy(const mt_config* c, int tp_rank, float* full, float* shard
                 else *a = *b;
             }
     }
-}
-
-int64_t mt_num_parameters(const mt_config* c) { return mt_param_layout(c, NULL); }
-
-void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
-    memset(h, 0, sizeof(int64_t) * MT_CK_HEADER_WORDS);
-    h[MT_CK_MAGIC] = MT_CKPT_MAGIC;
-    h[MT_CK_VERSION] = MT_CKPT_VERSION;
-    h[MT_CK_LAYERS] = c->num_layers;
-    h[MT_CK_HIDDEN] = c->hidden_size;
-    h[MT_CK_HEADS] = c->num_attention_heads;
-    h[MT_CK_GROUPS] = c->num_query_groups;
-    h[MT_CK_KV] = c->kv_channels;
-    h[MT_CK_FFN] = c->ffn_hidden_size;
-    h[MT_CK_VOCAB] = c->padded_vocab_size;
-    h[MT_CK_POSITIONS] = c->max_position_embeddings;
-    h[MT_CK_NUM_PARAMS] = mt_num_parameters(c);
-    h[MT_CK_PRECISION] = c->precision;
-    h[MT_CK_SEED] = (int64_t)c->seed;
-    h[MT_CK_TP] = c->tensor_model_parallel_size;
-    h[MT_CK_PP] = c->pipeline_model_parallel_size;
-    h[MT_CK_NORMALIZATION] = c->normalization;
-    h[MT_CK_SWIGLU] = c->swiglu != 0;
-    h[MT_CK_POSITION_TYPE] = c->position_embedding_type;
-    if (c->position_embedding_type == MT_POSITION_ROPE) {
-        double scaling = c->use_rope_scaling ? c->rope_scaling_factor : 0.0;
-        memcpy(&h[MT_CK_ROTARY_BASE_BITS], &c->rotary_base, sizeof(double));
-        memcpy(&h[MT_CK_ROTARY_PERCENT_BITS], &c->rotary_percent, sizeof(double));
-        memcpy(&h[MT_CK_ROPE_SCALING_FACTOR_BITS], &scaling, sizeof(double));
-    }
-    h[MT_CK_UNTIED] = c->untie_embeddings_and_output_weights != 0;
-    h[MT_CK_NO_BIAS_LINEAR] = !c->add_bias_linear;
-    memcpy(&h[MT_CK_NORM_EPS_BITS], &c->norm_epsilon, sizeof(double));
-    h[MT_CK_TRUE_VOCAB] = c->vocab_size;
-}
-
-void mt_config_from_checkpoint_header(mt_config* c, const int64_t* h) {
-    c->num_layers = (int)h[MT_CK_LAYERS];
-    c->hidden_size = (int)h[MT_CK_HIDDEN];
-    c->num_attention_heads = (int)h[MT_CK_HEADS];
-    c->num_query_groups = (int)h[MT_CK_GROUPS];
-    c->kv_channels = (int)h[MT_CK_KV];
-    c->ffn_hidden_size = (int)h[MT_CK_FFN];
-    c->padded_vocab_size = h[MT_CK_VOCAB];
-    c->vocab_size = h[MT_CK_VOCAB]; /* pads to itself; the true size is h[MT_CK_TRUE_VOCAB] */
-    c->max_position_embeddings = (int)h[MT_CK_POSITIONS];
-    c->normalization = (mt_normalization)h[MT_CK_NORMALIZATION];
-    c->swiglu = (int)h[MT_CK_SWIGLU];
-    c->position_embedding_type = (mt_position_embedding)h[MT_CK_POSITION_TYPE];
-    if (c->position_embedding_type == MT_POSITION_ROPE) {
-        double scaling;
-        memcpy(&c->rotary_base, &h[MT_CK_ROTARY_BASE_BITS], sizeof(double));
-        memcpy(&c->rotary_percent, &h[MT_CK_ROTARY_PERCENT_BITS], sizeof(double));
-        memcpy(&scaling, &h[MT_CK_ROPE_SCALING_FACTOR_BITS], sizeof(double));
-        c->use_rope_scaling = scaling > 0;
-        if (scaling > 0) c->rope_scaling_factor = scaling;
-    }
-    c->untie_embeddings_and_output_weights = (int)h[MT_CK_UNTIED];
-    c->add_bias_linear = !h[MT_CK_NO_BIAS_LINEAR];
-    if (h[MT_CK_NORM_EPS_BITS]) memcpy(&c->norm_epsilon, &h[MT_CK_NORM_EPS_BITS], sizeof(double));
-}
-
-int mt_make_directories(const char* path) {
-    char buf[4096];
-    snprintf(buf, sizeof(buf), "%s", path);
-    for (char* p = buf + 1; *p; p++) {
-        if (*p != '/') continue;
-        *p = 0;
-        if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
-        *p = '/';
-    }
-    return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
 }
 
 mt_rank_coords mt_rank_coordinates(const mt_config* c, int rank) {
@@ -2492,9 +2476,80 @@ void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_
     *end = *begin + shard;
 }
 
+/* 7. Checkpoint format ------------------------------------------------------------------------- */
+
+void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
+    memset(h, 0, sizeof(int64_t) * MT_CK_HEADER_WORDS);
+    h[MT_CK_MAGIC] = MT_CKPT_MAGIC;
+    h[MT_CK_VERSION] = MT_CKPT_VERSION;
+    h[MT_CK_LAYERS] = c->num_layers;
+    h[MT_CK_HIDDEN] = c->hidden_size;
+    h[MT_CK_HEADS] = c->num_attention_heads;
+    h[MT_CK_GROUPS] = c->num_query_groups;
+    h[MT_CK_KV] = c->kv_channels;
+    h[MT_CK_FFN] = c->ffn_hidden_size;
+    h[MT_CK_VOCAB] = c->padded_vocab_size;
+    h[MT_CK_POSITIONS] = c->max_position_embeddings;
+    h[MT_CK_NUM_PARAMS] = mt_num_parameters(c);
+    h[MT_CK_PRECISION] = c->precision;
+    h[MT_CK_SEED] = (int64_t)c->seed;
+    h[MT_CK_TP] = c->tensor_model_parallel_size;
+    h[MT_CK_PP] = c->pipeline_model_parallel_size;
+    h[MT_CK_NORMALIZATION] = c->normalization;
+    h[MT_CK_SWIGLU] = c->swiglu != 0;
+    h[MT_CK_POSITION_TYPE] = c->position_embedding_type;
+    if (c->position_embedding_type == MT_POSITION_ROPE) {
+        double scaling = c->use_rope_scaling ? c->rope_scaling_factor : 0.0;
+        memcpy(&h[MT_CK_ROTARY_BASE_BITS], &c->rotary_base, sizeof(double));
+        memcpy(&h[MT_CK_ROTARY_PERCENT_BITS], &c->rotary_percent, sizeof(double));
+        memcpy(&h[MT_CK_ROPE_SCALING_FACTOR_BITS], &scaling, sizeof(double));
+    }
+    h[MT_CK_UNTIED] = c->untie_embeddings_and_output_weights != 0;
+    h[MT_CK_NO_BIAS_LINEAR] = !c->add_bias_linear;
+    memcpy(&h[MT_CK_NORM_EPS_BITS], &c->norm_epsilon, sizeof(double));
+    h[MT_CK_TRUE_VOCAB] = c->vocab_size;
+}
+
+void mt_config_from_checkpoint_header(mt_config* c, const int64_t* h) {
+    c->num_layers = (int)h[MT_CK_LAYERS];
+    c->hidden_size = (int)h[MT_CK_HIDDEN];
+    c->num_attention_heads = (int)h[MT_CK_HEADS];
+    c->num_query_groups = (int)h[MT_CK_GROUPS];
+    c->kv_channels = (int)h[MT_CK_KV];
+    c->ffn_hidden_size = (int)h[MT_CK_FFN];
+    c->padded_vocab_size = h[MT_CK_VOCAB];
+    c->vocab_size = h[MT_CK_VOCAB]; /* pads to itself; the true size is h[MT_CK_TRUE_VOCAB] */
+    c->max_position_embeddings = (int)h[MT_CK_POSITIONS];
+    c->normalization = (mt_normalization)h[MT_CK_NORMALIZATION];
+    c->swiglu = (int)h[MT_CK_SWIGLU];
+    c->position_embedding_type = (mt_position_embedding)h[MT_CK_POSITION_TYPE];
+    if (c->position_embedding_type == MT_POSITION_ROPE) {
+        double scaling;
+        memcpy(&c->rotary_base, &h[MT_CK_ROTARY_BASE_BITS], sizeof(double));
+        memcpy(&c->rotary_percent, &h[MT_CK_ROTARY_PERCENT_BITS], sizeof(double));
+        memcpy(&scaling, &h[MT_CK_ROPE_SCALING_FACTOR_BITS], sizeof(double));
+        c->use_rope_scaling = scaling > 0;
+        if (scaling > 0) c->rope_scaling_factor = scaling;
+    }
+    c->untie_embeddings_and_output_weights = (int)h[MT_CK_UNTIED];
+    c->add_bias_linear = !h[MT_CK_NO_BIAS_LINEAR];
+    if (h[MT_CK_NORM_EPS_BITS]) memcpy(&c->norm_epsilon, &h[MT_CK_NORM_EPS_BITS], sizeof(double));
+}
+
+int mt_make_directories(const char* path) {
+    char buf[4096];
+    snprintf(buf, sizeof(buf), "%s", path);
+    for (char* p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
+        *p = '/';
+    }
+    return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
 #ifdef __cplusplus
 }
 #endif
 
 #endif /* MEGATRON_IMPLEMENTATION */
-#endif /* MEGATRON_H */

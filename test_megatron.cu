@@ -1,32 +1,44 @@
 /* test_megatron.cu — the test suite of megatron.c.
  *
- * `make test` builds and runs it. Host tests run on any machine; GPU tests skip when no GPU is
- * visible; multi-GPU tests run under mpirun (`mpirun -np 2 ./test_megatron multigpu`: then only they
- * run, every rank takes part, rank 0 reports, and a test fails if it failed on any rank). It
- * includes megatron.cu whole (one translation unit), so tests can reach the kernels behind the API.
- * Usage: ./test_megatron [substring-filter]. The last line is always `N passed, N failed, N skipped`. */
+ * `make test` builds and runs it. Each file under tests/ tests one feature; its tests are of three
+ * kinds, and each group below is named kind.feature: host tests run on any machine; gpu tests skip
+ * when no GPU is visible; multigpu tests run under mpirun (`mpirun -np 2 ./test_megatron multigpu`:
+ * then only they run, every rank takes part, rank 0 reports, and a test fails if it failed on any
+ * rank). It includes megatron.cu whole (one translation unit), so tests can reach the kernels
+ * behind the API.
+ * Usage: ./test_megatron [filter]: only the tests whose name or group contains the filter, e.g.
+ * `gpu` (every GPU test), `host`, `gpu.model`, `tensor_parallel` (that feature, every kind).
+ * The last line is always `N passed, N failed, N skipped`. */
 #include "megatron.cu"
 #define MT_TOKENIZER_IMPLEMENTATION
 #include "prepro/tokenizer.h"
 
 #include "tests/test_common.h"
+#include "tests/test_configs.h"
 #include "tests/test_dataset.h"
 #include "tests/test_tokenizer.h"
-#include "tests/test_train.h"
-#include "tests/test_gpu.h"
-#include "tests/test_flash.h"
+#include "tests/test_config.h"
+#include "tests/test_model.h"
+#include "tests/test_precision.h"
+#include "tests/test_checkpoint.h"
+#include "tests/test_attention.h"
 #include "tests/test_kernels.h"
-#include "tests/test_parallel.h"
-#include "tests/test_tp.h"
+#include "tests/test_data_parallel.h"
+#include "tests/test_tensor_parallel.h"
 #include "tests/test_hf.h"
 
 typedef struct {
-    const char* group;
+    const char* group; /* kind.feature: kind is host, gpu or multigpu */
     const test_case* cases;
     size_t count;
 } test_group;
 
 #define GROUP(name, table) {name, table, sizeof(table) / sizeof(table[0])}
+
+/* the multi-GPU groups: "multigpu" or "multigpu.<feature>" */
+static int group_is_multigpu(const char* group) {
+    return strncmp(group, "multigpu", 8) == 0 && (group[8] == 0 || group[8] == '.');
+}
 
 int main(int argc, char** argv) {
     const char* filter = argc > 1 ? argv[1] : NULL;
@@ -40,23 +52,26 @@ int main(int argc, char** argv) {
     }
 #endif
     test_group groups[] = {
-        GROUP("dataset", dataset_tests),
-        GROUP("tokenizer", tokenizer_tests),
-        GROUP("train", train_tests),
-        GROUP("parallel", parallel_tests),
-        GROUP("tp", tp_host_tests),
-        GROUP("hf", hf_tests),
-        GROUP("gpu", gpu_tests),
-        GROUP("gpu", flash_tests),
-        GROUP("gpu", kernel_tests),
-        GROUP("gpu", tp_gpu_tests),
-        GROUP("multigpu", multigpu_tests),
-        GROUP("multigpu", tp_multigpu_tests),
+        GROUP("host.dataset", dataset_tests),
+        GROUP("host.tokenizer", tokenizer_tests),
+        GROUP("host.config", config_tests),
+        GROUP("host.data_parallel", data_parallel_tests),
+        GROUP("host.tensor_parallel", tensor_parallel_tests),
+        GROUP("host.hf", hf_tests),
+        GROUP("gpu.model", model_gpu_tests),
+        GROUP("gpu.precision", precision_gpu_tests),
+        GROUP("gpu.checkpoint", checkpoint_gpu_tests),
+        GROUP("gpu.attention", attention_gpu_tests),
+        GROUP("gpu.kernels", kernels_gpu_tests),
+        GROUP("gpu.tensor_parallel", tensor_parallel_gpu_tests),
+        GROUP("gpu.hf", hf_gpu_tests),
+        GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
+        GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),
     };
     int passed = 0, failed = 0, skipped = 0;
     for (size_t g = 0; g < sizeof(groups) / sizeof(groups[0]); g++) {
         /* several processes run the multi-GPU tests only */
-        if (world > 1 && strcmp(groups[g].group, "multigpu") != 0) continue;
+        if (world > 1 && !group_is_multigpu(groups[g].group)) continue;
         for (size_t i = 0; i < groups[g].count; i++) {
             const test_case* t = &groups[g].cases[i];
             if (filter && !strstr(t->name, filter) && !strstr(groups[g].group, filter)) continue;

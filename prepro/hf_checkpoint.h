@@ -19,9 +19,13 @@
  *      (mt_param_layout), then Adam m [N] and v [N] unless the optimizer state was sharded
  *      (MT_CK_SHARDED_DP > 0: master weights only); <dir>/latest_checkpointed_iteration.txt.
  *
- * Use: #define MT_HF_IMPLEMENTATION in exactly one file before including this header, after (or
- * together with) MT_SAFETENSORS_IMPLEMENTATION for prepro/safetensors.h; needs megatron.h's
- * implementation linked. Library code never prints.
+ * Use: #define MT_HF_IMPLEMENTATION in exactly one file before including this header (or before
+ * including it again after a declarations-only include), after (or together with)
+ * MT_SAFETENSORS_IMPLEMENTATION for prepro/safetensors.h; needs megatron.h's implementation linked.
+ * It includes "megatron.h" and "safetensors.h": keep them side by side (with hf_gpt2.h and
+ * hf_llama.h), or put megatron.h's directory on the include path (-I). Like safetensors.h, a strict
+ * -std=c99/c11 build of the implementation needs -D_POSIX_C_SOURCE=200809L (fileno). Library code
+ * never prints.
  */
 #ifndef MT_HF_CHECKPOINT_H
 #define MT_HF_CHECKPOINT_H
@@ -30,7 +34,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "../megatron.h"
+#include "megatron.h"
 #include "safetensors.h"
 
 #ifdef __cplusplus
@@ -113,10 +117,15 @@ mt_status mt_hf_checkpoint_read(const char* dir, int64_t iteration, mt_config* c
 }
 #endif
 
+#endif /* MT_HF_CHECKPOINT_H */
+
 /* ============================================================================================== */
 /*                                       IMPLEMENTATION                                           */
 /* ============================================================================================== */
-#ifdef MT_HF_IMPLEMENTATION
+/* Outside the declarations' guard (so the implementation may follow a declarations-only include),
+ * with its own guard (so it appears once however often the header is included). */
+#if defined(MT_HF_IMPLEMENTATION) && !defined(MT_HF_CHECKPOINT_IMPLEMENTATION_DONE)
+#define MT_HF_CHECKPOINT_IMPLEMENTATION_DONE
 
 #include <errno.h>
 #include <math.h>
@@ -524,7 +533,7 @@ mt_status mt_hf_checkpoint_write(const char* dir, const mt_config* c, const floa
         bad |= !zeros;
         for (int k = 0; k < 2 && !bad; k++) /* Adam m, then v */
             for (int64_t s = 0; s < n && !bad; s += ZEROS)
-                bad = mt_hf__write(f, zeros, sizeof(float) * (size_t)(n - s < ZEROS ? n - s : ZEROS));
+                bad = mt_hf__write(f, zeros, sizeof(float) * (size_t)(n - s < ZEROS ? n - s : (int64_t)ZEROS));
         free(zeros);
         e = errno;
         if (fflush(f) != 0 || fsync(fileno(f)) != 0) { bad = 1; e = errno; }
@@ -639,8 +648,13 @@ mt_status mt_hf_checkpoint_read(const char* dir, int64_t iteration, mt_config* c
 
 #endif /* MT_HF_IMPLEMENTATION */
 
-/* the architectures (after the shared implementation, whose helpers they use) */
+/* The architectures, after the shared implementation, whose helpers theirs use. Outside the guard,
+ * so that a later include with MT_HF_IMPLEMENTATION brings their implementations too; not while
+ * hf_gpt2.h or hf_llama.h is including this header (they include it first), so that each of them is
+ * read once, in this order, whichever header the program includes. */
+#ifndef MT_HF_CHECKPOINT_INCLUDING_ARCHS
+#define MT_HF_CHECKPOINT_INCLUDING_ARCHS
 #include "hf_gpt2.h"
 #include "hf_llama.h"
-
-#endif /* MT_HF_CHECKPOINT_H */
+#undef MT_HF_CHECKPOINT_INCLUDING_ARCHS
+#endif

@@ -28,10 +28,12 @@
  *   "h.0. ..." naming) and skips the attention-mask buffers older transformers saved (".attn.bias",
  *   ".attn.masked_bias").
  */
+/* hf_checkpoint.h first, outside this header's guard: it includes this header back (for the
+ * declarations and, with MT_HF_IMPLEMENTATION, the implementation), after its own. */
+#include "hf_checkpoint.h"
+
 #ifndef MT_HF_GPT2_H
 #define MT_HF_GPT2_H
-
-#include "hf_checkpoint.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -64,7 +66,11 @@ void mt_hf_gpt2_import_tensor(const mt_config* cfg, int64_t vocab_size, const mt
 }
 #endif
 
-#ifdef MT_HF_IMPLEMENTATION
+#endif /* MT_HF_GPT2_H */
+
+/* Outside the declarations' guard, with its own guard: see hf_checkpoint.h. */
+#if defined(MT_HF_IMPLEMENTATION) && !defined(MT_HF_GPT2_IMPLEMENTATION_DONE)
+#define MT_HF_GPT2_IMPLEMENTATION_DONE
 
 #ifdef __cplusplus
 extern "C" {
@@ -297,4 +303,3 @@ const mt_hf_arch mt_hf_gpt2_arch = {
 #endif
 
 #endif /* MT_HF_IMPLEMENTATION */
-#endif /* MT_HF_GPT2_H */

@@ -30,10 +30,12 @@
  *   HF's rotary embedding is rotate_half, Megatron's default (non-interleaved): q and k rows are not
  *   permuted. Older checkpoints' self_attn.rotary_emb.inv_freq buffers are skipped.
  */
+/* hf_checkpoint.h first, outside this header's guard: it includes this header back (for the
+ * declarations and, with MT_HF_IMPLEMENTATION, the implementation), after its own. */
+#include "hf_checkpoint.h"
+
 #ifndef MT_HF_LLAMA_H
 #define MT_HF_LLAMA_H
-
-#include "hf_checkpoint.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -53,7 +55,11 @@ void mt_hf_llama_import_tensor(const mt_config* cfg, int64_t vocab_size, const m
 }
 #endif
 
-#ifdef MT_HF_IMPLEMENTATION
+#endif /* MT_HF_LLAMA_H */
+
+/* Outside the declarations' guard, with its own guard: see hf_checkpoint.h. */
+#if defined(MT_HF_IMPLEMENTATION) && !defined(MT_HF_LLAMA_IMPLEMENTATION_DONE)
+#define MT_HF_LLAMA_IMPLEMENTATION_DONE
 
 #ifdef __cplusplus
 extern "C" {
@@ -316,4 +322,3 @@ const mt_hf_arch mt_hf_llama_arch = {
 #endif
 
 #endif /* MT_HF_IMPLEMENTATION */
-#endif /* MT_HF_LLAMA_H */

@@ -23,8 +23,12 @@
  * exactly as int64 next to their double value.
  *
  * Use: #define MT_SAFETENSORS_IMPLEMENTATION in exactly one C or C++ file before including this
- * header; it needs megatron.h (mt_status, mt_error, mt_fail). POSIX (mmap). Files are read and
- * written little-endian, as is every host megatron.c builds for. Library code never prints.
+ * header, or before including it again after a declarations-only include. It includes "megatron.h"
+ * (mt_status, mt_error, mt_fail): keep the two side by side, or put megatron.h's directory on the
+ * include path (-I). POSIX (mmap, fsync, fileno): fileno is hidden by a strict ISO C mode, so a
+ * -std=c99/c11 build of the implementation needs -D_POSIX_C_SOURCE=200809L (gnu modes and C++ need
+ * nothing). Files are read and written little-endian, as is every host megatron.c builds for.
+ * Library code never prints.
  */
 #ifndef MT_SAFETENSORS_H
 #define MT_SAFETENSORS_H
@@ -32,7 +36,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../megatron.h"
+#include "megatron.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -146,10 +150,15 @@ float mt_st_f16_to_f32(uint16_t x);
 }
 #endif
 
+#endif /* MT_SAFETENSORS_H */
+
 /* ============================================================================================== */
 /*                                       IMPLEMENTATION                                           */
 /* ============================================================================================== */
-#ifdef MT_SAFETENSORS_IMPLEMENTATION
+/* Outside the declarations' guard (so the implementation may follow a declarations-only include),
+ * with its own guard (so it appears once however often the header is included). */
+#if defined(MT_SAFETENSORS_IMPLEMENTATION) && !defined(MT_SAFETENSORS_IMPLEMENTATION_DONE)
+#define MT_SAFETENSORS_IMPLEMENTATION_DONE
 
 #include <errno.h>
 #include <fcntl.h>
@@ -1093,7 +1102,7 @@ mt_status mt_safetensors_write(const char* path, const mt_st_write_tensor* tenso
             continue;
         }
         for (int64_t s = 0; s < numel && !bad; s += CHUNK) {
-            int64_t k = numel - s < CHUNK ? numel - s : CHUNK;
+            int64_t k = numel - s < CHUNK ? numel - s : (int64_t)CHUNK;
             for (int64_t j = 0; j < k; j++)
                 half[j] = t->dtype == MT_ST_BF16 ? mt_st_f32_to_bf16(t->data[s + j]) : mt_st_f32_to_f16(t->data[s + j]);
             bad = mt_st__write_all(f, half, sizeof(uint16_t) * (size_t)k);
@@ -1120,4 +1129,3 @@ mt_status mt_safetensors_write(const char* path, const mt_st_write_tensor* tenso
 #endif
 
 #endif /* MT_SAFETENSORS_IMPLEMENTATION */
-#endif /* MT_SAFETENSORS_H */

@@ -23,9 +23,13 @@
  * on the number of workers. prepro/preprocess_data.c is its command line.
  *
  * Use: #define MT_TOKENIZER_IMPLEMENTATION in exactly one C or C++ file before including this
- * header. It needs megatron.h (mt_status, mt_error, the indexed-dataset writer) and POSIX threads
- * (-lpthread). Library code never prints and never exits: failures come back as an mt_status with
- * a one-line message in the mt_error. A loaded tokenizer is immutable and can be shared by threads.
+ * header, or before including it again after a declarations-only include (as megatron.h's banner
+ * shows). It includes "megatron.h" (mt_status, mt_error, the indexed-dataset writer): keep the two
+ * side by side, or put megatron.h's directory on the include path (-I). The implementation needs
+ * C11 or C++ (timespec_get) and POSIX threads (-lpthread); a strict -std=c11 build needs no
+ * feature-test macro. Library code never prints and never exits: failures come back as an mt_status
+ * with a one-line message in the mt_error. A loaded tokenizer is immutable and can be shared by
+ * threads.
  */
 #ifndef MT_TOKENIZER_H
 #define MT_TOKENIZER_H
@@ -34,7 +38,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../megatron.h"
+#include "megatron.h"
 
 #ifdef __cplusplus
 extern "C" {

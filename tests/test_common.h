@@ -1,8 +1,11 @@
 /* tests/test_common.h — the tiny test harness shared by every test file of test_megatron.
  *
  * A test is `static test_result test_name(void)`; it returns TEST_PASS, or fails/skips through the
- * macros below, which print one line saying where and why. Each file under tests/ ends with a table of
- * its tests (test_case[]), which test_megatron.cu runs in order. */
+ * macros below, which print one line saying where and why. Each file under tests/ tests one feature
+ * and ends with a table of its tests (test_case[]) per kind (host, GPU, multi-GPU), which
+ * test_megatron.cu runs in order. Also here: whether a GPU or several MPI processes are there
+ * (REQUIRE_GPU, REQUIRE_MPI_GPUS, the rank helpers) and the tests' token generator; the tiny model
+ * configurations every test builds on are in tests/test_configs.h. */
 #ifndef MT_TEST_COMMON_H
 #define MT_TEST_COMMON_H
 
@@ -10,6 +13,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef MT_USE_MPI
+#include <mpi.h>
+#endif
 
 typedef enum { TEST_PASS = 0, TEST_FAIL = 1, TEST_SKIP = 2 } test_result;
 
@@ -62,6 +68,77 @@ static inline char* test_read_file(const char* path, size_t* size_out) {
     fclose(f);
     if (buf) { buf[n] = 0; if (size_out) *size_out = (size_t)n; }
     return buf;
+}
+
+/* ---- where a test runs: a GPU, several MPI processes ---- */
+
+static int gpu_available(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return n > 0;
+}
+#define REQUIRE_GPU() \
+    do { if (!gpu_available()) SKIP("no GPU visible"); } while (0)
+
+static int mpi_rank(void) {
+    int r = 0;
+#ifdef MT_USE_MPI
+    int init = 0;
+    MPI_Initialized(&init);
+    if (init) MPI_Comm_rank(MPI_COMM_WORLD, &r);
+#endif
+    return r;
+}
+static int mpi_world(void) {
+    int w = 1;
+#ifdef MT_USE_MPI
+    int init = 0;
+    MPI_Initialized(&init);
+    if (init) MPI_Comm_size(MPI_COMM_WORLD, &w);
+#endif
+    return w;
+}
+static int mpi_local_rank(void) {
+    int r = 0;
+#ifdef MT_USE_MPI
+    if (mpi_world() > 1) {
+        MPI_Comm node;
+        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, mpi_rank(), MPI_INFO_NULL, &node);
+        MPI_Comm_rank(node, &r);
+        MPI_Comm_free(&node);
+    }
+#endif
+    return r;
+}
+/* A new NCCL id for every data-parallel trainer (an id serves one communicator). */
+static mt_status fresh_comm_id(mt_comm_id* id, mt_error* err) {
+    memset(id, 0, sizeof(*id));
+    mt_status st = MT_OK;
+    if (mpi_rank() == 0) st = mt_comm_id_create(id, err);
+#ifdef MT_USE_MPI
+    MPI_Bcast(id, (int)sizeof(*id), MPI_BYTE, 0, MPI_COMM_WORLD);
+#endif
+    return st;
+}
+#define REQUIRE_MPI_GPUS()                                                                     \
+    do {                                                                                       \
+        if (mpi_world() < 2) SKIP("needs several processes: mpirun -np 2 ./test_megatron multigpu"); \
+        if (!gpu_available()) SKIP("no GPU visible");                                          \
+    } while (0)
+
+/* ---- data ---- */
+
+/* Random tokens with a little structure (so the loss can fall), from a fixed LCG. */
+static void fill_tokens(int32_t* tokens, int64_t n, int vocab, uint64_t seed) {
+    uint64_t x = seed * 6364136223846793005ull + 1442695040888963407ull;
+    for (int64_t i = 0; i < n; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        int r = (int)((x >> 33) % (uint64_t)vocab);
+        tokens[i] = (i % 3 == 2) ? (tokens[i - 1] * 7 + 3) % vocab : r;
+    }
 }
 
 #endif

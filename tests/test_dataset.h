@@ -1,5 +1,6 @@
-/* tests/test_dataset.h — megatron.h sections 2-4: .bin/.idx reader and writer, Megatron's GPT
- * sample index (document/sample/shuffle index, splits, blending) and the .npy writer.
+/* tests/test_dataset.h — datasets (host tests), megatron.h sections 2-4: .bin/.idx reader and
+ * writer, Megatron's GPT sample index (document/sample/shuffle index, splits, blending) and the .npy
+ * writer.
  *
  * The expected values come from dev/gen_dataset_vectors.py, a numpy re-statement of Megatron's
  * dataset code that uses numpy.random.RandomState itself; its output is committed under

@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "test_common.h"
+#include "test_configs.h"
 
 #define MT_SAFETENSORS_IMPLEMENTATION
 #include "../prepro/safetensors.h"
@@ -1419,22 +1420,10 @@ static test_result test_hf_llama_rejects(void) {
 
 /* Canonical -> HF -> canonical and HF -> canonical -> HF are the identity, bitwise (GQA, untied). */
 static test_result test_hf_llama_mapping_roundtrip(void) {
-    mt_config c;
-    mt_config_defaults(&c);
-    c.num_layers = 2;
-    c.hidden_size = 64;
-    c.num_attention_heads = 4;
-    c.num_query_groups = 2;
-    c.kv_channels = 24;
-    c.ffn_hidden_size = 80;
-    c.seq_length = 32;
-    c.vocab_size = 100;
-    c.normalization = MT_NORM_RMSNORM;
-    c.swiglu = 1;
-    c.position_embedding_type = MT_POSITION_ROPE;
-    c.untie_embeddings_and_output_weights = 1;
-    c.add_bias_linear = 0;
-    c.train_iters = 1;
+    mt_config c = test_config_sized(2, 64, 4, 32, 100);
+    test_config_attention(&c, 4, 2, 24, 80);
+    test_config_llama(&c);
+    c.lr = 0; /* as before: this test never trains */
     mt_error err;
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
     const mt_hf_arch* arch = NULL;
@@ -1750,6 +1739,9 @@ static const test_case hf_tests[] = {
     {"hf_llama_directories", test_hf_llama_directories},
     {"hf_llama_tied", test_hf_llama_tied},
     {"hf_llama_rejects", test_hf_llama_rejects},
+};
+
+static const test_case hf_gpu_tests[] = {
     {"hf_gpu_load", test_hf_gpu_load},
     {"hf_gpu_load_llama", test_hf_gpu_load_llama},
 };

@@ -1,20 +1,14 @@
-/* tests/test_train.h — host tests of megatron.h section 5: configuration, the learning-rate
- * schedule and Megatron's FLOP formula. Pure functions: these run everywhere, CI included. */
-#ifndef MT_TEST_TRAIN_H
-#define MT_TEST_TRAIN_H
+/* tests/test_config.h — the configuration (host tests): what mt_config_finalize derives and what it
+ * refuses, Megatron's rank layout over TP, DP and PP, the learning-rate schedules and Megatron's
+ * FLOP formula. Pure functions: these run everywhere, CI included. */
+#ifndef MT_TEST_CONFIG_H
+#define MT_TEST_CONFIG_H
 
+/* 2 layers of 64 in 4 heads, seq 32, vocabulary 500; micro-batch 2 of a global batch 8, 100 steps at lr 1e-3. */
 static mt_config small_test_config(void) {
-    mt_config c;
-    mt_config_defaults(&c);
-    c.num_layers = 2;
-    c.hidden_size = 64;
-    c.num_attention_heads = 4;
-    c.seq_length = 32;
-    c.vocab_size = 500;
-    c.micro_batch_size = 2;
-    c.global_batch_size = 8;
+    mt_config c = test_config_sized(2, 64, 4, 32, 500);
+    test_config_batch(&c, 2, 8);
     c.train_iters = 100;
-    c.lr = 1e-3;
     return c;
 }
 
@@ -58,6 +52,23 @@ static test_result test_config_rejects_inconsistent(void) {
     return TEST_PASS;
 }
 
+/* Megatron's rank layout: TP fastest, then DP, then PP; data_parallel_size derived from the world. */
+static test_result test_rank_layout(void) {
+    mt_config c = test_config_sized(2, 64, 4, 8, 100);
+    test_config_parallel(&c, 2, 16, 0);
+    c.pipeline_model_parallel_size = 2;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT(c.data_parallel_size == 4, "dp %d", c.data_parallel_size);
+    for (int r = 0; r < 16; r++) {
+        mt_rank_coords x = mt_rank_coordinates(&c, r);
+        /* Megatron: rank = tp + TP * (dp + DP * pp) */
+        EXPECT(x.tp == r % 2 && x.dp == (r / 2) % 4 && x.pp == r / 8, "rank %d -> tp %d dp %d pp %d", r, x.tp, x.dp, x.pp);
+        EXPECT(mt_rank_of(&c, x) == r, "round trip of rank %d", r);
+    }
+    return TEST_PASS;
+}
+
 static int close_to(double a, double b, double tol) { return fabs(a - b) <= tol * (fabs(b) > 1 ? fabs(b) : 1); }
 
 /* Values worked out by hand from Megatron's OptimizerParamScheduler (lengths in samples). */
@@ -96,15 +107,8 @@ static test_result test_learning_rate_schedules(void) {
 
 static test_result test_flops_formula(void) {
     /* GPT-2 124M shape: the formula reduces to B*s*(72 L h^2 + 6 s h L + 6 h V) */
-    mt_config c;
-    mt_config_defaults(&c);
-    c.num_layers = 12;
-    c.hidden_size = 768;
-    c.num_attention_heads = 12;
-    c.seq_length = 1024;
-    c.vocab_size = 50257;
-    c.micro_batch_size = 8;
-    c.train_iters = 1;
+    mt_config c = test_config_sized(12, 768, 12, 1024, 50257);
+    test_config_batch(&c, 8, 0);
     c.lr = 1e-4;
     mt_error err;
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
@@ -117,9 +121,10 @@ static test_result test_flops_formula(void) {
     return TEST_PASS;
 }
 
-static const test_case train_tests[] = {
+static const test_case config_tests[] = {
     {"config_derives_megatron_values", test_config_derives_megatron_values},
     {"config_rejects_inconsistent", test_config_rejects_inconsistent},
+    {"rank_layout_tp_dp_pp", test_rank_layout},
     {"learning_rate_schedules", test_learning_rate_schedules},
     {"flops_formula", test_flops_formula},
 };

@@ -1,7 +1,7 @@
-/* tests/test_parallel.h — data parallelism.
+/* tests/test_data_parallel.h — data parallelism.
  *
- * Host tests (everywhere): Megatron's rank layout and its DDP buffer layout (reverse order,
- * buckets, the distributed optimizer's padding and shards).
+ * Host tests (everywhere): Megatron's DDP buffer layout (reverse order, buckets, the distributed
+ * optimizer's padding and shards), GPT-2 and Llama flavours.
  *
  * Multi-GPU tests (under `mpirun -np 2` or `-np 4`, one process per GPU; they skip in a single
  * process): every rank trains the same small GPT data-parallel over all ranks and, for comparison,
@@ -14,58 +14,24 @@
  *     scale-free, so a gradient error e moves a weight by about lr*e). In bf16 a few-ulp change in
  *     an fp32 master weight can flip its bf16 rounding, a 2^-9 relative change of that weight,
  *     which then feeds the next steps: loss changes stay ~1e-4, weights ~1e-3, like the bf16
- *     parity bounds of tests/test_gpu.h.
+ *     parity bounds of tests/test_model.h.
  *   - two runs give bitwise identical losses and weights;
  *   - 10 steps, save, load, 10 steps give bitwise the 20 straight steps (sharded optimizer state);
  *   - the memory plan of a GPT-2 124M: model state bytes per parameter follow Megatron's 18 and
  *     6 + 12/d, and the device's own accounting (cudaMemGetInfo around the allocations) agrees. */
-#ifndef MT_TEST_PARALLEL_H
-#define MT_TEST_PARALLEL_H
-
-#ifdef MT_USE_MPI
-#include <mpi.h>
-#endif
+#ifndef MT_TEST_DATA_PARALLEL_H
+#define MT_TEST_DATA_PARALLEL_H
 
 /* ---- host tests ---- */
 
 static mt_config parallel_layout_config(int dp, int dist, int overlap, int64_t bucket) {
-    mt_config c;
-    mt_config_defaults(&c);
-    c.num_layers = 3;
-    c.hidden_size = 96;
-    c.num_attention_heads = 4;
-    c.seq_length = 32;
-    c.vocab_size = 1000;
-    c.micro_batch_size = 1;
+    mt_config c = test_config_sized(3, 96, 4, 32, 1000);
     c.train_iters = 10;
-    c.lr = 1e-3;
-    c.world_size = dp;
-    c.use_distributed_optimizer = dist;
-    c.overlap_grad_reduce = overlap;
-    c.ddp_bucket_size = bucket;
+    test_config_parallel(&c, 1, dp, 0);
+    test_config_ddp(&c, dist, overlap, 0, bucket);
     mt_error err;
     mt_config_finalize(&c, &err);
     return c;
-}
-
-static test_result test_rank_layout(void) {
-    mt_config c;
-    mt_config_defaults(&c);
-    c.num_layers = 2; c.hidden_size = 64; c.num_attention_heads = 4; c.seq_length = 8; c.vocab_size = 100;
-    c.train_iters = 1; c.lr = 1e-3; c.micro_batch_size = 1;
-    c.tensor_model_parallel_size = 2;
-    c.pipeline_model_parallel_size = 2;
-    c.world_size = 16;
-    mt_error err;
-    EXPECT_OK(mt_config_finalize(&c, &err), &err);
-    EXPECT(c.data_parallel_size == 4, "dp %d", c.data_parallel_size);
-    for (int r = 0; r < 16; r++) {
-        mt_rank_coords x = mt_rank_coordinates(&c, r);
-        /* Megatron: rank = tp + TP * (dp + DP * pp) */
-        EXPECT(x.tp == r % 2 && x.dp == (r / 2) % 4 && x.pp == r / 8, "rank %d -> tp %d dp %d pp %d", r, x.tp, x.dp, x.pp);
-        EXPECT(mt_rank_of(&c, x) == r, "round trip of rank %d", r);
-    }
-    return TEST_PASS;
 }
 
 /* Every canonical element appears exactly once; parameters do not overlap; reverse model order. */
@@ -138,11 +104,10 @@ static test_result test_buffer_layout_megatron_rules(void) {
     if (r != TEST_PASS) return r;
 
     /* Megatron's default bucket size: max(40M, 1M * dp) elements, only with --overlap-grad-reduce */
-    mt_config big;
-    mt_config_defaults(&big);
-    big.num_layers = 48; big.hidden_size = 1600; big.num_attention_heads = 25; big.seq_length = 1024;
-    big.vocab_size = 50257; big.micro_batch_size = 1; big.train_iters = 1; big.lr = 1e-4;
-    big.world_size = 64; big.use_distributed_optimizer = 1; big.overlap_grad_reduce = 1;
+    mt_config big = test_config_sized(48, 1600, 25, 1024, 50257);
+    big.lr = 1e-4;
+    test_config_parallel(&big, 1, 64, 0);
+    test_config_ddp(&big, 1, 1, 0, 0);
     EXPECT_OK(mt_config_finalize(&big, &err), &err);
     EXPECT_OK(mt_buffer_layout_build(&b, &big, &err), &err);
     for (int k = 0; k < b.num_buckets - 1 && r == TEST_PASS; k++) {
@@ -164,12 +129,10 @@ static test_result test_buffer_layout_megatron_rules(void) {
  * biases), the untied output weight first in buffer order (it is last in model order), every
  * canonical element exactly once, absent tensors at offset -1. */
 static test_result test_buffer_layout_llama(void) {
-    mt_config c;
-    mt_config_defaults(&c);
-    c.num_layers = 3; c.hidden_size = 64; c.num_attention_heads = 4; c.num_query_groups = 2; c.seq_length = 32;
-    c.vocab_size = 300; c.train_iters = 1; c.lr = 1e-4;
-    c.normalization = MT_NORM_RMSNORM; c.swiglu = 1; c.position_embedding_type = MT_POSITION_ROPE;
-    c.untie_embeddings_and_output_weights = 1; c.add_bias_linear = 0;
+    mt_config c = test_config_sized(3, 64, 4, 32, 300);
+    c.lr = 1e-4;
+    test_config_attention(&c, 4, 2, 0, 0);
+    test_config_llama(&c);
     mt_error err;
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
     EXPECT(c.ffn_hidden_size == 128, "SwiGLU ffn default %d, Megatron gives (4*64*2/3)/64*64 = 128", c.ffn_hidden_size);
@@ -203,73 +166,21 @@ static test_result test_buffer_layout_llama(void) {
     return r;
 }
 
-static const test_case parallel_tests[] = {
-    {"rank_layout_tp_dp_pp", test_rank_layout},
+static const test_case data_parallel_tests[] = {
     {"buffer_layout_megatron_rules", test_buffer_layout_megatron_rules},
     {"buffer_layout_llama", test_buffer_layout_llama},
 };
 
 /* ---- multi-GPU tests ---- */
 
-static int mpi_rank(void) {
-    int r = 0;
-#ifdef MT_USE_MPI
-    int init = 0;
-    MPI_Initialized(&init);
-    if (init) MPI_Comm_rank(MPI_COMM_WORLD, &r);
-#endif
-    return r;
-}
-static int mpi_world(void) {
-    int w = 1;
-#ifdef MT_USE_MPI
-    int init = 0;
-    MPI_Initialized(&init);
-    if (init) MPI_Comm_size(MPI_COMM_WORLD, &w);
-#endif
-    return w;
-}
-static int mpi_local_rank(void) {
-    int r = 0;
-#ifdef MT_USE_MPI
-    if (mpi_world() > 1) {
-        MPI_Comm node;
-        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, mpi_rank(), MPI_INFO_NULL, &node);
-        MPI_Comm_rank(node, &r);
-        MPI_Comm_free(&node);
-    }
-#endif
-    return r;
-}
-/* A new NCCL id for every data-parallel trainer (an id serves one communicator). */
-static mt_status fresh_comm_id(mt_comm_id* id, mt_error* err) {
-    memset(id, 0, sizeof(*id));
-    mt_status st = MT_OK;
-    if (mpi_rank() == 0) st = mt_comm_id_create(id, err);
-#ifdef MT_USE_MPI
-    MPI_Bcast(id, (int)sizeof(*id), MPI_BYTE, 0, MPI_COMM_WORLD);
-#endif
-    return st;
-}
-#define REQUIRE_MPI_GPUS()                                                                     \
-    do {                                                                                       \
-        if (mpi_world() < 2) SKIP("needs several processes: mpirun -np 2 ./test_megatron multigpu"); \
-        if (!gpu_available()) SKIP("no GPU visible");                                          \
-    } while (0)
-
 /* The small GPT of the DP tests: head dim 64 (bf16 runs the flash kernels), micro-batch 2, global
  * batch 16 (8 micro-batches at DP=1, 2 per rank at DP=4), 20000-element buckets (~30 of them). */
 static mt_config dp_config(mt_precision precision, int dp, int dist, int overlap, int llama) {
-    mt_config c = llama ? gpu_small_llama_config(precision) : gpu_small_config(precision);
-    c.micro_batch_size = 2;
-    c.global_batch_size = 16;
-    c.world_size = dp;
-    c.rank = dp > 1 ? mpi_rank() : 0;
-    c.local_rank = mpi_local_rank();
-    c.use_distributed_optimizer = dist;
-    c.overlap_grad_reduce = overlap;
-    c.overlap_param_gather = dist && overlap;
-    c.ddp_bucket_size = 20000;
+    mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, precision);
+    test_config_batch(&c, 2, 16);
+    test_config_parallel(&c, 1, dp, 0);
+    test_config_ddp(&c, dist, overlap, dist && overlap, 20000);
+    test_config_this_rank(&c);
     return c;
 }
 
@@ -452,7 +363,7 @@ static test_result test_dp_memory_plan(void) {
     return res;
 }
 
-static const test_case multigpu_tests[] = {
+static const test_case data_parallel_multigpu_tests[] = {
     {"dp_matches_single_gpu_fp32", test_dp_matches_single_fp32},
     {"dp_matches_single_gpu_bf16", test_dp_matches_single_bf16},
     {"dp_matches_single_gpu_llama_bf16", test_dp_matches_single_llama_bf16},

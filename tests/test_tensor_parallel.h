@@ -1,4 +1,4 @@
-/* tests/test_tp.h — tensor parallelism (TP) and sequence parallelism (SP).
+/* tests/test_tensor_parallel.h — tensor parallelism (TP) and sequence parallelism (SP).
  *
  * Host tests (everywhere). Three flavours: GPT-2 (LayerNorm, learned positions, tied output,
  * biases), Llama (RMSNorm, SwiGLU, RoPE, GQA, untied output, no biases) and a mix of the two
@@ -24,6 +24,9 @@
  * These checks are exact: the layout is index arithmetic, and every index of these small models
  * is below 2^24, so it survives as a float value.
  *
+ * GPU test (one GPU; skips without one): the vocab-parallel cross entropy's two kernels, the logits
+ * cut into TP column blocks for TP = 1..8, against a double-precision reference.
+ *
  * Multi-GPU tests (under `mpirun -np 2` or `-np 4`; they skip in a single process): TP = the number
  * of processes, DP = 1 unless stated. The model is the DP tests' small GPT widened to hidden 256 in
  * 4 heads of 64 (bf16 runs the flash kernels), seq 64, micro-batch 2, global batch 16; the Llama
@@ -39,13 +42,13 @@
  *     reduce-scatter with SP), the column-parallel layers' input gradients (QKV, fc1) likewise, the
  *     vocab-parallel cross entropy adds its softmax over TP pieces, and with SP each replicated
  *     tensor's gradient is a sum of TP partial sums. In fp32 that is a few ulps (1e-7) per sum,
- *     amplified by depth as in the fp64 parity tests of tests/test_gpu.h, which bound fp32 against
+ *     amplified by depth as in the fp64 parity tests of tests/test_model.h, which bound fp32 against
  *     exact arithmetic by 1e-5. In bf16 each partial sum is rounded to bf16 (2^-9 = 2e-3 relative)
  *     before it is added, where TP=1 rounds the whole sum once: one or two extra roundings per layer
  *     on top of the ~10 a bf16 layer already has, moving gradients by a few 1e-3. 1e-2 is a third of
  *     the bf16 parity bound against fp64 (3e-2), which covers all the roundings together. The
  *     key-bias entries of qkv_bias are left out (their exact gradient is 0: both sides hold noise;
- *     see tests/test_gpu.h);
+ *     see tests/test_model.h);
  *   - 20 train steps: losses within 1e-3 relative of TP=1 (the issue's bound), in fp32 within 1e-5
  *     (the DP tests' argument: reordered fp32 sums change gradients by ~1e-7, and Adam's update is
  *     scale-free, so weights and losses move by ~lr * 1e-7 per step). Final weights, relative norm
@@ -69,8 +72,8 @@
  *     0.13% of the model, and the vocabulary pads by up to 384 more rows at TP=4: 0.6% in all), and
  *     the device's accounting agrees within 16 MiB (the DP tests' bound: 2 MiB pages per allocation
  *     plus driver bookkeeping); the activation arena is smaller with SP than without. */
-#ifndef MT_TEST_TP_H
-#define MT_TEST_TP_H
+#ifndef MT_TEST_TENSOR_PARALLEL_H
+#define MT_TEST_TENSOR_PARALLEL_H
 
 /* ---- host tests ---- */
 
@@ -79,31 +82,14 @@ static const char* tp_flavour_names[3] = {"GPT-2", "Llama", "GQA+SwiGLU with bia
 /* Small models of each flavour (indices stay below 2^24). Vocabulary 1100 pads to 1152, 1280 and
  * 1536 at TP=1, 2 and 4, so the vocab-parallel tensors' shapes change with TP. Not finalized. */
 static mt_config tp_layout_config(int flavour, int tp, int dp) {
-    mt_config c;
-    mt_config_defaults(&c);
-    c.num_layers = 2;
-    c.hidden_size = 64;
-    c.num_attention_heads = 4;
-    c.seq_length = 16;
-    c.vocab_size = 1100;
-    c.micro_batch_size = 1;
-    c.train_iters = 1;
-    c.lr = 1e-3;
+    mt_config c = test_config_sized(2, 64, 4, 16, 1100);
     if (flavour >= 1) { /* GQA: 8 heads of 16 in 4 groups (heads * kv = 128 != hidden), SwiGLU, untied */
-        c.num_attention_heads = 8;
-        c.num_query_groups = 4;
-        c.kv_channels = 16;
-        c.ffn_hidden_size = 192;
+        test_config_attention(&c, 8, 4, 16, 192);
         c.swiglu = 1;
         c.untie_embeddings_and_output_weights = 1;
     }
-    if (flavour == 1) {
-        c.normalization = MT_NORM_RMSNORM;
-        c.position_embedding_type = MT_POSITION_ROPE;
-        c.add_bias_linear = 0;
-    }
-    c.tensor_model_parallel_size = tp;
-    c.world_size = tp * dp;
+    if (flavour == 1) test_config_llama(&c); /* and RMSNorm, RoPE, no linear biases */
+    test_config_parallel(&c, tp, tp * dp, 0);
     return c;
 }
 
@@ -342,18 +328,8 @@ static test_result test_tp_shard_geometry(void) {
 
 /* A config TP can split 8 ways unless a case changes it: hidden 128 in 8 heads, seq 32. */
 static mt_config tp_rules_config(int tp, int world) {
-    mt_config c;
-    mt_config_defaults(&c);
-    c.num_layers = 2;
-    c.hidden_size = 128;
-    c.num_attention_heads = 8;
-    c.seq_length = 32;
-    c.vocab_size = 1000;
-    c.micro_batch_size = 1;
-    c.train_iters = 1;
-    c.lr = 1e-3;
-    c.tensor_model_parallel_size = tp;
-    c.world_size = world;
+    mt_config c = test_config_sized(2, 128, 8, 32, 1000);
+    test_config_parallel(&c, tp, world, 0);
     return c;
 }
 
@@ -541,7 +517,7 @@ static test_result test_tp_checkpoint_header(void) {
     return TEST_PASS;
 }
 
-static const test_case tp_host_tests[] = {
+static const test_case tensor_parallel_tests[] = {
     {"tp_shard_layout_tiles_full_model", test_tp_shard_layout},
     {"tp_shard_geometry_by_hand", test_tp_shard_geometry},
     {"tp_config_finalize_rules", test_tp_config_rules},
@@ -585,24 +561,14 @@ static int tp_same_on_all_ranks(const void* data, size_t bytes) {
 
 /* The TP tests' model (see the top): tp x dp ranks; tp = dp = 1 is the single-GPU reference. */
 static mt_config tp_config(mt_precision precision, int tp, int dp, int sp, int llama) {
-    mt_config c = llama ? gpu_small_llama_config(precision) : gpu_small_config(precision);
+    mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, precision);
     c.hidden_size = 256;
-    c.num_attention_heads = 4;
-    if (llama) {
-        c.num_attention_heads = 8;
-        c.num_query_groups = 4;
-        c.kv_channels = 64;
-        c.ffn_hidden_size = 640;
-    }
-    c.seq_length = 64;
-    c.micro_batch_size = 2;
-    c.global_batch_size = 16;
-    c.tensor_model_parallel_size = tp;
-    c.sequence_parallel = sp;
-    c.world_size = tp * dp;
-    c.rank = c.world_size > 1 ? mpi_rank() : 0;
-    c.local_rank = mpi_local_rank();
-    c.ddp_bucket_size = 20000;
+    if (llama) test_config_attention(&c, 8, 4, 64, 640);
+    else c.num_attention_heads = 4;
+    test_config_batch(&c, 2, 16);
+    test_config_parallel(&c, tp, tp * dp, sp);
+    test_config_ddp(&c, 0, 0, 0, 20000);
+    test_config_this_rank(&c);
     return c;
 }
 
@@ -990,11 +956,11 @@ static test_result test_tp_vocab_parallel_cross_entropy(void) {
     return res;
 }
 
-static const test_case tp_gpu_tests[] = {
+static const test_case tensor_parallel_gpu_tests[] = {
     {"tp_vocab_parallel_cross_entropy_tp_1_to_8", test_tp_vocab_parallel_cross_entropy},
 };
 
-static const test_case tp_multigpu_tests[] = {
+static const test_case tensor_parallel_multigpu_tests[] = {
     {"tp_matches_single_gpu_fp32", test_tp_matches_single_fp32},
     {"tp_matches_single_gpu_bf16", test_tp_matches_single_bf16},
     {"tp_matches_single_gpu_llama_bf16", test_tp_matches_single_llama_bf16},
