@@ -699,6 +699,17 @@ __global__ void swiglu_backward_vec_kernel(T* dpre, const T* dact, const T* pre,
     store16(dpre + row * 2 * f + f + col, up);
 }
 
+/* y[N, C] += bias[C] */
+template <typename T>
+static void bias_add(const mt_exec* ex, T* y, const T* bias, int N, int C) {
+    int64_t n = (int64_t)N * C;
+    if (C % vec16<T>::N == 0 && aligned16(y) && aligned16(bias))
+        bias_add_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(y, bias, n / vec16<T>::N, C);
+    else
+        bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(y, bias, N, C);
+    LAUNCH_CHECK(ex->error);
+}
+
 /* out[N, C] = residual + branch + bias[C] (bias may be NULL) */
 template <typename T>
 static void bias_residual(const mt_exec* ex, T* out, const T* residual, T* branch, const T* bias, int N, int C) {
@@ -3049,14 +3060,7 @@ static void linear_forward(const mt_exec* ex, T* y, const T* x, const T* weight,
                                     (T*)NULL))
         return;
     gemm<T, T>(ex, false, true, N, out, in, x, in, weight, in, y, out, 1.0f, 0.0f);
-    if (bias) {
-        int64_t n = (int64_t)N * out;
-        if (out % vec16<T>::N == 0 && aligned16(y) && aligned16(bias))
-            bias_add_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(y, bias, n / vec16<T>::N, out);
-        else
-            bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(y, bias, N, out);
-        LAUNCH_CHECK(ex->error);
-    }
+    if (bias) bias_add<T>(ex, y, bias, N, out);
 }
 
 /* dW[out, in] += dy^T x (fp32) and, when dbias != NULL, dbias[out] += column sums of dy [N, out] (both

@@ -617,6 +617,10 @@ enum {
     MT_CK_NORM_EPS_BITS, /* informational (for export): --norm-epsilon's bits */
     MT_CK_TRUE_VOCAB,    /* informational (for export): the tokenizer's vocabulary, 0 if unknown */
     MT_CK_TP_RANK,       /* the tensor-parallel rank whose shard the file holds (mp_rank_<tp>) */
+    /* FP8 (0 without): model files then end with the delayed-scaling state, for FP8_TENSORS tensors:
+     * scale [n], scale_inv [n], amax history [n, FP8_HISTORY_LEN] (fp32), the ring's next slot in
+     * FP8_HISTORY_POS */
+    MT_CK_FP8_TENSORS, MT_CK_FP8_HISTORY_LEN, MT_CK_FP8_HISTORY_POS,
     MT_CK_HEADER_WORDS = 64
 };
 /* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
@@ -645,6 +649,7 @@ typedef struct {
     size_t optimizer_bytes;   /* Adam moments */
     size_t activation_bytes;  /* the activation arena for one micro-batch */
     size_t workspace_bytes;   /* cuBLAS workspace, reduction scratch, staging */
+    size_t fp8_bytes;         /* FP8: the weights' FP8 copies (both layouts), scaling state, cast scratch */
     size_t total_bytes;
     size_t state_bytes_measured; /* what the device reported the weights, master, gradients and Adam took */
 } mt_memory_plan;

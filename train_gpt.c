@@ -532,6 +532,8 @@ static void print_memory_plan(mt_trainer* t, const mt_config* c) {
     printf("  activations  %8.3f GiB  (micro-batch %d x %d tokens)\n", p.activation_bytes / gib, c->micro_batch_size,
            c->seq_length);
     printf("  workspace    %8.3f GiB\n", p.workspace_bytes / gib);
+    if (c->fp8_format != MT_FP8_NONE)
+        printf("  fp8          %8.3f GiB  (weights' FP8 copies, scaling state, cast scratch)\n", p.fp8_bytes / gib);
     size_t state = p.parameter_bytes + p.master_bytes + p.gradient_bytes + p.optimizer_bytes;
     printf("  model state  %8.3f GiB  (%.2f bytes/param; the device reported %.3f GiB)\n", state / gib,
            (double)state / (double)p.num_parameters, p.state_bytes_measured / gib);
