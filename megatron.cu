@@ -3179,12 +3179,16 @@ static bool fp8_cast_blockwise(const mt_exec* ex, mt_fp8_format fmt, uint8_t* ou
 /* ============================================================================================== */
 /* 13. GEMM                                                                                       */
 /*    Row-major C[M,N] = op(A) op(B) through cuBLASLt (column-major underneath), A and B in the   */
-/*    model type, C in the model type or fp32 (weight gradients accumulate straight into the      */
-/*    fp32 gradient buffer with beta = 1), always fp32 accumulation, batched by strides. Each     */
-/*    distinct GEMM (shapes, types, pointer alignment, epilogue) gets a plan once: descriptors,   */
-/*    layouts and the heuristic's algorithm, cached for the trainer's life (mt_gemm_plans).       */
-/*    Epilogues fuse bias + GELU into the first MLP GEMM (keeping the pre-activation as           */
-/*    cuBLASLt's aux output) and GELU's derivative into the second MLP GEMM's input gradient.     */
+/*    model type, C in the model type or fp32 (weight gradients accumulate straight into the fp32 */
+/*    gradient buffer with beta = 1), always fp32 accumulation, batched by strides. Each distinct */
+/*    GEMM (shapes, types, pointer alignment, epilogue, FP8 scaling) gets a plan once:            */
+/*    descriptors, layouts and the heuristic's algorithm, cached for the trainer's life           */
+/*    (mt_gemm_plans). Epilogues fuse bias + GELU into the first MLP GEMM (keeping the pre-       */
+/*    activation as cuBLASLt's aux output) and GELU's derivative into the second MLP GEMM's input */
+/*    gradient. FP8 (gemm_fp8): both operands stored with rows along K, the only layout Hopper's  */
+/*    FP8 tensor cores take ("TN" in cuBLASLt's column-major terms), E4M3 x E4M3 or E4M3 x E5M2,  */
+/*    their scale_inv (per tensor, or per 1x128 or 128x128 block, section 12) applied by cuBLASLt */
+/*    to the fp32-accumulated product, C in bf16 or fp32.                                         */
 /* ============================================================================================== */
 
 typedef enum {
@@ -3202,7 +3206,10 @@ typedef enum {
 typedef struct {
     int transA, transB, M, N, K, lda, ldb, ldc, batch;
     int epilogue, has_bias, alignment;
-    int ab_type, c_type;
+    int a_type, b_type, c_type; /* cudaDataType_t of our A, our B and C */
+    int fp8;                    /* gemm_fp8: operands scaled as below, fast_accumulate as asked */
+    int a_scaling, b_scaling;   /* mt_fp8_scaling_mode of our A and our B */
+    int fast_accumulate;
     int64_t strideA, strideB, strideC;
 } mt_gemm_key;
 
@@ -3212,6 +3219,8 @@ typedef struct {
     cublasLtMatrixLayout_t a, b, c;
     cublasLtMatmulAlgo_t algo;
     int supported; /* the heuristic found an algorithm */
+    cublasStatus_t heuristic_status; /* what the heuristic said, and how many algorithms it found */
+    int algorithms_found;
 } mt_gemm_plan;
 
 #define GEMM_MAX_PLANS 256
@@ -3234,15 +3243,45 @@ static int pointer_alignment(const void* p) {
     return a;
 }
 
+/* cuBLASLt's name for an FP8 operand's scaling */
+static int32_t fp8_cublaslt_scale_mode(int scaling) {
+    return scaling == FP8_BLOCKS_1x128     ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+           : scaling == FP8_BLOCKS_128x128 ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                                           : CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+}
+
 /* Builds the plan of a key: the row-major problem is the column-major C^T[N,M] = op(B)^T op(A)^T,
- * so cuBLASLt's "A" is our B and its "B" our A. */
-static void gemm_plan_build(mt_gemm_plans* g, mt_gpu_error* e, mt_gemm_plan* p) {
+ * so cuBLASLt's "A" is our B and its "B" our A (FP8: its A scale is our B's, its B scale our A's;
+ * the scale pointers are set before the heuristic, which may look at them, and again at each call).
+ * A failing descriptor call records its status and leaves the plan unsupported. */
+static void gemm_plan_build(mt_gemm_plans* g, mt_gpu_error* e, mt_gemm_plan* p, const float* fp8_a_scale_inv = NULL,
+                            const float* fp8_b_scale_inv = NULL) {
     const mt_gemm_key* k = &p->key;
-    cudaDataType_t ab = (cudaDataType_t)k->ab_type, ct = (cudaDataType_t)k->c_type;
+    cudaDataType_t at = (cudaDataType_t)k->a_type, bt = (cudaDataType_t)k->b_type, ct = (cudaDataType_t)k->c_type;
     cublasOperation_t opA = k->transB ? CUBLAS_OP_T : CUBLAS_OP_N, opB = k->transA ? CUBLAS_OP_T : CUBLAS_OP_N;
     if (!CUBLAS_CHECK(e, cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F))) return;
     CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof(opA)));
     CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &opB, sizeof(opB)));
+    if (k->fp8) {
+        const int32_t lt_a_mode = fp8_cublaslt_scale_mode(k->b_scaling), lt_b_mode = fp8_cublaslt_scale_mode(k->a_scaling);
+        if (k->b_scaling != FP8_PER_TENSOR)
+            CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &lt_a_mode,
+                                                           sizeof(lt_a_mode)));
+        if (k->a_scaling != FP8_PER_TENSOR)
+            CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &lt_b_mode,
+                                                           sizeof(lt_b_mode)));
+        CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &fp8_b_scale_inv,
+                                                       sizeof(fp8_b_scale_inv)));
+        CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &fp8_a_scale_inv,
+                                                       sizeof(fp8_a_scale_inv)));
+        const int8_t fast = (int8_t)k->fast_accumulate;
+        CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+        if (k->has_bias) { /* FP8 GEMMs with a bf16 or fp32 output take a bf16 bias */
+            const cudaDataType_t bias_type = CUDA_R_16BF;
+            CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+                                                           sizeof(bias_type)));
+        }
+    }
     cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
     if (k->epilogue == GEMM_GELU_AUX_BIAS) epi = k->has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
     if (k->epilogue == GEMM_DGELU) epi = CUBLASLT_EPILOGUE_DGELU;
@@ -3264,8 +3303,8 @@ static void gemm_plan_build(mt_gemm_plans* g, mt_gpu_error* e, mt_gemm_plan* p) 
     /* stored shapes (column-major rows x cols) */
     uint64_t a_rows = k->transB ? k->K : k->N, a_cols = k->transB ? k->N : k->K;
     uint64_t b_rows = k->transA ? k->M : k->K, b_cols = k->transA ? k->K : k->M;
-    CUBLAS_CHECK(e, cublasLtMatrixLayoutCreate(&p->a, ab, a_rows, a_cols, k->ldb));
-    CUBLAS_CHECK(e, cublasLtMatrixLayoutCreate(&p->b, ab, b_rows, b_cols, k->lda));
+    CUBLAS_CHECK(e, cublasLtMatrixLayoutCreate(&p->a, bt, a_rows, a_cols, k->ldb));
+    CUBLAS_CHECK(e, cublasLtMatrixLayoutCreate(&p->b, at, b_rows, b_cols, k->lda));
     CUBLAS_CHECK(e, cublasLtMatrixLayoutCreate(&p->c, ct, k->N, k->M, k->ldc));
     if (k->batch > 1) {
         struct { cublasLtMatrixLayout_t l; int64_t stride; } batched[3] = {{p->a, k->strideB}, {p->b, k->strideA}, {p->c, k->strideC}};
@@ -3277,6 +3316,7 @@ static void gemm_plan_build(mt_gemm_plans* g, mt_gpu_error* e, mt_gemm_plan* p) 
                                                              &batched[i].stride, sizeof(int64_t)));
         }
     }
+    if (e->status != MT_OK) return; /* a descriptor or layout call above failed (recorded) */
     cublasLtMatmulPreference_t pref;
     if (!CUBLAS_CHECK(e, cublasLtMatmulPreferenceCreate(&pref))) return;
     uint64_t ws = g->workspace_bytes;
@@ -3289,7 +3329,9 @@ static void gemm_plan_build(mt_gemm_plans* g, mt_gpu_error* e, mt_gemm_plan* p) 
     cublasLtMatmulHeuristicResult_t result;
     int found = 0;
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g->lt, p->desc, p->a, p->b, p->c, p->c, pref, 1, &result, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
+    CUBLAS_CHECK(e, cublasLtMatmulPreferenceDestroy(pref));
+    p->heuristic_status = st; /* not an error here: the caller decides (a fallback, or gemm_fp8's message) */
+    p->algorithms_found = found;
     p->supported = st == CUBLAS_STATUS_SUCCESS && found > 0;
     if (p->supported) p->algo = result.algo;
 }
@@ -3326,7 +3368,7 @@ static bool gemm_epilogue(const mt_exec* ex, mt_gemm_epilogue epilogue, bool tra
     key.lda = lda; key.ldb = ldb; key.ldc = ldc; key.batch = batch;
     key.strideA = strideA; key.strideB = strideB; key.strideC = strideC;
     key.epilogue = epilogue; key.has_bias = bias != NULL;
-    key.ab_type = cuda_type<T>(); key.c_type = cuda_type<TC>();
+    key.a_type = key.b_type = cuda_type<T>(); key.c_type = cuda_type<TC>();
     int align = pointer_alignment(A);
     const void* others[4] = {B, C, bias, aux};
     for (int i = 0; i < 4; i++)
@@ -3368,6 +3410,94 @@ static void gemm(const mt_exec* ex, bool transA, bool transB, int M, int N, int 
                  int64_t strideB = 0, int64_t strideC = 0) {
     gemm_epilogue<T, TC>(ex, GEMM_PLAIN, transA, transB, M, N, K, A, lda, B, ldb, C, ldc, alpha, beta, NULL, (T*)NULL,
                          batch, strideA, strideB, strideC);
+}
+
+/* FP8 GEMM, row-major, both operands stored with rows along K:
+ *   C[M,N] (ldc) = alpha * (A[M,K] . B[N,K]^T) * a_scale_inv * b_scale_inv + beta * C (+ bias[N])
+ * with fp32 accumulation; A, B fp8 bytes of the given formats (E4M3 x E4M3, E4M3 x E5M2 or
+ * E5M2 x E4M3); a_scale_inv, b_scale_inv device scale_invs in the operands' scaling modes
+ * (mt_fp8_scaling_mode: one float, or 1x128 / 128x128 block layouts of A [M,K] and B [N,K]);
+ * C bf16 (forward, input gradient; beta 0) or fp32 (weight gradient: beta 0 writes, beta 1
+ * accumulates into the fp32 gradient buffer); bias [N] bf16 or NULL. For a linear y = x W^T with
+ * x [N, in], W [out, in], dy [N, out], the roles are
+ *   forward        y  [N, out]  = x [N, in]     . (W [out, in])^T      M = N,   N = out, K = in
+ *   input grad     dx [N, in]   = dy [N, out]   . (W^T [in, out])^T    M = N,   N = in,  K = out
+ *   weight grad    dW [out, in] = dy^T [out, N] . (x^T [in, N])^T      M = out, N = in,  K = N
+ * where W^T, dy^T and x^T are the casts' transposed outputs. fast_accumulate lets the tensor cores
+ * accumulate without promoting partial sums to fp32 (faster, less exact; Transformer Engine uses it
+ * for the forward only). Returns false, with an error recorded (MT_ERR_ARG before anything runs;
+ * MT_ERR_CUDA naming cuBLASLt's status and the problem when it has no algorithm or refuses the call),
+ * when the GEMM did not run: K not a positive multiple of 16, ldc < N, A or B not 16-byte aligned,
+ * E5M2 x E5M2, or an earlier error. */
+template <typename TC>
+static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, mt_fp8_format a_format,
+                     const float* a_scale_inv, const uint8_t* B, mt_fp8_format b_format, const float* b_scale_inv,
+                     TC* C, int ldc, float alpha, float beta, const __nv_bfloat16* bias = NULL,
+                     mt_fp8_scaling_mode a_scaling = FP8_PER_TENSOR, mt_fp8_scaling_mode b_scaling = FP8_PER_TENSOR,
+                     bool fast_accumulate = false) {
+    static_assert(std::is_same<TC, __nv_bfloat16>::value || std::is_same<TC, float>::value, "FP8 GEMM output: bf16 or fp32");
+    mt_gemm_plans* g = ex->gemm;
+    if (ex->error->status != MT_OK) return false;
+    char what[256];
+    snprintf(what, sizeof(what),
+             "M=%d N=%d K=%d, A %s %s [M,K], B %s %s [N,K], C %s ldc=%d (%d-byte aligned), alpha %g beta %g%s%s", M, N,
+             K, fp8_format_name(a_format), fp8_scaling_mode_name(a_scaling), fp8_format_name(b_format),
+             fp8_scaling_mode_name(b_scaling), std::is_same<TC, float>::value ? "fp32" : "bf16", ldc,
+             pointer_alignment(C), alpha, beta, bias ? ", bf16 bias" : "", fast_accumulate ? ", fast accumulation" : "");
+    if (a_format == FP8_E5M2 && b_format == FP8_E5M2)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG,
+                           "gemm_fp8: E5M2 x E5M2 is not an FP8 GEMM of Hopper's (pair E4M3 with E4M3 or E5M2): %s", what);
+    if (M < 0 || N < 0 || K <= 0 || K % 16)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: K must be a positive multiple of 16 (FP8 rows of whole 16 bytes): %s",
+                           what);
+    if (ldc < N) return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: ldc < N: %s", what);
+    if (!aligned16(A) || !aligned16(B) || !a_scale_inv || !b_scale_inv)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: A and B must be 16-byte aligned, both scale_invs given: %s",
+                           what);
+    if (M == 0 || N == 0) return true;
+    mt_gemm_key key;
+    memset(&key, 0, sizeof(key));
+    key.transA = 0; key.transB = 1; key.M = M; key.N = N; key.K = K;
+    key.lda = K; key.ldb = K; key.ldc = ldc; key.batch = 1;
+    key.epilogue = bias ? GEMM_BIAS : GEMM_PLAIN; key.has_bias = bias != NULL;
+    key.a_type = fp8_cuda_type(a_format); key.b_type = fp8_cuda_type(b_format); key.c_type = cuda_type<TC>();
+    key.fp8 = 1; key.a_scaling = a_scaling; key.b_scaling = b_scaling; key.fast_accumulate = fast_accumulate;
+    int align = pointer_alignment(A);
+    const void* others[3] = {B, C, bias};
+    for (int i = 0; i < 3; i++)
+        if (others[i] && pointer_alignment(others[i]) < align) align = pointer_alignment(others[i]);
+    key.alignment = align;
+    mt_gemm_plan* plan = NULL;
+    for (int i = 0; i < g->num_plans && !plan; i++)
+        if (!memcmp(&g->plans[i].key, &key, sizeof(key))) plan = &g->plans[i];
+    if (!plan && g->num_plans < GEMM_MAX_PLANS) {
+        plan = &g->plans[g->num_plans++];
+        memset(plan, 0, sizeof(*plan));
+        plan->key = key;
+        gemm_plan_build(g, ex->error, plan, a_scale_inv, b_scale_inv);
+    }
+    if (!plan) return mt_gpu_fail(ex->error, MT_ERR_CUDA, "gemm_fp8: the plan cache is full (%d plans): %s", GEMM_MAX_PLANS, what);
+    if (!plan->supported) {
+        if (ex->error->status != MT_OK) return false; /* a descriptor call failed: its status is recorded */
+        return mt_gpu_fail(ex->error, MT_ERR_CUDA,
+                           "gemm_fp8: cuBLASLt status %s (%s) from cublasLtMatmulAlgoGetHeuristic, %d algorithms, for %s",
+                           cublasGetStatusName(plan->heuristic_status), cublasGetStatusString(plan->heuristic_status),
+                           plan->algorithms_found, what);
+    }
+    if (!CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                               &b_scale_inv, sizeof(b_scale_inv))) ||
+        !CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                               &a_scale_inv, sizeof(a_scale_inv))))
+        return false;
+    if (bias && !CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                                       &bias, sizeof(bias))))
+        return false;
+    const cublasStatus_t st = cublasLtMatmul(g->lt, plan->desc, &alpha, B, plan->a, A, plan->b, &beta, C, plan->c, C,
+                                             plan->c, &plan->algo, g->workspace, g->workspace_bytes, ex->stream);
+    if (st != CUBLAS_STATUS_SUCCESS)
+        return mt_gpu_fail(ex->error, MT_ERR_CUDA, "gemm_fp8: cuBLASLt status %s (%s) from cublasLtMatmul for %s",
+                           cublasGetStatusName(st), cublasGetStatusString(st), what);
+    return true;
 }
 
 /* ============================================================================================== */

@@ -15,6 +15,7 @@
 #include "tests/test_train.h"
 #include "tests/test_gpu.h"
 #include "tests/test_flash.h"
+#include "tests/test_fp8.h"
 #include "tests/test_parallel.h"
 #include "tests/test_tp.h"
 #include "tests/test_hf.h"
@@ -47,6 +48,7 @@ int main(int argc, char** argv) {
         GROUP("hf", hf_tests),
         GROUP("gpu", gpu_tests),
         GROUP("gpu", flash_tests),
+        GROUP("gpu", fp8_tests),
         GROUP("gpu", tp_gpu_tests),
         GROUP("multigpu", multigpu_tests),
         GROUP("multigpu", tp_multigpu_tests),
