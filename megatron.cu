@@ -15,14 +15,15 @@
  *    9. Flash attention (bf16)
  *   10. Cross entropy (vocab-parallel)
  *   11. Gradient norm and AdamW
- *   12. GEMM (cuBLASLt plans and epilogues)
- *   13. Process groups
- *   14. Parallel layers (column- and row-parallel linears, sequence parallelism)
- *   15. The model (parameter, gradient and activation views; attention; forward and backward)
- *   16. The micro-batch loop
- *   17. Optimizer (DP buckets, gradient norm, clipping, fp16 loss scaler, distributed optimizer)
- *   18. Checkpoints
- *   19. The trainer API
+ *   12. FP8 (E4M3/E5M2, amax, delayed/current scales, cast + transpose, 1x128/128x128 blocks)
+ *   13. GEMM (cuBLASLt plans and epilogues; FP8 GEMMs)
+ *   14. Process groups
+ *   15. Parallel layers (column- and row-parallel linears, sequence parallelism)
+ *   16. The model (parameter, gradient and activation views; attention; forward and backward)
+ *   17. The micro-batch loop
+ *   18. Optimizer (DP buckets, gradient norm, clipping, fp16 loss scaler, distributed optimizer)
+ *   19. Checkpoints
+ *   20. The trainer API
  *
  * Launchers take `const mt_exec* ex` first: the stream, the error record, the GEMM plans and the
  * micro-batch's mode, built by whoever decides the work (run_micro_batches, the optimizer, tests).
@@ -43,9 +44,11 @@
 #include <cublasLt.h>
 #include <nccl.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <errno.h>
+#include <stdarg.h>
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
@@ -103,6 +106,24 @@ static bool mt_nccl_ok(mt_gpu_error* e, ncclResult_t code, const char* what, int
     return false;
 }
 
+/* Records a call refused before any work was queued (a shape or an argument the operation does not
+ * take) as the first error; returns false, so a launcher reads `return mt_gpu_fail(...)`. */
+static bool mt_gpu_fail(mt_gpu_error* e, mt_status status, const char* fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static bool mt_gpu_fail(mt_gpu_error* e, mt_status status, const char* fmt, ...) {
+    if (e->status == MT_OK) {
+        e->status = status;
+        va_list args;
+        va_start(args, fmt);
+        vsnprintf(e->error.message, sizeof(e->error.message), fmt, args);
+        va_end(args);
+    }
+    return false;
+}
+
 #define CUDA_CHECK(e, call) mt_cuda_ok((e), (call), #call, __FILE__, __LINE__)
 #define NCCL_CHECK(e, rank, call) mt_nccl_ok((e), (call), #call, (rank), __FILE__, __LINE__)
 #define CUBLAS_CHECK(e, call) mt_cublas_ok((e), (call), #call, __FILE__, __LINE__)
@@ -127,7 +148,7 @@ typedef struct {
     int reduce_in_backward; /* buckets start their DP reduction from this backward (--overlap-grad-reduce) */
 } mt_micro_batch_mode;
 
-typedef struct mt_gemm_plans mt_gemm_plans; /* section 12 */
+typedef struct mt_gemm_plans mt_gemm_plans; /* section 13 */
 typedef struct {
     cudaStream_t stream;
     mt_gpu_error* error;
@@ -497,7 +518,7 @@ static void position_embedding_backward(const mt_exec* ex, float* dwpe, const T*
     LAUNCH_CHECK(ex->error);
 }
 /* dwte += the scatter of dout [BT, C] by token; index = [unique (BT+1)][offsets (BT+1)][positions (BT)]
- * as built by build_embedding_index (section 16) for `unique_tokens` distinct tokens */
+ * as built by build_embedding_index (section 17) for `unique_tokens` distinct tokens */
 template <typename T>
 static void word_embedding_backward(const mt_exec* ex, float* dwte, const T* dout, const int32_t* index,
                                     int unique_tokens, int BT, int C, int64_t vocab_start) {
@@ -1521,7 +1542,7 @@ static void rope_qkv_rows(const mt_exec* ex, const mt_attention_dims& a, T* qkv,
 /*    The simple path (fp32, fp16, and bf16 head dims other than 64/128): the scores are          */
 /*    materialised per layer, softmax(scale * Q K^T) with the causal mask in place, and its       */
 /*    backward dS = scale * P * (dP - rowsum(dP * P)). The GEMMs around it are in the model       */
-/*    (section 15).                                                                               */
+/*    (section 16).                                                                               */
 /* ============================================================================================== */
 
 /* Causal softmax in place over rows of scores [B*heads, T, T]: p = softmax(scale * s) over k <= q,
@@ -2723,14 +2744,461 @@ static void adamw_update(const mt_exec* ex, const mt_adamw_step* h, const mt_opt
 }
 
 /* ============================================================================================== */
-/* 12. GEMM                                                                                       */
+/* 12. FP8: formats, scaling, casts and transposes                                                */
+/*    Transformer Engine style FP8 for Hopper's tensor cores (sm_89 and later). A tensor x is     */
+/*    stored as bytes q = fp8(x * scale), rounded to nearest even and saturating at the format's  */
+/*    largest value (NaN stays NaN), and read back as q * scale_inv with scale_inv = 1 / scale,   */
+/*    which the FP8 GEMM applies to its fp32 product. E4M3 (3 mantissa bits, largest 448) carries */
+/*    activations and weights; E5M2 (2 mantissa bits, largest 57344) carries the gradients in the */
+/*    hybrid format. The scale of a tensor is delayed (from the amaxes of the last steps, kept in */
+/*    a ring on the device and updated for every tensor by one kernel after the step) or current  */
+/*    (from the tensor's own amax, taken just before the cast); or one scale per block: 1x128 for */
+/*    activations and gradients, 128x128 for weights, in the layouts cuBLASLt's block-scaled      */
+/*    GEMMs read. Hopper's FP8 MMA takes only operands whose rows run along K, and each tensor of */
+/*    a linear layer is the operand of one GEMM as stored and of another transposed (x: [N, in]   */
+/*    in the forward, [in, N] in the weight gradient), so the casts write both layouts from one   */
+/*    read of x, through a shared-memory tile so that both writes are coalesced. An amax is the   */
+/*    integer maximum of the bit patterns of |x|: non-negative floats order like their bits, with */
+/*    NaN above infinity, so it is exact and order-free (deterministic even through atomicMax)    */
+/*    and a NaN anywhere makes the amax NaN.                                                      */
+/* ============================================================================================== */
+typedef enum { FP8_E4M3 = 0, FP8_E5M2 = 1 } mt_fp8_dtype;
+
+/* How an FP8 operand is scaled, and how its scale_inv is laid out (the casts write it, gemm_fp8
+ * reads it; cuBLASLt's names in brackets). For a tensor stored [rows, cols], rows running along cols:
+ *   FP8_PER_TENSOR      one float [SCALAR_32F];
+ *   FP8_BLOCKS_1x128    one per 128 consecutive elements of a row (a row's last block may be
+ *                       shorter): [ceil(cols/128)][rows], the row index fastest [VEC128_32F];
+ *   FP8_BLOCKS_128x128  one per 128x128 block (edge blocks may be smaller): [ceil(rows/128)][ld]
+ *                       with ld = ceil(cols/128) rounded up to a multiple of 4 (16 bytes); the
+ *                       padding is neither written nor read [BLK128x128_32F]. */
+typedef enum { FP8_PER_TENSOR = 0, FP8_BLOCKS_1x128 = 1, FP8_BLOCKS_128x128 = 2 } mt_fp8_scaling_mode;
+
+/* Delayed scaling's reduction of an amax history: mt_fp8_amax_algo (megatron.h, --fp8-amax-compute-algo). */
+
+/* The per-tensor scaling state of one FP8 operand: device pointers to one float each. The cast
+ * multiplies by scale and, for delayed scaling, writes the tensor's amax (which fp8_scale_update then
+ * enters into the history kept beside, batched over tensors); current scaling computes amax, then
+ * scale, just before the cast (fp8_quantize_tensorwise). The GEMM reads scale_inv. */
+typedef struct {
+    float* scale;     /* [1] */
+    float* scale_inv; /* [1] 1 / scale */
+    float* amax;      /* [1] max |x| of the tensor last cast */
+} mt_fp8_scaling;
+
+/* The largest finite value: E4M3 has no infinities (S.1111.111 is NaN), so 1.75 * 2^8 = 448; E5M2 is
+ * IEEE-like (exponent 11111 is inf/NaN), so 1.75 * 2^15 = 57344. */
+__host__ __device__ inline float fp8_max_value(mt_fp8_dtype f) { return f == FP8_E4M3 ? 448.0f : 57344.0f; }
+static cudaDataType_t fp8_cuda_type(mt_fp8_dtype f) { return f == FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
+static const char* fp8_format_name(mt_fp8_dtype f) { return f == FP8_E4M3 ? "e4m3" : "e5m2"; }
+static const char* fp8_scaling_mode_name(mt_fp8_scaling_mode m) {
+    return m == FP8_PER_TENSOR ? "per-tensor" : m == FP8_BLOCKS_1x128 ? "1x128 blocks" : "128x128 blocks";
+}
+/* The number of floats of the scale_inv of a tensor [rows, cols] (the 128x128 padding included). */
+static int64_t fp8_scale_inv_count(mt_fp8_scaling_mode m, int rows, int cols) {
+    if (m == FP8_BLOCKS_1x128) return (int64_t)ceil_div(cols, 128) * rows;
+    if (m == FP8_BLOCKS_128x128) return (int64_t)ceil_div(rows, 128) * (ceil_div(ceil_div(cols, 128), 4) * 4);
+    return 1;
+}
+
+/* x -> the fp8 byte of format F, rounded to nearest even; |x| beyond the largest value (infinity
+ * included) becomes +-largest, NaN stays NaN (cvt.rn.satfinite on sm_89+; Transformer Engine's
+ * saturating cast). Two at a time: a in the low byte, b in the high byte, one instruction. */
+template <mt_fp8_dtype F>
+__device__ __forceinline__ uint8_t fp8_from_float(float x) {
+    return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, F == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+}
+template <mt_fp8_dtype F>
+__device__ __forceinline__ uint32_t fp8x2_from_float(float a, float b) {
+    return (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, F == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+}
+/* One element of a bf16, fp16 or fp32 tensor, scaled and cast: fp8(x * scale), the product in fp32. */
+template <mt_fp8_dtype F, typename T>
+__device__ __forceinline__ uint8_t fp8_quantize(T x, float scale) {
+    return fp8_from_float<F>(to_float(x) * scale);
+}
+
+/* |x| as bits that order like the value: for a float with the sign bit cleared, integer order is
+ * numeric order, and every NaN lies above +infinity. */
+__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7FFFFFFFu; }
+/* Block-wide maximum of unsigned values (exact, so any order gives the same result). */
+__device__ uint32_t block_max_u32(uint32_t v) {
+    __shared__ uint32_t shared[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    v = __reduce_max_sync(0xffffffffu, v);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = lane < warps ? shared[lane] : 0u;
+    return __reduce_max_sync(0xffffffffu, v);
+}
+
+/* The scale that maps amax onto the format's largest value with `margin` powers of two of headroom:
+ * fp8_max / amax / 2^margin. An amax of 0 (nothing to scale) or not finite (an overflow upstream)
+ * gives `fallback`: the previous scale for delayed scaling, 1 for current scaling and for blocks. A
+ * quotient beyond fp32 (amax below fp8_max / FLT_MAX) is FLT_MAX. IEEE division and an exact ldexp:
+ * the host computes bitwise the same. */
+__host__ __device__ inline float fp8_scale_from_amax_value(float amax, float fp8_max, int margin, float fallback) {
+    if (!(amax > 0.0f) || !(amax <= FLT_MAX)) return fallback; /* 0, NaN, infinity */
+    const float scale = ldexpf(fp8_max / amax, -margin);
+    return scale <= FLT_MAX ? scale : FLT_MAX;
+}
+/* The largest power of two not above a scale (for power-of-2 block scales, whose dequantisation is
+ * exact): the exponent of a normal float with its mantissa cleared. */
+__host__ __device__ inline float fp8_scale_power_of_2_below(float scale) {
+    uint32_t bits;
+    memcpy(&bits, &scale, 4);
+    if (!(scale >= FLT_MIN) || !(scale <= FLT_MAX)) return scale;
+    bits &= 0xFF800000u;
+    float down;
+    memcpy(&down, &bits, 4);
+    return down;
+}
+
+/* ---- amax ---- */
+
+/* atomicMax of the bits of a block's max |x| into *amax (zeroed by the launcher). Threads stride
+ * over 16-byte vectors [0, vectors), then over the scalar tail [vectors * V, n). */
+template <typename T>
+__global__ void __launch_bounds__(256) fp8_amax_kernel(float* amax, const T* x, int64_t n, int64_t vectors) {
+    constexpr int V = vec16<T>::N;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x, first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    uint32_t largest = 0;
+    for (int64_t i = first; i < vectors; i += stride) {
+        float v[V];
+        load16(v, x + i * V);
+#pragma unroll
+        for (int j = 0; j < V; j++) largest = max(largest, abs_bits(v[j]));
+    }
+    for (int64_t i = vectors * V + first; i < n; i += stride) largest = max(largest, abs_bits(to_float(x[i])));
+    largest = block_max_u32(largest);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax), largest);
+}
+
+/* *amax (device) = max |x| over x[n] (bf16, fp16, fp32); NaN if any element is NaN, 0 for n = 0.
+ * 16-byte loads when x is 16-byte aligned. */
+template <typename T>
+static void fp8_amax(const mt_exec* ex, float* amax, const T* x, int64_t n) {
+    constexpr int V = vec16<T>::N;
+    if (!CUDA_CHECK(ex->error, cudaMemsetAsync(amax, 0, sizeof(float), ex->stream)) || n <= 0) return;
+    const int64_t vectors = aligned16(x) ? n / V : 0, work = vectors > 0 ? vectors : n;
+    const int blocks = (int)(work / 256 + 1 < 1024 ? work / 256 + 1 : 1024);
+    fp8_amax_kernel<T><<<blocks, 256, 0, ex->stream>>>(amax, x, n, vectors);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ---- per-tensor scales ---- */
+
+/* One warp per tensor t: slot `position` of its history row [history_len] takes this step's amax;
+ * the row reduces (max: the largest slot, NaN if any slot is NaN; most recent: this step's amax);
+ * scale becomes fp8_max[t] / amax / 2^margin, or stays where that amax is 0 or not finite. */
+__global__ void fp8_scale_update_kernel(float* amax_history, float* scale, float* scale_inv, const float* amax,
+                                        const float* fp8_max, int n_tensors, int history_len, int position,
+                                        int margin, int algo) {
+    const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (t >= n_tensors) return; /* whole warps */
+    const float current = amax[t];
+    float* history = amax_history + (int64_t)t * history_len;
+    uint32_t largest = 0;
+    for (int h = lane; h < history_len; h += 32) {
+        const float v = h == position ? current : history[h];
+        if (h == position) history[h] = current;
+        largest = max(largest, abs_bits(v));
+    }
+    largest = __reduce_max_sync(0xffffffffu, largest);
+    if (lane == 0) {
+        const float reduced = algo == MT_FP8_AMAX_MAX ? __uint_as_float(largest) : current;
+        const float s = fp8_scale_from_amax_value(reduced, fp8_max[t], margin, scale[t]);
+        scale[t] = s;
+        scale_inv[t] = 1.0f / s;
+    }
+}
+
+/* Delayed scaling after a step, every tensor in one launch (no host round trip):
+ *   amax_history [n_tensors, history_len]  a ring per tensor, zeros before the first step;
+ *   position                               this step's slot (step % history_len, kept by the caller);
+ *   amax [n_tensors]                       the amaxes of this step's casts;
+ *   fp8_max [n_tensors]                    the largest value of each tensor's format;
+ *   scale, scale_inv [n_tensors]           updated in place (the first step starts from scale 1).
+ * The slot's old entry (the oldest) leaves the ring and this step's amax enters it; then
+ * amax = the max over the ring (MT_FP8_AMAX_MAX) or this step's (MT_FP8_AMAX_MOST_RECENT), and
+ * scale = fp8_max / amax / 2^margin, kept as it was when that amax is 0 or not finite. */
+static bool fp8_scale_update(const mt_exec* ex, float* amax_history, float* scale, float* scale_inv, const float* amax,
+                             const float* fp8_max, int n_tensors, int history_len, int position, int margin,
+                             mt_fp8_amax_algo algo) {
+    if (n_tensors < 0 || history_len < 1 || position < 0 || position >= history_len || margin < 0)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG,
+                           "fp8_scale_update: %d tensors, history of %d, position %d, margin %d: need a history of at "
+                           "least 1, a position inside it and a margin >= 0",
+                           n_tensors, history_len, position, margin);
+    if (n_tensors == 0) return true;
+    fp8_scale_update_kernel<<<ceil_div(n_tensors, 4), 128, 0, ex->stream>>>(
+        amax_history, scale, scale_inv, amax, fp8_max, n_tensors, history_len, position, margin, (int)algo);
+    return LAUNCH_CHECK(ex->error);
+}
+
+__global__ void fp8_scale_from_amax_kernel(float* scale, float* scale_inv, const float* amax, float fp8_max, int margin) {
+    const float s = fp8_scale_from_amax_value(*amax, fp8_max, margin, 1.0f);
+    *scale = s;
+    *scale_inv = 1.0f / s;
+}
+/* Current (tensorwise) scaling: *scale = fp8_max / *amax / 2^margin (1 when the amax is 0 or not
+ * finite), *scale_inv = 1 / *scale; all three on the device. */
+static void fp8_scale_from_amax(const mt_exec* ex, float* scale, float* scale_inv, const float* amax, float fp8_max,
+                                int margin) {
+    fp8_scale_from_amax_kernel<<<1, 1, 0, ex->stream>>>(scale, scale_inv, amax, fp8_max, margin);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ---- per-tensor cast and transpose ---- */
+
+/* The arguments both casts share: rows and cols multiples of 16 (whole 16-byte rows of fp8, the
+ * GEMM's K alignment), 16-byte aligned pointers (vector loads and stores). */
+static bool fp8_cast_arguments_ok(const mt_exec* ex, const char* what, const void* x, const void* out,
+                                  const void* out_t, int rows, int cols) {
+    if (rows < 0 || cols < 0 || rows % 16 || cols % 16)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "%s: x [%d, %d]: rows and columns must be multiples of 16", what,
+                           rows, cols);
+    if (!aligned16(x) || !aligned16(out) || !aligned16(out_t))
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "%s: x [%d, %d]: x, out and out_t must be 16-byte aligned", what,
+                           rows, cols);
+    return true;
+}
+
+#define FP8_TILE 64
+/* A block casts one 64 x 64 tile of x [rows, cols]: each thread loads 16 bytes of a row, writes its
+ * fp8 bytes to out (8 or 4 bytes, a warp covering whole row segments) and to a shared tile; then
+ * each thread gathers 8 bytes of a tile column (8 rows) and writes them as 8 bytes of a row of
+ * out_t [cols, rows]. The 4-byte row padding of the shared tile halves its bank conflicts. amax: the
+ * block's largest |x| bits, one atomicMax per block. */
+template <mt_fp8_dtype F, typename T>
+__global__ void __launch_bounds__(256) fp8_cast_transpose_kernel(uint8_t* out, uint8_t* out_t, float* amax,
+                                                                 const T* x, int rows, int cols,
+                                                                 const float* scale_ptr) {
+    constexpr int V = vec16<T>::N;                        /* elements per 16-byte load: 8 bf16, 4 fp32 */
+    constexpr int THREADS_PER_ROW = FP8_TILE / V;         /* 8 or 16 */
+    constexpr int ROWS_PER_PASS = 256 / THREADS_PER_ROW;  /* 32 or 16 */
+    constexpr int PITCH = FP8_TILE + 4;                   /* bytes per tile row in shared memory */
+    __shared__ __align__(16) uint8_t tile[FP8_TILE * PITCH];
+    const int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
+    const int tile_rows = min(FP8_TILE, rows - r0), tile_cols = min(FP8_TILE, cols - c0); /* multiples of 16 */
+    const float scale = scale_ptr ? *scale_ptr : 1.0f;
+    uint32_t largest = 0;
+    const int c = (threadIdx.x % THREADS_PER_ROW) * V;
+    if (c < tile_cols)
+        for (int r = threadIdx.x / THREADS_PER_ROW; r < tile_rows; r += ROWS_PER_PASS) {
+            float v[V];
+            load16(v, x + (int64_t)(r0 + r) * cols + c0 + c);
+            uint32_t packed[V / 4]; /* 4 fp8 bytes per word, in column order */
+#pragma unroll
+            for (int i = 0; i < V; i += 4) {
+                largest = max(largest, max(max(abs_bits(v[i]), abs_bits(v[i + 1])), max(abs_bits(v[i + 2]), abs_bits(v[i + 3]))));
+                packed[i / 4] = fp8x2_from_float<F>(v[i] * scale, v[i + 1] * scale) |
+                                fp8x2_from_float<F>(v[i + 2] * scale, v[i + 3] * scale) << 16;
+            }
+#pragma unroll
+            for (int i = 0; i < V / 4; i++) *reinterpret_cast<uint32_t*>(&tile[r * PITCH + c + 4 * i]) = packed[i];
+            if (out) {
+                uint8_t* dst = out + (int64_t)(r0 + r) * cols + c0 + c;
+                if constexpr (V == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+                else *reinterpret_cast<uint32_t*>(dst) = packed[0];
+            }
+        }
+    if (amax) {
+        largest = block_max_u32(largest);
+        if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax), largest);
+    }
+    if (!out_t) return;
+    __syncthreads();
+    for (int task = threadIdx.x; task < FP8_TILE * (FP8_TILE / 8); task += 256) {
+        const int j = task / 8, g = task % 8; /* tile column j, tile rows [8g, 8g + 8) */
+        if (j >= tile_cols || 8 * g >= tile_rows) continue;
+        uint32_t lo = 0, hi = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            lo |= (uint32_t)tile[(8 * g + i) * PITCH + j] << (8 * i);
+            hi |= (uint32_t)tile[(8 * g + 4 + i) * PITCH + j] << (8 * i);
+        }
+        *reinterpret_cast<uint2*>(out_t + (int64_t)(c0 + j) * rows + r0 + 8 * g) = make_uint2(lo, hi);
+    }
+}
+
+/* x [rows, cols] (bf16, fp16, fp32) -> out [rows, cols] = fp8(x * *scale) and out_t [cols, rows] its
+ * transpose, in one read of x; either output may be NULL. amax (may be NULL) = max |x| of this
+ * tensor (delayed scaling records it into the history after the step). rows and cols must be
+ * multiples of 16 and the pointers 16-byte aligned, else an MT_ERR_ARG error is recorded and false
+ * returned, nothing queued. scale, amax: device, one float each. */
+template <typename T>
+static bool fp8_cast_transpose(const mt_exec* ex, mt_fp8_dtype fmt, uint8_t* out, uint8_t* out_t, const T* x,
+                               int rows, int cols, const float* scale, float* amax) {
+    if (!fp8_cast_arguments_ok(ex, "fp8_cast_transpose", x, out, out_t, rows, cols)) return false;
+    if ((out || out_t) && !scale) return mt_gpu_fail(ex->error, MT_ERR_ARG, "fp8_cast_transpose: no scale");
+    if (amax && !CUDA_CHECK(ex->error, cudaMemsetAsync(amax, 0, sizeof(float), ex->stream))) return false;
+    if (rows == 0 || cols == 0 || (!out && !out_t && !amax)) return true;
+    const dim3 grid(ceil_div(cols, FP8_TILE), ceil_div(rows, FP8_TILE));
+    if (grid.y > 65535) return mt_gpu_fail(ex->error, MT_ERR_ARG, "fp8_cast_transpose: %d rows are too many", rows);
+    if (fmt == FP8_E4M3)
+        fp8_cast_transpose_kernel<FP8_E4M3, T><<<grid, 256, 0, ex->stream>>>(out, out_t, amax, x, rows, cols, scale);
+    else
+        fp8_cast_transpose_kernel<FP8_E5M2, T><<<grid, 256, 0, ex->stream>>>(out, out_t, amax, x, rows, cols, scale);
+    return LAUNCH_CHECK(ex->error);
+}
+
+/* Current (tensorwise) scaling of one tensor, Megatron's --fp8-recipe tensorwise: s->amax = max |x|,
+ * s->scale = fp8_max / amax / 2^margin (1 for an all-zero or non-finite x), s->scale_inv, then the
+ * cast of x [rows, cols] into out and out_t (either may be NULL) with that scale: two reads of x. */
+template <typename T>
+static bool fp8_quantize_tensorwise(const mt_exec* ex, mt_fp8_dtype fmt, const mt_fp8_scaling* s, int margin,
+                                    uint8_t* out, uint8_t* out_t, const T* x, int rows, int cols) {
+    if (!fp8_cast_arguments_ok(ex, "fp8_quantize_tensorwise", x, out, out_t, rows, cols)) return false;
+    fp8_amax(ex, s->amax, x, (int64_t)rows * cols);
+    fp8_scale_from_amax(ex, s->scale, s->scale_inv, s->amax, fp8_max_value(fmt), margin);
+    return fp8_cast_transpose(ex, fmt, out, out_t, x, rows, cols, s->scale, NULL);
+}
+
+/* ---- blockwise cast ---- */
+
+#define FP8_BLOCK 128
+/* The scale of one block: fp8_max / amax (1 for an all-zero or non-finite block), optionally rounded
+ * down to a power of two. */
+__device__ __forceinline__ float fp8_block_scale(uint32_t amax_bits, float fp8_max, int power_of_2) {
+    const float s = fp8_scale_from_amax_value(__uint_as_float(amax_bits), fp8_max, 0, 1.0f);
+    return power_of_2 ? fp8_scale_power_of_2_below(s) : s;
+}
+
+/* A block takes one 128 x 128 block of x [rows, cols] (smaller at the edges) into shared memory
+ * (row pitch 128 + 4 bytes' worth of elements: the column reads below are free of bank conflicts).
+ * Rows: warp w casts rows w, w + 8, ...; lane l columns [4l, 4l + 4), written as 4 bytes of out; in
+ * 1x128 mode the row's scale comes from a warp max. Columns (out_t): warp w casts tile columns w, w +
+ * 8, ...; lane l rows l, l + 32, l + 64, l + 96, one byte each of a row of out_t [cols, rows]; in
+ * 1x128 mode the column's scale (a 1x128 block of x^T) from a warp max. In 128x128 mode one scale
+ * for the whole block, from a block max, and out_t holds exactly the transposed bytes of out. */
+template <mt_fp8_dtype F, typename T, bool BLOCKS_128x128>
+__global__ void __launch_bounds__(256) fp8_cast_blockwise_kernel(uint8_t* out, uint8_t* out_t, float* scale_inv,
+                                                                 float* scale_inv_t, const T* x, int rows, int cols,
+                                                                 int power_of_2) {
+    constexpr int V = vec16<T>::N, PITCH = FP8_BLOCK + 4 / (int)sizeof(T);
+    constexpr float FP8_MAX = F == FP8_E4M3 ? 448.0f : 57344.0f;
+    extern __shared__ __align__(16) unsigned char fp8_blockwise_shared[];
+    T* tile = reinterpret_cast<T*>(fp8_blockwise_shared); /* [128][PITCH] */
+    __shared__ float tile_scale;
+    const int rb = blockIdx.y, cb = blockIdx.x, r0 = rb * FP8_BLOCK, c0 = cb * FP8_BLOCK;
+    const int tile_rows = min(FP8_BLOCK, rows - r0), tile_cols = min(FP8_BLOCK, cols - c0); /* multiples of 16 */
+    uint32_t largest = 0;
+    const int c = (threadIdx.x % (FP8_BLOCK / V)) * V;
+    if (c < tile_cols)
+        for (int r = threadIdx.x / (FP8_BLOCK / V); r < tile_rows; r += 256 / (FP8_BLOCK / V)) {
+            const int4 raw = *reinterpret_cast<const int4*>(x + (int64_t)(r0 + r) * cols + c0 + c);
+            const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+            for (int i = 0; i < V; i++) {
+                tile[r * PITCH + c + i] = e[i];
+                largest = max(largest, abs_bits(to_float(e[i])));
+            }
+        }
+    if (BLOCKS_128x128) {
+        largest = block_max_u32(largest);
+        if (threadIdx.x == 0) {
+            const float s = fp8_block_scale(largest, FP8_MAX, power_of_2);
+            tile_scale = s;
+            /* the 128x128 layouts' leading dimensions: block counts rounded up to multiples of 4 */
+            const int ld = (cols + 4 * FP8_BLOCK - 1) / (4 * FP8_BLOCK) * 4, ld_t = (rows + 4 * FP8_BLOCK - 1) / (4 * FP8_BLOCK) * 4;
+            if (scale_inv) scale_inv[(int64_t)rb * ld + cb] = 1.0f / s;
+            if (scale_inv_t) scale_inv_t[(int64_t)cb * ld_t + rb] = 1.0f / s;
+        }
+    }
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (out)
+        for (int r = warp; r < tile_rows; r += 8) {
+            const bool mine = 4 * lane < tile_cols;
+            float v[4];
+            uint32_t row_largest = 0;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                v[i] = mine ? to_float(tile[r * PITCH + 4 * lane + i]) : 0.0f;
+                row_largest = max(row_largest, abs_bits(v[i]));
+            }
+            float s;
+            if (BLOCKS_128x128) {
+                s = tile_scale;
+            } else {
+                s = fp8_block_scale(__reduce_max_sync(0xffffffffu, row_largest), FP8_MAX, power_of_2);
+                if (lane == 0) scale_inv[(int64_t)cb * rows + r0 + r] = 1.0f / s;
+            }
+            if (mine)
+                *reinterpret_cast<uint32_t*>(out + (int64_t)(r0 + r) * cols + c0 + 4 * lane) =
+                    fp8x2_from_float<F>(v[0] * s, v[1] * s) | fp8x2_from_float<F>(v[2] * s, v[3] * s) << 16;
+        }
+    if (out_t)
+        for (int cc = warp; cc < tile_cols; cc += 8) {
+            float v[4];
+            uint32_t column_largest = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int r = lane + 32 * k;
+                v[k] = r < tile_rows ? to_float(tile[r * PITCH + cc]) : 0.0f;
+                column_largest = max(column_largest, abs_bits(v[k]));
+            }
+            float s;
+            if (BLOCKS_128x128) {
+                s = tile_scale;
+            } else {
+                s = fp8_block_scale(__reduce_max_sync(0xffffffffu, column_largest), FP8_MAX, power_of_2);
+                if (lane == 0) scale_inv_t[(int64_t)rb * cols + c0 + cc] = 1.0f / s;
+            }
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                if (lane + 32 * k < tile_rows) out_t[(int64_t)(c0 + cc) * rows + r0 + lane + 32 * k] = fp8_from_float<F>(v[k] * s);
+        }
+}
+
+/* Blockwise scaling (Megatron's --fp8-recipe blockwise): x [rows, cols] (bf16, fp16, fp32) ->
+ *   out [rows, cols] with scale_inv in `blocks`' layout for a tensor [rows, cols] (mt_fp8_scaling_mode;
+ *     fp8_scale_inv_count floats);
+ *   out_t [cols, rows] with scale_inv_t in that layout for a tensor [cols, rows]: with 1x128 blocks
+ *     out_t is x^T cast in 1x128 blocks of its own rows (128 rows of x per block), the operand of
+ *     the weight-gradient GEMM; with 128x128 blocks it is out transposed (W^T for the input gradient).
+ * Each block's scale is fp8_max / its amax (1 for an all-zero or non-finite block), rounded down to a
+ * power of two when power_of_2_scales; scale_inv = 1 / scale. Either (out, scale_inv) or
+ * (out_t, scale_inv_t) may be (NULL, NULL). rows and cols multiples of 16, pointers 16-byte aligned. */
+template <typename T>
+static bool fp8_cast_blockwise(const mt_exec* ex, mt_fp8_dtype fmt, uint8_t* out, uint8_t* out_t, float* scale_inv,
+                               float* scale_inv_t, const T* x, int rows, int cols, mt_fp8_scaling_mode blocks,
+                               bool power_of_2_scales) {
+    if (!fp8_cast_arguments_ok(ex, "fp8_cast_blockwise", x, out, out_t, rows, cols)) return false;
+    if (blocks != FP8_BLOCKS_1x128 && blocks != FP8_BLOCKS_128x128)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "fp8_cast_blockwise: blocks must be 1x128 or 128x128");
+    if (!out != !scale_inv || !out_t != !scale_inv_t)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "fp8_cast_blockwise: each output needs its scale_inv and vice versa");
+    if (rows == 0 || cols == 0 || (!out && !out_t)) return true;
+    const dim3 grid(ceil_div(cols, FP8_BLOCK), ceil_div(rows, FP8_BLOCK));
+    if (grid.y > 65535) return mt_gpu_fail(ex->error, MT_ERR_ARG, "fp8_cast_blockwise: %d rows are too many", rows);
+    typedef void (*kernel_t)(uint8_t*, uint8_t*, float*, float*, const T*, int, int, int);
+    const bool e4m3 = fmt == FP8_E4M3, square = blocks == FP8_BLOCKS_128x128;
+    const kernel_t kernel = e4m3 ? (square ? fp8_cast_blockwise_kernel<FP8_E4M3, T, true> : fp8_cast_blockwise_kernel<FP8_E4M3, T, false>)
+                                 : (square ? fp8_cast_blockwise_kernel<FP8_E5M2, T, true> : fp8_cast_blockwise_kernel<FP8_E5M2, T, false>);
+    const int shared_bytes = FP8_BLOCK * (FP8_BLOCK + 4 / (int)sizeof(T)) * (int)sizeof(T); /* 33 KB bf16, 66 KB fp32 */
+    if (!CUDA_CHECK(ex->error, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes)))
+        return false;
+    kernel<<<grid, 256, shared_bytes, ex->stream>>>(out, out_t, scale_inv, scale_inv_t, x, rows, cols, power_of_2_scales);
+    return LAUNCH_CHECK(ex->error);
+}
+
+
+/* ============================================================================================== */
+/* 13. GEMM                                                                                       */
 /*    Row-major C[M,N] = op(A) op(B) through cuBLASLt (column-major underneath), A and B in the   */
-/*    model type, C in the model type or fp32 (weight gradients accumulate straight into the      */
-/*    fp32 gradient buffer with beta = 1), always fp32 accumulation, batched by strides. Each     */
-/*    distinct GEMM (shapes, types, pointer alignment, epilogue) gets a plan once: descriptors,   */
-/*    layouts and the heuristic's algorithm, cached for the trainer's life (mt_gemm_plans).       */
-/*    Epilogues fuse bias + GELU into the first MLP GEMM (keeping the pre-activation as           */
-/*    cuBLASLt's aux output) and GELU's derivative into the second MLP GEMM's input gradient.     */
+/*    model type, C in the model type or fp32 (weight gradients accumulate straight into the fp32 */
+/*    gradient buffer with beta = 1), always fp32 accumulation, batched by strides. Each distinct */
+/*    GEMM (shapes, types, pointer alignment, epilogue, FP8 scaling) gets a plan once:            */
+/*    descriptors, layouts and the heuristic's algorithm, cached for the trainer's life           */
+/*    (mt_gemm_plans). Epilogues fuse bias + GELU into the first MLP GEMM (keeping the pre-       */
+/*    activation as cuBLASLt's aux output) and GELU's derivative into the second MLP GEMM's input */
+/*    gradient. FP8 (gemm_fp8): both operands stored with rows along K, the only layout Hopper's  */
+/*    FP8 tensor cores take ("TN" in cuBLASLt's column-major terms), E4M3 x E4M3 or E4M3 x E5M2,  */
+/*    their scale_inv (per tensor, or per 1x128 or 128x128 block, section 12) applied by cuBLASLt */
+/*    to the fp32-accumulated product, C in bf16 or fp32.                                         */
 /* ============================================================================================== */
 
 typedef enum {
@@ -2748,7 +3216,10 @@ typedef enum {
 typedef struct {
     int transA, transB, M, N, K, lda, ldb, ldc, batch;
     int epilogue, has_bias, alignment;
-    int ab_type, c_type;
+    int a_type, b_type, c_type; /* cudaDataType_t of our A, our B and C */
+    int fp8;                    /* gemm_fp8: operands scaled as below, fast_accumulate as asked */
+    int a_scaling, b_scaling;   /* mt_fp8_scaling_mode of our A and our B */
+    int fast_accumulate;
     int64_t strideA, strideB, strideC;
 } mt_gemm_key;
 
@@ -2758,6 +3229,8 @@ typedef struct {
     cublasLtMatrixLayout_t a, b, c;
     cublasLtMatmulAlgo_t algo;
     int supported; /* the heuristic found an algorithm */
+    cublasStatus_t heuristic_status; /* what the heuristic said, and how many algorithms it found */
+    int algorithms_found;
 } mt_gemm_plan;
 
 #define GEMM_MAX_PLANS 256
@@ -2780,15 +3253,45 @@ static int pointer_alignment(const void* p) {
     return a;
 }
 
+/* cuBLASLt's name for an FP8 operand's scaling */
+static int32_t fp8_cublaslt_scale_mode(int scaling) {
+    return scaling == FP8_BLOCKS_1x128     ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+           : scaling == FP8_BLOCKS_128x128 ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                                           : CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+}
+
 /* Builds the plan of a key: the row-major problem is the column-major C^T[N,M] = op(B)^T op(A)^T,
- * so cuBLASLt's "A" is our B and its "B" our A. */
-static void gemm_plan_build(mt_gemm_plans* g, mt_gpu_error* e, mt_gemm_plan* p) {
+ * so cuBLASLt's "A" is our B and its "B" our A (FP8: its A scale is our B's, its B scale our A's;
+ * the scale pointers are set before the heuristic, which may look at them, and again at each call).
+ * A failing descriptor call records its status and leaves the plan unsupported. */
+static void gemm_plan_build(mt_gemm_plans* g, mt_gpu_error* e, mt_gemm_plan* p, const float* fp8_a_scale_inv = NULL,
+                            const float* fp8_b_scale_inv = NULL) {
     const mt_gemm_key* k = &p->key;
-    cudaDataType_t ab = (cudaDataType_t)k->ab_type, ct = (cudaDataType_t)k->c_type;
+    cudaDataType_t at = (cudaDataType_t)k->a_type, bt = (cudaDataType_t)k->b_type, ct = (cudaDataType_t)k->c_type;
     cublasOperation_t opA = k->transB ? CUBLAS_OP_T : CUBLAS_OP_N, opB = k->transA ? CUBLAS_OP_T : CUBLAS_OP_N;
     if (!CUBLAS_CHECK(e, cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F))) return;
     CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof(opA)));
     CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &opB, sizeof(opB)));
+    if (k->fp8) {
+        const int32_t lt_a_mode = fp8_cublaslt_scale_mode(k->b_scaling), lt_b_mode = fp8_cublaslt_scale_mode(k->a_scaling);
+        if (k->b_scaling != FP8_PER_TENSOR)
+            CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &lt_a_mode,
+                                                           sizeof(lt_a_mode)));
+        if (k->a_scaling != FP8_PER_TENSOR)
+            CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &lt_b_mode,
+                                                           sizeof(lt_b_mode)));
+        CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &fp8_b_scale_inv,
+                                                       sizeof(fp8_b_scale_inv)));
+        CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &fp8_a_scale_inv,
+                                                       sizeof(fp8_a_scale_inv)));
+        const int8_t fast = (int8_t)k->fast_accumulate;
+        CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+        if (k->has_bias) { /* FP8 GEMMs with a bf16 or fp32 output take a bf16 bias */
+            const cudaDataType_t bias_type = CUDA_R_16BF;
+            CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+                                                           sizeof(bias_type)));
+        }
+    }
     cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
     if (k->epilogue == GEMM_GELU_AUX_BIAS) epi = k->has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
     if (k->epilogue == GEMM_DGELU) epi = CUBLASLT_EPILOGUE_DGELU;
@@ -2810,8 +3313,8 @@ static void gemm_plan_build(mt_gemm_plans* g, mt_gpu_error* e, mt_gemm_plan* p) 
     /* stored shapes (column-major rows x cols) */
     uint64_t a_rows = k->transB ? k->K : k->N, a_cols = k->transB ? k->N : k->K;
     uint64_t b_rows = k->transA ? k->M : k->K, b_cols = k->transA ? k->K : k->M;
-    CUBLAS_CHECK(e, cublasLtMatrixLayoutCreate(&p->a, ab, a_rows, a_cols, k->ldb));
-    CUBLAS_CHECK(e, cublasLtMatrixLayoutCreate(&p->b, ab, b_rows, b_cols, k->lda));
+    CUBLAS_CHECK(e, cublasLtMatrixLayoutCreate(&p->a, bt, a_rows, a_cols, k->ldb));
+    CUBLAS_CHECK(e, cublasLtMatrixLayoutCreate(&p->b, at, b_rows, b_cols, k->lda));
     CUBLAS_CHECK(e, cublasLtMatrixLayoutCreate(&p->c, ct, k->N, k->M, k->ldc));
     if (k->batch > 1) {
         struct { cublasLtMatrixLayout_t l; int64_t stride; } batched[3] = {{p->a, k->strideB}, {p->b, k->strideA}, {p->c, k->strideC}};
@@ -2823,6 +3326,7 @@ static void gemm_plan_build(mt_gemm_plans* g, mt_gpu_error* e, mt_gemm_plan* p) 
                                                              &batched[i].stride, sizeof(int64_t)));
         }
     }
+    if (e->status != MT_OK) return; /* a descriptor or layout call above failed (recorded) */
     cublasLtMatmulPreference_t pref;
     if (!CUBLAS_CHECK(e, cublasLtMatmulPreferenceCreate(&pref))) return;
     uint64_t ws = g->workspace_bytes;
@@ -2835,7 +3339,9 @@ static void gemm_plan_build(mt_gemm_plans* g, mt_gpu_error* e, mt_gemm_plan* p) 
     cublasLtMatmulHeuristicResult_t result;
     int found = 0;
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g->lt, p->desc, p->a, p->b, p->c, p->c, pref, 1, &result, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
+    CUBLAS_CHECK(e, cublasLtMatmulPreferenceDestroy(pref));
+    p->heuristic_status = st; /* not an error here: the caller decides (a fallback, or gemm_fp8's message) */
+    p->algorithms_found = found;
     p->supported = st == CUBLAS_STATUS_SUCCESS && found > 0;
     if (p->supported) p->algo = result.algo;
 }
@@ -2872,7 +3378,7 @@ static bool gemm_epilogue(const mt_exec* ex, mt_gemm_epilogue epilogue, bool tra
     key.lda = lda; key.ldb = ldb; key.ldc = ldc; key.batch = batch;
     key.strideA = strideA; key.strideB = strideB; key.strideC = strideC;
     key.epilogue = epilogue; key.has_bias = bias != NULL;
-    key.ab_type = cuda_type<T>(); key.c_type = cuda_type<TC>();
+    key.a_type = key.b_type = cuda_type<T>(); key.c_type = cuda_type<TC>();
     int align = pointer_alignment(A);
     const void* others[4] = {B, C, bias, aux};
     for (int i = 0; i < 4; i++)
@@ -2916,8 +3422,96 @@ static void gemm(const mt_exec* ex, bool transA, bool transB, int M, int N, int 
                          batch, strideA, strideB, strideC);
 }
 
+/* FP8 GEMM, row-major, both operands stored with rows along K:
+ *   C[M,N] (ldc) = alpha * (A[M,K] . B[N,K]^T) * a_scale_inv * b_scale_inv + beta * C (+ bias[N])
+ * with fp32 accumulation; A, B fp8 bytes of the given formats (E4M3 x E4M3, E4M3 x E5M2 or
+ * E5M2 x E4M3); a_scale_inv, b_scale_inv device scale_invs in the operands' scaling modes
+ * (mt_fp8_scaling_mode: one float, or 1x128 / 128x128 block layouts of A [M,K] and B [N,K]);
+ * C bf16 (forward, input gradient; beta 0) or fp32 (weight gradient: beta 0 writes, beta 1
+ * accumulates into the fp32 gradient buffer); bias [N] bf16 or NULL. For a linear y = x W^T with
+ * x [N, in], W [out, in], dy [N, out], the roles are
+ *   forward        y  [N, out]  = x [N, in]     . (W [out, in])^T      M = N,   N = out, K = in
+ *   input grad     dx [N, in]   = dy [N, out]   . (W^T [in, out])^T    M = N,   N = in,  K = out
+ *   weight grad    dW [out, in] = dy^T [out, N] . (x^T [in, N])^T      M = out, N = in,  K = N
+ * where W^T, dy^T and x^T are the casts' transposed outputs. fast_accumulate lets the tensor cores
+ * accumulate without promoting partial sums to fp32 (faster, less exact; Transformer Engine uses it
+ * for the forward only). Returns false, with an error recorded (MT_ERR_ARG before anything runs;
+ * MT_ERR_CUDA naming cuBLASLt's status and the problem when it has no algorithm or refuses the call),
+ * when the GEMM did not run: K not a positive multiple of 16, ldc < N, A or B not 16-byte aligned,
+ * E5M2 x E5M2, or an earlier error. */
+template <typename TC>
+static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, mt_fp8_dtype a_format,
+                     const float* a_scale_inv, const uint8_t* B, mt_fp8_dtype b_format, const float* b_scale_inv,
+                     TC* C, int ldc, float alpha, float beta, const __nv_bfloat16* bias = NULL,
+                     mt_fp8_scaling_mode a_scaling = FP8_PER_TENSOR, mt_fp8_scaling_mode b_scaling = FP8_PER_TENSOR,
+                     bool fast_accumulate = false) {
+    static_assert(std::is_same<TC, __nv_bfloat16>::value || std::is_same<TC, float>::value, "FP8 GEMM output: bf16 or fp32");
+    mt_gemm_plans* g = ex->gemm;
+    if (ex->error->status != MT_OK) return false;
+    char what[256];
+    snprintf(what, sizeof(what),
+             "M=%d N=%d K=%d, A %s %s [M,K], B %s %s [N,K], C %s ldc=%d (%d-byte aligned), alpha %g beta %g%s%s", M, N,
+             K, fp8_format_name(a_format), fp8_scaling_mode_name(a_scaling), fp8_format_name(b_format),
+             fp8_scaling_mode_name(b_scaling), std::is_same<TC, float>::value ? "fp32" : "bf16", ldc,
+             pointer_alignment(C), alpha, beta, bias ? ", bf16 bias" : "", fast_accumulate ? ", fast accumulation" : "");
+    if (a_format == FP8_E5M2 && b_format == FP8_E5M2)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG,
+                           "gemm_fp8: E5M2 x E5M2 is not an FP8 GEMM of Hopper's (pair E4M3 with E4M3 or E5M2): %s", what);
+    if (M < 0 || N < 0 || K <= 0 || K % 16)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: K must be a positive multiple of 16 (FP8 rows of whole 16 bytes): %s",
+                           what);
+    if (ldc < N) return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: ldc < N: %s", what);
+    if (!aligned16(A) || !aligned16(B) || !a_scale_inv || !b_scale_inv)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: A and B must be 16-byte aligned, both scale_invs given: %s",
+                           what);
+    if (M == 0 || N == 0) return true;
+    mt_gemm_key key;
+    memset(&key, 0, sizeof(key));
+    key.transA = 0; key.transB = 1; key.M = M; key.N = N; key.K = K;
+    key.lda = K; key.ldb = K; key.ldc = ldc; key.batch = 1;
+    key.epilogue = bias ? GEMM_BIAS : GEMM_PLAIN; key.has_bias = bias != NULL;
+    key.a_type = fp8_cuda_type(a_format); key.b_type = fp8_cuda_type(b_format); key.c_type = cuda_type<TC>();
+    key.fp8 = 1; key.a_scaling = a_scaling; key.b_scaling = b_scaling; key.fast_accumulate = fast_accumulate;
+    int align = pointer_alignment(A);
+    const void* others[3] = {B, C, bias};
+    for (int i = 0; i < 3; i++)
+        if (others[i] && pointer_alignment(others[i]) < align) align = pointer_alignment(others[i]);
+    key.alignment = align;
+    mt_gemm_plan* plan = NULL;
+    for (int i = 0; i < g->num_plans && !plan; i++)
+        if (!memcmp(&g->plans[i].key, &key, sizeof(key))) plan = &g->plans[i];
+    if (!plan && g->num_plans < GEMM_MAX_PLANS) {
+        plan = &g->plans[g->num_plans++];
+        memset(plan, 0, sizeof(*plan));
+        plan->key = key;
+        gemm_plan_build(g, ex->error, plan, a_scale_inv, b_scale_inv);
+    }
+    if (!plan) return mt_gpu_fail(ex->error, MT_ERR_CUDA, "gemm_fp8: the plan cache is full (%d plans): %s", GEMM_MAX_PLANS, what);
+    if (!plan->supported) {
+        if (ex->error->status != MT_OK) return false; /* a descriptor call failed: its status is recorded */
+        return mt_gpu_fail(ex->error, MT_ERR_CUDA,
+                           "gemm_fp8: cuBLASLt status %s (%s) from cublasLtMatmulAlgoGetHeuristic, %d algorithms, for %s",
+                           cublasGetStatusName(plan->heuristic_status), cublasGetStatusString(plan->heuristic_status),
+                           plan->algorithms_found, what);
+    }
+    if (!CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                               &b_scale_inv, sizeof(b_scale_inv))) ||
+        !CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                               &a_scale_inv, sizeof(a_scale_inv))))
+        return false;
+    if (bias && !CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                                       &bias, sizeof(bias))))
+        return false;
+    const cublasStatus_t st = cublasLtMatmul(g->lt, plan->desc, &alpha, B, plan->a, A, plan->b, &beta, C, plan->c, C,
+                                             plan->c, &plan->algo, g->workspace, g->workspace_bytes, ex->stream);
+    if (st != CUBLAS_STATUS_SUCCESS)
+        return mt_gpu_fail(ex->error, MT_ERR_CUDA, "gemm_fp8: cuBLASLt status %s (%s) from cublasLtMatmul for %s",
+                           cublasGetStatusName(st), cublasGetStatusString(st), what);
+    return true;
+}
+
 /* ============================================================================================== */
-/* 13. Process groups                                                                             */
+/* 14. Process groups                                                                             */
 /*    Megatron's rank layout (megatron.h: tp-cp-ep-dp-pp) gives each rank its coordinates. One    */
 /*    NCCL communicator spans the job; it is split into the tensor-parallel group (the TP ranks   */
 /*    of one model replica, contiguous ranks) and the data-parallel group (the ranks that hold    */
@@ -3041,7 +3635,7 @@ static void process_groups_free(mt_process_groups* g) {
 }
 
 /* ============================================================================================== */
-/* 14. Parallel layers                                                                            */
+/* 15. Parallel layers                                                                            */
 /*    linear_forward/backward: y = x W^T + b, W stored [out, in], weight and bias gradients in    */
 /*    fp32. Megatron's tensor parallelism around them: a column-parallel linear holds rows of W   */
 /*    (its output columns) and needs the whole input; a row-parallel linear holds columns of W    */
@@ -3171,7 +3765,7 @@ static void row_parallel_backward(const parallel_backward_ctx<T>& pc, T* dx, flo
 }
 
 /* ============================================================================================== */
-/* 15. The model                                                                                  */
+/* 16. The model                                                                                  */
 /*    Parameters: one buffer in Megatron's DDP layout (megatron.h mt_buffer_layout: reverse       */
 /*    model order, buckets) of this tensor-parallel rank's shard; layer_params / layer_grads      */
 /*    name one layer's tensors in it. Activations: one arena for one micro-batch, sized at        */
@@ -3518,7 +4112,7 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
     return false;
 }
 
-/* The data-parallel hooks the model calls (section 17): the forward waits for each layer's
+/* The data-parallel hooks the model calls (section 18): the forward waits for each layer's
  * parameters when the last step's all-gather still runs; the backward reports each layer whose
  * gradients are final, so full buckets can start their reduction (when the micro-batch's mode says
  * so). Layer -1 is the embeddings, layer L the final norm and output layer. */
@@ -3568,7 +4162,7 @@ static void cross_entropy(mt_trainer* t, const mt_exec* ex, float grad_scale) {
  * Each residual add is fused with the norm that follows it: the attention residual with the MLP's
  * norm, the MLP residual with the next layer's first norm (or the final norm). With tensor
  * parallelism: QKV and fc1 are column-parallel, proj and fc2 row-parallel, the embedding and the
- * output layer vocab-parallel (section 14). */
+ * output layer vocab-parallel (section 15). */
 template <typename T>
 static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale) {
     mt_shape s = model_shape(t);
@@ -3740,7 +4334,7 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) 
 }
 
 /* ============================================================================================== */
-/* 16. The micro-batch loop                                                                       */
+/* 17. The micro-batch loop                                                                       */
 /*    One stage, the micro-batches in order, forward then backward for each (pipeline schedules   */
 /*    are not built yet). Stages one micro-batch's tokens onto the device, builds its mode        */
 /*    (first micro-batch overwrites gradients, the last one's backward starts the DP reductions)  */
@@ -3872,7 +4466,7 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
 }
 
 /* ============================================================================================== */
-/* 17. Optimizer: data-parallel buckets, global gradient norm, clipping, Megatron's fp16          */
+/* 18. Optimizer: data-parallel buckets, global gradient norm, clipping, Megatron's fp16          */
 /*    DynamicGradScaler, AdamW over this rank's shard, and the all-gather of the new parameters.  */
 /*    Every DP collective runs on the communication stream, in the same order on every rank; the  */
 /*    compute stream and the communication stream hand over with events.                          */
@@ -4061,7 +4655,7 @@ static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
 }
 
 /* ============================================================================================== */
-/* 18. Checkpoints                                                                                */
+/* 19. Checkpoints                                                                                */
 /*    <dir>/iter_0000100/mp_rank_00/model_optim_rng.bin: a header (magic, version, model shape,   */
 /*    progress counters), then the fp32 master weights, Adam m and v, each in canonical order,    */
 /*    so a checkpoint does not depend on the buffer layout or the number of data-parallel ranks.  */
@@ -4401,7 +4995,7 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
 }
 
 /* ============================================================================================== */
-/* 19. The trainer API                                                                            */
+/* 20. The trainer API                                                                            */
 /* ============================================================================================== */
 
 /* Carves the activation arena. With base == NULL it only measures (returns the size in bytes). */

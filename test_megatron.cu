@@ -23,6 +23,7 @@
 #include "tests/test_checkpoint.h"
 #include "tests/test_attention.h"
 #include "tests/test_kernels.h"
+#include "tests/test_fp8.h"
 #include "tests/test_data_parallel.h"
 #include "tests/test_tensor_parallel.h"
 #include "tests/test_hf.h"
@@ -66,6 +67,7 @@ int main(int argc, char** argv) {
         GROUP("gpu.checkpoint", checkpoint_gpu_tests),
         GROUP("gpu.attention", attention_gpu_tests),
         GROUP("gpu.kernels", kernels_gpu_tests),
+        GROUP("gpu.fp8", fp8_tests),
         GROUP("gpu.tensor_parallel", tensor_parallel_gpu_tests),
         GROUP("gpu.hf", hf_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
