@@ -146,6 +146,7 @@ typedef struct {
     int accumulate_gradients;
     int last;               /* the step's last micro-batch: after its backward the gradients are final */
     int reduce_in_backward; /* buckets start their DP reduction from this backward (--overlap-grad-reduce) */
+    int training;           /* a backward follows: FP8's delayed scaling records this micro-batch's amaxes */
 } mt_micro_batch_mode;
 
 typedef struct mt_gemm_plans mt_gemm_plans; /* section 13 */
@@ -2795,7 +2796,7 @@ static const char* fp8_scaling_mode_name(mt_fp8_scaling_mode m) {
     return m == FP8_PER_TENSOR ? "per-tensor" : m == FP8_BLOCKS_1x128 ? "1x128 blocks" : "128x128 blocks";
 }
 /* The number of floats of the scale_inv of a tensor [rows, cols] (the 128x128 padding included). */
-static int64_t fp8_scale_inv_count(mt_fp8_scaling_mode m, int rows, int cols) {
+[[maybe_unused]] static int64_t fp8_scale_inv_count(mt_fp8_scaling_mode m, int rows, int cols) {
     if (m == FP8_BLOCKS_1x128) return (int64_t)ceil_div(cols, 128) * rows;
     if (m == FP8_BLOCKS_128x128) return (int64_t)ceil_div(rows, 128) * (ceil_div(ceil_div(cols, 128), 4) * 4);
     return 1;
@@ -3025,15 +3026,17 @@ __global__ void __launch_bounds__(256) fp8_cast_transpose_kernel(uint8_t* out, u
 
 /* x [rows, cols] (bf16, fp16, fp32) -> out [rows, cols] = fp8(x * *scale) and out_t [cols, rows] its
  * transpose, in one read of x; either output may be NULL. amax (may be NULL) = max |x| of this
- * tensor (delayed scaling records it into the history after the step). rows and cols must be
+ * tensor, or with accumulate_amax max(amax, max |x|) (delayed scaling: the step's largest over its
+ * micro-batches, entered into the history after the step). rows and cols must be
  * multiples of 16 and the pointers 16-byte aligned, else an MT_ERR_ARG error is recorded and false
  * returned, nothing queued. scale, amax: device, one float each. */
 template <typename T>
 static bool fp8_cast_transpose(const mt_exec* ex, mt_fp8_dtype fmt, uint8_t* out, uint8_t* out_t, const T* x,
-                               int rows, int cols, const float* scale, float* amax) {
+                               int rows, int cols, const float* scale, float* amax, bool accumulate_amax = false) {
     if (!fp8_cast_arguments_ok(ex, "fp8_cast_transpose", x, out, out_t, rows, cols)) return false;
     if ((out || out_t) && !scale) return mt_gpu_fail(ex->error, MT_ERR_ARG, "fp8_cast_transpose: no scale");
-    if (amax && !CUDA_CHECK(ex->error, cudaMemsetAsync(amax, 0, sizeof(float), ex->stream))) return false;
+    if (amax && !accumulate_amax && !CUDA_CHECK(ex->error, cudaMemsetAsync(amax, 0, sizeof(float), ex->stream)))
+        return false;
     if (rows == 0 || cols == 0 || (!out && !out_t && !amax)) return true;
     const dim3 grid(ceil_div(cols, FP8_TILE), ceil_div(rows, FP8_TILE));
     if (grid.y > 65535) return mt_gpu_fail(ex->error, MT_ERR_ARG, "fp8_cast_transpose: %d rows are too many", rows);
@@ -3646,16 +3649,6 @@ static void process_groups_free(mt_process_groups* g) {
 /*    the backward). At TP = 1 every collective vanishes and these are the plain linears.         */
 /* ============================================================================================== */
 
-/* y[N, out] = x[N, in] W[out, in]^T (+ bias, in the GEMM's epilogue where cuBLASLt has one) */
-template <typename T>
-static void linear_forward(const mt_exec* ex, T* y, const T* x, const T* weight, const T* bias, int N, int in,
-                           int out) {
-    if (bias && gemm_epilogue<T, T>(ex, GEMM_BIAS, false, true, N, out, in, x, in, weight, in, y, out, 1.0f, 0.0f, bias,
-                                    (T*)NULL))
-        return;
-    gemm<T, T>(ex, false, true, N, out, in, x, in, weight, in, y, out, 1.0f, 0.0f);
-    if (bias) bias_add<T>(ex, y, bias, N, out);
-}
 
 /* dW[out, in] += dy^T x (fp32) and, when dbias != NULL, dbias[out] += column sums of dy [N, out] (both
  * overwrite when ex->mode.accumulate_gradients is 0: beta = 0). The
@@ -3669,6 +3662,133 @@ static void weight_gradient(const mt_exec* ex, mt_colsum_scratch* s, float* dwei
     if (dbias) column_sum<T>(ex, s, dbias, dy, N, out);
 }
 
+/* ---- FP8 linears (--fp8-format) ----
+ * In an FP8 layer the four linears run their three GEMMs in FP8 (section 12): the forward
+ * y = x W^T from x8 [N, in] and W's FP8 copy [out, in]; the input gradient dx = dy W from dy8 [N, out]
+ * and W^T's copy [in, out]; the weight gradient dW = dy^T x from dy8^T [out, N] and x8^T [in, N]
+ * (recast in the backward from the saved bf16 input with the forward's scale: the same bytes, no
+ * FP8 activations kept). Weights and inputs are E4M3; output gradients E4M3 or, with hybrid, E5M2.
+ * Each operand has a scaling slot in the trainer's FP8 state: delayed scaling casts with the slot's
+ * scale and records the amax (the step's largest) for the update after the step; tensorwise takes
+ * the scale from the tensor's own amax at each cast. Biases, GELU/SwiGLU and their gradients stay
+ * in bf16 around the GEMMs. */
+enum { FP8_QKV = 0, FP8_PROJ, FP8_FC1, FP8_FC2, FP8_LINEARS };
+enum { FP8_X = 0, FP8_W, FP8_G, FP8_ROLES }; /* a linear's input, weight and output gradient */
+
+/* The FP8 state shared by every FP8 linear: formats, recipe, the scaling slots of every operand
+ * (device arrays, one entry per tensor: ((fp8 layer * FP8_LINEARS + linear) * FP8_ROLES + role)),
+ * the weights' FP8 copies and the cast scratch of the one linear running. */
+typedef struct {
+    int enabled;
+    mt_fp8_dtype fwd, bwd;      /* E4M3; the gradients E5M2 with hybrid */
+    mt_fp8_recipe recipe;
+    int margin, wgrad;
+    mt_fp8_amax_algo algo;
+    int history_len, history_pos;
+    int num_layers;             /* FP8 layers */
+    int* slot_of_layer;         /* host [L]: the layer's index among the FP8 layers, -1 in bf16 */
+    int num_tensors;            /* num_layers * FP8_LINEARS * FP8_ROLES */
+    float* scale;               /* [num_tensors] x_fp8 = x * scale */
+    float* scale_inv;           /* [num_tensors] what the GEMMs multiply by */
+    float* amax;                /* [num_tensors] delayed: the largest amax of this step's casts */
+    float* fp8_max;             /* [num_tensors] the operand's format's largest value */
+    float* history;             /* [num_tensors, history_len] delayed scaling's amax rings */
+    uint8_t* weights;           /* per FP8 layer, per linear: W [out, in] then W^T [in, out] */
+    int64_t weights_per_layer;  /* bytes */
+    int stale;                  /* the FP8 weight copies predate the parameters */
+    uint8_t *x8, *x8t, *g8, *g8t; /* [BT * widest] each: the running linear's cast operands */
+} mt_fp8_state;
+
+/* One linear's view of that state: its three scaling slots and its weight copies. */
+typedef struct {
+    const mt_fp8_state* f;
+    int tensor;                 /* the slot of its input; the weight's is + FP8_W, the gradient's + FP8_G */
+    const uint8_t* w8;          /* [out, in] */
+    const uint8_t* w8t;         /* [in, out] */
+    int record_amax;            /* training: delayed scaling records the amaxes */
+} fp8_linear;
+
+static mt_fp8_scaling fp8_slot(const fp8_linear* L, int role) {
+    const int i = L->tensor + role;
+    mt_fp8_scaling s = {L->f->scale + i, L->f->scale_inv + i, L->f->amax + i};
+    return s;
+}
+
+/* x [rows, cols] -> out [rows, cols] and/or out_t [cols, rows] in `dtype`, scaled by the slot of
+ * `role`. fresh: the tensor's first cast in this micro-batch (tensorwise takes its amax and scale
+ * now; delayed records its amax); otherwise a recast with the scale already set. */
+template <typename T>
+static void fp8_cast_operand(const mt_exec* ex, const fp8_linear* L, int role, mt_fp8_dtype dtype, uint8_t* out,
+                             uint8_t* out_t, const T* x, int rows, int cols, bool fresh) {
+    mt_fp8_scaling s = fp8_slot(L, role);
+    if (L->f->recipe == MT_FP8_TENSORWISE && fresh)
+        fp8_quantize_tensorwise(ex, dtype, &s, L->f->margin, out, out_t, x, rows, cols);
+    else
+        fp8_cast_transpose(ex, dtype, out, out_t, x, rows, cols, s.scale,
+                           fresh && L->record_amax && L->f->recipe == MT_FP8_DELAYED ? s.amax : (float*)NULL, true);
+}
+
+/* y [N, out] = x [N, in] W^T (+ bias) through the FP8 GEMM */
+template <typename T>
+static void fp8_linear_forward(const mt_exec* ex, const fp8_linear* L, T* y, const T* x, const T* bias, int N, int in,
+                               int out) {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+        const mt_fp8_state* f = L->f;
+        fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, f->x8, NULL, x, N, in, true);
+        gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, f->scale_inv + L->tensor + FP8_X, L->w8, f->fwd,
+                    f->scale_inv + L->tensor + FP8_W, y, out, 1.0f, 0.0f, bias);
+    } else {
+        mt_gpu_fail(ex->error, MT_ERR_CONFIG, "FP8 linears need the bf16 model type");
+    }
+}
+
+/* dx [N, in] = dy [N, out] W through the FP8 GEMM; dy is cast in both layouts (dy8^T is the weight
+ * gradient's operand, used next by fp8_linear_weight_gradient). */
+template <typename T>
+static void fp8_linear_input_gradient(const mt_exec* ex, const fp8_linear* L, T* dx, const T* dy, int N, int in,
+                                      int out) {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+        const mt_fp8_state* f = L->f;
+        fp8_cast_operand<T>(ex, L, FP8_G, f->bwd, f->g8, f->g8t, dy, N, out, true);
+        gemm_fp8<T>(ex, N, in, out, f->g8, f->bwd, f->scale_inv + L->tensor + FP8_G, L->w8t, f->fwd,
+                    f->scale_inv + L->tensor + FP8_W, dx, in, 1.0f, 0.0f);
+    } else {
+        mt_gpu_fail(ex->error, MT_ERR_CONFIG, "FP8 linears need the bf16 model type");
+    }
+}
+
+/* dW [out, in] (+)= dy^T x through the FP8 GEMM from dy8^T (cast by fp8_linear_input_gradient) and x
+ * recast transposed; dbias from dy in bf16 as always. With --no-fp8-wgrad, the model-type GEMM. */
+template <typename T>
+static void fp8_linear_weight_gradient(const mt_exec* ex, const fp8_linear* L, mt_colsum_scratch* s, float* dweight,
+                                       float* dbias, const T* dy, const T* x, int N, int in, int out) {
+    const mt_fp8_state* f = L->f;
+    if (!f->wgrad) {
+        weight_gradient<T>(ex, s, dweight, dbias, dy, x, N, in, out);
+        return;
+    }
+    fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, NULL, f->x8t, x, N, in, false);
+    gemm_fp8<float>(ex, out, in, N, f->g8t, f->bwd, f->scale_inv + L->tensor + FP8_G, f->x8t, f->fwd,
+                    f->scale_inv + L->tensor + FP8_X, dweight, in, 1.0f, (float)ex->mode.accumulate_gradients);
+    if (dbias) column_sum<T>(ex, s, dbias, dy, N, out);
+}
+
+/* y[N, out] = x[N, in] W[out, in]^T (+ bias, in the GEMM's epilogue where cuBLASLt has one); with f8,
+ * through the FP8 GEMM from the weight's FP8 copy */
+template <typename T>
+static void linear_forward(const mt_exec* ex, T* y, const T* x, const T* weight, const T* bias, int N, int in,
+                           int out, const fp8_linear* f8 = NULL) {
+    if (f8) {
+        fp8_linear_forward<T>(ex, f8, y, x, bias, N, in, out);
+        return;
+    }
+    if (bias && gemm_epilogue<T, T>(ex, GEMM_BIAS, false, true, N, out, in, x, in, weight, in, y, out, 1.0f, 0.0f, bias,
+                                    (T*)NULL))
+        return;
+    gemm<T, T>(ex, false, true, N, out, in, x, in, weight, in, y, out, 1.0f, 0.0f);
+    if (bias) bias_add<T>(ex, y, bias, N, out);
+}
+
 /* dx[N, in] = dy W;  dW[out, in] += dy^T x;  db[out] += column sums of dy. With gelu_pre (the
  * GELU's input [N, in] that produced x), dx is instead the gradient of gelu_pre: dy W * gelu'(pre),
  * through cuBLASLt's DGELU epilogue (or the GEMM and then the kernel). (DGELU_BGRAD, which would
@@ -3676,7 +3796,14 @@ static void weight_gradient(const mt_exec* ex, mt_colsum_scratch* s, float* dwei
  * bf16 dx in cuBLAS 13.0 on an H100: dev/cuda/fused_kernels.cu asks.) */
 template <typename T>
 static void linear_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dx, float* dweight, float* dbias, const T* dy,
-                            const T* x, const T* weight, int N, int in, int out, const T* gelu_pre = NULL) {
+                            const T* x, const T* weight, int N, int in, int out, const T* gelu_pre = NULL,
+                            const fp8_linear* f8 = NULL) {
+    if (f8) { /* the FP8 GEMMs; GELU's derivative by the kernel (no DGELU epilogue in FP8) */
+        fp8_linear_input_gradient<T>(ex, f8, dx, dy, N, in, out);
+        if (gelu_pre) gelu_backward<T>(ex, dx, gelu_pre, (int64_t)N * in);
+        fp8_linear_weight_gradient<T>(ex, f8, s, dweight, dbias, dy, x, N, in, out);
+        return;
+    }
     if (dx && gelu_pre) {
         if (!gemm_epilogue<T, T>(ex, GEMM_DGELU, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f,
                                  (const T*)NULL, (T*)gelu_pre)) {
@@ -3730,7 +3857,8 @@ struct parallel_backward_ctx {
  * the weight gradient is computed. Returns d x: dx [BT, in] whole, or pc.rows [R, in]. */
 template <typename T>
 static T* column_parallel_backward(const parallel_backward_ctx<T>& pc, T* dx, float* dweight, float* dbias,
-                                   const T* dy, const T* x_saved, const T* weight, int in, int out) {
+                                   const T* dy, const T* x_saved, const T* weight, int in, int out,
+                                   const fp8_linear* f8 = NULL) {
     const mt_exec* ex = pc.ex;
     mt_tp_group* tp = pc.tp;
     const int BT = pc.BT, R = pc.R;
@@ -3740,13 +3868,15 @@ static T* column_parallel_backward(const parallel_backward_ctx<T>& pc, T* dx, fl
         tp_mark(tp);
         x = pc.gathered;
     }
-    gemm<T, T>(ex, false, false, BT, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
+    if (f8) fp8_linear_input_gradient<T>(ex, f8, dx, dy, BT, in, out);
+    else gemm<T, T>(ex, false, false, BT, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
     if (tp->size > 1) {
         if (tp->sp) tp_reduce_scatter(tp, pc.rows, dx, (size_t)R * in, tp->type);
         else tp_all_reduce(tp, dx, (size_t)BT * in, tp->type);
     }
     if (tp->sp) tp_join_mark(tp); /* the input is gathered; the reduction may still run */
-    weight_gradient<T>(ex, pc.cs, dweight, dbias, dy, x, BT, in, out);
+    if (f8) fp8_linear_weight_gradient<T>(ex, f8, pc.cs, dweight, dbias, dy, x, BT, in, out);
+    else weight_gradient<T>(ex, pc.cs, dweight, dbias, dy, x, BT, in, out);
     if (tp->size > 1) tp_join(tp);
     return tp->sp ? pc.rows : dx;
 }
@@ -3759,9 +3889,10 @@ static T* column_parallel_backward(const parallel_backward_ctx<T>& pc, T* dx, fl
  * gelu_pre, dx is the gradient of the GELU's input (see linear_backward). */
 template <typename T>
 static void row_parallel_backward(const parallel_backward_ctx<T>& pc, T* dx, float* dweight, const T* dy_rows,
-                                  const T* x, const T* weight, int in, int out, const T* gelu_pre = NULL) {
+                                  const T* x, const T* weight, int in, int out, const T* gelu_pre = NULL,
+                                  const fp8_linear* f8 = NULL) {
     const T* dy = column_parallel_input(pc.tp, pc.gathered_grad, dy_rows, pc.R, out);
-    linear_backward<T>(pc.ex, pc.cs, dx, dweight, (float*)NULL, dy, x, weight, pc.BT, in, out, gelu_pre);
+    linear_backward<T>(pc.ex, pc.cs, dx, dweight, (float*)NULL, dy, x, weight, pc.BT, in, out, gelu_pre, f8);
 }
 
 /* ============================================================================================== */
@@ -3863,6 +3994,9 @@ struct mt_trainer {
     int* first_bucket_of_layer; /* [L + 2]: see first_bucket_of_layers */
     size_t state_bytes_measured; /* device memory taken by params, grads, master, Adam (cudaMemGetInfo) */
     mt_activations act;
+    mt_fp8_state fp8;         /* FP8 linears (section 14); enabled = 0 without --fp8-format */
+    void* fp8_arena;          /* its device memory, one allocation */
+    size_t fp8_arena_bytes;
     void* arena;              /* activations + scratch, one allocation */
     size_t arena_bytes;
     int32_t* host_tokens;     /* pinned staging: [micro, T] inputs, targets and the embedding index */
@@ -4119,6 +4253,48 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
 static void wait_for_parameters(mt_trainer* t, int layer);
 static void gradients_ready(mt_trainer* t, const mt_exec* ex, int layer);
 
+/* FP8 (--fp8-format): layer l's four linears as FP8 operands (false for a bf16 layer), with their
+ * weights' FP8 copies made first when the parameters changed since the last cast (once per
+ * optimizer step: the forward of the step's first micro-batch, after the layer's parameters are
+ * all-gathered). Weight shapes are this TP rank's: qkv [qkv_width, h], proj [h, heads*d],
+ * fc1 [f1, h], fc2 [h, f]. */
+static void fp8_linear_dims(const mt_shape& s, int linear, int* out, int* in) {
+    const int dims[FP8_LINEARS][2] = {{s.qkv_width, s.h}, {s.h, s.attn_width}, {s.f1, s.h}, {s.h, s.f}};
+    *out = dims[linear][0];
+    *in = dims[linear][1];
+}
+template <typename T>
+static bool fp8_layer_linears(mt_trainer* t, const mt_exec* ex, int l, bool cast_weights, fp8_linear* L) {
+    mt_fp8_state* f = &t->fp8;
+    if (!f->enabled || f->slot_of_layer[l] < 0) return false;
+    const mt_shape s = model_shape(t);
+    const int slot = f->slot_of_layer[l];
+    const layer_tensors<T> p = layer_params<T>(t, l);
+    const T* weights[FP8_LINEARS] = {p.qkv_w, p.proj_w, p.fc1_w, p.fc2_w};
+    uint8_t* w8 = f->weights + (int64_t)slot * f->weights_per_layer;
+    for (int k = 0; k < FP8_LINEARS; k++) {
+        int out, in;
+        fp8_linear_dims(s, k, &out, &in);
+        L[k].f = f;
+        L[k].tensor = (slot * FP8_LINEARS + k) * FP8_ROLES;
+        L[k].w8 = w8;
+        L[k].w8t = w8 + (int64_t)out * in;
+        L[k].record_amax = ex->mode.training;
+        if (cast_weights) {
+            if (f->recipe == MT_FP8_TENSORWISE) {
+                mt_fp8_scaling ws = fp8_slot(&L[k], FP8_W);
+                fp8_quantize_tensorwise<T>(ex, f->fwd, &ws, f->margin, (uint8_t*)L[k].w8, (uint8_t*)L[k].w8t,
+                                           weights[k], out, in);
+            } else { /* delayed: the weights' amax is recorded whenever they are cast */
+                fp8_cast_transpose<T>(ex, f->fwd, (uint8_t*)L[k].w8, (uint8_t*)L[k].w8t, weights[k], out, in,
+                                      f->scale + L[k].tensor + FP8_W, f->amax + L[k].tensor + FP8_W, true);
+            }
+        }
+        w8 += 2 * (int64_t)out * in;
+    }
+    return true;
+}
+
 /* The output layer's weight: the word embeddings (tied, GPT-2's default) or its own (untied). */
 template <typename T>
 static T* output_weight(mt_trainer* t) {
@@ -4185,15 +4361,19 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale) {
         norm_forward<T>(ex, v.ln1, v.ln1_mean, v.ln1_rstd, v.x, p.ln1_w, p.ln1_b, s.R, s.h, eps, s.rms);
     }
 
+    const bool cast_fp8_weights = t->fp8.stale != 0;
     for (int l = 0; l < s.L; l++) {
         const layer_view<T> v = layer_activations<T>(a, s, l);
         const layer_tensors<T> p = layer_params<T>(t, l);
+        fp8_linear f8[FP8_LINEARS];
+        const bool fp8 = fp8_layer_linears<T>(t, ex, l, cast_fp8_weights, f8);
 
         /* attention block: ln1 = norm1(x) is already there */
         const T* ln1_in = column_parallel_input<T>(tp, gathered, v.ln1, s.R, s.h);
-        linear_forward<T>(ex, v.qkv, ln1_in, p.qkv_w, p.qkv_b, s.BT, s.h, s.qkv_width);
+        linear_forward<T>(ex, v.qkv, ln1_in, p.qkv_w, p.qkv_b, s.BT, s.h, s.qkv_width, fp8 ? &f8[FP8_QKV] : NULL);
         attention_forward<T>(t, ex, v.qkv, v.probs, v.lse, v.attn);
-        linear_forward<T>(ex, (T*)a->branch, v.attn, p.proj_w, (const T*)NULL, s.BT, s.attn_width, s.h);
+        linear_forward<T>(ex, (T*)a->branch, v.attn, p.proj_w, (const T*)NULL, s.BT, s.attn_width, s.h,
+                          fp8 ? &f8[FP8_PROJ] : NULL);
         T* proj = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
         /* mid = x + proj + bias; ln2 = norm2(mid) */
         residual_norm_forward<T>(ex, v.mid, v.ln2, v.ln2_mean, v.ln2_rstd, v.x, proj, p.proj_b, p.ln2_w, p.ln2_b, s.R,
@@ -4202,16 +4382,17 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale) {
         /* MLP block */
         const T* ln2_in = column_parallel_input<T>(tp, gathered, v.ln2, s.R, s.h);
         /* bf16/fp16 GELU: act = gelu(ln2 W^T + b) with fc1 = the pre-activation, one cuBLASLt GEMM */
-        bool fused = gelu_fused<T>(s) && gemm_epilogue<T, T>(ex, GEMM_GELU_AUX_BIAS, false, true, s.BT, s.f, s.h, ln2_in,
-                                                             s.h, p.fc1_w, s.h, v.act, s.f, 1.0f, 0.0f, p.fc1_b, v.fc1);
+        bool fused = !fp8 && gelu_fused<T>(s) &&
+                     gemm_epilogue<T, T>(ex, GEMM_GELU_AUX_BIAS, false, true, s.BT, s.f, s.h, ln2_in, s.h, p.fc1_w, s.h,
+                                         v.act, s.f, 1.0f, 0.0f, p.fc1_b, v.fc1);
         if (!fused) {
-            linear_forward<T>(ex, v.fc1, ln2_in, p.fc1_w, (const T*)NULL, s.BT, s.h, s.f1);
+            linear_forward<T>(ex, v.fc1, ln2_in, p.fc1_w, (const T*)NULL, s.BT, s.h, s.f1, fp8 ? &f8[FP8_FC1] : NULL);
             if (s.swiglu)
                 bias_swiglu<T>(ex, v.fc1, v.act, p.fc1_b, s.BT, s.f);
             else
                 bias_gelu<T>(ex, v.fc1, v.act, p.fc1_b, s.BT, s.f);
         }
-        linear_forward<T>(ex, (T*)a->branch, v.act, p.fc2_w, (const T*)NULL, s.BT, s.f, s.h);
+        linear_forward<T>(ex, (T*)a->branch, v.act, p.fc2_w, (const T*)NULL, s.BT, s.f, s.h, fp8 ? &f8[FP8_FC2] : NULL);
         T* fc2 = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
         /* out = mid + fc2 + bias; then the next norm: layer l+1's first, or the final norm */
         wait_for_parameters(t, l + 1);
@@ -4226,6 +4407,8 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale) {
                                      s.h, eps, s.rms);
         }
     }
+
+    if (cast_fp8_weights) t->fp8.stale = 0;
 
     /* output layer (tied to the word embeddings, or untied; vocab-parallel), cross entropy */
     const T* lnf_in = column_parallel_input<T>(tp, gathered, (const T*)a->lnf, s.R, s.h);
@@ -4286,12 +4469,15 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) 
         const layer_view<T> v = layer_activations<T>(a, s, l);
         const layer_tensors<T> p = layer_params<T>(t, l);
         const layer_tensors<float> dp = layer_grads(t, l);
+        fp8_linear f8[FP8_LINEARS];
+        const bool fp8 = fp8_layer_linears<T>(t, ex, l, false, f8);
 
         /* MLP block: dres is d(out); the branch sees the same gradient. d(act) -> branch2, then
          * d(fc1 output) in place (GELU) or into branch (SwiGLU: twice as wide) */
-        bool fused = gelu_fused<T>(s); /* d(act) and GELU's derivative in one GEMM (DGELU epilogue) */
+        bool fused = gelu_fused<T>(s); /* d(act) and GELU's derivative in one GEMM (DGELU epilogue), or
+                                          with FP8 after it by the kernel (linear_backward) */
         row_parallel_backward<T>(pc, (T*)a->branch2, dp.fc2_w, dres, v.act, p.fc2_w, s.f, s.h,
-                                 fused ? v.fc1 : (const T*)NULL);
+                                 fused ? v.fc1 : (const T*)NULL, fp8 ? &f8[FP8_FC2] : NULL);
         T* dfc1 = (T*)a->branch2;
         T* dln2 = (T*)a->branch;
         if (s.swiglu) {
@@ -4301,18 +4487,20 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) 
         } else if (!fused) {
             gelu_backward<T>(ex, (T*)a->branch2, v.fc1, (int64_t)s.BT * s.f);
         }
-        dln2 = column_parallel_backward<T>(pc, dln2, dp.fc1_w, dp.fc1_b, dfc1, v.ln2, p.fc1_w, s.h, s.f1);
+        dln2 = column_parallel_backward<T>(pc, dln2, dp.fc1_w, dp.fc1_b, dfc1, v.ln2, p.fc1_w, s.h, s.f1,
+                                           fp8 ? &f8[FP8_FC1] : NULL);
         norm_backward<T>(ex, cs, dres, dp.ln2_w, dp.ln2_b, dp.proj_b, dln2, v.mid, p.ln2_w, v.ln2_mean, v.ln2_rstd, s.R,
                          s.h, s.rms);
 
         /* attention block: dres is now d(mid) */
-        row_parallel_backward<T>(pc, (T*)a->branch2, dp.proj_w, dres, v.attn, p.proj_w, s.attn_width, s.h);
+        row_parallel_backward<T>(pc, (T*)a->branch2, dp.proj_w, dres, v.attn, p.proj_w, s.attn_width, s.h,
+                                 (const T*)NULL, fp8 ? &f8[FP8_PROJ] : NULL);
         float* dqkv_bias = dp.qkv_b;
         if (attention_backward<T>(t, ex, (T*)a->branch, (T*)a->branch2, v.qkv, v.probs, v.lse, v.attn, dqkv_bias))
             dqkv_bias = NULL; /* taken from the attention kernels */
         norm_apply<T>(ex, v.ln1, v.x, v.ln1_mean, v.ln1_rstd, p.ln1_w, p.ln1_b, s.R, s.h);
         T* dln1 = column_parallel_backward<T>(pc, (T*)a->branch2, dp.qkv_w, dqkv_bias, (T*)a->branch, v.ln1, p.qkv_w,
-                                              s.h, s.qkv_width);
+                                              s.h, s.qkv_width, fp8 ? &f8[FP8_QKV] : NULL);
         norm_backward<T>(ex, cs, dres, dp.ln1_w, dp.ln1_b, l > 0 ? layer_grads(t, l - 1).fc2_b : (float*)NULL, dln1,
                          v.x, p.ln1_w, v.ln1_mean, v.ln1_rstd, s.R, s.h, s.rms);
         reduce_sequence_parallel_gradients(t, ex, l);
@@ -4436,6 +4624,7 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
         mode.accumulate_gradients = mb > 0;
         mode.last = train && mb == count - 1;
         mode.reduce_in_backward = mode.last && dp > 1 && t->cfg.overlap_grad_reduce;
+        mode.training = train;
         const mt_exec ex = trainer_exec(t, mode);
         switch (t->cfg.precision) {
             case MT_FP32:
@@ -4651,6 +4840,7 @@ static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
     h.grad_scale = grad_scale;
     const mt_exec ex = trainer_exec(t);
     adamw_update<T>(&ex, &h, t->chunks, t->num_chunks, t->master, (T*)t->params, t->grads, t->adam_m, t->adam_v);
+    t->fp8.stale = 1;
     gather_parameters(t);
 }
 
@@ -4726,6 +4916,7 @@ static float* full_master(mt_trainer* t) {
 
 /* Master weights (this rank's part) and the model-type copy from a full fp32 buffer-layout array. */
 static void set_master_from_full(mt_trainer* t, float* full) {
+    t->fp8.stale = 1; /* the FP8 weight copies are made again from the new parameters */
     if (full != t->master) copy_owned(t, t->master, full, 1);
     if (t->params == (void*)t->master) return;
     const mt_exec ex = trainer_exec(t);
@@ -4786,6 +4977,40 @@ static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration,
     header[MT_CK_DP_RANK] = t->groups.dp_rank;
     header[MT_CK_SHARD_NUMEL] = t->sharded ? t->shard_numel : 0;
     header[MT_CK_TP_RANK] = t->groups.tp.rank;
+    const int delayed = t->fp8.enabled && t->fp8.recipe == MT_FP8_DELAYED;
+    header[MT_CK_FP8_TENSORS] = delayed ? t->fp8.num_tensors : 0;
+    header[MT_CK_FP8_HISTORY_LEN] = delayed ? t->fp8.history_len : 0;
+    header[MT_CK_FP8_HISTORY_POS] = delayed ? t->fp8.history_pos : 0;
+}
+
+/* The FP8 delayed-scaling state after the model file's arrays (see MT_CK_FP8_TENSORS): scale,
+ * scale_inv, history; written from and read into the device arrays through a host buffer. */
+static mt_status fp8_state_transfer(mt_trainer* t, FILE* f, int write, const char* path, mt_error* err) {
+    mt_fp8_state* s = &t->fp8;
+    const int64_t nt = s->num_tensors, n = nt * (2 + (int64_t)s->history_len);
+    float* host = (float*)malloc(sizeof(float) * (size_t)n);
+    if (!host) return mt_fail(err, MT_ERR_OOM, "cannot allocate the FP8 state's staging");
+    float* device[3] = {s->scale, s->scale_inv, s->history};
+    const int64_t count[3] = {nt, nt, nt * s->history_len};
+    mt_status st = MT_OK;
+    if (write) {
+        int64_t at = 0;
+        for (int i = 0; i < 3; at += count[i], i++)
+            CUDA_CHECK(&t->error, cudaMemcpyAsync(host + at, device[i], count[i] * 4, cudaMemcpyDeviceToHost, t->stream));
+        CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+        st = mt_gpu_error_return(&t->error, err);
+        if (st == MT_OK) st = write_all(f, host, sizeof(float) * (size_t)n, path, err);
+    } else {
+        if (fread(host, sizeof(float), (size_t)n, f) != (size_t)n)
+            st = mt_fail(err, MT_ERR_FORMAT, "%s: the FP8 scaling state is cut short", path);
+        int64_t at = 0;
+        for (int i = 0; st == MT_OK && i < 3; at += count[i], i++)
+            CUDA_CHECK(&t->error, cudaMemcpyAsync(device[i], host + at, count[i] * 4, cudaMemcpyHostToDevice, t->stream));
+        CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+        if (st == MT_OK) st = mt_gpu_error_return(&t->error, err);
+    }
+    free(host);
+    return st;
 }
 
 /* Writes header + arrays to path; the arrays are canonical full-model (model file) or shards. */
@@ -4802,6 +5027,7 @@ static mt_status write_checkpoint_file(mt_trainer* t, const char* path, const in
         /* without sharding, m and v are full buffer-layout arrays like the master */
         if (!t->sharded && st == MT_OK) st = write_canonical(t, f, t->adam_m, host, path, err);
         if (!t->sharded && st == MT_OK) st = write_canonical(t, f, t->adam_v, host, path, err);
+        if (header[MT_CK_FP8_TENSORS] > 0 && st == MT_OK) st = fp8_state_transfer(t, f, 1, path, err);
     }
     if (fclose(f) != 0 && st == MT_OK) st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
     return st;
@@ -4963,6 +5189,20 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
                 if (st == MT_OK) copy_owned(t, moments[i], t->grads, 1);
             }
         }
+        /* FP8 delayed scaling's state: taken when this run has the same tensors and history length; a
+         * checkpoint without it starts the scales afresh; another layout of it is refused */
+        const int delayed = t->fp8.enabled && t->fp8.recipe == MT_FP8_DELAYED;
+        if (st == MT_OK && delayed && h[MT_CK_FP8_TENSORS] > 0) {
+            if (h[MT_CK_FP8_TENSORS] != t->fp8.num_tensors || h[MT_CK_FP8_HISTORY_LEN] != t->fp8.history_len ||
+                h[MT_CK_FP8_HISTORY_POS] < 0 || h[MT_CK_FP8_HISTORY_POS] >= h[MT_CK_FP8_HISTORY_LEN])
+                st = mt_fail(err, MT_ERR_FORMAT,
+                             "%s holds FP8 scaling for %lld tensors with an amax history of %lld (slot %lld); this run "
+                             "has %d with a history of %d", path, (long long)h[MT_CK_FP8_TENSORS],
+                             (long long)h[MT_CK_FP8_HISTORY_LEN], (long long)h[MT_CK_FP8_HISTORY_POS],
+                             t->fp8.num_tensors, t->fp8.history_len);
+            if (st == MT_OK) st = fp8_state_transfer(t, f, 0, path, err);
+            if (st == MT_OK) t->fp8.history_pos = (int)h[MT_CK_FP8_HISTORY_POS];
+        }
         if (f) fclose(f);
     }
     if (st == MT_OK && h[MT_CK_SHARDED_DP] != 0) {
@@ -5087,8 +5327,9 @@ mt_memory_plan mt_trainer_memory_plan(const mt_trainer* t) {
     p.activation_bytes = t->arena_bytes;
     p.workspace_bytes = CUBLAS_WORKSPACE_BYTES + 3 * colsum_scratch_floats(t) * 4 +
                         ((size_t)t->num_chunks + 1) * sizeof(double) + (size_t)t->num_chunks * sizeof(mt_opt_chunk);
+    p.fp8_bytes = t->fp8_arena_bytes;
     p.total_bytes = p.parameter_bytes + p.master_bytes + p.gradient_bytes + p.optimizer_bytes + p.activation_bytes +
-                    p.workspace_bytes;
+                    p.workspace_bytes + p.fp8_bytes;
     p.state_bytes_measured = t->state_bytes_measured;
     return p;
 }
@@ -5209,6 +5450,81 @@ static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
     return mt_gpu_error_return(&t->error, err);
 }
 
+/* The FP8 state (section 14), one device allocation: the scaling arrays (every scale 1, every
+ * history 0 at the start, as Transformer Engine), the weights' FP8 copies in both layouts for every
+ * FP8 layer, and the cast scratch of one linear ([BT, widest] four times). */
+static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
+    const mt_config* c = &t->cfg;
+    mt_fp8_state* f = &t->fp8;
+    memset(f, 0, sizeof(*f));
+    if (c->fp8_format == MT_FP8_NONE) return MT_OK;
+    int device = 0;
+    cudaDeviceProp prop;
+    if (!CUDA_CHECK(&t->error, cudaGetDevice(&device)) || !CUDA_CHECK(&t->error, cudaGetDeviceProperties(&prop, device)))
+        return mt_gpu_error_return(&t->error, err);
+    if (prop.major * 10 + prop.minor < 89)
+        return mt_fail(err, MT_ERR_CONFIG, "--fp8-format needs a GPU with FP8 tensor cores (compute capability 8.9 or "
+                       "newer); %s is %d.%d", prop.name, prop.major, prop.minor);
+    if (c->fp8_recipe == MT_FP8_BLOCKWISE)
+        return mt_fail(err, MT_ERR_CONFIG, "--fp8-recipe blockwise is not built yet: use delayed or tensorwise");
+    const mt_shape s = model_shape(t);
+    f->enabled = 1;
+    f->fwd = FP8_E4M3;
+    f->bwd = c->fp8_format == MT_FP8_HYBRID ? FP8_E5M2 : FP8_E4M3;
+    f->recipe = c->fp8_recipe;
+    f->margin = c->fp8_margin;
+    f->wgrad = c->fp8_wgrad;
+    f->algo = c->fp8_amax_compute_algo;
+    f->history_len = c->fp8_recipe == MT_FP8_DELAYED ? c->fp8_amax_history_len : 1;
+    f->slot_of_layer = (int*)malloc(sizeof(int) * (size_t)s.L);
+    if (!f->slot_of_layer) return mt_fail(err, MT_ERR_OOM, "cannot allocate the FP8 layer table");
+    for (int l = 0; l < s.L; l++) f->slot_of_layer[l] = mt_fp8_layer(c, l) ? f->num_layers++ : -1;
+    f->num_tensors = f->num_layers * FP8_LINEARS * FP8_ROLES;
+    int64_t wide = 0;
+    for (int k = 0; k < FP8_LINEARS; k++) {
+        int out, in;
+        fp8_linear_dims(s, k, &out, &in);
+        f->weights_per_layer += 2 * (int64_t)out * in;
+        wide = out > wide ? out : wide;
+        wide = in > wide ? in : wide;
+    }
+    const int64_t nt = f->num_tensors, scratch = (int64_t)s.BT * wide;
+    size_t off = 0;
+    auto carve = [&](int64_t bytes) { size_t at = off; off += ((size_t)bytes + 255) & ~(size_t)255; return at; };
+    size_t o_scale = carve(nt * 4), o_scale_inv = carve(nt * 4), o_amax = carve(nt * 4), o_max = carve(nt * 4);
+    size_t o_history = carve(nt * f->history_len * 4), o_weights = carve(f->num_layers * f->weights_per_layer);
+    size_t o_x8 = carve(scratch), o_x8t = carve(scratch), o_g8 = carve(scratch), o_g8t = carve(scratch);
+    t->fp8_arena_bytes = off;
+    char* base = (char*)device_alloc(t, off);
+    if (!base) return mt_gpu_error_return(&t->error, err);
+    t->fp8_arena = base;
+    f->scale = (float*)(base + o_scale);
+    f->scale_inv = (float*)(base + o_scale_inv);
+    f->amax = (float*)(base + o_amax);
+    f->fp8_max = (float*)(base + o_max);
+    f->history = (float*)(base + o_history);
+    f->weights = (uint8_t*)(base + o_weights);
+    f->x8 = (uint8_t*)(base + o_x8);
+    f->x8t = (uint8_t*)(base + o_x8t);
+    f->g8 = (uint8_t*)(base + o_g8);
+    f->g8t = (uint8_t*)(base + o_g8t);
+    float* host = (float*)malloc(sizeof(float) * (size_t)(2 * nt + 1));
+    if (!host) return mt_fail(err, MT_ERR_OOM, "cannot allocate the FP8 scales");
+    for (int64_t i = 0; i < nt; i++) {
+        host[i] = 1.0f;
+        host[nt + i] = fp8_max_value(i % FP8_ROLES == FP8_G ? f->bwd : f->fwd);
+    }
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(f->scale, host, nt * 4, cudaMemcpyHostToDevice, t->stream));
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(f->scale_inv, host, nt * 4, cudaMemcpyHostToDevice, t->stream));
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(f->fp8_max, host + nt, nt * 4, cudaMemcpyHostToDevice, t->stream));
+    CUDA_CHECK(&t->error, cudaMemsetAsync(f->amax, 0, nt * 4, t->stream));
+    CUDA_CHECK(&t->error, cudaMemsetAsync(f->history, 0, nt * f->history_len * 4, t->stream));
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream)); /* before the host buffer goes */
+    free(host);
+    f->stale = 1;
+    return mt_gpu_error_return(&t->error, err);
+}
+
 mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* err) {
     *out = NULL;
     if (cfg->padded_vocab_size <= 0 || cfg->kv_channels <= 0 || cfg->ffn_hidden_size <= 0 || cfg->data_parallel_size <= 0)
@@ -5296,6 +5612,13 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     t->arena = device_alloc(t, t->arena_bytes);
     if (t->arena) layout_activations(&t->act, t, (char*)t->arena);
     if (t->error.status == MT_OK) create_rope_tables(t);
+    if (t->error.status == MT_OK) {
+        mt_status fst = fp8_state_create(t, err);
+        if (fst != MT_OK) {
+            mt_trainer_free(t);
+            return fst;
+        }
+    }
     /* host staging: inputs, targets, a V-sized counting buffer; the embedding index; losses */
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_tokens, sizeof(int32_t) * (2 * (size_t)s.BT + (size_t)s.V_full)));
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_index, sizeof(int32_t) * (3 * (size_t)s.BT + 2)));
@@ -5333,6 +5656,8 @@ void mt_trainer_free(mt_trainer* t) {
     cudaFree(t->colsum.partial_b);
     cudaFree(t->colsum.partial_c);
     cudaFree(t->arena);
+    cudaFree(t->fp8_arena);
+    free(t->fp8.slot_of_layer);
     cudaFree(t->rope_cos); /* the sin table shares its allocation */
     cudaFree(t->cublas_workspace);
     cudaFreeHost(t->host_tokens);
@@ -5364,6 +5689,26 @@ mt_status mt_trainer_evaluate(mt_trainer* t, const int32_t* tokens, int num_micr
                               mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     return run_micro_batches(t, tokens, num_micro_batches, 0, 1.0, 1, loss, err);
+}
+
+/* FP8 delayed scaling after an optimizer step: this step's amaxes (the largest over its micro-batches
+ * and, reduced with max over every rank, the same on all: Megatron's amax-reduction group, TP x DP)
+ * enter each tensor's history, the scales follow (fp8_scale_update), the amaxes restart at 0. */
+static void fp8_after_step(mt_trainer* t) {
+    mt_fp8_state* f = &t->fp8;
+    if (!f->enabled || f->recipe != MT_FP8_DELAYED || f->num_tensors == 0) return;
+    const mt_exec ex = trainer_exec(t);
+    if (t->groups.world) {
+        comm_after_compute(t);
+        NCCL_CHECK(&t->error, t->cfg.rank,
+                   ncclAllReduce(f->amax, f->amax, (size_t)f->num_tensors, ncclFloat, ncclMax, t->groups.world,
+                                 t->groups.comm_stream));
+        compute_after_comm(t);
+    }
+    fp8_scale_update(&ex, f->history, f->scale, f->scale_inv, f->amax, f->fp8_max, f->num_tensors, f->history_len,
+                     f->history_pos, f->margin, f->algo);
+    f->history_pos = (f->history_pos + 1) % f->history_len;
+    CUDA_CHECK(&t->error, cudaMemsetAsync(f->amax, 0, sizeof(float) * (size_t)f->num_tensors, t->stream));
 }
 
 mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_result* out, mt_error* err) {
@@ -5401,6 +5746,7 @@ mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_re
         case MT_BF16: adamw_step<__nv_bfloat16>(t, (float)lr, grad_scale); break;
         case MT_FP16: adamw_step<__half>(t, (float)lr, grad_scale); break;
     }
+    fp8_after_step(t);
     t->scheduler_steps += c->global_batch_size;
     out->next_learning_rate = mt_learning_rate(c, t->scheduler_steps);
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));

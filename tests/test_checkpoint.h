@@ -42,9 +42,16 @@ static test_result run_steps(mt_config* c, const char* load_dir, const char* sav
     return TEST_PASS;
 }
 
-static test_result determinism_and_resume(mt_precision precision, int llama) {
+static test_result determinism_and_resume_fp8(mt_precision precision, int llama, int fp8_recipe /* -1: none */) {
     REQUIRE_GPU();
     mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, precision);
+    if (fp8_recipe >= 0) { /* FP8: hybrid, a history of 4 with max, so the resumed run needs the saved rings */
+        c.fp8_format = MT_FP8_HYBRID;
+        c.fp8_recipe = (mt_fp8_recipe)fp8_recipe;
+        c.fp8_amax_history_len = 4;
+        c.fp8_amax_compute_algo = MT_FP8_AMAX_MAX;
+        c.fp8_margin = 1;
+    }
     mt_error err;
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
     int64_t n = mt_num_parameters(&c);
@@ -53,7 +60,7 @@ static test_result determinism_and_resume(mt_precision precision, int llama) {
     float* pb = (float*)malloc(sizeof(float) * n);
     float* pr = (float*)malloc(sizeof(float) * n);
     char dir[256];
-    snprintf(dir, sizeof(dir), "/tmp/mt_test_ckpt_%d_%d_%d", (int)getpid(), (int)precision, llama);
+    snprintf(dir, sizeof(dir), "/tmp/mt_test_ckpt_%d_%d_%d_%d", (int)getpid(), (int)precision, llama, (int)fp8_recipe);
     remove_tree(dir);
     test_result res = TEST_PASS;
     if (run_steps(&c, NULL, NULL, 0, 20, a, pa) != TEST_PASS || run_steps(&c, NULL, NULL, 0, 20, b, pb) != TEST_PASS ||
@@ -89,7 +96,16 @@ static test_result determinism_and_resume(mt_precision precision, int llama) {
     free(pr);
     return res;
 }
+static test_result determinism_and_resume(mt_precision precision, int llama) {
+    return determinism_and_resume_fp8(precision, llama, -1);
+}
 static test_result test_determinism_and_resume_bf16(void) { return determinism_and_resume(MT_BF16, 0); }
+static test_result test_determinism_and_resume_fp8_delayed(void) {
+    return determinism_and_resume_fp8(MT_BF16, 0, MT_FP8_DELAYED);
+}
+static test_result test_determinism_and_resume_fp8_tensorwise_llama(void) {
+    return determinism_and_resume_fp8(MT_BF16, 1, MT_FP8_TENSORWISE);
+}
 static test_result test_determinism_and_resume_fp32(void) { return determinism_and_resume(MT_FP32, 0); }
 static test_result test_determinism_and_resume_llama_bf16(void) { return determinism_and_resume(MT_BF16, 1); }
 
@@ -145,6 +161,8 @@ static const test_case checkpoint_gpu_tests[] = {
     {"determinism_and_resume_bf16", test_determinism_and_resume_bf16},
     {"determinism_and_resume_fp32", test_determinism_and_resume_fp32},
     {"determinism_and_resume_llama_bf16", test_determinism_and_resume_llama_bf16},
+    {"determinism_and_resume_fp8_delayed_hybrid", test_determinism_and_resume_fp8_delayed},
+    {"determinism_and_resume_fp8_tensorwise_llama", test_determinism_and_resume_fp8_tensorwise_llama},
     {"checkpoint_refuses_other_shape", test_checkpoint_refuses_other_shape},
 };
 

@@ -149,10 +149,10 @@ static double compare_params(const char* what, const mt_config* c, const float* 
     return worst;
 }
 
-/* The vector check for one file and precision. */
-static test_result check_against_reference(const char* path, mt_precision precision, double tol_logits,
-                                           double tol_loss, double tol_grads, double tol_steps_loss,
-                                           double tol_params) {
+/* The vector check for one file and precision; adjust (may be NULL) changes the config first (FP8). */
+static test_result check_against_reference_adjusted(const char* path, mt_precision precision,
+                                                    void (*adjust)(mt_config*), double tol_logits, double tol_loss,
+                                                    double tol_grads, double tol_steps_loss, double tol_params) {
     REQUIRE_GPU();
     gpt_vectors v;
     if (!load_gpt_vectors(&v, path)) {
@@ -161,6 +161,7 @@ static test_result check_against_reference(const char* path, mt_precision precis
         return TEST_FAIL;
     }
     mt_config c = config_from_vectors(&v, precision);
+    if (adjust) adjust(&c);
     mt_error err;
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
     EXPECT(c.padded_vocab_size == v.Vp && mt_num_parameters(&c) == v.n, "shape mismatch with %s", path);
@@ -249,6 +250,13 @@ done:
     return result;
 }
 
+static test_result check_against_reference(const char* path, mt_precision precision, double tol_logits,
+                                           double tol_loss, double tol_grads, double tol_steps_loss,
+                                           double tol_params) {
+    return check_against_reference_adjusted(path, precision, NULL, tol_logits, tol_loss, tol_grads, tol_steps_loss,
+                                            tol_params);
+}
+
 static test_result test_gpt2_tiny_fp32(void) {
     return check_against_reference("dev/data/gpt_vectors/gpt2_tiny.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
 }
@@ -280,6 +288,44 @@ static test_result test_llama_tiny_bf16(void) {
 }
 static test_result test_llama_small_bf16(void) {
     return check_against_reference("dev/data/gpt_vectors/llama_small.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 5e-3);
+}
+
+/* ---- FP8 (--fp8-format) against the same float64 reference ----
+ * Tolerances, from the formats. E4M3 keeps 3 mantissa bits: round-to-nearest leaves a relative error
+ * of at most 2^-4 per value, about 2^-4/sqrt(3) = 3.6% rms for values spread over a binade; a product
+ * of two such operands carries ~5% rms, and a K-term dot product with random signs keeps that 5% as
+ * its norm-wise error (the errors are independent of one another). E5M2 (hybrid's gradients) keeps 2
+ * bits: 7% rms per value, ~8% per dgrad/wgrad product. Through this 2-layer model the FP8 GEMMs'
+ * outputs are diluted by everything that stays bf16 (embeddings, residual stream, output layer), so
+ * we allow 0.1 on logits and 0.3 on gradients norm-wise (a wrong or missing scale is off by factors,
+ * or NaN), 2e-2 on losses, 0.5 on every gradient norm, and 3e-2 on the weights after S steps: Adam's
+ * update is lr-sized whatever the gradient error, so the weights stay close while the gradients
+ * differ by format noise. The key-bias gradients (exactly 0) are checked at < 1e-4 as always. */
+static void fp8_delayed_hybrid(mt_config* c) {
+    c->fp8_format = MT_FP8_HYBRID;
+    c->fp8_recipe = MT_FP8_DELAYED;
+    c->fp8_amax_history_len = 4;
+    c->fp8_amax_compute_algo = MT_FP8_AMAX_MAX;
+}
+static void fp8_tensorwise_e4m3(mt_config* c) {
+    c->fp8_format = MT_FP8_E4M3;
+    c->fp8_recipe = MT_FP8_TENSORWISE;
+}
+static test_result test_gpt2_small_fp8_delayed(void) {
+    return check_against_reference_adjusted("dev/data/gpt_vectors/gpt2_small.bin", MT_BF16, fp8_delayed_hybrid, 0.1,
+                                            2e-2, 0.3, 2e-2, 3e-2);
+}
+static test_result test_gpt2_small_fp8_tensorwise(void) {
+    return check_against_reference_adjusted("dev/data/gpt_vectors/gpt2_small.bin", MT_BF16, fp8_tensorwise_e4m3, 0.1,
+                                            2e-2, 0.3, 2e-2, 3e-2);
+}
+static test_result test_llama_small_fp8_delayed(void) {
+    return check_against_reference_adjusted("dev/data/gpt_vectors/llama_small.bin", MT_BF16, fp8_delayed_hybrid, 0.1,
+                                            2e-2, 0.3, 2e-2, 3e-2);
+}
+static test_result test_llama_small_fp8_tensorwise(void) {
+    return check_against_reference_adjusted("dev/data/gpt_vectors/llama_small.bin", MT_BF16, fp8_tensorwise_e4m3, 0.1,
+                                            2e-2, 0.3, 2e-2, 3e-2);
 }
 
 /* ---- initialisation, the gradient buffer never zeroed ---- */
@@ -404,6 +450,10 @@ static const test_case model_gpu_tests[] = {
     {"llama_small_fp32_matches_reference", test_llama_small_fp32},
     {"llama_tiny_bf16_matches_reference", test_llama_tiny_bf16},
     {"llama_small_bf16_matches_reference", test_llama_small_bf16},
+    {"gpt2_small_fp8_delayed_hybrid_matches_reference", test_gpt2_small_fp8_delayed},
+    {"gpt2_small_fp8_tensorwise_e4m3_matches_reference", test_gpt2_small_fp8_tensorwise},
+    {"llama_small_fp8_delayed_hybrid_matches_reference", test_llama_small_fp8_delayed},
+    {"llama_small_fp8_tensorwise_e4m3_matches_reference", test_llama_small_fp8_tensorwise},
     {"initialisation_llama", test_initialisation_llama},
     {"initialisation", test_initialisation},
     {"gradients_overwrite_no_zeroing", test_gradients_overwrite},
