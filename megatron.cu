@@ -35,7 +35,8 @@
  * Determinism: no floating-point atomics anywhere. Column sums (bias, norm and position-embedding
  * gradients) reduce fixed row chunks, then the chunks in order; the word-embedding gradient sums each
  * token's positions in order from a host-built index; reductions use fixed trees; NCCL's sums are
- * the same from run to run on the same layout.
+ * the same from run to run on the same layout. (FP8 amaxes use integer atomicMax on the bits of
+ * |x|: a maximum is exact in any order.)
  */
 #define MEGATRON_IMPLEMENTATION
 #include "megatron.h"
