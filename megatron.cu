@@ -18,7 +18,7 @@
  *   12. FP8 (E4M3/E5M2, amax, delayed/current scales, cast + transpose, 1x128/128x128 blocks)
  *   13. GEMM (cuBLASLt plans and epilogues; FP8 GEMMs)
  *   14. Process groups
- *   15. Parallel layers (column- and row-parallel linears, sequence parallelism)
+ *   15. Parallel layers (column- and row-parallel linears, sequence parallelism, FP8 linears)
  *   16. The model (parameter, gradient and activation views; attention; forward and backward)
  *   17. The micro-batch loop
  *   18. Optimizer (DP buckets, gradient norm, clipping, fp16 loss scaler, distributed optimizer)
@@ -35,7 +35,8 @@
  * Determinism: no floating-point atomics anywhere. Column sums (bias, norm and position-embedding
  * gradients) reduce fixed row chunks, then the chunks in order; the word-embedding gradient sums each
  * token's positions in order from a host-built index; reductions use fixed trees; NCCL's sums are
- * the same from run to run on the same layout.
+ * the same from run to run on the same layout. (FP8 amaxes use integer atomicMax on the bits of
+ * |x|: a maximum is exact in any order.)
  */
 #define MEGATRON_IMPLEMENTATION
 #include "megatron.h"
@@ -2763,10 +2764,11 @@ static void adamw_update(const mt_exec* ex, const mt_adamw_step* h, const mt_opt
 /*    NaN above infinity, so it is exact and order-free (deterministic even through atomicMax)    */
 /*    and a NaN anywhere makes the amax NaN.                                                      */
 /* ============================================================================================== */
+
 typedef enum { FP8_E4M3 = 0, FP8_E5M2 = 1 } mt_fp8_dtype;
 
 /* How an FP8 operand is scaled, and how its scale_inv is laid out (the casts write it, gemm_fp8
- * reads it; cuBLASLt's names in brackets). For a tensor stored [rows, cols], rows running along cols:
+ * reads it; cuBLASLt's names in brackets). For a tensor stored row-major [rows, cols]:
  *   FP8_PER_TENSOR      one float [SCALAR_32F];
  *   FP8_BLOCKS_1x128    one per 128 consecutive elements of a row (a row's last block may be
  *                       shorter): [ceil(cols/128)][rows], the row index fastest [VEC128_32F];
@@ -2789,10 +2791,14 @@ typedef struct {
 
 /* The largest finite value: E4M3 has no infinities (S.1111.111 is NaN), so 1.75 * 2^8 = 448; E5M2 is
  * IEEE-like (exponent 11111 is inf/NaN), so 1.75 * 2^15 = 57344. */
-__host__ __device__ inline float fp8_max_value(mt_fp8_dtype f) { return f == FP8_E4M3 ? 448.0f : 57344.0f; }
-static cudaDataType_t fp8_cuda_type(mt_fp8_dtype f) { return f == FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
-static const char* fp8_format_name(mt_fp8_dtype f) { return f == FP8_E4M3 ? "e4m3" : "e5m2"; }
-static const char* fp8_scaling_mode_name(mt_fp8_scaling_mode m) {
+[[maybe_unused]] static __host__ __device__ inline float fp8_max_value(mt_fp8_dtype f) {
+    return f == FP8_E4M3 ? 448.0f : 57344.0f;
+}
+[[maybe_unused]] static cudaDataType_t fp8_cuda_type(mt_fp8_dtype f) {
+    return f == FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
+}
+[[maybe_unused]] static const char* fp8_format_name(mt_fp8_dtype f) { return f == FP8_E4M3 ? "e4m3" : "e5m2"; }
+[[maybe_unused]] static const char* fp8_scaling_mode_name(mt_fp8_scaling_mode m) {
     return m == FP8_PER_TENSOR ? "per-tensor" : m == FP8_BLOCKS_1x128 ? "1x128 blocks" : "128x128 blocks";
 }
 /* The number of floats of the scale_inv of a tensor [rows, cols] (the 128x128 padding included). */
@@ -2839,14 +2845,14 @@ __device__ uint32_t block_max_u32(uint32_t v) {
  * gives `fallback`: the previous scale for delayed scaling, 1 for current scaling and for blocks. A
  * quotient beyond fp32 (amax below fp8_max / FLT_MAX) is FLT_MAX. IEEE division and an exact ldexp:
  * the host computes bitwise the same. */
-__host__ __device__ inline float fp8_scale_from_amax_value(float amax, float fp8_max, int margin, float fallback) {
+static __host__ __device__ inline float fp8_scale_from_amax_value(float amax, float fp8_max, int margin, float fallback) {
     if (!(amax > 0.0f) || !(amax <= FLT_MAX)) return fallback; /* 0, NaN, infinity */
     const float scale = ldexpf(fp8_max / amax, -margin);
     return scale <= FLT_MAX ? scale : FLT_MAX;
 }
 /* The largest power of two not above a scale (for power-of-2 block scales, whose dequantisation is
  * exact): the exponent of a normal float with its mantissa cleared. */
-__host__ __device__ inline float fp8_scale_power_of_2_below(float scale) {
+static __host__ __device__ inline float fp8_scale_power_of_2_below(float scale) {
     uint32_t bits;
     memcpy(&bits, &scale, 4);
     if (!(scale >= FLT_MIN) || !(scale <= FLT_MAX)) return scale;
@@ -2924,9 +2930,9 @@ __global__ void fp8_scale_update_kernel(float* amax_history, float* scale, float
  * The slot's old entry (the oldest) leaves the ring and this step's amax enters it; then
  * amax = the max over the ring (MT_FP8_AMAX_MAX) or this step's (MT_FP8_AMAX_MOST_RECENT), and
  * scale = fp8_max / amax / 2^margin, kept as it was when that amax is 0 or not finite. */
-static bool fp8_scale_update(const mt_exec* ex, float* amax_history, float* scale, float* scale_inv, const float* amax,
-                             const float* fp8_max, int n_tensors, int history_len, int position, int margin,
-                             mt_fp8_amax_algo algo) {
+[[maybe_unused]] static bool fp8_scale_update(const mt_exec* ex, float* amax_history, float* scale, float* scale_inv,
+                                              const float* amax, const float* fp8_max, int n_tensors, int history_len,
+                                              int position, int margin, mt_fp8_amax_algo algo) {
     if (n_tensors < 0 || history_len < 1 || position < 0 || position >= history_len || margin < 0)
         return mt_gpu_fail(ex->error, MT_ERR_ARG,
                            "fp8_scale_update: %d tensors, history of %d, position %d, margin %d: need a history of at "
@@ -2945,8 +2951,8 @@ __global__ void fp8_scale_from_amax_kernel(float* scale, float* scale_inv, const
 }
 /* Current (tensorwise) scaling: *scale = fp8_max / *amax / 2^margin (1 when the amax is 0 or not
  * finite), *scale_inv = 1 / *scale; all three on the device. */
-static void fp8_scale_from_amax(const mt_exec* ex, float* scale, float* scale_inv, const float* amax, float fp8_max,
-                                int margin) {
+[[maybe_unused]] static void fp8_scale_from_amax(const mt_exec* ex, float* scale, float* scale_inv, const float* amax,
+                                                 float fp8_max, int margin) {
     fp8_scale_from_amax_kernel<<<1, 1, 0, ex->stream>>>(scale, scale_inv, amax, fp8_max, margin);
     LAUNCH_CHECK(ex->error);
 }
@@ -2955,8 +2961,8 @@ static void fp8_scale_from_amax(const mt_exec* ex, float* scale, float* scale_in
 
 /* The arguments both casts share: rows and cols multiples of 16 (whole 16-byte rows of fp8, the
  * GEMM's K alignment), 16-byte aligned pointers (vector loads and stores). */
-static bool fp8_cast_arguments_ok(const mt_exec* ex, const char* what, const void* x, const void* out,
-                                  const void* out_t, int rows, int cols) {
+[[maybe_unused]] static bool fp8_cast_arguments_ok(const mt_exec* ex, const char* what, const void* x,
+                                                   const void* out, const void* out_t, int rows, int cols) {
     if (rows < 0 || cols < 0 || rows % 16 || cols % 16)
         return mt_gpu_fail(ex->error, MT_ERR_ARG, "%s: x [%d, %d]: rows and columns must be multiples of 16", what,
                            rows, cols);
@@ -2970,8 +2976,8 @@ static bool fp8_cast_arguments_ok(const mt_exec* ex, const char* what, const voi
 /* A block casts one 64 x 64 tile of x [rows, cols]: each thread loads 16 bytes of a row, writes its
  * fp8 bytes to out (8 or 4 bytes, a warp covering whole row segments) and to a shared tile; then
  * each thread gathers 8 bytes of a tile column (8 rows) and writes them as 8 bytes of a row of
- * out_t [cols, rows]. The 4-byte row padding of the shared tile halves its bank conflicts. amax: the
- * block's largest |x| bits, one atomicMax per block. */
+ * out_t [cols, rows]. The 4-byte row padding of the shared tile turns that gather's 8-way bank
+ * conflicts into 2-way ones. amax: the block's largest |x| bits, one atomicMax per block. */
 template <mt_fp8_dtype F, typename T>
 __global__ void __launch_bounds__(256) fp8_cast_transpose_kernel(uint8_t* out, uint8_t* out_t, float* amax,
                                                                  const T* x, int rows, int cols,
@@ -2993,7 +2999,8 @@ __global__ void __launch_bounds__(256) fp8_cast_transpose_kernel(uint8_t* out, u
             uint32_t packed[V / 4]; /* 4 fp8 bytes per word, in column order */
 #pragma unroll
             for (int i = 0; i < V; i += 4) {
-                largest = max(largest, max(max(abs_bits(v[i]), abs_bits(v[i + 1])), max(abs_bits(v[i + 2]), abs_bits(v[i + 3]))));
+                largest = max(max(largest, max(abs_bits(v[i]), abs_bits(v[i + 1]))),
+                              max(abs_bits(v[i + 2]), abs_bits(v[i + 3])));
                 packed[i / 4] = fp8x2_from_float<F>(v[i] * scale, v[i + 1] * scale) |
                                 fp8x2_from_float<F>(v[i + 2] * scale, v[i + 3] * scale) << 16;
             }
@@ -3105,7 +3112,8 @@ __global__ void __launch_bounds__(256) fp8_cast_blockwise_kernel(uint8_t* out, u
             const float s = fp8_block_scale(largest, FP8_MAX, power_of_2);
             tile_scale = s;
             /* the 128x128 layouts' leading dimensions: block counts rounded up to multiples of 4 */
-            const int ld = (cols + 4 * FP8_BLOCK - 1) / (4 * FP8_BLOCK) * 4, ld_t = (rows + 4 * FP8_BLOCK - 1) / (4 * FP8_BLOCK) * 4;
+            const int ld = (cols + 4 * FP8_BLOCK - 1) / (4 * FP8_BLOCK) * 4;
+            const int ld_t = (rows + 4 * FP8_BLOCK - 1) / (4 * FP8_BLOCK) * 4;
             if (scale_inv) scale_inv[(int64_t)rb * ld + cb] = 1.0f / s;
             if (scale_inv_t) scale_inv_t[(int64_t)cb * ld_t + rb] = 1.0f / s;
         }
@@ -3150,9 +3158,10 @@ __global__ void __launch_bounds__(256) fp8_cast_blockwise_kernel(uint8_t* out, u
                 s = fp8_block_scale(__reduce_max_sync(0xffffffffu, column_largest), FP8_MAX, power_of_2);
                 if (lane == 0) scale_inv_t[(int64_t)rb * cols + c0 + cc] = 1.0f / s;
             }
+            uint8_t* column = out_t + (int64_t)(c0 + cc) * rows + r0; /* the row of out_t [cols, rows] */
 #pragma unroll
             for (int k = 0; k < 4; k++)
-                if (lane + 32 * k < tile_rows) out_t[(int64_t)(c0 + cc) * rows + r0 + lane + 32 * k] = fp8_from_float<F>(v[k] * s);
+                if (lane + 32 * k < tile_rows) column[lane + 32 * k] = fp8_from_float<F>(v[k] * s);
         }
 }
 
@@ -3179,15 +3188,16 @@ static bool fp8_cast_blockwise(const mt_exec* ex, mt_fp8_dtype fmt, uint8_t* out
     if (grid.y > 65535) return mt_gpu_fail(ex->error, MT_ERR_ARG, "fp8_cast_blockwise: %d rows are too many", rows);
     typedef void (*kernel_t)(uint8_t*, uint8_t*, float*, float*, const T*, int, int, int);
     const bool e4m3 = fmt == FP8_E4M3, square = blocks == FP8_BLOCKS_128x128;
-    const kernel_t kernel = e4m3 ? (square ? fp8_cast_blockwise_kernel<FP8_E4M3, T, true> : fp8_cast_blockwise_kernel<FP8_E4M3, T, false>)
-                                 : (square ? fp8_cast_blockwise_kernel<FP8_E5M2, T, true> : fp8_cast_blockwise_kernel<FP8_E5M2, T, false>);
+    const kernel_t kernel = e4m3 ? (square ? fp8_cast_blockwise_kernel<FP8_E4M3, T, true>
+                                          : fp8_cast_blockwise_kernel<FP8_E4M3, T, false>)
+                                 : (square ? fp8_cast_blockwise_kernel<FP8_E5M2, T, true>
+                                           : fp8_cast_blockwise_kernel<FP8_E5M2, T, false>);
     const int shared_bytes = FP8_BLOCK * (FP8_BLOCK + 4 / (int)sizeof(T)) * (int)sizeof(T); /* 33 KB bf16, 66 KB fp32 */
     if (!CUDA_CHECK(ex->error, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes)))
         return false;
     kernel<<<grid, 256, shared_bytes, ex->stream>>>(out, out_t, scale_inv, scale_inv_t, x, rows, cols, power_of_2_scales);
     return LAUNCH_CHECK(ex->error);
 }
-
 
 /* ============================================================================================== */
 /* 13. GEMM                                                                                       */
@@ -3276,7 +3286,8 @@ static void gemm_plan_build(mt_gemm_plans* g, mt_gpu_error* e, mt_gemm_plan* p, 
     CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof(opA)));
     CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &opB, sizeof(opB)));
     if (k->fp8) {
-        const int32_t lt_a_mode = fp8_cublaslt_scale_mode(k->b_scaling), lt_b_mode = fp8_cublaslt_scale_mode(k->a_scaling);
+        const int32_t lt_a_mode = fp8_cublaslt_scale_mode(k->b_scaling); /* cuBLASLt's A is our B */
+        const int32_t lt_b_mode = fp8_cublaslt_scale_mode(k->a_scaling);
         if (k->b_scaling != FP8_PER_TENSOR)
             CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &lt_a_mode,
                                                            sizeof(lt_a_mode)));
@@ -3448,7 +3459,8 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
                      TC* C, int ldc, float alpha, float beta, const __nv_bfloat16* bias = NULL,
                      mt_fp8_scaling_mode a_scaling = FP8_PER_TENSOR, mt_fp8_scaling_mode b_scaling = FP8_PER_TENSOR,
                      bool fast_accumulate = false) {
-    static_assert(std::is_same<TC, __nv_bfloat16>::value || std::is_same<TC, float>::value, "FP8 GEMM output: bf16 or fp32");
+    static_assert(std::is_same<TC, __nv_bfloat16>::value || std::is_same<TC, float>::value,
+                  "FP8 GEMM output: bf16 or fp32");
     mt_gemm_plans* g = ex->gemm;
     if (ex->error->status != MT_OK) return false;
     char what[256];
@@ -3461,8 +3473,8 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
         return mt_gpu_fail(ex->error, MT_ERR_ARG,
                            "gemm_fp8: E5M2 x E5M2 is not an FP8 GEMM of Hopper's (pair E4M3 with E4M3 or E5M2): %s", what);
     if (M < 0 || N < 0 || K <= 0 || K % 16)
-        return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: K must be a positive multiple of 16 (FP8 rows of whole 16 bytes): %s",
-                           what);
+        return mt_gpu_fail(ex->error, MT_ERR_ARG,
+                           "gemm_fp8: K must be a positive multiple of 16 (FP8 rows of whole 16 bytes): %s", what);
     if (ldc < N) return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: ldc < N: %s", what);
     if (!aligned16(A) || !aligned16(B) || !a_scale_inv || !b_scale_inv)
         return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: A and B must be 16-byte aligned, both scale_invs given: %s",
@@ -3489,7 +3501,8 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
         plan->key = key;
         gemm_plan_build(g, ex->error, plan, a_scale_inv, b_scale_inv);
     }
-    if (!plan) return mt_gpu_fail(ex->error, MT_ERR_CUDA, "gemm_fp8: the plan cache is full (%d plans): %s", GEMM_MAX_PLANS, what);
+    if (!plan)
+        return mt_gpu_fail(ex->error, MT_ERR_CUDA, "gemm_fp8: the plan cache is full (%d plans): %s", GEMM_MAX_PLANS, what);
     if (!plan->supported) {
         if (ex->error->status != MT_OK) return false; /* a descriptor call failed: its status is recorded */
         return mt_gpu_fail(ex->error, MT_ERR_CUDA,
@@ -3994,7 +4007,7 @@ struct mt_trainer {
     int* first_bucket_of_layer; /* [L + 2]: see first_bucket_of_layers */
     size_t state_bytes_measured; /* device memory taken by params, grads, master, Adam (cudaMemGetInfo) */
     mt_activations act;
-    mt_fp8_state fp8;         /* FP8 linears (section 14); enabled = 0 without --fp8-format */
+    mt_fp8_state fp8;         /* FP8 linears (section 15); enabled = 0 without --fp8-format */
     void* fp8_arena;          /* its device memory, one allocation */
     size_t fp8_arena_bytes;
     void* arena;              /* activations + scratch, one allocation */
@@ -5450,7 +5463,7 @@ static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
     return mt_gpu_error_return(&t->error, err);
 }
 
-/* The FP8 state (section 14), one device allocation: the scaling arrays (every scale 1, every
+/* The FP8 state (section 15), one device allocation: the scaling arrays (every scale 1, every
  * history 0 at the start, as Transformer Engine), the weights' FP8 copies in both layouts for every
  * FP8 layer, and the cast scratch of one linear ([BT, widest] four times). */
 static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
