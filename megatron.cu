@@ -2779,6 +2779,12 @@ typedef enum { FP8_PER_TENSOR = 0, FP8_BLOCKS_1x128 = 1, FP8_BLOCKS_128x128 = 2 
 
 /* Delayed scaling's reduction of an amax history: mt_fp8_amax_algo (megatron.h, --fp8-amax-compute-algo). */
 
+/* cuBLASLt refuses a scale pointer that is not 16-byte aligned: cublasLtMatmul returns
+ * CUBLAS_STATUS_NOT_SUPPORTED although the heuristic found an algorithm (seen on an H100 with cuBLAS
+ * 13.0; dev/cuda/fp8_probe.cu shows it). Per-tensor scale_invs that GEMMs read therefore sit
+ * FP8_SCALE_INV_STRIDE floats apart. */
+#define FP8_SCALE_INV_STRIDE 4
+
 /* The per-tensor scaling state of one FP8 operand: device pointers to one float each. The cast
  * multiplies by scale and, for delayed scaling, writes the tensor's amax (which fp8_scale_update then
  * enters into the history kept beside, batched over tensors); current scaling computes amax, then
@@ -2901,7 +2907,7 @@ static void fp8_amax(const mt_exec* ex, float* amax, const T* x, int64_t n) {
  * scale becomes fp8_max[t] / amax / 2^margin, or stays where that amax is 0 or not finite. */
 __global__ void fp8_scale_update_kernel(float* amax_history, float* scale, float* scale_inv, const float* amax,
                                         const float* fp8_max, int n_tensors, int history_len, int position,
-                                        int margin, int algo) {
+                                        int margin, int algo, int scale_inv_stride) {
     const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (t >= n_tensors) return; /* whole warps */
     const float current = amax[t];
@@ -2917,7 +2923,7 @@ __global__ void fp8_scale_update_kernel(float* amax_history, float* scale, float
         const float reduced = algo == MT_FP8_AMAX_MAX ? __uint_as_float(largest) : current;
         const float s = fp8_scale_from_amax_value(reduced, fp8_max[t], margin, scale[t]);
         scale[t] = s;
-        scale_inv[t] = 1.0f / s;
+        scale_inv[(int64_t)t * scale_inv_stride] = 1.0f / s;
     }
 }
 
@@ -2926,13 +2932,16 @@ __global__ void fp8_scale_update_kernel(float* amax_history, float* scale, float
  *   position                               this step's slot (step % history_len, kept by the caller);
  *   amax [n_tensors]                       the amaxes of this step's casts;
  *   fp8_max [n_tensors]                    the largest value of each tensor's format;
- *   scale, scale_inv [n_tensors]           updated in place (the first step starts from scale 1).
+ *   scale, scale_inv [n_tensors]           updated in place (the first step starts from scale 1);
+ *                                          scale_inv of tensor t at scale_inv[t * scale_inv_stride]
+ *                                          (FP8_SCALE_INV_STRIDE for scale_invs the GEMMs read: see there).
  * The slot's old entry (the oldest) leaves the ring and this step's amax enters it; then
  * amax = the max over the ring (MT_FP8_AMAX_MAX) or this step's (MT_FP8_AMAX_MOST_RECENT), and
  * scale = fp8_max / amax / 2^margin, kept as it was when that amax is 0 or not finite. */
 [[maybe_unused]] static bool fp8_scale_update(const mt_exec* ex, float* amax_history, float* scale, float* scale_inv,
                                               const float* amax, const float* fp8_max, int n_tensors, int history_len,
-                                              int position, int margin, mt_fp8_amax_algo algo) {
+                                              int position, int margin, mt_fp8_amax_algo algo,
+                                              int scale_inv_stride = 1) {
     if (n_tensors < 0 || history_len < 1 || position < 0 || position >= history_len || margin < 0)
         return mt_gpu_fail(ex->error, MT_ERR_ARG,
                            "fp8_scale_update: %d tensors, history of %d, position %d, margin %d: need a history of at "
@@ -2940,7 +2949,7 @@ __global__ void fp8_scale_update_kernel(float* amax_history, float* scale, float
                            n_tensors, history_len, position, margin);
     if (n_tensors == 0) return true;
     fp8_scale_update_kernel<<<ceil_div(n_tensors, 4), 128, 0, ex->stream>>>(
-        amax_history, scale, scale_inv, amax, fp8_max, n_tensors, history_len, position, margin, (int)algo);
+        amax_history, scale, scale_inv, amax, fp8_max, n_tensors, history_len, position, margin, (int)algo, scale_inv_stride);
     return LAUNCH_CHECK(ex->error);
 }
 
@@ -3476,9 +3485,11 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
         return mt_gpu_fail(ex->error, MT_ERR_ARG,
                            "gemm_fp8: K must be a positive multiple of 16 (FP8 rows of whole 16 bytes): %s", what);
     if (ldc < N) return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: ldc < N: %s", what);
-    if (!aligned16(A) || !aligned16(B) || !a_scale_inv || !b_scale_inv)
-        return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: A and B must be 16-byte aligned, both scale_invs given: %s",
-                           what);
+    if (!aligned16(A) || !aligned16(B) || !a_scale_inv || !b_scale_inv || !aligned16(a_scale_inv) ||
+        !aligned16(b_scale_inv))
+        return mt_gpu_fail(ex->error, MT_ERR_ARG,
+                           "gemm_fp8: A, B and both scale_invs must be given and 16-byte aligned (cuBLASLt refuses "
+                           "other scale pointers): %s", what);
     if (M == 0 || N == 0) return true;
     mt_gemm_key key;
     memset(&key, 0, sizeof(key));
@@ -3702,7 +3713,7 @@ typedef struct {
     int* slot_of_layer;         /* host [L]: the layer's index among the FP8 layers, -1 in bf16 */
     int num_tensors;            /* num_layers * FP8_LINEARS * FP8_ROLES */
     float* scale;               /* [num_tensors] x_fp8 = x * scale */
-    float* scale_inv;           /* [num_tensors] what the GEMMs multiply by */
+    float* scale_inv;           /* [num_tensors * FP8_SCALE_INV_STRIDE] what the GEMMs multiply by */
     float* amax;                /* [num_tensors] delayed: the largest amax of this step's casts */
     float* fp8_max;             /* [num_tensors] the operand's format's largest value */
     float* history;             /* [num_tensors, history_len] delayed scaling's amax rings */
@@ -3723,9 +3734,10 @@ typedef struct {
 
 static mt_fp8_scaling fp8_slot(const fp8_linear* L, int role) {
     const int i = L->tensor + role;
-    mt_fp8_scaling s = {L->f->scale + i, L->f->scale_inv + i, L->f->amax + i};
+    mt_fp8_scaling s = {L->f->scale + i, L->f->scale_inv + (int64_t)i * FP8_SCALE_INV_STRIDE, L->f->amax + i};
     return s;
 }
+static const float* fp8_scale_inv(const fp8_linear* L, int role) { return fp8_slot(L, role).scale_inv; }
 
 /* x [rows, cols] -> out [rows, cols] and/or out_t [cols, rows] in `dtype`, scaled by the slot of
  * `role`. fresh: the tensor's first cast in this micro-batch (tensorwise takes its amax and scale
@@ -3748,8 +3760,8 @@ static void fp8_linear_forward(const mt_exec* ex, const fp8_linear* L, T* y, con
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         const mt_fp8_state* f = L->f;
         fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, f->x8, NULL, x, N, in, true);
-        gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, f->scale_inv + L->tensor + FP8_X, L->w8, f->fwd,
-                    f->scale_inv + L->tensor + FP8_W, y, out, 1.0f, 0.0f, bias);
+        gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, fp8_scale_inv(L, FP8_X), L->w8, f->fwd, fp8_scale_inv(L, FP8_W), y, out,
+                    1.0f, 0.0f, bias);
     } else {
         mt_gpu_fail(ex->error, MT_ERR_CONFIG, "FP8 linears need the bf16 model type");
     }
@@ -3763,8 +3775,8 @@ static void fp8_linear_input_gradient(const mt_exec* ex, const fp8_linear* L, T*
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         const mt_fp8_state* f = L->f;
         fp8_cast_operand<T>(ex, L, FP8_G, f->bwd, f->g8, f->g8t, dy, N, out, true);
-        gemm_fp8<T>(ex, N, in, out, f->g8, f->bwd, f->scale_inv + L->tensor + FP8_G, L->w8t, f->fwd,
-                    f->scale_inv + L->tensor + FP8_W, dx, in, 1.0f, 0.0f);
+        gemm_fp8<T>(ex, N, in, out, f->g8, f->bwd, fp8_scale_inv(L, FP8_G), L->w8t, f->fwd, fp8_scale_inv(L, FP8_W), dx,
+                    in, 1.0f, 0.0f);
     } else {
         mt_gpu_fail(ex->error, MT_ERR_CONFIG, "FP8 linears need the bf16 model type");
     }
@@ -3781,8 +3793,8 @@ static void fp8_linear_weight_gradient(const mt_exec* ex, const fp8_linear* L, m
         return;
     }
     fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, NULL, f->x8t, x, N, in, false);
-    gemm_fp8<float>(ex, out, in, N, f->g8t, f->bwd, f->scale_inv + L->tensor + FP8_G, f->x8t, f->fwd,
-                    f->scale_inv + L->tensor + FP8_X, dweight, in, 1.0f, (float)ex->mode.accumulate_gradients);
+    gemm_fp8<float>(ex, out, in, N, f->g8t, f->bwd, fp8_scale_inv(L, FP8_G), f->x8t, f->fwd, fp8_scale_inv(L, FP8_X),
+                    dweight, in, 1.0f, (float)ex->mode.accumulate_gradients);
     if (dbias) column_sum<T>(ex, s, dbias, dy, N, out);
 }
 
@@ -4299,8 +4311,9 @@ static bool fp8_layer_linears(mt_trainer* t, const mt_exec* ex, int l, bool cast
                 fp8_quantize_tensorwise<T>(ex, f->fwd, &ws, f->margin, (uint8_t*)L[k].w8, (uint8_t*)L[k].w8t,
                                            weights[k], out, in);
             } else { /* delayed: the weights' amax is recorded whenever they are cast */
-                fp8_cast_transpose<T>(ex, f->fwd, (uint8_t*)L[k].w8, (uint8_t*)L[k].w8t, weights[k], out, in,
-                                      f->scale + L[k].tensor + FP8_W, f->amax + L[k].tensor + FP8_W, true);
+                mt_fp8_scaling ws = fp8_slot(&L[k], FP8_W);
+                fp8_cast_transpose<T>(ex, f->fwd, (uint8_t*)L[k].w8, (uint8_t*)L[k].w8t, weights[k], out, in, ws.scale,
+                                      ws.amax, true);
             }
         }
         w8 += 2 * (int64_t)out * in;
@@ -5000,11 +5013,11 @@ static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration,
  * scale_inv, history; written from and read into the device arrays through a host buffer. */
 static mt_status fp8_state_transfer(mt_trainer* t, FILE* f, int write, const char* path, mt_error* err) {
     mt_fp8_state* s = &t->fp8;
-    const int64_t nt = s->num_tensors, n = nt * (2 + (int64_t)s->history_len);
+    const int64_t nt = s->num_tensors, n = nt * (1 + FP8_SCALE_INV_STRIDE + (int64_t)s->history_len);
     float* host = (float*)malloc(sizeof(float) * (size_t)n);
     if (!host) return mt_fail(err, MT_ERR_OOM, "cannot allocate the FP8 state's staging");
     float* device[3] = {s->scale, s->scale_inv, s->history};
-    const int64_t count[3] = {nt, nt, nt * s->history_len};
+    const int64_t count[3] = {nt, nt * FP8_SCALE_INV_STRIDE, nt * s->history_len};
     mt_status st = MT_OK;
     if (write) {
         int64_t at = 0;
@@ -5504,7 +5517,8 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
     const int64_t nt = f->num_tensors, scratch = (int64_t)s.BT * wide;
     size_t off = 0;
     auto carve = [&](int64_t bytes) { size_t at = off; off += ((size_t)bytes + 255) & ~(size_t)255; return at; };
-    size_t o_scale = carve(nt * 4), o_scale_inv = carve(nt * 4), o_amax = carve(nt * 4), o_max = carve(nt * 4);
+    size_t o_scale = carve(nt * 4), o_scale_inv = carve(nt * 4 * FP8_SCALE_INV_STRIDE), o_amax = carve(nt * 4),
+           o_max = carve(nt * 4);
     size_t o_history = carve(nt * f->history_len * 4), o_weights = carve(f->num_layers * f->weights_per_layer);
     size_t o_x8 = carve(scratch), o_x8t = carve(scratch), o_g8 = carve(scratch), o_g8t = carve(scratch);
     t->fp8_arena_bytes = off;
@@ -5521,15 +5535,14 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
     f->x8t = (uint8_t*)(base + o_x8t);
     f->g8 = (uint8_t*)(base + o_g8);
     f->g8t = (uint8_t*)(base + o_g8t);
-    float* host = (float*)malloc(sizeof(float) * (size_t)(2 * nt + 1));
+    const int64_t ones = nt * FP8_SCALE_INV_STRIDE;
+    float* host = (float*)malloc(sizeof(float) * (size_t)(ones + nt + 1));
     if (!host) return mt_fail(err, MT_ERR_OOM, "cannot allocate the FP8 scales");
-    for (int64_t i = 0; i < nt; i++) {
-        host[i] = 1.0f;
-        host[nt + i] = fp8_max_value(i % FP8_ROLES == FP8_G ? f->bwd : f->fwd);
-    }
+    for (int64_t i = 0; i < ones; i++) host[i] = 1.0f;
+    for (int64_t i = 0; i < nt; i++) host[ones + i] = fp8_max_value(i % FP8_ROLES == FP8_G ? f->bwd : f->fwd);
     CUDA_CHECK(&t->error, cudaMemcpyAsync(f->scale, host, nt * 4, cudaMemcpyHostToDevice, t->stream));
-    CUDA_CHECK(&t->error, cudaMemcpyAsync(f->scale_inv, host, nt * 4, cudaMemcpyHostToDevice, t->stream));
-    CUDA_CHECK(&t->error, cudaMemcpyAsync(f->fp8_max, host + nt, nt * 4, cudaMemcpyHostToDevice, t->stream));
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(f->scale_inv, host, ones * 4, cudaMemcpyHostToDevice, t->stream));
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(f->fp8_max, host + ones, nt * 4, cudaMemcpyHostToDevice, t->stream));
     CUDA_CHECK(&t->error, cudaMemsetAsync(f->amax, 0, nt * 4, t->stream));
     CUDA_CHECK(&t->error, cudaMemsetAsync(f->history, 0, nt * f->history_len * 4, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream)); /* before the host buffer goes */
@@ -5719,7 +5732,7 @@ static void fp8_after_step(mt_trainer* t) {
         compute_after_comm(t);
     }
     fp8_scale_update(&ex, f->history, f->scale, f->scale_inv, f->amax, f->fp8_max, f->num_tensors, f->history_len,
-                     f->history_pos, f->margin, f->algo);
+                     f->history_pos, f->margin, f->algo, FP8_SCALE_INV_STRIDE);
     f->history_pos = (f->history_pos + 1) % f->history_len;
     CUDA_CHECK(&t->error, cudaMemsetAsync(f->amax, 0, sizeof(float) * (size_t)f->num_tensors, t->stream));
 }

@@ -618,8 +618,8 @@ enum {
     MT_CK_TRUE_VOCAB,    /* informational (for export): the tokenizer's vocabulary, 0 if unknown */
     MT_CK_TP_RANK,       /* the tensor-parallel rank whose shard the file holds (mp_rank_<tp>) */
     /* FP8 (0 without): model files then end with the delayed-scaling state, for FP8_TENSORS tensors:
-     * scale [n], scale_inv [n], amax history [n, FP8_HISTORY_LEN] (fp32), the ring's next slot in
-     * FP8_HISTORY_POS */
+     * scale [n], scale_inv [n, 4] (16-byte slots: the first float of each), amax history
+     * [n, FP8_HISTORY_LEN] (fp32); the ring's next slot in FP8_HISTORY_POS */
     MT_CK_FP8_TENSORS, MT_CK_FP8_HISTORY_LEN, MT_CK_FP8_HISTORY_POS,
     MT_CK_HEADER_WORDS = 64
 };

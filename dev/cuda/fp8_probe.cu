@@ -15,15 +15,18 @@ int main() {
     cudaMalloc(&s, 64); cudaMalloc(&bias, N * 2);
     cudaMemset(A, 0x38, M * K); cudaMemset(B, 0x38, N * K); cudaMemset(bias, 0, N * 2);
     float one[4] = {1, 1, 1, 1}; cudaMemcpy(s, one, 16, cudaMemcpyHostToDevice);
-    for (int v = 0; v < 16; v++) {
+    for (int v = 0; v < 64; v++) {
         int scale_ptrs = v & 1, fast_attr = (v >> 1) & 1, explicit_mode = (v >> 2) & 1, dfp32 = (v >> 3) & 1;
+        int scale_offset = (v >> 4) & 1, align_prefs = (v >> 5) & 1;
+        if (!scale_ptrs && scale_offset) continue;
+        float* sp = s + scale_offset; /* a scale inside an array: 4-byte aligned */
         cublasLtMatmulDesc_t desc; cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
         cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
         cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
         cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
         if (scale_ptrs) {
-            cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &s, sizeof(s));
-            cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &s, sizeof(s));
+            cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sp, sizeof(sp));
+            cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sp, sizeof(sp));
         }
         if (fast_attr) { int8_t f = 0; cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &f, sizeof(f)); }
         if (explicit_mode) {
@@ -41,6 +44,12 @@ int main() {
         cublasLtMatmulPreference_t pref; cublasLtMatmulPreferenceCreate(&pref);
         uint64_t wsb = 32 << 20;
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb));
+        if (align_prefs) {
+            uint32_t al = 256;
+            cublasLtMatmulPreferenceAttributes_t w[] = {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+            for (int i = 0; i < 4; i++) cublasLtMatmulPreferenceSetAttribute(pref, w[i], &al, sizeof(al));
+        }
         cublasLtMatmulHeuristicResult_t r; int found = 0;
         cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &r, &found);
         cublasStatus_t ms = CUBLAS_STATUS_NOT_INITIALIZED;
@@ -48,8 +57,8 @@ int main() {
         if (hs == CUBLAS_STATUS_SUCCESS && found)
             ms = cublasLtMatmul(lt, desc, &alpha, A, la, B, lb, &beta, D, lc, D, lc, &r.algo, ws, wsb, 0);
         cudaError_t ce = cudaDeviceSynchronize();
-        printf("scale_ptrs %d fast_attr %d explicit_scalar_mode %d D %s: heuristic %s (%d), matmul %s, cuda %s\n",
-               scale_ptrs, fast_attr, explicit_mode, dfp32 ? "fp32" : "bf16", cublasGetStatusName(hs), found,
+        printf("scale_ptrs %d (+4 bytes %d) fast_attr %d explicit_scalar_mode %d align_prefs %d D %s: heuristic %s (%d), matmul %s, cuda %s\n",
+               scale_ptrs, scale_offset, fast_attr, explicit_mode, align_prefs, dfp32 ? "fp32" : "bf16", cublasGetStatusName(hs), found,
                cublasGetStatusName(ms), cudaGetErrorName(ce));
         cublasLtMatmulPreferenceDestroy(pref); cublasLtMatrixLayoutDestroy(la); cublasLtMatrixLayoutDestroy(lb);
         cublasLtMatrixLayoutDestroy(lc); cublasLtMatmulDescDestroy(desc);
