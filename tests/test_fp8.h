@@ -1105,8 +1105,10 @@ static int fp8t_linear_tensorwise(const fp8t_linear_shape* s, int hybrid, int fa
 
 /* Delayed scaling over two steps: scales start at 1; each step casts x, W, dy with the current scales,
  * recording their amaxes (exact), runs the GEMMs, then fp8_scale_update (history of 3) must give
- * bitwise the host rule's history, scale and scale_inv. The second step's tensors are new, at half
- * the amplitude, so that no element saturates under the first step's scales. */
+ * bitwise the host rule's history, scale and scale_inv. The second step's tensors are new, at a
+ * quarter of the amplitude, so that no element saturates under the first step's scales (at half, a new
+ * draw's heavy tail exceeded the old amax on an H100 run: a saturated element then breaks the
+ * rounding-only bound, as it should). */
 static int fp8t_linear_delayed(const fp8t_linear_shape* s, int hybrid, mt_fp8_amax_algo algo, int margin, uint64_t seed) {
     enum { HISTORY = 3 };
     fp8t_ctx c;
@@ -1131,7 +1133,7 @@ static int fp8t_linear_delayed(const fp8t_linear_shape* s, int hybrid, mt_fp8_am
         char setting[128], more[64];
         snprintf(more, sizeof(more), ", %s margin %d, step %d", algo == MT_FP8_AMAX_MAX ? "max" : "most_recent", margin, step + 1);
         fp8t_setting(setting, sizeof(setting), "delayed", hybrid, s, more);
-        ok = fp8t_layer_make(&c, &L, s->tokens, s->in, s->out, step == 0 ? 1.0f : 0.5f, seed + 10 * step) &&
+        ok = fp8t_layer_make(&c, &L, s->tokens, s->in, s->out, step == 0 ? 1.0f : 0.25f, seed + 10 * step) &&
              fp8t_quantised_alloc(&c, &L, &Q, grad_fmt);
         const int row_op[3] = {OP_X, OP_W, OP_DY}, col_op[3] = {OP_XT, OP_WT, OP_DYT};
         const __nv_bfloat16* src[3] = {L.d_x, L.d_w, L.d_dy};

@@ -300,7 +300,11 @@ static test_result test_llama_small_bf16(void) {
  * we allow 0.1 on logits and 0.3 on gradients norm-wise (a wrong or missing scale is off by factors,
  * or NaN), 2e-2 on losses, 0.5 on every gradient norm, and 3e-2 on the weights after S steps: Adam's
  * update is lr-sized whatever the gradient error, so the weights stay close while the gradients
- * differ by format noise. The key-bias gradients (exactly 0) are checked at < 1e-4 as always. */
+ * differ by format noise. The key-bias gradients (exactly 0) are checked at < 1e-4 as always.
+ * Delayed scaling's first step casts with scale 1 (no history yet, as Transformer Engine starts):
+ * weights of std 0.02 then sit in E4M3's subnormal range (below 2^-6, spacing 2^-9), with relative
+ * errors up to 10% for that step; an H100 measured 4.0e-2 on the QKV weights after 6 steps (8e-3
+ * with tensorwise scaling), so the delayed runs allow 6e-2 on the weights. */
 static void fp8_delayed_hybrid(mt_config* c) {
     c->fp8_format = MT_FP8_HYBRID;
     c->fp8_recipe = MT_FP8_DELAYED;
@@ -313,7 +317,7 @@ static void fp8_tensorwise_e4m3(mt_config* c) {
 }
 static test_result test_gpt2_small_fp8_delayed(void) {
     return check_against_reference_adjusted("dev/data/gpt_vectors/gpt2_small.bin", MT_BF16, fp8_delayed_hybrid, 0.1,
-                                            2e-2, 0.3, 2e-2, 3e-2);
+                                            2e-2, 0.3, 2e-2, 6e-2);
 }
 static test_result test_gpt2_small_fp8_tensorwise(void) {
     return check_against_reference_adjusted("dev/data/gpt_vectors/gpt2_small.bin", MT_BF16, fp8_tensorwise_e4m3, 0.1,
@@ -321,7 +325,7 @@ static test_result test_gpt2_small_fp8_tensorwise(void) {
 }
 static test_result test_llama_small_fp8_delayed(void) {
     return check_against_reference_adjusted("dev/data/gpt_vectors/llama_small.bin", MT_BF16, fp8_delayed_hybrid, 0.1,
-                                            2e-2, 0.3, 2e-2, 3e-2);
+                                            2e-2, 0.3, 2e-2, 6e-2);
 }
 static test_result test_llama_small_fp8_tensorwise(void) {
     return check_against_reference_adjusted("dev/data/gpt_vectors/llama_small.bin", MT_BF16, fp8_tensorwise_e4m3, 0.1,
