@@ -3721,6 +3721,11 @@ typedef struct {
     int64_t weights_per_layer;  /* bytes */
     int stale;                  /* the FP8 weight copies predate the parameters */
     uint8_t *x8, *x8t, *g8, *g8t; /* [BT * widest] each: the running linear's cast operands */
+    /* blockwise: the block scale_invs (fp8_scale_inv_count floats each) of those operands, and of the
+     * weights' copies: per FP8 layer, per linear, W's 128x128 blocks then W^T's */
+    float *x8_blocks, *x8t_blocks, *g8_blocks, *g8t_blocks;
+    float* weight_blocks;
+    int64_t weight_blocks_per_layer; /* floats */
 } mt_fp8_state;
 
 /* One linear's view of that state: its three scaling slots and its weight copies. */
@@ -3729,6 +3734,8 @@ typedef struct {
     int tensor;                 /* the slot of its input; the weight's is + FP8_W, the gradient's + FP8_G */
     const uint8_t* w8;          /* [out, in] */
     const uint8_t* w8t;         /* [in, out] */
+    const float* w8_blocks;     /* blockwise: W's 128x128 block scale_invs */
+    const float* w8t_blocks;    /* blockwise: W^T's */
     int record_amax;            /* training: delayed scaling records the amaxes */
 } fp8_linear;
 
@@ -3759,6 +3766,12 @@ static void fp8_linear_forward(const mt_exec* ex, const fp8_linear* L, T* y, con
                                int out) {
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         const mt_fp8_state* f = L->f;
+        if (f->recipe == MT_FP8_BLOCKWISE) { /* x in 1x128 blocks, W in 128x128 */
+            fp8_cast_blockwise<T>(ex, f->fwd, f->x8, NULL, f->x8_blocks, NULL, x, N, in, FP8_BLOCKS_1x128, true);
+            gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, f->x8_blocks, L->w8, f->fwd, L->w8_blocks, y, out, 1.0f, 0.0f,
+                        bias, FP8_BLOCKS_1x128, FP8_BLOCKS_128x128);
+            return;
+        }
         fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, f->x8, NULL, x, N, in, true);
         gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, fp8_scale_inv(L, FP8_X), L->w8, f->fwd, fp8_scale_inv(L, FP8_W), y, out,
                     1.0f, 0.0f, bias);
@@ -3774,6 +3787,13 @@ static void fp8_linear_input_gradient(const mt_exec* ex, const fp8_linear* L, T*
                                       int out) {
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         const mt_fp8_state* f = L->f;
+        if (f->recipe == MT_FP8_BLOCKWISE) { /* dy and dy^T each in 1x128 blocks of their rows, W^T in 128x128 */
+            fp8_cast_blockwise<T>(ex, f->bwd, f->g8, f->g8t, f->g8_blocks, f->g8t_blocks, dy, N, out, FP8_BLOCKS_1x128,
+                                  true);
+            gemm_fp8<T>(ex, N, in, out, f->g8, f->bwd, f->g8_blocks, L->w8t, f->fwd, L->w8t_blocks, dx, in, 1.0f, 0.0f,
+                        (const __nv_bfloat16*)NULL, FP8_BLOCKS_1x128, FP8_BLOCKS_128x128);
+            return;
+        }
         fp8_cast_operand<T>(ex, L, FP8_G, f->bwd, f->g8, f->g8t, dy, N, out, true);
         gemm_fp8<T>(ex, N, in, out, f->g8, f->bwd, fp8_scale_inv(L, FP8_G), L->w8t, f->fwd, fp8_scale_inv(L, FP8_W), dx,
                     in, 1.0f, 0.0f);
@@ -3792,9 +3812,18 @@ static void fp8_linear_weight_gradient(const mt_exec* ex, const fp8_linear* L, m
         weight_gradient<T>(ex, s, dweight, dbias, dy, x, N, in, out);
         return;
     }
-    fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, NULL, f->x8t, x, N, in, false);
-    gemm_fp8<float>(ex, out, in, N, f->g8t, f->bwd, fp8_scale_inv(L, FP8_G), f->x8t, f->fwd, fp8_scale_inv(L, FP8_X),
-                    dweight, in, 1.0f, (float)ex->mode.accumulate_gradients);
+    if (f->recipe == MT_FP8_BLOCKWISE) { /* dy^T and x^T in 1x128 blocks of their own rows (along the tokens) */
+        if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+            fp8_cast_blockwise<T>(ex, f->fwd, NULL, f->x8t, NULL, f->x8t_blocks, x, N, in, FP8_BLOCKS_1x128, true);
+            gemm_fp8<float>(ex, out, in, N, f->g8t, f->bwd, f->g8t_blocks, f->x8t, f->fwd, f->x8t_blocks, dweight, in,
+                            1.0f, (float)ex->mode.accumulate_gradients, (const __nv_bfloat16*)NULL, FP8_BLOCKS_1x128,
+                            FP8_BLOCKS_1x128);
+        }
+    } else {
+        fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, NULL, f->x8t, x, N, in, false);
+        gemm_fp8<float>(ex, out, in, N, f->g8t, f->bwd, fp8_scale_inv(L, FP8_G), f->x8t, f->fwd, fp8_scale_inv(L, FP8_X),
+                        dweight, in, 1.0f, (float)ex->mode.accumulate_gradients);
+    }
     if (dbias) column_sum<T>(ex, s, dbias, dy, N, out);
 }
 
@@ -4283,6 +4312,11 @@ static void gradients_ready(mt_trainer* t, const mt_exec* ex, int layer);
  * optimizer step: the forward of the step's first micro-batch, after the layer's parameters are
  * all-gathered). Weight shapes are this TP rank's: qkv [qkv_width, h], proj [h, heads*d],
  * fc1 [f1, h], fc2 [h, f]. */
+/* Floats of a block-scale array of a tensor [rows, cols], rounded up to 16 bytes (the next array
+ * stays aligned for cuBLASLt). */
+static int64_t fp8_block_scales(mt_fp8_scaling_mode m, int rows, int cols) {
+    return (fp8_scale_inv_count(m, rows, cols) + 3) / 4 * 4;
+}
 static void fp8_linear_dims(const mt_shape& s, int linear, int* out, int* in) {
     const int dims[FP8_LINEARS][2] = {{s.qkv_width, s.h}, {s.h, s.attn_width}, {s.f1, s.h}, {s.h, s.f}};
     *out = dims[linear][0];
@@ -4297,6 +4331,7 @@ static bool fp8_layer_linears(mt_trainer* t, const mt_exec* ex, int l, bool cast
     const layer_tensors<T> p = layer_params<T>(t, l);
     const T* weights[FP8_LINEARS] = {p.qkv_w, p.proj_w, p.fc1_w, p.fc2_w};
     uint8_t* w8 = f->weights + (int64_t)slot * f->weights_per_layer;
+    float* wb = f->weight_blocks ? f->weight_blocks + (int64_t)slot * f->weight_blocks_per_layer : NULL;
     for (int k = 0; k < FP8_LINEARS; k++) {
         int out, in;
         fp8_linear_dims(s, k, &out, &in);
@@ -4304,9 +4339,14 @@ static bool fp8_layer_linears(mt_trainer* t, const mt_exec* ex, int l, bool cast
         L[k].tensor = (slot * FP8_LINEARS + k) * FP8_ROLES;
         L[k].w8 = w8;
         L[k].w8t = w8 + (int64_t)out * in;
+        L[k].w8_blocks = wb;
+        L[k].w8t_blocks = wb ? wb + fp8_block_scales(FP8_BLOCKS_128x128, out, in) : NULL;
         L[k].record_amax = ex->mode.training;
         if (cast_weights) {
-            if (f->recipe == MT_FP8_TENSORWISE) {
+            if (f->recipe == MT_FP8_BLOCKWISE) {
+                fp8_cast_blockwise<T>(ex, f->fwd, (uint8_t*)L[k].w8, (uint8_t*)L[k].w8t, (float*)L[k].w8_blocks,
+                                      (float*)L[k].w8t_blocks, weights[k], out, in, FP8_BLOCKS_128x128, true);
+            } else if (f->recipe == MT_FP8_TENSORWISE) {
                 mt_fp8_scaling ws = fp8_slot(&L[k], FP8_W);
                 fp8_quantize_tensorwise<T>(ex, f->fwd, &ws, f->margin, (uint8_t*)L[k].w8, (uint8_t*)L[k].w8t,
                                            weights[k], out, in);
@@ -4317,6 +4357,7 @@ static bool fp8_layer_linears(mt_trainer* t, const mt_exec* ex, int l, bool cast
             }
         }
         w8 += 2 * (int64_t)out * in;
+        if (wb) wb += fp8_block_scales(FP8_BLOCKS_128x128, out, in) + fp8_block_scales(FP8_BLOCKS_128x128, in, out);
     }
     return true;
 }
@@ -5491,8 +5532,9 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
     if (prop.major * 10 + prop.minor < 89)
         return mt_fail(err, MT_ERR_CONFIG, "--fp8-format needs a GPU with FP8 tensor cores (compute capability 8.9 or "
                        "newer); %s is %d.%d", prop.name, prop.major, prop.minor);
-    if (c->fp8_recipe == MT_FP8_BLOCKWISE)
-        return mt_fail(err, MT_ERR_CONFIG, "--fp8-recipe blockwise is not built yet: use delayed or tensorwise");
+    if (c->fp8_param_gather)
+        return mt_fail(err, MT_ERR_CONFIG, "--fp8-param-gather is not built yet: the distributed optimizer all-gathers "
+                       "the bf16 parameters (drop the flag)");
     const mt_shape s = model_shape(t);
     f->enabled = 1;
     f->fwd = FP8_E4M3;
@@ -5511,9 +5553,14 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
         int out, in;
         fp8_linear_dims(s, k, &out, &in);
         f->weights_per_layer += 2 * (int64_t)out * in;
+        f->weight_blocks_per_layer +=
+            fp8_block_scales(FP8_BLOCKS_128x128, out, in) + fp8_block_scales(FP8_BLOCKS_128x128, in, out);
         wide = out > wide ? out : wide;
         wide = in > wide ? in : wide;
     }
+    const int blockwise = f->recipe == MT_FP8_BLOCKWISE;
+    const int64_t rows_blocks = fp8_block_scales(FP8_BLOCKS_1x128, s.BT, (int)wide),
+                  cols_blocks = fp8_block_scales(FP8_BLOCKS_1x128, (int)wide, s.BT);
     const int64_t nt = f->num_tensors, scratch = (int64_t)s.BT * wide;
     size_t off = 0;
     auto carve = [&](int64_t bytes) { size_t at = off; off += ((size_t)bytes + 255) & ~(size_t)255; return at; };
@@ -5521,6 +5568,9 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
            o_max = carve(nt * 4);
     size_t o_history = carve(nt * f->history_len * 4), o_weights = carve(f->num_layers * f->weights_per_layer);
     size_t o_x8 = carve(scratch), o_x8t = carve(scratch), o_g8 = carve(scratch), o_g8t = carve(scratch);
+    size_t o_xb = carve(blockwise ? rows_blocks * 4 : 0), o_xtb = carve(blockwise ? cols_blocks * 4 : 0),
+           o_gb = carve(blockwise ? rows_blocks * 4 : 0), o_gtb = carve(blockwise ? cols_blocks * 4 : 0),
+           o_wb = carve(blockwise ? f->num_layers * f->weight_blocks_per_layer * 4 : 0);
     t->fp8_arena_bytes = off;
     char* base = (char*)device_alloc(t, off);
     if (!base) return mt_gpu_error_return(&t->error, err);
@@ -5535,6 +5585,13 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
     f->x8t = (uint8_t*)(base + o_x8t);
     f->g8 = (uint8_t*)(base + o_g8);
     f->g8t = (uint8_t*)(base + o_g8t);
+    if (blockwise) {
+        f->x8_blocks = (float*)(base + o_xb);
+        f->x8t_blocks = (float*)(base + o_xtb);
+        f->g8_blocks = (float*)(base + o_gb);
+        f->g8t_blocks = (float*)(base + o_gtb);
+        f->weight_blocks = (float*)(base + o_wb);
+    }
     const int64_t ones = nt * FP8_SCALE_INV_STRIDE;
     float* host = (float*)malloc(sizeof(float) * (size_t)(ones + nt + 1));
     if (!host) return mt_fail(err, MT_ERR_OOM, "cannot allocate the FP8 scales");

@@ -103,6 +103,9 @@ static test_result test_determinism_and_resume_bf16(void) { return determinism_a
 static test_result test_determinism_and_resume_fp8_delayed(void) {
     return determinism_and_resume_fp8(MT_BF16, 0, MT_FP8_DELAYED);
 }
+static test_result test_determinism_and_resume_fp8_blockwise(void) {
+    return determinism_and_resume_fp8(MT_BF16, 0, MT_FP8_BLOCKWISE);
+}
 static test_result test_determinism_and_resume_fp8_tensorwise_llama(void) {
     return determinism_and_resume_fp8(MT_BF16, 1, MT_FP8_TENSORWISE);
 }
@@ -163,6 +166,7 @@ static const test_case checkpoint_gpu_tests[] = {
     {"determinism_and_resume_llama_bf16", test_determinism_and_resume_llama_bf16},
     {"determinism_and_resume_fp8_delayed_hybrid", test_determinism_and_resume_fp8_delayed},
     {"determinism_and_resume_fp8_tensorwise_llama", test_determinism_and_resume_fp8_tensorwise_llama},
+    {"determinism_and_resume_fp8_blockwise", test_determinism_and_resume_fp8_blockwise},
     {"checkpoint_refuses_other_shape", test_checkpoint_refuses_other_shape},
 };
 

@@ -332,6 +332,62 @@ static test_result test_llama_small_fp8_tensorwise(void) {
                                             2e-2, 0.3, 2e-2, 3e-2);
 }
 
+/* Every recipe (delayed, tensorwise, blockwise) against bf16 from the same initial weights and
+ * batches, 20 steps, GPT-2 and Llama flavours (the blockwise recipe needs multiples of 128, which the
+ * reference vectors' 64-token micro-batches are not): each step's loss within 2% of bf16's (the
+ * format noise of the previous tests, through a model whose loss moves ~1.5% over these steps), the
+ * loss falling, and the FP8 flags Megatron has but this build does not refused at creation. */
+static test_result fp8_recipes_track_bf16(int llama) {
+    REQUIRE_GPU();
+    const int steps = 20;
+    double losses[4][20];
+    const char* names[4] = {"bf16", "delayed", "tensorwise", "blockwise"};
+    for (int r = 0; r < 4; r++) {
+        mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, MT_BF16);
+        if (llama) c.ffn_hidden_size = 384; /* SwiGLU's [2f, h] then 768 wide: blockwise needs multiples of 128 */
+        if (r > 0) {
+            c.fp8_format = MT_FP8_HYBRID;
+            c.fp8_recipe = (mt_fp8_recipe)(r - 1);
+        }
+        mt_error err;
+        EXPECT_OK(mt_config_finalize(&c, &err), &err);
+        mt_trainer* t = NULL;
+        EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+        int64_t per_step = (int64_t)c.global_batch_size * (c.seq_length + 1);
+        int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * per_step);
+        mt_status st = MT_OK;
+        for (int k = 0; k < steps && st == MT_OK; k++) {
+            fill_tokens(tokens, per_step, (int)c.vocab_size, 500 + k);
+            mt_step_result res;
+            st = mt_trainer_train_step(t, tokens, &res, &err);
+            losses[r][k] = res.lm_loss;
+        }
+        free(tokens);
+        mt_trainer_free(t);
+        EXPECT_OK(st, &err);
+        printf("      %-10s loss %.5f -> %.5f\n", names[r], losses[r][0], losses[r][steps - 1]);
+        EXPECT(losses[r][steps - 1] < losses[r][0], "%s: the loss did not fall", names[r]);
+        for (int k = 0; r > 0 && k < steps; k++)
+            EXPECT(fabs(losses[r][k] - losses[0][k]) <= 2e-2 * losses[0][k], "%s step %d: loss %.6f, bf16 %.6f",
+                   names[r], k, losses[r][k], losses[0][k]);
+    }
+    mt_config c = test_config(TEST_GPT2, MT_BF16);
+    c.fp8_format = MT_FP8_HYBRID;
+    c.use_distributed_optimizer = 1;
+    c.fp8_param_gather = 1;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    mt_trainer* t = NULL;
+    err.message[0] = 0;
+    mt_status st = mt_trainer_create(&t, &c, &err);
+    if (t) mt_trainer_free(t);
+    EXPECT(st == MT_ERR_CONFIG && strstr(err.message, "--fp8-param-gather"), "--fp8-param-gather: status %d, '%s'",
+           (int)st, err.message);
+    return TEST_PASS;
+}
+static test_result test_fp8_recipes_track_bf16(void) { return fp8_recipes_track_bf16(0); }
+static test_result test_fp8_recipes_track_bf16_llama(void) { return fp8_recipes_track_bf16(1); }
+
 /* ---- initialisation, the gradient buffer never zeroed ---- */
 
 /* Megatron's initialisation: normal(std) weights and embeddings, output projections std/sqrt(2L),
@@ -458,6 +514,8 @@ static const test_case model_gpu_tests[] = {
     {"gpt2_small_fp8_tensorwise_e4m3_matches_reference", test_gpt2_small_fp8_tensorwise},
     {"llama_small_fp8_delayed_hybrid_matches_reference", test_llama_small_fp8_delayed},
     {"llama_small_fp8_tensorwise_e4m3_matches_reference", test_llama_small_fp8_tensorwise},
+    {"fp8_recipes_track_bf16", test_fp8_recipes_track_bf16},
+    {"fp8_recipes_track_bf16_llama", test_fp8_recipes_track_bf16_llama},
     {"initialisation_llama", test_initialisation_llama},
     {"initialisation", test_initialisation},
     {"gradients_overwrite_no_zeroing", test_gradients_overwrite},
