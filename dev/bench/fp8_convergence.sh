@@ -24,6 +24,8 @@
 # --reuse: a recipe whose log in OUT is a finished run of the same command line is not run again
 #   (to split the recipes over several invocations: run "--recipes bf16", then
 #   "--recipes 'bf16 delayed' --reuse", ..., with the same OUT; the last one writes the whole table).
+#   Each 350M run takes minutes (1000 x 32k tokens, plus 11 evaluations), so the four recipes may not
+#   fit one 10-minute command: OUT (and WORK) must then be a folder that stays between the commands.
 # A recipe that train_gpt refuses (exit status != 0 before its first iteration, e.g. a recipe not
 # built yet) is reported as "refused: <its error line>" and the next recipe runs. bf16 runs first
 # (if it does not start, the script stops there: the others would fail alike);

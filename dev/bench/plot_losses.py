@@ -74,7 +74,7 @@ def main():
         if not train and not val:
             print(f"plot_losses: {label}: no iteration or validation lines in {path}; left out")
             continue
-        runs.append((label, finite(train), finite(val)))
+        runs.append((f"{label} ({bad} non-finite)" if bad else label, finite(train), finite(val)))
     if not runs:
         sys.exit("plot_losses: none of the logs has loss lines")
 
