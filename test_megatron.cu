@@ -74,6 +74,7 @@ int main(int argc, char** argv) {
         GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),
     };
     int passed = 0, failed = 0, skipped = 0;
+    const char* failed_names[64];
     for (size_t g = 0; g < sizeof(groups) / sizeof(groups[0]); g++) {
         /* several processes run the multi-GPU tests only */
         if (world > 1 && !group_is_multigpu(groups[g].group)) continue;
@@ -92,10 +93,14 @@ int main(int argc, char** argv) {
             }
 #endif
             if (r == TEST_PASS) passed++;
-            else if (r == TEST_FAIL) failed++;
-            else skipped++;
+            else if (r == TEST_FAIL) {
+                printf("    => %s failed\n", t->name);
+                if (failed < 64) failed_names[failed] = t->name;
+                failed++;
+            } else skipped++;
         }
     }
+    for (int i = 0; i < failed && i < 64; i++) printf("failed: %s\n", failed_names[i]);
     printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
 #ifdef MT_USE_MPI
     if (world > 1) MPI_Finalize();

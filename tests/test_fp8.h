@@ -1277,7 +1277,8 @@ static test_result test_fp8_refuses_bad_shapes(void) {
     float* d_scales = ok ? (float*)fp8t_device(&c, 4 * 64, 0) : NULL;
     ok = ok && d_x && d_a && d_b && d_out && d_c && d_scales;
     const float one = 1.0f;
-    ok = ok && fp8t_copy(d_scales, &one, 4, cudaMemcpyHostToDevice) && fp8t_copy(d_scales + 1, &one, 4, cudaMemcpyHostToDevice);
+    /* two scales 16 bytes apart (cuBLASLt refuses a scale pointer that is not 16-byte aligned) */
+    ok = ok && fp8t_copy(d_scales, &one, 4, cudaMemcpyHostToDevice) && fp8t_copy(d_scales + 4, &one, 4, cudaMemcpyHostToDevice);
     ok = ok && fp8t_expect_refusal(&c, fp8_cast_transpose(&c.ex, FP8_E4M3, d_out, d_out, d_x, 20, 48, d_scales, d_scales + 2),
                                    "fp8_cast_transpose of x [20, 48]");
     ok = ok && fp8t_expect_refusal(&c, fp8_cast_transpose(&c.ex, FP8_E4M3, d_out, (uint8_t*)NULL, d_x + 1, 16, 48, d_scales,
@@ -1295,8 +1296,14 @@ static test_result test_fp8_refuses_bad_shapes(void) {
     ok = ok && fp8t_sync(&c, "the refused calls") && fp8t_all_bytes(d_out, 64 * 64, 0xFF, "fp8 output") &&
          fp8t_all_bytes((const uint8_t*)d_c, 4 * 64 * 64, 0xFF, "gemm_fp8 output");
     /* and a good call on the same context still runs */
-    ok = ok && gemm_fp8<float>(&c.ex, 32, 32, 64, d_a, FP8_E4M3, d_scales, d_b, FP8_E5M2, d_scales + 1, d_c, 32, 1.0f, 0.0f) &&
-         fp8t_sync(&c, "gemm_fp8 32x32x64 e4m3 x e5m2 after the refusals");
+    if (ok) {
+        gemm_fp8<float>(&c.ex, 32, 32, 64, d_a, FP8_E4M3, d_scales, d_b, FP8_E5M2, d_scales + 4, d_c, 32, 1.0f, 0.0f);
+        ok = fp8t_sync(&c, "gemm_fp8 32x32x64 e4m3 x e5m2 after the refusals");
+    }
+    /* a misaligned scale pointer is refused with a line of its own, before cuBLASLt sees it */
+    ok = ok && fp8t_expect_refusal(&c, gemm_fp8<float>(&c.ex, 32, 32, 64, d_a, FP8_E4M3, d_scales, d_b, FP8_E4M3,
+                                                       d_scales + 1, d_c, 32, 1.0f, 0.0f),
+                                   "gemm_fp8 with a scale pointer 4 bytes past 16-byte alignment");
     fp8t_ctx_free(&c);
     return ok ? TEST_PASS : TEST_FAIL;
 }
