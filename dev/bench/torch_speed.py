@@ -90,6 +90,9 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--compile", default="on", choices=["on", "off"])
+    ap.add_argument("--float8", default="none", choices=["none", "tensorwise", "rowwise"],
+                    help="torchao float8 training of the transformer blocks' linears (convert_to_float8_training with "
+                         "that recipe; needs torchao; the output layer, tied to the embeddings, stays bf16)")
     ap.add_argument("--profile", action="store_true", help="after timing: one step under torch.profiler, the "
                     "GPU time per kernel name printed to stderr")
     a = ap.parse_args()
@@ -115,6 +118,11 @@ def main():
     model.init_megatron(1234)
     print(f"model {a.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"sdpa backend {backend.name}", flush=True)
+    if a.float8 != "none":  # torchao: every nn.Linear of the blocks (the tied output layer is no nn.Linear)
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(a.float8))
+        n8 = sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
+        print(f"torchao float8 ({a.float8}): {n8} linears converted", flush=True)
     run = torch.compile(model) if a.compile == "on" else model
     opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
     params = list(model.parameters())
@@ -161,7 +169,7 @@ def main():
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
         "device_in_use_gib": round((total - free) / 2**30, 2),
         "loss": round(float(loss), 4), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-        "compile": a.compile, "mbs": a.mbs, "accum": a.accum,
+        "compile": a.compile, "mbs": a.mbs, "accum": a.accum, "float8": a.float8,
     }
     print("RESULT " + json.dumps(out), flush=True)
 
