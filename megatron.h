@@ -55,7 +55,8 @@
  *   3. GPT datasets: --split, document/sample/shuffle index, blending (bit-exact with Megatron)
  *   4. .npy writer (Megatron's index cache format)
  *   5. Training configuration, learning-rate schedule, FLOP formula
- *   6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout
+ *   6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout, pipeline
+ *      schedules
  *   7. Checkpoint format: the header words, config <-> header
  *   8. The trainer API (GPU; implemented in megatron.cu)
  */
@@ -473,10 +474,12 @@ float mt_fp8_delayed_scale(const float* history, int len, int newest, mt_fp8_ama
                            int margin, float previous_scale);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* 6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout           */
+/* 6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout,          */
+/*    pipeline schedules                                                                           */
 /*    Where every parameter element lives: its place in the canonical order (checkpoints, test     */
 /*    vectors), the slice a tensor-parallel rank holds, the coordinates of a rank, and the offset, */
-/*    bucket and data-parallel shard of the DDP / distributed-optimizer buffer.                    */
+/*    bucket and data-parallel shard of the DDP / distributed-optimizer buffer; and the order of   */
+/*    the forward and backward steps of each pipeline rank, with their transfers.                  */
 /* ---------------------------------------------------------------------------------------------- */
 
 /* The model's parameter tensors in canonical order (the order of checkpoints and test vectors).
@@ -582,6 +585,43 @@ void mt_buffer_layout_free(mt_buffer_layout* layout);
 int64_t mt_buffer_offset(const mt_buffer_layout* layout, int tensor, int layer);
 /* DP rank r's shard of bucket b: [begin, end) in buffer elements (the whole bucket when dp == 1). */
 void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end);
+
+/* Pipeline schedules (Megatron's pipeline_parallel/schedules.py), as data: the ordered list of
+ * forward and backward steps one pipeline rank runs in one training step, and the point-to-point
+ * transfers each step needs. M micro-batches, PP pipeline ranks, VP model chunks per rank (virtual
+ * pipeline stages; chunk c on rank r is virtual stage c * PP + r). VP = 1: non-interleaved 1F1B;
+ * VP > 1: interleaved 1F1B, whose micro-batches walk the chunks in groups of group_size
+ * (--microbatch-group-size-per-virtual-pipeline-stage, default PP).
+ * Each rank's list: warm-up forwards, then steady forward/backward pairs (forward first), then the
+ * cool-down backwards; PP = 1 is F0 B0 F1 B1 ... */
+enum { MT_PP_FORWARD = 0, MT_PP_BACKWARD = 1 };
+typedef struct {
+    int8_t kind;         /* MT_PP_FORWARD, MT_PP_BACKWARD */
+    int32_t micro_batch; /* 0 .. M-1 */
+    int32_t chunk;       /* model chunk (virtual stage) on this rank, 0 .. VP-1 */
+    /* Transfers, as pipeline ranks (-1: none). Before a forward: receive its input activation from
+     * recv_rank (the rank of virtual stage v - 1), except at virtual stage 0; after it: send the
+     * output activation to send_rank (virtual stage v + 1), except at the last virtual stage.
+     * Before a backward: receive the output gradient from recv_rank (virtual stage v + 1), except at
+     * the last virtual stage; after it: send the input gradient to send_rank (virtual stage v - 1),
+     * except at virtual stage 0. Never this rank itself: PP = 1 has one stage and no transfers. */
+    int32_t recv_rank;
+    int32_t send_rank;
+} mt_pp_op;
+/* Checks (PP, VP, M, group_size) the way Megatron does: PP, VP, M >= 1; interleaving (VP > 1)
+ * needs PP > 1 and PP <= group_size <= M, and the last, partial group (M % group_size) must be 0 or
+ * hold at least PP micro-batches. group_size <= 0 means PP; it is ignored when VP = 1. */
+mt_status mt_pp_schedule_check(int pp, int vp, int num_micro_batches, int group_size, mt_error* err);
+/* Warm-up forwards of rank `rank`: min(PP - rank - 1, M) with VP = 1; with VP > 1,
+ * 2 (PP - rank - 1) + (VP - 1) group_size, capped at M * VP (then every forward is warm-up). */
+int mt_pp_num_warmup(int pp, int vp, int num_micro_batches, int group_size, int rank);
+/* Fills ops[2 * M * VP] with rank `rank`'s steps in order (M * VP forwards and as many backwards);
+ * *num_warmup (if not NULL) gets mt_pp_num_warmup. The k-th forward runs entry k of the table that
+ * walks groups of group_size micro-batches (the last group: what is left) over chunks 0 .. VP-1,
+ * each chunk taking the whole group; the k-th backward runs the same entry with the chunk mirrored
+ * (VP - 1 - chunk). */
+mt_status mt_pp_schedule(int pp, int vp, int num_micro_batches, int group_size, int rank, mt_pp_op* ops,
+                         int* num_warmup, mt_error* err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 7. Checkpoint format: the header words, config <-> header                                       */
@@ -2372,7 +2412,8 @@ double mt_flops_per_iteration(const mt_config* c, int64_t batch) {
 
 int64_t mt_num_parameters(const mt_config* c) { return mt_param_layout(c, NULL); }
 
-/* 6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout -------- */
+/* 6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout,
+ *    pipeline schedules ---------------------------------------------------------------------- */
 
 /* The layout at a tensor-parallel size of tp (1: the full model). Each tensor is given per layer as
  * [outer, rows, inner] with the rows cut over TP when split (see mt_param_info). */
@@ -2589,6 +2630,90 @@ void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_
     int64_t shard = (bucket->end - bucket->start) / dp;
     *begin = bucket->start + (int64_t)dp_rank * shard;
     *end = *begin + shard;
+}
+
+/* Pipeline schedules */
+
+static int mt__pp_group(int pp, int vp, int m, int group_size) {
+    (void)m;
+    return vp == 1 ? 1 : group_size <= 0 ? pp : group_size;
+}
+
+mt_status mt_pp_schedule_check(int pp, int vp, int m, int group_size, mt_error* err) {
+    if (pp < 1 || vp < 1 || m < 1)
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline schedule: PP (%d), VP (%d) and micro-batches (%d) must be >= 1",
+                       pp, vp, m);
+    if (vp == 1) return MT_OK;
+    int g = mt__pp_group(pp, vp, m, group_size);
+    if (pp == 1)
+        return mt_fail(err, MT_ERR_CONFIG, "interleaved pipeline schedule: VP = %d needs PP > 1", vp);
+    if (g < pp || g > m)
+        return mt_fail(err, MT_ERR_CONFIG,
+                       "interleaved pipeline schedule: micro-batch group size %d must be in [PP = %d, M = %d]", g, pp, m);
+    if (m % g != 0 && m % g < pp)
+        return mt_fail(err, MT_ERR_CONFIG,
+                       "interleaved pipeline schedule: M = %d leaves a last group of %d micro-batches (M %% group size %d), "
+                       "fewer than PP = %d", m, m % g, g, pp);
+    return MT_OK;
+}
+
+int mt_pp_num_warmup(int pp, int vp, int m, int group_size, int rank) {
+    if (vp == 1) return pp - rank - 1 < m ? pp - rank - 1 : m;
+    int64_t w = 2 * (int64_t)(pp - rank - 1) + (int64_t)(vp - 1) * mt__pp_group(pp, vp, m, group_size);
+    int64_t total = (int64_t)m * vp;
+    return (int)(w < total ? w : total);
+}
+
+/* Entry k of the schedule table: groups [g0, g0 + g) of micro-batches (the last group: [g0, M)),
+ * each walked over chunks 0 .. VP-1, the whole group per chunk. */
+static void mt__pp_table(int vp, int m, int g, int k, int32_t* mb, int32_t* chunk) {
+    int per_group = g * vp, g0 = (k / per_group) * g;
+    int size = g0 + g >= m ? m - g0 : g; /* the last group: what is left */
+    int i = k - g0 * vp;                 /* position within the group's [VP, size] block */
+    *chunk = i / size;
+    *mb = g0 + i % size;
+}
+
+/* The schedule of one rank, unchecked (tests also run it on settings the check refuses). */
+static void mt__pp_fill(int pp, int vp, int m, int group_size, int rank, mt_pp_op* ops /* [2 M VP] */) {
+    int g = mt__pp_group(pp, vp, m, group_size), total = m * vp;
+    int warmup = mt_pp_num_warmup(pp, vp, m, group_size, rank);
+    int prev = (rank + pp - 1) % pp, next = (rank + 1) % pp, last = pp * vp - 1;
+    int n = 0, f = 0, b = 0;
+    for (int step = 0; step < 2 * total; step++) {
+        /* warm-up: forwards; steady: forward then backward; cool-down: backwards */
+        int forward = f < warmup || (f < total && (f - warmup) == b);
+        mt_pp_op* op = &ops[n++];
+        int32_t mb, chunk;
+        if (forward) {
+            mt__pp_table(vp, m, g, f++, &mb, &chunk);
+        } else {
+            mt__pp_table(vp, m, g, b++, &mb, &chunk);
+            chunk = vp - 1 - chunk;
+        }
+        int v = chunk * pp + rank; /* virtual stage */
+        op->kind = (int8_t)(forward ? MT_PP_FORWARD : MT_PP_BACKWARD);
+        op->micro_batch = mb;
+        op->chunk = chunk;
+        if (forward) {
+            op->recv_rank = v > 0 ? prev : -1;
+            op->send_rank = v < last ? next : -1;
+        } else {
+            op->recv_rank = v < last ? next : -1;
+            op->send_rank = v > 0 ? prev : -1;
+        }
+    }
+}
+
+mt_status mt_pp_schedule(int pp, int vp, int m, int group_size, int rank, mt_pp_op* ops, int* num_warmup,
+                         mt_error* err) {
+    mt_status st = mt_pp_schedule_check(pp, vp, m, group_size, err);
+    if (st != MT_OK) return st;
+    if (rank < 0 || rank >= pp)
+        return mt_fail(err, MT_ERR_RANGE, "pipeline schedule: rank %d outside [0, PP = %d)", rank, pp);
+    mt__pp_fill(pp, vp, m, group_size, rank, ops);
+    if (num_warmup) *num_warmup = mt_pp_num_warmup(pp, vp, m, group_size, rank);
+    return MT_OK;
 }
 
 /* 7. Checkpoint format ------------------------------------------------------------------------- */

@@ -26,6 +26,7 @@
 #include "tests/test_fp8.h"
 #include "tests/test_data_parallel.h"
 #include "tests/test_tensor_parallel.h"
+#include "tests/test_pipeline_schedule.h"
 #include "tests/test_hf.h"
 #include "tests/test_header.h"
 
@@ -60,6 +61,7 @@ int main(int argc, char** argv) {
         GROUP("host.config", config_tests),
         GROUP("host.data_parallel", data_parallel_tests),
         GROUP("host.tensor_parallel", tensor_parallel_tests),
+        GROUP("host.pipeline", pipeline_schedule_tests),
         GROUP("host.hf", hf_tests),
         GROUP("host.header", header_tests),
         GROUP("gpu.model", model_gpu_tests),
