@@ -612,8 +612,10 @@ typedef struct {
  * needs PP > 1 and PP <= group_size <= M, and the last, partial group (M % group_size) must be 0 or
  * hold at least PP micro-batches. group_size <= 0 means PP; it is ignored when VP = 1. */
 mt_status mt_pp_schedule_check(int pp, int vp, int num_micro_batches, int group_size, mt_error* err);
-/* Warm-up forwards of rank `rank`: min(PP - rank - 1, M) with VP = 1; with VP > 1,
- * 2 (PP - rank - 1) + (VP - 1) group_size, capped at M * VP (then every forward is warm-up). */
+/* Warm-up forwards of rank `rank` (of a setting mt_pp_schedule_check accepts): min(PP - rank - 1, M)
+ * with VP = 1; with VP > 1, 2 (PP - rank - 1) + (VP - 1) group_size, capped at M * VP (then every
+ * forward is warm-up). (Megatron's extra warm-up forward of --overlap-moe-expert-parallel-comm is
+ * not modelled.) */
 int mt_pp_num_warmup(int pp, int vp, int num_micro_batches, int group_size, int rank);
 /* Fills ops[2 * M * VP] with rank `rank`'s steps in order (M * VP forwards and as many backwards);
  * *num_warmup (if not NULL) gets mt_pp_num_warmup. The k-th forward runs entry k of the table that

@@ -249,6 +249,19 @@ static test_result test_pipeline_schedule_example(void) {
                           ops[i].kind == MT_PP_FORWARD ? 'F' : 'B', ops[i].micro_batch, ops[i].chunk);
         EXPECT(strcmp(got, want[r]) == 0, "rank %d:\n      got  %s\n      want %s", r, got, want[r]);
     }
+    /* the table of schedules.py's own example, PP 2, VP 2, M 5, group 3: the forwards run
+     * micro-batches 0 1 2 0 1 2 3 4 3 4 on chunks 0 0 0 1 1 1 0 0 1 1 */
+    {
+        static const int mb[10] = {0, 1, 2, 0, 1, 2, 3, 4, 3, 4}, ch[10] = {0, 0, 0, 1, 1, 1, 0, 0, 1, 1};
+        mt_pp_op o5[20];
+        EXPECT_OK(mt_pp_schedule(2, 2, 5, 3, 1, o5, NULL, &err), &err);
+        for (int i = 0, k = 0; i < 20; i++)
+            if (o5[i].kind == MT_PP_FORWARD) {
+                EXPECT(o5[i].micro_batch == mb[k] && o5[i].chunk == ch[k], "forward %d: mb %d chunk %d, want %d %d", k,
+                       o5[i].micro_batch, o5[i].chunk, mb[k], ch[k]);
+                k++;
+            }
+    }
     /* rank 0: F0.0 (stage 0) receives nothing, sends to rank 1; F0.1 (stage 2) receives from rank 1;
      * B0.1 (stage 2) receives the gradient from rank 1 and sends it back to rank 1; B0.0 sends none */
     EXPECT_OK(mt_pp_schedule(2, 2, 4, 0, 0, ops, NULL, &err), &err);
