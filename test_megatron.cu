@@ -28,6 +28,7 @@
 #include "tests/test_tensor_parallel.h"
 #include "tests/test_hf.h"
 #include "tests/test_header.h"
+#include "tests/test_hostile.h"
 
 typedef struct {
     const char* group; /* kind.feature: kind is host, gpu or multigpu */
@@ -62,6 +63,7 @@ int main(int argc, char** argv) {
         GROUP("host.tensor_parallel", tensor_parallel_tests),
         GROUP("host.hf", hf_tests),
         GROUP("host.header", header_tests),
+        GROUP("host.hostile", hostile_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),
         GROUP("gpu.checkpoint", checkpoint_gpu_tests),
