@@ -2305,6 +2305,33 @@ static mt_status mt_config_size_check(const mt_config* c, mt_error* err) {
 #undef MT__ADD
 
 mt_status mt_config_finalize(mt_config* c, mt_error* err) {
+    /* every double finite (a NaN passes every < / >= range test below), then the ranges Megatron's
+     * optimizer and model accept, for callers of the C API as much as for train_gpt's flags */
+    struct { const char* name; double v; } reals[] = {
+        {"--init-method-std", c->init_method_std}, {"--norm-epsilon", c->norm_epsilon},
+        {"--rotary-base", c->rotary_base}, {"--rotary-percent", c->rotary_percent},
+        {"--rope-scaling-factor", c->rope_scaling_factor}, {"--hidden-dropout", c->hidden_dropout},
+        {"--attention-dropout", c->attention_dropout}, {"--loss-scale", c->loss_scale},
+        {"--initial-loss-scale", c->initial_loss_scale}, {"--min-loss-scale", c->min_loss_scale},
+        {"--lr", c->lr}, {"--min-lr", c->min_lr}, {"--lr-warmup-init", c->lr_warmup_init},
+        {"--lr-warmup-fraction", c->lr_warmup_fraction}, {"--adam-beta1", c->adam_beta1},
+        {"--adam-beta2", c->adam_beta2}, {"--adam-eps", c->adam_eps}, {"--weight-decay", c->weight_decay},
+        {"--clip-grad", c->clip_grad},
+    };
+    for (size_t i = 0; i < sizeof(reals) / sizeof(reals[0]); i++)
+        if (!isfinite(reals[i].v)) return mt_fail(err, MT_ERR_CONFIG, "%s %g: must be a finite number", reals[i].name,
+                                                  reals[i].v);
+    if (!(c->adam_eps > 0)) return mt_fail(err, MT_ERR_CONFIG, "--adam-eps %g: must be > 0", c->adam_eps);
+    if (c->weight_decay < 0) return mt_fail(err, MT_ERR_CONFIG, "--weight-decay %g: must be >= 0", c->weight_decay);
+    if (c->clip_grad < 0) return mt_fail(err, MT_ERR_CONFIG, "--clip-grad %g: must be >= 0", c->clip_grad);
+    if (c->init_method_std < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--init-method-std %g: must be >= 0", c->init_method_std);
+    if (c->lr_warmup_init < 0) return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-init %g: must be >= 0", c->lr_warmup_init);
+    if (c->hidden_dropout < 0 || c->hidden_dropout >= 1 || c->attention_dropout < 0 || c->attention_dropout >= 1)
+        return mt_fail(err, MT_ERR_CONFIG, "--hidden-dropout %g and --attention-dropout %g must be in [0, 1)",
+                       c->hidden_dropout, c->attention_dropout);
+    if (c->lr_warmup_iters < 0 || c->lr_decay_iters < 0 || c->lr_wsd_decay_iters < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-iters, --lr-decay-iters and --lr-wsd-decay-iters must be >= 0");
     if (c->num_layers <= 0) return mt_fail(err, MT_ERR_CONFIG, "--num-layers must be positive");
     if (c->hidden_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--hidden-size must be positive");
     if (c->num_attention_heads <= 0) return mt_fail(err, MT_ERR_CONFIG, "--num-attention-heads must be positive");

@@ -87,6 +87,42 @@ static test_result test_hostile_config_size_products(void) {
     return TEST_PASS;
 }
 
+/* The C API refuses what train_gpt's flags refuse: a NaN passes every `x < 0` test, so each double is
+ * checked finite first, then against its range. */
+static test_result test_hostile_config_doubles(void) {
+    struct { const char* what; int field; double v; const char* needle; } cases[] = {
+        {"nan lr", 0, NAN, "--lr nan: must be a finite number"},
+        {"inf lr", 0, INFINITY, "--lr inf: must be a finite number"},
+        {"nan beta1", 1, NAN, "--adam-beta1 nan: must be a finite number"},
+        {"zero eps", 2, 0.0, "--adam-eps 0: must be > 0"},
+        {"negative eps", 2, -1e-8, "--adam-eps -1e-08: must be > 0"},
+        {"negative weight decay", 3, -0.5, "--weight-decay -0.5: must be >= 0"},
+        {"negative clip", 4, -1.0, "--clip-grad -1: must be >= 0"},
+        {"negative dropout", 5, -0.5, "must be in [0, 1)"},
+        {"nan clip", 4, NAN, "--clip-grad nan: must be a finite number"},
+        {"negative std", 6, -0.02, "--init-method-std -0.02: must be >= 0"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        mt_config c = hostile_base();
+        double v = cases[i].v;
+        switch (cases[i].field) {
+            case 0: c.lr = v; break;
+            case 1: c.adam_beta1 = v; break;
+            case 2: c.adam_eps = v; break;
+            case 3: c.weight_decay = v; break;
+            case 4: c.clip_grad = v; break;
+            case 5: c.hidden_dropout = v; break;
+            case 6: c.init_method_std = v; break;
+        }
+        mt_error err;
+        err.message[0] = 0;
+        mt_status st = mt_config_finalize(&c, &err);
+        EXPECT(st == MT_ERR_CONFIG, "%s: status %d", cases[i].what, (int)st);
+        EXPECT(strstr(err.message, cases[i].needle) != NULL, "%s: message '%s'", cases[i].what, err.message);
+    }
+    return TEST_PASS;
+}
+
 /* ---- the binaries as subprocesses ------------------------------------------------------------- */
 
 /* Runs `cmd` with stderr captured (stdout dropped); returns the exit status (-1: did not exit). */
@@ -211,11 +247,26 @@ static test_result test_hostile_dataset_info_flags(void) {
     return TEST_PASS;
 }
 
+static test_result test_hostile_convert_hf_flags(void) {
+    if (access("prepro/convert_hf", X_OK) != 0) SKIP("prepro/convert_hf is not built (make all)");
+    int ok = 1;
+    /* strtoll saturates at LLONG_MAX with ERANGE: that is not the iteration the user asked for */
+    ok &= hostile_expect_refused("prepro/convert_hf --iteration 99999999999999999999",
+                                 "--iteration needs a non-negative integer, not 99999999999999999999");
+    ok &= hostile_expect_refused("prepro/convert_hf --vocab-size 99999999999999999999",
+                                 "--vocab-size needs a positive integer, not 99999999999999999999");
+    ok &= hostile_expect_refused("prepro/convert_hf --norm-epsilon nan", "--norm-epsilon needs a number in (0, 1)");
+    EXPECT(ok, "a hostile flag was not refused with one clear line");
+    return TEST_PASS;
+}
+
 static const test_case hostile_tests[] = {
     {"hostile_overflow_helpers", test_hostile_overflow_helpers},
     {"hostile_config_size_products", test_hostile_config_size_products},
+    {"hostile_config_doubles", test_hostile_config_doubles},
     {"hostile_train_gpt_flags", test_hostile_train_gpt_flags},
     {"hostile_dataset_info_flags", test_hostile_dataset_info_flags},
+    {"hostile_convert_hf_flags", test_hostile_convert_hf_flags},
 };
 
 #endif
