@@ -230,7 +230,7 @@ static void parse_args(run_options* o, int argc, char** argv) {
         {"--micro-batch-size", F_INT64, &mbs, IR(1, I32MAX)},
         {"--global-batch-size", F_INT64, &gbs, IR(1, I32MAX)},
         {"--train-iters", F_INT64, &iters, IR(1, I64MAX)},
-        {"--seed", F_INT64, &seed, IR(0, I64MAX)},
+        {"--seed", F_INT64, &seed, IR(0, 4294967295LL)}, /* numpy RandomState: < 2^32 */
         {"--tensor-model-parallel-size", F_INT64, &tp, IR(1, I32MAX)},
         {"--sequence-parallel", F_TRUE, &c->sequence_parallel, NR},
         {"--pipeline-model-parallel-size", F_INT64, &pp, IR(1, I32MAX)},

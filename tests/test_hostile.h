@@ -179,7 +179,8 @@ static test_result test_hostile_train_gpt_flags(void) {
         {"--init-method-std NaN", "--init-method-std NaN: must be a finite number"},
         {"--lr-warmup-fraction 2", "--lr-warmup-fraction 2: must be in [0, 1]"},
         {"--fp8-margin -1", "--fp8-margin -1: must be between 0 and 30"},
-        {"--seed -1", "--seed -1: must be between 0 and"},
+        {"--seed -1", "--seed -1: must be between 0 and 4294967295"},
+        {"--seed 4294967297", "--seed 4294967297: must be between 0 and 4294967295"}, /* was seed 1 for the data */
         {"--bf16=1", "--bf16 takes no value"},
         {"--lr", "--lr needs a value"},
         {"--hidden-size 777777768", "--hidden-size 777777768: the derived --ffn-hidden-size 3111111072 exceeds"},
