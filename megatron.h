@@ -452,6 +452,20 @@ void mt_config_defaults(mt_config* cfg);
 /* Derives padded vocab, ffn, kv channels, max positions, global batch; checks consistency. */
 mt_status mt_config_finalize(mt_config* cfg, mt_error* err);
 int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int tensor_parallel_size);
+/* Overflow-safe size arithmetic: 1 when a * b (a + b) does not fit int64_t (then *out is untouched),
+ * else 0 with the result in *out. mt_config_finalize checks every size product it derives with these. */
+static inline int mt_mul_overflows_i64(int64_t a, int64_t b, int64_t* out) {
+    if (a > 0 ? (b > 0 ? a > INT64_MAX / b : b < INT64_MIN / a)
+              : (b > 0 ? a < INT64_MIN / b : (a != 0 && b < INT64_MAX / a)))
+        return 1;
+    *out = a * b;
+    return 0;
+}
+static inline int mt_add_overflows_i64(int64_t a, int64_t b, int64_t* out) {
+    if ((b > 0 && a > INT64_MAX - b) || (b < 0 && a < INT64_MIN - b)) return 1;
+    *out = a + b;
+    return 0;
+}
 /* Number of micro-batches one rank runs per iteration: global / (micro * dp). */
 int mt_num_micro_batches(const mt_config* cfg);
 
@@ -2227,7 +2241,7 @@ static mt_status mt_fp8_config_check(const mt_config* c, mt_error* err) {
     int64_t ffn1 = c->swiglu ? 2 * (int64_t)c->ffn_hidden_size : c->ffn_hidden_size;
     struct { const char* what; int64_t n; } dims[] = {
         {"--hidden-size", c->hidden_size},
-        {"the QKV width per tensor-parallel rank", (int64_t)(c->num_attention_heads + 2 * c->num_query_groups) *
+        {"the QKV width per tensor-parallel rank", ((int64_t)c->num_attention_heads + 2 * (int64_t)c->num_query_groups) *
                                                       c->kv_channels / tp},
         {"the attention width per tensor-parallel rank", (int64_t)c->num_attention_heads * c->kv_channels / tp},
         {"--ffn-hidden-size per tensor-parallel rank", c->ffn_hidden_size / tp},
@@ -2259,14 +2273,120 @@ float mt_fp8_delayed_scale(const float* history, int len, int newest, mt_fp8_ama
     return isfinite(scale) ? scale : previous_scale;
 }
 
+/* The sizes the flags multiply into: widths, parameter count, activations, samples. Each product is
+ * checked before it is formed (int64), and the message names the flags that make it. Bounds: every
+ * width a kernel takes as an int fits int32; the parameter count times 64 bytes (fp32 weights,
+ * gradients, master copy, Adam moments, with room) and every activation/sample/token count fit int64. */
+#define MT__MUL(a, b, out, ...) \
+    do { if (mt_mul_overflows_i64((a), (b), (out))) return mt_fail(err, MT_ERR_CONFIG, __VA_ARGS__); } while (0)
+#define MT__ADD(a, b, out, ...) \
+    do { if (mt_add_overflows_i64((a), (b), (out))) return mt_fail(err, MT_ERR_CONFIG, __VA_ARGS__); } while (0)
+static mt_status mt_config_size_check(const mt_config* c, mt_error* err) {
+    int64_t h = c->hidden_size, qkv, attn, ffn1, t, per_layer = 0, params, emb, tokens, x;
+    const char* big = "the model's parameter count overflows (--num-layers %d, --hidden-size %d, "
+                      "--ffn-hidden-size %d, padded vocabulary %lld)";
+#define MT__BIG big, c->num_layers, c->hidden_size, c->ffn_hidden_size, (long long)c->padded_vocab_size
+    MT__MUL((int64_t)c->num_attention_heads + 2 * (int64_t)c->num_query_groups, c->kv_channels, &qkv,
+            "--num-attention-heads %d + 2 x --num-query-groups %d, times --kv-channels %d, overflows",
+            c->num_attention_heads, c->num_query_groups, c->kv_channels);
+    if (qkv > INT32_MAX)
+        return mt_fail(err, MT_ERR_CONFIG, "the QKV width (--num-attention-heads %d + 2 x --num-query-groups %d) x "
+                       "--kv-channels %d = %lld exceeds %d", c->num_attention_heads, c->num_query_groups,
+                       c->kv_channels, (long long)qkv, INT32_MAX);
+    attn = (int64_t)c->num_attention_heads * c->kv_channels; /* <= qkv */
+    ffn1 = c->swiglu ? 2 * (int64_t)c->ffn_hidden_size : c->ffn_hidden_size;
+    if (ffn1 > INT32_MAX)
+        return mt_fail(err, MT_ERR_CONFIG, "--swiglu: 2 x --ffn-hidden-size %d exceeds %d", c->ffn_hidden_size,
+                       INT32_MAX);
+    /* one layer: QKV, projection, fc1, fc2 (weights and biases), two norms */
+    int64_t mats[4][2] = {{qkv, h}, {h, attn}, {ffn1, h}, {h, c->ffn_hidden_size}};
+    for (int i = 0; i < 4; i++) {
+        MT__MUL(mats[i][0], mats[i][1], &t, MT__BIG);
+        MT__ADD(per_layer, t + mats[i][0], &per_layer, MT__BIG);
+    }
+    MT__ADD(per_layer, 4 * h, &per_layer, MT__BIG);
+    MT__MUL(per_layer, c->num_layers, &params, MT__BIG);
+    MT__MUL(c->padded_vocab_size, h, &emb, "the padded vocabulary %lld (--vocab-size %lld) x --hidden-size %d "
+            "overflows", (long long)c->padded_vocab_size, (long long)c->vocab_size, c->hidden_size);
+    if (c->untie_embeddings_and_output_weights) MT__ADD(emb, emb, &emb, MT__BIG);
+    MT__ADD(params, emb, &params, MT__BIG);
+    if (c->position_embedding_type == MT_POSITION_LEARNED) {
+        MT__MUL((int64_t)c->max_position_embeddings, h, &t, "--max-position-embeddings %d x --hidden-size %d "
+                "overflows", c->max_position_embeddings, c->hidden_size);
+        MT__ADD(params, t, &params, MT__BIG);
+    }
+    if (params > INT64_MAX / 64) return mt_fail(err, MT_ERR_CONFIG, MT__BIG);
+#undef MT__BIG
+    /* activations of one micro-batch: tokens x the widest row (vocabulary logits), attention scores */
+    tokens = (int64_t)c->micro_batch_size * c->seq_length; /* both int32: fits */
+    int64_t widest = c->padded_vocab_size;
+    if (ffn1 > widest) widest = ffn1;
+    if (qkv > widest) widest = qkv;
+    MT__MUL(tokens, widest, &x, "--micro-batch-size %d x --seq-length %d x the widest activation row %lld "
+            "(padded vocabulary, QKV or MLP width) overflows", c->micro_batch_size, c->seq_length, (long long)widest);
+    MT__MUL(tokens, (int64_t)c->num_attention_heads, &x,
+            "--micro-batch-size %d x --seq-length %d x --num-attention-heads %d overflows", c->micro_batch_size,
+            c->seq_length, c->num_attention_heads);
+    MT__MUL(x, c->seq_length, &x, "the attention scores (--micro-batch-size %d x --num-attention-heads %d x "
+            "--seq-length %d squared) overflow", c->micro_batch_size, c->num_attention_heads, c->seq_length);
+    /* samples and tokens of the run, and the schedule's lengths in samples */
+    int64_t gbs = c->global_batch_size, samples;
+    MT__MUL(c->train_iters, gbs, &samples, "--train-iters %lld x --global-batch-size %d samples overflows",
+            (long long)c->train_iters, c->global_batch_size);
+    MT__MUL(samples, (int64_t)c->seq_length + 1, &x, "--train-iters %lld x --global-batch-size %d x "
+            "--seq-length %d tokens overflows", (long long)c->train_iters, c->global_batch_size, c->seq_length);
+    MT__MUL(c->lr_decay_iters, gbs, &x, "--lr-decay-iters %lld x --global-batch-size %d samples overflows",
+            (long long)c->lr_decay_iters, c->global_batch_size);
+    MT__MUL(c->lr_warmup_iters, gbs, &x, "--lr-warmup-iters %lld x --global-batch-size %d samples overflows",
+            (long long)c->lr_warmup_iters, c->global_batch_size);
+    MT__MUL(c->lr_wsd_decay_iters, gbs, &x, "--lr-wsd-decay-iters %lld x --global-batch-size %d samples "
+            "overflows", (long long)c->lr_wsd_decay_iters, c->global_batch_size);
+    return MT_OK;
+}
+#undef MT__MUL
+#undef MT__ADD
+
 mt_status mt_config_finalize(mt_config* c, mt_error* err) {
+    /* every double finite (a NaN passes every < / >= range test below), then the ranges Megatron's
+     * optimizer and model accept, for callers of the C API as much as for train_gpt's flags */
+    struct { const char* name; double v; } reals[] = {
+        {"--init-method-std", c->init_method_std}, {"--norm-epsilon", c->norm_epsilon},
+        {"--rotary-base", c->rotary_base}, {"--rotary-percent", c->rotary_percent},
+        {"--rope-scaling-factor", c->rope_scaling_factor}, {"--hidden-dropout", c->hidden_dropout},
+        {"--attention-dropout", c->attention_dropout}, {"--loss-scale", c->loss_scale},
+        {"--initial-loss-scale", c->initial_loss_scale}, {"--min-loss-scale", c->min_loss_scale},
+        {"--lr", c->lr}, {"--min-lr", c->min_lr}, {"--lr-warmup-init", c->lr_warmup_init},
+        {"--lr-warmup-fraction", c->lr_warmup_fraction}, {"--adam-beta1", c->adam_beta1},
+        {"--adam-beta2", c->adam_beta2}, {"--adam-eps", c->adam_eps}, {"--weight-decay", c->weight_decay},
+        {"--clip-grad", c->clip_grad},
+    };
+    for (size_t i = 0; i < sizeof(reals) / sizeof(reals[0]); i++)
+        if (!isfinite(reals[i].v)) return mt_fail(err, MT_ERR_CONFIG, "%s %g: must be a finite number", reals[i].name,
+                                                  reals[i].v);
+    if (!(c->adam_eps > 0)) return mt_fail(err, MT_ERR_CONFIG, "--adam-eps %g: must be > 0", c->adam_eps);
+    if (c->weight_decay < 0) return mt_fail(err, MT_ERR_CONFIG, "--weight-decay %g: must be >= 0", c->weight_decay);
+    if (c->clip_grad < 0) return mt_fail(err, MT_ERR_CONFIG, "--clip-grad %g: must be >= 0", c->clip_grad);
+    if (c->init_method_std < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--init-method-std %g: must be >= 0", c->init_method_std);
+    if (c->lr_warmup_init < 0) return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-init %g: must be >= 0", c->lr_warmup_init);
+    if (c->hidden_dropout < 0 || c->hidden_dropout >= 1 || c->attention_dropout < 0 || c->attention_dropout >= 1)
+        return mt_fail(err, MT_ERR_CONFIG, "--hidden-dropout %g and --attention-dropout %g must be in [0, 1)",
+                       c->hidden_dropout, c->attention_dropout);
+    if (c->lr_warmup_iters < 0 || c->lr_decay_iters < 0 || c->lr_wsd_decay_iters < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-iters, --lr-decay-iters and --lr-wsd-decay-iters must be >= 0");
     if (c->num_layers <= 0) return mt_fail(err, MT_ERR_CONFIG, "--num-layers must be positive");
     if (c->hidden_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--hidden-size must be positive");
     if (c->num_attention_heads <= 0) return mt_fail(err, MT_ERR_CONFIG, "--num-attention-heads must be positive");
     if (c->seq_length <= 0) return mt_fail(err, MT_ERR_CONFIG, "--seq-length must be positive");
     if (c->vocab_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "the vocabulary size must be positive");
-    if (c->ffn_hidden_size == 0) /* Megatron: 4h, or with SwiGLU 2/3 of it rounded down to 64 */
-        c->ffn_hidden_size = c->swiglu ? (4 * c->hidden_size * 2 / 3) / 64 * 64 : 4 * c->hidden_size;
+    if (c->ffn_hidden_size == 0) { /* Megatron: 4h, or with SwiGLU 2/3 of it rounded down to 64 */
+        int64_t ffn = 4 * (int64_t)c->hidden_size;
+        if (c->swiglu) ffn = (ffn * 2 / 3) / 64 * 64;
+        if (ffn > INT32_MAX)
+            return mt_fail(err, MT_ERR_CONFIG, "--hidden-size %d: the derived --ffn-hidden-size %lld exceeds %d",
+                           c->hidden_size, (long long)ffn, INT32_MAX);
+        c->ffn_hidden_size = (int)ffn;
+    }
     if (c->ffn_hidden_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--ffn-hidden-size must be positive");
     if (c->normalization != MT_NORM_LAYERNORM && c->normalization != MT_NORM_RMSNORM)
         return mt_fail(err, MT_ERR_CONFIG, "--normalization must be LayerNorm or RMSNorm");
@@ -2303,6 +2423,10 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if (c->tensor_model_parallel_size < 1 || c->pipeline_model_parallel_size < 1)
         return mt_fail(err, MT_ERR_CONFIG, "parallel sizes must be >= 1");
     if (c->world_size < 1) c->world_size = 1;
+    if ((int64_t)c->tensor_model_parallel_size * c->pipeline_model_parallel_size > c->world_size)
+        return mt_fail(err, MT_ERR_CONFIG, "--tensor-model-parallel-size %d x --pipeline-model-parallel-size %d "
+                       "exceeds the world size %d", c->tensor_model_parallel_size, c->pipeline_model_parallel_size,
+                       c->world_size);
     int model_parallel = c->tensor_model_parallel_size * c->pipeline_model_parallel_size;
     if (c->world_size % model_parallel)
         return mt_fail(err, MT_ERR_CONFIG, "world size %d is not divisible by tensor x pipeline parallel size %d",
@@ -2320,9 +2444,21 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if (c->sequence_parallel && c->seq_length % tp)
         return mt_fail(err, MT_ERR_CONFIG, "--sequence-parallel needs --seq-length %d divisible by "
                        "--tensor-model-parallel-size %d", c->seq_length, tp);
+    if (c->make_vocab_size_divisible_by < 1)
+        return mt_fail(err, MT_ERR_CONFIG, "--make-vocab-size-divisible-by must be positive");
+    {
+        int64_t multiple = (int64_t)c->make_vocab_size_divisible_by * c->tensor_model_parallel_size, padded;
+        if (mt_add_overflows_i64(c->vocab_size, multiple - 1, &padded))
+            return mt_fail(err, MT_ERR_CONFIG, "the vocabulary size %lld (--vocab-size) is too large to pad",
+                           (long long)c->vocab_size);
+    }
     c->padded_vocab_size =
         mt_padded_vocab_size(c->vocab_size, c->make_vocab_size_divisible_by, c->tensor_model_parallel_size);
     if (c->micro_batch_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--micro-batch-size must be positive");
+    if (c->global_batch_size < 0) return mt_fail(err, MT_ERR_CONFIG, "--global-batch-size must be positive");
+    if ((int64_t)c->micro_batch_size * c->data_parallel_size > INT32_MAX)
+        return mt_fail(err, MT_ERR_CONFIG, "--micro-batch-size %d x data-parallel size %d exceeds %d",
+                       c->micro_batch_size, c->data_parallel_size, INT32_MAX);
     if (c->global_batch_size == 0) c->global_batch_size = c->micro_batch_size * c->data_parallel_size;
     if (c->global_batch_size % (c->micro_batch_size * c->data_parallel_size))
         return mt_fail(err, MT_ERR_CONFIG,
@@ -2335,6 +2471,7 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if (c->lr_warmup_fraction >= 0 && c->lr_warmup_iters > 0)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive");
     if (c->lr_warmup_fraction > 1.0) return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction must be <= 1");
+    if (mt_config_size_check(c, err) != MT_OK) return MT_ERR_CONFIG;
     if (mt_fp8_config_check(c, err) != MT_OK) return MT_ERR_CONFIG;
     if (c->lr_warmup_iters > c->lr_decay_iters)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-iters %lld exceeds --lr-decay-iters %lld",

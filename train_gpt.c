@@ -75,27 +75,54 @@ static void die(int code, const char* fmt, ...) {
 /* ---- flags ------------------------------------------------------------------------------------ */
 
 typedef enum { F_INT, F_INT64, F_DOUBLE, F_STRING, F_TRUE, F_IGNORED_VALUE, F_IGNORED_SWITCH } flag_kind;
+/* Every numeric flag carries the range it accepts: integers are checked against the type they land
+ * in (int: at most 2147483647) and what the value means (sizes >= 1), doubles against what Megatron's
+ * optimizer and model accept (betas in [0, 1), eps > 0, ...), and non-finite doubles are refused.
+ * The locals that collect flag values start at -1 ("not given"); every range excludes -1, so a
+ * value the user gives is never mistaken for "not given" (the old --adam-beta1 -0.5 bug). */
+enum { D_LO_OPEN = 1, D_HI_OPEN = 2 };
 typedef struct {
     const char* name;
     flag_kind kind;
     void* target;
+    int64_t imin, imax;     /* F_INT, F_INT64: the accepted range */
+    double dmin, dmax;      /* F_DOUBLE: the accepted range (dmax INFINITY: no upper bound) */
+    int dopen;              /* F_DOUBLE: D_LO_OPEN / D_HI_OPEN */
 } flag_spec;
+#define IR(lo, hi) (int64_t)(lo), (int64_t)(hi), 0.0, 0.0, 0
+#define DR(lo, hi, open) 0, 0, (double)(lo), (double)(hi), (open)
+#define NR 0, 0, 0.0, 0.0, 0 /* flags without a number */
+#define I32MAX 2147483647
+#define I64MAX INT64_MAX
 
+/* 1: parsed; 0: not an integer; -1: an integer outside int64 */
 static int parse_int64(const char* s, int64_t* out) {
     char* end;
     errno = 0;
     long long v = strtoll(s, &end, 10);
-    if (errno || end == s || *end) return 0;
+    if (end == s || *end) return 0;
+    if (errno == ERANGE) return -1;
+    if (errno) return 0;
     *out = v;
     return 1;
 }
+/* 1: parsed, finite; 0: not a number; -1: not finite (nan, inf, or beyond the double range) */
 static int parse_double(const char* s, double* out) {
     char* end;
     errno = 0;
     double v = strtod(s, &end);
-    if (errno || end == s || *end) return 0;
-    *out = v;
+    if (end == s || *end) return 0;
+    if (!isfinite(v) || (errno == ERANGE && fabs(v) > 1.0)) return -1;
+    *out = v; /* an underflow (1e-400) reads as 0 or a denormal, as Python's float() does */
     return 1;
+}
+static void die_double_range(const char* name, const char* val, const flag_spec* f) {
+    char lo[64], hi[64];
+    snprintf(lo, sizeof(lo), "%g", f->dmin);
+    snprintf(hi, sizeof(hi), "%g", f->dmax);
+    if (isinf(f->dmax)) die(2, "%s %s: must be %s %s", name, val, f->dopen & D_LO_OPEN ? ">" : ">=", lo);
+    die(2, "%s %s: must be in %c%s, %s%c", name, val, f->dopen & D_LO_OPEN ? '(' : '[', lo, hi,
+        f->dopen & D_HI_OPEN ? ')' : ']');
 }
 
 static void set_builtin_defaults(run_options* o) {
@@ -145,105 +172,115 @@ static void parse_args(run_options* o, int argc, char** argv) {
     int fp8_margin = -1, fp8_history = -1, no_fp8_wgrad = 0, first_last_bf16 = 0, bf16_start = -1, bf16_end = -1;
     int fp8_param_gather = 0;
     flag_spec flags[] = {
-        {"--num-layers", F_INT64, &num_layers},
-        {"--hidden-size", F_INT64, &hidden},
-        {"--ffn-hidden-size", F_INT64, &ffn},
-        {"--num-attention-heads", F_INT64, &heads},
-        {"--num-query-groups", F_INT64, &groups},
-        {"--group-query-attention", F_TRUE, &gqa},
-        {"--kv-channels", F_INT64, &kv},
-        {"--seq-length", F_INT64, &seq},
-        {"--max-position-embeddings", F_INT64, &maxpos},
-        {"--make-vocab-size-divisible-by", F_INT64, &divisible},
-        {"--init-method-std", F_DOUBLE, &std},
-        {"--norm-epsilon", F_DOUBLE, &norm_eps},
-        {"--layernorm-epsilon", F_DOUBLE, &norm_eps},
-        {"--normalization", F_STRING, &normalization},
-        {"--position-embedding-type", F_STRING, &position_type},
-        {"--untie-embeddings-and-output-weights", F_TRUE, &untie},
-        {"--swiglu", F_TRUE, &swiglu},
-        {"--rotary-base", F_DOUBLE, &rotary_base},
-        {"--rotary-percent", F_DOUBLE, &rotary_percent},
-        {"--use-rope-scaling", F_TRUE, &rope_scaling},
-        {"--rope-scaling-factor", F_DOUBLE, &rope_factor},
-        {"--disable-bias-linear", F_TRUE, &no_bias},
-        {"--hidden-dropout", F_DOUBLE, &hidden_dropout},
-        {"--attention-dropout", F_DOUBLE, &attention_dropout},
-        {"--bf16", F_TRUE, &bf16},
-        {"--fp16", F_TRUE, &fp16},
-        {"--fp8-format", F_STRING, &fp8_format},
-        {"--fp8-recipe", F_STRING, &fp8_recipe},
-        {"--fp8-margin", F_INT, &fp8_margin},
-        {"--fp8-amax-history-len", F_INT, &fp8_history},
-        {"--fp8-amax-compute-algo", F_STRING, &fp8_algo},
-        {"--no-fp8-wgrad", F_TRUE, &no_fp8_wgrad},
-        {"--first-last-layers-bf16", F_TRUE, &first_last_bf16},
-        {"--num-layers-at-start-in-bf16", F_INT, &bf16_start},
-        {"--num-layers-at-end-in-bf16", F_INT, &bf16_end},
-        {"--fp8-param-gather", F_TRUE, &fp8_param_gather},
-        {"--loss-scale", F_DOUBLE, &loss_scale},
-        {"--initial-loss-scale", F_DOUBLE, &initial_loss_scale},
-        {"--min-loss-scale", F_DOUBLE, &min_loss_scale},
-        {"--loss-scale-window", F_INT64, &window},
-        {"--hysteresis", F_INT64, &hysteresis},
-        {"--lr", F_DOUBLE, &lr},
-        {"--min-lr", F_DOUBLE, &min_lr},
-        {"--lr-decay-style", F_STRING, &decay_style},
-        {"--lr-warmup-iters", F_INT64, &warmup},
-        {"--lr-warmup-fraction", F_DOUBLE, &warmup_fraction},
-        {"--lr-warmup-init", F_DOUBLE, &warmup_init},
-        {"--lr-decay-iters", F_INT64, &decay_iters},
-        {"--lr-wsd-decay-iters", F_INT64, &wsd_iters},
-        {"--lr-wsd-decay-style", F_STRING, &wsd_style},
-        {"--adam-beta1", F_DOUBLE, &b1},
-        {"--adam-beta2", F_DOUBLE, &b2},
-        {"--adam-eps", F_DOUBLE, &eps},
-        {"--weight-decay", F_DOUBLE, &wd},
-        {"--clip-grad", F_DOUBLE, &clip},
-        {"--micro-batch-size", F_INT64, &mbs},
-        {"--global-batch-size", F_INT64, &gbs},
-        {"--train-iters", F_INT64, &iters},
-        {"--seed", F_INT64, &seed},
-        {"--tensor-model-parallel-size", F_INT64, &tp},
-        {"--sequence-parallel", F_TRUE, &c->sequence_parallel},
-        {"--pipeline-model-parallel-size", F_INT64, &pp},
-        {"--use-distributed-optimizer", F_TRUE, &c->use_distributed_optimizer},
-        {"--overlap-grad-reduce", F_TRUE, &c->overlap_grad_reduce},
-        {"--overlap-param-gather", F_TRUE, &c->overlap_param_gather},
-        {"--ddp-bucket-size", F_INT64, &c->ddp_bucket_size},
-        {"--mock-data", F_TRUE, &o->mock_data},
-        {"--split", F_STRING, &o->split},
-        {"--tokenizer-type", F_STRING, &o->tokenizer_type},
-        {"--vocab-file", F_STRING, &o->vocab_file},
-        {"--merge-file", F_STRING, &o->merge_file},
-        {"--tokenizer-model", F_STRING, &o->tokenizer_model},
-        {"--vocab-size", F_INT64, &o->null_vocab_size},
-        {"--log-interval", F_INT64, &o->log_interval},
-        {"--eval-interval", F_INT64, &o->eval_interval},
-        {"--eval-iters", F_INT64, &o->eval_iters},
-        {"--save", F_STRING, &o->save},
-        {"--save-interval", F_INT64, &o->save_interval},
-        {"--load", F_STRING, &o->load},
-        {"--exit-interval", F_INT64, &o->exit_interval},
-        {"--sample-tokens", F_INT, &o->sample_tokens},
-        {"--peak-tflops", F_DOUBLE, &o->peak_tflops},
+        {"--num-layers", F_INT64, &num_layers, IR(1, I32MAX)},
+        {"--hidden-size", F_INT64, &hidden, IR(1, I32MAX)},
+        {"--ffn-hidden-size", F_INT64, &ffn, IR(1, I32MAX)},
+        {"--num-attention-heads", F_INT64, &heads, IR(1, I32MAX)},
+        {"--num-query-groups", F_INT64, &groups, IR(1, I32MAX)},
+        {"--group-query-attention", F_TRUE, &gqa, NR},
+        {"--kv-channels", F_INT64, &kv, IR(1, I32MAX)},
+        {"--seq-length", F_INT64, &seq, IR(1, I32MAX)},
+        {"--max-position-embeddings", F_INT64, &maxpos, IR(1, I32MAX)},
+        {"--make-vocab-size-divisible-by", F_INT64, &divisible, IR(1, I32MAX)},
+        {"--init-method-std", F_DOUBLE, &std, DR(0, INFINITY, 0)},
+        {"--norm-epsilon", F_DOUBLE, &norm_eps, DR(0, INFINITY, D_LO_OPEN)},
+        {"--layernorm-epsilon", F_DOUBLE, &norm_eps, DR(0, INFINITY, D_LO_OPEN)},
+        {"--normalization", F_STRING, &normalization, NR},
+        {"--position-embedding-type", F_STRING, &position_type, NR},
+        {"--untie-embeddings-and-output-weights", F_TRUE, &untie, NR},
+        {"--swiglu", F_TRUE, &swiglu, NR},
+        {"--rotary-base", F_DOUBLE, &rotary_base, DR(0, INFINITY, D_LO_OPEN)},
+        {"--rotary-percent", F_DOUBLE, &rotary_percent, DR(0, 1, D_LO_OPEN)},
+        {"--use-rope-scaling", F_TRUE, &rope_scaling, NR},
+        {"--rope-scaling-factor", F_DOUBLE, &rope_factor, DR(1, INFINITY, 0)},
+        {"--disable-bias-linear", F_TRUE, &no_bias, NR},
+        {"--hidden-dropout", F_DOUBLE, &hidden_dropout, DR(0, 1, D_HI_OPEN)},
+        {"--attention-dropout", F_DOUBLE, &attention_dropout, DR(0, 1, D_HI_OPEN)},
+        {"--bf16", F_TRUE, &bf16, NR},
+        {"--fp16", F_TRUE, &fp16, NR},
+        {"--fp8-format", F_STRING, &fp8_format, NR},
+        {"--fp8-recipe", F_STRING, &fp8_recipe, NR},
+        {"--fp8-margin", F_INT, &fp8_margin, IR(0, 30)},
+        {"--fp8-amax-history-len", F_INT, &fp8_history, IR(1, 65536)},
+        {"--fp8-amax-compute-algo", F_STRING, &fp8_algo, NR},
+        {"--no-fp8-wgrad", F_TRUE, &no_fp8_wgrad, NR},
+        {"--first-last-layers-bf16", F_TRUE, &first_last_bf16, NR},
+        {"--num-layers-at-start-in-bf16", F_INT, &bf16_start, IR(0, I32MAX)},
+        {"--num-layers-at-end-in-bf16", F_INT, &bf16_end, IR(0, I32MAX)},
+        {"--fp8-param-gather", F_TRUE, &fp8_param_gather, NR},
+        {"--loss-scale", F_DOUBLE, &loss_scale, DR(0, INFINITY, 0)},
+        {"--initial-loss-scale", F_DOUBLE, &initial_loss_scale, DR(0, INFINITY, D_LO_OPEN)},
+        {"--min-loss-scale", F_DOUBLE, &min_loss_scale, DR(0, INFINITY, D_LO_OPEN)},
+        {"--loss-scale-window", F_INT64, &window, IR(1, I32MAX)},
+        {"--hysteresis", F_INT64, &hysteresis, IR(1, I32MAX)},
+        {"--lr", F_DOUBLE, &lr, DR(0, INFINITY, 0)},
+        {"--min-lr", F_DOUBLE, &min_lr, DR(0, INFINITY, 0)},
+        {"--lr-decay-style", F_STRING, &decay_style, NR},
+        {"--lr-warmup-iters", F_INT64, &warmup, IR(0, I64MAX)},
+        {"--lr-warmup-fraction", F_DOUBLE, &warmup_fraction, DR(0, 1, 0)},
+        {"--lr-warmup-init", F_DOUBLE, &warmup_init, DR(0, INFINITY, 0)},
+        {"--lr-decay-iters", F_INT64, &decay_iters, IR(0, I64MAX)},
+        {"--lr-wsd-decay-iters", F_INT64, &wsd_iters, IR(0, I64MAX)},
+        {"--lr-wsd-decay-style", F_STRING, &wsd_style, NR},
+        {"--adam-beta1", F_DOUBLE, &b1, DR(0, 1, D_HI_OPEN)},
+        {"--adam-beta2", F_DOUBLE, &b2, DR(0, 1, D_HI_OPEN)},
+        {"--adam-eps", F_DOUBLE, &eps, DR(0, INFINITY, D_LO_OPEN)},
+        {"--weight-decay", F_DOUBLE, &wd, DR(0, INFINITY, 0)},
+        {"--clip-grad", F_DOUBLE, &clip, DR(0, INFINITY, 0)},
+        {"--micro-batch-size", F_INT64, &mbs, IR(1, I32MAX)},
+        {"--global-batch-size", F_INT64, &gbs, IR(1, I32MAX)},
+        {"--train-iters", F_INT64, &iters, IR(1, I64MAX)},
+        {"--seed", F_INT64, &seed, IR(0, 4294967295LL)}, /* numpy RandomState: < 2^32 */
+        {"--tensor-model-parallel-size", F_INT64, &tp, IR(1, I32MAX)},
+        {"--sequence-parallel", F_TRUE, &c->sequence_parallel, NR},
+        {"--pipeline-model-parallel-size", F_INT64, &pp, IR(1, I32MAX)},
+        {"--use-distributed-optimizer", F_TRUE, &c->use_distributed_optimizer, NR},
+        {"--overlap-grad-reduce", F_TRUE, &c->overlap_grad_reduce, NR},
+        {"--overlap-param-gather", F_TRUE, &c->overlap_param_gather, NR},
+        {"--ddp-bucket-size", F_INT64, &c->ddp_bucket_size, IR(0, I64MAX)},
+        {"--mock-data", F_TRUE, &o->mock_data, NR},
+        {"--split", F_STRING, &o->split, NR},
+        {"--tokenizer-type", F_STRING, &o->tokenizer_type, NR},
+        {"--vocab-file", F_STRING, &o->vocab_file, NR},
+        {"--merge-file", F_STRING, &o->merge_file, NR},
+        {"--tokenizer-model", F_STRING, &o->tokenizer_model, NR},
+        {"--vocab-size", F_INT64, &o->null_vocab_size, IR(1, I64MAX)},
+        {"--log-interval", F_INT64, &o->log_interval, IR(1, I64MAX)},
+        {"--eval-interval", F_INT64, &o->eval_interval, IR(0, I64MAX)},
+        {"--eval-iters", F_INT64, &o->eval_iters, IR(0, I64MAX)},
+        {"--save", F_STRING, &o->save, NR},
+        {"--save-interval", F_INT64, &o->save_interval, IR(0, I64MAX)},
+        {"--load", F_STRING, &o->load, NR},
+        {"--exit-interval", F_INT64, &o->exit_interval, IR(0, I64MAX)},
+        {"--sample-tokens", F_INT, &o->sample_tokens, IR(0, I32MAX)},
+        {"--peak-tflops", F_DOUBLE, &o->peak_tflops, DR(0, INFINITY, 0)},
         /* accepted for launch-script compatibility; they do not change what this build computes */
-        {"--log-throughput", F_IGNORED_SWITCH, NULL},
-        {"--use-mcore-models", F_IGNORED_SWITCH, NULL},
-        {"--use-flash-attn", F_IGNORED_SWITCH, NULL},
-        {"--no-masked-softmax-fusion", F_IGNORED_SWITCH, NULL},
-        {"--no-bias-gelu-fusion", F_IGNORED_SWITCH, NULL},
-        {"--no-gradient-accumulation-fusion", F_IGNORED_SWITCH, NULL},
-        {"--distributed-backend", F_IGNORED_VALUE, NULL},
-        {"--attention-softmax-in-fp32", F_IGNORED_SWITCH, NULL},
-        {"--tensorboard-dir", F_IGNORED_VALUE, NULL},
-        {"--wandb-project", F_IGNORED_VALUE, NULL},
-        {"--wandb-exp-name", F_IGNORED_VALUE, NULL},
-        {"--data-cache-path", F_IGNORED_VALUE, NULL},
+        {"--log-throughput", F_IGNORED_SWITCH, NULL, NR},
+        {"--use-mcore-models", F_IGNORED_SWITCH, NULL, NR},
+        {"--use-flash-attn", F_IGNORED_SWITCH, NULL, NR},
+        {"--no-masked-softmax-fusion", F_IGNORED_SWITCH, NULL, NR},
+        {"--no-bias-gelu-fusion", F_IGNORED_SWITCH, NULL, NR},
+        {"--no-gradient-accumulation-fusion", F_IGNORED_SWITCH, NULL, NR},
+        {"--distributed-backend", F_IGNORED_VALUE, NULL, NR},
+        {"--attention-softmax-in-fp32", F_IGNORED_SWITCH, NULL, NR},
+        {"--tensorboard-dir", F_IGNORED_VALUE, NULL, NR},
+        {"--wandb-project", F_IGNORED_VALUE, NULL, NR},
+        {"--wandb-exp-name", F_IGNORED_VALUE, NULL, NR},
+        {"--data-cache-path", F_IGNORED_VALUE, NULL, NR},
     };
     size_t nflags = sizeof(flags) / sizeof(flags[0]);
+    char name_buf[128];
     for (int i = 1; i < argc; i++) {
         const char* a = argv[i];
+        const char* inline_val = NULL; /* --flag=value, as argparse accepts */
+        const char* eq = strncmp(a, "--", 2) == 0 ? strchr(a, '=') : NULL;
+        if (eq) {
+            if ((size_t)(eq - a) >= sizeof(name_buf)) die(2, "unknown flag %.40s... (see --help)", a);
+            memcpy(name_buf, a, (size_t)(eq - a));
+            name_buf[eq - a] = 0;
+            a = name_buf;
+            inline_val = eq + 1;
+        }
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             printf("usage: train_gpt [Megatron pretrain_gpt.py flags]\n"
                    "  With no --data-path, trains the built-in small GPT on tiny shakespeare.\n"
@@ -252,6 +289,13 @@ static void parse_args(run_options* o, int argc, char** argv) {
             for (size_t k = 0; k < nflags; k++) printf("%s %s", k % 4 ? "" : "\n   ", flags[k].name);
             printf("\n");
             exit(0);
+        }
+        if (!strcmp(a, "--data-path") && inline_val) { /* argparse: --data-path=P is a list of one */
+            mt_error err;
+            if (mt_data_path_parse(1, &inline_val, o->data_paths, o->data_weights, &o->num_data_paths, &o->weighted,
+                                   &err) != MT_OK)
+                die(2, "%s", err.message);
+            continue;
         }
         if (!strcmp(a, "--data-path")) {
             int start = i + 1, end = start;
@@ -268,23 +312,33 @@ static void parse_args(run_options* o, int argc, char** argv) {
         while (k < nflags && strcmp(a, flags[k].name) != 0) k++;
         if (k == nflags) die(2, "unknown flag %s (see --help)", a);
         flag_spec* f = &flags[k];
+        if ((f->kind == F_TRUE || f->kind == F_IGNORED_SWITCH) && inline_val)
+            die(2, "%s takes no value (got '%s')", a, inline_val);
         if (f->kind == F_TRUE) { *(int*)f->target = 1; continue; }
         if (f->kind == F_IGNORED_SWITCH) continue;
-        if (i + 1 >= argc) die(2, "%s needs a value", a);
-        const char* val = argv[++i];
+        if (!inline_val && i + 1 >= argc) die(2, "%s needs a value", a);
+        const char* val = inline_val ? inline_val : argv[++i];
         switch (f->kind) {
             case F_INT:
-                if (!parse_int64(val, &v64) || v64 < -2147483647 || v64 > 2147483647) die(2, "%s: '%s' is not an integer", a, val);
-                *(int*)f->target = (int)v64;
+            case F_INT64: {
+                int r = parse_int64(val, &v64);
+                if (r == 0) die(2, "%s %s: not an integer", a, val);
+                if (r < 0 || v64 < f->imin || v64 > f->imax)
+                    die(2, "%s %s: must be between %lld and %lld", a, val, (long long)f->imin, (long long)f->imax);
+                if (f->kind == F_INT) *(int*)f->target = (int)v64;
+                else *(int64_t*)f->target = v64;
                 break;
-            case F_INT64:
-                if (!parse_int64(val, &v64) || v64 < 0) die(2, "%s: '%s' is not a non-negative integer", a, val);
-                *(int64_t*)f->target = v64;
-                break;
-            case F_DOUBLE:
-                if (!parse_double(val, &vd)) die(2, "%s: '%s' is not a number", a, val);
+            }
+            case F_DOUBLE: {
+                int r = parse_double(val, &vd);
+                if (r == 0) die(2, "%s %s: not a number", a, val);
+                if (r < 0) die(2, "%s %s: must be a finite number", a, val);
+                if (vd < f->dmin || vd > f->dmax || (f->dopen & D_LO_OPEN && vd == f->dmin) ||
+                    (f->dopen & D_HI_OPEN && vd == f->dmax))
+                    die_double_range(a, val, f);
                 *(double*)f->target = vd;
                 break;
+            }
             case F_STRING: *(const char**)f->target = val; break;
             default: break;
         }
@@ -684,6 +738,14 @@ int main(int argc, char** argv) {
     c->vocab_size = tok ? mt_tokenizer_vocab_size(tok) : o.null_vocab_size;
     mt_error err;
     if (mt_config_finalize(c, &err) != MT_OK) die(2, "%s", err.message);
+    {   /* the validation samples Megatron asks for: (train_iters / eval_interval + 1) x eval_iters x gbs */
+        int64_t evals = (o.eval_interval > 0 ? c->train_iters / o.eval_interval : 0) + 1, t;
+        if (mt_mul_overflows_i64(evals, o.eval_iters, &t) || mt_mul_overflows_i64(t, c->global_batch_size, &t) ||
+            mt_mul_overflows_i64(t, (int64_t)c->seq_length + 1, &t))
+            die(2, "--eval-iters %lld: the validation samples (%lld evaluations x --eval-iters x --global-batch-size "
+                "%d) x --seq-length %d tokens overflows", (long long)o.eval_iters, (long long)evals,
+                c->global_batch_size, c->seq_length);
+    }
     if (o.builtin) {
         static const char* builtin_prefix = "dev/data/tinyshakespeare_text_document";
         if (rank == 0) prepare_builtin_corpus(tok, builtin_prefix);

@@ -28,6 +28,7 @@
 #define MT_HF_IMPLEMENTATION
 #include "hf_checkpoint.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,8 +62,9 @@ static int bad_usage(const char* what, const char* arg) {
 
 static int parse_int64(const char* s, int64_t* out) {
     char* end = NULL;
+    errno = 0;
     long long v = strtoll(s, &end, 10);
-    if (!*s || *end || v < 0) return -1;
+    if (!*s || *end || errno || v < 0) return -1; /* errno: beyond int64 (ERANGE), not LLONG_MAX */
     *out = v;
     return 0;
 }

@@ -52,6 +52,23 @@ static int fail(const char* msg) {
     return 1;
 }
 
+/* A whole-string decimal integer in [lo, hi]; else one error line naming the flag, and 0. */
+static int parse_num(const char* flag, const char* s, long long lo, long long hi, long long* out) {
+    char* end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (end == s || *end || (errno && errno != ERANGE)) {
+        fprintf(stderr, "dataset_info: error: %s %s: not an integer\n", flag, s);
+        return 0;
+    }
+    if (errno == ERANGE || v < lo || v > hi) {
+        fprintf(stderr, "dataset_info: error: %s %s: must be between %lld and %lld\n", flag, s, lo, hi);
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
 /* One line per dataset: what is in the .idx. */
 static void print_dataset(const mt_indexed_dataset* ds) {
     int64_t n = mt_indexed_dataset_num_sequences(ds), d = mt_indexed_dataset_num_documents(ds), empty = 0;
@@ -110,6 +127,7 @@ int main(int argc, char** argv) {
     int num_data_args = 0, seq_length = 0, show = MT_SPLIT_TRAIN, samples_to_print = 2;
     const char *split = "969, 30, 1", *vocab = NULL, *merges = NULL, *model = NULL, *kind_name = NULL, *out_dir = NULL;
     long long seed = 1234, num_samples = -1, train_iters = -1, gbs = -1, eval_interval = 1000, eval_iters = 100;
+    long long v;
     mt_error err;
     char msg[1024];
 
@@ -121,15 +139,15 @@ int main(int argc, char** argv) {
             return 0;
         } else if (strcmp(a, "--data-path") == 0) {
             while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) data_args[num_data_args++] = argv[++i];
-        } else if (strcmp(a, "--seq-length") == 0 && has) seq_length = atoi(argv[++i]);
+        } else if (strcmp(a, "--seq-length") == 0 && has) { if (!parse_num(a, argv[++i], 1, INT32_MAX, &v)) return 1; seq_length = (int)v; }
         else if (strcmp(a, "--split") == 0 && has) split = argv[++i];
-        else if (strcmp(a, "--seed") == 0 && has) seed = atoll(argv[++i]);
-        else if (strcmp(a, "--samples") == 0 && has) samples_to_print = atoi(argv[++i]);
-        else if (strcmp(a, "--num-samples") == 0 && has) num_samples = atoll(argv[++i]);
-        else if (strcmp(a, "--train-iters") == 0 && has) train_iters = atoll(argv[++i]);
-        else if (strcmp(a, "--global-batch-size") == 0 && has) gbs = atoll(argv[++i]);
-        else if (strcmp(a, "--eval-interval") == 0 && has) eval_interval = atoll(argv[++i]);
-        else if (strcmp(a, "--eval-iters") == 0 && has) eval_iters = atoll(argv[++i]);
+        else if (strcmp(a, "--seed") == 0 && has) { if (!parse_num(a, argv[++i], 0, 4294967295LL, &seed)) return 1; }
+        else if (strcmp(a, "--samples") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT32_MAX, &v)) return 1; samples_to_print = (int)v; }
+        else if (strcmp(a, "--num-samples") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT64_MAX, &num_samples)) return 1; }
+        else if (strcmp(a, "--train-iters") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT64_MAX, &train_iters)) return 1; }
+        else if (strcmp(a, "--global-batch-size") == 0 && has) { if (!parse_num(a, argv[++i], 1, INT64_MAX, &gbs)) return 1; }
+        else if (strcmp(a, "--eval-interval") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT64_MAX, &eval_interval)) return 1; }
+        else if (strcmp(a, "--eval-iters") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT64_MAX, &eval_iters)) return 1; }
         else if (strcmp(a, "--vocab-file") == 0 && has) vocab = argv[++i];
         else if (strcmp(a, "--merge-file") == 0 && has) merges = argv[++i];
         else if (strcmp(a, "--tokenizer-model") == 0 && has) model = argv[++i];
@@ -179,6 +197,11 @@ int main(int argc, char** argv) {
         ns[show] = num_samples;
     } else if (train_iters >= 0) {
         if (gbs <= 0) return fail("--train-iters needs --global-batch-size");
+        int64_t evals = (eval_interval > 0 ? train_iters / eval_interval : 0) + 1, t;
+        if (mt_mul_overflows_i64(train_iters, gbs, &t))
+            return fail("--train-iters x --global-batch-size samples overflows");
+        if (mt_mul_overflows_i64(evals, eval_iters, &t) || mt_mul_overflows_i64(t, gbs, &t))
+            return fail("the validation samples (evaluations x --eval-iters x --global-batch-size) overflow");
         mt_gpt_num_samples(train_iters, eval_interval, eval_iters, gbs, ns);
     }
     mt_gpt_data* d = NULL;
