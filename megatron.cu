@@ -3472,24 +3472,29 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
                   "FP8 GEMM output: bf16 or fp32");
     mt_gemm_plans* g = ex->gemm;
     if (ex->error->status != MT_OK) return false;
-    char what[256];
-    snprintf(what, sizeof(what),
-             "M=%d N=%d K=%d, A %s %s [M,K], B %s %s [N,K], C %s ldc=%d (%d-byte aligned), alpha %g beta %g%s%s", M, N,
-             K, fp8_format_name(a_format), fp8_scaling_mode_name(a_scaling), fp8_format_name(b_format),
-             fp8_scaling_mode_name(b_scaling), std::is_same<TC, float>::value ? "fp32" : "bf16", ldc,
-             pointer_alignment(C), alpha, beta, bias ? ", bf16 bias" : "", fast_accumulate ? ", fast accumulation" : "");
+    /* the problem in words, for an error line only (formatted on the failure paths, not per call) */
+    char description[256];
+    auto what = [&]() -> const char* {
+        snprintf(description, sizeof(description),
+                 "M=%d N=%d K=%d, A %s %s [M,K], B %s %s [N,K], C %s ldc=%d (%d-byte aligned), alpha %g beta %g%s%s", M,
+                 N, K, fp8_format_name(a_format), fp8_scaling_mode_name(a_scaling), fp8_format_name(b_format),
+                 fp8_scaling_mode_name(b_scaling), std::is_same<TC, float>::value ? "fp32" : "bf16", ldc,
+                 pointer_alignment(C), alpha, beta, bias ? ", bf16 bias" : "",
+                 fast_accumulate ? ", fast accumulation" : "");
+        return description;
+    };
     if (a_format == FP8_E5M2 && b_format == FP8_E5M2)
         return mt_gpu_fail(ex->error, MT_ERR_ARG,
-                           "gemm_fp8: E5M2 x E5M2 is not an FP8 GEMM of Hopper's (pair E4M3 with E4M3 or E5M2): %s", what);
+                           "gemm_fp8: E5M2 x E5M2 is not an FP8 GEMM of Hopper's (pair E4M3 with E4M3 or E5M2): %s", what());
     if (M < 0 || N < 0 || K <= 0 || K % 16)
         return mt_gpu_fail(ex->error, MT_ERR_ARG,
-                           "gemm_fp8: K must be a positive multiple of 16 (FP8 rows of whole 16 bytes): %s", what);
-    if (ldc < N) return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: ldc < N: %s", what);
+                           "gemm_fp8: K must be a positive multiple of 16 (FP8 rows of whole 16 bytes): %s", what());
+    if (ldc < N) return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: ldc < N: %s", what());
     if (!aligned16(A) || !aligned16(B) || !a_scale_inv || !b_scale_inv || !aligned16(a_scale_inv) ||
         !aligned16(b_scale_inv))
         return mt_gpu_fail(ex->error, MT_ERR_ARG,
                            "gemm_fp8: A, B and both scale_invs must be given and 16-byte aligned (cuBLASLt refuses "
-                           "other scale pointers): %s", what);
+                           "other scale pointers): %s", what());
     if (M == 0 || N == 0) return true;
     mt_gemm_key key;
     memset(&key, 0, sizeof(key));
@@ -3513,13 +3518,13 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
         gemm_plan_build(g, ex->error, plan, a_scale_inv, b_scale_inv);
     }
     if (!plan)
-        return mt_gpu_fail(ex->error, MT_ERR_CUDA, "gemm_fp8: the plan cache is full (%d plans): %s", GEMM_MAX_PLANS, what);
+        return mt_gpu_fail(ex->error, MT_ERR_CUDA, "gemm_fp8: the plan cache is full (%d plans): %s", GEMM_MAX_PLANS, what());
     if (!plan->supported) {
         if (ex->error->status != MT_OK) return false; /* a descriptor call failed: its status is recorded */
         return mt_gpu_fail(ex->error, MT_ERR_CUDA,
                            "gemm_fp8: cuBLASLt status %s (%s) from cublasLtMatmulAlgoGetHeuristic, %d algorithms, for %s",
                            cublasGetStatusName(plan->heuristic_status), cublasGetStatusString(plan->heuristic_status),
-                           plan->algorithms_found, what);
+                           plan->algorithms_found, what());
     }
     if (!CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
                                                                &b_scale_inv, sizeof(b_scale_inv))) ||
@@ -3533,7 +3538,7 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
                                              plan->c, &plan->algo, g->workspace, g->workspace_bytes, ex->stream);
     if (st != CUBLAS_STATUS_SUCCESS)
         return mt_gpu_fail(ex->error, MT_ERR_CUDA, "gemm_fp8: cuBLASLt status %s (%s) from cublasLtMatmul for %s",
-                           cublasGetStatusName(st), cublasGetStatusString(st), what);
+                           cublasGetStatusName(st), cublasGetStatusString(st), what());
     return true;
 }
 
@@ -5070,6 +5075,18 @@ static mt_status fp8_state_transfer(mt_trainer* t, FILE* f, int write, const cha
     } else {
         if (fread(host, sizeof(float), (size_t)n, f) != (size_t)n)
             st = mt_fail(err, MT_ERR_FORMAT, "%s: the FP8 scaling state is cut short", path);
+        /* what the file says before it reaches the GEMMs: every scale and scale_inv finite and > 0,
+         * every amax in the histories >= 0 (NaN, a step that overflowed, stays as Transformer Engine keeps it) */
+        for (int64_t i = 0; st == MT_OK && i < nt; i++) {
+            const float scale = host[i], scale_inv = host[nt + i * FP8_SCALE_INV_STRIDE];
+            if (!(scale > 0.0f) || !isfinite(scale) || !(scale_inv > 0.0f) || !isfinite(scale_inv))
+                st = mt_fail(err, MT_ERR_FORMAT, "%s: FP8 tensor %lld has scale %g and scale_inv %g (must be finite "
+                             "and > 0)", path, (long long)i, scale, scale_inv);
+        }
+        for (int64_t i = 0; st == MT_OK && i < nt * s->history_len; i++)
+            if (host[nt * (1 + FP8_SCALE_INV_STRIDE) + i] < 0.0f)
+                st = mt_fail(err, MT_ERR_FORMAT, "%s: FP8 amax history entry %lld is negative (%g)", path,
+                             (long long)i, host[nt * (1 + FP8_SCALE_INV_STRIDE) + i]);
         int64_t at = 0;
         for (int i = 0; st == MT_OK && i < 3; at += count[i], i++)
             CUDA_CHECK(&t->error, cudaMemcpyAsync(device[i], host + at, count[i] * 4, cudaMemcpyHostToDevice, t->stream));

@@ -24,18 +24,8 @@ typedef struct {
     int B, H, Hkv, T, d;
 } flash_shape;
 
-static uint16_t flash_f2bf(float f) { /* round to nearest even (finite inputs) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static double flash_bf2d(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+static uint16_t flash_f2bf(float f) { return test_bf16_from_float(f); }
+static double flash_bf2d(uint16_t b) { return test_bf16_to_float(b); }
 /* random bf16 in +-[0.02, amp) */
 static void flash_fill(uint16_t* x, size_t n, float amp, uint64_t* state) {
     for (size_t i = 0; i < n; i++) {

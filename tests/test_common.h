@@ -141,4 +141,18 @@ static void fill_tokens(int32_t* tokens, int64_t n, int vocab, uint64_t seed) {
     }
 }
 
+/* bf16 on the host: round to nearest even (finite values), and back. The GPU tests' references. */
+static inline uint16_t test_bf16_from_float(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline float test_bf16_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 #endif

@@ -4,13 +4,6 @@
 #ifndef MT_TEST_CONFIG_H
 #define MT_TEST_CONFIG_H
 
-/* 2 layers of 64 in 4 heads, seq 32, vocabulary 500; micro-batch 2 of a global batch 8, 100 steps at lr 1e-3. */
-static mt_config small_test_config(void) {
-    mt_config c = test_config_sized(2, 64, 4, 32, 500);
-    test_config_batch(&c, 2, 8);
-    c.train_iters = 100;
-    return c;
-}
 
 static test_result test_config_derives_megatron_values(void) {
     mt_config c = small_test_config();

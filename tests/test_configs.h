@@ -90,6 +90,15 @@ static void test_config_this_rank(mt_config* c) {
  * micro-batches), 20 steps at lr 1e-3: 3 of warmup, then cosine down to 1e-4. TEST_LLAMA is the same
  * size in the Llama flavour: GQA 4 heads in 2 groups of head dim 64, ffn 320, RoPE with base 500000
  * and Llama-3.1 scaling, RMSNorm, SwiGLU, untied output, no biases. */
+/* Host tests: 2 layers of 64 in 4 heads, seq 32, vocabulary 500; micro-batch 2 of a global batch 8,
+ * 100 steps at lr 1e-3. */
+static mt_config small_test_config(void) {
+    mt_config c = test_config_sized(2, 64, 4, 32, 500);
+    test_config_batch(&c, 2, 8);
+    c.train_iters = 100;
+    return c;
+}
+
 static mt_config test_config(test_flavour flavour, mt_precision precision) {
     mt_config c = test_config_sized(2, 128, 2, 64, 1000);
     test_config_batch(&c, 4, 8);

@@ -182,18 +182,8 @@ static void fp8t_clear_error(fp8t_ctx* c) {
 
 /* ---- host formats: bf16, and the FP8 reference encoder ---- */
 
-static uint16_t fp8t_bf16_bits(float f) { /* round to nearest even (finite values) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static float fp8t_bf16_value(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+static uint16_t fp8t_bf16_bits(float f) { return test_bf16_from_float(f); }
+static float fp8t_bf16_value(uint16_t b) { return test_bf16_to_float(b); }
 static float fp8t_float_from_bits(uint32_t u) {
     float f;
     memcpy(&f, &u, 4);

@@ -11,12 +11,7 @@
 
 /* ---- mt_config_finalize with size products that overflow ---------------------------------------- */
 
-static mt_config hostile_base(void) {
-    mt_config c = test_config_sized(2, 64, 4, 32, 500);
-    test_config_batch(&c, 2, 8);
-    c.train_iters = 100;
-    return c;
-}
+static mt_config hostile_base(void) { return small_test_config(); }
 
 static test_result test_hostile_overflow_helpers(void) {
     int64_t r = 7;
