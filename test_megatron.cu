@@ -30,6 +30,7 @@
 #include "tests/test_hf.h"
 #include "tests/test_header.h"
 #include "tests/test_hostile.h"
+#include "tests/test_tensorboard.h"
 
 typedef struct {
     const char* group; /* kind.feature: kind is host, gpu or multigpu */
@@ -66,6 +67,7 @@ int main(int argc, char** argv) {
         GROUP("host.hf", hf_tests),
         GROUP("host.header", header_tests),
         GROUP("host.hostile", hostile_tests),
+        GROUP("host.tensorboard", tensorboard_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),
         GROUP("gpu.checkpoint", checkpoint_gpu_tests),
