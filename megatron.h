@@ -743,6 +743,10 @@ mt_status mt_trainer_compute_gradients(mt_trainer* t, const int32_t* tokens, int
 /* Mean loss over num_micro_batches micro-batches, no gradients. */
 mt_status mt_trainer_evaluate(mt_trainer* t, const int32_t* tokens, int num_micro_batches, double* loss,
                               mt_error* err);
+/* Per-token losses -log p(target) of one micro-batch, no gradients: tokens [micro_batch_size, seq_length + 1]
+ * as for train_step, losses [micro_batch_size * seq_length] (fp32, over the padded vocabulary as the
+ * training loss). With tensor parallelism every TP rank calls it with the same tokens. */
+mt_status mt_trainer_token_losses(mt_trainer* t, const int32_t* tokens, float* losses, mt_error* err);
 /* Logits of one micro-batch: tokens [micro_batch_size, seq_length], logits [micro, seq, padded vocab] (fp32).
  * With tensor parallelism every TP rank calls it and receives the whole vocabulary. */
 mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits, mt_error* err);

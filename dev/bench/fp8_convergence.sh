@@ -241,7 +241,7 @@ log_stats() {
       }
       next
     }
-    /^ *validation loss at iteration [0-9]+ *\|/ {
+    /^ *validation loss at iteration [0-9]+( on validation set)? *\|/ {
       for (i = 1; i <= NF; i++) { f = trim($i); if (f ~ /^lm loss value:/) { val = after(f); if (bad(val)) nonfinite++ } }
     }
     END {
@@ -256,7 +256,7 @@ median() {  # median of the numbers in a file, one a line
                                            else printf "%.1f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 }
 val_points() {  # "label value" for each validation line; the repeat at the last iteration is the end-of-training eval
-  awk -F'|' '/^ *validation loss at iteration [0-9]+ *\|/ {
+  awk -F'|' '/^ *validation loss at iteration [0-9]+( on validation set)? *\|/ {
       it = $1; sub(/.*iteration +/, "", it); it = it + 0
       v = $2; sub(/^[^:]*: */, "", v); sub(/ +$/, "", v)
       lab = (it == prev) ? it " (end)" : it; prev = it
