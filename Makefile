@@ -29,7 +29,7 @@ PREPRO := prepro/preprocess_data prepro/merge_datasets prepro/dataset_info prepr
 HEADERS := megatron.h prepro/tokenizer.h
 
 .PHONY: all test clean
-all: train_gpt eval_hellaswag test_megatron $(PREPRO)
+all: train_gpt eval_hellaswag test_megatron $(PREPRO) dev/data/hellaswag_val_full.txt
 
 megatron.o: megatron.cu $(HEADERS)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
