@@ -6100,6 +6100,14 @@ mt_status mt_trainer_evaluate(mt_trainer* t, const int32_t* tokens, int num_micr
     return run_micro_batches(t, tokens, num_micro_batches, 0, 1.0, 1, loss, err);
 }
 
+mt_status mt_trainer_token_losses(mt_trainer* t, const int32_t* tokens, float* losses, mt_error* err) {
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    double mean; /* run_micro_batches leaves the micro-batch's per-token losses in host_losses */
+    mt_status st = run_micro_batches(t, tokens, 1, 0, 1.0, 0, &mean, err);
+    if (st == MT_OK) memcpy(losses, t->host_losses, sizeof(float) * (size_t)t->cfg.micro_batch_size * t->cfg.seq_length);
+    return st;
+}
+
 /* FP8 delayed scaling after an optimizer step: this step's amaxes (the largest over its micro-batches
  * and, reduced with max over every rank, the same on all: Megatron's amax-reduction group, TP x DP)
  * enter each tensor's history, the scales follow (fp8_scale_update), the amaxes restart at 0. */
