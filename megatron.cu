@@ -3613,6 +3613,9 @@ typedef struct {
     ncclComm_t pp;              /* the pipeline group (one rank per stage, rank = stage): activations */
     ncclComm_t pp_grad;         /* the same ranks again for the gradients, so that each kind is matched in its
                                    own posting order (NULL when pp_size == 1) */
+    cudaStream_t pp_streams[2]; /* the activations' and the gradients' transfers: each communicator on a
+                                   stream of its own, so that one waiting does not hold the other back */
+    cudaEvent_t pp_ready, pp_done[2];
     ncclComm_t embedding;       /* Megatron's embedding group: the first and last stage (PP > 1, else NULL);
                                    they hold the tied word embeddings and add their gradients */
     cudaStream_t comm_stream;   /* DP collectives (and the world's) */
@@ -3687,6 +3690,11 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, replica, me.pp, &g->pp_grad, NULL));
         int ends = me.pp == 0 || me.pp == g->pp_size - 1;
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, ends ? replica : NCCL_SPLIT_NOCOLOR, me.pp, &g->embedding, NULL));
+        for (int i = 0; i < 2; i++)
+            if (!CUDA_CHECK(e, cudaStreamCreateWithFlags(&g->pp_streams[i], cudaStreamNonBlocking)) ||
+                !CUDA_CHECK(e, cudaEventCreateWithFlags(&g->pp_done[i], cudaEventDisableTiming)))
+                return;
+        if (!CUDA_CHECK(e, cudaEventCreateWithFlags(&g->pp_ready, cudaEventDisableTiming))) return;
         pipeline_connect(g, compute, e, c->rank);
     }
 }
@@ -3696,6 +3704,11 @@ static void process_groups_free(mt_process_groups* g) {
     if (g->dp) ncclCommDestroy(g->dp);
     if (g->pp) ncclCommDestroy(g->pp);
     if (g->pp_grad) ncclCommDestroy(g->pp_grad);
+    for (int i = 0; i < 2; i++) {
+        if (g->pp_streams[i]) cudaStreamDestroy(g->pp_streams[i]);
+        if (g->pp_done[i]) cudaEventDestroy(g->pp_done[i]);
+    }
+    if (g->pp_ready) cudaEventDestroy(g->pp_ready);
     if (g->embedding) ncclCommDestroy(g->embedding);
     if (g->world) ncclCommDestroy(g->world);
     if (g->comm_stream) cudaStreamDestroy(g->comm_stream);
@@ -4830,14 +4843,24 @@ static void pipeline_exchange(mt_trainer* t, const pipeline_transfers* x) {
     mt_shape s = model_shape(t);
     const size_t n = (size_t)s.R * s.h;
     mt_process_groups* g = &t->groups;
+    /* each communicator's operations on its own stream, after the compute so far; compute waits for both
+     * (on one stream NCCL would run the two communicators' kernels one after the other) */
+    CUDA_CHECK(&t->error, cudaEventRecord(g->pp_ready, t->stream));
+    for (int i = 0; i < 2; i++) CUDA_CHECK(&t->error, cudaStreamWaitEvent(g->pp_streams[i], g->pp_ready, 0));
     NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupStart());
     for (int i = 0; i < x->num_send; i++)
         NCCL_CHECK(&t->error, t->cfg.rank, ncclSend(x->send[i], n, g->tp.type, x->send_rank[i],
-                                                    x->send_grad[i] ? g->pp_grad : g->pp, t->stream));
+                                                    x->send_grad[i] ? g->pp_grad : g->pp,
+                                                    g->pp_streams[x->send_grad[i]]));
     for (int i = 0; i < x->num_recv; i++)
         NCCL_CHECK(&t->error, t->cfg.rank, ncclRecv(x->recv[i], n, g->tp.type, x->recv_rank[i],
-                                                    x->recv_grad[i] ? g->pp_grad : g->pp, t->stream));
+                                                    x->recv_grad[i] ? g->pp_grad : g->pp,
+                                                    g->pp_streams[x->recv_grad[i]]));
     NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupEnd());
+    for (int i = 0; i < 2; i++) {
+        CUDA_CHECK(&t->error, cudaEventRecord(g->pp_done[i], g->pp_streams[i]));
+        CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, g->pp_done[i], 0));
+    }
 }
 
 template <typename T>
