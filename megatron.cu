@@ -4915,14 +4915,7 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
             x.recv_grad[x.num_recv] = op->kind == MT_PP_BACKWARD;
             x.recv_rank[x.num_recv++] = op->recv_rank;
         }
-        if (getenv("MT_PP_TRACE"))
-            fprintf(stderr, "[pp rank %d] unit at op %d/%d: %d sends %d receives\n", t->groups.pp_rank, u, num_ops,
-                    x.num_send, x.num_recv);
         pipeline_exchange(t, &x);
-        if (getenv("MT_PP_TRACE")) {
-            cudaError_t e = cudaStreamSynchronize(t->stream);
-            fprintf(stderr, "[pp rank %d] exchanged (%s)\n", t->groups.pp_rank, cudaGetErrorString(e));
-        }
         memset(&x, 0, sizeof(x));
         for (int k = u; k < end && st == MT_OK; k++) {
             const mt_pp_op* op = &ops[k];
