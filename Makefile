@@ -34,14 +34,14 @@ all: train_gpt test_megatron $(PREPRO)
 megatron.o: megatron.cu $(HEADERS)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
 
-train_gpt.o: train_gpt.c $(HEADERS)
+train_gpt.o: train_gpt.c train_gpt_flags.h $(HEADERS)
 	$(CC) $(CFLAGS) $(MPI_CFLAGS) -c $< -o $@
 
 train_gpt: train_gpt.o megatron.o
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(CUDA_LIBS) $(MPI_LIBS) $(HOST_LIBS)
 
 # The test suite includes megatron.cu whole, so it can reach the kernels behind the API.
-test_megatron: test_megatron.cu megatron.cu $(HEADERS) $(wildcard tests/*.h)
+test_megatron: test_megatron.cu megatron.cu train_gpt_flags.h $(HEADERS) $(wildcard tests/*.h)
 	$(NVCC) $(NVFLAGS) $(MPI_CFLAGS) $< -o $@ $(CUDA_LIBS) $(MPI_LIBS) $(HOST_LIBS)
 
 prepro/%: prepro/%.c $(HEADERS)

@@ -48,6 +48,7 @@
 #include <cuda_fp8.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <cuda_profiler_api.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <float.h>
@@ -4063,6 +4064,7 @@ struct mt_trainer {
     int32_t* host_index;      /* pinned embedding backward index for one micro-batch */
     /* optimizer state */
     int64_t scheduler_steps;  /* samples seen by the LR scheduler (Megatron's num_steps) */
+    int64_t last_loss_tokens; /* positions the last train step or evaluation counted (over DP) */
     int64_t adam_step;        /* optimizer steps taken */
     double loss_scale;        /* fp16 dynamic loss scale (1 otherwise) */
     int growth_tracker;
@@ -4660,14 +4662,40 @@ static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb,
     return mt_gpu_error_return(&t->error, err);
 }
 
-/* Sum of the per-token losses of the micro-batch just run (host, double, in order). */
-static double micro_batch_loss_sum(mt_trainer* t) {
+/* --eod-mask-loss (Megatron's loss mask): a position counts in the loss unless its *input* token
+ * is the end-of-document token. Whether position i of micro-batch mb of tokens [*, B, S+1] counts. */
+static int position_counts(const mt_config* c, const int32_t* tokens, int mb, int i) {
+    if (!c->eod_mask_loss) return 1;
+    int B = c->micro_batch_size, S = c->seq_length;
+    const int32_t* row = tokens + ((int64_t)mb * B + i / S) * (S + 1);
+    return row[i % S] != c->eod_token;
+}
+
+static int64_t micro_batch_counted(const mt_config* c, const int32_t* tokens, int mb) {
+    int64_t n = 0, BT = (int64_t)c->micro_batch_size * c->seq_length;
+    for (int i = 0; i < BT; i++) n += position_counts(c, tokens, mb, i);
+    return n;
+}
+
+/* The masked positions' loss gradient (their rows of act.logits, which the cross entropy has just
+ * overwritten with the gradient) set to zero: what multiplying the per-token losses by the mask does. */
+static void zero_masked_gradients(mt_trainer* t, const int32_t* tokens, int mb) {
+    mt_shape s = model_shape(t);
+    size_t row_bytes = (size_t)s.V * (t->cfg.precision == MT_FP32 ? 4 : 2);
+    for (int i = 0; i < s.BT; i++)
+        if (!position_counts(&t->cfg, tokens, mb, i))
+            CUDA_CHECK(&t->error, cudaMemsetAsync((char*)t->act.logits + (size_t)i * row_bytes, 0, row_bytes, t->stream));
+}
+
+/* Sum of the counted per-token losses of micro-batch mb, just run (host, double, in order). */
+static double micro_batch_loss_sum(mt_trainer* t, const int32_t* tokens, int mb) {
     int BT = t->cfg.micro_batch_size * t->cfg.seq_length;
     CUDA_CHECK(&t->error, cudaMemcpyAsync(t->host_losses, t->act.losses, sizeof(float) * BT, cudaMemcpyDeviceToHost,
                                           t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     double sum = 0.0;
-    for (int i = 0; i < BT; i++) sum += t->host_losses[i];
+    for (int i = 0; i < BT; i++)
+        if (position_counts(&t->cfg, tokens, mb, i)) sum += t->host_losses[i];
     return sum;
 }
 
@@ -4676,21 +4704,36 @@ typedef enum { GROUP_DP, GROUP_TP, GROUP_WORLD } mt_group_kind;
 static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_group_kind group, mt_error* err);
 
 /* Forward (+ backward when training) of micro-batches [0, count) of this rank's tokens; returns the
- * mean loss, over all data-parallel ranks when `across_dp`. Training leaves in t->grads the gradient
- * of the mean loss over the global batch (times loss_scale), reduced over DP: summed by all-reduce,
- * or with the distributed optimizer by reduce-scatter (then only this rank's shards hold sums). */
+ * mean loss over the counted positions, over all data-parallel ranks when `across_dp`
+ * (t->last_loss_tokens: how many). Training leaves in t->grads the gradient (times loss_scale),
+ * reduced over DP: summed by all-reduce, or with the distributed optimizer by reduce-scatter (then
+ * only this rank's shards hold sums), of Megatron's loss: the mean over the DP ranks of the mean
+ * over micro-batches of each micro-batch's mean over its counted positions; with
+ * --calculate-per-token-loss, the sum over the global batch divided by its counted positions. (A
+ * micro-batch with no counted position adds nothing; Megatron would divide by zero.) */
 static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int count, int train, double loss_scale,
                                    int across_dp, double* mean_loss, mt_error* err) {
     mt_shape s = model_shape(t);
+    const mt_config* c = &t->cfg;
     int dp = t->groups.dp_size;
-    double total = 0.0;
-    /* Megatron pre-scales each rank's gradients by 1/dp and sums them */
-    float grad_scale = train ? (float)(loss_scale / ((double)count * s.BT * dp)) : 0.0f;
+    double total = 0.0, tokens_counted = 0.0, global_counted = 0.0;
+    for (int mb = 0; mb < count; mb++) tokens_counted += (double)micro_batch_counted(c, tokens, mb);
+    if (train && c->calculate_per_token_loss) {
+        global_counted = tokens_counted;
+        if (dp > 1) {
+            mt_status st = all_reduce_sum(t, &global_counted, GROUP_DP, err);
+            if (st != MT_OK) return st;
+        }
+    }
     if (train) t->next_bucket = 0; /* no zeroing: the first micro-batch's backward writes every gradient */
     for (int mb = 0; mb < count; mb++) {
         int unique = 0;
         mt_status st = stage_micro_batch(t, tokens, mb, train, &unique, err);
         if (st != MT_OK) return st;
+        /* Megatron pre-scales each rank's gradients by 1/dp and sums them */
+        double counted = (double)micro_batch_counted(c, tokens, mb);
+        double denominator = c->calculate_per_token_loss ? global_counted : counted * count * dp;
+        float grad_scale = train && denominator > 0 ? (float)(loss_scale / denominator) : 0.0f;
         /* this micro-batch's mode; --overlap-grad-reduce: buckets go out during the last one's backward */
         mt_micro_batch_mode mode;
         mode.accumulate_gradients = mb > 0;
@@ -4698,30 +4741,35 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
         mode.reduce_in_backward = mode.last && dp > 1 && t->cfg.overlap_grad_reduce;
         mode.training = train;
         const mt_exec ex = trainer_exec(t, mode);
+        /* a zero scale still runs the backward (the first micro-batch writes every gradient) */
+        if (train && grad_scale == 0.0f) grad_scale = FLT_MIN;
         switch (t->cfg.precision) {
             case MT_FP32:
                 model_forward<float>(t, &ex, grad_scale);
+                if (train) zero_masked_gradients(t, tokens, mb);
                 if (train) model_backward<float>(t, &ex, unique);
                 break;
             case MT_BF16:
                 model_forward<__nv_bfloat16>(t, &ex, grad_scale);
+                if (train) zero_masked_gradients(t, tokens, mb);
                 if (train) model_backward<__nv_bfloat16>(t, &ex, unique);
                 break;
             case MT_FP16:
                 model_forward<__half>(t, &ex, grad_scale);
+                if (train) zero_masked_gradients(t, tokens, mb);
                 if (train) model_backward<__half>(t, &ex, unique);
                 break;
         }
-        total += micro_batch_loss_sum(t);
+        total += micro_batch_loss_sum(t, tokens, mb);
         if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     }
     if (train) finish_gradient_reduction(t);
-    double tokens_counted = (double)count * s.BT;
     if (across_dp && dp > 1) {
         mt_status st = all_reduce_sum(t, &total, GROUP_DP, err);
+        if (st == MT_OK) st = all_reduce_sum(t, &tokens_counted, GROUP_DP, err);
         if (st != MT_OK) return st;
-        tokens_counted *= dp;
     }
+    t->last_loss_tokens = (int64_t)tokens_counted;
     *mean_loss = total / tokens_counted;
     return mt_gpu_error_return(&t->error, err);
 }
@@ -5036,6 +5084,13 @@ static mt_status read_canonical(mt_trainer* t, FILE* f, float* device_full, floa
     return canonical_transfer(t, device_full, host, 1, err);
 }
 
+/* Steps over `count` canonical arrays of the model file (the Adam moments, when they are not loaded). */
+static mt_status skip_canonical(mt_trainer* t, FILE* f, int count, const char* path, mt_error* err) {
+    if (fseeko(f, (off_t)count * (off_t)t->num_params * (off_t)sizeof(float), SEEK_CUR) != 0)
+        return mt_fail(err, MT_ERR_FORMAT, "%s is truncated", path);
+    return MT_OK;
+}
+
 static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration, int64_t consumed_samples) {
     mt_checkpoint_header_init(header, &t->cfg);
     header[MT_CK_ITERATION] = iteration;
@@ -5237,8 +5292,12 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
     return MT_OK;
 }
 
-mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
-                          int64_t* consumed_out, mt_error* err) {
+/* Loads a checkpoint: the weights, and with load_optim the optimizer's state too (Adam moments and
+ * step, the scheduler's samples, the loss scaler). Without it (--no-load-optim, --finetune) only the
+ * model file's master weights (and FP8 scaling state, part of the model in Megatron) are read, and
+ * Adam, the schedule and the loss scale start as a new trainer's do. */
+static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iteration, int load_optim,
+                                 int64_t* iteration_out, int64_t* consumed_out, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     char path[4096];
     mt_status st = MT_OK;
@@ -5266,7 +5325,7 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
         st = read_header(t, f, path, h, err);
         if (st == MT_OK) st = read_canonical(t, f, t->grads, host, path, err);
         if (st == MT_OK) set_master_from_full(t, t->grads);
-        if (st == MT_OK && h[MT_CK_SHARDED_DP] == 0) {
+        if (st == MT_OK && load_optim && h[MT_CK_SHARDED_DP] == 0) {
             float* moments[2] = {t->adam_m, t->adam_v};
             for (int i = 0; i < 2 && st == MT_OK; i++) {
                 st = read_canonical(t, f, t->grads, host, path, err);
@@ -5276,6 +5335,8 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
         /* FP8 delayed scaling's state: taken when this run has the same tensors and history length; a
          * checkpoint without it starts the scales afresh; another layout of it is refused */
         const int delayed = t->fp8.enabled && t->fp8.recipe == MT_FP8_DELAYED;
+        if (st == MT_OK && delayed && h[MT_CK_FP8_TENSORS] > 0 && !load_optim && h[MT_CK_SHARDED_DP] == 0)
+            st = skip_canonical(t, f, 2, path, err); /* the moments sit between the weights and the FP8 state */
         if (st == MT_OK && delayed && h[MT_CK_FP8_TENSORS] > 0) {
             if (h[MT_CK_FP8_TENSORS] != t->fp8.num_tensors || h[MT_CK_FP8_HISTORY_LEN] != t->fp8.history_len ||
                 h[MT_CK_FP8_HISTORY_POS] < 0 || h[MT_CK_FP8_HISTORY_POS] >= h[MT_CK_FP8_HISTORY_LEN])
@@ -5289,7 +5350,7 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
         }
         if (f) fclose(f);
     }
-    if (st == MT_OK && h[MT_CK_SHARDED_DP] != 0) {
+    if (st == MT_OK && load_optim && h[MT_CK_SHARDED_DP] != 0) {
         /* this rank's shard of master, m and v */
         snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_%02d/distrib_optim_dp%03d.bin", dir, (long long)iteration,
                  t->groups.tp.rank, t->groups.dp_rank);
@@ -5308,14 +5369,36 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     if (st == MT_OK) st = mt_gpu_error_return(&t->error, err);
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "loading from", dir);
+    if (iteration_out) *iteration_out = h[MT_CK_ITERATION];
+    if (consumed_out) *consumed_out = h[MT_CK_CONSUMED];
+    if (!load_optim) { /* a new trainer's optimizer state */
+        const mt_config* c = &t->cfg;
+        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_m, 0, sizeof(float) * (size_t)t->shard_numel, t->stream));
+        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_v, 0, sizeof(float) * (size_t)t->shard_numel, t->stream));
+        CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+        t->scheduler_steps = 0;
+        t->adam_step = 0;
+        t->growth_tracker = 0;
+        t->hysteresis_tracker = c->hysteresis;
+        t->loss_scale = c->precision != MT_FP16 ? 1.0 : c->loss_scale > 0 ? c->loss_scale : c->initial_loss_scale;
+        return mt_gpu_error_return(&t->error, err);
+    }
     t->scheduler_steps = h[MT_CK_SCHED_STEPS];
     t->adam_step = h[MT_CK_ADAM_STEP];
     t->growth_tracker = (int)h[MT_CK_GROWTH];
     t->hysteresis_tracker = (int)h[MT_CK_HYSTERESIS];
     memcpy(&t->loss_scale, &h[MT_CK_LOSS_SCALE_BITS], sizeof(double));
-    if (iteration_out) *iteration_out = h[MT_CK_ITERATION];
-    if (consumed_out) *consumed_out = h[MT_CK_CONSUMED];
     return MT_OK;
+}
+
+mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
+                          int64_t* consumed_out, mt_error* err) {
+    return load_checkpoint(t, dir, iteration, 1, iteration_out, consumed_out, err);
+}
+
+mt_status mt_trainer_load_weights(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
+                                  int64_t* consumed_out, mt_error* err) {
+    return load_checkpoint(t, dir, iteration, 0, iteration_out, consumed_out, err);
 }
 
 /* ============================================================================================== */
@@ -5812,11 +5895,21 @@ static void fp8_after_step(mt_trainer* t) {
 }
 
 mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_result* out, mt_error* err) {
+    return mt_trainer_train_step_n(t, tokens, mt_num_micro_batches(&t->cfg), out, err);
+}
+
+/* One iteration of num_micro_batches micro-batches per rank (a batch-size ramp changes it from step
+ * to step; Megatron's get_num_microbatches): the scheduler advances by the samples this global
+ * batch had. */
+mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_micro_batches, mt_step_result* out,
+                                  mt_error* err) {
     const mt_config* c = &t->cfg;
     memset(out, 0, sizeof(*out));
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    if (num_micro_batches < 1)
+        return mt_fail(err, MT_ERR_ARG, "train step: %d micro-batches (at least 1)", num_micro_batches);
     double loss = 0.0, scale = t->loss_scale;
-    mt_status st = run_micro_batches(t, tokens, mt_num_micro_batches(c), 1, scale, 1, &loss, err);
+    mt_status st = run_micro_batches(t, tokens, num_micro_batches, 1, scale, 1, &loss, err);
     if (st != MT_OK) return st;
     out->lm_loss = loss;
     out->loss_scale = scale;
@@ -5847,10 +5940,19 @@ mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_re
         case MT_FP16: adamw_step<__half>(t, (float)lr, grad_scale); break;
     }
     fp8_after_step(t);
-    t->scheduler_steps += c->global_batch_size;
+    t->scheduler_steps += (int64_t)num_micro_batches * c->micro_batch_size * t->groups.dp_size;
     out->next_learning_rate = mt_learning_rate(c, t->scheduler_steps);
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     return mt_gpu_error_return(&t->error, err);
+}
+
+int64_t mt_trainer_last_loss_tokens(const mt_trainer* t) { return t->last_loss_tokens; }
+
+mt_status mt_device_profiler(int start, mt_error* err) {
+    cudaError_t e = start ? cudaProfilerStart() : cudaProfilerStop();
+    if (e != cudaSuccess)
+        return mt_fail(err, MT_ERR_CUDA, "cudaProfiler%s: %s", start ? "Start" : "Stop", cudaGetErrorString(e));
+    return MT_OK;
 }
 
 mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits, mt_error* err) {
