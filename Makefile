@@ -44,7 +44,7 @@ train_gpt: train_gpt.o megatron.o
 test_megatron: test_megatron.cu megatron.cu train_gpt_flags.h $(HEADERS) $(wildcard tests/*.h)
 	$(NVCC) $(NVFLAGS) $(MPI_CFLAGS) $< -o $@ $(CUDA_LIBS) $(MPI_LIBS) $(HOST_LIBS)
 
-prepro/%: prepro/%.c $(HEADERS)
+prepro/%: prepro/%.c prepro/args.h $(HEADERS)
 	$(CC) $(CFLAGS) $< -o $@ $(HOST_LIBS)
 HF_HEADERS := prepro/safetensors.h prepro/hf_checkpoint.h prepro/hf_gpt2.h prepro/hf_llama.h
 prepro/convert_hf: $(HF_HEADERS)

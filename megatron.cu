@@ -4713,7 +4713,6 @@ static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_group_kind grou
  * micro-batch with no counted position adds nothing; Megatron would divide by zero.) */
 static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int count, int train, double loss_scale,
                                    int across_dp, double* mean_loss, mt_error* err) {
-    mt_shape s = model_shape(t);
     const mt_config* c = &t->cfg;
     int dp = t->groups.dp_size;
     double total = 0.0, tokens_counted = 0.0, global_counted = 0.0;

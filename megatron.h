@@ -2554,7 +2554,7 @@ mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, mt_conf
         if (!*p) break;
         const char* start = p;
         while (*p && *p != ' ' && *p != ',' && *p != '\t') p++;
-        const char* colon = memchr(start, ':', (size_t)(p - start));
+        const char* colon = (const char*)memchr(start, ':', (size_t)(p - start));
         int64_t threshold, batch;
         if (!colon || !mt__schedule_number(start, (size_t)(colon - start), &threshold) ||
             !mt__schedule_number(colon + 1, (size_t)(p - colon - 1), &batch) || batch > 2147483647)

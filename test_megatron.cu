@@ -18,6 +18,7 @@
 #include "tests/test_dataset.h"
 #include "tests/test_tokenizer.h"
 #include "tests/test_config.h"
+#include "tests/test_flags.h"
 #include "tests/test_model.h"
 #include "tests/test_precision.h"
 #include "tests/test_checkpoint.h"
@@ -60,6 +61,7 @@ int main(int argc, char** argv) {
         GROUP("host.dataset", dataset_tests),
         GROUP("host.tokenizer", tokenizer_tests),
         GROUP("host.config", config_tests),
+        GROUP("host.flags", flags_tests),
         GROUP("host.data_parallel", data_parallel_tests),
         GROUP("host.tensor_parallel", tensor_parallel_tests),
         GROUP("host.pipeline", pipeline_schedule_tests),

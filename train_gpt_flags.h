@@ -83,6 +83,7 @@ typedef struct {
     const char* normalization;
     const char* position_type;
     const char* batch_schedule;
+    char batch_schedule_words[1024]; /* the schedule's words rejoined when the shell split them */
     const char* optimizer;
     const char* distributed_backend;
     const char* fp8_format;
@@ -93,7 +94,7 @@ typedef struct {
     int64_t ddp_bucket_size;
     /* the informational flags given, for the startup line: "--name" or "--name value" */
     int num_info;
-    char info[TG_MAX_INFO][96];
+    char info[TG_MAX_INFO][160];
 } tg_flags;
 
 typedef enum {
@@ -215,7 +216,8 @@ static const tg_flag tg_flag_table[] = {
     {"--rampup-batch-size", G_TRAIN, F_INT64_3, TG_AT(rampup), IR(1, TG_I64MAX), "none",
      "START INCR SAMPLES: the global batch grows from START by INCR over SAMPLES samples (needs --train-samples)"},
     {"--step-batch-size-schedule", G_TRAIN, F_STRING, TG_AT(batch_schedule), NR, "none",
-     "\"TOKENS:BATCH ...\": the global batch from each token threshold on (K/M/B/T suffixes)"},
+     "\"TOKENS:BATCH ...\": the global batch from each token threshold on (K/M/B/T suffixes; the words up to the "
+     "next flag, so an unquoted expansion works too)"},
     {"--train-iters", G_TRAIN, F_INT64, TG_AT(iters), IR(1, TG_I64MAX), "required (or --train-samples)",
      "iterations to train"},
     {"--train-samples", G_TRAIN, F_INT64, TG_AT(train_samples), IR(1, TG_I64MAX), "none",
@@ -478,7 +480,7 @@ static int tg_store(tg_flags* v, const tg_flag* f, const char* name, const char*
 
 static void tg_note_info(tg_flags* v, const char* name, const char* val) {
     if (v->num_info >= TG_MAX_INFO) return;
-    snprintf(v->info[v->num_info++], sizeof(v->info[0]), "%s%s%s", name, val ? " " : "", val ? val : "");
+    snprintf(v->info[v->num_info++], sizeof(v->info[0]), "%.64s%s%.80s", name, val ? " " : "", val ? val : "");
 }
 
 /* The values of tg_flags before any flag: "not given" everywhere. */
@@ -530,6 +532,21 @@ static int tg_flags_parse(tg_flags* v, int argc, char** argv, char* msg, size_t 
                                    &err) != MT_OK)
                 return tg_fail(msg, size, "%s", err.message);
             if (!inline_val) i = end - 1;
+            continue;
+        }
+        if (!strcmp(a, "--step-batch-size-schedule") && !inline_val) { /* one string, or the shell's words of it */
+            size_t used = 0;
+            int start = i + 1;
+            v->batch_schedule_words[0] = 0;
+            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
+                const char* w = argv[++i];
+                if (used + strlen(w) + 2 > sizeof(v->batch_schedule_words))
+                    return tg_fail(msg, size, "%s: longer than %zu characters", a, sizeof(v->batch_schedule_words) - 1);
+                used += (size_t)snprintf(v->batch_schedule_words + used, sizeof(v->batch_schedule_words) - used, "%s%s",
+                                         used ? " " : "", w);
+            }
+            if (i < start) return tg_fail(msg, size, "%s needs a value", a);
+            v->batch_schedule = v->batch_schedule_words;
             continue;
         }
         int is_switch = f->kind == F_TRUE || f->kind == F_INFO_SWITCH || f->kind == F_REFUSED_SWITCH;
