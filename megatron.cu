@@ -5268,7 +5268,7 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
         {MT_CK_PP, "--pipeline-model-parallel-size"},
         {MT_CK_NORMALIZATION, "--normalization (0 LayerNorm, 1 RMSNorm)"},
         {MT_CK_SWIGLU, "--swiglu"},
-        {MT_CK_POSITION_TYPE, "--position-embedding-type (0 learned_absolute, 1 rope)"},
+        {MT_CK_POSITION_TYPE, "--position-embedding-type (0 learned_absolute, 1 rope, 2 none)"},
         {MT_CK_ROTARY_BASE_BITS, "--rotary-base (bits)"},
         {MT_CK_ROTARY_PERCENT_BITS, "--rotary-percent (bits)"},
         {MT_CK_ROPE_SCALING_FACTOR_BITS, "--rope-scaling-factor (bits)"},

@@ -18,10 +18,10 @@
 #include "tests/test_dataset.h"
 #include "tests/test_tokenizer.h"
 #include "tests/test_config.h"
-#include "tests/test_flags.h"
 #include "tests/test_model.h"
 #include "tests/test_precision.h"
 #include "tests/test_checkpoint.h"
+#include "tests/test_flags.h"
 #include "tests/test_attention.h"
 #include "tests/test_kernels.h"
 #include "tests/test_fp8.h"
@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
         GROUP("host.header", header_tests),
         GROUP("host.hostile", hostile_tests),
         GROUP("gpu.model", model_gpu_tests),
+        GROUP("gpu.flags", flags_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),
         GROUP("gpu.checkpoint", checkpoint_gpu_tests),
         GROUP("gpu.attention", attention_gpu_tests),

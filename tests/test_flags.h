@@ -353,6 +353,136 @@ static test_result test_flags_sample_based_learning_rate(void) {
     return TEST_PASS;
 }
 
+/* ---- GPU: the flags that change the loss or the model, against dev/ref_gpt.py's float64 vectors (the
+ *      tolerances are test_model.h's for the same flavour and precision: the flags add no arithmetic
+ *      of their own beyond a masked sum and a zeroed gradient row) ---- */
+static test_result test_flags_eod_mask_nope_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_eod_nope.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_flags_eod_mask_nope_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_eod_nope.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 3e-3);
+}
+static test_result test_flags_eod_mask_llama_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_eod.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_flags_eod_mask_llama_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_eod.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 5e-3);
+}
+
+/* The gradients of llama_eod's first batch as `micro`-sequence micro-batches (per_token: with
+ * --calculate-per-token-loss), fp32; the loss too. */
+static mt_status flags_masked_gradients(const gpt_vectors* v, int micro, int per_token, float* grads, double* loss,
+                                        mt_error* err) {
+    mt_config c = config_from_vectors(v, MT_FP32);
+    c.micro_batch_size = micro;
+    c.calculate_per_token_loss = per_token;
+    mt_status st = mt_config_finalize(&c, err);
+    mt_trainer* t = NULL;
+    if (st == MT_OK) st = mt_trainer_create(&t, &c, err);
+    if (st == MT_OK) st = mt_trainer_set_parameters(t, v->params0, err);
+    if (st == MT_OK) st = mt_trainer_compute_gradients(t, v->tokens, v->G / micro, loss, err);
+    if (st == MT_OK) st = mt_trainer_get_gradients(t, grads, err);
+    if (t) mt_trainer_free(t);
+    return st;
+}
+
+/* --calculate-per-token-loss: the batch's masked loss sum over its counted positions, however the batch
+ * is cut. So per-token over four micro-batches equals the default over one (which divides by the same
+ * count), and differs from the default over four (each micro-batch's own count; llama_eod's sequences
+ * hold different numbers of end-of-document tokens). */
+static test_result test_flags_per_token_loss(void) {
+    REQUIRE_GPU();
+    gpt_vectors v;
+    if (!load_gpt_vectors(&v, "dev/data/gpt_vectors/llama_eod.bin")) {
+        free(v.blob);
+        printf("    FAIL cannot read dev/data/gpt_vectors/llama_eod.bin (run dev/ref_gpt.py)\n");
+        return TEST_FAIL;
+    }
+    float* a = (float*)malloc(sizeof(float) * (size_t)v.n * 3);
+    float *b = a + v.n, *d = a + 2 * v.n;
+    double la = 0, lb = 0, ld = 0;
+    mt_error err;
+    mt_status st = flags_masked_gradients(&v, 1, 1, a, &la, &err);
+    if (st == MT_OK) st = flags_masked_gradients(&v, v.G, 0, b, &lb, &err);
+    if (st == MT_OK) st = flags_masked_gradients(&v, 1, 0, d, &ld, &err);
+    double same = rel_error(a, b, v.n, NULL), other = rel_error(a, d, v.n, NULL), default_vs_ref = rel_error(d, v.grads0, v.n, NULL);
+    free(a);
+    free(v.blob);
+    EXPECT_OK(st, &err);
+    printf("    per-token (4 micro-batches) vs default (1): %.2e; vs default (4): %.2e; default (4) vs the "
+           "reference: %.2e\n", same, other, default_vs_ref);
+    EXPECT(fabs(la - lb) <= 1e-6 * fabs(lb) && fabs(la - ld) <= 1e-6 * fabs(ld), "losses %.8f %.8f %.8f", la, lb, ld);
+    /* fp32 sums in another order: ~1e-7; the normalisations differ by the count spread, ~1e-2 */
+    EXPECT(same < 1e-5 && other > 1e-3 && default_vs_ref < 1e-5, "gradients");
+    return TEST_PASS;
+}
+
+/* A step of k micro-batches advances the schedule by k x micro x dp samples (the batch-size ramp), and
+ * a weights-only load (--no-load-optim, --finetune) continues exactly as a new trainer given the same
+ * weights: fresh Adam, schedule at 0, the loss scale afresh. */
+static test_result test_flags_ramp_step_and_weights_only_load(void) {
+    REQUIRE_GPU();
+    mt_config c = test_config(TEST_GPT2, MT_BF16); /* micro 4, global 8, 3 warmup iterations */
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    size_t per_step = (size_t)c.global_batch_size * (c.seq_length + 1);
+    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * per_step * 4);
+    fill_tokens(tokens, (int64_t)per_step * 4, 1000, 7);
+    int64_t n = mt_num_parameters(&c);
+    float* p1 = (float*)malloc(sizeof(float) * (size_t)n * 3);
+    float *p2 = p1 + n, *p3 = p1 + 2 * n;
+    char dir[256];
+    snprintf(dir, sizeof(dir), "/tmp/mt_test_flags_%d", (int)getpid());
+    remove_tree(dir);
+    mt_trainer* t = NULL;
+    mt_step_result r1, r2;
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    mt_status st = mt_trainer_train_step_n(t, tokens, 1, &r1, &err); /* 4 samples */
+    if (st == MT_OK) st = mt_trainer_train_step_n(t, tokens + per_step, 2, &r2, &err);
+    if (st == MT_OK) st = mt_trainer_save(t, dir, 2, 12, &err);
+    if (st == MT_OK) st = mt_trainer_get_parameters(t, p1, &err);
+    mt_trainer_free(t);
+    EXPECT_OK(st, &err);
+    EXPECT(r1.learning_rate == mt_learning_rate(&c, 0) && r2.learning_rate == mt_learning_rate(&c, 4) &&
+           r2.next_learning_rate == mt_learning_rate(&c, 12), "schedule: %g %g %g", r1.learning_rate,
+           r2.learning_rate, r2.next_learning_rate);
+    /* weights only, then two steps (the first at lr 0 moves only Adam's moments, the second uses them);
+     * against a new trainer given those weights, then the same two steps */
+    int64_t iteration = -1, consumed = -1;
+    mt_step_result a, b;
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    st = mt_trainer_load_weights(t, dir, -1, &iteration, &consumed, &err);
+    if (st == MT_OK) st = mt_trainer_train_step(t, tokens + 2 * per_step, &a, &err);
+    if (st == MT_OK) st = mt_trainer_train_step(t, tokens + 3 * per_step, &a, &err);
+    if (st == MT_OK) st = mt_trainer_get_parameters(t, p2, &err);
+    mt_trainer_free(t);
+    EXPECT_OK(st, &err);
+    EXPECT(iteration == 2 && consumed == 12, "iteration %lld consumed %lld", (long long)iteration, (long long)consumed);
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    st = mt_trainer_set_parameters(t, p1, &err);
+    if (st == MT_OK) st = mt_trainer_train_step(t, tokens + 2 * per_step, &b, &err);
+    if (st == MT_OK) st = mt_trainer_train_step(t, tokens + 3 * per_step, &b, &err);
+    if (st == MT_OK) st = mt_trainer_get_parameters(t, p3, &err);
+    mt_trainer_free(t);
+    remove_tree(dir);
+    EXPECT_OK(st, &err);
+    EXPECT(a.lm_loss == b.lm_loss && a.learning_rate == b.learning_rate && a.learning_rate == mt_learning_rate(&c, 8),
+           "second step: loss %.9g vs %.9g, lr %g vs %g", a.lm_loss, b.lm_loss, a.learning_rate, b.learning_rate);
+    EXPECT(memcmp(p2, p3, sizeof(float) * (size_t)n) == 0, "weights after the step differ");
+    free(p1);
+    free(tokens);
+    return TEST_PASS;
+}
+
+static const test_case flags_gpu_tests[] = {
+    {"flags_eod_mask_nope_fp32", test_flags_eod_mask_nope_fp32},
+    {"flags_eod_mask_nope_bf16", test_flags_eod_mask_nope_bf16},
+    {"flags_eod_mask_llama_fp32", test_flags_eod_mask_llama_fp32},
+    {"flags_eod_mask_llama_bf16", test_flags_eod_mask_llama_bf16},
+    {"flags_per_token_loss", test_flags_per_token_loss},
+    {"flags_ramp_step_and_weights_only_load", test_flags_ramp_step_and_weights_only_load},
+};
+
 static const test_case flags_tests[] = {
     {"flags_megatron_scripts_answered", test_flags_megatron_scripts_answered},
     {"flags_gpt3_script_lands", test_flags_gpt3_script_lands},
