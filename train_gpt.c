@@ -459,7 +459,8 @@ int main(int argc, char** argv) {
     int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * rank_samples * (c->seq_length + 1));
     if (!tokens) die(1, "cannot allocate the batch");
     double interval_loss = 0.0, interval_time = 0.0;
-    int interval_steps = 0, interval_skipped = 0, interval_nan = 0, exiting = 0, saved = 0;
+    int interval_steps = 0, interval_skipped = 0, interval_nan = 0, exiting = 0;
+    int saved = o.save_interval > 0 && iteration > 0 && iteration % o.save_interval == 0; /* this iteration is on disk */
     double t_start = now_seconds();
     while (iteration < c->train_iters) {
         /* this iteration's global batch (a --rampup-batch-size / --step-batch-size-schedule grows it) */
@@ -521,38 +522,27 @@ int main(int argc, char** argv) {
         }
         if (o.exit_interval > 0 && iteration % o.exit_interval == 0) break;
     }
-    if (exiting) { /* --exit-duration-in-mins: as Megatron, save (unless just saved) and stop, no final evaluation */
-        if (o.save && !saved) {
-            if (mt_trainer_save(t, o.save, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
-            printf("saved checkpoint at iteration %lld to %s\n", (long long)iteration, o.save);
+    if (!exiting) { /* --exit-duration-in-mins stops as Megatron does: a checkpoint, no final evaluation */
+        printf("training took %.1f s\n", now_seconds() - t_start);
+        /* as Megatron: validation and test losses at the end of training */
+        if (o.eval_iters > 0 && split_samples(data, MT_SPLIT_VALID) >= consumed_valid + o.eval_iters * c->global_batch_size)
+            print_validation("validation", iteration, evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens));
+        if (o.eval_iters > 0 && split_samples(data, MT_SPLIT_TEST) >= o.eval_iters * c->global_batch_size) {
+            int64_t consumed_test = 0;
+            double test_loss = evaluate(t, data, MT_SPLIT_TEST, &consumed_test, o.eval_iters, c, tokens);
+            print_validation("test", iteration, test_loss);
         }
-        printf("exiting program after %.2f minutes (--exit-duration-in-mins %lld)\n", (now_seconds() - t_launch) / 60.0,
-               (long long)o.exit_duration_in_mins);
-        free(tokens);
-        mt_trainer_free(t);
-        if (data) mt_gpt_data_close(data);
-        if (tok) mt_tokenizer_free(tok);
-#ifdef MT_USE_MPI
-        MPI_Finalize();
-#endif
-        return 0;
     }
-    printf("training took %.1f s\n", now_seconds() - t_start);
-    /* as Megatron: validation and test losses at the end of training */
-    if (o.eval_iters > 0 && split_samples(data, MT_SPLIT_VALID) >= consumed_valid + o.eval_iters * c->global_batch_size)
-        print_validation("validation", iteration, evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens));
-    if (o.eval_iters > 0 && split_samples(data, MT_SPLIT_TEST) >= o.eval_iters * c->global_batch_size) {
-        int64_t consumed_test = 0;
-        double test_loss = evaluate(t, data, MT_SPLIT_TEST, &consumed_test, o.eval_iters, c, tokens);
-        print_validation("test", iteration, test_loss);
-    }
-    if (o.save && (o.save_interval <= 0 || iteration % o.save_interval != 0)) {
+    if (o.save && !saved) { /* unless the last iteration's --save-interval just saved */
         if (mt_trainer_save(t, o.save, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
         printf("saved checkpoint at iteration %lld to %s\n", (long long)iteration, o.save);
     }
-    /* every rank samples (the same tokens: same seed; with tensor parallelism the forward needs the
-     * whole TP group); only rank 0's stdout is open */
-    print_sample(t, tok, c, o.sample_tokens, c->seed);
+    if (exiting)
+        printf("exiting program after %.2f minutes (--exit-duration-in-mins %lld)\n", (now_seconds() - t_launch) / 60.0,
+               (long long)o.exit_duration_in_mins);
+    else /* every rank samples (the same tokens: same seed; with tensor parallelism the forward needs the
+          * whole TP group); only rank 0's stdout is open */
+        print_sample(t, tok, c, o.sample_tokens, c->seed);
 
     free(tokens);
     mt_trainer_free(t);
