@@ -646,6 +646,7 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
         tg_note_info(v, "--tiktoken-pattern", v->tiktoken_pattern);
     }
     if (v->no_load_rng) tg_note_info(v, "--no-load-rng", NULL);
+    if (v->data_cache_path && v->mock_data) tg_note_info(v, "--data-cache-path (--mock-data reads no dataset)", NULL);
 
     /* FP8 (ranges and combinations are checked by mt_config_finalize) */
     if (v->fp8_format) c->fp8_format = !strcmp(v->fp8_format, "e4m3") ? MT_FP8_E4M3 : MT_FP8_HYBRID;
