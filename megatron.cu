@@ -805,12 +805,14 @@ static void swiglu_backward(const mt_exec* ex, T* dpre, const T* dact, const T* 
 /*    statistics (the backward does so for the first norm instead of keeping it per layer). The   */
 /*    backward is one fused kernel (input gradient and the weight, bias and preceding row-        */
 /*    parallel bias column sums), staged through shared memory, with the two-kernel path as the   */
-/*    fallback.                                                                                   */
+/*    fallback. With --apply-layernorm-1p the stored weight is w - 1: every kernel takes w1 (1, else */
+/*    0) and uses weight + w1, in fp32 as Transformer Engine's zero-centred gamma does; the weight's  */
+/*    gradient is the same either way.                                                            */
 /* ============================================================================================== */
 
 template <typename T>
 __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_out, const T* x, const T* weight,
-                                         const T* bias, int N, int C, float eps, bool rms) {
+                                         const T* bias, int N, int C, float eps, bool rms, float w1) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= N) return;
@@ -827,7 +829,8 @@ __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_ou
     float rstd = 1.0f / sqrtf(var + eps);
     T* o = out + (int64_t)row * C;
     for (int c = lane; c < C; c += 32)
-        o[c] = from_float<T>((to_float(xr[c]) - mean) * rstd * to_float(weight[c]) + (bias ? to_float(bias[c]) : 0.0f));
+        o[c] = from_float<T>((to_float(xr[c]) - mean) * rstd * (to_float(weight[c]) + w1) +
+                             (bias ? to_float(bias[c]) : 0.0f));
     if (lane == 0) {
         mean_out[row] = mean;
         rstd_out[row] = rstd;
@@ -838,7 +841,8 @@ __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_ou
  * g = dy * weight (RMSNorm: without the mean(g) term). */
 template <typename T>
 __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const T* x, const T* weight,
-                                                const float* mean, const float* rstd, int N, int C, bool rms) {
+                                                const float* mean, const float* rstd, int N, int C, bool rms,
+                                                float w1) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= N) return;
@@ -847,7 +851,7 @@ __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const
     float m = mean[row], rs = rstd[row];
     float sum_g = 0.0f, sum_gx = 0.0f;
     for (int c = lane; c < C; c += 32) {
-        float g = to_float(dyr[c]) * to_float(weight[c]);
+        float g = to_float(dyr[c]) * (to_float(weight[c]) + w1);
         sum_g += g;
         sum_gx += g * (to_float(xr[c]) - m) * rs;
     }
@@ -855,7 +859,7 @@ __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const
     T* dr = dresidual + (int64_t)row * C;
     for (int c = lane; c < C; c += 32) {
         float xhat = (to_float(xr[c]) - m) * rs;
-        float g = to_float(dyr[c]) * to_float(weight[c]);
+        float g = to_float(dyr[c]) * (to_float(weight[c]) + w1);
         dr[c] = from_float<T>(to_float(dr[c]) + rs * (g - mean_g - xhat * mean_gx));
     }
 }
@@ -864,7 +868,7 @@ __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const
  * Statistics are summed in the same per-lane-then-warp pattern, so results are deterministic. */
 template <typename T>
 __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rstd_out, const T* x, const T* weight,
-                                             const T* bias, int N, int C, float eps, bool rms) {
+                                             const T* bias, int N, int C, float eps, bool rms, float w1) {
     constexpr int V = vec16<T>::N;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -891,7 +895,7 @@ __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rst
         load16(w, weight + c);
         if (bias) load16(b, bias + c);
 #pragma unroll
-        for (int i = 0; i < V; i++) v[i] = (v[i] - mean) * rstd * w[i] + (bias ? b[i] : 0.0f);
+        for (int i = 0; i < V; i++) v[i] = (v[i] - mean) * rstd * (w[i] + w1) + (bias ? b[i] : 0.0f);
         store16(o + c, v);
     }
     if (lane == 0) {
@@ -904,7 +908,7 @@ __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rst
  * 16-byte loads, lanes striding the row (RMSNorm: mean of g is 0). Every lane gets both. */
 template <typename T>
 __device__ __forceinline__ float2 norm_backward_row_means(const T* dyr, const T* xr, const T* weight, float m, float rs,
-                                                          int C, int lane, bool rms) {
+                                                          int C, int lane, bool rms, float w1) {
     constexpr int V = vec16<T>::N;
     float g[V], xv[V], w[V];
     float sum_g = 0.0f, sum_gx = 0.0f;
@@ -914,7 +918,7 @@ __device__ __forceinline__ float2 norm_backward_row_means(const T* dyr, const T*
         load16(w, weight + c);
 #pragma unroll
         for (int i = 0; i < V; i++) {
-            float gi = g[i] * w[i];
+            float gi = g[i] * (w[i] + w1);
             sum_g += gi;
             sum_gx += gi * (xv[i] - m) * rs;
         }
@@ -924,7 +928,8 @@ __device__ __forceinline__ float2 norm_backward_row_means(const T* dyr, const T*
 
 template <typename T>
 __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, const T* x, const T* weight,
-                                                    const float* mean, const float* rstd, int N, int C, bool rms) {
+                                                    const float* mean, const float* rstd, int N, int C, bool rms,
+                                                    float w1) {
     constexpr int V = vec16<T>::N;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -933,7 +938,7 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
     const T* xr = x + (int64_t)row * C;
     float m = mean[row], rs = rstd[row];
     float g[V], xv[V], w[V], d[V];
-    const float2 means = norm_backward_row_means(dyr, xr, weight, m, rs, C, lane, rms);
+    const float2 means = norm_backward_row_means(dyr, xr, weight, m, rs, C, lane, rms, w1);
     const float mean_g = means.x, mean_gx = means.y;
     T* dr = dresidual + (int64_t)row * C;
     for (int c = lane * V; c < C; c += 32 * V) {
@@ -942,7 +947,7 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
         load16(w, weight + c);
         load16(d, dr + c);
 #pragma unroll
-        for (int i = 0; i < V; i++) d[i] += rs * (g[i] * w[i] - mean_g - (xv[i] - m) * rs * mean_gx);
+        for (int i = 0; i < V; i++) d[i] += rs * (g[i] * (w[i] + w1) - mean_g - (xv[i] - m) * rs * mean_gx);
         store16(dr + c, d);
     }
 }
@@ -955,7 +960,7 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
 template <typename T, int MAXV>
 __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean_out, float* rstd_out,
                                                  const T* residual, const T* branch, const T* bias, const T* weight,
-                                                 const T* norm_bias, int N, int C, float eps, bool rms) {
+                                                 const T* norm_bias, int N, int C, float eps, bool rms, float w1) {
     constexpr int V = vec16<T>::N;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -993,7 +998,7 @@ __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean
         load16(w, weight + c);
         if (norm_bias) load16(y, norm_bias + c);
 #pragma unroll
-        for (int i = 0; i < V; i++) y[i] = (r[j][i] - mean) * rstd * w[i] + (norm_bias ? y[i] : 0.0f);
+        for (int i = 0; i < V; i++) y[i] = (r[j][i] - mean) * rstd * (w[i] + w1) + (norm_bias ? y[i] : 0.0f);
         store16(out + base + c, y);
     }
     if (lane == 0) {
@@ -1022,7 +1027,7 @@ __device__ __forceinline__ void store_n(T* p, const float* in) {
  * of the vector width). */
 template <typename T, int V>
 __global__ void norm_apply_kernel(T* out, const T* x, const float* mean, const float* rstd, const T* w, const T* b,
-                                  int64_t N, int C) {
+                                  int64_t N, int C, float w1) {
     int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * V;
     if (i >= N * C) return;
     int64_t row = i / C;
@@ -1033,7 +1038,7 @@ __global__ void norm_apply_kernel(T* out, const T* x, const float* mean, const f
     if (b) load_n<T, V>(bv, b + c);
     const float m = mean[row], rs = rstd[row];
 #pragma unroll
-    for (int k = 0; k < V; k++) v[k] = (v[k] - m) * rs * wv[k] + (b ? bv[k] : 0.0f);
+    for (int k = 0; k < V; k++) v[k] = (v[k] - m) * rs * (wv[k] + w1) + (b ? bv[k] : 0.0f);
     store_n<T, V>(out + i, v);
 }
 
@@ -1111,7 +1116,8 @@ __device__ __forceinline__ void norm_backward_block_partials(float (&aw)[NJ][V],
 template <typename T, int NJ>
 __global__ void __launch_bounds__(256)
     norm_backward_fused_kernel(T* dres, float* part_w, float* part_b, float* part_prev, const T* dy, const T* x,
-                               const T* w, const float* mean, const float* rstd, int N, int C, int rows, bool rms) {
+                               const T* w, const float* mean, const float* rstd, int N, int C, int rows, bool rms,
+                               float w1) {
     constexpr int V = vec16<T>::N, WARPS = 8;
     extern __shared__ int4 norm_tiles[]; /* [2 buffers][3: dy, x, dres][rows][C / V] 16-byte vectors */
     __shared__ float s_mg[NORM_BWD_MAX_ROWS], s_mgx[NORM_BWD_MAX_ROWS], s_m[NORM_BWD_MAX_ROWS], s_rs[NORM_BWD_MAX_ROWS];
@@ -1155,7 +1161,7 @@ __global__ void __launch_bounds__(256)
         for (int rr = warp; rr < n; rr += WARPS) { /* step 2 */
             const float m = mean[r0 + rr], rs = rstd[r0 + rr];
             const float2 means =
-                norm_backward_row_means(s_dy + (size_t)rr * C, s_x + (size_t)rr * C, w, m, rs, C, lane, rms);
+                norm_backward_row_means(s_dy + (size_t)rr * C, s_x + (size_t)rr * C, w, m, rs, C, lane, rms, w1);
             if (lane == 0) {
                 s_mg[rr] = means.x;
                 s_mgx[rr] = means.y;
@@ -1171,6 +1177,8 @@ __global__ void __launch_bounds__(256)
                 if (c >= nvec * V) continue;
                 float wv[V], g[V], xv[V], d[V];
                 load16(wv, w + c);
+#pragma unroll
+                for (int i = 0; i < V; i++) wv[i] += w1;
                 for (int rr = rg; rr < n; rr += RG) {
                     const int64_t at = (int64_t)rr * C + c;
                     const float m = s_m[rr], rs = s_rs[rr], mg = s_mg[rr], mgx = s_mgx[rr];
@@ -1199,24 +1207,25 @@ __global__ void __launch_bounds__(256)
 /* out = (x - mean) * rstd * w (+ b) over rows of [N, C], from the statistics the forward saved. */
 template <typename T>
 static void norm_apply(const mt_exec* ex, T* out, const T* x, const float* mean, const float* rstd, const T* w,
-                       const T* b, int N, int C) {
+                       const T* b, int N, int C, float w1 = 0.0f) {
     constexpr int V = vec16<T>::N;
     int64_t n = (int64_t)N * C;
     if (C % V == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
-        norm_apply_kernel<T, V><<<ceil_div(n / V, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C);
+        norm_apply_kernel<T, V><<<ceil_div(n / V, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C, w1);
     else
-        norm_apply_kernel<T, 1><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C);
+        norm_apply_kernel<T, 1><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C, w1);
     LAUNCH_CHECK(ex->error);
 }
 
 /* out = norm(x): LayerNorm (w, b) or RMSNorm (w; b NULL, rms) over rows of [N, C]. */
 template <typename T>
 static void norm_forward(const mt_exec* ex, T* out, float* mean, float* rstd, const T* x, const T* w, const T* b,
-                         int N, int C, float eps, bool rms) {
+                         int N, int C, float eps, bool rms, float w1 = 0.0f) {
     if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
-        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
+        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms,
+                                                                                w1);
     else
-        layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
+        layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms, w1);
     LAUNCH_CHECK(ex->error);
 }
 
@@ -1225,17 +1234,18 @@ static void norm_forward(const mt_exec* ex, T* out, float* mean, float* rstd, co
 #define RESIDUAL_NORM_MAXV 8
 template <typename T>
 static void residual_norm_forward(const mt_exec* ex, T* sum, T* out, float* mean, float* rstd, const T* residual,
-                                  T* branch, const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms) {
+                                  T* branch, const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms,
+                                  float w1 = 0.0f) {
     constexpr int V = vec16<T>::N;
     if (C % V == 0 && C <= 32 * V * RESIDUAL_NORM_MAXV && aligned16(sum) && aligned16(out) && aligned16(residual) &&
         aligned16(branch) && aligned16(bias) && aligned16(w) && aligned16(b)) {
         residual_norm_forward_vec_kernel<T, RESIDUAL_NORM_MAXV><<<ceil_div(N, 8), 256, 0, ex->stream>>>(
-            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms);
+            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms, w1);
         LAUNCH_CHECK(ex->error);
         return;
     }
     bias_residual<T>(ex, sum, residual, branch, bias, N, C);
-    norm_forward<T>(ex, out, mean, rstd, sum, w, b, N, C, eps, rms);
+    norm_forward<T>(ex, out, mean, rstd, sum, w, b, N, C, eps, rms, w1);
 }
 
 /* Launches norm_backward_fused_kernel with `rows`-row tiles over at most max_blocks blocks (NJ = nj:
@@ -1243,7 +1253,7 @@ static void residual_norm_forward(const mt_exec* ex, T* sum, T* out, float* mean
 template <typename T>
 static int norm_backward_fused(const mt_exec* ex, int nj, int rows, int max_blocks, T* dres,
                                float* part_w, float* part_b, float* part_prev, const T* dy, const T* x, const T* w,
-                               const float* mean, const float* rstd, int N, int C, bool rms) {
+                               const float* mean, const float* rstd, int N, int C, bool rms, float w1 = 0.0f) {
     const int tiles = ceil_div(N, rows), blocks = tiles < max_blocks ? tiles : max_blocks;
     const size_t smem = (size_t)2 * 3 * rows * C * sizeof(T);
     auto kernel = nj == 1 ? norm_backward_fused_kernel<T, 1>
@@ -1255,7 +1265,8 @@ static int norm_backward_fused(const mt_exec* ex, int nj, int rows, int max_bloc
     size_t& set = limit[nj == 1 ? 0 : nj == 2 ? 1 : 2];
     if (smem > set && CUDA_CHECK(ex->error, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)))
         set = smem;
-    kernel<<<blocks, 256, smem, ex->stream>>>(dres, part_w, part_b, part_prev, dy, x, w, mean, rstd, N, C, rows, rms);
+    kernel<<<blocks, 256, smem, ex->stream>>>(dres, part_w, part_b, part_prev, dy, x, w, mean, rstd, N, C, rows, rms,
+                                              w1);
     LAUNCH_CHECK(ex->error);
     return blocks;
 }
@@ -1267,7 +1278,7 @@ static int norm_backward_fused(const mt_exec* ex, int nj, int rows, int max_bloc
 template <typename T>
 static void norm_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dresidual, float* dweight, float* dbias,
                           float* dprev_bias, const T* dy, const T* x, const T* w, const float* mean,
-                          const float* rstd, int N, int C, bool rms) {
+                          const float* rstd, int N, int C, bool rms, float w1 = 0.0f) {
     constexpr int V = vec16<T>::N;
     const int nj = ceil_div(C / V, 256);
     if (C % V == 0 && (nj == 1 || nj == 2 || nj == 4) && aligned16(dresidual) && aligned16(dy) && aligned16(x) &&
@@ -1275,7 +1286,7 @@ static void norm_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dresidual,
         const int rows = norm_backward_tile_rows(C, sizeof(T));
         const int blocks = norm_backward_fused<T>(ex, nj, rows, NORM_BWD_BLOCKS, dresidual, s->partial_a,
                                                   dbias ? s->partial_b : NULL, dprev_bias ? s->partial_c : NULL, dy,
-                                                  x, w, mean, rstd, N, C, rms);
+                                                  x, w, mean, rstd, N, C, rms, w1);
         column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, ex->stream>>>(
             dweight, s->partial_a, dbias, s->partial_b, dprev_bias, s->partial_c, blocks, C, ex->mode.accumulate_gradients);
         LAUNCH_CHECK(ex->error);
@@ -1283,10 +1294,10 @@ static void norm_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dresidual,
     }
     if (C % vec16<T>::N == 0 && aligned16(dresidual) && aligned16(dy) && aligned16(x) && aligned16(w))
         layernorm_backward_input_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(dresidual, dy, x, w, mean, rstd,
-                                                                                      N, C, rms);
+                                                                                      N, C, rms, w1);
     else
         layernorm_backward_input_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(dresidual, dy, x, w, mean, rstd, N,
-                                                                                  C, rms);
+                                                                                  C, rms, w1);
     int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
     /* the 16-byte kernel gives each thread 8 columns (x2 sums), so at hidden sizes up to a few
      * thousand it leaves most of the GPU idle: dev/cuda/fused_kernels.cu measured it at 91 us
@@ -4113,6 +4124,7 @@ typedef struct {
     int f1;        /* first MLP linear's width: 2f with SwiGLU */
     int rot;       /* rotary channels per head (0 without RoPE) */
     bool rms;      /* RMSNorm, else LayerNorm */
+    float norm_w1; /* 1 with --apply-layernorm-1p (the norm weights hold w - 1), else 0 */
     bool swiglu;
     int tp, tp_rank;
     bool sp;       /* sequence parallelism */
@@ -4143,6 +4155,7 @@ static mt_shape model_shape(const mt_trainer* t) {
     s.f1 = s.swiglu ? 2 * s.f : s.f;
     s.rot = c->position_embedding_type == MT_POSITION_ROPE ? (int)(c->kv_channels * c->rotary_percent) : 0;
     s.rms = c->normalization == MT_NORM_RMSNORM;
+    s.norm_w1 = c->apply_layernorm_1p ? 1.0f : 0.0f;
     s.L = c->num_layers;
     s.V_full = c->padded_vocab_size;
     s.V = s.V_full / s.tp;
@@ -4432,7 +4445,7 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale) {
     {
         const layer_tensors<T> p = layer_params<T>(t, 0);
         const layer_view<T> v = layer_activations<T>(a, s, 0);
-        norm_forward<T>(ex, v.ln1, v.ln1_mean, v.ln1_rstd, v.x, p.ln1_w, p.ln1_b, s.R, s.h, eps, s.rms);
+        norm_forward<T>(ex, v.ln1, v.ln1_mean, v.ln1_rstd, v.x, p.ln1_w, p.ln1_b, s.R, s.h, eps, s.rms, s.norm_w1);
     }
 
     const bool cast_fp8_weights = t->fp8.stale != 0;
@@ -4451,7 +4464,7 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale) {
         T* proj = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
         /* mid = x + proj + bias; ln2 = norm2(mid) */
         residual_norm_forward<T>(ex, v.mid, v.ln2, v.ln2_mean, v.ln2_rstd, v.x, proj, p.proj_b, p.ln2_w, p.ln2_b, s.R,
-                                 s.h, eps, s.rms);
+                                 s.h, eps, s.rms, s.norm_w1);
 
         /* MLP block */
         const T* ln2_in = column_parallel_input<T>(tp, gathered, v.ln2, s.R, s.h);
@@ -4474,11 +4487,11 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale) {
             const layer_view<T> next = layer_activations<T>(a, s, l + 1);
             const layer_tensors<T> np = layer_params<T>(t, l + 1);
             residual_norm_forward<T>(ex, v.out, next.ln1, next.ln1_mean, next.ln1_rstd, v.mid, fc2, p.fc2_b, np.ln1_w,
-                                     np.ln1_b, s.R, s.h, eps, s.rms);
+                                     np.ln1_b, s.R, s.h, eps, s.rms, s.norm_w1);
         } else {
             residual_norm_forward<T>(ex, v.out, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, v.mid, fc2, p.fc2_b,
                                      param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.R,
-                                     s.h, eps, s.rms);
+                                     s.h, eps, s.rms, s.norm_w1);
         }
     }
 
@@ -4535,7 +4548,7 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) 
                                           (T*)a->lnf, output_weight<T>(t), s.h, (int)s.V);
     norm_backward<T>(ex, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS),
                      layer_grads(t, s.L - 1).fc2_b, dlnf, LAYER(a->residual, T, s.L, Rh),
-                     param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean, a->lnf_rstd, s.R, s.h, s.rms);
+                     param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean, a->lnf_rstd, s.R, s.h, s.rms, s.norm_w1);
     reduce_sequence_parallel_gradients(t, ex, s.L);
     gradients_ready(t, ex, s.L);
 
@@ -4564,7 +4577,7 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) 
         dln2 = column_parallel_backward<T>(pc, dln2, dp.fc1_w, dp.fc1_b, dfc1, v.ln2, p.fc1_w, s.h, s.f1,
                                            fp8 ? &f8[FP8_FC1] : NULL);
         norm_backward<T>(ex, cs, dres, dp.ln2_w, dp.ln2_b, dp.proj_b, dln2, v.mid, p.ln2_w, v.ln2_mean, v.ln2_rstd, s.R,
-                         s.h, s.rms);
+                         s.h, s.rms, s.norm_w1);
 
         /* attention block: dres is now d(mid) */
         row_parallel_backward<T>(pc, (T*)a->branch2, dp.proj_w, dres, v.attn, p.proj_w, s.attn_width, s.h,
@@ -4572,11 +4585,11 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) 
         float* dqkv_bias = dp.qkv_b;
         if (attention_backward<T>(t, ex, (T*)a->branch, (T*)a->branch2, v.qkv, v.probs, v.lse, v.attn, dqkv_bias))
             dqkv_bias = NULL; /* taken from the attention kernels */
-        norm_apply<T>(ex, v.ln1, v.x, v.ln1_mean, v.ln1_rstd, p.ln1_w, p.ln1_b, s.R, s.h);
+        norm_apply<T>(ex, v.ln1, v.x, v.ln1_mean, v.ln1_rstd, p.ln1_w, p.ln1_b, s.R, s.h, s.norm_w1);
         T* dln1 = column_parallel_backward<T>(pc, (T*)a->branch2, dp.qkv_w, dqkv_bias, (T*)a->branch, v.ln1, p.qkv_w,
                                               s.h, s.qkv_width, fp8 ? &f8[FP8_QKV] : NULL);
         norm_backward<T>(ex, cs, dres, dp.ln1_w, dp.ln1_b, l > 0 ? layer_grads(t, l - 1).fc2_b : (float*)NULL, dln1,
-                         v.x, p.ln1_w, v.ln1_mean, v.ln1_rstd, s.R, s.h, s.rms);
+                         v.x, p.ln1_w, v.ln1_mean, v.ln1_rstd, s.R, s.h, s.rms, s.norm_w1);
         reduce_sequence_parallel_gradients(t, ex, l);
         gradients_ready(t, ex, l);
     }
@@ -5274,6 +5287,7 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
         {MT_CK_ROPE_SCALING_FACTOR_BITS, "--rope-scaling-factor (bits)"},
         {MT_CK_UNTIED, "--untie-embeddings-and-output-weights"},
         {MT_CK_NO_BIAS_LINEAR, "--disable-bias-linear"},
+        {MT_CK_LAYERNORM_1P, "--apply-layernorm-1p"},
     };
     for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++)
         if (h[shape[i].word] != expected[shape[i].word])

@@ -707,6 +707,7 @@ enum {
      * scale [n], scale_inv [n, 4] (16-byte slots: the first float of each), amax history
      * [n, FP8_HISTORY_LEN] (fp32); the ring's next slot in FP8_HISTORY_POS */
     MT_CK_FP8_TENSORS, MT_CK_FP8_HISTORY_LEN, MT_CK_FP8_HISTORY_POS,
+    MT_CK_LAYERNORM_1P,  /* --apply-layernorm-1p: the norm weights are stored as w - 1 (0 in older files) */
     MT_CK_HEADER_WORDS = 64
 };
 /* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
@@ -2639,9 +2640,6 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if (c->position_embedding_type != MT_POSITION_LEARNED && c->position_embedding_type != MT_POSITION_ROPE &&
         c->position_embedding_type != MT_POSITION_NONE)
         return mt_fail(err, MT_ERR_CONFIG, "--position-embedding-type must be learned_absolute, rope or none");
-    if (c->apply_layernorm_1p)
-        return mt_fail(err, MT_ERR_CONFIG, "--apply-layernorm-1p (zero-centred norm weights) is not implemented "
-                       "yet: drop it (the norm weights then start at 1)");
     if (c->norm_epsilon <= 0) return mt_fail(err, MT_ERR_CONFIG, "--norm-epsilon must be positive");
     if (c->num_query_groups == 0) c->num_query_groups = c->num_attention_heads;
     if (c->kv_channels == 0) {
@@ -2830,23 +2828,24 @@ static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* in
     int64_t positions = c->position_embedding_type == MT_POSITION_LEARNED ? c->max_position_embeddings : 0;
     int64_t V = c->padded_vocab_size, untied = c->untie_embeddings_and_output_weights != 0;
     int64_t glu = c->swiglu ? 2 : 1;
+    int norm_w = c->apply_layernorm_1p ? 0 : 1; /* --apply-layernorm-1p: the weights hold w - 1, from 0 */
     struct { const char* name; int64_t layers, outer, rows, inner; int split, wd, init; } t[MT_NUM_PARAM_TENSORS] = {
         /* name                 layers        outer rows       inner split wd init */
         {"word_embeddings",     1,            1,    V,         h,    1, 1, 2},
         {"position_embeddings", 1,            1,    positions, h,    0, 1, 2},
-        {"ln1_weight",          L,            1,    h,         1,    0, 0, 1},
+        {"ln1_weight",          L,            1,    h,         1,    0, 0, norm_w},
         {"ln1_bias",            ln_bias * L,  1,    h,         1,    0, 0, 0},
         {"qkv_weight",          L,            1,    qkv,       h,    1, 1, 2}, /* groups are whole row blocks */
         {"qkv_bias",            bias * L,     1,    qkv,       1,    1, 0, 0},
         {"proj_weight",         L,            h,    attn,      1,    1, 1, 3},
         {"proj_bias",           bias * L,     1,    h,         1,    0, 0, 0},
-        {"ln2_weight",          L,            1,    h,         1,    0, 0, 1},
+        {"ln2_weight",          L,            1,    h,         1,    0, 0, norm_w},
         {"ln2_bias",            ln_bias * L,  1,    h,         1,    0, 0, 0},
         {"fc1_weight",          L,            glu,  f,         h,    1, 1, 2},
         {"fc1_bias",            bias * L,     glu,  f,         1,    1, 0, 0},
         {"fc2_weight",          L,            h,    f,         1,    1, 1, 3},
         {"fc2_bias",            bias * L,     1,    h,         1,    0, 0, 0},
-        {"final_ln_weight",     1,            1,    h,         1,    0, 0, 1},
+        {"final_ln_weight",     1,            1,    h,         1,    0, 0, norm_w},
         {"final_ln_bias",       ln_bias,      1,    h,         1,    0, 0, 0},
         {"output_weight",       untied,       1,    V,         h,    1, 1, 2},
     };
@@ -3151,6 +3150,7 @@ void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
     }
     h[MT_CK_UNTIED] = c->untie_embeddings_and_output_weights != 0;
     h[MT_CK_NO_BIAS_LINEAR] = !c->add_bias_linear;
+    h[MT_CK_LAYERNORM_1P] = c->apply_layernorm_1p != 0;
     memcpy(&h[MT_CK_NORM_EPS_BITS], &c->norm_epsilon, sizeof(double));
     h[MT_CK_TRUE_VOCAB] = c->vocab_size;
 }
@@ -3178,6 +3178,7 @@ void mt_config_from_checkpoint_header(mt_config* c, const int64_t* h) {
     }
     c->untie_embeddings_and_output_weights = (int)h[MT_CK_UNTIED];
     c->add_bias_linear = !h[MT_CK_NO_BIAS_LINEAR];
+    c->apply_layernorm_1p = h[MT_CK_LAYERNORM_1P] != 0;
     if (h[MT_CK_NORM_EPS_BITS]) memcpy(&c->norm_epsilon, &h[MT_CK_NORM_EPS_BITS], sizeof(double));
 }
 

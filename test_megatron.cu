@@ -21,7 +21,6 @@
 #include "tests/test_model.h"
 #include "tests/test_precision.h"
 #include "tests/test_checkpoint.h"
-#include "tests/test_flags.h"
 #include "tests/test_attention.h"
 #include "tests/test_kernels.h"
 #include "tests/test_fp8.h"
@@ -29,6 +28,7 @@
 #include "tests/test_tensor_parallel.h"
 #include "tests/test_pipeline_schedule.h"
 #include "tests/test_hf.h"
+#include "tests/test_flags.h"
 #include "tests/test_header.h"
 #include "tests/test_hostile.h"
 

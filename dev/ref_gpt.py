@@ -260,9 +260,12 @@ CONFIGS = {
     "llama_small": Config(flavor="llama", L=2, h=64, n=2, g=1, kv=64, f=128, Vp=256, T=64, G=4, mb=1, S=6,
                           rotary_base=500000.0, rotary_percent=0.5, rope_scaling_factor=0.0),
     # train_gpt's launch-script flags that change the model or the loss (tests/test_flags.h):
-    # --eod-mask-loss, with micro-batches of different counted positions, and NoPE (--position-embedding-type none)
+    # --eod-mask-loss, with micro-batches of different counted positions, and NoPE (--position-embedding-type none);
     "gpt2_eod_nope": Config(L=2, h=64, n=4, f=256, Vp=512, T=32, G=4, mb=2, S=6, position="none", eod=447),
     "llama_eod": Config(flavor="llama", L=2, h=64, n=4, g=2, f=96, Vp=512, T=32, G=4, mb=1, S=10, eod=0),
+    # --apply-layernorm-1p on LayerNorm (weights and biases) and on RMSNorm
+    "gpt2_1p": Config(L=2, h=64, n=4, f=256, Vp=512, T=32, G=4, mb=2, S=6, layernorm_1p=True),
+    "llama_1p": Config(flavor="llama", L=2, h=64, n=4, g=2, f=96, Vp=512, T=32, G=4, mb=2, S=10, layernorm_1p=True),
 }
 
 

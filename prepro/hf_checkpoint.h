@@ -229,6 +229,9 @@ mt_status mt_hf_arch_for_config(const mt_config* c, const mt_hf_arch** out, mt_e
     int rope = c->position_embedding_type == MT_POSITION_ROPE; /* NoPE (none) has no Hugging Face counterpart here */
     int bias = c->add_bias_linear != 0, untied = c->untie_embeddings_and_output_weights != 0, glu = c->swiglu != 0;
     *out = NULL;
+    if (c->apply_layernorm_1p)
+        return mt_fail(err, MT_ERR_CONFIG, "the model stores its norm weights as w - 1 (--apply-layernorm-1p): "
+                       "export to Hugging Face is not implemented for it");
     if (ln && learned && bias && !glu && !untied) *out = &mt_hf_gpt2_arch;
     else if (!ln && rope && !bias && glu) *out = &mt_hf_llama_arch;
     else

@@ -161,10 +161,10 @@ static test_result test_flags_llama_script_lands(void) {
     mt_config f = *c;
     f.vocab_size = 128256;
     f.world_size = 8;
-    f.apply_layernorm_1p = 0; /* the config check of the model flags is not this test's business */
     mt_error err;
     EXPECT_OK(mt_config_finalize(&f, &err), &err);
-    EXPECT(f.train_iters == 1953125000LL / 128, "iterations %lld", (long long)f.train_iters);
+    EXPECT(f.train_iters == 1953125000LL / 128 && f.apply_layernorm_1p && f.lr_decay_samples == 1949218748LL,
+           "iterations %lld", (long long)f.train_iters);
     return TEST_PASS;
 }
 
@@ -369,6 +369,20 @@ static test_result test_flags_eod_mask_llama_bf16(void) {
     return check_against_reference("dev/data/gpt_vectors/llama_eod.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 5e-3);
 }
 
+/* --apply-layernorm-1p: LayerNorm (weights and biases) and RMSNorm with their weights stored as w - 1 */
+static test_result test_flags_layernorm_1p_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_1p.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_flags_layernorm_1p_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_1p.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 3e-3);
+}
+static test_result test_flags_rmsnorm_1p_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_1p.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_flags_rmsnorm_1p_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_1p.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 5e-3);
+}
+
 /* The gradients of llama_eod's first batch as `micro`-sequence micro-batches (per_token: with
  * --calculate-per-token-loss), fp32; the loss too. */
 static mt_status flags_masked_gradients(const gpt_vectors* v, int micro, int per_token, float* grads, double* loss,
@@ -475,6 +489,10 @@ static test_result test_flags_ramp_step_and_weights_only_load(void) {
 }
 
 static const test_case flags_gpu_tests[] = {
+    {"flags_layernorm_1p_fp32", test_flags_layernorm_1p_fp32},
+    {"flags_layernorm_1p_bf16", test_flags_layernorm_1p_bf16},
+    {"flags_rmsnorm_1p_fp32", test_flags_rmsnorm_1p_fp32},
+    {"flags_rmsnorm_1p_bf16", test_flags_rmsnorm_1p_bf16},
     {"flags_eod_mask_nope_fp32", test_flags_eod_mask_nope_fp32},
     {"flags_eod_mask_nope_bf16", test_flags_eod_mask_nope_bf16},
     {"flags_eod_mask_llama_fp32", test_flags_eod_mask_llama_fp32},
@@ -483,7 +501,41 @@ static const test_case flags_gpu_tests[] = {
     {"flags_ramp_step_and_weights_only_load", test_flags_ramp_step_and_weights_only_load},
 };
 
+/* The model flags' host side: --apply-layernorm-1p's norm weights start at 0 (w - 1 of 1) and the
+ * checkpoint header carries it; NoPE has no position table; neither exports to Hugging Face. */
+static test_result test_flags_model_switches_host(void) {
+    mt_config c = small_test_config();
+    c.apply_layernorm_1p = 1;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(&c, info);
+    EXPECT(info[MT_P_LN1_WEIGHT].init == 0 && info[MT_P_LN2_WEIGHT].init == 0 && info[MT_P_FINAL_LN_WEIGHT].init == 0 &&
+           info[MT_P_LN1_BIAS].init == 0, "1p norm weights start at 0");
+    int64_t h[MT_CK_HEADER_WORDS];
+    mt_checkpoint_header_init(h, &c);
+    mt_config back;
+    mt_config_defaults(&back);
+    mt_config_from_checkpoint_header(&back, h);
+    EXPECT(h[MT_CK_LAYERNORM_1P] == 1 && back.apply_layernorm_1p == 1, "header word %lld", (long long)h[MT_CK_LAYERNORM_1P]);
+    const mt_hf_arch* arch = NULL;
+    err.message[0] = 0;
+    EXPECT(mt_hf_arch_for_config(&c, &arch, &err) != MT_OK && strstr(err.message, "--apply-layernorm-1p"), "%s",
+           err.message);
+    mt_config n = small_test_config();
+    n.position_embedding_type = MT_POSITION_NONE;
+    EXPECT_OK(mt_config_finalize(&n, &err), &err);
+    mt_param_layout(&n, info);
+    EXPECT(info[MT_P_POSITION_EMBEDDINGS].numel == 0, "NoPE has no position table");
+    test_config_llama(&n); /* RMSNorm, SwiGLU, untied, no biases: Llama's but without rope */
+    n.position_embedding_type = MT_POSITION_NONE;
+    EXPECT_OK(mt_config_finalize(&n, &err), &err);
+    EXPECT(mt_hf_arch_for_config(&n, &arch, &err) != MT_OK, "a NoPE model exported as Llama");
+    return TEST_PASS;
+}
+
 static const test_case flags_tests[] = {
+    {"flags_model_switches_host", test_flags_model_switches_host},
     {"flags_megatron_scripts_answered", test_flags_megatron_scripts_answered},
     {"flags_gpt3_script_lands", test_flags_gpt3_script_lands},
     {"flags_llama_script_lands", test_flags_llama_script_lands},
