@@ -28,9 +28,9 @@
 #include "tests/test_tensor_parallel.h"
 #include "tests/test_pipeline_schedule.h"
 #include "tests/test_hf.h"
-#include "tests/test_flags.h"
 #include "tests/test_header.h"
 #include "tests/test_hostile.h"
+#include "tests/test_flags.h"
 
 typedef struct {
     const char* group; /* kind.feature: kind is host, gpu or multigpu */

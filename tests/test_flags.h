@@ -534,7 +534,27 @@ static test_result test_flags_model_switches_host(void) {
     return TEST_PASS;
 }
 
+/* Every prepro tool reads --flag=value as --flag value: each refuses a bad value given that way with
+ * the same line as the spaced form would (the tools run as subprocesses when built). */
+static test_result test_flags_prepro_equals_form(void) {
+    const char* tools[] = {"prepro/merge_datasets", "prepro/preprocess_data", "prepro/dataset_info", "prepro/convert_hf"};
+    for (size_t i = 0; i < sizeof(tools) / sizeof(tools[0]); i++)
+        if (access(tools[i], X_OK) != 0) SKIP("%s is not built (make all)", tools[i]);
+    int ok = 1;
+    ok &= hostile_expect_refused("prepro/merge_datasets --input=/nonexistent_mt_dir --output-prefix=/tmp/mt_x",
+                                 "cannot open /nonexistent_mt_dir");
+    ok &= hostile_expect_refused("prepro/preprocess_data --input=/nonexistent.jsonl --output-prefix=/tmp/mt_x "
+                                 "--input-format=bogus", "--input-format bogus: use jsonl or text");
+    ok &= hostile_expect_refused("prepro/dataset_info --data-path=/nonexistent --seq-length=abc",
+                                 "--seq-length abc: not an integer");
+    ok &= hostile_expect_refused("prepro/convert_hf --iteration=99999999999999999999",
+                                 "--iteration needs a non-negative integer, not 99999999999999999999");
+    EXPECT(ok, "a --flag=value was not read as --flag value");
+    return TEST_PASS;
+}
+
 static const test_case flags_tests[] = {
+    {"flags_prepro_equals_form", test_flags_prepro_equals_form},
     {"flags_model_switches_host", test_flags_model_switches_host},
     {"flags_megatron_scripts_answered", test_flags_megatron_scripts_answered},
     {"flags_gpt3_script_lands", test_flags_gpt3_script_lands},
