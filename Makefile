@@ -34,7 +34,7 @@ all: train_gpt eval_hellaswag test_megatron $(PREPRO) dev/data/hellaswag_val_ful
 megatron.o: megatron.cu $(HEADERS)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
 
-train_gpt.o: train_gpt.c $(HEADERS)
+train_gpt.o: train_gpt.c train_gpt_flags.h $(HEADERS)
 	$(CC) $(CFLAGS) $(MPI_CFLAGS) -c $< -o $@
 
 train_gpt: train_gpt.o megatron.o
@@ -51,10 +51,10 @@ dev/data/hellaswag_val_full.txt: dev/data/hellaswag_val_full.txt.bz2
 	bzip2 -dc $< > $@.tmp && mv $@.tmp $@
 
 # The test suite includes megatron.cu whole, so it can reach the kernels behind the API.
-test_megatron: test_megatron.cu megatron.cu $(HEADERS) $(wildcard tests/*.h)
+test_megatron: test_megatron.cu megatron.cu train_gpt_flags.h $(HEADERS) $(wildcard tests/*.h)
 	$(NVCC) $(NVFLAGS) $(MPI_CFLAGS) $< -o $@ $(CUDA_LIBS) $(MPI_LIBS) $(HOST_LIBS)
 
-prepro/%: prepro/%.c $(HEADERS)
+prepro/%: prepro/%.c prepro/args.h $(HEADERS)
 	$(CC) $(CFLAGS) $< -o $@ $(HOST_LIBS)
 HF_HEADERS := prepro/safetensors.h prepro/hf_checkpoint.h prepro/hf_gpt2.h prepro/hf_llama.h
 prepro/convert_hf: $(HF_HEADERS)

@@ -48,6 +48,7 @@
 #include <cuda_fp8.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <cuda_profiler_api.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <float.h>
@@ -804,12 +805,14 @@ static void swiglu_backward(const mt_exec* ex, T* dpre, const T* dact, const T* 
 /*    statistics (the backward does so for the first norm instead of keeping it per layer). The   */
 /*    backward is one fused kernel (input gradient and the weight, bias and preceding row-        */
 /*    parallel bias column sums), staged through shared memory, with the two-kernel path as the   */
-/*    fallback.                                                                                   */
+/*    fallback. With --apply-layernorm-1p the stored weight is w - 1: every kernel takes w1 (1, else */
+/*    0) and uses weight + w1, in fp32 as Transformer Engine's zero-centred gamma does; the weight's  */
+/*    gradient is the same either way.                                                            */
 /* ============================================================================================== */
 
 template <typename T>
 __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_out, const T* x, const T* weight,
-                                         const T* bias, int N, int C, float eps, bool rms) {
+                                         const T* bias, int N, int C, float eps, bool rms, float w1) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= N) return;
@@ -826,7 +829,8 @@ __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_ou
     float rstd = 1.0f / sqrtf(var + eps);
     T* o = out + (int64_t)row * C;
     for (int c = lane; c < C; c += 32)
-        o[c] = from_float<T>((to_float(xr[c]) - mean) * rstd * to_float(weight[c]) + (bias ? to_float(bias[c]) : 0.0f));
+        o[c] = from_float<T>((to_float(xr[c]) - mean) * rstd * (to_float(weight[c]) + w1) +
+                             (bias ? to_float(bias[c]) : 0.0f));
     if (lane == 0) {
         mean_out[row] = mean;
         rstd_out[row] = rstd;
@@ -837,7 +841,8 @@ __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_ou
  * g = dy * weight (RMSNorm: without the mean(g) term). */
 template <typename T>
 __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const T* x, const T* weight,
-                                                const float* mean, const float* rstd, int N, int C, bool rms) {
+                                                const float* mean, const float* rstd, int N, int C, bool rms,
+                                                float w1) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= N) return;
@@ -846,7 +851,7 @@ __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const
     float m = mean[row], rs = rstd[row];
     float sum_g = 0.0f, sum_gx = 0.0f;
     for (int c = lane; c < C; c += 32) {
-        float g = to_float(dyr[c]) * to_float(weight[c]);
+        float g = to_float(dyr[c]) * (to_float(weight[c]) + w1);
         sum_g += g;
         sum_gx += g * (to_float(xr[c]) - m) * rs;
     }
@@ -854,7 +859,7 @@ __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const
     T* dr = dresidual + (int64_t)row * C;
     for (int c = lane; c < C; c += 32) {
         float xhat = (to_float(xr[c]) - m) * rs;
-        float g = to_float(dyr[c]) * to_float(weight[c]);
+        float g = to_float(dyr[c]) * (to_float(weight[c]) + w1);
         dr[c] = from_float<T>(to_float(dr[c]) + rs * (g - mean_g - xhat * mean_gx));
     }
 }
@@ -863,7 +868,7 @@ __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const
  * Statistics are summed in the same per-lane-then-warp pattern, so results are deterministic. */
 template <typename T>
 __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rstd_out, const T* x, const T* weight,
-                                             const T* bias, int N, int C, float eps, bool rms) {
+                                             const T* bias, int N, int C, float eps, bool rms, float w1) {
     constexpr int V = vec16<T>::N;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -890,7 +895,7 @@ __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rst
         load16(w, weight + c);
         if (bias) load16(b, bias + c);
 #pragma unroll
-        for (int i = 0; i < V; i++) v[i] = (v[i] - mean) * rstd * w[i] + (bias ? b[i] : 0.0f);
+        for (int i = 0; i < V; i++) v[i] = (v[i] - mean) * rstd * (w[i] + w1) + (bias ? b[i] : 0.0f);
         store16(o + c, v);
     }
     if (lane == 0) {
@@ -903,7 +908,7 @@ __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rst
  * 16-byte loads, lanes striding the row (RMSNorm: mean of g is 0). Every lane gets both. */
 template <typename T>
 __device__ __forceinline__ float2 norm_backward_row_means(const T* dyr, const T* xr, const T* weight, float m, float rs,
-                                                          int C, int lane, bool rms) {
+                                                          int C, int lane, bool rms, float w1) {
     constexpr int V = vec16<T>::N;
     float g[V], xv[V], w[V];
     float sum_g = 0.0f, sum_gx = 0.0f;
@@ -913,7 +918,7 @@ __device__ __forceinline__ float2 norm_backward_row_means(const T* dyr, const T*
         load16(w, weight + c);
 #pragma unroll
         for (int i = 0; i < V; i++) {
-            float gi = g[i] * w[i];
+            float gi = g[i] * (w[i] + w1);
             sum_g += gi;
             sum_gx += gi * (xv[i] - m) * rs;
         }
@@ -923,7 +928,8 @@ __device__ __forceinline__ float2 norm_backward_row_means(const T* dyr, const T*
 
 template <typename T>
 __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, const T* x, const T* weight,
-                                                    const float* mean, const float* rstd, int N, int C, bool rms) {
+                                                    const float* mean, const float* rstd, int N, int C, bool rms,
+                                                    float w1) {
     constexpr int V = vec16<T>::N;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -932,7 +938,7 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
     const T* xr = x + (int64_t)row * C;
     float m = mean[row], rs = rstd[row];
     float g[V], xv[V], w[V], d[V];
-    const float2 means = norm_backward_row_means(dyr, xr, weight, m, rs, C, lane, rms);
+    const float2 means = norm_backward_row_means(dyr, xr, weight, m, rs, C, lane, rms, w1);
     const float mean_g = means.x, mean_gx = means.y;
     T* dr = dresidual + (int64_t)row * C;
     for (int c = lane * V; c < C; c += 32 * V) {
@@ -941,7 +947,7 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
         load16(w, weight + c);
         load16(d, dr + c);
 #pragma unroll
-        for (int i = 0; i < V; i++) d[i] += rs * (g[i] * w[i] - mean_g - (xv[i] - m) * rs * mean_gx);
+        for (int i = 0; i < V; i++) d[i] += rs * (g[i] * (w[i] + w1) - mean_g - (xv[i] - m) * rs * mean_gx);
         store16(dr + c, d);
     }
 }
@@ -954,7 +960,7 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
 template <typename T, int MAXV>
 __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean_out, float* rstd_out,
                                                  const T* residual, const T* branch, const T* bias, const T* weight,
-                                                 const T* norm_bias, int N, int C, float eps, bool rms) {
+                                                 const T* norm_bias, int N, int C, float eps, bool rms, float w1) {
     constexpr int V = vec16<T>::N;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -992,7 +998,7 @@ __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean
         load16(w, weight + c);
         if (norm_bias) load16(y, norm_bias + c);
 #pragma unroll
-        for (int i = 0; i < V; i++) y[i] = (r[j][i] - mean) * rstd * w[i] + (norm_bias ? y[i] : 0.0f);
+        for (int i = 0; i < V; i++) y[i] = (r[j][i] - mean) * rstd * (w[i] + w1) + (norm_bias ? y[i] : 0.0f);
         store16(out + base + c, y);
     }
     if (lane == 0) {
@@ -1021,7 +1027,7 @@ __device__ __forceinline__ void store_n(T* p, const float* in) {
  * of the vector width). */
 template <typename T, int V>
 __global__ void norm_apply_kernel(T* out, const T* x, const float* mean, const float* rstd, const T* w, const T* b,
-                                  int64_t N, int C) {
+                                  int64_t N, int C, float w1) {
     int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * V;
     if (i >= N * C) return;
     int64_t row = i / C;
@@ -1032,7 +1038,7 @@ __global__ void norm_apply_kernel(T* out, const T* x, const float* mean, const f
     if (b) load_n<T, V>(bv, b + c);
     const float m = mean[row], rs = rstd[row];
 #pragma unroll
-    for (int k = 0; k < V; k++) v[k] = (v[k] - m) * rs * wv[k] + (b ? bv[k] : 0.0f);
+    for (int k = 0; k < V; k++) v[k] = (v[k] - m) * rs * (wv[k] + w1) + (b ? bv[k] : 0.0f);
     store_n<T, V>(out + i, v);
 }
 
@@ -1110,7 +1116,8 @@ __device__ __forceinline__ void norm_backward_block_partials(float (&aw)[NJ][V],
 template <typename T, int NJ>
 __global__ void __launch_bounds__(256)
     norm_backward_fused_kernel(T* dres, float* part_w, float* part_b, float* part_prev, const T* dy, const T* x,
-                               const T* w, const float* mean, const float* rstd, int N, int C, int rows, bool rms) {
+                               const T* w, const float* mean, const float* rstd, int N, int C, int rows, bool rms,
+                               float w1) {
     constexpr int V = vec16<T>::N, WARPS = 8;
     extern __shared__ int4 norm_tiles[]; /* [2 buffers][3: dy, x, dres][rows][C / V] 16-byte vectors */
     __shared__ float s_mg[NORM_BWD_MAX_ROWS], s_mgx[NORM_BWD_MAX_ROWS], s_m[NORM_BWD_MAX_ROWS], s_rs[NORM_BWD_MAX_ROWS];
@@ -1154,7 +1161,7 @@ __global__ void __launch_bounds__(256)
         for (int rr = warp; rr < n; rr += WARPS) { /* step 2 */
             const float m = mean[r0 + rr], rs = rstd[r0 + rr];
             const float2 means =
-                norm_backward_row_means(s_dy + (size_t)rr * C, s_x + (size_t)rr * C, w, m, rs, C, lane, rms);
+                norm_backward_row_means(s_dy + (size_t)rr * C, s_x + (size_t)rr * C, w, m, rs, C, lane, rms, w1);
             if (lane == 0) {
                 s_mg[rr] = means.x;
                 s_mgx[rr] = means.y;
@@ -1170,6 +1177,8 @@ __global__ void __launch_bounds__(256)
                 if (c >= nvec * V) continue;
                 float wv[V], g[V], xv[V], d[V];
                 load16(wv, w + c);
+#pragma unroll
+                for (int i = 0; i < V; i++) wv[i] += w1;
                 for (int rr = rg; rr < n; rr += RG) {
                     const int64_t at = (int64_t)rr * C + c;
                     const float m = s_m[rr], rs = s_rs[rr], mg = s_mg[rr], mgx = s_mgx[rr];
@@ -1198,24 +1207,25 @@ __global__ void __launch_bounds__(256)
 /* out = (x - mean) * rstd * w (+ b) over rows of [N, C], from the statistics the forward saved. */
 template <typename T>
 static void norm_apply(const mt_exec* ex, T* out, const T* x, const float* mean, const float* rstd, const T* w,
-                       const T* b, int N, int C) {
+                       const T* b, int N, int C, float w1 = 0.0f) {
     constexpr int V = vec16<T>::N;
     int64_t n = (int64_t)N * C;
     if (C % V == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
-        norm_apply_kernel<T, V><<<ceil_div(n / V, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C);
+        norm_apply_kernel<T, V><<<ceil_div(n / V, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C, w1);
     else
-        norm_apply_kernel<T, 1><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C);
+        norm_apply_kernel<T, 1><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C, w1);
     LAUNCH_CHECK(ex->error);
 }
 
 /* out = norm(x): LayerNorm (w, b) or RMSNorm (w; b NULL, rms) over rows of [N, C]. */
 template <typename T>
 static void norm_forward(const mt_exec* ex, T* out, float* mean, float* rstd, const T* x, const T* w, const T* b,
-                         int N, int C, float eps, bool rms) {
+                         int N, int C, float eps, bool rms, float w1 = 0.0f) {
     if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
-        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
+        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms,
+                                                                                w1);
     else
-        layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
+        layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms, w1);
     LAUNCH_CHECK(ex->error);
 }
 
@@ -1224,17 +1234,18 @@ static void norm_forward(const mt_exec* ex, T* out, float* mean, float* rstd, co
 #define RESIDUAL_NORM_MAXV 8
 template <typename T>
 static void residual_norm_forward(const mt_exec* ex, T* sum, T* out, float* mean, float* rstd, const T* residual,
-                                  T* branch, const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms) {
+                                  T* branch, const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms,
+                                  float w1 = 0.0f) {
     constexpr int V = vec16<T>::N;
     if (C % V == 0 && C <= 32 * V * RESIDUAL_NORM_MAXV && aligned16(sum) && aligned16(out) && aligned16(residual) &&
         aligned16(branch) && aligned16(bias) && aligned16(w) && aligned16(b)) {
         residual_norm_forward_vec_kernel<T, RESIDUAL_NORM_MAXV><<<ceil_div(N, 8), 256, 0, ex->stream>>>(
-            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms);
+            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms, w1);
         LAUNCH_CHECK(ex->error);
         return;
     }
     bias_residual<T>(ex, sum, residual, branch, bias, N, C);
-    norm_forward<T>(ex, out, mean, rstd, sum, w, b, N, C, eps, rms);
+    norm_forward<T>(ex, out, mean, rstd, sum, w, b, N, C, eps, rms, w1);
 }
 
 /* Launches norm_backward_fused_kernel with `rows`-row tiles over at most max_blocks blocks (NJ = nj:
@@ -1242,7 +1253,7 @@ static void residual_norm_forward(const mt_exec* ex, T* sum, T* out, float* mean
 template <typename T>
 static int norm_backward_fused(const mt_exec* ex, int nj, int rows, int max_blocks, T* dres,
                                float* part_w, float* part_b, float* part_prev, const T* dy, const T* x, const T* w,
-                               const float* mean, const float* rstd, int N, int C, bool rms) {
+                               const float* mean, const float* rstd, int N, int C, bool rms, float w1 = 0.0f) {
     const int tiles = ceil_div(N, rows), blocks = tiles < max_blocks ? tiles : max_blocks;
     const size_t smem = (size_t)2 * 3 * rows * C * sizeof(T);
     auto kernel = nj == 1 ? norm_backward_fused_kernel<T, 1>
@@ -1254,7 +1265,8 @@ static int norm_backward_fused(const mt_exec* ex, int nj, int rows, int max_bloc
     size_t& set = limit[nj == 1 ? 0 : nj == 2 ? 1 : 2];
     if (smem > set && CUDA_CHECK(ex->error, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)))
         set = smem;
-    kernel<<<blocks, 256, smem, ex->stream>>>(dres, part_w, part_b, part_prev, dy, x, w, mean, rstd, N, C, rows, rms);
+    kernel<<<blocks, 256, smem, ex->stream>>>(dres, part_w, part_b, part_prev, dy, x, w, mean, rstd, N, C, rows, rms,
+                                              w1);
     LAUNCH_CHECK(ex->error);
     return blocks;
 }
@@ -1266,7 +1278,7 @@ static int norm_backward_fused(const mt_exec* ex, int nj, int rows, int max_bloc
 template <typename T>
 static void norm_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dresidual, float* dweight, float* dbias,
                           float* dprev_bias, const T* dy, const T* x, const T* w, const float* mean,
-                          const float* rstd, int N, int C, bool rms) {
+                          const float* rstd, int N, int C, bool rms, float w1 = 0.0f) {
     constexpr int V = vec16<T>::N;
     const int nj = ceil_div(C / V, 256);
     if (C % V == 0 && (nj == 1 || nj == 2 || nj == 4) && aligned16(dresidual) && aligned16(dy) && aligned16(x) &&
@@ -1274,7 +1286,7 @@ static void norm_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dresidual,
         const int rows = norm_backward_tile_rows(C, sizeof(T));
         const int blocks = norm_backward_fused<T>(ex, nj, rows, NORM_BWD_BLOCKS, dresidual, s->partial_a,
                                                   dbias ? s->partial_b : NULL, dprev_bias ? s->partial_c : NULL, dy,
-                                                  x, w, mean, rstd, N, C, rms);
+                                                  x, w, mean, rstd, N, C, rms, w1);
         column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, ex->stream>>>(
             dweight, s->partial_a, dbias, s->partial_b, dprev_bias, s->partial_c, blocks, C, ex->mode.accumulate_gradients);
         LAUNCH_CHECK(ex->error);
@@ -1282,10 +1294,10 @@ static void norm_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dresidual,
     }
     if (C % vec16<T>::N == 0 && aligned16(dresidual) && aligned16(dy) && aligned16(x) && aligned16(w))
         layernorm_backward_input_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(dresidual, dy, x, w, mean, rstd,
-                                                                                      N, C, rms);
+                                                                                      N, C, rms, w1);
     else
         layernorm_backward_input_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(dresidual, dy, x, w, mean, rstd, N,
-                                                                                  C, rms);
+                                                                                  C, rms, w1);
     int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
     /* the 16-byte kernel gives each thread 8 columns (x2 sums), so at hidden sizes up to a few
      * thousand it leaves most of the GPU idle: dev/cuda/fused_kernels.cu measured it at 91 us
@@ -4121,6 +4133,7 @@ struct mt_trainer {
     int32_t* host_index;      /* pinned embedding backward index for one micro-batch */
     /* optimizer state */
     int64_t scheduler_steps;  /* samples seen by the LR scheduler (Megatron's num_steps) */
+    int64_t last_loss_tokens; /* positions the last train step or evaluation counted (over DP) */
     int64_t adam_step;        /* optimizer steps taken */
     double loss_scale;        /* fp16 dynamic loss scale (1 otherwise) */
     int growth_tracker;
@@ -4169,6 +4182,7 @@ typedef struct {
     int f1;        /* first MLP linear's width: 2f with SwiGLU */
     int rot;       /* rotary channels per head (0 without RoPE) */
     bool rms;      /* RMSNorm, else LayerNorm */
+    float norm_w1; /* 1 with --apply-layernorm-1p (the norm weights hold w - 1), else 0 */
     bool swiglu;
     int tp, tp_rank;
     bool sp;       /* sequence parallelism */
@@ -4199,6 +4213,7 @@ static mt_shape model_shape(const mt_trainer* t) {
     s.f1 = s.swiglu ? 2 * s.f : s.f;
     s.rot = c->position_embedding_type == MT_POSITION_ROPE ? (int)(c->kv_channels * c->rotary_percent) : 0;
     s.rms = c->normalization == MT_NORM_RMSNORM;
+    s.norm_w1 = c->apply_layernorm_1p ? 1.0f : 0.0f;
     s.L = c->num_layers;
     s.V_full = c->padded_vocab_size;
     s.V = s.V_full / s.tp;
@@ -4508,7 +4523,7 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
         wait_for_parameters(t, ch.first);
         const layer_tensors<T> p = layer_params<T>(t, ch.first);
         const layer_view<T> v = layer_activations<T>(a, s, 0);
-        norm_forward<T>(ex, v.ln1, v.ln1_mean, v.ln1_rstd, v.x, p.ln1_w, p.ln1_b, s.R, s.h, eps, s.rms);
+        norm_forward<T>(ex, v.ln1, v.ln1_mean, v.ln1_rstd, v.x, p.ln1_w, p.ln1_b, s.R, s.h, eps, s.rms, s.norm_w1);
     }
 
     const bool cast_fp8_weights = t->fp8.stale != 0;
@@ -4527,7 +4542,7 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
         T* proj = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
         /* mid = x + proj + bias; ln2 = norm2(mid) */
         residual_norm_forward<T>(ex, v.mid, v.ln2, v.ln2_mean, v.ln2_rstd, v.x, proj, p.proj_b, p.ln2_w, p.ln2_b, s.R,
-                                 s.h, eps, s.rms);
+                                 s.h, eps, s.rms, s.norm_w1);
 
         /* MLP block */
         const T* ln2_in = column_parallel_input<T>(tp, gathered, v.ln2, s.R, s.h);
@@ -4550,11 +4565,11 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
             const layer_view<T> next = layer_activations<T>(a, s, l + 1 - ch.first);
             const layer_tensors<T> np = layer_params<T>(t, l + 1);
             residual_norm_forward<T>(ex, v.out, next.ln1, next.ln1_mean, next.ln1_rstd, v.mid, fc2, p.fc2_b, np.ln1_w,
-                                     np.ln1_b, s.R, s.h, eps, s.rms);
+                                     np.ln1_b, s.R, s.h, eps, s.rms, s.norm_w1);
         } else if (ch.head) {
             residual_norm_forward<T>(ex, v.out, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, v.mid, fc2, p.fc2_b,
                                      param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.R,
-                                     s.h, eps, s.rms);
+                                     s.h, eps, s.rms, s.norm_w1);
         } else { /* the chunk's output, for the next pipeline stage */
             bias_residual<T>(ex, v.out, v.mid, fc2, p.fc2_b, s.R, s.h);
         }
@@ -4564,7 +4579,8 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
     if (!ch.head) return;
     if (ch.count == 0) /* a head without layers: the final norm of the received stream */
         norm_forward<T>(ex, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, (const T*)a->residual,
-                        param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.R, s.h, eps, s.rms);
+                        param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.R, s.h, eps, s.rms,
+                        s.norm_w1);
 
     /* output layer (tied to the word embeddings, or untied; vocab-parallel), cross entropy */
     const T* lnf_in = column_parallel_input<T>(tp, gathered, (const T*)a->lnf, s.R, s.h);
@@ -4623,7 +4639,7 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
         norm_backward<T>(ex, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS),
                          ch.count > 0 ? layer_grads(t, last).fc2_b : (float*)NULL, dlnf,
                          LAYER(a->residual, T, ch.count, Rh), param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean,
-                         a->lnf_rstd, s.R, s.h, s.rms);
+                         a->lnf_rstd, s.R, s.h, s.rms, s.norm_w1);
         reduce_sequence_parallel_gradients(t, ex, s.L);
         gradients_ready(t, ex, s.L);
     } else if (ch.count > 0 && layer_grads(t, last).fc2_b) {
@@ -4656,7 +4672,7 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
         dln2 = column_parallel_backward<T>(pc, dln2, dp.fc1_w, dp.fc1_b, dfc1, v.ln2, p.fc1_w, s.h, s.f1,
                                            fp8 ? &f8[FP8_FC1] : NULL);
         norm_backward<T>(ex, cs, dres, dp.ln2_w, dp.ln2_b, dp.proj_b, dln2, v.mid, p.ln2_w, v.ln2_mean, v.ln2_rstd, s.R,
-                         s.h, s.rms);
+                         s.h, s.rms, s.norm_w1);
 
         /* attention block: dres is now d(mid) */
         row_parallel_backward<T>(pc, (T*)a->branch2, dp.proj_w, dres, v.attn, p.proj_w, s.attn_width, s.h,
@@ -4664,11 +4680,11 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
         float* dqkv_bias = dp.qkv_b;
         if (attention_backward<T>(t, ex, (T*)a->branch, (T*)a->branch2, v.qkv, v.probs, v.lse, v.attn, dqkv_bias))
             dqkv_bias = NULL; /* taken from the attention kernels */
-        norm_apply<T>(ex, v.ln1, v.x, v.ln1_mean, v.ln1_rstd, p.ln1_w, p.ln1_b, s.R, s.h);
+        norm_apply<T>(ex, v.ln1, v.x, v.ln1_mean, v.ln1_rstd, p.ln1_w, p.ln1_b, s.R, s.h, s.norm_w1);
         T* dln1 = column_parallel_backward<T>(pc, (T*)a->branch2, dp.qkv_w, dqkv_bias, (T*)a->branch, v.ln1, p.qkv_w,
                                               s.h, s.qkv_width, fp8 ? &f8[FP8_QKV] : NULL);
         norm_backward<T>(ex, cs, dres, dp.ln1_w, dp.ln1_b, l > ch.first ? layer_grads(t, l - 1).fc2_b : (float*)NULL, dln1,
-                         v.x, p.ln1_w, v.ln1_mean, v.ln1_rstd, s.R, s.h, s.rms);
+                         v.x, p.ln1_w, v.ln1_mean, v.ln1_rstd, s.R, s.h, s.rms, s.norm_w1);
         reduce_sequence_parallel_gradients(t, ex, l);
         gradients_ready(t, ex, l);
     }
@@ -4755,14 +4771,40 @@ static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb,
     return mt_gpu_error_return(&t->error, err);
 }
 
-/* Sum of the per-token losses of the micro-batch just run (host, double, in order). */
-static double micro_batch_loss_sum(mt_trainer* t) {
+/* --eod-mask-loss (Megatron's loss mask): a position counts in the loss unless its *input* token
+ * is the end-of-document token. Whether position i of micro-batch mb of tokens [*, B, S+1] counts. */
+static int position_counts(const mt_config* c, const int32_t* tokens, int mb, int i) {
+    if (!c->eod_mask_loss) return 1;
+    int B = c->micro_batch_size, S = c->seq_length;
+    const int32_t* row = tokens + ((int64_t)mb * B + i / S) * (S + 1);
+    return row[i % S] != c->eod_token;
+}
+
+static int64_t micro_batch_counted(const mt_config* c, const int32_t* tokens, int mb) {
+    int64_t n = 0, BT = (int64_t)c->micro_batch_size * c->seq_length;
+    for (int i = 0; i < BT; i++) n += position_counts(c, tokens, mb, i);
+    return n;
+}
+
+/* The masked positions' loss gradient (their rows of act.logits, which the cross entropy has just
+ * overwritten with the gradient) set to zero: what multiplying the per-token losses by the mask does. */
+static void zero_masked_gradients(mt_trainer* t, const int32_t* tokens, int mb) {
+    mt_shape s = model_shape(t);
+    size_t row_bytes = (size_t)s.V * (t->cfg.precision == MT_FP32 ? 4 : 2);
+    for (int i = 0; i < s.BT; i++)
+        if (!position_counts(&t->cfg, tokens, mb, i))
+            CUDA_CHECK(&t->error, cudaMemsetAsync((char*)t->act.logits + (size_t)i * row_bytes, 0, row_bytes, t->stream));
+}
+
+/* Sum of the counted per-token losses of micro-batch mb, just run (host, double, in order). */
+static double micro_batch_loss_sum(mt_trainer* t, const int32_t* tokens, int mb) {
     int BT = t->cfg.micro_batch_size * t->cfg.seq_length;
     CUDA_CHECK(&t->error, cudaMemcpyAsync(t->host_losses, t->act.losses, sizeof(float) * BT, cudaMemcpyDeviceToHost,
                                           t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     double sum = 0.0;
-    for (int i = 0; i < BT; i++) sum += t->host_losses[i];
+    for (int i = 0; i < BT; i++)
+        if (position_counts(&t->cfg, tokens, mb, i)) sum += t->host_losses[i];
     return sum;
 }
 
@@ -4877,11 +4919,18 @@ static void run_step(mt_trainer* t, const mt_exec* ex, const mt_pp_op* op, float
  * Each step takes a free activation slot at its forward and gives it back after its backward. */
 static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int count, int train, double loss_scale,
                                    int across_dp, double* mean_loss, mt_error* err) {
+    const mt_config* c = &t->cfg;
     mt_shape s = model_shape(t);
     const int dp = t->groups.dp_size, pp = t->groups.pp_size, vp = t->buffer.stage.num_chunks;
-    double total = 0.0;
-    /* Megatron pre-scales each rank's gradients by 1/dp and sums them */
-    float grad_scale = train ? (float)(loss_scale / ((double)count * s.BT * dp)) : 0.0f;
+    double total = 0.0, tokens_counted = 0.0, global_counted = 0.0;
+    for (int mb = 0; mb < count; mb++) tokens_counted += (double)micro_batch_counted(c, tokens, mb);
+    if (train && c->calculate_per_token_loss) {
+        global_counted = tokens_counted;
+        if (dp > 1) {
+            mt_status st = all_reduce_sum(t, &global_counted, GROUP_DP, err);
+            if (st != MT_OK) return st;
+        }
+    }
     if (train) t->next_bucket = 0; /* no zeroing: each chunk's first backward writes its gradients */
     int num_ops = 0, num_warmup = 0;
     mt_pp_op* ops = trainer_steps(t, count, train, &num_ops, &num_warmup, err);
@@ -4932,6 +4981,12 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
             if (st != MT_OK) break;
             if (!forward && pp == 1) unique = t->pp_unique;
             if (forward && index_now) t->pp_unique = unique;
+            /* Megatron pre-scales each rank's gradients by 1/dp and sums them; a zero scale still runs the
+             * backward (the first micro-batch writes every gradient) */
+            double counted = (double)micro_batch_counted(c, tokens, op->micro_batch);
+            double denominator = c->calculate_per_token_loss ? global_counted : counted * count * dp;
+            float grad_scale = train && denominator > 0 ? (float)(loss_scale / denominator) : 0.0f;
+            if (train && grad_scale == 0.0f) grad_scale = FLT_MIN;
             /* this step's mode; --overlap-grad-reduce (PP = 1): buckets go out during the last backward */
             mt_micro_batch_mode mode;
             mode.accumulate_gradients = op->micro_batch > 0;
@@ -4944,7 +4999,8 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
                 case MT_BF16: run_step<__nv_bfloat16>(t, &ex, op, grad_scale, unique); break;
                 case MT_FP16: run_step<__half>(t, &ex, op, grad_scale, unique); break;
             }
-            if (forward && ch.head) total += micro_batch_loss_sum(t);
+            if (forward && ch.head && train) zero_masked_gradients(t, tokens, op->micro_batch);
+            if (forward && ch.head) total += micro_batch_loss_sum(t, tokens, op->micro_batch);
             if (op->send_rank >= 0) {
                 const void* out = LAYER(t->act.residual, char, ch.count, (int64_t)s.R * s.h * t->elem);
                 if (!forward) { /* the scratch is the next step's: keep the input gradient aside */
@@ -4969,12 +5025,12 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
         st = all_reduce_sum(t, &total, GROUP_PP, err);
         if (st != MT_OK) return st;
     }
-    double tokens_counted = (double)count * s.BT;
     if (across_dp && dp > 1) {
         st = all_reduce_sum(t, &total, GROUP_DP, err);
+        if (st == MT_OK) st = all_reduce_sum(t, &tokens_counted, GROUP_DP, err);
         if (st != MT_OK) return st;
-        tokens_counted *= dp;
     }
+    t->last_loss_tokens = (int64_t)tokens_counted;
     *mean_loss = total / tokens_counted;
     return mt_gpu_error_return(&t->error, err);
 }
@@ -5309,6 +5365,13 @@ static mt_status read_canonical(mt_trainer* t, FILE* f, float* device_full, floa
     return canonical_transfer(t, device_full, host, 1, err);
 }
 
+/* Steps over `count` canonical arrays of the model file (the Adam moments, when they are not loaded). */
+static mt_status skip_canonical(mt_trainer* t, FILE* f, int count, const char* path, mt_error* err) {
+    if (fseeko(f, (off_t)count * (off_t)t->num_params * (off_t)sizeof(float), SEEK_CUR) != 0)
+        return mt_fail(err, MT_ERR_FORMAT, "%s is truncated", path);
+    return MT_OK;
+}
+
 static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration, int64_t consumed_samples) {
     mt_checkpoint_header_init(header, &t->cfg);
     header[MT_CK_ITERATION] = iteration;
@@ -5497,12 +5560,13 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
         {MT_CK_PP, "--pipeline-model-parallel-size"},
         {MT_CK_NORMALIZATION, "--normalization (0 LayerNorm, 1 RMSNorm)"},
         {MT_CK_SWIGLU, "--swiglu"},
-        {MT_CK_POSITION_TYPE, "--position-embedding-type (0 learned_absolute, 1 rope)"},
+        {MT_CK_POSITION_TYPE, "--position-embedding-type (0 learned_absolute, 1 rope, 2 none)"},
         {MT_CK_ROTARY_BASE_BITS, "--rotary-base (bits)"},
         {MT_CK_ROTARY_PERCENT_BITS, "--rotary-percent (bits)"},
         {MT_CK_ROPE_SCALING_FACTOR_BITS, "--rope-scaling-factor (bits)"},
         {MT_CK_UNTIED, "--untie-embeddings-and-output-weights"},
         {MT_CK_NO_BIAS_LINEAR, "--disable-bias-linear"},
+        {MT_CK_LAYERNORM_1P, "--apply-layernorm-1p"},
     };
     for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++)
         if (h[shape[i].word] != expected[shape[i].word])
@@ -5527,8 +5591,12 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
     return MT_OK;
 }
 
-mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
-                          int64_t* consumed_out, mt_error* err) {
+/* Loads a checkpoint: the weights, and with load_optim the optimizer's state too (Adam moments and
+ * step, the scheduler's samples, the loss scaler). Without it (--no-load-optim, --finetune) only the
+ * model file's master weights (and FP8 scaling state, part of the model in Megatron) are read, and
+ * Adam, the schedule and the loss scale start as a new trainer's do. */
+static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iteration, int load_optim,
+                                 int64_t* iteration_out, int64_t* consumed_out, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     char path[4224], iter_dir[4096], rank_dir[4160];
     mt_status st = MT_OK;
@@ -5557,7 +5625,7 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
         st = read_header(t, f, path, h, err);
         if (st == MT_OK) st = read_canonical(t, f, t->grads, host, path, err);
         if (st == MT_OK) set_master_from_full(t, t->grads);
-        if (st == MT_OK && h[MT_CK_SHARDED_DP] == 0) {
+        if (st == MT_OK && load_optim && h[MT_CK_SHARDED_DP] == 0) {
             float* moments[2] = {t->adam_m, t->adam_v};
             for (int i = 0; i < 2 && st == MT_OK; i++) {
                 st = read_canonical(t, f, t->grads, host, path, err);
@@ -5567,6 +5635,8 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
         /* FP8 delayed scaling's state: taken when this run has the same tensors and history length; a
          * checkpoint without it starts the scales afresh; another layout of it is refused */
         const int delayed = t->fp8.enabled && t->fp8.recipe == MT_FP8_DELAYED;
+        if (st == MT_OK && delayed && h[MT_CK_FP8_TENSORS] > 0 && !load_optim && h[MT_CK_SHARDED_DP] == 0)
+            st = skip_canonical(t, f, 2, path, err); /* the moments sit between the weights and the FP8 state */
         if (st == MT_OK && delayed && h[MT_CK_FP8_TENSORS] > 0) {
             if (h[MT_CK_FP8_TENSORS] != t->fp8.num_tensors || h[MT_CK_FP8_HISTORY_LEN] != t->fp8.history_len ||
                 h[MT_CK_FP8_HISTORY_POS] < 0 || h[MT_CK_FP8_HISTORY_POS] >= h[MT_CK_FP8_HISTORY_LEN])
@@ -5580,7 +5650,7 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
         }
         if (f) fclose(f);
     }
-    if (st == MT_OK && h[MT_CK_SHARDED_DP] != 0) {
+    if (st == MT_OK && load_optim && h[MT_CK_SHARDED_DP] != 0) {
         /* this rank's shard of master, m and v */
         snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, t->groups.dp_rank);
         FILE* f = fopen(path, "rb");
@@ -5598,14 +5668,36 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     if (st == MT_OK) st = mt_gpu_error_return(&t->error, err);
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "loading from", dir);
+    if (iteration_out) *iteration_out = h[MT_CK_ITERATION];
+    if (consumed_out) *consumed_out = h[MT_CK_CONSUMED];
+    if (!load_optim) { /* a new trainer's optimizer state */
+        const mt_config* c = &t->cfg;
+        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_m, 0, sizeof(float) * (size_t)t->shard_numel, t->stream));
+        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_v, 0, sizeof(float) * (size_t)t->shard_numel, t->stream));
+        CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+        t->scheduler_steps = 0;
+        t->adam_step = 0;
+        t->growth_tracker = 0;
+        t->hysteresis_tracker = c->hysteresis;
+        t->loss_scale = c->precision != MT_FP16 ? 1.0 : c->loss_scale > 0 ? c->loss_scale : c->initial_loss_scale;
+        return mt_gpu_error_return(&t->error, err);
+    }
     t->scheduler_steps = h[MT_CK_SCHED_STEPS];
     t->adam_step = h[MT_CK_ADAM_STEP];
     t->growth_tracker = (int)h[MT_CK_GROWTH];
     t->hysteresis_tracker = (int)h[MT_CK_HYSTERESIS];
     memcpy(&t->loss_scale, &h[MT_CK_LOSS_SCALE_BITS], sizeof(double));
-    if (iteration_out) *iteration_out = h[MT_CK_ITERATION];
-    if (consumed_out) *consumed_out = h[MT_CK_CONSUMED];
     return MT_OK;
+}
+
+mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
+                          int64_t* consumed_out, mt_error* err) {
+    return load_checkpoint(t, dir, iteration, 1, iteration_out, consumed_out, err);
+}
+
+mt_status mt_trainer_load_weights(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
+                                  int64_t* consumed_out, mt_error* err) {
+    return load_checkpoint(t, dir, iteration, 0, iteration_out, consumed_out, err);
 }
 
 /* ============================================================================================== */
@@ -6145,11 +6237,21 @@ static void fp8_after_step(mt_trainer* t) {
 }
 
 mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_result* out, mt_error* err) {
+    return mt_trainer_train_step_n(t, tokens, mt_num_micro_batches(&t->cfg), out, err);
+}
+
+/* One iteration of num_micro_batches micro-batches per rank (a batch-size ramp changes it from step
+ * to step; Megatron's get_num_microbatches): the scheduler advances by the samples this global
+ * batch had. */
+mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_micro_batches, mt_step_result* out,
+                                  mt_error* err) {
     const mt_config* c = &t->cfg;
     memset(out, 0, sizeof(*out));
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    if (num_micro_batches < 1)
+        return mt_fail(err, MT_ERR_ARG, "train step: %d micro-batches (at least 1)", num_micro_batches);
     double loss = 0.0, scale = t->loss_scale;
-    mt_status st = run_micro_batches(t, tokens, mt_num_micro_batches(c), 1, scale, 1, &loss, err);
+    mt_status st = run_micro_batches(t, tokens, num_micro_batches, 1, scale, 1, &loss, err);
     if (st != MT_OK) return st;
     out->lm_loss = loss;
     out->loss_scale = scale;
@@ -6180,10 +6282,19 @@ mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_re
         case MT_FP16: adamw_step<__half>(t, (float)lr, grad_scale); break;
     }
     fp8_after_step(t);
-    t->scheduler_steps += c->global_batch_size;
+    t->scheduler_steps += (int64_t)num_micro_batches * c->micro_batch_size * t->groups.dp_size;
     out->next_learning_rate = mt_learning_rate(c, t->scheduler_steps);
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     return mt_gpu_error_return(&t->error, err);
+}
+
+int64_t mt_trainer_last_loss_tokens(const mt_trainer* t) { return t->last_loss_tokens; }
+
+mt_status mt_device_profiler(int start, mt_error* err) {
+    cudaError_t e = start ? cudaProfilerStart() : cudaProfilerStop();
+    if (e != cudaSuccess)
+        return mt_fail(err, MT_ERR_CUDA, "cudaProfiler%s: %s", start ? "Start" : "Stop", cudaGetErrorString(e));
+    return MT_OK;
 }
 
 /* Calls that need the whole model on one rank's pipeline stage (logits, text generation). */

@@ -342,7 +342,8 @@ mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int6
 
 typedef enum { MT_FP32 = 0, MT_BF16 = 1, MT_FP16 = 2 } mt_precision;
 typedef enum { MT_NORM_LAYERNORM = 0, MT_NORM_RMSNORM = 1 } mt_normalization;
-typedef enum { MT_POSITION_LEARNED = 0, MT_POSITION_ROPE = 1 } mt_position_embedding;
+/* none: no position information at all (NoPE; Megatron's --position-embedding-type none) */
+typedef enum { MT_POSITION_LEARNED = 0, MT_POSITION_ROPE = 1, MT_POSITION_NONE = 2 } mt_position_embedding;
 
 /* The identifier every rank of a job needs to join one NCCL communicator (ncclUniqueId's 128
  * bytes): rank 0 makes it (mt_comm_id_create, in megatron.cu) and the launcher broadcasts it. */
@@ -368,6 +369,8 @@ typedef enum { MT_FP8_AMAX_MOST_RECENT = 0, MT_FP8_AMAX_MAX } mt_fp8_amax_algo;
 #define MT_FP8_E4M3_MAX 448.0f
 #define MT_FP8_E5M2_MAX 57344.0f
 
+#define MT_MAX_BATCH_SIZE_STEPS 64 /* entries of --step-batch-size-schedule */
+
 typedef struct {
     /* model */
     int num_layers;                   /* --num-layers */
@@ -387,7 +390,8 @@ typedef struct {
      * no biases. Each switch is independent, as in Megatron. */
     mt_normalization normalization;   /* --normalization LayerNorm|RMSNorm */
     int swiglu;                       /* --swiglu: fc1 is [2f, h] = [gate; up], act = silu(gate) * up */
-    mt_position_embedding position_embedding_type; /* --position-embedding-type learned_absolute|rope */
+    mt_position_embedding position_embedding_type; /* --position-embedding-type learned_absolute|rope|none */
+    int apply_layernorm_1p;           /* --apply-layernorm-1p: norm weights hold w - 1 (y = (1 + w) * norm) */
     double rotary_base;               /* --rotary-base (10000) */
     double rotary_percent;            /* --rotary-percent (1.0): the first rotary_percent * d channels rotate */
     int use_rope_scaling;             /* --use-rope-scaling: Llama-3.1's frequency scaling */
@@ -425,6 +429,10 @@ typedef struct {
     double lr_warmup_fraction;        /* --lr-warmup-fraction (< 0: unset) */
     int64_t lr_decay_iters;           /* --lr-decay-iters (0: train_iters) */
     int64_t lr_wsd_decay_iters;       /* --lr-wsd-decay-iters (WSD's annealing tail) */
+    /* sample-based training (--train-samples): the schedule's lengths are given in samples */
+    int64_t lr_warmup_samples;        /* --lr-warmup-samples (0) */
+    int64_t lr_decay_samples;         /* --lr-decay-samples (0: train_samples) */
+    int64_t lr_wsd_decay_samples;     /* --lr-wsd-decay-samples (WSD's annealing tail in samples) */
     mt_wsd_decay_style lr_wsd_decay_style; /* --lr-wsd-decay-style (exponential) */
     double adam_beta1, adam_beta2, adam_eps; /* 0.9, 0.999, 1e-8 */
     double weight_decay;              /* --weight-decay (0.01) */
@@ -432,7 +440,18 @@ typedef struct {
     /* batch and length of training */
     int micro_batch_size;             /* --micro-batch-size */
     int global_batch_size;            /* --global-batch-size (0: micro * data-parallel size) */
-    int64_t train_iters;              /* --train-iters */
+    int64_t train_iters;              /* --train-iters (with --train-samples: derived, as Megatron) */
+    int64_t train_samples;            /* --train-samples: train on this many samples (0: --train-iters) */
+    /* a global batch that grows with the samples consumed (mt_global_batch_size_at); at most one */
+    int64_t rampup_batch_size[3];     /* --rampup-batch-size <start> <increment> <samples> (start 0: none) */
+    int num_batch_size_steps;         /* --step-batch-size-schedule: its entries (0: none) */
+    int64_t batch_size_step_samples[MT_MAX_BATCH_SIZE_STEPS]; /* from this many consumed samples on, */
+    int batch_size_step_size[MT_MAX_BATCH_SIZE_STEPS];        /* the global batch has this many */
+    /* the loss */
+    int eod_mask_loss;                /* --eod-mask-loss: positions whose input token is eod_token do not count */
+    int64_t eod_token;                /* the tokenizer's end-of-document id (for --eod-mask-loss) */
+    int calculate_per_token_loss;     /* --calculate-per-token-loss: the gradient of the global batch's loss
+                                         sum / its counted tokens, instead of the mean of micro-batch means */
     uint64_t seed;                    /* --seed (1234) */
     /* parallel layout (1 everywhere on one GPU) */
     int tensor_model_parallel_size;   /* --tensor-model-parallel-size: each layer split over TP GPUs */
@@ -478,6 +497,17 @@ static inline int mt_add_overflows_i64(int64_t a, int64_t b, int64_t* out) {
 }
 /* Number of micro-batches one rank runs per iteration: global / (micro * dp). */
 int mt_num_micro_batches(const mt_config* cfg);
+/* The global batch of the iteration that starts after consumed_samples, and its micro-batches per
+ * rank: global_batch_size, or the ramp's / step schedule's size at that point (Megatron's
+ * num_microbatches_calculator). mt_config_finalize has checked that every size the run can reach
+ * divides by micro-batch x data-parallel size. */
+int mt_global_batch_size_at(const mt_config* cfg, int64_t consumed_samples);
+int mt_num_micro_batches_at(const mt_config* cfg, int64_t consumed_samples);
+/* --step-batch-size-schedule "THRESHOLD:BATCH ...": thresholds in tokens (suffixes K, M, B, T as
+ * powers of 1000, decimals allowed: 2.4B), turned into samples by // seq_length as Megatron does;
+ * entries separated by spaces or commas, sorted by threshold; the first must be 0, thresholds
+ * strictly increasing, batch sizes positive. Fills cfg's num_batch_size_steps and tables. */
+mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, mt_config* cfg, mt_error* err);
 
 /* Megatron's OptimizerParamScheduler, counted in samples: `num_steps` grows by the global batch
  * size after each optimizer step, and the step taken at num_steps uses mt_learning_rate(cfg, num_steps). */
@@ -719,6 +749,7 @@ enum {
     /* pipeline parallelism (0 in older files: one stage): the file of mp_rank_<tp>_<pp> holds
      * pipeline rank PP_RANK's tensors (megatron.h mt_pp_holds) in canonical order, VP chunks each */
     MT_CK_PP_RANK, MT_CK_VP, MT_CK_STAGE_NUMEL,
+    MT_CK_LAYERNORM_1P,  /* --apply-layernorm-1p: the norm weights are stored as w - 1 (0 in older files) */
     MT_CK_HEADER_WORDS = 64
 };
 /* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
@@ -777,6 +808,14 @@ mt_memory_plan mt_trainer_memory_plan(const mt_trainer* t);
 /* One training iteration over this rank's part of the global batch.
  * tokens: [num_micro_batches, micro_batch_size, seq_length + 1] (inputs are [..., :-1], labels [..., 1:]). */
 mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_result* out, mt_error* err);
+/* The same with num_micro_batches micro-batches per rank (>= 1; a batch-size ramp's current count,
+ * mt_num_micro_batches_at): tokens [num_micro_batches, micro_batch_size, seq_length + 1]. The
+ * learning-rate schedule advances by the samples of that global batch. */
+mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_micro_batches, mt_step_result* out,
+                                  mt_error* err);
+/* The positions the last train step or evaluation counted in its loss, over the data-parallel ranks
+ * (every position unless --eod-mask-loss): a mean over several calls weighs each call by it. */
+int64_t mt_trainer_last_loss_tokens(const mt_trainer* t);
 /* Forward + backward only: fills the fp32 gradients (mean loss over the batch) and returns the loss. */
 mt_status mt_trainer_compute_gradients(mt_trainer* t, const int32_t* tokens, int num_micro_batches,
                                        double* loss, mt_error* err);
@@ -816,6 +855,12 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
  * model shape. Returns the iteration and consumed samples it resumes from. */
 mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
                           int64_t* consumed_samples_out, mt_error* err);
+/* The weights only (--no-load-optim, --finetune): Adam's moments and step, the schedule's position
+ * and the loss scaler start afresh, as in a new trainer; iteration and consumed samples as above. */
+mt_status mt_trainer_load_weights(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
+                                  int64_t* consumed_samples_out, mt_error* err);
+/* Starts (1) or stops (0) the CUDA profiler's capture (nsys --capture-range=cudaProfilerApi). */
+mt_status mt_device_profiler(int start, mt_error* err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 9. TensorBoard event files                                                                      */
@@ -2432,10 +2477,209 @@ static mt_status mt_config_size_check(const mt_config* c, mt_error* err) {
             (long long)c->lr_warmup_iters, c->global_batch_size);
     MT__MUL(c->lr_wsd_decay_iters, gbs, &x, "--lr-wsd-decay-iters %lld x --global-batch-size %d samples "
             "overflows", (long long)c->lr_wsd_decay_iters, c->global_batch_size);
+    MT__MUL(c->train_samples, (int64_t)c->seq_length + 1, &x, "--train-samples %lld x --seq-length %d tokens "
+            "overflows", (long long)c->train_samples, c->seq_length);
     return MT_OK;
 }
 #undef MT__MUL
 #undef MT__ADD
+
+/* The batch-size ramp and the step schedule (Megatron's num_microbatches_calculator), as one
+ * question: the global batch at consumed_samples, and the first count of consumed samples at which
+ * it changes (INT64_MAX: never). The ramp (--rampup-batch-size start inc samples) adds inc every
+ * samples / ((global - start) / inc) samples, reckoned in doubles as Python does, and reaches the
+ * global batch once consumed_samples exceeds `samples`. */
+static int mt__ramp_increments(const mt_config* c) {
+    return (int)((c->global_batch_size - c->rampup_batch_size[0]) / c->rampup_batch_size[1]);
+}
+static int64_t mt__ramp_step(const mt_config* c, int64_t consumed) {
+    double per_increment = (double)c->rampup_batch_size[2] / (double)mt__ramp_increments(c);
+    int64_t k = (int64_t)((double)consumed / per_increment);
+    return k < mt__ramp_increments(c) ? k : mt__ramp_increments(c);
+}
+static int mt__batch_segment(const mt_config* c, int64_t consumed, int64_t* change_at) {
+    *change_at = INT64_MAX;
+    if (c->num_batch_size_steps > 0) {
+        int i = 0;
+        while (i + 1 < c->num_batch_size_steps && c->batch_size_step_samples[i + 1] <= consumed) i++;
+        if (i + 1 < c->num_batch_size_steps) *change_at = c->batch_size_step_samples[i + 1];
+        return c->batch_size_step_size[i];
+    }
+    if (c->rampup_batch_size[0] <= 0 || consumed > c->rampup_batch_size[2]) return c->global_batch_size;
+    /* the first count past `consumed` with a larger step (steps never decrease), or the ramp's end */
+    int64_t k = mt__ramp_step(c, consumed), lo = consumed, hi = c->rampup_batch_size[2] + 1;
+    while (hi - lo > 1) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (mt__ramp_step(c, mid) > k) hi = mid;
+        else lo = mid;
+    }
+    *change_at = hi;
+    return (int)(c->rampup_batch_size[0] + k * c->rampup_batch_size[1]);
+}
+
+int mt_global_batch_size_at(const mt_config* c, int64_t consumed_samples) {
+    int64_t change_at;
+    return mt__batch_segment(c, consumed_samples, &change_at);
+}
+
+int mt_num_micro_batches_at(const mt_config* c, int64_t consumed_samples) {
+    return mt_global_batch_size_at(c, consumed_samples) / (c->micro_batch_size * c->data_parallel_size);
+}
+
+/* Iterations run while consumed < limit, from *consumed on (which advances), a batch-size segment
+ * at a time so that a long run costs one step per segment. */
+static int64_t mt__iterations_until(const mt_config* c, int64_t* consumed, int64_t limit) {
+    int64_t iterations = 0;
+    while (*consumed < limit) {
+        int64_t change_at, stop;
+        int64_t batch = mt__batch_segment(c, *consumed, &change_at);
+        stop = change_at < limit ? change_at : limit;
+        int64_t k = (stop - *consumed + batch - 1) / batch;
+        *consumed += k * batch;
+        iterations += k;
+    }
+    return iterations;
+}
+
+/* --rampup-batch-size and --step-batch-size-schedule: what Megatron asserts, and every batch size
+ * the run can reach a multiple of micro-batch x data-parallel size (Megatron checks each one when
+ * the run reaches it; here the run is refused before it starts). */
+static mt_status mt_batch_ramp_check(const mt_config* c, mt_error* err) {
+    int64_t unit = (int64_t)c->micro_batch_size * c->data_parallel_size;
+    const int64_t* r = c->rampup_batch_size;
+    int ramp = r[0] != 0 || r[1] != 0 || r[2] != 0;
+    if (ramp && c->num_batch_size_steps > 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--rampup-batch-size and --step-batch-size-schedule are mutually exclusive");
+    if (ramp) {
+        if (r[0] <= 0 || r[1] <= 0 || r[2] <= 0)
+            return mt_fail(err, MT_ERR_CONFIG, "--rampup-batch-size %lld %lld %lld: the start batch, the increment and "
+                           "the ramp-up samples must be positive", (long long)r[0], (long long)r[1], (long long)r[2]);
+        if (r[0] >= c->global_batch_size || (c->global_batch_size - r[0]) % r[1])
+            return mt_fail(err, MT_ERR_CONFIG, "--rampup-batch-size %lld %lld %lld: --global-batch-size %d must exceed "
+                           "the start batch by a multiple of the increment", (long long)r[0], (long long)r[1],
+                           (long long)r[2], c->global_batch_size);
+        if (r[0] % unit || r[1] % unit)
+            return mt_fail(err, MT_ERR_CONFIG, "--rampup-batch-size %lld %lld %lld: the start batch and the increment "
+                           "must be multiples of --micro-batch-size %d x data-parallel size %d", (long long)r[0],
+                           (long long)r[1], (long long)r[2], c->micro_batch_size, c->data_parallel_size);
+        if (c->train_samples <= 0)
+            return mt_fail(err, MT_ERR_CONFIG, "--rampup-batch-size needs sample-based training (--train-samples), "
+                           "as in Megatron");
+    }
+    for (int i = 0; i < c->num_batch_size_steps; i++) {
+        if (c->num_batch_size_steps > MT_MAX_BATCH_SIZE_STEPS || c->batch_size_step_size[i] <= 0 ||
+            c->batch_size_step_samples[i] < 0 || (i == 0 && c->batch_size_step_samples[0] != 0) ||
+            (i > 0 && c->batch_size_step_samples[i] <= c->batch_size_step_samples[i - 1]))
+            return mt_fail(err, MT_ERR_CONFIG, "--step-batch-size-schedule: entry %d is not a positive batch size at "
+                           "a threshold above the previous one (the first at 0)", i);
+        if (c->batch_size_step_size[i] % unit)
+            return mt_fail(err, MT_ERR_CONFIG, "--step-batch-size-schedule: batch size %d is not a multiple of "
+                           "--micro-batch-size %d x data-parallel size %d", c->batch_size_step_size[i],
+                           c->micro_batch_size, c->data_parallel_size);
+    }
+    return MT_OK;
+}
+
+/* --train-iters or --train-samples (never both), and the schedule lengths that go with each, as
+ * Megatron's validate_args asserts; with --train-samples the iterations follow from the batch sizes
+ * (training.py update_train_iters: a constant batch drops a partial last batch; the ramp counts its
+ * iterations up to the ramp's end, then whole global batches; a step schedule runs until the
+ * samples are reached). */
+static mt_status mt_training_length_finalize(mt_config* c, mt_error* err) {
+    if (c->train_samples > 0) {
+        if (c->train_iters > 0)
+            return mt_fail(err, MT_ERR_CONFIG, "--train-iters and --train-samples are mutually exclusive");
+        if (c->lr_decay_iters > 0 || c->lr_warmup_iters > 0 || c->lr_wsd_decay_iters > 0)
+            return mt_fail(err, MT_ERR_CONFIG, "--train-samples counts the schedule in samples: use "
+                           "--lr-decay-samples, --lr-warmup-samples and --lr-wsd-decay-samples, not the -iters flags");
+        int64_t consumed = 0, iterations;
+        if (c->rampup_batch_size[0] > 0) {
+            int64_t ramp_end = c->rampup_batch_size[2] < c->train_samples ? c->rampup_batch_size[2] : c->train_samples;
+            iterations = mt__iterations_until(c, &consumed, ramp_end + 1);
+            if (c->train_samples > consumed) iterations += (c->train_samples - consumed) / c->global_batch_size;
+        } else if (c->num_batch_size_steps > 0) {
+            iterations = mt__iterations_until(c, &consumed, c->train_samples);
+        } else {
+            iterations = c->train_samples / c->global_batch_size;
+        }
+        if (iterations <= 0)
+            return mt_fail(err, MT_ERR_CONFIG, "--train-samples %lld is less than one global batch of %d",
+                           (long long)c->train_samples, c->global_batch_size);
+        c->train_iters = iterations;
+        if (c->lr_decay_samples == 0) c->lr_decay_samples = c->train_samples;
+        return MT_OK;
+    }
+    if (c->lr_decay_samples > 0 || c->lr_warmup_samples > 0 || c->lr_wsd_decay_samples > 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--lr-decay-samples, --lr-warmup-samples and --lr-wsd-decay-samples need "
+                       "--train-samples (with --train-iters use the -iters flags)");
+    if (c->train_iters <= 0) return mt_fail(err, MT_ERR_CONFIG, "--train-iters or --train-samples must be positive");
+    if (c->lr_decay_iters == 0) c->lr_decay_iters = c->train_iters;
+    return MT_OK;
+}
+
+/* Megatron's _parse_numeric_value: a decimal with an optional K/M/B/T suffix, int(float(x) * mult). */
+static int mt__schedule_number(const char* s, size_t n, int64_t* out) {
+    char buf[64];
+    if (n == 0 || n >= sizeof(buf)) return 0;
+    memcpy(buf, s, n);
+    buf[n] = 0;
+    double mult = 1.0;
+    char last = buf[n - 1];
+    if (last == 'T' || last == 't') mult = 1e12;
+    else if (last == 'B' || last == 'b') mult = 1e9;
+    else if (last == 'M' || last == 'm') mult = 1e6;
+    else if (last == 'K' || last == 'k') mult = 1e3;
+    if (mult != 1.0) buf[--n] = 0;
+    char* end;
+    double v = strtod(buf, &end);
+    if (n == 0 || *end || !isfinite(v) || v < 0 || v * mult >= 9.2e18) return 0;
+    *out = (int64_t)(v * mult);
+    return 1;
+}
+
+mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, mt_config* c, mt_error* err) {
+    if (seq_length <= 0) return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule needs --seq-length");
+    int n = 0;
+    const char* p = text;
+    while (*p) {
+        while (*p == ' ' || *p == ',' || *p == '\t') p++;
+        if (!*p) break;
+        const char* start = p;
+        while (*p && *p != ' ' && *p != ',' && *p != '\t') p++;
+        const char* colon = (const char*)memchr(start, ':', (size_t)(p - start));
+        int64_t threshold, batch;
+        if (!colon || !mt__schedule_number(start, (size_t)(colon - start), &threshold) ||
+            !mt__schedule_number(colon + 1, (size_t)(p - colon - 1), &batch) || batch > 2147483647)
+            return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule: '%.*s' is not THRESHOLD:BATCH_SIZE "
+                           "(tokens, K/M/B/T allowed, then a batch size)", (int)(p - start), start);
+        if (n == MT_MAX_BATCH_SIZE_STEPS)
+            return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule: more than %d entries", MT_MAX_BATCH_SIZE_STEPS);
+        int64_t samples = threshold / seq_length; /* thresholds are tokens */
+        int i = n++; /* insertion sort by threshold, stable as Python's sort */
+        while (i > 0 && c->batch_size_step_samples[i - 1] > samples) {
+            c->batch_size_step_samples[i] = c->batch_size_step_samples[i - 1];
+            c->batch_size_step_size[i] = c->batch_size_step_size[i - 1];
+            i--;
+        }
+        c->batch_size_step_samples[i] = samples;
+        c->batch_size_step_size[i] = (int)batch;
+    }
+    if (n == 0) return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule: no entries");
+    c->num_batch_size_steps = n;
+    if (c->batch_size_step_samples[0] != 0)
+        return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule: the first threshold must be 0, got %lld samples",
+                       (long long)c->batch_size_step_samples[0]);
+    for (int i = 1; i < n; i++)
+        if (c->batch_size_step_samples[i] <= c->batch_size_step_samples[i - 1])
+            return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule: thresholds must be strictly increasing "
+                           "(after // --seq-length %d: %lld then %lld samples)", seq_length,
+                           (long long)c->batch_size_step_samples[i - 1], (long long)c->batch_size_step_samples[i]);
+    for (int i = 0; i < n; i++)
+        if (c->batch_size_step_size[i] <= 0)
+            return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule: batch size %d must be positive",
+                           c->batch_size_step_size[i]);
+    return MT_OK;
+}
 
 mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     /* every double finite (a NaN passes every < / >= range test below), then the ranges Megatron's
@@ -2465,6 +2709,9 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
                        c->hidden_dropout, c->attention_dropout);
     if (c->lr_warmup_iters < 0 || c->lr_decay_iters < 0 || c->lr_wsd_decay_iters < 0)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-iters, --lr-decay-iters and --lr-wsd-decay-iters must be >= 0");
+    if (c->train_samples < 0 || c->lr_warmup_samples < 0 || c->lr_decay_samples < 0 || c->lr_wsd_decay_samples < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--train-samples, --lr-warmup-samples, --lr-decay-samples and "
+                       "--lr-wsd-decay-samples must be >= 0");
     if (c->num_layers <= 0) return mt_fail(err, MT_ERR_CONFIG, "--num-layers must be positive");
     if (c->hidden_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--hidden-size must be positive");
     if (c->num_attention_heads <= 0) return mt_fail(err, MT_ERR_CONFIG, "--num-attention-heads must be positive");
@@ -2481,8 +2728,9 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if (c->ffn_hidden_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--ffn-hidden-size must be positive");
     if (c->normalization != MT_NORM_LAYERNORM && c->normalization != MT_NORM_RMSNORM)
         return mt_fail(err, MT_ERR_CONFIG, "--normalization must be LayerNorm or RMSNorm");
-    if (c->position_embedding_type != MT_POSITION_LEARNED && c->position_embedding_type != MT_POSITION_ROPE)
-        return mt_fail(err, MT_ERR_CONFIG, "--position-embedding-type must be learned_absolute or rope");
+    if (c->position_embedding_type != MT_POSITION_LEARNED && c->position_embedding_type != MT_POSITION_ROPE &&
+        c->position_embedding_type != MT_POSITION_NONE)
+        return mt_fail(err, MT_ERR_CONFIG, "--position-embedding-type must be learned_absolute, rope or none");
     if (c->norm_epsilon <= 0) return mt_fail(err, MT_ERR_CONFIG, "--norm-epsilon must be positive");
     if (c->num_query_groups == 0) c->num_query_groups = c->num_attention_heads;
     if (c->kv_channels == 0) {
@@ -2550,12 +2798,20 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if ((int64_t)c->micro_batch_size * c->data_parallel_size > INT32_MAX)
         return mt_fail(err, MT_ERR_CONFIG, "--micro-batch-size %d x data-parallel size %d exceeds %d",
                        c->micro_batch_size, c->data_parallel_size, INT32_MAX);
+    if (c->num_batch_size_steps > 0) { /* the schedule's last size is the global batch */
+        int last = c->batch_size_step_size[c->num_batch_size_steps - 1];
+        if (c->global_batch_size == 0) c->global_batch_size = last;
+        if (c->global_batch_size != last)
+            return mt_fail(err, MT_ERR_CONFIG, "--global-batch-size %d differs from the last batch size %d of "
+                           "--step-batch-size-schedule (give one of them, or the same size)", c->global_batch_size, last);
+    }
     if (c->global_batch_size == 0) c->global_batch_size = c->micro_batch_size * c->data_parallel_size;
     if (c->global_batch_size % (c->micro_batch_size * c->data_parallel_size))
         return mt_fail(err, MT_ERR_CONFIG,
                        "--global-batch-size %d is not divisible by --micro-batch-size %d x data-parallel size %d",
                        c->global_batch_size, c->micro_batch_size, c->data_parallel_size);
-    if (c->train_iters <= 0) return mt_fail(err, MT_ERR_CONFIG, "--train-iters must be positive");
+    if (mt_batch_ramp_check(c, err) != MT_OK) return MT_ERR_CONFIG;
+    if (mt_training_length_finalize(c, err) != MT_OK) return MT_ERR_CONFIG;
     /* pipeline: virtual stages from either flag, the layer split, the schedule of a training step */
     if (c->virtual_pipeline_size < 1) c->virtual_pipeline_size = 1;
     if (c->num_layers_per_virtual_pipeline_stage > 0) {
@@ -2583,17 +2839,22 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
         return MT_ERR_CONFIG;
     if (c->lr < 0 || c->min_lr < 0) return mt_fail(err, MT_ERR_CONFIG, "learning rates must be >= 0");
     if (c->min_lr > c->lr) return mt_fail(err, MT_ERR_CONFIG, "--min-lr %g exceeds --lr %g", c->min_lr, c->lr);
-    if (c->lr_decay_iters == 0) c->lr_decay_iters = c->train_iters;
     if (c->lr_warmup_fraction >= 0 && c->lr_warmup_iters > 0)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive");
+    if (c->lr_warmup_fraction >= 0 && c->lr_warmup_samples > 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive");
     if (c->lr_warmup_fraction > 1.0) return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction must be <= 1");
     if (mt_config_size_check(c, err) != MT_OK) return MT_ERR_CONFIG;
     if (mt_fp8_config_check(c, err) != MT_OK) return MT_ERR_CONFIG;
     if (c->lr_warmup_iters > c->lr_decay_iters)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-iters %lld exceeds --lr-decay-iters %lld",
                        (long long)c->lr_warmup_iters, (long long)c->lr_decay_iters);
-    if (c->lr_decay_style == MT_LR_WSD && c->lr_wsd_decay_iters <= 0)
-        return mt_fail(err, MT_ERR_CONFIG, "--lr-decay-style WSD needs --lr-wsd-decay-iters");
+    if (c->lr_warmup_samples > c->lr_decay_samples)
+        return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-samples %lld exceeds --lr-decay-samples %lld",
+                       (long long)c->lr_warmup_samples, (long long)c->lr_decay_samples);
+    if (c->lr_decay_style == MT_LR_WSD && c->lr_wsd_decay_iters <= 0 && c->lr_wsd_decay_samples <= 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--lr-decay-style WSD needs --lr-wsd-decay-iters (--lr-wsd-decay-samples "
+                       "with --train-samples)");
     if (c->adam_beta1 < 0 || c->adam_beta1 >= 1 || c->adam_beta2 < 0 || c->adam_beta2 >= 1)
         return mt_fail(err, MT_ERR_CONFIG, "Adam betas must be in [0, 1)");
     if (c->precision == MT_FP16 && c->loss_scale <= 0 && c->initial_loss_scale <= 0)
@@ -2613,31 +2874,34 @@ int mt_num_micro_batches(const mt_config* c) {
 }
 
 /* Megatron's OptimizerParamScheduler.get_lr: linear warmup from lr_warmup_init, then the decay
- * style down to min_lr at lr_decay_iters, min_lr after. All lengths are in samples. */
+ * style down to min_lr at the decay length, min_lr after. All lengths are in samples: the -iters
+ * flags times the global batch, or the -samples flags with --train-samples; a warmup fraction of
+ * the decay length is kept fractional, as in Python. */
 double mt_learning_rate(const mt_config* c, int64_t num_steps) {
     const double pi = 3.14159265358979323846;
     int64_t gbs = c->global_batch_size;
-    int64_t decay_steps = c->lr_decay_iters * gbs;
-    int64_t warmup_steps = c->lr_warmup_fraction >= 0 ? (int64_t)(c->lr_warmup_fraction * (double)decay_steps)
-                                                      : c->lr_warmup_iters * gbs;
+    int sample_based = c->train_samples > 0;
+    int64_t decay_steps = sample_based ? c->lr_decay_samples : c->lr_decay_iters * gbs;
+    double warmup_steps = c->lr_warmup_fraction >= 0 ? c->lr_warmup_fraction * (double)decay_steps
+                          : (double)(sample_based ? c->lr_warmup_samples : c->lr_warmup_iters * gbs);
     double max_lr = c->lr, min_lr = c->min_lr;
-    if (warmup_steps > 0 && num_steps <= warmup_steps)
-        return c->lr_warmup_init + (max_lr - c->lr_warmup_init) * (double)num_steps / (double)warmup_steps;
+    if (warmup_steps > 0 && (double)num_steps <= warmup_steps)
+        return c->lr_warmup_init + (max_lr - c->lr_warmup_init) * (double)num_steps / warmup_steps;
     if (c->lr_decay_style == MT_LR_CONSTANT) return max_lr;
     if (num_steps > decay_steps) return min_lr;
     if (c->lr_decay_style == MT_LR_INVERSE_SQUARE_ROOT) {
-        double warmup = warmup_steps > 0 ? (double)warmup_steps : 1.0;
+        double warmup = warmup_steps > 1.0 ? warmup_steps : 1.0;
         double lr = max_lr * sqrt(warmup) / sqrt(num_steps > 0 ? (double)num_steps : 1.0);
         return lr > min_lr ? lr : min_lr;
     }
-    double ratio = (double)(num_steps - warmup_steps) / (double)(decay_steps - warmup_steps);
+    double ratio = ((double)num_steps - warmup_steps) / ((double)decay_steps - warmup_steps);
     double coeff;
     if (c->lr_decay_style == MT_LR_LINEAR) {
         coeff = 1.0 - ratio;
     } else if (c->lr_decay_style == MT_LR_COSINE) {
         coeff = 0.5 * (cos(pi * ratio) + 1.0);
     } else { /* WSD: constant until the annealing tail, then the tail's shape down to min_lr */
-        int64_t anneal_steps = c->lr_wsd_decay_iters * gbs;
+        int64_t anneal_steps = sample_based ? c->lr_wsd_decay_samples : c->lr_wsd_decay_iters * gbs;
         int64_t stable_end = decay_steps - anneal_steps;
         if (num_steps <= stable_end) {
             coeff = 1.0;
@@ -2647,7 +2911,7 @@ double mt_learning_rate(const mt_config* c, int64_t num_steps) {
                 case MT_WSD_LINEAR: coeff = 1.0 - r; break;
                 case MT_WSD_COSINE: coeff = 0.5 * (cos(pi * r) + 1.0); break;
                 case MT_WSD_MINUS_SQRT: coeff = 1.0 - sqrt(r); break;
-                default: coeff = pow(0.5, r); break; /* exponential */
+                default: coeff = 2.0 * pow(0.5, r) - 1.0; break; /* exponential: 1 at the start, 0 at the end */
             }
         }
     }
@@ -2680,23 +2944,24 @@ static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* in
     int64_t positions = c->position_embedding_type == MT_POSITION_LEARNED ? c->max_position_embeddings : 0;
     int64_t V = c->padded_vocab_size, untied = c->untie_embeddings_and_output_weights != 0;
     int64_t glu = c->swiglu ? 2 : 1;
+    int norm_w = c->apply_layernorm_1p ? 0 : 1; /* --apply-layernorm-1p: the weights hold w - 1, from 0 */
     struct { const char* name; int64_t layers, outer, rows, inner; int split, wd, init; } t[MT_NUM_PARAM_TENSORS] = {
         /* name                 layers        outer rows       inner split wd init */
         {"word_embeddings",     1,            1,    V,         h,    1, 1, 2},
         {"position_embeddings", 1,            1,    positions, h,    0, 1, 2},
-        {"ln1_weight",          L,            1,    h,         1,    0, 0, 1},
+        {"ln1_weight",          L,            1,    h,         1,    0, 0, norm_w},
         {"ln1_bias",            ln_bias * L,  1,    h,         1,    0, 0, 0},
         {"qkv_weight",          L,            1,    qkv,       h,    1, 1, 2}, /* groups are whole row blocks */
         {"qkv_bias",            bias * L,     1,    qkv,       1,    1, 0, 0},
         {"proj_weight",         L,            h,    attn,      1,    1, 1, 3},
         {"proj_bias",           bias * L,     1,    h,         1,    0, 0, 0},
-        {"ln2_weight",          L,            1,    h,         1,    0, 0, 1},
+        {"ln2_weight",          L,            1,    h,         1,    0, 0, norm_w},
         {"ln2_bias",            ln_bias * L,  1,    h,         1,    0, 0, 0},
         {"fc1_weight",          L,            glu,  f,         h,    1, 1, 2},
         {"fc1_bias",            bias * L,     glu,  f,         1,    1, 0, 0},
         {"fc2_weight",          L,            h,    f,         1,    1, 1, 3},
         {"fc2_bias",            bias * L,     1,    h,         1,    0, 0, 0},
-        {"final_ln_weight",     1,            1,    h,         1,    0, 0, 1},
+        {"final_ln_weight",     1,            1,    h,         1,    0, 0, norm_w},
         {"final_ln_bias",       ln_bias,      1,    h,         1,    0, 0, 0},
         {"output_weight",       untied,       1,    V,         h,    1, 1, 2},
     };
@@ -3131,6 +3396,7 @@ void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
     }
     h[MT_CK_UNTIED] = c->untie_embeddings_and_output_weights != 0;
     h[MT_CK_NO_BIAS_LINEAR] = !c->add_bias_linear;
+    h[MT_CK_LAYERNORM_1P] = c->apply_layernorm_1p != 0;
     memcpy(&h[MT_CK_NORM_EPS_BITS], &c->norm_epsilon, sizeof(double));
     h[MT_CK_TRUE_VOCAB] = c->vocab_size;
 }
@@ -3158,6 +3424,7 @@ void mt_config_from_checkpoint_header(mt_config* c, const int64_t* h) {
     }
     c->untie_embeddings_and_output_weights = (int)h[MT_CK_UNTIED];
     c->add_bias_linear = !h[MT_CK_NO_BIAS_LINEAR];
+    c->apply_layernorm_1p = h[MT_CK_LAYERNORM_1P] != 0;
     if (h[MT_CK_NORM_EPS_BITS]) memcpy(&c->norm_epsilon, &h[MT_CK_NORM_EPS_BITS], sizeof(double));
 }
 

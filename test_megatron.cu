@@ -33,6 +33,7 @@
 #include "tests/test_hostile.h"
 #include "tests/test_tensorboard.h"
 #include "tests/test_evaluation.h"
+#include "tests/test_flags.h"
 
 typedef struct {
     const char* group; /* kind.feature: kind is host, gpu or multigpu */
@@ -63,6 +64,7 @@ int main(int argc, char** argv) {
         GROUP("host.dataset", dataset_tests),
         GROUP("host.tokenizer", tokenizer_tests),
         GROUP("host.config", config_tests),
+        GROUP("host.flags", flags_tests),
         GROUP("host.data_parallel", data_parallel_tests),
         GROUP("host.tensor_parallel", tensor_parallel_tests),
         GROUP("host.pipeline", pipeline_schedule_tests),
@@ -73,6 +75,7 @@ int main(int argc, char** argv) {
         GROUP("host.tensorboard", tensorboard_tests),
         GROUP("host.evaluation", evaluation_tests),
         GROUP("gpu.model", model_gpu_tests),
+        GROUP("gpu.flags", flags_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),
         GROUP("gpu.checkpoint", checkpoint_gpu_tests),
         GROUP("gpu.attention", attention_gpu_tests),

@@ -159,7 +159,7 @@ COMMON=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$H
   --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 --bf16 --hidden-dropout 0
   --attention-dropout 0 --init-method-std 0.02 --data-path "$PREFIX" --split "$SPLIT"
   --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB" --merge-file "$MERGES" --log-interval "$LOG_INTERVAL"
-  --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS" --seed "$SEED" --sample-tokens 0)
+  --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS" --seed "$SEED" --sample-tokens 0 --log-throughput)
 recipe_flags() {
   case "$1" in
     bf16) ;;
