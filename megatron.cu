@@ -6210,10 +6210,14 @@ mt_status mt_trainer_evaluate(mt_trainer* t, const int32_t* tokens, int num_micr
 
 mt_status mt_trainer_token_losses(mt_trainer* t, const int32_t* tokens, float* losses, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
-    double mean; /* run_micro_batches leaves the micro-batch's per-token losses in host_losses */
+    double mean; /* run_micro_batches leaves the micro-batch's per-token losses in act.losses (last stage) */
     mt_status st = run_micro_batches(t, tokens, 1, 0, 1.0, 0, &mean, err);
-    if (st == MT_OK) memcpy(losses, t->host_losses, sizeof(float) * (size_t)t->cfg.micro_batch_size * t->cfg.seq_length);
-    return st;
+    if (st != MT_OK) return st;
+    const size_t BT = (size_t)t->cfg.micro_batch_size * t->cfg.seq_length;
+    if (t->groups.pp_size > 1) /* every stage gets the last stage's */
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclBroadcast(t->act.losses, t->act.losses, BT, ncclFloat,
+                                                         t->groups.pp_size - 1, t->groups.pp, t->stream));
+    return copy_sync(t, losses, t->act.losses, sizeof(float) * BT, cudaMemcpyDeviceToHost, err);
 }
 
 /* FP8 delayed scaling after an optimizer step: this step's amaxes (the largest over its micro-batches
