@@ -738,14 +738,10 @@ int main(int argc, char** argv) {
     c->vocab_size = tok ? mt_tokenizer_vocab_size(tok) : o.null_vocab_size;
     mt_error err;
     if (mt_config_finalize(c, &err) != MT_OK) die(2, "%s", err.message);
-    {   /* the validation samples Megatron asks for: (train_iters / eval_interval + 1) x eval_iters x gbs */
-        int64_t evals = (o.eval_interval > 0 ? c->train_iters / o.eval_interval : 0) + 1, t;
-        if (mt_mul_overflows_i64(evals, o.eval_iters, &t) || mt_mul_overflows_i64(t, c->global_batch_size, &t) ||
-            mt_mul_overflows_i64(t, (int64_t)c->seq_length + 1, &t))
-            die(2, "--eval-iters %lld: the validation samples (%lld evaluations x --eval-iters x --global-batch-size "
-                "%d) x --seq-length %d tokens overflows", (long long)o.eval_iters, (long long)evals,
-                c->global_batch_size, c->seq_length);
-    }
+    /* data: Megatron's sample counts (refused when they overflow) */
+    int64_t num_samples[3];
+    if (mt_gpt_num_samples(c->train_iters, o.eval_interval, o.eval_iters, c->global_batch_size, num_samples, &err) != MT_OK)
+        die(2, "%s", err.message);
     if (o.builtin) {
         static const char* builtin_prefix = "dev/data/tinyshakespeare_text_document";
         if (rank == 0) prepare_builtin_corpus(tok, builtin_prefix);
@@ -756,9 +752,7 @@ int main(int argc, char** argv) {
         o.num_data_paths = 1;
     }
 
-    /* data: Megatron's sample counts and indices */
-    int64_t num_samples[3];
-    mt_gpt_num_samples(c->train_iters, o.eval_interval, o.eval_iters, c->global_batch_size, num_samples);
+    /* data: Megatron's sample indices */
     mt_gpt_data* data = NULL;
     if (o.mock_data) {
         printf("data: --mock-data, random tokens\n");

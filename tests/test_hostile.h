@@ -224,7 +224,7 @@ static test_result test_hostile_dataset_info_flags(void) {
         {"--seq-length 8 --train-iters 1e3 --global-batch-size 4", "--train-iters 1e3: not an integer"},
         {"--seq-length 8 --train-iters 10 --global-batch-size -4", "--global-batch-size -4: must be between 1 and"},
         {"--seq-length 8 --train-iters 4611686018427387904 --global-batch-size 4",
-         "--train-iters x --global-batch-size samples overflows"},
+         "--train-iters 4611686018427387904 x --global-batch-size 4 samples overflows"},
         {"--seq-length 8 --train-iters 10 --global-batch-size 4 --eval-iters 4611686018427387904",
          "the validation samples"},
     };
