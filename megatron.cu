@@ -5853,6 +5853,12 @@ mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_re
     int found_inf = !isfinite(norm);
     double lr = mt_learning_rate(c, t->scheduler_steps);
     out->learning_rate = lr;
+    /* Megatron's --check-for-nan-in-loss-and-grad: the loss and the norm are the same on every rank
+     * (both reduced), so every rank stops here together, before the optimizer touches anything */
+    if (c->check_for_nan_in_loss_and_grad && (!isfinite(loss) || (found_inf && c->precision != MT_FP16)))
+        return mt_fail(err, MT_ERR_NAN, "found %s in the %s on rank %d (lm loss %g, grad norm %g): the step is not "
+                       "applied (--check-for-nan-in-loss-and-grad)", isnan(loss) || isnan(norm) ? "NaN" : "Inf",
+                       !isfinite(loss) ? "loss" : "gradients", c->rank, loss, norm);
     if (c->precision == MT_FP16 && found_inf) {
         loss_scaler_update(t, 1);
         out->skipped = 1;

@@ -83,7 +83,8 @@ typedef enum {
     MT_ERR_OOM,      /* host or device memory exhausted */
     MT_ERR_CUDA,     /* a CUDA runtime or cuBLAS call failed */
     MT_ERR_NCCL,     /* an NCCL call failed */
-    MT_ERR_RANGE     /* an index out of range */
+    MT_ERR_RANGE,    /* an index out of range */
+    MT_ERR_NAN       /* a NaN or Inf where training needs a finite number (the loss, the gradient norm) */
 } mt_status;
 
 /* One clear line describing the last failure of a call that was handed this struct. */
@@ -171,9 +172,9 @@ mt_status mt_indexed_dataset_read(const mt_indexed_dataset* ds, int64_t seq, int
 /* Writer: Megatron's IndexedDatasetBuilder. Writes <prefix>.bin.tmp.<pid> and <prefix>.idx.tmp.<pid>
  * (removing those of processes that are gone first) and commits them in finalize, so a failed or
  * aborted run leaves nothing behind. A pair is committed so that no instant shows a new .bin beside
- * an old .idx: the old .idx is removed first, then the .bin and last the .idx are renamed into place
- * (both fsync'ed before); a crash in between leaves a .bin without an .idx, which every reader
- * refuses, and the format stays Megatron's own. The reader above checks, after mapping the .bin, that
+ * an old .idx: the old .idx and then the old .bin are moved aside first, then the new .bin and last
+ * the new .idx are renamed into place (both fsync'ed before); a crash in between leaves no .idx,
+ * which every reader refuses, and the format stays Megatron's own. The reader above checks, after mapping the .bin, that
  * the .idx path still names the file it mapped, so a dataset committed while it is being opened is
  * refused rather than read as a mix. Integer dtypes only; every token is range-checked against the
  * dtype before anything is written, so a rejected add_document leaves the writer unchanged. */
@@ -196,10 +197,10 @@ mt_status mt_indexed_writer_finalize(mt_indexed_writer* w, mt_error* err);
 void mt_indexed_writer_abort(mt_indexed_writer* w); /* removes the temporary files, frees */
 /* Several datasets as one set (preprocess_data's --json-keys): prepare each (the .bin flushed, the
  * .idx written, both fsync'ed under their temporary names; w stays open and abort still removes
- * them), and only when every one is prepared, commit them all: every old .idx removed, then every
- * .bin, then every .idx renamed into place. A failure while preparing leaves every old dataset as
- * it was; a crash while committing leaves each dataset complete (new) or without an .idx. Commit
- * frees every writer, in every case; on failure it removes what it had moved into place. */
+ * them), and only when every one is prepared, commit them all: every old .idx and every old .bin
+ * moved aside, then every new .bin and every new .idx renamed into place, then the old ones removed.
+ * A failure (while preparing or committing) leaves every old dataset as it was; a crash while
+ * committing leaves each dataset old, new, or without an .idx. Commit frees every writer. */
 mt_status mt_indexed_writer_prepare(mt_indexed_writer* w, mt_error* err);
 mt_status mt_indexed_writers_commit(mt_indexed_writer** writers, int count, mt_error* err);
 
@@ -462,6 +463,9 @@ typedef struct {
     double adam_beta1, adam_beta2, adam_eps; /* 0.9, 0.999, 1e-8 */
     double weight_decay;              /* --weight-decay (0.01) */
     double clip_grad;                 /* --clip-grad (1.0; 0 disables) */
+    int check_for_nan_in_loss_and_grad; /* 1 unless --no-check-for-nan-in-loss-and-grad: a NaN/Inf loss, or
+                                         gradient norm (outside fp16's loss scaler), stops train_step with
+                                         MT_ERR_NAN before the optimizer applies it */
     /* batch and length of training */
     int micro_batch_size;             /* --micro-batch-size */
     int global_batch_size;            /* --global-batch-size (0: micro * data-parallel size) */
@@ -790,7 +794,9 @@ void mt_trainer_free(mt_trainer* t);
 mt_memory_plan mt_trainer_memory_plan(const mt_trainer* t);
 
 /* One training iteration over this rank's part of the global batch.
- * tokens: [num_micro_batches, micro_batch_size, seq_length + 1] (inputs are [..., :-1], labels [..., 1:]). */
+ * tokens: [num_micro_batches, micro_batch_size, seq_length + 1] (inputs are [..., :-1], labels [..., 1:]).
+ * With cfg->check_for_nan_in_loss_and_grad (the default), a NaN or Inf loss, or gradient norm outside
+ * fp16, returns MT_ERR_NAN on every rank with the weights, optimizer and scheduler as before the step. */
 mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_result* out, mt_error* err);
 /* Forward + backward only: fills the fp32 gradients (mean loss over the batch) and returns the loss. */
 mt_status mt_trainer_compute_gradients(mt_trainer* t, const int32_t* tokens, int num_micro_batches,
@@ -864,6 +870,7 @@ const char* mt_status_name(mt_status status) {
         case MT_ERR_CUDA: return "cuda error";
         case MT_ERR_NCCL: return "nccl error";
         case MT_ERR_RANGE: return "out of range";
+        case MT_ERR_NAN: return "not a finite number";
     }
     return "unknown error";
 }
@@ -1370,7 +1377,9 @@ struct mt_indexed_writer {
     char* prefix;
     char *bin, *idx;         /* the final names */
     char *bin_tmp, *idx_tmp; /* what is written: <final>.tmp.<pid> */
+    char *bin_old, *idx_old; /* where a commit moves the old dataset aside: <final>.tmp.<pid>.old */
     int prepared;            /* both temporaries complete and on disk */
+    int moved;               /* the commit's steps done (bits: old .idx, old .bin aside; new .bin, .idx in) */
     int fd;
     int dtype;
     size_t itemsize;
@@ -1391,6 +1400,8 @@ static void mt__writer_free(mt_indexed_writer* w) {
     free(w->idx);
     free(w->bin_tmp);
     free(w->idx_tmp);
+    free(w->bin_old);
+    free(w->idx_old);
     free(w->buf);
     free(w->lengths);
     free(w->docs);
@@ -1412,11 +1423,14 @@ mt_status mt_indexed_writer_open(mt_indexed_writer** out, const char* prefix, in
     w->idx = mt__concat(prefix, ".idx");
     w->bin_tmp = w->bin ? mt_temporary_path(w->bin) : NULL;
     w->idx_tmp = w->idx ? mt_temporary_path(w->idx) : NULL;
+    w->bin_old = w->bin_tmp ? mt__concat(w->bin_tmp, ".old") : NULL;
+    w->idx_old = w->idx_tmp ? mt__concat(w->idx_tmp, ".old") : NULL;
     w->buf = (unsigned char*)malloc(MT__WRITER_BUFFER_BYTES);
     w->docs_cap = w->lengths_cap = 1024;
     w->docs = (int64_t*)malloc((size_t)w->docs_cap * sizeof(int64_t));
     w->lengths = (int32_t*)malloc((size_t)w->lengths_cap * sizeof(int32_t));
-    if (!w->prefix || !w->bin || !w->idx || !w->bin_tmp || !w->idx_tmp || !w->buf || !w->docs || !w->lengths) {
+    if (!w->prefix || !w->bin || !w->idx || !w->bin_tmp || !w->idx_tmp || !w->bin_old || !w->idx_old || !w->buf ||
+        !w->docs || !w->lengths) {
         mt__writer_free(w);
         return mt_fail(err, MT_ERR_OOM, "out of memory opening a writer for %s", prefix);
     }
@@ -1614,42 +1628,42 @@ mt_status mt_indexed_writer_prepare(mt_indexed_writer* w, mt_error* err) {
     return st;
 }
 
-/* The file operations of a commit, in order: every old .idx removed, every .bin renamed, every .idx
- * renamed; at most max_ops of them (the tests stop it there to stand for a crash). bins and idxs
- * count the .bin and .idx files moved into place. */
-static mt_status mt__writers_commit_ops(mt_indexed_writer** ws, int n, int max_ops, int* bins, int* idxs,
-                                        mt_error* err) {
-    int k, ops = 0;
-    *bins = *idxs = 0;
-    for (k = 0; k < n; k++)
+/* The file operations of a commit, in order: every old .idx, then every old .bin moved aside (to
+ * <name>.tmp.<pid>.old), every new .bin, then every new .idx renamed into place; at most max_ops of
+ * them (the tests stop there to stand for a crash). Each writer records what it moved. */
+static mt_status mt__writers_commit_ops(mt_indexed_writer** ws, int n, int max_ops, mt_error* err) {
+    int ops = 0;
+    for (int k = 0; k < n; k++)
         if (!ws[k]->prepared) return mt_fail(err, MT_ERR_ARG, "%s: committed before it was prepared", ws[k]->prefix);
-    /* 1. no old .idx stays beside a .bin about to change */
-    for (k = 0; k < n && ops < max_ops; k++, ops++)
-        if (unlink(ws[k]->idx) != 0 && errno != ENOENT)
-            return mt_fail(err, MT_ERR_IO, "cannot replace %s: %s", ws[k]->idx, strerror(errno));
-    /* 2. every .bin, 3. every .idx: each dataset becomes readable when its .idx arrives */
-    for (k = 0; k < n && ops < max_ops; k++, ops++, (*bins)++)
-        if (rename(ws[k]->bin_tmp, ws[k]->bin) != 0)
-            return mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", ws[k]->bin_tmp, ws[k]->bin, strerror(errno));
-    for (k = 0; k < n && ops < max_ops; k++, ops++, (*idxs)++)
-        if (rename(ws[k]->idx_tmp, ws[k]->idx) != 0)
-            return mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", ws[k]->idx_tmp, ws[k]->idx, strerror(errno));
+    for (int phase = 0; phase < 4; phase++)
+        for (int k = 0; k < n && ops < max_ops; k++, ops++) {
+            mt_indexed_writer* w = ws[k];
+            const char* from = phase == 0 ? w->idx : phase == 1 ? w->bin : phase == 2 ? w->bin_tmp : w->idx_tmp;
+            const char* to = phase == 0 ? w->idx_old : phase == 1 ? w->bin_old : phase == 2 ? w->bin : w->idx;
+            if (rename(from, to) == 0) w->moved |= 1 << phase;
+            else if (phase >= 2 || errno != ENOENT) /* no old dataset: nothing to move aside */
+                return mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", from, to, strerror(errno));
+        }
     return MT_OK;
 }
 
 mt_status mt_indexed_writers_commit(mt_indexed_writer** ws, int n, mt_error* err) {
-    int bins = 0, idxs = 0;
-    mt_status st = mt__writers_commit_ops(ws, n, INT_MAX, &bins, &idxs, err);
+    mt_status st = mt__writers_commit_ops(ws, n, INT_MAX, err);
     for (int k = 0; k < n && st == MT_OK; k++)
         if (mt_sync_directory_of(ws[k]->idx) != 0)
             st = mt_fail(err, MT_ERR_IO, "cannot sync the directory of %s: %s", ws[k]->idx, strerror(errno));
-    for (int k = 0; k < n; k++) {
-        if (st != MT_OK) { /* a set is all or nothing: take back what this commit put in place */
-            if (k < idxs) unlink(ws[k]->idx);
-            if (k < bins) unlink(ws[k]->bin);
-            mt_indexed_writer_abort(ws[k]);
+    for (int k = n - 1; k >= 0; k--) {
+        mt_indexed_writer* w = ws[k];
+        if (st != MT_OK) { /* a set is all or nothing: what moved goes back, the old datasets are as they were */
+            if (w->moved & 8) unlink(w->idx);
+            if (w->moved & 4) unlink(w->bin);
+            if (w->moved & 2) rename(w->bin_old, w->bin);
+            if (w->moved & 1) rename(w->idx_old, w->idx);
+            mt_indexed_writer_abort(w);
         } else {
-            mt__writer_free(ws[k]);
+            unlink(w->idx_old); /* the old dataset, now replaced */
+            unlink(w->bin_old);
+            mt__writer_free(w);
         }
         ws[k] = NULL;
     }
@@ -2489,6 +2503,7 @@ void mt_config_defaults(mt_config* cfg) {
     cfg->adam_eps = 1e-8;
     cfg->weight_decay = 0.01;
     cfg->clip_grad = 1.0;
+    cfg->check_for_nan_in_loss_and_grad = 1;
     cfg->micro_batch_size = 1;
     cfg->seed = 1234;
     cfg->tensor_model_parallel_size = 1;

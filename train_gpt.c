@@ -16,6 +16,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/time.h>
@@ -48,6 +49,8 @@ typedef struct {
     const char* save;
     const char* load;
     int64_t exit_interval;
+    int exit_signal_handler;        /* --exit-signal-handler: SIGTERM/SIGINT -> finish the step, save, exit 0 */
+    int64_t exit_duration_in_mins;  /* --exit-duration-in-mins (0: none) */
     int sample_tokens;
     double peak_tflops;
     int builtin; /* no --data-path: the built-in job */
@@ -171,6 +174,7 @@ static void parse_args(run_options* o, int argc, char** argv) {
     const char* fp8_algo = NULL;
     int fp8_margin = -1, fp8_history = -1, no_fp8_wgrad = 0, first_last_bf16 = 0, bf16_start = -1, bf16_end = -1;
     int fp8_param_gather = 0;
+    int no_nan_check = 0;
     flag_spec flags[] = {
         {"--num-layers", F_INT64, &num_layers, IR(1, I32MAX)},
         {"--hidden-size", F_INT64, &hidden, IR(1, I32MAX)},
@@ -252,6 +256,10 @@ static void parse_args(run_options* o, int argc, char** argv) {
         {"--save-interval", F_INT64, &o->save_interval, IR(0, I64MAX)},
         {"--load", F_STRING, &o->load, NR},
         {"--exit-interval", F_INT64, &o->exit_interval, IR(0, I64MAX)},
+        /* faults (Megatron's): preemption and NaN */
+        {"--exit-signal-handler", F_TRUE, &o->exit_signal_handler, NR},
+        {"--exit-duration-in-mins", F_INT64, &o->exit_duration_in_mins, IR(0, 1000000000)},
+        {"--no-check-for-nan-in-loss-and-grad", F_TRUE, &no_nan_check, NR},
         {"--sample-tokens", F_INT, &o->sample_tokens, IR(0, I32MAX)},
         {"--peak-tflops", F_DOUBLE, &o->peak_tflops, DR(0, INFINITY, 0)},
         /* accepted for launch-script compatibility; they do not change what this build computes */
@@ -388,6 +396,7 @@ static void parse_args(run_options* o, int argc, char** argv) {
     if (bf16_start != -1) c->num_layers_at_start_in_bf16 = bf16_start;
     if (bf16_end != -1) c->num_layers_at_end_in_bf16 = bf16_end;
     c->fp8_param_gather = fp8_param_gather;
+    c->check_for_nan_in_loss_and_grad = !no_nan_check;
     if (!fp8_format && (fp8_recipe || fp8_algo || fp8_margin != -1 || fp8_history != -1 || no_fp8_wgrad ||
                         first_last_bf16 || fp8_param_gather))
         die(2, "the --fp8-* flags need --fp8-format e4m3|hybrid");
@@ -695,9 +704,64 @@ static void print_sample(mt_trainer* t, const mt_tokenizer* tok, const mt_config
     free(probs);
 }
 
+/* ---- faults: Megatron's exit conditions ------------------------------------------------------- */
+
+/* Saves a checkpoint (every rank takes part) and returns the iteration saved. */
+static int64_t save_checkpoint(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed) {
+    mt_error err;
+    if (mt_trainer_save(t, dir, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
+    printf("saved checkpoint at iteration %lld to %s\n", (long long)iteration, dir);
+    fflush(stdout);
+    return iteration;
+}
+
+/* --exit-signal-handler: SIGTERM (Slurm's preemption notice, Megatron's default signal) or SIGINT
+ * asks the run to stop after the current step; a second one takes the default action at once. */
+static volatile sig_atomic_t g_exit_signal = 0;
+
+static void on_exit_signal(int sig) {
+    if (g_exit_signal) {
+        signal(sig, SIG_DFL);
+        raise(sig);
+    }
+    g_exit_signal = sig;
+}
+
+static void install_exit_signal_handler(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_exit_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART; /* reads and writes in flight (data, a save) go on */
+    if (sigaction(SIGTERM, &sa, NULL) != 0 || sigaction(SIGINT, &sa, NULL) != 0)
+        die(1, "cannot install the signal handler: %s", strerror(errno));
+}
+
+/* Why the run stops after this iteration (Megatron's checkpoint_and_decide_exit: a signal, the
+ * duration, the exit interval), or NULL. Every rank sees the same answer: the signal and the clock
+ * are combined over the ranks (as Megatron's all-reduce), the interval is the same everywhere. */
+static const char* exit_reason(const run_options* o, int64_t iteration, double t_start, char* buf, size_t cap) {
+    int why = 0; /* bit 1: a signal, bit 2: the duration */
+    double minutes = (now_seconds() - t_start) / 60.0;
+    if (o->exit_signal_handler && g_exit_signal) why |= 1;
+    if (o->exit_duration_in_mins > 0 && minutes > (double)o->exit_duration_in_mins) why |= 2;
+#ifdef MT_USE_MPI
+    if (g_world > 1 && (o->exit_signal_handler || o->exit_duration_in_mins > 0))
+        MPI_Allreduce(MPI_IN_PLACE, &why, 1, MPI_INT, MPI_BOR, MPI_COMM_WORLD);
+#endif
+    if (why & 1) snprintf(buf, cap, "after receiving %s", g_exit_signal == SIGINT ? "SIGINT" : "SIGTERM");
+    else if (why & 2) snprintf(buf, cap, "after %.1f minutes (--exit-duration-in-mins %lld)", minutes,
+                               (long long)o->exit_duration_in_mins);
+    else if (o->exit_interval > 0 && iteration % o->exit_interval == 0)
+        snprintf(buf, cap, "at iteration %lld (--exit-interval)", (long long)iteration);
+    else return NULL;
+    return buf;
+}
+
 /* ---- main ------------------------------------------------------------------------------------- */
 
 int main(int argc, char** argv) {
+    const double t_launch = now_seconds(); /* --exit-duration-in-mins counts from here, as Megatron's */
     /* launch: one process per GPU, started by mpirun or srun. MPI gives each its rank and its GPU
      * on the node (the rank among the processes that share the node's memory); rank 0 makes the
      * NCCL id and MPI sends it to everyone. Only rank 0 writes the log. */
@@ -802,6 +866,10 @@ int main(int argc, char** argv) {
     double interval_loss = 0.0, interval_time = 0.0;
     int interval_steps = 0, interval_skipped = 0, interval_nan = 0;
     double t_start = now_seconds();
+    int64_t saved_at = -1; /* the iteration of the last save */
+    char why_buf[128];
+    const char* why = NULL; /* why the run stopped early (Megatron's exit conditions) */
+    if (o.exit_signal_handler) install_exit_signal_handler();
     while (iteration < c->train_iters) {
         fetch_batch(data, MT_SPLIT_TRAIN, consumed, c, tokens);
         double t0 = now_seconds();
@@ -836,28 +904,29 @@ int main(int argc, char** argv) {
             split_samples(data, MT_SPLIT_VALID) > 0) {
             print_validation("validation", iteration, evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens));
         }
-        if (o.save && o.save_interval > 0 && iteration % o.save_interval == 0) {
-            if (mt_trainer_save(t, o.save, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
-            printf("saved checkpoint at iteration %lld to %s\n", (long long)iteration, o.save);
+        if (o.save && o.save_interval > 0 && iteration % o.save_interval == 0)
+            saved_at = save_checkpoint(t, o.save, iteration, consumed);
+        /* Megatron's exit conditions: save (unless just saved) and stop, without the final evaluations */
+        if ((why = exit_reason(&o, iteration, t_launch, why_buf, sizeof(why_buf))) != NULL) {
+            if (o.save && saved_at != iteration) saved_at = save_checkpoint(t, o.save, iteration, consumed);
+            printf("exiting program %s\n", why);
+            break;
         }
-        if (o.exit_interval > 0 && iteration % o.exit_interval == 0) break;
     }
     printf("training took %.1f s\n", now_seconds() - t_start);
     /* as Megatron: validation and test losses at the end of training */
-    if (o.eval_iters > 0 && split_samples(data, MT_SPLIT_VALID) >= consumed_valid + o.eval_iters * c->global_batch_size)
+    if (!why && o.eval_iters > 0 &&
+        split_samples(data, MT_SPLIT_VALID) >= consumed_valid + o.eval_iters * c->global_batch_size)
         print_validation("validation", iteration, evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens));
-    if (o.eval_iters > 0 && split_samples(data, MT_SPLIT_TEST) >= o.eval_iters * c->global_batch_size) {
+    if (!why && o.eval_iters > 0 && split_samples(data, MT_SPLIT_TEST) >= o.eval_iters * c->global_batch_size) {
         int64_t consumed_test = 0;
         double test_loss = evaluate(t, data, MT_SPLIT_TEST, &consumed_test, o.eval_iters, c, tokens);
         print_validation("test", iteration, test_loss);
     }
-    if (o.save && (o.save_interval <= 0 || iteration % o.save_interval != 0)) {
-        if (mt_trainer_save(t, o.save, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
-        printf("saved checkpoint at iteration %lld to %s\n", (long long)iteration, o.save);
-    }
+    if (o.save && saved_at != iteration) saved_at = save_checkpoint(t, o.save, iteration, consumed);
     /* every rank samples (the same tokens: same seed; with tensor parallelism the forward needs the
      * whole TP group); only rank 0's stdout is open */
-    print_sample(t, tok, c, o.sample_tokens, c->seed);
+    if (!why) print_sample(t, tok, c, o.sample_tokens, c->seed);
 
     free(tokens);
     mt_trainer_free(t);
