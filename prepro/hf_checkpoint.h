@@ -134,6 +134,7 @@ mt_status mt_hf_checkpoint_read(const char* dir, int64_t iteration, mt_config* c
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -388,6 +389,21 @@ static char* mt_hf__strdup(const char* text) {
     return copy;
 }
 
+/* The temporaries a dead export left of any shard layout: model-*.safetensors.tmp.<pid>... */
+static void mt_hf__remove_stale_shards(const char* hf_dir) {
+    DIR* d = opendir(hf_dir);
+    if (!d) return;
+    struct dirent* e;
+    char base[4400];
+    while ((e = readdir(d)) != NULL) {
+        const char* tmp = strstr(e->d_name, ".safetensors.tmp.");
+        if (strncmp(e->d_name, "model-", 6) != 0 || !tmp) continue;
+        snprintf(base, sizeof(base), "%s/%.*s", hf_dir, (int)(tmp - e->d_name) + 12, e->d_name);
+        mt_remove_stale_temporaries(base); /* removes entries while we read: readdir may skip one, harmless */
+    }
+    closedir(d);
+}
+
 /* Writes a small text file to exactly path (a temporary name; the caller renames it), fsync'ed:
  * arch's config.json, or text. */
 static mt_status mt_hf__write_text(const char* path, const mt_hf_arch* arch, const mt_config* c, int64_t vocab_size,
@@ -460,6 +476,8 @@ mt_status mt_hf_save(const char* hf_dir, const mt_config* cfg, const float* para
     snprintf(config_path, sizeof(config_path), "%s/config.json", hf_dir);
     snprintf(index_path, sizeof(index_path), "%s/model.safetensors.index.json", hf_dir);
     snprintf(other, sizeof(other), "%s/%s", hf_dir, shards > 1 ? "model.safetensors" : "model.safetensors.index.json");
+    mt_remove_stale_temporaries(other);
+    mt_hf__remove_stale_shards(hf_dir);
     char** finals = (char**)calloc((size_t)shards + 2, sizeof(char*)); /* shards, the index, config.json last */
     char** temps = (char**)calloc((size_t)shards + 2, sizeof(char*));
     int nfiles = 0;
