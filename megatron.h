@@ -27,8 +27,10 @@
  * however often the header is included.
  *
  * Link: -lm (sqrt, pow, cos, ceil, nearbyint). No threads: -lpthread is not needed.
- * Platform: POSIX. Besides ISO C the implementation calls open, write, close, fstat, mmap, munmap,
- * mkdir, unlink and getpid (<fcntl.h>, <sys/mman.h>, <sys/stat.h>, <unistd.h>). Those headers are
+ * Platform: POSIX. Besides ISO C the implementation calls open, read, write, close, fcntl, stat, fstat,
+ * fsync, mmap, munmap, mkdir, rmdir, unlink, rename, opendir, readdir, closedir and getpid (<dirent.h>,
+ * <fcntl.h>, <sys/mman.h>, <sys/stat.h>, <unistd.h>); it looks at /proc/<pid> to tell whether the
+ * process that left a temporary file is gone (Linux; elsewhere such files are kept). Those headers are
  * POSIX's own and declare these functions in strict ISO modes too (glibc does; tests/test_header.h
  * builds with -std=c99 -pedantic), so no feature-test macro is needed: neither _POSIX_C_SOURCE nor
  * _GNU_SOURCE, and this header defines neither. On a system that hides them, define

@@ -852,7 +852,13 @@ int main(int argc, char** argv) {
             if (mt_trainer_load(t, o.load, -1, &iteration, &consumed, &err) != MT_OK) die(1, "%s", err.message);
             printf("loaded checkpoint from %s at iteration %lld (%lld samples consumed)\n", o.load, (long long)iteration,
                    (long long)consumed);
-            if (o.eval_interval > 0) consumed_valid = (iteration / o.eval_interval) * o.eval_iters * c->global_batch_size;
+            /* the checkpoint's counters are range-checked (>= 0); those of a run past this one's end clamp
+             * to it, so the products below stay within the sample counts checked above */
+            if (consumed > num_samples[0] && iteration < c->train_iters)
+                die(1, "%s: %lld samples consumed, but this run trains on %lld", o.load, (long long)consumed,
+                    (long long)num_samples[0]);
+            int64_t evaluated = (iteration < c->train_iters ? iteration : c->train_iters);
+            if (o.eval_interval > 0) consumed_valid = (evaluated / o.eval_interval) * o.eval_iters * c->global_batch_size;
         } else {
             printf("no checkpoint found in %s: training from scratch\n", o.load);
         }
