@@ -131,6 +131,8 @@ mt_status mt_read_file(const char* path, size_t max_bytes, char** data, size_t* 
 char* mt_temporary_path(const char* path); /* malloc'd "<path>.tmp.<pid>", NULL when out of memory */
 /* rename(tmp, path) and fsync of path's directory; on failure tmp is removed. */
 mt_status mt_commit_file(const char* tmp, const char* path, mt_error* err);
+/* The whole file path from n chunks, committed as above (stale temporaries removed first). */
+mt_status mt_write_file(const char* path, int n, const void* const* chunks, const size_t* sizes, mt_error* err);
 int mt_sync_directory_of(const char* path); /* fsync of the directory holding path: 0 or -1 */
 int mt_remove_stale_temporaries(const char* path); /* how many it removed */
 int mt_remove_tree(const char* path);              /* rm -rf (no symlink followed): 0, or -1 */
@@ -951,7 +953,8 @@ static const char* mt__file_kind(mode_t mode) {
          : S_ISBLK(mode) ? "a block device" : "a special file";
 }
 
-int mt_open_regular_file(const char* path, mt_error* err) {
+/* mt_open_regular_file, with the file's stat in *st */
+static int mt__open_regular(const char* path, struct stat* st_out, mt_error* err) {
     struct stat before, st;
     if (stat(path, &before) != 0) {
         mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
@@ -974,20 +977,21 @@ int mt_open_regular_file(const char* path, mt_error* err) {
         close(fd);
         return -1;
     }
+    *st_out = st;
     return fd;
+}
+
+int mt_open_regular_file(const char* path, mt_error* err) {
+    struct stat st;
+    return mt__open_regular(path, &st, err);
 }
 
 mt_status mt_read_file(const char* path, size_t max_bytes, char** data, size_t* size, mt_error* err) {
     *data = NULL;
     *size = 0;
-    int fd = mt_open_regular_file(path, err);
-    if (fd < 0) return MT_ERR_IO;
     struct stat st;
-    if (fstat(fd, &st) != 0) {
-        int e = errno;
-        close(fd);
-        return mt_fail(err, MT_ERR_IO, "cannot stat %s: %s", path, strerror(e));
-    }
+    int fd = mt__open_regular(path, &st, err);
+    if (fd < 0) return MT_ERR_IO;
     if ((uint64_t)st.st_size > (uint64_t)max_bytes) {
         close(fd);
         return mt_fail(err, MT_ERR_FORMAT, "%s: %lld bytes, more than the %zu such a file may hold", path,
@@ -1055,6 +1059,22 @@ mt_status mt_commit_file(const char* tmp, const char* path, mt_error* err) {
     if (mt_sync_directory_of(path) != 0)
         return mt_fail(err, MT_ERR_IO, "cannot sync the directory of %s: %s", path, strerror(errno));
     return MT_OK;
+}
+
+mt_status mt_write_file(const char* path, int n, const void* const* chunks, const size_t* sizes, mt_error* err) {
+    char* tmp = mt_temporary_path(path);
+    if (!tmp) return mt_fail(err, MT_ERR_OOM, "out of memory writing %s", path);
+    mt_remove_stale_temporaries(path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int failed = fd < 0;
+    for (int i = 0; i < n && !failed; i++) failed = sizes[i] > 0 && mt__write_all(fd, chunks[i], sizes[i]) != 0;
+    if (!failed && fsync(fd) != 0) failed = 1;
+    int e = errno;
+    if (fd >= 0 && close(fd) != 0 && !failed) { failed = 1; e = errno; }
+    mt_status st = failed ? mt_fail(err, MT_ERR_IO, "cannot write %s: %s", tmp, strerror(e)) : mt_commit_file(tmp, path, err);
+    if (failed) unlink(tmp);
+    free(tmp);
+    return st;
 }
 
 int mt_remove_tree(const char* path) {
@@ -1170,14 +1190,9 @@ static mt_status mt__map_file(const char* path, unsigned char** map, size_t* siz
                               mt_error* err) {
     *map = NULL;
     *size = 0;
-    int fd = mt_open_regular_file(path, err);
-    if (fd < 0) return MT_ERR_IO;
     struct stat st;
-    if (fstat(fd, &st) != 0) {
-        int e = errno;
-        close(fd);
-        return mt_fail(err, MT_ERR_IO, "cannot stat %s: %s", path, strerror(e));
-    }
+    int fd = mt__open_regular(path, &st, err);
+    if (fd < 0) return MT_ERR_IO;
     if (identity) *identity = st;
     if ((uint64_t)st.st_size > (uint64_t)SIZE_MAX) {
         close(fd);
@@ -2457,28 +2472,9 @@ mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int6
     unsigned char pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (unsigned char)(len & 0xff),
                              (unsigned char)(len >> 8)};
 
-    char* tmp = mt_temporary_path(path);
-    if (!tmp) return mt_fail(err, MT_ERR_OOM, "out of memory");
-    mt_remove_stale_temporaries(path);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) {
-        mt_status st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", tmp, strerror(errno));
-        free(tmp);
-        return st;
-    }
-    int failed = mt__write_all(fd, pre, 10) || mt__write_all(fd, header, (size_t)len) ||
-                 (count > 0 && mt__write_all(fd, data, (size_t)count * itemsize)) || fsync(fd) != 0;
-    int e = errno;
-    if (close(fd) != 0 && !failed) { failed = 1; e = errno; }
-    mt_status st = MT_OK;
-    if (failed) {
-        unlink(tmp);
-        st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(e));
-    } else {
-        st = mt_commit_file(tmp, path, err);
-    }
-    free(tmp);
-    return st;
+    const void* chunks[3] = {pre, header, data};
+    const size_t lengths[3] = {10, (size_t)len, (size_t)count * itemsize};
+    return mt_write_file(path, 3, chunks, lengths, err);
 }
 
 /* 5. Training configuration, learning-rate schedule, FLOP formula ------------------------------ */
@@ -3371,23 +3367,9 @@ mt_status mt_checkpoint_read_tracker(const char* dir, int64_t* iteration, mt_err
 mt_status mt_checkpoint_write_tracker(const char* dir, int64_t iteration, mt_error* err) {
     char path[4200], text[32];
     snprintf(path, sizeof(path), "%s/%s", dir, mt__tracker_name);
-    int len = snprintf(text, sizeof(text), "%lld", (long long)iteration);
-    char* tmp = mt_temporary_path(path);
-    if (!tmp) return mt_fail(err, MT_ERR_OOM, "out of memory");
-    mt_remove_stale_temporaries(path);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    int failed = fd < 0 || mt__write_all(fd, text, (size_t)len) != 0 || fsync(fd) != 0;
-    int e = errno;
-    if (fd >= 0 && close(fd) != 0 && !failed) { failed = 1; e = errno; }
-    mt_status st = MT_OK;
-    if (failed) {
-        unlink(tmp);
-        st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", tmp, strerror(e));
-    } else {
-        st = mt_commit_file(tmp, path, err);
-    }
-    free(tmp);
-    return st;
+    const void* chunk = text;
+    const size_t size = (size_t)snprintf(text, sizeof(text), "%lld", (long long)iteration);
+    return mt_write_file(path, 1, &chunk, &size, err);
 }
 
 void mt_checkpoint_iteration_dir(char* out, size_t cap, const char* dir, int64_t iteration) {

@@ -1110,13 +1110,8 @@ mt_status mt_safetensors_write(const char* path, const mt_st_write_tensor* tenso
     int e = errno;
     if (fflush(f) != 0 || fsync(fileno(f)) != 0) { bad = 1; e = errno; }
     if (fclose(f) != 0 && !bad) { bad = 1; e = errno; }
-    mt_status st = MT_OK;
-    if (bad) {
-        unlink(tmp);
-        st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", tmp, strerror(e));
-    } else {
-        st = mt_commit_file(tmp, path, err);
-    }
+    mt_status st = bad ? mt_fail(err, MT_ERR_IO, "cannot write %s: %s", tmp, strerror(e)) : mt_commit_file(tmp, path, err);
+    if (bad) unlink(tmp);
     free(tmp);
     return st;
 }
