@@ -478,7 +478,15 @@ typedef struct {
     /* parallel layout (1 everywhere on one GPU) */
     int tensor_model_parallel_size;   /* --tensor-model-parallel-size: each layer split over TP GPUs */
     int sequence_parallel;            /* --sequence-parallel: norms and residuals hold BT/TP rows (TP > 1) */
-    int pipeline_model_parallel_size;
+    int pipeline_model_parallel_size; /* --pipeline-model-parallel-size: the layers split over PP stages */
+    int virtual_pipeline_size;        /* --num-virtual-stages-per-pipeline-rank (1: non-interleaved 1F1B);
+                                         --num-layers-per-virtual-pipeline-stage n gives L / (PP n) */
+    int num_layers_per_virtual_pipeline_stage; /* that flag (0: unset), turned into virtual_pipeline_size */
+    int microbatch_group_size_per_vp_stage; /* --microbatch-group-size-per-virtual-pipeline-stage (0: PP) */
+    int decoder_first_pipeline_num_layers;  /* --decoder-first-pipeline-num-layers (-1: even split) */
+    int decoder_last_pipeline_num_layers;   /* --decoder-last-pipeline-num-layers (-1: even split) */
+    int account_for_embedding_in_pipeline_split; /* the embedding counts as a layer of the first stage */
+    int account_for_loss_in_pipeline_split;      /* the output layer and loss count as a layer of the last */
     int data_parallel_size;           /* derived: world / (tp * pp) */
     /* data-parallel gradient reduction and optimizer (Megatron's DistributedDataParallelConfig) */
     int use_distributed_optimizer;    /* --use-distributed-optimizer: fp32 master + Adam sharded over DP */
@@ -608,6 +616,30 @@ typedef struct { int tp, dp, pp; } mt_rank_coords;
 mt_rank_coords mt_rank_coordinates(const mt_config* cfg, int rank);
 int mt_rank_of(const mt_config* cfg, mt_rank_coords coords);
 
+/* The layer split (Megatron's get_num_layers_to_build): virtual stage v = chunk * PP + rank holds the
+ * consecutive layers [first, first + count). Evenly by default; --decoder-first/last-pipeline-num-layers
+ * give the first and last stage their own counts (VP = 1 here) and the rest is split evenly over the
+ * middle stages; --account-for-embedding/loss-in-pipeline-split count the embedding and the loss as
+ * one layer each of the first and last virtual stage, which then build one real layer less. */
+#define MT_PP_MAX_CHUNKS 64
+typedef struct {
+    int num_chunks;                      /* VP */
+    int first_layer[MT_PP_MAX_CHUNKS];   /* per chunk: its first layer and how many */
+    int num_layers[MT_PP_MAX_CHUNKS];
+    int embedding;                       /* holds virtual stage 0: the embeddings */
+    int head;                            /* holds the last virtual stage: final norm, output layer, loss */
+} mt_pp_stage;
+/* Checks the split of cfg (finalized sizes) and fills pipeline rank pp_rank's part (out may be NULL). */
+mt_status mt_pp_stage_of(const mt_config* cfg, int pp_rank, mt_pp_stage* out, mt_error* err);
+/* Whether a pipeline rank holds parameter `tensor` (MT_P_*) of `layer` (ignored outside the layers):
+ * its layers' tensors; position embeddings on the first stage; the word embeddings on the first and,
+ * tied to the output layer, on the last; final norm and output weight on the last. */
+int mt_pp_holds(const mt_pp_stage* stage, int tensor, int layer);
+/* Copies between a canonical array of one TP shard (mt_param_layout_shard's order) and a pipeline
+ * rank's part of it (its tensors in the same order, as mt_buffer_layout's `canonical` counts them):
+ * into `part` when to_part, else back into `full` (whose other elements are left alone). */
+void mt_pp_stage_copy(const mt_config* cfg, const mt_pp_stage* stage, float* full, float* part, int to_part);
+
 /* The parameter/gradient buffer of Megatron's DDP (param_and_grad_buffer.py). Each (tensor, layer)
  * slice is one parameter; they are laid out in reverse model order (backprop order: final norm,
  * layer L-1 .. layer 0, position and word embeddings) and cut into buckets that close once they
@@ -634,6 +666,10 @@ typedef struct {
     mt_buffer_bucket* buckets;  /* buffer order (= the order their gradients become final) */
     int* index;                 /* [MT_NUM_PARAM_TENSORS * num_layers]: params[] position of (tensor, layer) */
     int64_t size;               /* elements, padding included */
+    /* with pipeline parallelism the buffer holds this pipeline rank's tensors only (mt_pp_holds), and
+     * `canonical` counts in the canonical order restricted to them (the whole model at PP = 1) */
+    mt_pp_stage stage;
+    int64_t canonical_size;     /* elements of this rank's tensors (its TP shard), no padding */
 } mt_buffer_layout;
 mt_status mt_buffer_layout_build(mt_buffer_layout* layout, const mt_config* cfg, mt_error* err);
 void mt_buffer_layout_free(mt_buffer_layout* layout);
@@ -682,6 +718,7 @@ int mt_pp_num_warmup(int pp, int vp, int num_micro_batches, int group_size, int 
 mt_status mt_pp_schedule(int pp, int vp, int num_micro_batches, int group_size, int rank, mt_pp_op* ops,
                          int* num_warmup, mt_error* err);
 
+
 /* ---------------------------------------------------------------------------------------------- */
 /* 7. Checkpoint format: the header words, config <-> header                                       */
 /* ---------------------------------------------------------------------------------------------- */
@@ -720,6 +757,9 @@ enum {
      * scale [n], scale_inv [n, 4] (16-byte slots: the first float of each), amax history
      * [n, FP8_HISTORY_LEN] (fp32); the ring's next slot in FP8_HISTORY_POS */
     MT_CK_FP8_TENSORS, MT_CK_FP8_HISTORY_LEN, MT_CK_FP8_HISTORY_POS,
+    /* pipeline parallelism (0 in older files: one stage): the file of mp_rank_<tp>_<pp> holds
+     * pipeline rank PP_RANK's tensors (megatron.h mt_pp_holds) in canonical order, VP chunks each */
+    MT_CK_PP_RANK, MT_CK_VP, MT_CK_STAGE_NUMEL,
     MT_CK_HEADER_WORDS = 64
 };
 /* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
@@ -732,7 +772,8 @@ void mt_config_from_checkpoint_header(mt_config* cfg, const int64_t* header);
 /* Every word of a header read from a file, checked before any is used as a size, a count or a
  * value: magic and version; the shape words in [1, 2^31) with a parameter count that fits (the
  * overflow checks of mt_config_finalize) and equals MT_CK_NUM_PARAMS; the flavour words 0 or 1 and
- * the rope and norm doubles finite and in range; the parallel sizes >= 1 and the ranks below them;
+ * the rope and norm doubles finite and in range; the parallel sizes >= 1, the ranks below them and
+ * the pipeline stage's words consistent;
  * a known precision; progress, scheduler and Adam counters >= 0; the loss-scaler counters within
  * int and the loss scale finite and > 0; the FP8 words in range. cfg (if not NULL) gets the model
  * (mt_config_defaults, then mt_config_from_checkpoint_header). path names the file in messages. */
@@ -822,7 +863,8 @@ mt_status mt_device_info(char* name, size_t name_size, size_t* free_bytes, size_
 
 /* Parameters and gradients of the full model in canonical order, fp32 (mt_num_parameters elements).
  * With tensor parallelism every rank calls them: get gathers the TP shards to full shape, set cuts
- * each rank's shard from the full array. */
+ * each rank's shard from the full array. With pipeline parallelism (TP = 1 there) each rank sets
+ * and gets the elements of its own stage's tensors (mt_pp_holds); get leaves the others alone. */
 mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error* err);
 mt_status mt_trainer_get_parameters(mt_trainer* t, float* params, mt_error* err);
 mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err);
@@ -2506,6 +2548,9 @@ void mt_config_defaults(mt_config* cfg) {
     cfg->seed = 1234;
     cfg->tensor_model_parallel_size = 1;
     cfg->pipeline_model_parallel_size = 1;
+    cfg->virtual_pipeline_size = 1;
+    cfg->decoder_first_pipeline_num_layers = -1;
+    cfg->decoder_last_pipeline_num_layers = -1;
     cfg->world_size = 1;
     cfg->local_rank = -1;
     cfg->fp8_format = MT_FP8_NONE;
@@ -2785,6 +2830,31 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
                        "--global-batch-size %d is not divisible by --micro-batch-size %d x data-parallel size %d",
                        c->global_batch_size, c->micro_batch_size, c->data_parallel_size);
     if (c->train_iters <= 0) return mt_fail(err, MT_ERR_CONFIG, "--train-iters must be positive");
+    /* pipeline: virtual stages from either flag, the layer split, the schedule of a training step */
+    if (c->virtual_pipeline_size < 1) c->virtual_pipeline_size = 1;
+    if (c->num_layers_per_virtual_pipeline_stage > 0) {
+        int64_t per_rank = (int64_t)c->pipeline_model_parallel_size * c->num_layers_per_virtual_pipeline_stage;
+        if (c->virtual_pipeline_size > 1)
+            return mt_fail(err, MT_ERR_CONFIG, "give --num-layers-per-virtual-pipeline-stage or "
+                           "--num-virtual-stages-per-pipeline-rank, not both");
+        if (c->num_layers % per_rank)
+            return mt_fail(err, MT_ERR_CONFIG, "--num-layers %d is not divisible by --pipeline-model-parallel-size %d x "
+                           "--num-layers-per-virtual-pipeline-stage %d", c->num_layers,
+                           c->pipeline_model_parallel_size, c->num_layers_per_virtual_pipeline_stage);
+        c->virtual_pipeline_size = (int)(c->num_layers / per_rank);
+    }
+    if (c->microbatch_group_size_per_vp_stage < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--microbatch-group-size-per-virtual-pipeline-stage must be positive");
+    if (c->virtual_pipeline_size > 1 && c->microbatch_group_size_per_vp_stage > c->pipeline_model_parallel_size)
+        return mt_fail(err, MT_ERR_CONFIG, "--microbatch-group-size-per-virtual-pipeline-stage %d > PP %d is not built: "
+                       "its schedule leaves activation sends waiting for receives posted several steps later, which "
+                       "only NCCL's buffering lets finish (tests/test_pipeline.h); use the default group (PP)",
+                       c->microbatch_group_size_per_vp_stage, c->pipeline_model_parallel_size);
+    if (mt_pp_stage_of(c, 0, NULL, err) != MT_OK) return MT_ERR_CONFIG;
+    if (c->pipeline_model_parallel_size > 1 &&
+        mt_pp_schedule_check(c->pipeline_model_parallel_size, c->virtual_pipeline_size, mt_num_micro_batches(c),
+                             c->microbatch_group_size_per_vp_stage, err) != MT_OK)
+        return MT_ERR_CONFIG;
     if (c->lr < 0 || c->min_lr < 0) return mt_fail(err, MT_ERR_CONFIG, "learning rates must be >= 0");
     if (c->min_lr > c->lr) return mt_fail(err, MT_ERR_CONFIG, "--min-lr %g exceeds --lr %g", c->min_lr, c->lr);
     if (c->lr_decay_iters == 0) c->lr_decay_iters = c->train_iters;
@@ -2971,6 +3041,40 @@ int mt_rank_of(const mt_config* c, mt_rank_coords r) {
 }
 
 static int mt__param_in_layers(int tensor) { return tensor >= MT_P_LN1_WEIGHT && tensor <= MT_P_FC2_BIAS; }
+
+/* A pipeline rank's tensors: numel set to 0 in info[] for the rest (the last stage's word embeddings
+ * only while tied); returns how many layers it holds. */
+static int mt__pp_held(const mt_pp_stage* st, int L, mt_param_info* info) {
+    int held_layers = 0;
+    for (int l = 0; l < L; l++) held_layers += mt_pp_holds(st, MT_P_LN1_WEIGHT, l);
+    for (int tsr = 0; tsr < MT_NUM_PARAM_TENSORS; tsr++) {
+        int keep = mt__param_in_layers(tsr) ? held_layers > 0 : mt_pp_holds(st, tsr, 0);
+        if (tsr == MT_P_WORD_EMBEDDINGS && !st->embedding && info[MT_P_OUTPUT_WEIGHT].numel > 0) keep = 0;
+        if (!keep) info[tsr].numel = 0;
+    }
+    return held_layers;
+}
+
+void mt_pp_stage_copy(const mt_config* c, const mt_pp_stage* st, float* full, float* part, int to_part) {
+    mt_param_info all[MT_NUM_PARAM_TENSORS], held[MT_NUM_PARAM_TENSORS];
+    mt_param_layout_shard(c, all);
+    memcpy(held, all, sizeof(all));
+    int L = c->num_layers;
+    mt__pp_held(st, L, held);
+    int64_t at = 0;
+    for (int tsr = 0; tsr < MT_NUM_PARAM_TENSORS; tsr++) {
+        if (held[tsr].numel == 0) continue;
+        int layered = mt__param_in_layers(tsr);
+        int64_t per = layered ? all[tsr].numel / L : all[tsr].numel;
+        for (int l = 0; l < (layered ? L : 1); l++) {
+            if (layered && !mt_pp_holds(st, tsr, l)) continue;
+            float* f = full + all[tsr].offset + (int64_t)l * per;
+            if (to_part) memcpy(part + at, f, sizeof(float) * (size_t)per);
+            else memcpy(f, part + at, sizeof(float) * (size_t)per);
+            at += per;
+        }
+    }
+}
 static int64_t mt__round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int64_t mt__gcd(int64_t a, int64_t b) { while (b) { int64_t t = a % b; a = b; b = t; } return a; }
 
@@ -2987,6 +3091,18 @@ mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_err
     mt_param_info info[MT_NUM_PARAM_TENSORS];
     mt_param_layout_shard(c, info); /* this tensor-parallel rank's shard */
     int L = c->num_layers, dp = c->data_parallel_size > 0 ? c->data_parallel_size : 1;
+    int pp_rank = c->world_size > 0 && c->data_parallel_size > 0 && c->rank >= 0 && c->rank < c->world_size
+                      ? mt_rank_coordinates(c, c->rank).pp : 0;
+    mt_status st = mt_pp_stage_of(c, pp_rank, &b->stage, err);
+    if (st != MT_OK) return st;
+    int held_layers = mt__pp_held(&b->stage, L, info);
+    /* canonical offsets restricted to the held tensors and layers, in canonical order */
+    int64_t canonical_base[MT_NUM_PARAM_TENSORS], running = 0;
+    for (int tsr = 0; tsr < MT_NUM_PARAM_TENSORS; tsr++) {
+        canonical_base[tsr] = running;
+        running += mt__param_in_layers(tsr) ? info[tsr].numel / L * held_layers : info[tsr].numel;
+    }
+    b->canonical_size = running;
     /* model order (Megatron's module.parameters()): embeddings, each layer, final norm, output
      * layer; tensors the flavour lacks (numel 0) are not parameters */
     int n = 0, order[MT_NUM_PARAM_TENSORS * 2 + 1];
@@ -3002,14 +3118,18 @@ mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_err
             n++;
         }
     }
-    n += per_layer * L;
+    n += per_layer * held_layers;
     b->num_layers = L;
-    b->params = (mt_buffer_param*)calloc((size_t)n, sizeof(mt_buffer_param));
-    b->buckets = (mt_buffer_bucket*)calloc((size_t)n, sizeof(mt_buffer_bucket));
+    b->params = (mt_buffer_param*)calloc((size_t)(n > 0 ? n : 1), sizeof(mt_buffer_param));
+    b->buckets = (mt_buffer_bucket*)calloc((size_t)(n > 0 ? n : 1), sizeof(mt_buffer_bucket));
     b->index = (int*)calloc((size_t)MT_NUM_PARAM_TENSORS * (size_t)L, sizeof(int));
     if (!b->params || !b->buckets || !b->index) {
         mt_buffer_layout_free(b);
         return mt_fail(err, MT_ERR_OOM, "cannot allocate the gradient buffer layout");
+    }
+    if (n == 0) {
+        mt_buffer_layout_free(b);
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline rank %d holds no parameters (an empty stage)", pp_rank);
     }
     for (int i = 0; i < MT_NUM_PARAM_TENSORS * L; i++) b->index[i] = -1;
     /* walk the model order backwards */
@@ -3020,23 +3140,27 @@ mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_err
         if (layered) {
             int first = o;
             while (first > 0 && mt__param_in_layers(order[first - 1])) first--;
-            for (int layer = L - 1; layer >= 0; layer--)
+            int held_below = held_layers; /* held layers below `layer` + 1 */
+            for (int layer = L - 1; layer >= 0; layer--) {
+                if (!mt_pp_holds(&b->stage, MT_P_LN1_WEIGHT, layer)) continue;
+                held_below--;
                 for (int j = o; j >= first; j--) {
                     int tsr = order[j];
                     mt_buffer_param* p = &b->params[k];
                     p->tensor = tsr;
                     p->layer = layer;
                     p->numel = info[tsr].numel / L;
-                    p->canonical = info[tsr].offset + (int64_t)layer * p->numel;
+                    p->canonical = canonical_base[tsr] + (int64_t)held_below * p->numel;
                     b->index[tsr * L + layer] = k++;
                 }
+            }
             o = first;
             continue;
         }
         mt_buffer_param* p = &b->params[k];
         p->tensor = tensor;
         p->numel = info[tensor].numel;
-        p->canonical = info[tensor].offset;
+        p->canonical = canonical_base[tensor];
         for (int l = 0; l < L; l++) b->index[tensor * L + l] = k;
         k++;
     }
@@ -3175,6 +3299,82 @@ mt_status mt_pp_schedule(int pp, int vp, int m, int group_size, int rank, mt_pp_
     return MT_OK;
 }
 
+/* Layers of virtual stage v (of PP * VP) under cfg's split; -1 when the split is impossible. */
+static int mt__pp_stage_layers(const mt_config* c, int v) {
+    int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
+    int L = c->num_layers;
+    int stages = pp * vp;
+    int first = c->decoder_first_pipeline_num_layers, last = c->decoder_last_pipeline_num_layers;
+    if (first >= 0 || last >= 0) { /* uneven (VP = 1): the middle stages share what is left evenly */
+        int middle = pp - (first >= 0) - (last >= 0);
+        int rest = L - (first > 0 ? first : 0) - (last > 0 ? last : 0);
+        if (v == 0 && first >= 0) return first;
+        if (v == pp - 1 && last >= 0) return last;
+        if (middle <= 0 || rest < 0 || rest % middle) return -1;
+        return rest / middle;
+    }
+    int e = c->account_for_embedding_in_pipeline_split != 0, l = c->account_for_loss_in_pipeline_split != 0;
+    int total = L + e + l;
+    if (total % stages) return -1;
+    int per = total / stages;
+    return per - (v == 0 ? e : 0) - (v == stages - 1 ? l : 0);
+}
+
+mt_status mt_pp_stage_of(const mt_config* c, int pp_rank, mt_pp_stage* out, mt_error* err) {
+    int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
+    int L = c->num_layers;
+    if (pp < 1 || vp < 1 || vp > MT_PP_MAX_CHUNKS || (vp > 1 && pp == 1))
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d virtual stages per rank over %d stages (virtual stages need "
+                       "--pipeline-model-parallel-size > 1 and at most %d per rank)", vp, pp, MT_PP_MAX_CHUNKS);
+    if (pp_rank < 0 || pp_rank >= pp)
+        return mt_fail(err, MT_ERR_RANGE, "pipeline rank %d outside [0, %d)", pp_rank, pp);
+    int uneven = c->decoder_first_pipeline_num_layers >= 0 || c->decoder_last_pipeline_num_layers >= 0;
+    if (uneven && vp > 1)
+        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers with virtual pipeline stages is "
+                       "not built (use an even split)");
+    if (uneven && (c->account_for_embedding_in_pipeline_split || c->account_for_loss_in_pipeline_split))
+        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-"
+                       "split are exclusive (as in Megatron)");
+    if (uneven && pp == 1)
+        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers need "
+                       "--pipeline-model-parallel-size > 1 (with one stage they would change the model)");
+    int stages = pp * vp, first = 0, sum = 0;
+    if (out) memset(out, 0, sizeof(*out));
+    for (int v = 0; v < stages; v++) {
+        int n = mt__pp_stage_layers(c, v);
+        if (n < 0)
+            return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d layers%s do not split evenly over %d %sstages", L,
+                           uneven ? " (less the first/last stage's)" : "", uneven ? pp - (c->decoder_first_pipeline_num_layers >= 0) -
+                           (c->decoder_last_pipeline_num_layers >= 0) : stages, vp > 1 ? "virtual " : "");
+        if (out && v % pp == pp_rank) {
+            out->first_layer[v / pp] = first;
+            out->num_layers[v / pp] = n;
+        }
+        first += n;
+        sum += n;
+    }
+    if (sum != L)
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline: the stages' layers add up to %d, not --num-layers %d", sum, L);
+    if (out) {
+        out->num_chunks = vp;
+        out->embedding = pp_rank == 0;
+        out->head = pp_rank == pp - 1;
+    }
+    return MT_OK;
+}
+
+int mt_pp_holds(const mt_pp_stage* st, int tensor, int layer) {
+    switch (tensor) {
+        case MT_P_WORD_EMBEDDINGS: return st->embedding || st->head; /* the head's copy only while tied */
+        case MT_P_POSITION_EMBEDDINGS: return st->embedding;
+        case MT_P_FINAL_LN_WEIGHT: case MT_P_FINAL_LN_BIAS: case MT_P_OUTPUT_WEIGHT: return st->head;
+        default:
+            for (int c = 0; c < st->num_chunks; c++)
+                if (layer >= st->first_layer[c] && layer < st->first_layer[c] + st->num_layers[c]) return 1;
+            return 0;
+    }
+}
+
 /* 7. Checkpoint format ------------------------------------------------------------------------- */
 
 void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
@@ -3271,6 +3471,9 @@ mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, mt_conf
         {MT_CK_FP8_TENSORS, 0, INT32_MAX, "the FP8 tensor count"},
         {MT_CK_FP8_HISTORY_LEN, 0, 65536, "the FP8 amax history length"},
         {MT_CK_FP8_HISTORY_POS, 0, 65535, "the FP8 amax history slot"},
+        {MT_CK_PP_RANK, 0, INT32_MAX, "the pipeline rank"},
+        {MT_CK_VP, 0, INT32_MAX, "the virtual pipeline stages"},
+        {MT_CK_STAGE_NUMEL, 0, INT64_MAX, "the stage's parameter count"},
     };
     for (size_t i = 0; i < sizeof(range) / sizeof(range[0]); i++)
         if (h[range[i].word] < range[i].lo || h[range[i].word] > range[i].hi)
@@ -3282,6 +3485,10 @@ mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, mt_conf
     if (h[MT_CK_HEADS] % h[MT_CK_GROUPS]) bad = "the attention heads are not a multiple of the query groups";
     else if (h[MT_CK_TRUE_VOCAB] > h[MT_CK_VOCAB]) bad = "the true vocabulary exceeds the padded one";
     else if (h[MT_CK_TP_RANK] >= h[MT_CK_TP]) bad = "the tensor-parallel rank is not below the tensor-parallel size";
+    else if (h[MT_CK_PP_RANK] >= h[MT_CK_PP]) bad = "the pipeline rank is not below the pipeline-parallel size";
+    else if (h[MT_CK_PP] > 1 ? h[MT_CK_VP] < 1 || h[MT_CK_STAGE_NUMEL] < 1 || h[MT_CK_STAGE_NUMEL] > h[MT_CK_NUM_PARAMS]
+                             : h[MT_CK_VP] != 0 || h[MT_CK_STAGE_NUMEL] != 0)
+        bad = "the pipeline stage words (virtual stages, parameter count) do not fit the pipeline-parallel size";
     else if (h[MT_CK_DP_RANK] >= (h[MT_CK_SHARDED_DP] > 0 ? h[MT_CK_SHARDED_DP] : 1))
         bad = "the data-parallel rank is not below the optimizer's sharding";
     else if (h[MT_CK_FP8_TENSORS] > 0 && (h[MT_CK_FP8_HISTORY_LEN] < 1 || h[MT_CK_FP8_HISTORY_POS] >= h[MT_CK_FP8_HISTORY_LEN]))
@@ -3335,9 +3542,11 @@ int64_t mt_checkpoint_file_bytes(const int64_t* h, int shard_file) {
     mt_config_from_checkpoint_header(&c, h);
     c.tensor_model_parallel_size = (int)h[MT_CK_TP];
     const int64_t arrays = h[MT_CK_SHARDED_DP] > 0 ? 1 : 3;
+    /* the file's tensors: its pipeline stage's (this TP rank's shard of them), or its TP shard */
+    const int64_t numel = h[MT_CK_PP] > 1 ? h[MT_CK_STAGE_NUMEL] : mt_param_layout_shard(&c, NULL);
     /* FP8: scale [n], scale_inv [n, 4] (16-byte slots), history [n, len] */
     const int64_t fp8 = h[MT_CK_FP8_TENSORS] * (1 + 4 + h[MT_CK_FP8_HISTORY_LEN]);
-    return header + 4 * (arrays * mt_param_layout_shard(&c, NULL) + fp8);
+    return header + 4 * (arrays * numel + fp8);
 }
 
 static const char mt__tracker_name[] = "latest_checkpointed_iteration.txt";

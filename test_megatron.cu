@@ -27,6 +27,7 @@
 #include "tests/test_data_parallel.h"
 #include "tests/test_tensor_parallel.h"
 #include "tests/test_pipeline_schedule.h"
+#include "tests/test_pipeline.h"
 #include "tests/test_hf.h"
 #include "tests/test_header.h"
 #include "tests/test_hostile.h"
@@ -63,6 +64,7 @@ int main(int argc, char** argv) {
         GROUP("host.data_parallel", data_parallel_tests),
         GROUP("host.tensor_parallel", tensor_parallel_tests),
         GROUP("host.pipeline", pipeline_schedule_tests),
+        GROUP("host.pipeline", pipeline_tests),
         GROUP("host.hf", hf_tests),
         GROUP("host.header", header_tests),
         GROUP("host.hostile", hostile_tests),
@@ -77,6 +79,7 @@ int main(int argc, char** argv) {
         GROUP("gpu.hostile", hostile_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
         GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),
+        GROUP("multigpu.pipeline", pipeline_multigpu_tests),
     };
     int passed = 0, failed = 0, skipped = 0;
     const char* failed_names[64];

@@ -238,6 +238,14 @@ static void parse_args(run_options* o, int argc, char** argv) {
         {"--tensor-model-parallel-size", F_INT64, &tp, IR(1, I32MAX)},
         {"--sequence-parallel", F_TRUE, &c->sequence_parallel, NR},
         {"--pipeline-model-parallel-size", F_INT64, &pp, IR(1, I32MAX)},
+        {"--num-layers-per-virtual-pipeline-stage", F_INT, &c->num_layers_per_virtual_pipeline_stage, IR(1, I32MAX)},
+        {"--num-virtual-stages-per-pipeline-rank", F_INT, &c->virtual_pipeline_size, IR(1, MT_PP_MAX_CHUNKS)},
+        {"--microbatch-group-size-per-virtual-pipeline-stage", F_INT, &c->microbatch_group_size_per_vp_stage,
+         IR(1, I32MAX)},
+        {"--decoder-first-pipeline-num-layers", F_INT, &c->decoder_first_pipeline_num_layers, IR(0, I32MAX)},
+        {"--decoder-last-pipeline-num-layers", F_INT, &c->decoder_last_pipeline_num_layers, IR(0, I32MAX)},
+        {"--account-for-embedding-in-pipeline-split", F_TRUE, &c->account_for_embedding_in_pipeline_split, NR},
+        {"--account-for-loss-in-pipeline-split", F_TRUE, &c->account_for_loss_in_pipeline_split, NR},
         {"--use-distributed-optimizer", F_TRUE, &c->use_distributed_optimizer, NR},
         {"--overlap-grad-reduce", F_TRUE, &c->overlap_grad_reduce, NR},
         {"--overlap-param-gather", F_TRUE, &c->overlap_param_gather, NR},
@@ -835,9 +843,11 @@ int main(int argc, char** argv) {
            c->num_layers, c->hidden_size, c->num_attention_heads, c->ffn_hidden_size, c->seq_length,
            (long long)c->vocab_size, (long long)c->padded_vocab_size, c->micro_batch_size, c->global_batch_size,
            (long long)c->train_iters);
-    printf("parallel: %d GPU(s), data-parallel %d, tensor-parallel %d%s, pipeline-parallel %d%s%s%s\n", c->world_size,
+    char vp_note[64] = "";
+    if (c->virtual_pipeline_size > 1) snprintf(vp_note, sizeof(vp_note), " x %d virtual stages", c->virtual_pipeline_size);
+    printf("parallel: %d GPU(s), data-parallel %d, tensor-parallel %d%s, pipeline-parallel %d%s%s%s%s\n", c->world_size,
            c->data_parallel_size, c->tensor_model_parallel_size, c->sequence_parallel ? " (sequence parallel)" : "",
-           c->pipeline_model_parallel_size,
+           c->pipeline_model_parallel_size, vp_note,
            c->use_distributed_optimizer ? ", distributed optimizer" : "",
            c->overlap_grad_reduce ? ", overlapped grad reduce" : "", c->overlap_param_gather ? ", overlapped param gather" : "");
     mt_trainer* t = NULL;
@@ -932,7 +942,12 @@ int main(int argc, char** argv) {
     if (o.save && saved_at != iteration) saved_at = save_checkpoint(t, o.save, iteration, consumed);
     /* every rank samples (the same tokens: same seed; with tensor parallelism the forward needs the
      * whole TP group); only rank 0's stdout is open */
-    if (!why) print_sample(t, tok, c, o.sample_tokens, c->seed);
+    if (why) {
+        /* Megatron's exit conditions end the run without a sample */
+    } else if (c->pipeline_model_parallel_size > 1 && o.sample_tokens > 0)
+        printf("sample: skipped (generation needs the whole model on one stage: --pipeline-model-parallel-size 1)\n");
+    else
+        print_sample(t, tok, c, o.sample_tokens, c->seed);
 
     free(tokens);
     mt_trainer_free(t);
