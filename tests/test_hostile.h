@@ -681,6 +681,9 @@ static test_result test_hostile_checkpoint_header(void) {
         {MT_CK_LOSS_SCALE_BITS, 0x7ff8000000000000LL, "the loss scale nan"},
         {MT_CK_NORM_EPS_BITS, 0x7ff8000000000000LL, "the norm epsilon nan"},
         {MT_CK_POSITION_TYPE, 1, "rope words"},           /* rope with base 0 */
+        {MT_CK_PP_RANK, 1, "the pipeline rank is not below"},
+        {MT_CK_VP, 2, "the pipeline stage words"},        /* virtual stages without a pipeline */
+        {MT_CK_STAGE_NUMEL, -1, "(the stage's parameter count) is -1"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         memcpy(h, good, sizeof(h));
