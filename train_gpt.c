@@ -523,16 +523,12 @@ static void prepare_builtin_corpus(const mt_tokenizer* tok, const char* prefix) 
     snprintf(path, sizeof(path), "%s.idx", prefix);
     if (access(path, R_OK) == 0) return;
     const char* text_path = "dev/data/tinyshakespeare.txt";
-    FILE* f = fopen(text_path, "rb");
-    if (!f) die(1, "cannot open the built-in corpus %s (run from the repository root)", text_path);
-    fseek(f, 0, SEEK_END);
-    long size = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char* text = (char*)malloc((size_t)size + 1);
-    if (!text || fread(text, 1, (size_t)size, f) != (size_t)size) die(1, "cannot read %s", text_path);
-    fclose(f);
-    text[size] = 0;
     mt_error err;
+    char* text = NULL;
+    size_t text_bytes = 0;
+    if (mt_read_file(text_path, (size_t)1 << 30, &text, &text_bytes, &err) != MT_OK)
+        die(1, "%s (the built-in corpus: run from the repository root)", err.message);
+    long size = (long)text_bytes;
     mt_indexed_writer* w = NULL;
     if (mt_indexed_writer_open(&w, prefix, mt_indexed_dtype_for_vocab(mt_tokenizer_vocab_size(tok)), &err) != MT_OK)
         die(1, "%s", err.message);
