@@ -186,6 +186,9 @@ static test_result test_hostile_train_gpt_flags(void) {
         {"--seed -1", "--seed -1: must be between 0 and 4294967295"},
         {"--seed 4294967297", "--seed 4294967297: must be between 0 and 4294967295"}, /* was seed 1 for the data */
         {"--bf16=1", "--bf16 takes no value"},
+        {"--exit-signal-handler=1", "--exit-signal-handler takes no value"},
+        {"--exit-duration-in-mins -1", "--exit-duration-in-mins -1: must be between 0 and 1000000000"},
+        {"--exit-duration-in-mins 1e3", "--exit-duration-in-mins 1e3: not an integer"},
         {"--lr", "--lr needs a value"},
         {"--hidden-size 777777768", "--hidden-size 777777768: the derived --ffn-hidden-size 3111111072 exceeds"},
         {"--hidden-size 64 --vocab-size 9223372036854775800", "is too large to pad"},
@@ -201,7 +204,8 @@ static test_result test_hostile_train_gpt_flags(void) {
     }
     /* --flag=value is accepted where argparse accepts it: parsed, then --help exits 0 */
     char out[8192];
-    int code = hostile_run("./train_gpt --num-layers=2 --lr=1e-3 --data-path=x --help", out, sizeof(out));
+    int code = hostile_run("./train_gpt --num-layers=2 --lr=1e-3 --data-path=x --exit-signal-handler "
+                           "--exit-duration-in-mins 30 --no-check-for-nan-in-loss-and-grad --help", out, sizeof(out));
     EXPECT(code == 0, "--flag=value then --help: exit %d, stderr %s", code, out);
     EXPECT(ok, "a hostile flag was not refused with one clear line");
     return TEST_PASS;
