@@ -775,7 +775,8 @@ void mt_config_from_checkpoint_header(mt_config* cfg, const int64_t* header);
  * the rope and norm doubles finite and in range; the parallel sizes >= 1, the ranks below them and
  * the pipeline stage's words consistent;
  * a known precision; progress, scheduler and Adam counters >= 0; the loss-scaler counters within
- * int and the loss scale finite and > 0; the FP8 words in range. cfg (if not NULL) gets the model
+ * int (the growth tracker >= 0; hysteresis counts down past 0, as Megatron's) and the loss scale
+ * finite and > 0; the FP8 words in range. cfg (if not NULL) gets the model
  * (mt_config_defaults, then mt_config_from_checkpoint_header). path names the file in messages. */
 mt_status mt_checkpoint_header_check(const int64_t* header, const char* path, mt_config* cfg, mt_error* err);
 /* The exact size in bytes of a checkpoint file with this (checked) header: the model file
@@ -1043,8 +1044,8 @@ mt_status mt_read_file(const char* path, size_t max_bytes, char** data, size_t* 
     char* buf = (char*)malloc(cap);
     mt_status status = buf ? MT_OK : mt_fail(err, MT_ERR_OOM, "out of memory reading %s", path);
     while (status == MT_OK) {
+        if (n > max_bytes) { status = mt_fail(err, MT_ERR_FORMAT, "%s: more than %zu bytes", path, max_bytes); break; }
         if (n + 1 == cap) {
-            if (n >= max_bytes) { status = mt_fail(err, MT_ERR_FORMAT, "%s: more than %zu bytes", path, max_bytes); break; }
             char* grown = (char*)realloc(buf, cap * 2);
             if (!grown) { status = mt_fail(err, MT_ERR_OOM, "out of memory reading %s", path); break; }
             buf = grown;
@@ -3455,7 +3456,7 @@ mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, mt_conf
         {MT_CK_SCHED_STEPS, 0, INT64_MAX, "the scheduler's steps"},
         {MT_CK_ADAM_STEP, 0, INT64_MAX, "the Adam step"},
         {MT_CK_GROWTH, 0, INT32_MAX, "the loss scaler's growth tracker"},
-        {MT_CK_HYSTERESIS, 0, INT32_MAX, "the loss scaler's hysteresis tracker"},
+        {MT_CK_HYSTERESIS, INT32_MIN, INT32_MAX, "the loss scaler's hysteresis tracker"}, /* counts down past 0 */
         {MT_CK_TP, 1, INT32_MAX, "--tensor-model-parallel-size"},
         {MT_CK_PP, 1, INT32_MAX, "--pipeline-model-parallel-size"},
         {MT_CK_SHARDED_DP, 0, INT32_MAX, "the optimizer's sharding"},

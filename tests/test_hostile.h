@@ -670,7 +670,7 @@ static test_result test_hostile_checkpoint_header(void) {
         {MT_CK_ITERATION, -1, "(the iteration) is -1"},
         {MT_CK_CONSUMED, INT64_MIN, "(the consumed samples)"},
         {MT_CK_GROWTH, (int64_t)1 << 40, "growth tracker"},
-        {MT_CK_HYSTERESIS, -2, "hysteresis tracker"},
+        {MT_CK_HYSTERESIS, (int64_t)INT32_MIN - 1, "hysteresis tracker"},
         {MT_CK_TP, 0, "--tensor-model-parallel-size"},
         {MT_CK_TP_RANK, 1, "the tensor-parallel rank is not below"},
         {MT_CK_SHARDED_DP, -1, "sharding"},
