@@ -3500,8 +3500,8 @@ mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, mt_conf
     memcpy(&eps, &h[MT_CK_NORM_EPS_BITS], sizeof(double));
     if (!isfinite(loss_scale) || !(loss_scale > 0))
         return mt_fail(err, MT_ERR_FORMAT, "%s: the loss scale %g is not a finite number > 0", path, loss_scale);
-    if (h[MT_CK_NORM_EPS_BITS] != 0 && !(isfinite(eps) && eps > 0 && eps < 1)) /* 0: a file from before the word */
-        return mt_fail(err, MT_ERR_FORMAT, "%s: the norm epsilon %g is not in (0, 1)", path, eps);
+    if (h[MT_CK_NORM_EPS_BITS] != 0 && !(isfinite(eps) && eps > 0)) /* 0: a file from before the word */
+        return mt_fail(err, MT_ERR_FORMAT, "%s: the norm epsilon %g is not a finite number > 0", path, eps);
     if (h[MT_CK_POSITION_TYPE] == MT_POSITION_ROPE) {
         memcpy(&base, &h[MT_CK_ROTARY_BASE_BITS], sizeof(double));
         memcpy(&percent, &h[MT_CK_ROTARY_PERCENT_BITS], sizeof(double));
