@@ -5190,7 +5190,8 @@ static void tidy_checkpoint_dir(const char* dir) {
         }
     }
     closedir(d);
-    mt_sync_directory_of(path);
+    snprintf(path, sizeof(path), "%s/.", dir);
+    mt_sync_directory_of(path); /* of dir */
 }
 
 /* fopen(path, "rb") of a regular file only (a FIFO or a directory is refused without blocking) */
