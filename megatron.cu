@@ -3627,6 +3627,28 @@ mt_status mt_comm_id_create(mt_comm_id* id, mt_error* err) {
     return MT_OK;
 }
 
+/* NCCL connects two ranks for point-to-point on their first send/receive, a handshake in which both
+ * hosts take part. The pipeline's first exchanges are one-sided (a stage receives from a neighbour
+ * that has nothing to receive from it yet), so a rank could sit in that handshake for a connection
+ * its neighbour will only use later while the neighbour waits on the stream: connect every
+ * neighbour pair on both pipeline communicators once, symmetrically, at creation. */
+static void pipeline_connect(mt_process_groups* g, cudaStream_t stream, mt_gpu_error* e, int world_rank) {
+    float* buf = NULL;
+    if (!CUDA_CHECK(e, cudaMalloc(&buf, 8 * sizeof(float)))) return;
+    const int prev = (g->pp_rank + g->pp_size - 1) % g->pp_size, next = (g->pp_rank + 1) % g->pp_size;
+    NCCL_CHECK(e, world_rank, ncclGroupStart());
+    ncclComm_t comms[2] = {g->pp, g->pp_grad};
+    for (int i = 0; i < 2; i++) {
+        NCCL_CHECK(e, world_rank, ncclSend(buf, 1, ncclFloat, next, comms[i], stream));
+        NCCL_CHECK(e, world_rank, ncclSend(buf + 1, 1, ncclFloat, prev, comms[i], stream));
+        NCCL_CHECK(e, world_rank, ncclRecv(buf + 2 + 2 * i, 1, ncclFloat, prev, comms[i], stream));
+        NCCL_CHECK(e, world_rank, ncclRecv(buf + 3 + 2 * i, 1, ncclFloat, next, comms[i], stream));
+    }
+    NCCL_CHECK(e, world_rank, ncclGroupEnd());
+    CUDA_CHECK(e, cudaStreamSynchronize(stream));
+    cudaFree(buf);
+}
+
 /* Joins the job's communicators (blocks until every rank has joined). `compute` is the stream the
  * model runs on (TP collectives start after its work and hand back to it). */
 static void process_groups_create(mt_process_groups* g, const mt_config* c, cudaStream_t compute, mt_gpu_error* e) {
@@ -3665,6 +3687,7 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, replica, me.pp, &g->pp_grad, NULL));
         int ends = me.pp == 0 || me.pp == g->pp_size - 1;
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, ends ? replica : NCCL_SPLIT_NOCOLOR, me.pp, &g->embedding, NULL));
+        pipeline_connect(g, compute, e, c->rank);
     }
 }
 
@@ -4869,7 +4892,14 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
             x.recv_grad[x.num_recv] = op->kind == MT_PP_BACKWARD;
             x.recv_rank[x.num_recv++] = op->recv_rank;
         }
+        if (getenv("MT_PP_TRACE"))
+            fprintf(stderr, "[pp rank %d] unit at op %d/%d: %d sends %d receives\n", t->groups.pp_rank, u, num_ops,
+                    x.num_send, x.num_recv);
         pipeline_exchange(t, &x);
+        if (getenv("MT_PP_TRACE")) {
+            cudaError_t e = cudaStreamSynchronize(t->stream);
+            fprintf(stderr, "[pp rank %d] exchanged (%s)\n", t->groups.pp_rank, cudaGetErrorString(e));
+        }
         memset(&x, 0, sizeof(x));
         for (int k = u; k < end && st == MT_OK; k++) {
             const mt_pp_op* op = &ops[k];
@@ -6095,6 +6125,14 @@ mt_status mt_trainer_evaluate(mt_trainer* t, const int32_t* tokens, int num_micr
                               mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     return run_micro_batches(t, tokens, num_micro_batches, 0, 1.0, 1, loss, err);
+}
+
+mt_status mt_trainer_token_losses(mt_trainer* t, const int32_t* tokens, float* losses, mt_error* err) {
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    double mean; /* run_micro_batches leaves the micro-batch's per-token losses in host_losses */
+    mt_status st = run_micro_batches(t, tokens, 1, 0, 1.0, 0, &mean, err);
+    if (st == MT_OK) memcpy(losses, t->host_losses, sizeof(float) * (size_t)t->cfg.micro_batch_size * t->cfg.seq_length);
+    return st;
 }
 
 /* FP8 delayed scaling after an optimizer step: this step's amaxes (the largest over its micro-batches

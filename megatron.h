@@ -6,8 +6,8 @@
  * file you copy into another project. It declares the whole C API (C99 and C++, extern "C", every
  * public name prefixed mt_ / MT_) and implements its host-only part: Megatron's .bin/.idx datasets,
  * the GPT sample index and blending, the .npy writer, the configuration, learning-rate schedules and
- * FLOP formula, the parallel geometry and the checkpoint header. A plain C program has all of that
- * without CUDA.
+ * FLOP formula, the parallel geometry, the checkpoint header and TensorBoard event files. A plain C
+ * program has all of that without CUDA.
  *
  * Use. Include it wherever you need the declarations. In exactly one C or C++ file of the program,
  * define MEGATRON_IMPLEMENTATION before including it: that file also gets the implementation.
@@ -28,11 +28,12 @@
  *
  * Link: -lm (sqrt, pow, cos, ceil, nearbyint). No threads: -lpthread is not needed.
  * Platform: POSIX. Besides ISO C the implementation calls open, read, write, close, fcntl, stat, fstat,
- * fsync, mmap, munmap, mkdir, rmdir, unlink, rename, opendir, readdir, closedir and getpid (<dirent.h>,
- * <fcntl.h>, <sys/mman.h>, <sys/stat.h>, <unistd.h>); it looks at /proc/<pid> to tell whether the
- * process that left a temporary file is gone (Linux; elsewhere such files are kept). Those headers are
- * POSIX's own and declare these functions in strict ISO modes too (glibc does; tests/test_header.h
- * builds with -std=c99 -pedantic), so no feature-test macro is needed: neither _POSIX_C_SOURCE nor
+ * fsync, mmap, munmap, mkdir, rmdir, unlink, rename, opendir, readdir, closedir, getpid, gettimeofday
+ * and uname (<dirent.h>, <fcntl.h>, <sys/mman.h>, <sys/stat.h>, <unistd.h>, <sys/time.h>,
+ * <sys/utsname.h>); it looks at /proc/<pid> to tell whether the process that left a temporary file is
+ * gone (Linux; elsewhere such files are kept). Those headers are POSIX's own and declare these
+ * functions in strict ISO modes too (glibc does; tests/test_header.h builds with -std=c99 -pedantic),
+ * so no feature-test macro is needed: neither _POSIX_C_SOURCE nor
  * _GNU_SOURCE, and this header defines neither. On a system that hides them, define
  * _POSIX_C_SOURCE=200809L when compiling the implementation file.
  * The files it reads and writes are little-endian, as is every host it targets.
@@ -61,6 +62,7 @@
  *      schedules
  *   7. Checkpoint format: the header words, config <-> header
  *   8. The trainer API (GPU; implemented in megatron.cu)
+ *   9. TensorBoard event files (TFRecord framing, Event and Summary protobufs, encoded by hand)
  */
 #ifndef MEGATRON_H
 #define MEGATRON_H
@@ -850,6 +852,10 @@ mt_status mt_trainer_compute_gradients(mt_trainer* t, const int32_t* tokens, int
 /* Mean loss over num_micro_batches micro-batches, no gradients. */
 mt_status mt_trainer_evaluate(mt_trainer* t, const int32_t* tokens, int num_micro_batches, double* loss,
                               mt_error* err);
+/* Per-token losses -log p(target) of one micro-batch, no gradients: tokens [micro_batch_size, seq_length + 1]
+ * as for train_step, losses [micro_batch_size * seq_length] (fp32, over the padded vocabulary as the
+ * training loss). With tensor parallelism every TP rank calls it with the same tokens. */
+mt_status mt_trainer_token_losses(mt_trainer* t, const int32_t* tokens, float* losses, mt_error* err);
 /* Logits of one micro-batch: tokens [micro_batch_size, seq_length], logits [micro, seq, padded vocab] (fp32).
  * With tensor parallelism every TP rank calls it and receives the whole vocabulary. */
 mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits, mt_error* err);
@@ -879,6 +885,47 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
  * model shape. Returns the iteration and consumed samples it resumes from. */
 mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
                           int64_t* consumed_samples_out, mt_error* err);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* 9. TensorBoard event files                                                                      */
+/*    What --tensorboard-dir writes, read by TensorBoard itself (and by `wandb sync               */
+/*    --sync-tensorboard`). A file is a sequence of TFRecords: u64 length, u32 masked CRC-32C of   */
+/*    those 8 bytes, the data, u32 masked CRC-32C of the data (little endian; the mask rotates the */
+/*    CRC right by 15 bits and adds 0xa282ead8). Each record is an Event protobuf                  */
+/*    (tensorflow/core/util/event.proto): wall_time (field 1, double), step (2, int64, left out    */
+/*    when 0 as proto3 does), then file_version "brain.Event:2" (3) in the first record, or a      */
+/*    Summary (5) of one Value: a scalar is tag (1) + simple_value (2, float); a text is tag + a   */
+/*    DT_STRING tensor of shape [1] (8) + metadata naming the "text" plugin (9), as                */
+/*    torch.utils.tensorboard's add_text writes it. Fields in field-number order, so a record's    */
+/*    bytes equal protobuf's own serialization (tests/test_tensorboard.h holds vectors written by  */
+/*    the tensorboard package). Encoded by hand (varints, fixed64/fixed32, length-delimited): no   */
+/*    protobuf library. Host only, no threads: events wait in memory and are written by          */
+/*    mt_tb_flush, or when queue_size of them are pending (Megatron's --tensorboard-queue-size).   */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef struct mt_tb_writer mt_tb_writer;
+
+/* CRC-32C (Castagnoli, reflected polynomial 0x82f63b78) and TFRecord's masked form of it. */
+uint32_t mt_tb_crc32c(const void* data, size_t n);
+uint32_t mt_tb_masked_crc32c(const void* data, size_t n);
+
+/* Creates dir (mkdir -p) and in it a new file events.out.tfevents.<unix time, 10 digits>.<host>.<pid>.<k>
+ * (k: the first number that makes the name new) whose first record, written at once, is the
+ * file_version event. queue_size >= 1: pending events that force a flush. */
+mt_status mt_tb_open(mt_tb_writer** out, const char* dir, int queue_size, mt_error* err);
+const char* mt_tb_path(const mt_tb_writer* w);
+/* A scalar (stored as float32, as TensorBoard does) at step. */
+mt_status mt_tb_scalar(mt_tb_writer* w, const char* tag, double value, int64_t step, mt_error* err);
+/* Megatron's habit for training scalars: tag at step iteration and "<tag> vs samples" at step
+ * consumed_samples. */
+mt_status mt_tb_scalar_pair(mt_tb_writer* w, const char* tag, double value, int64_t iteration,
+                            int64_t consumed_samples, mt_error* err);
+/* A text at step, under the tag "<tag>/text_summary" (add_text's naming). */
+mt_status mt_tb_text(mt_tb_writer* w, const char* tag, const char* text, int64_t step, mt_error* err);
+/* Writes the pending events to the file. */
+mt_status mt_tb_flush(mt_tb_writer* w, mt_error* err);
+/* Flushes, closes and frees (w may be NULL). The status is the flush's or the close's. */
+mt_status mt_tb_close(mt_tb_writer* w, mt_error* err);
 
 #ifdef __cplusplus
 }
@@ -3557,6 +3604,9 @@ mt_status mt_checkpoint_read_tracker(const char* dir, int64_t* iteration, mt_err
     snprintf(path, sizeof(path), "%s/%s", dir, mt__tracker_name);
     char* text = NULL;
     size_t n = 0;
+    struct stat sb;
+    if (stat(path, &sb) != 0 && errno == ENOENT)
+        return mt_fail(err, MT_ERR_IO, "no checkpoint in %s (cannot open %s: %s)", dir, path, strerror(ENOENT));
     mt_status st = mt_read_file(path, 64, &text, &n, err);
     if (st != MT_OK) return st;
     const char* p = text;
@@ -3600,6 +3650,229 @@ int mt_make_directories(const char* path) {
         *p = '/';
     }
     return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+/* 9. TensorBoard event files ------------------------------------------------------------------- */
+
+#ifdef __cplusplus
+}
+#endif
+#include <sys/time.h>
+#include <sys/utsname.h>
+#include <time.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+uint32_t mt_tb_crc32c(const void* data, size_t n) {
+    const unsigned char* p = (const unsigned char*)data;
+    uint32_t crc = 0xffffffffu;
+    for (size_t i = 0; i < n; i++) { /* bit by bit: events are tens of bytes, a table is not worth it */
+        crc ^= p[i];
+        for (int k = 0; k < 8; k++) crc = (crc >> 1) ^ (0x82f63b78u & (0u - (crc & 1u)));
+    }
+    return ~crc;
+}
+
+uint32_t mt_tb_masked_crc32c(const void* data, size_t n) {
+    uint32_t crc = mt_tb_crc32c(data, n);
+    return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
+}
+
+struct mt_tb_writer {
+    int fd;
+    char* path;
+    unsigned char* pending; /* framed records not yet written */
+    size_t length, capacity;
+    int pending_events, queue_size;
+};
+
+/* Protobuf's wire format, the parts an Event needs: a key is (field << 3 | wire type), wire type 0 a
+ * varint, 1 eight little-endian bytes, 2 a varint length and that many bytes, 5 four bytes. */
+enum { MT__PB_VARINT = 0, MT__PB_FIXED64 = 1, MT__PB_BYTES = 2, MT__PB_FIXED32 = 5 };
+static size_t mt__pb_varint_size(uint64_t v) {
+    size_t n = 1;
+    while (v >= 0x80) { v >>= 7; n++; }
+    return n;
+}
+static unsigned char* mt__pb_varint(unsigned char* p, uint64_t v) {
+    while (v >= 0x80) { *p++ = (unsigned char)(v | 0x80); v >>= 7; }
+    *p++ = (unsigned char)v;
+    return p;
+}
+static unsigned char* mt__pb_key(unsigned char* p, int field, int wire) {
+    return mt__pb_varint(p, (uint64_t)field << 3 | (uint64_t)wire);
+}
+/* A length-delimited field of n payload bytes: its size, and its key and length (the payload follows). */
+static size_t mt__pb_bytes_size(int field, size_t n) { return mt__pb_varint_size((uint64_t)field << 3) + mt__pb_varint_size(n) + n; }
+static unsigned char* mt__pb_bytes_head(unsigned char* p, int field, size_t n) {
+    return mt__pb_varint(mt__pb_key(p, field, MT__PB_BYTES), n);
+}
+static unsigned char* mt__pb_bytes(unsigned char* p, int field, const void* data, size_t n) {
+    p = mt__pb_bytes_head(p, field, n);
+    memcpy(p, data, n);
+    return p + n;
+}
+
+enum { MT__TB_FILE_VERSION, MT__TB_SCALAR, MT__TB_TEXT };
+#define MT__TB_FILE_VERSION_STRING "brain.Event:2"
+
+/* One Event's bytes into out, or only their count when out is NULL. kind: the file_version record,
+ * a scalar (tag, value) or a text (tag as given, text). */
+static size_t mt__tb_event(unsigned char* out, double wall_time, int64_t step, int kind, const char* tag, float value,
+                           const char* text) {
+    size_t tag_n = tag ? strlen(tag) : 0, text_n = text ? strlen(text) : 0;
+    /* text: TensorProto { dtype DT_STRING (7), tensor_shape { dim { size 1 } }, string_val text } and
+     * SummaryMetadata { plugin_data { plugin_name "text" } } (TextPluginData version 0 is empty) */
+    const size_t dim_n = 2;                             /* Dim { size (1): 1 } */
+    const size_t shape_n = mt__pb_bytes_size(2, dim_n); /* TensorShapeProto { dim (2) } */
+    const size_t tensor_n = 2 + mt__pb_bytes_size(2, shape_n) + mt__pb_bytes_size(8, text_n);
+    const size_t plugin_n = mt__pb_bytes_size(1, 4), meta_n = mt__pb_bytes_size(1, plugin_n);
+    size_t value_n = mt__pb_bytes_size(1, tag_n);
+    value_n += kind == MT__TB_SCALAR ? 1 + 4 : mt__pb_bytes_size(8, tensor_n) + mt__pb_bytes_size(9, meta_n);
+    size_t summary_n = mt__pb_bytes_size(1, value_n);
+    size_t n = 1 + 8 + (step ? 1 + mt__pb_varint_size((uint64_t)step) : 0);
+    n += kind == MT__TB_FILE_VERSION ? mt__pb_bytes_size(3, strlen(MT__TB_FILE_VERSION_STRING))
+                                     : mt__pb_bytes_size(5, summary_n);
+    if (!out) return n;
+    unsigned char* p = mt__pb_key(out, 1, MT__PB_FIXED64);
+    memcpy(p, &wall_time, 8);
+    p += 8;
+    if (step) p = mt__pb_varint(mt__pb_key(p, 2, MT__PB_VARINT), (uint64_t)step);
+    if (kind == MT__TB_FILE_VERSION) {
+        p = mt__pb_bytes(p, 3, MT__TB_FILE_VERSION_STRING, strlen(MT__TB_FILE_VERSION_STRING));
+        return (size_t)(p - out);
+    }
+    p = mt__pb_bytes_head(p, 5, summary_n);
+    p = mt__pb_bytes_head(p, 1, value_n);
+    p = mt__pb_bytes(p, 1, tag, tag_n);
+    if (kind == MT__TB_SCALAR) {
+        p = mt__pb_key(p, 2, MT__PB_FIXED32);
+        memcpy(p, &value, 4);
+        return (size_t)(p + 4 - out);
+    }
+    p = mt__pb_bytes_head(p, 8, tensor_n);
+    p = mt__pb_varint(mt__pb_key(p, 1, MT__PB_VARINT), 7);      /* dtype: DT_STRING */
+    p = mt__pb_bytes_head(p, 2, shape_n);                          /* tensor_shape */
+    p = mt__pb_bytes_head(p, 2, dim_n);                            /* dim */
+    p = mt__pb_varint(mt__pb_key(p, 1, MT__PB_VARINT), 1);      /* size: 1 */
+    p = mt__pb_bytes(p, 8, text, text_n);                          /* string_val */
+    p = mt__pb_bytes_head(p, 9, meta_n);                           /* metadata */
+    p = mt__pb_bytes_head(p, 1, plugin_n);                         /* plugin_data */
+    p = mt__pb_bytes(p, 1, "text", 4);                             /* plugin_name */
+    return (size_t)(p - out);
+}
+
+/* Frames an event as a TFRecord at the end of the pending bytes; flushes when the queue is full. */
+static mt_status mt__tb_append(mt_tb_writer* w, int kind, const char* tag, float value, const char* text, int64_t step,
+                               mt_error* err) {
+    struct timeval tv;
+    gettimeofday(&tv, NULL);
+    double wall_time = (double)tv.tv_sec + (double)tv.tv_usec * 1e-6;
+    size_t n = mt__tb_event(NULL, wall_time, step, kind, tag, value, text), record = 8 + 4 + n + 4;
+    if (w->length + record > w->capacity) {
+        size_t capacity = w->capacity * 2 > w->length + record ? w->capacity * 2 : w->length + record + 4096;
+        unsigned char* grown = (unsigned char*)realloc(w->pending, capacity);
+        if (!grown) return mt_fail(err, MT_ERR_OOM, "cannot hold %zu bytes of TensorBoard events", capacity);
+        w->pending = grown;
+        w->capacity = capacity;
+    }
+    unsigned char* p = w->pending + w->length;
+    uint64_t length = (uint64_t)n;
+    memcpy(p, &length, 8);
+    uint32_t crc = mt_tb_masked_crc32c(p, 8);
+    memcpy(p + 8, &crc, 4);
+    mt__tb_event(p + 12, wall_time, step, kind, tag, value, text);
+    crc = mt_tb_masked_crc32c(p + 12, n);
+    memcpy(p + 12 + n, &crc, 4);
+    w->length += record;
+    if (++w->pending_events >= w->queue_size) return mt_tb_flush(w, err);
+    return MT_OK;
+}
+
+mt_status mt_tb_flush(mt_tb_writer* w, mt_error* err) {
+    if (w->length && mt__write_all(w->fd, w->pending, w->length) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot write TensorBoard events to %s: %s", w->path, strerror(errno));
+    w->length = 0;
+    w->pending_events = 0;
+    return MT_OK;
+}
+
+mt_status mt_tb_open(mt_tb_writer** out, const char* dir, int queue_size, mt_error* err) {
+    *out = NULL;
+    if (queue_size < 1) return mt_fail(err, MT_ERR_ARG, "TensorBoard queue size %d: must be >= 1", queue_size);
+    if (!dir || !*dir) return mt_fail(err, MT_ERR_ARG, "no TensorBoard directory given");
+    if (mt_make_directories(dir) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot create the TensorBoard directory %s: %s", dir, strerror(errno));
+    struct utsname host;
+    if (uname(&host) != 0) snprintf(host.nodename, sizeof(host.nodename), "localhost");
+    for (char* c = host.nodename; *c; c++) if (*c == '/') *c = '_';
+    mt_tb_writer* w = (mt_tb_writer*)calloc(1, sizeof(mt_tb_writer));
+    size_t path_n = strlen(dir) + strlen(host.nodename) + 96;
+    if (w) w->path = (char*)malloc(path_n);
+    if (!w || !w->path) {
+        free(w);
+        return mt_fail(err, MT_ERR_OOM, "out of memory");
+    }
+    w->fd = -1;
+    w->queue_size = queue_size;
+    long long now = (long long)time(NULL);
+    for (int k = 0; k < 1000 && w->fd < 0; k++) {
+        snprintf(w->path, path_n, "%s/events.out.tfevents.%010lld.%s.%ld.%d", dir, now, host.nodename,
+                 (long)getpid(), k);
+        w->fd = open(w->path, O_WRONLY | O_CREAT | O_EXCL, 0644);
+        if (w->fd < 0 && errno != EEXIST) break;
+    }
+    if (w->fd < 0) {
+        mt_status st = mt_fail(err, MT_ERR_IO, "cannot create a TensorBoard event file %s: %s", w->path, strerror(errno));
+        free(w->path);
+        free(w);
+        return st;
+    }
+    mt_status st = mt__tb_append(w, MT__TB_FILE_VERSION, NULL, 0.0f, NULL, 0, err);
+    if (st == MT_OK) st = mt_tb_flush(w, err);
+    if (st != MT_OK) {
+        unlink(w->path); /* nothing half-written: the file holds not even its first record */
+        mt_tb_close(w, NULL);
+        return st;
+    }
+    *out = w;
+    return MT_OK;
+}
+
+const char* mt_tb_path(const mt_tb_writer* w) { return w->path; }
+
+mt_status mt_tb_scalar(mt_tb_writer* w, const char* tag, double value, int64_t step, mt_error* err) {
+    return mt__tb_append(w, MT__TB_SCALAR, tag, (float)value, NULL, step, err);
+}
+
+mt_status mt_tb_scalar_pair(mt_tb_writer* w, const char* tag, double value, int64_t iteration,
+                            int64_t consumed_samples, mt_error* err) {
+    mt_status st = mt_tb_scalar(w, tag, value, iteration, err);
+    char* twin = st == MT_OK ? mt__concat(tag, " vs samples") : NULL;
+    if (st == MT_OK && !twin) st = mt_fail(err, MT_ERR_OOM, "out of memory");
+    if (st == MT_OK) st = mt_tb_scalar(w, twin, value, consumed_samples, err);
+    free(twin);
+    return st;
+}
+
+mt_status mt_tb_text(mt_tb_writer* w, const char* tag, const char* text, int64_t step, mt_error* err) {
+    char* full = mt__concat(tag, "/text_summary");
+    if (!full) return mt_fail(err, MT_ERR_OOM, "out of memory");
+    mt_status st = mt__tb_append(w, MT__TB_TEXT, full, 0.0f, text, step, err);
+    free(full);
+    return st;
+}
+
+mt_status mt_tb_close(mt_tb_writer* w, mt_error* err) {
+    if (!w) return MT_OK;
+    mt_status st = w->fd >= 0 ? mt_tb_flush(w, err) : MT_OK;
+    if (w->fd >= 0 && close(w->fd) != 0 && st == MT_OK)
+        st = mt_fail(err, MT_ERR_IO, "cannot close %s: %s", w->path, strerror(errno));
+    free(w->pending);
+    free(w->path);
+    free(w);
+    return st;
 }
 
 #ifdef __cplusplus

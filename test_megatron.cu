@@ -31,6 +31,8 @@
 #include "tests/test_hf.h"
 #include "tests/test_header.h"
 #include "tests/test_hostile.h"
+#include "tests/test_tensorboard.h"
+#include "tests/test_evaluation.h"
 
 typedef struct {
     const char* group; /* kind.feature: kind is host, gpu or multigpu */
@@ -68,6 +70,8 @@ int main(int argc, char** argv) {
         GROUP("host.hf", hf_tests),
         GROUP("host.header", header_tests),
         GROUP("host.hostile", hostile_tests),
+        GROUP("host.tensorboard", tensorboard_tests),
+        GROUP("host.evaluation", evaluation_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),
         GROUP("gpu.checkpoint", checkpoint_gpu_tests),
@@ -76,6 +80,7 @@ int main(int argc, char** argv) {
         GROUP("gpu.fp8", fp8_tests),
         GROUP("gpu.tensor_parallel", tensor_parallel_gpu_tests),
         GROUP("gpu.hf", hf_gpu_tests),
+        GROUP("gpu.evaluation", evaluation_gpu_tests),
         GROUP("gpu.hostile", hostile_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
         GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),

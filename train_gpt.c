@@ -55,6 +55,14 @@ typedef struct {
     double peak_tflops;
     int builtin; /* no --data-path: the built-in job */
     int mock_data; /* --mock-data: random tokens, no files (benchmarks) */
+    /* watching and judging a run: TensorBoard events, the wandb pointer, evaluation without training */
+    const char* tensorboard_dir;
+    int64_t tensorboard_log_interval; /* 0: not given (1) */
+    int tensorboard_queue_size;       /* 0: not given (1000) */
+    int log_timers_to_tensorboard, log_memory_to_tensorboard, log_validation_ppl_to_tensorboard;
+    int log_world_size_to_tensorboard, no_log_loss_scale_to_tensorboard;
+    const char *wandb_project, *wandb_exp_name, *wandb_save_dir;
+    int skip_train, full_validation;
 } run_options;
 
 static int g_rank = 0, g_world = 1; /* for error lines only: which of the N processes failed */
@@ -270,6 +278,20 @@ static void parse_args(run_options* o, int argc, char** argv) {
         {"--no-check-for-nan-in-loss-and-grad", F_TRUE, &no_nan_check, NR},
         {"--sample-tokens", F_INT, &o->sample_tokens, IR(0, I32MAX)},
         {"--peak-tflops", F_DOUBLE, &o->peak_tflops, DR(0, INFINITY, 0)},
+        /* watching and judging a run (run_options says what each holds) */
+        {"--tensorboard-dir", F_STRING, &o->tensorboard_dir, NR},
+        {"--tensorboard-log-interval", F_INT64, &o->tensorboard_log_interval, IR(1, I64MAX)},
+        {"--tensorboard-queue-size", F_INT, &o->tensorboard_queue_size, IR(1, I32MAX)},
+        {"--log-timers-to-tensorboard", F_TRUE, &o->log_timers_to_tensorboard, NR},
+        {"--log-memory-to-tensorboard", F_TRUE, &o->log_memory_to_tensorboard, NR},
+        {"--log-validation-ppl-to-tensorboard", F_TRUE, &o->log_validation_ppl_to_tensorboard, NR},
+        {"--log-world-size-to-tensorboard", F_TRUE, &o->log_world_size_to_tensorboard, NR},
+        {"--no-log-loss-scale-to-tensorboard", F_TRUE, &o->no_log_loss_scale_to_tensorboard, NR},
+        {"--wandb-project", F_STRING, &o->wandb_project, NR},
+        {"--wandb-exp-name", F_STRING, &o->wandb_exp_name, NR},
+        {"--wandb-save-dir", F_STRING, &o->wandb_save_dir, NR},
+        {"--skip-train", F_TRUE, &o->skip_train, NR},
+        {"--full-validation", F_TRUE, &o->full_validation, NR},
         /* accepted for launch-script compatibility; they do not change what this build computes */
         {"--log-throughput", F_IGNORED_SWITCH, NULL, NR},
         {"--use-mcore-models", F_IGNORED_SWITCH, NULL, NR},
@@ -279,9 +301,6 @@ static void parse_args(run_options* o, int argc, char** argv) {
         {"--no-gradient-accumulation-fusion", F_IGNORED_SWITCH, NULL, NR},
         {"--distributed-backend", F_IGNORED_VALUE, NULL, NR},
         {"--attention-softmax-in-fp32", F_IGNORED_SWITCH, NULL, NR},
-        {"--tensorboard-dir", F_IGNORED_VALUE, NULL, NR},
-        {"--wandb-project", F_IGNORED_VALUE, NULL, NR},
-        {"--wandb-exp-name", F_IGNORED_VALUE, NULL, NR},
         {"--data-cache-path", F_IGNORED_VALUE, NULL, NR},
     };
     size_t nflags = sizeof(flags) / sizeof(flags[0]);
@@ -373,8 +392,8 @@ static void parse_args(run_options* o, int argc, char** argv) {
                                      {"--num-attention-heads", (const char*)(heads < 0 ? "" : NULL)},
                                      {"--seq-length", (const char*)(seq < 0 ? "" : NULL)},
                                      {"--micro-batch-size", (const char*)(mbs < 0 ? "" : NULL)},
-                                     {"--train-iters", (const char*)(iters < 0 ? "" : NULL)},
-                                     {"--lr", (const char*)(lr < 0 ? "" : NULL)}};
+                                     {"--train-iters", (const char*)(iters < 0 && !o->skip_train ? "" : NULL)},
+                                     {"--lr", (const char*)(lr < 0 && !o->skip_train ? "" : NULL)}};
         for (size_t k = 0; k < sizeof(required) / sizeof(required[0]); k++)
             if (required[k][1]) die(2, "%s is required with --data-path", required[k][0]);
     }
@@ -485,6 +504,10 @@ static void parse_args(run_options* o, int argc, char** argv) {
         c->lr_wsd_decay_style = (mt_wsd_decay_style)found;
     }
     if (o->log_interval <= 0) die(2, "--log-interval must be positive");
+    if (o->skip_train && iters < 0) c->train_iters = 1; /* nothing trains; the config only needs a count */
+    if (o->full_validation && o->mock_data) die(2, "--full-validation needs a dataset: --mock-data has no end");
+    if (!o->tensorboard_log_interval) o->tensorboard_log_interval = 1;
+    if (!o->tensorboard_queue_size) o->tensorboard_queue_size = 1000;
 }
 
 /* ---- tokenizer and the built-in corpus ------------------------------------------------------- */
@@ -608,6 +631,98 @@ static void print_memory_plan(mt_trainer* t, const mt_config* c) {
            (total_bytes - free_bytes) / gib, total_bytes / gib);
 }
 
+/* ---- TensorBoard ------------------------------------------------------------------------------ */
+/* Megatron's TensorBoard habits (training.py): the rank that prints the log writes the events; every
+ * --tensorboard-log-interval iterations learning-rate, batch-size, lm loss (this iteration's),
+ * loss-scale, grad-norm (none for a skipped step), world-size and memory when asked, each with its
+ * "vs samples" twin where Megatron has one; at each log line iteration-time (s) and throughput
+ * (TFLOP/s/GPU) with --log-timers-to-tensorboard; each evaluation's loss (and ppl); the command
+ * line's arguments as texts. Events are flushed at every log line (and when the queue fills). */
+
+static mt_tb_writer* tensorboard_open(const run_options* o, int argc, char** argv, int64_t iteration) {
+    if (o->wandb_project || o->wandb_exp_name || o->wandb_save_dir)
+        printf("wandb: this build does not talk to wandb; --wandb-* are not used. Upload the TensorBoard events "
+               "with `wandb sync --sync-tensorboard %s`%s\n", o->tensorboard_dir ? o->tensorboard_dir : "<dir>",
+               o->tensorboard_dir ? "" : " after a run with --tensorboard-dir <dir>");
+    if (!o->tensorboard_dir || o->cfg.rank != 0) return NULL;
+    mt_error err;
+    mt_tb_writer* tb = NULL;
+    if (mt_tb_open(&tb, o->tensorboard_dir, o->tensorboard_queue_size, &err) != MT_OK) die(1, "%s", err.message);
+    /* the arguments as Megatron writes them (one text per argument, named as argparse's dest): here
+     * the ones given on the command line, with their values as given */
+    char name[128], value[4096];
+    for (int i = 1; i < argc; i++) {
+        if (strncmp(argv[i], "--", 2) != 0) continue;
+        const char* eq = strchr(argv[i], '=');
+        size_t n = eq ? (size_t)(eq - argv[i] - 2) : strlen(argv[i] + 2);
+        if (n >= sizeof(name)) n = sizeof(name) - 1;
+        for (size_t k = 0; k < n; k++) name[k] = argv[i][2 + k] == '-' ? '_' : argv[i][2 + k];
+        name[n] = 0;
+        size_t len = (size_t)snprintf(value, sizeof(value), "%s", eq ? eq + 1 : "");
+        for (int j = i + 1; !eq && j < argc && strncmp(argv[j], "--", 2) != 0 && len < sizeof(value); j++)
+            len += (size_t)snprintf(value + len, sizeof(value) - len, "%s%s", len ? " " : "", argv[j]);
+        if (mt_tb_text(tb, name, value[0] ? value : "True", iteration, &err) != MT_OK) die(1, "%s", err.message);
+    }
+    if (mt_tb_flush(tb, &err) != MT_OK) die(1, "%s", err.message);
+    printf("tensorboard: writing events to %s\n", mt_tb_path(tb));
+    return tb;
+}
+
+static void tensorboard_check(mt_status st, const mt_error* err) {
+    if (st != MT_OK) die(1, "%s", err->message);
+}
+
+static void tensorboard_iteration(mt_tb_writer* tb, const run_options* o, mt_trainer* t, const mt_step_result* r,
+                                  int64_t iteration, int64_t consumed) {
+    const mt_config* c = &o->cfg;
+    mt_error err;
+    tensorboard_check(mt_tb_scalar_pair(tb, "learning-rate", r->next_learning_rate, iteration, consumed, &err), &err);
+    tensorboard_check(mt_tb_scalar_pair(tb, "batch-size", c->global_batch_size, iteration, consumed, &err), &err);
+    tensorboard_check(mt_tb_scalar_pair(tb, "lm loss", r->lm_loss, iteration, consumed, &err), &err);
+    if (!o->no_log_loss_scale_to_tensorboard)
+        tensorboard_check(mt_tb_scalar_pair(tb, "loss-scale", r->loss_scale, iteration, consumed, &err), &err);
+    if (o->log_world_size_to_tensorboard)
+        tensorboard_check(mt_tb_scalar_pair(tb, "world-size", c->world_size, iteration, consumed, &err), &err);
+    if (!r->skipped)
+        tensorboard_check(mt_tb_scalar_pair(tb, "grad-norm", r->grad_norm, iteration, consumed, &err), &err);
+    if (o->log_memory_to_tensorboard) {
+        /* no caching allocator here: everything is allocated at creation (the plan); "reserved" is
+         * what the device reports in use (the CUDA context, cuBLAS and NCCL included) */
+        char name[256];
+        size_t free_bytes = 0, total_bytes = 0;
+        tensorboard_check(mt_device_info(name, sizeof(name), &free_bytes, &total_bytes, &err), &err);
+        double planned = (double)mt_trainer_memory_plan(t).total_bytes;
+        tensorboard_check(mt_tb_scalar(tb, "mem-reserved-bytes", (double)(total_bytes - free_bytes), iteration, &err), &err);
+        tensorboard_check(mt_tb_scalar(tb, "mem-allocated-bytes", planned, iteration, &err), &err);
+        tensorboard_check(mt_tb_scalar(tb, "mem-max-allocated-bytes", planned, iteration, &err), &err);
+    }
+}
+
+static void tensorboard_log_line(mt_tb_writer* tb, const run_options* o, int64_t iteration, double seconds_per_iteration,
+                                 double tflops) {
+    mt_error err;
+    if (o->log_timers_to_tensorboard) {
+        tensorboard_check(mt_tb_scalar(tb, "iteration-time", seconds_per_iteration, iteration, &err), &err);
+        tensorboard_check(mt_tb_scalar(tb, "throughput", tflops, iteration, &err), &err);
+    }
+    tensorboard_check(mt_tb_flush(tb, &err), &err);
+}
+
+/* split_tag: "validation" or "test" (Megatron writes the test loss under the validation tag too;
+ * here it has its own, lm loss test, so the two do not share steps) */
+static void tensorboard_evaluation(mt_tb_writer* tb, const run_options* o, const char* split_tag, double loss,
+                                   int64_t iteration, int64_t consumed) {
+    mt_error err;
+    char tag[64];
+    snprintf(tag, sizeof(tag), "lm loss %s", split_tag);
+    tensorboard_check(mt_tb_scalar_pair(tb, tag, loss, iteration, consumed, &err), &err);
+    if (o->log_validation_ppl_to_tensorboard) {
+        snprintf(tag, sizeof(tag), "lm loss %s ppl", split_tag);
+        tensorboard_check(mt_tb_scalar_pair(tb, tag, exp(loss < 20 ? loss : 20), iteration, consumed, &err), &err);
+    }
+    tensorboard_check(mt_tb_flush(tb, &err), &err);
+}
+
 /* ---- data ------------------------------------------------------------------------------------- */
 
 /* Fills tokens [micro-batches, mbs, S+1] with this data-parallel rank's part of the global batch
@@ -624,11 +739,11 @@ static int64_t split_samples(const mt_gpt_data* data, int split) {
     return data ? mt_gpt_data_num_samples(data, split) : INT64_MAX;
 }
 
-static void fetch_batch(const mt_gpt_data* data, int split, int64_t consumed, const mt_config* c, int32_t* tokens) {
+static void fetch_batch(const mt_gpt_data* data, int split, int64_t consumed, const mt_config* c, int micro,
+                        int32_t* tokens) {
     mt_error err;
     int64_t n = split_samples(data, split);
     int mbs = c->micro_batch_size, dp = c->data_parallel_size, dp_rank = mt_rank_coordinates(c, c->rank).dp;
-    int micro = mt_num_micro_batches(c);
     for (int j = 0; j < micro; j++) {
         for (int k = 0; k < mbs; k++) {
             int64_t index = mt_sampler_index(consumed + (int64_t)j * mbs * dp, mbs, dp_rank, k);
@@ -646,14 +761,17 @@ static void fetch_batch(const mt_gpt_data* data, int split, int64_t consumed, co
 }
 
 /* Mean loss over eval_iters global batches of a split, continuing from *consumed (Megatron's
- * validation iterator carries on across evaluations). */
+ * validation iterator carries on across evaluations). verbose: Megatron's progress lines (the
+ * evaluations after training). */
 static double evaluate(mt_trainer* t, const mt_gpt_data* data, int split, int64_t* consumed, int64_t eval_iters,
-                       const mt_config* c, int32_t* tokens) {
+                       const mt_config* c, int32_t* tokens, int verbose) {
     mt_error err;
     double total = 0.0;
     int micro = mt_num_micro_batches(c);
+    if (verbose) printf("Evaluating on %lld samples\n", (long long)(eval_iters * c->global_batch_size));
     for (int64_t k = 0; k < eval_iters; k++) {
-        fetch_batch(data, split, *consumed, c, tokens);
+        if (verbose) printf("Evaluating iter %lld/%lld\n", (long long)k + 1, (long long)eval_iters);
+        fetch_batch(data, split, *consumed, c, micro, tokens);
         *consumed += c->global_batch_size;
         double loss = 0.0;
         if (mt_trainer_evaluate(t, tokens, micro, &loss, &err) != MT_OK) die(1, "%s", err.message);
@@ -662,13 +780,48 @@ static double evaluate(mt_trainer* t, const mt_gpt_data* data, int split, int64_
     return total / (double)eval_iters;
 }
 
-static void print_validation(const char* what, int64_t iteration, double loss) {
+/* --full-validation: the mean loss per token over every sample of the split, each once, from its
+ * first (Megatron's full validation). Whole rounds of micro-batch x data-parallel samples go through
+ * mt_trainer_evaluate, up to a global batch at a time (each rank its micro-batches, reduced over DP);
+ * the last, partial round is run by every rank alike through mt_trainer_token_losses, its rows past
+ * the split's end repeating its first sample and left out of the sum. */
+static double evaluate_full(mt_trainer* t, const mt_gpt_data* data, int split, const mt_config* c, int32_t* tokens) {
+    mt_error err;
+    int64_t n = split_samples(data, split), S = c->seq_length, mbs = c->micro_batch_size;
+    int64_t round = mbs * c->data_parallel_size, rounds = n / round;
+    int micro = mt_num_micro_batches(c);
+    double sum = 0.0;
+    printf("Evaluating on %lld samples (the whole %s split)\n", (long long)n, mt_split_name(split));
+    for (int64_t r = 0; r < rounds; r += micro) {
+        int k = rounds - r < micro ? (int)(rounds - r) : micro;
+        fetch_batch(data, split, r * round, c, k, tokens);
+        double loss = 0.0;
+        if (mt_trainer_evaluate(t, tokens, k, &loss, &err) != MT_OK) die(1, "%s", err.message);
+        sum += loss * (double)(k * round * S);
+    }
+    float* losses = (float*)malloc(sizeof(float) * (size_t)(mbs * S));
+    if (!losses) die(1, "cannot allocate %lld token losses", (long long)(mbs * S));
+    for (int64_t first = rounds * round; first < n; first += mbs) {
+        for (int64_t b = 0; b < mbs; b++) {
+            int64_t index = first + b < n ? first + b : rounds * round;
+            if (mt_gpt_data_get(data, split, index, tokens + b * (S + 1), &err) != MT_OK) die(1, "%s", err.message);
+        }
+        if (mt_trainer_token_losses(t, tokens, losses, &err) != MT_OK) die(1, "%s", err.message);
+        for (int64_t i = 0; i < (n - first < mbs ? n - first : mbs) * S; i++) sum += losses[i];
+    }
+    free(losses);
+    return sum / ((double)n * (double)S);
+}
+
+/* Megatron's evaluation line; prefix "iteration N" during training, "iteration N on validation set"
+ * and "... on test set" after it. */
+static void print_validation(const char* prefix, double loss) {
     char line[256];
-    int n = snprintf(line, sizeof(line), " %s loss at iteration %lld | lm loss value: %.6E | lm loss PPL: %.6E | ",
-                     what, (long long)iteration, loss, exp(loss < 20 ? loss : 20));
+    int n = snprintf(line, sizeof(line), " validation loss at %s | lm loss value: %.6E | lm loss PPL: %.6E | ", prefix,
+                     loss, exp(loss < 20 ? loss : 20));
     char dashes[256];
-    memset(dashes, '-', (size_t)n);
-    dashes[n] = 0;
+    memset(dashes, '-', (size_t)n + 1);
+    dashes[n + 1] = 0;
     printf("%s\n%s\n%s\n", dashes, line, dashes);
 }
 
@@ -806,10 +959,13 @@ int main(int argc, char** argv) {
     c->vocab_size = tok ? mt_tokenizer_vocab_size(tok) : o.null_vocab_size;
     mt_error err;
     if (mt_config_finalize(c, &err) != MT_OK) die(2, "%s", err.message);
-    /* data: Megatron's sample counts (refused when they overflow) */
+    /* data: Megatron's sample counts (refused when they overflow); --skip-train: one evaluation's
+     * worth (Megatron) */
     int64_t num_samples[3];
-    if (mt_gpt_num_samples(c->train_iters, o.eval_interval, o.eval_iters, c->global_batch_size, num_samples, &err) != MT_OK)
+    if (mt_gpt_num_samples(c->train_iters, o.skip_train ? 0 : o.eval_interval, o.eval_iters, c->global_batch_size,
+                           num_samples, &err) != MT_OK)
         die(2, "%s", err.message);
+    if (o.full_validation) num_samples[MT_SPLIT_VALID] = -1; /* one epoch of the split */
     if (o.builtin) {
         static const char* builtin_prefix = "dev/data/tinyshakespeare_text_document";
         if (rank == 0) prepare_builtin_corpus(tok, builtin_prefix);
@@ -866,9 +1022,12 @@ int main(int argc, char** argv) {
             int64_t evaluated = (iteration < c->train_iters ? iteration : c->train_iters);
             if (o.eval_interval > 0) consumed_valid = (evaluated / o.eval_interval) * o.eval_iters * c->global_batch_size;
         } else {
-            printf("no checkpoint found in %s: training from scratch\n", o.load);
+            printf("no checkpoint found in %s: %s\n", o.load,
+                   o.skip_train ? "evaluating the initial weights" : "training from scratch");
         }
     }
+    if (o.skip_train) consumed_valid = 0; /* Megatron evaluates from the split's first sample */
+    mt_tb_writer* tb = tensorboard_open(&o, argc, argv, iteration);
 
     double peak = o.peak_tflops > 0 ? o.peak_tflops : mt_device_peak_tflops(c->precision);
     double flops_per_iter = mt_flops_per_iteration(c, c->global_batch_size);
@@ -882,8 +1041,9 @@ int main(int argc, char** argv) {
     char why_buf[128];
     const char* why = NULL; /* why the run stopped early (Megatron's exit conditions) */
     if (o.exit_signal_handler) install_exit_signal_handler();
-    while (iteration < c->train_iters) {
-        fetch_batch(data, MT_SPLIT_TRAIN, consumed, c, tokens);
+    if (o.skip_train) printf("skipping training (--skip-train is on) ...\n");
+    while (!o.skip_train && iteration < c->train_iters) {
+        fetch_batch(data, MT_SPLIT_TRAIN, consumed, c, mt_num_micro_batches(c), tokens);
         double t0 = now_seconds();
         mt_step_result r;
         if (mt_trainer_train_step(t, tokens, &r, &err) != MT_OK) die(1, "iteration %lld: %s", (long long)iteration + 1, err.message);
@@ -894,6 +1054,7 @@ int main(int argc, char** argv) {
         else interval_loss += r.lm_loss;
         if (r.nan) interval_nan++;
         interval_steps++;
+        if (tb && iteration % o.tensorboard_log_interval == 0) tensorboard_iteration(tb, &o, t, &r, iteration, consumed);
 
         if (iteration % o.log_interval == 0 || iteration == c->train_iters) {
             double ms = 1000.0 * interval_time / interval_steps;
@@ -909,12 +1070,18 @@ int main(int argc, char** argv) {
                    r.next_learning_rate, c->global_batch_size, good ? interval_loss / good : 0.0, r.loss_scale,
                    r.grad_norm, interval_skipped, interval_nan, peak > 0 ? 100.0 * tflops / peak : 0.0);
             fflush(stdout);
+            if (tb) tensorboard_log_line(tb, &o, iteration, ms / 1000.0, tflops);
             interval_loss = interval_time = 0.0;
             interval_steps = interval_skipped = interval_nan = 0;
         }
-        if (o.eval_interval > 0 && iteration % o.eval_interval == 0 && o.eval_iters > 0 &&
+        if (o.eval_interval > 0 && iteration % o.eval_interval == 0 && (o.eval_iters > 0 || o.full_validation) &&
             split_samples(data, MT_SPLIT_VALID) > 0) {
-            print_validation("validation", iteration, evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens));
+            char prefix[64];
+            snprintf(prefix, sizeof(prefix), "iteration %lld", (long long)iteration);
+            double loss = o.full_validation ? evaluate_full(t, data, MT_SPLIT_VALID, c, tokens)
+                                            : evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens, 0);
+            print_validation(prefix, loss);
+            if (tb) tensorboard_evaluation(tb, &o, "validation", loss, iteration, consumed);
         }
         if (o.save && o.save_interval > 0 && iteration % o.save_interval == 0)
             saved_at = save_checkpoint(t, o.save, iteration, consumed);
@@ -925,17 +1092,31 @@ int main(int argc, char** argv) {
             break;
         }
     }
-    printf("training took %.1f s\n", now_seconds() - t_start);
-    /* as Megatron: validation and test losses at the end of training */
-    if (!why && o.eval_iters > 0 &&
-        split_samples(data, MT_SPLIT_VALID) >= consumed_valid + o.eval_iters * c->global_batch_size)
-        print_validation("validation", iteration, evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens));
+    if (!o.skip_train) printf("training took %.1f s\n", now_seconds() - t_start);
+    /* as Megatron: validation and test losses at the end of training, or instead of it with
+     * --skip-train (then nothing goes to TensorBoard, as in Megatron); none after an exit condition */
+    char prefix[96];
+    if (!why && o.full_validation && split_samples(data, MT_SPLIT_VALID) > 0) {
+        double loss = evaluate_full(t, data, MT_SPLIT_VALID, c, tokens);
+        snprintf(prefix, sizeof(prefix), "iteration %lld on validation set", (long long)iteration);
+        print_validation(prefix, loss);
+        if (tb && !o.skip_train) tensorboard_evaluation(tb, &o, "validation", loss, iteration, consumed);
+    } else if (!why && o.eval_iters > 0 &&
+               split_samples(data, MT_SPLIT_VALID) >= consumed_valid + o.eval_iters * c->global_batch_size) {
+        double loss = evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens, 1);
+        snprintf(prefix, sizeof(prefix), "iteration %lld on validation set", (long long)iteration);
+        print_validation(prefix, loss);
+        if (tb && !o.skip_train) tensorboard_evaluation(tb, &o, "validation", loss, iteration, consumed);
+    }
     if (!why && o.eval_iters > 0 && split_samples(data, MT_SPLIT_TEST) >= o.eval_iters * c->global_batch_size) {
         int64_t consumed_test = 0;
-        double test_loss = evaluate(t, data, MT_SPLIT_TEST, &consumed_test, o.eval_iters, c, tokens);
-        print_validation("test", iteration, test_loss);
+        double loss = evaluate(t, data, MT_SPLIT_TEST, &consumed_test, o.eval_iters, c, tokens, 1);
+        snprintf(prefix, sizeof(prefix), "iteration %lld on test set", (long long)iteration);
+        print_validation(prefix, loss);
+        if (tb && !o.skip_train) tensorboard_evaluation(tb, &o, "test", loss, iteration, consumed);
     }
-    if (o.save && saved_at != iteration) saved_at = save_checkpoint(t, o.save, iteration, consumed);
+    if (tb && mt_tb_close(tb, &err) != MT_OK) die(1, "%s", err.message);
+    if (o.save && !o.skip_train && saved_at != iteration) saved_at = save_checkpoint(t, o.save, iteration, consumed);
     /* every rank samples (the same tokens: same seed; with tensor parallelism the forward needs the
      * whole TP group); only rank 0's stdout is open */
     if (why) {

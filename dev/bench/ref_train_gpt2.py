@@ -444,7 +444,7 @@ def log_validation(it, loss):
 
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?"
                      r"lm loss: ([0-9.Ee+-]+) \|(?:.*?grad norm: ([0-9.naif]+) \|)?")
-VALID_RE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
+VALID_RE = re.compile(r"validation loss at iteration (\d+)(?: on validation set)? \| lm loss value: ([0-9.Ee+-]+)")
 
 
 def parse_log(path):
