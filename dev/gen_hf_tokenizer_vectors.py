@@ -25,7 +25,8 @@ build the real ones, each in the shape its model family ships:
   llama2_metaspace/  the same model with Metaspace(prepend_scheme "first") instead of the normalizer
   metaspace_split/   the same model with Metaspace(prepend_scheme "always", split) and its decoder
   tiktokenizer/    Megatron's TikTokenizer vocabulary (a JSON list of {rank, token_bytes,
-                   token_str}): the first 4096 ranks of o200k_base; ids from tiktoken with
+                   token_str}): the 256 bytes, then o200k_base's first 3840 longer tokens in order
+                   (Megatron asserts ranks 0..255 are the bytes); ids from tiktoken with
                    Megatron's v1 and v2 patterns, 1000 special tokens, allowed_special="all"
 
 Held-out text: the Gutenberg books in HELD_OUT (never used for training here) and dev/data's tiny
@@ -238,7 +239,13 @@ def build_sentencepiece_bpe(train_texts):
     trainee = Tokenizer(models.BPE(unk_token="<unk>"))
     trainee.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
     trainee.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=True)
-    trainer = trainers.BpeTrainer(vocab_size=2048 - 259, limit_alphabet=120, show_progress=False)
+    counts = {}  # the 120 commonest characters, ties broken by the character: a reproducible alphabet
+    for t in train_texts:
+        for ch in t.replace(" ", "\u2581"):
+            counts[ch] = counts.get(ch, 0) + 1
+    alphabet = [ch for ch, _ in sorted(counts.items(), key=lambda x: (-x[1], x[0]))[:120]]
+    trainer = trainers.BpeTrainer(vocab_size=2048 - 259, initial_alphabet=alphabet, limit_alphabet=len(alphabet),
+                                  show_progress=False)
     trainee.train_from_iterator(train_texts, trainer=trainer)
     trained = json.loads(trainee.to_str())["model"]
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
@@ -272,6 +279,15 @@ def build_sentencepiece_bpe(train_texts):
     config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "tokenizer_class": "LlamaTokenizer"}
     return {"mistral": (make("prepend"), config), "llama2_metaspace": (make("first"), config),
             "metaspace_split": (make("always"), config)}
+
+
+def megatron_vocab(path, n):
+    """A vocabulary in the shape Megatron's loader asserts: ranks 0..255 are the bytes 0..255 in
+    order, then o200k_base's longer tokens in o200k's order, n in all."""
+    from tiktoken.load import load_tiktoken_bpe
+    longer = [t for t, _ in sorted(load_tiktoken_bpe(path).items(), key=lambda x: x[1]) if len(t) > 1]
+    tokens = [bytes([b]) for b in range(256)] + longer[:n - 256]
+    return {t: r for r, t in enumerate(tokens)}
 
 
 def write_tiktokenizer_vocab(path, ranks):
@@ -410,7 +426,7 @@ def main():
     # Megatron's TikTokenizer: one vocabulary, both patterns.
     d = os.path.join(args.out, "tiktokenizer")
     os.makedirs(d, exist_ok=True)
-    ranks = first_ranks(os.path.join(args.shared, "tiktoken", "o200k_base.tiktoken"), 4096)
+    ranks = megatron_vocab(os.path.join(args.shared, "tiktoken", "o200k_base.tiktoken"), 4096)
     write_tiktokenizer_vocab(os.path.join(d, "vocab.json"), ranks)
     my_cases = cases + special_cases(MEGATRON_SPECIALS + ["<SPECIAL_7>", "<SPECIAL_999>"])
     for pat_name, pat in (("v1", PAT_TIKTOKEN_V1), ("v2", PAT_TIKTOKEN_V2)):
