@@ -2462,7 +2462,7 @@ static mt_status mtk__hf_added_tokens(mt_tokenizer* tok, const mt_json* root, co
 }
 
 /* The id of a special-token name of the post-processor (its own map, else a token's text). */
-static mt_status mtk__hf_template_ids(mt_tokenizer* tok, const mt_json* pp, const char* name, int32_t* ids, int* n, int max,
+static mt_status mtk__hf_template_ids(const mt_json* pp, const char* name, int32_t* ids, int* n, int max,
                                      const char* path, mt_error* err) {
     const mt_json* map = mt_json_get(pp, "special_tokens");
     const mt_json* entry = mt_json_get(map, name);
@@ -2502,7 +2502,7 @@ static mt_status mtk__hf_post_processor(mt_tokenizer* tok, const mt_json* root, 
                     if (!which || strcmp(which, "A") || seen_a++)
                         return mt_fail(err, MT_ERR_FORMAT, "%s: the single-text template must hold sequence A once", path);
                 } else if (spec && mtk__jstr(spec, "id")) {
-                    if ((st = mtk__hf_template_ids(tok, leaf[k], mtk__jstr(spec, "id"), seen_a ? post : pre, seen_a ? &ns : &np, 64, path, err)))
+                    if ((st = mtk__hf_template_ids(leaf[k], mtk__jstr(spec, "id"), seen_a ? post : pre, seen_a ? &ns : &np, 64, path, err)))
                         return st;
                 } else {
                     return mt_fail(err, MT_ERR_FORMAT, "%s: malformed TemplateProcessing item", path);
