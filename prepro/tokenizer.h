@@ -744,12 +744,17 @@ typedef struct {
     uint8_t shortcut;  /* a piece with exactly these bytes encodes to this token alone */
 } mtk__tok_entry;
 
+/* A merge while loading; the table mtk__merge reads packs each into 8 bytes (left id, right id:
+ * 21 bits each; rank: 22 bits), which keeps the hot table small. */
 typedef struct {
-    uint64_t key; /* left id << 32 | right id; MTK__PAIR_EMPTY marks a free slot */
+    int32_t left, right, made;
     uint32_t rank;
-    int32_t made;
 } mtk__pair;
+#define MTK__ID_BITS 21
+#define MTK__MAX_ID ((1 << MTK__ID_BITS) - 1)     /* ids must be below this */
+#define MTK__MAX_RANK ((1u << 22) - 2u)           /* ranks at most this */
 #define MTK__PAIR_EMPTY 0xFFFFFFFFFFFFFFFFull
+#define MTK__PAIR_KEY_MASK ((1ull << (2 * MTK__ID_BITS)) - 1)
 
 typedef struct {
     uint32_t off, len;   /* the content, in tok->blob */
@@ -788,8 +793,11 @@ struct mt_tokenizer {
     uint64_t* slots;             /* open addressing over the entries: (hash >> 32) << 32 | (entry + 1) */
     uint32_t slot_bits;
     uint32_t max_token_len;
-    mtk__pair* pairs;            /* the merges */
-    uint32_t pair_bits, num_pairs, pairs_cap;
+    mtk__pair* pair_list;        /* the merges while loading */
+    uint32_t num_pairs, pairs_cap;
+    uint64_t* pairs;             /* the merges: open addressing over rank << 42 | right << 21 | left */
+    uint32_t pair_bits;
+    int32_t* rank_made;          /* rank -> the token the merge makes; NULL: the rank is that token's id */
     /* The model. */
     int char_level;              /* 0: a piece starts as its bytes; 1: as its UTF-8 characters */
     int shortcut_all;            /* tiktoken, ignore_merges: any piece that is a token is that token */
@@ -863,9 +871,8 @@ static inline int mtk__equal(const uint8_t* a, const uint8_t* b, size_t n) {
     return 1;
 }
 
-/* The vocabulary token with these bytes, or NULL. */
-static inline const mtk__tok_entry* mtk__find(const mt_tokenizer* tok, const uint8_t* p, size_t n) {
-    uint64_t h = mtk__hash(p, n);
+/* The vocabulary token with these bytes (whose mtk__hash is h), or NULL. */
+static inline const mtk__tok_entry* mtk__find_hashed(const mt_tokenizer* tok, const uint8_t* p, size_t n, uint64_t h) {
     uint64_t mask = ((uint64_t)1 << tok->slot_bits) - 1;
     uint64_t tag = h & 0xFFFFFFFF00000000ull;
     for (uint64_t i = h & mask;; i = (i + 1) & mask) {
@@ -878,6 +885,10 @@ static inline const mtk__tok_entry* mtk__find(const mt_tokenizer* tok, const uin
     }
 }
 
+static inline const mtk__tok_entry* mtk__find(const mt_tokenizer* tok, const uint8_t* p, size_t n) {
+    return mtk__find_hashed(tok, p, n, mtk__hash(p, n));
+}
+
 static inline uint64_t mtk__pair_slot(uint64_t key, uint32_t bits) {
     uint64_t h = key * 0x9E3779B97F4A7C15ull;
     h ^= h >> 31;
@@ -887,12 +898,16 @@ static inline uint64_t mtk__pair_slot(uint64_t key, uint32_t bits) {
 /* The merge of two adjacent tokens: its rank, MTK__NO_RANK when they do not merge; *made gets the
  * token they make. */
 static inline uint32_t mtk__merge(const mt_tokenizer* tok, int32_t a, int32_t b, int32_t* made) {
-    uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
+    uint64_t key = ((uint64_t)(uint32_t)b << MTK__ID_BITS) | (uint32_t)a;
     uint64_t mask = ((uint64_t)1 << tok->pair_bits) - 1;
     for (uint64_t i = mtk__pair_slot(key, tok->pair_bits);; i = (i + 1) & mask) {
-        const mtk__pair* p = &tok->pairs[i];
-        if (p->key == key) { *made = p->made; return p->rank; }
-        if (p->key == MTK__PAIR_EMPTY) return MTK__NO_RANK;
+        uint64_t slot = tok->pairs[i];
+        if ((slot & MTK__PAIR_KEY_MASK) == key) {
+            uint32_t rank = (uint32_t)(slot >> (2 * MTK__ID_BITS));
+            *made = tok->rank_made ? tok->rank_made[rank] : (int32_t)rank;
+            return rank;
+        }
+        if (slot == MTK__PAIR_EMPTY) return MTK__NO_RANK;
     }
 }
 
@@ -901,6 +916,8 @@ static void mtk__tok_reset(mt_tokenizer* tok) {
     free(tok->entries);
     free(tok->slots);
     free(tok->pairs);
+    free(tok->pair_list);
+    free(tok->rank_made);
     free(tok->norm);
     free(tok->added);
     free(tok->raw_set.slots);
@@ -1008,38 +1025,54 @@ static mt_status mtk__tok_require_bytes(const mt_tokenizer* tok, const char* pat
 /* Adds the merge (a, b) -> made. A pair given twice keeps its last rank (as Hugging Face's map
  * built from the merges list does). The table is built by mtk__pairs_index. */
 static mt_status mtk__pair_add(mt_tokenizer* tok, int32_t a, int32_t b, uint32_t rank, int32_t made, mt_error* err) {
+    if (a > MTK__MAX_ID || b > MTK__MAX_ID || made > MTK__MAX_ID || rank > MTK__MAX_RANK)
+        return mt_fail(err, MT_ERR_FORMAT, "merges of token ids above %d or more than %u merges are not supported", MTK__MAX_ID,
+                       MTK__MAX_RANK + 1);
     if (tok->num_pairs == tok->pairs_cap) {
         uint32_t cap = tok->pairs_cap ? tok->pairs_cap * 2 : 65536;
-        mtk__pair* np = (mtk__pair*)realloc(tok->pairs, (size_t)cap * sizeof(mtk__pair));
+        mtk__pair* np = (mtk__pair*)realloc(tok->pair_list, (size_t)cap * sizeof(mtk__pair));
         if (!np) return mt_fail(err, MT_ERR_OOM, "out of memory loading the merges");
-        tok->pairs = np;
+        tok->pair_list = np;
         tok->pairs_cap = cap;
     }
-    mtk__pair* p = &tok->pairs[tok->num_pairs++];
-    p->key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
+    mtk__pair* p = &tok->pair_list[tok->num_pairs++];
+    p->left = a;
+    p->right = b;
     p->rank = rank;
     p->made = made;
     return MT_OK;
 }
 
-/* Turns the list of merges into the open-addressing table mtk__merge reads. */
+/* Turns the list of merges into the open-addressing table mtk__merge reads (load factor <= 1/2),
+ * and rank -> made when a rank is not the id of the token it makes (Hugging Face merges). */
 static mt_status mtk__pairs_index(mt_tokenizer* tok, mt_error* err) {
-    uint32_t bits = 4;
+    uint32_t bits = 4, max_rank = 0;
+    int by_id = 1;
     while (((uint64_t)1 << bits) < (uint64_t)tok->num_pairs * 2) bits++;
     size_t slots = (size_t)1 << bits;
-    mtk__pair* table = (mtk__pair*)malloc(slots * sizeof(mtk__pair));
+    uint64_t* table = (uint64_t*)malloc(slots * sizeof(uint64_t));
     if (!table) return mt_fail(err, MT_ERR_OOM, "out of memory loading the merges");
-    for (size_t i = 0; i < slots; i++) table[i].key = MTK__PAIR_EMPTY;
+    memset(table, 0xFF, slots * sizeof(uint64_t));
     uint64_t mask = slots - 1;
     for (uint32_t k = 0; k < tok->num_pairs; k++) {
-        const mtk__pair* p = &tok->pairs[k];
-        uint64_t i = mtk__pair_slot(p->key, bits);
-        while (table[i].key != MTK__PAIR_EMPTY && table[i].key != p->key) i = (i + 1) & mask;
-        table[i] = *p;
+        const mtk__pair* p = &tok->pair_list[k];
+        uint64_t key = ((uint64_t)(uint32_t)p->right << MTK__ID_BITS) | (uint32_t)p->left;
+        uint64_t i = mtk__pair_slot(key, bits);
+        while (table[i] != MTK__PAIR_EMPTY && (table[i] & MTK__PAIR_KEY_MASK) != key) i = (i + 1) & mask;
+        table[i] = ((uint64_t)p->rank << (2 * MTK__ID_BITS)) | key;
+        if (p->rank > max_rank) max_rank = p->rank;
+        by_id &= p->made == (int32_t)p->rank;
     }
     free(tok->pairs);
     tok->pairs = table;
     tok->pair_bits = bits;
+    if (!by_id) {
+        tok->rank_made = (int32_t*)malloc(((size_t)max_rank + 1) * sizeof(int32_t));
+        if (!tok->rank_made) return mt_fail(err, MT_ERR_OOM, "out of memory loading the merges");
+        for (uint32_t k = 0; k < tok->num_pairs; k++) tok->rank_made[tok->pair_list[k].rank] = tok->pair_list[k].made;
+    }
+    free(tok->pair_list);
+    tok->pair_list = NULL;
     tok->pairs_cap = 0;
     return MT_OK;
 }
@@ -1048,12 +1081,20 @@ static mt_status mtk__pairs_index(mt_tokenizer* tok, mt_error* err) {
  * token's rank, so the lowest-rank pair is the lowest-rank concatenation, as tiktoken merges. */
 static mt_status mtk__pairs_from_ranks(mt_tokenizer* tok, mt_error* err) {
     mt_status st;
+    uint64_t mask = ((uint64_t)1 << tok->slot_bits) - 1, h[64];
     for (uint32_t k = 0; k < tok->num_entries; k++) {
         const mtk__tok_entry* e = &tok->entries[k];
         if (!e->hashed || e->len < 2 || e->rank == MTK__NO_RANK) continue;
         const uint8_t* p = tok->blob + e->off;
+        uint32_t cuts = e->len < 64 ? e->len : 64;
+        for (uint32_t cut = 1; cut < cuts; cut++) { /* the prefixes' slots, fetched together (load time) */
+            h[cut] = mtk__hash(p, cut);
+#if defined(__GNUC__)
+            __builtin_prefetch(&tok->slots[h[cut] & mask]);
+#endif
+        }
         for (uint32_t cut = 1; cut < e->len; cut++) {
-            const mtk__tok_entry* a = mtk__find(tok, p, cut);
+            const mtk__tok_entry* a = cut < cuts ? mtk__find_hashed(tok, p, cut, h[cut]) : mtk__find(tok, p, cut);
             const mtk__tok_entry* b = a ? mtk__find(tok, p + cut, e->len - cut) : NULL;
             if (b && (st = mtk__pair_add(tok, a->id, b->id, e->rank, e->id, err))) return st;
         }
@@ -2736,7 +2777,7 @@ mt_status mt_tokenizer_load_tiktokenizer(mt_tokenizer** out, const char* json_pa
             st = mt_fail(err, MT_ERR_FORMAT, "%s: entry %lld: bad token_bytes '%.40s'", json_path, (long long)i, b64);
             break;
         }
-        st = mtk__tok_add(tok, tmp, (size_t)nb, (uint32_t)i, i + o.num_special_tokens, 1, err);
+        st = mtk__tok_add(tok, tmp, (size_t)nb, (uint32_t)(i + o.num_special_tokens), i + o.num_special_tokens, 1, err); /* rank order = id order */
     }
     if (st || (st = mtk__tok_index(tok, json_path, err)) || (st = mtk__pairs_from_ranks(tok, err))) goto done;
     for (int64_t k = 0; k < o.num_special_tokens && st == MT_OK; k++) { /* matched in text: allowed_special="all" */
