@@ -92,6 +92,28 @@ def verify(table):
         print("verify: %-18s %7d code points, same as tiktoken's regex" % (pat, len(got)))
 
 
+# ---- writing C tables --------------------------------------------------------------------------
+
+def two_level(block_of):
+    """Two-level table of 0x1100 blocks of 256 code points: (distinct blocks, block index per block)."""
+    blocks, index, stage1 = [], {}, []
+    for b in range(0x110000 >> 8):
+        blk = block_of(b)
+        if blk not in index:
+            index[blk] = len(blocks)
+            blocks.append(blk)
+        stage1.append(index[blk])
+    assert len(blocks) < 256
+    return blocks, stage1
+
+
+def c_array(w, ctype, name, values, per_line, fmt="%d", size=None):
+    w("static const %s %s[%s] = {" % (ctype, name, size if size is not None else len(values)))
+    for i in range(0, len(values), per_line):
+        w("    " + ",".join(fmt % v for v in values[i:i + per_line]) + ",")
+    w("};")
+
+
 # ---- NFC as the tokenizers library applies it ------------------------------------------------------
 
 HANGUL_S, HANGUL_L, HANGUL_V, HANGUL_T = 0xAC00, 0x1100, 0x1161, 0x11A7
@@ -231,18 +253,13 @@ def verify_nfc(ud, ccc, dec, comp, maybe):
 
 
 def emit_nfc(w, ccc, dec, comp, maybe):
-    blocks, index, stage1 = [], {}, []
-    for b in range(0x110000 >> 8):
+    def block_bits(b):
         bits = [0] * 8
         for k in range(256):
             if (b << 8) + k in maybe:
                 bits[k >> 5] |= 1 << (k & 31)
-        t = tuple(bits)
-        if t not in index:
-            index[t] = len(blocks)
-            blocks.append(t)
-        stage1.append(index[t])
-    assert len(blocks) < 256
+        return tuple(bits)
+    blocks, stage1 = two_level(block_bits)
     w("/* ---- NFC, as the Hugging Face tokenizers library applies it ------------------------------------ */")
     w("/* Unicode 16.0 data restricted to what the library's normalizer knows (dev/gen_unicode_tables.py")
     w(" * says how this is found and checked). mt_uc_nfc_maybe(cp): the character may change under NFC")
@@ -250,14 +267,8 @@ def emit_nfc(w, ccc, dec, comp, maybe):
     w(" * text without such a character is already NFC. Hangul syllables are composed and decomposed by")
     w(" * arithmetic, not listed. */")
     w("#define MT_UC_NFC_NUM_BLOCKS %d" % len(blocks))
-    w("static const uint8_t mt_uc_nfc_stage1[%d] = {" % len(stage1))
-    for i in range(0, len(stage1), 24):
-        w("    " + ",".join("%d" % v for v in stage1[i:i + 24]) + ",")
-    w("};")
-    w("static const uint32_t mt_uc_nfc_stage2[%d * 8] = {" % len(blocks))
-    for blk in blocks:
-        w("    " + ",".join("0x%08x" % v for v in blk) + ",")
-    w("};")
+    c_array(w, "uint8_t", "mt_uc_nfc_stage1", stage1, 24)
+    c_array(w, "uint32_t", "mt_uc_nfc_stage2", [v for blk in blocks for v in blk], 8, "0x%08x", "%d * 8" % len(blocks))
     w("static inline int mt_uc_nfc_maybe(uint32_t cp) {")
     w("    if (cp >= 0x110000) return 0;")
     w("    const uint32_t* b = mt_uc_nfc_stage2 + (uint32_t)mt_uc_nfc_stage1[cp >> 8] * 8u;")
@@ -267,14 +278,8 @@ def emit_nfc(w, ccc, dec, comp, maybe):
     keys = sorted(ccc)
     w("/* Canonical combining classes other than 0, by code point. */")
     w("#define MT_UC_NUM_CCC %d" % len(keys))
-    w("static const uint32_t mt_uc_ccc_cp[%d] = {" % len(keys))
-    for i in range(0, len(keys), 12):
-        w("    " + ",".join("0x%05x" % c for c in keys[i:i + 12]) + ",")
-    w("};")
-    w("static const uint8_t mt_uc_ccc_val[%d] = {" % len(keys))
-    for i in range(0, len(keys), 24):
-        w("    " + ",".join("%d" % ccc[c] for c in keys[i:i + 24]) + ",")
-    w("};")
+    c_array(w, "uint32_t", "mt_uc_ccc_cp", keys, 12, "0x%05x")
+    c_array(w, "uint8_t", "mt_uc_ccc_val", [ccc[c] for c in keys], 24)
     w("")
     keys = sorted(dec)
     seq, offs = [], []
@@ -285,30 +290,15 @@ def emit_nfc(w, ccc, dec, comp, maybe):
     w("/* Full canonical decompositions: code point mt_uc_decomp_cp[k] becomes")
     w(" * mt_uc_decomp_seq[mt_uc_decomp_off[k] .. mt_uc_decomp_off[k + 1]). */")
     w("#define MT_UC_NUM_DECOMP %d" % len(keys))
-    w("static const uint32_t mt_uc_decomp_cp[%d] = {" % len(keys))
-    for i in range(0, len(keys), 12):
-        w("    " + ",".join("0x%05x" % c for c in keys[i:i + 12]) + ",")
-    w("};")
-    w("static const uint16_t mt_uc_decomp_off[%d] = {" % len(offs))
-    for i in range(0, len(offs), 16):
-        w("    " + ",".join("%d" % v for v in offs[i:i + 16]) + ",")
-    w("};")
-    w("static const uint32_t mt_uc_decomp_seq[%d] = {" % len(seq))
-    for i in range(0, len(seq), 12):
-        w("    " + ",".join("0x%05x" % v for v in seq[i:i + 12]) + ",")
-    w("};")
+    c_array(w, "uint32_t", "mt_uc_decomp_cp", keys, 12, "0x%05x")
+    c_array(w, "uint16_t", "mt_uc_decomp_off", offs, 16)
+    c_array(w, "uint32_t", "mt_uc_decomp_seq", seq, 12, "0x%05x")
     w("")
     keys = sorted(comp)
     w("/* Primary composites: the pair (first << 21 | second) composes to mt_uc_comp_val[k]. */")
     w("#define MT_UC_NUM_COMP %d" % len(keys))
-    w("static const uint64_t mt_uc_comp_key[%d] = {" % len(keys))
-    for i in range(0, len(keys), 6):
-        w("    " + ",".join("0x%011xull" % ((a << 21) | b) for a, b in keys[i:i + 6]) + ",")
-    w("};")
-    w("static const uint32_t mt_uc_comp_val[%d] = {" % len(keys))
-    for i in range(0, len(keys), 12):
-        w("    " + ",".join("0x%05x" % comp[k] for k in keys[i:i + 12]) + ",")
-    w("};")
+    c_array(w, "uint64_t", "mt_uc_comp_key", [(a << 21) | b for a, b in keys], 6, "0x%011xull")
+    c_array(w, "uint32_t", "mt_uc_comp_val", [comp[k] for k in keys], 12, "0x%05x")
     w("")
     return len(stage1) + 32 * len(blocks) + 5 * len(ccc) + 4 * len(dec) + 2 * len(offs) + 4 * len(seq) + 12 * len(comp)
 
@@ -326,14 +316,7 @@ def main():
     ccc, dec, comp, maybe = nfc_data(ud)
     verify_nfc(ud, ccc, dec, comp, maybe)
 
-    blocks, index, stage1 = [], {}, []
-    for b in range(0x110000 >> 8):
-        blk = tuple(table[b << 8:(b + 1) << 8])
-        if blk not in index:
-            index[blk] = len(blocks)
-            blocks.append(blk)
-        stage1.append(index[blk])
-    assert len(blocks) < 256
+    blocks, stage1 = two_level(lambda b: tuple(table[b << 8:(b + 1) << 8]))
 
     out = []
     w = out.append
@@ -357,10 +340,7 @@ def main():
     w("#define MT_UC_UNICODE_VERSION \"%s\"" % UNICODE_VERSION)
     w("#define MT_UC_NUM_BLOCKS %d" % len(blocks))
     w("")
-    w("static const uint8_t mt_uc_stage1[%d] = {" % len(stage1))
-    for i in range(0, len(stage1), 24):
-        w("    " + ",".join("%d" % v for v in stage1[i:i + 24]) + ",")
-    w("};")
+    c_array(w, "uint8_t", "mt_uc_stage1", stage1, 24)
     w("")
     w("static const uint8_t mt_uc_stage2[%d * 256] = {" % len(blocks))
     for bi, blk in enumerate(blocks):

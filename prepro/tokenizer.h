@@ -1306,15 +1306,20 @@ static mt_status mtk__mark_shortcuts(mt_tokenizer* tok, mt_error* err) {
 
 /* ---- NFC (tokenizer.json's "NFC" normalizer): decompose, order the marks, compose ---- */
 
-static int mtk__ccc(uint32_t cp) {
-    if (cp < 0x300) return 0;
-    size_t lo = 0, hi = MT_UC_NUM_CCC;
+/* The position of cp in the sorted table a[0..n), or n. */
+static size_t mtk__table_find(const uint32_t* a, size_t n, uint32_t cp) {
+    size_t lo = 0, hi = n;
     while (lo < hi) {
         size_t mid = (lo + hi) / 2;
-        if (mt_uc_ccc_cp[mid] < cp) lo = mid + 1;
+        if (a[mid] < cp) lo = mid + 1;
         else hi = mid;
     }
-    return lo < MT_UC_NUM_CCC && mt_uc_ccc_cp[lo] == cp ? mt_uc_ccc_val[lo] : 0;
+    return lo < n && a[lo] == cp ? lo : n;
+}
+
+static int mtk__ccc(uint32_t cp) {
+    size_t k = cp < 0x300 ? MT_UC_NUM_CCC : mtk__table_find(mt_uc_ccc_cp, MT_UC_NUM_CCC, cp);
+    return k < MT_UC_NUM_CCC ? mt_uc_ccc_val[k] : 0;
 }
 
 #define MTK__HANGUL_S 0xAC00u
@@ -1334,18 +1339,11 @@ static size_t mtk__decompose(uint32_t cp, uint32_t* out) {
         if (k % MTK__HANGUL_TC) { out[2] = MTK__HANGUL_T + k % MTK__HANGUL_TC; return 3; }
         return 2;
     }
-    size_t lo = 0, hi = MT_UC_NUM_DECOMP;
-    if (cp >= 0xC0) {
-        while (lo < hi) {
-            size_t mid = (lo + hi) / 2;
-            if (mt_uc_decomp_cp[mid] < cp) lo = mid + 1;
-            else hi = mid;
-        }
-        if (lo < MT_UC_NUM_DECOMP && mt_uc_decomp_cp[lo] == cp) {
-            size_t n = (size_t)(mt_uc_decomp_off[lo + 1] - mt_uc_decomp_off[lo]);
-            memcpy(out, mt_uc_decomp_seq + mt_uc_decomp_off[lo], n * sizeof(uint32_t));
-            return n;
-        }
+    size_t k = cp < 0xC0 ? MT_UC_NUM_DECOMP : mtk__table_find(mt_uc_decomp_cp, MT_UC_NUM_DECOMP, cp);
+    if (k < MT_UC_NUM_DECOMP) {
+        size_t n = (size_t)(mt_uc_decomp_off[k + 1] - mt_uc_decomp_off[k]);
+        memcpy(out, mt_uc_decomp_seq + mt_uc_decomp_off[k], n * sizeof(uint32_t));
+        return n;
     }
     out[0] = cp;
     return 1;
