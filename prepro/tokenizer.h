@@ -101,7 +101,9 @@ mt_status mt_tokenizer_load_gpt2(mt_tokenizer** out, const char* vocab_json_path
 mt_status mt_tokenizer_load_tiktoken(mt_tokenizer** out, const char* rank_file_path, mt_tokenizer_kind kind, mt_error* err);
 
 /* HuggingFaceTokenizer: path is a tokenizer.json or a directory holding one; eos/bos come from the
- * tokenizer_config.json and special_tokens_map.json beside it, as transformers reads them.
+ * tokenizer_config.json and special_tokens_map.json beside it, as transformers reads them, and an
+ * add_bos_token / add_eos_token there replaces the post-processor's template with [bos] text [eos]
+ * (as transformers' TokenizersBackend does; an absent key counts as false).
  * include_special_tokens: 1 (Megatron's default) adds what the post-processor adds (BOS ...), as
  * tokenizer(text).input_ids does; 0 is --tokenizer-hf-no-include-special-tokens. Supported: model
  * BPE (vocab, merges as "a b" strings or [a, b] pairs, unk_token, fuse_unk, byte_fallback,
@@ -2637,7 +2639,7 @@ static int mtk__hf_config_token(const mt_json* config, const mt_json* map, const
     return 0;
 }
 
-static mt_status mtk__hf_config(mt_tokenizer* tok, const char* dir, mt_error* err) {
+static mt_status mtk__hf_config(mt_tokenizer* tok, const char* dir, int include_special, mt_error* err) {
     static const char* const files[2] = {"tokenizer_config.json", "special_tokens_map.json"};
     mt_json* json[2] = {NULL, NULL};
     mt_status st = MT_OK;
@@ -2664,6 +2666,26 @@ static mt_status mtk__hf_config(mt_tokenizer* tok, const char* dir, mt_error* er
             }
             if (*slot[w] < 0) st = mt_fail(err, MT_ERR_FORMAT, "%s: %s '%.60s' is not a token of tokenizer.json", dir, keys[w][k], name);
             break;
+        }
+    }
+    /* add_bos_token / add_eos_token in tokenizer_config.json replace the post-processor's template
+     * with [bos] $A [eos] (transformers' TokenizersBackend.update_post_processor: a key that is not
+     * there counts as false, a missing bos/eos token drops its side). */
+    const mt_json* add_bos = mt_json_get(json[0], "add_bos_token");
+    const mt_json* add_eos = mt_json_get(json[0], "add_eos_token");
+    if (st == MT_OK && include_special && (add_bos || add_eos)) {
+        int32_t eos = -1;
+        const char* name = NULL;
+        if (mtk__hf_config_token(json[0], json[1], "eos_token", &name) == 1) eos = mt_tokenizer_token_id(tok, name, strlen(name));
+        int b = add_bos && add_bos->type == MT_JSON_TRUE && tok->bos >= 0, e = add_eos && add_eos->type == MT_JSON_TRUE && eos >= 0;
+        free(tok->templ);
+        tok->templ = (int32_t*)malloc(2 * sizeof(int32_t));
+        if (!tok->templ) st = mt_fail(err, MT_ERR_OOM, "out of memory");
+        else {
+            if (b) tok->templ[0] = tok->bos;
+            if (e) tok->templ[b] = eos;
+            tok->num_prefix = b;
+            tok->num_suffix = e;
         }
     }
     mt_json_free(json[0]);
@@ -2696,7 +2718,7 @@ mt_status mt_tokenizer_load_hf(mt_tokenizer** out, const char* path, int include
         (st = mtk__hf_post_processor(tok, root, include_special_tokens, file, err)) || (st = mtk__hf_decoder(tok, root, file, err)) ||
         (st = mtk__tok_finish(tok, file, err)))
         goto done;
-    st = mtk__hf_config(tok, dir, err);
+    st = mtk__hf_config(tok, dir, include_special_tokens, err);
 done:
     mt_json_free(root);
     if (st != MT_OK) { mt_tokenizer_free(tok); return st; }

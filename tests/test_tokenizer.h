@@ -648,9 +648,21 @@ static test_result test_tokenizer_hf_refusals(void) {
     size_t count = 0, cap = 0;
     mt_tokenizer_encode(tok, "ab<s>ba", 7, &ids, &count, &cap);
     int ok = count == 4 && ids[0] == 2 && ids[1] == 3 && ids[2] == 1 && ids[3] == 0 && mt_tokenizer_eod(tok) == 3;
-    free(ids);
     mt_tokenizer_free(tok);
     EXPECT(ok, "the small tokenizer.json: %zu tokens", count);
+    /* tokenizer_config.json's add_bos_token / add_eos_token make the template [bos] text [eos] */
+    const char* cfgs[2] = {"{\"bos_token\": \"<s>\", \"eos_token\": \"<s>\", \"add_eos_token\": true}",
+                           "{\"bos_token\": \"<s>\", \"add_bos_token\": true, \"add_eos_token\": false}"};
+    for (int k = 0; k < 2; k++) {
+        EXPECT(tt_write(cfg, cfgs[k], strlen(cfgs[k])), "write");
+        EXPECT_OK(mt_tokenizer_load_hf(&tok, dir, 1, &err), &err);
+        count = 0;
+        mt_tokenizer_encode(tok, "ab", 2, &ids, &count, &cap);
+        ok = count == 2 && ids[k ? 0 : 1] == 3 && ids[k ? 1 : 0] == 2;
+        mt_tokenizer_free(tok);
+        EXPECT(ok, "%s: %zu tokens", cfgs[k], count);
+    }
+    free(ids);
     struct { const char* json; const char* msg; } bad[] = {
         {TT_JSON("[]", "null", TT_PRE, "{\"type\":\"WordPiece\",\"vocab\":{}}", "null"), "model type WordPiece is not supported"},
         {TT_JSON("[]", "null", "{\"type\":\"Split\",\"pattern\":{\"Regex\":\"\\\\w+\"},\"behavior\":\"Isolated\",\"invert\":false}", TT_MODEL,
