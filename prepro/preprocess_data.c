@@ -115,9 +115,14 @@ static void print_progress(const mt_preprocess_stats* s, int final, int tty) {
     double mb = (double)s->bytes_read / 1e6, total = (double)s->bytes_total / 1e6;
     double rate = s->seconds > 0 ? mb / s->seconds : 0.0;
     double eta = rate > 0 && total > mb ? (total - mb) / rate : 0.0;
-    fprintf(stderr, "%s%lld docs, %.1f/%.1f MB (%.0f%%), %.1f MB/s, %.2fM tokens%s%.0fs%s", tty ? "\r" : "",
-            (long long)s->documents, mb, total, total > 0 ? 100.0 * mb / total : 100.0, rate, (double)s->tokens / 1e6,
-            final ? ", took " : ", ETA ", final ? s->seconds : eta, tty ? "\033[K" : "\n");
+    if (mb > total) /* compressed input: the decompressed size is not known ahead */
+        fprintf(stderr, "%s%lld docs, %.1f MB (from %.1f MB of files), %.1f MB/s, %.2fM tokens%s%.0fs%s", tty ? "\r" : "",
+                (long long)s->documents, mb, total, rate, (double)s->tokens / 1e6, final ? ", took " : ", for ", s->seconds,
+                tty ? "\033[K" : "\n");
+    else
+        fprintf(stderr, "%s%lld docs, %.1f/%.1f MB (%.0f%%), %.1f MB/s, %.2fM tokens%s%.0fs%s", tty ? "\r" : "",
+                (long long)s->documents, mb, total, total > 0 ? 100.0 * mb / total : 100.0, rate, (double)s->tokens / 1e6,
+                final ? ", took " : ", ETA ", final ? s->seconds : eta, tty ? "\033[K" : "\n");
     if (final && tty) fprintf(stderr, "\n");
     fflush(stderr);
 }
