@@ -2771,7 +2771,20 @@ mt_status mt_tokenizer_load_tiktokenizer(mt_tokenizer** out, const char* json_pa
     if (!tok) return mt_fail(err, MT_ERR_OOM, "out of memory");
     tok->split = !strcmp(o.pattern, "v1") ? MTK__SPLIT_TIKTOKEN_V1 : MTK__SPLIT_TIKTOKEN_V2;
     tok->shortcut_all = 1;
-    if ((st = mt_json_parse_file(&vocab, json_path, err))) goto done;
+    if ((st = mt_json_parse_file(&vocab, json_path, err))) {
+        FILE* f = st == MT_ERR_FORMAT ? fopen(json_path, "rb") : NULL;
+        char head[64] = {0};
+        if (f) {
+            size_t got = fread(head, 1, sizeof(head) - 1, f);
+            fclose(f);
+            head[got] = 0;
+            char* sp = strchr(head, ' ');
+            if (sp && sp > head && sp[1] >= '0' && sp[1] <= '9' && mtk__b64((uint8_t)head[0]) >= 0) /* "<base64> <rank>" */
+                st = mt_fail(err, MT_ERR_FORMAT, "%s is a tiktoken rank file, not Megatron's JSON vocabulary: use --tokenizer-type "
+                             "TiktokenFileTokenizer", json_path);
+        }
+        goto done;
+    }
     if (vocab->type != MT_JSON_ARRAY) {
         st = mt_fail(err, MT_ERR_FORMAT, "%s: Megatron's TikTokenizer reads a JSON list of {rank, token_bytes, token_str}, not %s (a tiktoken "
                      "rank file is --tokenizer-type TiktokenFileTokenizer)", json_path, mtk__jtype(vocab));

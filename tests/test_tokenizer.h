@@ -710,6 +710,10 @@ static test_result test_tokenizer_hf_refusals(void) {
     EXPECT(st == MT_ERR_ARG && strstr(err.message, "<mask>"), "specials without <mask>: %s", st ? err.message : "accepted");
     st = mt_tokenizer_load_tiktokenizer(&tok, TT_GPT2_MERGES, NULL, &err);
     EXPECT(st == MT_ERR_FORMAT, "merges.txt as a TikTokenizer vocabulary accepted");
+    snprintf(path, sizeof(path), "%s/r50k.tiktoken", dir);
+    EXPECT(tt_write(path, "IQ== 0\nIg== 1\n", 14), "write");
+    st = mt_tokenizer_load_tiktokenizer(&tok, path, NULL, &err);
+    EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "tiktoken rank file"), "a rank file as vocabulary: %s", st ? err.message : "accepted");
     snprintf(path, sizeof(path), "%s/ranks.json", dir);
     EXPECT(tt_write(path, "{\"a\": 1}", 8), "write");
     st = mt_tokenizer_load_tiktokenizer(&tok, path, NULL, &err);
