@@ -495,7 +495,8 @@ static mt_tokenizer* load_tokenizer(run_options* o) {
         printf("the tokenizer names no end-of-document token (eos_token): no text sample is printed\n");
         o->sample_tokens = 0;
     }
-    if (tok && o->builtin && mt_tokenizer_eod(tok) < 0) die(2, "the built-in corpus needs a tokenizer with an end-of-document token");
+    if (o->builtin && strcmp(args.type, "GPT2BPETokenizer")) /* its cached dataset is GPT-2's */
+        die(2, "the built-in job (no --data-path) uses GPT2BPETokenizer; give --data-path for data made with %s", args.type);
     return tok;
 }
 
