@@ -1,5 +1,5 @@
 # megatron.c build.
-#   make            every binary: train_gpt, test_megatron, prepro tools
+#   make            every binary: train_gpt, eval_hellaswag, test_megatron, prepro tools
 #   make test       build and run the test suite (GPU tests skip without a GPU)
 #   make GPU_ARCH=90a ...   override the CUDA target (default: the visible GPU, else sm_90)
 
@@ -43,26 +43,37 @@ PREPRO := prepro/preprocess_data prepro/merge_datasets prepro/dataset_info prepr
 HEADERS := megatron.h prepro/tokenizer.h prepro/safetensors.h prepro/unicode_tables.h
 
 .PHONY: all test clean
-all: train_gpt test_megatron $(PREPRO)
+all: train_gpt eval_hellaswag test_megatron $(PREPRO) dev/data/hellaswag_val_full.txt
 
 megatron.o: megatron.cu $(HEADERS)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
 
-train_gpt.o: train_gpt.c $(HEADERS)
+train_gpt.o: train_gpt.c train_gpt_flags.h $(HEADERS)
 	$(CC) $(CFLAGS) $(MPI_CFLAGS) -c $< -o $@
 
 train_gpt: train_gpt.o megatron.o
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(CUDA_LIBS) $(MPI_LIBS) $(HOST_LIBS)
 
+# eval_hellaswag: HellaSwag accuracy of a checkpoint (its data: make dev/data/hellaswag_val_full.txt)
+eval_hellaswag.o: eval_hellaswag.c $(HEADERS)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+eval_hellaswag: eval_hellaswag.o megatron.o
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(CUDA_LIBS) $(HOST_LIBS)
+
+dev/data/hellaswag_val_full.txt: dev/data/hellaswag_val_full.txt.bz2
+	bzip2 -dc $< > $@.tmp && mv $@.tmp $@
+
 # The test suite includes megatron.cu whole, so it can reach the kernels behind the API.
-test_megatron: test_megatron.cu megatron.cu $(HEADERS) $(wildcard tests/*.h)
+test_megatron: test_megatron.cu megatron.cu train_gpt_flags.h $(HEADERS) $(wildcard tests/*.h)
 	$(NVCC) $(NVFLAGS) $(MPI_CFLAGS) $< -o $@ $(CUDA_LIBS) $(MPI_LIBS) $(HOST_LIBS)
 
-prepro/%: prepro/%.c $(HEADERS)
+prepro/%: prepro/%.c prepro/args.h $(HEADERS)
 	$(CC) $(CFLAGS) $< -o $@ $(HOST_LIBS)
 HF_HEADERS := prepro/safetensors.h prepro/hf_checkpoint.h prepro/hf_gpt2.h prepro/hf_llama.h
 prepro/convert_hf: $(HF_HEADERS)
 test_megatron: $(HF_HEADERS)
+eval_hellaswag.o: $(HF_HEADERS)
 
 # dev/hf_logits: a checkpoint's logits for a token file (used by dev/hf_check.py on a GPU machine)
 dev/hf_logits: dev/hf_logits.c megatron.o $(HEADERS)
@@ -73,4 +84,4 @@ test: test_megatron
 	./test_megatron
 
 clean:
-	rm -f *.o train_gpt test_megatron dev/hf_logits $(PREPRO)
+	rm -f *.o train_gpt eval_hellaswag test_megatron dev/hf_logits $(PREPRO)

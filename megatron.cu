@@ -48,6 +48,7 @@
 #include <cuda_fp8.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <cuda_profiler_api.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <float.h>
@@ -804,12 +805,14 @@ static void swiglu_backward(const mt_exec* ex, T* dpre, const T* dact, const T* 
 /*    statistics (the backward does so for the first norm instead of keeping it per layer). The   */
 /*    backward is one fused kernel (input gradient and the weight, bias and preceding row-        */
 /*    parallel bias column sums), staged through shared memory, with the two-kernel path as the   */
-/*    fallback.                                                                                   */
+/*    fallback. With --apply-layernorm-1p the stored weight is w - 1: every kernel takes w1 (1, else */
+/*    0) and uses weight + w1, in fp32 as Transformer Engine's zero-centred gamma does; the weight's  */
+/*    gradient is the same either way.                                                            */
 /* ============================================================================================== */
 
 template <typename T>
 __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_out, const T* x, const T* weight,
-                                         const T* bias, int N, int C, float eps, bool rms) {
+                                         const T* bias, int N, int C, float eps, bool rms, float w1) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= N) return;
@@ -826,7 +829,8 @@ __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_ou
     float rstd = 1.0f / sqrtf(var + eps);
     T* o = out + (int64_t)row * C;
     for (int c = lane; c < C; c += 32)
-        o[c] = from_float<T>((to_float(xr[c]) - mean) * rstd * to_float(weight[c]) + (bias ? to_float(bias[c]) : 0.0f));
+        o[c] = from_float<T>((to_float(xr[c]) - mean) * rstd * (to_float(weight[c]) + w1) +
+                             (bias ? to_float(bias[c]) : 0.0f));
     if (lane == 0) {
         mean_out[row] = mean;
         rstd_out[row] = rstd;
@@ -837,7 +841,8 @@ __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_ou
  * g = dy * weight (RMSNorm: without the mean(g) term). */
 template <typename T>
 __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const T* x, const T* weight,
-                                                const float* mean, const float* rstd, int N, int C, bool rms) {
+                                                const float* mean, const float* rstd, int N, int C, bool rms,
+                                                float w1) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= N) return;
@@ -846,7 +851,7 @@ __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const
     float m = mean[row], rs = rstd[row];
     float sum_g = 0.0f, sum_gx = 0.0f;
     for (int c = lane; c < C; c += 32) {
-        float g = to_float(dyr[c]) * to_float(weight[c]);
+        float g = to_float(dyr[c]) * (to_float(weight[c]) + w1);
         sum_g += g;
         sum_gx += g * (to_float(xr[c]) - m) * rs;
     }
@@ -854,7 +859,7 @@ __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const
     T* dr = dresidual + (int64_t)row * C;
     for (int c = lane; c < C; c += 32) {
         float xhat = (to_float(xr[c]) - m) * rs;
-        float g = to_float(dyr[c]) * to_float(weight[c]);
+        float g = to_float(dyr[c]) * (to_float(weight[c]) + w1);
         dr[c] = from_float<T>(to_float(dr[c]) + rs * (g - mean_g - xhat * mean_gx));
     }
 }
@@ -863,7 +868,7 @@ __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const
  * Statistics are summed in the same per-lane-then-warp pattern, so results are deterministic. */
 template <typename T>
 __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rstd_out, const T* x, const T* weight,
-                                             const T* bias, int N, int C, float eps, bool rms) {
+                                             const T* bias, int N, int C, float eps, bool rms, float w1) {
     constexpr int V = vec16<T>::N;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -890,7 +895,7 @@ __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rst
         load16(w, weight + c);
         if (bias) load16(b, bias + c);
 #pragma unroll
-        for (int i = 0; i < V; i++) v[i] = (v[i] - mean) * rstd * w[i] + (bias ? b[i] : 0.0f);
+        for (int i = 0; i < V; i++) v[i] = (v[i] - mean) * rstd * (w[i] + w1) + (bias ? b[i] : 0.0f);
         store16(o + c, v);
     }
     if (lane == 0) {
@@ -903,7 +908,7 @@ __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rst
  * 16-byte loads, lanes striding the row (RMSNorm: mean of g is 0). Every lane gets both. */
 template <typename T>
 __device__ __forceinline__ float2 norm_backward_row_means(const T* dyr, const T* xr, const T* weight, float m, float rs,
-                                                          int C, int lane, bool rms) {
+                                                          int C, int lane, bool rms, float w1) {
     constexpr int V = vec16<T>::N;
     float g[V], xv[V], w[V];
     float sum_g = 0.0f, sum_gx = 0.0f;
@@ -913,7 +918,7 @@ __device__ __forceinline__ float2 norm_backward_row_means(const T* dyr, const T*
         load16(w, weight + c);
 #pragma unroll
         for (int i = 0; i < V; i++) {
-            float gi = g[i] * w[i];
+            float gi = g[i] * (w[i] + w1);
             sum_g += gi;
             sum_gx += gi * (xv[i] - m) * rs;
         }
@@ -923,7 +928,8 @@ __device__ __forceinline__ float2 norm_backward_row_means(const T* dyr, const T*
 
 template <typename T>
 __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, const T* x, const T* weight,
-                                                    const float* mean, const float* rstd, int N, int C, bool rms) {
+                                                    const float* mean, const float* rstd, int N, int C, bool rms,
+                                                    float w1) {
     constexpr int V = vec16<T>::N;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -932,7 +938,7 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
     const T* xr = x + (int64_t)row * C;
     float m = mean[row], rs = rstd[row];
     float g[V], xv[V], w[V], d[V];
-    const float2 means = norm_backward_row_means(dyr, xr, weight, m, rs, C, lane, rms);
+    const float2 means = norm_backward_row_means(dyr, xr, weight, m, rs, C, lane, rms, w1);
     const float mean_g = means.x, mean_gx = means.y;
     T* dr = dresidual + (int64_t)row * C;
     for (int c = lane * V; c < C; c += 32 * V) {
@@ -941,7 +947,7 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
         load16(w, weight + c);
         load16(d, dr + c);
 #pragma unroll
-        for (int i = 0; i < V; i++) d[i] += rs * (g[i] * w[i] - mean_g - (xv[i] - m) * rs * mean_gx);
+        for (int i = 0; i < V; i++) d[i] += rs * (g[i] * (w[i] + w1) - mean_g - (xv[i] - m) * rs * mean_gx);
         store16(dr + c, d);
     }
 }
@@ -954,7 +960,7 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
 template <typename T, int MAXV>
 __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean_out, float* rstd_out,
                                                  const T* residual, const T* branch, const T* bias, const T* weight,
-                                                 const T* norm_bias, int N, int C, float eps, bool rms) {
+                                                 const T* norm_bias, int N, int C, float eps, bool rms, float w1) {
     constexpr int V = vec16<T>::N;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -992,7 +998,7 @@ __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean
         load16(w, weight + c);
         if (norm_bias) load16(y, norm_bias + c);
 #pragma unroll
-        for (int i = 0; i < V; i++) y[i] = (r[j][i] - mean) * rstd * w[i] + (norm_bias ? y[i] : 0.0f);
+        for (int i = 0; i < V; i++) y[i] = (r[j][i] - mean) * rstd * (w[i] + w1) + (norm_bias ? y[i] : 0.0f);
         store16(out + base + c, y);
     }
     if (lane == 0) {
@@ -1021,7 +1027,7 @@ __device__ __forceinline__ void store_n(T* p, const float* in) {
  * of the vector width). */
 template <typename T, int V>
 __global__ void norm_apply_kernel(T* out, const T* x, const float* mean, const float* rstd, const T* w, const T* b,
-                                  int64_t N, int C) {
+                                  int64_t N, int C, float w1) {
     int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * V;
     if (i >= N * C) return;
     int64_t row = i / C;
@@ -1032,7 +1038,7 @@ __global__ void norm_apply_kernel(T* out, const T* x, const float* mean, const f
     if (b) load_n<T, V>(bv, b + c);
     const float m = mean[row], rs = rstd[row];
 #pragma unroll
-    for (int k = 0; k < V; k++) v[k] = (v[k] - m) * rs * wv[k] + (b ? bv[k] : 0.0f);
+    for (int k = 0; k < V; k++) v[k] = (v[k] - m) * rs * (wv[k] + w1) + (b ? bv[k] : 0.0f);
     store_n<T, V>(out + i, v);
 }
 
@@ -1110,7 +1116,8 @@ __device__ __forceinline__ void norm_backward_block_partials(float (&aw)[NJ][V],
 template <typename T, int NJ>
 __global__ void __launch_bounds__(256)
     norm_backward_fused_kernel(T* dres, float* part_w, float* part_b, float* part_prev, const T* dy, const T* x,
-                               const T* w, const float* mean, const float* rstd, int N, int C, int rows, bool rms) {
+                               const T* w, const float* mean, const float* rstd, int N, int C, int rows, bool rms,
+                               float w1) {
     constexpr int V = vec16<T>::N, WARPS = 8;
     extern __shared__ int4 norm_tiles[]; /* [2 buffers][3: dy, x, dres][rows][C / V] 16-byte vectors */
     __shared__ float s_mg[NORM_BWD_MAX_ROWS], s_mgx[NORM_BWD_MAX_ROWS], s_m[NORM_BWD_MAX_ROWS], s_rs[NORM_BWD_MAX_ROWS];
@@ -1154,7 +1161,7 @@ __global__ void __launch_bounds__(256)
         for (int rr = warp; rr < n; rr += WARPS) { /* step 2 */
             const float m = mean[r0 + rr], rs = rstd[r0 + rr];
             const float2 means =
-                norm_backward_row_means(s_dy + (size_t)rr * C, s_x + (size_t)rr * C, w, m, rs, C, lane, rms);
+                norm_backward_row_means(s_dy + (size_t)rr * C, s_x + (size_t)rr * C, w, m, rs, C, lane, rms, w1);
             if (lane == 0) {
                 s_mg[rr] = means.x;
                 s_mgx[rr] = means.y;
@@ -1170,6 +1177,8 @@ __global__ void __launch_bounds__(256)
                 if (c >= nvec * V) continue;
                 float wv[V], g[V], xv[V], d[V];
                 load16(wv, w + c);
+#pragma unroll
+                for (int i = 0; i < V; i++) wv[i] += w1;
                 for (int rr = rg; rr < n; rr += RG) {
                     const int64_t at = (int64_t)rr * C + c;
                     const float m = s_m[rr], rs = s_rs[rr], mg = s_mg[rr], mgx = s_mgx[rr];
@@ -1198,24 +1207,25 @@ __global__ void __launch_bounds__(256)
 /* out = (x - mean) * rstd * w (+ b) over rows of [N, C], from the statistics the forward saved. */
 template <typename T>
 static void norm_apply(const mt_exec* ex, T* out, const T* x, const float* mean, const float* rstd, const T* w,
-                       const T* b, int N, int C) {
+                       const T* b, int N, int C, float w1 = 0.0f) {
     constexpr int V = vec16<T>::N;
     int64_t n = (int64_t)N * C;
     if (C % V == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
-        norm_apply_kernel<T, V><<<ceil_div(n / V, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C);
+        norm_apply_kernel<T, V><<<ceil_div(n / V, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C, w1);
     else
-        norm_apply_kernel<T, 1><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C);
+        norm_apply_kernel<T, 1><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C, w1);
     LAUNCH_CHECK(ex->error);
 }
 
 /* out = norm(x): LayerNorm (w, b) or RMSNorm (w; b NULL, rms) over rows of [N, C]. */
 template <typename T>
 static void norm_forward(const mt_exec* ex, T* out, float* mean, float* rstd, const T* x, const T* w, const T* b,
-                         int N, int C, float eps, bool rms) {
+                         int N, int C, float eps, bool rms, float w1 = 0.0f) {
     if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
-        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
+        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms,
+                                                                                w1);
     else
-        layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms);
+        layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms, w1);
     LAUNCH_CHECK(ex->error);
 }
 
@@ -1224,17 +1234,18 @@ static void norm_forward(const mt_exec* ex, T* out, float* mean, float* rstd, co
 #define RESIDUAL_NORM_MAXV 8
 template <typename T>
 static void residual_norm_forward(const mt_exec* ex, T* sum, T* out, float* mean, float* rstd, const T* residual,
-                                  T* branch, const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms) {
+                                  T* branch, const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms,
+                                  float w1 = 0.0f) {
     constexpr int V = vec16<T>::N;
     if (C % V == 0 && C <= 32 * V * RESIDUAL_NORM_MAXV && aligned16(sum) && aligned16(out) && aligned16(residual) &&
         aligned16(branch) && aligned16(bias) && aligned16(w) && aligned16(b)) {
         residual_norm_forward_vec_kernel<T, RESIDUAL_NORM_MAXV><<<ceil_div(N, 8), 256, 0, ex->stream>>>(
-            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms);
+            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms, w1);
         LAUNCH_CHECK(ex->error);
         return;
     }
     bias_residual<T>(ex, sum, residual, branch, bias, N, C);
-    norm_forward<T>(ex, out, mean, rstd, sum, w, b, N, C, eps, rms);
+    norm_forward<T>(ex, out, mean, rstd, sum, w, b, N, C, eps, rms, w1);
 }
 
 /* Launches norm_backward_fused_kernel with `rows`-row tiles over at most max_blocks blocks (NJ = nj:
@@ -1242,7 +1253,7 @@ static void residual_norm_forward(const mt_exec* ex, T* sum, T* out, float* mean
 template <typename T>
 static int norm_backward_fused(const mt_exec* ex, int nj, int rows, int max_blocks, T* dres,
                                float* part_w, float* part_b, float* part_prev, const T* dy, const T* x, const T* w,
-                               const float* mean, const float* rstd, int N, int C, bool rms) {
+                               const float* mean, const float* rstd, int N, int C, bool rms, float w1 = 0.0f) {
     const int tiles = ceil_div(N, rows), blocks = tiles < max_blocks ? tiles : max_blocks;
     const size_t smem = (size_t)2 * 3 * rows * C * sizeof(T);
     auto kernel = nj == 1 ? norm_backward_fused_kernel<T, 1>
@@ -1254,7 +1265,8 @@ static int norm_backward_fused(const mt_exec* ex, int nj, int rows, int max_bloc
     size_t& set = limit[nj == 1 ? 0 : nj == 2 ? 1 : 2];
     if (smem > set && CUDA_CHECK(ex->error, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)))
         set = smem;
-    kernel<<<blocks, 256, smem, ex->stream>>>(dres, part_w, part_b, part_prev, dy, x, w, mean, rstd, N, C, rows, rms);
+    kernel<<<blocks, 256, smem, ex->stream>>>(dres, part_w, part_b, part_prev, dy, x, w, mean, rstd, N, C, rows, rms,
+                                              w1);
     LAUNCH_CHECK(ex->error);
     return blocks;
 }
@@ -1266,7 +1278,7 @@ static int norm_backward_fused(const mt_exec* ex, int nj, int rows, int max_bloc
 template <typename T>
 static void norm_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dresidual, float* dweight, float* dbias,
                           float* dprev_bias, const T* dy, const T* x, const T* w, const float* mean,
-                          const float* rstd, int N, int C, bool rms) {
+                          const float* rstd, int N, int C, bool rms, float w1 = 0.0f) {
     constexpr int V = vec16<T>::N;
     const int nj = ceil_div(C / V, 256);
     if (C % V == 0 && (nj == 1 || nj == 2 || nj == 4) && aligned16(dresidual) && aligned16(dy) && aligned16(x) &&
@@ -1274,7 +1286,7 @@ static void norm_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dresidual,
         const int rows = norm_backward_tile_rows(C, sizeof(T));
         const int blocks = norm_backward_fused<T>(ex, nj, rows, NORM_BWD_BLOCKS, dresidual, s->partial_a,
                                                   dbias ? s->partial_b : NULL, dprev_bias ? s->partial_c : NULL, dy,
-                                                  x, w, mean, rstd, N, C, rms);
+                                                  x, w, mean, rstd, N, C, rms, w1);
         column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, ex->stream>>>(
             dweight, s->partial_a, dbias, s->partial_b, dprev_bias, s->partial_c, blocks, C, ex->mode.accumulate_gradients);
         LAUNCH_CHECK(ex->error);
@@ -1282,10 +1294,10 @@ static void norm_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dresidual,
     }
     if (C % vec16<T>::N == 0 && aligned16(dresidual) && aligned16(dy) && aligned16(x) && aligned16(w))
         layernorm_backward_input_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(dresidual, dy, x, w, mean, rstd,
-                                                                                      N, C, rms);
+                                                                                      N, C, rms, w1);
     else
         layernorm_backward_input_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(dresidual, dy, x, w, mean, rstd, N,
-                                                                                  C, rms);
+                                                                                  C, rms, w1);
     int rows, chunks = colsum_chunks(N, s->max_chunks, &rows);
     /* the 16-byte kernel gives each thread 8 columns (x2 sums), so at hidden sizes up to a few
      * thousand it leaves most of the GPU idle: dev/cuda/fused_kernels.cu measured it at 91 us
@@ -3546,8 +3558,10 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
 /* 14. Process groups                                                                             */
 /*    Megatron's rank layout (megatron.h: tp-cp-ep-dp-pp) gives each rank its coordinates. One    */
 /*    NCCL communicator spans the job; it is split into the tensor-parallel group (the TP ranks   */
-/*    of one model replica, contiguous ranks) and the data-parallel group (the ranks that hold    */
-/*    the same shard, stride TP). Each group's collectives run on a stream of their own: TP       */
+/*    of one model replica, contiguous ranks), the data-parallel group (the ranks that hold the   */
+/*    same shard, stride TP), the pipeline group (one rank per stage, stride TP x DP) and the     */
+/*    embedding group (its first and last stage). Each group's collectives run on a stream of     */
+/*    their own (pipeline transfers on the compute stream: the schedule orders them): TP          */
 /*    collectives sit on the model's critical path, DP reductions overlap the backward.           */
 /*    mt_process_groups is the one place a rank's parallel sizes and coordinates live once the    */
 /*    trainer exists.                                                                             */
@@ -3608,6 +3622,14 @@ typedef struct {
     int dp_size, dp_rank;
     ncclComm_t world;           /* every rank; NULL in a one-process job */
     ncclComm_t dp;              /* the data-parallel group; NULL when dp_size == 1 */
+    ncclComm_t pp;              /* the pipeline group (one rank per stage, rank = stage): activations */
+    ncclComm_t pp_grad;         /* the same ranks again for the gradients, so that each kind is matched in its
+                                   own posting order (NULL when pp_size == 1) */
+    cudaStream_t pp_streams[2]; /* the activations' and the gradients' transfers: each communicator on a
+                                   stream of its own, so that one waiting does not hold the other back */
+    cudaEvent_t pp_ready, pp_done[2];
+    ncclComm_t embedding;       /* Megatron's embedding group: the first and last stage (PP > 1, else NULL);
+                                   they hold the tied word embeddings and add their gradients */
     cudaStream_t comm_stream;   /* DP collectives (and the world's) */
 } mt_process_groups;
 
@@ -3618,6 +3640,28 @@ mt_status mt_comm_id_create(mt_comm_id* id, mt_error* err) {
     if (r != ncclSuccess) return mt_fail(err, MT_ERR_NCCL, "ncclGetUniqueId failed: %s", ncclGetErrorString(r));
     memcpy(id->internal, &unique, sizeof(unique));
     return MT_OK;
+}
+
+/* NCCL connects two ranks for point-to-point on their first send/receive, a handshake in which both
+ * hosts take part. The pipeline's first exchanges are one-sided (a stage receives from a neighbour
+ * that has nothing to receive from it yet), so a rank could sit in that handshake for a connection
+ * its neighbour will only use later while the neighbour waits on the stream: connect every
+ * neighbour pair on both pipeline communicators once, symmetrically, at creation. */
+static void pipeline_connect(mt_process_groups* g, cudaStream_t stream, mt_gpu_error* e, int world_rank) {
+    float* buf = NULL;
+    if (!CUDA_CHECK(e, cudaMalloc(&buf, 8 * sizeof(float)))) return;
+    const int prev = (g->pp_rank + g->pp_size - 1) % g->pp_size, next = (g->pp_rank + 1) % g->pp_size;
+    NCCL_CHECK(e, world_rank, ncclGroupStart());
+    ncclComm_t comms[2] = {g->pp, g->pp_grad};
+    for (int i = 0; i < 2; i++) {
+        NCCL_CHECK(e, world_rank, ncclSend(buf, 1, ncclFloat, next, comms[i], stream));
+        NCCL_CHECK(e, world_rank, ncclSend(buf + 1, 1, ncclFloat, prev, comms[i], stream));
+        NCCL_CHECK(e, world_rank, ncclRecv(buf + 2 + 2 * i, 1, ncclFloat, prev, comms[i], stream));
+        NCCL_CHECK(e, world_rank, ncclRecv(buf + 3 + 2 * i, 1, ncclFloat, next, comms[i], stream));
+    }
+    NCCL_CHECK(e, world_rank, ncclGroupEnd());
+    CUDA_CHECK(e, cudaStreamSynchronize(stream));
+    cudaFree(buf);
 }
 
 /* Joins the job's communicators (blocks until every rank has joined). `compute` is the stream the
@@ -3652,11 +3696,32 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.dp + g->dp_size * me.pp, me.tp, &tp->comm, NULL));
     if (g->dp_size > 1)
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.tp + tp->size * me.pp, me.dp, &g->dp, NULL));
+    if (g->pp_size > 1) {
+        int replica = me.tp + tp->size * me.dp; /* the (tp, dp) coordinates the stages of a pipeline share */
+        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, replica, me.pp, &g->pp, NULL));
+        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, replica, me.pp, &g->pp_grad, NULL));
+        int ends = me.pp == 0 || me.pp == g->pp_size - 1;
+        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, ends ? replica : NCCL_SPLIT_NOCOLOR, me.pp, &g->embedding, NULL));
+        for (int i = 0; i < 2; i++)
+            if (!CUDA_CHECK(e, cudaStreamCreateWithFlags(&g->pp_streams[i], cudaStreamNonBlocking)) ||
+                !CUDA_CHECK(e, cudaEventCreateWithFlags(&g->pp_done[i], cudaEventDisableTiming)))
+                return;
+        if (!CUDA_CHECK(e, cudaEventCreateWithFlags(&g->pp_ready, cudaEventDisableTiming))) return;
+        pipeline_connect(g, compute, e, c->rank);
+    }
 }
 
 static void process_groups_free(mt_process_groups* g) {
     if (g->tp.comm) ncclCommDestroy(g->tp.comm);
     if (g->dp) ncclCommDestroy(g->dp);
+    if (g->pp) ncclCommDestroy(g->pp);
+    if (g->pp_grad) ncclCommDestroy(g->pp_grad);
+    for (int i = 0; i < 2; i++) {
+        if (g->pp_streams[i]) cudaStreamDestroy(g->pp_streams[i]);
+        if (g->pp_done[i]) cudaEventDestroy(g->pp_done[i]);
+    }
+    if (g->pp_ready) cudaEventDestroy(g->pp_ready);
+    if (g->embedding) ncclCommDestroy(g->embedding);
     if (g->world) ncclCommDestroy(g->world);
     if (g->comm_stream) cudaStreamDestroy(g->comm_stream);
     if (g->tp.stream) cudaStreamDestroy(g->tp.stream);
@@ -4023,7 +4088,7 @@ struct mt_trainer {
     mt_colsum_scratch colsum;
     mt_param_info params_info[MT_NUM_PARAM_TENSORS];      /* this TP rank's shard (mt_param_layout_shard) */
     mt_param_info params_info_full[MT_NUM_PARAM_TENSORS]; /* the full model (mt_param_layout) */
-    int64_t num_params;       /* this TP rank's parameters (canonical count of its shard, no padding) */
+    int64_t num_params;       /* this rank's parameters: its TP shard of its pipeline stage's tensors (no padding) */
     size_t elem;              /* bytes per model element */
     int flash;                /* attention by the flash kernels (bf16, head dim 64/128), else exact */
     float* rope_cos;          /* [T, rot/2] RoPE tables (NULL without RoPE) */
@@ -4052,7 +4117,12 @@ struct mt_trainer {
     cudaEvent_t* gathered;    /* [num_buckets]: bucket b's parameters all-gathered */
     int* first_bucket_of_layer; /* [L + 2]: see first_bucket_of_layers */
     size_t state_bytes_measured; /* device memory taken by params, grads, master, Adam (cudaMemGetInfo) */
-    mt_activations act;
+    mt_activations act;       /* the activations of the (chunk, micro-batch) running: one of slots[] */
+    mt_activations* slots;    /* [num_slots]: saved activations of the micro-batches in flight (their own
+                                 memory each; the scratch regions shared) */
+    int num_slots;            /* the most (chunk, micro-batch) pairs a step's schedule holds at once */
+    void* pp_send;            /* [R, h]: an input gradient waiting to be sent to the previous stage */
+    int pp_unique;            /* PP = 1: the word-embedding index's size, from the forward to its backward */
     mt_fp8_state fp8;         /* FP8 linears (section 15); enabled = 0 without --fp8-format */
     void* fp8_arena;          /* its device memory, one allocation */
     size_t fp8_arena_bytes;
@@ -4063,6 +4133,7 @@ struct mt_trainer {
     int32_t* host_index;      /* pinned embedding backward index for one micro-batch */
     /* optimizer state */
     int64_t scheduler_steps;  /* samples seen by the LR scheduler (Megatron's num_steps) */
+    int64_t last_loss_tokens; /* positions the last train step or evaluation counted (over DP) */
     int64_t adam_step;        /* optimizer steps taken */
     double loss_scale;        /* fp16 dynamic loss scale (1 otherwise) */
     int growth_tracker;
@@ -4111,6 +4182,7 @@ typedef struct {
     int f1;        /* first MLP linear's width: 2f with SwiGLU */
     int rot;       /* rotary channels per head (0 without RoPE) */
     bool rms;      /* RMSNorm, else LayerNorm */
+    float norm_w1; /* 1 with --apply-layernorm-1p (the norm weights hold w - 1), else 0 */
     bool swiglu;
     int tp, tp_rank;
     bool sp;       /* sequence parallelism */
@@ -4141,6 +4213,7 @@ static mt_shape model_shape(const mt_trainer* t) {
     s.f1 = s.swiglu ? 2 * s.f : s.f;
     s.rot = c->position_embedding_type == MT_POSITION_ROPE ? (int)(c->kv_channels * c->rotary_percent) : 0;
     s.rms = c->normalization == MT_NORM_RMSNORM;
+    s.norm_w1 = c->apply_layernorm_1p ? 1.0f : 0.0f;
     s.L = c->num_layers;
     s.V_full = c->padded_vocab_size;
     s.V = s.V_full / s.tp;
@@ -4209,6 +4282,21 @@ static layer_tensors<E> layer_tensors_in(const mt_trainer* t, E* base, int l) {
 template <typename T>
 static layer_tensors<T> layer_params(const mt_trainer* t, int l) { return layer_tensors_in<T>(t, (T*)t->params, l); }
 static layer_tensors<float> layer_grads(const mt_trainer* t, int l) { return layer_tensors_in<float>(t, t->grads, l); }
+
+/* One model chunk of this pipeline rank (megatron.h mt_pp_stage): layers [first, first + count),
+ * the embeddings when it is virtual stage 0, the final norm, output layer and loss when it is the
+ * last. PP = 1: one chunk, the whole model. Its activations are a slot's (layer_activations index
+ * l - first). */
+typedef struct {
+    int first, count;
+    bool embedding, head;
+} model_chunk;
+static model_chunk chunk_of(const mt_trainer* t, int c) {
+    const mt_pp_stage* st = &t->buffer.stage;
+    const int vp = st->num_chunks;
+    model_chunk ch = {st->first_layer[c], st->num_layers[c], st->embedding && c == 0, st->head && c == vp - 1};
+    return ch;
+}
 
 /* The attention geometry of this rank (section 7), from its shapes and the RoPE tables. */
 static mt_attention_dims attention_dims(const mt_trainer* t, const mt_shape& s) {
@@ -4405,37 +4493,42 @@ static void cross_entropy(mt_trainer* t, const mt_exec* ex, float grad_scale) {
                              s.vocab_start, grad_scale);
 }
 
-/* Forward of one micro-batch whose inputs/targets are already on the device. Leaves the logits
- * (or, when grad_scale != 0, their gradient) in act.logits and per-token losses in act.losses.
+/* Forward of one model chunk of one micro-batch. The first chunk embeds the inputs already on the
+ * device; any other finds the previous stage's output in its residual[0]. The last chunk leaves
+ * the logits (or, when grad_scale != 0, their gradient) in act.logits and per-token losses in
+ * act.losses; any other leaves its output in residual[count] for the next stage.
  * Each residual add is fused with the norm that follows it: the attention residual with the MLP's
  * norm, the MLP residual with the next layer's first norm (or the final norm). With tensor
  * parallelism: QKV and fc1 are column-parallel, proj and fc2 row-parallel, the embedding and the
  * output layer vocab-parallel (section 15). */
 template <typename T>
-static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale) {
+static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, model_chunk ch) {
     mt_shape s = model_shape(t);
     mt_activations* a = &t->act;
     mt_tp_group* tp = &t->groups.tp;
     float eps = (float)t->cfg.norm_epsilon;
     T* gathered = (T*)a->gathered;
+    const int last = ch.first + ch.count - 1;
 
     /* embedding: this rank's vocabulary rows (position embeddings added on TP rank 0), summed over TP */
-    wait_for_parameters(t, -1);
-    T* embedded = s.sp ? (T*)a->branch : (T*)a->residual;
-    embedding_forward<T>(ex, embedded, a->inputs, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS),
-                         s.tp_rank == 0 ? param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS) : (const T*)NULL, s.BT, s.S, s.h,
-                         s.vocab_start, s.V);
-    row_parallel_output<T>(tp, embedded, (T*)a->residual, s.BT, s.R, s.h); /* the sum lands in a->residual */
-    wait_for_parameters(t, 0);
-    {
-        const layer_tensors<T> p = layer_params<T>(t, 0);
+    if (ch.embedding) {
+        wait_for_parameters(t, -1);
+        T* embedded = s.sp ? (T*)a->branch : (T*)a->residual;
+        embedding_forward<T>(ex, embedded, a->inputs, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS),
+                             s.tp_rank == 0 ? param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS) : (const T*)NULL, s.BT, s.S,
+                             s.h, s.vocab_start, s.V);
+        row_parallel_output<T>(tp, embedded, (T*)a->residual, s.BT, s.R, s.h); /* the sum lands in a->residual */
+    }
+    if (ch.count > 0) {
+        wait_for_parameters(t, ch.first);
+        const layer_tensors<T> p = layer_params<T>(t, ch.first);
         const layer_view<T> v = layer_activations<T>(a, s, 0);
-        norm_forward<T>(ex, v.ln1, v.ln1_mean, v.ln1_rstd, v.x, p.ln1_w, p.ln1_b, s.R, s.h, eps, s.rms);
+        norm_forward<T>(ex, v.ln1, v.ln1_mean, v.ln1_rstd, v.x, p.ln1_w, p.ln1_b, s.R, s.h, eps, s.rms, s.norm_w1);
     }
 
     const bool cast_fp8_weights = t->fp8.stale != 0;
-    for (int l = 0; l < s.L; l++) {
-        const layer_view<T> v = layer_activations<T>(a, s, l);
+    for (int l = ch.first; l <= last; l++) {
+        const layer_view<T> v = layer_activations<T>(a, s, l - ch.first);
         const layer_tensors<T> p = layer_params<T>(t, l);
         fp8_linear f8[FP8_LINEARS];
         const bool fp8 = fp8_layer_linears<T>(t, ex, l, cast_fp8_weights, f8);
@@ -4449,7 +4542,7 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale) {
         T* proj = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
         /* mid = x + proj + bias; ln2 = norm2(mid) */
         residual_norm_forward<T>(ex, v.mid, v.ln2, v.ln2_mean, v.ln2_rstd, v.x, proj, p.proj_b, p.ln2_w, p.ln2_b, s.R,
-                                 s.h, eps, s.rms);
+                                 s.h, eps, s.rms, s.norm_w1);
 
         /* MLP block */
         const T* ln2_in = column_parallel_input<T>(tp, gathered, v.ln2, s.R, s.h);
@@ -4468,19 +4561,26 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale) {
         T* fc2 = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
         /* out = mid + fc2 + bias; then the next norm: layer l+1's first, or the final norm */
         wait_for_parameters(t, l + 1);
-        if (l < s.L - 1) {
-            const layer_view<T> next = layer_activations<T>(a, s, l + 1);
+        if (l < last) {
+            const layer_view<T> next = layer_activations<T>(a, s, l + 1 - ch.first);
             const layer_tensors<T> np = layer_params<T>(t, l + 1);
             residual_norm_forward<T>(ex, v.out, next.ln1, next.ln1_mean, next.ln1_rstd, v.mid, fc2, p.fc2_b, np.ln1_w,
-                                     np.ln1_b, s.R, s.h, eps, s.rms);
-        } else {
+                                     np.ln1_b, s.R, s.h, eps, s.rms, s.norm_w1);
+        } else if (ch.head) {
             residual_norm_forward<T>(ex, v.out, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, v.mid, fc2, p.fc2_b,
                                      param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.R,
-                                     s.h, eps, s.rms);
+                                     s.h, eps, s.rms, s.norm_w1);
+        } else { /* the chunk's output, for the next pipeline stage */
+            bias_residual<T>(ex, v.out, v.mid, fc2, p.fc2_b, s.R, s.h);
         }
     }
 
     if (cast_fp8_weights) t->fp8.stale = 0;
+    if (!ch.head) return;
+    if (ch.count == 0) /* a head without layers: the final norm of the received stream */
+        norm_forward<T>(ex, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, (const T*)a->residual,
+                        param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.R, s.h, eps, s.rms,
+                        s.norm_w1);
 
     /* output layer (tied to the word embeddings, or untied; vocab-parallel), cross entropy */
     const T* lnf_in = column_parallel_input<T>(tp, gathered, (const T*)a->lnf, s.R, s.h);
@@ -4512,12 +4612,15 @@ static void reduce_sequence_parallel_gradients(mt_trainer* t, const mt_exec* ex,
     tp_join(tp);
 }
 
-/* Backward of the micro-batch model_forward just ran with grad_scale != 0: accumulates every
- * parameter's gradient into t->grads (fp32), or writes it when ex->mode.accumulate_gradients is 0
- * (the step's first micro-batch: every tensor of the buffer is written below). `unique_tokens`
- * describes the word-embedding index (this rank's vocabulary rows only). */
+/* Backward of one model chunk of a micro-batch whose forward ran with grad_scale != 0: accumulates
+ * the chunk's parameter gradients into t->grads (fp32), or writes them when
+ * ex->mode.accumulate_gradients is 0 (the chunk's first micro-batch: every tensor it holds is
+ * written below). The last chunk starts from the logits' gradient; any other from the gradient of
+ * its output, received into act.dresidual. The first chunk ends in the embeddings (`unique_tokens`
+ * describes the word-embedding index: this rank's vocabulary rows only); any other leaves the
+ * gradient of its input in act.dresidual for the previous stage. */
 template <typename T>
-static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) {
+static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, model_chunk ch) {
     mt_shape s = model_shape(t);
     mt_activations* a = &t->act;
     mt_colsum_scratch* cs = &t->colsum;
@@ -4527,18 +4630,25 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) 
     T* gathered_grad = (T*)a->gathered_grad;
     const parallel_backward_ctx<T> pc = {ex, cs, tp, s.BT, s.R, (T*)a->gathered, gathered_grad, (T*)a->rows};
 
-    /* output layer and final norm: dlnf = dlogits W (summed over TP); dW_out += dlogits^T lnf */
-    CUDA_CHECK(ex->error, cudaMemsetAsync(dres, 0, Rh * sizeof(T), ex->stream));
-    T* dlnf = column_parallel_backward<T>(pc, (T*)a->branch, output_weight_grad(t), (float*)NULL, (T*)a->logits,
-                                          (T*)a->lnf, output_weight<T>(t), s.h, (int)s.V);
-    norm_backward<T>(ex, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS),
-                     layer_grads(t, s.L - 1).fc2_b, dlnf, LAYER(a->residual, T, s.L, Rh),
-                     param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean, a->lnf_rstd, s.R, s.h, s.rms);
-    reduce_sequence_parallel_gradients(t, ex, s.L);
-    gradients_ready(t, ex, s.L);
+    const int last = ch.first + ch.count - 1;
+    if (ch.head) {
+        /* output layer and final norm: dlnf = dlogits W (summed over TP); dW_out += dlogits^T lnf */
+        CUDA_CHECK(ex->error, cudaMemsetAsync(dres, 0, Rh * sizeof(T), ex->stream));
+        T* dlnf = column_parallel_backward<T>(pc, (T*)a->branch, output_weight_grad(t), (float*)NULL, (T*)a->logits,
+                                              (T*)a->lnf, output_weight<T>(t), s.h, (int)s.V);
+        norm_backward<T>(ex, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS),
+                         ch.count > 0 ? layer_grads(t, last).fc2_b : (float*)NULL, dlnf,
+                         LAYER(a->residual, T, ch.count, Rh), param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean,
+                         a->lnf_rstd, s.R, s.h, s.rms, s.norm_w1);
+        reduce_sequence_parallel_gradients(t, ex, s.L);
+        gradients_ready(t, ex, s.L);
+    } else if (ch.count > 0 && layer_grads(t, last).fc2_b) {
+        /* dres is d(output) from the next stage; the last fc2's bias gradient is its column sum */
+        column_sum<T>(ex, cs, layer_grads(t, last).fc2_b, dres, s.R, s.h);
+    }
 
-    for (int l = s.L - 1; l >= 0; l--) {
-        const layer_view<T> v = layer_activations<T>(a, s, l);
+    for (int l = last; l >= ch.first; l--) {
+        const layer_view<T> v = layer_activations<T>(a, s, l - ch.first);
         const layer_tensors<T> p = layer_params<T>(t, l);
         const layer_tensors<float> dp = layer_grads(t, l);
         fp8_linear f8[FP8_LINEARS];
@@ -4562,7 +4672,7 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) 
         dln2 = column_parallel_backward<T>(pc, dln2, dp.fc1_w, dp.fc1_b, dfc1, v.ln2, p.fc1_w, s.h, s.f1,
                                            fp8 ? &f8[FP8_FC1] : NULL);
         norm_backward<T>(ex, cs, dres, dp.ln2_w, dp.ln2_b, dp.proj_b, dln2, v.mid, p.ln2_w, v.ln2_mean, v.ln2_rstd, s.R,
-                         s.h, s.rms);
+                         s.h, s.rms, s.norm_w1);
 
         /* attention block: dres is now d(mid) */
         row_parallel_backward<T>(pc, (T*)a->branch2, dp.proj_w, dres, v.attn, p.proj_w, s.attn_width, s.h,
@@ -4570,24 +4680,25 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens) 
         float* dqkv_bias = dp.qkv_b;
         if (attention_backward<T>(t, ex, (T*)a->branch, (T*)a->branch2, v.qkv, v.probs, v.lse, v.attn, dqkv_bias))
             dqkv_bias = NULL; /* taken from the attention kernels */
-        norm_apply<T>(ex, v.ln1, v.x, v.ln1_mean, v.ln1_rstd, p.ln1_w, p.ln1_b, s.R, s.h);
+        norm_apply<T>(ex, v.ln1, v.x, v.ln1_mean, v.ln1_rstd, p.ln1_w, p.ln1_b, s.R, s.h, s.norm_w1);
         T* dln1 = column_parallel_backward<T>(pc, (T*)a->branch2, dp.qkv_w, dqkv_bias, (T*)a->branch, v.ln1, p.qkv_w,
                                               s.h, s.qkv_width, fp8 ? &f8[FP8_QKV] : NULL);
-        norm_backward<T>(ex, cs, dres, dp.ln1_w, dp.ln1_b, l > 0 ? layer_grads(t, l - 1).fc2_b : (float*)NULL, dln1,
-                         v.x, p.ln1_w, v.ln1_mean, v.ln1_rstd, s.R, s.h, s.rms);
+        norm_backward<T>(ex, cs, dres, dp.ln1_w, dp.ln1_b, l > ch.first ? layer_grads(t, l - 1).fc2_b : (float*)NULL, dln1,
+                         v.x, p.ln1_w, v.ln1_mean, v.ln1_rstd, s.R, s.h, s.rms, s.norm_w1);
         reduce_sequence_parallel_gradients(t, ex, l);
         gradients_ready(t, ex, l);
     }
 
+    if (!ch.embedding) return; /* dres: the gradient of the chunk's input, for the previous stage */
     /* embeddings: dres is d(embedding output) (gathered to every row with sequence parallelism, so
      * the position embeddings' gradient is whole on every TP rank) */
     const T* demb = column_parallel_input<T>(tp, gathered_grad, dres, s.R, s.h);
     float* dwpe = grad_ptr(t, MT_P_POSITION_EMBEDDINGS);
     if (dwpe) position_embedding_backward<T>(ex, dwpe, demb, s.B, s.S, s.h);
-    /* the word embeddings' gradient is a scatter-add over the micro-batch's tokens: tied, the output
-     * layer's weight GEMM wrote the whole tensor above; untied, the first micro-batch zeroes it */
+    /* the word embeddings' gradient is a scatter-add over the micro-batch's tokens: tied on one stage,
+     * the output layer's weight GEMM wrote the whole tensor above; else the first micro-batch zeroes it */
     float* dwte = grad_ptr(t, MT_P_WORD_EMBEDDINGS);
-    if (!ex->mode.accumulate_gradients && dwte != output_weight_grad(t))
+    if (!ex->mode.accumulate_gradients && !(ch.head && dwte == output_weight_grad(t)))
         CUDA_CHECK(ex->error, cudaMemsetAsync(dwte, 0, sizeof(float) * (size_t)s.V * s.h, ex->stream));
     word_embedding_backward<T>(ex, dwte, demb, a->embed_index, unique_tokens, s.BT, s.h, s.vocab_start);
     gradients_ready(t, ex, -1);
@@ -4660,68 +4771,266 @@ static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb,
     return mt_gpu_error_return(&t->error, err);
 }
 
-/* Sum of the per-token losses of the micro-batch just run (host, double, in order). */
-static double micro_batch_loss_sum(mt_trainer* t) {
+/* --eod-mask-loss (Megatron's loss mask): a position counts in the loss unless its *input* token
+ * is the end-of-document token. Whether position i of micro-batch mb of tokens [*, B, S+1] counts. */
+static int position_counts(const mt_config* c, const int32_t* tokens, int mb, int i) {
+    if (!c->eod_mask_loss) return 1;
+    int B = c->micro_batch_size, S = c->seq_length;
+    const int32_t* row = tokens + ((int64_t)mb * B + i / S) * (S + 1);
+    return row[i % S] != c->eod_token;
+}
+
+static int64_t micro_batch_counted(const mt_config* c, const int32_t* tokens, int mb) {
+    int64_t n = 0, BT = (int64_t)c->micro_batch_size * c->seq_length;
+    for (int i = 0; i < BT; i++) n += position_counts(c, tokens, mb, i);
+    return n;
+}
+
+/* The masked positions' loss gradient (their rows of act.logits, which the cross entropy has just
+ * overwritten with the gradient) set to zero: what multiplying the per-token losses by the mask does. */
+static void zero_masked_gradients(mt_trainer* t, const int32_t* tokens, int mb) {
+    mt_shape s = model_shape(t);
+    size_t row_bytes = (size_t)s.V * (t->cfg.precision == MT_FP32 ? 4 : 2);
+    for (int i = 0; i < s.BT; i++)
+        if (!position_counts(&t->cfg, tokens, mb, i))
+            CUDA_CHECK(&t->error, cudaMemsetAsync((char*)t->act.logits + (size_t)i * row_bytes, 0, row_bytes, t->stream));
+}
+
+/* Sum of the counted per-token losses of micro-batch mb, just run (host, double, in order). */
+static double micro_batch_loss_sum(mt_trainer* t, const int32_t* tokens, int mb) {
     int BT = t->cfg.micro_batch_size * t->cfg.seq_length;
     CUDA_CHECK(&t->error, cudaMemcpyAsync(t->host_losses, t->act.losses, sizeof(float) * BT, cudaMemcpyDeviceToHost,
                                           t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     double sum = 0.0;
-    for (int i = 0; i < BT; i++) sum += t->host_losses[i];
+    for (int i = 0; i < BT; i++)
+        if (position_counts(&t->cfg, tokens, mb, i)) sum += t->host_losses[i];
     return sum;
 }
 
 static void finish_gradient_reduction(mt_trainer* t);
-typedef enum { GROUP_DP, GROUP_TP, GROUP_WORLD } mt_group_kind;
+typedef enum { GROUP_DP, GROUP_TP, GROUP_PP, GROUP_WORLD } mt_group_kind;
 static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_group_kind group, mt_error* err);
 
-/* Forward (+ backward when training) of micro-batches [0, count) of this rank's tokens; returns the
- * mean loss, over all data-parallel ranks when `across_dp`. Training leaves in t->grads the gradient
+/* Pipeline rank `rank`'s steps for `count` micro-batches: a training step's schedule (megatron.h
+ * mt_pp_schedule: 1F1B, interleaved with virtual stages; PP = 1: F0 B0 F1 B1 ...), or for evaluation
+ * the forwards alone, micro-batch by micro-batch through the chunks. Returns a malloc'd [*num_ops]. */
+static mt_pp_op* pipeline_steps(int pp, int vp, int rank, int group_size, int count, int train, int* num_ops,
+                                int* num_warmup, mt_error* err) {
+    mt_pp_op* ops = (mt_pp_op*)malloc(sizeof(mt_pp_op) * 2 * (size_t)count * vp);
+    if (!ops) {
+        mt_fail(err, MT_ERR_OOM, "cannot allocate the pipeline schedule");
+        return NULL;
+    }
+    if (train) {
+        if (mt_pp_schedule(pp, vp, count, group_size, rank, ops, num_warmup, err) != MT_OK) {
+            free(ops);
+            return NULL;
+        }
+        *num_ops = 2 * count * vp;
+        return ops;
+    }
+    int n = 0;
+    for (int mb = 0; mb < count; mb++)
+        for (int c = 0; c < vp; c++) {
+            int v = c * pp + rank;
+            mt_pp_op op = {MT_PP_FORWARD, mb, c, v > 0 ? (rank + pp - 1) % pp : -1, v < pp * vp - 1 ? (rank + 1) % pp : -1};
+            ops[n++] = op;
+        }
+    *num_ops = *num_warmup = n;
+    return ops;
+}
+static mt_pp_op* trainer_steps(const mt_trainer* t, int count, int train, int* num_ops, int* num_warmup,
+                               mt_error* err) {
+    return pipeline_steps(t->groups.pp_size, t->buffer.stage.num_chunks, t->groups.pp_rank,
+                          t->cfg.microbatch_group_size_per_vp_stage, count, train, num_ops, num_warmup, err);
+}
+
+/* The engine runs a schedule in units, Megatron's way: a warm-up forward alone, a steady-state
+ * forward with the backward after it, a cool-down backward alone. Before a unit one NCCL group
+ * sends what the previous unit produced and receives what this unit needs (send_forward_recv_forward,
+ * send_forward_backward_recv_forward_backward, send_backward_recv_backward in schedules.py): pairs
+ * of neighbours that send to each other then never wait on each other (tests/test_pipeline.h
+ * simulates every setting). Returns one past the last op of the unit that starts at op k. */
+static int pipeline_unit_end(const mt_pp_op* ops, int num_ops, int num_warmup, int k) {
+    if (k >= num_warmup && ops[k].kind == MT_PP_FORWARD && k + 1 < num_ops && ops[k + 1].kind == MT_PP_BACKWARD)
+        return k + 2;
+    return k + 1;
+}
+
+/* The most (chunk, micro-batch) pairs whose forward has run and backward not, over `ops`: the
+ * activation slots the schedule needs. */
+static int pipeline_slots_needed(const mt_pp_op* ops, int num_ops) {
+    int live = 0, most = 1;
+    for (int k = 0; k < num_ops; k++) {
+        live += ops[k].kind == MT_PP_FORWARD ? 1 : -1;
+        if (live > most) most = live;
+    }
+    return most;
+}
+
+/* One batched exchange between pipeline stages: the tensors the previous unit produced and those
+ * this unit needs (each [R, h] in the model type; at most two of each), in one NCCL group.
+ * Activations and gradients go over two communicators: each is matched in its own posting order,
+ * which both neighbours share (with one, PP 2 x VP 2 would pair a gradient with an activation).
+ * On the compute stream: the schedule already orders them against the kernels. */
+typedef struct {
+    const void* send[2];
+    int send_rank[2], send_grad[2], num_send;
+    void* recv[2];
+    int recv_rank[2], recv_grad[2], num_recv;
+} pipeline_transfers;
+static void pipeline_exchange(mt_trainer* t, const pipeline_transfers* x) {
+    if (x->num_send + x->num_recv == 0) return;
+    mt_shape s = model_shape(t);
+    const size_t n = (size_t)s.R * s.h;
+    mt_process_groups* g = &t->groups;
+    /* each communicator's operations on its own stream, after the compute so far; compute waits for both
+     * (on one stream NCCL would run the two communicators' kernels one after the other) */
+    CUDA_CHECK(&t->error, cudaEventRecord(g->pp_ready, t->stream));
+    for (int i = 0; i < 2; i++) CUDA_CHECK(&t->error, cudaStreamWaitEvent(g->pp_streams[i], g->pp_ready, 0));
+    NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupStart());
+    for (int i = 0; i < x->num_send; i++)
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclSend(x->send[i], n, g->tp.type, x->send_rank[i],
+                                                    x->send_grad[i] ? g->pp_grad : g->pp,
+                                                    g->pp_streams[x->send_grad[i]]));
+    for (int i = 0; i < x->num_recv; i++)
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclRecv(x->recv[i], n, g->tp.type, x->recv_rank[i],
+                                                    x->recv_grad[i] ? g->pp_grad : g->pp,
+                                                    g->pp_streams[x->recv_grad[i]]));
+    NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupEnd());
+    for (int i = 0; i < 2; i++) {
+        CUDA_CHECK(&t->error, cudaEventRecord(g->pp_done[i], g->pp_streams[i]));
+        CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, g->pp_done[i], 0));
+    }
+}
+
+template <typename T>
+static void run_step(mt_trainer* t, const mt_exec* ex, const mt_pp_op* op, float grad_scale, int unique) {
+    if (op->kind == MT_PP_FORWARD) model_forward<T>(t, ex, grad_scale, chunk_of(t, op->chunk));
+    else model_backward<T>(t, ex, unique, chunk_of(t, op->chunk));
+}
+
+/* Forward (+ backward when training) of micro-batches [0, count) of this rank's tokens, in this
+ * pipeline rank's schedule; returns the mean loss (computed on the last stage, shared over the
+ * pipeline), over all data-parallel ranks when `across_dp`. Training leaves in t->grads the gradient
  * of the mean loss over the global batch (times loss_scale), reduced over DP: summed by all-reduce,
- * or with the distributed optimizer by reduce-scatter (then only this rank's shards hold sums). */
+ * or with the distributed optimizer by reduce-scatter (then only this rank's shards hold sums).
+ * Each step takes a free activation slot at its forward and gives it back after its backward. */
 static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int count, int train, double loss_scale,
                                    int across_dp, double* mean_loss, mt_error* err) {
+    const mt_config* c = &t->cfg;
     mt_shape s = model_shape(t);
-    int dp = t->groups.dp_size;
-    double total = 0.0;
-    /* Megatron pre-scales each rank's gradients by 1/dp and sums them */
-    float grad_scale = train ? (float)(loss_scale / ((double)count * s.BT * dp)) : 0.0f;
-    if (train) t->next_bucket = 0; /* no zeroing: the first micro-batch's backward writes every gradient */
-    for (int mb = 0; mb < count; mb++) {
-        int unique = 0;
-        mt_status st = stage_micro_batch(t, tokens, mb, train, &unique, err);
-        if (st != MT_OK) return st;
-        /* this micro-batch's mode; --overlap-grad-reduce: buckets go out during the last one's backward */
-        mt_micro_batch_mode mode;
-        mode.accumulate_gradients = mb > 0;
-        mode.last = train && mb == count - 1;
-        mode.reduce_in_backward = mode.last && dp > 1 && t->cfg.overlap_grad_reduce;
-        mode.training = train;
-        const mt_exec ex = trainer_exec(t, mode);
-        switch (t->cfg.precision) {
-            case MT_FP32:
-                model_forward<float>(t, &ex, grad_scale);
-                if (train) model_backward<float>(t, &ex, unique);
-                break;
-            case MT_BF16:
-                model_forward<__nv_bfloat16>(t, &ex, grad_scale);
-                if (train) model_backward<__nv_bfloat16>(t, &ex, unique);
-                break;
-            case MT_FP16:
-                model_forward<__half>(t, &ex, grad_scale);
-                if (train) model_backward<__half>(t, &ex, unique);
-                break;
+    const int dp = t->groups.dp_size, pp = t->groups.pp_size, vp = t->buffer.stage.num_chunks;
+    double total = 0.0, tokens_counted = 0.0, global_counted = 0.0;
+    for (int mb = 0; mb < count; mb++) tokens_counted += (double)micro_batch_counted(c, tokens, mb);
+    if (train && c->calculate_per_token_loss) {
+        global_counted = tokens_counted;
+        if (dp > 1) {
+            mt_status st = all_reduce_sum(t, &global_counted, GROUP_DP, err);
+            if (st != MT_OK) return st;
         }
-        total += micro_batch_loss_sum(t);
-        if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     }
+    if (train) t->next_bucket = 0; /* no zeroing: each chunk's first backward writes its gradients */
+    int num_ops = 0, num_warmup = 0;
+    mt_pp_op* ops = trainer_steps(t, count, train, &num_ops, &num_warmup, err);
+    if (!ops) return MT_ERR_CONFIG;
+    if (pipeline_slots_needed(ops, num_ops) > t->num_slots) {
+        int need = pipeline_slots_needed(ops, num_ops);
+        free(ops);
+        return mt_fail(err, MT_ERR_CONFIG, "%d micro-batches need %d activation slots on pipeline rank %d; the trainer "
+                       "has %d (made for %d micro-batches a step)", count, need, t->groups.pp_rank, t->num_slots,
+                       mt_num_micro_batches(&t->cfg));
+    }
+    int* slot_of = (int*)malloc(sizeof(int) * (size_t)count * vp);
+    int* free_slots = (int*)malloc(sizeof(int) * (size_t)t->num_slots);
+    if (!slot_of || !free_slots) {
+        free(ops), free(slot_of), free(free_slots);
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate the pipeline slot table");
+    }
+    int num_free = t->num_slots;
+    for (int i = 0; i < num_free; i++) free_slots[i] = num_free - 1 - i;
+    pipeline_transfers x; /* the previous unit's sends, then this unit's receives */
+    memset(&x, 0, sizeof(x));
+    mt_status st = MT_OK;
+    for (int u = 0; u < num_ops && st == MT_OK;) {
+        const int end = pipeline_unit_end(ops, num_ops, num_warmup, u);
+        for (int k = u; k < end; k++) { /* slots and receive buffers of the unit's steps */
+            const mt_pp_op* op = &ops[k];
+            const int key = op->micro_batch * vp + op->chunk;
+            if (op->kind == MT_PP_FORWARD) slot_of[key] = free_slots[--num_free];
+            if (op->recv_rank < 0) continue;
+            x.recv[x.num_recv] = op->kind == MT_PP_FORWARD ? t->slots[slot_of[key]].residual : t->act.dresidual;
+            x.recv_grad[x.num_recv] = op->kind == MT_PP_BACKWARD;
+            x.recv_rank[x.num_recv++] = op->recv_rank;
+        }
+        pipeline_exchange(t, &x);
+        memset(&x, 0, sizeof(x));
+        for (int k = u; k < end && st == MT_OK; k++) {
+            const mt_pp_op* op = &ops[k];
+            const bool forward = op->kind == MT_PP_FORWARD;
+            const model_chunk ch = chunk_of(t, op->chunk);
+            const int key = op->micro_batch * vp + op->chunk;
+            t->act = t->slots[slot_of[key]];
+            /* the first chunk reads the inputs, the last the targets; the first chunk's backward builds
+             * the word-embedding index (at PP = 1 with the forward: nothing runs between them) */
+            int unique = 0;
+            const bool index_now = ch.embedding && train && (forward ? pp == 1 : pp > 1);
+            if ((forward && (ch.embedding || ch.head)) || index_now)
+                st = stage_micro_batch(t, tokens, op->micro_batch, index_now, &unique, err);
+            if (st != MT_OK) break;
+            if (!forward && pp == 1) unique = t->pp_unique;
+            if (forward && index_now) t->pp_unique = unique;
+            /* Megatron pre-scales each rank's gradients by 1/dp and sums them; a zero scale still runs the
+             * backward (the first micro-batch writes every gradient) */
+            double counted = (double)micro_batch_counted(c, tokens, op->micro_batch);
+            double denominator = c->calculate_per_token_loss ? global_counted : counted * count * dp;
+            float grad_scale = train && denominator > 0 ? (float)(loss_scale / denominator) : 0.0f;
+            if (train && grad_scale == 0.0f) grad_scale = FLT_MIN;
+            /* this step's mode; --overlap-grad-reduce (PP = 1): buckets go out during the last backward */
+            mt_micro_batch_mode mode;
+            mode.accumulate_gradients = op->micro_batch > 0;
+            mode.last = train && op->micro_batch == count - 1;
+            mode.reduce_in_backward = mode.last && dp > 1 && t->cfg.overlap_grad_reduce && pp == 1;
+            mode.training = train;
+            const mt_exec ex = trainer_exec(t, mode);
+            switch (t->cfg.precision) {
+                case MT_FP32: run_step<float>(t, &ex, op, grad_scale, unique); break;
+                case MT_BF16: run_step<__nv_bfloat16>(t, &ex, op, grad_scale, unique); break;
+                case MT_FP16: run_step<__half>(t, &ex, op, grad_scale, unique); break;
+            }
+            if (forward && ch.head && train) zero_masked_gradients(t, tokens, op->micro_batch);
+            if (forward && ch.head) total += micro_batch_loss_sum(t, tokens, op->micro_batch);
+            if (op->send_rank >= 0) {
+                const void* out = LAYER(t->act.residual, char, ch.count, (int64_t)s.R * s.h * t->elem);
+                if (!forward) { /* the scratch is the next step's: keep the input gradient aside */
+                    CUDA_CHECK(&t->error, cudaMemcpyAsync(t->pp_send, t->act.dresidual, (size_t)s.R * s.h * t->elem,
+                                                          cudaMemcpyDeviceToDevice, t->stream));
+                    out = t->pp_send;
+                }
+                x.send[x.num_send] = out;
+                x.send_grad[x.num_send] = !forward;
+                x.send_rank[x.num_send++] = op->send_rank;
+            }
+            if (!forward || !train) free_slots[num_free++] = slot_of[key];
+            if (t->error.status != MT_OK) st = mt_gpu_error_return(&t->error, err);
+        }
+        u = end;
+    }
+    if (st == MT_OK) pipeline_exchange(t, &x);
+    free(ops), free(slot_of), free(free_slots);
+    if (st != MT_OK) return st;
     if (train) finish_gradient_reduction(t);
-    double tokens_counted = (double)count * s.BT;
-    if (across_dp && dp > 1) {
-        mt_status st = all_reduce_sum(t, &total, GROUP_DP, err);
+    if (pp > 1) { /* the loss is the last stage's */
+        st = all_reduce_sum(t, &total, GROUP_PP, err);
         if (st != MT_OK) return st;
-        tokens_counted *= dp;
     }
+    if (across_dp && dp > 1) {
+        st = all_reduce_sum(t, &total, GROUP_DP, err);
+        if (st == MT_OK) st = all_reduce_sum(t, &tokens_counted, GROUP_DP, err);
+        if (st != MT_OK) return st;
+    }
+    t->last_loss_tokens = (int64_t)tokens_counted;
     *mean_loss = total / tokens_counted;
     return mt_gpu_error_return(&t->error, err);
 }
@@ -4776,18 +5085,36 @@ static void gradients_ready(mt_trainer* t, const mt_exec* ex, int layer) {
         reduce_bucket(t, t->next_bucket++);
 }
 
-/* After the last micro-batch: reduce the buckets the backward has not, then let compute wait. */
-static void finish_gradient_reduction(mt_trainer* t) {
-    if (t->groups.dp_size == 1) return;
-    while (t->next_bucket < t->buffer.num_buckets) reduce_bucket(t, t->next_bucket++);
-    compute_after_comm(t);
+/* With PP > 1 and tied embeddings the first stage's word embeddings and the last stage's copy
+ * (its output layer) are one parameter: their gradients are added over the embedding group
+ * (Megatron's _allreduce_word_embedding_grads) before any DP reduction, so both copies take the same
+ * step. Their fp32 gradient in full, on the communication stream. */
+static int reduce_embedding_gradients(mt_trainer* t) {
+    mt_process_groups* g = &t->groups;
+    float* dwte = grad_ptr(t, MT_P_WORD_EMBEDDINGS);
+    if (!g->embedding || !dwte || t->params_info[MT_P_OUTPUT_WEIGHT].numel > 0) return 0; /* untied: nothing shared */
+    comm_after_compute(t);
+    const size_t n = (size_t)t->params_info[MT_P_WORD_EMBEDDINGS].numel;
+    NCCL_CHECK(&t->error, t->cfg.rank, ncclAllReduce(dwte, dwte, n, ncclFloat, ncclSum, g->embedding, g->comm_stream));
+    return 1;
 }
 
-/* Sum of a host double over a group (the loss over DP, the squared gradient norm over TP and DP,
+/* After the last micro-batch: the embedding group's sum, then the buckets the backward has not
+ * reduced over DP; then compute waits. */
+static void finish_gradient_reduction(mt_trainer* t) {
+    int issued = reduce_embedding_gradients(t);
+    if (t->groups.dp_size > 1) {
+        while (t->next_bucket < t->buffer.num_buckets) reduce_bucket(t, t->next_bucket++);
+        issued = 1;
+    }
+    if (issued) compute_after_comm(t);
+}
+
+/* Sum of a host double over a group (the loss over PP and DP, the squared gradient norm over TP, PP and DP,
  * the world's agreement before files are renamed). TP's on its stream, the others on the DP one. */
 static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_group_kind group, mt_error* err) {
     mt_process_groups* g = &t->groups;
-    ncclComm_t comm = group == GROUP_DP ? g->dp : group == GROUP_TP ? g->tp.comm : g->world;
+    ncclComm_t comm = group == GROUP_DP ? g->dp : group == GROUP_TP ? g->tp.comm : group == GROUP_PP ? g->pp : g->world;
     if (!comm) return MT_OK; /* a group of one */
     CUDA_CHECK(&t->error, cudaMemcpyAsync(t->reduce_scratch, value, sizeof(double), cudaMemcpyHostToDevice, t->stream));
     if (group == GROUP_TP) {
@@ -4863,7 +5190,8 @@ static void wait_for_all_parameters(mt_trainer* t) {
 
 /* Squared L2 norm of the gradients, over the whole model (deterministic): each rank sums its owned
  * elements in fixed chunks; the TP ranks' sums are added (a whole tensor that every TP rank holds
- * is counted on TP rank 0 only), and with the distributed optimizer the shards' sums over DP. */
+ * is counted on TP rank 0 only), then the pipeline stages' (the last stage's copy of tied word
+ * embeddings is not counted), and with the distributed optimizer the shards' sums over DP. */
 static double gradient_norm_squared(mt_trainer* t) {
     const mt_exec ex = trainer_exec(t);
     gradient_sum_squares(&ex, t->norm_partial, t->chunks, t->num_chunks, t->grads);
@@ -4872,6 +5200,7 @@ static double gradient_norm_squared(mt_trainer* t) {
                                           cudaMemcpyDeviceToHost, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     all_reduce_sum(t, &result, GROUP_TP, NULL);
+    all_reduce_sum(t, &result, GROUP_PP, NULL);
     if (t->sharded) all_reduce_sum(t, &result, GROUP_DP, NULL);
     return result;
 }
@@ -5036,6 +5365,13 @@ static mt_status read_canonical(mt_trainer* t, FILE* f, float* device_full, floa
     return canonical_transfer(t, device_full, host, 1, err);
 }
 
+/* Steps over `count` canonical arrays of the model file (the Adam moments, when they are not loaded). */
+static mt_status skip_canonical(mt_trainer* t, FILE* f, int count, const char* path, mt_error* err) {
+    if (fseeko(f, (off_t)count * (off_t)t->num_params * (off_t)sizeof(float), SEEK_CUR) != 0)
+        return mt_fail(err, MT_ERR_FORMAT, "%s is truncated", path);
+    return MT_OK;
+}
+
 static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration, int64_t consumed_samples) {
     mt_checkpoint_header_init(header, &t->cfg);
     header[MT_CK_ITERATION] = iteration;
@@ -5049,6 +5385,9 @@ static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration,
     header[MT_CK_DP_RANK] = t->groups.dp_rank;
     header[MT_CK_SHARD_NUMEL] = t->sharded ? t->shard_numel : 0;
     header[MT_CK_TP_RANK] = t->groups.tp.rank;
+    header[MT_CK_PP_RANK] = t->groups.pp_rank;
+    header[MT_CK_VP] = t->groups.pp_size > 1 ? t->buffer.stage.num_chunks : 0;
+    header[MT_CK_STAGE_NUMEL] = t->groups.pp_size > 1 ? t->num_params : 0;
     const int delayed = t->fp8.enabled && t->fp8.recipe == MT_FP8_DELAYED;
     header[MT_CK_FP8_TENSORS] = delayed ? t->fp8.num_tensors : 0;
     header[MT_CK_FP8_HISTORY_LEN] = delayed ? t->fp8.history_len : 0;
@@ -5123,6 +5462,13 @@ static mt_status other_rank_failed(mt_status st, mt_error* err, const char* what
     return mt_fail(err, MT_ERR_IO, "%s %s failed on another rank", what, path);
 }
 
+/* A model-parallel rank's directory, Megatron's naming: mp_rank_<tp> (two digits), with pipeline
+ * parallelism mp_rank_<tp>_<pp> (two and three digits). */
+static void model_rank_dir(const mt_trainer* t, char* buf, size_t size, const char* parent, int tp, int pp) {
+    if (t->groups.pp_size > 1) snprintf(buf, size, "%s/mp_rank_%02d_%03d", parent, tp, pp);
+    else snprintf(buf, size, "%s/mp_rank_%02d", parent, tp);
+}
+
 mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     char final_dir[4096], tmp_dir[4096], rank_dir[4160], path[4224], old_dir[4160];
@@ -5140,12 +5486,12 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
         remove_tree(tmp_dir);
         if (st == MT_OK && mkdir(tmp_dir, 0755) != 0)
             st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", tmp_dir, strerror(errno));
-        for (int r = 0; r < t->groups.tp.size && st == MT_OK; r++) {
-            snprintf(rank_dir, sizeof(rank_dir), "%s/mp_rank_%02d", tmp_dir, r);
+        for (int r = 0; r < t->groups.tp.size * t->groups.pp_size && st == MT_OK; r++) {
+            model_rank_dir(t, rank_dir, sizeof(rank_dir), tmp_dir, r % t->groups.tp.size, r / t->groups.tp.size);
             if (mkdir(rank_dir, 0755) != 0) st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", rank_dir, strerror(errno));
         }
     }
-    snprintf(rank_dir, sizeof(rank_dir), "%s/mp_rank_%02d", tmp_dir, t->groups.tp.rank);
+    model_rank_dir(t, rank_dir, sizeof(rank_dir), tmp_dir, t->groups.tp.rank, t->groups.pp_rank);
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", final_dir);
 
     /* 2. every rank writes its files (all take part in gathering the sharded master) */
@@ -5214,12 +5560,13 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
         {MT_CK_PP, "--pipeline-model-parallel-size"},
         {MT_CK_NORMALIZATION, "--normalization (0 LayerNorm, 1 RMSNorm)"},
         {MT_CK_SWIGLU, "--swiglu"},
-        {MT_CK_POSITION_TYPE, "--position-embedding-type (0 learned_absolute, 1 rope)"},
+        {MT_CK_POSITION_TYPE, "--position-embedding-type (0 learned_absolute, 1 rope, 2 none)"},
         {MT_CK_ROTARY_BASE_BITS, "--rotary-base (bits)"},
         {MT_CK_ROTARY_PERCENT_BITS, "--rotary-percent (bits)"},
         {MT_CK_ROPE_SCALING_FACTOR_BITS, "--rope-scaling-factor (bits)"},
         {MT_CK_UNTIED, "--untie-embeddings-and-output-weights"},
         {MT_CK_NO_BIAS_LINEAR, "--disable-bias-linear"},
+        {MT_CK_LAYERNORM_1P, "--apply-layernorm-1p"},
     };
     for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++)
         if (h[shape[i].word] != expected[shape[i].word])
@@ -5228,6 +5575,13 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
     if (h[MT_CK_TP_RANK] != t->groups.tp.rank)
         return mt_fail(err, MT_ERR_FORMAT, "%s holds tensor-parallel rank %lld's shard, not rank %d's", path,
                        (long long)h[MT_CK_TP_RANK], t->groups.tp.rank);
+    const int pp = t->groups.pp_size > 1;
+    if (h[MT_CK_PP_RANK] != t->groups.pp_rank || h[MT_CK_VP] != (pp ? t->buffer.stage.num_chunks : 0) ||
+        h[MT_CK_STAGE_NUMEL] != (pp ? t->num_params : 0))
+        return mt_fail(err, MT_ERR_CONFIG, "%s holds pipeline rank %lld's layers (%lld virtual stages, %lld parameters); "
+                       "this rank is pipeline rank %d of another split: resume with the same pipeline layout", path,
+                       (long long)h[MT_CK_PP_RANK], (long long)h[MT_CK_VP], (long long)h[MT_CK_STAGE_NUMEL],
+                       t->groups.pp_rank);
     int64_t sharded = h[MT_CK_SHARDED_DP], mine = t->sharded ? t->groups.dp_size : 0;
     if (sharded != 0 && sharded != mine)
         return mt_fail(err, MT_ERR_CONFIG,
@@ -5237,10 +5591,14 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
     return MT_OK;
 }
 
-mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
-                          int64_t* consumed_out, mt_error* err) {
+/* Loads a checkpoint: the weights, and with load_optim the optimizer's state too (Adam moments and
+ * step, the scheduler's samples, the loss scaler). Without it (--no-load-optim, --finetune) only the
+ * model file's master weights (and FP8 scaling state, part of the model in Megatron) are read, and
+ * Adam, the schedule and the loss scale start as a new trainer's do. */
+static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iteration, int load_optim,
+                                 int64_t* iteration_out, int64_t* consumed_out, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
-    char path[4096];
+    char path[4224], iter_dir[4096], rank_dir[4160];
     mt_status st = MT_OK;
     if (iteration < 0) {
         snprintf(path, sizeof(path), "%s/latest_checkpointed_iteration.txt", dir);
@@ -5260,13 +5618,14 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
     if (!host && st == MT_OK) st = mt_fail(err, MT_ERR_OOM, "cannot allocate host memory to load a checkpoint");
     if (st == MT_OK) {
         /* the model file: master weights (then m and v unless sharded), through the gradient buffer */
-        snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_%02d/model_optim_rng.bin", dir, (long long)iteration,
-                 t->groups.tp.rank);
+        snprintf(iter_dir, sizeof(iter_dir), "%s/iter_%07lld", dir, (long long)iteration);
+        model_rank_dir(t, rank_dir, sizeof(rank_dir), iter_dir, t->groups.tp.rank, t->groups.pp_rank);
+        snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
         FILE* f = fopen(path, "rb");
         st = read_header(t, f, path, h, err);
         if (st == MT_OK) st = read_canonical(t, f, t->grads, host, path, err);
         if (st == MT_OK) set_master_from_full(t, t->grads);
-        if (st == MT_OK && h[MT_CK_SHARDED_DP] == 0) {
+        if (st == MT_OK && load_optim && h[MT_CK_SHARDED_DP] == 0) {
             float* moments[2] = {t->adam_m, t->adam_v};
             for (int i = 0; i < 2 && st == MT_OK; i++) {
                 st = read_canonical(t, f, t->grads, host, path, err);
@@ -5276,6 +5635,8 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
         /* FP8 delayed scaling's state: taken when this run has the same tensors and history length; a
          * checkpoint without it starts the scales afresh; another layout of it is refused */
         const int delayed = t->fp8.enabled && t->fp8.recipe == MT_FP8_DELAYED;
+        if (st == MT_OK && delayed && h[MT_CK_FP8_TENSORS] > 0 && !load_optim && h[MT_CK_SHARDED_DP] == 0)
+            st = skip_canonical(t, f, 2, path, err); /* the moments sit between the weights and the FP8 state */
         if (st == MT_OK && delayed && h[MT_CK_FP8_TENSORS] > 0) {
             if (h[MT_CK_FP8_TENSORS] != t->fp8.num_tensors || h[MT_CK_FP8_HISTORY_LEN] != t->fp8.history_len ||
                 h[MT_CK_FP8_HISTORY_POS] < 0 || h[MT_CK_FP8_HISTORY_POS] >= h[MT_CK_FP8_HISTORY_LEN])
@@ -5289,10 +5650,9 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
         }
         if (f) fclose(f);
     }
-    if (st == MT_OK && h[MT_CK_SHARDED_DP] != 0) {
+    if (st == MT_OK && load_optim && h[MT_CK_SHARDED_DP] != 0) {
         /* this rank's shard of master, m and v */
-        snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_%02d/distrib_optim_dp%03d.bin", dir, (long long)iteration,
-                 t->groups.tp.rank, t->groups.dp_rank);
+        snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, t->groups.dp_rank);
         FILE* f = fopen(path, "rb");
         int64_t hs[MT_CK_HEADER_WORDS];
         st = read_header(t, f, path, hs, err);
@@ -5308,25 +5668,52 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     if (st == MT_OK) st = mt_gpu_error_return(&t->error, err);
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "loading from", dir);
+    if (iteration_out) *iteration_out = h[MT_CK_ITERATION];
+    if (consumed_out) *consumed_out = h[MT_CK_CONSUMED];
+    if (!load_optim) { /* a new trainer's optimizer state */
+        const mt_config* c = &t->cfg;
+        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_m, 0, sizeof(float) * (size_t)t->shard_numel, t->stream));
+        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_v, 0, sizeof(float) * (size_t)t->shard_numel, t->stream));
+        CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+        t->scheduler_steps = 0;
+        t->adam_step = 0;
+        t->growth_tracker = 0;
+        t->hysteresis_tracker = c->hysteresis;
+        t->loss_scale = c->precision != MT_FP16 ? 1.0 : c->loss_scale > 0 ? c->loss_scale : c->initial_loss_scale;
+        return mt_gpu_error_return(&t->error, err);
+    }
     t->scheduler_steps = h[MT_CK_SCHED_STEPS];
     t->adam_step = h[MT_CK_ADAM_STEP];
     t->growth_tracker = (int)h[MT_CK_GROWTH];
     t->hysteresis_tracker = (int)h[MT_CK_HYSTERESIS];
     memcpy(&t->loss_scale, &h[MT_CK_LOSS_SCALE_BITS], sizeof(double));
-    if (iteration_out) *iteration_out = h[MT_CK_ITERATION];
-    if (consumed_out) *consumed_out = h[MT_CK_CONSUMED];
     return MT_OK;
+}
+
+mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
+                          int64_t* consumed_out, mt_error* err) {
+    return load_checkpoint(t, dir, iteration, 1, iteration_out, consumed_out, err);
+}
+
+mt_status mt_trainer_load_weights(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
+                                  int64_t* consumed_out, mt_error* err) {
+    return load_checkpoint(t, dir, iteration, 0, iteration_out, consumed_out, err);
 }
 
 /* ============================================================================================== */
 /* 20. The trainer API                                                                            */
 /* ============================================================================================== */
 
-/* Carves the activation arena. With base == NULL it only measures (returns the size in bytes). */
-static size_t layout_activations(mt_activations* a, const mt_trainer* t, char* base) {
+/* Carves the activation arena: the scratch every step shares, then `num_slots` sets of the saved
+ * activations (a slot holds one micro-batch's pass through the largest chunk of this pipeline rank;
+ * the logits only on the last stage). slots[k] gets slot k's saved regions and the shared scratch.
+ * With base == NULL it only measures (returns the size in bytes). */
+static size_t layout_activations(mt_activations* slots, int num_slots, const mt_trainer* t, char* base) {
     mt_shape s = model_shape(t);
+    const mt_pp_stage* st = &t->buffer.stage;
     size_t e = t->elem, off = 0;
-    int64_t BT = s.BT, L = s.L, R = s.R;
+    int64_t BT = s.BT, R = s.R, L = 0;
+    for (int c = 0; c < st->num_chunks; c++) L = st->num_layers[c] > L ? st->num_layers[c] : L;
     int64_t heads_elems = (int64_t)s.B * s.heads * s.S * s.d;
     int64_t group_elems = (int64_t)s.B * s.groups * s.S * s.d;
     int64_t score_elems = (int64_t)s.B * s.heads * s.S * s.S;
@@ -5334,30 +5721,16 @@ static size_t layout_activations(mt_activations* a, const mt_trainer* t, char* b
     if (s.qkv_width > wide) wide = s.qkv_width;
     if (s.f1 > wide) wide = s.f1;
     if (s.attn_width > wide) wide = s.attn_width;
+    int flash = t->flash;
+    mt_activations shared;
+    memset(&shared, 0, sizeof(shared));
+    mt_activations* a = &shared;
 #define CARVE(field, type, bytes)                                  \
     do {                                                           \
         a->field = (type)(base && (bytes) != 0 ? base + off : NULL); \
         off += ((size_t)(bytes) + 255) & ~(size_t)255;             \
     } while (0)
-    CARVE(residual, void*, (L + 1) * R * s.h * e);
     CARVE(ln1, void*, R * s.h * e);
-    CARVE(ln1_mean, float*, L * R * 4);
-    CARVE(ln1_rstd, float*, L * R * 4);
-    CARVE(qkv, void*, L * BT * s.qkv_width * e);
-    int flash = t->flash;
-    CARVE(probs, void*, flash ? 0 : L * score_elems * e);
-    CARVE(lse, float*, flash ? L * s.B * s.heads * s.S * 4 : 0);
-    CARVE(attn_out, void*, L * BT * s.attn_width * e);
-    CARVE(residual_mid, void*, L * R * s.h * e);
-    CARVE(ln2, void*, L * R * s.h * e);
-    CARVE(ln2_mean, float*, L * R * 4);
-    CARVE(ln2_rstd, float*, L * R * 4);
-    CARVE(fc1, void*, L * BT * s.f1 * e);
-    CARVE(act, void*, L * BT * s.f * e);
-    CARVE(lnf, void*, R * s.h * e);
-    CARVE(lnf_mean, float*, R * 4);
-    CARVE(lnf_rstd, float*, R * 4);
-    CARVE(logits, void*, BT * s.V * e);
     CARVE(q, void*, flash ? 0 : heads_elems * e);
     CARVE(k, void*, flash ? 0 : group_elems * e);
     CARVE(v, void*, flash ? 0 : group_elems * e);
@@ -5378,6 +5751,27 @@ static size_t layout_activations(mt_activations* a, const mt_trainer* t, char* b
     CARVE(targets, int32_t*, BT * 4);
     CARVE(losses, float*, BT * 4);
     CARVE(embed_index, int32_t*, (3 * BT + 2) * 4);
+    for (int k = 0; k < num_slots; k++) {
+        slots[k] = shared;
+        a = &slots[k];
+        CARVE(residual, void*, (L + 1) * R * s.h * e);
+        CARVE(ln1_mean, float*, L * R * 4);
+        CARVE(ln1_rstd, float*, L * R * 4);
+        CARVE(qkv, void*, L * BT * s.qkv_width * e);
+        CARVE(probs, void*, flash ? 0 : L * score_elems * e);
+        CARVE(lse, float*, flash ? L * s.B * s.heads * s.S * 4 : 0);
+        CARVE(attn_out, void*, L * BT * s.attn_width * e);
+        CARVE(residual_mid, void*, L * R * s.h * e);
+        CARVE(ln2, void*, L * R * s.h * e);
+        CARVE(ln2_mean, float*, L * R * 4);
+        CARVE(ln2_rstd, float*, L * R * 4);
+        CARVE(fc1, void*, L * BT * s.f1 * e);
+        CARVE(act, void*, L * BT * s.f * e);
+        CARVE(lnf, void*, st->head ? R * s.h * e : 0);
+        CARVE(lnf_mean, float*, st->head ? R * 4 : 0);
+        CARVE(lnf_rstd, float*, st->head ? R * 4 : 0);
+        CARVE(logits, void*, st->head ? BT * s.V * e : 0);
+    }
 #undef CARVE
     return off;
 }
@@ -5519,7 +5913,8 @@ static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
                 c->master = shard + (x - begin);
                 c->length = (int32_t)(hi - x < OPT_CHUNK_ELEMENTS ? hi - x : OPT_CHUNK_ELEMENTS);
                 c->weight_decay = t->params_info[p->tensor].weight_decay;
-                c->count_in_norm = t->params_info[p->tensor].tp_split || t->groups.tp.rank == 0;
+                c->count_in_norm = (t->params_info[p->tensor].tp_split || t->groups.tp.rank == 0) &&
+                                   !(p->tensor == MT_P_WORD_EMBEDDINGS && !B->stage.embedding);
                 c->unused = 0;
             }
         }
@@ -5629,9 +6024,9 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     *out = NULL;
     if (cfg->padded_vocab_size <= 0 || cfg->kv_channels <= 0 || cfg->ffn_hidden_size <= 0 || cfg->data_parallel_size <= 0)
         return mt_fail(err, MT_ERR_CONFIG, "mt_trainer_create needs a finalized config (mt_config_finalize)");
-    if (cfg->pipeline_model_parallel_size != 1)
-        return mt_fail(err, MT_ERR_CONFIG,
-                       "this build has no pipeline parallelism yet (--pipeline-model-parallel-size must be 1)");
+    if (cfg->pipeline_model_parallel_size > 1 && cfg->fp8_format != MT_FP8_NONE)
+        return mt_fail(err, MT_ERR_CONFIG, "--fp8-format with --pipeline-model-parallel-size > 1 is not built yet (the "
+                       "FP8 weight casts and amax reduction are per stage only at PP = 1)");
     if (cfg->local_rank >= 0) {
         cudaError_t e = cudaSetDevice(cfg->local_rank);
         if (e != cudaSuccess)
@@ -5644,7 +6039,7 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     t->elem = cfg->precision == MT_FP32 ? 4 : 2;
     /* bf16 attention runs on the flash kernels; fp32/fp16 keep the exact path (fp32 parity is 1e-5) */
     t->flash = cfg->precision == MT_BF16 && (cfg->kv_channels == 64 || cfg->kv_channels == 128);
-    t->num_params = mt_param_layout_shard(cfg, t->params_info);
+    mt_param_layout_shard(cfg, t->params_info);
     mt_param_layout(cfg, t->params_info_full);
     t->loss_scale = 1.0;
     if (cfg->precision == MT_FP16) t->loss_scale = cfg->loss_scale > 0 ? cfg->loss_scale : cfg->initial_loss_scale;
@@ -5654,6 +6049,7 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
         mt_trainer_free(t);
         return st;
     }
+    t->num_params = t->buffer.canonical_size; /* this TP rank's shard of this pipeline stage */
 
     CUDA_CHECK(&t->error, cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking));
     process_groups_create(&t->groups, cfg, t->stream, &t->error);
@@ -5708,9 +6104,28 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     t->colsum.partial_a = (float*)device_alloc(t, colsum_scratch_floats(t) * 4);
     t->colsum.partial_b = (float*)device_alloc(t, colsum_scratch_floats(t) * 4);
     t->colsum.partial_c = (float*)device_alloc(t, colsum_scratch_floats(t) * 4);
-    t->arena_bytes = layout_activations(&t->act, t, NULL);
+    /* activation slots: as many as a training step's schedule holds at once (1 at PP = 1) */
+    {
+        int num_ops = 0;
+        int num_warmup = 0;
+        mt_pp_op* ops = trainer_steps(t, mt_num_micro_batches(cfg), 1, &num_ops, &num_warmup, err);
+        if (!ops) {
+            mt_trainer_free(t);
+            return MT_ERR_CONFIG;
+        }
+        t->num_slots = pipeline_slots_needed(ops, num_ops);
+        free(ops);
+    }
+    t->slots = (mt_activations*)calloc((size_t)t->num_slots, sizeof(mt_activations));
+    if (!t->slots) {
+        mt_trainer_free(t);
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate the activation slots");
+    }
+    t->arena_bytes = layout_activations(t->slots, t->num_slots, t, NULL);
     t->arena = device_alloc(t, t->arena_bytes);
-    if (t->arena) layout_activations(&t->act, t, (char*)t->arena);
+    if (t->arena) layout_activations(t->slots, t->num_slots, t, (char*)t->arena);
+    t->act = t->slots[0];
+    if (t->groups.pp_size > 1) t->pp_send = device_alloc(t, (size_t)s.R * s.h * t->elem);
     if (t->error.status == MT_OK) create_rope_tables(t);
     if (t->error.status == MT_OK) {
         mt_status fst = fp8_state_create(t, err);
@@ -5756,6 +6171,8 @@ void mt_trainer_free(mt_trainer* t) {
     cudaFree(t->colsum.partial_b);
     cudaFree(t->colsum.partial_c);
     cudaFree(t->arena);
+    free(t->slots);
+    cudaFree(t->pp_send);
     cudaFree(t->fp8_arena);
     free(t->fp8.slot_of_layer);
     cudaFree(t->rope_cos); /* the sin table shares its allocation */
@@ -5791,6 +6208,18 @@ mt_status mt_trainer_evaluate(mt_trainer* t, const int32_t* tokens, int num_micr
     return run_micro_batches(t, tokens, num_micro_batches, 0, 1.0, 1, loss, err);
 }
 
+mt_status mt_trainer_token_losses(mt_trainer* t, const int32_t* tokens, float* losses, mt_error* err) {
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    double mean; /* run_micro_batches leaves the micro-batch's per-token losses in act.losses (last stage) */
+    mt_status st = run_micro_batches(t, tokens, 1, 0, 1.0, 0, &mean, err);
+    if (st != MT_OK) return st;
+    const size_t BT = (size_t)t->cfg.micro_batch_size * t->cfg.seq_length;
+    if (t->groups.pp_size > 1) /* every stage gets the last stage's */
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclBroadcast(t->act.losses, t->act.losses, BT, ncclFloat,
+                                                         t->groups.pp_size - 1, t->groups.pp, t->stream));
+    return copy_sync(t, losses, t->act.losses, sizeof(float) * BT, cudaMemcpyDeviceToHost, err);
+}
+
 /* FP8 delayed scaling after an optimizer step: this step's amaxes (the largest over its micro-batches
  * and, reduced with max over every rank, the same on all: Megatron's amax-reduction group, TP x DP)
  * enter each tensor's history, the scales follow (fp8_scale_update), the amaxes restart at 0. */
@@ -5812,11 +6241,21 @@ static void fp8_after_step(mt_trainer* t) {
 }
 
 mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_result* out, mt_error* err) {
+    return mt_trainer_train_step_n(t, tokens, mt_num_micro_batches(&t->cfg), out, err);
+}
+
+/* One iteration of num_micro_batches micro-batches per rank (a batch-size ramp changes it from step
+ * to step; Megatron's get_num_microbatches): the scheduler advances by the samples this global
+ * batch had. */
+mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_micro_batches, mt_step_result* out,
+                                  mt_error* err) {
     const mt_config* c = &t->cfg;
     memset(out, 0, sizeof(*out));
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    if (num_micro_batches < 1)
+        return mt_fail(err, MT_ERR_ARG, "train step: %d micro-batches (at least 1)", num_micro_batches);
     double loss = 0.0, scale = t->loss_scale;
-    mt_status st = run_micro_batches(t, tokens, mt_num_micro_batches(c), 1, scale, 1, &loss, err);
+    mt_status st = run_micro_batches(t, tokens, num_micro_batches, 1, scale, 1, &loss, err);
     if (st != MT_OK) return st;
     out->lm_loss = loss;
     out->loss_scale = scale;
@@ -5847,14 +6286,31 @@ mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_re
         case MT_FP16: adamw_step<__half>(t, (float)lr, grad_scale); break;
     }
     fp8_after_step(t);
-    t->scheduler_steps += c->global_batch_size;
+    t->scheduler_steps += (int64_t)num_micro_batches * c->micro_batch_size * t->groups.dp_size;
     out->next_learning_rate = mt_learning_rate(c, t->scheduler_steps);
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     return mt_gpu_error_return(&t->error, err);
 }
 
+int64_t mt_trainer_last_loss_tokens(const mt_trainer* t) { return t->last_loss_tokens; }
+
+mt_status mt_device_profiler(int start, mt_error* err) {
+    cudaError_t e = start ? cudaProfilerStart() : cudaProfilerStop();
+    if (e != cudaSuccess)
+        return mt_fail(err, MT_ERR_CUDA, "cudaProfiler%s: %s", start ? "Start" : "Stop", cudaGetErrorString(e));
+    return MT_OK;
+}
+
+/* Calls that need the whole model on one rank's pipeline stage (logits, text generation). */
+static int whole_model_here(const mt_trainer* t, const char* what, mt_error* err) {
+    if (t->groups.pp_size == 1) return 1;
+    mt_fail(err, MT_ERR_CONFIG, "%s needs the whole model on one pipeline stage (--pipeline-model-parallel-size 1)", what);
+    return 0;
+}
+
 mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    if (!whole_model_here(t, "mt_trainer_logits", err)) return MT_ERR_CONFIG;
     mt_shape s = model_shape(t);
     /* tokens come as [B, S]; make [B, S+1] rows with a dummy label so the usual staging applies */
     int32_t* rows = (int32_t*)malloc(sizeof(int32_t) * (size_t)s.B * (s.S + 1));
@@ -5906,6 +6362,16 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
  * shard in turn is broadcast over the TP group, downloaded and put in place (mt_tp_shard_copy).
  * Collective over TP; allocates a staging copy for the call (not in the training loop). */
 static mt_status gather_full_model(mt_trainer* t, float* device_full, float* host_full, mt_error* err) {
+    if (t->groups.pp_size > 1) { /* this stage's tensors only */
+        if (t->groups.tp.size > 1)
+            return mt_fail(err, MT_ERR_CONFIG, "parameters and gradients of a pipeline stage are read at TP = 1 only");
+        float* part = (float*)malloc(sizeof(float) * (size_t)t->num_params);
+        if (!part) return mt_fail(err, MT_ERR_OOM, "cannot allocate %lld floats", (long long)t->num_params);
+        mt_status st = canonical_transfer(t, device_full, part, 0, err);
+        if (st == MT_OK) mt_pp_stage_copy(&t->cfg, &t->buffer.stage, host_full, part, 0);
+        free(part);
+        return st;
+    }
     if (t->groups.tp.size == 1) return canonical_transfer(t, device_full, host_full, 0, err);
     float* shard = (float*)malloc(sizeof(float) * (size_t)t->num_params);
     float* staging = (float*)device_alloc(t, sizeof(float) * (size_t)t->buffer.size);
@@ -5929,10 +6395,13 @@ mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     wait_for_all_parameters(t);
     float* shard = (float*)params;
-    if (t->groups.tp.size > 1) {
+    if (t->groups.tp.size > 1 && t->groups.pp_size > 1)
+        return mt_fail(err, MT_ERR_CONFIG, "parameters of a pipeline stage are set at TP = 1 only");
+    if (t->groups.tp.size > 1 || t->groups.pp_size > 1) {
         shard = (float*)malloc(sizeof(float) * (size_t)t->num_params);
         if (!shard) return mt_fail(err, MT_ERR_OOM, "cannot allocate a host shard of %lld floats", (long long)t->num_params);
-        mt_tp_shard_copy(&t->cfg, t->groups.tp.rank, (float*)params, shard, 1);
+        if (t->groups.pp_size > 1) mt_pp_stage_copy(&t->cfg, &t->buffer.stage, (float*)params, shard, 1);
+        else mt_tp_shard_copy(&t->cfg, t->groups.tp.rank, (float*)params, shard, 1);
     }
     mt_status st = canonical_transfer(t, t->grads, shard, 1, err);
     if (shard != params) free(shard);
@@ -5958,6 +6427,7 @@ mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err) {
 mt_status mt_trainer_next_token_logits(mt_trainer* t, const int32_t* context, int length, float* logits,
                                        mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    if (!whole_model_here(t, "mt_trainer_next_token_logits", err)) return MT_ERR_CONFIG;
     mt_shape s = model_shape(t);
     if (length < 1 || length > s.S) return mt_fail(err, MT_ERR_ARG, "context length %d not in [1, %d]", length, s.S);
     /* row 0 holds the context; causal attention makes the rest irrelevant to position length-1 */

@@ -6,8 +6,8 @@
  * file you copy into another project. It declares the whole C API (C99 and C++, extern "C", every
  * public name prefixed mt_ / MT_) and implements its host-only part: Megatron's .bin/.idx datasets,
  * the GPT sample index and blending, the .npy writer, the configuration, learning-rate schedules and
- * FLOP formula, the parallel geometry and the checkpoint header. A plain C program has all of that
- * without CUDA.
+ * FLOP formula, the parallel geometry, the checkpoint header and TensorBoard event files. A plain C
+ * program has all of that without CUDA.
  *
  * Use. Include it wherever you need the declarations. In exactly one C or C++ file of the program,
  * define MEGATRON_IMPLEMENTATION before including it: that file also gets the implementation.
@@ -28,9 +28,10 @@
  *
  * Link: -lm (sqrt, pow, cos, ceil, nearbyint). No threads: -lpthread is not needed.
  * Platform: POSIX. Besides ISO C the implementation calls open, write, close, fstat, mmap, munmap,
- * mkdir, unlink and getpid (<fcntl.h>, <sys/mman.h>, <sys/stat.h>, <unistd.h>). Those headers are
- * POSIX's own and declare these functions in strict ISO modes too (glibc does; tests/test_header.h
- * builds with -std=c99 -pedantic), so no feature-test macro is needed: neither _POSIX_C_SOURCE nor
+ * mkdir, unlink, getpid, gettimeofday and uname (<fcntl.h>, <sys/mman.h>, <sys/stat.h>, <unistd.h>,
+ * <sys/time.h>, <sys/utsname.h>). Those headers are POSIX's own and declare these functions in
+ * strict ISO modes too (glibc does; tests/test_header.h builds with -std=c99 -pedantic), so no
+ * feature-test macro is needed: neither _POSIX_C_SOURCE nor
  * _GNU_SOURCE, and this header defines neither. On a system that hides them, define
  * _POSIX_C_SOURCE=200809L when compiling the implementation file.
  * The files it reads and writes are little-endian, as is every host it targets.
@@ -59,6 +60,7 @@
  *      schedules
  *   7. Checkpoint format: the header words, config <-> header
  *   8. The trainer API (GPU; implemented in megatron.cu)
+ *   9. TensorBoard event files (TFRecord framing, Event and Summary protobufs, encoded by hand)
  */
 #ifndef MEGATRON_H
 #define MEGATRON_H
@@ -340,7 +342,8 @@ mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int6
 
 typedef enum { MT_FP32 = 0, MT_BF16 = 1, MT_FP16 = 2 } mt_precision;
 typedef enum { MT_NORM_LAYERNORM = 0, MT_NORM_RMSNORM = 1 } mt_normalization;
-typedef enum { MT_POSITION_LEARNED = 0, MT_POSITION_ROPE = 1 } mt_position_embedding;
+/* none: no position information at all (NoPE; Megatron's --position-embedding-type none) */
+typedef enum { MT_POSITION_LEARNED = 0, MT_POSITION_ROPE = 1, MT_POSITION_NONE = 2 } mt_position_embedding;
 
 /* The identifier every rank of a job needs to join one NCCL communicator (ncclUniqueId's 128
  * bytes): rank 0 makes it (mt_comm_id_create, in megatron.cu) and the launcher broadcasts it. */
@@ -366,6 +369,8 @@ typedef enum { MT_FP8_AMAX_MOST_RECENT = 0, MT_FP8_AMAX_MAX } mt_fp8_amax_algo;
 #define MT_FP8_E4M3_MAX 448.0f
 #define MT_FP8_E5M2_MAX 57344.0f
 
+#define MT_MAX_BATCH_SIZE_STEPS 64 /* entries of --step-batch-size-schedule */
+
 typedef struct {
     /* model */
     int num_layers;                   /* --num-layers */
@@ -385,7 +390,8 @@ typedef struct {
      * no biases. Each switch is independent, as in Megatron. */
     mt_normalization normalization;   /* --normalization LayerNorm|RMSNorm */
     int swiglu;                       /* --swiglu: fc1 is [2f, h] = [gate; up], act = silu(gate) * up */
-    mt_position_embedding position_embedding_type; /* --position-embedding-type learned_absolute|rope */
+    mt_position_embedding position_embedding_type; /* --position-embedding-type learned_absolute|rope|none */
+    int apply_layernorm_1p;           /* --apply-layernorm-1p: norm weights hold w - 1 (y = (1 + w) * norm) */
     double rotary_base;               /* --rotary-base (10000) */
     double rotary_percent;            /* --rotary-percent (1.0): the first rotary_percent * d channels rotate */
     int use_rope_scaling;             /* --use-rope-scaling: Llama-3.1's frequency scaling */
@@ -423,6 +429,10 @@ typedef struct {
     double lr_warmup_fraction;        /* --lr-warmup-fraction (< 0: unset) */
     int64_t lr_decay_iters;           /* --lr-decay-iters (0: train_iters) */
     int64_t lr_wsd_decay_iters;       /* --lr-wsd-decay-iters (WSD's annealing tail) */
+    /* sample-based training (--train-samples): the schedule's lengths are given in samples */
+    int64_t lr_warmup_samples;        /* --lr-warmup-samples (0) */
+    int64_t lr_decay_samples;         /* --lr-decay-samples (0: train_samples) */
+    int64_t lr_wsd_decay_samples;     /* --lr-wsd-decay-samples (WSD's annealing tail in samples) */
     mt_wsd_decay_style lr_wsd_decay_style; /* --lr-wsd-decay-style (exponential) */
     double adam_beta1, adam_beta2, adam_eps; /* 0.9, 0.999, 1e-8 */
     double weight_decay;              /* --weight-decay (0.01) */
@@ -430,12 +440,31 @@ typedef struct {
     /* batch and length of training */
     int micro_batch_size;             /* --micro-batch-size */
     int global_batch_size;            /* --global-batch-size (0: micro * data-parallel size) */
-    int64_t train_iters;              /* --train-iters */
+    int64_t train_iters;              /* --train-iters (with --train-samples: derived, as Megatron) */
+    int64_t train_samples;            /* --train-samples: train on this many samples (0: --train-iters) */
+    /* a global batch that grows with the samples consumed (mt_global_batch_size_at); at most one */
+    int64_t rampup_batch_size[3];     /* --rampup-batch-size <start> <increment> <samples> (start 0: none) */
+    int num_batch_size_steps;         /* --step-batch-size-schedule: its entries (0: none) */
+    int64_t batch_size_step_samples[MT_MAX_BATCH_SIZE_STEPS]; /* from this many consumed samples on, */
+    int batch_size_step_size[MT_MAX_BATCH_SIZE_STEPS];        /* the global batch has this many */
+    /* the loss */
+    int eod_mask_loss;                /* --eod-mask-loss: positions whose input token is eod_token do not count */
+    int64_t eod_token;                /* the tokenizer's end-of-document id (for --eod-mask-loss) */
+    int calculate_per_token_loss;     /* --calculate-per-token-loss: the gradient of the global batch's loss
+                                         sum / its counted tokens, instead of the mean of micro-batch means */
     uint64_t seed;                    /* --seed (1234) */
     /* parallel layout (1 everywhere on one GPU) */
     int tensor_model_parallel_size;   /* --tensor-model-parallel-size: each layer split over TP GPUs */
     int sequence_parallel;            /* --sequence-parallel: norms and residuals hold BT/TP rows (TP > 1) */
-    int pipeline_model_parallel_size;
+    int pipeline_model_parallel_size; /* --pipeline-model-parallel-size: the layers split over PP stages */
+    int virtual_pipeline_size;        /* --num-virtual-stages-per-pipeline-rank (1: non-interleaved 1F1B);
+                                         --num-layers-per-virtual-pipeline-stage n gives L / (PP n) */
+    int num_layers_per_virtual_pipeline_stage; /* that flag (0: unset), turned into virtual_pipeline_size */
+    int microbatch_group_size_per_vp_stage; /* --microbatch-group-size-per-virtual-pipeline-stage (0: PP) */
+    int decoder_first_pipeline_num_layers;  /* --decoder-first-pipeline-num-layers (-1: even split) */
+    int decoder_last_pipeline_num_layers;   /* --decoder-last-pipeline-num-layers (-1: even split) */
+    int account_for_embedding_in_pipeline_split; /* the embedding counts as a layer of the first stage */
+    int account_for_loss_in_pipeline_split;      /* the output layer and loss count as a layer of the last */
     int data_parallel_size;           /* derived: world / (tp * pp) */
     /* data-parallel gradient reduction and optimizer (Megatron's DistributedDataParallelConfig) */
     int use_distributed_optimizer;    /* --use-distributed-optimizer: fp32 master + Adam sharded over DP */
@@ -468,6 +497,17 @@ static inline int mt_add_overflows_i64(int64_t a, int64_t b, int64_t* out) {
 }
 /* Number of micro-batches one rank runs per iteration: global / (micro * dp). */
 int mt_num_micro_batches(const mt_config* cfg);
+/* The global batch of the iteration that starts after consumed_samples, and its micro-batches per
+ * rank: global_batch_size, or the ramp's / step schedule's size at that point (Megatron's
+ * num_microbatches_calculator). mt_config_finalize has checked that every size the run can reach
+ * divides by micro-batch x data-parallel size. */
+int mt_global_batch_size_at(const mt_config* cfg, int64_t consumed_samples);
+int mt_num_micro_batches_at(const mt_config* cfg, int64_t consumed_samples);
+/* --step-batch-size-schedule "THRESHOLD:BATCH ...": thresholds in tokens (suffixes K, M, B, T as
+ * powers of 1000, decimals allowed: 2.4B), turned into samples by // seq_length as Megatron does;
+ * entries separated by spaces or commas, sorted by threshold; the first must be 0, thresholds
+ * strictly increasing, batch sizes positive. Fills cfg's num_batch_size_steps and tables. */
+mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, mt_config* cfg, mt_error* err);
 
 /* Megatron's OptimizerParamScheduler, counted in samples: `num_steps` grows by the global batch
  * size after each optimizer step, and the step taken at num_steps uses mt_learning_rate(cfg, num_steps). */
@@ -565,6 +605,30 @@ typedef struct { int tp, dp, pp; } mt_rank_coords;
 mt_rank_coords mt_rank_coordinates(const mt_config* cfg, int rank);
 int mt_rank_of(const mt_config* cfg, mt_rank_coords coords);
 
+/* The layer split (Megatron's get_num_layers_to_build): virtual stage v = chunk * PP + rank holds the
+ * consecutive layers [first, first + count). Evenly by default; --decoder-first/last-pipeline-num-layers
+ * give the first and last stage their own counts (VP = 1 here) and the rest is split evenly over the
+ * middle stages; --account-for-embedding/loss-in-pipeline-split count the embedding and the loss as
+ * one layer each of the first and last virtual stage, which then build one real layer less. */
+#define MT_PP_MAX_CHUNKS 64
+typedef struct {
+    int num_chunks;                      /* VP */
+    int first_layer[MT_PP_MAX_CHUNKS];   /* per chunk: its first layer and how many */
+    int num_layers[MT_PP_MAX_CHUNKS];
+    int embedding;                       /* holds virtual stage 0: the embeddings */
+    int head;                            /* holds the last virtual stage: final norm, output layer, loss */
+} mt_pp_stage;
+/* Checks the split of cfg (finalized sizes) and fills pipeline rank pp_rank's part (out may be NULL). */
+mt_status mt_pp_stage_of(const mt_config* cfg, int pp_rank, mt_pp_stage* out, mt_error* err);
+/* Whether a pipeline rank holds parameter `tensor` (MT_P_*) of `layer` (ignored outside the layers):
+ * its layers' tensors; position embeddings on the first stage; the word embeddings on the first and,
+ * tied to the output layer, on the last; final norm and output weight on the last. */
+int mt_pp_holds(const mt_pp_stage* stage, int tensor, int layer);
+/* Copies between a canonical array of one TP shard (mt_param_layout_shard's order) and a pipeline
+ * rank's part of it (its tensors in the same order, as mt_buffer_layout's `canonical` counts them):
+ * into `part` when to_part, else back into `full` (whose other elements are left alone). */
+void mt_pp_stage_copy(const mt_config* cfg, const mt_pp_stage* stage, float* full, float* part, int to_part);
+
 /* The parameter/gradient buffer of Megatron's DDP (param_and_grad_buffer.py). Each (tensor, layer)
  * slice is one parameter; they are laid out in reverse model order (backprop order: final norm,
  * layer L-1 .. layer 0, position and word embeddings) and cut into buckets that close once they
@@ -591,6 +655,10 @@ typedef struct {
     mt_buffer_bucket* buckets;  /* buffer order (= the order their gradients become final) */
     int* index;                 /* [MT_NUM_PARAM_TENSORS * num_layers]: params[] position of (tensor, layer) */
     int64_t size;               /* elements, padding included */
+    /* with pipeline parallelism the buffer holds this pipeline rank's tensors only (mt_pp_holds), and
+     * `canonical` counts in the canonical order restricted to them (the whole model at PP = 1) */
+    mt_pp_stage stage;
+    int64_t canonical_size;     /* elements of this rank's tensors (its TP shard), no padding */
 } mt_buffer_layout;
 mt_status mt_buffer_layout_build(mt_buffer_layout* layout, const mt_config* cfg, mt_error* err);
 void mt_buffer_layout_free(mt_buffer_layout* layout);
@@ -639,6 +707,7 @@ int mt_pp_num_warmup(int pp, int vp, int num_micro_batches, int group_size, int 
 mt_status mt_pp_schedule(int pp, int vp, int num_micro_batches, int group_size, int rank, mt_pp_op* ops,
                          int* num_warmup, mt_error* err);
 
+
 /* ---------------------------------------------------------------------------------------------- */
 /* 7. Checkpoint format: the header words, config <-> header                                       */
 /* ---------------------------------------------------------------------------------------------- */
@@ -677,6 +746,10 @@ enum {
      * scale [n], scale_inv [n, 4] (16-byte slots: the first float of each), amax history
      * [n, FP8_HISTORY_LEN] (fp32); the ring's next slot in FP8_HISTORY_POS */
     MT_CK_FP8_TENSORS, MT_CK_FP8_HISTORY_LEN, MT_CK_FP8_HISTORY_POS,
+    /* pipeline parallelism (0 in older files: one stage): the file of mp_rank_<tp>_<pp> holds
+     * pipeline rank PP_RANK's tensors (megatron.h mt_pp_holds) in canonical order, VP chunks each */
+    MT_CK_PP_RANK, MT_CK_VP, MT_CK_STAGE_NUMEL,
+    MT_CK_LAYERNORM_1P,  /* --apply-layernorm-1p: the norm weights are stored as w - 1 (0 in older files) */
     MT_CK_HEADER_WORDS = 64
 };
 /* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
@@ -735,12 +808,24 @@ mt_memory_plan mt_trainer_memory_plan(const mt_trainer* t);
 /* One training iteration over this rank's part of the global batch.
  * tokens: [num_micro_batches, micro_batch_size, seq_length + 1] (inputs are [..., :-1], labels [..., 1:]). */
 mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_result* out, mt_error* err);
+/* The same with num_micro_batches micro-batches per rank (>= 1; a batch-size ramp's current count,
+ * mt_num_micro_batches_at): tokens [num_micro_batches, micro_batch_size, seq_length + 1]. The
+ * learning-rate schedule advances by the samples of that global batch. */
+mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_micro_batches, mt_step_result* out,
+                                  mt_error* err);
+/* The positions the last train step or evaluation counted in its loss, over the data-parallel ranks
+ * (every position unless --eod-mask-loss): a mean over several calls weighs each call by it. */
+int64_t mt_trainer_last_loss_tokens(const mt_trainer* t);
 /* Forward + backward only: fills the fp32 gradients (mean loss over the batch) and returns the loss. */
 mt_status mt_trainer_compute_gradients(mt_trainer* t, const int32_t* tokens, int num_micro_batches,
                                        double* loss, mt_error* err);
 /* Mean loss over num_micro_batches micro-batches, no gradients. */
 mt_status mt_trainer_evaluate(mt_trainer* t, const int32_t* tokens, int num_micro_batches, double* loss,
                               mt_error* err);
+/* Per-token losses -log p(target) of one micro-batch, no gradients: tokens [micro_batch_size, seq_length + 1]
+ * as for train_step, losses [micro_batch_size * seq_length] (fp32, over the padded vocabulary as the
+ * training loss). With tensor parallelism every TP rank calls it with the same tokens. */
+mt_status mt_trainer_token_losses(mt_trainer* t, const int32_t* tokens, float* losses, mt_error* err);
 /* Logits of one micro-batch: tokens [micro_batch_size, seq_length], logits [micro, seq, padded vocab] (fp32).
  * With tensor parallelism every TP rank calls it and receives the whole vocabulary. */
 mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits, mt_error* err);
@@ -755,7 +840,8 @@ mt_status mt_device_info(char* name, size_t name_size, size_t* free_bytes, size_
 
 /* Parameters and gradients of the full model in canonical order, fp32 (mt_num_parameters elements).
  * With tensor parallelism every rank calls them: get gathers the TP shards to full shape, set cuts
- * each rank's shard from the full array. */
+ * each rank's shard from the full array. With pipeline parallelism (TP = 1 there) each rank sets
+ * and gets the elements of its own stage's tensors (mt_pp_holds); get leaves the others alone. */
 mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error* err);
 mt_status mt_trainer_get_parameters(mt_trainer* t, float* params, mt_error* err);
 mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err);
@@ -769,6 +855,53 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
  * model shape. Returns the iteration and consumed samples it resumes from. */
 mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
                           int64_t* consumed_samples_out, mt_error* err);
+/* The weights only (--no-load-optim, --finetune): Adam's moments and step, the schedule's position
+ * and the loss scaler start afresh, as in a new trainer; iteration and consumed samples as above. */
+mt_status mt_trainer_load_weights(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
+                                  int64_t* consumed_samples_out, mt_error* err);
+/* Starts (1) or stops (0) the CUDA profiler's capture (nsys --capture-range=cudaProfilerApi). */
+mt_status mt_device_profiler(int start, mt_error* err);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* 9. TensorBoard event files                                                                      */
+/*    What --tensorboard-dir writes, read by TensorBoard itself (and by `wandb sync               */
+/*    --sync-tensorboard`). A file is a sequence of TFRecords: u64 length, u32 masked CRC-32C of   */
+/*    those 8 bytes, the data, u32 masked CRC-32C of the data (little endian; the mask rotates the */
+/*    CRC right by 15 bits and adds 0xa282ead8). Each record is an Event protobuf                  */
+/*    (tensorflow/core/util/event.proto): wall_time (field 1, double), step (2, int64, left out    */
+/*    when 0 as proto3 does), then file_version "brain.Event:2" (3) in the first record, or a      */
+/*    Summary (5) of one Value: a scalar is tag (1) + simple_value (2, float); a text is tag + a   */
+/*    DT_STRING tensor of shape [1] (8) + metadata naming the "text" plugin (9), as                */
+/*    torch.utils.tensorboard's add_text writes it. Fields in field-number order, so a record's    */
+/*    bytes equal protobuf's own serialization (tests/test_tensorboard.h holds vectors written by  */
+/*    the tensorboard package). Encoded by hand (varints, fixed64/fixed32, length-delimited): no   */
+/*    protobuf library. Host only, no threads: events wait in memory and are written by          */
+/*    mt_tb_flush, or when queue_size of them are pending (Megatron's --tensorboard-queue-size).   */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef struct mt_tb_writer mt_tb_writer;
+
+/* CRC-32C (Castagnoli, reflected polynomial 0x82f63b78) and TFRecord's masked form of it. */
+uint32_t mt_tb_crc32c(const void* data, size_t n);
+uint32_t mt_tb_masked_crc32c(const void* data, size_t n);
+
+/* Creates dir (mkdir -p) and in it a new file events.out.tfevents.<unix time, 10 digits>.<host>.<pid>.<k>
+ * (k: the first number that makes the name new) whose first record, written at once, is the
+ * file_version event. queue_size >= 1: pending events that force a flush. */
+mt_status mt_tb_open(mt_tb_writer** out, const char* dir, int queue_size, mt_error* err);
+const char* mt_tb_path(const mt_tb_writer* w);
+/* A scalar (stored as float32, as TensorBoard does) at step. */
+mt_status mt_tb_scalar(mt_tb_writer* w, const char* tag, double value, int64_t step, mt_error* err);
+/* Megatron's habit for training scalars: tag at step iteration and "<tag> vs samples" at step
+ * consumed_samples. */
+mt_status mt_tb_scalar_pair(mt_tb_writer* w, const char* tag, double value, int64_t iteration,
+                            int64_t consumed_samples, mt_error* err);
+/* A text at step, under the tag "<tag>/text_summary" (add_text's naming). */
+mt_status mt_tb_text(mt_tb_writer* w, const char* tag, const char* text, int64_t step, mt_error* err);
+/* Writes the pending events to the file. */
+mt_status mt_tb_flush(mt_tb_writer* w, mt_error* err);
+/* Flushes, closes and frees (w may be NULL). The status is the flush's or the close's. */
+mt_status mt_tb_close(mt_tb_writer* w, mt_error* err);
 
 #ifdef __cplusplus
 }
@@ -2186,6 +2319,9 @@ void mt_config_defaults(mt_config* cfg) {
     cfg->seed = 1234;
     cfg->tensor_model_parallel_size = 1;
     cfg->pipeline_model_parallel_size = 1;
+    cfg->virtual_pipeline_size = 1;
+    cfg->decoder_first_pipeline_num_layers = -1;
+    cfg->decoder_last_pipeline_num_layers = -1;
     cfg->world_size = 1;
     cfg->local_rank = -1;
     cfg->fp8_format = MT_FP8_NONE;
@@ -2341,10 +2477,209 @@ static mt_status mt_config_size_check(const mt_config* c, mt_error* err) {
             (long long)c->lr_warmup_iters, c->global_batch_size);
     MT__MUL(c->lr_wsd_decay_iters, gbs, &x, "--lr-wsd-decay-iters %lld x --global-batch-size %d samples "
             "overflows", (long long)c->lr_wsd_decay_iters, c->global_batch_size);
+    MT__MUL(c->train_samples, (int64_t)c->seq_length + 1, &x, "--train-samples %lld x --seq-length %d tokens "
+            "overflows", (long long)c->train_samples, c->seq_length);
     return MT_OK;
 }
 #undef MT__MUL
 #undef MT__ADD
+
+/* The batch-size ramp and the step schedule (Megatron's num_microbatches_calculator), as one
+ * question: the global batch at consumed_samples, and the first count of consumed samples at which
+ * it changes (INT64_MAX: never). The ramp (--rampup-batch-size start inc samples) adds inc every
+ * samples / ((global - start) / inc) samples, reckoned in doubles as Python does, and reaches the
+ * global batch once consumed_samples exceeds `samples`. */
+static int mt__ramp_increments(const mt_config* c) {
+    return (int)((c->global_batch_size - c->rampup_batch_size[0]) / c->rampup_batch_size[1]);
+}
+static int64_t mt__ramp_step(const mt_config* c, int64_t consumed) {
+    double per_increment = (double)c->rampup_batch_size[2] / (double)mt__ramp_increments(c);
+    int64_t k = (int64_t)((double)consumed / per_increment);
+    return k < mt__ramp_increments(c) ? k : mt__ramp_increments(c);
+}
+static int mt__batch_segment(const mt_config* c, int64_t consumed, int64_t* change_at) {
+    *change_at = INT64_MAX;
+    if (c->num_batch_size_steps > 0) {
+        int i = 0;
+        while (i + 1 < c->num_batch_size_steps && c->batch_size_step_samples[i + 1] <= consumed) i++;
+        if (i + 1 < c->num_batch_size_steps) *change_at = c->batch_size_step_samples[i + 1];
+        return c->batch_size_step_size[i];
+    }
+    if (c->rampup_batch_size[0] <= 0 || consumed > c->rampup_batch_size[2]) return c->global_batch_size;
+    /* the first count past `consumed` with a larger step (steps never decrease), or the ramp's end */
+    int64_t k = mt__ramp_step(c, consumed), lo = consumed, hi = c->rampup_batch_size[2] + 1;
+    while (hi - lo > 1) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (mt__ramp_step(c, mid) > k) hi = mid;
+        else lo = mid;
+    }
+    *change_at = hi;
+    return (int)(c->rampup_batch_size[0] + k * c->rampup_batch_size[1]);
+}
+
+int mt_global_batch_size_at(const mt_config* c, int64_t consumed_samples) {
+    int64_t change_at;
+    return mt__batch_segment(c, consumed_samples, &change_at);
+}
+
+int mt_num_micro_batches_at(const mt_config* c, int64_t consumed_samples) {
+    return mt_global_batch_size_at(c, consumed_samples) / (c->micro_batch_size * c->data_parallel_size);
+}
+
+/* Iterations run while consumed < limit, from *consumed on (which advances), a batch-size segment
+ * at a time so that a long run costs one step per segment. */
+static int64_t mt__iterations_until(const mt_config* c, int64_t* consumed, int64_t limit) {
+    int64_t iterations = 0;
+    while (*consumed < limit) {
+        int64_t change_at, stop;
+        int64_t batch = mt__batch_segment(c, *consumed, &change_at);
+        stop = change_at < limit ? change_at : limit;
+        int64_t k = (stop - *consumed + batch - 1) / batch;
+        *consumed += k * batch;
+        iterations += k;
+    }
+    return iterations;
+}
+
+/* --rampup-batch-size and --step-batch-size-schedule: what Megatron asserts, and every batch size
+ * the run can reach a multiple of micro-batch x data-parallel size (Megatron checks each one when
+ * the run reaches it; here the run is refused before it starts). */
+static mt_status mt_batch_ramp_check(const mt_config* c, mt_error* err) {
+    int64_t unit = (int64_t)c->micro_batch_size * c->data_parallel_size;
+    const int64_t* r = c->rampup_batch_size;
+    int ramp = r[0] != 0 || r[1] != 0 || r[2] != 0;
+    if (ramp && c->num_batch_size_steps > 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--rampup-batch-size and --step-batch-size-schedule are mutually exclusive");
+    if (ramp) {
+        if (r[0] <= 0 || r[1] <= 0 || r[2] <= 0)
+            return mt_fail(err, MT_ERR_CONFIG, "--rampup-batch-size %lld %lld %lld: the start batch, the increment and "
+                           "the ramp-up samples must be positive", (long long)r[0], (long long)r[1], (long long)r[2]);
+        if (r[0] >= c->global_batch_size || (c->global_batch_size - r[0]) % r[1])
+            return mt_fail(err, MT_ERR_CONFIG, "--rampup-batch-size %lld %lld %lld: --global-batch-size %d must exceed "
+                           "the start batch by a multiple of the increment", (long long)r[0], (long long)r[1],
+                           (long long)r[2], c->global_batch_size);
+        if (r[0] % unit || r[1] % unit)
+            return mt_fail(err, MT_ERR_CONFIG, "--rampup-batch-size %lld %lld %lld: the start batch and the increment "
+                           "must be multiples of --micro-batch-size %d x data-parallel size %d", (long long)r[0],
+                           (long long)r[1], (long long)r[2], c->micro_batch_size, c->data_parallel_size);
+        if (c->train_samples <= 0)
+            return mt_fail(err, MT_ERR_CONFIG, "--rampup-batch-size needs sample-based training (--train-samples), "
+                           "as in Megatron");
+    }
+    for (int i = 0; i < c->num_batch_size_steps; i++) {
+        if (c->num_batch_size_steps > MT_MAX_BATCH_SIZE_STEPS || c->batch_size_step_size[i] <= 0 ||
+            c->batch_size_step_samples[i] < 0 || (i == 0 && c->batch_size_step_samples[0] != 0) ||
+            (i > 0 && c->batch_size_step_samples[i] <= c->batch_size_step_samples[i - 1]))
+            return mt_fail(err, MT_ERR_CONFIG, "--step-batch-size-schedule: entry %d is not a positive batch size at "
+                           "a threshold above the previous one (the first at 0)", i);
+        if (c->batch_size_step_size[i] % unit)
+            return mt_fail(err, MT_ERR_CONFIG, "--step-batch-size-schedule: batch size %d is not a multiple of "
+                           "--micro-batch-size %d x data-parallel size %d", c->batch_size_step_size[i],
+                           c->micro_batch_size, c->data_parallel_size);
+    }
+    return MT_OK;
+}
+
+/* --train-iters or --train-samples (never both), and the schedule lengths that go with each, as
+ * Megatron's validate_args asserts; with --train-samples the iterations follow from the batch sizes
+ * (training.py update_train_iters: a constant batch drops a partial last batch; the ramp counts its
+ * iterations up to the ramp's end, then whole global batches; a step schedule runs until the
+ * samples are reached). */
+static mt_status mt_training_length_finalize(mt_config* c, mt_error* err) {
+    if (c->train_samples > 0) {
+        if (c->train_iters > 0)
+            return mt_fail(err, MT_ERR_CONFIG, "--train-iters and --train-samples are mutually exclusive");
+        if (c->lr_decay_iters > 0 || c->lr_warmup_iters > 0 || c->lr_wsd_decay_iters > 0)
+            return mt_fail(err, MT_ERR_CONFIG, "--train-samples counts the schedule in samples: use "
+                           "--lr-decay-samples, --lr-warmup-samples and --lr-wsd-decay-samples, not the -iters flags");
+        int64_t consumed = 0, iterations;
+        if (c->rampup_batch_size[0] > 0) {
+            int64_t ramp_end = c->rampup_batch_size[2] < c->train_samples ? c->rampup_batch_size[2] : c->train_samples;
+            iterations = mt__iterations_until(c, &consumed, ramp_end + 1);
+            if (c->train_samples > consumed) iterations += (c->train_samples - consumed) / c->global_batch_size;
+        } else if (c->num_batch_size_steps > 0) {
+            iterations = mt__iterations_until(c, &consumed, c->train_samples);
+        } else {
+            iterations = c->train_samples / c->global_batch_size;
+        }
+        if (iterations <= 0)
+            return mt_fail(err, MT_ERR_CONFIG, "--train-samples %lld is less than one global batch of %d",
+                           (long long)c->train_samples, c->global_batch_size);
+        c->train_iters = iterations;
+        if (c->lr_decay_samples == 0) c->lr_decay_samples = c->train_samples;
+        return MT_OK;
+    }
+    if (c->lr_decay_samples > 0 || c->lr_warmup_samples > 0 || c->lr_wsd_decay_samples > 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--lr-decay-samples, --lr-warmup-samples and --lr-wsd-decay-samples need "
+                       "--train-samples (with --train-iters use the -iters flags)");
+    if (c->train_iters <= 0) return mt_fail(err, MT_ERR_CONFIG, "--train-iters or --train-samples must be positive");
+    if (c->lr_decay_iters == 0) c->lr_decay_iters = c->train_iters;
+    return MT_OK;
+}
+
+/* Megatron's _parse_numeric_value: a decimal with an optional K/M/B/T suffix, int(float(x) * mult). */
+static int mt__schedule_number(const char* s, size_t n, int64_t* out) {
+    char buf[64];
+    if (n == 0 || n >= sizeof(buf)) return 0;
+    memcpy(buf, s, n);
+    buf[n] = 0;
+    double mult = 1.0;
+    char last = buf[n - 1];
+    if (last == 'T' || last == 't') mult = 1e12;
+    else if (last == 'B' || last == 'b') mult = 1e9;
+    else if (last == 'M' || last == 'm') mult = 1e6;
+    else if (last == 'K' || last == 'k') mult = 1e3;
+    if (mult != 1.0) buf[--n] = 0;
+    char* end;
+    double v = strtod(buf, &end);
+    if (n == 0 || *end || !isfinite(v) || v < 0 || v * mult >= 9.2e18) return 0;
+    *out = (int64_t)(v * mult);
+    return 1;
+}
+
+mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, mt_config* c, mt_error* err) {
+    if (seq_length <= 0) return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule needs --seq-length");
+    int n = 0;
+    const char* p = text;
+    while (*p) {
+        while (*p == ' ' || *p == ',' || *p == '\t') p++;
+        if (!*p) break;
+        const char* start = p;
+        while (*p && *p != ' ' && *p != ',' && *p != '\t') p++;
+        const char* colon = (const char*)memchr(start, ':', (size_t)(p - start));
+        int64_t threshold, batch;
+        if (!colon || !mt__schedule_number(start, (size_t)(colon - start), &threshold) ||
+            !mt__schedule_number(colon + 1, (size_t)(p - colon - 1), &batch) || batch > 2147483647)
+            return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule: '%.*s' is not THRESHOLD:BATCH_SIZE "
+                           "(tokens, K/M/B/T allowed, then a batch size)", (int)(p - start), start);
+        if (n == MT_MAX_BATCH_SIZE_STEPS)
+            return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule: more than %d entries", MT_MAX_BATCH_SIZE_STEPS);
+        int64_t samples = threshold / seq_length; /* thresholds are tokens */
+        int i = n++; /* insertion sort by threshold, stable as Python's sort */
+        while (i > 0 && c->batch_size_step_samples[i - 1] > samples) {
+            c->batch_size_step_samples[i] = c->batch_size_step_samples[i - 1];
+            c->batch_size_step_size[i] = c->batch_size_step_size[i - 1];
+            i--;
+        }
+        c->batch_size_step_samples[i] = samples;
+        c->batch_size_step_size[i] = (int)batch;
+    }
+    if (n == 0) return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule: no entries");
+    c->num_batch_size_steps = n;
+    if (c->batch_size_step_samples[0] != 0)
+        return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule: the first threshold must be 0, got %lld samples",
+                       (long long)c->batch_size_step_samples[0]);
+    for (int i = 1; i < n; i++)
+        if (c->batch_size_step_samples[i] <= c->batch_size_step_samples[i - 1])
+            return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule: thresholds must be strictly increasing "
+                           "(after // --seq-length %d: %lld then %lld samples)", seq_length,
+                           (long long)c->batch_size_step_samples[i - 1], (long long)c->batch_size_step_samples[i]);
+    for (int i = 0; i < n; i++)
+        if (c->batch_size_step_size[i] <= 0)
+            return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule: batch size %d must be positive",
+                           c->batch_size_step_size[i]);
+    return MT_OK;
+}
 
 mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     /* every double finite (a NaN passes every < / >= range test below), then the ranges Megatron's
@@ -2374,6 +2709,9 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
                        c->hidden_dropout, c->attention_dropout);
     if (c->lr_warmup_iters < 0 || c->lr_decay_iters < 0 || c->lr_wsd_decay_iters < 0)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-iters, --lr-decay-iters and --lr-wsd-decay-iters must be >= 0");
+    if (c->train_samples < 0 || c->lr_warmup_samples < 0 || c->lr_decay_samples < 0 || c->lr_wsd_decay_samples < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--train-samples, --lr-warmup-samples, --lr-decay-samples and "
+                       "--lr-wsd-decay-samples must be >= 0");
     if (c->num_layers <= 0) return mt_fail(err, MT_ERR_CONFIG, "--num-layers must be positive");
     if (c->hidden_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--hidden-size must be positive");
     if (c->num_attention_heads <= 0) return mt_fail(err, MT_ERR_CONFIG, "--num-attention-heads must be positive");
@@ -2390,8 +2728,9 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if (c->ffn_hidden_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--ffn-hidden-size must be positive");
     if (c->normalization != MT_NORM_LAYERNORM && c->normalization != MT_NORM_RMSNORM)
         return mt_fail(err, MT_ERR_CONFIG, "--normalization must be LayerNorm or RMSNorm");
-    if (c->position_embedding_type != MT_POSITION_LEARNED && c->position_embedding_type != MT_POSITION_ROPE)
-        return mt_fail(err, MT_ERR_CONFIG, "--position-embedding-type must be learned_absolute or rope");
+    if (c->position_embedding_type != MT_POSITION_LEARNED && c->position_embedding_type != MT_POSITION_ROPE &&
+        c->position_embedding_type != MT_POSITION_NONE)
+        return mt_fail(err, MT_ERR_CONFIG, "--position-embedding-type must be learned_absolute, rope or none");
     if (c->norm_epsilon <= 0) return mt_fail(err, MT_ERR_CONFIG, "--norm-epsilon must be positive");
     if (c->num_query_groups == 0) c->num_query_groups = c->num_attention_heads;
     if (c->kv_channels == 0) {
@@ -2459,25 +2798,63 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if ((int64_t)c->micro_batch_size * c->data_parallel_size > INT32_MAX)
         return mt_fail(err, MT_ERR_CONFIG, "--micro-batch-size %d x data-parallel size %d exceeds %d",
                        c->micro_batch_size, c->data_parallel_size, INT32_MAX);
+    if (c->num_batch_size_steps > 0) { /* the schedule's last size is the global batch */
+        int last = c->batch_size_step_size[c->num_batch_size_steps - 1];
+        if (c->global_batch_size == 0) c->global_batch_size = last;
+        if (c->global_batch_size != last)
+            return mt_fail(err, MT_ERR_CONFIG, "--global-batch-size %d differs from the last batch size %d of "
+                           "--step-batch-size-schedule (give one of them, or the same size)", c->global_batch_size, last);
+    }
     if (c->global_batch_size == 0) c->global_batch_size = c->micro_batch_size * c->data_parallel_size;
     if (c->global_batch_size % (c->micro_batch_size * c->data_parallel_size))
         return mt_fail(err, MT_ERR_CONFIG,
                        "--global-batch-size %d is not divisible by --micro-batch-size %d x data-parallel size %d",
                        c->global_batch_size, c->micro_batch_size, c->data_parallel_size);
-    if (c->train_iters <= 0) return mt_fail(err, MT_ERR_CONFIG, "--train-iters must be positive");
+    if (mt_batch_ramp_check(c, err) != MT_OK) return MT_ERR_CONFIG;
+    if (mt_training_length_finalize(c, err) != MT_OK) return MT_ERR_CONFIG;
+    /* pipeline: virtual stages from either flag, the layer split, the schedule of a training step */
+    if (c->virtual_pipeline_size < 1) c->virtual_pipeline_size = 1;
+    if (c->num_layers_per_virtual_pipeline_stage > 0) {
+        int64_t per_rank = (int64_t)c->pipeline_model_parallel_size * c->num_layers_per_virtual_pipeline_stage;
+        if (c->virtual_pipeline_size > 1)
+            return mt_fail(err, MT_ERR_CONFIG, "give --num-layers-per-virtual-pipeline-stage or "
+                           "--num-virtual-stages-per-pipeline-rank, not both");
+        if (c->num_layers % per_rank)
+            return mt_fail(err, MT_ERR_CONFIG, "--num-layers %d is not divisible by --pipeline-model-parallel-size %d x "
+                           "--num-layers-per-virtual-pipeline-stage %d", c->num_layers,
+                           c->pipeline_model_parallel_size, c->num_layers_per_virtual_pipeline_stage);
+        c->virtual_pipeline_size = (int)(c->num_layers / per_rank);
+    }
+    if (c->microbatch_group_size_per_vp_stage < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--microbatch-group-size-per-virtual-pipeline-stage must be positive");
+    if (c->virtual_pipeline_size > 1 && c->microbatch_group_size_per_vp_stage > c->pipeline_model_parallel_size)
+        return mt_fail(err, MT_ERR_CONFIG, "--microbatch-group-size-per-virtual-pipeline-stage %d > PP %d is not built: "
+                       "its schedule leaves activation sends waiting for receives posted several steps later, which "
+                       "only NCCL's buffering lets finish (tests/test_pipeline.h); use the default group (PP)",
+                       c->microbatch_group_size_per_vp_stage, c->pipeline_model_parallel_size);
+    if (mt_pp_stage_of(c, 0, NULL, err) != MT_OK) return MT_ERR_CONFIG;
+    if (c->pipeline_model_parallel_size > 1 &&
+        mt_pp_schedule_check(c->pipeline_model_parallel_size, c->virtual_pipeline_size, mt_num_micro_batches(c),
+                             c->microbatch_group_size_per_vp_stage, err) != MT_OK)
+        return MT_ERR_CONFIG;
     if (c->lr < 0 || c->min_lr < 0) return mt_fail(err, MT_ERR_CONFIG, "learning rates must be >= 0");
     if (c->min_lr > c->lr) return mt_fail(err, MT_ERR_CONFIG, "--min-lr %g exceeds --lr %g", c->min_lr, c->lr);
-    if (c->lr_decay_iters == 0) c->lr_decay_iters = c->train_iters;
     if (c->lr_warmup_fraction >= 0 && c->lr_warmup_iters > 0)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive");
+    if (c->lr_warmup_fraction >= 0 && c->lr_warmup_samples > 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive");
     if (c->lr_warmup_fraction > 1.0) return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction must be <= 1");
     if (mt_config_size_check(c, err) != MT_OK) return MT_ERR_CONFIG;
     if (mt_fp8_config_check(c, err) != MT_OK) return MT_ERR_CONFIG;
     if (c->lr_warmup_iters > c->lr_decay_iters)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-iters %lld exceeds --lr-decay-iters %lld",
                        (long long)c->lr_warmup_iters, (long long)c->lr_decay_iters);
-    if (c->lr_decay_style == MT_LR_WSD && c->lr_wsd_decay_iters <= 0)
-        return mt_fail(err, MT_ERR_CONFIG, "--lr-decay-style WSD needs --lr-wsd-decay-iters");
+    if (c->lr_warmup_samples > c->lr_decay_samples)
+        return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-samples %lld exceeds --lr-decay-samples %lld",
+                       (long long)c->lr_warmup_samples, (long long)c->lr_decay_samples);
+    if (c->lr_decay_style == MT_LR_WSD && c->lr_wsd_decay_iters <= 0 && c->lr_wsd_decay_samples <= 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--lr-decay-style WSD needs --lr-wsd-decay-iters (--lr-wsd-decay-samples "
+                       "with --train-samples)");
     if (c->adam_beta1 < 0 || c->adam_beta1 >= 1 || c->adam_beta2 < 0 || c->adam_beta2 >= 1)
         return mt_fail(err, MT_ERR_CONFIG, "Adam betas must be in [0, 1)");
     if (c->precision == MT_FP16 && c->loss_scale <= 0 && c->initial_loss_scale <= 0)
@@ -2497,31 +2874,34 @@ int mt_num_micro_batches(const mt_config* c) {
 }
 
 /* Megatron's OptimizerParamScheduler.get_lr: linear warmup from lr_warmup_init, then the decay
- * style down to min_lr at lr_decay_iters, min_lr after. All lengths are in samples. */
+ * style down to min_lr at the decay length, min_lr after. All lengths are in samples: the -iters
+ * flags times the global batch, or the -samples flags with --train-samples; a warmup fraction of
+ * the decay length is kept fractional, as in Python. */
 double mt_learning_rate(const mt_config* c, int64_t num_steps) {
     const double pi = 3.14159265358979323846;
     int64_t gbs = c->global_batch_size;
-    int64_t decay_steps = c->lr_decay_iters * gbs;
-    int64_t warmup_steps = c->lr_warmup_fraction >= 0 ? (int64_t)(c->lr_warmup_fraction * (double)decay_steps)
-                                                      : c->lr_warmup_iters * gbs;
+    int sample_based = c->train_samples > 0;
+    int64_t decay_steps = sample_based ? c->lr_decay_samples : c->lr_decay_iters * gbs;
+    double warmup_steps = c->lr_warmup_fraction >= 0 ? c->lr_warmup_fraction * (double)decay_steps
+                          : (double)(sample_based ? c->lr_warmup_samples : c->lr_warmup_iters * gbs);
     double max_lr = c->lr, min_lr = c->min_lr;
-    if (warmup_steps > 0 && num_steps <= warmup_steps)
-        return c->lr_warmup_init + (max_lr - c->lr_warmup_init) * (double)num_steps / (double)warmup_steps;
+    if (warmup_steps > 0 && (double)num_steps <= warmup_steps)
+        return c->lr_warmup_init + (max_lr - c->lr_warmup_init) * (double)num_steps / warmup_steps;
     if (c->lr_decay_style == MT_LR_CONSTANT) return max_lr;
     if (num_steps > decay_steps) return min_lr;
     if (c->lr_decay_style == MT_LR_INVERSE_SQUARE_ROOT) {
-        double warmup = warmup_steps > 0 ? (double)warmup_steps : 1.0;
+        double warmup = warmup_steps > 1.0 ? warmup_steps : 1.0;
         double lr = max_lr * sqrt(warmup) / sqrt(num_steps > 0 ? (double)num_steps : 1.0);
         return lr > min_lr ? lr : min_lr;
     }
-    double ratio = (double)(num_steps - warmup_steps) / (double)(decay_steps - warmup_steps);
+    double ratio = ((double)num_steps - warmup_steps) / ((double)decay_steps - warmup_steps);
     double coeff;
     if (c->lr_decay_style == MT_LR_LINEAR) {
         coeff = 1.0 - ratio;
     } else if (c->lr_decay_style == MT_LR_COSINE) {
         coeff = 0.5 * (cos(pi * ratio) + 1.0);
     } else { /* WSD: constant until the annealing tail, then the tail's shape down to min_lr */
-        int64_t anneal_steps = c->lr_wsd_decay_iters * gbs;
+        int64_t anneal_steps = sample_based ? c->lr_wsd_decay_samples : c->lr_wsd_decay_iters * gbs;
         int64_t stable_end = decay_steps - anneal_steps;
         if (num_steps <= stable_end) {
             coeff = 1.0;
@@ -2531,7 +2911,7 @@ double mt_learning_rate(const mt_config* c, int64_t num_steps) {
                 case MT_WSD_LINEAR: coeff = 1.0 - r; break;
                 case MT_WSD_COSINE: coeff = 0.5 * (cos(pi * r) + 1.0); break;
                 case MT_WSD_MINUS_SQRT: coeff = 1.0 - sqrt(r); break;
-                default: coeff = pow(0.5, r); break; /* exponential */
+                default: coeff = 2.0 * pow(0.5, r) - 1.0; break; /* exponential: 1 at the start, 0 at the end */
             }
         }
     }
@@ -2564,23 +2944,24 @@ static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* in
     int64_t positions = c->position_embedding_type == MT_POSITION_LEARNED ? c->max_position_embeddings : 0;
     int64_t V = c->padded_vocab_size, untied = c->untie_embeddings_and_output_weights != 0;
     int64_t glu = c->swiglu ? 2 : 1;
+    int norm_w = c->apply_layernorm_1p ? 0 : 1; /* --apply-layernorm-1p: the weights hold w - 1, from 0 */
     struct { const char* name; int64_t layers, outer, rows, inner; int split, wd, init; } t[MT_NUM_PARAM_TENSORS] = {
         /* name                 layers        outer rows       inner split wd init */
         {"word_embeddings",     1,            1,    V,         h,    1, 1, 2},
         {"position_embeddings", 1,            1,    positions, h,    0, 1, 2},
-        {"ln1_weight",          L,            1,    h,         1,    0, 0, 1},
+        {"ln1_weight",          L,            1,    h,         1,    0, 0, norm_w},
         {"ln1_bias",            ln_bias * L,  1,    h,         1,    0, 0, 0},
         {"qkv_weight",          L,            1,    qkv,       h,    1, 1, 2}, /* groups are whole row blocks */
         {"qkv_bias",            bias * L,     1,    qkv,       1,    1, 0, 0},
         {"proj_weight",         L,            h,    attn,      1,    1, 1, 3},
         {"proj_bias",           bias * L,     1,    h,         1,    0, 0, 0},
-        {"ln2_weight",          L,            1,    h,         1,    0, 0, 1},
+        {"ln2_weight",          L,            1,    h,         1,    0, 0, norm_w},
         {"ln2_bias",            ln_bias * L,  1,    h,         1,    0, 0, 0},
         {"fc1_weight",          L,            glu,  f,         h,    1, 1, 2},
         {"fc1_bias",            bias * L,     glu,  f,         1,    1, 0, 0},
         {"fc2_weight",          L,            h,    f,         1,    1, 1, 3},
         {"fc2_bias",            bias * L,     1,    h,         1,    0, 0, 0},
-        {"final_ln_weight",     1,            1,    h,         1,    0, 0, 1},
+        {"final_ln_weight",     1,            1,    h,         1,    0, 0, norm_w},
         {"final_ln_bias",       ln_bias,      1,    h,         1,    0, 0, 0},
         {"output_weight",       untied,       1,    V,         h,    1, 1, 2},
     };
@@ -2651,6 +3032,40 @@ int mt_rank_of(const mt_config* c, mt_rank_coords r) {
 }
 
 static int mt__param_in_layers(int tensor) { return tensor >= MT_P_LN1_WEIGHT && tensor <= MT_P_FC2_BIAS; }
+
+/* A pipeline rank's tensors: numel set to 0 in info[] for the rest (the last stage's word embeddings
+ * only while tied); returns how many layers it holds. */
+static int mt__pp_held(const mt_pp_stage* st, int L, mt_param_info* info) {
+    int held_layers = 0;
+    for (int l = 0; l < L; l++) held_layers += mt_pp_holds(st, MT_P_LN1_WEIGHT, l);
+    for (int tsr = 0; tsr < MT_NUM_PARAM_TENSORS; tsr++) {
+        int keep = mt__param_in_layers(tsr) ? held_layers > 0 : mt_pp_holds(st, tsr, 0);
+        if (tsr == MT_P_WORD_EMBEDDINGS && !st->embedding && info[MT_P_OUTPUT_WEIGHT].numel > 0) keep = 0;
+        if (!keep) info[tsr].numel = 0;
+    }
+    return held_layers;
+}
+
+void mt_pp_stage_copy(const mt_config* c, const mt_pp_stage* st, float* full, float* part, int to_part) {
+    mt_param_info all[MT_NUM_PARAM_TENSORS], held[MT_NUM_PARAM_TENSORS];
+    mt_param_layout_shard(c, all);
+    memcpy(held, all, sizeof(all));
+    int L = c->num_layers;
+    mt__pp_held(st, L, held);
+    int64_t at = 0;
+    for (int tsr = 0; tsr < MT_NUM_PARAM_TENSORS; tsr++) {
+        if (held[tsr].numel == 0) continue;
+        int layered = mt__param_in_layers(tsr);
+        int64_t per = layered ? all[tsr].numel / L : all[tsr].numel;
+        for (int l = 0; l < (layered ? L : 1); l++) {
+            if (layered && !mt_pp_holds(st, tsr, l)) continue;
+            float* f = full + all[tsr].offset + (int64_t)l * per;
+            if (to_part) memcpy(part + at, f, sizeof(float) * (size_t)per);
+            else memcpy(f, part + at, sizeof(float) * (size_t)per);
+            at += per;
+        }
+    }
+}
 static int64_t mt__round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int64_t mt__gcd(int64_t a, int64_t b) { while (b) { int64_t t = a % b; a = b; b = t; } return a; }
 
@@ -2667,6 +3082,18 @@ mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_err
     mt_param_info info[MT_NUM_PARAM_TENSORS];
     mt_param_layout_shard(c, info); /* this tensor-parallel rank's shard */
     int L = c->num_layers, dp = c->data_parallel_size > 0 ? c->data_parallel_size : 1;
+    int pp_rank = c->world_size > 0 && c->data_parallel_size > 0 && c->rank >= 0 && c->rank < c->world_size
+                      ? mt_rank_coordinates(c, c->rank).pp : 0;
+    mt_status st = mt_pp_stage_of(c, pp_rank, &b->stage, err);
+    if (st != MT_OK) return st;
+    int held_layers = mt__pp_held(&b->stage, L, info);
+    /* canonical offsets restricted to the held tensors and layers, in canonical order */
+    int64_t canonical_base[MT_NUM_PARAM_TENSORS], running = 0;
+    for (int tsr = 0; tsr < MT_NUM_PARAM_TENSORS; tsr++) {
+        canonical_base[tsr] = running;
+        running += mt__param_in_layers(tsr) ? info[tsr].numel / L * held_layers : info[tsr].numel;
+    }
+    b->canonical_size = running;
     /* model order (Megatron's module.parameters()): embeddings, each layer, final norm, output
      * layer; tensors the flavour lacks (numel 0) are not parameters */
     int n = 0, order[MT_NUM_PARAM_TENSORS * 2 + 1];
@@ -2682,14 +3109,18 @@ mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_err
             n++;
         }
     }
-    n += per_layer * L;
+    n += per_layer * held_layers;
     b->num_layers = L;
-    b->params = (mt_buffer_param*)calloc((size_t)n, sizeof(mt_buffer_param));
-    b->buckets = (mt_buffer_bucket*)calloc((size_t)n, sizeof(mt_buffer_bucket));
+    b->params = (mt_buffer_param*)calloc((size_t)(n > 0 ? n : 1), sizeof(mt_buffer_param));
+    b->buckets = (mt_buffer_bucket*)calloc((size_t)(n > 0 ? n : 1), sizeof(mt_buffer_bucket));
     b->index = (int*)calloc((size_t)MT_NUM_PARAM_TENSORS * (size_t)L, sizeof(int));
     if (!b->params || !b->buckets || !b->index) {
         mt_buffer_layout_free(b);
         return mt_fail(err, MT_ERR_OOM, "cannot allocate the gradient buffer layout");
+    }
+    if (n == 0) {
+        mt_buffer_layout_free(b);
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline rank %d holds no parameters (an empty stage)", pp_rank);
     }
     for (int i = 0; i < MT_NUM_PARAM_TENSORS * L; i++) b->index[i] = -1;
     /* walk the model order backwards */
@@ -2700,23 +3131,27 @@ mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_err
         if (layered) {
             int first = o;
             while (first > 0 && mt__param_in_layers(order[first - 1])) first--;
-            for (int layer = L - 1; layer >= 0; layer--)
+            int held_below = held_layers; /* held layers below `layer` + 1 */
+            for (int layer = L - 1; layer >= 0; layer--) {
+                if (!mt_pp_holds(&b->stage, MT_P_LN1_WEIGHT, layer)) continue;
+                held_below--;
                 for (int j = o; j >= first; j--) {
                     int tsr = order[j];
                     mt_buffer_param* p = &b->params[k];
                     p->tensor = tsr;
                     p->layer = layer;
                     p->numel = info[tsr].numel / L;
-                    p->canonical = info[tsr].offset + (int64_t)layer * p->numel;
+                    p->canonical = canonical_base[tsr] + (int64_t)held_below * p->numel;
                     b->index[tsr * L + layer] = k++;
                 }
+            }
             o = first;
             continue;
         }
         mt_buffer_param* p = &b->params[k];
         p->tensor = tensor;
         p->numel = info[tensor].numel;
-        p->canonical = info[tensor].offset;
+        p->canonical = canonical_base[tensor];
         for (int l = 0; l < L; l++) b->index[tensor * L + l] = k;
         k++;
     }
@@ -2855,6 +3290,82 @@ mt_status mt_pp_schedule(int pp, int vp, int m, int group_size, int rank, mt_pp_
     return MT_OK;
 }
 
+/* Layers of virtual stage v (of PP * VP) under cfg's split; -1 when the split is impossible. */
+static int mt__pp_stage_layers(const mt_config* c, int v) {
+    int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
+    int L = c->num_layers;
+    int stages = pp * vp;
+    int first = c->decoder_first_pipeline_num_layers, last = c->decoder_last_pipeline_num_layers;
+    if (first >= 0 || last >= 0) { /* uneven (VP = 1): the middle stages share what is left evenly */
+        int middle = pp - (first >= 0) - (last >= 0);
+        int rest = L - (first > 0 ? first : 0) - (last > 0 ? last : 0);
+        if (v == 0 && first >= 0) return first;
+        if (v == pp - 1 && last >= 0) return last;
+        if (middle <= 0 || rest < 0 || rest % middle) return -1;
+        return rest / middle;
+    }
+    int e = c->account_for_embedding_in_pipeline_split != 0, l = c->account_for_loss_in_pipeline_split != 0;
+    int total = L + e + l;
+    if (total % stages) return -1;
+    int per = total / stages;
+    return per - (v == 0 ? e : 0) - (v == stages - 1 ? l : 0);
+}
+
+mt_status mt_pp_stage_of(const mt_config* c, int pp_rank, mt_pp_stage* out, mt_error* err) {
+    int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
+    int L = c->num_layers;
+    if (pp < 1 || vp < 1 || vp > MT_PP_MAX_CHUNKS || (vp > 1 && pp == 1))
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d virtual stages per rank over %d stages (virtual stages need "
+                       "--pipeline-model-parallel-size > 1 and at most %d per rank)", vp, pp, MT_PP_MAX_CHUNKS);
+    if (pp_rank < 0 || pp_rank >= pp)
+        return mt_fail(err, MT_ERR_RANGE, "pipeline rank %d outside [0, %d)", pp_rank, pp);
+    int uneven = c->decoder_first_pipeline_num_layers >= 0 || c->decoder_last_pipeline_num_layers >= 0;
+    if (uneven && vp > 1)
+        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers with virtual pipeline stages is "
+                       "not built (use an even split)");
+    if (uneven && (c->account_for_embedding_in_pipeline_split || c->account_for_loss_in_pipeline_split))
+        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-"
+                       "split are exclusive (as in Megatron)");
+    if (uneven && pp == 1)
+        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers need "
+                       "--pipeline-model-parallel-size > 1 (with one stage they would change the model)");
+    int stages = pp * vp, first = 0, sum = 0;
+    if (out) memset(out, 0, sizeof(*out));
+    for (int v = 0; v < stages; v++) {
+        int n = mt__pp_stage_layers(c, v);
+        if (n < 0)
+            return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d layers%s do not split evenly over %d %sstages", L,
+                           uneven ? " (less the first/last stage's)" : "", uneven ? pp - (c->decoder_first_pipeline_num_layers >= 0) -
+                           (c->decoder_last_pipeline_num_layers >= 0) : stages, vp > 1 ? "virtual " : "");
+        if (out && v % pp == pp_rank) {
+            out->first_layer[v / pp] = first;
+            out->num_layers[v / pp] = n;
+        }
+        first += n;
+        sum += n;
+    }
+    if (sum != L)
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline: the stages' layers add up to %d, not --num-layers %d", sum, L);
+    if (out) {
+        out->num_chunks = vp;
+        out->embedding = pp_rank == 0;
+        out->head = pp_rank == pp - 1;
+    }
+    return MT_OK;
+}
+
+int mt_pp_holds(const mt_pp_stage* st, int tensor, int layer) {
+    switch (tensor) {
+        case MT_P_WORD_EMBEDDINGS: return st->embedding || st->head; /* the head's copy only while tied */
+        case MT_P_POSITION_EMBEDDINGS: return st->embedding;
+        case MT_P_FINAL_LN_WEIGHT: case MT_P_FINAL_LN_BIAS: case MT_P_OUTPUT_WEIGHT: return st->head;
+        default:
+            for (int c = 0; c < st->num_chunks; c++)
+                if (layer >= st->first_layer[c] && layer < st->first_layer[c] + st->num_layers[c]) return 1;
+            return 0;
+    }
+}
+
 /* 7. Checkpoint format ------------------------------------------------------------------------- */
 
 void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
@@ -2885,6 +3396,7 @@ void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
     }
     h[MT_CK_UNTIED] = c->untie_embeddings_and_output_weights != 0;
     h[MT_CK_NO_BIAS_LINEAR] = !c->add_bias_linear;
+    h[MT_CK_LAYERNORM_1P] = c->apply_layernorm_1p != 0;
     memcpy(&h[MT_CK_NORM_EPS_BITS], &c->norm_epsilon, sizeof(double));
     h[MT_CK_TRUE_VOCAB] = c->vocab_size;
 }
@@ -2912,6 +3424,7 @@ void mt_config_from_checkpoint_header(mt_config* c, const int64_t* h) {
     }
     c->untie_embeddings_and_output_weights = (int)h[MT_CK_UNTIED];
     c->add_bias_linear = !h[MT_CK_NO_BIAS_LINEAR];
+    c->apply_layernorm_1p = h[MT_CK_LAYERNORM_1P] != 0;
     if (h[MT_CK_NORM_EPS_BITS]) memcpy(&c->norm_epsilon, &h[MT_CK_NORM_EPS_BITS], sizeof(double));
 }
 
@@ -2925,6 +3438,229 @@ int mt_make_directories(const char* path) {
         *p = '/';
     }
     return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+/* 9. TensorBoard event files ------------------------------------------------------------------- */
+
+#ifdef __cplusplus
+}
+#endif
+#include <sys/time.h>
+#include <sys/utsname.h>
+#include <time.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+uint32_t mt_tb_crc32c(const void* data, size_t n) {
+    const unsigned char* p = (const unsigned char*)data;
+    uint32_t crc = 0xffffffffu;
+    for (size_t i = 0; i < n; i++) { /* bit by bit: events are tens of bytes, a table is not worth it */
+        crc ^= p[i];
+        for (int k = 0; k < 8; k++) crc = (crc >> 1) ^ (0x82f63b78u & (0u - (crc & 1u)));
+    }
+    return ~crc;
+}
+
+uint32_t mt_tb_masked_crc32c(const void* data, size_t n) {
+    uint32_t crc = mt_tb_crc32c(data, n);
+    return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
+}
+
+struct mt_tb_writer {
+    int fd;
+    char* path;
+    unsigned char* pending; /* framed records not yet written */
+    size_t length, capacity;
+    int pending_events, queue_size;
+};
+
+/* Protobuf's wire format, the parts an Event needs: a key is (field << 3 | wire type), wire type 0 a
+ * varint, 1 eight little-endian bytes, 2 a varint length and that many bytes, 5 four bytes. */
+enum { MT__PB_VARINT = 0, MT__PB_FIXED64 = 1, MT__PB_BYTES = 2, MT__PB_FIXED32 = 5 };
+static size_t mt__pb_varint_size(uint64_t v) {
+    size_t n = 1;
+    while (v >= 0x80) { v >>= 7; n++; }
+    return n;
+}
+static unsigned char* mt__pb_varint(unsigned char* p, uint64_t v) {
+    while (v >= 0x80) { *p++ = (unsigned char)(v | 0x80); v >>= 7; }
+    *p++ = (unsigned char)v;
+    return p;
+}
+static unsigned char* mt__pb_key(unsigned char* p, int field, int wire) {
+    return mt__pb_varint(p, (uint64_t)field << 3 | (uint64_t)wire);
+}
+/* A length-delimited field of n payload bytes: its size, and its key and length (the payload follows). */
+static size_t mt__pb_bytes_size(int field, size_t n) { return mt__pb_varint_size((uint64_t)field << 3) + mt__pb_varint_size(n) + n; }
+static unsigned char* mt__pb_bytes_head(unsigned char* p, int field, size_t n) {
+    return mt__pb_varint(mt__pb_key(p, field, MT__PB_BYTES), n);
+}
+static unsigned char* mt__pb_bytes(unsigned char* p, int field, const void* data, size_t n) {
+    p = mt__pb_bytes_head(p, field, n);
+    memcpy(p, data, n);
+    return p + n;
+}
+
+enum { MT__TB_FILE_VERSION, MT__TB_SCALAR, MT__TB_TEXT };
+#define MT__TB_FILE_VERSION_STRING "brain.Event:2"
+
+/* One Event's bytes into out, or only their count when out is NULL. kind: the file_version record,
+ * a scalar (tag, value) or a text (tag as given, text). */
+static size_t mt__tb_event(unsigned char* out, double wall_time, int64_t step, int kind, const char* tag, float value,
+                           const char* text) {
+    size_t tag_n = tag ? strlen(tag) : 0, text_n = text ? strlen(text) : 0;
+    /* text: TensorProto { dtype DT_STRING (7), tensor_shape { dim { size 1 } }, string_val text } and
+     * SummaryMetadata { plugin_data { plugin_name "text" } } (TextPluginData version 0 is empty) */
+    const size_t dim_n = 2;                             /* Dim { size (1): 1 } */
+    const size_t shape_n = mt__pb_bytes_size(2, dim_n); /* TensorShapeProto { dim (2) } */
+    const size_t tensor_n = 2 + mt__pb_bytes_size(2, shape_n) + mt__pb_bytes_size(8, text_n);
+    const size_t plugin_n = mt__pb_bytes_size(1, 4), meta_n = mt__pb_bytes_size(1, plugin_n);
+    size_t value_n = mt__pb_bytes_size(1, tag_n);
+    value_n += kind == MT__TB_SCALAR ? 1 + 4 : mt__pb_bytes_size(8, tensor_n) + mt__pb_bytes_size(9, meta_n);
+    size_t summary_n = mt__pb_bytes_size(1, value_n);
+    size_t n = 1 + 8 + (step ? 1 + mt__pb_varint_size((uint64_t)step) : 0);
+    n += kind == MT__TB_FILE_VERSION ? mt__pb_bytes_size(3, strlen(MT__TB_FILE_VERSION_STRING))
+                                     : mt__pb_bytes_size(5, summary_n);
+    if (!out) return n;
+    unsigned char* p = mt__pb_key(out, 1, MT__PB_FIXED64);
+    memcpy(p, &wall_time, 8);
+    p += 8;
+    if (step) p = mt__pb_varint(mt__pb_key(p, 2, MT__PB_VARINT), (uint64_t)step);
+    if (kind == MT__TB_FILE_VERSION) {
+        p = mt__pb_bytes(p, 3, MT__TB_FILE_VERSION_STRING, strlen(MT__TB_FILE_VERSION_STRING));
+        return (size_t)(p - out);
+    }
+    p = mt__pb_bytes_head(p, 5, summary_n);
+    p = mt__pb_bytes_head(p, 1, value_n);
+    p = mt__pb_bytes(p, 1, tag, tag_n);
+    if (kind == MT__TB_SCALAR) {
+        p = mt__pb_key(p, 2, MT__PB_FIXED32);
+        memcpy(p, &value, 4);
+        return (size_t)(p + 4 - out);
+    }
+    p = mt__pb_bytes_head(p, 8, tensor_n);
+    p = mt__pb_varint(mt__pb_key(p, 1, MT__PB_VARINT), 7);      /* dtype: DT_STRING */
+    p = mt__pb_bytes_head(p, 2, shape_n);                          /* tensor_shape */
+    p = mt__pb_bytes_head(p, 2, dim_n);                            /* dim */
+    p = mt__pb_varint(mt__pb_key(p, 1, MT__PB_VARINT), 1);      /* size: 1 */
+    p = mt__pb_bytes(p, 8, text, text_n);                          /* string_val */
+    p = mt__pb_bytes_head(p, 9, meta_n);                           /* metadata */
+    p = mt__pb_bytes_head(p, 1, plugin_n);                         /* plugin_data */
+    p = mt__pb_bytes(p, 1, "text", 4);                             /* plugin_name */
+    return (size_t)(p - out);
+}
+
+/* Frames an event as a TFRecord at the end of the pending bytes; flushes when the queue is full. */
+static mt_status mt__tb_append(mt_tb_writer* w, int kind, const char* tag, float value, const char* text, int64_t step,
+                               mt_error* err) {
+    struct timeval tv;
+    gettimeofday(&tv, NULL);
+    double wall_time = (double)tv.tv_sec + (double)tv.tv_usec * 1e-6;
+    size_t n = mt__tb_event(NULL, wall_time, step, kind, tag, value, text), record = 8 + 4 + n + 4;
+    if (w->length + record > w->capacity) {
+        size_t capacity = w->capacity * 2 > w->length + record ? w->capacity * 2 : w->length + record + 4096;
+        unsigned char* grown = (unsigned char*)realloc(w->pending, capacity);
+        if (!grown) return mt_fail(err, MT_ERR_OOM, "cannot hold %zu bytes of TensorBoard events", capacity);
+        w->pending = grown;
+        w->capacity = capacity;
+    }
+    unsigned char* p = w->pending + w->length;
+    uint64_t length = (uint64_t)n;
+    memcpy(p, &length, 8);
+    uint32_t crc = mt_tb_masked_crc32c(p, 8);
+    memcpy(p + 8, &crc, 4);
+    mt__tb_event(p + 12, wall_time, step, kind, tag, value, text);
+    crc = mt_tb_masked_crc32c(p + 12, n);
+    memcpy(p + 12 + n, &crc, 4);
+    w->length += record;
+    if (++w->pending_events >= w->queue_size) return mt_tb_flush(w, err);
+    return MT_OK;
+}
+
+mt_status mt_tb_flush(mt_tb_writer* w, mt_error* err) {
+    if (w->length && mt__write_all(w->fd, w->pending, w->length) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot write TensorBoard events to %s: %s", w->path, strerror(errno));
+    w->length = 0;
+    w->pending_events = 0;
+    return MT_OK;
+}
+
+mt_status mt_tb_open(mt_tb_writer** out, const char* dir, int queue_size, mt_error* err) {
+    *out = NULL;
+    if (queue_size < 1) return mt_fail(err, MT_ERR_ARG, "TensorBoard queue size %d: must be >= 1", queue_size);
+    if (!dir || !*dir) return mt_fail(err, MT_ERR_ARG, "no TensorBoard directory given");
+    if (mt_make_directories(dir) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot create the TensorBoard directory %s: %s", dir, strerror(errno));
+    struct utsname host;
+    if (uname(&host) != 0) snprintf(host.nodename, sizeof(host.nodename), "localhost");
+    for (char* c = host.nodename; *c; c++) if (*c == '/') *c = '_';
+    mt_tb_writer* w = (mt_tb_writer*)calloc(1, sizeof(mt_tb_writer));
+    size_t path_n = strlen(dir) + strlen(host.nodename) + 96;
+    if (w) w->path = (char*)malloc(path_n);
+    if (!w || !w->path) {
+        free(w);
+        return mt_fail(err, MT_ERR_OOM, "out of memory");
+    }
+    w->fd = -1;
+    w->queue_size = queue_size;
+    long long now = (long long)time(NULL);
+    for (int k = 0; k < 1000 && w->fd < 0; k++) {
+        snprintf(w->path, path_n, "%s/events.out.tfevents.%010lld.%s.%ld.%d", dir, now, host.nodename,
+                 (long)getpid(), k);
+        w->fd = open(w->path, O_WRONLY | O_CREAT | O_EXCL, 0644);
+        if (w->fd < 0 && errno != EEXIST) break;
+    }
+    if (w->fd < 0) {
+        mt_status st = mt_fail(err, MT_ERR_IO, "cannot create a TensorBoard event file %s: %s", w->path, strerror(errno));
+        free(w->path);
+        free(w);
+        return st;
+    }
+    mt_status st = mt__tb_append(w, MT__TB_FILE_VERSION, NULL, 0.0f, NULL, 0, err);
+    if (st == MT_OK) st = mt_tb_flush(w, err);
+    if (st != MT_OK) {
+        unlink(w->path); /* nothing half-written: the file holds not even its first record */
+        mt_tb_close(w, NULL);
+        return st;
+    }
+    *out = w;
+    return MT_OK;
+}
+
+const char* mt_tb_path(const mt_tb_writer* w) { return w->path; }
+
+mt_status mt_tb_scalar(mt_tb_writer* w, const char* tag, double value, int64_t step, mt_error* err) {
+    return mt__tb_append(w, MT__TB_SCALAR, tag, (float)value, NULL, step, err);
+}
+
+mt_status mt_tb_scalar_pair(mt_tb_writer* w, const char* tag, double value, int64_t iteration,
+                            int64_t consumed_samples, mt_error* err) {
+    mt_status st = mt_tb_scalar(w, tag, value, iteration, err);
+    char* twin = st == MT_OK ? mt__concat(tag, " vs samples") : NULL;
+    if (st == MT_OK && !twin) st = mt_fail(err, MT_ERR_OOM, "out of memory");
+    if (st == MT_OK) st = mt_tb_scalar(w, twin, value, consumed_samples, err);
+    free(twin);
+    return st;
+}
+
+mt_status mt_tb_text(mt_tb_writer* w, const char* tag, const char* text, int64_t step, mt_error* err) {
+    char* full = mt__concat(tag, "/text_summary");
+    if (!full) return mt_fail(err, MT_ERR_OOM, "out of memory");
+    mt_status st = mt__tb_append(w, MT__TB_TEXT, full, 0.0f, text, step, err);
+    free(full);
+    return st;
+}
+
+mt_status mt_tb_close(mt_tb_writer* w, mt_error* err) {
+    if (!w) return MT_OK;
+    mt_status st = w->fd >= 0 ? mt_tb_flush(w, err) : MT_OK;
+    if (w->fd >= 0 && close(w->fd) != 0 && st == MT_OK)
+        st = mt_fail(err, MT_ERR_IO, "cannot close %s: %s", w->path, strerror(errno));
+    free(w->pending);
+    free(w->path);
+    free(w);
+    return st;
 }
 
 #ifdef __cplusplus

@@ -27,9 +27,13 @@
 #include "tests/test_data_parallel.h"
 #include "tests/test_tensor_parallel.h"
 #include "tests/test_pipeline_schedule.h"
+#include "tests/test_pipeline.h"
 #include "tests/test_hf.h"
 #include "tests/test_header.h"
 #include "tests/test_hostile.h"
+#include "tests/test_tensorboard.h"
+#include "tests/test_evaluation.h"
+#include "tests/test_flags.h"
 
 typedef struct {
     const char* group; /* kind.feature: kind is host, gpu or multigpu */
@@ -60,13 +64,18 @@ int main(int argc, char** argv) {
         GROUP("host.dataset", dataset_tests),
         GROUP("host.tokenizer", tokenizer_tests),
         GROUP("host.config", config_tests),
+        GROUP("host.flags", flags_tests),
         GROUP("host.data_parallel", data_parallel_tests),
         GROUP("host.tensor_parallel", tensor_parallel_tests),
         GROUP("host.pipeline", pipeline_schedule_tests),
+        GROUP("host.pipeline", pipeline_tests),
         GROUP("host.hf", hf_tests),
         GROUP("host.header", header_tests),
         GROUP("host.hostile", hostile_tests),
+        GROUP("host.tensorboard", tensorboard_tests),
+        GROUP("host.evaluation", evaluation_tests),
         GROUP("gpu.model", model_gpu_tests),
+        GROUP("gpu.flags", flags_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),
         GROUP("gpu.checkpoint", checkpoint_gpu_tests),
         GROUP("gpu.attention", attention_gpu_tests),
@@ -74,8 +83,10 @@ int main(int argc, char** argv) {
         GROUP("gpu.fp8", fp8_tests),
         GROUP("gpu.tensor_parallel", tensor_parallel_gpu_tests),
         GROUP("gpu.hf", hf_gpu_tests),
+        GROUP("gpu.evaluation", evaluation_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
         GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),
+        GROUP("multigpu.pipeline", pipeline_multigpu_tests),
     };
     int passed = 0, failed = 0, skipped = 0;
     const char* failed_names[64];

@@ -41,7 +41,7 @@ if [ "$what" = all ]; then
   start=$(date +%s)
   ./train_gpt 2>&1 | tee "$OUT/train_builtin.log"
   last=$(grep "elapsed time per iteration" "$OUT/train_builtin.log" | tail -n1)
-  val=$(grep "validation loss" "$OUT/train_builtin.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
+  val=$(grep -E "validation loss at iteration [0-9]+( on validation set)? \|" "$OUT/train_builtin.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
   ms=$(echo "$last" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
   tf=$(echo "$last" | sed 's/.*TFLOP\/s\/GPU): \([^ ]*\).*/\1/')
   loss=$(echo "$last" | sed 's/.*lm loss: \([^ ]*\).*/\1/')
@@ -54,7 +54,7 @@ if [ "$what" = all ]; then
     timeout 600 $MPIRUN -np "$np" ./train_gpt --micro-batch-size $((32 / np)) --use-distributed-optimizer \
       --overlap-grad-reduce --overlap-param-gather --save checkpoints/builtin_dp 2>&1 | tee "$OUT/train_builtin_dp.log"
     last=$(grep "elapsed time per iteration" "$OUT/train_builtin_dp.log" | tail -n1)
-    val=$(grep "validation loss" "$OUT/train_builtin_dp.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
+    val=$(grep -E "validation loss at iteration [0-9]+( on validation set)? \|" "$OUT/train_builtin_dp.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
     ms=$(echo "$last" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
     loss=$(echo "$last" | sed 's/.*lm loss: \([^ ]*\).*/\1/')
     rows+=("train_gpt built-in, $np GPUs DP|loss $loss val $val|${ms} ms/iter $(( $(date +%s) - start )) s")
@@ -64,7 +64,7 @@ if [ "$what" = all ]; then
     timeout 600 $MPIRUN -np 2 ./train_gpt --tensor-model-parallel-size 2 --sequence-parallel \
       --save checkpoints/builtin_tp 2>&1 | tee "$OUT/train_builtin_tp.log"
     last=$(grep "elapsed time per iteration" "$OUT/train_builtin_tp.log" | tail -n1)
-    val=$(grep "validation loss" "$OUT/train_builtin_tp.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
+    val=$(grep -E "validation loss at iteration [0-9]+( on validation set)? \|" "$OUT/train_builtin_tp.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
     ms=$(echo "$last" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
     loss=$(echo "$last" | sed 's/.*lm loss: \([^ ]*\).*/\1/')
     rows+=("train_gpt built-in, TP=2 + SP|loss $loss val $val|${ms} ms/iter $(( $(date +%s) - start )) s")

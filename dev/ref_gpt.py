@@ -78,8 +78,9 @@ header int32[256]:
   [7] Vp  [8] P  [9] T  [10] G global batch  [11] suggested micro batch mb  [12] S steps
   [13] number of parameter floats  [14] g query groups (= n for gpt2)
   [15] kv channels d (0 in gpt2 files: d = h/n)  [16] normalization (0 LayerNorm, 1 RMSNorm)
-  [17] swiglu (0/1)  [18] position type (0 learned, 1 rope)  [19] untied output (0/1)
-  [20] disable_bias (0 biases present, 1 none)  [21] use_rope_scaling (0/1)  [22..255] 0
+  [17] swiglu (0/1)  [18] position type (0 learned, 1 rope, 2 none)  [19] untied output (0/1)
+  [20] disable_bias (0 biases present, 1 none)  [21] use_rope_scaling (0/1)
+  [22] layernorm_1p (0/1)  [23] eod + 1 (0: no loss mask)  [24..255] 0
   (words 15..21 are all 0 for gpt2, so files written before they existed read the same)
 hyper float32[64]:
   [0] max_lr  [1] min_lr  [2] lr_warmup_iters  [3] lr_decay_iters  [4] b1  [5] b2  [6] eps
@@ -127,6 +128,15 @@ that Adam (eps 1e-8) can turn into updates of up to ~lr per step, so compare par
 absolute tolerance of a few lr there (or skip those entries). Steps 0 and 1 see the same weights
 (step 0's lr is 0).
 
+Switches of train_gpt's launch-script flags (any flavor; header words 18, 22, 23):
+  position = "none"  (--position-embedding-type none, NoPE) neither position_embeddings nor rope
+  layernorm_1p       (--apply-layernorm-1p) every norm weight tensor holds w - 1 and the norms use 1 + w;
+                     its initial values are N(0, 0.1) (the same spread around the same effective weight)
+  eod = e >= 0       (--eod-mask-loss, end-of-document id e) a position counts unless its *input* token is
+                     e; the gradient is that of Megatron's objective, the mean over the G/mb micro-batches
+                     of each one's sum(loss * mask) / sum(mask); loss0 and losses are the reported loss,
+                     sum(loss * mask) / sum(mask) over the whole batch. Tokens hold e at ~1 in 8 positions.
+
 Adding a flavor: give it a code in FLAVORS and its switches in FLAVOR_SWITCHES; a new switch needs its
 tensors in param_specs(), its piece in forward() (both marked "flavor dispatch") and a header word.
 """
@@ -152,7 +162,7 @@ FLAVOR_SWITCHES = {
     "llama": dict(norm="rmsnorm",   swiglu=True,  position="rope",    untied=True,  bias=False),
 }
 NORMS = {"layernorm": 0, "rmsnorm": 1}
-POSITIONS = {"learned": 0, "rope": 1}
+POSITIONS = {"learned": 0, "rope": 1, "none": 2}
 # Llama-3.1 RoPE scaling constants (HF "llama3" rope type, Megatron's apply_rope_scaling)
 ROPE_LOW_FREQ_FACTOR, ROPE_HIGH_FREQ_FACTOR, ROPE_ORIG_MAX_POS = 1.0, 4.0, 8192
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt_vectors")
@@ -188,9 +198,11 @@ class Config:
     # model switches (None: the flavor's, see FLAVOR_SWITCHES)
     norm: str = None      # "layernorm" | "rmsnorm"
     swiglu: bool = None   # fc1 [2f, h], act = silu(gate) * up
-    position: str = None  # "learned" (position_embeddings) | "rope"
+    position: str = None  # "learned" (position_embeddings) | "rope" | "none" (NoPE)
     untied: bool = None   # separate output_weight
     bias: bool = None     # linear biases (qkv, proj, fc1, fc2)
+    layernorm_1p: bool = False  # --apply-layernorm-1p: norm weights hold w - 1, the norms use (1 + w)
+    eod: int = -1         # --eod-mask-loss with this end-of-document id (-1: every position counts)
     # rope (hyper[10..12]; 0 in files without rope)
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
@@ -247,6 +259,13 @@ CONFIGS = {
     # MQA (1 group), kv channels 64 so attention width n*d = 128 != h, partial rotary (32 of 64 dims)
     "llama_small": Config(flavor="llama", L=2, h=64, n=2, g=1, kv=64, f=128, Vp=256, T=64, G=4, mb=1, S=6,
                           rotary_base=500000.0, rotary_percent=0.5, rope_scaling_factor=0.0),
+    # train_gpt's launch-script flags that change the model or the loss (tests/test_flags.h):
+    # --eod-mask-loss, with micro-batches of different counted positions, and NoPE (--position-embedding-type none);
+    "gpt2_eod_nope": Config(L=2, h=64, n=4, f=256, Vp=512, T=32, G=4, mb=2, S=6, position="none", eod=447),
+    "llama_eod": Config(flavor="llama", L=2, h=64, n=4, g=2, f=96, Vp=512, T=32, G=4, mb=1, S=10, eod=0),
+    # --apply-layernorm-1p on LayerNorm (weights and biases) and on RMSNorm
+    "gpt2_1p": Config(L=2, h=64, n=4, f=256, Vp=512, T=32, G=4, mb=2, S=6, layernorm_1p=True),
+    "llama_1p": Config(flavor="llama", L=2, h=64, n=4, g=2, f=96, Vp=512, T=32, G=4, mb=2, S=10, layernorm_1p=True),
 }
 
 
@@ -299,8 +318,8 @@ def init_params(cfg):
             a = rng.normal(0.0, std / math.sqrt(2.0 * cfg.L), shape)
         elif kind == "bias":
             a = rng.normal(0.0, std, shape)
-        elif kind == "norm_w":
-            a = 1.0 + rng.normal(0.0, 0.1, shape)
+        elif kind == "norm_w":      # the weight; with layernorm_1p the stored w - 1
+            a = (0.0 if cfg.layernorm_1p else 1.0) + rng.normal(0.0, 0.1, shape)
         elif kind == "norm_b":
             a = rng.normal(0.0, 0.05, shape)
         else:
@@ -448,6 +467,8 @@ def forward(cfg, p, tokens, pieces=Pieces):
     B, T = tokens.shape
 
     def norm(x, w, b):            # b is None without LayerNorm
+        if cfg.layernorm_1p:      # zero-centred weights (Megatron's --apply-layernorm-1p)
+            w = 1.0 + w
         if cfg.norm == "layernorm":
             return pieces.layer_norm(x, w, b, cfg.norm_eps)
         return pieces.rms_norm(x, w, cfg.norm_eps)
@@ -488,14 +509,32 @@ def cross_entropy(logits, labels):
     return -logp.gather(-1, labels.unsqueeze(-1)).mean()
 
 
+def masked_loss(cfg, logits, tokens):
+    """Megatron's loss with --eod-mask-loss (pretrain_gpt.loss_func + the schedule's normalisation): a
+    position counts unless its *input* token is cfg.eod; each micro-batch of cfg.mb sequences gives
+    sum(loss * mask) / sum(mask), the objective is the mean over the G/mb micro-batches, and the
+    reported loss is sum(loss * mask) / sum(mask) over the whole batch. Returns (objective, reported)."""
+    labels = tokens[:, 1:]
+    logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    ce = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)             # [G, T]
+    mask = (tokens[:, :-1] != cfg.eod).to(ce.dtype)
+    per_mb = [(ce[i:i + cfg.mb] * mask[i:i + cfg.mb]).sum() / mask[i:i + cfg.mb].sum()
+              for i in range(0, cfg.G, cfg.mb)]
+    return sum(per_mb) / len(per_mb), (ce * mask).sum() / mask.sum()
+
+
 def loss_and_grads(cfg, params, batch, pieces=Pieces):
-    """batch int32 [G, T+1] -> (loss, {name: grad}, logits)."""
+    """batch int32 [G, T+1] -> (loss, {name: grad}, logits); with a loss mask the loss is the reported
+    one and the gradients are the objective's (masked_loss)."""
     t = torch.from_numpy(batch.astype(np.int64))
     p = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
     logits = forward(cfg, p, t[:, :-1], pieces)
-    loss = cross_entropy(logits, t[:, 1:])
+    if cfg.eod >= 0:
+        objective, loss = masked_loss(cfg, logits, t)
+    else:
+        objective = loss = cross_entropy(logits, t[:, 1:])
     names = [s[0] for s in param_specs(cfg)]
-    grads = torch.autograd.grad(loss, [p[k] for k in names])
+    grads = torch.autograd.grad(objective, [p[k] for k in names])
     return loss.item(), dict(zip(names, grads)), logits.detach()
 
 
@@ -555,7 +594,10 @@ def train(cfg, params0, tokens):
 
 def make_tokens(cfg):
     rng = np.random.default_rng(cfg.seed + 1)
-    return rng.integers(0, cfg.Vp - 64, size=(cfg.S, cfg.G, cfg.T + 1)).astype(np.int32)
+    tokens = rng.integers(0, cfg.Vp - 64, size=(cfg.S, cfg.G, cfg.T + 1)).astype(np.int32)
+    if cfg.eod >= 0:   # documents: an end-of-document token at ~1 in 8 positions, a different count per sequence
+        tokens[rng.random(tokens.shape) < 0.125] = cfg.eod
+    return tokens
 
 
 def choose_clip(cfg, params0, tokens):
@@ -608,11 +650,11 @@ def choose_clip(cfg, params0, tokens):
 def header_arrays(cfg):
     rope = cfg.position == "rope"
     hd = np.zeros(HEADER_INTS, dtype="<i4")
-    hd[:22] = [MAGIC, VERSION, FLAVORS[cfg.flavor], cfg.L, cfg.h, cfg.n, cfg.f, cfg.Vp, cfg.P, cfg.T,
+    hd[:24] = [MAGIC, VERSION, FLAVORS[cfg.flavor], cfg.L, cfg.h, cfg.n, cfg.f, cfg.Vp, cfg.P, cfg.T,
                cfg.G, cfg.mb, cfg.S, num_params(cfg), cfg.g,
                cfg.d if (cfg.kv or cfg.flavor != "gpt2") else 0,   # gpt2 files keep 0 (= h/n) here
                NORMS[cfg.norm], int(cfg.swiglu), POSITIONS[cfg.position], int(cfg.untied), int(not cfg.bias),
-               int(rope and cfg.rope_scaling_factor > 0)]
+               int(rope and cfg.rope_scaling_factor > 0), int(cfg.layernorm_1p), cfg.eod + 1]
     hp = np.zeros(HYPER_FLOATS, dtype="<f4")
     hp[:13] = [cfg.max_lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.lr_decay_iters, cfg.b1, cfg.b2, cfg.eps,
                cfg.weight_decay, cfg.clip_grad, cfg.norm_eps,
@@ -667,12 +709,12 @@ def read_file(path):
     if int(hd[2]) not in flavors:
         raise ValueError(f"unknown flavor code {hd[2]}")
     L, h, n, f, Vp, P, T, G, mb, S, N, g, kv = (int(x) for x in hd[3:16])
-    norm_c, swiglu, pos_c, untied, no_bias, scaling = (int(x) for x in hd[16:22])
-    if any(hd[22:]) or any(hp[13:]):
+    norm_c, swiglu, pos_c, untied, no_bias, scaling, one_p, eod1 = (int(x) for x in hd[16:24])
+    if any(hd[24:]) or any(hp[13:]):
         raise ValueError("reserved header fields not zero")
     if norm_c not in NORMS.values() or pos_c not in POSITIONS.values() or \
-            any(x not in (0, 1) for x in (swiglu, untied, no_bias, scaling)):
-        raise ValueError(f"bad model switches {[int(x) for x in hd[16:22]]}")
+            any(x not in (0, 1) for x in (swiglu, untied, no_bias, scaling, one_p)) or not 0 <= eod1 <= Vp - 64:
+        raise ValueError(f"bad model switches {[int(x) for x in hd[16:24]]}")
     rope = pos_c == POSITIONS["rope"]
     if not rope and (any(hp[10:13]) or scaling):
         raise ValueError("rope fields set without rope")
@@ -682,6 +724,7 @@ def read_file(path):
         cfg = Config(flavor=flavors[int(hd[2])], L=L, h=h, n=n, g=g, kv=kv, f=f, Vp=Vp, T=T, P=P, G=G, mb=mb, S=S,
                      norm={v: k for k, v in NORMS.items()}[norm_c], swiglu=bool(swiglu),
                      position={v: k for k, v in POSITIONS.items()}[pos_c], untied=bool(untied), bias=not no_bias,
+                     layernorm_1p=bool(one_p), eod=eod1 - 1,
                      rotary_base=float(hp[10]) if rope else Config.rotary_base,
                      rotary_percent=float(hp[11]) if rope else Config.rotary_percent,
                      rope_scaling_factor=float(hp[12]) if rope else 0.0,

@@ -23,6 +23,7 @@
  */
 #define MEGATRON_IMPLEMENTATION
 #include "../megatron.h"
+#include "args.h"
 #define MT_SAFETENSORS_IMPLEMENTATION
 #include "safetensors.h"
 #define MT_HF_IMPLEMENTATION
@@ -158,6 +159,8 @@ static int do_export(const char* ckpt_dir, const char* hf_dir, int64_t iteration
 }
 
 int main(int argc, char** argv) {
+    argv = mt_args_split_equals(argc, argv, &argc); /* --flag=value is --flag value, as argparse */
+    if (!argv) return 1;
     const char *import_dir = NULL, *save_dir = NULL, *export_dir = NULL, *out_dir = NULL;
     int64_t iteration = -1, vocab = -1;
     double eps = -1.0;

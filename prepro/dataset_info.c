@@ -22,6 +22,7 @@
  */
 #define MEGATRON_IMPLEMENTATION
 #include "../megatron.h"
+#include "args.h"
 #define MT_TOKENIZER_IMPLEMENTATION
 #include "tokenizer.h"
 
@@ -123,6 +124,8 @@ static int ensure_dir(const char* dir) {
 }
 
 int main(int argc, char** argv) {
+    argv = mt_args_split_equals(argc, argv, &argc); /* --flag=value is --flag value, as argparse */
+    if (!argv) return 1;
     const char** data_args = (const char**)calloc((size_t)argc, sizeof(char*));
     int num_data_args = 0, seq_length = 0, show = MT_SPLIT_TRAIN, samples_to_print = 2;
     const char *split = "969, 30, 1", *vocab = NULL, *merges = NULL, *model = NULL, *kind_name = NULL, *out_dir = NULL;

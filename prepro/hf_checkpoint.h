@@ -226,15 +226,19 @@ mt_status mt_hf_detect(const mt_json* root, const char* path, const mt_hf_arch**
 
 mt_status mt_hf_arch_for_config(const mt_config* c, const mt_hf_arch** out, mt_error* err) {
     int ln = c->normalization == MT_NORM_LAYERNORM, learned = c->position_embedding_type == MT_POSITION_LEARNED;
+    int rope = c->position_embedding_type == MT_POSITION_ROPE; /* NoPE (none) has no Hugging Face counterpart here */
     int bias = c->add_bias_linear != 0, untied = c->untie_embeddings_and_output_weights != 0, glu = c->swiglu != 0;
     *out = NULL;
+    if (c->apply_layernorm_1p)
+        return mt_fail(err, MT_ERR_CONFIG, "the model stores its norm weights as w - 1 (--apply-layernorm-1p): "
+                       "export to Hugging Face is not implemented for it");
     if (ln && learned && bias && !glu && !untied) *out = &mt_hf_gpt2_arch;
-    else if (!ln && !learned && !bias && glu) *out = &mt_hf_llama_arch;
+    else if (!ln && rope && !bias && glu) *out = &mt_hf_llama_arch;
     else
         return mt_fail(err, MT_ERR_CONFIG, "the model (%s, %s, %s positions, %s output layer, %s linear biases) is neither "
                        "GPT-2 (LayerNorm, GELU, learned positions, tied, biases) nor Llama (RMSNorm, SwiGLU, rope, no "
                        "biases): transformers has no class to export it to", ln ? "LayerNorm" : "RMSNorm",
-                       glu ? "SwiGLU" : "GELU", learned ? "learned" : "rope", untied ? "untied" : "tied",
+                       glu ? "SwiGLU" : "GELU", learned ? "learned" : rope ? "rope" : "no", untied ? "untied" : "tied",
                        bias ? "with" : "no");
     return MT_OK;
 }

@@ -13,6 +13,7 @@
  * so a failed merge leaves nothing behind. */
 #define MEGATRON_IMPLEMENTATION
 #include "../megatron.h"
+#include "args.h"
 
 #include <dirent.h>
 #include <stdio.h>
@@ -90,6 +91,8 @@ static int list_dir(const char* dir, char*** out, int* count, char* msg, size_t 
 }
 
 int main(int argc, char** argv) {
+    argv = mt_args_split_equals(argc, argv, &argc); /* --flag=value is --flag value, as argparse */
+    if (!argv) return 1;
     const char* output = NULL;
     const char** inputs = (const char**)calloc((size_t)argc, sizeof(char*));
     int num_inputs = 0;

@@ -17,6 +17,7 @@
 #include "../megatron.h"
 #define MT_TOKENIZER_IMPLEMENTATION
 #include "tokenizer.h"
+#include "args.h"
 
 #include <signal.h>
 #include <stdio.h>
@@ -239,15 +240,9 @@ int main(int argc, char** argv) {
     memset(&o, 0, sizeof(o));
     mt_tokenizer_args_init(&o.tok);
     if (argc < 2) { fputs(usage, stderr); return 1; }
-    /* --flag=value is --flag value, as with argparse */
-    char** args = (char**)malloc((size_t)argc * 2 * sizeof(char*));
     int nargs = 0;
+    char** args = mt_args_split_equals(argc, argv, &nargs); /* --flag=value is --flag value */
     if (!args) return die("%s", "out of memory");
-    for (int i = 0; i < argc; i++) {
-        char* eq = i > 0 && !strncmp(argv[i], "--", 2) ? strchr(argv[i], '=') : NULL;
-        if (eq) { *eq = 0; args[nargs++] = argv[i]; args[nargs++] = eq + 1; }
-        else args[nargs++] = argv[i];
-    }
     if (parse_args(nargs, args, &o)) return 1;
     if (!o.num_inputs) return die("%s", "--input is required");
     if (!o.output_prefix) return die("%s", "--output-prefix is required");

@@ -94,11 +94,14 @@ static mt_config config_from_vectors(const gpt_vectors* v, mt_precision precisio
     c.kv_channels = v->header[15];
     c.normalization = v->header[16] ? MT_NORM_RMSNORM : MT_NORM_LAYERNORM;
     c.swiglu = v->header[17];
-    c.position_embedding_type = v->header[18] ? MT_POSITION_ROPE : MT_POSITION_LEARNED;
+    c.position_embedding_type = (mt_position_embedding)v->header[18]; /* 0 learned, 1 rope, 2 none */
     c.untie_embeddings_and_output_weights = v->header[19];
     c.add_bias_linear = !v->header[20];
     c.use_rope_scaling = v->header[21];
-    if (v->header[18]) {
+    c.apply_layernorm_1p = v->header[22];      /* [22] norm weights hold w - 1 */
+    c.eod_mask_loss = v->header[23] > 0;        /* [23] the end-of-document id + 1 (0: no loss mask) */
+    c.eod_token = v->header[23] - 1;
+    if (v->header[18] == MT_POSITION_ROPE) {
         c.rotary_base = v->hyper[10];
         c.rotary_percent = v->hyper[11];
         c.rope_scaling_factor = v->hyper[12];

@@ -37,7 +37,7 @@
 #
 # Writes to OUT (default /tmp/fp8_convergence; at most 7 files): prep.log (data stage),
 # train_<recipe>.log (one per recipe), results.md (the tables, also printed at the end),
-# losses.png (dev/bench/plot_losses.py; skipped with one line if matplotlib is missing).
+# loss.png (dev/plot_run.py; skipped with one line if matplotlib is missing).
 # Data (JSONL, .bin/.idx, reused while the tarball is unchanged) and scratch go to WORK
 # (default /tmp/fp8_work). TRAIN_GPT (default ./train_gpt) and PYTHON (default python3) may be set.
 set -uo pipefail
@@ -108,7 +108,7 @@ done
 command -v "$PY" >/dev/null 2>&1 || fail "no $PY (needed for the data stage and the plot)"
 mkdir -p "$OUT" "$WORK" "$TMP" || fail "cannot create $OUT / $WORK"
 # the files this script writes in OUT (anything else there is left alone); with --reuse the train logs stay
-rm -f "$OUT/prep.log" "$OUT/results.md" "$OUT/losses.png"
+rm -f "$OUT/prep.log" "$OUT/results.md" "$OUT/loss.png"
 if [ "$REUSE" = 0 ]; then
   for r in bf16 delayed tensorwise blockwise; do rm -f "$OUT/train_$r.log"; done
 fi
@@ -159,7 +159,7 @@ COMMON=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$H
   --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 --bf16 --hidden-dropout 0
   --attention-dropout 0 --init-method-std 0.02 --data-path "$PREFIX" --split "$SPLIT"
   --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB" --merge-file "$MERGES" --log-interval "$LOG_INTERVAL"
-  --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS" --seed "$SEED" --sample-tokens 0)
+  --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS" --seed "$SEED" --sample-tokens 0 --log-throughput)
 recipe_flags() {
   case "$1" in
     bf16) ;;
@@ -241,7 +241,7 @@ log_stats() {
       }
       next
     }
-    /^ *validation loss at iteration [0-9]+ *\|/ {
+    /^ *validation loss at iteration [0-9]+( on validation set)? *\|/ {
       for (i = 1; i <= NF; i++) { f = trim($i); if (f ~ /^lm loss value:/) { val = after(f); if (bad(val)) nonfinite++ } }
     }
     END {
@@ -256,7 +256,7 @@ median() {  # median of the numbers in a file, one a line
                                            else printf "%.1f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 }
 val_points() {  # "label value" for each validation line; the repeat at the last iteration is the end-of-training eval
-  awk -F'|' '/^ *validation loss at iteration [0-9]+ *\|/ {
+  awk -F'|' '/^ *validation loss at iteration [0-9]+( on validation set)? *\|/ {
       it = $1; sub(/.*iteration +/, "", it); it = it + 0
       v = $2; sub(/^[^:]*: */, "", v); sub(/ +$/, "", v)
       lab = (it == prev) ? it " (end)" : it; prev = it
@@ -367,14 +367,14 @@ PLOT_NOTE=""
 if [ "${#RAN[@]}" -gt 0 ]; then
   plot_logs=() plot_labels=()
   for r in "${RAN[@]}"; do plot_logs+=("$OUT/train_$r.log"); plot_labels+=("$r"); done
-  "$PY" dev/bench/plot_losses.py "${plot_logs[@]}" --labels "${plot_labels[@]}" --out "$OUT/losses.png" \
+  "$PY" dev/plot_run.py "${plot_logs[@]}" --label "${plot_labels[@]}" --out-dir "$OUT" --only loss \
     --title "GPT ${LAYERS}L/${HIDDEN}H on Gutenberg, $ITERS iters x $((GBS * SEQ)) tokens: bf16 vs FP8 (hybrid)"
   prc=$?
-  if [ "$prc" != 0 ]; then PLOT_NOTE="losses.png: not written (plot_losses.py exit status $prc)"
-  elif [ ! -f "$OUT/losses.png" ]; then PLOT_NOTE="losses.png: not written (matplotlib missing, see the output above)"
-  else PLOT_NOTE="losses.png: train (light) and validation (markers) loss curves; lower panel: validation loss vs bf16 in %"; fi
+  if [ "$prc" != 0 ]; then PLOT_NOTE="loss.png: not written (plot_run.py exit status $prc)"
+  elif [ ! -f "$OUT/loss.png" ]; then PLOT_NOTE="loss.png: not written (matplotlib missing, see the output above)"
+  else PLOT_NOTE="loss.png: train (light) and validation (markers) loss curves; lower panel: validation loss vs bf16 in %"; fi
 else
-  PLOT_NOTE="losses.png: not written (no run printed any loss)"
+  PLOT_NOTE="loss.png: not written (no run printed any loss)"
 fi
 echo "$PLOT_NOTE"
 
@@ -420,5 +420,5 @@ for r in "${LIST[@]}"; do [[ "${STATUS[$r]}" == refused:* ]] && refused+=" $r"; 
 summary="$FP8_PASS of $FP8_RAN FP8 recipe(s) that ran PASS${refused:+ (refused:$refused)}"
 [ -n "$BASE_VAL" ] || summary="$summary; no usable bf16 baseline (it must run, finish, and have no NaN/skipped iteration)"
 if [ "$OVERALL" = 0 ]; then echo "fp8_convergence: $summary"; else echo "fp8_convergence: FAIL: $summary"; fi
-echo "fp8_convergence: files in $OUT: $(cd "$OUT" && ls prep.log train_*.log results.md losses.png 2>/dev/null | tr '\n' ' ')"
+echo "fp8_convergence: files in $OUT: $(cd "$OUT" && ls prep.log train_*.log results.md loss.png 2>/dev/null | tr '\n' ' ')"
 exit "$OVERALL"

@@ -444,7 +444,7 @@ def log_validation(it, loss):
 
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?"
                      r"lm loss: ([0-9.Ee+-]+) \|(?:.*?grad norm: ([0-9.naif]+) \|)?")
-VALID_RE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
+VALID_RE = re.compile(r"validation loss at iteration (\d+)(?: on validation set)? \| lm loss value: ([0-9.Ee+-]+)")
 
 
 def parse_log(path):
@@ -538,6 +538,9 @@ def check_vectors(path):
     hp = np.frombuffer(raw, dtype="<f4", count=64, offset=1024)
     if hd[0] != 20261121 or hd[2] != 0:
         sys.exit(f"ref_train_gpt2: {path} is not a gpt2 vector file")
+    if any(hd[15:24]):   # NoPE, a loss mask, ...: switches this plain GPT-2 does not model
+        print(f"{path}: skipped (header words 15..23 {[int(x) for x in hd[15:24]]}: not the plain GPT-2 model)")
+        return True
     L, h, n, f, Vp, P, T, G, mb, S, N, g = (int(x) for x in hd[3:15])
     off = 1024 + 256
 

@@ -455,7 +455,7 @@ static void item_residual_norm(bool rms) {
     auto restore = [&] { d2d(br, br0, n * sizeof(bf16)); };
     auto fused = [&] {
         residual_norm_forward_vec_kernel<bf16, RESIDUAL_NORM_MAXV><<<ceil_div(N, 8), 256, 0, S>>>(
-            sum, out, mean, rstd, res, br, bias, w, nb, N, C, EPS, rms);
+            sum, out, mean, rstd, res, br, bias, w, nb, N, C, EPS, rms, 0.0f);
     };
     auto unfused_vec = [&] { /* the launchers' vectorised paths (every pointer is 16-byte aligned) */
         bias_residual<bf16>(&G, sum, res, br, bias, N, C);
@@ -464,7 +464,7 @@ static void item_residual_norm(bool rms) {
     auto unfused_scalar = [&] { /* the launchers' fallbacks */
         if (bias) bias_add_kernel<bf16><<<ceil_div((int64_t)n, 256), 256, 0, S>>>(br, bias, N, C);
         residual_add_kernel<bf16><<<ceil_div((int64_t)n, 256), 256, 0, S>>>(sum, res, br, (int64_t)n);
-        layernorm_forward_kernel<bf16><<<ceil_div(N, 8), 256, 0, S>>>(out, mean, rstd, sum, w, nb, N, C, EPS, rms);
+        layernorm_forward_kernel<bf16><<<ceil_div(N, 8), 256, 0, S>>>(out, mean, rstd, sum, w, nb, N, C, EPS, rms, 0.0f);
     };
 
     auto check = [&](auto run) {
@@ -573,7 +573,7 @@ __global__ void __launch_bounds__(256)
         for (int rr = warp; rr < rows; rr += WARPS) { /* phase 1 */
             const int64_t base = (int64_t)(r0 + rr) * C;
             const float m = mean[r0 + rr], rs = rstd[r0 + rr];
-            const float2 means = norm_backward_row_means(dy + base, x + base, w, m, rs, C, lane, rms);
+            const float2 means = norm_backward_row_means(dy + base, x + base, w, m, rs, C, lane, rms, 0.0f);
             if (lane == 0) {
                 s_mg[rr] = means.x;
                 s_mgx[rr] = means.y;
@@ -645,10 +645,11 @@ static void item_norm_backward(bool rms, int N = BT, int C = HID) {
 
     auto restore = [&] { d2d(dres, d0, n * sizeof(bf16)); };
     auto vec = [&] {
-        layernorm_backward_input_vec_kernel<bf16><<<ceil_div(N, 8), 256, 0, S>>>(dres, dy, x, w, mean, rstd, N, C, rms);
+        layernorm_backward_input_vec_kernel<bf16><<<ceil_div(N, 8), 256, 0, S>>>(dres, dy, x, w, mean, rstd, N, C, rms,
+                                                                                 0.0f);
     };
     auto scalar = [&] {
-        layernorm_backward_input_kernel<bf16><<<ceil_div(N, 8), 256, 0, S>>>(dres, dy, x, w, mean, rstd, N, C, rms);
+        layernorm_backward_input_kernel<bf16><<<ceil_div(N, 8), 256, 0, S>>>(dres, dy, x, w, mean, rstd, N, C, rms, 0.0f);
     };
     auto check = [&](auto run) {
         restore();

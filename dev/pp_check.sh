@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# dev/pp_check.sh — pipeline parallelism on the GPUs this machine has (2 or 4): the multi-GPU pipeline
+# tests (against PP = 1), then the built-in job at PP = 1, PP = 2 and PP = 2 x VP = 3 (6 layers, one
+# per chunk) with 4 micro-batches a step, and a table of their losses and speed. Run after make.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/mt_pp_check}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+MPIRUN="mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE=0"
+declare -a rows
+if [ "$ngpu" -ge 2 ]; then
+  np=2; [ "$ngpu" -ge 4 ] && np=4
+  timeout 600 $MPIRUN -np $np ./test_megatron multigpu.pipeline 2>&1 | tee "$OUT/test_pp.log" | grep -v "^\[" 
+  rows+=("test_megatron multigpu.pipeline (np $np)|$(tail -n1 "$OUT/test_pp.log")|")
+fi
+job="--micro-batch-size 8 --sample-tokens 0"
+run() { # name, processes, flags
+  local name=$1 np=$2; shift 2
+  rm -rf "checkpoints/pp_$name"
+  if [ "$np" -gt 1 ]; then timeout 300 $MPIRUN -np "$np" ./train_gpt $job "$@" --save "checkpoints/pp_$name" > "$OUT/$name.log" 2>&1
+  else ./train_gpt $job "$@" --save "checkpoints/pp_$name" > "$OUT/$name.log" 2>&1; fi
+  local last=$(grep "elapsed time per iteration" "$OUT/$name.log" | tail -n1)
+  local val=$(grep "validation loss" "$OUT/$name.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
+  local ms=$(echo "$last" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
+  local loss=$(echo "$last" | sed 's/.*lm loss: \([^ ]*\).*/\1/')
+  rows+=("train_gpt built-in, $name|loss $loss val $val|${ms} ms/iter")
+  [ -n "$last" ] || tail -5 "$OUT/$name.log"
+}
+run pp1 1
+if [ "$ngpu" -ge 2 ]; then
+  run pp2 2 --pipeline-model-parallel-size 2
+  run pp2_vp3 2 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 3
+  ls checkpoints/pp_pp2/iter_*/ | head -5
+fi
+echo "==== pipeline check ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $ngpu GPUs) ===="
+printf '%s\n' "${rows[@]}" | awk -F'|' '{ printf "%-44s %-44s %s\n", $1, $2, $3 }'

@@ -1,0 +1,639 @@
+/* tests/test_flags.h — train_gpt's command line (host tests): every flag of Megatron's own launch
+ * scripts (the lists in dev/data/megatron_scripts/, their argument lists as bash expands them) has an
+ * answer in train_gpt_flags.h's table (implemented, informational, or refused with a reason) and
+ * lands where it should; `--flag=value` means `--flag value`; --help lists every table entry; and
+ * the schedules behind the sample-based flags: the batch-size ramp and step schedule against a
+ * sample-by-sample reference of Megatron's calculators, the iterations --train-samples gives, and
+ * the learning rate counted in samples. */
+#ifndef MT_TEST_FLAGS_H
+#define MT_TEST_FLAGS_H
+
+#include "../train_gpt_flags.h"
+
+/* A script's argument list: one argv token per line, '#' lines are comments. argv[0] is a name. */
+typedef struct {
+    int argc;
+    char* argv[512];
+    char text[16384];
+} flags_script;
+
+static int flags_script_read(const char* name, flags_script* s) {
+    char path[256];
+    snprintf(path, sizeof(path), "dev/data/megatron_scripts/%s", name);
+    FILE* f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(s->text, 1, sizeof(s->text) - 1, f);
+    fclose(f);
+    s->text[n] = 0;
+    s->argc = 0;
+    s->argv[s->argc++] = (char*)"train_gpt";
+    for (char* line = strtok(s->text, "\n"); line && s->argc < 511; line = strtok(NULL, "\n"))
+        if (line[0] != '#') s->argv[s->argc++] = line;
+    s->argv[s->argc] = NULL;
+    return 1;
+}
+
+static int flags_is_refused(const tg_flag* f) { return f->kind == F_REFUSED_SWITCH || f->kind == F_REFUSED_VALUE; }
+static int flags_takes_value(const tg_flag* f) {
+    return f->kind != F_TRUE && f->kind != F_INFO_SWITCH && f->kind != F_REFUSED_SWITCH;
+}
+
+/* The list without the flags the table refuses (and their values). */
+static int flags_drop_refused(const flags_script* s, char** out) {
+    int n = 0;
+    for (int i = 0; i < s->argc; i++) {
+        const tg_flag* f = i > 0 ? tg_flag_find(s->argv[i]) : NULL;
+        if (f && flags_is_refused(f)) {
+            if (flags_takes_value(f)) i++;
+            continue;
+        }
+        out[n++] = s->argv[i];
+    }
+    out[n] = NULL;
+    return n;
+}
+
+static const char* const flags_script_files[] = {"gpt3_175b.txt", "llama3_8b_fp8_mock.txt", "llama3_8b_fp8_data.txt",
+                                                 "mixtral_8x7b.txt", "run_simple_mcore_train_loop.txt"};
+
+/* Every flag of every script is in the table; a refused one says why; the rest parses. */
+static test_result test_flags_megatron_scripts_answered(void) {
+    int files = 0, flags = 0, implemented = 0, info = 0, refused = 0;
+    for (size_t k = 0; k < sizeof(flags_script_files) / sizeof(flags_script_files[0]); k++) {
+        static flags_script s;
+        if (!flags_script_read(flags_script_files[k], &s)) SKIP("dev/data/megatron_scripts/ not found (run from the root)");
+        files++;
+        for (int i = 1; i < s.argc; i++) {
+            if (strncmp(s.argv[i], "--", 2) != 0) continue;
+            const tg_flag* f = tg_flag_find(s.argv[i]);
+            EXPECT(f != NULL, "%s: %s has no answer in the flag table", flags_script_files[k], s.argv[i]);
+            EXPECT(f->help && strlen(f->help) > 3 && f->def && f->def[0], "%s: no meaning or default", f->name);
+            flags++;
+            if (flags_is_refused(f)) refused++;
+            else if (f->kind == F_INFO_SWITCH || f->kind == F_INFO_VALUE) info++;
+            else implemented++;
+        }
+        static char* kept[512];
+        int n = flags_drop_refused(&s, kept);
+        static tg_flags v;
+        char msg[512] = "";
+        tg_flags_init(&v);
+        EXPECT(tg_flags_parse(&v, n, kept, msg, sizeof(msg)) == 0, "%s: %s", flags_script_files[k], msg);
+        /* a value this build cannot honour (expert parallelism 8, a tokenizer it lacks) is one line naming it */
+        if (tg_flags_apply(&v, msg, sizeof(msg)) != 0)
+            EXPECT(strncmp(msg, "--", 2) == 0 && !strchr(msg, '\n'), "%s: apply failed without naming a flag: %s",
+                   flags_script_files[k], msg);
+    }
+    printf("    %d lists, %d flags: %d implemented, %d informational, %d refused\n", files, flags, implemented, info,
+           refused);
+    return TEST_PASS;
+}
+
+/* Parse and apply an argument list (argv[0] included); the config finalized in a world of `world`. */
+static int flags_configure(char** argv, int argc, int64_t vocab, int world, tg_flags* v, char* msg, size_t size) {
+    tg_flags_init(v);
+    if (tg_flags_parse(v, argc, argv, msg, size) != 0 || tg_flags_apply(v, msg, size) != 0) return -1;
+    v->cfg.vocab_size = vocab;
+    v->cfg.world_size = world;
+    mt_error err;
+    if (mt_config_finalize(&v->cfg, &err) != MT_OK) {
+        snprintf(msg, size, "%s", err.message);
+        return -1;
+    }
+    return 0;
+}
+
+/* The GPT-3 175B script configures (its step schedule in tokens -> samples). The script expands its
+ * schedule unquoted, so the shell splits it into words, which Megatron's argparse would refuse; train_gpt
+ * takes the words up to the next flag as the schedule. */
+static test_result test_flags_gpt3_script_lands(void) {
+    static flags_script s;
+    if (!flags_script_read("gpt3_175b.txt", &s)) SKIP("dev/data/megatron_scripts/ not found");
+    static tg_flags v;
+    char msg[512] = "";
+    EXPECT(flags_configure(s.argv, s.argc, 50257, 128, &v, msg, sizeof(msg)) == 0, "%s", msg);
+    const mt_config* c = &v.cfg;
+    EXPECT(c->num_layers == 96 && c->hidden_size == 12288 && c->num_attention_heads == 96, "model");
+    EXPECT(c->tensor_model_parallel_size == 8 && c->pipeline_model_parallel_size == 16 && c->data_parallel_size == 1,
+           "layout");
+    EXPECT(c->precision == MT_FP16 && c->lr_decay_style == MT_LR_COSINE && c->lr_warmup_fraction == 0.001, "training");
+    /* "0:16 2.4B:320 ... 12B:1536" over --seq-length 2048: 2.4e9 // 2048 = 1171875 samples */
+    int64_t want_samples[6] = {0, 1171875, 2343750, 3515625, 4687500, 5859375};
+    int want_size[6] = {16, 320, 624, 928, 1232, 1536};
+    EXPECT(c->num_batch_size_steps == 6, "%d steps", c->num_batch_size_steps);
+    for (int i = 0; i < 6; i++)
+        EXPECT(c->batch_size_step_samples[i] == want_samples[i] && c->batch_size_step_size[i] == want_size[i],
+               "step %d: %lld:%d", i, (long long)c->batch_size_step_samples[i], c->batch_size_step_size[i]);
+    EXPECT(mt_global_batch_size_at(c, 0) == 16 && mt_global_batch_size_at(c, 1171874) == 16 &&
+           mt_global_batch_size_at(c, 1171875) == 320 && mt_global_batch_size_at(c, 99999999) == 1536, "batch sizes");
+    EXPECT(v.tensorboard_dir && v.save && v.load && v.log_interval == 100 && v.eval_iters == 10, "logging");
+    return TEST_PASS;
+}
+
+/* The Llama-3 8B FP8 script: sample-based training, FP8, the informational flags named once. */
+static test_result test_flags_llama_script_lands(void) {
+    static flags_script s;
+    if (!flags_script_read("llama3_8b_fp8_mock.txt", &s)) SKIP("dev/data/megatron_scripts/ not found");
+    static char* kept[512];
+    int n = flags_drop_refused(&s, kept);
+    static tg_flags v;
+    char msg[512] = "";
+    tg_flags_init(&v);
+    EXPECT(tg_flags_parse(&v, n, kept, msg, sizeof(msg)) == 0 && tg_flags_apply(&v, msg, sizeof(msg)) == 0, "%s", msg);
+    const mt_config* c = &v.cfg;
+    EXPECT(c->train_samples == 1953125000LL && c->lr_decay_samples == 1949218748LL && c->lr_warmup_samples == 3906252,
+           "samples %lld %lld %lld", (long long)c->train_samples, (long long)c->lr_decay_samples,
+           (long long)c->lr_warmup_samples);
+    EXPECT(c->fp8_format == MT_FP8_HYBRID && c->fp8_amax_history_len == 1024 && c->fp8_amax_compute_algo == MT_FP8_AMAX_MAX,
+           "fp8");
+    EXPECT(v.exit_duration_in_mins == 235 && v.log_throughput && v.profile && v.profile_step_start == 4 &&
+           v.profile_step_end == 6 && v.data_cache_path && v.mock_data, "run options");
+    char line[4096];
+    tg_flags_info_line(&v, line, sizeof(line));
+    const char* named[] = {"--use-mcore-models", "--attention-backend fused", "--cross-entropy-loss-fusion",
+                           "--manual-gc", "--no-mmap-bin-files", "--num-workers 1", "--ckpt-format torch_dist",
+                           "--tiktoken-pattern v2", "--grad-reduce-in-bf16"};
+    for (size_t i = 0; i < sizeof(named) / sizeof(named[0]); i++)
+        EXPECT(strstr(line, named[i]) != NULL, "the startup line lacks %s: %s", named[i], line);
+    EXPECT(!strchr(line, '\n') && !strstr(line, "--tensorboard-dir"), "one line, TensorBoard not in it: %s", line);
+    /* the iterations --train-samples gives: whole global batches (Megatron's update_train_iters) */
+    c = &v.cfg;
+    mt_config f = *c;
+    f.vocab_size = 128256;
+    f.world_size = 8;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&f, &err), &err);
+    EXPECT(f.train_iters == 1953125000LL / 128 && f.apply_layernorm_1p && f.lr_decay_samples == 1949218748LL,
+           "iterations %lld", (long long)f.train_iters);
+    return TEST_PASS;
+}
+
+/* --flag=value is --flag value for every single-valued flag of the scripts; --help lists the table. */
+static test_result test_flags_equals_form_and_help(void) {
+    static flags_script s;
+    if (!flags_script_read("mixtral_8x7b.txt", &s)) SKIP("dev/data/megatron_scripts/ not found");
+    static char* spaced[512];
+    int n = flags_drop_refused(&s, spaced);
+    static char joined_text[512][160];
+    static char* joined[512];
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        const tg_flag* f = i > 0 ? tg_flag_find(spaced[i]) : NULL;
+        if (f && flags_takes_value(f) && f->kind != F_INT64_3 && i + 1 < n && strncmp(spaced[i + 1], "--", 2)) {
+            snprintf(joined_text[m], sizeof(joined_text[m]), "%s=%s", spaced[i], spaced[i + 1]);
+            joined[m] = joined_text[m];
+            m++;
+            i++;
+        } else {
+            joined[m++] = spaced[i];
+        }
+    }
+    EXPECT(m < n, "nothing was joined");
+    static tg_flags a, b;
+    char msg[512] = "";
+    tg_flags_init(&a);
+    tg_flags_init(&b);
+    EXPECT(tg_flags_parse(&a, n, spaced, msg, sizeof(msg)) == 0, "spaced: %s", msg);
+    EXPECT(tg_flags_parse(&b, m, joined, msg, sizeof(msg)) == 0, "joined: %s", msg);
+    EXPECT(memcmp(&a.cfg, &b.cfg, sizeof(a.cfg)) == 0 && a.num_layers == b.num_layers && a.lr == b.lr &&
+           a.num_data_paths == b.num_data_paths && a.num_info == b.num_info && !strcmp(a.split, b.split) &&
+           !strcmp(a.tokenizer_type, b.tokenizer_type) && a.rotary_base == b.rotary_base && a.ep == b.ep,
+           "--flag=value parsed differently from --flag value");
+    /* argparse's refusals of the form: a switch with a value, a three-valued flag with one */
+    const char* bad[][3] = {{"x", "--bf16=1", "takes no value"}, {"x", "--rampup-batch-size=16", "takes 3 values"},
+                            {"x", "--num-experts=8", "MoE is not implemented"}, {"x", "--nope=1", "unknown flag --nope"}};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        tg_flags_init(&a);
+        EXPECT(tg_flags_parse(&a, 2, (char**)bad[i], msg, sizeof(msg)) < 0 && strstr(msg, bad[i][2]), "%s: %s",
+               bad[i][1], msg);
+    }
+    /* --help: every entry, its default and a group heading */
+    FILE* f = tmpfile();
+    if (!f) SKIP("no temporary file");
+    tg_flags_help(f);
+    long size = ftell(f);
+    rewind(f);
+    char* help = (char*)calloc((size_t)size + 1, 1);
+    EXPECT(help && fread(help, 1, (size_t)size, f) == (size_t)size, "reading the help back");
+    fclose(f);
+    for (size_t k = 0; k < TG_NUM_FLAGS; k++) {
+        const tg_flag* g = &tg_flag_table[k];
+        char needle[128];
+        snprintf(needle, sizeof(needle), "\n  %s ", g->name);
+        EXPECT(strstr(help, needle), "--help lacks %s", g->name);
+        snprintf(needle, sizeof(needle), "\n%s:\n", g->group);
+        EXPECT(strstr(help, needle), "--help lacks the group '%s'", g->group);
+        EXPECT(tg_flag_find(g->name) == g, "%s is in the table twice", g->name);
+    }
+    free(help);
+    return TEST_PASS;
+}
+
+/* argv = the base list, then the extra flags (NULL-ended); returns argc. */
+static int flags_argv_with(const char* const* base, int nb, const char* const* extra, char** argv) {
+    int n = 0;
+    for (int i = 0; i < nb; i++) argv[n++] = (char*)base[i];
+    for (int i = 0; extra[i]; i++) argv[n++] = (char*)extra[i];
+    return n;
+}
+
+/* The flags main grew beside the table (pipeline layout, TensorBoard, --skip-train, --full-validation)
+ * are table rows that land where the trainer reads them, range-checked, with their combinations. */
+static test_result test_flags_pipeline_and_tensorboard_land(void) {
+    const char* base[] = {"train_gpt", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+                          "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+                          "--micro-batch-size", "1", "--global-batch-size", "4"};
+    const int nb = (int)(sizeof(base) / sizeof(base[0]));
+    static tg_flags v;
+    char msg[512] = "";
+    char* argv[64];
+    /* interleaved: 2 virtual stages per rank of PP 2; the split flags, the TensorBoard options */
+    const char* pipe[] = {"--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                          "--microbatch-group-size-per-virtual-pipeline-stage=2", "--train-iters", "3", "--lr", "1e-3",
+                          "--tensorboard-dir", "/tmp/mt_tb", "--tensorboard-log-interval", "5",
+                          "--tensorboard-queue-size", "7", "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
+                          "--log-validation-ppl-to-tensorboard", "--log-world-size-to-tensorboard",
+                          "--no-log-loss-scale-to-tensorboard", "--wandb-save-dir", "/tmp/w", NULL};
+    int n = flags_argv_with(base, nb, pipe, argv);
+    EXPECT(flags_configure(argv, n, 1000, 2, &v, msg, sizeof(msg)) == 0, "%s", msg);
+    EXPECT(v.cfg.pipeline_model_parallel_size == 2 && v.cfg.virtual_pipeline_size == 2 &&
+           v.cfg.microbatch_group_size_per_vp_stage == 2 && v.cfg.data_parallel_size == 1, "pipeline layout");
+    EXPECT(v.tensorboard_dir && v.tensorboard_log_interval == 5 && v.tensorboard_queue_size == 7 &&
+           v.log_timers_to_tensorboard && v.log_memory_to_tensorboard && v.log_validation_ppl_to_tensorboard &&
+           v.log_world_size_to_tensorboard && v.no_log_loss_scale_to_tensorboard && v.wandb_save_dir, "tensorboard");
+    /* layers per virtual stage -> virtual stages; uneven first/last stages; the account-for switches */
+    const char* per[] = {"--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+                         "--train-iters", "3", "--lr", "1e-3", NULL};
+    n = flags_argv_with(base, nb, per, argv);
+    EXPECT(flags_configure(argv, n, 1000, 2, &v, msg, sizeof(msg)) == 0, "%s", msg);
+    EXPECT(v.cfg.virtual_pipeline_size == 2 && v.tensorboard_log_interval == 1 && v.tensorboard_queue_size == 1000,
+           "VP %d, defaults %lld %d", v.cfg.virtual_pipeline_size, (long long)v.tensorboard_log_interval,
+           v.tensorboard_queue_size);
+    const char* split[] = {"--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "1",
+                           "--decoder-last-pipeline-num-layers", "3", "--train-iters", "3", "--lr", "1e-3", NULL};
+    n = flags_argv_with(base, nb, split, argv);
+    EXPECT(flags_configure(argv, n, 1000, 4, &v, msg, sizeof(msg)) == 0, "%s", msg);
+    EXPECT(v.cfg.decoder_first_pipeline_num_layers == 1 && v.cfg.decoder_last_pipeline_num_layers == 3, "first/last");
+    const char* account[] = {"--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split",
+                             "--account-for-loss-in-pipeline-split", "--train-iters", "3", "--lr", "1e-3", NULL};
+    n = flags_argv_with(base, nb, account, argv);
+    EXPECT(flags_configure(argv, n, 1000, 2, &v, msg, sizeof(msg)) == 0, "%s", msg);
+    EXPECT(v.cfg.account_for_embedding_in_pipeline_split && v.cfg.account_for_loss_in_pipeline_split, "account-for");
+    /* --skip-train needs neither --lr nor a length; --full-validation needs a dataset */
+    const char* skip[] = {"--skip-train", NULL};
+    n = flags_argv_with(base, nb, skip, argv);
+    EXPECT(flags_configure(argv, n, 1000, 1, &v, msg, sizeof(msg)) == 0, "%s", msg);
+    EXPECT(v.skip_train && v.cfg.train_iters == 1, "--skip-train: %lld iterations", (long long)v.cfg.train_iters);
+    struct { const char* args[3]; const char* needle; } bad[] = {
+        {{"--num-virtual-stages-per-pipeline-rank", "65"}, "--num-virtual-stages-per-pipeline-rank 65: must be between 1 and 64"},
+        {{"--num-layers-per-virtual-pipeline-stage", "0"}, "must be between 1"},
+        {{"--decoder-first-pipeline-num-layers", "-1"}, "--decoder-first-pipeline-num-layers -1: must be between 0"},
+        {{"--pipeline-model-parallel-size", "0"}, "--pipeline-model-parallel-size 0: must be between 1"},
+        {{"--full-validation", "--skip-train"}, "--full-validation needs a dataset"},
+        {{"--account-for-loss-in-pipeline-split=1", "--skip-train"}, "takes no value"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        n = flags_argv_with(base, nb, bad[i].args, argv);
+        EXPECT(flags_configure(argv, n, 1000, 1, &v, msg, sizeof(msg)) != 0 && strstr(msg, bad[i].needle),
+               "case %zu: %s", i, msg);
+    }
+    return TEST_PASS;
+}
+
+/* Megatron's RampupBatchsizeNumMicroBatchesCalculator, sample by sample: the reference the segment
+ * walk of mt_global_batch_size_at must equal. */
+static int flags_ramp_reference(int64_t start, int64_t inc, int64_t samples, int gbs, int64_t consumed) {
+    if (consumed > samples) return gbs;
+    double per_increment = (double)samples / (double)((gbs - start) / inc);
+    return (int)(start + (int64_t)((double)consumed / per_increment) * inc);
+}
+
+static test_result test_flags_batch_ramp_and_train_samples(void) {
+    /* Megatron's docstring example: 16 -> 1024 by 8 over 300000 samples: 126 increments of ~2381 */
+    mt_config c = small_test_config();
+    test_config_batch(&c, 8, 1024);
+    c.train_iters = 0;
+    c.train_samples = 1000000;
+    c.rampup_batch_size[0] = 16;
+    c.rampup_batch_size[1] = 8;
+    c.rampup_batch_size[2] = 300000;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT(mt_global_batch_size_at(&c, 0) == 16 && mt_global_batch_size_at(&c, 2380) == 16 &&
+           mt_global_batch_size_at(&c, 2381) == 24 && mt_global_batch_size_at(&c, 300000) == 1024 &&
+           mt_global_batch_size_at(&c, 300001) == 1024, "docstring example");
+    EXPECT(mt_num_micro_batches_at(&c, 0) == 2 && mt_num_micro_batches_at(&c, 999999) == 128, "micro-batches");
+    /* several ramps, every count of consumed samples up to past the end, and the iteration count of
+     * update_train_iters run literally */
+    int64_t ramps[][4] = {{16, 8, 300000, 1024}, {8, 8, 7, 64}, {32, 32, 1000, 96}, {8, 16, 12345, 520}};
+    for (size_t r = 0; r < sizeof(ramps) / sizeof(ramps[0]); r++) {
+        mt_config d = small_test_config();
+        test_config_batch(&d, 8, (int)ramps[r][3]);
+        d.train_iters = 0;
+        d.train_samples = ramps[r][2] * 3 + 5;
+        for (int k = 0; k < 3; k++) d.rampup_batch_size[k] = ramps[r][k];
+        EXPECT_OK(mt_config_finalize(&d, &err), &err);
+        for (int64_t x = 0; x <= ramps[r][2] + 3; x++)
+            EXPECT(mt_global_batch_size_at(&d, x) == flags_ramp_reference(ramps[r][0], ramps[r][1], ramps[r][2],
+                                                                            (int)ramps[r][3], x),
+                   "ramp %zu at %lld: %d", r, (long long)x, mt_global_batch_size_at(&d, x));
+        int64_t iters = 0, consumed = 0;
+        while (consumed <= ramps[r][2] && consumed <= d.train_samples) {
+            consumed += flags_ramp_reference(ramps[r][0], ramps[r][1], ramps[r][2], (int)ramps[r][3], consumed);
+            iters++;
+        }
+        if (d.train_samples > consumed) iters += (d.train_samples - consumed) / ramps[r][3];
+        EXPECT(d.train_iters == iters, "ramp %zu: %lld iterations, Megatron %lld", r, (long long)d.train_iters,
+               (long long)iters);
+    }
+    /* a step schedule with --train-samples: iterations until the samples are reached */
+    mt_config e = small_test_config();
+    test_config_batch(&e, 8, 0);
+    e.train_iters = 0;
+    e.train_samples = 1000;
+    e.seq_length = 16; /* thresholds in tokens: 1.6K tokens = 100 samples */
+    e.max_position_embeddings = 16;
+    EXPECT_OK(mt_batch_size_schedule_parse("0:16, 1.6K:64 3200:32", 16, &e, &err), &err);
+    EXPECT_OK(mt_config_finalize(&e, &err), &err);
+    EXPECT(e.global_batch_size == 32, "global batch %d", e.global_batch_size);
+    int64_t iters = 0, consumed = 0;
+    while (consumed < 1000) { consumed += mt_global_batch_size_at(&e, consumed); iters++; }
+    /* 0..96 by 16 (7 iterations to 112), 112..176 by 64 (2 to 240), then 32s to 1008: 24 */
+    EXPECT(iters == 33 && e.train_iters == 33, "step schedule: %lld iterations (walk %lld)", (long long)e.train_iters,
+           (long long)iters);
+    /* refusals, one line each */
+    struct { const char* text; const char* needle; } bad[] = {
+        {"16:32", "first threshold must be 0"}, {"0:16 0:32", "strictly increasing"}, {"0:x", "THRESHOLD:BATCH_SIZE"},
+        {"0:16 100", "THRESHOLD:BATCH_SIZE"}, {"", "no entries"}};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        mt_config g = small_test_config();
+        err.message[0] = 0;
+        EXPECT(mt_batch_size_schedule_parse(bad[i].text, 16, &g, &err) != MT_OK && strstr(err.message, bad[i].needle),
+               "'%s': %s", bad[i].text, err.message);
+    }
+    struct { int field; const char* needle; } wrong[] = {
+        {0, "needs sample-based training"}, {1, "multiples of --micro-batch-size"}, {2, "must exceed the start batch"},
+        {3, "mutually exclusive"}, {4, "--lr-decay-samples"}, {5, "less than one global batch"}};
+    for (size_t i = 0; i < sizeof(wrong) / sizeof(wrong[0]); i++) {
+        mt_config g = small_test_config(); /* micro 2, global 8, 100 iterations */
+        g.rampup_batch_size[0] = 2; g.rampup_batch_size[1] = 2; g.rampup_batch_size[2] = 100;
+        if (wrong[i].field != 0) { g.train_iters = 0; g.train_samples = 1000; }
+        if (wrong[i].field == 1) g.rampup_batch_size[1] = 3;
+        if (wrong[i].field == 2) g.rampup_batch_size[0] = 8;
+        if (wrong[i].field >= 3) memset(g.rampup_batch_size, 0, sizeof(g.rampup_batch_size));
+        if (wrong[i].field == 3) g.train_iters = 5;
+        if (wrong[i].field == 4) { g.train_samples = 0; g.train_iters = 5; g.lr_decay_samples = 9; }
+        if (wrong[i].field == 5) g.train_samples = 7;
+        err.message[0] = 0;
+        EXPECT(mt_config_finalize(&g, &err) == MT_ERR_CONFIG && strstr(err.message, wrong[i].needle), "case %zu: %s", i,
+               err.message);
+    }
+    return TEST_PASS;
+}
+
+/* The learning rate with the lengths in samples, a fractional warmup, WSD's exponential tail. */
+static test_result test_flags_sample_based_learning_rate(void) {
+    mt_config c = small_test_config(); /* global batch 8 */
+    c.train_iters = 0;
+    c.train_samples = 1000;
+    c.lr = 1.0;
+    c.min_lr = 0.1;
+    c.lr_warmup_samples = 100;
+    c.lr_decay_samples = 900;
+    c.lr_decay_style = MT_LR_LINEAR;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT(c.train_iters == 125, "iterations %lld", (long long)c.train_iters);
+    EXPECT(close_to(mt_learning_rate(&c, 50), 0.5, 1e-12), "warmup middle");
+    EXPECT(close_to(mt_learning_rate(&c, 500), 0.1 + 0.9 * 0.5, 1e-12), "linear middle %.17g", mt_learning_rate(&c, 500));
+    EXPECT(close_to(mt_learning_rate(&c, 901), 0.1, 1e-12), "after decay");
+    /* Megatron keeps fraction x decay steps fractional: 0.001 x 900 = 0.9 samples of warmup */
+    c.lr_warmup_samples = 0;
+    c.lr_warmup_fraction = 0.001;
+    EXPECT(close_to(mt_learning_rate(&c, 0), 0.0, 1e-15), "warmup start");
+    EXPECT(close_to(mt_learning_rate(&c, 1), 1.0 - 0.9 * (0.1 / 899.1), 1e-12), "just past a 0.9-sample warmup: %.17g",
+           mt_learning_rate(&c, 1));
+    /* WSD's exponential tail: 2 * 0.5^r - 1, from 1 to 0 (Megatron's OptimizerParamScheduler) */
+    c.lr_warmup_fraction = -1;
+    c.lr_decay_style = MT_LR_WSD;
+    c.lr_wsd_decay_samples = 400; /* anneal over 500..900 */
+    c.lr_wsd_decay_style = MT_WSD_EXPONENTIAL;
+    EXPECT(close_to(mt_learning_rate(&c, 500), 1.0, 1e-12), "stable");
+    EXPECT(close_to(mt_learning_rate(&c, 700), 0.1 + 0.9 * (2.0 * sqrt(0.5) - 1.0), 1e-12), "exponential middle");
+    EXPECT(close_to(mt_learning_rate(&c, 900), 0.1, 1e-12), "exponential end %.17g", mt_learning_rate(&c, 900));
+    return TEST_PASS;
+}
+
+/* ---- GPU: the flags that change the loss or the model, against dev/ref_gpt.py's float64 vectors (the
+ *      tolerances are test_model.h's for the same flavour and precision: the flags add no arithmetic
+ *      of their own beyond a masked sum and a zeroed gradient row) ---- */
+static test_result test_flags_eod_mask_nope_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_eod_nope.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_flags_eod_mask_nope_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_eod_nope.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 3e-3);
+}
+static test_result test_flags_eod_mask_llama_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_eod.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_flags_eod_mask_llama_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_eod.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 5e-3);
+}
+
+/* --apply-layernorm-1p: LayerNorm (weights and biases) and RMSNorm with their weights stored as w - 1 */
+static test_result test_flags_layernorm_1p_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_1p.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_flags_layernorm_1p_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_1p.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 3e-3);
+}
+static test_result test_flags_rmsnorm_1p_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_1p.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_flags_rmsnorm_1p_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_1p.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 5e-3);
+}
+
+/* The gradients of llama_eod's first batch as `micro`-sequence micro-batches (per_token: with
+ * --calculate-per-token-loss), fp32; the loss too. */
+static mt_status flags_masked_gradients(const gpt_vectors* v, int micro, int per_token, float* grads, double* loss,
+                                        mt_error* err) {
+    mt_config c = config_from_vectors(v, MT_FP32);
+    c.micro_batch_size = micro;
+    c.calculate_per_token_loss = per_token;
+    mt_status st = mt_config_finalize(&c, err);
+    mt_trainer* t = NULL;
+    if (st == MT_OK) st = mt_trainer_create(&t, &c, err);
+    if (st == MT_OK) st = mt_trainer_set_parameters(t, v->params0, err);
+    if (st == MT_OK) st = mt_trainer_compute_gradients(t, v->tokens, v->G / micro, loss, err);
+    if (st == MT_OK) st = mt_trainer_get_gradients(t, grads, err);
+    if (t) mt_trainer_free(t);
+    return st;
+}
+
+/* --calculate-per-token-loss: the batch's masked loss sum over its counted positions, however the batch
+ * is cut. So per-token over four micro-batches equals the default over one (which divides by the same
+ * count), and differs from the default over four (each micro-batch's own count; llama_eod's sequences
+ * hold different numbers of end-of-document tokens). */
+static test_result test_flags_per_token_loss(void) {
+    REQUIRE_GPU();
+    gpt_vectors v;
+    if (!load_gpt_vectors(&v, "dev/data/gpt_vectors/llama_eod.bin")) {
+        free(v.blob);
+        printf("    FAIL cannot read dev/data/gpt_vectors/llama_eod.bin (run dev/ref_gpt.py)\n");
+        return TEST_FAIL;
+    }
+    float* a = (float*)malloc(sizeof(float) * (size_t)v.n * 3);
+    float *b = a + v.n, *d = a + 2 * v.n;
+    double la = 0, lb = 0, ld = 0;
+    mt_error err;
+    mt_status st = flags_masked_gradients(&v, 1, 1, a, &la, &err);
+    if (st == MT_OK) st = flags_masked_gradients(&v, v.G, 0, b, &lb, &err);
+    if (st == MT_OK) st = flags_masked_gradients(&v, 1, 0, d, &ld, &err);
+    double same = rel_error(a, b, v.n, NULL), other = rel_error(a, d, v.n, NULL), default_vs_ref = rel_error(d, v.grads0, v.n, NULL);
+    free(a);
+    free(v.blob);
+    EXPECT_OK(st, &err);
+    printf("    per-token (4 micro-batches) vs default (1): %.2e; vs default (4): %.2e; default (4) vs the "
+           "reference: %.2e\n", same, other, default_vs_ref);
+    EXPECT(fabs(la - lb) <= 1e-6 * fabs(lb) && fabs(la - ld) <= 1e-6 * fabs(ld), "losses %.8f %.8f %.8f", la, lb, ld);
+    /* fp32 sums in another order: ~1e-7; the normalisations differ by the count spread, ~1e-2 */
+    EXPECT(same < 1e-5 && other > 1e-3 && default_vs_ref < 1e-5, "gradients");
+    return TEST_PASS;
+}
+
+/* A step of k micro-batches advances the schedule by k x micro x dp samples (the batch-size ramp), and
+ * a weights-only load (--no-load-optim, --finetune) continues exactly as a new trainer given the same
+ * weights: fresh Adam, schedule at 0, the loss scale afresh. */
+static test_result test_flags_ramp_step_and_weights_only_load(void) {
+    REQUIRE_GPU();
+    mt_config c = test_config(TEST_GPT2, MT_BF16); /* micro 4, global 8, 3 warmup iterations */
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    size_t per_step = (size_t)c.global_batch_size * (c.seq_length + 1);
+    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * per_step * 4);
+    fill_tokens(tokens, (int64_t)per_step * 4, 1000, 7);
+    int64_t n = mt_num_parameters(&c);
+    float* p1 = (float*)malloc(sizeof(float) * (size_t)n * 3);
+    float *p2 = p1 + n, *p3 = p1 + 2 * n;
+    char dir[256];
+    snprintf(dir, sizeof(dir), "/tmp/mt_test_flags_%d", (int)getpid());
+    remove_tree(dir);
+    mt_trainer* t = NULL;
+    mt_step_result r1, r2;
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    mt_status st = mt_trainer_train_step_n(t, tokens, 1, &r1, &err); /* 4 samples */
+    if (st == MT_OK) st = mt_trainer_train_step_n(t, tokens + per_step, 2, &r2, &err);
+    if (st == MT_OK) st = mt_trainer_save(t, dir, 2, 12, &err);
+    if (st == MT_OK) st = mt_trainer_get_parameters(t, p1, &err);
+    mt_trainer_free(t);
+    EXPECT_OK(st, &err);
+    EXPECT(r1.learning_rate == mt_learning_rate(&c, 0) && r2.learning_rate == mt_learning_rate(&c, 4) &&
+           r2.next_learning_rate == mt_learning_rate(&c, 12), "schedule: %g %g %g", r1.learning_rate,
+           r2.learning_rate, r2.next_learning_rate);
+    /* weights only, then two steps (the first at lr 0 moves only Adam's moments, the second uses them);
+     * against a new trainer given those weights, then the same two steps */
+    int64_t iteration = -1, consumed = -1;
+    mt_step_result a, b;
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    st = mt_trainer_load_weights(t, dir, -1, &iteration, &consumed, &err);
+    if (st == MT_OK) st = mt_trainer_train_step(t, tokens + 2 * per_step, &a, &err);
+    if (st == MT_OK) st = mt_trainer_train_step(t, tokens + 3 * per_step, &a, &err);
+    if (st == MT_OK) st = mt_trainer_get_parameters(t, p2, &err);
+    mt_trainer_free(t);
+    EXPECT_OK(st, &err);
+    EXPECT(iteration == 2 && consumed == 12, "iteration %lld consumed %lld", (long long)iteration, (long long)consumed);
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    st = mt_trainer_set_parameters(t, p1, &err);
+    if (st == MT_OK) st = mt_trainer_train_step(t, tokens + 2 * per_step, &b, &err);
+    if (st == MT_OK) st = mt_trainer_train_step(t, tokens + 3 * per_step, &b, &err);
+    if (st == MT_OK) st = mt_trainer_get_parameters(t, p3, &err);
+    mt_trainer_free(t);
+    remove_tree(dir);
+    EXPECT_OK(st, &err);
+    EXPECT(a.lm_loss == b.lm_loss && a.learning_rate == b.learning_rate && a.learning_rate == mt_learning_rate(&c, 8),
+           "second step: loss %.9g vs %.9g, lr %g vs %g", a.lm_loss, b.lm_loss, a.learning_rate, b.learning_rate);
+    EXPECT(memcmp(p2, p3, sizeof(float) * (size_t)n) == 0, "weights after the step differ");
+    free(p1);
+    free(tokens);
+    return TEST_PASS;
+}
+
+static const test_case flags_gpu_tests[] = {
+    {"flags_layernorm_1p_fp32", test_flags_layernorm_1p_fp32},
+    {"flags_layernorm_1p_bf16", test_flags_layernorm_1p_bf16},
+    {"flags_rmsnorm_1p_fp32", test_flags_rmsnorm_1p_fp32},
+    {"flags_rmsnorm_1p_bf16", test_flags_rmsnorm_1p_bf16},
+    {"flags_eod_mask_nope_fp32", test_flags_eod_mask_nope_fp32},
+    {"flags_eod_mask_nope_bf16", test_flags_eod_mask_nope_bf16},
+    {"flags_eod_mask_llama_fp32", test_flags_eod_mask_llama_fp32},
+    {"flags_eod_mask_llama_bf16", test_flags_eod_mask_llama_bf16},
+    {"flags_per_token_loss", test_flags_per_token_loss},
+    {"flags_ramp_step_and_weights_only_load", test_flags_ramp_step_and_weights_only_load},
+};
+
+/* The model flags' host side: --apply-layernorm-1p's norm weights start at 0 (w - 1 of 1) and the
+ * checkpoint header carries it; NoPE has no position table; neither exports to Hugging Face. */
+static test_result test_flags_model_switches_host(void) {
+    mt_config c = small_test_config();
+    c.apply_layernorm_1p = 1;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(&c, info);
+    EXPECT(info[MT_P_LN1_WEIGHT].init == 0 && info[MT_P_LN2_WEIGHT].init == 0 && info[MT_P_FINAL_LN_WEIGHT].init == 0 &&
+           info[MT_P_LN1_BIAS].init == 0, "1p norm weights start at 0");
+    int64_t h[MT_CK_HEADER_WORDS];
+    mt_checkpoint_header_init(h, &c);
+    mt_config back;
+    mt_config_defaults(&back);
+    mt_config_from_checkpoint_header(&back, h);
+    EXPECT(h[MT_CK_LAYERNORM_1P] == 1 && back.apply_layernorm_1p == 1, "header word %lld", (long long)h[MT_CK_LAYERNORM_1P]);
+    const mt_hf_arch* arch = NULL;
+    err.message[0] = 0;
+    EXPECT(mt_hf_arch_for_config(&c, &arch, &err) != MT_OK && strstr(err.message, "--apply-layernorm-1p"), "%s",
+           err.message);
+    mt_config n = small_test_config();
+    n.position_embedding_type = MT_POSITION_NONE;
+    EXPECT_OK(mt_config_finalize(&n, &err), &err);
+    mt_param_layout(&n, info);
+    EXPECT(info[MT_P_POSITION_EMBEDDINGS].numel == 0, "NoPE has no position table");
+    test_config_llama(&n); /* RMSNorm, SwiGLU, untied, no biases: Llama's but without rope */
+    n.position_embedding_type = MT_POSITION_NONE;
+    EXPECT_OK(mt_config_finalize(&n, &err), &err);
+    EXPECT(mt_hf_arch_for_config(&n, &arch, &err) != MT_OK, "a NoPE model exported as Llama");
+    return TEST_PASS;
+}
+
+/* Every prepro tool reads --flag=value as --flag value: each refuses a bad value given that way with
+ * the same line as the spaced form would (the tools run as subprocesses when built). */
+static test_result test_flags_prepro_equals_form(void) {
+    const char* tools[] = {"prepro/merge_datasets", "prepro/preprocess_data", "prepro/dataset_info", "prepro/convert_hf"};
+    for (size_t i = 0; i < sizeof(tools) / sizeof(tools[0]); i++)
+        if (access(tools[i], X_OK) != 0) SKIP("%s is not built (make all)", tools[i]);
+    int ok = 1;
+    ok &= hostile_expect_refused("prepro/merge_datasets --input=/nonexistent_mt_dir --output-prefix=/tmp/mt_x",
+                                 "cannot open /nonexistent_mt_dir");
+    ok &= hostile_expect_refused("prepro/preprocess_data --input=/nonexistent.jsonl --output-prefix=/tmp/mt_x "
+                                 "--input-format=bogus", "--input-format bogus: use jsonl or text");
+    ok &= hostile_expect_refused("prepro/dataset_info --data-path=/nonexistent --seq-length=abc",
+                                 "--seq-length abc: not an integer");
+    ok &= hostile_expect_refused("prepro/convert_hf --iteration=99999999999999999999",
+                                 "--iteration needs a non-negative integer, not 99999999999999999999");
+    EXPECT(ok, "a --flag=value was not read as --flag value");
+    return TEST_PASS;
+}
+
+static const test_case flags_tests[] = {
+    {"flags_prepro_equals_form", test_flags_prepro_equals_form},
+    {"flags_model_switches_host", test_flags_model_switches_host},
+    {"flags_megatron_scripts_answered", test_flags_megatron_scripts_answered},
+    {"flags_gpt3_script_lands", test_flags_gpt3_script_lands},
+    {"flags_llama_script_lands", test_flags_llama_script_lands},
+    {"flags_equals_form_and_help", test_flags_equals_form_and_help},
+    {"flags_pipeline_and_tensorboard_land", test_flags_pipeline_and_tensorboard_land},
+    {"flags_batch_ramp_and_train_samples", test_flags_batch_ramp_and_train_samples},
+    {"flags_sample_based_learning_rate", test_flags_sample_based_learning_rate},
+};
+
+#endif

@@ -1,0 +1,899 @@
+/*
+ * train_gpt_flags.h — train_gpt's command line as data: one table row per flag (its name, its
+ * Megatron argument group, what it takes, its default, one line of meaning, where it lands), and
+ * the three things made from that one table: the parser, --help, and the startup line that lists
+ * the flags this build accepts without their changing anything.
+ *
+ * Every flag has one of three answers:
+ *   - implemented: Megatron's name, default and meaning (the value lands in tg_flags, then
+ *     tg_flags_apply turns it into mt_config and the run's options);
+ *   - informational (F_INFO_*): Megatron's flag for something this build does one way by design
+ *     (fused kernels, no data-loader workers, mmapped files ...); accepted and named in one line
+ *     at startup, never silently;
+ *   - refused (F_REFUSED_*): one line saying why and what to do instead.
+ * A flag not in the table is unknown. `--flag=value` works wherever argparse accepts it.
+ *
+ * Adding a flag is one row in tg_flag_table (plus a field in tg_flags and, for an implemented
+ * flag, its use in tg_flags_apply). Included by train_gpt.c and by tests/test_flags.h; no exits,
+ * no printing besides tg_flags_help: errors come back as text.
+ */
+#ifndef TRAIN_GPT_FLAGS_H
+#define TRAIN_GPT_FLAGS_H
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "megatron.h"
+
+#define TG_MAX_DATA_PATHS 64
+#define TG_MAX_INFO 64
+#define TG_MAX_SPECIAL_TOKENS 1024
+
+/* Everything the command line sets. Numeric fields start at -1 ("not given"; every range below
+ * excludes -1), strings at NULL, switches at 0; tg_flags_apply fills cfg and the run options. */
+typedef struct {
+    mt_config cfg;
+    /* data */
+    int num_data_paths;
+    const char* data_paths[TG_MAX_DATA_PATHS];
+    double data_weights[TG_MAX_DATA_PATHS];
+    int weighted;
+    const char* split;
+    const char* data_cache_path;
+    int mock_data;
+    int eod_mask_loss;
+    double mid_level_surplus;
+    /* tokenizer */
+    const char* tokenizer_type;
+    const char* vocab_file;
+    const char* merge_file;
+    const char* tokenizer_model;
+    const char* tiktoken_pattern;
+    int64_t tiktoken_num_special_tokens;
+    const char* special_tokens[TG_MAX_SPECIAL_TOKENS]; /* --tokenizer-special-tokens */
+    int num_special_tokens;
+    int hf_no_include_special_tokens;
+    const char* tiktoken_encoding;
+    int64_t null_vocab_size;
+    /* logging, evaluation, checkpoints, exits, profiling */
+    int64_t log_interval, eval_interval, eval_iters, save_interval, exit_interval, exit_duration_in_mins;
+    int log_throughput;
+    const char* save;
+    const char* load;
+    int no_load_optim, no_load_rng, finetune;
+    int profile;
+    int64_t profile_step_start, profile_step_end;
+    /* watching and judging a run: TensorBoard events, the wandb pointer, evaluation without training */
+    const char* tensorboard_dir;
+    int64_t tensorboard_log_interval; /* -1: not given (1) */
+    int tensorboard_queue_size;       /* -1: not given (1000) */
+    int log_timers_to_tensorboard, log_memory_to_tensorboard, log_validation_ppl_to_tensorboard;
+    int log_world_size_to_tensorboard, no_log_loss_scale_to_tensorboard;
+    const char* wandb_project;
+    const char* wandb_exp_name;
+    const char* wandb_save_dir;
+    int skip_train, full_validation;
+    /* this build's own */
+    int sample_tokens;
+    double peak_tflops;
+    int builtin;   /* no --data-path and no --mock-data: the built-in job */
+    /* raw values that tg_flags_apply maps into cfg */
+    int64_t num_layers, hidden, ffn, heads, groups, kv, seq, maxpos, divisible, mbs, gbs, iters, train_samples;
+    int64_t warmup, decay_iters, wsd_iters, warmup_samples, decay_samples, wsd_samples, tp, pp, cp, ep;
+    int64_t window, hysteresis, seed, rampup[3];
+    double lr, min_lr, warmup_fraction, warmup_init, b1, b2, eps, wd, clip, std, norm_eps, hidden_dropout,
+        attention_dropout, loss_scale, initial_loss_scale, min_loss_scale, rotary_base, rotary_percent, rope_factor;
+    int bf16, fp16, untie, swiglu, no_bias, gqa, rope_scaling, layernorm_1p, no_position_embedding;
+    int per_token_loss;
+    const char* decay_style;
+    const char* wsd_style;
+    const char* normalization;
+    const char* position_type;
+    const char* batch_schedule;
+    char batch_schedule_words[1024]; /* the schedule's words rejoined when the shell split them */
+    const char* optimizer;
+    const char* distributed_backend;
+    const char* fp8_format;
+    const char* fp8_recipe;
+    const char* fp8_algo;
+    int fp8_margin, fp8_history, no_fp8_wgrad, first_last_bf16, bf16_start, bf16_end, fp8_param_gather;
+    int sequence_parallel, distributed_optimizer, overlap_grad_reduce, overlap_param_gather;
+    int64_t ddp_bucket_size;
+    /* the informational flags given, for the startup line: "--name" or "--name value" */
+    int num_info;
+    char info[TG_MAX_INFO][160];
+} tg_flags;
+
+typedef enum {
+    F_INT,            /* int */
+    F_INT64,          /* int64_t */
+    F_INT64_3,        /* three int64_t (argparse nargs=3) */
+    F_DOUBLE,
+    F_STRING,         /* with an optional list of choices */
+    F_TRUE,           /* a switch: sets an int to 1 */
+    F_INFO_SWITCH,    /* accepted; changes nothing here by design */
+    F_INFO_VALUE,     /* accepted with its value; changes nothing here by design */
+    F_REFUSED_SWITCH, /* refused: the help text says why and what instead */
+    F_REFUSED_VALUE
+} tg_flag_kind;
+
+enum { D_LO_OPEN = 1, D_HI_OPEN = 2 };
+
+typedef struct {
+    const char* name;
+    const char* group;    /* Megatron's argument group */
+    tg_flag_kind kind;
+    size_t target;        /* offsetof(tg_flags, ...) (unused by informational and refused flags) */
+    int64_t imin, imax;   /* integers: the accepted range */
+    double dmin, dmax;    /* doubles: the accepted range (dmax INFINITY: no upper bound) */
+    int dopen;            /* doubles: D_LO_OPEN / D_HI_OPEN */
+    const char* choices;  /* strings: "a|b|c" or NULL */
+    const char* def;      /* the default, as --help prints it */
+    const char* help;     /* one line: the meaning; for informational and refused flags, why */
+} tg_flag;
+
+#define TG_AT(field) offsetof(tg_flags, field)
+#define IR(lo, hi) (int64_t)(lo), (int64_t)(hi), 0.0, 0.0, 0, NULL
+#define DR(lo, hi, open) 0, 0, (double)(lo), (double)(hi), (open), NULL
+#define CH(choices) 0, 0, 0.0, 0.0, 0, (choices)
+#define NR 0, 0, 0.0, 0.0, 0, NULL
+#define TG_I32MAX 2147483647
+#define TG_I64MAX INT64_MAX
+
+#define G_MODEL "model (network size, transformer configuration)"
+#define G_REG "regularization"
+#define G_TRAIN "training"
+#define G_INIT "RNG and initialization"
+#define G_LR "learning rate and weight decay"
+#define G_CKPT "checkpointing"
+#define G_MIXED "mixed precision"
+#define G_DIST "distributed"
+#define G_VALID "validation"
+#define G_DATA "data and dataloader"
+#define G_TOK "tokenizer"
+#define G_LOG "logging"
+#define G_PROF "profiling"
+#define G_MOE "moe"
+#define G_HERE "this build"
+
+#define MOE_REFUSED "MoE is not implemented (dense models only): remove the MoE flags (--num-experts, --moe-*)"
+
+static const tg_flag tg_flag_table[] = {
+    /* model */
+    {"--num-layers", G_MODEL, F_INT64, TG_AT(num_layers), IR(1, TG_I32MAX), "required", "transformer layers"},
+    {"--hidden-size", G_MODEL, F_INT64, TG_AT(hidden), IR(1, TG_I32MAX), "required", "transformer hidden size"},
+    {"--ffn-hidden-size", G_MODEL, F_INT64, TG_AT(ffn), IR(1, TG_I32MAX), "4 x hidden (SwiGLU: 2/3 of it, down to 64)",
+     "MLP hidden size"},
+    {"--num-attention-heads", G_MODEL, F_INT64, TG_AT(heads), IR(1, TG_I32MAX), "required", "attention heads"},
+    {"--group-query-attention", G_MODEL, F_TRUE, TG_AT(gqa), NR, "off", "grouped-query attention (with --num-query-groups)"},
+    {"--num-query-groups", G_MODEL, F_INT64, TG_AT(groups), IR(1, TG_I32MAX), "heads", "key/value groups for GQA"},
+    {"--kv-channels", G_MODEL, F_INT64, TG_AT(kv), IR(1, TG_I32MAX), "hidden / heads", "channels per attention head"},
+    {"--seq-length", G_MODEL, F_INT64, TG_AT(seq), IR(1, TG_I32MAX), "required", "tokens per sample"},
+    {"--max-position-embeddings", G_MODEL, F_INT64, TG_AT(maxpos), IR(1, TG_I32MAX), "seq-length",
+     "rows of the position embedding (the longest sequence)"},
+    {"--make-vocab-size-divisible-by", G_MODEL, F_INT64, TG_AT(divisible), IR(1, TG_I32MAX), "128",
+     "pad the vocabulary to a multiple of this (times TP)"},
+    {"--normalization", G_MODEL, F_STRING, TG_AT(normalization), CH("LayerNorm|RMSNorm"), "LayerNorm", "norm type"},
+    {"--norm-epsilon", G_MODEL, F_DOUBLE, TG_AT(norm_eps), DR(0, INFINITY, D_LO_OPEN), "1e-5", "norm epsilon"},
+    {"--layernorm-epsilon", G_MODEL, F_DOUBLE, TG_AT(norm_eps), DR(0, INFINITY, D_LO_OPEN), "1e-5",
+     "Megatron's older name of --norm-epsilon"},
+    {"--apply-layernorm-1p", G_MODEL, F_TRUE, TG_AT(layernorm_1p), NR, "off",
+     "norm weights stored as w - 1: y = (1 + w) * norm(x) (+ b); they start at 0"},
+    {"--position-embedding-type", G_MODEL, F_STRING, TG_AT(position_type), CH("learned_absolute|rope|none"),
+     "learned_absolute", "learned position embeddings, rotary, or none (NoPE)"},
+    {"--no-position-embedding", G_MODEL, F_TRUE, TG_AT(no_position_embedding), NR, "off",
+     "no learned position embedding; deprecated in Megatron: only with rope (else --position-embedding-type none)"},
+    {"--rotary-base", G_MODEL, F_DOUBLE, TG_AT(rotary_base), DR(0, INFINITY, D_LO_OPEN), "10000", "RoPE base"},
+    {"--rotary-percent", G_MODEL, F_DOUBLE, TG_AT(rotary_percent), DR(0, 1, D_LO_OPEN), "1.0",
+     "fraction of each head's channels that rotate"},
+    {"--use-rope-scaling", G_MODEL, F_TRUE, TG_AT(rope_scaling), NR, "off", "Llama-3.1 RoPE frequency scaling"},
+    {"--rope-scaling-factor", G_MODEL, F_DOUBLE, TG_AT(rope_factor), DR(1, INFINITY, 0), "8.0",
+     "Llama-3.1 RoPE scaling factor"},
+    {"--swiglu", G_MODEL, F_TRUE, TG_AT(swiglu), NR, "off", "SwiGLU MLP instead of GELU"},
+    {"--untie-embeddings-and-output-weights", G_MODEL, F_TRUE, TG_AT(untie), NR, "off",
+     "a separate output layer instead of the word embeddings"},
+    {"--disable-bias-linear", G_MODEL, F_TRUE, TG_AT(no_bias), NR, "off", "no biases in the linear layers"},
+    {"--use-mcore-models", G_MODEL, F_INFO_SWITCH, 0, NR, "on", "Megatron Core's GPT is the only model here"},
+    {"--transformer-impl", G_MODEL, F_INFO_VALUE, 0, CH("local|transformer_engine|inference_optimized"),
+     "transformer_engine", "one implementation here: this build's kernels"},
+    {"--attention-backend", G_MODEL, F_INFO_VALUE, 0, CH("auto|flash|fused|unfused|local"), "auto",
+     "the attention path follows the precision and head size (flash for bf16, exact otherwise)"},
+    {"--use-flash-attn", G_MODEL, F_INFO_SWITCH, 0, NR, "off", "flash attention is used wherever it applies"},
+    {"--no-masked-softmax-fusion", G_MODEL, F_INFO_SWITCH, 0, NR, "fused", "the softmax is always fused here"},
+    {"--no-bias-gelu-fusion", G_MODEL, F_INFO_SWITCH, 0, NR, "fused", "bias + GELU is always fused here"},
+    {"--no-bias-swiglu-fusion", G_MODEL, F_INFO_SWITCH, 0, NR, "fused", "SwiGLU is always fused here"},
+    {"--no-bias-dropout-fusion", G_MODEL, F_INFO_SWITCH, 0, NR, "fused", "bias + residual is always fused here"},
+    {"--no-rope-fusion", G_MODEL, F_INFO_SWITCH, 0, NR, "fused", "RoPE is always fused here"},
+    {"--no-persist-layer-norm", G_MODEL, F_INFO_SWITCH, 0, NR, "off", "one LayerNorm kernel family here"},
+    {"--attention-softmax-in-fp32", G_MODEL, F_INFO_SWITCH, 0, NR, "off", "the softmax always runs in fp32 here"},
+    /* regularization */
+    {"--hidden-dropout", G_REG, F_DOUBLE, TG_AT(hidden_dropout), DR(0, 1, D_HI_OPEN), "0.1",
+     "dropout after attention and MLP"},
+    {"--attention-dropout", G_REG, F_DOUBLE, TG_AT(attention_dropout), DR(0, 1, D_HI_OPEN), "0.1",
+     "dropout on the attention probabilities"},
+    {"--weight-decay", G_REG, F_DOUBLE, TG_AT(wd), DR(0, INFINITY, 0), "0.01", "AdamW weight decay"},
+    {"--clip-grad", G_REG, F_DOUBLE, TG_AT(clip), DR(0, INFINITY, 0), "1.0", "global gradient-norm clip (0: off)"},
+    {"--adam-beta1", G_REG, F_DOUBLE, TG_AT(b1), DR(0, 1, D_HI_OPEN), "0.9", "Adam beta1"},
+    {"--adam-beta2", G_REG, F_DOUBLE, TG_AT(b2), DR(0, 1, D_HI_OPEN), "0.999", "Adam beta2"},
+    {"--adam-eps", G_REG, F_DOUBLE, TG_AT(eps), DR(0, INFINITY, D_LO_OPEN), "1e-8", "Adam epsilon"},
+    /* training */
+    {"--micro-batch-size", G_TRAIN, F_INT64, TG_AT(mbs), IR(1, TG_I32MAX), "required", "samples per micro-batch"},
+    {"--global-batch-size", G_TRAIN, F_INT64, TG_AT(gbs), IR(1, TG_I32MAX), "micro x data-parallel",
+     "samples per iteration (micro-batches accumulate)"},
+    {"--rampup-batch-size", G_TRAIN, F_INT64_3, TG_AT(rampup), IR(1, TG_I64MAX), "none",
+     "START INCR SAMPLES: the global batch grows from START by INCR over SAMPLES samples (needs --train-samples)"},
+    {"--step-batch-size-schedule", G_TRAIN, F_STRING, TG_AT(batch_schedule), NR, "none",
+     "\"TOKENS:BATCH ...\": the global batch from each token threshold on (K/M/B/T suffixes; the words up to the "
+     "next flag, so an unquoted expansion works too)"},
+    {"--train-iters", G_TRAIN, F_INT64, TG_AT(iters), IR(1, TG_I64MAX), "required (or --train-samples)",
+     "iterations to train"},
+    {"--train-samples", G_TRAIN, F_INT64, TG_AT(train_samples), IR(1, TG_I64MAX), "none",
+     "samples to train (the iterations follow from the batch sizes)"},
+    {"--exit-interval", G_TRAIN, F_INT64, TG_AT(exit_interval), IR(0, TG_I64MAX), "none",
+     "stop after an iteration divisible by this"},
+    {"--skip-train", G_TRAIN, F_TRUE, TG_AT(skip_train), NR, "off",
+     "no training: the end-of-run evaluations only, of the loaded (or initial) weights; nothing is saved"},
+    {"--exit-duration-in-mins", G_TRAIN, F_INT64, TG_AT(exit_duration_in_mins), IR(1, TG_I64MAX), "none",
+     "stop (saving a checkpoint with --save) once training has run this many minutes"},
+    {"--optimizer", G_TRAIN, F_STRING, TG_AT(optimizer), CH("adam|sgd|muon|dist_muon|lion|soap"), "adam",
+     "the optimizer (this build has AdamW, Megatron's adam)"},
+    {"--calculate-per-token-loss", G_TRAIN, F_TRUE, TG_AT(per_token_loss), NR, "off",
+     "the loss gradient over the global batch's counted tokens, not the mean of micro-batch means"},
+    {"--cross-entropy-loss-fusion", G_TRAIN, F_INFO_SWITCH, 0, NR, "off", "the cross entropy is always fused here"},
+    {"--cross-entropy-fusion-impl", G_TRAIN, F_INFO_VALUE, 0, CH("native|te"), "native",
+     "one fused cross entropy here"},
+    {"--no-gradient-accumulation-fusion", G_TRAIN, F_INFO_SWITCH, 0, NR, "fused",
+     "weight-gradient GEMMs always accumulate into the fp32 buffer here"},
+    {"--manual-gc", G_TRAIN, F_INFO_SWITCH, 0, NR, "off", "no Python garbage collector here"},
+    {"--manual-gc-interval", G_TRAIN, F_INFO_VALUE, 0, NR, "0", "no Python garbage collector here"},
+    {"--empty-unused-memory-level", G_TRAIN, F_INFO_VALUE, 0, CH("0|1|2"), "0",
+     "memory is planned once at start; there is no allocator cache to empty"},
+    {"--use-cpu-initialization", G_TRAIN, F_INFO_SWITCH, 0, NR, "off",
+     "initial weights are a function of the seed only, wherever they are made"},
+    {"--tp-comm-overlap", G_TRAIN, F_REFUSED_SWITCH, 0, NR, "off",
+     "overlapping tensor-parallel communication with GEMMs is not implemented: drop the flag"},
+    {"--recompute-activations", G_TRAIN, F_REFUSED_SWITCH, 0, NR, "off",
+     "activation recomputation is not implemented: drop the flag (or lower --micro-batch-size)"},
+    {"--recompute-granularity", G_TRAIN, F_REFUSED_VALUE, 0, NR, "none",
+     "activation recomputation is not implemented: drop the flag (or lower --micro-batch-size)"},
+    /* initialization */
+    {"--seed", G_INIT, F_INT64, TG_AT(seed), IR(0, 4294967295LL), "1234", "seed of the weights and the data order"},
+    {"--init-method-std", G_INIT, F_DOUBLE, TG_AT(std), DR(0, INFINITY, 0), "0.02", "std of the normal initialisation"},
+    /* learning rate */
+    {"--lr", G_LR, F_DOUBLE, TG_AT(lr), DR(0, INFINITY, 0), "required", "peak learning rate"},
+    {"--min-lr", G_LR, F_DOUBLE, TG_AT(min_lr), DR(0, INFINITY, 0), "0", "learning rate after the decay"},
+    {"--lr-decay-style", G_LR, F_STRING, TG_AT(decay_style), CH("constant|linear|cosine|inverse-square-root|WSD"),
+     "linear", "decay shape"},
+    {"--lr-warmup-iters", G_LR, F_INT64, TG_AT(warmup), IR(0, TG_I64MAX), "0", "linear warmup iterations"},
+    {"--lr-warmup-samples", G_LR, F_INT64, TG_AT(warmup_samples), IR(0, TG_I64MAX), "0",
+     "linear warmup samples (with --train-samples)"},
+    {"--lr-warmup-fraction", G_LR, F_DOUBLE, TG_AT(warmup_fraction), DR(0, 1, 0), "none",
+     "warmup as a fraction of the decay length"},
+    {"--lr-warmup-init", G_LR, F_DOUBLE, TG_AT(warmup_init), DR(0, INFINITY, 0), "0", "learning rate at step 0"},
+    {"--lr-decay-iters", G_LR, F_INT64, TG_AT(decay_iters), IR(0, TG_I64MAX), "train-iters", "decay length in iterations"},
+    {"--lr-decay-samples", G_LR, F_INT64, TG_AT(decay_samples), IR(0, TG_I64MAX), "train-samples",
+     "decay length in samples (with --train-samples)"},
+    {"--lr-wsd-decay-style", G_LR, F_STRING, TG_AT(wsd_style), CH("exponential|linear|cosine|minus_sqrt"),
+     "exponential", "shape of WSD's annealing tail"},
+    {"--lr-wsd-decay-iters", G_LR, F_INT64, TG_AT(wsd_iters), IR(0, TG_I64MAX), "none", "WSD's annealing iterations"},
+    {"--lr-wsd-decay-samples", G_LR, F_INT64, TG_AT(wsd_samples), IR(0, TG_I64MAX), "none",
+     "WSD's annealing samples (with --train-samples)"},
+    {"--decoupled-lr", G_LR, F_REFUSED_VALUE, 0, NR, "none",
+     "a separate learning rate for the embedding and output layers is not implemented: drop it (all use --lr)"},
+    {"--decoupled-min-lr", G_LR, F_REFUSED_VALUE, 0, NR, "none",
+     "a separate learning rate for the embedding and output layers is not implemented: drop it (all use --min-lr)"},
+    /* checkpointing */
+    {"--save", G_CKPT, F_STRING, TG_AT(save), NR, "none", "directory to save checkpoints to"},
+    {"--save-interval", G_CKPT, F_INT64, TG_AT(save_interval), IR(0, TG_I64MAX), "none (at the end only)",
+     "iterations between checkpoints"},
+    {"--load", G_CKPT, F_STRING, TG_AT(load), NR, "none", "directory to resume from (its latest checkpoint)"},
+    {"--no-load-optim", G_CKPT, F_TRUE, TG_AT(no_load_optim), NR, "off",
+     "load the weights only: Adam state, learning-rate schedule and loss scale start afresh"},
+    {"--no-load-rng", G_CKPT, F_TRUE, TG_AT(no_load_rng), NR, "off",
+     "checkpoints here hold no RNG state (random streams follow --seed): accepted, changes nothing"},
+    {"--finetune", G_CKPT, F_TRUE, TG_AT(finetune), NR, "off",
+     "load the weights only and start at iteration 0 with 0 samples consumed"},
+    {"--ckpt-format", G_CKPT, F_INFO_VALUE, 0, CH("torch|torch_dist|torch_dcp|fsdp_dtensor"), "torch_dist",
+     "checkpoints are this build's binary files in Megatron's directory layout"},
+    /* mixed precision */
+    {"--bf16", G_MIXED, F_TRUE, TG_AT(bf16), NR, "fp32", "bf16 weights and activations, fp32 master"},
+    {"--fp16", G_MIXED, F_TRUE, TG_AT(fp16), NR, "fp32", "fp16 with a dynamic loss scale"},
+    {"--loss-scale", G_MIXED, F_DOUBLE, TG_AT(loss_scale), DR(0, INFINITY, 0), "dynamic", "a constant loss scale"},
+    {"--initial-loss-scale", G_MIXED, F_DOUBLE, TG_AT(initial_loss_scale), DR(0, INFINITY, D_LO_OPEN), "2^32",
+     "the dynamic scale's start"},
+    {"--min-loss-scale", G_MIXED, F_DOUBLE, TG_AT(min_loss_scale), DR(0, INFINITY, D_LO_OPEN), "1",
+     "the dynamic scale's floor"},
+    {"--loss-scale-window", G_MIXED, F_INT64, TG_AT(window), IR(1, TG_I32MAX), "1000", "steps between scale raises"},
+    {"--hysteresis", G_MIXED, F_INT64, TG_AT(hysteresis), IR(1, TG_I32MAX), "2", "overflows tolerated before a cut"},
+    {"--fp8-format", G_MIXED, F_STRING, TG_AT(fp8_format), CH("e4m3|hybrid"), "none", "FP8 linears (bf16 model)"},
+    {"--fp8-recipe", G_MIXED, F_STRING, TG_AT(fp8_recipe), CH("delayed|tensorwise|blockwise"), "delayed",
+     "FP8 scaling recipe"},
+    {"--fp8-margin", G_MIXED, F_INT, TG_AT(fp8_margin), IR(0, 30), "0", "scale = fp8_max / amax / 2^margin"},
+    {"--fp8-amax-history-len", G_MIXED, F_INT, TG_AT(fp8_history), IR(1, 65536), "1", "delayed scaling's history"},
+    {"--fp8-amax-compute-algo", G_MIXED, F_STRING, TG_AT(fp8_algo), CH("max|most_recent"), "most_recent",
+     "amax from the history's max or its newest entry"},
+    {"--no-fp8-wgrad", G_MIXED, F_TRUE, TG_AT(no_fp8_wgrad), NR, "off", "weight gradients in bf16"},
+    {"--first-last-layers-bf16", G_MIXED, F_TRUE, TG_AT(first_last_bf16), NR, "off", "keep the outer layers bf16"},
+    {"--num-layers-at-start-in-bf16", G_MIXED, F_INT, TG_AT(bf16_start), IR(0, TG_I32MAX), "1", "bf16 layers at the start"},
+    {"--num-layers-at-end-in-bf16", G_MIXED, F_INT, TG_AT(bf16_end), IR(0, TG_I32MAX), "1", "bf16 layers at the end"},
+    {"--fp8-param-gather", G_MIXED, F_TRUE, TG_AT(fp8_param_gather), NR, "off", "all-gather parameters in FP8"},
+    {"--grad-reduce-in-bf16", G_MIXED, F_INFO_SWITCH, 0, NR, "off",
+     "gradients are accumulated and reduced in fp32 here (more precise, twice the bytes)"},
+    /* distributed */
+    {"--tensor-model-parallel-size", G_DIST, F_INT64, TG_AT(tp), IR(1, TG_I32MAX), "1", "tensor-parallel GPUs"},
+    {"--sequence-parallel", G_DIST, F_TRUE, TG_AT(sequence_parallel), NR, "off", "sequence parallelism (TP > 1)"},
+    {"--pipeline-model-parallel-size", G_DIST, F_INT64, TG_AT(pp), IR(1, TG_I32MAX), "1",
+     "pipeline stages (the layers split over them; 1F1B schedule)"},
+    /* the pipeline's layout flags land in cfg directly (its defaults mean "not given") */
+    {"--num-layers-per-virtual-pipeline-stage", G_DIST, F_INT, TG_AT(cfg.num_layers_per_virtual_pipeline_stage),
+     IR(1, TG_I32MAX), "none", "layers per virtual stage: L / (PP x this) virtual stages per rank (interleaved 1F1B)"},
+    {"--num-virtual-stages-per-pipeline-rank", G_DIST, F_INT, TG_AT(cfg.virtual_pipeline_size),
+     IR(1, MT_PP_MAX_CHUNKS), "1", "model chunks per pipeline rank (> 1: the interleaved schedule)"},
+    {"--microbatch-group-size-per-virtual-pipeline-stage", G_DIST, F_INT, TG_AT(cfg.microbatch_group_size_per_vp_stage),
+     IR(1, TG_I32MAX), "pipeline-model-parallel-size", "micro-batches run per virtual stage before the next"},
+    {"--decoder-first-pipeline-num-layers", G_DIST, F_INT, TG_AT(cfg.decoder_first_pipeline_num_layers),
+     IR(0, TG_I32MAX), "none (even split)", "layers of the first pipeline stage (the rest split evenly)"},
+    {"--decoder-last-pipeline-num-layers", G_DIST, F_INT, TG_AT(cfg.decoder_last_pipeline_num_layers),
+     IR(0, TG_I32MAX), "none (even split)", "layers of the last pipeline stage (the rest split evenly)"},
+    {"--account-for-embedding-in-pipeline-split", G_DIST, F_TRUE, TG_AT(cfg.account_for_embedding_in_pipeline_split),
+     NR, "off", "the embedding counts as a layer of the first stage in the split"},
+    {"--account-for-loss-in-pipeline-split", G_DIST, F_TRUE, TG_AT(cfg.account_for_loss_in_pipeline_split), NR, "off",
+     "the output layer and loss count as a layer of the last stage in the split"},
+    {"--context-parallel-size", G_DIST, F_INT64, TG_AT(cp), IR(1, TG_I32MAX), "1",
+     "context parallelism: only 1 here (not implemented)"},
+    {"--expert-model-parallel-size", G_DIST, F_INT64, TG_AT(ep), IR(1, TG_I32MAX), "1",
+     "expert parallelism: only 1 here (no MoE)"},
+    {"--use-distributed-optimizer", G_DIST, F_TRUE, TG_AT(distributed_optimizer), NR, "off",
+     "shard master weights and Adam state over data parallelism"},
+    {"--overlap-grad-reduce", G_DIST, F_TRUE, TG_AT(overlap_grad_reduce), NR, "off",
+     "reduce gradient buckets during the backward"},
+    {"--overlap-param-gather", G_DIST, F_TRUE, TG_AT(overlap_param_gather), NR, "off",
+     "all-gather parameters behind the next forward"},
+    {"--ddp-bucket-size", G_DIST, F_INT64, TG_AT(ddp_bucket_size), IR(0, TG_I64MAX), "max(40M, 1M x dp)",
+     "gradient bucket size in elements"},
+    {"--distributed-backend", G_DIST, F_STRING, TG_AT(distributed_backend), CH("nccl|gloo"), "nccl",
+     "collectives backend (NCCL only here)"},
+    {"--distributed-timeout-minutes", G_DIST, F_INFO_VALUE, 0, NR, "10",
+     "collectives here have no timeout (NCCL's own watchdog only)"},
+    /* validation */
+    {"--eval-interval", G_VALID, F_INT64, TG_AT(eval_interval), IR(0, TG_I64MAX), "1000",
+     "iterations between validations (0: none during training)"},
+    {"--eval-iters", G_VALID, F_INT64, TG_AT(eval_iters), IR(0, TG_I64MAX), "100", "global batches per evaluation"},
+    {"--full-validation", G_VALID, F_TRUE, TG_AT(full_validation), NR, "off",
+     "each validation covers the whole validation split once (needs a dataset, not --mock-data)"},
+    /* data */
+    {"--data-path", G_DATA, F_STRING, 0, NR, "none (the built-in job)",
+     "[W1] PREFIX1 [W2 PREFIX2 ...]: Megatron .bin/.idx datasets, optionally weighted"},
+    {"--split", G_DATA, F_STRING, TG_AT(split), NR, "969, 30, 1", "train, valid, test proportions"},
+    {"--mock-data", G_DATA, F_TRUE, TG_AT(mock_data), NR, "off", "random tokens instead of files"},
+    {"--data-cache-path", G_DATA, F_STRING, TG_AT(data_cache_path), NR, "none",
+     "where the dataset index arrays (.npy, Megatron's cache files) are written"},
+    {"--eod-mask-loss", G_DATA, F_TRUE, TG_AT(eod_mask_loss), NR, "off",
+     "positions whose input is the end-of-document token do not count in the loss"},
+    {"--mid-level-dataset-surplus", G_DATA, F_DOUBLE, TG_AT(mid_level_surplus), DR(0, INFINITY, 0), "0.005",
+     "extra samples each blended dataset builds (0.005 only here)"},
+    {"--reset-position-ids", G_DATA, F_REFUSED_SWITCH, 0, NR, "off",
+     "positions restarting at each document are not implemented: drop the flag"},
+    {"--reset-attention-mask", G_DATA, F_REFUSED_SWITCH, 0, NR, "off",
+     "attention masked at document boundaries is not implemented: drop the flag"},
+    {"--no-create-attention-mask-in-dataloader", G_DATA, F_INFO_SWITCH, 0, NR, "off",
+     "no attention mask is ever materialised here (causal inside the kernels)"},
+    {"--no-mmap-bin-files", G_DATA, F_INFO_SWITCH, 0, NR, "off", "datasets are always memory-mapped here"},
+    {"--num-workers", G_DATA, F_INFO_VALUE, 0, NR, "2", "samples are read in the training process (no workers)"},
+    /* tokenizer */
+    {"--tokenizer-type", G_TOK, F_STRING, TG_AT(tokenizer_type), NR, "GPT2BPETokenizer",
+     "GPT2BPETokenizer, HuggingFaceTokenizer, TikTokenizer, NullTokenizer; this build's TiktokenFileTokenizer, "
+     "Llama3Tokenizer (prepro/tokenizer.h)"},
+    {"--vocab-file", G_TOK, F_STRING, TG_AT(vocab_file), NR, "none", "GPT-2 vocab.json"},
+    {"--merge-file", G_TOK, F_STRING, TG_AT(merge_file), NR, "none", "GPT-2 merges.txt"},
+    {"--tokenizer-model", G_TOK, F_STRING, TG_AT(tokenizer_model), NR, "none",
+     "a tokenizer.json or its directory (HuggingFaceTokenizer), Megatron's JSON vocabulary (TikTokenizer), "
+     "a tiktoken rank file (TiktokenFileTokenizer, Llama3Tokenizer)"},
+    {"--tiktoken-pattern", G_TOK, F_STRING, TG_AT(tiktoken_pattern), CH("v1|v2"), "v2",
+     "TikTokenizer's split pattern (no effect on other tokenizers)"},
+    {"--tiktoken-num-special-tokens", G_TOK, F_INT64, TG_AT(tiktoken_num_special_tokens), IR(1, TG_I32MAX), "1000",
+     "TikTokenizer: ids below this are special tokens"},
+    {"--tokenizer-special-tokens", G_TOK, F_STRING, 0, NR, "<unk> <s> </s> <mask> <pad> <cls> <sep>",
+     "TikTokenizer's special tokens (a list)"},
+    {"--tokenizer-hf-no-include-special-tokens", G_TOK, F_TRUE, TG_AT(hf_no_include_special_tokens), NR, "off",
+     "HuggingFaceTokenizer: text to ids without the template's BOS/EOS"},
+    {"--tiktoken-encoding", G_TOK, F_STRING, TG_AT(tiktoken_encoding), CH("r50k_base|gpt2|cl100k_base|o200k_base|llama3"),
+     "from the file name", "TiktokenFileTokenizer's encoding (this build's flag)"},
+    {"--vocab-size", G_TOK, F_INT64, TG_AT(null_vocab_size), IR(1, TG_I64MAX), "none",
+     "NullTokenizer's vocabulary; TikTokenizer's, specials included (131072 when not given)"},
+    /* logging */
+    {"--log-interval", G_LOG, F_INT64, TG_AT(log_interval), IR(1, TG_I64MAX), "100", "iterations between log lines"},
+    {"--log-throughput", G_LOG, F_TRUE, TG_AT(log_throughput), NR, "off",
+     "add the throughput per GPU (TFLOP/s/GPU) to the log line"},
+    {"--tensorboard-dir", G_LOG, F_STRING, TG_AT(tensorboard_dir), NR, "none",
+     "write TensorBoard event files there (rank 0; Megatron's scalars and the command line's arguments)"},
+    {"--tensorboard-log-interval", G_LOG, F_INT64, TG_AT(tensorboard_log_interval), IR(1, TG_I64MAX), "1",
+     "iterations between TensorBoard scalars"},
+    {"--tensorboard-queue-size", G_LOG, F_INT, TG_AT(tensorboard_queue_size), IR(1, TG_I32MAX), "1000",
+     "TensorBoard events held before a flush (they are also flushed at every log line)"},
+    {"--log-timers-to-tensorboard", G_LOG, F_TRUE, TG_AT(log_timers_to_tensorboard), NR, "off",
+     "iteration-time and throughput to TensorBoard at each log line"},
+    {"--log-memory-to-tensorboard", G_LOG, F_TRUE, TG_AT(log_memory_to_tensorboard), NR, "off",
+     "device memory in use and the planned bytes to TensorBoard"},
+    {"--log-validation-ppl-to-tensorboard", G_LOG, F_TRUE, TG_AT(log_validation_ppl_to_tensorboard), NR, "off",
+     "each evaluation's perplexity to TensorBoard next to its loss"},
+    {"--log-world-size-to-tensorboard", G_LOG, F_TRUE, TG_AT(log_world_size_to_tensorboard), NR, "off",
+     "the world size to TensorBoard"},
+    {"--no-log-loss-scale-to-tensorboard", G_LOG, F_TRUE, TG_AT(no_log_loss_scale_to_tensorboard), NR, "off",
+     "leave the loss scale out of TensorBoard"},
+    {"--wandb-project", G_LOG, F_STRING, TG_AT(wandb_project), NR, "none",
+     "nothing is sent to wandb here: a startup line names `wandb sync --sync-tensorboard DIR` for the events"},
+    {"--wandb-exp-name", G_LOG, F_STRING, TG_AT(wandb_exp_name), NR, "none",
+     "nothing is sent to wandb here: a startup line names `wandb sync --sync-tensorboard DIR` for the events"},
+    {"--wandb-save-dir", G_LOG, F_STRING, TG_AT(wandb_save_dir), NR, "none",
+     "nothing is sent to wandb here: a startup line names `wandb sync --sync-tensorboard DIR` for the events"},
+    /* profiling */
+    {"--profile", G_PROF, F_TRUE, TG_AT(profile), NR, "off",
+     "cudaProfilerStart/Stop around the steps below on rank 0 (run under nsys --capture-range=cudaProfilerApi)"},
+    {"--profile-step-start", G_PROF, F_INT64, TG_AT(profile_step_start), IR(0, TG_I64MAX), "10",
+     "the iteration profiling starts at"},
+    {"--profile-step-end", G_PROF, F_INT64, TG_AT(profile_step_end), IR(0, TG_I64MAX), "12",
+     "the iteration profiling stops at"},
+    {"--use-pytorch-profiler", G_PROF, F_REFUSED_SWITCH, 0, NR, "off",
+     "there is no PyTorch here: use --profile under nsys"},
+    /* moe */
+    {"--num-experts", G_MOE, F_REFUSED_VALUE, 0, NR, "none", MOE_REFUSED},
+    {"--moe-router-topk", G_MOE, F_REFUSED_VALUE, 0, NR, "2", MOE_REFUSED},
+    {"--moe-router-load-balancing-type", G_MOE, F_REFUSED_VALUE, 0, NR, "aux_loss", MOE_REFUSED},
+    {"--moe-aux-loss-coeff", G_MOE, F_REFUSED_VALUE, 0, NR, "0", MOE_REFUSED},
+    {"--moe-grouped-gemm", G_MOE, F_REFUSED_SWITCH, 0, NR, "off", MOE_REFUSED},
+    {"--moe-token-dispatcher-type", G_MOE, F_REFUSED_VALUE, 0, NR, "allgather", MOE_REFUSED},
+    /* this build */
+    {"--sample-tokens", G_HERE, F_INT, TG_AT(sample_tokens), IR(0, TG_I32MAX), "0 (built-in job: 128)",
+     "tokens of text sampled at the end"},
+    {"--peak-tflops", G_HERE, F_DOUBLE, TG_AT(peak_tflops), DR(0, INFINITY, 0), "the device's",
+     "peak TFLOP/s for the MFU field"},
+};
+#define TG_NUM_FLAGS (sizeof(tg_flag_table) / sizeof(tg_flag_table[0]))
+
+static const tg_flag* tg_flag_find(const char* name) {
+    for (size_t k = 0; k < TG_NUM_FLAGS; k++)
+        if (!strcmp(tg_flag_table[k].name, name)) return &tg_flag_table[k];
+    return NULL;
+}
+
+static int tg_fail(char* msg, size_t size, const char* fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static int tg_fail(char* msg, size_t size, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, size, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+/* 1: parsed; 0: not an integer; -1: an integer outside int64 */
+static int tg_parse_int64(const char* s, int64_t* out) {
+    char* end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (end == s || *end) return 0;
+    if (errno == ERANGE) return -1;
+    if (errno) return 0;
+    *out = v;
+    return 1;
+}
+/* 1: parsed, finite; 0: not a number; -1: not finite (nan, inf, or beyond the double range) */
+static int tg_parse_double(const char* s, double* out) {
+    char* end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || *end) return 0;
+    if (!isfinite(v) || (errno == ERANGE && fabs(v) > 1.0)) return -1;
+    *out = v; /* an underflow (1e-400) reads as 0 or a denormal, as Python's float() does */
+    return 1;
+}
+static int tg_choice_ok(const char* choices, const char* v) {
+    size_t n = strlen(v);
+    for (const char* p = choices; *p;) {
+        const char* bar = strchr(p, '|');
+        size_t len = bar ? (size_t)(bar - p) : strlen(p);
+        if (len == n && !strncmp(p, v, n)) return 1;
+        p += len + (bar ? 1 : 0);
+    }
+    return 0;
+}
+
+/* One value into its target, range-checked; 0 or -1 with the message. */
+static int tg_store(tg_flags* v, const tg_flag* f, const char* name, const char* val, int slot, char* msg,
+                    size_t size) {
+    char* base = (char*)v + f->target;
+    if (f->kind == F_INT || f->kind == F_INT64 || f->kind == F_INT64_3) {
+        int64_t x;
+        int r = tg_parse_int64(val, &x);
+        if (r == 0) return tg_fail(msg, size, "%s %s: not an integer", name, val);
+        if (r < 0 || x < f->imin || x > f->imax)
+            return tg_fail(msg, size, "%s %s: must be between %lld and %lld", name, val, (long long)f->imin,
+                           (long long)f->imax);
+        if (f->kind == F_INT) *(int*)base = (int)x;
+        else ((int64_t*)base)[slot] = x;
+    } else if (f->kind == F_DOUBLE) {
+        double x;
+        int r = tg_parse_double(val, &x);
+        if (r == 0) return tg_fail(msg, size, "%s %s: not a number", name, val);
+        if (r < 0) return tg_fail(msg, size, "%s %s: must be a finite number", name, val);
+        if (x < f->dmin || x > f->dmax || ((f->dopen & D_LO_OPEN) && x == f->dmin) ||
+            ((f->dopen & D_HI_OPEN) && x == f->dmax)) {
+            if (isinf(f->dmax))
+                return tg_fail(msg, size, "%s %s: must be %s %g", name, val, (f->dopen & D_LO_OPEN) ? ">" : ">=", f->dmin);
+            return tg_fail(msg, size, "%s %s: must be in %c%g, %g%c", name, val, (f->dopen & D_LO_OPEN) ? '(' : '[',
+                           f->dmin, f->dmax, (f->dopen & D_HI_OPEN) ? ')' : ']');
+        }
+        *(double*)base = x;
+    } else if (f->kind == F_STRING) {
+        if (f->choices && !tg_choice_ok(f->choices, val))
+            return tg_fail(msg, size, "%s %s: expected one of %s", name, val, f->choices);
+        *(const char**)base = val;
+    }
+    return 0;
+}
+
+static void tg_note_info(tg_flags* v, const char* name, const char* val) {
+    if (v->num_info >= TG_MAX_INFO) return;
+    snprintf(v->info[v->num_info++], sizeof(v->info[0]), "%.64s%s%.80s", name, val ? " " : "", val ? val : "");
+}
+
+/* The values of tg_flags before any flag: "not given" everywhere. */
+static void tg_flags_init(tg_flags* v) {
+    memset(v, 0, sizeof(*v));
+    mt_config_defaults(&v->cfg);
+    int64_t* i64[] = {&v->num_layers, &v->hidden, &v->ffn, &v->heads, &v->groups, &v->kv, &v->seq, &v->maxpos,
+                      &v->divisible, &v->mbs, &v->gbs, &v->iters, &v->train_samples, &v->warmup, &v->decay_iters,
+                      &v->wsd_iters, &v->warmup_samples, &v->decay_samples, &v->wsd_samples, &v->tp, &v->pp, &v->cp,
+                      &v->ep, &v->window, &v->hysteresis, &v->seed, &v->log_interval, &v->eval_interval,
+                      &v->eval_iters, &v->save_interval, &v->exit_interval, &v->exit_duration_in_mins,
+                      &v->profile_step_start, &v->profile_step_end, &v->ddp_bucket_size, &v->null_vocab_size, &v->tiktoken_num_special_tokens,
+                      &v->rampup[0], &v->rampup[1], &v->rampup[2], &v->tensorboard_log_interval};
+    for (size_t k = 0; k < sizeof(i64) / sizeof(i64[0]); k++) *i64[k] = -1;
+    double* d[] = {&v->lr, &v->min_lr, &v->warmup_fraction, &v->warmup_init, &v->b1, &v->b2, &v->eps, &v->wd,
+                   &v->clip, &v->std, &v->norm_eps, &v->hidden_dropout, &v->attention_dropout, &v->loss_scale,
+                   &v->initial_loss_scale, &v->min_loss_scale, &v->rotary_base, &v->rotary_percent, &v->rope_factor,
+                   &v->peak_tflops, &v->mid_level_surplus};
+    for (size_t k = 0; k < sizeof(d) / sizeof(d[0]); k++) *d[k] = -1;
+    v->fp8_margin = v->fp8_history = v->bf16_start = v->bf16_end = v->sample_tokens = v->tensorboard_queue_size = -1;
+}
+
+/* argv -> v. Returns 0, 1 for --help, or -1 with one line in msg (unknown flag, refused flag, bad
+ * or missing value). */
+static int tg_flags_parse(tg_flags* v, int argc, char** argv, char* msg, size_t size) {
+    char name_buf[128];
+    for (int i = 1; i < argc; i++) {
+        const char* a = argv[i];
+        const char* inline_val = NULL; /* --flag=value, as argparse accepts */
+        const char* eq = strncmp(a, "--", 2) == 0 ? strchr(a, '=') : NULL;
+        if (eq) {
+            if ((size_t)(eq - a) >= sizeof(name_buf)) return tg_fail(msg, size, "unknown flag %.40s... (see --help)", a);
+            memcpy(name_buf, a, (size_t)(eq - a));
+            name_buf[eq - a] = 0;
+            a = name_buf;
+            inline_val = eq + 1;
+        }
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return 1;
+        const tg_flag* f = tg_flag_find(a);
+        if (!f) return tg_fail(msg, size, "unknown flag %s (see --help)", a);
+        if (!strcmp(a, "--data-path")) { /* a list: up to the next --flag; --data-path=P is a list of one */
+            int start = i + 1, end = start;
+            const char* const* list = (const char* const*)argv + start;
+            if (inline_val) { list = &inline_val; end = start + 1; }
+            else while (end < argc && strncmp(argv[end], "--", 2) != 0) end++;
+            if (end - start > TG_MAX_DATA_PATHS) return tg_fail(msg, size, "--data-path: at most %d entries", TG_MAX_DATA_PATHS);
+            mt_error err;
+            if (mt_data_path_parse(end - start, list, v->data_paths, v->data_weights, &v->num_data_paths, &v->weighted,
+                                   &err) != MT_OK)
+                return tg_fail(msg, size, "%s", err.message);
+            if (!inline_val) i = end - 1;
+            continue;
+        }
+        if (!strcmp(a, "--tokenizer-special-tokens")) { /* a list (argparse nargs='+'): up to the next --flag */
+            int start = i + 1, end = start;
+            const char* const* list = (const char* const*)argv + start;
+            if (inline_val) { list = &inline_val; end = start + 1; }
+            else while (end < argc && strncmp(argv[end], "--", 2) != 0) end++;
+            if (end == start) return tg_fail(msg, size, "%s needs a value", a);
+            if (v->num_special_tokens + end - start > TG_MAX_SPECIAL_TOKENS)
+                return tg_fail(msg, size, "%s: at most %d tokens", a, TG_MAX_SPECIAL_TOKENS);
+            for (int k = 0; k < end - start; k++) v->special_tokens[v->num_special_tokens++] = list[k];
+            if (!inline_val) i = end - 1;
+            continue;
+        }
+        if (!strcmp(a, "--step-batch-size-schedule") && !inline_val) { /* one string, or the shell's words of it */
+            size_t used = 0;
+            int start = i + 1;
+            v->batch_schedule_words[0] = 0;
+            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
+                const char* w = argv[++i];
+                if (used + strlen(w) + 2 > sizeof(v->batch_schedule_words))
+                    return tg_fail(msg, size, "%s: longer than %zu characters", a, sizeof(v->batch_schedule_words) - 1);
+                used += (size_t)snprintf(v->batch_schedule_words + used, sizeof(v->batch_schedule_words) - used, "%s%s",
+                                         used ? " " : "", w);
+            }
+            if (i < start) return tg_fail(msg, size, "%s needs a value", a);
+            v->batch_schedule = v->batch_schedule_words;
+            continue;
+        }
+        int is_switch = f->kind == F_TRUE || f->kind == F_INFO_SWITCH || f->kind == F_REFUSED_SWITCH;
+        if (is_switch && inline_val) return tg_fail(msg, size, "%s takes no value (got '%s')", a, inline_val);
+        if (f->kind == F_REFUSED_SWITCH || f->kind == F_REFUSED_VALUE) return tg_fail(msg, size, "%s: %s", a, f->help);
+        if (f->kind == F_TRUE) { *(int*)((char*)v + f->target) = 1; continue; }
+        if (f->kind == F_INFO_SWITCH) { tg_note_info(v, a, NULL); continue; }
+        int count = f->kind == F_INT64_3 ? 3 : 1;
+        if (inline_val && count > 1) return tg_fail(msg, size, "%s takes %d values: %s A B C", a, count, a);
+        if (!inline_val && i + count >= argc) {
+            if (count > 1) return tg_fail(msg, size, "%s needs %d values", a, count);
+            return tg_fail(msg, size, "%s needs a value", a);
+        }
+        for (int k = 0; k < count; k++) {
+            const char* val = inline_val ? inline_val : argv[++i];
+            if (f->kind == F_INFO_VALUE) {
+                if (f->choices && !tg_choice_ok(f->choices, val))
+                    return tg_fail(msg, size, "%s %s: expected one of %s", a, val, f->choices);
+                tg_note_info(v, a, val);
+            } else if (tg_store(v, f, a, val, k, msg, size) != 0) {
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+static int tg_lookup(const char* name, const char* const* names, int n) {
+    for (int k = 0; k < n; k++) if (!strcmp(name, names[k])) return k;
+    return -1;
+}
+
+/* The built-in job (no --data-path, no --mock-data): a small GPT on tiny shakespeare. */
+static void tg_builtin_defaults(tg_flags* v) {
+    mt_config* c = &v->cfg;
+    c->num_layers = 6;
+    c->hidden_size = 384;
+    c->num_attention_heads = 6;
+    c->seq_length = 256;
+    c->micro_batch_size = 32;
+    c->global_batch_size = 32;
+    c->train_iters = 600;
+    c->lr = 6e-4;
+    c->min_lr = 6e-5;
+    c->lr_warmup_iters = 30;
+    c->lr_decay_style = MT_LR_COSINE;
+    c->weight_decay = 0.1;
+    c->adam_beta2 = 0.95;
+    c->precision = MT_BF16;
+    if (v->log_interval < 0) v->log_interval = 20;
+    if (v->eval_interval < 0) v->eval_interval = 100;
+    if (v->eval_iters < 0) v->eval_iters = 5;
+    if (v->save_interval < 0) v->save_interval = 0;
+    if (!v->save) v->save = "checkpoints/builtin";
+    if (v->sample_tokens < 0) v->sample_tokens = 128;
+}
+
+/* The parsed values -> cfg and the run's options: the built-in job's defaults or Megatron's
+ * (required flags), choices, combinations. 0, or -1 with one line in msg. mt_config_finalize
+ * checks the rest once the vocabulary and the world are known. */
+static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
+    mt_config* c = &v->cfg;
+    v->builtin = v->num_data_paths == 0 && !v->mock_data;
+    if (v->builtin) {
+        tg_builtin_defaults(v);
+    } else {
+        if (v->log_interval < 0) v->log_interval = 100;
+        if (v->eval_interval < 0) v->eval_interval = 1000;
+        if (v->eval_iters < 0) v->eval_iters = 100;
+        if (v->save_interval < 0) v->save_interval = 0;
+        /* --skip-train trains nothing: no learning rate or length needed */
+        const char* missing = v->num_layers < 0 ? "--num-layers" : v->hidden < 0 ? "--hidden-size"
+                              : v->heads < 0 ? "--num-attention-heads" : v->seq < 0 ? "--seq-length"
+                              : v->mbs < 0 ? "--micro-batch-size" : v->lr < 0 && !v->skip_train ? "--lr" : NULL;
+        if (!missing && v->iters < 0 && v->train_samples < 0 && !v->skip_train)
+            missing = "--train-iters (or --train-samples)";
+        if (missing) return tg_fail(msg, size, "%s is required with --data-path or --mock-data", missing);
+    }
+    if (!v->split) v->split = "969, 30, 1"; /* Megatron's legacy default with --data-path */
+    if (v->sample_tokens < 0) v->sample_tokens = 0;
+    if (v->peak_tflops < 0) v->peak_tflops = 0;
+    if (v->tensorboard_log_interval < 0) v->tensorboard_log_interval = 1;
+    if (v->tensorboard_queue_size < 0) v->tensorboard_queue_size = 1000;
+    if (v->full_validation && v->mock_data)
+        return tg_fail(msg, size, "--full-validation needs a dataset: --mock-data has no end");
+
+    /* flags whose value decides whether this build can honour them */
+    if (v->cp > 1) return tg_fail(msg, size, "--context-parallel-size %lld: context parallelism is not implemented "
+                                             "(use 1)", (long long)v->cp);
+    if (v->ep > 1) return tg_fail(msg, size, "--expert-model-parallel-size %lld: expert parallelism needs MoE, which "
+                                             "is not implemented (use 1)", (long long)v->ep);
+    if (v->optimizer && strcmp(v->optimizer, "adam"))
+        return tg_fail(msg, size, "--optimizer %s: only adam (AdamW) is implemented", v->optimizer);
+    if (v->distributed_backend && strcmp(v->distributed_backend, "nccl"))
+        return tg_fail(msg, size, "--distributed-backend %s: only nccl is implemented", v->distributed_backend);
+    if (v->mid_level_surplus >= 0 && v->mid_level_surplus != MT_MID_LEVEL_DATASET_SURPLUS)
+        return tg_fail(msg, size, "--mid-level-dataset-surplus %g: only the default %g is implemented",
+                       v->mid_level_surplus, MT_MID_LEVEL_DATASET_SURPLUS);
+    if (v->tiktoken_pattern && !(v->tokenizer_type && !strcmp(v->tokenizer_type, "TikTokenizer")))
+        tg_note_info(v, "--tiktoken-pattern", v->tiktoken_pattern); /* used by TikTokenizer only, as in Megatron */
+    if (v->no_load_rng) tg_note_info(v, "--no-load-rng", NULL);
+    if (v->data_cache_path && v->mock_data) tg_note_info(v, "--data-cache-path (--mock-data reads no dataset)", NULL);
+
+    /* FP8 (ranges and combinations are checked by mt_config_finalize) */
+    if (v->fp8_format) c->fp8_format = !strcmp(v->fp8_format, "e4m3") ? MT_FP8_E4M3 : MT_FP8_HYBRID;
+    if (v->fp8_recipe) {
+        const char* names[] = {"delayed", "tensorwise", "blockwise"};
+        c->fp8_recipe = (mt_fp8_recipe)tg_lookup(v->fp8_recipe, names, 3);
+    }
+    if (v->fp8_algo) c->fp8_amax_compute_algo = !strcmp(v->fp8_algo, "max") ? MT_FP8_AMAX_MAX : MT_FP8_AMAX_MOST_RECENT;
+    if (v->fp8_margin != -1) c->fp8_margin = v->fp8_margin;
+    if (v->fp8_history != -1) c->fp8_amax_history_len = v->fp8_history;
+    if (v->no_fp8_wgrad) c->fp8_wgrad = 0;
+    c->first_last_layers_bf16 = v->first_last_bf16;
+    if (v->bf16_start != -1) c->num_layers_at_start_in_bf16 = v->bf16_start;
+    if (v->bf16_end != -1) c->num_layers_at_end_in_bf16 = v->bf16_end;
+    c->fp8_param_gather = v->fp8_param_gather;
+    if (!v->fp8_format && (v->fp8_recipe || v->fp8_algo || v->fp8_margin != -1 || v->fp8_history != -1 ||
+                           v->no_fp8_wgrad || v->first_last_bf16 || v->fp8_param_gather))
+        return tg_fail(msg, size, "the --fp8-* flags need --fp8-format e4m3|hybrid");
+
+    /* the model flavour (GPT-2 by default; Llama: RMSNorm, SwiGLU, rope, GQA, untied, no biases) */
+    if (v->normalization) c->normalization = !strcmp(v->normalization, "RMSNorm") ? MT_NORM_RMSNORM : MT_NORM_LAYERNORM;
+    if (v->position_type) {
+        const char* names[] = {"learned_absolute", "rope", "none"};
+        c->position_embedding_type = (mt_position_embedding)tg_lookup(v->position_type, names, 3);
+    }
+    if (v->no_position_embedding && c->position_embedding_type == MT_POSITION_LEARNED)
+        return tg_fail(msg, size, "--no-position-embedding is deprecated in Megatron and taken only with rope: use "
+                       "--position-embedding-type none (or rope)");
+    if (v->rotary_base >= 0) c->rotary_base = v->rotary_base;
+    if (v->rotary_percent >= 0) c->rotary_percent = v->rotary_percent;
+    if (v->rope_factor >= 0) c->rope_scaling_factor = v->rope_factor;
+    c->use_rope_scaling = v->rope_scaling;
+    c->swiglu = v->swiglu;
+    c->untie_embeddings_and_output_weights = v->untie;
+    c->add_bias_linear = !v->no_bias;
+    c->apply_layernorm_1p = v->layernorm_1p;
+    if (v->num_layers >= 0) c->num_layers = (int)v->num_layers;
+    if (v->hidden >= 0) c->hidden_size = (int)v->hidden;
+    if (v->ffn >= 0) c->ffn_hidden_size = (int)v->ffn;
+    if (v->heads >= 0) c->num_attention_heads = (int)v->heads;
+    if (v->groups >= 0) {
+        if (!v->gqa) return tg_fail(msg, size, "--num-query-groups needs --group-query-attention");
+        c->num_query_groups = (int)v->groups;
+    }
+    if (v->kv >= 0) c->kv_channels = (int)v->kv;
+    if (v->seq >= 0) c->seq_length = (int)v->seq;
+    if (v->maxpos >= 0) c->max_position_embeddings = (int)v->maxpos;
+    if (v->divisible >= 0) c->make_vocab_size_divisible_by = (int)v->divisible;
+    if (v->std >= 0) c->init_method_std = v->std;
+    if (v->norm_eps >= 0) c->norm_epsilon = v->norm_eps;
+    if (v->hidden_dropout >= 0) c->hidden_dropout = v->hidden_dropout;
+    if (v->attention_dropout >= 0) c->attention_dropout = v->attention_dropout;
+    if (v->bf16 && v->fp16) return tg_fail(msg, size, "--bf16 and --fp16 are mutually exclusive");
+    if (v->bf16) c->precision = MT_BF16;
+    if (v->fp16) c->precision = MT_FP16;
+    if (v->loss_scale >= 0) c->loss_scale = v->loss_scale;
+    if (v->initial_loss_scale >= 0) c->initial_loss_scale = v->initial_loss_scale;
+    if (v->min_loss_scale >= 0) c->min_loss_scale = v->min_loss_scale;
+    if (v->window >= 0) c->loss_scale_window = (int)v->window;
+    if (v->hysteresis >= 0) c->hysteresis = (int)v->hysteresis;
+
+    /* schedule and length of training */
+    if (v->lr >= 0) c->lr = v->lr;
+    if (v->min_lr >= 0) c->min_lr = v->min_lr;
+    if (v->warmup >= 0) c->lr_warmup_iters = v->warmup;
+    if (v->warmup_fraction >= 0) {
+        c->lr_warmup_fraction = v->warmup_fraction;
+        if (v->warmup < 0) c->lr_warmup_iters = 0; /* the built-in job's warmup gives way */
+    }
+    if (v->warmup_init >= 0) c->lr_warmup_init = v->warmup_init;
+    if (v->decay_iters >= 0) c->lr_decay_iters = v->decay_iters;
+    if (v->wsd_iters >= 0) c->lr_wsd_decay_iters = v->wsd_iters;
+    if (v->warmup_samples >= 0) c->lr_warmup_samples = v->warmup_samples;
+    if (v->decay_samples >= 0) c->lr_decay_samples = v->decay_samples;
+    if (v->wsd_samples >= 0) c->lr_wsd_decay_samples = v->wsd_samples;
+    if (v->decay_style) {
+        const char* names[] = {"constant", "linear", "cosine", "inverse-square-root", "WSD"};
+        c->lr_decay_style = (mt_lr_decay_style)tg_lookup(v->decay_style, names, 5);
+    }
+    if (v->wsd_style) {
+        const char* names[] = {"exponential", "linear", "cosine", "minus_sqrt"};
+        c->lr_wsd_decay_style = (mt_wsd_decay_style)tg_lookup(v->wsd_style, names, 4);
+    }
+    if (v->b1 >= 0) c->adam_beta1 = v->b1;
+    if (v->b2 >= 0) c->adam_beta2 = v->b2;
+    if (v->eps >= 0) c->adam_eps = v->eps;
+    if (v->wd >= 0) c->weight_decay = v->wd;
+    if (v->clip >= 0) c->clip_grad = v->clip;
+    if (v->mbs >= 0) c->micro_batch_size = (int)v->mbs;
+    if (v->gbs >= 0) c->global_batch_size = (int)v->gbs;
+    if (v->train_samples >= 0) { /* the built-in job's --train-iters gives way to --train-samples */
+        c->train_samples = v->train_samples;
+        c->train_iters = v->iters >= 0 ? v->iters : 0;
+        if (v->warmup < 0) c->lr_warmup_iters = 0;
+    } else if (v->iters >= 0) {
+        c->train_iters = v->iters;
+    } else if (v->skip_train) {
+        c->train_iters = 1; /* nothing trains; the config only needs a length */
+    }
+    if (v->rampup[0] >= 0) for (int k = 0; k < 3; k++) c->rampup_batch_size[k] = v->rampup[k];
+    if (v->batch_schedule) {
+        mt_error err;
+        if (mt_batch_size_schedule_parse(v->batch_schedule, c->seq_length, c, &err) != MT_OK)
+            return tg_fail(msg, size, "%s", err.message);
+        if (v->gbs < 0 && v->builtin) c->global_batch_size = 0; /* the schedule's last size */
+    }
+    if (v->seed >= 0) c->seed = (uint64_t)v->seed;
+    c->eod_mask_loss = v->eod_mask_loss;
+    c->calculate_per_token_loss = v->per_token_loss;
+
+    /* parallelism */
+    if (v->tp >= 0) c->tensor_model_parallel_size = (int)v->tp;
+    if (v->pp >= 0) c->pipeline_model_parallel_size = (int)v->pp;
+    c->sequence_parallel = v->sequence_parallel;
+    c->use_distributed_optimizer = v->distributed_optimizer;
+    c->overlap_grad_reduce = v->overlap_grad_reduce;
+    c->overlap_param_gather = v->overlap_param_gather;
+    if (v->ddp_bucket_size >= 0) c->ddp_bucket_size = v->ddp_bucket_size;
+
+    /* exits, checkpoints, profiling */
+    if (v->finetune && v->no_load_optim) tg_note_info(v, "--no-load-optim (implied by --finetune)", NULL);
+    if (v->profile_step_start < 0) v->profile_step_start = 10;
+    if (v->profile_step_end < 0) v->profile_step_end = 12;
+    if (v->profile && v->profile_step_end <= v->profile_step_start)
+        return tg_fail(msg, size, "--profile-step-end %lld must come after --profile-step-start %lld",
+                       (long long)v->profile_step_end, (long long)v->profile_step_start);
+    return 0;
+}
+
+/* The one startup line naming the informational flags given ("" when none). */
+static void tg_flags_info_line(const tg_flags* v, char* out, size_t size) {
+    out[0] = 0;
+    if (v->num_info == 0) return;
+    size_t used = (size_t)snprintf(out, size, "accepted, no effect in this build (see --help):");
+    for (int k = 0; k < v->num_info && used < size; k++)
+        used += (size_t)snprintf(out + used, size - used, "%s %s", k ? "," : "", v->info[k]);
+}
+
+/* --help: every flag with its value, default and meaning, in Megatron's argument groups. */
+static void tg_flags_help(FILE* out) {
+    fprintf(out, "usage: train_gpt [Megatron pretrain_gpt.py flags]   (--flag value or --flag=value)\n"
+                 "  With neither --data-path nor --mock-data, trains the built-in small GPT on tiny shakespeare\n"
+                 "  (its own sizes and schedule; flags still override). Informational flags are accepted and\n"
+                 "  named at startup; refused flags stop with the reason.\n");
+    for (size_t k = 0; k < TG_NUM_FLAGS; k++) {
+        const tg_flag* f = &tg_flag_table[k];
+        int first = 1;
+        for (size_t j = 0; j < k; j++) if (!strcmp(tg_flag_table[j].group, f->group)) { first = 0; break; }
+        if (!first) continue;
+        fprintf(out, "\n%s:\n", f->group);
+        for (size_t j = k; j < TG_NUM_FLAGS; j++) {
+            const tg_flag* g = &tg_flag_table[j];
+            if (strcmp(g->group, f->group)) continue;
+            const char* arg = "";
+            switch (g->kind) {
+                case F_INT: case F_INT64: arg = " INT"; break;
+                case F_INT64_3: arg = " START INCR SAMPLES"; break;
+                case F_DOUBLE: arg = " FLOAT"; break;
+                case F_STRING: case F_INFO_VALUE: case F_REFUSED_VALUE: arg = g->choices ? "" : " STR"; break;
+                default: break;
+            }
+            char head[160];
+            if (g->choices) snprintf(head, sizeof(head), "%s {%s}", g->name, g->choices);
+            else snprintf(head, sizeof(head), "%s%s", g->name, arg);
+            const char* tag = g->kind == F_INFO_SWITCH || g->kind == F_INFO_VALUE ? "[no effect here] "
+                              : g->kind == F_REFUSED_SWITCH || g->kind == F_REFUSED_VALUE ? "[refused] " : "";
+            fprintf(out, "  %-44s %s%s (default: %s)\n", head, tag, g->help, g->def);
+        }
+    }
+}
+
+#endif /* TRAIN_GPT_FLAGS_H */
