@@ -5011,8 +5011,9 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
                 /* the scratch is the next step's: keep the input gradient aside; so too the output of a
                  * layerless chunk in evaluation (its slot's residual[0] may receive the next input) */
                 if (!forward || (!train && ch.count == 0)) {
-                    CUDA_CHECK(&t->error, cudaMemcpyAsync(t->pp_send, t->act.dresidual, (size_t)s.R * s.h * t->elem,
-                                                          cudaMemcpyDeviceToDevice, t->stream));
+                    CUDA_CHECK(&t->error, cudaMemcpyAsync(t->pp_send, forward ? out : t->act.dresidual,
+                                                          (size_t)s.R * s.h * t->elem, cudaMemcpyDeviceToDevice,
+                                                          t->stream));
                     out = t->pp_send;
                 }
                 x.send[x.num_send] = out;
