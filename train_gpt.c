@@ -52,6 +52,10 @@ typedef struct {
     double peak_tflops;
     int builtin; /* no --data-path: the built-in job */
     int mock_data; /* --mock-data: random tokens, no files (benchmarks) */
+    /* the memory plan without a GPU: --plan (this layout), --plan-layouts (every layout of the world) */
+    int plan, plan_layouts;
+    int64_t plan_world_size; /* --world-size (-1: not given) */
+    double gpu_memory_gib;   /* --gpu-memory-gib (80) */
 } run_options;
 
 static int g_rank = 0, g_world = 1; /* for error lines only: which of the N processes failed */
@@ -254,6 +258,13 @@ static void parse_args(run_options* o, int argc, char** argv) {
         {"--exit-interval", F_INT64, &o->exit_interval, IR(0, I64MAX)},
         {"--sample-tokens", F_INT, &o->sample_tokens, IR(0, I32MAX)},
         {"--peak-tflops", F_DOUBLE, &o->peak_tflops, DR(0, INFINITY, 0)},
+        /* memory: the plan without a GPU, and optimizer offload */
+        {"--plan", F_TRUE, &o->plan, NR},
+        {"--plan-layouts", F_TRUE, &o->plan_layouts, NR},
+        {"--world-size", F_INT64, &o->plan_world_size, IR(1, 1 << 20)},
+        {"--gpu-memory-gib", F_DOUBLE, &o->gpu_memory_gib, DR(0, 1e6, D_LO_OPEN)},
+        {"--optimizer-cpu-offload", F_TRUE, &c->optimizer_cpu_offload, NR},
+        {"--optimizer-offload-fraction", F_DOUBLE, &c->optimizer_offload_fraction, DR(0, 1, 0)},
         /* accepted for launch-script compatibility; they do not change what this build computes */
         {"--log-throughput", F_IGNORED_SWITCH, NULL, NR},
         {"--use-mcore-models", F_IGNORED_SWITCH, NULL, NR},
@@ -568,31 +579,99 @@ static void timestamp(char* buf, size_t n) {
     snprintf(buf, n, "%s.%06ld", base, (long)tv.tv_usec);
 }
 
+/* ---- memory plan ------------------------------------------------------------------------------ */
+
+static const char* precision_name(mt_precision p) { return p == MT_FP32 ? "fp32" : p == MT_BF16 ? "bf16" : "fp16"; }
+
+/* The plan of one GPU, by category (the same block at startup, for --plan, and before a refusal). */
+static void print_plan(const mt_memory_plan* p, const mt_config* c, const mt_plan_options* opts) {
+    const double gib = 1024.0 * 1024.0 * 1024.0, mib = 1024.0 * 1024.0;
+    static const char* recompute[] = {"none", "selective", "full"};
+    printf("memory plan per GPU (pipeline rank %d of %d, %lld parameters on this GPU, %s%s): TP %d, PP %d, VP %d, DP %d%s%s%s, "
+           "recompute %s, micro-batch %d x %d tokens, %d of %d micro-batches' activations in flight\n",
+           p->pp_rank, c->pipeline_model_parallel_size, (long long)p->num_parameters, precision_name(c->precision),
+           c->fp8_format != MT_FP8_NONE ? " + FP8" : "", c->tensor_model_parallel_size, c->pipeline_model_parallel_size,
+           opts->virtual_pipeline_size, c->data_parallel_size, c->sequence_parallel ? ", SP" : "",
+           c->use_distributed_optimizer ? ", distributed optimizer" : "",
+           p->offload_elements ? ", optimizer offload" : "", recompute[opts->recompute.granularity],
+           c->micro_batch_size, c->seq_length, p->in_flight, p->num_micro_batches);
+    printf("  parameters   %8.3f GiB  (%s, %lld elements with padding)\n", p->parameter_bytes / gib,
+           precision_name(c->precision), (long long)p->buffer_elements);
+    printf("  master fp32  %8.3f GiB\n", p->master_bytes / gib);
+    printf("  gradients    %8.3f GiB  (fp32)\n", p->gradient_bytes / gib);
+    printf("  Adam m, v    %8.3f GiB  (fp32, %lld of %lld optimizer elements on the GPU)\n", p->optimizer_bytes / gib,
+           (long long)(p->shard_elements - p->offload_elements), (long long)p->shard_elements);
+    printf("  activations  %8.3f GiB  (%.3f GiB saved per micro-batch x %d in flight, the rest scratch)\n",
+           p->activation_bytes / gib, p->activation_saved_bytes / gib, p->in_flight);
+    if (p->fp8_bytes) printf("  fp8          %8.3f GiB  (the weights' FP8 copies, scaling state, cast scratch)\n", p->fp8_bytes / gib);
+    printf("  workspace    %8.3f GiB  (cuBLAS %.0f MiB, column sums, AdamW chunk table, RoPE tables%s)\n",
+           p->workspace_bytes / gib, MT_CUBLAS_WORKSPACE_BYTES / mib,
+           c->pipeline_model_parallel_size > 1 ? ", pipeline receive buffers" : "");
+    if (p->offload_elements)
+        printf("  offload      %8.3f GiB  (device staging; host: %.3f GiB pinned for %lld offloaded elements)\n",
+               p->offload_bytes / gib, p->host_pinned_bytes / gib, (long long)p->offload_elements);
+    printf("  allocated    %8.3f GiB  (%.2f bytes of model state per parameter)\n", p->total_bytes / gib,
+           (double)(p->parameter_bytes + p->master_bytes + p->gradient_bytes + p->optimizer_bytes) /
+               (double)(p->num_parameters ? p->num_parameters : 1));
+    printf("  overheads    %8.3f GiB  (stated constants: CUDA context %.0f MiB, cuBLAS %.0f MiB, NCCL %.0f MiB per "
+           "communicator)\n", p->overhead_bytes / gib, MT_PLAN_CONTEXT_BYTES / mib, MT_PLAN_CUBLAS_BYTES / mib,
+           MT_PLAN_NCCL_BYTES / mib);
+    printf("  in use       %8.3f GiB  expected per GPU\n", p->device_bytes / gib);
+}
+
 static void print_memory_plan(mt_trainer* t, const mt_config* c) {
     mt_memory_plan p = mt_trainer_memory_plan(t);
-    double gib = 1024.0 * 1024.0 * 1024.0;
+    mt_plan_options opts;
+    mt_plan_options_defaults(&opts);
+    print_plan(&p, c, &opts);
+    const double gib = 1024.0 * 1024.0 * 1024.0;
     char name[256];
     size_t free_bytes = 0, total_bytes = 0;
     mt_error err;
-    mt_device_info(name, sizeof(name), &free_bytes, &total_bytes, &err);
-    printf("memory plan per GPU (%s, %lld parameters%s, %s):\n", name, (long long)p.num_parameters,
-           c->tensor_model_parallel_size > 1 ? " of this tensor-parallel rank" : "",
-           c->precision == MT_FP32 ? "fp32" : c->precision == MT_BF16 ? "bf16" : "fp16");
-    printf("  parameters   %8.3f GiB  (%zu bytes/param)\n", p.parameter_bytes / gib,
-           p.num_parameters ? p.parameter_bytes / (size_t)p.num_parameters : 0);
-    printf("  master fp32  %8.3f GiB\n", p.master_bytes / gib);
-    printf("  gradients    %8.3f GiB  (fp32)\n", p.gradient_bytes / gib);
-    printf("  optimizer    %8.3f GiB  (Adam m, v fp32)\n", p.optimizer_bytes / gib);
-    printf("  activations  %8.3f GiB  (micro-batch %d x %d tokens)\n", p.activation_bytes / gib, c->micro_batch_size,
-           c->seq_length);
-    printf("  workspace    %8.3f GiB\n", p.workspace_bytes / gib);
-    if (c->fp8_format != MT_FP8_NONE)
-        printf("  fp8          %8.3f GiB  (weights' FP8 copies, scaling state, cast scratch)\n", p.fp8_bytes / gib);
-    size_t state = p.parameter_bytes + p.master_bytes + p.gradient_bytes + p.optimizer_bytes;
-    printf("  model state  %8.3f GiB  (%.2f bytes/param; the device reported %.3f GiB)\n", state / gib,
-           (double)state / (double)p.num_parameters, p.state_bytes_measured / gib);
-    printf("  total        %8.3f GiB planned; device reports %.3f GiB in use of %.3f GiB\n", p.total_bytes / gib,
-           (total_bytes - free_bytes) / gib, total_bytes / gib);
+    if (mt_device_info(name, sizeof(name), &free_bytes, &total_bytes, &err) != MT_OK) snprintf(name, sizeof(name), "?");
+    printf("  total        %8.3f GiB planned; device reports %.3f GiB in use of %.3f GiB (%s; the model state took "
+           "%.3f GiB as it counts)\n", p.device_bytes / gib, (total_bytes - free_bytes) / gib, total_bytes / gib, name,
+           p.state_bytes_measured / gib);
+}
+
+/* --plan: this layout's plan and whether it fits; --plan-layouts: every layout of the world size
+ * that fits, fastest first. No GPU, no data. Returns the exit status (1: nothing fits). */
+static int run_plan(const run_options* o, const mt_config* c, int sequence_parallel) {
+    const double gib = 1024.0 * 1024.0 * 1024.0, budget = o->gpu_memory_gib * gib;
+    mt_plan_options opts;
+    mt_plan_options_defaults(&opts);
+    mt_error err;
+    if (!o->plan_layouts) {
+        mt_memory_plan p;
+        if (mt_memory_plan_compute(c, &opts, &p, &err) != MT_OK) die(2, "%s", err.message);
+        print_plan(&p, c, &opts);
+        if ((double)p.device_bytes <= budget) {
+            printf("  fits in %.1f GiB per GPU with %.3f GiB to spare\n", o->gpu_memory_gib, (budget - p.device_bytes) / gib);
+            return 0;
+        }
+        printf("  does NOT fit in %.1f GiB per GPU: %.3f GiB short\n", o->gpu_memory_gib, (p.device_bytes - budget) / gib);
+        return 1;
+    }
+    enum { MAX_LAYOUTS = 4096 };
+    mt_layout_candidate* k = (mt_layout_candidate*)malloc(sizeof(mt_layout_candidate) * MAX_LAYOUTS);
+    if (!k) die(1, "cannot allocate the layout table");
+    mt_config base = *c;
+    base.sequence_parallel = sequence_parallel;
+    int n = 0, fits = 0;
+    if (mt_plan_layouts(&base, &opts, c->world_size, k, MAX_LAYOUTS, &n, &err) != MT_OK) die(2, "%s", err.message);
+    printf("layouts of %d GPUs that fit in %.1f GiB per GPU (global batch %d, micro-batch %d%s%s), fastest first by the "
+           "cost model of DESIGN.md:\n", c->world_size, o->gpu_memory_gib, c->global_batch_size, c->micro_batch_size,
+           sequence_parallel ? ", SP where TP > 1" : "", c->use_distributed_optimizer ? ", distributed optimizer" : "");
+    printf("    TP   PP   VP     DP   model step (ms)   GiB per GPU (pipeline rank)   activations in flight\n");
+    for (int i = 0; i < n; i++) {
+        if ((double)k[i].plan.device_bytes > budget) continue;
+        fits++;
+        printf("  %4d %4d %4d %6d %17.1f %15.2f (%d) %26d\n", k[i].tp, k[i].pp, k[i].vp, k[i].dp,
+               1e3 * k[i].step_seconds, k[i].plan.device_bytes / gib, k[i].plan.pp_rank, k[i].plan.in_flight);
+    }
+    printf("  %d of %d layouts fit%s\n", fits, n, n ? "" : " (no TP x PP divides the model and the batch)");
+    free(k);
+    return fits ? 0 : 1;
 }
 
 /* ---- data ------------------------------------------------------------------------------------- */
@@ -727,17 +806,35 @@ int main(int argc, char** argv) {
     mt_config_defaults(&o.cfg);
     o.log_interval = o.eval_interval = o.eval_iters = o.save_interval = -1; /* unset */
     o.sample_tokens = -1;
+    o.plan_world_size = -1;
+    o.gpu_memory_gib = 80.0;
     parse_args(&o, argc, argv);
     mt_config* c = &o.cfg;
     c->world_size = world;
     c->rank = rank;
     c->local_rank = local_rank;
     c->comm_id = comm_id;
+    const int planning = o.plan || o.plan_layouts, sequence_parallel = c->sequence_parallel;
+    if (planning) { /* the layout of --world-size GPUs, on none */
+        c->world_size = o.plan_world_size > 0 ? (int)o.plan_world_size : 1;
+        c->rank = 0;
+        c->local_rank = -1;
+    } else if (o.plan_world_size > 0 || o.gpu_memory_gib != 80.0) {
+        die(2, "--world-size and --gpu-memory-gib go with --plan or --plan-layouts (a run's world is its processes)");
+    }
 
     mt_tokenizer* tok = load_tokenizer(&o);
     c->vocab_size = tok ? mt_tokenizer_vocab_size(tok) : o.null_vocab_size;
     mt_error err;
     if (mt_config_finalize(c, &err) != MT_OK) die(2, "%s", err.message);
+    if (planning) {
+        int status = run_plan(&o, c, sequence_parallel);
+        if (tok) mt_tokenizer_free(tok);
+#ifdef MT_USE_MPI
+        MPI_Finalize();
+#endif
+        return status;
+    }
     {   /* the validation samples Megatron asks for: (train_iters / eval_interval + 1) x eval_iters x gbs */
         int64_t evals = (o.eval_interval > 0 ? c->train_iters / o.eval_interval : 0) + 1, t;
         if (mt_mul_overflows_i64(evals, o.eval_iters, &t) || mt_mul_overflows_i64(t, c->global_batch_size, &t) ||
@@ -783,7 +880,16 @@ int main(int argc, char** argv) {
            c->use_distributed_optimizer ? ", distributed optimizer" : "",
            c->overlap_grad_reduce ? ", overlapped grad reduce" : "", c->overlap_param_gather ? ", overlapped param gather" : "");
     mt_trainer* t = NULL;
-    if (mt_trainer_create(&t, c, &err) != MT_OK) die(1, "%s", err.message);
+    mt_status created = mt_trainer_create(&t, c, &err);
+    if (created == MT_ERR_OOM) { /* the plan that does not fit, then the shortfall */
+        mt_plan_options opts;
+        mt_plan_options_defaults(&opts);
+        opts.pp_rank = mt_rank_coordinates(c, c->rank).pp;
+        mt_memory_plan p;
+        mt_error plan_err;
+        if (mt_memory_plan_compute(c, &opts, &p, &plan_err) == MT_OK) print_plan(&p, c, &opts);
+    }
+    if (created != MT_OK) die(1, "%s", err.message);
     print_memory_plan(t, c);
 
     int64_t iteration = 0, consumed = 0, consumed_valid = 0;
