@@ -30,6 +30,7 @@
 #include "tests/test_hf.h"
 #include "tests/test_header.h"
 #include "tests/test_hostile.h"
+#include "tests/test_memory.h"
 
 typedef struct {
     const char* group; /* kind.feature: kind is host, gpu or multigpu */
@@ -66,6 +67,7 @@ int main(int argc, char** argv) {
         GROUP("host.hf", hf_tests),
         GROUP("host.header", header_tests),
         GROUP("host.hostile", hostile_tests),
+        GROUP("host.memory", memory_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),
         GROUP("gpu.checkpoint", checkpoint_gpu_tests),
@@ -74,8 +76,10 @@ int main(int argc, char** argv) {
         GROUP("gpu.fp8", fp8_tests),
         GROUP("gpu.tensor_parallel", tensor_parallel_gpu_tests),
         GROUP("gpu.hf", hf_gpu_tests),
+        GROUP("gpu.memory", memory_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
         GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),
+        GROUP("multigpu.memory", memory_multigpu_tests),
     };
     int passed = 0, failed = 0, skipped = 0;
     const char* failed_names[64];
