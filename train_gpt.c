@@ -955,6 +955,16 @@ int main(int argc, char** argv) {
         if (o.exit_interval > 0 && iteration % o.exit_interval == 0) break;
     }
     printf("training took %.1f s\n", now_seconds() - t_start);
+    {   /* the plan against what the device reports once training has run (dev/memory_check.sh) */
+        mt_memory_plan p = mt_trainer_memory_plan(t);
+        char name[256];
+        size_t free_bytes = 0, total_bytes = 0;
+        if (mt_device_info(name, sizeof(name), &free_bytes, &total_bytes, &err) == MT_OK) {
+            const double gib = 1024.0 * 1024.0 * 1024.0, used = (double)(total_bytes - free_bytes);
+            printf("memory after %lld iterations: device reports %.3f GiB in use, the plan %.3f GiB (%+.1f%%)\n",
+                   (long long)iteration, used / gib, p.device_bytes / gib, 100.0 * (used - p.device_bytes) / p.device_bytes);
+        }
+    }
     /* as Megatron: validation and test losses at the end of training */
     if (o.eval_iters > 0 && split_samples(data, MT_SPLIT_VALID) >= consumed_valid + o.eval_iters * c->global_batch_size)
         print_validation("validation", iteration, evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens));
