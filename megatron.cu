@@ -5664,54 +5664,42 @@ static void initialise_parameters(mt_trainer* t) {
  * offload's host state (section 18). The plan counts the same chunks (megatron.h). */
 static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
     const mt_buffer_layout* B = &t->buffer;
+    const int dp = t->sharded ? t->groups.dp_size : 1, dp_rank = t->sharded ? t->groups.dp_rank : 0;
     t->shard_offset = (int64_t*)calloc((size_t)B->num_buckets, sizeof(int64_t));
-    int64_t capacity = 0, shard_total = 0;
-    for (int b = 0; b < B->num_buckets; b++) {
-        int64_t begin, end;
-        owned_range(t, b, &begin, &end);
-        capacity += (B->buckets[b].end - B->buckets[b].start) / OPT_CHUNK_ELEMENTS + 1;
-        shard_total += end - begin;
-    }
-    capacity += B->num_params + 1;
-    const int64_t gpu_shard = shard_total - mt_offload_elements(&t->cfg, shard_total);
-    mt_opt_chunk* chunks = (mt_opt_chunk*)malloc(sizeof(mt_opt_chunk) * (size_t)capacity);
-    if (!t->shard_offset || !chunks) {
-        free(chunks);
-        return mt_fail(err, MT_ERR_OOM, "cannot allocate the optimizer plan");
-    }
     int64_t shard = 0;
-    int n = 0;
     for (int b = 0; b < B->num_buckets; b++) {
         int64_t begin, end;
         owned_range(t, b, &begin, &end);
         t->shard_offset[b] = shard;
-        for (int i = 0; i < B->num_params; i++) {
-            const mt_buffer_param* p = &B->params[i];
-            if (p->bucket != b) continue;
-            int64_t lo = p->offset > begin ? p->offset : begin;
-            int64_t hi = p->offset + p->numel < end ? p->offset + p->numel : end;
-            for (int64_t x = lo; x < hi;) {
-                mt_opt_chunk* c = &chunks[n++];
-                c->buffer = x;
-                c->master = shard + (x - begin);
-                int64_t len = hi - x < OPT_CHUNK_ELEMENTS ? hi - x : OPT_CHUNK_ELEMENTS;
-                if (c->master < gpu_shard && c->master + len > gpu_shard) len = gpu_shard - c->master;
-                c->length = (int32_t)len;
-                c->weight_decay = t->params_info[p->tensor].weight_decay;
-                c->count_in_norm = t->params_info[p->tensor].tp_split || t->groups.tp.rank == 0;
-                c->unused = 0;
-                x += len;
-            }
-        }
         shard += end - begin;
     }
     t->shard_numel = shard;
-    t->num_chunks = n;
+    const int64_t gpu_shard = shard - mt_offload_elements(&t->cfg, shard);
+    const int64_t n = mt_optimizer_pieces(B, dp, dp_rank, 0, gpu_shard, NULL);
+    mt_optimizer_piece* pieces = (mt_optimizer_piece*)malloc(sizeof(mt_optimizer_piece) * (size_t)(n > 0 ? n : 1));
+    mt_opt_chunk* chunks = (mt_opt_chunk*)malloc(sizeof(mt_opt_chunk) * (size_t)(n > 0 ? n : 1));
+    if (!t->shard_offset || !pieces || !chunks || n > INT32_MAX) {
+        free(pieces);
+        free(chunks);
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate the optimizer plan (%lld chunks)", (long long)n);
+    }
+    mt_optimizer_pieces(B, dp, dp_rank, 0, gpu_shard, pieces);
+    for (int64_t k = 0; k < n; k++) {
+        mt_opt_chunk* c = &chunks[k];
+        c->buffer = pieces[k].buffer;
+        c->master = pieces[k].master;
+        c->length = (int32_t)pieces[k].length;
+        c->weight_decay = t->params_info[pieces[k].tensor].weight_decay;
+        c->count_in_norm = t->params_info[pieces[k].tensor].tp_split || t->groups.tp.rank == 0;
+        c->unused = 0;
+    }
+    free(pieces);
+    t->num_chunks = (int)n;
     t->chunks = (mt_opt_chunk*)device_alloc(t, sizeof(mt_opt_chunk) * (size_t)(n > 0 ? n : 1),
                                             &t->allocated.workspace_bytes);
     if (t->chunks)
         CUDA_CHECK(&t->error, cudaMemcpy(t->chunks, chunks, sizeof(mt_opt_chunk) * (size_t)n, cudaMemcpyHostToDevice));
-    mt_status st = t->error.status == MT_OK ? offload_create(t, chunks, n, err) : MT_OK;
+    mt_status st = t->error.status == MT_OK ? offload_create(t, chunks, (int)n, err) : MT_OK;
     free(chunks);
     return st != MT_OK ? st : mt_gpu_error_return(&t->error, err);
 }

@@ -736,6 +736,17 @@ mt_status mt_memory_plan_compute(const mt_config* cfg, const mt_plan_options* op
 /* Elements of an optimizer shard of `shard` elements that --optimizer-cpu-offload puts in host
  * memory: the last fraction x shard of it (all at 1.0; else rounded down to 16 elements). */
 int64_t mt_offload_elements(const mt_config* cfg, int64_t shard);
+/* The optimizer's work in pieces (megatron.cu's AdamW chunks): for each bucket of B in order, each
+ * parameter's part of the bucket's DP shard (dp = 1: all of it) in pieces of at most
+ * MT_OPT_CHUNK_ELEMENTS, numbered in the shard from master_start on, a piece cut where the GPU's part
+ * of the shard ends (gpu_shard; optimizer offload). Writes them to out (NULL: only counts); returns
+ * the count. */
+typedef struct {
+    int64_t buffer, master, length;
+    int tensor; /* MT_P_* */
+} mt_optimizer_piece;
+int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int64_t master_start, int64_t gpu_shard,
+                            mt_optimizer_piece* out);
 /* Whether the config's attention runs on the flash kernels (bf16, head dim 64 or 128), else exact. */
 int mt_flash_attention(const mt_config* cfg);
 
@@ -3224,32 +3235,33 @@ void mt_fp8_arena_layout_compute(const mt_config* c, int fp8_layers, mt_fp8_aren
     out->total = off;
 }
 
-/* The optimizer's chunks of the concatenated owned ranges of `n` buffer layouts: pieces of at most
- * MT_OPT_CHUNK_ELEMENTS of one parameter, cut where the GPU's part of the shard ends (gpu_shard). */
-static int64_t mt__optimizer_chunks(const mt_buffer_layout* layouts, int n, int dp, int sharded, int dp_rank,
-                                    int64_t gpu_shard) {
-    int64_t chunks = 0, master = 0;
-    for (int k = 0; k < n; k++) {
-        const mt_buffer_layout* B = &layouts[k];
-        for (int b = 0; b < B->num_buckets; b++) {
-            int64_t begin, end;
-            mt_bucket_shard(&B->buckets[b], sharded ? dp : 1, sharded ? dp_rank : 0, &begin, &end);
-            for (int i = 0; i < B->num_params; i++) {
-                const mt_buffer_param* p = &B->params[i];
-                if (p->bucket != b) continue;
-                int64_t lo = p->offset > begin ? p->offset : begin;
-                int64_t hi = p->offset + p->numel < end ? p->offset + p->numel : end;
-                for (int64_t x = lo; x < hi;) {
-                    int64_t m = master + (x - begin), len = hi - x < MT_OPT_CHUNK_ELEMENTS ? hi - x : MT_OPT_CHUNK_ELEMENTS;
-                    if (m < gpu_shard && m + len > gpu_shard) len = gpu_shard - m;
-                    chunks++;
-                    x += len;
+int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int64_t master_start, int64_t gpu_shard,
+                            mt_optimizer_piece* out) {
+    int64_t count = 0, master = master_start;
+    for (int b = 0; b < B->num_buckets; b++) {
+        int64_t begin, end;
+        mt_bucket_shard(&B->buckets[b], dp, dp_rank, &begin, &end);
+        for (int i = 0; i < B->num_params; i++) {
+            const mt_buffer_param* p = &B->params[i];
+            if (p->bucket != b) continue;
+            int64_t lo = p->offset > begin ? p->offset : begin;
+            int64_t hi = p->offset + p->numel < end ? p->offset + p->numel : end;
+            for (int64_t x = lo; x < hi;) {
+                int64_t m = master + (x - begin), len = hi - x < MT_OPT_CHUNK_ELEMENTS ? hi - x : MT_OPT_CHUNK_ELEMENTS;
+                if (m < gpu_shard && m + len > gpu_shard) len = gpu_shard - m;
+                if (out) {
+                    out[count].buffer = x;
+                    out[count].master = m;
+                    out[count].length = len;
+                    out[count].tensor = p->tensor;
                 }
+                count++;
+                x += len;
             }
-            master += end - begin;
         }
+        master += end - begin;
     }
-    return chunks;
+    return count;
 }
 
 /* One pipeline rank's plan (pp_rank in [0, PP)). */
@@ -3291,7 +3303,12 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     if (st == MT_OK) {
         p->offload_elements = mt_offload_elements(c, p->shard_elements);
         const int64_t gpu_shard = p->shard_elements - p->offload_elements, n = p->buffer_elements;
-        p->optimizer_chunks = mt__optimizer_chunks(chunks, vp, dp, sharded, o->dp_rank, gpu_shard);
+        int64_t master = 0;
+        for (int k = 0; k < vp; k++) {
+            const mt_buffer_layout* B = &chunks[k];
+            p->optimizer_chunks += mt_optimizer_pieces(B, sharded ? dp : 1, sharded ? o->dp_rank : 0, master, gpu_shard, NULL);
+            for (int b = 0; b < B->num_buckets; b++) master += (B->buckets[b].end - B->buckets[b].start) / (sharded ? dp : 1);
+        }
         p->parameter_bytes = (size_t)n * (alias ? 4 : elem);
         p->master_bytes = alias ? 0 : (size_t)gpu_shard * 4;
         p->gradient_bytes = (size_t)n * 4;

@@ -306,15 +306,6 @@ static test_result test_cpu_adamw(void) {
 
 /* ---- host: train_gpt --plan ------------------------------------------------------------------------ */
 
-static int memory_run(const char* cmd, char* out, size_t cap) {
-    FILE* p = popen(cmd, "r");
-    if (!p) return -1;
-    size_t n = fread(out, 1, cap - 1, p);
-    out[n] = 0;
-    int st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
 static test_result test_train_gpt_plan(void) {
     if (access("./train_gpt", X_OK) != 0) SKIP("./train_gpt is not built (make all)");
     static char out[65536];
@@ -323,18 +314,18 @@ static test_result test_train_gpt_plan(void) {
     char cmd[1024];
     snprintf(cmd, sizeof(cmd), "%s --micro-batch-size 4 --plan --world-size 8 --tensor-model-parallel-size 2 "
              "--sequence-parallel --use-distributed-optimizer 2>&1", model);
-    int code = memory_run(cmd, out, sizeof(out));
+    int code = test_command_output(cmd, out, sizeof(out));
     EXPECT(code == 0 && strstr(out, "TP 2, PP 1, VP 1, DP 4, SP, distributed optimizer") && strstr(out, "fits in 80.0"),
            "--plan: exit %d\n%s", code, out);
     snprintf(cmd, sizeof(cmd), "%s --micro-batch-size 64 --plan --gpu-memory-gib 20 2>&1", model);
-    code = memory_run(cmd, out, sizeof(out));
+    code = test_command_output(cmd, out, sizeof(out));
     EXPECT(code == 1 && strstr(out, "does NOT fit in 20.0 GiB") && strstr(out, "short"), "too big: exit %d\n%s", code, out);
     snprintf(cmd, sizeof(cmd), "%s --micro-batch-size 4 --global-batch-size 64 --plan-layouts --world-size 8 2>&1", model);
-    code = memory_run(cmd, out, sizeof(out));
+    code = test_command_output(cmd, out, sizeof(out));
     EXPECT(code == 0 && strstr(out, "layouts of 8 GPUs") && strstr(out, "layouts fit"), "--plan-layouts: exit %d\n%s",
            code, out);
     snprintf(cmd, sizeof(cmd), "%s --micro-batch-size 4 --world-size 8 2>&1", model);
-    code = memory_run(cmd, out, sizeof(out));
+    code = test_command_output(cmd, out, sizeof(out));
     EXPECT(code == 2 && strstr(out, "--plan"), "--world-size without --plan: exit %d\n%s", code, out);
     return TEST_PASS;
 }
