@@ -5024,6 +5024,13 @@ static float* offloaded_part(const mt_trainer* t, const float* device_array) {
                                                                                                                   : NULL;
 }
 
+/* The host elements [*a, *b) of a run that fall in a piece's [lo, hi); false when none do. */
+static bool run_in_piece(const mt_offload_run* run, int64_t lo, int64_t hi, int64_t* a, int64_t* b) {
+    *a = run->host > lo ? run->host : lo;
+    *b = run->host + run->length < hi ? run->host + run->length : hi;
+    return *a < *b;
+}
+
 /* Copies the gradients of piece p (host elements [p piece, ...)) into staging slot p % SLOTS, on d2h. */
 static void offload_fetch_piece(mt_trainer* t, int64_t p) {
     struct mt_offload* o = t->offload;
@@ -5031,8 +5038,8 @@ static void offload_fetch_piece(mt_trainer* t, int64_t p) {
     float* slot = o->grads + (p % MT_OFFLOAD_SLOTS) * o->piece;
     for (int r = 0; r < o->num_runs; r++) {
         const mt_offload_run* run = &o->runs[r];
-        const int64_t a = run->host > lo ? run->host : lo, b = run->host + run->length < hi ? run->host + run->length : hi;
-        if (a >= b) continue;
+        int64_t a, b;
+        if (!run_in_piece(run, lo, hi, &a, &b)) continue;
         CUDA_CHECK(&t->error, cudaMemcpyAsync(slot + (a - lo), t->grads + run->buffer + (a - run->host),
                                               sizeof(float) * (size_t)(b - a), cudaMemcpyDeviceToHost, o->d2h));
     }
@@ -5057,8 +5064,8 @@ static void offload_update(mt_trainer* t, const mt_adamw_step* h) {
         int n = 0;
         for (int r = 0; r < o->num_runs; r++) {
             const mt_offload_run* run = &o->runs[r];
-            const int64_t a = run->host > lo ? run->host : lo, b = run->host + run->length < hi ? run->host + run->length : hi;
-            if (a >= b) continue;
+            int64_t a, b;
+            if (!run_in_piece(run, lo, hi, &a, &b)) continue;
             o->segments[n].offset = a - lo;
             o->segments[n].length = b - a;
             o->segments[n].decay = run->decay;
@@ -5070,8 +5077,8 @@ static void offload_update(mt_trainer* t, const mt_adamw_step* h) {
         /* the piece's new weights to the device: fp32 into the parameters, else staged and cast */
         for (int r = 0; r < o->num_runs; r++) {
             const mt_offload_run* run = &o->runs[r];
-            const int64_t a = run->host > lo ? run->host : lo, b = run->host + run->length < hi ? run->host + run->length : hi;
-            if (a >= b) continue;
+            int64_t a, b;
+            if (!run_in_piece(run, lo, hi, &a, &b)) continue;
             const int64_t at = run->buffer + (a - run->host);
             float* dst = o->staging ? o->staging + (a - lo) : (float*)t->params + at;
             CUDA_CHECK(&t->error, cudaMemcpyAsync(dst, o->master + a, sizeof(float) * (size_t)(b - a),

@@ -3489,12 +3489,8 @@ __attribute__((target("avx2,fma"))) static void mt__adamw_avx2(const mt_adamw_st
 
 void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v, int64_t n) {
 #ifdef MT__ADAMW_AVX2
-    static int simd = -1; /* benign race: every thread computes the same answer */
-    if (simd < 0) {
-        __builtin_cpu_init();
-        simd = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }
-    if (simd) {
+    __builtin_cpu_init(); /* idempotent; then the CPU's features are a table look-up */
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         mt_adamw_step k = *h;
         if (!decay) k.weight_decay = 0.0f;
         mt__adamw_avx2(&k, k.weight_decay, grad, master, m, v, n);
