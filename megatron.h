@@ -806,10 +806,13 @@ mt_status mt_buffer_layout_build_stage(mt_buffer_layout* layout, const mt_config
  * (TP at most 8, a node's NVLink domain; VP up to 4 where L divides by PP x VP), DP the rest, the
  * config's global batch, micro-batch, SP and optimizer flags kept; each with its plan and the cost
  * model's relative step time (DESIGN.md): compute x (1 + (PP - 1) / (VP M)) + the TP and DP
- * communication at stated bandwidths. Sorted fastest first; *count layouts written (at most max). */
+ * communication at stated bandwidths. Sorted fastest first (tokens per second per GPU: layouts whose
+ * global batch is micro-batch x DP run different batches); *count layouts written (at most max). */
 typedef struct {
     int tp, pp, vp, dp;
-    double step_seconds;          /* the cost model's estimate */
+    int global_batch_size;        /* the config's, or micro-batch x DP when it gives none */
+    double step_seconds;          /* the cost model's estimate of one step */
+    double tokens_per_second;     /* per GPU: global batch x seq / step / world (what the order follows) */
     mt_memory_plan plan;          /* the pipeline rank that needs the most memory */
 } mt_layout_candidate;
 mt_status mt_plan_layouts(const mt_config* cfg, const mt_plan_options* opts, int world_size,
@@ -3431,13 +3434,15 @@ mt_status mt_plan_layouts(const mt_config* c, const mt_plan_options* opts, int w
                 k->pp = pp;
                 k->vp = vp;
                 k->dp = x.data_parallel_size;
+                k->global_batch_size = x.global_batch_size;
                 k->step_seconds = mt__layout_seconds(&x, tp, pp, vp, x.data_parallel_size);
+                k->tokens_per_second = (double)x.global_batch_size * x.seq_length / k->step_seconds / world;
                 k->plan = plan;
             }
         }
     }
     for (int i = 1; i < *count; i++) /* fastest first (insertion sort, stable) */
-        for (int j = i; j > 0 && out[j].step_seconds < out[j - 1].step_seconds; j--) {
+        for (int j = i; j > 0 && out[j].tokens_per_second > out[j - 1].tokens_per_second; j--) {
             mt_layout_candidate t = out[j];
             out[j] = out[j - 1];
             out[j - 1] = t;

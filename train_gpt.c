@@ -636,7 +636,7 @@ static void print_memory_plan(mt_trainer* t, const mt_config* c) {
 
 /* --plan: this layout's plan and whether it fits; --plan-layouts: every layout of the world size
  * that fits, fastest first. No GPU, no data. Returns the exit status (1: nothing fits). */
-static int run_plan(const run_options* o, const mt_config* c, int sequence_parallel) {
+static int run_plan(const run_options* o, const mt_config* c, int sequence_parallel, int global_batch) {
     const double gib = 1024.0 * 1024.0 * 1024.0, budget = o->gpu_memory_gib * gib;
     mt_plan_options opts;
     mt_plan_options_defaults(&opts);
@@ -657,17 +657,24 @@ static int run_plan(const run_options* o, const mt_config* c, int sequence_paral
     if (!k) die(1, "cannot allocate the layout table");
     mt_config base = *c;
     base.sequence_parallel = sequence_parallel;
+    base.global_batch_size = global_batch;
+    const int world = o->plan_world_size > 0 ? (int)o->plan_world_size : 1;
     int n = 0, fits = 0;
-    if (mt_plan_layouts(&base, &opts, c->world_size, k, MAX_LAYOUTS, &n, &err) != MT_OK) die(2, "%s", err.message);
-    printf("layouts of %d GPUs that fit in %.1f GiB per GPU (global batch %d, micro-batch %d%s%s), fastest first by the "
-           "cost model of DESIGN.md:\n", c->world_size, o->gpu_memory_gib, c->global_batch_size, c->micro_batch_size,
+    if (mt_plan_layouts(&base, &opts, world, k, MAX_LAYOUTS, &n, &err) != MT_OK) die(2, "%s", err.message);
+    char batch[64];
+    if (global_batch) snprintf(batch, sizeof(batch), "global batch %d", global_batch);
+    else snprintf(batch, sizeof(batch), "global batch = micro-batch x DP");
+    printf("layouts of %d GPUs that fit in %.1f GiB per GPU (%s, micro-batch %d%s%s), fastest first by the cost model "
+           "of DESIGN.md:\n", world, o->gpu_memory_gib, batch, c->micro_batch_size,
            sequence_parallel ? ", SP where TP > 1" : "", c->use_distributed_optimizer ? ", distributed optimizer" : "");
-    printf("    TP   PP   VP     DP   model step (ms)   GiB per GPU (pipeline rank)   activations in flight\n");
+    printf("    TP   PP   VP     DP   global batch   model step (ms)   tokens/s/GPU   GiB per GPU (pipeline rank)   "
+           "activations in flight\n");
     for (int i = 0; i < n; i++) {
         if ((double)k[i].plan.device_bytes > budget) continue;
         fits++;
-        printf("  %4d %4d %4d %6d %17.1f %15.2f (%d) %26d\n", k[i].tp, k[i].pp, k[i].vp, k[i].dp,
-               1e3 * k[i].step_seconds, k[i].plan.device_bytes / gib, k[i].plan.pp_rank, k[i].plan.in_flight);
+        printf("  %4d %4d %4d %6d %14d %17.1f %14.0f %21.2f (%d) %26d\n", k[i].tp, k[i].pp, k[i].vp, k[i].dp,
+               k[i].global_batch_size, 1e3 * k[i].step_seconds, k[i].tokens_per_second, k[i].plan.device_bytes / gib,
+               k[i].plan.pp_rank, k[i].plan.in_flight);
     }
     printf("  %d of %d layouts fit%s\n", fits, n, n ? "" : " (no TP x PP divides the model and the batch)");
     free(k);
@@ -815,8 +822,9 @@ int main(int argc, char** argv) {
     c->local_rank = local_rank;
     c->comm_id = comm_id;
     const int planning = o.plan || o.plan_layouts, sequence_parallel = c->sequence_parallel;
-    if (planning) { /* the layout of --world-size GPUs, on none */
-        c->world_size = o.plan_world_size > 0 ? (int)o.plan_world_size : 1;
+    const int global_batch = c->global_batch_size; /* 0: micro-batch x DP of each layout */
+    if (planning) { /* the layout of --world-size GPUs, on none (--plan-layouts: the model checked on one) */
+        c->world_size = o.plan_world_size > 0 && !o.plan_layouts ? (int)o.plan_world_size : 1;
         c->rank = 0;
         c->local_rank = -1;
     } else if (o.plan_world_size > 0 || o.gpu_memory_gib != 80.0) {
@@ -828,7 +836,7 @@ int main(int argc, char** argv) {
     mt_error err;
     if (mt_config_finalize(c, &err) != MT_OK) die(2, "%s", err.message);
     if (planning) {
-        int status = run_plan(&o, c, sequence_parallel);
+        int status = run_plan(&o, c, sequence_parallel, global_batch);
         if (tok) mt_tokenizer_free(tok);
 #ifdef MT_USE_MPI
         MPI_Finalize();
