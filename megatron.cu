@@ -5451,7 +5451,13 @@ static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
 /*    distrib_optim.pt); such a checkpoint resumes on the same number of ranks. With tensor       */
 /*    parallelism each TP rank's shard goes to mp_rank_<tp>/ and resumes at the same TP. All is   */
 /*    written into a temporary directory that rank 0 renames into place once every rank has       */
-/*    written; latest_checkpointed_iteration.txt comes last. Ranks share the file system.         */
+/*    written (every file fsync'ed first); latest_checkpointed_iteration.txt comes last. A crash  */
+/*    at any instant leaves the previous complete checkpoint readable: a half-written save is a   */
+/*    .tmp_iter_* directory that the next save removes; one cut between moving an old copy of the */
+/*    same iteration aside (iter_N.old) and renaming the new one in is read from iter_N.old, and  */
+/*    the next save puts it back. Loading checks every header word before use (megatron.h's       */
+/*    mt_checkpoint_header_check) and each file's exact size. Ranks share the file system; one    */
+/*    job saves into a checkpoint directory at a time.                                            */
 /* ============================================================================================== */
 
 /* the header words: megatron.h, MT_CK_* */
@@ -5461,18 +5467,40 @@ static mt_status write_all(FILE* f, const void* data, size_t bytes, const char* 
     return MT_OK;
 }
 
-static mt_status remove_tree(const char* path) {
-    DIR* d = opendir(path);
-    if (!d) return unlink(path) == 0 || errno == ENOENT ? MT_OK : MT_ERR_IO;
+/* Rank 0, before a save: removes the temporary directories of saves that never finished, and
+ * settles every iter_N.old a save left: removed when iter_N is in place, else renamed back. */
+static void tidy_checkpoint_dir(const char* dir) {
+    DIR* d = opendir(dir);
+    if (!d) return;
     struct dirent* e;
-    char child[4096];
+    char path[4400], final_dir[4400];
     while ((e = readdir(d))) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-        snprintf(child, sizeof(child), "%s/%s", path, e->d_name);
-        remove_tree(child);
+        const char* n = e->d_name;
+        size_t len = strlen(n);
+        snprintf(path, sizeof(path), "%s/%s", dir, n);
+        if (!strncmp(n, ".tmp_iter_", 10)) {
+            mt_remove_tree(path);
+        } else if (!strncmp(n, "iter_", 5) && len > 9 && !strcmp(n + len - 4, ".old")) {
+            snprintf(final_dir, sizeof(final_dir), "%s/%.*s", dir, (int)(len - 4), n);
+            struct stat st;
+            if (stat(final_dir, &st) == 0) mt_remove_tree(path);
+            else if (errno == ENOENT) rename(path, final_dir);
+        }
     }
     closedir(d);
-    return rmdir(path) == 0 ? MT_OK : MT_ERR_IO;
+    snprintf(path, sizeof(path), "%s/.", dir);
+    mt_sync_directory_of(path); /* of dir */
+}
+
+/* fopen(path, "rb") of a regular file only (a FIFO or a directory is refused without blocking) */
+static FILE* open_checkpoint_file(const char* path, mt_error* err) {
+    int fd = mt_open_regular_file(path, err);
+    FILE* f = fd >= 0 ? fdopen(fd, "rb") : NULL;
+    if (fd >= 0 && !f) {
+        mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+        close(fd);
+    }
+    return f;
 }
 
 /* ---- fp32 arrays between the optimizer shard, the full buffer layout, and canonical order ---- */
@@ -5677,7 +5705,11 @@ static mt_status write_checkpoint_file(mt_trainer* t, const char* path, const in
         if (!t->sharded && st == MT_OK) st = write_canonical(t, f, full_optimizer_array(t, t->adam_v), host, path, err);
         if (header[MT_CK_FP8_TENSORS] > 0 && st == MT_OK) st = fp8_state_transfer(t, f, 1, path, err);
     }
+    if (st == MT_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
+        st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
     if (fclose(f) != 0 && st == MT_OK) st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+    if (st == MT_OK && mt_sync_directory_of(path) != 0)
+        st = mt_fail(err, MT_ERR_IO, "cannot sync the directory of %s: %s", path, strerror(errno));
     return st;
 }
 
@@ -5708,7 +5740,7 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
     if (leader) {
         if (mt_make_directories(dir) != 0)
             st = mt_fail(err, MT_ERR_IO, "cannot create checkpoint directory %s: %s", dir, strerror(errno));
-        remove_tree(tmp_dir);
+        tidy_checkpoint_dir(dir);
         if (st == MT_OK && mkdir(tmp_dir, 0755) != 0)
             st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", tmp_dir, strerror(errno));
         for (int r = 0; r < t->groups.tp.size * t->groups.pp_size && st == MT_OK; r++) {
@@ -5736,39 +5768,45 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
     }
     free(host);
     if (!all_ranks_ok(t, st == MT_OK)) {
-        if (leader) remove_tree(tmp_dir);
+        if (leader) mt_remove_tree(tmp_dir);
         return other_rank_failed(st, err, "saving", final_dir);
     }
 
     /* 3. rank 0 moves it into place (replacing an older copy of the same iteration), then the tracker */
     if (leader) {
         snprintf(old_dir, sizeof(old_dir), "%s.old", final_dir);
-        remove_tree(old_dir);
-        if (rename(final_dir, old_dir) != 0 && errno != ENOENT)
+        if (rename(final_dir, old_dir) != 0 && errno != ENOENT) /* an older copy of this iteration steps aside */
             st = mt_fail(err, MT_ERR_IO, "cannot replace %s: %s", final_dir, strerror(errno));
         else if (rename(tmp_dir, final_dir) != 0)
             st = mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", tmp_dir, final_dir, strerror(errno));
-        remove_tree(old_dir);
-        char tracker[4096], tracker_tmp[4160];
-        snprintf(tracker, sizeof(tracker), "%s/latest_checkpointed_iteration.txt", dir);
-        snprintf(tracker_tmp, sizeof(tracker_tmp), "%s.tmp", tracker);
-        if (st == MT_OK) {
-            FILE* tf = fopen(tracker_tmp, "w");
-            if (!tf || fprintf(tf, "%lld", (long long)iteration) < 0 || fclose(tf) != 0 || rename(tracker_tmp, tracker) != 0)
-                st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", tracker, strerror(errno));
-        }
+        else if (mt_sync_directory_of(final_dir) != 0)
+            st = mt_fail(err, MT_ERR_IO, "cannot sync %s: %s", dir, strerror(errno));
+        if (st == MT_OK) mt_remove_tree(old_dir);
+        else rename(old_dir, final_dir); /* the new one did not arrive: the old one comes back */
+        if (st == MT_OK) st = mt_checkpoint_write_tracker(dir, iteration, err);
     }
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", final_dir);
     return mt_gpu_error_return(&t->error, err);
 }
 
-/* Reads and checks a checkpoint header against this run's model. */
-static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int64_t* h, mt_error* err) {
-    if (!f) return mt_fail(err, MT_ERR_IO, "cannot open checkpoint %s: %s", path, strerror(errno));
+/* Reads a checkpoint header and checks it: every word in range (mt_checkpoint_header_check), the
+ * iteration the one asked for, the file's exact size, and the model this run's. f is NULL when the
+ * open failed (err already says why). */
+static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int64_t iteration, int shard_file,
+                             int64_t* h, mt_error* err) {
+    if (!f) return MT_ERR_IO;
     if (fread(h, sizeof(int64_t), MT_CK_HEADER_WORDS, f) != MT_CK_HEADER_WORDS)
         return mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
-    if (h[MT_CK_MAGIC] != MT_CKPT_MAGIC || h[MT_CK_VERSION] != MT_CKPT_VERSION)
-        return mt_fail(err, MT_ERR_FORMAT, "%s is not a megatron.c checkpoint (bad magic or version)", path);
+    mt_status st = mt_checkpoint_header_check(h, path, NULL, err);
+    if (st != MT_OK) return st;
+    if (h[MT_CK_ITERATION] != iteration)
+        return mt_fail(err, MT_ERR_FORMAT, "%s holds iteration %lld, not %lld", path, (long long)h[MT_CK_ITERATION],
+                       (long long)iteration);
+    struct stat sb;
+    const int64_t want = mt_checkpoint_file_bytes(h, shard_file);
+    if (fstat(fileno(f), &sb) != 0 || (int64_t)sb.st_size != want)
+        return mt_fail(err, MT_ERR_FORMAT, "%s has %lld bytes, but its header describes %lld (%s)", path,
+                       (long long)sb.st_size, (long long)want, (int64_t)sb.st_size < want ? "truncated" : "too long");
     int64_t expected[MT_CK_HEADER_WORDS];
     mt_checkpoint_header_init(expected, &t->cfg);
     /* every word that describes the model (shape, flavour, parallel layout) must be this run's */
@@ -5823,31 +5861,20 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
 static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iteration, int load_optim,
                                  int64_t* iteration_out, int64_t* consumed_out, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
-    char path[4224], iter_dir[4096], rank_dir[4160];
+    char path[4400], iter_dir[4200], rank_dir[4300];
     mt_status st = MT_OK;
-    if (iteration < 0) {
-        snprintf(path, sizeof(path), "%s/latest_checkpointed_iteration.txt", dir);
-        FILE* tf = fopen(path, "r");
-        long long it = -1;
-        if (!tf) st = mt_fail(err, MT_ERR_IO, "no checkpoint in %s (cannot open %s)", dir, path);
-        else {
-            if (fscanf(tf, "%lld", &it) != 1 || it < 0)
-                st = mt_fail(err, MT_ERR_FORMAT, "%s does not hold an iteration number", path);
-            fclose(tf);
-        }
-        iteration = it;
-    }
+    if (iteration < 0) st = mt_checkpoint_read_tracker(dir, &iteration, err);
+    if (st == MT_OK) mt_checkpoint_iteration_dir(iter_dir, sizeof(iter_dir), dir, iteration);
     wait_for_all_parameters(t);
     int64_t h[MT_CK_HEADER_WORDS];
     float* host = (float*)malloc(sizeof(float) * (size_t)(t->num_params > t->shard_numel ? t->num_params : t->shard_numel));
     if (!host && st == MT_OK) st = mt_fail(err, MT_ERR_OOM, "cannot allocate host memory to load a checkpoint");
     if (st == MT_OK) {
         /* the model file: master weights (then m and v unless sharded), through the gradient buffer */
-        snprintf(iter_dir, sizeof(iter_dir), "%s/iter_%07lld", dir, (long long)iteration);
         model_rank_dir(t, rank_dir, sizeof(rank_dir), iter_dir, t->groups.tp.rank, t->groups.pp_rank);
         snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
-        FILE* f = fopen(path, "rb");
-        st = read_header(t, f, path, h, err);
+        FILE* f = open_checkpoint_file(path, err);
+        st = read_header(t, f, path, iteration, 0, h, err);
         if (st == MT_OK) st = read_canonical(t, f, t->grads, host, path, err);
         if (st == MT_OK) set_master_from_full(t, t->grads);
         if (st == MT_OK && load_optim && h[MT_CK_SHARDED_DP] == 0) {
@@ -5878,9 +5905,9 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
     if (st == MT_OK && load_optim && h[MT_CK_SHARDED_DP] != 0) {
         /* this rank's shard of master, m and v */
         snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, t->groups.dp_rank);
-        FILE* f = fopen(path, "rb");
+        FILE* f = open_checkpoint_file(path, err);
         int64_t hs[MT_CK_HEADER_WORDS];
-        st = read_header(t, f, path, hs, err);
+        st = read_header(t, f, path, iteration, 1, hs, err);
         if (st == MT_OK && (hs[MT_CK_DP_RANK] != t->groups.dp_rank || hs[MT_CK_SHARD_NUMEL] != t->shard_numel))
             st = mt_fail(err, MT_ERR_FORMAT, "%s is the shard of DP rank %lld with %lld elements, not of rank %d with %lld",
                          path, (long long)hs[MT_CK_DP_RANK], (long long)hs[MT_CK_SHARD_NUMEL], t->groups.dp_rank,
@@ -6414,10 +6441,14 @@ mt_status mt_trainer_evaluate(mt_trainer* t, const int32_t* tokens, int num_micr
 
 mt_status mt_trainer_token_losses(mt_trainer* t, const int32_t* tokens, float* losses, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
-    double mean; /* run_micro_batches leaves the micro-batch's per-token losses in host_losses */
+    double mean; /* run_micro_batches leaves the micro-batch's per-token losses in act.losses (last stage) */
     mt_status st = run_micro_batches(t, tokens, 1, 0, 1.0, 0, &mean, err);
-    if (st == MT_OK) memcpy(losses, t->host_losses, sizeof(float) * (size_t)t->cfg.micro_batch_size * t->cfg.seq_length);
-    return st;
+    if (st != MT_OK) return st;
+    const size_t BT = (size_t)t->cfg.micro_batch_size * t->cfg.seq_length;
+    if (t->groups.pp_size > 1) /* every stage gets the last stage's */
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclBroadcast(t->act.losses, t->act.losses, BT, ncclFloat,
+                                                         t->groups.pp_size - 1, t->groups.pp, t->stream));
+    return copy_sync(t, losses, t->act.losses, sizeof(float) * BT, cudaMemcpyDeviceToHost, err);
 }
 
 /* FP8 delayed scaling after an optimizer step: this step's amaxes (the largest over its micro-batches
@@ -6466,6 +6497,12 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
     int found_inf = !isfinite(norm);
     double lr = mt_learning_rate(c, t->scheduler_steps);
     out->learning_rate = lr;
+    /* Megatron's --check-for-nan-in-loss-and-grad: the loss and the norm are the same on every rank
+     * (both reduced), so every rank stops here together, before the optimizer touches anything */
+    if (c->check_for_nan_in_loss_and_grad && (!isfinite(loss) || (found_inf && c->precision != MT_FP16)))
+        return mt_fail(err, MT_ERR_NAN, "found %s in the %s on rank %d (lm loss %g, grad norm %g): the step is not "
+                       "applied (--check-for-nan-in-loss-and-grad)", isnan(loss) || isnan(norm) ? "NaN" : "Inf",
+                       !isfinite(loss) ? "loss" : "gradients", c->rank, loss, norm);
     if (c->precision == MT_FP16 && found_inf) {
         loss_scaler_update(t, 1);
         out->skipped = 1;

@@ -28,13 +28,15 @@
  *
  * Link: -lm (sqrt, pow, cos, ceil, nearbyint) -lpthread (the thread pool of the CPU AdamW; part of
  * libc from glibc 2.34 on).
- * Platform: POSIX. Besides ISO C the implementation calls open, write, close, fstat, mmap, munmap,
- * mkdir, unlink, getpid, gettimeofday, uname and pthreads (<fcntl.h>, <sys/mman.h>, <sys/stat.h>,
- * <unistd.h>, <sys/time.h>, <sys/utsname.h>, <pthread.h>); on x86 with GCC or Clang the CPU AdamW
- * also uses AVX2 intrinsics (<immintrin.h>) in a function compiled for AVX2 + FMA, called only when
- * the CPU has them. Those headers are POSIX's own and declare these functions in strict ISO modes
- * too (glibc does; tests/test_header.h builds with -std=c99 -pedantic), so no feature-test macro is
- * needed: neither _POSIX_C_SOURCE nor
+ * Platform: POSIX. Besides ISO C the implementation calls open, read, write, close, fcntl, stat, fstat,
+ * fsync, mmap, munmap, mkdir, rmdir, unlink, rename, opendir, readdir, closedir, getpid, gettimeofday,
+ * uname and pthreads (<dirent.h>, <fcntl.h>, <sys/mman.h>, <sys/stat.h>, <unistd.h>, <sys/time.h>,
+ * <sys/utsname.h>, <pthread.h>); it looks at /proc/<pid> to tell whether the process that left a
+ * temporary file is gone (Linux; elsewhere such files are kept). On x86 with GCC or Clang the CPU
+ * AdamW also uses AVX2 intrinsics (<immintrin.h>) in a function compiled for AVX2 + FMA, called only
+ * when the CPU has them. Those headers are POSIX's own and declare these functions in strict ISO
+ * modes too (glibc does; tests/test_header.h builds with -std=c99 -pedantic), so no feature-test
+ * macro is needed: neither _POSIX_C_SOURCE nor
  * _GNU_SOURCE, and this header defines neither. On a system that hides them, define
  * _POSIX_C_SOURCE=200809L when compiling the implementation file.
  * The files it reads and writes are little-endian, as is every host it targets.
@@ -88,7 +90,8 @@ typedef enum {
     MT_ERR_OOM,      /* host or device memory exhausted */
     MT_ERR_CUDA,     /* a CUDA runtime or cuBLAS call failed */
     MT_ERR_NCCL,     /* an NCCL call failed */
-    MT_ERR_RANGE     /* an index out of range */
+    MT_ERR_RANGE,    /* an index out of range */
+    MT_ERR_NAN       /* a NaN or Inf where training needs a finite number (the loss, the gradient norm) */
 } mt_status;
 
 /* One clear line describing the last failure of a call that was handed this struct. */
@@ -115,6 +118,29 @@ mt_status mt_fail(mt_error* err, mt_status status, const char* fmt, ...)
 /*    endian, unaligned, optionally followed by int8 modes[N] (multimodal). The .bin is the tokens */
 /*    of every sequence back to back, headerless.                                                  */
 /* ---------------------------------------------------------------------------------------------- */
+
+/* Files: how this library and its tools read inputs and commit outputs (also used by megatron.cu's
+ * checkpoints and the prepro/ tools).
+ * - Where a regular file is meant (.idx/.bin, config, tokenizer and checkpoint files), a FIFO, a
+ *   directory or a device is refused with one line before any open that could block: stat first,
+ *   then open with O_NONBLOCK and fstat (still a regular file), then back to blocking reads.
+ * - An output is written to mt_temporary_path(path) = "<path>.tmp.<pid>", fsync'ed, closed and
+ *   moved into place with mt_commit_file (rename, then the directory fsync'ed), so a reader finds the
+ *   old file or the new one. mt_remove_stale_temporaries(path), called by every writer before it
+ *   starts, removes "<path>.tmp.<pid>..." files and trees of processes that are gone (a process not
+ *   in /proc; where there is no /proc nothing is removed). Two writers of one path at once (even on
+ *   two hosts of a shared file system) are not supported, as in Megatron. */
+int mt_open_regular_file(const char* path, mt_error* err); /* read-only fd, or -1 (err set) */
+/* A whole regular file of at most max_bytes, malloc'd and NUL-terminated (size excludes the NUL). */
+mt_status mt_read_file(const char* path, size_t max_bytes, char** data, size_t* size, mt_error* err);
+char* mt_temporary_path(const char* path); /* malloc'd "<path>.tmp.<pid>", NULL when out of memory */
+/* rename(tmp, path) and fsync of path's directory; on failure tmp is removed. */
+mt_status mt_commit_file(const char* tmp, const char* path, mt_error* err);
+/* The whole file path from n chunks, committed as above (stale temporaries removed first). */
+mt_status mt_write_file(const char* path, int n, const void* const* chunks, const size_t* sizes, mt_error* err);
+int mt_sync_directory_of(const char* path); /* fsync of the directory holding path: 0 or -1 */
+int mt_remove_stale_temporaries(const char* path); /* how many it removed */
+int mt_remove_tree(const char* path);              /* rm -rf (no symlink followed): 0, or -1 */
 
 /* Megatron's DType codes. preprocess writes 8 (uint16) for vocabularies < 65500, else 4 (int32). */
 enum {
@@ -153,9 +179,14 @@ mt_status mt_indexed_dataset_read(const mt_indexed_dataset* ds, int64_t seq, int
                                   int32_t* out, mt_error* err);
 
 /* Writer: Megatron's IndexedDatasetBuilder. Writes <prefix>.bin.tmp.<pid> and <prefix>.idx.tmp.<pid>
- * and renames them into place in finalize, so a failed or aborted run leaves nothing behind.
- * Integer dtypes only; every token is range-checked against the dtype before anything is written,
- * so a rejected add_document leaves the writer unchanged. */
+ * (removing those of processes that are gone first) and commits them in finalize, so a failed or
+ * aborted run leaves nothing behind. A pair is committed so that no instant shows a new .bin beside
+ * an old .idx: the old .idx and then the old .bin are moved aside first, then the new .bin and last
+ * the new .idx are renamed into place (both fsync'ed before); a crash in between leaves no .idx,
+ * which every reader refuses, and the format stays Megatron's own. The reader above checks, after mapping the .bin, that
+ * the .idx path still names the file it mapped, so a dataset committed while it is being opened is
+ * refused rather than read as a mix. Integer dtypes only; every token is range-checked against the
+ * dtype before anything is written, so a rejected add_document leaves the writer unchanged. */
 typedef struct mt_indexed_writer mt_indexed_writer;
 mt_status mt_indexed_writer_open(mt_indexed_writer** out, const char* prefix, int dtype_code, mt_error* err);
 /* One document of num_sequences sequences (tokens holds sum(sequence_lengths) tokens back to back).
@@ -170,9 +201,17 @@ mt_status mt_indexed_writer_add_index(mt_indexed_writer* w, const char* other_pr
 int64_t mt_indexed_writer_num_sequences(const mt_indexed_writer* w);
 int64_t mt_indexed_writer_num_documents(const mt_indexed_writer* w);
 /* Writes the .idx, renames both files into place and frees w, in every case (on failure the
- * temporary files are removed). */
+ * temporary files are removed): mt_indexed_writer_prepare then mt_indexed_writers_commit of one. */
 mt_status mt_indexed_writer_finalize(mt_indexed_writer* w, mt_error* err);
 void mt_indexed_writer_abort(mt_indexed_writer* w); /* removes the temporary files, frees */
+/* Several datasets as one set (preprocess_data's --json-keys): prepare each (the .bin flushed, the
+ * .idx written, both fsync'ed under their temporary names; w stays open and abort still removes
+ * them), and only when every one is prepared, commit them all: every old .idx and every old .bin
+ * moved aside, then every new .bin and every new .idx renamed into place, then the old ones removed.
+ * A failure (while preparing or committing) leaves every old dataset as it was; a crash while
+ * committing leaves each dataset old, new, or without an .idx. Commit frees every writer. */
+mt_status mt_indexed_writer_prepare(mt_indexed_writer* w, mt_error* err);
+mt_status mt_indexed_writers_commit(mt_indexed_writer** writers, int count, mt_error* err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 3. GPT datasets: --split, document/sample/shuffle index, blending (bit-exact with Megatron)     */
@@ -201,9 +240,10 @@ void mt_split_range(const mt_split_matrix* m, int split, int64_t n, int64_t* beg
 /* Megatron's requested samples per split (training.py, get_train_valid_test_num_samples):
  * train train_iters*gbs, valid (train_iters // eval_interval + 1) * eval_iters * gbs, test
  * eval_iters*gbs. (With --train-samples, put that in out[0] instead.) eval_interval <= 0 counts as
- * no evaluation during training (valid = eval_iters*gbs). */
-void mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t eval_iters, int64_t global_batch_size,
-                        int64_t out[3]);
+ * no evaluation during training (valid = eval_iters*gbs). Negative counts, or products that do not
+ * fit int64, are MT_ERR_CONFIG naming the flags. */
+mt_status mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t eval_iters, int64_t global_batch_size,
+                             int64_t out[3], mt_error* err);
 
 /* numpy.random.RandomState's generator: legacy MT19937 seeded with init_genrand(seed), and the
  * Fisher-Yates shuffle of RandomState.shuffle (for i = n-1 .. 1: j = random_interval(i), swap),
@@ -440,6 +480,9 @@ typedef struct {
     double adam_beta1, adam_beta2, adam_eps; /* 0.9, 0.999, 1e-8 */
     double weight_decay;              /* --weight-decay (0.01) */
     double clip_grad;                 /* --clip-grad (1.0; 0 disables) */
+    int check_for_nan_in_loss_and_grad; /* 1 unless --no-check-for-nan-in-loss-and-grad: a NaN/Inf loss, or
+                                         gradient norm (outside fp16's loss scaler), stops train_step with
+                                         MT_ERR_NAN before the optimizer applies it */
     /* batch and length of training */
     int micro_batch_size;             /* --micro-batch-size */
     int global_batch_size;            /* --global-batch-size (0: micro * data-parallel size) */
@@ -979,8 +1022,33 @@ enum {
  * shape, parameter count, precision, seed, parallel sizes (progress words stay 0). */
 void mt_checkpoint_header_init(int64_t* header, const mt_config* cfg);
 /* The reverse: the model fields of cfg (shape and flavour) from a header; vocab_size is set to the
- * padded size (it pads to itself). Other fields are left as they are. */
+ * padded size (it pads to itself). Other fields are left as they are. Only for a header that
+ * mt_checkpoint_header_check accepted. */
 void mt_config_from_checkpoint_header(mt_config* cfg, const int64_t* header);
+/* Every word of a header read from a file, checked before any is used as a size, a count or a
+ * value: magic and version; the shape words in [1, 2^31) with a parameter count that fits (the
+ * overflow checks of mt_config_finalize) and equals MT_CK_NUM_PARAMS; the flavour words in their
+ * enums' ranges (switches, --apply-layernorm-1p included, 0 or 1) and the rope and norm doubles finite
+ * and in range; the parallel sizes >= 1, the ranks below them, at most MT_PP_MAX_CHUNKS virtual
+ * stages and the pipeline stage's words consistent;
+ * a known precision; progress, scheduler and Adam counters >= 0; the loss-scaler counters within
+ * int (the growth tracker >= 0; hysteresis counts down past 0, as Megatron's) and the loss scale
+ * finite and > 0; the FP8 words in range. cfg (if not NULL) gets the model
+ * (mt_config_defaults, then mt_config_from_checkpoint_header). path names the file in messages. */
+mt_status mt_checkpoint_header_check(const int64_t* header, const char* path, mt_config* cfg, mt_error* err);
+/* The exact size in bytes of a checkpoint file with this (checked) header: the model file
+ * (model_optim_rng.bin: master weights of its TP shard, then m and v unless sharded, then the FP8
+ * state) or, shard_file != 0, a distrib_optim_dp<r>.bin (master, m and v of MT_CK_SHARD_NUMEL each). */
+int64_t mt_checkpoint_file_bytes(const int64_t* header, int shard_file);
+/* The tracker <dir>/latest_checkpointed_iteration.txt: Megatron's one decimal iteration (its
+ * "release" is not supported). Reading refuses anything else with one line; writing goes through a
+ * temporary file, fsync'ed and renamed (the previous tracker stays until the new one is complete). */
+mt_status mt_checkpoint_read_tracker(const char* dir, int64_t* iteration, mt_error* err);
+mt_status mt_checkpoint_write_tracker(const char* dir, int64_t iteration, mt_error* err);
+/* <dir>/iter_%07lld of an iteration, into out: a save that replaces an iteration moves the old
+ * directory to iter_%07lld.old before it renames the new one into place; when a crash came between
+ * those two renames only the .old exists, and this returns it (the complete old checkpoint). */
+void mt_checkpoint_iteration_dir(char* out, size_t cap, const char* dir, int64_t iteration);
 /* mkdir -p: 0, or -1 with errno set. */
 int mt_make_directories(const char* path);
 
@@ -1020,7 +1088,9 @@ mt_memory_plan mt_trainer_memory_plan(const mt_trainer* t);
 mt_memory_plan mt_trainer_memory_allocated(const mt_trainer* t);
 
 /* One training iteration over this rank's part of the global batch.
- * tokens: [num_micro_batches, micro_batch_size, seq_length + 1] (inputs are [..., :-1], labels [..., 1:]). */
+ * tokens: [num_micro_batches, micro_batch_size, seq_length + 1] (inputs are [..., :-1], labels [..., 1:]).
+ * With cfg->check_for_nan_in_loss_and_grad (the default), a NaN or Inf loss, or gradient norm outside
+ * fp16, returns MT_ERR_NAN on every rank with the weights, optimizer and scheduler as before the step. */
 mt_status mt_trainer_train_step(mt_trainer* t, const int32_t* tokens, mt_step_result* out, mt_error* err);
 /* The same with num_micro_batches micro-batches per rank (>= 1; a batch-size ramp's current count,
  * mt_num_micro_batches_at): tokens [num_micro_batches, micro_batch_size, seq_length + 1]. The
@@ -1158,6 +1228,7 @@ const char* mt_status_name(mt_status status) {
         case MT_ERR_CUDA: return "cuda error";
         case MT_ERR_NCCL: return "nccl error";
         case MT_ERR_RANGE: return "out of range";
+        case MT_ERR_NAN: return "not a finite number";
     }
     return "unknown error";
 }
@@ -1178,6 +1249,7 @@ mt_status mt_fail(mt_error* err, mt_status status, const char* fmt, ...) {
 #ifdef __cplusplus
 }
 #endif
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -1228,6 +1300,197 @@ static int mt__write_all(int fd, const void* buf, size_t n) {
     return 0;
 }
 
+/* Files ------------------------------------------------------------------------------------------ */
+
+static const char* mt__file_kind(mode_t mode) {
+    return S_ISDIR(mode) ? "a directory" : S_ISFIFO(mode) ? "a FIFO" : S_ISCHR(mode) ? "a character device"
+         : S_ISBLK(mode) ? "a block device" : "a special file";
+}
+
+/* mt_open_regular_file, with the file's stat in *st */
+static int mt__open_regular(const char* path, struct stat* st_out, mt_error* err) {
+    struct stat before, st;
+    if (stat(path, &before) != 0) {
+        mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+        return -1;
+    }
+    if (!S_ISREG(before.st_mode)) {
+        mt_fail(err, MT_ERR_IO, "%s is %s, not a regular file", path, mt__file_kind(before.st_mode));
+        return -1;
+    }
+    /* O_NONBLOCK: should the path be swapped for a FIFO after the stat, the open still returns */
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY);
+    if (fd < 0) {
+        mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+        return -1;
+    }
+    int flags = fcntl(fd, F_GETFL);
+    if (fstat(fd, &st) != 0) st.st_mode = 0;
+    if (!S_ISREG(st.st_mode) || flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+        mt_fail(err, MT_ERR_IO, "%s is %s, not a regular file", path, mt__file_kind(st.st_mode));
+        close(fd);
+        return -1;
+    }
+    *st_out = st;
+    return fd;
+}
+
+int mt_open_regular_file(const char* path, mt_error* err) {
+    struct stat st;
+    return mt__open_regular(path, &st, err);
+}
+
+mt_status mt_read_file(const char* path, size_t max_bytes, char** data, size_t* size, mt_error* err) {
+    *data = NULL;
+    *size = 0;
+    struct stat st;
+    int fd = mt__open_regular(path, &st, err);
+    if (fd < 0) return MT_ERR_IO;
+    if ((uint64_t)st.st_size > (uint64_t)max_bytes) {
+        close(fd);
+        return mt_fail(err, MT_ERR_FORMAT, "%s: %lld bytes, more than the %zu such a file may hold", path,
+                       (long long)st.st_size, max_bytes);
+    }
+    size_t cap = (size_t)st.st_size + 1, n = 0; /* the size may change while reading: read to the end */
+    char* buf = (char*)malloc(cap);
+    mt_status status = buf ? MT_OK : mt_fail(err, MT_ERR_OOM, "out of memory reading %s", path);
+    while (status == MT_OK) {
+        if (n > max_bytes) { status = mt_fail(err, MT_ERR_FORMAT, "%s: more than %zu bytes", path, max_bytes); break; }
+        if (n + 1 == cap) {
+            char* grown = (char*)realloc(buf, cap * 2);
+            if (!grown) { status = mt_fail(err, MT_ERR_OOM, "out of memory reading %s", path); break; }
+            buf = grown;
+            cap *= 2;
+        }
+        ssize_t k = read(fd, buf + n, cap - 1 - n);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) status = mt_fail(err, MT_ERR_IO, "cannot read %s: %s", path, strerror(errno));
+        if (k <= 0) break;
+        n += (size_t)k;
+    }
+    close(fd);
+    if (status != MT_OK) {
+        free(buf);
+        return status;
+    }
+    buf[n] = 0;
+    *data = buf;
+    *size = n;
+    return MT_OK;
+}
+
+char* mt_temporary_path(const char* path) {
+    char suffix[32];
+    snprintf(suffix, sizeof(suffix), ".tmp.%ld", (long)getpid());
+    return mt__concat(path, suffix);
+}
+
+/* The directory part of path ("." when it has none) in buf. */
+static void mt__dirname(const char* path, char* buf, size_t cap) {
+    const char* slash = strrchr(path, '/');
+    if (!slash) snprintf(buf, cap, ".");
+    else if (slash == path) snprintf(buf, cap, "/");
+    else snprintf(buf, cap, "%.*s", (int)(slash - path), path);
+}
+
+int mt_sync_directory_of(const char* path) {
+    char dir[4096];
+    mt__dirname(path, dir, sizeof(dir));
+    int fd = open(dir, O_RDONLY | O_NONBLOCK);
+    if (fd < 0) return -1;
+    int rc = fsync(fd);
+    if (rc != 0 && (errno == EINVAL || errno == EBADF)) rc = 0; /* file systems that cannot sync a directory */
+    close(fd);
+    return rc;
+}
+
+mt_status mt_commit_file(const char* tmp, const char* path, mt_error* err) {
+    if (rename(tmp, path) != 0) {
+        int e = errno;
+        unlink(tmp);
+        return mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", tmp, path, strerror(e));
+    }
+    if (mt_sync_directory_of(path) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot sync the directory of %s: %s", path, strerror(errno));
+    return MT_OK;
+}
+
+mt_status mt_write_file(const char* path, int n, const void* const* chunks, const size_t* sizes, mt_error* err) {
+    char* tmp = mt_temporary_path(path);
+    if (!tmp) return mt_fail(err, MT_ERR_OOM, "out of memory writing %s", path);
+    mt_remove_stale_temporaries(path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int failed = fd < 0;
+    for (int i = 0; i < n && !failed; i++) failed = sizes[i] > 0 && mt__write_all(fd, chunks[i], sizes[i]) != 0;
+    if (!failed && fsync(fd) != 0) failed = 1;
+    int e = errno;
+    if (fd >= 0 && close(fd) != 0 && !failed) { failed = 1; e = errno; }
+    mt_status st = failed ? mt_fail(err, MT_ERR_IO, "cannot write %s: %s", tmp, strerror(e)) : mt_commit_file(tmp, path, err);
+    if (failed) unlink(tmp);
+    free(tmp);
+    return st;
+}
+
+int mt_remove_tree(const char* path) {
+    /* unlink removes a file or a symbolic link itself (never what a link points to); only a real
+     * directory refuses it (EISDIR on Linux, EPERM elsewhere), and only then do we descend */
+    if (unlink(path) == 0 || errno == ENOENT) return 0;
+    if (errno != EISDIR && errno != EPERM) return -1;
+    DIR* d = opendir(path);
+    if (!d) return -1;
+    int rc = 0;
+    struct dirent* e;
+    while ((e = readdir(d)) != NULL) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char* child = (char*)malloc(strlen(path) + strlen(e->d_name) + 2);
+        if (!child) { rc = -1; break; }
+        sprintf(child, "%s/%s", path, e->d_name);
+        if (mt_remove_tree(child) != 0) rc = -1;
+        free(child);
+    }
+    closedir(d);
+    if (rmdir(path) != 0 && errno != ENOENT) rc = -1;
+    return rc;
+}
+
+/* 1 when process pid is known to be gone: no /proc/<pid> while /proc/self exists (else 0: keep). */
+static int mt__process_gone(long pid) {
+    struct stat st;
+    char proc[64];
+    if (pid <= 0 || pid == (long)getpid() || stat("/proc/self", &st) != 0) return 0;
+    snprintf(proc, sizeof(proc), "/proc/%ld", pid);
+    return stat(proc, &st) != 0 && errno == ENOENT;
+}
+
+int mt_remove_stale_temporaries(const char* path) {
+    char dir[4096];
+    mt__dirname(path, dir, sizeof(dir));
+    const char* slash = strrchr(path, '/');
+    const char* base = slash ? slash + 1 : path;
+    size_t nb = strlen(base);
+    if (nb == 0) return 0;
+    DIR* d = opendir(dir);
+    if (!d) return 0;
+    int removed = 0;
+    struct dirent* e;
+    while ((e = readdir(d)) != NULL) {
+        /* "<base>.tmp.<pid>", possibly followed by ".<more>" (a temporary of a temporary) */
+        const char* n = e->d_name;
+        if (strncmp(n, base, nb) != 0 || strncmp(n + nb, ".tmp.", 5) != 0) continue;
+        const char* digits = n + nb + 5;
+        char* end = NULL;
+        long pid = strtol(digits, &end, 10);
+        if (end == digits || (*end != 0 && *end != '.') || !mt__process_gone(pid)) continue;
+        char* victim = (char*)malloc(strlen(dir) + strlen(n) + 2);
+        if (!victim) break;
+        sprintf(victim, "%s/%s", dir, n);
+        if (mt_remove_tree(victim) == 0) removed++;
+        free(victim);
+    }
+    closedir(d);
+    return removed;
+}
+
 size_t mt_indexed_dtype_size(int dtype_code) {
     switch (dtype_code) {
         case MT_DTYPE_UINT8: case MT_DTYPE_INT8: return 1;
@@ -1275,21 +1538,19 @@ struct mt_indexed_dataset {
     const unsigned char* docs;     /* int64[D] */
 };
 
-/* mmaps a whole file read-only; an empty file maps to NULL with size 0. */
-static mt_status mt__map_file(const char* path, unsigned char** map, size_t* size, mt_error* err) {
+/* mmaps a whole regular file read-only; an empty file maps to NULL with size 0. *identity gets the
+ * file's device and inode (to tell later whether the path still names it). */
+static mt_status mt__map_file(const char* path, unsigned char** map, size_t* size, struct stat* identity,
+                              mt_error* err) {
     *map = NULL;
     *size = 0;
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) return mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
     struct stat st;
-    if (fstat(fd, &st) != 0) {
-        int e = errno;
+    int fd = mt__open_regular(path, &st, err);
+    if (fd < 0) return MT_ERR_IO;
+    if (identity) *identity = st;
+    if ((uint64_t)st.st_size > (uint64_t)SIZE_MAX) {
         close(fd);
-        return mt_fail(err, MT_ERR_IO, "cannot stat %s: %s", path, strerror(e));
-    }
-    if (!S_ISREG(st.st_mode)) {
-        close(fd);
-        return mt_fail(err, MT_ERR_IO, "%s is not a regular file", path);
+        return mt_fail(err, MT_ERR_IO, "%s: too large to map", path);
     }
     if (st.st_size > 0) {
         void* p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
@@ -1375,6 +1636,8 @@ static mt_status mt__validate_idx(mt_indexed_dataset* ds, const char* path, mt_e
             return mt_fail(err, MT_ERR_FORMAT,
                            "%s: sequence %llu points to byte %lld, expected %lld (the sum of the previous lengths * %zu)",
                            path, (unsigned long long)i, (long long)got, (long long)ptr, ds->itemsize);
+        if (ptr > INT64_MAX - (int64_t)len * (int64_t)ds->itemsize)
+            return mt_fail(err, MT_ERR_FORMAT, "%s: the sequence lengths add up to more than 2^63 bytes", path);
         ptr += (int64_t)len * (int64_t)ds->itemsize;
         tokens += len;
     }
@@ -1395,9 +1658,18 @@ mt_status mt_indexed_dataset_open(mt_indexed_dataset** out, const char* prefix, 
         st = mt_fail(err, MT_ERR_OOM, "out of memory opening %s", prefix);
         goto done;
     }
-    if ((st = mt__map_file(idx_path, &ds->idx_map, &ds->idx_size, err)) != MT_OK) goto done;
+    struct stat idx_identity, now;
+    if ((st = mt__map_file(idx_path, &ds->idx_map, &ds->idx_size, &idx_identity, err)) != MT_OK) goto done;
     if ((st = mt__validate_idx(ds, idx_path, err)) != MT_OK) goto done;
-    if ((st = mt__map_file(bin_path, &ds->bin_map, &ds->bin_size, err)) != MT_OK) goto done;
+    if ((st = mt__map_file(bin_path, &ds->bin_map, &ds->bin_size, NULL, err)) != MT_OK) goto done;
+    /* A writer commits a pair by removing the old .idx before it touches the .bin: if the .idx path
+     * still names the file we mapped (held open by the mapping, so its inode cannot be reused), no
+     * commit began before the .bin was mapped, and the two belong together. */
+    if (stat(idx_path, &now) != 0 || now.st_dev != idx_identity.st_dev || now.st_ino != idx_identity.st_ino) {
+        st = mt_fail(err, MT_ERR_IO, "%s was replaced while it was being opened (a writer committing a new "
+                     "dataset): open it again", idx_path);
+        goto done;
+    }
     if ((uint64_t)ds->bin_size != (uint64_t)ds->num_tokens * ds->itemsize) {
         st = mt_fail(err, MT_ERR_FORMAT, "%s: %zu bytes, but the index describes %lld tokens of %s (%llu bytes)",
                      bin_path, ds->bin_size, (long long)ds->num_tokens, mt_indexed_dtype_name(ds->dtype),
@@ -1474,8 +1746,11 @@ mt_status mt_indexed_dataset_read(const mt_indexed_dataset* ds, int64_t seq, int
 
 struct mt_indexed_writer {
     char* prefix;
-    char* bin_tmp;
-    char* idx_tmp;
+    char *bin, *idx;         /* the final names */
+    char *bin_tmp, *idx_tmp; /* what is written: <final>.tmp.<pid> */
+    char *bin_old, *idx_old; /* where a commit moves the old dataset aside: <final>.tmp.<pid>.old */
+    int prepared;            /* both temporaries complete and on disk */
+    int moved;               /* the commit's steps done (bits: old .idx, old .bin aside; new .bin, .idx in) */
     int fd;
     int dtype;
     size_t itemsize;
@@ -1492,8 +1767,12 @@ static void mt__writer_free(mt_indexed_writer* w) {
     if (!w) return;
     if (w->fd >= 0) close(w->fd);
     free(w->prefix);
+    free(w->bin);
+    free(w->idx);
     free(w->bin_tmp);
     free(w->idx_tmp);
+    free(w->bin_old);
+    free(w->idx_old);
     free(w->buf);
     free(w->lengths);
     free(w->docs);
@@ -1510,25 +1789,26 @@ mt_status mt_indexed_writer_open(mt_indexed_writer** out, const char* prefix, in
     w->fd = -1;
     w->dtype = dtype_code;
     w->itemsize = mt_indexed_dtype_size(dtype_code);
-    char suffix[64];
-    snprintf(suffix, sizeof(suffix), ".tmp.%ld", (long)getpid());
-    char* bin = mt__concat(prefix, ".bin");
-    char* idx = mt__concat(prefix, ".idx");
     w->prefix = mt__strdup(prefix);
-    w->bin_tmp = bin ? mt__concat(bin, suffix) : NULL;
-    w->idx_tmp = idx ? mt__concat(idx, suffix) : NULL;
-    free(bin);
-    free(idx);
+    w->bin = mt__concat(prefix, ".bin");
+    w->idx = mt__concat(prefix, ".idx");
+    w->bin_tmp = w->bin ? mt_temporary_path(w->bin) : NULL;
+    w->idx_tmp = w->idx ? mt_temporary_path(w->idx) : NULL;
+    w->bin_old = w->bin_tmp ? mt__concat(w->bin_tmp, ".old") : NULL;
+    w->idx_old = w->idx_tmp ? mt__concat(w->idx_tmp, ".old") : NULL;
     w->buf = (unsigned char*)malloc(MT__WRITER_BUFFER_BYTES);
     w->docs_cap = w->lengths_cap = 1024;
     w->docs = (int64_t*)malloc((size_t)w->docs_cap * sizeof(int64_t));
     w->lengths = (int32_t*)malloc((size_t)w->lengths_cap * sizeof(int32_t));
-    if (!w->prefix || !w->bin_tmp || !w->idx_tmp || !w->buf || !w->docs || !w->lengths) {
+    if (!w->prefix || !w->bin || !w->idx || !w->bin_tmp || !w->idx_tmp || !w->bin_old || !w->idx_old || !w->buf ||
+        !w->docs || !w->lengths) {
         mt__writer_free(w);
         return mt_fail(err, MT_ERR_OOM, "out of memory opening a writer for %s", prefix);
     }
     w->docs[0] = 0;
     w->num_docs = 1;
+    mt_remove_stale_temporaries(w->bin); /* what a killed run of any tool left for this prefix */
+    mt_remove_stale_temporaries(w->idx);
     w->fd = open(w->bin_tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (w->fd < 0) {
         mt_status st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", w->bin_tmp, strerror(errno));
@@ -1587,6 +1867,7 @@ static int mt__token_fits(int dtype, int32_t v) {
 
 mt_status mt_indexed_writer_add_document(mt_indexed_writer* w, const int32_t* tokens,
                                          const int64_t* sequence_lengths, int64_t num_sequences, mt_error* err) {
+    if (w->prepared) return mt_fail(err, MT_ERR_ARG, "%s: the writer was already prepared", w->prefix);
     if (num_sequences < 0) return mt_fail(err, MT_ERR_ARG, "%s: negative sequence count %lld", w->prefix,
                                           (long long)num_sequences);
     int64_t total = 0;
@@ -1627,6 +1908,7 @@ mt_status mt_indexed_writer_add_document(mt_indexed_writer* w, const int32_t* to
 }
 
 mt_status mt_indexed_writer_add_index(mt_indexed_writer* w, const char* other_prefix, mt_error* err) {
+    if (w->prepared) return mt_fail(err, MT_ERR_ARG, "%s: the writer was already prepared", w->prefix);
     mt_indexed_dataset* ds = NULL;
     mt_status st = mt_indexed_dataset_open(&ds, other_prefix, err);
     if (st != MT_OK) return st;
@@ -1697,35 +1979,75 @@ static mt_status mt__write_idx(mt_indexed_writer* w, mt_error* err) {
 #undef MT__IDX_PUT
     failed |= mt__write_all(fd, b, used);
     int e = errno;
-    if (close(fd) != 0) failed = 1;
+    if (!failed && fsync(fd) != 0) { failed = 1; e = errno; }
+    if (close(fd) != 0 && !failed) { failed = 1; e = errno; }
     if (failed) return mt_fail(err, MT_ERR_IO, "cannot write %s: %s", w->idx_tmp, strerror(e));
     return MT_OK;
 }
 
-mt_status mt_indexed_writer_finalize(mt_indexed_writer* w, mt_error* err) {
+mt_status mt_indexed_writer_prepare(mt_indexed_writer* w, mt_error* err) {
+    if (w->prepared) return MT_OK;
     mt_status st = mt__writer_flush(w, err);
     if (st == MT_OK) {
-        int rc = close(w->fd);
+        int rc = fsync(w->fd), e = errno;
+        if (close(w->fd) != 0 && rc == 0) { rc = -1; e = errno; }
         w->fd = -1;
-        if (rc != 0) st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", w->bin_tmp, strerror(errno));
+        if (rc != 0) st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", w->bin_tmp, strerror(e));
     }
     if (st == MT_OK) st = mt__write_idx(w, err);
-    if (st == MT_OK) {
-        char* bin = mt__concat(w->prefix, ".bin");
-        char* idx = mt__concat(w->prefix, ".idx");
-        if (!bin || !idx) st = mt_fail(err, MT_ERR_OOM, "out of memory finalizing %s", w->prefix);
-        else if (rename(w->bin_tmp, bin) != 0)
-            st = mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", w->bin_tmp, bin, strerror(errno));
-        else if (rename(w->idx_tmp, idx) != 0) {
-            st = mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", w->idx_tmp, idx, strerror(errno));
-            unlink(bin); /* a .bin without its .idx is worse than nothing */
-        }
-        free(bin);
-        free(idx);
-    }
-    if (st != MT_OK) mt_indexed_writer_abort(w);
-    else mt__writer_free(w);
+    w->prepared = st == MT_OK;
     return st;
+}
+
+/* The file operations of a commit, in order: every old .idx, then every old .bin moved aside (to
+ * <name>.tmp.<pid>.old), every new .bin, then every new .idx renamed into place; at most max_ops of
+ * them (the tests stop there to stand for a crash). Each writer records what it moved. */
+static mt_status mt__writers_commit_ops(mt_indexed_writer** ws, int n, int max_ops, mt_error* err) {
+    int ops = 0;
+    for (int k = 0; k < n; k++)
+        if (!ws[k]->prepared) return mt_fail(err, MT_ERR_ARG, "%s: committed before it was prepared", ws[k]->prefix);
+    for (int phase = 0; phase < 4; phase++)
+        for (int k = 0; k < n && ops < max_ops; k++, ops++) {
+            mt_indexed_writer* w = ws[k];
+            const char* from = phase == 0 ? w->idx : phase == 1 ? w->bin : phase == 2 ? w->bin_tmp : w->idx_tmp;
+            const char* to = phase == 0 ? w->idx_old : phase == 1 ? w->bin_old : phase == 2 ? w->bin : w->idx;
+            if (rename(from, to) == 0) w->moved |= 1 << phase;
+            else if (phase >= 2 || errno != ENOENT) /* no old dataset: nothing to move aside */
+                return mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", from, to, strerror(errno));
+        }
+    return MT_OK;
+}
+
+mt_status mt_indexed_writers_commit(mt_indexed_writer** ws, int n, mt_error* err) {
+    mt_status st = mt__writers_commit_ops(ws, n, INT_MAX, err);
+    for (int k = 0; k < n && st == MT_OK; k++)
+        if (mt_sync_directory_of(ws[k]->idx) != 0)
+            st = mt_fail(err, MT_ERR_IO, "cannot sync the directory of %s: %s", ws[k]->idx, strerror(errno));
+    for (int k = n - 1; k >= 0; k--) {
+        mt_indexed_writer* w = ws[k];
+        if (st != MT_OK) { /* a set is all or nothing: what moved goes back, the old datasets are as they were */
+            if (w->moved & 8) unlink(w->idx);
+            if (w->moved & 4) unlink(w->bin);
+            if (w->moved & 2) rename(w->bin_old, w->bin);
+            if (w->moved & 1) rename(w->idx_old, w->idx);
+            mt_indexed_writer_abort(w);
+        } else {
+            unlink(w->idx_old); /* the old dataset, now replaced */
+            unlink(w->bin_old);
+            mt__writer_free(w);
+        }
+        ws[k] = NULL;
+    }
+    return st;
+}
+
+mt_status mt_indexed_writer_finalize(mt_indexed_writer* w, mt_error* err) {
+    mt_status st = mt_indexed_writer_prepare(w, err);
+    if (st != MT_OK) {
+        mt_indexed_writer_abort(w);
+        return st;
+    }
+    return mt_indexed_writers_commit(&w, 1, err);
 }
 
 /* 3. GPT datasets ----------------------------------------------------------------------------- */
@@ -1814,12 +2136,21 @@ void mt_split_range(const mt_split_matrix* m, int split, int64_t n, int64_t* beg
     *end = (int64_t)nearbyint(m->end[split] * (double)n);
 }
 
-void mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t eval_iters, int64_t global_batch_size,
-                        int64_t out[3]) {
-    int64_t evals = (eval_interval > 0 ? train_iters / eval_interval : 0) + 1;
-    out[0] = train_iters * global_batch_size;
-    out[1] = evals * eval_iters * global_batch_size;
-    out[2] = eval_iters * global_batch_size;
+mt_status mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t eval_iters, int64_t global_batch_size,
+                             int64_t out[3], mt_error* err) {
+    if (train_iters < 0 || eval_iters < 0 || global_batch_size < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--train-iters %lld, --eval-iters %lld and --global-batch-size %lld must be "
+                       ">= 0", (long long)train_iters, (long long)eval_iters, (long long)global_batch_size);
+    int64_t evals = (eval_interval > 0 ? train_iters / eval_interval : 0) + 1, valid;
+    if (mt_mul_overflows_i64(train_iters, global_batch_size, &out[0]))
+        return mt_fail(err, MT_ERR_CONFIG, "--train-iters %lld x --global-batch-size %lld samples overflows",
+                       (long long)train_iters, (long long)global_batch_size);
+    if (mt_mul_overflows_i64(evals, eval_iters, &valid) || mt_mul_overflows_i64(valid, global_batch_size, &out[1]))
+        return mt_fail(err, MT_ERR_CONFIG, "--eval-iters %lld: the validation samples (%lld evaluations x --eval-iters "
+                       "x --global-batch-size %lld) overflow", (long long)eval_iters, (long long)evals,
+                       (long long)global_batch_size);
+    out[2] = eval_iters * global_batch_size; /* <= out[1] */
+    return MT_OK;
 }
 
 /* MT19937 as numpy's legacy RandomState: mt19937_seed, mt19937_gen, tempering. */
@@ -2036,8 +2367,12 @@ mt_status mt_gpt_dataset_build(mt_gpt_dataset** out, const mt_indexed_dataset* d
     g->num_samples = n;
     g->num_samples_sans_final_epoch = g->separate_final_epoch ? sans : n;
     g->sample_itemsize = g->document_index_length > INT32_MAX ? 8 : 4;
-    g->sample_index = malloc((size_t)(n + 1) * 2 * (size_t)g->sample_itemsize);
     g->shuffle_itemsize = n >= (int64_t)UINT32_MAX - 1 ? 8 : 4;
+    if ((uint64_t)n >= SIZE_MAX / 16) { /* the sample index's bytes, (n + 1) x 2 x 8 at most, must fit size_t */
+        mt_gpt_dataset_free(g);
+        return mt_fail(err, MT_ERR_OOM, "%s: a sample index of %lld samples is too large", name, (long long)n);
+    }
+    g->sample_index = malloc((size_t)(n + 1) * 2 * (size_t)g->sample_itemsize);
     g->shuffle_index = malloc((size_t)n * (size_t)g->shuffle_itemsize + 1);
     if (!g->sample_index || !g->shuffle_index) {
         mt_gpt_dataset_free(g);
@@ -2315,6 +2650,11 @@ static mt_status mt__gpt_data_build(mt_gpt_data* d, const double* weights, uint3
                          mt_split_name(s));
             goto done;
         }
+        if (d->blended && t > ((int64_t)1 << 52)) { /* the blend computes in doubles, exact below 2^53 */
+            st = mt_fail(err, MT_ERR_CONFIG, "the %s split asks for %lld samples: more than 2^52 cannot be blended",
+                         mt_split_name(s), (long long)t);
+            goto done;
+        }
         for (int k = 0; k < K; k++) {
             int64_t request;
             if (!d->blended) request = t;
@@ -2467,7 +2807,8 @@ mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int6
     shape_str[0] = 0;
     for (int i = 0; i < ndim; i++) {
         if (shape[i] < 0) return mt_fail(err, MT_ERR_ARG, "%s: negative dimension", path);
-        count *= shape[i];
+        if (mt_mul_overflows_i64(count, shape[i], &count) || (uint64_t)count > SIZE_MAX / itemsize)
+            return mt_fail(err, MT_ERR_ARG, "%s: the array's size overflows", path);
         n += (size_t)snprintf(shape_str + n, sizeof(shape_str) - n, i == 0 ? "%lld" : ", %lld", (long long)shape[i]);
     }
     if (ndim == 1) n += (size_t)snprintf(shape_str + n, sizeof(shape_str) - n, ",");
@@ -2485,28 +2826,9 @@ mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int6
     unsigned char pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (unsigned char)(len & 0xff),
                              (unsigned char)(len >> 8)};
 
-    char suffix[64];
-    snprintf(suffix, sizeof(suffix), ".tmp.%ld", (long)getpid());
-    char* tmp = mt__concat(path, suffix);
-    if (!tmp) return mt_fail(err, MT_ERR_OOM, "out of memory");
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) {
-        mt_status st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", tmp, strerror(errno));
-        free(tmp);
-        return st;
-    }
-    int failed = mt__write_all(fd, pre, 10) || mt__write_all(fd, header, (size_t)len) ||
-                 (count > 0 && mt__write_all(fd, data, (size_t)count * itemsize));
-    int e = errno;
-    if (close(fd) != 0 && !failed) { failed = 1; e = errno; }
-    if (!failed && rename(tmp, path) != 0) { failed = 1; e = errno; }
-    if (failed) {
-        unlink(tmp);
-        free(tmp);
-        return mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(e));
-    }
-    free(tmp);
-    return MT_OK;
+    const void* chunks[3] = {pre, header, data};
+    const size_t lengths[3] = {10, (size_t)len, (size_t)count * itemsize};
+    return mt_write_file(path, 3, chunks, lengths, err);
 }
 
 /* 5. Training configuration, learning-rate schedule, FLOP formula ------------------------------ */
@@ -2533,6 +2855,7 @@ void mt_config_defaults(mt_config* cfg) {
     cfg->adam_eps = 1e-8;
     cfg->weight_decay = 0.01;
     cfg->clip_grad = 1.0;
+    cfg->check_for_nan_in_loss_and_grad = 1;
     cfg->micro_batch_size = 1;
     cfg->seed = 1234;
     cfg->tensor_model_parallel_size = 1;
@@ -3160,7 +3483,7 @@ int64_t mt_num_parameters(const mt_config* c) { return mt_param_layout(c, NULL);
  * [outer, rows, inner] with the rows cut over TP when split (see mt_param_info). */
 static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* info) {
     int64_t L = c->num_layers, h = c->hidden_size, f = c->ffn_hidden_size;
-    int64_t qkv = (int64_t)(c->num_attention_heads + 2 * c->num_query_groups) * c->kv_channels;
+    int64_t qkv = ((int64_t)c->num_attention_heads + 2 * (int64_t)c->num_query_groups) * c->kv_channels;
     int64_t attn = (int64_t)c->num_attention_heads * c->kv_channels;
     int64_t ln_bias = c->normalization == MT_NORM_LAYERNORM, bias = c->add_bias_linear != 0;
     int64_t positions = c->position_embedding_type == MT_POSITION_LEARNED ? c->max_position_embeddings : 0;
@@ -4230,6 +4553,164 @@ void mt_config_from_checkpoint_header(mt_config* c, const int64_t* h) {
     c->add_bias_linear = !h[MT_CK_NO_BIAS_LINEAR];
     c->apply_layernorm_1p = h[MT_CK_LAYERNORM_1P] != 0;
     if (h[MT_CK_NORM_EPS_BITS]) memcpy(&c->norm_epsilon, &h[MT_CK_NORM_EPS_BITS], sizeof(double));
+}
+
+mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, mt_config* cfg_out, mt_error* err) {
+    if (h[MT_CK_MAGIC] != MT_CKPT_MAGIC || h[MT_CK_VERSION] != MT_CKPT_VERSION)
+        return mt_fail(err, MT_ERR_FORMAT, "%s is not a megatron.c checkpoint (bad magic or version)", path);
+    /* words and the range each must be in (all inclusive) */
+    static const struct { int word; int64_t lo, hi; const char* what; } range[] = {
+        {MT_CK_LAYERS, 1, INT32_MAX, "--num-layers"},
+        {MT_CK_HIDDEN, 1, INT32_MAX, "--hidden-size"},
+        {MT_CK_HEADS, 1, INT32_MAX, "--num-attention-heads"},
+        {MT_CK_GROUPS, 1, INT32_MAX, "--num-query-groups"},
+        {MT_CK_KV, 1, INT32_MAX, "--kv-channels"},
+        {MT_CK_FFN, 1, INT32_MAX, "--ffn-hidden-size"},
+        {MT_CK_VOCAB, 1, INT64_MAX, "the padded vocabulary"},
+        {MT_CK_POSITIONS, 1, INT32_MAX, "--max-position-embeddings"},
+        {MT_CK_NUM_PARAMS, 1, INT64_MAX, "the parameter count"},
+        {MT_CK_PRECISION, MT_FP32, MT_FP16, "the precision"},
+        {MT_CK_ITERATION, 0, INT64_MAX, "the iteration"},
+        {MT_CK_CONSUMED, 0, INT64_MAX, "the consumed samples"},
+        {MT_CK_SCHED_STEPS, 0, INT64_MAX, "the scheduler's steps"},
+        {MT_CK_ADAM_STEP, 0, INT64_MAX, "the Adam step"},
+        {MT_CK_GROWTH, 0, INT32_MAX, "the loss scaler's growth tracker"},
+        {MT_CK_HYSTERESIS, INT32_MIN, INT32_MAX, "the loss scaler's hysteresis tracker"}, /* counts down past 0 */
+        {MT_CK_TP, 1, INT32_MAX, "--tensor-model-parallel-size"},
+        {MT_CK_PP, 1, INT32_MAX, "--pipeline-model-parallel-size"},
+        {MT_CK_SHARDED_DP, 0, INT32_MAX, "the optimizer's sharding"},
+        {MT_CK_DP_RANK, 0, INT32_MAX, "the data-parallel rank"},
+        {MT_CK_SHARD_NUMEL, 0, INT64_MAX / 16, "the shard size"},
+        {MT_CK_NORMALIZATION, 0, 1, "the normalization"},
+        {MT_CK_SWIGLU, 0, 1, "--swiglu"},
+        {MT_CK_POSITION_TYPE, MT_POSITION_LEARNED, MT_POSITION_NONE, "the position embedding type"},
+        {MT_CK_UNTIED, 0, 1, "--untie-embeddings-and-output-weights"},
+        {MT_CK_NO_BIAS_LINEAR, 0, 1, "--disable-bias-linear"},
+        {MT_CK_LAYERNORM_1P, 0, 1, "--apply-layernorm-1p"},
+        {MT_CK_TRUE_VOCAB, 0, INT64_MAX, "the true vocabulary"},
+        {MT_CK_TP_RANK, 0, INT32_MAX, "the tensor-parallel rank"},
+        {MT_CK_FP8_TENSORS, 0, INT32_MAX, "the FP8 tensor count"},
+        {MT_CK_FP8_HISTORY_LEN, 0, 65536, "the FP8 amax history length"},
+        {MT_CK_FP8_HISTORY_POS, 0, 65535, "the FP8 amax history slot"},
+        {MT_CK_PP_RANK, 0, INT32_MAX, "the pipeline rank"},
+        {MT_CK_VP, 0, MT_PP_MAX_CHUNKS, "the virtual pipeline stages"},
+        {MT_CK_STAGE_NUMEL, 0, INT64_MAX, "the stage's parameter count"},
+    };
+    for (size_t i = 0; i < sizeof(range) / sizeof(range[0]); i++)
+        if (h[range[i].word] < range[i].lo || h[range[i].word] > range[i].hi)
+            return mt_fail(err, MT_ERR_FORMAT, "%s: header word %d (%s) is %lld, outside [%lld, %lld]", path,
+                           range[i].word, range[i].what, (long long)h[range[i].word], (long long)range[i].lo,
+                           (long long)range[i].hi);
+    /* the words that relate to each other */
+    const char* bad = NULL;
+    if (h[MT_CK_HEADS] % h[MT_CK_GROUPS]) bad = "the attention heads are not a multiple of the query groups";
+    else if (h[MT_CK_TRUE_VOCAB] > h[MT_CK_VOCAB]) bad = "the true vocabulary exceeds the padded one";
+    else if (h[MT_CK_TP_RANK] >= h[MT_CK_TP]) bad = "the tensor-parallel rank is not below the tensor-parallel size";
+    else if (h[MT_CK_PP_RANK] >= h[MT_CK_PP]) bad = "the pipeline rank is not below the pipeline-parallel size";
+    else if (h[MT_CK_PP] > 1 ? h[MT_CK_VP] < 1 || h[MT_CK_STAGE_NUMEL] < 1 || h[MT_CK_STAGE_NUMEL] > h[MT_CK_NUM_PARAMS]
+                             : h[MT_CK_VP] != 0 || h[MT_CK_STAGE_NUMEL] != 0)
+        bad = "the pipeline stage words (virtual stages, parameter count) do not fit the pipeline-parallel size";
+    else if (h[MT_CK_DP_RANK] >= (h[MT_CK_SHARDED_DP] > 0 ? h[MT_CK_SHARDED_DP] : 1))
+        bad = "the data-parallel rank is not below the optimizer's sharding";
+    else if (h[MT_CK_FP8_TENSORS] > 0 && (h[MT_CK_FP8_HISTORY_LEN] < 1 || h[MT_CK_FP8_HISTORY_POS] >= h[MT_CK_FP8_HISTORY_LEN]))
+        bad = "the FP8 amax history (length and slot) is inconsistent";
+    if (bad) return mt_fail(err, MT_ERR_FORMAT, "%s: %s", path, bad);
+    double loss_scale, eps, base, percent, scaling;
+    memcpy(&loss_scale, &h[MT_CK_LOSS_SCALE_BITS], sizeof(double));
+    memcpy(&eps, &h[MT_CK_NORM_EPS_BITS], sizeof(double));
+    if (!isfinite(loss_scale) || !(loss_scale > 0))
+        return mt_fail(err, MT_ERR_FORMAT, "%s: the loss scale %g is not a finite number > 0", path, loss_scale);
+    if (h[MT_CK_NORM_EPS_BITS] != 0 && !(isfinite(eps) && eps > 0)) /* 0: a file from before the word */
+        return mt_fail(err, MT_ERR_FORMAT, "%s: the norm epsilon %g is not a finite number > 0", path, eps);
+    if (h[MT_CK_POSITION_TYPE] == MT_POSITION_ROPE) {
+        memcpy(&base, &h[MT_CK_ROTARY_BASE_BITS], sizeof(double));
+        memcpy(&percent, &h[MT_CK_ROTARY_PERCENT_BITS], sizeof(double));
+        memcpy(&scaling, &h[MT_CK_ROPE_SCALING_FACTOR_BITS], sizeof(double));
+        if (!(isfinite(base) && base > 0 && isfinite(percent) && percent > 0 && percent <= 1 && isfinite(scaling) &&
+              (scaling == 0 || scaling >= 1)))
+            return mt_fail(err, MT_ERR_FORMAT, "%s: the rope words (base %g, percent %g, scaling %g) are invalid", path,
+                           base, percent, scaling);
+    }
+    /* the model's sizes: every product the trainer forms from them, overflow-checked */
+    mt_config c;
+    mt_config_defaults(&c);
+    mt_config_from_checkpoint_header(&c, h);
+    c.seq_length = 1; /* only the model's own sizes matter here */
+    c.tensor_model_parallel_size = (int)h[MT_CK_TP];
+    mt_error size_err;
+    if (mt_config_size_check(&c, &size_err) != MT_OK)
+        return mt_fail(err, MT_ERR_FORMAT, "%s: %s", path, size_err.message);
+    int64_t n = mt_param_layout(&c, NULL);
+    if (n != h[MT_CK_NUM_PARAMS])
+        return mt_fail(err, MT_ERR_FORMAT, "%s: the header says %lld parameters but its model has %lld", path,
+                       (long long)h[MT_CK_NUM_PARAMS], (long long)n);
+    if (h[MT_CK_VOCAB] % h[MT_CK_TP] || h[MT_CK_HEADS] % h[MT_CK_TP] || h[MT_CK_GROUPS] % h[MT_CK_TP] ||
+        h[MT_CK_FFN] % h[MT_CK_TP])
+        return mt_fail(err, MT_ERR_FORMAT, "%s: the model does not divide over %lld tensor-parallel ranks", path,
+                       (long long)h[MT_CK_TP]);
+    if (cfg_out) {
+        mt_config_defaults(cfg_out);
+        mt_config_from_checkpoint_header(cfg_out, h);
+    }
+    return MT_OK;
+}
+
+int64_t mt_checkpoint_file_bytes(const int64_t* h, int shard_file) {
+    const int64_t header = (int64_t)sizeof(int64_t) * MT_CK_HEADER_WORDS;
+    if (shard_file) return header + 3 * 4 * h[MT_CK_SHARD_NUMEL];
+    mt_config c;
+    mt_config_defaults(&c);
+    mt_config_from_checkpoint_header(&c, h);
+    c.tensor_model_parallel_size = (int)h[MT_CK_TP];
+    const int64_t arrays = h[MT_CK_SHARDED_DP] > 0 ? 1 : 3;
+    /* the file's tensors: its pipeline stage's (this TP rank's shard of them), or its TP shard */
+    const int64_t numel = h[MT_CK_PP] > 1 ? h[MT_CK_STAGE_NUMEL] : mt_param_layout_shard(&c, NULL);
+    /* FP8: scale [n], scale_inv [n, 4] (16-byte slots), history [n, len] */
+    const int64_t fp8 = h[MT_CK_FP8_TENSORS] * (1 + 4 + h[MT_CK_FP8_HISTORY_LEN]);
+    return header + 4 * (arrays * numel + fp8);
+}
+
+static const char mt__tracker_name[] = "latest_checkpointed_iteration.txt";
+
+mt_status mt_checkpoint_read_tracker(const char* dir, int64_t* iteration, mt_error* err) {
+    char path[4200];
+    snprintf(path, sizeof(path), "%s/%s", dir, mt__tracker_name);
+    char* text = NULL;
+    size_t n = 0;
+    struct stat sb;
+    if (stat(path, &sb) != 0 && errno == ENOENT)
+        return mt_fail(err, MT_ERR_IO, "no checkpoint in %s (cannot open %s: %s)", dir, path, strerror(ENOENT));
+    mt_status st = mt_read_file(path, 64, &text, &n, err);
+    if (st != MT_OK) return st;
+    const char* p = text;
+    while (*p == ' ' || *p == '\t') p++;
+    char* end = NULL;
+    errno = 0;
+    long long it = *p >= '0' && *p <= '9' ? strtoll(p, &end, 10) : -1;
+    int ok = it >= 0 && errno == 0 && end != NULL;
+    while (ok && (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r')) end++;
+    ok = ok && *end == 0 && (size_t)(end - text) == n; /* no embedded NUL, nothing else */
+    st = ok ? MT_OK : mt_fail(err, MT_ERR_FORMAT, "%s does not hold an iteration number%s", path,
+                              strncmp(p, "release", 7) == 0 ? " (Megatron's \"release\" checkpoints are not supported)" : "");
+    if (ok) *iteration = it;
+    free(text);
+    return st;
+}
+
+mt_status mt_checkpoint_write_tracker(const char* dir, int64_t iteration, mt_error* err) {
+    char path[4200], text[32];
+    snprintf(path, sizeof(path), "%s/%s", dir, mt__tracker_name);
+    const void* chunk = text;
+    const size_t size = (size_t)snprintf(text, sizeof(text), "%lld", (long long)iteration);
+    return mt_write_file(path, 1, &chunk, &size, err);
+}
+
+void mt_checkpoint_iteration_dir(char* out, size_t cap, const char* dir, int64_t iteration) {
+    struct stat st;
+    snprintf(out, cap, "%s/iter_%07lld.old", dir, (long long)iteration);
+    int only_old = stat(out, &st) == 0;
+    snprintf(out, cap, "%s/iter_%07lld", dir, (long long)iteration);
+    if (only_old && stat(out, &st) != 0 && errno == ENOENT) snprintf(out, cap, "%s/iter_%07lld.old", dir, (long long)iteration);
 }
 
 int mt_make_directories(const char* path) {

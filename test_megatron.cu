@@ -87,6 +87,7 @@ int main(int argc, char** argv) {
         GROUP("gpu.hf", hf_gpu_tests),
         GROUP("gpu.evaluation", evaluation_gpu_tests),
         GROUP("gpu.memory", memory_gpu_tests),
+        GROUP("gpu.hostile", hostile_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
         GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),
         GROUP("multigpu.pipeline", pipeline_multigpu_tests),

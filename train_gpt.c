@@ -16,6 +16,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/time.h>
@@ -99,16 +100,12 @@ static void prepare_builtin_corpus(const mt_tokenizer* tok, const char* prefix) 
     snprintf(path, sizeof(path), "%s.idx", prefix);
     if (access(path, R_OK) == 0) return;
     const char* text_path = "dev/data/tinyshakespeare.txt";
-    FILE* f = fopen(text_path, "rb");
-    if (!f) die(1, "cannot open the built-in corpus %s (run from the repository root)", text_path);
-    fseek(f, 0, SEEK_END);
-    long size = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char* text = (char*)malloc((size_t)size + 1);
-    if (!text || fread(text, 1, (size_t)size, f) != (size_t)size) die(1, "cannot read %s", text_path);
-    fclose(f);
-    text[size] = 0;
     mt_error err;
+    char* text = NULL;
+    size_t text_bytes = 0;
+    if (mt_read_file(text_path, (size_t)1 << 30, &text, &text_bytes, &err) != MT_OK)
+        die(1, "%s (the built-in corpus: run from the repository root)", err.message);
+    long size = (long)text_bytes;
     mt_indexed_writer* w = NULL;
     if (mt_indexed_writer_open(&w, prefix, mt_indexed_dtype_for_vocab(mt_tokenizer_vocab_size(tok)), &err) != MT_OK)
         die(1, "%s", err.message);
@@ -561,9 +558,64 @@ static void print_sample(mt_trainer* t, const mt_tokenizer* tok, const mt_config
     free(probs);
 }
 
+/* ---- faults: Megatron's exit conditions ------------------------------------------------------- */
+
+/* Saves a checkpoint (every rank takes part) and returns the iteration saved. */
+static int64_t save_checkpoint(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed) {
+    mt_error err;
+    if (mt_trainer_save(t, dir, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
+    printf("saved checkpoint at iteration %lld to %s\n", (long long)iteration, dir);
+    fflush(stdout);
+    return iteration;
+}
+
+/* --exit-signal-handler: SIGTERM (Slurm's preemption notice, Megatron's default signal) or SIGINT
+ * asks the run to stop after the current step; a second one takes the default action at once. */
+static volatile sig_atomic_t g_exit_signal = 0;
+
+static void on_exit_signal(int sig) {
+    if (g_exit_signal) {
+        signal(sig, SIG_DFL);
+        raise(sig);
+    }
+    g_exit_signal = sig;
+}
+
+static void install_exit_signal_handler(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_exit_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART; /* reads and writes in flight (data, a save) go on */
+    if (sigaction(SIGTERM, &sa, NULL) != 0 || sigaction(SIGINT, &sa, NULL) != 0)
+        die(1, "cannot install the signal handler: %s", strerror(errno));
+}
+
+/* Why the run stops after this iteration (Megatron's checkpoint_and_decide_exit: a signal, the
+ * duration, the exit interval), or NULL. Every rank sees the same answer: the signal and the clock
+ * are combined over the ranks (as Megatron's all-reduce), the interval is the same everywhere. */
+static const char* exit_reason(const tg_flags* o, int64_t iteration, double t_start, char* buf, size_t cap) {
+    int why = 0; /* bit 1: a signal, bit 2: the duration */
+    double minutes = (now_seconds() - t_start) / 60.0;
+    if (o->exit_signal_handler && g_exit_signal) why |= 1;
+    if (o->exit_duration_in_mins > 0 && minutes > (double)o->exit_duration_in_mins) why |= 2;
+#ifdef MT_USE_MPI
+    if (g_world > 1 && (o->exit_signal_handler || o->exit_duration_in_mins > 0))
+        MPI_Allreduce(MPI_IN_PLACE, &why, 1, MPI_INT, MPI_BOR, MPI_COMM_WORLD);
+#endif
+    if (why & 1) snprintf(buf, cap, "after receiving %s", g_exit_signal == SIGINT ? "SIGINT" : "SIGTERM");
+    else if (why & 2) snprintf(buf, cap, "after %.1f minutes (--exit-duration-in-mins %lld)", minutes,
+                               (long long)o->exit_duration_in_mins);
+    else if (o->exit_interval > 0 && iteration % o->exit_interval == 0)
+        snprintf(buf, cap, "at iteration %lld (--exit-interval)", (long long)iteration);
+    else return NULL;
+    return buf;
+}
+
 /* ---- main ------------------------------------------------------------------------------------- */
 
 int main(int argc, char** argv) {
+    const double t_launch = now_seconds(); /* --exit-duration-in-mins counts from here, as Megatron from its start */
     /* launch: one process per GPU, started by mpirun or srun. MPI gives each its rank and its GPU
      * on the node (the rank among the processes that share the node's memory); rank 0 makes the
      * NCCL id and MPI sends it to everyone. Only rank 0 writes the log. */
@@ -590,7 +642,6 @@ int main(int argc, char** argv) {
 #endif
     tg_flags o;
     parse_args(&o, argc, argv);
-    double t_launch = now_seconds(); /* --exit-duration-in-mins counts from here, as Megatron from its start */
     {
         char info[4096];
         tg_flags_info_line(&o, info, sizeof(info));
@@ -622,14 +673,14 @@ int main(int argc, char** argv) {
 #endif
         return status;
     }
-    {   /* the validation samples Megatron asks for: (train_iters / eval_interval + 1) x eval_iters x gbs */
-        int64_t evals = (o.eval_interval > 0 ? c->train_iters / o.eval_interval : 0) + 1, t;
-        if (mt_mul_overflows_i64(evals, o.eval_iters, &t) || mt_mul_overflows_i64(t, c->global_batch_size, &t) ||
-            mt_mul_overflows_i64(t, (int64_t)c->seq_length + 1, &t))
-            die(2, "--eval-iters %lld: the validation samples (%lld evaluations x --eval-iters x --global-batch-size "
-                "%d) x --seq-length %d tokens overflows", (long long)o.eval_iters, (long long)evals,
-                c->global_batch_size, c->seq_length);
-    }
+    /* data: Megatron's sample counts (refused when they overflow); --skip-train: one evaluation's
+     * worth (Megatron) */
+    int64_t num_samples[3];
+    if (mt_gpt_num_samples(c->train_iters, o.skip_train ? 0 : o.eval_interval, o.eval_iters, c->global_batch_size,
+                           num_samples, &err) != MT_OK)
+        die(2, "%s", err.message);
+    if (c->train_samples > 0) num_samples[MT_SPLIT_TRAIN] = c->train_samples;
+    if (o.full_validation) num_samples[MT_SPLIT_VALID] = -1; /* one epoch of the split */
     if (o.builtin) {
         static const char* builtin_prefix = "dev/data/tinyshakespeare_text_document";
         if (rank == 0) prepare_builtin_corpus(tok, builtin_prefix);
@@ -640,12 +691,7 @@ int main(int argc, char** argv) {
         o.num_data_paths = 1;
     }
 
-    /* data: Megatron's sample counts and indices */
-    int64_t num_samples[3];
-    mt_gpt_num_samples(c->train_iters, o.skip_train ? 0 : o.eval_interval, o.eval_iters, c->global_batch_size,
-                       num_samples); /* --skip-train: one evaluation's worth (Megatron) */
-    if (c->train_samples > 0) num_samples[MT_SPLIT_TRAIN] = c->train_samples;
-    if (o.full_validation) num_samples[MT_SPLIT_VALID] = -1; /* one epoch of the split */
+    /* data: Megatron's sample indices */
     mt_gpt_data* data = NULL;
     if (o.mock_data) {
         printf("data: --mock-data, random tokens\n");
@@ -700,7 +746,13 @@ int main(int argc, char** argv) {
                    o.finetune ? ": weights only, starting at iteration 0 (--finetune)"
                    : o.no_load_optim ? ": weights only (--no-load-optim)" : "");
             if (o.finetune) iteration = consumed = 0;
-            if (o.eval_interval > 0) consumed_valid = (iteration / o.eval_interval) * o.eval_iters * c->global_batch_size;
+            /* the checkpoint's counters are range-checked (>= 0); those of a run past this one's end clamp
+             * to it, so the products below stay within the sample counts checked above */
+            if (consumed > num_samples[MT_SPLIT_TRAIN] && iteration < c->train_iters)
+                die(1, "%s: %lld samples consumed, but this run trains on %lld", o.load, (long long)consumed,
+                    (long long)num_samples[MT_SPLIT_TRAIN]);
+            int64_t evaluated = iteration < c->train_iters ? iteration : c->train_iters;
+            if (o.eval_interval > 0) consumed_valid = (evaluated / o.eval_interval) * o.eval_iters * c->global_batch_size;
         } else {
             printf("no checkpoint found in %s: %s\n", o.load,
                    o.skip_train ? "evaluating the initial weights" : "training from scratch");
@@ -714,9 +766,13 @@ int main(int argc, char** argv) {
     int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * rank_samples * (c->seq_length + 1));
     if (!tokens) die(1, "cannot allocate the batch");
     double interval_loss = 0.0, interval_time = 0.0;
-    int interval_steps = 0, interval_skipped = 0, interval_nan = 0, exiting = 0;
-    int saved = o.save_interval > 0 && iteration > 0 && iteration % o.save_interval == 0; /* this iteration is on disk */
+    int interval_steps = 0, interval_skipped = 0, interval_nan = 0;
     double t_start = now_seconds();
+    /* the iteration of the last save (a resumed iteration on the --save-interval grid is on disk) */
+    int64_t saved_at = o.save_interval > 0 && iteration > 0 && iteration % o.save_interval == 0 ? iteration : -1;
+    char why_buf[128];
+    const char* why = NULL; /* why the run stopped early (Megatron's exit conditions) */
+    if (o.exit_signal_handler) install_exit_signal_handler();
     if (o.skip_train) printf("skipping training (--skip-train is on) ...\n");
     while (!o.skip_train && iteration < c->train_iters) {
         /* this iteration's global batch (a --rampup-batch-size / --step-batch-size-schedule grows it) */
@@ -732,7 +788,6 @@ int main(int argc, char** argv) {
         interval_time += now_seconds() - t0;
         iteration++;
         consumed += batch;
-        saved = 0;
         if (o.profile && rank == 0 && iteration == o.profile_step_end && mt_device_profiler(0, &err) != MT_OK)
             die(1, "--profile: %s", err.message);
         if (r.skipped) interval_skipped++;
@@ -771,21 +826,16 @@ int main(int argc, char** argv) {
             print_validation(prefix, loss);
             if (tb) tensorboard_evaluation(tb, &o, "validation", loss, iteration, consumed);
         }
-        if (o.save && o.save_interval > 0 && iteration % o.save_interval == 0) {
-            if (mt_trainer_save(t, o.save, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
-            printf("saved checkpoint at iteration %lld to %s\n", (long long)iteration, o.save);
-            saved = 1;
+        if (o.save && o.save_interval > 0 && iteration % o.save_interval == 0)
+            saved_at = save_checkpoint(t, o.save, iteration, consumed);
+        /* Megatron's exit conditions: save (unless just saved) and stop, without the final evaluations */
+        if ((why = exit_reason(&o, iteration, t_launch, why_buf, sizeof(why_buf))) != NULL) {
+            if (o.save && saved_at != iteration) saved_at = save_checkpoint(t, o.save, iteration, consumed);
+            printf("exiting program %s\n", why);
+            break;
         }
-        if (o.exit_duration_in_mins > 0) { /* every rank stops together: the longest-running one decides */
-            int over = (now_seconds() - t_launch) / 60.0 > (double)o.exit_duration_in_mins;
-#ifdef MT_USE_MPI
-            if (world > 1) MPI_Allreduce(MPI_IN_PLACE, &over, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-#endif
-            if (over) { exiting = 1; break; }
-        }
-        if (o.exit_interval > 0 && iteration % o.exit_interval == 0) break;
     }
-    if (!exiting) { /* --exit-duration-in-mins stops as Megatron does: a checkpoint, no final evaluation */
+    if (!why) { /* an exit condition stops as Megatron does: a checkpoint, no final evaluation, no sample */
         if (!o.skip_train) {
             printf("training took %.1f s\n", now_seconds() - t_start);
             print_memory_in_use(t, iteration); /* the plan against the device once training has run */
@@ -813,14 +863,10 @@ int main(int argc, char** argv) {
         }
     }
     if (tb && mt_tb_close(tb, &err) != MT_OK) die(1, "%s", err.message);
-    if (o.save && !o.skip_train && !saved) { /* unless the last iteration's --save-interval just saved */
-        if (mt_trainer_save(t, o.save, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
-        printf("saved checkpoint at iteration %lld to %s\n", (long long)iteration, o.save);
-    }
-    if (exiting)
-        printf("exiting program after %.2f minutes (--exit-duration-in-mins %lld)\n", (now_seconds() - t_launch) / 60.0,
-               (long long)o.exit_duration_in_mins);
-    else if (c->pipeline_model_parallel_size > 1 && o.sample_tokens > 0)
+    if (o.save && !o.skip_train && saved_at != iteration) save_checkpoint(t, o.save, iteration, consumed);
+    if (why) {
+        /* Megatron's exit conditions end the run without a sample */
+    } else if (c->pipeline_model_parallel_size > 1 && o.sample_tokens > 0)
         printf("sample: skipped (generation needs the whole model on one stage: --pipeline-model-parallel-size 1)\n");
     else /* every rank samples (the same tokens: same seed; with tensor parallelism the forward needs the
           * whole TP group); only rank 0's stdout is open */

@@ -57,6 +57,8 @@ typedef struct {
     int64_t null_vocab_size;
     /* logging, evaluation, checkpoints, exits, profiling */
     int64_t log_interval, eval_interval, eval_iters, save_interval, exit_interval, exit_duration_in_mins;
+    int exit_signal_handler;  /* SIGTERM/SIGINT: finish the step, save, exit 0 */
+    int no_check_for_nan;     /* --no-check-for-nan-in-loss-and-grad */
     int log_throughput;
     const char* save;
     const char* load;
@@ -234,11 +236,15 @@ static const tg_flag tg_flag_table[] = {
     {"--train-samples", G_TRAIN, F_INT64, TG_AT(train_samples), IR(1, TG_I64MAX), "none",
      "samples to train (the iterations follow from the batch sizes)"},
     {"--exit-interval", G_TRAIN, F_INT64, TG_AT(exit_interval), IR(0, TG_I64MAX), "none",
-     "stop after an iteration divisible by this"},
+     "after an iteration divisible by this: save (with --save) and stop, without the final evaluation"},
     {"--skip-train", G_TRAIN, F_TRUE, TG_AT(skip_train), NR, "off",
      "no training: the end-of-run evaluations only, of the loaded (or initial) weights; nothing is saved"},
-    {"--exit-duration-in-mins", G_TRAIN, F_INT64, TG_AT(exit_duration_in_mins), IR(1, TG_I64MAX), "none",
-     "stop (saving a checkpoint with --save) once training has run this many minutes"},
+    {"--exit-duration-in-mins", G_TRAIN, F_INT64, TG_AT(exit_duration_in_mins), IR(0, 1000000000), "none",
+     "once the run has lasted this many minutes: save (with --save) and stop, without the final evaluation (0: none)"},
+    {"--exit-signal-handler", G_TRAIN, F_TRUE, TG_AT(exit_signal_handler), NR, "off",
+     "SIGTERM or SIGINT: finish the step, save (with --save) and exit 0, every rank at the same iteration"},
+    {"--no-check-for-nan-in-loss-and-grad", G_TRAIN, F_TRUE, TG_AT(no_check_for_nan), NR, "check",
+     "a NaN/Inf loss or gradient norm no longer stops the run (fp16 still skips an overflowing step)"},
     {"--optimizer", G_TRAIN, F_STRING, TG_AT(optimizer), CH("adam|sgd|muon|dist_muon|lion|soap"), "adam",
      "the optimizer (this build has AdamW, Megatron's adam)"},
     {"--calculate-per-token-loss", G_TRAIN, F_TRUE, TG_AT(per_token_loss), NR, "off",
@@ -830,6 +836,7 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
     if (v->seed >= 0) c->seed = (uint64_t)v->seed;
     c->eod_mask_loss = v->eod_mask_loss;
     c->calculate_per_token_loss = v->per_token_loss;
+    c->check_for_nan_in_loss_and_grad = !v->no_check_for_nan;
 
     /* parallelism */
     if (v->tp >= 0) c->tensor_model_parallel_size = (int)v->tp;

@@ -33,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 static void usage(void) {
     fprintf(stderr,
@@ -147,13 +148,13 @@ static int do_export(const char* ckpt_dir, const char* hf_dir, int64_t iteration
     }
     char index[4200];
     snprintf(index, sizeof(index), "%s/model.safetensors.index.json", hf_dir);
-    FILE* f = fopen(index, "r");
-    if (f) fclose(f);
+    struct stat sb;
+    int sharded = stat(index, &sb) == 0; /* the export wrote an index */
     printf("exported %s iteration %lld (%s: %d layers, hidden %d, %d heads, ffn %d, %d positions, vocab %lld of %lld "
            "padded) to %s/config.json and %s/%s (%s)\n",
            ckpt_dir, (long long)header[MT_CK_ITERATION], arch->name, cfg.num_layers, cfg.hidden_size,
            cfg.num_attention_heads, cfg.ffn_hidden_size, cfg.max_position_embeddings, (long long)vocab,
-           (long long)cfg.padded_vocab_size, hf_dir, hf_dir, f ? "model.safetensors.index.json + shards" : "model.safetensors",
+           (long long)cfg.padded_vocab_size, hf_dir, hf_dir, sharded ? "model.safetensors.index.json + shards" : "model.safetensors",
            mt_st_dtype_name(dtype));
     return 0;
 }

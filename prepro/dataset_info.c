@@ -200,12 +200,7 @@ int main(int argc, char** argv) {
         ns[show] = num_samples;
     } else if (train_iters >= 0) {
         if (gbs <= 0) return fail("--train-iters needs --global-batch-size");
-        int64_t evals = (eval_interval > 0 ? train_iters / eval_interval : 0) + 1, t;
-        if (mt_mul_overflows_i64(train_iters, gbs, &t))
-            return fail("--train-iters x --global-batch-size samples overflows");
-        if (mt_mul_overflows_i64(evals, eval_iters, &t) || mt_mul_overflows_i64(t, gbs, &t))
-            return fail("the validation samples (evaluations x --eval-iters x --global-batch-size) overflow");
-        mt_gpt_num_samples(train_iters, eval_interval, eval_iters, gbs, ns);
+        if (mt_gpt_num_samples(train_iters, eval_interval, eval_iters, gbs, ns, &err) != MT_OK) return fail(err.message);
     }
     mt_gpt_data* d = NULL;
     if (mt_gpt_data_open(&d, num_prefixes, prefixes, weighted ? weights : NULL, split, seq_length, (uint32_t)seed, ns,

@@ -13,7 +13,7 @@
  *      and writes config.json and model.safetensors, or model-0000k-of-0000n.safetensors + the index
  *      when the weights pass shard_bytes. Padded vocabulary rows are dropped on export, zero on import.
  *
- *   2. megatron.c's checkpoint, host side (megatron.cu section 9 writes and reads the same bytes):
+ *   2. megatron.c's checkpoint, host side (megatron.cu section 19 writes and reads the same bytes):
  *      <dir>/iter_%07d/mp_rank_00/model_optim_rng.bin = 64 int64 header words (megatron.h, MT_CK_*:
  *      shape, flavour, norm epsilon, true vocabulary), fp32 master weights [N] in canonical order
  *      (mt_param_layout), then Adam m [N] and v [N] unless the optimizer state was sharded
@@ -89,7 +89,9 @@ mt_status mt_hf_arch_for_config(const mt_config* cfg, const mt_hf_arch** arch, m
  * (mt_num_parameters(cfg) floats). arch may be NULL. */
 mt_status mt_hf_load(const char* hf_dir, mt_config* cfg, float** params, const mt_hf_arch** arch, mt_error* err);
 /* Writes HF_DIR/config.json and the weights (dtype F32, BF16 or F16) for vocab_size <= padded vocab
- * (mkdir -p HF_DIR): one model.safetensors, or shards of at most shard_bytes (0: 5 GB) each + index. */
+ * (mkdir -p HF_DIR): one model.safetensors, or shards of at most shard_bytes (0: 5 GB) each + index.
+ * Committed as a set: every file under a temporary name first, then the old config.json removed,
+ * the weights renamed into place and config.json last (other files in HF_DIR are kept). */
 #define MT_HF_SHARD_BYTES ((int64_t)5000000000)
 mt_status mt_hf_save(const char* hf_dir, const mt_config* cfg, const float* params, int64_t vocab_size,
                      mt_st_dtype dtype, int64_t shard_bytes, mt_error* err);
@@ -104,7 +106,8 @@ int64_t mt_hf_param_offset(const mt_config* cfg, int kind, int layer);
 /* Writes a fresh checkpoint of cfg's model at `iteration`: the header (mt_checkpoint_header_init: shape,
  * flavour, norm epsilon, true vocabulary), the master weights, Adam m = v = 0, no progress, loss scale 1,
  * precision word bf16. The iteration directory is written under a temporary name and renamed, the
- * tracker last. Refuses a directory that already holds a checkpoint (a tracker or this iteration). */
+ * tracker last. Refuses a directory that already holds a checkpoint (a tracker); an iteration
+ * directory without a tracker (an interrupted run's) is not a checkpoint and is replaced. */
 mt_status mt_hf_checkpoint_write(const char* dir, const mt_config* cfg, const float* params, int64_t iteration,
                                  mt_error* err);
 /* Reads the master weights of the checkpoint at `iteration` (< 0: the tracker's). cfg gets the model
@@ -131,6 +134,7 @@ mt_status mt_hf_checkpoint_read(const char* dir, int64_t iteration, mt_config* c
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -383,20 +387,39 @@ mt_status mt_hf_load(const char* hf_dir, mt_config* cfg, float** params_out, con
 
 /* saving -------------------------------------------------------------------------------------- */
 
-/* Writes a small text file to path.tmp.<pid>, renamed into place: arch's config.json, or text. */
+static char* mt_hf__strdup(const char* text) {
+    char* copy = (char*)malloc(strlen(text) + 1);
+    if (copy) strcpy(copy, text);
+    return copy;
+}
+
+/* The temporaries a dead export left of any shard layout: model-*.safetensors.tmp.<pid>... */
+static void mt_hf__remove_stale_shards(const char* hf_dir) {
+    DIR* d = opendir(hf_dir);
+    if (!d) return;
+    struct dirent* e;
+    char base[4400];
+    while ((e = readdir(d)) != NULL) {
+        const char* tmp = strstr(e->d_name, ".safetensors.tmp.");
+        if (strncmp(e->d_name, "model-", 6) != 0 || !tmp) continue;
+        snprintf(base, sizeof(base), "%s/%.*s", hf_dir, (int)(tmp - e->d_name) + 12, e->d_name);
+        mt_remove_stale_temporaries(base); /* removes entries while we read: readdir may skip one, harmless */
+    }
+    closedir(d);
+}
+
+/* Writes a small text file to exactly path (a temporary name; the caller renames it), fsync'ed:
+ * arch's config.json, or text. */
 static mt_status mt_hf__write_text(const char* path, const mt_hf_arch* arch, const mt_config* c, int64_t vocab_size,
                                    const char* torch_dtype, const char* text, mt_error* err) {
-    char tmp[4300];
-    snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid());
-    FILE* f = fopen(tmp, "w");
-    if (!f) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", tmp, strerror(errno));
+    FILE* f = fopen(path, "w");
+    if (!f) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", path, strerror(errno));
     int ok = arch ? arch->write_config(f, c, vocab_size, torch_dtype) : fputs(text, f) >= 0;
     int e = errno;
     if (fflush(f) != 0 || fsync(fileno(f)) != 0) { ok = 0; e = errno; }
     if (fclose(f) != 0 && ok) { ok = 0; e = errno; }
-    if (ok && rename(tmp, path) != 0) { ok = 0; e = errno; }
     if (!ok) {
-        unlink(tmp);
+        unlink(path);
         return mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(e));
     }
     return MT_OK;
@@ -448,13 +471,35 @@ mt_status mt_hf_save(const char* hf_dir, const mt_config* cfg, const float* para
     char* index = shards > 1 ? (char*)malloc(index_cap) : NULL;
     if (!data || (shards > 1 && !index))
         s = mt_fail(err, MT_ERR_OOM, "out of memory for %lld exported values", (long long)largest);
-    /* config.json under a temporary name first, the weights (and index) renamed into place, then the config */
-    char config_path[4200], config_tmp[4300], model_path[4300], index_path[4200], other[4300];
+    /* Every file is written under its temporary name (<name>.tmp.<pid>) first; then the set is
+     * committed: the old config.json removed (without it transformers and mt_hf_load refuse the
+     * directory), the other layout's entry point removed, the weights and index renamed into place,
+     * config.json last. A crash at any instant leaves the old export, or a directory without
+     * config.json; the next export removes the temporaries a killed one left. */
+    char config_path[4200], index_path[4200], other[4300];
     snprintf(config_path, sizeof(config_path), "%s/config.json", hf_dir);
-    snprintf(config_tmp, sizeof(config_tmp), "%s/config.json.partial.%d", hf_dir, (int)getpid());
     snprintf(index_path, sizeof(index_path), "%s/model.safetensors.index.json", hf_dir);
+    snprintf(other, sizeof(other), "%s/%s", hf_dir, shards > 1 ? "model.safetensors" : "model.safetensors.index.json");
+    mt_remove_stale_temporaries(other);
+    mt_hf__remove_stale_shards(hf_dir);
+    char** finals = (char**)calloc((size_t)shards + 2, sizeof(char*)); /* shards, the index, config.json last */
+    char** temps = (char**)calloc((size_t)shards + 2, sizeof(char*));
+    int nfiles = 0;
+    if (s == MT_OK && (!finals || !temps)) s = mt_fail(err, MT_ERR_OOM, "out of memory");
+    for (int k = 0; s == MT_OK && k < shards + 2; k++) {
+        char file[4300];
+        if (k < shards && shards > 1) snprintf(file, sizeof(file), "%s/model-%05d-of-%05d.safetensors", hf_dir, k + 1, shards);
+        else if (k < shards) snprintf(file, sizeof(file), "%s/model.safetensors", hf_dir);
+        else if (k == shards && shards > 1) snprintf(file, sizeof(file), "%s", index_path);
+        else if (k == shards) continue; /* one file: no index */
+        else snprintf(file, sizeof(file), "%s", config_path);
+        finals[nfiles] = mt_hf__strdup(file);
+        temps[nfiles] = mt_temporary_path(file);
+        if (!finals[nfiles] || !temps[nfiles]) s = mt_fail(err, MT_ERR_OOM, "out of memory");
+        else mt_remove_stale_temporaries(file);
+        nfiles++;
+    }
     const char* torch_dtype = dtype == MT_ST_F32 ? "float32" : dtype == MT_ST_BF16 ? "bfloat16" : "float16";
-    if (s == MT_OK) s = mt_hf__write_text(config_tmp, arch, cfg, vocab_size, torch_dtype, NULL, err);
     static const char* const metadata[] = {"format", "pt", NULL};
     if (s == MT_OK && index)
         index_len = (size_t)snprintf(index, index_cap, "{\n  \"metadata\": {\n    \"total_size\": %lld\n  },\n"
@@ -467,11 +512,8 @@ mt_status mt_hf_save(const char* hf_dir, const mt_config* cfg, const float* para
             wt[last].data = data + off;
             off += ht[last].numel;
         }
-        char file[64];
-        if (shards > 1) snprintf(file, sizeof(file), "model-%05d-of-%05d.safetensors", k + 1, shards);
-        else snprintf(file, sizeof(file), "model.safetensors");
-        snprintf(model_path, sizeof(model_path), "%s/%s", hf_dir, file);
-        s = mt_safetensors_write(model_path, wt + first, last - first, metadata, err);
+        s = mt_safetensors_write(temps[k], wt + first, last - first, metadata, err);
+        const char* file = strrchr(finals[k], '/') + 1;
         for (int i = first; index && i < last; i++)
             index_len += (size_t)snprintf(index + index_len, index_cap - index_len, "%s\n    \"%s\": \"%s\"",
                                           i ? "," : "", ht[i].name, file);
@@ -479,14 +521,22 @@ mt_status mt_hf_save(const char* hf_dir, const mt_config* cfg, const float* para
     }
     if (s == MT_OK && index) {
         snprintf(index + index_len, index_cap - index_len, "\n  }\n}\n");
-        s = mt_hf__write_text(index_path, NULL, NULL, 0, NULL, index, err);
+        s = mt_hf__write_text(temps[shards], NULL, NULL, 0, NULL, index, err);
     }
-    if (s == MT_OK && rename(config_tmp, config_path) != 0)
-        s = mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", config_tmp, config_path, strerror(errno));
-    if (s != MT_OK) unlink(config_tmp);
-    /* the other layout's entry point, left by an earlier export, would shadow or contradict this one */
-    snprintf(other, sizeof(other), "%s/%s", hf_dir, shards > 1 ? "model.safetensors" : "model.safetensors.index.json");
-    if (s == MT_OK) unlink(other);
+    if (s == MT_OK) s = mt_hf__write_text(temps[nfiles - 1], arch, cfg, vocab_size, torch_dtype, NULL, err);
+    /* the commit */
+    if (s == MT_OK && unlink(config_path) != 0 && errno != ENOENT)
+        s = mt_fail(err, MT_ERR_IO, "cannot replace %s: %s", config_path, strerror(errno));
+    if (s == MT_OK && unlink(other) != 0 && errno != ENOENT)
+        s = mt_fail(err, MT_ERR_IO, "cannot remove %s: %s", other, strerror(errno));
+    for (int k = 0; s == MT_OK && k < nfiles; k++) s = mt_commit_file(temps[k], finals[k], err);
+    for (int k = 0; temps && k < nfiles; k++) {
+        if (s != MT_OK && temps[k]) unlink(temps[k]);
+        free(temps[k]);
+        free(finals[k]);
+    }
+    free(temps);
+    free(finals);
     free(index);
     free(data);
     free(shard);
@@ -501,22 +551,26 @@ static int mt_hf__write(FILE* f, const void* p, size_t n) { return fwrite(p, 1, 
 
 mt_status mt_hf_checkpoint_write(const char* dir, const mt_config* c, const float* params, int64_t iteration,
                                  mt_error* err) {
-    char final_dir[4200], tmp_dir[4200], rank_dir[4300], file[4400], tracker[4200], tracker_tmp[4300];
+    char final_dir[4200], rank_dir[4300], file[4400], tracker[4200];
     snprintf(final_dir, sizeof(final_dir), "%s/iter_%07lld", dir, (long long)iteration);
-    snprintf(tmp_dir, sizeof(tmp_dir), "%s/.tmp_iter_%07lld.%d", dir, (long long)iteration, (int)getpid());
+    snprintf(tracker, sizeof(tracker), "%s/latest_checkpointed_iteration.txt", dir);
+    struct stat sb;
+    if (stat(tracker, &sb) == 0)
+        return mt_fail(err, MT_ERR_IO, "%s already holds a checkpoint (latest_checkpointed_iteration.txt): choose an "
+                       "empty directory", dir);
+    if (mt_make_directories(dir) != 0) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", dir, strerror(errno));
+    /* the iteration is assembled in iter_N.tmp.<pid> (those of killed runs removed first), renamed into
+     * place, and only then made visible by the tracker: without a tracker nothing here is a
+     * checkpoint, so an interrupted run leaves nothing a reader accepts and never blocks the retry */
+    mt_remove_stale_temporaries(final_dir);
+    char* tmp_dir = mt_temporary_path(final_dir);
+    if (!tmp_dir) return mt_fail(err, MT_ERR_OOM, "out of memory");
     snprintf(rank_dir, sizeof(rank_dir), "%s/mp_rank_00", tmp_dir);
     snprintf(file, sizeof(file), "%s/model_optim_rng.bin", rank_dir);
-    snprintf(tracker, sizeof(tracker), "%s/latest_checkpointed_iteration.txt", dir);
-    snprintf(tracker_tmp, sizeof(tracker_tmp), "%s.tmp.%d", tracker, (int)getpid());
-    struct stat sb;
-    if (stat(tracker, &sb) == 0 || stat(final_dir, &sb) == 0)
-        return mt_fail(err, MT_ERR_IO, "%s already holds a checkpoint (%s): choose an empty directory", dir,
-                       stat(tracker, &sb) == 0 ? "latest_checkpointed_iteration.txt" : final_dir);
-    if (mt_make_directories(dir) != 0) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", dir, strerror(errno));
     if (mkdir(tmp_dir, 0755) != 0 || mkdir(rank_dir, 0755) != 0) {
         int e = errno;
-        rmdir(rank_dir);
-        rmdir(tmp_dir);
+        mt_remove_tree(tmp_dir);
+        free(tmp_dir);
         return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", rank_dir, strerror(e));
     }
     int64_t n = mt_param_layout(c, NULL);
@@ -543,92 +597,54 @@ mt_status mt_hf_checkpoint_write(const char* dir, const mt_config* c, const floa
         if (fflush(f) != 0 || fsync(fileno(f)) != 0) { bad = 1; e = errno; }
         if (fclose(f) != 0 && !bad) { bad = 1; e = errno; }
     }
-    if (!bad && rename(tmp_dir, final_dir) != 0) {
-        e = errno;
-        unlink(file);
-        rmdir(rank_dir);
-        rmdir(tmp_dir);
-        return mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", tmp_dir, final_dir, strerror(e));
-    }
-    if (bad) {
-        unlink(file);
-        rmdir(rank_dir);
-        rmdir(tmp_dir);
-        return mt_fail(err, MT_ERR_IO, "cannot write %s: %s", file, strerror(e));
-    }
-    FILE* tf = fopen(tracker_tmp, "w");
-    bad = !tf || fprintf(tf, "%lld", (long long)iteration) < 0;
-    if (tf && fclose(tf) != 0) bad = 1;
-    if (bad || rename(tracker_tmp, tracker) != 0) {
-        e = errno;
-        unlink(tracker_tmp);
-        return mt_fail(err, MT_ERR_IO, "cannot write %s: %s", tracker, strerror(e));
-    }
-    return MT_OK;
+    if (!bad && (mt_sync_directory_of(file) != 0 || mt_sync_directory_of(rank_dir) != 0)) { bad = 1; e = errno; }
+    mt_status st = MT_OK;
+    if (bad) st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", file, strerror(e));
+    /* an iter_N without a tracker is what an interrupted run left: not a checkpoint, replaced */
+    if (st == MT_OK && mt_remove_tree(final_dir) != 0)
+        st = mt_fail(err, MT_ERR_IO, "cannot replace %s (left by an interrupted run): %s", final_dir, strerror(errno));
+    if (st == MT_OK) st = mt_commit_file(tmp_dir, final_dir, err);
+    if (st != MT_OK) mt_remove_tree(tmp_dir);
+    free(tmp_dir);
+    if (st == MT_OK) st = mt_checkpoint_write_tracker(dir, iteration, err);
+    return st;
 }
 
 mt_status mt_hf_checkpoint_read(const char* dir, int64_t iteration, mt_config* c, float** params_out, int64_t* header,
                                 mt_error* err) {
     *params_out = NULL;
-    char path[4200];
-    if (iteration < 0) {
-        snprintf(path, sizeof(path), "%s/latest_checkpointed_iteration.txt", dir);
-        FILE* tf = fopen(path, "r");
-        if (!tf) return mt_fail(err, MT_ERR_IO, "no checkpoint in %s (cannot open %s: %s)", dir, path, strerror(errno));
-        char text[64] = {0};
-        size_t k = fread(text, 1, sizeof(text) - 1, tf);
-        fclose(tf);
-        text[k] = 0;
-        char* end = NULL;
-        long long it = strtoll(text, &end, 10);
-        while (end && (*end == '\n' || *end == '\r' || *end == ' ')) end++;
-        if (end == text || !end || *end || it < 0)
-            return mt_fail(err, MT_ERR_FORMAT, "%s does not hold an iteration number", path);
-        iteration = it;
+    char path[4400], iter_dir[4200];
+    mt_status s = MT_OK;
+    if (iteration < 0 && (s = mt_checkpoint_read_tracker(dir, &iteration, err)) != MT_OK) return s;
+    mt_checkpoint_iteration_dir(iter_dir, sizeof(iter_dir), dir, iteration);
+    snprintf(path, sizeof(path), "%s/mp_rank_00/model_optim_rng.bin", iter_dir);
+    int fd = mt_open_regular_file(path, err);
+    if (fd < 0) return MT_ERR_IO;
+    FILE* f = fdopen(fd, "rb");
+    if (!f) {
+        close(fd);
+        return mt_fail(err, MT_ERR_IO, "cannot open checkpoint %s: %s", path, strerror(errno));
     }
-    snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_00/model_optim_rng.bin", dir, (long long)iteration);
-    FILE* f = fopen(path, "rb");
-    if (!f) return mt_fail(err, MT_ERR_IO, "cannot open checkpoint %s: %s", path, strerror(errno));
     struct stat sb;
     int64_t h[MT_CK_HEADER_WORDS];
     if (fstat(fileno(f), &sb) != 0 || fread(h, sizeof(int64_t), MT_CK_HEADER_WORDS, f) != MT_CK_HEADER_WORDS) {
         fclose(f);
         return mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
     }
-    mt_status s = MT_OK;
-    if (h[MT_CK_MAGIC] != MT_CKPT_MAGIC || h[MT_CK_VERSION] != MT_CKPT_VERSION)
-        s = mt_fail(err, MT_ERR_FORMAT, "%s is not a megatron.c checkpoint (bad magic or version)", path);
-    for (int w = MT_CK_LAYERS; s == MT_OK && w <= MT_CK_POSITIONS; w++)
-        if (h[w] <= 0 || h[w] > ((int64_t)1 << 31))
-            s = mt_fail(err, MT_ERR_FORMAT, "%s: header word %d (model shape) is %lld", path, w, (long long)h[w]);
-    static const int flavour[] = {MT_CK_NORMALIZATION, MT_CK_SWIGLU, MT_CK_POSITION_TYPE, MT_CK_UNTIED, MT_CK_NO_BIAS_LINEAR};
-    for (int k = 0; s == MT_OK && k < 5; k++)
-        if (h[flavour[k]] != 0 && h[flavour[k]] != 1)
-            s = mt_fail(err, MT_ERR_FORMAT, "%s: header word %d (model flavour) is %lld", path, flavour[k],
-                        (long long)h[flavour[k]]);
+    /* every word checked before any is used: shape, flavour, rope and norm doubles, counters */
+    s = mt_checkpoint_header_check(h, path, c, err);
     if (s == MT_OK && (h[MT_CK_TP] != 1 || h[MT_CK_PP] != 1))
         s = mt_fail(err, MT_ERR_FORMAT, "%s was saved with tensor/pipeline parallel sizes %lld/%lld: only 1/1 converts",
                     path, (long long)h[MT_CK_TP], (long long)h[MT_CK_PP]);
-    mt_config_defaults(c);
-    if (s == MT_OK) mt_config_from_checkpoint_header(c, h);
-    c->seq_length = c->max_position_embeddings;
-    if (s == MT_OK && !(c->norm_epsilon > 0 && c->norm_epsilon < 1))
-        s = mt_fail(err, MT_ERR_FORMAT, "%s: the header's norm epsilon is %g", path, c->norm_epsilon);
-    if (s == MT_OK && c->position_embedding_type == MT_POSITION_ROPE &&
-        !(c->rotary_base > 0 && c->rotary_percent > 0 && c->rotary_percent <= 1 && c->rope_scaling_factor >= 1))
-        s = mt_fail(err, MT_ERR_FORMAT, "%s: the header's rope words (base %g, percent %g, scaling %g) are invalid", path,
-                    c->rotary_base, c->rotary_percent, c->rope_scaling_factor);
-    int64_t n = s == MT_OK ? mt_param_layout(c, NULL) : 0;
-    if (s == MT_OK && h[MT_CK_NUM_PARAMS] != n)
-        s = mt_fail(err, MT_ERR_FORMAT, "%s: header says %lld parameters but its model has %lld", path,
-                    (long long)h[MT_CK_NUM_PARAMS], (long long)n);
-    int arrays = h[MT_CK_SHARDED_DP] > 0 ? 1 : 3; /* sharded optimizer state: master weights only */
-    uint64_t want = sizeof(h) + (uint64_t)arrays * sizeof(float) * (uint64_t)n;
-    if (s == MT_OK && h[MT_CK_SHARDED_DP] < 0)
-        s = mt_fail(err, MT_ERR_FORMAT, "%s: bad sharding word %lld", path, (long long)h[MT_CK_SHARDED_DP]);
-    if (s == MT_OK && (uint64_t)sb.st_size != want)
-        s = mt_fail(err, MT_ERR_FORMAT, "%s is %s: %lld bytes, expected %llu", path,
-                    (uint64_t)sb.st_size < want ? "truncated" : "too long", (long long)sb.st_size, (unsigned long long)want);
+    if (s == MT_OK && h[MT_CK_ITERATION] != iteration)
+        s = mt_fail(err, MT_ERR_FORMAT, "%s holds iteration %lld, not %lld", path, (long long)h[MT_CK_ITERATION],
+                    (long long)iteration);
+    const int64_t want = s == MT_OK ? mt_checkpoint_file_bytes(h, 0) : 0;
+    if (s == MT_OK && (int64_t)sb.st_size != want)
+        s = mt_fail(err, MT_ERR_FORMAT, "%s is %s: %lld bytes, expected %lld", path,
+                    (int64_t)sb.st_size < want ? "truncated" : "too long", (long long)sb.st_size, (long long)want);
+    if (s == MT_OK) c->seq_length = c->max_position_embeddings;
+    int64_t n = h[MT_CK_NUM_PARAMS]; /* = mt_param_layout(c), checked */
     float* params = NULL;
     if (s == MT_OK) {
         params = (float*)malloc(sizeof(float) * (size_t)n);

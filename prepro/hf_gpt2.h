@@ -200,7 +200,7 @@ void mt_hf_gpt2_tensor(const mt_config* c, int64_t vocab_size, int index, mt_hf_
         "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
         "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"};
     int64_t h = c->hidden_size, f = c->ffn_hidden_size;
-    int64_t qkv = (int64_t)(c->num_attention_heads + 2 * c->num_query_groups) * c->kv_channels;
+    int64_t qkv = ((int64_t)c->num_attention_heads + 2 * (int64_t)c->num_query_groups) * c->kv_channels;
     int64_t attn = (int64_t)c->num_attention_heads * c->kv_channels;
     int L = c->num_layers;
     memset(t, 0, sizeof(*t));

@@ -271,7 +271,7 @@ void mt_hf_llama_export_tensor(const mt_config* c, int64_t vocab_size, const mt_
     const float* p = params + mt_hf_param_offset(c, t->kind, t->layer);
     int64_t h = c->hidden_size;
     if (t->kind == MT_P_QKV_WEIGHT) { /* our grouped rows -> the rows of q_proj, k_proj or v_proj */
-        int64_t R = (int64_t)(c->num_attention_heads + 2 * c->num_query_groups) * c->kv_channels;
+        int64_t R = ((int64_t)c->num_attention_heads + 2 * (int64_t)c->num_query_groups) * c->kv_channels;
         int64_t base = mt_hf_llama__qkv_base(c, t->part);
         for (int64_t r = 0; r < R; r++) {
             int64_t i = mt_hf_qkv_index(c, r) - base;
@@ -290,7 +290,7 @@ void mt_hf_llama_import_tensor(const mt_config* c, int64_t vocab_size, const mt_
     float* p = params + mt_hf_param_offset(c, t->kind, t->layer);
     int64_t h = c->hidden_size;
     if (t->kind == MT_P_QKV_WEIGHT) {
-        int64_t R = (int64_t)(c->num_attention_heads + 2 * c->num_query_groups) * c->kv_channels;
+        int64_t R = ((int64_t)c->num_attention_heads + 2 * (int64_t)c->num_query_groups) * c->kv_channels;
         int64_t base = mt_hf_llama__qkv_base(c, t->part);
         for (int64_t r = 0; r < R; r++) {
             int64_t i = mt_hf_qkv_index(c, r) - base;

@@ -489,24 +489,11 @@ void mt_json_free(mt_json* value) {
 
 mt_status mt_json_parse_file(mt_json** out, const char* path, mt_error* err) {
     *out = NULL;
-    FILE* f = fopen(path, "rb");
-    if (!f) return mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
-    size_t cap = 4096, n = 0;
-    char* buf = (char*)malloc(cap);
-    for (;;) {
-        if (!buf) { fclose(f); return mt_fail(err, MT_ERR_OOM, "out of memory reading %s", path); }
-        n += fread(buf + n, 1, cap - n, f);
-        if (n < cap) break;
-        if (cap > ((size_t)1 << 30)) { free(buf); fclose(f); return mt_fail(err, MT_ERR_FORMAT, "%s: larger than 1 GiB", path); }
-        cap *= 2;
-        char* t = (char*)realloc(buf, cap);
-        if (!t) free(buf);
-        buf = t;
-    }
-    int bad = ferror(f);
-    fclose(f);
-    if (bad) { free(buf); return mt_fail(err, MT_ERR_IO, "cannot read %s", path); }
-    mt_status st = mt_json_parse(out, buf, n, path, err);
+    char* buf = NULL;
+    size_t n = 0;
+    mt_status st = mt_read_file(path, (size_t)1 << 30, &buf, &n, err); /* a regular file of at most 1 GiB */
+    if (st != MT_OK) return st;
+    st = mt_json_parse(out, buf, n, path, err);
     free(buf);
     return st;
 }
@@ -669,13 +656,14 @@ static mt_status mt_st__parse_file(mt_safetensors* st, int fi, int take_metadata
             break;
         }
         t->ndim = shape->count;
-        /* numel in 128 bits' worth of care: refuse anything whose byte size passes 2^62 */
-        uint64_t numel = 1, bytes_limit = (uint64_t)1 << 62;
+        /* the byte size, element count x element size, checked before each product is formed: at
+         * most 2^62 (a wrapped product could otherwise pass the span check below) */
+        uint64_t numel = 1, bytes_limit = (uint64_t)1 << 62, numel_limit = bytes_limit / mt_st__dtypes[dt].size;
         for (int d = 0; d < t->ndim && s == MT_OK; d++) {
             uint64_t dim;
             if (!mt_st__uint(&shape->items[d], &dim))
                 s = mt_fail(err, MT_ERR_FORMAT, "%s: tensor \"%s\": shape entry %d is not a non-negative integer", path, name, d);
-            else if (dim != 0 && numel > bytes_limit / dim)
+            else if (dim != 0 && numel > numel_limit / dim)
                 s = mt_fail(err, MT_ERR_FORMAT, "%s: tensor \"%s\": shape is impossibly large", path, name);
             else {
                 t->shape[d] = (int64_t)dim;
@@ -684,8 +672,7 @@ static mt_status mt_st__parse_file(mt_safetensors* st, int fi, int take_metadata
         }
         if (s != MT_OK) break;
         t->numel = (int64_t)numel;
-        uint64_t need = numel * mt_st__dtypes[dt].size;
-        if (need > bytes_limit) { s = mt_fail(err, MT_ERR_FORMAT, "%s: tensor \"%s\": shape is impossibly large", path, name); break; }
+        uint64_t need = numel * mt_st__dtypes[dt].size; /* <= 2^62 */
         if (offsets->type != MT_JSON_ARRAY || offsets->count != 2 || !mt_st__uint(&offsets->items[0], &t->begin) ||
             !mt_st__uint(&offsets->items[1], &t->end)) {
             s = mt_fail(err, MT_ERR_FORMAT, "%s: tensor \"%s\": data_offsets is not [begin, end] of non-negative integers", path, name);
@@ -746,12 +733,12 @@ static mt_status mt_st__parse_file(mt_safetensors* st, int fi, int take_metadata
 }
 
 static mt_status mt_st__map(mt_st__file* f, mt_error* err) {
-    int fd = open(f->path, O_RDONLY);
-    if (fd < 0) return mt_fail(err, MT_ERR_IO, "cannot open %s: %s", f->path, strerror(errno));
+    int fd = mt_open_regular_file(f->path, err);
+    if (fd < 0) return MT_ERR_IO;
     struct stat sb;
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    if (fstat(fd, &sb) != 0 || (uint64_t)sb.st_size > (uint64_t)SIZE_MAX) {
         close(fd);
-        return mt_fail(err, MT_ERR_IO, "%s is not a regular file", f->path);
+        return mt_fail(err, MT_ERR_IO, "cannot stat %s", f->path);
     }
     f->size = (size_t)sb.st_size;
     if (f->size > 0) {
@@ -1067,7 +1054,12 @@ mt_status mt_safetensors_write(const char* path, const mt_st_write_tensor* tenso
                 return mt_fail(err, MT_ERR_ARG, "%s: tensor \"%s\" given twice", path, t->name);
             }
         int64_t numel = 1;
-        for (int d = 0; d < t->ndim; d++) numel *= t->shape[d];
+        for (int d = 0; d < t->ndim && numel >= 0; d++)
+            if (t->shape[d] < 0 || mt_mul_overflows_i64(numel, t->shape[d], &numel) || numel > ((int64_t)1 << 60)) numel = -1;
+        if (numel < 0 || offset > ((uint64_t)1 << 62)) { /* as the reader: at most 2^62 bytes */
+            free(h.s);
+            return mt_fail(err, MT_ERR_ARG, "%s: tensor \"%s\": a negative or impossibly large shape", path, t->name);
+        }
         uint64_t bytes = (uint64_t)numel * mt_st_dtype_size(t->dtype);
         if (!first) mt_st__append(&h, ",", 1);
         first = 0;
@@ -1083,10 +1075,16 @@ mt_status mt_safetensors_write(const char* path, const mt_st_write_tensor* tenso
     while (!h.oom && (8 + h.n) % 8) mt_st__append(&h, " ", 1); /* the data starts 8-byte aligned */
     if (h.oom) { free(h.s); return mt_fail(err, MT_ERR_OOM, "%s: out of memory building the header", path); }
 
-    char tmp[4200];
-    snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid());
+    char* tmp = mt_temporary_path(path);
+    if (!tmp) { free(h.s); return mt_fail(err, MT_ERR_OOM, "%s: out of memory", path); }
+    mt_remove_stale_temporaries(path);
     FILE* f = fopen(tmp, "wb");
-    if (!f) { free(h.s); return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", tmp, strerror(errno)); }
+    if (!f) {
+        mt_status st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", tmp, strerror(errno));
+        free(h.s);
+        free(tmp);
+        return st;
+    }
     uint64_t n = h.n;
     int bad = mt_st__write_all(f, &n, 8) || mt_st__write_all(f, h.s, h.n);
     free(h.s);
@@ -1112,16 +1110,10 @@ mt_status mt_safetensors_write(const char* path, const mt_st_write_tensor* tenso
     int e = errno;
     if (fflush(f) != 0 || fsync(fileno(f)) != 0) { bad = 1; e = errno; }
     if (fclose(f) != 0 && !bad) { bad = 1; e = errno; }
-    if (!bad && rename(tmp, path) != 0) {
-        e = errno;
-        unlink(tmp);
-        return mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", tmp, path, strerror(e));
-    }
-    if (bad) {
-        unlink(tmp);
-        return mt_fail(err, MT_ERR_IO, "cannot write %s: %s", tmp, strerror(e));
-    }
-    return MT_OK;
+    mt_status st = bad ? mt_fail(err, MT_ERR_IO, "cannot write %s: %s", tmp, strerror(e)) : mt_commit_file(tmp, path, err);
+    if (bad) unlink(tmp);
+    free(tmp);
+    return st;
 }
 
 #ifdef __cplusplus

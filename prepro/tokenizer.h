@@ -185,38 +185,12 @@ extern "C" {
 
 #define MTK__NO_RANK 0xFFFFFFFFu
 
-/* Reads a whole file into a malloc'd buffer (one spare byte, NUL-terminated). */
+/* A whole tokenizer file (a regular file of at most 1 GiB, NUL-terminated): megatron.h's mt_read_file. */
 static mt_status mtk__read_file(const char* path, uint8_t** out, size_t* len, mt_error* err) {
-    FILE* f = fopen(path, "rb");
-    if (!f) return mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
-    size_t cap = 1 << 20, n = 0;
-    int oom = 0;
-    uint8_t* buf = (uint8_t*)malloc(cap);
-    while (buf) {
-        if (n + 1 >= cap) {
-            uint8_t* nb = (uint8_t*)realloc(buf, cap * 2);
-            if (!nb) { oom = 1; break; }
-            buf = nb;
-            cap *= 2;
-        }
-        size_t got = fread(buf + n, 1, cap - 1 - n, f);
-        n += got;
-        if (got == 0) break;
-    }
-    int bad = ferror(f);
-    fclose(f);
-    if (!buf || oom) {
-        free(buf);
-        return mt_fail(err, MT_ERR_OOM, "out of memory reading %s", path);
-    }
-    if (bad) {
-        free(buf);
-        return mt_fail(err, MT_ERR_IO, "error reading %s", path);
-    }
-    buf[n] = 0;
-    *out = buf;
-    *len = n;
-    return MT_OK;
+    char* data = NULL;
+    mt_status st = mt_read_file(path, (size_t)1 << 30, &data, len, err);
+    *out = (uint8_t*)data;
+    return st;
 }
 
 /* Appends a code point as UTF-8; returns the byte count (1-4). */
@@ -1960,11 +1934,12 @@ mt_status mt_preprocess(const mt_preprocess_config* cfg, mt_preprocess_stats* st
         pthread_cond_destroy(&c.cv_work);
         pthread_cond_destroy(&c.cv_done);
     }
-    for (int k = 0; writers && k < c.num_keys; k++) {
-        if (!writers[k]) continue;
-        if (st == MT_OK) st = mt_indexed_writer_finalize(writers[k], err);
-        else mt_indexed_writer_abort(writers[k]);
-    }
+    /* the datasets of every key are one set: all prepared (written and synced under temporary names)
+     * before any is committed, so a failure of one key leaves every old dataset untouched */
+    for (int k = 0; writers && st == MT_OK && k < c.num_keys; k++) st = mt_indexed_writer_prepare(writers[k], err);
+    if (writers && st == MT_OK) st = mt_indexed_writers_commit(writers, c.num_keys, err); /* frees them */
+    for (int k = 0; writers && k < c.num_keys; k++)
+        if (writers[k]) mt_indexed_writer_abort(writers[k]);
     if (c.f) fclose(c.f);
     for (int s = 0; c.slots && s < c.num_slots; s++) {
         mtk__pp_batch* b = &c.slots[s];

@@ -61,7 +61,7 @@ static test_result determinism_and_resume_fp8(mt_precision precision, int llama,
     float* pr = (float*)malloc(sizeof(float) * n);
     char dir[256];
     snprintf(dir, sizeof(dir), "/tmp/mt_test_ckpt_%d_%d_%d_%d", (int)getpid(), (int)precision, llama, (int)fp8_recipe);
-    remove_tree(dir);
+    mt_remove_tree(dir);
     test_result res = TEST_PASS;
     if (run_steps(&c, NULL, NULL, 0, 20, a, pa) != TEST_PASS || run_steps(&c, NULL, NULL, 0, 20, b, pb) != TEST_PASS ||
         run_steps(&c, NULL, dir, 0, 10, r, NULL) != TEST_PASS || run_steps(&c, dir, NULL, 10, 10, r, pr) != TEST_PASS) {
@@ -90,7 +90,7 @@ static test_result determinism_and_resume_fp8(mt_precision precision, int llama,
         }
         printf("      losses %.6f -> %.6f, bitwise equal across runs and across save/load\n", a[0], a[19]);
     }
-    remove_tree(dir);
+    mt_remove_tree(dir);
     free(pa);
     free(pb);
     free(pr);
@@ -119,7 +119,7 @@ static test_result test_checkpoint_refuses_other_shape(void) {
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
     char dir[256];
     snprintf(dir, sizeof(dir), "/tmp/mt_test_shape_%d", (int)getpid());
-    remove_tree(dir);
+    mt_remove_tree(dir);
     mt_trainer* t = NULL;
     EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
     mt_status st = mt_trainer_save(t, dir, 7, 56, &err);
@@ -140,7 +140,7 @@ static test_result test_checkpoint_refuses_other_shape(void) {
     err.message[0] = 0;
     st = mt_trainer_load(t, dir, -1, NULL, NULL, &err);
     mt_trainer_free(t);
-    remove_tree(dir);
+    mt_remove_tree(dir);
     EXPECT(st == MT_ERR_CONFIG, "status %d", (int)st);
     EXPECT(strstr(err.message, "--hidden-size 128 but this run has 256") != NULL, "message: %s", err.message);
     /* same shape, other flavour: an RMSNorm model refuses a LayerNorm checkpoint, naming the flag */
@@ -154,7 +154,7 @@ static test_result test_checkpoint_refuses_other_shape(void) {
     EXPECT_OK(mt_trainer_create(&t, &other, &err), &err);
     st = mt_trainer_load(t, dir, -1, NULL, NULL, &err);
     mt_trainer_free(t);
-    remove_tree(dir);
+    mt_remove_tree(dir);
     EXPECT(st == MT_ERR_CONFIG && strstr(err.message, "--normalization") != NULL, "status %d, message: %s", (int)st,
            err.message);
     return TEST_PASS;

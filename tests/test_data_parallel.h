@@ -321,7 +321,7 @@ static test_result dp_repeat_and_resume(mt_precision precision, int dist) {
 #ifdef MT_USE_MPI
     MPI_Barrier(MPI_COMM_WORLD);
 #endif
-    if (mpi_rank() == 0) remove_tree(dir);
+    if (mpi_rank() == 0) mt_remove_tree(dir);
     free(pa);
     free(pb);
     free(pr);

@@ -241,7 +241,7 @@ static test_result test_dataset_split(void) {
     EXPECT(mt_split_parse("0,0", &m, err) == MT_ERR_ARG, "zero sum");
     EXPECT(mt_split_parse(".", &m, err) == MT_ERR_ARG, "a lone dot");
     int64_t ns[3];
-    mt_gpt_num_samples(500, 100, 10, 8, ns);
+    EXPECT(mt_gpt_num_samples(500, 100, 10, 8, ns, NULL) == MT_OK, "num_samples");
     EXPECT(ns[0] == 4000 && ns[1] == 480 && ns[2] == 80, "num samples %lld %lld %lld", (long long)ns[0],
            (long long)ns[1], (long long)ns[2]);
     /* Sampler: mbs 2, dp 4: rank 1 takes indices 2,3 then 10,11. */

@@ -24,13 +24,21 @@
 
 /* ---- subprocesses ----------------------------------------------------------------------------- */
 
-/* Runs cmd with stdout and stderr into out (malloc'd); returns the exit status (-1: did not exit). */
+/* Runs cmd with its stdout, then its stderr, into out (malloc'd); returns the exit status (-1: did
+ * not exit). stderr goes to a file of its own: lines that OpenMPI or CUDA write to stderr (train_gpt
+ * built with MPI) then cannot land inside a stdout line that the pipe's buffering split. */
 static int tev_run(const char* cmd, char** out) {
-    char full[4096];
-    snprintf(full, sizeof(full), "%s 2>&1", cmd);
-    FILE* p = popen(full, "r");
+    char err_path[] = "/tmp/mt_tev_stderr_XXXXXX", full[4200];
     *out = NULL;
-    if (!p) return -1;
+    int fd = mkstemp(err_path);
+    if (fd < 0) return -1;
+    close(fd);
+    snprintf(full, sizeof(full), "%s 2>%s", cmd, err_path);
+    FILE* p = popen(full, "r");
+    if (!p) {
+        unlink(err_path);
+        return -1;
+    }
     size_t cap = 1 << 16, n = 0;
     char* buf = (char*)malloc(cap);
     size_t k;
@@ -38,9 +46,19 @@ static int tev_run(const char* cmd, char** out) {
         n += k;
         if (cap - n < 4096) buf = (char*)realloc(buf, cap *= 2);
     }
+    int st = pclose(p);
+    size_t err_size = 0;
+    char* err_text = test_read_file(err_path, &err_size);
+    unlink(err_path);
+    char* joined = buf && err_text ? (char*)realloc(buf, n + err_size + 1) : NULL;
+    if (joined) {
+        memcpy(joined + n, err_text, err_size);
+        n += err_size;
+        buf = joined;
+    }
+    free(err_text);
     if (buf) buf[n] = 0;
     *out = buf;
-    int st = pclose(p);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 

@@ -518,7 +518,7 @@ static test_result test_flags_ramp_step_and_weights_only_load(void) {
     float *p2 = p1 + n, *p3 = p1 + 2 * n;
     char dir[256];
     snprintf(dir, sizeof(dir), "/tmp/mt_test_flags_%d", (int)getpid());
-    remove_tree(dir);
+    mt_remove_tree(dir);
     mt_trainer* t = NULL;
     mt_step_result r1, r2;
     EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
@@ -549,7 +549,7 @@ static test_result test_flags_ramp_step_and_weights_only_load(void) {
     if (st == MT_OK) st = mt_trainer_train_step(t, tokens + 3 * per_step, &b, &err);
     if (st == MT_OK) st = mt_trainer_get_parameters(t, p3, &err);
     mt_trainer_free(t);
-    remove_tree(dir);
+    mt_remove_tree(dir);
     EXPECT_OK(st, &err);
     EXPECT(a.lm_loss == b.lm_loss && a.learning_rate == b.learning_rate && a.learning_rate == mt_learning_rate(&c, 8),
            "second step: loss %.9g vs %.9g, lr %g vs %g", a.lm_loss, b.lm_loss, a.learning_rate, b.learning_rate);

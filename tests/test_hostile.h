@@ -1,13 +1,25 @@
-/* tests/test_hostile.h — hostile input (host tests): flag values that lie about their size or range.
- * mt_config_finalize with size products that overflow int or int64; ./train_gpt and
- * prepro/dataset_info run as subprocesses with hostile flags, which must exit non-zero with exactly
- * one line on stderr naming the flag. The subprocess tests skip when the binaries are not built
- * (`make test` builds test_megatron only; `make all` builds them). */
+/* tests/test_hostile.h — hostile input and faults.
+ * Host: flag values that lie about their size or range (mt_config_finalize with size products that
+ * overflow int or int64; ./train_gpt, prepro/dataset_info and prepro/convert_hf run as subprocesses
+ * with hostile flags, which must exit non-zero with exactly one stderr line of their own, "<tool>:
+ * ..." naming the flag (lines of OpenMPI or CUDA, which do not start with the tool's name, may come
+ * too); these skip when the binaries are not built: `make all`). Files: a FIFO, directory or device where a
+ * regular file is meant is refused with one line and never blocks (each case runs in a child that is
+ * killed after 10 s); a crash at every step of a dataset commit (a child stops there and exits
+ * without cleanup) leaves each dataset old, new or refused, never a mixed pair, and the next writer
+ * removes what it left; a failed commit (and preprocess_data with a failing second key) restores
+ * every old dataset; stale temporaries of dead processes go, others stay. Sizes from files: every
+ * checkpoint header word (targeted cases and 200k random headers), the tracker, 3000 random .idx
+ * corruptions (refused in one line, or read within bounds), safetensors element count x size, GPT
+ * sample counts; convert_hf's interrupted import does not block the retry.
+ * GPU: a NaN loss stops train_step before the optimizer (--check-for-nan-in-loss-and-grad). */
 #ifndef MT_TEST_HOSTILE_H
 #define MT_TEST_HOSTILE_H
 
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include "../train_gpt_flags.h" /* the fault flags' rows, parsed in-process */
 
 /* ---- mt_config_finalize with size products that overflow ---------------------------------------- */
 
@@ -127,16 +139,35 @@ static int hostile_run(const char* cmd, char* err_out, size_t cap) {
     return test_command_output(full, err_out, cap);
 }
 
-/* exit status != 0 and exactly one line on stderr, containing `needle` */
+/* Exit status != 0 and exactly one stderr line of the program's own: it starts with the program's
+ * name and a colon (the basename of cmd's first word: "train_gpt: ...") and contains `needle`.
+ * Other stderr lines are allowed only when they do not start with the program's name: train_gpt
+ * built with MPI runs as an MPI singleton, and OpenMPI (MPI_Abort's banner, transport warnings) or
+ * CUDA may add lines of their own; the program itself must still say it in one line. */
 static int hostile_expect_refused(const char* cmd, const char* needle) {
-    char out[8192];
+    char out[16384], prog[128];
+    size_t word = strcspn(cmd, " "), start = 0;
+    for (size_t i = 0; i < word; i++)
+        if (cmd[i] == '/') start = i + 1;
+    snprintf(prog, sizeof(prog), "%.*s", (int)(word - start), cmd + start);
+    size_t prog_len = strlen(prog);
     int code = hostile_run(cmd, out, sizeof(out));
+    int own_lines = 0, found = 0;
+    for (const char* line = out; *line;) {
+        const char* end = strchr(line, '\n');
+        size_t n = end ? (size_t)(end - line) : strlen(line);
+        if (n >= prog_len && !strncmp(line, prog, prog_len)) {
+            own_lines++;
+            char buf[4096];
+            snprintf(buf, sizeof(buf), "%.*s", (int)n, line);
+            found = buf[prog_len] == ':' && strstr(buf, needle) != NULL;
+        }
+        line += n + (end ? 1 : 0);
+    }
+    if (code != 0 && own_lines == 1 && found) return 1;
     size_t len = strlen(out);
-    const char* nl = strchr(out, '\n');
-    int one_line = len > 0 && nl == out + len - 1;
-    if (code != 0 && one_line && strstr(out, needle)) return 1;
-    printf("    %s\n      exit %d, want the one line '...%s...', got: %s%s", cmd, code, needle, out,
-           len && out[len - 1] == '\n' ? "" : "\n");
+    printf("    %s\n      exit %d, want one line '%s: ...%s...' (%d lines start with %s), got: %s%s", cmd, code, prog,
+           needle, own_lines, prog, out, len && out[len - 1] == '\n' ? "" : "\n");
     return 0;
 }
 
@@ -172,6 +203,9 @@ static test_result test_hostile_train_gpt_flags(void) {
         {"--seed -1", "--seed -1: must be between 0 and 4294967295"},
         {"--seed 4294967297", "--seed 4294967297: must be between 0 and 4294967295"}, /* was seed 1 for the data */
         {"--bf16=1", "--bf16 takes no value"},
+        {"--exit-signal-handler=1", "--exit-signal-handler takes no value"},
+        {"--exit-duration-in-mins -1", "--exit-duration-in-mins -1: must be between 0 and 1000000000"},
+        {"--exit-duration-in-mins 1e3", "--exit-duration-in-mins 1e3: not an integer"},
         {"--lr", "--lr needs a value"},
         {"--hidden-size 777777768", "--hidden-size 777777768: the derived --ffn-hidden-size 3111111072 exceeds"},
         {"--hidden-size 64 --vocab-size 9223372036854775800", "is too large to pad"},
@@ -187,9 +221,33 @@ static test_result test_hostile_train_gpt_flags(void) {
     }
     /* --flag=value is accepted where argparse accepts it: parsed, then --help exits 0 */
     char out[8192];
-    int code = hostile_run("./train_gpt --num-layers=2 --lr=1e-3 --data-path=x --help", out, sizeof(out));
+    int code = hostile_run("./train_gpt --num-layers=2 --lr=1e-3 --data-path=x --exit-signal-handler "
+                           "--exit-duration-in-mins 30 --no-check-for-nan-in-loss-and-grad --help", out, sizeof(out));
     EXPECT(code == 0, "--flag=value then --help: exit %d, stderr %s", code, out);
     EXPECT(ok, "a hostile flag was not refused with one clear line");
+    return TEST_PASS;
+}
+
+/* The fault flags land where train_gpt reads them: the NaN check on by default and off with
+ * --no-check-for-nan-in-loss-and-grad; the exits as given (0 minutes: none, as Megatron's falsy 0). */
+static test_result test_hostile_fault_flags_land(void) {
+    static tg_flags v;
+    char msg[512] = "";
+    char* plain[] = {(char*)"train_gpt"};
+    tg_flags_init(&v);
+    EXPECT(tg_flags_parse(&v, 1, plain, msg, sizeof(msg)) == 0 && tg_flags_apply(&v, msg, sizeof(msg)) == 0, "%s", msg);
+    EXPECT(v.cfg.check_for_nan_in_loss_and_grad == 1 && !v.exit_signal_handler && v.exit_interval < 0 &&
+               v.exit_duration_in_mins < 0, "defaults: nan check %d, handler %d, interval %lld, minutes %lld",
+           v.cfg.check_for_nan_in_loss_and_grad, v.exit_signal_handler, (long long)v.exit_interval,
+           (long long)v.exit_duration_in_mins);
+    char* given[] = {(char*)"train_gpt", (char*)"--no-check-for-nan-in-loss-and-grad", (char*)"--exit-signal-handler",
+                     (char*)"--exit-interval=5", (char*)"--exit-duration-in-mins", (char*)"0"};
+    tg_flags_init(&v);
+    EXPECT(tg_flags_parse(&v, 6, given, msg, sizeof(msg)) == 0 && tg_flags_apply(&v, msg, sizeof(msg)) == 0, "%s", msg);
+    EXPECT(v.cfg.check_for_nan_in_loss_and_grad == 0 && v.exit_signal_handler == 1 && v.exit_interval == 5 &&
+               v.exit_duration_in_mins == 0, "given: nan check %d, handler %d, interval %lld, minutes %lld",
+           v.cfg.check_for_nan_in_loss_and_grad, v.exit_signal_handler, (long long)v.exit_interval,
+           (long long)v.exit_duration_in_mins);
     return TEST_PASS;
 }
 
@@ -219,7 +277,7 @@ static test_result test_hostile_dataset_info_flags(void) {
         {"--seq-length 8 --train-iters 1e3 --global-batch-size 4", "--train-iters 1e3: not an integer"},
         {"--seq-length 8 --train-iters 10 --global-batch-size -4", "--global-batch-size -4: must be between 1 and"},
         {"--seq-length 8 --train-iters 4611686018427387904 --global-batch-size 4",
-         "--train-iters x --global-batch-size samples overflows"},
+         "--train-iters 4611686018427387904 x --global-batch-size 4 samples overflows"},
         {"--seq-length 8 --train-iters 10 --global-batch-size 4 --eval-iters 4611686018427387904",
          "the validation samples"},
     };
@@ -251,13 +309,784 @@ static test_result test_hostile_convert_hf_flags(void) {
     return TEST_PASS;
 }
 
+/* ---- files: scratch directories, children, dead processes ------------------------------------- */
+/* (test_hf.h's thf_write_bytes, thf_write_raw, thf_small_config and thf_random_params are reused) */
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+
+/* A fresh directory /tmp/mt_hostile_<pid>_<name>, emptied first. */
+static void hostile_dir(char* out, size_t cap, const char* name) {
+    snprintf(out, cap, "/tmp/mt_hostile_%d_%s", (int)getpid(), name);
+    mt_remove_tree(out);
+    mkdir(out, 0755);
+}
+
+/* The pid of a process that has exited (a child that ran and was reaped). */
+static long hostile_dead_pid(void) {
+    pid_t p = fork();
+    if (p == 0) _exit(0);
+    int status;
+    waitpid(p, &status, 0);
+    return (long)p;
+}
+
+/* Runs fn(arg) in a child (as a crash would: no cleanup at its exit) and returns its exit status, or
+ * -1 when it ran past `seconds` (then it is killed): a test of "never blocks" cannot hang the suite. */
+static int hostile_in_child(int (*fn)(void*), void* arg, int seconds) {
+    fflush(stdout);
+    pid_t p = fork();
+    if (p < 0) return -2;
+    if (p == 0) {
+        int rc = fn(arg);
+        fflush(stdout);
+        _exit(rc);
+    }
+    int status = 0;
+    for (int ms = 0; ms < seconds * 1000; ms += 10) {
+        if (waitpid(p, &status, WNOHANG) == p) return WIFEXITED(status) ? WEXITSTATUS(status) : -3;
+        usleep(10000);
+    }
+    kill(p, SIGKILL);
+    waitpid(p, &status, 0);
+    return -1;
+}
+
+/* How many entries of dir have ".tmp." in their name. */
+static int hostile_count_temporaries(const char* dir) {
+    DIR* d = opendir(dir);
+    int n = 0;
+    struct dirent* e;
+    while (d && (e = readdir(d)) != NULL) n += strstr(e->d_name, ".tmp.") != NULL;
+    if (d) closedir(d);
+    return n;
+}
+
+static uint64_t hostile_rng = 0x9E3779B97F4A7C15ull;
+static uint64_t hostile_next(void) { /* xorshift64 */
+    hostile_rng ^= hostile_rng << 13;
+    hostile_rng ^= hostile_rng >> 7;
+    hostile_rng ^= hostile_rng << 17;
+    return hostile_rng;
+}
+
+/* A dataset of `docs` documents of lengths 5, 6, 7, ... tokens, token t of document d = (seed + 31d + t)
+ * mod 500: two seeds give datasets of the same sizes and different contents. */
+static mt_status hostile_dataset_write(const char* prefix, int seed, int docs, mt_indexed_writer** keep_open,
+                                       mt_error* err) {
+    mt_indexed_writer* w = NULL;
+    mt_status st = mt_indexed_writer_open(&w, prefix, MT_DTYPE_UINT16, err);
+    int32_t tokens[64];
+    for (int d = 0; st == MT_OK && d < docs; d++) {
+        int64_t len = 5 + d % 20;
+        for (int t = 0; t < len; t++) tokens[t] = (seed + 31 * d + t) % 500;
+        st = mt_indexed_writer_add_document(w, tokens, &len, 1, err);
+    }
+    if (st != MT_OK) { if (w) mt_indexed_writer_abort(w); return st; }
+    if (keep_open) { *keep_open = w; return MT_OK; }
+    return mt_indexed_writer_finalize(w, err);
+}
+
+/* What a reader finds at prefix: 0 refused, else the seed whose dataset it holds exactly (-1: a mix). */
+static int hostile_dataset_seed(const char* prefix, const int* seeds, int num_seeds, int docs) {
+    mt_indexed_dataset* ds = NULL;
+    mt_error err;
+    if (mt_indexed_dataset_open(&ds, prefix, &err) != MT_OK) return 0;
+    int found = -1;
+    for (int k = 0; k < num_seeds && found < 0; k++) {
+        int same = mt_indexed_dataset_num_sequences(ds) == docs;
+        for (int d = 0; same && d < docs; d++) {
+            int32_t got[64];
+            int64_t len = mt_indexed_dataset_sequence_length(ds, d);
+            same = len == 5 + d % 20 && mt_indexed_dataset_read(ds, d, 0, len, got, &err) == MT_OK;
+            for (int t = 0; same && t < len; t++) same = got[t] == (seeds[k] + 31 * d + t) % 500;
+        }
+        if (same) found = seeds[k];
+    }
+    mt_indexed_dataset_close(ds);
+    return found;
+}
+
+/* ---- only regular files where a regular file is meant ------------------------------------------ */
+
+typedef struct { const char* what; const char* path; const char* needle; int kind; const char* path2; } hostile_special_case;
+
+/* In the child: the reader of case->kind must refuse case->path with one line naming its kind. */
+static int hostile_special_child(void* arg) {
+    const hostile_special_case* k = (const hostile_special_case*)arg;
+    mt_error err;
+    err.message[0] = 0;
+    mt_status st = MT_OK;
+    char dir[512];
+    snprintf(dir, sizeof(dir), "%s", k->path);
+    char* slash = strrchr(dir, '/');
+    if (slash) *slash = 0;
+    switch (k->kind) {
+        case 0: { mt_indexed_dataset* ds = NULL; st = mt_indexed_dataset_open(&ds, k->path, &err); if (ds) mt_indexed_dataset_close(ds); break; }
+        case 1: { mt_json* j = NULL; st = mt_json_parse_file(&j, k->path, &err); mt_json_free(j); break; }
+        case 2: { mt_tokenizer* t = NULL; st = mt_tokenizer_load_gpt2(&t, k->path, "dev/data/gpt2/gpt2-merges.txt", &err); if (t) mt_tokenizer_free(t); break; }
+        case 3: { mt_safetensors* s = NULL; st = mt_safetensors_open(&s, k->path, &err); if (s) mt_safetensors_close(s); break; }
+        case 4: { int64_t it; st = mt_checkpoint_read_tracker(dir, &it, &err); break; }
+        case 5: { mt_config c; float* p = NULL; st = mt_hf_checkpoint_read(k->path, -1, &c, &p, NULL, &err); free(p); break; }
+        case 6: { mt_config c; float* p = NULL; st = mt_hf_load(dir, &c, &p, NULL, &err); free(p); break; }
+        case 7: { mt_indexed_writer* w = NULL; st = mt_indexed_writer_open(&w, k->path, MT_DTYPE_UINT16, &err);
+                  if (st == MT_OK) st = mt_indexed_writer_add_index(w, k->path2, &err);
+                  if (w) mt_indexed_writer_abort(w); break; }
+    }
+    if (st != MT_OK && strstr(err.message, k->needle) && !strchr(err.message, '\n')) return 0;
+    printf("    %s: status %s, message '%s' (want '...%s...')\n", k->what, mt_status_name(st), err.message, k->needle);
+    return 1;
+}
+
+static test_result test_hostile_special_files(void) {
+    char dir[256], path[700];
+    hostile_dir(dir, sizeof(dir), "special");
+    mt_error err;
+    /* a good dataset, and one whose .idx or .bin is a FIFO, a directory or a device */
+    snprintf(path, sizeof(path), "%s/good", dir);
+    EXPECT_OK(hostile_dataset_write(path, 1, 4, NULL, &err), &err);
+    char fifo_idx[300], fifo_bin[300], dir_idx[300], dev_idx[300], cfg_dir[300], ck_dir[300], merged[300];
+    snprintf(path, sizeof(path), "%s/fifo_idx.idx", dir);
+    EXPECT(mkfifo(path, 0644) == 0, "mkfifo %s", path);
+    snprintf(fifo_idx, sizeof(fifo_idx), "%s/fifo_idx", dir);
+    snprintf(path, sizeof(path), "%s/fifo_bin", dir);
+    EXPECT_OK(hostile_dataset_write(path, 1, 4, NULL, &err), &err);
+    snprintf(path, sizeof(path), "%s/fifo_bin.bin", dir);
+    unlink(path);
+    EXPECT(mkfifo(path, 0644) == 0, "mkfifo %s", path);
+    snprintf(fifo_bin, sizeof(fifo_bin), "%s/fifo_bin", dir);
+    snprintf(path, sizeof(path), "%s/dir_idx.idx", dir);
+    mkdir(path, 0755);
+    snprintf(dir_idx, sizeof(dir_idx), "%s/dir_idx", dir);
+    snprintf(path, sizeof(path), "%s/dev_idx.idx", dir);
+    EXPECT(symlink("/dev/zero", path) == 0, "symlink");
+    snprintf(dev_idx, sizeof(dev_idx), "%s/dev_idx", dir);
+    /* config.json, a tokenizer vocabulary, safetensors, tracker, checkpoint file: FIFOs */
+    snprintf(cfg_dir, sizeof(cfg_dir), "%s/hf", dir);
+    mkdir(cfg_dir, 0755);
+    snprintf(path, sizeof(path), "%s/config.json", cfg_dir);
+    EXPECT(mkfifo(path, 0644) == 0, "mkfifo");
+    char json[400], st_path[400], tracker[400];
+    snprintf(json, sizeof(json), "%s/config.json", cfg_dir);
+    snprintf(st_path, sizeof(st_path), "%s/model.safetensors", cfg_dir);
+    EXPECT(mkfifo(st_path, 0644) == 0, "mkfifo");
+    snprintf(ck_dir, sizeof(ck_dir), "%s/ck", dir);
+    snprintf(path, sizeof(path), "%s/iter_0000000/mp_rank_00", ck_dir);
+    EXPECT(mt_make_directories(path) == 0, "mkdir");
+    snprintf(path, sizeof(path), "%s/iter_0000000/mp_rank_00/model_optim_rng.bin", ck_dir);
+    EXPECT(mkfifo(path, 0644) == 0, "mkfifo");
+    snprintf(tracker, sizeof(tracker), "%s/latest_checkpointed_iteration.txt", ck_dir);
+    EXPECT(mkfifo(tracker, 0644) == 0, "mkfifo");
+    snprintf(merged, sizeof(merged), "%s/merged", dir); /* merge_datasets' add_index of the FIFO dataset */
+    hostile_special_case cases[] = {
+        {"dataset .idx FIFO", fifo_idx, "fifo_idx.idx is a FIFO, not a regular file", 0, NULL},
+        {"dataset .bin FIFO", fifo_bin, "fifo_bin.bin is a FIFO, not a regular file", 0, NULL},
+        {"dataset .idx directory", dir_idx, "dir_idx.idx is a directory, not a regular file", 0, NULL},
+        {"dataset .idx device", dev_idx, "dev_idx.idx is a character device, not a regular file", 0, NULL},
+        {"config.json FIFO", json, "config.json is a FIFO", 1, NULL},
+        {"tokenizer vocabulary FIFO", json, "config.json is a FIFO", 2, NULL},
+        {"safetensors FIFO", st_path, "model.safetensors is a FIFO", 3, NULL},
+        {"tracker FIFO", tracker, "latest_checkpointed_iteration.txt is a FIFO", 4, NULL},
+        {"checkpoint tracker FIFO (convert_hf)", ck_dir, "latest_checkpointed_iteration.txt is a FIFO", 5, NULL},
+        {"config.json FIFO (convert_hf --import)", json, "config.json is a FIFO", 6, NULL},
+        {"merge input FIFO", merged, "fifo_idx.idx is a FIFO", 7, fifo_idx},
+    };
+    int ok = 1;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        int rc = hostile_in_child(hostile_special_child, &cases[i], 10);
+        if (rc == -1) printf("    %s: blocked (killed after 10 s)\n", cases[i].what);
+        ok &= rc == 0;
+    }
+    /* the checkpoint model file itself, once the tracker is a regular file */
+    unlink(tracker);
+    EXPECT(thf_write_bytes(tracker, "0", 1) == 0, "tracker");
+    hostile_special_case model = {"checkpoint file FIFO", ck_dir, "model_optim_rng.bin is a FIFO", 5, NULL};
+    ok &= hostile_in_child(hostile_special_child, &model, 10) == 0;
+    /* the good dataset still opens */
+    mt_indexed_dataset* ds = NULL;
+    snprintf(path, sizeof(path), "%s/good", dir);
+    EXPECT_OK(mt_indexed_dataset_open(&ds, path, &err), &err);
+    mt_indexed_dataset_close(ds);
+    mt_remove_tree(dir);
+    EXPECT(ok, "a special file was not refused with one line (or blocked)");
+    return TEST_PASS;
+}
+
+/* ---- outputs committed as a set ----------------------------------------------------------------- */
+
+typedef struct { const char* dir; int max_ops; int prepare_only; } hostile_commit_case;
+
+/* In the child: a second generation (seed 2) of datasets a and b, committed as far as max_ops
+ * file operations, then the process ends without any cleanup: a crash at that instant. */
+static int hostile_commit_child(void* arg) {
+    const hostile_commit_case* k = (const hostile_commit_case*)arg;
+    char a[512], b[512];
+    snprintf(a, sizeof(a), "%s/corpus_a_document", k->dir);
+    snprintf(b, sizeof(b), "%s/corpus_b_document", k->dir);
+    mt_indexed_writer* ws[2] = {NULL, NULL};
+    mt_error err;
+    if (hostile_dataset_write(a, 2, 12, &ws[0], &err) != MT_OK || hostile_dataset_write(b, 2, 12, &ws[1], &err) != MT_OK)
+        return 2;
+    if (mt_indexed_writer_prepare(ws[0], &err) != MT_OK || (!k->prepare_only && mt_indexed_writer_prepare(ws[1], &err) != MT_OK))
+        return 3;
+    if (!k->prepare_only && mt__writers_commit_ops(ws, 2, k->max_ops, &err) != MT_OK) return 4;
+    return 0;
+}
+
+static test_result test_hostile_dataset_commit_crash(void) {
+    char dir[256], a[512], b[512];
+    hostile_dir(dir, sizeof(dir), "commit");
+    snprintf(a, sizeof(a), "%s/corpus_a_document", dir);
+    snprintf(b, sizeof(b), "%s/corpus_b_document", dir);
+    const int seeds[2] = {1, 2}; /* old, new: the same sizes, so only the commit protocol tells them apart */
+    mt_error err;
+    /* a crash after every number of file operations of the commit (4 per dataset), and while preparing */
+    for (int ops = -1; ops <= 9; ops++) {
+        EXPECT_OK(hostile_dataset_write(a, 1, 12, NULL, &err), &err);
+        EXPECT_OK(hostile_dataset_write(b, 1, 12, NULL, &err), &err);
+        hostile_commit_case k = {dir, ops < 0 ? 0 : ops, ops < 0};
+        EXPECT(hostile_in_child(hostile_commit_child, &k, 30) == 0, "the crashing child failed (ops %d)", ops);
+        int got_a = hostile_dataset_seed(a, seeds, 2, 12), got_b = hostile_dataset_seed(b, seeds, 2, 12);
+        /* each dataset: the old one, the new one, or refused; never a new .bin read with an old .idx */
+        EXPECT(got_a >= 0 && got_b >= 0, "crash after %d operations: a reader accepted a mixed pair (a %d, b %d)", ops,
+               got_a, got_b);
+        if (ops <= 0) EXPECT(got_a == 1 && got_b == 1, "no operation done, yet a %d b %d", got_a, got_b);
+        if (ops >= 8) EXPECT(got_a == 2 && got_b == 2, "all operations done, yet a %d b %d", got_a, got_b);
+        if (ops > 0 && ops < 8) EXPECT(got_a != 1 || got_b != 2, "b committed before a was moved aside");
+        /* the next run removes what the dead child left (its temporaries and moved-aside files) */
+        EXPECT(hostile_count_temporaries(dir) > 0 || ops >= 8, "the child left no temporaries (ops %d)", ops);
+        mt_indexed_writer* w = NULL;
+        EXPECT_OK(mt_indexed_writer_open(&w, a, MT_DTYPE_UINT16, &err), &err);
+        mt_indexed_writer_abort(w);
+        EXPECT_OK(mt_indexed_writer_open(&w, b, MT_DTYPE_UINT16, &err), &err);
+        mt_indexed_writer_abort(w);
+        EXPECT(hostile_count_temporaries(dir) == 0, "stale temporaries left after a new writer opened (ops %d)", ops);
+    }
+    mt_remove_tree(dir);
+    return TEST_PASS;
+}
+
+static test_result test_hostile_dataset_commit_failure(void) {
+    char dir[256], a[512], b[512];
+    hostile_dir(dir, sizeof(dir), "commitfail");
+    snprintf(a, sizeof(a), "%s/corpus_a_document", dir);
+    snprintf(b, sizeof(b), "%s/corpus_b_document", dir);
+    const int seeds[2] = {1, 2};
+    mt_error err;
+    EXPECT_OK(hostile_dataset_write(a, 1, 12, NULL, &err), &err);
+    EXPECT_OK(hostile_dataset_write(b, 1, 12, NULL, &err), &err);
+    /* the second dataset's .bin vanishes before the commit renames it (a stand-in for any failing
+     * rename): the first one's new files are taken back, both old datasets come back */
+    mt_indexed_writer* ws[2] = {NULL, NULL};
+    EXPECT_OK(hostile_dataset_write(a, 2, 12, &ws[0], &err), &err);
+    EXPECT_OK(hostile_dataset_write(b, 2, 12, &ws[1], &err), &err);
+    EXPECT_OK(mt_indexed_writer_prepare(ws[0], &err), &err);
+    EXPECT_OK(mt_indexed_writer_prepare(ws[1], &err), &err);
+    unlink(ws[1]->bin_tmp);
+    err.message[0] = 0;
+    EXPECT(mt_indexed_writers_commit(ws, 2, &err) == MT_ERR_IO && strstr(err.message, "cannot rename"), "commit: %s",
+           err.message);
+    EXPECT(hostile_dataset_seed(a, seeds, 2, 12) == 1 && hostile_dataset_seed(b, seeds, 2, 12) == 1,
+           "the old datasets did not survive a failed commit");
+    EXPECT(hostile_count_temporaries(dir) == 0, "a failed commit left temporaries");
+    /* preprocess_data with two keys, the second failing to write its .idx: neither key's old dataset
+     * changes (before, the first key was already renamed into place) */
+    mt_tokenizer* tok = NULL;
+    EXPECT_OK(mt_tokenizer_load_gpt2(&tok, "dev/data/gpt2/gpt2-vocab.json", "dev/data/gpt2/gpt2-merges.txt", &err), &err);
+    char input[512], prefix[512], blocker[600];
+    snprintf(input, sizeof(input), "%s/in.jsonl", dir);
+    const char* lines = "{\"a\": \"hello world\", \"b\": \"one two three\"}\n{\"a\": \"again\", \"b\": \"four\"}\n";
+    EXPECT(thf_write_bytes(input, lines, strlen(lines)) == 0, "input");
+    snprintf(prefix, sizeof(prefix), "%s/corpus", dir);
+    snprintf(blocker, sizeof(blocker), "%s.idx.tmp.%ld", b, (long)getpid()); /* b's .idx cannot be created */
+    EXPECT(mkdir(blocker, 0755) == 0, "mkdir %s", blocker);
+    const char* inputs[1] = {input};
+    const char* keys[2] = {"a", "b"};
+    mt_preprocess_config pc;
+    memset(&pc, 0, sizeof(pc));
+    pc.inputs = inputs;
+    pc.num_inputs = 1;
+    pc.format = MT_INPUT_JSONL;
+    pc.output_prefix = prefix;
+    pc.json_keys = keys;
+    pc.num_json_keys = 2;
+    pc.tokenizer = tok;
+    pc.workers = 2;
+    err.message[0] = 0;
+    mt_status st = mt_preprocess(&pc, NULL, &err);
+    rmdir(blocker);
+    mt_tokenizer_free(tok);
+    EXPECT(st == MT_ERR_IO && strstr(err.message, "corpus_b_document.idx.tmp."), "preprocess: %s -> %s",
+           mt_status_name(st), err.message);
+    EXPECT(hostile_dataset_seed(a, seeds, 2, 12) == 1, "key a's dataset was replaced although key b failed");
+    EXPECT(hostile_dataset_seed(b, seeds, 2, 12) == 1, "key b's dataset changed");
+    EXPECT(hostile_count_temporaries(dir) == 0, "preprocess left temporaries");
+    mt_remove_tree(dir);
+    return TEST_PASS;
+}
+
+/* stale temporaries: those of dead processes go, a live process's and other names stay, and a
+ * symbolic link among them is removed itself, never what it points to */
+static test_result test_hostile_stale_temporaries(void) {
+    char dir[256], path[600], keep[600];
+    hostile_dir(dir, sizeof(dir), "stale");
+    long dead = hostile_dead_pid();
+    const char* removed[] = {"x.bin.tmp.%ld", "x.bin.tmp.%ld.old", "x.bin.tmp.%ld.tmp.%ld"};
+    for (int i = 0; i < 3; i++) {
+        char name[128];
+        snprintf(name, sizeof(name), removed[i], dead, dead);
+        snprintf(path, sizeof(path), "%s/%s", dir, name);
+        EXPECT(thf_write_bytes(path, "x", 1) == 0, "write");
+    }
+    snprintf(path, sizeof(path), "%s/x.bin.tmp.%ld.d", dir, dead); /* a whole tree */
+    mkdir(path, 0755);
+    snprintf(path, sizeof(path), "%s/x.bin.tmp.%ld.d/inner", dir, dead);
+    EXPECT(thf_write_bytes(path, "x", 1) == 0, "write");
+    snprintf(keep, sizeof(keep), "%s/target", dir); /* what a stale link points to survives */
+    mkdir(keep, 0755);
+    snprintf(path, sizeof(path), "%s/target/precious", dir);
+    EXPECT(thf_write_bytes(path, "x", 1) == 0, "write");
+    snprintf(path, sizeof(path), "%s/x.bin.tmp.%ld.link", dir, dead);
+    EXPECT(symlink(keep, path) == 0, "symlink");
+    const char* kept[] = {"x.bin.tmp.%ld", "x.bin.tmp.abc", "y.bin.tmp.%ld", "x.bin", "x.binx.tmp.%ld"};
+    for (int i = 0; i < 5; i++) {
+        char name[128];
+        snprintf(name, sizeof(name), kept[i], i == 0 ? (long)getpid() : dead);
+        snprintf(path, sizeof(path), "%s/%s", dir, name);
+        EXPECT(thf_write_bytes(path, "x", 1) == 0, "write");
+    }
+    snprintf(path, sizeof(path), "%s/x.bin", dir);
+    int n = mt_remove_stale_temporaries(path);
+    EXPECT(n == 5, "removed %d, want 5", n);
+    for (int i = 0; i < 5; i++) {
+        char name[128];
+        snprintf(name, sizeof(name), kept[i], i == 0 ? (long)getpid() : dead);
+        snprintf(path, sizeof(path), "%s/%s", dir, name);
+        EXPECT(access(path, F_OK) == 0, "%s was removed", name);
+    }
+    snprintf(path, sizeof(path), "%s/target/precious", dir);
+    EXPECT(access(path, F_OK) == 0, "the target of a stale symbolic link was removed");
+    EXPECT(hostile_count_temporaries(dir) == 4, "%d temporaries remain, want the 4 kept", hostile_count_temporaries(dir));
+    mt_remove_tree(dir);
+    return TEST_PASS;
+}
+
+/* ---- sizes from files: checkpoint headers, trackers, .idx, safetensors ------------------------- */
+
+/* A header of small_test_config's model with some progress, as a save writes it. */
+static void hostile_header(int64_t* h) {
+    mt_config c = hostile_base();
+    mt_error err;
+    mt_config_finalize(&c, &err);
+    mt_checkpoint_header_init(h, &c);
+    double scale = 65536.0;
+    h[MT_CK_ITERATION] = 7;
+    h[MT_CK_CONSUMED] = 56;
+    h[MT_CK_ADAM_STEP] = 7;
+    memcpy(&h[MT_CK_LOSS_SCALE_BITS], &scale, sizeof(double));
+}
+
+static test_result test_hostile_checkpoint_header(void) {
+    int64_t good[MT_CK_HEADER_WORDS], h[MT_CK_HEADER_WORDS];
+    hostile_header(good);
+    mt_config c;
+    mt_error err;
+    EXPECT_OK(mt_checkpoint_header_check(good, "ck", &c, &err), &err);
+    EXPECT(c.num_layers == 2 && c.hidden_size == 64 && mt_param_layout(&c, NULL) == good[MT_CK_NUM_PARAMS], "config");
+    EXPECT(mt_checkpoint_file_bytes(good, 0) == 512 + 12 * good[MT_CK_NUM_PARAMS], "file bytes %lld",
+           (long long)mt_checkpoint_file_bytes(good, 0));
+    struct { int word; int64_t value; const char* needle; } cases[] = {
+        {MT_CK_MAGIC, 0, "not a megatron.c checkpoint"},
+        {MT_CK_LAYERS, (int64_t)1 << 31, "header word 2 (--num-layers) is 2147483648, outside [1, 2147483647]"},
+        {MT_CK_HIDDEN, -64, "(--hidden-size) is -64"},
+        {MT_CK_HEADS, 0, "(--num-attention-heads) is 0"},
+        {MT_CK_GROUPS, 3, "not a multiple of the query groups"},
+        {MT_CK_FFN, INT64_MIN, "(--ffn-hidden-size)"},
+        {MT_CK_VOCAB, INT64_MAX, "overflows"},
+        {MT_CK_VOCAB, (int64_t)1 << 52, "parameter count overflows"}, /* x hidden x 64 bytes: past int64 */
+        {MT_CK_NUM_PARAMS, 12345, "the header says 12345 parameters but its model has"},
+        {MT_CK_PRECISION, 7, "(the precision) is 7"},
+        {MT_CK_ITERATION, -1, "(the iteration) is -1"},
+        {MT_CK_CONSUMED, INT64_MIN, "(the consumed samples)"},
+        {MT_CK_GROWTH, (int64_t)1 << 40, "growth tracker"},
+        {MT_CK_HYSTERESIS, (int64_t)INT32_MIN - 1, "hysteresis tracker"},
+        {MT_CK_TP, 0, "--tensor-model-parallel-size"},
+        {MT_CK_TP_RANK, 1, "the tensor-parallel rank is not below"},
+        {MT_CK_SHARDED_DP, -1, "sharding"},
+        {MT_CK_DP_RANK, 2, "the data-parallel rank is not below"},
+        {MT_CK_SHARD_NUMEL, INT64_MAX, "the shard size"},
+        {MT_CK_NORMALIZATION, 2, "the normalization"},
+        {MT_CK_SWIGLU, -1, "--swiglu"},
+        {MT_CK_TRUE_VOCAB, 1 << 20, "the true vocabulary exceeds the padded one"},
+        {MT_CK_FP8_TENSORS, 4, "FP8 amax history"},      /* tensors without a history */
+        {MT_CK_FP8_HISTORY_LEN, 1 << 20, "FP8 amax history length"},
+        {MT_CK_LOSS_SCALE_BITS, 0, "the loss scale 0 is not a finite number > 0"},
+        {MT_CK_LOSS_SCALE_BITS, 0x7ff8000000000000LL, "the loss scale nan"},
+        {MT_CK_NORM_EPS_BITS, 0x7ff8000000000000LL, "the norm epsilon nan"},
+        {MT_CK_POSITION_TYPE, 1, "rope words"},           /* rope with base 0 */
+        {MT_CK_PP_RANK, 1, "the pipeline rank is not below"},
+        {MT_CK_VP, 2, "the pipeline stage words"},        /* virtual stages without a pipeline */
+        {MT_CK_STAGE_NUMEL, -1, "(the stage's parameter count) is -1"},
+        {MT_CK_VP, MT_PP_MAX_CHUNKS + 1, "(the virtual pipeline stages) is 65, outside [0, 64]"},
+        {MT_CK_POSITION_TYPE, 3, "(the position embedding type) is 3, outside [0, 2]"},
+        {MT_CK_LAYERNORM_1P, 2, "(--apply-layernorm-1p) is 2, outside [0, 1]"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        memcpy(h, good, sizeof(h));
+        h[cases[i].word] = cases[i].value;
+        err.message[0] = 0;
+        mt_status st = mt_checkpoint_header_check(h, "ck", NULL, &err);
+        EXPECT(st == MT_ERR_FORMAT && strstr(err.message, cases[i].needle) && !strchr(err.message, '\n'),
+               "case %zu (word %d = %lld): %s -> '%s'", i, cases[i].word, (long long)cases[i].value,
+               mt_status_name(st), err.message);
+    }
+    /* the words of the flags that came later are read back: NoPE (type 2, no position table) and
+     * --apply-layernorm-1p */
+    {
+        mt_config nope = hostile_base();
+        nope.position_embedding_type = MT_POSITION_NONE;
+        nope.apply_layernorm_1p = 1;
+        EXPECT_OK(mt_config_finalize(&nope, &err), &err);
+        mt_checkpoint_header_init(h, &nope);
+        memcpy(&h[MT_CK_LOSS_SCALE_BITS], &good[MT_CK_LOSS_SCALE_BITS], sizeof(double));
+        EXPECT_OK(mt_checkpoint_header_check(h, "ck", &c, &err), &err);
+        EXPECT(c.position_embedding_type == MT_POSITION_NONE && c.apply_layernorm_1p == 1 &&
+                   h[MT_CK_NUM_PARAMS] < good[MT_CK_NUM_PARAMS],
+               "NoPE / layernorm-1p header read back as type %d, 1p %d", (int)c.position_embedding_type,
+               c.apply_layernorm_1p);
+    }
+    /* random words: never a crash or an overflow (run under UBSan to see), and an accepted header
+     * always describes a model whose sizes fit */
+    static const int64_t extremes[] = {0, 1, -1, 2, 3, 64, 128, 1 << 30, INT32_MAX, (int64_t)INT32_MAX + 1,
+                                       (int64_t)1 << 40, (int64_t)1 << 62, INT64_MAX, INT64_MIN, 0x7ff0000000000000LL};
+    int accepted = 0;
+    for (int it = 0; it < 200000; it++) {
+        memcpy(h, good, sizeof(h));
+        int changes = 1 + (int)(hostile_next() % 3);
+        for (int k = 0; k < changes; k++) {
+            int w = (int)(hostile_next() % MT_CK_HEADER_WORDS);
+            uint64_t r = hostile_next();
+            h[w] = r % 3 == 0 ? extremes[r / 3 % (sizeof(extremes) / sizeof(extremes[0]))]
+                 : r % 3 == 1 ? (int64_t)((uint64_t)h[w] + r / 3 % 5 - 2) : (int64_t)(r >> 1);
+        }
+        if (mt_checkpoint_header_check(h, "ck", &c, &err) != MT_OK) continue;
+        accepted++;
+        int64_t bytes = mt_checkpoint_file_bytes(h, 0), shard = mt_checkpoint_file_bytes(h, 1);
+        EXPECT(bytes >= 512 && shard >= 512 && mt_param_layout(&c, NULL) == h[MT_CK_NUM_PARAMS],
+               "accepted header with file bytes %lld / %lld", (long long)bytes, (long long)shard);
+    }
+    EXPECT(accepted > 1000, "only %d random headers were valid: the fuzzing is not reaching past the checks", accepted);
+    return TEST_PASS;
+}
+
+static test_result test_hostile_tracker(void) {
+    char dir[256], path[512];
+    hostile_dir(dir, sizeof(dir), "tracker");
+    snprintf(path, sizeof(path), "%s/latest_checkpointed_iteration.txt", dir);
+    struct { const char* text; size_t n; int64_t want; } cases[] = {
+        {"7", 1, 7}, {" 12\n", 4, 12}, {"0\r\n", 3, 0}, {"x7", 2, -1}, {"7x", 2, -1}, {"-1", 2, -1}, {"", 0, -1},
+        {"99999999999999999999", 20, -1}, {"release", 7, -1}, {"1\0002", 3, -1}, {"+5", 2, -1}, {"0x10", 4, -1},
+    };
+    mt_error err;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        EXPECT(thf_write_bytes(path, cases[i].text, cases[i].n) == 0, "write");
+        int64_t it = -5;
+        err.message[0] = 0;
+        mt_status st = mt_checkpoint_read_tracker(dir, &it, &err);
+        if (cases[i].want >= 0) EXPECT(st == MT_OK && it == cases[i].want, "case %zu: %s, %lld", i, err.message, (long long)it);
+        else EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "does not hold an iteration number") && it == -5,
+                    "case %zu: %s -> %s", i, mt_status_name(st), err.message);
+    }
+    char big[200];
+    memset(big, '1', sizeof(big));
+    EXPECT(thf_write_bytes(path, big, sizeof(big)) == 0, "write");
+    int64_t it;
+    EXPECT(mt_checkpoint_read_tracker(dir, &it, &err) == MT_ERR_FORMAT, "a 200-byte tracker was read");
+    EXPECT_OK(mt_checkpoint_write_tracker(dir, 123456789012LL, &err), &err);
+    EXPECT_OK(mt_checkpoint_read_tracker(dir, &it, &err), &err);
+    EXPECT(it == 123456789012LL && hostile_count_temporaries(dir) == 0, "round trip %lld", (long long)it);
+    mt_remove_tree(dir);
+    return TEST_PASS;
+}
+
+/* Random corruptions of a valid .idx (and the .bin's length): the reader refuses with one line, or
+ * accepts an index whose every sequence then reads within bounds, and whose GPT samples build. */
+static test_result test_hostile_idx_fuzz(void) {
+    char dir[256], good[512], bad[512], path[600];
+    hostile_dir(dir, sizeof(dir), "idxfuzz");
+    snprintf(good, sizeof(good), "%s/good", dir);
+    snprintf(bad, sizeof(bad), "%s/bad", dir);
+    mt_error err;
+    EXPECT_OK(hostile_dataset_write(good, 1, 9, NULL, &err), &err);
+    size_t idx_n = 0, bin_n = 0;
+    snprintf(path, sizeof(path), "%s.idx", good);
+    char* idx = test_read_file(path, &idx_n);
+    snprintf(path, sizeof(path), "%s.bin", good);
+    char* bin = test_read_file(path, &bin_n);
+    EXPECT(idx && bin, "read back");
+    unsigned char* m = (unsigned char*)malloc(idx_n + 64);
+    static const int64_t extremes[] = {0, 1, -1, 8, 9, 10, INT32_MAX, (int64_t)INT32_MAX + 1, (int64_t)1 << 40,
+                                       (int64_t)1 << 62, INT64_MAX, INT64_MIN, (int64_t)UINT32_MAX};
+    int accepted = 0, refused = 0;
+    for (int it = 0; it < 3000; it++) {
+        memcpy(m, idx, idx_n);
+        size_t n = idx_n;
+        int changes = 1 + (int)(hostile_next() % 3);
+        for (int k = 0; k < changes; k++) {
+            uint64_t r = hostile_next();
+            if (n == 0) break;
+            switch (r % 5) {
+                case 0: m[(r >> 8) % n] ^= (unsigned char)(1u << (r >> 3) % 8); break;       /* a bit */
+                case 1: { int64_t v = extremes[(r >> 8) % (sizeof(extremes) / sizeof(extremes[0]))];
+                          size_t at = (r >> 16) % (n >= 8 ? n - 7 : 1);                        /* a word */
+                          if (n >= 8) memcpy(m + at, &v, 8); break; }
+                case 2: n = (size_t)((r >> 8) % (n + 1)); break;                               /* truncated */
+                case 3: if (n + 16 <= idx_n + 64) { memset(m + n, (int)(r >> 8), 16); n += 16; } break; /* longer */
+                case 4: { int64_t v = (int64_t)((r >> 8) % 64) - 8; size_t at = 18 + 8 * ((r >> 20) % 2); /* N, D */
+                          if (n >= at + 8) memcpy(m + at, &v, 8); break; }
+            }
+        }
+        snprintf(path, sizeof(path), "%s.idx", bad);
+        unlink(path); /* a new file each time: rewriting one in place makes ext4 flush it at close */
+        EXPECT(thf_write_bytes(path, m, n) == 0, "write");
+        snprintf(path, sizeof(path), "%s.bin", bad);
+        unlink(path);
+        size_t bn = hostile_next() % 4 == 0 ? (size_t)(hostile_next() % (bin_n + 8)) : bin_n;
+        char* bb = (char*)calloc(bn + 1, 1);
+        memcpy(bb, bin, bn < bin_n ? bn : bin_n);
+        EXPECT(thf_write_bytes(path, bb, bn) == 0, "write");
+        free(bb);
+        mt_indexed_dataset* ds = NULL;
+        err.message[0] = 0;
+        if (mt_indexed_dataset_open(&ds, bad, &err) != MT_OK) {
+            EXPECT(err.message[0] && !strchr(err.message, '\n'), "iteration %d: refused without one line: '%s'", it,
+                   err.message);
+            refused++;
+            continue;
+        }
+        accepted++;
+        int32_t out[4096];
+        int64_t total = 0;
+        for (int64_t s = 0; s < mt_indexed_dataset_num_sequences(ds); s++) {
+            int64_t len = mt_indexed_dataset_sequence_length(ds, s);
+            EXPECT(len >= 0 && len <= 4096, "iteration %d: sequence %lld of %lld tokens", it, (long long)s, (long long)len);
+            EXPECT_OK(mt_indexed_dataset_read(ds, s, 0, len, out, &err), &err);
+            total += len;
+        }
+        EXPECT(total == mt_indexed_dataset_num_tokens(ds), "iteration %d: token count", it);
+        mt_gpt_dataset* g = NULL;
+        if (total >= 2 && mt_gpt_dataset_build(&g, ds, 0, mt_indexed_dataset_num_sequences(ds), 4, 1234, 50, &err) == MT_OK) {
+            int32_t sample[5];
+            for (int64_t i = 0; i < mt_gpt_dataset_num_samples(g); i++) EXPECT_OK(mt_gpt_dataset_get(g, i, sample, &err), &err);
+            mt_gpt_dataset_free(g);
+        }
+        mt_indexed_dataset_close(ds);
+    }
+    free(m);
+    free(idx);
+    free(bin);
+    mt_remove_tree(dir);
+    EXPECT(accepted > 0 && refused > 1000, "accepted %d, refused %d: the corruptions missed", accepted, refused);
+    return TEST_PASS;
+}
+
+static test_result test_hostile_safetensors_sizes(void) {
+    char dir[256], path[512], msg[800];
+    hostile_dir(dir, sizeof(dir), "st");
+    snprintf(path, sizeof(path), "%s/x.safetensors", dir);
+    /* element count x element size wraps to 0 in 64 bits: 2^61 F64 elements with an empty span */
+    struct { const char* header; const char* needle; } cases[] = {
+        {"{\"a\":{\"dtype\":\"F64\",\"shape\":[2305843009213693952],\"data_offsets\":[0,0]}}", "impossibly large"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[4611686018427387904],\"data_offsets\":[0,0]}}", "impossibly large"},
+        {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[4294967296,4294967296],\"data_offsets\":[0,0]}}", "impossibly large"},
+        {"{\"a\":{\"dtype\":\"U8\",\"shape\":[4611686018427387905],\"data_offsets\":[0,0]}}", "impossibly large"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,18446744073709551615]}}", "data_offsets"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,0]}}", "not a non-negative integer"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        EXPECT(thf_write_raw(path, cases[i].header, 8) == 0, "write");
+        EXPECT(thf_rejects(path, MT_ERR_FORMAT, cases[i].needle, msg, sizeof(msg)), "case %zu: %s", i, msg);
+    }
+    /* the writer refuses shapes whose size overflows, and leaves nothing behind */
+    float x = 1.0f;
+    mt_st_write_tensor t = {"a", MT_ST_F32, 2, {(int64_t)1 << 40, (int64_t)1 << 40}, &x};
+    mt_error err;
+    err.message[0] = 0;
+    EXPECT(mt_safetensors_write(path, &t, 1, NULL, &err) == MT_ERR_ARG && strstr(err.message, "impossibly large"),
+           "writer: %s", err.message);
+    t.shape[0] = -1;
+    EXPECT(mt_safetensors_write(path, &t, 1, NULL, &err) == MT_ERR_ARG, "a negative dimension was written");
+    EXPECT(hostile_count_temporaries(dir) == 0, "the writer left a temporary");
+    mt_remove_tree(dir);
+    return TEST_PASS;
+}
+
+static test_result test_hostile_sample_counts(void) {
+    int64_t ns[3];
+    mt_error err;
+    EXPECT_OK(mt_gpt_num_samples(100, 10, 5, 8, ns, &err), &err);
+    EXPECT(ns[0] == 800 && ns[1] == 11 * 5 * 8 && ns[2] == 40, "counts");
+    err.message[0] = 0;
+    EXPECT(mt_gpt_num_samples(INT64_MAX / 2, 0, 1, 4, ns, &err) == MT_ERR_CONFIG &&
+           strstr(err.message, "--train-iters 4611686018427387903 x --global-batch-size 4 samples overflows"), "%s",
+           err.message);
+    EXPECT(mt_gpt_num_samples(10, 1, INT64_MAX / 4, 4, ns, &err) == MT_ERR_CONFIG &&
+           strstr(err.message, "the validation samples"), "%s", err.message);
+    EXPECT(mt_gpt_num_samples(-1, 1, 1, 4, ns, &err) == MT_ERR_CONFIG, "negative iterations");
+    /* a blend of more samples than doubles hold exactly is refused, not rounded into an overflow */
+    char dir[256], a[512];
+    hostile_dir(dir, sizeof(dir), "blend");
+    snprintf(a, sizeof(a), "%s/a", dir);
+    EXPECT_OK(hostile_dataset_write(a, 1, 9, NULL, &err), &err);
+    const char* prefixes[2] = {a, a};
+    double weights[2] = {1, 1};
+    int64_t huge[3] = {INT64_MAX / 4, 0, 0};
+    mt_gpt_data* d = NULL;
+    err.message[0] = 0;
+    EXPECT(mt_gpt_data_open(&d, 2, prefixes, weights, "1,0,0", 4, 1234, huge, &err) == MT_ERR_CONFIG &&
+           strstr(err.message, "cannot be blended"), "%s", err.message);
+    mt_remove_tree(dir);
+    return TEST_PASS;
+}
+
+/* convert_hf --import: an interrupted run (an iteration directory without a tracker, a temporary
+ * of a dead process) does not block the retry; a finished one (a tracker) is never overwritten.
+ * --export: the temporaries of a dead export are removed, and switching layouts leaves one. */
+static test_result test_hostile_convert_hf_retry(void) {
+    char dir[256], ck[512], hf[512], path[700];
+    hostile_dir(dir, sizeof(dir), "hfretry");
+    snprintf(ck, sizeof(ck), "%s/ck", dir);
+    snprintf(hf, sizeof(hf), "%s/hf", dir);
+    mt_config c = thf_small_config();
+    float* p = thf_random_params(&c);
+    EXPECT(p, "params");
+    long dead = hostile_dead_pid();
+    snprintf(path, sizeof(path), "%s/iter_0000000/mp_rank_00", ck);
+    EXPECT(mt_make_directories(path) == 0, "mkdir");
+    snprintf(path, sizeof(path), "%s/iter_0000000/mp_rank_00/model_optim_rng.bin", ck);
+    EXPECT(thf_write_bytes(path, "half", 4) == 0, "write");
+    snprintf(path, sizeof(path), "%s/iter_0000000.tmp.%ld/mp_rank_00", ck, dead);
+    EXPECT(mt_make_directories(path) == 0, "mkdir");
+    snprintf(path, sizeof(path), "%s/latest_checkpointed_iteration.txt.tmp.%ld", ck, dead);
+    EXPECT(thf_write_bytes(path, "0", 1) == 0, "write");
+    mt_error err;
+    EXPECT_OK(mt_hf_checkpoint_write(ck, &c, p, 0, &err), &err);
+    EXPECT(hostile_count_temporaries(ck) == 0, "the interrupted run's temporaries are still there");
+    mt_config c2;
+    float* q = NULL;
+    EXPECT_OK(mt_hf_checkpoint_read(ck, -1, &c2, &q, NULL, &err), &err);
+    EXPECT(!memcmp(p, q, sizeof(float) * (size_t)mt_num_parameters(&c)), "the retry's checkpoint differs");
+    free(q);
+    err.message[0] = 0;
+    EXPECT(mt_hf_checkpoint_write(ck, &c, p, 0, &err) == MT_ERR_IO && strstr(err.message, "already holds a checkpoint"),
+           "a finished checkpoint was overwritten: %s", err.message);
+    /* export: a dead export's temporaries go; sharded then single leaves one consistent layout */
+    EXPECT(mt_make_directories(hf) == 0, "mkdir");
+    snprintf(path, sizeof(path), "%s/config.json.tmp.%ld", hf, dead);
+    EXPECT(thf_write_bytes(path, "{", 1) == 0, "write");
+    snprintf(path, sizeof(path), "%s/model.safetensors.tmp.%ld.tmp.%ld", hf, dead, dead);
+    EXPECT(thf_write_bytes(path, "x", 1) == 0, "write");
+    EXPECT_OK(mt_hf_save(hf, &c, p, c.vocab_size, MT_ST_F32, 20000, &err), &err); /* sharded */
+    EXPECT(hostile_count_temporaries(hf) == 0, "the dead export's temporaries are still there");
+    snprintf(path, sizeof(path), "%s/model.safetensors.index.json", hf);
+    EXPECT(access(path, F_OK) == 0, "no index after a sharded export");
+    EXPECT_OK(mt_hf_save(hf, &c, p, c.vocab_size, MT_ST_F32, 0, &err), &err); /* one file */
+    EXPECT(access(path, F_OK) != 0, "the sharded layout's index survived a single-file export");
+    EXPECT_OK(mt_hf_load(hf, &c2, &q, NULL, &err), &err);
+    EXPECT(!memcmp(p, q, sizeof(float) * (size_t)mt_num_parameters(&c)), "the export does not load back");
+    free(q);
+    free(p);
+    mt_remove_tree(dir);
+    return TEST_PASS;
+}
+
+/* ---- training under faults (GPU) ---------------------------------------------------------------- */
+
+/* A NaN in the weights makes the loss NaN: with --check-for-nan-in-loss-and-grad (the default) the
+ * step is an MT_ERR_NAN error naming the rank, and nothing is applied (weights bitwise unchanged, the
+ * scheduler not advanced); without it the old behaviour (reported in the result) is kept. */
+static test_result test_hostile_nan_stops_the_step(void) {
+    REQUIRE_GPU();
+    const mt_precision precisions[3] = {MT_FP32, MT_BF16, MT_FP16};
+    for (int pi = 0; pi < 3; pi++) {
+        for (int check = 1; check >= 0; check--) {
+            mt_config c = test_config(TEST_GPT2, precisions[pi]);
+            c.check_for_nan_in_loss_and_grad = check;
+            mt_error err;
+            EXPECT_OK(mt_config_finalize(&c, &err), &err);
+            mt_trainer* t = NULL;
+            EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+            int64_t n = mt_num_parameters(&c), per_step = (int64_t)c.global_batch_size * (c.seq_length + 1);
+            float* before = (float*)malloc(sizeof(float) * (size_t)n);
+            float* after = (float*)malloc(sizeof(float) * (size_t)n);
+            int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * (size_t)per_step);
+            fill_tokens(tokens, per_step, (int)c.vocab_size, 77);
+            mt_step_result r;
+            mt_status st = mt_trainer_get_parameters(t, before, &err);
+            before[5] = NAN; /* a word embedding of token 0: tied, so every logit row sees it */
+            if (st == MT_OK) st = mt_trainer_set_parameters(t, before, &err);
+            if (st == MT_OK) st = mt_trainer_get_parameters(t, before, &err);
+            mt_status step = st == MT_OK ? mt_trainer_train_step(t, tokens, &r, &err) : st;
+            if (st == MT_OK) st = mt_trainer_get_parameters(t, after, &err);
+            test_result res = TEST_PASS;
+            if (st != MT_OK) {
+                printf("    FAIL %s\n", err.message);
+                res = TEST_FAIL;
+            } else if (check) {
+                if (step != MT_ERR_NAN || !strstr(err.message, "found NaN in the loss on rank 0") ||
+                    strchr(err.message, '\n')) {
+                    printf("    FAIL precision %d: step %s, '%s'\n", (int)precisions[pi], mt_status_name(step), err.message);
+                    res = TEST_FAIL;
+                } else if (memcmp(before, after, sizeof(float) * (size_t)n) != 0) {
+                    printf("    FAIL precision %d: the NaN step changed the weights\n", (int)precisions[pi]);
+                    res = TEST_FAIL;
+                }
+                /* the step after it, with finite weights again, is the run's first (the scheduler did not move) */
+                before[5] = 0.0f;
+                if (res == TEST_PASS && (mt_trainer_set_parameters(t, before, &err) != MT_OK ||
+                                         mt_trainer_train_step(t, tokens, &r, &err) != MT_OK ||
+                                         r.learning_rate != mt_learning_rate(&c, 0) || !isfinite(r.lm_loss))) {
+                    printf("    FAIL precision %d: the step after the refused one: %s, lr %g\n", (int)precisions[pi],
+                           err.message, r.learning_rate);
+                    res = TEST_FAIL;
+                }
+            } else if (step != MT_OK || !r.nan) { /* unchecked: reported, as before (fp16's scaler skips it) */
+                printf("    FAIL precision %d unchecked: step %s, nan %d\n", (int)precisions[pi], mt_status_name(step), r.nan);
+                res = TEST_FAIL;
+            }
+            free(before);
+            free(after);
+            free(tokens);
+            mt_trainer_free(t);
+            if (res != TEST_PASS) return res;
+        }
+    }
+    return TEST_PASS;
+}
+
 static const test_case hostile_tests[] = {
     {"hostile_overflow_helpers", test_hostile_overflow_helpers},
     {"hostile_config_size_products", test_hostile_config_size_products},
     {"hostile_config_doubles", test_hostile_config_doubles},
     {"hostile_train_gpt_flags", test_hostile_train_gpt_flags},
+    {"hostile_fault_flags_land", test_hostile_fault_flags_land},
     {"hostile_dataset_info_flags", test_hostile_dataset_info_flags},
     {"hostile_convert_hf_flags", test_hostile_convert_hf_flags},
+    {"hostile_special_files", test_hostile_special_files},
+    {"hostile_dataset_commit_crash", test_hostile_dataset_commit_crash},
+    {"hostile_dataset_commit_failure", test_hostile_dataset_commit_failure},
+    {"hostile_stale_temporaries", test_hostile_stale_temporaries},
+    {"hostile_checkpoint_header", test_hostile_checkpoint_header},
+    {"hostile_tracker", test_hostile_tracker},
+    {"hostile_idx_fuzz", test_hostile_idx_fuzz},
+    {"hostile_safetensors_sizes", test_hostile_safetensors_sizes},
+    {"hostile_sample_counts", test_hostile_sample_counts},
+    {"hostile_convert_hf_retry", test_hostile_convert_hf_retry},
+};
+
+static const test_case hostile_gpu_tests[] = {
+    {"hostile_nan_stops_the_step", test_hostile_nan_stops_the_step},
 };
 
 #endif

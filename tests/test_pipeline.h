@@ -521,7 +521,7 @@ static test_result test_pp_repeat_resume(void) {
 #ifdef MT_USE_MPI
         MPI_Barrier(MPI_COMM_WORLD);
 #endif
-        if (mpi_rank() == 0) remove_tree(dir);
+        if (mpi_rank() == 0) mt_remove_tree(dir);
         res = tp_agree(res);
     }
     return res;

@@ -795,7 +795,7 @@ static test_result test_tp_repeat_resume_bf16(void) {
 #ifdef MT_USE_MPI
         MPI_Barrier(MPI_COMM_WORLD);
 #endif
-        if (mpi_rank() == 0) remove_tree(dir);
+        if (mpi_rank() == 0) mt_remove_tree(dir);
         res = tp_agree(res);
         free(pa);
         free(pb);

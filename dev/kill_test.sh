@@ -1,0 +1,309 @@
+#!/usr/bin/env bash
+# dev/kill_test.sh — crash consistency under kill -9 (issue #23). Each tool that writes a result is
+# started again and again and killed with SIGKILL at moments spread over its whole run (the last ones
+# land in the commit at the end). After every kill a reader must find either the old complete result
+# or nothing it accepts (never a mix of old and new files); the next run of the same tool must succeed
+# and leave no temporaries behind.
+#
+#   dev/kill_test.sh          CPU: preprocess_data with two --json-keys, merge_datasets, convert_hf
+#                             --import and --export (needs `make all` and python3 with numpy)
+#   dev/kill_test.sh gpu      then train_gpt (needs a GPU): kill -9 during --save (the tracked checkpoint
+#                             always loads); SIGTERM with --exit-signal-handler (saves, exits 0, and the
+#                             resumed run's losses equal an uninterrupted run's, bitwise)
+#   TRIALS=N (default 12) kills per tool; WORK=DIR (default /tmp/mt_kill_test.<pid>, removed at the end)
+#
+# What the readers are: prepro/dataset_info (the .bin/.idx reader) for datasets; convert_hf --export
+# (the checkpoint reader: every header word and the file sizes) for checkpoints; for a Hugging Face
+# directory, config.json present means "accepted", and then config.json and the weights must be one
+# export's (their checksums). The last line is "kill test: N failures" (exit status 1 if N > 0).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-cpu}
+TRIALS=${TRIALS:-12}
+WORK=${WORK:-/tmp/mt_kill_test.$$}
+rm -rf "$WORK"
+mkdir -p "$WORK"
+FAILED=0
+fail() { echo "  FAIL: $*"; FAILED=$((FAILED + 1)); }
+for tool in prepro/preprocess_data prepro/merge_datasets prepro/dataset_info prepro/convert_hf; do
+  [ -x "$tool" ] || { echo "$tool is not built: make all"; exit 2; }
+done
+
+now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
+sums() { cat "$@" 2>/dev/null | md5sum | cut -d' ' -f1; } # a set of files as one checksum
+temporaries() { find "$1" -maxdepth 1 -name '*.tmp*' 2>/dev/null | wc -l; }
+
+# ms it takes to run "$@" (to completion, output dropped)
+duration_ms() {
+  local t0; t0=$(now_ms)
+  "$@" >/dev/null 2>&1 || { echo "  the reference run failed: $*" >&2; echo 0; return; }
+  echo $(( $(now_ms) - t0 ))
+}
+
+# the kill moments: TRIALS points spread over the run, the last ones in its final tenth (the commit)
+delays_ms() {
+  local total=$1 k
+  for k in $(seq 1 "$TRIALS"); do
+    if [ "$k" -le $(( TRIALS * 2 / 3 )) ]; then echo $(( total * k / (TRIALS * 2 / 3 + 1) ));
+    else echo $(( total * 9 / 10 + total * (k - TRIALS * 2 / 3) / (10 * (TRIALS - TRIALS * 2 / 3)) )); fi
+  done
+}
+
+# starts "$@", kills it with SIGKILL after $1 ms if it still runs; prints "killed" or "finished"
+run_killed() {
+  local ms=$1; shift
+  "$@" >/dev/null 2>&1 &
+  local pid=$!
+  sleep "$(awk "BEGIN { printf \"%.3f\", $ms / 1000 }")"
+  if kill -9 "$pid" 2>/dev/null; then wait "$pid" 2>/dev/null; echo killed; else wait "$pid"; echo finished; fi
+}
+
+# The commit at a run's end is a few renames; timed kills rarely land between them. With strace on
+# the PATH every rename is held for 0.2 s after it happened, and the tool (strace's child; a traced
+# process would outlive its tracer) is killed once $1 renames have run: a crash after each rename.
+HAVE_STRACE=0
+command -v strace >/dev/null && strace -qq -o /dev/null -e trace=/^rename true 2>/dev/null && HAVE_STRACE=1
+run_killed_after_renames() {
+  local n=$1; shift
+  local log=$WORK/strace.log
+  rm -f "$log"
+  strace -f -qq --seccomp-bpf -o "$log" -e trace=/^rename -e inject=/^rename:delay_exit=200000 "$@" >/dev/null 2>&1 &
+  local spid=$! child=""
+  for _ in $(seq 1 6000); do
+    [ "$(cat "$log" 2>/dev/null | grep -c rename)" -ge "$n" ] && break
+    kill -0 "$spid" 2>/dev/null || break
+    sleep 0.01
+  done
+  child=$(pgrep -P "$spid" | head -1)
+  [ -n "$child" ] && kill -9 "$child" 2>/dev/null
+  wait "$spid" 2>/dev/null
+}
+# how many renames a whole run of "$@" makes (0 without strace)
+count_renames() {
+  [ "$HAVE_STRACE" -eq 1 ] || { echo 0; return; }
+  strace -f -qq --seccomp-bpf -o "$WORK/strace.log" -e trace=/^rename "$@" >/dev/null 2>&1
+  cat "$WORK/strace.log" 2>/dev/null | grep -c rename
+}
+# the kills of one tool: TRIALS timed ones ("t<ms>"), then one after each rename ("r<n>")
+kill_points() {
+  local ms=$1 renames=$2 d n
+  for d in $(delays_ms "$ms"); do echo "t$d"; done
+  for n in $(seq 1 "$renames"); do echo "r$n"; done
+}
+kill_at() { # kill_at t<ms>|r<n> CMD...
+  local point=$1; shift
+  case $point in
+    t*) run_killed "${point#t}" "$@" >/dev/null ;;
+    r*) run_killed_after_renames "${point#r}" "$@" ;;
+  esac
+}
+
+# one dataset prefix: refused (one line), or exactly the old or the new pair; prints old|new|nothing
+dataset_state() {
+  local prefix=$1 old=$2 new=$3
+  if prepro/dataset_info --data-path "$prefix" >/dev/null 2>"$WORK/reader.err"; then
+    local s; s=$(sums "$prefix.bin" "$prefix.idx")
+    if [ "$s" = "$old" ]; then echo old; elif [ "$s" = "$new" ]; then echo new; else echo MIXED; fi
+  else
+    [ "$(wc -l < "$WORK/reader.err")" -eq 1 ] || fail "$prefix refused without one line: $(cat "$WORK/reader.err")"
+    echo nothing
+  fi
+}
+
+summary() { sort | uniq -c | awk '{ printf "%s %s, ", $1, $2 }'; }
+
+# ---- the inputs ----------------------------------------------------------------------------------
+echo "inputs in $WORK"
+python3 - "$WORK" <<'EOF'
+import json, sys, numpy as np
+work = sys.argv[1]
+text = open("dev/data/tinyshakespeare.txt", encoding="utf-8").read().split("\n\n")
+for name, order in (("old", 1), ("new", -1)):          # two corpora of different content
+    with open(f"{work}/{name}.jsonl", "w") as f:
+        for rep in range(12):
+            for i, passage in enumerate(text[::order]):
+                f.write(json.dumps({"text": passage, "title": f"{name} {rep} {i} " + passage[:40]}) + "\n")
+# two GPT-2 checkpoints in Hugging Face's layout (config.json + model.safetensors, F32), ~50M parameters
+L, h, V, P = 8, 512, 50257, 1024
+def tensors(seed):
+    rng = np.random.default_rng(seed)
+    def w(*shape): return (rng.standard_normal(shape, dtype=np.float32) * 0.02)
+    out = {"transformer.wte.weight": w(V, h), "transformer.wpe.weight": w(P, h)}
+    for l in range(L):
+        p = f"transformer.h.{l}."
+        out.update({p + "ln_1.weight": np.ones(h, np.float32), p + "ln_1.bias": np.zeros(h, np.float32),
+                    p + "attn.c_attn.weight": w(h, 3 * h), p + "attn.c_attn.bias": np.zeros(3 * h, np.float32),
+                    p + "attn.c_proj.weight": w(h, h), p + "attn.c_proj.bias": np.zeros(h, np.float32),
+                    p + "ln_2.weight": np.ones(h, np.float32), p + "ln_2.bias": np.zeros(h, np.float32),
+                    p + "mlp.c_fc.weight": w(h, 4 * h), p + "mlp.c_fc.bias": np.zeros(4 * h, np.float32),
+                    p + "mlp.c_proj.weight": w(4 * h, h), p + "mlp.c_proj.bias": np.zeros(h, np.float32)})
+    out["transformer.ln_f.weight"] = np.ones(h, np.float32)
+    out["transformer.ln_f.bias"] = np.zeros(h, np.float32)
+    return out
+for name, seed in (("hf_a", 1), ("hf_b", 2)):
+    import os
+    os.makedirs(f"{work}/{name}", exist_ok=True)
+    json.dump({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": L, "n_embd": h, "n_head": 8,
+               "n_positions": P, "vocab_size": V}, open(f"{work}/{name}/config.json", "w"))
+    t = tensors(seed)
+    header, offset = {}, 0
+    for k, a in t.items():
+        header[k] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    hb = json.dumps(header).encode()
+    hb += b" " * ((8 - (8 + len(hb)) % 8) % 8)
+    with open(f"{work}/{name}/model.safetensors", "wb") as f:
+        f.write(len(hb).to_bytes(8, "little"))
+        f.write(hb)
+        for a in t.values(): f.write(a.tobytes())
+EOF
+[ -f "$WORK/hf_b/model.safetensors" ] || { echo "could not make the inputs (python3 with numpy)"; exit 2; }
+
+# ---- preprocess_data: two --json-keys, one set ---------------------------------------------------
+echo "preprocess_data (--json-keys text title), $TRIALS kills"
+PP=(prepro/preprocess_data --tokenizer-type GPT2BPETokenizer --vocab-file dev/data/gpt2/gpt2-vocab.json
+    --merge-file dev/data/gpt2/gpt2-merges.txt --json-keys text title --append-eod --workers 2 --quiet)
+mkdir -p "$WORK/pp"
+"${PP[@]}" --input "$WORK/new.jsonl" --output-prefix "$WORK/pp/ref" >/dev/null || fail "preprocess_data (new) failed"
+ms=$(duration_ms "${PP[@]}" --input "$WORK/old.jsonl" --output-prefix "$WORK/pp/corpus")
+declare -A OLD NEW
+for key in text title; do
+  OLD[$key]=$(sums "$WORK/pp/corpus_${key}_document.bin" "$WORK/pp/corpus_${key}_document.idx")
+  NEW[$key]=$(sums "$WORK/pp/ref_${key}_document.bin" "$WORK/pp/ref_${key}_document.idx")
+done
+renames=$(count_renames "${PP[@]}" --input "$WORK/old.jsonl" --output-prefix "$WORK/pp/corpus")
+states=""
+for d in $(kill_points "$ms" "$renames"); do
+  kill_at "$d" "${PP[@]}" --input "$WORK/new.jsonl" --output-prefix "$WORK/pp/corpus"
+  for key in text title; do
+    s=$(dataset_state "$WORK/pp/corpus_${key}_document" "${OLD[$key]}" "${NEW[$key]}")
+    [ "$s" = MIXED ] && fail "preprocess_data killed at $d: $key's .bin and .idx are of two runs"
+    states+="$s "
+  done
+  # back to the old result for the next trial (each trial replaces old by new)
+  "${PP[@]}" --input "$WORK/old.jsonl" --output-prefix "$WORK/pp/corpus" >/dev/null || fail "the rerun after a kill failed"
+  [ "$(temporaries "$WORK/pp")" -eq 0 ] || fail "temporaries left after the rerun: $(ls "$WORK/pp" | grep tmp)"
+done
+echo "  datasets found after the kills: $(echo $states | tr ' ' '\n' | summary)(${ms} ms a run, $renames renames)"
+
+# ---- merge_datasets --------------------------------------------------------------------------------
+echo "merge_datasets, $TRIALS kills"
+mkdir -p "$WORK/merge_old" "$WORK/merge_new" "$WORK/merged"
+for i in $(seq -w 1 12); do
+  for e in bin idx; do
+    ln -f "$WORK/pp/corpus_text_document.$e" "$WORK/merge_old/part$i.$e"
+    ln -f "$WORK/pp/ref_text_document.$e" "$WORK/merge_new/part$i.$e"
+  done
+done
+prepro/merge_datasets --input "$WORK/merge_new" --output-prefix "$WORK/merged/ref" >/dev/null || fail "merge (new) failed"
+ms=$(duration_ms prepro/merge_datasets --input "$WORK/merge_old" --output-prefix "$WORK/merged/m")
+old=$(sums "$WORK/merged/m.bin" "$WORK/merged/m.idx"); new=$(sums "$WORK/merged/ref.bin" "$WORK/merged/ref.idx")
+renames=$(count_renames prepro/merge_datasets --input "$WORK/merge_old" --output-prefix "$WORK/merged/m")
+states=""
+for d in $(kill_points "$ms" "$renames"); do
+  kill_at "$d" prepro/merge_datasets --input "$WORK/merge_new" --output-prefix "$WORK/merged/m"
+  s=$(dataset_state "$WORK/merged/m" "$old" "$new")
+  [ "$s" = MIXED ] && fail "merge_datasets killed at $d: its .bin and .idx are of two runs"
+  states+="$s "
+  prepro/merge_datasets --input "$WORK/merge_old" --output-prefix "$WORK/merged/m" >/dev/null || fail "the rerun failed"
+  [ "$(temporaries "$WORK/merged")" -eq 0 ] || fail "temporaries left after the rerun"
+done
+echo "  datasets found after the kills: $(echo $states | tr ' ' '\n' | summary)(${ms} ms a run, $renames renames)"
+
+# ---- convert_hf --import: a checkpoint or nothing, and the retry is never blocked ----------------
+echo "convert_hf --import, $TRIALS kills"
+ms=$(duration_ms prepro/convert_hf --import "$WORK/hf_a" --save "$WORK/ck_a")
+prepro/convert_hf --import "$WORK/hf_b" --save "$WORK/ck_b" >/dev/null || fail "import of hf_b failed"
+rm -rf "$WORK/ck"
+renames=$(count_renames prepro/convert_hf --import "$WORK/hf_a" --save "$WORK/ck")
+states=""
+for d in $(kill_points "$ms" "$renames"); do
+  rm -rf "$WORK/ck"
+  kill_at "$d" prepro/convert_hf --import "$WORK/hf_a" --save "$WORK/ck"
+  if [ -e "$WORK/ck/latest_checkpointed_iteration.txt" ]; then
+    prepro/convert_hf --export "$WORK/ck" --out "$WORK/probe" >/dev/null 2>"$WORK/reader.err" \
+      || fail "import killed at $d: a tracked checkpoint does not load: $(cat "$WORK/reader.err")"
+    states+="complete "
+  else
+    states+="nothing "
+    prepro/convert_hf --import "$WORK/hf_a" --save "$WORK/ck" >/dev/null 2>"$WORK/reader.err" \
+      || fail "import killed at $d: the retry failed: $(cat "$WORK/reader.err")"
+  fi
+  [ "$(temporaries "$WORK/ck")" -eq 0 ] || fail "import killed at $d: temporaries left after the retry"
+done
+echo "  checkpoints found after the kills: $(echo $states | tr ' ' '\n' | summary)(${ms} ms a run, $renames renames)"
+
+# ---- convert_hf --export: the old export, or no config.json ----------------------------------------
+echo "convert_hf --export, $TRIALS kills"
+prepro/convert_hf --export "$WORK/ck_b" --out "$WORK/hf_ref" >/dev/null || fail "export of ck_b failed"
+ms=$(duration_ms prepro/convert_hf --export "$WORK/ck_a" --out "$WORK/hf_out")
+old=$(sums "$WORK/hf_out/config.json" "$WORK/hf_out/model.safetensors")
+new=$(sums "$WORK/hf_ref/config.json" "$WORK/hf_ref/model.safetensors")
+renames=$(count_renames prepro/convert_hf --export "$WORK/ck_a" --out "$WORK/hf_out")
+states=""
+for d in $(kill_points "$ms" "$renames"); do
+  kill_at "$d" prepro/convert_hf --export "$WORK/ck_b" --out "$WORK/hf_out"
+  if [ -e "$WORK/hf_out/config.json" ]; then
+    s=$(sums "$WORK/hf_out/config.json" "$WORK/hf_out/model.safetensors")
+    if [ "$s" = "$old" ]; then states+="old "; elif [ "$s" = "$new" ]; then states+="new ";
+    else fail "export killed at $d: config.json and model.safetensors are of two exports"; fi
+  else
+    states+="nothing "
+  fi
+  prepro/convert_hf --export "$WORK/ck_a" --out "$WORK/hf_out" >/dev/null || fail "the re-export failed"
+  [ "$(temporaries "$WORK/hf_out")" -eq 0 ] || fail "export: temporaries left after the rerun"
+done
+echo "  exports found after the kills: $(echo $states | tr ' ' '\n' | summary)(${ms} ms a run, $renames renames)"
+
+# ---- train_gpt (GPU) ---------------------------------------------------------------------------------
+if [ "$what" = gpu ]; then
+  [ -x ./train_gpt ] || { echo "./train_gpt is not built"; exit 2; }
+  TG=(./train_gpt --train-iters 40 --log-interval 1 --eval-interval 0 --sample-tokens 0)
+  echo "train_gpt: kill -9 while saving every 2 iterations, $TRIALS kills"
+  ms=$(duration_ms "${TG[@]}" --save "$WORK/tg_ref" --save-interval 2)
+  states=""
+  for d in $(kill_points "$ms" 0) r1 r2 r3 r8 r9 r10; do  # r<n>: a save's renames (dir aside, dir in, tracker)
+    rm -rf "$WORK/tg"
+    kill_at "$d" "${TG[@]}" --save "$WORK/tg" --save-interval 2
+    if [ -e "$WORK/tg/latest_checkpointed_iteration.txt" ]; then
+      prepro/convert_hf --export "$WORK/tg" --out "$WORK/tg_probe" >/dev/null 2>"$WORK/reader.err" \
+        || fail "train_gpt killed at $d: the tracked checkpoint does not load: $(cat "$WORK/reader.err")"
+      states+="iteration_$(cat "$WORK/tg/latest_checkpointed_iteration.txt") "
+      # and the run resumes from it, saves again (tidying what the killed save left) and finishes
+      "${TG[@]}" --load "$WORK/tg" --save "$WORK/tg" --save-interval 2 >"$WORK/tg_resume.log" 2>&1 \
+        || fail "train_gpt killed at $d: the resumed run failed: $(tail -1 "$WORK/tg_resume.log")"
+      [ -z "$(find "$WORK/tg" -maxdepth 1 \( -name '.tmp_iter_*' -o -name '*.old' \))" ] \
+        || fail "train_gpt: a killed save's leftovers survived the next save"
+    else
+      states+="nothing "
+    fi
+  done
+  echo "  checkpoints found after the kills: $(echo $states | tr ' ' '\n' | summary)(${ms} ms a run)"
+
+  echo "train_gpt: SIGTERM with --exit-signal-handler, then resume"
+  "${TG[@]}" --save "$WORK/tg_straight" >"$WORK/straight.log" 2>&1 || fail "the uninterrupted run failed"
+  rm -rf "$WORK/tg_term"
+  "${TG[@]}" --save "$WORK/tg_term" --exit-signal-handler >"$WORK/term.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 600); do grep -q "iteration       12/" "$WORK/term.log" 2>/dev/null && break; sleep 0.1; done
+  kill -TERM "$pid"
+  wait "$pid"
+  rc=$?
+  [ "$rc" -eq 0 ] || fail "SIGTERM: exit status $rc, want 0"
+  grep -q "exiting program after receiving SIGTERM" "$WORK/term.log" || fail "SIGTERM: no 'exiting program' line"
+  stop=$(cat "$WORK/tg_term/latest_checkpointed_iteration.txt" 2>/dev/null || echo none)
+  grep -q "saved checkpoint at iteration $stop " "$WORK/term.log" || fail "SIGTERM: no checkpoint saved at the stop ($stop)"
+  "${TG[@]}" --load "$WORK/tg_term" --save "$WORK/tg_term" >"$WORK/resume.log" 2>&1 || fail "SIGTERM: the resume failed"
+  # the losses after the stop equal the uninterrupted run's, bitwise (as printed: %.6E)
+  loss() { grep -o 'iteration *[0-9]*/ *40 .*lm loss: [0-9.E+-]*' "$1" | awk -v from="$2" '{ split($2, a, "/"); if (a[1] + 0 > from) print a[1], $NF }'; }
+  if [ "$stop" != none ] && [ "$(loss "$WORK/resume.log" "$stop")" = "$(loss "$WORK/straight.log" "$stop")" ] \
+     && [ -n "$(loss "$WORK/resume.log" "$stop")" ]; then
+    echo "  stopped at iteration $stop, resumed: iterations $((stop + 1))..40 equal the uninterrupted run's"
+  else
+    fail "SIGTERM: the resumed losses differ from the uninterrupted run's (stop $stop)"
+  fi
+fi
+
+rm -rf "$WORK"
+echo "kill test: $FAILED failures"
+[ "$FAILED" -eq 0 ]
