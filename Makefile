@@ -25,8 +25,22 @@ endif
 CUDA_LIBS := -lcublas -lcublasLt -lnccl
 HOST_LIBS := -lpthread -lm
 
+# Compressed input for preprocess_data (.gz, .zst): zlib and zstd, each used when its header and
+# library are found (prepro/tokenizer.h refuses such files in one line otherwise).
+have_lib = $(shell printf '\043include <$(1)>\nint main(void){return 0;}\n' | $(CC) -x c - -o /dev/null $(2) 2>/dev/null && echo 1)
+ifeq ($(call have_lib,zlib.h,-lz),1)
+  CFLAGS += -DMT_HAVE_ZLIB
+  NVFLAGS += -DMT_HAVE_ZLIB
+  HOST_LIBS += -lz
+endif
+ifeq ($(call have_lib,zstd.h,-lzstd),1)
+  CFLAGS += -DMT_HAVE_ZSTD
+  NVFLAGS += -DMT_HAVE_ZSTD
+  HOST_LIBS += -lzstd
+endif
+
 PREPRO := prepro/preprocess_data prepro/merge_datasets prepro/dataset_info prepro/convert_hf
-HEADERS := megatron.h prepro/tokenizer.h
+HEADERS := megatron.h prepro/tokenizer.h prepro/safetensors.h prepro/unicode_tables.h
 
 .PHONY: all test clean
 all: train_gpt eval_hellaswag test_megatron $(PREPRO) dev/data/hellaswag_val_full.txt

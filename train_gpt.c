@@ -66,30 +66,35 @@ static void parse_args(tg_flags* o, int argc, char** argv) {
 
 /* ---- tokenizer and the built-in corpus ------------------------------------------------------- */
 
+/* Megatron's --tokenizer-type names and meanings (prepro/tokenizer.h, mt_tokenizer_load_by_type);
+ * NullTokenizer gives no tokenizer (--vocab-size only). */
 static mt_tokenizer* load_tokenizer(tg_flags* o) {
     mt_error err;
     mt_tokenizer* tok = NULL;
-    const char* type = o->tokenizer_type ? o->tokenizer_type : "GPT2BPETokenizer";
-    if (o->builtin && !o->vocab_file) {
+    mt_tokenizer_args args;
+    mt_tokenizer_args_init(&args);
+    args.type = o->tokenizer_type ? o->tokenizer_type : "GPT2BPETokenizer";
+    if (o->builtin && !o->vocab_file && !strcmp(args.type, "GPT2BPETokenizer")) {
         o->vocab_file = "dev/data/gpt2/gpt2-vocab.json";
         o->merge_file = "dev/data/gpt2/gpt2-merges.txt";
     }
-    if (!strcmp(type, "GPT2BPETokenizer")) {
-        if (!o->vocab_file || !o->merge_file) die(2, "GPT2BPETokenizer needs --vocab-file and --merge-file");
-        if (mt_tokenizer_load_gpt2(&tok, o->vocab_file, o->merge_file, &err) != MT_OK) die(1, "%s", err.message);
-    } else if (!strcmp(type, "TikTokenizer") || !strcmp(type, "Llama3Tokenizer")) {
-        if (!o->tokenizer_model) die(2, "--tokenizer-type %s needs --tokenizer-model", type);
-        mt_tokenizer_kind kind = MT_TOKENIZER_CL100K;
-        if (!strcmp(type, "Llama3Tokenizer") || strstr(o->tokenizer_model, "tokenizer.model")) kind = MT_TOKENIZER_LLAMA3;
-        else if (strstr(o->tokenizer_model, "o200k")) kind = MT_TOKENIZER_O200K;
-        else if (strstr(o->tokenizer_model, "r50k")) kind = MT_TOKENIZER_GPT2;
-        if (mt_tokenizer_load_tiktoken(&tok, o->tokenizer_model, kind, &err) != MT_OK) die(1, "%s", err.message);
-    } else if (!strcmp(type, "NullTokenizer")) {
-        if (o->null_vocab_size <= 0) die(2, "NullTokenizer needs --vocab-size");
-        return NULL;
-    } else {
-        die(2, "--tokenizer-type %s: expected GPT2BPETokenizer, TikTokenizer, Llama3Tokenizer or NullTokenizer", type);
+    args.vocab_file = o->vocab_file;
+    args.merge_file = o->merge_file;
+    args.model = o->tokenizer_model;
+    args.vocab_size = o->null_vocab_size > 0 ? o->null_vocab_size : 0;
+    args.tiktoken_pattern = o->tiktoken_pattern;
+    if (o->tiktoken_num_special_tokens > 0) args.tiktoken_num_special_tokens = o->tiktoken_num_special_tokens;
+    args.special_tokens = o->num_special_tokens ? o->special_tokens : NULL;
+    args.num_special_tokens = o->num_special_tokens;
+    args.hf_no_include_special_tokens = o->hf_no_include_special_tokens;
+    args.tiktoken_encoding = o->tiktoken_encoding;
+    if (mt_tokenizer_load_by_type(&tok, &args, &err) != MT_OK) die(2, "%s", err.message);
+    if (tok && mt_tokenizer_eod(tok) < 0 && o->sample_tokens > 0) {
+        printf("the tokenizer names no end-of-document token (eos_token): no text sample is printed\n");
+        o->sample_tokens = 0;
     }
+    if (o->builtin && strcmp(args.type, "GPT2BPETokenizer")) /* its cached dataset is GPT-2's */
+        die(2, "the built-in job (no --data-path) uses GPT2BPETokenizer; give --data-path for data made with %s", args.type);
     return tok;
 }
 

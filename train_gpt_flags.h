@@ -33,6 +33,7 @@
 
 #define TG_MAX_DATA_PATHS 64
 #define TG_MAX_INFO 64
+#define TG_MAX_SPECIAL_TOKENS 1024
 
 /* Everything the command line sets. Numeric fields start at -1 ("not given"; every range below
  * excludes -1), strings at NULL, switches at 0; tg_flags_apply fills cfg and the run options. */
@@ -54,6 +55,11 @@ typedef struct {
     const char* merge_file;
     const char* tokenizer_model;
     const char* tiktoken_pattern;
+    int64_t tiktoken_num_special_tokens;
+    const char* special_tokens[TG_MAX_SPECIAL_TOKENS]; /* --tokenizer-special-tokens */
+    int num_special_tokens;
+    int hf_no_include_special_tokens;
+    const char* tiktoken_encoding;
     int64_t null_vocab_size;
     /* logging, evaluation, checkpoints, exits, profiling */
     int64_t log_interval, eval_interval, eval_iters, save_interval, exit_interval, exit_duration_in_mins;
@@ -397,13 +403,25 @@ static const tg_flag tg_flag_table[] = {
     {"--num-workers", G_DATA, F_INFO_VALUE, 0, NR, "2", "samples are read in the training process (no workers)"},
     /* tokenizer */
     {"--tokenizer-type", G_TOK, F_STRING, TG_AT(tokenizer_type), NR, "GPT2BPETokenizer",
-     "GPT2BPETokenizer, TikTokenizer, Llama3Tokenizer or NullTokenizer"},
+     "GPT2BPETokenizer, HuggingFaceTokenizer, TikTokenizer, NullTokenizer; this build's TiktokenFileTokenizer, "
+     "Llama3Tokenizer (prepro/tokenizer.h)"},
     {"--vocab-file", G_TOK, F_STRING, TG_AT(vocab_file), NR, "none", "GPT-2 vocab.json"},
     {"--merge-file", G_TOK, F_STRING, TG_AT(merge_file), NR, "none", "GPT-2 merges.txt"},
-    {"--tokenizer-model", G_TOK, F_STRING, TG_AT(tokenizer_model), NR, "none", "tiktoken rank file"},
-    {"--tiktoken-pattern", G_TOK, F_STRING, TG_AT(tiktoken_pattern), CH("v1|v2"), "none",
-     "TikTokenizer's split pattern (here it follows the rank file; no effect on other tokenizers)"},
-    {"--vocab-size", G_TOK, F_INT64, TG_AT(null_vocab_size), IR(1, TG_I64MAX), "none", "NullTokenizer's vocabulary"},
+    {"--tokenizer-model", G_TOK, F_STRING, TG_AT(tokenizer_model), NR, "none",
+     "a tokenizer.json or its directory (HuggingFaceTokenizer), Megatron's JSON vocabulary (TikTokenizer), "
+     "a tiktoken rank file (TiktokenFileTokenizer, Llama3Tokenizer)"},
+    {"--tiktoken-pattern", G_TOK, F_STRING, TG_AT(tiktoken_pattern), CH("v1|v2"), "v2",
+     "TikTokenizer's split pattern (no effect on other tokenizers)"},
+    {"--tiktoken-num-special-tokens", G_TOK, F_INT64, TG_AT(tiktoken_num_special_tokens), IR(1, TG_I32MAX), "1000",
+     "TikTokenizer: ids below this are special tokens"},
+    {"--tokenizer-special-tokens", G_TOK, F_STRING, 0, NR, "<unk> <s> </s> <mask> <pad> <cls> <sep>",
+     "TikTokenizer's special tokens (a list)"},
+    {"--tokenizer-hf-no-include-special-tokens", G_TOK, F_TRUE, TG_AT(hf_no_include_special_tokens), NR, "off",
+     "HuggingFaceTokenizer: text to ids without the template's BOS/EOS"},
+    {"--tiktoken-encoding", G_TOK, F_STRING, TG_AT(tiktoken_encoding), CH("r50k_base|gpt2|cl100k_base|o200k_base|llama3"),
+     "from the file name", "TiktokenFileTokenizer's encoding (this build's flag)"},
+    {"--vocab-size", G_TOK, F_INT64, TG_AT(null_vocab_size), IR(1, TG_I64MAX), "none",
+     "NullTokenizer's vocabulary; TikTokenizer's, specials included (131072 when not given)"},
     /* logging */
     {"--log-interval", G_LOG, F_INT64, TG_AT(log_interval), IR(1, TG_I64MAX), "100", "iterations between log lines"},
     {"--log-throughput", G_LOG, F_TRUE, TG_AT(log_throughput), NR, "off",
@@ -562,8 +580,8 @@ static void tg_flags_init(tg_flags* v) {
                       &v->ep, &v->window, &v->hysteresis, &v->seed, &v->log_interval, &v->eval_interval,
                       &v->eval_iters, &v->save_interval, &v->exit_interval, &v->exit_duration_in_mins,
                       &v->profile_step_start, &v->profile_step_end, &v->ddp_bucket_size, &v->null_vocab_size,
-                      &v->rampup[0], &v->rampup[1], &v->rampup[2], &v->tensorboard_log_interval,
-                      &v->plan_world_size};
+                      &v->tiktoken_num_special_tokens, &v->rampup[0], &v->rampup[1], &v->rampup[2],
+                      &v->tensorboard_log_interval, &v->plan_world_size};
     for (size_t k = 0; k < sizeof(i64) / sizeof(i64[0]); k++) *i64[k] = -1;
     double* d[] = {&v->lr, &v->min_lr, &v->warmup_fraction, &v->warmup_init, &v->b1, &v->b2, &v->eps, &v->wd,
                    &v->clip, &v->std, &v->norm_eps, &v->hidden_dropout, &v->attention_dropout, &v->loss_scale,
@@ -601,6 +619,18 @@ static int tg_flags_parse(tg_flags* v, int argc, char** argv, char* msg, size_t 
             if (mt_data_path_parse(end - start, list, v->data_paths, v->data_weights, &v->num_data_paths, &v->weighted,
                                    &err) != MT_OK)
                 return tg_fail(msg, size, "%s", err.message);
+            if (!inline_val) i = end - 1;
+            continue;
+        }
+        if (!strcmp(a, "--tokenizer-special-tokens")) { /* a list (argparse nargs='+'): up to the next --flag */
+            int start = i + 1, end = start;
+            const char* const* list = (const char* const*)argv + start;
+            if (inline_val) { list = &inline_val; end = start + 1; }
+            else while (end < argc && strncmp(argv[end], "--", 2) != 0) end++;
+            if (end == start) return tg_fail(msg, size, "%s needs a value", a);
+            if (v->num_special_tokens + end - start > TG_MAX_SPECIAL_TOKENS)
+                return tg_fail(msg, size, "%s: at most %d tokens", a, TG_MAX_SPECIAL_TOKENS);
+            for (int k = 0; k < end - start; k++) v->special_tokens[v->num_special_tokens++] = list[k];
             if (!inline_val) i = end - 1;
             continue;
         }
@@ -719,12 +749,8 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
     if (v->mid_level_surplus >= 0 && v->mid_level_surplus != MT_MID_LEVEL_DATASET_SURPLUS)
         return tg_fail(msg, size, "--mid-level-dataset-surplus %g: only the default %g is implemented",
                        v->mid_level_surplus, MT_MID_LEVEL_DATASET_SURPLUS);
-    if (v->tiktoken_pattern) {
-        if (v->tokenizer_type && !strcmp(v->tokenizer_type, "TikTokenizer"))
-            return tg_fail(msg, size, "--tiktoken-pattern %s: the TikTokenizer here takes its pattern from the rank "
-                           "file (cl100k, o200k); drop the flag", v->tiktoken_pattern);
-        tg_note_info(v, "--tiktoken-pattern", v->tiktoken_pattern);
-    }
+    if (v->tiktoken_pattern && !(v->tokenizer_type && !strcmp(v->tokenizer_type, "TikTokenizer")))
+        tg_note_info(v, "--tiktoken-pattern", v->tiktoken_pattern); /* used by TikTokenizer only, as in Megatron */
     if (v->no_load_rng) tg_note_info(v, "--no-load-rng", NULL);
     if (v->data_cache_path && v->mock_data) tg_note_info(v, "--data-cache-path (--mock-data reads no dataset)", NULL);
 

@@ -29,13 +29,14 @@ static const char* const usage =
     "usage: preprocess_data --input PATH... --output-prefix PREFIX --tokenizer-type TYPE [options]\n"
     "\n"
     "Tokenizes documents into Megatron datasets {PREFIX}_{KEY}_document.bin/.idx, one per JSON key,\n"
-    "as Megatron's tools/preprocess_data.py does (token ids equal tiktoken's; invalid UTF-8 is read\n"
-    "as U+FFFD, like Python's errors='replace'). The output bytes do not depend on --workers.\n"
+    "as Megatron's tools/preprocess_data.py does (token ids equal the reference tokenizer's; invalid\n"
+    "UTF-8 is read as U+FFFD, like Python's errors='replace'). The output bytes do not depend on --workers.\n"
     "Outputs appear only when the whole run succeeded.\n"
     "\n"
     "input:\n"
     "  --input PATH...           input files, read in the order given; a directory stands for every\n"
-    "                            file under it (depth first, sorted by name, hidden names skipped)\n"
+    "                            file under it (depth first, sorted by name, hidden names skipped);\n"
+    "                            .gz and .zst files are decompressed (when built with zlib / zstd)\n"
     "  --input-format FMT        jsonl (default: one JSON object per line, blank lines skipped) or\n"
     "                            text (each file is one document, its raw bytes)\n"
     "  --json-keys KEY...        keys to tokenize, one dataset each (default: text); text mode: the\n"
@@ -45,16 +46,24 @@ static const char* const usage =
     "output:\n"
     "  --output-prefix PREFIX    output path prefix\n"
     "  --append-eod              append the end-of-document token to every non-empty document\n"
-    "tokenizer:\n"
-    "  --tokenizer-type TYPE     GPT2BPETokenizer (needs --vocab-file, --merge-file),\n"
-    "                            TikTokenizer (needs --tokenizer-model), or Llama3Tokenizer (needs\n"
-    "                            --tokenizer-model: Llama-3's tokenizer.model)\n"
+    "tokenizer (Megatron's --tokenizer-type names and meanings):\n"
+    "  --tokenizer-type TYPE     GPT2BPETokenizer (--vocab-file, --merge-file: Hugging Face's GPT-2),\n"
+    "                            HuggingFaceTokenizer (--tokenizer-model: a tokenizer.json or its\n"
+    "                            directory; BOS as the tokenizer adds it, EOD its eos_token),\n"
+    "                            TikTokenizer (--tokenizer-model: Megatron's JSON vocabulary); this\n"
+    "                            build's own TiktokenFileTokenizer (a .tiktoken rank file, ids as\n"
+    "                            tiktoken's encode_ordinary) and Llama3Tokenizer (Llama-3's tokenizer.model)\n"
     "  --vocab-file FILE         GPT-2 encoder.json (e.g. dev/data/gpt2/gpt2-vocab.json)\n"
     "  --merge-file FILE         GPT-2 vocab.bpe (e.g. dev/data/gpt2/gpt2-merges.txt)\n"
-    "  --tokenizer-model FILE    a tiktoken rank file (r50k_base/cl100k_base/o200k_base.tiktoken, or\n"
-    "                            Llama-3's tokenizer.model)\n"
-    "  --tiktoken-encoding NAME  r50k_base, cl100k_base, o200k_base or llama3 (default: from the\n"
-    "                            --tokenizer-model file name)\n"
+    "  --tokenizer-model PATH    see --tokenizer-type\n"
+    "  --tokenizer-hf-no-include-special-tokens  HuggingFaceTokenizer: no BOS/EOS from the template\n"
+    "  --tiktoken-pattern v1|v2  TikTokenizer's split pattern (default v2)\n"
+    "  --tiktoken-num-special-tokens N  TikTokenizer: ids below N are special (default 1000)\n"
+    "  --tokenizer-special-tokens TOK...  TikTokenizer's special tokens (default <unk> <s> </s>\n"
+    "                            <mask> <pad> <cls> <sep>)\n"
+    "  --vocab-size N            TikTokenizer's vocabulary size, specials included (default 131072)\n"
+    "  --tiktoken-encoding NAME  TiktokenFileTokenizer: r50k_base, cl100k_base or o200k_base (default:\n"
+    "                            from the --tokenizer-model file name)\n"
     "run:\n"
     "  --workers N               encoding threads (default: the number of CPUs)\n"
     "  --quiet                   no progress lines\n"
@@ -70,11 +79,8 @@ typedef struct {
     int num_keys;
     const char* format;
     const char* output_prefix;
-    const char* tokenizer_type;
-    const char* vocab_file;
-    const char* merge_file;
-    const char* tokenizer_model;
-    const char* tiktoken_encoding;
+    mt_tokenizer_args tok;          /* the tokenizer flags */
+    const char** special_tokens;
     int append_eod, workers, skip_bad_lines, quiet;
 } options;
 
@@ -110,9 +116,14 @@ static void print_progress(const mt_preprocess_stats* s, int final, int tty) {
     double mb = (double)s->bytes_read / 1e6, total = (double)s->bytes_total / 1e6;
     double rate = s->seconds > 0 ? mb / s->seconds : 0.0;
     double eta = rate > 0 && total > mb ? (total - mb) / rate : 0.0;
-    fprintf(stderr, "%s%lld docs, %.1f/%.1f MB (%.0f%%), %.1f MB/s, %.2fM tokens%s%.0fs%s", tty ? "\r" : "",
-            (long long)s->documents, mb, total, total > 0 ? 100.0 * mb / total : 100.0, rate, (double)s->tokens / 1e6,
-            final ? ", took " : ", ETA ", final ? s->seconds : eta, tty ? "\033[K" : "\n");
+    if (mb > total) /* compressed input: the decompressed size is not known ahead */
+        fprintf(stderr, "%s%lld docs, %.1f MB (from %.1f MB of files), %.1f MB/s, %.2fM tokens%s%.0fs%s", tty ? "\r" : "",
+                (long long)s->documents, mb, total, rate, (double)s->tokens / 1e6, final ? ", took " : ", for ", s->seconds,
+                tty ? "\033[K" : "\n");
+    else
+        fprintf(stderr, "%s%lld docs, %.1f/%.1f MB (%.0f%%), %.1f MB/s, %.2fM tokens%s%.0fs%s", tty ? "\r" : "",
+                (long long)s->documents, mb, total, total > 0 ? 100.0 * mb / total : 100.0, rate, (double)s->tokens / 1e6,
+                final ? ", took " : ", ETA ", final ? s->seconds : eta, tty ? "\033[K" : "\n");
     if (final && tty) fprintf(stderr, "\n");
     fflush(stderr);
 }
@@ -160,11 +171,31 @@ static int parse_args(int argc, char** argv, options* o) {
         else if (!strcmp(a, "--json-keys")) { if (take_list(argc, argv, &i, &o->keys, &o->num_keys)) return die("%s needs a value", a); }
         else if (!strcmp(a, "--input-format")) VALUE(o->format);
         else if (!strcmp(a, "--output-prefix")) VALUE(o->output_prefix);
-        else if (!strcmp(a, "--tokenizer-type")) VALUE(o->tokenizer_type);
-        else if (!strcmp(a, "--vocab-file")) VALUE(o->vocab_file);
-        else if (!strcmp(a, "--merge-file")) VALUE(o->merge_file);
-        else if (!strcmp(a, "--tokenizer-model")) VALUE(o->tokenizer_model);
-        else if (!strcmp(a, "--tiktoken-encoding")) VALUE(o->tiktoken_encoding);
+        else if (!strcmp(a, "--tokenizer-type")) VALUE(o->tok.type);
+        else if (!strcmp(a, "--vocab-file")) VALUE(o->tok.vocab_file);
+        else if (!strcmp(a, "--merge-file")) VALUE(o->tok.merge_file);
+        else if (!strcmp(a, "--tokenizer-model")) VALUE(o->tok.model);
+        else if (!strcmp(a, "--tiktoken-encoding")) VALUE(o->tok.tiktoken_encoding);
+        else if (!strcmp(a, "--tiktoken-pattern")) VALUE(o->tok.tiktoken_pattern);
+        else if (!strcmp(a, "--tokenizer-hf-no-include-special-tokens")) o->tok.hf_no_include_special_tokens = 1;
+        else if (!strcmp(a, "--tokenizer-special-tokens") || !strcmp(a, "--tiktoken-special-tokens")) {
+            if (take_list(argc, argv, &i, &o->special_tokens, &o->tok.num_special_tokens)) return die("%s needs a value", a);
+            o->tok.special_tokens = o->special_tokens;
+        } else if (!strcmp(a, "--tiktoken-num-special-tokens") || !strcmp(a, "--vocab-size")) {
+            const char* v;
+            VALUE(v);
+            char* end;
+            long long n = strtoll(v, &end, 10);
+            if (*end || !*v || n < 1 || n > 0x7FFFFFFE) {
+                char msg[300];
+                snprintf(msg, sizeof(msg), "%s must be a positive integer below 2^31, not '%.200s'", a, v);
+                return die("%s", msg);
+            }
+            if (!strcmp(a, "--vocab-size")) o->tok.vocab_size = n;
+            else o->tok.tiktoken_num_special_tokens = n;
+        } else if (!strcmp(a, "--tokenizer-hf-no-use-fast")) {
+            return die("%s: this build implements Hugging Face's fast tokenizer (tokenizer.json) only", a);
+        }
         else if (!strcmp(a, "--append-eod")) o->append_eod = 1;
         else if (!strcmp(a, "--skip-bad-lines")) o->skip_bad_lines = 1;
         else if (!strcmp(a, "--quiet")) o->quiet = 1;
@@ -188,8 +219,6 @@ static int parse_args(int argc, char** argv, options* o) {
             /* only matters with --partitions > 1 */
         } else if (!strcmp(a, "--split-sentences") || !strcmp(a, "--keep-newlines") || !strcmp(a, "--lang")) {
             return die("%s: sentence splitting (NLTK punkt) is not supported; documents are tokenized whole, as Megatron does without it", a);
-        } else if (!strncmp(a, "--tiktoken-", 11)) {
-            return die("%s: not supported; give the tiktoken rank file with --tokenizer-model and its encoding with --tiktoken-encoding", a);
         } else {
             return die("unknown argument '%s' (see --help)", a);
         }
@@ -200,35 +229,16 @@ static int parse_args(int argc, char** argv, options* o) {
 
 static int load_tokenizer(const options* o, mt_tokenizer** tok) {
     mt_error err;
-    const char* type = o->tokenizer_type;
-    if (!type) return die("%s", "--tokenizer-type is required (GPT2BPETokenizer, TikTokenizer or Llama3Tokenizer)");
-    if (!strcmp(type, "GPT2BPETokenizer")) {
-        if (!o->vocab_file || !o->merge_file) return die("%s", "GPT2BPETokenizer needs --vocab-file and --merge-file");
-        if (mt_tokenizer_load_gpt2(tok, o->vocab_file, o->merge_file, &err) != MT_OK) return die("%s", err.message);
-        return 0;
-    }
-    if (!strcmp(type, "TikTokenizer") || !strcmp(type, "Llama3Tokenizer")) {
-        mt_tokenizer_kind kind;
-        if (!o->tokenizer_model) return die("%s needs --tokenizer-model", type);
-        if (o->tiktoken_encoding) {
-            if (mt_tokenizer_kind_from_name(o->tiktoken_encoding, &kind, &err) != MT_OK) return die("%s", err.message);
-        } else if (!strcmp(type, "Llama3Tokenizer")) {
-            kind = MT_TOKENIZER_LLAMA3;
-        } else if (!mt_tokenizer_kind_from_path(o->tokenizer_model, &kind)) {
-            return die("cannot tell the encoding of %s from its name: give --tiktoken-encoding r50k_base|cl100k_base|o200k_base|llama3",
-                       o->tokenizer_model);
-        }
-        if (!strcmp(type, "Llama3Tokenizer") && kind != MT_TOKENIZER_LLAMA3)
-            return die("%s", "Llama3Tokenizer takes Llama-3's tokenizer.model (--tiktoken-encoding llama3)");
-        if (mt_tokenizer_load_tiktoken(tok, o->tokenizer_model, kind, &err) != MT_OK) return die("%s", err.message);
-        return 0;
-    }
-    return die("--tokenizer-type %s is not supported (GPT2BPETokenizer, TikTokenizer, Llama3Tokenizer)", type);
+    if (!o->tok.type) return die("%s", "--tokenizer-type is required (GPT2BPETokenizer, HuggingFaceTokenizer, TikTokenizer, ...; see --help)");
+    if (!strcmp(o->tok.type, "NullTokenizer")) return die("%s", "NullTokenizer has no text tokenizer: nothing to preprocess with it");
+    if (mt_tokenizer_load_by_type(tok, &o->tok, &err) != MT_OK) return die("%s", err.message);
+    return 0;
 }
 
 int main(int argc, char** argv) {
     options o;
     memset(&o, 0, sizeof(o));
+    mt_tokenizer_args_init(&o.tok);
     if (argc < 2) { fputs(usage, stderr); return 1; }
     int nargs = 0;
     char** args = mt_args_split_equals(argc, argv, &nargs); /* --flag=value is --flag value */
@@ -285,6 +295,7 @@ int main(int argc, char** argv) {
         mt_tokenizer_free(tok);
         free((void*)o.inputs);
         free((void*)o.keys);
+        free((void*)o.special_tokens);
         free(args);
         return 1;
     }
@@ -300,6 +311,7 @@ int main(int argc, char** argv) {
     mt_tokenizer_free(tok);
     free((void*)o.inputs);
     free((void*)o.keys);
+    free((void*)o.special_tokens);
     free(args);
     return 0;
 }

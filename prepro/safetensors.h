@@ -62,7 +62,7 @@ struct mt_json {
     double number;     /* numbers */
     int is_integer;    /* 1: a literal without fraction or exponent that fits int64 (then `integer` is exact) */
     int64_t integer;
-    char* string;      /* strings: UTF-8, NUL-terminated (an embedded \u0000 is refused) */
+    char* string;      /* strings: UTF-8, NUL-terminated; `length` counts an embedded \u0000 (refused in keys) */
     size_t length;     /* strings: bytes */
     int count;         /* arrays and objects: elements */
     char** keys;       /* objects: keys[count], in file order */
@@ -247,8 +247,9 @@ static int mt_json__utf8_len(const unsigned char* p, const unsigned char* end) {
     return n;
 }
 
-/* A string starting at the opening quote; returns a malloc'd NUL-terminated copy. */
-static int mt_json__string(mt_json__parser* ps, char** out, size_t* out_len) {
+/* A string starting at the opening quote; returns a malloc'd NUL-terminated copy. \u0000 is refused
+ * in keys (they are compared as C strings) and kept in values (a tokenizer's byte 0). */
+static int mt_json__string(mt_json__parser* ps, char** out, size_t* out_len, int is_key) {
     ps->p++; /* the quote */
     size_t cap = 16, n = 0;
     char* s = (char*)malloc(cap);
@@ -290,7 +291,7 @@ static int mt_json__string(mt_json__parser* ps, char** out, size_t* out_len) {
                         free(s);
                         return mt_json__fail(ps, "unpaired surrogate in \\u escape");
                     }
-                    if (cp == 0) { free(s); return mt_json__fail(ps, "\\u0000 in string"); }
+                    if (cp == 0 && is_key) { free(s); return mt_json__fail(ps, "\\u0000 in an object key"); }
                     if (cp < 0x80) buf[k++] = (char)cp;
                     else if (cp < 0x800) { buf[k++] = (char)(0xC0 | (cp >> 6)); buf[k++] = (char)(0x80 | (cp & 0x3F)); }
                     else if (cp < 0x10000) {
@@ -384,6 +385,22 @@ static int mt_json__number(mt_json__parser* ps, mt_json* v) {
 
 static int mt_json__value(mt_json__parser* ps, mt_json* v, int depth);
 
+/* Objects with many keys (a tokenizer's vocabulary) are checked for a repeated key once complete,
+ * by sorting, instead of comparing each key with all before it. */
+#define MT_JSON_SMALL_OBJECT 32
+static int mt_json__cmp_key(const void* a, const void* b) { return strcmp(*(char* const*)a, *(char* const*)b); }
+static int mt_json__unique_keys(mt_json__parser* ps, const mt_json* v) {
+    if (v->count < MT_JSON_SMALL_OBJECT) return 0;
+    char** sorted = (char**)malloc(sizeof(char*) * (size_t)v->count);
+    if (!sorted) return mt_json__fail(ps, "out of memory");
+    memcpy(sorted, v->keys, sizeof(char*) * (size_t)v->count);
+    qsort(sorted, (size_t)v->count, sizeof(char*), mt_json__cmp_key);
+    int dup = 0;
+    for (int i = 1; i < v->count && !dup; i++) dup = !strcmp(sorted[i - 1], sorted[i]);
+    free(sorted);
+    return dup ? mt_json__fail(ps, "duplicate object key") : 0;
+}
+
 static int mt_json__push(mt_json__parser* ps, mt_json* v, int* cap, int with_keys) {
     if (v->count < *cap) return 0;
     int nc = *cap ? *cap * 2 : 4;
@@ -419,8 +436,8 @@ static int mt_json__value(mt_json__parser* ps, mt_json* v, int depth) {
                 if (ps->p >= ps->end || *ps->p != '"') return mt_json__fail(ps, "object key (a string) expected");
                 const char* key_at = ps->p;
                 size_t klen;
-                if (mt_json__string(ps, &key, &klen)) return -1;
-                for (int i = 0; i < v->count; i++)
+                if (mt_json__string(ps, &key, &klen, 1)) return -1;
+                for (int i = 0; i < v->count && v->count < MT_JSON_SMALL_OBJECT; i++) /* big objects: mt_json__unique_keys */
                     if (!strcmp(v->keys[i], key)) {
                         free(key);
                         ps->p = key_at;
@@ -437,13 +454,13 @@ static int mt_json__value(mt_json__parser* ps, mt_json* v, int depth) {
             mt_json__skip_ws(ps);
             if (ps->p >= ps->end) return mt_json__fail(ps, obj ? "unterminated object" : "unterminated array");
             if (*ps->p == ',') { ps->p++; continue; }
-            if (*ps->p == (obj ? '}' : ']')) { ps->p++; return 0; }
+            if (*ps->p == (obj ? '}' : ']')) { ps->p++; return obj ? mt_json__unique_keys(ps, v) : 0; }
             return mt_json__fail(ps, obj ? "',' or '}' expected" : "',' or ']' expected");
         }
     }
     if (c == '"') {
         v->type = MT_JSON_STRING;
-        return mt_json__string(ps, &v->string, &v->length);
+        return mt_json__string(ps, &v->string, &v->length, 0);
     }
     if (c == '-' || (c >= '0' && c <= '9')) return mt_json__number(ps, v);
     static const struct { const char* word; mt_json_type type; } words[] = {

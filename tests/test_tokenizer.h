@@ -1,8 +1,12 @@
-/* tests/test_tokenizer.h — host tests of prepro/tokenizer.h: the four BPE tokenizers against
- * tiktoken's ids (vectors from dev/gen_tokenizer_vectors.py), decoding, thread safety, load
- * errors, the JSONL parser and the preprocess_data pipeline (worker-count independence, empty
- * documents, bad lines). The GPT-2 files live in dev/data/gpt2; the cl100k/o200k/Llama-3 rank
- * files are read from ../shared/data and those tests skip when it is absent. Run from the repo root. */
+/* tests/test_tokenizer.h — host tests of prepro/tokenizer.h: every tokenizer against its reference
+ * library's ids (tiktoken for the rank files, Hugging Face's tokenizers for tokenizer.json and
+ * GPT2BPETokenizer, tiktoken with Megatron's settings for TikTokenizer; vectors from
+ * dev/gen_tokenizer_vectors.py and dev/gen_hf_tokenizer_vectors.py), on hundreds of short hostile
+ * cases and on large held-out texts (tiny shakespeare, 1.1 MB, always; four Gutenberg books, 3.3 MB,
+ * when the shared data is there); decoding; thread safety; load errors and refusals; the JSONL
+ * parser and the preprocess_data pipeline (worker-count independence, empty documents, bad lines,
+ * .gz/.zst input). The rank files and books are read from the shared data directory
+ * ($MT_SHARED_DATA, else ../shared/data) and those tests skip without it. Run from the repo root. */
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/stat.h>
@@ -11,25 +15,33 @@
 #define TT_GPT2_VOCAB "dev/data/gpt2/gpt2-vocab.json"
 #define TT_GPT2_MERGES "dev/data/gpt2/gpt2-merges.txt"
 #define TT_VECTORS "dev/data/tokenizer/"
+#define TT_HF "dev/data/tokenizers/"
 
 typedef struct {
     const char* name;  /* vector file name */
-    const char* rank_file;
+    const char* rank_file; /* under the shared data directory */
     mt_tokenizer_kind kind;
     int64_t vocab;
     int32_t eod;
 } tt_spec;
 
 static const tt_spec tt_specs[4] = {
-    {"gpt2", "../shared/data/tiktoken/r50k_base.tiktoken", MT_TOKENIZER_GPT2, 50257, 50256},
-    {"cl100k_base", "../shared/data/tiktoken/cl100k_base.tiktoken", MT_TOKENIZER_CL100K, 100277, 100257},
-    {"o200k_base", "../shared/data/tiktoken/o200k_base.tiktoken", MT_TOKENIZER_O200K, 200019, 199999},
-    {"llama3", "../shared/data/llama3/tokenizer.model", MT_TOKENIZER_LLAMA3, 128256, 128001},
+    {"gpt2", "tiktoken/r50k_base.tiktoken", MT_TOKENIZER_GPT2, 50257, 50256},
+    {"cl100k_base", "tiktoken/cl100k_base.tiktoken", MT_TOKENIZER_CL100K, 100277, 100257},
+    {"o200k_base", "tiktoken/o200k_base.tiktoken", MT_TOKENIZER_O200K, 200019, 199999},
+    {"llama3", "llama3/tokenizer.model", MT_TOKENIZER_LLAMA3, 128256, 128001},
 };
 
 static int tt_exists(const char* path) {
     struct stat sb;
     return stat(path, &sb) == 0;
+}
+
+/* A file of the shared data: $MT_SHARED_DATA/rel, else ../shared/data/rel. */
+static const char* tt_shared(const char* rel, char* buf, size_t n) {
+    const char* env = getenv("MT_SHARED_DATA");
+    snprintf(buf, n, "%s/%s", env && env[0] ? env : "../shared/data", rel);
+    return buf;
 }
 
 static uint32_t tt_u32(const char* p) {
@@ -38,12 +50,23 @@ static uint32_t tt_u32(const char* p) {
     return v;
 }
 
-/* Checks every case of a vector file; returns the number of mismatches (printing the first few),
- * or -1 if the file is unreadable. */
-static int tt_check_vectors(const mt_tokenizer* tok, const char* name, int* num_cases) {
-    char path[256];
+static uint64_t tt_u64(const char* p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static uint64_t tt_fnv(const void* data, size_t n) {
+    const uint8_t* p = (const uint8_t*)data;
+    uint64_t h = 0xCBF29CE484222325ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001B3ull;
+    return h;
+}
+
+/* Checks every case of a vector file ("MTTOKV1": text, expected ids); returns the number of
+ * mismatches (printing the first few), or -1 if the file is unreadable. */
+static int tt_check_cases(const mt_tokenizer* tok, const char* path, int* num_cases) {
     size_t size = 0;
-    snprintf(path, sizeof(path), TT_VECTORS "%s.bin", name);
     char* buf = test_read_file(path, &size);
     if (!buf || size < 12 || memcmp(buf, "MTTOKV1", 8) != 0) { free(buf); return -1; }
     uint32_t n = tt_u32(buf + 8);
@@ -67,7 +90,7 @@ static int tt_check_vectors(const mt_tokenizer* tok, const char* name, int* num_
             if (bad < 3) {
                 size_t k = 0;
                 while (k < count && k < nt && toks[k] == (int32_t)tt_u32(ids + 4 * k)) k++;
-                printf("    %s case %u (%u bytes '%.40s...'): %lld tokens, expected %u; first difference at token %zu\n", name, c,
+                printf("    %s case %u (%u bytes '%.40s...'): %lld tokens, expected %u; first difference at token %zu\n", path, c,
                        bl, text, (long long)got, nt, k);
             }
             bad++;
@@ -79,16 +102,83 @@ static int tt_check_vectors(const mt_tokenizer* tok, const char* name, int* num_
     return bad;
 }
 
-static test_result tt_vectors(int which, int gpt2_files) {
+/* Checks the large texts of a texts file ("MTTOKH1": name, byte length and hash, token count, a
+ * hash per block of ids) whose text can be read: dev/data files, and "gutenberg:<member>" from
+ * gut_dir (NULL: skipped). Each text is encoded in one call. Returns the mismatches (printing the
+ * first block that differs), or -1 if unreadable; *checked gets the texts compared, *bytes their size. */
+static int tt_check_texts(const mt_tokenizer* tok, const char* path, const char* gut_dir, int* checked, size_t* bytes) {
+    size_t size = 0;
+    char* buf = test_read_file(path, &size);
+    *checked = 0;
+    *bytes = 0;
+    if (!buf || size < 12 || memcmp(buf, "MTTOKH1", 8) != 0) { free(buf); return -1; }
+    uint32_t n = tt_u32(buf + 8);
+    size_t o = 12, cap = 0, count = 0;
+    int bad = 0;
+    int32_t* ids = NULL;
+    for (uint32_t t = 0; t < n && bad >= 0; t++) {
+        if (o + 4 > size) { bad = -1; break; }
+        uint32_t nl = tt_u32(buf + o);
+        char name[512], file[1024];
+        snprintf(name, sizeof(name), "%.*s", (int)(nl < 500 ? nl : 500), buf + o + 4);
+        o += 4 + nl;
+        if (o + 32 > size) { bad = -1; break; }
+        uint64_t blen = tt_u64(buf + o), bhash = tt_u64(buf + o + 8), ntok = tt_u64(buf + o + 16);
+        uint32_t block = tt_u32(buf + o + 24), nblocks = tt_u32(buf + o + 28);
+        const char* hashes = buf + o + 32;
+        o += 32 + 8 * (size_t)nblocks;
+        if (o > size || block == 0) { bad = -1; break; }
+        if (!strncmp(name, "gutenberg:", 10)) {
+            if (!gut_dir) continue;
+            snprintf(file, sizeof(file), "%s/%s", gut_dir, name + 10);
+        } else {
+            snprintf(file, sizeof(file), "%s", name);
+        }
+        size_t tl = 0;
+        char* text = test_read_file(file, &tl);
+        if (!text || tl != blen || tt_fnv(text, tl) != bhash) {
+            printf("    %s: %s is missing or not the text the vectors were made from\n", path, file);
+            free(text);
+            bad++;
+            continue;
+        }
+        count = 0;
+        int64_t got = mt_tokenizer_encode(tok, text, tl, &ids, &count, &cap);
+        int ok = got == (int64_t)ntok;
+        for (uint32_t b = 0; b < nblocks && ok; b++) {
+            size_t s0 = (size_t)b * block, s1 = s0 + block < count ? s0 + block : count;
+            if (s0 >= count || tt_fnv(ids + s0, 4 * (s1 - s0)) != tt_u64(hashes + 8 * (size_t)b)) {
+                printf("    %s: %s: tokens %zu..%zu differ\n", path, name, s0, s1);
+                ok = 0;
+            }
+        }
+        if (!ok) {
+            if (got != (int64_t)ntok) printf("    %s: %s: %lld tokens, expected %llu\n", path, name, (long long)got, (unsigned long long)ntok);
+            bad++;
+        }
+        (*checked)++;
+        *bytes += tl;
+        free(text);
+    }
+    free(ids);
+    free(buf);
+    return bad;
+}
+
+static int tt_check_vectors(const mt_tokenizer* tok, const char* name, int* num_cases) {
+    char path[256];
+    snprintf(path, sizeof(path), TT_VECTORS "%s.bin", name);
+    return tt_check_cases(tok, path, num_cases);
+}
+
+/* A tiktoken rank file against tiktoken's encode_ordinary ids. */
+static test_result tt_vectors(int which) {
     const tt_spec* s = &tt_specs[which];
     mt_tokenizer* tok = NULL;
     mt_error err;
-    if (gpt2_files) {
-        EXPECT_OK(mt_tokenizer_load_gpt2(&tok, TT_GPT2_VOCAB, TT_GPT2_MERGES, &err), &err);
-    } else {
-        if (!tt_exists(s->rank_file)) SKIP("%s not found (shared data absent)", s->rank_file);
-        EXPECT_OK(mt_tokenizer_load_tiktoken(&tok, s->rank_file, s->kind, &err), &err);
-    }
+    char path[512];
+    if (!tt_exists(tt_shared(s->rank_file, path, sizeof(path)))) SKIP("%s not found (shared data absent)", path);
+    EXPECT_OK(mt_tokenizer_load_tiktoken(&tok, path, s->kind, &err), &err);
     int64_t vocab = mt_tokenizer_vocab_size(tok);
     int32_t eod = mt_tokenizer_eod(tok);
     mt_tokenizer_kind kind = mt_tokenizer_get_kind(tok);
@@ -104,33 +194,73 @@ static test_result tt_vectors(int which, int gpt2_files) {
     return TEST_PASS;
 }
 
-static test_result test_tokenizer_gpt2_bpe_files(void) { return tt_vectors(0, 1); }
-static test_result test_tokenizer_r50k_base(void) { return tt_vectors(0, 0); }
-static test_result test_tokenizer_cl100k_base(void) { return tt_vectors(1, 0); }
-static test_result test_tokenizer_o200k_base(void) { return tt_vectors(2, 0); }
-static test_result test_tokenizer_llama3(void) { return tt_vectors(3, 0); }
+static test_result test_tokenizer_r50k_base(void) { return tt_vectors(0); }
+static test_result test_tokenizer_cl100k_base(void) { return tt_vectors(1); }
+static test_result test_tokenizer_o200k_base(void) { return tt_vectors(2); }
+static test_result test_tokenizer_llama3(void) { return tt_vectors(3); }
 
+/* A tokenizer's cases and large texts from dev/data/tokenizers/<dir>/ (cases_file, texts_file). */
+static test_result tt_check_dir(const mt_tokenizer* tok, const char* dir, const char* cases_file, const char* texts_file, const char* gut_dir,
+                                int min_texts) {
+    char path[256];
+    int cases = 0, texts = 0;
+    size_t bytes = 0;
+    snprintf(path, sizeof(path), TT_HF "%s/%s", dir, cases_file);
+    int bad = tt_check_cases(tok, path, &cases);
+    EXPECT(bad >= 0, "cannot read %s", path);
+    EXPECT(bad == 0, "%d of %d cases of %s differ from the reference library", bad, cases, path);
+    EXPECT(cases > 400, "only %d cases in %s", cases, path);
+    snprintf(path, sizeof(path), TT_HF "%s/%s", dir, texts_file);
+    bad = tt_check_texts(tok, path, gut_dir, &texts, &bytes);
+    EXPECT(bad >= 0, "cannot read %s", path);
+    EXPECT(bad == 0, "%d large texts of %s differ from the reference library", bad, path);
+    EXPECT(texts >= min_texts && bytes >= 1000000, "%d texts (%zu bytes) checked from %s", texts, bytes, path);
+    return TEST_PASS;
+}
+
+/* GPT2BPETokenizer (encoder.json + vocab.bpe) gives Hugging Face's GPT-2 ids: the same vectors as
+ * the GPT-2 tokenizer.json, "<|endoftext|>" in text included. */
+static test_result test_tokenizer_gpt2_bpe_files(void) {
+    mt_tokenizer* tok = NULL;
+    mt_error err;
+    EXPECT_OK(mt_tokenizer_load_gpt2(&tok, TT_GPT2_VOCAB, TT_GPT2_MERGES, &err), &err);
+    test_result r = tt_check_dir(tok, "gpt2", "cases.bin", "texts.bin", NULL, 1);
+    int ok = mt_tokenizer_vocab_size(tok) == 50257 && mt_tokenizer_eod(tok) == 50256 && mt_tokenizer_get_kind(tok) == MT_TOKENIZER_GPT2;
+    mt_tokenizer_free(tok);
+    EXPECT(ok, "vocab size, eod or kind wrong");
+    return r;
+}
+
+/* Special-token text: GPT2BPETokenizer (Hugging Face's GPT-2) cuts "<|endoftext|>" out as 50256;
+ * a tiktoken rank file encodes it as plain text (encode_ordinary). */
 static test_result test_tokenizer_special_tokens(void) {
     mt_tokenizer* tok = NULL;
     mt_error err;
     const char* b = NULL;
+    int32_t* ids = NULL;
+    size_t count = 0, cap = 0;
+    char path[512];
     EXPECT_OK(mt_tokenizer_load_gpt2(&tok, TT_GPT2_VOCAB, TT_GPT2_MERGES, &err), &err);
     size_t n = mt_tokenizer_token_bytes(tok, 50256, &b);
     EXPECT(n == 13 && memcmp(b, "<|endoftext|>", 13) == 0, "token 50256 is not <|endoftext|>");
     EXPECT(mt_tokenizer_token_id(tok, "<|endoftext|>", 13) == 50256, "lookup of <|endoftext|>");
     EXPECT(mt_tokenizer_token_id(tok, " the", 4) == 262, "' the' is %d", mt_tokenizer_token_id(tok, " the", 4));
     EXPECT(mt_tokenizer_token_bytes(tok, 50257, &b) == 0 && mt_tokenizer_token_bytes(tok, -1, &b) == 0, "out-of-range ids");
-    /* Special-token text is ordinary text. */
-    int32_t* ids = NULL;
-    size_t count = 0, cap = 0;
+    mt_tokenizer_encode(tok, "a<|endoftext|>b", 15, &ids, &count, &cap);
+    EXPECT(count == 3 && ids[1] == 50256, "GPT2BPETokenizer: <|endoftext|> inside text gave %zu tokens", count);
+    mt_tokenizer_free(tok);
+    if (!tt_exists(tt_shared(tt_specs[0].rank_file, path, sizeof(path)))) { free(ids); SKIP("%s not found", path); }
+    EXPECT_OK(mt_tokenizer_load_tiktoken(&tok, path, MT_TOKENIZER_GPT2, &err), &err);
+    count = 0;
     mt_tokenizer_encode(tok, "<|endoftext|>", 13, &ids, &count, &cap);
     EXPECT(count > 1, "<|endoftext|> encoded to %zu tokens", count);
     for (size_t k = 0; k < count; k++) EXPECT(ids[k] != 50256, "special token produced by ordinary encoding");
     free(ids);
     mt_tokenizer_free(tok);
-    if (!tt_exists(tt_specs[3].rank_file)) SKIP("Llama-3 tokenizer.model not found");
-    EXPECT_OK(mt_tokenizer_load_tiktoken(&tok, tt_specs[3].rank_file, MT_TOKENIZER_LLAMA3, &err), &err);
+    if (!tt_exists(tt_shared(tt_specs[3].rank_file, path, sizeof(path)))) SKIP("Llama-3 tokenizer.model not found");
+    EXPECT_OK(mt_tokenizer_load_tiktoken(&tok, path, MT_TOKENIZER_LLAMA3, &err), &err);
     EXPECT(mt_tokenizer_token_id(tok, "<|begin_of_text|>", 17) == 128000, "<|begin_of_text|>");
+    EXPECT(mt_tokenizer_bos(tok) == 128000, "Llama-3 bos %d", mt_tokenizer_bos(tok));
     EXPECT(mt_tokenizer_token_id(tok, "<|eot_id|>", 10) == 128009, "<|eot_id|>");
     EXPECT(mt_tokenizer_token_id(tok, "<|reserved_special_token_245|>", 30) == 128255, "last reserved token");
     mt_tokenizer_free(tok);
@@ -200,37 +330,43 @@ static void* tt_encode_thread(void* p) {
     return NULL;
 }
 
+/* Four threads encoding one text with one tokenizer get the ids one thread gets: GPT-2, and the
+ * Qwen2 (NFC normalizer) and Mistral (whole documents as one piece) tokenizer.json. */
 static test_result test_tokenizer_threads(void) {
-    mt_tokenizer* tok = NULL;
     mt_error err;
-    size_t size = 0, count = 0, cap = 0;
-    int32_t* ref = NULL;
+    size_t size = 0;
     char* text = test_read_file("dev/data/tinyshakespeare.txt", &size);
     EXPECT(text != NULL, "cannot read dev/data/tinyshakespeare.txt");
-    EXPECT_OK(mt_tokenizer_load_gpt2(&tok, TT_GPT2_VOCAB, TT_GPT2_MERGES, &err), &err);
-    mt_tokenizer_encode(tok, text, size, &ref, &count, &cap);
-    EXPECT(count > 300000, "tiny shakespeare: %zu tokens", count);
-    enum { NT = 4 };
-    pthread_t th[NT];
-    tt_thread_arg args[NT];
-    for (int t = 0; t < NT; t++) {
-        args[t].tok = tok;
-        args[t].text = text;
-        args[t].len = size;
-        args[t].ids = NULL;
-        args[t].count = 0;
-        EXPECT(pthread_create(&th[t], NULL, tt_encode_thread, &args[t]) == 0, "pthread_create");
+    for (int which = 0; which < 3; which++) {
+        mt_tokenizer* tok = NULL;
+        size_t count = 0, cap = 0;
+        int32_t* ref = NULL;
+        if (which == 0) EXPECT_OK(mt_tokenizer_load_gpt2(&tok, TT_GPT2_VOCAB, TT_GPT2_MERGES, &err), &err);
+        else EXPECT_OK(mt_tokenizer_load_hf(&tok, which == 1 ? TT_HF "qwen2" : TT_HF "mistral", 1, &err), &err);
+        mt_tokenizer_encode(tok, text, size, &ref, &count, &cap);
+        EXPECT(count > 300000, "tiny shakespeare: %zu tokens", count);
+        enum { NT = 4 };
+        pthread_t th[NT];
+        tt_thread_arg args[NT];
+        for (int t = 0; t < NT; t++) {
+            args[t].tok = tok;
+            args[t].text = text;
+            args[t].len = size;
+            args[t].ids = NULL;
+            args[t].count = 0;
+            EXPECT(pthread_create(&th[t], NULL, tt_encode_thread, &args[t]) == 0, "pthread_create");
+        }
+        int same = 1;
+        for (int t = 0; t < NT; t++) {
+            pthread_join(th[t], NULL);
+            if (args[t].count != count || memcmp(args[t].ids, ref, count * sizeof(int32_t)) != 0) same = 0;
+            free(args[t].ids);
+        }
+        free(ref);
+        mt_tokenizer_free(tok);
+        EXPECT(same, "tokenizer %d: threads encoding one text at once got different ids", which);
     }
-    int same = 1;
-    for (int t = 0; t < NT; t++) {
-        pthread_join(th[t], NULL);
-        if (args[t].count != count || memcmp(args[t].ids, ref, count * sizeof(int32_t)) != 0) same = 0;
-        free(args[t].ids);
-    }
-    free(ref);
     free(text);
-    mt_tokenizer_free(tok);
-    EXPECT(same, "threads encoding one text at once got different ids");
     return TEST_PASS;
 }
 
@@ -278,8 +414,9 @@ static test_result test_tokenizer_load_errors(void) {
     EXPECT(tt_write(path, few, strlen(few)), "write");
     st = mt_tokenizer_load_tiktoken(&tok, path, MT_TOKENIZER_GPT2, &err);
     EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "single byte"), "incomplete vocabulary: %s", err.message);
-    if (tt_exists(tt_specs[1].rank_file)) { /* cl100k's ranks as GPT-2: <|endoftext|> 50256 is taken */
-        st = mt_tokenizer_load_tiktoken(&tok, tt_specs[1].rank_file, MT_TOKENIZER_GPT2, &err);
+    char cl100k[512];
+    if (tt_exists(tt_shared(tt_specs[1].rank_file, cl100k, sizeof(cl100k)))) { /* cl100k's ranks as GPT-2: <|endoftext|> 50256 is taken */
+        st = mt_tokenizer_load_tiktoken(&tok, cl100k, MT_TOKENIZER_GPT2, &err);
         EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "50256"), "wrong encoding: %s", err.message);
     }
     snprintf(path2, sizeof(path2), "%s/vocab.json", dir);
@@ -296,6 +433,319 @@ static test_result test_tokenizer_load_errors(void) {
     EXPECT(mt_tokenizer_kind_from_name("p50k_base", &kind, &err) == MT_ERR_ARG, "unknown encoding name accepted");
     EXPECT(mt_tokenizer_kind_from_path("/x/cl100k_base.tiktoken", &kind) && kind == MT_TOKENIZER_CL100K, "kind from path");
     EXPECT(mt_tokenizer_kind_from_path("/x/llama3/tokenizer.model", &kind) && kind == MT_TOKENIZER_LLAMA3, "kind from path");
+    tt_rmtree(dir);
+    return TEST_PASS;
+}
+
+/* ---- Hugging Face tokenizer.json and Megatron's TikTokenizer ---- */
+
+typedef struct {
+    const char* dir;   /* under dev/data/tokenizers/ */
+    int64_t vocab;
+    int32_t eod, bos;
+    int prefix;        /* tokens the template puts before a text (BOS) */
+} tt_hf_spec;
+
+static const tt_hf_spec tt_hf_specs[7] = {
+    {"gpt2", 50257, 50256, 50256, 0},         {"llama3", 8448, 8193, 8192, 1},          {"qwen2", 4100, 4096, -1, 0},
+    {"mistral_nemo", 5096, 2, 1, 1},          {"mistral", 2051, 2, 1, 1},               {"llama2_metaspace", 2051, 2, 1, 1},
+    {"metaspace_split", 2051, 2, 1, 1},
+};
+
+/* Each tokenizer.json against the tokenizers library's ids: the cases and tiny shakespeare (the
+ * Gutenberg books are test_tokenizer_hf_gutenberg's), its vocabulary size, eos and bos. */
+static test_result tt_hf(int which) {
+    const tt_hf_spec* s = &tt_hf_specs[which];
+    mt_tokenizer* tok = NULL;
+    mt_error err;
+    char path[256];
+    int32_t* ids = NULL;
+    size_t count = 0, cap = 0;
+    snprintf(path, sizeof(path), TT_HF "%s", s->dir);
+    EXPECT_OK(mt_tokenizer_load_hf(&tok, path, 1, &err), &err);
+    test_result r = tt_check_dir(tok, s->dir, "cases.bin", "texts.bin", NULL, 1);
+    int64_t vocab = mt_tokenizer_vocab_size(tok);
+    int32_t eod = mt_tokenizer_eod(tok), bos = mt_tokenizer_bos(tok);
+    mt_tokenizer_kind kind = mt_tokenizer_get_kind(tok);
+    int64_t empty = mt_tokenizer_encode(tok, "", 0, &ids, &count, &cap);
+    int bos_first = empty == s->prefix && (s->prefix == 0 || ids[0] == bos);
+    mt_tokenizer_free(tok);
+    /* --tokenizer-hf-no-include-special-tokens: the template adds nothing */
+    EXPECT_OK(mt_tokenizer_load_hf(&tok, path, 0, &err), &err);
+    count = 0;
+    int64_t plain = mt_tokenizer_encode(tok, "Hello", 5, &ids, &count, &cap);
+    int no_bos = plain > 0 && ids[0] != bos;
+    free(ids);
+    mt_tokenizer_free(tok);
+    if (r != TEST_PASS) return r;
+    EXPECT(vocab == s->vocab && eod == s->eod && bos == s->bos, "vocab %lld eod %d bos %d, expected %lld %d %d", (long long)vocab, eod, bos,
+           (long long)s->vocab, s->eod, s->bos);
+    EXPECT(kind == MT_TOKENIZER_HUGGINGFACE, "kind %d", (int)kind);
+    EXPECT(bos_first, "an empty text gave %lld tokens, expected the template's %d", (long long)empty, s->prefix);
+    EXPECT(no_bos || s->prefix == 0, "include_special_tokens = 0 still added BOS");
+    return TEST_PASS;
+}
+
+static test_result test_tokenizer_hf_gpt2(void) { return tt_hf(0); }
+static test_result test_tokenizer_hf_llama3(void) { return tt_hf(1); }
+static test_result test_tokenizer_hf_qwen2(void) { return tt_hf(2); }
+static test_result test_tokenizer_hf_mistral_nemo(void) { return tt_hf(3); }
+static test_result test_tokenizer_hf_mistral(void) { return tt_hf(4); }
+static test_result test_tokenizer_hf_llama2_metaspace(void) { return tt_hf(5); }
+static test_result test_tokenizer_hf_metaspace_split(void) { return tt_hf(6); }
+
+/* Megatron's TikTokenizer: 1000 special tokens, the JSON vocabulary's ranks after them. */
+static test_result tt_tiktokenizer(const char* pattern) {
+    mt_tokenizer* tok = NULL;
+    mt_error err;
+    mt_tiktokenizer_options opt;
+    char cases[64], texts[64];
+    mt_tiktokenizer_options_init(&opt);
+    opt.pattern = pattern;
+    opt.vocab_size = 4096 + 1000;
+    EXPECT_OK(mt_tokenizer_load_tiktokenizer(&tok, TT_HF "tiktokenizer/vocab.json", &opt, &err), &err);
+    snprintf(cases, sizeof(cases), "cases_%s.bin", pattern);
+    snprintf(texts, sizeof(texts), "texts_%s.bin", pattern);
+    test_result r = tt_check_dir(tok, "tiktokenizer", cases, texts, NULL, 1);
+    int ok = mt_tokenizer_vocab_size(tok) == 5096 && mt_tokenizer_eod(tok) == 2 && mt_tokenizer_bos(tok) == 1 &&
+             mt_tokenizer_token_id(tok, "<SPECIAL_999>", 13) == 999 && mt_tokenizer_token_id(tok, "\x00", 1) == 1000 &&
+             mt_tokenizer_get_kind(tok) == MT_TOKENIZER_TIKTOKENIZER;
+    mt_tokenizer_free(tok);
+    EXPECT(ok, "TikTokenizer's vocab size, eod, bos or ids are not Megatron's");
+    return r;
+}
+static test_result test_tokenizer_tiktokenizer_v1(void) { return tt_tiktokenizer("v1"); }
+static test_result test_tokenizer_tiktokenizer_v2(void) { return tt_tiktokenizer("v2"); }
+
+/* The four held-out Gutenberg books (3.3 MB), each encoded whole, with every tokenizer.json,
+ * GPT2BPETokenizer and TikTokenizer. Extracted once from the shared data's books.tar.xz. */
+static test_result test_tokenizer_hf_gutenberg(void) {
+    char tar[512], dir[64], cmd[1200];
+    mt_error err;
+    if (!tt_exists(tt_shared("gutenberg/books.tar.xz", tar, sizeof(tar)))) SKIP("%s not found (shared data absent)", tar);
+    EXPECT(tt_tmpdir(dir, sizeof(dir)), "mkdtemp");
+    snprintf(cmd, sizeof(cmd),
+             "tar -xJf '%s' -C '%s' gutenberg/data/books/4300-0.txt gutenberg/data/books/pg48731.txt gutenberg/data/books/pg4657.txt "
+             "gutenberg/data/books/11-0.txt 2>/dev/null",
+             tar, dir);
+    if (system(cmd) != 0) { tt_rmtree(dir); SKIP("cannot extract the books from %s (tar/xz missing?)", tar); }
+    test_result r = TEST_PASS;
+    for (int k = 0; k < 10 && r == TEST_PASS; k++) {
+        mt_tokenizer* tok = NULL;
+        mt_status st;
+        const char* name;
+        const char* texts = "texts.bin";
+        if (k < 7) {
+            char path[256];
+            name = tt_hf_specs[k].dir;
+            snprintf(path, sizeof(path), TT_HF "%s", name);
+            st = mt_tokenizer_load_hf(&tok, path, 1, &err);
+        } else if (k == 7) {
+            name = "gpt2"; /* GPT2BPETokenizer's files give the GPT-2 tokenizer.json's ids */
+            st = mt_tokenizer_load_gpt2(&tok, TT_GPT2_VOCAB, TT_GPT2_MERGES, &err);
+        } else {
+            mt_tiktokenizer_options opt;
+            mt_tiktokenizer_options_init(&opt);
+            opt.pattern = k == 8 ? "v1" : "v2";
+            opt.vocab_size = 5096;
+            name = "tiktokenizer";
+            texts = k == 8 ? "texts_v1.bin" : "texts_v2.bin";
+            st = mt_tokenizer_load_tiktokenizer(&tok, TT_HF "tiktokenizer/vocab.json", &opt, &err);
+        }
+        if (st != MT_OK) { printf("    %s: %s\n", name, err.message); r = TEST_FAIL; break; }
+        char path[256], books[128];
+        int checked = 0;
+        size_t bytes = 0;
+        snprintf(path, sizeof(path), TT_HF "%s/%s", name, texts);
+        snprintf(books, sizeof(books), "%s", dir);
+        int bad = tt_check_texts(tok, path, books, &checked, &bytes);
+        mt_tokenizer_free(tok);
+        if (bad != 0 || checked != 5 || bytes < 4000000) {
+            printf("    %s: %d of %d texts (%zu bytes) differ\n", path, bad, checked, bytes);
+            r = TEST_FAIL;
+        }
+    }
+    tt_rmtree(dir);
+    return r;
+}
+
+/* decode(encode(text)) == text (the template's BOS left out), for every tokenizer.json whose
+ * decoder gives text back; NFC text comes back composed; the decoders' own rules. */
+static test_result test_tokenizer_hf_decode(void) {
+    mt_error err;
+    size_t size = 0;
+    char* shakes = test_read_file("dev/data/tinyshakespeare.txt", &size);
+    EXPECT(shakes != NULL, "tiny shakespeare");
+    const char* extra = "caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac \xf0\x9f\x91\x8d\xf0\x9f\x8f\xbd  \r\n\t x "; /* (not a U+2581, nor a leading space: sentencepiece decoders give them back as spaces / drop it) */
+    for (int k = 0; k < 6; k++) { /* metaspace_split's Metaspace decoder has no byte fallback */
+        mt_tokenizer* tok = NULL;
+        char path[256];
+        snprintf(path, sizeof(path), TT_HF "%s", tt_hf_specs[k].dir);
+        EXPECT_OK(mt_tokenizer_load_hf(&tok, path, 1, &err), &err);
+        const char* texts[2] = {shakes, extra};
+        size_t lens[2] = {size, strlen(extra)};
+        for (int t = 0; t < 2; t++) {
+            int32_t* ids = NULL;
+            size_t count = 0, cap = 0, out_len = 0;
+            char* out = NULL;
+            mt_tokenizer_encode(tok, texts[t], lens[t], &ids, &count, &cap);
+            int p = tt_hf_specs[k].prefix;
+            EXPECT_OK(mt_tokenizer_decode(tok, ids + p, count - (size_t)p, &out, &out_len, &err), &err);
+            int same = out_len == lens[t] && memcmp(out, texts[t], lens[t]) == 0;
+            free(out);
+            free(ids);
+            EXPECT(same, "%s: text %d does not decode back", tt_hf_specs[k].dir, t);
+        }
+        mt_tokenizer_free(tok);
+    }
+    free(shakes);
+    struct { const char* dir; const char* text; const char* want; } cases[] = {
+        {"qwen2", "cafe\xcc\x81 A\xcc\x8a \xe1\x84\x80\xe1\x85\xa1", "caf\xc3\xa9 \xc3\x85 \xea\xb0\x80"}, /* NFC: é Å 가 */
+        {"mistral", "Hello  world", "Hello  world"},             /* Strip drops the Prepend's space */
+        {"metaspace_split", "Hello world", "Hello world"},       /* Metaspace: the first token loses its U+2581 */
+        {"mistral", "\xe2\x82\xac", "\xe2\x82\xac"},              /* byte fallback <0xE2><0x82><0xAC> */
+    };
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        mt_tokenizer* tok = NULL;
+        char path[256];
+        int32_t* ids = NULL;
+        size_t count = 0, cap = 0, out_len = 0;
+        char* out = NULL;
+        snprintf(path, sizeof(path), TT_HF "%s", cases[c].dir);
+        EXPECT_OK(mt_tokenizer_load_hf(&tok, path, 0, &err), &err);
+        mt_tokenizer_encode(tok, cases[c].text, strlen(cases[c].text), &ids, &count, &cap);
+        EXPECT_OK(mt_tokenizer_decode(tok, ids, count, &out, &out_len, &err), &err);
+        int same = out_len == strlen(cases[c].want) && memcmp(out, cases[c].want, out_len) == 0;
+        if (!same) printf("    %s: '%s' decodes to '%.*s'\n", cases[c].dir, cases[c].text, (int)out_len, out);
+        free(out);
+        free(ids);
+        mt_tokenizer_free(tok);
+        EXPECT(same, "decode case %zu", c);
+    }
+    return TEST_PASS;
+}
+
+/* A small valid tokenizer.json, and one-line refusals of what this build does not implement. */
+static test_result test_tokenizer_hf_refusals(void) {
+    mt_tokenizer* tok = NULL;
+    mt_error err;
+    char dir[64], path[128], cfg[160];
+    EXPECT(tt_tmpdir(dir, sizeof(dir)), "mkdtemp");
+    snprintf(path, sizeof(path), "%s/tokenizer.json", dir);
+    snprintf(cfg, sizeof(cfg), "%s/tokenizer_config.json", dir);
+#define TT_PRE "{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"trim_offsets\":true,\"use_regex\":true}"
+#define TT_MODEL "{\"type\":\"BPE\",\"vocab\":{\"a\":0,\"b\":1,\"ab\":2,\"<s>\":3},\"merges\":[\"a b\"]}"
+#define TT_JSON(added, norm, pre, model, dec)                                                                               \
+    "{\"version\":\"1.0\",\"truncation\":null,\"padding\":null,\"added_tokens\":" added ",\"normalizer\":" norm            \
+    ",\"pre_tokenizer\":" pre ",\"post_processor\":null,\"decoder\":" dec ",\"model\":" model "}"
+    const char* good = TT_JSON("[{\"id\":3,\"content\":\"<s>\",\"single_word\":false,\"lstrip\":false,\"rstrip\":false,"
+                               "\"normalized\":false,\"special\":true}]",
+                               "null", TT_PRE, TT_MODEL, "{\"type\":\"ByteLevel\"}");
+    EXPECT(tt_write(path, good, strlen(good)), "write");
+    EXPECT(tt_write(cfg, "{\"eos_token\": {\"content\": \"<s>\"}}", 33), "write");
+    EXPECT_OK(mt_tokenizer_load_hf(&tok, dir, 1, &err), &err);
+    int32_t* ids = NULL;
+    size_t count = 0, cap = 0;
+    mt_tokenizer_encode(tok, "ab<s>ba", 7, &ids, &count, &cap);
+    int ok = count == 4 && ids[0] == 2 && ids[1] == 3 && ids[2] == 1 && ids[3] == 0 && mt_tokenizer_eod(tok) == 3;
+    mt_tokenizer_free(tok);
+    EXPECT(ok, "the small tokenizer.json: %zu tokens", count);
+    /* tokenizer_config.json's add_bos_token / add_eos_token make the template [bos] text [eos] */
+    const char* cfgs[2] = {"{\"bos_token\": \"<s>\", \"eos_token\": \"<s>\", \"add_eos_token\": true}",
+                           "{\"bos_token\": \"<s>\", \"add_bos_token\": true, \"add_eos_token\": false}"};
+    for (int k = 0; k < 2; k++) {
+        EXPECT(tt_write(cfg, cfgs[k], strlen(cfgs[k])), "write");
+        EXPECT_OK(mt_tokenizer_load_hf(&tok, dir, 1, &err), &err);
+        count = 0;
+        mt_tokenizer_encode(tok, "ab", 2, &ids, &count, &cap);
+        ok = count == 2 && ids[k ? 0 : 1] == 3 && ids[k ? 1 : 0] == 2;
+        mt_tokenizer_free(tok);
+        EXPECT(ok, "%s: %zu tokens", cfgs[k], count);
+    }
+    free(ids);
+    struct { const char* json; const char* msg; } bad[] = {
+        {TT_JSON("[]", "null", TT_PRE, "{\"type\":\"WordPiece\",\"vocab\":{}}", "null"), "model type WordPiece is not supported"},
+        {TT_JSON("[]", "null", "{\"type\":\"Split\",\"pattern\":{\"Regex\":\"\\\\w+\"},\"behavior\":\"Isolated\",\"invert\":false}", TT_MODEL,
+                 "null"),
+         "regex '\\w+' is not one this build implements"},
+        {TT_JSON("[]", "null", "{\"type\":\"Whitespace\"}", TT_MODEL, "null"), "the Whitespace pre-tokenizer is not supported"},
+        {TT_JSON("[]", "{\"type\":\"Lowercase\"}", TT_PRE, TT_MODEL, "null"), "the Lowercase normalizer is not supported"},
+        {TT_JSON("[{\"id\":3,\"content\":\"<s>\",\"single_word\":true,\"lstrip\":false,\"rstrip\":false,\"normalized\":false,\"special\":true}]",
+                 "null", TT_PRE, TT_MODEL, "null"),
+         "single_word"},
+        {TT_JSON("[]", "null", TT_PRE, "{\"type\":\"BPE\",\"vocab\":{\"a\":0,\"b\":1},\"merges\":[\"a b\"]}", "null"), "not in the vocab"},
+        {TT_JSON("[]", "null", TT_PRE, "{\"type\":\"BPE\",\"dropout\":0.1,\"vocab\":{\"a\":0},\"merges\":[]}", "null"), "dropout"},
+        {TT_JSON("[]", "null", TT_PRE, TT_MODEL, "{\"type\":\"WordPiece\",\"prefix\":\"##\"}"), "the WordPiece decoder is not supported"},
+        {"{\"model\": ", "malformed JSON"},
+    };
+    for (size_t k = 0; k < sizeof(bad) / sizeof(bad[0]); k++) {
+        EXPECT(tt_write(path, bad[k].json, strlen(bad[k].json)), "write");
+        mt_status st = mt_tokenizer_load_hf(&tok, path, 1, &err);
+        EXPECT(st != MT_OK && strstr(err.message, bad[k].msg) && strstr(err.message, "tokenizer.json") && tok == NULL,
+               "case %zu: %s (want '%s')", k, st == MT_OK ? "accepted" : err.message, bad[k].msg);
+    }
+    EXPECT(tt_write(path, good, strlen(good)), "write");
+    EXPECT(tt_write(cfg, "{\"eos_token\": \"<nope>\"}", 23), "write");
+    mt_status st = mt_tokenizer_load_hf(&tok, dir, 1, &err);
+    EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "eos_token '<nope>' is not a token"), "unknown eos: %s", st ? err.message : "accepted");
+    st = mt_tokenizer_load_hf(&tok, "/nonexistent/dir", 1, &err);
+    EXPECT(st == MT_ERR_IO && strstr(err.message, "/nonexistent/dir"), "missing: %s", err.message);
+
+    /* Megatron's TikTokenizer and the --tokenizer-type names */
+    mt_tiktokenizer_options opt;
+    mt_tiktokenizer_options_init(&opt);
+    opt.vocab_size = 5096;
+    opt.pattern = "v3";
+    st = mt_tokenizer_load_tiktokenizer(&tok, TT_HF "tiktokenizer/vocab.json", &opt, &err);
+    EXPECT(st == MT_ERR_ARG && strstr(err.message, "v3"), "pattern v3: %s", st ? err.message : "accepted");
+    opt.pattern = "v2";
+    opt.vocab_size = 9000;
+    st = mt_tokenizer_load_tiktokenizer(&tok, TT_HF "tiktokenizer/vocab.json", &opt, &err);
+    EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "fewer than vocab size"), "short vocabulary: %s", st ? err.message : "accepted");
+    const char* few[3] = {"<unk>", "<s>", "</s>"};
+    opt.vocab_size = 5096;
+    opt.special_tokens = few;
+    opt.num_given_special_tokens = 3;
+    st = mt_tokenizer_load_tiktokenizer(&tok, TT_HF "tiktokenizer/vocab.json", &opt, &err);
+    EXPECT(st == MT_ERR_ARG && strstr(err.message, "<mask>"), "specials without <mask>: %s", st ? err.message : "accepted");
+    st = mt_tokenizer_load_tiktokenizer(&tok, TT_GPT2_MERGES, NULL, &err);
+    EXPECT(st == MT_ERR_FORMAT, "merges.txt as a TikTokenizer vocabulary accepted");
+    snprintf(path, sizeof(path), "%s/r50k.tiktoken", dir);
+    EXPECT(tt_write(path, "IQ== 0\nIg== 1\n", 14), "write");
+    st = mt_tokenizer_load_tiktokenizer(&tok, path, NULL, &err);
+    EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "tiktoken rank file"), "a rank file as vocabulary: %s", st ? err.message : "accepted");
+    snprintf(path, sizeof(path), "%s/ranks.json", dir);
+    EXPECT(tt_write(path, "{\"a\": 1}", 8), "write");
+    st = mt_tokenizer_load_tiktokenizer(&tok, path, NULL, &err);
+    EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "TiktokenFileTokenizer"), "an object as vocabulary: %s", st ? err.message : "accepted");
+    mt_tokenizer_args a;
+    mt_tokenizer_args_init(&a);
+    a.type = "TikTokenizer";
+    a.model = TT_HF "tiktokenizer/vocab.json";
+    a.vocab_size = 5096;
+    EXPECT_OK(mt_tokenizer_load_by_type(&tok, &a, &err), &err);
+    ids = NULL;
+    count = cap = 0;
+    mt_tokenizer_encode(tok, "<s>", 3, &ids, &count, &cap);
+    ok = count == 1 && ids[0] == 1;
+    free(ids);
+    mt_tokenizer_free(tok);
+    EXPECT(ok, "TikTokenizer by type: <s> is not the special token 1");
+    struct { const char* type; const char* msg; } types[] = {
+        {"Llama2Tokenizer", "SentencePiece"}, {"SentencePieceTokenizer", "HuggingFaceTokenizer"}, {"BertWordPieceCase", "WordPiece"},
+        {"MultimodalTokenizer", "not implemented"}, {"Foo", "unknown"}, {"HuggingFaceTokenizer", "needs --tokenizer-model"},
+        {"GPT2BPETokenizer", "needs --vocab-file"},
+    };
+    for (size_t k = 0; k < sizeof(types) / sizeof(types[0]); k++) {
+        mt_tokenizer_args_init(&a);
+        a.type = types[k].type;
+        st = mt_tokenizer_load_by_type(&tok, &a, &err);
+        EXPECT(st == MT_ERR_ARG && strstr(err.message, types[k].msg), "%s: %s", types[k].type, st ? err.message : "accepted");
+    }
+    mt_tokenizer_args_init(&a);
+    a.type = "NullTokenizer";
+    a.vocab_size = 1000;
+    EXPECT(mt_tokenizer_load_by_type(&tok, &a, &err) == MT_OK && tok == NULL, "NullTokenizer");
     tt_rmtree(dir);
     return TEST_PASS;
 }
@@ -535,12 +985,187 @@ static test_result test_tokenizer_preprocess_inputs(void) {
     return TEST_PASS;
 }
 
+/* Megatron's preprocess_data with a Hugging Face tokenizer: each document is tokenizer(text)
+ * (BOS first), then EOD; an empty document is [BOS, EOD], as Megatron writes it. */
+static test_result test_tokenizer_preprocess_hf(void) {
+    mt_tokenizer* tok = NULL;
+    mt_error err;
+    char dir[64], input[128], prefix[128];
+    EXPECT(tt_tmpdir(dir, sizeof(dir)), "mkdtemp");
+    EXPECT_OK(mt_tokenizer_load_hf(&tok, TT_HF "llama3", 1, &err), &err);
+    snprintf(input, sizeof(input), "%s/in.jsonl", dir);
+    const char* lines = "{\"text\": \"Hello world\"}\n{\"text\": \"\"}\n{\"text\": \"<|begin_of_text|>x\"}\n";
+    EXPECT(tt_write(input, lines, strlen(lines)), "write");
+    const char* inputs[1] = {input};
+    mt_preprocess_config cfg;
+    mt_preprocess_stats stats;
+    memset(&cfg, 0, sizeof(cfg));
+    snprintf(prefix, sizeof(prefix), "%s/out", dir);
+    cfg.inputs = inputs;
+    cfg.num_inputs = 1;
+    cfg.output_prefix = prefix;
+    cfg.tokenizer = tok;
+    cfg.append_eod = 1;
+    cfg.workers = 2;
+    EXPECT_OK(mt_preprocess(&cfg, &stats, &err), &err);
+    int64_t docs = 0, seqs = 0, ntok = 0;
+    int32_t* got = NULL;
+    char path[160];
+    snprintf(path, sizeof(path), "%s_text_document", prefix);
+    EXPECT(tt_read_dataset(path, &docs, &seqs, &got, &ntok), "read back %s", path);
+    int32_t* want = NULL;
+    size_t count = 0, cap = 0;
+    const char* texts[3] = {"Hello world", "", "<|begin_of_text|>x"};
+    for (int d = 0; d < 3; d++) {
+        mt_tokenizer_encode(tok, texts[d], strlen(texts[d]), &want, &count, &cap);
+        if (count == cap) want = (int32_t*)realloc(want, (cap = cap * 2 + 8) * sizeof(int32_t));
+        want[count++] = mt_tokenizer_eod(tok);
+    }
+    int same = (int64_t)count == ntok && memcmp(got, want, count * sizeof(int32_t)) == 0;
+    int bos_eod = ntok >= 6 && got[0] == 8192 && got[ntok - 1] == 8193;
+    free(got);
+    free(want);
+    mt_tokenizer_free(tok);
+    tt_rmtree(dir);
+    EXPECT(docs == 3 && seqs == 3, "docs %lld seqs %lld (the empty document is [BOS, EOD])", (long long)docs, (long long)seqs);
+    EXPECT(same && bos_eod, "dataset tokens differ from tokenizer(text) + EOD");
+    return TEST_PASS;
+}
+
+/* .gz and .zst input (when the build has zlib / zstd) give the bytes the plain file gives;
+ * corrupt or truncated data fails with a line naming the file; a build without the library
+ * refuses the file in one line. */
+static test_result test_tokenizer_preprocess_compressed(void) {
+    mt_tokenizer* tok = NULL;
+    mt_error err;
+    char dir[64], plain[128], prefix[3][128], path[3][200];
+    size_t size = 0;
+    EXPECT(tt_tmpdir(dir, sizeof(dir)), "mkdtemp");
+    EXPECT_OK(mt_tokenizer_load_gpt2(&tok, TT_GPT2_VOCAB, TT_GPT2_MERGES, &err), &err);
+    char* shakes = test_read_file("dev/data/tinyshakespeare.txt", &size);
+    EXPECT(shakes != NULL, "tiny shakespeare");
+    /* JSONL: 2000-byte slices of tiny shakespeare as documents (about 550 lines, 2 MB escaped). */
+    size_t jcap = size * 2 + 65536, jl = 0;
+    char* jsonl = (char*)malloc(jcap);
+    for (size_t p = 0; p < size; p += 2000) {
+        jl += (size_t)snprintf(jsonl + jl, jcap - jl, "{\"text\": \"");
+        for (size_t k = p; k < p + 2000 && k < size; k++) {
+            if (shakes[k] == '\n') { memcpy(jsonl + jl, "\\n", 2); jl += 2; }
+            else if (shakes[k] == '"' || shakes[k] == '\\') { jsonl[jl++] = '\\'; jsonl[jl++] = shakes[k]; }
+            else jsonl[jl++] = shakes[k];
+        }
+        jl += (size_t)snprintf(jsonl + jl, jcap - jl, "\"}\n");
+    }
+    free(shakes);
+    snprintf(plain, sizeof(plain), "%s/in.jsonl", dir);
+    EXPECT(tt_write(plain, jsonl, jl), "write");
+    const char* names[3] = {plain, NULL, NULL};
+    char gz[128], zst[128];
+    snprintf(gz, sizeof(gz), "%s/in.jsonl.gz", dir);
+    snprintf(zst, sizeof(zst), "%s/in.jsonl.zst", dir);
+    int have_gz = strstr(mt_preprocess_compressions(), ".gz") != NULL, have_zst = strstr(mt_preprocess_compressions(), ".zst") != NULL;
+#if defined(MT_HAVE_ZLIB)
+    {
+        gzFile f = gzopen(gz, "wb");
+        EXPECT(f && gzwrite(f, jsonl, (unsigned)jl) == (int)jl && gzclose(f) == Z_OK, "gzip %s", gz);
+        names[1] = gz;
+    }
+#endif
+#if defined(MT_HAVE_ZSTD)
+    {
+        size_t bound = ZSTD_compressBound(jl);
+        char* z = (char*)malloc(bound);
+        size_t zn = ZSTD_compress(z, bound, jsonl, jl, 3);
+        EXPECT(!ZSTD_isError(zn) && tt_write(zst, z, zn), "zstd %s", zst);
+        names[2] = zst;
+        snprintf(path[0], sizeof(path[0]), "%s/cut.jsonl.zst", dir); /* a truncated frame */
+        EXPECT(tt_write(path[0], z, zn / 2), "write");
+        free(z);
+    }
+#endif
+    free(jsonl);
+    mt_preprocess_config cfg;
+    mt_preprocess_stats stats[3];
+    for (int r = 0; r < 3; r++) {
+        if (!names[r]) continue;
+        memset(&cfg, 0, sizeof(cfg));
+        snprintf(prefix[r], sizeof(prefix[r]), "%s/out%d", dir, r);
+        cfg.inputs = &names[r];
+        cfg.num_inputs = 1;
+        cfg.output_prefix = prefix[r];
+        cfg.tokenizer = tok;
+        cfg.append_eod = 1;
+        cfg.workers = 3;
+        cfg.batch_bytes = 100000;
+        EXPECT_OK(mt_preprocess(&cfg, &stats[r], &err), &err);
+        EXPECT(stats[r].documents == stats[0].documents && stats[r].tokens == stats[0].tokens, "input %d: %lld documents", r,
+               (long long)stats[r].documents);
+        for (int f = 0; f < 2 && r > 0; f++) {
+            snprintf(path[1], sizeof(path[1]), "%s_text_document.%s", prefix[0], f ? "idx" : "bin");
+            snprintf(path[2], sizeof(path[2]), "%s_text_document.%s", prefix[r], f ? "idx" : "bin");
+            EXPECT(tt_same_files(path[1], path[2]), "%s and %s differ", path[1], path[2]);
+        }
+    }
+    /* Refusals and corrupt data. */
+    memset(&cfg, 0, sizeof(cfg));
+    snprintf(prefix[0], sizeof(prefix[0]), "%s/bad", dir);
+    cfg.num_inputs = 1;
+    cfg.output_prefix = prefix[0];
+    cfg.tokenizer = tok;
+    cfg.workers = 1;
+    const char* one[1];
+    if (!have_gz) {
+        EXPECT(tt_write(gz, "x", 1), "write");
+        one[0] = gz;
+        cfg.inputs = one;
+        mt_status st = mt_preprocess(&cfg, NULL, &err);
+        EXPECT(st == MT_ERR_IO && strstr(err.message, "no zlib") && strstr(err.message, gz), "gz without zlib: %s", st ? err.message : "accepted");
+    } else {
+        snprintf(path[1], sizeof(path[1]), "%s/junk.jsonl.gz", dir);
+        EXPECT(tt_write(path[1], "\x1f\x8b\x08\x00garbage-that-is-not-deflate", 31), "write");
+        one[0] = path[1];
+        cfg.inputs = one;
+        mt_status st = mt_preprocess(&cfg, NULL, &err);
+        EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "junk.jsonl.gz"), "corrupt gzip: %s", st ? err.message : "accepted");
+    }
+    if (!have_zst) {
+        EXPECT(tt_write(zst, "x", 1), "write");
+        one[0] = zst;
+        cfg.inputs = one;
+        mt_status st = mt_preprocess(&cfg, NULL, &err);
+        EXPECT(st == MT_ERR_IO && strstr(err.message, "no zstd"), "zst without zstd: %s", st ? err.message : "accepted");
+    } else {
+        one[0] = path[0];
+        cfg.inputs = one;
+        mt_status st = mt_preprocess(&cfg, NULL, &err);
+        EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "truncated zstd"), "truncated zstd: %s", st ? err.message : "accepted");
+    }
+    snprintf(path[2], sizeof(path[2]), "%s_text_document.bin", prefix[0]);
+    EXPECT(!tt_exists(path[2]), "a failed run left %s", path[2]);
+    mt_tokenizer_free(tok);
+    tt_rmtree(dir);
+    if (!have_gz || !have_zst) SKIP("built without %s: only its refusal was checked", have_gz ? "zstd" : have_zst ? "zlib" : "zlib and zstd");
+    return TEST_PASS;
+}
+
 static const test_case tokenizer_tests[] = {
     {"tokenizer_gpt2_bpe_files", test_tokenizer_gpt2_bpe_files},
     {"tokenizer_r50k_base", test_tokenizer_r50k_base},
     {"tokenizer_cl100k_base", test_tokenizer_cl100k_base},
     {"tokenizer_o200k_base", test_tokenizer_o200k_base},
     {"tokenizer_llama3", test_tokenizer_llama3},
+    {"tokenizer_hf_gpt2", test_tokenizer_hf_gpt2},
+    {"tokenizer_hf_llama3", test_tokenizer_hf_llama3},
+    {"tokenizer_hf_qwen2", test_tokenizer_hf_qwen2},
+    {"tokenizer_hf_mistral_nemo", test_tokenizer_hf_mistral_nemo},
+    {"tokenizer_hf_mistral", test_tokenizer_hf_mistral},
+    {"tokenizer_hf_llama2_metaspace", test_tokenizer_hf_llama2_metaspace},
+    {"tokenizer_hf_metaspace_split", test_tokenizer_hf_metaspace_split},
+    {"tokenizer_tiktokenizer_v1", test_tokenizer_tiktokenizer_v1},
+    {"tokenizer_tiktokenizer_v2", test_tokenizer_tiktokenizer_v2},
+    {"tokenizer_hf_gutenberg", test_tokenizer_hf_gutenberg},
+    {"tokenizer_hf_decode", test_tokenizer_hf_decode},
+    {"tokenizer_hf_refusals", test_tokenizer_hf_refusals},
     {"tokenizer_special_tokens", test_tokenizer_special_tokens},
     {"tokenizer_decode_round_trip", test_tokenizer_decode_round_trip},
     {"tokenizer_threads", test_tokenizer_threads},
@@ -548,4 +1173,6 @@ static const test_case tokenizer_tests[] = {
     {"tokenizer_json_lines", test_tokenizer_json_lines},
     {"tokenizer_preprocess_workers", test_tokenizer_preprocess_workers},
     {"tokenizer_preprocess_inputs", test_tokenizer_preprocess_inputs},
+    {"tokenizer_preprocess_hf", test_tokenizer_preprocess_hf},
+    {"tokenizer_preprocess_compressed", test_tokenizer_preprocess_compressed},
 };

@@ -6,6 +6,8 @@ Documents: every book cut into ~8 KB pieces at paragraph breaks, written as JSON
 preprocess_data and kept in memory for the Python libraries. MB/s = UTF-8 bytes of the document
 texts / wall seconds. preprocess_data's time is the whole process (loading the tokenizer,
 reading and parsing the JSONL, writing the .bin/.idx); the libraries' time is the encode call only.
+With --encoding hf:DIR, preprocess_data's HuggingFaceTokenizer (ids: the template's BOS included,
+as tokenizer(text).input_ids) runs against the tokenizers library on the same documents.
 """
 import argparse
 import glob
@@ -48,11 +50,63 @@ def timed(fn, repeats):
     return best, out
 
 
+def run_preprocess(args, jsonl, tmp, tok_flags, mb):
+    """preprocess_data's best MB/s per thread count and its token count. Thread counts alternate
+    (1, N, 1, N, ...) so that load from other processes hits both alike; the best run of each counts."""
+    best = {}
+    for _ in range(args.repeats):
+        for threads in sorted({1, args.threads}):
+            cmd = [args.bin, "--input", jsonl, "--output-prefix", os.path.join(tmp, "out"), "--workers", str(threads),
+                   "--quiet"] + tok_flags
+            dt, _ = timed(lambda: subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL), 1)
+            best[threads] = min(dt, best.get(threads, dt))
+    idx = open(os.path.join(tmp, "out_text_document.idx"), "rb").read()
+    n = struct.unpack("<Q", idx[18:26])[0]
+    return {t: mb / dt for t, dt in best.items()}, sum(struct.unpack("<%di" % n, idx[34:34 + 4 * n]))
+
+
+def bench_hf(args, docs, mb):
+    """HuggingFaceTokenizer on a tokenizer.json: preprocess_data against tokenizers' encode_batch
+    (in a subprocess per thread count: RAYON_NUM_THREADS is read once per process)."""
+    path = args.encoding[3:]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        jsonl = os.path.join(tmp, "books.jsonl")
+        with open(jsonl, "w", encoding="utf-8") as f:
+            for d in docs:
+                f.write(json.dumps({"text": d}) + "\n")
+        rates, ours = run_preprocess(args, jsonl, tmp, ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", path], mb)
+        for threads, rate in sorted(rates.items()):
+            rows.append(("megatron.c preprocess_data (JSONL in, .bin/.idx out)", threads, rate))
+        theirs = None
+        for threads in sorted({1, args.threads}):
+            code = ("import sys,time,json;from tokenizers import Tokenizer;t=Tokenizer.from_file(sys.argv[1]);"
+                    "docs=[json.loads(l)['text'] for l in open(sys.argv[2],encoding='utf-8')];best=1e9\n"
+                    "for r in range(int(sys.argv[3])):\n"
+                    " s=time.perf_counter();o=t.encode_batch(docs);best=min(best,time.perf_counter()-s)\n"
+                    "print(best, sum(len(e.ids) for e in o))")
+            env = dict(os.environ, RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")
+            r = subprocess.run([sys.executable, "-c", code, os.path.join(path, "tokenizer.json"), jsonl, str(args.lib_repeats)],
+                               env=env, capture_output=True, text=True)
+            if r.returncode != 0:
+                print("HF tokenizers not run: %s" % (r.stderr.strip().splitlines() or ["?"])[-1])
+                break
+            dt, theirs = r.stdout.split()
+            rows.append(("HF tokenizers encode_batch", threads, mb / float(dt)))
+    print("tokens: preprocess_data %d, tokenizers %s -> %s" % (ours, theirs, "same count" if str(ours) == theirs else "DIFFERENT"))
+    print("%-58s %8s %9s" % ("", "threads", "MB/s"))
+    for name, threads, rate in rows:
+        print("%-58s %8d %9.1f" % (name, threads, rate))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--books", required=True, help="directory with the extracted books")
     ap.add_argument("--bin", default=os.path.join(REPO, "prepro", "preprocess_data"))
-    ap.add_argument("--encoding", default="gpt2", choices=["gpt2", "cl100k_base", "o200k_base", "llama3"])
+    ap.add_argument("--encoding", default="gpt2",
+                    help="gpt2 (GPT2BPETokenizer's files), cl100k_base, o200k_base, llama3 (rank files), or "
+                         "hf:DIR (a tokenizer.json directory: preprocess_data's HuggingFaceTokenizer against the "
+                         "tokenizers library)")
     ap.add_argument("--shared", default=os.path.join(os.path.dirname(REPO), "shared", "data"))
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--repeats", type=int, default=5, help="runs of preprocess_data per thread count (best is reported)")
@@ -65,6 +119,8 @@ def main():
     rows = []
 
     import gen_tokenizer_vectors as g
+    if args.encoding.startswith("hf:"):
+        return bench_hf(args, docs, mb)
     if args.encoding == "gpt2":
         enc = g.load_encodings(args.shared, names=(), with_gpt2_files=True)["gpt2_files"]
         tok_flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", os.path.join(REPO, "dev/data/gpt2/gpt2-vocab.json"),
@@ -73,28 +129,17 @@ def main():
         enc = g.load_encodings(args.shared, names=(args.encoding,), with_gpt2_files=False)[args.encoding]
         model = {"cl100k_base": "tiktoken/cl100k_base.tiktoken", "o200k_base": "tiktoken/o200k_base.tiktoken",
                  "llama3": "llama3/tokenizer.model"}[args.encoding]
-        tok_flags = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", os.path.join(args.shared, model),
-                     "--tiktoken-encoding", args.encoding]
+        tok_type = "Llama3Tokenizer" if args.encoding == "llama3" else "TiktokenFileTokenizer"
+        tok_flags = ["--tokenizer-type", tok_type, "--tokenizer-model", os.path.join(args.shared, model)]
 
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = os.path.join(tmp, "books.jsonl")
         with open(jsonl, "w", encoding="utf-8") as f:
             for d in docs:
                 f.write(json.dumps({"text": d}) + "\n")
-        # Thread counts alternate (1, N, 1, N, ...) so that load from other processes hits both alike;
-        # the best run of each is reported.
-        best = {}
-        for _ in range(args.repeats):
-            for threads in sorted({1, args.threads}):
-                cmd = [args.bin, "--input", jsonl, "--output-prefix", os.path.join(tmp, "out"), "--workers", str(threads),
-                       "--quiet"] + tok_flags
-                dt, _ = timed(lambda: subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL), 1)
-                best[threads] = min(dt, best.get(threads, dt))
-        for threads in sorted(best):
-            rows.append(("megatron.c preprocess_data (JSONL in, .bin/.idx out)", threads, mb / best[threads]))
-        idx = open(os.path.join(tmp, "out_text_document.idx"), "rb").read()
-        n = struct.unpack("<Q", idx[18:26])[0]
-        ours_tokens = sum(struct.unpack("<%di" % n, idx[34:34 + 4 * n]))
+        rates, ours_tokens = run_preprocess(args, jsonl, tmp, tok_flags, mb)
+        for threads, rate in sorted(rates.items()):
+            rows.append(("megatron.c preprocess_data (JSONL in, .bin/.idx out)", threads, rate))
 
         # The libraries are 5-20x slower: one timed run each (--lib-repeats).
         dt, ids = timed(lambda: [enc.encode_ordinary(d) for d in docs], args.lib_repeats)

@@ -5,7 +5,8 @@
 #   dev/bench/bench_tokenizer.sh [BOOKS] [ENCODING]
 #     BOOKS     books.tar.xz or a directory of .txt files (default ../shared/data/gutenberg/books.tar.xz)
 #     ENCODING  gpt2 (default), cl100k_base, o200k_base, llama3 (the last three read rank files
-#               from ../shared/data, or SHARED=/path/to/shared/data)
+#               from ../shared/data, or SHARED=/path/to/shared/data), or hf:DIR (a directory with a
+#               tokenizer.json, e.g. hf:dev/data/tokenizers/llama3)
 # Needs: python3 with tiktoken (pip install tiktoken; tokenizers optional).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
