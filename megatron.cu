@@ -3649,15 +3649,15 @@ static void pipeline_connect(mt_process_groups* g, cudaStream_t stream, mt_gpu_e
     float* buf = NULL;
     if (!CUDA_CHECK(e, cudaMalloc(&buf, 8 * sizeof(float)))) return;
     const int prev = (g->pp_rank + g->pp_size - 1) % g->pp_size, next = (g->pp_rank + 1) % g->pp_size;
-    NCCL_CHECK(e, world_rank, ncclGroupStart());
     ncclComm_t comms[2] = {g->pp, g->pp_grad};
     for (int i = 0; i < 2; i++) {
+        NCCL_CHECK(e, world_rank, ncclGroupStart());
         NCCL_CHECK(e, world_rank, ncclSend(buf, 1, ncclFloat, next, comms[i], stream));
         NCCL_CHECK(e, world_rank, ncclSend(buf + 1, 1, ncclFloat, prev, comms[i], stream));
         NCCL_CHECK(e, world_rank, ncclRecv(buf + 2 + 2 * i, 1, ncclFloat, prev, comms[i], stream));
         NCCL_CHECK(e, world_rank, ncclRecv(buf + 3 + 2 * i, 1, ncclFloat, next, comms[i], stream));
+        NCCL_CHECK(e, world_rank, ncclGroupEnd());
     }
-    NCCL_CHECK(e, world_rank, ncclGroupEnd());
     CUDA_CHECK(e, cudaStreamSynchronize(stream));
     cudaFree(buf);
 }
@@ -4861,10 +4861,12 @@ static int pipeline_unit_end(const mt_pp_op* ops, int num_ops, int num_warmup, i
 }
 
 /* One batched exchange between pipeline stages: the tensors the previous unit produced and those
- * this unit needs (each [R, h] in the model type; at most two of each), in one NCCL group.
- * Activations and gradients go over two communicators: each is matched in its own posting order,
- * which both neighbours share (with one, PP 2 x VP 2 would pair a gradient with an activation).
- * On the compute stream: the schedule already orders them against the kernels. */
+ * this unit needs (each [R, h] in the model type; at most two of each). Activations and gradients
+ * go over two communicators, each matched in its own posting order, which both neighbours share
+ * (with one, PP 2 x VP 2 would pair a gradient with an activation); each kind is one NCCL group on
+ * its own stream, so a receive still waiting cannot hold back a send of the other kind (on one
+ * stream NCCL ran the two communicators' kernels one after the other and the pair deadlocked). The
+ * streams start after the compute so far, and the compute waits for both. */
 typedef struct {
     const void* send[2];
     int send_rank[2], send_grad[2], num_send;
@@ -4880,16 +4882,19 @@ static void pipeline_exchange(mt_trainer* t, const pipeline_transfers* x) {
      * (on one stream NCCL would run the two communicators' kernels one after the other) */
     CUDA_CHECK(&t->error, cudaEventRecord(g->pp_ready, t->stream));
     for (int i = 0; i < 2; i++) CUDA_CHECK(&t->error, cudaStreamWaitEvent(g->pp_streams[i], g->pp_ready, 0));
-    NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupStart());
-    for (int i = 0; i < x->num_send; i++)
-        NCCL_CHECK(&t->error, t->cfg.rank, ncclSend(x->send[i], n, g->tp.type, x->send_rank[i],
-                                                    x->send_grad[i] ? g->pp_grad : g->pp,
-                                                    g->pp_streams[x->send_grad[i]]));
-    for (int i = 0; i < x->num_recv; i++)
-        NCCL_CHECK(&t->error, t->cfg.rank, ncclRecv(x->recv[i], n, g->tp.type, x->recv_rank[i],
-                                                    x->recv_grad[i] ? g->pp_grad : g->pp,
-                                                    g->pp_streams[x->recv_grad[i]]));
-    NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupEnd());
+    for (int kind = 0; kind < 2; kind++) { /* one group per communicator: no group spans both */
+        ncclComm_t comm = kind ? g->pp_grad : g->pp;
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupStart());
+        for (int i = 0; i < x->num_send; i++)
+            if (x->send_grad[i] == kind)
+                NCCL_CHECK(&t->error, t->cfg.rank,
+                           ncclSend(x->send[i], n, g->tp.type, x->send_rank[i], comm, g->pp_streams[kind]));
+        for (int i = 0; i < x->num_recv; i++)
+            if (x->recv_grad[i] == kind)
+                NCCL_CHECK(&t->error, t->cfg.rank,
+                           ncclRecv(x->recv[i], n, g->tp.type, x->recv_rank[i], comm, g->pp_streams[kind]));
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupEnd());
+    }
     for (int i = 0; i < 2; i++) {
         CUDA_CHECK(&t->error, cudaEventRecord(g->pp_done[i], g->pp_streams[i]));
         CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, g->pp_done[i], 0));
