@@ -4999,7 +4999,9 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
             if (forward && ch.head) total += micro_batch_loss_sum(t, tokens, op->micro_batch);
             if (op->send_rank >= 0) {
                 const void* out = LAYER(t->act.residual, char, ch.count, (int64_t)s.R * s.h * t->elem);
-                if (!forward) { /* the scratch is the next step's: keep the input gradient aside */
+                /* the scratch is the next step's: keep the input gradient aside; so too the output of a
+                 * layerless chunk in evaluation (its slot's residual[0] may receive the next input) */
+                if (!forward || (!train && ch.count == 0)) {
                     CUDA_CHECK(&t->error, cudaMemcpyAsync(t->pp_send, t->act.dresidual, (size_t)s.R * s.h * t->elem,
                                                           cudaMemcpyDeviceToDevice, t->stream));
                     out = t->pp_send;
