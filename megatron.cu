@@ -2635,7 +2635,8 @@ typedef struct {
     int32_t count_in_norm; /* 0 for a tensor-parallel replica's copy of a whole tensor (counted on TP rank 0) */
     int32_t unused;
 } mt_opt_chunk;
-#define OPT_CHUNK_ELEMENTS 32768
+#define OPT_CHUNK_ELEMENTS MT_OPT_CHUNK_ELEMENTS
+static_assert(sizeof(mt_opt_chunk) == MT_OPT_CHUNK_BYTES, "the memory plan counts mt_opt_chunk's bytes");
 
 /* partial[c] = sum of squares of chunk c of the gradient buffer. */
 __global__ void chunk_sum_squares_kernel(double* partial, const mt_opt_chunk* chunks, const float* x) {
@@ -2743,11 +2744,8 @@ __global__ void adamw_kernel(const mt_opt_chunk* chunks, float* master, T* model
     }
 }
 
-/* One AdamW step over every chunk (a multi-tensor AdamW, one launch). */
-typedef struct {
-    float lr, beta1, beta2, bias_correction1, bias_correction2, eps, weight_decay;
-    float grad_scale; /* clipping and the fp16 loss scale's unscaling, folded */
-} mt_adamw_step;
+/* One AdamW step over every chunk (a multi-tensor AdamW, one launch; mt_adamw_step: megatron.h, whose
+ * mt_adamw_cpu is this kernel's arithmetic on the host). */
 template <typename T>
 static void adamw_update(const mt_exec* ex, const mt_adamw_step* h, const mt_opt_chunk* chunks, int num_chunks,
                          float* master, T* model, const float* grads, float* m, float* v) {
@@ -4100,9 +4098,9 @@ struct mt_trainer {
     float* grads;             /* [buffer.size] fp32 */
     /* the optimizer's part: each bucket's owned range (its DP shard, or all of it without the
      * distributed optimizer), concatenated in bucket order */
-    float* master;            /* [shard_numel] fp32 */
-    float* adam_m;            /* [shard_numel] */
-    float* adam_v;            /* [shard_numel] */
+    float* master;            /* [shard_numel] fp32 (with offload the first shard_numel - offload elements; section 18) */
+    float* adam_m;            /* [shard_numel] (the same) */
+    float* adam_v;            /* [shard_numel] (the same) */
     int64_t shard_numel;
     int64_t* shard_offset;    /* [num_buckets]: where bucket b's owned range starts in master */
     int sharded;              /* distributed optimizer with dp > 1 */
@@ -4138,6 +4136,10 @@ struct mt_trainer {
     double loss_scale;        /* fp16 dynamic loss scale (1 otherwise) */
     int growth_tracker;
     int hysteresis_tracker;
+    /* optimizer offload (section 18) and the memory plan (section 20) */
+    struct mt_offload* offload; /* NULL without --optimizer-cpu-offload (or with nothing to offload) */
+    mt_memory_plan plan;        /* computed on the host before any allocation */
+    mt_memory_plan allocated;   /* what device_alloc handed out at creation, by the plan's categories */
 };
 
 /* Element offset of layer l in a stacked per-layer tensor of `per_layer` elements. */
@@ -4858,17 +4860,6 @@ static int pipeline_unit_end(const mt_pp_op* ops, int num_ops, int num_warmup, i
     return k + 1;
 }
 
-/* The most (chunk, micro-batch) pairs whose forward has run and backward not, over `ops`: the
- * activation slots the schedule needs. */
-static int pipeline_slots_needed(const mt_pp_op* ops, int num_ops) {
-    int live = 0, most = 1;
-    for (int k = 0; k < num_ops; k++) {
-        live += ops[k].kind == MT_PP_FORWARD ? 1 : -1;
-        if (live > most) most = live;
-    }
-    return most;
-}
-
 /* One batched exchange between pipeline stages: the tensors the previous unit produced and those
  * this unit needs (each [R, h] in the model type; at most two of each). Activations and gradients
  * go over two communicators, each matched in its own posting order, which both neighbours share
@@ -4940,8 +4931,8 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
     int num_ops = 0, num_warmup = 0;
     mt_pp_op* ops = trainer_steps(t, count, train, &num_ops, &num_warmup, err);
     if (!ops) return MT_ERR_CONFIG;
-    if (pipeline_slots_needed(ops, num_ops) > t->num_slots) {
-        int need = pipeline_slots_needed(ops, num_ops);
+    if (mt_pp_slots_needed(ops, num_ops) > t->num_slots) {
+        int need = mt_pp_slots_needed(ops, num_ops);
         free(ops);
         return mt_fail(err, MT_ERR_CONFIG, "%d micro-batches need %d activation slots on pipeline rank %d; the trainer "
                        "has %d (made for %d micro-batches a step)", count, need, t->groups.pp_rank, t->num_slots,
@@ -5234,6 +5225,208 @@ static void loss_scaler_update(mt_trainer* t, int found_inf) {
     }
 }
 
+/* ---- Optimizer offload (Megatron's --optimizer-cpu-offload, --optimizer-offload-fraction) ----
+ * The last `numel` elements of this rank's optimizer shard (mt_offload_elements: the end of the
+ * buffer, which runs in reverse model order, so the embeddings' end of the model first, as Megatron
+ * walks its parameters from the embeddings; here cut at an element, not a whole tensor) keep their
+ * fp32 master weights and Adam moments in pinned host memory. Each step, in pieces of
+ * MT_OFFLOAD_PIECE_ELEMENTS: the piece's gradients go device -> host on the d2h stream (up to
+ * MT_OFFLOAD_SLOTS pieces ahead), the CPU AdamW (megatron.h mt_adamw_cpu_parallel, the GPU kernel's
+ * arithmetic, bit for bit) updates it on the pool's threads, and its new fp32 weights go host ->
+ * device on the h2d stream, straight into the fp32 parameters or, for bf16/fp16, through a staging
+ * buffer and the GPU's cast (the same rounding as the GPU AdamW's model copy). The GPU AdamW of the
+ * rest runs meanwhile on the compute stream, which waits for the last piece before the next use of
+ * the parameters. With the distributed optimizer each rank offloads the end of its own shard. */
+typedef struct {
+    int64_t buffer;  /* first element in the parameter/gradient buffers */
+    int64_t host;    /* first element in the host arrays (shard index - gpu_numel) */
+    int64_t length;
+    int decay;
+} mt_offload_run;
+struct mt_offload {
+    int64_t numel;          /* offloaded elements: the shard's [gpu_numel, shard_numel) */
+    int64_t gpu_numel;      /* the device's part of master, m and v */
+    int num_gpu_chunks;     /* AdamW chunks on the GPU: the first ones (the norm walks them all) */
+    int64_t piece;          /* elements per copy and update piece */
+    float *master, *m, *v;  /* pinned [numel] */
+    float* grads;           /* pinned [MT_OFFLOAD_SLOTS, piece]: gradient staging */
+    float* staging;         /* device [piece]: updated fp32 weights on their way to a bf16/fp16 model copy */
+    mt_offload_run* runs;   /* the offloaded elements as runs contiguous in both the buffer and the host arrays */
+    int num_runs;
+    mt_adamw_segment* segments; /* [num_runs]: one piece's runs, for the CPU AdamW */
+    cudaStream_t d2h, h2d;
+    cudaEvent_t grads_final, updated, slot_ready[MT_OFFLOAD_SLOTS];
+    mt_thread_pool* pool;
+};
+
+static void* device_alloc(mt_trainer* t, size_t bytes, size_t* counter);
+
+static void offload_free(mt_trainer* t) {
+    struct mt_offload* o = t->offload;
+    if (!o) return;
+    if (o->d2h) cudaStreamSynchronize(o->d2h);
+    if (o->h2d) cudaStreamSynchronize(o->h2d);
+    cudaFreeHost(o->master);
+    cudaFreeHost(o->m);
+    cudaFreeHost(o->v);
+    cudaFreeHost(o->grads);
+    cudaFree(o->staging);
+    if (o->d2h) cudaStreamDestroy(o->d2h);
+    if (o->h2d) cudaStreamDestroy(o->h2d);
+    if (o->grads_final) cudaEventDestroy(o->grads_final);
+    if (o->updated) cudaEventDestroy(o->updated);
+    for (int i = 0; i < MT_OFFLOAD_SLOTS; i++)
+        if (o->slot_ready[i]) cudaEventDestroy(o->slot_ready[i]);
+    mt_thread_pool_free(o->pool);
+    free(o->runs);
+    free(o->segments);
+    free(o);
+    t->offload = NULL;
+}
+
+/* From the optimizer's chunk table (host copy, in shard order): the runs of the offloaded part,
+ * the host arrays (m and v zero; the master is set with the parameters), streams, events, threads. */
+static mt_status offload_create(mt_trainer* t, const mt_opt_chunk* chunks, int num_chunks, mt_error* err) {
+    const int64_t numel = mt_offload_elements(&t->cfg, t->shard_numel);
+    if (numel == 0) return MT_OK;
+    struct mt_offload* o = (struct mt_offload*)calloc(1, sizeof(struct mt_offload));
+    if (!o) return mt_fail(err, MT_ERR_OOM, "cannot allocate the optimizer offload's state");
+    t->offload = o;
+    o->numel = numel;
+    o->gpu_numel = t->shard_numel - numel;
+    o->piece = numel < MT_OFFLOAD_PIECE_ELEMENTS ? numel : MT_OFFLOAD_PIECE_ELEMENTS;
+    o->runs = (mt_offload_run*)malloc(sizeof(mt_offload_run) * (size_t)(num_chunks > 0 ? num_chunks : 1));
+    if (!o->runs) return mt_fail(err, MT_ERR_OOM, "cannot allocate the optimizer offload's runs");
+    for (int k = 0; k < num_chunks; k++) {
+        const mt_opt_chunk* c = &chunks[k];
+        if (c->master < o->gpu_numel) {
+            o->num_gpu_chunks = k + 1;
+            continue;
+        }
+        mt_offload_run* last = o->num_runs ? &o->runs[o->num_runs - 1] : NULL;
+        const int64_t host = c->master - o->gpu_numel;
+        if (last && last->buffer + last->length == c->buffer && last->host + last->length == host &&
+            last->decay == c->weight_decay) {
+            last->length += c->length;
+        } else {
+            mt_offload_run* r = &o->runs[o->num_runs++];
+            r->buffer = c->buffer;
+            r->host = host;
+            r->length = c->length;
+            r->decay = c->weight_decay;
+        }
+    }
+    o->segments = (mt_adamw_segment*)malloc(sizeof(mt_adamw_segment) * (size_t)(o->num_runs > 0 ? o->num_runs : 1));
+    if (!o->segments) return mt_fail(err, MT_ERR_OOM, "cannot allocate the optimizer offload's segments");
+    const size_t bytes = sizeof(float) * (size_t)numel;
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&o->master, bytes));
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&o->m, bytes));
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&o->v, bytes));
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&o->grads, sizeof(float) * (size_t)(MT_OFFLOAD_SLOTS * o->piece)));
+    if (t->cfg.precision != MT_FP32) o->staging = (float*)device_alloc(t, sizeof(float) * (size_t)o->piece,
+                                                                       &t->allocated.offload_bytes);
+    CUDA_CHECK(&t->error, cudaStreamCreateWithFlags(&o->d2h, cudaStreamNonBlocking));
+    CUDA_CHECK(&t->error, cudaStreamCreateWithFlags(&o->h2d, cudaStreamNonBlocking));
+    CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&o->grads_final, cudaEventDisableTiming));
+    CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&o->updated, cudaEventDisableTiming));
+    for (int i = 0; i < MT_OFFLOAD_SLOTS; i++)
+        CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&o->slot_ready[i], cudaEventDisableTiming));
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    memset(o->m, 0, bytes);
+    memset(o->v, 0, bytes);
+    /* the node's cores shared among its GPUs' processes */
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int devices = 1;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) devices = 1;
+    long threads = cpus > 0 ? cpus / devices : 1;
+    return mt_thread_pool_create(&o->pool, (int)(threads < 1 ? 1 : threads > 256 ? 256 : threads), err);
+}
+
+/* The host array that holds the offloaded end of a device optimizer array (master, m, v), or NULL. */
+static float* offloaded_part(const mt_trainer* t, const float* device_array) {
+    const struct mt_offload* o = t->offload;
+    if (!o) return NULL;
+    return device_array == t->master ? o->master : device_array == t->adam_m ? o->m : device_array == t->adam_v ? o->v
+                                                                                                                  : NULL;
+}
+
+/* Adam's moments zeroed, on the device and, offloaded, on the host (a new optimizer's state). */
+static void zero_adam_moments(mt_trainer* t) {
+    const size_t on_device = (size_t)(t->offload ? t->offload->gpu_numel : t->shard_numel);
+    CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_m, 0, sizeof(float) * on_device, t->stream));
+    CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_v, 0, sizeof(float) * on_device, t->stream));
+    if (t->offload) {
+        memset(t->offload->m, 0, sizeof(float) * (size_t)t->offload->numel);
+        memset(t->offload->v, 0, sizeof(float) * (size_t)t->offload->numel);
+    }
+}
+
+/* The host elements [*a, *b) of a run that fall in a piece's [lo, hi); false when none do. */
+static bool run_in_piece(const mt_offload_run* run, int64_t lo, int64_t hi, int64_t* a, int64_t* b) {
+    *a = run->host > lo ? run->host : lo;
+    *b = run->host + run->length < hi ? run->host + run->length : hi;
+    return *a < *b;
+}
+
+/* Copies the gradients of piece p (host elements [p piece, ...)) into staging slot p % SLOTS, on d2h. */
+static void offload_fetch_piece(mt_trainer* t, int64_t p) {
+    struct mt_offload* o = t->offload;
+    const int64_t lo = p * o->piece, hi = lo + o->piece < o->numel ? lo + o->piece : o->numel;
+    float* slot = o->grads + (p % MT_OFFLOAD_SLOTS) * o->piece;
+    for (int r = 0; r < o->num_runs; r++) {
+        const mt_offload_run* run = &o->runs[r];
+        int64_t a, b;
+        if (!run_in_piece(run, lo, hi, &a, &b)) continue;
+        CUDA_CHECK(&t->error, cudaMemcpyAsync(slot + (a - lo), t->grads + run->buffer + (a - run->host),
+                                              sizeof(float) * (size_t)(b - a), cudaMemcpyDeviceToHost, o->d2h));
+    }
+    CUDA_CHECK(&t->error, cudaEventRecord(o->slot_ready[p % MT_OFFLOAD_SLOTS], o->d2h));
+}
+
+/* The CPU's AdamW step over the offloaded part, overlapped with its copies (see above). The compute
+ * stream has just been given the GPU's AdamW; it waits here for the updated parameters. */
+static void offload_update(mt_trainer* t, const mt_adamw_step* h) {
+    struct mt_offload* o = t->offload;
+    if (!o || t->error.status != MT_OK) return;
+    const int64_t pieces = (o->numel + o->piece - 1) / o->piece;
+    CUDA_CHECK(&t->error, cudaEventRecord(o->grads_final, t->stream)); /* after every gradient of the step */
+    CUDA_CHECK(&t->error, cudaStreamWaitEvent(o->d2h, o->grads_final, 0));
+    CUDA_CHECK(&t->error, cudaStreamWaitEvent(o->h2d, o->grads_final, 0));
+    for (int64_t p = 0; p < pieces && p < MT_OFFLOAD_SLOTS; p++) offload_fetch_piece(t, p);
+    mt_exec ex = trainer_exec(t);
+    ex.stream = o->h2d;
+    for (int64_t p = 0; p < pieces && t->error.status == MT_OK; p++) {
+        const int64_t lo = p * o->piece, hi = lo + o->piece < o->numel ? lo + o->piece : o->numel;
+        CUDA_CHECK(&t->error, cudaEventSynchronize(o->slot_ready[p % MT_OFFLOAD_SLOTS]));
+        int n = 0;
+        for (int r = 0; r < o->num_runs; r++) {
+            const mt_offload_run* run = &o->runs[r];
+            int64_t a, b;
+            if (!run_in_piece(run, lo, hi, &a, &b)) continue;
+            o->segments[n].offset = a - lo;
+            o->segments[n].length = b - a;
+            o->segments[n].decay = run->decay;
+            n++;
+        }
+        mt_adamw_cpu_parallel(o->pool, h, o->segments, n, o->grads + (p % MT_OFFLOAD_SLOTS) * o->piece,
+                              o->master + lo, o->m + lo, o->v + lo);
+        if (p + MT_OFFLOAD_SLOTS < pieces) offload_fetch_piece(t, p + MT_OFFLOAD_SLOTS); /* the slot is free again */
+        /* the piece's new weights to the device: fp32 into the parameters, else staged and cast */
+        for (int r = 0; r < o->num_runs; r++) {
+            const mt_offload_run* run = &o->runs[r];
+            int64_t a, b;
+            if (!run_in_piece(run, lo, hi, &a, &b)) continue;
+            const int64_t at = run->buffer + (a - run->host);
+            float* dst = o->staging ? o->staging + (a - lo) : (float*)t->params + at;
+            CUDA_CHECK(&t->error, cudaMemcpyAsync(dst, o->master + a, sizeof(float) * (size_t)(b - a),
+                                                  cudaMemcpyHostToDevice, o->h2d));
+            if (o->staging) cast_from_float(&ex, t->cfg.precision, (char*)t->params + at * (int64_t)t->elem, dst, b - a);
+        }
+    }
+    CUDA_CHECK(&t->error, cudaEventRecord(o->updated, o->h2d));
+    CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, o->updated, 0));
+}
+
 template <typename T>
 static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
     const mt_config* c = &t->cfg;
@@ -5248,7 +5441,10 @@ static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
     h.weight_decay = (float)c->weight_decay;
     h.grad_scale = grad_scale;
     const mt_exec ex = trainer_exec(t);
-    adamw_update<T>(&ex, &h, t->chunks, t->num_chunks, t->master, (T*)t->params, t->grads, t->adam_m, t->adam_v);
+    const int gpu_chunks = t->offload ? t->offload->num_gpu_chunks : t->num_chunks;
+    if (gpu_chunks > 0)
+        adamw_update<T>(&ex, &h, t->chunks, gpu_chunks, t->master, (T*)t->params, t->grads, t->adam_m, t->adam_v);
+    offload_update(t, &h); /* the CPU's part, while the GPU's runs */
     t->fp8.stale = 1;
     gather_parameters(t);
 }
@@ -5317,15 +5513,23 @@ static FILE* open_checkpoint_file(const char* path, mt_error* err) {
 
 /* ---- fp32 arrays between the optimizer shard, the full buffer layout, and canonical order ---- */
 
-/* Copies every bucket's owned range between a full buffer-layout array and an optimizer-shard array. */
+/* Copies every bucket's owned range between a full buffer-layout array and an optimizer-shard array
+ * (with optimizer offload, the shard's end is in host memory: section 18's offloaded_part). */
 static void copy_owned(mt_trainer* t, float* shard, float* full, int to_shard) {
+    float* host = offloaded_part(t, shard);
+    const int64_t split = host ? t->offload->gpu_numel : INT64_MAX;
     for (int b = 0; b < t->buffer.num_buckets; b++) {
         int64_t begin, end;
         owned_range(t, b, &begin, &end);
-        float* s = shard + t->shard_offset[b];
-        float* f = full + begin;
-        CUDA_CHECK(&t->error, cudaMemcpyAsync(to_shard ? s : f, to_shard ? f : s, sizeof(float) * (end - begin),
-                                              cudaMemcpyDeviceToDevice, t->stream));
+        const int64_t k0 = t->shard_offset[b], k1 = k0 + (end - begin);
+        for (int part = 0; part < 2; part++) { /* the device's elements, then the host's */
+            const int64_t lo = part ? (k0 > split ? k0 : split) : k0, hi = part ? k1 : (k1 < split ? k1 : split);
+            if (lo >= hi) continue;
+            float* s = part ? host + (lo - split) : shard + lo;
+            float* f = full + begin + (lo - k0);
+            CUDA_CHECK(&t->error, cudaMemcpyAsync(to_shard ? s : f, to_shard ? f : s, sizeof(float) * (hi - lo),
+                                                  cudaMemcpyDefault, t->stream));
+        }
     }
 }
 
@@ -5345,9 +5549,18 @@ static void gather_owned_fp32(mt_trainer* t, float* full) {
 }
 
 static float* full_master(mt_trainer* t) {
-    if (!t->sharded) return t->master;
+    /* unsharded fp32 weights are the master, the offloaded part included (the CPU AdamW copies it back) */
+    if (!t->sharded && (!t->offload || t->params == (void*)t->master)) return t->master;
     copy_owned(t, t->master, t->grads, 0);
-    gather_owned_fp32(t, t->grads);
+    if (t->sharded) gather_owned_fp32(t, t->grads);
+    return t->grads;
+}
+
+/* An unsharded optimizer array (m or v) whole in buffer layout: itself, or assembled with its
+ * offloaded end in the gradient buffer (free between steps). */
+static float* full_optimizer_array(mt_trainer* t, float* array) {
+    if (!t->offload) return array;
+    copy_owned(t, array, t->grads, 0);
     return t->grads;
 }
 
@@ -5355,7 +5568,13 @@ static float* full_master(mt_trainer* t) {
 static void set_master_from_full(mt_trainer* t, float* full) {
     t->fp8.stale = 1; /* the FP8 weight copies are made again from the new parameters */
     if (full != t->master) copy_owned(t, t->master, full, 1);
-    if (t->params == (void*)t->master) return;
+    if (t->params == (void*)t->master) { /* the offloaded part's weights too (copy_owned put its master on the host) */
+        if (t->offload && full != t->master)
+            CUDA_CHECK(&t->error, cudaMemcpyAsync(t->master + t->offload->gpu_numel, full + t->offload->gpu_numel,
+                                                  sizeof(float) * (size_t)t->offload->numel, cudaMemcpyDeviceToDevice,
+                                                  t->stream));
+        return;
+    }
     const mt_exec ex = trainer_exec(t);
     cast_from_float(&ex, t->cfg.precision, t->params, full, t->buffer.size);
 }
@@ -5374,17 +5593,23 @@ static mt_status canonical_transfer(mt_trainer* t, float* device_full, float* ho
     return mt_gpu_error_return(&t->error, err);
 }
 
-/* A host copy of a shard-layout optimizer array, written to f. */
+/* A host copy of a shard-layout optimizer array (n elements; with offload its end is in host memory), written to f. */
 static mt_status write_device_array(mt_trainer* t, FILE* f, const float* device, int64_t n, float* host,
                                     const char* path, mt_error* err) {
-    mt_status st = copy_sync(t, host, device, sizeof(float) * n, cudaMemcpyDeviceToHost, err);
+    const float* tail = offloaded_part(t, device);
+    const int64_t on_device = tail ? t->offload->gpu_numel : n;
+    mt_status st = copy_sync(t, host, device, sizeof(float) * on_device, cudaMemcpyDeviceToHost, err);
+    if (tail) memcpy(host + on_device, tail, sizeof(float) * (size_t)(n - on_device));
     return st == MT_OK ? write_all(f, host, sizeof(float) * n, path, err) : st;
 }
 
 static mt_status read_device_array(mt_trainer* t, FILE* f, float* device, int64_t n, float* host, const char* path,
                                    mt_error* err) {
     if (fread(host, sizeof(float), (size_t)n, f) != (size_t)n) return mt_fail(err, MT_ERR_FORMAT, "%s is truncated", path);
-    return copy_sync(t, device, host, sizeof(float) * n, cudaMemcpyHostToDevice, err);
+    float* tail = offloaded_part(t, device);
+    const int64_t on_device = tail ? t->offload->gpu_numel : n;
+    if (tail) memcpy(tail, host + on_device, sizeof(float) * (size_t)(n - on_device));
+    return copy_sync(t, device, host, sizeof(float) * on_device, cudaMemcpyHostToDevice, err);
 }
 
 /* A canonical-order array of the full model: download from the buffer layout and write. */
@@ -5484,8 +5709,8 @@ static mt_status write_checkpoint_file(mt_trainer* t, const char* path, const in
     } else {
         if (st == MT_OK) st = write_canonical(t, f, master_full, host, path, err);
         /* without sharding, m and v are full buffer-layout arrays like the master */
-        if (!t->sharded && st == MT_OK) st = write_canonical(t, f, t->adam_m, host, path, err);
-        if (!t->sharded && st == MT_OK) st = write_canonical(t, f, t->adam_v, host, path, err);
+        if (!t->sharded && st == MT_OK) st = write_canonical(t, f, full_optimizer_array(t, t->adam_m), host, path, err);
+        if (!t->sharded && st == MT_OK) st = write_canonical(t, f, full_optimizer_array(t, t->adam_v), host, path, err);
         if (header[MT_CK_FP8_TENSORS] > 0 && st == MT_OK) st = fp8_state_transfer(t, f, 1, path, err);
     }
     if (st == MT_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
@@ -5707,8 +5932,7 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
     if (consumed_out) *consumed_out = h[MT_CK_CONSUMED];
     if (!load_optim) { /* a new trainer's optimizer state */
         const mt_config* c = &t->cfg;
-        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_m, 0, sizeof(float) * (size_t)t->shard_numel, t->stream));
-        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_v, 0, sizeof(float) * (size_t)t->shard_numel, t->stream));
+        zero_adam_moments(t);
         CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
         t->scheduler_steps = 0;
         t->adam_step = 0;
@@ -5739,80 +5963,34 @@ mt_status mt_trainer_load_weights(mt_trainer* t, const char* dir, int64_t iterat
 /* 20. The trainer API                                                                            */
 /* ============================================================================================== */
 
-/* Carves the activation arena: the scratch every step shares, then `num_slots` sets of the saved
+/* Carves the activation arena from its host layout (megatron.h mt_activation_layout_compute, the one
+ * the memory plan counts): the scratch every step shares, then L->num_slots slots of the saved
  * activations (a slot holds one micro-batch's pass through the largest chunk of this pipeline rank;
- * the logits only on the last stage). slots[k] gets slot k's saved regions and the shared scratch.
- * With base == NULL it only measures (returns the size in bytes). */
-static size_t layout_activations(mt_activations* slots, int num_slots, const mt_trainer* t, char* base) {
-    mt_shape s = model_shape(t);
-    const mt_pp_stage* st = &t->buffer.stage;
-    size_t e = t->elem, off = 0;
-    int64_t BT = s.BT, R = s.R, L = 0;
-    for (int c = 0; c < st->num_chunks; c++) L = st->num_layers[c] > L ? st->num_layers[c] : L;
-    int64_t heads_elems = (int64_t)s.B * s.heads * s.S * s.d;
-    int64_t group_elems = (int64_t)s.B * s.groups * s.S * s.d;
-    int64_t score_elems = (int64_t)s.B * s.heads * s.S * s.S;
-    int64_t wide = s.h;
-    if (s.qkv_width > wide) wide = s.qkv_width;
-    if (s.f1 > wide) wide = s.f1;
-    if (s.attn_width > wide) wide = s.attn_width;
-    int flash = t->flash;
-    mt_activations shared;
-    memset(&shared, 0, sizeof(shared));
-    mt_activations* a = &shared;
-#define CARVE(field, type, bytes)                                  \
-    do {                                                           \
-        a->field = (type)(base && (bytes) != 0 ? base + off : NULL); \
-        off += ((size_t)(bytes) + 255) & ~(size_t)255;             \
-    } while (0)
-    CARVE(ln1, void*, R * s.h * e);
-    CARVE(q, void*, flash ? 0 : heads_elems * e);
-    CARVE(k, void*, flash ? 0 : group_elems * e);
-    CARVE(v, void*, flash ? 0 : group_elems * e);
-    CARVE(o, void*, flash ? 0 : heads_elems * e);
-    CARVE(dk, void*, flash ? 0 : group_elems * e);
-    CARVE(dv, void*, flash ? 0 : group_elems * e);
-    CARVE(dscores, void*, flash ? 0 : score_elems * e);
-    CARVE(dsum, float*, flash ? (int64_t)s.B * s.heads * s.S * 4 : 0);
-    CARVE(logits_row, float*, s.V_full * 4);
-    CARVE(branch, void*, BT * wide * e);
-    CARVE(branch2, void*, BT * wide * e);
-    CARVE(dresidual, void*, R * s.h * e);
-    CARVE(gathered, void*, s.sp ? BT * s.h * e : 0);
-    CARVE(gathered_grad, void*, s.sp ? BT * s.h * e : 0);
-    CARVE(rows, void*, s.sp ? R * s.h * e : 0);
-    CARVE(ce_stats, float*, s.tp > 1 ? s.tp * BT * 3 * 4 : 0);
-    CARVE(inputs, int32_t*, BT * 4);
-    CARVE(targets, int32_t*, BT * 4);
-    CARVE(losses, float*, BT * 4);
-    CARVE(embed_index, int32_t*, (3 * BT + 2) * 4);
-    for (int k = 0; k < num_slots; k++) {
-        slots[k] = shared;
-        a = &slots[k];
-        CARVE(residual, void*, (L + 1) * R * s.h * e);
-        CARVE(ln1_mean, float*, L * R * 4);
-        CARVE(ln1_rstd, float*, L * R * 4);
-        CARVE(qkv, void*, L * BT * s.qkv_width * e);
-        CARVE(probs, void*, flash ? 0 : L * score_elems * e);
-        CARVE(lse, float*, flash ? L * s.B * s.heads * s.S * 4 : 0);
-        CARVE(attn_out, void*, L * BT * s.attn_width * e);
-        CARVE(residual_mid, void*, L * R * s.h * e);
-        CARVE(ln2, void*, L * R * s.h * e);
-        CARVE(ln2_mean, float*, L * R * 4);
-        CARVE(ln2_rstd, float*, L * R * 4);
-        CARVE(fc1, void*, L * BT * s.f1 * e);
-        CARVE(act, void*, L * BT * s.f * e);
-        CARVE(lnf, void*, st->head ? R * s.h * e : 0);
-        CARVE(lnf_mean, float*, st->head ? R * 4 : 0);
-        CARVE(lnf_rstd, float*, st->head ? R * 4 : 0);
-        CARVE(logits, void*, st->head ? BT * s.V * e : 0);
+ * the final norm's output and the logits only on the last stage). slots[k] gets slot k's saved
+ * regions and the shared scratch; NULL where the config has no such region. */
+static void layout_activations(mt_activations* slots, const mt_activation_layout* L, char* base) {
+    for (int k = 0; k < L->num_slots; k++) {
+        mt_activations* a = &slots[k];
+        void** regions[MT_ACT_REGIONS] = {
+            (void**)&a->ln1, (void**)&a->q, (void**)&a->k, (void**)&a->v, (void**)&a->o, (void**)&a->dk, (void**)&a->dv,
+            (void**)&a->dscores, (void**)&a->dsum, (void**)&a->logits_row, (void**)&a->branch, (void**)&a->branch2,
+            (void**)&a->dresidual, (void**)&a->gathered, (void**)&a->gathered_grad, (void**)&a->rows,
+            (void**)&a->ce_stats, (void**)&a->inputs, (void**)&a->targets, (void**)&a->losses, (void**)&a->embed_index,
+            (void**)&a->residual, (void**)&a->ln1_mean, (void**)&a->ln1_rstd, (void**)&a->qkv, (void**)&a->probs,
+            (void**)&a->lse, (void**)&a->attn_out, (void**)&a->residual_mid, (void**)&a->ln2, (void**)&a->ln2_mean,
+            (void**)&a->ln2_rstd, (void**)&a->fc1, (void**)&a->act, (void**)&a->lnf, (void**)&a->lnf_mean,
+            (void**)&a->lnf_rstd, (void**)&a->logits};
+        for (int r = 0; r < MT_ACT_REGIONS; r++) {
+            const size_t at = L->offset[r] + (r >= MT_ACT_RESIDUAL ? (size_t)k * L->saved_bytes : 0);
+            *regions[r] = L->bytes[r] ? base + at : NULL;
+        }
     }
-#undef CARVE
-    return off;
 }
 
-#define COLSUM_MAX_CHUNKS 256
-#define CUBLAS_WORKSPACE_BYTES (32u << 20)
+#define COLSUM_MAX_CHUNKS MT_COLSUM_MAX_CHUNKS
+#define CUBLAS_WORKSPACE_BYTES MT_CUBLAS_WORKSPACE_BYTES
+static_assert(NORM_BWD_BLOCKS == MT_NORM_BWD_BLOCKS, "the memory plan counts the fused norm backward's blocks");
+static_assert(FP8_SCALE_INV_STRIDE == MT_FP8_SCALE_INV_STRIDE, "the FP8 arena's layout is the plan's");
 
 static size_t max_columns(const mt_trainer* t) {
     mt_shape s = model_shape(t);
@@ -5828,28 +6006,22 @@ static size_t colsum_scratch_floats(const mt_trainer* t) {
 }
 
 mt_memory_plan mt_trainer_memory_plan(const mt_trainer* t) {
-    mt_memory_plan p;
-    memset(&p, 0, sizeof(p));
-    p.num_parameters = t->num_params;
-    p.buffer_elements = t->buffer.size;
-    p.shard_elements = t->shard_numel;
-    p.parameter_bytes = (size_t)t->buffer.size * t->elem;
-    p.master_bytes = t->params == (void*)t->master ? 0 : (size_t)t->shard_numel * 4;
-    p.gradient_bytes = (size_t)t->buffer.size * 4;
-    p.optimizer_bytes = (size_t)t->shard_numel * 8;
-    p.activation_bytes = t->arena_bytes;
-    p.workspace_bytes = CUBLAS_WORKSPACE_BYTES + 3 * colsum_scratch_floats(t) * 4 +
-                        ((size_t)t->num_chunks + 1) * sizeof(double) + (size_t)t->num_chunks * sizeof(mt_opt_chunk);
-    p.fp8_bytes = t->fp8_arena_bytes;
-    p.total_bytes = p.parameter_bytes + p.master_bytes + p.gradient_bytes + p.optimizer_bytes + p.activation_bytes +
-                    p.workspace_bytes + p.fp8_bytes;
+    mt_memory_plan p = t->plan;
     p.state_bytes_measured = t->state_bytes_measured;
     return p;
 }
 
-static void* device_alloc(mt_trainer* t, size_t bytes) {
+mt_memory_plan mt_trainer_memory_allocated(const mt_trainer* t) { return t->allocated; }
+
+/* Every device allocation of the trainer's life goes through here; `counter` (a field of
+ * t->allocated, NULL for a transient buffer) adds what was asked for, for comparison with the plan. */
+static void* device_alloc(mt_trainer* t, size_t bytes, size_t* counter) {
     void* p = NULL;
     if (!CUDA_CHECK(&t->error, cudaMalloc(&p, bytes ? bytes : 1))) return NULL;
+    if (counter) {
+        *counter += bytes;
+        t->allocated.total_bytes += bytes;
+    }
     return p;
 }
 
@@ -5887,7 +6059,7 @@ static void create_rope_tables(mt_trainer* t) {
             host[n + (size_t)pos * half + i] = (float)sin((double)angle);
         }
     }
-    t->rope_cos = (float*)device_alloc(t, 2 * n * sizeof(float));
+    t->rope_cos = (float*)device_alloc(t, 2 * n * sizeof(float), &t->allocated.workspace_bytes);
     if (t->rope_cos) {
         t->rope_sin = t->rope_cos + n;
         CUDA_CHECK(&t->error, cudaMemcpy(t->rope_cos, host, 2 * n * sizeof(float), cudaMemcpyHostToDevice));
@@ -5919,49 +6091,52 @@ static void initialise_parameters(mt_trainer* t) {
     CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, sizeof(float) * t->buffer.size, t->stream));
 }
 
-/* The optimizer's shard: each bucket's owned range, and the chunks AdamW and the norm walk. */
+/* The optimizer's shard: each bucket's owned range, and the chunks AdamW and the norm walk (cut where
+ * the GPU's part ends when the end of the shard is offloaded: the GPU's chunks come first); then the
+ * offload's host state (section 18). The plan counts the same chunks (megatron.h). */
 static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
     const mt_buffer_layout* B = &t->buffer;
+    const int dp = t->sharded ? t->groups.dp_size : 1, dp_rank = t->sharded ? t->groups.dp_rank : 0;
     t->shard_offset = (int64_t*)calloc((size_t)B->num_buckets, sizeof(int64_t));
-    int64_t capacity = 0;
-    for (int b = 0; b < B->num_buckets; b++) capacity += (B->buckets[b].end - B->buckets[b].start) / OPT_CHUNK_ELEMENTS + 1;
-    capacity += B->num_params;
-    mt_opt_chunk* chunks = (mt_opt_chunk*)malloc(sizeof(mt_opt_chunk) * (size_t)capacity);
-    if (!t->shard_offset || !chunks) {
-        free(chunks);
-        return mt_fail(err, MT_ERR_OOM, "cannot allocate the optimizer plan");
-    }
     int64_t shard = 0;
-    int n = 0;
     for (int b = 0; b < B->num_buckets; b++) {
         int64_t begin, end;
         owned_range(t, b, &begin, &end);
         t->shard_offset[b] = shard;
-        for (int i = 0; i < B->num_params; i++) {
-            const mt_buffer_param* p = &B->params[i];
-            if (p->bucket != b) continue;
-            int64_t lo = p->offset > begin ? p->offset : begin;
-            int64_t hi = p->offset + p->numel < end ? p->offset + p->numel : end;
-            for (int64_t x = lo; x < hi; x += OPT_CHUNK_ELEMENTS) {
-                mt_opt_chunk* c = &chunks[n++];
-                c->buffer = x;
-                c->master = shard + (x - begin);
-                c->length = (int32_t)(hi - x < OPT_CHUNK_ELEMENTS ? hi - x : OPT_CHUNK_ELEMENTS);
-                c->weight_decay = t->params_info[p->tensor].weight_decay;
-                c->count_in_norm = (t->params_info[p->tensor].tp_split || t->groups.tp.rank == 0) &&
-                                   !(p->tensor == MT_P_WORD_EMBEDDINGS && !B->stage.embedding);
-                c->unused = 0;
-            }
-        }
         shard += end - begin;
     }
     t->shard_numel = shard;
-    t->num_chunks = n;
-    t->chunks = (mt_opt_chunk*)device_alloc(t, sizeof(mt_opt_chunk) * (size_t)(n > 0 ? n : 1));
+    const int64_t gpu_shard = shard - mt_offload_elements(&t->cfg, shard);
+    const int64_t n = mt_optimizer_pieces(B, dp, dp_rank, gpu_shard, NULL);
+    mt_optimizer_piece* pieces = (mt_optimizer_piece*)malloc(sizeof(mt_optimizer_piece) * (size_t)(n > 0 ? n : 1));
+    mt_opt_chunk* chunks = (mt_opt_chunk*)malloc(sizeof(mt_opt_chunk) * (size_t)(n > 0 ? n : 1));
+    if (!t->shard_offset || !pieces || !chunks || n > INT32_MAX) {
+        free(pieces);
+        free(chunks);
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate the optimizer plan (%lld chunks)", (long long)n);
+    }
+    mt_optimizer_pieces(B, dp, dp_rank, gpu_shard, pieces);
+    for (int64_t k = 0; k < n; k++) {
+        mt_opt_chunk* c = &chunks[k];
+        c->buffer = pieces[k].buffer;
+        c->master = pieces[k].master;
+        c->length = (int32_t)pieces[k].length;
+        c->weight_decay = t->params_info[pieces[k].tensor].weight_decay;
+        /* a TP replica's copy of a whole tensor counts on TP rank 0; the last stage's copy of tied word
+         * embeddings not at all (the first stage's counts) */
+        c->count_in_norm = (t->params_info[pieces[k].tensor].tp_split || t->groups.tp.rank == 0) &&
+                           !(pieces[k].tensor == MT_P_WORD_EMBEDDINGS && !B->stage.embedding);
+        c->unused = 0;
+    }
+    free(pieces);
+    t->num_chunks = (int)n;
+    t->chunks = (mt_opt_chunk*)device_alloc(t, sizeof(mt_opt_chunk) * (size_t)(n > 0 ? n : 1),
+                                            &t->allocated.workspace_bytes);
     if (t->chunks)
         CUDA_CHECK(&t->error, cudaMemcpy(t->chunks, chunks, sizeof(mt_opt_chunk) * (size_t)n, cudaMemcpyHostToDevice));
+    mt_status st = t->error.status == MT_OK ? offload_create(t, chunks, (int)n, err) : MT_OK;
     free(chunks);
-    return mt_gpu_error_return(&t->error, err);
+    return st != MT_OK ? st : mt_gpu_error_return(&t->error, err);
 }
 
 /* The FP8 state (section 15), one device allocation: the scaling arrays (every scale 1, every
@@ -5995,49 +6170,44 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
     if (!f->slot_of_layer) return mt_fail(err, MT_ERR_OOM, "cannot allocate the FP8 layer table");
     for (int l = 0; l < s.L; l++) f->slot_of_layer[l] = mt_fp8_layer(c, l) ? f->num_layers++ : -1;
     f->num_tensors = f->num_layers * FP8_LINEARS * FP8_ROLES;
-    int64_t wide = 0;
     for (int k = 0; k < FP8_LINEARS; k++) {
         int out, in;
         fp8_linear_dims(s, k, &out, &in);
         f->weights_per_layer += 2 * (int64_t)out * in;
         f->weight_blocks_per_layer +=
             fp8_block_scales(FP8_BLOCKS_128x128, out, in) + fp8_block_scales(FP8_BLOCKS_128x128, in, out);
-        wide = out > wide ? out : wide;
-        wide = in > wide ? in : wide;
     }
+    /* the arena as the plan lays it out (megatron.h), checked against this section's own geometry */
     const int blockwise = f->recipe == MT_FP8_BLOCKWISE;
-    const int64_t rows_blocks = fp8_block_scales(FP8_BLOCKS_1x128, s.BT, (int)wide),
-                  cols_blocks = fp8_block_scales(FP8_BLOCKS_1x128, (int)wide, s.BT);
-    const int64_t nt = f->num_tensors, scratch = (int64_t)s.BT * wide;
-    size_t off = 0;
-    auto carve = [&](int64_t bytes) { size_t at = off; off += ((size_t)bytes + 255) & ~(size_t)255; return at; };
-    size_t o_scale = carve(nt * 4), o_scale_inv = carve(nt * 4 * FP8_SCALE_INV_STRIDE), o_amax = carve(nt * 4),
-           o_max = carve(nt * 4);
-    size_t o_history = carve(nt * f->history_len * 4), o_weights = carve(f->num_layers * f->weights_per_layer);
-    size_t o_x8 = carve(scratch), o_x8t = carve(scratch), o_g8 = carve(scratch), o_g8t = carve(scratch);
-    size_t o_xb = carve(blockwise ? rows_blocks * 4 : 0), o_xtb = carve(blockwise ? cols_blocks * 4 : 0),
-           o_gb = carve(blockwise ? rows_blocks * 4 : 0), o_gtb = carve(blockwise ? cols_blocks * 4 : 0),
-           o_wb = carve(blockwise ? f->num_layers * f->weight_blocks_per_layer * 4 : 0);
-    t->fp8_arena_bytes = off;
-    char* base = (char*)device_alloc(t, off);
+    mt_fp8_arena_layout A;
+    mt_fp8_arena_layout_compute(c, f->num_layers, &A);
+    if (A.num_tensors != f->num_tensors || A.history_len != f->history_len ||
+        A.weights_per_layer != f->weights_per_layer || A.weight_blocks_per_layer != f->weight_blocks_per_layer)
+        return mt_fail(err, MT_ERR_CONFIG, "internal: the FP8 arena's plan (%lld weight bytes, %lld block scales per "
+                       "layer) is not the FP8 layers' (%lld, %lld)", (long long)A.weights_per_layer,
+                       (long long)A.weight_blocks_per_layer, (long long)f->weights_per_layer,
+                       (long long)f->weight_blocks_per_layer);
+    const int64_t nt = f->num_tensors;
+    t->fp8_arena_bytes = A.total;
+    char* base = (char*)device_alloc(t, A.total, &t->allocated.fp8_bytes);
     if (!base) return mt_gpu_error_return(&t->error, err);
     t->fp8_arena = base;
-    f->scale = (float*)(base + o_scale);
-    f->scale_inv = (float*)(base + o_scale_inv);
-    f->amax = (float*)(base + o_amax);
-    f->fp8_max = (float*)(base + o_max);
-    f->history = (float*)(base + o_history);
-    f->weights = (uint8_t*)(base + o_weights);
-    f->x8 = (uint8_t*)(base + o_x8);
-    f->x8t = (uint8_t*)(base + o_x8t);
-    f->g8 = (uint8_t*)(base + o_g8);
-    f->g8t = (uint8_t*)(base + o_g8t);
+    f->scale = (float*)(base + A.offset[MT_FP8A_SCALE]);
+    f->scale_inv = (float*)(base + A.offset[MT_FP8A_SCALE_INV]);
+    f->amax = (float*)(base + A.offset[MT_FP8A_AMAX]);
+    f->fp8_max = (float*)(base + A.offset[MT_FP8A_MAX]);
+    f->history = (float*)(base + A.offset[MT_FP8A_HISTORY]);
+    f->weights = (uint8_t*)(base + A.offset[MT_FP8A_WEIGHTS]);
+    f->x8 = (uint8_t*)(base + A.offset[MT_FP8A_X8]);
+    f->x8t = (uint8_t*)(base + A.offset[MT_FP8A_X8T]);
+    f->g8 = (uint8_t*)(base + A.offset[MT_FP8A_G8]);
+    f->g8t = (uint8_t*)(base + A.offset[MT_FP8A_G8T]);
     if (blockwise) {
-        f->x8_blocks = (float*)(base + o_xb);
-        f->x8t_blocks = (float*)(base + o_xtb);
-        f->g8_blocks = (float*)(base + o_gb);
-        f->g8t_blocks = (float*)(base + o_gtb);
-        f->weight_blocks = (float*)(base + o_wb);
+        f->x8_blocks = (float*)(base + A.offset[MT_FP8A_X_BLOCKS]);
+        f->x8t_blocks = (float*)(base + A.offset[MT_FP8A_XT_BLOCKS]);
+        f->g8_blocks = (float*)(base + A.offset[MT_FP8A_G_BLOCKS]);
+        f->g8t_blocks = (float*)(base + A.offset[MT_FP8A_GT_BLOCKS]);
+        f->weight_blocks = (float*)(base + A.offset[MT_FP8A_W_BLOCKS]);
     }
     const int64_t ones = nt * FP8_SCALE_INV_STRIDE;
     float* host = (float*)malloc(sizeof(float) * (size_t)(ones + nt + 1));
@@ -6068,12 +6238,36 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
             return mt_fail(err, MT_ERR_CUDA, "rank %d: cannot use GPU %d: %s", cfg->rank, cfg->local_rank,
                            cudaGetErrorString(e));
     }
+    /* the plan first: a layout that cannot fit is refused before anything is allocated */
+    mt_plan_options plan_options;
+    mt_plan_options_defaults(&plan_options);
+    plan_options.pp_rank = mt_rank_coordinates(cfg, cfg->rank).pp;
+    plan_options.dp_rank = mt_rank_coordinates(cfg, cfg->rank).dp;
+    mt_memory_plan plan;
+    mt_status plan_status = mt_memory_plan_compute(cfg, &plan_options, &plan, err);
+    if (plan_status != MT_OK) return plan_status;
+    {
+        size_t free_bytes = 0, total_bytes = 0;
+        cudaError_t e = cudaMemGetInfo(&free_bytes, &total_bytes);
+        if (e != cudaSuccess)
+            return mt_fail(err, MT_ERR_CUDA, "rank %d: cannot read the GPU's free memory: %s", cfg->rank,
+                           cudaGetErrorString(e));
+        /* the context exists by now: what is still to come is the allocations, cuBLAS and NCCL */
+        const size_t need = plan.total_bytes + plan.overhead_bytes - MT_PLAN_CONTEXT_BYTES;
+        const double gib = 1024.0 * 1024.0 * 1024.0;
+        if (need > free_bytes)
+            return mt_fail(err, MT_ERR_OOM, "rank %d: the memory plan needs %.2f GiB on this GPU (%.2f GiB allocated, "
+                           "%.2f GiB for cuBLAS and NCCL) but %.2f GiB of %.2f GiB are free: %.2f GiB short",
+                           cfg->rank, need / gib, plan.total_bytes / gib, (need - plan.total_bytes) / gib,
+                           free_bytes / gib, total_bytes / gib, (need - free_bytes) / gib);
+    }
     mt_trainer* t = (mt_trainer*)calloc(1, sizeof(mt_trainer));
     if (!t) return mt_fail(err, MT_ERR_OOM, "cannot allocate the trainer");
     t->cfg = *cfg;
+    t->plan = plan;
     t->elem = cfg->precision == MT_FP32 ? 4 : 2;
     /* bf16 attention runs on the flash kernels; fp32/fp16 keep the exact path (fp32 parity is 1e-5) */
-    t->flash = cfg->precision == MT_BF16 && (cfg->kv_channels == 64 || cfg->kv_channels == 128);
+    t->flash = mt_flash_attention(cfg);
     mt_param_layout_shard(cfg, t->params_info);
     mt_param_layout(cfg, t->params_info_full);
     t->loss_scale = 1.0;
@@ -6104,7 +6298,7 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     CUBLAS_CHECK(&t->error, cublasSetStream(t->cublas, t->stream));
     /* fp32 stays fp32: no TF32 (Megatron's fp32 default), so parity with a float64 reference holds */
     CUBLAS_CHECK(&t->error, cublasSetMathMode(t->cublas, CUBLAS_DEFAULT_MATH));
-    t->cublas_workspace = device_alloc(t, CUBLAS_WORKSPACE_BYTES);
+    t->cublas_workspace = device_alloc(t, CUBLAS_WORKSPACE_BYTES, &t->allocated.workspace_bytes);
     if (t->cublas_workspace)
         CUBLAS_CHECK(&t->error, cublasSetWorkspace(t->cublas, t->cublas_workspace, CUBLAS_WORKSPACE_BYTES));
     t->gemm.handle = t->cublas;
@@ -6114,53 +6308,62 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     t->gemm.plans = (mt_gemm_plan*)calloc(GEMM_MAX_PLANS, sizeof(mt_gemm_plan));
     if (!t->gemm.plans && t->error.status == MT_OK)
         t->error.status = mt_fail(&t->error.error, MT_ERR_OOM, "cannot allocate the GEMM plan cache");
-    if (t->error.status == MT_OK && plan_optimizer_shard(t, err) != MT_OK && t->error.status == MT_OK) {
-        mt_trainer_free(t);
-        return MT_ERR_OOM;
+    if (t->error.status == MT_OK) {
+        mt_status shard_status = plan_optimizer_shard(t, err);
+        if (shard_status != MT_OK && t->error.status == MT_OK) {
+            mt_trainer_free(t);
+            return shard_status;
+        }
     }
 
     /* the model state, measured as the device sees it */
     size_t free_before = 0, free_after = 0, total = 0;
     CUDA_CHECK(&t->error, cudaDeviceSynchronize());
     CUDA_CHECK(&t->error, cudaMemGetInfo(&free_before, &total));
-    size_t n = (size_t)t->buffer.size, shard = (size_t)t->shard_numel;
-    int alias = cfg->precision == MT_FP32 && !t->sharded; /* fp32 weights are their own master */
-    t->grads = (float*)device_alloc(t, n * 4);
-    t->master = (float*)device_alloc(t, shard * 4);
-    t->params = alias ? (void*)t->master : device_alloc(t, n * t->elem);
-    t->adam_m = (float*)device_alloc(t, shard * 4);
-    t->adam_v = (float*)device_alloc(t, shard * 4);
+    /* with offload the device holds the first `shard` elements of master, m and v (section 18) */
+    size_t n = (size_t)t->buffer.size, shard = (size_t)(t->offload ? t->offload->gpu_numel : t->shard_numel);
+    int alias = cfg->precision == MT_FP32 && !t->sharded; /* fp32 weights are their own master (all n of them) */
+    mt_memory_plan* a = &t->allocated;
+    t->grads = (float*)device_alloc(t, n * 4, &a->gradient_bytes);
+    t->master = (float*)device_alloc(t, alias ? n * 4 : shard * 4, alias ? &a->parameter_bytes : &a->master_bytes);
+    t->params = alias ? (void*)t->master : device_alloc(t, n * t->elem, &a->parameter_bytes);
+    t->adam_m = (float*)device_alloc(t, shard * 4, &a->optimizer_bytes);
+    t->adam_v = (float*)device_alloc(t, shard * 4, &a->optimizer_bytes);
     CUDA_CHECK(&t->error, cudaMemGetInfo(&free_after, &total));
     t->state_bytes_measured = free_before - free_after;
 
-    t->norm_partial = (double*)device_alloc(t, ((size_t)t->num_chunks + 1) * sizeof(double));
-    t->reduce_scratch = (double*)device_alloc(t, 2 * sizeof(double));
+    t->norm_partial = (double*)device_alloc(t, ((size_t)t->num_chunks + 1) * sizeof(double), &a->workspace_bytes);
+    t->reduce_scratch = (double*)device_alloc(t, 2 * sizeof(double), &a->workspace_bytes);
     t->colsum.max_chunks = COLSUM_MAX_CHUNKS;
-    t->colsum.partial_a = (float*)device_alloc(t, colsum_scratch_floats(t) * 4);
-    t->colsum.partial_b = (float*)device_alloc(t, colsum_scratch_floats(t) * 4);
-    t->colsum.partial_c = (float*)device_alloc(t, colsum_scratch_floats(t) * 4);
-    /* activation slots: as many as a training step's schedule holds at once (1 at PP = 1) */
+    t->colsum.partial_a = (float*)device_alloc(t, colsum_scratch_floats(t) * 4, &a->workspace_bytes);
+    t->colsum.partial_b = (float*)device_alloc(t, colsum_scratch_floats(t) * 4, &a->workspace_bytes);
+    t->colsum.partial_c = (float*)device_alloc(t, colsum_scratch_floats(t) * 4, &a->workspace_bytes);
+    /* the activation arena: as many slots as a training step's schedule holds at once (1 at PP = 1),
+     * each for this rank's largest chunk (the plan's layout) */
+    mt_activation_layout arena;
     {
-        int num_ops = 0;
-        int num_warmup = 0;
-        mt_pp_op* ops = trainer_steps(t, mt_num_micro_batches(cfg), 1, &num_ops, &num_warmup, err);
-        if (!ops) {
+        const mt_pp_stage* stage = &t->buffer.stage;
+        int largest = 0;
+        for (int k = 0; k < stage->num_chunks; k++) largest = stage->num_layers[k] > largest ? stage->num_layers[k] : largest;
+        mt_status slots_status = mt_pp_activation_slots(t->groups.pp_size, stage->num_chunks, mt_num_micro_batches(cfg),
+                                                        cfg->microbatch_group_size_per_vp_stage, t->groups.pp_rank,
+                                                        &t->num_slots, err);
+        if (slots_status != MT_OK) {
             mt_trainer_free(t);
-            return MT_ERR_CONFIG;
+            return slots_status;
         }
-        t->num_slots = pipeline_slots_needed(ops, num_ops);
-        free(ops);
+        mt_activation_layout_compute(cfg, largest, stage->head, t->num_slots, &plan_options.recompute, &arena);
     }
     t->slots = (mt_activations*)calloc((size_t)t->num_slots, sizeof(mt_activations));
     if (!t->slots) {
         mt_trainer_free(t);
         return mt_fail(err, MT_ERR_OOM, "cannot allocate the activation slots");
     }
-    t->arena_bytes = layout_activations(t->slots, t->num_slots, t, NULL);
-    t->arena = device_alloc(t, t->arena_bytes);
-    if (t->arena) layout_activations(t->slots, t->num_slots, t, (char*)t->arena);
+    t->arena_bytes = arena.total;
+    t->arena = device_alloc(t, t->arena_bytes, &a->activation_bytes);
+    if (t->arena) layout_activations(t->slots, &arena, (char*)t->arena);
     t->act = t->slots[0];
-    if (t->groups.pp_size > 1) t->pp_send = device_alloc(t, (size_t)s.R * s.h * t->elem);
+    if (t->groups.pp_size > 1) t->pp_send = device_alloc(t, (size_t)s.R * s.h * t->elem, &a->workspace_bytes);
     if (t->error.status == MT_OK) create_rope_tables(t);
     if (t->error.status == MT_OK) {
         mt_status fst = fp8_state_create(t, err);
@@ -6209,6 +6412,7 @@ void mt_trainer_free(mt_trainer* t) {
     free(t->slots);
     cudaFree(t->pp_send);
     cudaFree(t->fp8_arena);
+    offload_free(t);
     free(t->fp8.slot_of_layer);
     cudaFree(t->rope_cos); /* the sin table shares its allocation */
     cudaFree(t->cublas_workspace);
@@ -6367,8 +6571,8 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
     int64_t n = (int64_t)s.BT * s.V;
     if (s.tp > 1) {
         /* every rank's columns in turn: cast to fp32, broadcast over TP, placed at the rank's columns */
-        float* mine = (float*)device_alloc(t, sizeof(float) * (size_t)n);
-        float* staging = (float*)device_alloc(t, sizeof(float) * (size_t)n);
+        float* mine = (float*)device_alloc(t, sizeof(float) * (size_t)n, NULL);
+        float* staging = (float*)device_alloc(t, sizeof(float) * (size_t)n, NULL);
         const mt_exec ex = trainer_exec(t);
         if (t->error.status == MT_OK) cast_to_float(&ex, t->cfg.precision, mine, t->act.logits, n);
         for (int r = 0; r < s.tp && t->error.status == MT_OK; r++) {
@@ -6415,7 +6619,7 @@ static mt_status gather_full_model(mt_trainer* t, float* device_full, float* hos
     }
     if (t->groups.tp.size == 1) return canonical_transfer(t, device_full, host_full, 0, err);
     float* shard = (float*)malloc(sizeof(float) * (size_t)t->num_params);
-    float* staging = (float*)device_alloc(t, sizeof(float) * (size_t)t->buffer.size);
+    float* staging = (float*)device_alloc(t, sizeof(float) * (size_t)t->buffer.size, NULL);
     if (!shard) t->error.status = mt_fail(&t->error.error, MT_ERR_OOM, "cannot allocate a host shard of %lld floats",
                                           (long long)t->num_params);
     for (int r = 0; r < t->groups.tp.size && t->error.status == MT_OK; r++) {

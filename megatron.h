@@ -26,14 +26,17 @@
  * further down. The declarations and the implementation each appear once per translation unit,
  * however often the header is included.
  *
- * Link: -lm (sqrt, pow, cos, ceil, nearbyint). No threads: -lpthread is not needed.
+ * Link: -lm (sqrt, pow, cos, ceil, nearbyint) -lpthread (the thread pool of the CPU AdamW; part of
+ * libc from glibc 2.34 on).
  * Platform: POSIX. Besides ISO C the implementation calls open, read, write, close, fcntl, stat, fstat,
- * fsync, mmap, munmap, mkdir, rmdir, unlink, rename, opendir, readdir, closedir, getpid, gettimeofday
- * and uname (<dirent.h>, <fcntl.h>, <sys/mman.h>, <sys/stat.h>, <unistd.h>, <sys/time.h>,
- * <sys/utsname.h>); it looks at /proc/<pid> to tell whether the process that left a temporary file is
- * gone (Linux; elsewhere such files are kept). Those headers are POSIX's own and declare these
- * functions in strict ISO modes too (glibc does; tests/test_header.h builds with -std=c99 -pedantic),
- * so no feature-test macro is needed: neither _POSIX_C_SOURCE nor
+ * fsync, mmap, munmap, mkdir, rmdir, unlink, rename, opendir, readdir, closedir, getpid, gettimeofday,
+ * uname and pthreads (<dirent.h>, <fcntl.h>, <sys/mman.h>, <sys/stat.h>, <unistd.h>, <sys/time.h>,
+ * <sys/utsname.h>, <pthread.h>); it looks at /proc/<pid> to tell whether the process that left a
+ * temporary file is gone (Linux; elsewhere such files are kept). On x86 with GCC or Clang the CPU
+ * AdamW also uses AVX2 intrinsics (<immintrin.h>) in a function compiled for AVX2 + FMA, called only
+ * when the CPU has them. Those headers are POSIX's own and declare these functions in strict ISO
+ * modes too (glibc does; tests/test_header.h builds with -std=c99 -pedantic), so no feature-test
+ * macro is needed: neither _POSIX_C_SOURCE nor
  * _GNU_SOURCE, and this header defines neither. On a system that hides them, define
  * _POSIX_C_SOURCE=200809L when compiling the implementation file.
  * The files it reads and writes are little-endian, as is every host it targets.
@@ -59,7 +62,7 @@
  *   4. .npy writer (Megatron's index cache format)
  *   5. Training configuration, learning-rate schedule, FLOP formula
  *   6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout, pipeline
- *      schedules
+ *      schedules; the memory plan of any layout; the CPU AdamW of optimizer offload
  *   7. Checkpoint format: the header words, config <-> header
  *   8. The trainer API (GPU; implemented in megatron.cu)
  *   9. TensorBoard event files (TFRecord framing, Event and Summary protobufs, encoded by hand)
@@ -514,6 +517,11 @@ typedef struct {
     int overlap_grad_reduce;          /* --overlap-grad-reduce: reduce each bucket during the backward */
     int overlap_param_gather;         /* --overlap-param-gather: all-gather overlapped with the next forward */
     int64_t ddp_bucket_size;          /* --ddp-bucket-size in elements (0: max(40M, 1M * dp)) */
+    /* optimizer offload (Megatron's HybridDeviceOptimizer): the fp32 master weights and Adam moments
+     * of the last `fraction` of this rank's optimizer shard live in pinned host memory and are
+     * updated by a multi-threaded CPU AdamW (mt_adamw_cpu) */
+    int optimizer_cpu_offload;        /* --optimizer-cpu-offload */
+    double optimizer_offload_fraction;/* --optimizer-offload-fraction (1.0), in [0, 1] */
     /* launch: filled by the launcher (train_gpt.c does it from MPI) */
     int world_size, rank;
     int local_rank;                   /* this process's GPU on its node */
@@ -572,11 +580,12 @@ float mt_fp8_delayed_scale(const float* history, int len, int newest, mt_fp8_ama
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout,          */
-/*    pipeline schedules                                                                           */
+/*    pipeline schedules, memory plan, CPU AdamW                                                   */
 /*    Where every parameter element lives: its place in the canonical order (checkpoints, test     */
 /*    vectors), the slice a tensor-parallel rank holds, the coordinates of a rank, and the offset, */
-/*    bucket and data-parallel shard of the DDP / distributed-optimizer buffer; and the order of   */
-/*    the forward and backward steps of each pipeline rank, with their transfers.                  */
+/*    bucket and data-parallel shard of the DDP / distributed-optimizer buffer; the order of the   */
+/*    forward and backward steps of each pipeline rank, with their transfers; what every GPU of a  */
+/*    layout holds (the memory plan); and the CPU AdamW that updates an offloaded optimizer shard. */
 /* ---------------------------------------------------------------------------------------------- */
 
 /* The model's parameter tensors in canonical order (the order of checkpoints and test vectors).
@@ -750,6 +759,220 @@ int mt_pp_num_warmup(int pp, int vp, int num_micro_batches, int group_size, int 
 mt_status mt_pp_schedule(int pp, int vp, int num_micro_batches, int group_size, int rank, mt_pp_op* ops,
                          int* num_warmup, mt_error* err);
 
+/* The memory plan: every byte a GPU holds during training, computed on the host from the config
+ * alone, before any GPU work (train_gpt --plan) and by mt_trainer_create, which allocates exactly
+ * the plan's bytes and refuses a plan that does not fit the device's free memory. The device's
+ * activation arena and FP8 arena are carved from the layouts below (mt_activation_layout,
+ * mt_fp8_arena_layout), so the plan and the allocation are one computation. With pipeline
+ * parallelism a pipeline rank holds its stage's tensors (mt_pp_stage_of's split, mt_buffer_layout_build's
+ * buffer: the layers of its model chunks; the embeddings on the first stage, the final norm and
+ * output layer on the last, with tied embeddings its own copy of the word embeddings) and one
+ * activation slot per (chunk, micro-batch) pair its training schedule holds at once
+ * (mt_pp_activation_slots). */
+
+/* Activation slots pipeline rank `rank` needs for one training step of M micro-batches: the most
+ * (chunk, micro-batch) pairs whose forward has run and whose backward has not, over its schedule
+ * (mt_pp_schedule): 1 at PP = 1, min(PP - rank, M) for 1F1B, counted from the schedule when
+ * interleaved. mt_pp_slots_needed counts the same over any list of steps. */
+int mt_pp_slots_needed(const mt_pp_op* ops, int num_ops);
+mt_status mt_pp_activation_slots(int pp, int vp, int num_micro_batches, int group_size, int rank, int* slots,
+                                 mt_error* err);
+
+/* Activation recompute, Megatron's --recompute-granularity / --recompute-method /
+ * --recompute-num-layers / --recompute-modules, as the plan counts it (what each layer keeps for
+ * its backward). The trainer does not recompute yet: it plans and allocates MT_RECOMPUTE_NONE. */
+typedef enum { MT_RECOMPUTE_NONE = 0, MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_FULL } mt_recompute_granularity;
+typedef enum { MT_RECOMPUTE_UNIFORM = 0, MT_RECOMPUTE_BLOCK } mt_recompute_method;
+/* selective's modules: the attention scores (exact path; flash attention keeps none anyway), the
+ * second norm's output, the MLP's activation output, or the whole MLP (fc1 and activation outputs) */
+enum { MT_RECOMPUTE_CORE_ATTN = 1, MT_RECOMPUTE_LAYERNORM = 2, MT_RECOMPUTE_ACT = 4, MT_RECOMPUTE_MLP = 8 };
+typedef struct {
+    mt_recompute_granularity granularity;
+    mt_recompute_method method;   /* full: uniform keeps the input of every group of num_layers layers
+                                     and recomputes a group at a time; block recomputes the first
+                                     num_layers layers of each model chunk and keeps the rest */
+    int num_layers;               /* full: --recompute-num-layers (0: uniform 1, block all) */
+    int modules;                  /* selective: MT_RECOMPUTE_* bits (0: core_attn, Megatron's default) */
+} mt_recompute;
+
+/* What the plan is asked about besides the config (the layout, VP and the micro-batch group size
+ * included, is the config's). */
+typedef struct {
+    mt_recompute recompute;
+    int pp_rank;                  /* the pipeline rank planned; -1: the one that needs the most memory */
+    int dp_rank;                  /* the data-parallel rank (its shard's AdamW chunk count; 0 by default) */
+} mt_plan_options;
+void mt_plan_options_defaults(mt_plan_options* opts);
+
+/* Constants the plan adds to the allocations for what the libraries hold; stated, not measured by
+ * the plan (dev/memory_check.sh compares the sum with what the device reports). */
+#define MT_PLAN_CONTEXT_BYTES ((size_t)512 << 20)  /* CUDA context and this program's kernels */
+#define MT_PLAN_CUBLAS_BYTES ((size_t)64 << 20)    /* cuBLAS and cuBLASLt handles */
+#define MT_PLAN_NCCL_BYTES ((size_t)256 << 20)     /* each NCCL communicator of more than one rank: the
+                                                      world, TP, DP; with PP > 1 the pipeline's two (activations,
+                                                      gradients) and, on the first and last stage, the
+                                                      embedding group's */
+/* Sizes the trainer's scratch is built from (megatron.cu checks them against its own). */
+#define MT_CUBLAS_WORKSPACE_BYTES ((size_t)32 << 20)
+#define MT_COLSUM_MAX_CHUNKS 256
+#define MT_NORM_BWD_BLOCKS 256
+#define MT_OPT_CHUNK_ELEMENTS 32768
+#define MT_OPT_CHUNK_BYTES 32                     /* sizeof(mt_opt_chunk) in megatron.cu */
+#define MT_OFFLOAD_PIECE_ELEMENTS ((int64_t)1 << 22) /* optimizer offload: elements per copy/update piece */
+#define MT_OFFLOAD_SLOTS 4                        /* pinned gradient staging pieces in flight */
+
+/* Where every byte of device memory goes, per GPU (bytes; "this GPU's" throughout). */
+typedef struct {
+    int pp_rank;                  /* the pipeline rank this plan is for */
+    int num_layers;               /* transformer layers on this GPU (all its model chunks) */
+    int in_flight;                /* activation slots: (chunk, micro-batch) pairs held at once */
+    int num_micro_batches;        /* per step, per rank */
+    int64_t num_parameters;       /* this GPU's: its tensor-parallel shard of its layers */
+    int64_t buffer_elements;      /* the parameter/gradient buffers: parameters plus Megatron's padding */
+    int64_t shard_elements;       /* what this rank's optimizer owns (buffer / dp with the distributed optimizer) */
+    int64_t offload_elements;     /* of the shard, in host memory (--optimizer-cpu-offload) */
+    int64_t optimizer_chunks;     /* AdamW's pieces on the GPU (the chunk table and partial sums) */
+    /* device allocations, each what mt_trainer_create cudaMallocs for it */
+    size_t parameter_bytes;       /* model-precision weights */
+    size_t master_bytes;          /* fp32 master weights (0 in fp32 without sharding: the weights are the master) */
+    size_t gradient_bytes;        /* fp32 gradient accumulation buffer */
+    size_t optimizer_bytes;       /* Adam moments */
+    size_t activation_bytes;      /* the activation arena: scratch + saved x in_flight */
+    size_t activation_saved_bytes;/* one slot: the saved activations of one micro-batch in the largest chunk */
+    size_t workspace_bytes;       /* cuBLAS workspace, column-sum scratch, AdamW chunk table and norm partials,
+                                     RoPE tables; PP > 1: the buffer of an input gradient waiting to be sent */
+    size_t fp8_bytes;             /* FP8: the weights' FP8 copies (both layouts), scaling state, cast scratch */
+    size_t offload_bytes;         /* optimizer offload's device staging (the updated fp32 weights of a piece) */
+    size_t total_bytes;           /* the sum of the above: what the trainer allocates */
+    /* not allocated by the trainer */
+    size_t overhead_bytes;        /* MT_PLAN_*: the CUDA context, cuBLAS, NCCL communicators */
+    size_t device_bytes;          /* total + overhead: what the device should report in use */
+    size_t host_pinned_bytes;     /* optimizer offload: master, m, v of the offloaded part, gradient staging */
+    size_t state_bytes_measured;  /* trainer only: what the device reported the weights, master, gradients and Adam took */
+} mt_memory_plan;
+
+/* The plan of one GPU of the config's layout (world_size, TP, PP, VP, DP, SP, distributed optimizer,
+ * precision, FP8, offload, micro-batch) for opts (NULL: defaults). cfg must have been finalized (its
+ * layer split and schedule checked); fails on a pipeline rank outside [0, PP). */
+mt_status mt_memory_plan_compute(const mt_config* cfg, const mt_plan_options* opts, mt_memory_plan* plan,
+                                 mt_error* err);
+/* Elements of an optimizer shard of `shard` elements that --optimizer-cpu-offload puts in host
+ * memory: the last fraction x shard of it (all at 1.0; else rounded down to 16 elements). */
+int64_t mt_offload_elements(const mt_config* cfg, int64_t shard);
+/* The optimizer's work in pieces (megatron.cu's AdamW chunks): for each bucket of B in order, each
+ * parameter's part of the bucket's DP shard (dp = 1: all of it) in pieces of at most
+ * MT_OPT_CHUNK_ELEMENTS, numbered by their place in the shard, a piece cut where the GPU's part of the
+ * shard ends (gpu_shard; optimizer offload). Writes them to out (NULL: only counts); returns the count. */
+typedef struct {
+    int64_t buffer, master, length;
+    int tensor; /* MT_P_* */
+} mt_optimizer_piece;
+int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int64_t gpu_shard, mt_optimizer_piece* out);
+/* Whether the config's attention runs on the flash kernels (bf16, head dim 64 or 128), else exact. */
+int mt_flash_attention(const mt_config* cfg);
+
+/* The activation arena of one pipeline rank (megatron.cu section 16 names each region): regions in
+ * this order, each at a 256-byte-aligned offset; a region of 0 bytes does not exist in this config.
+ * First the scratch every micro-batch shares (MT_ACT_LN1 .. MT_ACT_EMBED_INDEX), then num_slots
+ * slots one after another, each a copy of the saved regions (MT_ACT_RESIDUAL .. MT_ACT_LOGITS: what
+ * one micro-batch's pass through one model chunk keeps for its backward, sized for the rank's
+ * largest chunk; the final norm's output and the logits only on the rank that holds the head). */
+enum {
+    MT_ACT_LN1 = 0, MT_ACT_Q, MT_ACT_K, MT_ACT_V, MT_ACT_O, MT_ACT_DK, MT_ACT_DV, MT_ACT_DSCORES, MT_ACT_DSUM,
+    MT_ACT_LOGITS_ROW, MT_ACT_BRANCH, MT_ACT_BRANCH2, MT_ACT_DRESIDUAL, MT_ACT_GATHERED, MT_ACT_GATHERED_GRAD,
+    MT_ACT_ROWS, MT_ACT_CE_STATS, MT_ACT_INPUTS, MT_ACT_TARGETS, MT_ACT_LOSSES, MT_ACT_EMBED_INDEX,
+    MT_ACT_RESIDUAL, /* the first saved region */
+    MT_ACT_LN1_MEAN, MT_ACT_LN1_RSTD, MT_ACT_QKV, MT_ACT_PROBS, MT_ACT_LSE, MT_ACT_ATTN_OUT, MT_ACT_RESIDUAL_MID,
+    MT_ACT_LN2, MT_ACT_LN2_MEAN, MT_ACT_LN2_RSTD, MT_ACT_FC1, MT_ACT_ACT, MT_ACT_LNF, MT_ACT_LNF_MEAN,
+    MT_ACT_LNF_RSTD, MT_ACT_LOGITS, MT_ACT_REGIONS
+};
+typedef struct {
+    size_t offset[MT_ACT_REGIONS];  /* scratch: in the arena; saved: slot 0's (slot k's is k x saved_bytes on) */
+    size_t bytes[MT_ACT_REGIONS];   /* the region (a saved one: in one slot) */
+    int64_t kept_layers[MT_ACT_REGIONS]; /* per-layer regions: how many layers' worth a slot holds */
+    int num_slots;
+    size_t scratch_bytes;           /* the shared scratch */
+    size_t saved_bytes;             /* one slot */
+    size_t total;                   /* the arena: scratch_bytes + num_slots x saved_bytes */
+} mt_activation_layout;
+/* A pipeline rank whose largest model chunk has `layers` transformer layers (head: it holds the final
+ * norm and output layer), with num_slots slots. */
+void mt_activation_layout_compute(const mt_config* cfg, int layers, int head, int num_slots,
+                                  const mt_recompute* recompute, mt_activation_layout* out);
+
+/* The FP8 arena (one allocation) of `fp8_layers` FP8 layers: scaling arrays, the weights' FP8 copies
+ * in both layouts, the cast scratch of one linear and, blockwise, the block scales. */
+enum {
+    MT_FP8A_SCALE = 0, MT_FP8A_SCALE_INV, MT_FP8A_AMAX, MT_FP8A_MAX, MT_FP8A_HISTORY, MT_FP8A_WEIGHTS, MT_FP8A_X8,
+    MT_FP8A_X8T, MT_FP8A_G8, MT_FP8A_G8T, MT_FP8A_X_BLOCKS, MT_FP8A_XT_BLOCKS, MT_FP8A_G_BLOCKS, MT_FP8A_GT_BLOCKS,
+    MT_FP8A_W_BLOCKS, MT_FP8A_REGIONS
+};
+#define MT_FP8_SCALE_INV_STRIDE 4 /* floats between per-tensor scale_invs (16 bytes: cuBLASLt's alignment) */
+typedef struct {
+    size_t offset[MT_FP8A_REGIONS];
+    int num_tensors;                /* fp8_layers x 4 linears x 3 roles (input, weight, output gradient) */
+    int history_len;
+    int64_t weights_per_layer;      /* bytes of one layer's FP8 weights, W and W^T of the 4 linears */
+    int64_t weight_blocks_per_layer;/* floats of one layer's 128x128 block scales (both layouts) */
+    size_t total;
+} mt_fp8_arena_layout;
+void mt_fp8_arena_layout_compute(const mt_config* cfg, int fp8_layers, mt_fp8_arena_layout* out);
+/* Floats of a blockwise scale_inv of a tensor [rows, cols]: 1x128 blocks (blocks_128x128 = 0) or
+ * 128x128 blocks with cuBLASLt's padding (the column blocks rounded up to 4). */
+int64_t mt_fp8_scale_inv_floats(int blocks_128x128, int rows, int cols);
+
+/* Layouts of a world size for train_gpt --plan-layouts: every (TP, PP, VP) the model divides into
+ * (TP at most 8, a node's NVLink domain; VP up to 4 where the layer split and the interleaved
+ * schedule accept it), DP the rest, the
+ * config's global batch, micro-batch, SP and optimizer flags kept; each with its plan and the cost
+ * model's relative step time (DESIGN.md): compute x (1 + (PP - 1) / (VP M)) + the TP and DP
+ * communication at stated bandwidths. Sorted fastest first (tokens per second per GPU: layouts whose
+ * global batch is micro-batch x DP run different batches); *count layouts written (at most max). */
+typedef struct {
+    int tp, pp, vp, dp;
+    int global_batch_size;        /* the config's, or micro-batch x DP when it gives none */
+    double step_seconds;          /* the cost model's estimate of one step */
+    double tokens_per_second;     /* per GPU: global batch x seq / step / world (what the order follows) */
+    mt_memory_plan plan;          /* the pipeline rank that needs the most memory */
+} mt_layout_candidate;
+mt_status mt_plan_layouts(const mt_config* cfg, const mt_plan_options* opts, int world_size,
+                          mt_layout_candidate* out, int max, int* count, mt_error* err);
+
+/* ---- CPU AdamW (optimizer offload) ----------------------------------------------------------- */
+/* The GPU AdamW of megatron.cu section 11 on the host, operation for operation in the same order
+ * with the same fused multiply-adds, so each element's m, v and master are bit-for-bit the GPU's
+ * (IEEE fp32 division and square root on both; no flush to zero): per element, g = grad * grad_scale,
+ *   m = fma(m, beta1, (1 - beta1) g)          v = fma(v, beta2, g ((1 - beta2) g))
+ *   u = fma(p, wd, (m / bc1) / (sqrt(v / bc2) + eps))                   p = fma(-u, lr, p)
+ * Vectorised 8 floats at a time with AVX2 + FMA where the CPU has them (checked at run time), else
+ * the scalar loop (fmaf). */
+typedef struct {
+    float lr, beta1, beta2, bias_correction1, bias_correction2, eps, weight_decay;
+    float grad_scale; /* clipping and the fp16 loss scale's unscaling, folded */
+} mt_adamw_step;
+/* n elements of one weight-decay class (decay: weight_decay applies, else 0). */
+void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v, int64_t n);
+/* The same per element, one element at a time in plain C: the reference the tests hold mt_adamw_cpu to. */
+void mt_adamw_cpu_scalar(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
+                         int64_t n);
+
+/* A pool of worker threads (pthreads) that runs one job at a time on every thread. */
+typedef struct mt_thread_pool mt_thread_pool;
+mt_status mt_thread_pool_create(mt_thread_pool** out, int threads, mt_error* err);
+void mt_thread_pool_free(mt_thread_pool* pool);
+int mt_thread_pool_size(const mt_thread_pool* pool);
+/* Runs fn(arg, worker, workers) on every worker (the caller is worker 0) and returns when all are done. */
+void mt_thread_pool_run(mt_thread_pool* pool, void (*fn)(void* arg, int worker, int workers), void* arg);
+
+/* A run of elements of one weight-decay class in arrays laid out alike (grad, master, m, v). */
+typedef struct {
+    int64_t offset, length;
+    int decay;
+} mt_adamw_segment;
+/* mt_adamw_cpu over segments (increasing, disjoint), the elements split evenly over the pool's threads
+ * at 16-element boundaries (pool NULL: this thread). */
+void mt_adamw_cpu_parallel(mt_thread_pool* pool, const mt_adamw_step* h, const mt_adamw_segment* segments,
+                           int num_segments, const float* grad, float* master, float* m, float* v);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 7. Checkpoint format: the header words, config <-> header                                       */
@@ -835,22 +1058,6 @@ int mt_make_directories(const char* path);
 
 typedef struct mt_trainer mt_trainer;
 
-/* Where every byte of device memory goes, per GPU. */
-typedef struct {
-    int64_t num_parameters;   /* this GPU's: its tensor-parallel shard of the model */
-    int64_t buffer_elements;  /* the parameter/gradient buffer: parameters plus Megatron's padding */
-    int64_t shard_elements;   /* what this rank's optimizer owns (buffer / dp with the distributed optimizer) */
-    size_t parameter_bytes;   /* model-precision weights */
-    size_t master_bytes;      /* fp32 master weights (0 in fp32 without sharding: the weights are the master) */
-    size_t gradient_bytes;    /* fp32 gradient accumulation buffer */
-    size_t optimizer_bytes;   /* Adam moments */
-    size_t activation_bytes;  /* the activation arena for one micro-batch */
-    size_t workspace_bytes;   /* cuBLAS workspace, reduction scratch, staging */
-    size_t fp8_bytes;         /* FP8: the weights' FP8 copies (both layouts), scaling state, cast scratch */
-    size_t total_bytes;
-    size_t state_bytes_measured; /* what the device reported the weights, master, gradients and Adam took */
-} mt_memory_plan;
-
 typedef struct {
     double lm_loss;           /* mean loss over the global batch */
     double grad_norm;         /* global L2 norm before clipping (0 on a skipped step) */
@@ -866,12 +1073,19 @@ typedef void (*mt_log_fn)(void* user, const char* line);
 /* Makes the NCCL id of a multi-process job (rank 0 calls it; the launcher sends it to all ranks). */
 mt_status mt_comm_id_create(mt_comm_id* id, mt_error* err);
 
-/* Creates a trainer on the current CUDA device: plans and allocates all memory once, initialises
+/* Creates a trainer on the current CUDA device: plans all memory (mt_memory_plan_compute), refuses
+ * with MT_ERR_OOM, before allocating anything, a plan that does not fit the device's free memory (the
+ * message names the shortfall), allocates it once, initialises
  * the weights from cfg->seed as Megatron does (normal(std), output projections scaled by 1/sqrt(2L),
  * biases 0, norms 1). cfg must have been finalized. */
 mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* err);
 void mt_trainer_free(mt_trainer* t);
+/* The plan this GPU's trainer was created from (mt_memory_plan_compute for its pipeline and data-parallel
+ * rank), with state_bytes_measured filled. */
 mt_memory_plan mt_trainer_memory_plan(const mt_trainer* t);
+/* What the trainer allocated at creation, counted per allocation into the plan's categories (the
+ * byte fields and total_bytes; the rest 0): equal to the plan's, which the tests check. */
+mt_memory_plan mt_trainer_memory_allocated(const mt_trainer* t);
 
 /* One training iteration over this rank's part of the global batch.
  * tokens: [num_micro_batches, micro_batch_size, seq_length + 1] (inputs are [..., :-1], labels [..., 1:]).
@@ -992,6 +1206,10 @@ mt_status mt_tb_close(mt_tb_writer* w, mt_error* err);
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <pthread.h>
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -2654,6 +2872,7 @@ void mt_config_defaults(mt_config* cfg) {
     cfg->fp8_wgrad = 1;
     cfg->num_layers_at_start_in_bf16 = 1;
     cfg->num_layers_at_end_in_bf16 = 1;
+    cfg->optimizer_offload_fraction = 1.0;
 }
 
 int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int tensor_parallel_size) {
@@ -3187,6 +3406,9 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if (c->overlap_param_gather && !c->overlap_grad_reduce)
         return mt_fail(err, MT_ERR_CONFIG, "--overlap-param-gather needs --overlap-grad-reduce");
     if (c->ddp_bucket_size < 0) return mt_fail(err, MT_ERR_CONFIG, "--ddp-bucket-size must be positive");
+    if (!(c->optimizer_offload_fraction >= 0.0 && c->optimizer_offload_fraction <= 1.0))
+        return mt_fail(err, MT_ERR_CONFIG, "--optimizer-offload-fraction %g: must be in [0, 1]",
+                       c->optimizer_offload_fraction);
     if (c->rank < 0 || c->rank >= c->world_size)
         return mt_fail(err, MT_ERR_CONFIG, "rank %d outside a world of %d", c->rank, c->world_size);
     return MT_OK;
@@ -3255,7 +3477,7 @@ double mt_flops_per_iteration(const mt_config* c, int64_t batch) {
 int64_t mt_num_parameters(const mt_config* c) { return mt_param_layout(c, NULL); }
 
 /* 6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout,
- *    pipeline schedules ---------------------------------------------------------------------- */
+ *    pipeline schedules, memory plan, CPU AdamW ---------------------------------------------- */
 
 /* The layout at a tensor-parallel size of tp (1: the full model). Each tensor is given per layer as
  * [outer, rows, inner] with the rows cut over TP when split (see mt_param_info). */
@@ -3613,6 +3835,27 @@ mt_status mt_pp_schedule(int pp, int vp, int m, int group_size, int rank, mt_pp_
     return MT_OK;
 }
 
+int mt_pp_slots_needed(const mt_pp_op* ops, int num_ops) {
+    int live = 0, most = 1;
+    for (int k = 0; k < num_ops; k++) {
+        live += ops[k].kind == MT_PP_FORWARD ? 1 : -1;
+        if (live > most) most = live;
+    }
+    return most;
+}
+
+mt_status mt_pp_activation_slots(int pp, int vp, int m, int group_size, int rank, int* slots, mt_error* err) {
+    *slots = 0;
+    mt_status st = mt_pp_schedule_check(pp, vp, m, group_size, err);
+    if (st != MT_OK) return st;
+    mt_pp_op* ops = (mt_pp_op*)malloc(sizeof(mt_pp_op) * 2 * (size_t)m * (size_t)vp);
+    if (!ops) return mt_fail(err, MT_ERR_OOM, "cannot allocate a pipeline schedule of %d micro-batches", m);
+    st = mt_pp_schedule(pp, vp, m, group_size, rank, ops, NULL, err);
+    if (st == MT_OK) *slots = mt_pp_slots_needed(ops, 2 * m * vp);
+    free(ops);
+    return st;
+}
+
 /* Layers of virtual stage v (of PP * VP) under cfg's split; -1 when the split is impossible. */
 static int mt__pp_stage_layers(const mt_config* c, int v) {
     int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
@@ -3687,6 +3930,567 @@ int mt_pp_holds(const mt_pp_stage* st, int tensor, int layer) {
                 if (layer >= st->first_layer[c] && layer < st->first_layer[c] + st->num_layers[c]) return 1;
             return 0;
     }
+}
+
+/* The memory plan ---------------------------------------------------------------------------- */
+
+void mt_plan_options_defaults(mt_plan_options* o) {
+    memset(o, 0, sizeof(*o));
+    o->recompute.granularity = MT_RECOMPUTE_NONE;
+    o->pp_rank = -1;
+}
+
+int mt_flash_attention(const mt_config* c) {
+    return c->precision == MT_BF16 && (c->kv_channels == 64 || c->kv_channels == 128);
+}
+
+int64_t mt_offload_elements(const mt_config* c, int64_t shard) {
+    if (!c->optimizer_cpu_offload || shard <= 0) return 0;
+    if (c->optimizer_offload_fraction >= 1.0) return shard;
+    int64_t n = (int64_t)(c->optimizer_offload_fraction * (double)shard);
+    return n / 16 * 16;
+}
+
+static size_t mt__align256(size_t x) { return (x + 255) & ~(size_t)255; }
+
+/* Layers' worth of one per-layer region a copy keeps under a recompute setting (out of L layers). */
+static int64_t mt__kept_layers(const mt_recompute* rc, int region, int64_t L, int flash) {
+    int residual = region == MT_ACT_RESIDUAL;
+    int64_t all = residual ? L + 1 : L;
+    if (!rc || rc->granularity == MT_RECOMPUTE_NONE || L == 0) return all;
+    int64_t one = L > 0 ? 1 : 0; /* a recomputed tensor still needs one layer's room while its backward runs */
+    if (rc->granularity == MT_RECOMPUTE_SELECTIVE) {
+        int m = rc->modules ? rc->modules : MT_RECOMPUTE_CORE_ATTN;
+        if (region == MT_ACT_PROBS && (m & MT_RECOMPUTE_CORE_ATTN) && !flash) return one;
+        if (region == MT_ACT_LN2 && (m & MT_RECOMPUTE_LAYERNORM)) return one;
+        if (region == MT_ACT_ACT && (m & (MT_RECOMPUTE_ACT | MT_RECOMPUTE_MLP))) return one;
+        if (region == MT_ACT_FC1 && (m & MT_RECOMPUTE_MLP)) return one;
+        return all;
+    }
+    /* full: a recomputed layer keeps only its input; its activations come back one group at a time */
+    if (rc->method == MT_RECOMPUTE_UNIFORM) {
+        int64_t n = rc->num_layers > 0 && rc->num_layers < L ? rc->num_layers : (rc->num_layers > 0 ? L : 1);
+        if (residual) return (L + n - 1) / n + 1;
+        return n;
+    }
+    int64_t n = rc->num_layers > 0 && rc->num_layers < L ? rc->num_layers : L; /* block */
+    if (residual) return all;
+    return L - n + (n > 0 ? 1 : 0);
+}
+
+void mt_activation_layout_compute(const mt_config* c, int layers, int head, int num_slots, const mt_recompute* rc,
+                                  mt_activation_layout* out) {
+    memset(out, 0, sizeof(*out));
+    const int tp = c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1;
+    const int sp = c->sequence_parallel && tp > 1, flash = mt_flash_attention(c);
+    const int64_t e = c->precision == MT_FP32 ? 4 : 2, B = c->micro_batch_size, S = c->seq_length, BT = B * S;
+    const int64_t R = sp ? BT / tp : BT, h = c->hidden_size, d = c->kv_channels, L = layers;
+    const int64_t heads = c->num_attention_heads / tp, groups = c->num_query_groups / tp;
+    const int64_t qkv_width = (heads + 2 * groups) * d, attn_width = heads * d, f = c->ffn_hidden_size / tp;
+    const int64_t f1 = c->swiglu ? 2 * f : f, V_full = c->padded_vocab_size, V = V_full / tp;
+    const int64_t heads_elems = B * heads * S * d, group_elems = B * groups * S * d, score_elems = B * heads * S * S;
+    int64_t wide = h;
+    if (qkv_width > wide) wide = qkv_width;
+    if (f1 > wide) wide = f1;
+    if (attn_width > wide) wide = attn_width;
+    /* bytes: per layer for the per-layer saved regions, else of the region; 0 where the config has none */
+    int64_t per_layer[MT_ACT_REGIONS] = {0}, once[MT_ACT_REGIONS] = {0};
+    once[MT_ACT_LN1] = R * h * e;
+    once[MT_ACT_Q] = flash ? 0 : heads_elems * e;
+    once[MT_ACT_K] = flash ? 0 : group_elems * e;
+    once[MT_ACT_V] = flash ? 0 : group_elems * e;
+    once[MT_ACT_O] = flash ? 0 : heads_elems * e;
+    once[MT_ACT_DK] = flash ? 0 : group_elems * e;
+    once[MT_ACT_DV] = flash ? 0 : group_elems * e;
+    once[MT_ACT_DSCORES] = flash ? 0 : score_elems * e;
+    once[MT_ACT_DSUM] = flash ? B * heads * S * 4 : 0;
+    once[MT_ACT_LOGITS_ROW] = V_full * 4;
+    once[MT_ACT_BRANCH] = BT * wide * e;
+    once[MT_ACT_BRANCH2] = BT * wide * e;
+    once[MT_ACT_DRESIDUAL] = R * h * e;
+    once[MT_ACT_GATHERED] = sp ? BT * h * e : 0;
+    once[MT_ACT_GATHERED_GRAD] = sp ? BT * h * e : 0;
+    once[MT_ACT_ROWS] = sp ? R * h * e : 0;
+    once[MT_ACT_CE_STATS] = tp > 1 ? tp * BT * 3 * 4 : 0;
+    once[MT_ACT_INPUTS] = BT * 4;
+    once[MT_ACT_TARGETS] = BT * 4;
+    once[MT_ACT_LOSSES] = BT * 4;
+    once[MT_ACT_EMBED_INDEX] = (3 * BT + 2) * 4;
+    per_layer[MT_ACT_RESIDUAL] = R * h * e; /* L + 1 of them: each layer's input and the chunk's output */
+    per_layer[MT_ACT_LN1_MEAN] = R * 4;
+    per_layer[MT_ACT_LN1_RSTD] = R * 4;
+    per_layer[MT_ACT_QKV] = BT * qkv_width * e;
+    per_layer[MT_ACT_PROBS] = flash ? 0 : score_elems * e;
+    per_layer[MT_ACT_LSE] = flash ? B * heads * S * 4 : 0;
+    per_layer[MT_ACT_ATTN_OUT] = BT * attn_width * e;
+    per_layer[MT_ACT_RESIDUAL_MID] = R * h * e;
+    per_layer[MT_ACT_LN2] = R * h * e;
+    per_layer[MT_ACT_LN2_MEAN] = R * 4;
+    per_layer[MT_ACT_LN2_RSTD] = R * 4;
+    per_layer[MT_ACT_FC1] = BT * f1 * e;
+    per_layer[MT_ACT_ACT] = BT * f * e;
+    once[MT_ACT_LNF] = head ? R * h * e : 0;
+    once[MT_ACT_LNF_MEAN] = head ? R * 4 : 0;
+    once[MT_ACT_LNF_RSTD] = head ? R * 4 : 0;
+    once[MT_ACT_LOGITS] = head ? BT * V * e : 0;
+    out->num_slots = num_slots > 0 ? num_slots : 1;
+    size_t off = 0;
+    for (int r = 0; r < MT_ACT_REGIONS; r++) {
+        if (r == MT_ACT_RESIDUAL) { /* the slots start */
+            out->scratch_bytes = off;
+            off = 0;
+        }
+        if (per_layer[r] > 0) out->kept_layers[r] = mt__kept_layers(rc, r, L, flash);
+        out->bytes[r] = per_layer[r] > 0 ? (size_t)(per_layer[r] * out->kept_layers[r]) : (size_t)once[r];
+        out->offset[r] = (r >= MT_ACT_RESIDUAL ? out->scratch_bytes : 0) + off;
+        off += mt__align256(out->bytes[r]);
+    }
+    out->saved_bytes = off;
+    out->total = out->scratch_bytes + (size_t)out->num_slots * out->saved_bytes;
+}
+
+int64_t mt_fp8_scale_inv_floats(int blocks_128x128, int rows, int cols) {
+    int64_t row_blocks = (rows + 127) / 128, col_blocks = (cols + 127) / 128;
+    if (!blocks_128x128) return col_blocks * rows;
+    return row_blocks * ((col_blocks + 3) / 4 * 4);
+}
+
+void mt_fp8_arena_layout_compute(const mt_config* c, int fp8_layers, mt_fp8_arena_layout* out) {
+    memset(out, 0, sizeof(*out));
+    if (c->fp8_format == MT_FP8_NONE) return;
+    const int tp = c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1;
+    const int64_t h = c->hidden_size, d = c->kv_channels, heads = c->num_attention_heads / tp;
+    const int64_t groups = c->num_query_groups / tp, f = c->ffn_hidden_size / tp, f1 = c->swiglu ? 2 * f : f;
+    const int64_t BT = (int64_t)c->micro_batch_size * c->seq_length;
+    /* the four linears [out, in]: QKV, proj, fc1, fc2 (megatron.cu fp8_linear_dims) */
+    const int64_t dims[4][2] = {{(heads + 2 * groups) * d, h}, {h, heads * d}, {f1, h}, {h, f}};
+    int64_t wide = 0;
+    for (int k = 0; k < 4; k++) {
+        int out_dim = (int)dims[k][0], in_dim = (int)dims[k][1];
+        out->weights_per_layer += 2 * dims[k][0] * dims[k][1];
+        out->weight_blocks_per_layer += (mt_fp8_scale_inv_floats(1, out_dim, in_dim) + 3) / 4 * 4 +
+                                        (mt_fp8_scale_inv_floats(1, in_dim, out_dim) + 3) / 4 * 4;
+        if (dims[k][0] > wide) wide = dims[k][0];
+        if (dims[k][1] > wide) wide = dims[k][1];
+    }
+    out->num_tensors = fp8_layers * 4 * 3;
+    out->history_len = c->fp8_recipe == MT_FP8_DELAYED ? c->fp8_amax_history_len : 1;
+    const int blockwise = c->fp8_recipe == MT_FP8_BLOCKWISE;
+    const int64_t rows_blocks = (mt_fp8_scale_inv_floats(0, (int)BT, (int)wide) + 3) / 4 * 4;
+    const int64_t cols_blocks = (mt_fp8_scale_inv_floats(0, (int)wide, (int)BT) + 3) / 4 * 4;
+    const int64_t nt = out->num_tensors, scratch = BT * wide;
+    const int64_t bytes[MT_FP8A_REGIONS] = {
+        nt * 4, nt * 4 * MT_FP8_SCALE_INV_STRIDE, nt * 4, nt * 4, nt * out->history_len * 4,
+        fp8_layers * out->weights_per_layer, scratch, scratch, scratch, scratch,
+        blockwise ? rows_blocks * 4 : 0, blockwise ? cols_blocks * 4 : 0, blockwise ? rows_blocks * 4 : 0,
+        blockwise ? cols_blocks * 4 : 0, blockwise ? fp8_layers * out->weight_blocks_per_layer * 4 : 0};
+    size_t off = 0;
+    for (int r = 0; r < MT_FP8A_REGIONS; r++) {
+        out->offset[r] = off;
+        off += mt__align256((size_t)bytes[r]);
+    }
+    out->total = off;
+}
+
+int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int64_t gpu_shard, mt_optimizer_piece* out) {
+    int64_t count = 0, master = 0;
+    for (int b = 0; b < B->num_buckets; b++) {
+        int64_t begin, end;
+        mt_bucket_shard(&B->buckets[b], dp, dp_rank, &begin, &end);
+        for (int i = 0; i < B->num_params; i++) {
+            const mt_buffer_param* p = &B->params[i];
+            if (p->bucket != b) continue;
+            int64_t lo = p->offset > begin ? p->offset : begin;
+            int64_t hi = p->offset + p->numel < end ? p->offset + p->numel : end;
+            for (int64_t x = lo; x < hi;) {
+                int64_t m = master + (x - begin), len = hi - x < MT_OPT_CHUNK_ELEMENTS ? hi - x : MT_OPT_CHUNK_ELEMENTS;
+                if (m < gpu_shard && m + len > gpu_shard) len = gpu_shard - m;
+                if (out) {
+                    out[count].buffer = x;
+                    out[count].master = m;
+                    out[count].length = len;
+                    out[count].tensor = p->tensor;
+                }
+                count++;
+                x += len;
+            }
+        }
+        master += end - begin;
+    }
+    return count;
+}
+
+/* One pipeline rank's plan (pp_rank in [0, PP)): the buffer, stage and slots the trainer of a GPU of
+ * that pipeline rank builds (mt_buffer_layout_build, mt_pp_activation_slots). */
+static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options* o, int pp_rank, mt_memory_plan* p,
+                                      mt_error* err) {
+    memset(p, 0, sizeof(*p));
+    const int pp = c->pipeline_model_parallel_size, tp = c->tensor_model_parallel_size, dp = c->data_parallel_size;
+    const int vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1, M = mt_num_micro_batches(c);
+    const int sharded = c->use_distributed_optimizer && dp > 1, alias = c->precision == MT_FP32 && !sharded;
+    const size_t elem = c->precision == MT_FP32 ? 4 : 2;
+    mt_config at = *c; /* a rank of this pipeline stage (and of the planned DP rank) */
+    mt_rank_coords coords = {0, o->dp_rank, pp_rank};
+    at.rank = mt_rank_of(c, coords);
+    mt_buffer_layout B;
+    mt_status st = mt_buffer_layout_build(&B, &at, err);
+    if (st != MT_OK) return st;
+    const mt_pp_stage* stage = &B.stage;
+    st = mt_pp_activation_slots(pp, vp, M, c->microbatch_group_size_per_vp_stage, pp_rank, &p->in_flight, err);
+    if (st != MT_OK) {
+        mt_buffer_layout_free(&B);
+        return st;
+    }
+    p->pp_rank = pp_rank;
+    p->num_micro_batches = M;
+    int largest = 0, fp8_layers = 0;
+    for (int k = 0; k < stage->num_chunks; k++) {
+        p->num_layers += stage->num_layers[k];
+        if (stage->num_layers[k] > largest) largest = stage->num_layers[k];
+    }
+    for (int l = 0; l < c->num_layers; l++) fp8_layers += mt_pp_holds(stage, MT_P_LN1_WEIGHT, l) && mt_fp8_layer(c, l);
+    p->num_parameters = B.canonical_size;
+    p->buffer_elements = B.size;
+    for (int b = 0; b < B.num_buckets; b++) p->shard_elements += (B.buckets[b].end - B.buckets[b].start) / (sharded ? dp : 1);
+    p->offload_elements = mt_offload_elements(c, p->shard_elements);
+    const int64_t gpu_shard = p->shard_elements - p->offload_elements, n = p->buffer_elements;
+    p->optimizer_chunks = mt_optimizer_pieces(&B, sharded ? dp : 1, sharded ? o->dp_rank : 0, gpu_shard, NULL);
+    mt_activation_layout a;
+    mt_activation_layout_compute(c, largest, stage->head, p->in_flight, &o->recompute, &a);
+    p->parameter_bytes = (size_t)n * (alias ? 4 : elem);
+    p->master_bytes = alias ? 0 : (size_t)gpu_shard * 4;
+    p->gradient_bytes = (size_t)n * 4;
+    p->optimizer_bytes = (size_t)gpu_shard * 8;
+    p->activation_saved_bytes = a.saved_bytes;
+    p->activation_bytes = a.total;
+    const int64_t wide = c->hidden_size > (int64_t)c->ffn_hidden_size / tp * (c->swiglu ? 2 : 1)
+                             ? c->hidden_size : (int64_t)c->ffn_hidden_size / tp * (c->swiglu ? 2 : 1);
+    const int64_t qkv = (int64_t)(c->num_attention_heads + 2 * c->num_query_groups) / tp * c->kv_channels;
+    size_t colsum = (size_t)MT_COLSUM_MAX_CHUNKS * (size_t)(qkv > wide ? qkv : wide);
+    if ((size_t)MT_NORM_BWD_BLOCKS * (size_t)c->hidden_size > colsum) colsum = (size_t)MT_NORM_BWD_BLOCKS * c->hidden_size;
+    const int rot = c->position_embedding_type == MT_POSITION_ROPE ? (int)(c->kv_channels * c->rotary_percent) : 0;
+    p->workspace_bytes = MT_CUBLAS_WORKSPACE_BYTES + 3 * colsum * 4 + (size_t)(p->optimizer_chunks + 1) * 8 +
+                         (size_t)(p->optimizer_chunks > 0 ? p->optimizer_chunks : 1) * MT_OPT_CHUNK_BYTES +
+                         2 * sizeof(double) + (size_t)2 * c->seq_length * (rot / 2) * 4;
+    if (pp > 1) /* an input gradient waiting to be sent to the previous stage, [R, h] */
+        p->workspace_bytes += (size_t)(c->sequence_parallel && tp > 1 ? (int64_t)c->micro_batch_size * c->seq_length / tp
+                                       : (int64_t)c->micro_batch_size * c->seq_length) * (size_t)c->hidden_size * elem;
+    if (c->fp8_format != MT_FP8_NONE) {
+        mt_fp8_arena_layout f;
+        mt_fp8_arena_layout_compute(c, fp8_layers, &f);
+        p->fp8_bytes = f.total;
+    }
+    const int64_t piece = p->offload_elements < MT_OFFLOAD_PIECE_ELEMENTS ? p->offload_elements : MT_OFFLOAD_PIECE_ELEMENTS;
+    p->offload_bytes = c->precision == MT_FP32 ? 0 : (size_t)piece * 4;
+    p->host_pinned_bytes = (size_t)p->offload_elements * 12 + (size_t)MT_OFFLOAD_SLOTS * (size_t)piece * 4;
+    p->total_bytes = p->parameter_bytes + p->master_bytes + p->gradient_bytes + p->optimizer_bytes +
+                     p->activation_bytes + p->workspace_bytes + p->fp8_bytes + p->offload_bytes;
+    /* the communicators megatron.cu's process groups create on this rank */
+    int comms = (c->world_size > 1) + (tp > 1) + (dp > 1);
+    if (pp > 1) comms += 2 + (stage->embedding || stage->head); /* activations, gradients; the embedding group */
+    p->overhead_bytes = MT_PLAN_CONTEXT_BYTES + MT_PLAN_CUBLAS_BYTES + (size_t)comms * MT_PLAN_NCCL_BYTES;
+    p->device_bytes = p->total_bytes + p->overhead_bytes;
+    mt_buffer_layout_free(&B);
+    return MT_OK;
+}
+
+mt_status mt_memory_plan_compute(const mt_config* c, const mt_plan_options* opts, mt_memory_plan* plan,
+                                 mt_error* err) {
+    mt_plan_options defaults;
+    mt_plan_options_defaults(&defaults);
+    const mt_plan_options* o = opts ? opts : &defaults;
+    memset(plan, 0, sizeof(*plan));
+    if (c->padded_vocab_size <= 0 || c->kv_channels <= 0 || c->ffn_hidden_size <= 0 || c->data_parallel_size <= 0 ||
+        c->world_size != c->tensor_model_parallel_size * c->pipeline_model_parallel_size * c->data_parallel_size)
+        return mt_fail(err, MT_ERR_CONFIG, "the memory plan needs a finalized config (mt_config_finalize)");
+    const int pp = c->pipeline_model_parallel_size;
+    if (o->recompute.granularity < MT_RECOMPUTE_NONE || o->recompute.granularity > MT_RECOMPUTE_FULL ||
+        o->recompute.num_layers < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "recompute: an unknown granularity or a negative number of layers");
+    if (o->pp_rank >= pp) return mt_fail(err, MT_ERR_RANGE, "pipeline rank %d outside [0, %d)", o->pp_rank, pp);
+    if (o->dp_rank < 0 || o->dp_rank >= c->data_parallel_size)
+        return mt_fail(err, MT_ERR_RANGE, "data-parallel rank %d outside [0, %d)", o->dp_rank, c->data_parallel_size);
+    if (o->pp_rank >= 0) return mt__memory_plan_rank(c, o, o->pp_rank, plan, err);
+    for (int r = 0; r < pp; r++) { /* the rank that needs the most */
+        mt_memory_plan p;
+        mt_status st = mt__memory_plan_rank(c, o, r, &p, err);
+        if (st != MT_OK) return st;
+        if (r == 0 || p.device_bytes > plan->device_bytes) *plan = p;
+    }
+    return MT_OK;
+}
+
+/* The cost model of --plan-layouts (DESIGN.md): a step's seconds on one GPU of the layout. */
+#define MT_COST_TFLOPS 400.0         /* sustained bf16 GEMM throughput of one H100 (fp32: 50) */
+#define MT_COST_NVLINK_GBS 150.0     /* TP and intra-node all-reduce bus bandwidth, GB/s */
+#define MT_COST_NETWORK_GBS 25.0     /* inter-node bandwidth per GPU (DP across nodes), GB/s */
+#define MT_COST_GPUS_PER_NODE 8
+static double mt__layout_seconds(const mt_config* c, int tp, int pp, int vp, int dp) {
+    const double world = (double)tp * pp * dp, M = mt_num_micro_batches(c);
+    const double tflops = c->precision == MT_FP32 ? MT_COST_TFLOPS / 8 : MT_COST_TFLOPS;
+    double compute = mt_flops_per_iteration(c, c->global_batch_size) / world / (tflops * 1e12);
+    double bubble = compute * (pp - 1) / (vp * M);
+    /* TP: per layer and micro-batch, 2 forward and 2 backward all-reduces (or all-gather +
+     * reduce-scatter) of [B S, h] activations, ring traffic 2 (TP-1)/TP of it */
+    const double elem = c->precision == MT_FP32 ? 4 : 2;
+    double act = (double)c->micro_batch_size * c->seq_length * c->hidden_size * elem;
+    double tp_comm = tp > 1 ? 4.0 * (c->num_layers / (double)pp) * M * act * 2.0 * (tp - 1) / tp / (MT_COST_NVLINK_GBS * 1e9) : 0;
+    /* DP: the fp32 gradients reduced once per step (2 (DP-1)/DP of them), over NVLink inside a node */
+    double grads = 4.0 * (double)mt_num_parameters(c) / (tp * pp);
+    double bw = tp * pp * dp <= MT_COST_GPUS_PER_NODE ? MT_COST_NVLINK_GBS : MT_COST_NETWORK_GBS;
+    double dp_comm = dp > 1 ? grads * 2.0 * (dp - 1) / dp / (bw * 1e9) : 0;
+    if (c->overlap_grad_reduce) dp_comm *= 0.25; /* mostly behind the backward */
+    return compute + bubble + tp_comm + dp_comm;
+}
+
+mt_status mt_plan_layouts(const mt_config* c, const mt_plan_options* opts, int world, mt_layout_candidate* out,
+                          int max, int* count, mt_error* err) {
+    *count = 0;
+    mt_plan_options o;
+    if (opts) o = *opts;
+    else mt_plan_options_defaults(&o);
+    o.pp_rank = -1;
+    if (world < 1) return mt_fail(err, MT_ERR_ARG, "--world-size %d: must be >= 1", world);
+    for (int tp = 1; tp <= world && tp <= MT_COST_GPUS_PER_NODE; tp++) {
+        if (world % tp) continue;
+        for (int pp = 1; pp <= world / tp; pp++) {
+            if ((world / tp) % pp) continue;
+            for (int vp = 1; vp <= (pp > 1 ? 4 : 1); vp++) {
+                mt_config x = *c;
+                x.tensor_model_parallel_size = tp;
+                x.pipeline_model_parallel_size = pp;
+                x.world_size = world;
+                x.rank = 0;
+                x.sequence_parallel = c->sequence_parallel;
+                x.vocab_size = c->vocab_size;
+                x.data_parallel_size = 0;
+                x.global_batch_size = c->global_batch_size;
+                x.virtual_pipeline_size = vp; /* the split and schedule of this layout, the defaults' */
+                x.num_layers_per_virtual_pipeline_stage = 0;
+                x.microbatch_group_size_per_vp_stage = 0;
+                x.decoder_first_pipeline_num_layers = x.decoder_last_pipeline_num_layers = -1;
+                if (x.train_samples > 0) x.train_iters = 0; /* derived again from the samples */
+                /* refused: heads, ffn or batch that do not divide, a layer split or schedule that does not exist */
+                if (mt_config_finalize(&x, NULL) != MT_OK) continue;
+                mt_memory_plan plan;
+                if (mt_memory_plan_compute(&x, &o, &plan, NULL) != MT_OK) continue;
+                if (*count >= max) return mt_fail(err, MT_ERR_RANGE, "more than %d layouts", max);
+                mt_layout_candidate* k = &out[(*count)++];
+                k->tp = tp;
+                k->pp = pp;
+                k->vp = vp;
+                k->dp = x.data_parallel_size;
+                k->global_batch_size = x.global_batch_size;
+                k->step_seconds = mt__layout_seconds(&x, tp, pp, vp, x.data_parallel_size);
+                k->tokens_per_second = (double)x.global_batch_size * x.seq_length / k->step_seconds / world;
+                k->plan = plan;
+            }
+        }
+    }
+    for (int i = 1; i < *count; i++) /* fastest first (insertion sort, stable) */
+        for (int j = i; j > 0 && out[j].tokens_per_second > out[j - 1].tokens_per_second; j--) {
+            mt_layout_candidate t = out[j];
+            out[j] = out[j - 1];
+            out[j - 1] = t;
+        }
+    return MT_OK;
+}
+
+/* CPU AdamW (optimizer offload) ------------------------------------------------------------------ */
+
+void mt_adamw_cpu_scalar(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
+                         int64_t n) {
+    const float wd = decay ? h->weight_decay : 0.0f, one_minus_beta1 = 1.0f - h->beta1,
+                one_minus_beta2 = 1.0f - h->beta2;
+    for (int64_t i = 0; i < n; i++) {
+        const float g = grad[i] * h->grad_scale;
+        const float mi = fmaf(m[i], h->beta1, one_minus_beta1 * g);
+        const float vi = fmaf(v[i], h->beta2, g * (one_minus_beta2 * g));
+        const float update = fmaf(master[i], wd, (mi / h->bias_correction1) / (sqrtf(vi / h->bias_correction2) + h->eps));
+        master[i] = fmaf(-update, h->lr, master[i]);
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define MT__ADAMW_AVX2 1
+/* 8 elements per instruction; the same operations as the scalar loop, each correctly rounded */
+__attribute__((target("avx2,fma"))) static void mt__adamw_avx2(const mt_adamw_step* h, float wd, const float* grad,
+                                                                 float* master, float* m, float* v, int64_t n) {
+    const __m256 gs = _mm256_set1_ps(h->grad_scale), b1 = _mm256_set1_ps(h->beta1), b2 = _mm256_set1_ps(h->beta2);
+    const __m256 omb1 = _mm256_set1_ps(1.0f - h->beta1), omb2 = _mm256_set1_ps(1.0f - h->beta2);
+    const __m256 bc1 = _mm256_set1_ps(h->bias_correction1), bc2 = _mm256_set1_ps(h->bias_correction2);
+    const __m256 eps = _mm256_set1_ps(h->eps), decay = _mm256_set1_ps(wd), lr = _mm256_set1_ps(h->lr);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad + i), gs);
+        const __m256 mi = _mm256_fmadd_ps(_mm256_loadu_ps(m + i), b1, _mm256_mul_ps(omb1, g));
+        const __m256 vi = _mm256_fmadd_ps(_mm256_loadu_ps(v + i), b2, _mm256_mul_ps(g, _mm256_mul_ps(omb2, g)));
+        const __m256 p = _mm256_loadu_ps(master + i);
+        const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_div_ps(vi, bc2)), eps);
+        const __m256 update = _mm256_fmadd_ps(p, decay, _mm256_div_ps(_mm256_div_ps(mi, bc1), denom));
+        _mm256_storeu_ps(master + i, _mm256_fnmadd_ps(update, lr, p)); /* p - update * lr, one rounding */
+        _mm256_storeu_ps(m + i, mi);
+        _mm256_storeu_ps(v + i, vi);
+    }
+    if (i < n) mt_adamw_cpu_scalar(h, wd != 0.0f, grad + i, master + i, m + i, v + i, n - i);
+}
+#endif
+
+void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v, int64_t n) {
+#ifdef MT__ADAMW_AVX2
+    __builtin_cpu_init(); /* idempotent; then the CPU's features are a table look-up */
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        mt_adamw_step k = *h;
+        if (!decay) k.weight_decay = 0.0f;
+        mt__adamw_avx2(&k, k.weight_decay, grad, master, m, v, n);
+        return;
+    }
+#endif
+    mt_adamw_cpu_scalar(h, decay, grad, master, m, v, n);
+}
+
+struct mt__pool_worker {
+    struct mt_thread_pool* pool;
+    int index;
+};
+struct mt_thread_pool {
+    int size; /* workers, the caller included */
+    pthread_t* threads;
+    struct mt__pool_worker* workers;
+    pthread_mutex_t lock;
+    pthread_cond_t start, done;
+    void (*fn)(void* arg, int worker, int workers);
+    void* arg;
+    uint64_t generation;
+    int pending, quit, started;
+};
+
+static void* mt__pool_main(void* p) {
+    struct mt__pool_worker* w = (struct mt__pool_worker*)p;
+    mt_thread_pool* pool = w->pool;
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool->lock);
+        while (pool->generation == seen && !pool->quit) pthread_cond_wait(&pool->start, &pool->lock);
+        if (pool->quit) {
+            pthread_mutex_unlock(&pool->lock);
+            return NULL;
+        }
+        seen = pool->generation;
+        void (*fn)(void*, int, int) = pool->fn;
+        void* arg = pool->arg;
+        pthread_mutex_unlock(&pool->lock);
+        fn(arg, w->index, pool->size);
+        pthread_mutex_lock(&pool->lock);
+        if (--pool->pending == 0) pthread_cond_signal(&pool->done);
+        pthread_mutex_unlock(&pool->lock);
+    }
+}
+
+void mt_thread_pool_free(mt_thread_pool* pool) {
+    if (!pool) return;
+    pthread_mutex_lock(&pool->lock);
+    pool->quit = 1;
+    pthread_cond_broadcast(&pool->start);
+    pthread_mutex_unlock(&pool->lock);
+    for (int i = 0; i < pool->started; i++) pthread_join(pool->threads[i], NULL);
+    pthread_cond_destroy(&pool->start);
+    pthread_cond_destroy(&pool->done);
+    pthread_mutex_destroy(&pool->lock);
+    free(pool->threads);
+    free(pool->workers);
+    free(pool);
+}
+
+mt_status mt_thread_pool_create(mt_thread_pool** out, int threads, mt_error* err) {
+    *out = NULL;
+    if (threads < 1 || threads > 1024) return mt_fail(err, MT_ERR_ARG, "thread pool: %d threads (1 to 1024)", threads);
+    mt_thread_pool* pool = (mt_thread_pool*)calloc(1, sizeof(mt_thread_pool));
+    if (!pool) return mt_fail(err, MT_ERR_OOM, "cannot allocate a thread pool");
+    pool->size = threads;
+    pool->threads = (pthread_t*)calloc((size_t)threads, sizeof(pthread_t));
+    pool->workers = (struct mt__pool_worker*)calloc((size_t)threads, sizeof(*pool->workers));
+    if (!pool->threads || !pool->workers || pthread_mutex_init(&pool->lock, NULL) != 0) {
+        free(pool->threads);
+        free(pool->workers);
+        free(pool);
+        return mt_fail(err, MT_ERR_OOM, "cannot set up a thread pool of %d threads", threads);
+    }
+    pthread_cond_init(&pool->start, NULL);
+    pthread_cond_init(&pool->done, NULL);
+    for (int i = 1; i < threads; i++) {
+        pool->workers[i].pool = pool;
+        pool->workers[i].index = i;
+        if (pthread_create(&pool->threads[pool->started], NULL, mt__pool_main, &pool->workers[i]) != 0) {
+            mt_thread_pool_free(pool);
+            return mt_fail(err, MT_ERR_OOM, "cannot start thread %d of a pool of %d", i, threads);
+        }
+        pool->started++;
+    }
+    *out = pool;
+    return MT_OK;
+}
+
+int mt_thread_pool_size(const mt_thread_pool* pool) { return pool ? pool->size : 1; }
+
+void mt_thread_pool_run(mt_thread_pool* pool, void (*fn)(void* arg, int worker, int workers), void* arg) {
+    if (!pool || pool->size == 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    pthread_mutex_lock(&pool->lock);
+    pool->fn = fn;
+    pool->arg = arg;
+    pool->pending = pool->size - 1;
+    pool->generation++;
+    pthread_cond_broadcast(&pool->start);
+    pthread_mutex_unlock(&pool->lock);
+    fn(arg, 0, pool->size);
+    pthread_mutex_lock(&pool->lock);
+    while (pool->pending > 0) pthread_cond_wait(&pool->done, &pool->lock);
+    pthread_mutex_unlock(&pool->lock);
+}
+
+typedef struct {
+    const mt_adamw_step* h;
+    const mt_adamw_segment* segments;
+    int num_segments;
+    int64_t total;
+    const float* grad;
+    float *master, *m, *v;
+} mt__adamw_job;
+
+/* Worker w of W: elements [w T / W, (w+1) T / W) of the segments' concatenation, cut at 16 elements. */
+static void mt__adamw_worker(void* arg, int w, int workers) {
+    const mt__adamw_job* j = (const mt__adamw_job*)arg;
+    int64_t lo = j->total * w / workers / 16 * 16, hi = w == workers - 1 ? j->total : j->total * (w + 1) / workers / 16 * 16;
+    int64_t at = 0; /* start of the current segment in the concatenation */
+    for (int s = 0; s < j->num_segments && at < hi; s++) {
+        const mt_adamw_segment* g = &j->segments[s];
+        int64_t a = lo > at ? lo : at, b = hi < at + g->length ? hi : at + g->length;
+        if (a < b) {
+            int64_t k = g->offset + (a - at);
+            mt_adamw_cpu(j->h, g->decay, j->grad + k, j->master + k, j->m + k, j->v + k, b - a);
+        }
+        at += g->length;
+    }
+}
+
+void mt_adamw_cpu_parallel(mt_thread_pool* pool, const mt_adamw_step* h, const mt_adamw_segment* segments,
+                           int num_segments, const float* grad, float* master, float* m, float* v) {
+    mt__adamw_job job;
+    job.h = h;
+    job.segments = segments;
+    job.num_segments = num_segments;
+    job.total = 0;
+    for (int s = 0; s < num_segments; s++) job.total += segments[s].length;
+    job.grad = grad;
+    job.master = master;
+    job.m = m;
+    job.v = v;
+    mt_thread_pool_run(pool, mt__adamw_worker, &job);
 }
 
 /* 7. Checkpoint format ------------------------------------------------------------------------- */

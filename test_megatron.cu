@@ -34,6 +34,7 @@
 #include "tests/test_tensorboard.h"
 #include "tests/test_evaluation.h"
 #include "tests/test_flags.h"
+#include "tests/test_memory.h"
 
 typedef struct {
     const char* group; /* kind.feature: kind is host, gpu or multigpu */
@@ -74,6 +75,7 @@ int main(int argc, char** argv) {
         GROUP("host.hostile", hostile_tests),
         GROUP("host.tensorboard", tensorboard_tests),
         GROUP("host.evaluation", evaluation_tests),
+        GROUP("host.memory", memory_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.flags", flags_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),
@@ -84,10 +86,12 @@ int main(int argc, char** argv) {
         GROUP("gpu.tensor_parallel", tensor_parallel_gpu_tests),
         GROUP("gpu.hf", hf_gpu_tests),
         GROUP("gpu.evaluation", evaluation_gpu_tests),
+        GROUP("gpu.memory", memory_gpu_tests),
         GROUP("gpu.hostile", hostile_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
         GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),
         GROUP("multigpu.pipeline", pipeline_multigpu_tests),
+        GROUP("multigpu.memory", memory_multigpu_tests),
     };
     int passed = 0, failed = 0, skipped = 0;
     const char* failed_names[64];

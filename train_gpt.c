@@ -163,31 +163,118 @@ static void timestamp(char* buf, size_t n) {
     snprintf(buf, n, "%s.%06ld", base, (long)tv.tv_usec);
 }
 
+/* ---- memory plan ------------------------------------------------------------------------------ */
+
+static const char* precision_name(mt_precision p) { return p == MT_FP32 ? "fp32" : p == MT_BF16 ? "bf16" : "fp16"; }
+
+/* The plan of one GPU, by category (the same block at startup, for --plan, and before a refusal). */
+static void print_plan(const mt_memory_plan* p, const mt_config* c, const mt_plan_options* opts) {
+    const double gib = 1024.0 * 1024.0 * 1024.0, mib = 1024.0 * 1024.0;
+    static const char* recompute[] = {"none", "selective", "full"};
+    printf("memory plan per GPU (pipeline rank %d of %d, %lld parameters on this GPU, %s%s): TP %d, PP %d, VP %d, DP %d%s%s%s, "
+           "recompute %s, micro-batch %d x %d tokens, %d activation slots for %d micro-batches\n",
+           p->pp_rank, c->pipeline_model_parallel_size, (long long)p->num_parameters, precision_name(c->precision),
+           c->fp8_format != MT_FP8_NONE ? " + FP8" : "", c->tensor_model_parallel_size, c->pipeline_model_parallel_size,
+           c->virtual_pipeline_size, c->data_parallel_size, c->sequence_parallel ? ", SP" : "",
+           c->use_distributed_optimizer ? ", distributed optimizer" : "",
+           p->offload_elements ? ", optimizer offload" : "", recompute[opts->recompute.granularity],
+           c->micro_batch_size, c->seq_length, p->in_flight, p->num_micro_batches);
+    printf("  parameters   %8.3f GiB  (%s, %lld elements with padding)\n", p->parameter_bytes / gib,
+           precision_name(c->precision), (long long)p->buffer_elements);
+    printf("  master fp32  %8.3f GiB\n", p->master_bytes / gib);
+    printf("  gradients    %8.3f GiB  (fp32)\n", p->gradient_bytes / gib);
+    printf("  Adam m, v    %8.3f GiB  (fp32, %lld of %lld optimizer elements on the GPU)\n", p->optimizer_bytes / gib,
+           (long long)(p->shard_elements - p->offload_elements), (long long)p->shard_elements);
+    printf("  activations  %8.3f GiB  (%.3f GiB saved per micro-batch x %d slots, the rest scratch)\n",
+           p->activation_bytes / gib, p->activation_saved_bytes / gib, p->in_flight);
+    if (p->fp8_bytes) printf("  fp8          %8.3f GiB  (the weights' FP8 copies, scaling state, cast scratch)\n", p->fp8_bytes / gib);
+    printf("  workspace    %8.3f GiB  (cuBLAS %.0f MiB, column sums, AdamW chunk table, RoPE tables%s)\n",
+           p->workspace_bytes / gib, MT_CUBLAS_WORKSPACE_BYTES / mib,
+           c->pipeline_model_parallel_size > 1 ? ", the pipeline's send buffer" : "");
+    if (p->offload_elements)
+        printf("  offload      %8.3f GiB  (device staging; host: %.3f GiB pinned for %lld offloaded elements)\n",
+               p->offload_bytes / gib, p->host_pinned_bytes / gib, (long long)p->offload_elements);
+    printf("  allocated    %8.3f GiB  (%.2f bytes of model state per parameter)\n", p->total_bytes / gib,
+           (double)(p->parameter_bytes + p->master_bytes + p->gradient_bytes + p->optimizer_bytes) /
+               (double)(p->num_parameters ? p->num_parameters : 1));
+    printf("  overheads    %8.3f GiB  (stated constants: CUDA context %.0f MiB, cuBLAS %.0f MiB, NCCL %.0f MiB per "
+           "communicator)\n", p->overhead_bytes / gib, MT_PLAN_CONTEXT_BYTES / mib, MT_PLAN_CUBLAS_BYTES / mib,
+           MT_PLAN_NCCL_BYTES / mib);
+    printf("  in use       %8.3f GiB  expected per GPU\n", p->device_bytes / gib);
+}
+
 static void print_memory_plan(mt_trainer* t, const mt_config* c) {
     mt_memory_plan p = mt_trainer_memory_plan(t);
-    double gib = 1024.0 * 1024.0 * 1024.0;
+    mt_plan_options opts;
+    mt_plan_options_defaults(&opts);
+    print_plan(&p, c, &opts);
+    const double gib = 1024.0 * 1024.0 * 1024.0;
     char name[256];
     size_t free_bytes = 0, total_bytes = 0;
     mt_error err;
-    mt_device_info(name, sizeof(name), &free_bytes, &total_bytes, &err);
-    printf("memory plan per GPU (%s, %lld parameters%s, %s):\n", name, (long long)p.num_parameters,
-           c->tensor_model_parallel_size > 1 ? " of this tensor-parallel rank" : "",
-           c->precision == MT_FP32 ? "fp32" : c->precision == MT_BF16 ? "bf16" : "fp16");
-    printf("  parameters   %8.3f GiB  (%zu bytes/param)\n", p.parameter_bytes / gib,
-           p.num_parameters ? p.parameter_bytes / (size_t)p.num_parameters : 0);
-    printf("  master fp32  %8.3f GiB\n", p.master_bytes / gib);
-    printf("  gradients    %8.3f GiB  (fp32)\n", p.gradient_bytes / gib);
-    printf("  optimizer    %8.3f GiB  (Adam m, v fp32)\n", p.optimizer_bytes / gib);
-    printf("  activations  %8.3f GiB  (micro-batch %d x %d tokens)\n", p.activation_bytes / gib, c->micro_batch_size,
-           c->seq_length);
-    printf("  workspace    %8.3f GiB\n", p.workspace_bytes / gib);
-    if (c->fp8_format != MT_FP8_NONE)
-        printf("  fp8          %8.3f GiB  (weights' FP8 copies, scaling state, cast scratch)\n", p.fp8_bytes / gib);
-    size_t state = p.parameter_bytes + p.master_bytes + p.gradient_bytes + p.optimizer_bytes;
-    printf("  model state  %8.3f GiB  (%.2f bytes/param; the device reported %.3f GiB)\n", state / gib,
-           (double)state / (double)p.num_parameters, p.state_bytes_measured / gib);
-    printf("  total        %8.3f GiB planned; device reports %.3f GiB in use of %.3f GiB\n", p.total_bytes / gib,
-           (total_bytes - free_bytes) / gib, total_bytes / gib);
+    if (mt_device_info(name, sizeof(name), &free_bytes, &total_bytes, &err) != MT_OK) snprintf(name, sizeof(name), "?");
+    printf("  total        %8.3f GiB planned; device reports %.3f GiB in use of %.3f GiB (%s; the model state took "
+           "%.3f GiB as it counts)\n", p.device_bytes / gib, (total_bytes - free_bytes) / gib, total_bytes / gib, name,
+           p.state_bytes_measured / gib);
+}
+
+/* The plan against what the device reports once training has run (dev/memory_check.sh). */
+static void print_memory_in_use(mt_trainer* t, int64_t iteration) {
+    mt_memory_plan p = mt_trainer_memory_plan(t);
+    char name[256];
+    size_t free_bytes = 0, total_bytes = 0;
+    mt_error err;
+    if (mt_device_info(name, sizeof(name), &free_bytes, &total_bytes, &err) != MT_OK) return;
+    const double gib = 1024.0 * 1024.0 * 1024.0, used = (double)(total_bytes - free_bytes);
+    printf("memory after %lld iterations: device reports %.3f GiB in use, the plan %.3f GiB (%+.1f%%)\n",
+           (long long)iteration, used / gib, p.device_bytes / gib, 100.0 * (used - p.device_bytes) / p.device_bytes);
+}
+
+/* --plan: this layout's plan and whether it fits; --plan-layouts: every layout of the world size
+ * that fits, fastest first. No GPU, no data. Returns the exit status (1: nothing fits). */
+static int run_plan(const tg_flags* o, const mt_config* c, int sequence_parallel, int global_batch) {
+    const double gib = 1024.0 * 1024.0 * 1024.0, budget = o->gpu_memory_gib * gib;
+    mt_plan_options opts;
+    mt_plan_options_defaults(&opts);
+    mt_error err;
+    if (!o->plan_layouts) {
+        mt_memory_plan p;
+        if (mt_memory_plan_compute(c, &opts, &p, &err) != MT_OK) die(2, "%s", err.message);
+        print_plan(&p, c, &opts);
+        if ((double)p.device_bytes <= budget) {
+            printf("  fits in %.1f GiB per GPU with %.3f GiB to spare\n", o->gpu_memory_gib, (budget - p.device_bytes) / gib);
+            return 0;
+        }
+        printf("  does NOT fit in %.1f GiB per GPU: %.3f GiB short\n", o->gpu_memory_gib, (p.device_bytes - budget) / gib);
+        return 1;
+    }
+    enum { MAX_LAYOUTS = 4096 };
+    mt_layout_candidate* k = (mt_layout_candidate*)malloc(sizeof(mt_layout_candidate) * MAX_LAYOUTS);
+    if (!k) die(1, "cannot allocate the layout table");
+    mt_config base = *c;
+    base.sequence_parallel = sequence_parallel;
+    base.global_batch_size = global_batch;
+    const int world = o->plan_world_size > 0 ? (int)o->plan_world_size : 1;
+    int n = 0, fits = 0;
+    if (mt_plan_layouts(&base, &opts, world, k, MAX_LAYOUTS, &n, &err) != MT_OK) die(2, "%s", err.message);
+    char batch[64];
+    if (global_batch) snprintf(batch, sizeof(batch), "global batch %d", global_batch);
+    else snprintf(batch, sizeof(batch), "global batch = micro-batch x DP");
+    printf("layouts of %d GPUs that fit in %.1f GiB per GPU (%s, micro-batch %d%s%s), fastest first by the cost model "
+           "of DESIGN.md:\n", world, o->gpu_memory_gib, batch, c->micro_batch_size,
+           sequence_parallel ? ", SP where TP > 1" : "", c->use_distributed_optimizer ? ", distributed optimizer" : "");
+    printf("    TP   PP   VP     DP   global batch   model step (ms)   tokens/s/GPU   GiB per GPU (pipeline rank)   "
+           "activation slots\n");
+    for (int i = 0; i < n; i++) {
+        if ((double)k[i].plan.device_bytes > budget) continue;
+        fits++;
+        printf("  %4d %4d %4d %6d %14d %17.1f %14.0f %21.2f (%d) %21d\n", k[i].tp, k[i].pp, k[i].vp, k[i].dp,
+               k[i].global_batch_size, 1e3 * k[i].step_seconds, k[i].tokens_per_second, k[i].plan.device_bytes / gib,
+               k[i].plan.pp_rank, k[i].plan.in_flight);
+    }
+    printf("  %d of %d layouts fit%s\n", fits, n, n ? "" : " (no TP x PP divides the model and the batch)");
+    free(k);
+    return fits ? 0 : 1;
 }
 
 /* ---- TensorBoard ------------------------------------------------------------------------------ */
@@ -570,12 +657,27 @@ int main(int argc, char** argv) {
     c->rank = rank;
     c->local_rank = local_rank;
     c->comm_id = comm_id;
+    const int planning = o.plan || o.plan_layouts, sequence_parallel = c->sequence_parallel;
+    const int global_batch = c->global_batch_size; /* 0: micro-batch x DP of each layout */
+    if (planning) { /* the layout of --world-size GPUs, on none (--plan-layouts: the model checked on one) */
+        c->world_size = o.plan_world_size > 0 && !o.plan_layouts ? (int)o.plan_world_size : 1;
+        c->rank = 0;
+        c->local_rank = -1;
+    }
 
     mt_tokenizer* tok = load_tokenizer(&o);
     c->vocab_size = tok ? mt_tokenizer_vocab_size(tok) : o.null_vocab_size;
     c->eod_token = tok ? mt_tokenizer_eod(tok) : o.null_vocab_size - 1; /* NullTokenizer: the last id */
     mt_error err;
     if (mt_config_finalize(c, &err) != MT_OK) die(2, "%s", err.message);
+    if (planning) {
+        int status = run_plan(&o, c, sequence_parallel, global_batch);
+        if (tok) mt_tokenizer_free(tok);
+#ifdef MT_USE_MPI
+        MPI_Finalize();
+#endif
+        return status;
+    }
     /* data: Megatron's sample counts (refused when they overflow); --skip-train: one evaluation's
      * worth (Megatron) */
     int64_t num_samples[3];
@@ -622,7 +724,16 @@ int main(int argc, char** argv) {
            c->use_distributed_optimizer ? ", distributed optimizer" : "",
            c->overlap_grad_reduce ? ", overlapped grad reduce" : "", c->overlap_param_gather ? ", overlapped param gather" : "");
     mt_trainer* t = NULL;
-    if (mt_trainer_create(&t, c, &err) != MT_OK) die(1, "%s", err.message);
+    mt_status created = mt_trainer_create(&t, c, &err);
+    if (created == MT_ERR_OOM) { /* the plan that does not fit, then the shortfall */
+        mt_plan_options opts;
+        mt_plan_options_defaults(&opts);
+        opts.pp_rank = mt_rank_coordinates(c, c->rank).pp;
+        mt_memory_plan p;
+        mt_error plan_err;
+        if (mt_memory_plan_compute(c, &opts, &p, &plan_err) == MT_OK) print_plan(&p, c, &opts);
+    }
+    if (created != MT_OK) die(1, "%s", err.message);
     print_memory_plan(t, c);
 
     int64_t iteration = 0, consumed = 0, consumed_valid = 0;
@@ -730,7 +841,10 @@ int main(int argc, char** argv) {
         }
     }
     if (!why) { /* an exit condition stops as Megatron does: a checkpoint, no final evaluation, no sample */
-        if (!o.skip_train) printf("training took %.1f s\n", now_seconds() - t_start);
+        if (!o.skip_train) {
+            printf("training took %.1f s\n", now_seconds() - t_start);
+            print_memory_in_use(t, iteration); /* the plan against the device once training has run */
+        }
         /* as Megatron: validation and test losses at the end of training, or instead of it with
          * --skip-train (then nothing goes to TensorBoard, as in Megatron) */
         mt_tb_writer* final_tb = o.skip_train ? NULL : tb;

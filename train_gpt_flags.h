@@ -84,6 +84,10 @@ typedef struct {
     /* this build's own */
     int sample_tokens;
     double peak_tflops;
+    /* the memory plan without a GPU: --plan (this layout), --plan-layouts (every layout of the world) */
+    int plan, plan_layouts;
+    int64_t plan_world_size; /* --world-size (-1: not given) */
+    double gpu_memory_gib;   /* --gpu-memory-gib (-1: not given; 80) */
     int builtin;   /* no --data-path and no --mock-data: the built-in job */
     /* raw values that tg_flags_apply maps into cfg */
     int64_t num_layers, hidden, ffn, heads, groups, kv, seq, maxpos, divisible, mbs, gbs, iters, train_samples;
@@ -264,6 +268,11 @@ static const tg_flag tg_flag_table[] = {
      "initial weights are a function of the seed only, wherever they are made"},
     {"--tp-comm-overlap", G_TRAIN, F_REFUSED_SWITCH, 0, NR, "off",
      "overlapping tensor-parallel communication with GEMMs is not implemented: drop the flag"},
+    {"--optimizer-cpu-offload", G_TRAIN, F_TRUE, TG_AT(cfg.optimizer_cpu_offload), NR, "off",
+     "the fp32 master weights and Adam moments of the optimizer shard's end in pinned host memory, updated by a "
+     "CPU AdamW (bit for bit the GPU's)"},
+    {"--optimizer-offload-fraction", G_TRAIN, F_DOUBLE, TG_AT(cfg.optimizer_offload_fraction), DR(0, 1, 0), "1.0",
+     "the part of the optimizer shard --optimizer-cpu-offload puts on the host"},
     {"--recompute-activations", G_TRAIN, F_REFUSED_SWITCH, 0, NR, "off",
      "activation recomputation is not implemented: drop the flag (or lower --micro-batch-size)"},
     {"--recompute-granularity", G_TRAIN, F_REFUSED_VALUE, 0, NR, "none",
@@ -460,6 +469,14 @@ static const tg_flag tg_flag_table[] = {
      "tokens of text sampled at the end"},
     {"--peak-tflops", G_HERE, F_DOUBLE, TG_AT(peak_tflops), DR(0, INFINITY, 0), "the device's",
      "peak TFLOP/s for the MFU field"},
+    {"--plan", G_HERE, F_TRUE, TG_AT(plan), NR, "off",
+     "print the memory plan per GPU of this layout and whether it fits (no GPU, no data; exit 1 if not)"},
+    {"--plan-layouts", G_HERE, F_TRUE, TG_AT(plan_layouts), NR, "off",
+     "the TP x PP x VP layouts of --world-size GPUs that fit, fastest first by DESIGN.md's cost model"},
+    {"--world-size", G_HERE, F_INT64, TG_AT(plan_world_size), IR(1, 1 << 20), "1",
+     "the GPUs --plan and --plan-layouts plan for"},
+    {"--gpu-memory-gib", G_HERE, F_DOUBLE, TG_AT(gpu_memory_gib), DR(0, 1e6, D_LO_OPEN), "80",
+     "the memory per GPU --plan and --plan-layouts must fit in"},
 };
 #define TG_NUM_FLAGS (sizeof(tg_flag_table) / sizeof(tg_flag_table[0]))
 
@@ -562,13 +579,14 @@ static void tg_flags_init(tg_flags* v) {
                       &v->wsd_iters, &v->warmup_samples, &v->decay_samples, &v->wsd_samples, &v->tp, &v->pp, &v->cp,
                       &v->ep, &v->window, &v->hysteresis, &v->seed, &v->log_interval, &v->eval_interval,
                       &v->eval_iters, &v->save_interval, &v->exit_interval, &v->exit_duration_in_mins,
-                      &v->profile_step_start, &v->profile_step_end, &v->ddp_bucket_size, &v->null_vocab_size, &v->tiktoken_num_special_tokens,
-                      &v->rampup[0], &v->rampup[1], &v->rampup[2], &v->tensorboard_log_interval};
+                      &v->profile_step_start, &v->profile_step_end, &v->ddp_bucket_size, &v->null_vocab_size,
+                      &v->tiktoken_num_special_tokens, &v->rampup[0], &v->rampup[1], &v->rampup[2],
+                      &v->tensorboard_log_interval, &v->plan_world_size};
     for (size_t k = 0; k < sizeof(i64) / sizeof(i64[0]); k++) *i64[k] = -1;
     double* d[] = {&v->lr, &v->min_lr, &v->warmup_fraction, &v->warmup_init, &v->b1, &v->b2, &v->eps, &v->wd,
                    &v->clip, &v->std, &v->norm_eps, &v->hidden_dropout, &v->attention_dropout, &v->loss_scale,
                    &v->initial_loss_scale, &v->min_loss_scale, &v->rotary_base, &v->rotary_percent, &v->rope_factor,
-                   &v->peak_tflops, &v->mid_level_surplus};
+                   &v->peak_tflops, &v->mid_level_surplus, &v->gpu_memory_gib};
     for (size_t k = 0; k < sizeof(d) / sizeof(d[0]); k++) *d[k] = -1;
     v->fp8_margin = v->fp8_history = v->bf16_start = v->bf16_end = v->sample_tokens = v->tensorboard_queue_size = -1;
 }
@@ -714,6 +732,10 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
     if (v->tensorboard_queue_size < 0) v->tensorboard_queue_size = 1000;
     if (v->full_validation && v->mock_data)
         return tg_fail(msg, size, "--full-validation needs a dataset: --mock-data has no end");
+    if (!v->plan && !v->plan_layouts && (v->plan_world_size > 0 || v->gpu_memory_gib > 0))
+        return tg_fail(msg, size, "--world-size and --gpu-memory-gib go with --plan or --plan-layouts (a run's world "
+                       "is its processes)");
+    if (v->gpu_memory_gib < 0) v->gpu_memory_gib = 80.0;
 
     /* flags whose value decides whether this build can honour them */
     if (v->cp > 1) return tg_fail(msg, size, "--context-parallel-size %lld: context parallelism is not implemented "

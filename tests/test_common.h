@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #ifdef MT_USE_MPI
 #include <mpi.h>
 #endif
@@ -55,6 +56,17 @@ static inline const char* test_error_message(const mt_error* e) { return e ? e->
         printf("\n");                 \
         return TEST_SKIP;             \
     } while (0)
+
+/* Runs a shell command, its stdout captured into out (NUL-terminated, at most cap - 1 bytes); returns
+ * the exit status (-1: it did not exit). */
+static inline int test_command_output(const char* cmd, char* out, size_t cap) {
+    FILE* p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t n = fread(out, 1, cap - 1, p);
+    out[n] = 0;
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
 
 /* Reads a whole file into a malloc'd buffer (NUL-terminated); NULL if it cannot. */
 static inline char* test_read_file(const char* path, size_t* size_out) {

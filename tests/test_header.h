@@ -29,7 +29,7 @@
 #define TH_CC_ALONE "cc -std=c99 " TH_WARN
 #define TH_CC_COMPANIONS "cc -std=c11 -D_POSIX_C_SOURCE=200809L " TH_WARN
 #define TH_CXX "c++ -std=c++17 " TH_WARN
-#define TH_LIBS_ALONE "-lm"
+#define TH_LIBS_ALONE "-lm -lpthread"
 #define TH_LIBS_COMPANIONS "-lm -lpthread"
 
 /* ---- the programs (valid C99/C11 and C++17 alike) ---------------------------------------------- */

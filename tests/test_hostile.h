@@ -136,12 +136,7 @@ static test_result test_hostile_config_doubles(void) {
 static int hostile_run(const char* cmd, char* err_out, size_t cap) {
     char full[2048];
     snprintf(full, sizeof(full), "%s 2>&1 >/dev/null", cmd);
-    FILE* p = popen(full, "r");
-    if (!p) return -1;
-    size_t n = fread(err_out, 1, cap - 1, p);
-    err_out[n] = 0;
-    int st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return test_command_output(full, err_out, cap);
 }
 
 /* Exit status != 0 and exactly one stderr line of the program's own: it starts with the program's

@@ -289,11 +289,15 @@ static test_result test_pp_engine_transfers(void) {
                     for (int r = 0; r < pp; r++) {
                         int n = 0, warmup = 0;
                         mt_pp_op* ops = pipeline_steps(pp, vp, r, g, m, 1, &n, &warmup, &err);
-                        int slots = pipeline_slots_needed(ops, n);
+                        int slots = mt_pp_slots_needed(ops, n), planned = 0;
                         free(ops);
                         int want = vp == 1 ? (pp - r < m ? pp - r : m) : slots;
                         EXPECT(slots == want && slots >= 1 && slots <= m * vp, "PP %d M %d rank %d: %d slots, want %d",
                                pp, m, r, slots, want);
+                        /* the memory plan's count (megatron.h) is the engine's */
+                        EXPECT(mt_pp_activation_slots(pp, vp, m, g, r, &planned, &err) == MT_OK && planned == slots,
+                               "PP %d VP %d M %d rank %d: the plan counts %d slots, the schedule %d", pp, vp, m, r,
+                               planned, slots);
                     }
                 }
             }

@@ -1,0 +1,785 @@
+/* tests/test_memory.h — the memory plan (megatron.h mt_memory_plan_compute) and optimizer offload.
+ *
+ * Host: the plan's counts agree with the parallel geometry it is built from (buffer layout, TP shard,
+ * DP shard, the pipeline's split, stage buffers, activation slots and communicators, recompute,
+ * offload, FP8), the activation arena is the engine's (shared scratch, then the slots), the layouts of a
+ * world size come sorted by the cost model, the CPU AdamW equals its scalar reference bit for bit
+ * (vectorised and threaded) and AdamW computed in double within fp32 rounding, and train_gpt --plan
+ * answers with no GPU. GPU: what mt_trainer_create allocates, category by category, is the plan's to
+ * the byte (and the device's own count agrees); a plan that cannot fit is refused before anything is
+ * allocated; training with the optimizer offloaded gives the GPU optimizer's losses and weights
+ * exactly (the bound is 0: the CPU AdamW performs the GPU kernel's IEEE operations, fused
+ * multiply-adds included, in its order; sm_90 SASS checked), also across a save and resume, and with
+ * the distributed optimizer on several GPUs. Several GPUs with pipeline parallelism: each stage's
+ * allocation is its plan (1F1B, interleaved, offload), and the offloaded optimizer is the GPU's. */
+#ifndef MT_TEST_MEMORY_H
+#define MT_TEST_MEMORY_H
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "test_common.h"
+#include "test_configs.h"
+
+/* ---- host: the plan ------------------------------------------------------------------------------ */
+
+static mt_status memory_finalized(mt_config* c, int world, int tp, int sp, int dist, mt_error* err) {
+    test_config_parallel(c, tp, world, sp);
+    test_config_ddp(c, dist, 0, 0, 0);
+    c->global_batch_size = 0;
+    return mt_config_finalize(c, err);
+}
+
+/* Buffer, parameters, shard and bytes per parameter are the geometry's; the total is the categories' sum. */
+static test_result test_plan_counts(void) {
+    struct { const char* name; int llama; mt_precision prec; int world, tp, sp, dist; double bytes_per_param; } cases[] = {
+        {"gpt2 fp32", 0, MT_FP32, 1, 1, 0, 0, 16.0},          /* weights are the master: 4 + 4 + 8 */
+        {"gpt2 bf16", 0, MT_BF16, 1, 1, 0, 0, 18.0},          /* 2 + 4 + 4 + 8 */
+        {"llama bf16", 1, MT_BF16, 1, 1, 0, 0, 18.0},
+        {"gpt2 bf16 TP2 SP", 0, MT_BF16, 2, 2, 1, 0, 18.0},
+        {"llama bf16 DP4 distributed", 1, MT_BF16, 4, 1, 0, 1, 6.0 + 12.0 / 4},
+        {"gpt2 fp32 DP2 distributed", 0, MT_FP32, 2, 1, 0, 1, 8.0 + 12.0 / 2},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        mt_config c = test_config(cases[i].llama ? TEST_LLAMA : TEST_GPT2, cases[i].prec);
+        mt_error err;
+        EXPECT_OK(memory_finalized(&c, cases[i].world, cases[i].tp, cases[i].sp, cases[i].dist, &err), &err);
+        mt_memory_plan p;
+        EXPECT_OK(mt_memory_plan_compute(&c, NULL, &p, &err), &err);
+        mt_buffer_layout B;
+        EXPECT_OK(mt_buffer_layout_build(&B, &c, &err), &err);
+        int64_t size = B.size;
+        mt_buffer_layout_free(&B);
+        const int64_t params = mt_param_layout_shard(&c, NULL);
+        const int64_t shard = c.use_distributed_optimizer && c.data_parallel_size > 1 ? size / c.data_parallel_size : size;
+        const size_t state = p.parameter_bytes + p.master_bytes + p.gradient_bytes + p.optimizer_bytes;
+        const double per_param = (double)state / (double)p.num_parameters;
+        printf("      %-28s %lld parameters, buffer %lld, shard %lld, %.3f bytes/param, activations %.2f MiB\n",
+               cases[i].name, (long long)p.num_parameters, (long long)p.buffer_elements, (long long)p.shard_elements,
+               per_param, p.activation_bytes / 1048576.0);
+        EXPECT(p.buffer_elements == size && p.num_parameters == params && p.shard_elements == shard,
+               "%s: buffer %lld (layout %lld), parameters %lld (%lld), shard %lld (%lld)", cases[i].name,
+               (long long)p.buffer_elements, (long long)size, (long long)p.num_parameters, (long long)params,
+               (long long)p.shard_elements, (long long)shard);
+        /* padding (64 elements per tensor, buckets to lcm(dp, 128)) is < 1% at this size */
+        EXPECT(fabs(per_param - cases[i].bytes_per_param) < 0.01 * cases[i].bytes_per_param, "%s: %.4f bytes per "
+               "parameter, Megatron's table says %.4f", cases[i].name, per_param, cases[i].bytes_per_param);
+        EXPECT(p.total_bytes == state + p.activation_bytes + p.workspace_bytes + p.fp8_bytes + p.offload_bytes &&
+               p.device_bytes == p.total_bytes + p.overhead_bytes && p.in_flight == 1 && p.offload_elements == 0,
+               "%s: the totals are not the categories' sum", cases[i].name);
+    }
+    /* sequence parallelism cuts the norm and residual rows by TP */
+    mt_config a = test_config(TEST_GPT2, MT_BF16), b = a;
+    mt_error err;
+    EXPECT_OK(memory_finalized(&a, 2, 2, 0, 0, &err), &err);
+    EXPECT_OK(memory_finalized(&b, 2, 2, 1, 0, &err), &err);
+    mt_memory_plan pa, pb;
+    EXPECT_OK(mt_memory_plan_compute(&a, NULL, &pa, &err), &err);
+    EXPECT_OK(mt_memory_plan_compute(&b, NULL, &pb, &err), &err);
+    EXPECT(pb.activation_saved_bytes < pa.activation_saved_bytes, "SP: %zu saved bytes, without %zu",
+           pb.activation_saved_bytes, pa.activation_saved_bytes);
+    return TEST_PASS;
+}
+
+/* Megatron's pipeline as main's engine builds it: each rank's stage from mt_pp_stage_of's split (even,
+ * --decoder-first/last-pipeline-num-layers, --account-for-*-in-pipeline-split) and its buffer from
+ * mt_buffer_layout_build (the embeddings on the first, the head and, tied, a copy of the word
+ * embeddings on the last); the activation slots of its training schedule (min(PP - rank, M) for 1F1B;
+ * interleaved, Megatron's warm-up forwards + 1); the pipeline's communicators in the overhead. */
+static int plan_pp_rank(const mt_config* c, int pp_rank, mt_memory_plan* p, mt_error* err) {
+    mt_plan_options o;
+    mt_plan_options_defaults(&o);
+    o.pp_rank = pp_rank;
+    return mt_memory_plan_compute(c, &o, p, err) == MT_OK;
+}
+
+static test_result test_plan_pipeline(void) {
+    for (int untied = 0; untied <= 1; untied++) {
+        mt_config c = test_config(TEST_GPT2, MT_BF16);
+        c.num_layers = 8;
+        c.untie_embeddings_and_output_weights = untied;
+        c.pipeline_model_parallel_size = 4;
+        test_config_parallel(&c, 1, 4, 0);
+        test_config_batch(&c, 1, 8); /* M = 8 */
+        mt_error err;
+        EXPECT_OK(mt_config_finalize(&c, &err), &err);
+        mt_param_info info[MT_NUM_PARAM_TENSORS];
+        const int64_t full = mt_param_layout(&c, info), word = info[MT_P_WORD_EMBEDDINGS].numel;
+        int64_t layers = 0; /* every transformer layer's parameters */
+        for (int k = MT_P_LN1_WEIGHT; k <= MT_P_FC2_BIAS; k++) layers += info[k].numel;
+        int64_t sum = 0;
+        size_t worst = 0;
+        for (int r = 0; r < 4; r++) {
+            mt_memory_plan p;
+            EXPECT(plan_pp_rank(&c, r, &p, &err), "rank %d: %s", r, err.message);
+            sum += p.num_parameters;
+            if (p.device_bytes > worst) worst = p.device_bytes;
+            EXPECT(p.num_layers == 2 && p.in_flight == 4 - r, "rank %d: %d layers, %d slots (want 2, %d)", r,
+                   p.num_layers, p.in_flight, 4 - r);
+            if (r == 1 || r == 2) /* a middle stage: two layers, nothing else */
+                EXPECT(p.num_parameters == layers / 4, "rank %d holds %lld parameters, 2 layers are %lld", r,
+                       (long long)p.num_parameters, (long long)(layers / 4));
+            /* the buffer a trainer of this stage builds */
+            mt_config at = c;
+            mt_rank_coords rc = {0, 0, r};
+            at.rank = mt_rank_of(&c, rc);
+            mt_buffer_layout B;
+            EXPECT_OK(mt_buffer_layout_build(&B, &at, &err), &err);
+            const int64_t size = B.size, canonical = B.canonical_size;
+            mt_buffer_layout_free(&B);
+            EXPECT(p.buffer_elements == size && p.num_parameters == canonical, "rank %d: buffer %lld (layout %lld), "
+                   "parameters %lld (%lld)", r, (long long)p.buffer_elements, (long long)size,
+                   (long long)p.num_parameters, (long long)canonical);
+            /* the head alone keeps the final norm's output and the logits in each slot */
+            mt_activation_layout a;
+            mt_activation_layout_compute(&c, 2, r == 3, p.in_flight, NULL, &a);
+            EXPECT(p.activation_bytes == a.total && (a.bytes[MT_ACT_LOGITS] > 0) == (r == 3) &&
+                       (a.bytes[MT_ACT_LNF] > 0) == (r == 3),
+                   "rank %d: activations %zu, the layout's %zu (logits %zu bytes a slot)", r, p.activation_bytes,
+                   a.total, a.bytes[MT_ACT_LOGITS]);
+            /* world, the pipeline's two communicators, and on the ends the embedding group */
+            const int comms = 1 + 2 + (r == 0 || r == 3);
+            EXPECT(p.overhead_bytes == MT_PLAN_CONTEXT_BYTES + MT_PLAN_CUBLAS_BYTES + comms * MT_PLAN_NCCL_BYTES,
+                   "rank %d: overhead %zu bytes, want %d communicators'", r, p.overhead_bytes, comms);
+        }
+        /* the stages hold the model once, plus the last stage's copy of tied word embeddings */
+        EXPECT(sum == full + (untied ? 0 : word), "untied %d: stages hold %lld, the model %lld (word embeddings %lld)",
+               untied, (long long)sum, (long long)full, (long long)word);
+        mt_memory_plan any;
+        EXPECT_OK(mt_memory_plan_compute(&c, NULL, &any, &err), &err);
+        EXPECT(any.device_bytes == worst, "the default plan is not the largest stage's");
+        /* interleaved: 2 chunks of 1 layer; rank r warms up 2 (PP - r - 1) + (VP - 1) PP forwards */
+        mt_config v = c;
+        v.virtual_pipeline_size = 2;
+        EXPECT_OK(mt_config_finalize(&v, &err), &err);
+        for (int r = 0; r < 4; r++) {
+            mt_memory_plan p;
+            EXPECT(plan_pp_rank(&v, r, &p, &err), "VP 2 rank %d: %s", r, err.message);
+            int want = 2 * (4 - r - 1) + 4 + 1;
+            EXPECT(p.num_layers == 2 && p.in_flight == want, "VP 2 rank %d: %d layers, %d slots (want 2, %d)", r,
+                   p.num_layers, p.in_flight, want);
+        }
+    }
+    /* uneven splits: the first and last stage's own counts; the embedding and loss as a layer each */
+    mt_config u = test_config(TEST_GPT2, MT_BF16);
+    u.num_layers = 8;
+    u.pipeline_model_parallel_size = 4;
+    test_config_parallel(&u, 1, 4, 0);
+    test_config_batch(&u, 1, 8);
+    u.decoder_first_pipeline_num_layers = 1;
+    u.decoder_last_pipeline_num_layers = 1;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&u, &err), &err);
+    const int uneven[4] = {1, 3, 3, 1};
+    for (int r = 0; r < 4; r++) {
+        mt_memory_plan p;
+        EXPECT(plan_pp_rank(&u, r, &p, &err) && p.num_layers == uneven[r], "first/last 1: rank %d has %d layers, want %d",
+               r, p.num_layers, uneven[r]);
+    }
+    mt_config e = u;
+    e.num_layers = 6;
+    e.decoder_first_pipeline_num_layers = e.decoder_last_pipeline_num_layers = -1;
+    e.account_for_embedding_in_pipeline_split = e.account_for_loss_in_pipeline_split = 1;
+    EXPECT_OK(mt_config_finalize(&e, &err), &err);
+    const int accounted[4] = {1, 2, 2, 1};
+    for (int r = 0; r < 4; r++) {
+        mt_memory_plan p;
+        EXPECT(plan_pp_rank(&e, r, &p, &err) && p.num_layers == accounted[r], "account-for: rank %d has %d layers, "
+               "want %d", r, p.num_layers, accounted[r]);
+    }
+    mt_memory_plan p;
+    EXPECT(!plan_pp_rank(&e, 4, &p, &err) && strstr(err.message, "pipeline rank"), "pipeline rank 4 of 4: '%s'",
+           err.message);
+    mt_plan_options o;
+    mt_plan_options_defaults(&o);
+    o.dp_rank = 1;
+    EXPECT(mt_memory_plan_compute(&e, &o, &p, &err) == MT_ERR_RANGE, "data-parallel rank 1 of 1 was planned");
+    return TEST_PASS;
+}
+
+/* The activation arena is the engine's: the shared scratch, then num_slots copies of the saved
+ * regions one after another, every region 256-byte aligned and inside its slot. */
+static test_result test_plan_activation_slots(void) {
+    const mt_precision precisions[2] = {MT_FP32, MT_BF16}; /* the exact and the flash attention path */
+    for (int k = 0; k < 2; k++) {
+        mt_config c = test_config(TEST_GPT2, precisions[k]);
+        test_config_parallel(&c, 2, 2, 1);
+        mt_error err;
+        EXPECT_OK(mt_config_finalize(&c, &err), &err);
+        for (int head = 0; head <= 1; head++) {
+            mt_activation_layout one, three;
+            mt_activation_layout_compute(&c, 3, head, 1, NULL, &one);
+            mt_activation_layout_compute(&c, 3, head, 3, NULL, &three);
+            EXPECT(three.total == three.scratch_bytes + 3 * three.saved_bytes && one.saved_bytes == three.saved_bytes &&
+                       one.scratch_bytes == three.scratch_bytes && three.total - one.total == 2 * one.saved_bytes,
+                   "head %d: %zu bytes in 3 slots (scratch %zu, a slot %zu)", head, three.total, three.scratch_bytes,
+                   three.saved_bytes);
+            size_t end = 0;
+            for (int r = 0; r < MT_ACT_REGIONS; r++) {
+                const int saved = r >= MT_ACT_RESIDUAL;
+                EXPECT(three.offset[r] % 256 == 0 && three.offset[r] >= end, "region %d at %zu, after %zu", r,
+                       three.offset[r], end);
+                end = three.offset[r] + three.bytes[r];
+                EXPECT(saved ? end <= three.scratch_bytes + three.saved_bytes : end <= three.scratch_bytes,
+                       "region %d ends at %zu, outside its part", r, end);
+            }
+            /* the residual stream keeps each layer's input and the chunk's output; the head's regions */
+            EXPECT(three.kept_layers[MT_ACT_RESIDUAL] == 4 && three.kept_layers[MT_ACT_QKV] == 3 &&
+                       (three.bytes[MT_ACT_LOGITS] > 0) == head && (three.bytes[MT_ACT_LNF_RSTD] > 0) == head &&
+                       (three.bytes[MT_ACT_PROBS] > 0) == (precisions[k] == MT_FP32) &&
+                       three.bytes[MT_ACT_GATHERED] > 0 && three.bytes[MT_ACT_CE_STATS] > 0,
+                   "precision %d head %d: the regions do not follow the config", (int)precisions[k], head);
+        }
+    }
+    return TEST_PASS;
+}
+
+/* Recompute keeps less, offload moves the optimizer's end to the host, FP8 adds its arena. */
+static test_result test_plan_recompute_offload_fp8(void) {
+    mt_config c = test_config(TEST_GPT2, MT_FP32); /* the exact attention path: probabilities are kept */
+    c.num_layers = 4;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    mt_plan_options o;
+    mt_plan_options_defaults(&o);
+    mt_memory_plan none, selective, full, block;
+    EXPECT_OK(mt_memory_plan_compute(&c, &o, &none, &err), &err);
+    o.recompute.granularity = MT_RECOMPUTE_SELECTIVE;
+    EXPECT_OK(mt_memory_plan_compute(&c, &o, &selective, &err), &err);
+    o.recompute.granularity = MT_RECOMPUTE_FULL;
+    o.recompute.method = MT_RECOMPUTE_UNIFORM;
+    o.recompute.num_layers = 1;
+    EXPECT_OK(mt_memory_plan_compute(&c, &o, &full, &err), &err);
+    o.recompute.method = MT_RECOMPUTE_BLOCK;
+    o.recompute.num_layers = 0; /* every layer */
+    EXPECT_OK(mt_memory_plan_compute(&c, &o, &block, &err), &err);
+    mt_activation_layout a;
+    mt_activation_layout_compute(&c, 4, 1, 1, NULL, &a);
+    const size_t probs = a.bytes[MT_ACT_PROBS] / 4; /* one layer's attention probabilities */
+    printf("      activations: none %zu, selective %zu, full uniform 1 %zu, full block all %zu bytes\n",
+           none.activation_bytes, selective.activation_bytes, full.activation_bytes, block.activation_bytes);
+    EXPECT(none.activation_bytes - selective.activation_bytes >= 3 * probs, "selective kept the probabilities");
+    EXPECT(full.activation_bytes < selective.activation_bytes && block.activation_bytes == full.activation_bytes,
+           "full recompute: uniform %zu, block %zu, selective %zu", full.activation_bytes, block.activation_bytes,
+           selective.activation_bytes);
+    /* offload: the last fraction of the shard, rounded down to 16 elements */
+    mt_config b = test_config(TEST_GPT2, MT_BF16);
+    b.optimizer_cpu_offload = 1;
+    b.optimizer_offload_fraction = 0.37;
+    EXPECT_OK(mt_config_finalize(&b, &err), &err);
+    mt_memory_plan p;
+    EXPECT_OK(mt_memory_plan_compute(&b, NULL, &p, &err), &err);
+    const int64_t off = (int64_t)(0.37 * (double)p.shard_elements) / 16 * 16, gpu = p.shard_elements - off;
+    EXPECT(p.offload_elements == off && p.optimizer_bytes == (size_t)gpu * 8 && p.master_bytes == (size_t)gpu * 4 &&
+               p.offload_bytes == (size_t)off * 4 &&
+               p.host_pinned_bytes == (size_t)off * 12 + (size_t)MT_OFFLOAD_SLOTS * (size_t)off * 4,
+           "offload 0.37: %lld of %lld elements, optimizer %zu, master %zu, staging %zu, host %zu bytes",
+           (long long)p.offload_elements, (long long)p.shard_elements, p.optimizer_bytes, p.master_bytes,
+           p.offload_bytes, p.host_pinned_bytes);
+    b.optimizer_offload_fraction = 1.0;
+    EXPECT_OK(mt_memory_plan_compute(&b, NULL, &p, &err), &err);
+    EXPECT(p.offload_elements == p.shard_elements && p.optimizer_bytes == 0 && p.master_bytes == 0,
+           "offload 1.0 leaves %zu optimizer bytes on the GPU", p.optimizer_bytes + p.master_bytes);
+    b.optimizer_offload_fraction = 1.5;
+    EXPECT(mt_config_finalize(&b, &err) == MT_ERR_CONFIG && strstr(err.message, "offload-fraction"),
+           "fraction 1.5: '%s'", err.message);
+    /* FP8: the arena of every FP8 layer */
+    mt_config f = test_config(TEST_GPT2, MT_BF16);
+    f.fp8_format = MT_FP8_HYBRID;
+    EXPECT_OK(mt_config_finalize(&f, &err), &err);
+    EXPECT_OK(mt_memory_plan_compute(&f, NULL, &p, &err), &err);
+    mt_fp8_arena_layout fa;
+    mt_fp8_arena_layout_compute(&f, f.num_layers, &fa);
+    EXPECT(p.fp8_bytes == fa.total && fa.total > (size_t)(f.num_layers * fa.weights_per_layer),
+           "FP8: plan %zu bytes, arena %zu", p.fp8_bytes, fa.total);
+    return TEST_PASS;
+}
+
+/* --plan-layouts: every (TP, PP, VP) of 8 GPUs the model divides into, each world-sized, fastest first. */
+static test_result test_plan_layouts(void) {
+    mt_config c = test_config_sized(24, 1024, 16, 1024, 50257); /* GPT-2 350M */
+    c.precision = MT_BF16;
+    test_config_batch(&c, 4, 64);
+    test_config_ddp(&c, 1, 1, 0, 0);
+    mt_layout_candidate k[256];
+    int n = 0;
+    mt_error err;
+    EXPECT_OK(mt_plan_layouts(&c, NULL, 8, k, 256, &n, &err), &err);
+    printf("      %d layouts; fastest TP %d PP %d VP %d DP %d (%.1f ms), slowest TP %d PP %d VP %d DP %d (%.1f ms)\n", n,
+           k[0].tp, k[0].pp, k[0].vp, k[0].dp, 1e3 * k[0].step_seconds, k[n - 1].tp, k[n - 1].pp, k[n - 1].vp,
+           k[n - 1].dp, 1e3 * k[n - 1].step_seconds);
+    EXPECT(n >= 8, "only %d layouts", n);
+    for (int i = 0; i < n; i++) {
+        EXPECT(k[i].tp * k[i].pp * k[i].dp == 8 && k[i].plan.device_bytes > 0, "layout %d: %d x %d x %d", i, k[i].tp,
+               k[i].pp, k[i].dp);
+        EXPECT(i == 0 || k[i].tokens_per_second <= k[i - 1].tokens_per_second, "layout %d is out of order", i);
+    }
+    EXPECT(k[0].tp == 1 && k[0].pp == 1 && k[0].dp == 8, "the fastest is TP %d PP %d DP %d, not pure DP", k[0].tp,
+           k[0].pp, k[0].dp);
+    return TEST_PASS;
+}
+
+/* ---- host: the CPU AdamW ------------------------------------------------------------------------- */
+
+static float memory_uniform(uint64_t* s) {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return (float)((*s >> 11) * (1.0 / 9007199254740992.0)) * 2.0f - 1.0f;
+}
+
+/* mt_adamw_cpu (AVX2 where the CPU has it) and mt_adamw_cpu_parallel (4 threads, segments of both
+ * weight-decay classes) equal the scalar loop bit for bit, over 5 steps; and the scalar loop is AdamW:
+ * each step's update computed in double from the same inputs is within 2 ulp-scale (1e-6 relative
+ * of the weight plus 1e-9) of it. The weights move by ~lr per step, so a missing update fails. */
+static test_result test_cpu_adamw(void) {
+    const int64_t n = 100003; /* not a multiple of 8 or 16 */
+    float* g = (float*)malloc(sizeof(float) * n);
+    float* st[3][3]; /* [scalar, simd, threads][p, m, v] */
+    for (int a = 0; a < 3; a++)
+        for (int b = 0; b < 3; b++) st[a][b] = (float*)malloc(sizeof(float) * n);
+    uint64_t seed = 88172645463325252ull;
+    for (int64_t i = 0; i < n; i++) st[0][0][i] = memory_uniform(&seed) * 0.1f;
+    for (int a = 0; a < 3; a++) {
+        memcpy(st[a][0], st[0][0], sizeof(float) * n);
+        memset(st[a][1], 0, sizeof(float) * n);
+        memset(st[a][2], 0, sizeof(float) * n);
+    }
+    mt_adamw_segment seg[3] = {{0, 40000, 1}, {40000, 7, 0}, {40007, n - 40007, 1}};
+    mt_thread_pool* pool = NULL;
+    mt_error err;
+    EXPECT_OK(mt_thread_pool_create(&pool, 4, &err), &err);
+    double worst = 0.0, moved = 0.0;
+    test_result res = TEST_PASS;
+    for (int step = 1; step <= 5 && res == TEST_PASS; step++) {
+        for (int64_t i = 0; i < n; i++) g[i] = memory_uniform(&seed) * (i % 97 == 0 ? 1e-30f : 1.0f); /* some tiny */
+        mt_adamw_step h = {1e-3f, 0.9f, 0.95f, (float)(1 - pow(0.9, step)), (float)(1 - pow(0.95, step)), 1e-8f, 0.1f,
+                           0.5f};
+        /* the update in double from this step's inputs, for the decayed elements of segment 0 */
+        for (int64_t i = 0; i < 40000; i++) {
+            double gd = (double)g[i] * h.grad_scale, m = 0.9 * st[0][1][i] + 0.1 * gd;
+            double v = 0.95 * st[0][2][i] + 0.05 * gd * gd, p = st[0][0][i];
+            double want = p - 1e-3 * ((m / h.bias_correction1) / (sqrt(v / h.bias_correction2) + 1e-8) + 0.1 * p);
+            float got_p = p, got_m = st[0][1][i], got_v = st[0][2][i];
+            mt_adamw_cpu_scalar(&h, 1, g + i, &got_p, &got_m, &got_v, 1);
+            double e = fabs(got_p - want) / (fabs(want) * 1e-6 + 1e-9);
+            if (e > worst) worst = e;
+            moved += fabs(got_p - p);
+        }
+        for (int s = 0; s < 3; s++) {
+            mt_adamw_cpu_scalar(&h, seg[s].decay, g + seg[s].offset, st[0][0] + seg[s].offset, st[0][1] + seg[s].offset,
+                                st[0][2] + seg[s].offset, seg[s].length);
+            mt_adamw_cpu(&h, seg[s].decay, g + seg[s].offset, st[1][0] + seg[s].offset, st[1][1] + seg[s].offset,
+                         st[1][2] + seg[s].offset, seg[s].length);
+        }
+        mt_adamw_cpu_parallel(pool, &h, seg, 3, g, st[2][0], st[2][1], st[2][2]);
+        for (int a = 1; a < 3 && res == TEST_PASS; a++)
+            for (int b = 0; b < 3 && res == TEST_PASS; b++)
+                if (memcmp(st[a][b], st[0][b], sizeof(float) * n) != 0) {
+                    int64_t i = 0;
+                    while (memcmp(&st[a][b][i], &st[0][b][i], sizeof(float)) == 0) i++;
+                    printf("    FAIL step %d: %s %s element %lld is %.9g, the scalar loop's %.9g\n", step,
+                           a == 1 ? "mt_adamw_cpu" : "mt_adamw_cpu_parallel", b == 0 ? "master" : b == 1 ? "m" : "v",
+                           (long long)i, st[a][b][i], st[0][b][i]);
+                    res = TEST_FAIL;
+                }
+    }
+    printf("      5 steps: vectorised and threaded bit-equal to scalar; against double: worst %.3f (of 1), mean move "
+           "%.2e\n", worst, moved / (5 * 40000.0));
+    mt_thread_pool_free(pool);
+    free(g);
+    for (int a = 0; a < 3; a++)
+        for (int b = 0; b < 3; b++) free(st[a][b]);
+    EXPECT(res == TEST_PASS, "the CPU AdamW paths differ");
+    EXPECT(worst <= 1.0, "the update is %.3f x (1e-6 relative + 1e-9) away from AdamW in double", worst);
+    EXPECT(moved / (5 * 40000.0) > 1e-4, "the weights barely moved (%.3g per step)", moved / (5 * 40000.0));
+    return TEST_PASS;
+}
+
+/* ---- host: train_gpt --plan ------------------------------------------------------------------------ */
+
+static test_result test_train_gpt_plan(void) {
+    if (access("./train_gpt", X_OK) != 0) SKIP("./train_gpt is not built (make all)");
+    static char out[65536];
+    const char* model = "./train_gpt --tokenizer-type NullTokenizer --vocab-size 50257 --mock-data --train-iters 10 "
+                        "--lr 1e-4 --bf16 --seq-length 1024 --num-layers 24 --hidden-size 1024 --num-attention-heads 16";
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd), "%s --micro-batch-size 4 --plan --world-size 8 --tensor-model-parallel-size 2 "
+             "--sequence-parallel --use-distributed-optimizer 2>&1", model);
+    int code = test_command_output(cmd, out, sizeof(out));
+    EXPECT(code == 0 && strstr(out, "TP 2, PP 1, VP 1, DP 4, SP, distributed optimizer") && strstr(out, "fits in 80.0"),
+           "--plan: exit %d\n%s", code, out);
+    /* the pipeline's flags: the rank that needs the most is the last (its slots hold the logits, 5 of them:
+     * Megatron's 4 warm-up forwards + 1; the first rank has 8 slots without logits) */
+    snprintf(cmd, sizeof(cmd), "%s --micro-batch-size 4 --global-batch-size 32 --plan --world-size 8 "
+             "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 2>&1", model);
+    code = test_command_output(cmd, out, sizeof(out));
+    EXPECT(code == 0 && strstr(out, "pipeline rank 3 of 4") && strstr(out, "TP 1, PP 4, VP 2, DP 2") &&
+               strstr(out, "5 activation slots for 4 micro-batches"),
+           "--plan with PP 4 x VP 2: exit %d\n%s", code, out);
+    snprintf(cmd, sizeof(cmd), "%s --micro-batch-size 64 --plan --gpu-memory-gib 20 2>&1", model);
+    code = test_command_output(cmd, out, sizeof(out));
+    EXPECT(code == 1 && strstr(out, "does NOT fit in 20.0 GiB") && strstr(out, "short"), "too big: exit %d\n%s", code, out);
+    snprintf(cmd, sizeof(cmd), "%s --micro-batch-size 4 --global-batch-size 64 --plan-layouts --world-size 8 2>&1", model);
+    code = test_command_output(cmd, out, sizeof(out));
+    EXPECT(code == 0 && strstr(out, "layouts of 8 GPUs") && strstr(out, "layouts fit"), "--plan-layouts: exit %d\n%s",
+           code, out);
+    snprintf(cmd, sizeof(cmd), "%s --micro-batch-size 4 --world-size 8 2>&1", model);
+    code = test_command_output(cmd, out, sizeof(out));
+    EXPECT(code == 2 && strstr(out, "--plan"), "--world-size without --plan: exit %d\n%s", code, out);
+    return TEST_PASS;
+}
+
+static const test_case memory_tests[] = {
+    {"plan_counts_follow_the_geometry", test_plan_counts},
+    {"plan_pipeline_stages_and_slots", test_plan_pipeline},
+    {"plan_activation_slots_are_the_engines", test_plan_activation_slots},
+    {"plan_recompute_offload_fp8", test_plan_recompute_offload_fp8},
+    {"plan_layouts_fastest_first", test_plan_layouts},
+    {"cpu_adamw_bitwise_vectorised_threaded", test_cpu_adamw},
+    {"train_gpt_plan_without_gpu", test_train_gpt_plan},
+};
+
+/* ---- GPU: the plan is what is allocated ------------------------------------------------------------ */
+
+/* The plan's categories against what a trainer allocated (a) and the plan it keeps (q), to the byte. */
+static test_result plan_matches_allocation(const char* name, const mt_memory_plan* plan, const mt_memory_plan* a,
+                                           const mt_memory_plan* q) {
+    const size_t pp[9] = {plan->parameter_bytes, plan->master_bytes, plan->gradient_bytes, plan->optimizer_bytes,
+                          plan->activation_bytes, plan->workspace_bytes, plan->fp8_bytes, plan->offload_bytes,
+                          plan->total_bytes};
+    const size_t aa[9] = {a->parameter_bytes, a->master_bytes, a->gradient_bytes, a->optimizer_bytes,
+                          a->activation_bytes, a->workspace_bytes, a->fp8_bytes, a->offload_bytes, a->total_bytes};
+    const char* names[9] = {"parameters", "master", "gradients", "optimizer", "activations", "workspace", "fp8",
+                            "offload", "total"};
+    for (int k = 0; k < 9; k++) EXPECT(pp[k] == aa[k], "%s: %s planned %zu bytes, allocated %zu", name, names[k], pp[k], aa[k]);
+    EXPECT(q->total_bytes == plan->total_bytes && q->device_bytes == plan->device_bytes,
+           "%s: the trainer's plan is not mt_memory_plan_compute's", name);
+    return TEST_PASS;
+}
+
+/* Every category mt_trainer_create counts as it allocates equals the plan's, to the byte; and the
+ * device's free memory falls by the plan's total (less 4 MiB: a small buffer may land in a page already
+ * mapped) and by at most 5% (or 96 MiB) more: cudaMalloc's
+ * 2 MiB pages, the cuBLAS and cuBLASLt handles. A model of 4 x 512 at 8 x 512 tokens, so the
+ * allocations (~1 GiB) dwarf those. */
+static test_result test_plan_equals_allocation(void) {
+    REQUIRE_GPU();
+    struct { const char* name; int llama; mt_precision prec; int fp8; double offload; } cases[] = {
+        {"gpt2 fp32", 0, MT_FP32, 0, 0}, {"gpt2 bf16", 0, MT_BF16, 0, 0}, {"llama bf16", 1, MT_BF16, 0, 0},
+        {"llama fp32", 1, MT_FP32, 0, 0}, {"gpt2 fp16", 0, MT_FP16, 0, 0}, {"gpt2 bf16 FP8", 0, MT_BF16, 1, 0},
+        {"llama bf16 FP8 blockwise", 1, MT_BF16, 2, 0}, {"gpt2 bf16 offload 0.5", 0, MT_BF16, 0, 0.5},
+        {"llama fp32 offload 1.0", 1, MT_FP32, 0, 1.0},
+    };
+    int device = 0;
+    cudaDeviceProp prop;
+    cudaGetDevice(&device);
+    cudaGetDeviceProperties(&prop, device);
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        if (cases[i].fp8 && prop.major * 10 + prop.minor < 89) {
+            printf("      %s: skipped (FP8 needs compute capability 8.9)\n", cases[i].name);
+            continue;
+        }
+        mt_config c = test_config(cases[i].llama ? TEST_LLAMA : TEST_GPT2, cases[i].prec);
+        c.num_layers = 4;
+        c.hidden_size = 512;
+        c.seq_length = 512;
+        test_config_batch(&c, 8, 16);
+        test_config_attention(&c, 8, cases[i].llama ? 4 : 8, 64, cases[i].llama ? 1024 : 0);
+        if (cases[i].fp8) {
+            c.fp8_format = MT_FP8_HYBRID;
+            c.fp8_recipe = cases[i].fp8 == 2 ? MT_FP8_BLOCKWISE : MT_FP8_DELAYED;
+        }
+        c.optimizer_cpu_offload = cases[i].offload > 0;
+        c.optimizer_offload_fraction = cases[i].offload > 0 ? cases[i].offload : 1.0;
+        mt_error err;
+        EXPECT_OK(mt_config_finalize(&c, &err), &err);
+        mt_memory_plan plan;
+        EXPECT_OK(mt_memory_plan_compute(&c, NULL, &plan, &err), &err);
+        cudaDeviceSynchronize();
+        size_t free_before = 0, free_after = 0, total = 0;
+        cudaMemGetInfo(&free_before, &total);
+        mt_trainer* t = NULL;
+        EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+        cudaDeviceSynchronize();
+        cudaMemGetInfo(&free_after, &total);
+        mt_memory_plan a = mt_trainer_memory_allocated(t), q = mt_trainer_memory_plan(t);
+        mt_trainer_free(t);
+        const double used = (double)(free_before - free_after), want = (double)plan.total_bytes;
+        printf("      %-26s planned %.2f MiB, allocated %.2f MiB, the device's free memory fell %.2f MiB (%+.2f MiB)\n",
+               cases[i].name, want / 1048576.0, a.total_bytes / 1048576.0, used / 1048576.0, (used - want) / 1048576.0);
+        if (plan_matches_allocation(cases[i].name, &plan, &a, &q) != TEST_PASS) return TEST_FAIL;
+        EXPECT(used >= want - 4.0 * 1048576.0 && used - want <= fmax(0.05 * want, 96.0 * 1048576.0),
+               "%s: the device's count %.1f MiB, planned %.1f MiB", cases[i].name, used / 1048576.0, want / 1048576.0);
+    }
+    return TEST_PASS;
+}
+
+/* A plan that cannot fit is refused with its shortfall before anything is allocated. */
+static test_result test_plan_refused_before_allocation(void) {
+    REQUIRE_GPU();
+    mt_config c = test_config_sized(96, 8192, 64, 4096, 128256); /* ~78B parameters: 1.4 TB of model state */
+    c.precision = MT_BF16;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    cudaDeviceSynchronize();
+    size_t free_before = 0, free_after = 0, total = 0;
+    cudaMemGetInfo(&free_before, &total);
+    mt_trainer* t = NULL;
+    err.message[0] = 0;
+    mt_status st = mt_trainer_create(&t, &c, &err);
+    cudaMemGetInfo(&free_after, &total);
+    if (t) mt_trainer_free(t);
+    printf("      %s\n", err.message);
+    EXPECT(st == MT_ERR_OOM && !t && strstr(err.message, "memory plan needs") && strstr(err.message, "short"),
+           "status %s, '%s'", mt_status_name(st), err.message);
+    EXPECT(free_after + ((size_t)4 << 20) >= free_before, "%.1f MiB were taken before the refusal",
+           ((double)free_before - (double)free_after) / 1048576.0);
+    return TEST_PASS;
+}
+
+/* ---- GPU: optimizer offload -------------------------------------------------------------------- */
+
+/* Trains `steps` steps from the config's initial weights on fixed random batches; fills losses and
+ * (if not NULL) the final weights. With resume_at > 0, saves there, frees, and resumes in a new trainer. */
+static test_result offload_train(mt_config c, int steps, int resume_at, double* losses, float* weights) {
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    mt_trainer* t = NULL;
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    const int64_t per_step = (int64_t)mt_num_micro_batches(&c) * c.micro_batch_size * (c.seq_length + 1);
+    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * per_step);
+    char dir[] = "/tmp/mt_offload_XXXXXX";
+    test_result res = TEST_PASS;
+    for (int k = 0; k < steps && res == TEST_PASS; k++) {
+        if (resume_at > 0 && k == resume_at) {
+            if (!mkdtemp(dir)) { printf("    FAIL mkdtemp\n"); res = TEST_FAIL; break; }
+            mt_status st = mt_trainer_save(t, dir, k, 0, &err);
+            mt_trainer_free(t);
+            t = NULL;
+            if (st == MT_OK) st = mt_trainer_create(&t, &c, &err);
+            if (st == MT_OK) st = mt_trainer_load(t, dir, -1, NULL, NULL, &err);
+            char cmd[256];
+            snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+            if (system(cmd) != 0) printf("      note: could not remove %s\n", dir);
+            if (st != MT_OK) { printf("    FAIL resume: %s\n", err.message); res = TEST_FAIL; break; }
+        }
+        /* each data-parallel rank's part of one global batch (a pipeline's stages share theirs) */
+        fill_tokens(tokens, per_step, (int)c.vocab_size, 7000 + 97 * k + 13 * (uint64_t)mt_rank_coordinates(&c, c.rank).dp);
+        mt_step_result r;
+        mt_status st = mt_trainer_train_step(t, tokens, &r, &err);
+        if (st != MT_OK) { printf("    FAIL step %d: %s\n", k, err.message); res = TEST_FAIL; }
+        losses[k] = r.lm_loss;
+    }
+    if (res == TEST_PASS && weights && mt_trainer_get_parameters(t, weights, &err) != MT_OK) {
+        printf("    FAIL get_parameters: %s\n", err.message);
+        res = TEST_FAIL;
+    }
+    free(tokens);
+    if (t) mt_trainer_free(t);
+    return res;
+}
+
+/* The losses and final weights of the GPU optimizer, with the optimizer offloaded (all of it, or a
+ * fraction that cuts tensors), and offloaded across a save and resume: equal bit for bit. lr 1e-2 for
+ * 8 steps moves every weight (a missing or partial CPU update changes the losses from step 2 on);
+ * the offloaded end of the buffer holds the embeddings, which the check also sees move. */
+static test_result offload_matches(mt_precision prec, int llama) {
+    REQUIRE_GPU();
+    const int steps = 8;
+    mt_config base = test_config(llama ? TEST_LLAMA : TEST_GPT2, prec);
+    base.lr = 1e-2;
+    base.min_lr = 1e-3;
+    base.lr_warmup_iters = 1;
+    base.weight_decay = 0.1;
+    mt_config probe = base;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&probe, &err), &err);
+    const int64_t n = mt_num_parameters(&probe);
+    float* w0 = (float*)malloc(sizeof(float) * n);
+    float* w[4];
+    for (int i = 0; i < 4; i++) w[i] = (float*)malloc(sizeof(float) * n);
+    double losses[4][8];
+    const char* names[4] = {"GPU optimizer", "offload 1.0", "offload 0.37", "offload 0.37, resumed at 3"};
+    test_result res = offload_train(base, 0, 0, losses[0], w0); /* the initial weights */
+    for (int v = 0; v < 4 && res == TEST_PASS; v++) {
+        mt_config c = base;
+        c.optimizer_cpu_offload = v > 0;
+        c.optimizer_offload_fraction = v == 1 ? 1.0 : 0.37;
+        res = offload_train(c, steps, v == 3 ? 3 : 0, losses[v], w[v]);
+    }
+    if (res == TEST_PASS) {
+        double moved = 0.0;
+        const int64_t word = probe.padded_vocab_size * probe.hidden_size; /* canonical order starts with them */
+        for (int64_t i = 0; i < word; i++) moved += fabs((double)w[1][i] - w0[i]);
+        printf("      %s: loss %.6f -> %.6f; word embeddings moved %.3e on average\n", prec == MT_FP32 ? "fp32" : "bf16",
+               losses[0][0], losses[0][steps - 1], moved / (double)word);
+        if (!(moved / (double)word > 1e-4)) { printf("    FAIL the offloaded weights did not move\n"); res = TEST_FAIL; }
+        for (int v = 1; v < 4 && res == TEST_PASS; v++) {
+            for (int k = 0; k < steps; k++)
+                if (losses[v][k] != losses[0][k]) {
+                    printf("    FAIL %s: step %d loss %.9f, the GPU optimizer's %.9f\n", names[v], k, losses[v][k],
+                           losses[0][k]);
+                    res = TEST_FAIL;
+                    break;
+                }
+            if (res == TEST_PASS && memcmp(w[v], w[0], sizeof(float) * n) != 0) {
+                int64_t i = 0;
+                while (w[v][i] == w[0][i]) i++;
+                printf("    FAIL %s: weight %lld is %.9g, the GPU optimizer's %.9g\n", names[v], (long long)i, w[v][i],
+                       w[0][i]);
+                res = TEST_FAIL;
+            }
+        }
+    }
+    free(w0);
+    for (int i = 0; i < 4; i++) free(w[i]);
+    return res;
+}
+static test_result test_offload_fp32(void) { return offload_matches(MT_FP32, 0); }
+static test_result test_offload_bf16(void) { return offload_matches(MT_BF16, 0); }
+static test_result test_offload_llama_bf16(void) { return offload_matches(MT_BF16, 1); }
+
+static const test_case memory_gpu_tests[] = {
+    {"plan_equals_allocation", test_plan_equals_allocation},
+    {"plan_refused_before_allocation", test_plan_refused_before_allocation},
+    {"offload_matches_gpu_optimizer_fp32", test_offload_fp32},
+    {"offload_matches_gpu_optimizer_bf16", test_offload_bf16},
+    {"offload_matches_gpu_optimizer_llama_bf16", test_offload_llama_bf16},
+};
+
+/* ---- several GPUs: offload with the distributed optimizer ------------------------------------------ */
+
+/* Six steps of base with the GPU optimizer and with 0.6 of each rank's optimizer shard offloaded, on
+ * several processes: the losses and this rank's weights (with PP, its stage's) equal bit for bit. */
+static test_result offload_matches_multigpu(const mt_config* base, const char* layout) {
+    mt_error err;
+    mt_config probe = *base;
+    EXPECT_OK(mt_config_finalize(&probe, &err), &err);
+    const int64_t n = mt_num_parameters(&probe);
+    float* w[2] = {(float*)calloc((size_t)n, sizeof(float)), (float*)calloc((size_t)n, sizeof(float))};
+    double losses[2][6];
+    test_result res = TEST_PASS;
+    for (int v = 0; v < 2 && res == TEST_PASS; v++) {
+        mt_config c = *base;
+        EXPECT_OK(fresh_comm_id(&c.comm_id, &err), &err);
+        c.optimizer_cpu_offload = v;
+        c.optimizer_offload_fraction = 0.6;
+        res = tp_agree(offload_train(c, 6, 0, losses[v], w[v]));
+    }
+    if (res == TEST_PASS) {
+        printf("      %s %s: loss %.6f -> %.6f\n", layout, base->precision == MT_FP32 ? "fp32" : "bf16", losses[0][0],
+               losses[0][5]);
+        for (int k = 0; k < 6; k++)
+            if (losses[1][k] != losses[0][k]) {
+                printf("    FAIL step %d: offloaded %.9f, GPU %.9f\n", k, losses[1][k], losses[0][k]);
+                res = TEST_FAIL;
+            }
+        if (res == TEST_PASS && memcmp(w[0], w[1], sizeof(float) * n) != 0) {
+            printf("    FAIL rank %d: the final weights differ\n", base->rank);
+            res = TEST_FAIL;
+        }
+    }
+    free(w[0]);
+    free(w[1]);
+    return tp_agree(res);
+}
+
+/* DP = the process count, distributed optimizer: each rank offloads the end of its own shard. */
+static test_result offload_distributed(mt_precision prec) {
+    REQUIRE_MPI_GPUS();
+    int world = mpi_world();
+    mt_config base = test_config(TEST_GPT2, prec);
+    base.lr = 1e-2;
+    test_config_parallel(&base, 1, world, 0);
+    test_config_ddp(&base, 1, 1, 1, 0);
+    test_config_batch(&base, 4, 4 * world);
+    test_config_this_rank(&base);
+    char layout[32];
+    snprintf(layout, sizeof(layout), "DP=%d", world);
+    return offload_matches_multigpu(&base, layout);
+}
+static test_result test_offload_distributed_fp32(void) { return offload_distributed(MT_FP32); }
+static test_result test_offload_distributed_bf16(void) { return offload_distributed(MT_BF16); }
+
+/* The pipeline layouts of these tests: PP 2 on 2 processes, PP 2 x DP 2 with the distributed optimizer
+ * on 4; 4 layers (VP 2: a layer per chunk), micro-batch 2, 4 micro-batches per rank. */
+static mt_config memory_pp_config(mt_precision prec, int vp) {
+    const int world = mpi_world(), dp = world / 2;
+    mt_config c = test_config(TEST_GPT2, prec);
+    c.num_layers = 4;
+    c.pipeline_model_parallel_size = 2;
+    c.virtual_pipeline_size = vp;
+    test_config_parallel(&c, 1, world, 0);
+    test_config_ddp(&c, dp > 1, 0, 0, 0);
+    test_config_batch(&c, 2, 8 * dp);
+    test_config_this_rank(&c);
+    return c;
+}
+#define REQUIRE_PP_PROCESSES()                                                                                    \
+    do {                                                                                                          \
+        REQUIRE_MPI_GPUS();                                                                                       \
+        if (mpi_world() != 2 && mpi_world() != 4) SKIP("runs under mpirun -np 2 or -np 4, not %d", mpi_world()); \
+    } while (0)
+
+/* Each pipeline rank's trainer allocates its stage's plan to the byte (the slots of its schedule, the
+ * head's logits, the send buffer), 1F1B and interleaved, bf16 and fp32 with offload. */
+static test_result plan_allocation_pipeline(mt_precision prec, int vp, int offload) {
+    mt_config c = memory_pp_config(prec, vp);
+    c.optimizer_cpu_offload = offload;
+    c.optimizer_offload_fraction = 0.5;
+    mt_error err;
+    EXPECT_OK(fresh_comm_id(&c.comm_id, &err), &err);
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    mt_plan_options o;
+    mt_plan_options_defaults(&o);
+    o.pp_rank = mt_rank_coordinates(&c, c.rank).pp;
+    o.dp_rank = mt_rank_coordinates(&c, c.rank).dp;
+    mt_memory_plan plan;
+    EXPECT_OK(mt_memory_plan_compute(&c, &o, &plan, &err), &err);
+    mt_trainer* t = NULL;
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    mt_memory_plan a = mt_trainer_memory_allocated(t), q = mt_trainer_memory_plan(t);
+    mt_trainer_free(t);
+    char name[96];
+    snprintf(name, sizeof(name), "rank %d (pipeline %d) %s VP %d%s", c.rank, o.pp_rank, prec == MT_FP32 ? "fp32" : "bf16",
+             vp, offload ? " offload 0.5" : "");
+    printf("      %s: %.2f MiB planned and allocated, %d activation slots\n", name, plan.total_bytes / 1048576.0,
+           plan.in_flight);
+    return plan_matches_allocation(name, &plan, &a, &q);
+}
+static test_result test_plan_equals_allocation_pipeline(void) {
+    REQUIRE_PP_PROCESSES();
+    test_result r = tp_agree(plan_allocation_pipeline(MT_BF16, 1, 0));
+    if (r == TEST_PASS) r = tp_agree(plan_allocation_pipeline(MT_BF16, 2, 0));
+    if (r == TEST_PASS) r = tp_agree(plan_allocation_pipeline(MT_FP32, 1, 1));
+    return r;
+}
+
+/* The optimizer offloaded under the pipeline's optimizer step (the gradient norm summed over the
+ * stages, the tied word embeddings' gradients summed over the first and last stage, with DP 2 the
+ * distributed optimizer's shards). */
+static test_result offload_pipeline(mt_precision prec) {
+    REQUIRE_PP_PROCESSES();
+    mt_config base = memory_pp_config(prec, 1);
+    base.lr = 1e-2;
+    char layout[32];
+    snprintf(layout, sizeof(layout), "PP 2 x DP %d", base.world_size / 2);
+    return offload_matches_multigpu(&base, layout);
+}
+static test_result test_offload_pipeline_fp32(void) { return offload_pipeline(MT_FP32); }
+static test_result test_offload_pipeline_bf16(void) { return offload_pipeline(MT_BF16); }
+
+static const test_case memory_multigpu_tests[] = {
+    {"offload_distributed_optimizer_fp32", test_offload_distributed_fp32},
+    {"offload_distributed_optimizer_bf16", test_offload_distributed_bf16},
+    {"plan_equals_allocation_pipeline", test_plan_equals_allocation_pipeline},
+    {"offload_pipeline_fp32", test_offload_pipeline_fp32},
+    {"offload_pipeline_bf16", test_offload_pipeline_bf16},
+};
+
+#endif
