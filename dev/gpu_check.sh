@@ -31,7 +31,8 @@ MPIRUN="mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE=0"
 if [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null; then
   for np in 2 4; do
     [ "$ngpu" -ge "$np" ] || continue
-    timeout 600 $MPIRUN -np "$np" ./test_megatron multigpu 2>&1 | tee "$OUT/test_mpi$np.log"
+    # data and tensor parallel first, then pipeline and memory; cut at 300 s (a pipeline hang ate a session's GPU time)
+    timeout 300 $MPIRUN -np "$np" ./test_megatron multigpu 2>&1 | tee "$OUT/test_mpi$np.log"
     rows+=("test_megatron (mpirun -np $np)|$(tail -n1 "$OUT/test_mpi$np.log")|")
   done
 fi
@@ -51,7 +52,7 @@ if [ "$what" = all ]; then
     np=$ngpu; [ "$np" -gt 4 ] && np=4
     rm -rf checkpoints/builtin_dp
     start=$(date +%s)
-    timeout 600 $MPIRUN -np "$np" ./train_gpt --micro-batch-size $((32 / np)) --use-distributed-optimizer \
+    timeout 120 $MPIRUN -np "$np" ./train_gpt --micro-batch-size $((32 / np)) --use-distributed-optimizer \
       --overlap-grad-reduce --overlap-param-gather --save checkpoints/builtin_dp 2>&1 | tee "$OUT/train_builtin_dp.log"
     last=$(grep "elapsed time per iteration" "$OUT/train_builtin_dp.log" | tail -n1)
     val=$(grep -E "validation loss at iteration [0-9]+( on validation set)? \|" "$OUT/train_builtin_dp.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
@@ -61,13 +62,25 @@ if [ "$what" = all ]; then
     # tensor parallel over 2 GPUs (the built-in model has 6 heads: TP=2), with sequence parallelism
     rm -rf checkpoints/builtin_tp
     start=$(date +%s)
-    timeout 600 $MPIRUN -np 2 ./train_gpt --tensor-model-parallel-size 2 --sequence-parallel \
+    timeout 120 $MPIRUN -np 2 ./train_gpt --tensor-model-parallel-size 2 --sequence-parallel \
       --save checkpoints/builtin_tp 2>&1 | tee "$OUT/train_builtin_tp.log"
     last=$(grep "elapsed time per iteration" "$OUT/train_builtin_tp.log" | tail -n1)
     val=$(grep -E "validation loss at iteration [0-9]+( on validation set)? \|" "$OUT/train_builtin_tp.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
     ms=$(echo "$last" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
     loss=$(echo "$last" | sed 's/.*lm loss: \([^ ]*\).*/\1/')
     rows+=("train_gpt built-in, TP=2 + SP|loss $loss val $val|${ms} ms/iter $(( $(date +%s) - start )) s")
+    # pipeline parallel over 2 GPUs against one, 4 micro-batches a step (dev/pp_check.sh has more layouts)
+    for pp in 1 2; do
+      rm -rf checkpoints/builtin_pp$pp
+      start=$(date +%s)
+      timeout 120 $MPIRUN -np $pp ./train_gpt --pipeline-model-parallel-size $pp --micro-batch-size 8 \
+        --sample-tokens 0 --save checkpoints/builtin_pp$pp 2>&1 | tee "$OUT/train_builtin_pp$pp.log" > /dev/null
+      last=$(grep "elapsed time per iteration" "$OUT/train_builtin_pp$pp.log" | tail -n1)
+      val=$(grep -E "validation loss at iteration [0-9]+( on validation set)? \|" "$OUT/train_builtin_pp$pp.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
+      ms=$(echo "$last" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
+      loss=$(echo "$last" | sed 's/.*lm loss: \([^ ]*\).*/\1/')
+      rows+=("train_gpt built-in mbs 8, PP=$pp|loss $loss val $val|${ms} ms/iter $(( $(date +%s) - start )) s")
+    done
   fi
 fi
 

@@ -12,14 +12,14 @@ MPIRUN="mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE=0"
 declare -a rows
 if [ "$ngpu" -ge 2 ]; then
   np=2; [ "$ngpu" -ge 4 ] && np=4
-  timeout 600 $MPIRUN -np $np ./test_megatron multigpu.pipeline 2>&1 | tee "$OUT/test_pp.log" | grep -v "^\[" 
+  timeout 240 $MPIRUN -np $np ./test_megatron multigpu.pipeline 2>&1 | tee "$OUT/test_pp.log" | grep -v "^\[" 
   rows+=("test_megatron multigpu.pipeline (np $np)|$(tail -n1 "$OUT/test_pp.log")|")
 fi
 job="--micro-batch-size 8 --sample-tokens 0"
 run() { # name, processes, flags
   local name=$1 np=$2; shift 2
   rm -rf "checkpoints/pp_$name"
-  if [ "$np" -gt 1 ]; then timeout 300 $MPIRUN -np "$np" ./train_gpt $job "$@" --save "checkpoints/pp_$name" > "$OUT/$name.log" 2>&1
+  if [ "$np" -gt 1 ]; then timeout 120 $MPIRUN -np "$np" ./train_gpt $job "$@" --save "checkpoints/pp_$name" > "$OUT/$name.log" 2>&1
   else ./train_gpt $job "$@" --save "checkpoints/pp_$name" > "$OUT/$name.log" 2>&1; fi
   local last=$(grep "elapsed time per iteration" "$OUT/$name.log" | tail -n1)
   local val=$(grep "validation loss" "$OUT/$name.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
