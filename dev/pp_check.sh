@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # dev/pp_check.sh — pipeline parallelism on the GPUs this machine has (2 or 4): the multi-GPU pipeline
-# tests (against PP = 1), then the built-in job at PP = 1, PP = 2 and PP = 2 x VP = 3 (6 layers, one
-# per chunk) with 4 micro-batches a step, and a table of their losses and speed. Run after make.
+# tests (against PP = 1), the built-in job at PP = 1, PP = 2 and PP = 2 x VP = 3 (6 layers, one per
+# chunk) with 4 micro-batches a step, the pipeline bubble at M = 2..16 against (P-1)/M, and a table of
+# their losses and speed. Run after make.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mt_pp_check}
@@ -33,6 +34,19 @@ if [ "$ngpu" -ge 2 ]; then
   run pp2 2 --pipeline-model-parallel-size 2
   run pp2_vp3 2 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 3
   ls checkpoints/pp_pp2/iter_*/ | head -5
+fi
+# the pipeline bubble: with the work split over P stages an iteration ideally takes t(PP=1) / P; the
+# 1F1B schedule adds (P-1)/(V*M) of that (Narayanan et al.). Measured: t(PP=P) / (t(PP=1) / P) - 1.
+if [ "$ngpu" -ge 2 ]; then
+  for m in 2 4 8 16; do
+    b="--micro-batch-size 4 --global-batch-size $((4 * m)) --sample-tokens 0 --train-iters 60 --eval-iters 0 --log-interval 20"
+    ./train_gpt $b > "$OUT/bubble1_$m.log" 2>&1
+    timeout 120 $MPIRUN -np 2 ./train_gpt $b --pipeline-model-parallel-size 2 > "$OUT/bubble2_$m.log" 2>&1
+    t1=$(grep "elapsed time per iteration" "$OUT/bubble1_$m.log" | tail -n1 | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
+    t2=$(grep "elapsed time per iteration" "$OUT/bubble2_$m.log" | tail -n1 | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
+    bub=$(awk -v a="$t1" -v b="$t2" 'BEGIN { if (a > 0 && b > 0) printf "%.3f", b / (a / 2) - 1; else print "-" }')
+    rows+=("bubble PP=2, M=$m|measured $bub, (P-1)/M $(awk -v m=$m 'BEGIN { printf "%.3f", 1 / m }')|PP=1 ${t1} ms, PP=2 ${t2} ms")
+  done
 fi
 echo "==== pipeline check ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $ngpu GPUs) ===="
 printf '%s\n' "${rows[@]}" | awk -F'|' '{ printf "%-44s %-44s %s\n", $1, $2, $3 }'
