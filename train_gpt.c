@@ -624,7 +624,7 @@ int main(int argc, char** argv) {
     /* launch: one process per GPU, started by mpirun or srun. MPI gives each its rank and its GPU
      * on the node (the rank among the processes that share the node's memory); rank 0 makes the
      * NCCL id and MPI sends it to everyone. Only rank 0 writes the log. */
-    int rank = 0, world = 1, local_rank = -1;
+    int rank = 0, world = 1, local_rank = -1, last_rank_stdout = -1;
     mt_comm_id comm_id;
     memset(&comm_id, 0, sizeof(comm_id));
 #ifdef MT_USE_MPI
@@ -642,6 +642,9 @@ int main(int argc, char** argv) {
         int ok = rank != 0 || mt_comm_id_create(&comm_id, &id_err) == MT_OK;
         if (!ok) die(1, "%s", id_err.message);
         MPI_Bcast(&comm_id, (int)sizeof(comm_id), MPI_BYTE, 0, MPI_COMM_WORLD);
+        /* the last rank keeps a copy of stdout for the iteration log line (Megatron prints it from the
+         * last pipeline stage); every other line comes from rank 0 */
+        if (rank == world - 1) last_rank_stdout = dup(STDOUT_FILENO);
         if (rank != 0 && !freopen("/dev/null", "w", stdout)) die(1, "cannot silence stdout: %s", strerror(errno));
     }
 #endif
@@ -670,6 +673,14 @@ int main(int argc, char** argv) {
     c->eod_token = tok ? mt_tokenizer_eod(tok) : o.null_vocab_size - 1; /* NullTokenizer: the last id */
     mt_error err;
     if (mt_config_finalize(c, &err) != MT_OK) die(2, "%s", err.message);
+    /* the iteration log line: from the last rank (the last pipeline stage) with PP > 1, else rank 0 */
+    FILE* log_line_out = stdout;
+    if (c->pipeline_model_parallel_size > 1 && world > 1) {
+        log_line_out = rank == world - 1 ? (rank == 0 ? stdout : fdopen(last_rank_stdout, "w")) : NULL;
+        if (rank == world - 1 && !log_line_out) die(1, "cannot open the last rank's stdout: %s", strerror(errno));
+    } else if (last_rank_stdout >= 0) {
+        close(last_rank_stdout);
+    }
     if (planning) {
         int status = run_plan(&o, c, sequence_parallel, global_batch);
         if (tok) mt_tokenizer_free(tok);
@@ -811,13 +822,16 @@ int main(int argc, char** argv) {
                 snprintf(throughput, sizeof(throughput), " throughput per GPU (TFLOP/s/GPU): %.1f |", tflops);
                 snprintf(mfu, sizeof(mfu), " MFU: %.1f%% |", peak > 0 ? 100.0 * tflops / peak : 0.0);
             }
-            printf(" [%s] iteration %8lld/%8lld | consumed samples: %12lld | elapsed time per iteration (ms): %.1f |%s"
-                   " learning rate: %.6E | global batch size: %5d | lm loss: %.6E | loss scale: %.1f | grad norm: %.3f | "
-                   "number of skipped iterations: %3d | number of nan iterations: %3d |%s\n",
-                   ts, (long long)iteration, (long long)c->train_iters, (long long)consumed, ms, throughput,
-                   r.next_learning_rate, batch, good ? interval_loss / good : 0.0, r.loss_scale, r.grad_norm,
-                   interval_skipped, interval_nan, mfu);
-            fflush(stdout);
+            if (log_line_out) {
+                fprintf(log_line_out,
+                        " [%s] iteration %8lld/%8lld | consumed samples: %12lld | elapsed time per iteration (ms): %.1f |%s"
+                        " learning rate: %.6E | global batch size: %5d | lm loss: %.6E | loss scale: %.1f | grad norm: "
+                        "%.3f | number of skipped iterations: %3d | number of nan iterations: %3d |%s\n",
+                        ts, (long long)iteration, (long long)c->train_iters, (long long)consumed, ms, throughput,
+                        r.next_learning_rate, batch, good ? interval_loss / good : 0.0, r.loss_scale, r.grad_norm,
+                        interval_skipped, interval_nan, mfu);
+                fflush(log_line_out);
+            }
             if (tb) tensorboard_log_line(tb, &o, iteration, ms / 1000.0, tflops);
             interval_loss = interval_time = 0.0;
             interval_steps = interval_skipped = interval_nan = 0;
