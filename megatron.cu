@@ -5780,10 +5780,13 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
         return other_rank_failed(st, err, "saving", final_dir);
     }
 
-    /* 3. rank 0 moves it into place (replacing an older copy of the same iteration), then the tracker */
+    /* 3. rank 0 lists every rank's files with their checksums in the manifest (the commit marker, megatron.h),
+     * moves the directory into place (replacing an older copy of the same iteration), then the tracker */
     if (leader) {
         snprintf(old_dir, sizeof(old_dir), "%s.old", final_dir);
-        if (rename(final_dir, old_dir) != 0 && errno != ENOENT) /* an older copy of this iteration steps aside */
+        st = mt_checkpoint_manifest_write(tmp_dir, err);
+        if (st != MT_OK) mt_remove_tree(tmp_dir);
+        else if (rename(final_dir, old_dir) != 0 && errno != ENOENT) /* an older copy of this iteration steps aside */
             st = mt_fail(err, MT_ERR_IO, "cannot replace %s: %s", final_dir, strerror(errno));
         else if (rename(tmp_dir, final_dir) != 0)
             st = mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", tmp_dir, final_dir, strerror(errno));
@@ -5870,9 +5873,20 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
                                  int64_t* iteration_out, int64_t* consumed_out, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     char path[4400], iter_dir[4200], rank_dir[4300];
+    /* rank 0 picks the iteration and checks its manifest (megatron.h mt_checkpoint_select: a checkpoint
+     * without one, from before manifests, still loads; a tracked one that fails gives way to the newest
+     * older one that verifies); every rank then loads the iteration it chose */
     mt_status st = MT_OK;
-    if (iteration < 0) st = mt_checkpoint_read_tracker(dir, &iteration, err);
-    if (st == MT_OK) mt_checkpoint_iteration_dir(iter_dir, sizeof(iter_dir), dir, iteration);
+    int fell_back = 0; /* seen by the caller as an iteration below the tracker's */
+    double chosen = 0.0; /* rank 0's iteration + 1; 0: it failed */
+    if (t->cfg.rank == 0) {
+        st = mt_checkpoint_select(dir, iteration, &iteration, &fell_back, err);
+        if (st == MT_OK) chosen = (double)iteration + 1.0;
+    }
+    if (all_reduce_sum(t, &chosen, GROUP_WORLD, err) != MT_OK) return mt_gpu_error_return(&t->error, err);
+    if (chosen < 1.0) return other_rank_failed(st, err, "loading from", dir);
+    iteration = (int64_t)chosen - 1;
+    mt_checkpoint_iteration_dir(iter_dir, sizeof(iter_dir), dir, iteration);
     wait_for_all_parameters(t);
     int64_t h[MT_CK_HEADER_WORDS];
     float* host = (float*)malloc(sizeof(float) * (size_t)(t->num_params > t->shard_numel ? t->num_params : t->shard_numel));

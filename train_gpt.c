@@ -757,6 +757,12 @@ int main(int argc, char** argv) {
                                ? mt_trainer_load_weights(t, o.load, -1, &iteration, &consumed, &err)
                                : mt_trainer_load(t, o.load, -1, &iteration, &consumed, &err);
             if (st != MT_OK) die(1, "%s", err.message);
+            int64_t tracked = -1;
+            mt_error tracker_err;
+            if (mt_checkpoint_read_tracker(o.load, &tracked, &tracker_err) == MT_OK && tracked != iteration && c->rank == 0)
+                fprintf(stderr, "warning: %s: the tracker's iteration %lld failed its manifest check (prepro/checkpoint_tool "
+                        "verify says why); loaded iteration %lld, the newest complete one\n", o.load, (long long)tracked,
+                        (long long)iteration);
             printf("loaded checkpoint from %s at iteration %lld (%lld samples consumed)%s\n", o.load,
                    (long long)iteration, (long long)consumed,
                    o.finetune ? ": weights only, starting at iteration 0 (--finetune)"
