@@ -39,7 +39,7 @@ ifeq ($(call have_lib,zstd.h,-lzstd),1)
   HOST_LIBS += -lzstd
 endif
 
-PREPRO := prepro/preprocess_data prepro/merge_datasets prepro/dataset_info prepro/convert_hf
+PREPRO := prepro/preprocess_data prepro/merge_datasets prepro/dataset_info prepro/convert_hf prepro/checkpoint_tool
 HEADERS := megatron.h prepro/tokenizer.h prepro/safetensors.h prepro/unicode_tables.h
 
 .PHONY: all test clean
@@ -72,6 +72,8 @@ prepro/%: prepro/%.c prepro/args.h $(HEADERS)
 	$(CC) $(CFLAGS) $< -o $@ $(HOST_LIBS)
 HF_HEADERS := prepro/safetensors.h prepro/hf_checkpoint.h prepro/hf_gpt2.h prepro/hf_llama.h
 prepro/convert_hf: $(HF_HEADERS)
+prepro/checkpoint_tool: prepro/checkpoint_tool.h
+test_megatron: prepro/checkpoint_tool.h
 test_megatron: $(HF_HEADERS)
 eval_hellaswag.o: $(HF_HEADERS)
 

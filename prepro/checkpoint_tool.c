@@ -1,0 +1,227 @@
+/* prepro/checkpoint_tool.c — inspect, verify and reshard a checkpoint of this project
+ * (megatron.h section 7, megatron.cu section 19; the engine is prepro/checkpoint_tool.h).
+ *
+ *   checkpoint_tool info DIR [--iteration N]
+ *       the iteration, the layout (TP, PP, VP, the optimizer sharded over DP or not), the model's
+ *       shape and flavour and the training progress from the header, every file with its size, and
+ *       every tensor with its full shape and the slice each file holds (rows of the TP split, layers
+ *       of the pipeline stages).
+ *   checkpoint_tool verify DIR [--iteration N] [--overlap-grad-reduce] [--ddp-bucket-size N]
+ *       every file's header (mt_checkpoint_header_check and the layout's ranks), its exact size
+ *       (mt_checkpoint_file_bytes), and the manifest's sizes and CRC-32C checksums (a checkpoint
+ *       without a manifest fails). Exit status 0 only when all hold; else one line names what failed.
+ *   checkpoint_tool reshard DIR OUT --target-tp N --target-pp M [--target-vp V] [--iteration N]
+ *                   [--make-vocab-size-divisible-by 128] [--overlap-grad-reduce] [--ddp-bucket-size N]
+ *       reads every file of the iteration, assembles the full fp32 master weights and Adam moments,
+ *       and writes them to OUT/iter_N at the target layout with a non-sharded optimizer (headers,
+ *       manifest, tracker; a temporary directory renamed into place). A distributed-optimizer
+ *       checkpoint needs the --overlap-grad-reduce / --ddp-bucket-size of the run that wrote it (its
+ *       buckets; the header does not record them). The vocabulary is padded for the target TP as
+ *       Megatron pads it (new padding rows zero). FP8 delayed-scaling state is dropped, with a note.
+ * `--flag=value` is `--flag value` (prepro/args.h).
+ */
+#define MEGATRON_IMPLEMENTATION
+#include "../megatron.h"
+#include "args.h"
+#include "checkpoint_tool.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static void usage(void) {
+    fprintf(stderr,
+            "usage: checkpoint_tool info DIR [--iteration N]\n"
+            "       checkpoint_tool verify DIR [--iteration N] [--overlap-grad-reduce] [--ddp-bucket-size N]\n"
+            "       checkpoint_tool reshard DIR OUT --target-tp N --target-pp M [--target-vp V] [--iteration N]\n"
+            "                       [--make-vocab-size-divisible-by 128] [--overlap-grad-reduce] [--ddp-bucket-size N]\n");
+}
+
+/* A whole-string decimal integer in [lo, hi]; else one error line naming the flag, and 0. */
+static int parse_num(const char* flag, const char* s, long long lo, long long hi, long long* out) {
+    char* end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (end == s || *end || (errno && errno != ERANGE)) {
+        fprintf(stderr, "checkpoint_tool: error: %s %s: not an integer\n", flag, s);
+        return 0;
+    }
+    if (errno == ERANGE || v < lo || v > hi) {
+        fprintf(stderr, "checkpoint_tool: error: %s %s: must be between %lld and %lld\n", flag, s, lo, hi);
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+static int is_layered(int tensor) { return tensor >= MT_P_LN1_WEIGHT && tensor <= MT_P_FC2_BIAS; }
+
+static void print_layers(const mt_pp_stage* st) {
+    for (int c = 0; c < st->num_chunks; c++)
+        printf("%s%d-%d", c ? "," : "", st->first_layer[c], st->first_layer[c] + st->num_layers[c] - 1);
+}
+
+static int info(const mt_ckpt* ck) {
+    const int64_t* h = ck->header;
+    const mt_config* c = &ck->cfg;
+    double loss_scale, eps;
+    memcpy(&loss_scale, &h[MT_CK_LOSS_SCALE_BITS], sizeof(double));
+    memcpy(&eps, &h[MT_CK_NORM_EPS_BITS], sizeof(double));
+    static const char* precision[] = {"fp32", "bf16", "fp16"};
+    printf("checkpoint %s: iteration %lld\n", ck->iter_dir, (long long)ck->iteration);
+    printf("layout: TP %d, PP %d, VP %d; optimizer %s\n", ck->tp, ck->pp, ck->vp,
+           ck->sharded_dp > 0 ? "sharded over DP (distributed optimizer)" : "not sharded");
+    if (ck->sharded_dp > 0) printf("  distributed optimizer: %d DP shards per model-parallel rank\n", ck->sharded_dp);
+    printf("model: %d layers, hidden %d, %d heads, %d query groups, kv channels %d, ffn %d, vocabulary %lld padded "
+           "(%lld true), %d positions, %lld parameters\n", c->num_layers, c->hidden_size, c->num_attention_heads,
+           c->num_query_groups, c->kv_channels, c->ffn_hidden_size, (long long)h[MT_CK_VOCAB],
+           (long long)h[MT_CK_TRUE_VOCAB], c->max_position_embeddings, (long long)h[MT_CK_NUM_PARAMS]);
+    printf("flavour: %s%s, %s, %s positions, %s embeddings, %s, norm epsilon %g, %s\n",
+           c->normalization == MT_NORM_RMSNORM ? "RMSNorm" : "LayerNorm", c->apply_layernorm_1p ? " (1p)" : "",
+           c->swiglu ? "SwiGLU" : "GeLU",
+           c->position_embedding_type == MT_POSITION_ROPE ? "rope" : c->position_embedding_type == MT_POSITION_NONE
+                                                                         ? "no" : "learned absolute",
+           c->untie_embeddings_and_output_weights ? "untied" : "tied", c->add_bias_linear ? "linear biases" : "no linear biases",
+           eps, h[MT_CK_PRECISION] >= 0 && h[MT_CK_PRECISION] <= 2 ? precision[h[MT_CK_PRECISION]] : "?");
+    if (c->position_embedding_type == MT_POSITION_ROPE)
+        printf("rope: base %g, percent %g%s\n", c->rotary_base, c->rotary_percent, c->use_rope_scaling ? ", Llama-3.1 scaling" : "");
+    printf("progress: %lld samples consumed, scheduler step %lld, Adam step %lld, loss scale %g\n",
+           (long long)h[MT_CK_CONSUMED], (long long)h[MT_CK_SCHED_STEPS], (long long)h[MT_CK_ADAM_STEP], loss_scale);
+    if (h[MT_CK_FP8_TENSORS] > 0)
+        printf("FP8 delayed scaling state: %lld tensors (first file), amax history %lld\n", (long long)h[MT_CK_FP8_TENSORS],
+               (long long)h[MT_CK_FP8_HISTORY_LEN]);
+    printf("files:\n");
+    for (int t = 0; t < ck->tp; t++)
+        for (int s = 0; s < ck->pp; s++) {
+            char rank_dir[4300], path[4400];
+            mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, t, s);
+            for (int r = -1; r < ck->sharded_dp; r++) {
+                if (r < 0) snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
+                else snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, r);
+                struct stat sb;
+                if (stat(path, &sb) == 0) printf("  %s  %lld bytes\n", path + strlen(ck->iter_dir) + 1, (long long)sb.st_size);
+                else printf("  %s  MISSING (%s)\n", path + strlen(ck->iter_dir) + 1, strerror(errno));
+            }
+        }
+    char manifest[4400];
+    snprintf(manifest, sizeof(manifest), "%s/%s", ck->iter_dir, MT_CKPT_MANIFEST);
+    struct stat sb;
+    printf("  %s  %s\n", MT_CKPT_MANIFEST, stat(manifest, &sb) == 0 ? "present" : "absent (a checkpoint from before manifests)");
+    printf("tensors (full shape; in each file: rows of the TP split, layers of the pipeline stage):\n");
+    mt_param_info full[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(c, full);
+    mt_error err;
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
+        const mt_param_info* p = &full[i];
+        if (p->numel == 0) continue;
+        printf("  %-26s [", p->name);
+        if (is_layered(i)) printf("%d, ", c->num_layers);
+        if (p->split_outer > 1) printf("%lld, ", (long long)p->split_outer);
+        printf("%lld", (long long)p->split_rows);
+        if (p->split_inner > 1) printf(", %lld", (long long)p->split_inner);
+        printf("]  %lld elements\n", (long long)p->numel);
+        for (int t = 0; t < ck->tp; t++)
+            for (int s = 0; s < ck->pp; s++) {
+                mt_config rc;
+                mt_pp_stage st;
+                if (mt_ckpt_config(&rc, ck->header, ck->tp, ck->pp, ck->vp, 0, NULL, t, s, &err) != MT_OK ||
+                    mt_pp_stage_of(&rc, s, &st, &err) != MT_OK) {
+                    printf("    (the layer split: %s)\n", err.message);
+                    return 1;
+                }
+                if (!mt_pp_holds(&st, i, is_layered(i) ? st.first_layer[0] : 0)) continue;
+                if (i == MT_P_WORD_EMBEDDINGS && !st.embedding && c->untie_embeddings_and_output_weights) continue;
+                char rank_dir[4300];
+                mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), "", ck->pp, t, s);
+                int64_t rows, row0;
+                mt_tp_rows(p, ck->tp, t, &rows, &row0);
+                printf("    %-16s rows %lld-%lld", rank_dir + 1, (long long)row0, (long long)(row0 + rows - 1));
+                if (is_layered(i) && ck->pp > 1) {
+                    printf(", layers ");
+                    print_layers(&st);
+                }
+                if (i == MT_P_WORD_EMBEDDINGS && !st.embedding) printf(" (the last stage's copy, tied)");
+                printf("\n");
+            }
+    }
+    return 0;
+}
+
+int main(int argc, char** argv) {
+    int n = 0;
+    char** args = mt_args_split_equals(argc, argv, &n);
+    if (!args) {
+        fprintf(stderr, "checkpoint_tool: error: out of memory\n");
+        return 1;
+    }
+    const char *command = NULL, *positional[2] = {NULL, NULL};
+    int num_positional = 0;
+    long long iteration = -1, tp = 0, pp = 0, vp = 1, divisible_by = 128, bucket = 0;
+    mt_ckpt_ddp ddp = {0, 0};
+    for (int i = 1; i < n; i++) {
+        const char* a = args[i];
+        int has_value = i + 1 < n;
+        int ok = 1;
+        if (!strcmp(a, "--iteration") && has_value) ok = parse_num(a, args[++i], 0, INT64_MAX, &iteration);
+        else if (!strcmp(a, "--target-tp") && has_value) ok = parse_num(a, args[++i], 1, 4096, &tp);
+        else if (!strcmp(a, "--target-pp") && has_value) ok = parse_num(a, args[++i], 1, 4096, &pp);
+        else if (!strcmp(a, "--target-vp") && has_value) ok = parse_num(a, args[++i], 1, MT_PP_MAX_CHUNKS, &vp);
+        else if (!strcmp(a, "--make-vocab-size-divisible-by") && has_value) ok = parse_num(a, args[++i], 1, 1 << 20, &divisible_by);
+        else if (!strcmp(a, "--ddp-bucket-size") && has_value) ok = parse_num(a, args[++i], 1, INT64_MAX / 16, &bucket);
+        else if (!strcmp(a, "--overlap-grad-reduce")) ddp.overlap_grad_reduce = 1;
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(); free(args); return 0; }
+        else if (!strncmp(a, "--", 2)) {
+            fprintf(stderr, "checkpoint_tool: error: unknown flag %s%s\n", a, has_value ? "" : " (or its value is missing)");
+            ok = 0;
+        } else if (!command) command = a;
+        else if (num_positional < 2) positional[num_positional++] = a;
+        else {
+            fprintf(stderr, "checkpoint_tool: error: unexpected argument %s\n", a);
+            ok = 0;
+        }
+        if (!ok) { free(args); return 1; }
+    }
+    ddp.ddp_bucket_size = bucket;
+    int want = command && !strcmp(command, "reshard") ? 2 : 1;
+    if (!command || (strcmp(command, "info") && strcmp(command, "verify") && strcmp(command, "reshard")) ||
+        num_positional != want) {
+        usage();
+        free(args);
+        return 1;
+    }
+    mt_error err;
+    mt_ckpt ck;
+    mt_status st = mt_ckpt_open(&ck, positional[0], iteration, &err);
+    int rc = 0;
+    if (st == MT_OK && !strcmp(command, "info")) {
+        rc = info(&ck);
+    } else if (st == MT_OK && !strcmp(command, "verify")) {
+        st = mt_ckpt_verify(&ck, &ddp, &err);
+        if (st == MT_OK)
+            printf("%s: OK (iteration %lld, TP %d, PP %d, VP %d%s: headers, sizes and checksums)\n", ck.iter_dir,
+                   (long long)ck.iteration, ck.tp, ck.pp, ck.vp, ck.sharded_dp ? ", distributed optimizer" : "");
+    } else if (st == MT_OK) {
+        if (tp < 1 || pp < 1) {
+            fprintf(stderr, "checkpoint_tool: error: reshard needs --target-tp and --target-pp\n");
+            free(args);
+            return 1;
+        }
+        int dropped_fp8 = 0;
+        st = mt_ckpt_reshard(&ck, &ddp, positional[1], (int)tp, (int)pp, (int)vp, (int)divisible_by, &dropped_fp8, &err);
+        if (st == MT_OK) {
+            if (dropped_fp8)
+                printf("note: the FP8 delayed-scaling state (amax histories, scales) belongs to the old layout and was "
+                       "dropped; the trainer starts the scales afresh\n");
+            printf("wrote %s/iter_%07lld at TP %lld, PP %lld, VP %lld (from TP %d, PP %d, VP %d%s)\n", positional[1],
+                   (long long)ck.iteration, tp, pp, vp, ck.tp, ck.pp, ck.vp, ck.sharded_dp ? ", distributed optimizer" : "");
+        }
+    }
+    if (st != MT_OK) {
+        fprintf(stderr, "checkpoint_tool: error: %s\n", err.message);
+        rc = 1;
+    }
+    free(args);
+    return rc;
+}
