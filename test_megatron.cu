@@ -35,6 +35,7 @@
 #include "tests/test_evaluation.h"
 #include "tests/test_flags.h"
 #include "tests/test_memory.h"
+#include "tests/test_checkpoint_tool.h"
 
 typedef struct {
     const char* group; /* kind.feature: kind is host, gpu or multigpu */
@@ -76,6 +77,7 @@ int main(int argc, char** argv) {
         GROUP("host.tensorboard", tensorboard_tests),
         GROUP("host.evaluation", evaluation_tests),
         GROUP("host.memory", memory_tests),
+        GROUP("host.checkpoint_tool", checkpoint_tool_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.flags", flags_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),

@@ -1,0 +1,563 @@
+/* tests/test_checkpoint_tool.h — checkpoint integrity and the offline tool (host only).
+ *
+ * The manifest (megatron.h section 7): CRC-32C against its published check value and computed in
+ * pieces, manifest write/verify on a tree of files, and every kind of damage refused in one line
+ * naming the file; mt_checkpoint_select falling back from a damaged tracked iteration to the newest
+ * good one. prepro/checkpoint_tool.h: synthetic checkpoints written here in the trainer's exact
+ * format (megatron.cu section 19: headers as fill_header fills them, each rank's tensors laid out
+ * through the DDP buffer layout's canonical offsets as canonical_transfer does, distributed-optimizer
+ * shards bucket by bucket as copy_owned cuts them), random arrays, both flavours, tied and untied;
+ * reshards TP1 -> TP2 -> TP1 x PP2 x VP2 -> TP2 x PP2 -> TP1 come back bitwise; a distributed-optimizer
+ * checkpoint of several buckets reassembles exactly; verify catches a flipped byte, a truncated
+ * file, a missing file and a missing manifest. */
+#ifndef MT_TEST_CHECKPOINT_TOOL_H
+#define MT_TEST_CHECKPOINT_TOOL_H
+
+#include "prepro/checkpoint_tool.h"
+
+static void ckt_dir(char* buf, size_t cap, const char* what) {
+    snprintf(buf, cap, "/tmp/mt_test_ckt_%s_%d", what, (int)getpid());
+    mt_remove_tree(buf);
+}
+
+static int ckt_write_bytes(const char* path, const void* data, size_t n) {
+    FILE* f = fopen(path, "wb");
+    if (!f) return -1;
+    size_t w = fwrite(data, 1, n, f);
+    return fclose(f) == 0 && w == n ? 0 : -1;
+}
+
+/* flips one bit of byte `at` of a file (at < 0: from the end) */
+static int ckt_flip(const char* path, long at) {
+    FILE* f = fopen(path, "r+b");
+    if (!f) return -1;
+    int c = fseek(f, at, at < 0 ? SEEK_END : SEEK_SET) == 0 ? fgetc(f) : EOF;
+    int rc = c == EOF || fseek(f, -1, SEEK_CUR) != 0 || fputc(c ^ 0x10, f) == EOF ? -1 : 0;
+    return fclose(f) == 0 ? rc : -1;
+}
+
+static test_result test_crc32c_streams(void) {
+    /* the CRC-32C check value (RFC 3720 / the Castagnoli paper's "123456789") */
+    EXPECT(mt_tb_crc32c("123456789", 9) == 0xe3069283u, "crc32c(123456789) = %08x", mt_tb_crc32c("123456789", 9));
+    EXPECT(mt_crc32c_extend(0, "", 0) == 0, "empty");
+    unsigned char buf[1000];
+    uint32_t x = 12345;
+    for (int i = 0; i < 1000; i++) { x = x * 1664525u + 1013904223u; buf[i] = (unsigned char)(x >> 24); }
+    uint32_t whole = mt_crc32c_extend(0, buf, sizeof(buf));
+    /* in pieces at odd boundaries (the 8-byte loop's tails), equal to the whole; the bit-by-bit
+     * definition (the reference) on the same bytes */
+    uint32_t pieces = 0;
+    size_t cuts[] = {0, 1, 8, 13, 200, 201, 999, 1000};
+    for (int i = 0; i + 1 < 8; i++) pieces = mt_crc32c_extend(pieces, buf + cuts[i], cuts[i + 1] - cuts[i]);
+    uint32_t ref = 0xffffffffu;
+    for (int i = 0; i < 1000; i++) {
+        ref ^= buf[i];
+        for (int k = 0; k < 8; k++) ref = (ref >> 1) ^ (0x82f63b78u & (0u - (ref & 1u)));
+    }
+    EXPECT(whole == pieces && whole == ~ref, "whole %08x, pieces %08x, bitwise %08x", whole, pieces, ~ref);
+    return TEST_PASS;
+}
+
+/* a small tree: a.bin, sub/b.bin, sub/deeper/c.bin */
+static test_result ckt_tree(const char* dir) {
+    char path[600];
+    EXPECT(mt_make_directories(dir) == 0, "mkdir %s", dir);
+    snprintf(path, sizeof(path), "%s/sub/deeper", dir);
+    EXPECT(mt_make_directories(path) == 0, "mkdir %s", path);
+    const char* names[] = {"a.bin", "sub/b.bin", "sub/deeper/c bin"};
+    for (int i = 0; i < 3; i++) {
+        unsigned char data[3000];
+        for (size_t k = 0; k < sizeof(data); k++) data[k] = (unsigned char)(k * 7 + i * 31);
+        snprintf(path, sizeof(path), "%s/%s", dir, names[i]);
+        EXPECT(ckt_write_bytes(path, data, 1000 * (size_t)(i + 1)) == 0, "write %s", path);
+    }
+    return TEST_PASS;
+}
+
+static test_result test_manifest_write_verify(void) {
+    char dir[256], path[600];
+    mt_error err;
+    ckt_dir(dir, sizeof(dir), "manifest");
+    struct { const char* what; int kind; const char* needle; } cases[] = {
+        {"intact", 0, NULL},
+        {"a flipped byte", 1, "sub/b.bin is corrupted"},
+        {"a truncated file", 2, "sub/deeper/c bin has 2999 bytes, its manifest says 3000 (truncated)"},
+        {"a missing file", 3, "a.bin is missing"},
+        {"a file it does not list", 4, "sub/extra.bin is not in its manifest"},
+        {"no manifest", 5, "manifest.txt"},
+        {"a garbled manifest", 6, "is not '<crc32c> <size> <path>'"},
+        {"a manifest path leaving the directory", 7, "is not '<crc32c> <size> <path>'"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        mt_remove_tree(dir);
+        if (ckt_tree(dir) != TEST_PASS) return TEST_FAIL;
+        EXPECT_OK(mt_checkpoint_manifest_write(dir, &err), &err);
+        switch (cases[i].kind) {
+            case 1: snprintf(path, sizeof(path), "%s/sub/b.bin", dir); EXPECT(ckt_flip(path, 1234) == 0, "flip"); break;
+            case 2: snprintf(path, sizeof(path), "%s/sub/deeper/c bin", dir); EXPECT(truncate(path, 2999) == 0, "truncate"); break;
+            case 3: snprintf(path, sizeof(path), "%s/a.bin", dir); EXPECT(unlink(path) == 0, "unlink"); break;
+            case 4: snprintf(path, sizeof(path), "%s/sub/extra.bin", dir); EXPECT(ckt_write_bytes(path, "x", 1) == 0, "extra"); break;
+            case 5: snprintf(path, sizeof(path), "%s/manifest.txt", dir); EXPECT(unlink(path) == 0, "unlink"); break;
+            case 6: case 7: {
+                snprintf(path, sizeof(path), "%s/manifest.txt", dir);
+                char* text = test_read_file(path, NULL);
+                EXPECT(text != NULL, "read the manifest");
+                char* second = strchr(strchr(text, '\n') + 1, '\n') + 1; /* the first file's line */
+                if (cases[i].kind == 6) second[0] = 'z';
+                else {
+                    /* "<crc> 1000 a.bin" -> "<crc> 1000 ../a.b" (same length) */
+                    char* name = strchr(strchr(second, ' ') + 1, ' ') + 1;
+                    memcpy(name, "../a.", 5);
+                }
+                EXPECT(ckt_write_bytes(path, text, strlen(text)) == 0, "rewrite");
+                free(text);
+                break;
+            }
+        }
+        err.message[0] = 0;
+        mt_status st = mt_checkpoint_manifest_verify(dir, &err);
+        if (!cases[i].needle) EXPECT_OK(st, &err);
+        else EXPECT(st != MT_OK && strstr(err.message, cases[i].needle) && !strchr(err.message, '\n'),
+                    "%s: status %s, message '%s'", cases[i].what, mt_status_name(st), err.message);
+    }
+    /* the manifest's own text: sorted paths, sizes, checksums of the contents */
+    mt_remove_tree(dir);
+    if (ckt_tree(dir) != TEST_PASS) return TEST_FAIL;
+    EXPECT_OK(mt_checkpoint_manifest_write(dir, &err), &err);
+    snprintf(path, sizeof(path), "%s/manifest.txt", dir);
+    char* text = test_read_file(path, NULL);
+    unsigned char data[1000];
+    for (size_t k = 0; k < sizeof(data); k++) data[k] = (unsigned char)(k * 7);
+    char want[200];
+    snprintf(want, sizeof(want), "megatron.c checkpoint manifest 1\nfiles 3\n%08x 1000 a.bin\n", mt_tb_crc32c(data, 1000));
+    EXPECT(text && !strncmp(text, want, strlen(want)) && strstr(text, " 2000 sub/b.bin\n") &&
+           strstr(text, " 3000 sub/deeper/c bin\n"), "manifest:\n%s", text ? text : "(none)");
+    free(text);
+    mt_remove_tree(dir);
+    return TEST_PASS;
+}
+
+/* ---- synthetic checkpoints in the trainer's format ---------------------------------------- */
+
+typedef struct {
+    int llama, untied;
+    int tp, pp, vp, dp;        /* dp > 0: the distributed optimizer over dp ranks */
+    int overlap_grad_reduce;
+    int64_t ddp_bucket_size;
+    int fp8;                   /* an FP8 delayed-scaling tail (3 tensors, history 4) */
+    int manifest;
+} ckt_layout;
+
+/* The tiny model: 4 layers, hidden 64, 4 heads in 2 query groups, vocabulary 300 (padded to 384 at
+ * TP 1, 512 at TP 2), GPT-2 (LayerNorm, learned positions, biases) or Llama (RMSNorm, SwiGLU, rope,
+ * no biases); padded for TP tp. */
+static void ckt_model(mt_config* c, const ckt_layout* L) {
+    mt_config_defaults(c);
+    c->num_layers = 4;
+    c->hidden_size = 64;
+    c->num_attention_heads = 4;
+    c->num_query_groups = 2;
+    c->kv_channels = 16;
+    c->ffn_hidden_size = 128;
+    c->max_position_embeddings = 32;
+    c->vocab_size = 300;
+    c->padded_vocab_size = mt_padded_vocab_size(300, 128, L->tp);
+    c->precision = MT_BF16;
+    c->untie_embeddings_and_output_weights = L->untied;
+    if (L->llama) {
+        c->normalization = MT_NORM_RMSNORM;
+        c->swiglu = 1;
+        c->position_embedding_type = MT_POSITION_ROPE;
+        c->add_bias_linear = 0;
+    }
+    c->tensor_model_parallel_size = L->tp;
+    c->pipeline_model_parallel_size = L->pp;
+    c->virtual_pipeline_size = L->vp;
+    c->data_parallel_size = L->dp > 0 ? L->dp : 1;
+    c->world_size = L->tp * L->pp * c->data_parallel_size;
+    c->use_distributed_optimizer = L->dp > 0;
+    c->overlap_grad_reduce = L->overlap_grad_reduce;
+    c->ddp_bucket_size = L->ddp_bucket_size;
+}
+
+static void ckt_random(float* x, int64_t n, uint32_t seed) {
+    uint64_t s = 0x9e3779b97f4a7c15ull * (seed + 1);
+    for (int64_t i = 0; i < n; i++) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        x[i] = (float)((int64_t)(s >> 40) - (1 << 23)) / (float)(1 << 20);
+    }
+}
+
+static mt_status ckt_put(FILE* f, const void* data, size_t bytes, mt_error* err) {
+    return fwrite(data, 1, bytes, f) == bytes ? MT_OK : mt_fail(err, MT_ERR_IO, "short write");
+}
+
+/* Writes dir/iter_<iteration> and the tracker: every rank's files from the full canonical arrays. */
+static mt_status ckt_write(const char* dir, int64_t iteration, const ckt_layout* L, float* const* full, mt_error* err) {
+    char iter_dir[400], rank_dir[500], path[600];
+    snprintf(iter_dir, sizeof(iter_dir), "%s/iter_%07lld", dir, (long long)iteration);
+    if (mt_make_directories(iter_dir) != 0) return mt_fail(err, MT_ERR_IO, "mkdir %s", iter_dir);
+    mt_status st = MT_OK;
+    for (int t = 0; t < L->tp && st == MT_OK; t++)
+        for (int s = 0; s < L->pp && st == MT_OK; s++) {
+            mt_config c;
+            ckt_model(&c, L);
+            mt_rank_coords rk = {t, 0, s};
+            c.rank = mt_rank_of(&c, rk);
+            mt_buffer_layout B;
+            st = mt_buffer_layout_build(&B, &c, err);
+            if (st != MT_OK) break;
+            mt_param_info info[MT_NUM_PARAM_TENSORS];
+            const int64_t shard_numel = mt_param_layout_shard(&c, info), numel = B.canonical_size;
+            float* shard = (float*)malloc(sizeof(float) * (size_t)shard_numel);
+            float* part = (float*)malloc(sizeof(float) * (size_t)numel * 3);
+            float* buffer = (float*)calloc((size_t)B.size * 3, sizeof(float));
+            /* the rank's tensors, as the trainer's buffer layout places them in canonical order */
+            for (int a = 0; a < 3; a++) {
+                mt_tp_shard_copy(&c, t, full[a], shard, 1);
+                for (int i = 0; i < B.num_params; i++) {
+                    const mt_buffer_param* p = &B.params[i];
+                    int layered = p->tensor >= MT_P_LN1_WEIGHT && p->tensor <= MT_P_FC2_BIAS;
+                    const float* from = shard + info[p->tensor].offset + (layered ? (int64_t)p->layer * p->numel : 0);
+                    memcpy(part + a * numel + p->canonical, from, sizeof(float) * (size_t)p->numel);
+                    memcpy(buffer + a * B.size + p->offset, from, sizeof(float) * (size_t)p->numel);
+                }
+            }
+            int64_t dp_shard = 0;
+            for (int b = 0; b < B.num_buckets && L->dp > 0; b++) {
+                int64_t begin, end;
+                mt_bucket_shard(&B.buckets[b], L->dp, 0, &begin, &end);
+                dp_shard += end - begin;
+            }
+            /* fill_header's words */
+            int64_t h[MT_CK_HEADER_WORDS];
+            mt_checkpoint_header_init(h, &c);
+            h[MT_CK_ITERATION] = iteration;
+            h[MT_CK_CONSUMED] = iteration * 8;
+            h[MT_CK_SCHED_STEPS] = iteration * 8;
+            h[MT_CK_ADAM_STEP] = iteration;
+            h[MT_CK_GROWTH] = 3;
+            h[MT_CK_HYSTERESIS] = 2;
+            double scale = 1.0;
+            memcpy(&h[MT_CK_LOSS_SCALE_BITS], &scale, sizeof(double));
+            h[MT_CK_SHARDED_DP] = L->dp;
+            h[MT_CK_SHARD_NUMEL] = dp_shard;
+            h[MT_CK_TP_RANK] = t;
+            h[MT_CK_PP_RANK] = s;
+            h[MT_CK_VP] = L->pp > 1 ? L->vp : 0;
+            h[MT_CK_STAGE_NUMEL] = L->pp > 1 ? numel : 0;
+            h[MT_CK_FP8_TENSORS] = L->fp8 ? 3 : 0;
+            h[MT_CK_FP8_HISTORY_LEN] = L->fp8 ? 4 : 0;
+            h[MT_CK_FP8_HISTORY_POS] = L->fp8 ? 1 : 0;
+            mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, L->pp, t, s);
+            if (mkdir(rank_dir, 0755) != 0) st = mt_fail(err, MT_ERR_IO, "mkdir %s", rank_dir);
+            snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
+            FILE* f = st == MT_OK ? fopen(path, "wb") : NULL;
+            if (st == MT_OK && !f) st = mt_fail(err, MT_ERR_IO, "create %s", path);
+            if (st == MT_OK) st = ckt_put(f, h, sizeof(h), err);
+            if (st == MT_OK) st = ckt_put(f, part, sizeof(float) * (size_t)numel * (L->dp > 0 ? 1 : 3), err);
+            if (st == MT_OK && L->fp8) {
+                float tail[3 * (1 + 4 + 4)];
+                for (int i = 0; i < 27; i++) tail[i] = 0.5f + (float)i;
+                st = ckt_put(f, tail, sizeof(tail), err);
+            }
+            if (f) fclose(f);
+            /* the distributed optimizer: DP rank r's shard of every bucket of master, m, v */
+            for (int r = 0; r < L->dp && st == MT_OK; r++) {
+                h[MT_CK_DP_RANK] = r;
+                snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, r);
+                f = fopen(path, "wb");
+                if (!f) { st = mt_fail(err, MT_ERR_IO, "create %s", path); break; }
+                st = ckt_put(f, h, sizeof(h), err);
+                for (int a = 0; a < 3 && st == MT_OK; a++)
+                    for (int b = 0; b < B.num_buckets && st == MT_OK; b++) {
+                        int64_t begin, end;
+                        mt_bucket_shard(&B.buckets[b], L->dp, r, &begin, &end);
+                        st = ckt_put(f, buffer + a * B.size + begin, sizeof(float) * (size_t)(end - begin), err);
+                    }
+                fclose(f);
+            }
+            free(shard);
+            free(part);
+            free(buffer);
+            mt_buffer_layout_free(&B);
+        }
+    if (st == MT_OK && L->manifest) st = mt_checkpoint_manifest_write(iter_dir, err);
+    if (st == MT_OK) st = mt_checkpoint_write_tracker(dir, iteration, err);
+    return st;
+}
+
+/* full canonical master, m, v of the model at L's padding, random (seeded) */
+static float** ckt_arrays(const ckt_layout* L, uint32_t seed, int64_t* n) {
+    mt_config c;
+    ckt_model(&c, L);
+    *n = mt_param_layout(&c, NULL);
+    float** a = (float**)calloc(3, sizeof(float*));
+    for (int i = 0; a && i < 3; i++) {
+        a[i] = (float*)malloc(sizeof(float) * (size_t)*n);
+        if (a[i]) ckt_random(a[i], *n, seed * 3 + (uint32_t)i);
+    }
+    return a;
+}
+
+static void ckt_arrays_free(float** a) {
+    for (int i = 0; a && i < 3; i++) free(a[i]);
+    free(a);
+}
+
+/* reads checkpoint dir whole: its layout must be L's; returns 1 when its arrays equal `want` bitwise */
+static int ckt_read_equal(const char* dir, const ckt_layout* L, float* const* want, int64_t n, mt_error* err) {
+    mt_ckpt ck;
+    if (mt_ckpt_open(&ck, dir, -1, err) != MT_OK) { printf("    open %s: %s\n", dir, err->message); return 0; }
+    if (ck.tp != L->tp || ck.pp != L->pp || ck.vp != L->vp || mt_param_layout(&ck.cfg, NULL) != n) {
+        printf("    %s: TP %d PP %d VP %d, %lld parameters; want %d %d %d, %lld\n", dir, ck.tp, ck.pp, ck.vp,
+               (long long)mt_param_layout(&ck.cfg, NULL), L->tp, L->pp, L->vp, (long long)n);
+        return 0;
+    }
+    mt_ckpt_ddp ddp = {L->overlap_grad_reduce, L->ddp_bucket_size};
+    float* got[3];
+    int equal = 1;
+    for (int a = 0; a < 3; a++) got[a] = (float*)malloc(sizeof(float) * (size_t)n);
+    if (mt_ckpt_read(&ck, &ddp, got, err) != MT_OK) { printf("    read %s: %s\n", dir, err->message); equal = 0; }
+    for (int a = 0; a < 3 && equal; a++)
+        for (int64_t i = 0; i < n && equal; i++)
+            if (memcmp(&got[a][i], &want[a][i], sizeof(float))) {
+                printf("    %s: array %d element %lld is %g, want %g\n", dir, a, (long long)i, got[a][i], want[a][i]);
+                equal = 0;
+            }
+    for (int a = 0; a < 3; a++) free(got[a]);
+    return equal;
+}
+
+/* TP1 -> TP2 -> TP1 x PP2 x VP2 -> TP2 x PP2 -> TP1, each step read back and compared: the original
+ * arrays (with the vocabulary re-padded at TP2: new rows zero) bitwise, headers valid, manifests good. */
+static test_result ckt_round_trip(int llama, int untied) {
+    char root[256], src[400], out[400];
+    ckt_dir(root, sizeof(root), llama ? (untied ? "llama_untied" : "llama_tied") : (untied ? "gpt_untied" : "gpt_tied"));
+    mt_error err;
+    ckt_layout L = {llama, untied, 1, 1, 1, 0, 0, 0, 1 /* FP8 state: dropped */, 1};
+    int64_t n1, n2;
+    float** a1 = ckt_arrays(&L, 7, &n1);
+    snprintf(src, sizeof(src), "%s/src", root);
+    EXPECT_OK(ckt_write(src, 40, &L, a1, &err), &err);
+    /* the TP2 padding of the same arrays: the first 300 + padding rows copied, the new ones zero */
+    ckt_layout L2 = L;
+    L2.tp = 2;
+    float** a2 = ckt_arrays(&L2, 0, &n2);
+    mt_config c1, c2;
+    ckt_model(&c1, &L);
+    ckt_model(&c2, &L2);
+    EXPECT(n2 > n1, "TP2 pads the vocabulary further (%lld vs %lld)", (long long)n2, (long long)n1);
+    for (int a = 0; a < 3; a++) mt_ckpt_repad(&c1, a1[a], &c2, a2[a]);
+    /* the re-padding itself: every tensor's elements kept, the vocabulary tensors grown by zero rows */
+    mt_param_info i1[MT_NUM_PARAM_TENSORS], i2[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(&c1, i1);
+    mt_param_layout(&c2, i2);
+    for (int a = 0; a < 3; a++)
+        for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
+            const int vocab = i == MT_P_WORD_EMBEDDINGS || i == MT_P_OUTPUT_WEIGHT;
+            EXPECT(vocab || i1[i].numel == i2[i].numel, "tensor %d changed size", i);
+            EXPECT(!memcmp(a2[a] + i2[i].offset, a1[a] + i1[i].offset, sizeof(float) * (size_t)i1[i].numel),
+                   "tensor %d's elements moved", i);
+            for (int64_t k = i1[i].numel; k < i2[i].numel; k++)
+                EXPECT(a2[a][i2[i].offset + k] == 0.0f && !signbit(a2[a][i2[i].offset + k]), "padding %d not zero", i);
+            EXPECT(!vocab || i1[i].numel == 0 || i2[i].numel == i1[i].numel / 384 * 512, "tensor %d: %lld rows", i,
+                   (long long)i2[i].numel);
+        }
+    struct { int tp, pp, vp; } steps[] = {{2, 1, 1}, {1, 2, 2}, {2, 2, 1}, {1, 1, 1}};
+    const char* prev = src;
+    char prev_buf[400];
+    for (int k = 0; k < 4; k++) {
+        snprintf(out, sizeof(out), "%s/step%d", root, k);
+        mt_ckpt ck;
+        EXPECT_OK(mt_ckpt_open(&ck, prev, -1, &err), &err);
+        int dropped = -1;
+        EXPECT_OK(mt_ckpt_reshard(&ck, NULL, out, steps[k].tp, steps[k].pp, steps[k].vp, 128, &dropped, &err), &err);
+        EXPECT(dropped == (k == 0), "step %d: FP8 state dropped %d", k, dropped);
+        ckt_layout Lk = L;
+        Lk.tp = steps[k].tp;
+        Lk.pp = steps[k].pp;
+        Lk.vp = steps[k].vp;
+        EXPECT(ckt_read_equal(out, &Lk, Lk.tp == 2 ? a2 : a1, Lk.tp == 2 ? n2 : n1, &err),
+               "step %d (TP %d PP %d VP %d) differs", k, Lk.tp, Lk.pp, Lk.vp);
+        EXPECT_OK(mt_ckpt_open(&ck, out, -1, &err), &err);
+        EXPECT_OK(mt_ckpt_verify(&ck, NULL, &err), &err);
+        EXPECT(ck.header[MT_CK_ITERATION] == 40 && ck.header[MT_CK_CONSUMED] == 320 && ck.header[MT_CK_ADAM_STEP] == 40 &&
+               ck.header[MT_CK_FP8_TENSORS] == 0 && ck.header[MT_CK_TRUE_VOCAB] == 300,
+               "step %d: progress words not carried", k);
+        snprintf(prev_buf, sizeof(prev_buf), "%s", out);
+        prev = prev_buf;
+    }
+    /* the tool's files are the trainer's, byte for byte: step 2 (TP2 x PP2) against the same arrays
+     * written here in the trainer's layout */
+    ckt_layout L22 = L2;
+    L22.pp = 2;
+    L22.fp8 = 0;
+    snprintf(out, sizeof(out), "%s/synthetic", root);
+    EXPECT_OK(ckt_write(out, 40, &L22, a2, &err), &err);
+    for (int t = 0; t < 2; t++)
+        for (int s = 0; s < 2; s++) {
+            char p1[600], p2[600];
+            size_t n_a = 0, n_b = 0;
+            snprintf(p1, sizeof(p1), "%s/step2/iter_0000040/mp_rank_%02d_%03d/model_optim_rng.bin", root, t, s);
+            snprintf(p2, sizeof(p2), "%s/synthetic/iter_0000040/mp_rank_%02d_%03d/model_optim_rng.bin", root, t, s);
+            char* x = test_read_file(p1, &n_a);
+            char* y = test_read_file(p2, &n_b);
+            EXPECT(x && y && n_a == n_b && !memcmp(x, y, n_a), "%s differs from the trainer's layout", p1);
+            free(x);
+            free(y);
+        }
+    snprintf(out, sizeof(out), "%s/step3", root);
+    /* an output that already holds the iteration is refused */
+    mt_ckpt ck;
+    EXPECT_OK(mt_ckpt_open(&ck, src, -1, &err), &err);
+    EXPECT(mt_ckpt_reshard(&ck, NULL, out, 1, 1, 1, 128, NULL, &err) == MT_ERR_IO && strstr(err.message, "already exists"),
+           "%s", err.message);
+    /* a layout the model does not divide into: 4 heads over TP 8 ... refused before writing */
+    snprintf(out, sizeof(out), "%s/bad", root);
+    EXPECT(mt_ckpt_reshard(&ck, NULL, out, 8, 1, 1, 128, NULL, &err) == MT_ERR_FORMAT &&
+           strstr(err.message, "does not divide"), "%s", err.message);
+    EXPECT(mt_ckpt_reshard(&ck, NULL, out, 1, 3, 1, 128, NULL, &err) == MT_ERR_CONFIG && strstr(err.message, "split"),
+           "%s", err.message);
+    ckt_arrays_free(a1);
+    ckt_arrays_free(a2);
+    mt_remove_tree(root);
+    return TEST_PASS;
+}
+
+static test_result test_reshard_gpt2_tied(void) { return ckt_round_trip(0, 0); }
+static test_result test_reshard_gpt2_untied(void) { return ckt_round_trip(0, 1); }
+static test_result test_reshard_llama_untied(void) { return ckt_round_trip(1, 1); }
+static test_result test_reshard_llama_tied(void) { return ckt_round_trip(1, 0); }
+
+/* A distributed-optimizer checkpoint (TP2 x PP2 x DP2, several buckets) assembles exactly, given the
+ * run's bucket flags; other flags are refused naming them. */
+static test_result test_reshard_distributed_optimizer(void) {
+    char root[256], src[400], out[400];
+    ckt_dir(root, sizeof(root), "distopt");
+    mt_error err;
+    ckt_layout L = {1, 1, 2, 2, 1, 2, 1, 3000, 0, 1};
+    int64_t n;
+    float** a = ckt_arrays(&L, 11, &n);
+    snprintf(src, sizeof(src), "%s/src", root);
+    EXPECT_OK(ckt_write(src, 5, &L, a, &err), &err);
+    mt_ckpt ck;
+    EXPECT_OK(mt_ckpt_open(&ck, src, -1, &err), &err);
+    EXPECT(ck.sharded_dp == 2, "sharded over %d", ck.sharded_dp);
+    mt_ckpt_ddp ddp = {1, 3000};
+    /* the buckets: more than one per rank, or this test tests less than it says */
+    mt_config c;
+    ckt_model(&c, &L);
+    mt_buffer_layout B;
+    EXPECT_OK(mt_buffer_layout_build(&B, &c, &err), &err);
+    int buckets = B.num_buckets;
+    mt_buffer_layout_free(&B);
+    EXPECT(buckets > 2, "%d buckets", buckets);
+    EXPECT_OK(mt_ckpt_verify(&ck, &ddp, &err), &err);
+    EXPECT(ckt_read_equal(src, &L, a, n, &err), "the distributed-optimizer checkpoint reads back other arrays");
+    mt_ckpt_ddp wrong = {0, 0};
+    snprintf(out, sizeof(out), "%s/tp2", root);
+    EXPECT(mt_ckpt_reshard(&ck, &wrong, out, 2, 1, 1, 128, NULL, &err) == MT_ERR_CONFIG &&
+           strstr(err.message, "--overlap-grad-reduce and --ddp-bucket-size"), "%s", err.message);
+    EXPECT_OK(mt_ckpt_reshard(&ck, &ddp, out, 2, 1, 1, 128, NULL, &err), &err);
+    ckt_layout plain = {1, 1, 2, 1, 1, 0, 0, 0, 0, 1};
+    EXPECT(ckt_read_equal(out, &plain, a, n, &err), "resharded from the distributed optimizer: arrays differ");
+    ckt_arrays_free(a);
+    mt_remove_tree(root);
+    return TEST_PASS;
+}
+
+/* verify: a flipped byte, a truncated file, a missing file, a missing manifest; each one line naming it */
+static test_result test_verify_catches_damage(void) {
+    char root[256], path[600];
+    ckt_dir(root, sizeof(root), "verify");
+    mt_error err;
+    ckt_layout L = {0, 0, 2, 2, 1, 0, 0, 0, 0, 1};
+    int64_t n;
+    float** a = ckt_arrays(&L, 3, &n);
+    struct { const char* what; int kind; const char* needle; } cases[] = {
+        {"intact", 0, NULL},
+        {"a flipped byte in the arrays", 1, "mp_rank_01_001/model_optim_rng.bin is corrupted"},
+        {"a flipped byte in a header", 2, "mp_rank_00_001/model_optim_rng.bin"},
+        {"a truncated file", 3, "mp_rank_01_000/model_optim_rng.bin has"},
+        {"a missing file", 4, "mp_rank_00_001/model_optim_rng.bin"},
+        {"a missing manifest", 5, "has no manifest.txt"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        mt_remove_tree(root);
+        EXPECT_OK(ckt_write(root, 9, &L, a, &err), &err);
+        switch (cases[i].kind) {
+            case 1: snprintf(path, sizeof(path), "%s/iter_0000009/mp_rank_01_001/model_optim_rng.bin", root); EXPECT(ckt_flip(path, -100) == 0, "flip"); break;
+            case 2: snprintf(path, sizeof(path), "%s/iter_0000009/mp_rank_00_001/model_optim_rng.bin", root); EXPECT(ckt_flip(path, 8 * MT_CK_HIDDEN) == 0, "flip"); break;
+            case 3: snprintf(path, sizeof(path), "%s/iter_0000009/mp_rank_01_000/model_optim_rng.bin", root); EXPECT(truncate(path, 4000) == 0, "truncate"); break;
+            case 4: snprintf(path, sizeof(path), "%s/iter_0000009/mp_rank_00_001/model_optim_rng.bin", root); EXPECT(unlink(path) == 0, "unlink"); break;
+            case 5: snprintf(path, sizeof(path), "%s/iter_0000009/manifest.txt", root); EXPECT(unlink(path) == 0, "unlink"); break;
+        }
+        mt_ckpt ck;
+        err.message[0] = 0;
+        mt_status st = mt_ckpt_open(&ck, root, -1, &err);
+        if (st == MT_OK) st = mt_ckpt_verify(&ck, NULL, &err);
+        if (!cases[i].needle) EXPECT_OK(st, &err);
+        else EXPECT(st != MT_OK && strstr(err.message, cases[i].needle) && !strchr(err.message, '\n'),
+                    "%s: status %s, message '%s'", cases[i].what, mt_status_name(st), err.message);
+    }
+    ckt_arrays_free(a);
+    mt_remove_tree(root);
+    return TEST_PASS;
+}
+
+/* mt_checkpoint_select: the tracked iteration when it verifies or has no manifest (an older save);
+ * a damaged tracked one gives way to the newest older one that verifies; an explicit one never does. */
+static test_result test_select_falls_back(void) {
+    char root[256], path[600];
+    ckt_dir(root, sizeof(root), "select");
+    mt_error err;
+    ckt_layout L = {0, 0, 1, 1, 1, 0, 0, 0, 0, 1};
+    int64_t n, chosen = -1;
+    int fell_back = -1;
+    float** a = ckt_arrays(&L, 5, &n);
+    EXPECT_OK(ckt_write(root, 10, &L, a, &err), &err);
+    EXPECT_OK(ckt_write(root, 20, &L, a, &err), &err);
+    EXPECT_OK(ckt_write(root, 30, &L, a, &err), &err);
+    EXPECT_OK(mt_checkpoint_select(root, -1, &chosen, &fell_back, &err), &err);
+    EXPECT(chosen == 30 && fell_back == 0, "chose %lld (fell back %d)", (long long)chosen, fell_back);
+    /* 30 and 20 damaged: 10 it is, err naming 30's bad file */
+    for (int it = 20; it <= 30; it += 10) {
+        snprintf(path, sizeof(path), "%s/iter_%07d/mp_rank_00/model_optim_rng.bin", root, it);
+        EXPECT(ckt_flip(path, -5) == 0, "flip");
+    }
+    EXPECT_OK(mt_checkpoint_select(root, -1, &chosen, &fell_back, &err), &err);
+    EXPECT(chosen == 10 && fell_back == 1 && strstr(err.message, "iter_0000030") && strstr(err.message, "corrupted"),
+           "chose %lld (fell back %d): %s", (long long)chosen, fell_back, err.message);
+    EXPECT(mt_checkpoint_select(root, 30, &chosen, &fell_back, &err) == MT_ERR_FORMAT && strstr(err.message, "corrupted"),
+           "explicit iteration: %s", err.message);
+    /* no manifest (a checkpoint from before manifests): taken as it is */
+    snprintf(path, sizeof(path), "%s/iter_0000030/manifest.txt", root);
+    EXPECT(unlink(path) == 0, "unlink");
+    EXPECT_OK(mt_checkpoint_select(root, -1, &chosen, &fell_back, &err), &err);
+    EXPECT(chosen == 30 && fell_back == 0, "chose %lld", (long long)chosen);
+    /* nothing good below a damaged tracked one: its own failure */
+    mt_remove_tree(root);
+    EXPECT_OK(ckt_write(root, 10, &L, a, &err), &err);
+    snprintf(path, sizeof(path), "%s/iter_0000010/mp_rank_00/model_optim_rng.bin", root);
+    EXPECT(truncate(path, 100) == 0, "truncate");
+    EXPECT(mt_checkpoint_select(root, -1, &chosen, &fell_back, &err) == MT_ERR_FORMAT && strstr(err.message, "truncated"),
+           "%s", err.message);
+    ckt_arrays_free(a);
+    mt_remove_tree(root);
+    return TEST_PASS;
+}
+
+static const test_case checkpoint_tool_tests[] = {
+    {"crc32c_streams", test_crc32c_streams},
+    {"manifest_write_verify", test_manifest_write_verify},
+    {"select_falls_back", test_select_falls_back},
+    {"verify_catches_damage", test_verify_catches_damage},
+    {"reshard_gpt2_tied", test_reshard_gpt2_tied},
+    {"reshard_gpt2_untied", test_reshard_gpt2_untied},
+    {"reshard_llama_untied", test_reshard_llama_untied},
+    {"reshard_llama_tied", test_reshard_llama_tied},
+    {"reshard_distributed_optimizer", test_reshard_distributed_optimizer},
+};
+
+#endif
