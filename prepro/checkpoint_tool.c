@@ -6,7 +6,7 @@
  *       shape and flavour and the training progress from the header, every file with its size, and
  *       every tensor with its full shape and the slice each file holds (rows of the TP split, layers
  *       of the pipeline stages).
- *   checkpoint_tool verify DIR [--iteration N] [--overlap-grad-reduce] [--ddp-bucket-size N]
+ *   checkpoint_tool verify DIR [--iteration N]
  *       every file's header (mt_checkpoint_header_check and the layout's ranks), its exact size
  *       (mt_checkpoint_file_bytes), and the manifest's sizes and CRC-32C checksums (a checkpoint
  *       without a manifest fails). Exit status 0 only when all hold; else one line names what failed.
@@ -34,7 +34,7 @@
 static void usage(void) {
     fprintf(stderr,
             "usage: checkpoint_tool info DIR [--iteration N]\n"
-            "       checkpoint_tool verify DIR [--iteration N] [--overlap-grad-reduce] [--ddp-bucket-size N]\n"
+            "       checkpoint_tool verify DIR [--iteration N]\n"
             "       checkpoint_tool reshard DIR OUT --target-tp N --target-pp M [--target-vp V] [--iteration N]\n"
             "                       [--make-vocab-size-divisible-by 128] [--overlap-grad-reduce] [--ddp-bucket-size N]\n");
 }
@@ -59,8 +59,11 @@ static int parse_num(const char* flag, const char* s, long long lo, long long hi
 static int is_layered(int tensor) { return tensor >= MT_P_LN1_WEIGHT && tensor <= MT_P_FC2_BIAS; }
 
 static void print_layers(const mt_pp_stage* st) {
-    for (int c = 0; c < st->num_chunks; c++)
-        printf("%s%d-%d", c ? "," : "", st->first_layer[c], st->first_layer[c] + st->num_layers[c] - 1);
+    for (int c = 0; c < st->num_chunks; c++) {
+        const int first = st->first_layer[c], last = first + st->num_layers[c] - 1;
+        if (last > first) printf("%s%d-%d", c ? "," : "", first, last);
+        else printf("%s%d", c ? "," : "", first);
+    }
 }
 
 static int info(const mt_ckpt* ck) {
@@ -109,7 +112,7 @@ static int info(const mt_ckpt* ck) {
     snprintf(manifest, sizeof(manifest), "%s/%s", ck->iter_dir, MT_CKPT_MANIFEST);
     struct stat sb;
     printf("  %s  %s\n", MT_CKPT_MANIFEST, stat(manifest, &sb) == 0 ? "present" : "absent (a checkpoint from before manifests)");
-    printf("tensors (full shape; in each file: rows of the TP split, layers of the pipeline stage):\n");
+    printf("tensors (full shape; in each file: the TP split's slice, dimensions counted from 0, and the stage's layers):\n");
     mt_param_info full[MT_NUM_PARAM_TENSORS];
     mt_param_layout(c, full);
     mt_error err;
@@ -121,7 +124,9 @@ static int info(const mt_ckpt* ck) {
         if (p->split_outer > 1) printf("%lld, ", (long long)p->split_outer);
         printf("%lld", (long long)p->split_rows);
         if (p->split_inner > 1) printf(", %lld", (long long)p->split_inner);
-        printf("]  %lld elements\n", (long long)p->numel);
+        /* the dimension the TP split cuts: split_rows', in the shape as printed */
+        const int split_dim = is_layered(i) + (p->split_outer > 1);
+        printf("]  %lld elements%s\n", (long long)p->numel, p->tp_split && ck->tp > 1 ? "" : ck->tp > 1 ? ", whole on every TP rank" : "");
         for (int t = 0; t < ck->tp; t++)
             for (int s = 0; s < ck->pp; s++) {
                 mt_config rc;
@@ -137,11 +142,14 @@ static int info(const mt_ckpt* ck) {
                 mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), "", ck->pp, t, s);
                 int64_t rows, row0;
                 mt_tp_rows(p, ck->tp, t, &rows, &row0);
-                printf("    %-16s rows %lld-%lld", rank_dir + 1, (long long)row0, (long long)(row0 + rows - 1));
+                printf("    %-16s", rank_dir + 1);
+                if (p->tp_split && ck->tp > 1)
+                    printf(" [%lld, %lld] of dimension %d", (long long)row0, (long long)(row0 + rows - 1), split_dim);
                 if (is_layered(i) && ck->pp > 1) {
-                    printf(", layers ");
+                    printf("%s layers ", p->tp_split && ck->tp > 1 ? "," : "");
                     print_layers(&st);
                 }
+                if (!(p->tp_split && ck->tp > 1) && !(is_layered(i) && ck->pp > 1)) printf(" all of it");
                 if (i == MT_P_WORD_EMBEDDINGS && !st.embedding) printf(" (the last stage's copy, tied)");
                 printf("\n");
             }
