@@ -4774,7 +4774,8 @@ static void mt__file_list_free(mt__file_list* l) {
 static int mt__strcmp_ptr(const void* a, const void* b) { return strcmp(*(char* const*)a, *(char* const*)b); }
 
 /* Every regular file under root/rel (rel "" at the top), recursively, but the manifest and its
- * temporaries; anything neither a file nor a directory (a link, a FIFO) is refused. */
+ * temporaries; anything neither a file nor a directory (a FIFO, a device) is refused (stat: links are
+ * followed, nesting is bounded). */
 static mt_status mt__list_files(const char* root, const char* rel, mt__file_list* l, int depth, mt_error* err) {
     char dir[4400];
     snprintf(dir, sizeof(dir), "%s%s%s", root, *rel ? "/" : "", rel);
@@ -4792,7 +4793,7 @@ static mt_status mt__list_files(const char* root, const char* rel, mt__file_list
         snprintf(child_rel, sizeof(child_rel), "%s%s%s", rel, *rel ? "/" : "", n);
         snprintf(child, sizeof(child), "%s/%s", root, child_rel);
         struct stat sb;
-        if (lstat(child, &sb) != 0) st = mt_fail(err, MT_ERR_IO, "cannot stat %s: %s", child, strerror(errno));
+        if (stat(child, &sb) != 0) st = mt_fail(err, MT_ERR_IO, "cannot stat %s: %s", child, strerror(errno));
         else if (S_ISDIR(sb.st_mode)) st = mt__list_files(root, child_rel, l, depth + 1, err);
         else if (!S_ISREG(sb.st_mode) || strchr(n, '\n'))
             st = mt_fail(err, MT_ERR_FORMAT, "%s is not a regular file (a checkpoint holds files and directories only)", child);
@@ -4839,7 +4840,7 @@ static mt_status mt__file_checksum(const char* path, unsigned char* buf, size_t 
 #define MT__CHECKSUM_BUFFER ((size_t)8 << 20)
 
 mt_status mt_checkpoint_manifest_write(const char* iter_dir, mt_error* err) {
-    mt__file_list l = {0};
+    mt__file_list l = {NULL, 0, 0};
     mt_status st = mt__list_files(iter_dir, "", &l, 0, err);
     if (st == MT_OK && l.count > 0) qsort(l.paths, (size_t)l.count, sizeof(char*), mt__strcmp_ptr);
     unsigned char* buf = st == MT_OK ? (unsigned char*)malloc(MT__CHECKSUM_BUFFER) : NULL;
@@ -4892,7 +4893,7 @@ mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* err) {
     size_t size = 0;
     mt_status st = mt_read_file(manifest, (size_t)1 << 26, &text, &size, err);
     if (st != MT_OK) return st;
-    mt__file_list listed = {0}, present = {0};
+    mt__file_list listed = {NULL, 0, 0}, present = {NULL, 0, 0};
     unsigned char* buf = NULL;
     char* line = text;
     long long count = -1;
