@@ -1,11 +1,14 @@
 /*
  * prepro/args.h — the prepro tools' one argv rule beyond their own parsers: `--flag=value` is
  * `--flag value`, as Python's argparse (and so Megatron's tools) accept it. The tools pass their
- * argv through mt_args_split_equals and parse the result as before.
+ * argv through mt_args_split_equals and parse the result as before. Also their integer flag values,
+ * range-checked (mt_args_parse_int).
  */
 #ifndef MT_PREPRO_ARGS_H
 #define MT_PREPRO_ARGS_H
 
+#include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -28,6 +31,25 @@ static char** mt_args_split_equals(int argc, char** argv, int* out_argc) {
     args[n] = NULL;
     *out_argc = n;
     return args;
+}
+
+/* A whole-string decimal integer in [lo, hi] into *out (1); else one error line on stderr, naming the
+ * tool and the flag, and 0. */
+static int mt_args_parse_int(const char* tool, const char* flag, const char* s, long long lo, long long hi,
+                             long long* out) {
+    char* end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (end == s || *end || (errno && errno != ERANGE)) {
+        fprintf(stderr, "%s: error: %s %s: not an integer\n", tool, flag, s);
+        return 0;
+    }
+    if (errno == ERANGE || v < lo || v > hi) {
+        fprintf(stderr, "%s: error: %s %s: must be between %lld and %lld\n", tool, flag, s, lo, hi);
+        return 0;
+    }
+    *out = v;
+    return 1;
 }
 
 #endif

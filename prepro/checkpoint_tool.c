@@ -39,21 +39,8 @@ static void usage(void) {
             "                       [--make-vocab-size-divisible-by 128] [--overlap-grad-reduce] [--ddp-bucket-size N]\n");
 }
 
-/* A whole-string decimal integer in [lo, hi]; else one error line naming the flag, and 0. */
 static int parse_num(const char* flag, const char* s, long long lo, long long hi, long long* out) {
-    char* end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (end == s || *end || (errno && errno != ERANGE)) {
-        fprintf(stderr, "checkpoint_tool: error: %s %s: not an integer\n", flag, s);
-        return 0;
-    }
-    if (errno == ERANGE || v < lo || v > hi) {
-        fprintf(stderr, "checkpoint_tool: error: %s %s: must be between %lld and %lld\n", flag, s, lo, hi);
-        return 0;
-    }
-    *out = v;
-    return 1;
+    return mt_args_parse_int("checkpoint_tool", flag, s, lo, hi, out);
 }
 
 static int is_layered(int tensor) { return tensor >= MT_P_LN1_WEIGHT && tensor <= MT_P_FC2_BIAS; }

@@ -53,21 +53,8 @@ static int fail(const char* msg) {
     return 1;
 }
 
-/* A whole-string decimal integer in [lo, hi]; else one error line naming the flag, and 0. */
 static int parse_num(const char* flag, const char* s, long long lo, long long hi, long long* out) {
-    char* end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (end == s || *end || (errno && errno != ERANGE)) {
-        fprintf(stderr, "dataset_info: error: %s %s: not an integer\n", flag, s);
-        return 0;
-    }
-    if (errno == ERANGE || v < lo || v > hi) {
-        fprintf(stderr, "dataset_info: error: %s %s: must be between %lld and %lld\n", flag, s, lo, hi);
-        return 0;
-    }
-    *out = v;
-    return 1;
+    return mt_args_parse_int("dataset_info", flag, s, lo, hi, out);
 }
 
 /* One line per dataset: what is in the .idx. */
