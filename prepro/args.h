@@ -35,8 +35,8 @@ static char** mt_args_split_equals(int argc, char** argv, int* out_argc) {
 
 /* A whole-string decimal integer in [lo, hi] into *out (1); else one error line on stderr, naming the
  * tool and the flag, and 0. */
-static int mt_args_parse_int(const char* tool, const char* flag, const char* s, long long lo, long long hi,
-                             long long* out) {
+static inline int mt_args_parse_int(const char* tool, const char* flag, const char* s, long long lo, long long hi,
+                                    long long* out) {
     char* end;
     errno = 0;
     long long v = strtoll(s, &end, 10);
