@@ -257,7 +257,7 @@ echo "  exports found after the kills: $(echo $states | tr ' ' '\n' | summary)($
 
 # ---- train_gpt (GPU) ---------------------------------------------------------------------------------
 if [ "$what" = gpu ]; then
-  [ -x ./train_gpt ] || { echo "./train_gpt is not built"; exit 2; }
+  [ -x ./train_gpt ] && [ -x prepro/checkpoint_tool ] || { echo "./train_gpt or prepro/checkpoint_tool is not built"; exit 2; }
   TG=(./train_gpt --train-iters 40 --log-interval 1 --eval-interval 0 --sample-tokens 0)
   echo "train_gpt: kill -9 while saving every 2 iterations, $TRIALS kills"
   ms=$(duration_ms "${TG[@]}" --save "$WORK/tg_ref" --save-interval 2)
@@ -268,6 +268,9 @@ if [ "$what" = gpu ]; then
     if [ -e "$WORK/tg/latest_checkpointed_iteration.txt" ]; then
       prepro/convert_hf --export "$WORK/tg" --out "$WORK/tg_probe" >/dev/null 2>"$WORK/reader.err" \
         || fail "train_gpt killed at $d: the tracked checkpoint does not load: $(cat "$WORK/reader.err")"
+      # the manifest (written last, before the rename) verifies: headers, sizes, checksums
+      prepro/checkpoint_tool verify "$WORK/tg" >/dev/null 2>"$WORK/verify.err" \
+        || fail "train_gpt killed at $d: the tracked checkpoint does not verify: $(cat "$WORK/verify.err")"
       states+="iteration_$(cat "$WORK/tg/latest_checkpointed_iteration.txt") "
       # and the run resumes from it, saves again (tidying what the killed save left) and finishes
       "${TG[@]}" --load "$WORK/tg" --save "$WORK/tg" --save-interval 2 >"$WORK/tg_resume.log" 2>&1 \
