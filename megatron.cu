@@ -5877,10 +5877,9 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
      * without one, from before manifests, still loads; a tracked one that fails gives way to the newest
      * older one that verifies); every rank then loads the iteration it chose */
     mt_status st = MT_OK;
-    int fell_back = 0; /* seen by the caller as an iteration below the tracker's */
-    double chosen = 0.0; /* rank 0's iteration + 1; 0: it failed */
+    double chosen = 0.0; /* rank 0's iteration + 1; 0: it failed (a fallback: the caller sees an iteration below the tracker's) */
     if (t->cfg.rank == 0) {
-        st = mt_checkpoint_select(dir, iteration, &iteration, &fell_back, err);
+        st = mt_checkpoint_select(dir, iteration, &iteration, NULL, err);
         if (st == MT_OK) chosen = (double)iteration + 1.0;
     }
     if (all_reduce_sum(t, &chosen, GROUP_WORLD, err) != MT_OK) return mt_gpu_error_return(&t->error, err);

@@ -1071,8 +1071,8 @@ mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* err);
 /* The iteration a load reads, its integrity checked: `iteration` (< 0: the tracker's) when its
  * directory's manifest verifies, or when it has no manifest (a checkpoint from before manifests:
  * loaded unchecked, as before). When the tracker's iteration fails and an older iter_* directory of
- * dir has a manifest that verifies, the newest such one (*fell_back = 1; *err then holds the reason
- * the tracked one was refused, for the caller's warning); else the first failure. */
+ * dir has a manifest that verifies, the newest such one (*fell_back = 1, fell_back may be NULL; *err
+ * then holds the reason the tracked one was refused, for the caller's warning); else the first failure. */
 mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int64_t* chosen, int* fell_back, mt_error* err);
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -4965,7 +4965,7 @@ mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* err) {
 }
 
 mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int64_t* chosen, int* fell_back, mt_error* err) {
-    *fell_back = 0;
+    if (fell_back) *fell_back = 0;
     const int tracked = iteration < 0;
     mt_status st = tracked ? mt_checkpoint_read_tracker(dir, &iteration, err) : MT_OK;
     if (st != MT_OK) return st;
@@ -5002,7 +5002,7 @@ mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int64_t* chos
         snprintf(iter_dir, sizeof(iter_dir), "%s/iter_%07lld", dir, (long long)next);
         if (mt_checkpoint_manifest_verify(iter_dir, &scratch) == MT_OK) {
             *chosen = next;
-            *fell_back = 1;
+            if (fell_back) *fell_back = 1;
             return MT_OK;
         }
         limit = next;
