@@ -13,6 +13,7 @@
 #ifndef MT_TEST_CHECKPOINT_TOOL_H
 #define MT_TEST_CHECKPOINT_TOOL_H
 
+#include "test_configs.h"
 #include "prepro/checkpoint_tool.h"
 
 static void ckt_dir(char* buf, size_t cap, const char* what) {
@@ -152,32 +153,18 @@ typedef struct {
  * TP 1, 512 at TP 2), GPT-2 (LayerNorm, learned positions, biases) or Llama (RMSNorm, SwiGLU, rope,
  * no biases); padded for TP tp. */
 static void ckt_model(mt_config* c, const ckt_layout* L) {
-    mt_config_defaults(c);
-    c->num_layers = 4;
-    c->hidden_size = 64;
-    c->num_attention_heads = 4;
-    c->num_query_groups = 2;
-    c->kv_channels = 16;
-    c->ffn_hidden_size = 128;
+    *c = test_config_sized(4, 64, 4, 32, 300);
+    test_config_attention(c, 4, 2, 16, 128);
     c->max_position_embeddings = 32;
-    c->vocab_size = 300;
     c->padded_vocab_size = mt_padded_vocab_size(300, 128, L->tp);
     c->precision = MT_BF16;
+    if (L->llama) test_config_llama(c);
     c->untie_embeddings_and_output_weights = L->untied;
-    if (L->llama) {
-        c->normalization = MT_NORM_RMSNORM;
-        c->swiglu = 1;
-        c->position_embedding_type = MT_POSITION_ROPE;
-        c->add_bias_linear = 0;
-    }
-    c->tensor_model_parallel_size = L->tp;
+    test_config_parallel(c, L->tp, L->tp * L->pp * (L->dp > 0 ? L->dp : 1), 0);
     c->pipeline_model_parallel_size = L->pp;
     c->virtual_pipeline_size = L->vp;
     c->data_parallel_size = L->dp > 0 ? L->dp : 1;
-    c->world_size = L->tp * L->pp * c->data_parallel_size;
-    c->use_distributed_optimizer = L->dp > 0;
-    c->overlap_grad_reduce = L->overlap_grad_reduce;
-    c->ddp_bucket_size = L->ddp_bucket_size;
+    test_config_ddp(c, L->dp > 0, L->overlap_grad_reduce, 0, L->ddp_bucket_size);
 }
 
 static void ckt_random(float* x, int64_t n, uint32_t seed) {
