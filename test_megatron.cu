@@ -82,6 +82,7 @@ int main(int argc, char** argv) {
         GROUP("gpu.flags", flags_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),
         GROUP("gpu.checkpoint", checkpoint_gpu_tests),
+        GROUP("gpu.checkpoint_tool", checkpoint_tool_gpu_tests),
         GROUP("gpu.attention", attention_gpu_tests),
         GROUP("gpu.kernels", kernels_gpu_tests),
         GROUP("gpu.fp8", fp8_tests),

@@ -9,11 +9,13 @@
  * shards bucket by bucket as copy_owned cuts them), random arrays, both flavours, tied and untied;
  * reshards TP1 -> TP2 -> TP1 x PP2 x VP2 -> TP2 x PP2 -> TP1 come back bitwise; a distributed-optimizer
  * checkpoint of several buckets reassembles exactly; verify catches a flipped byte, a truncated
- * file, a missing file and a missing manifest. */
+ * file, a missing file and a missing manifest. GPU: the trainer's checkpoints verified, resharded
+ * and resumed bitwise, and a damaged tracked iteration skipped on load. */
 #ifndef MT_TEST_CHECKPOINT_TOOL_H
 #define MT_TEST_CHECKPOINT_TOOL_H
 
 #include "test_configs.h"
+#include "test_checkpoint.h"
 #include "prepro/checkpoint_tool.h"
 
 static void ckt_dir(char* buf, size_t cap, const char* what) {
@@ -534,6 +536,72 @@ static test_result test_select_falls_back(void) {
     mt_remove_tree(root);
     return TEST_PASS;
 }
+
+/* GPU: the trainer's own checkpoints through the manifest and the tool. 5 steps saved, 5 more saved
+ * (the straight run); both iterations verify (headers, sizes, manifest); iteration 5 resharded
+ * TP1 -> TP2 -> TP1 x PP2 -> TP1 and loaded continues steps 5..9 with the straight run's losses and
+ * weights bitwise; a flipped byte in iteration 10 makes the tracker's load fall back to iteration 5,
+ * and an explicit load of iteration 10 is refused naming the file. */
+static test_result ckt_trainer(int llama) {
+    REQUIRE_GPU();
+    mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, MT_BF16);
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    char root[256], a_dir[400], out[400], prev[400], path[600];
+    ckt_dir(root, sizeof(root), llama ? "trainer_llama" : "trainer_gpt");
+    snprintf(a_dir, sizeof(a_dir), "%s/a", root);
+    const int64_t n = mt_num_parameters(&c);
+    double a[20], r[20];
+    float* pa = (float*)malloc(sizeof(float) * (size_t)n);
+    float* pr = (float*)malloc(sizeof(float) * (size_t)n);
+    test_result res = run_steps(&c, NULL, a_dir, 0, 5, a, NULL);
+    if (res == TEST_PASS) res = run_steps(&c, a_dir, a_dir, 5, 5, a, pa);
+    if (res != TEST_PASS) { free(pa); free(pr); return res; }
+    for (int it = 5; it <= 10; it += 5) {
+        mt_ckpt ck;
+        EXPECT_OK(mt_ckpt_open(&ck, a_dir, it, &err), &err);
+        EXPECT_OK(mt_ckpt_verify(&ck, NULL, &err), &err);
+    }
+    struct { int tp, pp; } steps[] = {{2, 1}, {1, 2}, {1, 1}};
+    snprintf(prev, sizeof(prev), "%s", a_dir);
+    for (int k = 0; k < 3; k++) {
+        mt_ckpt ck;
+        EXPECT_OK(mt_ckpt_open(&ck, prev, k == 0 ? 5 : -1, &err), &err);
+        snprintf(out, sizeof(out), "%s/step%d", root, k);
+        EXPECT_OK(mt_ckpt_reshard(&ck, NULL, out, steps[k].tp, steps[k].pp, 1, c.make_vocab_size_divisible_by, NULL, &err),
+                  &err);
+        snprintf(prev, sizeof(prev), "%s", out);
+    }
+    res = run_steps(&c, prev, NULL, 5, 5, r, pr);
+    if (res != TEST_PASS) { free(pa); free(pr); return res; }
+    for (int k = 5; k < 10; k++) EXPECT(!memcmp(&a[k], &r[k], sizeof(double)), "step %d: %.9g vs %.9g", k, r[k], a[k]);
+    EXPECT(!memcmp(pa, pr, sizeof(float) * (size_t)n), "weights after the resharded resume differ");
+    free(pa);
+    free(pr);
+    /* damage: the tracker's iteration 10 gives way to 5; asked for by number, 10 is refused */
+    snprintf(path, sizeof(path), "%s/iter_0000010/mp_rank_00/model_optim_rng.bin", a_dir);
+    EXPECT(ckt_flip(path, -77) == 0, "flip");
+    mt_trainer* t = NULL;
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    int64_t it = -1;
+    mt_status st = mt_trainer_load(t, a_dir, -1, &it, NULL, &err);
+    mt_status st10 = mt_trainer_load(t, a_dir, 10, NULL, NULL, &err);
+    mt_trainer_free(t);
+    EXPECT(st == MT_OK && it == 5, "load after damage: status %s, iteration %lld", mt_status_name(st), (long long)it);
+    EXPECT(st10 == MT_ERR_FORMAT && strstr(err.message, "mp_rank_00/model_optim_rng.bin is corrupted"), "%s", err.message);
+    mt_remove_tree(root);
+    printf("      %s: saved, verified, resharded TP1 -> TP2 -> PP2 -> TP1, resumed bitwise; damage skipped\n",
+           llama ? "Llama" : "GPT-2");
+    return TEST_PASS;
+}
+
+static test_result test_trainer_checkpoints_gpt2(void) { return ckt_trainer(0); }
+static test_result test_trainer_checkpoints_llama(void) { return ckt_trainer(1); }
+
+static const test_case checkpoint_tool_gpu_tests[] = {
+    {"trainer_checkpoints_gpt2", test_trainer_checkpoints_gpt2},
+    {"trainer_checkpoints_llama", test_trainer_checkpoints_llama},
+};
 
 static const test_case checkpoint_tool_tests[] = {
     {"crc32c_streams", test_crc32c_streams},
