@@ -3645,18 +3645,22 @@ mt_status mt_comm_id_create(mt_comm_id* id, mt_error* err) {
  * that has nothing to receive from it yet), so a rank could sit in that handshake for a connection
  * its neighbour will only use later while the neighbour waits on the stream: connect every
  * neighbour pair on both pipeline communicators once, symmetrically, at creation. */
-static void pipeline_connect(mt_process_groups* g, cudaStream_t stream, mt_gpu_error* e, int world_rank) {
-    float* buf = NULL;
-    if (!CUDA_CHECK(e, cudaMalloc(&buf, 8 * sizeof(float)))) return;
+static void pipeline_connect(mt_process_groups* g, const mt_config* c, cudaStream_t stream, mt_gpu_error* e) {
+    /* messages of the real size [R, h] (NCCL may set up channels by size) */
+    const int tp = c->tensor_model_parallel_size, sp = c->sequence_parallel && tp > 1;
+    const size_t n = (size_t)c->micro_batch_size * c->seq_length / (sp ? tp : 1) * c->hidden_size;
+    void* buf = NULL;
+    if (!CUDA_CHECK(e, cudaMalloc(&buf, 3 * n * 4))) return;
+    float* f = (float*)buf;
     const int prev = (g->pp_rank + g->pp_size - 1) % g->pp_size, next = (g->pp_rank + 1) % g->pp_size;
     ncclComm_t comms[2] = {g->pp, g->pp_grad};
     for (int i = 0; i < 2; i++) {
-        NCCL_CHECK(e, world_rank, ncclGroupStart());
-        NCCL_CHECK(e, world_rank, ncclSend(buf, 1, ncclFloat, next, comms[i], stream));
-        NCCL_CHECK(e, world_rank, ncclSend(buf + 1, 1, ncclFloat, prev, comms[i], stream));
-        NCCL_CHECK(e, world_rank, ncclRecv(buf + 2 + 2 * i, 1, ncclFloat, prev, comms[i], stream));
-        NCCL_CHECK(e, world_rank, ncclRecv(buf + 3 + 2 * i, 1, ncclFloat, next, comms[i], stream));
-        NCCL_CHECK(e, world_rank, ncclGroupEnd());
+        NCCL_CHECK(e, c->rank, ncclGroupStart());
+        NCCL_CHECK(e, c->rank, ncclSend(f, n, g->tp.type, next, comms[i], stream));
+        NCCL_CHECK(e, c->rank, ncclSend(f, n, g->tp.type, prev, comms[i], stream));
+        NCCL_CHECK(e, c->rank, ncclRecv(f + n, n, g->tp.type, prev, comms[i], stream));
+        NCCL_CHECK(e, c->rank, ncclRecv(f + 2 * n, n, g->tp.type, next, comms[i], stream));
+        NCCL_CHECK(e, c->rank, ncclGroupEnd());
     }
     CUDA_CHECK(e, cudaStreamSynchronize(stream));
     cudaFree(buf);
@@ -3705,7 +3709,7 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
                 !CUDA_CHECK(e, cudaEventCreateWithFlags(&g->pp_done[i], cudaEventDisableTiming)))
                 return;
         if (!CUDA_CHECK(e, cudaEventCreateWithFlags(&g->pp_ready, cudaEventDisableTiming))) return;
-        pipeline_connect(g, compute, e, c->rank);
+        pipeline_connect(g, c, compute, e);
     }
 }
 
@@ -4579,8 +4583,8 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
 
     if (cast_fp8_weights) t->fp8.stale = 0;
     if (!ch.head) return;
-    if (ch.count == 0) /* a head without layers: the final norm of the received stream */
-        norm_forward<T>(ex, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, (const T*)a->residual,
+    if (ch.count == 0) /* a head without layers: the final norm of the received stream (bucket 0: wait for it) */
+        wait_for_parameters(t, s.L), norm_forward<T>(ex, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, (const T*)a->residual,
                         param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.R, s.h, eps, s.rms,
                         s.norm_w1);
 
@@ -4866,7 +4870,8 @@ static int pipeline_unit_end(const mt_pp_op* ops, int num_ops, int num_warmup, i
  * (with one, PP 2 x VP 2 would pair a gradient with an activation); each kind is one NCCL group on
  * its own stream, so a receive still waiting cannot hold back a send of the other kind (on one
  * stream NCCL ran the two communicators' kernels one after the other and the pair deadlocked). The
- * streams start after the compute so far, and the compute waits for both. */
+ * streams start after the compute so far; the compute waits for a kind when a step needs it
+ * (pipeline_wait). */
 typedef struct {
     const void* send[2];
     int send_rank[2], send_grad[2], num_send;
@@ -4895,10 +4900,14 @@ static void pipeline_exchange(mt_trainer* t, const pipeline_transfers* x) {
                            ncclRecv(x->recv[i], n, g->tp.type, x->recv_rank[i], comm, g->pp_streams[kind]));
         NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupEnd());
     }
-    for (int i = 0; i < 2; i++) {
-        CUDA_CHECK(&t->error, cudaEventRecord(g->pp_done[i], g->pp_streams[i]));
-        CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, g->pp_done[i], 0));
-    }
+    for (int i = 0; i < 2; i++) CUDA_CHECK(&t->error, cudaEventRecord(g->pp_done[i], g->pp_streams[i]));
+}
+/* The compute stream waits for the last exchange's transfers of one kind (0 activations, 1 gradients):
+ * a forward needs its input, a backward its gradient, and each kind's group also holds that kind's
+ * sends, whose buffers the step may overwrite. (A forward does not wait for the gradient a backward
+ * later in its unit receives: Megatron's 1F1B runs the forward first too.) */
+static void pipeline_wait(mt_trainer* t, int kind) {
+    if (t->groups.pp_size > 1) CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, t->groups.pp_done[kind], 0));
 }
 
 template <typename T>
@@ -4931,13 +4940,32 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
     int num_ops = 0, num_warmup = 0;
     mt_pp_op* ops = trainer_steps(t, count, train, &num_ops, &num_warmup, err);
     if (!ops) return MT_ERR_CONFIG;
-    if (mt_pp_slots_needed(ops, num_ops) > t->num_slots) {
-        int need = mt_pp_slots_needed(ops, num_ops);
-        free(ops);
-        return mt_fail(err, MT_ERR_CONFIG, "%d micro-batches need %d activation slots on pipeline rank %d; the trainer "
-                       "has %d (made for %d micro-batches a step)", count, need, t->groups.pp_rank, t->num_slots,
-                       mt_num_micro_batches(&t->cfg));
+    /* refusals every pipeline rank reaches alike (one rank leaving alone would strand the others in
+     * NCCL): any rank's slots short of its schedule (each rank's are computed here from the tables),
+     * any token outside the vocabulary (every rank holds all of them) */
+    for (int r = 0; r < pp; r++) {
+        int made = 0, need = 0, n = 0, w = 0;
+        mt_pp_op* theirs = pipeline_steps(pp, vp, r, c->microbatch_group_size_per_vp_stage, count, train, &n, &w, err);
+        if (!theirs || mt_pp_activation_slots(pp, vp, mt_num_micro_batches(c), c->microbatch_group_size_per_vp_stage,
+                                              r, &made, err) != MT_OK) {
+            free(theirs), free(ops);
+            return MT_ERR_CONFIG;
+        }
+        need = mt_pp_slots_needed(theirs, n);
+        free(theirs);
+        if (need > made) {
+            free(ops);
+            return mt_fail(err, MT_ERR_CONFIG, "%d micro-batches need %d activation slots on pipeline rank %d; the "
+                           "trainer has %d (made for %d micro-batches a step)", count, need, r, made,
+                           mt_num_micro_batches(c));
+        }
     }
+    for (int64_t i = 0; i < (int64_t)count * s.B * (s.S + 1); i++)
+        if (tokens[i] < 0 || tokens[i] >= s.V_full) {
+            free(ops);
+            return mt_fail(err, MT_ERR_RANGE, "token id %d outside the padded vocabulary of %lld", tokens[i],
+                           (long long)s.V_full);
+        }
     int* slot_of = (int*)malloc(sizeof(int) * (size_t)count * vp);
     int* free_slots = (int*)malloc(sizeof(int) * (size_t)t->num_slots);
     if (!slot_of || !free_slots) {
@@ -4990,6 +5018,7 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
             mode.reduce_in_backward = mode.last && dp > 1 && t->cfg.overlap_grad_reduce && pp == 1;
             mode.training = train;
             const mt_exec ex = trainer_exec(t, mode);
+            pipeline_wait(t, forward ? 0 : 1);
             switch (t->cfg.precision) {
                 case MT_FP32: run_step<float>(t, &ex, op, grad_scale, unique); break;
                 case MT_BF16: run_step<__nv_bfloat16>(t, &ex, op, grad_scale, unique); break;
@@ -5017,6 +5046,7 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
         u = end;
     }
     if (st == MT_OK) pipeline_exchange(t, &x);
+    pipeline_wait(t, 0), pipeline_wait(t, 1); /* the step's last sends, before anything reuses their buffers */
     free(ops), free(slot_of), free(free_slots);
     if (st != MT_OK) return st;
     if (train) finish_gradient_reduction(t);

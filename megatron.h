@@ -3898,7 +3898,7 @@ static int mt__pp_stage_layers(const mt_config* c, int v) {
         int rest = L - (first > 0 ? first : 0) - (last > 0 ? last : 0);
         if (v == 0 && first >= 0) return first;
         if (v == pp - 1 && last >= 0) return last;
-        if (middle <= 0 || rest < 0 || rest % middle) return -1;
+        if (middle <= 0 || rest < 0 || rest % middle || rest / middle == 0) return -1; /* no empty middle stage */
         return rest / middle;
     }
     int e = c->account_for_embedding_in_pipeline_split != 0, l = c->account_for_loss_in_pipeline_split != 0;
