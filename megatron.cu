@@ -4753,14 +4753,10 @@ static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb,
     const int32_t* src = tokens + (int64_t)mb * s.B * (s.S + 1);
     int32_t* inputs = t->host_tokens;
     int32_t* targets = t->host_tokens + s.BT;
-    for (int b = 0; b < s.B; b++) {
+    for (int b = 0; b < s.B; b++) { /* ids range-checked by run_micro_batches, on every rank */
         for (int i = 0; i < s.S; i++) {
-            int32_t x = src[(int64_t)b * (s.S + 1) + i], y = src[(int64_t)b * (s.S + 1) + i + 1];
-            if (x < 0 || x >= s.V_full || y < 0 || y >= s.V_full)
-                return mt_fail(err, MT_ERR_RANGE, "token id %d outside the padded vocabulary of %lld",
-                               (x < 0 || x >= s.V_full) ? x : y, (long long)s.V_full);
-            inputs[b * s.S + i] = x;
-            targets[b * s.S + i] = y;
+            inputs[b * s.S + i] = src[(int64_t)b * (s.S + 1) + i];
+            targets[b * s.S + i] = src[(int64_t)b * (s.S + 1) + i + 1];
         }
     }
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream)); /* the staging buffers are about to be reused */
@@ -4928,48 +4924,48 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
     mt_shape s = model_shape(t);
     const int dp = t->groups.dp_size, pp = t->groups.pp_size, vp = t->buffer.stage.num_chunks;
     double total = 0.0, tokens_counted = 0.0, global_counted = 0.0;
-    for (int mb = 0; mb < count; mb++) tokens_counted += (double)micro_batch_counted(c, tokens, mb);
+    for (int64_t i = 0; i < (int64_t)count * s.B * (s.S + 1); i++) /* every rank refuses alike */
+        if (tokens[i] < 0 || tokens[i] >= s.V_full)
+            return mt_fail(err, MT_ERR_RANGE, "token id %d outside the padded vocabulary of %lld", tokens[i],
+                           (long long)s.V_full);
+    double* counted = (double*)malloc(sizeof(double) * (size_t)count); /* each micro-batch's counted positions */
+    if (!counted) return mt_fail(err, MT_ERR_OOM, "cannot allocate %d counts", count);
+    for (int mb = 0; mb < count; mb++) tokens_counted += counted[mb] = (double)micro_batch_counted(c, tokens, mb);
     if (train && c->calculate_per_token_loss) {
         global_counted = tokens_counted;
         if (dp > 1) {
             mt_status st = all_reduce_sum(t, &global_counted, GROUP_DP, err);
-            if (st != MT_OK) return st;
+            if (st != MT_OK) return free(counted), st;
         }
     }
     if (train) t->next_bucket = 0; /* no zeroing: each chunk's first backward writes its gradients */
     int num_ops = 0, num_warmup = 0;
     mt_pp_op* ops = trainer_steps(t, count, train, &num_ops, &num_warmup, err);
-    if (!ops) return MT_ERR_CONFIG;
-    /* refusals every pipeline rank reaches alike (one rank leaving alone would strand the others in
-     * NCCL): any rank's slots short of its schedule (each rank's are computed here from the tables),
-     * any token outside the vocabulary (every rank holds all of them) */
-    for (int r = 0; r < pp; r++) {
+    if (!ops) return free(counted), MT_ERR_CONFIG;
+    /* every pipeline rank refuses alike (one rank leaving alone would strand the others in NCCL) when
+     * any rank's slots fall short of its schedule: each rank's are computed here from the tables (PP = 1
+     * needs one slot and has it) */
+    for (int r = 0; r < pp && pp > 1; r++) {
         int made = 0, need = 0, n = 0, w = 0;
         mt_pp_op* theirs = pipeline_steps(pp, vp, r, c->microbatch_group_size_per_vp_stage, count, train, &n, &w, err);
         if (!theirs || mt_pp_activation_slots(pp, vp, mt_num_micro_batches(c), c->microbatch_group_size_per_vp_stage,
                                               r, &made, err) != MT_OK) {
-            free(theirs), free(ops);
+            free(theirs), free(ops), free(counted);
             return MT_ERR_CONFIG;
         }
         need = mt_pp_slots_needed(theirs, n);
         free(theirs);
         if (need > made) {
-            free(ops);
+            free(ops), free(counted);
             return mt_fail(err, MT_ERR_CONFIG, "%d micro-batches need %d activation slots on pipeline rank %d; the "
                            "trainer has %d (made for %d micro-batches a step)", count, need, r, made,
                            mt_num_micro_batches(c));
         }
     }
-    for (int64_t i = 0; i < (int64_t)count * s.B * (s.S + 1); i++)
-        if (tokens[i] < 0 || tokens[i] >= s.V_full) {
-            free(ops);
-            return mt_fail(err, MT_ERR_RANGE, "token id %d outside the padded vocabulary of %lld", tokens[i],
-                           (long long)s.V_full);
-        }
     int* slot_of = (int*)malloc(sizeof(int) * (size_t)count * vp);
     int* free_slots = (int*)malloc(sizeof(int) * (size_t)t->num_slots);
     if (!slot_of || !free_slots) {
-        free(ops), free(slot_of), free(free_slots);
+        free(ops), free(slot_of), free(free_slots), free(counted);
         return mt_fail(err, MT_ERR_OOM, "cannot allocate the pipeline slot table");
     }
     int num_free = t->num_slots;
@@ -5007,8 +5003,7 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
             if (forward && index_now) t->pp_unique = unique;
             /* Megatron pre-scales each rank's gradients by 1/dp and sums them; a zero scale still runs the
              * backward (the first micro-batch writes every gradient) */
-            double counted = (double)micro_batch_counted(c, tokens, op->micro_batch);
-            double denominator = c->calculate_per_token_loss ? global_counted : counted * count * dp;
+            double denominator = c->calculate_per_token_loss ? global_counted : counted[op->micro_batch] * count * dp;
             float grad_scale = train && denominator > 0 ? (float)(loss_scale / denominator) : 0.0f;
             if (train && grad_scale == 0.0f) grad_scale = FLT_MIN;
             /* this step's mode; --overlap-grad-reduce (PP = 1): buckets go out during the last backward */
@@ -5047,7 +5042,7 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
     }
     if (st == MT_OK) pipeline_exchange(t, &x);
     pipeline_wait(t, 0), pipeline_wait(t, 1); /* the step's last sends, before anything reuses their buffers */
-    free(ops), free(slot_of), free(free_slots);
+    free(ops), free(slot_of), free(free_slots), free(counted);
     if (st != MT_OK) return st;
     if (train) finish_gradient_reduction(t);
     if (pp > 1) { /* the loss is the last stage's */
