@@ -3895,11 +3895,11 @@ static int mt__pp_stage_layers(const mt_config* c, int v) {
     int first = c->decoder_first_pipeline_num_layers, last = c->decoder_last_pipeline_num_layers;
     if (first >= 0 || last >= 0) { /* uneven (VP = 1): the middle stages share what is left evenly */
         int middle = pp - (first >= 0) - (last >= 0);
-        int rest = L - (first > 0 ? first : 0) - (last > 0 ? last : 0);
+        int64_t rest = (int64_t)L - (first > 0 ? first : 0) - (last > 0 ? last : 0); /* flags up to 2^31 - 1 */
         if (v == 0 && first >= 0) return first;
         if (v == pp - 1 && last >= 0) return last;
         if (middle <= 0 || rest < 0 || rest % middle || rest / middle == 0) return -1; /* no empty middle stage */
-        return rest / middle;
+        return (int)(rest / middle);
     }
     int e = c->account_for_embedding_in_pipeline_split != 0, l = c->account_for_loss_in_pipeline_split != 0;
     int total = L + e + l;
@@ -3916,6 +3916,8 @@ mt_status mt_pp_stage_of(const mt_config* c, int pp_rank, mt_pp_stage* out, mt_e
                        "--pipeline-model-parallel-size > 1 and at most %d per rank)", vp, pp, MT_PP_MAX_CHUNKS);
     if (pp_rank < 0 || pp_rank >= pp)
         return mt_fail(err, MT_ERR_RANGE, "pipeline rank %d outside [0, %d)", pp_rank, pp);
+    if ((int64_t)pp * vp > (int64_t)L + 2) /* every virtual stage but the first and last builds a layer */
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d stages x %d virtual stages exceed the %d layers", pp, vp, L);
     int uneven = c->decoder_first_pipeline_num_layers >= 0 || c->decoder_last_pipeline_num_layers >= 0;
     if (uneven && vp > 1)
         return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers with virtual pipeline stages is "

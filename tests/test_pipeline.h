@@ -68,6 +68,17 @@ static test_result test_pp_layer_split(void) {
     c.num_layers = 16;
     c.decoder_first_pipeline_num_layers = 2;
     EXPECT(mt_pp_stage_of(&c, 0, NULL, &err) == MT_ERR_CONFIG, "uneven with virtual stages and account-for accepted");
+    /* hostile sizes: refused, no overflow (flags reach 2^31 - 1) */
+    mt_config h = test_config(TEST_GPT2, MT_FP32);
+    h.num_layers = 8;
+    h.pipeline_model_parallel_size = 4;
+    h.decoder_first_pipeline_num_layers = 2147483647;
+    h.decoder_last_pipeline_num_layers = 2147483647;
+    EXPECT(mt_pp_stage_of(&h, 0, NULL, &err) == MT_ERR_CONFIG, "first/last of 2^31 - 1 layers accepted");
+    h.decoder_first_pipeline_num_layers = h.decoder_last_pipeline_num_layers = -1;
+    h.pipeline_model_parallel_size = 2147483647;
+    h.virtual_pipeline_size = 64;
+    EXPECT(mt_pp_stage_of(&h, 0, NULL, &err) == MT_ERR_CONFIG, "2^31 - 1 stages x 64 virtual accepted");
     /* the flags through finalize */
     mt_config f = test_config(TEST_GPT2, MT_FP32);
     f.num_layers = 8;
