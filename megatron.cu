@@ -4848,14 +4848,21 @@ static mt_pp_op* trainer_steps(const mt_trainer* t, int count, int train, int* n
                           t->cfg.microbatch_group_size_per_vp_stage, count, train, num_ops, num_warmup, err);
 }
 
-/* The engine runs a schedule in units, Megatron's way: a warm-up forward alone, a steady-state
- * forward with the backward after it, a cool-down backward alone. Before a unit one NCCL group
- * sends what the previous unit produced and receives what this unit needs (send_forward_recv_forward,
- * send_forward_backward_recv_forward_backward, send_backward_recv_backward in schedules.py): pairs
- * of neighbours that send to each other then never wait on each other (tests/test_pipeline.h
- * simulates every setting). Returns one past the last op of the unit that starts at op k. */
-static int pipeline_unit_end(const mt_pp_op* ops, int num_ops, int num_warmup, int k) {
-    if (k >= num_warmup && ops[k].kind == MT_PP_FORWARD && k + 1 < num_ops && ops[k + 1].kind == MT_PP_BACKWARD)
+/* The engine runs a schedule in units, Megatron's way, and before each unit one exchange sends what
+ * the previous unit produced and receives what this unit needs. Non-interleaved (VP = 1) a unit is
+ * one step, as schedules.py's 1F1B exchanges after every step (send_forward_recv_backward between a
+ * steady forward and its backward, send_backward_recv_forward after the backward): a stage's output
+ * leaves as soon as it exists, and the next stage computes while this one runs its backward (one
+ * exchange per forward-backward pair held each output back a whole backward and ran the two stages
+ * of a PP 2 pipeline mostly in turn: 0.9x the time of one GPU, measured). Interleaved (VP > 1) a
+ * steady forward and the backward after it form one unit with one exchange after both
+ * (send_forward_backward_recv_forward_backward); warm-up forwards and cool-down backwards are units
+ * alone. Pairs of neighbours that send to each other then never wait on each other
+ * (tests/test_pipeline.h simulates every setting). Returns one past the last op of the unit that
+ * starts at op k. */
+static int pipeline_unit_end(const mt_pp_op* ops, int num_ops, int num_warmup, int vp, int k) {
+    if (vp > 1 && k >= num_warmup && ops[k].kind == MT_PP_FORWARD && k + 1 < num_ops &&
+        ops[k + 1].kind == MT_PP_BACKWARD)
         return k + 2;
     return k + 1;
 }
@@ -4944,8 +4951,8 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
     if (!ops) return free(counted), MT_ERR_CONFIG;
     /* every pipeline rank refuses alike (one rank leaving alone would strand the others in NCCL) when
      * any rank's slots fall short of its schedule: each rank's are computed here from the tables (PP = 1
-     * needs one slot and has it) */
-    for (int r = 0; r < pp && pp > 1; r++) {
+     * needs one slot and has it; a forward-only pass frees each slot at once and needs one too) */
+    for (int r = 0; r < pp && pp > 1 && train; r++) {
         int made = 0, need = 0, n = 0, w = 0;
         mt_pp_op* theirs = pipeline_steps(pp, vp, r, c->microbatch_group_size_per_vp_stage, count, train, &n, &w, err);
         if (!theirs || mt_pp_activation_slots(pp, vp, mt_num_micro_batches(c), c->microbatch_group_size_per_vp_stage,
@@ -4973,8 +4980,11 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
     pipeline_transfers x; /* the previous unit's sends, then this unit's receives */
     memset(&x, 0, sizeof(x));
     mt_status st = MT_OK;
+    /* MT_PP_TRACE=1: each unit's transfers and steps on stderr, the stream synchronised after each (a
+     * hang then names the unit it stopped in) */
+    const bool trace = pp > 1 && getenv("MT_PP_TRACE") && getenv("MT_PP_TRACE")[0] == '1';
     for (int u = 0; u < num_ops && st == MT_OK;) {
-        const int end = pipeline_unit_end(ops, num_ops, num_warmup, u);
+        const int end = pipeline_unit_end(ops, num_ops, num_warmup, vp, u);
         for (int k = u; k < end; k++) { /* slots and receive buffers of the unit's steps */
             const mt_pp_op* op = &ops[k];
             const int key = op->micro_batch * vp + op->chunk;
@@ -4984,8 +4994,21 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
             x.recv_grad[x.num_recv] = op->kind == MT_PP_BACKWARD;
             x.recv_rank[x.num_recv++] = op->recv_rank;
         }
+        if (trace) {
+            fprintf(stderr, "pp rank %d unit %d:", t->groups.pp_rank, u);
+            for (int i = 0; i < x.num_send; i++) fprintf(stderr, " send%s->%d", x.send_grad[i] ? "G" : "A", x.send_rank[i]);
+            for (int i = 0; i < x.num_recv; i++) fprintf(stderr, " recv%s<-%d", x.recv_grad[i] ? "G" : "A", x.recv_rank[i]);
+            for (int k = u; k < end; k++)
+                fprintf(stderr, " %c(mb %d, chunk %d)", ops[k].kind == MT_PP_FORWARD ? 'F' : 'B', ops[k].micro_batch,
+                        ops[k].chunk);
+            fprintf(stderr, "\n");
+        }
         pipeline_exchange(t, &x);
         memset(&x, 0, sizeof(x));
+        if (trace) {
+            for (int i = 0; i < 2; i++) CUDA_CHECK(&t->error, cudaEventSynchronize(t->groups.pp_done[i]));
+            fprintf(stderr, "pp rank %d unit %d: transfers done\n", t->groups.pp_rank, u);
+        }
         for (int k = u; k < end && st == MT_OK; k++) {
             const mt_pp_op* op = &ops[k];
             const bool forward = op->kind == MT_PP_FORWARD;
@@ -5037,6 +5060,10 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
             }
             if (!forward || !train) free_slots[num_free++] = slot_of[key];
             if (t->error.status != MT_OK) st = mt_gpu_error_return(&t->error, err);
+        }
+        if (trace) {
+            CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+            fprintf(stderr, "pp rank %d unit %d: steps done\n", t->groups.pp_rank, u);
         }
         u = end;
     }

@@ -182,7 +182,7 @@ static test_result test_evaluation_train_gpt(void) {
     EXPECT(mkdtemp(dir) != NULL, "mkdtemp");
     char* out = NULL;
     snprintf(cmd, sizeof(cmd),
-             "./train_gpt --train-iters 4 --log-interval 2 --eval-interval 2 --eval-iters 1 --sample-tokens 0 "
+             "./train_gpt --train-iters 4 --lr-warmup-iters 1 --log-interval 2 --eval-interval 2 --eval-iters 1 --sample-tokens 0 "
              "--save %s/ck --tensorboard-dir %s/tb --log-validation-ppl-to-tensorboard --log-timers-to-tensorboard "
              "--log-memory-to-tensorboard --wandb-project p",
              dir, dir);

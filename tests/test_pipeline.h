@@ -193,7 +193,7 @@ static int pp_engine_finishes(int pp, int vp, int m, int g, int train, char* why
         pp_p2p sends[2];
         int num_sends = 0;
         for (int u = 0; u <= n;) {
-            int end = u < n ? pipeline_unit_end(ops, n, warmup, u) : n + 1, before = count[r];
+            int end = u < n ? pipeline_unit_end(ops, n, warmup, vp, u) : n + 1, before = count[r];
             for (int i = 0; i < num_sends; i++) list[r][count[r]++] = sends[i];
             num_sends = 0;
             for (int k = u; k < end && k < n; k++) {
@@ -383,8 +383,12 @@ static void pp_merge(const mt_config* c, float* values, int64_t n, int* copies_e
     mt_buffer_layout_free(&b);
 }
 
-/* A fresh trainer: initial weights and one compute_gradients' gradients and loss (TP = 1 layouts). */
-static test_result pp_first_step(mt_config c, const int32_t* tokens, float* params, float* grads, double* loss) {
+/* A fresh trainer: initial weights, one compute_gradients' gradients and loss (TP = 1 layouts), and
+ * before it an evaluation of the same micro-batches (forward only: every stage runs all of them
+ * before the last has any back, so each slot is reused at once) and the first micro-batch's
+ * per-token losses (the last stage's, shared with every rank). */
+static test_result pp_first_step(mt_config c, const int32_t* tokens, float* params, float* grads, double* loss,
+                                 double* eval_loss, float* token_losses) {
     mt_error err;
     if (c.world_size > 1) EXPECT_OK(fresh_comm_id(&c.comm_id, &err), &err);
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
@@ -394,6 +398,8 @@ static test_result pp_first_step(mt_config c, const int32_t* tokens, float* para
     int32_t* mine = (int32_t*)malloc(sizeof(int32_t) * c.global_batch_size * row);
     dp_slice(&c, tokens, mine);
     mt_status st = mt_trainer_get_parameters(t, params, &err);
+    if (st == MT_OK) st = mt_trainer_evaluate(t, mine, mt_num_micro_batches(&c), eval_loss, &err);
+    if (st == MT_OK) st = mt_trainer_token_losses(t, mine, token_losses, &err);
     if (st == MT_OK) st = mt_trainer_compute_gradients(t, mine, mt_num_micro_batches(&c), loss, &err);
     if (st == MT_OK) st = mt_trainer_get_gradients(t, grads, &err);
     if (st != MT_OK) printf("    FAIL first step: %s\n", err.message);
@@ -419,16 +425,18 @@ static test_result pp_against_single(const char* name, mt_config c, mt_config re
     int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * fin.global_batch_size * row);
     fill_tokens(tokens, fin.global_batch_size * row, (int)fin.vocab_size, 77);
     unsigned char* mask = key_bias_mask(&fin);
-    double ref_losses[20], losses[20], loss0 = 0, loss = 0;
+    double ref_losses[20], losses[20], loss0 = 0, loss = 0, eval0 = 0, eval = 0;
+    const int64_t positions = (int64_t)fin.micro_batch_size * fin.seq_length;
+    float *tl0 = (float*)calloc(positions, 4), *tl = (float*)calloc(positions, 4);
     const int tp1 = c.tensor_model_parallel_size == 1;
-    test_result res = tp_agree(pp_first_step(ref, tokens, p0, g0, &loss0));
+    test_result res = tp_agree(pp_first_step(ref, tokens, p0, g0, &loss0, &eval0, tl0));
     if (res == TEST_PASS) res = tp_agree(dp_run(ref, NULL, NULL, 0, 20, ref_losses, w0));
-    if (res == TEST_PASS && tp1) res = tp_agree(pp_first_step(c, tokens, p, g, &loss));
+    if (res == TEST_PASS && tp1) res = tp_agree(pp_first_step(c, tokens, p, g, &loss, &eval, tl));
     if (res == TEST_PASS) res = tp_agree(dp_run(c, NULL, NULL, 0, 20, losses, tp1 ? w : NULL));
     if (res != TEST_PASS) goto done;
     {
         int copies_p = 1, copies_g = 1, copies_w = 1;
-        double dg = 0, dw = 0, dl0 = 0;
+        double dg = 0, dw = 0, dl0 = 0, de = 0, dt = 0;
         const char* worst_name = "-";
         if (tp1) {
             pp_merge(&c, p, n, &copies_p);
@@ -439,6 +447,15 @@ static test_result pp_against_single(const char* name, mt_config c, mt_config re
             dg = tp_worst_tensor(&fin, g, g0, mask, &worst_name);
             dw = rel_error(w, w0, n, mask);
             dl0 = fabs(loss - loss0) / fabs(loss0);
+            de = fabs(eval - eval0) / fabs(eval0);
+            for (int64_t i = 0; i < positions; i++) { /* per position: relative to the loss's size */
+                double d = fabs((double)tl[i] - tl0[i]) / fmax(fabs((double)tl0[i]), 1.0);
+                if (!(d <= dt)) dt = d;
+            }
+            if (!tp_same_on_all_ranks(&eval, sizeof(eval)) || !tp_same_on_all_ranks(tl, sizeof(float) * positions)) {
+                printf("    FAIL %s: ranks report different evaluation or per-token losses\n", name);
+                res = TEST_FAIL;
+            }
         }
         double worst = 0;
         int worst_k = 0;
@@ -447,13 +464,15 @@ static test_result pp_against_single(const char* name, mt_config c, mt_config re
             if (!(rel <= worst)) { worst = rel; worst_k = k; }
         }
         if (!tp_same_on_all_ranks(losses, sizeof(losses))) { printf("    FAIL %s: ranks report different losses\n", name); res = TEST_FAIL; }
-        printf("      %s: first loss %.2e, gradients %.2e (worst %s), losses %.6f -> %.6f, worst relative difference "
-               "to PP=1 %.2e (step %d), weights %.2e\n", name, dl0, dg, worst_name, losses[0], losses[19], worst,
-               worst_k, dw);
-        if (!(dl0 <= loss_tol) || !(dg <= grad_tol) || !(worst <= loss_tol) || !(dw <= weight_tol)) res = TEST_FAIL;
+        printf("      %s: first loss %.2e, evaluation %.2e, per-token losses %.2e, gradients %.2e (worst %s), losses "
+               "%.6f -> %.6f, worst relative difference to PP=1 %.2e (step %d), weights %.2e\n", name, dl0, de, dt, dg,
+               worst_name, losses[0], losses[19], worst, worst_k, dw);
+        if (!(dl0 <= loss_tol) || !(de <= loss_tol) || !(dt <= loss_tol) || !(dg <= grad_tol) || !(worst <= loss_tol) ||
+            !(dw <= weight_tol))
+            res = TEST_FAIL;
     }
 done:
-    free(p0), free(g0), free(w0), free(p), free(g), free(w), free(tokens), free(mask);
+    free(p0), free(g0), free(w0), free(p), free(g), free(w), free(tokens), free(mask), free(tl0), free(tl);
     return tp_agree(res);
 }
 
