@@ -851,6 +851,7 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
         c->train_iters = v->iters;
     } else if (v->skip_train) {
         c->train_iters = 1; /* nothing trains; the config only needs a length */
+        if (v->warmup < 0) c->lr_warmup_iters = 0; /* the built-in job's warmup gives way */
     }
     if (v->rampup[0] >= 0) for (int k = 0; k < 3; k++) c->rampup_batch_size[k] = v->rampup[k];
     if (v->batch_schedule) {

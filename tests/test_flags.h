@@ -624,7 +624,24 @@ static test_result test_flags_prepro_equals_form(void) {
     return TEST_PASS;
 }
 
+/* The built-in job's own warm-up (30 iterations) gives way when nothing trains (--skip-train), and is
+ * refused, as Megatron asserts, when a shorter --train-iters leaves it longer than the decay. */
+static test_result test_flags_builtin_short_runs(void) {
+    char msg[512];
+    tg_flags v;
+    char* skip[] = {(char*)"train_gpt", (char*)"--skip-train", (char*)"--load", (char*)"ck", (char*)"--eval-iters", (char*)"1"};
+    EXPECT(flags_configure(skip, 6, 50257, 1, &v, msg, sizeof(msg)) == 0, "--skip-train on the built-in job: %s", msg);
+    EXPECT(v.cfg.lr_warmup_iters == 0, "--skip-train kept a warm-up of %lld", (long long)v.cfg.lr_warmup_iters);
+    char* shorter[] = {(char*)"train_gpt", (char*)"--train-iters", (char*)"4"};
+    EXPECT(flags_configure(shorter, 3, 50257, 1, &v, msg, sizeof(msg)) != 0 &&
+           strstr(msg, "--lr-warmup-iters 30 exceeds --lr-decay-iters 4"), "--train-iters 4: %s", msg);
+    char* fixed[] = {(char*)"train_gpt", (char*)"--train-iters", (char*)"4", (char*)"--lr-warmup-iters", (char*)"1"};
+    EXPECT(flags_configure(fixed, 5, 50257, 1, &v, msg, sizeof(msg)) == 0, "--train-iters 4 --lr-warmup-iters 1: %s", msg);
+    return TEST_PASS;
+}
+
 static const test_case flags_tests[] = {
+    {"flags_builtin_short_runs", test_flags_builtin_short_runs},
     {"flags_prepro_equals_form", test_flags_prepro_equals_form},
     {"flags_model_switches_host", test_flags_model_switches_host},
     {"flags_megatron_scripts_answered", test_flags_megatron_scripts_answered},
