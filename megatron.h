@@ -72,6 +72,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -1074,6 +1075,55 @@ mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* err);
  * dir has a manifest that verifies, the newest such one (*fell_back = 1, fell_back may be NULL; *err
  * then holds the reason the tracked one was refused, for the caller's warning); else the first failure. */
 mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int64_t* chosen, int* fell_back, mt_error* err);
+
+/* A checkpoint read at any layout: its layout from the first model file's header (mp_rank_00 or
+ * mp_rank_00_000), each file's header and exact size checked when first read, and any rank's part
+ * of a model at another layout (TP, PP with virtual stages, DP with or without the distributed
+ * optimizer) cut from the saved files tensor by tensor: the loader of megatron.cu (a --load at
+ * another layout) and prepro/checkpoint_tool.h use it. The distributed optimizer's buckets depend on
+ * --overlap-grad-reduce and --ddp-bucket-size, which the header does not record: the caller passes
+ * the saving run's (mt_ckpt_ddp, NULL: one bucket) and a shard size other than the header's is refused. */
+typedef struct {
+    char iter_dir[4200];
+    int64_t iteration;
+    int64_t header[MT_CK_HEADER_WORDS]; /* the first model file's (mp_rank_00[_000]) */
+    mt_config cfg;                      /* the model, at the files' TP, PP and VP */
+    int tp, pp, vp, sharded_dp;         /* sharded_dp: 0, or the distributed optimizer's DP size */
+} mt_ckpt;
+typedef struct {
+    int overlap_grad_reduce;
+    int64_t ddp_bucket_size; /* 0: Megatron's default */
+} mt_ckpt_ddp;
+enum { MT_CKPT_MASTER = 0, MT_CKPT_M, MT_CKPT_V, MT_CKPT_ARRAYS }; /* the three fp32 arrays of a checkpoint */
+/* <iter_dir>/mp_rank_<tp>[_<pp>] (the _<pp> part when the layout has pp > 1 stages) */
+void mt_ckpt_rank_dir(char* buf, size_t cap, const char* iter_dir, int pp, int tp_rank, int pp_rank);
+/* The model of header h at a layout, as rank (tp_rank, DP 0, pp_rank) of it sees it: dp > 0 with the
+ * distributed optimizer's buckets (ddp). The layer split is checked (an even one: the header does not
+ * record --decoder-first/last-pipeline-num-layers). */
+mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp, int dp, const mt_ckpt_ddp* ddp,
+                         int tp_rank, int pp_rank, mt_error* err);
+/* Elements of one array of a model file of c's rank: its stage's tensors of its TP shard. */
+mt_status mt_ckpt_rank_numel(const mt_config* c, int64_t* numel, mt_error* err);
+/* Reads and checks a header of `path` (shard_file: a distrib_optim file): its words in range, the
+ * file's exact size, and (ref not NULL) every model and layout word as ref's but for the rank words,
+ * which must be (tp_rank, pp_rank, dp_rank). Leaves *f_out (if not NULL) open after the header. */
+mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_file, int tp_rank, int pp_rank,
+                              int dp_rank, int64_t* h, FILE** f_out, mt_error* err);
+/* Finds the iteration (< 0: the tracker's) and reads its first model file's header. */
+mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, mt_error* err);
+/* Reads n floats at element offset `at` of the arrays after the header of f. */
+mt_status mt_ckpt_read_floats(FILE* f, const char* path, int64_t at, float* out, int64_t n, mt_error* err);
+/* One array (MT_CKPT_*) of the part of the model that rank target->rank of the layout `target` (a
+ * finalized config: TP, PP, VP, its rank) holds, in its mt_buffer_layout's canonical order (its
+ * canonical_size elements into out), read slice by slice from checkpoint ck: for each of its
+ * (tensor, layer) pieces, the rows its TP shard holds from each saved TP shard that has them, from
+ * the pipeline stage that saved the layer (the word embeddings from the first stage), and for the
+ * Adam moments of a distributed-optimizer checkpoint from the DP shards that own them. At most one
+ * saved (tensor, layer) slice is held at a time. The target's model must be the checkpoint's but for
+ * the vocabulary padding: rows the target pads beyond the saved ones are 0, saved rows beyond the
+ * target's padding are dropped (as checkpoint_tool's reshard re-pads). */
+mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_config* target, int array, float* out,
+                            mt_error* err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 8. The trainer (GPU; implemented in megatron.cu)                                                */
@@ -5009,6 +5059,326 @@ mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int64_t* chos
         }
         limit = next;
     }
+    return st;
+}
+
+/* ---- a checkpoint at any layout: the files' layout, and any rank's part of another layout ---- */
+
+void mt_ckpt_rank_dir(char* buf, size_t cap, const char* iter_dir, int pp, int tp_rank, int pp_rank) {
+    if (pp > 1) snprintf(buf, cap, "%s/mp_rank_%02d_%03d", iter_dir, tp_rank, pp_rank);
+    else snprintf(buf, cap, "%s/mp_rank_%02d", iter_dir, tp_rank);
+}
+
+mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp, int dp, const mt_ckpt_ddp* ddp,
+                         int tp_rank, int pp_rank, mt_error* err) {
+    mt_config_defaults(c);
+    mt_config_from_checkpoint_header(c, h);
+    c->tensor_model_parallel_size = tp;
+    c->pipeline_model_parallel_size = pp;
+    c->virtual_pipeline_size = vp > 0 ? vp : 1;
+    c->data_parallel_size = dp > 0 ? dp : 1;
+    c->world_size = tp * pp * c->data_parallel_size;
+    c->use_distributed_optimizer = dp > 0;
+    if (ddp) {
+        c->overlap_grad_reduce = ddp->overlap_grad_reduce;
+        c->ddp_bucket_size = ddp->ddp_bucket_size;
+    }
+    mt_rank_coords coords = {tp_rank, 0, pp_rank};
+    c->rank = mt_rank_of(c, coords);
+    return mt_pp_stage_of(c, pp_rank, NULL, err);
+}
+
+mt_status mt_ckpt_rank_numel(const mt_config* c, int64_t* numel, mt_error* err) {
+    mt_buffer_layout B;
+    mt_status st = mt_buffer_layout_build(&B, c, err);
+    if (st != MT_OK) return st;
+    *numel = B.canonical_size;
+    mt_buffer_layout_free(&B);
+    return MT_OK;
+}
+
+mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_file, int tp_rank, int pp_rank,
+                              int dp_rank, int64_t* h, FILE** f_out, mt_error* err) {
+    if (f_out) *f_out = NULL;
+    int fd = mt_open_regular_file(path, err);
+    if (fd < 0) return MT_ERR_IO;
+    FILE* f = fdopen(fd, "rb");
+    if (!f) {
+        close(fd);
+        return mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+    }
+    mt_status st = fread(h, sizeof(int64_t), MT_CK_HEADER_WORDS, f) == MT_CK_HEADER_WORDS
+                       ? mt_checkpoint_header_check(h, path, NULL, err)
+                       : mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
+    struct stat sb;
+    if (st == MT_OK) {
+        const int64_t want = mt_checkpoint_file_bytes(h, shard_file);
+        if (fstat(fileno(f), &sb) != 0 || (int64_t)sb.st_size != want)
+            st = mt_fail(err, MT_ERR_FORMAT, "%s has %lld bytes, but its header describes %lld (%s)", path,
+                         (long long)sb.st_size, (long long)want, (int64_t)sb.st_size < want ? "truncated" : "too long");
+    }
+    if (st == MT_OK && ref) {
+        /* every word but the rank's own and the stage's size: as the first file's */
+        for (int w = 0; w < MT_CK_HEADER_WORDS && st == MT_OK; w++) {
+            if (w == MT_CK_TP_RANK || w == MT_CK_PP_RANK || w == MT_CK_DP_RANK || w == MT_CK_STAGE_NUMEL ||
+                w == MT_CK_SHARD_NUMEL || w == MT_CK_FP8_TENSORS || w == MT_CK_FP8_HISTORY_POS)
+                continue;
+            if (h[w] != ref[w])
+                st = mt_fail(err, MT_ERR_FORMAT, "%s: header word %d is %lld, but %lld in the first model file", path, w,
+                             (long long)h[w], (long long)ref[w]);
+        }
+        if (st == MT_OK && (h[MT_CK_TP_RANK] != tp_rank || h[MT_CK_PP_RANK] != pp_rank || h[MT_CK_DP_RANK] != dp_rank))
+            st = mt_fail(err, MT_ERR_FORMAT, "%s holds the part of (TP, PP, DP) rank (%lld, %lld, %lld), not (%d, %d, %d)",
+                         path, (long long)h[MT_CK_TP_RANK], (long long)h[MT_CK_PP_RANK], (long long)h[MT_CK_DP_RANK],
+                         tp_rank, pp_rank, dp_rank);
+    }
+    if (st == MT_OK && f_out) *f_out = f;
+    else fclose(f);
+    return st;
+}
+
+mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, mt_error* err) {
+    memset(ck, 0, sizeof(*ck));
+    mt_status st = iteration < 0 ? mt_checkpoint_read_tracker(dir, &iteration, err) : MT_OK;
+    if (st != MT_OK) return st;
+    ck->iteration = iteration;
+    mt_checkpoint_iteration_dir(ck->iter_dir, sizeof(ck->iter_dir), dir, iteration);
+    char path[4400], rank_dir[4300];
+    struct stat sb;
+    /* mp_rank_00 (one stage) or mp_rank_00_000 (a pipeline) */
+    mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, 1, 0, 0);
+    if (stat(rank_dir, &sb) != 0) mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, 2, 0, 0);
+    snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
+    int64_t* h = ck->header;
+    st = mt_ckpt_read_header(path, NULL, 0, 0, 0, 0, h, NULL, err);
+    if (st == MT_OK && h[MT_CK_ITERATION] != iteration)
+        st = mt_fail(err, MT_ERR_FORMAT, "%s holds iteration %lld, not %lld", path, (long long)h[MT_CK_ITERATION],
+                     (long long)iteration);
+    if (st == MT_OK && (h[MT_CK_TP_RANK] != 0 || h[MT_CK_PP_RANK] != 0 || h[MT_CK_DP_RANK] != 0))
+        st = mt_fail(err, MT_ERR_FORMAT, "%s is not the file of rank 0", path);
+    if (st == MT_OK && (h[MT_CK_TP] > 4096 || h[MT_CK_PP] > 4096 || h[MT_CK_SHARDED_DP] > 65536))
+        st = mt_fail(err, MT_ERR_FORMAT, "%s: a layout of %lld x %lld x %lld ranks is beyond this reader", path,
+                     (long long)h[MT_CK_TP], (long long)h[MT_CK_PP], (long long)h[MT_CK_SHARDED_DP]);
+    if (st != MT_OK) return st;
+    ck->tp = (int)h[MT_CK_TP];
+    ck->pp = (int)h[MT_CK_PP];
+    ck->vp = h[MT_CK_PP] > 1 ? (int)h[MT_CK_VP] : 1;
+    ck->sharded_dp = (int)h[MT_CK_SHARDED_DP];
+    return mt_ckpt_config(&ck->cfg, h, ck->tp, ck->pp, ck->vp, 0, NULL, 0, 0, err);
+}
+
+mt_status mt_ckpt_read_floats(FILE* f, const char* path, int64_t at, float* out, int64_t n, mt_error* err) {
+    if (fseeko(f, (off_t)(sizeof(int64_t) * MT_CK_HEADER_WORDS + (size_t)at * sizeof(float)), SEEK_SET) != 0 ||
+        fread(out, sizeof(float), (size_t)n, f) != (size_t)n)
+        return mt_fail(err, MT_ERR_FORMAT, "%s is truncated", path);
+    return MT_OK;
+}
+
+/* One saved model rank (tp, pp) as mt_ckpt_read_part reads it: its config and buffer layout (with
+ * the distributed optimizer's buckets when the checkpoint has them), its model file, and the file
+ * open now (one at a time), each file's header checked when first opened. */
+typedef struct {
+    int built;
+    mt_config c;
+    mt_buffer_layout B;
+    int64_t numel;            /* one array of its model file */
+    int64_t shard_numel;      /* one array of its distrib_optim files */
+    int64_t* bucket_prefix;   /* per bucket: elements of the buckets before it in one DP shard */
+} mt__ckpt_source;
+
+typedef struct {
+    const mt_ckpt* ck;
+    const mt_ckpt_ddp* ddp;
+    mt__ckpt_source* src;     /* [tp * pp] */
+    unsigned char* checked;   /* [tp * pp * (1 + D)]: header checked */
+    FILE* f;
+    char open_path[4400];
+} mt__ckpt_reader;
+
+static mt_status mt__ckpt_source_get(mt__ckpt_reader* r, int t, int s, mt__ckpt_source** out, mt_error* err) {
+    const mt_ckpt* ck = r->ck;
+    mt__ckpt_source* q = &r->src[t * ck->pp + s];
+    *out = q;
+    if (q->built) return MT_OK;
+    const int D = ck->sharded_dp;
+    mt_status st = mt_ckpt_config(&q->c, ck->header, ck->tp, ck->pp, ck->vp, D, r->ddp, t, s, err);
+    if (st == MT_OK) st = mt_buffer_layout_build(&q->B, &q->c, err);
+    if (st != MT_OK) return st;
+    q->built = 1;
+    q->numel = q->B.canonical_size;
+    q->bucket_prefix = (int64_t*)calloc((size_t)q->B.num_buckets, sizeof(int64_t));
+    if (!q->bucket_prefix) return mt_fail(err, MT_ERR_OOM, "out of memory reading %s", ck->iter_dir);
+    for (int b = 0; b < q->B.num_buckets && D > 0; b++) {
+        int64_t begin, end;
+        mt_bucket_shard(&q->B.buckets[b], D, 0, &begin, &end);
+        q->bucket_prefix[b] = q->shard_numel;
+        q->shard_numel += end - begin;
+    }
+    return MT_OK;
+}
+
+/* Opens (the model file when dp_rank < 0, else distrib_optim_dp<dp_rank>) of saved rank (t, s),
+ * checking its header the first time. */
+static mt_status mt__ckpt_reader_open(mt__ckpt_reader* r, int t, int s, int dp_rank, mt_error* err) {
+    const mt_ckpt* ck = r->ck;
+    char rank_dir[4300], path[4400];
+    mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, t, s);
+    if (dp_rank < 0) snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
+    else snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, dp_rank);
+    if (r->f && !strcmp(path, r->open_path)) return MT_OK;
+    if (r->f) fclose(r->f);
+    r->f = NULL;
+    mt__ckpt_source* q;
+    mt_status st = mt__ckpt_source_get(r, t, s, &q, err);
+    if (st != MT_OK) return st;
+    unsigned char* checked = &r->checked[(t * ck->pp + s) * (1 + ck->sharded_dp) + 1 + dp_rank];
+    int64_t h[MT_CK_HEADER_WORDS];
+    if (!*checked) {
+        st = mt_ckpt_read_header(path, ck->header, dp_rank >= 0, t, s, dp_rank < 0 ? 0 : dp_rank, h, &r->f, err);
+        if (st == MT_OK && dp_rank < 0 && ck->pp > 1 && h[MT_CK_STAGE_NUMEL] != q->numel)
+            st = mt_fail(err, MT_ERR_FORMAT, "%s holds %lld parameters, but an even split gives pipeline rank %d "
+                         "%lld (uneven splits, --decoder-first/last-pipeline-num-layers, are not supported here)",
+                         path, (long long)h[MT_CK_STAGE_NUMEL], s, (long long)q->numel);
+        if (st == MT_OK && dp_rank >= 0 && h[MT_CK_SHARD_NUMEL] != q->shard_numel)
+            st = mt_fail(err, MT_ERR_CONFIG, "%s holds shards of %lld elements, but the DDP buckets give %lld: pass the "
+                         "--overlap-grad-reduce and --ddp-bucket-size of the run that saved it", path,
+                         (long long)h[MT_CK_SHARD_NUMEL], (long long)q->shard_numel);
+        if (st != MT_OK) {
+            if (r->f) fclose(r->f);
+            r->f = NULL;
+            return st;
+        }
+        *checked = 1;
+    } else {
+        int fd = mt_open_regular_file(path, err);
+        if (fd < 0) return MT_ERR_IO;
+        r->f = fdopen(fd, "rb");
+        if (!r->f) {
+            close(fd);
+            return mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+        }
+    }
+    snprintf(r->open_path, sizeof(r->open_path), "%s", path);
+    return MT_OK;
+}
+
+/* Saved rank (t, s)'s (tensor, layer) of one array, whole (q->B's numel of it) into buf. */
+static mt_status mt__ckpt_read_piece(mt__ckpt_reader* r, int t, int s, int tensor, int layer, int array, float* buf,
+                                     mt_error* err) {
+    const mt_ckpt* ck = r->ck;
+    mt__ckpt_source* q;
+    mt_status st = mt__ckpt_source_get(r, t, s, &q, err);
+    if (st != MT_OK) return st;
+    const int k = q->B.index[tensor * q->B.num_layers + layer];
+    const mt_buffer_param* p = &q->B.params[k];
+    if (ck->sharded_dp == 0 || array == MT_CKPT_MASTER) { /* the model file: master, m, v of the stage */
+        st = mt__ckpt_reader_open(r, t, s, -1, err);
+        return st == MT_OK ? mt_ckpt_read_floats(r->f, r->open_path, array * q->numel + p->canonical, buf, p->numel, err)
+                           : st;
+    }
+    /* the DP shards of the bucket that owns the parameter's buffer range */
+    const mt_buffer_bucket* bucket = &q->B.buckets[p->bucket];
+    for (int d = 0; d < ck->sharded_dp && st == MT_OK; d++) {
+        int64_t begin, end;
+        mt_bucket_shard(bucket, ck->sharded_dp, d, &begin, &end);
+        const int64_t lo = begin > p->offset ? begin : p->offset;
+        const int64_t hi = end < p->offset + p->numel ? end : p->offset + p->numel;
+        if (lo >= hi) continue;
+        st = mt__ckpt_reader_open(r, t, s, d, err);
+        if (st == MT_OK)
+            st = mt_ckpt_read_floats(r->f, r->open_path, array * q->shard_numel + q->bucket_prefix[p->bucket] + (lo - begin),
+                                     buf + (lo - p->offset), hi - lo, err);
+    }
+    return st;
+}
+
+mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_config* target, int array, float* out,
+                            mt_error* err) {
+    if (array < 0 || array >= MT_CKPT_ARRAYS) return mt_fail(err, MT_ERR_ARG, "checkpoint array %d does not exist", array);
+    const int D = ck->sharded_dp;
+    mt__ckpt_reader r;
+    memset(&r, 0, sizeof(r));
+    r.ck = ck;
+    r.ddp = ddp;
+    r.src = (mt__ckpt_source*)calloc((size_t)ck->tp * (size_t)ck->pp, sizeof(mt__ckpt_source));
+    r.checked = (unsigned char*)calloc((size_t)ck->tp * (size_t)ck->pp * (size_t)(1 + D), 1);
+    mt_buffer_layout TB;
+    memset(&TB, 0, sizeof(TB));
+    mt_status st = r.src && r.checked ? mt_buffer_layout_build(&TB, target, err)
+                                      : mt_fail(err, MT_ERR_OOM, "out of memory reading %s", ck->iter_dir);
+    /* the saved and the target model's full tensors: the same model but for the vocabulary's padding */
+    mt_param_info from[MT_NUM_PARAM_TENSORS], to[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(&ck->cfg, from);
+    mt_param_layout(target, to);
+    const int tp = target->tensor_model_parallel_size > 0 ? target->tensor_model_parallel_size : 1;
+    const int tp_rank = target->world_size > 0 ? mt_rank_coordinates(target, target->rank).tp : 0;
+    if (st == MT_OK && ck->cfg.num_layers != target->num_layers)
+        st = mt_fail(err, MT_ERR_CONFIG, "%s holds a model of %d layers, this run has %d", ck->iter_dir,
+                     ck->cfg.num_layers, target->num_layers);
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS && st == MT_OK; i++) {
+        const int vocab = i == MT_P_WORD_EMBEDDINGS || i == MT_P_OUTPUT_WEIGHT;
+        if (from[i].split_outer != to[i].split_outer || from[i].split_inner != to[i].split_inner ||
+            (!vocab && from[i].split_rows != to[i].split_rows) || (from[i].numel > 0) != (to[i].numel > 0))
+            st = mt_fail(err, MT_ERR_CONFIG, "%s holds another model (its %s differs from this run's)", ck->iter_dir,
+                         from[i].name);
+    }
+    /* the saved pipeline stages: which one saved each layer */
+    mt_pp_stage* stages = st == MT_OK ? (mt_pp_stage*)calloc((size_t)ck->pp, sizeof(mt_pp_stage)) : NULL;
+    if (st == MT_OK && !stages) st = mt_fail(err, MT_ERR_OOM, "out of memory reading %s", ck->iter_dir);
+    for (int s = 0; s < ck->pp && st == MT_OK; s++) st = mt_pp_stage_of(&ck->cfg, s, &stages[s], err);
+    float* buf = NULL;
+    int64_t buf_cap = 0;
+    for (int k = 0; k < TB.num_params && st == MT_OK; k++) {
+        const mt_buffer_param* p = &TB.params[k];
+        const mt_param_info* fi = &from[p->tensor];
+        const mt_param_info* ti = &to[p->tensor];
+        float* dst = out + p->canonical;
+        memset(dst, 0, sizeof(float) * (size_t)p->numel);
+        /* the stage that saved it: the first that holds it (the word embeddings' own stage, not the
+         * copy a tied output layer keeps on the last) */
+        int s = 0;
+        while (s < ck->pp && !mt_pp_holds(&stages[s], p->tensor, p->layer)) s++;
+        if (s == ck->pp) {
+            st = mt_fail(err, MT_ERR_FORMAT, "%s: no pipeline stage holds %s of layer %d", ck->iter_dir, fi->name, p->layer);
+            break;
+        }
+        int64_t rows_to, row0_to;
+        mt_tp_rows(ti, tp, tp_rank, &rows_to, &row0_to);
+        const int64_t rows_kept = fi->split_rows < ti->split_rows ? fi->split_rows : ti->split_rows;
+        const int64_t outer = ti->split_outer, inner = ti->split_inner;
+        for (int t = 0; t < ck->tp && st == MT_OK; t++) {
+            int64_t rows_from, row0_from;
+            mt_tp_rows(fi, ck->tp, t, &rows_from, &row0_from);
+            int64_t lo = row0_to > row0_from ? row0_to : row0_from;
+            int64_t hi = row0_to + rows_to < row0_from + rows_from ? row0_to + rows_to : row0_from + rows_from;
+            if (hi > rows_kept) hi = rows_kept;
+            if (lo >= hi) continue;
+            const int64_t piece = outer * rows_from * inner;
+            if (piece > buf_cap) {
+                free(buf);
+                buf = (float*)malloc(sizeof(float) * (size_t)piece);
+                buf_cap = buf ? piece : 0;
+                if (!buf) {
+                    st = mt_fail(err, MT_ERR_OOM, "out of memory reading %s (%lld floats)", ck->iter_dir, (long long)piece);
+                    break;
+                }
+            }
+            st = mt__ckpt_read_piece(&r, t, s, p->tensor, p->layer, array, buf, err);
+            for (int64_t o = 0; o < outer && st == MT_OK; o++)
+                memcpy(dst + (o * rows_to + lo - row0_to) * inner, buf + (o * rows_from + lo - row0_from) * inner,
+                       sizeof(float) * (size_t)((hi - lo) * inner));
+        }
+    }
+    free(buf);
+    free(stages);
+    if (r.f) fclose(r.f);
+    for (int i = 0; r.src && i < ck->tp * ck->pp; i++) {
+        if (r.src[i].built) mt_buffer_layout_free(&r.src[i].B);
+        free(r.src[i].bucket_prefix);
+    }
+    free(r.src);
+    free(r.checked);
+    mt_buffer_layout_free(&TB);
     return st;
 }
 
