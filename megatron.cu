@@ -4079,6 +4079,7 @@ typedef struct {
     int32_t* embed_index;/* word-embedding backward index: unique tokens, offsets, positions */
 } mt_activations;
 
+struct mt_async_save; /* a save between staging and commit (section 19) */
 struct mt_trainer {
     mt_config cfg;
     mt_gpu_error error;
@@ -4142,6 +4143,7 @@ struct mt_trainer {
     int hysteresis_tracker;
     /* optimizer offload (section 18) and the memory plan (section 20) */
     struct mt_offload* offload; /* NULL without --optimizer-cpu-offload (or with nothing to offload) */
+    struct mt_async_save* async_save; /* the checkpoint writer (section 19), from the first save */
     mt_memory_plan plan;        /* computed on the host before any allocation */
     mt_memory_plan allocated;   /* what device_alloc handed out at creation, by the plan's categories */
 };
@@ -5645,14 +5647,13 @@ static mt_status canonical_transfer(mt_trainer* t, float* device_full, float* ho
     return mt_gpu_error_return(&t->error, err);
 }
 
-/* A host copy of a shard-layout optimizer array (n elements; with offload its end is in host memory), written to f. */
-static mt_status write_device_array(mt_trainer* t, FILE* f, const float* device, int64_t n, float* host,
-                                    const char* path, mt_error* err) {
+/* A host copy of a shard-layout optimizer array (n elements; with offload its end is in host memory). */
+static mt_status stage_device_array(mt_trainer* t, const float* device, int64_t n, float* host, mt_error* err) {
     const float* tail = offloaded_part(t, device);
     const int64_t on_device = tail ? t->offload->gpu_numel : n;
     mt_status st = copy_sync(t, host, device, sizeof(float) * on_device, cudaMemcpyDeviceToHost, err);
     if (tail) memcpy(host + on_device, tail, sizeof(float) * (size_t)(n - on_device));
-    return st == MT_OK ? write_all(f, host, sizeof(float) * n, path, err) : st;
+    return st;
 }
 
 static mt_status read_device_array(mt_trainer* t, FILE* f, float* device, int64_t n, float* host, const char* path,
@@ -5662,13 +5663,6 @@ static mt_status read_device_array(mt_trainer* t, FILE* f, float* device, int64_
     const int64_t on_device = tail ? t->offload->gpu_numel : n;
     if (tail) memcpy(tail, host + on_device, sizeof(float) * (size_t)(n - on_device));
     return copy_sync(t, device, host, sizeof(float) * on_device, cudaMemcpyHostToDevice, err);
-}
-
-/* A canonical-order array of the full model: download from the buffer layout and write. */
-static mt_status write_canonical(mt_trainer* t, FILE* f, float* device_full, float* host, const char* path,
-                                 mt_error* err) {
-    mt_status st = canonical_transfer(t, device_full, host, 0, err);
-    return st == MT_OK ? write_all(f, host, sizeof(float) * t->num_params, path, err) : st;
 }
 
 static mt_status read_canonical(mt_trainer* t, FILE* f, float* device_full, float* host, const char* path,
@@ -5708,11 +5702,12 @@ static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration,
 }
 
 /* The FP8 delayed-scaling state after the model file's arrays (see MT_CK_FP8_TENSORS): scale,
- * scale_inv, history; written from and read into the device arrays through a host buffer. */
-static mt_status fp8_state_transfer(mt_trainer* t, FILE* f, int write, const char* path, mt_error* err) {
+ * scale_inv, history; copied from the device into a save's host copy (staged), or read from f into the device. */
+static mt_status fp8_state_transfer(mt_trainer* t, FILE* f, float* staged, const char* path, mt_error* err) {
     mt_fp8_state* s = &t->fp8;
     const int64_t nt = s->num_tensors, n = nt * (1 + FP8_SCALE_INV_STRIDE + (int64_t)s->history_len);
-    float* host = (float*)malloc(sizeof(float) * (size_t)n);
+    const int write = staged != NULL; /* into staged (a save's host copy), else read from f */
+    float* host = write ? staged : (float*)malloc(sizeof(float) * (size_t)n);
     if (!host) return mt_fail(err, MT_ERR_OOM, "cannot allocate the FP8 state's staging");
     float* device[3] = {s->scale, s->scale_inv, s->history};
     const int64_t count[3] = {nt, nt * FP8_SCALE_INV_STRIDE, nt * s->history_len};
@@ -5723,7 +5718,6 @@ static mt_status fp8_state_transfer(mt_trainer* t, FILE* f, int write, const cha
             CUDA_CHECK(&t->error, cudaMemcpyAsync(host + at, device[i], count[i] * 4, cudaMemcpyDeviceToHost, t->stream));
         CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
         st = mt_gpu_error_return(&t->error, err);
-        if (st == MT_OK) st = write_all(f, host, sizeof(float) * (size_t)n, path, err);
     } else {
         if (fread(host, sizeof(float), (size_t)n, f) != (size_t)n)
             st = mt_fail(err, MT_ERR_FORMAT, "%s: the FP8 scaling state is cut short", path);
@@ -5745,32 +5739,79 @@ static mt_status fp8_state_transfer(mt_trainer* t, FILE* f, int write, const cha
         CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
         if (st == MT_OK) st = mt_gpu_error_return(&t->error, err);
     }
-    free(host);
+    if (!write) free(host);
     return st;
 }
 
-/* Writes header + arrays to path; the arrays are canonical full-model (model file) or shards. */
-static mt_status write_checkpoint_file(mt_trainer* t, const char* path, const int64_t* header, int shard_file,
-                                       float* master_full, float* host, mt_error* err) {
-    FILE* f = fopen(path, "wb");
-    if (!f) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", path, strerror(errno));
-    mt_status st = write_all(f, header, sizeof(int64_t) * MT_CK_HEADER_WORDS, path, err);
+/* ---- saving: each rank's files staged in host memory, then written (in the background with
+ * --async-save), then committed by rank 0 once every rank's are complete ---- */
+
+/* One file of a save, whole in host memory as it goes to disk: the header, then the arrays. */
+typedef struct {
+    char path[4300];
+    char* bytes;
+    size_t size;
+} staged_file;
+
+/* A save between its staging and its commit. The writer thread (async) touches only the staged
+ * files and its own status; the step loop does not touch them until the save is committed. */
+struct mt_async_save {
+    int pending;              /* staged, not yet committed (or given up) */
+    int thread_started;
+    pthread_t thread;
+    int done;                 /* set by the writer (atomic) once every file is written or one failed */
+    mt_status status;         /* the writer's result, its message in error */
+    mt_error error;
+    staged_file files[2];
+    int num_files;
+    char* pinned;             /* the async staging: pinned host memory, kept for the next save */
+    size_t pinned_bytes;
+    char dir[4096], tmp_dir[4096], final_dir[4096];
+    int64_t iteration;
+};
+
+/* The bytes of a rank's file: header + canonical full-model arrays (model file) or its shards. */
+static mt_status stage_checkpoint_file(mt_trainer* t, const int64_t* header, int shard_file, float* master_full,
+                                       char* out, mt_error* err) {
+    memcpy(out, header, sizeof(int64_t) * MT_CK_HEADER_WORDS);
+    float* at = (float*)(out + sizeof(int64_t) * MT_CK_HEADER_WORDS);
+    mt_status st = MT_OK;
     if (shard_file) {
         const float* arrays[3] = {t->master, t->adam_m, t->adam_v};
-        for (int i = 0; i < 3 && st == MT_OK; i++) st = write_device_array(t, f, arrays[i], t->shard_numel, host, path, err);
-    } else {
-        if (st == MT_OK) st = write_canonical(t, f, master_full, host, path, err);
-        /* without sharding, m and v are full buffer-layout arrays like the master */
-        if (!t->sharded && st == MT_OK) st = write_canonical(t, f, full_optimizer_array(t, t->adam_m), host, path, err);
-        if (!t->sharded && st == MT_OK) st = write_canonical(t, f, full_optimizer_array(t, t->adam_v), host, path, err);
-        if (header[MT_CK_FP8_TENSORS] > 0 && st == MT_OK) st = fp8_state_transfer(t, f, 1, path, err);
+        for (int i = 0; i < 3 && st == MT_OK; i++, at += t->shard_numel)
+            st = stage_device_array(t, arrays[i], t->shard_numel, at, err);
+        return st;
     }
-    if (st == MT_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
-        st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
-    if (fclose(f) != 0 && st == MT_OK) st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
-    if (st == MT_OK && mt_sync_directory_of(path) != 0)
-        st = mt_fail(err, MT_ERR_IO, "cannot sync the directory of %s: %s", path, strerror(errno));
+    st = canonical_transfer(t, master_full, at, 0, err);
+    at += t->num_params;
+    /* without sharding, m and v are full buffer-layout arrays like the master */
+    for (int i = 0; i < 2 && !t->sharded && st == MT_OK; i++, at += t->num_params)
+        st = canonical_transfer(t, full_optimizer_array(t, i ? t->adam_v : t->adam_m), at, 0, err);
+    if (header[MT_CK_FP8_TENSORS] > 0 && st == MT_OK) st = fp8_state_transfer(t, NULL, at, NULL, err);
     return st;
+}
+
+/* Writes a staged file to its path, fsync'ed with its directory. */
+static mt_status write_staged_file(const staged_file* sf, mt_error* err) {
+    FILE* f = fopen(sf->path, "wb");
+    if (!f) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", sf->path, strerror(errno));
+    mt_status st = write_all(f, sf->bytes, sf->size, sf->path, err);
+    if (st == MT_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
+        st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", sf->path, strerror(errno));
+    if (fclose(f) != 0 && st == MT_OK) st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", sf->path, strerror(errno));
+    if (st == MT_OK && mt_sync_directory_of(sf->path) != 0)
+        st = mt_fail(err, MT_ERR_IO, "cannot sync the directory of %s: %s", sf->path, strerror(errno));
+    return st;
+}
+
+/* The writer: every staged file of this rank, in order; the first failure stops it. */
+static void* async_save_writer(void* arg) {
+    struct mt_async_save* a = (struct mt_async_save*)arg;
+    mt_status st = MT_OK;
+    for (int i = 0; i < a->num_files && st == MT_OK; i++) st = write_staged_file(&a->files[i], &a->error);
+    a->status = st;
+    __atomic_store_n(&a->done, 1, __ATOMIC_RELEASE);
+    return NULL;
 }
 
 /* A failure somewhere else: every rank returns an error, the failing one its own message. */
@@ -5786,90 +5827,176 @@ static void model_rank_dir(const mt_trainer* t, char* buf, size_t size, const ch
     else snprintf(buf, size, "%s/mp_rank_%02d", parent, tp);
 }
 
-mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples, mt_error* err) {
+/* Rank 0 commits a save whose files every rank has written: the manifest (every rank's files with
+ * their checksums: the commit marker, megatron.h), the rename into place (replacing an older copy of
+ * the same iteration), then the tracker. Collective. */
+static mt_status commit_save(mt_trainer* t, struct mt_async_save* a, mt_error* err) {
+    mt_status st = MT_OK;
+    if (t->cfg.rank == 0) {
+        char old_dir[4160];
+        snprintf(old_dir, sizeof(old_dir), "%s.old", a->final_dir);
+        st = mt_checkpoint_manifest_write(a->tmp_dir, err);
+        if (st != MT_OK) mt_remove_tree(a->tmp_dir);
+        else if (rename(a->final_dir, old_dir) != 0 && errno != ENOENT) /* an older copy of this iteration steps aside */
+            st = mt_fail(err, MT_ERR_IO, "cannot replace %s: %s", a->final_dir, strerror(errno));
+        else if (rename(a->tmp_dir, a->final_dir) != 0)
+            st = mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", a->tmp_dir, a->final_dir, strerror(errno));
+        else if (mt_sync_directory_of(a->final_dir) != 0)
+            st = mt_fail(err, MT_ERR_IO, "cannot sync %s: %s", a->dir, strerror(errno));
+        if (st == MT_OK) mt_remove_tree(old_dir);
+        else rename(old_dir, a->final_dir); /* the new one did not arrive: the old one comes back */
+        if (st == MT_OK) st = mt_checkpoint_write_tracker(a->dir, a->iteration, err);
+    }
+    if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", a->final_dir);
+    return mt_gpu_error_return(&t->error, err);
+}
+
+/* Ends the pending save: waits for this rank's writer (blocking), or returns with *committed = -1
+ * when any rank's is still writing; once all are done, every rank agrees they succeeded and rank 0
+ * commits (else the temporary directory goes and the first failure is the error). Collective. */
+static mt_status finish_save(mt_trainer* t, int blocking, int64_t* committed, mt_error* err) {
+    struct mt_async_save* a = t->async_save;
+    if (committed) *committed = -1;
+    if (!a || !a->pending) return MT_OK;
+    if (!blocking) {
+        double busy = __atomic_load_n(&a->done, __ATOMIC_ACQUIRE) ? 0.0 : 1.0;
+        if (all_reduce_sum(t, &busy, GROUP_WORLD, err) != MT_OK) return mt_gpu_error_return(&t->error, err);
+        if (busy > 0.0) return MT_OK;
+    }
+    if (a->thread_started) pthread_join(a->thread, NULL);
+    a->thread_started = 0;
+    a->pending = 0;
+    mt_status st = a->status;
+    if (st != MT_OK) *err = a->error;
+    if (!all_ranks_ok(t, st == MT_OK)) {
+        if (t->cfg.rank == 0) mt_remove_tree(a->tmp_dir);
+        return other_rank_failed(st, err, "saving", a->final_dir);
+    }
+    st = commit_save(t, a, err);
+    if (st == MT_OK && committed) *committed = a->iteration;
+    return st;
+}
+
+/* A save: rank 0 makes the temporary directory; every rank stages its files in host memory (the
+ * device-to-host copies; all ranks take part in gathering a sharded master); then the files are
+ * written, here or (async) by a writer thread, and committed by finish_save. */
+static mt_status begin_save(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples, int async,
+                            mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
-    char final_dir[4096], tmp_dir[4096], rank_dir[4160], path[4224], old_dir[4160];
+    mt_status st = finish_save(t, 1, NULL, err); /* a save still in flight completes first */
+    if (st != MT_OK) return st;
+    if (!t->async_save) {
+        t->async_save = (struct mt_async_save*)calloc(1, sizeof(struct mt_async_save));
+        if (!t->async_save) st = mt_fail(err, MT_ERR_OOM, "cannot allocate the checkpoint writer's state");
+    }
+    if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", dir);
+    struct mt_async_save* a = t->async_save;
+    char rank_dir[4160];
     int leader = t->cfg.rank == 0;       /* makes and renames the directories */
     int writer = t->groups.dp_rank == 0; /* replicas hold the same shard: DP rank 0 of each TP rank writes it */
-    snprintf(final_dir, sizeof(final_dir), "%s/iter_%07lld", dir, (long long)iteration);
-    snprintf(tmp_dir, sizeof(tmp_dir), "%s/.tmp_iter_%07lld", dir, (long long)iteration);
+    snprintf(a->dir, sizeof(a->dir), "%s", dir);
+    snprintf(a->final_dir, sizeof(a->final_dir), "%s/iter_%07lld", dir, (long long)iteration);
+    snprintf(a->tmp_dir, sizeof(a->tmp_dir), "%s/.tmp_iter_%07lld", dir, (long long)iteration);
+    a->iteration = iteration;
     wait_for_all_parameters(t);
 
-    /* 1. rank 0 makes the temporary directory, one mp_rank_<tp> per tensor-parallel rank */
-    mt_status st = MT_OK;
+    /* 1. rank 0 makes the temporary directory, one mp_rank_<tp>[_<pp>] per model-parallel rank */
     if (leader) {
         if (mt_make_directories(dir) != 0)
             st = mt_fail(err, MT_ERR_IO, "cannot create checkpoint directory %s: %s", dir, strerror(errno));
         tidy_checkpoint_dir(dir);
-        if (st == MT_OK && mkdir(tmp_dir, 0755) != 0)
-            st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", tmp_dir, strerror(errno));
+        if (st == MT_OK && mkdir(a->tmp_dir, 0755) != 0)
+            st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", a->tmp_dir, strerror(errno));
         for (int r = 0; r < t->groups.tp.size * t->groups.pp_size && st == MT_OK; r++) {
-            model_rank_dir(t, rank_dir, sizeof(rank_dir), tmp_dir, r % t->groups.tp.size, r / t->groups.tp.size);
+            model_rank_dir(t, rank_dir, sizeof(rank_dir), a->tmp_dir, r % t->groups.tp.size, r / t->groups.tp.size);
             if (mkdir(rank_dir, 0755) != 0) st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", rank_dir, strerror(errno));
         }
     }
-    model_rank_dir(t, rank_dir, sizeof(rank_dir), tmp_dir, t->groups.tp.rank, t->groups.pp_rank);
-    if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", final_dir);
+    model_rank_dir(t, rank_dir, sizeof(rank_dir), a->tmp_dir, t->groups.tp.rank, t->groups.pp_rank);
+    if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", a->final_dir);
 
-    /* 2. every rank writes its files (all take part in gathering the sharded master) */
+    /* 2. every rank stages its files: the distributed optimizer's shard file, the model file (DP rank 0) */
     int64_t header[MT_CK_HEADER_WORDS];
     fill_header(t, header, iteration, consumed_samples);
-    size_t host_elems = (size_t)(t->num_params > t->shard_numel ? t->num_params : t->shard_numel);
-    float* host = (float*)malloc(sizeof(float) * host_elems);
-    if (!host) st = mt_fail(err, MT_ERR_OOM, "cannot allocate %zu bytes to save a checkpoint", sizeof(float) * host_elems);
+    a->num_files = 0;
+    size_t total = 0;
+    if (t->sharded) {
+        snprintf(a->files[a->num_files].path, sizeof(a->files[0].path), "%s/distrib_optim_dp%03d.bin", rank_dir,
+                 t->groups.dp_rank);
+        a->files[a->num_files++].size = (size_t)mt_checkpoint_file_bytes(header, 1);
+    }
+    if (writer) {
+        snprintf(a->files[a->num_files].path, sizeof(a->files[0].path), "%s/model_optim_rng.bin", rank_dir);
+        a->files[a->num_files++].size = (size_t)mt_checkpoint_file_bytes(header, 0);
+    }
+    for (int i = 0; i < a->num_files; i++) total += a->files[i].size;
+    char* stage = NULL;
+    if (async && total > a->pinned_bytes) { /* pinned, so the copies run at the link's speed; kept for the next save */
+        if (a->pinned) cudaFreeHost(a->pinned);
+        a->pinned = NULL;
+        a->pinned_bytes = 0;
+        if (cudaMallocHost((void**)&a->pinned, total) == cudaSuccess) a->pinned_bytes = total;
+        else st = mt_fail(err, MT_ERR_OOM, "cannot allocate %zu bytes of pinned host memory for --async-save", total);
+    }
+    if (async) stage = a->pinned;
+    else if (total > 0 && !(stage = (char*)malloc(total)))
+        st = mt_fail(err, MT_ERR_OOM, "cannot allocate %zu bytes to save a checkpoint", total);
     float* master_full = full_master(t); /* collective with the distributed optimizer */
-    if (t->sharded && st == MT_OK) {
-        snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, t->groups.dp_rank);
-        st = write_checkpoint_file(t, path, header, 1, master_full, host, err);
+    for (int i = 0; i < a->num_files && st == MT_OK; i++) {
+        a->files[i].bytes = stage + (i ? a->files[0].size : 0);
+        st = stage_checkpoint_file(t, header, t->sharded && i == 0, master_full, a->files[i].bytes, err);
     }
-    if (writer && st == MT_OK) {
-        snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
-        st = write_checkpoint_file(t, path, header, 0, master_full, host, err);
-    }
-    free(host);
     if (!all_ranks_ok(t, st == MT_OK)) {
-        if (leader) mt_remove_tree(tmp_dir);
-        return other_rank_failed(st, err, "saving", final_dir);
+        if (!async) free(stage);
+        if (leader) mt_remove_tree(a->tmp_dir);
+        return other_rank_failed(st, err, "saving", a->final_dir);
     }
 
-    /* 3. rank 0 lists every rank's files with their checksums in the manifest (the commit marker, megatron.h),
-     * moves the directory into place (replacing an older copy of the same iteration), then the tracker */
-    if (leader) {
-        snprintf(old_dir, sizeof(old_dir), "%s.old", final_dir);
-        st = mt_checkpoint_manifest_write(tmp_dir, err);
-        if (st != MT_OK) mt_remove_tree(tmp_dir);
-        else if (rename(final_dir, old_dir) != 0 && errno != ENOENT) /* an older copy of this iteration steps aside */
-            st = mt_fail(err, MT_ERR_IO, "cannot replace %s: %s", final_dir, strerror(errno));
-        else if (rename(tmp_dir, final_dir) != 0)
-            st = mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", tmp_dir, final_dir, strerror(errno));
-        else if (mt_sync_directory_of(final_dir) != 0)
-            st = mt_fail(err, MT_ERR_IO, "cannot sync %s: %s", dir, strerror(errno));
-        if (st == MT_OK) mt_remove_tree(old_dir);
-        else rename(old_dir, final_dir); /* the new one did not arrive: the old one comes back */
-        if (st == MT_OK) st = mt_checkpoint_write_tracker(dir, iteration, err);
+    /* 3. the files written: here, or by the writer thread while training goes on */
+    a->pending = 1;
+    a->status = MT_OK;
+    a->done = 0;
+    if (async) {
+        if (pthread_create(&a->thread, NULL, async_save_writer, a) == 0) {
+            a->thread_started = 1;
+            return MT_OK;
+        }
+        /* no thread: this rank writes now (the save stays whole either way) */
     }
-    if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", final_dir);
-    return mt_gpu_error_return(&t->error, err);
+    async_save_writer(a);
+    st = finish_save(t, 1, NULL, err);
+    if (!async) free(stage);
+    return st;
 }
 
-/* Reads a checkpoint header and checks it: every word in range (mt_checkpoint_header_check), the
- * iteration the one asked for, the file's exact size, and the model this run's. f is NULL when the
- * open failed (err already says why). */
-static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int64_t iteration, int shard_file,
-                             int64_t* h, mt_error* err) {
-    if (!f) return MT_ERR_IO;
-    if (fread(h, sizeof(int64_t), MT_CK_HEADER_WORDS, f) != MT_CK_HEADER_WORDS)
-        return mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
-    mt_status st = mt_checkpoint_header_check(h, path, NULL, err);
-    if (st != MT_OK) return st;
-    if (h[MT_CK_ITERATION] != iteration)
-        return mt_fail(err, MT_ERR_FORMAT, "%s holds iteration %lld, not %lld", path, (long long)h[MT_CK_ITERATION],
-                       (long long)iteration);
-    struct stat sb;
-    const int64_t want = mt_checkpoint_file_bytes(h, shard_file);
-    if (fstat(fileno(f), &sb) != 0 || (int64_t)sb.st_size != want)
-        return mt_fail(err, MT_ERR_FORMAT, "%s has %lld bytes, but its header describes %lld (%s)", path,
-                       (long long)sb.st_size, (long long)want, (int64_t)sb.st_size < want ? "truncated" : "too long");
+/* At mt_trainer_free: the writer joined (not committed), the staging freed. */
+static void release_save(mt_trainer* t) {
+    struct mt_async_save* a = t->async_save;
+    if (!a) return;
+    if (a->thread_started) pthread_join(a->thread, NULL);
+    if (a->pinned) cudaFreeHost(a->pinned);
+    free(a);
+    t->async_save = NULL;
+}
+
+mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples, mt_error* err) {
+    return begin_save(t, dir, iteration, consumed_samples, 0, err);
+}
+
+mt_status mt_trainer_save_async(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples,
+                                mt_error* err) {
+    return begin_save(t, dir, iteration, consumed_samples, 1, err);
+}
+
+mt_status mt_trainer_save_wait(mt_trainer* t, int blocking, int64_t* committed_iteration, mt_error* err) {
+    return finish_save(t, blocking, committed_iteration, err);
+}
+
+/* Every header word that describes the model (shape, flavour) must be this run's; with any_layout
+ * the parallel layout (TP, PP) and the vocabulary's padding may differ (a load at another layout,
+ * which re-pads: then the true vocabulary, when the header knows it, must be this run's). */
+static mt_status check_model_words(const mt_trainer* t, const int64_t* h, const char* path, int any_layout,
+                                   mt_error* err) {
     int64_t expected[MT_CK_HEADER_WORDS];
     mt_checkpoint_header_init(expected, &t->cfg);
     /* every word that describes the model (shape, flavour, parallel layout) must be this run's */
@@ -5894,10 +6021,39 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
         {MT_CK_NO_BIAS_LINEAR, "--disable-bias-linear"},
         {MT_CK_LAYERNORM_1P, "--apply-layernorm-1p"},
     };
-    for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++)
-        if (h[shape[i].word] != expected[shape[i].word])
+    for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++) {
+        const int w = shape[i].word;
+        if (any_layout && (w == MT_CK_TP || w == MT_CK_PP || (w == MT_CK_VOCAB && h[MT_CK_TRUE_VOCAB] > 0))) continue;
+        if (h[w] != expected[w])
             return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has %s %lld but this run has %lld", path, shape[i].what,
-                           (long long)h[shape[i].word], (long long)expected[shape[i].word]);
+                           (long long)h[w], (long long)expected[w]);
+    }
+    if (any_layout && h[MT_CK_TRUE_VOCAB] > 0 && h[MT_CK_TRUE_VOCAB] != t->cfg.vocab_size)
+        return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has a vocabulary of %lld but this run has %lld", path,
+                       (long long)h[MT_CK_TRUE_VOCAB], (long long)t->cfg.vocab_size);
+    return MT_OK;
+}
+
+/* Reads a checkpoint header and checks it: every word in range (mt_checkpoint_header_check), the
+ * iteration the one asked for, the file's exact size, and the model this run's. f is NULL when the
+ * open failed (err already says why). */
+static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int64_t iteration, int shard_file,
+                             int64_t* h, mt_error* err) {
+    if (!f) return MT_ERR_IO;
+    if (fread(h, sizeof(int64_t), MT_CK_HEADER_WORDS, f) != MT_CK_HEADER_WORDS)
+        return mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
+    mt_status st = mt_checkpoint_header_check(h, path, NULL, err);
+    if (st != MT_OK) return st;
+    if (h[MT_CK_ITERATION] != iteration)
+        return mt_fail(err, MT_ERR_FORMAT, "%s holds iteration %lld, not %lld", path, (long long)h[MT_CK_ITERATION],
+                       (long long)iteration);
+    struct stat sb;
+    const int64_t want = mt_checkpoint_file_bytes(h, shard_file);
+    if (fstat(fileno(f), &sb) != 0 || (int64_t)sb.st_size != want)
+        return mt_fail(err, MT_ERR_FORMAT, "%s has %lld bytes, but its header describes %lld (%s)", path,
+                       (long long)sb.st_size, (long long)want, (int64_t)sb.st_size < want ? "truncated" : "too long");
+    mt_status model_st = check_model_words(t, h, path, 0, err);
+    if (model_st != MT_OK) return model_st;
     if (h[MT_CK_TP_RANK] != t->groups.tp.rank)
         return mt_fail(err, MT_ERR_FORMAT, "%s holds tensor-parallel rank %lld's shard, not rank %d's", path,
                        (long long)h[MT_CK_TP_RANK], t->groups.tp.rank);
@@ -5915,6 +6071,30 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
                        "(--use-distributed-optimizer); this run has %d ranks%s: resume with the same layout",
                        path, (long long)sharded, t->groups.dp_size, t->sharded ? "" : " without it");
     return MT_OK;
+}
+
+/* A checkpoint saved at another layout (TP, PP, VP, the distributed optimizer's DP size, the
+ * vocabulary's padding): the model must be this run's (one line names the first difference); this
+ * rank's part of the master weights, and with load_optim of Adam's m and v, is cut from the saved
+ * files slice by slice (megatron.h mt_ckpt_read_part: no rank reads more than one saved tensor slice
+ * at a time beyond its own part) and put in place as a load at the same layout does. A
+ * distributed-optimizer checkpoint's buckets are taken to be this run's (--overlap-grad-reduce,
+ * --ddp-bucket-size; other ones are refused naming them). FP8 delayed-scaling state is per-layout
+ * and is not carried over (the scales start afresh). h gets the header (progress, scheduler, scaler). */
+static mt_status load_other_layout(mt_trainer* t, const mt_ckpt* ck, int load_optim, float* host, int64_t* h,
+                                   mt_error* err) {
+    memcpy(h, ck->header, sizeof(int64_t) * MT_CK_HEADER_WORDS);
+    mt_status st = check_model_words(t, h, ck->iter_dir, 1, err);
+    const mt_ckpt_ddp ddp = {t->cfg.overlap_grad_reduce, t->cfg.ddp_bucket_size};
+    float* moments[2] = {t->adam_m, t->adam_v};
+    for (int a = MT_CKPT_MASTER; a <= (load_optim ? MT_CKPT_V : MT_CKPT_MASTER) && st == MT_OK; a++) {
+        st = mt_ckpt_read_part(ck, &ddp, &t->cfg, a, host, err);
+        if (st == MT_OK) st = canonical_transfer(t, t->grads, host, 1, err);
+        if (st != MT_OK) break;
+        if (a == MT_CKPT_MASTER) set_master_from_full(t, t->grads);
+        else copy_owned(t, moments[a - MT_CKPT_M], t->grads, 1);
+    }
+    return st;
 }
 
 /* Loads a checkpoint: the weights, and with load_optim the optimizer's state too (Adam moments and
@@ -5942,7 +6122,17 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
     int64_t h[MT_CK_HEADER_WORDS];
     float* host = (float*)malloc(sizeof(float) * (size_t)(t->num_params > t->shard_numel ? t->num_params : t->shard_numel));
     if (!host && st == MT_OK) st = mt_fail(err, MT_ERR_OOM, "cannot allocate host memory to load a checkpoint");
-    if (st == MT_OK) {
+    /* the saved layout: this run's (each rank reads its own files, below) or another one */
+    mt_ckpt ck;
+    int other_layout = 0;
+    if (st == MT_OK) st = mt_ckpt_open(&ck, dir, iteration, err);
+    if (st == MT_OK)
+        other_layout = ck.tp != t->groups.tp.size || ck.pp != t->groups.pp_size ||
+                       (ck.pp > 1 && ck.vp != t->buffer.stage.num_chunks) ||
+                       ck.header[MT_CK_VOCAB] != t->cfg.padded_vocab_size ||
+                       (ck.sharded_dp > 0 && (!t->sharded || ck.sharded_dp != t->groups.dp_size));
+    if (st == MT_OK && other_layout) st = load_other_layout(t, &ck, load_optim, host, h, err);
+    if (st == MT_OK && !other_layout) {
         /* the model file: master weights (then m and v unless sharded), through the gradient buffer */
         model_rank_dir(t, rank_dir, sizeof(rank_dir), iter_dir, t->groups.tp.rank, t->groups.pp_rank);
         snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
@@ -5970,12 +6160,12 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
                              "has %d with a history of %d", path, (long long)h[MT_CK_FP8_TENSORS],
                              (long long)h[MT_CK_FP8_HISTORY_LEN], (long long)h[MT_CK_FP8_HISTORY_POS],
                              t->fp8.num_tensors, t->fp8.history_len);
-            if (st == MT_OK) st = fp8_state_transfer(t, f, 0, path, err);
+            if (st == MT_OK) st = fp8_state_transfer(t, f, NULL, path, err);
             if (st == MT_OK) t->fp8.history_pos = (int)h[MT_CK_FP8_HISTORY_POS];
         }
         if (f) fclose(f);
     }
-    if (st == MT_OK && load_optim && h[MT_CK_SHARDED_DP] != 0) {
+    if (st == MT_OK && !other_layout && load_optim && h[MT_CK_SHARDED_DP] != 0) {
         /* this rank's shard of master, m and v */
         snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, t->groups.dp_rank);
         FILE* f = open_checkpoint_file(path, err);
@@ -6459,6 +6649,7 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
 
 void mt_trainer_free(mt_trainer* t) {
     if (!t) return;
+    release_save(t); /* a save never committed stays a temporary directory, removed by the next save */
     if (t->stream) cudaStreamSynchronize(t->stream);
     if (t->groups.comm_stream) cudaStreamSynchronize(t->groups.comm_stream);
     if (t->groups.tp.stream) cudaStreamSynchronize(t->groups.tp.stream);

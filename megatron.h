@@ -1209,10 +1209,24 @@ mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err);
  * The checkpoint holds weights, optimizer state, scheduler, loss scaler and data position. */
 mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples,
                           mt_error* err);
+/* --async-save (Megatron's flag): the same checkpoint, the same bytes. The call stages this rank's
+ * files in pinned host memory (the device-to-host copies, all the step loop waits for) and returns;
+ * a writer thread writes and fsyncs them. mt_trainer_save_wait commits it once every rank's files
+ * are complete: rank 0 writes the manifest, renames the directory into place and writes the tracker
+ * (a save not committed is a temporary directory that no load accepts). Non-blocking (blocking = 0)
+ * it returns at once, *committed_iteration = -1, while any rank is still writing; a writer's error
+ * comes back from it on every rank (one line; the failing rank's own message). Collective: every
+ * rank calls it at the same points (the trainer calls it each step, before the next save and at
+ * the end). The next save, sync or async, first waits for one still in flight. */
+mt_status mt_trainer_save_async(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples,
+                                mt_error* err);
+mt_status mt_trainer_save_wait(mt_trainer* t, int blocking, int64_t* committed_iteration, mt_error* err);
 /* Loads the latest checkpoint under dir (or iteration `iteration` if >= 0); refuses one of another
  * model shape. Its manifest is verified first (mt_checkpoint_select, by rank 0): when the tracker's
  * iteration fails and an older one verifies, that one is loaded (the caller sees it in
- * *iteration_out, below the tracker's). Returns the iteration and consumed samples it resumes from. */
+ * *iteration_out, below the tracker's). Returns the iteration and consumed samples it resumes from.
+ * A checkpoint saved at another layout (TP, PP with virtual stages, DP with or without the
+ * distributed optimizer) loads too: each rank reads its part slice by slice (mt_ckpt_read_part). */
 mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
                           int64_t* consumed_samples_out, mt_error* err);
 /* The weights only (--no-load-optim, --finetune): Adam's moments and step, the schedule's position

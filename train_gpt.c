@@ -565,13 +565,37 @@ static void print_sample(mt_trainer* t, const mt_tokenizer* tok, const mt_config
 
 /* ---- faults: Megatron's exit conditions ------------------------------------------------------- */
 
-/* Saves a checkpoint (every rank takes part) and returns the iteration saved. */
-static int64_t save_checkpoint(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed) {
+/* Saves a checkpoint (every rank takes part) and returns the iteration saved. With --async-save the
+ * call returns once the files are staged in host memory; the save is committed later (save_poll).
+ * Either way the line says how long the step loop waited. */
+static int64_t save_checkpoint(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed, int async) {
     mt_error err;
-    if (mt_trainer_save(t, dir, iteration, consumed, &err) != MT_OK) die(1, "%s", err.message);
-    printf("saved checkpoint at iteration %lld to %s\n", (long long)iteration, dir);
+    double t0 = now_seconds();
+    mt_status st = async ? mt_trainer_save_async(t, dir, iteration, consumed, &err)
+                         : mt_trainer_save(t, dir, iteration, consumed, &err);
+    if (st != MT_OK) die(1, "%s", err.message);
+    if (async)
+        printf("checkpoint at iteration %lld staged in %.1f ms (the step loop's wait: device-to-host copy, and any "
+               "earlier save still in flight); writing it to %s in the background\n", (long long)iteration,
+               1000.0 * (now_seconds() - t0), dir);
+    else
+        printf("saved checkpoint at iteration %lld to %s (the step loop waited %.1f ms)\n", (long long)iteration, dir,
+               1000.0 * (now_seconds() - t0));
     fflush(stdout);
     return iteration;
+}
+
+/* --async-save: commits the save in flight once every rank has written its files (blocking: waits
+ * for them); a writer's error ends the run with its line. Collective: every rank calls it at the
+ * same points (after each step, at the end). */
+static void save_poll(mt_trainer* t, const char* dir, int blocking) {
+    mt_error err;
+    int64_t committed = -1;
+    if (mt_trainer_save_wait(t, blocking, &committed, &err) != MT_OK) die(1, "%s", err.message);
+    if (committed >= 0) {
+        printf("saved checkpoint at iteration %lld to %s (written in the background)\n", (long long)committed, dir);
+        fflush(stdout);
+    }
 }
 
 /* --exit-signal-handler: SIGTERM (Slurm's preemption notice, Megatron's default signal) or SIGINT
@@ -810,6 +834,7 @@ int main(int argc, char** argv) {
         interval_time += now_seconds() - t0;
         iteration++;
         consumed += batch;
+        if (o.async_save) save_poll(t, o.save, 0);
         if (o.profile && rank == 0 && iteration == o.profile_step_end && mt_device_profiler(0, &err) != MT_OK)
             die(1, "--profile: %s", err.message);
         if (r.skipped) interval_skipped++;
@@ -852,10 +877,10 @@ int main(int argc, char** argv) {
             if (tb) tensorboard_evaluation(tb, &o, "validation", loss, iteration, consumed);
         }
         if (o.save && o.save_interval > 0 && iteration % o.save_interval == 0)
-            saved_at = save_checkpoint(t, o.save, iteration, consumed);
+            saved_at = save_checkpoint(t, o.save, iteration, consumed, o.async_save);
         /* Megatron's exit conditions: save (unless just saved) and stop, without the final evaluations */
         if ((why = exit_reason(&o, iteration, t_launch, why_buf, sizeof(why_buf))) != NULL) {
-            if (o.save && saved_at != iteration) saved_at = save_checkpoint(t, o.save, iteration, consumed);
+            if (o.save && saved_at != iteration) saved_at = save_checkpoint(t, o.save, iteration, consumed, o.async_save);
             printf("exiting program %s\n", why);
             break;
         }
@@ -888,7 +913,8 @@ int main(int argc, char** argv) {
         }
     }
     if (tb && mt_tb_close(tb, &err) != MT_OK) die(1, "%s", err.message);
-    if (o.save && !o.skip_train && saved_at != iteration) save_checkpoint(t, o.save, iteration, consumed);
+    if (o.save && !o.skip_train && saved_at != iteration) save_checkpoint(t, o.save, iteration, consumed, o.async_save);
+    if (o.async_save) save_poll(t, o.save, 1); /* a save still in flight completes before the run ends */
     if (why) {
         /* Megatron's exit conditions end the run without a sample */
     } else if (c->pipeline_model_parallel_size > 1 && o.sample_tokens > 0)

@@ -69,6 +69,7 @@ typedef struct {
     const char* save;
     const char* load;
     int no_load_optim, no_load_rng, finetune;
+    int async_save;           /* --async-save: files written in the background */
     int profile;
     int64_t profile_step_start, profile_step_end;
     /* watching and judging a run: TensorBoard events, the wandb pointer, evaluation without training */
@@ -307,7 +308,11 @@ static const tg_flag tg_flag_table[] = {
     {"--save", G_CKPT, F_STRING, TG_AT(save), NR, "none", "directory to save checkpoints to"},
     {"--save-interval", G_CKPT, F_INT64, TG_AT(save_interval), IR(0, TG_I64MAX), "none (at the end only)",
      "iterations between checkpoints"},
-    {"--load", G_CKPT, F_STRING, TG_AT(load), NR, "none", "directory to resume from (its latest checkpoint)"},
+    {"--load", G_CKPT, F_STRING, TG_AT(load), NR, "none",
+     "directory to resume from (its latest checkpoint, saved at any TP / PP / VP / DP layout)"},
+    {"--async-save", G_CKPT, F_TRUE, TG_AT(async_save), NR, "off",
+     "the step loop waits only for the device-to-host copy; files are written in the background and committed "
+     "once every rank's are complete"},
     {"--no-load-optim", G_CKPT, F_TRUE, TG_AT(no_load_optim), NR, "off",
      "load the weights only: Adam state, learning-rate schedule and loss scale start afresh"},
     {"--no-load-rng", G_CKPT, F_TRUE, TG_AT(no_load_rng), NR, "off",

@@ -8,8 +8,11 @@
 #   dev/kill_test.sh          CPU: preprocess_data with two --json-keys, merge_datasets, convert_hf
 #                             --import and --export (needs `make all` and python3 with numpy)
 #   dev/kill_test.sh gpu      then train_gpt (needs a GPU): kill -9 during --save (the tracked checkpoint
-#                             always loads); SIGTERM with --exit-signal-handler (saves, exits 0, and the
-#                             resumed run's losses equal an uninterrupted run's, bitwise)
+#                             always loads); kill -9 at random moments of a run with --async-save every
+#                             iteration (ASYNC_TRIALS, default 24: the tracked checkpoint is the newest
+#                             complete one and the resumed run continues bitwise); SIGTERM with
+#                             --exit-signal-handler (saves, exits 0, and the resumed run's losses equal an
+#                             uninterrupted run's, bitwise)
 #   TRIALS=N (default 12) kills per tool; WORK=DIR (default /tmp/mt_kill_test.<pid>, removed at the end)
 #
 # What the readers are: prepro/dataset_info (the .bin/.idx reader) for datasets; convert_hf --export
@@ -259,6 +262,8 @@ echo "  exports found after the kills: $(echo $states | tr ' ' '\n' | summary)($
 if [ "$what" = gpu ]; then
   [ -x ./train_gpt ] && [ -x prepro/checkpoint_tool ] || { echo "./train_gpt or prepro/checkpoint_tool is not built"; exit 2; }
   TG=(./train_gpt --train-iters 40 --log-interval 1 --eval-interval 0 --sample-tokens 0)
+  # the losses of log $1's iterations after $2, as printed (%.6E): two runs compare bitwise
+  loss_after() { grep -o 'iteration *[0-9]*/ *40 .*lm loss: [0-9.E+-]*' "$1" | awk -v from="$2" '{ split($2, a, "/"); if (a[1] + 0 > from) print a[1], $NF }'; }
   echo "train_gpt: kill -9 while saving every 2 iterations, $TRIALS kills"
   ms=$(duration_ms "${TG[@]}" --save "$WORK/tg_ref" --save-interval 2)
   states=""
@@ -283,6 +288,45 @@ if [ "$what" = gpu ]; then
   done
   echo "  checkpoints found after the kills: $(echo $states | tr ' ' '\n' | summary)(${ms} ms a run)"
 
+  # --async-save: a save every iteration, written in the background while the next steps run; kill -9
+  # at random moments. The tracked checkpoint is always a complete one (its manifest verifies), the
+  # newest complete one or (a kill between the rename and the tracker) the one before it; the run
+  # resumed from it loads exactly it and its losses equal the uninterrupted run's, bitwise.
+  ATRIALS=${ASYNC_TRIALS:-24}
+  TA=("${TG[@]}" --async-save --save-interval 1)
+  echo "train_gpt --async-save: kill -9 at random moments of a run saving every iteration, $ATRIALS kills"
+  "${TG[@]}" --save "$WORK/ta_straight" >"$WORK/async_straight.log" 2>&1 || fail "the uninterrupted run failed"
+  ms=$(duration_ms "${TA[@]}" --save "$WORK/ta_ref")
+  states=""
+  for k in $(seq 1 "$ATRIALS"); do
+    d=$(( (RANDOM * 32768 + RANDOM) % (ms > 0 ? ms : 1) ))
+    rm -rf "$WORK/ta"
+    kill_at "t$d" "${TA[@]}" --save "$WORK/ta"
+    if [ ! -e "$WORK/ta/latest_checkpointed_iteration.txt" ]; then states+="nothing "; continue; fi
+    tracked=$(cat "$WORK/ta/latest_checkpointed_iteration.txt")
+    newest=-1
+    for it_dir in "$WORK"/ta/iter_*; do
+      [ -d "$it_dir" ] || continue
+      it=$((10#${it_dir##*iter_}))
+      prepro/checkpoint_tool verify "$WORK/ta" --iteration "$it" >/dev/null 2>&1 && [ "$it" -gt "$newest" ] && newest=$it
+    done
+    prepro/checkpoint_tool verify "$WORK/ta" >/dev/null 2>"$WORK/verify.err" \
+      || fail "async, killed at ${d} ms: the tracked checkpoint ($tracked) does not verify: $(cat "$WORK/verify.err")"
+    if [ "$tracked" = "$newest" ]; then states+="newest "
+    elif [ "$tracked" = "$((newest - 1))" ]; then states+="untracked_newest "
+    else fail "async, killed at ${d} ms: the tracker says $tracked, the newest complete checkpoint is $newest"; fi
+    "${TA[@]}" --load "$WORK/ta" --save "$WORK/ta" >"$WORK/ta_resume.log" 2>&1 \
+      || fail "async, killed at ${d} ms: the resumed run failed: $(tail -1 "$WORK/ta_resume.log")"
+    grep -q "loaded checkpoint from $WORK/ta at iteration $tracked " "$WORK/ta_resume.log" \
+      || fail "async, killed at ${d} ms: the resumed run did not load iteration $tracked"
+    [ -n "$(loss_after "$WORK/ta_resume.log" "$tracked")" ] \
+      && [ "$(loss_after "$WORK/ta_resume.log" "$tracked")" = "$(loss_after "$WORK/async_straight.log" "$tracked")" ] \
+      || fail "async, killed at ${d} ms: the losses after iteration $tracked differ from the uninterrupted run's"
+    [ -z "$(find "$WORK/ta" -maxdepth 1 \( -name '.tmp_iter_*' -o -name '*.old' \))" ] \
+      || fail "async: a killed save's leftovers survived the next save"
+  done
+  echo "  tracked checkpoints after the kills: $(echo $states | tr ' ' '\n' | summary)(${ms} ms a run)"
+
   echo "train_gpt: SIGTERM with --exit-signal-handler, then resume"
   "${TG[@]}" --save "$WORK/tg_straight" >"$WORK/straight.log" 2>&1 || fail "the uninterrupted run failed"
   rm -rf "$WORK/tg_term"
@@ -298,9 +342,8 @@ if [ "$what" = gpu ]; then
   grep -q "saved checkpoint at iteration $stop " "$WORK/term.log" || fail "SIGTERM: no checkpoint saved at the stop ($stop)"
   "${TG[@]}" --load "$WORK/tg_term" --save "$WORK/tg_term" >"$WORK/resume.log" 2>&1 || fail "SIGTERM: the resume failed"
   # the losses after the stop equal the uninterrupted run's, bitwise (as printed: %.6E)
-  loss() { grep -o 'iteration *[0-9]*/ *40 .*lm loss: [0-9.E+-]*' "$1" | awk -v from="$2" '{ split($2, a, "/"); if (a[1] + 0 > from) print a[1], $NF }'; }
-  if [ "$stop" != none ] && [ "$(loss "$WORK/resume.log" "$stop")" = "$(loss "$WORK/straight.log" "$stop")" ] \
-     && [ -n "$(loss "$WORK/resume.log" "$stop")" ]; then
+  if [ "$stop" != none ] && [ "$(loss_after "$WORK/resume.log" "$stop")" = "$(loss_after "$WORK/straight.log" "$stop")" ] \
+     && [ -n "$(loss_after "$WORK/resume.log" "$stop")" ]; then
     echo "  stopped at iteration $stop, resumed: iterations $((stop + 1))..40 equal the uninterrupted run's"
   else
     fail "SIGTERM: the resumed losses differ from the uninterrupted run's (stop $stop)"
