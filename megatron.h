@@ -72,7 +72,6 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -1106,13 +1105,13 @@ mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp,
 mt_status mt_ckpt_rank_numel(const mt_config* c, int64_t* numel, mt_error* err);
 /* Reads and checks a header of `path` (shard_file: a distrib_optim file): its words in range, the
  * file's exact size, and (ref not NULL) every model and layout word as ref's but for the rank words,
- * which must be (tp_rank, pp_rank, dp_rank). Leaves *f_out (if not NULL) open after the header. */
+ * which must be (tp_rank, pp_rank, dp_rank). *fd_out (if not NULL) gets the file, open (else -1). */
 mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_file, int tp_rank, int pp_rank,
-                              int dp_rank, int64_t* h, FILE** f_out, mt_error* err);
+                              int dp_rank, int64_t* h, int* fd_out, mt_error* err);
 /* Finds the iteration (< 0: the tracker's) and reads its first model file's header. */
 mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, mt_error* err);
-/* Reads n floats at element offset `at` of the arrays after the header of f. */
-mt_status mt_ckpt_read_floats(FILE* f, const char* path, int64_t at, float* out, int64_t n, mt_error* err);
+/* Reads n floats at element offset `at` of the arrays after the header of file fd. */
+mt_status mt_ckpt_read_floats(int fd, const char* path, int64_t at, float* out, int64_t n, mt_error* err);
 /* One array (MT_CKPT_*) of the part of the model that rank target->rank of the layout `target` (a
  * finalized config: TP, PP, VP, its rank) holds, in its mt_buffer_layout's canonical order (its
  * canonical_size elements into out), read slice by slice from checkpoint ck: for each of its
@@ -5102,6 +5101,20 @@ mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp,
     return mt_pp_stage_of(c, pp_rank, NULL, err);
 }
 
+/* bytes at offset of file fd, all of them: 0, or -1 (an error, or the file ends first) */
+static int mt__ckpt_read_at(int fd, int64_t offset, void* out, size_t bytes) {
+    if (lseek(fd, (off_t)offset, SEEK_SET) == (off_t)-1) return -1;
+    char* p = (char*)out;
+    while (bytes > 0) {
+        ssize_t k = read(fd, p, bytes < ((size_t)1 << 30) ? bytes : ((size_t)1 << 30));
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) return -1;
+        p += k;
+        bytes -= (size_t)k;
+    }
+    return 0;
+}
+
 mt_status mt_ckpt_rank_numel(const mt_config* c, int64_t* numel, mt_error* err) {
     mt_buffer_layout B;
     mt_status st = mt_buffer_layout_build(&B, c, err);
@@ -5112,22 +5125,17 @@ mt_status mt_ckpt_rank_numel(const mt_config* c, int64_t* numel, mt_error* err) 
 }
 
 mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_file, int tp_rank, int pp_rank,
-                              int dp_rank, int64_t* h, FILE** f_out, mt_error* err) {
-    if (f_out) *f_out = NULL;
+                              int dp_rank, int64_t* h, int* fd_out, mt_error* err) {
+    if (fd_out) *fd_out = -1;
     int fd = mt_open_regular_file(path, err);
     if (fd < 0) return MT_ERR_IO;
-    FILE* f = fdopen(fd, "rb");
-    if (!f) {
-        close(fd);
-        return mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
-    }
-    mt_status st = fread(h, sizeof(int64_t), MT_CK_HEADER_WORDS, f) == MT_CK_HEADER_WORDS
+    mt_status st = mt__ckpt_read_at(fd, 0, h, sizeof(int64_t) * MT_CK_HEADER_WORDS) == 0
                        ? mt_checkpoint_header_check(h, path, NULL, err)
                        : mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
     struct stat sb;
     if (st == MT_OK) {
         const int64_t want = mt_checkpoint_file_bytes(h, shard_file);
-        if (fstat(fileno(f), &sb) != 0 || (int64_t)sb.st_size != want)
+        if (fstat(fd, &sb) != 0 || (int64_t)sb.st_size != want)
             st = mt_fail(err, MT_ERR_FORMAT, "%s has %lld bytes, but its header describes %lld (%s)", path,
                          (long long)sb.st_size, (long long)want, (int64_t)sb.st_size < want ? "truncated" : "too long");
     }
@@ -5146,8 +5154,8 @@ mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_fi
                          path, (long long)h[MT_CK_TP_RANK], (long long)h[MT_CK_PP_RANK], (long long)h[MT_CK_DP_RANK],
                          tp_rank, pp_rank, dp_rank);
     }
-    if (st == MT_OK && f_out) *f_out = f;
-    else fclose(f);
+    if (st == MT_OK && fd_out) *fd_out = fd;
+    else close(fd);
     return st;
 }
 
@@ -5181,9 +5189,9 @@ mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, mt_error
     return mt_ckpt_config(&ck->cfg, h, ck->tp, ck->pp, ck->vp, 0, NULL, 0, 0, err);
 }
 
-mt_status mt_ckpt_read_floats(FILE* f, const char* path, int64_t at, float* out, int64_t n, mt_error* err) {
-    if (fseeko(f, (off_t)(sizeof(int64_t) * MT_CK_HEADER_WORDS + (size_t)at * sizeof(float)), SEEK_SET) != 0 ||
-        fread(out, sizeof(float), (size_t)n, f) != (size_t)n)
+mt_status mt_ckpt_read_floats(int fd, const char* path, int64_t at, float* out, int64_t n, mt_error* err) {
+    if (mt__ckpt_read_at(fd, (int64_t)sizeof(int64_t) * MT_CK_HEADER_WORDS + at * (int64_t)sizeof(float), out,
+                         sizeof(float) * (size_t)n) != 0)
         return mt_fail(err, MT_ERR_FORMAT, "%s is truncated", path);
     return MT_OK;
 }
@@ -5205,7 +5213,7 @@ typedef struct {
     const mt_ckpt_ddp* ddp;
     mt__ckpt_source* src;     /* [tp * pp] */
     unsigned char* checked;   /* [tp * pp * (1 + D)]: header checked */
-    FILE* f;
+    int fd;                   /* -1: none open */
     char open_path[4400];
 } mt__ckpt_reader;
 
@@ -5239,16 +5247,16 @@ static mt_status mt__ckpt_reader_open(mt__ckpt_reader* r, int t, int s, int dp_r
     mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, t, s);
     if (dp_rank < 0) snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
     else snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, dp_rank);
-    if (r->f && !strcmp(path, r->open_path)) return MT_OK;
-    if (r->f) fclose(r->f);
-    r->f = NULL;
+    if (r->fd >= 0 && !strcmp(path, r->open_path)) return MT_OK;
+    if (r->fd >= 0) close(r->fd);
+    r->fd = -1;
     mt__ckpt_source* q;
     mt_status st = mt__ckpt_source_get(r, t, s, &q, err);
     if (st != MT_OK) return st;
     unsigned char* checked = &r->checked[(t * ck->pp + s) * (1 + ck->sharded_dp) + 1 + dp_rank];
     int64_t h[MT_CK_HEADER_WORDS];
     if (!*checked) {
-        st = mt_ckpt_read_header(path, ck->header, dp_rank >= 0, t, s, dp_rank < 0 ? 0 : dp_rank, h, &r->f, err);
+        st = mt_ckpt_read_header(path, ck->header, dp_rank >= 0, t, s, dp_rank < 0 ? 0 : dp_rank, h, &r->fd, err);
         if (st == MT_OK && dp_rank < 0 && ck->pp > 1 && h[MT_CK_STAGE_NUMEL] != q->numel)
             st = mt_fail(err, MT_ERR_FORMAT, "%s holds %lld parameters, but an even split gives pipeline rank %d "
                          "%lld (uneven splits, --decoder-first/last-pipeline-num-layers, are not supported here)",
@@ -5258,19 +5266,13 @@ static mt_status mt__ckpt_reader_open(mt__ckpt_reader* r, int t, int s, int dp_r
                          "--overlap-grad-reduce and --ddp-bucket-size of the run that saved it", path,
                          (long long)h[MT_CK_SHARD_NUMEL], (long long)q->shard_numel);
         if (st != MT_OK) {
-            if (r->f) fclose(r->f);
-            r->f = NULL;
+            if (r->fd >= 0) close(r->fd);
+            r->fd = -1;
             return st;
         }
         *checked = 1;
-    } else {
-        int fd = mt_open_regular_file(path, err);
-        if (fd < 0) return MT_ERR_IO;
-        r->f = fdopen(fd, "rb");
-        if (!r->f) {
-            close(fd);
-            return mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
-        }
+    } else if ((r->fd = mt_open_regular_file(path, err)) < 0) {
+        return MT_ERR_IO;
     }
     snprintf(r->open_path, sizeof(r->open_path), "%s", path);
     return MT_OK;
@@ -5287,7 +5289,7 @@ static mt_status mt__ckpt_read_piece(mt__ckpt_reader* r, int t, int s, int tenso
     const mt_buffer_param* p = &q->B.params[k];
     if (ck->sharded_dp == 0 || array == MT_CKPT_MASTER) { /* the model file: master, m, v of the stage */
         st = mt__ckpt_reader_open(r, t, s, -1, err);
-        return st == MT_OK ? mt_ckpt_read_floats(r->f, r->open_path, array * q->numel + p->canonical, buf, p->numel, err)
+        return st == MT_OK ? mt_ckpt_read_floats(r->fd, r->open_path, array * q->numel + p->canonical, buf, p->numel, err)
                            : st;
     }
     /* the DP shards of the bucket that owns the parameter's buffer range */
@@ -5300,7 +5302,7 @@ static mt_status mt__ckpt_read_piece(mt__ckpt_reader* r, int t, int s, int tenso
         if (lo >= hi) continue;
         st = mt__ckpt_reader_open(r, t, s, d, err);
         if (st == MT_OK)
-            st = mt_ckpt_read_floats(r->f, r->open_path, array * q->shard_numel + q->bucket_prefix[p->bucket] + (lo - begin),
+            st = mt_ckpt_read_floats(r->fd, r->open_path, array * q->shard_numel + q->bucket_prefix[p->bucket] + (lo - begin),
                                      buf + (lo - p->offset), hi - lo, err);
     }
     return st;
@@ -5312,6 +5314,7 @@ mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_
     const int D = ck->sharded_dp;
     mt__ckpt_reader r;
     memset(&r, 0, sizeof(r));
+    r.fd = -1;
     r.ck = ck;
     r.ddp = ddp;
     r.src = (mt__ckpt_source*)calloc((size_t)ck->tp * (size_t)ck->pp, sizeof(mt__ckpt_source));
@@ -5385,7 +5388,7 @@ mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_
     }
     free(buf);
     free(stages);
-    if (r.f) fclose(r.f);
+    if (r.fd >= 0) close(r.fd);
     for (int i = 0; r.src && i < ck->tp * ck->pp; i++) {
         if (r.src[i].built) mt_buffer_layout_free(&r.src[i].B);
         free(r.src[i].bucket_prefix);

@@ -53,14 +53,14 @@ static mt_status mt_ckpt_read_dp_shards(const mt_ckpt* ck, const mt_ckpt_ddp* dd
         char path[4400];
         snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, r);
         int64_t h[MT_CK_HEADER_WORDS];
-        FILE* f = NULL;
-        st = mt_ckpt_read_header(path, ck->header, 1, tp_rank, pp_rank, r, h, &f, err);
+        int fd = -1;
+        st = mt_ckpt_read_header(path, ck->header, 1, tp_rank, pp_rank, r, h, &fd, err);
         if (st == MT_OK && h[MT_CK_SHARD_NUMEL] != shard)
             st = mt_fail(err, MT_ERR_CONFIG, "%s holds shards of %lld elements, but the DDP buckets give %lld: pass the "
                          "--overlap-grad-reduce and --ddp-bucket-size of the run that saved it", path,
                          (long long)h[MT_CK_SHARD_NUMEL], (long long)shard);
         for (int a = 1; a <= 2 && st == MT_OK; a++) { /* m, v (the master comes from the model file) */
-            st = mt_ckpt_read_floats(f, path, a * shard, piece, shard, err);
+            st = mt_ckpt_read_floats(fd, path, a * shard, piece, shard, err);
             int64_t k = 0;
             for (int b = 0; b < B.num_buckets && st == MT_OK; b++) {
                 int64_t begin, end;
@@ -69,7 +69,7 @@ static mt_status mt_ckpt_read_dp_shards(const mt_ckpt* ck, const mt_ckpt_ddp* dd
                 k += end - begin;
             }
         }
-        if (f) fclose(f);
+        if (fd >= 0) close(fd);
     }
     for (int i = 0; i < B.num_params && st == MT_OK; i++) {
         const mt_buffer_param* p = &B.params[i];
@@ -98,21 +98,21 @@ static mt_status mt_ckpt_read(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, float* 
             mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, t, s);
             snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
             int64_t h[MT_CK_HEADER_WORDS], numel = 0;
-            FILE* f = NULL;
+            int fd = -1;
             mt_config rc;
             mt_pp_stage stage;
             st = mt_ckpt_config(&rc, ck->header, ck->tp, ck->pp, ck->vp, 0, NULL, t, s, err);
             if (st == MT_OK) st = mt_pp_stage_of(&rc, s, &stage, err);
             if (st == MT_OK) st = mt_ckpt_rank_numel(&rc, &numel, err);
-            if (st == MT_OK) st = mt_ckpt_read_header(path, ck->header, 0, t, s, 0, h, &f, err);
+            if (st == MT_OK) st = mt_ckpt_read_header(path, ck->header, 0, t, s, 0, h, &fd, err);
             if (st == MT_OK && ck->pp > 1 && h[MT_CK_STAGE_NUMEL] != numel)
                 st = mt_fail(err, MT_ERR_FORMAT, "%s holds %lld parameters, but an even split gives pipeline rank %d "
                              "%lld (uneven splits, --decoder-first/last-pipeline-num-layers, are not supported here)",
                              path, (long long)h[MT_CK_STAGE_NUMEL], s, (long long)numel);
             const int in_file = ck->sharded_dp > 0 ? 1 : MT_CKPT_ARRAYS;
             for (int a = 0; a < in_file && st == MT_OK && arrays; a++)
-                st = mt_ckpt_read_floats(f, path, a * numel, part + a * numel, numel, err);
-            if (f) fclose(f);
+                st = mt_ckpt_read_floats(fd, path, a * numel, part + a * numel, numel, err);
+            if (fd >= 0) close(fd);
             if (st == MT_OK && ck->sharded_dp > 0) {
                 if (arrays) st = mt_ckpt_read_dp_shards(ck, ddp, rank_dir, t, s, part + numel, part + 2 * numel, err);
                 for (int r = 0; r < ck->sharded_dp && st == MT_OK && !arrays; r++) {
