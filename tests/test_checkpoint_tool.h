@@ -707,10 +707,31 @@ static test_result ckt_trainer(int llama) {
 static test_result test_trainer_checkpoints_gpt2(void) { return ckt_trainer(0); }
 static test_result test_trainer_checkpoints_llama(void) { return ckt_trainer(1); }
 
+/* Resumes from dir's tracked iteration 5 for steps 5..9: TEST_PASS when the losses and final weights
+ * (n floats) equal the straight run's (straight[5..9], want) bitwise; `what` names the resume. */
+static test_result ckt_resume_bitwise(mt_config* c, const char* dir, const double* straight, const float* want,
+                                      int64_t n, const char* what) {
+    double r[20];
+    float* got = (float*)malloc(sizeof(float) * (size_t)n);
+    test_result res = run_steps(c, dir, NULL, 5, 5, r, got);
+    for (int k = 5; k < 10 && res == TEST_PASS; k++)
+        if (memcmp(&straight[k], &r[k], sizeof(double))) {
+            printf("    %s, step %d: %.9g vs %.9g\n", what, k, r[k], straight[k]);
+            res = TEST_FAIL;
+        }
+    if (res == TEST_PASS && memcmp(want, got, sizeof(float) * (size_t)n)) {
+        printf("    %s: the weights differ\n", what);
+        res = TEST_FAIL;
+    }
+    free(got);
+    return res;
+}
+
 /* GPU: a --load at another layout, with no offline step back. 4 layers: 5 steps at TP1 saved,
  * resharded offline to TP2 x PP2 x VP2, loaded directly by a TP1 trainer (each array cut from the
  * TP2 x PP2 x VP2 files by mt_ckpt_read_part), 5 more steps: the losses and weights of the run that
- * never stopped, bitwise (the same arithmetic on the same fp32 master, m, v and counters). */
+ * never stopped, bitwise (the same arithmetic on the same fp32 master, m, v and counters). A trainer
+ * of another hidden size refuses that checkpoint in one line naming --hidden-size. */
 static test_result ckt_load_other_layout(int llama) {
     REQUIRE_GPU();
     mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, MT_BF16);
@@ -722,9 +743,8 @@ static test_result ckt_load_other_layout(int llama) {
     snprintf(a_dir, sizeof(a_dir), "%s/a", root);
     snprintf(out, sizeof(out), "%s/tp2pp2vp2", root);
     const int64_t n = mt_num_parameters(&c);
-    double a[20], r[20];
+    double a[20];
     float* pa = (float*)malloc(sizeof(float) * (size_t)n);
-    float* pr = (float*)malloc(sizeof(float) * (size_t)n);
     test_result res = run_steps(&c, NULL, a_dir, 0, 5, a, NULL);
     if (res == TEST_PASS) res = run_steps(&c, NULL, NULL, 0, 10, a, pa);
     mt_ckpt ck;
@@ -733,18 +753,21 @@ static test_result ckt_load_other_layout(int llama) {
         printf("    reshard: %s\n", err.message);
         res = TEST_FAIL;
     }
-    if (res == TEST_PASS) res = run_steps(&c, out, NULL, 5, 5, r, pr);
-    for (int k = 5; k < 10 && res == TEST_PASS; k++)
-        if (memcmp(&a[k], &r[k], sizeof(double))) {
-            printf("    step %d: %.9g vs %.9g\n", k, r[k], a[k]);
+    if (res == TEST_PASS) res = ckt_resume_bitwise(&c, out, a, pa, n, "loaded at another layout");
+    free(pa);
+    /* another model is refused at another layout too, one line naming the flag */
+    mt_config other = c;
+    other.hidden_size = 256;
+    mt_trainer* t = NULL;
+    if (res == TEST_PASS && mt_config_finalize(&other, &err) == MT_OK && mt_trainer_create(&t, &other, &err) == MT_OK) {
+        mt_status st = mt_trainer_load(t, out, -1, NULL, NULL, &err);
+        mt_trainer_free(t);
+        if (st != MT_ERR_CONFIG || !strstr(err.message, "--hidden-size 128 but this run has 256") ||
+            strchr(err.message, '\n')) {
+            printf("    another model at another layout: %s: %s\n", mt_status_name(st), err.message);
             res = TEST_FAIL;
         }
-    if (res == TEST_PASS && memcmp(pa, pr, sizeof(float) * (size_t)n)) {
-        printf("    weights after the load at another layout differ\n");
-        res = TEST_FAIL;
     }
-    free(pa);
-    free(pr);
     mt_remove_tree(root);
     if (res == TEST_PASS)
         printf("      %s: TP1 -> (offline) TP2 x PP2 x VP2 -> loaded at TP1, continued bitwise\n", llama ? "Llama" : "GPT-2");
@@ -870,9 +893,8 @@ static test_result test_async_save(void) {
     snprintf(sync_dir, sizeof(sync_dir), "%s/sync", root);
     snprintf(async_dir, sizeof(async_dir), "%s/async", root);
     const int64_t n = mt_num_parameters(&c);
-    double straight[20], resumed[20];
+    double straight[20];
     float* ps = (float*)malloc(sizeof(float) * (size_t)n);
-    float* pr = (float*)malloc(sizeof(float) * (size_t)n);
     test_result res = run_steps(&c, NULL, NULL, 0, 10, straight, ps);
     if (res != TEST_PASS) return res;
     mt_trainer* t = NULL;
@@ -949,18 +971,8 @@ static test_result test_async_save(void) {
     }
     /* the async checkpoint of iteration 5 resumes bitwise (the tracker pointed back at it) */
     EXPECT_OK(mt_checkpoint_write_tracker(async_dir, 5, &err), &err);
-    res = run_steps(&c, async_dir, NULL, 5, 5, resumed, pr);
-    for (int k = 5; k < 10 && res == TEST_PASS; k++)
-        if (memcmp(&straight[k], &resumed[k], sizeof(double))) {
-            printf("    step %d: %.9g vs %.9g\n", k, resumed[k], straight[k]);
-            res = TEST_FAIL;
-        }
-    if (res == TEST_PASS && memcmp(ps, pr, sizeof(float) * (size_t)n)) {
-        printf("    weights after resuming from the async save differ\n");
-        res = TEST_FAIL;
-    }
+    res = ckt_resume_bitwise(&c, async_dir, straight, ps, n, "resumed from the async save");
     free(ps);
-    free(pr);
     mt_remove_tree(root);
     if (res == TEST_PASS)
         printf("      %lld parameters: the step loop paid %.2f ms for a sync save, %.2f ms for an async one (written "
