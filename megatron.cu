@@ -5640,14 +5640,17 @@ static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
 /*    so a checkpoint does not depend on the buffer layout or the number of data-parallel ranks.  */
 /*    With the distributed optimizer the file holds the master weights only, and every DP rank r  */
 /*    writes its shard of master, m and v to distrib_optim_dp<r>.bin beside it (Megatron's        */
-/*    distrib_optim.pt); such a checkpoint resumes on the same number of ranks. With tensor       */
-/*    parallelism each TP rank's shard goes to mp_rank_<tp>/ and resumes at the same TP. All is   */
-/*    written into a temporary directory that rank 0 renames into place once every rank has       */
-/*    written (every file fsync'ed first); latest_checkpointed_iteration.txt comes last. A crash  */
-/*    at any instant leaves the previous complete checkpoint readable: a half-written save is a   */
-/*    .tmp_iter_* directory that the next save removes; one cut between moving an old copy of the */
-/*    same iteration aside (iter_N.old) and renaming the new one in is read from iter_N.old, and  */
-/*    the next save puts it back. Loading checks every header word before use (megatron.h's       */
+/*    distrib_optim.pt). With tensor parallelism each TP rank's shard goes to mp_rank_<tp>/,      */
+/*    with pipeline parallelism each stage's to mp_rank_<tp>_<pp>/. A load at the same layout     */
+/*    reads each rank's own files; at another one each rank cuts its part from the saved files    */
+/*    (load_other_layout, megatron.h mt_ckpt_read_part). A save stages each rank's files in host  */
+/*    memory, writes them (--async-save: in a writer thread while training goes on) into a        */
+/*    temporary directory that rank 0 renames into place once every rank has written (every file  */
+/*    fsync'ed first); latest_checkpointed_iteration.txt comes last. A crash at any instant       */
+/*    leaves the previous complete checkpoint readable: a half-written save is a .tmp_iter_*      */
+/*    directory that the next save removes; one cut between moving an old copy of the same        */
+/*    iteration aside (iter_N.old) and renaming the new one in is read from iter_N.old, and the   */
+/*    next save puts it back. Loading checks every header word before use (megatron.h's           */
 /*    mt_checkpoint_header_check) and each file's exact size. Ranks share the file system; one    */
 /*    job saves into a checkpoint directory at a time.                                            */
 /* ============================================================================================== */
@@ -5821,6 +5824,8 @@ static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration,
     header[MT_CK_SHARDED_DP] = t->sharded ? t->groups.dp_size : 0;
     header[MT_CK_DP_RANK] = t->groups.dp_rank;
     header[MT_CK_SHARD_NUMEL] = t->sharded ? t->shard_numel : 0;
+    header[MT_CK_DDP_OVERLAP] = t->sharded ? 1 + (t->cfg.overlap_grad_reduce != 0) : 0;
+    header[MT_CK_DDP_BUCKET_SIZE] = t->sharded ? t->cfg.ddp_bucket_size : 0;
     header[MT_CK_TP_RANK] = t->groups.tp.rank;
     header[MT_CK_PP_RANK] = t->groups.pp_rank;
     header[MT_CK_VP] = t->groups.pp_size > 1 ? t->buffer.stage.num_chunks : 0;
@@ -6208,8 +6213,9 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
  * rank's part of the master weights, and with load_optim of Adam's m and v, is cut from the saved
  * files slice by slice (megatron.h mt_ckpt_read_part: no rank reads more than one saved tensor slice
  * at a time beyond its own part) and put in place as a load at the same layout does. A
- * distributed-optimizer checkpoint's buckets are taken to be this run's (--overlap-grad-reduce,
- * --ddp-bucket-size; other ones are refused naming them). FP8 delayed-scaling state is per-layout
+ * distributed-optimizer checkpoint's buckets are its header's (MT_CK_DDP_*), or for an older file
+ * without them this run's --overlap-grad-reduce and --ddp-bucket-size (other ones are refused
+ * naming them). FP8 delayed-scaling state is per-layout
  * and is not carried over (the scales start afresh). h gets the header (progress, scheduler, scaler). */
 static mt_status load_other_layout(mt_trainer* t, const mt_ckpt* ck, int load_optim, float* host, int64_t* h,
                                    mt_error* err) {

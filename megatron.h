@@ -1019,6 +1019,10 @@ enum {
      * pipeline rank PP_RANK's tensors (megatron.h mt_pp_holds) in canonical order, VP chunks each */
     MT_CK_PP_RANK, MT_CK_VP, MT_CK_STAGE_NUMEL,
     MT_CK_LAYERNORM_1P,  /* --apply-layernorm-1p: the norm weights are stored as w - 1 (0 in older files) */
+    /* the distributed optimizer's buckets (MT_CK_SHARDED_DP > 0), which cut its shard files: the
+     * saving run's --overlap-grad-reduce + 1 (0: not recorded, an older file or no sharding) and
+     * --ddp-bucket-size (0: Megatron's default) */
+    MT_CK_DDP_OVERLAP, MT_CK_DDP_BUCKET_SIZE,
     MT_CK_HEADER_WORDS = 64
 };
 /* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
@@ -1083,8 +1087,9 @@ mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int64_t* chos
  * of a model at another layout (TP, PP with virtual stages, DP with or without the distributed
  * optimizer) cut from the saved files tensor by tensor: the loader of megatron.cu (a --load at
  * another layout) and prepro/checkpoint_tool.h use it. The distributed optimizer's buckets depend on
- * --overlap-grad-reduce and --ddp-bucket-size, which the header does not record: the caller passes
- * the saving run's (mt_ckpt_ddp, NULL: one bucket) and a shard size other than the header's is refused. */
+ * --overlap-grad-reduce and --ddp-bucket-size: the header records the saving run's
+ * (MT_CK_DDP_*); for older files without them the caller passes them (mt_ckpt_ddp, NULL: one
+ * bucket), and a shard size other than the header's is refused naming the flags. */
 typedef struct {
     char iter_dir[4200];
     int64_t iteration;
@@ -1097,6 +1102,8 @@ typedef struct {
     int64_t ddp_bucket_size; /* 0: Megatron's default */
 } mt_ckpt_ddp;
 enum { MT_CKPT_MASTER = 0, MT_CKPT_M, MT_CKPT_V, MT_CKPT_ARRAYS }; /* the three fp32 arrays of a checkpoint */
+/* The buckets of ck's distributed-optimizer shards: the header's record, else `fallback` (NULL: one bucket). */
+mt_ckpt_ddp mt_ckpt_saved_ddp(const mt_ckpt* ck, const mt_ckpt_ddp* fallback);
 /* <iter_dir>/mp_rank_<tp>[_<pp>] (the _<pp> part when the layout has pp > 1 stages) */
 void mt_ckpt_rank_dir(char* buf, size_t cap, const char* iter_dir, int pp, int tp_rank, int pp_rank);
 /* The model of header h at a layout, as rank (tp_rank, DP 0, pp_rank) of it sees it: dp > 0 with the
@@ -4709,6 +4716,8 @@ mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, mt_conf
         {MT_CK_PP_RANK, 0, INT32_MAX, "the pipeline rank"},
         {MT_CK_VP, 0, MT_PP_MAX_CHUNKS, "the virtual pipeline stages"},
         {MT_CK_STAGE_NUMEL, 0, INT64_MAX, "the stage's parameter count"},
+        {MT_CK_DDP_OVERLAP, 0, 2, "the distributed optimizer's --overlap-grad-reduce"},
+        {MT_CK_DDP_BUCKET_SIZE, 0, INT64_MAX, "the distributed optimizer's --ddp-bucket-size"},
     };
     for (size_t i = 0; i < sizeof(range) / sizeof(range[0]); i++)
         if (h[range[i].word] < range[i].lo || h[range[i].word] > range[i].hi)
@@ -5095,6 +5104,17 @@ mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int64_t* chos
 
 /* ---- a checkpoint at any layout: the files' layout, and any rank's part of another layout ---- */
 
+mt_ckpt_ddp mt_ckpt_saved_ddp(const mt_ckpt* ck, const mt_ckpt_ddp* fallback) {
+    mt_ckpt_ddp d = {0, 0};
+    if (ck->header[MT_CK_DDP_OVERLAP] > 0) {
+        d.overlap_grad_reduce = ck->header[MT_CK_DDP_OVERLAP] == 2;
+        d.ddp_bucket_size = ck->header[MT_CK_DDP_BUCKET_SIZE];
+    } else if (fallback) {
+        d = *fallback;
+    }
+    return d;
+}
+
 void mt_ckpt_rank_dir(char* buf, size_t cap, const char* iter_dir, int pp, int tp_rank, int pp_rank) {
     if (pp > 1) snprintf(buf, cap, "%s/mp_rank_%02d_%03d", iter_dir, tp_rank, pp_rank);
     else snprintf(buf, cap, "%s/mp_rank_%02d", iter_dir, tp_rank);
@@ -5241,7 +5261,8 @@ static mt_status mt__ckpt_source_get(mt__ckpt_reader* r, int t, int s, mt__ckpt_
     *out = q;
     if (q->built) return MT_OK;
     const int D = ck->sharded_dp;
-    mt_status st = mt_ckpt_config(&q->c, ck->header, ck->tp, ck->pp, ck->vp, D, r->ddp, t, s, err);
+    const mt_ckpt_ddp ddp = mt_ckpt_saved_ddp(ck, r->ddp);
+    mt_status st = mt_ckpt_config(&q->c, ck->header, ck->tp, ck->pp, ck->vp, D, &ddp, t, s, err);
     if (st == MT_OK) st = mt_buffer_layout_build(&q->B, &q->c, err);
     if (st != MT_OK) return st;
     q->built = 1;

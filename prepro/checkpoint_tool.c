@@ -12,11 +12,12 @@
  *       without a manifest fails). Exit status 0 only when all hold; else one line names what failed.
  *   checkpoint_tool reshard DIR OUT --target-tp N --target-pp M [--target-vp V] [--iteration N]
  *                   [--make-vocab-size-divisible-by 128] [--overlap-grad-reduce] [--ddp-bucket-size N]
- *       reads every file of the iteration, assembles the full fp32 master weights and Adam moments,
- *       and writes them to OUT/iter_N at the target layout with a non-sharded optimizer (headers,
- *       manifest, tracker; a temporary directory renamed into place). A distributed-optimizer
- *       checkpoint needs the --overlap-grad-reduce / --ddp-bucket-size of the run that wrote it (its
- *       buckets; the header does not record them). The vocabulary is padded for the target TP as
+ *       writes OUT/iter_N at the target layout with a non-sharded optimizer, each target rank's
+ *       fp32 master weights and Adam moments cut from the saved files by megatron.h's
+ *       mt_ckpt_read_part (the trainer's --load at another layout; headers, manifest, tracker; a
+ *       temporary directory renamed into place). A distributed-optimizer checkpoint's buckets come
+ *       from its header; one written before the header recorded them needs the
+ *       --overlap-grad-reduce / --ddp-bucket-size of the run that wrote it. The vocabulary is padded for the target TP as
  *       Megatron pads it (new padding rows zero). FP8 delayed-scaling state is dropped, with a note.
  * `--flag=value` is `--flag value` (prepro/args.h).
  */

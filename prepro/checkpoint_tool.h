@@ -17,8 +17,9 @@
  * optimizer (MT_CK_SHARDED_DP = D > 0) the master only, and distrib_optim_dp<r, 3 digits>.bin for
  * r < D beside it: the header, then master, m, v of DP rank r's shard: for each bucket of the DDP
  * buffer (mt_buffer_layout_build) in order, r's part of it (mt_bucket_shard). The buckets depend on
- * --overlap-grad-reduce and --ddp-bucket-size, which the header does not record: the caller passes
- * them (mt_ckpt_ddp; one bucket by default) and a shard size other than the header's is refused.
+ * --overlap-grad-reduce and --ddp-bucket-size: the header records them (MT_CK_DDP_*); for older
+ * files the caller passes them (mt_ckpt_ddp; one bucket by default) and a shard size other than the
+ * header's is refused.
  * The model files end with the FP8 delayed-scaling state when the run had one; it is per-layer state
  * of one layout and is not carried over (the trainer starts the scales afresh without it).
  */
@@ -35,8 +36,9 @@
 static mt_status mt_ckpt_read_dp_shards(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const char* rank_dir, int tp_rank,
                                         int pp_rank, float* part_m, float* part_v, mt_error* err) {
     const int D = ck->sharded_dp;
+    const mt_ckpt_ddp saved = mt_ckpt_saved_ddp(ck, ddp);
     mt_config c;
-    mt_status st = mt_ckpt_config(&c, ck->header, ck->tp, ck->pp, ck->vp, D, ddp, tp_rank, pp_rank, err);
+    mt_status st = mt_ckpt_config(&c, ck->header, ck->tp, ck->pp, ck->vp, D, &saved, tp_rank, pp_rank, err);
     mt_buffer_layout B;
     if (st == MT_OK) st = mt_buffer_layout_build(&B, &c, err);
     if (st != MT_OK) return st;
@@ -159,7 +161,7 @@ static mt_status mt_ckpt_target(const int64_t* src, int tp, int pp, int vp, int 
     h[MT_CK_PP] = pp;
     h[MT_CK_VP] = pp > 1 ? vp : 0;
     h[MT_CK_TP_RANK] = h[MT_CK_PP_RANK] = h[MT_CK_DP_RANK] = 0;
-    h[MT_CK_SHARDED_DP] = h[MT_CK_SHARD_NUMEL] = 0;
+    h[MT_CK_SHARDED_DP] = h[MT_CK_SHARD_NUMEL] = h[MT_CK_DDP_OVERLAP] = h[MT_CK_DDP_BUCKET_SIZE] = 0;
     h[MT_CK_FP8_TENSORS] = h[MT_CK_FP8_HISTORY_LEN] = h[MT_CK_FP8_HISTORY_POS] = 0;
     mt_status st = mt_ckpt_config(c, h, tp, pp, vp, 0, NULL, 0, 0, err);
     if (st != MT_OK) return st;
