@@ -296,29 +296,16 @@ def write_file_synced(path, data):
         os.fsync(f.fileno())
 
 
-def write_ours(out_dir, h, layout, master, m, v):
-    """OUT/iter_N/mp_rank_00/model_optim_rng.bin, its manifest (last), then the tracker; the iteration
-    directory is made under a temporary name and renamed into place."""
-    it = h[W["ITERATION"]]
+def write_iteration(out_dir, it, fill):
+    """OUT/iter_N made whole or not at all: fill(tmp) writes its files into a temporary directory that
+    is then renamed into place; the tracker comes last (temporary name, fsync, rename)."""
     os.makedirs(out_dir, exist_ok=True)
     final = os.path.join(out_dir, f"iter_{it:07d}")
     if os.path.exists(final):
         raise ConvertError(f"{final} exists; choose another output directory")
     tmp = tempfile.mkdtemp(prefix=f".iter_{it:07d}.", dir=out_dir)
     try:
-        os.makedirs(os.path.join(tmp, "mp_rank_00"))
-        parts = [struct.pack(f"<{HEADER_WORDS}q", *h)]
-        for arrays in (master, m, v):
-            for name, _, shape in layout:
-                a = np.ascontiguousarray(arrays[name], dtype="<f4")
-                if a.shape != tuple(shape):
-                    raise ConvertError(f"{name}: shape {a.shape}, the model calls for {tuple(shape)}")
-                parts.append(a.tobytes())
-        data = b"".join(parts)
-        rel = "mp_rank_00/model_optim_rng.bin"
-        write_file_synced(os.path.join(tmp, rel), data)
-        manifest = f"megatron.c checkpoint manifest 1\nfiles 1\n{crc32c(data):08x} {len(data)} {rel}\n"
-        write_file_synced(os.path.join(tmp, "manifest.txt"), manifest.encode())
+        fill(tmp)
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -327,6 +314,26 @@ def write_ours(out_dir, h, layout, master, m, v):
     write_file_synced(tracker + ".tmp", f"{it}\n".encode())
     os.rename(tracker + ".tmp", tracker)
     return final
+
+
+def write_ours(out_dir, h, layout, master, m, v):
+    """OUT/iter_N/mp_rank_00/model_optim_rng.bin, then its manifest (the mark of a complete checkpoint)."""
+    parts = [struct.pack(f"<{HEADER_WORDS}q", *h)]
+    for arrays in (master, m, v):
+        for name, _, shape in layout:
+            a = np.ascontiguousarray(arrays[name], dtype="<f4")
+            if a.shape != tuple(shape):
+                raise ConvertError(f"{name}: shape {a.shape}, the model calls for {tuple(shape)}")
+            parts.append(a.tobytes())
+    data = b"".join(parts)
+    rel = "mp_rank_00/model_optim_rng.bin"
+
+    def fill(tmp):
+        os.makedirs(os.path.join(tmp, "mp_rank_00"))
+        write_file_synced(os.path.join(tmp, rel), data)
+        manifest = f"megatron.c checkpoint manifest 1\nfiles 1\n{crc32c(data):08x} {len(data)} {rel}\n"
+        write_file_synced(os.path.join(tmp, "manifest.txt"), manifest.encode())
+    return write_iteration(out_dir, h[W["ITERATION"]], fill)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -453,21 +460,7 @@ def to_mcore(ckpt, out, iteration, optimizer, sched):
             "lr_decay_style": sched.lr_decay_style, "lr_decay_steps": sched.lr_decay_samples,
             "min_lr": sched.min_lr, "start_wd": sched.weight_decay, "end_wd": sched.weight_decay,
             "wd_incr_style": "constant", "wd_incr_steps": 0}
-    os.makedirs(out, exist_ok=True)
-    final = os.path.join(out, f"iter_{it:07d}")
-    if os.path.exists(final):
-        raise ConvertError(f"{final} exists; choose another output directory")
-    tmp = tempfile.mkdtemp(prefix=f".iter_{it:07d}.", dir=out)
-    try:
-        dcp.save(sd, tmp, content_metadata=content)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    tracker = os.path.join(out, "latest_checkpointed_iteration.txt")
-    write_file_synced(tracker + ".tmp", f"{it}\n".encode())
-    os.rename(tracker + ".tmp", tracker)
-    return final
+    return write_iteration(out, it, lambda tmp: dcp.save(sd, tmp, content_metadata=content))
 
 
 def arg(a, name, default=None):
