@@ -32,9 +32,13 @@ For each:
      content_metadata; then --from-mcore -> ours -> --to-mcore must reproduce every tensor bitwise
      and the iteration, scheduler steps, Adam step, consumed samples; the same with --optimizer plain
      (fp32_param keys) and weights only (master = model tensors, moments zero);
-  5. with --train-gpt (GPU machine): ./train_gpt --load <the mcore-written checkpoint converted here>
+  5. megatron-core at tensor-parallel size 2 (two gloo processes on the CPU, llama): the checkpoint its
+     TP 2 model writes (each rank its shards; SwiGLU's fc1 as its factory splits it) converted here gives
+     ref_gpt the TP 2 model's logits, and our checkpoint converted and loaded at TP 2 gives ref_gpt's
+     (both < 1e-5): the torch_dist side is layout-free;
+  6. with --train-gpt (GPU machine): ./train_gpt --load <the mcore-written checkpoint converted here>
      resumes for 2 more iterations on mock data (its log must show the resumed iteration);
-  6. refusals, each one line and exit 1: a TP 2 checkpoint, a torch_dist checkpoint whose distributed
+  7. refusals, each one line and exit 1: a TP 2 checkpoint, a torch_dist checkpoint whose distributed
      optimizer is in dp_reshardable form, a truncated model_optim_rng.bin.
 Prints one table and exits non-zero if any row failed.
 """
@@ -122,7 +126,7 @@ def file_bytes(ckpt):
         open(os.path.join(d, "manifest.txt"), "rb").read()
 
 
-def build_gpt(m, dtype):
+def build_gpt(m, dtype, parallel_output=True):
     """Megatron-Core's GPTModel with the local layer spec for the model described by m (args names)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
@@ -143,7 +147,8 @@ def build_gpt(m, dtype):
         max_sequence_length=m.max_position_embeddings, position_embedding_type=m.position_embedding_type,
         rotary_percent=m.rotary_percent, rotary_base=int(m.rotary_base), rope_scaling=m.use_rope_scaling,
         rope_scaling_factor=m.rope_scaling_factor,
-        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights)
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        parallel_output=parallel_output)
 
 
 def mcore_logits(model, tokens, device):
@@ -325,6 +330,70 @@ def dp_reshardable(src, dst):
         f.write("100")
 
 
+def tp2_worker(rank, work, mode, ckpt, store):
+    """One of two gloo processes holding megatron-core's llama GPTModel at tensor-parallel size 2 (CPU):
+    mode "save" perturbs the model's own initial weights and saves them with megatron-core (each rank
+    its shards); mode "load" loads ckpt. Either way rank 0 writes the model's full-vocabulary logits."""
+    import contextlib
+    import zlib
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    cm.mcore()   # the CPU redirections (the group exists)
+    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    parallel_state.initialize_model_parallel(2, 1)
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    fl = FLAVOURS["llama"]
+    m = cm.model_of_header(header_for(fl["ref"], fl["precision"], fl["true_vocab"], fl["norm_eps"]))
+    model = build_gpt(m, torch.float32, parallel_output=False)
+    if mode == "save":
+        with torch.no_grad():
+            for k, t in model.state_dict(keep_vars=True).items():
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    split = getattr(t, "tensor_model_parallel", False)   # replicated ones alike on both ranks
+                    gen = torch.Generator().manual_seed(zlib.crc32(k.encode()) + (rank if split else 0))
+                    t.add_(torch.randn(t.shape, generator=gen) * 0.01)
+        args = argparse.Namespace(**vars(m), group_query_attention=True, seed=99, consumed_train_samples=16,
+                                  bf16=False, fp16=False, vocab_size=fl["true_vocab"],
+                                  tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+        d = os.path.join(ckpt, "iter_0000007")
+        os.makedirs(d, exist_ok=True)
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": args, "iteration": 7}, d)
+        if rank == 0:
+            with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("7")
+    else:
+        d = os.path.join(ckpt, f"iter_{cm.read_tracker(ckpt):07d}")
+        model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, d)["model"])
+    tokens = np.random.default_rng(7).integers(0, fl["true_vocab"], (2, fl["ref"].T)).astype(np.int64)
+    logits = mcore_logits(model, tokens, "cpu")
+    if rank == 0:
+        np.save(os.path.join(work, f"tp2_{mode}_logits.npy"), logits)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_tp2(work):
+    """Megatron-Core at TP 2 (two CPU processes): its own checkpoint converted here gives ref_gpt the
+    same logits; our checkpoint converted and loaded at TP 2 gives the same logits as ref_gpt."""
+    import torch.multiprocessing as mp
+    fl, cfg = FLAVOURS["llama"], FLAVOURS["llama"]["ref"]
+    tokens = np.random.default_rng(7).integers(0, fl["true_vocab"], (2, cfg.T)).astype(np.int64)
+    for mode, ckpt in (("save", os.path.join(work, "llama_tp2_written")), ("load", os.path.join(work, "llama_mcore"))):
+        store = os.path.join(work, f"tp2_{mode}_store")
+        mp.spawn(tp2_worker, args=(work, mode, ckpt, store), nprocs=2, join=True)
+        ours = os.path.join(work, "llama_from_tp2") if mode == "save" else os.path.join(work, "llama_ours")
+        if mode == "save" and cm.main(["--from-mcore", ckpt, ours]) != 0:
+            return row("llama TP 2: --from-mcore", False)
+        h, m, layout, (master, _, _) = cm.read_ours(ours)
+        dtype = torch.bfloat16 if h[W["PRECISION"]] == 1 else torch.float32
+        p = {n: torch.from_numpy(master[n]).to(dtype).to(torch.float64) for n, _, _ in layout}
+        ref = ref_gpt.forward(cfg, p, torch.from_numpy(tokens)).numpy()
+        e = rel(np.load(os.path.join(work, f"tp2_{mode}_logits.npy")), ref)
+        what = ("megatron-core at TP 2 writes, --from-mcore: ref_gpt's logits on ours = the TP 2 model's" if mode == "save"
+                else "ours --to-mcore, loaded by megatron-core at TP 2: its logits = ref_gpt's")
+        row(f"llama: {what}", e < 1e-5, f"rel err {e:.2e}")
+
+
 def expect_refusal(what, argv, needle):
     import contextlib
     import io
@@ -375,6 +444,7 @@ def main():
             conv = check_mcore_round_trip(name, fl, work, optimizer)
         if args.train_gpt and conv:
             resume(name, fl, os.path.join(work, f"{name}_from_mcore_distributed"), args.train_gpt, work)
+    check_tp2(work)
     # refusals
     tp2 = os.path.join(work, "gpt2_tp2")
     shutil.copytree(os.path.join(work, "gpt2_ours"), tp2)
