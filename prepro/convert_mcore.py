@@ -196,6 +196,11 @@ def _zeros_operator(nbytes):
     return op
 
 
+def crc32c_combine(crc_a, crc_b, length_b):
+    """The CRC-32C of A followed by B from theirs (zlib's crc32_combine rule)."""
+    return int(_gf2_times(_zeros_operator(length_b), np.array([crc_a], dtype=np.uint32))[0]) ^ crc_b
+
+
 def crc32c(data):
     buf = np.frombuffer(data, dtype=np.uint8)
     n = len(buf)
@@ -210,7 +215,7 @@ def crc32c(data):
     crc ^= np.uint32(0xFFFFFFFF)
     length = per
     while len(crc) > 1:                                # join neighbours: crc(A B) = shift(crc A) ^ crc B
-        crc = _gf2_times(_zeros_operator(length), crc[0::2]) ^ crc[1::2]
+        crc = _gf2_times(_zeros_operator(length), crc[0::2]) ^ crc[1::2]   # crc32c_combine, vectorised
         length *= 2
     c = int(crc[0]) ^ 0xFFFFFFFF
     for byte in buf[lanes * per:].tolist():
@@ -317,21 +322,28 @@ def write_iteration(out_dir, it, fill):
 
 
 def write_ours(out_dir, h, layout, master, m, v):
-    """OUT/iter_N/mp_rank_00/model_optim_rng.bin, then its manifest (the mark of a complete checkpoint)."""
-    parts = [struct.pack(f"<{HEADER_WORDS}q", *h)]
+    """OUT/iter_N/mp_rank_00/model_optim_rng.bin, written a tensor at a time (its CRC-32C built up as it
+    goes), then its manifest (the mark of a complete checkpoint)."""
     for arrays in (master, m, v):
         for name, _, shape in layout:
-            a = np.ascontiguousarray(arrays[name], dtype="<f4")
-            if a.shape != tuple(shape):
-                raise ConvertError(f"{name}: shape {a.shape}, the model calls for {tuple(shape)}")
-            parts.append(a.tobytes())
-    data = b"".join(parts)
+            if tuple(np.shape(arrays[name])) != tuple(shape):
+                raise ConvertError(f"{name}: shape {np.shape(arrays[name])}, the model calls for {tuple(shape)}")
     rel = "mp_rank_00/model_optim_rng.bin"
 
     def fill(tmp):
         os.makedirs(os.path.join(tmp, "mp_rank_00"))
-        write_file_synced(os.path.join(tmp, rel), data)
-        manifest = f"megatron.c checkpoint manifest 1\nfiles 1\n{crc32c(data):08x} {len(data)} {rel}\n"
+        header = struct.pack(f"<{HEADER_WORDS}q", *h)
+        crc, size = crc32c(header), len(header)
+        with open(os.path.join(tmp, rel), "wb") as f:
+            f.write(header)
+            for arrays in (master, m, v):
+                for name, _, _ in layout:
+                    data = np.ascontiguousarray(arrays[name], dtype="<f4").tobytes()
+                    f.write(data)
+                    crc, size = crc32c_combine(crc, crc32c(data), len(data)), size + len(data)
+            f.flush()
+            os.fsync(f.fileno())
+        manifest = f"megatron.c checkpoint manifest 1\nfiles 1\n{crc:08x} {size} {rel}\n"
         write_file_synced(os.path.join(tmp, "manifest.txt"), manifest.encode())
     return write_iteration(out_dir, h[W["ITERATION"]], fill)
 
@@ -419,8 +431,9 @@ def to_mcore(ckpt, out, iteration, optimizer, sched):
     model_dtype = getattr(torch, TORCH_DTYPES[precision])
     it = h[W["ITERATION"]]
 
-    def sharded(key, array, dtype):
-        t = torch.from_numpy(np.array(array, dtype=np.float32)).to(dtype)
+    def sharded(key, array, dtype):   # no copy for fp32 (the arrays are views of the file's)
+        t = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        t = t if dtype == torch.float32 else t.to(dtype)
         return ShardedTensor.from_rank_offsets(key, t, replica_id=0)
 
     model_sd = {key: sharded(key, master[name], model_dtype) for name, key, _ in layout}
