@@ -37,7 +37,9 @@ For each:
      ref_gpt the TP 2 model's logits, and our checkpoint converted and loaded at TP 2 gives ref_gpt's
      (both < 1e-5): the torch_dist side is layout-free;
   6. with --train-gpt (GPU machine): ./train_gpt --load <the mcore-written checkpoint converted here>
-     resumes for 2 more iterations on mock data (its log must show the resumed iteration);
+     resumes for 2 more iterations on mock data and saves (its log must say so); the checkpoint it
+     saved goes to torch_dist and back byte-identical, and megatron-core's logits on it equal
+     ref_gpt's (and, with --hf-logits, the trainer's own);
   7. refusals, each one line and exit 1: a TP 2 checkpoint, a torch_dist checkpoint whose distributed
      optimizer is in dp_reshardable form, a truncated model_optim_rng.bin.
 Prints one table and exits non-zero if any row failed.
@@ -170,7 +172,7 @@ def check_logits(name, fl, ours, mc, work, device, hf_logits):
     from megatron.core import dist_checkpointing
     h, m, layout, (master, _, _) = cm.read_ours(ours)
     model = build_gpt(m, torch.float32)
-    d = os.path.join(mc, "iter_0000100")
+    d = os.path.join(mc, f"iter_{cm.read_tracker(mc):07d}")
     # "unexpected" = asked for by the model, absent from the checkpoint (what a load refuses)
     _, _, unexpected = dist_checkpointing.load({"model": model.sharded_state_dict()}, d, strict="return_all")
     try:   # as Megatron-LM's load_checkpoint asks (its default strictness), then a strict load_state_dict
@@ -443,7 +445,14 @@ def main():
         for optimizer in ("distributed", "plain", "none"):
             conv = check_mcore_round_trip(name, fl, work, optimizer)
         if args.train_gpt and conv:
-            resume(name, fl, os.path.join(work, f"{name}_from_mcore_distributed"), args.train_gpt, work)
+            resumed = resume(name, fl, os.path.join(work, f"{name}_from_mcore_distributed"), args.train_gpt, work)
+            if resumed:   # a checkpoint the trainer wrote: both ways bitwise, and its logits in megatron-core
+                mc_t, back = os.path.join(work, f"{name}_trained_mcore"), os.path.join(work, f"{name}_trained_back")
+                ok = cm.main(["--to-mcore", resumed, mc_t]) == 0 and cm.main(["--from-mcore", mc_t, back]) == 0
+                row(f"{name}: train_gpt's own checkpoint -> mcore -> ours is byte-identical",
+                    ok and file_bytes(back) == file_bytes(resumed))
+                if ok:
+                    check_logits(f"{name} (train_gpt's checkpoint)", fl, resumed, mc_t, work, "cpu", args.hf_logits)
     check_tp2(work)
     # refusals
     tp2 = os.path.join(work, "gpt2_tp2")
@@ -492,8 +501,10 @@ def resume(name, fl, ckpt, train_gpt, work):
         f.write(" ".join([train_gpt] + [str(x) for x in flags]) + "\n" + log)
     done = f"saved checkpoint at iteration {h[W['ITERATION']] + 2} "
     lines = [l for l in log.splitlines() if " iteration " in l or "loaded" in l.lower() or "error" in l.lower()]
-    row(f"{name}: train_gpt resumes from the converted mcore checkpoint (2 iterations)",
-        r.returncode == 0 and done in log, " | ".join(lines[-3:])[:300])
+    ok = r.returncode == 0 and done in log
+    row(f"{name}: train_gpt resumes from the converted mcore checkpoint (2 iterations)", ok,
+        " | ".join(lines[-3:])[:300])
+    return os.path.join(work, f"{name}_resumed") if ok else None
 
 
 if __name__ == "__main__":
