@@ -729,8 +729,10 @@ int64_t mt_buffer_offset(const mt_buffer_layout* layout, int tensor, int layer);
 /* Whether parameter `tensor` of `layer` is stored and all-gathered in FP8 (--fp8-param-gather): the
  * weights of QKV, the attention projection, fc1 and fc2 of every layer that runs in FP8. */
 int mt_fp8_param_stored(const mt_config* cfg, int tensor, int layer);
-/* Byte offset in the parameter storage of buffer element `element` (in [0, size]): the bytes of
- * every element below it. Monotonic, so a DP shard [begin, end) is the bytes [of(begin), of(end)). */
+/* Byte offset in the parameter storage of buffer element `element` (in [0, size]): elem bytes per
+ * element below it, one per FP8-stored element, plus the alignment padding before each parameter
+ * (mt_buffer_param.storage; the padding before a parameter belongs to it). Monotonic, so a DP shard
+ * [begin, end) is the bytes [of(begin), of(end)). Needs the storage of the parameters below it. */
 int64_t mt_buffer_storage_byte(const mt_buffer_layout* layout, int64_t element);
 /* DP rank r's shard of bucket b: [begin, end) in buffer elements (the whole bucket when dp == 1). */
 void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end);
@@ -3807,9 +3809,14 @@ mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_err
     b->num_buckets = nb;
     b->size = bucket_start;
     b->elem = c->precision == MT_FP32 ? 4 : 2;
+    /* each parameter's storage in buffer order; a few bytes of padding keep every address what it
+     * is without FP8 storage modulo 256 (an FP8 weight: 256-aligned, as in the FP8 arena), so the
+     * kernels' vector paths and cuBLASLt's alignment-keyed algorithms stay the same */
     for (int i = 0; i < n; i++) {
-        b->params[i].fp8 = mt_fp8_param_stored(c, b->params[i].tensor, b->params[i].layer);
-        b->params[i].storage = mt_buffer_storage_byte(b, b->params[i].offset);
+        mt_buffer_param* p = &b->params[i];
+        p->fp8 = mt_fp8_param_stored(c, p->tensor, p->layer);
+        const int64_t at = mt_buffer_storage_byte(b, p->offset), want = p->fp8 ? 0 : p->offset * b->elem % 256;
+        p->storage = at + ((want - at) % 256 + 256) % 256;
     }
     b->storage_bytes = mt_buffer_storage_byte(b, b->size);
     return MT_OK;
@@ -3822,13 +3829,17 @@ int mt_fp8_param_stored(const mt_config* c, int tensor, int layer) {
 }
 
 int64_t mt_buffer_storage_byte(const mt_buffer_layout* b, int64_t element) {
-    int64_t fp8_below = 0; /* FP8 elements below `element`: one byte instead of elem */
-    for (int i = 0; i < b->num_params; i++) {
-        const mt_buffer_param* p = &b->params[i];
-        if (!p->fp8 || p->offset >= element) continue;
-        fp8_below += element - p->offset < p->numel ? element - p->offset : p->numel;
+    int lo = 0, hi = b->num_params; /* the last parameter that starts below `element`: params[lo - 1] */
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (b->params[mid].offset < element) lo = mid + 1;
+        else hi = mid;
     }
-    return element * b->elem - fp8_below * (b->elem - 1);
+    if (lo == 0) return element * b->elem;
+    const mt_buffer_param* q = &b->params[lo - 1];
+    const int64_t width = q->fp8 ? 1 : b->elem, inside = element - q->offset;
+    if (inside <= q->numel) return q->storage + inside * width;
+    return q->storage + q->numel * width + (inside - q->numel) * b->elem; /* padding after q */
 }
 
 int64_t mt_buffer_offset(const mt_buffer_layout* b, int tensor, int layer) {

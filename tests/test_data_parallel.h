@@ -166,9 +166,90 @@ static test_result test_buffer_layout_llama(void) {
     return r;
 }
 
+/* --fp8-param-gather's parameter storage (GPT-2 and Llama, DP=2, the first and last layer in bf16
+ * with tensorwise scaling): exactly the QKV, proj, fc1 and fc2 weights of the FP8 layers are stored
+ * in one byte an element; every other parameter keeps its bf16 bytes at the address it has without
+ * the flag modulo 256 (an FP8 weight 256-aligned); the storage is monotonic and without overlap;
+ * the all-gather's bytes (the storage of every bucket) are the bf16 gather's less one byte per FP8
+ * element, plus < 256 bytes of alignment per parameter. Without the flag the storage is offset x 2. */
+static test_result fp8_storage_case(int llama) {
+    mt_config c = test_config_sized(4, llama ? 128 : 112, 4, 32, 1000); /* 112: fc1's bias of 7 x 64 elements moves
+                                                                     the FP8 weights after it off 256 bytes */
+    if (llama) test_config_llama(&c);
+    c.precision = MT_BF16;
+    c.fp8_format = MT_FP8_HYBRID;
+    c.fp8_recipe = MT_FP8_TENSORWISE;
+    c.first_last_layers_bf16 = 1;
+    test_config_parallel(&c, 1, 2, 0);
+    test_config_ddp(&c, 1, 1, 1, 20000);
+    mt_error err;
+    mt_config plain = c;
+    c.fp8_param_gather = 1;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT_OK(mt_config_finalize(&plain, &err), &err);
+    mt_buffer_layout b, p;
+    EXPECT_OK(mt_buffer_layout_build(&b, &c, &err), &err);
+    EXPECT_OK(mt_buffer_layout_build(&p, &plain, &err), &err);
+    test_result r = TEST_PASS;
+    int64_t fp8_elements = 0, end = 0;
+    for (int i = 0; i < b.num_params && r == TEST_PASS; i++) {
+        const mt_buffer_param* q = &b.params[i];
+        const int weight = q->tensor == MT_P_QKV_WEIGHT || q->tensor == MT_P_PROJ_WEIGHT ||
+                           q->tensor == MT_P_FC1_WEIGHT || q->tensor == MT_P_FC2_WEIGHT;
+        const int want = weight && q->layer > 0 && q->layer < c.num_layers - 1;
+        const int64_t width = q->fp8 ? 1 : 2;
+        if (q->fp8 != want) { printf("    FAIL tensor %d layer %d: fp8 %d\n", q->tensor, q->layer, q->fp8); r = TEST_FAIL; }
+        if (q->storage < end) { printf("    FAIL param %d overlaps the previous one in storage\n", i); r = TEST_FAIL; }
+        if (q->storage % 256 != (q->fp8 ? 0 : q->offset * 2 % 256)) {
+            printf("    FAIL param %d: storage %lld, buffer offset %lld\n", i, (long long)q->storage, (long long)q->offset);
+            r = TEST_FAIL;
+        }
+        if (p.params[i].storage != p.params[i].offset * 2) { printf("    FAIL without the flag: param %d\n", i); r = TEST_FAIL; }
+        for (int64_t j = 0; j <= q->numel; j += q->numel / 7 + 1) /* inside: storage + j x width */
+            if (mt_buffer_storage_byte(&b, q->offset + j) != (j == 0 ? mt_buffer_storage_byte(&b, q->offset)
+                                                                     : q->storage + j * width)) {
+                printf("    FAIL param %d element %lld\n", i, (long long)j);
+                r = TEST_FAIL;
+                break;
+            }
+        end = q->storage + q->numel * width;
+        fp8_elements += q->fp8 ? q->numel : 0;
+    }
+    int64_t previous = -1, gathered = 0;
+    for (int64_t e = 0; e <= b.size && r == TEST_PASS; e += 61) {
+        const int64_t at = mt_buffer_storage_byte(&b, e);
+        if (at < previous) { printf("    FAIL storage byte of element %lld falls\n", (long long)e); r = TEST_FAIL; }
+        previous = at;
+    }
+    for (int k = 0; k < b.num_buckets; k++)
+        for (int rank = 0; rank < 2; rank++) {
+            int64_t lo, hi;
+            mt_bucket_shard(&b.buckets[k], 2, rank, &lo, &hi);
+            gathered += mt_buffer_storage_byte(&b, hi) - mt_buffer_storage_byte(&b, lo);
+        }
+    const int64_t padding = b.storage_bytes - (2 * b.size - fp8_elements);
+    printf("      %s: %lld of %lld elements in FP8; all-gather %lld bytes (bf16: %lld), %lld bytes of alignment\n",
+           llama ? "llama" : "gpt2", (long long)fp8_elements, (long long)b.size, (long long)gathered,
+           (long long)(2 * p.size), (long long)padding);
+    if (r == TEST_PASS && (fp8_elements == 0 || gathered != b.storage_bytes || p.storage_bytes != 2 * p.size ||
+                           padding < 0 || padding >= 256LL * b.num_params || p.size != b.size ||
+                           (!llama && padding == 0))) {
+        printf("    FAIL storage %lld bytes, gathered %lld\n", (long long)b.storage_bytes, (long long)gathered);
+        r = TEST_FAIL;
+    }
+    mt_buffer_layout_free(&b);
+    mt_buffer_layout_free(&p);
+    return r;
+}
+static test_result test_buffer_layout_fp8_storage(void) {
+    test_result r = fp8_storage_case(0);
+    return r == TEST_PASS ? fp8_storage_case(1) : r;
+}
+
 static const test_case data_parallel_tests[] = {
     {"buffer_layout_megatron_rules", test_buffer_layout_megatron_rules},
     {"buffer_layout_llama", test_buffer_layout_llama},
+    {"buffer_layout_fp8_param_gather_storage", test_buffer_layout_fp8_storage},
 };
 
 /* ---- multi-GPU tests ---- */
