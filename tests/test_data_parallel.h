@@ -18,7 +18,12 @@
  *   - two runs give bitwise identical losses and weights;
  *   - 10 steps, save, load, 10 steps give bitwise the 20 straight steps (sharded optimizer state);
  *   - the memory plan of a GPT-2 124M: model state bytes per parameter follow Megatron's 18 and
- *     6 + 12/d, and the device's own accounting (cudaMemGetInfo around the allocations) agrees. */
+ *     6 + 12/d, and the device's own accounting (cudaMemGetInfo around the allocations) agrees;
+ *   - --fp8-param-gather (GPT-2 and Llama, delayed and tensorwise, with and without
+ *     --overlap-param-gather): bitwise the run without it (losses, master weights, FP8 weights and
+ *     scales), bitwise across save/load, the same FP8 weights and scales on every rank, and the
+ *     all-gather's bytes (the bf16 bytes less one per FP8 weight element). Also on one GPU (gpu group).
+ * Host tests also check --fp8-param-gather's parameter storage (one byte per FP8 weight element). */
 #ifndef MT_TEST_DATA_PARALLEL_H
 #define MT_TEST_DATA_PARALLEL_H
 
@@ -444,7 +449,233 @@ static test_result test_dp_memory_plan(void) {
     return res;
 }
 
+/* ---- --fp8-param-gather against the run without it ---- */
+
+/* What a run of the FP8 tests leaves to compare: the step losses, the master weights, the FP8 state
+ * after one more forward (which casts, or with the flag publishes and gathers, the last step's
+ * weights): W and W^T of every FP8 linear, then scale, scale_inv and the amax histories; and the
+ * bytes the last parameter all-gather assembled on a rank. */
+typedef struct {
+    double losses[12];
+    float* params;
+    uint8_t* fp8;
+    size_t fp8_size;
+    int64_t gather_bytes;
+} fp8pg_run_result;
+
+static void fp8pg_result_free(fp8pg_run_result* r) {
+    free(r->params);
+    free(r->fp8);
+    memset(r, 0, sizeof(*r));
+}
+
+/* The FP8 weights and scaling state of trainer t, to the host (fp8_layer_linears names the copies). */
+static int fp8pg_state(mt_trainer* t, fp8pg_run_result* out) {
+    const mt_fp8_state* f = &t->fp8;
+    const mt_shape s = model_shape(t);
+    const mt_exec ex = trainer_exec(t);
+    size_t weights = 0;
+    for (int k = 0; k < FP8_LINEARS; k++) {
+        int o, i;
+        fp8_linear_dims(s, k, &o, &i);
+        weights += 2 * (size_t)o * i;
+    }
+    const size_t nt = (size_t)f->num_tensors;
+    out->fp8_size = weights * f->num_layers + nt * 4 * (2 + (size_t)f->history_len);
+    out->fp8 = (uint8_t*)malloc(out->fp8_size);
+    float* scale_inv = (float*)malloc(nt * 4 * FP8_SCALE_INV_STRIDE);
+    if (!out->fp8 || !scale_inv || cudaStreamSynchronize(t->stream) != cudaSuccess) return 0;
+    uint8_t* at = out->fp8;
+    int ok = 1;
+    for (int l = 0; l < s.L; l++) {
+        fp8_linear L[FP8_LINEARS];
+        if (!fp8_layer_linears<__nv_bfloat16>(t, &ex, l, false, L)) continue;
+        for (int k = 0; k < FP8_LINEARS; k++) {
+            int o, i;
+            fp8_linear_dims(s, k, &o, &i);
+            ok &= cudaMemcpy(at, L[k].w8, (size_t)o * i, cudaMemcpyDeviceToHost) == cudaSuccess;
+            ok &= cudaMemcpy(at + (size_t)o * i, L[k].w8t, (size_t)o * i, cudaMemcpyDeviceToHost) == cudaSuccess;
+            at += 2 * (size_t)o * i;
+        }
+    }
+    ok &= cudaMemcpy(at, f->scale, nt * 4, cudaMemcpyDeviceToHost) == cudaSuccess;
+    ok &= cudaMemcpy(scale_inv, f->scale_inv, nt * 4 * FP8_SCALE_INV_STRIDE, cudaMemcpyDeviceToHost) == cudaSuccess;
+    for (size_t k = 0; k < nt; k++) memcpy(at + nt * 4 + k * 4, scale_inv + k * FP8_SCALE_INV_STRIDE, 4);
+    ok &= cudaMemcpy(at + 2 * nt * 4, f->history, nt * 4 * f->history_len, cudaMemcpyDeviceToHost) == cudaSuccess;
+    free(scale_inv);
+    return ok;
+}
+
+/* Steps [first, first + count) of the DP tests' data on c (loading/saving as asked), then one
+ * evaluation forward and the FP8 state. */
+static test_result fp8pg_run(mt_config c, const char* load_dir, const char* save_dir, int first, int count,
+                             fp8pg_run_result* out) {
+    mt_error err;
+    if (c.world_size > 1) EXPECT_OK(fresh_comm_id(&c.comm_id, &err), &err);
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    mt_trainer* t = NULL;
+    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    test_result res = TEST_PASS;
+    const int64_t row = c.seq_length + 1, n = mt_num_parameters(&c);
+    int32_t* global = (int32_t*)malloc(sizeof(int32_t) * c.global_batch_size * row);
+    int32_t* mine = (int32_t*)malloc(sizeof(int32_t) * c.global_batch_size * row);
+    out->params = (float*)malloc(sizeof(float) * n);
+    int64_t it = 0, consumed = 0;
+    if (load_dir && (mt_trainer_load(t, load_dir, -1, &it, &consumed, &err) != MT_OK || it != first)) {
+        printf("    FAIL load: %s (iteration %lld)\n", err.message, (long long)it);
+        res = TEST_FAIL;
+    }
+    for (int k = first; k <= first + count && res == TEST_PASS; k++) {
+        fill_tokens(global, c.global_batch_size * row, (int)c.vocab_size, 1000 + k);
+        dp_slice(&c, global, mine);
+        mt_step_result r;
+        double loss;
+        if (k == first + count) { /* the evaluation forward */
+            if (mt_trainer_evaluate(t, mine, mt_num_micro_batches(&c), &loss, &err) != MT_OK) res = TEST_FAIL;
+        } else if (mt_trainer_train_step(t, mine, &r, &err) != MT_OK) {
+            res = TEST_FAIL;
+        } else {
+            out->losses[k] = r.lm_loss;
+        }
+        if (res != TEST_PASS) printf("    FAIL step %d: %s\n", k, err.message);
+        if (res == TEST_PASS && k == first + count - 1 && save_dir && mt_trainer_save(t, save_dir, k + 1, 0, &err) != MT_OK) {
+            printf("    FAIL save: %s\n", err.message);
+            res = TEST_FAIL;
+        }
+    }
+    if (res == TEST_PASS && mt_trainer_get_parameters(t, out->params, &err) != MT_OK) {
+        printf("    FAIL get_parameters: %s\n", err.message);
+        res = TEST_FAIL;
+    }
+    if (res == TEST_PASS && !fp8pg_state(t, out)) {
+        printf("    FAIL reading the FP8 state\n");
+        res = TEST_FAIL;
+    }
+    out->gather_bytes = t->param_gather_bytes;
+    free(global);
+    free(mine);
+    mt_trainer_free(t);
+    return res;
+}
+
+/* One case on mpi_world() ranks (1: no gather, the storage, the publish and the transposes alone):
+ * 12 steps without the flag (A), with it (B), and with it 6 steps, save, load, 6 steps (R). Both
+ * runs cast the same bf16-rounded master weights with the same scales (see megatron.cu's section
+ * 18), so everything is bitwise the same: A = B = R in losses, master weights, W and W^T bytes,
+ * scales and histories; every rank holds the same FP8 weights and scales; the all-gather moves the
+ * bf16 bytes less one byte per FP8 weight element (plus the storage's alignment padding). */
+static test_result fp8_param_gather_case(int llama, int tensorwise, int overlap) {
+    const int dp = mpi_world();
+    mt_config c = dp_config(MT_BF16, dp, 1, overlap, llama);
+    c.fp8_format = tensorwise ? MT_FP8_E4M3 : MT_FP8_HYBRID;
+    c.fp8_recipe = tensorwise ? MT_FP8_TENSORWISE : MT_FP8_DELAYED;
+    c.fp8_amax_history_len = 4;
+    c.fp8_amax_compute_algo = MT_FP8_AMAX_MAX;
+    mt_config g = c;
+    g.fp8_param_gather = 1;
+    mt_error err;
+    mt_config fin = g;
+    EXPECT_OK(mt_config_finalize(&fin, &err), &err);
+    const int64_t n = mt_num_parameters(&fin);
+    mt_buffer_layout B;
+    EXPECT_OK(mt_buffer_layout_build(&B, &fin, &err), &err);
+    int64_t fp8_elements = 0;
+    for (int i = 0; i < B.num_params; i++) fp8_elements += B.params[i].fp8 ? B.params[i].numel : 0;
+    const int64_t storage = B.storage_bytes, buffer = B.size;
+    mt_buffer_layout_free(&B);
+    int tag = (int)getpid();
+#ifdef MT_USE_MPI
+    MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
+#endif
+    char dir[256];
+    snprintf(dir, sizeof(dir), "/tmp/mt_test_fp8pg_%d_%d%d%d", tag, llama, tensorwise, overlap);
+    fp8pg_run_result a, b, r;
+    memset(&a, 0, sizeof(a));
+    memset(&b, 0, sizeof(b));
+    memset(&r, 0, sizeof(r));
+    test_result res = fp8pg_run(c, NULL, NULL, 0, 12, &a);
+    if (res == TEST_PASS) res = fp8pg_run(g, NULL, NULL, 0, 12, &b);
+    if (res == TEST_PASS) res = fp8pg_run(g, NULL, dir, 0, 6, &r);
+    if (res == TEST_PASS) { /* the first 6 losses from the saving run, the rest from the resumed one */
+        double saved[6];
+        memcpy(saved, r.losses, sizeof(saved));
+        fp8pg_result_free(&r);
+        res = fp8pg_run(g, dir, NULL, 6, 6, &r);
+        memcpy(r.losses, saved, sizeof(saved));
+    }
+    const char* name = llama ? (tensorwise ? "llama tensorwise" : "llama delayed") : (tensorwise ? "gpt2 tensorwise" : "gpt2 delayed");
+    for (int k = 0; k < 12 && res == TEST_PASS; k++) {
+        if (memcmp(&a.losses[k], &b.losses[k], sizeof(double))) {
+            printf("    FAIL %s step %d: loss %.9g with --fp8-param-gather, %.9g without\n", name, k, b.losses[k], a.losses[k]);
+            res = TEST_FAIL;
+        } else if (memcmp(&b.losses[k], &r.losses[k], sizeof(double))) {
+            printf("    FAIL %s step %d: resumed loss %.9g, straight %.9g\n", name, k, r.losses[k], b.losses[k]);
+            res = TEST_FAIL;
+        }
+    }
+    if (res == TEST_PASS && (memcmp(a.params, b.params, sizeof(float) * n) || memcmp(b.params, r.params, sizeof(float) * n))) {
+        printf("    FAIL %s: master weights differ (with/without %d, resumed %d)\n", name,
+               memcmp(a.params, b.params, sizeof(float) * n) != 0, memcmp(b.params, r.params, sizeof(float) * n) != 0);
+        res = TEST_FAIL;
+    }
+    if (res == TEST_PASS && (a.fp8_size != b.fp8_size || memcmp(a.fp8, b.fp8, a.fp8_size) || memcmp(b.fp8, r.fp8, b.fp8_size))) {
+        printf("    FAIL %s: the FP8 weights or scaling state differ (%zu vs %zu bytes)\n", name, a.fp8_size, b.fp8_size);
+        res = TEST_FAIL;
+    }
+    uint64_t mine = res == TEST_PASS ? tt_fnv(b.fp8, b.fp8_size) : 0, first = mine;
+#ifdef MT_USE_MPI
+    MPI_Bcast(&first, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+#endif
+    if (res == TEST_PASS && mine != first) {
+        printf("    FAIL %s: rank %d's FP8 weights and scales are not rank 0's\n", name, mpi_rank());
+        res = TEST_FAIL;
+    }
+    if (res == TEST_PASS && dp > 1) {
+        printf("      DP=%d %s%s: losses %.6f -> %.6f bitwise with and without the flag and across resume; all-gather "
+               "%lld bytes, bf16 %lld: the %lld FP8 weight elements take %lld bytes less (%lld of alignment)\n", dp, name,
+               overlap ? " overlapped" : "", b.losses[0], b.losses[11], (long long)b.gather_bytes,
+               (long long)a.gather_bytes, (long long)fp8_elements, (long long)(a.gather_bytes - b.gather_bytes),
+               (long long)(storage - (2 * buffer - fp8_elements)));
+        EXPECT(a.gather_bytes == 2 * buffer && b.gather_bytes == storage && a.gather_bytes - b.gather_bytes <= fp8_elements &&
+                   a.gather_bytes - b.gather_bytes + 256 * 16 * (int64_t)c.num_layers >= fp8_elements,
+               "%s: all-gather %lld bytes, bf16 %lld, storage %lld", name, (long long)b.gather_bytes,
+               (long long)a.gather_bytes, (long long)storage);
+    } else if (res == TEST_PASS) {
+        printf("      DP=1 %s: losses %.6f -> %.6f bitwise with and without the flag and across resume\n", name,
+               b.losses[0], b.losses[11]);
+    }
+#ifdef MT_USE_MPI
+    MPI_Barrier(MPI_COMM_WORLD);
+#endif
+    if (mpi_rank() == 0) mt_remove_tree(dir);
+    fp8pg_result_free(&a);
+    fp8pg_result_free(&b);
+    fp8pg_result_free(&r);
+    return res;
+}
+
+/* GPT-2 and Llama, delayed (hybrid) and tensorwise (e4m3), with and without --overlap-param-gather */
+static test_result test_fp8_param_gather_multigpu(void) {
+    REQUIRE_MPI_GPUS();
+    REQUIRE_FP8_GPU(); /* tests/test_fp8.h */
+    const int cases[4][3] = {{0, 0, 1}, {0, 1, 0}, {1, 0, 0}, {1, 1, 1}}; /* llama, tensorwise, overlap */
+    for (int i = 0; i < 4; i++)
+        if (fp8_param_gather_case(cases[i][0], cases[i][1], cases[i][2]) != TEST_PASS) return TEST_FAIL;
+    return TEST_PASS;
+}
+/* one GPU (DP = 1 with the distributed optimizer): the FP8 storage, the publish and the transposes */
+static test_result test_fp8_param_gather_single_gpu(void) {
+    REQUIRE_FP8_GPU();
+    if (fp8_param_gather_case(0, 0, 0) != TEST_PASS) return TEST_FAIL;
+    return fp8_param_gather_case(1, 1, 0);
+}
+
+static const test_case data_parallel_gpu_tests[] = {
+    {"fp8_param_gather_single_gpu_bitwise", test_fp8_param_gather_single_gpu},
+};
+
 static const test_case data_parallel_multigpu_tests[] = {
+    {"fp8_param_gather_dp_bitwise_resume_bytes", test_fp8_param_gather_multigpu},
     {"dp_matches_single_gpu_fp32", test_dp_matches_single_fp32},
     {"dp_matches_single_gpu_bf16", test_dp_matches_single_bf16},
     {"dp_matches_single_gpu_llama_bf16", test_dp_matches_single_llama_bf16},
