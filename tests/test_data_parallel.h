@@ -281,14 +281,22 @@ static void dp_slice(const mt_config* c, const int32_t* global, int32_t* mine) {
         }
 }
 
+/* A trainer of config c (finalized here, with a fresh NCCL id for several ranks). */
+static test_result dp_create(mt_config* c, mt_trainer** t) {
+    mt_error err;
+    *t = NULL;
+    if (c->world_size > 1) EXPECT_OK(fresh_comm_id(&c->comm_id, &err), &err);
+    EXPECT_OK(mt_config_finalize(c, &err), &err);
+    EXPECT_OK(mt_trainer_create(t, c, &err), &err);
+    return TEST_PASS;
+}
+
 /* Steps [first, first + count) of the DP tests' data on config c (loading/saving as asked). */
 static test_result dp_run(mt_config c, const char* load_dir, const char* save_dir, int first, int count,
                           double* losses, float* params_out) {
     mt_error err;
-    if (c.world_size > 1) EXPECT_OK(fresh_comm_id(&c.comm_id, &err), &err);
-    EXPECT_OK(mt_config_finalize(&c, &err), &err);
     mt_trainer* t = NULL;
-    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    if (dp_create(&c, &t) != TEST_PASS) return TEST_FAIL;
     test_result res = TEST_PASS;
     int64_t row = c.seq_length + 1;
     int32_t* global = (int32_t*)malloc(sizeof(int32_t) * c.global_batch_size * row);
@@ -511,10 +519,8 @@ static int fp8pg_state(mt_trainer* t, fp8pg_run_result* out) {
 static test_result fp8pg_run(mt_config c, const char* load_dir, const char* save_dir, int first, int count,
                              fp8pg_run_result* out) {
     mt_error err;
-    if (c.world_size > 1) EXPECT_OK(fresh_comm_id(&c.comm_id, &err), &err);
-    EXPECT_OK(mt_config_finalize(&c, &err), &err);
     mt_trainer* t = NULL;
-    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    if (dp_create(&c, &t) != TEST_PASS) return TEST_FAIL;
     test_result res = TEST_PASS;
     const int64_t row = c.seq_length + 1, n = mt_num_parameters(&c);
     int32_t* global = (int32_t*)malloc(sizeof(int32_t) * c.global_batch_size * row);
@@ -585,10 +591,11 @@ static test_result fp8_param_gather_case(int llama, int tensorwise, int overlap)
     mt_buffer_layout_free(&B);
     int tag = (int)getpid();
 #ifdef MT_USE_MPI
-    MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    if (dp > 1) MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
 #endif
     char dir[256];
     snprintf(dir, sizeof(dir), "/tmp/mt_test_fp8pg_%d_%d%d%d", tag, llama, tensorwise, overlap);
+    const int several = dp > 1; /* MPI is initialised under mpirun only */
     fp8pg_run_result a, b, r;
     memset(&a, 0, sizeof(a));
     memset(&b, 0, sizeof(b));
@@ -624,7 +631,7 @@ static test_result fp8_param_gather_case(int llama, int tensorwise, int overlap)
     }
     uint64_t mine = res == TEST_PASS ? tt_fnv(b.fp8, b.fp8_size) : 0, first = mine;
 #ifdef MT_USE_MPI
-    MPI_Bcast(&first, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+    if (several) MPI_Bcast(&first, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
 #endif
     if (res == TEST_PASS && mine != first) {
         printf("    FAIL %s: rank %d's FP8 weights and scales are not rank 0's\n", name, mpi_rank());
@@ -645,7 +652,7 @@ static test_result fp8_param_gather_case(int llama, int tensorwise, int overlap)
                b.losses[0], b.losses[11]);
     }
 #ifdef MT_USE_MPI
-    MPI_Barrier(MPI_COMM_WORLD);
+    if (several) MPI_Barrier(MPI_COMM_WORLD);
 #endif
     if (mpi_rank() == 0) mt_remove_tree(dir);
     fp8pg_result_free(&a);
