@@ -4572,13 +4572,14 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
  * gradients are final, so full buckets can start their reduction (when the micro-batch's mode says
  * so). Layer -1 is the embeddings, layer L the final norm and output layer. */
 static void wait_for_parameters(mt_trainer* t, int layer);
-static void fp8_publish_parameters(mt_trainer* t);
+static void fp8_publish_parameters(mt_trainer* t); /* section 18: --fp8-param-gather's cast and all-gather */
 static void gradients_ready(mt_trainer* t, const mt_exec* ex, int layer);
 
 /* FP8 (--fp8-format): layer l's four linears as FP8 operands (false for a bf16 layer), with their
  * weights' FP8 copies made first when the parameters changed since the last cast (once per
  * optimizer step: the forward of the step's first micro-batch, after the layer's parameters are
- * all-gathered). Weight shapes are this TP rank's: qkv [qkv_width, h], proj [h, heads*d],
+ * all-gathered; with --fp8-param-gather W is the gathered FP8 parameter itself and only W^T is
+ * made, from its bytes). Weight shapes are this TP rank's: qkv [qkv_width, h], proj [h, heads*d],
  * fc1 [f1, h], fc2 [h, f]. */
 /* Floats of a block-scale array of a tensor [rows, cols], rounded up to 16 bytes (the next array
  * stays aligned for cuBLASLt). */
