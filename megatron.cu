@@ -2710,7 +2710,7 @@ __global__ void adamw_kernel(const mt_opt_chunk* chunks, float* master, T* model
                              float bias_correction2, float eps, float weight_decay, float grad_scale) {
     const mt_opt_chunk c = chunks[blockIdx.x];
     const float wd = c.weight_decay ? weight_decay : 0.0f;
-    const bool copy = (void*)model != (void*)master;
+    const bool copy = model && (void*)model != (void*)master; /* NULL: --fp8-param-gather publishes it after */
     int done = 0;
     if (((c.master | c.buffer) & 3) == 0) {
         const int n4 = c.length / 4;
@@ -3087,6 +3087,32 @@ static bool fp8_quantize_tensorwise(const mt_exec* ex, mt_fp8_dtype fmt, const m
     fp8_amax(ex, s->amax, x, (int64_t)rows * cols);
     fp8_scale_from_amax(ex, s->scale, s->scale_inv, s->amax, fp8_max_value(fmt), margin);
     return fp8_cast_transpose(ex, fmt, out, out_t, x, rows, cols, s->scale, NULL);
+}
+
+/* ---- transpose of FP8 bytes ---- */
+
+/* A block moves one 32 x 32 tile of in [rows, cols] through shared memory (a padded row against
+ * bank conflicts) to out [cols, rows]; both reads and writes run along rows. */
+__global__ void fp8_transpose_kernel(uint8_t* out, const uint8_t* in, int rows, int cols) {
+    __shared__ uint8_t tile[32][33];
+    const int r0 = blockIdx.y * 32, c0 = blockIdx.x * 32;
+    for (int j = threadIdx.y; j < 32; j += blockDim.y)
+        if (r0 + j < rows && c0 + (int)threadIdx.x < cols)
+            tile[j][threadIdx.x] = in[(int64_t)(r0 + j) * cols + c0 + threadIdx.x];
+    __syncthreads();
+    for (int j = threadIdx.y; j < 32; j += blockDim.y)
+        if (c0 + j < cols && r0 + (int)threadIdx.x < rows)
+            out[(int64_t)(c0 + j) * rows + r0 + threadIdx.x] = tile[threadIdx.x][j];
+}
+
+/* out [cols, rows] = the bytes of in [rows, cols] transposed: with a per-tensor scale the transpose
+ * of an FP8 tensor is its bytes moved, bit for bit what casting the transposed tensor gives. */
+static bool fp8_transpose(const mt_exec* ex, uint8_t* out, const uint8_t* in, int rows, int cols) {
+    if (rows < 0 || cols < 0 || (rows + 31) / 32 > 65535)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "fp8_transpose: [%d, %d] is not a shape it takes", rows, cols);
+    if (rows == 0 || cols == 0) return true;
+    fp8_transpose_kernel<<<dim3(ceil_div(cols, 32), ceil_div(rows, 32)), dim3(32, 8), 0, ex->stream>>>(out, in, rows, cols);
+    return LAUNCH_CHECK(ex->error);
 }
 
 /* ---- blockwise cast ---- */
@@ -3921,6 +3947,11 @@ typedef struct {
     uint8_t* weights;           /* per FP8 layer, per linear: W [out, in] then W^T [in, out] */
     int64_t weights_per_layer;  /* bytes */
     int stale;                  /* the FP8 weight copies predate the parameters */
+    /* --fp8-param-gather (section 18, fp8_publish_parameters): W of every FP8 linear lives in the
+     * parameter storage as FP8 bytes, all-gathered after each step; `weights` holds W^T only */
+    int param_gather;
+    int unpublished;            /* the parameter storage predates the master weights */
+    struct fp8_publish_chunk* publish; /* device [num_chunks]: where each optimizer chunk goes */
     uint8_t *x8, *x8t, *g8, *g8t; /* [BT * widest] each: the running linear's cast operands */
     /* blockwise: the block scale_invs (fp8_scale_inv_count floats each) of those operands, and of the
      * weights' copies: per FP8 layer, per linear, W's 128x128 blocks then W^T's */
@@ -4246,6 +4277,7 @@ struct mt_trainer {
     /* data-parallel reduction and gathering state */
     int next_bucket;          /* next bucket to reduce in this step */
     int gather_pending;       /* parameter all-gathers of the last step still in flight */
+    int64_t param_gather_bytes; /* bytes the last parameter all-gather assembled on each rank (every shard) */
     cudaEvent_t compute_done, comm_done;
     cudaEvent_t* gathered;    /* [num_buckets]: bucket b's parameters all-gathered */
     int* first_bucket_of_layer; /* [L + 2]: see first_bucket_of_layers */
@@ -4283,10 +4315,16 @@ struct mt_trainer {
 
 /* Parameter `which` of layer l (l ignored outside the layers) in the model-type and gradient buffers. */
 /* NULL for a tensor the flavour does not have (a bias with --disable-bias-linear, ...). */
+/* The parameter storage holds them at byte offsets (mt_buffer_param.storage: elem bytes an element,
+ * one for the FP8 bytes of --fp8-param-gather's weights); -1 for a tensor the flavour lacks. */
+static int64_t param_storage(const mt_trainer* t, int which, int l) {
+    const int i = t->buffer.index[which * t->buffer.num_layers + l];
+    return i < 0 ? -1 : t->buffer.params[i].storage;
+}
 template <typename T>
 static T* param_ptr(mt_trainer* t, int which, int l = 0) {
-    int64_t offset = mt_buffer_offset(&t->buffer, which, l);
-    return offset < 0 ? NULL : (T*)t->params + offset;
+    int64_t offset = param_storage(t, which, l);
+    return offset < 0 ? NULL : (T*)((char*)t->params + offset);
 }
 static float* grad_ptr(mt_trainer* t, int which, int l = 0) {
     int64_t offset = mt_buffer_offset(&t->buffer, which, l);
@@ -4408,17 +4446,17 @@ struct layer_tensors {
     E *ln1_w, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc1_w, *fc1_b, *fc2_w, *fc2_b;
 };
 template <typename E>
-static layer_tensors<E> layer_tensors_in(const mt_trainer* t, E* base, int l) {
-    auto at = [&](int which) {
-        int64_t offset = mt_buffer_offset(&t->buffer, which, l);
-        return offset < 0 ? (E*)NULL : base + offset;
+static layer_tensors<E> layer_tensors_in(const mt_trainer* t, E* base, int l, bool storage = false) {
+    auto at = [&](int which) { /* storage: base is the parameter storage, else a buffer-layout array */
+        int64_t offset = storage ? param_storage(t, which, l) : mt_buffer_offset(&t->buffer, which, l);
+        return offset < 0 ? (E*)NULL : storage ? (E*)((char*)base + offset) : base + offset;
     };
     return {at(MT_P_LN1_WEIGHT), at(MT_P_LN1_BIAS), at(MT_P_QKV_WEIGHT),  at(MT_P_QKV_BIAS),
             at(MT_P_PROJ_WEIGHT), at(MT_P_PROJ_BIAS), at(MT_P_LN2_WEIGHT), at(MT_P_LN2_BIAS),
             at(MT_P_FC1_WEIGHT),  at(MT_P_FC1_BIAS),  at(MT_P_FC2_WEIGHT), at(MT_P_FC2_BIAS)};
 }
 template <typename T>
-static layer_tensors<T> layer_params(const mt_trainer* t, int l) { return layer_tensors_in<T>(t, (T*)t->params, l); }
+static layer_tensors<T> layer_params(const mt_trainer* t, int l) { return layer_tensors_in<T>(t, (T*)t->params, l, true); }
 static layer_tensors<float> layer_grads(const mt_trainer* t, int l) { return layer_tensors_in<float>(t, t->grads, l); }
 
 /* One model chunk of this pipeline rank (megatron.h mt_pp_stage): layers [first, first + count),
@@ -4536,12 +4574,14 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
  * gradients are final, so full buckets can start their reduction (when the micro-batch's mode says
  * so). Layer -1 is the embeddings, layer L the final norm and output layer. */
 static void wait_for_parameters(mt_trainer* t, int layer);
+static void fp8_publish_parameters(mt_trainer* t); /* section 18: --fp8-param-gather's cast and all-gather */
 static void gradients_ready(mt_trainer* t, const mt_exec* ex, int layer);
 
 /* FP8 (--fp8-format): layer l's four linears as FP8 operands (false for a bf16 layer), with their
  * weights' FP8 copies made first when the parameters changed since the last cast (once per
  * optimizer step: the forward of the step's first micro-batch, after the layer's parameters are
- * all-gathered). Weight shapes are this TP rank's: qkv [qkv_width, h], proj [h, heads*d],
+ * all-gathered; with --fp8-param-gather W is the gathered FP8 parameter itself and only W^T is
+ * made, from its bytes). Weight shapes are this TP rank's: qkv [qkv_width, h], proj [h, heads*d],
  * fc1 [f1, h], fc2 [h, f]. */
 /* Floats of a block-scale array of a tensor [rows, cols], rounded up to 16 bytes (the next array
  * stays aligned for cuBLASLt). */
@@ -4560,7 +4600,7 @@ static bool fp8_layer_linears(mt_trainer* t, const mt_exec* ex, int l, bool cast
     const mt_shape s = model_shape(t);
     const int slot = f->slot_of_layer[l];
     const layer_tensors<T> p = layer_params<T>(t, l);
-    const T* weights[FP8_LINEARS] = {p.qkv_w, p.proj_w, p.fc1_w, p.fc2_w};
+    const T* weights[FP8_LINEARS] = {p.qkv_w, p.proj_w, p.fc1_w, p.fc2_w}; /* FP8 bytes with param_gather */
     uint8_t* w8 = f->weights + (int64_t)slot * f->weights_per_layer;
     float* wb = f->weight_blocks ? f->weight_blocks + (int64_t)slot * f->weight_blocks_per_layer : NULL;
     for (int k = 0; k < FP8_LINEARS; k++) {
@@ -4568,12 +4608,14 @@ static bool fp8_layer_linears(mt_trainer* t, const mt_exec* ex, int l, bool cast
         fp8_linear_dims(s, k, &out, &in);
         L[k].f = f;
         L[k].tensor = (slot * FP8_LINEARS + k) * FP8_ROLES;
-        L[k].w8 = w8;
-        L[k].w8t = w8 + (int64_t)out * in;
+        L[k].w8 = f->param_gather ? (const uint8_t*)weights[k] : w8;
+        L[k].w8t = f->param_gather ? w8 : w8 + (int64_t)out * in;
         L[k].w8_blocks = wb;
         L[k].w8t_blocks = wb ? wb + fp8_block_scales(FP8_BLOCKS_128x128, out, in) : NULL;
         L[k].record_amax = ex->mode.training;
-        if (cast_weights) {
+        if (cast_weights && f->param_gather) { /* W gathered in FP8 (fp8_publish_parameters): W^T from its bytes */
+            fp8_transpose(ex, (uint8_t*)L[k].w8t, L[k].w8, out, in);
+        } else if (cast_weights) {
             if (f->recipe == MT_FP8_BLOCKWISE) {
                 fp8_cast_blockwise<T>(ex, f->fwd, (uint8_t*)L[k].w8, (uint8_t*)L[k].w8t, (float*)L[k].w8_blocks,
                                       (float*)L[k].w8t_blocks, weights[k], out, in, FP8_BLOCKS_128x128, true);
@@ -4587,7 +4629,7 @@ static bool fp8_layer_linears(mt_trainer* t, const mt_exec* ex, int l, bool cast
                                       ws.amax, true);
             }
         }
-        w8 += 2 * (int64_t)out * in;
+        w8 += (f->param_gather ? 1 : 2) * (int64_t)out * in;
         if (wb) wb += fp8_block_scales(FP8_BLOCKS_128x128, out, in) + fp8_block_scales(FP8_BLOCKS_128x128, in, out);
     }
     return true;
@@ -4647,6 +4689,7 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
     float eps = (float)t->cfg.norm_epsilon;
     T* gathered = (T*)a->gathered;
     const int last = ch.first + ch.count - 1;
+    if (t->fp8.unpublished) fp8_publish_parameters(t); /* --fp8-param-gather: the step's new weights */
 
     /* embedding: this rank's vocabulary rows (position embeddings added on TP rank 0), summed over TP */
     if (ch.embedding) {
@@ -5329,6 +5372,7 @@ static void gather_parameters(mt_trainer* t) {
     mt_process_groups* g = &t->groups;
     ncclDataType_t type = t->cfg.precision == MT_FP32 ? ncclFloat : t->cfg.precision == MT_BF16 ? ncclBfloat16 : ncclHalf;
     comm_after_compute(t);
+    t->param_gather_bytes = 0;
     for (int b = t->buffer.num_buckets - 1; b >= 0; b--) {
         int64_t begin, end;
         owned_range(t, b, &begin, &end);
@@ -5337,6 +5381,7 @@ static void gather_parameters(mt_trainer* t) {
                    ncclAllGather(base + begin * t->elem, base + t->buffer.buckets[b].start * t->elem,
                                  (size_t)(end - begin), type, g->dp, g->comm_stream));
         CUDA_CHECK(&t->error, cudaEventRecord(t->gathered[b], g->comm_stream));
+        t->param_gather_bytes += (end - begin) * t->elem * g->dp_size;
     }
     if (t->cfg.overlap_param_gather) t->gather_pending = 1;
     else compute_after_comm(t);
@@ -5369,6 +5414,134 @@ static int* first_bucket_of_layers(const mt_buffer_layout* B) {
 
 static void wait_for_all_parameters(mt_trainer* t) {
     if (t->gather_pending) wait_for_parameters(t, t->buffer.num_layers);
+}
+
+/* ---- FP8 parameter all-gather (--fp8-param-gather, Transformer Engine's FP8 parameters) ----
+ * The weights of the FP8 linears (QKV, proj, fc1, fc2 of every FP8 layer) have no bf16 copy: the
+ * parameter storage holds them as E4M3 bytes (megatron.h mt_buffer_layout: one byte an element),
+ * and after each optimizer step every DP rank writes its own shard of the storage from its fp32
+ * master weights, then the shards are all-gathered: one byte per FP8 weight element instead of
+ * two. The FP8 bytes are the cast the run without the flag makes from the bf16 copy,
+ * fp8(float(bf16(master)) x scale) with the weight's scale, so both runs are bitwise the same:
+ *   delayed     the scale from the amax history (the same on every rank: amaxes are reduced over
+ *               TP x DP after each step); the shard's amax is recorded for that update (the max
+ *               over the ranks' shards is the tensor's);
+ *   tensorwise  each shard's amax, reduced with max over DP, is the tensor's (this TP rank's part of
+ *               it: each TP rank scales its shard of a weight by its own amax, as without the flag),
+ *               and the scale follows before the cast.
+ * The other parameters are written as bf16 and gathered with them. A rank's shard of a bucket is a
+ * byte range of the storage whose length differs between ranks (FP8 and bf16 elements mixed), so
+ * the all-gather is one in-place broadcast per rank, grouped: the bytes an all-gather would move.
+ * W^T, the input-gradient GEMM's operand, is the transpose of the gathered bytes (fp8_layer_linears).
+ * Done at the next forward, after the step's delayed scale update: collective over DP, and with
+ * --overlap-param-gather overlapped with that forward like the bf16 gather (per-bucket events). */
+typedef struct fp8_publish_chunk {
+    int64_t storage; /* byte offset of the optimizer chunk's first element in the parameter storage */
+    int32_t weight;  /* an FP8 weight's scaling slot (FP8_W of its linear), -1 for a bf16 parameter */
+    int32_t unused;
+} fp8_publish_chunk;
+static_assert(sizeof(fp8_publish_chunk) == MT_PUBLISH_CHUNK_BYTES, "the memory plan counts fp8_publish_chunk's bytes");
+
+/* The bf16 rounding of a master weight: what the model copy holds and the FP8 cast starts from. */
+__device__ __forceinline__ float fp8_publish_value(float master) {
+    return to_float(from_float<__nv_bfloat16>(master));
+}
+
+/* Tensorwise: amax[weight] = max(amax[weight], the chunk's largest |bf16(master)|) per FP8 chunk. */
+__global__ void __launch_bounds__(256) fp8_publish_amax_kernel(float* amax, const mt_opt_chunk* chunks,
+                                                               const fp8_publish_chunk* publish, const float* master) {
+    const mt_opt_chunk c = chunks[blockIdx.x];
+    const int weight = publish[blockIdx.x].weight;
+    if (weight < 0) return; /* the whole block */
+    uint32_t largest = 0;
+    for (int i = threadIdx.x; i < c.length; i += blockDim.x)
+        largest = max(largest, abs_bits(fp8_publish_value(master[c.master + i])));
+    largest = block_max_u32(largest);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax + weight), largest);
+}
+
+/* Tensorwise: every weight slot's scale and scale_inv from its amax (fp8_scale_from_amax's rule). */
+__global__ void fp8_weight_scales_kernel(float* scale, float* scale_inv, const float* amax, const float* fp8_max,
+                                         int num_tensors, int margin) {
+    const int t = (blockIdx.x * blockDim.x + threadIdx.x) * FP8_ROLES + FP8_W;
+    if (t >= num_tensors) return;
+    const float s = fp8_scale_from_amax_value(amax[t], fp8_max[t], margin, 1.0f);
+    scale[t] = s;
+    scale_inv[(int64_t)t * FP8_SCALE_INV_STRIDE] = 1.0f / s;
+}
+
+/* A block per optimizer chunk: its elements into the storage, bf16(master) or for an FP8 weight
+ * e4m3(float(bf16(master)) x scale[weight]); delayed scaling records the chunk's amax. */
+__global__ void __launch_bounds__(256) fp8_publish_kernel(uint8_t* storage, const mt_opt_chunk* chunks,
+                                                          const fp8_publish_chunk* publish, const float* master,
+                                                          const float* scale, float* amax, int record_amax) {
+    const mt_opt_chunk c = chunks[blockIdx.x];
+    const fp8_publish_chunk p = publish[blockIdx.x];
+    if (p.weight < 0) {
+        __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(storage + p.storage);
+        for (int i = threadIdx.x; i < c.length; i += blockDim.x) out[i] = from_float<__nv_bfloat16>(master[c.master + i]);
+        return;
+    }
+    const float s = scale[p.weight];
+    uint8_t* out = storage + p.storage;
+    uint32_t largest = 0;
+    for (int i = threadIdx.x; i < c.length; i += blockDim.x) {
+        const float v = fp8_publish_value(master[c.master + i]);
+        largest = max(largest, abs_bits(v));
+        out[i] = fp8_from_float<FP8_E4M3>(v * s);
+    }
+    if (!record_amax) return;
+    largest = block_max_u32(largest);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax + p.weight), largest);
+}
+
+/* Writes this rank's shard of the parameter storage from the master weights and all-gathers it
+ * (see above); the next forward's layers wait for their buckets as after gather_parameters. */
+static void fp8_publish_parameters(mt_trainer* t) {
+    mt_fp8_state* f = &t->fp8;
+    mt_process_groups* g = &t->groups;
+    f->unpublished = 0;
+    wait_for_all_parameters(t); /* no gather may still be writing the storage */
+    if (t->num_chunks > 0 && f->recipe == MT_FP8_TENSORWISE) {
+        CUDA_CHECK(&t->error, cudaMemsetAsync(f->amax, 0, sizeof(float) * (size_t)f->num_tensors, t->stream));
+        fp8_publish_amax_kernel<<<t->num_chunks, 256, 0, t->stream>>>(f->amax, t->chunks, f->publish, t->master);
+        LAUNCH_CHECK(&t->error);
+    }
+    if (f->recipe == MT_FP8_TENSORWISE && t->sharded) { /* the shards' amaxes: the tensors' */
+        comm_after_compute(t);
+        NCCL_CHECK(&t->error, t->cfg.rank,
+                   ncclAllReduce(f->amax, f->amax, (size_t)f->num_tensors, ncclFloat, ncclMax, g->dp, g->comm_stream));
+        compute_after_comm(t);
+    }
+    if (f->recipe == MT_FP8_TENSORWISE && f->num_tensors > 0) {
+        const int weights = f->num_tensors / FP8_ROLES;
+        fp8_weight_scales_kernel<<<ceil_div(weights, 128), 128, 0, t->stream>>>(f->scale, f->scale_inv, f->amax,
+                                                                                f->fp8_max, f->num_tensors, f->margin);
+        LAUNCH_CHECK(&t->error);
+    }
+    if (t->num_chunks > 0) {
+        fp8_publish_kernel<<<t->num_chunks, 256, 0, t->stream>>>((uint8_t*)t->params, t->chunks, f->publish, t->master,
+                                                                 f->scale, f->amax, f->recipe == MT_FP8_DELAYED);
+        LAUNCH_CHECK(&t->error);
+    }
+    if (!t->sharded) return;
+    comm_after_compute(t);
+    t->param_gather_bytes = 0;
+    for (int b = t->buffer.num_buckets - 1; b >= 0; b--) {
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupStart());
+        for (int r = 0; r < g->dp_size; r++) {
+            int64_t begin, end;
+            mt_bucket_shard(&t->buffer.buckets[b], g->dp_size, r, &begin, &end);
+            const int64_t lo = mt_buffer_storage_byte(&t->buffer, begin), hi = mt_buffer_storage_byte(&t->buffer, end);
+            char* at = (char*)t->params + lo;
+            NCCL_CHECK(&t->error, t->cfg.rank, ncclBroadcast(at, at, (size_t)(hi - lo), ncclUint8, r, g->dp, g->comm_stream));
+            t->param_gather_bytes += hi - lo;
+        }
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupEnd());
+        CUDA_CHECK(&t->error, cudaEventRecord(t->gathered[b], g->comm_stream));
+    }
+    if (t->cfg.overlap_param_gather) t->gather_pending = 1;
+    else compute_after_comm(t);
 }
 
 /* Squared L2 norm of the gradients, over the whole model (deterministic): each rank sums its owned
@@ -5626,11 +5799,13 @@ static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
     h.grad_scale = grad_scale;
     const mt_exec ex = trainer_exec(t);
     const int gpu_chunks = t->offload ? t->offload->num_gpu_chunks : t->num_chunks;
+    T* model = t->fp8.param_gather ? (T*)NULL : (T*)t->params; /* fp8_publish_parameters writes it then */
     if (gpu_chunks > 0)
-        adamw_update<T>(&ex, &h, t->chunks, gpu_chunks, t->master, (T*)t->params, t->grads, t->adam_m, t->adam_v);
+        adamw_update<T>(&ex, &h, t->chunks, gpu_chunks, t->master, model, t->grads, t->adam_m, t->adam_v);
     offload_update(t, &h); /* the CPU's part, while the GPU's runs */
     t->fp8.stale = 1;
-    gather_parameters(t);
+    if (t->fp8.param_gather) t->fp8.unpublished = 1; /* at the next forward, after the FP8 scale update */
+    else gather_parameters(t);
 }
 
 /* ============================================================================================== */
@@ -5754,6 +5929,7 @@ static float* full_optimizer_array(mt_trainer* t, float* array) {
 /* Master weights (this rank's part) and the model-type copy from a full fp32 buffer-layout array. */
 static void set_master_from_full(mt_trainer* t, float* full) {
     t->fp8.stale = 1; /* the FP8 weight copies are made again from the new parameters */
+    t->fp8.unpublished = t->fp8.param_gather; /* --fp8-param-gather: the storage is written from the master */
     if (full != t->master) copy_owned(t, t->master, full, 1);
     if (t->params == (void*)t->master) { /* the offloaded part's weights too (copy_owned put its master on the host) */
         if (t->offload && full != t->master)
@@ -5762,6 +5938,7 @@ static void set_master_from_full(mt_trainer* t, float* full) {
                                                   t->stream));
         return;
     }
+    if (t->fp8.param_gather) return;
     const mt_exec ex = trainer_exec(t);
     cast_from_float(&ex, t->cfg.precision, t->params, full, t->buffer.size);
 }
@@ -6530,6 +6707,43 @@ static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
     return st != MT_OK ? st : mt_gpu_error_return(&t->error, err);
 }
 
+/* --fp8-param-gather: where each optimizer chunk (plan_optimizer_shard's, the same pieces) goes in
+ * the parameter storage, and the scaling slot of the FP8 weight it belongs to (section 18). */
+static mt_status fp8_publish_create(mt_trainer* t, mt_error* err) {
+    const mt_buffer_layout* B = &t->buffer;
+    const int dp = t->sharded ? t->groups.dp_size : 1, dp_rank = t->sharded ? t->groups.dp_rank : 0;
+    const int64_t n = mt_optimizer_pieces(B, dp, dp_rank, t->shard_numel, NULL);
+    if (n != t->num_chunks)
+        return mt_fail(err, MT_ERR_CONFIG, "internal: %lld FP8 publish chunks for %d optimizer chunks", (long long)n,
+                       t->num_chunks);
+    mt_optimizer_piece* pieces = (mt_optimizer_piece*)malloc(sizeof(mt_optimizer_piece) * (size_t)(n > 0 ? n : 1));
+    fp8_publish_chunk* table = (fp8_publish_chunk*)calloc((size_t)(n > 0 ? n : 1), sizeof(fp8_publish_chunk));
+    if (!pieces || !table) {
+        free(pieces);
+        free(table);
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate the FP8 publish table (%lld chunks)", (long long)n);
+    }
+    mt_optimizer_pieces(B, dp, dp_rank, t->shard_numel, pieces);
+    int i = 0; /* pieces and parameters both run in buffer order within a bucket; buckets in order */
+    for (int64_t k = 0; k < n; k++) {
+        while (i > 0 && B->params[i].offset > pieces[k].buffer) i--;
+        while (B->params[i].offset + B->params[i].numel <= pieces[k].buffer) i++;
+        const mt_buffer_param* p = &B->params[i];
+        const int linear = p->tensor == MT_P_QKV_WEIGHT ? FP8_QKV : p->tensor == MT_P_PROJ_WEIGHT ? FP8_PROJ
+                           : p->tensor == MT_P_FC1_WEIGHT ? FP8_FC1 : FP8_FC2;
+        table[k].storage = p->storage + (pieces[k].buffer - p->offset) * (p->fp8 ? 1 : B->elem);
+        table[k].weight = p->fp8 ? (t->fp8.slot_of_layer[p->layer] * FP8_LINEARS + linear) * FP8_ROLES + FP8_W : -1;
+    }
+    free(pieces);
+    t->fp8.publish = (fp8_publish_chunk*)device_alloc(t, sizeof(fp8_publish_chunk) * (size_t)(n > 0 ? n : 1),
+                                                      &t->allocated.workspace_bytes);
+    if (t->fp8.publish)
+        CUDA_CHECK(&t->error, cudaMemcpy(t->fp8.publish, table, sizeof(fp8_publish_chunk) * (size_t)n,
+                                         cudaMemcpyHostToDevice));
+    free(table);
+    return mt_gpu_error_return(&t->error, err);
+}
+
 /* The FP8 state (section 15), one device allocation: the scaling arrays (every scale 1, every
  * history 0 at the start, as Transformer Engine), the weights' FP8 copies in both layouts for every
  * FP8 layer, and the cast scratch of one linear ([BT, widest] four times). */
@@ -6545,9 +6759,6 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
     if (prop.major * 10 + prop.minor < 89)
         return mt_fail(err, MT_ERR_CONFIG, "--fp8-format needs a GPU with FP8 tensor cores (compute capability 8.9 or "
                        "newer); %s is %d.%d", prop.name, prop.major, prop.minor);
-    if (c->fp8_param_gather)
-        return mt_fail(err, MT_ERR_CONFIG, "--fp8-param-gather is not built yet: the distributed optimizer all-gathers "
-                       "the bf16 parameters (drop the flag)");
     const mt_shape s = model_shape(t);
     f->enabled = 1;
     f->fwd = FP8_E4M3;
@@ -6564,7 +6775,7 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
     for (int k = 0; k < FP8_LINEARS; k++) {
         int out, in;
         fp8_linear_dims(s, k, &out, &in);
-        f->weights_per_layer += 2 * (int64_t)out * in;
+        f->weights_per_layer += (c->fp8_param_gather ? 1 : 2) * (int64_t)out * in; /* W^T only: W is the storage's */
         f->weight_blocks_per_layer +=
             fp8_block_scales(FP8_BLOCKS_128x128, out, in) + fp8_block_scales(FP8_BLOCKS_128x128, in, out);
     }
@@ -6613,6 +6824,9 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream)); /* before the host buffer goes */
     free(host);
     f->stale = 1;
+    f->param_gather = c->fp8_param_gather;
+    f->unpublished = c->fp8_param_gather;
+    if (f->param_gather && t->error.status == MT_OK) return fp8_publish_create(t, err);
     return mt_gpu_error_return(&t->error, err);
 }
 
@@ -6717,7 +6931,7 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     mt_memory_plan* a = &t->allocated;
     t->grads = (float*)device_alloc(t, n * 4, &a->gradient_bytes);
     t->master = (float*)device_alloc(t, alias ? n * 4 : shard * 4, alias ? &a->parameter_bytes : &a->master_bytes);
-    t->params = alias ? (void*)t->master : device_alloc(t, n * t->elem, &a->parameter_bytes);
+    t->params = alias ? (void*)t->master : device_alloc(t, (size_t)t->buffer.storage_bytes, &a->parameter_bytes);
     t->adam_m = (float*)device_alloc(t, shard * 4, &a->optimizer_bytes);
     t->adam_v = (float*)device_alloc(t, shard * 4, &a->optimizer_bytes);
     CUDA_CHECK(&t->error, cudaMemGetInfo(&free_after, &total));
@@ -6770,7 +6984,7 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     if (t->error.status == MT_OK) {
         CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_m, 0, shard * 4, t->stream));
         CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_v, 0, shard * 4, t->stream));
-        if (!alias) CUDA_CHECK(&t->error, cudaMemsetAsync(t->params, 0, n * t->elem, t->stream));
+        if (!alias) CUDA_CHECK(&t->error, cudaMemsetAsync(t->params, 0, (size_t)t->buffer.storage_bytes, t->stream));
         initialise_parameters(t);
         CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     }
@@ -6829,6 +7043,7 @@ void mt_trainer_free(mt_trainer* t) {
     cudaFree(t->adam_m);
     cudaFree(t->adam_v);
     cudaFree(t->chunks);
+    cudaFree(t->fp8.publish);
     cudaFree(t->norm_partial);
     cudaFree(t->reduce_scratch);
     cudaFree(t->colsum.partial_a);

@@ -698,6 +698,8 @@ typedef struct {
     int64_t canonical;   /* element offset in the canonical order of mt_param_layout_shard (this TP rank) */
     int64_t offset;      /* element offset in the buffer */
     int bucket;
+    int fp8;             /* --fp8-param-gather: kept and all-gathered as FP8 bytes (mt_fp8_param_stored) */
+    int64_t storage;     /* byte offset in the model-type parameter storage (mt_buffer_storage_byte) */
 } mt_buffer_param;
 typedef struct {
     int64_t start, end;  /* [start, end) in buffer elements, padding included */
@@ -714,12 +716,24 @@ typedef struct {
      * `canonical` counts in the canonical order restricted to them (the whole model at PP = 1) */
     mt_pp_stage stage;
     int64_t canonical_size;     /* elements of this rank's tensors (its TP shard), no padding */
+    /* the parameter storage (model type): every element `elem` bytes, except with --fp8-param-gather
+     * the weights of the FP8 linears, one FP8 byte each; bytes in buffer order, padding included */
+    int elem;                   /* bytes of a model-type element: 4 (fp32) or 2 */
+    int64_t storage_bytes;
 } mt_buffer_layout;
 mt_status mt_buffer_layout_build(mt_buffer_layout* layout, const mt_config* cfg, mt_error* err);
 void mt_buffer_layout_free(mt_buffer_layout* layout);
 /* Buffer offset of (tensor, layer); layer is ignored for tensors outside the layers; -1 for a tensor
  * the flavour does not have. */
 int64_t mt_buffer_offset(const mt_buffer_layout* layout, int tensor, int layer);
+/* Whether parameter `tensor` of `layer` is stored and all-gathered in FP8 (--fp8-param-gather): the
+ * weights of QKV, the attention projection, fc1 and fc2 of every layer that runs in FP8. */
+int mt_fp8_param_stored(const mt_config* cfg, int tensor, int layer);
+/* Byte offset in the parameter storage of buffer element `element` (in [0, size]): elem bytes per
+ * element below it, one per FP8-stored element, plus the alignment padding before each parameter
+ * (mt_buffer_param.storage; the padding before a parameter belongs to it). Monotonic, so a DP shard
+ * [begin, end) is the bytes [of(begin), of(end)). Needs the storage of the parameters below it. */
+int64_t mt_buffer_storage_byte(const mt_buffer_layout* layout, int64_t element);
 /* DP rank r's shard of bucket b: [begin, end) in buffer elements (the whole bucket when dp == 1). */
 void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end);
 
@@ -821,6 +835,7 @@ void mt_plan_options_defaults(mt_plan_options* opts);
 #define MT_NORM_BWD_BLOCKS 256
 #define MT_OPT_CHUNK_ELEMENTS 32768
 #define MT_OPT_CHUNK_BYTES 32                     /* sizeof(mt_opt_chunk) in megatron.cu */
+#define MT_PUBLISH_CHUNK_BYTES 16                 /* --fp8-param-gather: sizeof(fp8_publish_chunk) in megatron.cu */
 #define MT_OFFLOAD_PIECE_ELEMENTS ((int64_t)1 << 22) /* optimizer offload: elements per copy/update piece */
 #define MT_OFFLOAD_SLOTS 4                        /* pinned gradient staging pieces in flight */
 
@@ -915,7 +930,8 @@ typedef struct {
     size_t offset[MT_FP8A_REGIONS];
     int num_tensors;                /* fp8_layers x 4 linears x 3 roles (input, weight, output gradient) */
     int history_len;
-    int64_t weights_per_layer;      /* bytes of one layer's FP8 weights, W and W^T of the 4 linears */
+    int64_t weights_per_layer;      /* bytes of one layer's FP8 weights, W and W^T of the 4 linears (W^T only
+                                       with --fp8-param-gather: W is the gathered parameter storage) */
     int64_t weight_blocks_per_layer;/* floats of one layer's 128x128 block scales (both layouts) */
     size_t total;
 } mt_fp8_arena_layout;
@@ -3031,6 +3047,12 @@ static mt_status mt_fp8_config_check(const mt_config* c, mt_error* err) {
     }
     if (c->fp8_param_gather && !c->use_distributed_optimizer)
         return mt_fail(err, MT_ERR_CONFIG, "--fp8-param-gather needs --use-distributed-optimizer");
+    if (c->fp8_param_gather && c->fp8_recipe == MT_FP8_BLOCKWISE)
+        return mt_fail(err, MT_ERR_CONFIG, "--fp8-param-gather with --fp8-recipe blockwise is not built (a DP shard "
+                       "boundary may cut a 128x128 weight block, whose scale needs the whole block)");
+    if (c->fp8_param_gather && c->optimizer_cpu_offload)
+        return mt_fail(err, MT_ERR_CONFIG, "--fp8-param-gather with --optimizer-cpu-offload is not built (the offloaded "
+                       "weights come back as bf16, not FP8)");
     int tp = c->tensor_model_parallel_size;
     int64_t ffn1 = c->swiglu ? 2 * (int64_t)c->ffn_hidden_size : c->ffn_hidden_size;
     struct { const char* what; int64_t n; } dims[] = {
@@ -3856,7 +3878,38 @@ mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_err
     }
     b->num_buckets = nb;
     b->size = bucket_start;
+    b->elem = c->precision == MT_FP32 ? 4 : 2;
+    /* each parameter's storage in buffer order; a few bytes of padding keep every address what it
+     * is without FP8 storage modulo 256 (an FP8 weight: 256-aligned, as in the FP8 arena), so the
+     * kernels' vector paths and cuBLASLt's alignment-keyed algorithms stay the same */
+    for (int i = 0; i < n; i++) {
+        mt_buffer_param* p = &b->params[i];
+        p->fp8 = mt_fp8_param_stored(c, p->tensor, p->layer);
+        const int64_t at = mt_buffer_storage_byte(b, p->offset), want = p->fp8 ? 0 : p->offset * b->elem % 256;
+        p->storage = at + ((want - at) % 256 + 256) % 256;
+    }
+    b->storage_bytes = mt_buffer_storage_byte(b, b->size);
     return MT_OK;
+}
+
+int mt_fp8_param_stored(const mt_config* c, int tensor, int layer) {
+    if (!c->fp8_param_gather || c->fp8_format == MT_FP8_NONE || !c->use_distributed_optimizer) return 0;
+    return (tensor == MT_P_QKV_WEIGHT || tensor == MT_P_PROJ_WEIGHT || tensor == MT_P_FC1_WEIGHT ||
+            tensor == MT_P_FC2_WEIGHT) && mt_fp8_layer(c, layer);
+}
+
+int64_t mt_buffer_storage_byte(const mt_buffer_layout* b, int64_t element) {
+    int lo = 0, hi = b->num_params; /* the last parameter that starts below `element`: params[lo - 1] */
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (b->params[mid].offset < element) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo == 0) return element * b->elem;
+    const mt_buffer_param* q = &b->params[lo - 1];
+    const int64_t width = q->fp8 ? 1 : b->elem, inside = element - q->offset;
+    if (inside <= q->numel) return q->storage + inside * width;
+    return q->storage + q->numel * width + (inside - q->numel) * b->elem; /* padding after q */
 }
 
 int64_t mt_buffer_offset(const mt_buffer_layout* b, int tensor, int layer) {
@@ -4188,7 +4241,8 @@ void mt_fp8_arena_layout_compute(const mt_config* c, int fp8_layers, mt_fp8_aren
     int64_t wide = 0;
     for (int k = 0; k < 4; k++) {
         int out_dim = (int)dims[k][0], in_dim = (int)dims[k][1];
-        out->weights_per_layer += 2 * dims[k][0] * dims[k][1];
+        /* W and W^T; with --fp8-param-gather W lives in the parameter storage, W^T here */
+        out->weights_per_layer += (c->fp8_param_gather ? 1 : 2) * dims[k][0] * dims[k][1];
         out->weight_blocks_per_layer += (mt_fp8_scale_inv_floats(1, out_dim, in_dim) + 3) / 4 * 4 +
                                         (mt_fp8_scale_inv_floats(1, in_dim, out_dim) + 3) / 4 * 4;
         if (dims[k][0] > wide) wide = dims[k][0];
@@ -4278,7 +4332,7 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     p->optimizer_chunks = mt_optimizer_pieces(&B, sharded ? dp : 1, sharded ? o->dp_rank : 0, gpu_shard, NULL);
     mt_activation_layout a;
     mt_activation_layout_compute(c, largest, stage->head, p->in_flight, &o->recompute, &a);
-    p->parameter_bytes = (size_t)n * (alias ? 4 : elem);
+    p->parameter_bytes = alias ? (size_t)n * 4 : (size_t)B.storage_bytes; /* n x elem, FP8-stored weights 1 byte */
     p->master_bytes = alias ? 0 : (size_t)gpu_shard * 4;
     p->gradient_bytes = (size_t)n * 4;
     p->optimizer_bytes = (size_t)gpu_shard * 8;
@@ -4293,6 +4347,8 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     p->workspace_bytes = MT_CUBLAS_WORKSPACE_BYTES + 3 * colsum * 4 + (size_t)(p->optimizer_chunks + 1) * 8 +
                          (size_t)(p->optimizer_chunks > 0 ? p->optimizer_chunks : 1) * MT_OPT_CHUNK_BYTES +
                          2 * sizeof(double) + (size_t)2 * c->seq_length * (rot / 2) * 4;
+    if (c->fp8_param_gather) /* the chunks' places in the parameter storage (megatron.cu fp8_publish_chunk) */
+        p->workspace_bytes += (size_t)(p->optimizer_chunks > 0 ? p->optimizer_chunks : 1) * MT_PUBLISH_CHUNK_BYTES;
     if (pp > 1) /* an input gradient waiting to be sent to the previous stage, [R, h] */
         p->workspace_bytes += (size_t)(c->sequence_parallel && tp > 1 ? (int64_t)c->micro_batch_size * c->seq_length / tp
                                        : (int64_t)c->micro_batch_size * c->seq_length) * (size_t)c->hidden_size * elem;

@@ -128,6 +128,8 @@ static test_result test_config_fp8(void) {
         {"blockwise needs 128", 7, 0, "multiple of 128"},
         {"too many bf16 layers", 8, 0, "--num-layers-at-start-in-bf16"},
         {"param gather without the distributed optimizer", 9, 0, "--use-distributed-optimizer"},
+        {"param gather with blockwise", 10, 0, "--fp8-param-gather with --fp8-recipe blockwise"},
+        {"param gather with optimizer offload", 11, 0, "--fp8-param-gather with --optimizer-cpu-offload"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         mt_config c = small_test_config();
@@ -145,6 +147,8 @@ static test_result test_config_fp8(void) {
             case 8: c.fp8_recipe = MT_FP8_TENSORWISE; c.first_last_layers_bf16 = 1;
                     c.num_layers_at_start_in_bf16 = 2; c.num_layers_at_end_in_bf16 = 1; break;
             case 9: c.fp8_param_gather = 1; break;
+            case 10: c.fp8_param_gather = 1; c.use_distributed_optimizer = 1; c.fp8_recipe = MT_FP8_BLOCKWISE; break;
+            case 11: c.fp8_param_gather = 1; c.use_distributed_optimizer = 1; c.optimizer_cpu_offload = 1; break;
         }
         mt_error err;
         err.message[0] = 0;

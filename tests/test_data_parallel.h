@@ -18,7 +18,12 @@
  *   - two runs give bitwise identical losses and weights;
  *   - 10 steps, save, load, 10 steps give bitwise the 20 straight steps (sharded optimizer state);
  *   - the memory plan of a GPT-2 124M: model state bytes per parameter follow Megatron's 18 and
- *     6 + 12/d, and the device's own accounting (cudaMemGetInfo around the allocations) agrees. */
+ *     6 + 12/d, and the device's own accounting (cudaMemGetInfo around the allocations) agrees;
+ *   - --fp8-param-gather (GPT-2 and Llama, delayed and tensorwise, with and without
+ *     --overlap-param-gather): bitwise the run without it (losses, master weights, FP8 weights and
+ *     scales), bitwise across save/load, the same FP8 weights and scales on every rank, and the
+ *     all-gather's bytes (the bf16 bytes less one per FP8 weight element). Also on one GPU (gpu group).
+ * Host tests also check --fp8-param-gather's parameter storage (one byte per FP8 weight element). */
 #ifndef MT_TEST_DATA_PARALLEL_H
 #define MT_TEST_DATA_PARALLEL_H
 
@@ -166,9 +171,90 @@ static test_result test_buffer_layout_llama(void) {
     return r;
 }
 
+/* --fp8-param-gather's parameter storage (GPT-2 and Llama, DP=2, the first and last layer in bf16
+ * with tensorwise scaling): exactly the QKV, proj, fc1 and fc2 weights of the FP8 layers are stored
+ * in one byte an element; every other parameter keeps its bf16 bytes at the address it has without
+ * the flag modulo 256 (an FP8 weight 256-aligned); the storage is monotonic and without overlap;
+ * the all-gather's bytes (the storage of every bucket) are the bf16 gather's less one byte per FP8
+ * element, plus < 256 bytes of alignment per parameter. Without the flag the storage is offset x 2. */
+static test_result fp8_storage_case(int llama) {
+    mt_config c = test_config_sized(4, llama ? 128 : 112, 4, 32, 1000); /* 112: fc1's bias of 7 x 64 elements moves
+                                                                     the FP8 weights after it off 256 bytes */
+    if (llama) test_config_llama(&c);
+    c.precision = MT_BF16;
+    c.fp8_format = MT_FP8_HYBRID;
+    c.fp8_recipe = MT_FP8_TENSORWISE;
+    c.first_last_layers_bf16 = 1;
+    test_config_parallel(&c, 1, 2, 0);
+    test_config_ddp(&c, 1, 1, 1, 20000);
+    mt_error err;
+    mt_config plain = c;
+    c.fp8_param_gather = 1;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT_OK(mt_config_finalize(&plain, &err), &err);
+    mt_buffer_layout b, p;
+    EXPECT_OK(mt_buffer_layout_build(&b, &c, &err), &err);
+    EXPECT_OK(mt_buffer_layout_build(&p, &plain, &err), &err);
+    test_result r = TEST_PASS;
+    int64_t fp8_elements = 0, end = 0;
+    for (int i = 0; i < b.num_params && r == TEST_PASS; i++) {
+        const mt_buffer_param* q = &b.params[i];
+        const int weight = q->tensor == MT_P_QKV_WEIGHT || q->tensor == MT_P_PROJ_WEIGHT ||
+                           q->tensor == MT_P_FC1_WEIGHT || q->tensor == MT_P_FC2_WEIGHT;
+        const int want = weight && q->layer > 0 && q->layer < c.num_layers - 1;
+        const int64_t width = q->fp8 ? 1 : 2;
+        if (q->fp8 != want) { printf("    FAIL tensor %d layer %d: fp8 %d\n", q->tensor, q->layer, q->fp8); r = TEST_FAIL; }
+        if (q->storage < end) { printf("    FAIL param %d overlaps the previous one in storage\n", i); r = TEST_FAIL; }
+        if (q->storage % 256 != (q->fp8 ? 0 : q->offset * 2 % 256)) {
+            printf("    FAIL param %d: storage %lld, buffer offset %lld\n", i, (long long)q->storage, (long long)q->offset);
+            r = TEST_FAIL;
+        }
+        if (p.params[i].storage != p.params[i].offset * 2) { printf("    FAIL without the flag: param %d\n", i); r = TEST_FAIL; }
+        for (int64_t j = 0; j <= q->numel; j += q->numel / 7 + 1) /* inside: storage + j x width */
+            if (mt_buffer_storage_byte(&b, q->offset + j) != (j == 0 ? mt_buffer_storage_byte(&b, q->offset)
+                                                                     : q->storage + j * width)) {
+                printf("    FAIL param %d element %lld\n", i, (long long)j);
+                r = TEST_FAIL;
+                break;
+            }
+        end = q->storage + q->numel * width;
+        fp8_elements += q->fp8 ? q->numel : 0;
+    }
+    int64_t previous = -1, gathered = 0;
+    for (int64_t e = 0; e <= b.size && r == TEST_PASS; e += 61) {
+        const int64_t at = mt_buffer_storage_byte(&b, e);
+        if (at < previous) { printf("    FAIL storage byte of element %lld falls\n", (long long)e); r = TEST_FAIL; }
+        previous = at;
+    }
+    for (int k = 0; k < b.num_buckets; k++)
+        for (int rank = 0; rank < 2; rank++) {
+            int64_t lo, hi;
+            mt_bucket_shard(&b.buckets[k], 2, rank, &lo, &hi);
+            gathered += mt_buffer_storage_byte(&b, hi) - mt_buffer_storage_byte(&b, lo);
+        }
+    const int64_t padding = b.storage_bytes - (2 * b.size - fp8_elements);
+    printf("      %s: %lld of %lld elements in FP8; all-gather %lld bytes (bf16: %lld), %lld bytes of alignment\n",
+           llama ? "llama" : "gpt2", (long long)fp8_elements, (long long)b.size, (long long)gathered,
+           (long long)(2 * p.size), (long long)padding);
+    if (r == TEST_PASS && (fp8_elements == 0 || gathered != b.storage_bytes || p.storage_bytes != 2 * p.size ||
+                           padding < 0 || padding >= 256LL * b.num_params || p.size != b.size ||
+                           (!llama && padding == 0))) {
+        printf("    FAIL storage %lld bytes, gathered %lld\n", (long long)b.storage_bytes, (long long)gathered);
+        r = TEST_FAIL;
+    }
+    mt_buffer_layout_free(&b);
+    mt_buffer_layout_free(&p);
+    return r;
+}
+static test_result test_buffer_layout_fp8_storage(void) {
+    test_result r = fp8_storage_case(0);
+    return r == TEST_PASS ? fp8_storage_case(1) : r;
+}
+
 static const test_case data_parallel_tests[] = {
     {"buffer_layout_megatron_rules", test_buffer_layout_megatron_rules},
     {"buffer_layout_llama", test_buffer_layout_llama},
+    {"buffer_layout_fp8_param_gather_storage", test_buffer_layout_fp8_storage},
 };
 
 /* ---- multi-GPU tests ---- */
@@ -195,14 +281,22 @@ static void dp_slice(const mt_config* c, const int32_t* global, int32_t* mine) {
         }
 }
 
+/* A trainer of config c (finalized here, with a fresh NCCL id for several ranks). */
+static test_result dp_create(mt_config* c, mt_trainer** t) {
+    mt_error err;
+    *t = NULL;
+    if (c->world_size > 1) EXPECT_OK(fresh_comm_id(&c->comm_id, &err), &err);
+    EXPECT_OK(mt_config_finalize(c, &err), &err);
+    EXPECT_OK(mt_trainer_create(t, c, &err), &err);
+    return TEST_PASS;
+}
+
 /* Steps [first, first + count) of the DP tests' data on config c (loading/saving as asked). */
 static test_result dp_run(mt_config c, const char* load_dir, const char* save_dir, int first, int count,
                           double* losses, float* params_out) {
     mt_error err;
-    if (c.world_size > 1) EXPECT_OK(fresh_comm_id(&c.comm_id, &err), &err);
-    EXPECT_OK(mt_config_finalize(&c, &err), &err);
     mt_trainer* t = NULL;
-    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+    if (dp_create(&c, &t) != TEST_PASS) return TEST_FAIL;
     test_result res = TEST_PASS;
     int64_t row = c.seq_length + 1;
     int32_t* global = (int32_t*)malloc(sizeof(int32_t) * c.global_batch_size * row);
@@ -363,7 +457,232 @@ static test_result test_dp_memory_plan(void) {
     return res;
 }
 
+/* ---- --fp8-param-gather against the run without it ---- */
+
+/* What a run of the FP8 tests leaves to compare: the step losses, the master weights, the FP8 state
+ * after one more forward (which casts, or with the flag publishes and gathers, the last step's
+ * weights): W and W^T of every FP8 linear, then scale, scale_inv and the amax histories; and the
+ * bytes the last parameter all-gather assembled on a rank. */
+typedef struct {
+    double losses[12];
+    float* params;
+    uint8_t* fp8;
+    size_t fp8_size;
+    int64_t gather_bytes;
+} fp8pg_run_result;
+
+static void fp8pg_result_free(fp8pg_run_result* r) {
+    free(r->params);
+    free(r->fp8);
+    memset(r, 0, sizeof(*r));
+}
+
+/* The FP8 weights and scaling state of trainer t, to the host (fp8_layer_linears names the copies). */
+static int fp8pg_state(mt_trainer* t, fp8pg_run_result* out) {
+    const mt_fp8_state* f = &t->fp8;
+    const mt_shape s = model_shape(t);
+    const mt_exec ex = trainer_exec(t);
+    size_t weights = 0;
+    for (int k = 0; k < FP8_LINEARS; k++) {
+        int o, i;
+        fp8_linear_dims(s, k, &o, &i);
+        weights += 2 * (size_t)o * i;
+    }
+    const size_t nt = (size_t)f->num_tensors;
+    out->fp8_size = weights * f->num_layers + nt * 4 * (2 + (size_t)f->history_len);
+    out->fp8 = (uint8_t*)malloc(out->fp8_size);
+    float* scale_inv = (float*)malloc(nt * 4 * FP8_SCALE_INV_STRIDE);
+    if (!out->fp8 || !scale_inv || cudaStreamSynchronize(t->stream) != cudaSuccess) return 0;
+    uint8_t* at = out->fp8;
+    int ok = 1;
+    for (int l = 0; l < s.L; l++) {
+        fp8_linear L[FP8_LINEARS];
+        if (!fp8_layer_linears<__nv_bfloat16>(t, &ex, l, false, L)) continue;
+        for (int k = 0; k < FP8_LINEARS; k++) {
+            int o, i;
+            fp8_linear_dims(s, k, &o, &i);
+            ok &= cudaMemcpy(at, L[k].w8, (size_t)o * i, cudaMemcpyDeviceToHost) == cudaSuccess;
+            ok &= cudaMemcpy(at + (size_t)o * i, L[k].w8t, (size_t)o * i, cudaMemcpyDeviceToHost) == cudaSuccess;
+            at += 2 * (size_t)o * i;
+        }
+    }
+    ok &= cudaMemcpy(at, f->scale, nt * 4, cudaMemcpyDeviceToHost) == cudaSuccess;
+    ok &= cudaMemcpy(scale_inv, f->scale_inv, nt * 4 * FP8_SCALE_INV_STRIDE, cudaMemcpyDeviceToHost) == cudaSuccess;
+    for (size_t k = 0; k < nt; k++) memcpy(at + nt * 4 + k * 4, scale_inv + k * FP8_SCALE_INV_STRIDE, 4);
+    ok &= cudaMemcpy(at + 2 * nt * 4, f->history, nt * 4 * f->history_len, cudaMemcpyDeviceToHost) == cudaSuccess;
+    free(scale_inv);
+    return ok;
+}
+
+/* Steps [first, first + count) of the DP tests' data on c (loading/saving as asked), then one
+ * evaluation forward and the FP8 state. */
+static test_result fp8pg_run(mt_config c, const char* load_dir, const char* save_dir, int first, int count,
+                             fp8pg_run_result* out) {
+    mt_error err;
+    mt_trainer* t = NULL;
+    if (dp_create(&c, &t) != TEST_PASS) return TEST_FAIL;
+    test_result res = TEST_PASS;
+    const int64_t row = c.seq_length + 1, n = mt_num_parameters(&c);
+    int32_t* global = (int32_t*)malloc(sizeof(int32_t) * c.global_batch_size * row);
+    int32_t* mine = (int32_t*)malloc(sizeof(int32_t) * c.global_batch_size * row);
+    out->params = (float*)malloc(sizeof(float) * n);
+    int64_t it = 0, consumed = 0;
+    if (load_dir && (mt_trainer_load(t, load_dir, -1, &it, &consumed, &err) != MT_OK || it != first)) {
+        printf("    FAIL load: %s (iteration %lld)\n", err.message, (long long)it);
+        res = TEST_FAIL;
+    }
+    for (int k = first; k <= first + count && res == TEST_PASS; k++) {
+        fill_tokens(global, c.global_batch_size * row, (int)c.vocab_size, 1000 + k);
+        dp_slice(&c, global, mine);
+        mt_step_result r;
+        double loss;
+        if (k == first + count) { /* the evaluation forward */
+            if (mt_trainer_evaluate(t, mine, mt_num_micro_batches(&c), &loss, &err) != MT_OK) res = TEST_FAIL;
+        } else if (mt_trainer_train_step(t, mine, &r, &err) != MT_OK) {
+            res = TEST_FAIL;
+        } else {
+            out->losses[k] = r.lm_loss;
+        }
+        if (res != TEST_PASS) printf("    FAIL step %d: %s\n", k, err.message);
+        if (res == TEST_PASS && k == first + count - 1 && save_dir && mt_trainer_save(t, save_dir, k + 1, 0, &err) != MT_OK) {
+            printf("    FAIL save: %s\n", err.message);
+            res = TEST_FAIL;
+        }
+    }
+    if (res == TEST_PASS && mt_trainer_get_parameters(t, out->params, &err) != MT_OK) {
+        printf("    FAIL get_parameters: %s\n", err.message);
+        res = TEST_FAIL;
+    }
+    if (res == TEST_PASS && !fp8pg_state(t, out)) {
+        printf("    FAIL reading the FP8 state\n");
+        res = TEST_FAIL;
+    }
+    out->gather_bytes = t->param_gather_bytes;
+    free(global);
+    free(mine);
+    mt_trainer_free(t);
+    return res;
+}
+
+/* One case on mpi_world() ranks (1: no gather, the storage, the publish and the transposes alone):
+ * 12 steps without the flag (A), with it (B), and with it 6 steps, save, load, 6 steps (R). Both
+ * runs cast the same bf16-rounded master weights with the same scales (see megatron.cu's section
+ * 18), so everything is bitwise the same: A = B = R in losses, master weights, W and W^T bytes,
+ * scales and histories; every rank holds the same FP8 weights and scales; the all-gather moves the
+ * bf16 bytes less one byte per FP8 weight element (plus the storage's alignment padding). */
+static test_result fp8_param_gather_case(int llama, int tensorwise, int overlap) {
+    const int dp = mpi_world();
+    mt_config c = dp_config(MT_BF16, dp, 1, overlap, llama);
+    c.fp8_format = tensorwise ? MT_FP8_E4M3 : MT_FP8_HYBRID;
+    c.fp8_recipe = tensorwise ? MT_FP8_TENSORWISE : MT_FP8_DELAYED;
+    c.fp8_amax_history_len = 4;
+    c.fp8_amax_compute_algo = MT_FP8_AMAX_MAX;
+    mt_config g = c;
+    g.fp8_param_gather = 1;
+    mt_error err;
+    mt_config fin = g;
+    EXPECT_OK(mt_config_finalize(&fin, &err), &err);
+    const int64_t n = mt_num_parameters(&fin);
+    mt_buffer_layout B;
+    EXPECT_OK(mt_buffer_layout_build(&B, &fin, &err), &err);
+    int64_t fp8_elements = 0;
+    for (int i = 0; i < B.num_params; i++) fp8_elements += B.params[i].fp8 ? B.params[i].numel : 0;
+    const int64_t storage = B.storage_bytes, buffer = B.size;
+    mt_buffer_layout_free(&B);
+    int tag = (int)getpid();
+#ifdef MT_USE_MPI
+    if (dp > 1) MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
+#endif
+    char dir[256];
+    snprintf(dir, sizeof(dir), "/tmp/mt_test_fp8pg_%d_%d%d%d", tag, llama, tensorwise, overlap);
+    const int several = dp > 1; /* MPI is initialised under mpirun only */
+    fp8pg_run_result a, b, r;
+    memset(&a, 0, sizeof(a));
+    memset(&b, 0, sizeof(b));
+    memset(&r, 0, sizeof(r));
+    test_result res = fp8pg_run(c, NULL, NULL, 0, 12, &a);
+    if (res == TEST_PASS) res = fp8pg_run(g, NULL, NULL, 0, 12, &b);
+    if (res == TEST_PASS) res = fp8pg_run(g, NULL, dir, 0, 6, &r);
+    if (res == TEST_PASS) { /* the first 6 losses from the saving run, the rest from the resumed one */
+        double saved[6];
+        memcpy(saved, r.losses, sizeof(saved));
+        fp8pg_result_free(&r);
+        res = fp8pg_run(g, dir, NULL, 6, 6, &r);
+        memcpy(r.losses, saved, sizeof(saved));
+    }
+    const char* name = llama ? (tensorwise ? "llama tensorwise" : "llama delayed") : (tensorwise ? "gpt2 tensorwise" : "gpt2 delayed");
+    for (int k = 0; k < 12 && res == TEST_PASS; k++) {
+        if (memcmp(&a.losses[k], &b.losses[k], sizeof(double))) {
+            printf("    FAIL %s step %d: loss %.9g with --fp8-param-gather, %.9g without\n", name, k, b.losses[k], a.losses[k]);
+            res = TEST_FAIL;
+        } else if (memcmp(&b.losses[k], &r.losses[k], sizeof(double))) {
+            printf("    FAIL %s step %d: resumed loss %.9g, straight %.9g\n", name, k, r.losses[k], b.losses[k]);
+            res = TEST_FAIL;
+        }
+    }
+    if (res == TEST_PASS && (memcmp(a.params, b.params, sizeof(float) * n) || memcmp(b.params, r.params, sizeof(float) * n))) {
+        printf("    FAIL %s: master weights differ (with/without %d, resumed %d)\n", name,
+               memcmp(a.params, b.params, sizeof(float) * n) != 0, memcmp(b.params, r.params, sizeof(float) * n) != 0);
+        res = TEST_FAIL;
+    }
+    if (res == TEST_PASS && (a.fp8_size != b.fp8_size || memcmp(a.fp8, b.fp8, a.fp8_size) || memcmp(b.fp8, r.fp8, b.fp8_size))) {
+        printf("    FAIL %s: the FP8 weights or scaling state differ (%zu vs %zu bytes)\n", name, a.fp8_size, b.fp8_size);
+        res = TEST_FAIL;
+    }
+    uint64_t mine = res == TEST_PASS ? tt_fnv(b.fp8, b.fp8_size) : 0, first = mine;
+#ifdef MT_USE_MPI
+    if (several) MPI_Bcast(&first, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+#endif
+    if (res == TEST_PASS && mine != first) {
+        printf("    FAIL %s: rank %d's FP8 weights and scales are not rank 0's\n", name, mpi_rank());
+        res = TEST_FAIL;
+    }
+    if (res == TEST_PASS && dp > 1) {
+        printf("      DP=%d %s%s: losses %.6f -> %.6f bitwise with and without the flag and across resume; all-gather "
+               "%lld bytes, bf16 %lld: the %lld FP8 weight elements take %lld bytes less (%lld of alignment)\n", dp, name,
+               overlap ? " overlapped" : "", b.losses[0], b.losses[11], (long long)b.gather_bytes,
+               (long long)a.gather_bytes, (long long)fp8_elements, (long long)(a.gather_bytes - b.gather_bytes),
+               (long long)(storage - (2 * buffer - fp8_elements)));
+        EXPECT(a.gather_bytes == 2 * buffer && b.gather_bytes == storage && a.gather_bytes - b.gather_bytes <= fp8_elements &&
+                   a.gather_bytes - b.gather_bytes + 256 * 16 * (int64_t)c.num_layers >= fp8_elements,
+               "%s: all-gather %lld bytes, bf16 %lld, storage %lld", name, (long long)b.gather_bytes,
+               (long long)a.gather_bytes, (long long)storage);
+    } else if (res == TEST_PASS) {
+        printf("      DP=1 %s: losses %.6f -> %.6f bitwise with and without the flag and across resume\n", name,
+               b.losses[0], b.losses[11]);
+    }
+#ifdef MT_USE_MPI
+    if (several) MPI_Barrier(MPI_COMM_WORLD);
+#endif
+    if (mpi_rank() == 0) mt_remove_tree(dir);
+    fp8pg_result_free(&a);
+    fp8pg_result_free(&b);
+    fp8pg_result_free(&r);
+    return res;
+}
+
+/* GPT-2 and Llama, delayed (hybrid) and tensorwise (e4m3), with and without --overlap-param-gather */
+static test_result test_fp8_param_gather_multigpu(void) {
+    REQUIRE_MPI_GPUS();
+    REQUIRE_FP8_GPU(); /* tests/test_fp8.h */
+    const int cases[4][3] = {{0, 0, 1}, {0, 1, 0}, {1, 0, 0}, {1, 1, 1}}; /* llama, tensorwise, overlap */
+    for (int i = 0; i < 4; i++)
+        if (fp8_param_gather_case(cases[i][0], cases[i][1], cases[i][2]) != TEST_PASS) return TEST_FAIL;
+    return TEST_PASS;
+}
+/* one GPU (DP = 1 with the distributed optimizer): the FP8 storage, the publish and the transposes */
+static test_result test_fp8_param_gather_single_gpu(void) {
+    REQUIRE_FP8_GPU();
+    if (fp8_param_gather_case(0, 0, 0) != TEST_PASS) return TEST_FAIL;
+    return fp8_param_gather_case(1, 1, 0);
+}
+
+static const test_case data_parallel_gpu_tests[] = {
+    {"fp8_param_gather_single_gpu_bitwise", test_fp8_param_gather_single_gpu},
+};
+
 static const test_case data_parallel_multigpu_tests[] = {
+    {"fp8_param_gather_dp_bitwise_resume_bytes", test_fp8_param_gather_multigpu},
     {"dp_matches_single_gpu_fp32", test_dp_matches_single_fp32},
     {"dp_matches_single_gpu_bf16", test_dp_matches_single_bf16},
     {"dp_matches_single_gpu_llama_bf16", test_dp_matches_single_llama_bf16},

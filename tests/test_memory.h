@@ -296,6 +296,44 @@ static test_result test_plan_recompute_offload_fp8(void) {
     mt_fp8_arena_layout_compute(&f, f.num_layers, &fa);
     EXPECT(p.fp8_bytes == fa.total && fa.total > (size_t)(f.num_layers * fa.weights_per_layer),
            "FP8: plan %zu bytes, arena %zu", p.fp8_bytes, fa.total);
+    /* --fp8-param-gather (DP=2, distributed optimizer): the FP8 linears' weights are one byte an
+     * element in the parameter storage and have no FP8 W copy in the arena (W^T only); the chunk
+     * table of the publish adds 16 bytes a chunk to the workspace */
+    f.use_distributed_optimizer = 1;
+    test_config_parallel(&f, 1, 2, 0);
+    mt_memory_plan without, with;
+    EXPECT_OK(mt_config_finalize(&f, &err), &err);
+    EXPECT_OK(mt_memory_plan_compute(&f, NULL, &without, &err), &err);
+    f.fp8_param_gather = 1;
+    EXPECT_OK(mt_config_finalize(&f, &err), &err);
+    EXPECT_OK(mt_memory_plan_compute(&f, NULL, &with, &err), &err);
+    mt_fp8_arena_layout fg;
+    mt_fp8_arena_layout_compute(&f, f.num_layers, &fg);
+    mt_buffer_layout B;
+    EXPECT_OK(mt_buffer_layout_build(&B, &f, &err), &err);
+    int64_t fp8_elements = 0;
+    for (int i = 0; i < B.num_params; i++) fp8_elements += B.params[i].fp8 ? B.params[i].numel : 0;
+    const size_t storage = (size_t)B.storage_bytes;
+    mt_buffer_layout_free(&B);
+    printf("      --fp8-param-gather: parameters %zu -> %zu bytes, fp8 arena %zu -> %zu, total %zu -> %zu "
+           "(%lld FP8 weight elements: 2 bytes each saved)\n", without.parameter_bytes, with.parameter_bytes,
+           without.fp8_bytes, with.fp8_bytes, without.total_bytes, with.total_bytes, (long long)fp8_elements);
+    EXPECT(fp8_elements == (int64_t)f.num_layers * fa.weights_per_layer / 2 && fg.weights_per_layer * 2 == fa.weights_per_layer,
+           "FP8 weights: %lld elements, arena %lld bytes a layer (without the flag %lld)", (long long)fp8_elements,
+           (long long)fg.weights_per_layer, (long long)fa.weights_per_layer);
+    EXPECT(with.parameter_bytes == storage && without.parameter_bytes - with.parameter_bytes <= (size_t)fp8_elements &&
+               without.parameter_bytes - with.parameter_bytes + 256 * (size_t)f.num_layers * 16 >= (size_t)fp8_elements,
+           "parameters: %zu bytes with the flag, %zu without, storage %zu", with.parameter_bytes,
+           without.parameter_bytes, storage);
+    EXPECT(with.fp8_bytes == fg.total && with.workspace_bytes - without.workspace_bytes ==
+               (size_t)with.optimizer_chunks * MT_PUBLISH_CHUNK_BYTES && with.optimizer_chunks == without.optimizer_chunks,
+           "fp8 %zu (arena %zu), workspace %zu vs %zu", with.fp8_bytes, fg.total, with.workspace_bytes,
+           without.workspace_bytes);
+    EXPECT(with.total_bytes == with.parameter_bytes + with.master_bytes + with.gradient_bytes + with.optimizer_bytes +
+               with.activation_bytes + with.workspace_bytes + with.fp8_bytes + with.offload_bytes &&
+               without.total_bytes - with.total_bytes + (size_t)with.optimizer_chunks * MT_PUBLISH_CHUNK_BYTES + 4096 >=
+               2 * (size_t)fp8_elements,
+           "total %zu with the flag, %zu without", with.total_bytes, without.total_bytes);
     return TEST_PASS;
 }
 
@@ -473,7 +511,8 @@ static test_result test_plan_equals_allocation(void) {
         {"gpt2 fp32", 0, MT_FP32, 0, 0}, {"gpt2 bf16", 0, MT_BF16, 0, 0}, {"llama bf16", 1, MT_BF16, 0, 0},
         {"llama fp32", 1, MT_FP32, 0, 0}, {"gpt2 fp16", 0, MT_FP16, 0, 0}, {"gpt2 bf16 FP8", 0, MT_BF16, 1, 0},
         {"llama bf16 FP8 blockwise", 1, MT_BF16, 2, 0}, {"gpt2 bf16 offload 0.5", 0, MT_BF16, 0, 0.5},
-        {"llama fp32 offload 1.0", 1, MT_FP32, 0, 1.0},
+        {"llama fp32 offload 1.0", 1, MT_FP32, 0, 1.0}, {"gpt2 bf16 FP8 param gather", 0, MT_BF16, 3, 0},
+        {"llama bf16 FP8 tensorwise param gather", 1, MT_BF16, 4, 0},
     };
     int device = 0;
     cudaDeviceProp prop;
@@ -492,7 +531,8 @@ static test_result test_plan_equals_allocation(void) {
         test_config_attention(&c, 8, cases[i].llama ? 4 : 8, 64, cases[i].llama ? 1024 : 0);
         if (cases[i].fp8) {
             c.fp8_format = MT_FP8_HYBRID;
-            c.fp8_recipe = cases[i].fp8 == 2 ? MT_FP8_BLOCKWISE : MT_FP8_DELAYED;
+            c.fp8_recipe = cases[i].fp8 == 2 ? MT_FP8_BLOCKWISE : cases[i].fp8 == 4 ? MT_FP8_TENSORWISE : MT_FP8_DELAYED;
+            c.fp8_param_gather = c.use_distributed_optimizer = cases[i].fp8 >= 3; /* DP = 1: no gather, the storage */
         }
         c.optimizer_cpu_offload = cases[i].offload > 0;
         c.optimizer_offload_fraction = cases[i].offload > 0 ? cases[i].offload : 1.0;
