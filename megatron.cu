@@ -1931,6 +1931,25 @@ __device__ __forceinline__ void c_to_a(uint32_t a[4], const float c0[4], const f
     a[3] = pack_bf16(c1[2], c1[3]);
 }
 
+/* ---- Attention dropout on a warp's tile of scores laid out as the forward's and dQ's (queries as
+ *      rows): x[mt][nt][2r], [2r+1] are query wq_first+mt*16+g+8r and keys k0+nt*8+2t, +1, one
+ *      counter for the pair. Each element becomes dropout(x) with the site's mask (section 5). ---- */
+template <int MT, int NT>
+__device__ __forceinline__ void dropout_rows_tile(float (&x)[MT][NT][4], const mt_dropout& drop, int b, int h,
+                                                  int wq_first, int k0, int T, int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int row = wq_first + mt * 16 + g + r * 8, key = k0 + nt * 8 + 2 * t;
+                const uint64_t bits = dropout_bits(drop.key, dropout_attention_counter(drop, b, h, row, key, T));
+                x[mt][nt][2 * r] = dropout_value(drop, bits, key, x[mt][nt][2 * r]);
+                x[mt][nt][2 * r + 1] = dropout_value(drop, bits, key + 1, x[mt][nt][2 * r + 1]);
+            }
+}
+
 /* ---- Warp-level tile products. A warp owns 16*MT rows; every loop is unrolled so fragment
  *      arrays are indexed by constants and stay in registers. ---- */
 
@@ -2137,20 +2156,8 @@ __global__ void __launch_bounds__(32 * WARPS)
                 }
 
             /* attention dropout: O accumulates P_d V with P_d = dropout(P); the row sums above (and so
-             * LSE) are P's own. s[mt][nt][2r], [2r+1] are keys k0+nt*8+2t and +1: one counter. */
-            if constexpr (DROP) {
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                        for (int r = 0; r < 2; r++) {
-                            const int row = wq_first + mt * 16 + g + r * 8, key = k0 + nt * 8 + 2 * t;
-                            const uint64_t bits = dropout_bits(drop.key, dropout_attention_counter(drop, b, h, row, key, T));
-                            s[mt][nt][2 * r] = dropout_value(drop, bits, key, s[mt][nt][2 * r]);
-                            s[mt][nt][2 * r + 1] = dropout_value(drop, bits, key + 1, s[mt][nt][2 * r + 1]);
-                        }
-            }
+             * LSE) are P's own */
+            if constexpr (DROP) dropout_rows_tile<MT, NT>(s, drop, b, h, wq_first, k0, T, g, t);
 
             /* O += P V, P straight from registers (bf16) */
             gemm_pb<MT, BN, D>(o, s, sVs, lane);
@@ -2472,19 +2479,7 @@ __global__ void __launch_bounds__(32 * WARPS)
             gemm_abt<MT, BN, D>(ds, sdO, wrow, sVs, lane);
 
             /* attention dropout: the gradient reaching P is dropout(dP_d), the forward's mask */
-            if constexpr (DROP) {
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                        for (int r = 0; r < 2; r++) {
-                            const int row = wq_first + mt * 16 + g + r * 8, key = k0 + nt * 8 + 2 * t;
-                            const uint64_t bits = dropout_bits(drop.key, dropout_attention_counter(drop, b, h, row, key, T));
-                            ds[mt][nt][2 * r] = dropout_value(drop, bits, key, ds[mt][nt][2 * r]);
-                            ds[mt][nt][2 * r + 1] = dropout_value(drop, bits, key + 1, ds[mt][nt][2 * r + 1]);
-                        }
-            }
+            if constexpr (DROP) dropout_rows_tile<MT, NT>(ds, drop, b, h, wq_first, k0, T, g, t);
 
             /* dS = P * (dP - Dsum[row]) */
 #pragma unroll
