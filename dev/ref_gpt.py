@@ -1139,10 +1139,15 @@ def selftest():
                     idx = (cfg.Vp - 1, idx[1])             # a padding row: gradient only via the softmax
                 e = 1e-5
                 pp = {kk: vv.clone() for kk, vv in params.items()}
+
+                def objective(pp):      # the training objective loss_and_grads differentiates
+                    dropped = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
+                    logits = forward(cfg, pp, t[:, :-1], drop=Dropout(cfg, 0) if dropped else None)
+                    return (masked_loss(cfg, logits, t)[0] if cfg.eod >= 0 else cross_entropy(logits, t[:, 1:])).item()
                 pp[pname][idx] += e
-                lp = cross_entropy(forward(cfg, pp, t[:, :-1]), t[:, 1:]).item()
+                lp = objective(pp)
                 pp[pname][idx] -= 2 * e
-                lm = cross_entropy(forward(cfg, pp, t[:, :-1]), t[:, 1:]).item()
+                lm = objective(pp)
                 fd = (lp - lm) / (2 * e)
                 an = grads[pname][idx].item()
                 # tolerance: relative, with an absolute floor for tiny entries (FD noise ~1e-10)
