@@ -36,6 +36,7 @@
 #include "tests/test_flags.h"
 #include "tests/test_memory.h"
 #include "tests/test_checkpoint_tool.h"
+#include "tests/test_watchdog.h"
 #include "tests/test_dropout.h"
 
 typedef struct {
@@ -79,6 +80,7 @@ int main(int argc, char** argv) {
         GROUP("host.evaluation", evaluation_tests),
         GROUP("host.memory", memory_tests),
         GROUP("host.checkpoint_tool", checkpoint_tool_tests),
+        GROUP("host.watchdog", watchdog_tests),
         GROUP("host.dropout", dropout_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.flags", flags_gpu_tests),
@@ -93,6 +95,7 @@ int main(int argc, char** argv) {
         GROUP("gpu.evaluation", evaluation_gpu_tests),
         GROUP("gpu.memory", memory_gpu_tests),
         GROUP("gpu.hostile", hostile_gpu_tests),
+        GROUP("gpu.watchdog", watchdog_gpu_tests),
         GROUP("gpu.dropout", dropout_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
         GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),
