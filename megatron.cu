@@ -152,7 +152,10 @@ typedef struct {
     int accumulate_gradients;
     int last;               /* the step's last micro-batch: after its backward the gradients are final */
     int reduce_in_backward; /* buckets start their DP reduction from this backward (--overlap-grad-reduce) */
-    int training;           /* a backward follows: FP8's delayed scaling records this micro-batch's amaxes */
+    int training;           /* a backward follows: FP8's delayed scaling records this micro-batch's amaxes, and
+                               dropout is on */
+    int64_t first_sample;   /* the number of this micro-batch's first sample in the step's global batch
+                               (Megatron's sampler order): keys its dropout masks (section 5) */
 } mt_micro_batch_mode;
 
 typedef struct mt_gemm_plans mt_gemm_plans; /* section 13 */
@@ -258,7 +261,7 @@ __device__ __forceinline__ void cp_async_wait() {
 /*    master and the model type.                                                                  */
 /* ============================================================================================== */
 
-__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+__host__ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
     x += 0x9E3779B97F4A7C15ull;
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
     x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
@@ -536,12 +539,78 @@ static void word_embedding_backward(const mt_exec* ex, float* dwte, const T* dou
 }
 
 /* ============================================================================================== */
-/* 5. Bias, residual and activations                                                              */
+/* 5. Bias, residual, dropout and activations                                                     */
 /*    Bias add, the residual add, GELU (tanh approximation) and SwiGLU (Megatron's --swiglu),     */
 /*    each as a scalar kernel and a 16-byte one that the launcher picks when rows are a multiple  */
 /*    of the vector width and pointers aligned. A NULL bias means the model has none (--disable-  */
-/*    bias-linear).                                                                               */
+/*    bias-linear). Dropout (Megatron's hidden and attention dropout) draws its masks from a      */
+/*    counter-based generator: nothing is stored, the backward regenerates them.                  */
 /* ============================================================================================== */
+
+/* ---- Dropout masks. A dropout site (one tensor of one micro-batch: the embeddings' output, a layer's
+ *      attention probabilities, its attention or MLP branch) has a 64-bit stream key made from (seed,
+ *      iteration, layer, site) on the host (dropout_stream, section 16). Element number `counter` of
+ *      the site takes the 64 bits splitmix64(key + counter * golden), i.e. output counter + 1 of
+ *      SplitMix64 seeded with the key; elements 2c and 2c+1 of a row share counter c (low 32 bits for
+ *      the even column, high for the odd), so a thread holding a column pair hashes once. An element
+ *      is dropped when its 32 bits are below threshold = round(p * 2^32); kept ones are scaled by
+ *      1 / (1 - p) in fp32. Counters are global coordinates, so a mask does not depend on the
+ *      parallel layout or the micro-batch size:
+ *        hidden   [rows, C]: counter = row * ceil(C / 2) + column / 2, row = the token's row among the
+ *                 step's global batch (sample * seq + position);
+ *        attention [T, T] per (sample, head): counter = ((sample * heads + head) * T + query) *
+ *                 ceil(T / 2) + key / 2, with the model's head number.
+ *      dev/ref_gpt.py computes the same bits in numpy. ---- */
+typedef struct {
+    int on;             /* 0: no dropout at this site (evaluation, p = 0) */
+    uint32_t threshold; /* dropped when the element's 32 bits < threshold */
+    float scale;        /* 1 / (1 - p) */
+    uint64_t key;       /* the site's stream */
+    int64_t row0;       /* hidden: the global row of local row 0; attention: the global sample of batch 0 */
+    int head0, heads;   /* attention: the model's number of local head 0, and its number of heads */
+} mt_dropout;
+
+__host__ __device__ __forceinline__ uint64_t dropout_bits(uint64_t key, uint64_t counter) {
+    return splitmix64(key + counter * 0x9E3779B97F4A7C15ull);
+}
+/* element `column` of the pair whose bits are `bits` is kept */
+__host__ __device__ __forceinline__ bool dropout_keeps(const mt_dropout& d, uint64_t bits, int column) {
+    return (uint32_t)(bits >> (32 * (column & 1))) >= d.threshold;
+}
+/* the counter of element (row, column) of a hidden site [rows, C], row local */
+__host__ __device__ __forceinline__ uint64_t dropout_hidden_counter(const mt_dropout& d, int64_t row, int64_t column,
+                                                                    int64_t C) {
+    return (uint64_t)(d.row0 + row) * (uint64_t)((C + 1) / 2) + (uint64_t)(column / 2);
+}
+/* the counter of (local batch b, local head h, query, key) of an attention site with sequence T */
+__host__ __device__ __forceinline__ uint64_t dropout_attention_counter(const mt_dropout& d, int b, int h, int query,
+                                                                       int key, int T) {
+    const uint64_t head = (uint64_t)(d.row0 + b) * (uint64_t)d.heads + (uint64_t)(d.head0 + h);
+    return (head * (uint64_t)T + (uint64_t)query) * (uint64_t)((T + 1) / 2) + (uint64_t)(key / 2);
+}
+__host__ __device__ __forceinline__ float dropout_value(const mt_dropout& d, uint64_t bits, int column, float v) {
+    return dropout_keeps(d, bits, column) ? v * d.scale : 0.0f;
+}
+
+/* out[N, C] = dropout(in) with the site's mask (in place allowed): the embeddings' dropout, and the
+ * backward of every hidden dropout (the gradient takes the same mask and scale). */
+template <typename T>
+__global__ void dropout_kernel(T* out, const T* in, mt_dropout d, int64_t N, int C) {
+    const int64_t pairs_per_row = (C + 1) / 2;
+    const int64_t pair = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (pair >= N * pairs_per_row) return;
+    const int64_t row = pair / pairs_per_row;
+    const int c0 = (int)(pair % pairs_per_row) * 2;
+    const uint64_t bits = dropout_bits(d.key, dropout_hidden_counter(d, row, c0, C));
+    for (int c = c0; c < c0 + 2 && c < C; c++)
+        out[row * C + c] = from_float<T>(dropout_value(d, bits, c, to_float(in[row * C + c])));
+}
+template <typename T>
+static void dropout_apply(const mt_exec* ex, T* out, const T* in, const mt_dropout& d, int N, int C) {
+    const int64_t pairs = (int64_t)N * ((C + 1) / 2);
+    dropout_kernel<T><<<ceil_div(pairs, 256), 256, 0, ex->stream>>>(out, in, d, N, C);
+    LAUNCH_CHECK(ex->error);
+}
 
 template <typename T>
 __global__ void bias_add_kernel(T* y, const T* bias, int64_t N, int C) {
@@ -610,7 +679,7 @@ __global__ void bias_add_vec_kernel(T* y, const T* bias, int64_t vectors, int C)
  * pre = y + bias, act = gelu(pre) (the first MLP linear; pre is kept for the backward). */
 template <typename T>
 __global__ void bias_residual_vec_kernel(T* out, const T* residual, const T* branch, const T* bias, int64_t vectors,
-                                         int C) {
+                                         int C, mt_dropout d) {
     constexpr int V = vec16<T>::N;
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= vectors) return;
@@ -619,9 +688,32 @@ __global__ void bias_residual_vec_kernel(T* out, const T* residual, const T* bra
     load16(r, residual + e);
     load16(y, branch + e);
     if (bias) load16(b, bias + e % C);
+    if (d.on) { /* residual + dropout(branch + bias): V is even, so column pairs stay in one vector */
+        const int64_t row = e / C;
+        const int c0 = (int)(e % C);
 #pragma unroll
-    for (int k = 0; k < V; k++) r[k] += y[k] + (bias ? b[k] : 0.0f);
+        for (int k = 0; k < V; k += 2) {
+            const uint64_t bits = dropout_bits(d.key, dropout_hidden_counter(d, row, c0 + k, C));
+#pragma unroll
+            for (int j = k; j < k + 2; j++) r[j] += dropout_value(d, bits, c0 + j, y[j] + (bias ? b[j] : 0.0f));
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; k++) r[k] += y[k] + (bias ? b[k] : 0.0f);
+    }
     store16(out + e, r);
+}
+/* The same, one element per thread (any C): out = residual + dropout(branch + bias). */
+template <typename T>
+__global__ void bias_dropout_residual_kernel(T* out, const T* residual, const T* branch, const T* bias, int64_t N,
+                                             int C, mt_dropout d) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N * C) return;
+    const int64_t row = i / C;
+    const int c = (int)(i % C);
+    const float v = to_float(branch[i]) + (bias ? to_float(bias[c]) : 0.0f);
+    const uint64_t bits = dropout_bits(d.key, dropout_hidden_counter(d, row, c, C));
+    out[i] = from_float<T>(to_float(residual[i]) + dropout_value(d, bits, c, v));
 }
 
 template <typename T>
@@ -738,13 +830,18 @@ static void bias_add(const mt_exec* ex, T* y, const T* bias, int N, int C) {
     LAUNCH_CHECK(ex->error);
 }
 
-/* out[N, C] = residual + branch + bias[C] (bias may be NULL) */
+/* out[N, C] = residual + branch + bias[C] (bias may be NULL); with a dropout site (Megatron's
+ * bias-dropout-add) out = residual + dropout(branch + bias) */
 template <typename T>
-static void bias_residual(const mt_exec* ex, T* out, const T* residual, T* branch, const T* bias, int N, int C) {
+static void bias_residual(const mt_exec* ex, T* out, const T* residual, T* branch, const T* bias, int N, int C,
+                          const mt_dropout& d = mt_dropout()) {
     int64_t n = (int64_t)N * C;
     if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(residual) && aligned16(branch) && aligned16(bias)) {
         int64_t vectors = n / vec16<T>::N;
-        bias_residual_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, ex->stream>>>(out, residual, branch, bias, vectors, C);
+        bias_residual_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, ex->stream>>>(out, residual, branch, bias, vectors, C,
+                                                                                 d);
+    } else if (d.on) {
+        bias_dropout_residual_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, residual, branch, bias, N, C, d);
     } else {
         if (bias) bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(branch, bias, N, C);
         residual_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, residual, branch, n);
@@ -964,7 +1061,8 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
 template <typename T, int MAXV>
 __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean_out, float* rstd_out,
                                                  const T* residual, const T* branch, const T* bias, const T* weight,
-                                                 const T* norm_bias, int N, int C, float eps, bool rms, float w1) {
+                                                 const T* norm_bias, int N, int C, float eps, bool rms, float w1,
+                                                 mt_dropout d) {
     constexpr int V = vec16<T>::N;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -979,10 +1077,22 @@ __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean
         load16(r[j], residual + base + c);
         load16(y, branch + base + c);
         if (bias) load16(w, bias + c);
+        if (d.on) { /* residual + dropout(branch + bias) (see bias_residual_vec_kernel) */
 #pragma unroll
-        for (int i = 0; i < V; i++) {
-            r[j][i] = to_float(from_float<T>(r[j][i] + y[i] + (bias ? w[i] : 0.0f)));
-            sum += r[j][i];
+            for (int i = 0; i < V; i += 2) {
+                const uint64_t bits = dropout_bits(d.key, dropout_hidden_counter(d, row, c + i, C));
+#pragma unroll
+                for (int k = i; k < i + 2; k++)
+                    y[k] = dropout_value(d, bits, c + k, y[k] + (bias ? w[k] : 0.0f)), r[j][k] += y[k];
+            }
+#pragma unroll
+            for (int i = 0; i < V; i++) r[j][i] = to_float(from_float<T>(r[j][i])), sum += r[j][i];
+        } else {
+#pragma unroll
+            for (int i = 0; i < V; i++) {
+                r[j][i] = to_float(from_float<T>(r[j][i] + y[i] + (bias ? w[i] : 0.0f)));
+                sum += r[j][i];
+            }
         }
         store16(sum_out + base + c, r[j]);
     }
@@ -1239,16 +1349,16 @@ static void norm_forward(const mt_exec* ex, T* out, float* mean, float* rstd, co
 template <typename T>
 static void residual_norm_forward(const mt_exec* ex, T* sum, T* out, float* mean, float* rstd, const T* residual,
                                   T* branch, const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms,
-                                  float w1 = 0.0f) {
+                                  float w1 = 0.0f, const mt_dropout& d = mt_dropout()) {
     constexpr int V = vec16<T>::N;
     if (C % V == 0 && C <= 32 * V * RESIDUAL_NORM_MAXV && aligned16(sum) && aligned16(out) && aligned16(residual) &&
         aligned16(branch) && aligned16(bias) && aligned16(w) && aligned16(b)) {
         residual_norm_forward_vec_kernel<T, RESIDUAL_NORM_MAXV><<<ceil_div(N, 8), 256, 0, ex->stream>>>(
-            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms, w1);
+            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms, w1, d);
         LAUNCH_CHECK(ex->error);
         return;
     }
-    bias_residual<T>(ex, sum, residual, branch, bias, N, C);
+    bias_residual<T>(ex, sum, residual, branch, bias, N, C, d);
     norm_forward<T>(ex, out, mean, rstd, sum, w, b, N, C, eps, rms, w1);
 }
 
@@ -1583,20 +1693,43 @@ __global__ void causal_softmax_forward_kernel(T* scores, int rows, int seq, floa
         s[k] = from_float<T>(k <= q ? expf(scale * to_float(s[k]) - mx) * inv : 0.0f);
 }
 
-/* In place over dP: dS = scale * P * (dP - sum_k dP*P). */
+/* In place over dP: dS = scale * P * (dP - sum_k dP*P). With attention dropout dscores holds the
+ * gradient of the dropped probabilities P_d, and dP = dropout(that) with the forward's mask. */
 template <typename T>
-__global__ void causal_softmax_backward_kernel(T* dscores, const T* probs, int rows, int seq, float scale) {
+__global__ void causal_softmax_backward_kernel(T* dscores, const T* probs, int rows, int seq, float scale,
+                                               mt_dropout d, int heads) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= rows) return;
     int q = row % seq;
     T* ds = dscores + (int64_t)row * seq;
     const T* p = probs + (int64_t)row * seq;
+    const int b = row / (heads * seq), h = (row / seq) % heads;
+    auto dprob = [&](int k) {
+        const float g = to_float(ds[k]);
+        if (!d.on) return g;
+        return dropout_value(d, dropout_bits(d.key, dropout_attention_counter(d, b, h, q, k, seq)), k, g);
+    };
     float dot = 0.0f;
-    for (int k = lane; k <= q; k += 32) dot += to_float(ds[k]) * to_float(p[k]);
+    for (int k = lane; k <= q; k += 32) dot += dprob(k) * to_float(p[k]);
     dot = warp_sum(dot);
     for (int k = lane; k < seq; k += 32)
-        ds[k] = from_float<T>(k <= q ? scale * to_float(p[k]) * (to_float(ds[k]) - dot) : 0.0f);
+        ds[k] = from_float<T>(k <= q ? scale * to_float(p[k]) * (dprob(k) - dot) : 0.0f);
+}
+
+/* out = dropout(probs) over [B*heads, T, T] rows (row as above): the probabilities that multiply V. */
+template <typename T>
+__global__ void attention_dropout_kernel(T* out, const T* probs, int rows, int seq, mt_dropout d, int heads) {
+    const int64_t pairs_per_row = (seq + 1) / 2;
+    const int64_t pair = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (pair >= (int64_t)rows * pairs_per_row) return;
+    const int row = (int)(pair / pairs_per_row), k0 = (int)(pair % pairs_per_row) * 2;
+    const int q = row % seq, b = row / (heads * seq), h = (row / seq) % heads;
+    const uint64_t bits = dropout_bits(d.key, dropout_attention_counter(d, b, h, q, k0, seq));
+    for (int k = k0; k < k0 + 2 && k < seq; k++) {
+        const int64_t i = (int64_t)row * seq + k;
+        out[i] = from_float<T>(dropout_value(d, bits, k, to_float(probs[i])));
+    }
 }
 
 /* probs [rows, S, S] (rows = B*heads query rows of S keys): softmax(scale * scores), causal, in place */
@@ -1605,10 +1738,21 @@ static void causal_softmax_forward(const mt_exec* ex, T* probs, int rows, int S,
     causal_softmax_forward_kernel<T><<<ceil_div(rows, 8), 256, 0, ex->stream>>>(probs, rows, S, scale);
     LAUNCH_CHECK(ex->error);
 }
-/* dscores [rows, S, S]: dP -> dS in place, from the forward's probs */
+/* dscores [rows, S, S]: dP -> dS in place, from the forward's probs (rows = B*heads*S; with a
+ * dropout site, dscores is the gradient of the dropped probabilities) */
 template <typename T>
-static void causal_softmax_backward(const mt_exec* ex, T* dscores, const T* probs, int rows, int S, float scale) {
-    causal_softmax_backward_kernel<T><<<ceil_div(rows, 8), 256, 0, ex->stream>>>(dscores, probs, rows, S, scale);
+static void causal_softmax_backward(const mt_exec* ex, T* dscores, const T* probs, int rows, int S, float scale,
+                                    const mt_dropout& d = mt_dropout(), int heads = 1) {
+    causal_softmax_backward_kernel<T><<<ceil_div(rows, 8), 256, 0, ex->stream>>>(dscores, probs, rows, S, scale, d,
+                                                                                heads);
+    LAUNCH_CHECK(ex->error);
+}
+/* out [rows, S, S] = dropout(probs) with the site's mask (rows = B*heads*S) */
+template <typename T>
+static void attention_dropout(const mt_exec* ex, T* out, const T* probs, int rows, int S, const mt_dropout& d,
+                              int heads) {
+    const int64_t pairs = (int64_t)rows * ((S + 1) / 2);
+    attention_dropout_kernel<T><<<ceil_div(pairs, 256), 256, 0, ex->stream>>>(out, probs, rows, S, d, heads);
     LAUNCH_CHECK(ex->error);
 }
 
@@ -1791,6 +1935,25 @@ __device__ __forceinline__ void c_to_a(uint32_t a[4], const float c0[4], const f
     a[3] = pack_bf16(c1[2], c1[3]);
 }
 
+/* ---- Attention dropout on a warp's tile of scores laid out as the forward's and dQ's (queries as
+ *      rows): x[mt][nt][2r], [2r+1] are query wq_first+mt*16+g+8r and keys k0+nt*8+2t, +1, one
+ *      counter for the pair. Each element becomes dropout(x) with the site's mask (section 5). ---- */
+template <int MT, int NT>
+__device__ __forceinline__ void dropout_rows_tile(float (&x)[MT][NT][4], const mt_dropout& drop, int b, int h,
+                                                  int wq_first, int k0, int T, int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int row = wq_first + mt * 16 + g + r * 8, key = k0 + nt * 8 + 2 * t;
+                const uint64_t bits = dropout_bits(drop.key, dropout_attention_counter(drop, b, h, row, key, T));
+                x[mt][nt][2 * r] = dropout_value(drop, bits, key, x[mt][nt][2 * r]);
+                x[mt][nt][2 * r + 1] = dropout_value(drop, bits, key + 1, x[mt][nt][2 * r + 1]);
+            }
+}
+
 /* ---- Warp-level tile products. A warp owns 16*MT rows; every loop is unrolled so fragment
  *      arrays are indexed by constants and stay in registers. ---- */
 
@@ -1837,16 +2000,31 @@ __device__ __forceinline__ void gemm_abt_rega(float (&acc)[MT][N / 8][4], const 
     }
 }
 /* acc[16*MT x D] += P[16*MT x K] * B, P given as fp32 accumulators (rounded to bf16 here), B stored
- * [k][n] ([K][D] in shared memory). Used for O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q. */
-template <int MT, int K, int D>
+ * [k][n] ([K][D] in shared memory). Used for O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.
+ * MASKED (MT = 1, K <= 64): P's element [nt][j] enters as P * dscale where bit nt*4 + j of keep is
+ * set, else as 0 (attention dropout's P_d in dV += P_d^T dO, with P itself kept for dS). */
+template <int MT, int K, int D, bool MASKED = false>
 __device__ __forceinline__ void gemm_pb(float (&acc)[MT][D / 8][4], const float (&p)[MT][K / 8][4], const bf16* sB,
-                                        int lane) {
+                                        int lane, uint32_t keep = 0, float dscale = 1.0f) {
     constexpr int S = D + 8;
+    static_assert(!MASKED || (MT == 1 && K / 8 * 4 <= 32), "one keep bit per element of one m16 block");
 #pragma unroll
     for (int kk = 0; kk < K / 16; kk++) {
         uint32_t a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++) c_to_a(a[mt], p[mt][2 * kk], p[mt][2 * kk + 1]);
+        for (int mt = 0; mt < MT; mt++) {
+            if constexpr (MASKED) {
+                float c[2][4];
+#pragma unroll
+                for (int n = 0; n < 2; n++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        c[n][j] = (keep >> ((2 * kk + n) * 4 + j)) & 1u ? p[mt][2 * kk + n][j] * dscale : 0.0f;
+                c_to_a(a[mt], c[0], c[1]);
+            } else {
+                c_to_a(a[mt], p[mt][2 * kk], p[mt][2 * kk + 1]);
+            }
+        }
 #pragma unroll
         for (int np = 0; np < D / 16; np++) {
             uint32_t b[4];
@@ -1870,10 +2048,10 @@ constexpr size_t fwd_smem_bytes() {
     return (size_t)(BM + 4 * BN) * (D + 8) * sizeof(bf16);
 }
 
-template <int D, int BM, int WARPS>
+template <int D, int BM, int WARPS, bool DROP>
 __global__ void __launch_bounds__(32 * WARPS)
     flash_fwd_kernel(heads_view<bf16> O, float* __restrict__ LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
-                     heads_view<const bf16> V, int H, int Hkv, int T, float scale) {
+                     heads_view<const bf16> V, int H, int Hkv, int T, float scale, mt_dropout drop) {
     constexpr int NTH = 32 * WARPS, MT = BM / (16 * WARPS); /* m16 row blocks per warp: a warp owns 16*MT rows */
     constexpr int S = D + 8, NT = BN / 8, DT = D / 8;
     static_assert(BM % (16 * WARPS) == 0 && (D == 64 || D == 128), "tile shape");
@@ -1981,6 +2159,10 @@ __global__ void __launch_bounds__(32 * WARPS)
                     }
                 }
 
+            /* attention dropout: O accumulates P_d V with P_d = dropout(P); the row sums above (and so
+             * LSE) are P's own */
+            if constexpr (DROP) dropout_rows_tile<MT, NT>(s, drop, b, h, wq_first, k0, T, g, t);
+
             /* O += P V, P straight from registers (bf16) */
             gemm_pb<MT, BN, D>(o, s, sVs, lane);
         }
@@ -2050,12 +2232,13 @@ constexpr size_t dkdv_smem_bytes() {
  *   dP^T = V dO^T,  dS^T = P^T * (dP^T - Dsum[q]),  dK += dS^T Q,   finally dK *= scale.
  * The loop runs over the H/Hkv query heads of this kv head, and for each over the query tiles of
  * BMQ rows from the one holding query k0 (earlier queries see none of these keys) to the end. */
-template <int D, int BMQ, int WARPS>
+template <int D, int BMQ, int WARPS, bool DROP>
 __global__ void __launch_bounds__(32 * WARPS)
     flash_bwd_dkdv_kernel(heads_view<bf16> dK, heads_view<bf16> dV, heads_view<const bf16> Q,
                           heads_view<const bf16> K, heads_view<const bf16> V, heads_view<const bf16> dO,
                           const float* __restrict__ LSE, const float* __restrict__ Dsum, int H, int Hkv, int T,
-                          float scale, float* __restrict__ colsum, int64_t k_column, int64_t v_column) {
+                          float scale, float* __restrict__ colsum, int64_t k_column, int64_t v_column,
+                          mt_dropout drop) {
     constexpr int S = D + 8, NQ = BMQ / 8, DT = D / 8, NTH = 32 * WARPS, KEYS = 16 * WARPS;
     static_assert(BMQ % 16 == 0 && (D == 64 || D == 128), "tile shape");
 
@@ -2133,8 +2316,24 @@ __global__ void __launch_bounds__(32 * WARPS)
                     p[0][nq][j] = (need_mask && key > q0 + qi) ? 0.0f : v;
                 }
 
-            /* dV += P^T dO */
-            gemm_pb<1, BMQ, D>(dv, p, sdOs, lane);
+            /* attention dropout: the forward's mask of this tile, one bit per element (bit nq*4 + j);
+             * dV += P_d^T dO, and the gradient reaching P is dropout(dP_d) */
+            uint32_t keep = 0;
+            if constexpr (DROP) {
+                const int h = hkv * qpg + it / per_head;
+#pragma unroll
+                for (int nq = 0; nq < NQ; nq++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        const int query = q0 + nq * 8 + 2 * t + (j & 1), key = wk_first + g + (j >> 1) * 8;
+                        const uint64_t bits = dropout_bits(drop.key, dropout_attention_counter(drop, b, h, query, key, T));
+                        keep |= (uint32_t)dropout_keeps(drop, bits, key) << (nq * 4 + j);
+                    }
+                gemm_pb<1, BMQ, D, true>(dv, p, sdOs, lane, keep, drop.scale);
+            } else {
+                /* dV += P^T dO */
+                gemm_pb<1, BMQ, D>(dv, p, sdOs, lane);
+            }
 
             /* dP^T = V dO^T */
             float dp[1][NQ][4];
@@ -2146,7 +2345,11 @@ __global__ void __launch_bounds__(32 * WARPS)
 #pragma unroll
             for (int nq = 0; nq < NQ; nq++)
 #pragma unroll
-                for (int j = 0; j < 4; j++) dp[0][nq][j] = p[0][nq][j] * (dp[0][nq][j] - sDs[nq * 8 + 2 * t + (j & 1)]);
+                for (int j = 0; j < 4; j++) {
+                    float g_p = dp[0][nq][j];
+                    if constexpr (DROP) g_p = (keep >> (nq * 4 + j)) & 1u ? g_p * drop.scale : 0.0f;
+                    dp[0][nq][j] = p[0][nq][j] * (g_p - sDs[nq * 8 + 2 * t + (j & 1)]);
+                }
 
             /* dK += dS^T Q (the scale is applied once, at the end) */
             gemm_pb<1, BMQ, D>(dk, dp, sQs, lane);
@@ -2192,12 +2395,12 @@ constexpr size_t dq_smem_bytes() {
 /* One CTA per (b, h, tile of BM query rows), warps own 16*MT rows, loop over key tiles as in the
  * forward:  S = Q K^T,  P = exp(scale*S - LSE),  dP = dO V^T,  dS = P * (dP - Dsum),  dQ += dS K;
  * finally dQ *= scale. */
-template <int D, int BM, int WARPS>
+template <int D, int BM, int WARPS, bool DROP>
 __global__ void __launch_bounds__(32 * WARPS)
     flash_bwd_dq_kernel(heads_view<bf16> dQ, heads_view<const bf16> Q, heads_view<const bf16> K,
                         heads_view<const bf16> V, heads_view<const bf16> dO, const float* __restrict__ LSE,
                         const float* __restrict__ Dsum, int H, int Hkv, int T, float scale,
-                        float* __restrict__ colsum) {
+                        float* __restrict__ colsum, mt_dropout drop) {
     constexpr int NTH = 32 * WARPS, MT = BM / (16 * WARPS);
     constexpr int S = D + 8, NT = BN / 8, DT = D / 8;
     static_assert(BM % (16 * WARPS) == 0 && (D == 64 || D == 128), "tile shape");
@@ -2279,6 +2482,9 @@ __global__ void __launch_bounds__(32 * WARPS)
                 for (int nt = 0; nt < NT; nt++) ds[mt][nt][0] = ds[mt][nt][1] = ds[mt][nt][2] = ds[mt][nt][3] = 0.0f;
             gemm_abt<MT, BN, D>(ds, sdO, wrow, sVs, lane);
 
+            /* attention dropout: the gradient reaching P is dropout(dP_d), the forward's mask */
+            if constexpr (DROP) dropout_rows_tile<MT, NT>(ds, drop, b, h, wq_first, k0, T, g, t);
+
             /* dS = P * (dP - Dsum[row]) */
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
@@ -2348,49 +2554,54 @@ static bool shape_ok(int B, int H, int Hkv, int T, int d) {
 }
 
 /* Launchers for any tile choice (the lab compares them); forward_d / backward_d use Tiles<D>. */
-template <int D, int BM, int WARPS>
+template <int D, int BM, int WARPS, bool DROP = false>
 static cudaError_t forward_tiles(heads_view<bf16> O, float* LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
-                                 heads_view<const bf16> V, int B, int H, int Hkv, int T, cudaStream_t st) {
+                                 heads_view<const bf16> V, int B, int H, int Hkv, int T, cudaStream_t st,
+                                 const mt_dropout& drop = mt_dropout()) {
     static bool ready = false;
-    cudaError_t e = set_smem_limit(flash_fwd_kernel<D, BM, WARPS>, fwd_smem_bytes<D, BM>(), &ready);
+    cudaError_t e = set_smem_limit(flash_fwd_kernel<D, BM, WARPS, DROP>, fwd_smem_bytes<D, BM>(), &ready);
     if (e != cudaSuccess) return e;
     dim3 grid(B * H, (T + BM - 1) / BM);
-    flash_fwd_kernel<D, BM, WARPS><<<grid, 32 * WARPS, fwd_smem_bytes<D, BM>(), st>>>(O, LSE, Q, K, V, H, Hkv, T,
-                                                                                    1.0f / sqrtf((float)D));
+    flash_fwd_kernel<D, BM, WARPS, DROP><<<grid, 32 * WARPS, fwd_smem_bytes<D, BM>(), st>>>(O, LSE, Q, K, V, H, Hkv, T,
+                                                                                          1.0f / sqrtf((float)D), drop);
     return cudaGetLastError();
 }
 
-template <int D, int BMQ, int KV_WARPS, int BM, int Q_WARPS>
+template <int D, int BMQ, int KV_WARPS, int BM, int Q_WARPS, bool DROP = false>
 static cudaError_t backward_tiles(heads_view<bf16> dQ, heads_view<bf16> dK, heads_view<bf16> dV, float* Dsum,
                                   heads_view<const bf16> dO, heads_view<const bf16> Q, heads_view<const bf16> K,
                                   heads_view<const bf16> V, heads_view<const bf16> O, const float* LSE, int B, int H,
-                                  int Hkv, int T, cudaStream_t st, float* colsum = NULL) {
+                                  int Hkv, int T, cudaStream_t st, float* colsum = NULL,
+                                  const mt_dropout& drop = mt_dropout()) {
     constexpr int KEYS = 16 * KV_WARPS;
     /* one chunk of column sums per (b, 64-row tile) in both kernels */
     if (colsum && (KEYS != COLSUM_TILE || BM != COLSUM_TILE)) return cudaErrorInvalidValue;
     static bool ready_kv = false, ready_q = false;
     const float scale = 1.0f / sqrtf((float)D);
-    cudaError_t e = set_smem_limit(flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS>, dkdv_smem_bytes<D, BMQ, KEYS>(), &ready_kv);
-    if (e == cudaSuccess) e = set_smem_limit(flash_bwd_dq_kernel<D, BM, Q_WARPS>, dq_smem_bytes<D, BM>(), &ready_q);
+    cudaError_t e =
+        set_smem_limit(flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS, DROP>, dkdv_smem_bytes<D, BMQ, KEYS>(), &ready_kv);
+    if (e == cudaSuccess) e = set_smem_limit(flash_bwd_dq_kernel<D, BM, Q_WARPS, DROP>, dq_smem_bytes<D, BM>(), &ready_q);
     if (e != cudaSuccess) return e;
     const size_t rows = (size_t)B * H * T;
     flash_bwd_dot_kernel<D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, st>>>(Dsum, dO, O, H, H / Hkv, T,
                                                                                       rows);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     dim3 grid_kv(B * Hkv, (T + KEYS - 1) / KEYS);
-    flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS><<<grid_kv, 32 * KV_WARPS, dkdv_smem_bytes<D, BMQ, KEYS>(), st>>>(
-        dK, dV, Q, K, V, dO, LSE, Dsum, H, Hkv, T, scale, colsum, dK.p - dQ.p, dV.p - dQ.p);
+    flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS, DROP><<<grid_kv, 32 * KV_WARPS, dkdv_smem_bytes<D, BMQ, KEYS>(), st>>>(
+        dK, dV, Q, K, V, dO, LSE, Dsum, H, Hkv, T, scale, colsum, dK.p - dQ.p, dV.p - dQ.p, drop);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     dim3 grid_q(B * H, (T + BM - 1) / BM);
-    flash_bwd_dq_kernel<D, BM, Q_WARPS><<<grid_q, 32 * Q_WARPS, dq_smem_bytes<D, BM>(), st>>>(dQ, Q, K, V, dO, LSE,
-                                                                                            Dsum, H, Hkv, T, scale,
-                                                                                            colsum);
+    flash_bwd_dq_kernel<D, BM, Q_WARPS, DROP><<<grid_q, 32 * Q_WARPS, dq_smem_bytes<D, BM>(), st>>>(
+        dQ, Q, K, V, dO, LSE, Dsum, H, Hkv, T, scale, colsum, drop);
     return cudaGetLastError();
 }
 
 template <int D>
 static cudaError_t forward_d(heads_view<bf16> O, float* LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
-                             heads_view<const bf16> V, int B, int H, int Hkv, int T, cudaStream_t st) {
+                             heads_view<const bf16> V, int B, int H, int Hkv, int T, cudaStream_t st,
+                             const mt_dropout& drop) {
+    if (drop.on)
+        return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS, true>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop);
     return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS>(O, LSE, Q, K, V, B, H, Hkv, T, st);
 }
 
@@ -2398,7 +2609,10 @@ template <int D>
 static cudaError_t backward_d(heads_view<bf16> dQ, heads_view<bf16> dK, heads_view<bf16> dV, float* Dsum,
                               heads_view<const bf16> dO, heads_view<const bf16> Q, heads_view<const bf16> K,
                               heads_view<const bf16> V, heads_view<const bf16> O, const float* LSE, int B, int H,
-                              int Hkv, int T, cudaStream_t st, float* colsum) {
+                              int Hkv, int T, cudaStream_t st, float* colsum, const mt_dropout& drop) {
+    if (drop.on)
+        return backward_tiles<D, Tiles<D>::DKDV_BMQ, Tiles<D>::DKDV_WARPS, Tiles<D>::DQ_BM, Tiles<D>::DQ_WARPS, true>(
+            dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop);
     return backward_tiles<D, Tiles<D>::DKDV_BMQ, Tiles<D>::DKDV_WARPS, Tiles<D>::DQ_BM, Tiles<D>::DQ_WARPS>(
         dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum);
 }
@@ -2426,13 +2640,14 @@ static attn_view qkv_rows_view(bf16* qkv, int T, int groups, int d, int qpg, int
 static attn_cview cview(attn_view v) { return {v.p, v.batch, v.row, v.group, v.head}; }
 
 /* Causal attention forward: O and LSE [B, H, T] (fp32, packed) from Q (H heads), K, V (Hkv heads),
- * each a view (any of the layouts above). */
+ * each a view (any of the layouts above). With a dropout site, O = dropout(P) V (LSE is P's). */
 static cudaError_t flash_attention_forward(attn_view O, float* LSE, attn_cview Q, attn_cview K, attn_cview V, int B,
-                                           int H, int Hkv, int T, int d, cudaStream_t st) {
+                                           int H, int Hkv, int T, int d, cudaStream_t st,
+                                           const mt_dropout& drop = mt_dropout()) {
     if (!fa::shape_ok(B, H, Hkv, T, d) || !fa::view_ok(O) || !fa::view_ok(Q) || !fa::view_ok(K) || !fa::view_ok(V))
         return cudaErrorInvalidValue;
-    return d == 64 ? fa::forward_d<64>(O, LSE, Q, K, V, B, H, Hkv, T, st)
-                   : fa::forward_d<128>(O, LSE, Q, K, V, B, H, Hkv, T, st);
+    return d == 64 ? fa::forward_d<64>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop)
+                   : fa::forward_d<128>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop);
 }
 
 /* Causal attention backward: dQ (H heads), dK, dV (Hkv heads) from dO and the forward's Q, K, V, O,
@@ -2445,7 +2660,7 @@ static int flash_colsum_chunks(int B, int T) { return B * ((T + fa::COLSUM_TILE 
 static cudaError_t flash_attention_backward(attn_view dQ, attn_view dK, attn_view dV, float* Dsum, attn_cview dO,
                                             attn_cview Q, attn_cview K, attn_cview V, attn_cview O, const float* LSE,
                                             int B, int H, int Hkv, int T, int d, cudaStream_t st,
-                                            float* colsum = NULL) {
+                                            float* colsum = NULL, const mt_dropout& drop = mt_dropout()) {
     attn_cview views[] = {cview(dQ), cview(dK), cview(dV), dO, Q, K, V, O};
     bool ok = fa::shape_ok(B, H, Hkv, T, d);
     for (const attn_cview& v : views) ok = ok && fa::view_ok(v);
@@ -2453,8 +2668,8 @@ static cudaError_t flash_attention_backward(attn_view dQ, attn_view dK, attn_vie
         ok = ok && dK.row == dQ.row && dV.row == dQ.row && dK.batch == dQ.batch && dV.batch == dQ.batch &&
              dK.p - dQ.p >= 0 && dK.p - dQ.p < dQ.row && dV.p - dQ.p >= 0 && dV.p - dQ.p < dQ.row;
     if (!ok) return cudaErrorInvalidValue;
-    return d == 64 ? fa::backward_d<64>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum)
-                   : fa::backward_d<128>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum);
+    return d == 64 ? fa::backward_d<64>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop)
+                   : fa::backward_d<128>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop);
 }
 
 /* ============================================================================================== */
@@ -4300,6 +4515,8 @@ struct mt_trainer {
     int64_t scheduler_steps;  /* samples seen by the LR scheduler (Megatron's num_steps) */
     int64_t last_loss_tokens; /* positions the last train step or evaluation counted (over DP) */
     int64_t adam_step;        /* optimizer steps taken */
+    int64_t iteration;        /* train steps taken, skipped ones too (after a load: the checkpoint's
+                                 iteration): keys the dropout masks (dropout_site) */
     double loss_scale;        /* fp16 dynamic loss scale (1 otherwise) */
     int growth_tracker;
     int hysteresis_tracker;
@@ -4474,6 +4691,44 @@ static model_chunk chunk_of(const mt_trainer* t, int c) {
     return ch;
 }
 
+/* Dropout sites (section 5): Megatron's embedding dropout (the embeddings' output, --hidden-dropout),
+ * attention dropout (the probabilities, --attention-dropout) and hidden dropout of the attention and
+ * MLP branches before their residual adds (bias-dropout-add). Only in training (evaluation and
+ * inference run without). A site's stream is keyed by (seed, iteration, layer, site): every layer,
+ * step and site draws its own mask, and micro-batches differ by their samples' global numbers. Masks
+ * are functions of global coordinates, so they are the same at any TP, SP, PP, DP and micro-batch
+ * size (Megatron instead seeds TP regions per TP rank: its masks change with the layout; ours do not,
+ * so a run at TP 2 matches TP 1 as it does without dropout). */
+enum { DROPOUT_EMBEDDING = 0, DROPOUT_ATTENTION = 1, DROPOUT_PROJ = 2, DROPOUT_FC2 = 3 };
+static uint64_t dropout_stream(uint64_t seed, int64_t iteration, int layer, int site) {
+    uint64_t k = splitmix64(seed ^ 0x64726F706F757421ull); /* "dropout!": apart from the initialisation's */
+    k = splitmix64(k ^ (uint64_t)iteration);
+    return splitmix64(k ^ (uint64_t)((int64_t)(layer + 1) * 4 + site));
+}
+/* p -> the 32-bit threshold below which an element is dropped (p < 1, so at most 2^32 - 1) */
+static uint32_t dropout_threshold(double p) {
+    const double x = floor(p * 4294967296.0 + 0.5);
+    return x >= 4294967295.0 ? 0xFFFFFFFFu : (uint32_t)x;
+}
+static mt_dropout dropout_site(const mt_trainer* t, const mt_exec* ex, int layer, int site) {
+    mt_dropout d = mt_dropout();
+    const double p = site == DROPOUT_ATTENTION ? t->cfg.attention_dropout : t->cfg.hidden_dropout;
+    if (!ex->mode.training || !(p > 0.0)) return d;
+    const mt_shape s = model_shape(t);
+    d.on = 1;
+    d.threshold = dropout_threshold(p);
+    d.scale = (float)(1.0 / (1.0 - p));
+    d.key = dropout_stream((uint64_t)t->cfg.seed, t->iteration, layer, site);
+    if (site == DROPOUT_ATTENTION) {
+        d.row0 = ex->mode.first_sample;
+        d.head0 = s.tp_rank * s.heads; /* whole query groups per rank: its heads are consecutive */
+        d.heads = t->cfg.num_attention_heads;
+    } else { /* the norm/residual rows: with SP this rank's block of the micro-batch's B*T rows */
+        d.row0 = ex->mode.first_sample * s.S + (s.sp ? (int64_t)s.tp_rank * s.R : 0);
+    }
+    return d;
+}
+
 /* The attention geometry of this rank (section 7), from its shapes and the RoPE tables. */
 static mt_attention_dims attention_dims(const mt_trainer* t, const mt_shape& s) {
     return {s.B, s.S, s.heads, s.groups, s.d, s.rot, t->rope_cos, t->rope_sin};
@@ -4501,16 +4756,18 @@ static attn_view heads_rows_view(const mt_shape& s, void* rows) {
 /* One layer's attention: qkv [BT, qkv_width] (the QKV linear's output) -> attn [BT, heads*d].
  * Flash path: only the log-sum-exp lse [B*heads, T] is kept; exact path: the probabilities. */
 template <typename T>
-static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs, float* lse, T* attn) {
+static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs, float* lse, T* attn, int layer) {
     mt_shape s = model_shape(t);
     mt_attention_dims dims = attention_dims(t, s);
     mt_activations* a = &t->act;
+    const mt_dropout drop = dropout_site(t, ex, layer, DROPOUT_ATTENTION);
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
             rope_qkv_rows<T>(ex, dims, qkv, false);
             qkv_views in = qkv_rows_views(s, qkv);
             CUDA_CHECK(ex->error, flash_attention_forward(heads_rows_view(s, attn), lse, cview(in.q), cview(in.k),
-                                                          cview(in.v), s.B, s.heads, s.groups, s.S, s.d, ex->stream));
+                                                          cview(in.v), s.B, s.heads, s.groups, s.S, s.d, ex->stream,
+                                                          drop));
             return;
         }
     }
@@ -4520,7 +4777,10 @@ static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs
     /* scores[q, k] = Q K^T per (batch, group), causal softmax in place, o = P V */
     gemm<T, T>(ex, false, true, M, s.S, s.d, (T*)a->q, s.d, (T*)a->k, s.d, probs, s.S, 1.0f, 0.0f, batch, qd, sd, qs);
     causal_softmax_forward<T>(ex, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d));
-    gemm<T, T>(ex, false, false, M, s.d, s.S, probs, s.S, (T*)a->v, s.d, (T*)a->o, s.d, 1.0f, 0.0f, batch, qs, sd, qd);
+    /* attention dropout: o = dropout(P) V, the dropped probabilities in the dscores scratch (P is kept) */
+    const T* pv = probs;
+    if (drop.on) attention_dropout<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, drop, s.heads), pv = (T*)a->dscores;
+    gemm<T, T>(ex, false, false, M, s.d, s.S, pv, s.S, (T*)a->v, s.d, (T*)a->o, s.d, 1.0f, 0.0f, batch, qs, sd, qd);
     permute_heads<T>(ex, dims, attn, (T*)a->o, true);
 }
 
@@ -4531,10 +4791,11 @@ static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs
  * the caller sums them. */
 template <typename T>
 static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const T* dattn, T* qkv, T* probs,
-                               const float* lse, const T* attn, float* dbias) {
+                               const float* lse, const T* attn, float* dbias, int layer) {
     mt_shape s = model_shape(t);
     mt_attention_dims dims = attention_dims(t, s);
     mt_activations* a = &t->act;
+    const mt_dropout drop = dropout_site(t, ex, layer, DROPOUT_ATTENTION);
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
             const int chunks = flash_colsum_chunks(s.B, s.S);
@@ -4545,7 +4806,7 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
                                                            cview(in.k), cview(in.v),
                                                            cview(heads_rows_view(s, (void*)attn)), lse, s.B, s.heads,
                                                            s.groups, s.S, s.d, ex->stream,
-                                                           sums ? t->colsum.partial_a : (float*)NULL));
+                                                           sums ? t->colsum.partial_a : (float*)NULL, drop));
             rope_qkv_rows<T>(ex, dims, dqkv, true);
             if (sums) column_final_sums(ex, 1, chunks, s.qkv_width, dbias, t->colsum.partial_a);
             return sums;
@@ -4555,11 +4816,14 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
     split_qkv<T>(ex, dims, (T*)a->q, (T*)a->k, (T*)a->v, qkv);
     int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
     int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
-    /* dP = dO V^T;  dV = P^T dO */
+    /* dV = P^T dO (with attention dropout P_d^T dO, P_d regenerated into dscores first);  dP = dO V^T */
+    if (drop.on) attention_dropout<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, drop, s.heads);
+    gemm<T, T>(ex, true, false, s.S, s.d, M, drop.on ? (T*)a->dscores : probs, s.S, (T*)a->o, s.d, (T*)a->dv, s.d, 1.0f,
+               0.0f, batch, qs, qd, sd);
     gemm<T, T>(ex, false, true, M, s.S, s.d, (T*)a->o, s.d, (T*)a->v, s.d, (T*)a->dscores, s.S, 1.0f, 0.0f, batch, qd,
                sd, qs);
-    gemm<T, T>(ex, true, false, s.S, s.d, M, probs, s.S, (T*)a->o, s.d, (T*)a->dv, s.d, 1.0f, 0.0f, batch, qs, qd, sd);
-    causal_softmax_backward<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d));
+    causal_softmax_backward<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d), drop,
+                               s.heads);
     /* dK = dS^T Q (before dQ overwrites q);  dQ = dS K */
     gemm<T, T>(ex, true, false, s.S, s.d, M, (T*)a->dscores, s.S, (T*)a->q, s.d, (T*)a->dk, s.d, 1.0f, 0.0f, batch, qs,
                qd, sd);
@@ -4699,6 +4963,8 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
                              s.tp_rank == 0 ? param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS) : (const T*)NULL, s.BT, s.S,
                              s.h, s.vocab_start, s.V);
         row_parallel_output<T>(tp, embedded, (T*)a->residual, s.BT, s.R, s.h); /* the sum lands in a->residual */
+        const mt_dropout drop = dropout_site(t, ex, -1, DROPOUT_EMBEDDING); /* Megatron's embedding dropout */
+        if (drop.on) dropout_apply<T>(ex, (T*)a->residual, (const T*)a->residual, drop, s.R, s.h);
     }
     if (ch.count > 0) {
         wait_for_parameters(t, ch.first);
@@ -4717,13 +4983,13 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
         /* attention block: ln1 = norm1(x) is already there */
         const T* ln1_in = column_parallel_input<T>(tp, gathered, v.ln1, s.R, s.h);
         linear_forward<T>(ex, v.qkv, ln1_in, p.qkv_w, p.qkv_b, s.BT, s.h, s.qkv_width, fp8 ? &f8[FP8_QKV] : NULL);
-        attention_forward<T>(t, ex, v.qkv, v.probs, v.lse, v.attn);
+        attention_forward<T>(t, ex, v.qkv, v.probs, v.lse, v.attn, l);
         linear_forward<T>(ex, (T*)a->branch, v.attn, p.proj_w, (const T*)NULL, s.BT, s.attn_width, s.h,
                           fp8 ? &f8[FP8_PROJ] : NULL);
         T* proj = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
-        /* mid = x + proj + bias; ln2 = norm2(mid) */
+        /* mid = x + dropout(proj + bias); ln2 = norm2(mid) */
         residual_norm_forward<T>(ex, v.mid, v.ln2, v.ln2_mean, v.ln2_rstd, v.x, proj, p.proj_b, p.ln2_w, p.ln2_b, s.R,
-                                 s.h, eps, s.rms, s.norm_w1);
+                                 s.h, eps, s.rms, s.norm_w1, dropout_site(t, ex, l, DROPOUT_PROJ));
 
         /* MLP block */
         const T* ln2_in = column_parallel_input<T>(tp, gathered, v.ln2, s.R, s.h);
@@ -4740,19 +5006,20 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
         }
         linear_forward<T>(ex, (T*)a->branch, v.act, p.fc2_w, (const T*)NULL, s.BT, s.f, s.h, fp8 ? &f8[FP8_FC2] : NULL);
         T* fc2 = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
-        /* out = mid + fc2 + bias; then the next norm: layer l+1's first, or the final norm */
+        /* out = mid + dropout(fc2 + bias); then the next norm: layer l+1's first, or the final norm */
         wait_for_parameters(t, l + 1);
+        const mt_dropout fc2_drop = dropout_site(t, ex, l, DROPOUT_FC2);
         if (l < last) {
             const layer_view<T> next = layer_activations<T>(a, s, l + 1 - ch.first);
             const layer_tensors<T> np = layer_params<T>(t, l + 1);
             residual_norm_forward<T>(ex, v.out, next.ln1, next.ln1_mean, next.ln1_rstd, v.mid, fc2, p.fc2_b, np.ln1_w,
-                                     np.ln1_b, s.R, s.h, eps, s.rms, s.norm_w1);
+                                     np.ln1_b, s.R, s.h, eps, s.rms, s.norm_w1, fc2_drop);
         } else if (ch.head) {
             residual_norm_forward<T>(ex, v.out, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, v.mid, fc2, p.fc2_b,
                                      param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.R,
-                                     s.h, eps, s.rms, s.norm_w1);
+                                     s.h, eps, s.rms, s.norm_w1, fc2_drop);
         } else { /* the chunk's output, for the next pipeline stage */
-            bias_residual<T>(ex, v.out, v.mid, fc2, p.fc2_b, s.R, s.h);
+            bias_residual<T>(ex, v.out, v.mid, fc2, p.fc2_b, s.R, s.h, fc2_drop);
         }
     }
 
@@ -4793,6 +5060,22 @@ static void reduce_sequence_parallel_gradients(mt_trainer* t, const mt_exec* ex,
     tp_join(tp);
 }
 
+/* The gradient reaching a row-parallel linear's output (proj or fc2 of layer l) from the residual
+ * stream's gradient dres [R, h]: dres itself, or with hidden dropout dropout(dres) with the forward's
+ * mask, into act.branch (free until the linear's backward has read it), whose column sums are then
+ * the bias gradient (bias_grad may be NULL: no bias). */
+template <typename T>
+static const T* hidden_dropout_backward(mt_trainer* t, const mt_exec* ex, const T* dres, float* bias_grad, int l,
+                                        int site) {
+    const mt_dropout drop = dropout_site(t, ex, l, site);
+    if (!drop.on) return dres;
+    const mt_shape s = model_shape(t);
+    T* out = (T*)t->act.branch;
+    dropout_apply<T>(ex, out, dres, drop, s.R, s.h);
+    if (bias_grad) column_sum<T>(ex, &t->colsum, bias_grad, out, s.R, s.h);
+    return out;
+}
+
 /* Backward of one model chunk of a micro-batch whose forward ran with grad_scale != 0: accumulates
  * the chunk's parameter gradients into t->grads (fp32), or writes them when
  * ex->mode.accumulate_gradients is 0 (the chunk's first micro-batch: every tensor it holds is
@@ -4812,18 +5095,21 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
     const parallel_backward_ctx<T> pc = {ex, cs, tp, s.BT, s.R, (T*)a->gathered, gathered_grad, (T*)a->rows};
 
     const int last = ch.first + ch.count - 1;
+    /* with hidden dropout the branches' gradients are dropout(dres), not dres: the row-parallel bias
+     * gradients are then their column sums (hidden_dropout_backward), not the norm backward's of dres */
+    const bool hidden_drop = dropout_site(t, ex, 0, DROPOUT_FC2).on;
     if (ch.head) {
         /* output layer and final norm: dlnf = dlogits W (summed over TP); dW_out += dlogits^T lnf */
         CUDA_CHECK(ex->error, cudaMemsetAsync(dres, 0, Rh * sizeof(T), ex->stream));
         T* dlnf = column_parallel_backward<T>(pc, (T*)a->branch, output_weight_grad(t), (float*)NULL, (T*)a->logits,
                                               (T*)a->lnf, output_weight<T>(t), s.h, (int)s.V);
         norm_backward<T>(ex, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS),
-                         ch.count > 0 ? layer_grads(t, last).fc2_b : (float*)NULL, dlnf,
+                         ch.count > 0 && !hidden_drop ? layer_grads(t, last).fc2_b : (float*)NULL, dlnf,
                          LAYER(a->residual, T, ch.count, Rh), param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean,
                          a->lnf_rstd, s.R, s.h, s.rms, s.norm_w1);
         reduce_sequence_parallel_gradients(t, ex, s.L);
         gradients_ready(t, ex, s.L);
-    } else if (ch.count > 0 && layer_grads(t, last).fc2_b) {
+    } else if (ch.count > 0 && layer_grads(t, last).fc2_b && !hidden_drop) {
         /* dres is d(output) from the next stage; the last fc2's bias gradient is its column sum */
         column_sum<T>(ex, cs, layer_grads(t, last).fc2_b, dres, s.R, s.h);
     }
@@ -4839,7 +5125,8 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
          * d(fc1 output) in place (GELU) or into branch (SwiGLU: twice as wide) */
         bool fused = gelu_fused<T>(s); /* d(act) and GELU's derivative in one GEMM (DGELU epilogue), or
                                           with FP8 after it by the kernel (linear_backward) */
-        row_parallel_backward<T>(pc, (T*)a->branch2, dp.fc2_w, dres, v.act, p.fc2_w, s.f, s.h,
+        const T* dfc2 = hidden_dropout_backward<T>(t, ex, dres, dp.fc2_b, l, DROPOUT_FC2);
+        row_parallel_backward<T>(pc, (T*)a->branch2, dp.fc2_w, dfc2, v.act, p.fc2_w, s.f, s.h,
                                  fused ? v.fc1 : (const T*)NULL, fp8 ? &f8[FP8_FC2] : NULL);
         T* dfc1 = (T*)a->branch2;
         T* dln2 = (T*)a->branch;
@@ -4852,25 +5139,29 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
         }
         dln2 = column_parallel_backward<T>(pc, dln2, dp.fc1_w, dp.fc1_b, dfc1, v.ln2, p.fc1_w, s.h, s.f1,
                                            fp8 ? &f8[FP8_FC1] : NULL);
-        norm_backward<T>(ex, cs, dres, dp.ln2_w, dp.ln2_b, dp.proj_b, dln2, v.mid, p.ln2_w, v.ln2_mean, v.ln2_rstd, s.R,
-                         s.h, s.rms, s.norm_w1);
+        norm_backward<T>(ex, cs, dres, dp.ln2_w, dp.ln2_b, hidden_drop ? (float*)NULL : dp.proj_b, dln2, v.mid, p.ln2_w,
+                         v.ln2_mean, v.ln2_rstd, s.R, s.h, s.rms, s.norm_w1);
 
         /* attention block: dres is now d(mid) */
-        row_parallel_backward<T>(pc, (T*)a->branch2, dp.proj_w, dres, v.attn, p.proj_w, s.attn_width, s.h,
+        const T* dproj = hidden_dropout_backward<T>(t, ex, dres, dp.proj_b, l, DROPOUT_PROJ);
+        row_parallel_backward<T>(pc, (T*)a->branch2, dp.proj_w, dproj, v.attn, p.proj_w, s.attn_width, s.h,
                                  (const T*)NULL, fp8 ? &f8[FP8_PROJ] : NULL);
         float* dqkv_bias = dp.qkv_b;
-        if (attention_backward<T>(t, ex, (T*)a->branch, (T*)a->branch2, v.qkv, v.probs, v.lse, v.attn, dqkv_bias))
+        if (attention_backward<T>(t, ex, (T*)a->branch, (T*)a->branch2, v.qkv, v.probs, v.lse, v.attn, dqkv_bias, l))
             dqkv_bias = NULL; /* taken from the attention kernels */
         norm_apply<T>(ex, v.ln1, v.x, v.ln1_mean, v.ln1_rstd, p.ln1_w, p.ln1_b, s.R, s.h, s.norm_w1);
         T* dln1 = column_parallel_backward<T>(pc, (T*)a->branch2, dp.qkv_w, dqkv_bias, (T*)a->branch, v.ln1, p.qkv_w,
                                               s.h, s.qkv_width, fp8 ? &f8[FP8_QKV] : NULL);
-        norm_backward<T>(ex, cs, dres, dp.ln1_w, dp.ln1_b, l > ch.first ? layer_grads(t, l - 1).fc2_b : (float*)NULL, dln1,
+        norm_backward<T>(ex, cs, dres, dp.ln1_w, dp.ln1_b,
+                         l > ch.first && !hidden_drop ? layer_grads(t, l - 1).fc2_b : (float*)NULL, dln1,
                          v.x, p.ln1_w, v.ln1_mean, v.ln1_rstd, s.R, s.h, s.rms, s.norm_w1);
         reduce_sequence_parallel_gradients(t, ex, l);
         gradients_ready(t, ex, l);
     }
 
     if (!ch.embedding) return; /* dres: the gradient of the chunk's input, for the previous stage */
+    const mt_dropout emb_drop = dropout_site(t, ex, -1, DROPOUT_EMBEDDING); /* through the embedding dropout */
+    if (emb_drop.on) dropout_apply<T>(ex, dres, (const T*)dres, emb_drop, s.R, s.h);
     /* embeddings: dres is d(embedding output) (gathered to every row with sequence parallelism, so
      * the position embeddings' gradient is whole on every TP rank) */
     const T* demb = column_parallel_input<T>(tp, gathered_grad, dres, s.R, s.h);
@@ -5210,6 +5501,7 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
             mode.last = train && op->micro_batch == count - 1;
             mode.reduce_in_backward = mode.last && dp > 1 && t->cfg.overlap_grad_reduce && pp == 1;
             mode.training = train;
+            mode.first_sample = ((int64_t)op->micro_batch * dp + t->groups.dp_rank) * s.B;
             const mt_exec ex = trainer_exec(t, mode);
             pipeline_wait(t, forward ? 0 : 1);
             switch (t->cfg.precision) {
@@ -6498,6 +6790,7 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "loading from", dir);
     if (iteration_out) *iteration_out = h[MT_CK_ITERATION];
     if (consumed_out) *consumed_out = h[MT_CK_CONSUMED];
+    t->iteration = h[MT_CK_ITERATION]; /* the dropout masks continue from the saved iteration */
     if (!load_optim) { /* a new trainer's optimizer state */
         const mt_config* c = &t->cfg;
         zero_adam_moments(t);
@@ -7137,6 +7430,7 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
     double loss = 0.0, scale = t->loss_scale;
     mt_status st = run_micro_batches(t, tokens, num_micro_batches, 1, scale, 1, &loss, err);
     if (st != MT_OK) return st;
+    t->iteration++; /* the next step draws new dropout masks, applied or skipped */
     out->lm_loss = loss;
     out->loss_scale = scale;
     out->nan = !isfinite(loss);
@@ -7179,6 +7473,12 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
 }
 
 int64_t mt_trainer_last_loss_tokens(const mt_trainer* t) { return t->last_loss_tokens; }
+
+mt_status mt_trainer_set_iteration(mt_trainer* t, int64_t iteration, mt_error* err) {
+    if (iteration < 0) return mt_fail(err, MT_ERR_ARG, "iteration %lld: must be >= 0", (long long)iteration);
+    t->iteration = iteration;
+    return MT_OK;
+}
 
 mt_status mt_device_profiler(int start, mt_error* err) {
     cudaError_t e = start ? cudaProfilerStart() : cudaProfilerStop();

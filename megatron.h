@@ -442,8 +442,8 @@ typedef struct {
                                          original context 8192, as Megatron */
     int untie_embeddings_and_output_weights; /* --untie-embeddings-and-output-weights */
     int add_bias_linear;              /* 1 unless --disable-bias-linear */
-    double hidden_dropout;            /* --hidden-dropout (must be 0 for now) */
-    double attention_dropout;         /* --attention-dropout (must be 0 for now) */
+    double hidden_dropout;            /* --hidden-dropout (0.1): embeddings and the two residual branches */
+    double attention_dropout;         /* --attention-dropout (0.1): the attention probabilities */
     mt_precision precision;           /* --bf16 / --fp16, default fp32 */
     /* FP8: the four linears of each transformer layer (QKV, proj, fc1, fc2) run their forward,
      * input-gradient and weight-gradient GEMMs in FP8 on Hopper; everything else stays bf16 */
@@ -1269,6 +1269,10 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
  * and the loss scaler start afresh, as in a new trainer; iteration and consumed samples as above. */
 mt_status mt_trainer_load_weights(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
                                   int64_t* consumed_samples_out, mt_error* err);
+/* The iteration that keys the next train step's dropout masks (with --hidden-dropout or
+ * --attention-dropout; megatron.cu section 5): 0 in a new trainer, the checkpoint's iteration after a
+ * load, +1 per train step. A caller that renumbers its iterations (--finetune starts at 0) sets it. */
+mt_status mt_trainer_set_iteration(mt_trainer* t, int64_t iteration, mt_error* err);
 /* Starts (1) or stops (0) the CUDA profiler's capture (nsys --capture-range=cudaProfilerApi). */
 mt_status mt_device_profiler(int start, mt_error* err);
 
@@ -2989,6 +2993,8 @@ void mt_config_defaults(mt_config* cfg) {
     cfg->check_for_nan_in_loss_and_grad = 1;
     cfg->micro_batch_size = 1;
     cfg->seed = 1234;
+    cfg->hidden_dropout = 0.1; /* Megatron's */
+    cfg->attention_dropout = 0.1;
     cfg->tensor_model_parallel_size = 1;
     cfg->pipeline_model_parallel_size = 1;
     cfg->virtual_pipeline_size = 1;
@@ -3436,9 +3442,6 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if (c->seq_length > c->max_position_embeddings)
         return mt_fail(err, MT_ERR_CONFIG, "--seq-length %d exceeds --max-position-embeddings %d", c->seq_length,
                        c->max_position_embeddings);
-    if (c->hidden_dropout != 0.0 || c->attention_dropout != 0.0)
-        return mt_fail(err, MT_ERR_CONFIG,
-                       "dropout is not implemented: pass --hidden-dropout 0 --attention-dropout 0");
     if (c->tensor_model_parallel_size < 1 || c->pipeline_model_parallel_size < 1)
         return mt_fail(err, MT_ERR_CONFIG, "parallel sizes must be >= 1");
     if (c->world_size < 1) c->world_size = 1;

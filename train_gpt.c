@@ -803,6 +803,7 @@ int main(int argc, char** argv) {
                    o.finetune ? ": weights only, starting at iteration 0 (--finetune)"
                    : o.no_load_optim ? ": weights only (--no-load-optim)" : "");
             if (o.finetune) iteration = consumed = 0;
+            if (o.finetune && mt_trainer_set_iteration(t, 0, &err) != MT_OK) die(1, "%s", err.message);
             /* the checkpoint's counters are range-checked (>= 0); those of a run past this one's end clamp
              * to it, so the products below stay within the sample counts checked above */
             if (consumed > num_samples[MT_SPLIT_TRAIN] && iteration < c->train_iters)

@@ -220,9 +220,9 @@ static const tg_flag tg_flag_table[] = {
     {"--no-persist-layer-norm", G_MODEL, F_INFO_SWITCH, 0, NR, "off", "one LayerNorm kernel family here"},
     {"--attention-softmax-in-fp32", G_MODEL, F_INFO_SWITCH, 0, NR, "off", "the softmax always runs in fp32 here"},
     /* regularization */
-    {"--hidden-dropout", G_REG, F_DOUBLE, TG_AT(hidden_dropout), DR(0, 1, D_HI_OPEN), "0.1",
-     "dropout after attention and MLP"},
-    {"--attention-dropout", G_REG, F_DOUBLE, TG_AT(attention_dropout), DR(0, 1, D_HI_OPEN), "0.1",
+    {"--hidden-dropout", G_REG, F_DOUBLE, TG_AT(hidden_dropout), DR(0, 1, D_HI_OPEN), "0.1 (built-in job: 0)",
+     "dropout on the embeddings and after attention and MLP"},
+    {"--attention-dropout", G_REG, F_DOUBLE, TG_AT(attention_dropout), DR(0, 1, D_HI_OPEN), "0.1 (built-in job: 0)",
      "dropout on the attention probabilities"},
     {"--weight-decay", G_REG, F_DOUBLE, TG_AT(wd), DR(0, INFINITY, 0), "0.01", "AdamW weight decay"},
     {"--clip-grad", G_REG, F_DOUBLE, TG_AT(clip), DR(0, INFINITY, 0), "1.0", "global gradient-norm clip (0: off)"},
@@ -701,6 +701,8 @@ static void tg_builtin_defaults(tg_flags* v) {
     c->weight_decay = 0.1;
     c->adam_beta2 = 0.95;
     c->precision = MT_BF16;
+    c->hidden_dropout = 0; /* the built-in job trains without dropout unless the flags ask (its numbers */
+    c->attention_dropout = 0; /* predate dropout and stay bitwise the same) */
     if (v->log_interval < 0) v->log_interval = 20;
     if (v->eval_interval < 0) v->eval_interval = 100;
     if (v->eval_iters < 0) v->eval_iters = 5;

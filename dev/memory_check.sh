@@ -20,7 +20,7 @@ gpt15="--num-layers 48 --hidden-size 1600 --num-attention-heads 25 --seq-length 
 llama1b="--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention --num-query-groups 8 \
   --ffn-hidden-size 8192 --swiglu --normalization RMSNorm --position-embedding-type rope --rotary-base 500000 \
   --untie-embeddings-and-output-weights --disable-bias-linear --seq-length 2048 --vocab-size 128256"
-common="--mock-data --tokenizer-type NullTokenizer --train-iters $ITERS --log-interval $ITERS --lr 1e-4 \
+common="--mock-data --hidden-dropout 0 --attention-dropout 0 --tokenizer-type NullTokenizer --train-iters $ITERS --log-interval $ITERS --lr 1e-4 \
   --eval-iters 0 --sample-tokens 0"
 settings=(
   "gpt2-1.5b bf16|$gpt15 --bf16 --micro-batch-size 8"

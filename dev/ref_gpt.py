@@ -80,12 +80,14 @@ header int32[256]:
   [15] kv channels d (0 in gpt2 files: d = h/n)  [16] normalization (0 LayerNorm, 1 RMSNorm)
   [17] swiglu (0/1)  [18] position type (0 learned, 1 rope, 2 none)  [19] untied output (0/1)
   [20] disable_bias (0 biases present, 1 none)  [21] use_rope_scaling (0/1)
-  [22] layernorm_1p (0/1)  [23] eod + 1 (0: no loss mask)  [24..255] 0
+  [22] layernorm_1p (0/1)  [23] eod + 1 (0: no loss mask)  [24] the dropout seed (0 without dropout)
+  [25..255] 0
   (words 15..21 are all 0 for gpt2, so files written before they existed read the same)
 hyper float32[64]:
   [0] max_lr  [1] min_lr  [2] lr_warmup_iters  [3] lr_decay_iters  [4] b1  [5] b2  [6] eps
   [7] weight_decay  [8] clip_grad  [9] norm eps  [10] rotary_base  [11] rotary_percent
-  [12] rope_scaling_factor (0: no scaling)  [13..63] 0     (10..12 are 0 without rope)
+  [12] rope_scaling_factor (0: no scaling)  [13] hidden_dropout  [14] attention_dropout  [15..63] 0
+  (10..12 are 0 without rope)
 then, in order (N = header[13]):
   params0       float32[N]           initial weights, canonical order
   tokens        int32[S, G, T+1]     inputs [..., :T], labels [..., 1:]
@@ -136,6 +138,20 @@ Switches of train_gpt's launch-script flags (any flavor; header words 18, 22, 23
                      e; the gradient is that of Megatron's objective, the mean over the G/mb micro-batches
                      of each one's sum(loss * mask) / sum(mask); loss0 and losses are the reported loss,
                      sum(loss * mask) / sum(mask) over the whole batch. Tokens hold e at ~1 in 8 positions.
+
+Dropout (--hidden-dropout, --attention-dropout; header word 24, hyper 13-14): Megatron's four sites,
+each x -> x * keep / (1 - p) in training, with megatron.c's masks (megatron.cu section 5), so that the
+C side can be compared element for element:
+  x = dropout_emb(wte[token] + wpe[position])                       (hidden p)
+  o = dropout_attn(softmax(causal(q k^T / sqrt(d)))) v               (attention p; LSE/softmax are P's)
+  x = x + dropout_proj(o @ Wproj^T + bproj);  x = x + dropout_fc2(mlp(m) @ Wfc2^T + bfc2)   (hidden p)
+The mask bits: key = stream(seed, iteration, layer, site) (splitmix64 chain, site 0 embeddings with
+layer -1, 1 attention, 2 proj, 3 fc2); element bits = splitmix64(key + counter * 0x9E3779B97F4A7C15),
+the low 32 bits for an even column, the high 32 for an odd one, kept when >= round(p * 2^32), scaled by
+float32(1 / (1 - p)). Counters: hidden [G*T, h] row r = g*T + t, column c: r * ceil(h/2) + c // 2;
+attention [G, n, T, T]: ((g*n + head) * T + q) * ceil(T/2) + k // 2. g is the sample's number in the
+step's global batch and the iteration is the step k, so micro-batching does not change the masks.
+logits are written without dropout (evaluation); loss0, grads0 and the steps with it.
 
 Adding a flavor: give it a code in FLAVORS and its switches in FLAVOR_SWITCHES; a new switch needs its
 tensors in param_specs(), its piece in forward() (both marked "flavor dispatch") and a header word.
@@ -203,6 +219,8 @@ class Config:
     bias: bool = None     # linear biases (qkv, proj, fc1, fc2)
     layernorm_1p: bool = False  # --apply-layernorm-1p: norm weights hold w - 1, the norms use (1 + w)
     eod: int = -1         # --eod-mask-loss with this end-of-document id (-1: every position counts)
+    hidden_dropout: float = 0.0     # --hidden-dropout (embeddings, proj and fc2 branches)
+    attention_dropout: float = 0.0  # --attention-dropout (the attention probabilities)
     # rope (hyper[10..12]; 0 in files without rope)
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
@@ -266,6 +284,12 @@ CONFIGS = {
     # --apply-layernorm-1p on LayerNorm (weights and biases) and on RMSNorm
     "gpt2_1p": Config(L=2, h=64, n=4, f=256, Vp=512, T=32, G=4, mb=2, S=6, layernorm_1p=True),
     "llama_1p": Config(flavor="llama", L=2, h=64, n=4, g=2, f=96, Vp=512, T=32, G=4, mb=2, S=10, layernorm_1p=True),
+    # dropout 0.1 at all four sites: GPT-2 with one head of dim 128 and Llama with GQA heads of dim 64
+    # (bf16 runs the flash kernels at both head dims), an odd T (attention counters straddle no rows)
+    "gpt2_dropout": Config(L=2, h=128, n=1, f=128, Vp=256, T=33, G=4, mb=2, S=6,
+                           hidden_dropout=0.1, attention_dropout=0.1),
+    "llama_dropout": Config(flavor="llama", L=2, h=64, n=4, g=2, kv=64, f=128, Vp=256, T=32, G=4, mb=1, S=6,
+                            rotary_base=500000.0, hidden_dropout=0.1, attention_dropout=0.1),
 }
 
 
@@ -409,8 +433,9 @@ def split_qkv(cfg, qkv):
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
-def causal_attention(q, k, v):
-    """Plain softmax attention, scale 1/sqrt(d), causal. q [B, n, T, d], k, v [B, g, T, d]."""
+def causal_attention(q, k, v, drop_probs=None):
+    """Plain softmax attention, scale 1/sqrt(d), causal. q [B, n, T, d], k, v [B, g, T, d]. drop_probs:
+    attention dropout applied to the probabilities before they multiply v."""
     n, g, T, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
     if g != n:                                   # GQA: each group serves n/g consecutive heads
         k = k.repeat_interleave(n // g, dim=1)
@@ -419,6 +444,8 @@ def causal_attention(q, k, v):
     mask = torch.ones(T, T, dtype=torch.bool).triu(1)
     s = s.masked_fill(mask, float("-inf"))
     p = torch.softmax(s, dim=-1)
+    if drop_probs is not None:
+        p = drop_probs(p)
     return p @ v
 
 
@@ -462,8 +489,88 @@ class TorchPieces:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def forward(cfg, p, tokens, pieces=Pieces):
-    """tokens int64 [B, T] -> logits [B, T, Vp]. p: dict name -> tensor (flavor dispatch below)."""
+# ------------------------------------------------------------------------------------------------
+# Dropout with megatron.c's masks (megatron.cu section 5; see "Dropout" above)
+# ------------------------------------------------------------------------------------------------
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+DROPOUT_SALT = np.uint64(0x64726F706F757421)
+SITE_EMBEDDING, SITE_ATTENTION, SITE_PROJ, SITE_FC2 = 0, 1, 2, 3
+
+
+def splitmix64(x):
+    """SplitMix64's output function of state x + golden (uint64 arrays, wrapping)."""
+    x = np.asarray(x, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = x + GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def dropout_stream(seed, iteration, layer, site):
+    k = splitmix64(np.uint64(seed) ^ DROPOUT_SALT)
+    k = splitmix64(k ^ np.uint64(iteration))
+    return splitmix64(k ^ np.uint64((layer + 1) * 4 + site))
+
+
+def dropout_threshold(p):
+    return min(int(math.floor(p * 4294967296.0 + 0.5)), 0xFFFFFFFF)
+
+
+def dropout_keep(key, counters, columns, p):
+    """bool mask: element with this counter and column parity kept at probability 1 - p."""
+    with np.errstate(over="ignore"):
+        bits = splitmix64(np.uint64(key) + counters.astype(np.uint64) * GOLDEN)
+    half = np.where((columns & 1) == 1, bits >> np.uint64(32), bits & np.uint64(0xFFFFFFFF))
+    return half >= np.uint64(dropout_threshold(p))
+
+
+class Dropout:
+    """The masks of one training step (iteration) over the step's global batch [G, T]."""
+
+    def __init__(self, cfg, iteration):
+        self.cfg, self.iteration = cfg, iteration
+        self.p_hidden, self.p_attention = f32(cfg.hidden_dropout), f32(cfg.attention_dropout)
+
+    @staticmethod
+    def scale(p):
+        return float(np.float32(1.0 / (1.0 - p)))
+
+    def hidden_mask(self, G, T, C, layer, site):
+        rows = np.arange(G * T, dtype=np.uint64)[:, None]
+        cols = np.arange(C, dtype=np.int64)[None, :]
+        counters = rows * np.uint64((C + 1) // 2) + (cols // 2).astype(np.uint64)
+        keep = dropout_keep(dropout_stream(self.cfg.seed, self.iteration, layer, site), counters, cols, self.p_hidden)
+        return keep.reshape(G, T, C)
+
+    def attention_mask(self, G, n, T, layer):
+        gh = np.arange(G * n, dtype=np.uint64)[:, None, None]
+        q = np.arange(T, dtype=np.uint64)[None, :, None]
+        k = np.arange(T, dtype=np.int64)[None, None, :]
+        counters = (gh * np.uint64(T) + q) * np.uint64((T + 1) // 2) + (k // 2).astype(np.uint64)
+        keep = dropout_keep(dropout_stream(self.cfg.seed, self.iteration, layer, SITE_ATTENTION), counters, k,
+                            self.p_attention)
+        return keep.reshape(G, n, T, T)
+
+    def hidden(self, x, layer, site):
+        if self.p_hidden == 0.0:
+            return x
+        G, T, C = x.shape
+        m = torch.from_numpy(self.hidden_mask(G, T, C, layer, site).astype(np.float64))
+        return x * (m * self.scale(self.p_hidden))
+
+    def attention(self, probs, layer):
+        if self.p_attention == 0.0:
+            return probs
+        G, n, T, _ = probs.shape
+        m = torch.from_numpy(self.attention_mask(G, n, T, layer).astype(np.float64))
+        return probs * (m * self.scale(self.p_attention))
+
+
+def forward(cfg, p, tokens, pieces=Pieces, drop=None):
+    """tokens int64 [B, T] -> logits [B, T, Vp]. p: dict name -> tensor (flavor dispatch below). drop: a
+    Dropout (training with dropout; B is then the step's global batch) or None."""
     B, T = tokens.shape
 
     def norm(x, w, b):            # b is None without LayerNorm
@@ -479,6 +586,8 @@ def forward(cfg, p, tokens, pieces=Pieces):
     x = p["word_embeddings"][tokens]
     if cfg.position == "learned":
         x = x + p["position_embeddings"][:T].unsqueeze(0)
+    if drop is not None:
+        x = drop.hidden(x, -1, SITE_EMBEDDING)
     ang = rope_angles(cfg, T) if cfg.position == "rope" else None
     for l in range(cfg.L):
         w = {k: p[k][l] if k in p else None for k in
@@ -488,16 +597,21 @@ def forward(cfg, p, tokens, pieces=Pieces):
         q, k, v = split_qkv(cfg, linear(a, w["qkv_weight"], w["qkv_bias"]))
         if ang is not None:                                  # rope on q and k, after the split
             q, k = pieces.rope(q, ang), pieces.rope(k, ang)
-        o = pieces.attention(q, k, v)                        # [B, n, T, d]
+        if drop is None:
+            o = pieces.attention(q, k, v)                    # [B, n, T, d]
+        else:
+            o = causal_attention(q, k, v, lambda probs: drop.attention(probs, l))
         o = o.transpose(1, 2).reshape(B, T, cfg.n * cfg.d)   # heads concatenated in order
-        x = x + linear(o, w["proj_weight"], w["proj_bias"])
+        proj = linear(o, w["proj_weight"], w["proj_bias"])
+        x = x + (proj if drop is None else drop.hidden(proj, l, SITE_PROJ))
         m = norm(x, w["ln2_weight"], w["ln2_bias"])
         z = linear(m, w["fc1_weight"], w["fc1_bias"])
         if cfg.swiglu:
             z = pieces.silu(z[..., :cfg.f]) * z[..., cfg.f:]   # gate rows first, then up rows
         else:
             z = pieces.gelu(z)
-        x = x + linear(z, w["fc2_weight"], w["fc2_bias"])
+        fc2 = linear(z, w["fc2_weight"], w["fc2_bias"])
+        x = x + (fc2 if drop is None else drop.hidden(fc2, l, SITE_FC2))
     y = norm(x, p["final_ln_weight"], p.get("final_ln_bias"))
     out = p["output_weight"] if cfg.untied else p["word_embeddings"]   # untied / tied output layer
     return y @ out.T                                                  # all Vp columns
@@ -523,18 +637,23 @@ def masked_loss(cfg, logits, tokens):
     return sum(per_mb) / len(per_mb), (ce * mask).sum() / mask.sum()
 
 
-def loss_and_grads(cfg, params, batch, pieces=Pieces):
-    """batch int32 [G, T+1] -> (loss, {name: grad}, logits); with a loss mask the loss is the reported
-    one and the gradients are the objective's (masked_loss)."""
+def loss_and_grads(cfg, params, batch, pieces=Pieces, iteration=0):
+    """batch int32 [G, T+1] of step `iteration` -> (loss, {name: grad}, logits); with a loss mask the loss
+    is the reported one and the gradients are the objective's (masked_loss). With dropout the loss and
+    gradients are the training step's (masks of that iteration), the logits evaluation's (no dropout)."""
     t = torch.from_numpy(batch.astype(np.int64))
     p = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
-    logits = forward(cfg, p, t[:, :-1], pieces)
+    has_dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
+    logits = forward(cfg, p, t[:, :-1], pieces, Dropout(cfg, iteration) if has_dropout else None)
     if cfg.eod >= 0:
         objective, loss = masked_loss(cfg, logits, t)
     else:
         objective = loss = cross_entropy(logits, t[:, 1:])
     names = [s[0] for s in param_specs(cfg)]
     grads = torch.autograd.grad(objective, [p[k] for k in names])
+    if has_dropout:
+        with torch.no_grad():
+            logits = forward(cfg, p, t[:, :-1], pieces)
     return loss.item(), dict(zip(names, grads)), logits.detach()
 
 
@@ -571,7 +690,7 @@ def train(cfg, params0, tokens):
     v2 = {k: torch.zeros_like(v) for k, v in p.items()}
     losses, norms, lrs = [], [], []
     for k in range(cfg.S):
-        loss, grads, _ = loss_and_grads(cfg, p, tokens[k])
+        loss, grads, _ = loss_and_grads(cfg, p, tokens[k], iteration=k)
         norm = math.sqrt(sum(float((gr ** 2).sum()) for gr in grads.values()))
         if hp["clip_grad"] > 0:
             coeff = hp["clip_grad"] / (norm + 1e-6)
@@ -650,16 +769,18 @@ def choose_clip(cfg, params0, tokens):
 def header_arrays(cfg):
     rope = cfg.position == "rope"
     hd = np.zeros(HEADER_INTS, dtype="<i4")
-    hd[:24] = [MAGIC, VERSION, FLAVORS[cfg.flavor], cfg.L, cfg.h, cfg.n, cfg.f, cfg.Vp, cfg.P, cfg.T,
+    dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
+    hd[:25] = [MAGIC, VERSION, FLAVORS[cfg.flavor], cfg.L, cfg.h, cfg.n, cfg.f, cfg.Vp, cfg.P, cfg.T,
                cfg.G, cfg.mb, cfg.S, num_params(cfg), cfg.g,
                cfg.d if (cfg.kv or cfg.flavor != "gpt2") else 0,   # gpt2 files keep 0 (= h/n) here
                NORMS[cfg.norm], int(cfg.swiglu), POSITIONS[cfg.position], int(cfg.untied), int(not cfg.bias),
-               int(rope and cfg.rope_scaling_factor > 0), int(cfg.layernorm_1p), cfg.eod + 1]
+               int(rope and cfg.rope_scaling_factor > 0), int(cfg.layernorm_1p), cfg.eod + 1,
+               cfg.seed if dropout else 0]
     hp = np.zeros(HYPER_FLOATS, dtype="<f4")
-    hp[:13] = [cfg.max_lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.lr_decay_iters, cfg.b1, cfg.b2, cfg.eps,
+    hp[:15] = [cfg.max_lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.lr_decay_iters, cfg.b1, cfg.b2, cfg.eps,
                cfg.weight_decay, cfg.clip_grad, cfg.norm_eps,
                cfg.rotary_base if rope else 0.0, cfg.rotary_percent if rope else 0.0,
-               cfg.rope_scaling_factor if rope else 0.0]
+               cfg.rope_scaling_factor if rope else 0.0, cfg.hidden_dropout, cfg.attention_dropout]
     return hd, hp
 
 
@@ -710,7 +831,8 @@ def read_file(path):
         raise ValueError(f"unknown flavor code {hd[2]}")
     L, h, n, f, Vp, P, T, G, mb, S, N, g, kv = (int(x) for x in hd[3:16])
     norm_c, swiglu, pos_c, untied, no_bias, scaling, one_p, eod1 = (int(x) for x in hd[16:24])
-    if any(hd[24:]) or any(hp[13:]):
+    dropout_seed, hidden_dropout, attention_dropout = int(hd[24]), float(hp[13]), float(hp[14])
+    if any(hd[25:]) or any(hp[15:]):
         raise ValueError("reserved header fields not zero")
     if norm_c not in NORMS.values() or pos_c not in POSITIONS.values() or \
             any(x not in (0, 1) for x in (swiglu, untied, no_bias, scaling, one_p)) or not 0 <= eod1 <= Vp - 64:
@@ -725,6 +847,8 @@ def read_file(path):
                      norm={v: k for k, v in NORMS.items()}[norm_c], swiglu=bool(swiglu),
                      position={v: k for k, v in POSITIONS.items()}[pos_c], untied=bool(untied), bias=not no_bias,
                      layernorm_1p=bool(one_p), eod=eod1 - 1,
+                     hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+                     seed=dropout_seed if dropout_seed else Config.seed,
                      rotary_base=float(hp[10]) if rope else Config.rotary_base,
                      rotary_percent=float(hp[11]) if rope else Config.rotary_percent,
                      rope_scaling_factor=float(hp[12]) if rope else 0.0,
@@ -1015,10 +1139,15 @@ def selftest():
                     idx = (cfg.Vp - 1, idx[1])             # a padding row: gradient only via the softmax
                 e = 1e-5
                 pp = {kk: vv.clone() for kk, vv in params.items()}
+
+                def objective(pp):      # the training objective loss_and_grads differentiates
+                    dropped = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
+                    logits = forward(cfg, pp, t[:, :-1], drop=Dropout(cfg, 0) if dropped else None)
+                    return (masked_loss(cfg, logits, t)[0] if cfg.eod >= 0 else cross_entropy(logits, t[:, 1:])).item()
                 pp[pname][idx] += e
-                lp = cross_entropy(forward(cfg, pp, t[:, :-1]), t[:, 1:]).item()
+                lp = objective(pp)
                 pp[pname][idx] -= 2 * e
-                lm = cross_entropy(forward(cfg, pp, t[:, :-1]), t[:, 1:]).item()
+                lm = objective(pp)
                 fd = (lp - lm) / (2 * e)
                 an = grads[pname][idx].item()
                 # tolerance: relative, with an absolute floor for tiny entries (FD noise ~1e-10)

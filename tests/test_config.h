@@ -27,14 +27,14 @@ static test_result test_config_rejects_inconsistent(void) {
     struct { const char* what; int field; int value; const char* needle; } cases[] = {
         {"heads", 0, 5, "divisible by --num-attention-heads"},
         {"global batch", 1, 7, "--global-batch-size"},
-        {"dropout", 2, 1, "dropout"},
+        {"dropout", 2, 1, "--hidden-dropout 1 and --attention-dropout 0 must be in [0, 1)"},
         {"seq > positions", 3, 64, "--max-position-embeddings"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         mt_config c = small_test_config();
         if (cases[i].field == 0) c.num_attention_heads = cases[i].value;
         if (cases[i].field == 1) c.global_batch_size = cases[i].value;
-        if (cases[i].field == 2) c.hidden_dropout = 0.1;
+        if (cases[i].field == 2) c.hidden_dropout = 1.0;
         if (cases[i].field == 3) { c.seq_length = cases[i].value; c.max_position_embeddings = 32; }
         mt_error err;
         err.message[0] = 0;

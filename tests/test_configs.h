@@ -9,7 +9,8 @@
  *   test_config_sized(L, h, heads, seq, vocab)
  *                                        Megatron's defaults (GPT-2 flavour, fp32, micro-batch 1,
  *                                        linear decay, no warmup) with this shape, and one training
- *                                        step (--train-iters 1) at --lr 1e-3: the host tests' start
+ *                                        step (--train-iters 1) at --lr 1e-3: the host tests' start;
+ *                                        dropout 0 (Megatron's 0.1 is tests/test_dropout.h's to set)
  *   test_config_batch(&c, micro, global) --micro-batch-size, --global-batch-size (0: micro x DP)
  *   test_config_attention(&c, heads, groups, kv, ffn)
  *                                        --num-attention-heads, --num-query-groups, --kv-channels,
@@ -41,6 +42,8 @@ static mt_config test_config_sized(int layers, int hidden, int heads, int seq, i
     c.vocab_size = vocab;
     c.train_iters = 1;
     c.lr = 1e-3;
+    c.hidden_dropout = 0.0; /* every test compares against dropout-free references or runs */
+    c.attention_dropout = 0.0;
     return c;
 }
 

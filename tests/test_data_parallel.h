@@ -338,10 +338,14 @@ static double relative_norm_difference(const float* a, const float* b, int64_t n
     return sqrt(d / (r > 0 ? r : 1));
 }
 
-static test_result dp_matches_single(mt_precision precision, double loss_tol, double weight_tol, int llama) {
+/* With dropout (tests/test_dropout.h) each sample's masks follow its number in the global batch
+ * (Megatron's sampler order), so DP ranks draw DP=1's masks and the same tolerances hold. */
+static test_result dp_matches_single_dropout(mt_precision precision, double loss_tol, double weight_tol, int llama,
+                                             double dropout) {
     REQUIRE_MPI_GPUS();
     int dp = mpi_world();
     mt_config base = dp_config(precision, 1, 0, 0, llama);
+    base.hidden_dropout = base.attention_dropout = dropout;
     mt_error err;
     mt_config fin = base;
     EXPECT_OK(mt_config_finalize(&fin, &err), &err);
@@ -353,7 +357,9 @@ static test_result dp_matches_single(mt_precision precision, double loss_tol, do
     const char* names[4] = {"all-reduce", "all-reduce, overlapped", "distributed optimizer",
                             "distributed optimizer, overlapped reduce-scatter and all-gather"};
     for (int v = 0; v < 4 && res == TEST_PASS; v++) {
-        res = dp_run(dp_config(precision, dp, v >= 2, v % 2, llama), NULL, NULL, 0, 20, got, params);
+        mt_config c = dp_config(precision, dp, v >= 2, v % 2, llama);
+        c.hidden_dropout = c.attention_dropout = dropout;
+        res = dp_run(c, NULL, NULL, 0, 20, got, params);
         double worst = 0;
         for (int k = 0; k < 20 && res == TEST_PASS; k++) {
             double rel = fabs(got[k] - ref[k]) / fabs(ref[k]);
@@ -369,7 +375,11 @@ static test_result dp_matches_single(mt_precision precision, double loss_tol, do
     free(params);
     return res;
 }
+static test_result dp_matches_single(mt_precision precision, double loss_tol, double weight_tol, int llama) {
+    return dp_matches_single_dropout(precision, loss_tol, weight_tol, llama, 0.0);
+}
 static test_result test_dp_matches_single_fp32(void) { return dp_matches_single(MT_FP32, 1e-5, 1e-5, 0); }
+static test_result test_dp_matches_single_dropout_fp32(void) { return dp_matches_single_dropout(MT_FP32, 1e-5, 1e-5, 0, 0.1); }
 static test_result test_dp_matches_single_bf16(void) { return dp_matches_single(MT_BF16, 1e-3, 3e-3, 0); }
 /* the Llama flavour's buffer (no biases, untied output weight in the first bucket) through every DP variant */
 static test_result test_dp_matches_single_llama_bf16(void) { return dp_matches_single(MT_BF16, 1e-3, 3e-3, 1); }
@@ -687,6 +697,7 @@ static const test_case data_parallel_multigpu_tests[] = {
     {"dp_matches_single_gpu_fp32", test_dp_matches_single_fp32},
     {"dp_matches_single_gpu_bf16", test_dp_matches_single_bf16},
     {"dp_matches_single_gpu_llama_bf16", test_dp_matches_single_llama_bf16},
+    {"dp_matches_single_gpu_dropout_fp32", test_dp_matches_single_dropout_fp32},
     {"dp_repeatable_and_resumes_bf16_distributed_optimizer", test_dp_repeat_resume_bf16_distributed},
     {"dp_repeatable_and_resumes_fp32_allreduce", test_dp_repeat_resume_fp32_allreduce},
     {"dp_memory_plan_follows_megatron", test_dp_memory_plan},

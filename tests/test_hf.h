@@ -614,6 +614,7 @@ static test_result test_hf_gpt2_matches_reference_logits(void) {
     EXPECT(hd[0] == 20261121 && hd[2] == 0 && hd[14] == hd[5], "%s: not a GPT-2 vector file", path);
     mt_config c;
     mt_config_defaults(&c);
+    c.hidden_dropout = c.attention_dropout = 0.0; /* the reference's gradients are dropout-free */
     c.num_layers = hd[3];
     c.hidden_size = hd[4];
     c.num_attention_heads = hd[5];

@@ -98,6 +98,10 @@ static mt_config config_from_vectors(const gpt_vectors* v, mt_precision precisio
     c.untie_embeddings_and_output_weights = v->header[19];
     c.add_bias_linear = !v->header[20];
     c.use_rope_scaling = v->header[21];
+    c.hidden_dropout = v->hyper[13]; /* hyper [13], [14] the dropout probabilities, header [24] its seed (0:
+                                        none, files without dropout) */
+    c.attention_dropout = v->hyper[14];
+    if (v->header[24]) c.seed = v->header[24];
     c.apply_layernorm_1p = v->header[22];      /* [22] norm weights hold w - 1 */
     c.eod_mask_loss = v->header[23] > 0;        /* [23] the end-of-document id + 1 (0: no loss mask) */
     c.eod_token = v->header[23] - 1;

@@ -511,6 +511,21 @@ static test_result pp_matches_single(mt_precision precision) {
     return res;
 }
 static test_result test_pp_matches_single_fp32(void) { return pp_matches_single(MT_FP32); }
+/* With dropout (tests/test_dropout.h) the masks are keyed by the global layer number, so every stage
+ * draws PP=1's masks for its layers (and the first stage the embeddings'). */
+static test_result test_pp_matches_single_dropout_fp32(void) {
+    REQUIRE_MPI_GPUS();
+    REQUIRE_PP_WORLD();
+    test_result res = TEST_PASS;
+    for (int llama = 0; llama <= 1 && res == TEST_PASS; llama++) {
+        mt_config ref = pp_config(MT_FP32, 1, 1, 1, 1, llama), c = pp_config(MT_FP32, mpi_world(), 1, 1, 1, llama);
+        ref.hidden_dropout = ref.attention_dropout = c.hidden_dropout = c.attention_dropout = 0.1;
+        char name[96];
+        snprintf(name, sizeof(name), "%s PP=%d, dropout 0.1", llama ? "Llama" : "GPT-2", mpi_world());
+        res = pp_against_single(name, c, ref, 1e-5, 1e-5, 1e-5);
+    }
+    return res;
+}
 static test_result test_pp_matches_single_bf16(void) { return pp_matches_single(MT_BF16); }
 
 /* PP = 2 (with 4 processes PP = 2 x DP = 2, distributed optimizer): two runs bitwise equal, and
@@ -560,6 +575,7 @@ static test_result test_pp_repeat_resume(void) {
 static const test_case pipeline_multigpu_tests[] = {
     {"pp_matches_single_gpu_fp32", test_pp_matches_single_fp32},
     {"pp_matches_single_gpu_bf16", test_pp_matches_single_bf16},
+    {"pp_matches_single_gpu_dropout_fp32", test_pp_matches_single_dropout_fp32},
     {"pp_repeatable_and_resumes_bf16", test_pp_repeat_resume},
 };
 

@@ -608,14 +608,17 @@ static test_result tp_first_step(mt_config c, const int32_t* tokens, const int32
     return st == MT_OK ? TEST_PASS : TEST_FAIL;
 }
 
-/* TP=world (SP off, then on) against TP=1: initial weights, logits, gradients, 20 steps. */
-static test_result tp_matches_single(mt_precision precision, int llama, double grad_tol, double loss_tol,
-                                     double weight_tol) {
+/* TP=world (SP off, then on) against TP=1: initial weights, logits, gradients, 20 steps. With dropout
+ * (tests/test_dropout.h) the masks are functions of global coordinates (the token's row, the model's
+ * head), so TP and SP ranks draw exactly TP=1's masks and the same tolerances hold. */
+static test_result tp_matches_single_dropout(mt_precision precision, int llama, double grad_tol, double loss_tol,
+                                             double weight_tol, double dropout) {
     REQUIRE_MPI_GPUS();
     REQUIRE_TP_WORLD();
     int tp = mpi_world();
     mt_error err;
     mt_config base = tp_config(precision, 1, 1, 0, llama), ref = base, big = tp_config(precision, tp, 1, 1, llama);
+    base.hidden_dropout = base.attention_dropout = ref.hidden_dropout = ref.attention_dropout = dropout;
     EXPECT_OK(mt_config_finalize(&ref, &err), &err);
     EXPECT_OK(mt_config_finalize(&big, &err), &err);
     int64_t n = mt_num_parameters(&ref), row = ref.seq_length + 1, count = (int64_t)ref.global_batch_size * row;
@@ -643,6 +646,7 @@ static test_result tp_matches_single(mt_precision precision, int llama, double g
     res = tp_agree(res);
     for (int sp = 0; sp <= 1 && res == TEST_PASS; sp++) {
         mt_config c = tp_config(precision, tp, 1, sp, llama);
+        c.hidden_dropout = c.attention_dropout = dropout;
         res = tp_first_step(c, tokens, inputs, p, l, g, &loss);
         if (tp_agree(res) != TEST_PASS) { res = TEST_FAIL; break; }
         res = dp_run(c, NULL, NULL, 0, 20, losses, w);
@@ -687,9 +691,19 @@ static test_result tp_matches_single(mt_precision precision, int llama, double g
     free(mask);
     return res;
 }
+static test_result tp_matches_single(mt_precision precision, int llama, double grad_tol, double loss_tol,
+                                     double weight_tol) {
+    return tp_matches_single_dropout(precision, llama, grad_tol, loss_tol, weight_tol, 0.0);
+}
 static test_result test_tp_matches_single_fp32(void) { return tp_matches_single(MT_FP32, 0, 1e-5, 1e-5, 1e-5); }
 static test_result test_tp_matches_single_bf16(void) { return tp_matches_single(MT_BF16, 0, 1e-2, 1e-3, 1e-2); }
 static test_result test_tp_matches_single_llama_bf16(void) { return tp_matches_single(MT_BF16, 1, 1e-2, 1e-3, 1e-2); }
+static test_result test_tp_matches_single_dropout_fp32(void) {
+    return tp_matches_single_dropout(MT_FP32, 0, 1e-5, 1e-5, 1e-5, 0.1);
+}
+static test_result test_tp_matches_single_dropout_llama_bf16(void) {
+    return tp_matches_single_dropout(MT_BF16, 1, 1e-2, 1e-3, 1e-2, 0.1);
+}
 
 /* TP=2 x DP=2, distributed optimizer with overlapped reduce-scatter and all-gather, SP, bf16, both
  * flavours, against TP=1 DP=1 over 20 steps. */
@@ -964,6 +978,8 @@ static const test_case tensor_parallel_multigpu_tests[] = {
     {"tp_matches_single_gpu_fp32", test_tp_matches_single_fp32},
     {"tp_matches_single_gpu_bf16", test_tp_matches_single_bf16},
     {"tp_matches_single_gpu_llama_bf16", test_tp_matches_single_llama_bf16},
+    {"tp_matches_single_gpu_dropout_fp32", test_tp_matches_single_dropout_fp32},
+    {"tp_matches_single_gpu_dropout_llama_bf16", test_tp_matches_single_dropout_llama_bf16},
     {"tp2_dp2_distributed_optimizer_matches_single_gpu", test_tp2_dp2_distributed_optimizer},
     {"tp_repeatable_and_resumes_bf16", test_tp_repeat_resume_bf16},
     {"tp_memory_plan_falls_with_tp", test_tp_memory_plan},

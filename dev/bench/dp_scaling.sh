@@ -48,7 +48,7 @@ for model in "${models[@]}"; do
       launch=""
       [ "$n" -gt 1 ] && launch="$MPIRUN -np $n"
       timeout 600 $launch ./train_gpt $shape --seq-length 1024 --max-position-embeddings 1024 \
-        --mock-data --log-throughput --tokenizer-type NullTokenizer --vocab-size 50257 --bf16 \
+        --mock-data --hidden-dropout 0 --attention-dropout 0 --log-throughput --tokenizer-type NullTokenizer --vocab-size 50257 --bf16 \
         --micro-batch-size "$MBS" --global-batch-size "$gbs" --train-iters "$ITERS" --log-interval $((ITERS / 2)) \
         --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 \
         --eval-iters 0 --sample-tokens 0 $flags >"$log" 2>&1

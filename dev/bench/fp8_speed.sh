@@ -34,7 +34,7 @@ for model in "${models[@]}"; do
     fp8=""; [ "$r" != bf16 ] && fp8="--fp8-format hybrid --fp8-recipe $r"
     [ "$r" = delayed ] && fp8="$fp8 --fp8-amax-history-len 1024 --fp8-amax-compute-algo max"
     log="$OUT/${model}_$r.log"
-    ./train_gpt $shape $fp8 --seq-length $S --max-position-embeddings $S --mock-data --log-throughput --tokenizer-type NullTokenizer \
+    ./train_gpt $shape $fp8 --seq-length $S --max-position-embeddings $S --mock-data --hidden-dropout 0 --attention-dropout 0 --log-throughput --tokenizer-type NullTokenizer \
       --vocab-size $V --bf16 --micro-batch-size $MBS --global-batch-size $MBS --train-iters "$ITERS" \
       --log-interval $((ITERS / 2)) --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 \
       --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --eval-iters 0 --sample-tokens 0 >"$log" 2>&1 \

@@ -24,7 +24,8 @@ with open('llama3_demo/shakes.jsonl', 'w') as f:
       --rotary-base 500000 --use-rope-scaling --untie-embeddings-and-output-weights --disable-bias-linear \
       --seq-length 256 --max-position-embeddings 256 --micro-batch-size 32 --global-batch-size 32 \
       --train-iters 400 --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 30 --weight-decay 0.1 \
-      --adam-beta2 0.95 --clip-grad 1.0 --bf16 --data-path llama3_demo/shakes_text_document --split 90,10,0 \
+      --adam-beta2 0.95 --clip-grad 1.0 --bf16 --hidden-dropout 0 --attention-dropout 0 \
+      --data-path llama3_demo/shakes_text_document --split 90,10,0 \
       --tokenizer-type NullTokenizer --vocab-size 128256 --log-interval 100 --eval-interval 200 --eval-iters 5 \
       --sample-tokens 0 ;;
   *) echo "usage: $0 prepare TOKENIZER_MODEL | train" >&2; exit 2 ;;

@@ -12,7 +12,7 @@ if [ ${#ARGS[@]} -eq 0 ]; then
   ARGS=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --micro-batch-size 8
         --global-batch-size 8 --lr 1e-4 --bf16 --data-path dev/data/tinyshakespeare_text_document
         --vocab-file dev/data/gpt2/gpt2-vocab.json --merge-file dev/data/gpt2/gpt2-merges.txt
-        --eval-iters 0 --split 1,0,0)
+        --eval-iters 0 --split 1,0,0 --hidden-dropout 0 --attention-dropout 0)
 fi
 ./train_gpt "${ARGS[@]}" --train-iters 30 --log-interval 10 | grep " iteration " | tail -n 2
 ncu --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu.csv" ./train_gpt "${ARGS[@]}" --train-iters 1 >/dev/null

@@ -33,7 +33,7 @@ peak=989
 
 ours() { # model-flags mbs log [binary] -> "ms tflops gib" or ""; sequence length $S and vocabulary $V of the model
   local shape=$1 mbs=$2 log=$3 bin=${4:-./train_gpt}
-  $bin $shape --seq-length "$S" --max-position-embeddings "$S" --mock-data --log-throughput --tokenizer-type NullTokenizer \
+  $bin $shape --seq-length "$S" --max-position-embeddings "$S" --mock-data --hidden-dropout 0 --attention-dropout 0 --log-throughput --tokenizer-type NullTokenizer \
     --vocab-size "$V" --bf16 --micro-batch-size "$mbs" --global-batch-size "$mbs" --train-iters "$ITERS" \
     --log-interval $((ITERS / 2)) --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 \
     --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --eval-iters 0 --sample-tokens 0 >"$log" 2>&1 || return 1

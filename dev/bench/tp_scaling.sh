@@ -93,7 +93,7 @@ for model in "${models[@]}"; do
       [ "$sp" = on ] && flags+=(--sequence-parallel)
       log="$OUT/${model}_tp${tp}_dp${dp}_sp${sp}.log"
       cmd=(timeout 600 "${MPIRUN[@]}" ./train_gpt "${shape[@]}" --seq-length "$S" --max-position-embeddings "$S"
-        --mock-data --log-throughput --tokenizer-type NullTokenizer --vocab-size "$V" --bf16
+        --mock-data --hidden-dropout 0 --attention-dropout 0 --log-throughput --tokenizer-type NullTokenizer --vocab-size "$V" --bf16
         --micro-batch-size "$mbs" --global-batch-size "$gbs" --train-iters "$ITERS" --log-interval $((ITERS / 2))
         --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0
         --eval-iters 0 --sample-tokens 0 "${flags[@]}")
