@@ -248,15 +248,16 @@ static test_result test_plan_recompute_offload_fp8(void) {
     mt_plan_options_defaults(&o);
     mt_memory_plan none, selective, full, block;
     EXPECT_OK(mt_memory_plan_compute(&c, &o, &none, &err), &err);
-    o.recompute.granularity = MT_RECOMPUTE_SELECTIVE;
+    c.recompute.granularity = MT_RECOMPUTE_SELECTIVE;
     EXPECT_OK(mt_memory_plan_compute(&c, &o, &selective, &err), &err);
-    o.recompute.granularity = MT_RECOMPUTE_FULL;
-    o.recompute.method = MT_RECOMPUTE_UNIFORM;
-    o.recompute.num_layers = 1;
+    c.recompute.granularity = MT_RECOMPUTE_FULL;
+    c.recompute.method = MT_RECOMPUTE_UNIFORM;
+    c.recompute.num_layers = 1;
     EXPECT_OK(mt_memory_plan_compute(&c, &o, &full, &err), &err);
-    o.recompute.method = MT_RECOMPUTE_BLOCK;
-    o.recompute.num_layers = 0; /* every layer */
+    c.recompute.method = MT_RECOMPUTE_BLOCK;
+    c.recompute.num_layers = 0; /* every layer */
     EXPECT_OK(mt_memory_plan_compute(&c, &o, &block, &err), &err);
+    c.recompute = mt_recompute();
     mt_activation_layout a;
     mt_activation_layout_compute(&c, 4, 1, 1, NULL, &a);
     const size_t probs = a.bytes[MT_ACT_PROBS] / 4; /* one layer's attention probabilities */
