@@ -35,6 +35,7 @@
 #include "tests/test_evaluation.h"
 #include "tests/test_flags.h"
 #include "tests/test_memory.h"
+#include "tests/test_recompute.h"
 #include "tests/test_checkpoint_tool.h"
 
 typedef struct {
@@ -77,6 +78,7 @@ int main(int argc, char** argv) {
         GROUP("host.tensorboard", tensorboard_tests),
         GROUP("host.evaluation", evaluation_tests),
         GROUP("host.memory", memory_tests),
+        GROUP("host.recompute", recompute_tests),
         GROUP("host.checkpoint_tool", checkpoint_tool_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.flags", flags_gpu_tests),
@@ -90,11 +92,13 @@ int main(int argc, char** argv) {
         GROUP("gpu.hf", hf_gpu_tests),
         GROUP("gpu.evaluation", evaluation_gpu_tests),
         GROUP("gpu.memory", memory_gpu_tests),
+        GROUP("gpu.recompute", recompute_gpu_tests),
         GROUP("gpu.hostile", hostile_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
         GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),
         GROUP("multigpu.pipeline", pipeline_multigpu_tests),
         GROUP("multigpu.memory", memory_multigpu_tests),
+        GROUP("multigpu.recompute", recompute_multigpu_tests),
     };
     int passed = 0, failed = 0, skipped = 0;
     const char* failed_names[64];
