@@ -4340,6 +4340,7 @@ static double mt__layout_seconds(const mt_config* c, int tp, int pp, int vp, int
     const double world = (double)tp * pp * dp, M = mt_num_micro_batches(c);
     const double tflops = c->precision == MT_FP32 ? MT_COST_TFLOPS / 8 : MT_COST_TFLOPS;
     double compute = mt_flops_per_iteration(c, c->global_batch_size) / world / (tflops * 1e12);
+    if (c->recompute.granularity == MT_RECOMPUTE_FULL) compute *= 4.0 / 3.0; /* the forward once more */
     double bubble = compute * (pp - 1) / (vp * M);
     /* TP: per layer and micro-batch, 2 forward and 2 backward all-reduces (or all-gather +
      * reduce-scatter) of [B S, h] activations, ring traffic 2 (TP-1)/TP of it */
