@@ -293,20 +293,12 @@ enum { RC_STEPS = 3 };
 static test_result rc_train(mt_config c, rc_run* out) {
     mt_error err;
     if (c.world_size > 1) EXPECT_OK(fresh_comm_id(&c.comm_id, &err), &err);
-    EXPECT_OK(mt_config_finalize(&c, &err), &err);
-    mt_plan_options o;
-    mt_plan_options_defaults(&o);
-    o.pp_rank = mt_rank_coordinates(&c, c.rank).pp;
-    o.dp_rank = mt_rank_coordinates(&c, c.rank).dp;
-    mt_memory_plan plan;
-    EXPECT_OK(mt_memory_plan_compute(&c, &o, &plan, &err), &err);
-    mt_trainer* t = NULL;
-    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
-    mt_memory_plan a = mt_trainer_memory_allocated(t), q = mt_trainer_memory_plan(t);
     char setting[128];
     mt_recompute_describe(&c.recompute, setting, sizeof(setting));
-    test_result res = plan_matches_allocation(setting, &plan, &a, &q);
-    out->activation_bytes = a.activation_bytes;
+    mt_trainer* t = NULL;
+    test_result res = create_as_planned(&c, setting, &t);
+    if (!t) return res;
+    out->activation_bytes = mt_trainer_memory_allocated(t).activation_bytes;
     const int64_t per_step = (int64_t)mt_num_micro_batches(&c) * c.micro_batch_size * (c.seq_length + 1);
     int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * per_step);
     const uint64_t dp_rank = (uint64_t)mt_rank_coordinates(&c, c.rank).dp;
@@ -434,12 +426,7 @@ static test_result test_recompute_llama_bf16(void) { return rc_single(TEST_LLAMA
 
 /* FP8 (hybrid, delayed and blockwise scaling): the replayed linears cast with the forward's scales. */
 static test_result test_recompute_fp8(void) {
-    REQUIRE_GPU();
-    int device = 0;
-    cudaDeviceProp prop;
-    cudaGetDevice(&device);
-    cudaGetDeviceProperties(&prop, device);
-    if (prop.major * 10 + prop.minor < 89) SKIP("FP8 needs compute capability 8.9");
+    REQUIRE_FP8_GPU();
     const mt_recompute settings[] = {{MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, 15},
                                      {MT_RECOMPUTE_FULL, MT_RECOMPUTE_UNIFORM, 2, 0},
                                      {MT_RECOMPUTE_FULL, MT_RECOMPUTE_BLOCK, 3, 0}};
