@@ -452,12 +452,11 @@ static const test_case recompute_gpu_tests[] = {
 
 /* ---- several GPUs (mpirun -np 2) --------------------------------------------------------------------- */
 
-/* The multi-GPU settings (4 layers; 2 per pipeline rank): selective with every module, full uniform 2
- * (one group per rank under PP 2), full block 1. */
+/* The multi-GPU settings (4 layers; 2 per pipeline rank, 1 per chunk with VP 2): selective with every
+ * module, full uniform 2 (two groups without PP, one per rank under PP 2), full block 1. */
 static const mt_recompute rc_multigpu_settings[] = {
     {MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, 15},
     {MT_RECOMPUTE_FULL, MT_RECOMPUTE_UNIFORM, 2, 0},
-    {MT_RECOMPUTE_FULL, MT_RECOMPUTE_UNIFORM, 1, 0},
     {MT_RECOMPUTE_FULL, MT_RECOMPUTE_BLOCK, 1, 0},
 };
 
