@@ -387,8 +387,9 @@ static test_result rc_compare(const mt_config* base, const mt_recompute* setting
     return res;
 }
 
-/* The single-GPU settings: every selective module alone and together, full uniform with whole and
- * partial groups, full block with some and all layers (of 5). */
+/* The single-GPU settings (5 layers): every selective module alone and together; full uniform 1, 2
+ * and 3 (groups [0, 3) [3, 5): a short last group); full block 2 and all 5. Each full setting
+ * replays some layers (not only the ones the forward left in place). */
 static const mt_recompute rc_single_gpu_settings[] = {
     {MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, 0},
     {MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, MT_RECOMPUTE_LAYERNORM},
@@ -397,7 +398,7 @@ static const mt_recompute rc_single_gpu_settings[] = {
     {MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, 15},
     {MT_RECOMPUTE_FULL, MT_RECOMPUTE_UNIFORM, 1, 0},
     {MT_RECOMPUTE_FULL, MT_RECOMPUTE_UNIFORM, 2, 0},
-    {MT_RECOMPUTE_FULL, MT_RECOMPUTE_UNIFORM, 5, 0},
+    {MT_RECOMPUTE_FULL, MT_RECOMPUTE_UNIFORM, 3, 0},
     {MT_RECOMPUTE_FULL, MT_RECOMPUTE_BLOCK, 2, 0},
     {MT_RECOMPUTE_FULL, MT_RECOMPUTE_BLOCK, 5, 0},
 };
@@ -452,12 +453,14 @@ static const test_case recompute_gpu_tests[] = {
 
 /* ---- several GPUs (mpirun -np 2) --------------------------------------------------------------------- */
 
-/* The multi-GPU settings (4 layers; 2 per pipeline rank, 1 per chunk with VP 2): selective with every
- * module, full uniform 2 (two groups without PP, one per rank under PP 2), full block 1. */
+/* The multi-GPU settings (8 layers; 4 per pipeline rank, 2 per chunk with VP 2): selective with every
+ * module; full uniform 1 and 2, full block 3, each replaying layers in every layout (uniform 2 under
+ * VP 2 only keeps the chunk's one group in place). */
 static const mt_recompute rc_multigpu_settings[] = {
     {MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, 15},
+    {MT_RECOMPUTE_FULL, MT_RECOMPUTE_UNIFORM, 1, 0},
     {MT_RECOMPUTE_FULL, MT_RECOMPUTE_UNIFORM, 2, 0},
-    {MT_RECOMPUTE_FULL, MT_RECOMPUTE_BLOCK, 1, 0},
+    {MT_RECOMPUTE_FULL, MT_RECOMPUTE_BLOCK, 3, 0},
 };
 
 /* layout: 0 TP 2 + SP, 1 DP 2 with the distributed optimizer, 2 PP 2 (1F1B), 3 PP 2 x VP 2. */
@@ -467,7 +470,7 @@ static test_result rc_multigpu(test_flavour flavour, mt_precision prec) {
     const char* names[4] = {"TP 2 + SP", "DP 2 distributed", "PP 2", "PP 2 x VP 2"};
     for (int layout = 0; layout < 4; layout++) {
         mt_config c = rc_config(flavour, prec);
-        c.num_layers = 4;
+        c.num_layers = 8;
         if (layout == 0) {
             test_config_parallel(&c, 2, 2, 1);
         } else if (layout == 1) {
