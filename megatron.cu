@@ -4528,8 +4528,8 @@ static void cross_entropy(mt_trainer* t, const mt_exec* ex, float grad_scale) {
                              s.vocab_start, grad_scale);
 }
 
-/* The MLP's first linear and its activation: fc1 = ln2_in W1^T + b, act = GELU or SwiGLU of it (bf16
- * and fp16 GELU: one cuBLASLt GEMM whose epilogue applies GELU and keeps fc1 as its aux output). */
+/* The MLP's activation: act = GELU or SwiGLU of the pre-activation fc1, the bias (may be NULL) added
+ * into fc1 first. */
 template <typename T>
 static void mlp_activation(const mt_exec* ex, const mt_shape& s, const layer_view<T>& v, const T* bias) {
     if (s.swiglu)
@@ -4537,6 +4537,8 @@ static void mlp_activation(const mt_exec* ex, const mt_shape& s, const layer_vie
     else
         bias_gelu<T>(ex, v.fc1, v.act, bias, s.BT, s.f);
 }
+/* The MLP's first linear and its activation: fc1 = ln2_in W1^T + b, act = GELU or SwiGLU of it (bf16
+ * and fp16 GELU: one cuBLASLt GEMM whose epilogue applies GELU and keeps fc1 as its aux output). */
 template <typename T>
 static void mlp_up_forward(const mt_exec* ex, const mt_shape& s, const layer_view<T>& v, const layer_tensors<T>& p,
                            const T* ln2_in, const fp8_linear* f8) {
