@@ -56,7 +56,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <dirent.h>
 
@@ -75,6 +77,7 @@
 typedef struct {
     mt_status status;
     mt_error error;
+    const char* last_nccl_call; /* the last NCCL call issued through NCCL_CHECK (the watchdog names it) */
 } mt_gpu_error;
 
 static bool mt_cuda_ok(mt_gpu_error* e, cudaError_t code, const char* what, const char* file, int line) {
@@ -99,6 +102,7 @@ static bool mt_cublas_ok(mt_gpu_error* e, cublasStatus_t code, const char* what,
 
 /* NCCL failures name the rank: with N processes, the one line that reaches the user must say which. */
 static bool mt_nccl_ok(mt_gpu_error* e, ncclResult_t code, const char* what, int rank, const char* file, int line) {
+    __atomic_store_n(&e->last_nccl_call, what, __ATOMIC_RELAXED); /* read by the watchdog's thread */
     if (code == ncclSuccess || code == ncclInProgress) return true;
     if (e->status == MT_OK) {
         e->status = MT_ERR_NCCL;
@@ -3713,6 +3717,131 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
     }
 }
 
+/* The watchdog (mt_trainer_on_collective_timeout): a thread that each period polls NCCL's
+ * asynchronous errors on the communicators and the progress of the streams collectives run on. A
+ * stream's progress: the thread records an event on it and, at later periods, asks whether the event
+ * has completed (all work queued before it done); a new event is recorded only once the last one
+ * completed, so a stream stuck on a collective whose peer never joins keeps one event pending and is
+ * reported once it has waited the timeout. Recording an event from this thread adds no dependency
+ * between streams and changes no result. The handler is called once, then the thread ends. */
+#define MT_WATCH_MAX_STREAMS 6
+#define MT_WATCH_MAX_COMMS 8
+typedef struct mt_watchdog {
+    pthread_t thread;
+    int running, stop, fired;
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    int device, rank;
+    double timeout_s, period_s;
+    int num_streams;
+    cudaStream_t stream[MT_WATCH_MAX_STREAMS];
+    const char* stream_name[MT_WATCH_MAX_STREAMS];
+    cudaEvent_t mark[MT_WATCH_MAX_STREAMS];
+    double marked_at[MT_WATCH_MAX_STREAMS];
+    int pending[MT_WATCH_MAX_STREAMS];
+    int num_comms;
+    ncclComm_t comm[MT_WATCH_MAX_COMMS];
+    const char* comm_name[MT_WATCH_MAX_COMMS];
+    const mt_gpu_error* error; /* its last_nccl_call names the operation */
+    mt_collective_timeout_handler handler;
+    void* user;
+} mt_watchdog;
+
+static double watchdog_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* One look at the communicators and streams at time `now`; returns 1 and writes the line when the job
+ * cannot go on. */
+static int watchdog_check(mt_watchdog* w, double now, char* line, size_t size) {
+    const char* last = w->error ? __atomic_load_n(&w->error->last_nccl_call, __ATOMIC_RELAXED) : NULL;
+    if (!last) last = "none yet";
+    for (int i = 0; i < w->num_comms; i++) {
+        ncclResult_t state = ncclSuccess;
+        if (ncclCommGetAsyncError(w->comm[i], &state) == ncclSuccess && state != ncclSuccess &&
+            state != ncclInProgress) {
+            snprintf(line, size, "rank %d: NCCL reports %s on the %s communicator (%s); the last NCCL operation "
+                     "issued: %s", w->rank, ncclGetErrorString(state), w->comm_name[i], ncclGetLastError(NULL), last);
+            return 1;
+        }
+    }
+    for (int i = 0; i < w->num_streams; i++) {
+        if (w->pending[i]) {
+            cudaError_t q = cudaEventQuery(w->mark[i]);
+            if (q == cudaSuccess) w->pending[i] = 0;
+            else if (q != cudaErrorNotReady) return 0; /* a CUDA error: the trainer's own checks report it */
+            else if (now - w->marked_at[i] >= w->timeout_s) {
+                snprintf(line, size, "rank %d: the %s stream has made no progress for %.2f minutes "
+                         "(--distributed-timeout-minutes %g): a rank died or hangs; the last NCCL operation issued "
+                         "here: %s", w->rank, w->stream_name[i], (now - w->marked_at[i]) / 60.0,
+                         w->timeout_s / 60.0, last);
+                return 1;
+            }
+        }
+        if (!w->pending[i] && cudaEventRecord(w->mark[i], w->stream[i]) == cudaSuccess) {
+            w->pending[i] = 1;
+            w->marked_at[i] = now;
+        }
+    }
+    return 0;
+}
+
+static void* watchdog_main(void* arg) {
+    mt_watchdog* w = (mt_watchdog*)arg;
+    cudaSetDevice(w->device);
+    char line[sizeof(((mt_error*)0)->message)];
+    pthread_mutex_lock(&w->lock);
+    while (!w->stop) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        double at = (double)until.tv_nsec * 1e-9 + w->period_s;
+        until.tv_sec += (time_t)at;
+        until.tv_nsec = (long)((at - floor(at)) * 1e9);
+        pthread_cond_timedwait(&w->wake, &w->lock, &until);
+        if (w->stop) break;
+        if (watchdog_check(w, watchdog_now(), line, sizeof(line))) {
+            w->fired = 1;
+            pthread_mutex_unlock(&w->lock);
+            w->handler(line, w->user);
+            return NULL;
+        }
+    }
+    pthread_mutex_unlock(&w->lock);
+    return NULL;
+}
+
+/* Starts watching (w filled with streams, communicators, rank, device, timeout, handler). */
+static mt_status watchdog_start(mt_watchdog* w, mt_error* err) {
+    w->period_s = w->timeout_s / 4 < 1.0 ? w->timeout_s / 4 : 1.0;
+    for (int i = 0; i < w->num_streams; i++)
+        if (cudaEventCreateWithFlags(&w->mark[i], cudaEventDisableTiming) != cudaSuccess)
+            return mt_fail(err, MT_ERR_CUDA, "cannot create the watchdog's events");
+    pthread_mutex_init(&w->lock, NULL);
+    pthread_cond_init(&w->wake, NULL);
+    if (pthread_create(&w->thread, NULL, watchdog_main, w) != 0)
+        return mt_fail(err, MT_ERR_CUDA, "cannot start the watchdog thread");
+    w->running = 1;
+    return MT_OK;
+}
+
+static void watchdog_stop(mt_watchdog* w) {
+    if (!w) return;
+    if (w->running) {
+        pthread_mutex_lock(&w->lock);
+        w->stop = 1;
+        pthread_cond_signal(&w->wake);
+        pthread_mutex_unlock(&w->lock);
+        pthread_join(w->thread, NULL);
+        pthread_mutex_destroy(&w->lock);
+        pthread_cond_destroy(&w->wake);
+    }
+    for (int i = 0; i < w->num_streams; i++)
+        if (w->mark[i]) cudaEventDestroy(w->mark[i]);
+    free(w);
+}
+
 static void process_groups_free(mt_process_groups* g) {
     if (g->tp.comm) ncclCommDestroy(g->tp.comm);
     if (g->dp) ncclCommDestroy(g->dp);
@@ -4083,6 +4212,7 @@ struct mt_trainer {
     mt_config cfg;
     mt_gpu_error error;
     mt_process_groups groups;
+    mt_watchdog* watchdog;    /* mt_trainer_on_collective_timeout's thread (NULL: none) */
     cudaStream_t stream;
     cublasHandle_t cublas;
     void* cublas_workspace;
@@ -6551,8 +6681,42 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     return MT_OK;
 }
 
+mt_status mt_trainer_on_collective_timeout(mt_trainer* t, mt_collective_timeout_handler handler, void* user,
+                                           mt_error* err) {
+    if (!handler) return mt_fail(err, MT_ERR_ARG, "the collective timeout needs a handler");
+    if (t->watchdog || t->cfg.world_size == 1) return MT_OK; /* one process: no collectives to wait on */
+    mt_watchdog* w = (mt_watchdog*)calloc(1, sizeof(mt_watchdog));
+    if (!w) return mt_fail(err, MT_ERR_OOM, "cannot allocate the watchdog");
+    mt_process_groups* g = &t->groups;
+    const cudaStream_t streams[] = {t->stream, g->comm_stream, g->tp.stream, g->pp_streams[0], g->pp_streams[1]};
+    const char* stream_names[] = {"compute", "data-parallel", "tensor-parallel", "pipeline activation",
+                                  "pipeline gradient"};
+    for (int i = 0; i < 5; i++)
+        if (streams[i] && (i != 2 || g->tp.size > 1))
+            w->stream[w->num_streams] = streams[i], w->stream_name[w->num_streams++] = stream_names[i];
+    const ncclComm_t comms[] = {g->world, g->tp.comm, g->dp, g->pp, g->pp_grad, g->embedding};
+    const char* comm_names[] = {"world", "tensor-parallel", "data-parallel", "pipeline", "pipeline gradient",
+                                "embedding"};
+    for (int i = 0; i < 6; i++)
+        if (comms[i]) w->comm[w->num_comms] = comms[i], w->comm_name[w->num_comms++] = comm_names[i];
+    w->rank = t->cfg.rank;
+    if (cudaGetDevice(&w->device) != cudaSuccess) w->device = t->cfg.local_rank > 0 ? t->cfg.local_rank : 0;
+    w->timeout_s = 60.0 * t->cfg.distributed_timeout_minutes;
+    w->error = &t->error;
+    w->handler = handler;
+    w->user = user;
+    mt_status st = watchdog_start(w, err);
+    if (st != MT_OK) {
+        watchdog_stop(w);
+        return st;
+    }
+    t->watchdog = w;
+    return MT_OK;
+}
+
 void mt_trainer_free(mt_trainer* t) {
     if (!t) return;
+    watchdog_stop(t->watchdog); /* before the streams and communicators it watches go */
     if (t->stream) cudaStreamSynchronize(t->stream);
     if (t->groups.comm_stream) cudaStreamSynchronize(t->groups.comm_stream);
     if (t->groups.tp.stream) cudaStreamSynchronize(t->groups.tp.stream);

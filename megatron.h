@@ -543,6 +543,9 @@ typedef struct {
     int optimizer_cpu_offload;        /* --optimizer-cpu-offload */
     double optimizer_offload_fraction;/* --optimizer-offload-fraction (1.0), in [0, 1] */
     mt_recompute recompute;           /* --recompute-*: none by default */
+    double distributed_timeout_minutes; /* --distributed-timeout-minutes (10): a collective or transfer
+                                           that makes no progress this long is reported (multi-GPU jobs
+                                           with a handler: mt_trainer_on_collective_timeout) */
     /* launch: filled by the launcher (train_gpt.c does it from MPI) */
     int world_size, rank;
     int local_rank;                   /* this process's GPU on its node */
@@ -1122,6 +1125,17 @@ mt_status mt_comm_id_create(mt_comm_id* id, mt_error* err);
  * biases 0, norms 1). cfg must have been finalized. */
 mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* err);
 void mt_trainer_free(mt_trainer* t);
+/* A multi-GPU job's watchdog (Megatron's --distributed-timeout-minutes; PyTorch's NCCL watchdog): a
+ * background thread that every second asks NCCL for asynchronous errors on this rank's communicators
+ * and checks that each stream that runs collectives or pipeline transfers makes progress. When NCCL
+ * reports an error, or a stream has not moved for cfg.distributed_timeout_minutes (a rank died or
+ * hangs), it calls handler once, on its own thread, with one line naming this rank, the stream or
+ * communicator and the last NCCL operation issued; the handler must end the process (train_gpt's
+ * prints the line and exits 1, and mpirun then ends the job): the collectives cannot complete. No
+ * thread in a one-process job. Returns MT_ERR_CUDA when the thread or its events cannot be made. */
+typedef void (*mt_collective_timeout_handler)(const char* message, void* user);
+mt_status mt_trainer_on_collective_timeout(mt_trainer* t, mt_collective_timeout_handler handler, void* user,
+                                           mt_error* err);
 /* The plan this GPU's trainer was created from (mt_memory_plan_compute for its pipeline and data-parallel
  * rank), with state_bytes_measured filled. */
 mt_memory_plan mt_trainer_memory_plan(const mt_trainer* t);
@@ -2923,6 +2937,7 @@ void mt_config_defaults(mt_config* cfg) {
     cfg->num_layers_at_start_in_bf16 = 1;
     cfg->num_layers_at_end_in_bf16 = 1;
     cfg->optimizer_offload_fraction = 1.0;
+    cfg->distributed_timeout_minutes = 10.0;
 }
 
 int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int tensor_parallel_size) {
@@ -3471,6 +3486,9 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
         (rc->num_layers < 0 || rc->num_layers > c->num_layers / c->pipeline_model_parallel_size))
         return mt_fail(err, MT_ERR_CONFIG, "--recompute-num-layers %d: must be between 1 and the layers per pipeline rank "
                        "(%d)", rc->num_layers, c->num_layers / c->pipeline_model_parallel_size);
+    if (!(c->distributed_timeout_minutes > 0.0 && c->distributed_timeout_minutes <= 1e6))
+        return mt_fail(err, MT_ERR_CONFIG, "--distributed-timeout-minutes %g: must be in (0, 1e6]",
+                       c->distributed_timeout_minutes);
     if (c->rank < 0 || c->rank >= c->world_size)
         return mt_fail(err, MT_ERR_CONFIG, "rank %d outside a world of %d", c->rank, c->world_size);
     return MT_OK;

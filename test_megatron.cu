@@ -37,6 +37,7 @@
 #include "tests/test_memory.h"
 #include "tests/test_recompute.h"
 #include "tests/test_checkpoint_tool.h"
+#include "tests/test_watchdog.h"
 
 typedef struct {
     const char* group; /* kind.feature: kind is host, gpu or multigpu */
@@ -80,6 +81,7 @@ int main(int argc, char** argv) {
         GROUP("host.memory", memory_tests),
         GROUP("host.recompute", recompute_tests),
         GROUP("host.checkpoint_tool", checkpoint_tool_tests),
+        GROUP("host.watchdog", watchdog_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.flags", flags_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),
@@ -94,6 +96,7 @@ int main(int argc, char** argv) {
         GROUP("gpu.memory", memory_gpu_tests),
         GROUP("gpu.recompute", recompute_gpu_tests),
         GROUP("gpu.hostile", hostile_gpu_tests),
+        GROUP("gpu.watchdog", watchdog_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
         GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),
         GROUP("multigpu.pipeline", pipeline_multigpu_tests),

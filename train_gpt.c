@@ -50,6 +50,16 @@ static void die(int code, const char* fmt, ...) {
     exit(code);
 }
 
+/* The watchdog's handler (mt_trainer_on_collective_timeout), on its own thread: a collective that
+ * cannot complete leaves nothing to save; one line, then exit 1 (mpirun then ends the other ranks). */
+static void collective_timeout(const char* message, void* user) {
+    (void)user;
+    fprintf(stderr, "train_gpt: %s\n", message);
+    fflush(stderr);
+    fflush(stdout);
+    _exit(1);
+}
+
 /* ---- flags (the table, the parser and --help are in train_gpt_flags.h) ------------------------ */
 
 static void parse_args(tg_flags* o, int argc, char** argv) {
@@ -744,6 +754,7 @@ int main(int argc, char** argv) {
         if (mt_memory_plan_compute(c, &opts, &p, &plan_err) == MT_OK) print_plan(&p, c);
     }
     if (created != MT_OK) die(1, "%s", err.message);
+    if (mt_trainer_on_collective_timeout(t, collective_timeout, NULL, &err) != MT_OK) die(1, "%s", err.message);
     print_memory_plan(t, c);
 
     int64_t iteration = 0, consumed = 0, consumed_valid = 0;

@@ -391,8 +391,8 @@ static const tg_flag tg_flag_table[] = {
      "gradient bucket size in elements"},
     {"--distributed-backend", G_DIST, F_STRING, TG_AT(distributed_backend), CH("nccl|gloo"), "nccl",
      "collectives backend (NCCL only here)"},
-    {"--distributed-timeout-minutes", G_DIST, F_INFO_VALUE, 0, NR, "10",
-     "collectives here have no timeout (NCCL's own watchdog only)"},
+    {"--distributed-timeout-minutes", G_DIST, F_DOUBLE, TG_AT(cfg.distributed_timeout_minutes),
+     DR(0, 1e6, D_LO_OPEN), "10", "a collective or pipeline transfer stuck this long ends the job with one line"},
     /* validation */
     {"--eval-interval", G_VALID, F_INT64, TG_AT(eval_interval), IR(0, TG_I64MAX), "1000",
      "iterations between validations (0: none during training)"},

@@ -81,6 +81,9 @@ if [ "$what" = all ]; then
       loss=$(echo "$last" | sed 's/.*lm loss: \([^ ]*\).*/\1/')
       rows+=("train_gpt built-in mbs 8, PP=$pp|loss $loss val $val|${ms} ms/iter $(( $(date +%s) - start )) s")
     done
+    # a rank frozen mid-run: the watchdog ends the job with one line (--distributed-timeout-minutes)
+    timeout 300 bash dev/timeout_check.sh > "$OUT/timeout_check.log" 2>&1
+    rows+=("dead-rank watchdog (2 GPUs)|$(tail -n1 "$OUT/timeout_check.log")|dev/timeout_check.sh")
   fi
 fi
 
