@@ -4159,7 +4159,8 @@ static void row_parallel_backward(const parallel_backward_ctx<T>& pc, T* dx, flo
 /*    and V are the full model's divided by TP; the norm and residual regions hold R rows (BT,    */
 /*    or BT/TP with sequence parallelism: the micro-batch's [B*T] rows cut into TP consecutive    */
 /*    blocks, Megatron's [s/tp, b, h] in this codebase's row order). Then the attention layer     */
-/*    (exact or flash), the forward and the backward of one stage.                                */
+/*    (exact or flash), the forward and the backward of one stage, and activation recompute       */
+/*    (recompute_layer: what the forward did not keep, made again before a layer's backward).     */
 /* ============================================================================================== */
 
 typedef struct {
