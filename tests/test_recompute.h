@@ -6,7 +6,8 @@
  * layer's reads) tags every room with the layer whose value it holds, for every setting and every
  * chunk size up to the slot's; the plan's kept layers for given settings; the --recompute-* flags land
  * or are refused with Megatron's rules; train_gpt --plan names the setting and plans less.
- * GPU: a few training steps with every recompute setting give the losses, the gradients and the final
+ * GPU: the norm output recompute makes from saved statistics is the forward's bit for bit; a few
+ * training steps with every recompute setting give the losses, the gradients and the final
  * weights of no recompute bit for bit (the recomputed forward is the forward's own kernels on the same
  * inputs), GPT-2 and Llama, fp32 and bf16, two micro-batches a step, and FP8; each trainer allocates
  * its setting's plan to the byte. Several GPUs (mpirun -np 2): the same under TP 2 with sequence
@@ -17,6 +18,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <vector>
 
 #include "test_common.h"
 #include "test_configs.h"
@@ -443,7 +446,87 @@ static test_result test_recompute_fp8(void) {
     return TEST_PASS;
 }
 
+/* What recompute rests on for the norms: the output norm_apply makes from a norm's saved input and
+ * statistics is the forward's output bit for bit (the first norm of a chunk: norm_forward; every other
+ * norm: residual_norm_forward, one fused kernel up to 2048 bf16 / 1024 fp32 columns, else two).
+ * Selective layernorm recomputes the second norm's output this way, and a full-recompute replay starts
+ * its group from the first norm's output made this way. LayerNorm and RMSNorm, with and without the
+ * 1p weights, fp32 and bf16, random rows. */
+template <typename T>
+static test_result rc_norm_apply_case(mt_precision prec, int N, int C, bool rms, float w1) {
+    const int64_t n = (int64_t)N * C;
+    std::vector<float> h((size_t)(3 * n + 2 * C));
+    uint64_t x = 0x9e3779b97f4a7c15ull ^ (uint64_t)(N * 131 + C * 7 + rms * 3 + (int)w1);
+    for (float& v : h) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        v = (float)((double)(x >> 11) / 9007199254740992.0 * 4.0 - 2.0);
+    }
+    float* staging = NULL;
+    T *dev = NULL, *out = NULL, *again = NULL, *sum = NULL;
+    float *mean = NULL, *rstd = NULL;
+    mt_gpu_error e;
+    memset(&e, 0, sizeof(e));
+    mt_exec ex;
+    ex.stream = 0;
+    ex.error = &e;
+    ex.gemm = NULL;
+    ex.mode = mt_micro_batch_mode();
+    test_result res = TEST_PASS;
+    if (cudaMalloc(&staging, sizeof(float) * h.size()) != cudaSuccess || cudaMalloc(&dev, sizeof(T) * h.size()) != cudaSuccess ||
+        cudaMalloc(&out, sizeof(T) * n) != cudaSuccess || cudaMalloc(&again, sizeof(T) * n) != cudaSuccess ||
+        cudaMalloc(&sum, sizeof(T) * n) != cudaSuccess || cudaMalloc(&mean, sizeof(float) * N) != cudaSuccess ||
+        cudaMalloc(&rstd, sizeof(float) * N) != cudaSuccess) {
+        printf("    FAIL cudaMalloc\n");
+        res = TEST_FAIL;
+    }
+    if (res == TEST_PASS) {
+        cudaMemcpy(staging, h.data(), sizeof(float) * h.size(), cudaMemcpyHostToDevice);
+        cast_from_float(&ex, prec, dev, staging, (int64_t)h.size());
+        const T *residual = dev, *branch = dev + n, *bias = dev + 2 * n, *w = dev + 3 * n, *b = rms ? NULL : dev + 3 * n + C;
+        std::vector<T> first((size_t)n), second((size_t)n);
+        for (int fused = 0; fused < 2 && res == TEST_PASS; fused++) {
+            if (fused)
+                residual_norm_forward<T>(&ex, sum, out, mean, rstd, residual, (T*)branch, bias, w, b, N, C, 1e-5f, rms, w1);
+            else
+                norm_forward<T>(&ex, out, mean, rstd, residual, w, b, N, C, 1e-5f, rms, w1);
+            norm_apply<T>(&ex, again, fused ? sum : residual, mean, rstd, w, b, N, C, w1);
+            cudaMemcpy(first.data(), out, sizeof(T) * n, cudaMemcpyDeviceToHost);
+            cudaMemcpy(second.data(), again, sizeof(T) * n, cudaMemcpyDeviceToHost);
+            if (e.status != MT_OK || cudaDeviceSynchronize() != cudaSuccess) {
+                printf("    FAIL %s\n", e.status != MT_OK ? e.error.message : "a CUDA error");
+                res = TEST_FAIL;
+            } else if (memcmp(first.data(), second.data(), sizeof(T) * n) != 0) {
+                int64_t i = 0;
+                while (memcmp(&first[i], &second[i], sizeof(T)) == 0) i++;
+                printf("    FAIL %s %s N=%d C=%d w1=%g: %s's output and norm_apply's differ at element %lld\n",
+                       prec == MT_FP32 ? "fp32" : "bf16", rms ? "RMSNorm" : "LayerNorm", N, C, w1,
+                       fused ? "residual_norm_forward" : "norm_forward", (long long)i);
+                res = TEST_FAIL;
+            }
+        }
+    }
+    cudaFree(staging), cudaFree(dev), cudaFree(out), cudaFree(again), cudaFree(sum), cudaFree(mean), cudaFree(rstd);
+    return res;
+}
+static test_result test_recompute_norm_apply_is_the_forward(void) {
+    REQUIRE_GPU();
+    const struct { int N, C; } shapes[] = {{257, 128}, {1024, 1600}, {512, 2048}, {300, 4096}, {64, 770}};
+    int cases = 0;
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
+        for (int rms = 0; rms < 2; rms++)
+            for (int one_p = 0; one_p < 2; one_p++) {
+                const int N = shapes[i].N, C = shapes[i].C;
+                const float w1 = one_p ? 1.0f : 0.0f;
+                if (rc_norm_apply_case<float>(MT_FP32, N, C, rms, w1) != TEST_PASS) return TEST_FAIL;
+                if (rc_norm_apply_case<__nv_bfloat16>(MT_BF16, N, C, rms, w1) != TEST_PASS) return TEST_FAIL;
+                cases += 2;
+            }
+    printf("      %d cases: norm_apply equals norm_forward and residual_norm_forward bit for bit\n", cases);
+    return TEST_PASS;
+}
+
 static const test_case recompute_gpu_tests[] = {
+    {"recompute_norm_apply_is_the_forward", test_recompute_norm_apply_is_the_forward},
     {"recompute_bitwise_gpt2_fp32", test_recompute_gpt2_fp32},
     {"recompute_bitwise_gpt2_bf16", test_recompute_gpt2_bf16},
     {"recompute_bitwise_llama_fp32", test_recompute_llama_fp32},
