@@ -9,7 +9,7 @@
  * GPU: the norm output recompute makes from saved statistics is the forward's bit for bit; a few
  * training steps with every recompute setting give the losses, the gradients and the final
  * weights of no recompute bit for bit (the recomputed forward is the forward's own kernels on the same
- * inputs), GPT-2 and Llama, fp32 and bf16, two micro-batches a step, and FP8; each trainer allocates
+ * inputs), GPT-2 and Llama, fp32 and bf16, two micro-batches a step, and FP8 (three recipes); each trainer allocates
  * its setting's plan to the byte. Several GPUs (mpirun -np 2): the same under TP 2 with sequence
  * parallelism, DP 2 with the distributed optimizer, PP 2 (1F1B and interleaved). */
 #ifndef MT_TEST_RECOMPUTE_H
@@ -429,18 +429,21 @@ static test_result test_recompute_gpt2_bf16(void) { return rc_single(TEST_GPT2, 
 static test_result test_recompute_llama_fp32(void) { return rc_single(TEST_LLAMA, MT_FP32); }
 static test_result test_recompute_llama_bf16(void) { return rc_single(TEST_LLAMA, MT_BF16); }
 
-/* FP8 (hybrid, delayed and blockwise scaling): the replayed linears cast with the forward's scales. */
+/* FP8 (delayed, tensorwise and blockwise scaling): the replayed linears cast with the forward's scales. */
 static test_result test_recompute_fp8(void) {
     REQUIRE_FP8_GPU();
     const mt_recompute settings[] = {{MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, 15},
                                      {MT_RECOMPUTE_FULL, MT_RECOMPUTE_UNIFORM, 2, 0},
                                      {MT_RECOMPUTE_FULL, MT_RECOMPUTE_BLOCK, 3, 0}};
-    const mt_fp8_recipe recipes[2] = {MT_FP8_DELAYED, MT_FP8_BLOCKWISE};
-    for (int r = 0; r < 2; r++) {
+    const struct { mt_fp8_format format; mt_fp8_recipe recipe; const char* name; } recipes[3] = {
+        {MT_FP8_HYBRID, MT_FP8_DELAYED, "gpt2 fp8 hybrid delayed"},
+        {MT_FP8_E4M3, MT_FP8_TENSORWISE, "gpt2 fp8 e4m3 tensorwise"},
+        {MT_FP8_HYBRID, MT_FP8_BLOCKWISE, "gpt2 fp8 hybrid blockwise"}};
+    for (int r = 0; r < 3; r++) {
         mt_config c = rc_config(TEST_GPT2, MT_BF16);
-        c.fp8_format = MT_FP8_HYBRID;
-        c.fp8_recipe = recipes[r];
-        test_result res = rc_compare(&c, settings, 3, 1, r == 0 ? "gpt2 fp8 delayed" : "gpt2 fp8 blockwise");
+        c.fp8_format = recipes[r].format;
+        c.fp8_recipe = recipes[r].recipe;
+        test_result res = rc_compare(&c, settings, 3, 1, recipes[r].name);
         if (res != TEST_PASS) return res;
     }
     return TEST_PASS;
