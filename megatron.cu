@@ -4405,7 +4405,8 @@ static void row_parallel_backward(const parallel_backward_ctx<T>& pc, T* dx, flo
 /*    and V are the full model's divided by TP; the norm and residual regions hold R rows (BT,    */
 /*    or BT/TP with sequence parallelism: the micro-batch's [B*T] rows cut into TP consecutive    */
 /*    blocks, Megatron's [s/tp, b, h] in this codebase's row order). Then the attention layer     */
-/*    (exact or flash), the forward and the backward of one stage.                                */
+/*    (exact or flash), the forward and the backward of one stage, and activation recompute       */
+/*    (recompute_layer: what the forward did not keep, made again before a layer's backward).     */
 /* ============================================================================================== */
 
 typedef struct {
@@ -4615,7 +4616,9 @@ static mt_shape model_shape(const mt_trainer* t) {
 }
 
 /* One layer's saved activations, as pointers into the arena (R rows in the norm/residual regions,
- * BT elsewhere; see mt_activations). */
+ * BT elsewhere; see mt_activations): layer i (0-based) of a chunk of `count` layers, in the rooms
+ * the recompute setting gives it (megatron.h mt_recompute_position: room i of each region without
+ * recompute; the plan counts the same rooms). */
 template <typename T>
 struct layer_view {
     T *x;                       /* [R, h] layer input (the residual stream) */
@@ -4633,24 +4636,26 @@ struct layer_view {
     T *out;                     /* [R, h] layer output = the next layer's input */
 };
 template <typename T>
-static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& s, int l) {
-    int64_t Rh = (int64_t)s.R * s.h;
+static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& s, const mt_recompute* rc, int count,
+                                       int i) {
+    const int64_t Rh = (int64_t)s.R * s.h;
+    auto room = [&](int region, int layer) { return mt_recompute_position(rc, region, count, layer); };
     layer_view<T> v;
-    v.x = LAYER(a->residual, T, l, Rh);
+    v.x = LAYER(a->residual, T, room(MT_ACT_RESIDUAL, i), Rh);
     v.ln1 = (T*)a->ln1;
-    v.ln1_mean = a->ln1_mean + (int64_t)l * s.R;
-    v.ln1_rstd = a->ln1_rstd + (int64_t)l * s.R;
-    v.qkv = LAYER(a->qkv, T, l, (int64_t)s.BT * s.qkv_width);
-    v.probs = a->probs ? LAYER(a->probs, T, l, (int64_t)s.B * s.heads * s.S * s.S) : NULL;
-    v.lse = a->lse ? a->lse + (int64_t)l * s.B * s.heads * s.S : NULL;
-    v.attn = LAYER(a->attn_out, T, l, (int64_t)s.BT * s.attn_width);
-    v.mid = LAYER(a->residual_mid, T, l, Rh);
-    v.ln2 = LAYER(a->ln2, T, l, Rh);
-    v.ln2_mean = a->ln2_mean + (int64_t)l * s.R;
-    v.ln2_rstd = a->ln2_rstd + (int64_t)l * s.R;
-    v.fc1 = LAYER(a->fc1, T, l, (int64_t)s.BT * s.f1);
-    v.act = LAYER(a->act, T, l, (int64_t)s.BT * s.f);
-    v.out = LAYER(a->residual, T, l + 1, Rh);
+    v.ln1_mean = a->ln1_mean + room(MT_ACT_LN1_MEAN, i) * s.R;
+    v.ln1_rstd = a->ln1_rstd + room(MT_ACT_LN1_RSTD, i) * s.R;
+    v.qkv = LAYER(a->qkv, T, room(MT_ACT_QKV, i), (int64_t)s.BT * s.qkv_width);
+    v.probs = a->probs ? LAYER(a->probs, T, room(MT_ACT_PROBS, i), (int64_t)s.B * s.heads * s.S * s.S) : NULL;
+    v.lse = a->lse ? a->lse + room(MT_ACT_LSE, i) * s.B * s.heads * s.S : NULL;
+    v.attn = LAYER(a->attn_out, T, room(MT_ACT_ATTN_OUT, i), (int64_t)s.BT * s.attn_width);
+    v.mid = LAYER(a->residual_mid, T, room(MT_ACT_RESIDUAL_MID, i), Rh);
+    v.ln2 = LAYER(a->ln2, T, room(MT_ACT_LN2, i), Rh);
+    v.ln2_mean = a->ln2_mean + room(MT_ACT_LN2_MEAN, i) * s.R;
+    v.ln2_rstd = a->ln2_rstd + room(MT_ACT_LN2_RSTD, i) * s.R;
+    v.fc1 = LAYER(a->fc1, T, room(MT_ACT_FC1, i), (int64_t)s.BT * s.f1);
+    v.act = LAYER(a->act, T, room(MT_ACT_ACT, i), (int64_t)s.BT * s.f);
+    v.out = LAYER(a->residual, T, room(MT_ACT_RESIDUAL, i + 1), Rh);
     return v;
 }
 
@@ -4689,6 +4694,18 @@ static model_chunk chunk_of(const mt_trainer* t, int c) {
     const int vp = st->num_chunks;
     model_chunk ch = {st->first_layer[c], st->num_layers[c], st->embedding && c == 0, st->head && c == vp - 1};
     return ch;
+}
+/* Model layer l of chunk ch in the running slot's activations (the rooms of the recompute setting). */
+template <typename T>
+static layer_view<T> chunk_layer(const mt_trainer* t, const model_chunk& ch, int l) {
+    return layer_activations<T>(&t->act, model_shape(t), &t->cfg.recompute, ch.count, l - ch.first);
+}
+/* The chunk's output in the running slot: its last layer's output (the final norm's input, or what
+ * goes to the next stage), or its input when it has no layers. */
+static void* chunk_output(const mt_trainer* t, const model_chunk& ch) {
+    const mt_shape s = model_shape(t);
+    return LAYER(t->act.residual, char, mt_recompute_position(&t->cfg.recompute, MT_ACT_RESIDUAL, ch.count, ch.count),
+                 (int64_t)s.R * s.h * t->elem);
 }
 
 /* Dropout sites (section 5): Megatron's embedding dropout (the embeddings' output, --hidden-dropout),
@@ -4753,6 +4770,21 @@ static attn_view heads_rows_view(const mt_shape& s, void* rows) {
  * [B*heads, T, T], so the softmax kernels see one row per (head, query). dK and dV come out summed
  * over the group's heads by the GEMMs themselves. The probabilities are kept in probs [B*heads, T, T]. */
 
+/* Exact path: q, k, v split from qkv into the scratch (RoPE applied) and probs = the causal softmax
+ * of Q K^T / sqrt(d) per (batch, group); the forward's first half, and what selective recompute of
+ * core_attn replays before the backward. */
+template <typename T>
+static void attention_probabilities(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs) {
+    mt_shape s = model_shape(t);
+    mt_attention_dims dims = attention_dims(t, s);
+    mt_activations* a = &t->act;
+    split_qkv<T>(ex, dims, (T*)a->q, (T*)a->k, (T*)a->v, qkv);
+    int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
+    int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
+    gemm<T, T>(ex, false, true, M, s.S, s.d, (T*)a->q, s.d, (T*)a->k, s.d, probs, s.S, 1.0f, 0.0f, batch, qd, sd, qs);
+    causal_softmax_forward<T>(ex, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d));
+}
+
 /* One layer's attention: qkv [BT, qkv_width] (the QKV linear's output) -> attn [BT, heads*d].
  * Flash path: only the log-sum-exp lse [B*heads, T] is kept; exact path: the probabilities. */
 template <typename T>
@@ -4771,12 +4803,9 @@ static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs
             return;
         }
     }
-    split_qkv<T>(ex, dims, (T*)a->q, (T*)a->k, (T*)a->v, qkv);
+    attention_probabilities<T>(t, ex, qkv, probs);
     int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
     int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
-    /* scores[q, k] = Q K^T per (batch, group), causal softmax in place, o = P V */
-    gemm<T, T>(ex, false, true, M, s.S, s.d, (T*)a->q, s.d, (T*)a->k, s.d, probs, s.S, 1.0f, 0.0f, batch, qd, sd, qs);
-    causal_softmax_forward<T>(ex, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d));
     /* attention dropout: o = dropout(P) V, the dropped probabilities in the dscores scratch (P is kept) */
     const T* pv = probs;
     if (drop.on) attention_dropout<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, drop, s.heads), pv = (T*)a->dscores;
@@ -4937,10 +4966,85 @@ static void cross_entropy(mt_trainer* t, const mt_exec* ex, float grad_scale) {
                              s.vocab_start, grad_scale);
 }
 
+/* The MLP's activation: act = GELU or SwiGLU of the pre-activation fc1, the bias (may be NULL) added
+ * into fc1 first. */
+template <typename T>
+static void mlp_activation(const mt_exec* ex, const mt_shape& s, const layer_view<T>& v, const T* bias) {
+    if (s.swiglu)
+        bias_swiglu<T>(ex, v.fc1, v.act, bias, s.BT, s.f);
+    else
+        bias_gelu<T>(ex, v.fc1, v.act, bias, s.BT, s.f);
+}
+/* The MLP's first linear and its activation: fc1 = ln2_in W1^T + b, act = GELU or SwiGLU of it (bf16
+ * and fp16 GELU: one cuBLASLt GEMM whose epilogue applies GELU and keeps fc1 as its aux output). */
+template <typename T>
+static void mlp_up_forward(const mt_exec* ex, const mt_shape& s, const layer_view<T>& v, const layer_tensors<T>& p,
+                           const T* ln2_in, const fp8_linear* f8) {
+    if (!f8 && gelu_fused<T>(s) &&
+        gemm_epilogue<T, T>(ex, GEMM_GELU_AUX_BIAS, false, true, s.BT, s.f, s.h, ln2_in, s.h, p.fc1_w, s.h, v.act, s.f,
+                            1.0f, 0.0f, p.fc1_b, v.fc1))
+        return;
+    linear_forward<T>(ex, v.fc1, ln2_in, p.fc1_w, (const T*)NULL, s.BT, s.h, s.f1, f8);
+    mlp_activation<T>(ex, s, v, p.fc1_b);
+}
+
+/* Layer l's forward (of chunk ch, in the running slot) from its input x and ln1 = norm1(x) already
+ * in the scratch: attention, MLP, then the residual add fused with the norm that follows it (layer
+ * l+1's first, the final norm, or none before the next stage), which also writes the next layer's
+ * ln1. Full recompute replays it in the backward (replay: no FP8 weight casts, no parameter waits)
+ * with the same kernels and arguments on the kept input, so it writes the forward's bits again;
+ * the last layer it replays stops before fc2 (output false): its output is kept. */
+template <typename T>
+static void layer_forward(mt_trainer* t, const mt_exec* ex, const model_chunk& ch, int l, bool replay, bool output) {
+    mt_shape s = model_shape(t);
+    mt_activations* a = &t->act;
+    mt_tp_group* tp = &t->groups.tp;
+    const float eps = (float)t->cfg.norm_epsilon;
+    T* gathered = (T*)a->gathered;
+    const int last = ch.first + ch.count - 1;
+    const layer_view<T> v = chunk_layer<T>(t, ch, l);
+    const layer_tensors<T> p = layer_params<T>(t, l);
+    fp8_linear f8[FP8_LINEARS];
+    const bool fp8 = fp8_layer_linears<T>(t, ex, l, !replay && t->fp8.stale != 0, f8);
+
+    /* attention block: ln1 = norm1(x) is already there */
+    const T* ln1_in = column_parallel_input<T>(tp, gathered, v.ln1, s.R, s.h);
+    linear_forward<T>(ex, v.qkv, ln1_in, p.qkv_w, p.qkv_b, s.BT, s.h, s.qkv_width, fp8 ? &f8[FP8_QKV] : NULL);
+    attention_forward<T>(t, ex, v.qkv, v.probs, v.lse, v.attn, l);
+    linear_forward<T>(ex, (T*)a->branch, v.attn, p.proj_w, (const T*)NULL, s.BT, s.attn_width, s.h,
+                      fp8 ? &f8[FP8_PROJ] : NULL);
+    T* proj = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
+    /* mid = x + dropout(proj + bias); ln2 = norm2(mid) */
+    residual_norm_forward<T>(ex, v.mid, v.ln2, v.ln2_mean, v.ln2_rstd, v.x, proj, p.proj_b, p.ln2_w, p.ln2_b, s.R, s.h,
+                             eps, s.rms, s.norm_w1, dropout_site(t, ex, l, DROPOUT_PROJ));
+
+    /* MLP block */
+    const T* ln2_in = column_parallel_input<T>(tp, gathered, v.ln2, s.R, s.h);
+    mlp_up_forward<T>(ex, s, v, p, ln2_in, fp8 ? &f8[FP8_FC1] : NULL);
+    if (!output) return;
+    linear_forward<T>(ex, (T*)a->branch, v.act, p.fc2_w, (const T*)NULL, s.BT, s.f, s.h, fp8 ? &f8[FP8_FC2] : NULL);
+    T* fc2 = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
+    /* out = mid + dropout(fc2 + bias); then the next norm: layer l+1's first, or the final norm */
+    if (!replay) wait_for_parameters(t, l + 1);
+    const mt_dropout fc2_drop = dropout_site(t, ex, l, DROPOUT_FC2);
+    if (l < last) {
+        const layer_view<T> next = chunk_layer<T>(t, ch, l + 1);
+        const layer_tensors<T> np = layer_params<T>(t, l + 1);
+        residual_norm_forward<T>(ex, v.out, next.ln1, next.ln1_mean, next.ln1_rstd, v.mid, fc2, p.fc2_b, np.ln1_w,
+                                 np.ln1_b, s.R, s.h, eps, s.rms, s.norm_w1, fc2_drop);
+    } else if (ch.head) {
+        residual_norm_forward<T>(ex, v.out, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, v.mid, fc2, p.fc2_b,
+                                 param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.R, s.h,
+                                 eps, s.rms, s.norm_w1, fc2_drop);
+    } else { /* the chunk's output, for the next pipeline stage */
+        bias_residual<T>(ex, v.out, v.mid, fc2, p.fc2_b, s.R, s.h, fc2_drop);
+    }
+}
+
 /* Forward of one model chunk of one micro-batch. The first chunk embeds the inputs already on the
  * device; any other finds the previous stage's output in its residual[0]. The last chunk leaves
  * the logits (or, when grad_scale != 0, their gradient) in act.logits and per-token losses in
- * act.losses; any other leaves its output in residual[count] for the next stage.
+ * act.losses; any other leaves its output in chunk_output for the next stage.
  * Each residual add is fused with the norm that follows it: the attention residual with the MLP's
  * norm, the MLP residual with the next layer's first norm (or the final norm). With tensor
  * parallelism: QKV and fc1 are column-parallel, proj and fc2 row-parallel, the embedding and the
@@ -4969,61 +5073,12 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
     if (ch.count > 0) {
         wait_for_parameters(t, ch.first);
         const layer_tensors<T> p = layer_params<T>(t, ch.first);
-        const layer_view<T> v = layer_activations<T>(a, s, 0);
+        const layer_view<T> v = chunk_layer<T>(t, ch, ch.first);
         norm_forward<T>(ex, v.ln1, v.ln1_mean, v.ln1_rstd, v.x, p.ln1_w, p.ln1_b, s.R, s.h, eps, s.rms, s.norm_w1);
     }
+    for (int l = ch.first; l <= last; l++) layer_forward<T>(t, ex, ch, l, false, true);
 
-    const bool cast_fp8_weights = t->fp8.stale != 0;
-    for (int l = ch.first; l <= last; l++) {
-        const layer_view<T> v = layer_activations<T>(a, s, l - ch.first);
-        const layer_tensors<T> p = layer_params<T>(t, l);
-        fp8_linear f8[FP8_LINEARS];
-        const bool fp8 = fp8_layer_linears<T>(t, ex, l, cast_fp8_weights, f8);
-
-        /* attention block: ln1 = norm1(x) is already there */
-        const T* ln1_in = column_parallel_input<T>(tp, gathered, v.ln1, s.R, s.h);
-        linear_forward<T>(ex, v.qkv, ln1_in, p.qkv_w, p.qkv_b, s.BT, s.h, s.qkv_width, fp8 ? &f8[FP8_QKV] : NULL);
-        attention_forward<T>(t, ex, v.qkv, v.probs, v.lse, v.attn, l);
-        linear_forward<T>(ex, (T*)a->branch, v.attn, p.proj_w, (const T*)NULL, s.BT, s.attn_width, s.h,
-                          fp8 ? &f8[FP8_PROJ] : NULL);
-        T* proj = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
-        /* mid = x + dropout(proj + bias); ln2 = norm2(mid) */
-        residual_norm_forward<T>(ex, v.mid, v.ln2, v.ln2_mean, v.ln2_rstd, v.x, proj, p.proj_b, p.ln2_w, p.ln2_b, s.R,
-                                 s.h, eps, s.rms, s.norm_w1, dropout_site(t, ex, l, DROPOUT_PROJ));
-
-        /* MLP block */
-        const T* ln2_in = column_parallel_input<T>(tp, gathered, v.ln2, s.R, s.h);
-        /* bf16/fp16 GELU: act = gelu(ln2 W^T + b) with fc1 = the pre-activation, one cuBLASLt GEMM */
-        bool fused = !fp8 && gelu_fused<T>(s) &&
-                     gemm_epilogue<T, T>(ex, GEMM_GELU_AUX_BIAS, false, true, s.BT, s.f, s.h, ln2_in, s.h, p.fc1_w, s.h,
-                                         v.act, s.f, 1.0f, 0.0f, p.fc1_b, v.fc1);
-        if (!fused) {
-            linear_forward<T>(ex, v.fc1, ln2_in, p.fc1_w, (const T*)NULL, s.BT, s.h, s.f1, fp8 ? &f8[FP8_FC1] : NULL);
-            if (s.swiglu)
-                bias_swiglu<T>(ex, v.fc1, v.act, p.fc1_b, s.BT, s.f);
-            else
-                bias_gelu<T>(ex, v.fc1, v.act, p.fc1_b, s.BT, s.f);
-        }
-        linear_forward<T>(ex, (T*)a->branch, v.act, p.fc2_w, (const T*)NULL, s.BT, s.f, s.h, fp8 ? &f8[FP8_FC2] : NULL);
-        T* fc2 = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
-        /* out = mid + dropout(fc2 + bias); then the next norm: layer l+1's first, or the final norm */
-        wait_for_parameters(t, l + 1);
-        const mt_dropout fc2_drop = dropout_site(t, ex, l, DROPOUT_FC2);
-        if (l < last) {
-            const layer_view<T> next = layer_activations<T>(a, s, l + 1 - ch.first);
-            const layer_tensors<T> np = layer_params<T>(t, l + 1);
-            residual_norm_forward<T>(ex, v.out, next.ln1, next.ln1_mean, next.ln1_rstd, v.mid, fc2, p.fc2_b, np.ln1_w,
-                                     np.ln1_b, s.R, s.h, eps, s.rms, s.norm_w1, fc2_drop);
-        } else if (ch.head) {
-            residual_norm_forward<T>(ex, v.out, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, v.mid, fc2, p.fc2_b,
-                                     param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.R,
-                                     s.h, eps, s.rms, s.norm_w1, fc2_drop);
-        } else { /* the chunk's output, for the next pipeline stage */
-            bias_residual<T>(ex, v.out, v.mid, fc2, p.fc2_b, s.R, s.h, fc2_drop);
-        }
-    }
-
-    if (cast_fp8_weights) t->fp8.stale = 0;
+    if (t->fp8.stale) t->fp8.stale = 0;
     if (!ch.head) return;
     if (ch.count == 0) /* a head without layers: the final norm of the received stream (bucket 0: wait for it) */
         wait_for_parameters(t, s.L), norm_forward<T>(ex, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, (const T*)a->residual,
@@ -5076,6 +5131,44 @@ static const T* hidden_dropout_backward(mt_trainer* t, const mt_exec* ex, const 
     return out;
 }
 
+/* Activation recompute (megatron.h mt_recompute), before layer l's backward: what the forward did
+ * not keep, made again by the forward's own kernels from what it kept, so bit for bit what the
+ * forward made (the same inputs, kernels and arguments; counter-based dropout masks would come out
+ * the same too). Full: mt_recompute_replay's layers replayed from the kept input of the first
+ * (its ln1 from the kept statistics, as the backward makes it anyway). Selective: the second norm's
+ * output from its statistics (layernorm); fc1 and the activation (mlp), or the activation alone
+ * from the kept pre-activation, whose bias is already in it (act; the bf16 GELU epilogue only
+ * comes from its GEMM); the attention probabilities (core_attn, exact path). */
+template <typename T>
+static void recompute_layer(mt_trainer* t, const mt_exec* ex, const model_chunk& ch, int l) {
+    const mt_recompute* rc = &t->cfg.recompute;
+    const mt_shape s = model_shape(t);
+    int64_t from = 0;
+    if (mt_recompute_replay(rc, ch.count, l - ch.first, &from)) {
+        const int first = ch.first + (int)from;
+        const layer_view<T> g = chunk_layer<T>(t, ch, first);
+        const layer_tensors<T> gp = layer_params<T>(t, first);
+        norm_apply<T>(ex, g.ln1, g.x, g.ln1_mean, g.ln1_rstd, gp.ln1_w, gp.ln1_b, s.R, s.h, s.norm_w1);
+        for (int k = first; k <= l; k++) layer_forward<T>(t, ex, ch, k, true, k < l);
+        return;
+    }
+    if (rc->granularity != MT_RECOMPUTE_SELECTIVE) return;
+    const int modules = rc->modules ? rc->modules : MT_RECOMPUTE_CORE_ATTN;
+    const layer_view<T> v = chunk_layer<T>(t, ch, l);
+    const layer_tensors<T> p = layer_params<T>(t, l);
+    fp8_linear f8[FP8_LINEARS];
+    const bool fp8 = fp8_layer_linears<T>(t, ex, l, false, f8);
+    if (modules & MT_RECOMPUTE_LAYERNORM)
+        norm_apply<T>(ex, v.ln2, v.mid, v.ln2_mean, v.ln2_rstd, p.ln2_w, p.ln2_b, s.R, s.h, s.norm_w1);
+    if ((modules & MT_RECOMPUTE_MLP) || ((modules & MT_RECOMPUTE_ACT) && !fp8 && gelu_fused<T>(s))) {
+        const T* ln2_in = column_parallel_input<T>(&t->groups.tp, (T*)t->act.gathered, v.ln2, s.R, s.h);
+        mlp_up_forward<T>(ex, s, v, p, ln2_in, fp8 ? &f8[FP8_FC1] : NULL);
+    } else if (modules & MT_RECOMPUTE_ACT) {
+        mlp_activation<T>(ex, s, v, (const T*)NULL);
+    }
+    if ((modules & MT_RECOMPUTE_CORE_ATTN) && v.probs) attention_probabilities<T>(t, ex, v.qkv, v.probs);
+}
+
 /* Backward of one model chunk of a micro-batch whose forward ran with grad_scale != 0: accumulates
  * the chunk's parameter gradients into t->grads (fp32), or writes them when
  * ex->mode.accumulate_gradients is 0 (the chunk's first micro-batch: every tensor it holds is
@@ -5105,7 +5198,7 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
                                               (T*)a->lnf, output_weight<T>(t), s.h, (int)s.V);
         norm_backward<T>(ex, cs, dres, grad_ptr(t, MT_P_FINAL_LN_WEIGHT), grad_ptr(t, MT_P_FINAL_LN_BIAS),
                          ch.count > 0 && !hidden_drop ? layer_grads(t, last).fc2_b : (float*)NULL, dlnf,
-                         LAYER(a->residual, T, ch.count, Rh), param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean,
+                         (T*)chunk_output(t, ch), param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), a->lnf_mean,
                          a->lnf_rstd, s.R, s.h, s.rms, s.norm_w1);
         reduce_sequence_parallel_gradients(t, ex, s.L);
         gradients_ready(t, ex, s.L);
@@ -5115,7 +5208,8 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
     }
 
     for (int l = last; l >= ch.first; l--) {
-        const layer_view<T> v = layer_activations<T>(a, s, l - ch.first);
+        recompute_layer<T>(t, ex, ch, l);
+        const layer_view<T> v = chunk_layer<T>(t, ch, l);
         const layer_tensors<T> p = layer_params<T>(t, l);
         const layer_tensors<float> dp = layer_grads(t, l);
         fp8_linear f8[FP8_LINEARS];
@@ -5512,7 +5606,7 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
             if (forward && ch.head && train) zero_masked_gradients(t, tokens, op->micro_batch);
             if (forward && ch.head) total += micro_batch_loss_sum(t, tokens, op->micro_batch);
             if (op->send_rank >= 0) {
-                const void* out = LAYER(t->act.residual, char, ch.count, (int64_t)s.R * s.h * t->elem);
+                const void* out = chunk_output(t, ch);
                 /* the scratch is the next step's: keep the input gradient aside; so too the output of a
                  * layerless chunk in evaluation (its slot's residual[0] may receive the next input) */
                 if (!forward || (!train && ch.count == 0)) {
@@ -7250,7 +7344,7 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
             mt_trainer_free(t);
             return slots_status;
         }
-        mt_activation_layout_compute(cfg, largest, stage->head, t->num_slots, &plan_options.recompute, &arena);
+        mt_activation_layout_compute(cfg, largest, stage->head, t->num_slots, &cfg->recompute, &arena);
     }
     t->slots = (mt_activations*)calloc((size_t)t->num_slots, sizeof(mt_activations));
     if (!t->slots) {

@@ -412,6 +412,26 @@ typedef enum { MT_FP8_AMAX_MOST_RECENT = 0, MT_FP8_AMAX_MAX } mt_fp8_amax_algo;
 #define MT_FP8_E4M3_MAX 448.0f
 #define MT_FP8_E5M2_MAX 57344.0f
 
+/* Activation recompute, Megatron's --recompute-granularity / --recompute-method /
+ * --recompute-num-layers / --recompute-modules: what each layer keeps for its backward, the rest
+ * recomputed by replaying the forward's own kernels on the kept inputs (bit for bit the forward's).
+ * The memory plan counts it and the trainer's activation slots are carved from that count
+ * (mt_activation_layout_compute; where a layer's regions sit: mt_recompute_position). */
+typedef enum { MT_RECOMPUTE_NONE = 0, MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_FULL } mt_recompute_granularity;
+typedef enum { MT_RECOMPUTE_UNIFORM = 0, MT_RECOMPUTE_BLOCK } mt_recompute_method;
+/* selective's modules: the attention probabilities (exact path; flash attention keeps none anyway),
+ * the second norm's output, the MLP's activation output, or the whole MLP's inner activations (fc1
+ * and activation outputs) */
+enum { MT_RECOMPUTE_CORE_ATTN = 1, MT_RECOMPUTE_LAYERNORM = 2, MT_RECOMPUTE_ACT = 4, MT_RECOMPUTE_MLP = 8 };
+typedef struct {
+    mt_recompute_granularity granularity;
+    mt_recompute_method method;   /* full: uniform keeps the input of every group of num_layers layers
+                                     and recomputes a group at a time; block recomputes the first
+                                     num_layers layers of each model chunk and keeps the rest */
+    int num_layers;               /* full: --recompute-num-layers (0: uniform 1, block all) */
+    int modules;                  /* selective: MT_RECOMPUTE_* bits (0: core_attn, Megatron's default) */
+} mt_recompute;
+
 #define MT_MAX_BATCH_SIZE_STEPS 64 /* entries of --step-batch-size-schedule */
 
 typedef struct {
@@ -522,6 +542,7 @@ typedef struct {
      * updated by a multi-threaded CPU AdamW (mt_adamw_cpu) */
     int optimizer_cpu_offload;        /* --optimizer-cpu-offload */
     double optimizer_offload_fraction;/* --optimizer-offload-fraction (1.0), in [0, 1] */
+    mt_recompute recompute;           /* --recompute-*: none by default */
     double distributed_timeout_minutes; /* --distributed-timeout-minutes (10): a collective or transfer
                                            that makes no progress this long is reported (multi-GPU jobs
                                            with a handler: mt_trainer_on_collective_timeout) */
@@ -795,27 +816,9 @@ int mt_pp_slots_needed(const mt_pp_op* ops, int num_ops);
 mt_status mt_pp_activation_slots(int pp, int vp, int num_micro_batches, int group_size, int rank, int* slots,
                                  mt_error* err);
 
-/* Activation recompute, Megatron's --recompute-granularity / --recompute-method /
- * --recompute-num-layers / --recompute-modules, as the plan counts it (what each layer keeps for
- * its backward). The trainer does not recompute yet: it plans and allocates MT_RECOMPUTE_NONE. */
-typedef enum { MT_RECOMPUTE_NONE = 0, MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_FULL } mt_recompute_granularity;
-typedef enum { MT_RECOMPUTE_UNIFORM = 0, MT_RECOMPUTE_BLOCK } mt_recompute_method;
-/* selective's modules: the attention scores (exact path; flash attention keeps none anyway), the
- * second norm's output, the MLP's activation output, or the whole MLP (fc1 and activation outputs) */
-enum { MT_RECOMPUTE_CORE_ATTN = 1, MT_RECOMPUTE_LAYERNORM = 2, MT_RECOMPUTE_ACT = 4, MT_RECOMPUTE_MLP = 8 };
+/* What the plan is asked about besides the config (the layout, VP, the micro-batch group size and
+ * the recompute setting included, is the config's). */
 typedef struct {
-    mt_recompute_granularity granularity;
-    mt_recompute_method method;   /* full: uniform keeps the input of every group of num_layers layers
-                                     and recomputes a group at a time; block recomputes the first
-                                     num_layers layers of each model chunk and keeps the rest */
-    int num_layers;               /* full: --recompute-num-layers (0: uniform 1, block all) */
-    int modules;                  /* selective: MT_RECOMPUTE_* bits (0: core_attn, Megatron's default) */
-} mt_recompute;
-
-/* What the plan is asked about besides the config (the layout, VP and the micro-batch group size
- * included, is the config's). */
-typedef struct {
-    mt_recompute recompute;
     int pp_rank;                  /* the pipeline rank planned; -1: the one that needs the most memory */
     int dp_rank;                  /* the data-parallel rank (its shard's AdamW chunk count; 0 by default) */
 } mt_plan_options;
@@ -917,6 +920,22 @@ typedef struct {
  * norm and output layer), with num_slots slots. */
 void mt_activation_layout_compute(const mt_config* cfg, int layers, int head, int num_slots,
                                   const mt_recompute* recompute, mt_activation_layout* out);
+/* Where layer i (0-based) of a model chunk of `count` layers keeps per-layer region `region` in a
+ * slot under a recompute setting (NULL: none): its room among the region's kept_layers (counted for
+ * the rank's largest chunk, so every chunk of the rank fits). For MT_ACT_RESIDUAL and the first
+ * norm's statistics the room of layer i's input; i = count: the chunk's output. None: room i.
+ * Selective: room 0 for every layer in a region its modules recompute. Full block (n = num_layers,
+ * at most count): every layer's input kept; layers [0, n) share room 0, layer i >= n has room
+ * i - n + 1. Full uniform (groups of n): every group's input, the inputs of a replayed group's later
+ * layers, then the output; other regions room i % n. */
+int64_t mt_recompute_position(const mt_recompute* recompute, int region, int64_t count, int64_t i);
+/* Full recompute: 1 when the backward, arriving at layer i (going down), must first replay the
+ * forward of layers [*first, i] from the kept input of layer *first (block: layer i alone, for
+ * i < n - 1; uniform: i's group, when i ends a group that is not the chunk's last). The layers the
+ * forward ran last (block's layer n - 1, uniform's last group) are still in their rooms. */
+int mt_recompute_replay(const mt_recompute* recompute, int64_t count, int64_t i, int64_t* first);
+/* The setting in words for the plan's line: "none", "selective (core_attn, mlp)", "full uniform 2". */
+void mt_recompute_describe(const mt_recompute* recompute, char* out, size_t size);
 
 /* The FP8 arena (one allocation) of `fp8_layers` FP8 layers: scaling arrays, the weights' FP8 copies
  * in both layouts, the cast scratch of one linear and, blockwise, the block scales. */
@@ -3550,6 +3569,18 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if (!(c->optimizer_offload_fraction >= 0.0 && c->optimizer_offload_fraction <= 1.0))
         return mt_fail(err, MT_ERR_CONFIG, "--optimizer-offload-fraction %g: must be in [0, 1]",
                        c->optimizer_offload_fraction);
+    const mt_recompute* rc = &c->recompute;
+    if (rc->granularity < MT_RECOMPUTE_NONE || rc->granularity > MT_RECOMPUTE_FULL || rc->method < MT_RECOMPUTE_UNIFORM ||
+        rc->method > MT_RECOMPUTE_BLOCK || rc->modules < 0 || rc->modules > 15)
+        return mt_fail(err, MT_ERR_CONFIG, "recompute: an unknown granularity, method or module");
+    if (rc->granularity != MT_RECOMPUTE_FULL && rc->num_layers != 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--recompute-num-layers %d goes with --recompute-granularity full", rc->num_layers);
+    if (rc->granularity != MT_RECOMPUTE_SELECTIVE && rc->modules != 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--recompute-modules goes with --recompute-granularity selective");
+    if (rc->granularity == MT_RECOMPUTE_FULL &&
+        (rc->num_layers < 0 || rc->num_layers > c->num_layers / c->pipeline_model_parallel_size))
+        return mt_fail(err, MT_ERR_CONFIG, "--recompute-num-layers %d: must be between 1 and the layers per pipeline rank "
+                       "(%d)", rc->num_layers, c->num_layers / c->pipeline_model_parallel_size);
     if (!(c->distributed_timeout_minutes > 0.0 && c->distributed_timeout_minutes <= 1e6))
         return mt_fail(err, MT_ERR_CONFIG, "--distributed-timeout-minutes %g: must be in (0, 1e6]",
                        c->distributed_timeout_minutes);
@@ -4113,7 +4144,6 @@ int mt_pp_holds(const mt_pp_stage* st, int tensor, int layer) {
 
 void mt_plan_options_defaults(mt_plan_options* o) {
     memset(o, 0, sizeof(*o));
-    o->recompute.granularity = MT_RECOMPUTE_NONE;
     o->pp_rank = -1;
 }
 
@@ -4130,29 +4160,80 @@ int64_t mt_offload_elements(const mt_config* c, int64_t shard) {
 
 static size_t mt__align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
-/* Layers' worth of one per-layer region a copy keeps under a recompute setting (out of L layers). */
-static int64_t mt__kept_layers(const mt_recompute* rc, int region, int64_t L, int flash) {
-    int residual = region == MT_ACT_RESIDUAL;
-    int64_t all = residual ? L + 1 : L;
-    if (!rc || rc->granularity == MT_RECOMPUTE_NONE || L == 0) return all;
-    int64_t one = L > 0 ? 1 : 0; /* a recomputed tensor still needs one layer's room while its backward runs */
-    if (rc->granularity == MT_RECOMPUTE_SELECTIVE) {
-        int m = rc->modules ? rc->modules : MT_RECOMPUTE_CORE_ATTN;
-        if (region == MT_ACT_PROBS && (m & MT_RECOMPUTE_CORE_ATTN) && !flash) return one;
-        if (region == MT_ACT_LN2 && (m & MT_RECOMPUTE_LAYERNORM)) return one;
-        if (region == MT_ACT_ACT && (m & (MT_RECOMPUTE_ACT | MT_RECOMPUTE_MLP))) return one;
-        if (region == MT_ACT_FC1 && (m & MT_RECOMPUTE_MLP)) return one;
-        return all;
+/* Full recompute's n in a chunk of `count` layers: uniform's group size, block's recomputed layers. */
+static int64_t mt__recompute_n(const mt_recompute* rc, int64_t count) {
+    int64_t n = rc->num_layers > 0 ? rc->num_layers : rc->method == MT_RECOMPUTE_UNIFORM ? 1 : count;
+    return n < count ? n : count;
+}
+
+/* Selective: whether a region is one the modules recompute (then every layer uses one layer's room). */
+static int mt__selective_region(const mt_recompute* rc, int region) {
+    const int m = rc->modules ? rc->modules : MT_RECOMPUTE_CORE_ATTN;
+    return (region == MT_ACT_PROBS && (m & MT_RECOMPUTE_CORE_ATTN)) || (region == MT_ACT_LN2 && (m & MT_RECOMPUTE_LAYERNORM)) ||
+           (region == MT_ACT_ACT && (m & (MT_RECOMPUTE_ACT | MT_RECOMPUTE_MLP))) ||
+           (region == MT_ACT_FC1 && (m & MT_RECOMPUTE_MLP));
+}
+
+int64_t mt_recompute_position(const mt_recompute* rc, int region, int64_t count, int64_t i) {
+    if (!rc || rc->granularity == MT_RECOMPUTE_NONE) return i;
+    if (rc->granularity == MT_RECOMPUTE_SELECTIVE) return mt__selective_region(rc, region) ? 0 : i;
+    const int input = region == MT_ACT_RESIDUAL || region == MT_ACT_LN1_MEAN || region == MT_ACT_LN1_RSTD;
+    const int64_t n = mt__recompute_n(rc, count);
+    if (rc->method == MT_RECOMPUTE_BLOCK) /* every layer's input kept; the recomputed layers share room 0 */
+        return input ? i : i < n ? 0 : i - n + 1;
+    if (!input) return n > 0 ? i % n : 0; /* uniform: one group's activations */
+    /* uniform inputs: the groups' inputs [0, G), the inputs of a group's later layers while it is
+     * replayed [G, G + n - 1), the chunk's output last */
+    const int64_t groups = n > 0 ? (count + n - 1) / n : 0;
+    if (i >= count) return n > 0 ? groups + n - 1 : 0;
+    return i % n == 0 ? i / n : groups + i % n - 1;
+}
+
+int mt_recompute_replay(const mt_recompute* rc, int64_t count, int64_t i, int64_t* first) {
+    if (!rc || rc->granularity != MT_RECOMPUTE_FULL || i < 0 || i >= count) return 0;
+    const int64_t n = mt__recompute_n(rc, count);
+    if (rc->method == MT_RECOMPUTE_BLOCK) { /* the last recomputed layer's activations are still in room 0 */
+        if (i >= n - 1) return 0;
+        *first = i;
+        return 1;
     }
-    /* full: a recomputed layer keeps only its input; its activations come back one group at a time */
-    if (rc->method == MT_RECOMPUTE_UNIFORM) {
-        int64_t n = rc->num_layers > 0 && rc->num_layers < L ? rc->num_layers : (rc->num_layers > 0 ? L : 1);
-        if (residual) return (L + n - 1) / n + 1;
-        return n;
+    const int64_t g = i / n, groups = (count + n - 1) / n;
+    if (g == groups - 1 || i % n != n - 1) return 0; /* the last group is still in place; a group replays once */
+    *first = g * n;
+    return 1;
+}
+
+void mt_recompute_describe(const mt_recompute* rc, char* out, size_t size) {
+    if (!size) return;
+    if (rc->granularity == MT_RECOMPUTE_FULL) {
+        if (rc->num_layers > 0)
+            snprintf(out, size, "full %s %d", rc->method == MT_RECOMPUTE_BLOCK ? "block" : "uniform", rc->num_layers);
+        else
+            snprintf(out, size, "full %s", rc->method == MT_RECOMPUTE_BLOCK ? "block, every layer" : "uniform 1");
+        return;
     }
-    int64_t n = rc->num_layers > 0 && rc->num_layers < L ? rc->num_layers : L; /* block */
-    if (residual) return all;
-    return L - n + (n > 0 ? 1 : 0);
+    if (rc->granularity != MT_RECOMPUTE_SELECTIVE) {
+        snprintf(out, size, "none");
+        return;
+    }
+    static const char* const names[] = {"core_attn", "layernorm", "act", "mlp"};
+    const int m = rc->modules ? rc->modules : MT_RECOMPUTE_CORE_ATTN;
+    size_t used = (size_t)snprintf(out, size, "selective (");
+    for (int k = 0, n = 0; k < 4 && used < size; k++)
+        if (m & (1 << k)) used += (size_t)snprintf(out + used, size - used, "%s%s", n++ ? ", " : "", names[k]);
+    if (used < size) snprintf(out + used, size - used, ")");
+}
+
+/* Layers' worth of one per-layer region a slot keeps (for a chunk of L layers): the most rooms
+ * mt_recompute_position hands out, the residual stream's including the chunk's output. */
+static int64_t mt__kept_layers(const mt_recompute* rc, int region, int64_t L) {
+    int64_t kept = 0;
+    const int64_t last = region == MT_ACT_RESIDUAL ? L : L - 1;
+    for (int64_t i = 0; i <= last; i++) {
+        int64_t at = mt_recompute_position(rc, region, L, i) + 1;
+        if (at > kept) kept = at;
+    }
+    return kept;
 }
 
 void mt_activation_layout_compute(const mt_config* c, int layers, int head, int num_slots, const mt_recompute* rc,
@@ -4217,7 +4298,7 @@ void mt_activation_layout_compute(const mt_config* c, int layers, int head, int 
             out->scratch_bytes = off;
             off = 0;
         }
-        if (per_layer[r] > 0) out->kept_layers[r] = mt__kept_layers(rc, r, L, flash);
+        if (per_layer[r] > 0) out->kept_layers[r] = mt__kept_layers(rc, r, L);
         out->bytes[r] = per_layer[r] > 0 ? (size_t)(per_layer[r] * out->kept_layers[r]) : (size_t)once[r];
         out->offset[r] = (r >= MT_ACT_RESIDUAL ? out->scratch_bytes : 0) + off;
         off += mt__align256(out->bytes[r]);
@@ -4334,7 +4415,7 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     const int64_t gpu_shard = p->shard_elements - p->offload_elements, n = p->buffer_elements;
     p->optimizer_chunks = mt_optimizer_pieces(&B, sharded ? dp : 1, sharded ? o->dp_rank : 0, gpu_shard, NULL);
     mt_activation_layout a;
-    mt_activation_layout_compute(c, largest, stage->head, p->in_flight, &o->recompute, &a);
+    mt_activation_layout_compute(c, largest, stage->head, p->in_flight, &c->recompute, &a);
     p->parameter_bytes = alias ? (size_t)n * 4 : (size_t)B.storage_bytes; /* n x elem, FP8-stored weights 1 byte */
     p->master_bytes = alias ? 0 : (size_t)gpu_shard * 4;
     p->gradient_bytes = (size_t)n * 4;
@@ -4384,9 +4465,6 @@ mt_status mt_memory_plan_compute(const mt_config* c, const mt_plan_options* opts
         c->world_size != c->tensor_model_parallel_size * c->pipeline_model_parallel_size * c->data_parallel_size)
         return mt_fail(err, MT_ERR_CONFIG, "the memory plan needs a finalized config (mt_config_finalize)");
     const int pp = c->pipeline_model_parallel_size;
-    if (o->recompute.granularity < MT_RECOMPUTE_NONE || o->recompute.granularity > MT_RECOMPUTE_FULL ||
-        o->recompute.num_layers < 0)
-        return mt_fail(err, MT_ERR_CONFIG, "recompute: an unknown granularity or a negative number of layers");
     if (o->pp_rank >= pp) return mt_fail(err, MT_ERR_RANGE, "pipeline rank %d outside [0, %d)", o->pp_rank, pp);
     if (o->dp_rank < 0 || o->dp_rank >= c->data_parallel_size)
         return mt_fail(err, MT_ERR_RANGE, "data-parallel rank %d outside [0, %d)", o->dp_rank, c->data_parallel_size);
@@ -4409,6 +4487,7 @@ static double mt__layout_seconds(const mt_config* c, int tp, int pp, int vp, int
     const double world = (double)tp * pp * dp, M = mt_num_micro_batches(c);
     const double tflops = c->precision == MT_FP32 ? MT_COST_TFLOPS / 8 : MT_COST_TFLOPS;
     double compute = mt_flops_per_iteration(c, c->global_batch_size) / world / (tflops * 1e12);
+    if (c->recompute.granularity == MT_RECOMPUTE_FULL) compute *= 4.0 / 3.0; /* the forward once more */
     double bubble = compute * (pp - 1) / (vp * M);
     /* TP: per layer and micro-batch, 2 forward and 2 backward all-reduces (or all-gather +
      * reduce-scatter) of [B S, h] activations, ring traffic 2 (TP-1)/TP of it */

@@ -35,6 +35,7 @@
 #include "tests/test_evaluation.h"
 #include "tests/test_flags.h"
 #include "tests/test_memory.h"
+#include "tests/test_recompute.h"
 #include "tests/test_checkpoint_tool.h"
 #include "tests/test_watchdog.h"
 #include "tests/test_dropout.h"
@@ -79,6 +80,7 @@ int main(int argc, char** argv) {
         GROUP("host.tensorboard", tensorboard_tests),
         GROUP("host.evaluation", evaluation_tests),
         GROUP("host.memory", memory_tests),
+        GROUP("host.recompute", recompute_tests),
         GROUP("host.checkpoint_tool", checkpoint_tool_tests),
         GROUP("host.watchdog", watchdog_tests),
         GROUP("host.dropout", dropout_tests),
@@ -95,6 +97,7 @@ int main(int argc, char** argv) {
         GROUP("gpu.hf", hf_gpu_tests),
         GROUP("gpu.evaluation", evaluation_gpu_tests),
         GROUP("gpu.memory", memory_gpu_tests),
+        GROUP("gpu.recompute", recompute_gpu_tests),
         GROUP("gpu.hostile", hostile_gpu_tests),
         GROUP("gpu.watchdog", watchdog_gpu_tests),
         GROUP("gpu.dropout", dropout_gpu_tests),
@@ -103,6 +106,7 @@ int main(int argc, char** argv) {
         GROUP("multigpu.pipeline", pipeline_multigpu_tests),
         GROUP("multigpu.memory", memory_multigpu_tests),
         GROUP("multigpu.checkpoint_tool", checkpoint_tool_multigpu_tests),
+        GROUP("multigpu.recompute", recompute_multigpu_tests),
     };
     int passed = 0, failed = 0, skipped = 0;
     const char* failed_names[64];

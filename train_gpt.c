@@ -178,16 +178,17 @@ static void timestamp(char* buf, size_t n) {
 static const char* precision_name(mt_precision p) { return p == MT_FP32 ? "fp32" : p == MT_BF16 ? "bf16" : "fp16"; }
 
 /* The plan of one GPU, by category (the same block at startup, for --plan, and before a refusal). */
-static void print_plan(const mt_memory_plan* p, const mt_config* c, const mt_plan_options* opts) {
+static void print_plan(const mt_memory_plan* p, const mt_config* c) {
     const double gib = 1024.0 * 1024.0 * 1024.0, mib = 1024.0 * 1024.0;
-    static const char* recompute[] = {"none", "selective", "full"};
+    char recompute_setting[128];
+    mt_recompute_describe(&c->recompute, recompute_setting, sizeof(recompute_setting));
     printf("memory plan per GPU (pipeline rank %d of %d, %lld parameters on this GPU, %s%s): TP %d, PP %d, VP %d, DP %d%s%s%s, "
            "recompute %s, micro-batch %d x %d tokens, %d activation slots for %d micro-batches\n",
            p->pp_rank, c->pipeline_model_parallel_size, (long long)p->num_parameters, precision_name(c->precision),
            c->fp8_format != MT_FP8_NONE ? " + FP8" : "", c->tensor_model_parallel_size, c->pipeline_model_parallel_size,
            c->virtual_pipeline_size, c->data_parallel_size, c->sequence_parallel ? ", SP" : "",
            c->use_distributed_optimizer ? ", distributed optimizer" : "",
-           p->offload_elements ? ", optimizer offload" : "", recompute[opts->recompute.granularity],
+           p->offload_elements ? ", optimizer offload" : "", recompute_setting,
            c->micro_batch_size, c->seq_length, p->in_flight, p->num_micro_batches);
     printf("  parameters   %8.3f GiB  (%s, %lld elements with padding)\n", p->parameter_bytes / gib,
            precision_name(c->precision), (long long)p->buffer_elements);
@@ -215,9 +216,7 @@ static void print_plan(const mt_memory_plan* p, const mt_config* c, const mt_pla
 
 static void print_memory_plan(mt_trainer* t, const mt_config* c) {
     mt_memory_plan p = mt_trainer_memory_plan(t);
-    mt_plan_options opts;
-    mt_plan_options_defaults(&opts);
-    print_plan(&p, c, &opts);
+    print_plan(&p, c);
     const double gib = 1024.0 * 1024.0 * 1024.0;
     char name[256];
     size_t free_bytes = 0, total_bytes = 0;
@@ -250,7 +249,7 @@ static int run_plan(const tg_flags* o, const mt_config* c, int sequence_parallel
     if (!o->plan_layouts) {
         mt_memory_plan p;
         if (mt_memory_plan_compute(c, &opts, &p, &err) != MT_OK) die(2, "%s", err.message);
-        print_plan(&p, c, &opts);
+        print_plan(&p, c);
         if ((double)p.device_bytes <= budget) {
             printf("  fits in %.1f GiB per GPU with %.3f GiB to spare\n", o->gpu_memory_gib, (budget - p.device_bytes) / gib);
             return 0;
@@ -776,7 +775,7 @@ int main(int argc, char** argv) {
         opts.pp_rank = mt_rank_coordinates(c, c->rank).pp;
         mt_memory_plan p;
         mt_error plan_err;
-        if (mt_memory_plan_compute(c, &opts, &p, &plan_err) == MT_OK) print_plan(&p, c, &opts);
+        if (mt_memory_plan_compute(c, &opts, &p, &plan_err) == MT_OK) print_plan(&p, c);
     }
     if (created != MT_OK) die(1, "%s", err.message);
     if (mt_trainer_on_collective_timeout(t, collective_timeout, NULL, &err) != MT_OK) die(1, "%s", err.message);

@@ -111,6 +111,13 @@ typedef struct {
     const char* fp8_algo;
     int fp8_margin, fp8_history, no_fp8_wgrad, first_last_bf16, bf16_start, bf16_end, fp8_param_gather;
     int sequence_parallel, distributed_optimizer, overlap_grad_reduce, overlap_param_gather;
+    /* activation recompute: --recompute-activations, -granularity, -method, -num-layers (-1: not
+     * given), -modules (MT_RECOMPUTE_* bits; 0: not given) */
+    int recompute_activations;
+    const char* recompute_granularity;
+    const char* recompute_method;
+    int recompute_num_layers;
+    int recompute_modules;
     int64_t ddp_bucket_size;
     /* the informational flags given, for the startup line: "--name" or "--name value" */
     int num_info;
@@ -274,10 +281,20 @@ static const tg_flag tg_flag_table[] = {
      "CPU AdamW (bit for bit the GPU's)"},
     {"--optimizer-offload-fraction", G_TRAIN, F_DOUBLE, TG_AT(cfg.optimizer_offload_fraction), DR(0, 1, 0), "1.0",
      "the part of the optimizer shard --optimizer-cpu-offload puts on the host"},
-    {"--recompute-activations", G_TRAIN, F_REFUSED_SWITCH, 0, NR, "off",
-     "activation recomputation is not implemented: drop the flag (or lower --micro-batch-size)"},
-    {"--recompute-granularity", G_TRAIN, F_REFUSED_VALUE, 0, NR, "none",
-     "activation recomputation is not implemented: drop the flag (or lower --micro-batch-size)"},
+    {"--recompute-activations", G_TRAIN, F_TRUE, TG_AT(recompute_activations), NR, "off",
+     "selective activation recompute (as --recompute-granularity selective)"},
+    {"--recompute-granularity", G_TRAIN, F_STRING, TG_AT(recompute_granularity), CH("full|selective"), "none",
+     "full: layers keep only their inputs and replay their forward in the backward; selective: the "
+     "--recompute-modules are recomputed (bit for bit the forward's either way)"},
+    {"--recompute-method", G_TRAIN, F_STRING, TG_AT(recompute_method), CH("uniform|block"), "none",
+     "full: uniform keeps the input of every group of --recompute-num-layers layers; block recomputes the first "
+     "--recompute-num-layers layers of each model chunk"},
+    {"--recompute-num-layers", G_TRAIN, F_INT, TG_AT(recompute_num_layers), IR(1, TG_I32MAX), "none",
+     "full: the group size (uniform) or the recomputed layers per model chunk (block), at most the layers per "
+     "pipeline rank"},
+    {"--recompute-modules", G_TRAIN, F_STRING, 0, CH("core_attn|layernorm|act|mlp"), "core_attn",
+     "selective: a list of core_attn (the attention probabilities; flash attention keeps none), layernorm (the "
+     "second norm's output), act (the MLP activation's output), mlp (fc1 and the activation)"},
     /* initialization */
     {"--seed", G_INIT, F_INT64, TG_AT(seed), IR(0, 4294967295LL), "1234", "seed of the weights and the data order"},
     {"--init-method-std", G_INIT, F_DOUBLE, TG_AT(std), DR(0, INFINITY, 0), "0.02", "std of the normal initialisation"},
@@ -570,6 +587,11 @@ static int tg_store(tg_flags* v, const tg_flag* f, const char* name, const char*
     return 0;
 }
 
+static int tg_lookup(const char* name, const char* const* names, int n) {
+    for (int k = 0; k < n; k++) if (!strcmp(name, names[k])) return k;
+    return -1;
+}
+
 static void tg_note_info(tg_flags* v, const char* name, const char* val) {
     if (v->num_info >= TG_MAX_INFO) return;
     snprintf(v->info[v->num_info++], sizeof(v->info[0]), "%.64s%s%.80s", name, val ? " " : "", val ? val : "");
@@ -594,6 +616,7 @@ static void tg_flags_init(tg_flags* v) {
                    &v->peak_tflops, &v->mid_level_surplus, &v->gpu_memory_gib};
     for (size_t k = 0; k < sizeof(d) / sizeof(d[0]); k++) *d[k] = -1;
     v->fp8_margin = v->fp8_history = v->bf16_start = v->bf16_end = v->sample_tokens = v->tensorboard_queue_size = -1;
+    v->recompute_num_layers = -1;
 }
 
 /* argv -> v. Returns 0, 1 for --help, or -1 with one line in msg (unknown flag, refused flag, bad
@@ -639,6 +662,21 @@ static int tg_flags_parse(tg_flags* v, int argc, char** argv, char* msg, size_t 
             if (!inline_val) i = end - 1;
             continue;
         }
+        if (!strcmp(a, "--recompute-modules")) { /* a list (argparse nargs='*'): up to the next --flag */
+            int start = i + 1, end = start;
+            const char* const* list = (const char* const*)argv + start;
+            if (inline_val) { list = &inline_val; end = start + 1; }
+            else while (end < argc && strncmp(argv[end], "--", 2) != 0) end++;
+            if (end == start) return tg_fail(msg, size, "%s needs at least one of %s", a, f->choices);
+            static const char* const modules[] = {"core_attn", "layernorm", "act", "mlp"};
+            for (int k = 0; k < end - start; k++) {
+                const int m = tg_lookup(list[k], modules, 4);
+                if (m < 0) return tg_fail(msg, size, "%s %s: expected one of %s", a, list[k], f->choices);
+                v->recompute_modules |= 1 << m; /* MT_RECOMPUTE_CORE_ATTN, _LAYERNORM, _ACT, _MLP */
+            }
+            if (!inline_val) i = end - 1;
+            continue;
+        }
         if (!strcmp(a, "--step-batch-size-schedule") && !inline_val) { /* one string, or the shell's words of it */
             size_t used = 0;
             int start = i + 1;
@@ -677,11 +715,6 @@ static int tg_flags_parse(tg_flags* v, int argc, char** argv, char* msg, size_t 
         }
     }
     return 0;
-}
-
-static int tg_lookup(const char* name, const char* const* names, int n) {
-    for (int k = 0; k < n; k++) if (!strcmp(name, names[k])) return k;
-    return -1;
 }
 
 /* The built-in job (no --data-path, no --mock-data): a small GPT on tiny shakespeare. */
@@ -778,6 +811,32 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
     if (!v->fp8_format && (v->fp8_recipe || v->fp8_algo || v->fp8_margin != -1 || v->fp8_history != -1 ||
                            v->no_fp8_wgrad || v->first_last_bf16 || v->fp8_param_gather))
         return tg_fail(msg, size, "the --fp8-* flags need --fp8-format e4m3|hybrid");
+
+    /* activation recompute, with Megatron's checks (the layer count against the layers per pipeline
+     * rank: mt_config_finalize) */
+    mt_recompute* rc = &c->recompute;
+    if (v->recompute_activations && v->recompute_granularity && strcmp(v->recompute_granularity, "selective"))
+        return tg_fail(msg, size, "--recompute-activations is selective recompute: it contradicts "
+                       "--recompute-granularity %s", v->recompute_granularity);
+    if (v->recompute_activations || v->recompute_granularity)
+        rc->granularity = v->recompute_granularity && !strcmp(v->recompute_granularity, "full") ? MT_RECOMPUTE_FULL
+                                                                                                 : MT_RECOMPUTE_SELECTIVE;
+    if (rc->granularity == MT_RECOMPUTE_FULL) {
+        if (!v->recompute_method)
+            return tg_fail(msg, size, "--recompute-granularity full needs --recompute-method uniform|block");
+        if (v->recompute_num_layers < 0)
+            return tg_fail(msg, size, "--recompute-granularity full needs --recompute-num-layers (1 to the layers per "
+                           "pipeline rank)");
+        rc->method = !strcmp(v->recompute_method, "block") ? MT_RECOMPUTE_BLOCK : MT_RECOMPUTE_UNIFORM;
+        rc->num_layers = v->recompute_num_layers;
+    } else if (v->recompute_method || v->recompute_num_layers >= 0) {
+        return tg_fail(msg, size, "%s goes with --recompute-granularity full",
+                       v->recompute_method ? "--recompute-method" : "--recompute-num-layers");
+    }
+    if (v->recompute_modules && rc->granularity != MT_RECOMPUTE_SELECTIVE)
+        return tg_fail(msg, size, "--recompute-modules goes with --recompute-granularity selective (or "
+                       "--recompute-activations)");
+    rc->modules = v->recompute_modules;
 
     /* the model flavour (GPT-2 by default; Llama: RMSNorm, SwiGLU, rope, GQA, untied, no biases) */
     if (v->normalization) c->normalization = !strcmp(v->normalization, "RMSNorm") ? MT_NORM_RMSNORM : MT_NORM_LAYERNORM;

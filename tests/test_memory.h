@@ -248,15 +248,16 @@ static test_result test_plan_recompute_offload_fp8(void) {
     mt_plan_options_defaults(&o);
     mt_memory_plan none, selective, full, block;
     EXPECT_OK(mt_memory_plan_compute(&c, &o, &none, &err), &err);
-    o.recompute.granularity = MT_RECOMPUTE_SELECTIVE;
+    c.recompute.granularity = MT_RECOMPUTE_SELECTIVE;
     EXPECT_OK(mt_memory_plan_compute(&c, &o, &selective, &err), &err);
-    o.recompute.granularity = MT_RECOMPUTE_FULL;
-    o.recompute.method = MT_RECOMPUTE_UNIFORM;
-    o.recompute.num_layers = 1;
+    c.recompute.granularity = MT_RECOMPUTE_FULL;
+    c.recompute.method = MT_RECOMPUTE_UNIFORM;
+    c.recompute.num_layers = 1;
     EXPECT_OK(mt_memory_plan_compute(&c, &o, &full, &err), &err);
-    o.recompute.method = MT_RECOMPUTE_BLOCK;
-    o.recompute.num_layers = 0; /* every layer */
+    c.recompute.method = MT_RECOMPUTE_BLOCK;
+    c.recompute.num_layers = 0; /* every layer */
     EXPECT_OK(mt_memory_plan_compute(&c, &o, &block, &err), &err);
+    c.recompute = mt_recompute();
     mt_activation_layout a;
     mt_activation_layout_compute(&c, 4, 1, 1, NULL, &a);
     const size_t probs = a.bytes[MT_ACT_PROBS] / 4; /* one layer's attention probabilities */
@@ -484,6 +485,15 @@ static const test_case memory_tests[] = {
 
 /* ---- GPU: the plan is what is allocated ------------------------------------------------------------ */
 
+/* The plan of this process's pipeline and data-parallel rank (what its trainer allocates). */
+static mt_status plan_of_this_rank(const mt_config* c, mt_memory_plan* plan, mt_error* err) {
+    mt_plan_options o;
+    mt_plan_options_defaults(&o);
+    o.pp_rank = mt_rank_coordinates(c, c->rank).pp;
+    o.dp_rank = mt_rank_coordinates(c, c->rank).dp;
+    return mt_memory_plan_compute(c, &o, plan, err);
+}
+
 /* The plan's categories against what a trainer allocated (a) and the plan it keeps (q), to the byte. */
 static test_result plan_matches_allocation(const char* name, const mt_memory_plan* plan, const mt_memory_plan* a,
                                            const mt_memory_plan* q) {
@@ -498,6 +508,19 @@ static test_result plan_matches_allocation(const char* name, const mt_memory_pla
     EXPECT(q->total_bytes == plan->total_bytes && q->device_bytes == plan->device_bytes,
            "%s: the trainer's plan is not mt_memory_plan_compute's", name);
     return TEST_PASS;
+}
+
+/* Finalizes c and creates its trainer (left in *t, NULL if creation failed); passes when the trainer
+ * allocated this rank's plan to the byte. */
+static test_result create_as_planned(mt_config* c, const char* name, mt_trainer** t) {
+    mt_error err;
+    *t = NULL;
+    EXPECT_OK(mt_config_finalize(c, &err), &err);
+    mt_memory_plan plan;
+    EXPECT_OK(plan_of_this_rank(c, &plan, &err), &err);
+    EXPECT_OK(mt_trainer_create(t, c, &err), &err);
+    mt_memory_plan a = mt_trainer_memory_allocated(*t), q = mt_trainer_memory_plan(*t);
+    return plan_matches_allocation(name, &plan, &a, &q);
 }
 
 /* Every category mt_trainer_create counts as it allocates equals the plan's, to the byte; and the
@@ -774,23 +797,17 @@ static test_result plan_allocation_pipeline(mt_precision prec, int vp, int offlo
     c.optimizer_offload_fraction = 0.5;
     mt_error err;
     EXPECT_OK(fresh_comm_id(&c.comm_id, &err), &err);
-    EXPECT_OK(mt_config_finalize(&c, &err), &err);
-    mt_plan_options o;
-    mt_plan_options_defaults(&o);
-    o.pp_rank = mt_rank_coordinates(&c, c.rank).pp;
-    o.dp_rank = mt_rank_coordinates(&c, c.rank).dp;
-    mt_memory_plan plan;
-    EXPECT_OK(mt_memory_plan_compute(&c, &o, &plan, &err), &err);
-    mt_trainer* t = NULL;
-    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
-    mt_memory_plan a = mt_trainer_memory_allocated(t), q = mt_trainer_memory_plan(t);
-    mt_trainer_free(t);
     char name[96];
-    snprintf(name, sizeof(name), "rank %d (pipeline %d) %s VP %d%s", c.rank, o.pp_rank, prec == MT_FP32 ? "fp32" : "bf16",
-             vp, offload ? " offload 0.5" : "");
-    printf("      %s: %.2f MiB planned and allocated, %d activation slots\n", name, plan.total_bytes / 1048576.0,
-           plan.in_flight);
-    return plan_matches_allocation(name, &plan, &a, &q);
+    snprintf(name, sizeof(name), "rank %d %s VP %d%s", c.rank, prec == MT_FP32 ? "fp32" : "bf16", vp,
+             offload ? " offload 0.5" : "");
+    mt_trainer* t = NULL;
+    test_result r = create_as_planned(&c, name, &t);
+    if (!t) return r;
+    const mt_memory_plan plan = mt_trainer_memory_plan(t);
+    mt_trainer_free(t);
+    printf("      %s (pipeline %d): %.2f MiB planned and allocated, %d activation slots\n", name, plan.pp_rank,
+           plan.total_bytes / 1048576.0, plan.in_flight);
+    return r;
 }
 static test_result test_plan_equals_allocation_pipeline(void) {
     REQUIRE_PP_PROCESSES();
