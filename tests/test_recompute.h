@@ -429,6 +429,26 @@ static test_result test_recompute_gpt2_bf16(void) { return rc_single(TEST_GPT2, 
 static test_result test_recompute_llama_fp32(void) { return rc_single(TEST_LLAMA, MT_FP32); }
 static test_result test_recompute_llama_bf16(void) { return rc_single(TEST_LLAMA, MT_BF16); }
 
+/* Dropout 0.1 at every site (the masks are counter-based, never stored): a full replay and the selective
+ * modules regenerate the forward's masks, so recompute stays bitwise equal to none. GPT-2 bf16 runs the
+ * flash kernels' attention dropout, Llama fp32 the exact path's. */
+static test_result test_recompute_dropout(void) {
+    REQUIRE_GPU();
+    const mt_recompute settings[] = {{MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, 15},
+                                     {MT_RECOMPUTE_FULL, MT_RECOMPUTE_UNIFORM, 2, 0},
+                                     {MT_RECOMPUTE_FULL, MT_RECOMPUTE_BLOCK, 3, 0}};
+    const struct { test_flavour flavour; mt_precision prec; const char* name; } runs[2] = {
+        {TEST_GPT2, MT_BF16, "gpt2 bf16 dropout 0.1"}, {TEST_LLAMA, MT_FP32, "llama fp32 dropout 0.1"}};
+    for (int r = 0; r < 2; r++) {
+        mt_config c = rc_config(runs[r].flavour, runs[r].prec);
+        c.hidden_dropout = 0.1;
+        c.attention_dropout = 0.1;
+        test_result res = rc_compare(&c, settings, 3, 1, runs[r].name);
+        if (res != TEST_PASS) return res;
+    }
+    return TEST_PASS;
+}
+
 /* FP8 (delayed, tensorwise and blockwise scaling): the replayed linears cast with the forward's scales. */
 static test_result test_recompute_fp8(void) {
     REQUIRE_FP8_GPU();
@@ -535,6 +555,7 @@ static const test_case recompute_gpu_tests[] = {
     {"recompute_bitwise_llama_fp32", test_recompute_llama_fp32},
     {"recompute_bitwise_llama_bf16", test_recompute_llama_bf16},
     {"recompute_bitwise_fp8", test_recompute_fp8},
+    {"recompute_bitwise_dropout", test_recompute_dropout},
 };
 
 /* ---- several GPUs (mpirun -np 2) --------------------------------------------------------------------- */
