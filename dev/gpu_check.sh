@@ -24,23 +24,29 @@ else
   print_rows; exit 1
 fi
 
-./test_megatron 2>&1 | tee "$OUT/test.log"
-rows+=("test_megatron|$(tail -n1 "$OUT/test.log")|")
+start=$(date +%s)
+timeout 500 ./test_megatron > "$OUT/test.log" 2>&1
+grep -E "^failed|FAIL" "$OUT/test.log" | head -20
+rows+=("test_megatron|$(tail -n1 "$OUT/test.log")|$(( $(date +%s) - start )) s")
 # multi-GPU tests: data and tensor parallel over 2 and (with 4 GPUs) 4 ranks, each against one GPU
 MPIRUN="mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE=0"
 if [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null; then
   for np in 2 4; do
     [ "$ngpu" -ge "$np" ] || continue
-    # data and tensor parallel first, then pipeline and memory; cut at 300 s (a pipeline hang ate a session's GPU time)
-    timeout 300 $MPIRUN -np "$np" ./test_megatron multigpu 2>&1 | tee "$OUT/test_mpi$np.log"
-    rows+=("test_megatron (mpirun -np $np)|$(tail -n1 "$OUT/test_mpi$np.log")|")
+    # one mpirun per feature, each cut at 240 s (a hang must not eat the session's GPU time)
+    for g in data_parallel tensor_parallel pipeline memory checkpoint_tool recompute; do
+      start=$(date +%s)
+      timeout 240 $MPIRUN -np "$np" ./test_megatron multigpu.$g > "$OUT/test_mpi${np}_$g.log" 2>&1
+      grep -E "FAIL|^failed" "$OUT/test_mpi${np}_$g.log" | head -5
+      rows+=("multigpu.$g (mpirun -np $np)|$(tail -n1 "$OUT/test_mpi${np}_$g.log")|$(( $(date +%s) - start )) s")
+    done
   done
 fi
 
 if [ "$what" = all ]; then
   rm -rf checkpoints/builtin
   start=$(date +%s)
-  ./train_gpt 2>&1 | tee "$OUT/train_builtin.log"
+  ./train_gpt > "$OUT/train_builtin.log" 2>&1
   last=$(grep "elapsed time per iteration" "$OUT/train_builtin.log" | tail -n1)
   val=$(grep -E "validation loss at iteration [0-9]+( on validation set)? \|" "$OUT/train_builtin.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
   ms=$(echo "$last" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
@@ -53,7 +59,7 @@ if [ "$what" = all ]; then
     rm -rf checkpoints/builtin_dp
     start=$(date +%s)
     timeout 120 $MPIRUN -np "$np" ./train_gpt --micro-batch-size $((32 / np)) --use-distributed-optimizer \
-      --overlap-grad-reduce --overlap-param-gather --save checkpoints/builtin_dp 2>&1 | tee "$OUT/train_builtin_dp.log"
+      --overlap-grad-reduce --overlap-param-gather --save checkpoints/builtin_dp > "$OUT/train_builtin_dp.log" 2>&1
     last=$(grep "elapsed time per iteration" "$OUT/train_builtin_dp.log" | tail -n1)
     val=$(grep -E "validation loss at iteration [0-9]+( on validation set)? \|" "$OUT/train_builtin_dp.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
     ms=$(echo "$last" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
@@ -63,7 +69,7 @@ if [ "$what" = all ]; then
     rm -rf checkpoints/builtin_tp
     start=$(date +%s)
     timeout 120 $MPIRUN -np 2 ./train_gpt --tensor-model-parallel-size 2 --sequence-parallel \
-      --save checkpoints/builtin_tp 2>&1 | tee "$OUT/train_builtin_tp.log"
+      --save checkpoints/builtin_tp > "$OUT/train_builtin_tp.log" 2>&1
     last=$(grep "elapsed time per iteration" "$OUT/train_builtin_tp.log" | tail -n1)
     val=$(grep -E "validation loss at iteration [0-9]+( on validation set)? \|" "$OUT/train_builtin_tp.log" | tail -n1 | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
     ms=$(echo "$last" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
