@@ -434,7 +434,28 @@ static test_result test_train_gpt_plan(void) {
     return TEST_PASS;
 }
 
+/* A config whose activations do not fit 64 bits (found by dev/fuzz/fuzz_flags: 4 x 10241024 tokens, 752
+ * layers, whose attention scores times layers wrapped int64) is refused by the plan in one line, never
+ * planned with a wrapped size; the layouts themselves saturate instead of wrapping. */
+static test_result test_plan_refuses_sizes_beyond_64_bits(void) {
+    mt_config c = test_config(TEST_GPT2, MT_BF16);
+    c.num_layers = 752;
+    c.seq_length = 10241024;
+    c.max_position_embeddings = 10241024;
+    c.micro_batch_size = 4;
+    mt_error err;
+    EXPECT_OK(memory_finalized(&c, 1, 1, 0, 0, &err), &err);
+    mt_memory_plan p;
+    EXPECT(mt_memory_plan_compute(&c, NULL, &p, &err) == MT_ERR_CONFIG && strstr(err.message, "2^62 bytes"),
+           "plan: %s", err.message);
+    mt_activation_layout a;
+    mt_activation_layout_compute(&c, c.num_layers, 1, 4, NULL, &a);
+    EXPECT(a.total == (size_t)INT64_MAX, "the arena saturates: %zu bytes", a.total);
+    return TEST_PASS;
+}
+
 static const test_case memory_tests[] = {
+    {"plan_refuses_sizes_beyond_64_bits", test_plan_refuses_sizes_beyond_64_bits},
     {"plan_counts_follow_the_geometry", test_plan_counts},
     {"plan_pipeline_stages_and_slots", test_plan_pipeline},
     {"plan_activation_slots_are_the_engines", test_plan_activation_slots},
