@@ -4151,6 +4151,12 @@ int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int6
             if (p->bucket != b) continue;
             int64_t lo = p->offset > begin ? p->offset : begin;
             int64_t hi = p->offset + p->numel < end ? p->offset + p->numel : end;
+            if (!out && lo < hi) { /* counted, not walked: a model of 10^14 parameters has 10^9 pieces */
+                const int64_t cut = gpu_shard - master + begin, C = MT_OPT_CHUNK_ELEMENTS; /* the GPU's end, here */
+                if (cut > lo && cut < hi) count += (cut - lo + C - 1) / C + (hi - cut + C - 1) / C;
+                else count += (hi - lo + C - 1) / C;
+                continue;
+            }
             for (int64_t x = lo; x < hi;) {
                 int64_t m = master + (x - begin), len = hi - x < MT_OPT_CHUNK_ELEMENTS ? hi - x : MT_OPT_CHUNK_ELEMENTS;
                 if (m < gpu_shard && m + len > gpu_shard) len = gpu_shard - m;
