@@ -82,7 +82,8 @@ mt_status mt_hf_gpt2_parse_config(const mt_json* root, const char* path, mt_hf_g
     const int64_t big = (int64_t)1 << 30;
     mt_status s = MT_OK;
     /* GPT2Config's defaults for absent fields */
-    if (s == MT_OK && (s = mt_hf__int_field(root, "n_layer", 12, 1, big, 0, &v, path, err)) == MT_OK) hf->n_layer = (int)v;
+    if (s == MT_OK && (s = mt_hf__int_field(root, "n_layer", 12, 1, MT_HF_MAX_LAYERS, 0, &v, path, err)) == MT_OK)
+        hf->n_layer = (int)v;
     if (s == MT_OK && (s = mt_hf__int_field(root, "n_embd", 768, 1, big, 0, &v, path, err)) == MT_OK) hf->n_embd = (int)v;
     if (s == MT_OK && (s = mt_hf__int_field(root, "n_head", 12, 1, big, 0, &v, path, err)) == MT_OK) hf->n_head = (int)v;
     if (s == MT_OK && (s = mt_hf__int_field(root, "n_positions", 1024, 1, big, 0, &v, path, err)) == MT_OK) hf->n_positions = (int)v;
@@ -145,6 +146,9 @@ static mt_status mt_hf_gpt2__read_config(const mt_json* root, const char* path, 
 }
 
 mt_status mt_hf_gpt2_check_shape(const mt_config* c, int64_t vocab_size, mt_error* err) {
+    if (c->num_layers > MT_HF_MAX_LAYERS)
+        return mt_fail(err, MT_ERR_CONFIG, "%d layers: a Hugging Face checkpoint here holds at most %lld", c->num_layers,
+                       (long long)MT_HF_MAX_LAYERS);
     if (c->num_query_groups != c->num_attention_heads)
         return mt_fail(err, MT_ERR_CONFIG, "the model has %d query groups for %d heads: GPT-2 has one per head",
                        c->num_query_groups, c->num_attention_heads);
