@@ -3793,6 +3793,9 @@ mt_status mt_pp_schedule_check(int pp, int vp, int m, int group_size, mt_error* 
     if (pp < 1 || vp < 1 || m < 1)
         return mt_fail(err, MT_ERR_CONFIG, "pipeline schedule: PP (%d), VP (%d) and micro-batches (%d) must be >= 1",
                        pp, vp, m);
+    if ((int64_t)2 * m * vp > INT32_MAX) /* the schedule's 2 M VP units are counted in ints */
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline schedule: %d micro-batches x %d virtual stages is too long (2 M VP must "
+                       "stay below 2^31)", m, vp);
     if (vp == 1) return MT_OK;
     int g = mt__pp_group(pp, vp, m, group_size);
     if (pp == 1)
@@ -3879,12 +3882,14 @@ mt_status mt_pp_activation_slots(int pp, int vp, int m, int group_size, int rank
     *slots = 0;
     mt_status st = mt_pp_schedule_check(pp, vp, m, group_size, err);
     if (st != MT_OK) return st;
-    mt_pp_op* ops = (mt_pp_op*)malloc(sizeof(mt_pp_op) * 2 * (size_t)m * (size_t)vp);
-    if (!ops) return mt_fail(err, MT_ERR_OOM, "cannot allocate a pipeline schedule of %d micro-batches", m);
-    st = mt_pp_schedule(pp, vp, m, group_size, rank, ops, NULL, err);
-    if (st == MT_OK) *slots = mt_pp_slots_needed(ops, 2 * m * vp);
-    free(ops);
-    return st;
+    if (rank < 0 || rank >= pp)
+        return mt_fail(err, MT_ERR_RANGE, "pipeline schedule: rank %d outside [0, PP = %d)", rank, pp);
+    /* mt_pp_slots_needed of mt_pp_schedule's units, counted without building them (M may be in the
+     * millions): the warm-up's forwards, then one more forward before each backward; every unit when
+     * the warm-up takes them all (tests/test_pipeline.h checks this against the schedule) */
+    const int total = m * vp, warmup = mt_pp_num_warmup(pp, vp, m, group_size, rank);
+    *slots = warmup < total ? warmup + 1 : total;
+    return MT_OK;
 }
 
 /* Layers of virtual stage v (of PP * VP) under cfg's split; -1 when the split is impossible. */
