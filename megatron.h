@@ -2315,6 +2315,9 @@ mt_status mt_gpt_dataset_build(mt_gpt_dataset** out, const mt_indexed_dataset* d
                                int seq_length, uint32_t seed, int64_t num_samples, mt_error* err) {
     *out = NULL;
     const char* name = ds->prefix;
+    if (ds->dtype == MT_DTYPE_FLOAT32 || ds->dtype == MT_DTYPE_FLOAT64) /* refused here, not at the first sample */
+        return mt_fail(err, MT_ERR_FORMAT, "%s: tokens of dtype %s: a GPT dataset needs integer token ids", name,
+                       mt_indexed_dtype_name(ds->dtype));
     if (seq_length < 2 || seq_length > (1 << 30))
         return mt_fail(err, MT_ERR_ARG, "sequence length %d out of range [2, 2^30]", seq_length);
     if (begin < 0 || end > ds->num_sequences || begin > end)
