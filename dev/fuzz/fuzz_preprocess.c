@@ -60,25 +60,9 @@ static void fz_pipeline(uint8_t opt, const char* const* keys, int nk, const uint
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-    if (size < 1) return 0;
-    const uint8_t opt = data[0];
-    fz_parts parts;
-    fz_split(data + 1, size - 1, &parts);
-    size_t nkeys_text, nlines;
-    const uint8_t* keys_text = fz_part(&parts, 0, &nkeys_text);
-    const uint8_t* lines = fz_part(&parts, 1, &nlines);
-    char* keys_copy = fz_cstr(keys_text, nkeys_text);
-    const char* keys[4];
-    int nk = 0;
-    for (char* p = keys_copy; *p && nk < 4;) {
-        char* nl = strchr(p, '\n');
-        if (nl) *nl = 0;
-        keys[nk++] = p;
-        if (!nl) break;
-        p = nl + 1;
-    }
-    if (nk == 0) keys[nk++] = "text";
-    fz_pipeline(opt, keys, nk, lines, nlines);
-    free(keys_copy);
+    fz_jsonl_input in;
+    if (fz_jsonl_input_parse(data, size, &in) != 0) return 0;
+    fz_pipeline(in.options, in.keys, in.num_keys, in.text, in.text_size);
+    free(in.keys_copy);
     return 0;
 }
