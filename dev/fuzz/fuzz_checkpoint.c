@@ -36,9 +36,6 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     fz_write("ckpt/latest_checkpointed_iteration.txt", part, n, path, sizeof(path));
     fz_path("ckpt", dir, sizeof(dir));
     mt_error err;
-    int64_t iteration = -1;
-    if (mt_checkpoint_read_tracker(dir, &iteration, &err) != MT_OK) fz_check_error(&err);
-    else FZ_ASSERT(iteration >= 0, "tracker iteration %lld", (long long)iteration);
     const uint8_t* model = NULL;
     size_t model_n = 0;
     for (int k = 1; k < p.count; k++) {
@@ -58,6 +55,10 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             model_n = n - len - 1;
         }
     }
+    /* the tracker, once every file is written (a part may replace it) */
+    int64_t iteration = -1;
+    if (mt_checkpoint_read_tracker(dir, &iteration, &err) != MT_OK) fz_check_error(&err);
+    else FZ_ASSERT(iteration >= 0, "tracker iteration %lld", (long long)iteration);
     /* the header words alone */
     int64_t h[MT_CK_HEADER_WORDS];
     n = model_n;
