@@ -2,6 +2,7 @@
 #   make            every binary: train_gpt, eval_hellaswag, test_megatron, prepro tools
 #   make test       build and run the test suite (GPU tests skip without a GPU)
 #   make GPU_ARCH=90a ...   override the CUDA target (default: the visible GPU, else sm_90)
+#   make fuzz, make asan-test, make ci-test   fuzzing and sanitizers (dev/fuzz/fuzz.mk)
 
 NVCC    ?= nvcc
 CC      ?= cc
@@ -86,4 +87,6 @@ test: test_megatron
 	./test_megatron
 
 clean:
-	rm -f *.o train_gpt eval_hellaswag test_megatron dev/hf_logits $(PREPRO)
+	rm -f *.o train_gpt eval_hellaswag test_megatron dev/hf_logits $(PREPRO) $(FUZZ_TARGETS) test_megatron_asan
+
+include dev/fuzz/fuzz.mk

@@ -2438,6 +2438,9 @@ mt_status mt_gpt_dataset_build(mt_gpt_dataset** out, const mt_indexed_dataset* d
                                int seq_length, uint32_t seed, int64_t num_samples, mt_error* err) {
     *out = NULL;
     const char* name = ds->prefix;
+    if (ds->dtype == MT_DTYPE_FLOAT32 || ds->dtype == MT_DTYPE_FLOAT64) /* refused here, not at the first sample */
+        return mt_fail(err, MT_ERR_FORMAT, "%s: tokens of dtype %s: a GPT dataset needs integer token ids", name,
+                       mt_indexed_dtype_name(ds->dtype));
     if (seq_length < 2 || seq_length > (1 << 30))
         return mt_fail(err, MT_ERR_ARG, "sequence length %d out of range [2, 2^30]", seq_length);
     if (begin < 0 || end > ds->num_sequences || begin > end)
@@ -3968,6 +3971,9 @@ mt_status mt_pp_schedule_check(int pp, int vp, int m, int group_size, mt_error* 
     if (pp < 1 || vp < 1 || m < 1)
         return mt_fail(err, MT_ERR_CONFIG, "pipeline schedule: PP (%d), VP (%d) and micro-batches (%d) must be >= 1",
                        pp, vp, m);
+    if ((int64_t)2 * m * vp > INT32_MAX) /* the schedule's 2 M VP units are counted in ints */
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline schedule: %d micro-batches x %d virtual stages is too long (2 M VP must "
+                       "stay below 2^31)", m, vp);
     if (vp == 1) return MT_OK;
     int g = mt__pp_group(pp, vp, m, group_size);
     if (pp == 1)
@@ -4054,12 +4060,14 @@ mt_status mt_pp_activation_slots(int pp, int vp, int m, int group_size, int rank
     *slots = 0;
     mt_status st = mt_pp_schedule_check(pp, vp, m, group_size, err);
     if (st != MT_OK) return st;
-    mt_pp_op* ops = (mt_pp_op*)malloc(sizeof(mt_pp_op) * 2 * (size_t)m * (size_t)vp);
-    if (!ops) return mt_fail(err, MT_ERR_OOM, "cannot allocate a pipeline schedule of %d micro-batches", m);
-    st = mt_pp_schedule(pp, vp, m, group_size, rank, ops, NULL, err);
-    if (st == MT_OK) *slots = mt_pp_slots_needed(ops, 2 * m * vp);
-    free(ops);
-    return st;
+    if (rank < 0 || rank >= pp)
+        return mt_fail(err, MT_ERR_RANGE, "pipeline schedule: rank %d outside [0, PP = %d)", rank, pp);
+    /* mt_pp_slots_needed of mt_pp_schedule's units, counted without building them (M may be in the
+     * millions): the warm-up's forwards, then one more forward before each backward; every unit when
+     * the warm-up takes them all (tests/test_pipeline.h checks this against the schedule) */
+    const int total = m * vp, warmup = mt_pp_num_warmup(pp, vp, m, group_size, rank);
+    *slots = warmup < total ? warmup + 1 : total;
+    return MT_OK;
 }
 
 /* Layers of virtual stage v (of PP * VP) under cfg's split; -1 when the split is impossible. */
@@ -4236,6 +4244,19 @@ static int64_t mt__kept_layers(const mt_recompute* rc, int region, int64_t L) {
     return kept;
 }
 
+/* Sizes of a plan, saturating at MT__SIZE_MAX instead of wrapping: a config whose memory does not
+ * fit 64 bits gets a plan of MT__SIZE_MAX bytes, which mt_memory_plan_compute refuses. */
+#define MT__SIZE_MAX ((int64_t)INT64_MAX)
+static int64_t mt__size_mul(int64_t a, int64_t b) {
+    int64_t r;
+    return a < 0 || b < 0 || mt_mul_overflows_i64(a, b, &r) ? MT__SIZE_MAX : r;
+}
+static int64_t mt__size_mul3(int64_t a, int64_t b, int64_t c) { return mt__size_mul(mt__size_mul(a, b), c); }
+static int64_t mt__size_add(int64_t a, int64_t b) {
+    int64_t r;
+    return a < 0 || b < 0 || mt_add_overflows_i64(a, b, &r) ? MT__SIZE_MAX : r;
+}
+
 void mt_activation_layout_compute(const mt_config* c, int layers, int head, int num_slots, const mt_recompute* rc,
                                   mt_activation_layout* out) {
     memset(out, 0, sizeof(*out));
@@ -4246,65 +4267,68 @@ void mt_activation_layout_compute(const mt_config* c, int layers, int head, int 
     const int64_t heads = c->num_attention_heads / tp, groups = c->num_query_groups / tp;
     const int64_t qkv_width = (heads + 2 * groups) * d, attn_width = heads * d, f = c->ffn_hidden_size / tp;
     const int64_t f1 = c->swiglu ? 2 * f : f, V_full = c->padded_vocab_size, V = V_full / tp;
-    const int64_t heads_elems = B * heads * S * d, group_elems = B * groups * S * d, score_elems = B * heads * S * S;
+    const int64_t heads_elems = mt__size_mul3(B * heads, S, d), group_elems = mt__size_mul3(B * groups, S, d);
+    const int64_t score_elems = mt__size_mul3(B * heads, S, S), lse = mt__size_mul3(B * heads, S, 4);
+    const int64_t Rh = mt__size_mul3(R, h, e), BTwide_e = mt__size_mul(BT, e);
     int64_t wide = h;
     if (qkv_width > wide) wide = qkv_width;
     if (f1 > wide) wide = f1;
     if (attn_width > wide) wide = attn_width;
     /* bytes: per layer for the per-layer saved regions, else of the region; 0 where the config has none */
     int64_t per_layer[MT_ACT_REGIONS] = {0}, once[MT_ACT_REGIONS] = {0};
-    once[MT_ACT_LN1] = R * h * e;
-    once[MT_ACT_Q] = flash ? 0 : heads_elems * e;
-    once[MT_ACT_K] = flash ? 0 : group_elems * e;
-    once[MT_ACT_V] = flash ? 0 : group_elems * e;
-    once[MT_ACT_O] = flash ? 0 : heads_elems * e;
-    once[MT_ACT_DK] = flash ? 0 : group_elems * e;
-    once[MT_ACT_DV] = flash ? 0 : group_elems * e;
-    once[MT_ACT_DSCORES] = flash ? 0 : score_elems * e;
-    once[MT_ACT_DSUM] = flash ? B * heads * S * 4 : 0;
-    once[MT_ACT_LOGITS_ROW] = V_full * 4;
-    once[MT_ACT_BRANCH] = BT * wide * e;
-    once[MT_ACT_BRANCH2] = BT * wide * e;
-    once[MT_ACT_DRESIDUAL] = R * h * e;
-    once[MT_ACT_GATHERED] = sp ? BT * h * e : 0;
-    once[MT_ACT_GATHERED_GRAD] = sp ? BT * h * e : 0;
-    once[MT_ACT_ROWS] = sp ? R * h * e : 0;
-    once[MT_ACT_CE_STATS] = tp > 1 ? tp * BT * 3 * 4 : 0;
+    once[MT_ACT_LN1] = Rh;
+    once[MT_ACT_Q] = flash ? 0 : mt__size_mul(heads_elems, e);
+    once[MT_ACT_K] = flash ? 0 : mt__size_mul(group_elems, e);
+    once[MT_ACT_V] = flash ? 0 : mt__size_mul(group_elems, e);
+    once[MT_ACT_O] = flash ? 0 : mt__size_mul(heads_elems, e);
+    once[MT_ACT_DK] = flash ? 0 : mt__size_mul(group_elems, e);
+    once[MT_ACT_DV] = flash ? 0 : mt__size_mul(group_elems, e);
+    once[MT_ACT_DSCORES] = flash ? 0 : mt__size_mul(score_elems, e);
+    once[MT_ACT_DSUM] = flash ? lse : 0;
+    once[MT_ACT_LOGITS_ROW] = mt__size_mul(V_full, 4);
+    once[MT_ACT_BRANCH] = mt__size_mul(BTwide_e, wide);
+    once[MT_ACT_BRANCH2] = mt__size_mul(BTwide_e, wide);
+    once[MT_ACT_DRESIDUAL] = Rh;
+    once[MT_ACT_GATHERED] = sp ? mt__size_mul(BTwide_e, h) : 0;
+    once[MT_ACT_GATHERED_GRAD] = sp ? mt__size_mul(BTwide_e, h) : 0;
+    once[MT_ACT_ROWS] = sp ? Rh : 0;
+    once[MT_ACT_CE_STATS] = tp > 1 ? mt__size_mul3(tp, BT, 3 * 4) : 0;
     once[MT_ACT_INPUTS] = BT * 4;
     once[MT_ACT_TARGETS] = BT * 4;
     once[MT_ACT_LOSSES] = BT * 4;
     once[MT_ACT_EMBED_INDEX] = (3 * BT + 2) * 4;
-    per_layer[MT_ACT_RESIDUAL] = R * h * e; /* L + 1 of them: each layer's input and the chunk's output */
+    per_layer[MT_ACT_RESIDUAL] = Rh; /* L + 1 of them: each layer's input and the chunk's output */
     per_layer[MT_ACT_LN1_MEAN] = R * 4;
     per_layer[MT_ACT_LN1_RSTD] = R * 4;
-    per_layer[MT_ACT_QKV] = BT * qkv_width * e;
-    per_layer[MT_ACT_PROBS] = flash ? 0 : score_elems * e;
-    per_layer[MT_ACT_LSE] = flash ? B * heads * S * 4 : 0;
-    per_layer[MT_ACT_ATTN_OUT] = BT * attn_width * e;
-    per_layer[MT_ACT_RESIDUAL_MID] = R * h * e;
-    per_layer[MT_ACT_LN2] = R * h * e;
+    per_layer[MT_ACT_QKV] = mt__size_mul(BTwide_e, qkv_width);
+    per_layer[MT_ACT_PROBS] = flash ? 0 : mt__size_mul(score_elems, e);
+    per_layer[MT_ACT_LSE] = flash ? lse : 0;
+    per_layer[MT_ACT_ATTN_OUT] = mt__size_mul(BTwide_e, attn_width);
+    per_layer[MT_ACT_RESIDUAL_MID] = Rh;
+    per_layer[MT_ACT_LN2] = Rh;
     per_layer[MT_ACT_LN2_MEAN] = R * 4;
     per_layer[MT_ACT_LN2_RSTD] = R * 4;
-    per_layer[MT_ACT_FC1] = BT * f1 * e;
-    per_layer[MT_ACT_ACT] = BT * f * e;
-    once[MT_ACT_LNF] = head ? R * h * e : 0;
+    per_layer[MT_ACT_FC1] = mt__size_mul(BTwide_e, f1);
+    per_layer[MT_ACT_ACT] = mt__size_mul(BTwide_e, f);
+    once[MT_ACT_LNF] = head ? Rh : 0;
     once[MT_ACT_LNF_MEAN] = head ? R * 4 : 0;
     once[MT_ACT_LNF_RSTD] = head ? R * 4 : 0;
-    once[MT_ACT_LOGITS] = head ? BT * V * e : 0;
+    once[MT_ACT_LOGITS] = head ? mt__size_mul(BTwide_e, V) : 0;
     out->num_slots = num_slots > 0 ? num_slots : 1;
-    size_t off = 0;
+    int64_t off = 0;
     for (int r = 0; r < MT_ACT_REGIONS; r++) {
         if (r == MT_ACT_RESIDUAL) { /* the slots start */
-            out->scratch_bytes = off;
+            out->scratch_bytes = (size_t)off;
             off = 0;
         }
         if (per_layer[r] > 0) out->kept_layers[r] = mt__kept_layers(rc, r, L);
-        out->bytes[r] = per_layer[r] > 0 ? (size_t)(per_layer[r] * out->kept_layers[r]) : (size_t)once[r];
-        out->offset[r] = (r >= MT_ACT_RESIDUAL ? out->scratch_bytes : 0) + off;
-        off += mt__align256(out->bytes[r]);
+        const int64_t bytes = per_layer[r] > 0 ? mt__size_mul(per_layer[r], out->kept_layers[r]) : once[r];
+        out->bytes[r] = (size_t)bytes;
+        out->offset[r] = (size_t)mt__size_add(r >= MT_ACT_RESIDUAL ? (int64_t)out->scratch_bytes : 0, off);
+        off = mt__size_add(off, bytes > MT__SIZE_MAX - 255 ? MT__SIZE_MAX : (int64_t)mt__align256((size_t)bytes));
     }
-    out->saved_bytes = off;
-    out->total = out->scratch_bytes + (size_t)out->num_slots * out->saved_bytes;
+    out->saved_bytes = (size_t)off;
+    out->total = (size_t)mt__size_add((int64_t)out->scratch_bytes, mt__size_mul(out->num_slots, off));
 }
 
 int64_t mt_fp8_scale_inv_floats(int blocks_128x128, int rows, int cols) {
@@ -4337,18 +4361,18 @@ void mt_fp8_arena_layout_compute(const mt_config* c, int fp8_layers, mt_fp8_aren
     const int blockwise = c->fp8_recipe == MT_FP8_BLOCKWISE;
     const int64_t rows_blocks = (mt_fp8_scale_inv_floats(0, (int)BT, (int)wide) + 3) / 4 * 4;
     const int64_t cols_blocks = (mt_fp8_scale_inv_floats(0, (int)wide, (int)BT) + 3) / 4 * 4;
-    const int64_t nt = out->num_tensors, scratch = BT * wide;
+    const int64_t nt = out->num_tensors, scratch = mt__size_mul(BT, wide);
     const int64_t bytes[MT_FP8A_REGIONS] = {
-        nt * 4, nt * 4 * MT_FP8_SCALE_INV_STRIDE, nt * 4, nt * 4, nt * out->history_len * 4,
-        fp8_layers * out->weights_per_layer, scratch, scratch, scratch, scratch,
+        nt * 4, nt * 4 * MT_FP8_SCALE_INV_STRIDE, nt * 4, nt * 4, mt__size_mul3(nt, out->history_len, 4),
+        mt__size_mul(fp8_layers, out->weights_per_layer), scratch, scratch, scratch, scratch,
         blockwise ? rows_blocks * 4 : 0, blockwise ? cols_blocks * 4 : 0, blockwise ? rows_blocks * 4 : 0,
         blockwise ? cols_blocks * 4 : 0, blockwise ? fp8_layers * out->weight_blocks_per_layer * 4 : 0};
-    size_t off = 0;
+    int64_t off = 0;
     for (int r = 0; r < MT_FP8A_REGIONS; r++) {
-        out->offset[r] = off;
-        off += mt__align256((size_t)bytes[r]);
+        out->offset[r] = (size_t)off;
+        off = mt__size_add(off, bytes[r] > MT__SIZE_MAX - 255 ? MT__SIZE_MAX : (int64_t)mt__align256((size_t)bytes[r]));
     }
-    out->total = off;
+    out->total = (size_t)off;
 }
 
 int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int64_t gpu_shard, mt_optimizer_piece* out) {
@@ -4361,6 +4385,12 @@ int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int6
             if (p->bucket != b) continue;
             int64_t lo = p->offset > begin ? p->offset : begin;
             int64_t hi = p->offset + p->numel < end ? p->offset + p->numel : end;
+            if (!out && lo < hi) { /* counted, not walked: a model of 10^14 parameters has 10^9 pieces */
+                const int64_t cut = gpu_shard - master + begin, C = MT_OPT_CHUNK_ELEMENTS; /* the GPU's end, here */
+                if (cut > lo && cut < hi) count += (cut - lo + C - 1) / C + (hi - cut + C - 1) / C;
+                else count += (hi - lo + C - 1) / C;
+                continue;
+            }
             for (int64_t x = lo; x < hi;) {
                 int64_t m = master + (x - begin), len = hi - x < MT_OPT_CHUNK_ELEMENTS ? hi - x : MT_OPT_CHUNK_ELEMENTS;
                 if (m < gpu_shard && m + len > gpu_shard) len = gpu_shard - m;
@@ -4428,14 +4458,19 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     size_t colsum = (size_t)MT_COLSUM_MAX_CHUNKS * (size_t)(qkv > wide ? qkv : wide);
     if ((size_t)MT_NORM_BWD_BLOCKS * (size_t)c->hidden_size > colsum) colsum = (size_t)MT_NORM_BWD_BLOCKS * c->hidden_size;
     const int rot = c->position_embedding_type == MT_POSITION_ROPE ? (int)(c->kv_channels * c->rotary_percent) : 0;
-    p->workspace_bytes = MT_CUBLAS_WORKSPACE_BYTES + 3 * colsum * 4 + (size_t)(p->optimizer_chunks + 1) * 8 +
-                         (size_t)(p->optimizer_chunks > 0 ? p->optimizer_chunks : 1) * MT_OPT_CHUNK_BYTES +
-                         2 * sizeof(double) + (size_t)2 * c->seq_length * (rot / 2) * 4;
+    int64_t workspace = mt__size_add((int64_t)(MT_CUBLAS_WORKSPACE_BYTES + 3 * colsum * 4 + 2 * sizeof(double)),
+                                     mt__size_mul3(2 * (int64_t)c->seq_length, rot / 2, 4));
+    workspace = mt__size_add(workspace, mt__size_mul(p->optimizer_chunks + 1, 8));
+    workspace = mt__size_add(workspace, mt__size_mul(p->optimizer_chunks > 0 ? p->optimizer_chunks : 1, MT_OPT_CHUNK_BYTES));
     if (c->fp8_param_gather) /* the chunks' places in the parameter storage (megatron.cu fp8_publish_chunk) */
-        p->workspace_bytes += (size_t)(p->optimizer_chunks > 0 ? p->optimizer_chunks : 1) * MT_PUBLISH_CHUNK_BYTES;
+        workspace = mt__size_add(workspace, mt__size_mul(p->optimizer_chunks > 0 ? p->optimizer_chunks : 1,
+                                                         MT_PUBLISH_CHUNK_BYTES));
     if (pp > 1) /* an input gradient waiting to be sent to the previous stage, [R, h] */
-        p->workspace_bytes += (size_t)(c->sequence_parallel && tp > 1 ? (int64_t)c->micro_batch_size * c->seq_length / tp
-                                       : (int64_t)c->micro_batch_size * c->seq_length) * (size_t)c->hidden_size * elem;
+        workspace = mt__size_add(workspace, mt__size_mul3(c->sequence_parallel && tp > 1
+                                                              ? (int64_t)c->micro_batch_size * c->seq_length / tp
+                                                              : (int64_t)c->micro_batch_size * c->seq_length,
+                                                          c->hidden_size, (int64_t)elem));
+    p->workspace_bytes = (size_t)workspace;
     if (c->fp8_format != MT_FP8_NONE) {
         mt_fp8_arena_layout f;
         mt_fp8_arena_layout_compute(c, fp8_layers, &f);
@@ -4444,8 +4479,17 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     const int64_t piece = p->offload_elements < MT_OFFLOAD_PIECE_ELEMENTS ? p->offload_elements : MT_OFFLOAD_PIECE_ELEMENTS;
     p->offload_bytes = c->precision == MT_FP32 ? 0 : (size_t)piece * 4;
     p->host_pinned_bytes = (size_t)p->offload_elements * 12 + (size_t)MT_OFFLOAD_SLOTS * (size_t)piece * 4;
-    p->total_bytes = p->parameter_bytes + p->master_bytes + p->gradient_bytes + p->optimizer_bytes +
-                     p->activation_bytes + p->workspace_bytes + p->fp8_bytes + p->offload_bytes;
+    const size_t parts[] = {p->parameter_bytes, p->master_bytes, p->gradient_bytes, p->optimizer_bytes,
+                            p->activation_bytes, p->workspace_bytes, p->fp8_bytes, p->offload_bytes};
+    int64_t total = 0;
+    for (size_t k = 0; k < sizeof(parts) / sizeof(parts[0]); k++) total = mt__size_add(total, (int64_t)parts[k]);
+    if (total >= MT__SIZE_MAX / 2) { /* saturated somewhere (the overhead below still has to fit) */
+        mt_buffer_layout_free(&B);
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline rank %d would need more than 2^62 bytes (--micro-batch-size %d x "
+                       "--seq-length %d activations of %d layers, %d in flight): not a size this build can plan",
+                       pp_rank, c->micro_batch_size, c->seq_length, largest, p->in_flight);
+    }
+    p->total_bytes = (size_t)total;
     /* the communicators megatron.cu's process groups create on this rank */
     int comms = (c->world_size > 1) + (tp > 1) + (dp > 1);
     if (pp > 1) comms += 2 + (stage->embedding || stage->head); /* activations, gradients; the embedding group */

@@ -93,6 +93,9 @@ mt_status mt_hf_load(const char* hf_dir, mt_config* cfg, float** params, const m
  * Committed as a set: every file under a temporary name first, then the old config.json removed,
  * the weights renamed into place and config.json last (other files in HF_DIR are kept). */
 #define MT_HF_SHARD_BYTES ((int64_t)5000000000)
+/* The most transformer layers a Hugging Face checkpoint may have here: at most 16 tensors a layer keeps
+ * every tensor count and index an int (config.json's n_layer / num_hidden_layers and exports alike). */
+#define MT_HF_MAX_LAYERS ((int64_t)1 << 26)
 mt_status mt_hf_save(const char* hf_dir, const mt_config* cfg, const float* params, int64_t vocab_size,
                      mt_st_dtype dtype, int64_t shard_bytes, mt_error* err);
 

@@ -82,12 +82,19 @@ mt_status mt_hf_gpt2_parse_config(const mt_json* root, const char* path, mt_hf_g
     const int64_t big = (int64_t)1 << 30;
     mt_status s = MT_OK;
     /* GPT2Config's defaults for absent fields */
-    if (s == MT_OK && (s = mt_hf__int_field(root, "n_layer", 12, 1, big, 0, &v, path, err)) == MT_OK) hf->n_layer = (int)v;
+    if (s == MT_OK && (s = mt_hf__int_field(root, "n_layer", 12, 1, MT_HF_MAX_LAYERS, 0, &v, path, err)) == MT_OK)
+        hf->n_layer = (int)v;
     if (s == MT_OK && (s = mt_hf__int_field(root, "n_embd", 768, 1, big, 0, &v, path, err)) == MT_OK) hf->n_embd = (int)v;
     if (s == MT_OK && (s = mt_hf__int_field(root, "n_head", 12, 1, big, 0, &v, path, err)) == MT_OK) hf->n_head = (int)v;
     if (s == MT_OK && (s = mt_hf__int_field(root, "n_positions", 1024, 1, big, 0, &v, path, err)) == MT_OK) hf->n_positions = (int)v;
-    if (s == MT_OK && (s = mt_hf__int_field(root, "n_inner", 0, 1, big, 1, &v, path, err)) == MT_OK)
-        hf->n_inner = v ? (int)v : 4 * hf->n_embd;
+    if (s == MT_OK && (s = mt_hf__int_field(root, "n_inner", 0, 1, big, 1, &v, path, err)) == MT_OK) {
+        if (!v) v = 4 * (int64_t)hf->n_embd; /* GPT2Config's default, in 64 bits: n_embd may be up to 2^30 */
+        if (v > INT32_MAX)
+            s = mt_fail(err, MT_ERR_CONFIG, "%s: n_inner (4 x n_embd %d when absent) = %lld exceeds %d", path, hf->n_embd,
+                        (long long)v, INT32_MAX);
+        else
+            hf->n_inner = (int)v;
+    }
     if (s == MT_OK) s = mt_hf__int_field(root, "vocab_size", 50257, 1, (int64_t)1 << 31, 0, &hf->vocab_size, path, err);
     if (s == MT_OK) s = mt_hf__number_field(root, "layer_norm_epsilon", 1e-5, &hf->layer_norm_epsilon, path, err);
     if (s == MT_OK) {
@@ -139,6 +146,9 @@ static mt_status mt_hf_gpt2__read_config(const mt_json* root, const char* path, 
 }
 
 mt_status mt_hf_gpt2_check_shape(const mt_config* c, int64_t vocab_size, mt_error* err) {
+    if (c->num_layers > MT_HF_MAX_LAYERS)
+        return mt_fail(err, MT_ERR_CONFIG, "%d layers: a Hugging Face checkpoint here holds at most %lld", c->num_layers,
+                       (long long)MT_HF_MAX_LAYERS);
     if (c->num_query_groups != c->num_attention_heads)
         return mt_fail(err, MT_ERR_CONFIG, "the model has %d query groups for %d heads: GPT-2 has one per head",
                        c->num_query_groups, c->num_attention_heads);

@@ -115,7 +115,8 @@ static mt_status mt_hf_llama__read_config(const mt_json* root, const char* path,
         {"max_position_embeddings", 2048, 0, &P}, {"vocab_size", 32000, 0, &V}};
     mt_status s = MT_OK;
     for (int i = 0; s == MT_OK && i < 8; i++)
-        s = mt_hf__int_field(root, ints[i].key, ints[i].def, 1, (int64_t)1 << (i == 7 ? 31 : 30), ints[i].null_ok,
+        s = mt_hf__int_field(root, ints[i].key, ints[i].def, 1, i == 0 ? MT_HF_MAX_LAYERS : (int64_t)1 << (i == 7 ? 31 : 30),
+                             ints[i].null_ok,
                              ints[i].out, path, err);
     if (s != MT_OK) return s;
     if (!g) g = n;
@@ -166,6 +167,9 @@ static mt_status mt_hf_llama__read_config(const mt_json* root, const char* path,
 }
 
 mt_status mt_hf_llama_check(const mt_config* c, int64_t vocab_size, mt_error* err) {
+    if (c->num_layers > MT_HF_MAX_LAYERS)
+        return mt_fail(err, MT_ERR_CONFIG, "%d layers: a Hugging Face checkpoint here holds at most %lld", c->num_layers,
+                       (long long)MT_HF_MAX_LAYERS);
     if (c->rotary_percent != 1.0)
         return mt_fail(err, MT_ERR_CONFIG, "rotary_percent %g: transformers' Llama rotates every channel (rotary_percent 1)",
                        c->rotary_percent);

@@ -778,6 +778,29 @@ static test_result test_dataset_open_errors(void) {
     EXPECT(mt_gpt_data_get(d, MT_SPLIT_TEST, 0, t, err) == MT_ERR_RANGE, "get from an empty split");
     EXPECT_OK(mt_gpt_data_get(d, MT_SPLIT_TRAIN, 0, t, err), err);
     mt_gpt_data_close(d);
+    /* a float32 dataset (Megatron's reader opens one) is refused when the GPT dataset is built, not at
+     * the first sample deep in training (dev/fuzz/fuzz_indexed) */
+    char dir[256], path[300];
+    EXPECT(tds_tmpdir(dir, sizeof(dir)) == 0, "mkdtemp");
+    static const unsigned char idx[] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 7, /* float32 */
+                                        1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, /* 1 sequence, 1 document */
+                                        4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, /* length 4, pointer 0 */
+                                        0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0};
+    const float tokens[4] = {1, 2, 3, 4};
+    snprintf(path, sizeof(path), "%s/f.idx", dir);
+    FILE* f = fopen(path, "wb");
+    EXPECT(f && fwrite(idx, 1, sizeof(idx), f) == sizeof(idx) && fclose(f) == 0, "write %s", path);
+    snprintf(path, sizeof(path), "%s/f.bin", dir);
+    f = fopen(path, "wb");
+    EXPECT(f && fwrite(tokens, 4, 4, f) == 4 && fclose(f) == 0, "write %s", path);
+    snprintf(path, sizeof(path), "%s/f", dir);
+    const char* fp = path;
+    int64_t two[3] = {2, 0, 0};
+    EXPECT(mt_gpt_data_open(&d, 1, &fp, NULL, "1,0,0", 2, 1234, two, err) == MT_ERR_FORMAT && !d &&
+               strstr(err->message, "float32: a GPT dataset needs integer token ids"),
+           "float32 dataset: %s", err->message);
+    snprintf(path, sizeof(path), "rm -rf %s", dir);
+    EXPECT(system(path) == 0, "rm");
     return TEST_PASS;
 }
 

@@ -817,6 +817,10 @@ static test_result test_hf_gpt2_rejects(void) {
         {", \"tie_word_embeddings\": false", MT_ERR_CONFIG, "untied output layers are not supported"},
         {", \"n_head\": 5", MT_ERR_CONFIG, "not divisible by n_head"},
         {", \"n_layer\": \"2\"", MT_ERR_FORMAT, "\"n_layer\" is not an integer"},
+        /* n_inner's default 4 x n_embd computed in 64 bits (fuzz_hf_config: int overflow at n_embd 2^30) */
+        {", \"n_embd\": 1073741824, \"n_head\": 1", MT_ERR_CONFIG, "n_inner (4 x n_embd 1073741824 when absent) = 4294967296"},
+        /* at most 2^26 layers: 12 tensors a layer counted in an int (fuzz_hf_config: 12 x 2^30 overflowed) */
+        {", \"n_layer\": 1073741824", MT_ERR_FORMAT, "\"n_layer\" is 1073741824, outside [1, 67108864]"},
         {", \"n_layer\": 0", MT_ERR_FORMAT, "\"n_layer\" is 0, outside"},
         {", \"layer_norm_epsilon\": -1", MT_ERR_FORMAT, "layer_norm_epsilon"},
         {", \"model_type\": \"llama\"", MT_ERR_FORMAT, "duplicate object key"},

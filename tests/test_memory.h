@@ -473,7 +473,71 @@ static test_result test_train_gpt_plan(void) {
     return TEST_PASS;
 }
 
+/* A config whose activations do not fit 64 bits (found by dev/fuzz/fuzz_flags: 4 x 10241024 tokens, 752
+ * layers, whose attention scores times layers wrapped int64) is refused by the plan in one line, never
+ * planned with a wrapped size; the layouts themselves saturate instead of wrapping. */
+static test_result test_plan_refuses_sizes_beyond_64_bits(void) {
+    mt_config c = test_config(TEST_GPT2, MT_FP32); /* fp32: no flash attention, the scores are S^2 per layer */
+    c.num_layers = 10000;
+    c.seq_length = 10241024;
+    c.max_position_embeddings = 10241024;
+    c.micro_batch_size = 4;
+    mt_error err;
+    EXPECT_OK(memory_finalized(&c, 1, 1, 0, 0, &err), &err);
+    mt_memory_plan p;
+    EXPECT(mt_memory_plan_compute(&c, NULL, &p, &err) == MT_ERR_CONFIG && strstr(err.message, "2^62 bytes"),
+           "plan: %s", err.message);
+    mt_activation_layout a;
+    mt_activation_layout_compute(&c, c.num_layers, 1, 4, NULL, &a);
+    EXPECT(a.total == (size_t)INT64_MAX, "the arena saturates: %zu bytes", a.total);
+    return TEST_PASS;
+}
+
+/* mt_optimizer_pieces counts without a table (arithmetic: a model of 10^14 parameters took minutes to
+ * walk, found by dev/fuzz/fuzz_flags with --hidden-size 3888648 --plan) exactly as many pieces as it
+ * writes with one, wherever the GPU's part of the shard ends. */
+static test_result test_optimizer_pieces_counted(void) {
+    for (int llama = 0; llama < 2; llama++)
+        for (int dist = 0; dist < 2; dist++) {
+            mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, MT_BF16);
+            c.hidden_size = 512; /* tensors of several 32768-element pieces */
+            c.ffn_hidden_size = 0;
+            c.kv_channels = 0;
+            mt_error err;
+            EXPECT_OK(memory_finalized(&c, dist ? 2 : 1, 1, 0, dist, &err), &err);
+            mt_buffer_layout B;
+            EXPECT_OK(mt_buffer_layout_build(&B, &c, &err), &err);
+            const int dp = dist ? 2 : 1;
+            for (int r = 0; r < dp; r++) {
+                int64_t begin, end, shard = 0;
+                for (int b = 0; b < B.num_buckets; b++) {
+                    mt_bucket_shard(&B.buckets[b], dp, r, &begin, &end);
+                    shard += end - begin;
+                }
+                const int64_t gpu[] = {shard, 0, shard / 3, 32768 * 5 + 17, shard - 1};
+                for (size_t g = 0; g < sizeof(gpu) / sizeof(gpu[0]); g++) {
+                    const int64_t n = mt_optimizer_pieces(&B, dp, r, gpu[g], NULL);
+                    mt_optimizer_piece* pieces = (mt_optimizer_piece*)malloc(sizeof(mt_optimizer_piece) * (size_t)(n + 1));
+                    const int64_t written = mt_optimizer_pieces(&B, dp, r, gpu[g], pieces);
+                    int64_t covered = 0, straddles = 0;
+                    for (int64_t k = 0; k < written; k++) {
+                        covered += pieces[k].length;
+                        straddles += pieces[k].master < gpu[g] && pieces[k].master + pieces[k].length > gpu[g];
+                    }
+                    free(pieces);
+                    EXPECT(written == n && covered == shard && straddles == 0,
+                           "llama %d dist %d rank %d GPU part %lld: counted %lld, wrote %lld covering %lld of %lld", llama,
+                           dist, r, (long long)gpu[g], (long long)n, (long long)written, (long long)covered, (long long)shard);
+                }
+            }
+            mt_buffer_layout_free(&B);
+        }
+    return TEST_PASS;
+}
+
 static const test_case memory_tests[] = {
+    {"optimizer_pieces_counted_as_written", test_optimizer_pieces_counted},
+    {"plan_refuses_sizes_beyond_64_bits", test_plan_refuses_sizes_beyond_64_bits},
     {"plan_counts_follow_the_geometry", test_plan_counts},
     {"plan_pipeline_stages_and_slots", test_plan_pipeline},
     {"plan_activation_slots_are_the_engines", test_plan_activation_slots},

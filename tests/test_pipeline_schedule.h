@@ -364,7 +364,23 @@ static test_result test_pipeline_schedule_vectors(void) {
     return res;
 }
 
+/* Activation slots of a step of millions of micro-batches are counted, not simulated (fuzz_flags: the
+ * plan of --global-batch-size 644696784 walked a 160M-unit schedule past the fuzzer's timeout), and a
+ * schedule whose 2 M VP units do not fit an int is refused rather than overflowed. */
+static test_result test_pipeline_slots_huge_m(void) {
+    mt_error err;
+    int slots = 0;
+    EXPECT(mt_pp_activation_slots(4, 1, 80000000, 0, 1, &slots, &err) == MT_OK && slots == 3, "PP 4 rank 1: %d slots", slots);
+    EXPECT(mt_pp_activation_slots(4, 2, 80000000, 4, 0, &slots, &err) == MT_OK && slots == 2 * 3 + 4 + 1,
+           "PP 4 VP 2 rank 0: %d slots", slots);
+    EXPECT(mt_pp_activation_slots(1, 1, 1 << 30, 0, 0, &slots, &err) == MT_ERR_CONFIG && strstr(err.message, "too long"),
+           "2^30 micro-batches: %s", err.message);
+    EXPECT(mt_pp_activation_slots(2, 1, 4, 0, 2, &slots, &err) == MT_ERR_RANGE, "rank 2 of PP 2");
+    return TEST_PASS;
+}
+
 static const test_case pipeline_schedule_tests[] = {
+    {"pipeline_slots_counted_for_huge_m", test_pipeline_slots_huge_m},
     {"pipeline_schedule_pp1", test_pipeline_schedule_pp1},
     {"pipeline_schedule_example", test_pipeline_schedule_example},
     {"pipeline_schedule_all", test_pipeline_schedule_all},
