@@ -4461,6 +4461,9 @@ struct mt_trainer {
     mt_gpu_error error;
     mt_process_groups groups;
     mt_watchdog* watchdog;    /* mt_trainer_on_collective_timeout's thread (NULL: none) */
+    int pp_trace;             /* MT_PP_TRACE=1 in the environment at PP > 1: each pipeline unit's transfers and
+                                 steps on stderr, the stream synchronised after each (a hang then names the
+                                 unit it stopped in); read once, at creation */
     cudaStream_t stream;
     cublasHandle_t cublas;
     void* cublas_workspace;
@@ -5540,9 +5543,7 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
     pipeline_transfers x; /* the previous unit's sends, then this unit's receives */
     memset(&x, 0, sizeof(x));
     mt_status st = MT_OK;
-    /* MT_PP_TRACE=1: each unit's transfers and steps on stderr, the stream synchronised after each (a
-     * hang then names the unit it stopped in) */
-    const bool trace = pp > 1 && getenv("MT_PP_TRACE") && getenv("MT_PP_TRACE")[0] == '1';
+    const bool trace = t->pp_trace;
     for (int u = 0; u < num_ops && st == MT_OK;) {
         const int end = pipeline_unit_end(ops, num_ops, num_warmup, vp, u);
         for (int k = u; k < end; k++) { /* slots and receive buffers of the unit's steps */
@@ -7274,6 +7275,8 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
 
     CUDA_CHECK(&t->error, cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking));
     process_groups_create(&t->groups, cfg, t->stream, &t->error);
+    const char* trace = getenv("MT_PP_TRACE");
+    t->pp_trace = t->groups.pp_size > 1 && trace && trace[0] == '1';
     mt_shape s = model_shape(t); /* after the groups: it holds this rank's TP coordinate */
     t->sharded = cfg->use_distributed_optimizer && t->groups.dp_size > 1;
     CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->compute_done, cudaEventDisableTiming));
@@ -7403,7 +7406,7 @@ mt_status mt_trainer_on_collective_timeout(mt_trainer* t, mt_collective_timeout_
     for (int i = 0; i < 6; i++)
         if (comms[i]) w->comm[w->num_comms] = comms[i], w->comm_name[w->num_comms++] = comm_names[i];
     w->rank = t->cfg.rank;
-    if (cudaGetDevice(&w->device) != cudaSuccess) w->device = t->cfg.local_rank > 0 ? t->cfg.local_rank : 0;
+    if (cudaGetDevice(&w->device) != cudaSuccess) w->device = t->cfg.local_rank >= 0 ? t->cfg.local_rank : 0;
     w->timeout_s = 60.0 * t->cfg.distributed_timeout_minutes;
     w->error = &t->error;
     w->handler = handler;
