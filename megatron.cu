@@ -911,6 +911,14 @@ static void swiglu_backward(const mt_exec* ex, T* dpre, const T* dact, const T* 
 /*    gradient is the same either way.                                                            */
 /* ============================================================================================== */
 
+/* One normalized output element, (x - mean) * rstd * (w + w1) + b, rounded the same way in every
+ * kernel that makes it (the forwards and norm_apply): explicit round-to-nearest intrinsics, so the
+ * compiler cannot fuse a multiply-add in one kernel and not in another, and a recomputed norm output
+ * is the forward's bit for bit. b = 0 without a bias (fma(a, w, 0) rounds as a * w). */
+__device__ __forceinline__ float norm_output(float x, float mean, float rstd, float w, float w1, float b) {
+    return __fmaf_rn(__fmul_rn(__fsub_rn(x, mean), rstd), __fadd_rn(w, w1), b);
+}
+
 template <typename T>
 __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_out, const T* x, const T* weight,
                                          const T* bias, int N, int C, float eps, bool rms, float w1) {
@@ -930,8 +938,8 @@ __global__ void layernorm_forward_kernel(T* out, float* mean_out, float* rstd_ou
     float rstd = 1.0f / sqrtf(var + eps);
     T* o = out + (int64_t)row * C;
     for (int c = lane; c < C; c += 32)
-        o[c] = from_float<T>((to_float(xr[c]) - mean) * rstd * (to_float(weight[c]) + w1) +
-                             (bias ? to_float(bias[c]) : 0.0f));
+        o[c] = from_float<T>(norm_output(to_float(xr[c]), mean, rstd, to_float(weight[c]), w1,
+                                         bias ? to_float(bias[c]) : 0.0f));
     if (lane == 0) {
         mean_out[row] = mean;
         rstd_out[row] = rstd;
@@ -996,7 +1004,7 @@ __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rst
         load16(w, weight + c);
         if (bias) load16(b, bias + c);
 #pragma unroll
-        for (int i = 0; i < V; i++) v[i] = (v[i] - mean) * rstd * (w[i] + w1) + (bias ? b[i] : 0.0f);
+        for (int i = 0; i < V; i++) v[i] = norm_output(v[i], mean, rstd, w[i], w1, bias ? b[i] : 0.0f);
         store16(o + c, v);
     }
     if (lane == 0) {
@@ -1112,7 +1120,7 @@ __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean
         load16(w, weight + c);
         if (norm_bias) load16(y, norm_bias + c);
 #pragma unroll
-        for (int i = 0; i < V; i++) y[i] = (r[j][i] - mean) * rstd * (w[i] + w1) + (norm_bias ? y[i] : 0.0f);
+        for (int i = 0; i < V; i++) y[i] = norm_output(r[j][i], mean, rstd, w[i], w1, norm_bias ? y[i] : 0.0f);
         store16(out + base + c, y);
     }
     if (lane == 0) {
@@ -1152,7 +1160,7 @@ __global__ void norm_apply_kernel(T* out, const T* x, const float* mean, const f
     if (b) load_n<T, V>(bv, b + c);
     const float m = mean[row], rs = rstd[row];
 #pragma unroll
-    for (int k = 0; k < V; k++) v[k] = (v[k] - m) * rs * (wv[k] + w1) + (b ? bv[k] : 0.0f);
+    for (int k = 0; k < V; k++) v[k] = norm_output(v[k], m, rs, wv[k], w1, b ? bv[k] : 0.0f);
     store_n<T, V>(out + i, v);
 }
 

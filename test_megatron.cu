@@ -8,6 +8,8 @@
  * behind the API.
  * Usage: ./test_megatron [filter]: only the tests whose name or group contains the filter, e.g.
  * `gpu` (every GPU test), `host`, `gpu.model`, `tensor_parallel` (that feature, every kind).
+ * MT_TEST_SHARD=k/n (one process) runs every n-th selected test from the k-th (0-based), so that n
+ * processes, one per GPU, share the suite (dev/gpu_check.sh does this on machines with several GPUs).
  * The last line is always `N passed, N failed, N skipped`. */
 #include "megatron.cu"
 #define MT_TOKENIZER_IMPLEMENTATION
@@ -62,7 +64,12 @@ int main(int argc, char** argv) {
         MPI_Init(&argc, &argv);
         MPI_Comm_size(MPI_COMM_WORLD, &world);
         MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-        if (rank != 0 && !freopen("/dev/null", "w", stdout)) return 1;
+        /* rank 0 reports; the others' output goes to /tmp/mt_test_rank<r>.log (a failure seen on one
+         * rank alone says why there; dev/gpu_check.sh prints those lines) */
+        char rank_log[64];
+        snprintf(rank_log, sizeof(rank_log), "/tmp/mt_test_rank%d.log", rank);
+        if (rank != 0 && !freopen(rank_log, "w", stdout) && !freopen("/dev/null", "w", stdout)) return 1;
+        setvbuf(stdout, NULL, _IOLBF, 0); /* every line out, also when MPI aborts the job */
     }
 #endif
     test_group groups[] = {
@@ -110,12 +117,23 @@ int main(int argc, char** argv) {
     };
     int passed = 0, failed = 0, skipped = 0;
     const char* failed_names[64];
+    int shard = 0, shards = 1, selected = 0;
+    const char* shard_env = getenv("MT_TEST_SHARD");
+    if (shard_env && world == 1) {
+        char tail = 0;
+        if (sscanf(shard_env, "%d/%d%c", &shard, &shards, &tail) != 2 || shards < 1 || shards > 1024 ||
+            shard < 0 || shard >= shards) {
+            printf("MT_TEST_SHARD=%s: expected k/n with 0 <= k < n <= 1024\n", shard_env);
+            return 2;
+        }
+    }
     for (size_t g = 0; g < sizeof(groups) / sizeof(groups[0]); g++) {
         /* several processes run the multi-GPU tests only */
         if (world > 1 && !group_is_multigpu(groups[g].group)) continue;
         for (size_t i = 0; i < groups[g].count; i++) {
             const test_case* t = &groups[g].cases[i];
             if (filter && !strstr(t->name, filter) && !strstr(groups[g].group, filter)) continue;
+            if (selected++ % shards != shard) continue;
             printf("[%s] %s\n", groups[g].group, t->name);
             fflush(stdout);
             test_result r = t->run();

@@ -3,7 +3,9 @@
 # (GPU tests included; multi-GPU tests under mpirun when several GPUs are visible), run the
 # built-in training job, and end with a short summary table. Logs go to $OUT (or /tmp/mt_gpu_check).
 #   dev/gpu_check.sh            everything
-#   dev/gpu_check.sh tests      build + tests only
+#   dev/gpu_check.sh tests      build + tests only (single: the one-GPU tests; multi: the mpirun tests)
+#   dev/gpu_check.sh jobs       build + the training jobs and the dead-rank check only
+# With several GPUs the one-GPU tests are sharded over them (MT_TEST_SHARD=k/n, one process per GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mt_gpu_check}
@@ -24,26 +26,52 @@ else
   print_rows; exit 1
 fi
 
-start=$(date +%s)
-timeout 500 ./test_megatron > "$OUT/test.log" 2>&1
-grep -E "^failed|FAIL" "$OUT/test.log" | head -20
-rows+=("test_megatron|$(tail -n1 "$OUT/test.log")|$(( $(date +%s) - start )) s")
-# multi-GPU tests: data and tensor parallel over 2 and (with 4 GPUs) 4 ranks, each against one GPU
+run_single=0; run_multi=0; run_jobs=0
+case "$what" in
+  all) run_single=1; run_multi=1; run_jobs=1 ;;
+  tests) run_single=1; run_multi=1 ;;
+  single) run_single=1 ;;
+  multi) run_multi=1 ;;
+  jobs) run_jobs=1 ;;
+  *) echo "dev/gpu_check.sh: unknown part '$what' (all, tests, single, multi, jobs)"; exit 2 ;;
+esac
+
+if [ $run_single = 1 ]; then
+  start=$(date +%s)
+  shards=$(( ngpu > 1 ? ngpu : 1 ))
+  for ((k = 0; k < shards; k++)); do
+    CUDA_VISIBLE_DEVICES=$k MT_TEST_SHARD=$k/$shards timeout 500 ./test_megatron > "$OUT/test_shard$k.log" 2>&1 &
+  done
+  wait
+  cat "$OUT"/test_shard*.log > "$OUT/test.log"
+  grep -hE "^failed|FAIL" "$OUT"/test_shard*.log | head -20
+  total=$(for ((k = 0; k < shards; k++)); do tail -n1 "$OUT/test_shard$k.log"; done |
+    awk '/passed,.*failed,.*skipped/ { p += $1; f += $3; s += $5; n++ }
+         END { printf "%d passed, %d failed, %d skipped", p, f, s; if (n < '"$shards"') printf " (%d of '"$shards"' shards ended)", n }')
+  rows+=("test_megatron ($shards shards)|$total|$(( $(date +%s) - start )) s")
+fi
+# multi-GPU tests: over 2 and (with 4 GPUs) 4 ranks, each against one GPU
 MPIRUN="mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE=0"
-if [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null; then
+if [ $run_multi = 1 ] && [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null; then
   for np in 2 4; do
     [ "$ngpu" -ge "$np" ] || continue
     # one mpirun per feature, each cut at 240 s (a hang must not eat the session's GPU time)
     for g in data_parallel tensor_parallel pipeline memory checkpoint_tool recompute; do
       start=$(date +%s)
+      rm -f /tmp/mt_test_rank*.log
       timeout 240 $MPIRUN -np "$np" ./test_megatron multigpu.$g > "$OUT/test_mpi${np}_$g.log" 2>&1
       grep -E "FAIL|^failed" "$OUT/test_mpi${np}_$g.log" | head -5
+      for f in /tmp/mt_test_rank*.log; do # the other ranks' output
+        [ -f "$f" ] || continue
+        r=$(basename "$f" .log); cp "$f" "$OUT/test_mpi${np}_${g}_${r#mt_test_}.log"
+        grep -B1 -A2 -E "FAIL" "$f" | grep -v "FAIL on another rank" | sed "s/^/  ${r#mt_test_}: /" | head -8
+      done
       rows+=("multigpu.$g (mpirun -np $np)|$(tail -n1 "$OUT/test_mpi${np}_$g.log")|$(( $(date +%s) - start )) s")
     done
   done
 fi
 
-if [ "$what" = all ]; then
+if [ $run_jobs = 1 ]; then
   rm -rf checkpoints/builtin
   start=$(date +%s)
   ./train_gpt > "$OUT/train_builtin.log" 2>&1

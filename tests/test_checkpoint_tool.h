@@ -806,6 +806,24 @@ static double ckt_worst_relative(const double* got, const double* want, int from
     return worst;
 }
 
+/* Where two full-model parameter arrays differ: how many elements, and the first one's tensor and
+ * values (for a failure message). */
+static void ckt_describe_difference(const mt_config* c, const float* got, const float* want, int64_t n) {
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(c, info);
+    int64_t count = 0, first = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (memcmp(&got[i], &want[i], sizeof(float))) count++, first = first < 0 ? i : first;
+    if (first < 0) return;
+    const char* name = "?";
+    int64_t at = first;
+    for (int k = 0; k < MT_NUM_PARAM_TENSORS; k++)
+        if (info[k].numel && first >= info[k].offset && first < info[k].offset + info[k].numel)
+            name = info[k].name, at = first - info[k].offset;
+    printf("      %lld of %lld elements differ; the first is %s[%lld]: %.9g, saved %.9g\n", (long long)count,
+           (long long)n, name, (long long)at, got[first], want[first]);
+}
+
 static test_result test_load_any_layout_multigpu(void) {
     REQUIRE_MPI_GPUS();
     if (mpi_world() != 2) SKIP("runs under mpirun -np 2, not %d", mpi_world());
@@ -836,13 +854,17 @@ static test_result test_load_any_layout_multigpu(void) {
         int equal = 1;
         snprintf(dir, sizeof(dir), "%s/layout%d", base, k);
         res = tp_agree(dp_run(c, own, NULL, 5, 0, got, w)); /* loaded only */
-        pp_merge(&c, w, n, &equal);
+        /* with PP each rank holds its stage's tensors: merged (tests/test_pipeline.h); with TP or DP
+         * each has the whole model already */
+        if (layouts[k].pp > 1) pp_merge(&c, w, n, &equal);
         if (res == TEST_PASS && (!equal || memcmp(w, p5, sizeof(float) * (size_t)n))) {
-            printf("    FAIL %s: the loaded weights are not the saved ones\n", layouts[k].name);
+            printf("    FAIL %s: the loaded weights are not the saved ones (copies on the ranks %s)\n", layouts[k].name,
+                   equal ? "agree" : "differ");
+            ckt_describe_difference(&fin, w, p5, n);
             res = TEST_FAIL;
         }
         if (res == TEST_PASS) res = tp_agree(dp_run(c, own, dir, 5, 5, got, w10));
-        pp_merge(&c, w10, n, &equal);
+        if (layouts[k].pp > 1) pp_merge(&c, w10, n, &equal);
         const double worst = ckt_worst_relative(got, want, 5, 10);
         if (res == TEST_PASS && !equal) {
             printf("    FAIL %s: the stages' copies of the tied word embeddings differ after 5 steps\n", layouts[k].name);
@@ -859,6 +881,7 @@ static test_result test_load_any_layout_multigpu(void) {
         if (res == TEST_PASS) res = tp_agree(dp_run(ref, dir, NULL, 10, 0, got, w));
         if (res == TEST_PASS && memcmp(w, w10, sizeof(float) * (size_t)n)) {
             printf("    FAIL %s -> TP=1: the loaded weights are not the saved ones\n", layouts[k].name);
+            ckt_describe_difference(&fin, w, w10, n);
             res = TEST_FAIL;
         }
         if (res == TEST_PASS) res = tp_agree(dp_run(ref, dir, NULL, 10, 5, got, NULL));

@@ -654,10 +654,13 @@ static test_result fp8_param_gather_case(int llama, int tensorwise, int overlap)
                overlap ? " overlapped" : "", b.losses[0], b.losses[11], (long long)b.gather_bytes,
                (long long)a.gather_bytes, (long long)fp8_elements, (long long)(a.gather_bytes - b.gather_bytes),
                (long long)(storage - (2 * buffer - fp8_elements)));
-        EXPECT(a.gather_bytes == 2 * buffer && b.gather_bytes == storage && a.gather_bytes - b.gather_bytes <= fp8_elements &&
-                   a.gather_bytes - b.gather_bytes + 256 * 16 * (int64_t)c.num_layers >= fp8_elements,
-               "%s: all-gather %lld bytes, bf16 %lld, storage %lld", name, (long long)b.gather_bytes,
-               (long long)a.gather_bytes, (long long)storage);
+        if (!(a.gather_bytes == 2 * buffer && b.gather_bytes == storage && a.gather_bytes - b.gather_bytes <= fp8_elements &&
+              a.gather_bytes - b.gather_bytes + 256 * 16 * (int64_t)c.num_layers >= fp8_elements)) {
+            /* no early return: every rank must reach the barrier below */
+            printf("    FAIL %s on rank %d: all-gather %lld bytes, bf16 %lld, storage %lld, buffer %lld\n", name, mpi_rank(),
+                   (long long)b.gather_bytes, (long long)a.gather_bytes, (long long)storage, (long long)buffer);
+            res = TEST_FAIL;
+        }
     } else if (res == TEST_PASS) {
         printf("      DP=1 %s: losses %.6f -> %.6f bitwise with and without the flag and across resume\n", name,
                b.losses[0], b.losses[11]);
