@@ -3966,18 +3966,25 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
     }
 }
 
-/* The watchdog (mt_trainer_on_collective_timeout): a thread that each period polls NCCL's
- * asynchronous errors on the communicators and the progress of the streams collectives run on. A
- * stream's progress: the thread records an event on it and, at later periods, asks whether the event
- * has completed (all work queued before it done); a new event is recorded only once the last one
- * completed, so a stream stuck on a collective whose peer never joins keeps one event pending and is
- * reported once it has waited the timeout. Recording an event from this thread adds no dependency
- * between streams and changes no result. The handler is called once, then the thread ends. */
+/* The watchdog (mt_trainer_on_collective_timeout): two threads.
+ * - The prober watches the progress of the streams collectives run on: it records an event on each
+ *   and, at later periods, asks whether the event has completed (all work queued before it done); a
+ *   new event is recorded only once the last one completed, so a stream stuck on a collective whose
+ *   peer never joins keeps one event pending, and the prober flags it once it has waited the timeout.
+ *   Recording an event from this thread adds no dependency between streams and changes no result.
+ * - The reporter polls NCCL's asynchronous errors on the communicators and reads what the prober
+ *   found, touching no stream itself. It also times the prober's CUDA calls: when a collective never
+ *   completes, the training thread goes on queueing work behind it until the GPU's queue is full and
+ *   its next launch waits, holding the queue, and then the prober's event record waits too (seen on a
+ *   DP = 2 run with a stopped peer: no event stayed pending, the record itself never returned). A
+ *   prober call that has not returned within the timeout is reported the same way.
+ * The handler is called once, by the reporter; then both threads end (the prober when its call
+ * returns). */
 #define MT_WATCH_MAX_STREAMS 6
 #define MT_WATCH_MAX_COMMS 8
 typedef struct mt_watchdog {
-    pthread_t thread;
-    int running, stop, fired;
+    pthread_t thread, prober;
+    int running, reporter_running, prober_running, stop, fired; /* running: the lock and condition exist */
     pthread_mutex_t lock;
     pthread_cond_t wake;
     int device, rank;
@@ -3994,6 +4001,11 @@ typedef struct mt_watchdog {
     const mt_gpu_error* error; /* its last_nccl_call names the operation */
     mt_collective_timeout_handler handler;
     void* user;
+    /* the prober's findings, read by the reporter (atomics) */
+    int64_t probe_call_since_ns; /* when its current CUDA call began; 0 outside one */
+    int probe_call_stream;       /* the stream that call is about */
+    int stuck_stream;            /* 1 + the stream found without progress for the timeout; 0: none */
+    int64_t stuck_for_ns;        /* how long it had waited then */
 } mt_watchdog;
 
 static double watchdog_now(void) {
@@ -4002,8 +4014,46 @@ static double watchdog_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* One look at the communicators and streams at time `now`; returns 1 and writes the line when the job
- * cannot go on. */
+/* Waits one period on w's condition (the lock held); returns 1 when the watchdog is stopping. */
+static int watchdog_sleep(mt_watchdog* w) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    double at = (double)until.tv_nsec * 1e-9 + w->period_s;
+    until.tv_sec += (time_t)at;
+    until.tv_nsec = (long)((at - floor(at)) * 1e9);
+    pthread_cond_timedwait(&w->wake, &w->lock, &until);
+    return w->stop || w->fired;
+}
+
+/* The prober's look at the streams at time `now` (see above); returns 1 once it flagged a stream or
+ * the watchdog is stopping. */
+static int watchdog_probe(mt_watchdog* w, double now) {
+    for (int i = 0; i < w->num_streams; i++) {
+        if (__atomic_load_n(&w->stop, __ATOMIC_ACQUIRE) || __atomic_load_n(&w->fired, __ATOMIC_ACQUIRE)) return 1;
+        __atomic_store_n(&w->probe_call_stream, i, __ATOMIC_RELAXED);
+        __atomic_store_n(&w->probe_call_since_ns, (int64_t)(now * 1e9), __ATOMIC_RELEASE);
+        int flagged = 0;
+        if (w->pending[i]) {
+            cudaError_t q = cudaEventQuery(w->mark[i]);
+            if (q == cudaSuccess) w->pending[i] = 0;
+            else if (q == cudaErrorNotReady && now - w->marked_at[i] >= w->timeout_s) flagged = 1;
+            /* another CUDA error: the trainer's own checks report it */
+        }
+        if (!flagged && !w->pending[i] && cudaEventRecord(w->mark[i], w->stream[i]) == cudaSuccess) {
+            w->pending[i] = 1;
+            w->marked_at[i] = now;
+        }
+        __atomic_store_n(&w->probe_call_since_ns, (int64_t)0, __ATOMIC_RELEASE);
+        if (flagged) {
+            __atomic_store_n(&w->stuck_for_ns, (int64_t)((now - w->marked_at[i]) * 1e9), __ATOMIC_RELAXED);
+            __atomic_store_n(&w->stuck_stream, i + 1, __ATOMIC_RELEASE);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* The reporter's look at time `now`; returns 1 and writes the line when the job cannot go on. */
 static int watchdog_check(mt_watchdog* w, double now, char* line, size_t size) {
     const char* last = w->error ? __atomic_load_n(&w->error->last_nccl_call, __ATOMIC_RELAXED) : NULL;
     if (!last) last = "none yet";
@@ -4016,42 +4066,46 @@ static int watchdog_check(mt_watchdog* w, double now, char* line, size_t size) {
             return 1;
         }
     }
-    for (int i = 0; i < w->num_streams; i++) {
-        if (w->pending[i]) {
-            cudaError_t q = cudaEventQuery(w->mark[i]);
-            if (q == cudaSuccess) w->pending[i] = 0;
-            else if (q != cudaErrorNotReady) return 0; /* a CUDA error: the trainer's own checks report it */
-            else if (now - w->marked_at[i] >= w->timeout_s) {
-                snprintf(line, size, "rank %d: the %s stream has made no progress for %.2f minutes "
-                         "(--distributed-timeout-minutes %g): a rank died or hangs; the last NCCL operation issued "
-                         "here: %s", w->rank, w->stream_name[i], (now - w->marked_at[i]) / 60.0,
-                         w->timeout_s / 60.0, last);
-                return 1;
-            }
-        }
-        if (!w->pending[i] && cudaEventRecord(w->mark[i], w->stream[i]) == cudaSuccess) {
-            w->pending[i] = 1;
-            w->marked_at[i] = now;
-        }
+    const int stuck = __atomic_load_n(&w->stuck_stream, __ATOMIC_ACQUIRE);
+    const int64_t since = __atomic_load_n(&w->probe_call_since_ns, __ATOMIC_ACQUIRE);
+    double waited = 0.0;
+    const char* name = NULL;
+    if (stuck > 0) {
+        name = w->stream_name[stuck - 1];
+        waited = 1e-9 * (double)__atomic_load_n(&w->stuck_for_ns, __ATOMIC_RELAXED);
+    } else if (since > 0 && now - 1e-9 * (double)since >= w->timeout_s) {
+        name = w->stream_name[__atomic_load_n(&w->probe_call_stream, __ATOMIC_RELAXED)];
+        waited = now - 1e-9 * (double)since;
     }
-    return 0;
+    if (!name) return 0;
+    snprintf(line, size, "rank %d: the %s stream has made no progress for %.2f minutes (--distributed-timeout-minutes "
+             "%g): a rank died or hangs; the last NCCL operation issued here: %s", w->rank, name, waited / 60.0,
+             w->timeout_s / 60.0, last);
+    return 1;
+}
+
+static void* watchdog_probe_main(void* arg) {
+    mt_watchdog* w = (mt_watchdog*)arg;
+    cudaSetDevice(w->device);
+    pthread_mutex_lock(&w->lock);
+    while (!watchdog_sleep(w)) {
+        pthread_mutex_unlock(&w->lock); /* CUDA calls may wait: never with the lock held */
+        const int flagged = watchdog_probe(w, watchdog_now());
+        pthread_mutex_lock(&w->lock);
+        if (flagged) break;
+    }
+    pthread_mutex_unlock(&w->lock);
+    return NULL;
 }
 
 static void* watchdog_main(void* arg) {
     mt_watchdog* w = (mt_watchdog*)arg;
-    cudaSetDevice(w->device);
     char line[sizeof(((mt_error*)0)->message)];
     pthread_mutex_lock(&w->lock);
-    while (!w->stop) {
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        double at = (double)until.tv_nsec * 1e-9 + w->period_s;
-        until.tv_sec += (time_t)at;
-        until.tv_nsec = (long)((at - floor(at)) * 1e9);
-        pthread_cond_timedwait(&w->wake, &w->lock, &until);
-        if (w->stop) break;
+    while (!watchdog_sleep(w)) {
         if (watchdog_check(w, watchdog_now(), line, sizeof(line))) {
-            w->fired = 1;
+            __atomic_store_n(&w->fired, 1, __ATOMIC_RELEASE);
+            pthread_cond_broadcast(&w->wake);
             pthread_mutex_unlock(&w->lock);
             w->handler(line, w->user);
             return NULL;
@@ -4069,20 +4123,33 @@ static mt_status watchdog_start(mt_watchdog* w, mt_error* err) {
             return mt_fail(err, MT_ERR_CUDA, "cannot create the watchdog's events");
     pthread_mutex_init(&w->lock, NULL);
     pthread_cond_init(&w->wake, NULL);
+    w->running = 1;
     if (pthread_create(&w->thread, NULL, watchdog_main, w) != 0)
         return mt_fail(err, MT_ERR_CUDA, "cannot start the watchdog thread");
-    w->running = 1;
+    w->reporter_running = 1;
+    if (pthread_create(&w->prober, NULL, watchdog_probe_main, w) != 0)
+        return mt_fail(err, MT_ERR_CUDA, "cannot start the watchdog's prober thread");
+    w->prober_running = 1;
     return MT_OK;
 }
 
+/* Stops both threads and frees w. A prober still inside a CUDA call after a report (the GPU's queue
+ * stuck for good) is left to itself with w: waiting for it could take forever. */
 static void watchdog_stop(mt_watchdog* w) {
     if (!w) return;
     if (w->running) {
         pthread_mutex_lock(&w->lock);
-        w->stop = 1;
-        pthread_cond_signal(&w->wake);
+        __atomic_store_n(&w->stop, 1, __ATOMIC_RELEASE);
+        pthread_cond_broadcast(&w->wake);
         pthread_mutex_unlock(&w->lock);
-        pthread_join(w->thread, NULL);
+        if (w->reporter_running) pthread_join(w->thread, NULL);
+        if (w->prober_running) {
+            if (w->fired && __atomic_load_n(&w->probe_call_since_ns, __ATOMIC_ACQUIRE) != 0) {
+                pthread_detach(w->prober);
+                return;
+            }
+            pthread_join(w->prober, NULL);
+        }
         pthread_mutex_destroy(&w->lock);
         pthread_cond_destroy(&w->wake);
     }

@@ -476,8 +476,8 @@ static test_result test_dp_memory_plan(void) {
 typedef struct {
     double losses[12];
     float* params;
-    uint8_t* fp8;
-    size_t fp8_size;
+    uint8_t* fp8;              /* W and W^T of every FP8 linear, then scale, scale_inv, history */
+    size_t fp8_size, weight_bytes, num_tensors, history_len;
     int64_t gather_bytes;
 } fp8pg_run_result;
 
@@ -499,7 +499,10 @@ static int fp8pg_state(mt_trainer* t, fp8pg_run_result* out) {
         weights += 2 * (size_t)o * i;
     }
     const size_t nt = (size_t)f->num_tensors;
-    out->fp8_size = weights * f->num_layers + nt * 4 * (2 + (size_t)f->history_len);
+    out->weight_bytes = weights * f->num_layers;
+    out->num_tensors = nt;
+    out->history_len = (size_t)f->history_len;
+    out->fp8_size = out->weight_bytes + nt * 4 * (2 + (size_t)f->history_len);
     out->fp8 = (uint8_t*)malloc(out->fp8_size);
     float* scale_inv = (float*)malloc(nt * 4 * FP8_SCALE_INV_STRIDE);
     if (!out->fp8 || !scale_inv || cudaStreamSynchronize(t->stream) != cudaSuccess) return 0;
@@ -640,7 +643,22 @@ static test_result fp8_param_gather_case(int llama, int tensorwise, int overlap)
         printf("    FAIL %s: the FP8 weights or scaling state differ (%zu vs %zu bytes)\n", name, a.fp8_size, b.fp8_size);
         res = TEST_FAIL;
     }
-    uint64_t mine = res == TEST_PASS ? tt_fnv(b.fp8, b.fp8_size) : 0, first = mine;
+    /* across the ranks: the FP8 weights and the weights' scaling state; with delayed scaling every
+     * tensor's (amaxes reduced over the DP group), with tensorwise (current) scaling only the
+     * weights': an input's or gradient's scale there comes from this rank's own micro-batch */
+    uint64_t mine = 0;
+    if (res == TEST_PASS) {
+        std::vector<uint8_t> shared(b.fp8, b.fp8 + b.fp8_size);
+        const size_t nt = b.num_tensors, hl = b.history_len, at = b.weight_bytes;
+        for (size_t k = 0; tensorwise && k < nt; k++) {
+            if (k % FP8_ROLES == FP8_W) continue;
+            memset(&shared[at + 4 * k], 0, 4);                                           /* scale */
+            memset(&shared[at + 4 * (nt + k)], 0, 4);                                    /* scale_inv */
+            if (hl) memset(&shared[at + 4 * (2 * nt + k * hl)], 0, 4 * hl);              /* history */
+        }
+        mine = tt_fnv(shared.data(), shared.size());
+    }
+    uint64_t first = mine;
 #ifdef MT_USE_MPI
     if (several) MPI_Bcast(&first, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
 #endif

@@ -4,7 +4,8 @@
  * (it spins on a flag in mapped host memory, as a collective waits for a dead peer) is reported once,
  * after the timeout and not before, in one line naming the rank and the stream; a stream that is busy
  * but makes progress (0.2 s kernels one after another, the host waiting for each as training does)
- * is never reported with a timeout of 1 s. The multi-GPU case (a rank stopped with SIGSTOP in the
+ * is never reported with a timeout of 1 s; a stuck stream whose queue another thread has filled (its
+ * launches wait, and so does the watchdog's event record) is still reported once. The multi-GPU case (a rank stopped with SIGSTOP in the
  * middle of a PP = 2 run: the other rank ends the job with the line) is dev/timeout_check.sh. */
 #ifndef MT_TEST_WATCHDOG_H
 #define MT_TEST_WATCHDOG_H
@@ -64,6 +65,25 @@ static void watchdog_test_handler(const char* message, void* user) {
     __atomic_add_fetch(&r->calls, 1, __ATOMIC_SEQ_CST);
 }
 
+/* A thread that queues WATCHDOG_FLOOD empty kernels on one stream (it waits wherever the queue is full). */
+#define WATCHDOG_FLOOD 200000
+__global__ void watchdog_empty_kernel(void) {}
+typedef struct {
+    cudaStream_t stream;
+    int device, launched;
+    cudaError_t status;
+} watchdog_flood;
+static void* watchdog_flood_main(void* arg) {
+    watchdog_flood* f = (watchdog_flood*)arg;
+    cudaSetDevice(f->device);
+    for (int i = 0; i < WATCHDOG_FLOOD; i++) {
+        watchdog_empty_kernel<<<1, 1, 0, f->stream>>>();
+        __atomic_store_n(&f->launched, i + 1, __ATOMIC_SEQ_CST);
+    }
+    f->status = cudaGetLastError();
+    return NULL;
+}
+
 static mt_watchdog* watchdog_on(cudaStream_t s, double timeout_s, watchdog_report* r, mt_error* err) {
     mt_watchdog* w = (mt_watchdog*)calloc(1, sizeof(mt_watchdog));
     w->num_streams = 1;
@@ -104,13 +124,47 @@ static test_result test_watchdog_stuck_and_busy(void) {
     *(volatile int*)flag = 1; /* the kernel ends */
     cudaError_t e = cudaStreamSynchronize(s);
     watchdog_stop(w);
-    cudaFreeHost(flag);
     EXPECT(e == cudaSuccess, "the spinning kernel: %s", cudaGetErrorString(e));
     printf("      stuck stream: %d report(s) after %.2f s: %s\n", stuck.calls, stuck.at - t0, stuck.line);
     EXPECT(stuck.calls == 1, "%d reports of a stuck stream, want 1", stuck.calls);
     EXPECT(stuck.at - t0 >= 0.5 && stuck.at - t0 <= 0.5 + 2 * 0.125 + 0.5, "reported after %.2f s", stuck.at - t0);
     EXPECT(strstr(stuck.line, "rank 3: the test stream has made no progress") &&
            strstr(stuck.line, "last NCCL operation issued here: none yet"), "line: %s", stuck.line);
+
+    /* stuck with the GPU's queue full: behind a kernel that never ends, another thread queues tiny
+     * kernels (as the training thread goes on queueing a step's work behind a collective whose peer
+     * is gone) until a launch waits for room; then the watchdog's own event record on that stream
+     * waits too. Still reported once, after the timeout. */
+    *(volatile int*)flag = 0;
+    watchdog_spin_kernel<<<1, 1, 0, s>>>(flag_dev);
+    EXPECT(cudaGetLastError() == cudaSuccess, "spin launch");
+    watchdog_flood flood;
+    memset(&flood, 0, sizeof(flood));
+    flood.stream = s;
+    cudaGetDevice(&flood.device);
+    pthread_t flooder;
+    EXPECT(pthread_create(&flooder, NULL, watchdog_flood_main, &flood) == 0, "launching thread");
+    watchdog_report full;
+    memset(&full, 0, sizeof(full));
+    const double t1 = watchdog_now();
+    w = watchdog_on(s, 0.5, &full, &err);
+    EXPECT(w != NULL, "%s", err.message);
+    while (__atomic_load_n(&full.calls, __ATOMIC_SEQ_CST) == 0 && watchdog_now() - t1 < 10.0) usleep(10000);
+    usleep(600000);
+    const int launched_then = __atomic_load_n(&flood.launched, __ATOMIC_SEQ_CST);
+    *(volatile int*)flag = 1;
+    pthread_join(flooder, NULL);
+    e = cudaStreamSynchronize(s);
+    watchdog_stop(w);
+    cudaFreeHost(flag);
+    EXPECT(e == cudaSuccess && flood.status == cudaSuccess, "the queued kernels: %s",
+           cudaGetErrorString(e != cudaSuccess ? e : flood.status));
+    printf("      full queue (the launching thread waited after %d of %d launches): %d report(s) after %.2f s: %s\n",
+           launched_then, WATCHDOG_FLOOD, full.calls, full.at - t1, full.line);
+    EXPECT(launched_then < WATCHDOG_FLOOD, "the queue never filled (%d launches): the case is not tested", launched_then);
+    EXPECT(full.calls == 1, "%d reports of a stuck stream with a full queue, want 1", full.calls);
+    EXPECT(full.at - t1 >= 0.5 && full.at - t1 <= 0.5 + 2 * 0.125 + 0.5, "reported after %.2f s", full.at - t1);
+    EXPECT(strstr(full.line, "rank 3: the test stream has made no progress"), "line: %s", full.line);
 
     /* busy but moving: 20 kernels of 0.2 s, the host waiting for each; timeout 1 s */
     watchdog_report busy;
