@@ -81,6 +81,10 @@ if [ $run_jobs = 1 ]; then
   tf=$(echo "$last" | sed 's/.*TFLOP\/s\/GPU): \([^ ]*\).*/\1/')
   loss=$(echo "$last" | sed 's/.*lm loss: \([^ ]*\).*/\1/')
   rows+=("train_gpt (built-in job)|loss $loss val $val|${ms} ms/iter ${tf} TFLOP/s $(( $(date +%s) - start )) s")
+  # Megatron-LM's launch scripts, shrunk, on one GPU (issue #21): every flag implemented or refused
+  timeout 400 python3 dev/megatron_scripts_check.py > "$OUT/megatron_scripts.log" 2>&1
+  grep -A8 "FAILED" "$OUT/megatron_scripts.log" | head -20
+  rows+=("Megatron's scripts, shrunk|$(tail -n1 "$OUT/megatron_scripts.log")|dev/megatron_scripts_check.py")
   # the same job data-parallel: the same global batch of 32, split over the ranks
   if [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null; then
     np=$ngpu; [ "$np" -gt 4 ] && np=4
