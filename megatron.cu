@@ -4536,6 +4536,8 @@ struct mt_trainer {
     mt_gpu_error error;
     mt_process_groups groups;
     mt_watchdog* watchdog;    /* mt_trainer_on_collective_timeout's thread (NULL: none) */
+    int64_t test_nan_gradients_at; /* tests only: 1 + the iteration one of whose gradients (the first
+                                      parameter's first) is made NaN after its backward (0: never) */
     int pp_trace;             /* MT_PP_TRACE=1 in the environment at PP > 1: each pipeline unit's transfers and
                                  steps on stderr, the stream synchronised after each (a hang then names the
                                  unit it stopped in); read once, at creation */
@@ -7602,6 +7604,8 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
     double loss = 0.0, scale = t->loss_scale;
     mt_status st = run_micro_batches(t, tokens, num_micro_batches, 1, scale, 1, &loss, err);
     if (st != MT_OK) return st;
+    if (t->test_nan_gradients_at == t->iteration + 1 && t->buffer.num_params > 0) /* bytes 0xff: a NaN */
+        CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads + t->buffer.params[0].offset, 0xff, sizeof(float), t->stream));
     t->iteration++; /* the next step draws new dropout masks, applied or skipped */
     out->lm_loss = loss;
     out->loss_scale = scale;
@@ -7614,10 +7618,15 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
     out->learning_rate = lr;
     /* Megatron's --check-for-nan-in-loss-and-grad: the loss and the norm are the same on every rank
      * (both reduced), so every rank stops here together, before the optimizer touches anything */
-    if (c->check_for_nan_in_loss_and_grad && (!isfinite(loss) || (found_inf && c->precision != MT_FP16)))
+    if (c->check_for_nan_in_loss_and_grad && (!isfinite(loss) || (found_inf && c->precision != MT_FP16))) {
+        /* nothing of the step stays: its FP8 amaxes are dropped, as the update is (the gradient buffer
+         * is overwritten by the next step's first backward) */
+        if (t->fp8.enabled && t->fp8.recipe == MT_FP8_DELAYED && t->fp8.num_tensors > 0)
+            CUDA_CHECK(&t->error, cudaMemsetAsync(t->fp8.amax, 0, sizeof(float) * (size_t)t->fp8.num_tensors, t->stream));
         return mt_fail(err, MT_ERR_NAN, "found %s in the %s on rank %d (lm loss %g, grad norm %g): the step is not "
                        "applied (--check-for-nan-in-loss-and-grad)", isnan(loss) || isnan(norm) ? "NaN" : "Inf",
                        !isfinite(loss) ? "loss" : "gradients", c->rank, loss, norm);
+    }
     if (c->precision == MT_FP16 && found_inf) {
         loss_scaler_update(t, 1);
         out->skipped = 1;

@@ -823,7 +823,7 @@ int main(int argc, char** argv) {
     int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * rank_samples * (c->seq_length + 1));
     if (!tokens) die(1, "cannot allocate the batch");
     double interval_loss = 0.0, interval_time = 0.0;
-    int interval_steps = 0, interval_skipped = 0, interval_nan = 0;
+    int interval_steps = 0, interval_skipped = 0, interval_nan = 0, nan_in_a_row = 0;
     double t_start = now_seconds();
     /* the iteration of the last save (a resumed iteration on the --save-interval grid is on disk) */
     int64_t saved_at = o.save_interval > 0 && iteration > 0 && iteration % o.save_interval == 0 ? iteration : -1;
@@ -840,8 +840,23 @@ int main(int argc, char** argv) {
             die(1, "--profile: %s", err.message);
         double t0 = now_seconds();
         mt_step_result r;
-        if (mt_trainer_train_step_n(t, tokens, micro, &r, &err) != MT_OK)
+        mt_status st = mt_trainer_train_step_n(t, tokens, micro, &r, &err);
+        if (st == MT_ERR_NAN) { /* refused before the optimizer (every rank alike): skipped, or the run stops */
+            if (++nan_in_a_row >= o.max_nan_in_a_row)
+                die(1, "iteration %lld: %s; %d such step%s in a row (--max-consecutive-nan-iterations %lld)",
+                    (long long)iteration + 1, err.message, nan_in_a_row, nan_in_a_row == 1 ? "" : "s",
+                    (long long)o.max_nan_in_a_row);
+            if (log_line_out) {
+                fprintf(log_line_out, "iteration %lld skipped: %s; %d in a row (--max-consecutive-nan-iterations %lld)\n",
+                        (long long)iteration + 1, err.message, nan_in_a_row, (long long)o.max_nan_in_a_row);
+                fflush(log_line_out);
+            }
+            r.skipped = r.nan = 1;
+        } else if (st != MT_OK) {
             die(1, "iteration %lld: %s", (long long)iteration + 1, err.message);
+        } else {
+            nan_in_a_row = 0;
+        }
         interval_time += now_seconds() - t0;
         iteration++;
         consumed += batch;

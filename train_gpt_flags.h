@@ -63,6 +63,7 @@ typedef struct {
     int64_t null_vocab_size;
     /* logging, evaluation, checkpoints, exits, profiling */
     int64_t log_interval, eval_interval, eval_iters, save_interval, exit_interval, exit_duration_in_mins;
+    int64_t max_nan_in_a_row; /* --max-consecutive-nan-iterations */
     int exit_signal_handler;  /* SIGTERM/SIGINT: finish the step, save, exit 0 */
     int no_check_for_nan;     /* --no-check-for-nan-in-loss-and-grad */
     int log_throughput;
@@ -259,6 +260,9 @@ static const tg_flag tg_flag_table[] = {
      "SIGTERM or SIGINT: finish the step, save (with --save) and exit 0, every rank at the same iteration"},
     {"--no-check-for-nan-in-loss-and-grad", G_TRAIN, F_TRUE, TG_AT(no_check_for_nan), NR, "check",
      "a NaN/Inf loss or gradient norm no longer stops the run (fp16 still skips an overflowing step)"},
+    {"--max-consecutive-nan-iterations", G_TRAIN, F_INT64, TG_AT(max_nan_in_a_row), IR(1, 1000000000), "1",
+     "(this build's) a step refused for a NaN/Inf loss or gradient norm is skipped (nothing applied, counted "
+     "as a nan iteration); this many in a row stop the run (1: the first does, as Megatron's check)"},
     {"--optimizer", G_TRAIN, F_STRING, TG_AT(optimizer), CH("adam|sgd|muon|dist_muon|lion|soap"), "adam",
      "the optimizer (this build has AdamW, Megatron's adam)"},
     {"--calculate-per-token-loss", G_TRAIN, F_TRUE, TG_AT(per_token_loss), NR, "off",
@@ -605,7 +609,7 @@ static void tg_flags_init(tg_flags* v) {
                       &v->divisible, &v->mbs, &v->gbs, &v->iters, &v->train_samples, &v->warmup, &v->decay_iters,
                       &v->wsd_iters, &v->warmup_samples, &v->decay_samples, &v->wsd_samples, &v->tp, &v->pp, &v->cp,
                       &v->ep, &v->window, &v->hysteresis, &v->seed, &v->log_interval, &v->eval_interval,
-                      &v->eval_iters, &v->save_interval, &v->exit_interval, &v->exit_duration_in_mins,
+                      &v->eval_iters, &v->save_interval, &v->exit_interval, &v->exit_duration_in_mins, &v->max_nan_in_a_row,
                       &v->profile_step_start, &v->profile_step_end, &v->ddp_bucket_size, &v->null_vocab_size,
                       &v->tiktoken_num_special_tokens, &v->rampup[0], &v->rampup[1], &v->rampup[2],
                       &v->tensorboard_log_interval, &v->plan_world_size};
@@ -769,6 +773,7 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
     if (v->sample_tokens < 0) v->sample_tokens = 0;
     if (v->peak_tflops < 0) v->peak_tflops = 0;
     if (v->tensorboard_log_interval < 0) v->tensorboard_log_interval = 1;
+    if (v->max_nan_in_a_row < 0) v->max_nan_in_a_row = 1;
     if (v->tensorboard_queue_size < 0) v->tensorboard_queue_size = 1000;
     if (v->full_validation && v->mock_data)
         return tg_fail(msg, size, "--full-validation needs a dataset: --mock-data has no end");

@@ -237,17 +237,28 @@ static test_result test_hostile_fault_flags_land(void) {
     tg_flags_init(&v);
     EXPECT(tg_flags_parse(&v, 1, plain, msg, sizeof(msg)) == 0 && tg_flags_apply(&v, msg, sizeof(msg)) == 0, "%s", msg);
     EXPECT(v.cfg.check_for_nan_in_loss_and_grad == 1 && !v.exit_signal_handler && v.exit_interval < 0 &&
-               v.exit_duration_in_mins < 0, "defaults: nan check %d, handler %d, interval %lld, minutes %lld",
+               v.exit_duration_in_mins < 0 && v.max_nan_in_a_row == 1,
+           "defaults: nan check %d, handler %d, interval %lld, minutes %lld, nan in a row %lld",
            v.cfg.check_for_nan_in_loss_and_grad, v.exit_signal_handler, (long long)v.exit_interval,
-           (long long)v.exit_duration_in_mins);
+           (long long)v.exit_duration_in_mins, (long long)v.max_nan_in_a_row);
     char* given[] = {(char*)"train_gpt", (char*)"--no-check-for-nan-in-loss-and-grad", (char*)"--exit-signal-handler",
-                     (char*)"--exit-interval=5", (char*)"--exit-duration-in-mins", (char*)"0"};
+                     (char*)"--exit-interval=5", (char*)"--exit-duration-in-mins", (char*)"0",
+                     (char*)"--max-consecutive-nan-iterations", (char*)"3"};
     tg_flags_init(&v);
-    EXPECT(tg_flags_parse(&v, 6, given, msg, sizeof(msg)) == 0 && tg_flags_apply(&v, msg, sizeof(msg)) == 0, "%s", msg);
+    EXPECT(tg_flags_parse(&v, 8, given, msg, sizeof(msg)) == 0 && tg_flags_apply(&v, msg, sizeof(msg)) == 0, "%s", msg);
     EXPECT(v.cfg.check_for_nan_in_loss_and_grad == 0 && v.exit_signal_handler == 1 && v.exit_interval == 5 &&
-               v.exit_duration_in_mins == 0, "given: nan check %d, handler %d, interval %lld, minutes %lld",
+               v.exit_duration_in_mins == 0 && v.max_nan_in_a_row == 3,
+           "given: nan check %d, handler %d, interval %lld, minutes %lld, nan in a row %lld",
            v.cfg.check_for_nan_in_loss_and_grad, v.exit_signal_handler, (long long)v.exit_interval,
-           (long long)v.exit_duration_in_mins);
+           (long long)v.exit_duration_in_mins, (long long)v.max_nan_in_a_row);
+    const char* bad[] = {"0", "-1", "1.5", "abc", "1000000001"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char* args[] = {(char*)"train_gpt", (char*)"--max-consecutive-nan-iterations", (char*)bad[i]};
+        tg_flags_init(&v);
+        msg[0] = 0;
+        EXPECT(tg_flags_parse(&v, 3, args, msg, sizeof(msg)) != 0 && strstr(msg, "--max-consecutive-nan-iterations"),
+               "--max-consecutive-nan-iterations %s was taken (%s)", bad[i], msg);
+    }
     return TEST_PASS;
 }
 
@@ -1087,8 +1098,91 @@ static const test_case hostile_tests[] = {
     {"hostile_convert_hf_retry", test_hostile_convert_hf_retry},
 };
 
+/* A NaN in one gradient (megatron.cu's test hook test_nan_gradients_at: the first parameter's first
+ * gradient after the backward of step 3 of 8) is refused as MT_ERR_NAN naming the gradients, nothing
+ * applied; train_gpt skips such a step (--max-consecutive-nan-iterations). The run goes on, and its
+ * losses and final weights are bit for bit those of a run that never had step 3's batch: the
+ * scheduler and Adam's step count did not move, and the gradient buffer is rewritten by the next
+ * backward. Both flavours, fp32 and bf16, and FP8 delayed scaling (the refused step's amaxes are
+ * dropped with it). */
+static test_result nan_gradient_case(test_flavour flavour, mt_precision prec, int fp8) {
+    mt_config c = test_config(flavour, prec);
+    if (fp8) {
+        c.fp8_format = MT_FP8_HYBRID;
+        c.fp8_recipe = MT_FP8_DELAYED;
+        c.fp8_amax_history_len = 4;
+    }
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    mt_trainer *a = NULL, *b = NULL;
+    EXPECT_OK(mt_trainer_create(&a, &c, &err), &err);
+    if (mt_trainer_create(&b, &c, &err) != MT_OK) {
+        mt_trainer_free(a);
+        EXPECT_OK(MT_ERR_CUDA, &err);
+    }
+    const int64_t n = mt_num_parameters(&c), per_step = (int64_t)c.global_batch_size * (c.seq_length + 1);
+    std::vector<int32_t> tokens((size_t)per_step);
+    std::vector<float> pa((size_t)n), pb((size_t)n);
+    double la[8] = {0}, lb[8] = {0};
+    test_result res = TEST_PASS;
+    const char* name = flavour == TEST_LLAMA ? "llama" : "gpt2";
+    for (int k = 0; k < 8 && res == TEST_PASS; k++) {
+        fill_tokens(tokens.data(), per_step, (int)c.vocab_size, 300 + k);
+        mt_step_result r;
+        if (k == 3) a->test_nan_gradients_at = a->iteration + 1;
+        mt_status st = mt_trainer_train_step(a, tokens.data(), &r, &err);
+        if (k == 3) {
+            if (st != MT_ERR_NAN || !strstr(err.message, "in the gradients") || strchr(err.message, '\n')) {
+                printf("    FAIL %s: the poisoned step: %s '%s'\n", name, mt_status_name(st), st == MT_OK ? "" : err.message);
+                res = TEST_FAIL;
+            }
+            continue; /* the other run never sees this batch */
+        }
+        la[k] = r.lm_loss;
+        if (st == MT_OK) st = mt_trainer_train_step(b, tokens.data(), &r, &err);
+        lb[k] = r.lm_loss;
+        if (st != MT_OK) {
+            printf("    FAIL %s step %d: %s\n", name, k, err.message);
+            res = TEST_FAIL;
+        } else if (memcmp(&la[k], &lb[k], sizeof(double))) {
+            printf("    FAIL %s step %d: loss %.9g after the skipped step, %.9g without it\n", name, k, la[k], lb[k]);
+            res = TEST_FAIL;
+        }
+    }
+    if (res == TEST_PASS && (mt_trainer_get_parameters(a, pa.data(), &err) != MT_OK ||
+                             mt_trainer_get_parameters(b, pb.data(), &err) != MT_OK)) {
+        printf("    FAIL get_parameters: %s\n", err.message);
+        res = TEST_FAIL;
+    }
+    if (res == TEST_PASS && memcmp(pa.data(), pb.data(), sizeof(float) * (size_t)n)) {
+        printf("    FAIL %s: the final weights differ from the run without the skipped batch\n", name);
+        res = TEST_FAIL;
+    }
+    if (res == TEST_PASS)
+        printf("      %s %s%s: step 3 refused; losses %.6f -> %.6f and final weights bitwise those of the run without "
+               "its batch\n", name, prec == MT_FP32 ? "fp32" : "bf16", fp8 ? " fp8 delayed" : "", la[0], la[7]);
+    mt_trainer_free(a);
+    mt_trainer_free(b);
+    return res;
+}
+
+static test_result test_hostile_nan_gradient_skipped(void) {
+    REQUIRE_GPU();
+    const test_flavour flavours[2] = {TEST_GPT2, TEST_LLAMA};
+    const mt_precision precisions[2] = {MT_FP32, MT_BF16};
+    for (int f = 0; f < 2; f++)
+        for (int p = 0; p < 2; p++)
+            if (nan_gradient_case(flavours[f], precisions[p], 0) != TEST_PASS) return TEST_FAIL;
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+    if (major * 10 + minor >= 89 && nan_gradient_case(TEST_GPT2, MT_BF16, 1) != TEST_PASS) return TEST_FAIL;
+    return TEST_PASS;
+}
+
 static const test_case hostile_gpu_tests[] = {
     {"hostile_nan_stops_the_step", test_hostile_nan_stops_the_step},
+    {"hostile_nan_gradient_skipped", test_hostile_nan_gradient_skipped},
 };
 
 #endif
