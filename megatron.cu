@@ -2860,7 +2860,7 @@ typedef struct {
     int32_t length;
     int32_t weight_decay;
     int32_t count_in_norm; /* 0 for a tensor-parallel replica's copy of a whole tensor (counted on TP rank 0) */
-    int32_t unused;
+    int32_t decoupled;     /* 1: the word embeddings or the output layer, at lr_decoupled (--decoupled-lr) */
 } mt_opt_chunk;
 #define OPT_CHUNK_ELEMENTS MT_OPT_CHUNK_ELEMENTS
 static_assert(sizeof(mt_opt_chunk) == MT_OPT_CHUNK_BYTES, "the memory plan counts mt_opt_chunk's bytes");
@@ -2929,10 +2929,12 @@ __device__ __forceinline__ void adamw_element(float g, float& m, float& v, float
  * one-element-per-load version reached 88% of the copy ceiling on an H100.) */
 template <typename T>
 __global__ void adamw_kernel(const mt_opt_chunk* chunks, float* master, T* model, const float* grad, float* m,
-                             float* v, float lr, float beta1, float beta2, float bias_correction1,
-                             float bias_correction2, float eps, float weight_decay, float grad_scale) {
+                             float* v, float lr_main, float lr_decoupled, float beta1, float beta2,
+                             float bias_correction1, float bias_correction2, float eps, float weight_decay,
+                             float grad_scale) {
     const mt_opt_chunk c = chunks[blockIdx.x];
     const float wd = c.weight_decay ? weight_decay : 0.0f;
+    const float lr = c.decoupled ? lr_decoupled : lr_main;
     const bool copy = model && (void*)model != (void*)master; /* NULL: --fp8-param-gather publishes it after */
     int done = 0;
     if (((c.master | c.buffer) & 3) == 0) {
@@ -2976,7 +2978,8 @@ __global__ void adamw_kernel(const mt_opt_chunk* chunks, float* master, T* model
 template <typename T>
 static void adamw_update(const mt_exec* ex, const mt_adamw_step* h, const mt_opt_chunk* chunks, int num_chunks,
                          float* master, T* model, const float* grads, float* m, float* v) {
-    adamw_kernel<T><<<num_chunks, 256, 0, ex->stream>>>(chunks, master, model, grads, m, v, h->lr, h->beta1, h->beta2,
+    adamw_kernel<T><<<num_chunks, 256, 0, ex->stream>>>(chunks, master, model, grads, m, v, h->lr, h->lr_decoupled,
+                                                        h->beta1, h->beta2,
                                                         h->bias_correction1, h->bias_correction2, h->eps,
                                                         h->weight_decay, h->grad_scale);
     LAUNCH_CHECK(ex->error);
@@ -6062,7 +6065,7 @@ typedef struct {
     int64_t buffer;  /* first element in the parameter/gradient buffers */
     int64_t host;    /* first element in the host arrays (shard index - gpu_numel) */
     int64_t length;
-    int decay;
+    int decay, decoupled;
 } mt_offload_run;
 struct mt_offload {
     int64_t numel;          /* offloaded elements: the shard's [gpu_numel, shard_numel) */
@@ -6127,7 +6130,7 @@ static mt_status offload_create(mt_trainer* t, const mt_opt_chunk* chunks, int n
         mt_offload_run* last = o->num_runs ? &o->runs[o->num_runs - 1] : NULL;
         const int64_t host = c->master - o->gpu_numel;
         if (last && last->buffer + last->length == c->buffer && last->host + last->length == host &&
-            last->decay == c->weight_decay) {
+            last->decay == c->weight_decay && last->decoupled == c->decoupled) {
             last->length += c->length;
         } else {
             mt_offload_run* r = &o->runs[o->num_runs++];
@@ -6135,6 +6138,7 @@ static mt_status offload_create(mt_trainer* t, const mt_opt_chunk* chunks, int n
             r->host = host;
             r->length = c->length;
             r->decay = c->weight_decay;
+            r->decoupled = c->decoupled;
         }
     }
     o->segments = (mt_adamw_segment*)malloc(sizeof(mt_adamw_segment) * (size_t)(o->num_runs > 0 ? o->num_runs : 1));
@@ -6227,6 +6231,7 @@ static void offload_update(mt_trainer* t, const mt_adamw_step* h) {
             o->segments[n].offset = a - lo;
             o->segments[n].length = b - a;
             o->segments[n].decay = run->decay;
+            o->segments[n].decoupled = run->decoupled;
             n++;
         }
         mt_adamw_cpu_parallel(o->pool, h, o->segments, n, o->grads + (p % MT_OFFLOAD_SLOTS) * o->piece,
@@ -6249,11 +6254,12 @@ static void offload_update(mt_trainer* t, const mt_adamw_step* h) {
 }
 
 template <typename T>
-static void adamw_step(mt_trainer* t, float lr, float grad_scale) {
+static void adamw_step(mt_trainer* t, float lr, float lr_decoupled, float grad_scale) {
     const mt_config* c = &t->cfg;
     t->adam_step++;
     mt_adamw_step h;
     h.lr = lr;
+    h.lr_decoupled = lr_decoupled;
     h.beta1 = (float)c->adam_beta1;
     h.beta2 = (float)c->adam_beta2;
     h.bias_correction1 = (float)(1.0 - pow(c->adam_beta1, (double)t->adam_step));
@@ -7149,6 +7155,7 @@ static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
         return mt_fail(err, MT_ERR_OOM, "cannot allocate the optimizer plan (%lld chunks)", (long long)n);
     }
     mt_optimizer_pieces(B, dp, dp_rank, gpu_shard, pieces);
+    const int c_cfg_decoupled = t->cfg.decoupled_lr >= 0;
     for (int64_t k = 0; k < n; k++) {
         mt_opt_chunk* c = &chunks[k];
         c->buffer = pieces[k].buffer;
@@ -7159,7 +7166,7 @@ static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
          * embeddings not at all (the first stage's counts) */
         c->count_in_norm = (t->params_info[pieces[k].tensor].tp_split || t->groups.tp.rank == 0) &&
                            !(pieces[k].tensor == MT_P_WORD_EMBEDDINGS && !B->stage.embedding);
-        c->unused = 0;
+        c->decoupled = c_cfg_decoupled && mt_param_lr_decoupled(pieces[k].tensor);
     }
     free(pieces);
     t->num_chunks = (int)n;
@@ -7614,7 +7621,7 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
     /* unscale, look for overflow (fp16), clip on the global norm */
     double norm = sqrt(gradient_norm_squared(t)) / scale;
     int found_inf = !isfinite(norm);
-    double lr = mt_learning_rate(c, t->scheduler_steps);
+    double lr = mt_learning_rate(c, t->scheduler_steps), lr_decoupled = mt_learning_rate_decoupled(c, t->scheduler_steps);
     out->learning_rate = lr;
     /* Megatron's --check-for-nan-in-loss-and-grad: the loss and the norm are the same on every rank
      * (both reduced), so every rank stops here together, before the optimizer touches anything */
@@ -7631,6 +7638,7 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
         loss_scaler_update(t, 1);
         out->skipped = 1;
         out->next_learning_rate = lr; /* a skipped step does not advance the scheduler */
+        out->next_decoupled_learning_rate = lr_decoupled;
         return mt_gpu_error_return(&t->error, err);
     }
     loss_scaler_update(t, 0);
@@ -7642,13 +7650,14 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
     }
     float grad_scale = (float)(clip / scale);
     switch (c->precision) {
-        case MT_FP32: adamw_step<float>(t, (float)lr, grad_scale); break;
-        case MT_BF16: adamw_step<__nv_bfloat16>(t, (float)lr, grad_scale); break;
-        case MT_FP16: adamw_step<__half>(t, (float)lr, grad_scale); break;
+        case MT_FP32: adamw_step<float>(t, (float)lr, (float)lr_decoupled, grad_scale); break;
+        case MT_BF16: adamw_step<__nv_bfloat16>(t, (float)lr, (float)lr_decoupled, grad_scale); break;
+        case MT_FP16: adamw_step<__half>(t, (float)lr, (float)lr_decoupled, grad_scale); break;
     }
     fp8_after_step(t);
     t->scheduler_steps += (int64_t)num_micro_batches * c->micro_batch_size * t->groups.dp_size;
     out->next_learning_rate = mt_learning_rate(c, t->scheduler_steps);
+    out->next_decoupled_learning_rate = mt_learning_rate_decoupled(c, t->scheduler_steps);
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     return mt_gpu_error_return(&t->error, err);
 }

@@ -486,6 +486,9 @@ typedef struct {
     /* optimizer and schedule */
     double lr;                        /* --lr */
     double min_lr;                    /* --min-lr (0) */
+    double decoupled_lr;              /* --decoupled-lr (< 0: none): the word embeddings' and output layer's
+                                         peak rate, on the same schedule (Megatron's decoupled learning rate) */
+    double decoupled_min_lr;          /* --decoupled-min-lr (< 0: --min-lr) */
     double lr_warmup_init;            /* --lr-warmup-init (0) */
     mt_lr_decay_style lr_decay_style; /* --lr-decay-style (linear) */
     int64_t lr_warmup_iters;          /* --lr-warmup-iters (0) */
@@ -587,6 +590,12 @@ mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, mt_conf
 /* Megatron's OptimizerParamScheduler, counted in samples: `num_steps` grows by the global batch
  * size after each optimizer step, and the step taken at num_steps uses mt_learning_rate(cfg, num_steps). */
 double mt_learning_rate(const mt_config* cfg, int64_t num_steps);
+/* The rate of the word embeddings and the output layer (Megatron's is_embedding_or_output_parameter):
+ * the same schedule from --decoupled-lr down to --decoupled-min-lr (else --min-lr); without
+ * --decoupled-lr, mt_learning_rate's. */
+double mt_learning_rate_decoupled(const mt_config* cfg, int64_t num_steps);
+/* 1 for the tensors --decoupled-lr applies to (the word embeddings and the output layer) */
+int mt_param_lr_decoupled(int tensor);
 
 /* Megatron's num_floating_point_operations for one global batch (training.py), and the parameter count. */
 double mt_flops_per_iteration(const mt_config* cfg, int64_t global_batch_size);
@@ -986,7 +995,8 @@ mt_status mt_plan_layouts(const mt_config* cfg, const mt_plan_options* opts, int
  * the scalar loop (fmaf). */
 typedef struct {
     float lr, beta1, beta2, bias_correction1, bias_correction2, eps, weight_decay;
-    float grad_scale; /* clipping and the fp16 loss scale's unscaling, folded */
+    float grad_scale;   /* clipping and the fp16 loss scale's unscaling, folded */
+    float lr_decoupled; /* the rate of a segment marked decoupled (--decoupled-lr; else lr) */
 } mt_adamw_step;
 /* n elements of one weight-decay class (decay: weight_decay applies, else 0). */
 void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v, int64_t n);
@@ -1006,6 +1016,7 @@ void mt_thread_pool_run(mt_thread_pool* pool, void (*fn)(void* arg, int worker, 
 typedef struct {
     int64_t offset, length;
     int decay;
+    int decoupled; /* the word embeddings or the output layer: h->lr_decoupled */
 } mt_adamw_segment;
 /* mt_adamw_cpu over segments (increasing, disjoint), the elements split evenly over the pool's threads
  * at 16-element boundaries (pool NULL: this thread). */
@@ -1180,6 +1191,7 @@ typedef struct {
     double grad_norm;         /* global L2 norm before clipping (0 on a skipped step) */
     double learning_rate;     /* the rate this step used */
     double next_learning_rate;/* the rate after the scheduler step (what Megatron logs) */
+    double next_decoupled_learning_rate; /* the same for the word embeddings and output layer (--decoupled-lr) */
     double loss_scale;        /* the scale this step used (1 unless fp16) */
     int skipped;              /* 1 if the step was skipped (fp16 overflow) */
     int nan;                  /* 1 if the loss was nan/inf */
@@ -3006,6 +3018,8 @@ void mt_config_defaults(mt_config* cfg) {
     cfg->hysteresis = 2;
     cfg->lr_decay_style = MT_LR_LINEAR;
     cfg->lr_warmup_fraction = -1.0;
+    cfg->decoupled_lr = -1.0;
+    cfg->decoupled_min_lr = -1.0;
     cfg->lr_wsd_decay_style = MT_WSD_EXPONENTIAL;
     cfg->adam_beta1 = 0.9;
     cfg->adam_beta2 = 0.999;
@@ -3544,6 +3558,15 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
         return MT_ERR_CONFIG;
     if (c->lr < 0 || c->min_lr < 0) return mt_fail(err, MT_ERR_CONFIG, "learning rates must be >= 0");
     if (c->min_lr > c->lr) return mt_fail(err, MT_ERR_CONFIG, "--min-lr %g exceeds --lr %g", c->min_lr, c->lr);
+    if (!isfinite(c->decoupled_lr) || !isfinite(c->decoupled_min_lr))
+        return mt_fail(err, MT_ERR_CONFIG, "--decoupled-lr %g, --decoupled-min-lr %g: must be finite numbers",
+                       c->decoupled_lr, c->decoupled_min_lr);
+    if (c->decoupled_min_lr >= 0 && c->decoupled_lr < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--decoupled-min-lr %g needs --decoupled-lr (it has no effect alone)",
+                       c->decoupled_min_lr);
+    if (c->decoupled_lr >= 0 && (c->decoupled_min_lr >= 0 ? c->decoupled_min_lr : c->min_lr) > c->decoupled_lr)
+        return mt_fail(err, MT_ERR_CONFIG, "the decoupled minimum learning rate %g exceeds --decoupled-lr %g",
+                       c->decoupled_min_lr >= 0 ? c->decoupled_min_lr : c->min_lr, c->decoupled_lr);
     if (c->lr_warmup_fraction >= 0 && c->lr_warmup_iters > 0)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive");
     if (c->lr_warmup_fraction >= 0 && c->lr_warmup_samples > 0)
@@ -3640,6 +3663,16 @@ double mt_learning_rate(const mt_config* c, int64_t num_steps) {
     }
     return min_lr + coeff * (max_lr - min_lr);
 }
+
+double mt_learning_rate_decoupled(const mt_config* c, int64_t num_steps) {
+    if (c->decoupled_lr < 0) return mt_learning_rate(c, num_steps);
+    mt_config d = *c;
+    d.lr = c->decoupled_lr;
+    d.min_lr = c->decoupled_min_lr >= 0 ? c->decoupled_min_lr : c->min_lr;
+    return mt_learning_rate(&d, num_steps);
+}
+
+int mt_param_lr_decoupled(int tensor) { return tensor == MT_P_WORD_EMBEDDINGS || tensor == MT_P_OUTPUT_WEIGHT; }
 
 /* training.py:num_floating_point_operations (dense, no MoE/MTP): 3 passes (forward, dgrad, wgrad)
  * x 2 (multiply-add) over every GEMM, causal attention halved, plus the logits. */
@@ -4775,7 +4808,9 @@ static void mt__adamw_worker(void* arg, int w, int workers) {
         int64_t a = lo > at ? lo : at, b = hi < at + g->length ? hi : at + g->length;
         if (a < b) {
             int64_t k = g->offset + (a - at);
-            mt_adamw_cpu(j->h, g->decay, j->grad + k, j->master + k, j->m + k, j->v + k, b - a);
+            mt_adamw_step h = *j->h;
+            if (g->decoupled) h.lr = h.lr_decoupled;
+            mt_adamw_cpu(&h, g->decay, j->grad + k, j->master + k, j->m + k, j->v + k, b - a);
         }
         at += g->length;
     }

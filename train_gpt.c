@@ -873,7 +873,9 @@ int main(int argc, char** argv) {
             double ms = 1000.0 * interval_time / interval_steps;
             double tflops = mt_flops_per_iteration(c, batch) / (ms / 1000.0) / 1e12 / c->world_size;
             int good = interval_steps - interval_skipped;
-            char ts[64], throughput[128] = "", mfu[64] = "";
+            char ts[64], throughput[128] = "", mfu[64] = "", decoupled[96] = "";
+            if (c->decoupled_lr >= 0) /* Megatron's field, after the learning rate */
+                snprintf(decoupled, sizeof(decoupled), " decoupled learning rate: %.6E |", r.next_decoupled_learning_rate);
             timestamp(ts, sizeof(ts));
             if (o.log_throughput) { /* Megatron prints the field only with --log-throughput; MFU is this build's */
                 snprintf(throughput, sizeof(throughput), " throughput per GPU (TFLOP/s/GPU): %.1f |", tflops);
@@ -882,10 +884,10 @@ int main(int argc, char** argv) {
             if (log_line_out) {
                 fprintf(log_line_out,
                         " [%s] iteration %8lld/%8lld | consumed samples: %12lld | elapsed time per iteration (ms): %.1f |%s"
-                        " learning rate: %.6E | global batch size: %5d | lm loss: %.6E | loss scale: %.1f | grad norm: "
+                        " learning rate: %.6E |%s global batch size: %5d | lm loss: %.6E | loss scale: %.1f | grad norm: "
                         "%.3f | number of skipped iterations: %3d | number of nan iterations: %3d |%s\n",
                         ts, (long long)iteration, (long long)c->train_iters, (long long)consumed, ms, throughput,
-                        r.next_learning_rate, batch, good ? interval_loss / good : 0.0, r.loss_scale, r.grad_norm,
+                        r.next_learning_rate, decoupled, batch, good ? interval_loss / good : 0.0, r.loss_scale, r.grad_norm,
                         interval_skipped, interval_nan, mfu);
                 fflush(log_line_out);
             }

@@ -95,8 +95,9 @@ typedef struct {
     int64_t num_layers, hidden, ffn, heads, groups, kv, seq, maxpos, divisible, mbs, gbs, iters, train_samples;
     int64_t warmup, decay_iters, wsd_iters, warmup_samples, decay_samples, wsd_samples, tp, pp, cp, ep;
     int64_t window, hysteresis, seed, rampup[3];
-    double lr, min_lr, warmup_fraction, warmup_init, b1, b2, eps, wd, clip, std, norm_eps, hidden_dropout,
-        attention_dropout, loss_scale, initial_loss_scale, min_loss_scale, rotary_base, rotary_percent, rope_factor;
+    double lr, min_lr, decoupled_lr, decoupled_min_lr, warmup_fraction, warmup_init, b1, b2, eps, wd, clip, std,
+        norm_eps, hidden_dropout, attention_dropout, loss_scale, initial_loss_scale, min_loss_scale, rotary_base,
+        rotary_percent, rope_factor;
     int bf16, fp16, untie, swiglu, no_bias, gqa, rope_scaling, layernorm_1p, no_position_embedding;
     int per_token_loss;
     const char* decay_style;
@@ -321,10 +322,10 @@ static const tg_flag tg_flag_table[] = {
     {"--lr-wsd-decay-iters", G_LR, F_INT64, TG_AT(wsd_iters), IR(0, TG_I64MAX), "none", "WSD's annealing iterations"},
     {"--lr-wsd-decay-samples", G_LR, F_INT64, TG_AT(wsd_samples), IR(0, TG_I64MAX), "none",
      "WSD's annealing samples (with --train-samples)"},
-    {"--decoupled-lr", G_LR, F_REFUSED_VALUE, 0, NR, "none",
-     "a separate learning rate for the embedding and output layers is not implemented: drop it (all use --lr)"},
-    {"--decoupled-min-lr", G_LR, F_REFUSED_VALUE, 0, NR, "none",
-     "a separate learning rate for the embedding and output layers is not implemented: drop it (all use --min-lr)"},
+    {"--decoupled-lr", G_LR, F_DOUBLE, TG_AT(decoupled_lr), DR(0, INFINITY, 0), "none",
+     "peak learning rate of the word embeddings and the output layer, on the same schedule (else --lr)"},
+    {"--decoupled-min-lr", G_LR, F_DOUBLE, TG_AT(decoupled_min_lr), DR(0, INFINITY, 0), "--min-lr",
+     "minimum learning rate of the word embeddings and the output layer (with --decoupled-lr)"},
     /* checkpointing */
     {"--save", G_CKPT, F_STRING, TG_AT(save), NR, "none", "directory to save checkpoints to"},
     {"--save-interval", G_CKPT, F_INT64, TG_AT(save_interval), IR(0, TG_I64MAX), "none (at the end only)",
@@ -614,7 +615,7 @@ static void tg_flags_init(tg_flags* v) {
                       &v->tiktoken_num_special_tokens, &v->rampup[0], &v->rampup[1], &v->rampup[2],
                       &v->tensorboard_log_interval, &v->plan_world_size};
     for (size_t k = 0; k < sizeof(i64) / sizeof(i64[0]); k++) *i64[k] = -1;
-    double* d[] = {&v->lr, &v->min_lr, &v->warmup_fraction, &v->warmup_init, &v->b1, &v->b2, &v->eps, &v->wd,
+    double* d[] = {&v->lr, &v->min_lr, &v->decoupled_lr, &v->decoupled_min_lr, &v->warmup_fraction, &v->warmup_init, &v->b1, &v->b2, &v->eps, &v->wd,
                    &v->clip, &v->std, &v->norm_eps, &v->hidden_dropout, &v->attention_dropout, &v->loss_scale,
                    &v->initial_loss_scale, &v->min_loss_scale, &v->rotary_base, &v->rotary_percent, &v->rope_factor,
                    &v->peak_tflops, &v->mid_level_surplus, &v->gpu_memory_gib};
@@ -888,6 +889,8 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
     /* schedule and length of training */
     if (v->lr >= 0) c->lr = v->lr;
     if (v->min_lr >= 0) c->min_lr = v->min_lr;
+    c->decoupled_lr = v->decoupled_lr; /* < 0: not given */
+    c->decoupled_min_lr = v->decoupled_min_lr;
     if (v->warmup >= 0) c->lr_warmup_iters = v->warmup;
     if (v->warmup_fraction >= 0) {
         c->lr_warmup_fraction = v->warmup_fraction;

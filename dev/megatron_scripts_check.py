@@ -8,8 +8,8 @@ expands them). Each list is given to ./train_gpt as it is, except for:
     counts, evaluation and log intervals (the flags that carry sizes get new values, nothing else);
   - the layout set to one GPU: tensor and pipeline parallel sizes 1 (sequence parallelism stays asked
     for: with TP = 1 it has nothing to split, as in Megatron);
-  - the flags this build refuses removed (MoE; the decoupled learning rate of the embedding and output
-    layers), each with the line train_gpt refuses it with; the Mixtral script is otherwise run;
+  - the flags this build refuses removed (MoE), each with the line train_gpt refuses it with; the
+    Mixtral script is otherwise run;
   - paths: data, tokenizer files, checkpoints, TensorBoard and the data cache point into --work;
     the data is tiny shakespeare, tokenized by prepro/preprocess_data with each script's own tokenizer
     kind (GPT-2 BPE; Llama-3's tokenizer.json for HuggingFaceTokenizer; Mixtral's Llama2Tokenizer,
@@ -42,8 +42,8 @@ SMALL = {
     "--eval-interval": "20", "--eval-iters": "2", "--log-interval": "5", "--save-interval": "20",
 }
 # removed with their values, each refused by this build with one line (printed): MoE and the expert-
-# parallel size, and the decoupled learning rate of the embedding and output layers
-REFUSED = ("--num-experts", "--expert-model-parallel-size", "--decoupled-lr", "--decoupled-min-lr")
+# parallel size
+REFUSED = ("--num-experts", "--expert-model-parallel-size")
 # the batch-size schedule (thresholds in tokens) in the small run's sizes: 4 sequences of 256 until
 # 10240 tokens (40 samples, iteration 10), then 8 (--global-batch-size, the last size)
 SMALL_SCHEDULE = ["0:4", "10240:8"]

@@ -146,6 +146,8 @@ static test_result test_flags_llama_script_lands(void) {
            (long long)c->lr_warmup_samples);
     EXPECT(c->fp8_format == MT_FP8_HYBRID && c->fp8_amax_history_len == 1024 && c->fp8_amax_compute_algo == MT_FP8_AMAX_MAX,
            "fp8");
+    EXPECT(c->decoupled_lr == 5.0e-4 && c->decoupled_min_lr == 4.5e-5, "decoupled lr %g min %g", c->decoupled_lr,
+           c->decoupled_min_lr);
     EXPECT(v.exit_duration_in_mins == 235 && v.log_throughput && v.profile && v.profile_step_start == 4 &&
            v.profile_step_end == 6 && v.data_cache_path && v.mock_data, "run options");
     char line[4096];
@@ -559,6 +561,98 @@ static test_result test_flags_ramp_step_and_weights_only_load(void) {
     return TEST_PASS;
 }
 
+/* --decoupled-lr on the GPU, both flavours (tied GPT-2: the word embeddings; Llama: those and the
+ * untied output layer), bf16, with the GPU AdamW and with the optimizer offloaded to the CPU AdamW:
+ * (a) --decoupled-lr = --lr (and the minimum = --min-lr) trains bit for bit as without it; (b) a
+ * decoupled rate of 0 leaves exactly those tensors bitwise where they started (decay included: it
+ * is scaled by the rate) while every other tensor moves; (c) a rate between moves them, less than
+ * (a) does in the first steps. */
+static test_result decoupled_lr_case(test_flavour flavour, int offload) {
+    const char* name = flavour == TEST_LLAMA ? "llama" : "gpt2";
+    double rates[4] = {-1.0, -2.0, 0.0, 1e-4}; /* none, = lr, 0, between */
+    float* params[4] = {NULL, NULL, NULL, NULL};
+    float* start = NULL;
+    double losses[4][6];
+    mt_config base = test_config(flavour, MT_BF16);
+    base.optimizer_cpu_offload = offload;
+    mt_error err;
+    mt_config fin = base;
+    EXPECT_OK(mt_config_finalize(&fin, &err), &err);
+    const int64_t n = mt_num_parameters(&fin), per_step = (int64_t)fin.global_batch_size * (fin.seq_length + 1);
+    std::vector<int32_t> tokens((size_t)per_step);
+    test_result res = TEST_PASS;
+    for (int r = 0; r < 4 && res == TEST_PASS; r++) {
+        mt_config c = base;
+        if (rates[r] == -2.0) c.decoupled_lr = c.lr, c.decoupled_min_lr = c.min_lr;
+        else if (rates[r] >= 0) c.decoupled_lr = rates[r], c.decoupled_min_lr = 0.0;
+        EXPECT_OK(mt_config_finalize(&c, &err), &err);
+        mt_trainer* t = NULL;
+        EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
+        params[r] = (float*)malloc(sizeof(float) * (size_t)n);
+        if (r == 0) {
+            start = (float*)malloc(sizeof(float) * (size_t)n);
+            if (mt_trainer_get_parameters(t, start, &err) != MT_OK) res = TEST_FAIL;
+        }
+        for (int k = 0; k < 6 && res == TEST_PASS; k++) {
+            fill_tokens(tokens.data(), per_step, (int)c.vocab_size, 500 + k);
+            mt_step_result s;
+            if (mt_trainer_train_step(t, tokens.data(), &s, &err) != MT_OK) res = TEST_FAIL;
+            losses[r][k] = s.lm_loss;
+        }
+        if (res == TEST_PASS && mt_trainer_get_parameters(t, params[r], &err) != MT_OK) res = TEST_FAIL;
+        if (res != TEST_PASS) printf("    FAIL %s run %d: %s\n", name, r, err.message);
+        mt_trainer_free(t);
+    }
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(&fin, info);
+    if (res == TEST_PASS && (memcmp(params[0], params[1], sizeof(float) * (size_t)n) || memcmp(losses[0], losses[1], sizeof(losses[0])))) {
+        printf("    FAIL %s%s: --decoupled-lr = --lr is not the run without it\n", name, offload ? " offload" : "");
+        res = TEST_FAIL;
+    }
+    double moved_other = 0, moved_between = 0, moved_main = 0;
+    int decoupled_tensors = 0;
+    for (int k = 0; k < MT_NUM_PARAM_TENSORS && res == TEST_PASS; k++) {
+        const mt_param_info* p = &info[k];
+        if (p->numel == 0) continue;
+        const int dec = mt_param_lr_decoupled(k);
+        decoupled_tensors += dec;
+        double d0 = 0, d3 = 0, dm = 0;
+        for (int64_t i = p->offset; i < p->offset + p->numel; i++) {
+            d0 += fabs((double)params[2][i] - start[i]);
+            d3 += fabs((double)params[3][i] - start[i]);
+            dm += fabs((double)params[0][i] - start[i]);
+        }
+        if (dec && d0 != 0) {
+            printf("    FAIL %s%s: %s moved (%g) at a decoupled rate of 0\n", name, offload ? " offload" : "", p->name, d0);
+            res = TEST_FAIL;
+        }
+        if (dec) moved_between += d3, moved_main += dm;
+        else moved_other += d0;
+    }
+    const int want_tensors = flavour == TEST_LLAMA ? 2 : 1;
+    if (res == TEST_PASS && (decoupled_tensors != want_tensors || !(moved_other > 0) || !(moved_between > 0) ||
+                             !(moved_between < moved_main))) {
+        printf("    FAIL %s%s: %d decoupled tensors (want %d); moved: others %g, decoupled at 1e-4 %g, at --lr %g\n", name,
+               offload ? " offload" : "", decoupled_tensors, want_tensors, moved_other, moved_between, moved_main);
+        res = TEST_FAIL;
+    }
+    if (res == TEST_PASS)
+        printf("      %s%s: = --lr bitwise the plain run; rate 0 keeps the %d embedding/output tensor(s) bitwise while the "
+               "rest moves (%.3g); 1e-4 moves them %.3g against %.3g at --lr\n", name, offload ? " (CPU AdamW)" : "",
+               decoupled_tensors, moved_other, moved_between, moved_main);
+    for (int r = 0; r < 4; r++) free(params[r]);
+    free(start);
+    return res;
+}
+
+static test_result test_flags_decoupled_lr(void) {
+    REQUIRE_GPU();
+    for (int f = 0; f < 2; f++)
+        for (int offload = 0; offload < 2; offload++)
+            if (decoupled_lr_case(f ? TEST_LLAMA : TEST_GPT2, offload) != TEST_PASS) return TEST_FAIL;
+    return TEST_PASS;
+}
+
 static const test_case flags_gpu_tests[] = {
     {"flags_layernorm_1p_fp32", test_flags_layernorm_1p_fp32},
     {"flags_layernorm_1p_bf16", test_flags_layernorm_1p_bf16},
@@ -570,6 +664,7 @@ static const test_case flags_gpu_tests[] = {
     {"flags_eod_mask_llama_bf16", test_flags_eod_mask_llama_bf16},
     {"flags_per_token_loss", test_flags_per_token_loss},
     {"flags_ramp_step_and_weights_only_load", test_flags_ramp_step_and_weights_only_load},
+    {"flags_decoupled_lr", test_flags_decoupled_lr},
 };
 
 /* The model flags' host side: --apply-layernorm-1p's norm weights start at 0 (w - 1 of 1) and the
@@ -640,6 +735,60 @@ static test_result test_flags_builtin_short_runs(void) {
     return TEST_PASS;
 }
 
+/* --decoupled-lr: the word embeddings' and output layer's rate is mt_learning_rate's schedule from
+ * --decoupled-lr down to --decoupled-min-lr (else --min-lr), warm-up from --lr-warmup-init as the
+ * main rate's (Megatron's param groups with is_decoupled_lr); without it, the main rate; a minimum
+ * alone or above its peak is refused. */
+static test_result test_flags_decoupled_lr_schedule(void) {
+    mt_config c = small_test_config();
+    c.lr = 1e-3;
+    c.min_lr = 1e-4;
+    c.lr_warmup_iters = 5;
+    c.lr_decay_iters = 50;
+    c.lr_decay_style = MT_LR_COSINE;
+    mt_error err;
+    mt_config plain = c;
+    EXPECT_OK(mt_config_finalize(&plain, &err), &err);
+    const int64_t gbs = plain.global_batch_size;
+    for (int64_t k = 0; k <= 60; k++)
+        EXPECT(mt_learning_rate_decoupled(&plain, k * gbs) == mt_learning_rate(&plain, k * gbs), "without: step %lld",
+               (long long)k);
+    for (int with_min = 0; with_min < 2; with_min++) {
+        mt_config d = c;
+        d.decoupled_lr = 5e-4;
+        d.decoupled_min_lr = with_min ? 2e-5 : -1.0;
+        EXPECT_OK(mt_config_finalize(&d, &err), &err);
+        mt_config want = d;
+        want.lr = 5e-4;
+        want.min_lr = with_min ? 2e-5 : 1e-4;
+        for (int64_t k = 0; k <= 60; k++) {
+            EXPECT(mt_learning_rate(&d, k * gbs) == mt_learning_rate(&plain, k * gbs), "main rate moved at %lld", (long long)k);
+            EXPECT(mt_learning_rate_decoupled(&d, k * gbs) == mt_learning_rate(&want, k * gbs), "decoupled, step %lld: %g",
+                   (long long)k, mt_learning_rate_decoupled(&d, k * gbs));
+        }
+        EXPECT(mt_learning_rate_decoupled(&d, 5 * gbs) == 5e-4 && mt_learning_rate_decoupled(&d, 60 * gbs) == want.min_lr,
+               "peak %g, end %g", mt_learning_rate_decoupled(&d, 5 * gbs), mt_learning_rate_decoupled(&d, 60 * gbs));
+    }
+    EXPECT(mt_param_lr_decoupled(MT_P_WORD_EMBEDDINGS) && mt_param_lr_decoupled(MT_P_OUTPUT_WEIGHT) &&
+           !mt_param_lr_decoupled(MT_P_POSITION_EMBEDDINGS) && !mt_param_lr_decoupled(MT_P_QKV_WEIGHT) &&
+           !mt_param_lr_decoupled(MT_P_FINAL_LN_WEIGHT), "which tensors");
+    mt_config alone = c;
+    alone.decoupled_min_lr = 1e-5;
+    EXPECT(mt_config_finalize(&alone, &err) != MT_OK && strstr(err.message, "--decoupled-min-lr"), "%s", err.message);
+    mt_config above = c;
+    above.decoupled_lr = 1e-5; /* below --min-lr 1e-4, its minimum by default */
+    EXPECT(mt_config_finalize(&above, &err) != MT_OK && strstr(err.message, "exceeds --decoupled-lr"), "%s", err.message);
+    char msg[512];
+    tg_flags v;
+    char* args[] = {(char*)"train_gpt", (char*)"--decoupled-lr=3e-4", (char*)"--decoupled-min-lr", (char*)"3e-5"};
+    EXPECT(flags_configure(args, 4, 50257, 1, &v, msg, sizeof(msg)) == 0, "%s", msg);
+    EXPECT(v.cfg.decoupled_lr == 3e-4 && v.cfg.decoupled_min_lr == 3e-5, "flags: %g %g", v.cfg.decoupled_lr,
+           v.cfg.decoupled_min_lr);
+    char* bad[] = {(char*)"train_gpt", (char*)"--decoupled-lr", (char*)"-1"};
+    EXPECT(flags_configure(bad, 3, 50257, 1, &v, msg, sizeof(msg)) != 0 && strstr(msg, "--decoupled-lr"), "%s", msg);
+    return TEST_PASS;
+}
+
 static const test_case flags_tests[] = {
     {"flags_builtin_short_runs", test_flags_builtin_short_runs},
     {"flags_prepro_equals_form", test_flags_prepro_equals_form},
@@ -651,6 +800,7 @@ static const test_case flags_tests[] = {
     {"flags_pipeline_and_tensorboard_land", test_flags_pipeline_and_tensorboard_land},
     {"flags_batch_ramp_and_train_samples", test_flags_batch_ramp_and_train_samples},
     {"flags_sample_based_learning_rate", test_flags_sample_based_learning_rate},
+    {"flags_decoupled_lr_schedule", test_flags_decoupled_lr_schedule},
 };
 
 #endif

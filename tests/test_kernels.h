@@ -2025,6 +2025,7 @@ static std::vector<mt_opt_chunk> kt_chunks(bool alias, int64_t* buffer_size, int
     add(64, 0, 2, 0, 1);    /* master offset 2 mod 4: scalar (fp32 alias: 16-byte) */
     add(4, 0, 0, 1, 0);     /* one vector, not counted in the norm */
     for (int i = 0; i < 300; i++) add(1 + i % 9, i % 4, (i / 4) % 4, i & 1, 1);
+    for (size_t i = 0; i < v.size(); i += 3) v[i].decoupled = 1; /* every third at --decoupled-lr's rate */
     *buffer_size = b + 8;
     *master_size = (alias ? b : m) + 8;
     return v;
@@ -2093,6 +2094,7 @@ static int kt_adamw_case(kt_ctx* k, kt_cover* cov, bool alias) {
     /* the 10th step's hyperparameters, converted as adamw_step converts them */
     mt_adamw_step h;
     h.lr = 1e-2f;
+    h.lr_decoupled = 4e-3f; /* the chunks marked decoupled */
     h.beta1 = (float)0.9;
     h.beta2 = (float)0.95;
     h.bias_correction1 = (float)(1.0 - pow(0.9, 10.0));
@@ -2133,7 +2135,7 @@ static int kt_adamw_case(kt_ctx* k, kt_cover* cov, bool alias) {
     KT_CUDA(kt_get(k, m1, dm, nm));
     KT_CUDA(kt_get(k, v1, dv, nm));
     if (!alias) KT_CUDA(kt_get(k, model1, dmodel, nb));
-    const float b1 = h.beta1, b2 = h.beta2, eps = h.eps, wdf = h.weight_decay, lr = h.lr, gs = h.grad_scale;
+    const float b1 = h.beta1, b2 = h.beta2, eps = h.eps, wdf = h.weight_decay, gs = h.grad_scale;
     const double omb1 = (double)(1.0f - b1), omb2 = (double)(1.0f - b2);
     const double bc1 = h.bias_correction1, bc2 = h.bias_correction2;
     kt_check cm, cv, cp, cc, cu;
@@ -2148,6 +2150,8 @@ static int kt_adamw_case(kt_ctx* k, kt_cover* cov, bool alias) {
         kt_cover_hit(cov, vec ? "16-byte chunk" : "scalar chunk");
         if (vec && c.length % 4) kt_cover_hit(cov, "16-byte chunk with a tail");
         const double wd = c.weight_decay ? (double)wdf : 0.0;
+        const float lr = c.decoupled ? h.lr_decoupled : h.lr;
+        kt_cover_hit(cov, c.decoupled ? "decoupled-lr chunk" : "main-lr chunk");
         for (int j = 0; j < c.length; j++) {
             const int64_t kk = c.master + j, bb = c.buffer + j;
             in_b[bb] = 1;
@@ -2187,9 +2191,10 @@ static int kt_adamw_case(kt_ctx* k, kt_cover* cov, bool alias) {
 
 template <typename T>
 static int kt_adamw_all(kt_ctx* k) {
-    static const char* const variants[] = {"16-byte chunk", "scalar chunk", "16-byte chunk with a tail", "model copy"};
+    static const char* const variants[] = {"16-byte chunk", "scalar chunk", "16-byte chunk with a tail", "model copy",
+                                           "main-lr chunk", "decoupled-lr chunk"};
     kt_cover cov;
-    kt_cover_init(&cov, variants, 4);
+    kt_cover_init(&cov, variants, 6);
     int ok = kt_adamw_case<T>(k, &cov, false);
     kt_release(k);
     if (std::is_same<T, float>::value) {

@@ -388,7 +388,7 @@ static test_result test_cpu_adamw(void) {
         memset(st[a][1], 0, sizeof(float) * n);
         memset(st[a][2], 0, sizeof(float) * n);
     }
-    mt_adamw_segment seg[3] = {{0, 40000, 1}, {40000, 7, 0}, {40007, n - 40007, 1}};
+    mt_adamw_segment seg[3] = {{0, 40000, 1, 0}, {40000, 7, 0, 0}, {40007, n - 40007, 1, 0}};
     mt_thread_pool* pool = NULL;
     mt_error err;
     EXPECT_OK(mt_thread_pool_create(&pool, 4, &err), &err);
@@ -397,7 +397,7 @@ static test_result test_cpu_adamw(void) {
     for (int step = 1; step <= 5 && res == TEST_PASS; step++) {
         for (int64_t i = 0; i < n; i++) g[i] = memory_uniform(&seed) * (i % 97 == 0 ? 1e-30f : 1.0f); /* some tiny */
         mt_adamw_step h = {1e-3f, 0.9f, 0.95f, (float)(1 - pow(0.9, step)), (float)(1 - pow(0.95, step)), 1e-8f, 0.1f,
-                           0.5f};
+                           0.5f, 1e-3f};
         /* the update in double from this step's inputs, for the decayed elements of segment 0 */
         for (int64_t i = 0; i < 40000; i++) {
             double gd = (double)g[i] * h.grad_scale, m = 0.9 * st[0][1][i] + 0.1 * gd;

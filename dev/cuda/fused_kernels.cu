@@ -1545,7 +1545,8 @@ static void item_adamw() {
     const int step = 10;
     const float bc1 = (float)(1.0 - pow((double)b1, (double)step)), bc2 = (float)(1.0 - pow((double)b2, (double)step));
     auto run = [&] {
-        adamw_kernel<bf16><<<nchunks, 256, 0, S>>>(dchunks, master, model, grad, m, v, lr, b1, b2, bc1, bc2, eps, wd, gs);
+        adamw_kernel<bf16><<<nchunks, 256, 0, S>>>(dchunks, master, model, grad, m, v, lr, lr, b1, b2, bc1, bc2,
+                                                   eps, wd, gs);
     };
     run();
     sync_check(kname);
