@@ -1937,6 +1937,13 @@ static mt_status mtk__tok_finish(mt_tokenizer* tok, const char* path, mt_error* 
     for (int k = 0; k < tok->num_added; k++)
         if (tok->added[k].id > max_id) max_id = tok->added[k].id;
     if (max_id < 0) return mt_fail(err, MT_ERR_FORMAT, "%s: no tokens", path);
+    /* the id tables are sized by the largest id: a vocabulary is dense up to small gaps (tiktoken's
+     * specials), so ids far beyond the token count are refused before they size an allocation */
+    const int64_t tokens = (int64_t)tok->num_entries + tok->num_added;
+    if (max_id >= 2 * tokens + 1024)
+        return mt_fail(err, MT_ERR_FORMAT, "%s: token id %lld among only %lld tokens: ids this sparse are not a "
+                       "vocabulary (the largest id must be below 2 x tokens + 1024)", path, (long long)max_id,
+                       (long long)tokens);
     tok->n_vocab = max_id + 1;
     tok->id_entry = (int32_t*)malloc((size_t)tok->n_vocab * sizeof(int32_t));
     tok->id_span = (mtk__span*)calloc((size_t)tok->n_vocab, sizeof(mtk__span));

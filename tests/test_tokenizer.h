@@ -414,6 +414,19 @@ static test_result test_tokenizer_load_errors(void) {
     EXPECT(tt_write(path, few, strlen(few)), "write");
     st = mt_tokenizer_load_tiktoken(&tok, path, MT_TOKENIZER_GPT2, &err);
     EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "single byte"), "incomplete vocabulary: %s", err.message);
+    { /* every byte, the last at a rank near 2^31: refused before it sizes the id tables (a fuzz finding:
+       * malloc of 8 GB; a single byte needs no merge, so the merges' own limit does not catch it) */
+        static const char b64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        char sparse[256 * 16 + 64];
+        size_t at = 0;
+        for (int b = 0; b < 256; b++)
+            at += (size_t)snprintf(sparse + at, sizeof(sparse) - at, "%c%c== %d\n", b64[b >> 2], b64[(b & 3) << 4],
+                                   b < 255 ? b : 2111111111);
+        EXPECT(tt_write(path, sparse, at), "write");
+        st = mt_tokenizer_load_tiktoken(&tok, path, MT_TOKENIZER_GPT2, &err);
+        EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "2111111111") && strstr(err.message, "sparse"),
+               "sparse ranks: %s", err.message);
+    }
     char cl100k[512];
     if (tt_exists(tt_shared(tt_specs[1].rank_file, cl100k, sizeof(cl100k)))) { /* cl100k's ranks as GPT-2: <|endoftext|> 50256 is taken */
         st = mt_tokenizer_load_tiktoken(&tok, cl100k, MT_TOKENIZER_GPT2, &err);
