@@ -7630,6 +7630,8 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
          * is overwritten by the next step's first backward) */
         if (t->fp8.enabled && t->fp8.recipe == MT_FP8_DELAYED && t->fp8.num_tensors > 0)
             CUDA_CHECK(&t->error, cudaMemsetAsync(t->fp8.amax, 0, sizeof(float) * (size_t)t->fp8.num_tensors, t->stream));
+        out->next_learning_rate = lr; /* the scheduler did not move (a skipping caller logs these) */
+        out->next_decoupled_learning_rate = lr_decoupled;
         return mt_fail(err, MT_ERR_NAN, "found %s in the %s on rank %d (lm loss %g, grad norm %g): the step is not "
                        "applied (--check-for-nan-in-loss-and-grad)", isnan(loss) || isnan(norm) ? "NaN" : "Inf",
                        !isfinite(loss) ? "loss" : "gradients", c->rank, loss, norm);
