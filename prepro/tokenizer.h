@@ -798,7 +798,8 @@ struct mt_tokenizer {
     int num_prefix, num_suffix;
     /* Decoding. */
     int32_t* id_entry;           /* id -> entry, -1 where no vocabulary token has that id */
-    mtk__span* id_span;          /* id -> the bytes it decodes to (len 0: unknown id) */
+    mtk__span* id_span;          /* id -> the bytes it decodes to (possibly none: a decoder may remove them all) */
+    uint8_t* id_present;         /* id -> 1 where a vocabulary or added token has that id */
     uint8_t dec_rep[4];          /* a Replace decoder's pattern (U+2581), or none */
     int dec_rep_len;
     uint8_t dec_rep_to[4];
@@ -903,6 +904,7 @@ static void mtk__tok_reset(mt_tokenizer* tok) {
     free(tok->templ);
     free(tok->id_entry);
     free(tok->id_span);
+    free(tok->id_present);
     memset(tok, 0, sizeof(*tok));
 }
 
@@ -1712,7 +1714,7 @@ static size_t mtk__decode_piece(const mt_tokenizer* tok, const int32_t* ids, siz
 mt_status mt_tokenizer_decode(const mt_tokenizer* tok, const int32_t* ids, size_t n, char** out, size_t* out_len, mt_error* err) {
     size_t total = 0;
     for (size_t k = 0; k < n; k++) {
-        if (ids[k] < 0 || ids[k] >= tok->n_vocab || tok->id_span[ids[k]].len == 0)
+        if (ids[k] < 0 || ids[k] >= tok->n_vocab || !tok->id_present[ids[k]]) /* a token may decode to nothing */
             return mt_fail(err, MT_ERR_RANGE, "token id %d at position %zu is not in the vocabulary", ids[k], k);
         total += tok->id_span[ids[k]].len;
     }
@@ -1947,21 +1949,25 @@ static mt_status mtk__tok_finish(mt_tokenizer* tok, const char* path, mt_error* 
     tok->n_vocab = max_id + 1;
     tok->id_entry = (int32_t*)malloc((size_t)tok->n_vocab * sizeof(int32_t));
     tok->id_span = (mtk__span*)calloc((size_t)tok->n_vocab, sizeof(mtk__span));
-    if (!tok->id_entry || !tok->id_span) return mt_fail(err, MT_ERR_OOM, "out of memory loading the vocabulary");
+    tok->id_present = (uint8_t*)calloc((size_t)tok->n_vocab, 1);
+    if (!tok->id_entry || !tok->id_span || !tok->id_present)
+        return mt_fail(err, MT_ERR_OOM, "out of memory loading the vocabulary");
     memset(tok->id_entry, 0xFF, (size_t)tok->n_vocab * sizeof(int32_t));
     for (uint32_t k = 0; k < tok->num_entries; k++) {
         int32_t id = tok->entries[k].id;
         if (tok->id_entry[id] >= 0) return mt_fail(err, MT_ERR_FORMAT, "%s: token id %d appears twice", path, id);
         tok->id_entry[id] = (int32_t)k;
+        tok->id_present[id] = 1;
         if ((st = mtk__decoded_span(tok, &tok->entries[k], &tok->id_span[id], err))) return st;
     }
     for (int k = 0; k < tok->num_added; k++) { /* an added token decodes to its text */
         const mtk__added* a = &tok->added[k];
         tok->id_span[a->id].off = a->off;
         tok->id_span[a->id].len = a->len;
+        tok->id_present[a->id] = 1;
     }
     for (int32_t k = 0; k < tok->num_prefix + tok->num_suffix; k++)
-        if (tok->templ[k] < 0 || tok->templ[k] >= tok->n_vocab || tok->id_span[tok->templ[k]].len == 0)
+        if (tok->templ[k] < 0 || tok->templ[k] >= tok->n_vocab || !tok->id_present[tok->templ[k]])
             return mt_fail(err, MT_ERR_FORMAT, "%s: the post-processor adds token id %d, which the vocabulary does not have", path,
                            tok->templ[k]);
     if ((st = mtk__added_set_build(tok, &tok->raw_set, 0, err))) return st;

@@ -1161,7 +1161,56 @@ static test_result test_tokenizer_preprocess_compressed(void) {
     return TEST_PASS;
 }
 
+
+/* A token whose decoded bytes are none at all (a Replace decoder that removes U+2581, so the token
+ * "\u2581" decodes to nothing) is still a token: text encoded into it decodes (a fuzz finding:
+ * decode called it "not in the vocabulary"), and an id outside the vocabulary is still refused. */
+static test_result test_tokenizer_empty_token(void) {
+    size_t size = 0;
+    char* json = test_read_file(TT_HF "llama2_metaspace/tokenizer.json", &size);
+    if (!json) SKIP("dev/data/tokenizers not found (run from the root)");
+    const char* from = "\"content\":\" \""; /* the Replace decoder's (the file is compact JSON) */
+    char* at = strstr(json, from);
+    EXPECT(at != NULL, "the Replace decoder's content");
+    char dir[64], path[160];
+    EXPECT(tt_tmpdir(dir, sizeof(dir)), "mkdtemp");
+    snprintf(path, sizeof(path), "%s/tokenizer.json", dir);
+    FILE* f = fopen(path, "wb");
+    EXPECT(f != NULL, "write");
+    fwrite(json, 1, (size_t)(at - json), f);
+    fputs("\"content\":\"\"", f); /* U+2581 -> nothing */
+    fputs(at + strlen(from), f);
+    fclose(f);
+    free(json);
+    mt_tokenizer* tok = NULL;
+    mt_error err;
+    EXPECT_OK(mt_tokenizer_load_hf(&tok, dir, 0, &err), &err);
+    const char* text = "First Citizen , ; :  \\t ( ) ! ?"; /* a lone U+2581 before punctuation */
+    int32_t* ids = NULL;
+    size_t count = 0, cap = 0, n = 0;
+    char* out = NULL;
+    EXPECT(mt_tokenizer_encode(tok, text, strlen(text), &ids, &count, &cap) > 0, "encode");
+    const int32_t space = mt_tokenizer_token_id(tok, "\xe2\x96\x81", 3);
+    int used = 0;
+    for (size_t i = 0; i < count; i++) used |= ids[i] == space;
+    mt_status st = mt_tokenizer_decode(tok, ids, count, &out, &n, &err);
+    int bad = 0;
+    int32_t outside = (int32_t)mt_tokenizer_vocab_size(tok);
+    char* none = NULL;
+    bad = mt_tokenizer_decode(tok, &outside, 1, &none, &n, &err) != MT_ERR_RANGE;
+    free(none);
+    free(ids);
+    mt_tokenizer_free(tok);
+    tt_rmtree(dir);
+    EXPECT(space >= 0 && used, "the text does not use the U+2581 token (id %d)", space);
+    EXPECT(st == MT_OK && out && !strstr(out, " "), "decode: %s", st == MT_OK ? out : err.message);
+    free(out);
+    EXPECT(!bad, "an id outside the vocabulary was decoded");
+    return TEST_PASS;
+}
+
 static const test_case tokenizer_tests[] = {
+    {"tokenizer_empty_token", test_tokenizer_empty_token},
     {"tokenizer_gpt2_bpe_files", test_tokenizer_gpt2_bpe_files},
     {"tokenizer_r50k_base", test_tokenizer_r50k_base},
     {"tokenizer_cl100k_base", test_tokenizer_cl100k_base},
