@@ -3623,14 +3623,14 @@ int mt_num_micro_batches(const mt_config* c) {
  * style down to min_lr at the decay length, min_lr after. All lengths are in samples: the -iters
  * flags times the global batch, or the -samples flags with --train-samples; a warmup fraction of
  * the decay length is kept fractional, as in Python. */
-double mt_learning_rate(const mt_config* c, int64_t num_steps) {
+/* Megatron's OptimizerParamScheduler.get_lr for one parameter group's peak and minimum. */
+static double mt__learning_rate(const mt_config* c, int64_t num_steps, double max_lr, double min_lr) {
     const double pi = 3.14159265358979323846;
     int64_t gbs = c->global_batch_size;
     int sample_based = c->train_samples > 0;
     int64_t decay_steps = sample_based ? c->lr_decay_samples : c->lr_decay_iters * gbs;
     double warmup_steps = c->lr_warmup_fraction >= 0 ? c->lr_warmup_fraction * (double)decay_steps
                           : (double)(sample_based ? c->lr_warmup_samples : c->lr_warmup_iters * gbs);
-    double max_lr = c->lr, min_lr = c->min_lr;
     if (warmup_steps > 0 && (double)num_steps <= warmup_steps)
         return c->lr_warmup_init + (max_lr - c->lr_warmup_init) * (double)num_steps / warmup_steps;
     if (c->lr_decay_style == MT_LR_CONSTANT) return max_lr;
@@ -3664,12 +3664,11 @@ double mt_learning_rate(const mt_config* c, int64_t num_steps) {
     return min_lr + coeff * (max_lr - min_lr);
 }
 
+double mt_learning_rate(const mt_config* c, int64_t num_steps) { return mt__learning_rate(c, num_steps, c->lr, c->min_lr); }
+
 double mt_learning_rate_decoupled(const mt_config* c, int64_t num_steps) {
     if (c->decoupled_lr < 0) return mt_learning_rate(c, num_steps);
-    mt_config d = *c;
-    d.lr = c->decoupled_lr;
-    d.min_lr = c->decoupled_min_lr >= 0 ? c->decoupled_min_lr : c->min_lr;
-    return mt_learning_rate(&d, num_steps);
+    return mt__learning_rate(c, num_steps, c->decoupled_lr, c->decoupled_min_lr >= 0 ? c->decoupled_min_lr : c->min_lr);
 }
 
 int mt_param_lr_decoupled(int tensor) { return tensor == MT_P_WORD_EMBEDDINGS || tensor == MT_P_OUTPUT_WEIGHT; }

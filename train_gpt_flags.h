@@ -610,12 +610,14 @@ static void tg_flags_init(tg_flags* v) {
                       &v->divisible, &v->mbs, &v->gbs, &v->iters, &v->train_samples, &v->warmup, &v->decay_iters,
                       &v->wsd_iters, &v->warmup_samples, &v->decay_samples, &v->wsd_samples, &v->tp, &v->pp, &v->cp,
                       &v->ep, &v->window, &v->hysteresis, &v->seed, &v->log_interval, &v->eval_interval,
-                      &v->eval_iters, &v->save_interval, &v->exit_interval, &v->exit_duration_in_mins, &v->max_nan_in_a_row,
+                      &v->eval_iters, &v->save_interval, &v->exit_interval, &v->exit_duration_in_mins,
+                      &v->max_nan_in_a_row,
                       &v->profile_step_start, &v->profile_step_end, &v->ddp_bucket_size, &v->null_vocab_size,
                       &v->tiktoken_num_special_tokens, &v->rampup[0], &v->rampup[1], &v->rampup[2],
                       &v->tensorboard_log_interval, &v->plan_world_size};
     for (size_t k = 0; k < sizeof(i64) / sizeof(i64[0]); k++) *i64[k] = -1;
-    double* d[] = {&v->lr, &v->min_lr, &v->decoupled_lr, &v->decoupled_min_lr, &v->warmup_fraction, &v->warmup_init, &v->b1, &v->b2, &v->eps, &v->wd,
+    double* d[] = {&v->lr, &v->min_lr, &v->decoupled_lr, &v->decoupled_min_lr, &v->warmup_fraction, &v->warmup_init,
+                   &v->b1, &v->b2, &v->eps, &v->wd,
                    &v->clip, &v->std, &v->norm_eps, &v->hidden_dropout, &v->attention_dropout, &v->loss_scale,
                    &v->initial_loss_scale, &v->min_loss_scale, &v->rotary_base, &v->rotary_percent, &v->rope_factor,
                    &v->peak_tflops, &v->mid_level_surplus, &v->gpu_memory_gib};
