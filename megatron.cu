@@ -2914,13 +2914,18 @@ static void gradient_sum_squares(const mt_exec* ex, double* partial, const mt_op
     LAUNCH_CHECK(ex->error);
 }
 
-/* One element's step: g is the (scaled) gradient; m, v, p (the fp32 master) are updated in place. */
+/* One element's step: g is the (scaled) gradient; m, v, p (the fp32 master) are updated in place.
+ * Every rounding is spelled out (the _rn intrinsics: ptxas neither fuses nor splits them), in the
+ * order of megatron.h's mt_adamw_cpu_scalar, so the offloaded CPU AdamW equals this bit for bit. Left
+ * to the compiler, `p -= lr * update` was fused into one FFMA in some lanes and not in others, and
+ * which changed with unrelated edits to this kernel (seen: 3 of 4 unrolled lanes as FMUL + FADD). */
 __device__ __forceinline__ void adamw_element(float g, float& m, float& v, float& p, float lr, float beta1, float beta2,
                                               float bias_correction1, float bias_correction2, float eps, float wd) {
-    m = beta1 * m + (1.0f - beta1) * g;
-    v = beta2 * v + (1.0f - beta2) * g * g;
-    const float update = (m / bias_correction1) / (sqrtf(v / bias_correction2) + eps) + wd * p;
-    p -= lr * update;
+    m = __fmaf_rn(m, beta1, __fmul_rn(__fsub_rn(1.0f, beta1), g));
+    v = __fmaf_rn(v, beta2, __fmul_rn(g, __fmul_rn(__fsub_rn(1.0f, beta2), g)));
+    const float update = __fmaf_rn(p, wd, __fdiv_rn(__fdiv_rn(m, bias_correction1),
+                                                    __fadd_rn(__fsqrt_rn(__fdiv_rn(v, bias_correction2)), eps)));
+    p = __fmaf_rn(-update, lr, p);
 }
 /* A block per chunk. Chunks whose buffer and master offsets are multiples of 4 elements (every chunk
  * of the distributed optimizer's 64-element-aligned layout, most of the others) go 16 bytes per
@@ -2944,10 +2949,14 @@ __global__ void adamw_kernel(const mt_opt_chunk* chunks, float* master, T* model
             const float4 g = *reinterpret_cast<const float4*>(grad + b);
             float4 mi = *reinterpret_cast<const float4*>(m + k), vi = *reinterpret_cast<const float4*>(v + k);
             float4 p = *reinterpret_cast<const float4*>(master + k);
-            adamw_element(g.x * grad_scale, mi.x, vi.x, p.x, lr, beta1, beta2, bias_correction1, bias_correction2, eps, wd);
-            adamw_element(g.y * grad_scale, mi.y, vi.y, p.y, lr, beta1, beta2, bias_correction1, bias_correction2, eps, wd);
-            adamw_element(g.z * grad_scale, mi.z, vi.z, p.z, lr, beta1, beta2, bias_correction1, bias_correction2, eps, wd);
-            adamw_element(g.w * grad_scale, mi.w, vi.w, p.w, lr, beta1, beta2, bias_correction1, bias_correction2, eps, wd);
+            adamw_element(__fmul_rn(g.x, grad_scale), mi.x, vi.x, p.x, lr, beta1, beta2, bias_correction1,
+                          bias_correction2, eps, wd);
+            adamw_element(__fmul_rn(g.y, grad_scale), mi.y, vi.y, p.y, lr, beta1, beta2, bias_correction1,
+                          bias_correction2, eps, wd);
+            adamw_element(__fmul_rn(g.z, grad_scale), mi.z, vi.z, p.z, lr, beta1, beta2, bias_correction1,
+                          bias_correction2, eps, wd);
+            adamw_element(__fmul_rn(g.w, grad_scale), mi.w, vi.w, p.w, lr, beta1, beta2, bias_correction1,
+                          bias_correction2, eps, wd);
             *reinterpret_cast<float4*>(m + k) = mi;
             *reinterpret_cast<float4*>(v + k) = vi;
             *reinterpret_cast<float4*>(master + k) = p;
@@ -2965,7 +2974,8 @@ __global__ void adamw_kernel(const mt_opt_chunk* chunks, float* master, T* model
     for (int i = done + threadIdx.x; i < c.length; i += blockDim.x) {
         const int64_t k = c.master + i, b = c.buffer + i;
         float mi = m[k], vi = v[k], p = master[k];
-        adamw_element(grad[b] * grad_scale, mi, vi, p, lr, beta1, beta2, bias_correction1, bias_correction2, eps, wd);
+        adamw_element(__fmul_rn(grad[b], grad_scale), mi, vi, p, lr, beta1, beta2, bias_correction1, bias_correction2,
+                      eps, wd);
         m[k] = mi;
         v[k] = vi;
         master[k] = p;
@@ -7630,6 +7640,13 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
          * is overwritten by the next step's first backward) */
         if (t->fp8.enabled && t->fp8.recipe == MT_FP8_DELAYED && t->fp8.num_tensors > 0)
             CUDA_CHECK(&t->error, cudaMemsetAsync(t->fp8.amax, 0, sizeof(float) * (size_t)t->fp8.num_tensors, t->stream));
+        /* the weights' amaxes went with them: they are recorded where the weights are cast (once per
+         * step), so the next step casts them again, from the same weights at the same scales (the same
+         * bytes); without this its history would get 0 for every weight */
+        if (t->fp8.enabled) {
+            t->fp8.stale = 1;
+            if (t->fp8.param_gather) t->fp8.unpublished = 1;
+        }
         out->next_learning_rate = lr; /* the scheduler did not move (a skipping caller logs these) */
         out->next_decoupled_learning_rate = lr_decoupled;
         return mt_fail(err, MT_ERR_NAN, "found %s in the %s on rank %d (lm loss %g, grad norm %g): the step is not "

@@ -2082,7 +2082,8 @@ static test_result test_kernels_gradient_norm(void) {
 
 /* AdamW over the chunk list: m, v, the fp32 master per element against a double step from the same
  * fp32 inputs and the fp32 hyperparameters the kernel gets, the model copy bitwise the
- * master rounded to T, and every element outside the chunks bitwise untouched. With fp32 and no
+ * master rounded to T, m, v and the master bitwise those of the host's mt_adamw_cpu_scalar (what
+ * --optimizer-cpu-offload runs), and every element outside the chunks bitwise untouched. With fp32 and no
  * distributed optimizer the model IS the master (alias): the copy is skipped. lr = 1e-2 moves every
  * weight by ~1e-2, far outside the tolerances, so a skipped element fails. */
 template <typename T>
@@ -2138,7 +2139,8 @@ static int kt_adamw_case(kt_ctx* k, kt_cover* cov, bool alias) {
     const float b1 = h.beta1, b2 = h.beta2, eps = h.eps, wdf = h.weight_decay, gs = h.grad_scale;
     const double omb1 = (double)(1.0f - b1), omb2 = (double)(1.0f - b2);
     const double bc1 = h.bias_correction1, bc2 = h.bias_correction2;
-    kt_check cm, cv, cp, cc, cu;
+    kt_check cm, cv, cp, cc, cu, cb;
+    kt_check_begin(&cb, "= mt_adamw_cpu_scalar", 0, 0.0, 0.0, 0.0);
     kt_check_begin(&cm, "m", 0, 0.0, -1.0, 0.0);
     kt_check_begin(&cv, "v", 0, 6 * uc, 6 * uc, 0.0);
     kt_check_begin(&cp, "master", 0, 0.0, -1.0, 0.0);
@@ -2169,6 +2171,14 @@ static int kt_adamw_case(kt_ctx* k, kt_cover* cov, bool alias) {
             kt_check_add(&cm, kk, m1[kk], mr, 2 * em);
             kt_check_add(&cv, kk, v1[kk], vr, 0.0);
             kt_check_add(&cp, kk, p1[kk], pr, 2 * ep);
+            /* the CPU AdamW of --optimizer-cpu-offload, bit for bit (the same roundings in the same order) */
+            mt_adamw_step hc = h;
+            hc.lr = lr;
+            float cp1 = p[kk], cm1 = m[kk], cv1 = v[kk];
+            mt_adamw_cpu_scalar(&hc, c.weight_decay, &g[bb], &cp1, &cm1, &cv1, 1);
+            kt_check_add(&cb, kk, p1[kk], cp1, 0.0);
+            kt_check_add(&cb, kk, m1[kk], cm1, 0.0);
+            kt_check_add(&cb, kk, v1[kk], cv1, 0.0);
             if (!alias) kt_check_add(&cc, bb, kt_to<T>(model1[bb]), kt_round<T>(p1[kk]), 0.0);
         }
     }
@@ -2184,6 +2194,7 @@ static int kt_adamw_case(kt_ctx* k, kt_cover* cov, bool alias) {
     kt_check_end(&cm, &rep);
     kt_check_end(&cv, &rep);
     kt_check_end(&cp, &rep);
+    kt_check_end(&cb, &rep);
     if (!alias) kt_check_end(&cc, &rep);
     kt_check_end(&cu, &rep);
     return kt_report_end(&rep);
