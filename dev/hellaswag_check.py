@@ -7,7 +7,7 @@ same model, exported to Hugging Face format.
     python3 dev/hellaswag_check.py --load CKPT_DIR [--num-examples 500] [--bf16] [--keep DIR]
 
 Needs torch, numpy, transformers and safetensors, and a GPU for eval_hellaswag. A GPT-2 checkpoint (the
-GPT-2 tokenizer of dev/data/gpt2 on both sides: GPT2TokenizerFast here, prepro/tokenizer.h there). It
+GPT-2 tokenizer of dev/data/gpt2 on both sides: the tokenizers library's BPE here, prepro/tokenizer.h there). It
 
   1. exports the checkpoint: `prepro/convert_hf --export CKPT_DIR --out DIR/hf`;
   2. runs `./eval_hellaswag --load CKPT_DIR --num-examples N --per-example DIR/c.tsv [--bf16]`;
@@ -49,6 +49,23 @@ def read_items(n):
             break
         items.append((lines[k].rstrip("\r"), int(lines[k + 1]), [x.rstrip("\r") for x in lines[k + 2:k + 6]]))
     return items
+
+
+class GPT2Tokens:
+    """GPT-2's byte-level BPE from its two files, through the tokenizers library (on the GPU machine's transformers,
+    GPT2TokenizerFast(vocab_file=, merges_file=) encoded every text to no ids)."""
+
+    def __init__(self, vocab, merges):
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        self.t = Tokenizer(models.BPE.from_file(vocab, merges))
+        self.t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self.eos_token_id = 50256  # <|endoftext|>
+        if self.t.encode("Hello world").ids != [15496, 995]:
+            sys.exit("hellaswag_check: the GPT-2 tokenizer did not load (Hello world -> "
+                     f"{self.t.encode('Hello world').ids})")
+
+    def encode(self, text):
+        return self.t.encode(text).ids
 
 
 def harness_scores(model, tok, items, max_len):
@@ -98,7 +115,7 @@ def main():
         ap.error("--num-examples: 1 to 10042")
 
     import torch
-    from transformers import GPT2LMHeadModel, GPT2TokenizerFast
+    from transformers import GPT2LMHeadModel
 
     work = args.keep or tempfile.mkdtemp(prefix="hellaswag_check_")
     os.makedirs(work, exist_ok=True)
@@ -116,8 +133,7 @@ def main():
     model = GPT2LMHeadModel.from_pretrained(hf_dir, torch_dtype=torch.float64).eval()
     if torch.cuda.is_available():
         model = model.to("cuda")
-    tok = GPT2TokenizerFast(vocab_file=os.path.join(ROOT, "dev/data/gpt2/gpt2-vocab.json"),
-                            merges_file=os.path.join(ROOT, "dev/data/gpt2/gpt2-merges.txt"))
+    tok = GPT2Tokens(os.path.join(ROOT, "dev/data/gpt2/gpt2-vocab.json"), os.path.join(ROOT, "dev/data/gpt2/gpt2-merges.txt"))
     items = read_items(args.num_examples)
     if len(items) != len(c_items):
         sys.exit(f"hellaswag_check: eval_hellaswag scored {len(c_items)} items, expected {len(items)}")
