@@ -1,14 +1,18 @@
 /* dev/hf_logits.c — the logits of a megatron.c checkpoint for a batch of tokens, through the trainer
  * API (mt_trainer_load + mt_trainer_logits). dev/hf_check.py compares them with transformers'.
  *
- *   make dev/hf_logits && dev/hf_logits CKPT_DIR TOKENS.bin LOGITS.bin [--bf16]
+ *   make dev/hf_logits && dev/hf_logits CKPT_DIR TOKENS.bin LOGITS.bin [--bf16 | --bf16-weights]
  *
  * TOKENS.bin: int32 B, int32 T, int32 tokens [B*T]. LOGITS.bin: int32 B, T, Vp, float32 [B, T, Vp].
  * The model's shape and flavour (GPT-2 or Llama: norm, MLP, positions, rope, tied output, biases, norm
- * epsilon) come from the checkpoint's header (mt_config_from_checkpoint_header), so no flags. */
+ * epsilon) come from the checkpoint's header (mt_config_from_checkpoint_header), so no flags.
+ * Default: fp32 compute on the checkpoint's fp32 master weights. --bf16: bf16 compute (the model copy
+ * is the master rounded to bf16). --bf16-weights: fp32 compute on the master rounded to bf16, the
+ * weights a bf16 checkpoint's model tensors hold (what another framework loads from it). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 #include "megatron.h"
 
@@ -18,9 +22,10 @@ static int fail(const char* what, const char* detail) {
 }
 
 int main(int argc, char** argv) {
-    if (argc < 4) return fprintf(stderr, "usage: hf_logits CKPT_DIR TOKENS.bin LOGITS.bin [--bf16]\n"), 2;
+    if (argc < 4 || argc > 5 || (argc == 5 && strcmp(argv[4], "--bf16") && strcmp(argv[4], "--bf16-weights")))
+        return fprintf(stderr, "usage: hf_logits CKPT_DIR TOKENS.bin LOGITS.bin [--bf16 | --bf16-weights]\n"), 2;
     const char* dir = argv[1];
-    int bf16 = argc > 4 && !strcmp(argv[4], "--bf16");
+    int bf16 = argc > 4 && !strcmp(argv[4], "--bf16"), bf16_weights = argc > 4 && !strcmp(argv[4], "--bf16-weights");
     char path[4096];
     snprintf(path, sizeof(path), "%s/latest_checkpointed_iteration.txt", dir);
     FILE* f = fopen(path, "r");
@@ -54,6 +59,19 @@ int main(int argc, char** argv) {
     if (mt_config_finalize(&c, &err) != MT_OK || mt_trainer_create(&t, &c, &err) != MT_OK ||
         mt_trainer_load(t, dir, -1, NULL, NULL, &err) != MT_OK)
         return fail(err.message, NULL);
+    if (bf16_weights) { /* every weight rounded to bf16 (to nearest, ties to even), computed in fp32 */
+        const int64_t np = mt_num_parameters(&c);
+        float* w = (float*)malloc(sizeof(float) * (size_t)np);
+        if (!w || mt_trainer_get_parameters(t, w, &err) != MT_OK) return fail(w ? err.message : "out of memory", NULL);
+        for (int64_t i = 0; i < np; i++) {
+            uint32_t u;
+            memcpy(&u, &w[i], 4);
+            if (!isnan(w[i])) u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+            memcpy(&w[i], &u, 4);
+        }
+        if (mt_trainer_set_parameters(t, w, &err) != MT_OK) return fail(err.message, NULL);
+        free(w);
+    }
     size_t n = (size_t)B * T * (size_t)c.padded_vocab_size;
     float* logits = (float*)malloc(sizeof(float) * n);
     if (!logits || mt_trainer_logits(t, tokens, logits, &err) != MT_OK) return fail(logits ? err.message : "out of memory", NULL);

@@ -197,7 +197,10 @@ def check_logits(name, fl, ours, mc, work, device, hf_logits):
         with open(tok, "wb") as f:
             f.write(struct.pack("<2i", *tokens.shape) + tokens.astype("<i4").tobytes())
         out = os.path.join(work, f"{name}_logits.bin")
-        r = subprocess.run([hf_logits, ours, tok, out], capture_output=True, text=True, env=GPU_ENV)
+        # a bf16 checkpoint's model tensors (what mcore loads) are its fp32 master rounded to bf16:
+        # fp32 compute on those same weights (hf_logits --bf16-weights)
+        same_weights = ["--bf16-weights"] if fl["precision"] == 1 else []
+        r = subprocess.run([hf_logits, ours, tok, out] + same_weights, capture_output=True, text=True, env=GPU_ENV)
         if r.returncode != 0:
             row(f"{name}: megatron.c logits (hf_logits)", False, r.stderr.strip()[-200:])
         else:
