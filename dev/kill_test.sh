@@ -13,7 +13,8 @@
 #                             complete one and the resumed run continues bitwise); SIGTERM with
 #                             --exit-signal-handler (saves, exits 0, and the resumed run's losses equal an
 #                             uninterrupted run's, bitwise)
-#   TRIALS=N (default 12) kills per tool; WORK=DIR (default /tmp/mt_kill_test.<pid>, removed at the end)
+#   TRIALS=N (default 12) kills per tool; WORK=DIR (default /tmp/mt_kill_test.<pid>, removed at the end);
+#   PARTS="cpu save async sigterm" (the default with gpu; cpu alone without) runs only the parts named
 #
 # What the readers are: prepro/dataset_info (the .bin/.idx reader) for datasets; convert_hf --export
 # (the checkpoint reader: every header word and the file sizes) for checkpoints; for a Hugging Face
@@ -23,6 +24,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-cpu}
 TRIALS=${TRIALS:-12}
+if [ "$what" = gpu ]; then PARTS=${PARTS:-cpu save async sigterm}; else PARTS=${PARTS:-cpu}; fi
+part() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 WORK=${WORK:-/tmp/mt_kill_test.$$}
 rm -rf "$WORK"
 mkdir -p "$WORK"
@@ -115,6 +118,7 @@ dataset_state() {
 
 summary() { sort | uniq -c | awk '{ printf "%s %s, ", $1, $2 }'; }
 
+if part cpu; then
 # ---- the inputs ----------------------------------------------------------------------------------
 echo "inputs in $WORK"
 python3 - "$WORK" <<'EOF'
@@ -258,12 +262,15 @@ for d in $(kill_points "$ms" "$renames"); do
 done
 echo "  exports found after the kills: $(echo $states | tr ' ' '\n' | summary)(${ms} ms a run, $renames renames)"
 
+fi # part cpu
+
 # ---- train_gpt (GPU) ---------------------------------------------------------------------------------
 if [ "$what" = gpu ]; then
   [ -x ./train_gpt ] && [ -x prepro/checkpoint_tool ] || { echo "./train_gpt or prepro/checkpoint_tool is not built"; exit 2; }
   TG=(./train_gpt --train-iters 40 --log-interval 1 --eval-interval 0 --sample-tokens 0)
   # the losses of log $1's iterations after $2, as printed (%.6E): two runs compare bitwise
   loss_after() { grep -o 'iteration *[0-9]*/ *40 .*lm loss: [0-9.E+-]*' "$1" | awk -v from="$2" '{ split($2, a, "/"); if (a[1] + 0 > from) print a[1], $NF }'; }
+  if part save; then
   echo "train_gpt: kill -9 while saving every 2 iterations, $TRIALS kills"
   ms=$(duration_ms "${TG[@]}" --save "$WORK/tg_ref" --save-interval 2)
   states=""
@@ -287,11 +294,13 @@ if [ "$what" = gpu ]; then
     fi
   done
   echo "  checkpoints found after the kills: $(echo $states | tr ' ' '\n' | summary)(${ms} ms a run)"
+  fi # part save
 
   # --async-save: a save every iteration, written in the background while the next steps run; kill -9
   # at random moments. The tracked checkpoint is always a complete one (its manifest verifies), the
   # newest complete one or (a kill between the rename and the tracker) the one before it; the run
   # resumed from it loads exactly it and its losses equal the uninterrupted run's, bitwise.
+  if part async; then
   ATRIALS=${ASYNC_TRIALS:-24}
   TA=("${TG[@]}" --async-save --save-interval 1)
   echo "train_gpt --async-save: kill -9 at random moments of a run saving every iteration, $ATRIALS kills"
@@ -326,7 +335,9 @@ if [ "$what" = gpu ]; then
       || fail "async: a killed save's leftovers survived the next save"
   done
   echo "  tracked checkpoints after the kills: $(echo $states | tr ' ' '\n' | summary)(${ms} ms a run)"
+  fi # part async
 
+  if part sigterm; then
   echo "train_gpt: SIGTERM with --exit-signal-handler, then resume"
   "${TG[@]}" --save "$WORK/tg_straight" >"$WORK/straight.log" 2>&1 || fail "the uninterrupted run failed"
   rm -rf "$WORK/tg_term"
@@ -348,6 +359,7 @@ if [ "$what" = gpu ]; then
   else
     fail "SIGTERM: the resumed losses differ from the uninterrupted run's (stop $stop)"
   fi
+  fi # part sigterm
 fi
 
 rm -rf "$WORK"
