@@ -1907,7 +1907,10 @@ mt_status mt_indexed_dataset_read(const mt_indexed_dataset* ds, int64_t seq, int
 }
 
 /* The writer keeps the lengths and document indices in memory (12 bytes per sequence, 8 per
- * document, as Megatron's builder does) and streams tokens through a 16 MiB buffer. */
+ * document, as Megatron's builder does) and streams tokens through a buffer that starts at 64 KiB and
+ * grows to 16 MiB as the tokens come (a small dataset does not map 16 MiB per writer: with ASan that
+ * mapping was most of a small preprocess run's time). */
+#define MT__WRITER_BUFFER_START ((size_t)64 << 10)
 #define MT__WRITER_BUFFER_BYTES ((size_t)16 << 20)
 
 struct mt_indexed_writer {
@@ -1921,7 +1924,7 @@ struct mt_indexed_writer {
     int dtype;
     size_t itemsize;
     unsigned char* buf;
-    size_t buf_used;
+    size_t buf_used, buf_cap;
     int32_t* lengths;
     int64_t num_sequences, lengths_cap;
     int64_t* docs;
@@ -1962,7 +1965,8 @@ mt_status mt_indexed_writer_open(mt_indexed_writer** out, const char* prefix, in
     w->idx_tmp = w->idx ? mt_temporary_path(w->idx) : NULL;
     w->bin_old = w->bin_tmp ? mt__concat(w->bin_tmp, ".old") : NULL;
     w->idx_old = w->idx_tmp ? mt__concat(w->idx_tmp, ".old") : NULL;
-    w->buf = (unsigned char*)malloc(MT__WRITER_BUFFER_BYTES);
+    w->buf_cap = MT__WRITER_BUFFER_START;
+    w->buf = (unsigned char*)malloc(w->buf_cap);
     w->docs_cap = w->lengths_cap = 1024;
     w->docs = (int64_t*)malloc((size_t)w->docs_cap * sizeof(int64_t));
     w->lengths = (int32_t*)malloc((size_t)w->lengths_cap * sizeof(int32_t));
@@ -1996,11 +2000,18 @@ static mt_status mt__writer_flush(mt_indexed_writer* w, mt_error* err) {
 static mt_status mt__writer_bytes(mt_indexed_writer* w, const void* data, size_t n, mt_error* err) {
     const unsigned char* p = (const unsigned char*)data;
     while (n > 0) {
-        if (w->buf_used == MT__WRITER_BUFFER_BYTES) {
+        if (w->buf_used == w->buf_cap && w->buf_cap < MT__WRITER_BUFFER_BYTES) { /* grow (if memory allows) */
+            unsigned char* bigger = (unsigned char*)realloc(w->buf, 4 * w->buf_cap);
+            if (bigger) {
+                w->buf = bigger;
+                w->buf_cap *= 4;
+            }
+        }
+        if (w->buf_used == w->buf_cap) {
             mt_status st = mt__writer_flush(w, err);
             if (st != MT_OK) return st;
         }
-        size_t k = MT__WRITER_BUFFER_BYTES - w->buf_used;
+        size_t k = w->buf_cap - w->buf_used;
         if (k > n) k = n;
         memcpy(w->buf + w->buf_used, p, k);
         w->buf_used += k;
@@ -2120,7 +2131,7 @@ static mt_status mt__write_idx(mt_indexed_writer* w, mt_error* err) {
     if (fd < 0) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", w->idx_tmp, strerror(errno));
     /* Reuse the token buffer: header, lengths, pointers (prefix sums), document indices. */
     unsigned char* b = w->buf;
-    size_t used = 0, cap = MT__WRITER_BUFFER_BYTES;
+    size_t used = 0, cap = w->buf_cap;
     int failed = 0;
 #define MT__IDX_PUT(src, n)                                                                          \
     do {                                                                                             \
