@@ -136,7 +136,8 @@ static const double TOL_BF16 = 1e-2, TOL_PAIR = 2e-2, TOL_STAT = 1e-4, TOL_EXACT
 static cudaStream_t S;
 static cudaEvent_t E0, E1;
 static mt_gpu_error GERR;
-static mt_gemm_context G;
+static mt_gemm_plans PLANS; /* the GEMM plan cache, as mt_trainer_create sets up t->gemm */
+static mt_exec G;           /* the launchers' context: stream, error, GEMM plans, micro-batch mode */
 static void* FLUSH = nullptr;
 static const size_t FLUSH_BYTES = (size_t)256 << 20;
 static double CEILING_GBS = 0.0;
@@ -455,7 +456,7 @@ static void item_residual_norm(bool rms) {
     auto restore = [&] { d2d(br, br0, n * sizeof(bf16)); };
     auto fused = [&] {
         residual_norm_forward_vec_kernel<bf16, RESIDUAL_NORM_MAXV><<<ceil_div(N, 8), 256, 0, S>>>(
-            sum, out, mean, rstd, res, br, bias, w, nb, N, C, EPS, rms, 0.0f);
+            sum, out, mean, rstd, res, br, bias, w, nb, N, C, EPS, rms, 0.0f, mt_dropout());
     };
     auto unfused_vec = [&] { /* the launchers' vectorised paths (every pointer is 16-byte aligned) */
         bias_residual<bf16>(&G, sum, res, br, bias, N, C);
@@ -772,7 +773,7 @@ static void item_norm_backward(bool rms, int N = BT, int C = HID) {
             CK(cudaMemsetAsync(dP, 0, C * sizeof(float), S));
         };
         auto fused = [&] {
-            norm_backward_fused<bf16>(&GERR, S, 1, rows_now, NORM_BWD_BLOCKS, dres, qa, qb, qc, dy, x, w, mean, rstd, N,
+            norm_backward_fused<bf16>(&G, 1, rows_now, NORM_BWD_BLOCKS, dres, qa, qb, qc, dy, x, w, mean, rstd, N,
                                       C, false);
             column_final_sums_kernel<<<dim3(ceil_div(C, 32), 3), dim3(32, 16), 0, S>>>(dW, qa, dB, qb, dP, qc, blocks, C, 1);
         };
@@ -832,7 +833,7 @@ static void item_norm_backward(bool rms, int N = BT, int C = HID) {
                 char vname[96];
                 snprintf(vname, sizeof vname, "staged, %d-row tiles, <= %d blocks", rows, cap);
                 variant(vname, nb, [&] {
-                    norm_backward_fused<bf16>(&GERR, S, 1, rows, cap, dres, qa, qb, qc, dy, x, w, mean, rstd, N, C,
+                    norm_backward_fused<bf16>(&G, 1, rows, cap, dres, qa, qb, qc, dy, x, w, mean, rstd, N, C,
                                               false);
                 });
             }
@@ -1874,6 +1875,7 @@ int main() {
     /* the GEMM context, as mt_trainer_create sets up t->gemm */
     memset(&GERR, 0, sizeof(GERR));
     GERR.status = MT_OK;
+    memset(&PLANS, 0, sizeof(PLANS));
     memset(&G, 0, sizeof(G));
     cublasHandle_t cublas;
     CKB(cublasCreate(&cublas));
@@ -1882,17 +1884,18 @@ int main() {
     void* workspace = nullptr;
     CK(cudaMalloc(&workspace, CUBLAS_WORKSPACE_BYTES));
     CKB(cublasSetWorkspace(cublas, workspace, CUBLAS_WORKSPACE_BYTES));
-    G.handle = cublas;
-    CKB(cublasLtCreate(&G.lt));
-    G.workspace = workspace;
-    G.workspace_bytes = CUBLAS_WORKSPACE_BYTES;
-    G.plans = (mt_gemm_plan*)calloc(GEMM_MAX_PLANS, sizeof(mt_gemm_plan));
-    if (!G.plans) {
+    PLANS.handle = cublas;
+    CKB(cublasLtCreate(&PLANS.lt));
+    PLANS.workspace = workspace;
+    PLANS.workspace_bytes = CUBLAS_WORKSPACE_BYTES;
+    PLANS.plans = (mt_gemm_plan*)calloc(GEMM_MAX_PLANS, sizeof(mt_gemm_plan));
+    if (!PLANS.plans) {
         fprintf(stderr, "cannot allocate the GEMM plan cache\n");
         return 2;
     }
-    G.num_plans = 0;
-    G.accumulate_gradients = 1; /* the column sums add to their destination, as for a later micro-batch */
+    PLANS.num_plans = 0;
+    G.gemm = &PLANS;
+    G.mode.accumulate_gradients = 1; /* the column sums add to their destination, as for a later micro-batch */
     G.stream = S;
     G.error = &GERR;
 
@@ -1924,8 +1927,8 @@ int main() {
     print_table();
 
     CK(cudaStreamSynchronize(S));
-    gemm_plans_free(&G);
-    CKB(cublasLtDestroy(G.lt));
+    gemm_plans_free(&PLANS);
+    CKB(cublasLtDestroy(PLANS.lt));
     CKB(cublasDestroy(cublas));
     CK(cudaFree(workspace));
     CK(cudaFree(FLUSH));
