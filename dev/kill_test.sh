@@ -272,7 +272,7 @@ if [ "$what" = gpu ]; then
   TG=(./train_gpt --train-iters 40 --log-interval 1 --eval-interval 0 --sample-tokens 0 --num-layers 2 --hidden-size 64
       --num-attention-heads 2)
   # the losses of log $1's iterations after $2, as printed (%.6E): two runs compare bitwise
-  loss_after() { grep -o 'iteration *[0-9]*/ *40 .*lm loss: [0-9.E+-]*' "$1" | awk -v from="$2" '{ split($2, a, "/"); if (a[1] + 0 > from) print a[1], $NF }'; }
+  loss_after() { grep -o 'iteration *[0-9]*/ *[0-9]* .*lm loss: [0-9.E+-]*' "$1" | awk -v from="$2" '{ split($2, a, "/"); if (a[1] + 0 > from) print a[1], $NF }'; }
   if part save; then
   echo "train_gpt: kill -9 while saving every 2 iterations, $TRIALS kills"
   ms=$(duration_ms "${TG[@]}" --save "$WORK/tg_ref" --save-interval 2)
@@ -342,11 +342,14 @@ if [ "$what" = gpu ]; then
 
   if part sigterm; then
   echo "train_gpt: SIGTERM with --exit-signal-handler, then resume"
-  "${TG[@]}" --save "$WORK/tg_straight" >"$WORK/straight.log" 2>&1 || fail "the uninterrupted run failed"
+  # 400 iterations (the small model runs a few ms each): the signal, sent once iteration 12 is logged,
+  # lands well before the end
+  TS=("${TG[@]}" --train-iters 400)
+  "${TS[@]}" --save "$WORK/tg_straight" >"$WORK/straight.log" 2>&1 || fail "the uninterrupted run failed"
   rm -rf "$WORK/tg_term"
-  "${TG[@]}" --save "$WORK/tg_term" --exit-signal-handler >"$WORK/term.log" 2>&1 &
+  "${TS[@]}" --save "$WORK/tg_term" --exit-signal-handler >"$WORK/term.log" 2>&1 &
   pid=$!
-  for _ in $(seq 1 600); do grep -q "iteration       12/" "$WORK/term.log" 2>/dev/null && break; sleep 0.1; done
+  for _ in $(seq 1 600); do grep -q "iteration  *12/" "$WORK/term.log" 2>/dev/null && break; sleep 0.05; done
   kill -TERM "$pid"
   wait "$pid"
   rc=$?
@@ -354,11 +357,12 @@ if [ "$what" = gpu ]; then
   grep -q "exiting program after receiving SIGTERM" "$WORK/term.log" || fail "SIGTERM: no 'exiting program' line"
   stop=$(cat "$WORK/tg_term/latest_checkpointed_iteration.txt" 2>/dev/null || echo none)
   grep -q "saved checkpoint at iteration $stop " "$WORK/term.log" || fail "SIGTERM: no checkpoint saved at the stop ($stop)"
-  "${TG[@]}" --load "$WORK/tg_term" --save "$WORK/tg_term" >"$WORK/resume.log" 2>&1 || fail "SIGTERM: the resume failed"
+  grep -q "iteration  *400/" "$WORK/term.log" && fail "SIGTERM: the run reached its end before the signal"
+  "${TS[@]}" --load "$WORK/tg_term" --save "$WORK/tg_term" >"$WORK/resume.log" 2>&1 || fail "SIGTERM: the resume failed"
   # the losses after the stop equal the uninterrupted run's, bitwise (as printed: %.6E)
   if [ "$stop" != none ] && [ "$(loss_after "$WORK/resume.log" "$stop")" = "$(loss_after "$WORK/straight.log" "$stop")" ] \
      && [ -n "$(loss_after "$WORK/resume.log" "$stop")" ]; then
-    echo "  stopped at iteration $stop, resumed: iterations $((stop + 1))..40 equal the uninterrupted run's"
+    echo "  stopped at iteration $stop, resumed: iterations $((stop + 1))..400 equal the uninterrupted run's"
   else
     fail "SIGTERM: the resumed losses differ from the uninterrupted run's (stop $stop)"
   fi
