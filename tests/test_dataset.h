@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <vector>
 
 #include "test_common.h"
 
@@ -663,6 +664,83 @@ static test_result test_dataset_writer_roundtrip(void) {
     return TEST_PASS;
 }
 
+/* The writer's token buffer starts at 64 KiB and grows to 16 MiB, flushing whenever it is full, and
+ * the .idx goes through the same buffer: a 24 MB dataset (int32 tokens, documents of 1 to 70,000
+ * tokens over 1-3 sequences: every growth step and several flushes) and a dataset of 12,000 one-token
+ * sequences (a 24 KB .bin, so the buffer stays 64 KiB, and a 240 KB .idx that must be flushed
+ * through it) read back token by token, sequence by sequence and document by document. */
+static test_result test_dataset_writer_large(void) {
+    mt_error err_, *err = &err_;
+    char dir[256], big[300], many[300];
+    EXPECT(tds_tmpdir(dir, sizeof(dir)) == 0, "mkdtemp");
+    snprintf(big, sizeof(big), "%s/big", dir);
+    snprintf(many, sizeof(many), "%s/many", dir);
+    const int64_t total = 6000000;
+    std::vector<int32_t> tokens((size_t)total);
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    for (auto& t : tokens) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        t = (int32_t)(x >> 33);
+    }
+    std::vector<int64_t> seq_len, doc_start; /* what was written, to compare */
+    mt_indexed_writer* w = NULL;
+    EXPECT_OK(mt_indexed_writer_open(&w, big, MT_DTYPE_INT32, err), err);
+    for (int64_t at = 0; at < total;) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        int64_t n = 1 + (int64_t)((x >> 33) % 70000);
+        if (n > total - at) n = total - at;
+        int64_t parts[3] = {n, 0, 0}, np = 1;
+        if (n >= 3 && (x >> 20) % 2) { /* three sequences */
+            parts[0] = n / 3;
+            parts[1] = n / 3;
+            parts[2] = n - 2 * (n / 3);
+            np = 3;
+        }
+        doc_start.push_back((int64_t)seq_len.size());
+        for (int64_t k = 0; k < np; k++) seq_len.push_back(parts[k]);
+        EXPECT_OK(mt_indexed_writer_add_document(w, tokens.data() + at, parts, np, err), err);
+        at += n;
+    }
+    EXPECT_OK(mt_indexed_writer_finalize(w, err), err);
+    mt_indexed_dataset* ds = NULL;
+    EXPECT_OK(mt_indexed_dataset_open(&ds, big, err), err);
+    EXPECT(mt_indexed_dataset_num_tokens(ds) == total && mt_indexed_dataset_num_sequences(ds) == (int64_t)seq_len.size() &&
+               mt_indexed_dataset_num_documents(ds) == (int64_t)doc_start.size(),
+           "counts: %lld tokens, %lld sequences, %lld documents", (long long)mt_indexed_dataset_num_tokens(ds),
+           (long long)mt_indexed_dataset_num_sequences(ds), (long long)mt_indexed_dataset_num_documents(ds));
+    std::vector<int32_t> got(70000);
+    int64_t at = 0;
+    for (int64_t s = 0; s < (int64_t)seq_len.size(); s++) {
+        EXPECT(mt_indexed_dataset_sequence_length(ds, s) == seq_len[(size_t)s], "sequence %lld's length", (long long)s);
+        EXPECT_OK(mt_indexed_dataset_read(ds, s, 0, seq_len[(size_t)s], got.data(), err), err);
+        EXPECT(memcmp(got.data(), tokens.data() + at, sizeof(int32_t) * (size_t)seq_len[(size_t)s]) == 0,
+               "sequence %lld's tokens", (long long)s);
+        at += seq_len[(size_t)s];
+    }
+    for (size_t d = 0; d < doc_start.size(); d++)
+        EXPECT(mt_indexed_dataset_document_start(ds, (int64_t)d) == doc_start[d], "document %zu's start", d);
+    mt_indexed_dataset_close(ds);
+
+    EXPECT_OK(mt_indexed_writer_open(&w, many, MT_DTYPE_UINT16, err), err);
+    for (int32_t k = 0; k < 12000; k++) {
+        int32_t t = k % 65536;
+        int64_t one = 1;
+        EXPECT_OK(mt_indexed_writer_add_document(w, &t, &one, 1, err), err);
+    }
+    EXPECT_OK(mt_indexed_writer_finalize(w, err), err);
+    EXPECT_OK(mt_indexed_dataset_open(&ds, many, err), err);
+    EXPECT(mt_indexed_dataset_num_sequences(ds) == 12000 && mt_indexed_dataset_num_documents(ds) == 12000,
+           "12000 one-token documents");
+    for (int64_t s = 0; s < 12000; s++) {
+        int32_t t = -1;
+        EXPECT_OK(mt_indexed_dataset_read(ds, s, 0, 1, &t, err), err);
+        EXPECT(t == (int32_t)s && mt_indexed_dataset_document_start(ds, s) == s, "document %lld", (long long)s);
+    }
+    mt_indexed_dataset_close(ds);
+    EXPECT(tds_rmdir(dir) == 4, "expected exactly the two datasets' four files");
+    return TEST_PASS;
+}
+
 static test_result test_dataset_writer_abort(void) {
     char dir[256], prefix[300];
     mt_indexed_writer* w = NULL;
@@ -811,6 +889,7 @@ static const test_case dataset_tests[] = {
     {"dataset_reader", test_dataset_reader},
     {"dataset_reader_rejects", test_dataset_reader_rejects},
     {"dataset_writer_roundtrip", test_dataset_writer_roundtrip},
+    {"dataset_writer_large", test_dataset_writer_large},
     {"dataset_writer_abort", test_dataset_writer_abort},
     {"dataset_merge", test_dataset_merge},
     {"dataset_npy", test_dataset_npy},
