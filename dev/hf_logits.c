@@ -12,9 +12,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <math.h>
 
 #include "megatron.h"
+#define MT_SAFETENSORS_IMPLEMENTATION
+#include "prepro/safetensors.h" /* mt_st_f32_to_bf16: round to nearest even, as torch's .to(bfloat16) */
 
 static int fail(const char* what, const char* detail) {
     fprintf(stderr, "hf_logits: %s%s%s\n", what, detail ? ": " : "", detail ? detail : "");
@@ -59,16 +60,11 @@ int main(int argc, char** argv) {
     if (mt_config_finalize(&c, &err) != MT_OK || mt_trainer_create(&t, &c, &err) != MT_OK ||
         mt_trainer_load(t, dir, -1, NULL, NULL, &err) != MT_OK)
         return fail(err.message, NULL);
-    if (bf16_weights) { /* every weight rounded to bf16 (to nearest, ties to even), computed in fp32 */
+    if (bf16_weights) { /* every weight rounded to bf16, computed in fp32 */
         const int64_t np = mt_num_parameters(&c);
         float* w = (float*)malloc(sizeof(float) * (size_t)np);
         if (!w || mt_trainer_get_parameters(t, w, &err) != MT_OK) return fail(w ? err.message : "out of memory", NULL);
-        for (int64_t i = 0; i < np; i++) {
-            uint32_t u;
-            memcpy(&u, &w[i], 4);
-            if (!isnan(w[i])) u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-            memcpy(&w[i], &u, 4);
-        }
+        for (int64_t i = 0; i < np; i++) w[i] = mt_st_bf16_to_f32(mt_st_f32_to_bf16(w[i]));
         if (mt_trainer_set_parameters(t, w, &err) != MT_OK) return fail(err.message, NULL);
         free(w);
     }

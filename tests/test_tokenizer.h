@@ -1161,7 +1161,6 @@ static test_result test_tokenizer_preprocess_compressed(void) {
     return TEST_PASS;
 }
 
-
 /* A token whose decoded bytes are none at all (a Replace decoder that removes U+2581, so the token
  * "\u2581" decodes to nothing) is still a token: text encoded into it decodes (a fuzz finding:
  * decode called it "not in the vocabulary"), and an id outside the vocabulary is still refused. */
@@ -1194,10 +1193,9 @@ static test_result test_tokenizer_empty_token(void) {
     int used = 0;
     for (size_t i = 0; i < count; i++) used |= ids[i] == space;
     mt_status st = mt_tokenizer_decode(tok, ids, count, &out, &n, &err);
-    int bad = 0;
     int32_t outside = (int32_t)mt_tokenizer_vocab_size(tok);
     char* none = NULL;
-    bad = mt_tokenizer_decode(tok, &outside, 1, &none, &n, &err) != MT_ERR_RANGE;
+    const int bad = mt_tokenizer_decode(tok, &outside, 1, &none, &n, &err) != MT_ERR_RANGE;
     free(none);
     free(ids);
     mt_tokenizer_free(tok);
