@@ -787,6 +787,7 @@ int main(int argc, char** argv) {
         snprintf(tracker, sizeof(tracker), "%s/latest_checkpointed_iteration.txt", o.load);
         if (access(tracker, R_OK) == 0) {
             /* --no-load-optim / --finetune: the weights only; --finetune also starts at iteration 0 */
+            double load_start = now_seconds();
             mt_status st = o.no_load_optim || o.finetune
                                ? mt_trainer_load_weights(t, o.load, -1, &iteration, &consumed, &err)
                                : mt_trainer_load(t, o.load, -1, &iteration, &consumed, &err);
@@ -797,8 +798,8 @@ int main(int argc, char** argv) {
                 fprintf(stderr, "warning: %s: the tracker's iteration %lld failed its manifest check (prepro/checkpoint_tool "
                         "verify says why); loaded iteration %lld, the newest complete one\n", o.load, (long long)tracked,
                         (long long)iteration);
-            printf("loaded checkpoint from %s at iteration %lld (%lld samples consumed)%s\n", o.load,
-                   (long long)iteration, (long long)consumed,
+            printf("loaded checkpoint from %s at iteration %lld (%lld samples consumed) in %.1f ms%s\n", o.load,
+                   (long long)iteration, (long long)consumed, 1e3 * (now_seconds() - load_start),
                    o.finetune ? ": weights only, starting at iteration 0 (--finetune)"
                    : o.no_load_optim ? ": weights only (--no-load-optim)" : "");
             if (o.finetune) iteration = consumed = 0;
