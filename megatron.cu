@@ -6543,6 +6543,7 @@ typedef struct {
     char path[4300];
     char* bytes;
     size_t size;
+    uint32_t crc; /* CRC-32C of the bytes, computed by the writer as it writes them (for the manifest) */
 } staged_file;
 
 /* A save between its staging and its commit. The writer thread (async) touches only the staged
@@ -6583,11 +6584,20 @@ static mt_status stage_checkpoint_file(mt_trainer* t, const int64_t* header, int
     return st;
 }
 
-/* Writes a staged file to its path, fsync'ed with its directory. */
-static mt_status write_staged_file(const staged_file* sf, mt_error* err) {
+/* Writes a staged file to its path, fsync'ed with its directory, and its CRC-32C from the bytes as
+ * they go (64 MiB pieces, each checksummed while it is in the cache, then written). */
+static mt_status write_staged_file(staged_file* sf, mt_error* err) {
     FILE* f = fopen(sf->path, "wb");
     if (!f) return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", sf->path, strerror(errno));
-    mt_status st = write_all(f, sf->bytes, sf->size, sf->path, err);
+    mt_status st = MT_OK;
+    uint32_t crc = 0;
+    const size_t piece = (size_t)64 << 20;
+    for (size_t at = 0; at < sf->size && st == MT_OK; at += piece) {
+        size_t n = sf->size - at < piece ? sf->size - at : piece;
+        crc = mt_crc32c_extend(crc, sf->bytes + at, n);
+        st = write_all(f, sf->bytes + at, n, sf->path, err);
+    }
+    sf->crc = crc;
     if (st == MT_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
         st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", sf->path, strerror(errno));
     if (fclose(f) != 0 && st == MT_OK) st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", sf->path, strerror(errno));
@@ -6619,15 +6629,65 @@ static void model_rank_dir(const mt_trainer* t, char* buf, size_t size, const ch
     else snprintf(buf, size, "%s/mp_rank_%02d", parent, tp);
 }
 
+/* The writers' checksums, gathered to rank 0 for the manifest (so the commit, which runs in the step
+ * loop, does not read the checkpoint back): rank 0 names every rank's files the way begin_save does
+ * (the distributed optimizer's shard file, then the model file of DP rank 0), and each file's CRC and
+ * size arrive over the world group, the writing rank contributing them and the others zeros. Four
+ * one-number all-reduces a rank: a few milliseconds at the world sizes this trainer runs. Collective. */
+static mt_status gather_file_checksums(mt_trainer* t, const struct mt_async_save* a, mt_checkpoint_file_crc** known,
+                                       int* num_known, mt_error* err) {
+    const int world = t->cfg.world_size;
+    mt_checkpoint_file_crc* k = NULL;
+    if (t->cfg.rank == 0 && !(k = (mt_checkpoint_file_crc*)calloc((size_t)world * 2, sizeof(*k))))
+        return mt_fail(err, MT_ERR_OOM, "out of memory gathering the checkpoint's checksums");
+    int n = 0;
+    mt_status st = MT_OK;
+    for (int r = 0; r < world && st == MT_OK; r++) {
+        mt_rank_coords rc = mt_rank_coordinates(&t->cfg, r);
+        char rank_dir[64];
+        model_rank_dir(t, rank_dir, sizeof(rank_dir), "", rc.tp, rc.pp); /* "/mp_rank_..." */
+        const char* names[2];
+        char shard_name[48];
+        int files = 0;
+        snprintf(shard_name, sizeof(shard_name), "distrib_optim_dp%03d.bin", rc.dp);
+        if (t->sharded) names[files++] = shard_name;
+        if (rc.dp == 0) names[files++] = "model_optim_rng.bin";
+        for (int f = 0; f < files && st == MT_OK; f++) {
+            int mine = r == t->cfg.rank && f < a->num_files;
+            double crc = mine ? (double)a->files[f].crc : 0.0, size = mine ? (double)a->files[f].size : 0.0;
+            st = all_reduce_sum(t, &crc, GROUP_WORLD, err);
+            if (st == MT_OK) st = all_reduce_sum(t, &size, GROUP_WORLD, err);
+            if (st == MT_OK && k) {
+                snprintf(k[n].path, sizeof(k[n].path), "%s/%s", rank_dir + 1, names[f]);
+                k[n].crc = (uint32_t)crc;
+                k[n++].size = (int64_t)size;
+            }
+        }
+    }
+    if (st != MT_OK) {
+        free(k);
+        return st;
+    }
+    *known = k;
+    *num_known = n;
+    return MT_OK;
+}
+
 /* Rank 0 commits a save whose files every rank has written: the manifest (every rank's files with
  * their checksums: the commit marker, megatron.h), the rename into place (replacing an older copy of
  * the same iteration), then the tracker. Collective. */
 static mt_status commit_save(mt_trainer* t, struct mt_async_save* a, mt_error* err) {
-    mt_status st = MT_OK;
+    mt_checkpoint_file_crc* known = NULL;
+    int num_known = 0;
+    mt_status st = gather_file_checksums(t, a, &known, &num_known, err);
+    if (!all_ranks_ok(t, st == MT_OK)) {
+        free(known);
+        return other_rank_failed(st, err, "saving", a->final_dir);
+    }
     if (t->cfg.rank == 0) {
         char old_dir[4160];
         snprintf(old_dir, sizeof(old_dir), "%s.old", a->final_dir);
-        st = mt_checkpoint_manifest_write(a->tmp_dir, err);
+        st = mt_checkpoint_manifest_write_known(a->tmp_dir, known, num_known, err);
         if (st != MT_OK) mt_remove_tree(a->tmp_dir);
         else if (rename(a->final_dir, old_dir) != 0 && errno != ENOENT) /* an older copy of this iteration steps aside */
             st = mt_fail(err, MT_ERR_IO, "cannot replace %s: %s", a->final_dir, strerror(errno));
@@ -6639,6 +6699,7 @@ static mt_status commit_save(mt_trainer* t, struct mt_async_save* a, mt_error* e
         else rename(old_dir, a->final_dir); /* the new one did not arrive: the old one comes back */
         if (st == MT_OK) st = mt_checkpoint_write_tracker(a->dir, a->iteration, err);
     }
+    free(known);
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", a->final_dir);
     return mt_gpu_error_return(&t->error, err);
 }
@@ -6667,6 +6728,38 @@ static mt_status finish_save(mt_trainer* t, int blocking, int64_t* committed, mt
     st = commit_save(t, a, err);
     if (st == MT_OK && committed) *committed = a->iteration;
     return st;
+}
+
+/* The async staging: pinned host memory (the copies run at the link's speed), grown to `total` bytes
+ * and kept for the next save. Not while a save is pending (its writer reads it). */
+static mt_status reserve_pinned_staging(struct mt_async_save* a, size_t total, mt_error* err) {
+    if (total <= a->pinned_bytes) return MT_OK;
+    if (a->pending) return mt_fail(err, MT_ERR_ARG, "the async save's staging cannot grow while a save is pending");
+    if (a->pinned) cudaFreeHost(a->pinned);
+    a->pinned = NULL;
+    a->pinned_bytes = 0;
+    if (cudaMallocHost((void**)&a->pinned, total) != cudaSuccess) {
+        cudaGetLastError(); /* a failed allocation leaves no sticky error; clear it */
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate %zu bytes of pinned host memory for --async-save", total);
+    }
+    a->pinned_bytes = total;
+    return MT_OK;
+}
+
+/* This rank's checkpoint bytes: the distributed optimizer's shard file, the model file on DP rank 0. */
+static size_t rank_checkpoint_bytes(mt_trainer* t) {
+    int64_t header[MT_CK_HEADER_WORDS];
+    fill_header(t, header, 0, 0);
+    size_t total = 0;
+    if (t->sharded) total += (size_t)mt_checkpoint_file_bytes(header, 1);
+    if (t->groups.dp_rank == 0) total += (size_t)mt_checkpoint_file_bytes(header, 0);
+    return total;
+}
+
+mt_status mt_trainer_reserve_async_save(mt_trainer* t, mt_error* err) {
+    if (!t->async_save && !(t->async_save = (struct mt_async_save*)calloc(1, sizeof(struct mt_async_save))))
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate the checkpoint writer's state");
+    return reserve_pinned_staging(t->async_save, rank_checkpoint_bytes(t), err);
 }
 
 /* A save: rank 0 makes the temporary directory; every rank stages its files in host memory (the
@@ -6723,13 +6816,7 @@ static mt_status begin_save(mt_trainer* t, const char* dir, int64_t iteration, i
     }
     for (int i = 0; i < a->num_files; i++) total += a->files[i].size;
     char* stage = NULL;
-    if (async && total > a->pinned_bytes) { /* pinned, so the copies run at the link's speed; kept for the next save */
-        if (a->pinned) cudaFreeHost(a->pinned);
-        a->pinned = NULL;
-        a->pinned_bytes = 0;
-        if (cudaMallocHost((void**)&a->pinned, total) == cudaSuccess) a->pinned_bytes = total;
-        else st = mt_fail(err, MT_ERR_OOM, "cannot allocate %zu bytes of pinned host memory for --async-save", total);
-    }
+    if (async) st = reserve_pinned_staging(a, total, err);
     if (async) stage = a->pinned;
     else if (total > 0 && !(stage = (char*)malloc(total)))
         st = mt_fail(err, MT_ERR_OOM, "cannot allocate %zu bytes to save a checkpoint", total);

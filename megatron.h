@@ -1117,6 +1117,18 @@ int mt_make_directories(const char* path);
 #define MT_CKPT_MANIFEST "manifest.txt"
 /* Lists iter_dir's files into iter_dir/manifest.txt (reading every byte once). */
 mt_status mt_checkpoint_manifest_write(const char* iter_dir, mt_error* err);
+/* A file whose size and CRC-32C its writer computed from the bytes it wrote (path relative to the
+ * iteration directory). */
+typedef struct {
+    char path[256];
+    int64_t size;
+    uint32_t crc;
+} mt_checkpoint_file_crc;
+/* The same manifest, taking the checksum of each listed file that `known` names with the size the
+ * file has on disk from there instead of reading it (a trainer's save: its writers checksummed the
+ * bytes as they wrote them, so the commit does not read the checkpoint back); other files are read. */
+mt_status mt_checkpoint_manifest_write_known(const char* iter_dir, const mt_checkpoint_file_crc* known, int num_known,
+                                             mt_error* err);
 /* Reads iter_dir/manifest.txt and checks every listed file is there, a regular file of that size and
  * checksum, and that no file is there that it does not list; one line names the first bad file
  * (MT_ERR_IO when the manifest itself is missing or unreadable, else MT_ERR_FORMAT). */
@@ -1288,6 +1300,10 @@ mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int
 mt_status mt_trainer_save_async(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples,
                                 mt_error* err);
 mt_status mt_trainer_save_wait(mt_trainer* t, int blocking, int64_t* committed_iteration, mt_error* err);
+/* Allocates the async save's pinned staging now (this rank's checkpoint bytes: about 12 bytes a
+ * parameter), so the first mt_trainer_save_async pays only its copies; else the first save allocates
+ * it. Not collective; refused while a save is pending. */
+mt_status mt_trainer_reserve_async_save(mt_trainer* t, mt_error* err);
 /* Loads the latest checkpoint under dir (or iteration `iteration` if >= 0); refuses one of another
  * model shape. Its manifest is verified first (mt_checkpoint_select, by rank 0): when the tracker's
  * iteration fails and an older one verifies, that one is loaded (the caller sees it in
@@ -5159,6 +5175,11 @@ static mt_status mt__file_checksum(const char* path, unsigned char* buf, size_t 
 #define MT__CHECKSUM_BUFFER ((size_t)8 << 20)
 
 mt_status mt_checkpoint_manifest_write(const char* iter_dir, mt_error* err) {
+    return mt_checkpoint_manifest_write_known(iter_dir, NULL, 0, err);
+}
+
+mt_status mt_checkpoint_manifest_write_known(const char* iter_dir, const mt_checkpoint_file_crc* known, int num_known,
+                                             mt_error* err) {
     mt__file_list l = {NULL, 0, 0};
     mt_status st = mt__list_files(iter_dir, "", &l, 0, err);
     if (st == MT_OK && l.count > 0) qsort(l.paths, (size_t)l.count, sizeof(char*), mt__strcmp_ptr);
@@ -5172,7 +5193,16 @@ mt_status mt_checkpoint_manifest_write(const char* iter_dir, mt_error* err) {
         snprintf(path, sizeof(path), "%s/%s", iter_dir, l.paths[i]);
         int64_t size = 0;
         uint32_t crc = 0;
-        st = mt__file_checksum(path, buf, MT__CHECKSUM_BUFFER, &size, &crc, err);
+        const mt_checkpoint_file_crc* k = NULL;
+        for (int j = 0; j < num_known && !k; j++)
+            if (!strcmp(known[j].path, l.paths[i])) k = &known[j];
+        struct stat sb;
+        if (k && stat(path, &sb) == 0 && S_ISREG(sb.st_mode) && (int64_t)sb.st_size == k->size) {
+            size = k->size;
+            crc = k->crc;
+        } else {
+            st = mt__file_checksum(path, buf, MT__CHECKSUM_BUFFER, &size, &crc, err);
+        }
         size_t need = n + strlen(l.paths[i]) + 64;
         if (st == MT_OK && need > cap) {
             char* grown = (char*)realloc(text, need * 2);

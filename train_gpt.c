@@ -780,6 +780,8 @@ int main(int argc, char** argv) {
     if (created != MT_OK) die(1, "%s", err.message);
     if (mt_trainer_on_collective_timeout(t, collective_timeout, NULL, &err) != MT_OK) die(1, "%s", err.message);
     print_memory_plan(t, c);
+    /* --async-save: the pinned staging now, so the first save's stall is only its copy */
+    if (o.async_save && o.save && mt_trainer_reserve_async_save(t, &err) != MT_OK) die(1, "%s", err.message);
 
     int64_t iteration = 0, consumed = 0, consumed_valid = 0;
     if (o.load) {

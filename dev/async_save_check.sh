@@ -1,30 +1,31 @@
 #!/usr/bin/env bash
 # dev/async_save_check.sh — what a checkpoint save costs the step loop, with and without --async-save,
-# on one GPU, for the GPT-2 1.5B shape (bf16, --mock-data): ITERS steps (20) saving every INTERVAL (10)
-# iterations into OUT, once synchronously and once with --async-save. Prints the disk's own write
-# speed (dd of 4 GiB with fsync), then per run the step loop's wait for each save (train_gpt's "the
-# step loop waited" / "staged in" lines: for async the device-to-host copy into pinned memory, plus
+# on one GPU, for the GPT-2 1.5B shape (bf16, --mock-data): ITERS steps (200) saving every INTERVAL
+# (100) iterations into OUT (long enough for the background write of ~19 GB to end before the next
+# save), once synchronously and once with --async-save. Prints the disk's own write speed (dd of
+# 4 GiB with fsync), then per run the step loop's wait for each save (train_gpt's "the step loop
+# waited" / "staged in" lines: for async the device-to-host copy into pinned memory, plus
 # any earlier save still being written), the mean iteration time and, for the sync run, the save's
 # bandwidth (checkpoint bytes over its wait); then the load time of the last checkpoint (train_gpt
 # --load's "in N ms"). Checks that both runs' last checkpoints are identical (their manifests, which
 # hold every file's size and CRC-32C, are equal: a 1.5B checkpoint is ~19 GB, so the sync run's are
 # deleted before the async run to fit a 64 GiB disk) and that the losses of the two runs are equal.
-# The first async save also allocates its pinned staging (12 bytes per parameter: about 19 GB here),
-# kept for the later ones.
+# With --async-save train_gpt allocates the pinned staging (12 bytes per parameter: about 19 GB here)
+# at startup, so every save's stall is its device-to-host copy.
 #
 # Run from the repository root on a GPU machine after `make train_gpt`:
-#   dev/async_save_check.sh        Environment: ITERS (20), INTERVAL (10), OUT (/tmp/async_save_check)
+#   dev/async_save_check.sh        Environment: ITERS (200), INTERVAL (100), OUT (/tmp/async_save_check)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/async_save_check}
-ITERS=${ITERS:-20}
-INTERVAL=${INTERVAL:-10}
+ITERS=${ITERS:-200}
+INTERVAL=${INTERVAL:-100}
 rm -rf "$OUT"
 mkdir -p "$OUT"
 gpt15="--num-layers 48 --hidden-size 1600 --num-attention-heads 25 --seq-length 1024 --max-position-embeddings 1024 \
   --vocab-size 50257"
 common="--mock-data --tokenizer-type NullTokenizer --bf16 --micro-batch-size 8 --global-batch-size 8 --train-iters $ITERS \
-  --log-interval 1 --lr 1e-4 --eval-iters 0 --sample-tokens 0 --save-interval $INTERVAL"
+  --log-interval 10 --lr 1e-4 --eval-iters 0 --sample-tokens 0 --save-interval $INTERVAL"
 fail=0
 dd if=/dev/zero of="$OUT/dd.bin" bs=64M count=64 conv=fsync 2>"$OUT/dd.log" \
   && echo "disk: $(tail -n1 "$OUT/dd.log" | sed 's/.*, //') writing 4 GiB with fsync (dd)"

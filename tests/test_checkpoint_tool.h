@@ -144,6 +144,40 @@ static test_result test_manifest_write_verify(void) {
     return TEST_PASS;
 }
 
+/* The manifest from the writers' checksums (a trainer's save): the same text as reading the files;
+ * a known entry whose size is not the file's is not trusted (the file is read); a known checksum is
+ * taken as given, so a wrong one makes a manifest that verify refuses (the trainer's must be right). */
+static test_result test_manifest_write_known(void) {
+    char dir[256], path[600];
+    mt_error err;
+    ckt_dir(dir, sizeof(dir), "manifest_known");
+    mt_remove_tree(dir);
+    if (ckt_tree(dir) != TEST_PASS) return TEST_FAIL;
+    EXPECT_OK(mt_checkpoint_manifest_write(dir, &err), &err);
+    snprintf(path, sizeof(path), "%s/manifest.txt", dir);
+    char* read_back = test_read_file(path, NULL);
+    EXPECT(read_back != NULL, "read the manifest");
+    unsigned char data[3000];
+    for (size_t k = 0; k < sizeof(data); k++) data[k] = (unsigned char)(k * 7 + 1 * 31); /* sub/b.bin's bytes */
+    mt_checkpoint_file_crc known[2] = {{"sub/b.bin", 2000, mt_tb_crc32c(data, 2000)}, {"a.bin", 999, 0xdeadbeefu}};
+    EXPECT_OK(mt_checkpoint_manifest_write_known(dir, known, 2, &err), &err);
+    char* from_known = test_read_file(path, NULL);
+    EXPECT(from_known && !strcmp(read_back, from_known), "known checksums:\n%s\nread back:\n%s",
+           from_known ? from_known : "(none)", read_back);
+    EXPECT_OK(mt_checkpoint_manifest_verify(dir, &err), &err);
+    /* a.bin's size right this time, its checksum wrong: taken as given, refused by verify */
+    known[1].size = 1000;
+    EXPECT_OK(mt_checkpoint_manifest_write_known(dir, known, 2, &err), &err);
+    err.message[0] = 0;
+    mt_status st = mt_checkpoint_manifest_verify(dir, &err);
+    EXPECT(st != MT_OK && strstr(err.message, "a.bin is corrupted"), "status %s, message '%s'", mt_status_name(st),
+           err.message);
+    free(read_back);
+    free(from_known);
+    mt_remove_tree(dir);
+    return TEST_PASS;
+}
+
 /* ---- synthetic checkpoints in the trainer's format ---------------------------------------- */
 
 typedef struct {
@@ -1032,6 +1066,7 @@ static const test_case checkpoint_tool_gpu_tests[] = {
 static const test_case checkpoint_tool_tests[] = {
     {"crc32c_streams", test_crc32c_streams},
     {"manifest_write_verify", test_manifest_write_verify},
+    {"manifest_write_known", test_manifest_write_known},
     {"select_falls_back", test_select_falls_back},
     {"verify_catches_damage", test_verify_catches_damage},
     {"reshard_gpt2_tied", test_reshard_gpt2_tied},

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Per-kernel GPU time of one train_gpt iteration, from Nsight Compute (ncu), summed by kernel name
 # (clocks left as they run, --clock-control none, so the times compare with a torch.profiler trace).
-#   dev/bench/profile_kernels.sh [train_gpt flags...]   (default: GPT-2 124M, T=1024, micro-batch 8)
+#   [TOP=25] dev/bench/profile_kernels.sh [train_gpt flags...]   (default: GPT-2 124M, T=1024, micro-batch 8;
+#   TOP: how many kernels the table lists, the most expensive first)
 # Needs dev/data/tinyshakespeare_text_document.{bin,idx} (run ./train_gpt once) and ncu on the PATH.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,7 +17,7 @@ if [ ${#ARGS[@]} -eq 0 ]; then
 fi
 ./train_gpt "${ARGS[@]}" --train-iters 30 --log-interval 10 | grep " iteration " | tail -n 2
 ncu --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu.csv" ./train_gpt "${ARGS[@]}" --train-iters 1 >/dev/null
-python3 - "$OUT/ncu.csv" <<'PY'
+python3 - "$OUT/ncu.csv" "${TOP:-25}" <<'PY'
 import csv, re, sys, collections
 rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))]
 total, count = collections.Counter(), collections.Counter()
@@ -28,7 +29,7 @@ for r in rows:
     total[name] += v * scale; count[name] += 1
 s = sum(total.values())
 print(f"{'kernel':60s} {'calls':>6s} {'ms':>9s} {'share':>6s}")
-for k, v in total.most_common(25):
+for k, v in total.most_common(int(sys.argv[2])):
     print(f"{k:60s} {count[k]:6d} {v:9.3f} {100*v/s:5.1f}%")
 print(f"{'total (one iteration incl. init kernels)':60s} {sum(count.values()):6d} {s:9.3f}")
 PY
