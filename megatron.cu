@@ -3608,6 +3608,11 @@ static void gemm_plan_build(mt_gemm_plans* g, mt_gpu_error* e, mt_gemm_plan* p, 
         int64_t aux_ld = k->ldc;
         CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld,
                                                        sizeof(aux_ld)));
+        if (k->fp8) { /* FP8 operands: the aux (GELU's input) is bf16, like C */
+            const cudaDataType_t aux_type = CUDA_R_16BF;
+            CUBLAS_CHECK(e, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &aux_type,
+                                                           sizeof(aux_type)));
+        }
     }
     /* stored shapes (column-major rows x cols) */
     uint64_t a_rows = k->transB ? k->K : k->N, a_cols = k->transB ? k->N : k->K;
@@ -3737,13 +3742,17 @@ static void gemm(const mt_exec* ex, bool transA, bool transB, int M, int N, int 
  * for the forward only). Returns false, with an error recorded (MT_ERR_ARG before anything runs;
  * MT_ERR_CUDA naming cuBLASLt's status and the problem when it has no algorithm or refuses the call),
  * when the GEMM did not run: K not a positive multiple of 16, ldc < N, A or B not 16-byte aligned,
- * E5M2 x E5M2, or an earlier error. */
+ * E5M2 x E5M2, or an earlier error. With gelu = GEMM_GELU_AUX_BIAS (bf16 C; the forward of a GELU
+ * MLP's fc1) C = gelu(product + bias) and aux [M,N] (ld ldc) = product + bias; with GEMM_DGELU (the
+ * input gradient into that GELU) C = product * gelu'(aux). cuBLASLt's GELU is the tanh form the
+ * bf16 path's epilogues and kernels compute. When cuBLASLt has no algorithm for the GELU epilogue,
+ * false is returned with no error recorded, nothing run: the caller runs it without and its kernel. */
 template <typename TC>
 static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, mt_fp8_dtype a_format,
                      const float* a_scale_inv, const uint8_t* B, mt_fp8_dtype b_format, const float* b_scale_inv,
                      TC* C, int ldc, float alpha, float beta, const __nv_bfloat16* bias = NULL,
                      mt_fp8_scaling_mode a_scaling = FP8_PER_TENSOR, mt_fp8_scaling_mode b_scaling = FP8_PER_TENSOR,
-                     bool fast_accumulate = false) {
+                     bool fast_accumulate = false, mt_gemm_epilogue gelu = GEMM_PLAIN, __nv_bfloat16* aux = NULL) {
     static_assert(std::is_same<TC, __nv_bfloat16>::value || std::is_same<TC, float>::value,
                   "FP8 GEMM output: bf16 or fp32");
     mt_gemm_plans* g = ex->gemm;
@@ -3771,17 +3780,21 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
         return mt_gpu_fail(ex->error, MT_ERR_ARG,
                            "gemm_fp8: A, B and both scale_invs must be given and 16-byte aligned (cuBLASLt refuses "
                            "other scale pointers): %s", what());
+    const bool with_gelu = gelu == GEMM_GELU_AUX_BIAS || gelu == GEMM_DGELU;
+    if (with_gelu && (!std::is_same<TC, __nv_bfloat16>::value || !aux || (gelu == GEMM_DGELU && bias)))
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: a GELU epilogue needs a bf16 C and aux (DGELU no bias): %s",
+                           what());
     if (M == 0 || N == 0) return true;
     mt_gemm_key key;
     memset(&key, 0, sizeof(key));
     key.transA = 0; key.transB = 1; key.M = M; key.N = N; key.K = K;
     key.lda = K; key.ldb = K; key.ldc = ldc; key.batch = 1;
-    key.epilogue = bias ? GEMM_BIAS : GEMM_PLAIN; key.has_bias = bias != NULL;
+    key.epilogue = with_gelu ? gelu : bias ? GEMM_BIAS : GEMM_PLAIN; key.has_bias = bias != NULL;
     key.a_type = fp8_cuda_type(a_format); key.b_type = fp8_cuda_type(b_format); key.c_type = cuda_type<TC>();
     key.fp8 = 1; key.a_scaling = a_scaling; key.b_scaling = b_scaling; key.fast_accumulate = fast_accumulate;
     int align = pointer_alignment(A);
-    const void* others[3] = {B, C, bias};
-    for (int i = 0; i < 3; i++)
+    const void* others[4] = {B, C, bias, aux};
+    for (int i = 0; i < 4; i++)
         if (others[i] && pointer_alignment(others[i]) < align) align = pointer_alignment(others[i]);
     key.alignment = align;
     mt_gemm_plan* plan = NULL;
@@ -3793,6 +3806,9 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
         plan->key = key;
         gemm_plan_build(g, ex->error, plan, a_scale_inv, b_scale_inv);
     }
+    /* a GELU epilogue cuBLASLt has no algorithm for: false with no error, the caller runs the GEMM
+     * without it and its own kernel */
+    if (with_gelu && ex->error->status == MT_OK && (!plan || !plan->supported)) return false;
     if (!plan)
         return mt_gpu_fail(ex->error, MT_ERR_CUDA, "gemm_fp8: the plan cache is full (%d plans): %s", GEMM_MAX_PLANS, what());
     if (!plan->supported) {
@@ -3809,6 +3825,9 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
         return false;
     if (bias && !CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                                        &bias, sizeof(bias))))
+        return false;
+    if (aux && !CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                                      &aux, sizeof(aux))))
         return false;
     const cublasStatus_t st = cublasLtMatmul(g->lt, plan->desc, &alpha, B, plan->a, A, plan->b, &beta, C, plan->c, C,
                                              plan->c, &plan->algo, g->workspace, g->workspace_bytes, ex->stream);
@@ -4295,31 +4314,40 @@ static void fp8_cast_operand(const mt_exec* ex, const fp8_linear* L, int role, m
                            fresh && L->record_amax && L->f->recipe == MT_FP8_DELAYED ? s.amax : (float*)NULL, true);
 }
 
-/* y [N, out] = x [N, in] W^T (+ bias) through the FP8 GEMM */
+/* y [N, out] = x [N, in] W^T (+ bias) through the FP8 GEMM, with fast accumulation as Transformer
+ * Engine's forward (its dgrad and wgrad promote: the gradients' GEMMs below don't use it). With
+ * gelu_pre (per-tensor recipes): y = gelu(x W^T + bias) and gelu_pre = x W^T + bias from the GEMM's
+ * epilogue; returns false (nothing run, no error) when cuBLASLt has no such algorithm. */
 template <typename T>
-static void fp8_linear_forward(const mt_exec* ex, const fp8_linear* L, T* y, const T* x, const T* bias, int N, int in,
-                               int out) {
+static bool fp8_linear_forward(const mt_exec* ex, const fp8_linear* L, T* y, const T* x, const T* bias, int N, int in,
+                               int out, T* gelu_pre = NULL) {
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         const mt_fp8_state* f = L->f;
         if (f->recipe == MT_FP8_BLOCKWISE) { /* x in 1x128 blocks, W in 128x128 */
+            if (gelu_pre) return false;
             fp8_cast_blockwise<T>(ex, f->fwd, f->x8, NULL, f->x8_blocks, NULL, x, N, in, FP8_BLOCKS_1x128, true);
             gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, f->x8_blocks, L->w8, f->fwd, L->w8_blocks, y, out, 1.0f, 0.0f,
                         bias, FP8_BLOCKS_1x128, FP8_BLOCKS_128x128);
-            return;
+            return true;
         }
         fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, f->x8, NULL, x, N, in, true);
-        gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, fp8_scale_inv(L, FP8_X), L->w8, f->fwd, fp8_scale_inv(L, FP8_W), y, out,
-                    1.0f, 0.0f, bias);
+        return gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, fp8_scale_inv(L, FP8_X), L->w8, f->fwd, fp8_scale_inv(L, FP8_W),
+                           y, out, 1.0f, 0.0f, bias, FP8_PER_TENSOR, FP8_PER_TENSOR, true,
+                           gelu_pre ? GEMM_GELU_AUX_BIAS : GEMM_PLAIN, gelu_pre) ||
+               ex->error->status != MT_OK;
     } else {
         mt_gpu_fail(ex->error, MT_ERR_CONFIG, "FP8 linears need the bf16 model type");
+        return true;
     }
 }
 
 /* dx [N, in] = dy [N, out] W through the FP8 GEMM; dy is cast in both layouts (dy8^T is the weight
- * gradient's operand, used next by fp8_linear_weight_gradient). */
+ * gradient's operand, used next by fp8_linear_weight_gradient). With gelu_pre (the GELU input that
+ * produced this linear's x): dx = dy W * gelu'(gelu_pre) in the GEMM's epilogue (per-tensor recipes,
+ * where cuBLASLt has the algorithm), else the caller's kernel: returns whether the epilogue ran it. */
 template <typename T>
-static void fp8_linear_input_gradient(const mt_exec* ex, const fp8_linear* L, T* dx, const T* dy, int N, int in,
-                                      int out) {
+static bool fp8_linear_input_gradient(const mt_exec* ex, const fp8_linear* L, T* dx, const T* dy, int N, int in,
+                                      int out, T* gelu_pre = NULL) {
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         const mt_fp8_state* f = L->f;
         if (f->recipe == MT_FP8_BLOCKWISE) { /* dy and dy^T each in 1x128 blocks of their rows, W^T in 128x128 */
@@ -4327,13 +4355,19 @@ static void fp8_linear_input_gradient(const mt_exec* ex, const fp8_linear* L, T*
                                   true);
             gemm_fp8<T>(ex, N, in, out, f->g8, f->bwd, f->g8_blocks, L->w8t, f->fwd, L->w8t_blocks, dx, in, 1.0f, 0.0f,
                         (const __nv_bfloat16*)NULL, FP8_BLOCKS_1x128, FP8_BLOCKS_128x128);
-            return;
+            return false;
         }
         fp8_cast_operand<T>(ex, L, FP8_G, f->bwd, f->g8, f->g8t, dy, N, out, true);
+        if (gelu_pre && gemm_fp8<T>(ex, N, in, out, f->g8, f->bwd, fp8_scale_inv(L, FP8_G), L->w8t, f->fwd,
+                                    fp8_scale_inv(L, FP8_W), dx, in, 1.0f, 0.0f, (const __nv_bfloat16*)NULL,
+                                    FP8_PER_TENSOR, FP8_PER_TENSOR, false, GEMM_DGELU, gelu_pre))
+            return true;
         gemm_fp8<T>(ex, N, in, out, f->g8, f->bwd, fp8_scale_inv(L, FP8_G), L->w8t, f->fwd, fp8_scale_inv(L, FP8_W), dx,
                     in, 1.0f, 0.0f);
+        return false;
     } else {
         mt_gpu_fail(ex->error, MT_ERR_CONFIG, "FP8 linears need the bf16 model type");
+        return false;
     }
 }
 
@@ -4387,9 +4421,9 @@ template <typename T>
 static void linear_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dx, float* dweight, float* dbias, const T* dy,
                             const T* x, const T* weight, int N, int in, int out, const T* gelu_pre = NULL,
                             const fp8_linear* f8 = NULL) {
-    if (f8) { /* the FP8 GEMMs; GELU's derivative by the kernel (no DGELU epilogue in FP8) */
-        fp8_linear_input_gradient<T>(ex, f8, dx, dy, N, in, out);
-        if (gelu_pre) gelu_backward<T>(ex, dx, gelu_pre, (int64_t)N * in);
+    if (f8) { /* the FP8 GEMMs; GELU's derivative in the dgrad's DGELU epilogue, or by the kernel */
+        if (!fp8_linear_input_gradient<T>(ex, f8, dx, dy, N, in, out, (T*)gelu_pre) && gelu_pre)
+            gelu_backward<T>(ex, dx, gelu_pre, (int64_t)N * in);
         fp8_linear_weight_gradient<T>(ex, f8, s, dweight, dbias, dy, x, N, in, out);
         return;
     }
@@ -5069,13 +5103,16 @@ static void mlp_activation(const mt_exec* ex, const mt_shape& s, const layer_vie
         bias_gelu<T>(ex, v.fc1, v.act, bias, s.BT, s.f);
 }
 /* The MLP's first linear and its activation: fc1 = ln2_in W1^T + b, act = GELU or SwiGLU of it (bf16
- * and fp16 GELU: one cuBLASLt GEMM whose epilogue applies GELU and keeps fc1 as its aux output). */
+ * and fp16 GELU: one cuBLASLt GEMM whose epilogue applies GELU and keeps fc1 as its aux output; FP8
+ * the same, the FP8 GEMM's epilogue, where cuBLASLt has it). */
 template <typename T>
 static void mlp_up_forward(const mt_exec* ex, const mt_shape& s, const layer_view<T>& v, const layer_tensors<T>& p,
                            const T* ln2_in, const fp8_linear* f8) {
     if (!f8 && gelu_fused<T>(s) &&
         gemm_epilogue<T, T>(ex, GEMM_GELU_AUX_BIAS, false, true, s.BT, s.f, s.h, ln2_in, s.h, p.fc1_w, s.h, v.act, s.f,
                             1.0f, 0.0f, p.fc1_b, v.fc1))
+        return;
+    if (f8 && gelu_fused<T>(s) && fp8_linear_forward<T>(ex, f8, v.act, ln2_in, p.fc1_b, s.BT, s.h, s.f, v.fc1))
         return;
     linear_forward<T>(ex, v.fc1, ln2_in, p.fc1_w, (const T*)NULL, s.BT, s.h, s.f1, f8);
     mlp_activation<T>(ex, s, v, p.fc1_b);
@@ -5253,7 +5290,9 @@ static void recompute_layer(mt_trainer* t, const mt_exec* ex, const model_chunk&
     const bool fp8 = fp8_layer_linears<T>(t, ex, l, false, f8);
     if (modules & MT_RECOMPUTE_LAYERNORM)
         norm_apply<T>(ex, v.ln2, v.mid, v.ln2_mean, v.ln2_rstd, p.ln2_w, p.ln2_b, s.R, s.h, s.norm_w1);
-    if ((modules & MT_RECOMPUTE_MLP) || ((modules & MT_RECOMPUTE_ACT) && !fp8 && gelu_fused<T>(s))) {
+    /* GELU: the forward's act came from the fc1 GEMM's epilogue (bf16 or FP8), so its bits come back
+     * only through that GEMM again */
+    if ((modules & MT_RECOMPUTE_MLP) || ((modules & MT_RECOMPUTE_ACT) && gelu_fused<T>(s))) {
         const T* ln2_in = column_parallel_input<T>(&t->groups.tp, (T*)t->act.gathered, v.ln2, s.R, s.h);
         mlp_up_forward<T>(ex, s, v, p, ln2_in, fp8 ? &f8[FP8_FC1] : NULL);
     } else if (modules & MT_RECOMPUTE_ACT) {
@@ -5311,7 +5350,7 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
         /* MLP block: dres is d(out); the branch sees the same gradient. d(act) -> branch2, then
          * d(fc1 output) in place (GELU) or into branch (SwiGLU: twice as wide) */
         bool fused = gelu_fused<T>(s); /* d(act) and GELU's derivative in one GEMM (DGELU epilogue), or
-                                          with FP8 after it by the kernel (linear_backward) */
+                                          after it by the kernel where cuBLASLt has none (linear_backward) */
         const T* dfc2 = hidden_dropout_backward<T>(t, ex, dres, dp.fc2_b, l, DROPOUT_FC2);
         row_parallel_backward<T>(pc, (T*)a->branch2, dp.fc2_w, dfc2, v.act, p.fc2_w, s.f, s.h,
                                  fused ? v.fc1 : (const T*)NULL, fp8 ? &f8[FP8_FC2] : NULL);
