@@ -3742,17 +3742,20 @@ static void gemm(const mt_exec* ex, bool transA, bool transB, int M, int N, int 
  * for the forward only). Returns false, with an error recorded (MT_ERR_ARG before anything runs;
  * MT_ERR_CUDA naming cuBLASLt's status and the problem when it has no algorithm or refuses the call),
  * when the GEMM did not run: K not a positive multiple of 16, ldc < N, A or B not 16-byte aligned,
- * E5M2 x E5M2, or an earlier error. With gelu = GEMM_GELU_AUX_BIAS (bf16 C; the forward of a GELU
- * MLP's fc1) C = gelu(product + bias) and aux [M,N] (ld ldc) = product + bias; with GEMM_DGELU (the
- * input gradient into that GELU) C = product * gelu'(aux). cuBLASLt's GELU is the tanh form the
- * bf16 path's epilogues and kernels compute. When cuBLASLt has no algorithm for the GELU epilogue,
- * false is returned with no error recorded, nothing run: the caller runs it without and its kernel. */
+ * E5M2 x E5M2, or an earlier error. With gelu_aux (bf16 C; the forward of a GELU MLP's fc1):
+ * C = gelu(product + bias) and gelu_aux [M,N] (ld ldc) = product + bias, cuBLASLt's GELU_AUX_BIAS
+ * epilogue (the tanh form the bf16 path's epilogues and kernels compute); when cuBLASLt has no
+ * algorithm for it, false is returned with no error recorded, nothing run: the caller runs the GEMM
+ * without it and its kernel. (No DGELU for the input gradient: cuBLASLt 13.0 on an H100 has one for
+ * FP8 operands, but runs it as a separate generic kernel after the GEMM, cublasLt::globalKernel,
+ * 0.55 ms a call at the 1.5B shape's fc2 where the gelu_backward kernel takes 0.10 ms: measured with
+ * dev/bench/profile_kernels.sh.) */
 template <typename TC>
 static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, mt_fp8_dtype a_format,
                      const float* a_scale_inv, const uint8_t* B, mt_fp8_dtype b_format, const float* b_scale_inv,
                      TC* C, int ldc, float alpha, float beta, const __nv_bfloat16* bias = NULL,
                      mt_fp8_scaling_mode a_scaling = FP8_PER_TENSOR, mt_fp8_scaling_mode b_scaling = FP8_PER_TENSOR,
-                     bool fast_accumulate = false, mt_gemm_epilogue gelu = GEMM_PLAIN, __nv_bfloat16* aux = NULL) {
+                     bool fast_accumulate = false, __nv_bfloat16* gelu_aux = NULL) {
     static_assert(std::is_same<TC, __nv_bfloat16>::value || std::is_same<TC, float>::value,
                   "FP8 GEMM output: bf16 or fp32");
     mt_gemm_plans* g = ex->gemm;
@@ -3780,20 +3783,19 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
         return mt_gpu_fail(ex->error, MT_ERR_ARG,
                            "gemm_fp8: A, B and both scale_invs must be given and 16-byte aligned (cuBLASLt refuses "
                            "other scale pointers): %s", what());
-    const bool with_gelu = gelu == GEMM_GELU_AUX_BIAS || gelu == GEMM_DGELU;
-    if (with_gelu && (!std::is_same<TC, __nv_bfloat16>::value || !aux || (gelu == GEMM_DGELU && bias)))
-        return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: a GELU epilogue needs a bf16 C and aux (DGELU no bias): %s",
-                           what());
+    const bool with_gelu = gelu_aux != NULL;
+    if (with_gelu && !std::is_same<TC, __nv_bfloat16>::value)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "gemm_fp8: the GELU epilogue needs a bf16 C: %s", what());
     if (M == 0 || N == 0) return true;
     mt_gemm_key key;
     memset(&key, 0, sizeof(key));
     key.transA = 0; key.transB = 1; key.M = M; key.N = N; key.K = K;
     key.lda = K; key.ldb = K; key.ldc = ldc; key.batch = 1;
-    key.epilogue = with_gelu ? gelu : bias ? GEMM_BIAS : GEMM_PLAIN; key.has_bias = bias != NULL;
+    key.epilogue = with_gelu ? GEMM_GELU_AUX_BIAS : bias ? GEMM_BIAS : GEMM_PLAIN; key.has_bias = bias != NULL;
     key.a_type = fp8_cuda_type(a_format); key.b_type = fp8_cuda_type(b_format); key.c_type = cuda_type<TC>();
     key.fp8 = 1; key.a_scaling = a_scaling; key.b_scaling = b_scaling; key.fast_accumulate = fast_accumulate;
     int align = pointer_alignment(A);
-    const void* others[4] = {B, C, bias, aux};
+    const void* others[4] = {B, C, bias, gelu_aux};
     for (int i = 0; i < 4; i++)
         if (others[i] && pointer_alignment(others[i]) < align) align = pointer_alignment(others[i]);
     key.alignment = align;
@@ -3826,8 +3828,9 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
     if (bias && !CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                                        &bias, sizeof(bias))))
         return false;
-    if (aux && !CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-                                                                      &aux, sizeof(aux))))
+    if (gelu_aux && !CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc,
+                                                                           CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                                           &gelu_aux, sizeof(gelu_aux))))
         return false;
     const cublasStatus_t st = cublasLtMatmul(g->lt, plan->desc, &alpha, B, plan->a, A, plan->b, &beta, C, plan->c, C,
                                              plan->c, &plan->algo, g->workspace, g->workspace_bytes, ex->stream);
@@ -4332,8 +4335,7 @@ static bool fp8_linear_forward(const mt_exec* ex, const fp8_linear* L, T* y, con
         }
         fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, f->x8, NULL, x, N, in, true);
         return gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, fp8_scale_inv(L, FP8_X), L->w8, f->fwd, fp8_scale_inv(L, FP8_W),
-                           y, out, 1.0f, 0.0f, bias, FP8_PER_TENSOR, FP8_PER_TENSOR, true,
-                           gelu_pre ? GEMM_GELU_AUX_BIAS : GEMM_PLAIN, gelu_pre) ||
+                           y, out, 1.0f, 0.0f, bias, FP8_PER_TENSOR, FP8_PER_TENSOR, true, gelu_pre) ||
                ex->error->status != MT_OK;
     } else {
         mt_gpu_fail(ex->error, MT_ERR_CONFIG, "FP8 linears need the bf16 model type");
@@ -4342,12 +4344,10 @@ static bool fp8_linear_forward(const mt_exec* ex, const fp8_linear* L, T* y, con
 }
 
 /* dx [N, in] = dy [N, out] W through the FP8 GEMM; dy is cast in both layouts (dy8^T is the weight
- * gradient's operand, used next by fp8_linear_weight_gradient). With gelu_pre (the GELU input that
- * produced this linear's x): dx = dy W * gelu'(gelu_pre) in the GEMM's epilogue (per-tensor recipes,
- * where cuBLASLt has the algorithm), else the caller's kernel: returns whether the epilogue ran it. */
+ * gradient's operand, used next by fp8_linear_weight_gradient). */
 template <typename T>
-static bool fp8_linear_input_gradient(const mt_exec* ex, const fp8_linear* L, T* dx, const T* dy, int N, int in,
-                                      int out, T* gelu_pre = NULL) {
+static void fp8_linear_input_gradient(const mt_exec* ex, const fp8_linear* L, T* dx, const T* dy, int N, int in,
+                                      int out) {
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         const mt_fp8_state* f = L->f;
         if (f->recipe == MT_FP8_BLOCKWISE) { /* dy and dy^T each in 1x128 blocks of their rows, W^T in 128x128 */
@@ -4355,19 +4355,13 @@ static bool fp8_linear_input_gradient(const mt_exec* ex, const fp8_linear* L, T*
                                   true);
             gemm_fp8<T>(ex, N, in, out, f->g8, f->bwd, f->g8_blocks, L->w8t, f->fwd, L->w8t_blocks, dx, in, 1.0f, 0.0f,
                         (const __nv_bfloat16*)NULL, FP8_BLOCKS_1x128, FP8_BLOCKS_128x128);
-            return false;
+            return;
         }
         fp8_cast_operand<T>(ex, L, FP8_G, f->bwd, f->g8, f->g8t, dy, N, out, true);
-        if (gelu_pre && gemm_fp8<T>(ex, N, in, out, f->g8, f->bwd, fp8_scale_inv(L, FP8_G), L->w8t, f->fwd,
-                                    fp8_scale_inv(L, FP8_W), dx, in, 1.0f, 0.0f, (const __nv_bfloat16*)NULL,
-                                    FP8_PER_TENSOR, FP8_PER_TENSOR, false, GEMM_DGELU, gelu_pre))
-            return true;
         gemm_fp8<T>(ex, N, in, out, f->g8, f->bwd, fp8_scale_inv(L, FP8_G), L->w8t, f->fwd, fp8_scale_inv(L, FP8_W), dx,
                     in, 1.0f, 0.0f);
-        return false;
     } else {
         mt_gpu_fail(ex->error, MT_ERR_CONFIG, "FP8 linears need the bf16 model type");
-        return false;
     }
 }
 
@@ -4421,9 +4415,9 @@ template <typename T>
 static void linear_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dx, float* dweight, float* dbias, const T* dy,
                             const T* x, const T* weight, int N, int in, int out, const T* gelu_pre = NULL,
                             const fp8_linear* f8 = NULL) {
-    if (f8) { /* the FP8 GEMMs; GELU's derivative in the dgrad's DGELU epilogue, or by the kernel */
-        if (!fp8_linear_input_gradient<T>(ex, f8, dx, dy, N, in, out, (T*)gelu_pre) && gelu_pre)
-            gelu_backward<T>(ex, dx, gelu_pre, (int64_t)N * in);
+    if (f8) { /* the FP8 GEMMs; GELU's derivative by the kernel (gemm_fp8 says why not cuBLASLt's FP8 DGELU) */
+        fp8_linear_input_gradient<T>(ex, f8, dx, dy, N, in, out);
+        if (gelu_pre) gelu_backward<T>(ex, dx, gelu_pre, (int64_t)N * in);
         fp8_linear_weight_gradient<T>(ex, f8, s, dweight, dbias, dy, x, N, in, out);
         return;
     }
@@ -5350,7 +5344,7 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
         /* MLP block: dres is d(out); the branch sees the same gradient. d(act) -> branch2, then
          * d(fc1 output) in place (GELU) or into branch (SwiGLU: twice as wide) */
         bool fused = gelu_fused<T>(s); /* d(act) and GELU's derivative in one GEMM (DGELU epilogue), or
-                                          after it by the kernel where cuBLASLt has none (linear_backward) */
+                                          with FP8 after it by the kernel (linear_backward) */
         const T* dfc2 = hidden_dropout_backward<T>(t, ex, dres, dp.fc2_b, l, DROPOUT_FC2);
         row_parallel_backward<T>(pc, (T*)a->branch2, dp.fc2_w, dfc2, v.act, p.fc2_w, s.f, s.h,
                                  fused ? v.fc1 : (const T*)NULL, fp8 ? &f8[FP8_FC2] : NULL);
