@@ -42,7 +42,7 @@ for model in "${models[@]}"; do
     line=$(grep "elapsed time per iteration" "$log" | tail -n1)
     ms=$(echo "$line" | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
     tf=$(echo "$line" | sed 's/.*TFLOP\/s\/GPU): \([^ ]*\).*/\1/')
-    gib=$(grep "device reports" "$log" | sed 's/.*device reports \([^ ]*\) GiB.*/\1/')
+    gib=$(grep -m1 "device reports" "$log" | sed 's/.*device reports \([^ ]*\) GiB.*/\1/')
     tok=$(awk -v ms="$ms" -v t=$((MBS * S)) 'BEGIN { printf "%.0f", t / ms * 1000 }')
     [ "$r" = bf16 ] && base=$ms
     printf '%-16s %-24s %10s %12s %12s %14s %8s\n' "$model" "ours $r" "$ms" "$tok" "$tf" "$gib" \
