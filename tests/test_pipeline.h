@@ -399,7 +399,9 @@ static test_result pp_first_step(mt_config c, const int32_t* tokens, float* para
     dp_slice(&c, tokens, mine);
     mt_status st = mt_trainer_get_parameters(t, params, &err);
     if (st == MT_OK) st = mt_trainer_evaluate(t, mine, mt_num_micro_batches(&c), eval_loss, &err);
-    if (st == MT_OK) st = mt_trainer_token_losses(t, mine, token_losses, &err);
+    /* the global batch's first micro-batch on every rank (not this DP rank's slice): the per-token
+     * losses are then the same on all ranks and comparable with PP = 1's */
+    if (st == MT_OK) st = mt_trainer_token_losses(t, tokens, token_losses, &err);
     if (st == MT_OK) st = mt_trainer_compute_gradients(t, mine, mt_num_micro_batches(&c), loss, &err);
     if (st == MT_OK) st = mt_trainer_get_gradients(t, grads, &err);
     if (st != MT_OK) printf("    FAIL first step: %s\n", err.message);
