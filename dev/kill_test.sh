@@ -9,7 +9,8 @@
 #                             --import and --export (needs `make all` and python3 with numpy)
 #   dev/kill_test.sh gpu      then train_gpt (needs a GPU): kill -9 during --save (the tracked checkpoint
 #                             always loads); kill -9 at random moments of a run with --async-save every
-#                             iteration (ASYNC_TRIALS, default 24: the tracked checkpoint is the newest
+#                             iteration, after its first committed save (ASYNC_TRIALS, default 24: the
+#                             tracked checkpoint is the newest
 #                             complete one and the resumed run continues bitwise); SIGTERM with
 #                             --exit-signal-handler (saves, exits 0, and the resumed run's losses equal an
 #                             uninterrupted run's, bitwise)
@@ -44,6 +45,22 @@ duration_ms() {
   local t0; t0=$(now_ms)
   "$@" >/dev/null 2>&1 || { echo "  the reference run failed: $*" >&2; echo 0; return; }
   echo $(( $(now_ms) - t0 ))
+}
+
+# ms from the start of "$@" until its output first holds $1 (the run goes on to its end); 0 if never
+ms_until() {
+  local pattern=$1; shift
+  local t0 at=0 log=$WORK/until.log
+  t0=$(now_ms)
+  "$@" >"$log" 2>&1 &
+  local pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ "$at" -eq 0 ] && grep -q "$pattern" "$log"; then at=$(( $(now_ms) - t0 )); fi
+    sleep 0.01
+  done
+  wait "$pid"
+  if [ "$at" -eq 0 ] && grep -q "$pattern" "$log"; then at=$(( $(now_ms) - t0 )); fi
+  echo "$at"
 }
 
 # the kill moments: TRIALS points spread over the run, the last ones in its final tenth (the commit)
@@ -309,9 +326,14 @@ if [ "$what" = gpu ]; then
   echo "train_gpt --async-save: kill -9 at random moments of a run saving every iteration, $ATRIALS kills"
   "${TG[@]}" --save "$WORK/ta_straight" >"$WORK/async_straight.log" 2>&1 || fail "the uninterrupted run failed"
   ms=$(duration_ms "${TA[@]}" --save "$WORK/ta_ref")
+  # the kills fall after the first committed save (an earlier one leaves nothing to resume from:
+  # at cf9b28b 10 of 24 uniform kills did), uniformly up to the run's end
+  rm -rf "$WORK/ta_first"
+  first=$(ms_until "saved checkpoint at iteration" "${TA[@]}" --save "$WORK/ta_first")
+  [ "$first" -gt 0 ] && [ "$first" -lt "$ms" ] || first=0
   states=""
   for k in $(seq 1 "$ATRIALS"); do
-    d=$(( (RANDOM * 32768 + RANDOM) % (ms > 0 ? ms : 1) ))
+    d=$(( first + (RANDOM * 32768 + RANDOM) % (ms - first > 0 ? ms - first : 1) ))
     rm -rf "$WORK/ta"
     kill_at "t$d" "${TA[@]}" --save "$WORK/ta"
     if [ ! -e "$WORK/ta/latest_checkpointed_iteration.txt" ]; then states+="nothing "; continue; fi
@@ -337,7 +359,7 @@ if [ "$what" = gpu ]; then
     [ -z "$(find "$WORK/ta" -maxdepth 1 \( -name '.tmp_iter_*' -o -name '*.old' \))" ] \
       || fail "async: a killed save's leftovers survived the next save"
   done
-  echo "  tracked checkpoints after the kills: $(echo $states | tr ' ' '\n' | summary)(${ms} ms a run)"
+  echo "  tracked checkpoints after the kills: $(echo $states | tr ' ' '\n' | summary)(${ms} ms a run, the first save committed at ${first} ms)"
   fi # part async
 
   if part sigterm; then
