@@ -970,6 +970,86 @@ static test_result test_tp_vocab_parallel_cross_entropy(void) {
     return res;
 }
 
+/* FP8 (delayed scaling, hybrid, history 4, max) on several GPUs against the one-GPU FP8 run, 12 steps
+ * of the DP tests' data (fp8pg_run), both flavours: TP = world with SP, and DP = world with the
+ * distributed optimizer and --fp8-param-gather. The amaxes are reduced with max over every rank
+ * (Megatron's amax-reduction group, TP x DP), so every rank must hold bitwise the same scales,
+ * scale_invs and histories (with DP also the same FP8 weight bytes), and a tensor's scale is the one
+ * a single GPU computes from the whole tensor. What differs from one GPU is only the order of sums
+ * (TP's row-parallel all-reduce, DP's reduce-scatter): the bf16 TP tests above track TP=1 within
+ * ~5e-5 of the loss; through FP8 an output rounded the other way can move one element of the next
+ * cast by an E4M3 step (2^-3 relative) where it sits on a rounding boundary, rare and averaging out
+ * over a 128-token micro-batch. The bound, 5e-3 relative on every step's loss and 1e-2 norm-wise on
+ * the final master weights, is 100x the bf16 TP deviation and 4x tighter than FP8's own distance
+ * from bf16 (2e-2, tests/test_model.h): per-rank scales would break the equality of the scales, a
+ * missing amax reduction or a wrong shard's scale the losses. */
+static test_result fp8_layouts_track_single(int llama) {
+    const int world = mpi_world();
+    mt_config ref = tp_config(MT_BF16, 1, 1, 0, llama);
+    mt_config layouts[2] = {tp_config(MT_BF16, world, 1, 1, llama), tp_config(MT_BF16, 1, world, 0, llama)};
+    layouts[1].use_distributed_optimizer = 1;
+    layouts[1].fp8_param_gather = 1;
+    mt_config* all[3] = {&ref, &layouts[0], &layouts[1]};
+    for (int i = 0; i < 3; i++) {
+        all[i]->fp8_format = MT_FP8_HYBRID;
+        all[i]->fp8_recipe = MT_FP8_DELAYED;
+        all[i]->fp8_amax_history_len = 4;
+        all[i]->fp8_amax_compute_algo = MT_FP8_AMAX_MAX;
+    }
+    mt_error err;
+    mt_config fin = ref;
+    EXPECT_OK(mt_config_finalize(&fin, &err), &err);
+    const int64_t n = mt_num_parameters(&fin);
+    unsigned char* mask = key_bias_mask(&fin);
+    const char* flavour = llama ? "Llama" : "GPT-2";
+    fp8pg_run_result r0;
+    memset(&r0, 0, sizeof(r0));
+    test_result res = tp_agree(fp8pg_run(ref, NULL, NULL, 0, 12, &r0));
+    for (int k = 0; k < 2 && res == TEST_PASS; k++) {
+        fp8pg_run_result r;
+        memset(&r, 0, sizeof(r));
+        res = tp_agree(fp8pg_run(layouts[k], NULL, NULL, 0, 12, &r));
+        if (res == TEST_PASS) {
+            char name[64];
+            snprintf(name, sizeof(name), k == 0 ? "%s TP=%d SP" : "%s DP=%d distributed optimizer, fp8-param-gather",
+                     flavour, world);
+            /* the scaling state (after the weights' bytes) on every rank; with DP the weights too */
+            const size_t state_at = k == 0 ? r.weight_bytes : 0;
+            if (!tp_same_on_all_ranks(r.fp8 + state_at, r.fp8_size - state_at)) {
+                printf("    FAIL %s: the ranks hold different FP8 %s\n", name, k == 0 ? "scales or histories" : "weights or scales");
+                res = TEST_FAIL;
+            }
+            double worst = 0;
+            int worst_k = 0;
+            for (int j = 0; j < 12; j++) {
+                const double rel = fabs(r.losses[j] - r0.losses[j]) / fabs(r0.losses[j]);
+                if (!(rel <= worst)) { worst = rel; worst_k = j; }
+            }
+            const double dw = rel_error(r.params, r0.params, n, mask);
+            printf("      %s: losses %.6f -> %.6f, worst relative difference to one GPU's FP8 %.2e (step %d), master "
+                   "weights %.2e; scales the same on all %d ranks\n", name, r.losses[0], r.losses[11], worst, worst_k, dw,
+                   world);
+            if (!(worst <= 5e-3)) {
+                printf("    FAIL %s step %d: loss %.9f, one GPU %.9f\n", name, worst_k, r.losses[worst_k], r0.losses[worst_k]);
+                res = TEST_FAIL;
+            }
+            if (!(dw <= 1e-2)) { printf("    FAIL %s: master weights differ by %.3e\n", name, dw); res = TEST_FAIL; }
+        }
+        res = tp_agree(res);
+        fp8pg_result_free(&r);
+    }
+    fp8pg_result_free(&r0);
+    free(mask);
+    return res;
+}
+static test_result test_fp8_layouts_track_single(void) {
+    REQUIRE_MPI_GPUS();
+    REQUIRE_TP_WORLD();
+    REQUIRE_FP8_GPU();
+    if (fp8_layouts_track_single(0) != TEST_PASS) return TEST_FAIL;
+    return fp8_layouts_track_single(1);
+}
+
 static const test_case tensor_parallel_gpu_tests[] = {
     {"tp_vocab_parallel_cross_entropy_tp_1_to_8", test_tp_vocab_parallel_cross_entropy},
 };
@@ -983,6 +1063,7 @@ static const test_case tensor_parallel_multigpu_tests[] = {
     {"tp2_dp2_distributed_optimizer_matches_single_gpu", test_tp2_dp2_distributed_optimizer},
     {"tp_repeatable_and_resumes_bf16", test_tp_repeat_resume_bf16},
     {"tp_memory_plan_falls_with_tp", test_tp_memory_plan},
+    {"fp8_tp_sp_and_dp_param_gather_track_single_gpu", test_fp8_layouts_track_single},
 };
 
 #endif
