@@ -939,8 +939,57 @@ static test_result test_load_any_layout_multigpu(void) {
     return res;
 }
 
+/* Four GPUs (mpirun -np 4): a checkpoint of TP=2 x PP=2 (fp32, the PP tests' model, both flavours)
+ * after 5 steps, loaded at TP=4 with SP, at DP=4 with the distributed optimizer (several buckets,
+ * overlapped), and on one GPU (each rank alone): 5 steps from it stay within 1e-5 of the TP=2 x PP=2
+ * run's own steps 6-10 (fp32; TP, PP and DP sum in other orders, the tolerance of the fp32 TP and PP
+ * tests). */
+static test_result test_layout_changes_four_gpus(void) {
+    REQUIRE_MPI_GPUS();
+    if (mpi_world() != 4) SKIP("runs under mpirun -np 4, not %d", mpi_world());
+    int tag = (int)getpid();
+#ifdef MT_USE_MPI
+    MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
+#endif
+    test_result res = TEST_PASS;
+    for (int llama = 0; llama <= 1 && res == TEST_PASS; llama++) {
+        const char* flavour = llama ? "Llama" : "GPT-2";
+        char dir[256];
+        snprintf(dir, sizeof(dir), "/tmp/mt_test_layout4_%d_%d", tag, llama);
+        mt_config src = pp_config(MT_FP32, 2, 1, 2, 1, llama);
+        double orig[10], got[10];
+        res = tp_agree(dp_run(src, NULL, dir, 0, 5, orig, NULL));
+        if (res == TEST_PASS) res = tp_agree(dp_run(src, NULL, NULL, 0, 10, orig, NULL));
+        struct { const char* name; mt_config c; } targets[3] = {
+            {"TP=4 SP", pp_config(MT_FP32, 1, 1, 4, 1, llama)},
+            {"DP=4 distributed optimizer", pp_config(MT_FP32, 1, 1, 1, 4, llama)},
+            {"one GPU", pp_config(MT_FP32, 1, 1, 1, 1, llama)}};
+        test_config_ddp(&targets[1].c, 1, 1, 1, 20000);
+        for (int k = 0; k < 3 && res == TEST_PASS; k++) {
+            for (int i = 0; i < 10; i++) got[i] = NAN;
+            res = tp_agree(dp_run(targets[k].c, dir, NULL, 5, 5, got, NULL));
+            const double worst = ckt_worst_relative(got, orig, 5, 10);
+            if (res == TEST_PASS && !(worst <= 1e-5)) {
+                printf("    FAIL %s TP=2 x PP=2 -> %s: losses after the load differ from the original layout's by %.3e\n",
+                       flavour, targets[k].name, worst);
+                res = TEST_FAIL;
+            }
+            res = tp_agree(res);
+            if (res == TEST_PASS)
+                printf("      %s TP=2 x PP=2 -> %s: steps 6-10 %.6f -> %.6f, within %.2e of TP=2 x PP=2's\n", flavour,
+                       targets[k].name, got[5], got[9], worst);
+        }
+#ifdef MT_USE_MPI
+        MPI_Barrier(MPI_COMM_WORLD);
+#endif
+        if (mpi_rank() == 0) mt_remove_tree(dir);
+    }
+    return res;
+}
+
 static const test_case checkpoint_tool_multigpu_tests[] = {
     {"load_any_layout", test_load_any_layout_multigpu},
+    {"layout_changes_on_four_gpus", test_layout_changes_four_gpus},
 };
 
 /* GPU: --async-save. One trainer, 5 steps, then the same iteration saved synchronously and
