@@ -36,38 +36,31 @@ if [ "$ngpu" -ge 2 ]; then
   run pp2_vp3 2 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 3
   ls -d checkpoints/pp_pp2/iter_*/mp_rank_* | head -5
 fi
-# the pipeline bubble, on a model whose two stages do equal work (8 layers of hidden 2048; the last
-# stage gets 3 layers and the output layer, about 5 layers' worth): with the work split over P stages
-# an iteration ideally takes t(PP=1) / P; the 1F1B schedule adds (P-1)/(V*M) of that (Narayanan et
-# al.). Measured: t(PP=P) / (t(PP=1) / P) - 1. (The built-in model is no test of it: its output
-# layer, on the last stage alone, does most of the work.)
+# the pipeline bubble: with the work split over P stages an iteration ideally takes t(PP=1) / P; the
+# 1F1B schedule adds (P-1)/(V*M) of that (Narayanan et al.). Measured: t(PP=P) / (t(PP=1) / P) - 1,
+# on models whose stages do equal work (the output layer is worth about 2 layers of hidden 2048, so
+# the last stage gets fewer layers). (The built-in model is no test of it: its output layer, on the
+# last stage alone, does most of the work.)
+ms_of() { grep "elapsed time per iteration" "$1" | tail -n1 | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/'; }
+bubble_row() { # P stages on P GPUs, M micro-batches a step, the model's flags, the last stage's layers
+  local P=$1 m=$2 model=$3 last=$4 t1 tp bub
+  local b="$model --micro-batch-size 4 --global-batch-size $((4 * m)) --sample-tokens 0 --train-iters 40 --eval-iters 0 --log-interval 20"
+  ./train_gpt $b > "$OUT/bubble${P}_pp1_$m.log" 2>&1
+  timeout 120 $MPIRUN -np "$P" ./train_gpt $b --pipeline-model-parallel-size "$P" --decoder-last-pipeline-num-layers "$last" \
+    > "$OUT/bubble${P}_pp${P}_$m.log" 2>&1
+  t1=$(ms_of "$OUT/bubble${P}_pp1_$m.log")
+  tp=$(ms_of "$OUT/bubble${P}_pp${P}_$m.log")
+  [ -n "$tp" ] || tail -3 "$OUT/bubble${P}_pp${P}_$m.log"
+  bub=$(awk -v a="$t1" -v b="$tp" -v p="$P" 'BEGIN { if (a > 0 && b > 0) printf "%.3f", b / (a / p) - 1; else print "-" }')
+  rows+=("bubble PP=$P, M=$m|measured $bub, (P-1)/M $(awk -v m="$m" -v p="$P" 'BEGIN { printf "%.3f", (p - 1) / m }')|PP=1 ${t1} ms, PP=$P ${tp} ms")
+}
+# two stages: 8 layers, the last stage 3 and the output layer (about 5 layers' worth each)
 if [ "$ngpu" -ge 2 ]; then
-  model="--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --seq-length 256"
-  for m in 2 4 8 16; do
-    b="$model --micro-batch-size 4 --global-batch-size $((4 * m)) --sample-tokens 0 --train-iters 40 --eval-iters 0 --log-interval 20"
-    ./train_gpt $b > "$OUT/bubble1_$m.log" 2>&1
-    timeout 120 $MPIRUN -np 2 ./train_gpt $b --pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 3 > "$OUT/bubble2_$m.log" 2>&1
-    t1=$(grep "elapsed time per iteration" "$OUT/bubble1_$m.log" | tail -n1 | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
-    t2=$(grep "elapsed time per iteration" "$OUT/bubble2_$m.log" | tail -n1 | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
-    [ -n "$t2" ] || tail -3 "$OUT/bubble2_$m.log"
-    bub=$(awk -v a="$t1" -v b="$t2" 'BEGIN { if (a > 0 && b > 0) printf "%.3f", b / (a / 2) - 1; else print "-" }')
-    rows+=("bubble PP=2, M=$m|measured $bub, (P-1)/M $(awk -v m=$m 'BEGIN { printf "%.3f", 1 / m }')|PP=1 ${t1} ms, PP=2 ${t2} ms")
-  done
+  for m in 2 4 8 16; do bubble_row 2 "$m" "--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --seq-length 256" 3; done
 fi
-# four stages (4 GPUs): 10 layers, the last stage 1 layer and the output layer (about 3 layers'
-# worth, as 3 on each other stage): t(PP=4) / (t(PP=1) / 4) - 1 against (P-1)/M = 3/M
+# four stages (4 GPUs; not yet run): 10 layers, the last stage 1 and the output layer (about 3 each)
 if [ "$ngpu" -ge 4 ]; then
-  model="--num-layers 10 --hidden-size 2048 --num-attention-heads 16 --seq-length 256"
-  for m in 4 8 16; do
-    b="$model --micro-batch-size 4 --global-batch-size $((4 * m)) --sample-tokens 0 --train-iters 40 --eval-iters 0 --log-interval 20"
-    ./train_gpt $b > "$OUT/bubble4_1_$m.log" 2>&1
-    timeout 120 $MPIRUN -np 4 ./train_gpt $b --pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 1 > "$OUT/bubble4_4_$m.log" 2>&1
-    t1=$(grep "elapsed time per iteration" "$OUT/bubble4_1_$m.log" | tail -n1 | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
-    t4=$(grep "elapsed time per iteration" "$OUT/bubble4_4_$m.log" | tail -n1 | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/')
-    [ -n "$t4" ] || tail -3 "$OUT/bubble4_4_$m.log"
-    bub=$(awk -v a="$t1" -v b="$t4" 'BEGIN { if (a > 0 && b > 0) printf "%.3f", b / (a / 4) - 1; else print "-" }')
-    rows+=("bubble PP=4, M=$m|measured $bub, (P-1)/M $(awk -v m=$m 'BEGIN { printf "%.3f", 3 / m }')|PP=1 ${t1} ms, PP=4 ${t4} ms")
-  done
+  for m in 4 8 16; do bubble_row 4 "$m" "--num-layers 10 --hidden-size 2048 --num-attention-heads 16 --seq-length 256" 1; done
 fi
 echo "==== pipeline check ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $ngpu GPUs) ===="
 printf '%s\n' "${rows[@]}" | awk -F'|' '{ printf "%-44s %-44s %s\n", $1, $2, $3 }'
