@@ -858,13 +858,19 @@ static void ckt_describe_difference(const mt_config* c, const float* got, const 
            (long long)n, name, (long long)at, got[first], want[first]);
 }
 
-static test_result test_load_any_layout_multigpu(void) {
-    REQUIRE_MPI_GPUS();
-    if (mpi_world() != 2) SKIP("runs under mpirun -np 2, not %d", mpi_world());
+/* rank 0's process id on every rank: one name for the ranks' shared directories */
+static int ckt_shared_tag(void) {
     int tag = (int)getpid();
 #ifdef MT_USE_MPI
     MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
 #endif
+    return tag;
+}
+
+static test_result test_load_any_layout_multigpu(void) {
+    REQUIRE_MPI_GPUS();
+    if (mpi_world() != 2) SKIP("runs under mpirun -np 2, not %d", mpi_world());
+    const int tag = ckt_shared_tag();
     mt_config ref = pp_config(MT_FP32, 1, 1, 1, 1, 0); /* no --overlap-grad-reduce: the DP run's buckets come from its header */
     mt_error err;
     mt_config fin = ref;
@@ -947,10 +953,7 @@ static test_result test_load_any_layout_multigpu(void) {
 static test_result test_layout_changes_four_gpus(void) {
     REQUIRE_MPI_GPUS();
     if (mpi_world() != 4) SKIP("runs under mpirun -np 4, not %d", mpi_world());
-    int tag = (int)getpid();
-#ifdef MT_USE_MPI
-    MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
-#endif
+    const int tag = ckt_shared_tag();
     test_result res = TEST_PASS;
     for (int llama = 0; llama <= 1 && res == TEST_PASS; llama++) {
         const char* flavour = llama ? "Llama" : "GPT-2";
