@@ -3954,6 +3954,17 @@ static void pipeline_connect(mt_process_groups* g, const mt_config* c, cudaStrea
     cudaFree(buf);
 }
 
+/* A stream for collectives, at the device's highest priority. The compute stream keeps the GPU full
+ * of GEMM blocks; at equal priority the block scheduler gives an NCCL kernel's blocks a multiprocessor
+ * only when the compute kernels ahead of it leave one free, so a reduce-scatter or all-gather meant to
+ * overlap the backward or forward starves there and finishes on the critical path. At the highest
+ * priority its blocks are placed first as multiprocessors free up (the arithmetic is unchanged). */
+static bool create_comm_stream(cudaStream_t* stream, mt_gpu_error* e) {
+    int least = 0, greatest = 0;
+    if (!CUDA_CHECK(e, cudaDeviceGetStreamPriorityRange(&least, &greatest))) return false;
+    return CUDA_CHECK(e, cudaStreamCreateWithPriority(stream, cudaStreamNonBlocking, greatest));
+}
+
 /* Joins the job's communicators (blocks until every rank has joined). `compute` is the stream the
  * model runs on (TP collectives start after its work and hand back to it). */
 static void process_groups_create(mt_process_groups* g, const mt_config* c, cudaStream_t compute, mt_gpu_error* e) {
@@ -3970,8 +3981,7 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
     g->dp_size = c->data_parallel_size;
     g->pp_rank = me.pp;
     g->dp_rank = me.dp;
-    if (!CUDA_CHECK(e, cudaStreamCreateWithFlags(&g->comm_stream, cudaStreamNonBlocking)) ||
-        !CUDA_CHECK(e, cudaStreamCreateWithFlags(&tp->stream, cudaStreamNonBlocking)) ||
+    if (!create_comm_stream(&g->comm_stream, e) || !create_comm_stream(&tp->stream, e) ||
         !CUDA_CHECK(e, cudaEventCreateWithFlags(&tp->issued, cudaEventDisableTiming)) ||
         !CUDA_CHECK(e, cudaEventCreateWithFlags(&tp->marked, cudaEventDisableTiming)) ||
         !CUDA_CHECK(e, cudaEventCreateWithFlags(&tp->done, cudaEventDisableTiming)))
@@ -3993,7 +4003,7 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
         int ends = me.pp == 0 || me.pp == g->pp_size - 1;
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, ends ? replica : NCCL_SPLIT_NOCOLOR, me.pp, &g->embedding, NULL));
         for (int i = 0; i < 2; i++)
-            if (!CUDA_CHECK(e, cudaStreamCreateWithFlags(&g->pp_streams[i], cudaStreamNonBlocking)) ||
+            if (!create_comm_stream(&g->pp_streams[i], e) ||
                 !CUDA_CHECK(e, cudaEventCreateWithFlags(&g->pp_done[i], cudaEventDisableTiming)))
                 return;
         if (!CUDA_CHECK(e, cudaEventCreateWithFlags(&g->pp_ready, cudaEventDisableTiming))) return;
@@ -4319,24 +4329,31 @@ static void fp8_cast_operand(const mt_exec* ex, const fp8_linear* L, int role, m
 
 /* y [N, out] = x [N, in] W^T (+ bias) through the FP8 GEMM, with fast accumulation as Transformer
  * Engine's forward (its dgrad and wgrad promote: the gradients' GEMMs below don't use it). With
- * gelu_pre (per-tensor recipes): y = gelu(x W^T + bias) and gelu_pre = x W^T + bias from the GEMM's
- * epilogue; returns false (nothing run, no error) when cuBLASLt has no such algorithm. */
+ * gelu_pre: y = gelu(x W^T + bias) and gelu_pre = x W^T + bias from the GEMM's epilogue (per-tensor
+ * recipes, where cuBLASLt has such an algorithm); where it has none (or blockwise), the plain GEMM on
+ * the same cast writes gelu_pre = x W^T without the bias and y is left alone. Returns whether the
+ * activation was applied (true without gelu_pre, and on an error). */
 template <typename T>
 static bool fp8_linear_forward(const mt_exec* ex, const fp8_linear* L, T* y, const T* x, const T* bias, int N, int in,
                                int out, T* gelu_pre = NULL) {
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         const mt_fp8_state* f = L->f;
         if (f->recipe == MT_FP8_BLOCKWISE) { /* x in 1x128 blocks, W in 128x128 */
-            if (gelu_pre) return false;
             fp8_cast_blockwise<T>(ex, f->fwd, f->x8, NULL, f->x8_blocks, NULL, x, N, in, FP8_BLOCKS_1x128, true);
-            gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, f->x8_blocks, L->w8, f->fwd, L->w8_blocks, y, out, 1.0f, 0.0f,
-                        bias, FP8_BLOCKS_1x128, FP8_BLOCKS_128x128);
-            return true;
+            gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, f->x8_blocks, L->w8, f->fwd, L->w8_blocks, gelu_pre ? gelu_pre : y,
+                        out, 1.0f, 0.0f, gelu_pre ? (const T*)NULL : bias, FP8_BLOCKS_1x128, FP8_BLOCKS_128x128);
+            return !gelu_pre || ex->error->status != MT_OK;
         }
         fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, f->x8, NULL, x, N, in, true);
-        return gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, fp8_scale_inv(L, FP8_X), L->w8, f->fwd, fp8_scale_inv(L, FP8_W),
-                           y, out, 1.0f, 0.0f, bias, FP8_PER_TENSOR, FP8_PER_TENSOR, true, gelu_pre) ||
-               ex->error->status != MT_OK;
+        const float* x_inv = fp8_scale_inv(L, FP8_X);
+        const float* w_inv = fp8_scale_inv(L, FP8_W);
+        if (gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, x_inv, L->w8, f->fwd, w_inv, y, out, 1.0f, 0.0f, bias,
+                        FP8_PER_TENSOR, FP8_PER_TENSOR, true, gelu_pre) ||
+            !gelu_pre || ex->error->status != MT_OK)
+            return true;
+        gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, x_inv, L->w8, f->fwd, w_inv, gelu_pre, out, 1.0f, 0.0f,
+                    (const T*)NULL, FP8_PER_TENSOR, FP8_PER_TENSOR, true);
+        return ex->error->status != MT_OK;
     } else {
         mt_gpu_fail(ex->error, MT_ERR_CONFIG, "FP8 linears need the bf16 model type");
         return true;
@@ -4610,7 +4627,7 @@ struct mt_trainer {
     mt_opt_chunk* chunks;     /* device [num_chunks]: the owned parameter elements in pieces */
     int num_chunks;
     double* norm_partial;     /* [num_chunks + 1] */
-    double* reduce_scratch;   /* [2]: the loss and norm all-reduced over DP */
+    double* reduce_scratch;   /* [2 + world * MT_GATHER_DOUBLES]: values all-reduced, then all_gather_world's */
     /* data-parallel reduction and gathering state */
     int next_bucket;          /* next bucket to reduce in this step */
     int gather_pending;       /* parameter all-gathers of the last step still in flight */
@@ -5106,8 +5123,10 @@ static void mlp_up_forward(const mt_exec* ex, const mt_shape& s, const layer_vie
         gemm_epilogue<T, T>(ex, GEMM_GELU_AUX_BIAS, false, true, s.BT, s.f, s.h, ln2_in, s.h, p.fc1_w, s.h, v.act, s.f,
                             1.0f, 0.0f, p.fc1_b, v.fc1))
         return;
-    if (f8 && gelu_fused<T>(s) && fp8_linear_forward<T>(ex, f8, v.act, ln2_in, p.fc1_b, s.BT, s.h, s.f, v.fc1))
+    if (f8 && gelu_fused<T>(s)) { /* the epilogue, else fc1 without the bias from the same cast */
+        if (!fp8_linear_forward<T>(ex, f8, v.act, ln2_in, p.fc1_b, s.BT, s.h, s.f, v.fc1)) mlp_activation<T>(ex, s, v, p.fc1_b);
         return;
+    }
     linear_forward<T>(ex, v.fc1, ln2_in, p.fc1_w, (const T*)NULL, s.BT, s.h, s.f1, f8);
     mlp_activation<T>(ex, s, v, p.fc1_b);
 }
@@ -6662,41 +6681,82 @@ static void model_rank_dir(const mt_trainer* t, char* buf, size_t size, const ch
     else snprintf(buf, size, "%s/mp_rank_%02d", parent, tp);
 }
 
+/* The files a rank writes into its model-parallel directory, in this order: the distributed
+ * optimizer's shard file distrib_optim_dp<dp>.bin (when sharded), then model_optim_rng.bin on DP
+ * rank 0 (the replicas of a TP x PP rank hold the same model file). Returns how many (0 to 2). */
+typedef struct {
+    char name[32];
+    int shard; /* 1: the shard file (master, m, v of this DP rank's shard), 0: the model file */
+} rank_file;
+static int rank_checkpoint_files(const mt_trainer* t, int dp_rank, rank_file files[2]) {
+    int n = 0;
+    if (t->sharded) {
+        snprintf(files[n].name, sizeof(files[n].name), "distrib_optim_dp%03d.bin", dp_rank);
+        files[n++].shard = 1;
+    }
+    if (dp_rank == 0) {
+        snprintf(files[n].name, sizeof(files[n].name), "model_optim_rng.bin");
+        files[n++].shard = 0;
+    }
+    return n;
+}
+
+/* Every rank's `n` (at most MT_GATHER_DOUBLES) host doubles, all-gathered over the world in rank
+ * order into out [world * n]. Collective. */
+static mt_status all_gather_world(mt_trainer* t, const double* mine, int n, double* out, mt_error* err) {
+    mt_process_groups* g = &t->groups;
+    if (n > MT_GATHER_DOUBLES) return mt_fail(err, MT_ERR_ARG, "all_gather_world: %d values, at most %d", n, MT_GATHER_DOUBLES);
+    if (!g->world) {
+        memcpy(out, mine, sizeof(double) * (size_t)n);
+        return MT_OK;
+    }
+    double* gathered = t->reduce_scratch + 2; /* [world * MT_GATHER_DOUBLES] after the two reduced values */
+    const int world = t->cfg.world_size, rank = t->cfg.rank;
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(gathered + (size_t)rank * n, mine, sizeof(double) * (size_t)n,
+                                          cudaMemcpyHostToDevice, t->stream));
+    comm_after_compute(t);
+    NCCL_CHECK(&t->error, t->cfg.rank,
+               ncclAllGather(gathered + (size_t)rank * n, gathered, (size_t)n, ncclDouble, g->world, g->comm_stream));
+    compute_after_comm(t);
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(out, gathered, sizeof(double) * (size_t)world * n, cudaMemcpyDeviceToHost,
+                                          t->stream));
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    return mt_gpu_error_return(&t->error, err);
+}
+
 /* The writers' checksums, gathered to rank 0 for the manifest (so the commit, which runs in the step
- * loop, does not read the checkpoint back): rank 0 names every rank's files the way begin_save does
- * (the distributed optimizer's shard file, then the model file of DP rank 0), and each file's CRC and
- * size arrive over the world group, the writing rank contributing them and the others zeros. Four
- * one-number all-reduces a rank: a few milliseconds at the world sizes this trainer runs. Collective. */
+ * loop, does not read the checkpoint back): every rank's (CRC, size) of its files in one all-gather
+ * over the world, and rank 0 names each rank's files with rank_checkpoint_files as begin_save does.
+ * Collective. */
 static mt_status gather_file_checksums(mt_trainer* t, const struct mt_async_save* a, mt_checkpoint_file_crc** known,
                                        int* num_known, mt_error* err) {
     const int world = t->cfg.world_size;
+    double mine[MT_GATHER_DOUBLES] = {0}; /* [2 files][crc, size] */
+    for (int f = 0; f < a->num_files && f < 2; f++) {
+        mine[2 * f] = (double)a->files[f].crc;
+        mine[2 * f + 1] = (double)a->files[f].size;
+    }
+    double* all = (double*)malloc(sizeof(double) * MT_GATHER_DOUBLES * (size_t)world);
     mt_checkpoint_file_crc* k = NULL;
-    if (t->cfg.rank == 0 && !(k = (mt_checkpoint_file_crc*)calloc((size_t)world * 2, sizeof(*k))))
+    if (!all || (t->cfg.rank == 0 && !(k = (mt_checkpoint_file_crc*)calloc((size_t)world * 2, sizeof(*k))))) {
+        free(all);
         return mt_fail(err, MT_ERR_OOM, "out of memory gathering the checkpoint's checksums");
+    }
+    mt_status st = all_gather_world(t, mine, MT_GATHER_DOUBLES, all, err);
     int n = 0;
-    mt_status st = MT_OK;
-    for (int r = 0; r < world && st == MT_OK; r++) {
+    for (int r = 0; r < world && st == MT_OK && k; r++) {
         mt_rank_coords rc = mt_rank_coordinates(&t->cfg, r);
         char rank_dir[64];
         model_rank_dir(t, rank_dir, sizeof(rank_dir), "", rc.tp, rc.pp); /* "/mp_rank_..." */
-        const char* names[2];
-        char shard_name[48];
-        int files = 0;
-        snprintf(shard_name, sizeof(shard_name), "distrib_optim_dp%03d.bin", rc.dp);
-        if (t->sharded) names[files++] = shard_name;
-        if (rc.dp == 0) names[files++] = "model_optim_rng.bin";
-        for (int f = 0; f < files && st == MT_OK; f++) {
-            int mine = r == t->cfg.rank && f < a->num_files;
-            double crc = mine ? (double)a->files[f].crc : 0.0, size = mine ? (double)a->files[f].size : 0.0;
-            st = all_reduce_sum(t, &crc, GROUP_WORLD, err);
-            if (st == MT_OK) st = all_reduce_sum(t, &size, GROUP_WORLD, err);
-            if (st == MT_OK && k) {
-                snprintf(k[n].path, sizeof(k[n].path), "%s/%s", rank_dir + 1, names[f]);
-                k[n].crc = (uint32_t)crc;
-                k[n++].size = (int64_t)size;
-            }
+        rank_file files[2];
+        const int count = rank_checkpoint_files(t, rc.dp, files);
+        for (int f = 0; f < count; f++, n++) {
+            snprintf(k[n].path, sizeof(k[n].path), "%s/%s", rank_dir + 1, files[f].name);
+            k[n].crc = (uint32_t)all[(size_t)r * MT_GATHER_DOUBLES + 2 * f];
+            k[n].size = (int64_t)all[(size_t)r * MT_GATHER_DOUBLES + 2 * f + 1];
         }
     }
+    free(all);
     if (st != MT_OK) {
         free(k);
         return st;
@@ -6779,13 +6839,14 @@ static mt_status reserve_pinned_staging(struct mt_async_save* a, size_t total, m
     return MT_OK;
 }
 
-/* This rank's checkpoint bytes: the distributed optimizer's shard file, the model file on DP rank 0. */
+/* This rank's checkpoint bytes (its files: rank_checkpoint_files). */
 static size_t rank_checkpoint_bytes(mt_trainer* t) {
     int64_t header[MT_CK_HEADER_WORDS];
     fill_header(t, header, 0, 0);
+    rank_file files[2];
+    const int count = rank_checkpoint_files(t, t->groups.dp_rank, files);
     size_t total = 0;
-    if (t->sharded) total += (size_t)mt_checkpoint_file_bytes(header, 1);
-    if (t->groups.dp_rank == 0) total += (size_t)mt_checkpoint_file_bytes(header, 0);
+    for (int f = 0; f < count; f++) total += (size_t)mt_checkpoint_file_bytes(header, files[f].shard);
     return total;
 }
 
@@ -6811,7 +6872,6 @@ static mt_status begin_save(mt_trainer* t, const char* dir, int64_t iteration, i
     struct mt_async_save* a = t->async_save;
     char rank_dir[4160];
     int leader = t->cfg.rank == 0;       /* makes and renames the directories */
-    int writer = t->groups.dp_rank == 0; /* replicas hold the same shard: DP rank 0 of each TP rank writes it */
     snprintf(a->dir, sizeof(a->dir), "%s", dir);
     snprintf(a->final_dir, sizeof(a->final_dir), "%s/iter_%07lld", dir, (long long)iteration);
     snprintf(a->tmp_dir, sizeof(a->tmp_dir), "%s/.tmp_iter_%07lld", dir, (long long)iteration);
@@ -6833,21 +6893,17 @@ static mt_status begin_save(mt_trainer* t, const char* dir, int64_t iteration, i
     model_rank_dir(t, rank_dir, sizeof(rank_dir), a->tmp_dir, t->groups.tp.rank, t->groups.pp_rank);
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", a->final_dir);
 
-    /* 2. every rank stages its files: the distributed optimizer's shard file, the model file (DP rank 0) */
+    /* 2. every rank stages its files (rank_checkpoint_files: the shard file, the model file on DP rank 0) */
     int64_t header[MT_CK_HEADER_WORDS];
     fill_header(t, header, iteration, consumed_samples);
-    a->num_files = 0;
+    rank_file files[2];
+    a->num_files = rank_checkpoint_files(t, t->groups.dp_rank, files);
     size_t total = 0;
-    if (t->sharded) {
-        snprintf(a->files[a->num_files].path, sizeof(a->files[0].path), "%s/distrib_optim_dp%03d.bin", rank_dir,
-                 t->groups.dp_rank);
-        a->files[a->num_files++].size = (size_t)mt_checkpoint_file_bytes(header, 1);
+    for (int i = 0; i < a->num_files; i++) {
+        snprintf(a->files[i].path, sizeof(a->files[0].path), "%s/%s", rank_dir, files[i].name);
+        a->files[i].size = (size_t)mt_checkpoint_file_bytes(header, files[i].shard);
+        total += a->files[i].size;
     }
-    if (writer) {
-        snprintf(a->files[a->num_files].path, sizeof(a->files[0].path), "%s/model_optim_rng.bin", rank_dir);
-        a->files[a->num_files++].size = (size_t)mt_checkpoint_file_bytes(header, 0);
-    }
-    for (int i = 0; i < a->num_files; i++) total += a->files[i].size;
     char* stage = NULL;
     if (async) st = reserve_pinned_staging(a, total, err);
     if (async) stage = a->pinned;
@@ -6856,7 +6912,7 @@ static mt_status begin_save(mt_trainer* t, const char* dir, int64_t iteration, i
     float* master_full = full_master(t); /* collective with the distributed optimizer */
     for (int i = 0; i < a->num_files && st == MT_OK; i++) {
         a->files[i].bytes = stage + (i ? a->files[0].size : 0);
-        st = stage_checkpoint_file(t, header, t->sharded && i == 0, master_full, a->files[i].bytes, err);
+        st = stage_checkpoint_file(t, header, files[i].shard, master_full, a->files[i].bytes, err);
     }
     if (!all_ranks_ok(t, st == MT_OK)) {
         if (!async) free(stage);
@@ -7542,7 +7598,7 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     t->state_bytes_measured = free_before - free_after;
 
     t->norm_partial = (double*)device_alloc(t, ((size_t)t->num_chunks + 1) * sizeof(double), &a->workspace_bytes);
-    t->reduce_scratch = (double*)device_alloc(t, 2 * sizeof(double), &a->workspace_bytes);
+    t->reduce_scratch = (double*)device_alloc(t, MT_REDUCE_SCRATCH_BYTES(t->cfg.world_size), &a->workspace_bytes);
     t->colsum.max_chunks = COLSUM_MAX_CHUNKS;
     t->colsum.partial_a = (float*)device_alloc(t, colsum_scratch_floats(t) * 4, &a->workspace_bytes);
     t->colsum.partial_b = (float*)device_alloc(t, colsum_scratch_floats(t) * 4, &a->workspace_bytes);

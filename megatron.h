@@ -848,6 +848,10 @@ void mt_plan_options_defaults(mt_plan_options* opts);
 #define MT_OPT_CHUNK_ELEMENTS 32768
 #define MT_OPT_CHUNK_BYTES 32                     /* sizeof(mt_opt_chunk) in megatron.cu */
 #define MT_PUBLISH_CHUNK_BYTES 16                 /* --fp8-param-gather: sizeof(fp8_publish_chunk) in megatron.cu */
+#define MT_GATHER_DOUBLES 4                       /* values a rank contributes to an all-gather over the world
+                                                      (its two checkpoint files' CRC and size) */
+/* the trainer's host-value collectives: 2 values all-reduced, then world x MT_GATHER_DOUBLES gathered */
+#define MT_REDUCE_SCRATCH_BYTES(world) ((2 + (size_t)(world) * MT_GATHER_DOUBLES) * sizeof(double))
 #define MT_OFFLOAD_PIECE_ELEMENTS ((int64_t)1 << 22) /* optimizer offload: elements per copy/update piece */
 #define MT_OFFLOAD_SLOTS 4                        /* pinned gradient staging pieces in flight */
 
@@ -4517,7 +4521,7 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     size_t colsum = (size_t)MT_COLSUM_MAX_CHUNKS * (size_t)(qkv > wide ? qkv : wide);
     if ((size_t)MT_NORM_BWD_BLOCKS * (size_t)c->hidden_size > colsum) colsum = (size_t)MT_NORM_BWD_BLOCKS * c->hidden_size;
     const int rot = c->position_embedding_type == MT_POSITION_ROPE ? (int)(c->kv_channels * c->rotary_percent) : 0;
-    int64_t workspace = mt__size_add((int64_t)(MT_CUBLAS_WORKSPACE_BYTES + 3 * colsum * 4 + 2 * sizeof(double)),
+    int64_t workspace = mt__size_add((int64_t)(MT_CUBLAS_WORKSPACE_BYTES + 3 * colsum * 4 + MT_REDUCE_SCRATCH_BYTES(c->world_size)),
                                      mt__size_mul3(2 * (int64_t)c->seq_length, rot / 2, 4));
     workspace = mt__size_add(workspace, mt__size_mul(p->optimizer_chunks + 1, 8));
     workspace = mt__size_add(workspace, mt__size_mul(p->optimizer_chunks > 0 ? p->optimizer_chunks : 1, MT_OPT_CHUNK_BYTES));

@@ -50,13 +50,14 @@ if [ $run_single = 1 ]; then
          END { printf "%d passed, %d failed, %d skipped", p, f, s; if (n < '"$shards"') printf " (%d of '"$shards"' shards ended)", n }')
   rows+=("test_megatron ($shards shards)|$total|$(( $(date +%s) - start )) s")
 fi
-# multi-GPU tests: over 2 and (with 4 GPUs) 4 ranks, each against one GPU
+# multi-GPU tests: over 2 and (with 4 GPUs) 4 ranks, each against one GPU (NPS: the rank counts to
+# run, default "2 4"; GROUPS_MULTI: the feature groups, default all)
 MPIRUN="mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE=0"
 if [ $run_multi = 1 ] && [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null; then
-  for np in 2 4; do
+  for np in ${NPS:-2 4}; do
     [ "$ngpu" -ge "$np" ] || continue
     # one mpirun per feature, each cut at 240 s (a hang must not eat the session's GPU time)
-    for g in data_parallel tensor_parallel pipeline memory checkpoint_tool recompute; do
+    for g in ${GROUPS_MULTI:-data_parallel tensor_parallel pipeline memory checkpoint_tool recompute}; do
       start=$(date +%s)
       rm -f /tmp/mt_test_rank*.log
       timeout 240 $MPIRUN -np "$np" ./test_megatron multigpu.$g > "$OUT/test_mpi${np}_$g.log" 2>&1

@@ -495,9 +495,9 @@ static test_result pp_matches_single(mt_precision precision) {
         char name[96];
         snprintf(name, sizeof(name), "%s PP=%d", fl, world);
         res = pp_against_single(name, pp_config(precision, world, 1, 1, 1, llama), ref, gt, lt, wt);
-        if (res == TEST_PASS && world == 2) {
-            snprintf(name, sizeof(name), "%s PP=2 x VP=2 interleaved", fl);
-            res = pp_against_single(name, pp_config(precision, 2, 2, 1, 1, llama), ref, gt, lt, wt);
+        if (res == TEST_PASS) { /* at 4 GPUs beside DP = 2 (all-reduced gradients, no distributed optimizer) */
+            snprintf(name, sizeof(name), "%s PP=2 x VP=2 interleaved%s", fl, world == 4 ? " x DP=2" : "");
+            res = pp_against_single(name, pp_config(precision, 2, 2, 1, world / 2, llama), ref, gt, lt, wt);
         }
         if (res == TEST_PASS && world == 4 && precision == MT_BF16) {
             snprintf(name, sizeof(name), "%s PP=2 x TP=2 SP", fl);
@@ -530,8 +530,13 @@ static test_result test_pp_matches_single_dropout_fp32(void) {
 }
 static test_result test_pp_matches_single_bf16(void) { return pp_matches_single(MT_BF16); }
 
-/* PP = 2 (with 4 processes PP = 2 x DP = 2, distributed optimizer): two runs bitwise equal, and
- * 10 + save + load + 10 bitwise equal to 20 straight; mp_rank_00_000 and mp_rank_00_001 written. */
+/* Every pipeline layout of the world size, both flavours, bf16: two runs bitwise equal, and 10 +
+ * save + load + 10 bitwise equal to 20 straight; every mp_rank_<tp>_<pp> model file written. 2
+ * processes: PP = 2, PP = 2 x VP = 2; 4: PP = 2 x DP = 2 (distributed optimizer), PP = 4,
+ * PP = 2 x VP = 2 x DP = 2 (distributed optimizer), PP = 2 x TP = 2 with SP. */
+typedef struct {
+    int pp, vp, tp, distributed;
+} pp_layout;
 static test_result test_pp_repeat_resume(void) {
     REQUIRE_MPI_GPUS();
     REQUIRE_PP_WORLD();
@@ -539,37 +544,47 @@ static test_result test_pp_repeat_resume(void) {
 #ifdef MT_USE_MPI
     MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
 #endif
+    static const pp_layout two[] = {{2, 1, 1, 0}, {2, 2, 1, 0}};
+    static const pp_layout four[] = {{2, 1, 1, 1}, {4, 1, 1, 0}, {2, 2, 1, 1}, {2, 1, 2, 0}};
+    const pp_layout* layouts = world == 4 ? four : two;
+    const int num_layouts = world == 4 ? 4 : 2;
     test_result res = TEST_PASS;
-    for (int llama = 0; llama <= 1 && res == TEST_PASS; llama++) {
-        mt_config c = pp_config(MT_BF16, 2, 1, 1, world / 2, llama);
-        if (world == 4) test_config_ddp(&c, 1, 1, 1, 20000);
-        double a[20], b[20], r[20];
-        char dir[256];
-        snprintf(dir, sizeof(dir), "/tmp/mt_test_pp_ckpt_%d_%d", tag, llama);
-        res = tp_agree(dp_run(c, NULL, NULL, 0, 20, a, NULL));
-        if (res == TEST_PASS) res = tp_agree(dp_run(c, NULL, NULL, 0, 20, b, NULL));
-        if (res == TEST_PASS) res = tp_agree(dp_run(c, NULL, dir, 0, 10, r, NULL));
-        if (res == TEST_PASS) res = tp_agree(dp_run(c, dir, NULL, 10, 10, r, NULL));
-        for (int k = 0; k < 20 && res == TEST_PASS; k++) {
-            if (memcmp(&a[k], &b[k], sizeof(double))) { printf("    FAIL step %d: runs differ %.9g vs %.9g\n", k, a[k], b[k]); res = TEST_FAIL; }
-            else if (memcmp(&a[k], &r[k], sizeof(double))) { printf("    FAIL step %d: resumed %.9g vs %.9g\n", k, r[k], a[k]); res = TEST_FAIL; }
-        }
+    for (int i = 0; i < num_layouts && res == TEST_PASS; i++) {
+        const pp_layout* L = &layouts[i];
+        const int dp = world / (L->pp * L->tp);
+        for (int llama = 0; llama <= 1 && res == TEST_PASS; llama++) {
+            mt_config c = pp_config(MT_BF16, L->pp, L->vp, L->tp, dp, llama);
+            if (L->distributed) test_config_ddp(&c, 1, 1, 1, 20000);
+            char name[128];
+            snprintf(name, sizeof(name), "%s PP=%d%s%s%s%s", llama ? "Llama" : "GPT-2", L->pp, L->vp > 1 ? " x VP=2" : "",
+                     L->tp > 1 ? " x TP=2 SP" : "", dp > 1 ? " x DP=2" : "", L->distributed ? " distributed optimizer" : "");
+            double a[20], b[20], r[20];
+            char dir[256];
+            snprintf(dir, sizeof(dir), "/tmp/mt_test_pp_ckpt_%d_%d_%d", tag, i, llama);
+            res = tp_agree(dp_run(c, NULL, NULL, 0, 20, a, NULL));
+            if (res == TEST_PASS) res = tp_agree(dp_run(c, NULL, NULL, 0, 20, b, NULL));
+            if (res == TEST_PASS) res = tp_agree(dp_run(c, NULL, dir, 0, 10, r, NULL));
+            if (res == TEST_PASS) res = tp_agree(dp_run(c, dir, NULL, 10, 10, r, NULL));
+            for (int k = 0; k < 20 && res == TEST_PASS; k++) {
+                if (memcmp(&a[k], &b[k], sizeof(double))) { printf("    FAIL %s step %d: runs differ %.9g vs %.9g\n", name, k, a[k], b[k]); res = TEST_FAIL; }
+                else if (memcmp(&a[k], &r[k], sizeof(double))) { printf("    FAIL %s step %d: resumed %.9g vs %.9g\n", name, k, r[k], a[k]); res = TEST_FAIL; }
+            }
 #ifdef MT_USE_MPI
-        MPI_Barrier(MPI_COMM_WORLD);
+            MPI_Barrier(MPI_COMM_WORLD);
 #endif
-        for (int s = 0; s < 2 && res == TEST_PASS; s++) {
-            char path[512];
-            snprintf(path, sizeof(path), "%s/iter_0000010/mp_rank_00_%03d/model_optim_rng.bin", dir, s);
-            if (access(path, R_OK) != 0) { printf("    FAIL missing %s\n", path); res = TEST_FAIL; }
-        }
-        if (res == TEST_PASS)
-            printf("      %s PP=2%s: losses %.6f -> %.6f, bitwise equal across runs and across save/load\n",
-                   llama ? "Llama" : "GPT-2", world == 4 ? " x DP=2 distributed optimizer" : "", a[0], a[19]);
+            for (int m = 0; m < L->tp * L->pp && res == TEST_PASS; m++) {
+                char path[512];
+                snprintf(path, sizeof(path), "%s/iter_0000010/mp_rank_%02d_%03d/model_optim_rng.bin", dir, m % L->tp, m / L->tp);
+                if (access(path, R_OK) != 0) { printf("    FAIL missing %s\n", path); res = TEST_FAIL; }
+            }
+            if (res == TEST_PASS)
+                printf("      %s: losses %.6f -> %.6f, bitwise equal across runs and across save/load\n", name, a[0], a[19]);
 #ifdef MT_USE_MPI
-        MPI_Barrier(MPI_COMM_WORLD);
+            MPI_Barrier(MPI_COMM_WORLD);
 #endif
-        if (mpi_rank() == 0) mt_remove_tree(dir);
-        res = tp_agree(res);
+            if (mpi_rank() == 0) mt_remove_tree(dir);
+            res = tp_agree(res);
+        }
     }
     return res;
 }

@@ -10,7 +10,10 @@
 #
 # Run from the repository root on a multi-GPU machine after `make train_gpt`:
 #   dev/bench/dp_scaling.sh [models...]     models: 124m 1.5b (default both)
-# Environment: ITERS (20), GPUS ("1 2 4", those present), OUT (/tmp/dp_scaling).
+# Environment: ITERS (20), GPUS ("1 2 4", those present), OUT (/tmp/dp_scaling), OVERLAP ("off on":
+# which of the two to run), BIN (./train_gpt: the binary, to compare two builds), INDEPENDENT (1: also
+# run, for each N > 1, N one-GPU jobs at once, one a GPU, no communication: the slowest of them is
+# what data parallelism could reach on these GPUs and this host, its row names that one's time).
 # Timing: train_gpt's own log line (Megatron's elapsed time per iteration, averaged over the last
 # log interval: iterations ITERS/2+1 .. ITERS, after the warm-up half).
 set -uo pipefail
@@ -24,6 +27,8 @@ GPUS=${GPUS:-"1 2 4"}
 models=("$@")
 [ ${#models[@]} -eq 0 ] && models=(124m 1.5b)
 MPIRUN="mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE=0"
+BIN=${BIN:-./train_gpt}
+ms_of() { grep "elapsed time per iteration" "$1" | tail -n1 | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/'; }
 
 table="$OUT/dp_scaling.md"
 {
@@ -40,14 +45,14 @@ for model in "${models[@]}"; do
   base=""
   for n in $GPUS; do
     [ "$n" -le "$ngpu" ] || continue
-    for overlap in off on; do
+    for overlap in ${OVERLAP:-off on}; do
       flags="--use-distributed-optimizer"
       [ "$overlap" = on ] && flags="$flags --overlap-grad-reduce --overlap-param-gather"
       gbs=$((MBS * ACCUM * n))
       log="$OUT/${model}_${n}gpu_overlap_${overlap}.log"
       launch=""
       [ "$n" -gt 1 ] && launch="$MPIRUN -np $n"
-      timeout 600 $launch ./train_gpt $shape --seq-length 1024 --max-position-embeddings 1024 \
+      timeout 600 $launch $BIN $shape --seq-length 1024 --max-position-embeddings 1024 \
         --mock-data --hidden-dropout 0 --attention-dropout 0 --log-throughput --tokenizer-type NullTokenizer --vocab-size 50257 --bf16 \
         --micro-batch-size "$MBS" --global-batch-size "$gbs" --train-iters "$ITERS" --log-interval $((ITERS / 2)) \
         --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 \
@@ -69,6 +74,24 @@ for model in "${models[@]}"; do
       echo "| $model | $n | $overlap | $gbs | $ms | $tps | $tf | $mfu | ${eff:-} |" >>"$table"
       echo "$key n=$n: $ms ms/iter, $tps tokens/s/GPU, $tf TFLOP/s/GPU, efficiency ${eff:-n/a}"
     done
+    if [ -n "${INDEPENDENT:-}" ] && [ "$n" -gt 1 ]; then # n one-GPU jobs side by side, the slowest counts
+      gbs=$((MBS * ACCUM))
+      for ((k = 0; k < n; k++)); do
+        CUDA_VISIBLE_DEVICES=$k timeout 600 $BIN $shape --seq-length 1024 --max-position-embeddings 1024 \
+          --mock-data --hidden-dropout 0 --attention-dropout 0 --log-throughput --tokenizer-type NullTokenizer --vocab-size 50257 --bf16 \
+          --micro-batch-size "$MBS" --global-batch-size "$gbs" --train-iters "$ITERS" --log-interval $((ITERS / 2)) \
+          --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 \
+          --eval-iters 0 --sample-tokens 0 --use-distributed-optimizer >"$OUT/${model}_${n}x1gpu_$k.log" 2>&1 &
+      done
+      wait
+      ms=$(for ((k = 0; k < n; k++)); do ms_of "$OUT/${model}_${n}x1gpu_$k.log"; done | sort -g | tail -n1)
+      all=$(for ((k = 0; k < n; k++)); do ms_of "$OUT/${model}_${n}x1gpu_$k.log"; done | tr '\n' ' ')
+      tps=$(awk -v g="$gbs" -v ms="$ms" 'BEGIN { if (ms > 0) printf "%.0f", g * 1024 / (ms / 1000) }')
+      b=${base_on:-${base_off:-}}
+      eff=$([ -n "$b" ] && [ -n "$tps" ] && awk -v t="$tps" -v b="$b" 'BEGIN { printf "%.1f%%", 100 * t / b }')
+      echo "| $model | $n x 1, independent (ms: $all) | - | $gbs each | $ms | $tps | | | ${eff:-} |" >>"$table"
+      echo "${model} $n independent one-GPU jobs: ms/iter $all"
+    fi
   done
   unset base_on base_off
 done
