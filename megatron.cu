@@ -3954,17 +3954,6 @@ static void pipeline_connect(mt_process_groups* g, const mt_config* c, cudaStrea
     cudaFree(buf);
 }
 
-/* A stream for collectives, at the device's highest priority. The compute stream keeps the GPU full
- * of GEMM blocks; at equal priority the block scheduler gives an NCCL kernel's blocks a multiprocessor
- * only when the compute kernels ahead of it leave one free, so a reduce-scatter or all-gather meant to
- * overlap the backward or forward starves there and finishes on the critical path. At the highest
- * priority its blocks are placed first as multiprocessors free up (the arithmetic is unchanged). */
-static bool create_comm_stream(cudaStream_t* stream, mt_gpu_error* e) {
-    int least = 0, greatest = 0;
-    if (!CUDA_CHECK(e, cudaDeviceGetStreamPriorityRange(&least, &greatest))) return false;
-    return CUDA_CHECK(e, cudaStreamCreateWithPriority(stream, cudaStreamNonBlocking, greatest));
-}
-
 /* Joins the job's communicators (blocks until every rank has joined). `compute` is the stream the
  * model runs on (TP collectives start after its work and hand back to it). */
 static void process_groups_create(mt_process_groups* g, const mt_config* c, cudaStream_t compute, mt_gpu_error* e) {
@@ -3981,7 +3970,8 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
     g->dp_size = c->data_parallel_size;
     g->pp_rank = me.pp;
     g->dp_rank = me.dp;
-    if (!create_comm_stream(&g->comm_stream, e) || !create_comm_stream(&tp->stream, e) ||
+    if (!CUDA_CHECK(e, cudaStreamCreateWithFlags(&g->comm_stream, cudaStreamNonBlocking)) ||
+        !CUDA_CHECK(e, cudaStreamCreateWithFlags(&tp->stream, cudaStreamNonBlocking)) ||
         !CUDA_CHECK(e, cudaEventCreateWithFlags(&tp->issued, cudaEventDisableTiming)) ||
         !CUDA_CHECK(e, cudaEventCreateWithFlags(&tp->marked, cudaEventDisableTiming)) ||
         !CUDA_CHECK(e, cudaEventCreateWithFlags(&tp->done, cudaEventDisableTiming)))
@@ -4003,7 +3993,7 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
         int ends = me.pp == 0 || me.pp == g->pp_size - 1;
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, ends ? replica : NCCL_SPLIT_NOCOLOR, me.pp, &g->embedding, NULL));
         for (int i = 0; i < 2; i++)
-            if (!create_comm_stream(&g->pp_streams[i], e) ||
+            if (!CUDA_CHECK(e, cudaStreamCreateWithFlags(&g->pp_streams[i], cudaStreamNonBlocking)) ||
                 !CUDA_CHECK(e, cudaEventCreateWithFlags(&g->pp_done[i], cudaEventDisableTiming)))
                 return;
         if (!CUDA_CHECK(e, cudaEventCreateWithFlags(&g->pp_ready, cudaEventDisableTiming))) return;

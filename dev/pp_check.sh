@@ -44,7 +44,9 @@ fi
 ms_of() { grep "elapsed time per iteration" "$1" | tail -n1 | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/'; }
 bubble_row() { # model tag, P stages on P GPUs, V chunks per rank, M micro-batches a step, the model's flags, the split's
   local tag=$1 P=$2 V=$3 m=$4 model=$5 split=$6 t1 tp bub vp_flag=""
-  local b="$model --micro-batch-size 4 --global-batch-size $((4 * m)) --sample-tokens 0 --train-iters 20 --eval-iters 0 --log-interval 10"
+  # BUBBLE_ROWS (e.g. "h4096:8 h2048_10:4"): only these model:M rows
+  if [ -n "${BUBBLE_ROWS:-}" ] && [[ " $BUBBLE_ROWS " != *" $tag:$m "* ]]; then return; fi
+  local b="$model --micro-batch-size 4 --global-batch-size $((4 * m)) --sample-tokens 0 --train-iters 20 --lr-warmup-iters 2 --eval-iters 0 --log-interval 10"
   local one="$OUT/bubble_${tag}_pp1_$m.log" many="$OUT/bubble_${tag}_pp${P}_vp${V}_$m.log"
   [ -f "$one" ] || ./train_gpt $b > "$one" 2>&1 # PP = 1 once per model and M
   [ "$V" -gt 1 ] && vp_flag="--num-virtual-stages-per-pipeline-rank $V"
