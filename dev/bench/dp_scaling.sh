@@ -28,6 +28,13 @@ models=("$@")
 [ ${#models[@]} -eq 0 ] && models=(124m 1.5b)
 MPIRUN="mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE=0"
 BIN=${BIN:-./train_gpt}
+# the job every run shares, at global batch $1 (MBS and ITERS from above)
+job_flags() {
+  echo "--seq-length 1024 --max-position-embeddings 1024 --mock-data --hidden-dropout 0 --attention-dropout 0" \
+    "--log-throughput --tokenizer-type NullTokenizer --vocab-size 50257 --bf16 --micro-batch-size $MBS" \
+    "--global-batch-size $1 --train-iters $ITERS --log-interval $((ITERS / 2)) --lr 1e-4 --min-lr 1e-5" \
+    "--lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 --eval-iters 0 --sample-tokens 0"
+}
 ms_of() { grep "elapsed time per iteration" "$1" | tail -n1 | sed 's/.*per iteration (ms): \([^ ]*\).*/\1/'; }
 
 table="$OUT/dp_scaling.md"
@@ -52,11 +59,7 @@ for model in "${models[@]}"; do
       log="$OUT/${model}_${n}gpu_overlap_${overlap}.log"
       launch=""
       [ "$n" -gt 1 ] && launch="$MPIRUN -np $n"
-      timeout 600 $launch $BIN $shape --seq-length 1024 --max-position-embeddings 1024 \
-        --mock-data --hidden-dropout 0 --attention-dropout 0 --log-throughput --tokenizer-type NullTokenizer --vocab-size 50257 --bf16 \
-        --micro-batch-size "$MBS" --global-batch-size "$gbs" --train-iters "$ITERS" --log-interval $((ITERS / 2)) \
-        --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 \
-        --eval-iters 0 --sample-tokens 0 $flags >"$log" 2>&1
+      timeout 600 $launch $BIN $shape $(job_flags "$gbs") $flags >"$log" 2>&1
       line=$(grep "elapsed time per iteration" "$log" | tail -n1)
       if [ -z "$line" ]; then
         echo "| $model | $n | $overlap | $gbs | FAILED (see $log) | | | | |" >>"$table"
@@ -77,11 +80,8 @@ for model in "${models[@]}"; do
     if [ -n "${INDEPENDENT:-}" ] && [ "$n" -gt 1 ]; then # n one-GPU jobs side by side, the slowest counts
       gbs=$((MBS * ACCUM))
       for ((k = 0; k < n; k++)); do
-        CUDA_VISIBLE_DEVICES=$k timeout 600 $BIN $shape --seq-length 1024 --max-position-embeddings 1024 \
-          --mock-data --hidden-dropout 0 --attention-dropout 0 --log-throughput --tokenizer-type NullTokenizer --vocab-size 50257 --bf16 \
-          --micro-batch-size "$MBS" --global-batch-size "$gbs" --train-iters "$ITERS" --log-interval $((ITERS / 2)) \
-          --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 \
-          --eval-iters 0 --sample-tokens 0 --use-distributed-optimizer >"$OUT/${model}_${n}x1gpu_$k.log" 2>&1 &
+        CUDA_VISIBLE_DEVICES=$k timeout 600 $BIN $shape $(job_flags "$gbs") --use-distributed-optimizer \
+          >"$OUT/${model}_${n}x1gpu_$k.log" 2>&1 &
       done
       wait
       ms=$(for ((k = 0; k < n; k++)); do ms_of "$OUT/${model}_${n}x1gpu_$k.log"; done | sort -g | tail -n1)
