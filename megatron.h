@@ -1073,6 +1073,10 @@ enum {
      * saving run's --overlap-grad-reduce + 1 (0: not recorded, an older file or no sharding) and
      * --ddp-bucket-size (0: Megatron's default) */
     MT_CK_DDP_OVERLAP, MT_CK_DDP_BUCKET_SIZE,
+    MT_CK_MANIFESTED,    /* 1: committed with a manifest.txt, which a reader then requires (0: a file from
+                          * before manifests, read with a warning) */
+    MT_CK_SQUARED_RELU,  /* --squared-relu: the MLP's activation is relu(x)^2 (0 in older files) */
+    MT_CK_QK_LAYERNORM,  /* --qk-layernorm: per-head norms of the queries and keys (0 in older files) */
     MT_CK_HEADER_WORDS = 64
 };
 /* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
