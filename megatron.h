@@ -446,7 +446,9 @@ typedef struct {
     int max_position_embeddings;      /* --max-position-embeddings (0: seq_length) */
     int64_t vocab_size;               /* the tokenizer's vocabulary */
     int make_vocab_size_divisible_by; /* --make-vocab-size-divisible-by (128) */
-    int64_t padded_vocab_size;        /* derived: ceil(vocab / (divisible_by * tp)) * divisible_by * tp */
+    int64_t padded_vocab_size;        /* derived: ceil(vocab / (divisible_by * tp)) * divisible_by * tp, or
+                                       * the resumed checkpoint's (mt_padded_vocab_size_resumed) */
+    int64_t resumed_padded_vocab_size;/* the padded vocabulary of the checkpoint this run loads (0: none) */
     double init_method_std;           /* --init-method-std (0.02) */
     double norm_epsilon;              /* --norm-epsilon (1e-5) */
     /* the model flavour: GPT-2 by default; Llama is RMSNorm + SwiGLU + RoPE + GQA + untied output,
@@ -559,6 +561,12 @@ void mt_config_defaults(mt_config* cfg);
 /* Derives padded vocab, ffn, kv channels, max positions, global batch; checks consistency. */
 mt_status mt_config_finalize(mt_config* cfg, mt_error* err);
 int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int tensor_parallel_size);
+/* The padded vocabulary of a run that resumes a checkpoint padded to `saved` (0: none) at another
+ * layout: `saved` itself when it covers vocab_size and divides by the new TP, so the model (padded
+ * rows included, whose logits take part in the softmax) is the one that was saved and the loss curve
+ * continues; else Megatron's padding at this TP (new rows start at 0: the loss moves). The trainer's
+ * --load (through mt_config.resumed_padded_vocab_size) and checkpoint_tool's reshard use it. */
+int64_t mt_padded_vocab_size_resumed(int64_t vocab_size, int divisible_by, int tensor_parallel_size, int64_t saved);
 /* Overflow-safe size arithmetic: 1 when a * b (a + b) does not fit int64_t (then *out is untouched),
  * else 0 with the result in *out. mt_config_finalize checks every size product it derives with these. */
 static inline int mt_mul_overflows_i64(int64_t a, int64_t b, int64_t* out) {
@@ -1199,6 +1207,10 @@ mt_status mt_ckpt_read_floats(int fd, const char* path, int64_t at, float* out, 
  * target's padding are dropped (as checkpoint_tool's reshard re-pads). */
 mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_config* target, int array, float* out,
                             mt_error* err);
+/* Before mt_config_finalize of a run that will load from dir: c->resumed_padded_vocab_size = the
+ * padded vocabulary of dir's tracked checkpoint (left as it is when dir holds none, or a damaged one:
+ * the load says so), so the finalized model keeps it where it can (mt_padded_vocab_size_resumed). */
+void mt_config_resume_padding(mt_config* c, const char* dir);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 8. The trainer (GPU; implemented in megatron.cu)                                                */
@@ -3090,6 +3102,11 @@ int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int tensor_pa
     return (vocab_size + multiple - 1) / multiple * multiple;
 }
 
+int64_t mt_padded_vocab_size_resumed(int64_t vocab_size, int divisible_by, int tensor_parallel_size, int64_t saved) {
+    if (saved > 0 && saved >= vocab_size && tensor_parallel_size > 0 && saved % tensor_parallel_size == 0) return saved;
+    return mt_padded_vocab_size(vocab_size, divisible_by, tensor_parallel_size);
+}
+
 /* The FP8 flags: ranges, the combinations Megatron refuses, and the shapes FP8 GEMMs can take
  * (every dimension of the four linears' GEMMs, per tensor-parallel rank, a multiple of 16; the
  * blockwise recipe's blocks need multiples of 128). */
@@ -3545,8 +3562,11 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
             return mt_fail(err, MT_ERR_CONFIG, "the vocabulary size %lld (--vocab-size) is too large to pad",
                            (long long)c->vocab_size);
     }
-    c->padded_vocab_size =
-        mt_padded_vocab_size(c->vocab_size, c->make_vocab_size_divisible_by, c->tensor_model_parallel_size);
+    if (c->resumed_padded_vocab_size < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "the resumed checkpoint's padded vocabulary %lld is negative",
+                       (long long)c->resumed_padded_vocab_size);
+    c->padded_vocab_size = mt_padded_vocab_size_resumed(c->vocab_size, c->make_vocab_size_divisible_by,
+                                                        c->tensor_model_parallel_size, c->resumed_padded_vocab_size);
     if (c->micro_batch_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--micro-batch-size must be positive");
     if (c->global_batch_size < 0) return mt_fail(err, MT_ERR_CONFIG, "--global-batch-size must be positive");
     if ((int64_t)c->micro_batch_size * c->data_parallel_size > INT32_MAX)
@@ -5460,6 +5480,12 @@ mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_fi
     if (st == MT_OK && fd_out) *fd_out = fd;
     else close(fd);
     return st;
+}
+
+void mt_config_resume_padding(mt_config* c, const char* dir) {
+    mt_ckpt saved;
+    mt_error ignored;
+    if (dir && mt_ckpt_open(&saved, dir, -1, &ignored) == MT_OK) c->resumed_padded_vocab_size = saved.header[MT_CK_VOCAB];
 }
 
 mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, mt_error* err) {

@@ -705,7 +705,17 @@ int main(int argc, char** argv) {
     c->vocab_size = tok ? mt_tokenizer_vocab_size(tok) : o.null_vocab_size;
     c->eod_token = tok ? mt_tokenizer_eod(tok) : o.null_vocab_size - 1; /* NullTokenizer: the last id */
     mt_error err;
+    /* --load at another TP: keep the checkpoint's padded vocabulary where it divides by this TP, so the
+     * model (padded rows included) and its loss curve continue (megatron.h mt_padded_vocab_size_resumed) */
+    mt_config_resume_padding(c, o.load);
     if (mt_config_finalize(c, &err) != MT_OK) die(2, "%s", err.message);
+    if (c->resumed_padded_vocab_size > 0 && c->padded_vocab_size != c->resumed_padded_vocab_size && rank == 0)
+        printf("note: the checkpoint in %s pads the vocabulary to %lld, which %s; padded to %lld here: the rows "
+               "the checkpoint lacks start at 0 and take part in the softmax, so the loss moves at the first step\n",
+               o.load, (long long)c->resumed_padded_vocab_size,
+               c->resumed_padded_vocab_size < c->vocab_size ? "does not cover this tokenizer's vocabulary"
+                                                            : "does not divide by --tensor-model-parallel-size",
+               (long long)c->padded_vocab_size);
     /* the iteration log line: from the last rank (the last pipeline stage) with PP > 1, else rank 0 */
     FILE* log_line_out = stdout;
     if (c->pipeline_model_parallel_size > 1 && world > 1) {

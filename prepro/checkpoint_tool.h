@@ -146,9 +146,10 @@ static mt_status mt_ckpt_verify(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, mt_er
     return st == MT_OK ? mt_checkpoint_manifest_verify(ck->iter_dir, err) : st;
 }
 
-/* The target layout's model: header src's model with the padded vocabulary Megatron gives it at
- * tp (--make-vocab-size-divisible-by x TP, from the true vocabulary when the header knows it; else
- * the padded one, which must divide by tp), and its header words (rank words 0). */
+/* The target layout's model: header src's model with its padded vocabulary kept when it divides by
+ * tp, else the one Megatron gives it at tp (--make-vocab-size-divisible-by x TP, from the true
+ * vocabulary when the header knows it; mt_padded_vocab_size_resumed, the trainer's --load rule), and
+ * its header words (rank words 0). */
 static mt_status mt_ckpt_target(const int64_t* src, int tp, int pp, int vp, int divisible_by, int64_t* h, mt_config* c,
                                 mt_error* err) {
     if (tp < 1 || tp > 4096 || pp < 1 || pp > 4096 || vp < 1 || vp > MT_PP_MAX_CHUNKS || (vp > 1 && pp == 1) ||
@@ -156,7 +157,8 @@ static mt_status mt_ckpt_target(const int64_t* src, int tp, int pp, int vp, int 
         return mt_fail(err, MT_ERR_ARG, "target layout TP %d, PP %d, VP %d (divisible by %d): TP and PP in [1, 4096], "
                        "VP in [1, %d] and > 1 only with PP > 1", tp, pp, vp, divisible_by, MT_PP_MAX_CHUNKS);
     memcpy(h, src, sizeof(int64_t) * MT_CK_HEADER_WORDS);
-    if (h[MT_CK_TRUE_VOCAB] > 0) h[MT_CK_VOCAB] = mt_padded_vocab_size(h[MT_CK_TRUE_VOCAB], divisible_by, tp);
+    if (h[MT_CK_TRUE_VOCAB] > 0)
+        h[MT_CK_VOCAB] = mt_padded_vocab_size_resumed(h[MT_CK_TRUE_VOCAB], divisible_by, tp, src[MT_CK_VOCAB]);
     h[MT_CK_TP] = tp;
     h[MT_CK_PP] = pp;
     h[MT_CK_VP] = pp > 1 ? vp : 0;

@@ -188,16 +188,17 @@ typedef struct {
     int fp8;                   /* an FP8 delayed-scaling tail (3 tensors, history 4) */
     int manifest;
     int record_ddp;            /* the distributed optimizer's bucket flags in the header (0: as older files) */
+    int64_t padded;            /* the padded vocabulary (0: Megatron's at tp, 128 x TP) */
 } ckt_layout;
 
 /* The tiny model: 4 layers, hidden 64, 4 heads in 2 query groups, vocabulary 300 (padded to 384 at
- * TP 1, 512 at TP 2), GPT-2 (LayerNorm, learned positions, biases) or Llama (RMSNorm, SwiGLU, rope,
- * no biases); padded for TP tp. */
+ * TP 1, 512 at TP 2, or to L->padded), GPT-2 (LayerNorm, learned positions, biases) or Llama (RMSNorm,
+ * SwiGLU, rope, no biases). */
 static void ckt_model(mt_config* c, const ckt_layout* L) {
     *c = test_config_sized(4, 64, 4, 32, 300);
     test_config_attention(c, 4, 2, 16, 128);
     c->max_position_embeddings = 32;
-    c->padded_vocab_size = mt_padded_vocab_size(300, 128, L->tp);
+    c->padded_vocab_size = L->padded ? L->padded : mt_padded_vocab_size(300, 128, L->tp);
     c->precision = MT_BF16;
     if (L->llama) test_config_llama(c);
     c->untie_embeddings_and_output_weights = L->untied;
@@ -373,25 +374,32 @@ static int ckt_read_equal(const char* dir, const ckt_layout* L, float* const* wa
 }
 
 /* TP1 -> TP2 -> TP1 x PP2 x VP2 -> TP2 x PP2 -> TP1, each step read back and compared: the original
- * arrays (with the vocabulary re-padded at TP2: new rows zero) bitwise, headers valid, manifests good. */
+ * arrays bitwise (TP1's padding, 384 rows, kept at TP2: it divides by 2), headers valid, manifests
+ * good. Then a padding that must change: 301 rows (saved with --make-vocab-size-divisible-by 301)
+ * resharded to TP2 are re-padded to Megatron's 512 (new rows zero). */
 static test_result ckt_round_trip(int llama, int untied) {
     char root[256], src[400], out[400];
     ckt_dir(root, sizeof(root), llama ? (untied ? "llama_untied" : "llama_tied") : (untied ? "gpt_untied" : "gpt_tied"));
     mt_error err;
     ckt_layout L = {llama, untied, 1, 1, 1, 0, 0, 0, 1 /* FP8 state: dropped */, 1};
-    int64_t n1, n2;
+    L.padded = 384;
+    int64_t n1, n2, n301;
     float** a1 = ckt_arrays(&L, 7, &n1);
     snprintf(src, sizeof(src), "%s/src", root);
     EXPECT_OK(ckt_write(src, 40, &L, a1, &err), &err);
-    /* the TP2 padding of the same arrays: the first 300 + padding rows copied, the new ones zero */
-    ckt_layout L2 = L;
+    /* 301 rows, and Megatron's TP2 padding of them (512): the first 301 rows copied, the new ones zero */
+    ckt_layout L301 = L, L2 = L;
+    L301.padded = 301;
+    L301.fp8 = 0;
     L2.tp = 2;
+    L2.padded = 0;
+    float** a301 = ckt_arrays(&L301, 5, &n301);
     float** a2 = ckt_arrays(&L2, 0, &n2);
     mt_config c1, c2;
-    ckt_model(&c1, &L);
+    ckt_model(&c1, &L301);
     ckt_model(&c2, &L2);
-    EXPECT(n2 > n1, "TP2 pads the vocabulary further (%lld vs %lld)", (long long)n2, (long long)n1);
-    for (int a = 0; a < 3; a++) ckt_repad(&c1, a1[a], &c2, a2[a]);
+    EXPECT(n2 > n301, "TP2 pads the vocabulary further (%lld vs %lld)", (long long)n2, (long long)n301);
+    for (int a = 0; a < 3; a++) ckt_repad(&c1, a301[a], &c2, a2[a]);
     /* the re-padding itself: every tensor's elements kept, the vocabulary tensors grown by zero rows */
     mt_param_info i1[MT_NUM_PARAM_TENSORS], i2[MT_NUM_PARAM_TENSORS];
     mt_param_layout(&c1, i1);
@@ -400,13 +408,23 @@ static test_result ckt_round_trip(int llama, int untied) {
         for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
             const int vocab = i == MT_P_WORD_EMBEDDINGS || i == MT_P_OUTPUT_WEIGHT;
             EXPECT(vocab || i1[i].numel == i2[i].numel, "tensor %d changed size", i);
-            EXPECT(!memcmp(a2[a] + i2[i].offset, a1[a] + i1[i].offset, sizeof(float) * (size_t)i1[i].numel),
+            EXPECT(!memcmp(a2[a] + i2[i].offset, a301[a] + i1[i].offset, sizeof(float) * (size_t)i1[i].numel),
                    "tensor %d's elements moved", i);
             for (int64_t k = i1[i].numel; k < i2[i].numel; k++)
                 EXPECT(a2[a][i2[i].offset + k] == 0.0f && !signbit(a2[a][i2[i].offset + k]), "padding %d not zero", i);
-            EXPECT(!vocab || i1[i].numel == 0 || i2[i].numel == i1[i].numel / 384 * 512, "tensor %d: %lld rows", i,
+            EXPECT(!vocab || i1[i].numel == 0 || i2[i].numel == i1[i].numel / 301 * 512, "tensor %d: %lld rows", i,
                    (long long)i2[i].numel);
         }
+    snprintf(out, sizeof(out), "%s/src301", root);
+    EXPECT_OK(ckt_write(out, 40, &L301, a301, &err), &err);
+    {
+        char repadded[400];
+        snprintf(repadded, sizeof(repadded), "%s/repadded", root);
+        mt_ckpt ck;
+        EXPECT_OK(mt_ckpt_open(&ck, out, -1, &err), &err);
+        EXPECT_OK(mt_ckpt_reshard(&ck, NULL, repadded, 2, 1, 1, 128, NULL, &err), &err);
+        EXPECT(ckt_read_equal(repadded, &L2, a2, n2, &err), "301 rows at TP 2: not re-padded to 512 as Megatron pads");
+    }
     struct { int tp, pp, vp; } steps[] = {{2, 1, 1}, {1, 2, 2}, {2, 2, 1}, {1, 1, 1}};
     const char* prev = src;
     char prev_buf[400];
@@ -421,8 +439,7 @@ static test_result ckt_round_trip(int llama, int untied) {
         Lk.tp = steps[k].tp;
         Lk.pp = steps[k].pp;
         Lk.vp = steps[k].vp;
-        EXPECT(ckt_read_equal(out, &Lk, Lk.tp == 2 ? a2 : a1, Lk.tp == 2 ? n2 : n1, &err),
-               "step %d (TP %d PP %d VP %d) differs", k, Lk.tp, Lk.pp, Lk.vp);
+        EXPECT(ckt_read_equal(out, &Lk, a1, n1, &err), "step %d (TP %d PP %d VP %d) differs", k, Lk.tp, Lk.pp, Lk.vp);
         EXPECT_OK(mt_ckpt_open(&ck, out, -1, &err), &err);
         EXPECT_OK(mt_ckpt_verify(&ck, NULL, &err), &err);
         EXPECT(ck.header[MT_CK_ITERATION] == 40 && ck.header[MT_CK_CONSUMED] == 320 && ck.header[MT_CK_ADAM_STEP] == 40 &&
@@ -433,11 +450,12 @@ static test_result ckt_round_trip(int llama, int untied) {
     }
     /* the tool's files are the trainer's, byte for byte: step 2 (TP2 x PP2) against the same arrays
      * written here in the trainer's layout */
-    ckt_layout L22 = L2;
+    ckt_layout L22 = L;
+    L22.tp = 2;
     L22.pp = 2;
     L22.fp8 = 0;
     snprintf(out, sizeof(out), "%s/synthetic", root);
-    EXPECT_OK(ckt_write(out, 40, &L22, a2, &err), &err);
+    EXPECT_OK(ckt_write(out, 40, &L22, a1, &err), &err);
     for (int t = 0; t < 2; t++)
         for (int s = 0; s < 2; s++) {
             char p1[600], p2[600];
@@ -464,6 +482,7 @@ static test_result ckt_round_trip(int llama, int untied) {
            "%s", err.message);
     ckt_arrays_free(a1);
     ckt_arrays_free(a2);
+    ckt_arrays_free(a301);
     mt_remove_tree(root);
     return TEST_PASS;
 }
@@ -990,9 +1009,103 @@ static test_result test_layout_changes_four_gpus(void) {
     return res;
 }
 
+/* Multi-GPU (mpirun -np 2 or 4): a resume at every other TP size continues the saving layout's own
+ * loss curve, with a vocabulary (1100) that Megatron pads differently at each TP (128 x TP: 1152 at
+ * TP=1, 1280 at TP=2, 1536 at TP=4). Each layout fills the world with DP (fp32, GPT-2: the padded
+ * rows take part in the softmax); it trains 5 steps and saves, and 10 straight steps are its curve.
+ * Every other TP loads that checkpoint (mt_config_resume_padding, as train_gpt does) and must keep
+ * the saved padding (it divides by every TP here) and run steps 6-10 within 1e-5 of the curve (fp32:
+ * TP and DP sum in other orders; the tolerance of the fp32 TP tests). Without the kept padding the
+ * new rows' logits (0) join the softmax and the loss moves by about 1e-2. The negative control: a
+ * padding that must change (vocabulary 1101 padded to 1101 by --make-vocab-size-divisible-by 1 at
+ * TP=1, 1102 at TP=2) moves the loss by more than 1e-5, so the comparison can see a padding change. */
+static mt_config ckt_vocab_config(int tp, int64_t vocab, int divisible_by) {
+    mt_config c = tp_config(MT_FP32, tp, mpi_world() / tp, tp > 1, 0);
+    c.vocab_size = vocab;
+    c.make_vocab_size_divisible_by = divisible_by;
+    return c;
+}
+
+static test_result test_resume_across_tp_sizes(void) {
+    REQUIRE_MPI_GPUS();
+    const int world = mpi_world();
+    if (world != 2 && world != 4) SKIP("runs under mpirun -np 2 or 4, not %d", world);
+    const int tag = ckt_shared_tag();
+    int sizes[3] = {1, 2, 4}, num_sizes = world == 4 ? 3 : 2;
+    test_result res = TEST_PASS;
+    mt_error err;
+    for (int s = 0; s < num_sizes && res == TEST_PASS; s++) {
+        char dir[256];
+        snprintf(dir, sizeof(dir), "/tmp/mt_test_resume_tp_%d_%d", tag, sizes[s]);
+        mt_config src = ckt_vocab_config(sizes[s], 1100, 128), fin = src;
+        EXPECT_OK(mt_config_finalize(&fin, &err), &err);
+        double curve[10], got[10];
+        res = tp_agree(dp_run(src, NULL, dir, 0, 5, curve, NULL));
+        if (res == TEST_PASS) res = tp_agree(dp_run(src, NULL, NULL, 0, 10, curve, NULL));
+        for (int t = 0; t < num_sizes && res == TEST_PASS; t++) {
+            if (t == s) continue;
+            mt_config c = ckt_vocab_config(sizes[t], 1100, 128), kept;
+            mt_config_resume_padding(&c, dir);
+            kept = c;
+            EXPECT_OK(mt_config_finalize(&kept, &err), &err);
+            if (kept.padded_vocab_size != fin.padded_vocab_size) {
+                printf("    FAIL TP=%d -> TP=%d: the padded vocabulary %lld is not the checkpoint's %lld\n", sizes[s],
+                       sizes[t], (long long)kept.padded_vocab_size, (long long)fin.padded_vocab_size);
+                res = TEST_FAIL;
+            }
+            for (int i = 0; i < 10; i++) got[i] = NAN;
+            if (res == TEST_PASS) res = tp_agree(dp_run(c, dir, NULL, 5, 5, got, NULL));
+            const double worst = ckt_worst_relative(got, curve, 5, 10);
+            if (res == TEST_PASS && !(worst <= 1e-5)) {
+                printf("    FAIL TP=%d -> TP=%d: steps 6-10 differ from TP=%d's own by %.3e\n", sizes[s], sizes[t],
+                       sizes[s], worst);
+                res = TEST_FAIL;
+            }
+            res = tp_agree(res);
+            if (res == TEST_PASS)
+                printf("      TP=%d (padded %lld) -> TP=%d: steps 6-10 %.6f -> %.6f, within %.2e of TP=%d's\n", sizes[s],
+                       (long long)fin.padded_vocab_size, sizes[t], got[5], got[9], worst, sizes[s]);
+        }
+#ifdef MT_USE_MPI
+        MPI_Barrier(MPI_COMM_WORLD);
+#endif
+        if (mpi_rank() == 0) mt_remove_tree(dir);
+    }
+    /* the negative control: a padding that must change moves the loss */
+    if (res == TEST_PASS) {
+        char dir[256];
+        snprintf(dir, sizeof(dir), "/tmp/mt_test_resume_tp_%d_repad", tag);
+        mt_config src = ckt_vocab_config(1, 1101, 1), c = ckt_vocab_config(2, 1101, 1), kept;
+        double curve[10], got[10];
+        res = tp_agree(dp_run(src, NULL, dir, 0, 5, curve, NULL));
+        if (res == TEST_PASS) res = tp_agree(dp_run(src, NULL, NULL, 0, 10, curve, NULL));
+        mt_config_resume_padding(&c, dir);
+        kept = c;
+        EXPECT_OK(mt_config_finalize(&kept, &err), &err);
+        EXPECT(kept.resumed_padded_vocab_size == 1101 && kept.padded_vocab_size == 1102,
+               "1101 saved at TP=1 resumes at TP=2 padded to %lld (saved %lld), want 1102",
+               (long long)kept.padded_vocab_size, (long long)kept.resumed_padded_vocab_size);
+        if (res == TEST_PASS) res = tp_agree(dp_run(c, dir, NULL, 5, 5, got, NULL));
+        const double moved = ckt_worst_relative(got, curve, 5, 10);
+        if (res == TEST_PASS && !(moved > 1e-5)) {
+            printf("    FAIL the re-padded resume (1101 -> 1102) stays within %.3e of the curve: the comparison cannot "
+                   "see a padding change\n", moved);
+            res = TEST_FAIL;
+        }
+        res = tp_agree(res);
+        if (res == TEST_PASS) printf("      negative control: re-padded 1101 -> 1102 at TP=2 moves the loss by %.2e\n", moved);
+#ifdef MT_USE_MPI
+        MPI_Barrier(MPI_COMM_WORLD);
+#endif
+        if (mpi_rank() == 0) mt_remove_tree(dir);
+    }
+    return res;
+}
+
 static const test_case checkpoint_tool_multigpu_tests[] = {
     {"load_any_layout", test_load_any_layout_multigpu},
     {"layout_changes_on_four_gpus", test_layout_changes_four_gpus},
+    {"resume_across_tp_sizes_keeps_the_padding", test_resume_across_tp_sizes},
 };
 
 /* GPU: --async-save. One trainer, 5 steps, then the same iteration saved synchronously and

@@ -16,10 +16,31 @@ static test_result test_config_derives_megatron_values(void) {
     EXPECT(c.max_position_embeddings == 32, "positions %d", c.max_position_embeddings);
     EXPECT(mt_num_micro_batches(&c) == 4, "micro batches %d", mt_num_micro_batches(&c));
     EXPECT(c.lr_decay_iters == 100, "decay iters %lld", (long long)c.lr_decay_iters);
-    /* Megatron's padding examples: GPT-2 50257 -> 50304 at TP=1, 50432 at TP=4 (multiple of 512) */
+    /* Megatron's padding examples: GPT-2 50257 -> 50304 at TP=1, 50688 at TP=4 (multiple of 512) */
     EXPECT(mt_padded_vocab_size(50257, 128, 1) == 50304, "tp1");
     EXPECT(mt_padded_vocab_size(50257, 128, 4) == 50688, "tp4 %lld", (long long)mt_padded_vocab_size(50257, 128, 4));
     EXPECT(mt_padded_vocab_size(128256, 128, 1) == 128256, "llama3");
+    return TEST_PASS;
+}
+
+/* A resume keeps the checkpoint's padded vocabulary where it covers the vocabulary and divides by the
+ * new TP (the model and its loss curve continue), and pads as Megatron does only where it must. */
+static test_result test_config_resume_keeps_padding(void) {
+    EXPECT(mt_padded_vocab_size_resumed(50257, 512, 2, 50688) == 50688, "50688 saved at TP=1 kept at TP=2");
+    EXPECT(mt_padded_vocab_size_resumed(50257, 512, 4, 50688) == 50688, "kept at TP=4");
+    EXPECT(mt_padded_vocab_size_resumed(50257, 512, 1, 51200) == 51200, "51200 saved at TP=2 kept at TP=1");
+    EXPECT(mt_padded_vocab_size_resumed(50257, 128, 8, 50260) == 51200, "50260 / 8 is not whole: re-padded to 51200");
+    EXPECT(mt_padded_vocab_size_resumed(1101, 1, 2, 1101) == 1102, "odd padding re-padded at TP=2");
+    EXPECT(mt_padded_vocab_size_resumed(60000, 128, 1, 50304) == 60032, "a saved padding below the vocabulary is not kept");
+    EXPECT(mt_padded_vocab_size_resumed(50257, 128, 2, 0) == 50432, "no checkpoint: Megatron's padding");
+    mt_config c = small_test_config(); /* vocabulary 500: 512 at TP=1 */
+    c.resumed_padded_vocab_size = 640;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT(c.padded_vocab_size == 640, "finalize keeps the resumed padding: %lld", (long long)c.padded_vocab_size);
+    c = small_test_config();
+    c.resumed_padded_vocab_size = -1;
+    EXPECT(mt_config_finalize(&c, &err) == MT_ERR_CONFIG, "a negative resumed padding is refused");
     return TEST_PASS;
 }
 
@@ -189,6 +210,7 @@ static test_result test_config_fp8(void) {
 static const test_case config_tests[] = {
     {"config_derives_megatron_values", test_config_derives_megatron_values},
     {"config_rejects_inconsistent", test_config_rejects_inconsistent},
+    {"config_resume_keeps_padding", test_config_resume_keeps_padding},
     {"rank_layout_tp_dp_pp", test_rank_layout},
     {"learning_rate_schedules", test_learning_rate_schedules},
     {"flops_formula", test_flops_formula},
