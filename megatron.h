@@ -1331,7 +1331,8 @@ mt_status mt_trainer_reserve_async_save(mt_trainer* t, mt_error* err);
 /* Loads the latest checkpoint under dir (or iteration `iteration` if >= 0); refuses one of another
  * model shape. The integrity rule comes first (mt_checkpoint_select, by rank 0): when the tracker's
  * iteration is refused and an older one verifies, that one is loaded (the caller sees it in
- * *iteration_out, below the tracker's, and mt_trainer_load_warning says why). Returns the iteration and consumed samples it resumes from.
+ * *iteration_out, below the tracker's, and mt_trainer_load_warning says why). Returns the iteration
+ * and consumed samples it resumes from.
  * A checkpoint saved at another layout (TP, PP with virtual stages, DP with or without the
  * distributed optimizer) loads too: each rank reads its part slice by slice (mt_ckpt_read_part). */
 mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
