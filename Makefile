@@ -83,7 +83,7 @@ dev/hf_logits: dev/hf_logits.c megatron.o $(HEADERS)
 	$(CC) $(CFLAGS) -c $< -o dev/hf_logits.o
 	$(NVCC) $(NVFLAGS) dev/hf_logits.o megatron.o -o $@ $(CUDA_LIBS) $(HOST_LIBS)
 
-test: test_megatron
+test: test_megatron $(PREPRO)
 	./test_megatron
 
 clean:

@@ -5,7 +5,7 @@
  *   make eval_hellaswag dev/data/hellaswag_val_full.txt
  *   ./eval_hellaswag --load checkpoints/builtin [--hellaswag dev/data/hellaswag_val_full.txt]
  *                    [--num-examples N] [--bf16] [--examples-per-batch K] [--per-example OUT.tsv]
- *                    [--vocab-file F --merge-file F | --tokenizer-model RANKS]
+ *                    [--vocab-file F --merge-file F | --tokenizer-model RANKS] [--no-verify]
  *
  * The items: six lines each (the format of llama.cpp's `perplexity --hellaswag`, dev/data/README in
  * DESIGN.md): the context ("activity label: context"), the gold ending's index 0-3, the four endings.
@@ -20,7 +20,9 @@
  * argmax).
  *
  * The model's shape and flavour come from the checkpoint's header (prepro/hf_checkpoint.h reads it and
- * the fp32 master weights; tensor/pipeline parallel checkpoints are refused there); the sequence length
+ * the fp32 master weights; tensor/pipeline parallel checkpoints are refused there), after megatron.h's
+ * integrity rule (the manifest verified; a refusal names the file; --no-verify reads it anyway, with a
+ * warning); the sequence length
  * is the longest item's, rounded up to 64 (at most the model's positions). The logits of each batch
  * come to the host (mt_trainer_logits) and the log-softmax is taken there, in double. fp32 by default
  * (the check against transformers, dev/hellaswag_check.py, wants it); --bf16 is faster.
@@ -143,16 +145,19 @@ int main(int argc, char** argv) {
     const char* tokenizer_model = NULL;
     const char* per_example = NULL;
     long num_examples = 0, per_batch = 2;
-    int bf16 = 0;
+    int bf16 = 0, no_verify = 0;
     for (int i = 1; i < argc; i++) {
         const char* a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             printf("usage: eval_hellaswag --load CKPT_DIR [--hellaswag FILE] [--num-examples N] [--bf16]\n"
                    "                      [--examples-per-batch K] [--per-example OUT.tsv]\n"
-                   "                      [--vocab-file F --merge-file F | --tokenizer-model RANKS]\n");
+                   "                      [--vocab-file F --merge-file F | --tokenizer-model RANKS] [--no-verify]\n"
+                   "  --no-verify  read a checkpoint whose manifest check fails (or that lost the manifest it was\n"
+                   "               saved with) anyway, with a warning\n");
             return 0;
         }
         if (!strcmp(a, "--bf16")) { bf16 = 1; continue; }
+        if (!strcmp(a, "--no-verify")) { no_verify = 1; continue; }
         if (i + 1 >= argc) die(2, "%s needs a value", a);
         const char* v = argv[++i];
         char* end = NULL;
@@ -187,7 +192,10 @@ int main(int argc, char** argv) {
     mt_config c;
     float* params = NULL;
     int64_t header[MT_CK_HEADER_WORDS];
-    if (mt_hf_checkpoint_read(load, -1, &c, &params, header, &err) != MT_OK) die(1, "%s", err.message);
+    mt_error warning;
+    mt_status read = mt_hf_checkpoint_read(load, -1, no_verify, &c, &params, header, &warning, &err);
+    if (warning.message[0]) fprintf(stderr, "eval_hellaswag: warning: %s\n", warning.message);
+    if (read != MT_OK) die(1, "%s", err.message);
     if (header[MT_CK_TRUE_VOCAB] > 0 && header[MT_CK_TRUE_VOCAB] != V) {
         die(1, "the checkpoint was trained with a vocabulary of %lld, the tokenizer has %lld",
             (long long)header[MT_CK_TRUE_VOCAB], (long long)V);

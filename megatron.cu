@@ -4652,6 +4652,8 @@ struct mt_trainer {
     /* optimizer offload (section 18) and the memory plan (section 20) */
     struct mt_offload* offload; /* NULL without --optimizer-cpu-offload (or with nothing to offload) */
     struct mt_async_save* async_save; /* the checkpoint writer (section 19), from the first save */
+    int no_verify_checkpoint;   /* --no-verify-checkpoint: loads warn where the integrity rule refuses */
+    mt_error load_warning;      /* what the last load's integrity check had to say (rank 0), "" if nothing */
     mt_memory_plan plan;        /* computed on the host before any allocation */
     mt_memory_plan allocated;   /* what device_alloc handed out at creation, by the plan's categories */
 };
@@ -6533,6 +6535,7 @@ static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration,
     header[MT_CK_FP8_TENSORS] = delayed ? t->fp8.num_tensors : 0;
     header[MT_CK_FP8_HISTORY_LEN] = delayed ? t->fp8.history_len : 0;
     header[MT_CK_FP8_HISTORY_POS] = delayed ? t->fp8.history_pos : 0;
+    header[MT_CK_MANIFESTED] = 1; /* commit_save writes the manifest */
 }
 
 /* The FP8 delayed-scaling state after the model file's arrays (see MT_CK_FP8_TENSORS): scale,
@@ -7064,13 +7067,15 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
                                  int64_t* iteration_out, int64_t* consumed_out, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     char path[4400], iter_dir[4200], rank_dir[4300];
-    /* rank 0 picks the iteration and checks its manifest (megatron.h mt_checkpoint_select: a checkpoint
-     * without one, from before manifests, still loads; a tracked one that fails gives way to the newest
-     * older one that verifies); every rank then loads the iteration it chose */
+    /* rank 0 picks the iteration and applies the integrity rule (megatron.h mt_checkpoint_select: a
+     * tracked one that is refused gives way to the newest older one that verifies; what it has to say
+     * is kept for mt_trainer_load_warning); every rank then loads the iteration it chose */
     mt_status st = MT_OK;
     double chosen = 0.0; /* rank 0's iteration + 1; 0: it failed (a fallback: the caller sees an iteration below the tracker's) */
+    t->load_warning.message[0] = 0;
     if (t->cfg.rank == 0) {
-        st = mt_checkpoint_select(dir, iteration, &iteration, NULL, err);
+        int fell_back = 0;
+        st = mt_checkpoint_select(dir, iteration, t->no_verify_checkpoint, &iteration, &fell_back, &t->load_warning, err);
         if (st == MT_OK) chosen = (double)iteration + 1.0;
     }
     if (all_reduce_sum(t, &chosen, GROUP_WORLD, err) != MT_OK) return mt_gpu_error_return(&t->error, err);
@@ -7173,6 +7178,10 @@ mt_status mt_trainer_load_weights(mt_trainer* t, const char* dir, int64_t iterat
                                   int64_t* consumed_out, mt_error* err) {
     return load_checkpoint(t, dir, iteration, 0, iteration_out, consumed_out, err);
 }
+
+void mt_trainer_set_no_verify_checkpoint(mt_trainer* t, int no_verify) { t->no_verify_checkpoint = no_verify != 0; }
+
+const char* mt_trainer_load_warning(const mt_trainer* t) { return t->load_warning.message; }
 
 /* ============================================================================================== */
 /* 20. The trainer API                                                                            */

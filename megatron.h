@@ -1088,7 +1088,9 @@ enum {
     MT_CK_HEADER_WORDS = 64
 };
 /* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
- * shape, parameter count, precision, seed, parallel sizes (progress words stay 0). */
+ * shape, parameter count, precision, seed, parallel sizes (progress words stay 0, and so does
+ * MT_CK_MANIFESTED: a writer sets it to 1 when it commits the checkpoint with a manifest, which every
+ * writer of this project does). */
 void mt_checkpoint_header_init(int64_t* header, const mt_config* cfg);
 /* The reverse: the model fields of cfg (shape and flavour) from a header; vocab_size is set to the
  * padded size (it pads to itself). Other fields are left as they are. Only for a header that
@@ -1102,7 +1104,7 @@ void mt_config_from_checkpoint_header(mt_config* cfg, const int64_t* header);
  * stages and the pipeline stage's words consistent;
  * a known precision; progress, scheduler and Adam counters >= 0; the loss-scaler counters within
  * int (the growth tracker >= 0; hysteresis counts down past 0, as Megatron's) and the loss scale
- * finite and > 0; the FP8 words in range. cfg (if not NULL) gets the model
+ * finite and > 0; the FP8 words in range; the manifest mark 0 or 1. cfg (if not NULL) gets the model
  * (mt_config_defaults, then mt_config_from_checkpoint_header). path names the file in messages. */
 mt_status mt_checkpoint_header_check(const int64_t* header, const char* path, mt_config* cfg, mt_error* err);
 /* The exact size in bytes of a checkpoint file with this (checked) header: the model file
@@ -1149,12 +1151,26 @@ mt_status mt_checkpoint_manifest_write_known(const char* iter_dir, const mt_chec
  * checksum, and that no file is there that it does not list; one line names the first bad file
  * (MT_ERR_IO when the manifest itself is missing or unreadable, else MT_ERR_FORMAT). */
 mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* err);
-/* The iteration a load reads, its integrity checked: `iteration` (< 0: the tracker's) when its
- * directory's manifest verifies, or when it has no manifest (a checkpoint from before manifests:
- * loaded unchecked, as before). When the tracker's iteration fails and an older iter_* directory of
- * dir has a manifest that verifies, the newest such one (*fell_back = 1, fell_back may be NULL; *err
- * then holds the reason the tracked one was refused, for the caller's warning); else the first failure. */
-mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int64_t* chosen, int* fell_back, mt_error* err);
+/* The integrity rule, the one every reader of a checkpoint applies before it reads its data (the
+ * trainer's --load, checkpoint_tool, convert_hf --export, eval_hellaswag, dev/hf_logits through
+ * these functions; prepro/convert_mcore.py restates it in Python):
+ *   - manifest.txt present: mt_checkpoint_manifest_verify; a failure refuses the checkpoint in one
+ *     line naming the bad file;
+ *   - absent: the first model file's header (mp_rank_00[_000]/model_optim_rng.bin, its words and
+ *     size checked) decides: MT_CK_MANIFESTED 1 (it was committed with one) refuses it ("incomplete or
+ *     tampered"); 0 (a checkpoint from before manifests) is accepted with a warning: read unchecked.
+ * A missing iteration directory is refused (MT_ERR_IO). no_verify (a tool's --no-verify, train_gpt's
+ * --no-verify-checkpoint) turns every refusal into a warning that says why, and MT_OK: the reader then
+ * proceeds (and fails by itself on what it cannot read). Library code does not print: *warning (may be
+ * NULL) gets the one line for the caller to print, "" when there is nothing to say. */
+mt_status mt_checkpoint_check_integrity(const char* iter_dir, int no_verify, mt_error* warning, mt_error* err);
+/* The iteration a reader reads, the rule above applied: `iteration` (< 0: the tracker's) when it
+ * passes. With fell_back not NULL (the trainer's --load) a tracker's iteration that is refused gives
+ * way to the newest older iter_* directory of dir whose manifest verifies (*fell_back = 1; *warning
+ * says which was refused and why); with fell_back NULL (the tools: they read what they are asked or
+ * nothing), and for an explicit iteration, the refusal is the result. */
+mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no_verify, int64_t* chosen, int* fell_back,
+                               mt_error* warning, mt_error* err);
 
 /* A checkpoint read at any layout: its layout from the first model file's header (mp_rank_00 or
  * mp_rank_00_000), each file's header and exact size checked when first read, and any rank's part
@@ -1325,9 +1341,10 @@ mt_status mt_trainer_save_wait(mt_trainer* t, int blocking, int64_t* committed_i
  * it. Not collective; refused while a save is pending. */
 mt_status mt_trainer_reserve_async_save(mt_trainer* t, mt_error* err);
 /* Loads the latest checkpoint under dir (or iteration `iteration` if >= 0); refuses one of another
- * model shape. Its manifest is verified first (mt_checkpoint_select, by rank 0): when the tracker's
- * iteration fails and an older one verifies, that one is loaded (the caller sees it in
- * *iteration_out, below the tracker's). Returns the iteration and consumed samples it resumes from.
+ * model shape. The integrity rule comes first (mt_checkpoint_select, by rank 0): when the tracker's
+ * iteration is refused and an older one verifies, that one is loaded (the caller sees it in
+ * *iteration_out, below the tracker's, and mt_trainer_load_warning says why). Returns the iteration
+ * and consumed samples it resumes from.
  * A checkpoint saved at another layout (TP, PP with virtual stages, DP with or without the
  * distributed optimizer) loads too: each rank reads its part slice by slice (mt_ckpt_read_part). */
 mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
@@ -1336,6 +1353,14 @@ mt_status mt_trainer_load(mt_trainer* t, const char* dir, int64_t iteration, int
  * and the loss scaler start afresh, as in a new trainer; iteration and consumed samples as above. */
 mt_status mt_trainer_load_weights(mt_trainer* t, const char* dir, int64_t iteration, int64_t* iteration_out,
                                   int64_t* consumed_samples_out, mt_error* err);
+/* --no-verify-checkpoint: the loads that follow read a checkpoint the integrity rule refuses
+ * (mt_checkpoint_check_integrity: a manifest that fails, or none where the header says there was one)
+ * with a warning instead (no_verify 1); 0, a new trainer's setting, refuses it. */
+void mt_trainer_set_no_verify_checkpoint(mt_trainer* t, int no_verify);
+/* What the last load's integrity check had to say, one line for the caller to print (rank 0; "" on
+ * the other ranks and when there was nothing): a tracked iteration refused and an older one read
+ * instead, a checkpoint from before manifests read unchecked, or one read despite a failure. */
+const char* mt_trainer_load_warning(const mt_trainer* t);
 /* The iteration that keys the next train step's dropout masks (with --hidden-dropout or
  * --attention-dropout; megatron.cu section 5): 0 in a new trainer, the checkpoint's iteration after a
  * load, +1 per train step. A caller that renumbers its iterations (--finetune starts at 0) sets it. */
@@ -4989,6 +5014,7 @@ mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, mt_conf
         {MT_CK_STAGE_NUMEL, 0, INT64_MAX, "the stage's parameter count"},
         {MT_CK_DDP_OVERLAP, 0, 2, "the distributed optimizer's --overlap-grad-reduce"},
         {MT_CK_DDP_BUCKET_SIZE, 0, INT64_MAX, "the distributed optimizer's --ddp-bucket-size"},
+        {MT_CK_MANIFESTED, 0, 1, "the manifest mark"},
     };
     for (size_t i = 0; i < sizeof(range) / sizeof(range[0]); i++)
         if (h[range[i].word] < range[i].lo || h[range[i].word] > range[i].hi)
@@ -5341,31 +5367,69 @@ mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* err) {
     return st;
 }
 
-mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int64_t* chosen, int* fell_back, mt_error* err) {
+/* The first model file of an iteration directory: mp_rank_00 (one stage) or mp_rank_00_000 (a pipeline). */
+static void mt__ckpt_first_file(char* path, size_t cap, const char* iter_dir) {
+    char rank_dir[4300];
+    struct stat sb;
+    mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, 1, 0, 0);
+    if (stat(rank_dir, &sb) != 0) mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, 2, 0, 0);
+    snprintf(path, cap, "%s/model_optim_rng.bin", rank_dir);
+}
+
+mt_status mt_checkpoint_check_integrity(const char* iter_dir, int no_verify, mt_error* warning, mt_error* err) {
+    if (warning) warning->message[0] = 0;
+    char manifest[4400], path[4400];
+    struct stat sb;
+    if (stat(iter_dir, &sb) != 0) return mt_fail(err, MT_ERR_IO, "no checkpoint at %s (%s)", iter_dir, strerror(errno));
+    if (!S_ISDIR(sb.st_mode)) return mt_fail(err, MT_ERR_IO, "no checkpoint at %s (not a directory)", iter_dir);
+    snprintf(manifest, sizeof(manifest), "%s/%s", iter_dir, MT_CKPT_MANIFEST);
+    mt_error why;
+    mt_status st;
+    if (stat(manifest, &sb) == 0 || errno != ENOENT) {
+        st = mt_checkpoint_manifest_verify(iter_dir, &why);
+    } else {
+        /* no manifest: the header says whether the checkpoint was committed with one */
+        int64_t h[MT_CK_HEADER_WORDS];
+        mt__ckpt_first_file(path, sizeof(path), iter_dir);
+        st = mt_ckpt_read_header(path, NULL, 0, 0, 0, 0, h, NULL, &why);
+        if (st == MT_OK && h[MT_CK_MANIFESTED] == 0) {
+            mt_fail(warning, MT_OK, "checkpoint %s has no %s: saved before manifests, it is read without an "
+                    "integrity check", iter_dir, MT_CKPT_MANIFEST);
+            return MT_OK;
+        }
+        if (st == MT_OK)
+            st = mt_fail(&why, MT_ERR_FORMAT, "checkpoint %s has no %s but was saved with one: incomplete or tampered",
+                         iter_dir, MT_CKPT_MANIFEST);
+    }
+    if (st == MT_OK) return MT_OK;
+    if (!no_verify) return mt_fail(err, st, "%s", why.message);
+    mt_fail(warning, MT_OK, "%.440s (read anyway: integrity checking is off)", why.message);
+    return MT_OK;
+}
+
+mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no_verify, int64_t* chosen, int* fell_back,
+                               mt_error* warning, mt_error* err) {
     if (fell_back) *fell_back = 0;
+    if (warning) warning->message[0] = 0;
     const int tracked = iteration < 0;
     mt_status st = tracked ? mt_checkpoint_read_tracker(dir, &iteration, err) : MT_OK;
     if (st != MT_OK) return st;
-    char iter_dir[4200], manifest[4300];
+    char iter_dir[4200];
     mt_checkpoint_iteration_dir(iter_dir, sizeof(iter_dir), dir, iteration);
-    snprintf(manifest, sizeof(manifest), "%s/%s", iter_dir, MT_CKPT_MANIFEST);
-    struct stat sb;
     *chosen = iteration;
-    if (stat(manifest, &sb) != 0 && errno == ENOENT) {
-        /* no manifest: a checkpoint of this project from before manifests (every save now writes one),
-         * loaded unchecked as it always was; a missing directory is the loader's error to report */
-        return MT_OK;
-    }
-    st = mt_checkpoint_manifest_verify(iter_dir, err);
-    if (st == MT_OK || !tracked) return st;
-    DIR* d;
-    struct dirent* e;
-    /* older iterations with a manifest, newest first (a directory holds few: list it once per candidate) */
-    mt_error scratch; /* err keeps the tracked iteration's failure */
+    mt_error refused;
+    st = mt_checkpoint_check_integrity(iter_dir, no_verify, warning, &refused);
+    if (st == MT_OK) return MT_OK;
+    if (!tracked || !fell_back) return mt_fail(err, st, "%s", refused.message);
+    /* older iterations with a manifest that verifies, newest first (a directory holds few: list it once
+     * per candidate) */
+    mt_error scratch;
+    struct stat sb;
     for (int64_t limit = iteration;;) {
         int64_t next = -1;
-        d = opendir(dir);
+        DIR* d = opendir(dir);
         if (!d) break;
+        struct dirent* e;
         while ((e = readdir(d)) != NULL) {
             const char* n = e->d_name;
             if (strncmp(n, "iter_", 5) != 0 || strlen(n) != 12 || strspn(n + 5, "0123456789") != 7) continue;
@@ -5379,12 +5443,14 @@ mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int64_t* chos
         snprintf(iter_dir, sizeof(iter_dir), "%s/iter_%07lld", dir, (long long)next);
         if (mt_checkpoint_manifest_verify(iter_dir, &scratch) == MT_OK) {
             *chosen = next;
-            if (fell_back) *fell_back = 1;
+            *fell_back = 1;
+            mt_fail(warning, MT_OK, "the tracker's iteration %lld was refused (%.360s); read iteration %lld, the newest "
+                    "older one that verifies", (long long)iteration, refused.message, (long long)next);
             return MT_OK;
         }
         limit = next;
     }
-    return st;
+    return mt_fail(err, st, "%s", refused.message);
 }
 
 /* ---- a checkpoint at any layout: the files' layout, and any rank's part of another layout ---- */
@@ -5494,12 +5560,8 @@ mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, mt_error
     if (st != MT_OK) return st;
     ck->iteration = iteration;
     mt_checkpoint_iteration_dir(ck->iter_dir, sizeof(ck->iter_dir), dir, iteration);
-    char path[4400], rank_dir[4300];
-    struct stat sb;
-    /* mp_rank_00 (one stage) or mp_rank_00_000 (a pipeline) */
-    mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, 1, 0, 0);
-    if (stat(rank_dir, &sb) != 0) mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, 2, 0, 0);
-    snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
+    char path[4400];
+    mt__ckpt_first_file(path, sizeof(path), ck->iter_dir);
     int64_t* h = ck->header;
     st = mt_ckpt_read_header(path, NULL, 0, 0, 0, 0, h, NULL, err);
     if (st == MT_OK && h[MT_CK_ITERATION] != iteration)

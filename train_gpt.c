@@ -800,16 +800,14 @@ int main(int argc, char** argv) {
         if (access(tracker, R_OK) == 0) {
             /* --no-load-optim / --finetune: the weights only; --finetune also starts at iteration 0 */
             double load_start = now_seconds();
+            mt_trainer_set_no_verify_checkpoint(t, o.no_verify_checkpoint);
             mt_status st = o.no_load_optim || o.finetune
                                ? mt_trainer_load_weights(t, o.load, -1, &iteration, &consumed, &err)
                                : mt_trainer_load(t, o.load, -1, &iteration, &consumed, &err);
             if (st != MT_OK) die(1, "%s", err.message);
-            int64_t tracked = -1;
-            mt_error tracker_err;
-            if (mt_checkpoint_read_tracker(o.load, &tracked, &tracker_err) == MT_OK && tracked != iteration && c->rank == 0)
-                fprintf(stderr, "warning: %s: the tracker's iteration %lld failed its manifest check (prepro/checkpoint_tool "
-                        "verify says why); loaded iteration %lld, the newest complete one\n", o.load, (long long)tracked,
-                        (long long)iteration);
+            /* the integrity rule's word (rank 0): an older iteration read instead of a refused one, a
+             * checkpoint from before manifests, or one read under --no-verify-checkpoint */
+            if (mt_trainer_load_warning(t)[0]) fprintf(stderr, "warning: %s\n", mt_trainer_load_warning(t));
             printf("loaded checkpoint from %s at iteration %lld (%lld samples consumed) in %.1f ms%s\n", o.load,
                    (long long)iteration, (long long)consumed, 1e3 * (now_seconds() - load_start),
                    o.finetune ? ": weights only, starting at iteration 0 (--finetune)"

@@ -71,6 +71,7 @@ typedef struct {
     const char* load;
     int no_load_optim, no_load_rng, finetune;
     int async_save;           /* --async-save: files written in the background */
+    int no_verify_checkpoint; /* --no-verify-checkpoint: --load warns where the integrity rule refuses */
     int profile;
     int64_t profile_step_start, profile_step_end;
     /* watching and judging a run: TensorBoard events, the wandb pointer, evaluation without training */
@@ -341,6 +342,9 @@ static const tg_flag tg_flag_table[] = {
      "checkpoints here hold no RNG state (random streams follow --seed): accepted, changes nothing"},
     {"--finetune", G_CKPT, F_TRUE, TG_AT(finetune), NR, "off",
      "load the weights only and start at iteration 0 with 0 samples consumed"},
+    {"--no-verify-checkpoint", G_CKPT, F_TRUE, TG_AT(no_verify_checkpoint), NR, "off",
+     "--load reads a checkpoint whose manifest check fails (or that lacks the manifest it was saved with) "
+     "with a warning instead of refusing it (not a Megatron flag)"},
     {"--ckpt-format", G_CKPT, F_INFO_VALUE, 0, CH("torch|torch_dist|torch_dcp|fsdp_dtensor"), "torch_dist",
      "checkpoints are this build's binary files in Megatron's directory layout"},
     /* mixed precision */

@@ -1,14 +1,16 @@
 /* dev/hf_logits.c — the logits of a megatron.c checkpoint for a batch of tokens, through the trainer
  * API (mt_trainer_load + mt_trainer_logits). dev/hf_check.py compares them with transformers'.
  *
- *   make dev/hf_logits && dev/hf_logits CKPT_DIR TOKENS.bin LOGITS.bin [--bf16 | --bf16-weights]
+ *   make dev/hf_logits && dev/hf_logits CKPT_DIR TOKENS.bin LOGITS.bin [--bf16 | --bf16-weights] [--no-verify]
  *
  * TOKENS.bin: int32 B, int32 T, int32 tokens [B*T]. LOGITS.bin: int32 B, T, Vp, float32 [B, T, Vp].
  * The model's shape and flavour (GPT-2 or Llama: norm, MLP, positions, rope, tied output, biases, norm
  * epsilon) come from the checkpoint's header (mt_config_from_checkpoint_header), so no flags.
  * Default: fp32 compute on the checkpoint's fp32 master weights. --bf16: bf16 compute (the model copy
  * is the master rounded to bf16). --bf16-weights: fp32 compute on the master rounded to bf16, the
- * weights a bf16 checkpoint's model tensors hold (what another framework loads from it). */
+ * weights a bf16 checkpoint's model tensors hold (what another framework loads from it). The tracker's
+ * iteration is read after megatron.h's integrity rule (mt_checkpoint_select without a fallback: a
+ * refusal names the file; --no-verify reads it anyway, with a warning). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,27 +25,32 @@ static int fail(const char* what, const char* detail) {
 }
 
 int main(int argc, char** argv) {
-    if (argc < 4 || argc > 5 || (argc == 5 && strcmp(argv[4], "--bf16") && strcmp(argv[4], "--bf16-weights")))
-        return fprintf(stderr, "usage: hf_logits CKPT_DIR TOKENS.bin LOGITS.bin [--bf16 | --bf16-weights]\n"), 2;
-    const char* dir = argv[1];
-    int bf16 = argc > 4 && !strcmp(argv[4], "--bf16"), bf16_weights = argc > 4 && !strcmp(argv[4], "--bf16-weights");
-    char path[4096];
-    snprintf(path, sizeof(path), "%s/latest_checkpointed_iteration.txt", dir);
-    FILE* f = fopen(path, "r");
-    long long it = -1;
-    if (!f || fscanf(f, "%lld", &it) != 1) return fail("cannot read", path);
-    fclose(f);
-    snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_00/model_optim_rng.bin", dir, it);
-    int64_t h[MT_CK_HEADER_WORDS];
-    f = fopen(path, "rb");
-    if (!f || fread(h, sizeof(h), 1, f) != 1) return fail("cannot read the header of", path);
-    fclose(f);
-    f = fopen(argv[2], "rb");
+    int bf16 = 0, bf16_weights = 0, no_verify = 0, positional = 0;
+    const char* args[3] = {NULL, NULL, NULL};
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--bf16") && !bf16_weights) bf16 = 1;
+        else if (!strcmp(argv[i], "--bf16-weights") && !bf16) bf16_weights = 1;
+        else if (!strcmp(argv[i], "--no-verify")) no_verify = 1;
+        else if (strncmp(argv[i], "--", 2) && positional < 3) args[positional++] = argv[i];
+        else positional = 4;
+    }
+    if (positional != 3)
+        return fprintf(stderr, "usage: hf_logits CKPT_DIR TOKENS.bin LOGITS.bin [--bf16 | --bf16-weights] [--no-verify]\n"), 2;
+    const char* dir = args[0];
+    mt_error err, warning;
+    int64_t it = -1;
+    mt_ckpt ck;
+    mt_status st = mt_checkpoint_select(dir, -1, no_verify, &it, NULL, &warning, &err);
+    if (warning.message[0]) fprintf(stderr, "hf_logits: warning: %s\n", warning.message);
+    if (st == MT_OK) st = mt_ckpt_open(&ck, dir, it, &err); /* the header, its words and the file's size checked */
+    if (st != MT_OK) return fail(err.message, NULL);
+    const int64_t* h = ck.header;
+    FILE* f = fopen(args[1], "rb");
     int32_t bt[2];
-    if (!f || fread(bt, sizeof(bt), 1, f) != 1) return fail("cannot read", argv[2]);
+    if (!f || fread(bt, sizeof(bt), 1, f) != 1) return fail("cannot read", args[1]);
     int B = bt[0], T = bt[1];
     int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * (size_t)B * T);
-    if (!tokens || fread(tokens, sizeof(int32_t), (size_t)B * T, f) != (size_t)B * T) return fail("truncated", argv[2]);
+    if (!tokens || fread(tokens, sizeof(int32_t), (size_t)B * T, f) != (size_t)B * T) return fail("truncated", args[1]);
     fclose(f);
 
     mt_config c;
@@ -55,11 +62,10 @@ int main(int argc, char** argv) {
     c.train_iters = 1;
     c.lr = 1e-4;
     c.precision = bf16 ? MT_BF16 : MT_FP32;
-    mt_error err;
     mt_trainer* t = NULL;
-    if (mt_config_finalize(&c, &err) != MT_OK || mt_trainer_create(&t, &c, &err) != MT_OK ||
-        mt_trainer_load(t, dir, -1, NULL, NULL, &err) != MT_OK)
-        return fail(err.message, NULL);
+    if (mt_config_finalize(&c, &err) != MT_OK || mt_trainer_create(&t, &c, &err) != MT_OK) return fail(err.message, NULL);
+    mt_trainer_set_no_verify_checkpoint(t, no_verify);
+    if (mt_trainer_load(t, dir, it, NULL, NULL, &err) != MT_OK) return fail(err.message, NULL);
     if (bf16_weights) { /* every weight rounded to bf16, computed in fp32 */
         const int64_t np = mt_num_parameters(&c);
         float* w = (float*)malloc(sizeof(float) * (size_t)np);
@@ -71,10 +77,10 @@ int main(int argc, char** argv) {
     size_t n = (size_t)B * T * (size_t)c.padded_vocab_size;
     float* logits = (float*)malloc(sizeof(float) * n);
     if (!logits || mt_trainer_logits(t, tokens, logits, &err) != MT_OK) return fail(logits ? err.message : "out of memory", NULL);
-    f = fopen(argv[3], "wb");
+    f = fopen(args[2], "wb");
     int32_t shape[3] = {B, T, (int32_t)c.padded_vocab_size};
     if (!f || fwrite(shape, sizeof(shape), 1, f) != 1 || fwrite(logits, sizeof(float), n, f) != n || fclose(f) != 0)
-        return fail("cannot write", argv[3]);
+        return fail("cannot write", args[2]);
     mt_trainer_free(t);
     free(logits);
     free(tokens);

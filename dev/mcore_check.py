@@ -40,7 +40,8 @@ For each:
      resumes for 2 more iterations on mock data and saves (its log must say so); the checkpoint it
      saved goes to torch_dist and back byte-identical, and megatron-core's logits on it equal
      ref_gpt's (and, with --hf-logits, the trainer's own);
-  7. refusals, each one line and exit 1: a TP 2 checkpoint, a torch_dist checkpoint whose distributed
+  7. refusals, each one line and exit 1: a damaged checkpoint (its manifest fails; the integrity rule on
+     the host: dev/mcore_integrity_check.py), a TP 2 checkpoint, a torch_dist checkpoint whose distributed
      optimizer is in dp_reshardable form, a truncated model_optim_rng.bin.
 Prints one table and exits non-zero if any row failed.
 """
@@ -464,6 +465,11 @@ def main():
     with open(f, "r+b") as fh:
         fh.seek(8 * W["TP"])
         fh.write(struct.pack("<q", 2))
+    expect_refusal("a TP 2 checkpoint whose manifest no longer matches", ["--to-mcore", tp2, os.path.join(work, "x0")],
+                   "model_optim_rng.bin is corrupted")
+    size, crc = cm.crc32c_file(f)   # the manifest made to match: the layout check is what refuses it then
+    with open(os.path.join(tp2, "iter_0000100", "manifest.txt"), "w") as fh:
+        fh.write(f"{cm.MANIFEST_HEAD}\nfiles 1\n{crc:08x} {size} mp_rank_00/model_optim_rng.bin\n")
     expect_refusal("a TP 2 checkpoint", ["--to-mcore", tp2, os.path.join(work, "x1")], "checkpoint_tool reshard")
     trunc = os.path.join(work, "gpt2_trunc")
     shutil.copytree(os.path.join(work, "gpt2_ours"), trunc)

@@ -4,8 +4,9 @@
 #   1. train_gpt (built-in job, TP 1) saves at iterations 20 and 40; checkpoint_tool verify passes on it.
 #   2. iteration 20 resharded TP1 -> TP2 -> TP1 x PP2 x VP3 -> TP1; train_gpt loads the result and its
 #      losses for iterations 21..40 equal the uninterrupted run's (bitwise, as printed).
-#   3. a flipped byte in iteration 40: checkpoint_tool verify fails naming the file, and train_gpt --load
-#      warns and resumes from iteration 20, the newest complete one.
+#   3. a flipped byte in iteration 40: checkpoint_tool verify and reshard fail naming the file, train_gpt
+#      --load warns and resumes from iteration 20, the newest complete one, and with
+#      --no-verify-checkpoint it warns and resumes from iteration 40.
 #   4. with 2 GPUs and mpirun: a TP 2 run's checkpoint resharded to TP 1 loads on one GPU and trains on.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,9 +47,14 @@ with open(sys.argv[1], "r+b") as f:
 PY
 $T verify "$WORK/damaged" 2>"$WORK/verify.err" && fail "verify passed a flipped byte"
 grep -q "model_optim_rng.bin is corrupted" "$WORK/verify.err" || fail "verify's line: $(cat "$WORK/verify.err")"
+$T reshard "$WORK/damaged" "$WORK/damaged_tp2" --target-tp 2 --target-pp 1 2>"$WORK/reshard.err" && fail "reshard took a flipped byte"
+grep -q "model_optim_rng.bin is corrupted" "$WORK/reshard.err" || fail "reshard's line: $(cat "$WORK/reshard.err")"
 "${TG[@]}" --load "$WORK/damaged" --save "$WORK/c_save" >"$WORK/c.log" 2>&1 || fail "train_gpt --load of the damaged dir: $(tail -1 "$WORK/c.log")"
-grep -q "warning: .*iteration 40 failed its manifest check" "$WORK/c.log" && grep -q "loaded checkpoint from .* at iteration 20" "$WORK/c.log" \
+grep -q "warning: the tracker's iteration 40 was refused" "$WORK/c.log" && grep -q "loaded checkpoint from .* at iteration 20" "$WORK/c.log" \
   || fail "no fallback to iteration 20 with a warning"
+"${TG[@]}" --load "$WORK/damaged" --no-verify-checkpoint >"$WORK/nv.log" 2>&1 || fail "--no-verify-checkpoint: $(tail -1 "$WORK/nv.log")"
+grep -q "warning: .*is corrupted.*read anyway" "$WORK/nv.log" && grep -q "loaded checkpoint from .* at iteration 40" "$WORK/nv.log" \
+  || fail "--no-verify-checkpoint did not read iteration 40 with a warning"
 [ "$(loss "$WORK/c.log" 20)" = "$(loss "$WORK/a.log" 20)" ] || fail "the fallback's losses differ"
 
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)

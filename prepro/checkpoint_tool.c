@@ -1,17 +1,26 @@
 /* prepro/checkpoint_tool.c — inspect, verify and reshard a checkpoint of this project
  * (megatron.h section 7, megatron.cu section 19; the engine is prepro/checkpoint_tool.h).
  *
- *   checkpoint_tool info DIR [--iteration N]
+ * Every command first applies the integrity rule of megatron.h (mt_checkpoint_check_integrity): the
+ * iteration's manifest.txt verified (sizes and CRC-32C of every file), or, without one, the header's
+ * manifest mark: a checkpoint saved with a manifest that has lost it is refused, one from before
+ * manifests is read with a warning. A refusal is one line naming the file and exit 1; info and reshard
+ * take --no-verify to read such a checkpoint anyway, with a warning.
+ *
+ *   checkpoint_tool info DIR [--iteration N] [--no-verify]
  *       the iteration, the layout (TP, PP, VP, the optimizer sharded over DP or not), the model's
  *       shape and flavour and the training progress from the header, every file with its size, and
  *       every tensor with its full shape and the slice each file holds (rows of the TP split, layers
  *       of the pipeline stages).
  *   checkpoint_tool verify DIR [--iteration N]
- *       every file's header (mt_checkpoint_header_check and the layout's ranks), its exact size
- *       (mt_checkpoint_file_bytes), and the manifest's sizes and CRC-32C checksums (a checkpoint
- *       without a manifest fails). Exit status 0 only when all hold; else one line names what failed.
+ *       the manifest's sizes and CRC-32C checksums (a checkpoint without a manifest fails, also one
+ *       from before manifests: it cannot be verified), then every file's header
+ *       (mt_checkpoint_header_check and the layout's ranks) and its exact size
+ *       (mt_checkpoint_file_bytes). Exit status 0 only when all hold; else one line names what failed.
+ *       (--no-verify does not go with verify.)
  *   checkpoint_tool reshard DIR OUT --target-tp N --target-pp M [--target-vp V] [--iteration N]
  *                   [--make-vocab-size-divisible-by 128] [--overlap-grad-reduce] [--ddp-bucket-size N]
+ *                   [--no-verify]
  *       writes OUT/iter_N at the target layout with a non-sharded optimizer, each target rank's
  *       fp32 master weights and Adam moments cut from the saved files by megatron.h's
  *       mt_ckpt_read_part (the trainer's --load at another layout; headers, manifest, tracker; a
@@ -19,7 +28,8 @@
  *       from its header; one written before the header recorded them needs the
  *       --overlap-grad-reduce / --ddp-bucket-size of the run that wrote it. The vocabulary is padded for the target TP as
  *       Megatron pads it (new padding rows zero). FP8 delayed-scaling state is dropped, with a note.
- * `--flag=value` is `--flag value` (prepro/args.h).
+ *       The output is committed with its own manifest (and the header's manifest mark).
+ * `--flag=value` is `--flag value` (prepro/args.h). Bad usage: exit 2.
  */
 #define MEGATRON_IMPLEMENTATION
 #include "../megatron.h"
@@ -34,10 +44,13 @@
 
 static void usage(void) {
     fprintf(stderr,
-            "usage: checkpoint_tool info DIR [--iteration N]\n"
+            "usage: checkpoint_tool info DIR [--iteration N] [--no-verify]\n"
             "       checkpoint_tool verify DIR [--iteration N]\n"
             "       checkpoint_tool reshard DIR OUT --target-tp N --target-pp M [--target-vp V] [--iteration N]\n"
-            "                       [--make-vocab-size-divisible-by 128] [--overlap-grad-reduce] [--ddp-bucket-size N]\n");
+            "                       [--make-vocab-size-divisible-by 128] [--overlap-grad-reduce] [--ddp-bucket-size N]\n"
+            "                       [--no-verify]\n"
+            "  --no-verify  read a checkpoint whose manifest check fails (or that lost the manifest it was saved\n"
+            "               with) anyway, with a warning\n");
 }
 
 static int parse_num(const char* flag, const char* s, long long lo, long long hi, long long* out) {
@@ -99,7 +112,9 @@ static int info(const mt_ckpt* ck) {
     char manifest[4400];
     snprintf(manifest, sizeof(manifest), "%s/%s", ck->iter_dir, MT_CKPT_MANIFEST);
     struct stat sb;
-    printf("  %s  %s\n", MT_CKPT_MANIFEST, stat(manifest, &sb) == 0 ? "present" : "absent (a checkpoint from before manifests)");
+    printf("  %s  %s\n", MT_CKPT_MANIFEST, stat(manifest, &sb) == 0 ? "present"
+                                          : h[MT_CK_MANIFESTED] ? "absent (but the checkpoint was saved with one)"
+                                                                : "absent (a checkpoint from before manifests)");
     printf("tensors (full shape; in each file: the TP split's slice, dimensions counted from 0, and the stage's layers):\n");
     mt_param_info full[MT_NUM_PARAM_TENSORS];
     mt_param_layout(c, full);
@@ -155,6 +170,7 @@ int main(int argc, char** argv) {
     const char *command = NULL, *positional[2] = {NULL, NULL};
     int num_positional = 0;
     long long iteration = -1, tp = 0, pp = 0, vp = 1, divisible_by = 128, bucket = 0;
+    int no_verify = 0;
     mt_ckpt_ddp ddp = {0, 0};
     for (int i = 1; i < n; i++) {
         const char* a = args[i];
@@ -167,6 +183,7 @@ int main(int argc, char** argv) {
         else if (!strcmp(a, "--make-vocab-size-divisible-by") && has_value) ok = parse_num(a, args[++i], 1, 1 << 20, &divisible_by);
         else if (!strcmp(a, "--ddp-bucket-size") && has_value) ok = parse_num(a, args[++i], 1, INT64_MAX / 16, &bucket);
         else if (!strcmp(a, "--overlap-grad-reduce")) ddp.overlap_grad_reduce = 1;
+        else if (!strcmp(a, "--no-verify")) no_verify = 1;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(); free(args); return 0; }
         else if (!strncmp(a, "--", 2)) {
             fprintf(stderr, "checkpoint_tool: error: unknown flag %s%s\n", a, has_value ? "" : " (or its value is missing)");
@@ -177,7 +194,7 @@ int main(int argc, char** argv) {
             fprintf(stderr, "checkpoint_tool: error: unexpected argument %s\n", a);
             ok = 0;
         }
-        if (!ok) { free(args); return 1; }
+        if (!ok) { free(args); return 2; }
     }
     ddp.ddp_bucket_size = bucket;
     int want = command && !strcmp(command, "reshard") ? 2 : 1;
@@ -185,11 +202,28 @@ int main(int argc, char** argv) {
         num_positional != want) {
         usage();
         free(args);
-        return 1;
+        return 2;
     }
-    mt_error err;
+    if (!strcmp(command, "reshard") && (tp < 1 || pp < 1)) {
+        fprintf(stderr, "checkpoint_tool: error: reshard needs --target-tp and --target-pp\n");
+        free(args);
+        return 2;
+    }
+    if (no_verify && !strcmp(command, "verify")) {
+        fprintf(stderr, "checkpoint_tool: error: --no-verify goes with info and reshard, not with verify\n");
+        free(args);
+        return 2;
+    }
+    mt_error err, warning;
     mt_ckpt ck;
-    mt_status st = mt_ckpt_open(&ck, positional[0], iteration, &err);
+    mt_status st = MT_OK;
+    int64_t chosen = iteration;
+    /* the integrity rule first (verify applies it strictly itself, mt_ckpt_verify) */
+    if (strcmp(command, "verify")) {
+        st = mt_checkpoint_select(positional[0], iteration, no_verify, &chosen, NULL, &warning, &err);
+        if (st == MT_OK && warning.message[0]) fprintf(stderr, "checkpoint_tool: warning: %s\n", warning.message);
+    }
+    if (st == MT_OK) st = mt_ckpt_open(&ck, positional[0], chosen, &err);
     int rc = 0;
     if (st == MT_OK && !strcmp(command, "info")) {
         rc = info(&ck);
@@ -199,11 +233,6 @@ int main(int argc, char** argv) {
             printf("%s: OK (iteration %lld, TP %d, PP %d, VP %d%s: headers, sizes and checksums)\n", ck.iter_dir,
                    (long long)ck.iteration, ck.tp, ck.pp, ck.vp, ck.sharded_dp ? ", distributed optimizer" : "");
     } else if (st == MT_OK) {
-        if (tp < 1 || pp < 1) {
-            fprintf(stderr, "checkpoint_tool: error: reshard needs --target-tp and --target-pp\n");
-            free(args);
-            return 1;
-        }
         int dropped_fp8 = 0;
         st = mt_ckpt_reshard(&ck, &ddp, positional[1], (int)tp, (int)pp, (int)vp, (int)divisible_by, &dropped_fp8, &err);
         if (st == MT_OK) {

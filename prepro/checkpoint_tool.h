@@ -8,7 +8,8 @@
  * canonical fp32 master weights and Adam moments put together through mt_tp_shard_copy and
  * mt_pp_stage_copy: verify's header pass and the tests' independent reference) and the writer of
  * another layout (reshard: each target rank's part through mt_ckpt_read_part, one rank in memory
- * at a time).
+ * at a time). Its callers apply megatron.h's integrity rule (mt_checkpoint_select /
+ * mt_checkpoint_check_integrity) before they read a checkpoint with it.
  *
  * The files, as megatron.cu section 19 writes them: <iter dir>/mp_rank_<tp, 2 digits>/ (with
  * pipeline parallelism mp_rank_<tp>_<pp, 3 digits>/) holds model_optim_rng.bin: the header, then
@@ -133,17 +134,17 @@ static mt_status mt_ckpt_read(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, float* 
     return st;
 }
 
-/* verify: every file's header and exact size (mt_ckpt_read without arrays), then the manifest's
- * sizes and checksums; a checkpoint without a manifest fails (it cannot be verified). */
+/* verify: the integrity rule without its leniency (mt_checkpoint_check_integrity: the manifest's
+ * sizes and checksums; a checkpoint without a manifest fails, also one from before manifests, which the
+ * readers take with a warning but which cannot be verified), then every file's header and exact size
+ * (mt_ckpt_read without arrays). */
 static mt_status mt_ckpt_verify(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, mt_error* err) {
-    char manifest[4400];
-    struct stat sb;
-    snprintf(manifest, sizeof(manifest), "%s/%s", ck->iter_dir, MT_CKPT_MANIFEST);
-    mt_status st = mt_ckpt_read(ck, ddp, NULL, err);
-    if (st == MT_OK && stat(manifest, &sb) != 0)
-        st = mt_fail(err, MT_ERR_FORMAT, "%s has no %s: it cannot be verified (incomplete, or saved before manifests)",
-                     ck->iter_dir, MT_CKPT_MANIFEST);
-    return st == MT_OK ? mt_checkpoint_manifest_verify(ck->iter_dir, err) : st;
+    mt_error warning;
+    mt_status st = mt_checkpoint_check_integrity(ck->iter_dir, 0, &warning, err);
+    if (st == MT_OK && warning.message[0]) /* accepted unchecked: saved before manifests */
+        st = mt_fail(err, MT_ERR_FORMAT, "%s has no %s: saved before manifests, it cannot be verified", ck->iter_dir,
+                     MT_CKPT_MANIFEST);
+    return st == MT_OK ? mt_ckpt_read(ck, ddp, NULL, err) : st;
 }
 
 /* The target layout's model: header src's model with its padded vocabulary kept when it divides by
@@ -165,6 +166,7 @@ static mt_status mt_ckpt_target(const int64_t* src, int tp, int pp, int vp, int 
     h[MT_CK_TP_RANK] = h[MT_CK_PP_RANK] = h[MT_CK_DP_RANK] = 0;
     h[MT_CK_SHARDED_DP] = h[MT_CK_SHARD_NUMEL] = h[MT_CK_DDP_OVERLAP] = h[MT_CK_DDP_BUCKET_SIZE] = 0;
     h[MT_CK_FP8_TENSORS] = h[MT_CK_FP8_HISTORY_LEN] = h[MT_CK_FP8_HISTORY_POS] = 0;
+    h[MT_CK_MANIFESTED] = 1; /* mt_ckpt_write commits it with a manifest */
     mt_status st = mt_ckpt_config(c, h, tp, pp, vp, 0, NULL, 0, 0, err);
     if (st != MT_OK) return st;
     h[MT_CK_NUM_PARAMS] = mt_param_layout(c, NULL);

@@ -4,13 +4,15 @@
  *       reads HF_DIR/config.json (GPT2LMHeadModel or LlamaForCausalLM, told apart by model_type or
  *       architectures) and HF_DIR/model.safetensors (or the shards of model.safetensors.index.json;
  *       F32, F16 or BF16), writes CKPT_DIR/iter_0000000/ (fp32 master weights, Adam moments zero; the
- *       header records the flavour, the norm epsilon and the true vocabulary) and
+ *       header records the flavour, the norm epsilon and the true vocabulary; its manifest.txt) and
  *       CKPT_DIR/latest_checkpointed_iteration.txt, and prints the train_gpt flags of the model (load
- *       it with --load CKPT_DIR).
+ *       it with --load CKPT_DIR). A weight that holds a NaN or an infinity is refused (file, tensor, index).
  *
  *   convert_hf --export CKPT_DIR --out HF_DIR [--iteration N] [--vocab-size V] [--norm-epsilon E]
- *              [--dtype float32|bfloat16]
- *       reads the checkpoint's master weights (the tracker's iteration unless --iteration) and writes
+ *              [--dtype float32|bfloat16] [--no-verify]
+ *       applies the integrity rule (megatron.h mt_checkpoint_check_integrity: the manifest verified, or
+ *       without one the header's manifest mark; a refusal names the file; --no-verify reads it anyway,
+ *       with a warning), reads the checkpoint's master weights (the tracker's iteration unless --iteration) and writes
  *       HF_DIR/config.json and HF_DIR/model.safetensors (shards + index past 5 GB), loadable with
  *       GPT2LMHeadModel / LlamaForCausalLM.from_pretrained(HF_DIR): the class follows the checkpoint's
  *       flavour (a flavour transformers has no class for is refused). The padded vocabulary is cut back
@@ -39,7 +41,7 @@ static void usage(void) {
     fprintf(stderr,
             "usage: convert_hf --import HF_DIR --save CKPT_DIR\n"
             "       convert_hf --export CKPT_DIR --out HF_DIR [--iteration N] [--vocab-size V] [--norm-epsilon E]\n"
-            "                  [--dtype float32|bfloat16]\n"
+            "                  [--dtype float32|bfloat16] [--no-verify]\n"
             "  --import HF_DIR     a transformers GPT-2 or Llama directory: config.json + model.safetensors\n"
             "                      (or model.safetensors.index.json and its shards)\n"
             "  --save CKPT_DIR     where to write the megatron.c checkpoint (iteration 0); must not hold one\n"
@@ -49,7 +51,9 @@ static void usage(void) {
             "  --vocab-size V      the tokenizer's vocabulary (default: the checkpoint's; else 50257, or the\n"
             "                      padded size if smaller)\n"
             "  --norm-epsilon E    the norm epsilon the model was trained with (default: the checkpoint's; else 1e-5)\n"
-            "  --dtype T           float32 (default) or bfloat16 weights in model.safetensors\n");
+            "  --dtype T           float32 (default) or bfloat16 weights in model.safetensors\n"
+            "  --no-verify         export a checkpoint whose manifest check fails (or that lost the manifest it\n"
+            "                      was saved with) anyway, with a warning\n");
 }
 
 static int fail(const mt_error* err) {
@@ -101,7 +105,8 @@ static int do_import(const char* hf_dir, const char* ckpt_dir) {
     printf(", ffn %d, %d positions, vocab %lld (padded %lld), %lld parameters\n", c.ffn_hidden_size,
            c.max_position_embeddings, (long long)c.vocab_size, (long long)c.padded_vocab_size,
            (long long)mt_num_parameters(&c));
-    printf("wrote %s/iter_0000000/mp_rank_00/model_optim_rng.bin (iteration 0, Adam state zero)\n", ckpt_dir);
+    printf("wrote %s/iter_0000000/mp_rank_00/model_optim_rng.bin (iteration 0, Adam state zero) and its manifest\n",
+           ckpt_dir);
     printf("train_gpt flags for this model:\n");
     printf("  --num-layers %d --hidden-size %d --num-attention-heads %d", c.num_layers, c.hidden_size,
            c.num_attention_heads);
@@ -127,12 +132,14 @@ static int do_import(const char* hf_dir, const char* ckpt_dir) {
 }
 
 static int do_export(const char* ckpt_dir, const char* hf_dir, int64_t iteration, int64_t vocab, double eps,
-                     mt_st_dtype dtype) {
-    mt_error err;
+                     mt_st_dtype dtype, int no_verify) {
+    mt_error err, warning;
     mt_config cfg;
     float* params = NULL;
     int64_t header[MT_CK_HEADER_WORDS];
-    if (mt_hf_checkpoint_read(ckpt_dir, iteration, &cfg, &params, header, &err) != MT_OK) return fail(&err);
+    mt_status read = mt_hf_checkpoint_read(ckpt_dir, iteration, no_verify, &cfg, &params, header, &warning, &err);
+    if (warning.message[0]) fprintf(stderr, "convert_hf: warning: %s\n", warning.message);
+    if (read != MT_OK) return fail(&err);
     if (vocab < 0) vocab = header[MT_CK_TRUE_VOCAB] > 0 ? header[MT_CK_TRUE_VOCAB]
                          : cfg.padded_vocab_size < 50257 ? cfg.padded_vocab_size : 50257;
     if (eps > 0) cfg.norm_epsilon = eps; /* else the header's (or 1e-5 when it has none) */
@@ -166,11 +173,16 @@ int main(int argc, char** argv) {
     int64_t iteration = -1, vocab = -1;
     double eps = -1.0;
     mt_st_dtype dtype = MT_ST_F32;
+    int no_verify = 0;
     for (int i = 1; i < argc; i++) {
         const char* a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             usage();
             return 0;
+        }
+        if (!strcmp(a, "--no-verify")) {
+            no_verify = 1;
+            continue;
         }
         if (i + 1 >= argc) return bad_usage(a[0] == '-' ? "missing value for" : "unexpected argument", a);
         const char* v = argv[++i];
@@ -197,14 +209,15 @@ int main(int argc, char** argv) {
     if (import_dir && export_dir) return bad_usage("give one of --import and --export", NULL);
     if (import_dir) {
         if (!save_dir) return bad_usage("--import needs --save CKPT_DIR", NULL);
-        if (out_dir || iteration >= 0 || vocab >= 0 || eps > 0 || dtype != MT_ST_F32)
-            return bad_usage("--out, --iteration, --vocab-size, --norm-epsilon and --dtype go with --export", NULL);
+        if (out_dir || iteration >= 0 || vocab >= 0 || eps > 0 || dtype != MT_ST_F32 || no_verify)
+            return bad_usage("--out, --iteration, --vocab-size, --norm-epsilon, --dtype and --no-verify go with --export",
+                             NULL);
         return do_import(import_dir, save_dir);
     }
     if (export_dir) {
         if (!out_dir) return bad_usage("--export needs --out HF_DIR", NULL);
         if (save_dir) return bad_usage("--save goes with --import", NULL);
-        return do_export(export_dir, out_dir, iteration, vocab, eps, dtype);
+        return do_export(export_dir, out_dir, iteration, vocab, eps, dtype, no_verify);
     }
     return bad_usage("give --import HF_DIR --save CKPT_DIR or --export CKPT_DIR --out HF_DIR", NULL);
 }

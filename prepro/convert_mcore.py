@@ -3,7 +3,7 @@
 convert_mcore.py: megatron.c checkpoints <-> Megatron-Core `torch_dist` checkpoints of GPTModel.
 
     python prepro/convert_mcore.py --to-mcore CKPT OUT [--iteration N] [--optimizer distributed|plain|none]
-                                   [--lr 3e-4 --min-lr 0 --lr-decay-style cosine --lr-warmup-samples 0
+                                   [--no-verify] [--lr 3e-4 --min-lr 0 --lr-decay-style cosine --lr-warmup-samples 0
                                     --lr-decay-samples 0 --weight-decay 0.01 --adam-beta1 0.9
                                     --adam-beta2 0.999 --adam-eps 1e-8]
     python prepro/convert_mcore.py --from-mcore MCORE OUT [--iteration N]
@@ -16,7 +16,12 @@ Megatron's `iter_0000100/` and `latest_checkpointed_iteration.txt`.
 
 This project's side (megatron.h section 7): iter_N/mp_rank_00/model_optim_rng.bin, a header of 64 int64
 words then fp32 master weights, Adam m and v in the canonical order of mt_param_layout; the manifest
-(CRC-32C of every file) is written last, as the trainer writes it. Only TP = 1, PP = 1 checkpoints with
+(CRC-32C of every file) is written last, as the trainer writes it, and the header's manifest mark is 1.
+--to-mcore reads a checkpoint after megatron.h's integrity rule (mt_checkpoint_check_integrity, restated
+in check_integrity below): its manifest verified (every listed file's size and CRC-32C, nothing
+unlisted), or without one the header's manifest mark: 1 (saved with one) is refused, 0 (from before
+manifests) is read with a warning; a refusal is one line naming the file, and --no-verify reads such a
+checkpoint anyway, with a warning. Only TP = 1, PP = 1 checkpoints with
 the optimizer not sharded are read or written: `prepro/checkpoint_tool reshard CKPT OUT --target-tp 1
 --target-pp 1` makes one from any layout (and `--target-tp N` goes back after --from-mcore).
 Megatron-Core's side is layout-free (global tensors), so Megatron loads it at any TP / PP.
@@ -84,7 +89,9 @@ W = dict(zip(
     "SCHED_STEPS ADAM_STEP SEED GROWTH HYSTERESIS LOSS_SCALE_BITS TP PP SHARDED_DP DP_RANK SHARD_NUMEL "
     "NORMALIZATION SWIGLU POSITION_TYPE ROTARY_BASE_BITS ROTARY_PERCENT_BITS ROPE_SCALING_FACTOR_BITS UNTIED "
     "NO_BIAS_LINEAR NORM_EPS_BITS TRUE_VOCAB TP_RANK FP8_TENSORS FP8_HISTORY_LEN FP8_HISTORY_POS PP_RANK VP "
-    "STAGE_NUMEL LAYERNORM_1P".split(), range(64)))
+    "STAGE_NUMEL LAYERNORM_1P DDP_OVERLAP DDP_BUCKET_SIZE MANIFESTED".split(), range(64)))
+MANIFEST = "manifest.txt"
+MANIFEST_HEAD = "megatron.c checkpoint manifest 1"
 PRECISIONS = {0: "fp32", 1: "bf16", 2: "fp16"}
 NORMS = {0: "LayerNorm", 1: "RMSNorm"}
 POSITIONS = {0: "learned_absolute", 1: "rope", 2: "none"}
@@ -180,7 +187,7 @@ def _gf2_times(mat, vec):
 
 
 def _gf2_square(mat):
-    return [int(_gf2_times(mat, np.array([mat[i]], dtype=np.uint32))[0]) for i in range(32)]
+    return [int(x) for x in _gf2_times(mat, np.array(mat, dtype=np.uint32))]   # mat times each of its columns
 
 
 def _zeros_operator(nbytes):
@@ -190,7 +197,7 @@ def _zeros_operator(nbytes):
     sq = _gf2_square(_gf2_square(_gf2_square(odd)))   # eight zero bits: one byte
     n = nbytes
     while n:
-        if n & 1: op = [int(_gf2_times(sq, np.array([op[i]], dtype=np.uint32))[0]) for i in range(32)]
+        if n & 1: op = [int(x) for x in _gf2_times(sq, np.array(op, dtype=np.uint32))]
         sq = _gf2_square(sq)
         n >>= 1
     return op
@@ -223,6 +230,108 @@ def crc32c(data):
     return c ^ 0xFFFFFFFF
 
 
+def crc32c_file(path, chunk=1 << 26):
+    """(size, CRC-32C) of a file, read a chunk at a time."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(chunk)
+            if not data:
+                return size, crc
+            crc, size = crc32c_combine(crc, crc32c(data), len(data)), size + len(data)
+
+
+# ------------------------------------------------------------------------------------------------
+# The integrity rule (megatron.h mt_checkpoint_check_integrity), before any of a checkpoint is read
+# ------------------------------------------------------------------------------------------------
+
+def _files_under(root):
+    """Every regular file under root, relative and '/'-joined, but the manifest and its temporaries."""
+    out = []
+    for d, dirs, files in os.walk(root):
+        for name in files:
+            rel = os.path.relpath(os.path.join(d, name), root).replace(os.sep, "/")
+            if rel == MANIFEST or rel.startswith(MANIFEST + ".tmp."):
+                continue
+            out.append(rel)
+    return out
+
+
+def verify_manifest(iter_dir):
+    """iter_dir/manifest.txt checked as mt_checkpoint_manifest_verify does: every listed file there with
+    its size and CRC-32C, nothing unlisted beside them; ConvertError naming the first bad file."""
+    path = os.path.join(iter_dir, MANIFEST)
+    try:
+        text = open(path, "rb").read().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConvertError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}")
+    lines = text.split("\n")
+    if len(lines) < 3 or lines[0] != MANIFEST_HEAD or not lines[1].startswith("files ") or \
+            not lines[1][6:].isdigit() or lines[-1] != "":
+        raise ConvertError(f"{path} is not a checkpoint manifest (bad first lines)")
+    count = int(lines[1][6:])
+    entries = lines[2:-1]
+    if len(entries) != count:
+        raise ConvertError(f"{path}: {len(entries)} file lines, but it counts {count}")
+    listed = set()
+    for i, line in enumerate(entries):
+        parts = line.split(" ", 2)
+        ok = len(parts) == 3 and len(parts[0]) == 8 and all(c in "0123456789abcdef" for c in parts[0]) and \
+            parts[1].isdigit() and parts[2] and not parts[2].startswith("/") and \
+            all(p not in ("", ".", "..") for p in parts[2].split("/"))
+        if not ok:
+            raise ConvertError(f"{path}: line {i + 3} is not '<crc32c> <size> <path>'")
+        crc, size, rel = int(parts[0], 16), int(parts[1]), parts[2]
+        listed.add(rel)
+        f = os.path.join(iter_dir, rel)
+        if not os.path.exists(f):
+            raise ConvertError(f"checkpoint {iter_dir}: {rel} is missing")
+        if not os.path.isfile(f):
+            raise ConvertError(f"checkpoint {iter_dir}: {rel} is not a regular file")
+        have = os.path.getsize(f)
+        if have != size:
+            raise ConvertError(f"checkpoint {iter_dir}: {rel} has {have} bytes, its manifest says {size} "
+                               f"({'truncated' if have < size else 'too long'})")
+        _, got = crc32c_file(f)
+        if got != crc:
+            raise ConvertError(f"checkpoint {iter_dir}: {rel} is corrupted (CRC-32C {got:08x}, its manifest says "
+                               f"{crc:08x})")
+    for rel in sorted(_files_under(iter_dir)):
+        if rel not in listed:
+            raise ConvertError(f"checkpoint {iter_dir}: {rel} is not in its manifest")
+
+
+def check_integrity(iter_dir, no_verify=False):
+    """The rule every reader applies first: None when the checkpoint passes, a warning line when it is read
+    anyway (from before manifests, or a failure under no_verify); ConvertError when it is refused."""
+    if not os.path.isdir(iter_dir):
+        raise ConvertError(f"no checkpoint at {iter_dir}")
+    try:
+        if os.path.lexists(os.path.join(iter_dir, MANIFEST)):
+            verify_manifest(iter_dir)
+            return None
+        rank = os.path.join(iter_dir, "mp_rank_00")
+        first = os.path.join(rank if os.path.isdir(rank) else rank + "_000", "model_optim_rng.bin")
+        try:
+            with open(first, "rb") as f:
+                raw = f.read(8 * HEADER_WORDS)
+        except OSError as e:
+            raise ConvertError(f"cannot open {first}: {e.strerror}")
+        if len(raw) != 8 * HEADER_WORDS:
+            raise ConvertError(f"{first} is truncated (no header)")
+        h = struct.unpack(f"<{HEADER_WORDS}q", raw)
+        if h[W["MAGIC"]] != CK_MAGIC or h[W["VERSION"]] != CK_VERSION or h[W["MANIFESTED"]] not in (0, 1):
+            raise ConvertError(f"{first} is not a megatron.c checkpoint (bad magic, version or manifest mark)")
+        if h[W["MANIFESTED"]] == 0:
+            return f"checkpoint {iter_dir} has no {MANIFEST}: saved before manifests, it is read without an " \
+                   "integrity check"
+        raise ConvertError(f"checkpoint {iter_dir} has no {MANIFEST} but was saved with one: incomplete or tampered")
+    except ConvertError as e:
+        if not no_verify:
+            raise
+        return f"{e} (read anyway: integrity checking is off)"
+
+
 # ------------------------------------------------------------------------------------------------
 # Reading and writing this project's checkpoint (TP = 1, PP = 1, optimizer not sharded)
 # ------------------------------------------------------------------------------------------------
@@ -238,9 +347,12 @@ def read_tracker(d):
     return int(text)
 
 
-def read_ours(ckpt, iteration=None):
-    """(header list, {our name: float32 array} for master, m, v as dicts)."""
+def read_ours(ckpt, iteration=None, no_verify=False):
+    """(header list, {our name: float32 array} for master, m, v as dicts), after the integrity rule."""
     it = read_tracker(ckpt) if iteration is None else iteration
+    warning = check_integrity(os.path.join(ckpt, f"iter_{it:07d}"), no_verify)
+    if warning:
+        print(f"convert_mcore: warning: {warning}", file=sys.stderr)
     path = os.path.join(ckpt, f"iter_{it:07d}", "mp_rank_00", "model_optim_rng.bin")
     if not os.path.isfile(path):
         others = [p for p in os.listdir(os.path.join(ckpt, f"iter_{it:07d}"))] if os.path.isdir(
@@ -264,8 +376,8 @@ def read_ours(ckpt, iteration=None):
             if not 1 <= h[W[word]] < 2 ** 31:
                 raise ConvertError(f"{path}: header word {word} is {h[W[word]]}, outside [1, 2^31)")
         if h[W["NORMALIZATION"]] not in NORMS or h[W["POSITION_TYPE"]] not in POSITIONS or \
-                h[W["PRECISION"]] not in PRECISIONS:
-            raise ConvertError(f"{path}: unknown normalization, position type or precision word")
+                h[W["PRECISION"]] not in PRECISIONS or h[W["MANIFESTED"]] not in (0, 1):
+            raise ConvertError(f"{path}: unknown normalization, position type, precision or manifest mark word")
         m = model_of_header(h)
         layout = param_layout(m)
         n = sum(int(np.prod(s)) for _, _, s in layout)
@@ -323,7 +435,9 @@ def write_iteration(out_dir, it, fill):
 
 def write_ours(out_dir, h, layout, master, m, v):
     """OUT/iter_N/mp_rank_00/model_optim_rng.bin, written a tensor at a time (its CRC-32C built up as it
-    goes), then its manifest (the mark of a complete checkpoint)."""
+    goes), then its manifest (the mark of a complete checkpoint; the header's manifest mark says so)."""
+    h = list(h)
+    h[W["MANIFESTED"]] = 1
     for arrays in (master, m, v):
         for name, _, shape in layout:
             if tuple(np.shape(arrays[name])) != tuple(shape):
@@ -424,9 +538,9 @@ def megatron_args(h, m):
     return a
 
 
-def to_mcore(ckpt, out, iteration, optimizer, sched):
+def to_mcore(ckpt, out, iteration, optimizer, sched, no_verify=False):
+    h, m, layout, (master, adam_m, adam_v) = read_ours(ckpt, iteration, no_verify)   # the integrity rule first
     torch, dcp, ShardedTensor = mcore()
-    h, m, layout, (master, adam_m, adam_v) = read_ours(ckpt, iteration)
     precision = PRECISIONS[h[W["PRECISION"]]]
     model_dtype = getattr(torch, TORCH_DTYPES[precision])
     it = h[W["ITERATION"]]
@@ -595,6 +709,9 @@ def main(argv=None):
     way.add_argument("--from-mcore", nargs=2, metavar=("MCORE", "OUT"), help="torch_dist -> this project's")
     ap.add_argument("--iteration", type=int, help="the iteration to convert (default: the tracker's)")
     ap.add_argument("--optimizer", choices=("distributed", "plain", "none"), default="distributed")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="--to-mcore: read a checkpoint whose manifest check fails (or that lost the manifest it "
+                         "was saved with) anyway, with a warning")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--min-lr", type=float, default=0.0)
     ap.add_argument("--lr-decay-style", default="cosine")
@@ -613,9 +730,11 @@ def main(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be a finite number >= 0")
     if args.lr_warmup_samples < 0 or args.lr_decay_samples < 0:
         ap.error("--lr-warmup-samples and --lr-decay-samples must be >= 0")
+    if args.no_verify and not args.to_mcore:
+        ap.error("--no-verify goes with --to-mcore (it reads this project's checkpoint)")
     try:
         if args.to_mcore:
-            done = to_mcore(args.to_mcore[0], args.to_mcore[1], args.iteration, args.optimizer, args)
+            done = to_mcore(args.to_mcore[0], args.to_mcore[1], args.iteration, args.optimizer, args, args.no_verify)
         else:
             done = from_mcore(args.from_mcore[0], args.from_mcore[1], args.iteration)
     except ConvertError as e:

@@ -17,7 +17,9 @@
  *      <dir>/iter_%07d/mp_rank_00/model_optim_rng.bin = 64 int64 header words (megatron.h, MT_CK_*:
  *      shape, flavour, norm epsilon, true vocabulary), fp32 master weights [N] in canonical order
  *      (mt_param_layout), then Adam m [N] and v [N] unless the optimizer state was sharded
- *      (MT_CK_SHARDED_DP > 0: master weights only); <dir>/latest_checkpointed_iteration.txt.
+ *      (MT_CK_SHARDED_DP > 0: master weights only); <dir>/iter_%07d/manifest.txt (sizes and CRC-32C);
+ *      <dir>/latest_checkpointed_iteration.txt. Reads apply megatron.h's integrity rule first
+ *      (mt_checkpoint_check_integrity). Imported weights holding a NaN or an infinity are refused.
  *
  * Use: #define MT_HF_IMPLEMENTATION in exactly one file before including this header (or before
  * including it again after a declarations-only include), after (or together with)
@@ -107,17 +109,21 @@ int64_t mt_hf_qkv_index(const mt_config* cfg, int64_t r);
 int64_t mt_hf_param_offset(const mt_config* cfg, int kind, int layer);
 
 /* Writes a fresh checkpoint of cfg's model at `iteration`: the header (mt_checkpoint_header_init: shape,
- * flavour, norm epsilon, true vocabulary), the master weights, Adam m = v = 0, no progress, loss scale 1,
- * precision word bf16. The iteration directory is written under a temporary name and renamed, the
- * tracker last. Refuses a directory that already holds a checkpoint (a tracker); an iteration
- * directory without a tracker (an interrupted run's) is not a checkpoint and is replaced. */
+ * flavour, norm epsilon, true vocabulary; the manifest mark), the master weights, Adam m = v = 0, no
+ * progress, loss scale 1, precision word bf16, and its manifest (the file's CRC-32C taken as it is
+ * written). The iteration directory is written under a temporary name and renamed, the tracker last.
+ * Refuses a directory that already holds a checkpoint (a tracker); an iteration directory without a
+ * tracker (an interrupted run's) is not a checkpoint and is replaced. */
 mt_status mt_hf_checkpoint_write(const char* dir, const mt_config* cfg, const float* params, int64_t iteration,
                                  mt_error* err);
-/* Reads the master weights of the checkpoint at `iteration` (< 0: the tracker's). cfg gets the model
- * from the header (mt_config_from_checkpoint_header; not finalized: vocab_size = padded_vocab_size, the
- * true one is header[MT_CK_TRUE_VOCAB]); header gets the 64 words if not NULL; params is malloc'd. */
-mt_status mt_hf_checkpoint_read(const char* dir, int64_t iteration, mt_config* cfg, float** params, int64_t* header,
-                                mt_error* err);
+/* Reads the master weights of the checkpoint at `iteration` (< 0: the tracker's), after megatron.h's
+ * integrity rule (mt_checkpoint_select without a fallback: a refused checkpoint is the error; with
+ * no_verify a warning, into *warning, which may be NULL; "" when there is nothing to say). cfg gets
+ * the model from the header (mt_config_from_checkpoint_header; not finalized: vocab_size =
+ * padded_vocab_size, the true one is header[MT_CK_TRUE_VOCAB]); header gets the 64 words if not NULL;
+ * params is malloc'd. */
+mt_status mt_hf_checkpoint_read(const char* dir, int64_t iteration, int no_verify, mt_config* cfg, float** params,
+                                int64_t* header, mt_error* warning, mt_error* err);
 
 #ifdef __cplusplus
 }
@@ -286,7 +292,9 @@ static int mt_hf__file_exists(const char* path) {
     return stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
 }
 
-/* t's data as floats in *buf (grown as needed) */
+/* t's data as floats in *buf (grown as needed): every tensor an import reads comes through here, and
+ * a NaN or an infinity in it is refused naming the file, the tensor and the first such element (a
+ * model that holds one cannot train or evaluate; it would surface only as a NaN loss later). */
 static mt_status mt_hf__read(const mt_safetensors* st, const mt_st_tensor* t, float** buf, int64_t* cap, mt_error* err) {
     if (t->numel > *cap) {
         free(*buf);
@@ -294,7 +302,12 @@ static mt_status mt_hf__read(const mt_safetensors* st, const mt_st_tensor* t, fl
         *cap = *buf ? t->numel : 0;
         if (!*buf) return mt_fail(err, MT_ERR_OOM, "out of memory reading %s", t->name);
     }
-    return mt_safetensors_read_f32(st, t, *buf, err);
+    mt_status s = mt_safetensors_read_f32(st, t, *buf, err);
+    for (int64_t i = 0; s == MT_OK && i < t->numel; i++)
+        if (!isfinite((*buf)[i]))
+            return mt_fail(err, MT_ERR_FORMAT, "%s: tensor %s holds %s at index %lld", mt_safetensors_file_path(st, t),
+                           t->name, isnan((*buf)[i]) ? "NaN" : (*buf)[i] > 0 ? "Inf" : "-Inf", (long long)i);
+    return s;
 }
 
 mt_status mt_hf_load(const char* hf_dir, mt_config* cfg, float** params_out, const mt_hf_arch** arch_out, mt_error* err) {
@@ -583,18 +596,27 @@ mt_status mt_hf_checkpoint_write(const char* dir, const mt_config* c, const floa
     h[MT_CK_PRECISION] = MT_BF16;
     h[MT_CK_ITERATION] = iteration;
     h[MT_CK_HYSTERESIS] = c->hysteresis;
+    h[MT_CK_MANIFESTED] = 1; /* committed with its manifest, below */
     memcpy(&h[MT_CK_LOSS_SCALE_BITS], &scale, sizeof(double));
+    /* the file's size and CRC-32C as written, for the manifest (nothing is read back) */
+    mt_checkpoint_file_crc known = {"mp_rank_00/model_optim_rng.bin", 0, 0};
     FILE* f = fopen(file, "wb");
     int bad = !f;
     int e = errno;
     if (f) {
         bad = mt_hf__write(f, h, sizeof(h)) || mt_hf__write(f, params, sizeof(float) * (size_t)n);
+        known.crc = mt_crc32c_extend(mt_crc32c_extend(0, h, sizeof(h)), params, sizeof(float) * (size_t)n);
+        known.size = (int64_t)sizeof(h) + (int64_t)sizeof(float) * n;
         enum { ZEROS = 1 << 16 };
         float* zeros = (float*)calloc(ZEROS, sizeof(float));
         bad |= !zeros;
         for (int k = 0; k < 2 && !bad; k++) /* Adam m, then v */
-            for (int64_t s = 0; s < n && !bad; s += ZEROS)
-                bad = mt_hf__write(f, zeros, sizeof(float) * (size_t)(n - s < ZEROS ? n - s : (int64_t)ZEROS));
+            for (int64_t s = 0; s < n && !bad; s += ZEROS) {
+                const size_t bytes = sizeof(float) * (size_t)(n - s < ZEROS ? n - s : (int64_t)ZEROS);
+                bad = mt_hf__write(f, zeros, bytes);
+                known.crc = mt_crc32c_extend(known.crc, zeros, bytes);
+                known.size += (int64_t)bytes;
+            }
         free(zeros);
         e = errno;
         if (fflush(f) != 0 || fsync(fileno(f)) != 0) { bad = 1; e = errno; }
@@ -603,6 +625,7 @@ mt_status mt_hf_checkpoint_write(const char* dir, const mt_config* c, const floa
     if (!bad && (mt_sync_directory_of(file) != 0 || mt_sync_directory_of(rank_dir) != 0)) { bad = 1; e = errno; }
     mt_status st = MT_OK;
     if (bad) st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", file, strerror(e));
+    if (st == MT_OK) st = mt_checkpoint_manifest_write_known(tmp_dir, &known, 1, err);
     /* an iter_N without a tracker is what an interrupted run left: not a checkpoint, replaced */
     if (st == MT_OK && mt_remove_tree(final_dir) != 0)
         st = mt_fail(err, MT_ERR_IO, "cannot replace %s (left by an interrupted run): %s", final_dir, strerror(errno));
@@ -613,12 +636,12 @@ mt_status mt_hf_checkpoint_write(const char* dir, const mt_config* c, const floa
     return st;
 }
 
-mt_status mt_hf_checkpoint_read(const char* dir, int64_t iteration, mt_config* c, float** params_out, int64_t* header,
-                                mt_error* err) {
+mt_status mt_hf_checkpoint_read(const char* dir, int64_t iteration, int no_verify, mt_config* c, float** params_out,
+                                int64_t* header, mt_error* warning, mt_error* err) {
     *params_out = NULL;
     char path[4400], iter_dir[4200];
-    mt_status s = MT_OK;
-    if (iteration < 0 && (s = mt_checkpoint_read_tracker(dir, &iteration, err)) != MT_OK) return s;
+    mt_status s = mt_checkpoint_select(dir, iteration, no_verify, &iteration, NULL, warning, err);
+    if (s != MT_OK) return s;
     mt_checkpoint_iteration_dir(iter_dir, sizeof(iter_dir), dir, iteration);
     snprintf(path, sizeof(path), "%s/mp_rank_00/model_optim_rng.bin", iter_dir);
     int fd = mt_open_regular_file(path, err);

@@ -3,14 +3,20 @@
  * The manifest (megatron.h section 7): CRC-32C against its published check value and computed in
  * pieces, manifest write/verify on a tree of files, and every kind of damage refused in one line
  * naming the file; mt_checkpoint_select falling back from a damaged tracked iteration to the newest
- * good one. prepro/checkpoint_tool.h: synthetic checkpoints written here in the trainer's exact
+ * good one; the integrity rule every reader applies (mt_checkpoint_check_integrity: a failing manifest
+ * or a lost one refused naming the file, a checkpoint from before manifests read with a warning,
+ * --no-verify turning refusals into warnings) directly, through mt_checkpoint_select, and through the
+ * tools as a user runs them (checkpoint_tool info / verify / reshard, convert_hf --export and --import,
+ * eval_hellaswag when built, convert_mcore.py via dev/mcore_integrity_check.py when python3 has numpy),
+ * and train_gpt's --no-verify-checkpoint flag. prepro/checkpoint_tool.h: synthetic checkpoints written here in the trainer's exact
  * format (megatron.cu section 19: headers as fill_header fills them, each rank's tensors laid out
  * through the DDP buffer layout's canonical offsets as canonical_transfer does, distributed-optimizer
  * shards bucket by bucket as copy_owned cuts them), random arrays, both flavours, tied and untied;
  * reshards TP1 -> TP2 -> TP1 x PP2 x VP2 -> TP2 x PP2 -> TP1 come back bitwise; a distributed-optimizer
  * checkpoint of several buckets reassembles exactly; verify catches a flipped byte, a truncated
  * file, a missing file and a missing manifest. GPU: the trainer's checkpoints verified, resharded
- * and resumed bitwise, and a damaged tracked iteration skipped on load. */
+ * and resumed bitwise, a damaged tracked iteration skipped on load (with the warning), read under
+ * --no-verify-checkpoint, and one whose manifest was deleted refused. */
 #ifndef MT_TEST_CHECKPOINT_TOOL_H
 #define MT_TEST_CHECKPOINT_TOOL_H
 
@@ -280,6 +286,7 @@ static mt_status ckt_write(const char* dir, int64_t iteration, const ckt_layout*
             h[MT_CK_FP8_TENSORS] = L->fp8 ? 3 : 0;
             h[MT_CK_FP8_HISTORY_LEN] = L->fp8 ? 4 : 0;
             h[MT_CK_FP8_HISTORY_POS] = L->fp8 ? 1 : 0;
+            h[MT_CK_MANIFESTED] = L->manifest != 0; /* committed with a manifest, as the trainer's are */
             mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, L->pp, t, s);
             if (mkdir(rank_dir, 0755) != 0) st = mt_fail(err, MT_ERR_IO, "mkdir %s", rank_dir);
             snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
@@ -443,8 +450,8 @@ static test_result ckt_round_trip(int llama, int untied) {
         EXPECT_OK(mt_ckpt_open(&ck, out, -1, &err), &err);
         EXPECT_OK(mt_ckpt_verify(&ck, NULL, &err), &err);
         EXPECT(ck.header[MT_CK_ITERATION] == 40 && ck.header[MT_CK_CONSUMED] == 320 && ck.header[MT_CK_ADAM_STEP] == 40 &&
-               ck.header[MT_CK_FP8_TENSORS] == 0 && ck.header[MT_CK_TRUE_VOCAB] == 300,
-               "step %d: progress words not carried", k);
+               ck.header[MT_CK_FP8_TENSORS] == 0 && ck.header[MT_CK_TRUE_VOCAB] == 300 && ck.header[MT_CK_MANIFESTED] == 1,
+               "step %d: progress words not carried (or no manifest mark)", k);
         snprintf(prev_buf, sizeof(prev_buf), "%s", out);
         prev = prev_buf;
     }
@@ -630,7 +637,8 @@ static test_result test_read_part_any_layout(void) {
     return TEST_PASS;
 }
 
-/* verify: a flipped byte, a truncated file, a missing file, a missing manifest; each one line naming it */
+/* verify: a flipped byte, a truncated file, a missing file, a missing manifest, a checkpoint from before
+ * manifests (which the readers take with a warning but verify cannot vouch for); each one line naming it */
 static test_result test_verify_catches_damage(void) {
     char root[256], path[600];
     ckt_dir(root, sizeof(root), "verify");
@@ -644,10 +652,12 @@ static test_result test_verify_catches_damage(void) {
         {"a flipped byte in a header", 2, "mp_rank_00_001/model_optim_rng.bin"},
         {"a truncated file", 3, "mp_rank_01_000/model_optim_rng.bin has"},
         {"a missing file", 4, "mp_rank_00_001/model_optim_rng.bin"},
-        {"a missing manifest", 5, "has no manifest.txt"},
+        {"a missing manifest", 5, "has no manifest.txt but was saved with one"},
+        {"from before manifests (no manifest, mark 0)", 6, "saved before manifests, it cannot be verified"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         mt_remove_tree(root);
+        L.manifest = cases[i].kind != 6;
         EXPECT_OK(ckt_write(root, 9, &L, a, &err), &err);
         switch (cases[i].kind) {
             case 1: snprintf(path, sizeof(path), "%s/iter_0000009/mp_rank_01_001/model_optim_rng.bin", root); EXPECT(ckt_flip(path, -100) == 0, "flip"); break;
@@ -669,12 +679,14 @@ static test_result test_verify_catches_damage(void) {
     return TEST_PASS;
 }
 
-/* mt_checkpoint_select: the tracked iteration when it verifies or has no manifest (an older save);
- * a damaged tracked one gives way to the newest older one that verifies; an explicit one never does. */
+/* mt_checkpoint_select: the tracked iteration when it passes the integrity rule; a refused tracked
+ * one gives way (with fell_back) to the newest older one that verifies, the warning naming what was
+ * refused; an explicit one, or one asked for without fell_back (the tools), never does; a lost
+ * manifest is a refusal too; --no-verify reads the tracked one with a warning. */
 static test_result test_select_falls_back(void) {
     char root[256], path[600];
     ckt_dir(root, sizeof(root), "select");
-    mt_error err;
+    mt_error err, warning;
     ckt_layout L = {0, 0, 1, 1, 1, 0, 0, 0, 0, 1};
     int64_t n, chosen = -1;
     int fell_back = -1;
@@ -682,40 +694,259 @@ static test_result test_select_falls_back(void) {
     EXPECT_OK(ckt_write(root, 10, &L, a, &err), &err);
     EXPECT_OK(ckt_write(root, 20, &L, a, &err), &err);
     EXPECT_OK(ckt_write(root, 30, &L, a, &err), &err);
-    EXPECT_OK(mt_checkpoint_select(root, -1, &chosen, &fell_back, &err), &err);
-    EXPECT(chosen == 30 && fell_back == 0, "chose %lld (fell back %d)", (long long)chosen, fell_back);
-    /* 30 and 20 damaged: 10 it is, err naming 30's bad file */
+    EXPECT_OK(mt_checkpoint_select(root, -1, 0, &chosen, &fell_back, &warning, &err), &err);
+    EXPECT(chosen == 30 && fell_back == 0 && !warning.message[0], "chose %lld (fell back %d): %s", (long long)chosen,
+           fell_back, warning.message);
+    /* 30 and 20 damaged: 10 it is, the warning naming 30's bad file */
     for (int it = 20; it <= 30; it += 10) {
         snprintf(path, sizeof(path), "%s/iter_%07d/mp_rank_00/model_optim_rng.bin", root, it);
         EXPECT(ckt_flip(path, -5) == 0, "flip");
     }
-    EXPECT_OK(mt_checkpoint_select(root, -1, &chosen, &fell_back, &err), &err);
-    EXPECT(chosen == 10 && fell_back == 1 && strstr(err.message, "iter_0000030") && strstr(err.message, "corrupted"),
-           "chose %lld (fell back %d): %s", (long long)chosen, fell_back, err.message);
-    EXPECT(mt_checkpoint_select(root, 30, &chosen, &fell_back, &err) == MT_ERR_FORMAT && strstr(err.message, "corrupted"),
-           "explicit iteration: %s", err.message);
-    /* no manifest (a checkpoint from before manifests): taken as it is */
+    EXPECT_OK(mt_checkpoint_select(root, -1, 0, &chosen, &fell_back, &warning, &err), &err);
+    EXPECT(chosen == 10 && fell_back == 1 && strstr(warning.message, "iter_0000030") && strstr(warning.message, "corrupted") &&
+               strstr(warning.message, "read iteration 10") && !strchr(warning.message, '\n'),
+           "chose %lld (fell back %d): %s", (long long)chosen, fell_back, warning.message);
+    EXPECT(mt_checkpoint_select(root, 30, 0, &chosen, &fell_back, &warning, &err) == MT_ERR_FORMAT &&
+               strstr(err.message, "corrupted"), "explicit iteration: %s", err.message);
+    /* without fell_back (a tool): the tracked one's refusal, naming the file */
+    err.message[0] = 0;
+    EXPECT(mt_checkpoint_select(root, -1, 0, &chosen, NULL, &warning, &err) == MT_ERR_FORMAT &&
+               strstr(err.message, "iter_0000030: mp_rank_00/model_optim_rng.bin is corrupted"), "%s", err.message);
+    /* --no-verify: the tracked one, with a warning that says why */
+    EXPECT_OK(mt_checkpoint_select(root, -1, 1, &chosen, &fell_back, &warning, &err), &err);
+    EXPECT(chosen == 30 && fell_back == 0 && strstr(warning.message, "iter_0000030: mp_rank_00/model_optim_rng.bin is "
+                                                    "corrupted") && strstr(warning.message, "read anyway"),
+           "--no-verify chose %lld (fell back %d): %s", (long long)chosen, fell_back, warning.message);
+    /* a lost manifest (the header says it had one): refused, so 10 again */
     snprintf(path, sizeof(path), "%s/iter_0000030/manifest.txt", root);
     EXPECT(unlink(path) == 0, "unlink");
-    EXPECT_OK(mt_checkpoint_select(root, -1, &chosen, &fell_back, &err), &err);
-    EXPECT(chosen == 30 && fell_back == 0, "chose %lld", (long long)chosen);
+    EXPECT_OK(mt_checkpoint_select(root, -1, 0, &chosen, &fell_back, &warning, &err), &err);
+    EXPECT(chosen == 10 && fell_back == 1 && strstr(warning.message, "incomplete or tampered"), "chose %lld: %s",
+           (long long)chosen, warning.message);
     /* nothing good below a damaged tracked one: its own failure */
     mt_remove_tree(root);
     EXPECT_OK(ckt_write(root, 10, &L, a, &err), &err);
     snprintf(path, sizeof(path), "%s/iter_0000010/mp_rank_00/model_optim_rng.bin", root);
     EXPECT(truncate(path, 100) == 0, "truncate");
-    EXPECT(mt_checkpoint_select(root, -1, &chosen, &fell_back, &err) == MT_ERR_FORMAT && strstr(err.message, "truncated"),
-           "%s", err.message);
+    EXPECT(mt_checkpoint_select(root, -1, 0, &chosen, &fell_back, &warning, &err) == MT_ERR_FORMAT &&
+               strstr(err.message, "truncated"), "%s", err.message);
     ckt_arrays_free(a);
     mt_remove_tree(root);
+    return TEST_PASS;
+}
+
+/* The integrity rule itself (mt_checkpoint_check_integrity) on a TP 2 x PP 2 checkpoint, each case one
+ * line: intact (nothing to say); a flipped byte in any file (refused naming it; no_verify: a warning
+ * naming it); the manifest deleted from a checkpoint saved with one (refused; no_verify: a warning); a
+ * checkpoint from before manifests (mark 0, none: read with a warning, no_verify or not); its first
+ * header damaged as well (refused naming the file: nothing then says what it is); a missing
+ * iteration directory (MT_ERR_IO). */
+static test_result test_integrity_rule(void) {
+    char root[256], iter_dir[400], path[600];
+    ckt_dir(root, sizeof(root), "integrity");
+    snprintf(iter_dir, sizeof(iter_dir), "%s/iter_0000004", root);
+    mt_error err, warning;
+    ckt_layout L = {1, 0, 2, 2, 1, 0, 0, 0, 0, 1};
+    int64_t n;
+    float** a = ckt_arrays(&L, 9, &n);
+    struct { const char* what; int kind, manifest; mt_status strict; const char* needle; } cases[] = {
+        {"intact", 0, 1, MT_OK, NULL},
+        {"a flipped byte", 1, 1, MT_ERR_FORMAT, "mp_rank_01_001/model_optim_rng.bin is corrupted"},
+        {"an Adam moment's flipped byte", 2, 1, MT_ERR_FORMAT, "mp_rank_00_000/model_optim_rng.bin is corrupted"},
+        {"the manifest deleted", 3, 1, MT_ERR_FORMAT, "has no manifest.txt but was saved with one: incomplete or tampered"},
+        {"from before manifests", 0, 0, MT_OK, "has no manifest.txt: saved before manifests"},
+        {"from before manifests, its first header damaged", 4, 0, MT_ERR_FORMAT, "mp_rank_00_000/model_optim_rng.bin"},
+        {"no iteration directory", 5, 1, MT_ERR_IO, "no checkpoint at"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        mt_remove_tree(root);
+        L.manifest = cases[i].manifest;
+        EXPECT_OK(ckt_write(root, 4, &L, a, &err), &err);
+        switch (cases[i].kind) {
+            case 1: snprintf(path, sizeof(path), "%s/mp_rank_01_001/model_optim_rng.bin", iter_dir); EXPECT(ckt_flip(path, 3000) == 0, "flip"); break;
+            case 2: snprintf(path, sizeof(path), "%s/mp_rank_00_000/model_optim_rng.bin", iter_dir); EXPECT(ckt_flip(path, -3) == 0, "flip"); break;
+            case 3: snprintf(path, sizeof(path), "%s/manifest.txt", iter_dir); EXPECT(unlink(path) == 0, "unlink"); break;
+            case 4: snprintf(path, sizeof(path), "%s/mp_rank_00_000/model_optim_rng.bin", iter_dir); EXPECT(ckt_flip(path, 8 * MT_CK_LAYERS + 6) == 0, "flip"); break;
+            case 5: EXPECT(mt_remove_tree(iter_dir) == 0, "rm"); break;
+        }
+        for (int no_verify = 0; no_verify <= 1; no_verify++) {
+            err.message[0] = 0;
+            snprintf(warning.message, sizeof(warning.message), "stale");
+            mt_status st = mt_checkpoint_check_integrity(iter_dir, no_verify, &warning, &err);
+            /* no_verify turns the refusals of a readable checkpoint into warnings; one whose directory is
+             * missing stays refused; a damaged header under no_verify is the reader's to refuse */
+            const mt_status want = no_verify && cases[i].kind != 5 ? MT_OK : cases[i].strict;
+            const char* said = st == MT_OK ? warning.message : err.message;
+            const int ok = st == want && (cases[i].needle ? strstr(said, cases[i].needle) != NULL : !said[0]) &&
+                           !strchr(said, '\n') && (st != MT_OK || cases[i].strict == MT_OK || strstr(said, "read anyway"));
+            EXPECT(ok, "%s (no_verify %d): status %s, want %s; said '%s'", cases[i].what, no_verify, mt_status_name(st),
+                   mt_status_name(want), said);
+        }
+    }
+    ckt_arrays_free(a);
+    mt_remove_tree(root);
+    return TEST_PASS;
+}
+
+/* Runs a tool (cmd, from the repository root) and returns its exit status; its stderr (stdout dropped)
+ * in out. */
+static int ckt_run_tool(const char* cmd, char* out, size_t cap) {
+    char full[2400];
+    snprintf(full, sizeof(full), "%s 2>&1 >/dev/null", cmd);
+    return test_command_output(full, out, cap);
+}
+
+/* err: exactly one line, "<prog>: <kind>: ...<needle>..." (kind "error" or "warning"; NULL: "<prog>: ..."),
+ * and the exit status want_code; 1 if so, else it prints what came and returns 0. */
+static int ckt_one_line(const char* what, int code, int want_code, const char* err, const char* prog, const char* kind,
+                        const char* needle) {
+    char head[64];
+    if (kind) snprintf(head, sizeof(head), "%s: %s: ", prog, kind);
+    else snprintf(head, sizeof(head), "%s: ", prog);
+    const char* nl = strchr(err, '\n');
+    int ok = code == want_code && !strncmp(err, head, strlen(head)) && strstr(err, needle) && nl && !nl[1];
+    if (!ok) printf("    %s: exit %d (want %d), want one line '%s...%s...', got: %s\n", what, code, want_code, head, needle, err);
+    return ok;
+}
+
+/* The readers as a user runs them: prepro/checkpoint_tool (info, verify, reshard) and prepro/convert_hf
+ * (--export) on a Llama checkpoint at TP 1 (what export takes). A flipped byte: each refuses, exit 1,
+ * one line naming the file, and writes nothing; with --no-verify, info, reshard and export proceed
+ * (exit 0) after one warning line naming it (verify takes no --no-verify: exit 2). The manifest
+ * deleted from a checkpoint saved with one: refused ("incomplete or tampered"). A checkpoint from
+ * before manifests (mark 0, none): read with a warning, but verify refuses it (it cannot vouch for
+ * it). Writers: reshard's output and convert_hf --import's pass `checkpoint_tool verify` and carry the
+ * manifest mark; eval_hellaswag (its reader is mt_hf_checkpoint_read, tested in host.hf) refuses the
+ * damaged one too when it is built. Skips when the tools are not built. */
+static test_result test_tools_refuse_damage(void) {
+    if (access("prepro/checkpoint_tool", X_OK) != 0 || access("prepro/convert_hf", X_OK) != 0)
+        SKIP("prepro/checkpoint_tool and prepro/convert_hf are not built (make all)");
+    char root[256], src[400], path[700], cmd[2000], err_text[8192], out[500];
+    ckt_dir(root, sizeof(root), "tools");
+    mt_error err;
+    ckt_layout L = {1, 0, 1, 1, 1, 0, 0, 0, 0, 1}; /* Llama (GQA: not GPT-2's), tied */
+    int64_t n;
+    float** a = ckt_arrays(&L, 13, &n);
+    int ok = 1;
+    const char* model = "iter_0000006/mp_rank_00/model_optim_rng.bin";
+    for (int kind = 0; kind < 4; kind++) { /* intact, flipped byte, manifest deleted, before manifests */
+        snprintf(src, sizeof(src), "%s/src%d", root, kind);
+        L.manifest = kind != 3;
+        EXPECT_OK(ckt_write(src, 6, &L, a, &err), &err);
+        snprintf(path, sizeof(path), "%s/%s", src, model);
+        if (kind == 1) EXPECT(ckt_flip(path, -100) == 0, "flip");
+        if (kind == 2) {
+            snprintf(path, sizeof(path), "%s/iter_0000006/manifest.txt", src);
+            EXPECT(unlink(path) == 0, "unlink");
+        }
+        const char* needle = kind == 1 ? "mp_rank_00/model_optim_rng.bin is corrupted"
+                             : kind == 2 ? "has no manifest.txt but was saved with one: incomplete or tampered"
+                                         : "has no manifest.txt: saved before manifests";
+        for (int no_verify = 0; no_verify <= 1; no_verify++) {
+            const char* nv = no_verify ? " --no-verify" : "";
+            /* refused (kinds 1, 2 without --no-verify), else proceeds: with a warning unless intact */
+            const int refused = (kind == 1 || kind == 2) && !no_verify;
+            const char* kind_word = refused ? "error" : "warning";
+            char what[200];
+            snprintf(cmd, sizeof(cmd), "prepro/checkpoint_tool info '%s'%s", src, nv);
+            int code = ckt_run_tool(cmd, err_text, sizeof(err_text));
+            snprintf(what, sizeof(what), "case %d: info%s", kind, nv);
+            if (kind == 0) ok &= code == 0 && !err_text[0] ? 1 : (printf("    %s: exit %d: %s\n", what, code, err_text), 0);
+            else ok &= ckt_one_line(what, code, refused, err_text, "checkpoint_tool", kind_word, needle);
+            snprintf(out, sizeof(out), "%s/resharded%d%d", root, kind, no_verify);
+            snprintf(cmd, sizeof(cmd), "prepro/checkpoint_tool reshard '%s' '%s' --target-tp 2 --target-pp 1%s", src, out, nv);
+            code = ckt_run_tool(cmd, err_text, sizeof(err_text));
+            snprintf(what, sizeof(what), "case %d: reshard%s", kind, nv);
+            if (kind == 0) ok &= code == 0 && !err_text[0] ? 1 : (printf("    %s: exit %d: %s\n", what, code, err_text), 0);
+            else ok &= ckt_one_line(what, code, refused, err_text, "checkpoint_tool", kind_word, needle);
+            snprintf(path, sizeof(path), "%s/iter_0000006", out);
+            EXPECT(refused ? access(out, F_OK) != 0 : access(path, F_OK) == 0, "%s: output %s", what,
+                   refused ? "written" : "missing");
+            if (!refused) { /* the output passes verify and carries the mark */
+                snprintf(cmd, sizeof(cmd), "prepro/checkpoint_tool verify '%s'", out);
+                code = ckt_run_tool(cmd, err_text, sizeof(err_text));
+                mt_ckpt ck;
+                EXPECT(code == 0 && mt_ckpt_open(&ck, out, -1, &err) == MT_OK && ck.header[MT_CK_MANIFESTED] == 1 &&
+                           ck.tp == 2, "%s: its output: verify exit %d (%s), mark %lld", what, code, err_text,
+                       (long long)ck.header[MT_CK_MANIFESTED]);
+            }
+            snprintf(out, sizeof(out), "%s/hf%d%d", root, kind, no_verify);
+            snprintf(cmd, sizeof(cmd), "prepro/convert_hf --export '%s' --out '%s'%s", src, out, nv);
+            code = ckt_run_tool(cmd, err_text, sizeof(err_text));
+            snprintf(what, sizeof(what), "case %d: convert_hf --export%s", kind, nv);
+            if (kind == 0) ok &= code == 0 && !err_text[0] ? 1 : (printf("    %s: exit %d: %s\n", what, code, err_text), 0);
+            else ok &= ckt_one_line(what, code, refused, err_text, "convert_hf", kind_word, needle);
+            snprintf(path, sizeof(path), "%s/config.json", out);
+            EXPECT(refused ? access(out, F_OK) != 0 : access(path, F_OK) == 0, "%s: output %s", what,
+                   refused ? "written" : "missing");
+            if (kind == 0 && !no_verify) { /* and back: --import writes a checkpoint that verifies, with the mark */
+                char back[500];
+                snprintf(back, sizeof(back), "%s/imported", root);
+                snprintf(cmd, sizeof(cmd), "prepro/convert_hf --import '%s' --save '%s' && prepro/checkpoint_tool verify '%s'",
+                         out, back, back);
+                code = ckt_run_tool(cmd, err_text, sizeof(err_text));
+                mt_ckpt ck;
+                EXPECT(code == 0 && mt_ckpt_open(&ck, back, -1, &err) == MT_OK && ck.header[MT_CK_MANIFESTED] == 1,
+                       "convert_hf --import's checkpoint: verify exit %d (%s)", code, err_text);
+            }
+        }
+        /* verify: refuses every damaged one and the one from before manifests; takes no --no-verify */
+        snprintf(cmd, sizeof(cmd), "prepro/checkpoint_tool verify '%s'", src);
+        int code = ckt_run_tool(cmd, err_text, sizeof(err_text));
+        if (kind == 0) EXPECT(code == 0, "verify of the intact one: exit %d, %s", code, err_text);
+        else ok &= ckt_one_line("verify", code, 1, err_text, "checkpoint_tool", "error",
+                                kind == 3 ? "saved before manifests, it cannot be verified" : needle);
+        snprintf(cmd, sizeof(cmd), "prepro/checkpoint_tool verify '%s' --no-verify", src);
+        EXPECT(ckt_run_tool(cmd, err_text, sizeof(err_text)) == 2 && strstr(err_text, "--no-verify goes with"),
+               "verify --no-verify: %s", err_text);
+        /* eval_hellaswag reads it through mt_hf_checkpoint_read: refused before any GPU work */
+        if (kind == 1 && access("eval_hellaswag", X_OK) == 0) {
+            snprintf(cmd, sizeof(cmd), "./eval_hellaswag --load '%s'", src);
+            code = ckt_run_tool(cmd, err_text, sizeof(err_text));
+            ok &= ckt_one_line("eval_hellaswag", code, 1, err_text, "eval_hellaswag", NULL, needle);
+        }
+    }
+    ckt_arrays_free(a);
+    mt_remove_tree(root);
+    EXPECT(ok, "a reader did not apply the integrity rule as it should");
+    return TEST_PASS;
+}
+
+/* train_gpt's --no-verify-checkpoint: off by default, on when given (train_gpt.c hands it to
+ * mt_trainer_set_no_verify_checkpoint before --load). */
+static test_result test_no_verify_checkpoint_flag(void) {
+    static tg_flags v;
+    char msg[512] = "";
+    char* plain[] = {(char*)"train_gpt"};
+    char* given[] = {(char*)"train_gpt", (char*)"--no-verify-checkpoint"};
+    tg_flags_init(&v);
+    EXPECT(tg_flags_parse(&v, 1, plain, msg, sizeof(msg)) == 0 && v.no_verify_checkpoint == 0, "default: %d (%s)",
+           v.no_verify_checkpoint, msg);
+    tg_flags_init(&v);
+    EXPECT(tg_flags_parse(&v, 2, given, msg, sizeof(msg)) == 0 && v.no_verify_checkpoint == 1, "given: %d (%s)",
+           v.no_verify_checkpoint, msg);
+    return TEST_PASS;
+}
+
+/* prepro/convert_mcore.py's integrity rule (its Python restatement: manifest CRC-32C, the manifest mark,
+ * --no-verify) by dev/mcore_integrity_check.py, which also checks that the C and Python sides agree on
+ * each other's manifests; skipped when python3 (or $MT_PYTHON) has no numpy (the script needs no torch). */
+static test_result test_mcore_integrity(void) {
+    char out[16384];
+    if (test_command_output("${MT_PYTHON:-python3} -c 'import numpy' 2>&1", out, sizeof(out)) != 0)
+        SKIP("python3 with numpy is not available (dev/mcore_integrity_check.py; MT_PYTHON names another python)");
+    int code = test_command_output("${MT_PYTHON:-python3} dev/mcore_integrity_check.py 2>&1", out, sizeof(out));
+    EXPECT(code == 0 && strstr(out, "all passed"), "dev/mcore_integrity_check.py: exit %d:\n%s", code, out);
     return TEST_PASS;
 }
 
 /* GPU: the trainer's own checkpoints through the manifest and the tool. 5 steps saved, 5 more saved
  * (the straight run); both iterations verify (headers, sizes, manifest); iteration 5 resharded
  * TP1 -> TP2 -> TP1 x PP2 -> TP1 and loaded continues steps 5..9 with the straight run's losses and
- * weights bitwise; a flipped byte in iteration 10 makes the tracker's load fall back to iteration 5,
- * and an explicit load of iteration 10 is refused naming the file. */
+ * weights bitwise; a flipped byte in iteration 10 makes the tracker's load fall back to iteration 5
+ * (mt_trainer_load_warning says why), an explicit load of iteration 10 is refused naming the file,
+ * --no-verify-checkpoint (mt_trainer_set_no_verify_checkpoint) reads 10 with a warning, and 10's
+ * manifest deleted makes the load fall back again. */
 static test_result ckt_trainer(int llama) {
     REQUIRE_GPU();
     mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, MT_BF16);
@@ -735,6 +966,8 @@ static test_result ckt_trainer(int llama) {
         mt_ckpt ck;
         EXPECT_OK(mt_ckpt_open(&ck, a_dir, it, &err), &err);
         EXPECT_OK(mt_ckpt_verify(&ck, NULL, &err), &err);
+        EXPECT(ck.header[MT_CK_MANIFESTED] == 1, "the trainer's save has manifest mark %lld",
+               (long long)ck.header[MT_CK_MANIFESTED]);
     }
     struct { int tp, pp; } steps[] = {{2, 1}, {1, 2}, {1, 1}};
     snprintf(prev, sizeof(prev), "%s", a_dir);
@@ -757,12 +990,37 @@ static test_result ckt_trainer(int llama) {
     EXPECT(ckt_flip(path, -77) == 0, "flip");
     mt_trainer* t = NULL;
     EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
-    int64_t it = -1;
+    int64_t it = -1, it_nv = -1;
+    char fell_back_warning[512];
     mt_status st = mt_trainer_load(t, a_dir, -1, &it, NULL, &err);
+    snprintf(fell_back_warning, sizeof(fell_back_warning), "%s", mt_trainer_load_warning(t));
     mt_status st10 = mt_trainer_load(t, a_dir, 10, NULL, NULL, &err);
+    /* --no-verify-checkpoint: iteration 10 read anyway, the warning naming the file */
+    mt_trainer_set_no_verify_checkpoint(t, 1);
+    mt_error nv_err;
+    mt_status st_nv = mt_trainer_load(t, a_dir, -1, &it_nv, NULL, &nv_err);
+    char nv_warning[512];
+    snprintf(nv_warning, sizeof(nv_warning), "%s", mt_trainer_load_warning(t));
+    /* the manifest of 10 deleted (its header says it had one): refused, 5 read instead */
+    mt_trainer_set_no_verify_checkpoint(t, 0);
+    snprintf(path, sizeof(path), "%s/iter_0000010/manifest.txt", a_dir);
+    unlink(path);
+    int64_t it_lost = -1;
+    mt_error lost_err;
+    mt_status st_lost = mt_trainer_load(t, a_dir, -1, &it_lost, NULL, &lost_err);
+    char lost_warning[512];
+    snprintf(lost_warning, sizeof(lost_warning), "%s", mt_trainer_load_warning(t));
     mt_trainer_free(t);
     EXPECT(st == MT_OK && it == 5, "load after damage: status %s, iteration %lld", mt_status_name(st), (long long)it);
+    EXPECT(strstr(fell_back_warning, "iteration 10 was refused") && strstr(fell_back_warning, "corrupted"),
+           "the fallback's warning: '%s'", fell_back_warning);
     EXPECT(st10 == MT_ERR_FORMAT && strstr(err.message, "mp_rank_00/model_optim_rng.bin is corrupted"), "%s", err.message);
+    EXPECT(st_nv == MT_OK && it_nv == 10 && strstr(nv_warning, "corrupted") && strstr(nv_warning, "read anyway"),
+           "--no-verify-checkpoint: status %s (%s), iteration %lld, warning '%s'", mt_status_name(st_nv), nv_err.message,
+           (long long)it_nv, nv_warning);
+    EXPECT(st_lost == MT_OK && it_lost == 5 && strstr(lost_warning, "incomplete or tampered"),
+           "a lost manifest: status %s (%s), iteration %lld, warning '%s'", mt_status_name(st_lost), lost_err.message,
+           (long long)it_lost, lost_warning);
     mt_remove_tree(root);
     printf("      %s: saved, verified, resharded TP1 -> TP2 -> PP2 -> TP1, resumed bitwise; damage skipped\n",
            llama ? "Llama" : "GPT-2");
@@ -1154,7 +1412,7 @@ static test_result test_async_save(void) {
     int64_t committed = -2, chosen = -1;
     mt_error scratch;
     /* not committed: nothing a reader accepts, while the next step changes the weights */
-    int visible = mt_checkpoint_select(async_dir, -1, &chosen, NULL, &scratch) == MT_OK;
+    int visible = mt_checkpoint_select(async_dir, -1, 0, &chosen, NULL, NULL, &scratch) == MT_OK;
     snprintf(path, sizeof(path), "%s/iter_0000005", async_dir);
     visible |= access(path, F_OK) == 0;
     fill_tokens(tokens, per_step, (int)c.vocab_size, 1005);
@@ -1233,6 +1491,10 @@ static const test_case checkpoint_tool_tests[] = {
     {"manifest_write_verify", test_manifest_write_verify},
     {"manifest_write_known", test_manifest_write_known},
     {"select_falls_back", test_select_falls_back},
+    {"integrity_rule", test_integrity_rule},
+    {"tools_refuse_damage", test_tools_refuse_damage},
+    {"no_verify_checkpoint_flag", test_no_verify_checkpoint_flag},
+    {"mcore_integrity", test_mcore_integrity},
     {"verify_catches_damage", test_verify_catches_damage},
     {"reshard_gpt2_tied", test_reshard_gpt2_tied},
     {"reshard_gpt2_untied", test_reshard_gpt2_untied},

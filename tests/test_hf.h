@@ -12,7 +12,8 @@
  * (GQA with head_dim != hidden / heads, llama3 rope scaling, untied; and a tied MHA one) are imported
  * (every tensor checked in place against an independent statement of Megatron's grouped QKV and
  * [gate; up] layouts, the header's flavour words), exported back bitwise with config.json's fields,
- * and every unsupported config.json or weight file is refused with its one-line message. GPU tests:
+ * and every unsupported config.json or weight file is refused with its one-line message; weights that
+ * hold a NaN or an infinity are refused naming file, tensor and index. GPU tests:
  * GPT-2 and Llama checkpoints written by the converter load into the trainer (same bytes back) and
  * their logits equal a forward written the way transformers computes it.
  *
@@ -734,8 +735,12 @@ static test_result test_hf_gpt2_directories(void) {
     memcpy(&eps_word, &hw[MT_CK_NORM_EPS_BITS], 8);
     EXPECT(eps_word == 1e-6 && hw[MT_CK_TRUE_VOCAB] == 100, "epsilon %g, true vocabulary %lld in the header", eps_word,
            (long long)hw[MT_CK_TRUE_VOCAB]);
-    for (int i = 23; i < 64; i++) /* the GPT-2 flavour is all zero words */
-        EXPECT(hw[i] == 0 || i == MT_CK_NORM_EPS_BITS || i == MT_CK_TRUE_VOCAB, "header word %d", i);
+    for (int i = 23; i < 64; i++) /* the GPT-2 flavour is all zero words; the manifest mark is 1 */
+        EXPECT(i == MT_CK_MANIFESTED ? hw[i] == 1 : hw[i] == 0 || i == MT_CK_NORM_EPS_BITS || i == MT_CK_TRUE_VOCAB,
+               "header word %d: %lld", i, (long long)hw[i]);
+    /* committed with a manifest that verifies (the writer's CRC of what it wrote) */
+    snprintf(path, sizeof(path), "%s/iter_0000000", ck_dir);
+    EXPECT_OK(mt_checkpoint_manifest_verify(path, &err), &err);
     EXPECT(scale == 1.0, "loss scale");
     EXPECT(!memcmp(raw + 512, p, 4 * (size_t)n), "master weights");
     for (size_t i = 512 + 4 * (size_t)n; i < size; i++) EXPECT(raw[i] == 0, "Adam moments not zero");
@@ -747,7 +752,9 @@ static test_result test_hf_gpt2_directories(void) {
 
     mt_config c3;
     int64_t header[64];
-    EXPECT_OK(mt_hf_checkpoint_read(ck_dir, -1, &c3, &q, header, &err), &err);
+    mt_error warning;
+    EXPECT_OK(mt_hf_checkpoint_read(ck_dir, -1, 0, &c3, &q, header, &warning, &err), &err);
+    EXPECT(!warning.message[0], "warning: %s", warning.message);
     EXPECT(c3.num_layers == 2 && c3.hidden_size == 64 && c3.padded_vocab_size == 128 && c3.max_position_embeddings == 16 &&
                header[12] == 0, "config from the checkpoint");
     EXPECT(!memcmp(p, q, sizeof(float) * (size_t)n), "checkpoint read != written");
@@ -770,17 +777,22 @@ static test_result test_hf_gpt2_directories(void) {
     for (int64_t i = 0; i < n; i++) EXPECT(q[i] == mt_st_bf16_to_f32(mt_st_f32_to_bf16(p[i])), "bf16 element %lld", (long long)i);
     free(q);
 
-    /* a truncated checkpoint, a bad tracker */
+    /* a truncated checkpoint: its manifest says so first; past the rule (--no-verify), the reader's own
+     * size check; a bad tracker */
     snprintf(path, sizeof(path), "%s/iter_0000000/mp_rank_00/model_optim_rng.bin", ck_dir);
     EXPECT(truncate(path, (off_t)(512 + 12 * n - 4)) == 0, "truncate");
     err.message[0] = 0;
-    EXPECT(mt_hf_checkpoint_read(ck_dir, 0, &c3, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "is truncated"),
+    EXPECT(mt_hf_checkpoint_read(ck_dir, 0, 0, &c3, &q, NULL, NULL, &err) == MT_ERR_FORMAT &&
+               strstr(err.message, "mp_rank_00/model_optim_rng.bin has") && strstr(err.message, "(truncated)"),
            "truncated checkpoint: %s", err.message);
-    EXPECT(mt_hf_checkpoint_read(ck_dir, 5, &c3, &q, NULL, &err) == MT_ERR_IO && strstr(err.message, "iter_0000005"),
+    EXPECT(mt_hf_checkpoint_read(ck_dir, 0, 1, &c3, &q, NULL, &warning, &err) == MT_ERR_FORMAT &&
+               strstr(err.message, "is truncated") && strstr(warning.message, "(truncated)"),
+           "truncated checkpoint, --no-verify: %s (warning %s)", err.message, warning.message);
+    EXPECT(mt_hf_checkpoint_read(ck_dir, 5, 0, &c3, &q, NULL, NULL, &err) == MT_ERR_IO && strstr(err.message, "iter_0000005"),
            "missing iteration: %s", err.message);
     EXPECT(thf_write_text(ck_dir, "latest_checkpointed_iteration.txt", "x7") == 0, "tracker");
-    EXPECT(mt_hf_checkpoint_read(ck_dir, -1, &c3, &q, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "iteration number"),
-           "bad tracker: %s", err.message);
+    EXPECT(mt_hf_checkpoint_read(ck_dir, -1, 0, &c3, &q, NULL, NULL, &err) == MT_ERR_FORMAT &&
+               strstr(err.message, "iteration number"), "bad tracker: %s", err.message);
     /* a shape GPT-2 cannot hold */
     mt_config gqa = c2;
     gqa.num_query_groups = 2;
@@ -1194,7 +1206,7 @@ static test_result test_hf_llama_directories(void) {
     mt_config c2;
     float* q = NULL;
     int64_t header[64];
-    EXPECT_OK(mt_hf_checkpoint_read(ck_dir, -1, &c2, &q, header, &err), &err);
+    EXPECT_OK(mt_hf_checkpoint_read(ck_dir, -1, 0, &c2, &q, header, NULL, &err), &err);
     EXPECT(c2.num_query_groups == 2 && c2.kv_channels == 24 && c2.normalization == MT_NORM_RMSNORM && c2.swiglu &&
                c2.position_embedding_type == MT_POSITION_ROPE && c2.rotary_base == 500000.0 && c2.use_rope_scaling &&
                c2.rope_scaling_factor == 8.0 && c2.untie_embeddings_and_output_weights && !c2.add_bias_linear &&
@@ -1730,6 +1742,95 @@ static test_result test_hf_gpu_load_llama(void) {
     return res;
 }
 
+/* Writes one element of tensor `name` of dir's model.safetensors as the bit pattern `bits` of the
+ * tensor's dtype (4 bytes for F32, else the low 2), in place; 0 on success. */
+static int thf_poke(const char* dir, const char* name, int64_t index, uint32_t bits) {
+    char path[400];
+    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+    mt_safetensors* st = NULL;
+    mt_error err;
+    if (mt_safetensors_open(&st, path, &err) != MT_OK) return -1;
+    const mt_st_tensor* t = mt_safetensors_find(st, name);
+    int size = t ? mt_st_dtype_size(t->dtype) : 0;
+    long at = t && index < t->numel ? (long)(t->begin + (uint64_t)(index * size)) : -1;
+    mt_safetensors_close(st);
+    FILE* f = fopen(path, "r+b");
+    uint64_t header = 0;
+    int ok = f && at >= 0 && fread(&header, 8, 1, f) == 1 && fseek(f, (long)(8 + header) + at, SEEK_SET) == 0 &&
+             fwrite(&bits, (size_t)size, 1, f) == 1; /* little-endian: the low bytes first */
+    if (f && fclose(f) != 0) ok = 0;
+    return ok ? 0 : -1;
+}
+
+/* Hugging Face weights holding a NaN or an infinity are refused on import in one line naming the file,
+ * the tensor and the element's index in the tensor's own order (prepro/hf_checkpoint.h mt_hf__read, the
+ * one place every imported tensor passes), in each dtype the reader takes (F32, BF16, F16): a NaN in the
+ * word embeddings, +Inf in a layer's MLP weight (a transposed tensor: its index is the file's, not
+ * ours), -Inf in the last norm's bias; the same file with the element restored loads. convert_hf
+ * --import refuses it too (exit 1, one line, nothing written) when it is built. */
+static test_result test_hf_nonfinite_refused(void) {
+    char root[256], hf_dir[300], ck_dir[300];
+    thf_path(root, sizeof(root), "nonfinite");
+    thf_remove(root);
+    snprintf(hf_dir, sizeof(hf_dir), "%s/hf", root);
+    snprintf(ck_dir, sizeof(ck_dir), "%s/ck", root);
+    mt_config c = thf_small_config();
+    float* p = thf_random_params(&c);
+    EXPECT(p, "params");
+    mt_error err;
+    const struct { mt_st_dtype dtype; uint32_t nan, inf, neg_inf; } dtypes[] = {
+        {MT_ST_F32, 0x7fc00000u, 0x7f800000u, 0xff800000u},
+        {MT_ST_BF16, 0x7fc0u, 0x7f80u, 0xff80u},
+        {MT_ST_F16, 0x7e00u, 0x7c00u, 0xfc00u},
+    };
+    const struct { const char* name; int64_t index; int kind; const char* said; } pokes[] = {
+        {"transformer.wte.weight", 5 * 64 + 7, 0, "NaN"},
+        {"transformer.h.1.mlp.c_fc.weight", 64 * 256 - 3, 1, "Inf"},
+        {"transformer.ln_f.bias", 63, 2, "-Inf"},
+    };
+    for (size_t d = 0; d < sizeof(dtypes) / sizeof(dtypes[0]); d++) {
+        thf_remove(hf_dir);
+        EXPECT_OK(mt_hf_save(hf_dir, &c, p, c.vocab_size, dtypes[d].dtype, 0, &err), &err);
+        for (size_t k = 0; k < sizeof(pokes) / sizeof(pokes[0]); k++) {
+            /* the value there before, to restore */
+            char path[400];
+            snprintf(path, sizeof(path), "%s/model.safetensors", hf_dir);
+            size_t n_before = 0;
+            char* before = test_read_file(path, &n_before);
+            EXPECT(before, "read %s", path);
+            const uint32_t bits = pokes[k].kind == 0 ? dtypes[d].nan : pokes[k].kind == 1 ? dtypes[d].inf : dtypes[d].neg_inf;
+            EXPECT(thf_poke(hf_dir, pokes[k].name, pokes[k].index, bits) == 0, "poke %s", pokes[k].name);
+            char want[300];
+            snprintf(want, sizeof(want), "model.safetensors: tensor %s holds %s at index %lld", pokes[k].name,
+                     pokes[k].said, (long long)pokes[k].index);
+            mt_config got;
+            float* q = NULL;
+            err.message[0] = 0;
+            mt_status st = mt_hf_load(hf_dir, &got, &q, NULL, &err);
+            free(q);
+            EXPECT(st == MT_ERR_FORMAT && strstr(err.message, want) && !strchr(err.message, '\n'),
+                   "%s, %s: status %s, message '%s' (want '...%s')", mt_st_dtype_name(dtypes[d].dtype), pokes[k].name,
+                   mt_status_name(st), err.message, want);
+            if (d == 0 && k == 0 && access("prepro/convert_hf", X_OK) == 0) {
+                char cmd[900], out[4096];
+                snprintf(cmd, sizeof(cmd), "prepro/convert_hf --import '%s' --save '%s' 2>&1 >/dev/null", hf_dir, ck_dir);
+                int code = test_command_output(cmd, out, sizeof(out));
+                EXPECT(code == 1 && !strncmp(out, "convert_hf: error: ", 19) && strstr(out, want) &&
+                           strchr(out, '\n') == out + strlen(out) - 1 && access(ck_dir, F_OK) != 0,
+                       "convert_hf --import of a NaN: exit %d, '%s'", code, out);
+            }
+            EXPECT(thf_write_bytes(path, before, n_before) == 0, "restore");
+            free(before);
+            q = NULL;
+            EXPECT_OK(mt_hf_load(hf_dir, &got, &q, NULL, &err), &err);
+            free(q);
+        }
+    }
+    free(p);
+    thf_remove(root);
+    return TEST_PASS;
+}
+
 static const test_case hf_tests[] = {
     {"hf_json", test_hf_json},
     {"hf_float_conversions", test_hf_float_conversions},
@@ -1744,6 +1845,7 @@ static const test_case hf_tests[] = {
     {"hf_llama_directories", test_hf_llama_directories},
     {"hf_llama_tied", test_hf_llama_tied},
     {"hf_llama_rejects", test_hf_llama_rejects},
+    {"hf_nonfinite_refused", test_hf_nonfinite_refused},
 };
 
 static const test_case hf_gpu_tests[] = {

@@ -439,7 +439,7 @@ static int hostile_special_child(void* arg) {
         case 2: { mt_tokenizer* t = NULL; st = mt_tokenizer_load_gpt2(&t, k->path, "dev/data/gpt2/gpt2-merges.txt", &err); if (t) mt_tokenizer_free(t); break; }
         case 3: { mt_safetensors* s = NULL; st = mt_safetensors_open(&s, k->path, &err); if (s) mt_safetensors_close(s); break; }
         case 4: { int64_t it; st = mt_checkpoint_read_tracker(dir, &it, &err); break; }
-        case 5: { mt_config c; float* p = NULL; st = mt_hf_checkpoint_read(k->path, -1, &c, &p, NULL, &err); free(p); break; }
+        case 5: { mt_config c; float* p = NULL; st = mt_hf_checkpoint_read(k->path, -1, 0, &c, &p, NULL, NULL, &err); free(p); break; }
         case 6: { mt_config c; float* p = NULL; st = mt_hf_load(dir, &c, &p, NULL, &err); free(p); break; }
         case 7: { mt_indexed_writer* w = NULL; st = mt_indexed_writer_open(&w, k->path, MT_DTYPE_UINT16, &err);
                   if (st == MT_OK) st = mt_indexed_writer_add_index(w, k->path2, &err);
@@ -988,7 +988,7 @@ static test_result test_hostile_convert_hf_retry(void) {
     EXPECT(hostile_count_temporaries(ck) == 0, "the interrupted run's temporaries are still there");
     mt_config c2;
     float* q = NULL;
-    EXPECT_OK(mt_hf_checkpoint_read(ck, -1, &c2, &q, NULL, &err), &err);
+    EXPECT_OK(mt_hf_checkpoint_read(ck, -1, 0, &c2, &q, NULL, NULL, &err), &err);
     EXPECT(!memcmp(p, q, sizeof(float) * (size_t)mt_num_parameters(&c)), "the retry's checkpoint differs");
     free(q);
     err.message[0] = 0;
