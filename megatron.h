@@ -1296,8 +1296,12 @@ mt_status mt_device_info(char* name, size_t name_size, size_t* free_bytes, size_
 
 /* Parameters and gradients of the full model in canonical order, fp32 (mt_num_parameters elements).
  * With tensor parallelism every rank calls them: get gathers the TP shards to full shape, set cuts
- * each rank's shard from the full array. With pipeline parallelism (TP = 1 there) each rank sets
- * and gets the elements of its own stage's tensors (mt_pp_holds); get leaves the others alone. */
+ * each rank's shard from the full array. With pipeline parallelism each rank sets and gets the
+ * elements of its own stage's tensors (mt_pp_holds); get leaves the others alone, and with TP there
+ * too gathers its stage's TP shards (set takes TP = 1 at PP > 1). With the distributed optimizer
+ * get gathers the DP shards (the fp32 master weights; the reduced gradients, read right after
+ * mt_trainer_compute_gradients). Collective: every rank of the TP group (with the distributed optimizer
+ * also of the DP group) calls them. */
 mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error* err);
 mt_status mt_trainer_get_parameters(mt_trainer* t, float* params, mt_error* err);
 mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err);

@@ -329,60 +329,404 @@ static test_result dp_run(mt_config c, const char* load_dir, const char* save_di
     return res;
 }
 
-static double relative_norm_difference(const float* a, const float* b, int64_t n) {
-    double d = 0, r = 0;
-    for (int64_t i = 0; i < n; i++) {
-        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
-        r += (double)b[i] * b[i];
+/* The worst outcome over the ranks (fail > skip > pass), so that every rank leaves a loop together. */
+static test_result tp_agree(test_result r) {
+#ifdef MT_USE_MPI
+    if (mpi_world() > 1) {
+        int mine = r == TEST_FAIL ? 2 : r == TEST_SKIP ? 1 : 0, worst = 0;
+        MPI_Allreduce(&mine, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+        return worst == 2 ? TEST_FAIL : worst == 1 ? TEST_SKIP : TEST_PASS;
     }
-    return sqrt(d / (r > 0 ? r : 1));
+#endif
+    return r;
+}
+
+/* 1 if every rank holds the same bytes (compares a 64-bit FNV-1a hash over the ranks). */
+static int tp_same_on_all_ranks(const void* data, size_t bytes) {
+    uint64_t x = 1469598103934665603ull;
+    for (size_t i = 0; i < bytes; i++) x = (x ^ ((const unsigned char*)data)[i]) * 1099511628211ull;
+#ifdef MT_USE_MPI
+    if (mpi_world() > 1) {
+        uint64_t lo = 0, hi = 0;
+        MPI_Allreduce(&x, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+        MPI_Allreduce(&x, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+        return lo == hi;
+    }
+#endif
+    return 1;
+}
+
+/* ---- One GPU against a parallel layout: the comparison every multi-GPU layout test runs ----
+ *
+ * A layout (DP with or without the distributed optimizer, TP, SP, PP, VP, their products, uneven
+ * splits) trains the model of a one-GPU config on the same global batches (the DP tests' data: step k
+ * is fill_tokens(1000 + k), each DP rank its share); every rank also trains it alone (TP = PP = DP =
+ * 1) on its own GPU, the reference. From a fresh trainer: the initial weights, an optional probe (what
+ * one test adds: logits, an evaluation), one compute_gradients over step 0's batch and its gradients,
+ * `steps` train steps (the first on that batch again), the final weights. Gradients and weights are
+ * read as the full model in canonical order (mt_trainer_get_gradients / _get_parameters gather the TP
+ * shards and the distributed optimizer's DP shards; a pipeline stage gives its own tensors) and merged
+ * over the ranks (layout_merge): every element must be held by some rank, and all the ranks that hold
+ * it (TP and DP replicas, the tied word embeddings of the first and last stage) must hold the same
+ * bits. Against one GPU (layout_compare):
+ *   - the initial weights bitwise (initialisation depends only on seed, tensor and full index);
+ *   - the gradient pass's loss and every step's loss and grad_norm (mt_step_result); the losses the
+ *     same, bitwise, on every rank;
+ *   - the first step's gradients, per tensor ||ours - one GPU's|| / ||one GPU's||, and per element
+ *     |ours - one GPU's| <= bound x (rms + |one GPU's element|), rms over the tensor;
+ *   - the final weights, per tensor against the training's movement, ||ours - one GPU's|| /
+ *     ||one GPU's - initial||, and per element |ours - one GPU's| <= bound x (rms of the movement +
+ *     |the element's movement|). Against the movement, not the weights: the norm weights start at 1
+ *     and move ~1e-2 in 20 steps, so a norm over the weights hides a missing update.
+ * The key-bias entries of qkv_bias are left out: their exact gradient is 0 and both sides hold noise
+ * (tests/test_model.h), which Adam turns into steps of ~lr.
+ *
+ * Tolerances (layout_tolerance_of). fp32: a layout computes the same products and sums them in
+ * another order (DP's sum over ranks, TP's partial GEMMs and vocab-parallel softmax, SP's partial
+ * column sums, PP's column sum of a stage's last fc2 bias and the tied embedding's two halves): a few
+ * ulps (2^-24) per sum, amplified by depth to ~1e-6 at most (the fp64 parity tests of
+ * tests/test_model.h bound fp32 against exact arithmetic by 1e-5). Losses, gradients per tensor and
+ * grad_norm 1e-5 (|norm(g + e) - norm(g)| <= norm(e): the gradients' bound bounds the norm's);
+ * gradients per element 1e-4. Adam's update is scale-free, so the movement changes by about the
+ * gradients' relative change: 1e-4 per tensor, 1e-3 per element.
+ * bf16: where a layout rounds activations differently (TP and SP: each partial sum is rounded to bf16,
+ * 2^-9 relative, before it is added, where one GPU rounds the whole sum once; DP and PP at TP = 1 round
+ * nothing differently), a gradient moves by a few 2^-9 per layer: 1e-2 per tensor (the TP tests' bound,
+ * a third of bf16's parity bound against fp64), 0.25 per element (some 10 roundings of 2^-9 on the
+ * path, of magnitudes that can exceed the element and the rms several times); grad_norm 1e-2 (as in
+ * fp32), losses 1e-3 (the issue's bound). The movement: Adam's first steps are lr x sign(g), so an
+ * element whose gradient is within the rounding noise of 0 (a fraction ~d of them at relative noise d)
+ * may step the other way; that moves the first update by ~sqrt(3 d) in norm (0.1 at d = 3e-3), and
+ * later steps, no longer sign-like, average it down to a few 1e-2 of the movement: 0.1 per tensor,
+ * where an update lost in one of L layers gives 1/sqrt(L) >= 0.35 (L <= 8). Per element: Adam steps
+ * each element by at most ~lr a step, so an element can part from one GPU's by at most its own
+ * movement and the other's: 5 x (rms + |movement|), which still catches a NaN or an element read from
+ * the wrong place (the initial weights' std, 0.02, is several times the movement's rms). */
+typedef struct {
+    double loss, grad_norm;               /* relative, every step */
+    double grad_tensor, grad_element;     /* the first step's gradients */
+    double weight_tensor, weight_element; /* the final weights, against one GPU's movement */
+} layout_tolerance;
+
+static layout_tolerance layout_tolerance_of(mt_precision precision) {
+    const layout_tolerance fp32 = {1e-5, 1e-5, 1e-5, 1e-4, 1e-4, 1e-3};
+    const layout_tolerance bf16 = {1e-3, 1e-2, 1e-2, 0.25, 0.1, 5.0};
+    return precision == MT_FP32 ? fp32 : bf16;
+}
+
+enum { LAYOUT_MAX_STEPS = 20 };
+#define LAYOUT_UNHELD 0x7fa5a5a5u /* a NaN no kernel writes: an element this rank does not hold */
+
+/* What one run leaves: full-model arrays in canonical order, merged over the ranks. */
+typedef struct {
+    int steps;
+    double losses[LAYOUT_MAX_STEPS], grad_norms[LAYOUT_MAX_STEPS], gradient_loss;
+    float *init, *grads, *weights;
+    int64_t unheld, differ; /* elements no rank holds; elements whose holders disagree */
+} layout_run;
+
+/* What a test reads from the fresh trainer before its first step (out: the test's own). */
+typedef test_result (*layout_probe)(mt_trainer* t, const mt_config* c, const int32_t* global, const int32_t* mine,
+                                    void* out);
+
+static float* layout_unheld_array(int64_t n) {
+    uint32_t* a = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)n);
+    for (int64_t i = 0; a && i < n; i++) a[i] = LAYOUT_UNHELD;
+    return (float*)a;
+}
+
+/* Every rank's full-model array (LAYOUT_UNHELD where it holds nothing) merged over the world: each
+ * element from the ranks that hold it; counts the elements no rank holds and those whose holders
+ * hold different bits. Collective. */
+static void layout_merge(float* values, int64_t n, int64_t* unheld, int64_t* differ) {
+    uint32_t* v = (uint32_t*)values;
+    *unheld = *differ = 0;
+#ifdef MT_USE_MPI
+    if (mpi_world() > 1) {
+        uint32_t* lo = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)n);
+        uint32_t* hi = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)n);
+        for (int64_t i = 0; i < n; i++) {
+            const int held = v[i] != LAYOUT_UNHELD;
+            lo[i] = held ? v[i] : UINT32_MAX;
+            hi[i] = held ? v[i] : 0;
+        }
+        MPI_Allreduce(MPI_IN_PLACE, lo, (int)n, MPI_UINT32_T, MPI_MIN, MPI_COMM_WORLD);
+        MPI_Allreduce(MPI_IN_PLACE, hi, (int)n, MPI_UINT32_T, MPI_MAX, MPI_COMM_WORLD);
+        for (int64_t i = 0; i < n; i++) {
+            if (lo[i] == UINT32_MAX && hi[i] == 0) {
+                (*unheld)++;
+                v[i] = LAYOUT_UNHELD;
+            } else {
+                *differ += lo[i] != hi[i];
+                v[i] = lo[i];
+            }
+        }
+        free(lo);
+        free(hi);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) *unheld += v[i] == LAYOUT_UNHELD;
+}
+
+static void layout_run_free(layout_run* r) {
+    free(r->init);
+    free(r->grads);
+    free(r->weights);
+    memset(r, 0, sizeof(*r));
+}
+
+/* One run of config c (see above): every rank calls it; the result is agreed over the ranks. */
+static test_result layout_train(mt_config c, int steps, layout_probe probe, void* probe_out, layout_run* out) {
+    memset(out, 0, sizeof(*out));
+    out->steps = steps;
+    mt_error err;
+    mt_config fin = c;
+    EXPECT_OK(mt_config_finalize(&fin, &err), &err); /* every rank alike */
+    EXPECT(steps >= 1 && steps <= LAYOUT_MAX_STEPS, "%d steps", steps);
+    const int64_t n = mt_num_parameters(&fin), row = fin.seq_length + 1, count = (int64_t)fin.global_batch_size * row;
+    EXPECT(n < INT32_MAX, "%lld parameters: too many for one MPI call", (long long)n);
+    out->init = layout_unheld_array(n);
+    out->grads = layout_unheld_array(n);
+    out->weights = layout_unheld_array(n);
+    int32_t* global = (int32_t*)malloc(sizeof(int32_t) * (size_t)count);
+    int32_t* mine = (int32_t*)malloc(sizeof(int32_t) * (size_t)count);
+    mt_trainer* t = NULL;
+    test_result res = out->init && out->grads && out->weights && global && mine ? dp_create(&c, &t) : TEST_FAIL;
+    mt_status st = res == TEST_PASS ? MT_OK : MT_ERR_CONFIG;
+    fill_tokens(global, count, (int)fin.vocab_size, 1000);
+    if (st == MT_OK) {
+        dp_slice(&c, global, mine);
+        st = mt_trainer_get_parameters(t, out->init, &err);
+        if (st == MT_OK && probe && probe(t, &c, global, mine, probe_out) != TEST_PASS) res = TEST_FAIL;
+        if (st == MT_OK) st = mt_trainer_compute_gradients(t, mine, mt_num_micro_batches(&c), &out->gradient_loss, &err);
+        if (st == MT_OK) st = mt_trainer_get_gradients(t, out->grads, &err);
+        for (int k = 0; k < steps && st == MT_OK; k++) {
+            fill_tokens(global, count, (int)fin.vocab_size, 1000 + k);
+            dp_slice(&c, global, mine);
+            mt_step_result r;
+            st = mt_trainer_train_step(t, mine, &r, &err);
+            out->losses[k] = r.lm_loss;
+            out->grad_norms[k] = r.grad_norm;
+        }
+        if (st == MT_OK) st = mt_trainer_get_parameters(t, out->weights, &err);
+        if (st != MT_OK) printf("    FAIL %s\n", err.message);
+    }
+    if (st != MT_OK) res = TEST_FAIL;
+    mt_trainer_free(t);
+    free(global);
+    free(mine);
+    res = tp_agree(res);
+    if (res == TEST_PASS && fin.world_size > 1) {
+        int64_t unheld, differ;
+        float* arrays[3] = {out->init, out->grads, out->weights};
+        for (int k = 0; k < 3; k++) {
+            layout_merge(arrays[k], n, &unheld, &differ);
+            out->unheld += unheld;
+            out->differ += differ;
+        }
+    }
+    return res;
+}
+
+/* The one-GPU run every layout of a test is compared with. */
+typedef struct {
+    mt_config cfg; /* finalized */
+    int64_t numel;
+    unsigned char* mask; /* the key biases */
+    layout_run run;
+} layout_reference;
+
+static void layout_reference_free(layout_reference* r) {
+    layout_run_free(&r->run);
+    free(r->mask);
+    r->mask = NULL;
+}
+
+/* Trains one_gpu (TP = PP = DP = 1, world 1) on every rank. */
+static test_result layout_reference_train(layout_reference* r, mt_config one_gpu, int steps, layout_probe probe,
+                                          void* probe_out) {
+    memset(r, 0, sizeof(*r));
+    mt_error err;
+    r->cfg = one_gpu;
+    EXPECT_OK(mt_config_finalize(&r->cfg, &err), &err);
+    EXPECT(r->cfg.world_size == 1, "the reference runs on one GPU, not %d", r->cfg.world_size);
+    r->numel = mt_num_parameters(&r->cfg);
+    r->mask = key_bias_mask(&r->cfg);
+    return layout_train(one_gpu, steps, probe, probe_out, &r->run);
+}
+
+/* ||ours - ref|| / ||ref - base|| over one tensor (base NULL: / ||ref||) and, in *element, the worst
+ * |ours - ref| / (rms + |ref - base|) over its elements (at *where); NaN counts as infinite. */
+static double layout_tensor_error(const float* ours, const float* ref, const float* base, int64_t n,
+                                  const unsigned char* skip, double* element, int64_t* where) {
+    double num = 0, den = 0;
+    int64_t used = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (skip && skip[i]) continue;
+        const double r = base ? (double)ref[i] - base[i] : (double)ref[i], d = (double)ours[i] - ref[i];
+        num += d * d;
+        den += r * r;
+        used++;
+    }
+    const double rms = used ? sqrt(den / (double)used) : 0.0;
+    *element = 0;
+    *where = -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (skip && skip[i]) continue;
+        const double r = base ? (double)ref[i] - base[i] : (double)ref[i], d = fabs((double)ours[i] - ref[i]);
+        const double scale = rms + fabs(r), e = d == 0 ? 0.0 : scale > 0 ? d / scale : INFINITY;
+        if (!(e <= *element)) { *element = e != e ? INFINITY : e; *where = i; }
+    }
+    if (num != num) return INFINITY;
+    return den > 0 ? sqrt(num / den) : num > 0 ? INFINITY : 0.0;
+}
+
+/* Worst tensor and worst element of one full-model array against the reference's. */
+typedef struct {
+    double tensor, element;
+    const char *tensor_name, *element_name;
+    int64_t element_index;
+} layout_worst;
+static layout_worst layout_compare_arrays(const layout_reference* ref, const float* ours, const float* theirs,
+                                          const float* base) {
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(&ref->cfg, info);
+    layout_worst w = {0, 0, "-", "-", -1};
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
+        if (info[i].numel == 0) continue;
+        const int64_t at = info[i].offset;
+        double element;
+        int64_t where;
+        const double e = layout_tensor_error(ours + at, theirs + at, base ? base + at : NULL, info[i].numel,
+                                             ref->mask + at, &element, &where);
+        if (!(e <= w.tensor)) { w.tensor = e; w.tensor_name = info[i].name; }
+        if (!(element <= w.element)) { w.element = element; w.element_name = info[i].name; w.element_index = where; }
+    }
+    return w;
+}
+
+/* One run against the reference (see above); prints one line. Not collective. */
+static test_result layout_compare(const char* name, const layout_reference* ref, const layout_run* run,
+                                  const layout_tolerance* tol) {
+    const layout_run* one = &ref->run;
+    const int64_t n = ref->numel;
+    test_result res = TEST_PASS;
+    if (run->unheld || run->differ) {
+        printf("    FAIL %s: %lld elements held by no rank, %lld held with different values by the ranks that "
+               "hold them\n", name, (long long)run->unheld, (long long)run->differ);
+        res = TEST_FAIL;
+    }
+    if (memcmp(run->init, one->init, sizeof(float) * (size_t)n)) {
+        int64_t j = 0;
+        while (j < n && !memcmp(&run->init[j], &one->init[j], sizeof(float))) j++;
+        printf("    FAIL %s: initial weights differ from one GPU's first at element %lld: %.9g vs %.9g\n", name,
+               (long long)j, run->init[j], one->init[j]);
+        res = TEST_FAIL;
+    }
+    double loss = fabs(run->gradient_loss - one->gradient_loss) / fabs(one->gradient_loss), norm = 0;
+    int loss_step = -1, norm_step = 0;
+    for (int k = 0; k < one->steps; k++) {
+        const double dl = fabs(run->losses[k] - one->losses[k]) / fabs(one->losses[k]);
+        const double dn = fabs(run->grad_norms[k] - one->grad_norms[k]) / fabs(one->grad_norms[k]);
+        if (!(dl <= loss)) { loss = dl; loss_step = k; }
+        if (!(dn <= norm)) { norm = dn; norm_step = k; }
+    }
+    const layout_worst g = layout_compare_arrays(ref, run->grads, one->grads, NULL);
+    const layout_worst w = layout_compare_arrays(ref, run->weights, one->weights, one->init);
+    const int last = one->steps - 1;
+    printf("      %s: losses %.6f -> %.6f, worst relative difference to one GPU %.2e (step %d), grad norm %.2e "
+           "(step %d); first-step gradients %.2e (%s), element %.2e (%s); weights' movement %.2e (%s), element "
+           "%.2e (%s)\n", name, run->losses[0], run->losses[last], loss, loss_step, norm, norm_step, g.tensor,
+           g.tensor_name, g.element, g.element_name, w.tensor, w.tensor_name, w.element, w.element_name);
+    if (!(loss <= tol->loss)) {
+        if (loss_step < 0) printf("    FAIL %s: gradient pass loss %.9f, one GPU %.9f\n", name, run->gradient_loss, one->gradient_loss);
+        else printf("    FAIL %s step %d: loss %.9f, one GPU %.9f\n", name, loss_step, run->losses[loss_step], one->losses[loss_step]);
+        res = TEST_FAIL;
+    }
+    if (!(norm <= tol->grad_norm)) {
+        printf("    FAIL %s step %d: grad norm %.9g, one GPU %.9g\n", name, norm_step, run->grad_norms[norm_step],
+               one->grad_norms[norm_step]);
+        res = TEST_FAIL;
+    }
+    if (!(g.tensor <= tol->grad_tensor)) {
+        printf("    FAIL %s: the first step's gradient of %s differs by %.3e (bound %.0e)\n", name, g.tensor_name, g.tensor,
+               tol->grad_tensor);
+        res = TEST_FAIL;
+    }
+    if (!(g.element <= tol->grad_element)) {
+        printf("    FAIL %s: the first step's gradient of %s[%lld] differs by %.3e of (rms + |value|) (bound %.0e)\n",
+               name, g.element_name, (long long)g.element_index, g.element, tol->grad_element);
+        res = TEST_FAIL;
+    }
+    if (!(w.tensor <= tol->weight_tensor)) {
+        printf("    FAIL %s: the weights of %s differ by %.3e of one GPU's movement (bound %.0e)\n", name, w.tensor_name,
+               w.tensor, tol->weight_tensor);
+        res = TEST_FAIL;
+    }
+    if (!(w.element <= tol->weight_element)) {
+        printf("    FAIL %s: the weight %s[%lld] differs by %.3e of (rms + |its movement|) (bound %.0e)\n", name,
+               w.element_name, (long long)w.element_index, w.element, tol->weight_element);
+        res = TEST_FAIL;
+    }
+    return res;
+}
+
+/* Trains layout c (the reference's model: the same parameters and padded vocabulary) as the reference
+ * did and compares. Every rank calls it; the result is agreed over the ranks. */
+static test_result layout_check(const char* name, mt_config c, const layout_reference* ref,
+                                const layout_tolerance* tol, layout_probe probe, void* probe_out) {
+    mt_error err;
+    mt_config fin = c;
+    EXPECT_OK(mt_config_finalize(&fin, &err), &err);
+    EXPECT(mt_num_parameters(&fin) == ref->numel && fin.padded_vocab_size == ref->cfg.padded_vocab_size,
+           "%s: %lld parameters, vocabulary padded to %lld; one GPU %lld, %lld: not the same model", name,
+           (long long)mt_num_parameters(&fin), (long long)fin.padded_vocab_size, (long long)ref->numel,
+           (long long)ref->cfg.padded_vocab_size);
+    layout_run run;
+    test_result res = layout_train(c, ref->run.steps, probe, probe_out, &run);
+    if (res == TEST_PASS && !tp_same_on_all_ranks(run.losses, sizeof(double) * (size_t)run.steps)) {
+        printf("    FAIL %s: the ranks report different losses\n", name);
+        res = TEST_FAIL;
+    }
+    if (res == TEST_PASS) res = layout_compare(name, ref, &run, tol);
+    layout_run_free(&run);
+    return tp_agree(res);
 }
 
 /* With dropout (tests/test_dropout.h) each sample's masks follow its number in the global batch
- * (Megatron's sampler order), so DP ranks draw DP=1's masks and the same tolerances hold. */
-static test_result dp_matches_single_dropout(mt_precision precision, double loss_tol, double weight_tol, int llama,
-                                             double dropout) {
+ * (Megatron's sampler order), so DP ranks draw DP=1's masks and the same tolerances hold. Every DP
+ * variant against DP=1 through the layout comparison (above). */
+static test_result dp_matches_single_dropout(mt_precision precision, int llama, double dropout) {
     REQUIRE_MPI_GPUS();
     int dp = mpi_world();
     mt_config base = dp_config(precision, 1, 0, 0, llama);
     base.hidden_dropout = base.attention_dropout = dropout;
-    mt_error err;
-    mt_config fin = base;
-    EXPECT_OK(mt_config_finalize(&fin, &err), &err);
-    int64_t n = mt_num_parameters(&fin);
-    double ref[20], got[20];
-    float* ref_params = (float*)malloc(sizeof(float) * n);
-    float* params = (float*)malloc(sizeof(float) * n);
-    test_result res = dp_run(base, NULL, NULL, 0, 20, ref, ref_params);
+    const layout_tolerance tol = layout_tolerance_of(precision);
+    layout_reference ref;
+    test_result res = layout_reference_train(&ref, base, 20, NULL, NULL);
     const char* names[4] = {"all-reduce", "all-reduce, overlapped", "distributed optimizer",
                             "distributed optimizer, overlapped reduce-scatter and all-gather"};
     for (int v = 0; v < 4 && res == TEST_PASS; v++) {
         mt_config c = dp_config(precision, dp, v >= 2, v % 2, llama);
         c.hidden_dropout = c.attention_dropout = dropout;
-        res = dp_run(c, NULL, NULL, 0, 20, got, params);
-        double worst = 0;
-        for (int k = 0; k < 20 && res == TEST_PASS; k++) {
-            double rel = fabs(got[k] - ref[k]) / fabs(ref[k]);
-            if (rel > worst) worst = rel;
-            if (rel > loss_tol) { printf("    FAIL %s step %d: loss %.9f vs DP=1 %.9f\n", names[v], k, got[k], ref[k]); res = TEST_FAIL; }
-        }
-        double w = relative_norm_difference(params, ref_params, n);
-        printf("      DP=%d %s: losses %.6f -> %.6f, worst relative difference to DP=1 %.2e, weights %.2e\n", dp,
-               names[v], got[0], got[19], worst, w);
-        if (res == TEST_PASS && w > weight_tol) { printf("    FAIL weights differ by %.3e\n", w); res = TEST_FAIL; }
+        char name[160];
+        snprintf(name, sizeof(name), "%s %s DP=%d %s%s", llama ? "Llama" : "GPT-2", precision == MT_FP32 ? "fp32" : "bf16",
+                 dp, names[v], dropout > 0 ? ", dropout" : "");
+        res = layout_check(name, c, &ref, &tol, NULL, NULL);
     }
-    free(ref_params);
-    free(params);
+    layout_reference_free(&ref);
     return res;
 }
-static test_result dp_matches_single(mt_precision precision, double loss_tol, double weight_tol, int llama) {
-    return dp_matches_single_dropout(precision, loss_tol, weight_tol, llama, 0.0);
+static test_result dp_matches_single(mt_precision precision, int llama) {
+    return dp_matches_single_dropout(precision, llama, 0.0);
 }
-static test_result test_dp_matches_single_fp32(void) { return dp_matches_single(MT_FP32, 1e-5, 1e-5, 0); }
-static test_result test_dp_matches_single_dropout_fp32(void) { return dp_matches_single_dropout(MT_FP32, 1e-5, 1e-5, 0, 0.1); }
-static test_result test_dp_matches_single_bf16(void) { return dp_matches_single(MT_BF16, 1e-3, 3e-3, 0); }
+static test_result test_dp_matches_single_fp32(void) { return dp_matches_single(MT_FP32, 0); }
+static test_result test_dp_matches_single_dropout_fp32(void) { return dp_matches_single_dropout(MT_FP32, 0, 0.1); }
+static test_result test_dp_matches_single_bf16(void) { return dp_matches_single(MT_BF16, 0); }
 /* the Llama flavour's buffer (no biases, untied output weight in the first bucket) through every DP variant */
-static test_result test_dp_matches_single_llama_bf16(void) { return dp_matches_single(MT_BF16, 1e-3, 3e-3, 1); }
+static test_result test_dp_matches_single_llama_bf16(void) { return dp_matches_single(MT_BF16, 1); }
+static test_result test_dp_matches_single_llama_fp32(void) { return dp_matches_single(MT_FP32, 1); }
 
 /* Two runs bitwise equal; 10 + save + load + 10 bitwise equal to 20 straight. */
 static test_result dp_repeat_and_resume(mt_precision precision, int dist) {
@@ -718,6 +1062,7 @@ static const test_case data_parallel_multigpu_tests[] = {
     {"dp_matches_single_gpu_fp32", test_dp_matches_single_fp32},
     {"dp_matches_single_gpu_bf16", test_dp_matches_single_bf16},
     {"dp_matches_single_gpu_llama_bf16", test_dp_matches_single_llama_bf16},
+    {"dp_matches_single_gpu_llama_fp32", test_dp_matches_single_llama_fp32},
     {"dp_matches_single_gpu_dropout_fp32", test_dp_matches_single_dropout_fp32},
     {"dp_repeatable_and_resumes_bf16_distributed_optimizer", test_dp_repeat_resume_bf16_distributed},
     {"dp_repeatable_and_resumes_fp32_allreduce", test_dp_repeat_resume_fp32_allreduce},
