@@ -7920,27 +7920,26 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
 }
 
 /* The full model's canonical array from a full buffer-layout array of every TP rank: each rank's
- * shard in turn is broadcast over the TP group, downloaded and put in place (mt_tp_shard_copy).
- * With pipeline parallelism only this stage's tensors are written (the rest of host_full is left
- * alone): its part of each TP shard goes into that shard's array, which is first read from
- * host_full so that the other stages' elements go back unchanged. Collective over TP; allocates a
- * staging copy for the call (not in the training loop). */
+ * shard in turn is broadcast over the TP group, downloaded and put in place (mt_tp_shard_copy; with
+ * pipeline parallelism only this stage's tensors, the rest of host_full left alone:
+ * mt_pp_tp_part_to_full). Collective over TP; allocates a staging copy for the call (not in the
+ * training loop). */
 static mt_status gather_full_model(mt_trainer* t, float* device_full, float* host_full, mt_error* err) {
     const int staged = t->groups.pp_size > 1; /* this stage's tensors only */
     if (t->groups.tp.size == 1 && !staged) return canonical_transfer(t, device_full, host_full, 0, err);
     const int64_t shard_numel = mt_param_layout_shard(&t->cfg, NULL);
     float* part = (float*)malloc(sizeof(float) * (size_t)t->num_params); /* this stage's part of one shard */
-    float* shard = staged ? (float*)malloc(sizeof(float) * (size_t)shard_numel) : part; /* at PP = 1 the part is the shard */
-    if (!part || !shard) {
+    float* scratch = staged ? (float*)malloc(sizeof(float) * (size_t)shard_numel) : NULL;
+    if (!part || (staged && !scratch)) {
         free(part);
-        if (shard != part) free(shard);
+        free(scratch);
         return mt_fail(err, MT_ERR_OOM, "cannot allocate a host shard of %lld floats", (long long)shard_numel);
     }
     if (t->groups.tp.size == 1) { /* one shard: this rank's own */
         mt_status st = canonical_transfer(t, device_full, part, 0, err);
-        if (st == MT_OK) mt_pp_stage_copy(&t->cfg, &t->buffer.stage, host_full, part, 0);
+        if (st == MT_OK) mt_pp_tp_part_to_full(&t->cfg, &t->buffer.stage, 0, part, host_full, scratch);
         free(part);
-        free(shard);
+        free(scratch);
         return st;
     }
     float* staging = (float*)device_alloc(t, sizeof(float) * (size_t)t->buffer.size, NULL);
@@ -7948,16 +7947,13 @@ static mt_status gather_full_model(mt_trainer* t, float* device_full, float* hos
         tp_broadcast(&t->groups.tp, staging, device_full, (size_t)t->buffer.size, ncclFloat, r);
         tp_join(&t->groups.tp);
         if (canonical_transfer(t, staging, part, 0, err) != MT_OK) break;
-        if (staged) { /* the stage's part of rank r's shard, the other elements as host_full has them */
-            mt_tp_shard_copy(&t->cfg, r, host_full, shard, 1);
-            mt_pp_stage_copy(&t->cfg, &t->buffer.stage, shard, part, 0);
-        }
-        mt_tp_shard_copy(&t->cfg, r, host_full, shard, 0);
+        if (staged) mt_pp_tp_part_to_full(&t->cfg, &t->buffer.stage, r, part, host_full, scratch);
+        else mt_tp_shard_copy(&t->cfg, r, host_full, part, 0); /* at PP = 1 the part is the shard */
     }
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     cudaFree(staging);
     free(part);
-    if (shard != part) free(shard);
+    free(scratch);
     return mt_gpu_error_return(&t->error, err);
 }
 

@@ -251,10 +251,13 @@ static test_result test_buffer_layout_fp8_storage(void) {
     return r == TEST_PASS ? fp8_storage_case(1) : r;
 }
 
+static test_result test_layout_comparison(void); /* with the multi-GPU tests' layout comparison, below */
+
 static const test_case data_parallel_tests[] = {
     {"buffer_layout_megatron_rules", test_buffer_layout_megatron_rules},
     {"buffer_layout_llama", test_buffer_layout_llama},
     {"buffer_layout_fp8_param_gather_storage", test_buffer_layout_fp8_storage},
+    {"layout_comparison_catches_planted_errors", test_layout_comparison},
 };
 
 /* ---- multi-GPU tests ---- */
@@ -606,21 +609,26 @@ static layout_worst layout_compare_arrays(const layout_reference* ref, const flo
     return w;
 }
 
-/* One run against the reference (see above); prints one line. Not collective. */
+/* One run against the reference (see above); with report, prints one line and a line per failure.
+ * Not collective. */
+#define LAYOUT_SAY(...)                  \
+    do {                                 \
+        if (report) printf(__VA_ARGS__); \
+    } while (0)
 static test_result layout_compare(const char* name, const layout_reference* ref, const layout_run* run,
-                                  const layout_tolerance* tol) {
+                                  const layout_tolerance* tol, int report) {
     const layout_run* one = &ref->run;
     const int64_t n = ref->numel;
     test_result res = TEST_PASS;
     if (run->unheld || run->differ) {
-        printf("    FAIL %s: %lld elements held by no rank, %lld held with different values by the ranks that "
+        LAYOUT_SAY("    FAIL %s: %lld elements held by no rank, %lld held with different values by the ranks that "
                "hold them\n", name, (long long)run->unheld, (long long)run->differ);
         res = TEST_FAIL;
     }
     if (memcmp(run->init, one->init, sizeof(float) * (size_t)n)) {
         int64_t j = 0;
         while (j < n && !memcmp(&run->init[j], &one->init[j], sizeof(float))) j++;
-        printf("    FAIL %s: initial weights differ from one GPU's first at element %lld: %.9g vs %.9g\n", name,
+        LAYOUT_SAY("    FAIL %s: initial weights differ from one GPU's first at element %lld: %.9g vs %.9g\n", name,
                (long long)j, run->init[j], one->init[j]);
         res = TEST_FAIL;
     }
@@ -635,42 +643,43 @@ static test_result layout_compare(const char* name, const layout_reference* ref,
     const layout_worst g = layout_compare_arrays(ref, run->grads, one->grads, NULL);
     const layout_worst w = layout_compare_arrays(ref, run->weights, one->weights, one->init);
     const int last = one->steps - 1;
-    printf("      %s: losses %.6f -> %.6f, worst relative difference to one GPU %.2e (step %d), grad norm %.2e "
+    LAYOUT_SAY("      %s: losses %.6f -> %.6f, worst relative difference to one GPU %.2e (step %d), grad norm %.2e "
            "(step %d); first-step gradients %.2e (%s), element %.2e (%s); weights' movement %.2e (%s), element "
            "%.2e (%s)\n", name, run->losses[0], run->losses[last], loss, loss_step, norm, norm_step, g.tensor,
            g.tensor_name, g.element, g.element_name, w.tensor, w.tensor_name, w.element, w.element_name);
     if (!(loss <= tol->loss)) {
-        if (loss_step < 0) printf("    FAIL %s: gradient pass loss %.9f, one GPU %.9f\n", name, run->gradient_loss, one->gradient_loss);
-        else printf("    FAIL %s step %d: loss %.9f, one GPU %.9f\n", name, loss_step, run->losses[loss_step], one->losses[loss_step]);
+        if (loss_step < 0) LAYOUT_SAY("    FAIL %s: gradient pass loss %.9f, one GPU %.9f\n", name, run->gradient_loss, one->gradient_loss);
+        else LAYOUT_SAY("    FAIL %s step %d: loss %.9f, one GPU %.9f\n", name, loss_step, run->losses[loss_step], one->losses[loss_step]);
         res = TEST_FAIL;
     }
     if (!(norm <= tol->grad_norm)) {
-        printf("    FAIL %s step %d: grad norm %.9g, one GPU %.9g\n", name, norm_step, run->grad_norms[norm_step],
+        LAYOUT_SAY("    FAIL %s step %d: grad norm %.9g, one GPU %.9g\n", name, norm_step, run->grad_norms[norm_step],
                one->grad_norms[norm_step]);
         res = TEST_FAIL;
     }
     if (!(g.tensor <= tol->grad_tensor)) {
-        printf("    FAIL %s: the first step's gradient of %s differs by %.3e (bound %.0e)\n", name, g.tensor_name, g.tensor,
+        LAYOUT_SAY("    FAIL %s: the first step's gradient of %s differs by %.3e (bound %.0e)\n", name, g.tensor_name, g.tensor,
                tol->grad_tensor);
         res = TEST_FAIL;
     }
     if (!(g.element <= tol->grad_element)) {
-        printf("    FAIL %s: the first step's gradient of %s[%lld] differs by %.3e of (rms + |value|) (bound %.0e)\n",
+        LAYOUT_SAY("    FAIL %s: the first step's gradient of %s[%lld] differs by %.3e of (rms + |value|) (bound %.0e)\n",
                name, g.element_name, (long long)g.element_index, g.element, tol->grad_element);
         res = TEST_FAIL;
     }
     if (!(w.tensor <= tol->weight_tensor)) {
-        printf("    FAIL %s: the weights of %s differ by %.3e of one GPU's movement (bound %.0e)\n", name, w.tensor_name,
+        LAYOUT_SAY("    FAIL %s: the weights of %s differ by %.3e of one GPU's movement (bound %.0e)\n", name, w.tensor_name,
                w.tensor, tol->weight_tensor);
         res = TEST_FAIL;
     }
     if (!(w.element <= tol->weight_element)) {
-        printf("    FAIL %s: the weight %s[%lld] differs by %.3e of (rms + |its movement|) (bound %.0e)\n", name,
+        LAYOUT_SAY("    FAIL %s: the weight %s[%lld] differs by %.3e of (rms + |its movement|) (bound %.0e)\n", name,
                w.element_name, (long long)w.element_index, w.element, tol->weight_element);
         res = TEST_FAIL;
     }
     return res;
 }
+#undef LAYOUT_SAY
 
 /* Trains layout c (the reference's model: the same parameters and padded vocabulary) as the reference
  * did and compares. Every rank calls it; the result is agreed over the ranks. */
@@ -689,9 +698,110 @@ static test_result layout_check(const char* name, mt_config c, const layout_refe
         printf("    FAIL %s: the ranks report different losses\n", name);
         res = TEST_FAIL;
     }
-    if (res == TEST_PASS) res = layout_compare(name, ref, &run, tol);
+    if (res == TEST_PASS) res = layout_compare(name, ref, &run, tol, 1);
     layout_run_free(&run);
     return tp_agree(res);
+}
+
+/* The comparison itself, on the host, against synthetic runs of a 4-layer GPT-2: a copy of the
+ * reference passes, so do differences of the size its tolerances allow (fp32: 1e-7 relative; bf16:
+ * 3e-3 of the gradients' rms, 2e-2 of the movement), and the key biases are not looked at; each
+ * planted error fails it: one layer's fc2 bias gradient lost (the bug this comparison was written
+ * for), one layer's fc2 bias or first norm weight not updated (the norm weight moves 5e-3 from 1:
+ * invisible against the weight, plain against the movement), one gradient element or weight off
+ * (NaN), a loss or grad norm off, the initial weights one ulp apart, an element no rank holds. */
+static uint64_t layout_lcg = 1;
+static float layout_uniform(void) { /* [-1, 1) */
+    layout_lcg = layout_lcg * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(layout_lcg >> 11) / 4503599627370496.0 - 1.0);
+}
+static void layout_run_copy(layout_run* to, const layout_run* from, int64_t n) {
+    *to = *from;
+    to->init = (float*)malloc(sizeof(float) * (size_t)n);
+    to->grads = (float*)malloc(sizeof(float) * (size_t)n);
+    to->weights = (float*)malloc(sizeof(float) * (size_t)n);
+    memcpy(to->init, from->init, sizeof(float) * (size_t)n);
+    memcpy(to->grads, from->grads, sizeof(float) * (size_t)n);
+    memcpy(to->weights, from->weights, sizeof(float) * (size_t)n);
+}
+static test_result test_layout_comparison(void) {
+    layout_reference ref;
+    memset(&ref, 0, sizeof(ref));
+    ref.cfg = test_config(TEST_GPT2, MT_FP32);
+    ref.cfg.num_layers = 4;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&ref.cfg, &err), &err);
+    const int64_t n = ref.numel = mt_num_parameters(&ref.cfg);
+    ref.mask = key_bias_mask(&ref.cfg);
+    layout_run* one = &ref.run;
+    one->steps = 20;
+    one->init = (float*)malloc(sizeof(float) * (size_t)n);
+    one->grads = (float*)malloc(sizeof(float) * (size_t)n);
+    one->weights = (float*)malloc(sizeof(float) * (size_t)n);
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(&ref.cfg, info);
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++)
+        for (int64_t j = info[i].offset; j < info[i].offset + info[i].numel; j++) {
+            one->init[j] = info[i].init == 0 ? 0.0f : info[i].init == 1 ? 1.0f : 0.02f * layout_uniform();
+            one->grads[j] = 1e-3f * layout_uniform();
+            one->weights[j] = one->init[j] + 5e-3f * layout_uniform();
+        }
+    one->gradient_loss = 7.0;
+    for (int k = 0; k < 20; k++) one->losses[k] = 7.0 - 0.1 * k, one->grad_norms[k] = 2.0 - 0.05 * k;
+    const layout_tolerance fp32 = layout_tolerance_of(MT_FP32), bf16 = layout_tolerance_of(MT_BF16);
+    const int64_t fc2_bias = info[MT_P_FC2_BIAS].offset + info[MT_P_FC2_BIAS].numel / 4; /* layer 1's */
+    const int64_t ln1 = info[MT_P_LN1_WEIGHT].offset + 2 * info[MT_P_LN1_WEIGHT].numel / 4; /* layer 2's */
+    const int64_t h = ref.cfg.hidden_size, fc1 = info[MT_P_FC1_WEIGHT].offset + 12345;
+    enum { COPY, FP32_NOISE, BF16_NOISE, KEY_BIAS, BIAS_GRAD, BIAS_STILL, NORM_STILL, GRAD_ELEMENT, WEIGHT_NAN, LOSS,
+           NORM, INIT, UNHELD, CASES };
+    static const char* names[CASES] = {"a copy", "fp32 noise", "bf16 noise", "noise in the key biases",
+                                       "layer 1's fc2 bias gradient lost", "layer 1's fc2 bias not updated",
+                                       "layer 2's first norm weight not updated", "one fc1 gradient element off",
+                                       "a NaN weight", "a loss off by 2e-3", "a grad norm off by 2e-2",
+                                       "an initial weight one ulp off", "an element held by no rank"};
+    /* expected: passes fp32's bounds, passes bf16's */
+    static const int want[CASES][2] = {{1, 1}, {1, 1}, {0, 1}, {1, 1}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0},
+                                       {0, 0}, {0, 0}, {0, 0}, {0, 0}};
+    test_result res = TEST_PASS;
+    for (int k = 0; k < CASES && res == TEST_PASS; k++) {
+        layout_run r;
+        layout_run_copy(&r, one, n);
+        const double gs = 1e-3 / sqrt(3.0), ms = 5e-3 / sqrt(3.0); /* the gradients' and the movement's rms */
+        switch (k) {
+            case FP32_NOISE: case BF16_NOISE: {
+                const double e = k == FP32_NOISE ? 1e-7 : 0;
+                for (int64_t j = 0; j < n; j++) {
+                    r.grads[j] += (float)((e ? e : 3e-3) * gs * layout_uniform());
+                    r.weights[j] += (float)((e ? e : 2e-2) * ms * layout_uniform());
+                }
+                break;
+            }
+            case KEY_BIAS:
+                for (int64_t j = 0; j < n; j++)
+                    if (ref.mask[j]) r.grads[j] += 1.0f, r.weights[j] -= 1.0f;
+                break;
+            case BIAS_GRAD: for (int64_t j = 0; j < h; j++) r.grads[fc2_bias + j] = 0.0f; break;
+            case BIAS_STILL: for (int64_t j = 0; j < h; j++) r.weights[fc2_bias + j] = r.init[fc2_bias + j]; break;
+            case NORM_STILL: for (int64_t j = 0; j < h; j++) r.weights[ln1 + j] = r.init[ln1 + j]; break;
+            case GRAD_ELEMENT: r.grads[fc1] += (float)(3 * gs); break;
+            case WEIGHT_NAN: r.weights[fc1] = NAN; break;
+            case LOSS: r.losses[7] *= 1.002; break;
+            case NORM: r.grad_norms[11] *= 1.02; break;
+            case INIT: r.init[fc1] = nextafterf(r.init[fc1], 1.0f); break;
+            case UNHELD: r.unheld = 1; break;
+        }
+        for (int p = 0; p < 2; p++) {
+            const int passed = layout_compare(names[k], &ref, &r, p ? &bf16 : &fp32, 0) == TEST_PASS;
+            if (passed != want[k][p]) {
+                printf("    FAIL %s: %s %s's bounds\n", names[k], passed ? "passes" : "fails", p ? "bf16" : "fp32");
+                layout_compare(names[k], &ref, &r, p ? &bf16 : &fp32, 1);
+                res = TEST_FAIL;
+            }
+        }
+        layout_run_free(&r);
+    }
+    layout_reference_free(&ref);
+    return res;
 }
 
 /* With dropout (tests/test_dropout.h) each sample's masks follow its number in the global batch

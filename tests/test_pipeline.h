@@ -328,6 +328,77 @@ static test_result test_pp_engine_transfers(void) {
     return TEST_PASS;
 }
 
+/* PP x TP: what each rank (pp, tp) holds, its stage's tensors of its TP shard, put back into a full
+ * canonical array by mt_pp_tp_part_to_full (mt_trainer_get_parameters/_gradients at PP x TP): one
+ * rank's call writes exactly its elements (full element = canonical index, so each must land on its
+ * own index) and leaves the rest alone; all ranks together give the full model back bitwise. */
+static test_result pp_check_tp_parts(int llama, int pp, int vp, int tp) {
+    mt_error err;
+    mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, MT_BF16);
+    c.num_layers = 4;
+    c.pipeline_model_parallel_size = pp;
+    c.virtual_pipeline_size = vp;
+    c.tensor_model_parallel_size = tp;
+    c.world_size = pp * tp;
+    test_config_batch(&c, 1, 2 * pp);
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    const int64_t n = mt_num_parameters(&c), shard = mt_param_layout_shard(&c, NULL);
+    float* full = (float*)malloc(sizeof(float) * n);
+    float* back = (float*)malloc(sizeof(float) * n);
+    float* one = (float*)malloc(sizeof(float) * n);
+    float* scratch = (float*)malloc(sizeof(float) * shard);
+    for (int64_t i = 0; i < n; i++) full[i] = (float)i, back[i] = -1.0f;
+    test_result res = TEST_PASS;
+    for (int r = 0; r < pp * tp && res == TEST_PASS; r++) {
+        mt_config cr = c;
+        cr.rank = r;
+        const mt_rank_coords at = mt_rank_coordinates(&cr, r);
+        mt_buffer_layout b;
+        EXPECT_OK(mt_buffer_layout_build(&b, &cr, &err), &err);
+        float* part = (float*)malloc(sizeof(float) * (size_t)b.canonical_size);
+        mt_tp_shard_copy(&cr, at.tp, full, scratch, 1);
+        mt_pp_stage_copy(&cr, &b.stage, scratch, part, 1);
+        for (int64_t i = 0; i < n; i++) one[i] = -1.0f;
+        mt_pp_tp_part_to_full(&cr, &b.stage, at.tp, part, one, scratch);
+        mt_pp_tp_part_to_full(&cr, &b.stage, at.tp, part, back, scratch);
+        int64_t written = 0;
+        for (int64_t i = 0; i < n; i++) {
+            if (one[i] == -1.0f) continue;
+            written++;
+            if (one[i] != full[i]) {
+                printf("    FAIL %s PP %d VP %d TP %d rank %d: full element %lld got %.0f\n", llama ? "Llama" : "GPT-2",
+                       pp, vp, tp, r, (long long)i, one[i]);
+                res = TEST_FAIL;
+                break;
+            }
+        }
+        if (res == TEST_PASS && written != b.canonical_size) {
+            printf("    FAIL %s PP %d VP %d TP %d rank %d: %lld elements written, the rank holds %lld\n",
+                   llama ? "Llama" : "GPT-2", pp, vp, tp, r, (long long)written, (long long)b.canonical_size);
+            res = TEST_FAIL;
+        }
+        free(part);
+        mt_buffer_layout_free(&b);
+    }
+    if (res == TEST_PASS && memcmp(full, back, sizeof(float) * n)) {
+        printf("    FAIL %s PP %d VP %d TP %d: the ranks' parts do not give the full model back\n", llama ? "Llama" : "GPT-2",
+               pp, vp, tp);
+        res = TEST_FAIL;
+    }
+    free(full);
+    free(back);
+    free(one);
+    free(scratch);
+    return res;
+}
+static test_result test_pp_tp_parts(void) {
+    const int cases[][3] = {{2, 1, 2}, {2, 2, 2}, {4, 1, 2}, {1, 1, 2}}; /* PP, VP, TP */
+    for (int llama = 0; llama <= 1; llama++)
+        for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++)
+            if (pp_check_tp_parts(llama, cases[k][0], cases[k][1], cases[k][2]) != TEST_PASS) return TEST_FAIL;
+    return TEST_PASS;
+}
+
 /* 1 if `text` holds `word` in any case. */
 static int pp_names(const char* text, const char* word) {
     for (const char* at = text; *at; at++) {
@@ -407,6 +478,7 @@ static const test_case pipeline_tests[] = {
     {"pp_layer_split", test_pp_layer_split},
     {"pp_stage_holds_each_element_once", test_pp_stage_layout},
     {"pp_engine_transfers_finish", test_pp_engine_transfers},
+    {"pp_tp_parts_give_the_full_model", test_pp_tp_parts},
     {"pp_refuses_fp8_and_interleaved_uneven_splits", test_pp_refusals},
 };
 
