@@ -13,13 +13,22 @@
  *     receives meets its partner in the partner's current group (NCCL point-to-point rendezvous, in
  *     posting order per pair) finishes for every (PP <= 8, VP <= 4, M <= 16, group size) Megatron
  *     accepts, training and forward-only; and the activation slots the engine allocates equal the
- *     schedule's in-flight count (1 at PP = 1, min(PP - rank, M) for 1F1B).
- * Multi-GPU tests (mpirun -np 2 or 4):
- *   - PP = world (and PP = 2 x VP = 2 interleaved; with 4 processes also PP = 2 x TP = 2 with SP and
- *     PP = 2 x DP = 2 with the distributed optimizer, overlapped) against PP = 1 on the same data:
- *     the initial weights equal (same seed, each stage's elements), the first step's gradients and
- *     20 steps' losses and final weights agree (fp32 1e-5, bf16 1e-3 on losses); GPT-2 (tied
- *     embeddings: the first and last stage's copies stay bitwise equal) and Llama (untied);
+ *     schedule's in-flight count (1 at PP = 1, min(PP - rank, M) for 1F1B);
+ *   - mt_pp_tp_part_to_full: each PP x TP rank's part (its stage's tensors of its TP shard) lands on
+ *     exactly its full-model elements, and all ranks' parts give the model back;
+ *   - the refusals of what is not built: FP8 with PP > 1, --decoder-first/last-pipeline-num-layers
+ *     with virtual stages (checked by their key words).
+ * Multi-GPU tests (mpirun -np 2 or 4), each layout against PP = 1 on the same data through the layout
+ * comparison (tests/test_data_parallel.h: initial weights bitwise, the first step's gradients per
+ * tensor and element, 20 steps' losses and grad norms, the final weights per tensor and element
+ * against PP = 1's movement; the stages' tensors merged, TP shards gathered, every holder agreeing,
+ * the tied embeddings' two copies included), plus the evaluation and per-token losses of the first
+ * batch; GPT-2 (tied embeddings, biases) and Llama (untied), fp32 and bf16:
+ *   - PP = world, PP = 2 x VP = 2 interleaved (x DP = 2 at 4 processes), and with 4 processes
+ *     PP = 2 x TP = 2 with SP and PP = 2 x DP = 2 with the distributed optimizer; fp32 with dropout;
+ *   - other splits: at 2 processes --decoder-first-pipeline-num-layers (1 | 3) and
+ *     --account-for-embedding/loss-in-pipeline-split at PP = 2 x VP = 3 (empty first and last virtual
+ *     stages); at 4, 8 layers, PP = 4 x VP = 2 and --decoder-first/last-pipeline-num-layers (1 3 3 1);
  *   - bitwise repeatable and save / resume bitwise at PP = 2, one mp_rank_<tp>_<pp> directory per rank. */
 #ifndef MT_TEST_PIPELINE_H
 #define MT_TEST_PIPELINE_H
@@ -484,8 +493,8 @@ static const test_case pipeline_tests[] = {
 
 /* ---- multi-GPU ---- */
 
-/* The PP tests' model: 4 layers (8 with VP 2 at PP 4 is not run), hidden 256, 4 heads (Llama: 8 in
- * 4 groups), seq 16, micro-batch 2 of a global batch 16 (8 micro-batches at DP 1). */
+/* The PP tests' model: 4 layers (the splits tests: 8 at 4 processes), hidden 256, 4 heads (Llama: 8 in
+ * 4 groups), seq 64, micro-batch 2 of a global batch 16 (8 micro-batches at DP 1). */
 static mt_config pp_config(mt_precision precision, int pp, int vp, int tp, int dp, int llama) {
     mt_config c = tp_config(precision, tp, dp, tp > 1, llama);
     c.num_layers = 4;
