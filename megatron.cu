@@ -7929,33 +7929,40 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
 }
 
 /* The full model's canonical array from a full buffer-layout array of every TP rank: each rank's
- * shard in turn is broadcast over the TP group, downloaded and put in place (mt_tp_shard_copy).
- * Collective over TP; allocates a staging copy for the call (not in the training loop). */
+ * shard in turn is broadcast over the TP group, downloaded and put in place (mt_tp_shard_copy; with
+ * pipeline parallelism only this stage's tensors, the rest of host_full left alone:
+ * mt_pp_tp_part_to_full). Collective over TP; allocates a staging copy for the call (not in the
+ * training loop). */
 static mt_status gather_full_model(mt_trainer* t, float* device_full, float* host_full, mt_error* err) {
-    if (t->groups.pp_size > 1) { /* this stage's tensors only */
-        if (t->groups.tp.size > 1)
-            return mt_fail(err, MT_ERR_CONFIG, "parameters and gradients of a pipeline stage are read at TP = 1 only");
-        float* part = (float*)malloc(sizeof(float) * (size_t)t->num_params);
-        if (!part) return mt_fail(err, MT_ERR_OOM, "cannot allocate %lld floats", (long long)t->num_params);
-        mt_status st = canonical_transfer(t, device_full, part, 0, err);
-        if (st == MT_OK) mt_pp_stage_copy(&t->cfg, &t->buffer.stage, host_full, part, 0);
+    const int staged = t->groups.pp_size > 1; /* this stage's tensors only */
+    if (t->groups.tp.size == 1 && !staged) return canonical_transfer(t, device_full, host_full, 0, err);
+    const int64_t shard_numel = mt_param_layout_shard(&t->cfg, NULL);
+    float* part = (float*)malloc(sizeof(float) * (size_t)t->num_params); /* this stage's part of one shard */
+    float* scratch = staged ? (float*)malloc(sizeof(float) * (size_t)shard_numel) : NULL;
+    if (!part || (staged && !scratch)) {
         free(part);
+        free(scratch);
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate a host shard of %lld floats", (long long)shard_numel);
+    }
+    if (t->groups.tp.size == 1) { /* one shard: this rank's own */
+        mt_status st = canonical_transfer(t, device_full, part, 0, err);
+        if (st == MT_OK) mt_pp_tp_part_to_full(&t->cfg, &t->buffer.stage, 0, part, host_full, scratch);
+        free(part);
+        free(scratch);
         return st;
     }
-    if (t->groups.tp.size == 1) return canonical_transfer(t, device_full, host_full, 0, err);
-    float* shard = (float*)malloc(sizeof(float) * (size_t)t->num_params);
     float* staging = (float*)device_alloc(t, sizeof(float) * (size_t)t->buffer.size, NULL);
-    if (!shard) t->error.status = mt_fail(&t->error.error, MT_ERR_OOM, "cannot allocate a host shard of %lld floats",
-                                          (long long)t->num_params);
     for (int r = 0; r < t->groups.tp.size && t->error.status == MT_OK; r++) {
         tp_broadcast(&t->groups.tp, staging, device_full, (size_t)t->buffer.size, ncclFloat, r);
         tp_join(&t->groups.tp);
-        if (canonical_transfer(t, staging, shard, 0, err) != MT_OK) break;
-        mt_tp_shard_copy(&t->cfg, r, host_full, shard, 0);
+        if (canonical_transfer(t, staging, part, 0, err) != MT_OK) break;
+        if (staged) mt_pp_tp_part_to_full(&t->cfg, &t->buffer.stage, r, part, host_full, scratch);
+        else mt_tp_shard_copy(&t->cfg, r, host_full, part, 0); /* at PP = 1 the part is the shard */
     }
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     cudaFree(staging);
-    free(shard);
+    free(part);
+    free(scratch);
     return mt_gpu_error_return(&t->error, err);
 }
 

@@ -721,6 +721,11 @@ int mt_pp_holds(const mt_pp_stage* stage, int tensor, int layer);
  * rank's part of it (its tensors in the same order, as mt_buffer_layout's `canonical` counts them):
  * into `part` when to_part, else back into `full` (whose other elements are left alone). */
 void mt_pp_stage_copy(const mt_config* cfg, const mt_pp_stage* stage, float* full, float* part, int to_part);
+/* Puts the part of the model that pipeline stage `stage` holds of TP rank tp_rank's shard (in
+ * mt_buffer_layout's canonical order, as mt_pp_stage_copy makes it) into the full model's canonical
+ * array, leaving the other elements of `full` alone. scratch: mt_param_layout_shard(cfg) floats. */
+void mt_pp_tp_part_to_full(const mt_config* cfg, const mt_pp_stage* stage, int tp_rank, const float* part, float* full,
+                           float* scratch);
 
 /* The parameter/gradient buffer of Megatron's DDP (param_and_grad_buffer.py). Each (tensor, layer)
  * slice is one parameter; they are laid out in reverse model order (backprop order: final norm,
@@ -1312,8 +1317,12 @@ mt_status mt_device_info(char* name, size_t name_size, size_t* free_bytes, size_
 
 /* Parameters and gradients of the full model in canonical order, fp32 (mt_num_parameters elements).
  * With tensor parallelism every rank calls them: get gathers the TP shards to full shape, set cuts
- * each rank's shard from the full array. With pipeline parallelism (TP = 1 there) each rank sets
- * and gets the elements of its own stage's tensors (mt_pp_holds); get leaves the others alone. */
+ * each rank's shard from the full array. With pipeline parallelism each rank sets and gets the
+ * elements of its own stage's tensors (mt_pp_holds); get leaves the others alone, and with TP there
+ * too gathers its stage's TP shards (set takes TP = 1 at PP > 1). With the distributed optimizer
+ * get gathers the DP shards (the fp32 master weights; the reduced gradients, read right after
+ * mt_trainer_compute_gradients). Collective: every rank of the TP group (with the distributed optimizer
+ * also of the DP group) calls them. */
 mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error* err);
 mt_status mt_trainer_get_parameters(mt_trainer* t, float* params, mt_error* err);
 mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err);
@@ -3900,6 +3909,12 @@ void mt_pp_stage_copy(const mt_config* c, const mt_pp_stage* st, float* full, fl
             at += per;
         }
     }
+}
+void mt_pp_tp_part_to_full(const mt_config* c, const mt_pp_stage* st, int tp_rank, const float* part, float* full,
+                           float* scratch) {
+    mt_tp_shard_copy(c, tp_rank, full, scratch, 1);   /* the shard as full has it: the other stages' elements */
+    mt_pp_stage_copy(c, st, scratch, (float*)part, 0); /* this stage's, from part */
+    mt_tp_shard_copy(c, tp_rank, full, scratch, 0);
 }
 static int64_t mt__round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int64_t mt__gcd(int64_t a, int64_t b) { while (b) { int64_t t = a % b; a = b; b = t; } return a; }

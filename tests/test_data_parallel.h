@@ -1,20 +1,20 @@
 /* tests/test_data_parallel.h — data parallelism.
  *
  * Host tests (everywhere): Megatron's DDP buffer layout (reverse order, buckets, the distributed
- * optimizer's padding and shards), GPT-2 and Llama flavours.
+ * optimizer's padding and shards), GPT-2 and Llama flavours; the multi-GPU tests' layout comparison
+ * (below) against synthetic runs with planted errors.
  *
  * Multi-GPU tests (under `mpirun -np 2` or `-np 4`, one process per GPU; they skip in a single
  * process): every rank trains the same small GPT data-parallel over all ranks and, for comparison,
  * alone (DP=1) on the same global batches, then checks:
- *   - losses within 1e-5 relative of DP=1 in fp32 and 1e-3 in bf16 for 20 steps, and final weights
- *     within 1e-5 (fp32) and 3e-3 (bf16), with and without the distributed optimizer and overlap.
- *     Why these bounds: DP=N computes the same micro-batches as DP=1; only the order in which the
- *     fp32 gradient sums are added differs (NCCL's sum over ranks vs accumulation in one buffer),
- *     a relative change of a few fp32 ulps per step. In fp32 that stays ~1e-7 (Adam's update is
- *     scale-free, so a gradient error e moves a weight by about lr*e). In bf16 a few-ulp change in
- *     an fp32 master weight can flip its bf16 rounding, a 2^-9 relative change of that weight,
- *     which then feeds the next steps: loss changes stay ~1e-4, weights ~1e-3, like the bf16
- *     parity bounds of tests/test_model.h.
+ *   - through the layout comparison (below; the TP and PP tests use it too): the initial weights, the
+ *     first step's gradients per tensor and element (the distributed optimizer's shards gathered), 20
+ *     steps' losses and grad norms, the final weights per tensor and element against DP=1's movement;
+ *     with and without the distributed optimizer and overlap, GPT-2 and Llama, fp32 and bf16 (and
+ *     fp32 GPT-2 with dropout). DP=N computes the same micro-batches as DP=1; only the order in which
+ *     the fp32 gradient sums are added differs (NCCL's sum over ranks vs accumulation in one
+ *     buffer), a few fp32 ulps per step; in bf16 such a change in an fp32 master weight can flip its
+ *     bf16 rounding, a 2^-9 relative change that then feeds the next steps;
  *   - two runs give bitwise identical losses and weights;
  *   - 10 steps, save, load, 10 steps give bitwise the 20 straight steps (sharded optimizer state);
  *   - the memory plan of a GPT-2 124M: model state bytes per parameter follow Megatron's 18 and
@@ -251,10 +251,13 @@ static test_result test_buffer_layout_fp8_storage(void) {
     return r == TEST_PASS ? fp8_storage_case(1) : r;
 }
 
+static test_result test_layout_comparison(void); /* with the multi-GPU tests' layout comparison, below */
+
 static const test_case data_parallel_tests[] = {
     {"buffer_layout_megatron_rules", test_buffer_layout_megatron_rules},
     {"buffer_layout_llama", test_buffer_layout_llama},
     {"buffer_layout_fp8_param_gather_storage", test_buffer_layout_fp8_storage},
+    {"layout_comparison_catches_planted_errors", test_layout_comparison},
 };
 
 /* ---- multi-GPU tests ---- */
@@ -329,60 +332,511 @@ static test_result dp_run(mt_config c, const char* load_dir, const char* save_di
     return res;
 }
 
-static double relative_norm_difference(const float* a, const float* b, int64_t n) {
-    double d = 0, r = 0;
-    for (int64_t i = 0; i < n; i++) {
-        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
-        r += (double)b[i] * b[i];
+/* The worst outcome over the ranks (fail > skip > pass), so that every rank leaves a loop together. */
+static test_result tp_agree(test_result r) {
+#ifdef MT_USE_MPI
+    if (mpi_world() > 1) {
+        int mine = r == TEST_FAIL ? 2 : r == TEST_SKIP ? 1 : 0, worst = 0;
+        MPI_Allreduce(&mine, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+        return worst == 2 ? TEST_FAIL : worst == 1 ? TEST_SKIP : TEST_PASS;
     }
-    return sqrt(d / (r > 0 ? r : 1));
+#endif
+    return r;
+}
+
+/* 1 if every rank holds the same bytes (compares a 64-bit FNV-1a hash over the ranks). */
+static int tp_same_on_all_ranks(const void* data, size_t bytes) {
+    uint64_t x = 1469598103934665603ull;
+    for (size_t i = 0; i < bytes; i++) x = (x ^ ((const unsigned char*)data)[i]) * 1099511628211ull;
+#ifdef MT_USE_MPI
+    if (mpi_world() > 1) {
+        uint64_t lo = 0, hi = 0;
+        MPI_Allreduce(&x, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+        MPI_Allreduce(&x, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+        return lo == hi;
+    }
+#endif
+    return 1;
+}
+
+/* ---- One GPU against a parallel layout: the comparison every multi-GPU layout test runs ----
+ *
+ * A layout (DP with or without the distributed optimizer, TP, SP, PP, VP, their products, uneven
+ * splits) trains the model of a one-GPU config on the same global batches (the DP tests' data: step k
+ * is fill_tokens(1000 + k), each DP rank its share); every rank also trains it alone (TP = PP = DP =
+ * 1) on its own GPU, the reference. From a fresh trainer: the initial weights, an optional probe (what
+ * one test adds: logits, an evaluation), one compute_gradients over step 0's batch and its gradients,
+ * `steps` train steps (the first on that batch again), the final weights. Gradients and weights are
+ * read as the full model in canonical order (mt_trainer_get_gradients / _get_parameters gather the TP
+ * shards and the distributed optimizer's DP shards; a pipeline stage gives its own tensors) and merged
+ * over the ranks (layout_merge): every element must be held by some rank, and all the ranks that hold
+ * it (TP and DP replicas, the tied word embeddings of the first and last stage) must hold the same
+ * bits. Against one GPU (layout_compare):
+ *   - the initial weights bitwise (initialisation depends only on seed, tensor and full index);
+ *   - the gradient pass's loss and every step's loss and grad_norm (mt_step_result); the losses the
+ *     same, bitwise, on every rank;
+ *   - the first step's gradients, per tensor ||ours - one GPU's|| / ||one GPU's||, and per element
+ *     |ours - one GPU's| <= bound x (rms + |one GPU's element|), rms over the tensor;
+ *   - the final weights, per tensor against the training's movement, ||ours - one GPU's|| /
+ *     ||one GPU's - initial||, and per element |ours - one GPU's| <= bound x (rms of the movement +
+ *     |the element's movement|). Against the movement, not the weights: the norm weights start at 1
+ *     and move ~1e-2 in 20 steps, so a norm over the weights hides a missing update.
+ * The key-bias entries of qkv_bias are left out: their exact gradient is 0 and both sides hold noise
+ * (tests/test_model.h), which Adam turns into steps of ~lr.
+ *
+ * Tolerances (layout_tolerance_of). fp32: a layout computes the same products and sums them in
+ * another order (DP's sum over ranks, TP's partial GEMMs and vocab-parallel softmax, SP's partial
+ * column sums, PP's column sum of a stage's last fc2 bias and the tied embedding's two halves): a few
+ * ulps (2^-24) per sum, amplified by depth to ~1e-6 at most (the fp64 parity tests of
+ * tests/test_model.h bound fp32 against exact arithmetic by 1e-5). Losses, gradients per tensor and
+ * grad_norm 1e-5 (|norm(g + e) - norm(g)| <= norm(e): the gradients' bound bounds the norm's);
+ * gradients per element 1e-4. Adam's update is scale-free, so the movement changes by about the
+ * gradients' relative change: 1e-4 per tensor, 1e-3 per element.
+ * bf16: where a layout rounds activations differently (TP and SP: each partial sum is rounded to bf16,
+ * 2^-9 relative, before it is added, where one GPU rounds the whole sum once; DP and PP at TP = 1 round
+ * nothing differently), a gradient moves by a few 2^-9 per layer: 1e-2 per tensor (the TP tests' bound,
+ * a third of bf16's parity bound against fp64), 0.25 per element (some 10 roundings of 2^-9 on the
+ * path, of magnitudes that can exceed the element and the rms several times); grad_norm 1e-2 (as in
+ * fp32), losses 1e-3 (the issue's bound). The movement: Adam's first steps are lr x sign(g), so an
+ * element whose gradient is within the rounding noise of 0 (a fraction ~d of them at relative noise d)
+ * may step the other way; that moves the first update by ~sqrt(3 d) in norm (0.1 at d = 3e-3), and
+ * later steps, no longer sign-like, average it down to a few 1e-2 of the movement: 0.1 per tensor,
+ * where an update lost in one of L layers gives 1/sqrt(L) >= 0.35 (L <= 8). Per element: Adam steps
+ * each element by at most ~lr a step, so an element can part from one GPU's by at most its own
+ * movement and the other's: 5 x (rms + |movement|), which still catches a NaN or an element read from
+ * the wrong place (the initial weights' std, 0.02, is several times the movement's rms). */
+typedef struct {
+    double loss, grad_norm;               /* relative, every step */
+    double grad_tensor, grad_element;     /* the first step's gradients */
+    double weight_tensor, weight_element; /* the final weights, against one GPU's movement */
+} layout_tolerance;
+
+static layout_tolerance layout_tolerance_of(mt_precision precision) {
+    const layout_tolerance fp32 = {1e-5, 1e-5, 1e-5, 1e-4, 1e-4, 1e-3};
+    const layout_tolerance bf16 = {1e-3, 1e-2, 1e-2, 0.25, 0.1, 5.0};
+    return precision == MT_FP32 ? fp32 : bf16;
+}
+
+enum { LAYOUT_MAX_STEPS = 20 };
+#define LAYOUT_UNHELD 0x7fa5a5a5u /* a NaN no kernel writes: an element this rank does not hold */
+
+/* What one run leaves: full-model arrays in canonical order, merged over the ranks. */
+typedef struct {
+    int steps;
+    double losses[LAYOUT_MAX_STEPS], grad_norms[LAYOUT_MAX_STEPS], gradient_loss;
+    float *init, *grads, *weights;
+    int64_t unheld, differ; /* elements no rank holds; elements whose holders disagree */
+} layout_run;
+
+/* What a test reads from the fresh trainer before its first step (out: the test's own). */
+typedef test_result (*layout_probe)(mt_trainer* t, const mt_config* c, const int32_t* global, const int32_t* mine,
+                                    void* out);
+
+static float* layout_unheld_array(int64_t n) {
+    uint32_t* a = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)n);
+    for (int64_t i = 0; a && i < n; i++) a[i] = LAYOUT_UNHELD;
+    return (float*)a;
+}
+
+/* Every rank's full-model array (LAYOUT_UNHELD where it holds nothing) merged over the world: each
+ * element from the ranks that hold it; counts the elements no rank holds and those whose holders
+ * hold different bits. Collective. */
+static void layout_merge(float* values, int64_t n, int64_t* unheld, int64_t* differ) {
+    uint32_t* v = (uint32_t*)values;
+    *unheld = *differ = 0;
+#ifdef MT_USE_MPI
+    if (mpi_world() > 1) {
+        uint32_t* lo = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)n);
+        uint32_t* hi = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)n);
+        for (int64_t i = 0; i < n; i++) {
+            const int held = v[i] != LAYOUT_UNHELD;
+            lo[i] = held ? v[i] : UINT32_MAX;
+            hi[i] = held ? v[i] : 0;
+        }
+        MPI_Allreduce(MPI_IN_PLACE, lo, (int)n, MPI_UINT32_T, MPI_MIN, MPI_COMM_WORLD);
+        MPI_Allreduce(MPI_IN_PLACE, hi, (int)n, MPI_UINT32_T, MPI_MAX, MPI_COMM_WORLD);
+        for (int64_t i = 0; i < n; i++) {
+            if (lo[i] == UINT32_MAX && hi[i] == 0) {
+                (*unheld)++;
+                v[i] = LAYOUT_UNHELD;
+            } else {
+                *differ += lo[i] != hi[i];
+                v[i] = lo[i];
+            }
+        }
+        free(lo);
+        free(hi);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) *unheld += v[i] == LAYOUT_UNHELD;
+}
+
+static void layout_run_free(layout_run* r) {
+    free(r->init);
+    free(r->grads);
+    free(r->weights);
+    memset(r, 0, sizeof(*r));
+}
+
+/* One run of config c (see above): every rank calls it; the result is agreed over the ranks. */
+static test_result layout_train(mt_config c, int steps, layout_probe probe, void* probe_out, layout_run* out) {
+    memset(out, 0, sizeof(*out));
+    out->steps = steps;
+    mt_error err;
+    mt_config fin = c;
+    EXPECT_OK(mt_config_finalize(&fin, &err), &err); /* every rank alike */
+    EXPECT(steps >= 1 && steps <= LAYOUT_MAX_STEPS, "%d steps", steps);
+    const int64_t n = mt_num_parameters(&fin), row = fin.seq_length + 1, count = (int64_t)fin.global_batch_size * row;
+    EXPECT(n < INT32_MAX, "%lld parameters: too many for one MPI call", (long long)n);
+    out->init = layout_unheld_array(n);
+    out->grads = layout_unheld_array(n);
+    out->weights = layout_unheld_array(n);
+    int32_t* global = (int32_t*)malloc(sizeof(int32_t) * (size_t)count);
+    int32_t* mine = (int32_t*)malloc(sizeof(int32_t) * (size_t)count);
+    mt_trainer* t = NULL;
+    test_result res = out->init && out->grads && out->weights && global && mine ? dp_create(&c, &t) : TEST_FAIL;
+    mt_status st = res == TEST_PASS ? MT_OK : MT_ERR_CONFIG;
+    fill_tokens(global, count, (int)fin.vocab_size, 1000);
+    if (st == MT_OK) {
+        dp_slice(&c, global, mine);
+        st = mt_trainer_get_parameters(t, out->init, &err);
+        if (st == MT_OK && probe && probe(t, &c, global, mine, probe_out) != TEST_PASS) res = TEST_FAIL;
+        if (st == MT_OK) st = mt_trainer_compute_gradients(t, mine, mt_num_micro_batches(&c), &out->gradient_loss, &err);
+        if (st == MT_OK) st = mt_trainer_get_gradients(t, out->grads, &err);
+        for (int k = 0; k < steps && st == MT_OK; k++) {
+            fill_tokens(global, count, (int)fin.vocab_size, 1000 + k);
+            dp_slice(&c, global, mine);
+            mt_step_result r;
+            st = mt_trainer_train_step(t, mine, &r, &err);
+            out->losses[k] = r.lm_loss;
+            out->grad_norms[k] = r.grad_norm;
+        }
+        if (st == MT_OK) st = mt_trainer_get_parameters(t, out->weights, &err);
+        if (st != MT_OK) printf("    FAIL %s\n", err.message);
+    }
+    if (st != MT_OK) res = TEST_FAIL;
+    mt_trainer_free(t);
+    free(global);
+    free(mine);
+    res = tp_agree(res);
+    if (res == TEST_PASS && fin.world_size > 1) {
+        int64_t unheld, differ;
+        float* arrays[3] = {out->init, out->grads, out->weights};
+        for (int k = 0; k < 3; k++) {
+            layout_merge(arrays[k], n, &unheld, &differ);
+            out->unheld += unheld;
+            out->differ += differ;
+        }
+    }
+    return res;
+}
+
+/* The one-GPU run every layout of a test is compared with. */
+typedef struct {
+    mt_config cfg; /* finalized */
+    int64_t numel;
+    unsigned char* mask; /* the key biases */
+    layout_run run;
+} layout_reference;
+
+static void layout_reference_free(layout_reference* r) {
+    layout_run_free(&r->run);
+    free(r->mask);
+    r->mask = NULL;
+}
+
+/* Trains one_gpu (TP = PP = DP = 1, world 1) on every rank. */
+static test_result layout_reference_train(layout_reference* r, mt_config one_gpu, int steps, layout_probe probe,
+                                          void* probe_out) {
+    memset(r, 0, sizeof(*r));
+    mt_error err;
+    r->cfg = one_gpu;
+    EXPECT_OK(mt_config_finalize(&r->cfg, &err), &err);
+    EXPECT(r->cfg.world_size == 1, "the reference runs on one GPU, not %d", r->cfg.world_size);
+    r->numel = mt_num_parameters(&r->cfg);
+    r->mask = key_bias_mask(&r->cfg);
+    return layout_train(one_gpu, steps, probe, probe_out, &r->run);
+}
+
+/* ||ours - ref|| / ||ref - base|| over one tensor (base NULL: / ||ref||) and, in *element, the worst
+ * |ours - ref| / (rms + |ref - base|) over its elements (at *where); NaN counts as infinite. */
+static double layout_tensor_error(const float* ours, const float* ref, const float* base, int64_t n,
+                                  const unsigned char* skip, double* element, int64_t* where) {
+    double num = 0, den = 0;
+    int64_t used = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (skip && skip[i]) continue;
+        const double r = base ? (double)ref[i] - base[i] : (double)ref[i], d = (double)ours[i] - ref[i];
+        num += d * d;
+        den += r * r;
+        used++;
+    }
+    const double rms = used ? sqrt(den / (double)used) : 0.0;
+    *element = 0;
+    *where = -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (skip && skip[i]) continue;
+        const double r = base ? (double)ref[i] - base[i] : (double)ref[i], d = fabs((double)ours[i] - ref[i]);
+        const double scale = rms + fabs(r), e = d == 0 ? 0.0 : scale > 0 ? d / scale : INFINITY;
+        if (!(e <= *element)) { *element = e != e ? INFINITY : e; *where = i; }
+    }
+    if (num != num) return INFINITY;
+    return den > 0 ? sqrt(num / den) : num > 0 ? INFINITY : 0.0;
+}
+
+/* Worst tensor and worst element of one full-model array against the reference's. */
+typedef struct {
+    double tensor, element;
+    const char *tensor_name, *element_name;
+    int64_t element_index;
+} layout_worst;
+static layout_worst layout_compare_arrays(const layout_reference* ref, const float* ours, const float* theirs,
+                                          const float* base) {
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(&ref->cfg, info);
+    layout_worst w = {0, 0, "-", "-", -1};
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
+        if (info[i].numel == 0) continue;
+        const int64_t at = info[i].offset;
+        double element;
+        int64_t where;
+        const double e = layout_tensor_error(ours + at, theirs + at, base ? base + at : NULL, info[i].numel,
+                                             ref->mask + at, &element, &where);
+        if (!(e <= w.tensor)) { w.tensor = e; w.tensor_name = info[i].name; }
+        if (!(element <= w.element)) { w.element = element; w.element_name = info[i].name; w.element_index = where; }
+    }
+    return w;
+}
+
+/* One run against the reference (see above); with report, prints one line and a line per failure.
+ * Not collective. */
+#define LAYOUT_SAY(...)                  \
+    do {                                 \
+        if (report) printf(__VA_ARGS__); \
+    } while (0)
+static test_result layout_compare(const char* name, const layout_reference* ref, const layout_run* run,
+                                  const layout_tolerance* tol, int report) {
+    const layout_run* one = &ref->run;
+    const int64_t n = ref->numel;
+    test_result res = TEST_PASS;
+    if (run->unheld || run->differ) {
+        LAYOUT_SAY("    FAIL %s: %lld elements held by no rank, %lld held with different values by the ranks that "
+               "hold them\n", name, (long long)run->unheld, (long long)run->differ);
+        res = TEST_FAIL;
+    }
+    if (memcmp(run->init, one->init, sizeof(float) * (size_t)n)) {
+        int64_t j = 0;
+        while (j < n && !memcmp(&run->init[j], &one->init[j], sizeof(float))) j++;
+        LAYOUT_SAY("    FAIL %s: initial weights differ from one GPU's first at element %lld: %.9g vs %.9g\n", name,
+               (long long)j, run->init[j], one->init[j]);
+        res = TEST_FAIL;
+    }
+    double loss = fabs(run->gradient_loss - one->gradient_loss) / fabs(one->gradient_loss), norm = 0;
+    int loss_step = -1, norm_step = 0;
+    for (int k = 0; k < one->steps; k++) {
+        const double dl = fabs(run->losses[k] - one->losses[k]) / fabs(one->losses[k]);
+        const double dn = fabs(run->grad_norms[k] - one->grad_norms[k]) / fabs(one->grad_norms[k]);
+        if (!(dl <= loss)) { loss = dl; loss_step = k; }
+        if (!(dn <= norm)) { norm = dn; norm_step = k; }
+    }
+    const layout_worst g = layout_compare_arrays(ref, run->grads, one->grads, NULL);
+    const layout_worst w = layout_compare_arrays(ref, run->weights, one->weights, one->init);
+    const int last = one->steps - 1;
+    LAYOUT_SAY("      %s: losses %.6f -> %.6f, worst relative difference to one GPU %.2e (step %d), grad norm %.2e "
+           "(step %d); first-step gradients %.2e (%s), element %.2e (%s); weights' movement %.2e (%s), element "
+           "%.2e (%s)\n", name, run->losses[0], run->losses[last], loss, loss_step, norm, norm_step, g.tensor,
+           g.tensor_name, g.element, g.element_name, w.tensor, w.tensor_name, w.element, w.element_name);
+    if (!(loss <= tol->loss)) {
+        if (loss_step < 0) LAYOUT_SAY("    FAIL %s: gradient pass loss %.9f, one GPU %.9f\n", name, run->gradient_loss, one->gradient_loss);
+        else LAYOUT_SAY("    FAIL %s step %d: loss %.9f, one GPU %.9f\n", name, loss_step, run->losses[loss_step], one->losses[loss_step]);
+        res = TEST_FAIL;
+    }
+    if (!(norm <= tol->grad_norm)) {
+        LAYOUT_SAY("    FAIL %s step %d: grad norm %.9g, one GPU %.9g\n", name, norm_step, run->grad_norms[norm_step],
+               one->grad_norms[norm_step]);
+        res = TEST_FAIL;
+    }
+    if (!(g.tensor <= tol->grad_tensor)) {
+        LAYOUT_SAY("    FAIL %s: the first step's gradient of %s differs by %.3e (bound %.0e)\n", name, g.tensor_name, g.tensor,
+               tol->grad_tensor);
+        res = TEST_FAIL;
+    }
+    if (!(g.element <= tol->grad_element)) {
+        LAYOUT_SAY("    FAIL %s: the first step's gradient of %s[%lld] differs by %.3e of (rms + |value|) (bound %.0e)\n",
+               name, g.element_name, (long long)g.element_index, g.element, tol->grad_element);
+        res = TEST_FAIL;
+    }
+    if (!(w.tensor <= tol->weight_tensor)) {
+        LAYOUT_SAY("    FAIL %s: the weights of %s differ by %.3e of one GPU's movement (bound %.0e)\n", name, w.tensor_name,
+               w.tensor, tol->weight_tensor);
+        res = TEST_FAIL;
+    }
+    if (!(w.element <= tol->weight_element)) {
+        LAYOUT_SAY("    FAIL %s: the weight %s[%lld] differs by %.3e of (rms + |its movement|) (bound %.0e)\n", name,
+               w.element_name, (long long)w.element_index, w.element, tol->weight_element);
+        res = TEST_FAIL;
+    }
+    return res;
+}
+#undef LAYOUT_SAY
+
+/* Trains layout c (the reference's model: the same parameters and padded vocabulary) as the reference
+ * did and compares. Every rank calls it; the result is agreed over the ranks. */
+static test_result layout_check(const char* name, mt_config c, const layout_reference* ref,
+                                const layout_tolerance* tol, layout_probe probe, void* probe_out) {
+    mt_error err;
+    mt_config fin = c;
+    EXPECT_OK(mt_config_finalize(&fin, &err), &err);
+    EXPECT(mt_num_parameters(&fin) == ref->numel && fin.padded_vocab_size == ref->cfg.padded_vocab_size,
+           "%s: %lld parameters, vocabulary padded to %lld; one GPU %lld, %lld: not the same model", name,
+           (long long)mt_num_parameters(&fin), (long long)fin.padded_vocab_size, (long long)ref->numel,
+           (long long)ref->cfg.padded_vocab_size);
+    layout_run run;
+    test_result res = layout_train(c, ref->run.steps, probe, probe_out, &run);
+    if (res == TEST_PASS && !tp_same_on_all_ranks(run.losses, sizeof(double) * (size_t)run.steps)) {
+        printf("    FAIL %s: the ranks report different losses\n", name);
+        res = TEST_FAIL;
+    }
+    if (res == TEST_PASS) res = layout_compare(name, ref, &run, tol, 1);
+    layout_run_free(&run);
+    return tp_agree(res);
+}
+
+/* The comparison itself, on the host, against synthetic runs of a 4-layer GPT-2: a copy of the
+ * reference passes, so do differences of the size its tolerances allow (fp32: 1e-7 relative; bf16:
+ * 3e-3 of the gradients' rms, 2e-2 of the movement), and the key biases are not looked at; each
+ * planted error fails it: one layer's fc2 bias gradient lost (the bug this comparison was written
+ * for), one layer's fc2 bias or first norm weight not updated (the norm weight moves 5e-3 from 1:
+ * invisible against the weight, plain against the movement), one gradient element or weight off
+ * (NaN), a loss or grad norm off, the initial weights one ulp apart, an element no rank holds. */
+static uint64_t layout_lcg = 1;
+static float layout_uniform(void) { /* [-1, 1) */
+    layout_lcg = layout_lcg * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(layout_lcg >> 11) / 4503599627370496.0 - 1.0);
+}
+static void layout_run_copy(layout_run* to, const layout_run* from, int64_t n) {
+    *to = *from;
+    to->init = (float*)malloc(sizeof(float) * (size_t)n);
+    to->grads = (float*)malloc(sizeof(float) * (size_t)n);
+    to->weights = (float*)malloc(sizeof(float) * (size_t)n);
+    memcpy(to->init, from->init, sizeof(float) * (size_t)n);
+    memcpy(to->grads, from->grads, sizeof(float) * (size_t)n);
+    memcpy(to->weights, from->weights, sizeof(float) * (size_t)n);
+}
+static test_result test_layout_comparison(void) {
+    layout_reference ref;
+    memset(&ref, 0, sizeof(ref));
+    ref.cfg = test_config(TEST_GPT2, MT_FP32);
+    ref.cfg.num_layers = 4;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&ref.cfg, &err), &err);
+    const int64_t n = ref.numel = mt_num_parameters(&ref.cfg);
+    ref.mask = key_bias_mask(&ref.cfg);
+    layout_run* one = &ref.run;
+    one->steps = 20;
+    one->init = (float*)malloc(sizeof(float) * (size_t)n);
+    one->grads = (float*)malloc(sizeof(float) * (size_t)n);
+    one->weights = (float*)malloc(sizeof(float) * (size_t)n);
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(&ref.cfg, info);
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++)
+        for (int64_t j = info[i].offset; j < info[i].offset + info[i].numel; j++) {
+            one->init[j] = info[i].init == 0 ? 0.0f : info[i].init == 1 ? 1.0f : 0.02f * layout_uniform();
+            one->grads[j] = 1e-3f * layout_uniform();
+            one->weights[j] = one->init[j] + 5e-3f * layout_uniform();
+        }
+    one->gradient_loss = 7.0;
+    for (int k = 0; k < 20; k++) one->losses[k] = 7.0 - 0.1 * k, one->grad_norms[k] = 2.0 - 0.05 * k;
+    const layout_tolerance fp32 = layout_tolerance_of(MT_FP32), bf16 = layout_tolerance_of(MT_BF16);
+    const int64_t fc2_bias = info[MT_P_FC2_BIAS].offset + info[MT_P_FC2_BIAS].numel / 4; /* layer 1's */
+    const int64_t ln1 = info[MT_P_LN1_WEIGHT].offset + 2 * info[MT_P_LN1_WEIGHT].numel / 4; /* layer 2's */
+    const int64_t h = ref.cfg.hidden_size, fc1 = info[MT_P_FC1_WEIGHT].offset + 12345;
+    enum { COPY, FP32_NOISE, BF16_NOISE, KEY_BIAS, BIAS_GRAD, BIAS_STILL, NORM_STILL, GRAD_ELEMENT, WEIGHT_NAN, LOSS,
+           NORM, INIT, UNHELD, CASES };
+    static const char* names[CASES] = {"a copy", "fp32 noise", "bf16 noise", "noise in the key biases",
+                                       "layer 1's fc2 bias gradient lost", "layer 1's fc2 bias not updated",
+                                       "layer 2's first norm weight not updated", "one fc1 gradient element off",
+                                       "a NaN weight", "a loss off by 2e-3", "a grad norm off by 2e-2",
+                                       "an initial weight one ulp off", "an element held by no rank"};
+    /* expected: passes fp32's bounds, passes bf16's */
+    static const int want[CASES][2] = {{1, 1}, {1, 1}, {0, 1}, {1, 1}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0},
+                                       {0, 0}, {0, 0}, {0, 0}, {0, 0}};
+    test_result res = TEST_PASS;
+    for (int k = 0; k < CASES && res == TEST_PASS; k++) {
+        layout_run r;
+        layout_run_copy(&r, one, n);
+        const double gs = 1e-3 / sqrt(3.0), ms = 5e-3 / sqrt(3.0); /* the gradients' and the movement's rms */
+        switch (k) {
+            case FP32_NOISE: case BF16_NOISE: {
+                const double e = k == FP32_NOISE ? 1e-7 : 0;
+                for (int64_t j = 0; j < n; j++) {
+                    r.grads[j] += (float)((e ? e : 3e-3) * gs * layout_uniform());
+                    r.weights[j] += (float)((e ? e : 2e-2) * ms * layout_uniform());
+                }
+                break;
+            }
+            case KEY_BIAS:
+                for (int64_t j = 0; j < n; j++)
+                    if (ref.mask[j]) r.grads[j] += 1.0f, r.weights[j] -= 1.0f;
+                break;
+            case BIAS_GRAD: for (int64_t j = 0; j < h; j++) r.grads[fc2_bias + j] = 0.0f; break;
+            case BIAS_STILL: for (int64_t j = 0; j < h; j++) r.weights[fc2_bias + j] = r.init[fc2_bias + j]; break;
+            case NORM_STILL: for (int64_t j = 0; j < h; j++) r.weights[ln1 + j] = r.init[ln1 + j]; break;
+            case GRAD_ELEMENT: r.grads[fc1] += (float)(3 * gs); break;
+            case WEIGHT_NAN: r.weights[fc1] = NAN; break;
+            case LOSS: r.losses[7] *= 1.002; break;
+            case NORM: r.grad_norms[11] *= 1.02; break;
+            case INIT: r.init[fc1] = nextafterf(r.init[fc1], 1.0f); break;
+            case UNHELD: r.unheld = 1; break;
+        }
+        for (int p = 0; p < 2; p++) {
+            const int passed = layout_compare(names[k], &ref, &r, p ? &bf16 : &fp32, 0) == TEST_PASS;
+            if (passed != want[k][p]) {
+                printf("    FAIL %s: %s %s's bounds\n", names[k], passed ? "passes" : "fails", p ? "bf16" : "fp32");
+                layout_compare(names[k], &ref, &r, p ? &bf16 : &fp32, 1);
+                res = TEST_FAIL;
+            }
+        }
+        layout_run_free(&r);
+    }
+    layout_reference_free(&ref);
+    return res;
 }
 
 /* With dropout (tests/test_dropout.h) each sample's masks follow its number in the global batch
- * (Megatron's sampler order), so DP ranks draw DP=1's masks and the same tolerances hold. */
-static test_result dp_matches_single_dropout(mt_precision precision, double loss_tol, double weight_tol, int llama,
-                                             double dropout) {
+ * (Megatron's sampler order), so DP ranks draw DP=1's masks and the same tolerances hold. Every DP
+ * variant against DP=1 through the layout comparison (above). */
+static test_result dp_matches_single_dropout(mt_precision precision, int llama, double dropout) {
     REQUIRE_MPI_GPUS();
     int dp = mpi_world();
     mt_config base = dp_config(precision, 1, 0, 0, llama);
     base.hidden_dropout = base.attention_dropout = dropout;
-    mt_error err;
-    mt_config fin = base;
-    EXPECT_OK(mt_config_finalize(&fin, &err), &err);
-    int64_t n = mt_num_parameters(&fin);
-    double ref[20], got[20];
-    float* ref_params = (float*)malloc(sizeof(float) * n);
-    float* params = (float*)malloc(sizeof(float) * n);
-    test_result res = dp_run(base, NULL, NULL, 0, 20, ref, ref_params);
+    const layout_tolerance tol = layout_tolerance_of(precision);
+    layout_reference ref;
+    test_result res = layout_reference_train(&ref, base, 20, NULL, NULL);
     const char* names[4] = {"all-reduce", "all-reduce, overlapped", "distributed optimizer",
                             "distributed optimizer, overlapped reduce-scatter and all-gather"};
     for (int v = 0; v < 4 && res == TEST_PASS; v++) {
         mt_config c = dp_config(precision, dp, v >= 2, v % 2, llama);
         c.hidden_dropout = c.attention_dropout = dropout;
-        res = dp_run(c, NULL, NULL, 0, 20, got, params);
-        double worst = 0;
-        for (int k = 0; k < 20 && res == TEST_PASS; k++) {
-            double rel = fabs(got[k] - ref[k]) / fabs(ref[k]);
-            if (rel > worst) worst = rel;
-            if (rel > loss_tol) { printf("    FAIL %s step %d: loss %.9f vs DP=1 %.9f\n", names[v], k, got[k], ref[k]); res = TEST_FAIL; }
-        }
-        double w = relative_norm_difference(params, ref_params, n);
-        printf("      DP=%d %s: losses %.6f -> %.6f, worst relative difference to DP=1 %.2e, weights %.2e\n", dp,
-               names[v], got[0], got[19], worst, w);
-        if (res == TEST_PASS && w > weight_tol) { printf("    FAIL weights differ by %.3e\n", w); res = TEST_FAIL; }
+        char name[160];
+        snprintf(name, sizeof(name), "%s %s DP=%d %s%s", llama ? "Llama" : "GPT-2", precision == MT_FP32 ? "fp32" : "bf16",
+                 dp, names[v], dropout > 0 ? ", dropout" : "");
+        res = layout_check(name, c, &ref, &tol, NULL, NULL);
     }
-    free(ref_params);
-    free(params);
+    layout_reference_free(&ref);
     return res;
 }
-static test_result dp_matches_single(mt_precision precision, double loss_tol, double weight_tol, int llama) {
-    return dp_matches_single_dropout(precision, loss_tol, weight_tol, llama, 0.0);
+static test_result dp_matches_single(mt_precision precision, int llama) {
+    return dp_matches_single_dropout(precision, llama, 0.0);
 }
-static test_result test_dp_matches_single_fp32(void) { return dp_matches_single(MT_FP32, 1e-5, 1e-5, 0); }
-static test_result test_dp_matches_single_dropout_fp32(void) { return dp_matches_single_dropout(MT_FP32, 1e-5, 1e-5, 0, 0.1); }
-static test_result test_dp_matches_single_bf16(void) { return dp_matches_single(MT_BF16, 1e-3, 3e-3, 0); }
+static test_result test_dp_matches_single_fp32(void) { return dp_matches_single(MT_FP32, 0); }
+static test_result test_dp_matches_single_dropout_fp32(void) { return dp_matches_single_dropout(MT_FP32, 0, 0.1); }
+static test_result test_dp_matches_single_bf16(void) { return dp_matches_single(MT_BF16, 0); }
 /* the Llama flavour's buffer (no biases, untied output weight in the first bucket) through every DP variant */
-static test_result test_dp_matches_single_llama_bf16(void) { return dp_matches_single(MT_BF16, 1e-3, 3e-3, 1); }
+static test_result test_dp_matches_single_llama_bf16(void) { return dp_matches_single(MT_BF16, 1); }
+static test_result test_dp_matches_single_llama_fp32(void) { return dp_matches_single(MT_FP32, 1); }
 
 /* Two runs bitwise equal; 10 + save + load + 10 bitwise equal to 20 straight. */
 static test_result dp_repeat_and_resume(mt_precision precision, int dist) {
@@ -718,6 +1172,7 @@ static const test_case data_parallel_multigpu_tests[] = {
     {"dp_matches_single_gpu_fp32", test_dp_matches_single_fp32},
     {"dp_matches_single_gpu_bf16", test_dp_matches_single_bf16},
     {"dp_matches_single_gpu_llama_bf16", test_dp_matches_single_llama_bf16},
+    {"dp_matches_single_gpu_llama_fp32", test_dp_matches_single_llama_fp32},
     {"dp_matches_single_gpu_dropout_fp32", test_dp_matches_single_dropout_fp32},
     {"dp_repeatable_and_resumes_bf16_distributed_optimizer", test_dp_repeat_resume_bf16_distributed},
     {"dp_repeatable_and_resumes_fp32_allreduce", test_dp_repeat_resume_fp32_allreduce},

@@ -32,37 +32,20 @@
  * 4 heads of 64 (bf16 runs the flash kernels), seq 64, micro-batch 2, global batch 16; the Llama
  * variant has 8 heads in 4 query groups of 64, ffn 640 (SwiGLU), RMSNorm, RoPE, untied, no biases.
  * The vocabulary 1000 pads to 1024 at TP=1, 2 and 4, so TP=1 and TP=N train the same model. Every
- * rank also runs the model alone (TP=1, world 1) on its GPU on the same batches, and compares:
- *   - initial weights (mt_trainer_get_parameters, gathered to full shape): bitwise equal to TP=1,
- *     since initialisation depends only on (seed, tensor, full index);
- *   - after one compute_gradients over the same 16 sequences, each gradient tensor and the logits of
- *     one micro-batch within ||TP - TP1|| / ||TP1|| <= 1e-5 (fp32) and 1e-2 (bf16), the loss
- *     within 1e-5 / 1e-3 relative. Why: TP computes the same products, but sums them in another
- *     order: the row-parallel layers (proj, fc2) add TP partial GEMMs in the all-reduce (or
- *     reduce-scatter with SP), the column-parallel layers' input gradients (QKV, fc1) likewise, the
- *     vocab-parallel cross entropy adds its softmax over TP pieces, and with SP each replicated
- *     tensor's gradient is a sum of TP partial sums. In fp32 that is a few ulps (1e-7) per sum,
- *     amplified by depth as in the fp64 parity tests of tests/test_model.h, which bound fp32 against
- *     exact arithmetic by 1e-5. In bf16 each partial sum is rounded to bf16 (2^-9 = 2e-3 relative)
- *     before it is added, where TP=1 rounds the whole sum once: one or two extra roundings per layer
- *     on top of the ~10 a bf16 layer already has, moving gradients by a few 1e-3. 1e-2 is a third of
- *     the bf16 parity bound against fp64 (3e-2), which covers all the roundings together. The
- *     key-bias entries of qkv_bias are left out (their exact gradient is 0: both sides hold noise;
- *     see tests/test_model.h);
- *   - 20 train steps: losses within 1e-3 relative of TP=1 (the issue's bound), in fp32 within 1e-5
- *     (the DP tests' argument: reordered fp32 sums change gradients by ~1e-7, and Adam's update is
- *     scale-free, so weights and losses move by ~lr * 1e-7 per step). Final weights, relative norm
- *     over the whole model less the key biases (Adam turns their noise gradients into steps up to
- *     lr), within 1e-5 (fp32, same argument) and 1e-2 (bf16). The bf16 bound is 3x the DP tests'
- *     3e-3: in DP only an occasional flip of one bf16 rounding differs; under TP every step sees
- *     differently rounded activations, so gradients differ by a few 1e-3 each step. Adam moves a
- *     weight by about lr per step, so 20 steps can move it differently by ~20 lr * 5e-3 = 1e-4 when
- *     the errors align, 5e-3 of the init std 0.02; 1e-2 leaves a factor 2 for the dynamics;
- *   - with SP off and on, in fp32, bf16 and the Llama flavour in bf16; TP=2 x DP=2 with the
- *     distributed optimizer and overlapped reduce-scatter/all-gather, SP on, bf16, against TP=1
- *     DP=1 (4 processes only), same bounds as bf16 above (DP adds only its own, smaller, reordering);
- *   - losses and full weights equal on every rank (bitwise: every rank computes the same loss and
- *     gathers the same full model);
+ * rank also runs the model alone (TP=1, world 1) on its GPU on the same batches, and compares them
+ * through the layout comparison every multi-GPU layout test shares (tests/test_data_parallel.h: the
+ * initial weights bitwise, the first step's gradients per tensor and per element, 20 steps' losses and
+ * grad norms, the final weights per tensor and element against one GPU's movement, every rank holding
+ * the same full model; its tolerances per precision are derived there). Why TP differs from TP=1 at
+ * all: it computes the same products but sums them in another order: the row-parallel layers (proj,
+ * fc2) add TP partial GEMMs in the all-reduce (or reduce-scatter with SP), the column-parallel
+ * layers' input gradients (QKV, fc1) likewise, the vocab-parallel cross entropy adds its softmax over
+ * TP pieces, and with SP each replicated tensor's gradient is a sum of TP partial sums; in bf16 each
+ * partial sum is rounded (2^-9) before it is added, where TP=1 rounds the whole sum once. Layouts:
+ *   - TP = world with SP off and on, GPT-2 and Llama, fp32 and bf16 (with dropout: fp32 GPT-2, bf16
+ *     Llama), and the logits of one micro-batch within the gradients' bound;
+ *   - TP=2 x DP=2 with the distributed optimizer and overlapped reduce-scatter/all-gather, SP on,
+ *     both flavours, fp32 and bf16 (4 processes only);
  *   - two runs bitwise equal; 10 steps, save, load, 10 steps bitwise equal to 20 straight, with one
  *     mp_rank_<tp>/ directory per TP rank (and distrib_optim_dp<r>.bin files with the distributed
  *     optimizer at TP=2 x DP=2);
@@ -532,32 +515,7 @@ static const test_case tensor_parallel_tests[] = {
         if (mpi_world() != 2 && mpi_world() != 4) SKIP("the TP tests run under mpirun -np 2 or -np 4, not %d", mpi_world()); \
     } while (0)
 
-/* The worst outcome over the ranks (fail > skip > pass), so that every rank leaves a loop together. */
-static test_result tp_agree(test_result r) {
-#ifdef MT_USE_MPI
-    if (mpi_world() > 1) {
-        int mine = r == TEST_FAIL ? 2 : r == TEST_SKIP ? 1 : 0, worst = 0;
-        MPI_Allreduce(&mine, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-        return worst == 2 ? TEST_FAIL : worst == 1 ? TEST_SKIP : TEST_PASS;
-    }
-#endif
-    return r;
-}
-
-/* 1 if every rank holds the same bytes (compares a 64-bit FNV-1a hash over the ranks). */
-static int tp_same_on_all_ranks(const void* data, size_t bytes) {
-    uint64_t x = 1469598103934665603ull;
-    for (size_t i = 0; i < bytes; i++) x = (x ^ ((const unsigned char*)data)[i]) * 1099511628211ull;
-#ifdef MT_USE_MPI
-    if (mpi_world() > 1) {
-        uint64_t lo = 0, hi = 0;
-        MPI_Allreduce(&x, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
-        MPI_Allreduce(&x, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
-        return lo == hi;
-    }
-#endif
-    return 1;
-}
+/* tp_agree and tp_same_on_all_ranks: tests/test_data_parallel.h (the layout comparison's) */
 
 /* The TP tests' model (see the top): tp x dp ranks; tp = dp = 1 is the single-GPU reference. */
 static mt_config tp_config(mt_precision precision, int tp, int dp, int sp, int llama) {
@@ -587,165 +545,89 @@ static double tp_worst_tensor(const mt_config* c, const float* ours, const float
     return worst;
 }
 
-/* A fresh trainer on config c: its initial weights (full), the logits of inputs (one micro-batch),
- * then the gradients (full) and loss of one compute_gradients over the global batch. */
-static test_result tp_first_step(mt_config c, const int32_t* tokens, const int32_t* inputs, float* params, float* logits,
-                                 float* grads, double* loss) {
+/* The TP tests' probe (tests/test_data_parallel.h's layout comparison): the logits of the global
+ * batch's first micro-batch (its inputs, [:-1] of each row), full vocabulary on every rank. */
+static test_result tp_logits_probe(mt_trainer* t, const mt_config* c, const int32_t* global, const int32_t* mine,
+                                   void* logits) {
+    const int64_t row = c->seq_length + 1;
+    int32_t* inputs = (int32_t*)malloc(sizeof(int32_t) * (size_t)c->micro_batch_size * c->seq_length);
+    for (int k = 0; k < c->micro_batch_size; k++)
+        memcpy(inputs + (int64_t)k * c->seq_length, global + k * row, sizeof(int32_t) * c->seq_length);
     mt_error err;
-    if (c.world_size > 1) EXPECT_OK(fresh_comm_id(&c.comm_id, &err), &err);
-    EXPECT_OK(mt_config_finalize(&c, &err), &err);
-    mt_trainer* t = NULL;
-    EXPECT_OK(mt_trainer_create(&t, &c, &err), &err);
-    mt_status st = MT_OK;
-#define TP_CALL(call) \
-    if (st == MT_OK && (st = (call)) != MT_OK) printf("    FAIL %s -> %s: %s\n", #call, mt_status_name(st), err.message)
-    TP_CALL(mt_trainer_get_parameters(t, params, &err));
-    TP_CALL(mt_trainer_logits(t, inputs, logits, &err));
-    TP_CALL(mt_trainer_compute_gradients(t, tokens, mt_num_micro_batches(&c), loss, &err));
-    TP_CALL(mt_trainer_get_gradients(t, grads, &err));
-#undef TP_CALL
-    mt_trainer_free(t);
+    mt_status st = mt_trainer_logits(t, inputs, (float*)logits, &err);
+    if (st != MT_OK) printf("    FAIL logits: %s\n", err.message);
+    free(inputs);
     return st == MT_OK ? TEST_PASS : TEST_FAIL;
 }
 
-/* TP=world (SP off, then on) against TP=1: initial weights, logits, gradients, 20 steps. With dropout
- * (tests/test_dropout.h) the masks are functions of global coordinates (the token's row, the model's
- * head), so TP and SP ranks draw exactly TP=1's masks and the same tolerances hold. */
-static test_result tp_matches_single_dropout(mt_precision precision, int llama, double grad_tol, double loss_tol,
-                                             double weight_tol, double dropout) {
+/* TP=world (SP off, then on) against TP=1 through the layout comparison (initial weights, first-step
+ * gradients, 20 steps' losses and grad norms, final weights, every rank the same), and the logits of
+ * one micro-batch (the gradients' bound). With dropout (tests/test_dropout.h) the masks are
+ * functions of global coordinates (the token's row, the model's head), so TP and SP ranks draw
+ * exactly TP=1's masks and the same tolerances hold. */
+static test_result tp_matches_single_dropout(mt_precision precision, int llama, double dropout) {
     REQUIRE_MPI_GPUS();
     REQUIRE_TP_WORLD();
     int tp = mpi_world();
+    mt_config base = tp_config(precision, 1, 1, 0, llama);
+    base.hidden_dropout = base.attention_dropout = dropout;
+    const layout_tolerance tol = layout_tolerance_of(precision);
     mt_error err;
-    mt_config base = tp_config(precision, 1, 1, 0, llama), ref = base, big = tp_config(precision, tp, 1, 1, llama);
-    base.hidden_dropout = base.attention_dropout = ref.hidden_dropout = ref.attention_dropout = dropout;
-    EXPECT_OK(mt_config_finalize(&ref, &err), &err);
-    EXPECT_OK(mt_config_finalize(&big, &err), &err);
-    int64_t n = mt_num_parameters(&ref), row = ref.seq_length + 1, count = (int64_t)ref.global_batch_size * row;
-    EXPECT(mt_num_parameters(&big) == n && big.padded_vocab_size == ref.padded_vocab_size,
-           "TP=%d pads the vocabulary to %lld, TP=1 to %lld: not the same model", tp, (long long)big.padded_vocab_size,
-           (long long)ref.padded_vocab_size);
-    int64_t nlogits = (int64_t)ref.micro_batch_size * ref.seq_length * ref.padded_vocab_size;
-    float* p0 = (float*)malloc(sizeof(float) * n);
-    float* g0 = (float*)malloc(sizeof(float) * n);
-    float* w0 = (float*)malloc(sizeof(float) * n);
-    float* p = (float*)malloc(sizeof(float) * n);
-    float* g = (float*)malloc(sizeof(float) * n);
-    float* w = (float*)malloc(sizeof(float) * n);
+    mt_config fin = base;
+    EXPECT_OK(mt_config_finalize(&fin, &err), &err);
+    const int64_t nlogits = (int64_t)fin.micro_batch_size * fin.seq_length * fin.padded_vocab_size;
     float* l0 = (float*)malloc(sizeof(float) * nlogits);
     float* l = (float*)malloc(sizeof(float) * nlogits);
-    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * count);
-    int32_t* inputs = (int32_t*)malloc(sizeof(int32_t) * ref.micro_batch_size * ref.seq_length);
-    unsigned char* mask = key_bias_mask(&ref);
-    double ref_losses[20], losses[20], loss0 = 0, loss = 0;
-    fill_tokens(tokens, count, (int)ref.vocab_size, 77);
-    for (int k = 0; k < ref.micro_batch_size; k++) memcpy(inputs + k * ref.seq_length, tokens + k * row, sizeof(int32_t) * ref.seq_length);
-
-    test_result res = tp_first_step(base, tokens, inputs, p0, l0, g0, &loss0);
-    if (res == TEST_PASS) res = dp_run(base, NULL, NULL, 0, 20, ref_losses, w0);
-    res = tp_agree(res);
+    layout_reference ref;
+    test_result res = layout_reference_train(&ref, base, 20, tp_logits_probe, l0);
     for (int sp = 0; sp <= 1 && res == TEST_PASS; sp++) {
         mt_config c = tp_config(precision, tp, 1, sp, llama);
         c.hidden_dropout = c.attention_dropout = dropout;
-        res = tp_first_step(c, tokens, inputs, p, l, g, &loss);
-        if (tp_agree(res) != TEST_PASS) { res = TEST_FAIL; break; }
-        res = dp_run(c, NULL, NULL, 0, 20, losses, w);
-        if (tp_agree(res) != TEST_PASS) { res = TEST_FAIL; break; }
-        /* every rank returns the same loss and the same full model */
-        int same = tp_same_on_all_ranks(&loss, sizeof(loss)) & tp_same_on_all_ranks(g, sizeof(float) * n) &
-                   tp_same_on_all_ranks(l, sizeof(float) * nlogits) & tp_same_on_all_ranks(losses, sizeof(losses)) &
-                   tp_same_on_all_ranks(w, sizeof(float) * n);
-        if (!same) { printf("    FAIL SP %d: ranks returned different losses, logits, gradients or weights\n", sp); res = TEST_FAIL; }
-        if (memcmp(p, p0, sizeof(float) * n)) {
-            int64_t j = 0;
-            while (j < n && !memcmp(&p[j], &p0[j], sizeof(float))) j++;
-            printf("    FAIL SP %d: initial weights differ from TP=1 first at element %lld: %.9g vs %.9g\n", sp, (long long)j,
-                   p[j], p0[j]);
-            res = TEST_FAIL;
-        }
-        const char* worst_name;
-        double dl0 = fabs(loss - loss0) / fabs(loss0);
-        double dg = tp_worst_tensor(&ref, g, g0, mask, &worst_name);
-        double dlog = rel_error(l, l0, nlogits, NULL);
-        double worst = 0;
-        int worst_k = 0;
-        for (int k = 0; k < 20; k++) {
-            double rel = fabs(losses[k] - ref_losses[k]) / fabs(ref_losses[k]);
-            if (!(rel <= worst)) { worst = rel; worst_k = k; }
-        }
-        double dw = rel_error(w, w0, n, mask);
-        printf("      TP=%d%s: gradients %.2e (worst %s), logits %.2e, losses %.6f -> %.6f, worst relative difference "
-               "to TP=1 %.2e, weights %.2e\n", tp, sp ? " SP" : "", dg, worst_name, dlog, losses[0], losses[19], worst, dw);
-        if (!(dl0 <= loss_tol)) { printf("    FAIL SP %d: first loss %.9f vs TP=1 %.9f\n", sp, loss, loss0); res = TEST_FAIL; }
-        if (!(dg <= grad_tol)) { printf("    FAIL SP %d: gradient of %s differs by %.3e\n", sp, worst_name, dg); res = TEST_FAIL; }
-        if (!(dlog <= grad_tol)) { printf("    FAIL SP %d: logits differ by %.3e\n", sp, dlog); res = TEST_FAIL; }
-        if (!(worst <= loss_tol))
-            printf("    FAIL SP %d step %d: loss %.9f vs TP=1 %.9f\n", sp, worst_k, losses[worst_k], ref_losses[worst_k]);
-        if (!(worst <= loss_tol) || !(worst <= 1e-3)) res = TEST_FAIL;
-        if (!(dw <= weight_tol)) { printf("    FAIL SP %d: weights differ by %.3e\n", sp, dw); res = TEST_FAIL; }
+        char name[128];
+        snprintf(name, sizeof(name), "%s %s TP=%d%s%s", llama ? "Llama" : "GPT-2", precision == MT_FP32 ? "fp32" : "bf16",
+                 tp, sp ? " SP" : "", dropout > 0 ? ", dropout" : "");
+        res = layout_check(name, c, &ref, &tol, tp_logits_probe, l);
+        if (res != TEST_PASS) break;
+        if (!tp_same_on_all_ranks(l, sizeof(float) * nlogits)) { printf("    FAIL %s: the ranks' logits differ\n", name); res = TEST_FAIL; }
+        const double dlog = rel_error(l, l0, nlogits, NULL);
+        printf("      %s: logits %.2e\n", name, dlog);
+        if (!(dlog <= tol.grad_tensor)) { printf("    FAIL %s: logits differ by %.3e\n", name, dlog); res = TEST_FAIL; }
         res = tp_agree(res);
     }
-    free(p0); free(g0); free(w0); free(p); free(g); free(w); free(l0); free(l);
-    free(tokens);
-    free(inputs);
-    free(mask);
+    layout_reference_free(&ref);
+    free(l0);
+    free(l);
     return res;
 }
-static test_result tp_matches_single(mt_precision precision, int llama, double grad_tol, double loss_tol,
-                                     double weight_tol) {
-    return tp_matches_single_dropout(precision, llama, grad_tol, loss_tol, weight_tol, 0.0);
-}
-static test_result test_tp_matches_single_fp32(void) { return tp_matches_single(MT_FP32, 0, 1e-5, 1e-5, 1e-5); }
-static test_result test_tp_matches_single_bf16(void) { return tp_matches_single(MT_BF16, 0, 1e-2, 1e-3, 1e-2); }
-static test_result test_tp_matches_single_llama_bf16(void) { return tp_matches_single(MT_BF16, 1, 1e-2, 1e-3, 1e-2); }
-static test_result test_tp_matches_single_dropout_fp32(void) {
-    return tp_matches_single_dropout(MT_FP32, 0, 1e-5, 1e-5, 1e-5, 0.1);
-}
-static test_result test_tp_matches_single_dropout_llama_bf16(void) {
-    return tp_matches_single_dropout(MT_BF16, 1, 1e-2, 1e-3, 1e-2, 0.1);
-}
+static test_result tp_matches_single(mt_precision precision, int llama) { return tp_matches_single_dropout(precision, llama, 0.0); }
+static test_result test_tp_matches_single_fp32(void) { return tp_matches_single(MT_FP32, 0); }
+static test_result test_tp_matches_single_bf16(void) { return tp_matches_single(MT_BF16, 0); }
+static test_result test_tp_matches_single_llama_bf16(void) { return tp_matches_single(MT_BF16, 1); }
+static test_result test_tp_matches_single_llama_fp32(void) { return tp_matches_single(MT_FP32, 1); }
+static test_result test_tp_matches_single_dropout_fp32(void) { return tp_matches_single_dropout(MT_FP32, 0, 0.1); }
+static test_result test_tp_matches_single_dropout_llama_bf16(void) { return tp_matches_single_dropout(MT_BF16, 1, 0.1); }
 
-/* TP=2 x DP=2, distributed optimizer with overlapped reduce-scatter and all-gather, SP, bf16, both
- * flavours, against TP=1 DP=1 over 20 steps. */
+/* TP=2 x DP=2, distributed optimizer with overlapped reduce-scatter and all-gather, SP, fp32 and bf16,
+ * both flavours, against TP=1 DP=1 through the layout comparison. */
 static test_result test_tp2_dp2_distributed_optimizer(void) {
     REQUIRE_MPI_GPUS();
     if (mpi_world() != 4) SKIP("TP=2 x DP=2 needs 4 processes: mpirun -np 4 ./test_megatron multigpu");
     test_result res = TEST_PASS;
-    for (int llama = 0; llama <= 1 && res == TEST_PASS; llama++) {
-        mt_config ref = tp_config(MT_BF16, 1, 1, 0, llama), c = tp_config(MT_BF16, 2, 2, 1, llama);
+    for (int k = 0; k < 4 && res == TEST_PASS; k++) {
+        const int llama = k % 2;
+        const mt_precision precision = k < 2 ? MT_FP32 : MT_BF16;
+        mt_config c = tp_config(precision, 2, 2, 1, llama);
         c.use_distributed_optimizer = 1;
         c.overlap_grad_reduce = 1;
         c.overlap_param_gather = 1;
-        mt_error err;
-        mt_config fin = ref;
-        EXPECT_OK(mt_config_finalize(&fin, &err), &err);
-        int64_t n = mt_num_parameters(&fin);
-        unsigned char* mask = key_bias_mask(&fin);
-        float* w0 = (float*)malloc(sizeof(float) * n);
-        float* w = (float*)malloc(sizeof(float) * n);
-        double ref_losses[20], losses[20];
-        res = tp_agree(dp_run(ref, NULL, NULL, 0, 20, ref_losses, w0));
-        if (res == TEST_PASS) res = tp_agree(dp_run(c, NULL, NULL, 0, 20, losses, w));
-        if (res == TEST_PASS) {
-            if (!tp_same_on_all_ranks(losses, sizeof(losses)) || !tp_same_on_all_ranks(w, sizeof(float) * n)) {
-                printf("    FAIL ranks returned different losses or weights\n");
-                res = TEST_FAIL;
-            }
-            double worst = 0;
-            for (int k = 0; k < 20; k++) {
-                double rel = fabs(losses[k] - ref_losses[k]) / fabs(ref_losses[k]);
-                if (!(rel <= worst)) worst = rel;
-                if (!(rel <= 1e-3)) { printf("    FAIL step %d: loss %.9f vs TP=1 %.9f\n", k, losses[k], ref_losses[k]); res = TEST_FAIL; }
-            }
-            double dw = rel_error(w, w0, n, mask);
-            printf("      %s TP=2 x DP=2 SP, distributed optimizer, overlapped: losses %.6f -> %.6f, worst relative "
-                   "difference to TP=1 DP=1 %.2e, weights %.2e\n", llama ? "Llama" : "GPT-2", losses[0], losses[19], worst, dw);
-            if (!(dw <= 1e-2)) { printf("    FAIL weights differ by %.3e\n", dw); res = TEST_FAIL; }
-        }
-        res = tp_agree(res);
-        free(mask);
-        free(w0);
-        free(w);
+        const layout_tolerance tol = layout_tolerance_of(precision);
+        layout_reference ref;
+        res = layout_reference_train(&ref, tp_config(precision, 1, 1, 0, llama), 20, NULL, NULL);
+        char name[128];
+        snprintf(name, sizeof(name), "%s %s TP=2 x DP=2 SP, distributed optimizer, overlapped", llama ? "Llama" : "GPT-2",
+                 precision == MT_FP32 ? "fp32" : "bf16");
+        if (res == TEST_PASS) res = layout_check(name, c, &ref, &tol, NULL, NULL);
+        layout_reference_free(&ref);
     }
     return res;
 }
@@ -1073,6 +955,7 @@ static const test_case tensor_parallel_multigpu_tests[] = {
     {"tp_matches_single_gpu_fp32", test_tp_matches_single_fp32},
     {"tp_matches_single_gpu_bf16", test_tp_matches_single_bf16},
     {"tp_matches_single_gpu_llama_bf16", test_tp_matches_single_llama_bf16},
+    {"tp_matches_single_gpu_llama_fp32", test_tp_matches_single_llama_fp32},
     {"tp_matches_single_gpu_dropout_fp32", test_tp_matches_single_dropout_fp32},
     {"tp_matches_single_gpu_dropout_llama_bf16", test_tp_matches_single_dropout_llama_bf16},
     {"tp2_dp2_distributed_optimizer_matches_single_gpu", test_tp2_dp2_distributed_optimizer},
