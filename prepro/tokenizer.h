@@ -3824,14 +3824,17 @@ mt_status mt_preprocess(const mt_preprocess_config* cfg, mt_preprocess_stats* st
         pthread_sigmask(SIG_SETMASK, &old, NULL);
     }
 
-    /* Read ahead, write in order. */
+    /* Read ahead, write in order. A failure of the reader is reported once the batches read before
+     * it are written (one of them may fail first): the error is always the first in input order. */
+    mt_status read_st = MT_OK;
+    mt_error read_err;
+    read_err.message[0] = 0;
     while (st == MT_OK) {
         while (!input_done && next_read - next_write < c.num_slots && (inflight == 0 || inflight < max_inflight)) {
             mtk__pp_batch* b = &c.slots[next_read % c.num_slots];
             int got = 0;
-            st = cfg->format == MT_INPUT_TEXT ? mtk__pp_read_text(&c, b, &got, err) : mtk__pp_read_jsonl(&c, b, &got, err);
-            if (st != MT_OK) break;
-            if (!got) { input_done = 1; break; }
+            read_st = cfg->format == MT_INPUT_TEXT ? mtk__pp_read_text(&c, b, &got, &read_err) : mtk__pp_read_jsonl(&c, b, &got, &read_err);
+            if (read_st != MT_OK || !got) { input_done = 1; break; }
             pthread_mutex_lock(&c.mu);
             b->seq = next_read++;
             inflight += b->len;
@@ -3839,7 +3842,13 @@ mt_status mt_preprocess(const mt_preprocess_config* cfg, mt_preprocess_stats* st
             pthread_cond_signal(&c.cv_work);
             pthread_mutex_unlock(&c.mu);
         }
-        if (st != MT_OK || next_write == next_read) break;
+        if (next_write == next_read) {
+            if (read_st != MT_OK) {
+                st = read_st;
+                if (err) *err = read_err;
+            }
+            break;
+        }
         mtk__pp_batch* b = &c.slots[next_write % c.num_slots];
         pthread_mutex_lock(&c.mu);
         while (b->state != MTK__PP_DONE && !mtk__cancelled(cfg->cancel)) { /* a signal does not end a wait: look every 0.1 s */
