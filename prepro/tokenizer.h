@@ -320,10 +320,10 @@ extern "C" {
 
 #define MTK__NO_RANK 0xFFFFFFFFu
 
-/* A whole tokenizer file (a regular file of at most 1 GiB, NUL-terminated): megatron.h's mt_read_file. */
 /* Whether a cancellation flag (may be NULL) was set, e.g. by a SIGINT handler. */
 static inline int mtk__cancelled(const volatile sig_atomic_t* cancel) { return cancel && *cancel; }
 
+/* A whole tokenizer file (a regular file of at most 1 GiB, NUL-terminated): megatron.h's mt_read_file. */
 static mt_status mtk__read_file(const char* path, uint8_t** out, size_t* len, mt_error* err) {
     char* data = NULL;
     mt_status st = mt_read_file(path, (size_t)1 << 30, &data, len, err);
@@ -1507,7 +1507,6 @@ typedef struct {
     const volatile sig_atomic_t* cancel; /* checked every 4096 pieces (and in long merges); may be NULL */
     size_t pieces;
 } mtk__enc;
-
 
 static int mtk__enc_grow(mtk__enc* e, size_t more) {
     size_t ncap = *e->cap ? *e->cap : 1024;
