@@ -128,7 +128,8 @@ mt_status mt_fail(mt_error* err, mt_status status, const char* fmt, ...)
  *   moved into place with mt_commit_file (rename, then the directory fsync'ed), so a reader finds the
  *   old file or the new one. mt_remove_stale_temporaries(path), called by every writer before it
  *   starts, removes "<path>.tmp.<pid>..." files and trees of processes that are gone (a process not
- *   in /proc; where there is no /proc nothing is removed). Two writers of one path at once (even on
+ *   in /proc; where there is no /proc nothing is removed; a dataset writer first puts back an old
+ *   pair that a crashed commit moved aside, see the writer below). Two writers of one path at once (even on
  *   two hosts of a shared file system) are not supported, as in Megatron. */
 int mt_open_regular_file(const char* path, mt_error* err); /* read-only fd, or -1 (err set) */
 /* A whole regular file of at most max_bytes, malloc'd and NUL-terminated (size excludes the NUL). */
@@ -182,10 +183,14 @@ mt_status mt_indexed_dataset_read(const mt_indexed_dataset* ds, int64_t seq, int
  * (removing those of processes that are gone first) and commits them in finalize, so a failed or
  * aborted run leaves nothing behind. A pair is committed so that no instant shows a new .bin beside
  * an old .idx: the old .idx and then the old .bin are moved aside first, then the new .bin and last
- * the new .idx are renamed into place (both fsync'ed before); a crash in between leaves no .idx,
- * which every reader refuses, and the format stays Megatron's own. The reader above checks, after mapping the .bin, that
- * the .idx path still names the file it mapped, so a dataset committed while it is being opened is
- * refused rather than read as a mix. Integer dtypes only; every token is range-checked against the
+ * the new .idx are renamed into place (both fsync'ed before), so the names never show a mixed pair
+ * and the format stays Megatron's own. While no .idx is at its name (a commit under way, or one a
+ * crash cut short) the reader above reads the old pair where the commit moved it
+ * (<name>.tmp.<pid>.old), and the next writer of the prefix renames it back before it removes stale
+ * temporaries: a reader finds the old pair or the new one, never nothing, and the old pair stays
+ * until a new complete one replaces it. The reader checks, after mapping the .bin, that the .idx
+ * path still names the file it mapped, so a dataset committed while it is being opened is refused
+ * ("open it again") rather than read as a mix. Integer dtypes only; every token is range-checked against the
  * dtype before anything is written, so a rejected add_document leaves the writer unchanged. */
 typedef struct mt_indexed_writer mt_indexed_writer;
 mt_status mt_indexed_writer_open(mt_indexed_writer** out, const char* prefix, int dtype_code, mt_error* err);
@@ -209,7 +214,8 @@ void mt_indexed_writer_abort(mt_indexed_writer* w); /* removes the temporary fil
  * them), and only when every one is prepared, commit them all: every old .idx and every old .bin
  * moved aside, then every new .bin and every new .idx renamed into place, then the old ones removed.
  * A failure (while preparing or committing) leaves every old dataset as it was; a crash while
- * committing leaves each dataset old, new, or without an .idx. Commit frees every writer. */
+ * committing leaves each dataset old or new (the old one read from, and at the next writer's open
+ * restored from, where it was moved aside). Commit frees every writer. */
 mt_status mt_indexed_writer_prepare(mt_indexed_writer* w, mt_error* err);
 mt_status mt_indexed_writers_commit(mt_indexed_writer** writers, int count, mt_error* err);
 
@@ -1698,6 +1704,19 @@ static int mt__process_gone(long pid) {
     return stat(proc, &st) != 0 && errno == ENOENT;
 }
 
+/* The pid of a directory entry named "<base>.tmp.<pid>", possibly followed by ".<more>" (a
+ * temporary of a temporary, a moved-aside ".old"), with *rest at that tail; -1 for any other name. */
+static long mt__temporary_pid(const char* name, const char* base, size_t nb, const char** rest) {
+    if (strncmp(name, base, nb) != 0 || strncmp(name + nb, ".tmp.", 5) != 0) return -1;
+    const char* digits = name + nb + 5;
+    if (*digits < '0' || *digits > '9') return -1;
+    char* end = NULL;
+    long pid = strtol(digits, &end, 10);
+    if (end == digits || (*end != 0 && *end != '.')) return -1;
+    if (rest) *rest = end;
+    return pid;
+}
+
 int mt_remove_stale_temporaries(const char* path) {
     char dir[4096];
     mt__dirname(path, dir, sizeof(dir));
@@ -1710,13 +1729,9 @@ int mt_remove_stale_temporaries(const char* path) {
     int removed = 0;
     struct dirent* e;
     while ((e = readdir(d)) != NULL) {
-        /* "<base>.tmp.<pid>", possibly followed by ".<more>" (a temporary of a temporary) */
         const char* n = e->d_name;
-        if (strncmp(n, base, nb) != 0 || strncmp(n + nb, ".tmp.", 5) != 0) continue;
-        const char* digits = n + nb + 5;
-        char* end = NULL;
-        long pid = strtol(digits, &end, 10);
-        if (end == digits || (*end != 0 && *end != '.') || !mt__process_gone(pid)) continue;
+        long pid = mt__temporary_pid(n, base, nb, NULL);
+        if (pid < 0 || !mt__process_gone(pid)) continue;
         char* victim = (char*)malloc(strlen(dir) + strlen(n) + 2);
         if (!victim) break;
         sprintf(victim, "%s/%s", dir, n);
@@ -1881,6 +1896,60 @@ static mt_status mt__validate_idx(mt_indexed_dataset* ds, const char* path, mt_e
     return MT_OK;
 }
 
+/* A dataset's old pair as a commit moves it aside (mt_indexed_writers_commit): the .idx at
+ * "<prefix>.idx.tmp.<pid>.old", the .bin at "<prefix>.bin.tmp.<pid>.old" (once moved). Finds the
+ * first such .idx in the directory (only_gone: of a process that is gone) and writes both names into
+ * idx_old / bin_old; 0 when there is none. */
+static int mt__moved_aside_pair(const char* prefix, int only_gone, char* idx_old, char* bin_old, size_t cap) {
+    char dir[4096], base[1024];
+    mt__dirname(prefix, dir, sizeof(dir));
+    const char* slash = strrchr(prefix, '/');
+    if ((size_t)snprintf(base, sizeof(base), "%s.idx", slash ? slash + 1 : prefix) >= sizeof(base)) return 0;
+    DIR* d = opendir(dir);
+    if (!d) return 0;
+    struct dirent* e;
+    int found = 0;
+    while (!found && (e = readdir(d)) != NULL) {
+        const char* rest = NULL;
+        long pid = mt__temporary_pid(e->d_name, base, strlen(base), &rest);
+        if (pid < 0 || strcmp(rest, ".old") != 0 || (only_gone && !mt__process_gone(pid))) continue;
+        found = (size_t)snprintf(idx_old, cap, "%s.idx.tmp.%ld.old", prefix, pid) < cap &&
+                (size_t)snprintf(bin_old, cap, "%s.bin.tmp.%ld.old", prefix, pid) < cap;
+    }
+    closedir(d);
+    return found;
+}
+
+/* 1 when path names the file of identity id now. */
+static int mt__same_file(const char* path, const struct stat* id) {
+    struct stat now;
+    return stat(path, &now) == 0 && now.st_dev == id->st_dev && now.st_ino == id->st_ino;
+}
+
+/* The old pair of a commit in progress, or of one a crash cut short (no .idx at its name): read from
+ * where the commit moved it. The .idx from its moved-aside name; the .bin from its moved-aside name
+ * if it is there (nothing else is ever renamed to it), else from <prefix>.bin, which is then the old
+ * .bin only if, once mapped, the .bin was still not moved aside, the moved-aside .idx is still the one
+ * read, the .bin's name still names the file mapped (a restore renames the old one back over it) and
+ * no new .idx is in place: otherwise the commit moved on while we read, and the caller says so. */
+static mt_status mt__open_moved_aside(mt_indexed_dataset* ds, const char* prefix, const char* idx_path,
+                                      const char* bin_path, mt_error* err) {
+    char idx_old[4200], bin_old[4200];
+    struct stat idx_identity, bin_identity;
+    if (!mt__moved_aside_pair(prefix, 0, idx_old, bin_old, sizeof(idx_old))) return MT_ERR_IO;
+    mt_status st = mt__map_file(idx_old, &ds->idx_map, &ds->idx_size, &idx_identity, err);
+    if (st == MT_OK) st = mt__validate_idx(ds, idx_old, err);
+    if (st != MT_OK) return st;
+    if (mt__map_file(bin_old, &ds->bin_map, &ds->bin_size, NULL, err) == MT_OK) return MT_OK;
+    if ((st = mt__map_file(bin_path, &ds->bin_map, &ds->bin_size, &bin_identity, err)) != MT_OK) return st;
+    struct stat probe;
+    if (stat(bin_old, &probe) == 0 || !mt__same_file(idx_old, &idx_identity) || !mt__same_file(bin_path, &bin_identity) ||
+        stat(idx_path, &probe) == 0)
+        return mt_fail(err, MT_ERR_IO, "%s was replaced while it was being opened (a writer committing a new dataset): "
+                       "open it again", idx_path);
+    return MT_OK;
+}
+
 mt_status mt_indexed_dataset_open(mt_indexed_dataset** out, const char* prefix, mt_error* err) {
     *out = NULL;
     const uint16_t one = 1;
@@ -1895,16 +1964,27 @@ mt_status mt_indexed_dataset_open(mt_indexed_dataset** out, const char* prefix, 
         goto done;
     }
     struct stat idx_identity, now;
-    if ((st = mt__map_file(idx_path, &ds->idx_map, &ds->idx_size, &idx_identity, err)) != MT_OK) goto done;
-    if ((st = mt__validate_idx(ds, idx_path, err)) != MT_OK) goto done;
-    if ((st = mt__map_file(bin_path, &ds->bin_map, &ds->bin_size, NULL, err)) != MT_OK) goto done;
-    /* A writer commits a pair by removing the old .idx before it touches the .bin: if the .idx path
-     * still names the file we mapped (held open by the mapping, so its inode cannot be reused), no
-     * commit began before the .bin was mapped, and the two belong together. */
-    if (stat(idx_path, &now) != 0 || now.st_dev != idx_identity.st_dev || now.st_ino != idx_identity.st_ino) {
-        st = mt_fail(err, MT_ERR_IO, "%s was replaced while it was being opened (a writer committing a new "
-                     "dataset): open it again", idx_path);
-        goto done;
+    if ((st = mt__map_file(idx_path, &ds->idx_map, &ds->idx_size, &idx_identity, err)) != MT_OK) {
+        if (stat(idx_path, &now) != 0 && errno == ENOENT) { /* no .idx: a commit under way, or cut short */
+            mt_error aside;
+            mt_status moved = mt__open_moved_aside(ds, prefix, idx_path, bin_path, &aside);
+            if (moved == MT_OK || ds->idx_map) { /* there was a moved-aside pair: it, or why it failed */
+                st = moved;
+                if (err && moved != MT_OK) *err = aside;
+            }
+        }
+        if (st != MT_OK) goto done;
+    } else {
+        if ((st = mt__validate_idx(ds, idx_path, err)) != MT_OK) goto done;
+        if ((st = mt__map_file(bin_path, &ds->bin_map, &ds->bin_size, NULL, err)) != MT_OK) goto done;
+        /* A writer commits a pair by removing the old .idx before it touches the .bin: if the .idx path
+         * still names the file we mapped (held open by the mapping, so its inode cannot be reused), no
+         * commit began before the .bin was mapped, and the two belong together. */
+        if (!mt__same_file(idx_path, &idx_identity)) {
+            st = mt_fail(err, MT_ERR_IO, "%s was replaced while it was being opened (a writer committing a new "
+                         "dataset): open it again", idx_path);
+            goto done;
+        }
     }
     if ((uint64_t)ds->bin_size != (uint64_t)ds->num_tokens * ds->itemsize) {
         st = mt_fail(err, MT_ERR_FORMAT, "%s: %zu bytes, but the index describes %lld tokens of %s (%llu bytes)",
@@ -2018,6 +2098,26 @@ static void mt__writer_free(mt_indexed_writer* w) {
     free(w);
 }
 
+/* A commit that a crash cut short (its process is gone) left the old pair moved aside and no new
+ * .idx in place: the old pair goes back to its names, the .bin first, before anything else may
+ * remove it as a stale temporary, so the old dataset stays until a new complete pair replaces it.
+ * (With a new .idx in place the commit was complete, and what was moved aside is stale.) */
+static mt_status mt__restore_moved_aside(const char* prefix, const char* idx, const char* bin, mt_error* err) {
+    char idx_old[4200], bin_old[4200];
+    struct stat st;
+    if (stat(idx, &st) == 0 || errno != ENOENT || !mt__moved_aside_pair(prefix, 1, idx_old, bin_old, sizeof(idx_old)))
+        return MT_OK;
+    if (rename(bin_old, bin) != 0 && errno != ENOENT) /* not there: the .bin was never moved aside */
+        return mt_fail(err, MT_ERR_IO, "cannot restore %s (moved aside by a commit that did not finish) to %s: %s", bin_old,
+                       bin, strerror(errno));
+    if (rename(idx_old, idx) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot restore %s (moved aside by a commit that did not finish) to %s: %s", idx_old,
+                       idx, strerror(errno));
+    if (mt_sync_directory_of(idx) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot sync the directory of %s: %s", idx, strerror(errno));
+    return MT_OK;
+}
+
 mt_status mt_indexed_writer_open(mt_indexed_writer** out, const char* prefix, int dtype_code, mt_error* err) {
     *out = NULL;
     if (dtype_code == MT_DTYPE_FLOAT32 || dtype_code == MT_DTYPE_FLOAT64 || mt_indexed_dtype_size(dtype_code) == 0)
@@ -2047,6 +2147,11 @@ mt_status mt_indexed_writer_open(mt_indexed_writer** out, const char* prefix, in
     }
     w->docs[0] = 0;
     w->num_docs = 1;
+    mt_status restored = mt__restore_moved_aside(prefix, w->idx, w->bin, err);
+    if (restored != MT_OK) {
+        mt__writer_free(w);
+        return restored;
+    }
     mt_remove_stale_temporaries(w->bin); /* what a killed run of any tool left for this prefix */
     mt_remove_stale_temporaries(w->idx);
     w->fd = open(w->bin_tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -2527,6 +2632,13 @@ static void mt__tile_and_shuffle(int32_t* out, int64_t begin, int64_t end, int64
     mt_shuffle(rng, out, epochs * m, sizeof(int32_t));
 }
 
+/* Tokens in sequences [begin, end) (in range). */
+static int64_t mt__range_tokens(const mt_indexed_dataset* ds, int64_t begin, int64_t end) {
+    int64_t T = 0;
+    for (int64_t s = begin; s < end; s++) T += mt__load_i32(ds->lengths + s * 4);
+    return T;
+}
+
 mt_status mt_gpt_dataset_build(mt_gpt_dataset** out, const mt_indexed_dataset* ds, int64_t begin, int64_t end,
                                int seq_length, uint32_t seed, int64_t num_samples, mt_error* err) {
     *out = NULL;
@@ -2543,8 +2655,7 @@ mt_status mt_gpt_dataset_build(mt_gpt_dataset** out, const mt_indexed_dataset* d
         return mt_fail(err, MT_ERR_FORMAT, "%s: %lld sequences; Megatron's int32 document index holds at most 2^31-1",
                        name, (long long)ds->num_sequences);
     const int64_t S = seq_length;
-    int64_t T = 0;
-    for (int64_t s = begin; s < end; s++) T += mt__load_i32(ds->lengths + s * 4);
+    int64_t T = mt__range_tokens(ds, begin, end);
     if (T < 2)
         return mt_fail(err, MT_ERR_CONFIG,
                        "%s: sequences [%lld, %lld) hold %lld tokens; a GPT dataset split needs at least 2 (check --split)",
@@ -2872,8 +2983,8 @@ void mt_gpt_data_close(mt_gpt_data* d) {
     free(d);
 }
 
-static mt_status mt__gpt_data_build(mt_gpt_data* d, const double* weights, uint32_t seed, const int64_t num_samples[3],
-                                    mt_error* err) {
+static mt_status mt__gpt_data_build(mt_gpt_data* d, const char* split, const double* weights, uint32_t seed,
+                                    const int64_t num_samples[3], mt_error* err) {
     const int K = d->num_prefixes;
     double* w1 = (double*)calloc((size_t)K, sizeof(double));
     double* w2 = (double*)calloc((size_t)K, sizeof(double));
@@ -2916,6 +3027,12 @@ static mt_status mt__gpt_data_build(mt_gpt_data* d, const double* weights, uint3
             int64_t b, e;
             mt_split_range(&d->split, s, d->indexed[k]->num_sequences, &b, &e);
             st = mt_gpt_dataset_build(&d->mid[s][k], d->indexed[k], b, e, d->seq_length, seed, request, err);
+            if (st == MT_ERR_CONFIG && b <= e && mt__range_tokens(d->indexed[k], b, e) < 2) /* say which flag to change */
+                st = mt_fail(err, st, "%s: the %s split of --split \"%s\" is sequences [%lld, %lld) of %lld, %lld tokens; a "
+                             "split needs at least 2: change --split (a larger %s share, or 0 for no %s split)",
+                             d->indexed[k]->prefix, mt_split_name(s), split, (long long)b, (long long)e,
+                             (long long)d->indexed[k]->num_sequences, (long long)mt__range_tokens(d->indexed[k], b, e),
+                             mt_split_name(s), mt_split_name(s));
             if (st != MT_OK) goto done;
         }
         if (!d->blended) {
@@ -2990,13 +3107,14 @@ mt_status mt_gpt_data_open(mt_gpt_data** out, int num_prefixes, const char* cons
     d->num_prefixes = num_prefixes;
     d->seq_length = seq_length;
     d->blended = num_prefixes > 1 || weights != NULL;
-    mt_status st = mt_split_parse(split ? split : "969, 30, 1", &d->split, err);
+    if (!split) split = "969, 30, 1";
+    mt_status st = mt_split_parse(split, &d->split, err);
     if (st == MT_OK) {
         d->indexed = (mt_indexed_dataset**)calloc((size_t)num_prefixes, sizeof(mt_indexed_dataset*));
         if (!d->indexed) st = mt_fail(err, MT_ERR_OOM, "out of memory");
     }
     for (int k = 0; st == MT_OK && k < num_prefixes; k++) st = mt_indexed_dataset_open(&d->indexed[k], prefixes[k], err);
-    if (st == MT_OK) st = mt__gpt_data_build(d, weights, seed, num_samples, err);
+    if (st == MT_OK) st = mt__gpt_data_build(d, split, weights, seed, num_samples, err);
     if (st != MT_OK) {
         mt_gpt_data_close(d);
         return st;

@@ -2,8 +2,8 @@
 # dev/kill_test.sh — crash consistency under kill -9 (issue #23). Each tool that writes a result is
 # started again and again and killed with SIGKILL at moments spread over its whole run (the last ones
 # land in the commit at the end). After every kill a reader must find either the old complete result
-# or nothing it accepts (never a mix of old and new files); the next run of the same tool must succeed
-# and leave no temporaries behind.
+# or nothing it accepts (never a mix of old and new files; a dataset is always found, old or new); the
+# next run of the same tool must succeed and leave no temporaries behind.
 #
 #   dev/kill_test.sh          CPU: preprocess_data with two --json-keys, merge_datasets, convert_hf
 #                             --import and --export (needs `make all` and python3 with numpy)
@@ -121,11 +121,19 @@ kill_at() { # kill_at t<ms>|r<n> CMD...
   esac
 }
 
-# one dataset prefix: refused (one line), or exactly the old or the new pair; prints old|new|nothing
+# one dataset prefix: refused (one line), or exactly the old or the new pair; prints old|new|nothing.
+# With no .idx at its name the reader reads the old pair where the commit moved it aside
+# (<prefix>.idx.tmp.<pid>.old, and <prefix>.bin.tmp.<pid>.old once the .bin was moved too).
 dataset_state() {
   local prefix=$1 old=$2 new=$3
   if prepro/dataset_info --data-path "$prefix" >/dev/null 2>"$WORK/reader.err"; then
-    local s; s=$(sums "$prefix.bin" "$prefix.idx")
+    local idx=$prefix.idx bin=$prefix.bin
+    if [ ! -e "$idx" ]; then
+      idx=$(ls "$prefix".idx.tmp.*.old 2>/dev/null | head -1)
+      local aside=${idx%.old}; aside=$prefix.bin.tmp.${aside##*.tmp.}.old
+      [ -e "$aside" ] && bin=$aside
+    fi
+    local s; s=$(sums "$bin" "$idx")
     if [ "$s" = "$old" ]; then echo old; elif [ "$s" = "$new" ]; then echo new; else echo MIXED; fi
   else
     [ "$(wc -l < "$WORK/reader.err")" -eq 1 ] || fail "$prefix refused without one line: $(cat "$WORK/reader.err")"
@@ -202,6 +210,7 @@ for d in $(kill_points "$ms" "$renames"); do
   for key in text title; do
     s=$(dataset_state "$WORK/pp/corpus_${key}_document" "${OLD[$key]}" "${NEW[$key]}")
     [ "$s" = MIXED ] && fail "preprocess_data killed at $d: $key's .bin and .idx are of two runs"
+    [ "$s" = nothing ] && fail "preprocess_data killed at $d: no $key dataset found (the old one must stay until replaced)"
     states+="$s "
   done
   # back to the old result for the next trial (each trial replaces old by new)
@@ -228,6 +237,7 @@ for d in $(kill_points "$ms" "$renames"); do
   kill_at "$d" prepro/merge_datasets --input "$WORK/merge_new" --output-prefix "$WORK/merged/m"
   s=$(dataset_state "$WORK/merged/m" "$old" "$new")
   [ "$s" = MIXED ] && fail "merge_datasets killed at $d: its .bin and .idx are of two runs"
+  [ "$s" = nothing ] && fail "merge_datasets killed at $d: no dataset found (the old one must stay until replaced)"
   states+="$s "
   prepro/merge_datasets --input "$WORK/merge_old" --output-prefix "$WORK/merged/m" >/dev/null || fail "the rerun failed"
   [ "$(temporaries "$WORK/merged")" -eq 0 ] || fail "temporaries left after the rerun"

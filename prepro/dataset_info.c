@@ -7,13 +7,16 @@
  *                [--show-split train|valid|test] [--samples K]
  *                [--num-samples N | --train-iters I --global-batch-size G [--eval-interval 1000]
  *                 [--eval-iters 100]]
- *                [--vocab-file encoder.json --merge-file vocab.bpe | --tokenizer-model FILE
- *                 [--tokenizer-kind gpt2|cl100k_base|o200k_base|llama3]]
+ *                [--tokenizer-type TYPE and its flags, as preprocess_data takes them]
  *                [--output-dir DIR]
  *       builds the train/valid/test datasets exactly as Megatron does for these flags (megatron.h
  *       section 3: splits, epochs, document/sample/shuffle index, blending) and prints, for the split
  *       chosen with --show-split, how it was built and its first K samples, decoded as text when a
- *       tokenizer is given (token ids otherwise). Sample counts: --num-samples N asks the shown split
+ *       tokenizer is given (token ids otherwise): --tokenizer-type GPT2BPETokenizer (--vocab-file,
+ *       --merge-file), HuggingFaceTokenizer (--tokenizer-model), TikTokenizer, TiktokenFileTokenizer,
+ *       Llama3Tokenizer, with the same flags as preprocess_data and train_gpt (prepro/args.h).
+ *       --tokenizer-kind K, the old flag, still works: --tokenizer-type TiktokenFileTokenizer
+ *       --tiktoken-encoding K (Llama3Tokenizer for llama3). Sample counts: --num-samples N asks the shown split
  *       for N samples (the other splits for 0); --train-iters/--global-batch-size/--eval-interval/
  *       --eval-iters give Megatron's counts for all three; with neither, each split is one epoch.
  *       --output-dir DIR writes that split's index arrays as Megatron caches them: for one dataset
@@ -22,9 +25,9 @@
  */
 #define MEGATRON_IMPLEMENTATION
 #include "../megatron.h"
-#include "args.h"
 #define MT_TOKENIZER_IMPLEMENTATION
 #include "tokenizer.h"
+#include "args.h" /* after tokenizer.h: the shared tokenizer flags */
 
 #include <errno.h>
 #include <stdio.h>
@@ -43,8 +46,13 @@ static void usage(void) {
             "  --num-samples N          samples requested from the shown split (others: 0)\n"
             "  --train-iters I --global-batch-size G [--eval-interval 1000] [--eval-iters 100]\n"
             "                           Megatron's sample counts for all three splits\n"
-            "  --vocab-file F --merge-file M           GPT-2 BPE tokenizer, to decode samples\n"
-            "  --tokenizer-model FILE [--tokenizer-kind gpt2|cl100k_base|o200k_base|llama3]\n"
+            "  --tokenizer-type TYPE    decode the samples with this tokenizer (Megatron's names):\n"
+            "                           GPT2BPETokenizer (--vocab-file F --merge-file M),\n"
+            "                           HuggingFaceTokenizer (--tokenizer-model DIR|tokenizer.json),\n"
+            "                           TikTokenizer, TiktokenFileTokenizer, Llama3Tokenizer\n"
+            "                           (--tokenizer-model FILE), with preprocess_data's other tokenizer\n"
+            "                           flags; NullTokenizer or none: token ids\n"
+            "  --tokenizer-kind K       deprecated: --tokenizer-type TiktokenFileTokenizer --tiktoken-encoding K\n"
             "  --output-dir DIR         write the shown split's index arrays (.npy) to DIR\n");
 }
 
@@ -115,7 +123,9 @@ int main(int argc, char** argv) {
     if (!argv) return 1;
     const char** data_args = (const char**)calloc((size_t)argc, sizeof(char*));
     int num_data_args = 0, seq_length = 0, show = MT_SPLIT_TRAIN, samples_to_print = 2;
-    const char *split = "969, 30, 1", *vocab = NULL, *merges = NULL, *model = NULL, *kind_name = NULL, *out_dir = NULL;
+    const char *split = "969, 30, 1", *kind_name = NULL, *out_dir = NULL;
+    mt_tokenizer_args tok_args;
+    mt_tokenizer_args_init(&tok_args);
     long long seed = 1234, num_samples = -1, train_iters = -1, gbs = -1, eval_interval = 1000, eval_iters = 100;
     long long v;
     mt_error err;
@@ -124,6 +134,9 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; i++) {
         const char* a = argv[i];
         int has = i + 1 < argc;
+        int tf = mt_args_tokenizer_flag("dataset_info", argc, argv, &i, &tok_args);
+        if (tf < 0) return 1;
+        if (tf > 0) continue;
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
             usage();
             return 0;
@@ -138,9 +151,6 @@ int main(int argc, char** argv) {
         else if (strcmp(a, "--global-batch-size") == 0 && has) { if (!parse_num(a, argv[++i], 1, INT64_MAX, &gbs)) return 1; }
         else if (strcmp(a, "--eval-interval") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT64_MAX, &eval_interval)) return 1; }
         else if (strcmp(a, "--eval-iters") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT64_MAX, &eval_iters)) return 1; }
-        else if (strcmp(a, "--vocab-file") == 0 && has) vocab = argv[++i];
-        else if (strcmp(a, "--merge-file") == 0 && has) merges = argv[++i];
-        else if (strcmp(a, "--tokenizer-model") == 0 && has) model = argv[++i];
         else if (strcmp(a, "--tokenizer-kind") == 0 && has) kind_name = argv[++i];
         else if (strcmp(a, "--output-dir") == 0 && has) out_dir = argv[++i];
         else if (strcmp(a, "--show-split") == 0 && has) {
@@ -161,6 +171,22 @@ int main(int argc, char** argv) {
         return fail("no dataset given");
     }
     if (seed < 0 || seed > 4294967295LL) return fail("--seed must be in [0, 2^32)");
+
+    /* The tokenizer that decodes the samples, loaded first so that a wrong flag fails at once. */
+    mt_tokenizer* tok = NULL;
+    if (kind_name) { /* the old flag: a tiktoken rank file of this encoding */
+        if (tok_args.type) return fail("--tokenizer-kind is the old name of --tokenizer-type TiktokenFileTokenizer --tiktoken-encoding: give one of them");
+        fprintf(stderr, "dataset_info: --tokenizer-kind is deprecated; use --tokenizer-type %s --tiktoken-encoding %s\n",
+                strcmp(kind_name, "llama3") ? "TiktokenFileTokenizer" : "Llama3Tokenizer", kind_name);
+        tok_args.type = strcmp(kind_name, "llama3") ? "TiktokenFileTokenizer" : "Llama3Tokenizer";
+        tok_args.tiktoken_encoding = kind_name;
+    }
+    if (tok_args.type && strcmp(tok_args.type, "NullTokenizer") != 0) {
+        if (mt_tokenizer_load_by_type(&tok, &tok_args, &err) != MT_OK) return fail(err.message);
+    } else if (!tok_args.type && (tok_args.model || tok_args.vocab_file || tok_args.merge_file)) {
+        return fail("tokenizer files given without --tokenizer-type (GPT2BPETokenizer for --vocab-file/--merge-file, "
+                    "HuggingFaceTokenizer for a tokenizer.json, ...; see --help)");
+    }
 
     const char** prefixes = (const char**)calloc((size_t)num_data_args, sizeof(char*));
     double* weights = (double*)calloc((size_t)num_data_args, sizeof(double));
@@ -224,19 +250,6 @@ int main(int argc, char** argv) {
     }
 
     /* Decode the first samples of the shown split. */
-    mt_tokenizer* tok = NULL;
-    if (vocab || merges) {
-        if (!vocab || !merges) return fail("--vocab-file and --merge-file go together");
-        if (mt_tokenizer_load_gpt2(&tok, vocab, merges, &err) != MT_OK) return fail(err.message);
-    } else if (model) {
-        mt_tokenizer_kind kind;
-        if (kind_name) {
-            if (mt_tokenizer_kind_from_name(kind_name, &kind, &err) != MT_OK) return fail(err.message);
-        } else if (!mt_tokenizer_kind_from_path(model, &kind)) {
-            return fail("cannot tell the encoding from the --tokenizer-model file name; give --tokenizer-kind");
-        }
-        if (mt_tokenizer_load_tiktoken(&tok, model, kind, &err) != MT_OK) return fail(err.message);
-    }
     int32_t* tokens = (int32_t*)malloc(((size_t)seq_length + 1) * sizeof(int32_t));
     int64_t n = mt_gpt_data_num_samples(d, show);
     for (int64_t i = 0; i < samples_to_print && i < n; i++) {

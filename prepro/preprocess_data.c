@@ -43,6 +43,10 @@ static const char* const usage =
     "                            one key only names the output\n"
     "  --skip-bad-lines          skip malformed JSONL lines (bad JSON, missing key, value not a\n"
     "                            string), report each and count them, instead of stopping at the first\n"
+    "  --max-line-bytes N        the longest JSONL line taken, in bytes (text input: the largest file;\n"
+    "                            default 1073741824 = 1 GiB, at most 2^40); a longer one is an error\n"
+    "                            naming its file and line, found before more than about N bytes of it\n"
+    "                            are held in memory\n"
     "output:\n"
     "  --output-prefix PREFIX    output path prefix\n"
     "  --append-eod              append the end-of-document token to every non-empty document\n"
@@ -68,6 +72,9 @@ static const char* const usage =
     "  --workers N               encoding threads (default: the number of CPUs)\n"
     "  --quiet                   no progress lines\n"
     "  --help\n"
+    "SIGINT or SIGTERM stops the run within about 0.1 s at any point (a FIFO input waiting for its\n"
+    "writer included), removes the temporary files and exits with 128 + the signal's number; the\n"
+    "old datasets stay.\n"
     "accepted for compatibility, no effect on the output:\n"
     "  --log-interval N, --partitions 1, --keep-sequential-samples, --dataset-impl mmap\n"
     "not supported: --split-sentences (and --lang, --keep-newlines which go with it).\n";
@@ -80,15 +87,26 @@ typedef struct {
     const char* format;
     const char* output_prefix;
     mt_tokenizer_args tok;          /* the tokenizer flags */
-    const char** special_tokens;
+    long long max_line_bytes;
     int append_eod, workers, skip_bad_lines, quiet;
 } options;
 
+/* The signal that asked the run to stop (0: none): mt_preprocess's cancellation flag. */
 static volatile sig_atomic_t g_interrupted = 0;
 
-static void on_sigint(int sig) {
-    g_interrupted = 1;
-    signal(sig, SIG_DFL); /* a second Ctrl-C kills at once */
+static void on_signal(int sig) { g_interrupted = sig; }
+
+/* SIGINT and SIGTERM set g_interrupted. Without SA_RESTART a blocking call the signal lands in
+ * returns EINTR instead of going on; SA_RESETHAND: a second signal ends the process at once (the
+ * temporaries it leaves are removed by the next writer of the prefix). */
+static void install_signal_handlers(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESETHAND;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
 }
 
 static int die(const char* fmt, const char* a) {
@@ -166,35 +184,18 @@ static int parse_args(int argc, char** argv, options* o) {
         if (i + 1 >= argc) return die("%s needs a value", a);                          \
         dst = argv[++i];                                                                 \
     } while (0)
+        int tf = mt_args_tokenizer_flag("preprocess_data", argc, argv, &i, &o->tok);
+        if (tf < 0) return 1;
+        if (tf > 0) continue;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { fputs(usage, stdout); exit(0); }
         else if (!strcmp(a, "--input")) { if (take_list(argc, argv, &i, &o->inputs, &o->num_inputs)) return die("%s needs a value", a); }
         else if (!strcmp(a, "--json-keys")) { if (take_list(argc, argv, &i, &o->keys, &o->num_keys)) return die("%s needs a value", a); }
         else if (!strcmp(a, "--input-format")) VALUE(o->format);
         else if (!strcmp(a, "--output-prefix")) VALUE(o->output_prefix);
-        else if (!strcmp(a, "--tokenizer-type")) VALUE(o->tok.type);
-        else if (!strcmp(a, "--vocab-file")) VALUE(o->tok.vocab_file);
-        else if (!strcmp(a, "--merge-file")) VALUE(o->tok.merge_file);
-        else if (!strcmp(a, "--tokenizer-model")) VALUE(o->tok.model);
-        else if (!strcmp(a, "--tiktoken-encoding")) VALUE(o->tok.tiktoken_encoding);
-        else if (!strcmp(a, "--tiktoken-pattern")) VALUE(o->tok.tiktoken_pattern);
-        else if (!strcmp(a, "--tokenizer-hf-no-include-special-tokens")) o->tok.hf_no_include_special_tokens = 1;
-        else if (!strcmp(a, "--tokenizer-special-tokens") || !strcmp(a, "--tiktoken-special-tokens")) {
-            if (take_list(argc, argv, &i, &o->special_tokens, &o->tok.num_special_tokens)) return die("%s needs a value", a);
-            o->tok.special_tokens = o->special_tokens;
-        } else if (!strcmp(a, "--tiktoken-num-special-tokens") || !strcmp(a, "--vocab-size")) {
+        else if (!strcmp(a, "--max-line-bytes")) {
             const char* v;
             VALUE(v);
-            char* end;
-            long long n = strtoll(v, &end, 10);
-            if (*end || !*v || n < 1 || n > 0x7FFFFFFE) {
-                char msg[300];
-                snprintf(msg, sizeof(msg), "%s must be a positive integer below 2^31, not '%.200s'", a, v);
-                return die("%s", msg);
-            }
-            if (!strcmp(a, "--vocab-size")) o->tok.vocab_size = n;
-            else o->tok.tiktoken_num_special_tokens = n;
-        } else if (!strcmp(a, "--tokenizer-hf-no-use-fast")) {
-            return die("%s: this build implements Hugging Face's fast tokenizer (tokenizer.json) only", a);
+            if (!mt_args_parse_int("preprocess_data", a, v, 1, (long long)1 << 40, &o->max_line_bytes)) return 1;
         }
         else if (!strcmp(a, "--append-eod")) o->append_eod = 1;
         else if (!strcmp(a, "--skip-bad-lines")) o->skip_bad_lines = 1;
@@ -279,9 +280,9 @@ int main(int argc, char** argv) {
     cfg.progress = on_progress;
     cfg.bad_line = on_bad_line;
     cfg.user = &ps;
+    cfg.max_line_bytes = (size_t)o.max_line_bytes;
     cfg.cancel = &g_interrupted;
-    signal(SIGINT, on_sigint);
-    signal(SIGTERM, on_sigint);
+    install_signal_handlers();
 
     if (!o.quiet)
         fprintf(stderr, "preprocess_data: tokenizer %s (vocab %lld, eod %d), %d workers\n", mt_tokenizer_kind_name(mt_tokenizer_get_kind(tok)),
@@ -291,13 +292,15 @@ int main(int argc, char** argv) {
     mt_status st = mt_preprocess(&cfg, &stats, &err);
     if (!o.quiet && stats.documents > 0 && ps.tty) fprintf(stderr, "\r\033[K");
     if (st != MT_OK) {
-        fprintf(stderr, "preprocess_data: %s\n", err.message);
+        int sig = g_interrupted;
+        if (sig) fprintf(stderr, "preprocess_data: interrupted by signal %d (%s); no output written\n", sig,
+                         sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "?");
+        else fprintf(stderr, "preprocess_data: %s\n", err.message);
         mt_tokenizer_free(tok);
         free((void*)o.inputs);
         free((void*)o.keys);
-        free((void*)o.special_tokens);
         free(args);
-        return 1;
+        return sig ? 128 + sig : 1;
     }
     if (!o.quiet) print_progress(&stats, 1, 0);
     int nk = o.num_keys ? o.num_keys : 1;
@@ -311,7 +314,6 @@ int main(int argc, char** argv) {
     mt_tokenizer_free(tok);
     free((void*)o.inputs);
     free((void*)o.keys);
-    free((void*)o.special_tokens);
     free(args);
     return 0;
 }

@@ -242,15 +242,26 @@ typedef struct {
     int workers;                    /* encoding threads (>= 1) */
     int skip_bad_lines;             /* skip (and count) malformed JSONL lines instead of failing */
     size_t batch_bytes;             /* input bytes per unit of work; 0: 1 MiB */
+    size_t max_line_bytes;          /* the longest JSONL line (its newline not counted), or with text
+                                     * input the largest file, taken; 0: 1 GiB (MT_PREPROCESS_MAX_LINE).
+                                     * A longer one stops the run (--skip-bad-lines does not skip it)
+                                     * before more than about this much of it is held in memory:
+                                     * "<file>: line <n> is longer than --max-line-bytes (<limit>)" */
     /* Optional, called from the calling thread: after each batch written, and for each skipped bad
      * line ("file:line: problem"), in input order. */
     void (*progress)(void* user, const mt_preprocess_stats* stats);
     void (*bad_line)(void* user, const char* message);
     void* user;
-    /* Optional: when *cancel becomes non-zero (e.g. from a SIGINT handler), stop, remove the
-     * temporary files and return MT_ERR_IO "interrupted". */
+    /* Optional: when *cancel becomes non-zero (e.g. from a SIGINT handler), stop within about 0.1 s
+     * wherever the run is (waiting for input from a FIFO or pipe, reading, encoding even one long
+     * document: checked every 4096 pieces and 2^16 merge steps, writing), remove the temporary files
+     * and return MT_ERR_IO "interrupted". Not checked inside the final fsyncs, nor inside the linear
+     * passes over one document's bytes (JSON, UTF-8, NFC: about a second for a 1 GiB line). The
+     * worker threads block every signal, so a process-directed signal reaches a thread of the caller. */
     const volatile sig_atomic_t* cancel;
 } mt_preprocess_config;
+
+#define MT_PREPROCESS_MAX_LINE ((size_t)1 << 30) /* max_line_bytes' default: 1 GiB */
 
 /* Runs the whole job. Output files are written under temporary names and renamed into place only
  * when everything succeeded, so a failed or interrupted run leaves no dataset behind. The bytes
@@ -279,8 +290,11 @@ const char* mt_preprocess_compressions(void);
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 #if defined(MT_HAVE_ZLIB)
 #include <zlib.h>
 #endif
@@ -305,6 +319,9 @@ extern "C" {
 /* ---------------------------------------------------------------------------------------------- */
 
 #define MTK__NO_RANK 0xFFFFFFFFu
+
+/* Whether a cancellation flag (may be NULL) was set, e.g. by a SIGINT handler. */
+static inline int mtk__cancelled(const volatile sig_atomic_t* cancel) { return cancel && *cancel; }
 
 /* A whole tokenizer file (a regular file of at most 1 GiB, NUL-terminated): megatron.h's mt_read_file. */
 static mt_status mtk__read_file(const char* path, uint8_t** out, size_t* len, mt_error* err) {
@@ -1193,8 +1210,9 @@ static mtk__heap_item mtk__heap_pop(mtk__heap_item* h, size_t* n) {
     return top;
 }
 
-/* Returns the number of symbols left in sym, or (size_t)-1 when memory runs out. */
-static size_t mtk__merge_large(const mt_tokenizer* tok, int32_t* sym, size_t ns) {
+/* Returns the number of symbols left in sym, (size_t)-1 when memory runs out, or (size_t)-2 when
+ * *cancel was set (checked every 2^16 steps: a piece can be a whole long document). */
+static size_t mtk__merge_large(const mt_tokenizer* tok, int32_t* sym, size_t ns, const volatile sig_atomic_t* cancel) {
     if (ns < 2) return ns;
     /* next[k] / prev[k]: the neighbours of symbol k (ns / (uint32_t)-1 at the ends). Every merge
      * leaves at most two new pairs, so the heap never holds more than 3 * ns entries. */
@@ -1205,12 +1223,25 @@ static size_t mtk__merge_large(const mt_tokenizer* tok, int32_t* sym, size_t ns)
     uint32_t* prev = next + ns;
     size_t hn = 0;
     for (size_t k = 0; k < ns; k++) { next[k] = (uint32_t)(k + 1); prev[k] = (uint32_t)(k - 1); alive[k] = 1; }
+    size_t steps = 0;
     for (size_t k = 0; k + 1 < ns; k++) {
+        if ((++steps & 0xFFFF) == 0 && mtk__cancelled(cancel)) {
+            free(next);
+            free(heap);
+            free(alive);
+            return (size_t)-2;
+        }
         mtk__heap_item it = {0, (uint32_t)k, 0};
         it.rank = mtk__merge(tok, sym[k], sym[k + 1], &it.made);
         if (it.rank != MTK__NO_RANK) mtk__heap_push(heap, &hn, it);
     }
     while (hn > 0) {
+        if ((++steps & 0xFFFF) == 0 && mtk__cancelled(cancel)) {
+            free(next);
+            free(heap);
+            free(alive);
+            return (size_t)-2;
+        }
         mtk__heap_item it = mtk__heap_pop(heap, &hn);
         uint32_t a = it.pos, b;
         int32_t made;
@@ -1240,8 +1271,10 @@ static size_t mtk__merge_large(const mt_tokenizer* tok, int32_t* sym, size_t ns)
 }
 
 /* Appends the tokens of one piece p[0..n) to out (room for n more): the piece itself when it is a
- * token that may stand for itself, else its symbols merged. Returns 0, or -1 when out of memory. */
-static int mtk__bpe(const mt_tokenizer* tok, const uint8_t* p, size_t n, int32_t* out, size_t* count) {
+ * token that may stand for itself, else its symbols merged. Returns 0, -1 when out of memory, or -2
+ * when *cancel (may be NULL) was set. */
+static int mtk__bpe(const mt_tokenizer* tok, const uint8_t* p, size_t n, int32_t* out, size_t* count,
+                    const volatile sig_atomic_t* cancel) {
     if (n == 1 && tok->sym_id[p[0]] >= 0) { /* a single byte (or ASCII character) that is a token */
         out[(*count)++] = tok->sym_id[p[0]];
         return 0;
@@ -1252,8 +1285,9 @@ static int mtk__bpe(const mt_tokenizer* tok, const uint8_t* p, size_t n, int32_t
     }
     int32_t* sym = out + *count; /* out has room for n, and a piece has at most n symbols */
     size_t ns = mtk__symbols(tok, p, n, sym);
-    ns = ns <= MTK__BPE_SMALL ? mtk__merge_small(tok, sym, ns) : mtk__merge_large(tok, sym, ns);
+    ns = ns <= MTK__BPE_SMALL ? mtk__merge_small(tok, sym, ns) : mtk__merge_large(tok, sym, ns, cancel);
     if (ns == (size_t)-1) return -1;
+    if (ns == (size_t)-2) return -2;
     *count += ns;
     return 0;
 }
@@ -1270,7 +1304,7 @@ static mt_status mtk__mark_shortcuts(mt_tokenizer* tok, mt_error* err) {
         mtk__tok_entry* e = &tok->entries[k];
         if (!e->hashed) continue;
         size_t c = 0;
-        if (mtk__bpe(tok, tok->blob + e->off, e->len, out, &c) != 0) { free(out); return mt_fail(err, MT_ERR_OOM, "out of memory"); }
+        if (mtk__bpe(tok, tok->blob + e->off, e->len, out, &c, NULL) != 0) { free(out); return mt_fail(err, MT_ERR_OOM, "out of memory"); }
         e->shortcut = (uint8_t)(c == 1 && out[0] == e->id);
     }
     tok->shortcut_all = saved;
@@ -1470,6 +1504,8 @@ typedef struct {
     size_t c;          /* tokens used */
     mtk__buf norm[2];  /* normalizer steps write here, alternately */
     mtk__buf pre;      /* the pre-tokenizer's rewrite (prefix space, Metaspace) */
+    const volatile sig_atomic_t* cancel; /* checked every 4096 pieces (and in long merges); may be NULL */
+    size_t pieces;
 } mtk__enc;
 
 static int mtk__enc_grow(mtk__enc* e, size_t more) {
@@ -1490,10 +1526,16 @@ static int mtk__enc_emit(mtk__enc* e, int32_t id) {
     return 0;
 }
 
+/* One piece's tokens appended: 0, -1 out of memory, -2 cancelled. */
+static inline int mtk__enc_piece(mtk__enc* e, const uint8_t* p, size_t n) {
+    if ((++e->pieces & 4095) == 0 && mtk__cancelled(e->cancel)) return -2;
+    if (mtk__enc_reserve(e, n)) return -1;
+    return mtk__bpe(e->tok, p, n, *e->tokens, &e->c, e->cancel);
+}
+
 /* Encodes each piece of s[0..n) as the pattern `kind` cuts it. Inlined into mtk__enc_pieces once
  * per pattern, so that each loop runs its own matcher. */
 static inline int mtk__enc_split(mtk__enc* e, const uint8_t* s, size_t n, mtk__split_kind kind) {
-    const mt_tokenizer* tok = e->tok;
     size_t i = 0;
     while (i < n) {
         size_t end = mtk__split(kind, s, n, i);
@@ -1501,7 +1543,8 @@ static inline int mtk__enc_split(mtk__enc* e, const uint8_t* s, size_t n, mtk__s
             i += mtk__utf8_len(s[i]);
             continue;
         }
-        if (mtk__enc_reserve(e, end - i) || mtk__bpe(tok, s + i, end - i, *e->tokens, &e->c) != 0) return -1;
+        int r = mtk__enc_piece(e, s + i, end - i);
+        if (r) return r;
         i = end;
     }
     return 0;
@@ -1516,7 +1559,8 @@ static int mtk__enc_pieces(mtk__enc* e, const uint8_t* s, size_t n) {
         for (size_t i = 0, end; i < n; i = end) {
             end = i + 1;
             while (end < n && !(end + rl <= n && mtk__equal(s + end, rep, rl))) end++;
-            if (mtk__enc_reserve(e, end - i) || mtk__bpe(tok, s + i, end - i, *e->tokens, &e->c) != 0) return -1;
+            int r = mtk__enc_piece(e, s + i, end - i);
+            if (r) return r;
         }
         return 0;
     }
@@ -1647,7 +1691,9 @@ static int mtk__enc_segment(mtk__enc* e, const uint8_t* s, size_t n, int first) 
     return mtk__enc_pretokenize(e, t, tn, first);
 }
 
-int64_t mt_tokenizer_encode(const mt_tokenizer* tok, const char* text, size_t len, int32_t** tokens, size_t* count, size_t* cap) {
+/* mt_tokenizer_encode, which returns -2 once *cancel (may be NULL) is set. */
+static int64_t mtk__encode(const mt_tokenizer* tok, const char* text, size_t len, int32_t** tokens, size_t* count, size_t* cap,
+                           const volatile sig_atomic_t* cancel) {
     const uint8_t* s = (const uint8_t*)text;
     uint8_t* clean = NULL;
     size_t first = *count;
@@ -1665,6 +1711,7 @@ int64_t mt_tokenizer_encode(const mt_tokenizer* tok, const char* text, size_t le
     e.tokens = tokens;
     e.cap = cap;
     e.c = *count;
+    e.cancel = cancel;
     /* A piece of n bytes gives at most n tokens: room is made before each piece. English averages
      * ~4 bytes per token, so start with len/4. */
     int r = mtk__enc_reserve(&e, len / 4 + 16 + (size_t)tok->num_prefix + (size_t)tok->num_suffix);
@@ -1676,7 +1723,11 @@ int64_t mt_tokenizer_encode(const mt_tokenizer* tok, const char* text, size_t le
     free(e.norm[1].p);
     free(e.pre.p);
     *count = e.c;
-    return r ? -1 : (int64_t)(e.c - first);
+    return r ? (r == -2 ? -2 : -1) : (int64_t)(e.c - first);
+}
+
+int64_t mt_tokenizer_encode(const mt_tokenizer* tok, const char* text, size_t len, int32_t** tokens, size_t* count, size_t* cap) {
+    return mtk__encode(tok, text, len, tokens, count, cap, NULL);
 }
 
 size_t mt_tokenizer_token_bytes(const mt_tokenizer* tok, int32_t id, const char** bytes) {
@@ -3179,11 +3230,21 @@ mt_status mt_json_object_strings(const char* line, size_t len, const char* const
  * on the number of workers or on their timing. */
 
 /* ---- input streams: plain files, and .gz / .zst when the build has zlib / zstd ---- */
+/* An input may be any file Megatron could read: a regular file, a FIFO or a pipe (/dev/stdin), a
+ * device. None may block the run past a cancellation: the file is opened with O_NONBLOCK (opening a
+ * FIFO that has no writer yet returns at once) and every wait for bytes is a poll() of at most
+ * MTK__POLL_MS, after which *cancel is checked again, so no signal can slip in between a check
+ * and a blocking call. (On Linux a FIFO opened so reports nothing to poll() until a writer comes.)
+ * zlib reads its file itself: a .gz input is switched back to blocking reads once its first bytes
+ * are there, and a signal (the handler installed without SA_RESTART) ends a read that waits. */
+
+#define MTK__POLL_MS 100
 
 typedef struct {
     const char* path;
     mt_status status; /* why the last read failed */
-    FILE* f;         /* plain and .zst */
+    int fd;          /* plain and .zst; -1 when closed */
+    const volatile sig_atomic_t* cancel;
 #if defined(MT_HAVE_ZLIB)
     gzFile gz;
 #endif
@@ -3212,54 +3273,110 @@ static int mtk__ends_with(const char* s, const char* suffix) {
     return n >= m && !strcmp(s + n - m, suffix);
 }
 
-static mt_status mtk__in_open(mtk__in* in, const char* path, mt_error* err) {
-    memset(in, 0, sizeof(*in));
-    in->path = path;
-    if (mtk__ends_with(path, ".gz")) {
+/* Waits until fd has bytes (or its end) to read, checking *cancel every MTK__POLL_MS. */
+static mt_status mtk__in_wait(mtk__in* in, mt_error* err) {
+    for (;;) {
+        if (mtk__cancelled(in->cancel)) return in->status = mt_fail(err, MT_ERR_IO, "interrupted");
+        struct pollfd p;
+        p.fd = in->fd;
+        p.events = POLLIN;
+        p.revents = 0;
+        int r = poll(&p, 1, MTK__POLL_MS);
+        if (r > 0) return MT_OK;
+        if (r < 0 && errno != EINTR && errno != EAGAIN)
+            return in->status = mt_fail(err, MT_ERR_IO, "error reading %s: %s", in->path, strerror(errno));
+    }
+}
+
+/* Up to n bytes from the file: the count (fewer only at its end), 0 at the end, or -1 (in->status). */
+static long mtk__in_read_fd(mtk__in* in, uint8_t* buf, size_t n, mt_error* err) {
+    size_t got = 0;
+    while (got < n) {
+        if (mtk__in_wait(in, err) != MT_OK) return -1;
+        ssize_t r = read(in->fd, buf + got, n - got);
+        if (r == 0) break;
+        if (r < 0) {
+            if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
+            in->status = mt_fail(err, MT_ERR_IO, "error reading %s: %s", in->path, strerror(errno));
+            return -1;
+        }
+        got += (size_t)r;
+    }
+    return (long)got;
+}
+
+static void mtk__in_close(mtk__in* in) {
 #if defined(MT_HAVE_ZLIB)
-        in->gz = gzopen(path, "rb");
-        if (!in->gz) return mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, errno ? strerror(errno) : "out of memory");
+    if (in->gz) { gzclose(in->gz); in->fd = -1; } /* (gzclose closes the fd) */
+#endif
+#if defined(MT_HAVE_ZSTD)
+    if (in->zs) { ZSTD_freeDStream(in->zs); free(in->zbuf); }
+#endif
+    if (in->fd >= 0) close(in->fd);
+    memset(in, 0, sizeof(*in));
+    in->fd = -1;
+}
+
+static mt_status mtk__in_open(mtk__in* in, const char* path, const volatile sig_atomic_t* cancel, mt_error* err) {
+    memset(in, 0, sizeof(*in));
+    in->fd = -1;
+    in->path = path;
+    in->cancel = cancel;
+    int gz = mtk__ends_with(path, ".gz"), zst = mtk__ends_with(path, ".zst");
+#if !defined(MT_HAVE_ZLIB)
+    if (gz) return mt_fail(err, MT_ERR_IO, "cannot read %s: this build has no zlib (install zlib's headers, e.g. zlib1g-dev, and rebuild)", path);
+#endif
+#if !defined(MT_HAVE_ZSTD)
+    if (zst) return mt_fail(err, MT_ERR_IO, "cannot read %s: this build has no zstd (install zstd's headers, e.g. libzstd-dev, and rebuild)", path);
+#endif
+    do {
+        if (mtk__cancelled(cancel)) return mt_fail(err, MT_ERR_IO, "interrupted");
+        in->fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    } while (in->fd < 0 && errno == EINTR);
+    if (in->fd < 0) return mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+#if defined(MT_HAVE_ZLIB)
+    if (gz) {
+        int flags = fcntl(in->fd, F_GETFL);
+        mt_status st = mtk__in_wait(in, err); /* a FIFO: its writer has come */
+        if (st == MT_OK && (flags < 0 || fcntl(in->fd, F_SETFL, flags & ~O_NONBLOCK) != 0))
+            st = mt_fail(err, MT_ERR_IO, "cannot read %s: %s", path, strerror(errno));
+        if (st == MT_OK && !(in->gz = gzdopen(in->fd, "rb")))
+            st = mt_fail(err, MT_ERR_OOM, "out of memory opening %s", path);
+        if (st != MT_OK) { mtk__in_close(in); return st; }
         gzbuffer(in->gz, 1 << 17);
         return MT_OK;
-#else
-        return mt_fail(err, MT_ERR_IO, "cannot read %s: this build has no zlib (install zlib's headers, e.g. zlib1g-dev, and rebuild)", path);
-#endif
     }
-    if (mtk__ends_with(path, ".zst")) {
+#endif
 #if defined(MT_HAVE_ZSTD)
+    if (zst) {
         in->zs = ZSTD_createDStream();
         in->zcap = ZSTD_DStreamInSize();
         in->zbuf = (uint8_t*)malloc(in->zcap);
         if (!in->zs || !in->zbuf || ZSTD_isError(ZSTD_initDStream(in->zs))) {
-            if (in->zs) ZSTD_freeDStream(in->zs);
-            free(in->zbuf);
+            mtk__in_close(in);
             return mt_fail(err, MT_ERR_OOM, "out of memory opening %s", path);
         }
-#else
-        return mt_fail(err, MT_ERR_IO, "cannot read %s: this build has no zstd (install zstd's headers, e.g. libzstd-dev, and rebuild)", path);
-#endif
     }
-    in->f = fopen(path, "rb");
-    if (!in->f) {
-        int e = errno;
-#if defined(MT_HAVE_ZSTD)
-        if (in->zs) { ZSTD_freeDStream(in->zs); free(in->zbuf); }
 #endif
-        return mt_fail(err, MT_ERR_IO, "cannot open %s: %s", path, strerror(e));
-    }
+    (void)gz;
+    (void)zst;
     return MT_OK;
 }
 
-/* Reads up to n decompressed bytes: the count, 0 at the end, or -1 (MT_ERR_IO / MT_ERR_FORMAT in err). */
+/* Reads up to n decompressed bytes: the count, 0 at the end, or -1 (MT_ERR_IO / MT_ERR_FORMAT in err;
+ * "interrupted" once *cancel is set). */
 static long mtk__in_read(mtk__in* in, uint8_t* buf, size_t n, mt_error* err) {
     if (n > ((size_t)1 << 30)) n = (size_t)1 << 30;
+    if (mtk__cancelled(in->cancel)) { in->status = mt_fail(err, MT_ERR_IO, "interrupted"); return -1; }
 #if defined(MT_HAVE_ZLIB)
     if (in->gz) {
         int got = gzread(in->gz, buf, (unsigned)n);
         if (got < 0) {
             int code = 0;
             const char* msg = gzerror(in->gz, &code);
-            in->status = mt_fail(err, MT_ERR_FORMAT, "%s: corrupt gzip data (%s)", in->path, msg ? msg : "?");
+            if (mtk__cancelled(in->cancel)) in->status = mt_fail(err, MT_ERR_IO, "interrupted"); /* a read the signal ended */
+            else if (code == Z_ERRNO) in->status = mt_fail(err, MT_ERR_IO, "error reading %s: %s", in->path, strerror(errno));
+            else in->status = mt_fail(err, MT_ERR_FORMAT, "%s: corrupt gzip data (%s)", in->path, msg ? msg : "?");
             return -1;
         }
         return got;
@@ -3268,12 +3385,13 @@ static long mtk__in_read(mtk__in* in, uint8_t* buf, size_t n, mt_error* err) {
 #if defined(MT_HAVE_ZSTD)
     if (in->zs) {
         ZSTD_outBuffer ob = {buf, n, 0};
-        while (ob.pos < n) { /* fill the buffer, as fread does */
+        while (ob.pos < n) { /* fill the buffer, as a plain read does */
             if (in->zpos == in->zlen) {
-                in->zlen = fread(in->zbuf, 1, in->zcap, in->f);
+                long r = mtk__in_read_fd(in, in->zbuf, in->zcap, err);
+                if (r < 0) return -1;
+                in->zlen = (size_t)r;
                 in->zpos = 0;
                 if (in->zlen == 0) {
-                    if (ferror(in->f)) { in->status = mt_fail(err, MT_ERR_IO, "error reading %s", in->path); return -1; }
                     if (in->zframe_open) { in->status = mt_fail(err, MT_ERR_FORMAT, "%s: truncated zstd data", in->path); return -1; }
                     break;
                 }
@@ -3287,28 +3405,10 @@ static long mtk__in_read(mtk__in* in, uint8_t* buf, size_t n, mt_error* err) {
         return (long)ob.pos;
     }
 #endif
-    size_t got = fread(buf, 1, n, in->f);
-    if (got == 0 && ferror(in->f)) { in->status = mt_fail(err, MT_ERR_IO, "error reading %s", in->path); return -1; }
-    return (long)got;
+    return mtk__in_read_fd(in, buf, n, err);
 }
 
-static void mtk__in_close(mtk__in* in) {
-#if defined(MT_HAVE_ZLIB)
-    if (in->gz) gzclose(in->gz);
-#endif
-#if defined(MT_HAVE_ZSTD)
-    if (in->zs) { ZSTD_freeDStream(in->zs); free(in->zbuf); }
-#endif
-    if (in->f) fclose(in->f);
-    memset(in, 0, sizeof(*in));
-}
-
-static int mtk__in_is_open(const mtk__in* in) {
-#if defined(MT_HAVE_ZLIB)
-    if (in->gz) return 1;
-#endif
-    return in->f != NULL;
-}
+static int mtk__in_is_open(const mtk__in* in) { return in->fd >= 0; }
 
 enum { MTK__PP_EMPTY = 0, MTK__PP_READY, MTK__PP_BUSY, MTK__PP_DONE };
 
@@ -3346,7 +3446,7 @@ typedef struct {
     int64_t line;
     uint8_t* carry;
     size_t carry_len, carry_cap;
-    size_t batch_bytes;
+    size_t batch_bytes, max_line;
     /* shared with the workers, under mu */
     pthread_mutex_t mu;
     pthread_cond_t cv_work, cv_done;
@@ -3426,6 +3526,12 @@ static size_t mtk__count_lines(const uint8_t* p, size_t n) {
     return k;
 }
 
+/* The one message for a line over the limit (the reader and the workers both find them). */
+static void mtk__line_too_long(char* out, size_t cap, const char* path, int64_t line, size_t limit) {
+    if (line > 0) snprintf(out, cap, "%.400s: line %lld is longer than --max-line-bytes (%zu)", path, (long long)line, limit);
+    else snprintf(out, cap, "%.400s is longer than --max-line-bytes (%zu): text input reads each file as one document", path, limit);
+}
+
 /* Next batch of whole lines of one file into b; *got = 0 when the input is exhausted. */
 static mt_status mtk__pp_read_jsonl(mtk__pp_ctx* c, mtk__pp_batch* b, int* got, mt_error* err) {
     *got = 0;
@@ -3433,7 +3539,7 @@ static mt_status mtk__pp_read_jsonl(mtk__pp_ctx* c, mtk__pp_batch* b, int* got, 
         const char* path = c->files[c->cur];
         mt_status st;
         if (!mtk__in_is_open(&c->in)) {
-            if ((st = mtk__in_open(&c->in, path, err))) return st;
+            if ((st = mtk__in_open(&c->in, path, c->cfg->cancel, err))) return st;
             c->line = 1;
             c->carry_len = 0;
         }
@@ -3471,7 +3577,13 @@ static mt_status mtk__pp_read_jsonl(mtk__pp_ctx* c, mtk__pp_batch* b, int* got, 
                 *got = 1;
                 return MT_OK;
             }
-            /* no newline yet: a line longer than the batch size, keep reading */
+            /* no newline yet: a line longer than the batch size, keep reading unless it is too long */
+            if (b->len > c->max_line) {
+                char msg[sizeof(err->message)];
+                mtk__line_too_long(msg, sizeof(msg), path, c->line, c->max_line);
+                mtk__in_close(&c->in);
+                return mt_fail(err, MT_ERR_FORMAT, "%s", msg);
+            }
         }
     }
     return MT_OK;
@@ -3487,14 +3599,22 @@ static mt_status mtk__pp_read_text(mtk__pp_ctx* c, mtk__pp_batch* b, int* got, m
     while (c->cur < c->num_files && (b->num_text_docs == 0 || b->len < c->batch_bytes)) {
         const char* path = c->files[c->cur];
         mtk__in in;
-        mt_status st = mtk__in_open(&in, path, err);
+        mt_status st = mtk__in_open(&in, path, c->cfg->cancel, err);
         if (st) return st;
+        size_t start = b->len;
         for (;;) {
             if (mtk__grow((void**)&b->data, &b->cap, b->len + (1 << 20) + 1, 1)) { mtk__in_close(&in); return mt_fail(err, MT_ERR_OOM, "out of memory reading %s", path); }
-            long n = mtk__in_read(&in, b->data + b->len, b->cap - b->len - 1, err);
+            size_t want = b->cap - b->len - 1; /* 1 MiB at a time: the limit below is checked between reads */
+            long n = mtk__in_read(&in, b->data + b->len, want < ((size_t)1 << 20) ? want : ((size_t)1 << 20), err);
             if (n < 0) { st = in.status; mtk__in_close(&in); return st; }
             b->len += (size_t)n;
             if (n == 0) break;
+            if (b->len - start > c->max_line) {
+                char msg[sizeof(err->message)];
+                mtk__line_too_long(msg, sizeof(msg), path, 0, c->max_line);
+                mtk__in_close(&in);
+                return mt_fail(err, MT_ERR_FORMAT, "%s", msg);
+            }
         }
         mtk__in_close(&in);
         if (mtk__grow((void**)&b->doc_end, &b->doc_end_cap, b->num_text_docs + 1, sizeof(size_t))) return mt_fail(err, MT_ERR_OOM, "out of memory");
@@ -3512,7 +3632,8 @@ static int mtk__pp_doc(mtk__pp_ctx* c, mtk__pp_batch* b, const char* const* vals
     int nk = c->num_keys;
     if (mtk__grow((void**)&b->doc_len, &b->doc_len_cap, (b->num_docs + 1) * (size_t)nk, sizeof(int64_t))) return -1;
     for (int k = 0; k < nk; k++) {
-        int64_t n = mt_tokenizer_encode(tok, vals[k], lens[k], &b->tokens[k], &b->ntok[k], &b->tcap[k]);
+        int64_t n = mtk__encode(tok, vals[k], lens[k], &b->tokens[k], &b->ntok[k], &b->tcap[k], c->cfg->cancel);
+        if (n == -2) return -3;
         if (n < 0) return -1;
         if (n > 0 && c->cfg->append_eod) {
             if (mtk__grow((void**)&b->tokens[k], &b->tcap[k], b->ntok[k] + 1, sizeof(int32_t))) return -1;
@@ -3551,6 +3672,11 @@ static void mtk__pp_encode(mtk__pp_ctx* c, mtk__pp_batch* b, char** scratch, siz
         for (; p < end && r == 0; line++) {
             const uint8_t* nl = (const uint8_t*)memchr(p, '\n', (size_t)(end - p));
             const uint8_t* e_ = nl ? nl : end;
+            if ((size_t)(e_ - p) > c->max_line) { /* (the reader stops only the lines that outgrow a batch) */
+                b->status = MT_ERR_FORMAT;
+                mtk__line_too_long(b->message, sizeof(b->message), path, line, c->max_line);
+                return;
+            }
             if (line == 1 && e_ - p >= 3 && p[0] == 0xEF && p[1] == 0xBB && p[2] == 0xBF) p += 3; /* a UTF-8 BOM */
             const uint8_t* q = p;
             while (q < e_ && (*q == ' ' || *q == '\t' || *q == '\r')) q++;
@@ -3580,6 +3706,7 @@ static void mtk__pp_encode(mtk__pp_ctx* c, mtk__pp_batch* b, char** scratch, siz
     }
     if (r == -1) { b->status = MT_ERR_OOM; snprintf(b->message, sizeof(b->message), "out of memory encoding documents"); }
     if (r == -2) b->status = MT_ERR_RANGE;
+    if (r == -3) { b->status = MT_ERR_IO; snprintf(b->message, sizeof(b->message), "interrupted"); }
 }
 
 static void* mtk__pp_worker(void* arg) {
@@ -3629,7 +3756,9 @@ mt_status mt_preprocess(const mt_preprocess_config* cfg, mt_preprocess_stats* st
     c.cfg = cfg;
     c.keys = cfg->num_json_keys > 0 ? cfg->json_keys : default_keys;
     c.num_keys = cfg->num_json_keys > 0 ? cfg->num_json_keys : 1;
+    c.in.fd = -1;
     c.batch_bytes = cfg->batch_bytes ? cfg->batch_bytes : ((size_t)1 << 20);
+    c.max_line = cfg->max_line_bytes ? cfg->max_line_bytes : MT_PREPROCESS_MAX_LINE;
     workers = cfg->workers > 0 ? cfg->workers : 1;
     max_inflight = (size_t)(2 * workers + 2) * c.batch_bytes;
     if (max_inflight < ((size_t)1 << 30)) max_inflight = (size_t)1 << 30;
@@ -3690,19 +3819,28 @@ mt_status mt_preprocess(const mt_preprocess_config* cfg, mt_preprocess_stats* st
         else
             sync_ok = 1;
     }
-    for (int t = 0; t < workers && st == MT_OK; t++) {
-        if (pthread_create(&threads[t], NULL, mtk__pp_worker, &c) != 0) st = mt_fail(err, MT_ERR_CONFIG, "cannot start worker thread %d", t);
-        else nthreads++;
+    if (st == MT_OK) { /* the workers block every signal (they inherit the mask): a signal reaches the reading thread */
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        for (int t = 0; t < workers && st == MT_OK; t++) {
+            if (pthread_create(&threads[t], NULL, mtk__pp_worker, &c) != 0) st = mt_fail(err, MT_ERR_CONFIG, "cannot start worker thread %d", t);
+            else nthreads++;
+        }
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
     }
 
-    /* Read ahead, write in order. */
+    /* Read ahead, write in order. A failure of the reader is reported once the batches read before
+     * it are written (one of them may fail first): the error is always the first in input order. */
+    mt_status read_st = MT_OK;
+    mt_error read_err;
+    read_err.message[0] = 0;
     while (st == MT_OK) {
         while (!input_done && next_read - next_write < c.num_slots && (inflight == 0 || inflight < max_inflight)) {
             mtk__pp_batch* b = &c.slots[next_read % c.num_slots];
             int got = 0;
-            st = cfg->format == MT_INPUT_TEXT ? mtk__pp_read_text(&c, b, &got, err) : mtk__pp_read_jsonl(&c, b, &got, err);
-            if (st != MT_OK) break;
-            if (!got) { input_done = 1; break; }
+            read_st = cfg->format == MT_INPUT_TEXT ? mtk__pp_read_text(&c, b, &got, &read_err) : mtk__pp_read_jsonl(&c, b, &got, &read_err);
+            if (read_st != MT_OK || !got) { input_done = 1; break; }
             pthread_mutex_lock(&c.mu);
             b->seq = next_read++;
             inflight += b->len;
@@ -3710,12 +3848,24 @@ mt_status mt_preprocess(const mt_preprocess_config* cfg, mt_preprocess_stats* st
             pthread_cond_signal(&c.cv_work);
             pthread_mutex_unlock(&c.mu);
         }
-        if (st != MT_OK || next_write == next_read) break;
+        if (next_write == next_read) {
+            if (read_st != MT_OK) {
+                st = read_st;
+                if (err) *err = read_err;
+            }
+            break;
+        }
         mtk__pp_batch* b = &c.slots[next_write % c.num_slots];
         pthread_mutex_lock(&c.mu);
-        while (b->state != MTK__PP_DONE) pthread_cond_wait(&c.cv_done, &c.mu);
+        while (b->state != MTK__PP_DONE && !mtk__cancelled(cfg->cancel)) { /* a signal does not end a wait: look every 0.1 s */
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_nsec += MTK__POLL_MS * 1000000L;
+            if (until.tv_nsec >= 1000000000L) { until.tv_sec++; until.tv_nsec -= 1000000000L; }
+            pthread_cond_timedwait(&c.cv_done, &c.mu, &until);
+        }
         pthread_mutex_unlock(&c.mu);
-        if (cfg->cancel && *cfg->cancel) { st = mt_fail(err, MT_ERR_IO, "interrupted"); break; }
+        if (mtk__cancelled(cfg->cancel)) { st = mt_fail(err, MT_ERR_IO, "interrupted"); break; }
         if (b->status != MT_OK) { st = mt_fail(err, b->status, "%s", b->message); break; }
         if (b->bad_len && cfg->bad_line) { /* one message per skipped line */
             char* m = b->bad_msgs;
@@ -3765,7 +3915,11 @@ mt_status mt_preprocess(const mt_preprocess_config* cfg, mt_preprocess_stats* st
     }
     /* the datasets of every key are one set: all prepared (written and synced under temporary names)
      * before any is committed, so a failure of one key leaves every old dataset untouched */
-    for (int k = 0; writers && st == MT_OK && k < c.num_keys; k++) st = mt_indexed_writer_prepare(writers[k], err);
+    for (int k = 0; writers && st == MT_OK && k < c.num_keys; k++) {
+        if (mtk__cancelled(cfg->cancel)) st = mt_fail(err, MT_ERR_IO, "interrupted");
+        else st = mt_indexed_writer_prepare(writers[k], err);
+    }
+    if (st == MT_OK && mtk__cancelled(cfg->cancel)) st = mt_fail(err, MT_ERR_IO, "interrupted");
     if (writers && st == MT_OK) st = mt_indexed_writers_commit(writers, c.num_keys, err); /* frees them */
     for (int k = 0; writers && k < c.num_keys; k++)
         if (writers[k]) mt_indexed_writer_abort(writers[k]);

@@ -13,6 +13,7 @@
 #include <dirent.h>
 #include <stdint.h>
 #include <sys/stat.h>
+#include <string>
 #include <unistd.h>
 #include <vector>
 
@@ -839,7 +840,12 @@ static test_result test_dataset_open_errors(void) {
     /* small has 10 sequences: "969,30,1" leaves the valid split [10, 10) with no tokens. */
     EXPECT(mt_gpt_data_open(&d, 1, &small, NULL, "969,30,1", 8, 1234, ns, err) == MT_ERR_CONFIG && !d,
            "an empty split accepted");
-    EXPECT(strstr(err->message, "small") && strstr(err->message, "--split"), "message: %s", err->message);
+    EXPECT(strstr(err->message, "small") && strstr(err->message, "the valid split of --split \"969,30,1\"") &&
+               strstr(err->message, "change --split"),
+           "the message does not say which split and flag: %s", err->message);
+    EXPECT(mt_gpt_data_open(&d, 1, &small, NULL, NULL, 8, 1234, ns, err) == MT_ERR_CONFIG &&
+               strstr(err->message, "of --split \"969, 30, 1\""), /* the default, named as such */
+           "default split: %s", err->message);
     const char* missing = "/nonexistent/data";
     EXPECT(mt_gpt_data_open(&d, 1, &missing, NULL, NULL, 8, 1234, ns, err) == MT_ERR_IO, "missing file");
     double w = 1.0;
@@ -882,6 +888,128 @@ static test_result test_dataset_open_errors(void) {
     return TEST_PASS;
 }
 
+/* ---- prepro/dataset_info ------------------------------------------------------------------------ */
+
+/* print_text of prepro/dataset_info.c: bytes as one quoted line, control characters escaped. */
+static std::string tds_quoted(const char* s, size_t n) {
+    std::string o = "\"";
+    char hex[8];
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c == '\n') o += "\\n";
+        else if (c == '\t') o += "\\t";
+        else if (c == '\r') o += "\\r";
+        else if (c == '"') o += "\\\"";
+        else if (c == '\\') o += "\\\\";
+        else if (c < 0x20 || c == 0x7f) { snprintf(hex, sizeof(hex), "\\x%02x", c); o += hex; }
+        else o += (char)c;
+    }
+    return o + "\"";
+}
+
+/* The lines of out that start with "train sample ". */
+static std::string tds_sample_lines(const char* out) {
+    std::string r;
+    for (const char* l = out; *l;) {
+        const char* e = strchr(l, '\n');
+        size_t n = e ? (size_t)(e - l) + 1 : strlen(l);
+        if (!strncmp(l, "train sample ", 13)) r.append(l, n);
+        l += n;
+    }
+    return r;
+}
+
+/* dataset_info takes the tokenizer flags every other tool takes (--tokenizer-type and its files):
+ * a dataset made with a Hugging Face tokenizer.json (preprocess_data, HuggingFaceTokenizer, GPT-2's
+ * tokenizer.json under dev/data/tokenizers) is decoded with --tokenizer-type HuggingFaceTokenizer,
+ * each sample exactly as the library decodes the same sample; GPT2BPETokenizer's files decode it to
+ * the same text; the old --tokenizer-kind still works (with a note) when the r50k rank file is in
+ * the shared data; tokenizer files without --tokenizer-type are refused naming it. And on a small
+ * corpus the default --split fails with a line that names the split and --split. */
+static test_result test_dataset_info_tool(void) {
+    if (access("prepro/dataset_info", X_OK) != 0) SKIP("prepro/dataset_info is not built (make all)");
+    char dir[256], input[300], prefix[300], ds[320], cmd[2048];
+    EXPECT(tds_tmpdir(dir, sizeof(dir)) == 0, "mkdtemp");
+    snprintf(input, sizeof(input), "%s/in.jsonl", dir);
+    snprintf(prefix, sizeof(prefix), "%s/corpus", dir);
+    snprintf(ds, sizeof(ds), "%s_text_document", prefix);
+    std::string jsonl;
+    char line[200];
+    for (int d = 0; d < 30; d++) {
+        snprintf(line, sizeof(line), "{\"text\": \"Document %d: the quick brown fox\\tjumps over the lazy dog \\u00e9\\n\"}\n", d);
+        jsonl += line;
+    }
+    EXPECT(tds_write_file(input, jsonl.data(), jsonl.size()) == 0, "write %s", input);
+    mt_error err;
+    mt_tokenizer* tok = NULL;
+    EXPECT_OK(mt_tokenizer_load_hf(&tok, "dev/data/tokenizers/gpt2", 1, &err), &err);
+    const char* inputs[1] = {input};
+    mt_preprocess_config pc;
+    memset(&pc, 0, sizeof(pc));
+    pc.inputs = inputs;
+    pc.num_inputs = 1;
+    pc.output_prefix = prefix;
+    pc.tokenizer = tok;
+    pc.append_eod = 1;
+    pc.workers = 1;
+    EXPECT_OK(mt_preprocess(&pc, NULL, &err), &err);
+    /* what dataset_info must print: the first 3 train samples of --split 1,0,0, decoded by the library */
+    const int seq = 16;
+    std::string want;
+    mt_gpt_data* d = NULL;
+    const char* dsp = ds;
+    int64_t none[3] = {-1, -1, -1};
+    EXPECT_OK(mt_gpt_data_open(&d, 1, &dsp, NULL, "1,0,0", seq, 1234, none, &err), &err);
+    for (int i = 0; i < 3; i++) {
+        int32_t t[seq + 1];
+        char* text = NULL;
+        size_t len = 0;
+        EXPECT_OK(mt_gpt_data_get(d, MT_SPLIT_TRAIN, i, t, &err), &err);
+        EXPECT_OK(mt_tokenizer_decode(tok, t, seq + 1, &text, &len, &err), &err);
+        snprintf(line, sizeof(line), "train sample %d (%d tokens): ", i, seq + 1);
+        want += line + tds_quoted(text, len) + "\n";
+        free(text);
+    }
+    mt_gpt_data_close(d);
+    mt_tokenizer_free(tok);
+    static char out[65536];
+    const char* base = "prepro/dataset_info --data-path %s --seq-length 16 --split 1,0,0 --samples 3 %s";
+    const char* variants[2] = {"--tokenizer-type HuggingFaceTokenizer --tokenizer-model dev/data/tokenizers/gpt2",
+                               "--tokenizer-type=GPT2BPETokenizer --vocab-file dev/data/gpt2/gpt2-vocab.json "
+                               "--merge-file dev/data/gpt2/gpt2-merges.txt"};
+    for (int v = 0; v < 2; v++) {
+        snprintf(cmd, sizeof(cmd), base, ds, variants[v]);
+        int code = test_command_output(cmd, out, sizeof(out));
+        std::string got = tds_sample_lines(out);
+        EXPECT(code == 0 && got == want, "%s: exit %d\n      got:\n%s      want:\n%s", variants[v], code, got.c_str(), want.c_str());
+    }
+    char r50k[600];
+    const char* shared = getenv("MT_SHARED_DATA");
+    snprintf(r50k, sizeof(r50k), "%s/tiktoken/r50k_base.tiktoken", shared && shared[0] ? shared : "../shared/data");
+    if (access(r50k, R_OK) == 0) {
+        char old_form[700];
+        snprintf(old_form, sizeof(old_form), "--tokenizer-model %s --tokenizer-kind r50k_base 2>&1", r50k);
+        snprintf(cmd, sizeof(cmd), base, ds, old_form);
+        int code = test_command_output(cmd, out, sizeof(out));
+        EXPECT(code == 0 && tds_sample_lines(out) == want && strstr(out, "--tokenizer-kind is deprecated"),
+               "--tokenizer-kind r50k_base: exit %d, output:\n%s", code, out);
+    } else {
+        printf("    (no %s: --tokenizer-kind not tried)\n", r50k);
+    }
+    snprintf(cmd, sizeof(cmd), base, ds, "--tokenizer-model dev/data/tokenizers/gpt2 2>&1");
+    int code = test_command_output(cmd, out, sizeof(out));
+    EXPECT(code != 0 && strstr(out, "dataset_info: error: tokenizer files given without --tokenizer-type"),
+           "a tokenizer file without --tokenizer-type: exit %d, %s", code, out);
+    /* 30 documents: the default split's test share (0.1%) is no document */
+    snprintf(cmd, sizeof(cmd), "prepro/dataset_info --data-path %s --seq-length 16 2>&1 >/dev/null", ds);
+    code = test_command_output(cmd, out, sizeof(out));
+    EXPECT(code != 0 && strstr(out, "the test split of --split \"969, 30, 1\" is sequences [30, 30) of 30, 0 tokens") &&
+               strstr(out, "change --split") && strchr(out, '\n') == out + strlen(out) - 1,
+           "small corpus, default split: exit %d, %s", code, out);
+    tds_rmdir(dir);
+    return TEST_PASS;
+}
+
 static const test_case dataset_tests[] = {
     {"dataset_rng", test_dataset_rng},
     {"dataset_split", test_dataset_split},
@@ -894,6 +1022,7 @@ static const test_case dataset_tests[] = {
     {"dataset_merge", test_dataset_merge},
     {"dataset_npy", test_dataset_npy},
     {"dataset_open_errors", test_dataset_open_errors},
+    {"dataset_info_tool", test_dataset_info_tool},
 };
 
 #endif

@@ -6,9 +6,13 @@
  * too); these skip when the binaries are not built: `make all`). Files: a FIFO, directory or device where a
  * regular file is meant is refused with one line and never blocks (each case runs in a child that is
  * killed after 10 s); a crash at every step of a dataset commit (a child stops there and exits
- * without cleanup) leaves each dataset old, new or refused, never a mixed pair, and the next writer
- * removes what it left; a failed commit (and preprocess_data with a failing second key) restores
- * every old dataset; stale temporaries of dead processes go, others stay. Sizes from files: every
+ * without cleanup) leaves each dataset old or new, never refused nor a mixed pair, and the next
+ * writer puts a moved-aside old pair back and removes what it left; the crash state made on disk,
+ * then preprocess_data runs that fail (before and after opening their writer): the old dataset is
+ * still found; a failed commit (and preprocess_data with a failing second key) restores every old
+ * dataset; stale temporaries of dead processes go, others stay. preprocess_data as a subprocess:
+ * SIGTERM/SIGINT end it within a second (a FIFO without a writer, an endless line, one long
+ * document being encoded) leaving nothing; /dev/zero stops at --max-line-bytes with bounded memory. Sizes from files: every
  * checkpoint header word (targeted cases and 200k random headers), the tracker, 3000 random .idx
  * corruptions (refused in one line, or read within bounds), safetensors element count x size, GPT
  * sample counts; convert_hf's interrupted import does not block the retry.
@@ -558,21 +562,25 @@ static test_result test_hostile_dataset_commit_crash(void) {
         EXPECT_OK(hostile_dataset_write(b, 1, 12, NULL, &err), &err);
         hostile_commit_case k = {dir, ops < 0 ? 0 : ops, ops < 0};
         EXPECT(hostile_in_child(hostile_commit_child, &k, 30) == 0, "the crashing child failed (ops %d)", ops);
+        /* each dataset: the old one until its new .idx is in place (operation 7 for a, 8 for b), the new
+         * one after; never refused (the old pair is read where the commit moved it) nor a mixed pair */
+        int want_a = ops >= 7 ? 2 : 1, want_b = ops >= 8 ? 2 : 1;
         int got_a = hostile_dataset_seed(a, seeds, 2, 12), got_b = hostile_dataset_seed(b, seeds, 2, 12);
-        /* each dataset: the old one, the new one, or refused; never a new .bin read with an old .idx */
-        EXPECT(got_a >= 0 && got_b >= 0, "crash after %d operations: a reader accepted a mixed pair (a %d, b %d)", ops,
-               got_a, got_b);
-        if (ops <= 0) EXPECT(got_a == 1 && got_b == 1, "no operation done, yet a %d b %d", got_a, got_b);
-        if (ops >= 8) EXPECT(got_a == 2 && got_b == 2, "all operations done, yet a %d b %d", got_a, got_b);
-        if (ops > 0 && ops < 8) EXPECT(got_a != 1 || got_b != 2, "b committed before a was moved aside");
-        /* the next run removes what the dead child left (its temporaries and moved-aside files) */
-        EXPECT(hostile_count_temporaries(dir) > 0 || ops >= 8, "the child left no temporaries (ops %d)", ops);
+        EXPECT(got_a == want_a && got_b == want_b, "crash after %d operations: a reader found a %d, b %d (want %d, %d; "
+               "0 refused, -1 a mixed pair)", ops, got_a, got_b, want_a, want_b);
+        EXPECT(hostile_count_temporaries(dir) > 0, "the child left no temporaries (ops %d)", ops);
+        /* the next writer of each prefix (here one that fails: it aborts) puts a moved-aside old pair
+         * back and removes what the dead child left; the datasets stay as they were */
         mt_indexed_writer* w = NULL;
         EXPECT_OK(mt_indexed_writer_open(&w, a, MT_DTYPE_UINT16, &err), &err);
         mt_indexed_writer_abort(w);
         EXPECT_OK(mt_indexed_writer_open(&w, b, MT_DTYPE_UINT16, &err), &err);
         mt_indexed_writer_abort(w);
         EXPECT(hostile_count_temporaries(dir) == 0, "stale temporaries left after a new writer opened (ops %d)", ops);
+        got_a = hostile_dataset_seed(a, seeds, 2, 12);
+        got_b = hostile_dataset_seed(b, seeds, 2, 12);
+        EXPECT(got_a == want_a && got_b == want_b, "crash after %d operations, then a failed writer: a %d, b %d (want %d, %d)",
+               ops, got_a, got_b, want_a, want_b);
     }
     mt_remove_tree(dir);
     return TEST_PASS;
@@ -680,6 +688,286 @@ static test_result test_hostile_stale_temporaries(void) {
     EXPECT(access(path, F_OK) == 0, "the target of a stale symbolic link was removed");
     EXPECT(hostile_count_temporaries(dir) == 4, "%d temporaries remain, want the 4 kept", hostile_count_temporaries(dir));
     mt_remove_tree(dir);
+    return TEST_PASS;
+}
+
+/* ---- a commit that a crash cut short, then a rerun that fails ---------------------------------- */
+
+/* The state a crash leaves between the commit's renames, made on disk for a process that is gone:
+ * the old pair of corpus_text_document (seed 1) moved aside to its *.tmp.<pid>.old names, with
+ * (stage 1) or without (stage 0) the new .bin already renamed into place; the new .idx still a
+ * temporary. Then reruns of preprocess_data that fail: one before it opens its writer (a missing
+ * input), one after (a malformed line). A reader finds the old dataset all along; the rerun that
+ * opened a writer put it back at its names; a later successful run replaces it and leaves no
+ * temporaries. */
+static test_result test_hostile_interrupted_commit_rerun(void) {
+    char dir[256], prefix[512], ds[512], scratch[512], to[700], input[600], bad[600], missing[600];
+    hostile_dir(dir, sizeof(dir), "rerun");
+    snprintf(prefix, sizeof(prefix), "%s/corpus", dir);
+    snprintf(ds, sizeof(ds), "%s/corpus_text_document", dir);
+    snprintf(scratch, sizeof(scratch), "%s/new", dir);
+    snprintf(input, sizeof(input), "%s/good.jsonl", dir);
+    snprintf(bad, sizeof(bad), "%s/bad.jsonl", dir);
+    snprintf(missing, sizeof(missing), "%s/missing.jsonl", dir);
+    const char* good_lines = "{\"text\": \"one two three\"}\n{\"text\": \"four five\"}\n";
+    const char* bad_lines = "{\"text\": \"one two three\"}\n{\"text\": 5}\n";
+    EXPECT(thf_write_bytes(input, good_lines, strlen(good_lines)) == 0 && thf_write_bytes(bad, bad_lines, strlen(bad_lines)) == 0,
+           "inputs");
+    const int seeds[2] = {1, 2};
+    mt_error err;
+    mt_tokenizer* tok = NULL;
+    EXPECT_OK(mt_tokenizer_load_gpt2(&tok, "dev/data/gpt2/gpt2-vocab.json", "dev/data/gpt2/gpt2-merges.txt", &err), &err);
+    mt_preprocess_config pc;
+    memset(&pc, 0, sizeof(pc));
+    pc.num_inputs = 1;
+    pc.format = MT_INPUT_JSONL;
+    pc.output_prefix = prefix;
+    pc.tokenizer = tok;
+    pc.workers = 2;
+    int ok = 1;
+    for (int stage = 0; stage < 2 && ok; stage++) {
+        long dead = hostile_dead_pid();
+        EXPECT_OK(hostile_dataset_write(ds, 1, 12, NULL, &err), &err);
+        EXPECT_OK(hostile_dataset_write(scratch, 2, 12, NULL, &err), &err); /* the crashed run's new pair */
+        /* stage 0: the old .idx moved aside, the new pair still temporaries; stage 1: the old .bin moved
+         * aside too and the new .bin in its place */
+        char names[4][2][700];
+        snprintf(names[0][0], 700, "%s.idx", ds);
+        snprintf(names[0][1], 700, "%s.idx.tmp.%ld.old", ds, dead);
+        snprintf(names[1][0], 700, "%s.bin", ds);
+        snprintf(names[1][1], 700, "%s.bin.tmp.%ld.old", ds, dead);
+        snprintf(names[2][0], 700, "%s.bin", scratch);
+        if (stage == 0) snprintf(names[2][1], 700, "%s.bin.tmp.%ld", ds, dead);
+        else snprintf(names[2][1], 700, "%s.bin", ds);
+        snprintf(names[3][0], 700, "%s.idx", scratch);
+        snprintf(names[3][1], 700, "%s.idx.tmp.%ld", ds, dead);
+        for (int m = 0; m < 4; m++)
+            if (stage == 1 || m != 1) EXPECT(rename(names[m][0], names[m][1]) == 0, "rename %s %s", names[m][0], names[m][1]);
+        ok &= hostile_dataset_seed(ds, seeds, 2, 12) == 1;
+        EXPECT(ok, "stage %d: the crash state does not read as the old dataset", stage);
+        const char* in_missing[1] = {missing};
+        pc.inputs = in_missing;
+        EXPECT(mt_preprocess(&pc, NULL, &err) == MT_ERR_IO && strstr(err.message, "missing.jsonl"), "missing input: %s", err.message);
+        EXPECT(hostile_dataset_seed(ds, seeds, 2, 12) == 1, "stage %d: a rerun that failed early lost the old dataset", stage);
+        const char* in_bad[1] = {bad};
+        pc.inputs = in_bad;
+        EXPECT(mt_preprocess(&pc, NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "bad.jsonl:2:"), "bad input: %s", err.message);
+        EXPECT(hostile_dataset_seed(ds, seeds, 2, 12) == 1, "stage %d: a rerun that failed lost the old dataset", stage);
+        snprintf(to, sizeof(to), "%s.idx", ds);
+        EXPECT(access(to, F_OK) == 0, "stage %d: the old .idx is not back at %s", stage, to);
+        EXPECT(hostile_count_temporaries(dir) == 0, "stage %d: %d temporaries left", stage, hostile_count_temporaries(dir));
+        const char* in_good[1] = {input};
+        pc.inputs = in_good;
+        EXPECT_OK(mt_preprocess(&pc, NULL, &err), &err);
+        mt_indexed_dataset* d = NULL;
+        EXPECT_OK(mt_indexed_dataset_open(&d, ds, &err), &err);
+        int64_t docs = mt_indexed_dataset_num_documents(d);
+        mt_indexed_dataset_close(d);
+        EXPECT(docs == 2, "stage %d: the new dataset has %lld documents, want 2", stage, (long long)docs);
+        EXPECT(hostile_count_temporaries(dir) == 0, "stage %d: a successful run left temporaries", stage);
+    }
+    mt_tokenizer_free(tok);
+    mt_remove_tree(dir);
+    return TEST_PASS;
+}
+
+/* ---- preprocess_data stopped by a signal, and its line limit ----------------------------------- */
+
+/* Starts argv (prepro/preprocess_data ...) with stdout to /dev/null and stderr to err_path. */
+static pid_t hostile_spawn(char* const* argv, const char* err_path) {
+    fflush(stdout);
+    pid_t p = fork();
+    if (p == 0) {
+        int out = open("/dev/null", O_WRONLY), e = open(err_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (out < 0 || e < 0 || dup2(out, 1) < 0 || dup2(e, 2) < 0) _exit(126);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    return p;
+}
+
+/* Waits at most ms for pid: 1 with its status once it has ended, else 0. */
+static int hostile_wait_ms(pid_t pid, int ms, int* status) {
+    for (int t = 0; t <= ms; t++) {
+        if (waitpid(pid, status, WNOHANG) == pid) return 1;
+        usleep(1000);
+    }
+    return 0;
+}
+
+/* Entries of dir other than "." and "..". */
+static int hostile_count_entries(const char* dir) {
+    DIR* d = opendir(dir);
+    int n = 0;
+    struct dirent* e;
+    while (d && (e = readdir(d)) != NULL) n += strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+    if (d) closedir(d);
+    return n;
+}
+
+/* In a child: writes 64 KiB of 'x' (no newline) into the FIFO every 5 ms until the reader is gone. */
+static void hostile_feed_forever(const char* fifo) {
+    signal(SIGPIPE, SIG_IGN);
+    int fd = open(fifo, O_WRONLY);
+    static char chunk[65536];
+    memset(chunk, 'x', sizeof(chunk));
+    while (fd >= 0 && write(fd, chunk, sizeof(chunk)) > 0) usleep(5000);
+    _exit(0);
+}
+
+/* SIGTERM (or SIGINT) ends preprocess_data within a second wherever it is: opening a FIFO that has
+ * no writer, reading an endless line from a FIFO fed without a newline, encoding one long document
+ * (an 8 MB word: seconds of merges). The signal comes 0.3 s after the run's temporary output
+ * appears; the run must exit with 128 + the signal's number (its handler ran: the default action
+ * would kill it) and say so, and leave nothing in its output directory. */
+static test_result test_hostile_preprocess_signals(void) {
+    if (access("prepro/preprocess_data", X_OK) != 0) SKIP("prepro/preprocess_data is not built (make all)");
+    char dir[256], out_dir[300], prefix[400], fifo_idle[300], fifo_fed[300], word[300], err_path[300];
+    hostile_dir(dir, sizeof(dir), "signals");
+    snprintf(out_dir, sizeof(out_dir), "%s/out", dir);
+    snprintf(prefix, sizeof(prefix), "%s/corpus", out_dir);
+    snprintf(fifo_idle, sizeof(fifo_idle), "%s/idle.jsonl", dir);
+    snprintf(fifo_fed, sizeof(fifo_fed), "%s/endless.jsonl", dir);
+    snprintf(word, sizeof(word), "%s/word.txt", dir);
+    snprintf(err_path, sizeof(err_path), "%s/stderr.txt", dir);
+    EXPECT(mkfifo(fifo_idle, 0644) == 0 && mkfifo(fifo_fed, 0644) == 0, "mkfifo");
+    size_t wlen = 8000000;
+    char* w = (char*)malloc(wlen);
+    uint64_t x = 99;
+    for (size_t i = 0; i < wlen; i++) { x = x * 6364136223846793005ull + 1442695040888963407ull; w[i] = (char)('a' + (x >> 33) % 26); }
+    EXPECT(thf_write_bytes(word, w, wlen) == 0, "write %s", word);
+    free(w);
+    struct { const char* what; const char* input; const char* format; int sig; int feed; } cases[] = {
+        {"a FIFO with no writer", fifo_idle, "jsonl", SIGTERM, 0},
+        {"a FIFO with no writer (SIGINT)", fifo_idle, "jsonl", SIGINT, 0},
+        {"an endless line from a FIFO", fifo_fed, "jsonl", SIGTERM, 1},
+        {"encoding an 8 MB word", word, "text", SIGTERM, 0},
+    };
+    int ok = 1;
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        mt_remove_tree(out_dir);
+        mkdir(out_dir, 0755);
+        pid_t feeder = -1;
+        if (cases[c].feed) {
+            fflush(stdout);
+            feeder = fork();
+            if (feeder == 0) hostile_feed_forever(cases[c].input);
+        }
+        char* argv[] = {(char*)"prepro/preprocess_data", (char*)"--input", (char*)cases[c].input, (char*)"--input-format",
+                        (char*)cases[c].format, (char*)"--output-prefix", prefix, (char*)"--tokenizer-type",
+                        (char*)"GPT2BPETokenizer", (char*)"--vocab-file", (char*)"dev/data/gpt2/gpt2-vocab.json",
+                        (char*)"--merge-file", (char*)"dev/data/gpt2/gpt2-merges.txt", (char*)"--workers", (char*)"2",
+                        (char*)"--max-line-bytes", (char*)"1099511627776", (char*)"--quiet", NULL};
+        pid_t p = hostile_spawn(argv, err_path);
+        int status = 0, started = 0, ended = 0;
+        for (int t = 0; t < 1000 && !started && !ended; t++) { /* its writer has opened: a temporary is there */
+            started = hostile_count_entries(out_dir) > 0;
+            ended = !started && hostile_wait_ms(p, 10, &status);
+        }
+        if (started) {
+            usleep(300000);
+            ended = hostile_wait_ms(p, 0, &status);
+        }
+        int in_time = 0;
+        if (!ended) {
+            kill(p, cases[c].sig);
+            in_time = hostile_wait_ms(p, 1000, &status);
+            if (!in_time) { kill(p, SIGKILL); waitpid(p, &status, 0); }
+        }
+        if (feeder > 0) { kill(feeder, SIGKILL); waitpid(feeder, NULL, 0); }
+        char* err_text = test_read_file(err_path, NULL);
+        char want[64];
+        snprintf(want, sizeof(want), "interrupted by signal %d", cases[c].sig);
+        int left = hostile_count_entries(out_dir);
+        int good = started && !ended && in_time && WIFEXITED(status) && WEXITSTATUS(status) == 128 + cases[c].sig &&
+                   err_text && strstr(err_text, want) && left == 0;
+        if (!good)
+            printf("    %s: started %d, ended before the signal %d, ended within 1 s of it %d, %s %d, %d files left, "
+                   "stderr: %s\n", cases[c].what, started, ended, in_time, WIFEXITED(status) ? "exit" : "signal",
+                   WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? WTERMSIG(status) : -1, left,
+                   err_text ? err_text : "(none)");
+        free(err_text);
+        ok &= good;
+    }
+    mt_remove_tree(dir);
+    EXPECT(ok, "preprocess_data did not stop cleanly within a second of the signal");
+    return TEST_PASS;
+}
+
+/* The peak resident memory of a running process (VmHWM of /proc/<pid>/status), in KiB; -1 if unknown. */
+static long hostile_peak_kib(pid_t pid) {
+    char path[64], buf[4096];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    FILE* f = fopen(path, "r");
+    long kib = -1;
+    while (f && fgets(buf, sizeof(buf), f))
+        if (!strncmp(buf, "VmHWM:", 6)) kib = strtol(buf + 6, NULL, 10);
+    if (f) fclose(f);
+    return kib;
+}
+
+/* --max-line-bytes bounds what one line may take. /dev/zero (no newline, ever) with a 64 MiB limit
+ * is refused in one line naming the file and the line, and leaves nothing. Fed through a FIFO, a
+ * line of 64 MiB + 1 byte is held (the reader waits for more) with a peak resident memory under the
+ * limit plus 48 MiB (the tokenizer and the rest; measured on the process itself, as wait4's figure
+ * counts the memory of the test before its exec), then refused at its end. A bad limit is refused
+ * naming the flag. */
+static test_result test_hostile_preprocess_line_limit(void) {
+    if (access("prepro/preprocess_data", X_OK) != 0) SKIP("prepro/preprocess_data is not built (make all)");
+    char dir[256], prefix[400], err_path[300], out_dir[300], fifo[300];
+    hostile_dir(dir, sizeof(dir), "linelimit");
+    snprintf(out_dir, sizeof(out_dir), "%s/out", dir);
+    snprintf(prefix, sizeof(prefix), "%s/corpus", out_dir);
+    snprintf(err_path, sizeof(err_path), "%s/stderr.txt", dir);
+    snprintf(fifo, sizeof(fifo), "%s/in.jsonl", dir);
+    mkdir(out_dir, 0755);
+    EXPECT(mkfifo(fifo, 0644) == 0, "mkfifo");
+    for (int fed = 0; fed < 2; fed++) {
+        const char* input = fed ? fifo : "/dev/zero";
+        char* argv[] = {(char*)"prepro/preprocess_data", (char*)"--input", (char*)input, (char*)"--output-prefix", prefix,
+                        (char*)"--tokenizer-type", (char*)"GPT2BPETokenizer", (char*)"--vocab-file",
+                        (char*)"dev/data/gpt2/gpt2-vocab.json", (char*)"--merge-file", (char*)"dev/data/gpt2/gpt2-merges.txt",
+                        (char*)"--max-line-bytes", (char*)"67108864", (char*)"--quiet", NULL};
+        pid_t p = hostile_spawn(argv, err_path);
+        long peak = -1;
+        if (fed) { /* 64 MiB + 1 of 'x', a pause to read it all and measure, then the end of the input */
+            void (*old)(int) = signal(SIGPIPE, SIG_IGN);
+            int fd = open(fifo, O_WRONLY);
+            static char chunk[1 << 20];
+            memset(chunk, 'x', sizeof(chunk));
+            int wrote = fd >= 0;
+            for (int k = 0; k < 64 && wrote; k++) wrote = write(fd, chunk, sizeof(chunk)) == (ssize_t)sizeof(chunk);
+            wrote = wrote && write(fd, chunk, 1) == 1;
+            usleep(300000);
+            peak = hostile_peak_kib(p);
+            if (fd >= 0) close(fd);
+            signal(SIGPIPE, old);
+            EXPECT(wrote, "could not feed the FIFO");
+        }
+        int status = 0;
+        int ended = hostile_wait_ms(p, 20000, &status);
+        if (!ended) { kill(p, SIGKILL); waitpid(p, &status, 0); }
+        char* err_text = test_read_file(err_path, NULL);
+        char want[500];
+        snprintf(want, sizeof(want), "preprocess_data: %s: line 1 is longer than --max-line-bytes (67108864)\n", input);
+        int good = err_text && !strcmp(err_text, want);
+        int left = hostile_count_entries(out_dir);
+        EXPECT(ended, "preprocess_data on %s did not stop at the limit within 20 s", input);
+        EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 1 && good, "%s: exit %d, stderr: %s", input,
+               WIFEXITED(status) ? WEXITSTATUS(status) : -1, err_text ? err_text : "(none)");
+        free(err_text);
+        EXPECT(left == 0, "%s: %d files left in the output directory", input, left);
+        if (fed) {
+            printf("    a 64 MiB line held: peak resident memory %.1f MiB\n", (double)peak / 1024.0);
+            EXPECT(peak > 0 && peak < (64 + 48) * 1024, "peak memory %ld KiB holding a line of the 64 MiB limit", peak);
+        }
+    }
+    mt_remove_tree(dir);
+    int ok = hostile_expect_refused("prepro/preprocess_data --input /dev/null --output-prefix /tmp/mt_x --max-line-bytes 0",
+                                    "--max-line-bytes 0: must be between 1 and 1099511627776");
+    ok &= hostile_expect_refused("prepro/preprocess_data --input /dev/null --output-prefix /tmp/mt_x --max-line-bytes 1e9",
+                                 "--max-line-bytes 1e9: not an integer");
+    EXPECT(ok, "a bad --max-line-bytes was not refused with one line");
     return TEST_PASS;
 }
 
@@ -1090,6 +1378,9 @@ static const test_case hostile_tests[] = {
     {"hostile_dataset_commit_crash", test_hostile_dataset_commit_crash},
     {"hostile_dataset_commit_failure", test_hostile_dataset_commit_failure},
     {"hostile_stale_temporaries", test_hostile_stale_temporaries},
+    {"hostile_interrupted_commit_rerun", test_hostile_interrupted_commit_rerun},
+    {"hostile_preprocess_signals", test_hostile_preprocess_signals},
+    {"hostile_preprocess_line_limit", test_hostile_preprocess_line_limit},
     {"hostile_checkpoint_header", test_hostile_checkpoint_header},
     {"hostile_tracker", test_hostile_tracker},
     {"hostile_idx_fuzz", test_hostile_idx_fuzz},

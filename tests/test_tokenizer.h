@@ -5,7 +5,7 @@
  * cases and on large held-out texts (tiny shakespeare, 1.1 MB, always; four Gutenberg books, 3.3 MB,
  * when the shared data is there); decoding; thread safety; load errors and refusals; the JSONL
  * parser and the preprocess_data pipeline (worker-count independence, empty documents, bad lines,
- * .gz/.zst input). The rank files and books are read from the shared data directory
+ * .gz/.zst input, the --max-line-bytes limit, cancellation inside the encoder and of a whole run). The rank files and books are read from the shared data directory
  * ($MT_SHARED_DATA, else ../shared/data) and those tests skip without it. Run from the repo root. */
 #include <pthread.h>
 #include <stdint.h>
@@ -1207,6 +1207,179 @@ static test_result test_tokenizer_empty_token(void) {
     return TEST_PASS;
 }
 
+/* Counts the entries of dir other than "." and "..", except one name (the test's input). */
+static int tt_count_entries(const char* dir, const char* except) {
+    DIR* d = opendir(dir);
+    int n = 0;
+    struct dirent* e;
+    while (d && (e = readdir(d)) != NULL)
+        n += strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && (!except || strcmp(e->d_name, except));
+    if (d) closedir(d);
+    return n;
+}
+
+/* --max-line-bytes: a JSONL line of exactly the limit (its newline not counted) is taken, one byte
+ * more is an error naming the file and the line, whether the line fits a batch (a worker finds it)
+ * or outgrows one (the reader stops it: batches of 16 bytes here); text input: the whole file is
+ * the unit. A failed run leaves nothing. */
+static test_result test_tokenizer_preprocess_line_limit(void) {
+    mt_tokenizer* tok = NULL;
+    mt_error err;
+    char dir[64], input[128], prefix[128], text_in[128];
+    EXPECT(tt_tmpdir(dir, sizeof(dir)), "mkdtemp");
+    EXPECT_OK(mt_tokenizer_load_gpt2(&tok, TT_GPT2_VOCAB, TT_GPT2_MERGES, &err), &err);
+    /* line 1: 40 bytes, line 2: 100 bytes, line 3: 101 bytes, line 4: 20 bytes */
+    char lines[400];
+    size_t len = 0;
+    const int sizes[4] = {40, 100, 101, 20};
+    for (int l = 0; l < 4; l++) {
+        size_t start = len;
+        len += (size_t)snprintf(lines + len, sizeof(lines) - len, "{\"text\": \"");
+        for (int c = 0; len - start < (size_t)sizes[l] - 2; c++) lines[len++] = (char)('a' + c % 26);
+        memcpy(lines + len, "\"}\n", 3);
+        len += 3;
+        EXPECT(len - start == (size_t)sizes[l] + 1, "line %d has %zu bytes", l + 1, len - start - 1);
+    }
+    snprintf(input, sizeof(input), "%s/in.jsonl", dir);
+    EXPECT(tt_write(input, lines, len), "write");
+    snprintf(prefix, sizeof(prefix), "%s/out", dir);
+    const char* inputs[1] = {input};
+    for (int batch = 0; batch < 2; batch++) {
+        mt_preprocess_config cfg;
+        mt_preprocess_stats stats;
+        memset(&cfg, 0, sizeof(cfg));
+        cfg.inputs = inputs;
+        cfg.num_inputs = 1;
+        cfg.output_prefix = prefix;
+        cfg.tokenizer = tok;
+        cfg.workers = 2;
+        cfg.batch_bytes = batch ? 16 : 0;
+        cfg.max_line_bytes = 101;
+        EXPECT_OK(mt_preprocess(&cfg, &stats, &err), &err);
+        EXPECT(stats.documents == 4, "batch %d: %lld documents", batch, (long long)stats.documents);
+        cfg.max_line_bytes = 100;
+        err.message[0] = 0;
+        mt_status st = mt_preprocess(&cfg, &stats, &err);
+        char want[300];
+        snprintf(want, sizeof(want), "%s: line 3 is longer than --max-line-bytes (100)", input);
+        EXPECT(st == MT_ERR_FORMAT && !strcmp(err.message, want), "batch %d: %s -> '%s' (want '%s')", batch,
+               mt_status_name(st), err.message, want);
+        cfg.skip_bad_lines = 1; /* not a malformed line to skip: still an error */
+        EXPECT(mt_preprocess(&cfg, &stats, &err) == MT_ERR_FORMAT && strstr(err.message, "line 3 is longer"),
+               "--skip-bad-lines skipped a line over the limit (batch %d)", batch);
+        cfg.max_line_bytes = 39;
+        EXPECT(mt_preprocess(&cfg, &stats, &err) == MT_ERR_FORMAT && strstr(err.message, "in.jsonl: line 1 is longer"),
+               "line 1 over the limit (batch %d): %s", batch, err.message);
+        EXPECT(tt_count_entries(dir, "in.jsonl") == 2, "a failed run left files (%d entries)", tt_count_entries(dir, "in.jsonl"));
+    }
+    /* text input: a file of 300 bytes is one document */
+    snprintf(text_in, sizeof(text_in), "%s/doc.txt", dir);
+    char doc[300];
+    for (int i = 0; i < 300; i++) doc[i] = (char)('a' + i % 26);
+    EXPECT(tt_write(text_in, doc, sizeof(doc)), "write");
+    const char* texts[1] = {text_in};
+    mt_preprocess_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.inputs = texts;
+    cfg.num_inputs = 1;
+    cfg.format = MT_INPUT_TEXT;
+    cfg.output_prefix = prefix;
+    cfg.tokenizer = tok;
+    cfg.workers = 1;
+    cfg.max_line_bytes = 300;
+    EXPECT_OK(mt_preprocess(&cfg, NULL, &err), &err);
+    cfg.max_line_bytes = 299;
+    mt_status st = mt_preprocess(&cfg, NULL, &err);
+    EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "doc.txt is longer than --max-line-bytes (299)"), "text: %s -> %s",
+           mt_status_name(st), err.message);
+    mt_tokenizer_free(tok);
+    tt_rmtree(dir);
+    return TEST_PASS;
+}
+
+/* Cancellation inside the encoder: with the flag set, encoding stops within 4096 pieces (text of
+ * many pieces) and within 2^16 merges of one long piece (a 300 000-letter word), returning -2; with
+ * the flag clear, the same calls give mt_tokenizer_encode's ids. And mt_preprocess stopped by the
+ * flag from another thread while a worker encodes one long document (a 6 MB word: seconds of
+ * merges) returns "interrupted" within a second and leaves only its input. */
+typedef struct { volatile sig_atomic_t* flag; int ms; } tt_cancel_arg;
+static void* tt_cancel_later(void* p) {
+    tt_cancel_arg* a = (tt_cancel_arg*)p;
+    usleep((useconds_t)a->ms * 1000);
+    *a->flag = 1;
+    return NULL;
+}
+
+static test_result test_tokenizer_preprocess_cancel(void) {
+    mt_tokenizer* tok = NULL;
+    mt_error err;
+    EXPECT_OK(mt_tokenizer_load_gpt2(&tok, TT_GPT2_VOCAB, TT_GPT2_MERGES, &err), &err);
+    size_t size = 0;
+    char* shakes = test_read_file("dev/data/tinyshakespeare.txt", &size);
+    EXPECT(shakes != NULL, "tiny shakespeare");
+    size_t wlen = 300000;
+    char* word = (char*)malloc(wlen);
+    uint64_t x = 12345;
+    for (size_t i = 0; i < wlen; i++) { x = x * 6364136223846793005ull + 1442695040888963407ull; word[i] = (char)('a' + (x >> 33) % 26); }
+    volatile sig_atomic_t flag = 0;
+    const char* texts[2] = {shakes, word};
+    size_t lens[2] = {size, wlen};
+    for (int t = 0; t < 2; t++) {
+        int32_t *a = NULL, *b = NULL;
+        size_t na = 0, ca = 0, nb = 0, cb = 0;
+        flag = 0;
+        int64_t ra = mtk__encode(tok, texts[t], lens[t], &a, &na, &ca, &flag);
+        int64_t rb = mt_tokenizer_encode(tok, texts[t], lens[t], &b, &nb, &cb);
+        int same = ra == rb && ra > 0 && memcmp(a, b, (size_t)ra * sizeof(int32_t)) == 0;
+        flag = 1;
+        na = 0;
+        int64_t rc = mtk__encode(tok, texts[t], lens[t], &a, &na, &ca, &flag);
+        free(a);
+        free(b);
+        EXPECT(same, "text %d: with a clear flag %lld tokens, mt_tokenizer_encode %lld", t, (long long)ra, (long long)rb);
+        EXPECT(rc == -2, "text %d: encoding went on with the flag set (%lld)", t, (long long)rc);
+    }
+    free(word);
+    free(shakes);
+    /* the whole pipeline, stopped from another thread while it merges one 6 MB word */
+    char dir[64], input[128], prefix[128];
+    EXPECT(tt_tmpdir(dir, sizeof(dir)), "mkdtemp");
+    snprintf(input, sizeof(input), "%s/word.txt", dir);
+    wlen = 6000000;
+    word = (char*)malloc(wlen);
+    for (size_t i = 0; i < wlen; i++) { x = x * 6364136223846793005ull + 1442695040888963407ull; word[i] = (char)('a' + (x >> 33) % 26); }
+    EXPECT(tt_write(input, word, wlen), "write");
+    free(word);
+    snprintf(prefix, sizeof(prefix), "%s/out", dir);
+    const char* inputs[1] = {input};
+    mt_preprocess_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.inputs = inputs;
+    cfg.num_inputs = 1;
+    cfg.format = MT_INPUT_TEXT;
+    cfg.output_prefix = prefix;
+    cfg.tokenizer = tok;
+    cfg.workers = 2;
+    flag = 0;
+    cfg.cancel = &flag;
+    tt_cancel_arg arg = {&flag, 500};
+    pthread_t th;
+    EXPECT(pthread_create(&th, NULL, tt_cancel_later, &arg) == 0, "thread");
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    mt_status st = mt_preprocess(&cfg, NULL, &err);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    pthread_join(th, NULL);
+    double took = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    int left = tt_count_entries(dir, "word.txt");
+    mt_tokenizer_free(tok);
+    tt_rmtree(dir);
+    EXPECT(st == MT_ERR_IO && !strcmp(err.message, "interrupted"), "%s: %s", mt_status_name(st), st ? err.message : "finished");
+    EXPECT(took < 1.5, "stopped %.2f s after the start, 0.5 s after the flag was set (want < 1 s after)", took);
+    EXPECT(left == 0, "an interrupted run left %d files", left);
+    return TEST_PASS;
+}
+
 static const test_case tokenizer_tests[] = {
     {"tokenizer_empty_token", test_tokenizer_empty_token},
     {"tokenizer_gpt2_bpe_files", test_tokenizer_gpt2_bpe_files},
@@ -1235,4 +1408,6 @@ static const test_case tokenizer_tests[] = {
     {"tokenizer_preprocess_inputs", test_tokenizer_preprocess_inputs},
     {"tokenizer_preprocess_hf", test_tokenizer_preprocess_hf},
     {"tokenizer_preprocess_compressed", test_tokenizer_preprocess_compressed},
+    {"tokenizer_preprocess_line_limit", test_tokenizer_preprocess_line_limit},
+    {"tokenizer_preprocess_cancel", test_tokenizer_preprocess_cancel},
 };

@@ -123,7 +123,7 @@ stage "1-3. data: prepare_gutenberg.py, preprocess_data, dataset_info"
     common=(--data-path "$PREFIX" --seq-length $SEQ --split $SPLIT --seed $SEED --train-iters "$ITERS"
             --global-batch-size $GBS --eval-interval "$EVAL_INTERVAL" --eval-iters $EVAL_ITERS --show-split $split)
     prepro/dataset_info "${common[@]}" --output-dir "$WORK/index_$split" | tee "$WORK/dataset_info_${split}_ids.log"
-    prepro/dataset_info "${common[@]}" --vocab-file "$VOCAB" --merge-file "$MERGES" \
+    prepro/dataset_info "${common[@]}" --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB" --merge-file "$MERGES" \
       > "$WORK/dataset_info_${split}_text.log"
   done
 } 2>&1 | tee -a "$OUT/prep.log"
