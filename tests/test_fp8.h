@@ -1464,13 +1464,13 @@ static test_result fp8t_tracks_reference(int which) {
     int failures = 0;
     const int count = v.G / v.mb;
     const double move = fabs((double)v.losses[v.S - 1] - (double)v.losses[0]);
-#define FP8T_STOP(...)                                \
-    do {                                              \
+#define FP8T_STOP(...)                                  \
+    do {                                                \
         printf("    FAIL %s:%d: ", __FILE__, __LINE__); \
-        printf(__VA_ARGS__);                          \
-        printf("\n");                                 \
-        result = TEST_FAIL;                           \
-        goto done;                                    \
+        printf(__VA_ARGS__);                            \
+        printf("\n");                                   \
+        result = TEST_FAIL;                             \
+        goto done;                                      \
     } while (0)
 #define FP8T_OK(call)                                                                            \
     do {                                                                                         \
@@ -1478,14 +1478,14 @@ static test_result fp8t_tracks_reference(int which) {
         if (st_ != MT_OK) FP8T_STOP("%s -> %s: %s", #call, mt_status_name(st_), err.message);    \
     } while (0)
 /* a bound that does not hold: printed, counted, and the test goes on (every measure is shown) */
-#define FP8T_BOUND(ok, ...)                                   \
-    do {                                                      \
-        if (!(ok)) {                                          \
+#define FP8T_BOUND(ok, ...)                                             \
+    do {                                                                \
+        if (!(ok)) {                                                    \
             printf("    FAIL %s %s:%d: ", B->name, __FILE__, __LINE__); \
-            printf(__VA_ARGS__);                              \
-            printf("\n");                                     \
-            failures++;                                       \
-        }                                                     \
+            printf(__VA_ARGS__);                                        \
+            printf("\n");                                               \
+            failures++;                                                 \
+        }                                                               \
     } while (0)
     FP8T_OK(mt_config_finalize(&c, &err));
     if (c.padded_vocab_size != v.Vp || mt_num_parameters(&c) != v.n) FP8T_STOP("shape mismatch with the vectors");
