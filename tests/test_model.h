@@ -239,7 +239,13 @@ static test_result check_against_reference_adjusted(const char* path, mt_precisi
             printf("      step %2d loss %.6f ref %.6f | norm %.5f ref %.5f | lr %.4e ref %.4e\n", k, r.lm_loss,
                    v.losses[k], r.grad_norm, v.grad_norms[k], r.learning_rate, v.lrs[k]);
             CHECK_OR_FAIL(le <= tol_steps_loss, "step %d loss rel err %.3e", k, le);
-            CHECK_OR_FAIL(ne <= 10 * tol_grads, "step %d grad norm rel err %.3e", k, ne);
+            /* FP8: 2e-2. The global norm's error is second order in the gradients' (||g||^2 = ||g_ref||^2 +
+             * 2 <g_ref, e> + ||e||^2, the cross term averaging out over independent rounding errors): an
+             * emulation of these runs (dev/fp8_calibration.py --file .../gpt2_small.bin, llama_small.bin)
+             * measured at most 4.9e-3 (delayed hybrid) and 2.6e-3 (tensorwise --format e4m3) while the
+             * gradients were 10-20% off */
+            const double tol_norm = c.fp8_format != MT_FP8_NONE ? 2e-2 : 10 * tol_grads;
+            CHECK_OR_FAIL(ne <= tol_norm, "step %d grad norm rel err %.3e > %.1e", k, ne, tol_norm);
             CHECK_OR_FAIL(lre <= 1e-9 + 1e-6 * v.lrs[k], "step %d lr %.9g vs %.9g", k, r.learning_rate, v.lrs[k]);
         }
         OK_OR_FAIL(mt_trainer_get_parameters(t, buf, &err));
