@@ -1070,7 +1070,8 @@ static int kt_column_sum_all(kt_ctx* k) {
 static test_result test_kernels_column_sum(void) { KT_FOR_TYPES(kt_column_sum_all); }
 
 /* ============================================================================================== */
-/* 6. Bias + GELU (bias_gelu), GELU backward, linear_forward's bias add                             */
+/* 6. Bias + activation (bias_activation: GELU, squared ReLU), their backward, linear_forward's    */
+/*    bias add                                                                                    */
 /* ============================================================================================== */
 
 static double kt_gelu(double x) {
@@ -1093,12 +1094,26 @@ static void kt_gelu_bounds(double x, double* e_gelu, double* e_grad) {
     *e_grad = 0.5 * eth + 0.5 * fabs(x) * edt + 4 * uc * (fabs(kt_gelu_grad(x)) + 1);
 }
 
+/* The reference activation and its derivative, and the kernels' absolute error bounds at x (fp32):
+ * GELU's above; squared ReLU's relu(x)^2 is one fp32 product (uc |ref|) and 2 relu(x) exact. */
+static double kt_act(int act, double x) { return act == ACT_SQUARED_RELU ? (x > 0 ? x * x : 0.0) : kt_gelu(x); }
+static double kt_act_grad(int act, double x) { return act == ACT_SQUARED_RELU ? (x > 0 ? 2 * x : 0.0) : kt_gelu_grad(x); }
+static void kt_act_bounds(int act, double x, double* e_act, double* e_grad) {
+    if (act == ACT_SQUARED_RELU) {
+        *e_act = KT_UC * kt_act(act, x);
+        *e_grad = 0.0;
+        return;
+    }
+    kt_gelu_bounds(x, e_act, e_grad);
+}
+static const char* kt_act_name(int act) { return act == ACT_SQUARED_RELU ? "squared_relu" : "gelu"; }
+
 template <typename T>
-static int kt_bias_gelu_case(kt_ctx* k, kt_cover* cov, int N, int C, bool has_bias, int mis_act) {
+static int kt_bias_gelu_case(kt_ctx* k, kt_cover* cov, int act_kind, int N, int C, bool has_bias, int mis_act) {
     constexpr int V = vec16<T>::N;
     const int64_t n = (int64_t)N * C;
     const double us = kt_fmt<T>::u, uc = KT_UC;
-    kt_rng rng = {kt_seed(7, N, C, has_bias * 2 + mis_act)};
+    kt_rng rng = {kt_seed(7 + 100 * act_kind, N, C, has_bias * 2 + mis_act)};
     kt_host<T> y, b;
     y.fill(n, &rng, 0.01, 4.0);
     if (has_bias) b.fill(C, &rng, 0.01, 0.5);
@@ -1107,21 +1122,21 @@ static int kt_bias_gelu_case(kt_ctx* k, kt_cover* cov, int N, int C, bool has_bi
     T* dbias = has_bias ? kt_alloc<T>(k, C) : NULL;
     KT_ALLOCATED(k);
     const bool vec = C % V == 0 && aligned16(dpre) && aligned16(dact) && aligned16(dbias);
-    const char* variant = vec ? "vec" : has_bias ? "scalar: bias_add + gelu_forward" : "scalar: gelu_forward";
+    const char* variant = vec ? "vec" : has_bias ? "scalar: bias_add + activation_forward" : "scalar: activation_forward";
     kt_cover_hit(cov, variant);
     kt_report rep;
-    kt_report_begin(&rep, "bias_gelu<%s> [%s] N=%d C=%d%s%s", kt_fmt<T>::name, variant, N, C, has_bias ? " bias" : " no bias",
-                    mis_act ? " (act misaligned)" : "");
+    kt_report_begin(&rep, "bias_activation %s<%s> [%s] N=%d C=%d%s%s", kt_act_name(act_kind), kt_fmt<T>::name, variant, N,
+                    C, has_bias ? " bias" : " no bias", mis_act ? " (act misaligned)" : "");
     KT_CUDA(kt_put(k, dpre, y.h));
     if (dbias) KT_CUDA(kt_put(k, dbias, b.h));
     KT_CUDA(kt_poison(k, dact, n));
-    bias_gelu<T>(kt_exec(k, 0), dpre, dact, dbias, N, C);
+    bias_activation<T>(kt_exec(k, 0), act_kind, dpre, dact, dbias, N, C);
     if (!kt_sync(k, rep.label)) return 0;
     std::vector<T> pre, act;
     KT_CUDA(kt_get(k, pre, dpre, n));
     KT_CUDA(kt_get(k, act, dact, n));
-    /* pre = y + b: one fp32 addition, one rounding to T (without a bias: unchanged); act = gelu of the
-     * stored pre (what the backward reads), one rounding to T */
+    /* pre = y + b: one fp32 addition, one rounding to T (without a bias: unchanged); act = the activation
+     * of the stored pre (what the backward reads), one rounding to T */
     kt_check cp, ca;
     kt_check_begin(&cp, "pre", C, 2 * (us + uc), 2 * (us + uc), kt_fmt<T>::tiny);
     kt_check_begin(&ca, "act", C, 2 * us, 2 * us + 32 * uc, kt_fmt<T>::tiny);
@@ -1129,8 +1144,8 @@ static int kt_bias_gelu_case(kt_ctx* k, kt_cover* cov, int N, int C, bool has_bi
         const double x = kt_to<T>(pre[i]);
         kt_check_add(&cp, i, x, y.v[i] + (has_bias ? b.v[i % C] : 0.0), 0.0);
         double eg, ed;
-        kt_gelu_bounds(x, &eg, &ed);
-        kt_check_add(&ca, i, kt_to<T>(act[i]), kt_gelu(x), 2 * eg);
+        kt_act_bounds(act_kind, x, &eg, &ed);
+        kt_check_add(&ca, i, kt_to<T>(act[i]), kt_act(act_kind, x), 2 * eg);
     }
     kt_check_end(&cp, &rep);
     kt_check_end(&ca, &rep);
@@ -1138,8 +1153,8 @@ static int kt_bias_gelu_case(kt_ctx* k, kt_cover* cov, int N, int C, bool has_bi
 }
 
 template <typename T>
-static int kt_bias_gelu_all(kt_ctx* k) {
-    static const char* const variants[] = {"vec", "scalar: bias_add + gelu_forward", "scalar: gelu_forward"};
+static int kt_bias_activation_all(kt_ctx* k, int act_kind) {
+    static const char* const variants[] = {"vec", "scalar: bias_add + activation_forward", "scalar: activation_forward"};
     kt_cover cov;
     kt_cover_init(&cov, variants, 3);
     const struct { int N, C, bias, mis; } shapes[] = {
@@ -1147,18 +1162,24 @@ static int kt_bias_gelu_all(kt_ctx* k) {
     };
     int ok = 1;
     for (const auto& s : shapes) {
-        ok = kt_bias_gelu_case<T>(k, &cov, s.N, s.C, s.bias, s.mis) && ok;
+        ok = kt_bias_gelu_case<T>(k, &cov, act_kind, s.N, s.C, s.bias, s.mis) && ok;
         kt_release(k);
     }
-    return kt_cover_check(&cov, "bias_gelu", kt_fmt<T>::name) && ok;
+    return kt_cover_check(&cov, act_kind == ACT_SQUARED_RELU ? "bias_activation squared_relu" : "bias_activation gelu",
+                          kt_fmt<T>::name) && ok;
 }
+template <typename T>
+static int kt_bias_gelu_all(kt_ctx* k) { return kt_bias_activation_all<T>(k, ACT_GELU); }
+template <typename T>
+static int kt_bias_squared_relu_all(kt_ctx* k) { return kt_bias_activation_all<T>(k, ACT_SQUARED_RELU); }
 static test_result test_kernels_bias_gelu(void) { KT_FOR_TYPES(kt_bias_gelu_all); }
+static test_result test_kernels_bias_squared_relu(void) { KT_FOR_TYPES(kt_bias_squared_relu_all); }
 
 template <typename T>
-static int kt_gelu_backward_case(kt_ctx* k, kt_cover* cov, int64_t n, int mis_d) {
+static int kt_gelu_backward_case(kt_ctx* k, kt_cover* cov, int act_kind, int64_t n, int mis_d) {
     constexpr int V = vec16<T>::N;
     const double us = kt_fmt<T>::u;
-    kt_rng rng = {kt_seed(8, (int)(n >> 20), (int)(n & 0xFFFFF), mis_d)};
+    kt_rng rng = {kt_seed(8 + 100 * act_kind, (int)(n >> 20), (int)(n & 0xFFFFF), mis_d)};
     kt_host<T> d0, x;
     d0.fill(n, &rng, 0.01, 1.0);
     x.fill(n, &rng, 0.01, 4.0);
@@ -1168,21 +1189,21 @@ static int kt_gelu_backward_case(kt_ctx* k, kt_cover* cov, int64_t n, int mis_d)
     const bool vec = n % V == 0 && aligned16(dd) && aligned16(dx);
     kt_cover_hit(cov, vec ? "vec" : "scalar");
     kt_report rep;
-    kt_report_begin(&rep, "gelu_backward<%s> [%s] n=%lld%s", kt_fmt<T>::name, vec ? "vec" : "scalar", (long long)n,
-                    mis_d ? " (d misaligned)" : "");
+    kt_report_begin(&rep, "activation_backward %s<%s> [%s] n=%lld%s", kt_act_name(act_kind), kt_fmt<T>::name,
+                    vec ? "vec" : "scalar", (long long)n, mis_d ? " (d misaligned)" : "");
     KT_CUDA(kt_put(k, dd, d0.h));
     KT_CUDA(kt_put(k, dx, x.h));
-    gelu_backward<T>(kt_exec(k, 0), dd, dx, n);
+    activation_backward<T>(kt_exec(k, 0), act_kind, dd, dx, n);
     if (!kt_sync(k, rep.label)) return 0;
     std::vector<T> d;
     KT_CUDA(kt_get(k, d, dd, n));
-    /* in place: d = d0 * gelu'(x), gelu' to its fp32 bound, the product one more rounding, then T */
+    /* in place: d = d0 * act'(x), act' to its fp32 bound, the product one more rounding, then T */
     kt_check cd;
     kt_check_begin(&cd, "d", 0, 2 * us, 2 * us + 32 * KT_UC, kt_fmt<T>::tiny);
     for (int64_t i = 0; i < n; i++) {
         double eg, ed;
-        kt_gelu_bounds(x.v[i], &eg, &ed);
-        const double ref = d0.v[i] * kt_gelu_grad(x.v[i]);
+        kt_act_bounds(act_kind, x.v[i], &eg, &ed);
+        const double ref = d0.v[i] * kt_act_grad(act_kind, x.v[i]);
         kt_check_add(&cd, i, kt_to<T>(d[i]), ref, 2 * (fabs(d0.v[i]) * ed + KT_UC * fabs(ref)));
     }
     kt_check_end(&cd, &rep);
@@ -1190,7 +1211,7 @@ static int kt_gelu_backward_case(kt_ctx* k, kt_cover* cov, int64_t n, int mis_d)
 }
 
 template <typename T>
-static int kt_gelu_backward_all(kt_ctx* k) {
+static int kt_activation_backward_all(kt_ctx* k, int act_kind) {
     static const char* const variants[] = {"vec", "scalar"};
     kt_cover cov;
     kt_cover_init(&cov, variants, 2);
@@ -1198,12 +1219,18 @@ static int kt_gelu_backward_all(kt_ctx* k) {
     const struct { int64_t n; int mis; } shapes[] = {{8, 0}, {1001 * 3072, 0}, {1001 * 770 + 1, 0}, {257 * 768, 1}};
     int ok = 1;
     for (const auto& s : shapes) {
-        ok = kt_gelu_backward_case<T>(k, &cov, s.n, s.mis) && ok;
+        ok = kt_gelu_backward_case<T>(k, &cov, act_kind, s.n, s.mis) && ok;
         kt_release(k);
     }
-    return kt_cover_check(&cov, "gelu_backward", kt_fmt<T>::name) && ok;
+    return kt_cover_check(&cov, act_kind == ACT_SQUARED_RELU ? "activation_backward squared_relu"
+                                                             : "activation_backward gelu", kt_fmt<T>::name) && ok;
 }
+template <typename T>
+static int kt_gelu_backward_all(kt_ctx* k) { return kt_activation_backward_all<T>(k, ACT_GELU); }
+template <typename T>
+static int kt_squared_relu_backward_all(kt_ctx* k) { return kt_activation_backward_all<T>(k, ACT_SQUARED_RELU); }
 static test_result test_kernels_gelu_backward(void) { KT_FOR_TYPES(kt_gelu_backward_all); }
+static test_result test_kernels_squared_relu_backward(void) { KT_FOR_TYPES(kt_squared_relu_backward_all); }
 
 template <typename T>
 static int kt_linear_bias_case(kt_ctx* k, kt_cover* cov, int N, int C, int mis_y) {
@@ -2284,6 +2311,8 @@ static const test_case kernels_gpu_tests[] = {
     {"kernels_column_sum", test_kernels_column_sum},
     {"kernels_bias_gelu", test_kernels_bias_gelu},
     {"kernels_gelu_backward", test_kernels_gelu_backward},
+    {"kernels_bias_squared_relu", test_kernels_bias_squared_relu},
+    {"kernels_squared_relu_backward", test_kernels_squared_relu_backward},
     {"kernels_linear_bias_add", test_kernels_linear_bias_add},
     {"kernels_swiglu", test_kernels_swiglu},
     {"kernels_attention_layouts_and_rope", test_kernels_attention_layouts},
