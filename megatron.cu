@@ -8,7 +8,7 @@
  *    2. Initialisation and casts
  *    3. Column sums
  *    4. Embedding
- *    5. Bias, residual and activations (GELU, SwiGLU)
+ *    5. Bias, residual and activations (GELU, squared ReLU, SwiGLU)
  *    6. LayerNorm and RMSNorm (fused with the residual add; recompute; fused backward)
  *    7. Attention layout and RoPE
  *    8. Exact attention (causal softmax)
@@ -540,8 +540,9 @@ static void word_embedding_backward(const mt_exec* ex, float* dwte, const T* dou
 
 /* ============================================================================================== */
 /* 5. Bias, residual, dropout and activations                                                     */
-/*    Bias add, the residual add, GELU (tanh approximation) and SwiGLU (Megatron's --swiglu),     */
-/*    each as a scalar kernel and a 16-byte one that the launcher picks when rows are a multiple  */
+/*    Bias add, the residual add, GELU (tanh approximation), squared ReLU (--squared-relu) and    */
+/*    SwiGLU (Megatron's --swiglu), each as a scalar kernel and a 16-byte one that the launcher    */
+/*    picks when rows are a multiple                                                              */
 /*    of the vector width and pointers aligned. A NULL bias means the model has none (--disable-  */
 /*    bias-linear). Dropout (Megatron's hidden and attention dropout) draws its masks from a      */
 /*    counter-based generator: nothing is stored, the backward regenerates them.                  */
@@ -626,27 +627,43 @@ __global__ void residual_add_kernel(T* out, const T* a, const T* b, int64_t n) {
 }
 
 #define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
-template <typename T>
-__global__ void gelu_forward_kernel(T* out, const T* in, int64_t n) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float x = to_float(in[i]);
-    out[i] = from_float<T>(0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x))));
+/* The MLP's elementwise activations (SwiGLU, which pairs columns, is below): GELU's tanh
+ * approximation (Megatron's default) and squared ReLU (--squared-relu: relu(x)^2, derivative
+ * 2 relu(x)). A NaN input gives a NaN (relu keeps it, as torch's does), so the NaN checks see it. */
+enum { ACT_GELU = 0, ACT_SQUARED_RELU = 1 };
+template <int ACT>
+__device__ __forceinline__ float activation(float x) {
+    if (ACT == ACT_SQUARED_RELU) {
+        const float r = x < 0.0f ? 0.0f : x;
+        return r * r;
+    }
+    return 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
 }
-/* In place: d <- d * gelu'(x). */
-template <typename T>
-__global__ void gelu_backward_kernel(T* d, const T* in, int64_t n) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float x = to_float(in[i]);
+template <int ACT>
+__device__ __forceinline__ float activation_derivative(float x) {
+    if (ACT == ACT_SQUARED_RELU) return x < 0.0f ? 0.0f : 2.0f * x;
     float th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
     float dtanh = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x) * (1.0f - th * th);
-    d[i] = from_float<T>(to_float(d[i]) * (0.5f * (1.0f + th) + 0.5f * x * dtanh));
+    return 0.5f * (1.0f + th) + 0.5f * x * dtanh;
+}
+template <typename T, int ACT>
+__global__ void activation_forward_kernel(T* out, const T* in, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    out[i] = from_float<T>(activation<ACT>(to_float(in[i])));
+}
+/* In place: d <- d * act'(x). */
+template <typename T, int ACT>
+__global__ void activation_backward_kernel(T* d, const T* in, int64_t n) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    d[i] = from_float<T>(to_float(d[i]) * activation_derivative<ACT>(to_float(in[i])));
 }
 
-/* gelu backward and bias add with 16-byte vectors (i indexes vectors; C % V == 0 for the bias). */
-template <typename T>
-__global__ void gelu_backward_vec_kernel(T* d, const T* in, int64_t vectors) {
+/* The activation's backward and the bias add with 16-byte vectors (i indexes vectors; C % V == 0 for
+ * the bias). */
+template <typename T, int ACT>
+__global__ void activation_backward_vec_kernel(T* d, const T* in, int64_t vectors) {
     constexpr int V = vec16<T>::N;
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= vectors) return;
@@ -654,11 +671,7 @@ __global__ void gelu_backward_vec_kernel(T* d, const T* in, int64_t vectors) {
     load16(g, d + i * V);
     load16(x, in + i * V);
 #pragma unroll
-    for (int k = 0; k < V; k++) {
-        float th = tanhf(GELU_SCALE * (x[k] + 0.044715f * x[k] * x[k] * x[k]));
-        float dtanh = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x[k] * x[k]) * (1.0f - th * th);
-        g[k] *= 0.5f * (1.0f + th) + 0.5f * x[k] * dtanh;
-    }
+    for (int k = 0; k < V; k++) g[k] *= activation_derivative<ACT>(x[k]);
     store16(d + i * V, g);
 }
 template <typename T>
@@ -676,7 +689,7 @@ __global__ void bias_add_vec_kernel(T* y, const T* bias, int64_t vectors, int C)
 
 /* Fused epilogues of the linears, 16-byte vectors, i indexes vectors of [N, C] (C % V == 0):
  * out = residual + branch + bias (a row-parallel linear's bias folded into the residual add), and
- * pre = y + bias, act = gelu(pre) (the first MLP linear; pre is kept for the backward). */
+ * pre = y + bias, act = gelu(pre) or relu(pre)^2 (the first MLP linear; pre is kept for the backward). */
 template <typename T>
 __global__ void bias_residual_vec_kernel(T* out, const T* residual, const T* branch, const T* bias, int64_t vectors,
                                          int C, mt_dropout d) {
@@ -716,8 +729,8 @@ __global__ void bias_dropout_residual_kernel(T* out, const T* residual, const T*
     out[i] = from_float<T>(to_float(residual[i]) + dropout_value(d, bits, c, v));
 }
 
-template <typename T>
-__global__ void bias_gelu_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int C) {
+template <typename T, int ACT>
+__global__ void bias_activation_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int C) {
     constexpr int V = vec16<T>::N;
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= vectors) return;
@@ -727,10 +740,10 @@ __global__ void bias_gelu_vec_kernel(T* pre, T* act, const T* bias, int64_t vect
     if (bias) load16(b, bias + e % C);
 #pragma unroll
     for (int k = 0; k < V; k++) {
-        /* round the pre-activation to T first: the backward recomputes gelu' from the stored value */
+        /* round the pre-activation to T first: the backward recomputes act' from the stored value */
         float x = to_float(from_float<T>(y[k] + (bias ? b[k] : 0.0f)));
         y[k] = x;
-        a[k] = 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
+        a[k] = activation<ACT>(x);
     }
     store16(pre + e, y);
     store16(act + e, a);
@@ -849,18 +862,23 @@ static void bias_residual(const mt_exec* ex, T* out, const T* residual, T* branc
     LAUNCH_CHECK(ex->error);
 }
 
-/* pre[N, C] += bias (may be NULL); act = gelu(pre) */
-template <typename T>
-static void bias_gelu(const mt_exec* ex, T* pre, T* act, const T* bias, int N, int C) {
+/* pre[N, C] += bias (may be NULL); act = gelu(pre) or relu(pre)^2 (kind: ACT_GELU, ACT_SQUARED_RELU) */
+template <typename T, int ACT>
+static void bias_activation_as(const mt_exec* ex, T* pre, T* act, const T* bias, int N, int C) {
     int64_t n = (int64_t)N * C;
     if (C % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias)) {
         int64_t vectors = n / vec16<T>::N;
-        bias_gelu_vec_kernel<T><<<ceil_div(vectors, 256), 256, 0, ex->stream>>>(pre, act, bias, vectors, C);
+        bias_activation_vec_kernel<T, ACT><<<ceil_div(vectors, 256), 256, 0, ex->stream>>>(pre, act, bias, vectors, C);
     } else {
         if (bias) bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(pre, bias, N, C);
-        gelu_forward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(act, pre, n);
+        activation_forward_kernel<T, ACT><<<ceil_div(n, 256), 256, 0, ex->stream>>>(act, pre, n);
     }
     LAUNCH_CHECK(ex->error);
+}
+template <typename T>
+static void bias_activation(const mt_exec* ex, int kind, T* pre, T* act, const T* bias, int N, int C) {
+    if (kind == ACT_SQUARED_RELU) bias_activation_as<T, ACT_SQUARED_RELU>(ex, pre, act, bias, N, C);
+    else bias_activation_as<T, ACT_GELU>(ex, pre, act, bias, N, C);
 }
 
 /* pre[N, 2f] += bias (may be NULL); act[N, f] = silu(gate) * up */
@@ -875,14 +893,20 @@ static void bias_swiglu(const mt_exec* ex, T* pre, T* act, const T* bias, int N,
     LAUNCH_CHECK(ex->error);
 }
 
-/* d <- d * gelu'(pre), in place over [n] */
-template <typename T>
-static void gelu_backward(const mt_exec* ex, T* d, const T* pre, int64_t n) {
+/* d <- d * act'(pre), in place over [n] (kind: ACT_GELU, ACT_SQUARED_RELU) */
+template <typename T, int ACT>
+static void activation_backward_as(const mt_exec* ex, T* d, const T* pre, int64_t n) {
     if (n % vec16<T>::N == 0 && aligned16(d) && aligned16(pre))
-        gelu_backward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(d, pre, n / vec16<T>::N);
+        activation_backward_vec_kernel<T, ACT><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(d, pre,
+                                                                                                     n / vec16<T>::N);
     else
-        gelu_backward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(d, pre, n);
+        activation_backward_kernel<T, ACT><<<ceil_div(n, 256), 256, 0, ex->stream>>>(d, pre, n);
     LAUNCH_CHECK(ex->error);
+}
+template <typename T>
+static void activation_backward(const mt_exec* ex, int kind, T* d, const T* pre, int64_t n) {
+    if (kind == ACT_SQUARED_RELU) activation_backward_as<T, ACT_SQUARED_RELU>(ex, d, pre, n);
+    else activation_backward_as<T, ACT_GELU>(ex, d, pre, n);
 }
 
 /* dpre[N, 2f] from dact[N, f] and pre[N, 2f] */
@@ -1670,6 +1694,142 @@ static void rope_qkv_rows(const mt_exec* ex, const mt_attention_dims& a, T* qkv,
     auto kernel = vec ? (backward ? rope_qkv_rows_kernel<T, V, true> : rope_qkv_rows_kernel<T, V, false>)
                       : (backward ? rope_qkv_rows_kernel<T, 1, true> : rope_qkv_rows_kernel<T, 1, false>);
     kernel<<<blocks, 256, 0, ex->stream>>>(qkv, a.rope_cos, a.rope_sin, BT, a.S, a.groups, qpg, a.d, a.rot);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ---- Query and key norms (--qk-layernorm; Megatron-Core's q_layernorm and k_layernorm, built with
+ *      the model's normalization, epsilon and --apply-layernorm-1p): after the QKV linear each q head
+ *      and each k head of a row, a vector [d], is normalised on its own, all query heads by one
+ *      weight (and bias) [d] and all key heads by another; then RoPE rotates them. The statistics
+ *      and the rounding of each output element are the row norms' (section 6: fp32, two passes,
+ *      warp sums, norm_output). Working units: the rows' head vectors in the QKV layout, vector u =
+ *      (row * groups + g) * (qpg + 2) + slot at element u * d (slot < qpg a query head, qpg the key,
+ *      qpg + 1 the value); the statistics of a q or k vector at (row * groups + g) * (qpg + 1) + slot
+ *      of stats [2, BT * groups * (qpg + 1)] (mean, then 1/std; RMSNorm's mean is 0). ---- */
+
+/* out [BT, width] = qkv with its q and k vectors normalised and v copied; one warp per vector. */
+template <typename T>
+__global__ void qk_norm_forward_kernel(T* out, float* stats, const T* qkv, const T* wq, const T* bq, const T* wk,
+                                       const T* bk, int64_t BT, int groups, int qpg, int d, float eps, bool rms,
+                                       float w1) {
+    const int slots = qpg + 2, lane = threadIdx.x % 32;
+    const int64_t u = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (u >= BT * groups * slots) return;
+    const int slot = (int)(u % slots);
+    const T* x = qkv + u * d;
+    T* o = out + u * d;
+    if (slot == qpg + 1) { /* the value head: unchanged */
+        for (int c = lane; c < d; c += 32) o[c] = x[c];
+        return;
+    }
+    const T* w = slot < qpg ? wq : wk;
+    const T* b = slot < qpg ? bq : bk;
+    float sum = 0.0f;
+    for (int c = lane; c < d; c += 32) sum += to_float(x[c]);
+    const float mean = rms ? 0.0f : warp_sum(sum) / d;
+    float var = 0.0f;
+    for (int c = lane; c < d; c += 32) {
+        const float e = to_float(x[c]) - mean;
+        var += e * e;
+    }
+    var = warp_sum(var) / d;
+    const float rstd = 1.0f / sqrtf(var + eps);
+    for (int c = lane; c < d; c += 32)
+        o[c] = from_float<T>(norm_output(to_float(x[c]), mean, rstd, to_float(w[c]), w1, b ? to_float(b[c]) : 0.0f));
+    if (lane == 0) {
+        const int64_t at = (u / slots) * (qpg + 1) + slot;
+        stats[at] = mean;
+        stats[BT * groups * (qpg + 1) + at] = rstd;
+    }
+}
+
+/* The weight and bias gradients' partial column sums: partial_q [2, chunks, d] = (dw_q, db_q) over
+ * the q vectors (blockIdx.z 0), partial_k the same over the k vectors (1); chunk k sums rows
+ * [k rows_per_chunk, ...), in each row its vectors of the kind in group order: dw += dy * xhat,
+ * db += dy. dy is the gradient of the normalised vectors (in the QKV layout), x the vectors before the
+ * norm. One thread per column c of one kind. */
+template <typename T>
+__global__ void qk_norm_weight_grad_partial_kernel(float* partial_q, float* partial_k, const T* dy, const T* x,
+                                                   const float* stats, int64_t BT, int groups, int qpg, int d,
+                                                   int rows_per_chunk, int chunks) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, chunk = blockIdx.y, key = blockIdx.z;
+    if (c >= d) return;
+    const int slots = qpg + 2, first = key ? qpg : 0, last = key ? qpg : qpg - 1;
+    const int64_t r0 = (int64_t)chunk * rows_per_chunk, r1 = r0 + rows_per_chunk < BT ? r0 + rows_per_chunk : BT;
+    const float* rstd = stats + BT * groups * (qpg + 1);
+    float sw = 0.0f, sb = 0.0f;
+    for (int64_t r = r0; r < r1; r++)
+        for (int g = 0; g < groups; g++)
+            for (int slot = first; slot <= last; slot++) {
+                const int64_t u = (r * groups + g) * slots + slot, at = (r * groups + g) * (qpg + 1) + slot;
+                const float gy = to_float(dy[u * d + c]);
+                sw += gy * ((to_float(x[u * d + c]) - stats[at]) * rstd[at]);
+                sb += gy;
+            }
+    float* partial = key ? partial_k : partial_q;
+    partial[(int64_t)chunk * d + c] = sw;
+    partial[((int64_t)chunks + chunk) * d + c] = sb;
+}
+
+/* In place on the q and k vectors of dqkv [BT, width]: the gradient of the normalised vectors becomes
+ * that of the vectors before the norm, rstd (g - mean(g) - xhat mean(g xhat)) with g = dy (w + w1)
+ * (RMSNorm: without the mean(g) term); the v vectors are left alone. One warp per q or k vector. */
+template <typename T>
+__global__ void qk_norm_backward_input_kernel(T* dqkv, const T* qkv, const float* stats, const T* wq, const T* wk,
+                                              int64_t BT, int groups, int qpg, int d, bool rms, float w1) {
+    const int normed = qpg + 1, lane = threadIdx.x % 32;
+    const int64_t v = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; /* the q/k vectors in order */
+    if (v >= BT * groups * normed) return;
+    const int slot = (int)(v % normed);
+    const int64_t u = (v / normed) * (qpg + 2) + slot;
+    const T* w = slot < qpg ? wq : wk;
+    T* dy = dqkv + u * d;
+    const T* x = qkv + u * d;
+    const float m = stats[v], rs = stats[BT * groups * normed + v];
+    float sum_g = 0.0f, sum_gx = 0.0f;
+    for (int c = lane; c < d; c += 32) {
+        const float g = to_float(dy[c]) * (to_float(w[c]) + w1);
+        sum_g += g;
+        sum_gx += g * ((to_float(x[c]) - m) * rs);
+    }
+    const float mean_g = rms ? 0.0f : warp_sum(sum_g) / d, mean_gx = warp_sum(sum_gx) / d;
+    for (int c = lane; c < d; c += 32) { /* each lane rewrites only the elements it read */
+        const float g = to_float(dy[c]) * (to_float(w[c]) + w1);
+        const float xhat = (to_float(x[c]) - m) * rs;
+        dy[c] = from_float<T>(rs * (g - mean_g - xhat * mean_gx));
+    }
+}
+
+/* Their launchers, over this rank's a.heads query heads in a.groups groups of BT = a.B * a.S rows. */
+template <typename T>
+static void qk_norm_forward(const mt_exec* ex, const mt_attention_dims& a, T* out, float* stats, const T* qkv,
+                            const T* wq, const T* bq, const T* wk, const T* bk, float eps, bool rms, float w1) {
+    const int qpg = a.heads / a.groups;
+    const int64_t BT = (int64_t)a.B * a.S, vectors = BT * a.groups * (qpg + 2);
+    qk_norm_forward_kernel<T><<<ceil_div(vectors, 8), 256, 0, ex->stream>>>(out, stats, qkv, wq, bq, wk, bk, BT,
+                                                                           a.groups, qpg, a.d, eps, rms, w1);
+    LAUNCH_CHECK(ex->error);
+}
+/* dqkv's q and k vectors from the normalised ones' gradient to the inputs' (in place), and the
+ * weights' and biases' gradients (dwq, dbq, dwk, dbk; a NULL bias skipped) written or, after the
+ * step's first micro-batch, added (column_final_sums); partial_q, partial_k: column-sum scratch of at
+ * least 2 x chunks x d floats each (chunks: BT rows cut into at most max_chunks). */
+template <typename T>
+static void qk_norm_backward(const mt_exec* ex, const mt_attention_dims& a, T* dqkv, const T* qkv, const float* stats,
+                             const T* wq, const T* wk, float* dwq, float* dbq, float* dwk, float* dbk, float* partial_q,
+                             float* partial_k, int max_chunks, bool rms, float w1) {
+    const int qpg = a.heads / a.groups;
+    const int64_t BT = (int64_t)a.B * a.S;
+    int rows, chunks = colsum_chunks((int)BT, max_chunks, &rows);
+    qk_norm_weight_grad_partial_kernel<T><<<dim3(ceil_div(a.d, 64), chunks, 2), 64, 0, ex->stream>>>(
+        partial_q, partial_k, dqkv, qkv, stats, BT, a.groups, qpg, a.d, rows, chunks);
+    LAUNCH_CHECK(ex->error);
+    const int64_t part = (int64_t)chunks * a.d;
+    column_final_sums(ex, 2, chunks, a.d, dwq, partial_q, dbq, partial_q + part);
+    column_final_sums(ex, 2, chunks, a.d, dwk, partial_k, dbk, partial_k + part);
+    const int64_t vectors = BT * a.groups * (qpg + 1);
+    qk_norm_backward_input_kernel<T><<<ceil_div(vectors, 8), 256, 0, ex->stream>>>(dqkv, qkv, stats, wq, wk, BT,
+                                                                                  a.groups, qpg, a.d, rms, w1);
     LAUNCH_CHECK(ex->error);
 }
 
@@ -2865,23 +3025,26 @@ typedef struct {
 #define OPT_CHUNK_ELEMENTS MT_OPT_CHUNK_ELEMENTS
 static_assert(sizeof(mt_opt_chunk) == MT_OPT_CHUNK_BYTES, "the memory plan counts mt_opt_chunk's bytes");
 
-/* partial[c] = sum of squares of chunk c of the gradient buffer. */
+/* partial[c] = sum of squares of chunk c of the gradient buffer (MASTER: of the optimizer's fp32
+ * master weights, --log-params-norm). */
+template <bool MASTER>
 __global__ void chunk_sum_squares_kernel(double* partial, const mt_opt_chunk* chunks, const float* x) {
     __shared__ double shared[256];
     mt_opt_chunk c = chunks[blockIdx.x];
+    const int64_t at = MASTER ? c.master : c.buffer;
     double s = 0.0;
     if (!c.count_in_norm) c.length = 0;
     int done = 0;
-    if ((c.buffer & 3) == 0) { /* 16 bytes per load where the chunk is aligned (as AdamW) */
+    if ((at & 3) == 0) { /* 16 bytes per load where the chunk is aligned (as AdamW) */
         const int n4 = c.length / 4;
         for (int j = threadIdx.x; j < n4; j += blockDim.x) {
-            const float4 v = *reinterpret_cast<const float4*>(x + c.buffer + 4 * (int64_t)j);
+            const float4 v = *reinterpret_cast<const float4*>(x + at + 4 * (int64_t)j);
             s += (double)v.x * v.x + (double)v.y * v.y + (double)v.z * v.z + (double)v.w * v.w;
         }
         done = n4 * 4;
     }
     for (int i = done + threadIdx.x; i < c.length; i += blockDim.x) {
-        double v = x[c.buffer + i];
+        double v = x[at + i];
         s += v * v;
     }
     shared[threadIdx.x] = s;
@@ -2905,11 +3068,38 @@ __global__ void sum_partials_kernel(double* out, const double* partial, int coun
     if (threadIdx.x == 0) *out = shared[0];
 }
 
-/* partial[num_chunks] = the sum of squares of the chunks' gradients (counted chunks only), in a fixed
- * order; partial [num_chunks + 1] on the device */
+/* partial[c] = the number of elements of chunk c of the gradient buffer whose step gradient
+ * g * grad_scale (AdamW's: unscaled and clipped) is exactly 0 (--log-num-zeros-in-grad; counted
+ * chunks only). Counts are integers, exact in double up to 2^53. */
+__global__ void chunk_count_zeros_kernel(double* partial, const mt_opt_chunk* chunks, const float* g, float grad_scale) {
+    __shared__ double shared[256];
+    const mt_opt_chunk c = chunks[blockIdx.x];
+    int zeros = 0;
+    for (int i = threadIdx.x; c.count_in_norm && i < c.length; i += blockDim.x)
+        zeros += __fmul_rn(g[c.buffer + i], grad_scale) == 0.0f;
+    shared[threadIdx.x] = (double)zeros;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if ((int)threadIdx.x < stride) shared[threadIdx.x] += shared[threadIdx.x + stride];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[blockIdx.x] = shared[0];
+}
+
+/* partial[num_chunks] = the sum of squares of the chunks' gradients (MASTER: master weights; counted
+ * chunks only), in a fixed order; partial [num_chunks + 1] on the device */
+template <bool MASTER = false>
 static void gradient_sum_squares(const mt_exec* ex, double* partial, const mt_opt_chunk* chunks, int num_chunks,
-                                 const float* grads) {
-    chunk_sum_squares_kernel<<<num_chunks, 256, 0, ex->stream>>>(partial, chunks, grads);
+                                 const float* x) {
+    if (num_chunks > 0) chunk_sum_squares_kernel<MASTER><<<num_chunks, 256, 0, ex->stream>>>(partial, chunks, x);
+    sum_partials_kernel<<<1, 256, 0, ex->stream>>>(partial + num_chunks, partial, num_chunks);
+    LAUNCH_CHECK(ex->error);
+}
+/* partial[num_chunks] = the zeros of the chunks' step gradients (chunk_count_zeros_kernel), in a fixed order */
+static void gradient_count_zeros(const mt_exec* ex, double* partial, const mt_opt_chunk* chunks, int num_chunks,
+                                 const float* grads, float grad_scale) {
+    if (num_chunks > 0)
+        chunk_count_zeros_kernel<<<num_chunks, 256, 0, ex->stream>>>(partial, chunks, grads, grad_scale);
     sum_partials_kernel<<<1, 256, 0, ex->stream>>>(partial + num_chunks, partial, num_chunks);
     LAUNCH_CHECK(ex->error);
 }
@@ -4424,7 +4614,7 @@ static void linear_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dx, floa
                             const fp8_linear* f8 = NULL) {
     if (f8) { /* the FP8 GEMMs; GELU's derivative by the kernel (gemm_fp8 says why not cuBLASLt's FP8 DGELU) */
         fp8_linear_input_gradient<T>(ex, f8, dx, dy, N, in, out);
-        if (gelu_pre) gelu_backward<T>(ex, dx, gelu_pre, (int64_t)N * in);
+        if (gelu_pre) activation_backward<T>(ex, ACT_GELU, dx, gelu_pre, (int64_t)N * in);
         fp8_linear_weight_gradient<T>(ex, f8, s, dweight, dbias, dy, x, N, in, out);
         return;
     }
@@ -4432,7 +4622,7 @@ static void linear_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dx, floa
         if (!gemm_epilogue<T, T>(ex, GEMM_DGELU, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f,
                                  (const T*)NULL, (T*)gelu_pre)) {
             gemm<T, T>(ex, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
-            gelu_backward<T>(ex, dx, gelu_pre, (int64_t)N * in);
+            activation_backward<T>(ex, ACT_GELU, dx, gelu_pre, (int64_t)N * in);
         }
     } else if (dx) {
         gemm<T, T>(ex, false, false, N, in, out, dy, out, weight, in, dx, in, 1.0f, 0.0f);
@@ -4576,6 +4766,11 @@ typedef struct {
     int32_t* targets;    /* [BT] */
     float* losses;       /* [BT] */
     int32_t* embed_index;/* word-embedding backward index: unique tokens, offsets, positions */
+    /* --qk-layernorm (NULL without): the layer's QKV rows as attention reads them, q and k normalised
+     * (v copied; the flash path rotates q and k here, the kept qkv stays as the linear made it), and
+     * each row's head statistics, made again from the kept qkv before the layer's attention backward */
+    void* qk_norm;       /* [BT, qkv_width] */
+    float* qk_stats;     /* [2, BT, heads + groups]: mean, then 1/std, of every q and k head vector */
 } mt_activations;
 
 struct mt_async_save; /* a save between staging and commit (section 19) */
@@ -4708,6 +4903,8 @@ typedef struct {
     bool rms;      /* RMSNorm, else LayerNorm */
     float norm_w1; /* 1 with --apply-layernorm-1p (the norm weights hold w - 1), else 0 */
     bool swiglu;
+    int act;       /* without SwiGLU, the MLP's activation: ACT_GELU, or ACT_SQUARED_RELU (--squared-relu) */
+    bool qk_norm;  /* --qk-layernorm: q and k heads normalised after the QKV split (before RoPE) */
     int tp, tp_rank;
     bool sp;       /* sequence parallelism */
     int R;         /* rows of the norm/residual regions: BT, or BT / tp with sequence parallelism */
@@ -4734,6 +4931,8 @@ static mt_shape model_shape(const mt_trainer* t) {
     s.attn_width = s.heads * s.d;
     s.f = c->ffn_hidden_size / s.tp;
     s.swiglu = c->swiglu != 0;
+    s.act = c->squared_relu ? ACT_SQUARED_RELU : ACT_GELU;
+    s.qk_norm = c->qk_layernorm != 0;
     s.f1 = s.swiglu ? 2 * s.f : s.f;
     s.rot = c->position_embedding_type == MT_POSITION_ROPE ? (int)(c->kv_channels * c->rotary_percent) : 0;
     s.rms = c->normalization == MT_NORM_RMSNORM;
@@ -4791,11 +4990,13 @@ static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& 
 
 /* One layer's parameters (E = the model type, in t->params) or gradients (E = float, in t->grads),
  * by name; NULL for a tensor the flavour does not have (biases with --disable-bias-linear, the norm
- * biases with RMSNorm). Shapes are this TP rank's: qkv_w [qkv_width, h], proj_w [h, heads*d],
- * fc1_w [f1, h], fc2_w [h, f]; norms and row-parallel biases [h]. */
+ * biases with RMSNorm, the query and key norms without --qk-layernorm). Shapes are this TP rank's:
+ * qkv_w [qkv_width, h], proj_w [h, heads*d], fc1_w [f1, h], fc2_w [h, f]; norms and row-parallel
+ * biases [h]; the query and key norms [d] (whole on every TP rank). */
 template <typename E>
 struct layer_tensors {
-    E *ln1_w, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc1_w, *fc1_b, *fc2_w, *fc2_b;
+    E *ln1_w, *ln1_b, *qkv_w, *qkv_b, *q_ln_w, *q_ln_b, *k_ln_w, *k_ln_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc1_w,
+        *fc1_b, *fc2_w, *fc2_b;
 };
 template <typename E>
 static layer_tensors<E> layer_tensors_in(const mt_trainer* t, E* base, int l, bool storage = false) {
@@ -4804,6 +5005,8 @@ static layer_tensors<E> layer_tensors_in(const mt_trainer* t, E* base, int l, bo
         return offset < 0 ? (E*)NULL : storage ? (E*)((char*)base + offset) : base + offset;
     };
     return {at(MT_P_LN1_WEIGHT), at(MT_P_LN1_BIAS), at(MT_P_QKV_WEIGHT),  at(MT_P_QKV_BIAS),
+            at(MT_P_Q_LAYERNORM_WEIGHT), at(MT_P_Q_LAYERNORM_BIAS), at(MT_P_K_LAYERNORM_WEIGHT),
+            at(MT_P_K_LAYERNORM_BIAS),
             at(MT_P_PROJ_WEIGHT), at(MT_P_PROJ_BIAS), at(MT_P_LN2_WEIGHT), at(MT_P_LN2_BIAS),
             at(MT_P_FC1_WEIGHT),  at(MT_P_FC1_BIAS),  at(MT_P_FC2_WEIGHT), at(MT_P_FC2_BIAS)};
 }
@@ -4900,15 +5103,29 @@ static attn_view heads_rows_view(const mt_shape& s, void* rows) {
  * [B*heads, T, T], so the softmax kernels see one row per (head, query). dK and dV come out summed
  * over the group's heads by the GEMMs themselves. The probabilities are kept in probs [B*heads, T, T]. */
 
-/* Exact path: q, k, v split from qkv into the scratch (RoPE applied) and probs = the causal softmax
- * of Q K^T / sqrt(d) per (batch, group); the forward's first half, and what selective recompute of
- * core_attn replays before the backward. */
+/* The QKV rows layer l's attention reads: the kept qkv itself, or with --qk-layernorm its q and k
+ * heads normalised into act.qk_norm (v copied) and their statistics into act.qk_stats (section 7).
+ * The kept qkv stays the QKV linear's output; the backward makes the normalised rows again. */
 template <typename T>
-static void attention_probabilities(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs) {
+static T* attention_input(mt_trainer* t, const mt_exec* ex, T* qkv, int layer) {
+    const mt_shape s = model_shape(t);
+    if (!s.qk_norm) return qkv;
+    const layer_tensors<T> p = layer_params<T>(t, layer);
+    qk_norm_forward<T>(ex, attention_dims(t, s), (T*)t->act.qk_norm, t->act.qk_stats, qkv, p.q_ln_w, p.q_ln_b, p.k_ln_w,
+                       p.k_ln_b, (float)t->cfg.norm_epsilon, s.rms, s.norm_w1);
+    return (T*)t->act.qk_norm;
+}
+
+/* Exact path: q, k, v split from layer l's qkv (its q and k normalised first with --qk-layernorm)
+ * into the scratch (RoPE applied) and probs = the causal softmax of Q K^T / sqrt(d) per (batch,
+ * group); the forward's first half, and what selective recompute of core_attn replays before the
+ * backward. */
+template <typename T>
+static void attention_probabilities(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs, int layer) {
     mt_shape s = model_shape(t);
     mt_attention_dims dims = attention_dims(t, s);
     mt_activations* a = &t->act;
-    split_qkv<T>(ex, dims, (T*)a->q, (T*)a->k, (T*)a->v, qkv);
+    split_qkv<T>(ex, dims, (T*)a->q, (T*)a->k, (T*)a->v, attention_input<T>(t, ex, qkv, layer));
     int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
     int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
     gemm<T, T>(ex, false, true, M, s.S, s.d, (T*)a->q, s.d, (T*)a->k, s.d, probs, s.S, 1.0f, 0.0f, batch, qd, sd, qs);
@@ -4916,7 +5133,9 @@ static void attention_probabilities(mt_trainer* t, const mt_exec* ex, T* qkv, T*
 }
 
 /* One layer's attention: qkv [BT, qkv_width] (the QKV linear's output) -> attn [BT, heads*d].
- * Flash path: only the log-sum-exp lse [B*heads, T] is kept; exact path: the probabilities. */
+ * Flash path: only the log-sum-exp lse [B*heads, T] is kept; exact path: the probabilities. The flash
+ * path rotates q and k in place in the rows it reads: the kept qkv, or with --qk-layernorm the
+ * normalised rows in the scratch. */
 template <typename T>
 static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs, float* lse, T* attn, int layer) {
     mt_shape s = model_shape(t);
@@ -4925,15 +5144,16 @@ static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs
     const mt_dropout drop = dropout_site(t, ex, layer, DROPOUT_ATTENTION);
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
-            rope_qkv_rows<T>(ex, dims, qkv, false);
-            qkv_views in = qkv_rows_views(s, qkv);
+            T* rows = attention_input<T>(t, ex, qkv, layer);
+            rope_qkv_rows<T>(ex, dims, rows, false);
+            qkv_views in = qkv_rows_views(s, rows);
             CUDA_CHECK(ex->error, flash_attention_forward(heads_rows_view(s, attn), lse, cview(in.q), cview(in.k),
                                                           cview(in.v), s.B, s.heads, s.groups, s.S, s.d, ex->stream,
                                                           drop));
             return;
         }
     }
-    attention_probabilities<T>(t, ex, qkv, probs);
+    attention_probabilities<T>(t, ex, qkv, probs, layer);
     int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
     int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
     /* attention dropout: o = dropout(P) V, the dropped probabilities in the dscores scratch (P is kept) */
@@ -4945,9 +5165,12 @@ static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs
 
 /* Backward of one layer's attention: dattn [BT, heads*d] -> dqkv [BT, qkv_width], from the saved qkv,
  * probs or lse, and attn (the flash backward needs O). With dbias (the QKV bias gradient; may be
- * NULL), the flash path without RoPE also takes dbias += the column sums of dqkv from the kernels'
- * own registers (one read of [BT, qkv_width] less than a column sum) and returns true; otherwise
- * the caller sums them. */
+ * NULL), the flash path without RoPE and without --qk-layernorm also takes dbias += the column sums
+ * of dqkv from the kernels' own registers (one read of [BT, qkv_width] less than a column sum) and
+ * returns true; otherwise the caller sums them. With --qk-layernorm the normalised rows are made
+ * again from the kept qkv (the forward's kernels on the same inputs: its bits), attention's gradient
+ * reaches them, and the norms' backward takes it to the QKV linear's output, writing the norms'
+ * weight and bias gradients. */
 template <typename T>
 static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const T* dattn, T* qkv, T* probs,
                                const float* lse, const T* attn, float* dbias, int layer) {
@@ -4955,11 +5178,15 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
     mt_attention_dims dims = attention_dims(t, s);
     mt_activations* a = &t->act;
     const mt_dropout drop = dropout_site(t, ex, layer, DROPOUT_ATTENTION);
+    T* rows = attention_input<T>(t, ex, qkv, layer); /* qkv, or its normalised q and k (v copied) */
+    bool sums = false;
+    bool done = false;
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
             const int chunks = flash_colsum_chunks(s.B, s.S);
-            const bool sums = dbias && s.rot == 0 && chunks <= t->colsum.max_chunks;
-            qkv_views in = qkv_rows_views(s, qkv), out = qkv_rows_views(s, dqkv);
+            sums = dbias && s.rot == 0 && !s.qk_norm && chunks <= t->colsum.max_chunks;
+            if (s.qk_norm) rope_qkv_rows<T>(ex, dims, rows, false); /* as the forward read them */
+            qkv_views in = qkv_rows_views(s, rows), out = qkv_rows_views(s, dqkv);
             CUDA_CHECK(ex->error, flash_attention_backward(out.q, out.k, out.v, a->dsum,
                                                            cview(heads_rows_view(s, (void*)dattn)), cview(in.q),
                                                            cview(in.k), cview(in.v),
@@ -4968,28 +5195,37 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
                                                            sums ? t->colsum.partial_a : (float*)NULL, drop));
             rope_qkv_rows<T>(ex, dims, dqkv, true);
             if (sums) column_final_sums(ex, 1, chunks, s.qkv_width, dbias, t->colsum.partial_a);
-            return sums;
+            done = true;
         }
     }
-    permute_heads<T>(ex, dims, (T*)a->o, dattn, false);
-    split_qkv<T>(ex, dims, (T*)a->q, (T*)a->k, (T*)a->v, qkv);
-    int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
-    int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
-    /* dV = P^T dO (with attention dropout P_d^T dO, P_d regenerated into dscores first);  dP = dO V^T */
-    if (drop.on) attention_dropout<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, drop, s.heads);
-    gemm<T, T>(ex, true, false, s.S, s.d, M, drop.on ? (T*)a->dscores : probs, s.S, (T*)a->o, s.d, (T*)a->dv, s.d, 1.0f,
-               0.0f, batch, qs, qd, sd);
-    gemm<T, T>(ex, false, true, M, s.S, s.d, (T*)a->o, s.d, (T*)a->v, s.d, (T*)a->dscores, s.S, 1.0f, 0.0f, batch, qd,
-               sd, qs);
-    causal_softmax_backward<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d), drop,
-                               s.heads);
-    /* dK = dS^T Q (before dQ overwrites q);  dQ = dS K */
-    gemm<T, T>(ex, true, false, s.S, s.d, M, (T*)a->dscores, s.S, (T*)a->q, s.d, (T*)a->dk, s.d, 1.0f, 0.0f, batch, qs,
-               qd, sd);
-    gemm<T, T>(ex, false, false, M, s.d, s.S, (T*)a->dscores, s.S, (T*)a->k, s.d, (T*)a->q, s.d, 1.0f, 0.0f, batch, qs,
-               sd, qd);
-    merge_qkv_grads<T>(ex, dims, dqkv, (T*)a->q, (T*)a->dk, (T*)a->dv);
-    return false;
+    if (!done) {
+        permute_heads<T>(ex, dims, (T*)a->o, dattn, false);
+        split_qkv<T>(ex, dims, (T*)a->q, (T*)a->k, (T*)a->v, rows);
+        int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
+        int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
+        /* dV = P^T dO (with attention dropout P_d^T dO, P_d regenerated into dscores first);  dP = dO V^T */
+        if (drop.on) attention_dropout<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, drop, s.heads);
+        gemm<T, T>(ex, true, false, s.S, s.d, M, drop.on ? (T*)a->dscores : probs, s.S, (T*)a->o, s.d, (T*)a->dv, s.d,
+                   1.0f, 0.0f, batch, qs, qd, sd);
+        gemm<T, T>(ex, false, true, M, s.S, s.d, (T*)a->o, s.d, (T*)a->v, s.d, (T*)a->dscores, s.S, 1.0f, 0.0f, batch,
+                   qd, sd, qs);
+        causal_softmax_backward<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d), drop,
+                                   s.heads);
+        /* dK = dS^T Q (before dQ overwrites q);  dQ = dS K */
+        gemm<T, T>(ex, true, false, s.S, s.d, M, (T*)a->dscores, s.S, (T*)a->q, s.d, (T*)a->dk, s.d, 1.0f, 0.0f, batch,
+                   qs, qd, sd);
+        gemm<T, T>(ex, false, false, M, s.d, s.S, (T*)a->dscores, s.S, (T*)a->k, s.d, (T*)a->q, s.d, 1.0f, 0.0f, batch,
+                   qs, sd, qd);
+        merge_qkv_grads<T>(ex, dims, dqkv, (T*)a->q, (T*)a->dk, (T*)a->dv);
+    }
+    if (s.qk_norm) { /* dqkv holds the normalised q and k's gradient: through the norms */
+        const layer_tensors<T> p = layer_params<T>(t, layer);
+        const layer_tensors<float> dp = layer_grads(t, layer);
+        qk_norm_backward<T>(ex, dims, dqkv, qkv, a->qk_stats, p.q_ln_w, p.k_ln_w, dp.q_ln_w, dp.q_ln_b, dp.k_ln_w,
+                            dp.k_ln_b, t->colsum.partial_a, t->colsum.partial_b, t->colsum.max_chunks, s.rms,
+                            s.norm_w1);
+    }
+    return sums;
 }
 
 /* The data-parallel hooks the model calls (section 18): the forward waits for each layer's
@@ -5070,10 +5306,11 @@ static float* output_weight_grad(mt_trainer* t) {
 }
 
 /* GELU through cuBLASLt's epilogues: in bf16/fp16, where the epilogue's own GELU is within the
- * storage type's rounding; fp32 keeps the kernels (its parity with the float64 reference is 1e-7). */
+ * storage type's rounding; fp32 keeps the kernels (its parity with the float64 reference is 1e-7).
+ * cuBLASLt has no squared ReLU epilogue: --squared-relu takes the kernels in every precision. */
 template <typename T>
 static bool gelu_fused(const mt_shape& s) {
-    return !s.swiglu && sizeof(T) == 2;
+    return !s.swiglu && s.act == ACT_GELU && sizeof(T) == 2;
 }
 
 /* Vocab-parallel cross entropy over this rank's logits [BT, V] (section 10); at TP = 1 the one
@@ -5096,18 +5333,19 @@ static void cross_entropy(mt_trainer* t, const mt_exec* ex, float grad_scale) {
                              s.vocab_start, grad_scale);
 }
 
-/* The MLP's activation: act = GELU or SwiGLU of the pre-activation fc1, the bias (may be NULL) added
- * into fc1 first. */
+/* The MLP's activation: act = GELU, squared ReLU or SwiGLU of the pre-activation fc1, the bias (may
+ * be NULL) added into fc1 first. */
 template <typename T>
 static void mlp_activation(const mt_exec* ex, const mt_shape& s, const layer_view<T>& v, const T* bias) {
     if (s.swiglu)
         bias_swiglu<T>(ex, v.fc1, v.act, bias, s.BT, s.f);
     else
-        bias_gelu<T>(ex, v.fc1, v.act, bias, s.BT, s.f);
+        bias_activation<T>(ex, s.act, v.fc1, v.act, bias, s.BT, s.f);
 }
-/* The MLP's first linear and its activation: fc1 = ln2_in W1^T + b, act = GELU or SwiGLU of it (bf16
- * and fp16 GELU: one cuBLASLt GEMM whose epilogue applies GELU and keeps fc1 as its aux output; FP8
- * the same, the FP8 GEMM's epilogue, where cuBLASLt has it). */
+/* The MLP's first linear and its activation: fc1 = ln2_in W1^T + b, act = its GELU, squared ReLU or
+ * SwiGLU (bf16 and fp16 GELU: one cuBLASLt GEMM whose epilogue applies GELU and keeps fc1 as its aux
+ * output; FP8 the same, the FP8 GEMM's epilogue, where cuBLASLt has it; squared ReLU and SwiGLU: the
+ * GEMM (FP8 or not), then the kernel). */
 template <typename T>
 static void mlp_up_forward(const mt_exec* ex, const mt_shape& s, const layer_view<T>& v, const layer_tensors<T>& p,
                            const T* ln2_in, const fp8_linear* f8) {
@@ -5228,23 +5466,30 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
 
 /* With sequence parallelism the norms' weights and biases and the row-parallel biases see only
  * this rank's rows: once a layer's gradients are final (the step's last micro-batch), they are
- * summed over TP (Megatron's sequence-parallel gradient all-reduce), before any DP reduction. */
+ * summed over TP (Megatron's sequence-parallel gradient all-reduce), before any DP reduction. The
+ * query and key norms (--qk-layernorm), whole on every TP rank, see only this rank's heads: theirs
+ * are summed over TP with or without SP (Megatron's _allreduce_non_tensor_model_parallel_grads does
+ * so for every q_layernorm / k_layernorm parameter). */
 static void reduce_sequence_parallel_gradients(mt_trainer* t, const mt_exec* ex, int layer) {
     mt_shape s = model_shape(t);
-    if (!s.sp || !ex->mode.last) return;
+    const bool qk = s.qk_norm && s.tp > 1 && layer < s.L;
+    if ((!s.sp && !qk) || !ex->mode.last) return;
     static const int per_layer[] = {MT_P_LN1_WEIGHT, MT_P_LN1_BIAS, MT_P_PROJ_BIAS, MT_P_LN2_WEIGHT, MT_P_LN2_BIAS,
                                     MT_P_FC2_BIAS};
     static const int final_norm[] = {MT_P_FINAL_LN_WEIGHT, MT_P_FINAL_LN_BIAS};
-    const int* list = layer == s.L ? final_norm : per_layer;
-    int count = layer == s.L ? 2 : 6;
+    static const int qk_norms[] = {MT_P_Q_LAYERNORM_WEIGHT, MT_P_Q_LAYERNORM_BIAS, MT_P_K_LAYERNORM_WEIGHT,
+                                   MT_P_K_LAYERNORM_BIAS};
+    int list[10], count = 0;
+    for (int i = 0; s.sp && i < (layer == s.L ? 2 : 6); i++) list[count++] = layer == s.L ? final_norm[i] : per_layer[i];
+    for (int i = 0; qk && i < 4; i++) list[count++] = qk_norms[i];
     mt_tp_group* tp = &t->groups.tp;
     tp_after_compute(tp);
     NCCL_CHECK(ex->error, tp->world_rank, ncclGroupStart());
     for (int i = 0; i < count; i++) {
         float* grad = grad_ptr(t, list[i], layer == s.L ? 0 : layer);
+        const size_t n = list[i] >= MT_P_Q_LAYERNORM_WEIGHT && list[i] <= MT_P_K_LAYERNORM_BIAS ? (size_t)s.d : (size_t)s.h;
         if (grad)
-            NCCL_CHECK(ex->error, tp->world_rank,
-                       ncclAllReduce(grad, grad, (size_t)s.h, ncclFloat, ncclSum, tp->comm, tp->stream));
+            NCCL_CHECK(ex->error, tp->world_rank, ncclAllReduce(grad, grad, n, ncclFloat, ncclSum, tp->comm, tp->stream));
     }
     NCCL_CHECK(ex->error, tp->world_rank, ncclGroupEnd());
     tp_join(tp);
@@ -5303,7 +5548,7 @@ static void recompute_layer(mt_trainer* t, const mt_exec* ex, const model_chunk&
     } else if (modules & MT_RECOMPUTE_ACT) {
         mlp_activation<T>(ex, s, v, (const T*)NULL);
     }
-    if ((modules & MT_RECOMPUTE_CORE_ATTN) && v.probs) attention_probabilities<T>(t, ex, v.qkv, v.probs);
+    if ((modules & MT_RECOMPUTE_CORE_ATTN) && v.probs) attention_probabilities<T>(t, ex, v.qkv, v.probs, l);
 }
 
 /* Backward of one model chunk of a micro-batch whose forward ran with grad_scale != 0: accumulates
@@ -5353,7 +5598,7 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
         const bool fp8 = fp8_layer_linears<T>(t, ex, l, false, f8);
 
         /* MLP block: dres is d(out); the branch sees the same gradient. d(act) -> branch2, then
-         * d(fc1 output) in place (GELU) or into branch (SwiGLU: twice as wide) */
+         * d(fc1 output) in place (GELU, squared ReLU) or into branch (SwiGLU: twice as wide) */
         bool fused = gelu_fused<T>(s); /* d(act) and GELU's derivative in one GEMM (DGELU epilogue), or
                                           with FP8 after it by the kernel (linear_backward) */
         const T* dfc2 = hidden_dropout_backward<T>(t, ex, dres, dp.fc2_b, l, DROPOUT_FC2);
@@ -5366,7 +5611,7 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
             dfc1 = (T*)a->branch;
             dln2 = (T*)a->branch2;
         } else if (!fused) {
-            gelu_backward<T>(ex, (T*)a->branch2, v.fc1, (int64_t)s.BT * s.f);
+            activation_backward<T>(ex, s.act, (T*)a->branch2, v.fc1, (int64_t)s.BT * s.f);
         }
         dln2 = column_parallel_backward<T>(pc, dln2, dp.fc1_w, dp.fc1_b, dfc1, v.ln2, p.fc1_w, s.h, s.f1,
                                            fp8 ? &f8[FP8_FC1] : NULL);
@@ -6120,6 +6365,7 @@ typedef struct {
     int64_t host;    /* first element in the host arrays (shard index - gpu_numel) */
     int64_t length;
     int decay, decoupled;
+    int counted;     /* its chunks' count_in_norm (--log-params-norm sums the host master of counted runs) */
 } mt_offload_run;
 struct mt_offload {
     int64_t numel;          /* offloaded elements: the shard's [gpu_numel, shard_numel) */
@@ -6184,7 +6430,7 @@ static mt_status offload_create(mt_trainer* t, const mt_opt_chunk* chunks, int n
         mt_offload_run* last = o->num_runs ? &o->runs[o->num_runs - 1] : NULL;
         const int64_t host = c->master - o->gpu_numel;
         if (last && last->buffer + last->length == c->buffer && last->host + last->length == host &&
-            last->decay == c->weight_decay && last->decoupled == c->decoupled) {
+            last->decay == c->weight_decay && last->decoupled == c->decoupled && last->counted == c->count_in_norm) {
             last->length += c->length;
         } else {
             mt_offload_run* r = &o->runs[o->num_runs++];
@@ -6193,6 +6439,7 @@ static mt_status offload_create(mt_trainer* t, const mt_opt_chunk* chunks, int n
             r->length = c->length;
             r->decay = c->weight_decay;
             r->decoupled = c->decoupled;
+            r->counted = c->count_in_norm;
         }
     }
     o->segments = (mt_adamw_segment*)malloc(sizeof(mt_adamw_segment) * (size_t)(o->num_runs > 0 ? o->num_runs : 1));
@@ -6307,8 +6554,52 @@ static void offload_update(mt_trainer* t, const mt_adamw_step* h) {
     CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, o->updated, 0));
 }
 
+/* --log-params-norm (Megatron's calc_params_l2_norm): the squared L2 norm of the fp32 master weights,
+ * every parameter once as the gradient norm counts it (the same chunks: a tensor every TP rank holds
+ * whole on TP rank 0, the last stage's copy of tied word embeddings not at all), the offloaded end
+ * of the shard from its host copy, then summed over TP and PP and, with the distributed optimizer,
+ * over DP. Called after the optimizer step (the CPU AdamW's part is done when adamw_step returns). */
+static double params_norm_squared(mt_trainer* t) {
+    const mt_exec ex = trainer_exec(t);
+    const int gpu_chunks = t->offload ? t->offload->num_gpu_chunks : t->num_chunks;
+    gradient_sum_squares<true>(&ex, t->norm_partial, t->chunks, gpu_chunks, t->master);
+    double result = 0.0;
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(&result, t->norm_partial + gpu_chunks, sizeof(double),
+                                          cudaMemcpyDeviceToHost, t->stream));
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    for (int r = 0; t->offload && r < t->offload->num_runs; r++) {
+        const mt_offload_run* run = &t->offload->runs[r];
+        for (int64_t i = 0; run->counted && i < run->length; i++) {
+            const double v = t->offload->master[run->host + i];
+            result += v * v;
+        }
+    }
+    all_reduce_sum(t, &result, GROUP_TP, NULL);
+    all_reduce_sum(t, &result, GROUP_PP, NULL);
+    if (t->sharded) all_reduce_sum(t, &result, GROUP_DP, NULL);
+    return result;
+}
+
+/* --log-num-zeros-in-grad (Megatron's count_zeros_fp32): the gradient elements that the step sees as
+ * exactly 0 (g * grad_scale: unscaled and clipped), counted and reduced as the gradient norm. */
+static int64_t gradient_zeros(mt_trainer* t, float grad_scale) {
+    const mt_exec ex = trainer_exec(t);
+    gradient_count_zeros(&ex, t->norm_partial, t->chunks, t->num_chunks, t->grads, grad_scale);
+    double result = 0.0;
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(&result, t->norm_partial + t->num_chunks, sizeof(double),
+                                          cudaMemcpyDeviceToHost, t->stream));
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    all_reduce_sum(t, &result, GROUP_TP, NULL);
+    all_reduce_sum(t, &result, GROUP_PP, NULL);
+    if (t->sharded) all_reduce_sum(t, &result, GROUP_DP, NULL);
+    return (int64_t)result;
+}
+
+/* One AdamW step over this rank's shard (GPU and offloaded part), then the new weights' all-gather;
+ * params_norm (not NULL: --log-params-norm) gets the new master weights' norm, taken before the
+ * all-gather is issued, so that its reductions do not wait for it. */
 template <typename T>
-static void adamw_step(mt_trainer* t, float lr, float lr_decoupled, float grad_scale) {
+static void adamw_step(mt_trainer* t, float lr, float lr_decoupled, float grad_scale, double* params_norm) {
     const mt_config* c = &t->cfg;
     t->adam_step++;
     mt_adamw_step h;
@@ -6327,6 +6618,7 @@ static void adamw_step(mt_trainer* t, float lr, float lr_decoupled, float grad_s
     if (gpu_chunks > 0)
         adamw_update<T>(&ex, &h, t->chunks, gpu_chunks, t->master, model, t->grads, t->adam_m, t->adam_v);
     offload_update(t, &h); /* the CPU's part, while the GPU's runs */
+    if (params_norm) *params_norm = sqrt(params_norm_squared(t));
     t->fp8.stale = 1;
     if (t->fp8.param_gather) t->fp8.unpublished = 1; /* at the next forward, after the FP8 scale update */
     else gather_parameters(t);
@@ -6981,6 +7273,8 @@ static mt_status check_model_words(const mt_trainer* t, const int64_t* h, const 
         {MT_CK_UNTIED, "--untie-embeddings-and-output-weights"},
         {MT_CK_NO_BIAS_LINEAR, "--disable-bias-linear"},
         {MT_CK_LAYERNORM_1P, "--apply-layernorm-1p"},
+        {MT_CK_SQUARED_RELU, "--squared-relu"},
+        {MT_CK_QK_LAYERNORM, "--qk-layernorm"},
     };
     for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++) {
         const int w = shape[i].word;
@@ -7200,7 +7494,7 @@ static void layout_activations(mt_activations* slots, const mt_activation_layout
             (void**)&a->dscores, (void**)&a->dsum, (void**)&a->logits_row, (void**)&a->branch, (void**)&a->branch2,
             (void**)&a->dresidual, (void**)&a->gathered, (void**)&a->gathered_grad, (void**)&a->rows,
             (void**)&a->ce_stats, (void**)&a->inputs, (void**)&a->targets, (void**)&a->losses, (void**)&a->embed_index,
-            (void**)&a->residual, (void**)&a->ln1_mean, (void**)&a->ln1_rstd, (void**)&a->qkv, (void**)&a->probs,
+            (void**)&a->qk_norm, (void**)&a->qk_stats, (void**)&a->residual, (void**)&a->ln1_mean, (void**)&a->ln1_rstd, (void**)&a->qkv, (void**)&a->probs,
             (void**)&a->lse, (void**)&a->attn_out, (void**)&a->residual_mid, (void**)&a->ln2, (void**)&a->ln2_mean,
             (void**)&a->ln2_rstd, (void**)&a->fc1, (void**)&a->act, (void**)&a->lnf, (void**)&a->lnf_mean,
             (void**)&a->lnf_rstd, (void**)&a->logits};
@@ -7790,6 +8084,8 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
                                   mt_error* err) {
     const mt_config* c = &t->cfg;
     memset(out, 0, sizeof(*out));
+    out->params_norm = -1.0; /* not computed (unless asked for, below) */
+    out->num_zeros_in_grad = -1;
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     if (num_micro_batches < 1)
         return mt_fail(err, MT_ERR_ARG, "train step: %d micro-batches (at least 1)", num_micro_batches);
@@ -7833,6 +8129,7 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
         out->skipped = 1;
         out->next_learning_rate = lr; /* a skipped step does not advance the scheduler */
         out->next_decoupled_learning_rate = lr_decoupled;
+        if (c->log_params_norm) out->params_norm = sqrt(params_norm_squared(t)); /* Megatron logs it still */
         return mt_gpu_error_return(&t->error, err);
     }
     loss_scaler_update(t, 0);
@@ -7843,10 +8140,12 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
         if (coeff < 1.0) clip = coeff;
     }
     float grad_scale = (float)(clip / scale);
+    if (c->log_num_zeros_in_grad) out->num_zeros_in_grad = gradient_zeros(t, grad_scale); /* after clipping, as Megatron */
+    double* params_norm = c->log_params_norm ? &out->params_norm : NULL; /* of the weights after the step */
     switch (c->precision) {
-        case MT_FP32: adamw_step<float>(t, (float)lr, (float)lr_decoupled, grad_scale); break;
-        case MT_BF16: adamw_step<__nv_bfloat16>(t, (float)lr, (float)lr_decoupled, grad_scale); break;
-        case MT_FP16: adamw_step<__half>(t, (float)lr, (float)lr_decoupled, grad_scale); break;
+        case MT_FP32: adamw_step<float>(t, (float)lr, (float)lr_decoupled, grad_scale, params_norm); break;
+        case MT_BF16: adamw_step<__nv_bfloat16>(t, (float)lr, (float)lr_decoupled, grad_scale, params_norm); break;
+        case MT_FP16: adamw_step<__half>(t, (float)lr, (float)lr_decoupled, grad_scale, params_norm); break;
     }
     fp8_after_step(t);
     t->scheduler_steps += (int64_t)num_micro_batches * c->micro_batch_size * t->groups.dp_size;

@@ -461,6 +461,10 @@ typedef struct {
      * no biases. Each switch is independent, as in Megatron. */
     mt_normalization normalization;   /* --normalization LayerNorm|RMSNorm */
     int swiglu;                       /* --swiglu: fc1 is [2f, h] = [gate; up], act = silu(gate) * up */
+    int squared_relu;                 /* --squared-relu: act = relu(x)^2 instead of GELU (not with --swiglu) */
+    int qk_layernorm;                 /* --qk-layernorm: after the QKV split each query and key head [kv_channels]
+                                         goes through a norm of the model's kind (weights shared by the heads),
+                                         before RoPE (Megatron-Core's q_layernorm / k_layernorm) */
     mt_position_embedding position_embedding_type; /* --position-embedding-type learned_absolute|rope|none */
     int apply_layernorm_1p;           /* --apply-layernorm-1p: norm weights hold w - 1 (y = (1 + w) * norm) */
     double rotary_base;               /* --rotary-base (10000) */
@@ -530,6 +534,9 @@ typedef struct {
     int calculate_per_token_loss;     /* --calculate-per-token-loss: the gradient of the global batch's loss
                                          sum / its counted tokens, instead of the mean of micro-batch means */
     uint64_t seed;                    /* --seed (1234) */
+    /* what each train step reports besides the loss and the gradient norm (work done only when asked) */
+    int log_params_norm;              /* --log-params-norm: the L2 norm of the fp32 master weights after the step */
+    int log_num_zeros_in_grad;        /* --log-num-zeros-in-grad: the gradient elements that are exactly 0 */
     /* parallel layout (1 everywhere on one GPU) */
     int tensor_model_parallel_size;   /* --tensor-model-parallel-size: each layer split over TP GPUs */
     int sequence_parallel;            /* --sequence-parallel: norms and residuals hold BT/TP rows (TP > 1) */
@@ -637,8 +644,10 @@ float mt_fp8_delayed_scale(const float* history, int len, int newest, mt_fp8_ama
 
 /* The model's parameter tensors in canonical order (the order of checkpoints and test vectors).
  * A tensor the flavour does not have has numel 0 and takes no space: position embeddings with RoPE,
- * the norm biases with RMSNorm, the linear biases with --disable-bias-linear, the output weight
- * while it is tied to the word embeddings. f1 = 2f with SwiGLU (gate rows, then up rows), else f. */
+ * the norm biases with RMSNorm, the linear biases with --disable-bias-linear, the query and key
+ * norms without --qk-layernorm, the output weight while it is tied to the word embeddings (so a
+ * model without a switch has the same files as before the switch existed). f1 = 2f with SwiGLU
+ * (gate rows, then up rows), else f. The per-layer tensors are MT_P_LN1_WEIGHT .. MT_P_FC2_BIAS. */
 enum {
     MT_P_WORD_EMBEDDINGS = 0, /* [Vp, h] */
     MT_P_POSITION_EMBEDDINGS, /* [P, h]  (learned_absolute only) */
@@ -646,6 +655,10 @@ enum {
     MT_P_LN1_BIAS,            /* [L, h]  (LayerNorm only) */
     MT_P_QKV_WEIGHT,          /* [L, (heads + 2 * groups) * kv, h], Megatron's grouped layout */
     MT_P_QKV_BIAS,            /* [L, (heads + 2 * groups) * kv] */
+    MT_P_Q_LAYERNORM_WEIGHT,  /* [L, kv]  (--qk-layernorm only): the queries' norm, shared by every head */
+    MT_P_Q_LAYERNORM_BIAS,    /* [L, kv]  (--qk-layernorm with LayerNorm) */
+    MT_P_K_LAYERNORM_WEIGHT,  /* [L, kv]  (--qk-layernorm only): the keys' norm */
+    MT_P_K_LAYERNORM_BIAS,    /* [L, kv]  (--qk-layernorm with LayerNorm) */
     MT_P_PROJ_WEIGHT,         /* [L, h, heads * kv] */
     MT_P_PROJ_BIAS,           /* [L, h] */
     MT_P_LN2_WEIGHT,          /* [L, h] */
@@ -926,7 +939,7 @@ int mt_flash_attention(const mt_config* cfg);
 
 /* The activation arena of one pipeline rank (megatron.cu section 16 names each region): regions in
  * this order, each at a 256-byte-aligned offset; a region of 0 bytes does not exist in this config.
- * First the scratch every micro-batch shares (MT_ACT_LN1 .. MT_ACT_EMBED_INDEX), then num_slots
+ * First the scratch every micro-batch shares (MT_ACT_LN1 .. MT_ACT_QK_STATS), then num_slots
  * slots one after another, each a copy of the saved regions (MT_ACT_RESIDUAL .. MT_ACT_LOGITS: what
  * one micro-batch's pass through one model chunk keeps for its backward, sized for the rank's
  * largest chunk; the final norm's output and the logits only on the rank that holds the head). */
@@ -934,6 +947,7 @@ enum {
     MT_ACT_LN1 = 0, MT_ACT_Q, MT_ACT_K, MT_ACT_V, MT_ACT_O, MT_ACT_DK, MT_ACT_DV, MT_ACT_DSCORES, MT_ACT_DSUM,
     MT_ACT_LOGITS_ROW, MT_ACT_BRANCH, MT_ACT_BRANCH2, MT_ACT_DRESIDUAL, MT_ACT_GATHERED, MT_ACT_GATHERED_GRAD,
     MT_ACT_ROWS, MT_ACT_CE_STATS, MT_ACT_INPUTS, MT_ACT_TARGETS, MT_ACT_LOSSES, MT_ACT_EMBED_INDEX,
+    MT_ACT_QK_NORM, MT_ACT_QK_STATS, /* --qk-layernorm: the normalised QKV rows and their mean and 1/std */
     MT_ACT_RESIDUAL, /* the first saved region */
     MT_ACT_LN1_MEAN, MT_ACT_LN1_RSTD, MT_ACT_QKV, MT_ACT_PROBS, MT_ACT_LSE, MT_ACT_ATTN_OUT, MT_ACT_RESIDUAL_MID,
     MT_ACT_LN2, MT_ACT_LN2_MEAN, MT_ACT_LN2_RSTD, MT_ACT_FC1, MT_ACT_ACT, MT_ACT_LNF, MT_ACT_LNF_MEAN,
@@ -1254,6 +1268,15 @@ typedef struct {
     double loss_scale;        /* the scale this step used (1 unless fp16) */
     int skipped;              /* 1 if the step was skipped (fp16 overflow) */
     int nan;                  /* 1 if the loss was nan/inf */
+    /* --log-params-norm: the L2 norm of the fp32 master weights after the step (a skipped step's: the
+     * unchanged ones), every parameter once (a tensor every TP rank holds whole, or the last stage's
+     * copy of tied word embeddings, counted once), as Megatron's calc_params_l2_norm; -1 when not
+     * asked for or when the step was refused (MT_ERR_NAN) */
+    double params_norm;
+    /* --log-num-zeros-in-grad: the gradient elements that are exactly 0 after unscaling and clipping
+     * (Megatron's count_zeros_fp32), every parameter once as above; -1 when not asked for or when the
+     * step was skipped or refused */
+    int64_t num_zeros_in_grad;
 } mt_step_result;
 
 typedef void (*mt_log_fn)(void* user, const char* line);
@@ -3652,6 +3675,8 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
         c->ffn_hidden_size = (int)ffn;
     }
     if (c->ffn_hidden_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--ffn-hidden-size must be positive");
+    if (c->squared_relu && c->swiglu) /* Megatron: assert not args.swiglu */
+        return mt_fail(err, MT_ERR_CONFIG, "--squared-relu and --swiglu exclude each other (one MLP activation)");
     if (c->normalization != MT_NORM_LAYERNORM && c->normalization != MT_NORM_RMSNORM)
         return mt_fail(err, MT_ERR_CONFIG, "--normalization must be LayerNorm or RMSNorm");
     if (c->position_embedding_type != MT_POSITION_LEARNED && c->position_embedding_type != MT_POSITION_ROPE &&
@@ -3905,7 +3930,7 @@ static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* in
     int64_t ln_bias = c->normalization == MT_NORM_LAYERNORM, bias = c->add_bias_linear != 0;
     int64_t positions = c->position_embedding_type == MT_POSITION_LEARNED ? c->max_position_embeddings : 0;
     int64_t V = c->padded_vocab_size, untied = c->untie_embeddings_and_output_weights != 0;
-    int64_t glu = c->swiglu ? 2 : 1;
+    int64_t glu = c->swiglu ? 2 : 1, qk = c->qk_layernorm != 0, d = c->kv_channels;
     int norm_w = c->apply_layernorm_1p ? 0 : 1; /* --apply-layernorm-1p: the weights hold w - 1, from 0 */
     struct { const char* name; int64_t layers, outer, rows, inner; int split, wd, init; } t[MT_NUM_PARAM_TENSORS] = {
         /* name                 layers        outer rows       inner split wd init */
@@ -3915,6 +3940,10 @@ static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* in
         {"ln1_bias",            ln_bias * L,  1,    h,         1,    0, 0, 0},
         {"qkv_weight",          L,            1,    qkv,       h,    1, 1, 2}, /* groups are whole row blocks */
         {"qkv_bias",            bias * L,     1,    qkv,       1,    1, 0, 0},
+        {"q_layernorm_weight",  qk * L,       1,    d,         1,    0, 0, norm_w}, /* whole on every TP rank */
+        {"q_layernorm_bias",    qk * ln_bias * L, 1, d,        1,    0, 0, 0},
+        {"k_layernorm_weight",  qk * L,       1,    d,         1,    0, 0, norm_w},
+        {"k_layernorm_bias",    qk * ln_bias * L, 1, d,        1,    0, 0, 0},
         {"proj_weight",         L,            h,    attn,      1,    1, 1, 3},
         {"proj_bias",           bias * L,     1,    h,         1,    0, 0, 0},
         {"ln2_weight",          L,            1,    h,         1,    0, 0, norm_w},
@@ -4542,6 +4571,10 @@ void mt_activation_layout_compute(const mt_config* c, int layers, int head, int 
     once[MT_ACT_TARGETS] = BT * 4;
     once[MT_ACT_LOSSES] = BT * 4;
     once[MT_ACT_EMBED_INDEX] = (3 * BT + 2) * 4;
+    /* --qk-layernorm: the QKV rows with q and k normalised (v copied), [BT, qkv_width], made from the
+     * kept QKV rows where attention reads them (forward and backward), with every head's mean and 1/std */
+    once[MT_ACT_QK_NORM] = c->qk_layernorm ? mt__size_mul(BTwide_e, qkv_width) : 0;
+    once[MT_ACT_QK_STATS] = c->qk_layernorm ? mt__size_mul3(BT, heads + groups, 2 * 4) : 0;
     per_layer[MT_ACT_RESIDUAL] = Rh; /* L + 1 of them: each layer's input and the chunk's output */
     per_layer[MT_ACT_LN1_MEAN] = R * 4;
     per_layer[MT_ACT_LN1_RSTD] = R * 4;
@@ -5074,6 +5107,8 @@ void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
     h[MT_CK_UNTIED] = c->untie_embeddings_and_output_weights != 0;
     h[MT_CK_NO_BIAS_LINEAR] = !c->add_bias_linear;
     h[MT_CK_LAYERNORM_1P] = c->apply_layernorm_1p != 0;
+    h[MT_CK_SQUARED_RELU] = c->squared_relu != 0;
+    h[MT_CK_QK_LAYERNORM] = c->qk_layernorm != 0;
     memcpy(&h[MT_CK_NORM_EPS_BITS], &c->norm_epsilon, sizeof(double));
     h[MT_CK_TRUE_VOCAB] = c->vocab_size;
 }
@@ -5102,6 +5137,8 @@ void mt_config_from_checkpoint_header(mt_config* c, const int64_t* h) {
     c->untie_embeddings_and_output_weights = (int)h[MT_CK_UNTIED];
     c->add_bias_linear = !h[MT_CK_NO_BIAS_LINEAR];
     c->apply_layernorm_1p = h[MT_CK_LAYERNORM_1P] != 0;
+    c->squared_relu = h[MT_CK_SQUARED_RELU] != 0;
+    c->qk_layernorm = h[MT_CK_QK_LAYERNORM] != 0;
     if (h[MT_CK_NORM_EPS_BITS]) memcpy(&c->norm_epsilon, &h[MT_CK_NORM_EPS_BITS], sizeof(double));
 }
 
@@ -5137,6 +5174,8 @@ mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, mt_conf
         {MT_CK_UNTIED, 0, 1, "--untie-embeddings-and-output-weights"},
         {MT_CK_NO_BIAS_LINEAR, 0, 1, "--disable-bias-linear"},
         {MT_CK_LAYERNORM_1P, 0, 1, "--apply-layernorm-1p"},
+        {MT_CK_SQUARED_RELU, 0, 1, "--squared-relu"},
+        {MT_CK_QK_LAYERNORM, 0, 1, "--qk-layernorm"},
         {MT_CK_TRUE_VOCAB, 0, INT64_MAX, "the true vocabulary"},
         {MT_CK_TP_RANK, 0, INT32_MAX, "the tensor-parallel rank"},
         {MT_CK_FP8_TENSORS, 0, INT32_MAX, "the FP8 tensor count"},
@@ -5157,6 +5196,7 @@ mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, mt_conf
     /* the words that relate to each other */
     const char* bad = NULL;
     if (h[MT_CK_HEADS] % h[MT_CK_GROUPS]) bad = "the attention heads are not a multiple of the query groups";
+    else if (h[MT_CK_SWIGLU] && h[MT_CK_SQUARED_RELU]) bad = "both --swiglu and --squared-relu are set";
     else if (h[MT_CK_TRUE_VOCAB] > h[MT_CK_VOCAB]) bad = "the true vocabulary exceeds the padded one";
     else if (h[MT_CK_TP_RANK] >= h[MT_CK_TP]) bad = "the tensor-parallel rank is not below the tensor-parallel size";
     else if (h[MT_CK_PP_RANK] >= h[MT_CK_PP]) bad = "the pipeline rank is not below the pipeline-parallel size";

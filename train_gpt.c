@@ -289,7 +289,8 @@ static int run_plan(const tg_flags* o, const mt_config* c, int sequence_parallel
 /* ---- TensorBoard ------------------------------------------------------------------------------ */
 /* Megatron's TensorBoard habits (training.py): the rank that prints the log writes the events; every
  * --tensorboard-log-interval iterations learning-rate, batch-size, lm loss (this iteration's),
- * loss-scale, grad-norm (none for a skipped step), world-size and memory when asked, each with its
+ * loss-scale, grad-norm (none for a skipped step), num-zeros and params-norm (--log-num-zeros-in-grad,
+ * --log-params-norm), world-size and memory when asked, each with its
  * "vs samples" twin where Megatron has one; at each log line iteration-time (s) and throughput
  * (TFLOP/s/GPU) with --log-timers-to-tensorboard; each evaluation's loss (and ppl); the command
  * line's arguments as texts. Events are flushed at every log line (and when the queue fills). */
@@ -340,6 +341,11 @@ static void tensorboard_iteration(mt_tb_writer* tb, const tg_flags* o, mt_traine
         tensorboard_check(mt_tb_scalar_pair(tb, "world-size", c->world_size, iteration, consumed, &err), &err);
     if (!r->skipped)
         tensorboard_check(mt_tb_scalar_pair(tb, "grad-norm", r->grad_norm, iteration, consumed, &err), &err);
+    if (r->num_zeros_in_grad >= 0) /* --log-num-zeros-in-grad (none for a skipped step) */
+        tensorboard_check(mt_tb_scalar_pair(tb, "num-zeros", (double)r->num_zeros_in_grad, iteration, consumed, &err),
+                          &err);
+    if (r->params_norm >= 0) /* --log-params-norm */
+        tensorboard_check(mt_tb_scalar_pair(tb, "params-norm", r->params_norm, iteration, consumed, &err), &err);
     if (o->log_memory_to_tensorboard) {
         /* no caching allocator here: everything is allocated at creation (the plan); "reserved" is
          * what the device reports in use (the CUDA context, cuBLAS and NCCL included) */
@@ -884,10 +890,14 @@ int main(int argc, char** argv) {
             double ms = 1000.0 * interval_time / interval_steps;
             double tflops = mt_flops_per_iteration(c, batch) / (ms / 1000.0) / 1e12 / c->world_size;
             int good = interval_steps - interval_skipped;
-            char ts[64], throughput[128] = "", mfu[64] = "", decoupled[96] = "";
+            char ts[64], throughput[128] = "", mfu[64] = "", decoupled[96] = "", zeros[64] = "", pnorm[64] = "";
             if (c->decoupled_lr >= 0) /* Megatron's field, after the learning rate */
                 snprintf(decoupled, sizeof(decoupled), " decoupled learning rate: %.6E |", r.next_decoupled_learning_rate);
             timestamp(ts, sizeof(ts));
+            /* Megatron's fields after the grad norm, this iteration's values, only when computed */
+            if (r.num_zeros_in_grad >= 0)
+                snprintf(zeros, sizeof(zeros), " num zeros: %lld |", (long long)r.num_zeros_in_grad);
+            if (r.params_norm >= 0) snprintf(pnorm, sizeof(pnorm), " params norm: %.3f |", r.params_norm);
             if (o.log_throughput) { /* Megatron prints the field only with --log-throughput; MFU is this build's */
                 snprintf(throughput, sizeof(throughput), " throughput per GPU (TFLOP/s/GPU): %.1f |", tflops);
                 snprintf(mfu, sizeof(mfu), " MFU: %.1f%% |", peak > 0 ? 100.0 * tflops / peak : 0.0);
@@ -896,10 +906,10 @@ int main(int argc, char** argv) {
                 fprintf(log_line_out,
                         " [%s] iteration %8lld/%8lld | consumed samples: %12lld | elapsed time per iteration (ms): %.1f |%s"
                         " learning rate: %.6E |%s global batch size: %5d | lm loss: %.6E | loss scale: %.1f | grad norm: "
-                        "%.3f | number of skipped iterations: %3d | number of nan iterations: %3d |%s\n",
+                        "%.3f |%s%s number of skipped iterations: %3d | number of nan iterations: %3d |%s\n",
                         ts, (long long)iteration, (long long)c->train_iters, (long long)consumed, ms, throughput,
                         r.next_learning_rate, decoupled, batch, good ? interval_loss / good : 0.0, r.loss_scale, r.grad_norm,
-                        interval_skipped, interval_nan, mfu);
+                        zeros, pnorm, interval_skipped, interval_nan, mfu);
                 fflush(log_line_out);
             }
             if (tb) tensorboard_log_line(tb, &o, iteration, ms / 1000.0, tflops);

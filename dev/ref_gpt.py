@@ -39,6 +39,8 @@ with a leading L dimension). Same order as megatron.h's MT_P_* enum:
    1 word_embeddings [Vp, h]         2 position_embeddings [P, h]
    3 ln1_weight [L, h]               4 ln1_bias [L, h]
    5 qkv_weight [L, 3h, h]           6 qkv_bias [L, 3h]
+     (qk_layernorm only: q_layernorm_weight [L, d], q_layernorm_bias [L, d],
+                         k_layernorm_weight [L, d], k_layernorm_bias [L, d]; the biases with LayerNorm)
    7 proj_weight [L, h, h]           8 proj_bias [L, h]
    9 ln2_weight [L, h]              10 ln2_bias [L, h]
   11 fc1_weight [L, f, h]           12 fc1_bias [L, f]
@@ -82,8 +84,9 @@ header int32[256]:
   [17] swiglu (0/1)  [18] position type (0 learned, 1 rope, 2 none)  [19] untied output (0/1)
   [20] disable_bias (0 biases present, 1 none)  [21] use_rope_scaling (0/1)
   [22] layernorm_1p (0/1)  [23] eod + 1 (0: no loss mask)  [24] the dropout seed (0 without dropout)
-  [25..255] 0
-  (words 15..21 are all 0 for gpt2, so files written before they existed read the same)
+  [25] squared_relu (0/1)  [26] qk_layernorm (0/1)
+  [27..255] 0
+  (words 15..26 are all 0 for gpt2, so files written before they existed read the same)
 hyper float32[64]:
   [0] max_lr  [1] min_lr  [2] lr_warmup_iters  [3] lr_decay_iters  [4] b1  [5] b2  [6] eps
   [7] weight_decay  [8] clip_grad  [9] norm eps  [10] rotary_base  [11] rotary_percent
@@ -125,11 +128,20 @@ proj_weight, ln2_weight, fc1_weight [L, 2f, h], fc2_weight, final_ln_weight, out
 The self-test checks the forward pass against transformers' LlamaForCausalLM (q/k/v_proj cut from the
 grouped QKV rows, gate/up_proj = fc1 rows [:f]/[f:], HF's float32 casts lifted to float64) to ~1e-15.
 
-Comparing against it (gpt2): the gradient of the key biases (rows [i*3d+d, i*3d+2d) of qkv_bias) is zero in
-exact arithmetic (softmax is shift-invariant per query), here ~1e-20; in fp32 it is rounding noise
+Comparing against it (gpt2, without qk_layernorm, whose key norm makes it a real gradient): the gradient of
+the key biases (rows [i*3d+d, i*3d+2d) of qkv_bias) is zero in exact arithmetic (softmax is shift-invariant
+per query), here ~1e-20; in fp32 it is rounding noise
 that Adam (eps 1e-8) can turn into updates of up to ~lr per step, so compare params_final with an
 absolute tolerance of a few lr there (or skip those entries). Steps 0 and 1 see the same weights
 (step 0's lr is 0).
+
+Switches of Megatron's functional-test configurations (any flavor; header words 25, 26):
+  squared_relu       (--squared-relu) the MLP's activation is relu(z)^2 instead of gelu_tanh (not with swiglu)
+  qk_layernorm       (--qk-layernorm, Megatron-Core's q_layernorm / k_layernorm) after the QKV split, every
+                     query head q_i [d] becomes norm(q_i) with q_layernorm_weight (and _bias with LayerNorm),
+                     every key head k_j norm(k_j) with k_layernorm_weight/_bias: the model's norm kind, eps
+                     and layernorm_1p, one weight per kind shared by all heads; rope rotates the results.
+                     Init as the other norms' (norm_w, norm_b).
 
 Switches of train_gpt's launch-script flags (any flavor; header words 18, 22, 23):
   position = "none"  (--position-embedding-type none, NoPE) neither position_embeddings nor rope
@@ -220,6 +232,8 @@ class Config:
     untied: bool = None   # separate output_weight
     bias: bool = None     # linear biases (qkv, proj, fc1, fc2)
     layernorm_1p: bool = False  # --apply-layernorm-1p: norm weights hold w - 1, the norms use (1 + w)
+    squared_relu: bool = False  # --squared-relu: act = relu(z)^2 (not with swiglu)
+    qk_layernorm: bool = False  # --qk-layernorm: q and k heads normalised after the split, before rope
     eod: int = -1         # --eod-mask-loss with this end-of-document id (-1: every position counts)
     hidden_dropout: float = 0.0     # --hidden-dropout (embeddings, proj and fc2 branches)
     attention_dropout: float = 0.0  # --attention-dropout (the attention probabilities)
@@ -250,6 +264,7 @@ class Config:
         assert self.norm in NORMS and self.position in POSITIONS, (self.norm, self.position)
         assert (self.kv > 0 or self.h % self.n == 0) and self.n % self.g == 0 and self.G % self.mb == 0
         assert self.T <= self.P and self.Vp > 64
+        assert not (self.squared_relu and self.swiglu), "squared_relu and swiglu exclude each other"
         if self.position == "rope":
             assert self.rotary_base > 0 and 0 < self.rotary_percent <= 1 and self.rope_scaling_factor >= 0
             assert self.rot > 0 and self.rot % 2 == 0, self.rot
@@ -297,6 +312,14 @@ CONFIGS = {
     # of 2 x 64 = 128 tokens), two micro-batches per step, and Zipf-distributed tokens, whose skewed
     # frequencies a model learns fast: the loss falls ~16% in 12 steps (uniform tokens: ~3%)
     "gpt2_fp8": Config(L=2, h=128, n=2, f=256, Vp=256, T=64, G=4, mb=2, S=12, zipf=1.0),
+    # Megatron's functional-test switches (issue #32): --squared-relu on GPT-2 (with its biases: the bias
+    # is added before the activation), and --qk-layernorm on both flavours, head dim 64 (bf16 runs the
+    # flash kernels): GPT-2's LayerNorm with biases (two heads of 64 over hidden 64, learned positions),
+    # Llama's RMSNorm with MQA, partial rotary after the norms, and --apply-layernorm-1p's w - 1 weights
+    "gpt2_sqrelu": Config(L=2, h=64, n=4, f=128, Vp=256, T=32, G=4, mb=2, S=6, squared_relu=True),
+    "gpt2_qkln": Config(L=2, h=64, n=2, kv=64, f=128, Vp=256, T=32, G=4, mb=2, S=6, qk_layernorm=True),
+    "llama_qkln": Config(flavor="llama", L=2, h=64, n=2, g=1, kv=64, f=96, Vp=256, T=32, G=4, mb=2, S=6, max_lr=3e-3,
+                         rotary_base=500000.0, rotary_percent=0.5, qk_layernorm=True, layernorm_1p=True),
 }
 
 
@@ -318,6 +341,10 @@ def param_specs(cfg):
         ("ln1_bias",            (L, h),                "norm_b",        False, ln),
         ("qkv_weight",          (L, qkv, h),           "normal",        True,  True),
         ("qkv_bias",            (L, qkv),              "bias",          False, b),
+        ("q_layernorm_weight",  (L, cfg.d),            "norm_w",        False, cfg.qk_layernorm),
+        ("q_layernorm_bias",    (L, cfg.d),            "norm_b",        False, cfg.qk_layernorm and ln),
+        ("k_layernorm_weight",  (L, cfg.d),            "norm_w",        False, cfg.qk_layernorm),
+        ("k_layernorm_bias",    (L, cfg.d),            "norm_b",        False, cfg.qk_layernorm and ln),
         ("proj_weight",         (L, h, cfg.n * cfg.d), "normal_scaled", True,  True),
         ("proj_bias",           (L, h),                "bias",          False, b),
         ("ln2_weight",          (L, h),                "norm_w",        False, True),
@@ -395,6 +422,10 @@ def silu(z):
     return z / (1.0 + torch.exp(-z))
 
 
+def squared_relu(z):
+    return torch.where(z > 0, z, torch.zeros_like(z)) ** 2
+
+
 def rope_inv_freq(cfg):
     """inv_freq [rot/2] (float64), with Llama-3.1 scaling when rope_scaling_factor > 0."""
     rot, base, factor = cfg.rot, f32(cfg.rotary_base), f32(cfg.rope_scaling_factor)
@@ -462,6 +493,7 @@ class Pieces:
     rms_norm = staticmethod(rms_norm)
     gelu = staticmethod(gelu_tanh)
     silu = staticmethod(silu)
+    squared_relu = staticmethod(squared_relu)
     rope = staticmethod(apply_rope)
     attention = staticmethod(causal_attention)
 
@@ -477,6 +509,7 @@ class TorchPieces:
     rms_norm = staticmethod(_torch_rms_norm)
     gelu = staticmethod(lambda z: F.gelu(z, approximate="tanh"))
     silu = staticmethod(F.silu)
+    squared_relu = staticmethod(lambda z: torch.pow(F.relu(z), 2))     # Megatron's megatron.core.activations
 
     @staticmethod
     def rope(x, ang):
@@ -598,10 +631,14 @@ def forward(cfg, p, tokens, pieces=Pieces, drop=None):
     ang = rope_angles(cfg, T) if cfg.position == "rope" else None
     for l in range(cfg.L):
         w = {k: p[k][l] if k in p else None for k in
-             ("ln1_weight", "ln1_bias", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "ln2_weight",
+             ("ln1_weight", "ln1_bias", "qkv_weight", "qkv_bias", "q_layernorm_weight", "q_layernorm_bias",
+              "k_layernorm_weight", "k_layernorm_bias", "proj_weight", "proj_bias", "ln2_weight",
               "ln2_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")}
         a = norm(x, w["ln1_weight"], w["ln1_bias"])
         q, k, v = split_qkv(cfg, linear(a, w["qkv_weight"], w["qkv_bias"]))
+        if cfg.qk_layernorm:                                 # per head [d], before rope
+            q = norm(q, w["q_layernorm_weight"], w["q_layernorm_bias"])
+            k = norm(k, w["k_layernorm_weight"], w["k_layernorm_bias"])
         if ang is not None:                                  # rope on q and k, after the split
             q, k = pieces.rope(q, ang), pieces.rope(k, ang)
         if drop is None:
@@ -615,6 +652,8 @@ def forward(cfg, p, tokens, pieces=Pieces, drop=None):
         z = linear(m, w["fc1_weight"], w["fc1_bias"])
         if cfg.swiglu:
             z = pieces.silu(z[..., :cfg.f]) * z[..., cfg.f:]   # gate rows first, then up rows
+        elif cfg.squared_relu:
+            z = pieces.squared_relu(z)
         else:
             z = pieces.gelu(z)
         fc2 = linear(z, w["fc2_weight"], w["fc2_bias"])
@@ -783,12 +822,12 @@ def header_arrays(cfg):
     rope = cfg.position == "rope"
     hd = np.zeros(HEADER_INTS, dtype="<i4")
     dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
-    hd[:25] = [MAGIC, VERSION, FLAVORS[cfg.flavor], cfg.L, cfg.h, cfg.n, cfg.f, cfg.Vp, cfg.P, cfg.T,
+    hd[:27] = [MAGIC, VERSION, FLAVORS[cfg.flavor], cfg.L, cfg.h, cfg.n, cfg.f, cfg.Vp, cfg.P, cfg.T,
                cfg.G, cfg.mb, cfg.S, num_params(cfg), cfg.g,
                cfg.d if (cfg.kv or cfg.flavor != "gpt2") else 0,   # gpt2 files keep 0 (= h/n) here
                NORMS[cfg.norm], int(cfg.swiglu), POSITIONS[cfg.position], int(cfg.untied), int(not cfg.bias),
                int(rope and cfg.rope_scaling_factor > 0), int(cfg.layernorm_1p), cfg.eod + 1,
-               cfg.seed if dropout else 0]
+               cfg.seed if dropout else 0, int(cfg.squared_relu), int(cfg.qk_layernorm)]
     hp = np.zeros(HYPER_FLOATS, dtype="<f4")
     hp[:15] = [cfg.max_lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.lr_decay_iters, cfg.b1, cfg.b2, cfg.eps,
                cfg.weight_decay, cfg.clip_grad, cfg.norm_eps,
@@ -845,8 +884,11 @@ def read_file(path):
     L, h, n, f, Vp, P, T, G, mb, S, N, g, kv = (int(x) for x in hd[3:16])
     norm_c, swiglu, pos_c, untied, no_bias, scaling, one_p, eod1 = (int(x) for x in hd[16:24])
     dropout_seed, hidden_dropout, attention_dropout = int(hd[24]), float(hp[13]), float(hp[14])
-    if any(hd[25:]) or any(hp[15:]):
+    squared_relu, qk_layernorm = int(hd[25]), int(hd[26])
+    if any(hd[27:]) or any(hp[15:]):
         raise ValueError("reserved header fields not zero")
+    if squared_relu not in (0, 1) or qk_layernorm not in (0, 1):
+        raise ValueError(f"bad switches squared_relu {squared_relu}, qk_layernorm {qk_layernorm}")
     if norm_c not in NORMS.values() or pos_c not in POSITIONS.values() or \
             any(x not in (0, 1) for x in (swiglu, untied, no_bias, scaling, one_p)) or not 0 <= eod1 <= Vp - 64:
         raise ValueError(f"bad model switches {[int(x) for x in hd[16:24]]}")
@@ -859,7 +901,8 @@ def read_file(path):
         cfg = Config(flavor=flavors[int(hd[2])], L=L, h=h, n=n, g=g, kv=kv, f=f, Vp=Vp, T=T, P=P, G=G, mb=mb, S=S,
                      norm={v: k for k, v in NORMS.items()}[norm_c], swiglu=bool(swiglu),
                      position={v: k for k, v in POSITIONS.items()}[pos_c], untied=bool(untied), bias=not no_bias,
-                     layernorm_1p=bool(one_p), eod=eod1 - 1,
+                     layernorm_1p=bool(one_p), eod=eod1 - 1, squared_relu=bool(squared_relu),
+                     qk_layernorm=bool(qk_layernorm),
                      hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
                      seed=dropout_seed if dropout_seed else Config.seed,
                      rotary_base=float(hp[10]) if rope else Config.rotary_base,
@@ -1074,7 +1117,8 @@ def selftest():
         ok &= bool(cond)
 
     for name, cfg in CONFIGS.items():
-        print(f"selftest {name} ({cfg.flavor}: {cfg.norm}, {'swiglu' if cfg.swiglu else 'gelu'}, {cfg.position}, "
+        act = 'swiglu' if cfg.swiglu else 'squared relu' if cfg.squared_relu else 'gelu'
+        print(f"selftest {name} ({cfg.flavor}: {cfg.norm}{' + qk norms' if cfg.qk_layernorm else ''}, {act}, {cfg.position}, "
               f"{'untied' if cfg.untied else 'tied'}, {'bias' if cfg.bias else 'no bias'}, n={cfg.n} g={cfg.g} d={cfg.d})")
         params = init_params(cfg)
         batch = make_tokens(cfg)[0]
@@ -1100,6 +1144,10 @@ def selftest():
         if cfg.swiglu:
             z = torch.randn(1000) * 4
             expect(rel_err(silu(z).numpy(), F.silu(z).numpy()) < 1e-14, "silu == F.silu")
+        if cfg.squared_relu:
+            z = torch.randn(1000) * 4
+            expect(rel_err(squared_relu(z).numpy(), torch.pow(F.relu(z), 2).numpy()) == 0.0,
+                   "squared_relu == relu(z)^2 (megatron.core.activations.squared_relu)")
         # the grouped QKV layout, head by head: head i is member i % (n/g) of group j = i // (n/g)
         d, r = cfg.d, cfg.n // cfg.g
         W = (cfg.n + 2 * cfg.g) * d

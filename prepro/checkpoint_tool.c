@@ -82,9 +82,10 @@ static int info(const mt_ckpt* ck) {
            "(%lld true), %d positions, %lld parameters\n", c->num_layers, c->hidden_size, c->num_attention_heads,
            c->num_query_groups, c->kv_channels, c->ffn_hidden_size, (long long)h[MT_CK_VOCAB],
            (long long)h[MT_CK_TRUE_VOCAB], c->max_position_embeddings, (long long)h[MT_CK_NUM_PARAMS]);
-    printf("flavour: %s%s, %s, %s positions, %s embeddings, %s, norm epsilon %g, %s\n",
+    printf("flavour: %s%s%s, %s, %s positions, %s embeddings, %s, norm epsilon %g, %s\n",
            c->normalization == MT_NORM_RMSNORM ? "RMSNorm" : "LayerNorm", c->apply_layernorm_1p ? " (1p)" : "",
-           c->swiglu ? "SwiGLU" : "GeLU",
+           c->qk_layernorm ? " (also of queries and keys)" : "",
+           c->swiglu ? "SwiGLU" : c->squared_relu ? "squared ReLU" : "GeLU",
            c->position_embedding_type == MT_POSITION_ROPE ? "rope" : c->position_embedding_type == MT_POSITION_NONE
                                                                          ? "no" : "learned absolute",
            c->untie_embeddings_and_output_weights ? "untied" : "tied", c->add_bias_linear ? "linear biases" : "no linear biases",

@@ -89,7 +89,7 @@ W = dict(zip(
     "SCHED_STEPS ADAM_STEP SEED GROWTH HYSTERESIS LOSS_SCALE_BITS TP PP SHARDED_DP DP_RANK SHARD_NUMEL "
     "NORMALIZATION SWIGLU POSITION_TYPE ROTARY_BASE_BITS ROTARY_PERCENT_BITS ROPE_SCALING_FACTOR_BITS UNTIED "
     "NO_BIAS_LINEAR NORM_EPS_BITS TRUE_VOCAB TP_RANK FP8_TENSORS FP8_HISTORY_LEN FP8_HISTORY_POS PP_RANK VP "
-    "STAGE_NUMEL LAYERNORM_1P DDP_OVERLAP DDP_BUCKET_SIZE MANIFESTED".split(), range(64)))
+    "STAGE_NUMEL LAYERNORM_1P DDP_OVERLAP DDP_BUCKET_SIZE MANIFESTED SQUARED_RELU QK_LAYERNORM".split(), range(64)))
 MANIFEST = "manifest.txt"
 MANIFEST_HEAD = "megatron.c checkpoint manifest 1"
 PRECISIONS = {0: "fp32", 1: "bf16", 2: "fp16"}
@@ -378,6 +378,9 @@ def read_ours(ckpt, iteration=None, no_verify=False):
         if h[W["NORMALIZATION"]] not in NORMS or h[W["POSITION_TYPE"]] not in POSITIONS or \
                 h[W["PRECISION"]] not in PRECISIONS or h[W["MANIFESTED"]] not in (0, 1):
             raise ConvertError(f"{path}: unknown normalization, position type, precision or manifest mark word")
+        for word, flag in (("SQUARED_RELU", "--squared-relu"), ("QK_LAYERNORM", "--qk-layernorm")):
+            if h[W[word]]:
+                raise ConvertError(f"{path}: the model was trained with {flag}, which this tool does not convert")
         m = model_of_header(h)
         layout = param_layout(m)
         n = sum(int(np.prod(s)) for _, _, s in layout)
@@ -620,6 +623,10 @@ def from_mcore(src, out, iteration):
         raise ConvertError(f"{d}: position_embedding_type {position!r} has no counterpart here")
     if arg(a, "normalization", "LayerNorm") not in ("LayerNorm", "RMSNorm"):
         raise ConvertError(f"{d}: normalization {a.normalization!r} has no counterpart here")
+    for flag in ("squared_relu", "qk_layernorm"):
+        if arg(a, flag, False):
+            raise ConvertError(f"{d}: the model was trained with --{flag.replace('_', '-')}, which this tool does not "
+                               "convert")
     m = SimpleNamespace(
         num_layers=int(a.num_layers), hidden_size=int(a.hidden_size), num_attention_heads=heads,
         num_query_groups=groups, kv_channels=int(arg(a, "kv_channels", a.hidden_size // heads)),

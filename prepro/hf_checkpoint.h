@@ -245,6 +245,12 @@ mt_status mt_hf_arch_for_config(const mt_config* c, const mt_hf_arch** out, mt_e
     if (c->apply_layernorm_1p)
         return mt_fail(err, MT_ERR_CONFIG, "the model stores its norm weights as w - 1 (--apply-layernorm-1p): "
                        "export to Hugging Face is not implemented for it");
+    if (c->squared_relu)
+        return mt_fail(err, MT_ERR_CONFIG, "the model's MLP uses squared ReLU (--squared-relu): neither GPT-2 nor Llama "
+                       "in transformers has that activation, so it cannot be exported to them");
+    if (c->qk_layernorm)
+        return mt_fail(err, MT_ERR_CONFIG, "the model normalises its queries and keys (--qk-layernorm): neither GPT-2 "
+                       "nor Llama in transformers has those norms, so it cannot be exported to them");
     if (ln && learned && bias && !glu && !untied) *out = &mt_hf_gpt2_arch;
     else if (!ln && rope && !bias && glu) *out = &mt_hf_llama_arch;
     else

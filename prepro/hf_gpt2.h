@@ -223,7 +223,10 @@ void mt_hf_gpt2_tensor(const mt_config* c, int64_t vocab_size, int index, mt_hf_
     } else if (index < 2 + 12 * L) {
         int k = (index - 2) % 12;
         t->layer = (index - 2) / 12;
-        t->kind = MT_P_LN1_WEIGHT + k; /* HF's per-layer order is the MT_P_* order */
+        static const int kinds[12] = {MT_P_LN1_WEIGHT,  MT_P_LN1_BIAS,  MT_P_QKV_WEIGHT, MT_P_QKV_BIAS,
+                                      MT_P_PROJ_WEIGHT, MT_P_PROJ_BIAS, MT_P_LN2_WEIGHT, MT_P_LN2_BIAS,
+                                      MT_P_FC1_WEIGHT,  MT_P_FC1_BIAS,  MT_P_FC2_WEIGHT, MT_P_FC2_BIAS};
+        t->kind = kinds[k]; /* HF's per-layer order, which is the MT_P_* order of GPT-2's tensors */
         snprintf(t->name, sizeof(t->name), "transformer.h.%d.%s", t->layer, layer_names[k]);
         /* Conv1D weights are [in, out] */
         int64_t shapes[12][2] = {{h, 0}, {h, 0}, {h, qkv}, {qkv, 0}, {attn, h}, {h, 0},

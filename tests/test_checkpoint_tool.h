@@ -194,6 +194,8 @@ typedef struct {
     int fp8;                   /* an FP8 delayed-scaling tail (3 tensors, history 4) */
     int manifest;
     int record_ddp;            /* the distributed optimizer's bucket flags in the header (0: as older files) */
+    int switches;              /* --qk-layernorm (its whole-on-every-TP-rank tensors) and, without SwiGLU,
+                                  --squared-relu (a header word) */
     int64_t padded;            /* the padded vocabulary (0: Megatron's at tp, 128 x TP) */
 } ckt_layout;
 
@@ -208,6 +210,8 @@ static void ckt_model(mt_config* c, const ckt_layout* L) {
     c->precision = MT_BF16;
     if (L->llama) test_config_llama(c);
     c->untie_embeddings_and_output_weights = L->untied;
+    c->qk_layernorm = L->switches;
+    c->squared_relu = L->switches && !L->llama;
     test_config_parallel(c, L->tp, L->tp * L->pp * (L->dp > 0 ? L->dp : 1), 0);
     c->pipeline_model_parallel_size = L->pp;
     c->virtual_pipeline_size = L->vp;
@@ -384,13 +388,14 @@ static int ckt_read_equal(const char* dir, const ckt_layout* L, float* const* wa
  * arrays bitwise (TP1's padding, 384 rows, kept at TP2: it divides by 2), headers valid, manifests
  * good. Then a padding that must change: 301 rows (saved with --make-vocab-size-divisible-by 301)
  * resharded to TP2 are re-padded to Megatron's 512 (new rows zero). */
-static test_result ckt_round_trip(int llama, int untied) {
+static test_result ckt_round_trip(int llama, int untied, int switches) {
     char root[256], src[400], out[400];
-    ckt_dir(root, sizeof(root), llama ? (untied ? "llama_untied" : "llama_tied") : (untied ? "gpt_untied" : "gpt_tied"));
+    ckt_dir(root, sizeof(root), switches ? (llama ? "llama_qk" : "gpt_qk_sqrelu")
+                                : llama ? (untied ? "llama_untied" : "llama_tied") : (untied ? "gpt_untied" : "gpt_tied"));
     mt_error err;
-    ckt_layout L = {llama, untied, 1, 1, 1, 0, 0, 0, 1 /* FP8 state: dropped */, 1};
-    L.padded = 384;
+    ckt_layout L = {llama, untied, 1, 1, 1, 0, 0, 0, 1 /* FP8 state: dropped */, 1, 0, switches};
     int64_t n1, n2, n301;
+    L.padded = 384;
     float** a1 = ckt_arrays(&L, 7, &n1);
     snprintf(src, sizeof(src), "%s/src", root);
     EXPECT_OK(ckt_write(src, 40, &L, a1, &err), &err);
@@ -494,10 +499,14 @@ static test_result ckt_round_trip(int llama, int untied) {
     return TEST_PASS;
 }
 
-static test_result test_reshard_gpt2_tied(void) { return ckt_round_trip(0, 0); }
-static test_result test_reshard_gpt2_untied(void) { return ckt_round_trip(0, 1); }
-static test_result test_reshard_llama_untied(void) { return ckt_round_trip(1, 1); }
-static test_result test_reshard_llama_tied(void) { return ckt_round_trip(1, 0); }
+static test_result test_reshard_gpt2_tied(void) { return ckt_round_trip(0, 0, 0); }
+static test_result test_reshard_gpt2_untied(void) { return ckt_round_trip(0, 1, 0); }
+static test_result test_reshard_llama_untied(void) { return ckt_round_trip(1, 1, 0); }
+static test_result test_reshard_llama_tied(void) { return ckt_round_trip(1, 0, 0); }
+/* --qk-layernorm's query and key norms (whole on every TP rank, per layer: each PP stage its layers')
+ * with LayerNorm's biases and --squared-relu's header word (GPT-2), and RMSNorm's weights (Llama) */
+static test_result test_reshard_gpt2_qk_layernorm(void) { return ckt_round_trip(0, 0, 1); }
+static test_result test_reshard_llama_qk_layernorm(void) { return ckt_round_trip(1, 1, 1); }
 
 /* A distributed-optimizer checkpoint (TP2 x PP2 x DP2, several buckets) assembles exactly, given the
  * run's bucket flags; other flags are refused naming them. */
@@ -1500,6 +1509,8 @@ static const test_case checkpoint_tool_tests[] = {
     {"reshard_gpt2_untied", test_reshard_gpt2_untied},
     {"reshard_llama_untied", test_reshard_llama_untied},
     {"reshard_llama_tied", test_reshard_llama_tied},
+    {"reshard_gpt2_qk_layernorm_squared_relu", test_reshard_gpt2_qk_layernorm},
+    {"reshard_llama_qk_layernorm", test_reshard_llama_qk_layernorm},
     {"reshard_distributed_optimizer", test_reshard_distributed_optimizer},
     {"read_part_any_layout", test_read_part_any_layout},
 };

@@ -700,6 +700,132 @@ static test_result test_flags_model_switches_host(void) {
     return TEST_PASS;
 }
 
+/* Issue #32's four flags, host side: --squared-relu, --qk-layernorm, --log-params-norm and
+ * --log-num-zeros-in-grad land in their config fields (off by default); --squared-relu with --swiglu
+ * is refused naming both (Megatron asserts not args.swiglu). The model switches ride in the
+ * checkpoint header (MT_CK_SQUARED_RELU, MT_CK_QK_LAYERNORM: read back, 0 in a header without them,
+ * as in older files, read as off) and a header with both activations is refused. The query and key
+ * norms are [L, kv] tensors (with biases under LayerNorm, none under RMSNorm), initialised as norms
+ * (ones; 0 with --apply-layernorm-1p), without weight decay, whole on every TP rank; the memory plan
+ * counts exactly their elements (weights and gradients, fp32, DP 1: no padding) and the normalised
+ * QKV rows' scratch with its statistics; neither switch exports to Hugging Face. */
+static test_result test_flags_issue32_host(void) {
+    const char* base[] = {"train_gpt", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+                          "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3"};
+    const int nb = (int)(sizeof(base) / sizeof(base[0]));
+    static tg_flags v;
+    char msg[512] = "";
+    char* argv[64];
+    const char* none[] = {NULL};
+    int n = flags_argv_with(base, nb, none, argv);
+    EXPECT(flags_configure(argv, n, 1000, 1, &v, msg, sizeof(msg)) == 0, "%s", msg);
+    EXPECT(!v.cfg.squared_relu && !v.cfg.qk_layernorm && !v.cfg.log_params_norm && !v.cfg.log_num_zeros_in_grad,
+           "the four flags are off by default");
+    const char* all[] = {"--squared-relu", "--qk-layernorm", "--log-params-norm", "--log-num-zeros-in-grad", NULL};
+    n = flags_argv_with(base, nb, all, argv);
+    EXPECT(flags_configure(argv, n, 1000, 1, &v, msg, sizeof(msg)) == 0, "%s", msg);
+    EXPECT(v.cfg.squared_relu == 1 && v.cfg.qk_layernorm == 1 && v.cfg.log_params_norm == 1 &&
+           v.cfg.log_num_zeros_in_grad == 1, "the four flags did not land");
+    const char* both[] = {"--squared-relu", "--swiglu", NULL};
+    n = flags_argv_with(base, nb, both, argv);
+    msg[0] = 0;
+    EXPECT(flags_configure(argv, n, 1000, 1, &v, msg, sizeof(msg)) != 0 && strstr(msg, "--squared-relu") &&
+           strstr(msg, "--swiglu") && !strchr(msg, '\n'), "--squared-relu with --swiglu: '%s'", msg);
+
+    /* the header: both switches read back; absent words read as off; both activations refused */
+    mt_config c = small_test_config(), back;
+    c.squared_relu = c.qk_layernorm = 1;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    int64_t h[MT_CK_HEADER_WORDS];
+    mt_checkpoint_header_init(h, &c);
+    const double scale = 1.0;
+    memcpy(&h[MT_CK_LOSS_SCALE_BITS], &scale, sizeof(double));
+    EXPECT(h[MT_CK_SQUARED_RELU] == 1 && h[MT_CK_QK_LAYERNORM] == 1, "header words %lld %lld",
+           (long long)h[MT_CK_SQUARED_RELU], (long long)h[MT_CK_QK_LAYERNORM]);
+    EXPECT_OK(mt_checkpoint_header_check(h, "ck", &back, &err), &err);
+    EXPECT(back.squared_relu == 1 && back.qk_layernorm == 1 && mt_num_parameters(&back) == mt_num_parameters(&c),
+           "read back: squared relu %d, qk layernorm %d", back.squared_relu, back.qk_layernorm);
+    mt_config plain = small_test_config();
+    EXPECT_OK(mt_config_finalize(&plain, &err), &err);
+    int64_t old_h[MT_CK_HEADER_WORDS];
+    mt_checkpoint_header_init(old_h, &plain);
+    memcpy(&old_h[MT_CK_LOSS_SCALE_BITS], &scale, sizeof(double));
+    EXPECT(old_h[MT_CK_SQUARED_RELU] == 0 && old_h[MT_CK_QK_LAYERNORM] == 0, "words set without the switches");
+    EXPECT_OK(mt_checkpoint_header_check(old_h, "ck", &back, &err), &err);
+    EXPECT(!back.squared_relu && !back.qk_layernorm, "a header without the words read as on");
+    h[MT_CK_SWIGLU] = 1;
+    err.message[0] = 0;
+    EXPECT(mt_checkpoint_header_check(h, "ck", NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "--squared-relu"),
+           "both activations in a header: '%s'", err.message);
+
+    /* the tensors: LayerNorm (weights and biases), RMSNorm (weights), 1p, TP 2 */
+    mt_param_info info[MT_NUM_PARAM_TENSORS], none_info[MT_NUM_PARAM_TENSORS];
+    const int64_t L = c.num_layers, d = c.kv_channels;
+    const int64_t total = mt_param_layout(&c, info), without = mt_param_layout(&plain, none_info);
+    const int qk[4] = {MT_P_Q_LAYERNORM_WEIGHT, MT_P_Q_LAYERNORM_BIAS, MT_P_K_LAYERNORM_WEIGHT, MT_P_K_LAYERNORM_BIAS};
+    for (int k = 0; k < 4; k++) {
+        const mt_param_info* p = &info[qk[k]];
+        EXPECT(p->numel == L * d && !p->weight_decay && !p->tp_split && p->init == (k % 2 == 0 ? 1 : 0) &&
+               none_info[qk[k]].numel == 0, "%s: %lld elements, decay %d, split %d, init %d", p->name,
+               (long long)p->numel, p->weight_decay, p->tp_split, p->init);
+    }
+    EXPECT(total == without + 4 * L * d, "%lld parameters with the norms, %lld without", (long long)total,
+           (long long)without);
+    mt_config r = c;
+    r.squared_relu = 0;
+    test_config_llama(&r);
+    r.apply_layernorm_1p = 1;
+    EXPECT_OK(mt_config_finalize(&r, &err), &err);
+    mt_param_layout(&r, info);
+    EXPECT(info[MT_P_Q_LAYERNORM_WEIGHT].numel == L * d && info[MT_P_Q_LAYERNORM_BIAS].numel == 0 &&
+           info[MT_P_K_LAYERNORM_BIAS].numel == 0 && info[MT_P_K_LAYERNORM_WEIGHT].init == 0,
+           "RMSNorm 1p: weights %lld (init %d), biases %lld", (long long)info[MT_P_Q_LAYERNORM_WEIGHT].numel,
+           info[MT_P_K_LAYERNORM_WEIGHT].init, (long long)info[MT_P_Q_LAYERNORM_BIAS].numel);
+    mt_config t2 = c;
+    test_config_parallel(&t2, 2, 2, 1);
+    EXPECT_OK(mt_config_finalize(&t2, &err), &err);
+    mt_param_layout_shard(&t2, info);
+    EXPECT(info[MT_P_Q_LAYERNORM_WEIGHT].numel == L * d && info[MT_P_K_LAYERNORM_BIAS].numel == L * d,
+           "TP 2 shard of the norms: %lld", (long long)info[MT_P_Q_LAYERNORM_WEIGHT].numel);
+
+    /* the memory plan: the norms' elements (fp32 weights, which are their own master, and gradients)
+     * and the activation scratch of the normalised rows [BT, qkv] and their statistics [BT, heads +
+     * groups] x 2, each 256-byte aligned */
+    mt_memory_plan with_plan, without_plan;
+    EXPECT_OK(mt_memory_plan_compute(&c, NULL, &with_plan, &err), &err);
+    EXPECT_OK(mt_memory_plan_compute(&plain, NULL, &without_plan, &err), &err);
+    const int64_t BT = (int64_t)c.micro_batch_size * c.seq_length;
+    const int64_t qkv = (int64_t)(c.num_attention_heads + 2 * c.num_query_groups) * d;
+    const size_t scratch = (size_t)((BT * qkv * 4 + 255) / 256 * 256 +
+                                    (BT * (c.num_attention_heads + c.num_query_groups) * 8 + 255) / 256 * 256);
+    EXPECT(with_plan.num_parameters - without_plan.num_parameters == 4 * L * d &&
+               with_plan.buffer_elements - without_plan.buffer_elements == 4 * L * d &&
+               with_plan.parameter_bytes - without_plan.parameter_bytes == (size_t)(16 * L * d) &&
+               with_plan.gradient_bytes - without_plan.gradient_bytes == (size_t)(16 * L * d) &&
+               with_plan.activation_bytes - without_plan.activation_bytes == scratch,
+           "plan: %lld parameters more, buffer %lld, weights %zu bytes, gradients %zu, activations %zu (want %zu)",
+           (long long)(with_plan.num_parameters - without_plan.num_parameters),
+           (long long)(with_plan.buffer_elements - without_plan.buffer_elements),
+           with_plan.parameter_bytes - without_plan.parameter_bytes, with_plan.gradient_bytes - without_plan.gradient_bytes,
+           with_plan.activation_bytes - without_plan.activation_bytes, scratch);
+
+    /* Hugging Face: no class to export either to */
+    const mt_hf_arch* arch = NULL;
+    mt_config e = small_test_config();
+    e.squared_relu = 1;
+    EXPECT_OK(mt_config_finalize(&e, &err), &err);
+    err.message[0] = 0;
+    EXPECT(mt_hf_arch_for_config(&e, &arch, &err) != MT_OK && strstr(err.message, "--squared-relu"), "%s", err.message);
+    e = small_test_config();
+    e.qk_layernorm = 1;
+    EXPECT_OK(mt_config_finalize(&e, &err), &err);
+    err.message[0] = 0;
+    EXPECT(mt_hf_arch_for_config(&e, &arch, &err) != MT_OK && strstr(err.message, "--qk-layernorm"), "%s", err.message);
+    return TEST_PASS;
+}
+
 /* Every prepro tool reads --flag=value as --flag value: each refuses a bad value given that way with
  * the same line as the spaced form would (the tools run as subprocesses when built). */
 static test_result test_flags_prepro_equals_form(void) {
@@ -793,6 +919,7 @@ static const test_case flags_tests[] = {
     {"flags_builtin_short_runs", test_flags_builtin_short_runs},
     {"flags_prepro_equals_form", test_flags_prepro_equals_form},
     {"flags_model_switches_host", test_flags_model_switches_host},
+    {"flags_issue32_switches_and_logging_host", test_flags_issue32_host},
     {"flags_megatron_scripts_answered", test_flags_megatron_scripts_answered},
     {"flags_gpt3_script_lands", test_flags_gpt3_script_lands},
     {"flags_llama_script_lands", test_flags_llama_script_lands},

@@ -1030,6 +1030,9 @@ static test_result test_hostile_checkpoint_header(void) {
         {MT_CK_VP, MT_PP_MAX_CHUNKS + 1, "(the virtual pipeline stages) is 65, outside [0, 64]"},
         {MT_CK_POSITION_TYPE, 3, "(the position embedding type) is 3, outside [0, 2]"},
         {MT_CK_LAYERNORM_1P, 2, "(--apply-layernorm-1p) is 2, outside [0, 1]"},
+        {MT_CK_SQUARED_RELU, 2, "(--squared-relu) is 2, outside [0, 1]"},
+        {MT_CK_QK_LAYERNORM, -1, "(--qk-layernorm) is -1, outside [0, 1]"},
+        {MT_CK_QK_LAYERNORM, 1, "the header says"}, /* the query and key norms' tensors are not counted */
         {MT_CK_DDP_OVERLAP, 3, "--overlap-grad-reduce) is 3, outside [0, 2]"},
         {MT_CK_DDP_BUCKET_SIZE, -1, "--ddp-bucket-size) is -1"},
     };

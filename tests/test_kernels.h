@@ -1,8 +1,9 @@
 /* tests/test_kernels.h — every elementwise, row and reduction kernel of megatron.cu through the launcher
  * the model calls, against a double-precision CPU reference: norms (forward, residual-fused, recompute,
  * backward fused with its column sums and the fallback passes), column sums, bias add / bias+residual /
- * bias+GELU / GELU backward, SwiGLU, the exact attention path's QKV split/merge, head permutes and
- * causal softmax, RoPE on the QKV rows (flash path), cross entropy (plain, 16-byte, vocab-parallel),
+ * bias+GELU / GELU backward, bias+squared ReLU and its backward, SwiGLU, the exact attention path's
+ * QKV split/merge, head permutes, --qk-layernorm's query and key norms (forward, backward) and causal
+ * softmax, RoPE on the QKV rows (flash path), cross entropy (plain, 16-byte, vocab-parallel),
  * embeddings forward and backward, the gradient norm, AdamW and the casts. (Flash attention itself:
  * tests/test_attention.h.) Each test skips without a GPU. This is the correctness part of the lab
  * dev/cuda/fused_kernels.cu, which keeps the timings.
@@ -1070,7 +1071,8 @@ static int kt_column_sum_all(kt_ctx* k) {
 static test_result test_kernels_column_sum(void) { KT_FOR_TYPES(kt_column_sum_all); }
 
 /* ============================================================================================== */
-/* 6. Bias + GELU (bias_gelu), GELU backward, linear_forward's bias add                             */
+/* 6. Bias + activation (bias_activation: GELU, squared ReLU), their backward, linear_forward's    */
+/*    bias add                                                                                    */
 /* ============================================================================================== */
 
 static double kt_gelu(double x) {
@@ -1093,12 +1095,26 @@ static void kt_gelu_bounds(double x, double* e_gelu, double* e_grad) {
     *e_grad = 0.5 * eth + 0.5 * fabs(x) * edt + 4 * uc * (fabs(kt_gelu_grad(x)) + 1);
 }
 
+/* The reference activation and its derivative, and the kernels' absolute error bounds at x (fp32):
+ * GELU's above; squared ReLU's relu(x)^2 is one fp32 product (uc |ref|) and 2 relu(x) exact. */
+static double kt_act(int act, double x) { return act == ACT_SQUARED_RELU ? (x > 0 ? x * x : 0.0) : kt_gelu(x); }
+static double kt_act_grad(int act, double x) { return act == ACT_SQUARED_RELU ? (x > 0 ? 2 * x : 0.0) : kt_gelu_grad(x); }
+static void kt_act_bounds(int act, double x, double* e_act, double* e_grad) {
+    if (act == ACT_SQUARED_RELU) {
+        *e_act = KT_UC * kt_act(act, x);
+        *e_grad = 0.0;
+        return;
+    }
+    kt_gelu_bounds(x, e_act, e_grad);
+}
+static const char* kt_act_name(int act) { return act == ACT_SQUARED_RELU ? "squared_relu" : "gelu"; }
+
 template <typename T>
-static int kt_bias_gelu_case(kt_ctx* k, kt_cover* cov, int N, int C, bool has_bias, int mis_act) {
+static int kt_bias_gelu_case(kt_ctx* k, kt_cover* cov, int act_kind, int N, int C, bool has_bias, int mis_act) {
     constexpr int V = vec16<T>::N;
     const int64_t n = (int64_t)N * C;
     const double us = kt_fmt<T>::u, uc = KT_UC;
-    kt_rng rng = {kt_seed(7, N, C, has_bias * 2 + mis_act)};
+    kt_rng rng = {kt_seed(7 + 100 * act_kind, N, C, has_bias * 2 + mis_act)};
     kt_host<T> y, b;
     y.fill(n, &rng, 0.01, 4.0);
     if (has_bias) b.fill(C, &rng, 0.01, 0.5);
@@ -1107,21 +1123,21 @@ static int kt_bias_gelu_case(kt_ctx* k, kt_cover* cov, int N, int C, bool has_bi
     T* dbias = has_bias ? kt_alloc<T>(k, C) : NULL;
     KT_ALLOCATED(k);
     const bool vec = C % V == 0 && aligned16(dpre) && aligned16(dact) && aligned16(dbias);
-    const char* variant = vec ? "vec" : has_bias ? "scalar: bias_add + gelu_forward" : "scalar: gelu_forward";
+    const char* variant = vec ? "vec" : has_bias ? "scalar: bias_add + activation_forward" : "scalar: activation_forward";
     kt_cover_hit(cov, variant);
     kt_report rep;
-    kt_report_begin(&rep, "bias_gelu<%s> [%s] N=%d C=%d%s%s", kt_fmt<T>::name, variant, N, C, has_bias ? " bias" : " no bias",
-                    mis_act ? " (act misaligned)" : "");
+    kt_report_begin(&rep, "bias_activation %s<%s> [%s] N=%d C=%d%s%s", kt_act_name(act_kind), kt_fmt<T>::name, variant, N,
+                    C, has_bias ? " bias" : " no bias", mis_act ? " (act misaligned)" : "");
     KT_CUDA(kt_put(k, dpre, y.h));
     if (dbias) KT_CUDA(kt_put(k, dbias, b.h));
     KT_CUDA(kt_poison(k, dact, n));
-    bias_gelu<T>(kt_exec(k, 0), dpre, dact, dbias, N, C);
+    bias_activation<T>(kt_exec(k, 0), act_kind, dpre, dact, dbias, N, C);
     if (!kt_sync(k, rep.label)) return 0;
     std::vector<T> pre, act;
     KT_CUDA(kt_get(k, pre, dpre, n));
     KT_CUDA(kt_get(k, act, dact, n));
-    /* pre = y + b: one fp32 addition, one rounding to T (without a bias: unchanged); act = gelu of the
-     * stored pre (what the backward reads), one rounding to T */
+    /* pre = y + b: one fp32 addition, one rounding to T (without a bias: unchanged); act = the activation
+     * of the stored pre (what the backward reads), one rounding to T */
     kt_check cp, ca;
     kt_check_begin(&cp, "pre", C, 2 * (us + uc), 2 * (us + uc), kt_fmt<T>::tiny);
     kt_check_begin(&ca, "act", C, 2 * us, 2 * us + 32 * uc, kt_fmt<T>::tiny);
@@ -1129,8 +1145,8 @@ static int kt_bias_gelu_case(kt_ctx* k, kt_cover* cov, int N, int C, bool has_bi
         const double x = kt_to<T>(pre[i]);
         kt_check_add(&cp, i, x, y.v[i] + (has_bias ? b.v[i % C] : 0.0), 0.0);
         double eg, ed;
-        kt_gelu_bounds(x, &eg, &ed);
-        kt_check_add(&ca, i, kt_to<T>(act[i]), kt_gelu(x), 2 * eg);
+        kt_act_bounds(act_kind, x, &eg, &ed);
+        kt_check_add(&ca, i, kt_to<T>(act[i]), kt_act(act_kind, x), 2 * eg);
     }
     kt_check_end(&cp, &rep);
     kt_check_end(&ca, &rep);
@@ -1138,8 +1154,8 @@ static int kt_bias_gelu_case(kt_ctx* k, kt_cover* cov, int N, int C, bool has_bi
 }
 
 template <typename T>
-static int kt_bias_gelu_all(kt_ctx* k) {
-    static const char* const variants[] = {"vec", "scalar: bias_add + gelu_forward", "scalar: gelu_forward"};
+static int kt_bias_activation_all(kt_ctx* k, int act_kind) {
+    static const char* const variants[] = {"vec", "scalar: bias_add + activation_forward", "scalar: activation_forward"};
     kt_cover cov;
     kt_cover_init(&cov, variants, 3);
     const struct { int N, C, bias, mis; } shapes[] = {
@@ -1147,18 +1163,24 @@ static int kt_bias_gelu_all(kt_ctx* k) {
     };
     int ok = 1;
     for (const auto& s : shapes) {
-        ok = kt_bias_gelu_case<T>(k, &cov, s.N, s.C, s.bias, s.mis) && ok;
+        ok = kt_bias_gelu_case<T>(k, &cov, act_kind, s.N, s.C, s.bias, s.mis) && ok;
         kt_release(k);
     }
-    return kt_cover_check(&cov, "bias_gelu", kt_fmt<T>::name) && ok;
+    return kt_cover_check(&cov, act_kind == ACT_SQUARED_RELU ? "bias_activation squared_relu" : "bias_activation gelu",
+                          kt_fmt<T>::name) && ok;
 }
+template <typename T>
+static int kt_bias_gelu_all(kt_ctx* k) { return kt_bias_activation_all<T>(k, ACT_GELU); }
+template <typename T>
+static int kt_bias_squared_relu_all(kt_ctx* k) { return kt_bias_activation_all<T>(k, ACT_SQUARED_RELU); }
 static test_result test_kernels_bias_gelu(void) { KT_FOR_TYPES(kt_bias_gelu_all); }
+static test_result test_kernels_bias_squared_relu(void) { KT_FOR_TYPES(kt_bias_squared_relu_all); }
 
 template <typename T>
-static int kt_gelu_backward_case(kt_ctx* k, kt_cover* cov, int64_t n, int mis_d) {
+static int kt_gelu_backward_case(kt_ctx* k, kt_cover* cov, int act_kind, int64_t n, int mis_d) {
     constexpr int V = vec16<T>::N;
     const double us = kt_fmt<T>::u;
-    kt_rng rng = {kt_seed(8, (int)(n >> 20), (int)(n & 0xFFFFF), mis_d)};
+    kt_rng rng = {kt_seed(8 + 100 * act_kind, (int)(n >> 20), (int)(n & 0xFFFFF), mis_d)};
     kt_host<T> d0, x;
     d0.fill(n, &rng, 0.01, 1.0);
     x.fill(n, &rng, 0.01, 4.0);
@@ -1168,21 +1190,21 @@ static int kt_gelu_backward_case(kt_ctx* k, kt_cover* cov, int64_t n, int mis_d)
     const bool vec = n % V == 0 && aligned16(dd) && aligned16(dx);
     kt_cover_hit(cov, vec ? "vec" : "scalar");
     kt_report rep;
-    kt_report_begin(&rep, "gelu_backward<%s> [%s] n=%lld%s", kt_fmt<T>::name, vec ? "vec" : "scalar", (long long)n,
-                    mis_d ? " (d misaligned)" : "");
+    kt_report_begin(&rep, "activation_backward %s<%s> [%s] n=%lld%s", kt_act_name(act_kind), kt_fmt<T>::name,
+                    vec ? "vec" : "scalar", (long long)n, mis_d ? " (d misaligned)" : "");
     KT_CUDA(kt_put(k, dd, d0.h));
     KT_CUDA(kt_put(k, dx, x.h));
-    gelu_backward<T>(kt_exec(k, 0), dd, dx, n);
+    activation_backward<T>(kt_exec(k, 0), act_kind, dd, dx, n);
     if (!kt_sync(k, rep.label)) return 0;
     std::vector<T> d;
     KT_CUDA(kt_get(k, d, dd, n));
-    /* in place: d = d0 * gelu'(x), gelu' to its fp32 bound, the product one more rounding, then T */
+    /* in place: d = d0 * act'(x), act' to its fp32 bound, the product one more rounding, then T */
     kt_check cd;
     kt_check_begin(&cd, "d", 0, 2 * us, 2 * us + 32 * KT_UC, kt_fmt<T>::tiny);
     for (int64_t i = 0; i < n; i++) {
         double eg, ed;
-        kt_gelu_bounds(x.v[i], &eg, &ed);
-        const double ref = d0.v[i] * kt_gelu_grad(x.v[i]);
+        kt_act_bounds(act_kind, x.v[i], &eg, &ed);
+        const double ref = d0.v[i] * kt_act_grad(act_kind, x.v[i]);
         kt_check_add(&cd, i, kt_to<T>(d[i]), ref, 2 * (fabs(d0.v[i]) * ed + KT_UC * fabs(ref)));
     }
     kt_check_end(&cd, &rep);
@@ -1190,7 +1212,7 @@ static int kt_gelu_backward_case(kt_ctx* k, kt_cover* cov, int64_t n, int mis_d)
 }
 
 template <typename T>
-static int kt_gelu_backward_all(kt_ctx* k) {
+static int kt_activation_backward_all(kt_ctx* k, int act_kind) {
     static const char* const variants[] = {"vec", "scalar"};
     kt_cover cov;
     kt_cover_init(&cov, variants, 2);
@@ -1198,12 +1220,18 @@ static int kt_gelu_backward_all(kt_ctx* k) {
     const struct { int64_t n; int mis; } shapes[] = {{8, 0}, {1001 * 3072, 0}, {1001 * 770 + 1, 0}, {257 * 768, 1}};
     int ok = 1;
     for (const auto& s : shapes) {
-        ok = kt_gelu_backward_case<T>(k, &cov, s.n, s.mis) && ok;
+        ok = kt_gelu_backward_case<T>(k, &cov, act_kind, s.n, s.mis) && ok;
         kt_release(k);
     }
-    return kt_cover_check(&cov, "gelu_backward", kt_fmt<T>::name) && ok;
+    return kt_cover_check(&cov, act_kind == ACT_SQUARED_RELU ? "activation_backward squared_relu"
+                                                             : "activation_backward gelu", kt_fmt<T>::name) && ok;
 }
+template <typename T>
+static int kt_gelu_backward_all(kt_ctx* k) { return kt_activation_backward_all<T>(k, ACT_GELU); }
+template <typename T>
+static int kt_squared_relu_backward_all(kt_ctx* k) { return kt_activation_backward_all<T>(k, ACT_SQUARED_RELU); }
 static test_result test_kernels_gelu_backward(void) { KT_FOR_TYPES(kt_gelu_backward_all); }
+static test_result test_kernels_squared_relu_backward(void) { KT_FOR_TYPES(kt_squared_relu_backward_all); }
 
 template <typename T>
 static int kt_linear_bias_case(kt_ctx* k, kt_cover* cov, int N, int C, int mis_y) {
@@ -1598,6 +1626,194 @@ static int kt_attention_layouts_all(kt_ctx* k) {
     return kt_cover_check(&cov, "attention layouts", kt_fmt<T>::name) && ok;
 }
 static test_result test_kernels_attention_layouts(void) { KT_FOR_TYPES(kt_attention_layouts_all); }
+
+/* ============================================================================================== */
+/* 8b. Query and key norms (--qk-layernorm): qk_norm_forward over the q and k head vectors of the   */
+/*     QKV rows (v copied), qk_norm_backward (input gradient in place, weight and bias gradients)     */
+/* ============================================================================================== */
+
+/* One case: BT rows of `groups` query groups of qpg query heads, head dim d. Forward: every q and k
+ * vector is checked as a normalised row (kt_norm_rows_check's bounds) with its kind's weight (+ w1)
+ * and bias, the v vectors bitwise copies, the statistics at their places. Backward (from the
+ * kernel's own statistics, as the model runs it): each q/k vector's input gradient against the
+ * double formula rstd (g - mean(g) - xhat mean(g xhat)), g = dy (w + w1), with a bound relative to the
+ * magnitude of its terms (fp32 sums of d products in a warp: (d/32 + 16) u_c; rstd's relative error;
+ * one rounding to T); the v vectors untouched; the weight and bias gradients (written over NaN: the
+ * step's first micro-batch) against the double sums over every row's vectors of the kind, bounded by
+ * the fp32 chain of the column sums (rows per chunk x vectors per row + the final sums) and x-hat's
+ * error. */
+template <typename T>
+static int kt_qk_norm_case(kt_ctx* k, int BT, int groups, int qpg, int d, bool rms, float w1) {
+    const int slots = qpg + 2, width = groups * slots * d, normed = groups * (qpg + 1);
+    const int64_t n = (int64_t)BT * width, nstats = (int64_t)BT * normed;
+    const double us = kt_fmt<T>::u, uc = KT_UC;
+    kt_rng rng = {kt_seed(40 + (int)rms + 2 * (int)w1, BT * groups, qpg, d)};
+    kt_host<T> x, dy, wq, wk, bq, bk;
+    x.fill(n, &rng, 0.02, 1.7);
+    dy.fill(n, &rng, 0.01, 1.0);
+    wq.fill(d, &rng, 0.1, 1.5);
+    wk.fill(d, &rng, 0.1, 1.5);
+    if (!rms) {
+        bq.fill(d, &rng, 0.01, 0.5);
+        bk.fill(d, &rng, 0.01, 0.5);
+    }
+    T* dx = kt_alloc<T>(k, n);
+    T* dout = kt_alloc<T>(k, n);
+    T* ddy = kt_alloc<T>(k, n);
+    T* dwq = kt_alloc<T>(k, d);
+    T* dwk = kt_alloc<T>(k, d);
+    T* dbq = rms ? NULL : kt_alloc<T>(k, d);
+    T* dbk = rms ? NULL : kt_alloc<T>(k, d);
+    float* stats = kt_alloc<float>(k, 2 * nstats);
+    float* gw = kt_alloc<float>(k, 4 * (int64_t)d); /* dwq, dbq, dwk, dbk */
+    float* pq = kt_alloc<float>(k, 2 * (int64_t)COLSUM_MAX_CHUNKS * d);
+    float* pk = kt_alloc<float>(k, 2 * (int64_t)COLSUM_MAX_CHUNKS * d);
+    KT_ALLOCATED(k);
+    kt_report rep;
+    kt_report_begin(&rep, "qk_norm<%s> %s%s BT=%d groups=%d qpg=%d d=%d", kt_fmt<T>::name, rms ? "RMSNorm" : "LayerNorm",
+                    w1 != 0.0f ? " 1p" : "", BT, groups, qpg, d);
+    KT_CUDA(kt_put(k, dx, x.h));
+    KT_CUDA(kt_put(k, ddy, dy.h));
+    KT_CUDA(kt_put(k, dwq, wq.h));
+    KT_CUDA(kt_put(k, dwk, wk.h));
+    if (!rms) {
+        KT_CUDA(kt_put(k, dbq, bq.h));
+        KT_CUDA(kt_put(k, dbk, bk.h));
+    }
+    KT_CUDA(kt_poison(k, dout, n));
+    KT_CUDA(kt_poison(k, stats, 2 * nstats));
+    KT_CUDA(kt_poison(k, gw, 4 * (int64_t)d));
+    KT_CUDA(kt_poison(k, pq, 2 * (int64_t)COLSUM_MAX_CHUNKS * d));
+    KT_CUDA(kt_poison(k, pk, 2 * (int64_t)COLSUM_MAX_CHUNKS * d));
+    const mt_attention_dims dims = {1, BT, groups * qpg, groups, d, 0, NULL, NULL};
+    qk_norm_forward<T>(kt_exec(k, 0), dims, dout, stats, dx, dwq, dbq, dwk, dbk, 1e-5f, rms, w1);
+    if (!kt_sync(k, rep.label)) return 0;
+    std::vector<T> out;
+    std::vector<float> st;
+    KT_CUDA(kt_get(k, out, dout, n));
+    KT_CUDA(kt_get(k, st, stats, 2 * nstats));
+    /* forward: the q vectors, then the k vectors, as rows of d (their outputs, statistics, weights) */
+    int copies_ok = 1;
+    for (int kind = 0; kind < 2; kind++) {
+        const int per_row = kind ? groups : groups * qpg;
+        std::vector<double> rows((size_t)BT * per_row * d), wv(d), bv(d);
+        std::vector<T> got((size_t)BT * per_row * d);
+        std::vector<float> mean((size_t)BT * per_row), rstd((size_t)BT * per_row);
+        const kt_host<T>& w = kind ? wk : wq;
+        for (int c = 0; c < d; c++) wv[c] = w.v[c] + w1, bv[c] = rms ? 0.0 : (kind ? bk : bq).v[c];
+        int64_t r = 0;
+        for (int b = 0; b < BT; b++)
+            for (int g = 0; g < groups; g++)
+                for (int slot = kind ? qpg : 0; slot <= (kind ? qpg : qpg - 1); slot++, r++) {
+                    const int64_t u = ((int64_t)b * groups + g) * slots + slot, at = ((int64_t)b * groups + g) * (qpg + 1) + slot;
+                    for (int c = 0; c < d; c++) {
+                        rows[(size_t)(r * d + c)] = x.v[(size_t)(u * d + c)];
+                        got[(size_t)(r * d + c)] = out[(size_t)(u * d + c)];
+                    }
+                    mean[(size_t)r] = st[(size_t)at];
+                    rstd[(size_t)r] = st[(size_t)(nstats + at)];
+                }
+        kt_norm_rows_check<T>(&rep, rows.data(), wv.data(), rms ? NULL : bv.data(), (int)r, d, rms, got, mean, rstd);
+    }
+    for (int b = 0; b < BT && copies_ok; b++)
+        for (int g = 0; g < groups; g++) {
+            const int64_t u = ((int64_t)b * groups + g) * slots + qpg + 1;
+            if (memcmp(&out[(size_t)(u * d)], &x.h[(size_t)(u * d)], sizeof(T) * (size_t)d)) copies_ok = 0;
+        }
+    if (!copies_ok) {
+        printf("    FAIL %s: a value head was not copied unchanged\n", rep.label);
+        rep.ok = 0;
+    }
+    /* backward */
+    qk_norm_backward<T>(kt_exec(k, 0), dims, ddy, dx, stats, dwq, dwk, gw, rms ? NULL : gw + d, gw + 2 * d,
+                        rms ? NULL : gw + 3 * d, pq, pk, COLSUM_MAX_CHUNKS, rms, w1);
+    if (!kt_sync(k, rep.label)) return 0;
+    std::vector<T> ddx;
+    std::vector<float> gwv;
+    KT_CUDA(kt_get(k, ddx, ddy, n));
+    KT_CUDA(kt_get(k, gwv, gw, 4 * (int64_t)d));
+    int rows_per_chunk = 0;
+    colsum_chunks(BT, COLSUM_MAX_CHUNKS, &rows_per_chunk);
+    const double depth = (double)rows_per_chunk * groups * qpg + 48.0;
+    const double rtol_rstd = 2.0 * (0.5 * (d / 32.0 + 8.0) + 4.0) * uc;
+    kt_check cdx, cw[4];
+    kt_check_begin(&cdx, "dx", width, 0.0, -1.0, kt_fmt<T>::tiny);
+    static const char* names[4] = {"dw_q", "db_q", "dw_k", "db_k"};
+    for (int j = 0; j < 4; j++) kt_check_begin(&cw[j], names[j], 0, 0.0, -1.0, 0.0);
+    std::vector<double> sw(4 * (size_t)d, 0.0), bound(4 * (size_t)d, 0.0);
+    int v_ok = 1;
+    for (int b = 0; b < BT; b++)
+        for (int g = 0; g < groups; g++)
+            for (int slot = 0; slot < slots; slot++) {
+                const int64_t u = ((int64_t)b * groups + g) * slots + slot;
+                const double* xv = &x.v[(size_t)(u * d)];
+                const double* gy = &dy.v[(size_t)(u * d)];
+                if (slot == qpg + 1) {
+                    if (memcmp(&ddx[(size_t)(u * d)], &dy.h[(size_t)(u * d)], sizeof(T) * (size_t)d)) v_ok = 0;
+                    continue;
+                }
+                const int key = slot == qpg;
+                const kt_host<T>& w = key ? wk : wq;
+                double m = 0.0, var = 0.0, amean = 0.0;
+                for (int c = 0; c < d; c++) amean += fabs(xv[c]);
+                amean /= d;
+                if (!rms) {
+                    for (int c = 0; c < d; c++) m += xv[c];
+                    m /= d;
+                }
+                for (int c = 0; c < d; c++) var += (xv[c] - m) * (xv[c] - m);
+                var /= d;
+                const double rs = 1.0 / sqrt(var + 1e-5), atol_mean = rms ? 0.0 : 2.0 * (d / 32.0 + 6.0) * uc * amean;
+                double mg = 0.0, mgx = 0.0, amg = 0.0, amgx = 0.0;
+                for (int c = 0; c < d; c++) {
+                    const double gc = gy[c] * (w.v[c] + w1), xh = (xv[c] - m) * rs;
+                    mg += gc, mgx += gc * xh, amg += fabs(gc), amgx += fabs(gc * xh);
+                }
+                mg = rms ? 0.0 : mg / d, mgx /= d, amg /= d, amgx /= d;
+                for (int c = 0; c < d; c++) {
+                    const double gc = gy[c] * (w.v[c] + w1), xh = (xv[c] - m) * rs;
+                    const double ref = rs * (gc - mg - xh * mgx);
+                    const double scale = rs * (fabs(gc) + fabs(mg) + fabs(xh * mgx) + (d / 32.0 + 16.0) * (amg + amgx));
+                    const double atol = 2.0 * ((2.0 * us + 8.0 * uc + 2.0 * rtol_rstd) * scale +
+                                               atol_mean * rs * rs * fabs(mgx) + (d / 32.0 + 16.0) * uc * scale);
+                    kt_check_add(&cdx, u * d + c, kt_to<T>(ddx[(size_t)(u * d + c)]), ref, atol);
+                    /* the weight and bias gradients: sums of dy x-hat and dy over the kind's vectors */
+                    const double xh_err = fabs(xh) * rtol_rstd + atol_mean * rs;
+                    sw[(size_t)(2 * key * d + c)] += gy[c] * xh;
+                    bound[(size_t)(2 * key * d + c)] += fabs(gy[c] * xh) * depth * uc + fabs(gy[c]) * xh_err;
+                    sw[(size_t)((2 * key + 1) * d + c)] += gy[c];
+                    bound[(size_t)((2 * key + 1) * d + c)] += fabs(gy[c]) * depth * uc;
+                }
+            }
+    kt_check_end(&cdx, &rep);
+    for (int j = 0; j < 4; j++) {
+        if (rms && j % 2 == 1) continue; /* no biases: not written */
+        for (int c = 0; c < d; c++) kt_check_add(&cw[j], c, gwv[(size_t)(j * d + c)], sw[(size_t)(j * d + c)], 2.0 * bound[(size_t)(j * d + c)]);
+        kt_check_end(&cw[j], &rep);
+    }
+    if (!v_ok) {
+        printf("    FAIL %s: the backward changed a value head's gradient\n", rep.label);
+        rep.ok = 0;
+    }
+    return kt_report_end(&rep);
+}
+
+template <typename T>
+static int kt_qk_norm_all(kt_ctx* k) {
+    /* BT, groups, q heads per group, head dim, RMSNorm, w1: a head dim below a warp (16), 64 and 128,
+     * one not a multiple of 32 (100); one group (MQA) and several; many rows (several rows per chunk) */
+    const struct { int BT, groups, qpg, d, rms; float w1; } shapes[] = {
+        {64, 2, 2, 16, 0, 0.0f}, {64, 2, 2, 16, 1, 1.0f}, {300, 1, 4, 64, 0, 1.0f}, {300, 1, 4, 64, 1, 0.0f},
+        {33, 3, 1, 100, 0, 0.0f}, {600, 2, 1, 128, 1, 0.0f},
+    };
+    int ok = 1;
+    for (const auto& s : shapes) {
+        ok = kt_qk_norm_case<T>(k, s.BT, s.groups, s.qpg, s.d, s.rms, s.w1) && ok;
+        kt_release(k);
+    }
+    return ok;
+}
+static test_result test_kernels_qk_norm(void) { KT_FOR_TYPES(kt_qk_norm_all); }
 
 /* ============================================================================================== */
 /* 9. Causal softmax forward and backward (exact attention path), in place, one warp per row        */
@@ -2284,6 +2500,9 @@ static const test_case kernels_gpu_tests[] = {
     {"kernels_column_sum", test_kernels_column_sum},
     {"kernels_bias_gelu", test_kernels_bias_gelu},
     {"kernels_gelu_backward", test_kernels_gelu_backward},
+    {"kernels_bias_squared_relu", test_kernels_bias_squared_relu},
+    {"kernels_qk_norm", test_kernels_qk_norm},
+    {"kernels_squared_relu_backward", test_kernels_squared_relu_backward},
     {"kernels_linear_bias_add", test_kernels_linear_bias_add},
     {"kernels_swiglu", test_kernels_swiglu},
     {"kernels_attention_layouts_and_rope", test_kernels_attention_layouts},

@@ -103,6 +103,8 @@ static mt_config config_from_vectors(const gpt_vectors* v, mt_precision precisio
     c.attention_dropout = v->hyper[14];
     if (v->header[24]) c.seed = v->header[24];
     c.apply_layernorm_1p = v->header[22];      /* [22] norm weights hold w - 1 */
+    c.squared_relu = v->header[25];            /* [25] --squared-relu, [26] --qk-layernorm (0 in older files) */
+    c.qk_layernorm = v->header[26];
     c.eod_mask_loss = v->header[23] > 0;        /* [23] the end-of-document id + 1 (0: no loss mask) */
     c.eod_token = v->header[23] - 1;
     if (v->header[18] == MT_POSITION_ROPE) {
@@ -126,12 +128,13 @@ static double rel_error(const float* a, const float* ref, int64_t n, const unsig
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
-/* Marks the key-bias entries of qkv_bias in a parameter-sized mask. */
+/* Marks the key-bias entries of qkv_bias in a parameter-sized mask. None with --qk-layernorm: the key
+ * norm's statistics depend on the bias, so its gradient is a real one there (not 0). */
 static unsigned char* key_bias_mask(const mt_config* c) {
     mt_param_info info[MT_NUM_PARAM_TENSORS];
     int64_t n = mt_param_layout(c, info);
     unsigned char* mask = (unsigned char*)calloc((size_t)n, 1);
-    if (info[MT_P_QKV_BIAS].numel == 0) return mask; /* no biases */
+    if (info[MT_P_QKV_BIAS].numel == 0 || c->qk_layernorm) return mask; /* no biases, or no exclusion */
     int qpg = c->num_attention_heads / c->num_query_groups, d = c->kv_channels;
     int width = (c->num_attention_heads + 2 * c->num_query_groups) * d;
     for (int l = 0; l < c->num_layers; l++)
@@ -303,6 +306,37 @@ static test_result test_llama_small_bf16(void) {
     return check_against_reference("dev/data/gpt_vectors/llama_small.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 5e-3);
 }
 
+/* Megatron's functional-test switches (issue #32), each against its own vectors at its flavour's
+ * tolerances above. --squared-relu (gpt2_sqrelu: GPT-2 with biases; every precision takes the bias +
+ * relu(x)^2 kernels, cuBLASLt has no such epilogue): relu(x)^2 and its derivative 2 relu(x) are one
+ * or two fp32 operations per element, fewer roundings than GELU's tanh path, so GELU's bounds hold.
+ * --qk-layernorm, GPT-2 (gpt2_qkln: LayerNorm with biases on two heads of 64, learned positions;
+ * bf16 runs the flash kernels from the normalised rows) and Llama (llama_qkln: RMSNorm with
+ * --apply-layernorm-1p, MQA, half the channels rotary after the norms; bf16 flash): each q and k
+ * head vector passes through one more norm, computed as the row norms are (fp32 statistics, one
+ * rounding to T of each output), which adds ~2 roundings to T per layer in bf16 to the ~10 the
+ * bounds were set for; the normalised heads make the scores O(1), whose bf16 error, ~sqrt(d) 2^-9
+ * |q_e| |k_e| / sqrt(d) ~ 3e-3 absolute, stays within the probabilities' bf16 budget. The key-bias
+ * gradient is a real gradient under a key norm, so nothing is excluded there (key_bias_mask). */
+static test_result test_gpt2_sqrelu_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_sqrelu.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_gpt2_sqrelu_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_sqrelu.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 3e-3);
+}
+static test_result test_gpt2_qkln_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_qkln.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_gpt2_qkln_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_qkln.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 3e-3);
+}
+static test_result test_llama_qkln_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_qkln.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_llama_qkln_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_qkln.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 5e-3);
+}
+
 /* ---- FP8 (--fp8-format) against the same float64 reference ----
  * Tolerances, from the formats. E4M3 keeps 3 mantissa bits: round-to-nearest leaves a relative error
  * of at most 2^-4 per value, about 2^-4/sqrt(3) = 3.6% rms for values spread over a binade; a product
@@ -343,6 +377,19 @@ static test_result test_llama_small_fp8_delayed(void) {
 static test_result test_llama_small_fp8_tensorwise(void) {
     return check_against_reference_adjusted("dev/data/gpt_vectors/llama_small.bin", MT_BF16, fp8_tensorwise_e4m3, 0.1,
                                             2e-2, 0.3, 2e-2, 3e-2);
+}
+
+/* The switches under FP8, at the FP8 tolerances above: squared ReLU after the FP8 fc1 GEMM (the
+ * kernel, where GELU takes the FP8 GEMM's epilogue) and its derivative after the FP8 input-gradient
+ * GEMM (tensorwise, e4m3); the query and key norms on the FP8 QKV linear's bf16 output (delayed,
+ * hybrid: 6e-2 on the weights, as above). */
+static test_result test_gpt2_sqrelu_fp8_tensorwise(void) {
+    return check_against_reference_adjusted("dev/data/gpt_vectors/gpt2_sqrelu.bin", MT_BF16, fp8_tensorwise_e4m3, 0.1,
+                                            2e-2, 0.3, 2e-2, 3e-2);
+}
+static test_result test_llama_qkln_fp8_delayed(void) {
+    return check_against_reference_adjusted("dev/data/gpt_vectors/llama_qkln.bin", MT_BF16, fp8_delayed_hybrid, 0.1,
+                                            2e-2, 0.3, 2e-2, 6e-2);
 }
 
 /* Every recipe (delayed, tensorwise, blockwise) against bf16 from the same initial weights and
@@ -502,6 +549,87 @@ static test_result gradients_overwrite(int llama) {
 static test_result test_gradients_overwrite(void) { return gradients_overwrite(0); }
 static test_result test_gradients_overwrite_llama(void) { return gradients_overwrite(1); }
 
+/* ---- --log-params-norm and --log-num-zeros-in-grad against the host ----
+ * After every train step the reported params_norm must equal the L2 norm of the fp32 master weights
+ * read back (mt_trainer_get_parameters, every parameter once), and num_zeros_in_grad the exact zeros
+ * of the step's gradients read back (mt_trainer_get_gradients: AdamW leaves them as they were; the
+ * step's scale g * clip / loss-scale makes no new zero at these magnitudes). The norm within 1e-9
+ * relative: both sides sum squares in double, in other orders (~1e-16 per term), while a tensor
+ * missing or counted twice moves it by 1e-3 or more here; the count exactly. The batches draw only
+ * from the first half of the vocabulary, so in the Llama flavour (untied output layer) the word
+ * embeddings' other rows and the padding get exactly zero gradient: the count must be at least
+ * those rows' elements, and below the whole model. fp32 (the weights are their own master), bf16
+ * (a separate master), and bf16 with half the optimizer shard offloaded to the CPU (its master on
+ * the host). Without the flags both fields are -1. */
+static test_result params_norm_zeros_case(mt_precision precision, int offload) {
+    mt_config c = test_config(TEST_LLAMA, precision);
+    c.log_params_norm = 1;
+    c.log_num_zeros_in_grad = 1;
+    c.optimizer_cpu_offload = offload;
+    c.optimizer_offload_fraction = 0.5;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    const int64_t n = mt_num_parameters(&c), per_step = (int64_t)c.global_batch_size * (c.seq_length + 1);
+    const int half = (int)(c.vocab_size / 2);
+    const int64_t unused_rows = (c.padded_vocab_size - half) * (int64_t)c.hidden_size;
+    float* p = (float*)malloc(sizeof(float) * (size_t)n);
+    float* g = (float*)malloc(sizeof(float) * (size_t)n);
+    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * (size_t)per_step);
+    mt_trainer* t = NULL;
+    test_result res = TEST_PASS;
+    if (mt_trainer_create(&t, &c, &err) != MT_OK) { printf("    FAIL create: %s\n", err.message); res = TEST_FAIL; }
+    for (int k = 0; k < 3 && res == TEST_PASS; k++) {
+        fill_tokens(tokens, per_step, half, 900 + k);
+        mt_step_result r;
+        if (mt_trainer_train_step(t, tokens, &r, &err) != MT_OK || mt_trainer_get_parameters(t, p, &err) != MT_OK ||
+            mt_trainer_get_gradients(t, g, &err) != MT_OK) {
+            printf("    FAIL step %d: %s\n", k, err.message);
+            res = TEST_FAIL;
+            break;
+        }
+        double sq = 0.0;
+        int64_t zeros = 0;
+        for (int64_t i = 0; i < n; i++) {
+            sq += (double)p[i] * p[i];
+            zeros += g[i] == 0.0f;
+        }
+        const double norm = sqrt(sq), rel = fabs(r.params_norm - norm) / norm;
+        printf("      %s%s step %d: params norm %.9f (host %.9f, rel %.1e), num zeros %lld (host %lld; unused "
+               "vocabulary rows %lld)\n", precision == MT_FP32 ? "fp32" : "bf16", offload ? " offload 0.5" : "", k,
+               r.params_norm, norm, rel, (long long)r.num_zeros_in_grad, (long long)zeros, (long long)unused_rows);
+        if (!(rel <= 1e-9)) { printf("    FAIL step %d: params norm %.12g, host %.12g\n", k, r.params_norm, norm); res = TEST_FAIL; }
+        if (r.num_zeros_in_grad != zeros || zeros < unused_rows || zeros >= n) {
+            printf("    FAIL step %d: num zeros %lld, host %lld (at least %lld, below %lld)\n", k,
+                   (long long)r.num_zeros_in_grad, (long long)zeros, (long long)unused_rows, (long long)n);
+            res = TEST_FAIL;
+        }
+    }
+    if (t) mt_trainer_free(t);
+    /* the fields without the flags */
+    c.log_params_norm = c.log_num_zeros_in_grad = 0;
+    t = NULL;
+    if (res == TEST_PASS && mt_trainer_create(&t, &c, &err) == MT_OK) {
+        mt_step_result r;
+        fill_tokens(tokens, per_step, half, 900);
+        if (mt_trainer_train_step(t, tokens, &r, &err) != MT_OK || r.params_norm != -1.0 || r.num_zeros_in_grad != -1) {
+            printf("    FAIL without the flags: params norm %g, num zeros %lld (%s)\n", r.params_norm,
+                   (long long)r.num_zeros_in_grad, err.message);
+            res = TEST_FAIL;
+        }
+    }
+    if (t) mt_trainer_free(t);
+    free(p);
+    free(g);
+    free(tokens);
+    return res;
+}
+static test_result test_params_norm_and_zeros(void) {
+    REQUIRE_GPU();
+    if (params_norm_zeros_case(MT_FP32, 0) != TEST_PASS) return TEST_FAIL;
+    if (params_norm_zeros_case(MT_BF16, 0) != TEST_PASS) return TEST_FAIL;
+    return params_norm_zeros_case(MT_BF16, 1);
+}
+
 static const test_case model_gpu_tests[] = {
     {"gpt2_tiny_fp32_matches_reference", test_gpt2_tiny_fp32},
     {"gpt2_small_fp32_matches_reference", test_gpt2_small_fp32},
@@ -511,16 +639,25 @@ static const test_case model_gpu_tests[] = {
     {"llama_small_fp32_matches_reference", test_llama_small_fp32},
     {"llama_tiny_bf16_matches_reference", test_llama_tiny_bf16},
     {"llama_small_bf16_matches_reference", test_llama_small_bf16},
+    {"gpt2_squared_relu_fp32_matches_reference", test_gpt2_sqrelu_fp32},
+    {"gpt2_squared_relu_bf16_matches_reference", test_gpt2_sqrelu_bf16},
+    {"gpt2_qk_layernorm_fp32_matches_reference", test_gpt2_qkln_fp32},
+    {"gpt2_qk_layernorm_bf16_matches_reference", test_gpt2_qkln_bf16},
+    {"llama_qk_layernorm_fp32_matches_reference", test_llama_qkln_fp32},
+    {"llama_qk_layernorm_bf16_matches_reference", test_llama_qkln_bf16},
     {"gpt2_small_fp8_delayed_hybrid_matches_reference", test_gpt2_small_fp8_delayed},
     {"gpt2_small_fp8_tensorwise_e4m3_matches_reference", test_gpt2_small_fp8_tensorwise},
     {"llama_small_fp8_delayed_hybrid_matches_reference", test_llama_small_fp8_delayed},
     {"llama_small_fp8_tensorwise_e4m3_matches_reference", test_llama_small_fp8_tensorwise},
+    {"gpt2_squared_relu_fp8_tensorwise_e4m3_matches_reference", test_gpt2_sqrelu_fp8_tensorwise},
+    {"llama_qk_layernorm_fp8_delayed_hybrid_matches_reference", test_llama_qkln_fp8_delayed},
     {"fp8_recipes_track_bf16", test_fp8_recipes_track_bf16},
     {"fp8_recipes_track_bf16_llama", test_fp8_recipes_track_bf16_llama},
     {"initialisation_llama", test_initialisation_llama},
     {"initialisation", test_initialisation},
     {"gradients_overwrite_no_zeroing", test_gradients_overwrite},
     {"gradients_overwrite_no_zeroing_llama", test_gradients_overwrite_llama},
+    {"params_norm_and_num_zeros_match_the_host", test_params_norm_and_zeros},
 };
 
 #endif

@@ -770,6 +770,80 @@ static test_result test_pp_repeat_resume(void) {
     return res;
 }
 
+/* --log-params-norm and --log-num-zeros-in-grad on several GPUs against the model alone on one GPU
+ * (every rank runs both; same initial weights and batches, 3 steps, the batches from the first half
+ * of the vocabulary): TP = world with SP (the norms, row-parallel biases and position embeddings are
+ * whole on every TP rank: counted once), DP = world with the distributed optimizer (each rank sums its
+ * shard of the master weights and of the gradients, then the DP sum), PP = world (the stages' sums
+ * added; GPT-2's tied word embeddings live on the first and the last stage and count once). Each
+ * step's params norm within 1e-6 relative of one GPU's (fp32: the layouts' weights differ by reordered
+ * sums, ~1e-7 relative after 3 steps, tests/test_tensor_parallel.h; a tensor counted twice or missed
+ * moves the norm by 1e-3 or more) and its zero count equal (the exact zeros are the untied word
+ * embeddings' rows no token of the batch uses and the padding's, the same in every layout; a layout
+ * counting a replica twice or skipping a shard would differ by thousands); every rank reports the
+ * same values. GPT-2 (tied) and Llama (untied; its count at least the unused rows' elements). */
+static test_result pn_steps(mt_config c, double* norms, int64_t* zeros) {
+    mt_error err;
+    mt_trainer* t = NULL;
+    c.log_params_norm = c.log_num_zeros_in_grad = 1;
+    if (dp_create(&c, &t) != TEST_PASS) return TEST_FAIL;
+    test_result res = TEST_PASS;
+    const int64_t row = c.seq_length + 1;
+    int32_t* global = (int32_t*)malloc(sizeof(int32_t) * c.global_batch_size * row);
+    int32_t* mine = (int32_t*)malloc(sizeof(int32_t) * c.global_batch_size * row);
+    for (int k = 0; k < 3 && res == TEST_PASS; k++) {
+        fill_tokens(global, c.global_batch_size * row, (int)(c.vocab_size / 2), 2000 + k);
+        dp_slice(&c, global, mine);
+        mt_step_result r;
+        if (mt_trainer_train_step(t, mine, &r, &err) != MT_OK) { printf("    FAIL step %d: %s\n", k, err.message); res = TEST_FAIL; }
+        norms[k] = r.params_norm;
+        zeros[k] = r.num_zeros_in_grad;
+    }
+    free(global);
+    free(mine);
+    mt_trainer_free(t);
+    return res;
+}
+static test_result test_params_norm_zeros_layouts(void) {
+    REQUIRE_MPI_GPUS();
+    REQUIRE_PP_WORLD();
+    const int world = mpi_world();
+    const char* names[3] = {"TP SP", "DP distributed optimizer", "PP"};
+    test_result res = TEST_PASS;
+    for (int llama = 0; llama <= 1 && res == TEST_PASS; llama++) {
+        double ref_norms[3], norms[3];
+        int64_t ref_zeros[3], zeros[3];
+        mt_config ref = pp_config(MT_FP32, 1, 1, 1, 1, llama);
+        res = tp_agree(pn_steps(ref, ref_norms, ref_zeros));
+        const int64_t unused = llama ? (ref.vocab_size + 127) / 128 * 128 - ref.vocab_size / 2 : 0;
+        for (int v = 0; v < 3 && res == TEST_PASS; v++) {
+            mt_config c = v == 0 ? pp_config(MT_FP32, 1, 1, world, 1, llama)
+                        : v == 1 ? pp_config(MT_FP32, 1, 1, 1, world, llama) : pp_config(MT_FP32, world, 1, 1, 1, llama);
+            if (v == 1) c.use_distributed_optimizer = 1;
+            res = tp_agree(pn_steps(c, norms, zeros));
+            if (res != TEST_PASS) break;
+            if (!tp_same_on_all_ranks(norms, sizeof(norms)) || !tp_same_on_all_ranks(zeros, sizeof(zeros))) {
+                printf("    FAIL %s %s: the ranks report different norms or counts\n", llama ? "Llama" : "GPT-2", names[v]);
+                res = TEST_FAIL;
+            }
+            for (int k = 0; k < 3; k++) {
+                const double rel = fabs(norms[k] - ref_norms[k]) / ref_norms[k];
+                if (!(rel <= 1e-6) || zeros[k] != ref_zeros[k] || zeros[k] < unused * ref.hidden_size) {
+                    printf("    FAIL %s %s step %d: params norm %.9f (one GPU %.9f), num zeros %lld (one GPU %lld)\n",
+                           llama ? "Llama" : "GPT-2", names[v], k, norms[k], ref_norms[k], (long long)zeros[k],
+                           (long long)ref_zeros[k]);
+                    res = TEST_FAIL;
+                }
+            }
+            printf("      %s %s=%d: params norm %.6f -> %.6f, num zeros %lld (one GPU: %.6f -> %.6f, %lld)\n",
+                   llama ? "Llama" : "GPT-2", names[v], world, norms[0], norms[2], (long long)zeros[2], ref_norms[0],
+                   ref_norms[2], (long long)ref_zeros[2]);
+            res = tp_agree(res);
+        }
+    }
+    return res;
+}
+
 static const test_case pipeline_multigpu_tests[] = {
     {"pp_matches_single_gpu_fp32", test_pp_matches_single_fp32},
     {"pp_matches_single_gpu_bf16", test_pp_matches_single_bf16},
@@ -777,6 +851,7 @@ static const test_case pipeline_multigpu_tests[] = {
     {"pp_splits_match_single_gpu_fp32", test_pp_splits_match_single_fp32},
     {"pp_splits_match_single_gpu_bf16", test_pp_splits_match_single_bf16},
     {"pp_repeatable_and_resumes_bf16", test_pp_repeat_resume},
+    {"params_norm_and_num_zeros_tp_dp_pp_match_single_gpu", test_params_norm_zeros_layouts},
 };
 
 #endif

@@ -449,6 +449,35 @@ static test_result test_recompute_dropout(void) {
     return TEST_PASS;
 }
 
+/* --squared-relu and --qk-layernorm under every single-GPU setting: selective act recomputes
+ * relu(fc1)^2 from the kept pre-activation by the forward's kernel (no cuBLASLt epilogue to go
+ * through), core_attn and every replay normalise q and k again from the kept QKV rows, and the
+ * backward always makes the normalised rows again. GPT-2 bf16 with both switches (flash attention
+ * from the normalised rows), Llama fp32 with the query and key RMSNorms (the exact path's split), and
+ * GPT-2 FP8 (tensorwise) with squared ReLU after the FP8 fc1 when the GPU has FP8. */
+static test_result test_recompute_squared_relu_qk_layernorm(void) {
+    REQUIRE_GPU();
+    const int count = (int)(sizeof(rc_single_gpu_settings) / sizeof(rc_single_gpu_settings[0]));
+    mt_config c = rc_config(TEST_GPT2, MT_BF16);
+    c.squared_relu = 1;
+    c.qk_layernorm = 1;
+    test_result res = rc_compare(&c, rc_single_gpu_settings, count, 1, "gpt2 bf16 squared-relu qk-layernorm");
+    if (res != TEST_PASS) return res;
+    c = rc_config(TEST_LLAMA, MT_FP32);
+    c.qk_layernorm = 1;
+    res = rc_compare(&c, rc_single_gpu_settings, count, 1, "llama fp32 qk-layernorm");
+    if (res != TEST_PASS || fp8t_compute_capability() < 89) return res;
+    const mt_recompute settings[] = {{MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, MT_RECOMPUTE_ACT},
+                                     {MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, 15},
+                                     {MT_RECOMPUTE_FULL, MT_RECOMPUTE_UNIFORM, 2, 0}};
+    c = rc_config(TEST_GPT2, MT_BF16);
+    c.squared_relu = 1;
+    c.qk_layernorm = 1;
+    c.fp8_format = MT_FP8_E4M3;
+    c.fp8_recipe = MT_FP8_TENSORWISE;
+    return rc_compare(&c, settings, 3, 1, "gpt2 fp8 e4m3 tensorwise squared-relu qk-layernorm");
+}
+
 /* FP8 (delayed, tensorwise and blockwise scaling): the replayed linears cast with the forward's scales. */
 static test_result test_recompute_fp8(void) {
     REQUIRE_FP8_GPU();
@@ -556,6 +585,7 @@ static const test_case recompute_gpu_tests[] = {
     {"recompute_bitwise_llama_bf16", test_recompute_llama_bf16},
     {"recompute_bitwise_fp8", test_recompute_fp8},
     {"recompute_bitwise_dropout", test_recompute_dropout},
+    {"recompute_bitwise_squared_relu_qk_layernorm", test_recompute_squared_relu_qk_layernorm},
 };
 
 /* ---- several GPUs (mpirun -np 2) --------------------------------------------------------------------- */

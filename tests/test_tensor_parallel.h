@@ -3,7 +3,8 @@
  * Host tests (everywhere). Three flavours: GPT-2 (LayerNorm, learned positions, tied output,
  * biases), Llama (RMSNorm, SwiGLU, RoPE, GQA, untied output, no biases) and a mix of the two
  * (LayerNorm, learned positions, SwiGLU, GQA, untied output, biases: the only one with split
- * qkv and fc1 biases in the GLU layout), each at TP=2 and TP=4:
+ * qkv and fc1 biases in the GLU layout; and --qk-layernorm's query and key norms, whole on every
+ * rank), each at TP=2 and TP=4:
  *   - the shard layout (mt_param_layout_shard) tiles the full model: split tensors' shards are
  *     1/TP of them, replicated ones whole, offsets contiguous; mt_tp_shard_copy full -> shard for
  *     every rank, then shard -> full into a fresh array, gives back the full array bitwise, and
@@ -60,7 +61,7 @@
 
 /* ---- host tests ---- */
 
-static const char* tp_flavour_names[3] = {"GPT-2", "Llama", "GQA+SwiGLU with biases"};
+static const char* tp_flavour_names[3] = {"GPT-2", "Llama", "GQA+SwiGLU with biases and query/key norms"};
 
 /* Small models of each flavour (indices stay below 2^24). Vocabulary 1100 pads to 1152, 1280 and
  * 1536 at TP=1, 2 and 4, so the vocab-parallel tensors' shapes change with TP. Not finalized. */
@@ -72,6 +73,7 @@ static mt_config tp_layout_config(int flavour, int tp, int dp) {
         c.untie_embeddings_and_output_weights = 1;
     }
     if (flavour == 1) test_config_llama(&c); /* and RMSNorm, RoPE, no linear biases */
+    if (flavour == 2) c.qk_layernorm = 1;    /* the query and key LayerNorms [kv], weights and biases */
     test_config_parallel(&c, tp, tp * dp, 0);
     return c;
 }
@@ -86,7 +88,7 @@ static test_result tp_check_shards(int flavour, int tp) {
     EXPECT(n == mt_num_parameters(&c) && n < (1 << 24), "%lld parameters", (long long)n);
     /* which tensors TP splits: column-parallel QKV and fc1 (weights and biases), row-parallel proj and
      * fc2 weights, the vocab-parallel embeddings and output layer; the rest is replicated */
-    static const int split_expected[MT_NUM_PARAM_TENSORS] = {1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1};
+    static const int split_expected[MT_NUM_PARAM_TENSORS] = {1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1};
     int64_t replicated = 0, offset = 0;
     for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
         EXPECT(!strcmp(part[i].name, whole[i].name) && part[i].weight_decay == whole[i].weight_decay &&
@@ -198,7 +200,7 @@ static test_result tp_check_geometry(int flavour, int tp) {
     int64_t P = c.position_embedding_type == MT_POSITION_LEARNED ? c.max_position_embeddings : 0;
     int64_t qkv = (heads + 2 * G) * d, attn = heads * d, glu = c.swiglu ? 2 : 1;
     int64_t lnb = c.normalization == MT_NORM_LAYERNORM, bias = c.add_bias_linear != 0;
-    int64_t untied = c.untie_embeddings_and_output_weights != 0;
+    int64_t untied = c.untie_embeddings_and_output_weights != 0, qk = c.qk_layernorm != 0;
     EXPECT(V % (128 * tp) == 0 && qkv % tp == 0 && attn % tp == 0 && f % tp == 0, "shapes do not divide by %d", tp);
     /* each rank's QKV rows are whole query groups: G/TP groups of (heads/G + 2) d rows (q..., k, v) */
     EXPECT(qkv / tp == (G / tp) * (heads / G + 2) * d, "QKV rows per rank %lld are not whole groups", (long long)(qkv / tp));
@@ -211,6 +213,10 @@ static test_result tp_check_geometry(int flavour, int tp) {
     full_n[MT_P_LN1_BIAS] = lnb * L * h;              shard_n[MT_P_LN1_BIAS] = lnb * L * h;
     full_n[MT_P_QKV_WEIGHT] = L * qkv * h;            shard_n[MT_P_QKV_WEIGHT] = L * qkv_r * h;
     full_n[MT_P_QKV_BIAS] = bias * L * qkv;           shard_n[MT_P_QKV_BIAS] = bias * L * qkv_r;
+    full_n[MT_P_Q_LAYERNORM_WEIGHT] = qk * L * d;     shard_n[MT_P_Q_LAYERNORM_WEIGHT] = qk * L * d;
+    full_n[MT_P_Q_LAYERNORM_BIAS] = qk * lnb * L * d; shard_n[MT_P_Q_LAYERNORM_BIAS] = qk * lnb * L * d;
+    full_n[MT_P_K_LAYERNORM_WEIGHT] = qk * L * d;     shard_n[MT_P_K_LAYERNORM_WEIGHT] = qk * L * d;
+    full_n[MT_P_K_LAYERNORM_BIAS] = qk * lnb * L * d; shard_n[MT_P_K_LAYERNORM_BIAS] = qk * lnb * L * d;
     full_n[MT_P_PROJ_WEIGHT] = L * h * attn;          shard_n[MT_P_PROJ_WEIGHT] = L * h * attn_r;
     full_n[MT_P_PROJ_BIAS] = bias * L * h;            shard_n[MT_P_PROJ_BIAS] = bias * L * h;
     full_n[MT_P_LN2_WEIGHT] = L * h;                  shard_n[MT_P_LN2_WEIGHT] = L * h;
@@ -254,9 +260,11 @@ static test_result tp_check_geometry(int flavour, int tp) {
                 for (int64_t e = 0; e < h; e++) tp_geometry_expect(&g, S[i] + v * h + e, F[i] + (r * V_r + v) * h + e);
         }
         /* whole on every rank */
-        const int replicated[9] = {MT_P_POSITION_EMBEDDINGS, MT_P_LN1_WEIGHT, MT_P_LN1_BIAS, MT_P_PROJ_BIAS, MT_P_LN2_WEIGHT,
-                                   MT_P_LN2_BIAS, MT_P_FC2_BIAS, MT_P_FINAL_LN_WEIGHT, MT_P_FINAL_LN_BIAS};
-        for (int k = 0; k < 9; k++) {
+        const int replicated[13] = {MT_P_POSITION_EMBEDDINGS, MT_P_LN1_WEIGHT, MT_P_LN1_BIAS, MT_P_PROJ_BIAS, MT_P_LN2_WEIGHT,
+                                    MT_P_LN2_BIAS, MT_P_FC2_BIAS, MT_P_FINAL_LN_WEIGHT, MT_P_FINAL_LN_BIAS,
+                                    MT_P_Q_LAYERNORM_WEIGHT, MT_P_Q_LAYERNORM_BIAS, MT_P_K_LAYERNORM_WEIGHT,
+                                    MT_P_K_LAYERNORM_BIAS};
+        for (int k = 0; k < 13; k++) {
             int i = replicated[k];
             g.tensor = whole[i].name;
             for (int64_t j = 0; j < full_n[i]; j++) tp_geometry_expect(&g, S[i] + j, F[i] + j);
@@ -564,8 +572,10 @@ static test_result tp_logits_probe(mt_trainer* t, const mt_config* c, const int3
  * gradients, 20 steps' losses and grad norms, final weights, every rank the same), and the logits of
  * one micro-batch (the gradients' bound). With dropout (tests/test_dropout.h) the masks are
  * functions of global coordinates (the token's row, the model's head), so TP and SP ranks draw
- * exactly TP=1's masks and the same tolerances hold. */
-static test_result tp_matches_single_dropout(mt_precision precision, int llama, double dropout) {
+ * exactly TP=1's masks and the same tolerances hold. adjust (may be NULL) changes every config of the
+ * comparison alike (the model's switches). */
+static test_result tp_matches_single_adjusted(mt_precision precision, int llama, double dropout,
+                                              void (*adjust)(mt_config*)) {
     REQUIRE_MPI_GPUS();
     REQUIRE_TP_WORLD();
     int tp = mpi_world();
@@ -573,6 +583,7 @@ static test_result tp_matches_single_dropout(mt_precision precision, int llama, 
     base.hidden_dropout = base.attention_dropout = dropout;
     const layout_tolerance tol = layout_tolerance_of(precision);
     mt_error err;
+    if (adjust) adjust(&base);
     mt_config fin = base;
     EXPECT_OK(mt_config_finalize(&fin, &err), &err);
     const int64_t nlogits = (int64_t)fin.micro_batch_size * fin.seq_length * fin.padded_vocab_size;
@@ -583,6 +594,7 @@ static test_result tp_matches_single_dropout(mt_precision precision, int llama, 
     for (int sp = 0; sp <= 1 && res == TEST_PASS; sp++) {
         mt_config c = tp_config(precision, tp, 1, sp, llama);
         c.hidden_dropout = c.attention_dropout = dropout;
+        if (adjust) adjust(&c);
         char name[128];
         snprintf(name, sizeof(name), "%s %s TP=%d%s%s", llama ? "Llama" : "GPT-2", precision == MT_FP32 ? "fp32" : "bf16",
                  tp, sp ? " SP" : "", dropout > 0 ? ", dropout" : "");
@@ -599,6 +611,9 @@ static test_result tp_matches_single_dropout(mt_precision precision, int llama, 
     free(l);
     return res;
 }
+static test_result tp_matches_single_dropout(mt_precision precision, int llama, double dropout) {
+    return tp_matches_single_adjusted(precision, llama, dropout, NULL);
+}
 static test_result tp_matches_single(mt_precision precision, int llama) { return tp_matches_single_dropout(precision, llama, 0.0); }
 static test_result test_tp_matches_single_fp32(void) { return tp_matches_single(MT_FP32, 0); }
 static test_result test_tp_matches_single_bf16(void) { return tp_matches_single(MT_BF16, 0); }
@@ -606,6 +621,23 @@ static test_result test_tp_matches_single_llama_bf16(void) { return tp_matches_s
 static test_result test_tp_matches_single_llama_fp32(void) { return tp_matches_single(MT_FP32, 1); }
 static test_result test_tp_matches_single_dropout_fp32(void) { return tp_matches_single_dropout(MT_FP32, 0, 0.1); }
 static test_result test_tp_matches_single_dropout_llama_bf16(void) { return tp_matches_single_dropout(MT_BF16, 1, 0.1); }
+/* --qk-layernorm (and --squared-relu on GPT-2) at TP=world, SP off and on, against TP=1, through the
+ * layout comparison: each rank normalises its own heads' queries and keys, and the norms' weight and
+ * bias gradients, whole on every rank, are its heads' part summed over TP (with or without SP); a
+ * missing sum leaves each rank 1/TP of the gradient, far outside 1e-5. The sum adds TP partial sums
+ * (a reordering like the row-parallel ones the bounds were set for). GPT-2 fp32 (LayerNorm with
+ * biases, exact attention path), Llama bf16 (RMSNorm, flash attention from the normalised rows). */
+static void tp_qk_squared_relu(mt_config* c) {
+    c->qk_layernorm = 1;
+    c->squared_relu = 1;
+}
+static void tp_qk(mt_config* c) { c->qk_layernorm = 1; }
+static test_result test_tp_matches_single_qk_squared_relu_fp32(void) {
+    return tp_matches_single_adjusted(MT_FP32, 0, 0.0, tp_qk_squared_relu);
+}
+static test_result test_tp_matches_single_qk_llama_bf16(void) {
+    return tp_matches_single_adjusted(MT_BF16, 1, 0.0, tp_qk);
+}
 
 /* TP=2 x DP=2, distributed optimizer with overlapped reduce-scatter and all-gather, SP, fp32 and bf16,
  * both flavours, against TP=1 DP=1 through the layout comparison. */
@@ -958,6 +990,8 @@ static const test_case tensor_parallel_multigpu_tests[] = {
     {"tp_matches_single_gpu_llama_fp32", test_tp_matches_single_llama_fp32},
     {"tp_matches_single_gpu_dropout_fp32", test_tp_matches_single_dropout_fp32},
     {"tp_matches_single_gpu_dropout_llama_bf16", test_tp_matches_single_dropout_llama_bf16},
+    {"tp_matches_single_gpu_qk_layernorm_squared_relu_fp32", test_tp_matches_single_qk_squared_relu_fp32},
+    {"tp_matches_single_gpu_qk_layernorm_llama_bf16", test_tp_matches_single_qk_llama_bf16},
     {"tp2_dp2_distributed_optimizer_matches_single_gpu", test_tp2_dp2_distributed_optimizer},
     {"tp_repeatable_and_resumes_bf16", test_tp_repeat_resume_bf16},
     {"tp_memory_plan_falls_with_tp", test_tp_memory_plan},
