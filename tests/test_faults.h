@@ -578,17 +578,19 @@ static mt_config faults_config(const faults_layout* L, mt_precision prec, int sc
     return c;
 }
 
-/* Where a fault lands. A gradient fault (megatron.cu's test_nan_gradients_at: the first parameter's
- * first gradient, written after the data-parallel reduction) on the last TP rank of the last pipeline
- * stage, on each data-parallel replica: the reduced gradients of a replica are every replica's, so a
- * NaN born in one rank's backward is on all of them by then (with the distributed optimizer it counts
- * only where the shard that owns it is); the other TP ranks and stages see it only through the
- * norm's reduction. A weight fault (a NaN in this rank's model-precision copy of a weight) on the last
- * rank alone: it is before every reduction, so its loss and gradients carry it to the others. */
+/* Where a fault lands, as it would. A gradient fault (megatron.cu's test_nan_gradients_at: the first
+ * parameter of the rank's buffer, written after the data-parallel reduction; the buffer runs in
+ * reverse model order, so on the last stage that is the final norm's bias, which every TP rank holds
+ * and the norm counts on TP rank 0 only) on every rank of the last pipeline stage: a replicated
+ * tensor's gradient is the same on each TP rank, and the reduced gradients of a replica are every
+ * replica's (with the distributed optimizer only the shard that owns the element counts it). So TP
+ * ranks other than 0, the other stages and, with the distributed optimizer, the other shards refuse
+ * only through the norm's reductions. A weight fault (a NaN in this rank's model-precision copy of a
+ * weight) on the last rank alone: it is before every reduction, and its loss and gradients carry it
+ * to the others. */
 static int faults_lands_here(const mt_config* c, const faults_layout* L, int kind) {
     if (kind == FAULT_WEIGHT) return c->rank == c->world_size - 1;
-    const mt_rank_coords rc = mt_rank_coordinates(c, c->rank);
-    return kind == FAULT_GRADIENT && rc.tp == L->tp - 1 && rc.pp == L->pp - 1;
+    return kind == FAULT_GRADIENT && mt_rank_coordinates(c, c->rank).pp == L->pp - 1;
 }
 
 /* The byte offset in t->params of a weight this rank holds: the first layer norm's weight of its first

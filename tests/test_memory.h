@@ -10,7 +10,9 @@
  * allocated; training with the optimizer offloaded gives the GPU optimizer's losses and weights
  * exactly (the bound is 0: the CPU AdamW performs the GPU kernel's IEEE operations, fused
  * multiply-adds included, in its order; sm_90 SASS checked), also across a save and resume, and with
- * the distributed optimizer on several GPUs. Several GPUs with pipeline parallelism: each stage's
+ * the distributed optimizer on several GPUs; after training steps, an evaluation and a save (sync and
+ * async) the device still holds no more than the plan allows (one GPU, and each rank under DP with
+ * the distributed optimizer, TP and PP). Several GPUs with pipeline parallelism: each stage's
  * allocation is its plan (1F1B, interleaved, offload), and the offloaded optimizer is the GPU's. */
 #ifndef MT_TEST_MEMORY_H
 #define MT_TEST_MEMORY_H
