@@ -644,7 +644,8 @@ static test_result faults_train(mt_config c, const faults_layout* L, int kind, i
         const int faulted = kind != FAULT_NONE && k == FAULT_AT;
         if (faulted && mt_trainer_get_parameters(t, out->before.data(), &err) != MT_OK) res = TEST_FAIL;
         if (faulted && here && kind == FAULT_GRADIENT) t->test_nan_gradients_at = t->iteration + 1;
-        if (faulted && here && at >= 0) {
+        if (faulted && here && at >= 0) { /* the trainer's streams are idle between its calls */
+            cudaDeviceSynchronize();
             cudaMemcpy(saved, (char*)t->params + at, t->elem, cudaMemcpyDeviceToHost);
             cudaMemcpy((char*)t->params + at, nan_bytes, t->elem, cudaMemcpyHostToDevice);
         }
@@ -657,7 +658,10 @@ static test_result faults_train(mt_config c, const faults_layout* L, int kind, i
         out->scale[k] = r.loss_scale;
         if (faulted) snprintf(out->message, sizeof(out->message), "%s", st == MT_OK ? "" : err.message);
         else if (st != MT_OK) printf("    rank %d step %d: %s\n", c.rank, k, err.message);
-        if (faulted && here && at >= 0) cudaMemcpy((char*)t->params + at, saved, t->elem, cudaMemcpyHostToDevice);
+        if (faulted && here && at >= 0) {
+            cudaDeviceSynchronize();
+            cudaMemcpy((char*)t->params + at, saved, t->elem, cudaMemcpyHostToDevice);
+        }
         if (faulted && mt_trainer_get_parameters(t, out->after.data(), &err) != MT_OK) res = TEST_FAIL;
     }
     if (mt_trainer_get_parameters(t, out->last.data(), &err) != MT_OK) res = TEST_FAIL;
