@@ -604,7 +604,7 @@ static int64_t faults_weight_byte(mt_trainer* t) {
 typedef struct {
     double loss[FAULT_STEPS], scale[FAULT_STEPS];
     int status[FAULT_STEPS], skipped[FAULT_STEPS];
-    char message[256];                 /* the faulted step's */
+    char message[512];                 /* the faulted step's (as mt_error's) */
     std::vector<float> before, after;  /* the weights (this rank's view) around the faulted step */
     std::vector<float> last;           /* at the end */
 } faults_run;
