@@ -150,7 +150,8 @@ run)
       [ -n "$filter" ] || continue
       if ! [[ "$np" =~ ^[1-9][0-9]*$ ]]; then rows+=("| $name | $filter | ? | bad kills line | |"); missing=1; continue; fi
       if [ "$np" -gt "$gpus" ]; then
-        rows+=("| $name | $filter | $np | not run (needs $np GPUs, $gpus here) | |"); not_run=1; continue
+        plural=s; [ "$np" -eq 1 ] && plural=
+        rows+=("| $name | $filter | $np | not run (needs $np GPU$plural, $gpus here) | |"); not_run=1; continue
       fi
       tag="${name}__${filter}__np$np"
       echo "== $name: $filter (np $np)"

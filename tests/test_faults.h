@@ -331,8 +331,6 @@ static test_result test_faults_async_save_killed(void) {
     ssize_t len = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
     if (len <= 0) SKIP("no /proc/self/exe to run the child from");
     exe[len] = 0;
-    char root[] = "/tmp/mt_faults_kill_XXXXXX";
-    EXPECT(mkdtemp(root) != NULL, "mkdtemp");
     mt_config c = faults_kill_config();
     mt_error err;
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
@@ -352,6 +350,8 @@ static test_result test_faults_async_save_killed(void) {
         mt_trainer_free(t);
         EXPECT_OK(st, &err);
     }
+    char root[] = "/tmp/mt_faults_kill_XXXXXX";
+    EXPECT(mkdtemp(root) != NULL, "mkdtemp");
     const char* modes[3] = {"staged", "writing", "written"};
     test_result res = TEST_PASS;
     static char out[65536];
@@ -361,7 +361,11 @@ static test_result test_faults_async_save_killed(void) {
         snprintf(extra, sizeof(extra), "%s=%s:%s", FAULTS_CHILD_ENV, modes[m], dir);
         int fd = -1;
         pid_t pid = faults_spawn(exe, "faults_async_save_killed", extra, &fd);
-        EXPECT(pid > 0, "cannot start the child %s", exe);
+        if (pid <= 0) {
+            printf("    FAIL cannot start the child %s\n", exe);
+            res = TEST_FAIL;
+            break;
+        }
         size_t got = 0;
         out[0] = 0;
         const int stopped_line = faults_read_until(fd, out, sizeof(out), &got, "CHILD STOP", 300.0);
