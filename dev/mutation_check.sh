@@ -32,7 +32,7 @@
 # survives, the unmutated binary fails, a mutant is missing or a patch does not apply; 2 usage; 3 when
 # nothing failed but some lines were not run (too few GPUs).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 ROOT=$(pwd)
 what=${1:-}
 [ $# -gt 0 ] && shift
