@@ -41,6 +41,7 @@
 #include "tests/test_checkpoint_tool.h"
 #include "tests/test_watchdog.h"
 #include "tests/test_dropout.h"
+#include "tests/test_faults.h"
 
 typedef struct {
     const char* group; /* kind.feature: kind is host, gpu or multigpu */
@@ -91,6 +92,7 @@ int main(int argc, char** argv) {
         GROUP("host.checkpoint_tool", checkpoint_tool_tests),
         GROUP("host.watchdog", watchdog_tests),
         GROUP("host.dropout", dropout_tests),
+        GROUP("host.faults", faults_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.flags", flags_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),
@@ -108,12 +110,14 @@ int main(int argc, char** argv) {
         GROUP("gpu.hostile", hostile_gpu_tests),
         GROUP("gpu.watchdog", watchdog_gpu_tests),
         GROUP("gpu.dropout", dropout_gpu_tests),
+        GROUP("gpu.faults", faults_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
         GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),
         GROUP("multigpu.pipeline", pipeline_multigpu_tests),
         GROUP("multigpu.memory", memory_multigpu_tests),
         GROUP("multigpu.checkpoint_tool", checkpoint_tool_multigpu_tests),
         GROUP("multigpu.recompute", recompute_multigpu_tests),
+        GROUP("multigpu.faults", faults_multigpu_tests),
     };
     int passed = 0, failed = 0, skipped = 0;
     const char* failed_names[64];

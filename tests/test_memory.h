@@ -10,7 +10,9 @@
  * allocated; training with the optimizer offloaded gives the GPU optimizer's losses and weights
  * exactly (the bound is 0: the CPU AdamW performs the GPU kernel's IEEE operations, fused
  * multiply-adds included, in its order; sm_90 SASS checked), also across a save and resume, and with
- * the distributed optimizer on several GPUs. Several GPUs with pipeline parallelism: each stage's
+ * the distributed optimizer on several GPUs; after training steps, an evaluation and a save (sync and
+ * async) the device still holds no more than the plan allows (one GPU, and each rank under DP with
+ * the distributed optimizer, TP and PP). Several GPUs with pipeline parallelism: each stage's
  * allocation is its plan (1F1B, interleaved, offload), and the offloaded optimizer is the GPU's. */
 #ifndef MT_TEST_MEMORY_H
 #define MT_TEST_MEMORY_H
@@ -669,6 +671,174 @@ static test_result test_plan_refused_before_allocation(void) {
     return TEST_PASS;
 }
 
+/* ---- GPU: the plan still holds after training, evaluation and saves ------------------------------ */
+
+/* mt_trainer_create checks the device against the plan as it allocates. These tests measure the
+ * device again once the trainer has trained, evaluated and saved (sync and async): a buffer allocated
+ * on first use and kept, which the plan does not count, would break --plan's "fits" unseen.
+ *
+ * The shape: a small model (4 layers of 256, 11.6M parameters) with wide activations, micro-batch 16 x
+ * 1024 tokens and a vocabulary of 32000, 2 micro-batches per data-parallel rank, so that a buffer the
+ * size of one micro-batch's logits (16384 x 32000 fp32 per TP rank: 2000 MiB, 1000 MiB at TP 2) is
+ * well beyond every allowance below. */
+static mt_config memory_steady_config(int tp, int pp, int distributed) {
+    const int world = mpi_world(), dp = world / (tp * pp);
+    mt_config c = test_config(TEST_GPT2, MT_BF16);
+    c.num_layers = 4;
+    c.hidden_size = 256;
+    c.seq_length = 1024;
+    c.vocab_size = 32000;
+    test_config_attention(&c, 4, 4, 64, 0);
+    c.pipeline_model_parallel_size = pp;
+    test_config_parallel(&c, tp, world, tp > 1);
+    test_config_ddp(&c, distributed, 0, 0, 0);
+    test_config_batch(&c, 16, 32 * dp);
+    test_config_this_rank(&c);
+    return c;
+}
+
+/* The points of a trainer's life at which the device is measured (memory_lifecycle). */
+enum { MEM_CREATED, MEM_TRAINED, MEM_EVALUATED, MEM_SAVED, MEM_SAVED_ASYNC, MEM_TRAINED_AGAIN, MEM_POINTS };
+static const char* const memory_point_names[MEM_POINTS] = {"created", "3 steps", "an evaluation", "a save",
+                                                           "an async save", "a step after it"};
+
+static size_t memory_device_free(void) {
+    size_t free_bytes = 0, total = 0;
+    cudaDeviceSynchronize();
+    cudaMemGetInfo(&free_bytes, &total);
+    return free_bytes;
+}
+
+/* A directory every rank names alike: rank 0 makes it (mkdtemp of /tmp/mt_<tag>_XXXXXX) and sends
+ * its name to the others. Collective. Returns 0 when rank 0 could not make it (on every rank). */
+static int memory_shared_dir(char* dir, size_t cap, const char* tag) {
+    char name[128] = {0};
+    if (mpi_rank() == 0) {
+        snprintf(name, sizeof(name), "/tmp/mt_%s_XXXXXX", tag);
+        if (!mkdtemp(name)) name[0] = 0;
+    }
+#ifdef MT_USE_MPI
+    if (mpi_world() > 1) MPI_Bcast(name, (int)sizeof(name), MPI_CHAR, 0, MPI_COMM_WORLD);
+#endif
+    snprintf(dir, cap, "%s", name);
+    return name[0] != 0;
+}
+/* Every rank is done with dir; rank 0 removes it. Collective. */
+static void memory_shared_dir_remove(const char* dir) {
+#ifdef MT_USE_MPI
+    if (mpi_world() > 1) MPI_Barrier(MPI_COMM_WORLD);
+#endif
+    if (mpi_rank() == 0 && dir[0]) mt_remove_tree(dir);
+}
+
+/* One trainer's life: created, 3 training steps, an evaluation of a step's micro-batches, a save, an
+ * async save (committed), one more step. The device's free bytes before creation (*before) and at each
+ * point (at[MEM_*]); the trainer's plan into *plan. The trainer is freed; its checkpoints go to dir. */
+static mt_status memory_lifecycle(const mt_config* base, const char* dir, size_t* before, size_t* at,
+                                  mt_memory_plan* plan, mt_error* err) {
+    mt_config c = *base;
+    if (c.local_rank >= 0) cudaSetDevice(c.local_rank); /* measure this rank's GPU, before the trainer sets it */
+    mt_status st = fresh_comm_id(&c.comm_id, err);
+    if (st != MT_OK) return st;
+    const int M = mt_num_micro_batches(&c), dp_rank = mt_rank_coordinates(&c, c.rank).dp;
+    const int64_t per_step = (int64_t)M * c.micro_batch_size * (c.seq_length + 1);
+    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * (size_t)per_step);
+    if (!tokens) return mt_fail(err, MT_ERR_OOM, "cannot allocate the tokens");
+    *before = memory_device_free();
+    mt_trainer* t = NULL;
+    st = mt_trainer_create(&t, &c, err);
+    if (st != MT_OK) {
+        free(tokens);
+        return st;
+    }
+    *plan = mt_trainer_memory_plan(t);
+    at[MEM_CREATED] = memory_device_free();
+    mt_step_result r;
+    for (int k = 0; k < 4 && st == MT_OK; k++) {
+        fill_tokens(tokens, per_step, (int)c.vocab_size, 4100 + 97 * k + 13 * (uint64_t)dp_rank);
+        if (k == 3) { /* after the evaluation and the saves */
+            double loss = 0.0;
+            int64_t committed = -1;
+            st = mt_trainer_evaluate(t, tokens, M, &loss, err);
+            if (st == MT_OK) at[MEM_EVALUATED] = memory_device_free();
+            if (st == MT_OK) st = mt_trainer_save(t, dir, 3, 3 * c.global_batch_size, err);
+            if (st == MT_OK) at[MEM_SAVED] = memory_device_free();
+            if (st == MT_OK) st = mt_trainer_save_async(t, dir, 4, 3 * c.global_batch_size, err);
+            if (st == MT_OK) st = mt_trainer_save_wait(t, 1, &committed, err);
+            if (st == MT_OK && committed != 4) st = mt_fail(err, MT_ERR_IO, "the async save committed %lld", (long long)committed);
+            if (st == MT_OK) at[MEM_SAVED_ASYNC] = memory_device_free();
+        }
+        if (st == MT_OK) st = mt_trainer_train_step(t, tokens, &r, err);
+        if (st == MT_OK && k == 2) at[MEM_TRAINED] = memory_device_free();
+    }
+    if (st == MT_OK) at[MEM_TRAINED_AGAIN] = memory_device_free();
+    mt_trainer_free(t);
+    free(tokens);
+    return st;
+}
+
+/* The device against the plan at every point of memory_lifecycle. The measured life comes after a
+ * first one of the same config (not measured), so the CUDA context's lazy parts (kernels loaded on
+ * first launch, the local-memory reserve, cuBLAS's kernels), which MT_PLAN_CONTEXT_BYTES counts, are in
+ * the baseline already. Against that baseline a trainer holds its allocations (plan.total_bytes, equal
+ * to the byte: plan_equals_allocation), its cuBLAS handles and NCCL communicators (with NCCL's
+ * buffers, connected at the first collective of each kind), for which the plan allows
+ * overhead_bytes - MT_PLAN_CONTEXT_BYTES (64 MiB, and 256 MiB a communicator), and the driver's 2 MiB
+ * granularity over its ~20 allocations: 48 MiB. So at every point the device may hold at most
+ * total + overhead - context + 48 MiB. On one GPU (no NCCL) also: nothing comes after creation (the
+ * trainer allocates nothing in its step loop, evaluation or saves; the async save's staging is pinned
+ * host memory), so the device may not fall by more than 32 MiB (the driver's own small pools) from
+ * the point right after creation. And the measurement must see the allocations (at least the plan's
+ * total less 4 MiB at creation), or the test could not fail. */
+static test_result memory_holds(const mt_config* c, const char* name, const char* dir) {
+    size_t before = 0, at[MEM_POINTS] = {0};
+    mt_memory_plan plan;
+    memset(&plan, 0, sizeof(plan));
+    mt_error err;
+    mt_status st = memory_lifecycle(c, dir, &before, at, &plan, &err); /* the warm-up life */
+    if (st == MT_OK) st = memory_lifecycle(c, dir, &before, at, &plan, &err);
+    if (st != MT_OK) {
+        printf("    FAIL %s: %s\n", name, err.message);
+        return TEST_FAIL;
+    }
+    const double mib = 1048576.0, total = (double)plan.total_bytes;
+    const double allowed = total + (double)(plan.overhead_bytes - MT_PLAN_CONTEXT_BYTES) + 48.0 * mib;
+    double used[MEM_POINTS];
+    printf("      %s: plan %.1f MiB + %.0f MiB for cuBLAS and NCCL; in use after", name, total / mib,
+           (double)(plan.overhead_bytes - MT_PLAN_CONTEXT_BYTES) / mib);
+    for (int k = 0; k < MEM_POINTS; k++) {
+        used[k] = (double)before - (double)at[k];
+        printf("%s %s %.1f", k ? "," : "", memory_point_names[k], used[k] / mib);
+    }
+    double most = used[0];
+    for (int k = 1; k < MEM_POINTS; k++) most = used[k] > most ? used[k] : most;
+    printf(" MiB; beyond the allocations at most %.1f MiB (allowed %.1f)\n", (most - total) / mib, (allowed - total) / mib);
+    EXPECT(used[MEM_CREATED] >= total - 4.0 * mib, "%s: the device fell %.1f MiB at creation, the plan allocates %.1f MiB",
+           name, used[MEM_CREATED] / mib, total / mib);
+    for (int k = 0; k < MEM_POINTS; k++)
+        EXPECT(used[k] <= allowed, "%s: after %s the device holds %.1f MiB, the plan allows %.1f MiB (%.1f MiB over: a "
+               "buffer the plan does not count, or the libraries beyond MT_PLAN_CUBLAS_BYTES / MT_PLAN_NCCL_BYTES)", name,
+               memory_point_names[k], used[k] / mib, allowed / mib, (used[k] - allowed) / mib);
+    if (mpi_world() == 1)
+        for (int k = MEM_TRAINED; k < MEM_POINTS; k++)
+            EXPECT(used[k] - used[MEM_CREATED] <= 32.0 * mib, "%s: after %s the device holds %.1f MiB more than right "
+                   "after creation (allocated after mt_trainer_create, not in the plan)", name, memory_point_names[k],
+                   (used[k] - used[MEM_CREATED]) / mib);
+    return TEST_PASS;
+}
+
+static test_result test_plan_holds_after_training_one_gpu(void) {
+    REQUIRE_GPU();
+    mt_config c = memory_steady_config(1, 1, 0);
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    char dir[128];
+    EXPECT(memory_shared_dir(dir, sizeof(dir), "plan_holds"), "mkdtemp");
+    test_result r = memory_holds(&c, "one GPU bf16", dir);
+    memory_shared_dir_remove(dir);
+    return r;
+}
+
 /* ---- GPU: optimizer offload -------------------------------------------------------------------- */
 
 /* Trains `steps` steps from the config's initial weights on fixed random batches; fills losses and
@@ -777,6 +947,7 @@ static const test_case memory_gpu_tests[] = {
     {"offload_matches_gpu_optimizer_fp32", test_offload_fp32},
     {"offload_matches_gpu_optimizer_bf16", test_offload_bf16},
     {"offload_matches_gpu_optimizer_llama_bf16", test_offload_llama_bf16},
+    {"plan_holds_after_training_one_gpu", test_plan_holds_after_training_one_gpu},
 };
 
 /* ---- several GPUs: offload with the distributed optimizer ------------------------------------------ */
@@ -895,12 +1066,39 @@ static test_result offload_pipeline(mt_precision prec) {
 static test_result test_offload_pipeline_fp32(void) { return offload_pipeline(MT_FP32); }
 static test_result test_offload_pipeline_bf16(void) { return offload_pipeline(MT_BF16); }
 
+/* Each rank's device against its plan through memory_lifecycle (np 2 or 4): DP = the processes with the
+ * distributed optimizer, TP 2 + SP (x DP), PP 2 (x DP), one layout after the other. */
+static test_result test_plan_holds_after_training_each_rank(void) {
+    REQUIRE_MPI_GPUS();
+    const int world = mpi_world();
+    struct { const char* name; int tp, pp, distributed; } layouts[] = {
+        {"distributed optimizer", 1, 1, 1}, {"TP 2 + SP", 2, 1, 0}, {"PP 2", 1, 2, 0}};
+    char dir[128];
+    if (!memory_shared_dir(dir, sizeof(dir), "plan_holds")) SKIP("mkdtemp failed on rank 0");
+    test_result res = TEST_PASS;
+    for (size_t i = 0; i < sizeof(layouts) / sizeof(layouts[0]); i++) {
+        if (world % (layouts[i].tp * layouts[i].pp) != 0) continue;
+        mt_config c = memory_steady_config(layouts[i].tp, layouts[i].pp, layouts[i].distributed);
+        mt_error err;
+        test_result r = mt_config_finalize(&c, &err) == MT_OK ? TEST_PASS : TEST_FAIL;
+        if (r != TEST_PASS) printf("    FAIL %s: %s\n", layouts[i].name, err.message);
+        r = tp_agree(r);
+        char name[96];
+        snprintf(name, sizeof(name), "rank %d of %d, %s", c.rank, world, layouts[i].name);
+        if (r == TEST_PASS) r = tp_agree(memory_holds(&c, name, dir));
+        if (r != TEST_PASS) res = r;
+    }
+    memory_shared_dir_remove(dir);
+    return res;
+}
+
 static const test_case memory_multigpu_tests[] = {
     {"offload_distributed_optimizer_fp32", test_offload_distributed_fp32},
     {"offload_distributed_optimizer_bf16", test_offload_distributed_bf16},
     {"plan_equals_allocation_pipeline", test_plan_equals_allocation_pipeline},
     {"offload_pipeline_fp32", test_offload_pipeline_fp32},
     {"offload_pipeline_bf16", test_offload_pipeline_bf16},
+    {"plan_holds_after_training_each_rank", test_plan_holds_after_training_each_rank},
 };
 
 #endif
