@@ -124,7 +124,7 @@ static test_result test_faults_full_disk_commit(void) {
     free(manifest_after);
     free(file_after);
     const mt_status verify = mt_checkpoint_manifest_verify(iter, &err);
-    const mt_status select = mt_checkpoint_select(dir, -1, &chosen, &fell_back, &err);
+    const mt_status select = mt_checkpoint_select(dir, -1, 0, &chosen, &fell_back, NULL, &err);
     const mt_status read = mt_checkpoint_read_tracker(dir, &tracked, &err);
     mt_remove_tree(dir);
     const mt_status sts[3] = {st_tracker, st_manifest, st_file};
@@ -406,7 +406,7 @@ static test_result test_faults_async_save_killed(void) {
         } else if ((st = mt_checkpoint_manifest_verify(iter2, &err)) != MT_OK) {
             printf("    FAIL %s: iteration 2's manifest: %s\n", modes[m], err.message);
             res = TEST_FAIL;
-        } else if ((st = mt_checkpoint_select(dir, -1, &chosen, &fell_back, &err)) != MT_OK || chosen != 2 || fell_back) {
+        } else if ((st = mt_checkpoint_select(dir, -1, 0, &chosen, &fell_back, NULL, &err)) != MT_OK || chosen != 2 || fell_back) {
             printf("    FAIL %s: a load selects %lld (fell back %d): %s\n", modes[m], (long long)chosen, fell_back,
                    st == MT_OK ? "" : err.message);
             res = TEST_FAIL;
@@ -864,7 +864,7 @@ static test_result faults_save_case(const faults_layout* L, int failing, const c
         snprintf(iter2, sizeof(iter2), "%s/iter_0000002", dir);
         if (access(path, F_OK) == 0 || access(tmp, F_OK) == 0 || mt_checkpoint_read_tracker(dir, &tracked, &err) != MT_OK ||
             tracked != 2 || mt_checkpoint_manifest_verify(iter2, &err) != MT_OK ||
-            mt_checkpoint_select(dir, -1, &chosen, &fell_back, &err) != MT_OK || chosen != 2 || fell_back) {
+            mt_checkpoint_select(dir, -1, 0, &chosen, &fell_back, NULL, &err) != MT_OK || chosen != 2 || fell_back) {
             printf("    FAIL %s (rank %d failing): after the failed save: iter_0000003 %s, its temporary %s, tracker "
                    "%lld, selected %lld: %s\n", L->name, failing, access(path, F_OK) == 0 ? "exists" : "absent",
                    access(tmp, F_OK) == 0 ? "left" : "gone", (long long)tracked, (long long)chosen, err.message);
