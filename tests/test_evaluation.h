@@ -83,7 +83,7 @@ static int tev_repository_root(void) {
 /* ---- host: refusals --------------------------------------------------------------------------- */
 
 static test_result test_evaluation_flags_refused(void) {
-    if (access("./train_gpt", X_OK) != 0) SKIP("./train_gpt is not built (make all)");
+    if (access("./train_gpt", X_OK) != 0) SKIP_OR_FAIL_STRICT("./train_gpt is not built (make all)");
     int ok = 1;
     ok &= hostile_expect_refused("./train_gpt --mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 2 "
                                  "--seq-length 32 --micro-batch-size 1 --train-iters 1 --lr 1e-4 --full-validation",
@@ -176,7 +176,7 @@ static int tev_events(const char* dir, ttb_event* events, int max) {
 
 static test_result test_evaluation_train_gpt(void) {
     REQUIRE_GPU();
-    if (!tev_repository_root()) SKIP("run from the repository root after make all");
+    if (!tev_repository_root()) SKIP_OR_FAIL_STRICT("run from the repository root after make all");
     char dir[256], cmd[2048];
     snprintf(dir, sizeof(dir), "/tmp/mt_test_evaluation_XXXXXX");
     EXPECT(mkdtemp(dir) != NULL, "mkdtemp");
