@@ -79,7 +79,7 @@ if [ $run_single = 1 ]; then
     awk '/passed,.*failed,.*skipped/ { p += $1; f += $3; s += $5; n++ }
          END { printf "%d passed, %d failed, %d skipped", p, f, s; if (n < '"$shards"') printf " (%d of '"$shards"' shards ended)", n }')
   rows+=("test_megatron ($shards shards)|$total|$(( $(date +%s) - start )) s")
-  check_skips single "$OUT"/test_shard*.log
+  check_skips single $(for ((k = 0; k < shards; k++)); do echo "$OUT/test_shard$k.log"; done)
 fi
 # multi-GPU tests: over 2 and (with 4 GPUs) 4 ranks, each against one GPU (NPS: the rank counts to
 # run, default "2 4"; GROUPS_MULTI: the feature groups, default all)
