@@ -99,6 +99,7 @@ static test_result test_evaluation_flags_refused(void) {
         ok &= hostile_expect_refused("./eval_hellaswag --load /nonexistent_ckpt", "no checkpoint in /nonexistent_ckpt");
         ok &= hostile_expect_refused("./eval_hellaswag --load x --bogus 1", "unknown flag --bogus");
     } else {
+        EXPECT(!test_strict(), "MT_TEST_STRICT=1: ./eval_hellaswag is not built (make all)");
         printf("    note: ./eval_hellaswag is not built: its refusals not checked\n");
     }
     EXPECT(ok, "a flag was not refused with one line (above)");
@@ -283,6 +284,7 @@ static test_result test_evaluation_train_gpt(void) {
         free(tsv);
         EXPECT(lines == 13, "%s: %d lines, want a header and 12 items", cmd, lines);
     } else {
+        EXPECT(!test_strict(), "MT_TEST_STRICT=1: eval_hellaswag or dev/data/hellaswag_val_full.txt missing (make all)");
         printf("    note: eval_hellaswag or dev/data/hellaswag_val_full.txt missing (make all "
                "dev/data/hellaswag_val_full.txt): not run\n");
     }
