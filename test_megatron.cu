@@ -6,11 +6,16 @@
  * then only they run, every rank takes part, rank 0 reports, and a test fails if it failed on any
  * rank). It includes megatron.cu whole (one translation unit), so tests can reach the kernels
  * behind the API.
- * Usage: ./test_megatron [filter]: only the tests whose name or group contains the filter, e.g.
- * `gpu` (every GPU test), `host`, `gpu.model`, `tensor_parallel` (that feature, every kind).
+ * Usage: ./test_megatron [filter]: only the tests whose name, group or group.name contains the filter, e.g.
+ * `gpu` (every GPU test), `host`, `gpu.model`, `tensor_parallel` (that feature, every kind);
+ * `./test_megatron --list` prints every test's full name.
  * MT_TEST_SHARD=k/n (one process) runs every n-th selected test from the k-th (0-based), so that n
  * processes, one per GPU, share the suite (dev/gpu_check.sh does this on machines with several GPUs).
- * The last line is always `N passed, N failed, N skipped`. */
+ * The summary at the end names each skipped test with its reason (`skipped: group/name (reason)`; the
+ * reasons every GPU or multi-GPU test gives on a machine without them are folded into one count
+ * line each, `skipped (reason): N tests`), then the failed tests; its last line is always
+ * `N passed, N failed, N skipped`. MT_TEST_STRICT=1 (dev/gpu_check.sh) turns the skips that must not
+ * happen on the GPU machine into failures (SKIP_OR_FAIL_STRICT in tests/test_common.h). */
 #include "megatron.cu"
 #define MT_TOKENIZER_IMPLEMENTATION
 #include "prepro/tokenizer.h"
@@ -42,6 +47,7 @@
 #include "tests/test_watchdog.h"
 #include "tests/test_dropout.h"
 #include "tests/test_faults.h"
+#include "tests/test_runner.h"
 
 typedef struct {
     const char* group; /* kind.feature: kind is host, gpu or multigpu */
@@ -50,6 +56,37 @@ typedef struct {
 } test_group;
 
 #define GROUP(name, table) {name, table, sizeof(table) / sizeof(table[0])}
+
+/* A skipped test, for the summary. */
+typedef struct {
+    const char* group;
+    const char* name;
+    char reason[sizeof(test_state.skip_reason)];
+} test_skipped;
+
+/* The summary's skips: each by name with its reason, except TEST_SKIP_NO_GPU and TEST_SKIP_NO_MPI,
+ * counted in one line each (the lines dev/gpu_check.sh compares with dev/gpu_expected_skips.txt). */
+static void print_skipped(const test_skipped* skips, int n) {
+    static const char* const folded[2] = {TEST_SKIP_NO_GPU, TEST_SKIP_NO_MPI};
+    int counts[2] = {0, 0};
+    for (int i = 0; i < n; i++) {
+        int k = 0;
+        while (k < 2 && strcmp(skips[i].reason, folded[k]) != 0) k++;
+        if (k < 2) counts[k]++;
+        else printf("skipped: %s/%s (%s)\n", skips[i].group, skips[i].name, skips[i].reason);
+    }
+    for (int k = 0; k < 2; k++)
+        if (counts[k]) printf("skipped (%s): %d test%s\n", folded[k], counts[k], counts[k] == 1 ? "" : "s");
+}
+
+/* A test runs when the filter is part of its name, of its group, or of its full name
+ * "<group>.<name>" (e.g. gpu.fp8.fp8_blockwise_tracks_reference: that test alone). */
+static int test_selected(const char* filter, const char* group, const char* name) {
+    if (strstr(name, filter) || strstr(group, filter)) return 1;
+    char full[256];
+    snprintf(full, sizeof(full), "%s.%s", group, name);
+    return strstr(full, filter) != NULL;
+}
 
 /* the multi-GPU groups: "multigpu" or "multigpu.<feature>" */
 static int group_is_multigpu(const char* group) {
@@ -93,6 +130,7 @@ int main(int argc, char** argv) {
         GROUP("host.watchdog", watchdog_tests),
         GROUP("host.dropout", dropout_tests),
         GROUP("host.faults", faults_tests),
+        GROUP("host.runner", runner_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.flags", flags_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),
@@ -121,6 +159,10 @@ int main(int argc, char** argv) {
     };
     int passed = 0, failed = 0, skipped = 0;
     const char* failed_names[64];
+    size_t num_tests = 0;
+    for (size_t g = 0; g < sizeof(groups) / sizeof(groups[0]); g++) num_tests += groups[g].count;
+    test_skipped* skips = (test_skipped*)calloc(num_tests, sizeof(test_skipped));
+    if (!skips) return 1;
     int shard = 0, shards = 1, selected = 0;
     const char* shard_env = getenv("MT_TEST_SHARD");
     if (shard_env && world == 1) {
@@ -131,21 +173,34 @@ int main(int argc, char** argv) {
             return 2;
         }
     }
+    if (filter && !strcmp(filter, "--list")) { /* every test's full name, one a line (dev/mutation_check.sh) */
+        for (size_t g = 0; g < sizeof(groups) / sizeof(groups[0]); g++)
+            for (size_t i = 0; i < groups[g].count; i++) printf("%s.%s\n", groups[g].group, groups[g].cases[i].name);
+        free(skips);
+        return 0;
+    }
     for (size_t g = 0; g < sizeof(groups) / sizeof(groups[0]); g++) {
         /* several processes run the multi-GPU tests only */
         if (world > 1 && !group_is_multigpu(groups[g].group)) continue;
         for (size_t i = 0; i < groups[g].count; i++) {
             const test_case* t = &groups[g].cases[i];
-            if (filter && !strstr(t->name, filter) && !strstr(groups[g].group, filter)) continue;
+            if (filter && !test_selected(filter, groups[g].group, t->name)) continue;
             if (selected++ % shards != shard) continue;
             printf("[%s] %s\n", groups[g].group, t->name);
             fflush(stdout);
+            test_state.skip_reason[0] = 0;
             test_result r = t->run();
 #ifdef MT_USE_MPI
             if (world > 1) { /* the worst outcome over the ranks: fail > skip > pass */
                 int mine = r == TEST_FAIL ? 2 : r == TEST_SKIP ? 1 : 0, worst = 0;
                 MPI_Allreduce(&mine, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
                 if (worst == 2 && r != TEST_FAIL) printf("    FAIL on another rank\n");
+                if (worst == 1) { /* the reason of the lowest rank that gave one, for the summary */
+                    int me = mine == 1 && test_state.skip_reason[0] ? rank : world, first = world;
+                    MPI_Allreduce(&me, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+                    if (first < world)
+                        MPI_Bcast(test_state.skip_reason, (int)sizeof(test_state.skip_reason), MPI_CHAR, first, MPI_COMM_WORLD);
+                }
                 r = worst == 2 ? TEST_FAIL : worst == 1 ? TEST_SKIP : TEST_PASS;
             }
 #endif
@@ -154,11 +209,20 @@ int main(int argc, char** argv) {
                 printf("    => %s failed\n", t->name);
                 if (failed < 64) failed_names[failed] = t->name;
                 failed++;
-            } else skipped++;
+            } else {
+                test_skipped* k = &skips[skipped++];
+                k->group = groups[g].group;
+                k->name = t->name;
+                snprintf(k->reason, sizeof(k->reason), "%s", test_state.skip_reason[0] ? test_state.skip_reason : "no reason given");
+                for (char* c = k->reason; *c; c++)
+                    if (*c == '\n') *c = ' ';
+            }
         }
     }
+    print_skipped(skips, skipped);
     for (int i = 0; i < failed && i < 64; i++) printf("failed: %s\n", failed_names[i]);
     printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+    free(skips);
 #ifdef MT_USE_MPI
     if (world > 1) MPI_Finalize();
 #endif

@@ -6,6 +6,10 @@
 #   dev/gpu_check.sh tests      build + tests only (single: the one-GPU tests; multi: the mpirun tests)
 #   dev/gpu_check.sh jobs       build + the training jobs and the dead-rank check only
 # With several GPUs the one-GPU tests are sharded over them (MT_TEST_SHARD=k/n, one process per GPU).
+# The tests run with MT_TEST_STRICT=1 (a missing dev/data file or built tool, or an FP8/cuBLASLt
+# refusal, fails instead of skipping), and the skips their summaries name are compared with
+# dev/gpu_expected_skips.txt: an unexpected skip, or an expected one that ran, is a row of the table
+# and makes the exit status 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mt_gpu_check}
@@ -14,6 +18,32 @@ export NCCL_NVLS_ENABLE=0
 what=${1:-all}
 declare -a rows
 print_rows() { printf '%s\n' "${rows[@]}" | awk -F'|' '{ printf "%-34s %-44s %s\n", $1, $2, $3 }'; }
+
+# check_skips PART LOG...: the skips the logs' summaries name (`skipped: group/name (reason)`, and
+# `skipped (reason): N tests` as "(reason)") against PART's lines of dev/gpu_expected_skips.txt. A
+# log that did not reach its last line is left out (its row says so already).
+skip_mismatch=0
+check_skips() {
+  local part=$1; shift
+  local logs=() f key reason
+  for f in "$@"; do tail -n1 "$f" | grep -qE '^[0-9]+ passed, [0-9]+ failed, [0-9]+ skipped$' && logs+=("$f"); done
+  [ ${#logs[@]} -gt 0 ] || return 0
+  local expected
+  expected=$(awk -F'|' -v p="$part" '/^[^#]/ { gsub(/^ +| +$/, "", $1); gsub(/^ +| +$/, "", $2); if ($1 == p) print $2 }' dev/gpu_expected_skips.txt)
+  while IFS='|' read -r key reason; do
+    [ -n "$key" ] || continue
+    if ! grep -qxF -- "$key" <<< "$expected"; then
+      rows+=("unexpected skip ($part)|$key|$reason"); skip_mismatch=1
+    fi
+  done < <(cat "${logs[@]}" | sed -n -e 's/^skipped: \([^ ]*\) (\(.*\))$/\1|\2/p' -e 's/^skipped (\(.*\)): \([0-9]*\) tests*$/(\1)|\2 tests/p')
+  while read -r key; do
+    case "$key" in ''|'('*) continue ;; esac # a folded line may be absent (a filter, no such test)
+    grep -qxF -- "[${key%%/*}] ${key#*/}" "${logs[@]}" || continue # not run in these logs
+    if ! cat "${logs[@]}" | grep -qF -- "skipped: $key ("; then
+      rows+=("expected skip ran ($part)|$key|update dev/gpu_expected_skips.txt"); skip_mismatch=1
+    fi
+  done <<< "$expected"
+}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -40,7 +70,7 @@ if [ $run_single = 1 ]; then
   start=$(date +%s)
   shards=$(( ngpu > 1 ? ngpu : 1 ))
   for ((k = 0; k < shards; k++)); do
-    CUDA_VISIBLE_DEVICES=$k MT_TEST_SHARD=$k/$shards timeout 500 ./test_megatron > "$OUT/test_shard$k.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$k MT_TEST_SHARD=$k/$shards MT_TEST_STRICT=1 timeout 500 ./test_megatron > "$OUT/test_shard$k.log" 2>&1 &
   done
   wait
   cat "$OUT"/test_shard*.log > "$OUT/test.log"
@@ -49,6 +79,7 @@ if [ $run_single = 1 ]; then
     awk '/passed,.*failed,.*skipped/ { p += $1; f += $3; s += $5; n++ }
          END { printf "%d passed, %d failed, %d skipped", p, f, s; if (n < '"$shards"') printf " (%d of '"$shards"' shards ended)", n }')
   rows+=("test_megatron ($shards shards)|$total|$(( $(date +%s) - start )) s")
+  check_skips single $(for ((k = 0; k < shards; k++)); do echo "$OUT/test_shard$k.log"; done)
 fi
 # multi-GPU tests: over 2 and (with 4 GPUs) 4 ranks, each against one GPU (NPS: the rank counts to
 # run, default "2 4"; GROUPS_MULTI: the feature groups, default all)
@@ -60,7 +91,7 @@ if [ $run_multi = 1 ] && [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null; then
     for g in ${GROUPS_MULTI:-data_parallel tensor_parallel pipeline memory checkpoint_tool recompute}; do
       start=$(date +%s)
       rm -f /tmp/mt_test_rank*.log
-      timeout 240 $MPIRUN -np "$np" ./test_megatron multigpu.$g > "$OUT/test_mpi${np}_$g.log" 2>&1
+      timeout 240 $MPIRUN -x MT_TEST_STRICT=1 -np "$np" ./test_megatron multigpu.$g > "$OUT/test_mpi${np}_$g.log" 2>&1
       grep -E "FAIL|^failed" "$OUT/test_mpi${np}_$g.log" | head -5
       for f in /tmp/mt_test_rank*.log; do # the other ranks' output
         [ -f "$f" ] || continue
@@ -68,6 +99,7 @@ if [ $run_multi = 1 ] && [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null; then
         grep -B1 -A2 -E "FAIL" "$f" | grep -v "FAIL on another rank" | sed "s/^/  ${r#mt_test_}: /" | head -8
       done
       rows+=("multigpu.$g (mpirun -np $np)|$(tail -n1 "$OUT/test_mpi${np}_$g.log")|$(( $(date +%s) - start )) s")
+      check_skips "np$np" "$OUT/test_mpi${np}_$g.log"
     done
   done
 fi
@@ -129,3 +161,4 @@ fi
 echo
 echo "==== summary ($(head -n1 "$OUT/gpu.txt")) ===="
 print_rows
+[ $skip_mismatch = 0 ] || { echo "skips differ from dev/gpu_expected_skips.txt (rows above)"; exit 1; }

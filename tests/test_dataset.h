@@ -158,7 +158,7 @@ static int tds_have_vectors(void) {
 /* ---- generator and splits ---------------------------------------------------------------------- */
 
 static test_result test_dataset_rng(void) {
-    if (!tds_have_vectors()) SKIP("no %s (run from the repository root)", TDS_ROOT);
+    if (!tds_have_vectors()) SKIP_OR_FAIL_STRICT("no %s (run from the repository root)", TDS_ROOT);
     char* text = test_read_file(TDS_ROOT "/rng.txt", NULL);
     EXPECT(text, "cannot read rng.txt");
     int checked = 0;
@@ -480,7 +480,7 @@ out:
 }
 
 static test_result test_dataset_megatron_vectors(void) {
-    if (!tds_have_vectors()) SKIP("no %s (run from the repository root)", TDS_ROOT);
+    if (!tds_have_vectors()) SKIP_OR_FAIL_STRICT("no %s (run from the repository root)", TDS_ROOT);
     char* text = test_read_file(TDS_ROOT "/cases.txt", NULL);
     EXPECT(text, "cannot read cases.txt");
     int cases = 0;
@@ -502,7 +502,7 @@ static test_result test_dataset_megatron_vectors(void) {
 /* ---- reader ------------------------------------------------------------------------------------ */
 
 static test_result test_dataset_reader(void) {
-    if (!tds_have_vectors()) SKIP("no %s (run from the repository root)", TDS_ROOT);
+    if (!tds_have_vectors()) SKIP_OR_FAIL_STRICT("no %s (run from the repository root)", TDS_ROOT);
     mt_indexed_dataset* ds = NULL;
     mt_error err_, *err = &err_;
     EXPECT_OK(mt_indexed_dataset_open(&ds, TDS_ROOT "/datasets/sent", err), err);
@@ -560,7 +560,7 @@ static test_result tds_expect_rejected(const char* dir, const char* what, const 
 }
 
 static test_result test_dataset_reader_rejects(void) {
-    if (!tds_have_vectors()) SKIP("no %s (run from the repository root)", TDS_ROOT);
+    if (!tds_have_vectors()) SKIP_OR_FAIL_STRICT("no %s (run from the repository root)", TDS_ROOT);
     size_t ni = 0, nb = 0;
     char* idx = test_read_file(TDS_ROOT "/datasets/u16.idx", &ni);
     char* bin = test_read_file(TDS_ROOT "/datasets/u16.bin", &nb);
@@ -609,7 +609,7 @@ static test_result test_dataset_reader_rejects(void) {
 /* Rewrites the sentence-level dataset document by document through the writer: the files must be
  * byte-identical to the ones the Python (Megatron-format) writer made. */
 static test_result test_dataset_writer_roundtrip(void) {
-    if (!tds_have_vectors()) SKIP("no %s (run from the repository root)", TDS_ROOT);
+    if (!tds_have_vectors()) SKIP_OR_FAIL_STRICT("no %s (run from the repository root)", TDS_ROOT);
     mt_indexed_dataset* ds = NULL;
     mt_indexed_writer* w = NULL;
     mt_error err_, *err = &err_;
@@ -767,7 +767,7 @@ static test_result test_dataset_writer_abort(void) {
 
 /* add_index, as tools/merge_datasets.py uses it. */
 static test_result test_dataset_merge(void) {
-    if (!tds_have_vectors()) SKIP("no %s (run from the repository root)", TDS_ROOT);
+    if (!tds_have_vectors()) SKIP_OR_FAIL_STRICT("no %s (run from the repository root)", TDS_ROOT);
     char dir[256], prefix[300];
     mt_indexed_writer* w = NULL;
     mt_indexed_dataset *m = NULL, *a = NULL, *b = NULL;
@@ -831,7 +831,7 @@ static test_result test_dataset_npy(void) {
 }
 
 static test_result test_dataset_open_errors(void) {
-    if (!tds_have_vectors()) SKIP("no %s (run from the repository root)", TDS_ROOT);
+    if (!tds_have_vectors()) SKIP_OR_FAIL_STRICT("no %s (run from the repository root)", TDS_ROOT);
     mt_gpt_data* d = NULL;
     mt_error err_, *err = &err_;
     const char* u16 = TDS_ROOT "/datasets/u16";

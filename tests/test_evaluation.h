@@ -83,7 +83,7 @@ static int tev_repository_root(void) {
 /* ---- host: refusals --------------------------------------------------------------------------- */
 
 static test_result test_evaluation_flags_refused(void) {
-    if (access("./train_gpt", X_OK) != 0) SKIP("./train_gpt is not built (make all)");
+    if (access("./train_gpt", X_OK) != 0) SKIP_OR_FAIL_STRICT("./train_gpt is not built (make all)");
     int ok = 1;
     ok &= hostile_expect_refused("./train_gpt --mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 2 "
                                  "--seq-length 32 --micro-batch-size 1 --train-iters 1 --lr 1e-4 --full-validation",
@@ -99,6 +99,7 @@ static test_result test_evaluation_flags_refused(void) {
         ok &= hostile_expect_refused("./eval_hellaswag --load /nonexistent_ckpt", "no checkpoint in /nonexistent_ckpt");
         ok &= hostile_expect_refused("./eval_hellaswag --load x --bogus 1", "unknown flag --bogus");
     } else {
+        EXPECT(!test_strict(), "MT_TEST_STRICT=1: ./eval_hellaswag is not built (make all)");
         printf("    note: ./eval_hellaswag is not built: its refusals not checked\n");
     }
     EXPECT(ok, "a flag was not refused with one line (above)");
@@ -176,7 +177,7 @@ static int tev_events(const char* dir, ttb_event* events, int max) {
 
 static test_result test_evaluation_train_gpt(void) {
     REQUIRE_GPU();
-    if (!tev_repository_root()) SKIP("run from the repository root after make all");
+    if (!tev_repository_root()) SKIP_OR_FAIL_STRICT("run from the repository root after make all");
     char dir[256], cmd[2048];
     snprintf(dir, sizeof(dir), "/tmp/mt_test_evaluation_XXXXXX");
     EXPECT(mkdtemp(dir) != NULL, "mkdtemp");
@@ -283,6 +284,7 @@ static test_result test_evaluation_train_gpt(void) {
         free(tsv);
         EXPECT(lines == 13, "%s: %d lines, want a header and 12 items", cmd, lines);
     } else {
+        EXPECT(!test_strict(), "MT_TEST_STRICT=1: eval_hellaswag or dev/data/hellaswag_val_full.txt missing (make all)");
         printf("    note: eval_hellaswag or dev/data/hellaswag_val_full.txt missing (make all "
                "dev/data/hellaswag_val_full.txt): not run\n");
     }

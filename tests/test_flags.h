@@ -61,7 +61,7 @@ static test_result test_flags_megatron_scripts_answered(void) {
     int files = 0, flags = 0, implemented = 0, info = 0, refused = 0;
     for (size_t k = 0; k < sizeof(flags_script_files) / sizeof(flags_script_files[0]); k++) {
         static flags_script s;
-        if (!flags_script_read(flags_script_files[k], &s)) SKIP("dev/data/megatron_scripts/ not found (run from the root)");
+        if (!flags_script_read(flags_script_files[k], &s)) SKIP_OR_FAIL_STRICT("dev/data/megatron_scripts/ not found (run from the root)");
         files++;
         for (int i = 1; i < s.argc; i++) {
             if (strncmp(s.argv[i], "--", 2) != 0) continue;
@@ -108,7 +108,7 @@ static int flags_configure(char** argv, int argc, int64_t vocab, int world, tg_f
  * takes the words up to the next flag as the schedule. */
 static test_result test_flags_gpt3_script_lands(void) {
     static flags_script s;
-    if (!flags_script_read("gpt3_175b.txt", &s)) SKIP("dev/data/megatron_scripts/ not found");
+    if (!flags_script_read("gpt3_175b.txt", &s)) SKIP_OR_FAIL_STRICT("dev/data/megatron_scripts/ not found");
     static tg_flags v;
     char msg[512] = "";
     EXPECT(flags_configure(s.argv, s.argc, 50257, 128, &v, msg, sizeof(msg)) == 0, "%s", msg);
@@ -133,7 +133,7 @@ static test_result test_flags_gpt3_script_lands(void) {
 /* The Llama-3 8B FP8 script: sample-based training, FP8, the informational flags named once. */
 static test_result test_flags_llama_script_lands(void) {
     static flags_script s;
-    if (!flags_script_read("llama3_8b_fp8_mock.txt", &s)) SKIP("dev/data/megatron_scripts/ not found");
+    if (!flags_script_read("llama3_8b_fp8_mock.txt", &s)) SKIP_OR_FAIL_STRICT("dev/data/megatron_scripts/ not found");
     static char* kept[512];
     int n = flags_drop_refused(&s, kept);
     static tg_flags v;
@@ -173,7 +173,7 @@ static test_result test_flags_llama_script_lands(void) {
 /* --flag=value is --flag value for every single-valued flag of the scripts; --help lists the table. */
 static test_result test_flags_equals_form_and_help(void) {
     static flags_script s;
-    if (!flags_script_read("mixtral_8x7b.txt", &s)) SKIP("dev/data/megatron_scripts/ not found");
+    if (!flags_script_read("mixtral_8x7b.txt", &s)) SKIP_OR_FAIL_STRICT("dev/data/megatron_scripts/ not found");
     static char* spaced[512];
     int n = flags_drop_refused(&s, spaced);
     static char joined_text[512][160];
@@ -831,7 +831,7 @@ static test_result test_flags_issue32_host(void) {
 static test_result test_flags_prepro_equals_form(void) {
     const char* tools[] = {"prepro/merge_datasets", "prepro/preprocess_data", "prepro/dataset_info", "prepro/convert_hf"};
     for (size_t i = 0; i < sizeof(tools) / sizeof(tools[0]); i++)
-        if (access(tools[i], X_OK) != 0) SKIP("%s is not built (make all)", tools[i]);
+        if (access(tools[i], X_OK) != 0) SKIP_OR_FAIL_STRICT("%s is not built (make all)", tools[i]);
     int ok = 1;
     ok &= hostile_expect_refused("prepro/merge_datasets --input=/nonexistent_mt_dir --output-prefix=/tmp/mt_x",
                                  "cannot open /nonexistent_mt_dir");

@@ -75,7 +75,7 @@ static int fp8t_compute_capability(void) {
     do {                                                                                                    \
         int cc_ = fp8t_compute_capability();                                                                \
         if (cc_ == 0) SKIP("no GPU visible");                                                               \
-        if (cc_ < 89) SKIP("FP8 needs compute capability 8.9 or later; this GPU is %d.%d", cc_ / 10, cc_ % 10); \
+        if (cc_ < 89) SKIP_OR_FAIL_STRICT("FP8 needs compute capability 8.9 or later; this GPU is %d.%d", cc_ / 10, cc_ % 10); \
     } while (0)
 
 /* Fail the enclosing helper (which returns int: 1 passed, 0 failed) with a message. */
@@ -1287,7 +1287,7 @@ static test_result test_fp8_gemm_blockwise(void) {
     for (int s = 0; s < 4; s++)
         for (int hybrid = 0; hybrid < 2; hybrid++)
             if (!fp8t_linear_blockwise(&fp8t_shapes[s], hybrid, 400 + 10 * s + hybrid, &refused, &attempted)) return TEST_FAIL;
-    if (refused) SKIP("blockwise: cuBLASLt refused %d of %d GEMMs (each printed above); the others are right", refused, attempted);
+    if (refused) SKIP_OR_FAIL_STRICT("blockwise: cuBLASLt refused %d of %d GEMMs (each printed above); the others are right", refused, attempted);
     return TEST_PASS;
 }
 

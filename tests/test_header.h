@@ -298,7 +298,7 @@ static test_result th_prepare(char* dir, size_t dir_size, const char* const* fil
     if (system("command -v cc > /dev/null 2>&1") != 0) SKIP("no cc on the PATH");
     if (system("command -v c++ > /dev/null 2>&1") != 0) SKIP("no c++ on the PATH");
     for (int i = 0; i < num_files; i++)
-        if (access(files[i], R_OK) != 0) SKIP("no %s (run from the repository root)", files[i]);
+        if (access(files[i], R_OK) != 0) SKIP_OR_FAIL_STRICT("no %s (run from the repository root)", files[i]);
     snprintf(dir, dir_size, "/tmp/mt_test_header_XXXXXX");
     if (!mkdtemp(dir)) {
         printf("    FAIL header: mkdtemp %s failed\n", dir);

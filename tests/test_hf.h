@@ -608,7 +608,7 @@ static test_result test_hf_gpt2_matches_reference_logits(void) {
     const char* path = "dev/data/gpt_vectors/gpt2_tiny.bin";
     size_t size = 0;
     char* blob = test_read_file(path, &size);
-    if (!blob) SKIP("%s not found (run from the repository root)", path);
+    if (!blob) SKIP_OR_FAIL_STRICT("%s not found (run from the repository root)", path);
     int32_t hd[256];
     EXPECT(size > 1280, "%s too small", path);
     memcpy(hd, blob, sizeof(hd));

@@ -176,7 +176,7 @@ static int hostile_expect_refused(const char* cmd, const char* needle) {
 }
 
 static test_result test_hostile_train_gpt_flags(void) {
-    if (access("./train_gpt", X_OK) != 0) SKIP("./train_gpt is not built (make all)");
+    if (access("./train_gpt", X_OK) != 0) SKIP_OR_FAIL_STRICT("./train_gpt is not built (make all)");
     /* the tail that reaches mt_config_finalize without files or a GPU: mock data, NullTokenizer */
     const char* mock = "--mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --num-attention-heads 8 "
                        "--seq-length 16 --micro-batch-size 1 --train-iters 1 --lr 1e-3 --num-layers 2";
@@ -267,7 +267,7 @@ static test_result test_hostile_fault_flags_land(void) {
 }
 
 static test_result test_hostile_dataset_info_flags(void) {
-    if (access("prepro/dataset_info", X_OK) != 0) SKIP("prepro/dataset_info is not built (make all)");
+    if (access("prepro/dataset_info", X_OK) != 0) SKIP_OR_FAIL_STRICT("prepro/dataset_info is not built (make all)");
     /* a tiny dataset, so the sample-count checks behind the dataset open are reached */
     char prefix[] = "/tmp/mt_hostile_XXXXXX";
     int fd = mkstemp(prefix);
@@ -312,7 +312,7 @@ static test_result test_hostile_dataset_info_flags(void) {
 }
 
 static test_result test_hostile_convert_hf_flags(void) {
-    if (access("prepro/convert_hf", X_OK) != 0) SKIP("prepro/convert_hf is not built (make all)");
+    if (access("prepro/convert_hf", X_OK) != 0) SKIP_OR_FAIL_STRICT("prepro/convert_hf is not built (make all)");
     int ok = 1;
     /* strtoll saturates at LLONG_MAX with ERANGE: that is not the iteration the user asked for */
     ok &= hostile_expect_refused("prepro/convert_hf --iteration 99999999999999999999",

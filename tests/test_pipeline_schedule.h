@@ -16,9 +16,13 @@
  *   - PP = 1 is F0 B0 F1 B1 ... with no transfers;
  *   - the settings Megatron refuses are refused with one line, and some of them (a group smaller
  *     than PP; a last group smaller than PP) do deadlock the simulated pipeline;
- *   - the order equals dev/gen_pipeline_schedule_vectors.py's (dev/data/pipeline_vectors/), a
- *     separate Python rendering of schedules.py's three loops (same reading of Megatron, written
- *     again: it guards the C against slips, not against a misreading of Megatron). */
+ *   - the order equals both files of dev/data/pipeline_vectors/ (20 settings, every rank):
+ *     schedules.txt from dev/gen_pipeline_schedule_vectors.py, a separate Python rendering of
+ *     schedules.py's three loops (same reading of Megatron, written again: it guards the C against
+ *     slips, not against a misreading of Megatron), and schedules_mcore.txt from
+ *     dev/gen_pipeline_schedule_vectors_mcore.py, which runs Megatron-Core's own schedule functions
+ *     (pinned version in its docstring) as rank r of a pretend pipeline, the forward and backward
+ *     steps and the p2p calls replaced by recorders: Megatron's control flow is the authority. */
 #ifndef MT_TEST_PIPELINE_SCHEDULE_H
 #define MT_TEST_PIPELINE_SCHEDULE_H
 
@@ -321,12 +325,13 @@ static test_result test_pipeline_schedule_refused(void) {
     return TEST_PASS;
 }
 
-/* dev/data/pipeline_vectors/schedules.txt: one line per (PP, VP, M, G, rank):
- * `pp vp m g rank warmup op...`, op = F<mb>.<chunk> or B<mb>.<chunk>. */
-static test_result test_pipeline_schedule_vectors(void) {
-    const char* path = "dev/data/pipeline_vectors/schedules.txt";
+/* A file of dev/data/pipeline_vectors/: one line per (PP, VP, M, G, rank):
+ * `pp vp m g rank warmup op...`, op = F<mb>.<chunk> or B<mb>.<chunk>; every line must equal
+ * mt_pp_schedule's list for that rank. Its absence is a failure under MT_TEST_STRICT=1 (the files are
+ * committed). */
+static test_result tpp_check_vector_file(const char* path, const char* generator) {
     FILE* f = fopen(path, "r");
-    if (!f) SKIP("%s missing (python3 dev/gen_pipeline_schedule_vectors.py)", path);
+    if (!f) SKIP_OR_FAIL_STRICT("%s missing (%s)", path, generator);
     int pp, vp, m, g, rank, w, lines = 0;
     mt_pp_op ops[2 * TPP_MAX_VP * TPP_MAX_M];
     test_result res = TEST_PASS;
@@ -359,9 +364,22 @@ static test_result test_pipeline_schedule_vectors(void) {
     fclose(f);
     if (res == TEST_PASS) {
         EXPECT(lines > 0, "%s: no schedules", path);
-        printf("    %d rank schedules equal the reference\n", lines);
+        printf("    %d rank schedules equal %s\n", lines, path);
     }
     return res;
+}
+
+/* schedules.txt: dev/gen_pipeline_schedule_vectors.py, our own Python reading of schedules.py's loops
+ * (guards the C against slips, not against a misreading of Megatron). */
+static test_result test_pipeline_schedule_vectors(void) {
+    return tpp_check_vector_file("dev/data/pipeline_vectors/schedules.txt", "python3 dev/gen_pipeline_schedule_vectors.py");
+}
+/* schedules_mcore.txt: dev/gen_pipeline_schedule_vectors_mcore.py, Megatron-Core's own
+ * forward_backward_pipelining_without_interleaving / _with_interleaving run with recording stubs for
+ * the forward and backward steps and the p2p communication (Megatron's control flow, not a reading). */
+static test_result test_pipeline_schedule_vectors_mcore(void) {
+    return tpp_check_vector_file("dev/data/pipeline_vectors/schedules_mcore.txt",
+                                 "python3 dev/gen_pipeline_schedule_vectors_mcore.py, megatron-core installed");
 }
 
 /* Activation slots of a step of millions of micro-batches are counted, not simulated (fuzz_flags: the
@@ -386,6 +404,7 @@ static const test_case pipeline_schedule_tests[] = {
     {"pipeline_schedule_all", test_pipeline_schedule_all},
     {"pipeline_schedule_refused", test_pipeline_schedule_refused},
     {"pipeline_schedule_vectors", test_pipeline_schedule_vectors},
+    {"pipeline_schedule_vectors_mcore", test_pipeline_schedule_vectors_mcore},
 };
 
 #endif

@@ -246,7 +246,7 @@ static test_result test_recompute_flags(void) {
 /* train_gpt --plan names the setting and plans fewer activation bytes: none > selective (mlp) >
  * full uniform 1 on the 1.5B shape. */
 static test_result test_recompute_train_gpt_plan(void) {
-    if (access("./train_gpt", X_OK) != 0) SKIP("./train_gpt is not built (make all)");
+    if (access("./train_gpt", X_OK) != 0) SKIP_OR_FAIL_STRICT("./train_gpt is not built (make all)");
     static char out[65536];
     const char* model = "./train_gpt --tokenizer-type NullTokenizer --vocab-size 50257 --mock-data --train-iters 10 "
                         "--lr 1e-4 --bf16 --seq-length 1024 --num-layers 48 --hidden-size 1600 --num-attention-heads 25 "

@@ -1167,7 +1167,7 @@ static test_result test_tokenizer_preprocess_compressed(void) {
 static test_result test_tokenizer_empty_token(void) {
     size_t size = 0;
     char* json = test_read_file(TT_HF "llama2_metaspace/tokenizer.json", &size);
-    if (!json) SKIP("dev/data/tokenizers not found (run from the root)");
+    if (!json) SKIP_OR_FAIL_STRICT("dev/data/tokenizers not found (run from the root)");
     const char* from = "\"content\":\" \""; /* the Replace decoder's (the file is compact JSON) */
     char* at = strstr(json, from);
     EXPECT(at != NULL, "the Replace decoder's content");
