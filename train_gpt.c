@@ -43,9 +43,11 @@ static void die(int code, const char* fmt, ...) {
     fprintf(stderr, "\n");
     va_end(ap);
 #ifdef MT_USE_MPI
-    int initialized = 0;
+    int initialized = 0, finalized = 0;
     MPI_Initialized(&initialized);
-    if (initialized) MPI_Abort(MPI_COMM_WORLD, code);
+    MPI_Finalized(&finalized);
+    if (initialized && !finalized && g_world > 1) MPI_Abort(MPI_COMM_WORLD, code); /* ends the other ranks */
+    if (initialized && !finalized) MPI_Finalize(); /* alone: no abort banner after the line above */
 #endif
     exit(code);
 }
@@ -63,7 +65,7 @@ static void collective_timeout(const char* message, void* user) {
 /* ---- flags (the table, the parser and --help are in train_gpt_flags.h) ------------------------ */
 
 static void parse_args(tg_flags* o, int argc, char** argv) {
-    char msg[512];
+    char msg[4096]; /* every unknown flag of the line, each with its nearest known name */
     tg_flags_init(o);
     int r = tg_flags_parse(o, argc, argv, msg, sizeof(msg));
     if (r == 1) {
@@ -274,14 +276,25 @@ static int run_plan(const tg_flags* o, const mt_config* c, int sequence_parallel
            sequence_parallel ? ", SP where TP > 1" : "", c->use_distributed_optimizer ? ", distributed optimizer" : "");
     printf("    TP   PP   VP     DP   global batch   model step (ms)   tokens/s/GPU   GiB per GPU (pipeline rank)   "
            "activation slots\n");
+    int refused = 0;
     for (int i = 0; i < n; i++) {
+        if (k[i].refused) { refused++; continue; } /* never "fits": listed below with the trainer's line */
         if ((double)k[i].plan.device_bytes > budget) continue;
         fits++;
         printf("  %4d %4d %4d %6d %14d %17.1f %14.0f %21.2f (%d) %21d\n", k[i].tp, k[i].pp, k[i].vp, k[i].dp,
                k[i].global_batch_size, 1e3 * k[i].step_seconds, k[i].tokens_per_second, k[i].plan.device_bytes / gib,
                k[i].plan.pp_rank, k[i].plan.in_flight);
     }
-    printf("  %d of %d layouts fit%s\n", fits, n, n ? "" : " (no TP x PP divides the model and the batch)");
+    if (refused) {
+        printf("layouts this build refuses (mt_trainer_create would stop with the line shown):\n");
+        printf("    TP   PP   VP     DP   why\n");
+        for (int i = 0; i < n; i++)
+            if (k[i].refused)
+                printf("  %4d %4d %4d %6d   refused: %s\n", k[i].tp, k[i].pp, k[i].vp, k[i].dp, k[i].reason);
+    }
+    printf("  %d of %d layouts fit%s", fits, n, n ? "" : " (no TP x PP divides the model and the batch)");
+    if (refused) printf("; %d refused (not built here)", refused);
+    printf("\n");
     free(k);
     return fits ? 0 : 1;
 }
@@ -295,9 +308,11 @@ static int run_plan(const tg_flags* o, const mt_config* c, int sequence_parallel
  * line's arguments as texts. Events are flushed at every log line (and when the queue fills). */
 
 static mt_tb_writer* tensorboard_open(const tg_flags* o, int argc, char** argv, int64_t iteration) {
-    if (o->wandb_project || o->wandb_exp_name || o->wandb_save_dir)
+    if (o->wandb_project || o->wandb_exp_name || o->wandb_save_dir || o->wandb_entity)
         printf("wandb: this build does not talk to wandb; --wandb-* are not used. Upload the TensorBoard events "
-               "with `wandb sync --sync-tensorboard %s`%s\n", o->tensorboard_dir ? o->tensorboard_dir : "<dir>",
+               "with `wandb sync --sync-tensorboard%s%s%s%s %s`%s\n", o->wandb_project ? " --project " : "",
+               o->wandb_project ? o->wandb_project : "", o->wandb_entity ? " --entity " : "",
+               o->wandb_entity ? o->wandb_entity : "", o->tensorboard_dir ? o->tensorboard_dir : "<dir>",
                o->tensorboard_dir ? "" : " after a run with --tensorboard-dir <dir>");
     if (!o->tensorboard_dir || o->cfg.rank != 0) return NULL;
     mt_error err;
@@ -695,6 +710,17 @@ int main(int argc, char** argv) {
     c->comm_id = comm_id;
     const int planning = o.plan || o.plan_layouts, sequence_parallel = c->sequence_parallel;
     const int global_batch = c->global_batch_size; /* 0: micro-batch x DP of each layout */
+    if (!planning) { /* before any work: the launch matches the build, and there is a GPU to train on */
+        mt_error launch_err;
+#ifdef MT_USE_MPI
+        const int built_with_mpi = 1;
+#else
+        const int built_with_mpi = 0;
+#endif
+        if (mt_launcher_check(world, built_with_mpi, NULL, NULL, &launch_err) != MT_OK) die(2, "%s", launch_err.message);
+        int gpus = 0;
+        if (mt_device_check(&gpus, &launch_err) != MT_OK) die(1, "%s", launch_err.message);
+    }
     if (planning) { /* the layout of --world-size GPUs, on none (--plan-layouts: the model checked on one) */
         c->world_size = o.plan_world_size > 0 && !o.plan_layouts ? (int)o.plan_world_size : 1;
         c->rank = 0;
@@ -706,6 +732,10 @@ int main(int argc, char** argv) {
     c->eod_token = tok ? mt_tokenizer_eod(tok) : o.null_vocab_size - 1; /* NullTokenizer: the last id */
     mt_error err;
     if (mt_config_finalize(c, &err) != MT_OK) die(2, "%s", err.message);
+    if (o.eval_global_batch_size > 0 && o.eval_global_batch_size != c->global_batch_size)
+        die(2, "--eval-global-batch-size %lld: evaluation with its own batch size is not implemented; it runs global "
+            "batches of %d (--global-batch-size): give that or drop the flag", (long long)o.eval_global_batch_size,
+            c->global_batch_size);
     /* the iteration log line: from the last rank (the last pipeline stage) with PP > 1, else rank 0 */
     FILE* log_line_out = stdout;
     if (c->pipeline_model_parallel_size > 1 && world > 1) {
