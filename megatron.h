@@ -911,6 +911,10 @@ typedef struct {
  * layer split and schedule checked); fails on a pipeline rank outside [0, PP). */
 mt_status mt_memory_plan_compute(const mt_config* cfg, const mt_plan_options* opts, mt_memory_plan* plan,
                                  mt_error* err);
+/* --grad-reduce-in-bf16 (Megatron's; not built here: gradients accumulate and are reduced in fp32):
+ * the bytes per GPU a bf16 gradient buffer would save in this plan, the fp32 buffer's bytes less a
+ * bf16 one's (2 bytes per buffer element). */
+size_t mt_memory_plan_bf16_grad_savings(const mt_memory_plan* plan);
 /* Elements of an optimizer shard of `shard` elements that --optimizer-cpu-offload puts in host
  * memory: the last fraction x shard of it (all at 1.0; else rounded down to 16 elements). */
 int64_t mt_offload_elements(const mt_config* cfg, int64_t shard);
@@ -1136,6 +1140,19 @@ mt_status mt_checkpoint_write_tracker(const char* dir, int64_t iteration, mt_err
 void mt_checkpoint_iteration_dir(char* out, size_t cap, const char* dir, int64_t iteration);
 /* mkdir -p: 0, or -1 with errno set. */
 int mt_make_directories(const char* path);
+/* --save-retain-interval (Megatron's checkpointing.py): once the save of iteration `saved` is
+ * committed (the tracker names it), the checkpoint the tracker named before it (`previous`; -1: none)
+ * is deleted unless it is iteration 0 or less, the one just saved, a multiple of retain_interval, or
+ * the iteration of a save still being written (`pending`; -1: none). Run after run, what stays is
+ * every multiple of the interval and the newest. Returns the iteration to delete, or -1 (also for an
+ * interval < 1: no retention). */
+int64_t mt_checkpoint_retain_victim(int64_t previous, int64_t saved, int64_t retain_interval, int64_t pending);
+/* Applies it to dir: only when the tracker now names `saved` (a save that was not committed deletes
+ * nothing), the victim's directory is renamed to a .tmp_iter_ name (which the next save removes, so a
+ * crash leaves no half-deleted checkpoint in place) and removed; a symbolic link is left alone, as
+ * Megatron does. *deleted: the iteration deleted, or -1. Rank 0 only (the ranks share the file system). */
+mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t saved, int64_t retain_interval,
+                                     int64_t pending, int64_t* deleted, mt_error* err);
 
 /* The manifest: <iter dir>/manifest.txt lists every other regular file under the iteration
  * directory (subdirectories included), with its size and CRC-32C (mt_crc32c_extend), one file a line,
@@ -4656,6 +4673,11 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     return MT_OK;
 }
 
+size_t mt_memory_plan_bf16_grad_savings(const mt_memory_plan* p) {
+    const size_t bf16_bytes = (size_t)p->buffer_elements * 2;
+    return p->gradient_bytes > bf16_bytes ? p->gradient_bytes - bf16_bytes : 0;
+}
+
 mt_status mt_memory_plan_compute(const mt_config* c, const mt_plan_options* opts, mt_memory_plan* plan,
                                  mt_error* err) {
     mt_plan_options defaults;
@@ -5181,6 +5203,37 @@ void mt_checkpoint_iteration_dir(char* out, size_t cap, const char* dir, int64_t
     int only_old = stat(out, &st) == 0;
     snprintf(out, cap, "%s/iter_%07lld", dir, (long long)iteration);
     if (only_old && stat(out, &st) != 0 && errno == ENOENT) snprintf(out, cap, "%s/iter_%07lld.old", dir, (long long)iteration);
+}
+
+int64_t mt_checkpoint_retain_victim(int64_t previous, int64_t saved, int64_t retain_interval, int64_t pending) {
+    if (retain_interval < 1 || previous <= 0 || previous == saved || previous == pending) return -1;
+    return previous % retain_interval == 0 ? -1 : previous;
+}
+
+mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t saved, int64_t retain_interval,
+                                     int64_t pending, int64_t* deleted, mt_error* err) {
+    *deleted = -1;
+    const int64_t victim = mt_checkpoint_retain_victim(previous, saved, retain_interval, pending);
+    if (victim < 0) return MT_OK;
+    int64_t tracked = -1;
+    mt_error tracker_err;
+    if (mt_checkpoint_read_tracker(dir, &tracked, &tracker_err) != MT_OK || tracked != saved) return MT_OK;
+    char path[4200], retired[4300];
+    mt_checkpoint_iteration_dir(path, sizeof(path), dir, victim);
+    struct stat st;
+    if (lstat(path, &st) != 0) {
+        if (errno == ENOENT) return MT_OK; /* already gone */
+        return mt_fail(err, MT_ERR_IO, "cannot read %s: %s", path, strerror(errno));
+    }
+    if (S_ISLNK(st.st_mode) || !S_ISDIR(st.st_mode)) return MT_OK; /* a link (Megatron keeps those) or not ours */
+    snprintf(retired, sizeof(retired), "%s/.tmp_iter_%07lld.retired", dir, (long long)victim);
+    mt_remove_tree(retired); /* one a crash left */
+    if (rename(path, retired) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot move %s aside to delete it: %s", path, strerror(errno));
+    if (mt_remove_tree(retired) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot delete %s (moved aside from %s): %s", retired, path, strerror(errno));
+    *deleted = victim;
+    return MT_OK;
 }
 
 int mt_make_directories(const char* path) {

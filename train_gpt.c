@@ -216,6 +216,14 @@ static void print_plan(const mt_memory_plan* p, const mt_config* c) {
     printf("  in use       %8.3f GiB  expected per GPU\n", p->device_bytes / gib);
 }
 
+/* --grad-reduce-in-bf16 is accepted without effect; this says what it would be worth for the plan. */
+static void print_grad_bf16_note(const mt_memory_plan* p) {
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    printf("--grad-reduce-in-bf16: not built (gradients accumulate and reduce in fp32 here); a bf16 gradient buffer would "
+           "save %.2f GiB per GPU in this layout (%.2f GiB of fp32 gradients, %lld elements)\n",
+           mt_memory_plan_bf16_grad_savings(p) / gib, p->gradient_bytes / gib, (long long)p->buffer_elements);
+}
+
 static void print_memory_plan(mt_trainer* t, const mt_config* c) {
     mt_memory_plan p = mt_trainer_memory_plan(t);
     print_plan(&p, c);
@@ -252,6 +260,7 @@ static int run_plan(const tg_flags* o, const mt_config* c, int sequence_parallel
         mt_memory_plan p;
         if (mt_memory_plan_compute(c, &opts, &p, &err) != MT_OK) die(2, "%s", err.message);
         print_plan(&p, c);
+        if (tg_flags_info_given(o, "--grad-reduce-in-bf16")) print_grad_bf16_note(&p);
         if ((double)p.device_bytes <= budget) {
             printf("  fits in %.1f GiB per GPU with %.3f GiB to spare\n", o->gpu_memory_gib, (budget - p.device_bytes) / gib);
             return 0;
@@ -589,37 +598,69 @@ static void print_sample(mt_trainer* t, const mt_tokenizer* tok, const mt_config
 
 /* ---- faults: Megatron's exit conditions ------------------------------------------------------- */
 
-/* Saves a checkpoint (every rank takes part) and returns the iteration saved. With --async-save the
- * call returns once the files are staged in host memory; the save is committed later (save_poll).
- * Either way the line says how long the step loop waited. */
-static int64_t save_checkpoint(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed, int async) {
+/* Where checkpoints go and what is kept: --save, --async-save, --save-retain-interval, and for a
+ * save in flight the tracker's iteration before it (the one retention may delete once it commits). */
+typedef struct {
+    const char* dir;
+    int async;
+    int64_t retain_interval; /* < 1: keep every checkpoint */
+    int rank;
+    int64_t previous;        /* the tracker's iteration before the save in flight (-1: none) */
+} checkpoint_saver;
+
+/* After a committed save of `saved`: rank 0 deletes the previously tracked checkpoint unless
+ * --save-retain-interval keeps it (megatron.h mt_checkpoint_retain_apply); a failure is a warning,
+ * never the end of the run. */
+static void retain_after_save(checkpoint_saver* s, int64_t saved) {
+    if (s->retain_interval < 1 || s->rank != 0) return;
     mt_error err;
-    double t0 = now_seconds();
-    mt_status st = async ? mt_trainer_save_async(t, dir, iteration, consumed, &err)
-                         : mt_trainer_save(t, dir, iteration, consumed, &err);
-    if (st != MT_OK) die(1, "%s", err.message);
-    if (async)
-        printf("checkpoint at iteration %lld staged in %.1f ms (the step loop's wait: device-to-host copy, and any "
-               "earlier save still in flight); writing it to %s in the background\n", (long long)iteration,
-               1000.0 * (now_seconds() - t0), dir);
-    else
-        printf("saved checkpoint at iteration %lld to %s (the step loop waited %.1f ms)\n", (long long)iteration, dir,
-               1000.0 * (now_seconds() - t0));
-    fflush(stdout);
-    return iteration;
+    int64_t deleted = -1;
+    if (mt_checkpoint_retain_apply(s->dir, s->previous, saved, s->retain_interval, -1, &deleted, &err) != MT_OK)
+        fprintf(stderr, "train_gpt: warning: --save-retain-interval: %s\n", err.message);
+    else if (deleted >= 0)
+        printf("deleted the checkpoint of iteration %lld from %s (--save-retain-interval %lld keeps multiples of it and "
+               "the newest)\n", (long long)deleted, s->dir, (long long)s->retain_interval);
+    s->previous = -1;
 }
 
 /* --async-save: commits the save in flight once every rank has written its files (blocking: waits
  * for them); a writer's error ends the run with its line. Collective: every rank calls it at the
- * same points (after each step, at the end). */
-static void save_poll(mt_trainer* t, const char* dir, int blocking) {
+ * same points (after each step, before the next save, at the end). */
+static void save_poll(mt_trainer* t, checkpoint_saver* s, int blocking) {
     mt_error err;
     int64_t committed = -1;
     if (mt_trainer_save_wait(t, blocking, &committed, &err) != MT_OK) die(1, "%s", err.message);
     if (committed >= 0) {
-        printf("saved checkpoint at iteration %lld to %s (written in the background)\n", (long long)committed, dir);
+        printf("saved checkpoint at iteration %lld to %s (written in the background)\n", (long long)committed, s->dir);
+        retain_after_save(s, committed);
         fflush(stdout);
     }
+}
+
+/* Saves a checkpoint (every rank takes part) and returns the iteration saved. With --async-save the
+ * call returns once the files are staged in host memory; the save is committed later (save_poll).
+ * Either way the line says how long the step loop waited. */
+static int64_t save_checkpoint(mt_trainer* t, checkpoint_saver* s, int64_t iteration, int64_t consumed) {
+    mt_error err;
+    double t0 = now_seconds();
+    if (s->async) save_poll(t, s, 1); /* one in flight commits here, its retention with it */
+    int64_t tracked = -1;
+    mt_error tracker_err;
+    s->previous = s->rank == 0 && mt_checkpoint_read_tracker(s->dir, &tracked, &tracker_err) == MT_OK ? tracked : -1;
+    mt_status st = s->async ? mt_trainer_save_async(t, s->dir, iteration, consumed, &err)
+                            : mt_trainer_save(t, s->dir, iteration, consumed, &err);
+    if (st != MT_OK) die(1, "%s", err.message);
+    if (s->async) {
+        printf("checkpoint at iteration %lld staged in %.1f ms (the step loop's wait: device-to-host copy, and any "
+               "earlier save still in flight); writing it to %s in the background\n", (long long)iteration,
+               1000.0 * (now_seconds() - t0), s->dir);
+    } else {
+        printf("saved checkpoint at iteration %lld to %s (the step loop waited %.1f ms)\n", (long long)iteration, s->dir,
+               1000.0 * (now_seconds() - t0));
+        retain_after_save(s, iteration);
+    }
+    fflush(stdout);
+    return iteration;
 }
 
 /* --exit-signal-handler: SIGTERM (Slurm's preemption notice, Megatron's default signal) or SIGINT
@@ -744,6 +785,14 @@ int main(int argc, char** argv) {
     } else if (last_rank_stdout >= 0) {
         close(last_rank_stdout);
     }
+    if (!planning && tg_flags_info_given(&o, "--grad-reduce-in-bf16")) { /* this rank's plan, before the trainer */
+        mt_plan_options opts;
+        mt_plan_options_defaults(&opts);
+        opts.pp_rank = mt_rank_coordinates(c, c->rank).pp;
+        opts.dp_rank = mt_rank_coordinates(c, c->rank).dp;
+        mt_memory_plan p;
+        if (mt_memory_plan_compute(c, &opts, &p, &err) == MT_OK) print_grad_bf16_note(&p);
+    }
     if (planning) {
         int status = run_plan(&o, c, sequence_parallel, global_batch);
         if (tok) mt_tokenizer_free(tok);
@@ -862,6 +911,7 @@ int main(int argc, char** argv) {
     int64_t saved_at = o.save_interval > 0 && iteration > 0 && iteration % o.save_interval == 0 ? iteration : -1;
     char why_buf[128];
     const char* why = NULL; /* why the run stopped early (Megatron's exit conditions) */
+    checkpoint_saver saver = {o.save, o.async_save, o.save_retain_interval, rank, -1};
     if (o.exit_signal_handler) install_exit_signal_handler();
     if (o.skip_train) printf("skipping training (--skip-train is on) ...\n");
     while (!o.skip_train && iteration < c->train_iters) {
@@ -893,7 +943,7 @@ int main(int argc, char** argv) {
         interval_time += now_seconds() - t0;
         iteration++;
         consumed += batch;
-        if (o.async_save) save_poll(t, o.save, 0);
+        if (o.async_save) save_poll(t, &saver, 0);
         if (o.profile && rank == 0 && iteration == o.profile_step_end && mt_device_profiler(0, &err) != MT_OK)
             die(1, "--profile: %s", err.message);
         if (r.skipped) interval_skipped++;
@@ -938,10 +988,10 @@ int main(int argc, char** argv) {
             if (tb) tensorboard_evaluation(tb, &o, "validation", loss, iteration, consumed);
         }
         if (o.save && o.save_interval > 0 && iteration % o.save_interval == 0)
-            saved_at = save_checkpoint(t, o.save, iteration, consumed, o.async_save);
+            saved_at = save_checkpoint(t, &saver, iteration, consumed);
         /* Megatron's exit conditions: save (unless just saved) and stop, without the final evaluations */
         if ((why = exit_reason(&o, iteration, t_launch, why_buf, sizeof(why_buf))) != NULL) {
-            if (o.save && saved_at != iteration) saved_at = save_checkpoint(t, o.save, iteration, consumed, o.async_save);
+            if (o.save && saved_at != iteration) saved_at = save_checkpoint(t, &saver, iteration, consumed);
             printf("exiting program %s\n", why);
             break;
         }
@@ -974,8 +1024,8 @@ int main(int argc, char** argv) {
         }
     }
     if (tb && mt_tb_close(tb, &err) != MT_OK) die(1, "%s", err.message);
-    if (o.save && !o.skip_train && saved_at != iteration) save_checkpoint(t, o.save, iteration, consumed, o.async_save);
-    if (o.async_save) save_poll(t, o.save, 1); /* a save still in flight completes before the run ends */
+    if (o.save && !o.skip_train && saved_at != iteration) save_checkpoint(t, &saver, iteration, consumed);
+    if (o.async_save) save_poll(t, &saver, 1); /* a save still in flight completes before the run ends */
     if (why) {
         /* Megatron's exit conditions end the run without a sample */
     } else if (c->pipeline_model_parallel_size > 1 && o.sample_tokens > 0)

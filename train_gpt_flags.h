@@ -460,7 +460,8 @@ static const tg_flag tg_flag_table[] = {
     {"--num-layers-at-end-in-bf16", G_MIXED, F_INT, TG_AT(bf16_end), IR(0, TG_I32MAX), "1", "bf16 layers at the end"},
     {"--fp8-param-gather", G_MIXED, F_TRUE, TG_AT(fp8_param_gather), NR, "off", "all-gather parameters in FP8"},
     {"--grad-reduce-in-bf16", G_MIXED, F_INFO_SWITCH, 0, NR, "off",
-     "gradients are accumulated and reduced in fp32 here (more precise, twice the bytes)"},
+     "gradients are accumulated and reduced in fp32 here (bf16 reduction is not built): the startup lines and --plan "
+     "say what a bf16 gradient buffer would save per GPU"},
     /* distributed */
     {"--tensor-model-parallel-size", G_DIST, F_INT64, TG_AT(tp), IR(1, TG_I32MAX), "1", "tensor-parallel GPUs"},
     {"--sequence-parallel", G_DIST, F_TRUE, TG_AT(sequence_parallel), NR, "off", "sequence parallelism (TP > 1)"},
@@ -1175,6 +1176,14 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
     if (v->profile && v->profile_step_end <= v->profile_step_start)
         return tg_fail(msg, size, "--profile-step-end %lld must come after --profile-step-start %lld",
                        (long long)v->profile_step_end, (long long)v->profile_step_start);
+    return 0;
+}
+
+/* Whether informational flag `name` was given (it is in the startup line's list). */
+static int tg_flags_info_given(const tg_flags* v, const char* name) {
+    size_t n = strlen(name);
+    for (int k = 0; k < v->num_info; k++)
+        if (!strncmp(v->info[k], name, n) && (v->info[k][n] == 0 || v->info[k][n] == ' ')) return 1;
     return 0;
 }
 
