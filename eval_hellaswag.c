@@ -179,8 +179,6 @@ int main(int argc, char** argv) {
     if (!load) die(2, "--load CKPT_DIR is required");
 
     mt_error err;
-    int gpus = 0;
-    if (mt_device_check(&gpus, &err) != MT_OK) die(1, "%s", err.message); /* no GPU or driver: say so first */
     mt_tokenizer* tok = NULL;
     mt_tokenizer_kind kind = MT_TOKENIZER_GPT2;
     if (tokenizer_model) {
@@ -221,6 +219,8 @@ int main(int argc, char** argv) {
     c.train_iters = 1;
     c.lr = 1e-4;
     c.precision = bf16 ? MT_BF16 : MT_FP32;
+    int gpus = 0; /* the inputs are checked: a machine without a GPU or driver is told so in our words */
+    if (mt_device_check(&gpus, &err) != MT_OK) die(1, "%s", err.message);
     mt_trainer* t = NULL;
     if (mt_config_finalize(&c, &err) != MT_OK || mt_trainer_create(&t, &c, &err) != MT_OK ||
         mt_trainer_set_parameters(t, params, &err) != MT_OK)

@@ -1150,7 +1150,8 @@ int64_t mt_checkpoint_retain_victim(int64_t previous, int64_t saved, int64_t ret
 /* Applies it to dir: only when the tracker now names `saved` (a save that was not committed deletes
  * nothing), the victim's directory is renamed to a .tmp_iter_ name (which the next save removes, so a
  * crash leaves no half-deleted checkpoint in place) and removed; a symbolic link is left alone, as
- * Megatron does. *deleted: the iteration deleted, or -1. Rank 0 only (the ranks share the file system). */
+ * Megatron does (where the platform has O_NOFOLLOW; elsewhere the link goes, never what it points to).
+ * *deleted: the iteration deleted, or -1. Rank 0 only (the ranks share the file system). */
 mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t saved, int64_t retain_interval,
                                      int64_t pending, int64_t* deleted, mt_error* err);
 
@@ -5221,11 +5222,16 @@ mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t 
     char path[4200], retired[4300];
     mt_checkpoint_iteration_dir(path, sizeof(path), dir, victim);
     struct stat st;
-    if (lstat(path, &st) != 0) {
+    if (stat(path, &st) != 0) {
         if (errno == ENOENT) return MT_OK; /* already gone */
         return mt_fail(err, MT_ERR_IO, "cannot read %s: %s", path, strerror(errno));
     }
-    if (S_ISLNK(st.st_mode) || !S_ISDIR(st.st_mode)) return MT_OK; /* a link (Megatron keeps those) or not ours */
+    if (!S_ISDIR(st.st_mode)) return MT_OK; /* not a checkpoint directory */
+#ifdef O_NOFOLLOW /* a symbolic link is kept, as Megatron does (without O_NOFOLLOW: the link goes, never its target) */
+    int fd = open(path, O_RDONLY | O_NOFOLLOW);
+    if (fd < 0 && errno == ELOOP) return MT_OK;
+    if (fd >= 0) close(fd);
+#endif
     snprintf(retired, sizeof(retired), "%s/.tmp_iter_%07lld.retired", dir, (long long)victim);
     mt_remove_tree(retired); /* one a crash left */
     if (rename(path, retired) != 0)

@@ -751,7 +751,7 @@ int main(int argc, char** argv) {
     c->comm_id = comm_id;
     const int planning = o.plan || o.plan_layouts, sequence_parallel = c->sequence_parallel;
     const int global_batch = c->global_batch_size; /* 0: micro-batch x DP of each layout */
-    if (!planning) { /* before any work: the launch matches the build, and there is a GPU to train on */
+    if (!planning) { /* before any work: the launch matches the build */
         mt_error launch_err;
 #ifdef MT_USE_MPI
         const int built_with_mpi = 1;
@@ -759,8 +759,6 @@ int main(int argc, char** argv) {
         const int built_with_mpi = 0;
 #endif
         if (mt_launcher_check(world, built_with_mpi, NULL, NULL, &launch_err) != MT_OK) die(2, "%s", launch_err.message);
-        int gpus = 0;
-        if (mt_device_check(&gpus, &launch_err) != MT_OK) die(1, "%s", launch_err.message);
     }
     if (planning) { /* the layout of --world-size GPUs, on none (--plan-layouts: the model checked on one) */
         c->world_size = o.plan_world_size > 0 && !o.plan_layouts ? (int)o.plan_world_size : 1;
@@ -807,6 +805,10 @@ int main(int argc, char** argv) {
     if (mt_gpt_num_samples(c->train_iters, o.skip_train ? 0 : o.eval_interval, o.eval_iters, c->global_batch_size,
                            num_samples, &err) != MT_OK)
         die(2, "%s", err.message);
+    { /* the flags are all checked: before the data and the trainer, a GPU to train on */
+        int gpus = 0;
+        if (mt_device_check(&gpus, &err) != MT_OK) die(1, "%s", err.message);
+    }
     if (c->train_samples > 0) num_samples[MT_SPLIT_TRAIN] = c->train_samples;
     if (o.full_validation) num_samples[MT_SPLIT_VALID] = -1; /* one epoch of the split */
     if (o.builtin) {
