@@ -8038,21 +8038,23 @@ mt_status mt_device_check(int* count, mt_error* err) {
     cudaRuntimeGetVersion(&runtime);
     cudaError_t e = cudaGetDeviceCount(count);
     if (e == cudaSuccess && *count > 0) return MT_OK;
-    cudaGetLastError(); /* the error is not sticky: clear it for whoever asks next */
+    cudaGetLastError(); /* not sticky: clear it for whoever asks next */
     *count = 0;
     const char* visible = getenv("CUDA_VISIBLE_DEVICES");
-    if (driver == 0 || e == cudaErrorNoDevice)
-        return mt_fail(err, MT_ERR_CUDA, "no NVIDIA GPU or driver was found%s%s%s (CUDA: %s): training needs an NVIDIA "
-                       "GPU with its driver installed (nvidia-smi must list it); without one, --plan and --plan-layouts "
-                       "plan a layout and `./test_megatron host` runs the host tests", visible ? " (CUDA_VISIBLE_DEVICES='" : "",
-                       visible ? visible : "", visible ? "')" : "", cudaGetErrorString(e == cudaSuccess ? cudaErrorNoDevice : e));
+    char devices[160] = "";
+    if (visible) snprintf(devices, sizeof(devices), " (CUDA_VISIBLE_DEVICES='%.100s')", visible);
+    const char* without = "; without a GPU, --plan and --plan-layouts plan a layout and `./test_megatron host` runs the "
+                          "host tests";
+    if (driver == 0) /* CUDA's own words here ("driver version is insufficient") would mislead */
+        return mt_fail(err, MT_ERR_CUDA, "no NVIDIA GPU or driver was found (no NVIDIA driver is loaded): training needs an "
+                       "NVIDIA GPU with its driver installed (nvidia-smi must list it)%s", without);
     if (e == cudaErrorInsufficientDriver)
         return mt_fail(err, MT_ERR_CUDA, "the NVIDIA driver supports CUDA %d.%d, older than this build's CUDA runtime "
-                       "%d.%d: update the driver (or build with a CUDA toolkit the driver supports) (CUDA: %s)",
-                       driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10, cudaGetErrorString(e));
-    return mt_fail(err, MT_ERR_CUDA, "the NVIDIA driver (CUDA %d.%d) found no usable GPU%s%s%s (CUDA: %s): check "
-                   "nvidia-smi", driver / 1000, driver % 1000 / 10, visible ? " (CUDA_VISIBLE_DEVICES='" : "",
-                   visible ? visible : "", visible ? "')" : "", cudaGetErrorString(e == cudaSuccess ? cudaErrorNoDevice : e));
+                       "%d.%d: update the driver, or build with a CUDA toolkit the driver supports", driver / 1000,
+                       driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
+    return mt_fail(err, MT_ERR_CUDA, "no NVIDIA GPU was found: the NVIDIA driver (CUDA %d.%d) sees none%s (CUDA: %s); "
+                   "nvidia-smi must list one%s", driver / 1000, driver % 1000 / 10, devices,
+                   cudaGetErrorString(e == cudaSuccess ? cudaErrorNoDevice : e), without);
 }
 
 mt_status mt_device_info(char* name, size_t name_size, size_t* free_bytes, size_t* total_bytes, mt_error* err) {

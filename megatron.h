@@ -1326,7 +1326,7 @@ mt_status mt_device_info(char* name, size_t name_size, size_t* free_bytes, size_
 /* Whether this machine can run CUDA at all, before any other CUDA call: *count visible GPUs, or
  * MT_ERR_CUDA with one line a newcomer can act on: no NVIDIA driver (or GPU) found, a driver older
  * than this build's CUDA runtime (both versions named), or a driver that sees no GPU
- * (CUDA_VISIBLE_DEVICES named when set); CUDA's own words in brackets. */
+ * (CUDA_VISIBLE_DEVICES named when set). */
 mt_status mt_device_check(int* count, mt_error* err);
 
 /* Parameters and gradients of the full model in canonical order, fp32 (mt_num_parameters elements).
