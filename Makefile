@@ -16,11 +16,18 @@ ifeq ($(strip $(GPU_ARCH)),)
 endif
 NVFLAGS += -gencode=arch=compute_$(GPU_ARCH),code=sm_$(GPU_ARCH)
 
-# MPI is used when mpicc is on the PATH (set USE_MPI=0 to build without it).
+# MPI is used when mpicc is on the PATH (set USE_MPI=0 to build without it); make says which, since a
+# build without MPI trains on one GPU only (train_gpt then refuses to start under a multi-process launcher).
 USE_MPI ?= $(if $(shell command -v mpicc 2>/dev/null),1,0)
 ifeq ($(USE_MPI),1)
   MPI_CFLAGS := $(shell mpicc --showme:compile 2>/dev/null) -DMT_USE_MPI
   MPI_LIBS   := $(shell mpicc --showme:link 2>/dev/null)
+  MPI_NOTE   := MPI found ($(shell command -v mpicc 2>/dev/null)): multi-GPU jobs run under mpirun or srun
+else
+  MPI_NOTE   := building WITHOUT MPI (no mpicc on the PATH, or USE_MPI=0): one process, one GPU; for multi-GPU jobs install an MPI (e.g. OpenMPI) and rebuild (make clean && make)
+endif
+ifeq ($(filter clean,$(MAKECMDGOALS)),)
+  $(info megatron.c: $(MPI_NOTE))
 endif
 
 CUDA_LIBS := -lcublas -lcublasLt -lnccl

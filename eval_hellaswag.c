@@ -158,6 +158,12 @@ int main(int argc, char** argv) {
         }
         if (!strcmp(a, "--bf16")) { bf16 = 1; continue; }
         if (!strcmp(a, "--no-verify")) { no_verify = 1; continue; }
+        /* the flags below, each with a value: an unknown one is named as such, not as missing its value */
+        static const char* const known[] = {"--load", "--hellaswag", "--vocab-file", "--merge-file", "--tokenizer-model",
+                                            "--per-example", "--num-examples", "--examples-per-batch"};
+        int is_known = 0;
+        for (size_t k = 0; k < sizeof(known) / sizeof(known[0]); k++) is_known |= !strcmp(a, known[k]);
+        if (!is_known) die(2, "unknown flag %s (see --help)", a);
         if (i + 1 >= argc) die(2, "%s needs a value", a);
         const char* v = argv[++i];
         char* end = NULL;
@@ -173,7 +179,7 @@ int main(int argc, char** argv) {
         } else if (!strcmp(a, "--examples-per-batch")) {
             per_batch = strtol(v, &end, 10);
             if (end == v || *end || per_batch < 1 || per_batch > 256) die(2, "--examples-per-batch %s: must be in [1, 256]", v);
-        } else die(2, "unknown flag %s (see --help)", a);
+        }
     }
     if (!load) die(2, "--load CKPT_DIR is required");
 
@@ -221,6 +227,8 @@ int main(int argc, char** argv) {
     c.train_iters = 1;
     c.lr = 1e-4;
     c.precision = bf16 ? MT_BF16 : MT_FP32;
+    int gpus = 0; /* the inputs are checked: a machine without a GPU or driver is told so in our words */
+    if (mt_device_check(&gpus, &err) != MT_OK) die(1, "%s", err.message);
     mt_trainer* t = NULL;
     if (mt_config_finalize(&c, &err) != MT_OK || mt_trainer_create(&t, &c, &err) != MT_OK ||
         mt_trainer_set_parameters(t, params, &err) != MT_OK)

@@ -7785,9 +7785,8 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     *out = NULL;
     if (cfg->padded_vocab_size <= 0 || cfg->kv_channels <= 0 || cfg->ffn_hidden_size <= 0 || cfg->data_parallel_size <= 0)
         return mt_fail(err, MT_ERR_CONFIG, "mt_trainer_create needs a finalized config (mt_config_finalize)");
-    if (cfg->pipeline_model_parallel_size > 1 && cfg->fp8_format != MT_FP8_NONE)
-        return mt_fail(err, MT_ERR_CONFIG, "--fp8-format with --pipeline-model-parallel-size > 1 is not built yet (the "
-                       "FP8 weight casts and amax reduction are per stage only at PP = 1)");
+    /* what this build lacks: the one list the planner uses too (megatron.h) */
+    if (mt_config_check_supported(cfg, err) != MT_OK) return MT_ERR_CONFIG;
     if (cfg->local_rank >= 0) {
         cudaError_t e = cudaSetDevice(cfg->local_rank);
         if (e != cudaSuccess)
@@ -8345,6 +8344,32 @@ double mt_device_peak_tflops(mt_precision precision) {
     for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++)
         if (strstr(prop.name, table[i].name)) return precision == MT_FP32 ? table[i].single : table[i].half;
     return 0.0;
+}
+
+mt_status mt_device_check(int* count, mt_error* err) {
+    *count = 0;
+    int driver = 0, runtime = 0;
+    cudaDriverGetVersion(&driver); /* 0 when no driver is installed */
+    cudaRuntimeGetVersion(&runtime);
+    cudaError_t e = cudaGetDeviceCount(count);
+    if (e == cudaSuccess && *count > 0) return MT_OK;
+    cudaGetLastError(); /* not sticky: clear it for whoever asks next */
+    *count = 0;
+    const char* visible = getenv("CUDA_VISIBLE_DEVICES");
+    char devices[160] = "";
+    if (visible) snprintf(devices, sizeof(devices), " (CUDA_VISIBLE_DEVICES='%.100s')", visible);
+    const char* without = "; without a GPU, --plan and --plan-layouts plan a layout and `./test_megatron host` runs the "
+                          "host tests";
+    if (driver == 0) /* CUDA's own words here ("driver version is insufficient") would mislead */
+        return mt_fail(err, MT_ERR_CUDA, "no NVIDIA GPU or driver was found (no NVIDIA driver is loaded): training needs an "
+                       "NVIDIA GPU with its driver installed (nvidia-smi must list it)%s", without);
+    if (e == cudaErrorInsufficientDriver)
+        return mt_fail(err, MT_ERR_CUDA, "the NVIDIA driver supports CUDA %d.%d, older than this build's CUDA runtime "
+                       "%d.%d: update the driver, or build with a CUDA toolkit the driver supports", driver / 1000,
+                       driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
+    return mt_fail(err, MT_ERR_CUDA, "no NVIDIA GPU was found: the NVIDIA driver (CUDA %d.%d) sees none%s (CUDA: %s); "
+                   "nvidia-smi must list one%s", driver / 1000, driver % 1000 / 10, devices,
+                   cudaGetErrorString(e == cudaSuccess ? cudaErrorNoDevice : e), without);
 }
 
 mt_status mt_device_info(char* name, size_t name_size, size_t* free_bytes, size_t* total_bytes, mt_error* err) {

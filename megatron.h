@@ -571,8 +571,17 @@ typedef struct {
 } mt_config;
 
 void mt_config_defaults(mt_config* cfg);
-/* Derives padded vocab, ffn, kv channels, max positions, global batch; checks consistency. */
+/* Derives padded vocab, ffn, kv channels, max positions, global batch; checks consistency, and that
+ * this build has what the config combines (mt_config_check_supported). */
 mt_status mt_config_finalize(mt_config* cfg, mt_error* err);
+/* Every "is this combination built here" rule, in one place: FP8 with pipeline parallelism, FP8
+ * outside bf16, the shapes FP8 GEMMs take, --fp8-param-gather with the blockwise recipe or optimizer
+ * offload, an uneven pipeline split with virtual stages, a virtual-stage micro-batch group above PP.
+ * MT_OK, or MT_ERR_CONFIG with one line naming the combination and what to do instead. The config's
+ * derived sizes must be there (mt_config_finalize calls it once they are; mt_trainer_create and
+ * --plan-layouts, for each layout it plans, call it too), so the planner never approves a layout the
+ * trainer refuses. Megatron's own refusals (inconsistent flags) stay in mt_config_finalize. */
+mt_status mt_config_check_supported(const mt_config* cfg, mt_error* err);
 int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int tensor_parallel_size);
 /* The padded vocabulary of a run that resumes a checkpoint padded to `saved` (0: none) at another
  * layout: `saved` itself when it covers vocab_size and divides by the new TP, so the model (padded
@@ -580,6 +589,18 @@ int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int tensor_pa
  * continues; else Megatron's padding at this TP (new rows start at 0: the loss moves). The trainer's
  * --load (through mt_config.resumed_padded_vocab_size) and checkpoint_tool's reshard use it. */
 int64_t mt_padded_vocab_size_resumed(int64_t vocab_size, int divisible_by, int tensor_parallel_size, int64_t saved);
+/* The launch: how many processes the launcher says it started, from its environment (lookup: a
+ * getenv-like function, user its context; NULL lookup: getenv). mpirun's OMPI_COMM_WORLD_SIZE,
+ * MPICH/Hydra's and srun --mpi=pmi2's PMI_SIZE, torchrun's WORLD_SIZE, srun's
+ * SLURM_STEP_NUM_TASKS (the tasks of this srun step); the largest whole number above 1 among them,
+ * else 1. SLURM_NTASKS alone does not count: in a batch script it is the allocation's, and the script
+ * is one process (srun sets both inside a step). *source (if not NULL) names the variable. */
+typedef const char* (*mt_env_lookup)(const char* name, void* user);
+int mt_launcher_world_size(mt_env_lookup lookup, void* user, const char** source);
+/* A process that sees `world` ranks (1 when built without MPI) refuses to start when the launcher
+ * says it started more: each would train alone on GPU 0 and write the same --save directory.
+ * MT_ERR_CONFIG with one line saying why and what to do (built_with_mpi picks the advice). */
+mt_status mt_launcher_check(int world, int built_with_mpi, mt_env_lookup lookup, void* user, mt_error* err);
 /* Overflow-safe size arithmetic: 1 when a * b (a + b) does not fit int64_t (then *out is untouched),
  * else 0 with the result in *out. mt_config_finalize checks every size product it derives with these. */
 static inline int mt_mul_overflows_i64(int64_t a, int64_t b, int64_t* out) {
@@ -922,6 +943,10 @@ typedef struct {
  * layer split and schedule checked); fails on a pipeline rank outside [0, PP). */
 mt_status mt_memory_plan_compute(const mt_config* cfg, const mt_plan_options* opts, mt_memory_plan* plan,
                                  mt_error* err);
+/* --grad-reduce-in-bf16 (Megatron's; not built here: gradients accumulate and are reduced in fp32):
+ * the bytes per GPU a bf16 gradient buffer would save in this plan, the fp32 buffer's bytes less a
+ * bf16 one's (2 bytes per buffer element). */
+size_t mt_memory_plan_bf16_grad_savings(const mt_memory_plan* plan);
 /* Elements of an optimizer shard of `shard` elements that --optimizer-cpu-offload puts in host
  * memory: the last fraction x shard of it (all at 1.0; else rounded down to 16 elements). */
 int64_t mt_offload_elements(const mt_config* cfg, int64_t shard);
@@ -1006,6 +1031,7 @@ void mt_fp8_arena_layout_compute(const mt_config* cfg, int fp8_layers, mt_fp8_ar
 int64_t mt_fp8_scale_inv_floats(int blocks_128x128, int rows, int cols);
 
 /* Layouts of a world size for train_gpt --plan-layouts: every (TP, PP, VP) the model divides into
+ * (those this build lacks included, marked refused with mt_config_check_supported's line)
  * (TP at most 8, a node's NVLink domain; VP up to 4 where the layer split and the interleaved
  * schedule accept it), DP the rest, the
  * config's global batch, micro-batch, SP and optimizer flags kept; each with its plan and the cost
@@ -1018,6 +1044,8 @@ typedef struct {
     double step_seconds;          /* the cost model's estimate of one step */
     double tokens_per_second;     /* per GPU: global batch x seq / step / world (what the order follows) */
     mt_memory_plan plan;          /* the pipeline rank that needs the most memory */
+    int refused;                  /* 1: this build does not have the combination (mt_config_check_supported) */
+    char reason[512];             /* then its line; a refused layout never fits, whatever its plan says */
 } mt_layout_candidate;
 mt_status mt_plan_layouts(const mt_config* cfg, const mt_plan_options* opts, int world_size,
                           mt_layout_candidate* out, int max, int* count, mt_error* err);
@@ -1147,6 +1175,20 @@ mt_status mt_checkpoint_write_tracker(const char* dir, int64_t iteration, mt_err
 void mt_checkpoint_iteration_dir(char* out, size_t cap, const char* dir, int64_t iteration);
 /* mkdir -p: 0, or -1 with errno set. */
 int mt_make_directories(const char* path);
+/* --save-retain-interval (Megatron's checkpointing.py): once the save of iteration `saved` is
+ * committed (the tracker names it), the checkpoint the tracker named before it (`previous`; -1: none)
+ * is deleted unless it is iteration 0 or less, the one just saved, a multiple of retain_interval, or
+ * the iteration of a save still being written (`pending`; -1: none). Run after run, what stays is
+ * every multiple of the interval and the newest. Returns the iteration to delete, or -1 (also for an
+ * interval < 1: no retention). */
+int64_t mt_checkpoint_retain_victim(int64_t previous, int64_t saved, int64_t retain_interval, int64_t pending);
+/* Applies it to dir: only when the tracker now names `saved` (a save that was not committed deletes
+ * nothing), the victim's directory is renamed to a .tmp_iter_ name (which the next save removes, so a
+ * crash leaves no half-deleted checkpoint in place) and removed; a symbolic link is left alone, as
+ * Megatron does (where the platform has O_NOFOLLOW; elsewhere the link goes, never what it points to).
+ * *deleted: the iteration deleted, or -1. Rank 0 only (the ranks share the file system). */
+mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t saved, int64_t retain_interval,
+                                     int64_t pending, int64_t* deleted, mt_error* err);
 
 /* The manifest: <iter dir>/manifest.txt lists every other regular file under the iteration
  * directory (subdirectories included), with its size and CRC-32C (mt_crc32c_extend), one file a line,
@@ -1343,6 +1385,11 @@ mt_status mt_trainer_next_token_logits(mt_trainer* t, const int32_t* context, in
 double mt_device_peak_tflops(mt_precision precision);
 /* The current device's name and its free/total memory as the driver reports them. */
 mt_status mt_device_info(char* name, size_t name_size, size_t* free_bytes, size_t* total_bytes, mt_error* err);
+/* Whether this machine can run CUDA at all, before any other CUDA call: *count visible GPUs, or
+ * MT_ERR_CUDA with one line a newcomer can act on: no NVIDIA driver (or GPU) found, a driver older
+ * than this build's CUDA runtime (both versions named), or a driver that sees no GPU
+ * (CUDA_VISIBLE_DEVICES named when set). */
+mt_status mt_device_check(int* count, mt_error* err);
 
 /* Parameters and gradients of the full model in canonical order, fp32 (mt_num_parameters elements).
  * With tensor parallelism every rank calls them: get gathers the TP shards to full shape, set cuts
@@ -3285,6 +3332,8 @@ int64_t mt_padded_vocab_size_resumed(int64_t vocab_size, int divisible_by, int t
 /* The FP8 flags: ranges, the combinations Megatron refuses, and the shapes FP8 GEMMs can take
  * (every dimension of the four linears' GEMMs, per tensor-parallel rank, a multiple of 16; the
  * blockwise recipe's blocks need multiples of 128). */
+/* The FP8 flags: ranges and the combinations Megatron refuses (what this build lacks for FP8:
+ * mt_config_check_supported). */
 static mt_status mt_fp8_config_check(const mt_config* c, mt_error* err) {
     if (c->fp8_format == MT_FP8_NONE) {
         if (c->fp8_param_gather) return mt_fail(err, MT_ERR_CONFIG, "--fp8-param-gather needs --fp8-format");
@@ -3294,9 +3343,6 @@ static mt_status mt_fp8_config_check(const mt_config* c, mt_error* err) {
         return mt_fail(err, MT_ERR_CONFIG, "--fp8-format must be e4m3 or hybrid");
     if (c->fp8_recipe != MT_FP8_DELAYED && c->fp8_recipe != MT_FP8_TENSORWISE && c->fp8_recipe != MT_FP8_BLOCKWISE)
         return mt_fail(err, MT_ERR_CONFIG, "--fp8-recipe must be delayed, tensorwise or blockwise");
-    if (c->precision != MT_BF16)
-        return mt_fail(err, MT_ERR_CONFIG, "FP8 training needs --bf16 (FP8 with %s is not supported)",
-                       c->precision == MT_FP16 ? "--fp16" : "fp32");
     if (c->fp8_margin < 0 || c->fp8_margin > 30)
         return mt_fail(err, MT_ERR_CONFIG, "--fp8-margin %d must be in [0, 30]", c->fp8_margin);
     if (c->fp8_amax_history_len < 1 || c->fp8_amax_history_len > 65536)
@@ -3316,13 +3362,40 @@ static mt_status mt_fp8_config_check(const mt_config* c, mt_error* err) {
     }
     if (c->fp8_param_gather && !c->use_distributed_optimizer)
         return mt_fail(err, MT_ERR_CONFIG, "--fp8-param-gather needs --use-distributed-optimizer");
+    return MT_OK;
+}
+
+/* The one list of combinations this build does not have (declared with mt_config_finalize). Each
+ * rule says what is missing and what to run instead; Megatron accepts every one of them. */
+mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
+    const int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
+    /* pipeline parallelism */
+    if (vp > 1 && (c->decoder_first_pipeline_num_layers >= 0 || c->decoder_last_pipeline_num_layers >= 0))
+        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers with virtual pipeline stages is "
+                       "not built (use an even split)");
+    if (vp > 1 && c->microbatch_group_size_per_vp_stage > pp)
+        return mt_fail(err, MT_ERR_CONFIG, "--microbatch-group-size-per-virtual-pipeline-stage %d > PP %d is not built: "
+                       "its schedule leaves activation sends waiting for receives posted several steps later, which "
+                       "only NCCL's buffering lets finish (tests/test_pipeline.h); use the default group (PP)",
+                       c->microbatch_group_size_per_vp_stage, pp);
+    if (c->fp8_format == MT_FP8_NONE) return MT_OK;
+    /* FP8 */
+    if (pp > 1)
+        return mt_fail(err, MT_ERR_CONFIG, "--fp8-format with --pipeline-model-parallel-size %d is not built yet (the "
+                       "FP8 weight casts and amax reduction are per stage only at PP = 1): use PP 1, or bf16 without "
+                       "--fp8-format", pp);
+    if (c->precision != MT_BF16)
+        return mt_fail(err, MT_ERR_CONFIG, "FP8 training needs --bf16 (FP8 with %s is not supported)",
+                       c->precision == MT_FP16 ? "--fp16" : "fp32");
     if (c->fp8_param_gather && c->fp8_recipe == MT_FP8_BLOCKWISE)
         return mt_fail(err, MT_ERR_CONFIG, "--fp8-param-gather with --fp8-recipe blockwise is not built (a DP shard "
                        "boundary may cut a 128x128 weight block, whose scale needs the whole block)");
     if (c->fp8_param_gather && c->optimizer_cpu_offload)
         return mt_fail(err, MT_ERR_CONFIG, "--fp8-param-gather with --optimizer-cpu-offload is not built (the offloaded "
                        "weights come back as bf16, not FP8)");
-    int tp = c->tensor_model_parallel_size;
+    /* the shapes FP8 GEMMs take: every dimension of the four linears' GEMMs, per tensor-parallel rank, a
+     * multiple of 16; the blockwise recipe's blocks need multiples of 128 (products of int fields: int64) */
+    int tp = c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1;
     int64_t ffn1 = c->swiglu ? 2 * (int64_t)c->ffn_hidden_size : c->ffn_hidden_size;
     struct { const char* what; int64_t n; } dims[] = {
         {"--hidden-size", c->hidden_size},
@@ -3630,7 +3703,9 @@ mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, mt_conf
     return MT_OK;
 }
 
-mt_status mt_config_finalize(mt_config* c, mt_error* err) {
+/* check_supported 0: only Megatron's consistency (--plan-layouts classifies each layout it plans with
+ * mt_config_check_supported itself, to show a refused one with its reason) */
+static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error* err) {
     /* every double finite (a NaN passes every < / >= range test below), then the ranges Megatron's
      * optimizer and model accept, for callers of the C API as much as for train_gpt's flags */
     struct { const char* name; double v; } reals[] = {
@@ -3778,11 +3853,9 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     }
     if (c->microbatch_group_size_per_vp_stage < 0)
         return mt_fail(err, MT_ERR_CONFIG, "--microbatch-group-size-per-virtual-pipeline-stage must be positive");
-    if (c->virtual_pipeline_size > 1 && c->microbatch_group_size_per_vp_stage > c->pipeline_model_parallel_size)
-        return mt_fail(err, MT_ERR_CONFIG, "--microbatch-group-size-per-virtual-pipeline-stage %d > PP %d is not built: "
-                       "its schedule leaves activation sends waiting for receives posted several steps later, which "
-                       "only NCCL's buffering lets finish (tests/test_pipeline.h); use the default group (PP)",
-                       c->microbatch_group_size_per_vp_stage, c->pipeline_model_parallel_size);
+    /* what this build lacks, once the sizes it looks at are derived (before the layer split, which
+     * an uneven split with virtual stages would fail with a less useful line) */
+    if (check_supported && mt_config_check_supported(c, err) != MT_OK) return MT_ERR_CONFIG;
     if (mt_pp_stage_of(c, 0, NULL, err) != MT_OK) return MT_ERR_CONFIG;
     if (c->pipeline_model_parallel_size > 1 &&
         mt_pp_schedule_check(c->pipeline_model_parallel_size, c->virtual_pipeline_size, mt_num_micro_batches(c),
@@ -3845,6 +3918,45 @@ mt_status mt_config_finalize(mt_config* c, mt_error* err) {
     if (c->rank < 0 || c->rank >= c->world_size)
         return mt_fail(err, MT_ERR_CONFIG, "rank %d outside a world of %d", c->rank, c->world_size);
     return MT_OK;
+}
+
+mt_status mt_config_finalize(mt_config* c, mt_error* err) { return mt__config_finalize(c, 1, err); }
+
+static const char* mt__getenv(const char* name, void* user) {
+    (void)user;
+    return getenv(name);
+}
+
+int mt_launcher_world_size(mt_env_lookup lookup, void* user, const char** source) {
+    static const char* const names[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS"};
+    if (!lookup) lookup = mt__getenv;
+    int64_t most = 1;
+    if (source) *source = NULL;
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        const char* v = lookup(names[i], user);
+        if (!v || !*v) continue;
+        char* end = NULL;
+        errno = 0;
+        long long n = strtoll(v, &end, 10);
+        if (*end || errno || n <= most || n > (1 << 24)) continue; /* not a count, or not more ranks */
+        most = n;
+        if (source) *source = names[i];
+    }
+    return (int)most;
+}
+
+mt_status mt_launcher_check(int world, int built_with_mpi, mt_env_lookup lookup, void* user, mt_error* err) {
+    const char* source = NULL;
+    int launched = mt_launcher_world_size(lookup, user, &source);
+    if (launched <= 1 || launched == world) return MT_OK;
+    if (!built_with_mpi)
+        return mt_fail(err, MT_ERR_CONFIG, "%s=%d says the launcher started %d processes, but this binary was built "
+                       "without MPI (make found no mpicc): each process would train alone on GPU 0 and write the same "
+                       "--save directory. Install an MPI (mpicc on the PATH), rebuild (make clean && make), or start "
+                       "one process", source, launched, launched);
+    return mt_fail(err, MT_ERR_CONFIG, "%s=%d says the launcher started %d processes, but MPI sees %d: the launcher "
+                   "is not the one of the MPI this binary was built with (use that MPI's mpirun, or srun with its PMI "
+                   "plugin; torchrun does not start MPI ranks)", source, launched, launched, world);
 }
 
 int mt_num_micro_batches(const mt_config* c) {
@@ -4375,10 +4487,9 @@ mt_status mt_pp_stage_of(const mt_config* c, int pp_rank, mt_pp_stage* out, mt_e
         return mt_fail(err, MT_ERR_RANGE, "pipeline rank %d outside [0, %d)", pp_rank, pp);
     if ((int64_t)pp * vp > (int64_t)L + 2) /* every virtual stage but the first and last builds a layer */
         return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d stages x %d virtual stages exceed the %d layers", pp, vp, L);
+    /* an uneven split with virtual stages is not built (mt_config_check_supported refuses it; here its
+     * stages would not add up to the layers, refused below) */
     int uneven = c->decoder_first_pipeline_num_layers >= 0 || c->decoder_last_pipeline_num_layers >= 0;
-    if (uneven && vp > 1)
-        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers with virtual pipeline stages is "
-                       "not built (use an even split)");
     if (uneven && (c->account_for_embedding_in_pipeline_split || c->account_for_loss_in_pipeline_split))
         return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-"
                        "split are exclusive (as in Megatron)");
@@ -4777,6 +4888,11 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     return MT_OK;
 }
 
+size_t mt_memory_plan_bf16_grad_savings(const mt_memory_plan* p) {
+    const size_t bf16_bytes = (size_t)p->buffer_elements * 2;
+    return p->gradient_bytes > bf16_bytes ? p->gradient_bytes - bf16_bytes : 0;
+}
+
 mt_status mt_memory_plan_compute(const mt_config* c, const mt_plan_options* opts, mt_memory_plan* plan,
                                  mt_error* err) {
     mt_plan_options defaults;
@@ -4851,12 +4967,18 @@ mt_status mt_plan_layouts(const mt_config* c, const mt_plan_options* opts, int w
                 x.microbatch_group_size_per_vp_stage = 0;
                 x.decoder_first_pipeline_num_layers = x.decoder_last_pipeline_num_layers = -1;
                 if (x.train_samples > 0) x.train_iters = 0; /* derived again from the samples */
-                /* refused: heads, ffn or batch that do not divide, a layer split or schedule that does not exist */
-                if (mt_config_finalize(&x, NULL) != MT_OK) continue;
+                /* no such layout: heads, ffn or batch that do not divide, a layer split or schedule that does
+                 * not exist (Megatron's checks); one this build lacks is kept, marked refused with the line
+                 * the trainer would give (the same function decides both) */
+                if (mt__config_finalize(&x, 0, NULL) != MT_OK) continue;
                 mt_memory_plan plan;
                 if (mt_memory_plan_compute(&x, &o, &plan, NULL) != MT_OK) continue;
                 if (*count >= max) return mt_fail(err, MT_ERR_RANGE, "more than %d layouts", max);
                 mt_layout_candidate* k = &out[(*count)++];
+                mt_error why;
+                k->refused = mt_config_check_supported(&x, &why) != MT_OK;
+                if (k->refused) memcpy(k->reason, why.message, sizeof(k->reason));
+                else k->reason[0] = 0;
                 k->tp = tp;
                 k->pp = pp;
                 k->vp = vp;
@@ -5304,6 +5426,42 @@ void mt_checkpoint_iteration_dir(char* out, size_t cap, const char* dir, int64_t
     int only_old = stat(out, &st) == 0;
     snprintf(out, cap, "%s/iter_%07lld", dir, (long long)iteration);
     if (only_old && stat(out, &st) != 0 && errno == ENOENT) snprintf(out, cap, "%s/iter_%07lld.old", dir, (long long)iteration);
+}
+
+int64_t mt_checkpoint_retain_victim(int64_t previous, int64_t saved, int64_t retain_interval, int64_t pending) {
+    if (retain_interval < 1 || previous <= 0 || previous == saved || previous == pending) return -1;
+    return previous % retain_interval == 0 ? -1 : previous;
+}
+
+mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t saved, int64_t retain_interval,
+                                     int64_t pending, int64_t* deleted, mt_error* err) {
+    *deleted = -1;
+    const int64_t victim = mt_checkpoint_retain_victim(previous, saved, retain_interval, pending);
+    if (victim < 0) return MT_OK;
+    int64_t tracked = -1;
+    mt_error tracker_err;
+    if (mt_checkpoint_read_tracker(dir, &tracked, &tracker_err) != MT_OK || tracked != saved) return MT_OK;
+    char path[4200], retired[4300];
+    mt_checkpoint_iteration_dir(path, sizeof(path), dir, victim);
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        if (errno == ENOENT) return MT_OK; /* already gone */
+        return mt_fail(err, MT_ERR_IO, "cannot read %s: %s", path, strerror(errno));
+    }
+    if (!S_ISDIR(st.st_mode)) return MT_OK; /* not a checkpoint directory */
+#ifdef O_NOFOLLOW /* a symbolic link is kept, as Megatron does (without O_NOFOLLOW: the link goes, never its target) */
+    int fd = open(path, O_RDONLY | O_NOFOLLOW);
+    if (fd < 0 && errno == ELOOP) return MT_OK;
+    if (fd >= 0) close(fd);
+#endif
+    snprintf(retired, sizeof(retired), "%s/.tmp_iter_%07lld.retired", dir, (long long)victim);
+    mt_remove_tree(retired); /* one a crash left */
+    if (rename(path, retired) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot move %s aside to delete it: %s", path, strerror(errno));
+    if (mt_remove_tree(retired) != 0)
+        return mt_fail(err, MT_ERR_IO, "cannot delete %s (moved aside from %s): %s", retired, path, strerror(errno));
+    *deleted = victim;
+    return MT_OK;
 }
 
 int mt_make_directories(const char* path) {

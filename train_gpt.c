@@ -43,9 +43,11 @@ static void die(int code, const char* fmt, ...) {
     fprintf(stderr, "\n");
     va_end(ap);
 #ifdef MT_USE_MPI
-    int initialized = 0;
+    int initialized = 0, finalized = 0;
     MPI_Initialized(&initialized);
-    if (initialized) MPI_Abort(MPI_COMM_WORLD, code);
+    MPI_Finalized(&finalized);
+    if (initialized && !finalized && g_world > 1) MPI_Abort(MPI_COMM_WORLD, code); /* ends the other ranks */
+    if (initialized && !finalized) MPI_Finalize(); /* alone: no abort banner after the line above */
 #endif
     exit(code);
 }
@@ -63,7 +65,7 @@ static void collective_timeout(const char* message, void* user) {
 /* ---- flags (the table, the parser and --help are in train_gpt_flags.h) ------------------------ */
 
 static void parse_args(tg_flags* o, int argc, char** argv) {
-    char msg[512];
+    char msg[4096]; /* every unknown flag of the line, each with its nearest known name */
     tg_flags_init(o);
     int r = tg_flags_parse(o, argc, argv, msg, sizeof(msg));
     if (r == 1) {
@@ -214,6 +216,14 @@ static void print_plan(const mt_memory_plan* p, const mt_config* c) {
     printf("  in use       %8.3f GiB  expected per GPU\n", p->device_bytes / gib);
 }
 
+/* --grad-reduce-in-bf16 is accepted without effect; this says what it would be worth for the plan. */
+static void print_grad_bf16_note(const mt_memory_plan* p) {
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    printf("--grad-reduce-in-bf16: not built (gradients accumulate and reduce in fp32 here); a bf16 gradient buffer would "
+           "save %.2f GiB per GPU in this layout (%.2f GiB of fp32 gradients, %lld elements)\n",
+           mt_memory_plan_bf16_grad_savings(p) / gib, p->gradient_bytes / gib, (long long)p->buffer_elements);
+}
+
 static void print_memory_plan(mt_trainer* t, const mt_config* c) {
     mt_memory_plan p = mt_trainer_memory_plan(t);
     print_plan(&p, c);
@@ -250,6 +260,7 @@ static int run_plan(const tg_flags* o, const mt_config* c, int sequence_parallel
         mt_memory_plan p;
         if (mt_memory_plan_compute(c, &opts, &p, &err) != MT_OK) die(2, "%s", err.message);
         print_plan(&p, c);
+        if (tg_flags_info_given(o, "--grad-reduce-in-bf16")) print_grad_bf16_note(&p);
         if ((double)p.device_bytes <= budget) {
             printf("  fits in %.1f GiB per GPU with %.3f GiB to spare\n", o->gpu_memory_gib, (budget - p.device_bytes) / gib);
             return 0;
@@ -274,14 +285,25 @@ static int run_plan(const tg_flags* o, const mt_config* c, int sequence_parallel
            sequence_parallel ? ", SP where TP > 1" : "", c->use_distributed_optimizer ? ", distributed optimizer" : "");
     printf("    TP   PP   VP     DP   global batch   model step (ms)   tokens/s/GPU   GiB per GPU (pipeline rank)   "
            "activation slots\n");
+    int refused = 0;
     for (int i = 0; i < n; i++) {
+        if (k[i].refused) { refused++; continue; } /* never "fits": listed below with the trainer's line */
         if ((double)k[i].plan.device_bytes > budget) continue;
         fits++;
         printf("  %4d %4d %4d %6d %14d %17.1f %14.0f %21.2f (%d) %21d\n", k[i].tp, k[i].pp, k[i].vp, k[i].dp,
                k[i].global_batch_size, 1e3 * k[i].step_seconds, k[i].tokens_per_second, k[i].plan.device_bytes / gib,
                k[i].plan.pp_rank, k[i].plan.in_flight);
     }
-    printf("  %d of %d layouts fit%s\n", fits, n, n ? "" : " (no TP x PP divides the model and the batch)");
+    if (refused) {
+        printf("layouts this build refuses (mt_trainer_create would stop with the line shown):\n");
+        printf("    TP   PP   VP     DP   why\n");
+        for (int i = 0; i < n; i++)
+            if (k[i].refused)
+                printf("  %4d %4d %4d %6d   refused: %s\n", k[i].tp, k[i].pp, k[i].vp, k[i].dp, k[i].reason);
+    }
+    printf("  %d of %d layouts fit%s", fits, n, n ? "" : " (no TP x PP divides the model and the batch)");
+    if (refused) printf("; %d refused (not built here)", refused);
+    printf("\n");
     free(k);
     return fits ? 0 : 1;
 }
@@ -296,9 +318,11 @@ static int run_plan(const tg_flags* o, const mt_config* c, int sequence_parallel
  * line's arguments as texts. Events are flushed at every log line (and when the queue fills). */
 
 static mt_tb_writer* tensorboard_open(const tg_flags* o, int argc, char** argv, int64_t iteration) {
-    if (o->wandb_project || o->wandb_exp_name || o->wandb_save_dir)
+    if (o->wandb_project || o->wandb_exp_name || o->wandb_save_dir || o->wandb_entity)
         printf("wandb: this build does not talk to wandb; --wandb-* are not used. Upload the TensorBoard events "
-               "with `wandb sync --sync-tensorboard %s`%s\n", o->tensorboard_dir ? o->tensorboard_dir : "<dir>",
+               "with `wandb sync --sync-tensorboard%s%s%s%s %s`%s\n", o->wandb_project ? " --project " : "",
+               o->wandb_project ? o->wandb_project : "", o->wandb_entity ? " --entity " : "",
+               o->wandb_entity ? o->wandb_entity : "", o->tensorboard_dir ? o->tensorboard_dir : "<dir>",
                o->tensorboard_dir ? "" : " after a run with --tensorboard-dir <dir>");
     if (!o->tensorboard_dir || o->cfg.rank != 0) return NULL;
     mt_error err;
@@ -580,37 +604,69 @@ static void print_sample(mt_trainer* t, const mt_tokenizer* tok, const mt_config
 
 /* ---- faults: Megatron's exit conditions ------------------------------------------------------- */
 
-/* Saves a checkpoint (every rank takes part) and returns the iteration saved. With --async-save the
- * call returns once the files are staged in host memory; the save is committed later (save_poll).
- * Either way the line says how long the step loop waited. */
-static int64_t save_checkpoint(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed, int async) {
+/* Where checkpoints go and what is kept: --save, --async-save, --save-retain-interval, and for a
+ * save in flight the tracker's iteration before it (the one retention may delete once it commits). */
+typedef struct {
+    const char* dir;
+    int async;
+    int64_t retain_interval; /* < 1: keep every checkpoint */
+    int rank;
+    int64_t previous;        /* the tracker's iteration before the save in flight (-1: none) */
+} checkpoint_saver;
+
+/* After a committed save of `saved`: rank 0 deletes the previously tracked checkpoint unless
+ * --save-retain-interval keeps it (megatron.h mt_checkpoint_retain_apply); a failure is a warning,
+ * never the end of the run. */
+static void retain_after_save(checkpoint_saver* s, int64_t saved) {
+    if (s->retain_interval < 1 || s->rank != 0) return;
     mt_error err;
-    double t0 = now_seconds();
-    mt_status st = async ? mt_trainer_save_async(t, dir, iteration, consumed, &err)
-                         : mt_trainer_save(t, dir, iteration, consumed, &err);
-    if (st != MT_OK) die(1, "%s", err.message);
-    if (async)
-        printf("checkpoint at iteration %lld staged in %.1f ms (the step loop's wait: device-to-host copy, and any "
-               "earlier save still in flight); writing it to %s in the background\n", (long long)iteration,
-               1000.0 * (now_seconds() - t0), dir);
-    else
-        printf("saved checkpoint at iteration %lld to %s (the step loop waited %.1f ms)\n", (long long)iteration, dir,
-               1000.0 * (now_seconds() - t0));
-    fflush(stdout);
-    return iteration;
+    int64_t deleted = -1;
+    if (mt_checkpoint_retain_apply(s->dir, s->previous, saved, s->retain_interval, -1, &deleted, &err) != MT_OK)
+        fprintf(stderr, "train_gpt: warning: --save-retain-interval: %s\n", err.message);
+    else if (deleted >= 0)
+        printf("deleted the checkpoint of iteration %lld from %s (--save-retain-interval %lld keeps multiples of it and "
+               "the newest)\n", (long long)deleted, s->dir, (long long)s->retain_interval);
+    s->previous = -1;
 }
 
 /* --async-save: commits the save in flight once every rank has written its files (blocking: waits
  * for them); a writer's error ends the run with its line. Collective: every rank calls it at the
- * same points (after each step, at the end). */
-static void save_poll(mt_trainer* t, const char* dir, int blocking) {
+ * same points (after each step, before the next save, at the end). */
+static void save_poll(mt_trainer* t, checkpoint_saver* s, int blocking) {
     mt_error err;
     int64_t committed = -1;
     if (mt_trainer_save_wait(t, blocking, &committed, &err) != MT_OK) die(1, "%s", err.message);
     if (committed >= 0) {
-        printf("saved checkpoint at iteration %lld to %s (written in the background)\n", (long long)committed, dir);
+        printf("saved checkpoint at iteration %lld to %s (written in the background)\n", (long long)committed, s->dir);
+        retain_after_save(s, committed);
         fflush(stdout);
     }
+}
+
+/* Saves a checkpoint (every rank takes part) and returns the iteration saved. With --async-save the
+ * call returns once the files are staged in host memory; the save is committed later (save_poll).
+ * Either way the line says how long the step loop waited. */
+static int64_t save_checkpoint(mt_trainer* t, checkpoint_saver* s, int64_t iteration, int64_t consumed) {
+    mt_error err;
+    double t0 = now_seconds();
+    if (s->async) save_poll(t, s, 1); /* one in flight commits here, its retention with it */
+    int64_t tracked = -1;
+    mt_error tracker_err;
+    s->previous = s->rank == 0 && mt_checkpoint_read_tracker(s->dir, &tracked, &tracker_err) == MT_OK ? tracked : -1;
+    mt_status st = s->async ? mt_trainer_save_async(t, s->dir, iteration, consumed, &err)
+                            : mt_trainer_save(t, s->dir, iteration, consumed, &err);
+    if (st != MT_OK) die(1, "%s", err.message);
+    if (s->async) {
+        printf("checkpoint at iteration %lld staged in %.1f ms (the step loop's wait: device-to-host copy, and any "
+               "earlier save still in flight); writing it to %s in the background\n", (long long)iteration,
+               1000.0 * (now_seconds() - t0), s->dir);
+    } else {
+        printf("saved checkpoint at iteration %lld to %s (the step loop waited %.1f ms)\n", (long long)iteration, s->dir,
+               1000.0 * (now_seconds() - t0));
+        retain_after_save(s, iteration);
+    }
+    fflush(stdout);
+    return iteration;
 }
 
 /* --exit-signal-handler: SIGTERM (Slurm's preemption notice, Megatron's default signal) or SIGINT
@@ -701,6 +757,15 @@ int main(int argc, char** argv) {
     c->comm_id = comm_id;
     const int planning = o.plan || o.plan_layouts, sequence_parallel = c->sequence_parallel;
     const int global_batch = c->global_batch_size; /* 0: micro-batch x DP of each layout */
+    if (!planning) { /* before any work: the launch matches the build */
+        mt_error launch_err;
+#ifdef MT_USE_MPI
+        const int built_with_mpi = 1;
+#else
+        const int built_with_mpi = 0;
+#endif
+        if (mt_launcher_check(world, built_with_mpi, NULL, NULL, &launch_err) != MT_OK) die(2, "%s", launch_err.message);
+    }
     if (planning) { /* the layout of --world-size GPUs, on none (--plan-layouts: the model checked on one) */
         c->world_size = o.plan_world_size > 0 && !o.plan_layouts ? (int)o.plan_world_size : 1;
         c->rank = 0;
@@ -722,6 +787,10 @@ int main(int argc, char** argv) {
                c->resumed_padded_vocab_size < c->vocab_size ? "does not cover this tokenizer's vocabulary"
                                                             : "does not divide by --tensor-model-parallel-size",
                (long long)c->padded_vocab_size);
+    if (o.eval_global_batch_size > 0 && o.eval_global_batch_size != c->global_batch_size)
+        die(2, "--eval-global-batch-size %lld: evaluation with its own batch size is not implemented; it runs global "
+            "batches of %d (--global-batch-size): give that or drop the flag", (long long)o.eval_global_batch_size,
+            c->global_batch_size);
     /* the iteration log line: from the last rank (the last pipeline stage) with PP > 1, else rank 0 */
     FILE* log_line_out = stdout;
     if (c->pipeline_model_parallel_size > 1 && world > 1) {
@@ -729,6 +798,14 @@ int main(int argc, char** argv) {
         if (rank == world - 1 && !log_line_out) die(1, "cannot open the last rank's stdout: %s", strerror(errno));
     } else if (last_rank_stdout >= 0) {
         close(last_rank_stdout);
+    }
+    if (!planning && tg_flags_info_given(&o, "--grad-reduce-in-bf16")) { /* this rank's plan, before the trainer */
+        mt_plan_options opts;
+        mt_plan_options_defaults(&opts);
+        opts.pp_rank = mt_rank_coordinates(c, c->rank).pp;
+        opts.dp_rank = mt_rank_coordinates(c, c->rank).dp;
+        mt_memory_plan p;
+        if (mt_memory_plan_compute(c, &opts, &p, &err) == MT_OK) print_grad_bf16_note(&p);
     }
     if (planning) {
         int status = run_plan(&o, c, sequence_parallel, global_batch);
@@ -744,6 +821,10 @@ int main(int argc, char** argv) {
     if (mt_gpt_num_samples(c->train_iters, o.skip_train ? 0 : o.eval_interval, o.eval_iters, c->global_batch_size,
                            num_samples, &err) != MT_OK)
         die(2, "%s", err.message);
+    { /* the flags are all checked: before the data and the trainer, a GPU to train on */
+        int gpus = 0;
+        if (mt_device_check(&gpus, &err) != MT_OK) die(1, "%s", err.message);
+    }
     if (c->train_samples > 0) num_samples[MT_SPLIT_TRAIN] = c->train_samples;
     if (o.full_validation) num_samples[MT_SPLIT_VALID] = -1; /* one epoch of the split */
     if (o.builtin) {
@@ -846,6 +927,7 @@ int main(int argc, char** argv) {
     int64_t saved_at = o.save_interval > 0 && iteration > 0 && iteration % o.save_interval == 0 ? iteration : -1;
     char why_buf[128];
     const char* why = NULL; /* why the run stopped early (Megatron's exit conditions) */
+    checkpoint_saver saver = {o.save, o.async_save, o.save_retain_interval, rank, -1};
     if (o.exit_signal_handler) install_exit_signal_handler();
     if (o.skip_train) printf("skipping training (--skip-train is on) ...\n");
     while (!o.skip_train && iteration < c->train_iters) {
@@ -877,7 +959,7 @@ int main(int argc, char** argv) {
         interval_time += now_seconds() - t0;
         iteration++;
         consumed += batch;
-        if (o.async_save) save_poll(t, o.save, 0);
+        if (o.async_save) save_poll(t, &saver, 0);
         if (o.profile && rank == 0 && iteration == o.profile_step_end && mt_device_profiler(0, &err) != MT_OK)
             die(1, "--profile: %s", err.message);
         if (r.skipped) interval_skipped++;
@@ -926,10 +1008,10 @@ int main(int argc, char** argv) {
             if (tb) tensorboard_evaluation(tb, &o, "validation", loss, iteration, consumed);
         }
         if (o.save && o.save_interval > 0 && iteration % o.save_interval == 0)
-            saved_at = save_checkpoint(t, o.save, iteration, consumed, o.async_save);
+            saved_at = save_checkpoint(t, &saver, iteration, consumed);
         /* Megatron's exit conditions: save (unless just saved) and stop, without the final evaluations */
         if ((why = exit_reason(&o, iteration, t_launch, why_buf, sizeof(why_buf))) != NULL) {
-            if (o.save && saved_at != iteration) saved_at = save_checkpoint(t, o.save, iteration, consumed, o.async_save);
+            if (o.save && saved_at != iteration) saved_at = save_checkpoint(t, &saver, iteration, consumed);
             printf("exiting program %s\n", why);
             break;
         }
@@ -962,8 +1044,8 @@ int main(int argc, char** argv) {
         }
     }
     if (tb && mt_tb_close(tb, &err) != MT_OK) die(1, "%s", err.message);
-    if (o.save && !o.skip_train && saved_at != iteration) save_checkpoint(t, o.save, iteration, consumed, o.async_save);
-    if (o.async_save) save_poll(t, o.save, 1); /* a save still in flight completes before the run ends */
+    if (o.save && !o.skip_train && saved_at != iteration) save_checkpoint(t, &saver, iteration, consumed);
+    if (o.async_save) save_poll(t, &saver, 1); /* a save still in flight completes before the run ends */
     if (why) {
         /* Megatron's exit conditions end the run without a sample */
     } else if (c->pipeline_model_parallel_size > 1 && o.sample_tokens > 0)

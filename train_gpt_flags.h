@@ -68,6 +68,9 @@ typedef struct {
     int no_check_for_nan;     /* --no-check-for-nan-in-loss-and-grad */
     int log_throughput;
     const char* save;
+    int64_t save_retain_interval; /* --save-retain-interval (-1: keep every checkpoint) */
+    int64_t eval_global_batch_size; /* --eval-global-batch-size (-1: not given; else must be the global batch) */
+    int64_t dist_opt_instances;     /* --num-distributed-optimizer-instances (-1: not given; only 1 here) */
     const char* load;
     int no_load_optim, no_load_rng, finetune;
     int async_save;           /* --async-save: files written in the background */
@@ -83,6 +86,7 @@ typedef struct {
     const char* wandb_project;
     const char* wandb_exp_name;
     const char* wandb_save_dir;
+    const char* wandb_entity;         /* --wandb-entity: named in the startup line's wandb sync command */
     int skip_train, full_validation;
     /* this build's own */
     int sample_tokens;
@@ -180,6 +184,15 @@ typedef struct {
 #define G_HERE "this build"
 
 #define MOE_REFUSED "MoE is not implemented (dense models only): remove the MoE flags (--num-experts, --moe-*)"
+#define MLA_REFUSED "multi-latent attention is not implemented: drop the MLA flags (--multi-latent-attention, " \
+                    "--q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim)"
+#define ATTENTION_VARIANT_REFUSED "attention variants (gated delta net, linear attention, DeepSeek sparse attention) " \
+                                  "are not implemented, only softmax attention: drop the flag"
+#define MUP_REFUSED "muP (maximal update parametrization) is not implemented: drop --use-mup and --mup-*"
+#define MODELOPT_REFUSED "ModelOpt export and knowledge distillation are not implemented: drop the flag"
+#define CP_REFUSED "context parallelism is not implemented (--context-parallel-size 1 only): drop the flag"
+#define FSDP_REFUSED "FSDP is not implemented: --use-distributed-optimizer shards the optimizer state over data parallelism"
+#define FIM_REFUSED "fill-in-the-middle datasets are not implemented: drop the --fim-* flags"
 
 static const tg_flag tg_flag_table[] = {
     /* model */
@@ -233,6 +246,35 @@ static const tg_flag tg_flag_table[] = {
     {"--no-rope-fusion", G_MODEL, F_INFO_SWITCH, 0, NR, "fused", "RoPE is always fused here"},
     {"--no-persist-layer-norm", G_MODEL, F_INFO_SWITCH, 0, NR, "off", "one LayerNorm kernel family here"},
     {"--attention-softmax-in-fp32", G_MODEL, F_INFO_SWITCH, 0, NR, "off", "the softmax always runs in fp32 here"},
+    /* Megatron's functional-test flags (dev/data/megatron_scripts/functional_test_flags.txt) */
+    {"--apply-query-key-layer-scaling", G_MODEL, F_INFO_SWITCH, 0, NR, "off",
+     "the softmax runs in fp32 here, so this fp16 guard (scores / layer, undone in the softmax) would not change them"},
+    {"--rotary-interleaved", G_MODEL, F_REFUSED_SWITCH, 0, NR, "off",
+     "interleaved (RoFormer) RoPE is not implemented; RoPE here rotates the two halves of each head (Llama's): drop "
+     "the flag"},
+    {"--multi-latent-attention", G_MODEL, F_REFUSED_SWITCH, 0, NR, "off", MLA_REFUSED},
+    {"--q-lora-rank", G_MODEL, F_REFUSED_VALUE, 0, NR, "none", MLA_REFUSED},
+    {"--kv-lora-rank", G_MODEL, F_REFUSED_VALUE, 0, NR, "32", MLA_REFUSED},
+    {"--qk-head-dim", G_MODEL, F_REFUSED_VALUE, 0, NR, "128", MLA_REFUSED},
+    {"--qk-pos-emb-head-dim", G_MODEL, F_REFUSED_VALUE, 0, NR, "64", MLA_REFUSED},
+    {"--v-head-dim", G_MODEL, F_REFUSED_VALUE, 0, NR, "128", MLA_REFUSED},
+    {"--experimental-attention-variant", G_MODEL, F_REFUSED_VALUE, 0, NR, "none", ATTENTION_VARIANT_REFUSED},
+    {"--linear-attention-freq", G_MODEL, F_REFUSED_VALUE, 0, NR, "none", ATTENTION_VARIANT_REFUSED},
+    {"--linear-conv-kernel-dim", G_MODEL, F_REFUSED_VALUE, 0, NR, "4", ATTENTION_VARIANT_REFUSED},
+    {"--linear-key-head-dim", G_MODEL, F_REFUSED_VALUE, 0, NR, "128", ATTENTION_VARIANT_REFUSED},
+    {"--linear-value-head-dim", G_MODEL, F_REFUSED_VALUE, 0, NR, "128", ATTENTION_VARIANT_REFUSED},
+    {"--linear-num-key-heads", G_MODEL, F_REFUSED_VALUE, 0, NR, "16", ATTENTION_VARIANT_REFUSED},
+    {"--linear-num-value-heads", G_MODEL, F_REFUSED_VALUE, 0, NR, "32", ATTENTION_VARIANT_REFUSED},
+    {"--dsa-indexer-n-heads", G_MODEL, F_REFUSED_VALUE, 0, NR, "none", ATTENTION_VARIANT_REFUSED},
+    {"--dsa-indexer-head-dim", G_MODEL, F_REFUSED_VALUE, 0, NR, "none", ATTENTION_VARIANT_REFUSED},
+    {"--dsa-indexer-topk", G_MODEL, F_REFUSED_VALUE, 0, NR, "none", ATTENTION_VARIANT_REFUSED},
+    {"--dsa-indexer-loss-coeff", G_MODEL, F_REFUSED_VALUE, 0, NR, "none", ATTENTION_VARIANT_REFUSED},
+    {"--attention-output-gate", G_MODEL, F_REFUSED_SWITCH, 0, NR, "off",
+     "a gate on the attention output is not implemented: drop the flag"},
+    {"--apply-wd-to-qk-layernorm", G_MODEL, F_REFUSED_SWITCH, 0, NR, "off",
+     "norm weights never take weight decay here: drop the flag"},
+    {"--use-mup", G_MODEL, F_REFUSED_SWITCH, 0, NR, "off", MUP_REFUSED},
+    {"--mup-base-hidden-size", G_MODEL, F_REFUSED_VALUE, 0, NR, "none", MUP_REFUSED},
     /* regularization */
     {"--hidden-dropout", G_REG, F_DOUBLE, TG_AT(hidden_dropout), DR(0, 1, D_HI_OPEN), "0.1 (built-in job: 0)",
      "dropout on the embeddings and after attention and MLP"},
@@ -284,7 +326,24 @@ static const tg_flag tg_flag_table[] = {
      "memory is planned once at start; there is no allocator cache to empty"},
     {"--use-cpu-initialization", G_TRAIN, F_INFO_SWITCH, 0, NR, "off",
      "initial weights are a function of the seed only, wherever they are made"},
+    /* Megatron's functional-test flags (dev/data/megatron_scripts/functional_test_flags.txt) */
+    {"--deterministic-mode", G_TRAIN, F_INFO_SWITCH, 0, NR, "off",
+     "runs here are always bitwise deterministic (the same flags and seed give the same bits)"},
+    {"--rerun-mode", G_TRAIN, F_INFO_VALUE, 0, CH("disabled|validate_results|report_stats"), "validate_results",
+     "no rerun engine here: a NaN/Inf loss or gradient norm is handled by --max-consecutive-nan-iterations, and a "
+     "deterministic rerun would repeat the same bits"},
+    {"--error-injection-rate", G_TRAIN, F_REFUSED_VALUE, 0, NR, "0",
+     "fault injection belongs to Megatron's rerun engine, which is not built here: drop the flag"},
+    {"--error-injection-type", G_TRAIN, F_REFUSED_VALUE, 0, NR, "transient_error",
+     "fault injection belongs to Megatron's rerun engine, which is not built here: drop the flag"},
+    {"--check-weight-hash-across-dp-replicas-interval", G_TRAIN, F_INFO_VALUE, 0, NR, "none",
+     "not checked here: every data-parallel replica applies the same reduced gradients with the same update"},
+    {"--test-mode", G_TRAIN, F_INFO_SWITCH, 0, NR, "off", "Megatron's in-training self-checks; this build's are its test suite"},
+    {"--eval-global-batch-size", G_TRAIN, F_INT64, TG_AT(eval_global_batch_size), IR(1, TG_I32MAX), "global-batch-size",
+     "samples per evaluation iteration: only --global-batch-size's here (another size is refused)"},
     {"--tp-comm-overlap", G_TRAIN, F_REFUSED_SWITCH, 0, NR, "off",
+     "overlapping tensor-parallel communication with GEMMs is not implemented: drop the flag"},
+    {"--tp-comm-overlap-cfg", G_TRAIN, F_REFUSED_VALUE, 0, NR, "none",
      "overlapping tensor-parallel communication with GEMMs is not implemented: drop the flag"},
     {"--optimizer-cpu-offload", G_TRAIN, F_TRUE, TG_AT(cfg.optimizer_cpu_offload), NR, "off",
      "the fp32 master weights and Adam moments of the optimizer shard's end in pinned host memory, updated by a "
@@ -349,6 +408,41 @@ static const tg_flag tg_flag_table[] = {
     {"--no-verify-checkpoint", G_CKPT, F_TRUE, TG_AT(no_verify_checkpoint), NR, "off",
      "--load reads a checkpoint whose manifest check fails (or that lacks the manifest it was saved with) "
      "with a warning instead of refusing it (not a Megatron flag)"},
+    {"--save-retain-interval", G_CKPT, F_INT64, TG_AT(save_retain_interval), IR(1, TG_I64MAX), "none (keep all)",
+     "after each save, the previously tracked checkpoint is deleted unless its iteration is a multiple of this (a "
+     "multiple of --save-interval); the newest is always kept"},
+    /* Megatron's functional-test flags (dev/data/megatron_scripts/functional_test_flags.txt) */
+    {"--use-checkpoint-opt_param-scheduler", G_CKPT, F_INFO_SWITCH, 0, NR, "off",
+     "a checkpoint here holds the scheduler's step count only: the schedule's values always come from the flags"},
+    {"--use-checkpoint-opt-param-scheduler", G_CKPT, F_INFO_SWITCH, 0, NR, "off",
+     "a checkpoint here holds the scheduler's step count only: the schedule's values always come from the flags"},
+    {"--override-opt_param-scheduler", G_CKPT, F_INFO_SWITCH, 0, NR, "off",
+     "the schedule's values always come from the flags here (a checkpoint holds its step count only)"},
+    {"--override-opt-param-scheduler", G_CKPT, F_INFO_SWITCH, 0, NR, "off",
+     "the schedule's values always come from the flags here (a checkpoint holds its step count only)"},
+    {"--dist-ckpt-strictness", G_CKPT, F_INFO_VALUE, 0,
+     CH("assume_ok_unexpected|log_unexpected|log_all|raise_unexpected|raise_all|return_unexpected|return_all|ignore_all"),
+     "assume_ok_unexpected", "a checkpoint here is loaded whole or refused with one line: it has no keys to be missing "
+     "or unexpected"},
+    {"--dist-ckpt-optim-fully-reshardable", G_CKPT, F_INFO_SWITCH, 0, NR, "off",
+     "every checkpoint here loads at any TP / PP / VP / DP layout, the optimizer state included"},
+    {"--ckpt-fully-parallel-save", G_CKPT, F_INFO_SWITCH, 0, NR, "on", "every rank writes its own files here"},
+    {"--no-ckpt-fully-parallel-save", G_CKPT, F_INFO_SWITCH, 0, NR, "on", "every rank writes its own files here"},
+    {"--ckpt-fully-parallel-load", G_CKPT, F_INFO_SWITCH, 0, NR, "off", "every rank reads its own part here"},
+    {"--ckpt-assume-constant-structure", G_CKPT, F_INFO_SWITCH, 0, NR, "off",
+     "a checkpoint's structure here follows from the model: nothing to cache between saves"},
+    {"--auto-detect-ckpt-format", G_CKPT, F_INFO_SWITCH, 0, NR, "off", "there is one checkpoint format here"},
+    {"--verify-integrity", G_CKPT, F_INFO_SWITCH, 0, NR, "off",
+     "every checkpoint here gets a manifest of its files' checksums at save, checked at load"},
+    {"--use-persistent-ckpt-worker", G_CKPT, F_INFO_SWITCH, 0, NR, "off",
+     "--async-save writes from a thread of the training process here"},
+    {"--async-strategy", G_CKPT, F_INFO_VALUE, 0, CH("nvrx|mcore"), "nvrx",
+     "--async-save has one strategy here: a writer thread per rank, committed by rank 0"},
+    {"--async-ckpt-use-cpu-shm", G_CKPT, F_INFO_SWITCH, 0, NR, "off",
+     "--async-save stages in pinned host memory of the training process; there is no worker process"},
+    {"--export-te-mcore-model", G_CKPT, F_REFUSED_SWITCH, 0, NR, "off", MODELOPT_REFUSED},
+    {"--export-kd-teacher-load", G_CKPT, F_REFUSED_VALUE, 0, NR, "none", MODELOPT_REFUSED},
+    {"--export-kd-cfg", G_CKPT, F_REFUSED_VALUE, 0, NR, "none", MODELOPT_REFUSED},
     {"--ckpt-format", G_CKPT, F_INFO_VALUE, 0, CH("torch|torch_dist|torch_dcp|fsdp_dtensor"), "torch_dist",
      "checkpoints are this build's binary files in Megatron's directory layout"},
     /* mixed precision */
@@ -374,7 +468,8 @@ static const tg_flag tg_flag_table[] = {
     {"--num-layers-at-end-in-bf16", G_MIXED, F_INT, TG_AT(bf16_end), IR(0, TG_I32MAX), "1", "bf16 layers at the end"},
     {"--fp8-param-gather", G_MIXED, F_TRUE, TG_AT(fp8_param_gather), NR, "off", "all-gather parameters in FP8"},
     {"--grad-reduce-in-bf16", G_MIXED, F_INFO_SWITCH, 0, NR, "off",
-     "gradients are accumulated and reduced in fp32 here (more precise, twice the bytes)"},
+     "gradients are accumulated and reduced in fp32 here (bf16 reduction is not built): the startup lines and --plan "
+     "say what a bf16 gradient buffer would save per GPU"},
     /* distributed */
     {"--tensor-model-parallel-size", G_DIST, F_INT64, TG_AT(tp), IR(1, TG_I32MAX), "1", "tensor-parallel GPUs"},
     {"--sequence-parallel", G_DIST, F_TRUE, TG_AT(sequence_parallel), NR, "off", "sequence parallelism (TP > 1)"},
@@ -411,6 +506,32 @@ static const tg_flag tg_flag_table[] = {
      "collectives backend (NCCL only here)"},
     {"--distributed-timeout-minutes", G_DIST, F_DOUBLE, TG_AT(cfg.distributed_timeout_minutes),
      DR(0, 1e6, D_LO_OPEN), "10", "a collective or pipeline transfer stuck this long ends the job with one line"},
+    /* Megatron's functional-test flags (dev/data/megatron_scripts/functional_test_flags.txt) */
+    {"--num-distributed-optimizer-instances", G_DIST, F_INT64, TG_AT(dist_opt_instances), IR(1, TG_I32MAX), "1",
+     "distributed-optimizer copies across data parallelism: only 1 here (partial sharding is not implemented)"},
+    {"--ddp-average-in-collective", G_DIST, F_INFO_SWITCH, 0, NR, "off",
+     "gradients are scaled by 1/DP before they are summed here (Megatron's default); averaging inside the collective "
+     "differs only in rounding"},
+    {"--overlap-param-gather-with-optimizer-step", G_DIST, F_INFO_SWITCH, 0, NR, "off",
+     "the parameter all-gather overlaps the next forward here (--overlap-param-gather), not the optimizer step"},
+    {"--use-tp-pp-dp-mapping", G_DIST, F_INFO_SWITCH, 0, NR, "off",
+     "ranks are ordered TP, DP, PP here (Megatron's default): the order places the groups on GPUs, the numbers are "
+     "the same"},
+    {"--overlap-p2p-communication-warmup-flush", G_DIST, F_INFO_SWITCH, 0, NR, "off",
+     "the pipeline's sends and receives are scheduled one way here"},
+    {"--defer-embedding-wgrad-compute", G_DIST, F_INFO_SWITCH, 0, NR, "off",
+     "the embedding's weight gradient is computed in the backward here, not deferred to the pipeline flush"},
+    {"--wgrad-deferral-limit", G_DIST, F_INFO_VALUE, 0, NR, "0",
+     "the embedding's weight gradient is computed in the backward here, not deferred to the pipeline flush"},
+    {"--disable-gloo-process-groups", G_DIST, F_INFO_SWITCH, 0, NR, "off", "there are no gloo process groups here (NCCL only)"},
+    {"--cp-comm-type", G_DIST, F_REFUSED_VALUE, 0, NR, "p2p", CP_REFUSED},
+    {"--hierarchical-context-parallel-sizes", G_DIST, F_REFUSED_VALUE, 0, NR, "none", CP_REFUSED},
+    {"--use-torch-fsdp2", G_DIST, F_REFUSED_SWITCH, 0, NR, "off", FSDP_REFUSED},
+    {"--use-megatron-fsdp", G_DIST, F_REFUSED_SWITCH, 0, NR, "off", FSDP_REFUSED},
+    {"--data-parallel-sharding-strategy", G_DIST, F_REFUSED_VALUE, 0, NR, "no_shard", FSDP_REFUSED},
+    {"--megatron-fsdp-main-params-dtype", G_DIST, F_REFUSED_VALUE, 0, NR, "fp32", FSDP_REFUSED},
+    {"--megatron-fsdp-main-grads-dtype", G_DIST, F_REFUSED_VALUE, 0, NR, "auto", FSDP_REFUSED},
+    {"--megatron-fsdp-grad-comm-dtype", G_DIST, F_REFUSED_VALUE, 0, NR, "auto", FSDP_REFUSED},
     /* validation */
     {"--eval-interval", G_VALID, F_INT64, TG_AT(eval_interval), IR(0, TG_I64MAX), "1000",
      "iterations between validations (0: none during training)"},
@@ -436,6 +557,10 @@ static const tg_flag tg_flag_table[] = {
      "no attention mask is ever materialised here (causal inside the kernels)"},
     {"--no-mmap-bin-files", G_DATA, F_INFO_SWITCH, 0, NR, "off", "datasets are always memory-mapped here"},
     {"--num-workers", G_DATA, F_INFO_VALUE, 0, NR, "2", "samples are read in the training process (no workers)"},
+    /* Megatron's functional-test flags (dev/data/megatron_scripts/functional_test_flags.txt) */
+    {"--fim-data", G_DATA, F_REFUSED_SWITCH, 0, NR, "off", FIM_REFUSED},
+    {"--fim-rate", G_DATA, F_REFUSED_VALUE, 0, NR, "0.5", FIM_REFUSED},
+    {"--fim-spm-rate", G_DATA, F_REFUSED_VALUE, 0, NR, "0.5", FIM_REFUSED},
     /* tokenizer */
     {"--tokenizer-type", G_TOK, F_STRING, TG_AT(tokenizer_type), NR, "GPT2BPETokenizer",
      "GPT2BPETokenizer, HuggingFaceTokenizer, TikTokenizer, NullTokenizer; this build's TiktokenFileTokenizer, "
@@ -487,6 +612,11 @@ static const tg_flag tg_flag_table[] = {
      "nothing is sent to wandb here: a startup line names `wandb sync --sync-tensorboard DIR` for the events"},
     {"--wandb-save-dir", G_LOG, F_STRING, TG_AT(wandb_save_dir), NR, "none",
      "nothing is sent to wandb here: a startup line names `wandb sync --sync-tensorboard DIR` for the events"},
+    /* Megatron's functional-test flags (dev/data/megatron_scripts/functional_test_flags.txt) */
+    {"--wandb-entity", G_LOG, F_STRING, TG_AT(wandb_entity), NR, "none",
+     "nothing is sent to wandb here: the startup line's `wandb sync` command names it"},
+    {"--timing-log-level", G_LOG, F_INFO_VALUE, 0, CH("0|1|2"), "0",
+     "one timer here: the log line's time per iteration (level 0's); no per-operation timers"},
     /* profiling */
     {"--profile", G_PROF, F_TRUE, TG_AT(profile), NR, "off",
      "cudaProfilerStart/Stop around the steps below on rank 0 (run under nsys --capture-range=cudaProfilerApi)"},
@@ -503,6 +633,12 @@ static const tg_flag tg_flag_table[] = {
     {"--moe-aux-loss-coeff", G_MOE, F_REFUSED_VALUE, 0, NR, "0", MOE_REFUSED},
     {"--moe-grouped-gemm", G_MOE, F_REFUSED_SWITCH, 0, NR, "off", MOE_REFUSED},
     {"--moe-token-dispatcher-type", G_MOE, F_REFUSED_VALUE, 0, NR, "allgather", MOE_REFUSED},
+    /* Megatron's functional-test flags (dev/data/megatron_scripts/functional_test_flags.txt) */
+    {"--expert-tensor-parallel-size", G_MOE, F_REFUSED_VALUE, 0, NR, "tensor-model-parallel-size", MOE_REFUSED},
+    {"--moe-ffn-hidden-size", G_MOE, F_REFUSED_VALUE, 0, NR, "ffn-hidden-size", MOE_REFUSED},
+    {"--moe-shared-expert-intermediate-size", G_MOE, F_REFUSED_VALUE, 0, NR, "none", MOE_REFUSED},
+    {"--moe-shared-expert-gate", G_MOE, F_REFUSED_SWITCH, 0, NR, "off", MOE_REFUSED},
+    {"--moe-router-dtype", G_MOE, F_REFUSED_VALUE, 0, NR, "none", MOE_REFUSED},
     /* this build */
     {"--sample-tokens", G_HERE, F_INT, TG_AT(sample_tokens), IR(0, TG_I32MAX), "0 (built-in job: 128)",
      "tokens of text sampled at the end"},
@@ -626,7 +762,8 @@ static void tg_flags_init(tg_flags* v) {
                       &v->max_nan_in_a_row,
                       &v->profile_step_start, &v->profile_step_end, &v->ddp_bucket_size, &v->null_vocab_size,
                       &v->tiktoken_num_special_tokens, &v->rampup[0], &v->rampup[1], &v->rampup[2],
-                      &v->tensorboard_log_interval, &v->plan_world_size};
+                      &v->tensorboard_log_interval, &v->plan_world_size, &v->save_retain_interval,
+                      &v->eval_global_batch_size, &v->dist_opt_instances};
     for (size_t k = 0; k < sizeof(i64) / sizeof(i64[0]); k++) *i64[k] = -1;
     double* d[] = {&v->lr, &v->min_lr, &v->decoupled_lr, &v->decoupled_min_lr, &v->warmup_fraction, &v->warmup_init,
                    &v->b1, &v->b2, &v->eps, &v->wd,
@@ -638,16 +775,82 @@ static void tg_flags_init(tg_flags* v) {
     v->recompute_num_layers = -1;
 }
 
-/* argv -> v. Returns 0, 1 for --help, or -1 with one line in msg (unknown flag, refused flag, bad
- * or missing value). */
+/* Edit distance (insertions, deletions, substitutions of bytes) between two flag names, each cut
+ * to 127 bytes; for "did you mean". */
+static int tg_edit_distance(const char* a, const char* b) {
+    int n = (int)strlen(a), m = (int)strlen(b);
+    if (n > 127) n = 127;
+    if (m > 127) m = 127;
+    int row[128], prev[128];
+    for (int j = 0; j <= m; j++) prev[j] = j;
+    for (int i = 1; i <= n; i++) {
+        row[0] = i;
+        for (int j = 1; j <= m; j++) {
+            int best = prev[j - 1] + (a[i - 1] != b[j - 1]);
+            if (prev[j] + 1 < best) best = prev[j] + 1;
+            if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
+            row[j] = best;
+        }
+        memcpy(prev, row, sizeof(int) * (size_t)(m + 1));
+    }
+    return prev[m];
+}
+
+/* The table's name nearest an unknown one, when near enough to be a slip (at most a third of its
+ * length, and at least 2, edits away: --num_layers, --hiden-size, --tensor-parallel-size); else NULL. */
+static const char* tg_flag_nearest(const char* name) {
+    const char* best = NULL;
+    int best_d = 1 << 30, len = (int)strlen(name), limit = len / 3 > 2 ? len / 3 : 2;
+    for (size_t k = 0; k < TG_NUM_FLAGS; k++) {
+        int d = tg_edit_distance(name, tg_flag_table[k].name);
+        if (d < best_d) best_d = d, best = tg_flag_table[k].name;
+    }
+    return best_d <= limit ? best : NULL;
+}
+
+/* The unknown flags of a command line, reported together at the end as argparse does. */
+#define TG_MAX_UNKNOWN 32
+typedef struct {
+    int count;
+    char names[TG_MAX_UNKNOWN][64];
+} tg_unknown_flags;
+
+static void tg_unknown_add(tg_unknown_flags* u, const char* name, size_t len) {
+    if (u->count < TG_MAX_UNKNOWN)
+        snprintf(u->names[u->count], sizeof(u->names[0]), "%.*s%s", (int)(len < 60 ? len : 56), name, len < 60 ? "" : "...");
+    u->count++;
+}
+
+/* One line: "unknown flag --x (did you mean --y?) (see --help)", or "unknown flags: --a (did you mean
+ * --b?), --c (see --help)" for several. */
+static int tg_unknown_fail(const tg_unknown_flags* u, char* msg, size_t size) {
+    size_t used = (size_t)snprintf(msg, size, "unknown flag%s", u->count > 1 ? "s:" : "");
+    int shown = u->count < TG_MAX_UNKNOWN ? u->count : TG_MAX_UNKNOWN;
+    for (int k = 0; k < shown && used < size; k++) {
+        const char* near = tg_flag_nearest(u->names[k]);
+        used += (size_t)snprintf(msg + used, size - used, "%s %s", k ? "," : "", u->names[k]);
+        if (near && used < size) used += (size_t)snprintf(msg + used, size - used, " (did you mean %s?)", near);
+    }
+    if (u->count > shown && used < size) used += (size_t)snprintf(msg + used, size - used, ", and %d more", u->count - shown);
+    if (used < size) snprintf(msg + used, size - used, " (see --help)");
+    return -1;
+}
+
+/* argv -> v. Returns 0, 1 for --help, or -1 with one line in msg (a refused flag, a bad or missing
+ * value: the first; unknown flags: all of them, once the rest parsed). */
 static int tg_flags_parse(tg_flags* v, int argc, char** argv, char* msg, size_t size) {
     char name_buf[128];
+    tg_unknown_flags unknown;
+    unknown.count = 0;
     for (int i = 1; i < argc; i++) {
         const char* a = argv[i];
         const char* inline_val = NULL; /* --flag=value, as argparse accepts */
         const char* eq = strncmp(a, "--", 2) == 0 ? strchr(a, '=') : NULL;
+        if (eq && (size_t)(eq - a) >= sizeof(name_buf)) { /* no flag is that long */
+            tg_unknown_add(&unknown, a, (size_t)(eq - a));
+            continue;
+        }
         if (eq) {
-            if ((size_t)(eq - a) >= sizeof(name_buf)) return tg_fail(msg, size, "unknown flag %.40s... (see --help)", a);
             memcpy(name_buf, a, (size_t)(eq - a));
             name_buf[eq - a] = 0;
             a = name_buf;
@@ -655,7 +858,11 @@ static int tg_flags_parse(tg_flags* v, int argc, char** argv, char* msg, size_t 
         }
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return 1;
         const tg_flag* f = tg_flag_find(a);
-        if (!f) return tg_fail(msg, size, "unknown flag %s (see --help)", a);
+        if (!f) { /* noted with its values (the words up to the next --flag), reported at the end */
+            tg_unknown_add(&unknown, a, strlen(a));
+            while (!inline_val && !strncmp(a, "--", 2) && i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) i++;
+            continue;
+        }
         if (!strcmp(a, "--data-path")) { /* a list: up to the next --flag; --data-path=P is a list of one */
             int start = i + 1, end = start;
             const char* const* list = (const char* const*)argv + start;
@@ -733,6 +940,7 @@ static int tg_flags_parse(tg_flags* v, int argc, char** argv, char* msg, size_t 
             }
         }
     }
+    if (unknown.count) return tg_unknown_fail(&unknown, msg, size);
     return 0;
 }
 
@@ -804,6 +1012,9 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
                                              "is not implemented (use 1)", (long long)v->ep);
     if (v->optimizer && strcmp(v->optimizer, "adam"))
         return tg_fail(msg, size, "--optimizer %s: only adam (AdamW) is implemented", v->optimizer);
+    if (v->dist_opt_instances > 1)
+        return tg_fail(msg, size, "--num-distributed-optimizer-instances %lld: several distributed-optimizer instances "
+                       "across data parallelism are not implemented (use 1)", (long long)v->dist_opt_instances);
     if (v->distributed_backend && strcmp(v->distributed_backend, "nccl"))
         return tg_fail(msg, size, "--distributed-backend %s: only nccl is implemented", v->distributed_backend);
     if (v->mid_level_surplus >= 0 && v->mid_level_surplus != MT_MID_LEVEL_DATASET_SURPLUS)
@@ -964,11 +1175,27 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
 
     /* exits, checkpoints, profiling */
     if (v->finetune && v->no_load_optim) tg_note_info(v, "--no-load-optim (implied by --finetune)", NULL);
+    if (v->save_retain_interval > 0 && v->save) { /* Megatron's checks, with --save */
+        if (v->save_interval <= 0)
+            return tg_fail(msg, size, "--save-retain-interval %lld needs --save-interval (the checkpoints it thins out)",
+                           (long long)v->save_retain_interval);
+        if (v->save_retain_interval % v->save_interval)
+            return tg_fail(msg, size, "--save-retain-interval %lld must be a multiple of --save-interval %lld",
+                           (long long)v->save_retain_interval, (long long)v->save_interval);
+    }
     if (v->profile_step_start < 0) v->profile_step_start = 10;
     if (v->profile_step_end < 0) v->profile_step_end = 12;
     if (v->profile && v->profile_step_end <= v->profile_step_start)
         return tg_fail(msg, size, "--profile-step-end %lld must come after --profile-step-start %lld",
                        (long long)v->profile_step_end, (long long)v->profile_step_start);
+    return 0;
+}
+
+/* Whether informational flag `name` was given (it is in the startup line's list). */
+static int tg_flags_info_given(const tg_flags* v, const char* name) {
+    size_t n = strlen(name);
+    for (int k = 0; k < v->num_info; k++)
+        if (!strncmp(v->info[k], name, n) && (v->info[k][n] == 0 || v->info[k][n] == ' ')) return 1;
     return 0;
 }
 

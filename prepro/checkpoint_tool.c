@@ -173,10 +173,19 @@ int main(int argc, char** argv) {
     long long iteration = -1, tp = 0, pp = 0, vp = 1, divisible_by = 128, bucket = 0;
     int no_verify = 0;
     mt_ckpt_ddp ddp = {0, 0};
+    /* usage errors (a bad flag or value, a missing command) exit 2; a checkpoint that fails exits 1 */
+    static const char* const value_flags[] = {"--iteration", "--target-tp", "--target-pp", "--target-vp",
+                                              "--make-vocab-size-divisible-by", "--ddp-bucket-size"};
     for (int i = 1; i < n; i++) {
         const char* a = args[i];
         int has_value = i + 1 < n;
         int ok = 1;
+        for (size_t k = 0; k < sizeof(value_flags) / sizeof(value_flags[0]) && !has_value; k++)
+            if (!strcmp(a, value_flags[k])) {
+                fprintf(stderr, "checkpoint_tool: error: %s needs a value\n", a);
+                free(args);
+                return 2;
+            }
         if (!strcmp(a, "--iteration") && has_value) ok = parse_num(a, args[++i], 0, INT64_MAX, &iteration);
         else if (!strcmp(a, "--target-tp") && has_value) ok = parse_num(a, args[++i], 1, 4096, &tp);
         else if (!strcmp(a, "--target-pp") && has_value) ok = parse_num(a, args[++i], 1, 4096, &pp);
@@ -187,7 +196,7 @@ int main(int argc, char** argv) {
         else if (!strcmp(a, "--no-verify")) no_verify = 1;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(); free(args); return 0; }
         else if (!strncmp(a, "--", 2)) {
-            fprintf(stderr, "checkpoint_tool: error: unknown flag %s%s\n", a, has_value ? "" : " (or its value is missing)");
+            fprintf(stderr, "checkpoint_tool: error: unknown flag %s (see --help)\n", a);
             ok = 0;
         } else if (!command) command = a;
         else if (num_positional < 2) positional[num_positional++] = a;
@@ -202,6 +211,10 @@ int main(int argc, char** argv) {
     if (!command || (strcmp(command, "info") && strcmp(command, "verify") && strcmp(command, "reshard")) ||
         num_positional != want) {
         usage();
+        if (!command) fprintf(stderr, "checkpoint_tool: error: give a command: info, verify or reshard\n");
+        else if (strcmp(command, "info") && strcmp(command, "verify") && strcmp(command, "reshard"))
+            fprintf(stderr, "checkpoint_tool: error: unknown command %s: info, verify or reshard\n", command);
+        else fprintf(stderr, "checkpoint_tool: error: %s takes %s\n", command, want == 2 ? "DIR OUT" : "DIR");
         free(args);
         return 2;
     }

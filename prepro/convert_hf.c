@@ -184,7 +184,13 @@ int main(int argc, char** argv) {
             no_verify = 1;
             continue;
         }
-        if (i + 1 >= argc) return bad_usage(a[0] == '-' ? "missing value for" : "unexpected argument", a);
+        /* the flags below, each with a value: an unknown one is named as such, not as missing its value */
+        static const char* const known[] = {"--import", "--save", "--export", "--out", "--iteration", "--vocab-size",
+                                            "--norm-epsilon", "--dtype"};
+        int is_known = 0;
+        for (size_t k = 0; k < sizeof(known) / sizeof(known[0]); k++) is_known |= !strcmp(a, known[k]);
+        if (!is_known) return bad_usage(a[0] == '-' ? "unknown flag" : "unexpected argument", a);
+        if (i + 1 >= argc) return bad_usage("missing value for", a);
         const char* v = argv[++i];
         if (!strcmp(a, "--import")) import_dir = v;
         else if (!strcmp(a, "--save")) save_dir = v;
@@ -202,8 +208,6 @@ int main(int argc, char** argv) {
             if (!strcmp(v, "float32") || !strcmp(v, "fp32")) dtype = MT_ST_F32;
             else if (!strcmp(v, "bfloat16") || !strcmp(v, "bf16")) dtype = MT_ST_BF16;
             else return bad_usage("--dtype must be float32 or bfloat16, not", v);
-        } else {
-            return bad_usage("unknown flag", a);
         }
     }
     if (import_dir && export_dir) return bad_usage("give one of --import and --export", NULL);

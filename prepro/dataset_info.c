@@ -131,6 +131,7 @@ int main(int argc, char** argv) {
     mt_error err;
     char msg[1024];
 
+    /* usage errors (a bad flag or value, no dataset) exit 2; failures reading the data exit 1 */
     for (int i = 1; i < argc; i++) {
         const char* a = argv[i];
         int has = i + 1 < argc;
@@ -142,35 +143,35 @@ int main(int argc, char** argv) {
             return 0;
         } else if (strcmp(a, "--data-path") == 0) {
             while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) data_args[num_data_args++] = argv[++i];
-        } else if (strcmp(a, "--seq-length") == 0 && has) { if (!parse_num(a, argv[++i], 1, INT32_MAX, &v)) return 1; seq_length = (int)v; }
+        } else if (strcmp(a, "--seq-length") == 0 && has) { if (!parse_num(a, argv[++i], 1, INT32_MAX, &v)) return 2; seq_length = (int)v; }
         else if (strcmp(a, "--split") == 0 && has) split = argv[++i];
-        else if (strcmp(a, "--seed") == 0 && has) { if (!parse_num(a, argv[++i], 0, 4294967295LL, &seed)) return 1; }
-        else if (strcmp(a, "--samples") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT32_MAX, &v)) return 1; samples_to_print = (int)v; }
-        else if (strcmp(a, "--num-samples") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT64_MAX, &num_samples)) return 1; }
-        else if (strcmp(a, "--train-iters") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT64_MAX, &train_iters)) return 1; }
-        else if (strcmp(a, "--global-batch-size") == 0 && has) { if (!parse_num(a, argv[++i], 1, INT64_MAX, &gbs)) return 1; }
-        else if (strcmp(a, "--eval-interval") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT64_MAX, &eval_interval)) return 1; }
-        else if (strcmp(a, "--eval-iters") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT64_MAX, &eval_iters)) return 1; }
+        else if (strcmp(a, "--seed") == 0 && has) { if (!parse_num(a, argv[++i], 0, 4294967295LL, &seed)) return 2; }
+        else if (strcmp(a, "--samples") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT32_MAX, &v)) return 2; samples_to_print = (int)v; }
+        else if (strcmp(a, "--num-samples") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT64_MAX, &num_samples)) return 2; }
+        else if (strcmp(a, "--train-iters") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT64_MAX, &train_iters)) return 2; }
+        else if (strcmp(a, "--global-batch-size") == 0 && has) { if (!parse_num(a, argv[++i], 1, INT64_MAX, &gbs)) return 2; }
+        else if (strcmp(a, "--eval-interval") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT64_MAX, &eval_interval)) return 2; }
+        else if (strcmp(a, "--eval-iters") == 0 && has) { if (!parse_num(a, argv[++i], 0, INT64_MAX, &eval_iters)) return 2; }
         else if (strcmp(a, "--tokenizer-kind") == 0 && has) kind_name = argv[++i];
         else if (strcmp(a, "--output-dir") == 0 && has) out_dir = argv[++i];
         else if (strcmp(a, "--show-split") == 0 && has) {
             const char* s = argv[++i];
             show = strcmp(s, "train") == 0 ? MT_SPLIT_TRAIN : strcmp(s, "valid") == 0 ? MT_SPLIT_VALID
                    : strcmp(s, "test") == 0 ? MT_SPLIT_TEST : -1;
-            if (show < 0) return fail("--show-split must be train, valid or test");
+            if (show < 0) return 1 + fail("--show-split must be train, valid or test");
         } else if (a[0] != '-') {
             data_args[num_data_args++] = a;
         } else {
             usage();
             snprintf(msg, sizeof(msg), "unknown or incomplete argument %s", a);
-            return fail(msg);
+            return 1 + fail(msg);
         }
     }
     if (num_data_args == 0) {
         usage();
-        return fail("no dataset given");
+        return 1 + fail("no dataset given");
     }
-    if (seed < 0 || seed > 4294967295LL) return fail("--seed must be in [0, 2^32)");
+    if (seed < 0 || seed > 4294967295LL) return 1 + fail("--seed must be in [0, 2^32)");
 
     /* The tokenizer that decodes the samples, loaded first so that a wrong flag fails at once. */
     mt_tokenizer* tok = NULL;
@@ -192,7 +193,7 @@ int main(int argc, char** argv) {
     double* weights = (double*)calloc((size_t)num_data_args, sizeof(double));
     int num_prefixes = 0, weighted = 0;
     if (mt_data_path_parse(num_data_args, data_args, prefixes, weights, &num_prefixes, &weighted, &err) != MT_OK)
-        return fail(err.message);
+        return 1 + fail(err.message); /* a malformed --data-path list */
 
     /* What is in each dataset. */
     for (int k = 0; k < num_prefixes; k++) {
@@ -202,7 +203,7 @@ int main(int argc, char** argv) {
         mt_indexed_dataset_close(ds);
     }
     if (seq_length <= 0) {
-        if (out_dir || num_samples >= 0 || train_iters >= 0) return fail("--seq-length is needed to build samples");
+        if (out_dir || num_samples >= 0 || train_iters >= 0) return 1 + fail("--seq-length is needed to build samples");
         return 0;
     }
 

@@ -99,7 +99,8 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--input") == 0) {
             while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) inputs[num_inputs++] = argv[++i];
-        } else if (strcmp(argv[i], "--output-prefix") == 0 && i + 1 < argc) {
+        } else if (strcmp(argv[i], "--output-prefix") == 0) {
+            if (i + 1 >= argc) return 1 + die("--output-prefix needs a value"); /* usage errors exit 2 */
             output = argv[++i];
         } else if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) {
             usage();
@@ -107,12 +108,12 @@ int main(int argc, char** argv) {
         } else {
             usage();
             fprintf(stderr, "merge_datasets: error: unknown argument %s\n", argv[i]);
-            return 1;
+            return 2;
         }
     }
     if (num_inputs == 0 || !output) {
         usage();
-        return die("--input and --output-prefix are required");
+        return 1 + die("--input and --output-prefix are required");
     }
 
     char msg[8192];

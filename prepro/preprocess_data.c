@@ -228,11 +228,13 @@ static int parse_args(int argc, char** argv, options* o) {
     return 0;
 }
 
+/* 0, or the exit status: 2 for flags that name no tokenizer (usage), 1 for one that cannot be read */
 static int load_tokenizer(const options* o, mt_tokenizer** tok) {
     mt_error err;
-    if (!o->tok.type) return die("%s", "--tokenizer-type is required (GPT2BPETokenizer, HuggingFaceTokenizer, TikTokenizer, ...; see --help)");
-    if (!strcmp(o->tok.type, "NullTokenizer")) return die("%s", "NullTokenizer has no text tokenizer: nothing to preprocess with it");
-    if (mt_tokenizer_load_by_type(tok, &o->tok, &err) != MT_OK) return die("%s", err.message);
+    if (!o->tok.type) return 1 + die("%s", "--tokenizer-type is required (GPT2BPETokenizer, HuggingFaceTokenizer, TikTokenizer, ...; see --help)");
+    if (!strcmp(o->tok.type, "NullTokenizer")) return 1 + die("%s", "NullTokenizer has no text tokenizer: nothing to preprocess with it");
+    mt_status st = mt_tokenizer_load_by_type(tok, &o->tok, &err);
+    if (st != MT_OK) return (st == MT_ERR_ARG) + die("%s", err.message);
     return 0;
 }
 
@@ -240,24 +242,26 @@ int main(int argc, char** argv) {
     options o;
     memset(&o, 0, sizeof(o));
     mt_tokenizer_args_init(&o.tok);
-    if (argc < 2) { fputs(usage, stderr); return 1; }
+    /* usage errors (no arguments, a bad flag or value, a missing required flag) exit 2, failures 1 */
+    if (argc < 2) { fputs(usage, stderr); return 2; }
     int nargs = 0;
     char** args = mt_args_split_equals(argc, argv, &nargs); /* --flag=value is --flag value */
     if (!args) return die("%s", "out of memory");
-    if (parse_args(nargs, args, &o)) return 1;
-    if (!o.num_inputs) return die("%s", "--input is required");
-    if (!o.output_prefix) return die("%s", "--output-prefix is required");
+    if (parse_args(nargs, args, &o)) return 2;
+    if (!o.num_inputs) return 1 + die("%s", "--input is required");
+    if (!o.output_prefix) return 1 + die("%s", "--output-prefix is required");
     mt_input_format format = MT_INPUT_JSONL;
     if (o.format && !strcmp(o.format, "text")) format = MT_INPUT_TEXT;
     else if (o.format && strcmp(o.format, "jsonl") != 0 && strcmp(o.format, "json") != 0)
-        return die("--input-format %s: use jsonl or text", o.format);
+        return 1 + die("--input-format %s: use jsonl or text", o.format);
     if (!o.workers) {
         long n = sysconf(_SC_NPROCESSORS_ONLN);
         o.workers = n > 0 ? (int)n : 1;
     }
 
     mt_tokenizer* tok = NULL;
-    if (load_tokenizer(&o, &tok)) return 1;
+    int tokenizer_status = load_tokenizer(&o, &tok);
+    if (tokenizer_status) return tokenizer_status;
 
     progress_state ps;
     memset(&ps, 0, sizeof(ps));

@@ -1487,8 +1487,113 @@ static test_result test_async_save(void) {
     return res;
 }
 
+/* ---- --save-retain-interval ------------------------------------------------------------------------ */
+
+/* Megatron's rule (checkpointing.py): after the save of `saved` commits, the previously tracked
+ * iteration goes unless it is <= 0, the one saved, a multiple of the interval, or one still being
+ * written; no interval, no deletion. */
+static test_result test_retain_victim_rule(void) {
+    struct { int64_t previous, saved, interval, pending, victim; } cases[] = {
+        {100, 200, 300, -1, 100}, {300, 400, 300, -1, -1}, {0, 100, 300, -1, -1}, {-1, 100, 300, -1, -1},
+        {200, 200, 300, -1, -1}, {500, 600, 300, 500, -1}, {500, 600, 300, 600, 500}, {100, 200, 0, -1, -1},
+        {100, 200, -5, -1, -1}, {1000, 900, 300, -1, 1000}, {600, 700, 300, -1, -1},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        int64_t v = mt_checkpoint_retain_victim(cases[i].previous, cases[i].saved, cases[i].interval, cases[i].pending);
+        EXPECT(v == cases[i].victim, "previous %lld, saved %lld, interval %lld, pending %lld: %lld, want %lld",
+               (long long)cases[i].previous, (long long)cases[i].saved, (long long)cases[i].interval,
+               (long long)cases[i].pending, (long long)v, (long long)cases[i].victim);
+    }
+    return TEST_PASS;
+}
+
+/* A run of saves every 100 iterations with --save-retain-interval 300, on disk: each save writes its
+ * iter directory and then the tracker (the commit), and retention runs after it with the tracker's
+ * iteration before the save. What stays is 300, 600, 900 and the newest (1000), as in Megatron; a
+ * symbolic link in the victim's place stays; nothing is deleted when the tracker does not name the
+ * save (it was not committed); a crash's leftover .tmp_iter_*.retired goes with the next deletion. */
+static test_result test_retain_on_disk(void) {
+    char dir[256], path[600], target[600];
+    ckt_dir(dir, sizeof(dir), "retain");
+    EXPECT(mt_make_directories(dir) == 0, "mkdir %s", dir);
+    mt_error err;
+    int64_t previous = -1;
+    for (int64_t it = 100; it <= 1000; it += 100) {
+        snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_00", dir, (long long)it);
+        EXPECT(mt_make_directories(path) == 0, "mkdir %s", path);
+        snprintf(path, sizeof(path), "%s/iter_%07lld/mp_rank_00/model_optim_rng.bin", dir, (long long)it);
+        EXPECT(ckt_write_bytes(path, "weights", 7) == 0, "write %s", path);
+        if (it == 500) { /* a crash's leftover from an earlier deletion */
+            snprintf(path, sizeof(path), "%s/.tmp_iter_0000400.retired/x", dir);
+            EXPECT(mt_make_directories(path) == 0, "mkdir %s", path);
+        }
+        EXPECT_OK(mt_checkpoint_write_tracker(dir, it, &err), &err);
+        int64_t deleted = -7;
+        EXPECT_OK(mt_checkpoint_retain_apply(dir, previous, it, 300, -1, &deleted, &err), &err);
+        int64_t want = mt_checkpoint_retain_victim(previous, it, 300, -1);
+        EXPECT(deleted == want, "save %lld: deleted %lld, want %lld", (long long)it, (long long)deleted, (long long)want);
+        previous = it;
+    }
+    struct stat st;
+    for (int64_t it = 100; it <= 1000; it += 100) {
+        snprintf(path, sizeof(path), "%s/iter_%07lld", dir, (long long)it);
+        const int kept = it % 300 == 0 || it == 1000;
+        EXPECT((stat(path, &st) == 0) == kept, "iteration %lld %s", (long long)it, kept ? "deleted" : "kept");
+    }
+    snprintf(path, sizeof(path), "%s/.tmp_iter_0000400.retired", dir);
+    EXPECT(stat(path, &st) != 0, "the leftover .tmp_iter_0000400.retired is still there");
+    /* a save the tracker does not name: nothing goes */
+    snprintf(path, sizeof(path), "%s/iter_0001100", dir);
+    EXPECT(mt_make_directories(path) == 0, "mkdir %s", path);
+    int64_t deleted = -7;
+    EXPECT_OK(mt_checkpoint_retain_apply(dir, 1000, 1100, 300, -1, &deleted, &err), &err);
+    snprintf(path, sizeof(path), "%s/iter_0001000", dir);
+    EXPECT(deleted == -1 && stat(path, &st) == 0, "deleted %lld though the tracker names 1000", (long long)deleted);
+    /* a symbolic link where the victim was: left alone, as Megatron does */
+    EXPECT_OK(mt_checkpoint_write_tracker(dir, 1100, &err), &err);
+    snprintf(target, sizeof(target), "%s/iter_0001000", dir);
+    snprintf(path, sizeof(path), "%s/iter_0001000_real", dir);
+    EXPECT(rename(target, path) == 0 && symlink(path, target) == 0, "symlink");
+    EXPECT_OK(mt_checkpoint_retain_apply(dir, 1000, 1100, 300, -1, &deleted, &err), &err);
+    EXPECT(deleted == -1 && lstat(target, &st) == 0 && S_ISLNK(st.st_mode) && stat(path, &st) == 0,
+           "the link or its target went");
+    mt_remove_tree(dir);
+    return TEST_PASS;
+}
+
+/* ./train_gpt with --save-interval 2 --save-retain-interval 4 over 10 iterations keeps iterations 4, 8
+ * and 10 (the newest), with and without --async-save, the tracker at 10. */
+static test_result test_retain_train_gpt(void) {
+    REQUIRE_GPU();
+    if (access("./train_gpt", X_OK) != 0) SKIP("./train_gpt is not built (make all)");
+    for (int async = 0; async < 2; async++) {
+        char dir[256], cmd[1024], out[16384], path[600];
+        ckt_dir(dir, sizeof(dir), async ? "retain_async" : "retain_sync");
+        snprintf(cmd, sizeof(cmd), "./train_gpt --mock-data --tokenizer-type NullTokenizer --vocab-size 512 --num-layers 2 "
+                 "--hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --train-iters 10 "
+                 "--lr 1e-3 --eval-iters 0 --save %s --save-interval 2 --save-retain-interval 4%s 2>&1", dir,
+                 async ? " --async-save" : "");
+        int code = test_command_output(cmd, out, sizeof(out));
+        EXPECT(code == 0, "%s: exit %d\n%s", cmd, code, out);
+        struct stat st;
+        for (int it = 2; it <= 10; it += 2) {
+            snprintf(path, sizeof(path), "%s/iter_%07d", dir, it);
+            const int kept = it % 4 == 0 || it == 10;
+            EXPECT((stat(path, &st) == 0) == kept, "%s: iteration %d %s\n%s", async ? "async" : "sync", it,
+                   kept ? "deleted" : "kept", out);
+        }
+        int64_t tracked = -1;
+        mt_error err;
+        EXPECT(mt_checkpoint_read_tracker(dir, &tracked, &err) == MT_OK && tracked == 10, "tracker %lld", (long long)tracked);
+        EXPECT(strstr(out, "deleted the checkpoint of iteration 6"), "no line for the deletion of 6:\n%s", out);
+        mt_remove_tree(dir);
+    }
+    return TEST_PASS;
+}
+
 static const test_case checkpoint_tool_gpu_tests[] = {
     {"async_save", test_async_save},
+    {"save_retain_interval_train_gpt", test_retain_train_gpt},
     {"load_other_layout_gpt2", test_load_other_layout_gpt2},
     {"load_other_layout_llama", test_load_other_layout_llama},
     {"trainer_checkpoints_gpt2", test_trainer_checkpoints_gpt2},
@@ -1513,6 +1618,8 @@ static const test_case checkpoint_tool_tests[] = {
     {"reshard_llama_qk_layernorm", test_reshard_llama_qk_layernorm},
     {"reshard_distributed_optimizer", test_reshard_distributed_optimizer},
     {"read_part_any_layout", test_read_part_any_layout},
+    {"save_retain_interval_rule", test_retain_victim_rule},
+    {"save_retain_interval_on_disk", test_retain_on_disk},
 };
 
 #endif

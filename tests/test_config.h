@@ -207,6 +207,74 @@ static test_result test_config_fp8(void) {
     return TEST_PASS;
 }
 
+/* mt_config_check_supported is the one list of what this build lacks: each rule refuses its
+ * combination with one line, mt_config_finalize refuses it with that same line, and so does
+ * mt_trainer_create on a config finalized without the check (it asks before touching a GPU, so this
+ * runs anywhere); the planner (--plan-layouts) asks the same function (tests/test_memory.h). A
+ * config with none of them passes all three. */
+static test_result test_config_check_supported(void) {
+    struct { const char* what; const char* needle; } cases[] = {
+        {"FP8 with pipeline parallelism", "--fp8-format with --pipeline-model-parallel-size 2 is not built"},
+        {"FP8 in fp16", "FP8 training needs --bf16 (FP8 with --fp16 is not supported)"},
+        {"FP8 in fp32", "FP8 training needs --bf16 (FP8 with fp32 is not supported)"},
+        {"FP8 with a hidden size off 16", "FP8 GEMMs need --hidden-size (72) to be a multiple of 16"},
+        {"FP8 blockwise with a width off 128", "to be a multiple of 128"},
+        {"--fp8-param-gather blockwise", "--fp8-param-gather with --fp8-recipe blockwise is not built"},
+        {"--fp8-param-gather with offload", "--fp8-param-gather with --optimizer-cpu-offload is not built"},
+        {"uneven split with virtual stages", "--decoder-first/last-pipeline-num-layers with virtual pipeline stages is "
+                                             "not built"},
+        {"micro-batch group above PP", "--microbatch-group-size-per-virtual-pipeline-stage 4 > PP 2 is not built"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        mt_config c = small_test_config();
+        c.num_layers = 8;
+        c.precision = MT_BF16;
+        switch (i) {
+            case 0: c.fp8_format = MT_FP8_HYBRID; c.pipeline_model_parallel_size = 2; c.world_size = 2; break;
+            case 1: c.fp8_format = MT_FP8_E4M3; c.precision = MT_FP16; break;
+            case 2: c.fp8_format = MT_FP8_E4M3; c.precision = MT_FP32; break;
+            case 3: c.fp8_format = MT_FP8_HYBRID; c.hidden_size = 72; c.num_attention_heads = 4; break;
+            case 4: c.fp8_format = MT_FP8_HYBRID; c.fp8_recipe = MT_FP8_BLOCKWISE; break;
+            case 5: c.fp8_format = MT_FP8_HYBRID; c.hidden_size = 128; c.fp8_recipe = MT_FP8_BLOCKWISE;
+                    c.micro_batch_size = 4; c.global_batch_size = 8; c.fp8_param_gather = 1;
+                    c.use_distributed_optimizer = 1; c.ffn_hidden_size = 512; break;
+            case 6: c.fp8_format = MT_FP8_HYBRID; c.fp8_param_gather = 1; c.use_distributed_optimizer = 1;
+                    c.optimizer_cpu_offload = 1; break;
+            case 7: c.pipeline_model_parallel_size = 2; c.world_size = 2; c.virtual_pipeline_size = 2;
+                    c.decoder_first_pipeline_num_layers = 2; break;
+            case 8: c.pipeline_model_parallel_size = 2; c.world_size = 2; c.virtual_pipeline_size = 2;
+                    c.microbatch_group_size_per_vp_stage = 4; break;
+        }
+        mt_config finalized = c, derived = c;
+        mt_error direct, final_err, create_err;
+        direct.message[0] = final_err.message[0] = create_err.message[0] = 0;
+        /* the sizes derived, nothing refused for what is missing here: then the one function (an uneven
+         * split with virtual stages has no layer split to derive: its derivation stops there, the sizes
+         * the trainer looks at derived) */
+        mt_status derived_st = mt__config_finalize(&derived, 0, &direct);
+        EXPECT(derived_st == MT_OK || i == 7, "%s: not a consistent config: %s", cases[i].what, direct.message);
+        EXPECT(mt_config_check_supported(&derived, &direct) == MT_ERR_CONFIG, "%s: accepted", cases[i].what);
+        EXPECT(strstr(direct.message, cases[i].needle) && !strchr(direct.message, '\n'), "%s: '%s'", cases[i].what,
+               direct.message);
+        EXPECT(mt_config_finalize(&finalized, &final_err) == MT_ERR_CONFIG && !strcmp(final_err.message, direct.message),
+               "%s: mt_config_finalize says '%s'", cases[i].what, final_err.message);
+        mt_trainer* t = NULL;
+        derived.local_rank = -1;
+        EXPECT(mt_trainer_create(&t, &derived, &create_err) == MT_ERR_CONFIG && !t &&
+                   !strcmp(create_err.message, direct.message),
+               "%s: mt_trainer_create says '%s'", cases[i].what, create_err.message);
+        /* without the combination's ingredient the same config is supported */
+        mt_config plain = c;
+        plain.fp8_format = MT_FP8_NONE;
+        plain.fp8_param_gather = 0;
+        plain.virtual_pipeline_size = 1;
+        mt_error ok;
+        EXPECT(mt_config_finalize(&plain, &ok) == MT_OK && mt_config_check_supported(&plain, &ok) == MT_OK,
+               "%s without FP8 or virtual stages: %s", cases[i].what, ok.message);
+    }
+    return TEST_PASS;
+}
+
 static const test_case config_tests[] = {
     {"config_derives_megatron_values", test_config_derives_megatron_values},
     {"config_rejects_inconsistent", test_config_rejects_inconsistent},
@@ -215,6 +283,7 @@ static const test_case config_tests[] = {
     {"learning_rate_schedules", test_learning_rate_schedules},
     {"flops_formula", test_flops_formula},
     {"config_fp8_flags_and_delayed_scaling", test_config_fp8},
+    {"config_check_supported_one_list", test_config_check_supported},
 };
 
 #endif

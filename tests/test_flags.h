@@ -915,6 +915,302 @@ static test_result test_flags_decoupled_lr_schedule(void) {
     return TEST_PASS;
 }
 
+/* ---- Megatron's functional-test configurations ------------------------------------------------ */
+
+/* Every flag of dev/data/megatron_scripts/functional_test_flags.txt (the survey of Megatron-LM's GPT
+ * functional-test configurations, dev/megatron_functional_flags.py) is in the table with the answer the
+ * file gives it; each parses with its surveyed value (a refused one stops with a line naming it and
+ * why); the implemented and informational ones then apply, or a value (or its combination with the
+ * small job's flags) this build cannot honour is refused in one line naming a flag. The four flags the model change adds ("implemented (model
+ * helper)") are expected too: this test passes once that change is in. */
+static test_result test_flags_functional_test_flags_answered(void) {
+    size_t size = 0;
+    char* text = test_read_file("dev/data/megatron_scripts/functional_test_flags.txt", &size);
+    if (!text) SKIP("dev/data/megatron_scripts/functional_test_flags.txt not found (run from the root)");
+    int flags = 0, implemented = 0, info = 0, refused = 0, value_refused = 0;
+    char missing[1024] = "";
+    test_result res = TEST_PASS;
+    char* lines_save = NULL;
+    for (char* line = strtok_r(text, "\n", &lines_save); line && res == TEST_PASS; line = strtok_r(NULL, "\n", &lines_save)) {
+        if (line[0] == '#') continue;
+        char* col[5] = {line, NULL, NULL, NULL, NULL};
+        for (int k = 1; k < 5; k++) {
+            char* tab = col[k - 1] ? strchr(col[k - 1], '\t') : NULL;
+            if (tab) *tab = 0, col[k] = tab + 1;
+        }
+        if (!col[4]) { printf("    FAIL: a line without 5 columns: %s\n", line); res = TEST_FAIL; break; }
+        flags++;
+        const tg_flag* f = tg_flag_find(col[0]);
+        if (!f && !strcmp(col[1], "implemented (model helper)")) { /* comes with the model change */
+            snprintf(missing + strlen(missing), sizeof(missing) - strlen(missing), " %s", col[0]);
+            continue;
+        }
+        if (!f) { printf("    FAIL: %s is an unknown flag (the survey says %s)\n", col[0], col[1]); res = TEST_FAIL; break; }
+        const char* kind = flags_is_refused(f) ? "refused" : f->kind == F_INFO_SWITCH || f->kind == F_INFO_VALUE
+                                                                 ? "informational" : "implemented";
+        if (strncmp(col[1], kind, strlen(kind)) != 0) {
+            printf("    FAIL: %s is %s in the table, %s in the survey\n", col[0], kind, col[1]);
+            res = TEST_FAIL;
+            break;
+        }
+        /* the flag with its value (words split as the shell would), after a small mock-data job */
+        static char words[4096];
+        snprintf(words, sizeof(words), "%s", col[4]);
+        char* argv[64] = {(char*)"train_gpt", (char*)"--mock-data", (char*)"--tokenizer-type", (char*)"NullTokenizer",
+                          (char*)"--vocab-size", (char*)"1000", (char*)"--num-layers", (char*)"2", (char*)"--hidden-size",
+                          (char*)"64", (char*)"--num-attention-heads", (char*)"4", (char*)"--seq-length", (char*)"32",
+                          (char*)"--micro-batch-size", (char*)"1", (char*)"--train-iters", (char*)"10", (char*)"--lr",
+                          (char*)"1e-3", col[0]};
+        int argc = 21;
+        char* words_save = NULL;
+        const int numeric = f->kind == F_INT || f->kind == F_INT64 || f->kind == F_DOUBLE;
+        for (char* w = strtok_r(words, " ", &words_save); w && argc < 63; w = strtok_r(NULL, " ", &words_save))
+            /* a number the harness fills in (--seed ${REPEAT}): any number will do */
+            argv[argc++] = numeric && w[0] == '$' && w[1] == '{' && w[strlen(w) - 1] == '}' ? (char*)"1" : w;
+        static tg_flags v;
+        char msg[512] = "";
+        tg_flags_init(&v);
+        int parsed = tg_flags_parse(&v, argc, argv, msg, sizeof(msg));
+        if (!strcmp(kind, "refused")) {
+            refused++;
+            if (!(parsed < 0 && !strncmp(msg, col[0], strlen(col[0])) && strlen(msg) > strlen(col[0]) + 10)) {
+                printf("    FAIL: %s (refused) parsed as %d: '%s'\n", col[0], parsed, msg);
+                res = TEST_FAIL;
+            }
+            continue;
+        }
+        if (!strcmp(kind, "informational")) info++;
+        else implemented++;
+        if (parsed != 0) { printf("    FAIL: %s %s: %s\n", col[0], col[4], msg); res = TEST_FAIL; break; }
+        if (tg_flags_apply(&v, msg, sizeof(msg)) != 0) { /* a value, or a combination, this build refuses */
+            value_refused++;
+            printf("      %s %s: %s\n", col[0], col[4], msg);
+            if (!strstr(msg, "--") || strchr(msg, '\n')) {
+                printf("    FAIL: %s %s refused without naming a flag in one line: %s\n", col[0], col[4], msg);
+                res = TEST_FAIL;
+            }
+        }
+    }
+    free(text);
+    if (res != TEST_PASS) return res;
+    printf("    %d flags: %d implemented (%d with a value refused here), %d informational, %d refused\n", flags,
+           implemented, value_refused, info, refused);
+    EXPECT(flags > 150, "only %d flags in the survey", flags);
+    EXPECT(!missing[0], "not in the table yet (the model change adds them):%s", missing);
+    return TEST_PASS;
+}
+
+/* ---- unknown flags, all at once --------------------------------------------------------------------- */
+
+/* argparse's habit: every unknown flag of the line in one message, each with the nearest known name
+ * when one is a slip away; an unknown flag's values are not taken for more unknown flags; a flag with
+ * nothing near gets no suggestion; a bad value still stops at once (as argparse's type errors do). */
+static test_result test_flags_unknown_all_at_once(void) {
+    EXPECT(tg_edit_distance("kitten", "sitting") == 3 && tg_edit_distance("", "abc") == 3 &&
+           tg_edit_distance("--lr", "--lr") == 0, "edit distance");
+    EXPECT(tg_flag_nearest("--num_layers") && !strcmp(tg_flag_nearest("--num_layers"), "--num-layers"), "--num_layers");
+    EXPECT(tg_flag_nearest("--tensor-parallel-size") &&
+           !strcmp(tg_flag_nearest("--tensor-parallel-size"), "--tensor-model-parallel-size"), "--tensor-parallel-size");
+    EXPECT(tg_flag_nearest("--zzzzzzzzzzzzzzzzzzzzzzzzzz") == NULL, "a suggestion for nonsense");
+    char* line[] = {(char*)"train_gpt", (char*)"--num_layers", (char*)"4", (char*)"--lr", (char*)"1e-3",
+                    (char*)"--hiden-size=64", (char*)"--zzzzzzzzzzzzzzzz", (char*)"a", (char*)"b",
+                    (char*)"--seq-length", (char*)"32", (char*)"--lr-decay-iter", (char*)"10"};
+    tg_flags v;
+    char msg[2048];
+    tg_flags_init(&v);
+    EXPECT(tg_flags_parse(&v, 13, line, msg, sizeof(msg)) < 0, "accepted");
+    EXPECT(!strncmp(msg, "unknown flags: --num_layers (did you mean --num-layers?), --hiden-size (did you mean "
+                    "--hidden-size?), --zzzzzzzzzzzzzzzz, --lr-decay-iter (did you mean --lr-decay-iters?) (see --help)",
+                    sizeof(msg)) && !strchr(msg, '\n'),
+           "'%s'", msg);
+    EXPECT(v.seq == 32 && v.lr == 1e-3, "the known flags around them were not parsed");
+    char* one[] = {(char*)"train_gpt", (char*)"--nope"};
+    tg_flags_init(&v);
+    EXPECT(tg_flags_parse(&v, 2, one, msg, sizeof(msg)) < 0 && !strcmp(msg, "unknown flag --nope (see --help)"), "'%s'",
+           msg);
+    char* bad_value[] = {(char*)"train_gpt", (char*)"--nope", (char*)"--seq-length", (char*)"abc"};
+    tg_flags_init(&v);
+    EXPECT(tg_flags_parse(&v, 4, bad_value, msg, sizeof(msg)) < 0 && !strcmp(msg, "--seq-length abc: not an integer"),
+           "'%s'", msg);
+    /* more than the message lists: the count of the rest */
+    static char* many[80];
+    static char names[60][16];
+    many[0] = (char*)"train_gpt";
+    for (int i = 0; i < 40; i++) {
+        snprintf(names[i], sizeof(names[i]), "--qq%02d", i);
+        many[i + 1] = names[i];
+    }
+    tg_flags_init(&v);
+    EXPECT(tg_flags_parse(&v, 41, many, msg, sizeof(msg)) < 0 && strstr(msg, "--qq00,") && strstr(msg, "--qq31,") &&
+               strstr(msg, ", and 8 more (see --help)"), "'%s'", msg);
+    return TEST_PASS;
+}
+
+/* ---- exit codes of every binary --------------------------------------------------------------------- */
+
+/* `cmd` exits with `code` and says `needle` in one stderr line of its own ("<tool>: ..."); lines of
+ * OpenMPI or CUDA (not starting with the tool's name) may come too. */
+static int flags_expect_exit(const char* cmd, int code, const char* needle) {
+    char out[16384], prog[128];
+    const char* name = cmd;
+    while (strchr(name, ' ') && memchr(name, '=', (size_t)(strchr(name, ' ') - name))) name = strchr(name, ' ') + 1;
+    size_t word = strcspn(name, " "), start = 0; /* the program: the first word after VAR=value ones */
+    for (size_t i = 0; i < word; i++)
+        if (name[i] == '/') start = i + 1;
+    snprintf(prog, sizeof(prog), "%.*s", (int)(word - start), name + start);
+    const int got = hostile_run(cmd, out, sizeof(out));
+    int own = 0, found = 0;
+    for (const char* line = out; *line;) {
+        const char* end = strchr(line, '\n');
+        size_t n = end ? (size_t)(end - line) : strlen(line);
+        if (n > strlen(prog) && !strncmp(line, prog, strlen(prog)) && line[strlen(prog)] == ':') {
+            own++;
+            char buf[4096];
+            snprintf(buf, sizeof(buf), "%.*s", (int)n, line);
+            found |= strstr(buf, needle) != NULL;
+        }
+        line += n + (end ? 1 : 0);
+    }
+    if (got == code && own == 1 && found) return 1;
+    printf("    %s\n      exit %d (want %d), want one line '%s: ...%s...' (%d such lines), got: %s\n", cmd, got, code,
+           prog, needle, own, out);
+    return 0;
+}
+
+/* Usage errors exit 2 in every binary: an unknown flag, a flag without its value, a number out of its
+ * range, a missing required flag; failures at run time (a file that is not there) stay 1. */
+static test_result test_flags_usage_errors_exit_2(void) {
+    const char* bins[] = {"./train_gpt", "./eval_hellaswag", "prepro/preprocess_data", "prepro/merge_datasets",
+                          "prepro/dataset_info", "prepro/convert_hf", "prepro/checkpoint_tool"};
+    for (size_t i = 0; i < sizeof(bins) / sizeof(bins[0]); i++)
+        if (access(bins[i], X_OK) != 0) SKIP("%s is not built (make all)", bins[i]);
+    const char* mock = "--mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --num-layers 2 --hidden-size 64 "
+                       "--num-attention-heads 4 --seq-length 32 --micro-batch-size 1 --train-iters 10 --lr 1e-3";
+    char cmd[1024];
+    struct { const char* cmd; int code; const char* needle; } cases[] = {
+        {"./train_gpt --bogus-flag", 2, "unknown flag --bogus-flag"},
+        {"./train_gpt --seq-length", 2, "--seq-length needs a value"},
+        {"./train_gpt --num-layers 0", 2, "--num-layers 0: must be between 1 and"},
+        {"./train_gpt --mock-data --lr 1e-3", 2, "--num-layers is required"},
+        {NULL, 2, "--eval-global-batch-size 7: evaluation with its own batch size is not implemented"},
+        {NULL, 2, "--save-retain-interval 3 must be a multiple of --save-interval 2"},
+        {NULL, 2, "--num-distributed-optimizer-instances 2: several distributed-optimizer instances"},
+        {"./eval_hellaswag --bogus-flag", 2, "unknown flag --bogus-flag"},
+        {"./eval_hellaswag --load", 2, "--load needs a value"},
+        {"./eval_hellaswag --load x --num-examples 0", 2, "--num-examples 0: must be in [1, 1000000]"},
+        {"prepro/preprocess_data --bogus-flag", 2, "unknown argument '--bogus-flag'"},
+        {"prepro/preprocess_data --input", 2, "--input needs a value"},
+        {"prepro/preprocess_data --input x --output-prefix y --workers 0", 2, "--workers must be a positive integer"},
+        {"prepro/preprocess_data --input x --output-prefix y", 2, "--tokenizer-type is required"},
+        {"prepro/preprocess_data --input /nonexistent_mt.jsonl --output-prefix /tmp/mt_x --tokenizer-type "
+         "GPT2BPETokenizer", 2, "GPT2BPETokenizer needs --vocab-file and --merge-file"},
+        {"prepro/merge_datasets --bogus-flag", 2, "unknown argument --bogus-flag"},
+        {"prepro/merge_datasets --input x --output-prefix", 2, "--output-prefix needs a value"},
+        {"prepro/merge_datasets --input x", 2, "--input and --output-prefix are required"},
+        {"prepro/merge_datasets --input /nonexistent_mt_dir --output-prefix /tmp/mt_x", 1, "cannot open"},
+        {"prepro/dataset_info --bogus-flag", 2, "unknown or incomplete argument --bogus-flag"},
+        {"prepro/dataset_info x --seq-length", 2, "unknown or incomplete argument --seq-length"},
+        {"prepro/dataset_info x --seq-length 0", 2, "--seq-length 0: must be between 1 and"},
+        {"prepro/dataset_info", 2, "no dataset given"},
+        {"prepro/dataset_info /nonexistent_mt_prefix", 1, "/nonexistent_mt_prefix"},
+        {"prepro/convert_hf --bogus-flag x", 2, "unknown flag --bogus-flag"},
+        {"prepro/convert_hf --import", 2, "missing value for --import"},
+        {"prepro/convert_hf --export x --out y --iteration -1", 2, "--iteration needs a non-negative integer"},
+        {"prepro/checkpoint_tool --bogus-flag", 2, "unknown flag --bogus-flag"},
+        {"prepro/checkpoint_tool info x --iteration", 2, "--iteration needs a value"},
+        {"prepro/checkpoint_tool info x --iteration -5", 2, "--iteration -5: must be between 0 and"},
+        {"prepro/checkpoint_tool", 2, "give a command: info, verify or reshard"},
+        {"prepro/checkpoint_tool frobnicate x", 2, "unknown command frobnicate"},
+        {"prepro/checkpoint_tool info /nonexistent_mt_ckpt", 1, "/nonexistent_mt_ckpt"},
+    };
+    int ok = 1;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        const char* c = cases[i].cmd;
+        if (!c) { /* train_gpt flags whose value is checked against the run's other flags */
+            const char* extra = i == 4 ? "--global-batch-size 4 --eval-global-batch-size 7 --plan"
+                              : i == 5 ? "--save ck --save-interval 2 --save-retain-interval 3"
+                                       : "--num-distributed-optimizer-instances 2";
+            snprintf(cmd, sizeof(cmd), "./train_gpt %s %s", mock, extra);
+            c = cmd;
+        }
+        ok &= flags_expect_exit(c, cases[i].code, cases[i].needle);
+    }
+    EXPECT(ok, "a binary exits with another status");
+    return TEST_PASS;
+}
+
+/* ---- the launch ------------------------------------------------------------------------------------- */
+
+typedef struct { const char* names[4]; const char* values[4]; } flags_env;
+static const char* flags_env_lookup(const char* name, void* user) {
+    const flags_env* e = (const flags_env*)user;
+    for (int i = 0; i < 4 && e->names[i]; i++)
+        if (!strcmp(e->names[i], name)) return e->values[i];
+    return NULL;
+}
+
+/* How many processes the launcher says it started (mt_launcher_world_size) and the check a build
+ * makes of it (mt_launcher_check, what train_gpt runs first): a build without MPI refuses a world
+ * above 1 (each process would train alone on GPU 0 into the same --save), an MPI build refuses a
+ * world its MPI does not see (another MPI's launcher); SLURM_NTASKS alone (a batch script's
+ * allocation, one process) is not a world; junk is ignored. Then the real binary: WORLD_SIZE=4 makes
+ * ./train_gpt refuse with exit 2 before anything else. */
+static test_result test_flags_launcher_world(void) {
+    struct { flags_env env; int world; const char* source; } cases[] = {
+        {{{NULL}, {NULL}}, 1, NULL},
+        {{{"OMPI_COMM_WORLD_SIZE"}, {"4"}}, 4, "OMPI_COMM_WORLD_SIZE"},
+        {{{"PMI_SIZE"}, {"2"}}, 2, "PMI_SIZE"},
+        {{{"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"}, {"8", "8"}}, 8, "SLURM_STEP_NUM_TASKS"},
+        {{{"SLURM_NTASKS"}, {"8"}}, 1, NULL},
+        {{{"WORLD_SIZE"}, {"16"}}, 16, "WORLD_SIZE"},
+        {{{"WORLD_SIZE", "PMI_SIZE"}, {"abc", "1"}}, 1, NULL},
+        {{{"OMPI_COMM_WORLD_SIZE"}, {"-3"}}, 1, NULL},
+        {{{"OMPI_COMM_WORLD_SIZE"}, {"99999999999999999999"}}, 1, NULL},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        const char* source = "x";
+        int world = mt_launcher_world_size(flags_env_lookup, &cases[i].env, &source);
+        EXPECT(world == cases[i].world, "case %zu: world %d, want %d", i, world, cases[i].world);
+        EXPECT(cases[i].source ? source && !strcmp(source, cases[i].source) : source == NULL, "case %zu: source %s", i,
+               source ? source : "(none)");
+    }
+    flags_env mpirun4 = {{"OMPI_COMM_WORLD_SIZE"}, {"4"}}, batch = {{"SLURM_NTASKS"}, {"8"}};
+    mt_error err;
+    EXPECT(mt_launcher_check(1, 0, flags_env_lookup, &mpirun4, &err) == MT_ERR_CONFIG &&
+               strstr(err.message, "OMPI_COMM_WORLD_SIZE=4 says the launcher started 4 processes, but this binary was "
+                                   "built without MPI") && strstr(err.message, "GPU 0"), "without MPI: %s", err.message);
+    EXPECT(mt_launcher_check(1, 1, flags_env_lookup, &mpirun4, &err) == MT_ERR_CONFIG && strstr(err.message, "MPI sees 1"),
+           "MPI sees 1: %s", err.message);
+    EXPECT(mt_launcher_check(4, 1, flags_env_lookup, &mpirun4, &err) == MT_OK, "a matching MPI world refused: %s", err.message);
+    EXPECT(mt_launcher_check(1, 0, flags_env_lookup, &batch, &err) == MT_OK, "a batch script refused: %s", err.message);
+    if (access("./train_gpt", X_OK) != 0) SKIP("./train_gpt is not built (make all)");
+    /* WORLD_SIZE (torchrun's) is safe to set around an MPI singleton; the build's own answer */
+#ifdef MT_USE_MPI
+    const char* needle = "WORLD_SIZE=4 says the launcher started 4 processes, but MPI sees 1";
+#else
+    const char* needle = "WORLD_SIZE=4 says the launcher started 4 processes, but this binary was built without MPI";
+#endif
+    EXPECT(flags_expect_exit("WORLD_SIZE=4 ./train_gpt --mock-data --tokenizer-type NullTokenizer --vocab-size 1000 "
+                             "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                             "--micro-batch-size 1 --train-iters 1 --lr 1e-3", 2, needle), "WORLD_SIZE=4");
+    return TEST_PASS;
+}
+
+/* On a machine without an NVIDIA GPU or driver, ./train_gpt says so in its own words (not CUDA's
+ * "driver version is insufficient") and exits 1, once its flags are checked and before any data is
+ * read: the built-in job, and a --data-path that does not exist (never opened). */
+static test_result test_flags_no_gpu_message(void) {
+    if (gpu_available()) SKIP("a GPU is visible: the message is for machines without one");
+    if (access("./train_gpt", X_OK) != 0) SKIP("./train_gpt is not built (make all)");
+    int ok = flags_expect_exit("./train_gpt", 1, "no NVIDIA GPU or driver was found");
+    ok &= flags_expect_exit("./train_gpt", 1, "nvidia-smi must list it");
+    ok &= flags_expect_exit("./train_gpt --data-path /nonexistent_mt_data --tokenizer-type NullTokenizer --vocab-size 1000 "
+                            "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                            "--micro-batch-size 1 --train-iters 1 --lr 1e-3", 1, "no NVIDIA GPU or driver was found");
+    EXPECT(ok, "the no-GPU message");
+    return TEST_PASS;
+}
+
 static const test_case flags_tests[] = {
     {"flags_builtin_short_runs", test_flags_builtin_short_runs},
     {"flags_prepro_equals_form", test_flags_prepro_equals_form},
@@ -928,6 +1224,11 @@ static const test_case flags_tests[] = {
     {"flags_batch_ramp_and_train_samples", test_flags_batch_ramp_and_train_samples},
     {"flags_sample_based_learning_rate", test_flags_sample_based_learning_rate},
     {"flags_decoupled_lr_schedule", test_flags_decoupled_lr_schedule},
+    {"flags_functional_test_flags_answered", test_flags_functional_test_flags_answered},
+    {"flags_unknown_all_at_once", test_flags_unknown_all_at_once},
+    {"flags_usage_errors_exit_2", test_flags_usage_errors_exit_2},
+    {"flags_launcher_world", test_flags_launcher_world},
+    {"flags_no_gpu_message", test_flags_no_gpu_message},
 };
 
 #endif

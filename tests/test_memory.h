@@ -364,6 +364,87 @@ static test_result test_plan_layouts(void) {
     return TEST_PASS;
 }
 
+/* Megatron's Llama-3-8B FP8 script (dev/data/megatron_scripts/llama3_8b_fp8_mock.txt) as a config:
+ * 32 layers of 4096, GQA 32/8 heads of 128, SwiGLU ffn 14336, RMSNorm, RoPE, untied, no biases, seq 8192,
+ * vocabulary 128256, bf16 + FP8 hybrid, micro-batch 1 of 128, distributed optimizer, SP, FP8 param gather. */
+static mt_config memory_llama3_8b_fp8(void) {
+    mt_config c = test_config_sized(32, 4096, 32, 8192, 128256);
+    test_config_attention(&c, 32, 8, 128, 14336);
+    test_config_llama(&c);
+    c.precision = MT_BF16;
+    c.fp8_format = MT_FP8_HYBRID;
+    c.fp8_amax_history_len = 1024;
+    c.fp8_amax_compute_algo = MT_FP8_AMAX_MAX;
+    c.fp8_param_gather = 1;
+    c.sequence_parallel = 1;
+    test_config_batch(&c, 1, 128);
+    test_config_ddp(&c, 1, 1, 1, 0);
+    return c;
+}
+
+/* --plan-layouts asks mt_config_check_supported of every layout, as mt_trainer_create does: for the
+ * Llama-3-8B FP8 script on 8 GPUs every layout with PP > 1 comes back refused with the trainer's own
+ * line (mt_trainer_create on that layout, which refuses before touching a GPU), every PP = 1 layout
+ * is not refused, and no refused layout is among those that fit. */
+static test_result test_plan_layouts_refuse_what_the_trainer_refuses(void) {
+    mt_config c = memory_llama3_8b_fp8();
+    static mt_layout_candidate k[256];
+    int n = 0, refused = 0, checked = 0;
+    mt_error err;
+    EXPECT_OK(mt_plan_layouts(&c, NULL, 8, k, 256, &n, &err), &err);
+    for (int i = 0; i < n; i++) {
+        EXPECT(k[i].refused == (k[i].pp > 1), "TP %d PP %d VP %d: refused %d", k[i].tp, k[i].pp, k[i].vp, k[i].refused);
+        if (!k[i].refused) continue;
+        refused++;
+        EXPECT(strstr(k[i].reason, "--fp8-format with --pipeline-model-parallel-size"), "reason '%s'", k[i].reason);
+        /* the same layout handed to the trainer: the same line */
+        mt_config x = c;
+        x.tensor_model_parallel_size = k[i].tp;
+        x.pipeline_model_parallel_size = k[i].pp;
+        x.virtual_pipeline_size = k[i].vp;
+        x.world_size = 8;
+        x.local_rank = -1;
+        mt_error derive_err, create_err;
+        EXPECT(mt__config_finalize(&x, 0, &derive_err) == MT_OK, "TP %d PP %d VP %d: %s", k[i].tp, k[i].pp, k[i].vp,
+               derive_err.message);
+        mt_trainer* t = NULL;
+        EXPECT(mt_trainer_create(&t, &x, &create_err) == MT_ERR_CONFIG && !t && !strcmp(create_err.message, k[i].reason),
+               "TP %d PP %d: the trainer says '%s', the planner '%s'", k[i].tp, k[i].pp, create_err.message, k[i].reason);
+        checked++;
+    }
+    printf("      %d layouts of 8 GPUs, %d refused (FP8 with PP > 1), each with the trainer's line\n", n, refused);
+    EXPECT(n >= 18 && refused >= 15 && checked == refused, "%d layouts, %d refused", n, refused);
+    return TEST_PASS;
+}
+
+/* --grad-reduce-in-bf16's worth: the fp32 gradient buffer's bytes less a bf16 one's, from the plan's
+ * buffer (4 and 2 bytes per buffer element); for the Llama-3-8B FP8 script at TP 1 x DP 8 about 15 GiB
+ * (8.03e9 parameters, their buffer padded), less at TP 2 (half the buffer). */
+static test_result test_plan_bf16_gradient_savings(void) {
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    for (int tp = 1; tp <= 2; tp++) {
+        mt_config c = memory_llama3_8b_fp8();
+        c.fp8_format = MT_FP8_NONE; /* the buffer is the same with or without FP8 */
+        c.fp8_param_gather = 0;
+        c.world_size = 8;
+        c.tensor_model_parallel_size = tp;
+        mt_error err;
+        EXPECT_OK(mt_config_finalize(&c, &err), &err);
+        mt_memory_plan p;
+        EXPECT_OK(mt_memory_plan_compute(&c, NULL, &p, &err), &err);
+        const size_t saved = mt_memory_plan_bf16_grad_savings(&p);
+        EXPECT(p.gradient_bytes == (size_t)p.buffer_elements * 4, "the plan's gradients %zu bytes for %lld elements",
+               p.gradient_bytes, (long long)p.buffer_elements);
+        EXPECT(saved == p.gradient_bytes - (size_t)p.buffer_elements * 2 && saved == (size_t)p.buffer_elements * 2,
+               "TP %d: %zu bytes saved", tp, saved);
+        EXPECT(p.buffer_elements >= mt_num_parameters(&c) / tp, "the buffer holds this GPU's parameters");
+        printf("      TP %d x DP %d: %.2f GiB of fp32 gradients, bf16 would save %.2f GiB\n", tp, 8 / tp,
+               p.gradient_bytes / gib, saved / gib);
+        if (tp == 1) EXPECT(saved / gib > 14.5 && saved / gib < 15.5, "TP 1: %.2f GiB, not about 15", saved / gib);
+    }
+    return TEST_PASS;
+}
+
 /* ---- host: the CPU AdamW ------------------------------------------------------------------------- */
 
 static float memory_uniform(uint64_t* s) {
@@ -475,6 +556,61 @@ static test_result test_train_gpt_plan(void) {
     return TEST_PASS;
 }
 
+/* The command line of a dev/data/megatron_scripts/ list, each word quoted for the shell. */
+static void memory_script_command(const flags_script* s, char* cmd, size_t cap) {
+    size_t used = (size_t)snprintf(cmd, cap, "./train_gpt");
+    for (int i = 1; i < s->argc && used < cap; i++) {
+        used += (size_t)snprintf(cmd + used, cap - used, " '");
+        for (const char* p = s->argv[i]; *p && used < cap; p++)
+            used += (size_t)snprintf(cmd + used, cap - used, *p == '\'' ? "'\\''" : "%c", *p);
+        if (used < cap) used += (size_t)snprintf(cmd + used, cap - used, "'");
+    }
+}
+
+/* ./train_gpt --plan-layouts --world-size 8 with Megatron's Llama-3-8B FP8 script: no layout that fits
+ * has PP > 1 (FP8 with pipeline parallelism is not built); those are listed as refused with the reason.
+ * --plan of the script's own layout names what --grad-reduce-in-bf16 would save there. */
+static test_result test_train_gpt_plan_layouts_llama_fp8(void) {
+    if (access("./train_gpt", X_OK) != 0) SKIP("./train_gpt is not built (make all)");
+    static flags_script s;
+    if (!flags_script_read("llama3_8b_fp8_mock.txt", &s)) SKIP("dev/data/megatron_scripts/ not found");
+    static char cmd[16384], line_cmd[17000], out[1 << 16];
+    memory_script_command(&s, cmd, sizeof(cmd));
+    snprintf(line_cmd, sizeof(line_cmd), "%s --plan-layouts --world-size 8 2>&1", cmd);
+    int code = test_command_output(line_cmd, out, sizeof(out));
+    EXPECT(code == 0, "exit %d\n%s", code, out);
+    const char* refused_part = strstr(out, "layouts this build refuses");
+    EXPECT(refused_part && strstr(refused_part, "refused: --fp8-format with --pipeline-model-parallel-size"),
+           "no refused FP8 + PP layouts listed:\n%s", out);
+    int fit_rows = 0, refused_rows = 0;
+    for (const char* line = strstr(out, "activation slots\n"); line && line < refused_part; line = strchr(line, '\n')) {
+        line++;
+        int tp, pp, vp, dp, gbs;
+        if (line >= refused_part || sscanf(line, "%d %d %d %d %d", &tp, &pp, &vp, &dp, &gbs) != 5) continue;
+        EXPECT(pp == 1, "a layout with PP %d (TP %d VP %d DP %d) is shown as fitting:\n%s", pp, tp, vp, dp, out);
+        fit_rows++;
+    }
+    for (const char* p = refused_part; (p = strstr(p, "refused: ")) != NULL; p++) refused_rows++;
+    printf("      %d layouts fit (all PP 1), %d refused\n", fit_rows, refused_rows);
+    EXPECT(fit_rows >= 1 && refused_rows >= 15, "%d fit, %d refused:\n%s", fit_rows, refused_rows, out);
+    /* --plan of the script's layout (TP 1, DP 8): the bf16 gradient buffer's saving, the plan's figure */
+    snprintf(line_cmd, sizeof(line_cmd), "%s --plan --world-size 8 2>&1", cmd); /* exit 1: it does not fit 80 GiB */
+    code = test_command_output(line_cmd, out, sizeof(out));
+    mt_config c = memory_llama3_8b_fp8();
+    c.world_size = 8;
+    c.lr_warmup_iters = 0;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    mt_memory_plan p;
+    EXPECT_OK(mt_memory_plan_compute(&c, NULL, &p, &err), &err);
+    char want[160];
+    snprintf(want, sizeof(want), "a bf16 gradient buffer would save %.2f GiB per GPU",
+             mt_memory_plan_bf16_grad_savings(&p) / (1024.0 * 1024.0 * 1024.0));
+    EXPECT((code == 0 || code == 1) && strstr(out, "--grad-reduce-in-bf16: not built") && strstr(out, want),
+           "--plan: exit %d, want '%s':\n%s", code, want, out);
+    return TEST_PASS;
+}
+
 /* A config whose activations do not fit 64 bits (found by dev/fuzz/fuzz_flags: 4 x 10241024 tokens, 752
  * layers, whose attention scores times layers wrapped int64) is refused by the plan in one line, never
  * planned with a wrapped size; the layouts themselves saturate instead of wrapping. */
@@ -545,6 +681,9 @@ static const test_case memory_tests[] = {
     {"plan_activation_slots_are_the_engines", test_plan_activation_slots},
     {"plan_recompute_offload_fp8", test_plan_recompute_offload_fp8},
     {"plan_layouts_fastest_first", test_plan_layouts},
+    {"plan_layouts_refuse_what_the_trainer_refuses", test_plan_layouts_refuse_what_the_trainer_refuses},
+    {"plan_bf16_gradient_savings", test_plan_bf16_gradient_savings},
+    {"train_gpt_plan_layouts_llama_fp8", test_train_gpt_plan_layouts_llama_fp8},
     {"cpu_adamw_bitwise_vectorised_threaded", test_cpu_adamw},
     {"train_gpt_plan_without_gpu", test_train_gpt_plan},
 };
