@@ -102,10 +102,11 @@ int main(int argc, char** argv) {
         MPI_Init(&argc, &argv);
         MPI_Comm_size(MPI_COMM_WORLD, &world);
         MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-        /* rank 0 reports; the others' output goes to /tmp/mt_test_rank<r>.log (a failure seen on one
-         * rank alone says why there; dev/gpu_check.sh prints those lines) */
-        char rank_log[64];
-        snprintf(rank_log, sizeof(rank_log), "/tmp/mt_test_rank%d.log", rank);
+        /* rank 0 reports; the others' output goes to <MT_TEST_LOG_DIR, default /tmp>/mt_test_rank<r>.log
+         * (a failure seen on one rank alone says why there; dev/gpu_check.sh prints those lines) */
+        char rank_log[4200];
+        const char* log_dir = getenv("MT_TEST_LOG_DIR"); /* two jobs at once on one machine: one each */
+        snprintf(rank_log, sizeof(rank_log), "%s/mt_test_rank%d.log", log_dir && *log_dir ? log_dir : "/tmp", rank);
         if (rank != 0 && !freopen(rank_log, "w", stdout) && !freopen("/dev/null", "w", stdout)) return 1;
         setvbuf(stdout, NULL, _IOLBF, 0); /* every line out, also when MPI aborts the job */
     }

@@ -27,7 +27,8 @@
 #
 # Environment: MUTANTS="name ..." (only these patches; default all), TIMEOUT (seconds per run, default
 # 900), LOGS (run: where each run's output goes, default /tmp/mutation_check), NGPUS (run: the GPU
-# count, default from nvidia-smi -L).
+# count, default from nvidia-smi -L), CLEAN=0 (run: skip the unmutated runs, when the same device run
+# has just passed the suite's multi-GPU groups).
 # Exit status: 0 when every listed test kills its mutant and passes unmutated; 1 when a mutant
 # survives, the unmutated binary fails, a mutant is missing or a patch does not apply; 2 usage; 3 when
 # nothing failed but some lines were not run (too few GPUs).
@@ -163,6 +164,7 @@ run)
       elif [ "$pa" -eq 0 ]; then verdict="SURVIVED (nothing ran: $sa skipped)"; survived=1
       else verdict="SURVIVED ($pa passed)"; survived=1; fi
       key="$filter np$np"
+      if [ "${CLEAN:-1}" = 0 ]; then clean_result[$key]="passes (not rerun: CLEAN=0, the suite's run stands)"; fi
       if [ -z "${clean_result[$key]:-}" ]; then
         read -r pc fc sc rcc < <(run_one ./test_megatron "$filter" "$np" "$LOGS/clean__${filter}__np$np.log")
         if [ "$fc" -eq 0 ] && [ "$pc" -ge 1 ] && [ "$rcc" -eq 0 ]; then clean_result[$key]="passes ($pc passed)"

@@ -173,7 +173,7 @@ static mt_status fresh_comm_id(mt_comm_id* id, mt_error* err) {
     mt_status st = MT_OK;
     if (mpi_rank() == 0) st = mt_comm_id_create(id, err);
 #ifdef MT_USE_MPI
-    MPI_Bcast(id, (int)sizeof(*id), MPI_BYTE, 0, MPI_COMM_WORLD);
+    if (mpi_world() > 1) MPI_Bcast(id, (int)sizeof(*id), MPI_BYTE, 0, MPI_COMM_WORLD); /* not in a process alone */
 #endif
     return st;
 }

@@ -391,13 +391,18 @@ static int tp_same_on_all_ranks(const void* data, size_t bytes) {
  * tests/test_model.h bound fp32 against exact arithmetic by 1e-5). Losses, gradients per tensor and
  * grad_norm 1e-5 (|norm(g + e) - norm(g)| <= norm(e): the gradients' bound bounds the norm's);
  * gradients per element 1e-4. Adam's update is scale-free, so the movement changes by about the
- * gradients' relative change: 1e-4 per tensor, 1e-3 per element.
+ * gradients' relative change: 1e-4 per tensor; per element 2e-2, since an element whose gradients
+ * stay near 0 (the word-embedding rows of tokens the batches rarely hold) is moved by m / (sqrt(v) +
+ * eps) with m and sqrt(v) of the size of the sums' rounding noise: measured on 4 H200s, word
+ * embeddings' elements parted by 3.9e-3 (Llama TP=4) and 2.1e-3 (TP=2 x DP=2) of (rms + movement).
  * bf16: where a layout rounds activations differently (TP and SP: each partial sum is rounded to bf16,
  * 2^-9 relative, before it is added, where one GPU rounds the whole sum once; DP and PP at TP = 1 round
  * nothing differently), a gradient moves by a few 2^-9 per layer: 1e-2 per tensor (the TP tests' bound,
  * a third of bf16's parity bound against fp64), 0.25 per element (some 10 roundings of 2^-9 on the
- * path, of magnitudes that can exceed the element and the rms several times); grad_norm 1e-2 (as in
- * fp32), losses 1e-3 (the issue's bound). The movement: Adam's first steps are lr x sign(g), so an
+ * path, of magnitudes that can exceed the element and the rms several times); measured on 4 H200s,
+ * Llama with --qk-layernorm at TP=4 (more partial sums, and the query/key norms' rounding) reached
+ * 1.1e-2 (ln2_weight), so 3e-2 per tensor; grad_norm 3e-2 (PP=4's norm parted from one GPU's by
+ * 1.08e-2 at step 12, as the bf16 trajectories drift apart); losses 1e-3 (the issue's bound). The movement: Adam's first steps are lr x sign(g), so an
  * element whose gradient is within the rounding noise of 0 (a fraction ~d of them at relative noise d)
  * may step the other way; that moves the first update by ~sqrt(3 d) in norm (0.1 at d = 3e-3), and
  * later steps, no longer sign-like, average it down to a few 1e-2 of the movement: 0.1 per tensor,
@@ -412,8 +417,8 @@ typedef struct {
 } layout_tolerance;
 
 static layout_tolerance layout_tolerance_of(mt_precision precision) {
-    const layout_tolerance fp32 = {1e-5, 1e-5, 1e-5, 1e-4, 1e-4, 1e-3};
-    const layout_tolerance bf16 = {1e-3, 1e-2, 1e-2, 0.25, 0.1, 5.0};
+    const layout_tolerance fp32 = {1e-5, 1e-5, 1e-5, 1e-4, 1e-4, 2e-2};
+    const layout_tolerance bf16 = {1e-3, 3e-2, 3e-2, 0.25, 0.1, 5.0};
     return precision == MT_FP32 ? fp32 : bf16;
 }
 
@@ -757,7 +762,7 @@ static test_result test_layout_comparison(void) {
     static const char* names[CASES] = {"a copy", "fp32 noise", "bf16 noise", "noise in the key biases",
                                        "layer 1's fc2 bias gradient lost", "layer 1's fc2 bias not updated",
                                        "layer 2's first norm weight not updated", "one fc1 gradient element off",
-                                       "a NaN weight", "a loss off by 2e-3", "a grad norm off by 2e-2",
+                                       "a NaN weight", "a loss off by 2e-3", "a grad norm off by 5e-2",
                                        "an initial weight one ulp off", "an element held by no rank"};
     /* expected: passes fp32's bounds, passes bf16's */
     static const int want[CASES][2] = {{1, 1}, {1, 1}, {0, 1}, {1, 1}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0},
@@ -786,7 +791,7 @@ static test_result test_layout_comparison(void) {
             case GRAD_ELEMENT: r.grads[fc1] += (float)(3 * gs); break;
             case WEIGHT_NAN: r.weights[fc1] = NAN; break;
             case LOSS: r.losses[7] *= 1.002; break;
-            case NORM: r.grad_norms[11] *= 1.02; break;
+            case NORM: r.grad_norms[11] *= 1.05; break;
             case INIT: r.init[fc1] = nextafterf(r.init[fc1], 1.0f); break;
             case UNHELD: r.unheld = 1; break;
         }

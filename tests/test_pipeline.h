@@ -778,10 +778,12 @@ static test_result test_pp_repeat_resume(void) {
  * added; GPT-2's tied word embeddings live on the first and the last stage and count once). Each
  * step's params norm within 1e-6 relative of one GPU's (fp32: the layouts' weights differ by reordered
  * sums, ~1e-7 relative after 3 steps, tests/test_tensor_parallel.h; a tensor counted twice or missed
- * moves the norm by 1e-3 or more) and its zero count equal (the exact zeros are the untied word
- * embeddings' rows no token of the batch uses and the padding's, the same in every layout; a layout
- * counting a replica twice or skipping a shard would differ by thousands); every rank reports the
- * same values. GPT-2 (tied) and Llama (untied; its count at least the unused rows' elements). */
+ * moves the norm by 1e-3 or more) and its zero count within 16 of one GPU's (the structural zeros are
+ * the untied word embeddings' rows no token of the batch uses and the padding's, the same in every
+ * layout; besides them a few elements come out exactly 0 by cancellation, and which ones depends on
+ * the order of the sums: on 4 H200s GPT-2 at TP=4 with SP counted 2 where one GPU counted 3; a
+ * layout counting a replica twice or skipping a shard would differ by thousands); every rank reports
+ * the same values. GPT-2 (tied) and Llama (untied; its count at least the unused rows' elements). */
 static test_result pn_steps(mt_config c, double* norms, int64_t* zeros) {
     mt_error err;
     mt_trainer* t = NULL;
@@ -828,7 +830,7 @@ static test_result test_params_norm_zeros_layouts(void) {
             }
             for (int k = 0; k < 3; k++) {
                 const double rel = fabs(norms[k] - ref_norms[k]) / ref_norms[k];
-                if (!(rel <= 1e-6) || zeros[k] != ref_zeros[k] || zeros[k] < unused * ref.hidden_size) {
+                if (!(rel <= 1e-6) || llabs(zeros[k] - ref_zeros[k]) > 16 || zeros[k] < unused * ref.hidden_size) {
                     printf("    FAIL %s %s step %d: params norm %.9f (one GPU %.9f), num zeros %lld (one GPU %lld)\n",
                            llama ? "Llama" : "GPT-2", names[v], k, norms[k], ref_norms[k], (long long)zeros[k],
                            (long long)ref_zeros[k]);
