@@ -2880,17 +2880,29 @@ __device__ __forceinline__ float2 row_softmax_stats(const T* x, int V) {
     constexpr int W = vec16<T>::N;
     float v[W];
     float mx = -INFINITY, sum = 0.0f;
-    for (int i = threadIdx.x * W; i < V; i += blockDim.x * W) {
-        load16(v, x + i);
-        float local = v[0];
+    if (V % W == 0) { /* 16-byte loads: the row starts 16-byte aligned (the logits' base is) */
+        for (int i = threadIdx.x * W; i < V; i += blockDim.x * W) {
+            load16(v, x + i);
+            float local = v[0];
 #pragma unroll
-        for (int k = 1; k < W; k++) local = fmaxf(local, v[k]);
-        if (local > mx) {
-            sum *= expf(mx - local);
-            mx = local;
+            for (int k = 1; k < W; k++) local = fmaxf(local, v[k]);
+            if (local > mx) {
+                sum *= expf(mx - local);
+                mx = local;
+            }
+#pragma unroll
+            for (int k = 0; k < W; k++) sum += expf(v[k] - mx);
         }
-#pragma unroll
-        for (int k = 0; k < W; k++) sum += expf(v[k] - mx);
+    } else { /* a tensor-parallel rank's share of a vocabulary padded to no multiple of W x TP
+              * (--make-vocab-size-divisible-by 1, or a resumed checkpoint's padding) */
+        for (int i = threadIdx.x; i < V; i += blockDim.x) {
+            const float e = to_float(x[i]);
+            if (e > mx) {
+                sum *= expf(mx - e);
+                mx = e;
+            }
+            sum += expf(e - mx);
+        }
     }
     float block_mx = block_max(mx);
     sum = mx == -INFINITY ? 0.0f : sum * expf(mx - block_mx);
@@ -2967,6 +2979,11 @@ __global__ void cross_entropy_combine_kernel(T* logits, float* losses, const flo
     T* x = logits + row * V;
     int64_t target = targets[row] - vocab_start;
     float v[W];
+    if (V % W != 0) { /* no 16-byte rows (row_softmax_stats) */
+        for (int i = threadIdx.x; i < V; i += blockDim.x)
+            x[i] = from_float<T>((expf(to_float(x[i]) - lse) - (i == target ? 1.0f : 0.0f)) * grad_scale);
+        return;
+    }
     for (int i = threadIdx.x * W; i < V; i += blockDim.x * W) {
         load16(v, x + i);
 #pragma unroll

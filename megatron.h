@@ -890,10 +890,15 @@ void mt_plan_options_defaults(mt_plan_options* opts);
  * the plan (dev/memory_check.sh compares the sum with what the device reports). */
 #define MT_PLAN_CONTEXT_BYTES ((size_t)512 << 20)  /* CUDA context and this program's kernels */
 #define MT_PLAN_CUBLAS_BYTES ((size_t)64 << 20)    /* cuBLAS and cuBLASLt handles */
-#define MT_PLAN_NCCL_BYTES ((size_t)256 << 20)     /* each NCCL communicator of more than one rank: the
+#define MT_PLAN_NCCL_BYTES ((size_t)640 << 20)     /* each NCCL communicator of more than one rank: the
                                                       world, TP, DP; with PP > 1 the pipeline's two (activations,
                                                       gradients) and, on the first and last stage, the
-                                                      embedding group's */
+                                                      embedding group's. Measured on 2 and 4 H200s (NVLS off;
+                                                      tests/test_memory.h plan_holds_after_training_each_rank):
+                                                      NCCL connects each collective kind at its first use, ~288
+                                                      MiB at a time, 465-490 MiB a communicator with DP or TP and
+                                                      up to 607 with PP's transfers; it was 256, an estimate the
+                                                      devices exceeded by up to 1.3 GiB a rank */
 /* Sizes the trainer's scratch is built from (megatron.cu checks them against its own). */
 #define MT_CUBLAS_WORKSPACE_BYTES ((size_t)32 << 20)
 #define MT_COLSUM_MAX_CHUNKS 256

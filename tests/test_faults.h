@@ -862,6 +862,7 @@ static test_result faults_save_case(const faults_layout* L, int failing, const c
         int fell_back = -1;
         char iter2[600];
         snprintf(iter2, sizeof(iter2), "%s/iter_0000002", dir);
+        err.message[0] = 0;
         if (access(path, F_OK) == 0 || access(tmp, F_OK) == 0 || mt_checkpoint_read_tracker(dir, &tracked, &err) != MT_OK ||
             tracked != 2 || mt_checkpoint_manifest_verify(iter2, &err) != MT_OK ||
             mt_checkpoint_select(dir, -1, 0, &chosen, &fell_back, NULL, &err) != MT_OK || chosen != 2 || fell_back) {
@@ -919,7 +920,10 @@ static test_result test_faults_async_save_one_rank_fails(void) {
     test_result res = TEST_PASS;
     for (int i = 0; i < 2 && res == TEST_PASS; i++) {
         if (mpi_world() % (layouts[i].tp * layouts[i].pp) != 0) continue;
-        const int failing[2] = {mpi_world() - 1, 0}; /* a rank that writes, then rank 0, which also commits */
+        /* a rank that writes, then rank 0, which also commits: without the distributed optimizer only
+         * DP rank 0 writes, the first tp x pp ranks in Megatron's order (TP fastest); with it every rank */
+        const int writer = layouts[i].distributed ? mpi_world() - 1 : layouts[i].tp * layouts[i].pp - 1;
+        const int failing[2] = {writer, 0};
         for (int f = 0; f < 2 && res == TEST_PASS; f++) {
             char dir[128];
             if (!memory_shared_dir(dir, sizeof(dir), "faults_save")) SKIP("mkdtemp failed on rank 0");

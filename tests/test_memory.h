@@ -922,7 +922,7 @@ static mt_status memory_lifecycle(const mt_config* base, const char* dir, size_t
  * the baseline already. Against that baseline a trainer holds its allocations (plan.total_bytes, equal
  * to the byte: plan_equals_allocation), its cuBLAS handles and NCCL communicators (with NCCL's
  * buffers, connected at the first collective of each kind), for which the plan allows
- * overhead_bytes - MT_PLAN_CONTEXT_BYTES (64 MiB, and 256 MiB a communicator), and the driver's 2 MiB
+ * overhead_bytes - MT_PLAN_CONTEXT_BYTES (64 MiB, and 640 MiB a communicator), and the driver's 2 MiB
  * granularity over its ~20 allocations: 48 MiB. So at every point the device may hold at most
  * total + overhead - context + 48 MiB. On one GPU (no NCCL) also: nothing comes after creation (the
  * trainer allocates nothing in its step loop, evaluation or saves; the async save's staging is pinned
