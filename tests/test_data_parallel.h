@@ -401,8 +401,11 @@ static int tp_same_on_all_ranks(const void* data, size_t bytes) {
  * a third of bf16's parity bound against fp64), 0.25 per element (some 10 roundings of 2^-9 on the
  * path, of magnitudes that can exceed the element and the rms several times); measured on 4 H200s,
  * Llama with --qk-layernorm at TP=4 (more partial sums, and the query/key norms' rounding) reached
- * 1.1e-2 (ln2_weight), so 3e-2 per tensor; grad_norm 3e-2 (PP=4's norm parted from one GPU's by
- * 1.08e-2 at step 12, as the bf16 trajectories drift apart); losses 1e-3 (the issue's bound). The movement: Adam's first steps are lr x sign(g), so an
+ * 1.1e-2 (ln2_weight), so 3e-2 per tensor; grad_norm 3e-2 at the first step (the same weights: the
+ * gradients' bound bounds it) and 0.1 at the later ones, where the bf16 trajectories have parted: at
+ * step 12, where one GPU's GPT-2 norm spikes (1.22), PP=4 gave 1.207 (1.1e-2 off), PP=2 x VP=2 x DP=2
+ * 2.4e-2 and PP=2 x TP=2 SP 1.172 (4.0e-2) on 4 H200s, all with losses within 5.4e-4; losses 1e-3
+ * (the issue's bound). The movement: Adam's first steps are lr x sign(g), so an
  * element whose gradient is within the rounding noise of 0 (a fraction ~d of them at relative noise d)
  * may step the other way; that moves the first update by ~sqrt(3 d) in norm (0.1 at d = 3e-3), and
  * later steps, no longer sign-like, average it down to a few 1e-2 of the movement: 0.1 per tensor,
@@ -411,14 +414,15 @@ static int tp_same_on_all_ranks(const void* data, size_t bytes) {
  * movement and the other's: 5 x (rms + |movement|), which still catches a NaN or an element read from
  * the wrong place (the initial weights' std, 0.02, is several times the movement's rms). */
 typedef struct {
-    double loss, grad_norm;               /* relative, every step */
+    double loss;                          /* relative, every step */
+    double grad_norm, grad_norm_later;    /* relative: the first step's (the same weights), the later steps' */
     double grad_tensor, grad_element;     /* the first step's gradients */
     double weight_tensor, weight_element; /* the final weights, against one GPU's movement */
 } layout_tolerance;
 
 static layout_tolerance layout_tolerance_of(mt_precision precision) {
-    const layout_tolerance fp32 = {1e-5, 1e-5, 1e-5, 1e-4, 1e-4, 2e-2};
-    const layout_tolerance bf16 = {1e-3, 3e-2, 3e-2, 0.25, 0.1, 5.0};
+    const layout_tolerance fp32 = {1e-5, 1e-5, 1e-5, 1e-5, 1e-4, 1e-4, 2e-2};
+    const layout_tolerance bf16 = {1e-3, 3e-2, 0.1, 3e-2, 0.25, 0.1, 5.0};
     return precision == MT_FP32 ? fp32 : bf16;
 }
 
@@ -637,13 +641,15 @@ static test_result layout_compare(const char* name, const layout_reference* ref,
                (long long)j, run->init[j], one->init[j]);
         res = TEST_FAIL;
     }
-    double loss = fabs(run->gradient_loss - one->gradient_loss) / fabs(one->gradient_loss), norm = 0;
-    int loss_step = -1, norm_step = 0;
+    double loss = fabs(run->gradient_loss - one->gradient_loss) / fabs(one->gradient_loss), norm = 0, norm_ratio = 0;
+    int loss_step = -1, norm_step = 0, norm_fail_step = -1;
     for (int k = 0; k < one->steps; k++) {
         const double dl = fabs(run->losses[k] - one->losses[k]) / fabs(one->losses[k]);
         const double dn = fabs(run->grad_norms[k] - one->grad_norms[k]) / fabs(one->grad_norms[k]);
+        const double ratio = dn / (k == 0 ? tol->grad_norm : tol->grad_norm_later); /* > 1: out of bounds */
         if (!(dl <= loss)) { loss = dl; loss_step = k; }
         if (!(dn <= norm)) { norm = dn; norm_step = k; }
+        if (!(ratio <= norm_ratio)) { norm_ratio = ratio; norm_fail_step = k; }
     }
     const layout_worst g = layout_compare_arrays(ref, run->grads, one->grads, NULL);
     const layout_worst w = layout_compare_arrays(ref, run->weights, one->weights, one->init);
@@ -657,9 +663,10 @@ static test_result layout_compare(const char* name, const layout_reference* ref,
         else LAYOUT_SAY("    FAIL %s step %d: loss %.9f, one GPU %.9f\n", name, loss_step, run->losses[loss_step], one->losses[loss_step]);
         res = TEST_FAIL;
     }
-    if (!(norm <= tol->grad_norm)) {
-        LAYOUT_SAY("    FAIL %s step %d: grad norm %.9g, one GPU %.9g\n", name, norm_step, run->grad_norms[norm_step],
-               one->grad_norms[norm_step]);
+    if (!(norm_ratio <= 1.0)) {
+        LAYOUT_SAY("    FAIL %s step %d: grad norm %.9g, one GPU %.9g (bound %.0e)\n", name, norm_fail_step,
+               run->grad_norms[norm_fail_step], one->grad_norms[norm_fail_step],
+               norm_fail_step == 0 ? tol->grad_norm : tol->grad_norm_later);
         res = TEST_FAIL;
     }
     if (!(g.tensor <= tol->grad_tensor)) {
@@ -762,7 +769,7 @@ static test_result test_layout_comparison(void) {
     static const char* names[CASES] = {"a copy", "fp32 noise", "bf16 noise", "noise in the key biases",
                                        "layer 1's fc2 bias gradient lost", "layer 1's fc2 bias not updated",
                                        "layer 2's first norm weight not updated", "one fc1 gradient element off",
-                                       "a NaN weight", "a loss off by 2e-3", "a grad norm off by 5e-2",
+                                       "a NaN weight", "a loss off by 2e-3", "the first grad norm off by 5e-2",
                                        "an initial weight one ulp off", "an element held by no rank"};
     /* expected: passes fp32's bounds, passes bf16's */
     static const int want[CASES][2] = {{1, 1}, {1, 1}, {0, 1}, {1, 1}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0},
@@ -791,7 +798,7 @@ static test_result test_layout_comparison(void) {
             case GRAD_ELEMENT: r.grads[fc1] += (float)(3 * gs); break;
             case WEIGHT_NAN: r.weights[fc1] = NAN; break;
             case LOSS: r.losses[7] *= 1.002; break;
-            case NORM: r.grad_norms[11] *= 1.05; break;
+            case NORM: r.grad_norms[0] *= 1.05; break;
             case INIT: r.init[fc1] = nextafterf(r.init[fc1], 1.0f); break;
             case UNHELD: r.unheld = 1; break;
         }
