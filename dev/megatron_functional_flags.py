@@ -23,7 +23,6 @@ import yaml
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 # Flags another change implements on the GPU side (their table rows come with it).
-MODEL_HELPER = {"--squared-relu", "--qk-layernorm", "--log-params-norm", "--log-num-zeros-in-grad"}
 KINDS = {
     "F_INT": "implemented", "F_INT64": "implemented", "F_INT64_3": "implemented", "F_DOUBLE": "implemented",
     "F_STRING": "implemented", "F_TRUE": "implemented", "F_INFO_SWITCH": "informational",
@@ -78,13 +77,13 @@ def main():
         "# Written by dev/megatron_functional_flags.py; checked by tests/test_flags.h (every flag in the table with",
         "# this answer; each parses with its value, and one this build cannot honour is refused in one line",
         "# naming it). Answers: implemented, informational (accepted, no effect in this build), refused (one line:",
-        "# why and what instead); 'implemented (model helper)': implemented with the model change that adds it.",
+        "# why and what instead).",
         "# Columns, tab-separated: flag, answer, configurations using it, one of them, its most common value",
         "# (empty: a switch).",
     ]
     missing = []
     for flag, us in sorted(uses.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        answer = answers.get(flag) or ("implemented (model helper)" if flag in MODEL_HELPER else None)
+        answer = answers.get(flag)
         if answer is None:
             missing.append(flag)
             answer = "UNKNOWN"
