@@ -818,6 +818,16 @@ static int ckt_one_line(const char* what, int code, int want_code, const char* e
     return ok;
 }
 
+/* A reader run on case `kind` of test_tools_refuse_damage: intact (0), it ends with exit 0 and says
+ * nothing; damaged, one line of prog's (an error when refused, else a warning) naming the file. */
+static int ckt_reader_outcome(const char* what, int kind, int code, int refused, const char* err, const char* prog,
+                              const char* kind_word, const char* needle) {
+    if (kind != 0) return ckt_one_line(what, code, refused, err, prog, kind_word, needle);
+    if (code == 0 && !err[0]) return 1;
+    printf("    %s: exit %d: %s\n", what, code, err);
+    return 0;
+}
+
 /* The readers as a user runs them: prepro/checkpoint_tool (info, verify, reshard) and prepro/convert_hf
  * (--export) on a Llama checkpoint at TP 1 (what export takes). A flipped byte: each refuses, exit 1,
  * one line naming the file, and writes nothing; with --no-verify, info, reshard and export proceed
@@ -860,14 +870,12 @@ static test_result test_tools_refuse_damage(void) {
             snprintf(cmd, sizeof(cmd), "prepro/checkpoint_tool info '%s'%s", src, nv);
             int code = ckt_run_tool(cmd, err_text, sizeof(err_text));
             snprintf(what, sizeof(what), "case %d: info%s", kind, nv);
-            if (kind == 0) ok &= code == 0 && !err_text[0] ? 1 : (printf("    %s: exit %d: %s\n", what, code, err_text), 0);
-            else ok &= ckt_one_line(what, code, refused, err_text, "checkpoint_tool", kind_word, needle);
+            ok &= ckt_reader_outcome(what, kind, code, refused, err_text, "checkpoint_tool", kind_word, needle);
             snprintf(out, sizeof(out), "%s/resharded%d%d", root, kind, no_verify);
             snprintf(cmd, sizeof(cmd), "prepro/checkpoint_tool reshard '%s' '%s' --target-tp 2 --target-pp 1%s", src, out, nv);
             code = ckt_run_tool(cmd, err_text, sizeof(err_text));
             snprintf(what, sizeof(what), "case %d: reshard%s", kind, nv);
-            if (kind == 0) ok &= code == 0 && !err_text[0] ? 1 : (printf("    %s: exit %d: %s\n", what, code, err_text), 0);
-            else ok &= ckt_one_line(what, code, refused, err_text, "checkpoint_tool", kind_word, needle);
+            ok &= ckt_reader_outcome(what, kind, code, refused, err_text, "checkpoint_tool", kind_word, needle);
             snprintf(path, sizeof(path), "%s/iter_0000006", out);
             EXPECT(refused ? access(out, F_OK) != 0 : access(path, F_OK) == 0, "%s: output %s", what,
                    refused ? "written" : "missing");
@@ -883,8 +891,7 @@ static test_result test_tools_refuse_damage(void) {
             snprintf(cmd, sizeof(cmd), "prepro/convert_hf --export '%s' --out '%s'%s", src, out, nv);
             code = ckt_run_tool(cmd, err_text, sizeof(err_text));
             snprintf(what, sizeof(what), "case %d: convert_hf --export%s", kind, nv);
-            if (kind == 0) ok &= code == 0 && !err_text[0] ? 1 : (printf("    %s: exit %d: %s\n", what, code, err_text), 0);
-            else ok &= ckt_one_line(what, code, refused, err_text, "convert_hf", kind_word, needle);
+            ok &= ckt_reader_outcome(what, kind, code, refused, err_text, "convert_hf", kind_word, needle);
             snprintf(path, sizeof(path), "%s/config.json", out);
             EXPECT(refused ? access(out, F_OK) != 0 : access(path, F_OK) == 0, "%s: output %s", what,
                    refused ? "written" : "missing");
