@@ -4791,11 +4791,12 @@ typedef struct {
 } mt_activations;
 
 /* ---- The trainer and its parts ----
- * mt_trainer holds what every section of Part II reads (the config, the error record, the process
- * groups, the stream and GEMM plans, the model's buffers and running activations, the FP8 state), then
- * one part per section that keeps state of its own across calls. A part's type sits here, before
- * the trainer (C++ needs it whole), and names its section; that section's functions are the ones
- * that read and write it, and where one of them needs nothing else it takes the part alone. */
+ * mt_trainer holds what sections 14-20 all read (the config, the error record, the process groups,
+ * the stream and GEMM plans, the model's buffers and running activations, the FP8 state), then one
+ * part for each section that keeps state of its own from call to call. A part's type sits here,
+ * before the trainer (C++ needs it whole), and names its section: that section's functions read and
+ * write it, and one that needs nothing else takes the part alone (loss_scaler_update, offloaded_part,
+ * offload_free, release_save; ddp_create with the buffer layout it sizes the part by). */
 
 /* Section 17, the micro-batch loop: the activation slots a step's schedule hands out, the host
  * staging of one micro-batch's tokens, the pipeline's pending send, and the last loss's count. */
@@ -4899,7 +4900,8 @@ struct mt_trainer {
     /* parameters and gradients share one buffer layout (megatron.h, mt_buffer_layout): reverse model
      * order, cut into data-parallel buckets */
     mt_buffer_layout buffer;
-    void* params;             /* [buffer.size] model type; aliases opt.master in fp32 without the distributed optimizer */
+    void* params;             /* [buffer.size] model type; aliases opt.master in fp32 without the distributed
+                                 optimizer */
     float* grads;             /* [buffer.size] fp32 */
     mt_activations act;       /* the activations of the (chunk, micro-batch) running: one of loop.slots[] */
     mt_fp8_state fp8;         /* FP8 linears (section 15); enabled = 0 without --fp8-format */
@@ -6233,17 +6235,20 @@ static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_group_kind grou
     mt_process_groups* g = &t->groups;
     ncclComm_t comm = group == GROUP_DP ? g->dp : group == GROUP_TP ? g->tp.comm : group == GROUP_PP ? g->pp : g->world;
     if (!comm) return MT_OK; /* a group of one */
-    CUDA_CHECK(&t->error, cudaMemcpyAsync(t->ddp.reduce_scratch, value, sizeof(double), cudaMemcpyHostToDevice, t->stream));
+    CUDA_CHECK(&t->error,
+               cudaMemcpyAsync(t->ddp.reduce_scratch, value, sizeof(double), cudaMemcpyHostToDevice, t->stream));
     if (group == GROUP_TP) {
         tp_all_reduce(&t->groups.tp, t->ddp.reduce_scratch, 1, ncclDouble);
         tp_join(&t->groups.tp);
     } else {
         comm_after_compute(t);
         NCCL_CHECK(&t->error, t->cfg.rank,
-                   ncclAllReduce(t->ddp.reduce_scratch, t->ddp.reduce_scratch, 1, ncclDouble, ncclSum, comm, g->comm_stream));
+                   ncclAllReduce(t->ddp.reduce_scratch, t->ddp.reduce_scratch, 1, ncclDouble, ncclSum, comm,
+                                 g->comm_stream));
         compute_after_comm(t);
     }
-    CUDA_CHECK(&t->error, cudaMemcpyAsync(value, t->ddp.reduce_scratch, sizeof(double), cudaMemcpyDeviceToHost, t->stream));
+    CUDA_CHECK(&t->error,
+               cudaMemcpyAsync(value, t->ddp.reduce_scratch, sizeof(double), cudaMemcpyDeviceToHost, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     return mt_gpu_error_return(&t->error, err);
 }
@@ -6515,8 +6520,8 @@ struct mt_offload {
 
 static void* device_alloc(mt_trainer* t, size_t bytes, size_t* counter);
 
-static void offload_free(mt_trainer* t) {
-    struct mt_offload* o = t->opt.offload;
+static void offload_free(mt_optimizer_state* opt) {
+    struct mt_offload* o = opt->offload;
     if (!o) return;
     if (o->d2h) cudaStreamSynchronize(o->d2h);
     if (o->h2d) cudaStreamSynchronize(o->h2d);
@@ -6535,7 +6540,7 @@ static void offload_free(mt_trainer* t) {
     free(o->runs);
     free(o->segments);
     free(o);
-    t->opt.offload = NULL;
+    opt->offload = NULL;
 }
 
 /* From the optimizer's chunk table (host copy, in shard order): the runs of the offloaded part,
@@ -6746,7 +6751,8 @@ static void adamw_step(mt_trainer* t, float lr, float lr_decoupled, float grad_s
     const int gpu_chunks = t->opt.offload ? t->opt.offload->num_gpu_chunks : t->opt.num_chunks;
     T* model = t->fp8.param_gather ? (T*)NULL : (T*)t->params; /* fp8_publish_parameters writes it then */
     if (gpu_chunks > 0)
-        adamw_update<T>(&ex, &h, t->opt.chunks, gpu_chunks, t->opt.master, model, t->grads, t->opt.adam_m, t->opt.adam_v);
+        adamw_update<T>(&ex, &h, t->opt.chunks, gpu_chunks, t->opt.master, model, t->grads, t->opt.adam_m,
+                        t->opt.adam_v);
     offload_update(t, &h); /* the CPU's part, while the GPU's runs */
     if (params_norm) *params_norm = sqrt(params_norm_squared(t));
     t->fp8.stale = 1;
@@ -6877,11 +6883,13 @@ static void set_master_from_full(mt_trainer* t, float* full) {
     t->fp8.stale = 1; /* the FP8 weight copies are made again from the new parameters */
     t->fp8.unpublished = t->fp8.param_gather; /* --fp8-param-gather: the storage is written from the master */
     if (full != t->opt.master) copy_owned(t, t->opt.master, full, 1);
-    if (t->params == (void*)t->opt.master) { /* the offloaded part's weights too (copy_owned put its master on the host) */
+    if (t->params == (void*)t->opt.master) {
+        /* the offloaded part's weights too (copy_owned put its master on the host) */
         if (t->opt.offload && full != t->opt.master)
-            CUDA_CHECK(&t->error, cudaMemcpyAsync(t->opt.master + t->opt.offload->gpu_numel, full + t->opt.offload->gpu_numel,
-                                                  sizeof(float) * (size_t)t->opt.offload->numel, cudaMemcpyDeviceToDevice,
-                                                  t->stream));
+            CUDA_CHECK(&t->error, cudaMemcpyAsync(t->opt.master + t->opt.offload->gpu_numel,
+                                                  full + t->opt.offload->gpu_numel,
+                                                  sizeof(float) * (size_t)t->opt.offload->numel,
+                                                  cudaMemcpyDeviceToDevice, t->stream));
         return;
     }
     if (t->fp8.param_gather) return;
@@ -7499,7 +7507,8 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
     t->ckpt.load_warning.message[0] = 0;
     if (t->cfg.rank == 0) {
         int fell_back = 0;
-        st = mt_checkpoint_select(dir, iteration, t->ckpt.no_verify_checkpoint, &iteration, &fell_back, &t->ckpt.load_warning, err);
+        st = mt_checkpoint_select(dir, iteration, t->ckpt.no_verify_checkpoint, &iteration, &fell_back,
+                                  &t->ckpt.load_warning, err);
         if (st == MT_OK) chosen = (double)iteration + 1.0;
     }
     if (all_reduce_sum(t, &chosen, GROUP_WORLD, err) != MT_OK) return mt_gpu_error_return(&t->error, err);
@@ -7508,7 +7517,8 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
     mt_checkpoint_iteration_dir(iter_dir, sizeof(iter_dir), dir, iteration);
     wait_for_all_parameters(t);
     int64_t h[MT_CK_HEADER_WORDS];
-    float* host = (float*)malloc(sizeof(float) * (size_t)(t->num_params > t->opt.shard_numel ? t->num_params : t->opt.shard_numel));
+    float* host = (float*)malloc(sizeof(float) *
+                                 (size_t)(t->num_params > t->opt.shard_numel ? t->num_params : t->opt.shard_numel));
     if (!host && st == MT_OK) st = mt_fail(err, MT_ERR_OOM, "cannot allocate host memory to load a checkpoint");
     /* the saved layout: this run's (each rank reads its own files, below) or another one */
     mt_ckpt ck;
@@ -7564,7 +7574,8 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
                          path, (long long)hs[MT_CK_DP_RANK], (long long)hs[MT_CK_SHARD_NUMEL], t->groups.dp_rank,
                          (long long)t->opt.shard_numel);
         float* arrays[3] = {t->opt.master, t->opt.adam_m, t->opt.adam_v};
-        for (int i = 0; i < 3 && st == MT_OK; i++) st = read_device_array(t, f, arrays[i], t->opt.shard_numel, host, path, err);
+        for (int i = 0; i < 3 && st == MT_OK; i++)
+            st = read_device_array(t, f, arrays[i], t->opt.shard_numel, host, path, err);
         if (f) fclose(f);
     }
     free(host);
@@ -7601,7 +7612,9 @@ mt_status mt_trainer_load_weights(mt_trainer* t, const char* dir, int64_t iterat
     return load_checkpoint(t, dir, iteration, 0, iteration_out, consumed_out, err);
 }
 
-void mt_trainer_set_no_verify_checkpoint(mt_trainer* t, int no_verify) { t->ckpt.no_verify_checkpoint = no_verify != 0; }
+void mt_trainer_set_no_verify_checkpoint(mt_trainer* t, int no_verify) {
+    t->ckpt.no_verify_checkpoint = no_verify != 0;
+}
 
 const char* mt_trainer_load_warning(const mt_trainer* t) { return t->ckpt.load_warning.message; }
 
@@ -7781,7 +7794,8 @@ static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
     t->opt.chunks = (mt_opt_chunk*)device_alloc(t, sizeof(mt_opt_chunk) * (size_t)(n > 0 ? n : 1),
                                             &t->mem.allocated.workspace_bytes);
     if (t->opt.chunks)
-        CUDA_CHECK(&t->error, cudaMemcpy(t->opt.chunks, chunks, sizeof(mt_opt_chunk) * (size_t)n, cudaMemcpyHostToDevice));
+        CUDA_CHECK(&t->error,
+                   cudaMemcpy(t->opt.chunks, chunks, sizeof(mt_opt_chunk) * (size_t)n, cudaMemcpyHostToDevice));
     mt_status st = t->error.status == MT_OK ? offload_create(t, chunks, (int)n, err) : MT_OK;
     free(chunks);
     return st != MT_OK ? st : mt_gpu_error_return(&t->error, err);
@@ -8170,7 +8184,7 @@ void mt_trainer_free(mt_trainer* t) {
     free(t->loop.slots);
     cudaFree(t->loop.pp_send);
     cudaFree(t->mem.fp8_arena);
-    offload_free(t);
+    offload_free(&t->opt);
     free(t->fp8.slot_of_layer);
     cudaFree(t->rope_cos); /* the sin table shares its allocation */
     cudaFree(t->cublas_workspace);
@@ -8266,7 +8280,8 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
     /* unscale, look for overflow (fp16), clip on the global norm */
     double norm = sqrt(gradient_norm_squared(t)) / scale;
     int found_inf = !isfinite(norm);
-    double lr = mt_learning_rate(c, t->opt.scheduler_steps), lr_decoupled = mt_learning_rate_decoupled(c, t->opt.scheduler_steps);
+    double lr = mt_learning_rate(c, t->opt.scheduler_steps);
+    double lr_decoupled = mt_learning_rate_decoupled(c, t->opt.scheduler_steps);
     out->learning_rate = lr;
     /* Megatron's --check-for-nan-in-loss-and-grad: the loss and the norm are the same on every rank
      * (both reduced), so every rank stops here together, before the optimizer touches anything */
