@@ -4868,7 +4868,7 @@ typedef struct {
     size_t arena_bytes;
     void* fp8_arena;            /* the FP8 state's device memory, one allocation */
     size_t fp8_arena_bytes;
-} mt_trainer_memory;
+} mt_memory_state;
 
 /* Hooks for debugging and tests, off in a normal run. */
 typedef struct {
@@ -4913,8 +4913,8 @@ struct mt_trainer {
     mt_optimizer_state opt;   /* section 18 */
     mt_loss_scaler scaler;    /* section 18 */
     mt_checkpoint_state ckpt; /* section 19 */
-    mt_trainer_memory mem;    /* section 20 */
-    mt_debug_hooks debug;
+    mt_memory_state mem;      /* section 20 */
+    mt_debug_hooks debug;     /* sections 17 and 20: tracing and a test hook */
     /* Room for the parts still to come, empty by design until they land: expert parallelism (the MoE
      * layers' router state, the expert-parallel group's token dispatch and its buffers) and context
      * parallelism (the sequence's split over the CP group and attention's ring exchange) each add
