@@ -4790,22 +4790,106 @@ typedef struct {
     float* qk_stats;     /* [2, BT, heads + groups]: mean, then 1/std, of every q and k head vector */
 } mt_activations;
 
+/* ---- The trainer and its parts ----
+ * mt_trainer holds what sections 14-20 all read (the config, the error record, the process groups,
+ * the stream and GEMM plans, the model's buffers and running activations, the FP8 state), then one
+ * part for each section that keeps state of its own from call to call. A part's type sits here,
+ * before the trainer (C++ needs it whole), and names its section: that section's functions read and
+ * write it, and one that needs nothing else takes the part alone (loss_scaler_update, offloaded_part,
+ * offload_free, release_save; ddp_create with the buffer layout it sizes the part by). */
+
+/* Section 17, the micro-batch loop: the activation slots a step's schedule hands out, the host
+ * staging of one micro-batch's tokens, the pipeline's pending send, and the last loss's count. */
+typedef struct {
+    mt_activations* slots;    /* [num_slots]: saved activations of the micro-batches in flight (their own
+                                 memory each; the scratch regions shared), carved from mem.arena */
+    int num_slots;            /* the most (chunk, micro-batch) pairs a step's schedule holds at once */
+    void* pp_send;            /* [R, h]: an input gradient waiting to be sent to the previous stage */
+    int pp_unique;            /* PP = 1: the word-embedding index's size, from the forward to its backward */
+    int32_t* host_tokens;     /* pinned staging: [micro, T] inputs, targets and the embedding index */
+    float* host_losses;       /* pinned [BT] */
+    int32_t* host_index;      /* pinned embedding backward index for one micro-batch */
+    int64_t last_loss_tokens; /* positions the last train step or evaluation counted (over DP) */
+} mt_loop_state;
+
+/* Section 18, the data-parallel reduction and gathering (Megatron's DistributedDataParallel): the
+ * buckets' progress through a step, the parameter all-gather's events, the handover between the
+ * compute and communication streams, and the device scratch of host values reduced over a group. */
+typedef struct {
+    int next_bucket;          /* next bucket to reduce in this step */
+    int gather_pending;       /* parameter all-gathers of the last step still in flight */
+    int64_t param_gather_bytes; /* bytes the last parameter all-gather assembled on each rank (every shard) */
+    cudaEvent_t compute_done, comm_done;
+    cudaEvent_t* gathered;    /* [num_buckets]: bucket b's parameters all-gathered */
+    int* first_bucket_of_layer; /* [L + 2]: see first_bucket_of_layers */
+    double* reduce_scratch;   /* [2 + world * MT_GATHER_DOUBLES]: values all-reduced, then all_gather_world's */
+} mt_ddp_state;
+
+/* Section 18, the optimizer: each bucket's owned range (its DP shard, or all of it without the
+ * distributed optimizer), concatenated in bucket order, with its fp32 master weights and Adam
+ * moments, the chunks AdamW and the norms walk, the offloaded end, and the step counters. */
+typedef struct {
+    float* master;            /* [shard_numel] fp32 (with offload the first shard_numel - offload elements) */
+    float* adam_m;            /* [shard_numel] (the same) */
+    float* adam_v;            /* [shard_numel] (the same) */
+    int64_t shard_numel;
+    int64_t* shard_offset;    /* [num_buckets]: where bucket b's owned range starts in master */
+    int sharded;              /* distributed optimizer with dp > 1 */
+    mt_opt_chunk* chunks;     /* device [num_chunks]: the owned parameter elements in pieces */
+    int num_chunks;
+    double* norm_partial;     /* [num_chunks + 1] */
+    struct mt_offload* offload; /* NULL without --optimizer-cpu-offload (or with nothing to offload) */
+    int64_t scheduler_steps;  /* samples seen by the LR scheduler (Megatron's num_steps) */
+    int64_t adam_step;        /* optimizer steps taken */
+} mt_optimizer_state;
+
+/* Section 18, Megatron's fp16 DynamicGradScaler (a loss scale of 1 otherwise). */
+typedef struct {
+    double loss_scale;
+    int growth_tracker;
+    int hysteresis_tracker;
+} mt_loss_scaler;
+
+/* Section 19, checkpoints: the writer of the last save and what loads are told. */
 struct mt_async_save; /* a save between staging and commit (section 19) */
+typedef struct {
+    struct mt_async_save* async_save; /* the checkpoint writer, from the first save */
+    int no_verify_checkpoint;   /* --no-verify-checkpoint: loads warn where the integrity rule refuses */
+    mt_error load_warning;      /* what the last load's integrity check had to say (rank 0), "" if nothing */
+} mt_checkpoint_state;
+
+/* Section 20, the memory: the plan computed on the host before any allocation, what was allocated by
+ * its categories, and the two arenas carved from its layouts. */
+typedef struct {
+    mt_memory_plan plan;        /* computed on the host before any allocation */
+    mt_memory_plan allocated;   /* what device_alloc handed out at creation, by the plan's categories */
+    size_t state_bytes_measured; /* device memory taken by params, grads, master, Adam (cudaMemGetInfo) */
+    void* arena;                /* activations + scratch, one allocation (loop.slots) */
+    size_t arena_bytes;
+    void* fp8_arena;            /* the FP8 state's device memory, one allocation */
+    size_t fp8_arena_bytes;
+} mt_memory_state;
+
+/* Hooks for debugging and tests, off in a normal run. */
+typedef struct {
+    int64_t test_nan_gradients_at; /* tests only (section 20): 1 + the iteration one of whose gradients (the first
+                                      parameter's first) is made NaN after its backward (0: never) */
+    int pp_trace;             /* section 17: MT_PP_TRACE=1 in the environment at PP > 1: each pipeline unit's
+                                 transfers and steps on stderr, the stream synchronised after each (a hang then
+                                 names the unit it stopped in); read once, at creation */
+} mt_debug_hooks;
+
 struct mt_trainer {
     mt_config cfg;
     mt_gpu_error error;
     mt_process_groups groups;
-    mt_watchdog* watchdog;    /* mt_trainer_on_collective_timeout's thread (NULL: none) */
-    int64_t test_nan_gradients_at; /* tests only: 1 + the iteration one of whose gradients (the first
-                                      parameter's first) is made NaN after its backward (0: never) */
-    int pp_trace;             /* MT_PP_TRACE=1 in the environment at PP > 1: each pipeline unit's transfers and
-                                 steps on stderr, the stream synchronised after each (a hang then names the
-                                 unit it stopped in); read once, at creation */
+    mt_watchdog* watchdog;    /* mt_trainer_on_collective_timeout's thread (NULL: none; section 14) */
     cudaStream_t stream;
     cublasHandle_t cublas;
     void* cublas_workspace;
     mt_gemm_plans gemm;
     mt_colsum_scratch colsum;
+    /* the model (this section) */
     mt_param_info params_info[MT_NUM_PARAM_TENSORS];      /* this TP rank's shard (mt_param_layout_shard) */
     mt_param_info params_info_full[MT_NUM_PARAM_TENSORS]; /* the full model (mt_param_layout) */
     int64_t num_params;       /* this rank's parameters: its TP shard of its pipeline stage's tensors (no padding) */
@@ -4816,58 +4900,25 @@ struct mt_trainer {
     /* parameters and gradients share one buffer layout (megatron.h, mt_buffer_layout): reverse model
      * order, cut into data-parallel buckets */
     mt_buffer_layout buffer;
-    void* params;             /* [buffer.size] model type; aliases master in fp32 without the distributed optimizer */
+    void* params;             /* [buffer.size] model type; aliases opt.master in fp32 without the distributed
+                                 optimizer */
     float* grads;             /* [buffer.size] fp32 */
-    /* the optimizer's part: each bucket's owned range (its DP shard, or all of it without the
-     * distributed optimizer), concatenated in bucket order */
-    float* master;            /* [shard_numel] fp32 (with offload the first shard_numel - offload elements; section 18) */
-    float* adam_m;            /* [shard_numel] (the same) */
-    float* adam_v;            /* [shard_numel] (the same) */
-    int64_t shard_numel;
-    int64_t* shard_offset;    /* [num_buckets]: where bucket b's owned range starts in master */
-    int sharded;              /* distributed optimizer with dp > 1 */
-    mt_opt_chunk* chunks;     /* device [num_chunks]: the owned parameter elements in pieces */
-    int num_chunks;
-    double* norm_partial;     /* [num_chunks + 1] */
-    double* reduce_scratch;   /* [2 + world * MT_GATHER_DOUBLES]: values all-reduced, then all_gather_world's */
-    /* data-parallel reduction and gathering state */
-    int next_bucket;          /* next bucket to reduce in this step */
-    int gather_pending;       /* parameter all-gathers of the last step still in flight */
-    int64_t param_gather_bytes; /* bytes the last parameter all-gather assembled on each rank (every shard) */
-    cudaEvent_t compute_done, comm_done;
-    cudaEvent_t* gathered;    /* [num_buckets]: bucket b's parameters all-gathered */
-    int* first_bucket_of_layer; /* [L + 2]: see first_bucket_of_layers */
-    size_t state_bytes_measured; /* device memory taken by params, grads, master, Adam (cudaMemGetInfo) */
-    mt_activations act;       /* the activations of the (chunk, micro-batch) running: one of slots[] */
-    mt_activations* slots;    /* [num_slots]: saved activations of the micro-batches in flight (their own
-                                 memory each; the scratch regions shared) */
-    int num_slots;            /* the most (chunk, micro-batch) pairs a step's schedule holds at once */
-    void* pp_send;            /* [R, h]: an input gradient waiting to be sent to the previous stage */
-    int pp_unique;            /* PP = 1: the word-embedding index's size, from the forward to its backward */
+    mt_activations act;       /* the activations of the (chunk, micro-batch) running: one of loop.slots[] */
     mt_fp8_state fp8;         /* FP8 linears (section 15); enabled = 0 without --fp8-format */
-    void* fp8_arena;          /* its device memory, one allocation */
-    size_t fp8_arena_bytes;
-    void* arena;              /* activations + scratch, one allocation */
-    size_t arena_bytes;
-    int32_t* host_tokens;     /* pinned staging: [micro, T] inputs, targets and the embedding index */
-    float* host_losses;       /* pinned [BT] */
-    int32_t* host_index;      /* pinned embedding backward index for one micro-batch */
-    /* optimizer state */
-    int64_t scheduler_steps;  /* samples seen by the LR scheduler (Megatron's num_steps) */
-    int64_t last_loss_tokens; /* positions the last train step or evaluation counted (over DP) */
-    int64_t adam_step;        /* optimizer steps taken */
     int64_t iteration;        /* train steps taken, skipped ones too (after a load: the checkpoint's
                                  iteration): keys the dropout masks (dropout_site) */
-    double loss_scale;        /* fp16 dynamic loss scale (1 otherwise) */
-    int growth_tracker;
-    int hysteresis_tracker;
-    /* optimizer offload (section 18) and the memory plan (section 20) */
-    struct mt_offload* offload; /* NULL without --optimizer-cpu-offload (or with nothing to offload) */
-    struct mt_async_save* async_save; /* the checkpoint writer (section 19), from the first save */
-    int no_verify_checkpoint;   /* --no-verify-checkpoint: loads warn where the integrity rule refuses */
-    mt_error load_warning;      /* what the last load's integrity check had to say (rank 0), "" if nothing */
-    mt_memory_plan plan;        /* computed on the host before any allocation */
-    mt_memory_plan allocated;   /* what device_alloc handed out at creation, by the plan's categories */
+    /* the sections' parts */
+    mt_loop_state loop;       /* section 17 */
+    mt_ddp_state ddp;         /* section 18 */
+    mt_optimizer_state opt;   /* section 18 */
+    mt_loss_scaler scaler;    /* section 18 */
+    mt_checkpoint_state ckpt; /* section 19 */
+    mt_memory_state mem;      /* section 20 */
+    mt_debug_hooks debug;     /* sections 17 and 20: tracing and a test hook */
+    /* Room for the parts still to come, empty by design until they land: expert parallelism (the MoE
+     * layers' router state, the expert-parallel group's token dispatch and its buffers) and context
+     * parallelism (the sequence's split over the CP group and attention's ring exchange) each add
+     * a part here, its type beside the others above and owned by the section that brings it. */
 };
 
 /* Element offset of layer l in a stacked per-layer tensor of `per_layer` elements. */
@@ -5710,8 +5761,8 @@ static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb,
                                    mt_error* err) {
     mt_shape s = model_shape(t);
     const int32_t* src = tokens + (int64_t)mb * s.B * (s.S + 1);
-    int32_t* inputs = t->host_tokens;
-    int32_t* targets = t->host_tokens + s.BT;
+    int32_t* inputs = t->loop.host_tokens;
+    int32_t* targets = t->loop.host_tokens + s.BT;
     for (int b = 0; b < s.B; b++) { /* ids range-checked by run_micro_batches, on every rank */
         for (int i = 0; i < s.S; i++) {
             inputs[b * s.S + i] = src[(int64_t)b * (s.S + 1) + i];
@@ -5724,9 +5775,9 @@ static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb,
     CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.targets, targets, sizeof(int32_t) * s.BT, cudaMemcpyHostToDevice,
                                           t->stream));
     if (with_index) {
-        int32_t* counts = t->host_tokens + 2 * s.BT;
-        *unique_out = build_embedding_index(t->host_index, inputs, s.BT, s.vocab_start, s.V, counts);
-        CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.embed_index, t->host_index, sizeof(int32_t) * (3 * s.BT + 2),
+        int32_t* counts = t->loop.host_tokens + 2 * s.BT;
+        *unique_out = build_embedding_index(t->loop.host_index, inputs, s.BT, s.vocab_start, s.V, counts);
+        CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.embed_index, t->loop.host_index, sizeof(int32_t) * (3 * s.BT + 2),
                                               cudaMemcpyHostToDevice, t->stream));
     }
     return mt_gpu_error_return(&t->error, err);
@@ -5734,16 +5785,15 @@ static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb,
 
 /* --eod-mask-loss (Megatron's loss mask): a position counts in the loss unless its *input* token
  * is the end-of-document token. Whether position i of micro-batch mb of tokens [*, B, S+1] counts. */
-static int position_counts(const mt_config* c, const int32_t* tokens, int mb, int i) {
+static int position_counts(const mt_config* c, const mt_shape& s, const int32_t* tokens, int mb, int i) {
     if (!c->eod_mask_loss) return 1;
-    int B = c->micro_batch_size, S = c->seq_length;
-    const int32_t* row = tokens + ((int64_t)mb * B + i / S) * (S + 1);
-    return row[i % S] != c->eod_token;
+    const int32_t* row = tokens + ((int64_t)mb * s.B + i / s.S) * (s.S + 1);
+    return row[i % s.S] != c->eod_token;
 }
 
-static int64_t micro_batch_counted(const mt_config* c, const int32_t* tokens, int mb) {
-    int64_t n = 0, BT = (int64_t)c->micro_batch_size * c->seq_length;
-    for (int i = 0; i < BT; i++) n += position_counts(c, tokens, mb, i);
+static int64_t micro_batch_counted(const mt_config* c, const mt_shape& s, const int32_t* tokens, int mb) {
+    int64_t n = 0;
+    for (int i = 0; i < s.BT; i++) n += position_counts(c, s, tokens, mb, i);
     return n;
 }
 
@@ -5751,21 +5801,21 @@ static int64_t micro_batch_counted(const mt_config* c, const int32_t* tokens, in
  * overwritten with the gradient) set to zero: what multiplying the per-token losses by the mask does. */
 static void zero_masked_gradients(mt_trainer* t, const int32_t* tokens, int mb) {
     mt_shape s = model_shape(t);
-    size_t row_bytes = (size_t)s.V * (t->cfg.precision == MT_FP32 ? 4 : 2);
+    size_t row_bytes = (size_t)s.V * t->elem;
     for (int i = 0; i < s.BT; i++)
-        if (!position_counts(&t->cfg, tokens, mb, i))
+        if (!position_counts(&t->cfg, s, tokens, mb, i))
             CUDA_CHECK(&t->error, cudaMemsetAsync((char*)t->act.logits + (size_t)i * row_bytes, 0, row_bytes, t->stream));
 }
 
 /* Sum of the counted per-token losses of micro-batch mb, just run (host, double, in order). */
 static double micro_batch_loss_sum(mt_trainer* t, const int32_t* tokens, int mb) {
-    int BT = t->cfg.micro_batch_size * t->cfg.seq_length;
-    CUDA_CHECK(&t->error, cudaMemcpyAsync(t->host_losses, t->act.losses, sizeof(float) * BT, cudaMemcpyDeviceToHost,
-                                          t->stream));
+    const mt_shape s = model_shape(t);
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(t->loop.host_losses, t->act.losses, sizeof(float) * s.BT,
+                                          cudaMemcpyDeviceToHost, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     double sum = 0.0;
-    for (int i = 0; i < BT; i++)
-        if (position_counts(&t->cfg, tokens, mb, i)) sum += t->host_losses[i];
+    for (int i = 0; i < s.BT; i++)
+        if (position_counts(&t->cfg, s, tokens, mb, i)) sum += t->loop.host_losses[i];
     return sum;
 }
 
@@ -5878,6 +5928,168 @@ static void run_step(mt_trainer* t, const mt_exec* ex, const mt_pp_op* op, float
     else model_backward<T>(t, ex, unique, chunk_of(t, op->chunk));
 }
 
+/* One pass of run_micro_batches through this rank's schedule: what its steps share. */
+typedef struct {
+    const int32_t* tokens;  /* [count, B, S+1]: this rank's micro-batches */
+    int count, train;
+    double loss_scale;
+    double* counted;        /* [count]: each micro-batch's counted positions */
+    double tokens_counted;  /* their sum */
+    double global_counted;  /* --calculate-per-token-loss in training: the global batch's (over DP) */
+    int* slot_of;           /* [count * vp]: the activation slot of (micro-batch, chunk), from its forward on */
+    int* free_slots;        /* [loop.num_slots]: the free slots, a stack */
+    int num_free;
+    pipeline_transfers x;   /* the previous unit's sends, then this unit's receives */
+    double total;           /* the loss summed over the counted positions (on the last stage) */
+} micro_batch_pass;
+
+/* Each micro-batch's counted positions and their sum; in training with --calculate-per-token-loss,
+ * the global batch's count (their sum over DP: collective). */
+static mt_status count_loss_positions(mt_trainer* t, micro_batch_pass* p, mt_error* err) {
+    const mt_config* c = &t->cfg;
+    const mt_shape s = model_shape(t);
+    for (int mb = 0; mb < p->count; mb++)
+        p->tokens_counted += p->counted[mb] = (double)micro_batch_counted(c, s, p->tokens, mb);
+    if (p->train && c->calculate_per_token_loss) {
+        p->global_counted = p->tokens_counted;
+        if (t->groups.dp_size > 1) return all_reduce_sum(t, &p->global_counted, GROUP_DP, err);
+    }
+    return MT_OK;
+}
+
+/* Every pipeline rank refuses alike (one rank leaving alone would strand the others in NCCL) when
+ * any rank's slots fall short of its schedule: each rank's are computed here from the tables (PP = 1
+ * needs one slot and has it; a forward-only pass frees each slot at once and needs one too). */
+static mt_status check_activation_slots(const mt_trainer* t, int count, int train, mt_error* err) {
+    const mt_config* c = &t->cfg;
+    const int pp = t->groups.pp_size, vp = t->buffer.stage.num_chunks;
+    for (int r = 0; r < pp && pp > 1 && train; r++) {
+        int made = 0, need = 0, n = 0, w = 0;
+        mt_pp_op* theirs = pipeline_steps(pp, vp, r, c->microbatch_group_size_per_vp_stage, count, train, &n, &w, err);
+        if (!theirs || mt_pp_activation_slots(pp, vp, mt_num_micro_batches(c), c->microbatch_group_size_per_vp_stage,
+                                              r, &made, err) != MT_OK) {
+            free(theirs);
+            return MT_ERR_CONFIG;
+        }
+        need = mt_pp_slots_needed(theirs, n);
+        free(theirs);
+        if (need > made)
+            return mt_fail(err, MT_ERR_CONFIG, "%d micro-batches need %d activation slots on pipeline rank %d; the "
+                           "trainer has %d (made for %d micro-batches a step)", count, need, r, made,
+                           mt_num_micro_batches(c));
+    }
+    return MT_OK;
+}
+
+/* Slots and receive buffers of the steps of the unit [u, end): a forward takes a free slot and
+ * receives its input into the slot; a backward receives its output's gradient. */
+static void unit_receives(mt_trainer* t, micro_batch_pass* p, const mt_pp_op* ops, int u, int end) {
+    const int vp = t->buffer.stage.num_chunks;
+    pipeline_transfers* x = &p->x;
+    for (int k = u; k < end; k++) {
+        const mt_pp_op* op = &ops[k];
+        const int key = op->micro_batch * vp + op->chunk;
+        if (op->kind == MT_PP_FORWARD) p->slot_of[key] = p->free_slots[--p->num_free];
+        if (op->recv_rank < 0) continue;
+        x->recv[x->num_recv] = op->kind == MT_PP_FORWARD ? t->loop.slots[p->slot_of[key]].residual : t->act.dresidual;
+        x->recv_grad[x->num_recv] = op->kind == MT_PP_BACKWARD;
+        x->recv_rank[x->num_recv++] = op->recv_rank;
+    }
+}
+
+/* MT_PP_TRACE: the unit's transfers and steps, before its exchange. */
+static void trace_unit(const mt_trainer* t, const pipeline_transfers* x, const mt_pp_op* ops, int u, int end) {
+    fprintf(stderr, "pp rank %d unit %d:", t->groups.pp_rank, u);
+    for (int i = 0; i < x->num_send; i++) fprintf(stderr, " send%s->%d", x->send_grad[i] ? "G" : "A", x->send_rank[i]);
+    for (int i = 0; i < x->num_recv; i++) fprintf(stderr, " recv%s<-%d", x->recv_grad[i] ? "G" : "A", x->recv_rank[i]);
+    for (int k = u; k < end; k++)
+        fprintf(stderr, " %c(mb %d, chunk %d)", ops[k].kind == MT_PP_FORWARD ? 'F' : 'B', ops[k].micro_batch,
+                ops[k].chunk);
+    fprintf(stderr, "\n");
+}
+
+/* One step of the schedule: its slot becomes the running activations, its micro-batch is staged
+ * where the step reads tokens, its mode is built and the forward or backward runs; the last stage
+ * adds up the loss, what goes to a neighbour waits for the next exchange, and a slot whose work is
+ * done is freed. */
+static mt_status run_schedule_step(mt_trainer* t, micro_batch_pass* p, const mt_pp_op* op, mt_error* err) {
+    const mt_config* c = &t->cfg;
+    const mt_shape s = model_shape(t);
+    const int dp = t->groups.dp_size, pp = t->groups.pp_size, vp = t->buffer.stage.num_chunks;
+    const int train = p->train, count = p->count;
+    const bool forward = op->kind == MT_PP_FORWARD;
+    const model_chunk ch = chunk_of(t, op->chunk);
+    const int key = op->micro_batch * vp + op->chunk;
+    t->act = t->loop.slots[p->slot_of[key]];
+    /* the first chunk reads the inputs, the last the targets; the first chunk's backward builds
+     * the word-embedding index (at PP = 1 with the forward: nothing runs between them) */
+    int unique = 0;
+    const bool index_now = ch.embedding && train && (forward ? pp == 1 : pp > 1);
+    if ((forward && (ch.embedding || ch.head)) || index_now) {
+        mt_status st = stage_micro_batch(t, p->tokens, op->micro_batch, index_now, &unique, err);
+        if (st != MT_OK) return st;
+    }
+    if (!forward && pp == 1) unique = t->loop.pp_unique;
+    if (forward && index_now) t->loop.pp_unique = unique;
+    /* Megatron pre-scales each rank's gradients by 1/dp and sums them; a zero scale still runs the
+     * backward (the first micro-batch writes every gradient) */
+    double denominator = c->calculate_per_token_loss ? p->global_counted : p->counted[op->micro_batch] * count * dp;
+    float grad_scale = train && denominator > 0 ? (float)(p->loss_scale / denominator) : 0.0f;
+    if (train && grad_scale == 0.0f) grad_scale = FLT_MIN;
+    /* this step's mode; --overlap-grad-reduce (PP = 1): buckets go out during the last backward */
+    mt_micro_batch_mode mode;
+    mode.accumulate_gradients = op->micro_batch > 0;
+    mode.last = train && op->micro_batch == count - 1;
+    mode.reduce_in_backward = mode.last && dp > 1 && t->cfg.overlap_grad_reduce && pp == 1;
+    mode.training = train;
+    mode.first_sample = ((int64_t)op->micro_batch * dp + t->groups.dp_rank) * s.B;
+    const mt_exec ex = trainer_exec(t, mode);
+    pipeline_wait(t, forward ? 0 : 1);
+    switch (t->cfg.precision) {
+        case MT_FP32: run_step<float>(t, &ex, op, grad_scale, unique); break;
+        case MT_BF16: run_step<__nv_bfloat16>(t, &ex, op, grad_scale, unique); break;
+        case MT_FP16: run_step<__half>(t, &ex, op, grad_scale, unique); break;
+    }
+    if (forward && ch.head && train) zero_masked_gradients(t, p->tokens, op->micro_batch);
+    if (forward && ch.head) p->total += micro_batch_loss_sum(t, p->tokens, op->micro_batch);
+    if (op->send_rank >= 0) {
+        pipeline_transfers* x = &p->x;
+        const void* out = chunk_output(t, ch);
+        /* the scratch is the next step's: keep the input gradient aside; so too the output of a
+         * layerless chunk in evaluation (its slot's residual[0] may receive the next input) */
+        if (!forward || (!train && ch.count == 0)) {
+            CUDA_CHECK(&t->error, cudaMemcpyAsync(t->loop.pp_send, forward ? out : t->act.dresidual,
+                                                  (size_t)s.R * s.h * t->elem, cudaMemcpyDeviceToDevice, t->stream));
+            out = t->loop.pp_send;
+        }
+        x->send[x->num_send] = out;
+        x->send_grad[x->num_send] = !forward;
+        x->send_rank[x->num_send++] = op->send_rank;
+    }
+    if (!forward || !train) p->free_slots[p->num_free++] = p->slot_of[key];
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    return MT_OK;
+}
+
+/* The pass's mean loss: the last stage's sum shared over the pipeline, and with across_dp the sums
+ * and the counts over DP (collective). */
+static mt_status mean_loss_over_ranks(mt_trainer* t, double total, double tokens_counted, int across_dp,
+                                      double* mean_loss, mt_error* err) {
+    mt_status st = MT_OK;
+    if (t->groups.pp_size > 1) { /* the loss is the last stage's */
+        st = all_reduce_sum(t, &total, GROUP_PP, err);
+        if (st != MT_OK) return st;
+    }
+    if (across_dp && t->groups.dp_size > 1) {
+        st = all_reduce_sum(t, &total, GROUP_DP, err);
+        if (st == MT_OK) st = all_reduce_sum(t, &tokens_counted, GROUP_DP, err);
+        if (st != MT_OK) return st;
+    }
+    t->loop.last_loss_tokens = (int64_t)tokens_counted;
+    *mean_loss = total / tokens_counted;
+    return mt_gpu_error_return(&t->error, err);
+}
+
 /* Forward (+ backward when training) of micro-batches [0, count) of this rank's tokens, in this
  * pipeline rank's schedule; returns the mean loss (computed on the last stage, shared over the
  * pipeline), over all data-parallel ranks when `across_dp`. Training leaves in t->grads the gradient
@@ -5886,162 +6098,60 @@ static void run_step(mt_trainer* t, const mt_exec* ex, const mt_pp_op* op, float
  * Each step takes a free activation slot at its forward and gives it back after its backward. */
 static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int count, int train, double loss_scale,
                                    int across_dp, double* mean_loss, mt_error* err) {
-    const mt_config* c = &t->cfg;
-    mt_shape s = model_shape(t);
-    const int dp = t->groups.dp_size, pp = t->groups.pp_size, vp = t->buffer.stage.num_chunks;
-    double total = 0.0, tokens_counted = 0.0, global_counted = 0.0;
+    const mt_shape s = model_shape(t);
+    const int vp = t->buffer.stage.num_chunks;
     for (int64_t i = 0; i < (int64_t)count * s.B * (s.S + 1); i++) /* every rank refuses alike */
         if (tokens[i] < 0 || tokens[i] >= s.V_full)
             return mt_fail(err, MT_ERR_RANGE, "token id %d outside the padded vocabulary of %lld", tokens[i],
                            (long long)s.V_full);
-    double* counted = (double*)malloc(sizeof(double) * (size_t)count); /* each micro-batch's counted positions */
-    if (!counted) return mt_fail(err, MT_ERR_OOM, "cannot allocate %d counts", count);
-    for (int mb = 0; mb < count; mb++) tokens_counted += counted[mb] = (double)micro_batch_counted(c, tokens, mb);
-    if (train && c->calculate_per_token_loss) {
-        global_counted = tokens_counted;
-        if (dp > 1) {
-            mt_status st = all_reduce_sum(t, &global_counted, GROUP_DP, err);
-            if (st != MT_OK) return free(counted), st;
-        }
-    }
-    if (train) t->next_bucket = 0; /* no zeroing: each chunk's first backward writes its gradients */
+    micro_batch_pass p;
+    memset(&p, 0, sizeof(p));
+    p.tokens = tokens;
+    p.count = count;
+    p.train = train;
+    p.loss_scale = loss_scale;
+    p.counted = (double*)malloc(sizeof(double) * (size_t)count);
+    if (!p.counted) return mt_fail(err, MT_ERR_OOM, "cannot allocate %d counts", count);
+    mt_status st = count_loss_positions(t, &p, err);
+    if (st != MT_OK) return free(p.counted), st;
+    if (train) t->ddp.next_bucket = 0; /* no zeroing: each chunk's first backward writes its gradients */
     int num_ops = 0, num_warmup = 0;
     mt_pp_op* ops = trainer_steps(t, count, train, &num_ops, &num_warmup, err);
-    if (!ops) return free(counted), MT_ERR_CONFIG;
-    /* every pipeline rank refuses alike (one rank leaving alone would strand the others in NCCL) when
-     * any rank's slots fall short of its schedule: each rank's are computed here from the tables (PP = 1
-     * needs one slot and has it; a forward-only pass frees each slot at once and needs one too) */
-    for (int r = 0; r < pp && pp > 1 && train; r++) {
-        int made = 0, need = 0, n = 0, w = 0;
-        mt_pp_op* theirs = pipeline_steps(pp, vp, r, c->microbatch_group_size_per_vp_stage, count, train, &n, &w, err);
-        if (!theirs || mt_pp_activation_slots(pp, vp, mt_num_micro_batches(c), c->microbatch_group_size_per_vp_stage,
-                                              r, &made, err) != MT_OK) {
-            free(theirs), free(ops), free(counted);
-            return MT_ERR_CONFIG;
-        }
-        need = mt_pp_slots_needed(theirs, n);
-        free(theirs);
-        if (need > made) {
-            free(ops), free(counted);
-            return mt_fail(err, MT_ERR_CONFIG, "%d micro-batches need %d activation slots on pipeline rank %d; the "
-                           "trainer has %d (made for %d micro-batches a step)", count, need, r, made,
-                           mt_num_micro_batches(c));
-        }
-    }
-    int* slot_of = (int*)malloc(sizeof(int) * (size_t)count * vp);
-    int* free_slots = (int*)malloc(sizeof(int) * (size_t)t->num_slots);
-    if (!slot_of || !free_slots) {
-        free(ops), free(slot_of), free(free_slots), free(counted);
+    if (!ops) return free(p.counted), MT_ERR_CONFIG;
+    st = check_activation_slots(t, count, train, err);
+    if (st != MT_OK) return free(ops), free(p.counted), st;
+    p.slot_of = (int*)malloc(sizeof(int) * (size_t)count * vp);
+    p.free_slots = (int*)malloc(sizeof(int) * (size_t)t->loop.num_slots);
+    if (!p.slot_of || !p.free_slots) {
+        free(ops), free(p.slot_of), free(p.free_slots), free(p.counted);
         return mt_fail(err, MT_ERR_OOM, "cannot allocate the pipeline slot table");
     }
-    int num_free = t->num_slots;
-    for (int i = 0; i < num_free; i++) free_slots[i] = num_free - 1 - i;
-    pipeline_transfers x; /* the previous unit's sends, then this unit's receives */
-    memset(&x, 0, sizeof(x));
-    mt_status st = MT_OK;
-    const bool trace = t->pp_trace;
-    for (int u = 0; u < num_ops && st == MT_OK;) {
+    p.num_free = t->loop.num_slots;
+    for (int i = 0; i < p.num_free; i++) p.free_slots[i] = p.num_free - 1 - i;
+    const bool trace = t->debug.pp_trace;
+    for (int u = 0; u < num_ops && st == MT_OK;) { /* unit by unit: its exchange, then its steps */
         const int end = pipeline_unit_end(ops, num_ops, num_warmup, vp, u);
-        for (int k = u; k < end; k++) { /* slots and receive buffers of the unit's steps */
-            const mt_pp_op* op = &ops[k];
-            const int key = op->micro_batch * vp + op->chunk;
-            if (op->kind == MT_PP_FORWARD) slot_of[key] = free_slots[--num_free];
-            if (op->recv_rank < 0) continue;
-            x.recv[x.num_recv] = op->kind == MT_PP_FORWARD ? t->slots[slot_of[key]].residual : t->act.dresidual;
-            x.recv_grad[x.num_recv] = op->kind == MT_PP_BACKWARD;
-            x.recv_rank[x.num_recv++] = op->recv_rank;
-        }
-        if (trace) {
-            fprintf(stderr, "pp rank %d unit %d:", t->groups.pp_rank, u);
-            for (int i = 0; i < x.num_send; i++) fprintf(stderr, " send%s->%d", x.send_grad[i] ? "G" : "A", x.send_rank[i]);
-            for (int i = 0; i < x.num_recv; i++) fprintf(stderr, " recv%s<-%d", x.recv_grad[i] ? "G" : "A", x.recv_rank[i]);
-            for (int k = u; k < end; k++)
-                fprintf(stderr, " %c(mb %d, chunk %d)", ops[k].kind == MT_PP_FORWARD ? 'F' : 'B', ops[k].micro_batch,
-                        ops[k].chunk);
-            fprintf(stderr, "\n");
-        }
-        pipeline_exchange(t, &x);
-        memset(&x, 0, sizeof(x));
+        unit_receives(t, &p, ops, u, end);
+        if (trace) trace_unit(t, &p.x, ops, u, end);
+        pipeline_exchange(t, &p.x);
+        memset(&p.x, 0, sizeof(p.x));
         if (trace) {
             for (int i = 0; i < 2; i++) CUDA_CHECK(&t->error, cudaEventSynchronize(t->groups.pp_done[i]));
             fprintf(stderr, "pp rank %d unit %d: transfers done\n", t->groups.pp_rank, u);
         }
-        for (int k = u; k < end && st == MT_OK; k++) {
-            const mt_pp_op* op = &ops[k];
-            const bool forward = op->kind == MT_PP_FORWARD;
-            const model_chunk ch = chunk_of(t, op->chunk);
-            const int key = op->micro_batch * vp + op->chunk;
-            t->act = t->slots[slot_of[key]];
-            /* the first chunk reads the inputs, the last the targets; the first chunk's backward builds
-             * the word-embedding index (at PP = 1 with the forward: nothing runs between them) */
-            int unique = 0;
-            const bool index_now = ch.embedding && train && (forward ? pp == 1 : pp > 1);
-            if ((forward && (ch.embedding || ch.head)) || index_now)
-                st = stage_micro_batch(t, tokens, op->micro_batch, index_now, &unique, err);
-            if (st != MT_OK) break;
-            if (!forward && pp == 1) unique = t->pp_unique;
-            if (forward && index_now) t->pp_unique = unique;
-            /* Megatron pre-scales each rank's gradients by 1/dp and sums them; a zero scale still runs the
-             * backward (the first micro-batch writes every gradient) */
-            double denominator = c->calculate_per_token_loss ? global_counted : counted[op->micro_batch] * count * dp;
-            float grad_scale = train && denominator > 0 ? (float)(loss_scale / denominator) : 0.0f;
-            if (train && grad_scale == 0.0f) grad_scale = FLT_MIN;
-            /* this step's mode; --overlap-grad-reduce (PP = 1): buckets go out during the last backward */
-            mt_micro_batch_mode mode;
-            mode.accumulate_gradients = op->micro_batch > 0;
-            mode.last = train && op->micro_batch == count - 1;
-            mode.reduce_in_backward = mode.last && dp > 1 && t->cfg.overlap_grad_reduce && pp == 1;
-            mode.training = train;
-            mode.first_sample = ((int64_t)op->micro_batch * dp + t->groups.dp_rank) * s.B;
-            const mt_exec ex = trainer_exec(t, mode);
-            pipeline_wait(t, forward ? 0 : 1);
-            switch (t->cfg.precision) {
-                case MT_FP32: run_step<float>(t, &ex, op, grad_scale, unique); break;
-                case MT_BF16: run_step<__nv_bfloat16>(t, &ex, op, grad_scale, unique); break;
-                case MT_FP16: run_step<__half>(t, &ex, op, grad_scale, unique); break;
-            }
-            if (forward && ch.head && train) zero_masked_gradients(t, tokens, op->micro_batch);
-            if (forward && ch.head) total += micro_batch_loss_sum(t, tokens, op->micro_batch);
-            if (op->send_rank >= 0) {
-                const void* out = chunk_output(t, ch);
-                /* the scratch is the next step's: keep the input gradient aside; so too the output of a
-                 * layerless chunk in evaluation (its slot's residual[0] may receive the next input) */
-                if (!forward || (!train && ch.count == 0)) {
-                    CUDA_CHECK(&t->error, cudaMemcpyAsync(t->pp_send, forward ? out : t->act.dresidual,
-                                                          (size_t)s.R * s.h * t->elem, cudaMemcpyDeviceToDevice,
-                                                          t->stream));
-                    out = t->pp_send;
-                }
-                x.send[x.num_send] = out;
-                x.send_grad[x.num_send] = !forward;
-                x.send_rank[x.num_send++] = op->send_rank;
-            }
-            if (!forward || !train) free_slots[num_free++] = slot_of[key];
-            if (t->error.status != MT_OK) st = mt_gpu_error_return(&t->error, err);
-        }
+        for (int k = u; k < end && st == MT_OK; k++) st = run_schedule_step(t, &p, &ops[k], err);
         if (trace) {
             CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
             fprintf(stderr, "pp rank %d unit %d: steps done\n", t->groups.pp_rank, u);
         }
         u = end;
     }
-    if (st == MT_OK) pipeline_exchange(t, &x);
+    if (st == MT_OK) pipeline_exchange(t, &p.x);
     pipeline_wait(t, 0), pipeline_wait(t, 1); /* the step's last sends, before anything reuses their buffers */
-    free(ops), free(slot_of), free(free_slots), free(counted);
+    free(ops), free(p.slot_of), free(p.free_slots), free(p.counted);
     if (st != MT_OK) return st;
     if (train) finish_gradient_reduction(t);
-    if (pp > 1) { /* the loss is the last stage's */
-        st = all_reduce_sum(t, &total, GROUP_PP, err);
-        if (st != MT_OK) return st;
-    }
-    if (across_dp && dp > 1) {
-        st = all_reduce_sum(t, &total, GROUP_DP, err);
-        if (st == MT_OK) st = all_reduce_sum(t, &tokens_counted, GROUP_DP, err);
-        if (st != MT_OK) return st;
-    }
-    t->last_loss_tokens = (int64_t)tokens_counted;
-    *mean_loss = total / tokens_counted;
-    return mt_gpu_error_return(&t->error, err);
+    return mean_loss_over_ranks(t, p.total, p.tokens_counted, across_dp, mean_loss, err);
 }
 
 /* ============================================================================================== */
@@ -6053,18 +6163,18 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
 
 /* The communication stream starts after everything issued so far on the compute stream. */
 static void comm_after_compute(mt_trainer* t) {
-    CUDA_CHECK(&t->error, cudaEventRecord(t->compute_done, t->stream));
-    CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->groups.comm_stream, t->compute_done, 0));
+    CUDA_CHECK(&t->error, cudaEventRecord(t->ddp.compute_done, t->stream));
+    CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->groups.comm_stream, t->ddp.compute_done, 0));
 }
 /* The compute stream continues after everything issued so far on the communication stream. */
 static void compute_after_comm(mt_trainer* t) {
-    CUDA_CHECK(&t->error, cudaEventRecord(t->comm_done, t->groups.comm_stream));
-    CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, t->comm_done, 0));
+    CUDA_CHECK(&t->error, cudaEventRecord(t->ddp.comm_done, t->groups.comm_stream));
+    CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, t->ddp.comm_done, 0));
 }
 
 /* [begin, end) of bucket b that this rank's optimizer owns: its DP shard, or all of it. */
 static void owned_range(const mt_trainer* t, int b, int64_t* begin, int64_t* end) {
-    if (t->sharded) mt_bucket_shard(&t->buffer.buckets[b], t->groups.dp_size, t->groups.dp_rank, begin, end);
+    if (t->opt.sharded) mt_bucket_shard(&t->buffer.buckets[b], t->groups.dp_size, t->groups.dp_rank, begin, end);
     else mt_bucket_shard(&t->buffer.buckets[b], 1, 0, begin, end);
 }
 
@@ -6075,7 +6185,7 @@ static void reduce_bucket(mt_trainer* t, int b) {
     mt_process_groups* g = &t->groups;
     float* base = t->grads + k->start;
     comm_after_compute(t);
-    if (t->sharded) {
+    if (t->opt.sharded) {
         int64_t begin, end;
         owned_range(t, b, &begin, &end);
         NCCL_CHECK(&t->error, t->cfg.rank,
@@ -6090,8 +6200,8 @@ static void reduce_bucket(mt_trainer* t, int b) {
 static void gradients_ready(mt_trainer* t, const mt_exec* ex, int layer) {
     if (!ex->mode.reduce_in_backward) return;
     /* buckets run in buffer order = backprop order; bucket b is final once its lowest layer is done */
-    while (t->next_bucket < t->buffer.num_buckets && t->buffer.buckets[t->next_bucket].ready_layer >= layer)
-        reduce_bucket(t, t->next_bucket++);
+    while (t->ddp.next_bucket < t->buffer.num_buckets && t->buffer.buckets[t->ddp.next_bucket].ready_layer >= layer)
+        reduce_bucket(t, t->ddp.next_bucket++);
 }
 
 /* With PP > 1 and tied embeddings the first stage's word embeddings and the last stage's copy
@@ -6113,7 +6223,7 @@ static int reduce_embedding_gradients(mt_trainer* t) {
 static void finish_gradient_reduction(mt_trainer* t) {
     int issued = reduce_embedding_gradients(t);
     if (t->groups.dp_size > 1) {
-        while (t->next_bucket < t->buffer.num_buckets) reduce_bucket(t, t->next_bucket++);
+        while (t->ddp.next_bucket < t->buffer.num_buckets) reduce_bucket(t, t->ddp.next_bucket++);
         issued = 1;
     }
     if (issued) compute_after_comm(t);
@@ -6125,17 +6235,20 @@ static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_group_kind grou
     mt_process_groups* g = &t->groups;
     ncclComm_t comm = group == GROUP_DP ? g->dp : group == GROUP_TP ? g->tp.comm : group == GROUP_PP ? g->pp : g->world;
     if (!comm) return MT_OK; /* a group of one */
-    CUDA_CHECK(&t->error, cudaMemcpyAsync(t->reduce_scratch, value, sizeof(double), cudaMemcpyHostToDevice, t->stream));
+    CUDA_CHECK(&t->error,
+               cudaMemcpyAsync(t->ddp.reduce_scratch, value, sizeof(double), cudaMemcpyHostToDevice, t->stream));
     if (group == GROUP_TP) {
-        tp_all_reduce(&t->groups.tp, t->reduce_scratch, 1, ncclDouble);
+        tp_all_reduce(&t->groups.tp, t->ddp.reduce_scratch, 1, ncclDouble);
         tp_join(&t->groups.tp);
     } else {
         comm_after_compute(t);
         NCCL_CHECK(&t->error, t->cfg.rank,
-                   ncclAllReduce(t->reduce_scratch, t->reduce_scratch, 1, ncclDouble, ncclSum, comm, g->comm_stream));
+                   ncclAllReduce(t->ddp.reduce_scratch, t->ddp.reduce_scratch, 1, ncclDouble, ncclSum, comm,
+                                 g->comm_stream));
         compute_after_comm(t);
     }
-    CUDA_CHECK(&t->error, cudaMemcpyAsync(value, t->reduce_scratch, sizeof(double), cudaMemcpyDeviceToHost, t->stream));
+    CUDA_CHECK(&t->error,
+               cudaMemcpyAsync(value, t->ddp.reduce_scratch, sizeof(double), cudaMemcpyDeviceToHost, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     return mt_gpu_error_return(&t->error, err);
 }
@@ -6151,11 +6264,11 @@ static int all_ranks_ok(mt_trainer* t, int ok) {
  * model-type parameters; all-gather every bucket, in forward order (last bucket first). Without
  * --overlap-param-gather the compute stream waits here; with it, the next forward waits per layer. */
 static void gather_parameters(mt_trainer* t) {
-    if (!t->sharded) return;
+    if (!t->opt.sharded) return;
     mt_process_groups* g = &t->groups;
     ncclDataType_t type = t->cfg.precision == MT_FP32 ? ncclFloat : t->cfg.precision == MT_BF16 ? ncclBfloat16 : ncclHalf;
     comm_after_compute(t);
-    t->param_gather_bytes = 0;
+    t->ddp.param_gather_bytes = 0;
     for (int b = t->buffer.num_buckets - 1; b >= 0; b--) {
         int64_t begin, end;
         owned_range(t, b, &begin, &end);
@@ -6163,18 +6276,18 @@ static void gather_parameters(mt_trainer* t) {
         NCCL_CHECK(&t->error, t->cfg.rank,
                    ncclAllGather(base + begin * t->elem, base + t->buffer.buckets[b].start * t->elem,
                                  (size_t)(end - begin), type, g->dp, g->comm_stream));
-        CUDA_CHECK(&t->error, cudaEventRecord(t->gathered[b], g->comm_stream));
-        t->param_gather_bytes += (end - begin) * t->elem * g->dp_size;
+        CUDA_CHECK(&t->error, cudaEventRecord(t->ddp.gathered[b], g->comm_stream));
+        t->ddp.param_gather_bytes += (end - begin) * t->elem * g->dp_size;
     }
-    if (t->cfg.overlap_param_gather) t->gather_pending = 1;
+    if (t->cfg.overlap_param_gather) t->ddp.gather_pending = 1;
     else compute_after_comm(t);
 }
 
 static void wait_for_parameters(mt_trainer* t, int layer) {
-    if (!t->gather_pending) return;
-    int b = t->first_bucket_of_layer[layer + 1];
-    CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, t->gathered[b], 0));
-    if (b == 0) t->gather_pending = 0;
+    if (!t->ddp.gather_pending) return;
+    int b = t->ddp.first_bucket_of_layer[layer + 1];
+    CUDA_CHECK(&t->error, cudaStreamWaitEvent(t->stream, t->ddp.gathered[b], 0));
+    if (b == 0) t->ddp.gather_pending = 0;
 }
 
 /* For wait_for_parameters, computed once: the lowest bucket holding a parameter of each layer
@@ -6196,7 +6309,7 @@ static int* first_bucket_of_layers(const mt_buffer_layout* B) {
 }
 
 static void wait_for_all_parameters(mt_trainer* t) {
-    if (t->gather_pending) wait_for_parameters(t, t->buffer.num_layers);
+    if (t->ddp.gather_pending) wait_for_parameters(t, t->buffer.num_layers);
 }
 
 /* ---- FP8 parameter all-gather (--fp8-param-gather, Transformer Engine's FP8 parameters) ----
@@ -6285,12 +6398,12 @@ static void fp8_publish_parameters(mt_trainer* t) {
     mt_process_groups* g = &t->groups;
     f->unpublished = 0;
     wait_for_all_parameters(t); /* no gather may still be writing the storage */
-    if (t->num_chunks > 0 && f->recipe == MT_FP8_TENSORWISE) {
+    if (t->opt.num_chunks > 0 && f->recipe == MT_FP8_TENSORWISE) {
         CUDA_CHECK(&t->error, cudaMemsetAsync(f->amax, 0, sizeof(float) * (size_t)f->num_tensors, t->stream));
-        fp8_publish_amax_kernel<<<t->num_chunks, 256, 0, t->stream>>>(f->amax, t->chunks, f->publish, t->master);
+        fp8_publish_amax_kernel<<<t->opt.num_chunks, 256, 0, t->stream>>>(f->amax, t->opt.chunks, f->publish, t->opt.master);
         LAUNCH_CHECK(&t->error);
     }
-    if (f->recipe == MT_FP8_TENSORWISE && t->sharded) { /* the shards' amaxes: the tensors' */
+    if (f->recipe == MT_FP8_TENSORWISE && t->opt.sharded) { /* the shards' amaxes: the tensors' */
         comm_after_compute(t);
         NCCL_CHECK(&t->error, t->cfg.rank,
                    ncclAllReduce(f->amax, f->amax, (size_t)f->num_tensors, ncclFloat, ncclMax, g->dp, g->comm_stream));
@@ -6302,14 +6415,14 @@ static void fp8_publish_parameters(mt_trainer* t) {
                                                                                 f->fp8_max, f->num_tensors, f->margin);
         LAUNCH_CHECK(&t->error);
     }
-    if (t->num_chunks > 0) {
-        fp8_publish_kernel<<<t->num_chunks, 256, 0, t->stream>>>((uint8_t*)t->params, t->chunks, f->publish, t->master,
+    if (t->opt.num_chunks > 0) {
+        fp8_publish_kernel<<<t->opt.num_chunks, 256, 0, t->stream>>>((uint8_t*)t->params, t->opt.chunks, f->publish, t->opt.master,
                                                                  f->scale, f->amax, f->recipe == MT_FP8_DELAYED);
         LAUNCH_CHECK(&t->error);
     }
-    if (!t->sharded) return;
+    if (!t->opt.sharded) return;
     comm_after_compute(t);
-    t->param_gather_bytes = 0;
+    t->ddp.param_gather_bytes = 0;
     for (int b = t->buffer.num_buckets - 1; b >= 0; b--) {
         NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupStart());
         for (int r = 0; r < g->dp_size; r++) {
@@ -6318,12 +6431,12 @@ static void fp8_publish_parameters(mt_trainer* t) {
             const int64_t lo = mt_buffer_storage_byte(&t->buffer, begin), hi = mt_buffer_storage_byte(&t->buffer, end);
             char* at = (char*)t->params + lo;
             NCCL_CHECK(&t->error, t->cfg.rank, ncclBroadcast(at, at, (size_t)(hi - lo), ncclUint8, r, g->dp, g->comm_stream));
-            t->param_gather_bytes += hi - lo;
+            t->ddp.param_gather_bytes += hi - lo;
         }
         NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupEnd());
-        CUDA_CHECK(&t->error, cudaEventRecord(t->gathered[b], g->comm_stream));
+        CUDA_CHECK(&t->error, cudaEventRecord(t->ddp.gathered[b], g->comm_stream));
     }
-    if (t->cfg.overlap_param_gather) t->gather_pending = 1;
+    if (t->cfg.overlap_param_gather) t->ddp.gather_pending = 1;
     else compute_after_comm(t);
 }
 
@@ -6333,36 +6446,41 @@ static void fp8_publish_parameters(mt_trainer* t) {
  * embeddings is not counted), and with the distributed optimizer the shards' sums over DP. */
 static double gradient_norm_squared(mt_trainer* t) {
     const mt_exec ex = trainer_exec(t);
-    gradient_sum_squares(&ex, t->norm_partial, t->chunks, t->num_chunks, t->grads);
+    gradient_sum_squares(&ex, t->opt.norm_partial, t->opt.chunks, t->opt.num_chunks, t->grads);
     double result = 0.0;
-    CUDA_CHECK(&t->error, cudaMemcpyAsync(&result, t->norm_partial + t->num_chunks, sizeof(double),
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(&result, t->opt.norm_partial + t->opt.num_chunks, sizeof(double),
                                           cudaMemcpyDeviceToHost, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     all_reduce_sum(t, &result, GROUP_TP, NULL);
     all_reduce_sum(t, &result, GROUP_PP, NULL);
-    if (t->sharded) all_reduce_sum(t, &result, GROUP_DP, NULL);
+    if (t->opt.sharded) all_reduce_sum(t, &result, GROUP_DP, NULL);
     return result;
 }
 
 /* Megatron's DynamicGradScaler.update. */
-static void loss_scaler_update(mt_trainer* t, int found_inf) {
-    const mt_config* c = &t->cfg;
+static void loss_scaler_update(mt_loss_scaler* s, const mt_config* c, int found_inf) {
     if (c->precision != MT_FP16 || c->loss_scale > 0) return;
     if (found_inf) {
-        t->growth_tracker = 0;
-        t->hysteresis_tracker--;
-        if (t->hysteresis_tracker <= 0) {
-            t->loss_scale = t->loss_scale * 0.5;
-            if (t->loss_scale < c->min_loss_scale) t->loss_scale = c->min_loss_scale;
+        s->growth_tracker = 0;
+        s->hysteresis_tracker--;
+        if (s->hysteresis_tracker <= 0) {
+            s->loss_scale = s->loss_scale * 0.5;
+            if (s->loss_scale < c->min_loss_scale) s->loss_scale = c->min_loss_scale;
         }
     } else {
-        t->growth_tracker++;
-        if (t->growth_tracker == c->loss_scale_window) {
-            t->growth_tracker = 0;
-            t->hysteresis_tracker = c->hysteresis;
-            t->loss_scale *= 2.0;
+        s->growth_tracker++;
+        if (s->growth_tracker == c->loss_scale_window) {
+            s->growth_tracker = 0;
+            s->hysteresis_tracker = c->hysteresis;
+            s->loss_scale *= 2.0;
         }
     }
+}
+/* A new scaler: --loss-scale when given, else --initial-loss-scale (fp16; 1 otherwise), hysteresis full. */
+static void loss_scaler_reset(mt_loss_scaler* s, const mt_config* c) {
+    s->growth_tracker = 0;
+    s->hysteresis_tracker = c->hysteresis;
+    s->loss_scale = c->precision != MT_FP16 ? 1.0 : c->loss_scale > 0 ? c->loss_scale : c->initial_loss_scale;
 }
 
 /* ---- Optimizer offload (Megatron's --optimizer-cpu-offload, --optimizer-offload-fraction) ----
@@ -6402,8 +6520,8 @@ struct mt_offload {
 
 static void* device_alloc(mt_trainer* t, size_t bytes, size_t* counter);
 
-static void offload_free(mt_trainer* t) {
-    struct mt_offload* o = t->offload;
+static void offload_free(mt_optimizer_state* opt) {
+    struct mt_offload* o = opt->offload;
     if (!o) return;
     if (o->d2h) cudaStreamSynchronize(o->d2h);
     if (o->h2d) cudaStreamSynchronize(o->h2d);
@@ -6422,19 +6540,19 @@ static void offload_free(mt_trainer* t) {
     free(o->runs);
     free(o->segments);
     free(o);
-    t->offload = NULL;
+    opt->offload = NULL;
 }
 
 /* From the optimizer's chunk table (host copy, in shard order): the runs of the offloaded part,
  * the host arrays (m and v zero; the master is set with the parameters), streams, events, threads. */
 static mt_status offload_create(mt_trainer* t, const mt_opt_chunk* chunks, int num_chunks, mt_error* err) {
-    const int64_t numel = mt_offload_elements(&t->cfg, t->shard_numel);
+    const int64_t numel = mt_offload_elements(&t->cfg, t->opt.shard_numel);
     if (numel == 0) return MT_OK;
     struct mt_offload* o = (struct mt_offload*)calloc(1, sizeof(struct mt_offload));
     if (!o) return mt_fail(err, MT_ERR_OOM, "cannot allocate the optimizer offload's state");
-    t->offload = o;
+    t->opt.offload = o;
     o->numel = numel;
-    o->gpu_numel = t->shard_numel - numel;
+    o->gpu_numel = t->opt.shard_numel - numel;
     o->piece = numel < MT_OFFLOAD_PIECE_ELEMENTS ? numel : MT_OFFLOAD_PIECE_ELEMENTS;
     o->runs = (mt_offload_run*)malloc(sizeof(mt_offload_run) * (size_t)(num_chunks > 0 ? num_chunks : 1));
     if (!o->runs) return mt_fail(err, MT_ERR_OOM, "cannot allocate the optimizer offload's runs");
@@ -6467,7 +6585,7 @@ static mt_status offload_create(mt_trainer* t, const mt_opt_chunk* chunks, int n
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&o->v, bytes));
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&o->grads, sizeof(float) * (size_t)(MT_OFFLOAD_SLOTS * o->piece)));
     if (t->cfg.precision != MT_FP32) o->staging = (float*)device_alloc(t, sizeof(float) * (size_t)o->piece,
-                                                                       &t->allocated.offload_bytes);
+                                                                       &t->mem.allocated.offload_bytes);
     CUDA_CHECK(&t->error, cudaStreamCreateWithFlags(&o->d2h, cudaStreamNonBlocking));
     CUDA_CHECK(&t->error, cudaStreamCreateWithFlags(&o->h2d, cudaStreamNonBlocking));
     CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&o->grads_final, cudaEventDisableTiming));
@@ -6486,21 +6604,21 @@ static mt_status offload_create(mt_trainer* t, const mt_opt_chunk* chunks, int n
 }
 
 /* The host array that holds the offloaded end of a device optimizer array (master, m, v), or NULL. */
-static float* offloaded_part(const mt_trainer* t, const float* device_array) {
-    const struct mt_offload* o = t->offload;
+static float* offloaded_part(const mt_optimizer_state* opt, const float* device_array) {
+    const struct mt_offload* o = opt->offload;
     if (!o) return NULL;
-    return device_array == t->master ? o->master : device_array == t->adam_m ? o->m : device_array == t->adam_v ? o->v
-                                                                                                                  : NULL;
+    return device_array == opt->master ? o->master : device_array == opt->adam_m ? o->m
+                                                   : device_array == opt->adam_v ? o->v : NULL;
 }
 
 /* Adam's moments zeroed, on the device and, offloaded, on the host (a new optimizer's state). */
 static void zero_adam_moments(mt_trainer* t) {
-    const size_t on_device = (size_t)(t->offload ? t->offload->gpu_numel : t->shard_numel);
-    CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_m, 0, sizeof(float) * on_device, t->stream));
-    CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_v, 0, sizeof(float) * on_device, t->stream));
-    if (t->offload) {
-        memset(t->offload->m, 0, sizeof(float) * (size_t)t->offload->numel);
-        memset(t->offload->v, 0, sizeof(float) * (size_t)t->offload->numel);
+    const size_t on_device = (size_t)(t->opt.offload ? t->opt.offload->gpu_numel : t->opt.shard_numel);
+    CUDA_CHECK(&t->error, cudaMemsetAsync(t->opt.adam_m, 0, sizeof(float) * on_device, t->stream));
+    CUDA_CHECK(&t->error, cudaMemsetAsync(t->opt.adam_v, 0, sizeof(float) * on_device, t->stream));
+    if (t->opt.offload) {
+        memset(t->opt.offload->m, 0, sizeof(float) * (size_t)t->opt.offload->numel);
+        memset(t->opt.offload->v, 0, sizeof(float) * (size_t)t->opt.offload->numel);
     }
 }
 
@@ -6513,7 +6631,7 @@ static bool run_in_piece(const mt_offload_run* run, int64_t lo, int64_t hi, int6
 
 /* Copies the gradients of piece p (host elements [p piece, ...)) into staging slot p % SLOTS, on d2h. */
 static void offload_fetch_piece(mt_trainer* t, int64_t p) {
-    struct mt_offload* o = t->offload;
+    struct mt_offload* o = t->opt.offload;
     const int64_t lo = p * o->piece, hi = lo + o->piece < o->numel ? lo + o->piece : o->numel;
     float* slot = o->grads + (p % MT_OFFLOAD_SLOTS) * o->piece;
     for (int r = 0; r < o->num_runs; r++) {
@@ -6529,7 +6647,7 @@ static void offload_fetch_piece(mt_trainer* t, int64_t p) {
 /* The CPU's AdamW step over the offloaded part, overlapped with its copies (see above). The compute
  * stream has just been given the GPU's AdamW; it waits here for the updated parameters. */
 static void offload_update(mt_trainer* t, const mt_adamw_step* h) {
-    struct mt_offload* o = t->offload;
+    struct mt_offload* o = t->opt.offload;
     if (!o || t->error.status != MT_OK) return;
     const int64_t pieces = (o->numel + o->piece - 1) / o->piece;
     CUDA_CHECK(&t->error, cudaEventRecord(o->grads_final, t->stream)); /* after every gradient of the step */
@@ -6578,22 +6696,22 @@ static void offload_update(mt_trainer* t, const mt_adamw_step* h) {
  * over DP. Called after the optimizer step (the CPU AdamW's part is done when adamw_step returns). */
 static double params_norm_squared(mt_trainer* t) {
     const mt_exec ex = trainer_exec(t);
-    const int gpu_chunks = t->offload ? t->offload->num_gpu_chunks : t->num_chunks;
-    gradient_sum_squares<true>(&ex, t->norm_partial, t->chunks, gpu_chunks, t->master);
+    const int gpu_chunks = t->opt.offload ? t->opt.offload->num_gpu_chunks : t->opt.num_chunks;
+    gradient_sum_squares<true>(&ex, t->opt.norm_partial, t->opt.chunks, gpu_chunks, t->opt.master);
     double result = 0.0;
-    CUDA_CHECK(&t->error, cudaMemcpyAsync(&result, t->norm_partial + gpu_chunks, sizeof(double),
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(&result, t->opt.norm_partial + gpu_chunks, sizeof(double),
                                           cudaMemcpyDeviceToHost, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
-    for (int r = 0; t->offload && r < t->offload->num_runs; r++) {
-        const mt_offload_run* run = &t->offload->runs[r];
+    for (int r = 0; t->opt.offload && r < t->opt.offload->num_runs; r++) {
+        const mt_offload_run* run = &t->opt.offload->runs[r];
         for (int64_t i = 0; run->counted && i < run->length; i++) {
-            const double v = t->offload->master[run->host + i];
+            const double v = t->opt.offload->master[run->host + i];
             result += v * v;
         }
     }
     all_reduce_sum(t, &result, GROUP_TP, NULL);
     all_reduce_sum(t, &result, GROUP_PP, NULL);
-    if (t->sharded) all_reduce_sum(t, &result, GROUP_DP, NULL);
+    if (t->opt.sharded) all_reduce_sum(t, &result, GROUP_DP, NULL);
     return result;
 }
 
@@ -6601,14 +6719,14 @@ static double params_norm_squared(mt_trainer* t) {
  * exactly 0 (g * grad_scale: unscaled and clipped), counted and reduced as the gradient norm. */
 static int64_t gradient_zeros(mt_trainer* t, float grad_scale) {
     const mt_exec ex = trainer_exec(t);
-    gradient_count_zeros(&ex, t->norm_partial, t->chunks, t->num_chunks, t->grads, grad_scale);
+    gradient_count_zeros(&ex, t->opt.norm_partial, t->opt.chunks, t->opt.num_chunks, t->grads, grad_scale);
     double result = 0.0;
-    CUDA_CHECK(&t->error, cudaMemcpyAsync(&result, t->norm_partial + t->num_chunks, sizeof(double),
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(&result, t->opt.norm_partial + t->opt.num_chunks, sizeof(double),
                                           cudaMemcpyDeviceToHost, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     all_reduce_sum(t, &result, GROUP_TP, NULL);
     all_reduce_sum(t, &result, GROUP_PP, NULL);
-    if (t->sharded) all_reduce_sum(t, &result, GROUP_DP, NULL);
+    if (t->opt.sharded) all_reduce_sum(t, &result, GROUP_DP, NULL);
     return (int64_t)result;
 }
 
@@ -6618,22 +6736,23 @@ static int64_t gradient_zeros(mt_trainer* t, float grad_scale) {
 template <typename T>
 static void adamw_step(mt_trainer* t, float lr, float lr_decoupled, float grad_scale, double* params_norm) {
     const mt_config* c = &t->cfg;
-    t->adam_step++;
+    t->opt.adam_step++;
     mt_adamw_step h;
     h.lr = lr;
     h.lr_decoupled = lr_decoupled;
     h.beta1 = (float)c->adam_beta1;
     h.beta2 = (float)c->adam_beta2;
-    h.bias_correction1 = (float)(1.0 - pow(c->adam_beta1, (double)t->adam_step));
-    h.bias_correction2 = (float)(1.0 - pow(c->adam_beta2, (double)t->adam_step));
+    h.bias_correction1 = (float)(1.0 - pow(c->adam_beta1, (double)t->opt.adam_step));
+    h.bias_correction2 = (float)(1.0 - pow(c->adam_beta2, (double)t->opt.adam_step));
     h.eps = (float)c->adam_eps;
     h.weight_decay = (float)c->weight_decay;
     h.grad_scale = grad_scale;
     const mt_exec ex = trainer_exec(t);
-    const int gpu_chunks = t->offload ? t->offload->num_gpu_chunks : t->num_chunks;
+    const int gpu_chunks = t->opt.offload ? t->opt.offload->num_gpu_chunks : t->opt.num_chunks;
     T* model = t->fp8.param_gather ? (T*)NULL : (T*)t->params; /* fp8_publish_parameters writes it then */
     if (gpu_chunks > 0)
-        adamw_update<T>(&ex, &h, t->chunks, gpu_chunks, t->master, model, t->grads, t->adam_m, t->adam_v);
+        adamw_update<T>(&ex, &h, t->opt.chunks, gpu_chunks, t->opt.master, model, t->grads, t->opt.adam_m,
+                        t->opt.adam_v);
     offload_update(t, &h); /* the CPU's part, while the GPU's runs */
     if (params_norm) *params_norm = sqrt(params_norm_squared(t));
     t->fp8.stale = 1;
@@ -6711,12 +6830,12 @@ static FILE* open_checkpoint_file(const char* path, mt_error* err) {
 /* Copies every bucket's owned range between a full buffer-layout array and an optimizer-shard array
  * (with optimizer offload, the shard's end is in host memory: section 18's offloaded_part). */
 static void copy_owned(mt_trainer* t, float* shard, float* full, int to_shard) {
-    float* host = offloaded_part(t, shard);
-    const int64_t split = host ? t->offload->gpu_numel : INT64_MAX;
+    float* host = offloaded_part(&t->opt, shard);
+    const int64_t split = host ? t->opt.offload->gpu_numel : INT64_MAX;
     for (int b = 0; b < t->buffer.num_buckets; b++) {
         int64_t begin, end;
         owned_range(t, b, &begin, &end);
-        const int64_t k0 = t->shard_offset[b], k1 = k0 + (end - begin);
+        const int64_t k0 = t->opt.shard_offset[b], k1 = k0 + (end - begin);
         for (int part = 0; part < 2; part++) { /* the device's elements, then the host's */
             const int64_t lo = part ? (k0 > split ? k0 : split) : k0, hi = part ? k1 : (k1 < split ? k1 : split);
             if (lo >= hi) continue;
@@ -6745,16 +6864,16 @@ static void gather_owned_fp32(mt_trainer* t, float* full) {
 
 static float* full_master(mt_trainer* t) {
     /* unsharded fp32 weights are the master, the offloaded part included (the CPU AdamW copies it back) */
-    if (!t->sharded && (!t->offload || t->params == (void*)t->master)) return t->master;
-    copy_owned(t, t->master, t->grads, 0);
-    if (t->sharded) gather_owned_fp32(t, t->grads);
+    if (!t->opt.sharded && (!t->opt.offload || t->params == (void*)t->opt.master)) return t->opt.master;
+    copy_owned(t, t->opt.master, t->grads, 0);
+    if (t->opt.sharded) gather_owned_fp32(t, t->grads);
     return t->grads;
 }
 
 /* An unsharded optimizer array (m or v) whole in buffer layout: itself, or assembled with its
  * offloaded end in the gradient buffer (free between steps). */
 static float* full_optimizer_array(mt_trainer* t, float* array) {
-    if (!t->offload) return array;
+    if (!t->opt.offload) return array;
     copy_owned(t, array, t->grads, 0);
     return t->grads;
 }
@@ -6763,12 +6882,14 @@ static float* full_optimizer_array(mt_trainer* t, float* array) {
 static void set_master_from_full(mt_trainer* t, float* full) {
     t->fp8.stale = 1; /* the FP8 weight copies are made again from the new parameters */
     t->fp8.unpublished = t->fp8.param_gather; /* --fp8-param-gather: the storage is written from the master */
-    if (full != t->master) copy_owned(t, t->master, full, 1);
-    if (t->params == (void*)t->master) { /* the offloaded part's weights too (copy_owned put its master on the host) */
-        if (t->offload && full != t->master)
-            CUDA_CHECK(&t->error, cudaMemcpyAsync(t->master + t->offload->gpu_numel, full + t->offload->gpu_numel,
-                                                  sizeof(float) * (size_t)t->offload->numel, cudaMemcpyDeviceToDevice,
-                                                  t->stream));
+    if (full != t->opt.master) copy_owned(t, t->opt.master, full, 1);
+    if (t->params == (void*)t->opt.master) {
+        /* the offloaded part's weights too (copy_owned put its master on the host) */
+        if (t->opt.offload && full != t->opt.master)
+            CUDA_CHECK(&t->error, cudaMemcpyAsync(t->opt.master + t->opt.offload->gpu_numel,
+                                                  full + t->opt.offload->gpu_numel,
+                                                  sizeof(float) * (size_t)t->opt.offload->numel,
+                                                  cudaMemcpyDeviceToDevice, t->stream));
         return;
     }
     if (t->fp8.param_gather) return;
@@ -6792,8 +6913,8 @@ static mt_status canonical_transfer(mt_trainer* t, float* device_full, float* ho
 
 /* A host copy of a shard-layout optimizer array (n elements; with offload its end is in host memory). */
 static mt_status stage_device_array(mt_trainer* t, const float* device, int64_t n, float* host, mt_error* err) {
-    const float* tail = offloaded_part(t, device);
-    const int64_t on_device = tail ? t->offload->gpu_numel : n;
+    const float* tail = offloaded_part(&t->opt, device);
+    const int64_t on_device = tail ? t->opt.offload->gpu_numel : n;
     mt_status st = copy_sync(t, host, device, sizeof(float) * on_device, cudaMemcpyDeviceToHost, err);
     if (tail) memcpy(host + on_device, tail, sizeof(float) * (size_t)(n - on_device));
     return st;
@@ -6802,8 +6923,8 @@ static mt_status stage_device_array(mt_trainer* t, const float* device, int64_t 
 static mt_status read_device_array(mt_trainer* t, FILE* f, float* device, int64_t n, float* host, const char* path,
                                    mt_error* err) {
     if (fread(host, sizeof(float), (size_t)n, f) != (size_t)n) return mt_fail(err, MT_ERR_FORMAT, "%s is truncated", path);
-    float* tail = offloaded_part(t, device);
-    const int64_t on_device = tail ? t->offload->gpu_numel : n;
+    float* tail = offloaded_part(&t->opt, device);
+    const int64_t on_device = tail ? t->opt.offload->gpu_numel : n;
     if (tail) memcpy(tail, host + on_device, sizeof(float) * (size_t)(n - on_device));
     return copy_sync(t, device, host, sizeof(float) * on_device, cudaMemcpyHostToDevice, err);
 }
@@ -6826,16 +6947,16 @@ static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration,
     mt_checkpoint_header_init(header, &t->cfg);
     header[MT_CK_ITERATION] = iteration;
     header[MT_CK_CONSUMED] = consumed_samples;
-    header[MT_CK_SCHED_STEPS] = t->scheduler_steps;
-    header[MT_CK_ADAM_STEP] = t->adam_step;
-    header[MT_CK_GROWTH] = t->growth_tracker;
-    header[MT_CK_HYSTERESIS] = t->hysteresis_tracker;
-    memcpy(&header[MT_CK_LOSS_SCALE_BITS], &t->loss_scale, sizeof(double));
-    header[MT_CK_SHARDED_DP] = t->sharded ? t->groups.dp_size : 0;
+    header[MT_CK_SCHED_STEPS] = t->opt.scheduler_steps;
+    header[MT_CK_ADAM_STEP] = t->opt.adam_step;
+    header[MT_CK_GROWTH] = t->scaler.growth_tracker;
+    header[MT_CK_HYSTERESIS] = t->scaler.hysteresis_tracker;
+    memcpy(&header[MT_CK_LOSS_SCALE_BITS], &t->scaler.loss_scale, sizeof(double));
+    header[MT_CK_SHARDED_DP] = t->opt.sharded ? t->groups.dp_size : 0;
     header[MT_CK_DP_RANK] = t->groups.dp_rank;
-    header[MT_CK_SHARD_NUMEL] = t->sharded ? t->shard_numel : 0;
-    header[MT_CK_DDP_OVERLAP] = t->sharded ? 1 + (t->cfg.overlap_grad_reduce != 0) : 0;
-    header[MT_CK_DDP_BUCKET_SIZE] = t->sharded ? t->cfg.ddp_bucket_size : 0;
+    header[MT_CK_SHARD_NUMEL] = t->opt.sharded ? t->opt.shard_numel : 0;
+    header[MT_CK_DDP_OVERLAP] = t->opt.sharded ? 1 + (t->cfg.overlap_grad_reduce != 0) : 0;
+    header[MT_CK_DDP_BUCKET_SIZE] = t->opt.sharded ? t->cfg.ddp_bucket_size : 0;
     header[MT_CK_TP_RANK] = t->groups.tp.rank;
     header[MT_CK_PP_RANK] = t->groups.pp_rank;
     header[MT_CK_VP] = t->groups.pp_size > 1 ? t->buffer.stage.num_chunks : 0;
@@ -6924,16 +7045,16 @@ static mt_status stage_checkpoint_file(mt_trainer* t, const int64_t* header, int
     float* at = (float*)(out + sizeof(int64_t) * MT_CK_HEADER_WORDS);
     mt_status st = MT_OK;
     if (shard_file) {
-        const float* arrays[3] = {t->master, t->adam_m, t->adam_v};
-        for (int i = 0; i < 3 && st == MT_OK; i++, at += t->shard_numel)
-            st = stage_device_array(t, arrays[i], t->shard_numel, at, err);
+        const float* arrays[3] = {t->opt.master, t->opt.adam_m, t->opt.adam_v};
+        for (int i = 0; i < 3 && st == MT_OK; i++, at += t->opt.shard_numel)
+            st = stage_device_array(t, arrays[i], t->opt.shard_numel, at, err);
         return st;
     }
     st = canonical_transfer(t, master_full, at, 0, err);
     at += t->num_params;
     /* without sharding, m and v are full buffer-layout arrays like the master */
-    for (int i = 0; i < 2 && !t->sharded && st == MT_OK; i++, at += t->num_params)
-        st = canonical_transfer(t, full_optimizer_array(t, i ? t->adam_v : t->adam_m), at, 0, err);
+    for (int i = 0; i < 2 && !t->opt.sharded && st == MT_OK; i++, at += t->num_params)
+        st = canonical_transfer(t, full_optimizer_array(t, i ? t->opt.adam_v : t->opt.adam_m), at, 0, err);
     if (header[MT_CK_FP8_TENSORS] > 0 && st == MT_OK) st = fp8_state_transfer(t, NULL, at, NULL, err);
     return st;
 }
@@ -6992,7 +7113,7 @@ typedef struct {
 } rank_file;
 static int rank_checkpoint_files(const mt_trainer* t, int dp_rank, rank_file files[2]) {
     int n = 0;
-    if (t->sharded) {
+    if (t->opt.sharded) {
         snprintf(files[n].name, sizeof(files[n].name), "distrib_optim_dp%03d.bin", dp_rank);
         files[n++].shard = 1;
     }
@@ -7012,7 +7133,7 @@ static mt_status all_gather_world(mt_trainer* t, const double* mine, int n, doub
         memcpy(out, mine, sizeof(double) * (size_t)n);
         return MT_OK;
     }
-    double* gathered = t->reduce_scratch + 2; /* [world * MT_GATHER_DOUBLES] after the two reduced values */
+    double* gathered = t->ddp.reduce_scratch + 2; /* [world * MT_GATHER_DOUBLES] after the two reduced values */
     const int world = t->cfg.world_size, rank = t->cfg.rank;
     CUDA_CHECK(&t->error, cudaMemcpyAsync(gathered + (size_t)rank * n, mine, sizeof(double) * (size_t)n,
                                           cudaMemcpyHostToDevice, t->stream));
@@ -7103,7 +7224,7 @@ static mt_status commit_save(mt_trainer* t, struct mt_async_save* a, mt_error* e
  * when any rank's is still writing; once all are done, every rank agrees they succeeded and rank 0
  * commits (else the temporary directory goes and the first failure is the error). Collective. */
 static mt_status finish_save(mt_trainer* t, int blocking, int64_t* committed, mt_error* err) {
-    struct mt_async_save* a = t->async_save;
+    struct mt_async_save* a = t->ckpt.async_save;
     if (committed) *committed = -1;
     if (!a || !a->pending) return MT_OK;
     if (!blocking) {
@@ -7153,9 +7274,9 @@ static size_t rank_checkpoint_bytes(mt_trainer* t) {
 }
 
 mt_status mt_trainer_reserve_async_save(mt_trainer* t, mt_error* err) {
-    if (!t->async_save && !(t->async_save = (struct mt_async_save*)calloc(1, sizeof(struct mt_async_save))))
+    if (!t->ckpt.async_save && !(t->ckpt.async_save = (struct mt_async_save*)calloc(1, sizeof(struct mt_async_save))))
         return mt_fail(err, MT_ERR_OOM, "cannot allocate the checkpoint writer's state");
-    return reserve_pinned_staging(t->async_save, rank_checkpoint_bytes(t), err);
+    return reserve_pinned_staging(t->ckpt.async_save, rank_checkpoint_bytes(t), err);
 }
 
 /* A save: rank 0 makes the temporary directory; every rank stages its files in host memory (the
@@ -7166,12 +7287,12 @@ static mt_status begin_save(mt_trainer* t, const char* dir, int64_t iteration, i
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     mt_status st = finish_save(t, 1, NULL, err); /* a save still in flight completes first */
     if (st != MT_OK) return st;
-    if (!t->async_save) {
-        t->async_save = (struct mt_async_save*)calloc(1, sizeof(struct mt_async_save));
-        if (!t->async_save) st = mt_fail(err, MT_ERR_OOM, "cannot allocate the checkpoint writer's state");
+    if (!t->ckpt.async_save) {
+        t->ckpt.async_save = (struct mt_async_save*)calloc(1, sizeof(struct mt_async_save));
+        if (!t->ckpt.async_save) st = mt_fail(err, MT_ERR_OOM, "cannot allocate the checkpoint writer's state");
     }
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", dir);
-    struct mt_async_save* a = t->async_save;
+    struct mt_async_save* a = t->ckpt.async_save;
     char rank_dir[4160];
     int leader = t->cfg.rank == 0;       /* makes and renames the directories */
     snprintf(a->dir, sizeof(a->dir), "%s", dir);
@@ -7240,13 +7361,13 @@ static mt_status begin_save(mt_trainer* t, const char* dir, int64_t iteration, i
 }
 
 /* At mt_trainer_free: the writer joined (not committed), the staging freed. */
-static void release_save(mt_trainer* t) {
-    struct mt_async_save* a = t->async_save;
+static void release_save(mt_checkpoint_state* ck) {
+    struct mt_async_save* a = ck->async_save;
     if (!a) return;
     if (a->thread_started) pthread_join(a->thread, NULL);
     if (a->pinned) cudaFreeHost(a->pinned);
     free(a);
-    t->async_save = NULL;
+    ck->async_save = NULL;
 }
 
 mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples, mt_error* err) {
@@ -7336,12 +7457,12 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
                        "this rank is pipeline rank %d of another split: resume with the same pipeline layout", path,
                        (long long)h[MT_CK_PP_RANK], (long long)h[MT_CK_VP], (long long)h[MT_CK_STAGE_NUMEL],
                        t->groups.pp_rank);
-    int64_t sharded = h[MT_CK_SHARDED_DP], mine = t->sharded ? t->groups.dp_size : 0;
+    int64_t sharded = h[MT_CK_SHARDED_DP], mine = t->opt.sharded ? t->groups.dp_size : 0;
     if (sharded != 0 && sharded != mine)
         return mt_fail(err, MT_ERR_CONFIG,
                        "checkpoint %s holds optimizer state sharded over %lld data-parallel ranks "
                        "(--use-distributed-optimizer); this run has %d ranks%s: resume with the same layout",
-                       path, (long long)sharded, t->groups.dp_size, t->sharded ? "" : " without it");
+                       path, (long long)sharded, t->groups.dp_size, t->opt.sharded ? "" : " without it");
     return MT_OK;
 }
 
@@ -7359,7 +7480,7 @@ static mt_status load_other_layout(mt_trainer* t, const mt_ckpt* ck, int load_op
     memcpy(h, ck->header, sizeof(int64_t) * MT_CK_HEADER_WORDS);
     mt_status st = check_model_words(t, h, ck->iter_dir, 1, err);
     const mt_ckpt_ddp ddp = {t->cfg.overlap_grad_reduce, t->cfg.ddp_bucket_size};
-    float* moments[2] = {t->adam_m, t->adam_v};
+    float* moments[2] = {t->opt.adam_m, t->opt.adam_v};
     for (int a = MT_CKPT_MASTER; a <= (load_optim ? MT_CKPT_V : MT_CKPT_MASTER) && st == MT_OK; a++) {
         st = mt_ckpt_read_part(ck, &ddp, &t->cfg, a, host, err);
         if (st == MT_OK) st = canonical_transfer(t, t->grads, host, 1, err);
@@ -7383,10 +7504,11 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
      * is kept for mt_trainer_load_warning); every rank then loads the iteration it chose */
     mt_status st = MT_OK;
     double chosen = 0.0; /* rank 0's iteration + 1; 0: it failed (a fallback: the caller sees an iteration below the tracker's) */
-    t->load_warning.message[0] = 0;
+    t->ckpt.load_warning.message[0] = 0;
     if (t->cfg.rank == 0) {
         int fell_back = 0;
-        st = mt_checkpoint_select(dir, iteration, t->no_verify_checkpoint, &iteration, &fell_back, &t->load_warning, err);
+        st = mt_checkpoint_select(dir, iteration, t->ckpt.no_verify_checkpoint, &iteration, &fell_back,
+                                  &t->ckpt.load_warning, err);
         if (st == MT_OK) chosen = (double)iteration + 1.0;
     }
     if (all_reduce_sum(t, &chosen, GROUP_WORLD, err) != MT_OK) return mt_gpu_error_return(&t->error, err);
@@ -7395,7 +7517,8 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
     mt_checkpoint_iteration_dir(iter_dir, sizeof(iter_dir), dir, iteration);
     wait_for_all_parameters(t);
     int64_t h[MT_CK_HEADER_WORDS];
-    float* host = (float*)malloc(sizeof(float) * (size_t)(t->num_params > t->shard_numel ? t->num_params : t->shard_numel));
+    float* host = (float*)malloc(sizeof(float) *
+                                 (size_t)(t->num_params > t->opt.shard_numel ? t->num_params : t->opt.shard_numel));
     if (!host && st == MT_OK) st = mt_fail(err, MT_ERR_OOM, "cannot allocate host memory to load a checkpoint");
     /* the saved layout: this run's (each rank reads its own files, below) or another one */
     mt_ckpt ck;
@@ -7405,7 +7528,7 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
         other_layout = ck.tp != t->groups.tp.size || ck.pp != t->groups.pp_size ||
                        (ck.pp > 1 && ck.vp != t->buffer.stage.num_chunks) ||
                        ck.header[MT_CK_VOCAB] != t->cfg.padded_vocab_size ||
-                       (ck.sharded_dp > 0 && (!t->sharded || ck.sharded_dp != t->groups.dp_size));
+                       (ck.sharded_dp > 0 && (!t->opt.sharded || ck.sharded_dp != t->groups.dp_size));
     if (st == MT_OK && other_layout) st = load_other_layout(t, &ck, load_optim, host, h, err);
     if (st == MT_OK && !other_layout) {
         /* the model file: master weights (then m and v unless sharded), through the gradient buffer */
@@ -7416,7 +7539,7 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
         if (st == MT_OK) st = read_canonical(t, f, t->grads, host, path, err);
         if (st == MT_OK) set_master_from_full(t, t->grads);
         if (st == MT_OK && load_optim && h[MT_CK_SHARDED_DP] == 0) {
-            float* moments[2] = {t->adam_m, t->adam_v};
+            float* moments[2] = {t->opt.adam_m, t->opt.adam_v};
             for (int i = 0; i < 2 && st == MT_OK; i++) {
                 st = read_canonical(t, f, t->grads, host, path, err);
                 if (st == MT_OK) copy_owned(t, moments[i], t->grads, 1);
@@ -7446,12 +7569,13 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
         FILE* f = open_checkpoint_file(path, err);
         int64_t hs[MT_CK_HEADER_WORDS];
         st = read_header(t, f, path, iteration, 1, hs, err);
-        if (st == MT_OK && (hs[MT_CK_DP_RANK] != t->groups.dp_rank || hs[MT_CK_SHARD_NUMEL] != t->shard_numel))
+        if (st == MT_OK && (hs[MT_CK_DP_RANK] != t->groups.dp_rank || hs[MT_CK_SHARD_NUMEL] != t->opt.shard_numel))
             st = mt_fail(err, MT_ERR_FORMAT, "%s is the shard of DP rank %lld with %lld elements, not of rank %d with %lld",
                          path, (long long)hs[MT_CK_DP_RANK], (long long)hs[MT_CK_SHARD_NUMEL], t->groups.dp_rank,
-                         (long long)t->shard_numel);
-        float* arrays[3] = {t->master, t->adam_m, t->adam_v};
-        for (int i = 0; i < 3 && st == MT_OK; i++) st = read_device_array(t, f, arrays[i], t->shard_numel, host, path, err);
+                         (long long)t->opt.shard_numel);
+        float* arrays[3] = {t->opt.master, t->opt.adam_m, t->opt.adam_v};
+        for (int i = 0; i < 3 && st == MT_OK; i++)
+            st = read_device_array(t, f, arrays[i], t->opt.shard_numel, host, path, err);
         if (f) fclose(f);
     }
     free(host);
@@ -7465,18 +7589,16 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
         const mt_config* c = &t->cfg;
         zero_adam_moments(t);
         CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
-        t->scheduler_steps = 0;
-        t->adam_step = 0;
-        t->growth_tracker = 0;
-        t->hysteresis_tracker = c->hysteresis;
-        t->loss_scale = c->precision != MT_FP16 ? 1.0 : c->loss_scale > 0 ? c->loss_scale : c->initial_loss_scale;
+        t->opt.scheduler_steps = 0;
+        t->opt.adam_step = 0;
+        loss_scaler_reset(&t->scaler, c);
         return mt_gpu_error_return(&t->error, err);
     }
-    t->scheduler_steps = h[MT_CK_SCHED_STEPS];
-    t->adam_step = h[MT_CK_ADAM_STEP];
-    t->growth_tracker = (int)h[MT_CK_GROWTH];
-    t->hysteresis_tracker = (int)h[MT_CK_HYSTERESIS];
-    memcpy(&t->loss_scale, &h[MT_CK_LOSS_SCALE_BITS], sizeof(double));
+    t->opt.scheduler_steps = h[MT_CK_SCHED_STEPS];
+    t->opt.adam_step = h[MT_CK_ADAM_STEP];
+    t->scaler.growth_tracker = (int)h[MT_CK_GROWTH];
+    t->scaler.hysteresis_tracker = (int)h[MT_CK_HYSTERESIS];
+    memcpy(&t->scaler.loss_scale, &h[MT_CK_LOSS_SCALE_BITS], sizeof(double));
     return MT_OK;
 }
 
@@ -7490,9 +7612,11 @@ mt_status mt_trainer_load_weights(mt_trainer* t, const char* dir, int64_t iterat
     return load_checkpoint(t, dir, iteration, 0, iteration_out, consumed_out, err);
 }
 
-void mt_trainer_set_no_verify_checkpoint(mt_trainer* t, int no_verify) { t->no_verify_checkpoint = no_verify != 0; }
+void mt_trainer_set_no_verify_checkpoint(mt_trainer* t, int no_verify) {
+    t->ckpt.no_verify_checkpoint = no_verify != 0;
+}
 
-const char* mt_trainer_load_warning(const mt_trainer* t) { return t->load_warning.message; }
+const char* mt_trainer_load_warning(const mt_trainer* t) { return t->ckpt.load_warning.message; }
 
 /* ============================================================================================== */
 /* 20. The trainer API                                                                            */
@@ -7541,21 +7665,21 @@ static size_t colsum_scratch_floats(const mt_trainer* t) {
 }
 
 mt_memory_plan mt_trainer_memory_plan(const mt_trainer* t) {
-    mt_memory_plan p = t->plan;
-    p.state_bytes_measured = t->state_bytes_measured;
+    mt_memory_plan p = t->mem.plan;
+    p.state_bytes_measured = t->mem.state_bytes_measured;
     return p;
 }
 
-mt_memory_plan mt_trainer_memory_allocated(const mt_trainer* t) { return t->allocated; }
+mt_memory_plan mt_trainer_memory_allocated(const mt_trainer* t) { return t->mem.allocated; }
 
 /* Every device allocation of the trainer's life goes through here; `counter` (a field of
- * t->allocated, NULL for a transient buffer) adds what was asked for, for comparison with the plan. */
+ * t->mem.allocated, NULL for a transient buffer) adds what was asked for, for comparison with the plan. */
 static void* device_alloc(mt_trainer* t, size_t bytes, size_t* counter) {
     void* p = NULL;
     if (!CUDA_CHECK(&t->error, cudaMalloc(&p, bytes ? bytes : 1))) return NULL;
     if (counter) {
         *counter += bytes;
-        t->allocated.total_bytes += bytes;
+        t->mem.allocated.total_bytes += bytes;
     }
     return p;
 }
@@ -7594,7 +7718,7 @@ static void create_rope_tables(mt_trainer* t) {
             host[n + (size_t)pos * half + i] = (float)sin((double)angle);
         }
     }
-    t->rope_cos = (float*)device_alloc(t, 2 * n * sizeof(float), &t->allocated.workspace_bytes);
+    t->rope_cos = (float*)device_alloc(t, 2 * n * sizeof(float), &t->mem.allocated.workspace_bytes);
     if (t->rope_cos) {
         t->rope_sin = t->rope_cos + n;
         CUDA_CHECK(&t->error, cudaMemcpy(t->rope_cos, host, 2 * n * sizeof(float), cudaMemcpyHostToDevice));
@@ -7608,13 +7732,14 @@ static void create_rope_tables(mt_trainer* t) {
  * any tensor-parallel size, each TP rank computing the elements of its shard. */
 static void initialise_parameters(mt_trainer* t) {
     const mt_config* c = &t->cfg;
+    const mt_shape s = model_shape(t);
     const mt_exec ex = trainer_exec(t);
     CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, sizeof(float) * t->buffer.size, t->stream));
     for (int k = 0; k < t->buffer.num_params; k++) {
         const mt_buffer_param* p = &t->buffer.params[k];
         const mt_param_info* full = &t->params_info_full[p->tensor];
         float std = (float)c->init_method_std;
-        if (full->init == 3) std = (float)(c->init_method_std / sqrt(2.0 * c->num_layers));
+        if (full->init == 3) std = (float)(c->init_method_std / sqrt(2.0 * s.L));
         int mode = full->init == 3 ? 2 : full->init;
         int64_t per_layer_full = full->split_outer * full->split_rows * full->split_inner;
         int64_t rows, row0;
@@ -7631,21 +7756,21 @@ static void initialise_parameters(mt_trainer* t) {
  * offload's host state (section 18). The plan counts the same chunks (megatron.h). */
 static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
     const mt_buffer_layout* B = &t->buffer;
-    const int dp = t->sharded ? t->groups.dp_size : 1, dp_rank = t->sharded ? t->groups.dp_rank : 0;
-    t->shard_offset = (int64_t*)calloc((size_t)B->num_buckets, sizeof(int64_t));
+    const int dp = t->opt.sharded ? t->groups.dp_size : 1, dp_rank = t->opt.sharded ? t->groups.dp_rank : 0;
+    t->opt.shard_offset = (int64_t*)calloc((size_t)B->num_buckets, sizeof(int64_t));
     int64_t shard = 0;
     for (int b = 0; b < B->num_buckets; b++) {
         int64_t begin, end;
         owned_range(t, b, &begin, &end);
-        t->shard_offset[b] = shard;
+        t->opt.shard_offset[b] = shard;
         shard += end - begin;
     }
-    t->shard_numel = shard;
+    t->opt.shard_numel = shard;
     const int64_t gpu_shard = shard - mt_offload_elements(&t->cfg, shard);
     const int64_t n = mt_optimizer_pieces(B, dp, dp_rank, gpu_shard, NULL);
     mt_optimizer_piece* pieces = (mt_optimizer_piece*)malloc(sizeof(mt_optimizer_piece) * (size_t)(n > 0 ? n : 1));
     mt_opt_chunk* chunks = (mt_opt_chunk*)malloc(sizeof(mt_opt_chunk) * (size_t)(n > 0 ? n : 1));
-    if (!t->shard_offset || !pieces || !chunks || n > INT32_MAX) {
+    if (!t->opt.shard_offset || !pieces || !chunks || n > INT32_MAX) {
         free(pieces);
         free(chunks);
         return mt_fail(err, MT_ERR_OOM, "cannot allocate the optimizer plan (%lld chunks)", (long long)n);
@@ -7665,11 +7790,12 @@ static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
         c->decoupled = c_cfg_decoupled && mt_param_lr_decoupled(pieces[k].tensor);
     }
     free(pieces);
-    t->num_chunks = (int)n;
-    t->chunks = (mt_opt_chunk*)device_alloc(t, sizeof(mt_opt_chunk) * (size_t)(n > 0 ? n : 1),
-                                            &t->allocated.workspace_bytes);
-    if (t->chunks)
-        CUDA_CHECK(&t->error, cudaMemcpy(t->chunks, chunks, sizeof(mt_opt_chunk) * (size_t)n, cudaMemcpyHostToDevice));
+    t->opt.num_chunks = (int)n;
+    t->opt.chunks = (mt_opt_chunk*)device_alloc(t, sizeof(mt_opt_chunk) * (size_t)(n > 0 ? n : 1),
+                                            &t->mem.allocated.workspace_bytes);
+    if (t->opt.chunks)
+        CUDA_CHECK(&t->error,
+                   cudaMemcpy(t->opt.chunks, chunks, sizeof(mt_opt_chunk) * (size_t)n, cudaMemcpyHostToDevice));
     mt_status st = t->error.status == MT_OK ? offload_create(t, chunks, (int)n, err) : MT_OK;
     free(chunks);
     return st != MT_OK ? st : mt_gpu_error_return(&t->error, err);
@@ -7679,11 +7805,11 @@ static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
  * the parameter storage, and the scaling slot of the FP8 weight it belongs to (section 18). */
 static mt_status fp8_publish_create(mt_trainer* t, mt_error* err) {
     const mt_buffer_layout* B = &t->buffer;
-    const int dp = t->sharded ? t->groups.dp_size : 1, dp_rank = t->sharded ? t->groups.dp_rank : 0;
-    const int64_t n = mt_optimizer_pieces(B, dp, dp_rank, t->shard_numel, NULL);
-    if (n != t->num_chunks)
+    const int dp = t->opt.sharded ? t->groups.dp_size : 1, dp_rank = t->opt.sharded ? t->groups.dp_rank : 0;
+    const int64_t n = mt_optimizer_pieces(B, dp, dp_rank, t->opt.shard_numel, NULL);
+    if (n != t->opt.num_chunks)
         return mt_fail(err, MT_ERR_CONFIG, "internal: %lld FP8 publish chunks for %d optimizer chunks", (long long)n,
-                       t->num_chunks);
+                       t->opt.num_chunks);
     mt_optimizer_piece* pieces = (mt_optimizer_piece*)malloc(sizeof(mt_optimizer_piece) * (size_t)(n > 0 ? n : 1));
     fp8_publish_chunk* table = (fp8_publish_chunk*)calloc((size_t)(n > 0 ? n : 1), sizeof(fp8_publish_chunk));
     if (!pieces || !table) {
@@ -7691,7 +7817,7 @@ static mt_status fp8_publish_create(mt_trainer* t, mt_error* err) {
         free(table);
         return mt_fail(err, MT_ERR_OOM, "cannot allocate the FP8 publish table (%lld chunks)", (long long)n);
     }
-    mt_optimizer_pieces(B, dp, dp_rank, t->shard_numel, pieces);
+    mt_optimizer_pieces(B, dp, dp_rank, t->opt.shard_numel, pieces);
     int i = 0; /* pieces and parameters both run in buffer order within a bucket; buckets in order */
     for (int64_t k = 0; k < n; k++) {
         while (i > 0 && B->params[i].offset > pieces[k].buffer) i--;
@@ -7704,7 +7830,7 @@ static mt_status fp8_publish_create(mt_trainer* t, mt_error* err) {
     }
     free(pieces);
     t->fp8.publish = (fp8_publish_chunk*)device_alloc(t, sizeof(fp8_publish_chunk) * (size_t)(n > 0 ? n : 1),
-                                                      &t->allocated.workspace_bytes);
+                                                      &t->mem.allocated.workspace_bytes);
     if (t->fp8.publish)
         CUDA_CHECK(&t->error, cudaMemcpy(t->fp8.publish, table, sizeof(fp8_publish_chunk) * (size_t)n,
                                          cudaMemcpyHostToDevice));
@@ -7758,10 +7884,10 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
                        (long long)A.weight_blocks_per_layer, (long long)f->weights_per_layer,
                        (long long)f->weight_blocks_per_layer);
     const int64_t nt = f->num_tensors;
-    t->fp8_arena_bytes = A.total;
-    char* base = (char*)device_alloc(t, A.total, &t->allocated.fp8_bytes);
+    t->mem.fp8_arena_bytes = A.total;
+    char* base = (char*)device_alloc(t, A.total, &t->mem.allocated.fp8_bytes);
     if (!base) return mt_gpu_error_return(&t->error, err);
-    t->fp8_arena = base;
+    t->mem.fp8_arena = base;
     f->scale = (float*)(base + A.offset[MT_FP8A_SCALE]);
     f->scale_inv = (float*)(base + A.offset[MT_FP8A_SCALE_INV]);
     f->amax = (float*)(base + A.offset[MT_FP8A_AMAX]);
@@ -7798,6 +7924,117 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
     return mt_gpu_error_return(&t->error, err);
 }
 
+/* The plan first: a layout that cannot fit is refused before anything is allocated (this rank's
+ * plan against the GPU's free memory). */
+static mt_status plan_trainer_memory(const mt_config* cfg, mt_memory_plan* plan, mt_error* err) {
+    mt_plan_options plan_options;
+    mt_plan_options_defaults(&plan_options);
+    plan_options.pp_rank = mt_rank_coordinates(cfg, cfg->rank).pp;
+    plan_options.dp_rank = mt_rank_coordinates(cfg, cfg->rank).dp;
+    mt_status plan_status = mt_memory_plan_compute(cfg, &plan_options, plan, err);
+    if (plan_status != MT_OK) return plan_status;
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaError_t e = cudaMemGetInfo(&free_bytes, &total_bytes);
+    if (e != cudaSuccess)
+        return mt_fail(err, MT_ERR_CUDA, "rank %d: cannot read the GPU's free memory: %s", cfg->rank,
+                       cudaGetErrorString(e));
+    /* the context exists by now: what is still to come is the allocations, cuBLAS and NCCL */
+    const size_t need = plan->total_bytes + plan->overhead_bytes - MT_PLAN_CONTEXT_BYTES;
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    if (need > free_bytes)
+        return mt_fail(err, MT_ERR_OOM, "rank %d: the memory plan needs %.2f GiB on this GPU (%.2f GiB allocated, "
+                       "%.2f GiB for cuBLAS and NCCL) but %.2f GiB of %.2f GiB are free: %.2f GiB short",
+                       cfg->rank, need / gib, plan->total_bytes / gib, (need - plan->total_bytes) / gib,
+                       free_bytes / gib, total_bytes / gib, (need - free_bytes) / gib);
+    return MT_OK;
+}
+
+/* The data-parallel part (section 18): the events of the compute and communication streams'
+ * handover, one event per bucket's parameter all-gather, and the first bucket of every layer. */
+static mt_status ddp_create(mt_ddp_state* d, const mt_buffer_layout* B, mt_gpu_error* e, mt_error* err) {
+    CUDA_CHECK(e, cudaEventCreateWithFlags(&d->compute_done, cudaEventDisableTiming));
+    CUDA_CHECK(e, cudaEventCreateWithFlags(&d->comm_done, cudaEventDisableTiming));
+    d->gathered = (cudaEvent_t*)calloc((size_t)B->num_buckets, sizeof(cudaEvent_t));
+    d->first_bucket_of_layer = first_bucket_of_layers(B);
+    if (!d->first_bucket_of_layer || !d->gathered)
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate the trainer's bucket tables");
+    for (int b = 0; d->gathered && b < B->num_buckets; b++)
+        CUDA_CHECK(e, cudaEventCreateWithFlags(&d->gathered[b], cudaEventDisableTiming));
+    return MT_OK;
+}
+
+/* cuBLAS on the trainer's stream, its workspace, and the GEMM plan cache (section 13) sharing it. */
+static void gemm_context_create(mt_trainer* t) {
+    CUBLAS_CHECK(&t->error, cublasCreate(&t->cublas));
+    CUBLAS_CHECK(&t->error, cublasSetStream(t->cublas, t->stream));
+    /* fp32 stays fp32: no TF32 (Megatron's fp32 default), so parity with a float64 reference holds */
+    CUBLAS_CHECK(&t->error, cublasSetMathMode(t->cublas, CUBLAS_DEFAULT_MATH));
+    t->cublas_workspace = device_alloc(t, CUBLAS_WORKSPACE_BYTES, &t->mem.allocated.workspace_bytes);
+    if (t->cublas_workspace)
+        CUBLAS_CHECK(&t->error, cublasSetWorkspace(t->cublas, t->cublas_workspace, CUBLAS_WORKSPACE_BYTES));
+    t->gemm.handle = t->cublas;
+    CUBLAS_CHECK(&t->error, cublasLtCreate(&t->gemm.lt));
+    t->gemm.workspace = t->cublas_workspace;
+    t->gemm.workspace_bytes = CUBLAS_WORKSPACE_BYTES;
+    t->gemm.plans = (mt_gemm_plan*)calloc(GEMM_MAX_PLANS, sizeof(mt_gemm_plan));
+    if (!t->gemm.plans && t->error.status == MT_OK)
+        t->error.status = mt_fail(&t->error.error, MT_ERR_OOM, "cannot allocate the GEMM plan cache");
+}
+
+/* The model state, measured as the device sees it: gradients, master weights, the parameters (the
+ * master itself when `alias`: fp32 weights are their own master, all buffer.size of them), Adam's
+ * moments; `shard` elements of master, m and v on the device (with offload the first ones of the
+ * optimizer's shard, section 18). */
+static void allocate_model_state(mt_trainer* t, size_t shard, int alias) {
+    size_t free_before = 0, free_after = 0, total = 0;
+    CUDA_CHECK(&t->error, cudaDeviceSynchronize());
+    CUDA_CHECK(&t->error, cudaMemGetInfo(&free_before, &total));
+    const size_t n = (size_t)t->buffer.size;
+    mt_memory_plan* a = &t->mem.allocated;
+    t->grads = (float*)device_alloc(t, n * 4, &a->gradient_bytes);
+    t->opt.master = (float*)device_alloc(t, alias ? n * 4 : shard * 4, alias ? &a->parameter_bytes : &a->master_bytes);
+    t->params = alias ? (void*)t->opt.master : device_alloc(t, (size_t)t->buffer.storage_bytes, &a->parameter_bytes);
+    t->opt.adam_m = (float*)device_alloc(t, shard * 4, &a->optimizer_bytes);
+    t->opt.adam_v = (float*)device_alloc(t, shard * 4, &a->optimizer_bytes);
+    CUDA_CHECK(&t->error, cudaMemGetInfo(&free_after, &total));
+    t->mem.state_bytes_measured = free_before - free_after;
+}
+
+/* The activation arena: as many slots as a training step's schedule holds at once (1 at PP = 1),
+ * each for this rank's largest chunk (the plan's layout); the running activations start as slot 0. */
+static mt_status allocate_activation_slots(mt_trainer* t, mt_error* err) {
+    const mt_config* cfg = &t->cfg;
+    mt_activation_layout arena;
+    {
+        const mt_pp_stage* stage = &t->buffer.stage;
+        int largest = 0;
+        for (int k = 0; k < stage->num_chunks; k++) largest = stage->num_layers[k] > largest ? stage->num_layers[k] : largest;
+        mt_status slots_status = mt_pp_activation_slots(t->groups.pp_size, stage->num_chunks, mt_num_micro_batches(cfg),
+                                                        cfg->microbatch_group_size_per_vp_stage, t->groups.pp_rank,
+                                                        &t->loop.num_slots, err);
+        if (slots_status != MT_OK) return slots_status;
+        mt_activation_layout_compute(cfg, largest, stage->head, t->loop.num_slots, &cfg->recompute, &arena);
+    }
+    t->loop.slots = (mt_activations*)calloc((size_t)t->loop.num_slots, sizeof(mt_activations));
+    if (!t->loop.slots) return mt_fail(err, MT_ERR_OOM, "cannot allocate the activation slots");
+    t->mem.arena_bytes = arena.total;
+    t->mem.arena = device_alloc(t, t->mem.arena_bytes, &t->mem.allocated.activation_bytes);
+    if (t->mem.arena) layout_activations(t->loop.slots, &arena, (char*)t->mem.arena);
+    t->act = t->loop.slots[0];
+    return MT_OK;
+}
+
+/* The new trainer's starting state: Adam's moments (their `shard` elements on the device) and the
+ * parameter storage zeroed (the storage is the master when `alias`), then the parameters
+ * initialised, finished before create returns. */
+static void initialise_model_state(mt_trainer* t, size_t shard, int alias) {
+    CUDA_CHECK(&t->error, cudaMemsetAsync(t->opt.adam_m, 0, shard * 4, t->stream));
+    CUDA_CHECK(&t->error, cudaMemsetAsync(t->opt.adam_v, 0, shard * 4, t->stream));
+    if (!alias) CUDA_CHECK(&t->error, cudaMemsetAsync(t->params, 0, (size_t)t->buffer.storage_bytes, t->stream));
+    initialise_parameters(t);
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+}
+
 mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* err) {
     *out = NULL;
     if (cfg->padded_vocab_size <= 0 || cfg->kv_channels <= 0 || cfg->ffn_hidden_size <= 0 || cfg->data_parallel_size <= 0)
@@ -7810,41 +8047,19 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
             return mt_fail(err, MT_ERR_CUDA, "rank %d: cannot use GPU %d: %s", cfg->rank, cfg->local_rank,
                            cudaGetErrorString(e));
     }
-    /* the plan first: a layout that cannot fit is refused before anything is allocated */
-    mt_plan_options plan_options;
-    mt_plan_options_defaults(&plan_options);
-    plan_options.pp_rank = mt_rank_coordinates(cfg, cfg->rank).pp;
-    plan_options.dp_rank = mt_rank_coordinates(cfg, cfg->rank).dp;
     mt_memory_plan plan;
-    mt_status plan_status = mt_memory_plan_compute(cfg, &plan_options, &plan, err);
+    mt_status plan_status = plan_trainer_memory(cfg, &plan, err);
     if (plan_status != MT_OK) return plan_status;
-    {
-        size_t free_bytes = 0, total_bytes = 0;
-        cudaError_t e = cudaMemGetInfo(&free_bytes, &total_bytes);
-        if (e != cudaSuccess)
-            return mt_fail(err, MT_ERR_CUDA, "rank %d: cannot read the GPU's free memory: %s", cfg->rank,
-                           cudaGetErrorString(e));
-        /* the context exists by now: what is still to come is the allocations, cuBLAS and NCCL */
-        const size_t need = plan.total_bytes + plan.overhead_bytes - MT_PLAN_CONTEXT_BYTES;
-        const double gib = 1024.0 * 1024.0 * 1024.0;
-        if (need > free_bytes)
-            return mt_fail(err, MT_ERR_OOM, "rank %d: the memory plan needs %.2f GiB on this GPU (%.2f GiB allocated, "
-                           "%.2f GiB for cuBLAS and NCCL) but %.2f GiB of %.2f GiB are free: %.2f GiB short",
-                           cfg->rank, need / gib, plan.total_bytes / gib, (need - plan.total_bytes) / gib,
-                           free_bytes / gib, total_bytes / gib, (need - free_bytes) / gib);
-    }
     mt_trainer* t = (mt_trainer*)calloc(1, sizeof(mt_trainer));
     if (!t) return mt_fail(err, MT_ERR_OOM, "cannot allocate the trainer");
     t->cfg = *cfg;
-    t->plan = plan;
+    t->mem.plan = plan;
     t->elem = cfg->precision == MT_FP32 ? 4 : 2;
     /* bf16 attention runs on the flash kernels; fp32/fp16 keep the exact path (fp32 parity is 1e-5) */
     t->flash = mt_flash_attention(cfg);
     mt_param_layout_shard(cfg, t->params_info);
     mt_param_layout(cfg, t->params_info_full);
-    t->loss_scale = 1.0;
-    if (cfg->precision == MT_FP16) t->loss_scale = cfg->loss_scale > 0 ? cfg->loss_scale : cfg->initial_loss_scale;
-    t->hysteresis_tracker = cfg->hysteresis;
+    loss_scaler_reset(&t->scaler, cfg);
     mt_status st = mt_buffer_layout_build(&t->buffer, cfg, err);
     if (st != MT_OK) {
         mt_trainer_free(t);
@@ -7855,33 +8070,15 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     CUDA_CHECK(&t->error, cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking));
     process_groups_create(&t->groups, cfg, t->stream, &t->error);
     const char* trace = getenv("MT_PP_TRACE");
-    t->pp_trace = t->groups.pp_size > 1 && trace && trace[0] == '1';
+    t->debug.pp_trace = t->groups.pp_size > 1 && trace && trace[0] == '1';
     mt_shape s = model_shape(t); /* after the groups: it holds this rank's TP coordinate */
-    t->sharded = cfg->use_distributed_optimizer && t->groups.dp_size > 1;
-    CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->compute_done, cudaEventDisableTiming));
-    CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->comm_done, cudaEventDisableTiming));
-    t->gathered = (cudaEvent_t*)calloc((size_t)t->buffer.num_buckets, sizeof(cudaEvent_t));
-    t->first_bucket_of_layer = first_bucket_of_layers(&t->buffer);
-    if (!t->first_bucket_of_layer || !t->gathered) {
+    t->opt.sharded = cfg->use_distributed_optimizer && t->groups.dp_size > 1;
+    st = ddp_create(&t->ddp, &t->buffer, &t->error, err);
+    if (st != MT_OK) {
         mt_trainer_free(t);
-        return mt_fail(err, MT_ERR_OOM, "cannot allocate the trainer's bucket tables");
+        return st;
     }
-    for (int b = 0; t->gathered && b < t->buffer.num_buckets; b++)
-        CUDA_CHECK(&t->error, cudaEventCreateWithFlags(&t->gathered[b], cudaEventDisableTiming));
-    CUBLAS_CHECK(&t->error, cublasCreate(&t->cublas));
-    CUBLAS_CHECK(&t->error, cublasSetStream(t->cublas, t->stream));
-    /* fp32 stays fp32: no TF32 (Megatron's fp32 default), so parity with a float64 reference holds */
-    CUBLAS_CHECK(&t->error, cublasSetMathMode(t->cublas, CUBLAS_DEFAULT_MATH));
-    t->cublas_workspace = device_alloc(t, CUBLAS_WORKSPACE_BYTES, &t->allocated.workspace_bytes);
-    if (t->cublas_workspace)
-        CUBLAS_CHECK(&t->error, cublasSetWorkspace(t->cublas, t->cublas_workspace, CUBLAS_WORKSPACE_BYTES));
-    t->gemm.handle = t->cublas;
-    CUBLAS_CHECK(&t->error, cublasLtCreate(&t->gemm.lt));
-    t->gemm.workspace = t->cublas_workspace;
-    t->gemm.workspace_bytes = CUBLAS_WORKSPACE_BYTES;
-    t->gemm.plans = (mt_gemm_plan*)calloc(GEMM_MAX_PLANS, sizeof(mt_gemm_plan));
-    if (!t->gemm.plans && t->error.status == MT_OK)
-        t->error.status = mt_fail(&t->error.error, MT_ERR_OOM, "cannot allocate the GEMM plan cache");
+    gemm_context_create(t);
     if (t->error.status == MT_OK) {
         mt_status shard_status = plan_optimizer_shard(t, err);
         if (shard_status != MT_OK && t->error.status == MT_OK) {
@@ -7890,54 +8087,24 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
         }
     }
 
-    /* the model state, measured as the device sees it */
-    size_t free_before = 0, free_after = 0, total = 0;
-    CUDA_CHECK(&t->error, cudaDeviceSynchronize());
-    CUDA_CHECK(&t->error, cudaMemGetInfo(&free_before, &total));
     /* with offload the device holds the first `shard` elements of master, m and v (section 18) */
-    size_t n = (size_t)t->buffer.size, shard = (size_t)(t->offload ? t->offload->gpu_numel : t->shard_numel);
-    int alias = cfg->precision == MT_FP32 && !t->sharded; /* fp32 weights are their own master (all n of them) */
-    mt_memory_plan* a = &t->allocated;
-    t->grads = (float*)device_alloc(t, n * 4, &a->gradient_bytes);
-    t->master = (float*)device_alloc(t, alias ? n * 4 : shard * 4, alias ? &a->parameter_bytes : &a->master_bytes);
-    t->params = alias ? (void*)t->master : device_alloc(t, (size_t)t->buffer.storage_bytes, &a->parameter_bytes);
-    t->adam_m = (float*)device_alloc(t, shard * 4, &a->optimizer_bytes);
-    t->adam_v = (float*)device_alloc(t, shard * 4, &a->optimizer_bytes);
-    CUDA_CHECK(&t->error, cudaMemGetInfo(&free_after, &total));
-    t->state_bytes_measured = free_before - free_after;
-
-    t->norm_partial = (double*)device_alloc(t, ((size_t)t->num_chunks + 1) * sizeof(double), &a->workspace_bytes);
-    t->reduce_scratch = (double*)device_alloc(t, MT_REDUCE_SCRATCH_BYTES(t->cfg.world_size), &a->workspace_bytes);
+    const size_t shard = (size_t)(t->opt.offload ? t->opt.offload->gpu_numel : t->opt.shard_numel);
+    const int alias = cfg->precision == MT_FP32 && !t->opt.sharded; /* fp32 weights are their own master */
+    allocate_model_state(t, shard, alias);
+    mt_memory_plan* a = &t->mem.allocated;
+    t->opt.norm_partial = (double*)device_alloc(t, ((size_t)t->opt.num_chunks + 1) * sizeof(double),
+                                                &a->workspace_bytes);
+    t->ddp.reduce_scratch = (double*)device_alloc(t, MT_REDUCE_SCRATCH_BYTES(t->cfg.world_size), &a->workspace_bytes);
     t->colsum.max_chunks = COLSUM_MAX_CHUNKS;
     t->colsum.partial_a = (float*)device_alloc(t, colsum_scratch_floats(t) * 4, &a->workspace_bytes);
     t->colsum.partial_b = (float*)device_alloc(t, colsum_scratch_floats(t) * 4, &a->workspace_bytes);
     t->colsum.partial_c = (float*)device_alloc(t, colsum_scratch_floats(t) * 4, &a->workspace_bytes);
-    /* the activation arena: as many slots as a training step's schedule holds at once (1 at PP = 1),
-     * each for this rank's largest chunk (the plan's layout) */
-    mt_activation_layout arena;
-    {
-        const mt_pp_stage* stage = &t->buffer.stage;
-        int largest = 0;
-        for (int k = 0; k < stage->num_chunks; k++) largest = stage->num_layers[k] > largest ? stage->num_layers[k] : largest;
-        mt_status slots_status = mt_pp_activation_slots(t->groups.pp_size, stage->num_chunks, mt_num_micro_batches(cfg),
-                                                        cfg->microbatch_group_size_per_vp_stage, t->groups.pp_rank,
-                                                        &t->num_slots, err);
-        if (slots_status != MT_OK) {
-            mt_trainer_free(t);
-            return slots_status;
-        }
-        mt_activation_layout_compute(cfg, largest, stage->head, t->num_slots, &cfg->recompute, &arena);
-    }
-    t->slots = (mt_activations*)calloc((size_t)t->num_slots, sizeof(mt_activations));
-    if (!t->slots) {
+    st = allocate_activation_slots(t, err);
+    if (st != MT_OK) {
         mt_trainer_free(t);
-        return mt_fail(err, MT_ERR_OOM, "cannot allocate the activation slots");
+        return st;
     }
-    t->arena_bytes = arena.total;
-    t->arena = device_alloc(t, t->arena_bytes, &a->activation_bytes);
-    if (t->arena) layout_activations(t->slots, &arena, (char*)t->arena);
-    t->act = t->slots[0];
-    if (t->groups.pp_size > 1) t->pp_send = device_alloc(t, (size_t)s.R * s.h * t->elem, &a->workspace_bytes);
+    if (t->groups.pp_size > 1) t->loop.pp_send = device_alloc(t, (size_t)s.R * s.h * t->elem, &a->workspace_bytes);
     if (t->error.status == MT_OK) create_rope_tables(t);
     if (t->error.status == MT_OK) {
         mt_status fst = fp8_state_create(t, err);
@@ -7947,16 +8114,11 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
         }
     }
     /* host staging: inputs, targets, a V-sized counting buffer; the embedding index; losses */
-    CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_tokens, sizeof(int32_t) * (2 * (size_t)s.BT + (size_t)s.V_full)));
-    CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_index, sizeof(int32_t) * (3 * (size_t)s.BT + 2)));
-    CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->host_losses, sizeof(float) * (size_t)s.BT));
-    if (t->error.status == MT_OK) {
-        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_m, 0, shard * 4, t->stream));
-        CUDA_CHECK(&t->error, cudaMemsetAsync(t->adam_v, 0, shard * 4, t->stream));
-        if (!alias) CUDA_CHECK(&t->error, cudaMemsetAsync(t->params, 0, (size_t)t->buffer.storage_bytes, t->stream));
-        initialise_parameters(t);
-        CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
-    }
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->loop.host_tokens,
+                                         sizeof(int32_t) * (2 * (size_t)s.BT + (size_t)s.V_full)));
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->loop.host_index, sizeof(int32_t) * (3 * (size_t)s.BT + 2)));
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->loop.host_losses, sizeof(float) * (size_t)s.BT));
+    if (t->error.status == MT_OK) initialise_model_state(t, shard, alias);
     if (t->error.status != MT_OK) {
         mt_status st2 = mt_gpu_error_return(&t->error, err);
         mt_trainer_free(t);
@@ -8002,45 +8164,45 @@ mt_status mt_trainer_on_collective_timeout(mt_trainer* t, mt_collective_timeout_
 void mt_trainer_free(mt_trainer* t) {
     if (!t) return;
     watchdog_stop(t->watchdog); /* before the streams and communicators it watches go */
-    release_save(t); /* a save never committed stays a temporary directory, removed by the next save */
+    release_save(&t->ckpt); /* a save never committed stays a temporary directory, removed by the next save */
     if (t->stream) cudaStreamSynchronize(t->stream);
     if (t->groups.comm_stream) cudaStreamSynchronize(t->groups.comm_stream);
     if (t->groups.tp.stream) cudaStreamSynchronize(t->groups.tp.stream);
-    if (t->params != (void*)t->master) cudaFree(t->params);
-    cudaFree(t->master);
+    if (t->params != (void*)t->opt.master) cudaFree(t->params);
+    cudaFree(t->opt.master);
     cudaFree(t->grads);
-    cudaFree(t->adam_m);
-    cudaFree(t->adam_v);
-    cudaFree(t->chunks);
+    cudaFree(t->opt.adam_m);
+    cudaFree(t->opt.adam_v);
+    cudaFree(t->opt.chunks);
     cudaFree(t->fp8.publish);
-    cudaFree(t->norm_partial);
-    cudaFree(t->reduce_scratch);
+    cudaFree(t->opt.norm_partial);
+    cudaFree(t->ddp.reduce_scratch);
     cudaFree(t->colsum.partial_a);
     cudaFree(t->colsum.partial_b);
     cudaFree(t->colsum.partial_c);
-    cudaFree(t->arena);
-    free(t->slots);
-    cudaFree(t->pp_send);
-    cudaFree(t->fp8_arena);
-    offload_free(t);
+    cudaFree(t->mem.arena);
+    free(t->loop.slots);
+    cudaFree(t->loop.pp_send);
+    cudaFree(t->mem.fp8_arena);
+    offload_free(&t->opt);
     free(t->fp8.slot_of_layer);
     cudaFree(t->rope_cos); /* the sin table shares its allocation */
     cudaFree(t->cublas_workspace);
-    cudaFreeHost(t->host_tokens);
-    cudaFreeHost(t->host_index);
-    cudaFreeHost(t->host_losses);
+    cudaFreeHost(t->loop.host_tokens);
+    cudaFreeHost(t->loop.host_index);
+    cudaFreeHost(t->loop.host_losses);
     if (t->cublas) cublasDestroy(t->cublas);
     gemm_plans_free(&t->gemm);
     if (t->gemm.lt) cublasLtDestroy(t->gemm.lt);
-    for (int b = 0; t->gathered && b < t->buffer.num_buckets; b++)
-        if (t->gathered[b]) cudaEventDestroy(t->gathered[b]);
-    free(t->gathered);
-    free(t->first_bucket_of_layer);
-    if (t->compute_done) cudaEventDestroy(t->compute_done);
-    if (t->comm_done) cudaEventDestroy(t->comm_done);
+    for (int b = 0; t->ddp.gathered && b < t->buffer.num_buckets; b++)
+        if (t->ddp.gathered[b]) cudaEventDestroy(t->ddp.gathered[b]);
+    free(t->ddp.gathered);
+    free(t->ddp.first_bucket_of_layer);
+    if (t->ddp.compute_done) cudaEventDestroy(t->ddp.compute_done);
+    if (t->ddp.comm_done) cudaEventDestroy(t->ddp.comm_done);
     process_groups_free(&t->groups);
     if (t->stream) cudaStreamDestroy(t->stream);
-    free(t->shard_offset);
+    free(t->opt.shard_offset);
     mt_buffer_layout_free(&t->buffer);
     free(t);
 }
@@ -8062,7 +8224,7 @@ mt_status mt_trainer_token_losses(mt_trainer* t, const int32_t* tokens, float* l
     double mean; /* run_micro_batches leaves the micro-batch's per-token losses in act.losses (last stage) */
     mt_status st = run_micro_batches(t, tokens, 1, 0, 1.0, 0, &mean, err);
     if (st != MT_OK) return st;
-    const size_t BT = (size_t)t->cfg.micro_batch_size * t->cfg.seq_length;
+    const size_t BT = (size_t)model_shape(t).BT;
     if (t->groups.pp_size > 1) /* every stage gets the last stage's */
         NCCL_CHECK(&t->error, t->cfg.rank, ncclBroadcast(t->act.losses, t->act.losses, BT, ncclFloat,
                                                          t->groups.pp_size - 1, t->groups.pp, t->stream));
@@ -8105,10 +8267,10 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     if (num_micro_batches < 1)
         return mt_fail(err, MT_ERR_ARG, "train step: %d micro-batches (at least 1)", num_micro_batches);
-    double loss = 0.0, scale = t->loss_scale;
+    double loss = 0.0, scale = t->scaler.loss_scale;
     mt_status st = run_micro_batches(t, tokens, num_micro_batches, 1, scale, 1, &loss, err);
     if (st != MT_OK) return st;
-    if (t->test_nan_gradients_at == t->iteration + 1 && t->buffer.num_params > 0) /* bytes 0xff: a NaN */
+    if (t->debug.test_nan_gradients_at == t->iteration + 1 && t->buffer.num_params > 0) /* bytes 0xff: a NaN */
         CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads + t->buffer.params[0].offset, 0xff, sizeof(float), t->stream));
     t->iteration++; /* the next step draws new dropout masks, applied or skipped */
     out->lm_loss = loss;
@@ -8118,7 +8280,8 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
     /* unscale, look for overflow (fp16), clip on the global norm */
     double norm = sqrt(gradient_norm_squared(t)) / scale;
     int found_inf = !isfinite(norm);
-    double lr = mt_learning_rate(c, t->scheduler_steps), lr_decoupled = mt_learning_rate_decoupled(c, t->scheduler_steps);
+    double lr = mt_learning_rate(c, t->opt.scheduler_steps);
+    double lr_decoupled = mt_learning_rate_decoupled(c, t->opt.scheduler_steps);
     out->learning_rate = lr;
     /* Megatron's --check-for-nan-in-loss-and-grad: the loss and the norm are the same on every rank
      * (both reduced), so every rank stops here together, before the optimizer touches anything */
@@ -8141,14 +8304,14 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
                        !isfinite(loss) ? "loss" : "gradients", c->rank, loss, norm);
     }
     if (c->precision == MT_FP16 && found_inf) {
-        loss_scaler_update(t, 1);
+        loss_scaler_update(&t->scaler, c, 1);
         out->skipped = 1;
         out->next_learning_rate = lr; /* a skipped step does not advance the scheduler */
         out->next_decoupled_learning_rate = lr_decoupled;
         if (c->log_params_norm) out->params_norm = sqrt(params_norm_squared(t)); /* Megatron logs it still */
         return mt_gpu_error_return(&t->error, err);
     }
-    loss_scaler_update(t, 0);
+    loss_scaler_update(&t->scaler, c, 0);
     out->grad_norm = norm;
     double clip = 1.0;
     if (c->clip_grad > 0) {
@@ -8164,14 +8327,14 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
         case MT_FP16: adamw_step<__half>(t, (float)lr, (float)lr_decoupled, grad_scale, params_norm); break;
     }
     fp8_after_step(t);
-    t->scheduler_steps += (int64_t)num_micro_batches * c->micro_batch_size * t->groups.dp_size;
-    out->next_learning_rate = mt_learning_rate(c, t->scheduler_steps);
-    out->next_decoupled_learning_rate = mt_learning_rate_decoupled(c, t->scheduler_steps);
+    t->opt.scheduler_steps += (int64_t)num_micro_batches * model_shape(t).B * t->groups.dp_size;
+    out->next_learning_rate = mt_learning_rate(c, t->opt.scheduler_steps);
+    out->next_decoupled_learning_rate = mt_learning_rate_decoupled(c, t->opt.scheduler_steps);
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     return mt_gpu_error_return(&t->error, err);
 }
 
-int64_t mt_trainer_last_loss_tokens(const mt_trainer* t) { return t->last_loss_tokens; }
+int64_t mt_trainer_last_loss_tokens(const mt_trainer* t) { return t->loop.last_loss_tokens; }
 
 mt_status mt_trainer_set_iteration(mt_trainer* t, int64_t iteration, mt_error* err) {
     if (iteration < 0) return mt_fail(err, MT_ERR_ARG, "iteration %lld: must be >= 0", (long long)iteration);
@@ -8312,7 +8475,7 @@ mt_status mt_trainer_get_parameters(mt_trainer* t, float* params, mt_error* err)
 
 mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
-    if (t->sharded) gather_owned_fp32(t, t->grads); /* each rank holds the sums of its shards */
+    if (t->opt.sharded) gather_owned_fp32(t, t->grads); /* each rank holds the sums of its shards */
     return gather_full_model(t, t->grads, grads, err);
 }
 

@@ -1036,7 +1036,7 @@ static test_result fp8pg_run(mt_config c, const char* load_dir, const char* save
         printf("    FAIL reading the FP8 state\n");
         res = TEST_FAIL;
     }
-    out->gather_bytes = t->param_gather_bytes;
+    out->gather_bytes = t->ddp.param_gather_bytes;
     free(global);
     free(mine);
     mt_trainer_free(t);

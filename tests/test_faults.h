@@ -647,7 +647,7 @@ static test_result faults_train(mt_config c, const faults_layout* L, int kind, i
         fill_tokens(tokens.data(), per_step, (int)c.vocab_size, 9100 + 97 * k + 13 * (uint64_t)dp_rank);
         const int faulted = kind != FAULT_NONE && k == FAULT_AT;
         if (faulted && mt_trainer_get_parameters(t, out->before.data(), &err) != MT_OK) res = TEST_FAIL;
-        if (faulted && here && kind == FAULT_GRADIENT) t->test_nan_gradients_at = t->iteration + 1;
+        if (faulted && here && kind == FAULT_GRADIENT) t->debug.test_nan_gradients_at = t->iteration + 1;
         if (faulted && here && at >= 0) { /* the trainer's streams are idle between its calls */
             cudaDeviceSynchronize();
             cudaMemcpy(saved, (char*)t->params + at, t->elem, cudaMemcpyDeviceToHost);

@@ -1423,7 +1423,7 @@ static test_result nan_gradient_case(test_flavour flavour, mt_precision prec, in
     for (int k = 0; k < 8 && res == TEST_PASS; k++) {
         fill_tokens(tokens.data(), per_step, (int)c.vocab_size, 300 + k);
         mt_step_result r;
-        if (k == 3) a->test_nan_gradients_at = a->iteration + 1;
+        if (k == 3) a->debug.test_nan_gradients_at = a->iteration + 1;
         mt_status st = mt_trainer_train_step(a, tokens.data(), &r, &err);
         if (k == 3) {
             if (st != MT_ERR_NAN || !strstr(err.message, "in the gradients") || strchr(err.message, '\n')) {
