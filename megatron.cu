@@ -15,7 +15,8 @@
  *     micro-batch loop, the optimizer, checkpoints and the trainer API. They may use Part I,
  *     mt_trainer and mt_config; their device work goes through Part I's launchers with an mt_exec
  *     (trainer_exec(t), with the micro-batch's mode in run_micro_batches): Part II defines and
- *     launches no kernel. Streams, events, copies, NCCL and the library handles are Part II's.
+ *     launches no kernel. Streams, events, copies and memsets, NCCL and the library handles are
+ *     Part II's.
  * Each section's banner says what it does and why, and ends with "defines:", what it gives to the
  * sections after it. tests/test_layout.h checks this list against the banners.
  *

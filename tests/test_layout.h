@@ -23,9 +23,16 @@
  * runs of spaces made one, case ignored. "12. FP8" in a list thus matches the banner "12. FP8:
  * formats, scaling, casts and transposes", while a word added, dropped or changed before those marks
  * fails ("Bias, residual and activations" against the banner "Bias, residual, dropout and
- * activations"), and so does an entry missing, extra or renumbered. layout_checks_can_fail runs the
- * same checks on copies of megatron.cu with one list entry renamed, dropped or renumbered (and a
- * banner renamed) and passes only when each copy fails. */
+ * activations"), and so does an entry missing, extra or renumbered.
+ *
+ * The seam (layout_seam_holds): in megatron.cu's code (comments and literals blanked), from its
+ * "PART I" banner to its "PART II" banner no identifier starts with mt_trainer or mt_config, and
+ * after "PART II" no kernel is defined or launched (__global__, __device__, <<<).
+ *
+ * layout_checks_can_fail runs the checks on altered copies (megatron.cu's first list entry renamed,
+ * dropped or renumbered; its banner renamed; DESIGN.md's first entry of megatron.cu renumbered; a
+ * launch added to Part II; mt_config added to Part I) and passes only when the unaltered megatron.cu
+ * and DESIGN.md pass and every copy fails. */
 #ifndef MT_TEST_LAYOUT_H
 #define MT_TEST_LAYOUT_H
 
@@ -335,7 +342,7 @@ static int tl_check_references(const char* name, const char* text, const tl_list
     const char* names[2] = {"megatron.cu section", "megatron.h section"};
     const tl_list* banners[2] = {cu, h};
     for (int f = 0; f < 2; f++)
-        for (const char* s = text; (s = strstr(s, names[f])); s++) {
+        for (const char* s = text; (s = strstr(s, names[f])) != NULL; s++) {
             const char* p = s + strlen(names[f]);
             if (*p == 's') p++;
             if (*p != ' ') continue;
@@ -382,19 +389,142 @@ static void tl_free(tl_sources* s) {
         }                                                                                        \
     } while (0)
 
-static test_result test_layout_contents_match_banners(void) {
+/* megatron.cu's contents list against its banners. */
+static test_result test_layout_megatron_cu_contents(void) {
     tl_sources s = {NULL, NULL, NULL};
     TL_READ_OR_SKIP(s);
-    static tl_list cu, h; /* static: 40 KB each */
+    static tl_list cu; /* static: 23 KB */
     char why[512] = "";
-    const int ok = tl_check_cu(s.cu, &cu, why, sizeof(why)) && tl_check_h(s.h, &h, why, sizeof(why)) &&
+    const int ok = tl_check_cu(s.cu, &cu, why, sizeof(why));
+    tl_free(&s);
+    EXPECT(ok, "%s", why);
+    printf("    %d sections and subsections, listed as in their banners\n", cu.n);
+    return TEST_PASS;
+}
+
+/* megatron.h's section list against its declaration and implementation banners. */
+static test_result test_layout_megatron_h_contents(void) {
+    tl_sources s = {NULL, NULL, NULL};
+    TL_READ_OR_SKIP(s);
+    static tl_list h;
+    char why[512] = "";
+    const int ok = tl_check_h(s.h, &h, why, sizeof(why));
+    tl_free(&s);
+    EXPECT(ok, "%s", why);
+    printf("    %d sections, listed as in their banners\n", h.n);
+    return TEST_PASS;
+}
+
+/* DESIGN.md's lists of the two files' sections, and every "megatron.cu/.h section N" in the three
+ * files, against the banners. */
+static test_result test_layout_design_lists(void) {
+    tl_sources s = {NULL, NULL, NULL};
+    TL_READ_OR_SKIP(s);
+    static tl_list cu, h;
+    char why[512] = "";
+    const int ok = tl_banners("megatron.cu", s.cu, &cu, why, sizeof(why)) &&
+                   tl_banners("megatron.h", s.h, &h, why, sizeof(why)) &&
                    tl_check_design(s.design, &cu, &h, why, sizeof(why)) &&
                    tl_check_references("DESIGN.md", s.design, &cu, &h, why, sizeof(why)) &&
                    tl_check_references("megatron.cu", s.cu, &cu, &h, why, sizeof(why)) &&
                    tl_check_references("megatron.h", s.h, &cu, &h, why, sizeof(why));
     tl_free(&s);
     EXPECT(ok, "%s", why);
-    printf("    megatron.cu: %d sections and subsections; megatron.h: %d sections; DESIGN.md agrees\n", cu.n, h.n);
+    return TEST_PASS;
+}
+
+/* megatron.cu's code (comments, string and character literals blanked, lines kept): what the seam's
+ * rule is about. A new string. */
+static char* tl_code_only(const char* text) {
+    const size_t n = strlen(text);
+    char* out = (char*)malloc(n + 1);
+    if (!out) return NULL;
+    enum { CODE, BLOCK, LINE, STR, CHR } st = CODE;
+    for (size_t i = 0; i < n; i++) {
+        const char c = text[i], next = i + 1 < n ? text[i + 1] : 0;
+        char o = c;
+        switch (st) {
+            case CODE:
+                if (c == '/' && next == '*') st = BLOCK, o = ' ';
+                else if (c == '/' && next == '/') st = LINE, o = ' ';
+                else if (c == '"') st = STR;
+                else if (c == '\'') st = CHR;
+                break;
+            case BLOCK:
+                if (c == '*' && next == '/') {
+                    out[i] = out[i + 1] = ' ';
+                    i++;
+                    st = CODE;
+                    continue;
+                }
+                if (c != '\n') o = ' ';
+                break;
+            case LINE:
+                if (c == '\n') st = CODE;
+                else o = ' ';
+                break;
+            case STR:
+            case CHR:
+                if (c == '\\' && next) {
+                    out[i] = ' ';
+                    out[i + 1] = next == '\n' ? '\n' : ' ';
+                    i++;
+                    continue;
+                }
+                if (c == (st == STR ? '"' : '\'')) st = CODE;
+                else if (c != '\n') o = ' ';
+                break;
+        }
+        out[i] = o;
+    }
+    out[n] = 0;
+    return out;
+}
+
+/* The seam of megatron.cu (its opening comment states it): from the "PART I" banner to the "PART II"
+ * banner no identifier starts with mt_trainer or mt_config; after "PART II" no kernel is defined or
+ * launched (no __global__, __device__ or <<<). */
+static int tl_check_seam(const char* text, char* why, size_t cap) {
+    const char* p1 = strstr(text, "\n/* PART I:");
+    const char* p2 = strstr(text, "\n/* PART II:");
+    if (!p1 || !p2 || p2 < p1)
+        return tl_fail(why, cap, "megatron.cu: no \"/* PART I:\" banner followed by a \"/* PART II:\" banner");
+    char* code = tl_code_only(text);
+    if (!code) return tl_fail(why, cap, "out of memory");
+    const char* c1 = code + (p1 - text);
+    const char* c2 = code + (p2 - text);
+    static const char* const part1[] = {"mt_trainer", "mt_config"};
+    static const char* const part2[] = {"__global__", "__device__", "<<<"};
+    const char* bad = NULL;
+    const char* what = NULL;
+    for (int k = 0; k < 2 && !bad; k++)
+        for (const char* s = c1; (s = strstr(s, part1[k])) && s < c2; s++)
+            if (s == code || !(isalnum((unsigned char)s[-1]) || s[-1] == '_')) {
+                bad = s;
+                what = part1[k];
+                break;
+            }
+    for (int k = 0; k < 3 && !bad; k++)
+        if ((bad = strstr(c2, part2[k]))) what = part2[k];
+    int line = 1;
+    const int in_part1 = bad && bad < c2;
+    if (bad)
+        for (const char* c = code; c < bad; c++) line += *c == '\n';
+    free(code);
+    if (bad)
+        return tl_fail(why, cap, "megatron.cu:%d: %s in Part %s (the seam: Part I never sees mt_trainer or mt_config, "
+                                 "Part II launches kernels only through Part I's launchers)",
+                       line, what, in_part1 ? "I" : "II");
+    return 1;
+}
+
+static test_result test_layout_seam_holds(void) {
+    tl_sources s = {NULL, NULL, NULL};
+    TL_READ_OR_SKIP(s);
+    char why[512] = "";
+    const int ok = tl_check_seam(s.cu, why, sizeof(why));
+    tl_free(&s);
+    EXPECT(ok, "%s", why);
     return TEST_PASS;
 }
 
@@ -425,7 +555,7 @@ static test_result test_layout_checks_can_fail(void) {
     do {
         /* the unbroken megatron.cu and DESIGN.md pass (megatron.h: its banners only, for DESIGN.md) */
         if (!tl_check_cu(s.cu, &cu, why, sizeof(why)) || !tl_banners("megatron.h", s.h, &h, why, sizeof(why)) ||
-            !tl_check_design(s.design, &cu, &h, why, sizeof(why))) {
+            !tl_check_design(s.design, &cu, &h, why, sizeof(why)) || !tl_check_seam(s.cu, why, sizeof(why))) {
             printf("    FAIL the unbroken files: %s\n", why);
             break;
         }
@@ -480,6 +610,18 @@ static test_result test_layout_checks_can_fail(void) {
             printf("    DESIGN.md \"1. **\" -> \"21. **\": %s\n", ok ? "not caught" : w);
             failed_all = failed_all && broken && !ok;
         }
+        /* the seam: a launch in Part II, mt_config in Part I (code, not a comment) */
+        const char* seam_cases[2][3] = {
+            {"\n/* PART II:", "\nstatic void ", "\nstatic void tl_kernel<<<1, 1>>>(); static void "},
+            {"\n/* PART I:", "\nstatic void ", "\nstatic mt_config tl_c; static void "}};
+        for (int c = 0; c < 2; c++) {
+            free(broken);
+            broken = tl_edit(s.cu, seam_cases[c][0], seam_cases[c][1], seam_cases[c][2]);
+            char w[512] = "";
+            const int ok = broken && tl_check_seam(broken, w, sizeof(w));
+            printf("    seam (%s added): %s\n", c == 0 ? "a launch in Part II" : "mt_config in Part I", ok ? "not caught" : w);
+            failed_all = failed_all && broken && !ok;
+        }
         if (!failed_all) {
             printf("    FAIL a broken copy passed the checks (or could not be made)\n");
             break;
@@ -492,7 +634,10 @@ static test_result test_layout_checks_can_fail(void) {
 }
 
 static const test_case layout_tests[] = {
-    {"layout_contents_match_banners", test_layout_contents_match_banners},
+    {"layout_megatron_cu_contents", test_layout_megatron_cu_contents},
+    {"layout_megatron_h_contents", test_layout_megatron_h_contents},
+    {"layout_design_lists", test_layout_design_lists},
+    {"layout_seam_holds", test_layout_seam_holds},
     {"layout_checks_can_fail", test_layout_checks_can_fail},
 };
 
