@@ -3,30 +3,50 @@
  * forward and backward, the parallel collectives, the optimizer, checkpoints, and the trainer API
  * declared in megatron.h. DESIGN.md is the map; this file reads top to bottom in this order.
  *
- * Contents (each operation's kernels and their launchers are one section):
- *    1. Checks, utilities and the execution context (mt_exec)
+ * Two parts, one translation unit, and a seam between them:
+ *   Part I, kernels and launchers (sections 1-13): each operation's kernels with the host launchers
+ *     that queue them. What they may use: pointers, sizes, `const mt_exec* ex` (taken first: the
+ *     stream, the error record, the GEMM plans and the micro-batch's mode, built by whoever decides
+ *     the work), the enums and structs of Part I, and megatron.h's plain types, constants and
+ *     element rules (mt_status, mt_precision, mt_tp_full_index, mt_adamw_step). Never mt_trainer,
+ *     mt_config or anything of Part II. (Flash attention's launchers take a bare stream: the lab in
+ *     dev/cuda/ calls them without an mt_exec.)
+ *   Part II, the model and the trainer (sections 14-20): process groups, layers, the model, the
+ *     micro-batch loop, the optimizer, checkpoints and the trainer API. They may use Part I,
+ *     mt_trainer and mt_config; their device work goes through Part I's launchers with an mt_exec
+ *     (trainer_exec(t), with the micro-batch's mode in run_micro_batches): Part II defines and
+ *     launches no kernel. Streams, events, copies and memsets, NCCL and the library handles are
+ *     Part II's.
+ * Each section's banner says what it does and why, and ends with "defines:", what it gives to the
+ * sections after it. tests/test_layout.h checks this list against the banners.
+ *
+ * Contents:
+ *   Part I: kernels and launchers
+ *    1. Checks, utilities and the execution context
  *    2. Initialisation and casts
  *    3. Column sums
  *    4. Embedding
- *    5. Bias, residual and activations (GELU, squared ReLU, SwiGLU)
- *    6. LayerNorm and RMSNorm (fused with the residual add; recompute; fused backward)
+ *    5. Bias, residual, dropout and activations
+ *    6. LayerNorm and RMSNorm
  *    7. Attention layout and RoPE
- *    8. Exact attention (causal softmax)
+ *    8. Exact attention
  *    9. Flash attention (bf16)
- *   10. Cross entropy (vocab-parallel)
+ *       9.1 Device helpers
+ *       9.2 Forward
+ *       9.3 Backward
+ *       9.4 Host launchers
+ *   10. Cross entropy
  *   11. Gradient norm and AdamW
- *   12. FP8 (E4M3/E5M2, amax, delayed/current scales, cast + transpose, 1x128/128x128 blocks)
- *   13. GEMM (cuBLASLt plans and epilogues; FP8 GEMMs)
+ *   12. FP8: formats, scaling, casts and transposes
+ *   13. GEMM
+ *   Part II: the model and the trainer
  *   14. Process groups
- *   15. Parallel layers (column- and row-parallel linears, sequence parallelism, FP8 linears)
- *   16. The model (parameter, gradient and activation views; attention; forward and backward)
+ *   15. Parallel layers
+ *   16. The model
  *   17. The micro-batch loop
- *   18. Optimizer (DP buckets, gradient norm, clipping, fp16 loss scaler, distributed optimizer)
+ *   18. Optimizer
  *   19. Checkpoints
  *   20. The trainer API
- *
- * Launchers take `const mt_exec* ex` first: the stream, the error record, the GEMM plans and the
- * micro-batch's mode, built by whoever decides the work (run_micro_batches, the optimizer, tests).
  *
  * Precision: the model runs in a type T (float, bf16 or fp16) chosen at run time; every kernel is a
  * template over T and does its arithmetic in fp32. Weight gradients are accumulated in fp32 by the
@@ -64,6 +84,14 @@
 
 #include <type_traits>
 
+/* ############################################################################################## */
+/* PART I: KERNELS AND LAUNCHERS (sections 1-13)                                                  */
+/*    Each operation's kernels and the launchers that queue them. They may use pointers, sizes,   */
+/*    a const mt_exec* (stream, error record, GEMM plans, micro-batch mode), the types of Part I  */
+/*    and megatron.h's plain types and element rules; never mt_trainer, mt_config or anything of  */
+/*    Part II.                                                                                    */
+/* ############################################################################################## */
+
 /* ============================================================================================== */
 /* 1. Checks, utilities and the execution context                                                 */
 /*    Library code never exits: the first failing CUDA/cuBLAS/NCCL call is recorded in an         */
@@ -72,6 +100,9 @@
 /*    and the micro-batch's mode. Then the fp32 <-> storage conversions, warp/block reductions    */
 /*    in a fixed order, 16-byte vector access and asynchronous global -> shared copies that the   */
 /*    kernels below share.                                                                        */
+/*    defines: mt_gpu_error with CUDA_CHECK / CUBLAS_CHECK / NCCL_CHECK / LAUNCH_CHECK,           */
+/*    mt_gpu_fail, mt_exec, mt_micro_batch_mode, ceil_div, to_float / from_float, warp_sum,       */
+/*    block_sum / block_max, vec16 / load16 / store16, cp_async_16.                               */
 /* ============================================================================================== */
 
 typedef struct {
@@ -259,6 +290,7 @@ __device__ __forceinline__ void cp_async_wait() {
 /*    A counter-based normal generator, so every element's initial value depends only on (seed,   */
 /*    tensor, global index): the same model at any parallel layout. Casts between the fp32        */
 /*    master and the model type.                                                                  */
+/*    defines: init_param, cast_from_float, cast_to_float.                                        */
 /* ============================================================================================== */
 
 __host__ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
@@ -336,6 +368,7 @@ static void cast_to_float(const mt_exec* ex, mt_precision precision, float* dst,
 /*    row. Pass 2 (column_final_sums): dst[c] (+)= the partial rows in order; the step's first    */
 /*    micro-batch overwrites (the gradient buffer is never zeroed). Fused kernels (the norm       */
 /*    backward, flash attention's backward) write the same partial rows and finish with pass 2.   */
+/*    defines: mt_colsum_scratch, colsum_chunks, column_sum, column_final_sums.                   */
 /* ============================================================================================== */
 
 enum { COLSUM_PLAIN = 0, COLSUM_LAYERNORM = 1 };
@@ -470,6 +503,7 @@ static void column_sum(const mt_exec* ex, mt_colsum_scratch* s, float* dst, cons
 /*    parallel: wte holds rows [vocab_start, vocab_start + vocab_rows); a token outside them      */
 /*    contributes zeros, and the sum over the tensor-parallel ranks completes the lookup. The     */
 /*    backward sums each token's positions in order from a host-built index (no atomics).         */
+/*    defines: embedding_forward, position_embedding_backward, word_embedding_backward.           */
 /* ============================================================================================== */
 
 template <typename T>
@@ -546,6 +580,8 @@ static void word_embedding_backward(const mt_exec* ex, float* dwte, const T* dou
 /*    of the vector width and pointers aligned. A NULL bias means the model has none (--disable-  */
 /*    bias-linear). Dropout (Megatron's hidden and attention dropout) draws its masks from a      */
 /*    counter-based generator: nothing is stored, the backward regenerates them.                  */
+/*    defines: mt_dropout, dropout_apply, bias_add, bias_residual, bias_activation, bias_swiglu,  */
+/*    activation_backward, swiglu_backward.                                                       */
 /* ============================================================================================== */
 
 /* ---- Dropout masks. A dropout site (one tensor of one micro-batch: the embeddings' output, a layer's
@@ -933,6 +969,7 @@ static void swiglu_backward(const mt_exec* ex, T* dpre, const T* dact, const T* 
 /*    fallback. With --apply-layernorm-1p the stored weight is w - 1: every kernel takes w1 (1, else */
 /*    0) and uses weight + w1, in fp32 as Transformer Engine's zero-centred gamma does; the weight's  */
 /*    gradient is the same either way.                                                            */
+/*    defines: norm_forward, residual_norm_forward, norm_apply, norm_backward.                    */
 /* ============================================================================================== */
 
 /* One normalized output element, (x - mean) * rstd * (w + w1) + b, rounded the same way in every
@@ -1473,6 +1510,8 @@ static void norm_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dresidual,
 /*    The exact path splits the rows into head layouts with RoPE fused (and merges the gradients  */
 /*    with its transpose); the flash path rotates q and k in place in the rows. cos/sin tables    */
 /*    [T, half] fp32.                                                                             */
+/*    defines: mt_attention_dims, split_qkv, merge_qkv_grads, permute_heads, rope_qkv_rows,       */
+/*    qk_norm_forward, qk_norm_backward.                                                          */
 /* ============================================================================================== */
 
 /* Where channel e of QKV-row slot `slot` of group g goes: q [B, heads, T, d], k and v [B, groups, T, d]. */
@@ -1839,6 +1878,7 @@ static void qk_norm_backward(const mt_exec* ex, const mt_attention_dims& a, T* d
 /*    materialised per layer, softmax(scale * Q K^T) with the causal mask in place, and its       */
 /*    backward dS = scale * P * (dP - rowsum(dP * P)). The GEMMs around it are in the model       */
 /*    (section 16).                                                                               */
+/*    defines: causal_softmax_forward, causal_softmax_backward, attention_dropout.                */
 /* ============================================================================================== */
 
 /* Causal softmax in place over rows of scores [B*heads, T, T]: p = softmax(scale * s) over k <= q,
@@ -1930,6 +1970,8 @@ static void attention_dropout(const mt_exec* ex, T* out, const T* probs, int row
 /*    atomics): device helpers, forward, backward (dK/dV and dQ kernels), launchers. The lab      */
 /*    dev/cuda/flash_attention.cu checks it against a CPU reference, times it and explains the    */
 /*    design.                                                                                     */
+/*    defines: namespace fa (9.1-9.3), then attn_view, flash_attention_forward,                   */
+/*    flash_attention_backward, flash_colsum_chunks (9.4).                                        */
 /* ============================================================================================== */
 
 typedef __nv_bfloat16 bf16;
@@ -1941,6 +1983,11 @@ constexpr int BN = 64;       /* keys per K/V tile (forward, dQ) and keys per CTA
 constexpr int COLSUM_TILE = 64; /* rows per chunk of the backward's column sums (dQ and dK/dV tiles) */
 constexpr float LOG2E = 1.4426950408889634f;
 
+/* ============================================================================================== */
+/* 9.1 Device helpers                                                                             */
+/*    defines: fa::heads_view, the ldmatrix / mma.sync wrappers, tile loads, the in-register      */
+/*    GEMMs.                                                                                      */
+/* ============================================================================================== */
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -2208,6 +2255,7 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MT][D / 8][4], const float 
 
 /* ============================================================================================== */
 /* 9.2 Forward                                                                                    */
+/*    defines: fa::flash_fwd_kernel.                                                              */
 /* ============================================================================================== */
 
 /* Shared memory: sQ [BM][D+8], sK [2][BN][D+8], sV [2][BN][D+8] (two stages each). */
@@ -2360,6 +2408,7 @@ __global__ void __launch_bounds__(32 * WARPS)
 
 /* ============================================================================================== */
 /* 9.3 Backward                                                                                   */
+/*    defines: fa::flash_bwd_dot_kernel, fa::flash_bwd_dkdv_kernel, fa::flash_bwd_dq_kernel.      */
 /* ============================================================================================== */
 
 /* Dsum[(b*H + h)*T + t] = sum_e dO[b,h,t][e] * O[b,h,t][e], D/8 threads per row, 16-byte loads. */
@@ -2688,6 +2737,8 @@ __global__ void __launch_bounds__(32 * WARPS)
 
 /* ============================================================================================== */
 /* 9.4 Host launchers                                                                             */
+/*    defines: fa::forward_tiles / backward_tiles (the lab's), attn_view,                         */
+/*    flash_attention_forward, flash_attention_backward, flash_colsum_chunks.                     */
 /* ============================================================================================== */
 
 /* Tile choices (rows of queries per CTA, warps per CTA). The forward keeps Q fragments in registers,
@@ -2848,6 +2899,7 @@ static cudaError_t flash_attention_backward(attn_view dQ, attn_view dK, attn_vie
 /*    tensor parallelism (Megatron's VocabParallelCrossEntropy) each rank computes its columns'   */
 /*    (max, sum, target logit), the ranks exchange them, and every rank combines them in rank     */
 /*    order.                                                                                      */
+/*    defines: cross_entropy_fused, cross_entropy_partial, cross_entropy_combine.                 */
 /* ============================================================================================== */
 
 template <typename T>
@@ -3027,6 +3079,7 @@ static void cross_entropy_combine(const mt_exec* ex, T* logits, float* losses, c
 /*    order. AdamW (apex/ TE FusedAdam, adam_w_mode): the fp32 master is updated and the model    */
 /*    copy (bf16/fp16) rewritten from it, one launch for every chunk; grad_scale folds clipping   */
 /*    and the fp16 loss-scale unscaling.                                                          */
+/*    defines: mt_opt_chunk, gradient_sum_squares, gradient_count_zeros, adamw_update.            */
 /* ============================================================================================== */
 
 /* A piece of the optimizer's work: `length` elements of one parameter, at `buffer` in the
@@ -3220,6 +3273,10 @@ static void adamw_update(const mt_exec* ex, const mt_adamw_step* h, const mt_opt
 /*    integer maximum of the bit patterns of |x|: non-negative floats order like their bits, with */
 /*    NaN above infinity, so it is exact and order-free (deterministic even through atomicMax)    */
 /*    and a NaN anywhere makes the amax NaN.                                                      */
+/*    defines: mt_fp8_dtype, mt_fp8_scaling_mode, mt_fp8_scaling, fp8_amax, fp8_scale_update,     */
+/*    fp8_scale_from_amax, fp8_cast_transpose, fp8_quantize_tensorwise, fp8_transpose,            */
+/*    fp8_cast_blockwise, fp8_publish_chunk, fp8_publish_amax, fp8_strided_scales_from_amax,      */
+/*    fp8_publish.                                                                                */
 /* ============================================================================================== */
 
 typedef enum { FP8_E4M3 = 0, FP8_E5M2 = 1 } mt_fp8_dtype;
@@ -3691,6 +3748,103 @@ static bool fp8_cast_blockwise(const mt_exec* ex, mt_fp8_dtype fmt, uint8_t* out
     return LAUNCH_CHECK(ex->error);
 }
 
+/* ---- the parameter storage's FP8 weights (--fp8-param-gather) ----
+ * After a step each DP rank writes its shard of the parameter storage from its fp32 master weights
+ * (section 18, fp8_publish_parameters, says why and gathers them): a block per optimizer chunk
+ * (mt_opt_chunk), a bf16 parameter as bf16(master), an FP8 weight as e4m3(float(bf16(master)) x
+ * scale[weight]), bitwise the cast the run without the flag makes from the bf16 copy. */
+typedef struct fp8_publish_chunk {
+    int64_t storage; /* byte offset of the optimizer chunk's first element in the parameter storage */
+    int32_t weight;  /* an FP8 weight's scaling slot (FP8_W of its linear), -1 for a bf16 parameter */
+    int32_t unused;
+} fp8_publish_chunk;
+static_assert(sizeof(fp8_publish_chunk) == MT_PUBLISH_CHUNK_BYTES, "the memory plan counts fp8_publish_chunk's bytes");
+
+/* The bf16 rounding of a master weight: what the model copy holds and the FP8 cast starts from. */
+__device__ __forceinline__ float fp8_publish_value(float master) {
+    return to_float(from_float<__nv_bfloat16>(master));
+}
+
+/* Tensorwise: amax[weight] = max(amax[weight], the chunk's largest |bf16(master)|) per FP8 chunk. */
+__global__ void __launch_bounds__(256) fp8_publish_amax_kernel(float* amax, const mt_opt_chunk* chunks,
+                                                               const fp8_publish_chunk* publish, const float* master) {
+    const mt_opt_chunk c = chunks[blockIdx.x];
+    const int weight = publish[blockIdx.x].weight;
+    if (weight < 0) return; /* the whole block */
+    uint32_t largest = 0;
+    for (int i = threadIdx.x; i < c.length; i += blockDim.x)
+        largest = max(largest, abs_bits(fp8_publish_value(master[c.master + i])));
+    largest = block_max_u32(largest);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax + weight), largest);
+}
+
+/* amax [num_tensors] zeroed, then each FP8 weight slot's amax = the largest |bf16(master)| of its
+ * chunks among chunks [num_chunks] (num_chunks >= 1; publish [num_chunks] places them). */
+static void fp8_publish_amax(const mt_exec* ex, float* amax, int num_tensors, const mt_opt_chunk* chunks,
+                             const fp8_publish_chunk* publish, int num_chunks, const float* master) {
+    CUDA_CHECK(ex->error, cudaMemsetAsync(amax, 0, sizeof(float) * (size_t)num_tensors, ex->stream));
+    fp8_publish_amax_kernel<<<num_chunks, 256, 0, ex->stream>>>(amax, chunks, publish, master);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* Tensorwise: the scale and scale_inv of slots FIRST, FIRST + STRIDE, ... below num_tensors from
+ * their amaxes (fp8_scale_from_amax's rule). */
+template <int STRIDE, int FIRST>
+__global__ void fp8_strided_scales_kernel(float* scale, float* scale_inv, const float* amax, const float* fp8_max,
+                                          int num_tensors, int margin) {
+    const int t = (blockIdx.x * blockDim.x + threadIdx.x) * STRIDE + FIRST;
+    if (t >= num_tensors) return;
+    const float s = fp8_scale_from_amax_value(amax[t], fp8_max[t], margin, 1.0f);
+    scale[t] = s;
+    scale_inv[(int64_t)t * FP8_SCALE_INV_STRIDE] = 1.0f / s;
+}
+
+/* Current (tensorwise) scaling of every STRIDE-th slot from FIRST (section 18: every linear's weight
+ * slot) of the per-tensor arrays [num_tensors] (num_tensors >= 1): scale = fp8_max / amax / 2^margin
+ * (1 when the amax is 0 or not finite), scale_inv (FP8_SCALE_INV_STRIDE floats apart) = 1 / scale. */
+template <int STRIDE, int FIRST>
+static void fp8_strided_scales_from_amax(const mt_exec* ex, float* scale, float* scale_inv, const float* amax,
+                                         const float* fp8_max, int num_tensors, int margin) {
+    const int slots = num_tensors / STRIDE;
+    fp8_strided_scales_kernel<STRIDE, FIRST><<<ceil_div(slots, 128), 128, 0, ex->stream>>>(scale, scale_inv, amax,
+                                                                                           fp8_max, num_tensors, margin);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* A block per optimizer chunk: its elements into the storage, bf16(master) or for an FP8 weight
+ * e4m3(float(bf16(master)) x scale[weight]); delayed scaling records the chunk's amax. */
+__global__ void __launch_bounds__(256) fp8_publish_kernel(uint8_t* storage, const mt_opt_chunk* chunks,
+                                                          const fp8_publish_chunk* publish, const float* master,
+                                                          const float* scale, float* amax, int record_amax) {
+    const mt_opt_chunk c = chunks[blockIdx.x];
+    const fp8_publish_chunk p = publish[blockIdx.x];
+    if (p.weight < 0) {
+        __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(storage + p.storage);
+        for (int i = threadIdx.x; i < c.length; i += blockDim.x) out[i] = from_float<__nv_bfloat16>(master[c.master + i]);
+        return;
+    }
+    const float s = scale[p.weight];
+    uint8_t* out = storage + p.storage;
+    uint32_t largest = 0;
+    for (int i = threadIdx.x; i < c.length; i += blockDim.x) {
+        const float v = fp8_publish_value(master[c.master + i]);
+        largest = max(largest, abs_bits(v));
+        out[i] = fp8_from_float<FP8_E4M3>(v * s);
+    }
+    if (!record_amax) return;
+    largest = block_max_u32(largest);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax + p.weight), largest);
+}
+
+/* The chunks [num_chunks] (num_chunks >= 1) of master written into storage at publish's places;
+ * record_amax (delayed scaling): amax[weight] also takes each FP8 chunk's largest |bf16(master)|. */
+static void fp8_publish(const mt_exec* ex, uint8_t* storage, const mt_opt_chunk* chunks,
+                        const fp8_publish_chunk* publish, int num_chunks, const float* master, const float* scale,
+                        float* amax, int record_amax) {
+    fp8_publish_kernel<<<num_chunks, 256, 0, ex->stream>>>(storage, chunks, publish, master, scale, amax, record_amax);
+    LAUNCH_CHECK(ex->error);
+}
+
 /* ============================================================================================== */
 /* 13. GEMM                                                                                       */
 /*    Row-major C[M,N] = op(A) op(B) through cuBLASLt (column-major underneath), A and B in the   */
@@ -3704,6 +3858,7 @@ static bool fp8_cast_blockwise(const mt_exec* ex, mt_fp8_dtype fmt, uint8_t* out
 /*    FP8 tensor cores take ("TN" in cuBLASLt's column-major terms), E4M3 x E4M3 or E4M3 x E5M2,  */
 /*    their scale_inv (per tensor, or per 1x128 or 128x128 block, section 12) applied by cuBLASLt */
 /*    to the fp32-accumulated product, C in bf16 or fp32.                                         */
+/*    defines: mt_gemm_plans, mt_gemm_epilogue, gemm, gemm_epilogue, gemm_fp8, gemm_plans_free.   */
 /* ============================================================================================== */
 
 typedef enum {
@@ -3870,6 +4025,29 @@ static void gemm_plans_free(mt_gemm_plans* g) {
     g->num_plans = 0;
 }
 
+/* The plan of a GEMM whose key is filled in but for its alignment: that becomes the largest power of
+ * two (<= 256) dividing A and every other pointer given (B, C, bias, aux; NULL: none), then the cached
+ * plan of the key, or a new one built and cached (FP8: with the scale_inv pointers the heuristic may
+ * look at). NULL when the cache is full (GEMM_MAX_PLANS). */
+static mt_gemm_plan* gemm_plan_lookup(const mt_exec* ex, mt_gemm_key* key, const void* A, const void* B, const void* C,
+                                      const void* bias, const void* aux, const float* fp8_a_scale_inv = NULL,
+                                      const float* fp8_b_scale_inv = NULL) {
+    mt_gemm_plans* g = ex->gemm;
+    int align = pointer_alignment(A);
+    const void* others[4] = {B, C, bias, aux};
+    for (int i = 0; i < 4; i++)
+        if (others[i] && pointer_alignment(others[i]) < align) align = pointer_alignment(others[i]);
+    key->alignment = align;
+    for (int i = 0; i < g->num_plans; i++)
+        if (!memcmp(&g->plans[i].key, key, sizeof(*key))) return &g->plans[i];
+    if (g->num_plans >= GEMM_MAX_PLANS) return NULL;
+    mt_gemm_plan* plan = &g->plans[g->num_plans++];
+    memset(plan, 0, sizeof(*plan));
+    plan->key = *key;
+    gemm_plan_build(g, ex->error, plan, fp8_a_scale_inv, fp8_b_scale_inv);
+    return plan;
+}
+
 /* Row-major: C[M,N] (ldc) = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, where op(A) = A ([M,K], lda)
  * or A^T (A stored [K,M]); likewise B; with an epilogue (bias [N] of type T, or with GEMM_BGRADB the
  * fp32 output [M]: sums of op(A) over k, with GEMM_DGELU_BGRAD the fp32 output [N]: sums of C's
@@ -3890,20 +4068,7 @@ static bool gemm_epilogue(const mt_exec* ex, mt_gemm_epilogue epilogue, bool tra
     key.strideA = strideA; key.strideB = strideB; key.strideC = strideC;
     key.epilogue = epilogue; key.has_bias = bias != NULL;
     key.a_type = key.b_type = cuda_type<T>(); key.c_type = cuda_type<TC>();
-    int align = pointer_alignment(A);
-    const void* others[4] = {B, C, bias, aux};
-    for (int i = 0; i < 4; i++)
-        if (others[i] && pointer_alignment(others[i]) < align) align = pointer_alignment(others[i]);
-    key.alignment = align;
-    mt_gemm_plan* plan = NULL;
-    for (int i = 0; i < g->num_plans && !plan; i++)
-        if (!memcmp(&g->plans[i].key, &key, sizeof(key))) plan = &g->plans[i];
-    if (!plan && g->num_plans < GEMM_MAX_PLANS) {
-        plan = &g->plans[g->num_plans++];
-        memset(plan, 0, sizeof(*plan));
-        plan->key = key;
-        gemm_plan_build(g, ex->error, plan);
-    }
+    mt_gemm_plan* plan = gemm_plan_lookup(ex, &key, A, B, C, bias, aux);
     if (plan && plan->supported) {
         if (bias) CUBLAS_CHECK(ex->error, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                                         &bias, sizeof(bias)));
@@ -4001,20 +4166,7 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
     key.epilogue = with_gelu ? GEMM_GELU_AUX_BIAS : bias ? GEMM_BIAS : GEMM_PLAIN; key.has_bias = bias != NULL;
     key.a_type = fp8_cuda_type(a_format); key.b_type = fp8_cuda_type(b_format); key.c_type = cuda_type<TC>();
     key.fp8 = 1; key.a_scaling = a_scaling; key.b_scaling = b_scaling; key.fast_accumulate = fast_accumulate;
-    int align = pointer_alignment(A);
-    const void* others[4] = {B, C, bias, gelu_aux};
-    for (int i = 0; i < 4; i++)
-        if (others[i] && pointer_alignment(others[i]) < align) align = pointer_alignment(others[i]);
-    key.alignment = align;
-    mt_gemm_plan* plan = NULL;
-    for (int i = 0; i < g->num_plans && !plan; i++)
-        if (!memcmp(&g->plans[i].key, &key, sizeof(key))) plan = &g->plans[i];
-    if (!plan && g->num_plans < GEMM_MAX_PLANS) {
-        plan = &g->plans[g->num_plans++];
-        memset(plan, 0, sizeof(*plan));
-        plan->key = key;
-        gemm_plan_build(g, ex->error, plan, a_scale_inv, b_scale_inv);
-    }
+    mt_gemm_plan* plan = gemm_plan_lookup(ex, &key, A, B, C, bias, gelu_aux, a_scale_inv, b_scale_inv);
     /* a GELU epilogue cuBLASLt has no algorithm for: false with no error, the caller runs the GEMM
      * without it and its own kernel */
     if (with_gelu && ex->error->status == MT_OK && (!plan || !plan->supported)) return false;
@@ -4047,6 +4199,14 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
     return true;
 }
 
+/* ############################################################################################## */
+/* PART II: THE MODEL AND THE TRAINER (sections 14-20)                                            */
+/*    Process groups, parallel layers, the model, the micro-batch loop, the optimizer,            */
+/*    checkpoints and the trainer API, on mt_trainer and mt_config. All device work through Part  */
+/*    I's launchers (trainer_exec(t) makes their mt_exec): no kernel is defined or launched       */
+/*    here.                                                                                       */
+/* ############################################################################################## */
+
 /* ============================================================================================== */
 /* 14. Process groups                                                                             */
 /*    Megatron's rank layout (megatron.h: tp-cp-ep-dp-pp) gives each rank its coordinates. One    */
@@ -4058,6 +4218,9 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
 /*    collectives sit on the model's critical path, DP reductions overlap the backward.           */
 /*    mt_process_groups is the one place a rank's parallel sizes and coordinates live once the    */
 /*    trainer exists.                                                                             */
+/*    defines: mt_process_groups, mt_tp_group with tp_all_reduce / tp_reduce_scatter /            */
+/*    tp_all_gather / tp_broadcast, process_groups_create / process_groups_free,                  */
+/*    mt_comm_id_create, mt_watchdog.                                                             */
 /* ============================================================================================== */
 
 /* The tensor-parallel group as the model uses it: collectives of activations in the model type, on
@@ -4430,6 +4593,9 @@ static void process_groups_free(mt_process_groups* g) {
 /*    residuals) hold R = BT/TP rows per rank: an all-gather before each column-parallel linear   */
 /*    and a reduce-scatter after each row-parallel one replace the all-reduce (and swap roles in  */
 /*    the backward). At TP = 1 every collective vanishes and these are the plain linears.         */
+/*    defines: linear_forward, linear_backward, column_parallel_input, row_parallel_output,       */
+/*    parallel_backward_ctx, column_parallel_backward, row_parallel_backward, mt_fp8_state,       */
+/*    fp8_linear.                                                                                 */
 /* ============================================================================================== */
 
 
@@ -4737,6 +4903,10 @@ static void row_parallel_backward(const parallel_backward_ctx<T>& pc, T* dx, flo
 /*    blocks, Megatron's [s/tp, b, h] in this codebase's row order). Then the attention layer     */
 /*    (exact or flash), the forward and the backward of one stage, and activation recompute       */
 /*    (recompute_layer: what the forward did not keep, made again before a layer's backward).     */
+/*    defines: mt_trainer and its parts (mt_loop_state, mt_ddp_state, mt_optimizer_state,         */
+/*    mt_loss_scaler, mt_checkpoint_state, mt_memory_state, mt_debug_hooks), trainer_exec,        */
+/*    mt_shape, layer_params / layer_grads / layer_activations, attention_forward /               */
+/*    attention_backward, model_forward, model_backward, recompute_layer.                         */
 /* ============================================================================================== */
 
 typedef struct {
@@ -5726,6 +5896,7 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
 /*    are not built yet). Stages one micro-batch's tokens onto the device, builds its mode        */
 /*    (first micro-batch overwrites gradients, the last one's backward starts the DP reductions)  */
 /*    and runs it.                                                                                */
+/*    defines: stage_micro_batch, run_step, run_micro_batches.                                    */
 /* ============================================================================================== */
 
 /* Builds the word-embedding backward index of one micro-batch on the host: the distinct tokens of
@@ -6155,10 +6326,13 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
 }
 
 /* ============================================================================================== */
-/* 18. Optimizer: data-parallel buckets, global gradient norm, clipping, Megatron's fp16          */
+/* 18. Optimizer                                                                                  */
+/*    Data-parallel buckets, the global gradient norm, clipping, Megatron's fp16                  */
 /*    DynamicGradScaler, AdamW over this rank's shard, and the all-gather of the new parameters.  */
 /*    Every DP collective runs on the communication stream, in the same order on every rank; the  */
 /*    compute stream and the communication stream hand over with events.                          */
+/*    defines: reduce_bucket, finish_gradient_reduction, gather_parameters, wait_for_parameters,  */
+/*    fp8_publish_parameters, gradient_norm_squared, loss_scaler_update, mt_offload, adamw_step.  */
 /* ============================================================================================== */
 
 /* The communication stream starts after everything issued so far on the compute stream. */
@@ -6330,96 +6504,31 @@ static void wait_for_all_parameters(mt_trainer* t) {
  * the all-gather is one in-place broadcast per rank, grouped: the bytes an all-gather would move.
  * W^T, the input-gradient GEMM's operand, is the transpose of the gathered bytes (fp8_layer_linears).
  * Done at the next forward, after the step's delayed scale update: collective over DP, and with
- * --overlap-param-gather overlapped with that forward like the bf16 gather (per-bucket events). */
-typedef struct fp8_publish_chunk {
-    int64_t storage; /* byte offset of the optimizer chunk's first element in the parameter storage */
-    int32_t weight;  /* an FP8 weight's scaling slot (FP8_W of its linear), -1 for a bf16 parameter */
-    int32_t unused;
-} fp8_publish_chunk;
-static_assert(sizeof(fp8_publish_chunk) == MT_PUBLISH_CHUNK_BYTES, "the memory plan counts fp8_publish_chunk's bytes");
-
-/* The bf16 rounding of a master weight: what the model copy holds and the FP8 cast starts from. */
-__device__ __forceinline__ float fp8_publish_value(float master) {
-    return to_float(from_float<__nv_bfloat16>(master));
-}
-
-/* Tensorwise: amax[weight] = max(amax[weight], the chunk's largest |bf16(master)|) per FP8 chunk. */
-__global__ void __launch_bounds__(256) fp8_publish_amax_kernel(float* amax, const mt_opt_chunk* chunks,
-                                                               const fp8_publish_chunk* publish, const float* master) {
-    const mt_opt_chunk c = chunks[blockIdx.x];
-    const int weight = publish[blockIdx.x].weight;
-    if (weight < 0) return; /* the whole block */
-    uint32_t largest = 0;
-    for (int i = threadIdx.x; i < c.length; i += blockDim.x)
-        largest = max(largest, abs_bits(fp8_publish_value(master[c.master + i])));
-    largest = block_max_u32(largest);
-    if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax + weight), largest);
-}
-
-/* Tensorwise: every weight slot's scale and scale_inv from its amax (fp8_scale_from_amax's rule). */
-__global__ void fp8_weight_scales_kernel(float* scale, float* scale_inv, const float* amax, const float* fp8_max,
-                                         int num_tensors, int margin) {
-    const int t = (blockIdx.x * blockDim.x + threadIdx.x) * FP8_ROLES + FP8_W;
-    if (t >= num_tensors) return;
-    const float s = fp8_scale_from_amax_value(amax[t], fp8_max[t], margin, 1.0f);
-    scale[t] = s;
-    scale_inv[(int64_t)t * FP8_SCALE_INV_STRIDE] = 1.0f / s;
-}
-
-/* A block per optimizer chunk: its elements into the storage, bf16(master) or for an FP8 weight
- * e4m3(float(bf16(master)) x scale[weight]); delayed scaling records the chunk's amax. */
-__global__ void __launch_bounds__(256) fp8_publish_kernel(uint8_t* storage, const mt_opt_chunk* chunks,
-                                                          const fp8_publish_chunk* publish, const float* master,
-                                                          const float* scale, float* amax, int record_amax) {
-    const mt_opt_chunk c = chunks[blockIdx.x];
-    const fp8_publish_chunk p = publish[blockIdx.x];
-    if (p.weight < 0) {
-        __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(storage + p.storage);
-        for (int i = threadIdx.x; i < c.length; i += blockDim.x) out[i] = from_float<__nv_bfloat16>(master[c.master + i]);
-        return;
-    }
-    const float s = scale[p.weight];
-    uint8_t* out = storage + p.storage;
-    uint32_t largest = 0;
-    for (int i = threadIdx.x; i < c.length; i += blockDim.x) {
-        const float v = fp8_publish_value(master[c.master + i]);
-        largest = max(largest, abs_bits(v));
-        out[i] = fp8_from_float<FP8_E4M3>(v * s);
-    }
-    if (!record_amax) return;
-    largest = block_max_u32(largest);
-    if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax + p.weight), largest);
-}
+ * --overlap-param-gather overlapped with that forward like the bf16 gather (per-bucket events).
+ * The casts' kernels and the publish table (fp8_publish_chunk) are in section 12. */
 
 /* Writes this rank's shard of the parameter storage from the master weights and all-gathers it
  * (see above); the next forward's layers wait for their buckets as after gather_parameters. */
 static void fp8_publish_parameters(mt_trainer* t) {
     mt_fp8_state* f = &t->fp8;
     mt_process_groups* g = &t->groups;
+    const mt_exec ex = trainer_exec(t);
     f->unpublished = 0;
     wait_for_all_parameters(t); /* no gather may still be writing the storage */
-    if (t->opt.num_chunks > 0 && f->recipe == MT_FP8_TENSORWISE) {
-        CUDA_CHECK(&t->error, cudaMemsetAsync(f->amax, 0, sizeof(float) * (size_t)f->num_tensors, t->stream));
-        fp8_publish_amax_kernel<<<t->opt.num_chunks, 256, 0, t->stream>>>(f->amax, t->opt.chunks, f->publish, t->opt.master);
-        LAUNCH_CHECK(&t->error);
-    }
+    if (t->opt.num_chunks > 0 && f->recipe == MT_FP8_TENSORWISE)
+        fp8_publish_amax(&ex, f->amax, f->num_tensors, t->opt.chunks, f->publish, t->opt.num_chunks, t->opt.master);
     if (f->recipe == MT_FP8_TENSORWISE && t->opt.sharded) { /* the shards' amaxes: the tensors' */
         comm_after_compute(t);
         NCCL_CHECK(&t->error, t->cfg.rank,
                    ncclAllReduce(f->amax, f->amax, (size_t)f->num_tensors, ncclFloat, ncclMax, g->dp, g->comm_stream));
         compute_after_comm(t);
     }
-    if (f->recipe == MT_FP8_TENSORWISE && f->num_tensors > 0) {
-        const int weights = f->num_tensors / FP8_ROLES;
-        fp8_weight_scales_kernel<<<ceil_div(weights, 128), 128, 0, t->stream>>>(f->scale, f->scale_inv, f->amax,
-                                                                                f->fp8_max, f->num_tensors, f->margin);
-        LAUNCH_CHECK(&t->error);
-    }
-    if (t->opt.num_chunks > 0) {
-        fp8_publish_kernel<<<t->opt.num_chunks, 256, 0, t->stream>>>((uint8_t*)t->params, t->opt.chunks, f->publish, t->opt.master,
-                                                                 f->scale, f->amax, f->recipe == MT_FP8_DELAYED);
-        LAUNCH_CHECK(&t->error);
-    }
+    if (f->recipe == MT_FP8_TENSORWISE && f->num_tensors > 0) /* every linear's weight slot */
+        fp8_strided_scales_from_amax<FP8_ROLES, FP8_W>(&ex, f->scale, f->scale_inv, f->amax, f->fp8_max, f->num_tensors,
+                                                       f->margin);
+    if (t->opt.num_chunks > 0)
+        fp8_publish(&ex, (uint8_t*)t->params, t->opt.chunks, f->publish, t->opt.num_chunks, t->opt.master, f->scale, f->amax,
+                    f->recipe == MT_FP8_DELAYED);
     if (!t->opt.sharded) return;
     comm_after_compute(t);
     t->ddp.param_gather_bytes = 0;
@@ -6780,6 +6889,8 @@ static void adamw_step(mt_trainer* t, float lr, float lr_decoupled, float grad_s
 /*    next save puts it back. Loading checks every header word before use (megatron.h's           */
 /*    mt_checkpoint_header_check) and each file's exact size. Ranks share the file system; one    */
 /*    job saves into a checkpoint directory at a time.                                            */
+/*    defines: mt_trainer_save, mt_trainer_save_async / mt_trainer_save_wait, mt_trainer_load,    */
+/*    mt_trainer_load_weights.                                                                    */
 /* ============================================================================================== */
 
 /* the header words: megatron.h, MT_CK_* */
@@ -7620,6 +7731,9 @@ const char* mt_trainer_load_warning(const mt_trainer* t) { return t->ckpt.load_w
 
 /* ============================================================================================== */
 /* 20. The trainer API                                                                            */
+/*    defines: mt_trainer_create / mt_trainer_free, mt_trainer_train_step(_n),                    */
+/*    mt_trainer_evaluate, mt_trainer_logits, mt_trainer_get_parameters /                         */
+/*    mt_trainer_set_parameters, mt_device_info: the API megatron.h declares.                     */
 /* ============================================================================================== */
 
 /* Carves the activation arena from its host layout (megatron.h mt_activation_layout_compute, the one

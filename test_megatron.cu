@@ -37,6 +37,7 @@
 #include "tests/test_pipeline.h"
 #include "tests/test_hf.h"
 #include "tests/test_header.h"
+#include "tests/test_layout.h"
 #include "tests/test_hostile.h"
 #include "tests/test_tensorboard.h"
 #include "tests/test_evaluation.h"
@@ -122,6 +123,7 @@ int main(int argc, char** argv) {
         GROUP("host.pipeline", pipeline_tests),
         GROUP("host.hf", hf_tests),
         GROUP("host.header", header_tests),
+        GROUP("host.layout", layout_tests),
         GROUP("host.hostile", hostile_tests),
         GROUP("host.tensorboard", tensorboard_tests),
         GROUP("host.evaluation", evaluation_tests),

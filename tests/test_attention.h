@@ -1,5 +1,5 @@
 /* tests/test_attention.h — attention (GPU test; skips when no GPU is visible): the flash-attention
- * kernels (megatron.cu section 2.7) on the layouts the model hands them: q, k, v read straight from
+ * kernels (megatron.cu section 9) on the layouts the model hands them: q, k, v read straight from
  * the fused QKV rows [B*T, groups*(qpg+2)*d], the output written into the attention rows [B*T, H*d],
  * dq, dk, dv written into the gradient's QKV rows.
  *

@@ -58,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # ------------------------------------------------------------------------------------------------
-# Checkpoint (megatron.cu section 9) and the canonical parameter order (megatron.h MT_P_*)
+# Checkpoint (megatron.cu section 19) and the canonical parameter order (megatron.h MT_P_*)
 # ------------------------------------------------------------------------------------------------
 
 CKPT_MAGIC = 0x4B43544D  # "MTCK"
