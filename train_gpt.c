@@ -712,94 +712,148 @@ static const char* exit_reason(const tg_flags* o, int64_t iteration, double t_st
     return buf;
 }
 
-/* ---- main ------------------------------------------------------------------------------------- */
+/* ---- the run's steps -------------------------------------------------------------------------- */
 
-int main(int argc, char** argv) {
-    const double t_launch = now_seconds(); /* --exit-duration-in-mins counts from here, as Megatron from its start */
-    /* launch: one process per GPU, started by mpirun or srun. MPI gives each its rank and its GPU
-     * on the node (the rank among the processes that share the node's memory); rank 0 makes the
-     * NCCL id and MPI sends it to everyone. Only rank 0 writes the log. */
-    int rank = 0, world = 1, local_rank = -1, last_rank_stdout = -1;
+/* The run's state, handed from one step of main to the next (the file's only globals are die's
+ * rank and the exit signal's flag above, which a handler must reach). */
+typedef struct {
+    double t_launch;             /* --exit-duration-in-mins counts from here, as Megatron from its start */
+    int rank, world, local_rank;
+    int last_rank_stdout;        /* the last rank's copy of stdout, for the log line (-1: none) */
     mt_comm_id comm_id;
-    memset(&comm_id, 0, sizeof(comm_id));
+    tg_flags o;                  /* the flags; o.cfg is the run's configuration */
+    int planning;                /* --plan or --plan-layouts: no GPU, no data */
+    int sequence_parallel;       /* --sequence-parallel as given (--plan-layouts tries it on every TP) */
+    int global_batch;            /* --global-batch-size as given; 0: micro-batch x DP of each layout */
+    mt_tokenizer* tok;           /* NULL: NullTokenizer */
+    FILE* log_line_out;          /* where the iteration log line goes (NULL: not from this rank) */
+    int64_t num_samples[3];      /* per split, as Megatron counts them */
+    mt_gpt_data* data;           /* NULL: --mock-data */
+    mt_trainer* t;
+    mt_tb_writer* tb;            /* NULL: no --tensorboard-dir, or not this rank */
+    double peak_tflops;          /* of one GPU, for the log line's MFU */
+    int32_t* tokens;             /* the batch: [micro-batches, mbs, S+1] */
+    int64_t iteration, consumed, consumed_valid;
+    int64_t saved_at;            /* the iteration of the last save (-1: none) */
+    checkpoint_saver saver;
+    const char* why;             /* why the run stopped early (Megatron's exit conditions), or NULL */
+    char why_buf[128];
+} run_state;
+
+/* launch: one process per GPU, started by mpirun or srun. MPI gives each its rank and its GPU
+ * on the node (the rank among the processes that share the node's memory); rank 0 makes the
+ * NCCL id and MPI sends it to everyone. Only rank 0 writes the log. */
+static void launch(run_state* run, int* argc, char*** argv) {
+    run->rank = 0;
+    run->world = 1;
+    run->local_rank = -1;
+    run->last_rank_stdout = -1;
+    memset(&run->comm_id, 0, sizeof(run->comm_id));
 #ifdef MT_USE_MPI
-    MPI_Init(&argc, &argv);
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &world);
-    g_rank = rank;
-    g_world = world;
-    if (world > 1) {
+    MPI_Init(argc, argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &run->rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &run->world);
+    g_rank = run->rank;
+    g_world = run->world;
+    if (run->world > 1) {
         MPI_Comm node;
-        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
-        MPI_Comm_rank(node, &local_rank);
+        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, run->rank, MPI_INFO_NULL, &node);
+        MPI_Comm_rank(node, &run->local_rank);
         MPI_Comm_free(&node);
         mt_error id_err;
-        int ok = rank != 0 || mt_comm_id_create(&comm_id, &id_err) == MT_OK;
+        int ok = run->rank != 0 || mt_comm_id_create(&run->comm_id, &id_err) == MT_OK;
         if (!ok) die(1, "%s", id_err.message);
-        MPI_Bcast(&comm_id, (int)sizeof(comm_id), MPI_BYTE, 0, MPI_COMM_WORLD);
+        MPI_Bcast(&run->comm_id, (int)sizeof(run->comm_id), MPI_BYTE, 0, MPI_COMM_WORLD);
         /* the last rank keeps a copy of stdout for the iteration log line (Megatron prints it from the
          * last pipeline stage); every other line comes from rank 0 */
-        if (rank == world - 1) last_rank_stdout = dup(STDOUT_FILENO);
-        if (rank != 0 && !freopen("/dev/null", "w", stdout)) die(1, "cannot silence stdout: %s", strerror(errno));
+        if (run->rank == run->world - 1) run->last_rank_stdout = dup(STDOUT_FILENO);
+        if (run->rank != 0 && !freopen("/dev/null", "w", stdout)) die(1, "cannot silence stdout: %s", strerror(errno));
     }
+#else
+    (void)argc;
+    (void)argv;
 #endif
-    tg_flags o;
-    parse_args(&o, argc, argv);
+}
+
+/* The flags, the startup line of the informational ones, and the world they run in: this launch's,
+ * or with --plan the --world-size GPUs planned for. */
+static void read_flags(run_state* run, int argc, char** argv) {
+    tg_flags* o = &run->o;
+    parse_args(o, argc, argv);
     {
         char info[4096];
-        tg_flags_info_line(&o, info, sizeof(info));
+        tg_flags_info_line(o, info, sizeof(info));
         if (info[0]) printf("%s\n", info);
     }
-    mt_config* c = &o.cfg;
-    c->world_size = world;
-    c->rank = rank;
-    c->local_rank = local_rank;
-    c->comm_id = comm_id;
-    const int planning = o.plan || o.plan_layouts, sequence_parallel = c->sequence_parallel;
-    const int global_batch = c->global_batch_size; /* 0: micro-batch x DP of each layout */
-    if (!planning) { /* before any work: the launch matches the build */
+    mt_config* c = &o->cfg;
+    c->world_size = run->world;
+    c->rank = run->rank;
+    c->local_rank = run->local_rank;
+    c->comm_id = run->comm_id;
+    run->planning = o->plan || o->plan_layouts;
+    run->sequence_parallel = c->sequence_parallel;
+    run->global_batch = c->global_batch_size; /* 0: micro-batch x DP of each layout */
+    if (!run->planning) { /* before any work: the launch matches the build */
         mt_error launch_err;
 #ifdef MT_USE_MPI
         const int built_with_mpi = 1;
 #else
         const int built_with_mpi = 0;
 #endif
-        if (mt_launcher_check(world, built_with_mpi, NULL, NULL, &launch_err) != MT_OK) die(2, "%s", launch_err.message);
+        if (mt_launcher_check(run->world, built_with_mpi, NULL, NULL, &launch_err) != MT_OK)
+            die(2, "%s", launch_err.message);
     }
-    if (planning) { /* the layout of --world-size GPUs, on none (--plan-layouts: the model checked on one) */
-        c->world_size = o.plan_world_size > 0 && !o.plan_layouts ? (int)o.plan_world_size : 1;
+    if (run->planning) { /* the layout of --world-size GPUs, on none (--plan-layouts: the model checked on one) */
+        c->world_size = o->plan_world_size > 0 && !o->plan_layouts ? (int)o->plan_world_size : 1;
         c->rank = 0;
         c->local_rank = -1;
     }
+}
 
-    mt_tokenizer* tok = load_tokenizer(&o);
-    c->vocab_size = tok ? mt_tokenizer_vocab_size(tok) : o.null_vocab_size;
-    c->eod_token = tok ? mt_tokenizer_eod(tok) : o.null_vocab_size - 1; /* NullTokenizer: the last id */
+/* The tokenizer gives the vocabulary; then the configuration is complete and checked. */
+static void finish_config(run_state* run) {
+    tg_flags* o = &run->o;
+    mt_config* c = &o->cfg;
+    run->tok = load_tokenizer(o);
+    c->vocab_size = run->tok ? mt_tokenizer_vocab_size(run->tok) : o->null_vocab_size;
+    c->eod_token = run->tok ? mt_tokenizer_eod(run->tok) : o->null_vocab_size - 1; /* NullTokenizer: the last id */
     mt_error err;
     /* --load at another TP: keep the checkpoint's padded vocabulary where it divides by this TP, so the
      * model (padded rows included) and its loss curve continue (megatron.h mt_padded_vocab_size_resumed) */
-    mt_config_resume_padding(c, o.load);
+    mt_config_resume_padding(c, o->load);
     if (mt_config_finalize(c, &err) != MT_OK) die(2, "%s", err.message);
-    if (c->resumed_padded_vocab_size > 0 && c->padded_vocab_size != c->resumed_padded_vocab_size && rank == 0)
+    if (c->resumed_padded_vocab_size > 0 && c->padded_vocab_size != c->resumed_padded_vocab_size && run->rank == 0)
         printf("note: the checkpoint in %s pads the vocabulary to %lld, which %s; padded to %lld here: the rows "
                "the checkpoint lacks start at 0 and take part in the softmax, so the loss moves at the first step\n",
-               o.load, (long long)c->resumed_padded_vocab_size,
+               o->load, (long long)c->resumed_padded_vocab_size,
                c->resumed_padded_vocab_size < c->vocab_size ? "does not cover this tokenizer's vocabulary"
                                                             : "does not divide by --tensor-model-parallel-size",
                (long long)c->padded_vocab_size);
-    if (o.eval_global_batch_size > 0 && o.eval_global_batch_size != c->global_batch_size)
+    if (o->eval_global_batch_size > 0 && o->eval_global_batch_size != c->global_batch_size)
         die(2, "--eval-global-batch-size %lld: evaluation with its own batch size is not implemented; it runs global "
-            "batches of %d (--global-batch-size): give that or drop the flag", (long long)o.eval_global_batch_size,
+            "batches of %d (--global-batch-size): give that or drop the flag", (long long)o->eval_global_batch_size,
             c->global_batch_size);
-    /* the iteration log line: from the last rank (the last pipeline stage) with PP > 1, else rank 0 */
-    FILE* log_line_out = stdout;
-    if (c->pipeline_model_parallel_size > 1 && world > 1) {
-        log_line_out = rank == world - 1 ? (rank == 0 ? stdout : fdopen(last_rank_stdout, "w")) : NULL;
-        if (rank == world - 1 && !log_line_out) die(1, "cannot open the last rank's stdout: %s", strerror(errno));
-    } else if (last_rank_stdout >= 0) {
-        close(last_rank_stdout);
+}
+
+/* the iteration log line: from the last rank (the last pipeline stage) with PP > 1, else rank 0 */
+static void open_log_line(run_state* run) {
+    const mt_config* c = &run->o.cfg;
+    run->log_line_out = stdout;
+    if (c->pipeline_model_parallel_size > 1 && run->world > 1) {
+        run->log_line_out = run->rank == run->world - 1 ? (run->rank == 0 ? stdout : fdopen(run->last_rank_stdout, "w"))
+                                                        : NULL;
+        if (run->rank == run->world - 1 && !run->log_line_out)
+            die(1, "cannot open the last rank's stdout: %s", strerror(errno));
+    } else if (run->last_rank_stdout >= 0) {
+        close(run->last_rank_stdout);
     }
-    if (!planning && tg_flags_info_given(&o, "--grad-reduce-in-bf16")) { /* this rank's plan, before the trainer */
+}
+
+/* --grad-reduce-in-bf16 on a run: this rank's plan, before the trainer (--plan prints its own) */
+static void note_grad_bf16(const run_state* run) {
+    const mt_config* c = &run->o.cfg;
+    if (!run->planning && tg_flags_info_given(&run->o, "--grad-reduce-in-bf16")) {
+        mt_error err;
         mt_plan_options opts;
         mt_plan_options_defaults(&opts);
         opts.pp_rank = mt_rank_coordinates(c, c->rank).pp;
@@ -807,51 +861,65 @@ int main(int argc, char** argv) {
         mt_memory_plan p;
         if (mt_memory_plan_compute(c, &opts, &p, &err) == MT_OK) print_grad_bf16_note(&p);
     }
-    if (planning) {
-        int status = run_plan(&o, c, sequence_parallel, global_batch);
-        if (tok) mt_tokenizer_free(tok);
-#ifdef MT_USE_MPI
-        MPI_Finalize();
-#endif
-        return status;
-    }
-    /* data: Megatron's sample counts (refused when they overflow); --skip-train: one evaluation's
-     * worth (Megatron) */
-    int64_t num_samples[3];
-    if (mt_gpt_num_samples(c->train_iters, o.skip_train ? 0 : o.eval_interval, o.eval_iters, c->global_batch_size,
-                           num_samples, &err) != MT_OK)
+}
+
+/* data: Megatron's sample counts (refused when they overflow); --skip-train: one evaluation's
+ * worth (Megatron); --train-samples and --full-validation set their splits' own */
+static void count_samples(run_state* run) {
+    const tg_flags* o = &run->o;
+    const mt_config* c = &o->cfg;
+    mt_error err;
+    if (mt_gpt_num_samples(c->train_iters, o->skip_train ? 0 : o->eval_interval, o->eval_iters, c->global_batch_size,
+                           run->num_samples, &err) != MT_OK)
         die(2, "%s", err.message);
-    { /* the flags are all checked: before the data and the trainer, a GPU to train on */
-        int gpus = 0;
-        if (mt_device_check(&gpus, &err) != MT_OK) die(1, "%s", err.message);
-    }
-    if (c->train_samples > 0) num_samples[MT_SPLIT_TRAIN] = c->train_samples;
-    if (o.full_validation) num_samples[MT_SPLIT_VALID] = -1; /* one epoch of the split */
-    if (o.builtin) {
+    if (c->train_samples > 0) run->num_samples[MT_SPLIT_TRAIN] = c->train_samples;
+    if (o->full_validation) run->num_samples[MT_SPLIT_VALID] = -1; /* one epoch of the split */
+}
+
+/* the flags are all checked: before the data and the trainer, a GPU to train on */
+static void check_gpu(void) {
+    mt_error err;
+    int gpus = 0;
+    if (mt_device_check(&gpus, &err) != MT_OK) die(1, "%s", err.message);
+}
+
+/* data: the built-in corpus made on first use, then Megatron's sample indices */
+static void open_data(run_state* run) {
+    tg_flags* o = &run->o;
+    const mt_config* c = &o->cfg;
+    mt_error err;
+    if (o->builtin) {
         static const char* builtin_prefix = "dev/data/tinyshakespeare_text_document";
-        if (rank == 0) prepare_builtin_corpus(tok, builtin_prefix);
+        if (run->rank == 0) prepare_builtin_corpus(run->tok, builtin_prefix);
 #ifdef MT_USE_MPI
         MPI_Barrier(MPI_COMM_WORLD); /* the others read what rank 0 wrote */
 #endif
-        o.data_paths[0] = builtin_prefix;
-        o.num_data_paths = 1;
+        o->data_paths[0] = builtin_prefix;
+        o->num_data_paths = 1;
     }
 
     /* data: Megatron's sample indices */
-    mt_gpt_data* data = NULL;
-    if (o.mock_data) {
+    run->data = NULL;
+    if (o->mock_data) {
         printf("data: --mock-data, random tokens\n");
     } else {
-        if (mt_gpt_data_open(&data, o.num_data_paths, o.data_paths, o.weighted ? o.data_weights : NULL, o.split,
-                             c->seq_length, (uint32_t)c->seed, num_samples, &err) != MT_OK)
+        if (mt_gpt_data_open(&run->data, o->num_data_paths, o->data_paths, o->weighted ? o->data_weights : NULL,
+                             o->split, c->seq_length, (uint32_t)c->seed, run->num_samples, &err) != MT_OK)
             die(1, "%s", err.message);
         printf("data: %d dataset(s), split '%s': train %lld, valid %lld, test %lld samples of %d tokens\n",
-               o.num_data_paths, o.split, (long long)mt_gpt_data_num_samples(data, MT_SPLIT_TRAIN),
-               (long long)mt_gpt_data_num_samples(data, MT_SPLIT_VALID),
-               (long long)mt_gpt_data_num_samples(data, MT_SPLIT_TEST), c->seq_length);
-        if (o.data_cache_path && rank == 0) write_index_cache(data, o.data_cache_path, c);
+               o->num_data_paths, o->split, (long long)mt_gpt_data_num_samples(run->data, MT_SPLIT_TRAIN),
+               (long long)mt_gpt_data_num_samples(run->data, MT_SPLIT_VALID),
+               (long long)mt_gpt_data_num_samples(run->data, MT_SPLIT_TEST), c->seq_length);
+        if (o->data_cache_path && run->rank == 0) write_index_cache(run->data, o->data_cache_path, c);
     }
+}
 
+/* The model and its layout in two lines, then the trainer: a layout that does not fit is refused
+ * with its plan; the plan against the device once it is built. */
+static void create_trainer(run_state* run) {
+    const tg_flags* o = &run->o;
+    const mt_config* c = &o->cfg;
+    mt_error err;
     printf("model: %d layers, hidden %d, %d heads, ffn %d, seq %d, vocab %lld (padded %lld), micro-batch %d, "
            "global batch %d, %lld iterations\n",
            c->num_layers, c->hidden_size, c->num_attention_heads, c->ffn_hidden_size, c->seq_length,
@@ -864,8 +932,8 @@ int main(int argc, char** argv) {
            c->pipeline_model_parallel_size, vp_note,
            c->use_distributed_optimizer ? ", distributed optimizer" : "",
            c->overlap_grad_reduce ? ", overlapped grad reduce" : "", c->overlap_param_gather ? ", overlapped param gather" : "");
-    mt_trainer* t = NULL;
-    mt_status created = mt_trainer_create(&t, c, &err);
+    run->t = NULL;
+    mt_status created = mt_trainer_create(&run->t, c, &err);
     if (created == MT_ERR_OOM) { /* the plan that does not fit, then the shortfall */
         mt_plan_options opts;
         mt_plan_options_defaults(&opts);
@@ -875,191 +943,281 @@ int main(int argc, char** argv) {
         if (mt_memory_plan_compute(c, &opts, &p, &plan_err) == MT_OK) print_plan(&p, c);
     }
     if (created != MT_OK) die(1, "%s", err.message);
-    if (mt_trainer_on_collective_timeout(t, collective_timeout, NULL, &err) != MT_OK) die(1, "%s", err.message);
-    print_memory_plan(t, c);
+    if (mt_trainer_on_collective_timeout(run->t, collective_timeout, NULL, &err) != MT_OK) die(1, "%s", err.message);
+    print_memory_plan(run->t, c);
     /* --async-save: the pinned staging now, so the first save's stall is only its copy */
-    if (o.async_save && o.save && mt_trainer_reserve_async_save(t, &err) != MT_OK) die(1, "%s", err.message);
+    if (o->async_save && o->save && mt_trainer_reserve_async_save(run->t, &err) != MT_OK) die(1, "%s", err.message);
+}
 
-    int64_t iteration = 0, consumed = 0, consumed_valid = 0;
-    if (o.load) {
+/* --load: the checkpoint's weights (and optimizer state) and where it stopped: the iteration, the
+ * samples consumed, and the validation samples its evaluations used; none there: from scratch. */
+static void load_checkpoint(run_state* run) {
+    const tg_flags* o = &run->o;
+    const mt_config* c = &o->cfg;
+    mt_error err;
+    run->iteration = run->consumed = run->consumed_valid = 0;
+    if (o->load) {
         char tracker[4096];
-        snprintf(tracker, sizeof(tracker), "%s/latest_checkpointed_iteration.txt", o.load);
+        snprintf(tracker, sizeof(tracker), "%s/latest_checkpointed_iteration.txt", o->load);
         if (access(tracker, R_OK) == 0) {
             /* --no-load-optim / --finetune: the weights only; --finetune also starts at iteration 0 */
             double load_start = now_seconds();
-            mt_trainer_set_no_verify_checkpoint(t, o.no_verify_checkpoint);
-            mt_status st = o.no_load_optim || o.finetune
-                               ? mt_trainer_load_weights(t, o.load, -1, &iteration, &consumed, &err)
-                               : mt_trainer_load(t, o.load, -1, &iteration, &consumed, &err);
+            mt_trainer_set_no_verify_checkpoint(run->t, o->no_verify_checkpoint);
+            mt_status st = o->no_load_optim || o->finetune
+                               ? mt_trainer_load_weights(run->t, o->load, -1, &run->iteration, &run->consumed, &err)
+                               : mt_trainer_load(run->t, o->load, -1, &run->iteration, &run->consumed, &err);
             if (st != MT_OK) die(1, "%s", err.message);
             /* the integrity rule's word (rank 0): an older iteration read instead of a refused one, a
              * checkpoint from before manifests, or one read under --no-verify-checkpoint */
-            if (mt_trainer_load_warning(t)[0]) fprintf(stderr, "warning: %s\n", mt_trainer_load_warning(t));
-            printf("loaded checkpoint from %s at iteration %lld (%lld samples consumed) in %.1f ms%s\n", o.load,
-                   (long long)iteration, (long long)consumed, 1e3 * (now_seconds() - load_start),
-                   o.finetune ? ": weights only, starting at iteration 0 (--finetune)"
-                   : o.no_load_optim ? ": weights only (--no-load-optim)" : "");
-            if (o.finetune) iteration = consumed = 0;
-            if (o.finetune && mt_trainer_set_iteration(t, 0, &err) != MT_OK) die(1, "%s", err.message);
+            if (mt_trainer_load_warning(run->t)[0]) fprintf(stderr, "warning: %s\n", mt_trainer_load_warning(run->t));
+            printf("loaded checkpoint from %s at iteration %lld (%lld samples consumed) in %.1f ms%s\n", o->load,
+                   (long long)run->iteration, (long long)run->consumed, 1e3 * (now_seconds() - load_start),
+                   o->finetune ? ": weights only, starting at iteration 0 (--finetune)"
+                   : o->no_load_optim ? ": weights only (--no-load-optim)" : "");
+            if (o->finetune) run->iteration = run->consumed = 0;
+            if (o->finetune && mt_trainer_set_iteration(run->t, 0, &err) != MT_OK) die(1, "%s", err.message);
             /* the checkpoint's counters are range-checked (>= 0); those of a run past this one's end clamp
              * to it, so the products below stay within the sample counts checked above */
-            if (consumed > num_samples[MT_SPLIT_TRAIN] && iteration < c->train_iters)
-                die(1, "%s: %lld samples consumed, but this run trains on %lld", o.load, (long long)consumed,
-                    (long long)num_samples[MT_SPLIT_TRAIN]);
-            int64_t evaluated = iteration < c->train_iters ? iteration : c->train_iters;
-            if (o.eval_interval > 0) consumed_valid = (evaluated / o.eval_interval) * o.eval_iters * c->global_batch_size;
+            if (run->consumed > run->num_samples[MT_SPLIT_TRAIN] && run->iteration < c->train_iters)
+                die(1, "%s: %lld samples consumed, but this run trains on %lld", o->load, (long long)run->consumed,
+                    (long long)run->num_samples[MT_SPLIT_TRAIN]);
+            int64_t evaluated = run->iteration < c->train_iters ? run->iteration : c->train_iters;
+            if (o->eval_interval > 0)
+                run->consumed_valid = (evaluated / o->eval_interval) * o->eval_iters * c->global_batch_size;
         } else {
-            printf("no checkpoint found in %s: %s\n", o.load,
-                   o.skip_train ? "evaluating the initial weights" : "training from scratch");
+            printf("no checkpoint found in %s: %s\n", o->load,
+                   o->skip_train ? "evaluating the initial weights" : "training from scratch");
         }
     }
-    if (o.skip_train) consumed_valid = 0; /* Megatron evaluates from the split's first sample */
-    mt_tb_writer* tb = tensorboard_open(&o, argc, argv, iteration);
+    if (o->skip_train) run->consumed_valid = 0; /* Megatron evaluates from the split's first sample */
+}
 
-    double peak = o.peak_tflops > 0 ? o.peak_tflops : mt_device_peak_tflops(c->precision);
+/* The log line's tallies since the last one, and the steps refused for NaN in a row. */
+typedef struct {
+    double loss, time;    /* summed: the steps' losses (those not skipped) and their seconds */
+    int steps, skipped, nan;
+    int nan_in_a_row;
+} train_tally;
+
+/* One training step on this iteration's global batch of `micro` micro-batches (`batch` samples):
+ * the batch, the profiler's window, the step (a NaN step skipped or the end of the run), the
+ * counters and the tallies. */
+static void train_step(run_state* run, train_tally* tally, int micro, int batch, mt_step_result* r) {
+    const tg_flags* o = &run->o;
+    const mt_config* c = &o->cfg;
+    mt_error err;
+    fetch_batch(run->data, MT_SPLIT_TRAIN, run->consumed, micro, c, run->tokens);
+    if (o->profile && run->rank == 0 && run->iteration == o->profile_step_start && mt_device_profiler(1, &err) != MT_OK)
+        die(1, "--profile: %s", err.message);
+    double t0 = now_seconds();
+    mt_status st = mt_trainer_train_step_n(run->t, run->tokens, micro, r, &err);
+    if (st == MT_ERR_NAN) { /* refused before the optimizer (every rank alike): skipped, or the run stops */
+        if (++tally->nan_in_a_row >= o->max_nan_in_a_row)
+            die(1, "iteration %lld: %s; %d such step%s in a row (--max-consecutive-nan-iterations %lld)",
+                (long long)run->iteration + 1, err.message, tally->nan_in_a_row, tally->nan_in_a_row == 1 ? "" : "s",
+                (long long)o->max_nan_in_a_row);
+        if (run->log_line_out) {
+            fprintf(run->log_line_out, "iteration %lld skipped: %s; %d in a row (--max-consecutive-nan-iterations %lld)\n",
+                    (long long)run->iteration + 1, err.message, tally->nan_in_a_row, (long long)o->max_nan_in_a_row);
+            fflush(run->log_line_out);
+        }
+        r->skipped = r->nan = 1;
+    } else if (st != MT_OK) {
+        die(1, "iteration %lld: %s", (long long)run->iteration + 1, err.message);
+    } else {
+        tally->nan_in_a_row = 0;
+    }
+    tally->time += now_seconds() - t0;
+    run->iteration++;
+    run->consumed += batch;
+    if (o->async_save) save_poll(run->t, &run->saver, 0);
+    if (o->profile && run->rank == 0 && run->iteration == o->profile_step_end && mt_device_profiler(0, &err) != MT_OK)
+        die(1, "--profile: %s", err.message);
+    if (r->skipped) tally->skipped++;
+    else tally->loss += r->lm_loss;
+    if (r->nan) tally->nan++;
+    tally->steps++;
+}
+
+/* Megatron's iteration log line over the tallies since the last one (then reset), and its
+ * TensorBoard timers. */
+static void print_log_line(run_state* run, train_tally* tally, const mt_step_result* r, int batch) {
+    const tg_flags* o = &run->o;
+    const mt_config* c = &o->cfg;
+    double ms = 1000.0 * tally->time / tally->steps;
+    double tflops = mt_flops_per_iteration(c, batch) / (ms / 1000.0) / 1e12 / c->world_size;
+    int good = tally->steps - tally->skipped;
+    char ts[64], throughput[128] = "", mfu[64] = "", decoupled[96] = "", zeros[64] = "", pnorm[64] = "";
+    if (c->decoupled_lr >= 0) /* Megatron's field, after the learning rate */
+        snprintf(decoupled, sizeof(decoupled), " decoupled learning rate: %.6E |", r->next_decoupled_learning_rate);
+    timestamp(ts, sizeof(ts));
+    /* Megatron's fields after the grad norm, this iteration's values, only when computed */
+    if (r->num_zeros_in_grad >= 0)
+        snprintf(zeros, sizeof(zeros), " num zeros: %lld |", (long long)r->num_zeros_in_grad);
+    if (r->params_norm >= 0) snprintf(pnorm, sizeof(pnorm), " params norm: %.3f |", r->params_norm);
+    if (o->log_throughput) { /* Megatron prints the field only with --log-throughput; MFU is this build's */
+        snprintf(throughput, sizeof(throughput), " throughput per GPU (TFLOP/s/GPU): %.1f |", tflops);
+        snprintf(mfu, sizeof(mfu), " MFU: %.1f%% |", run->peak_tflops > 0 ? 100.0 * tflops / run->peak_tflops : 0.0);
+    }
+    if (run->log_line_out) {
+        fprintf(run->log_line_out,
+                " [%s] iteration %8lld/%8lld | consumed samples: %12lld | elapsed time per iteration (ms): %.1f |%s"
+                " learning rate: %.6E |%s global batch size: %5d | lm loss: %.6E | loss scale: %.1f | grad norm: "
+                "%.3f |%s%s number of skipped iterations: %3d | number of nan iterations: %3d |%s\n",
+                ts, (long long)run->iteration, (long long)c->train_iters, (long long)run->consumed, ms, throughput,
+                r->next_learning_rate, decoupled, batch, good ? tally->loss / good : 0.0, r->loss_scale, r->grad_norm,
+                zeros, pnorm, tally->skipped, tally->nan, mfu);
+        fflush(run->log_line_out);
+    }
+    if (run->tb) tensorboard_log_line(run->tb, o, run->iteration, ms / 1000.0, tflops);
+    tally->loss = tally->time = 0.0;
+    tally->steps = tally->skipped = tally->nan = 0;
+}
+
+/* The validation loss every --eval-interval iterations (Megatron's validation iterator carries on
+ * across evaluations; --full-validation: the whole split each time). */
+static void validate_during_training(run_state* run) {
+    const tg_flags* o = &run->o;
+    const mt_config* c = &o->cfg;
+    char prefix[64];
+    snprintf(prefix, sizeof(prefix), "iteration %lld", (long long)run->iteration);
+    double loss = o->full_validation ? evaluate_full(run->t, run->data, MT_SPLIT_VALID, c, run->tokens)
+                                     : evaluate(run->t, run->data, MT_SPLIT_VALID, &run->consumed_valid, o->eval_iters,
+                                                c, run->tokens, 0);
+    print_validation(prefix, loss);
+    if (run->tb) tensorboard_evaluation(run->tb, o, "validation", loss, run->iteration, run->consumed);
+}
+
+/* The training loop: a step, its TensorBoard scalars, the log line, validation, checkpoints, and
+ * Megatron's exit conditions, until --train-iters (or one of them) ends it. */
+static void train(run_state* run) {
+    const tg_flags* o = &run->o;
+    const mt_config* c = &o->cfg;
+    run->peak_tflops = o->peak_tflops > 0 ? o->peak_tflops : mt_device_peak_tflops(c->precision);
     size_t rank_samples = (size_t)max_micro_batches(c) * c->micro_batch_size; /* this rank's largest share */
-    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * rank_samples * (c->seq_length + 1));
-    if (!tokens) die(1, "cannot allocate the batch");
-    double interval_loss = 0.0, interval_time = 0.0;
-    int interval_steps = 0, interval_skipped = 0, interval_nan = 0, nan_in_a_row = 0;
+    run->tokens = (int32_t*)malloc(sizeof(int32_t) * rank_samples * (c->seq_length + 1));
+    if (!run->tokens) die(1, "cannot allocate the batch");
+    train_tally tally;
+    memset(&tally, 0, sizeof(tally));
     double t_start = now_seconds();
     /* the iteration of the last save (a resumed iteration on the --save-interval grid is on disk) */
-    int64_t saved_at = o.save_interval > 0 && iteration > 0 && iteration % o.save_interval == 0 ? iteration : -1;
-    char why_buf[128];
-    const char* why = NULL; /* why the run stopped early (Megatron's exit conditions) */
-    checkpoint_saver saver = {o.save, o.async_save, o.save_retain_interval, rank, -1};
-    if (o.exit_signal_handler) install_exit_signal_handler();
-    if (o.skip_train) printf("skipping training (--skip-train is on) ...\n");
-    while (!o.skip_train && iteration < c->train_iters) {
+    const int64_t resumed = run->iteration;
+    run->saved_at = o->save_interval > 0 && resumed > 0 && resumed % o->save_interval == 0 ? resumed : -1;
+    run->why = NULL;
+    run->saver = (checkpoint_saver){o->save, o->async_save, o->save_retain_interval, run->rank, -1};
+    if (o->exit_signal_handler) install_exit_signal_handler();
+    if (o->skip_train) printf("skipping training (--skip-train is on) ...\n");
+    while (!o->skip_train && run->iteration < c->train_iters) {
         /* this iteration's global batch (a --rampup-batch-size / --step-batch-size-schedule grows it) */
-        int micro = mt_num_micro_batches_at(c, consumed);
+        int micro = mt_num_micro_batches_at(c, run->consumed);
         int batch = micro * c->micro_batch_size * c->data_parallel_size;
-        fetch_batch(data, MT_SPLIT_TRAIN, consumed, micro, c, tokens);
-        if (o.profile && rank == 0 && iteration == o.profile_step_start && mt_device_profiler(1, &err) != MT_OK)
-            die(1, "--profile: %s", err.message);
-        double t0 = now_seconds();
         mt_step_result r;
-        mt_status st = mt_trainer_train_step_n(t, tokens, micro, &r, &err);
-        if (st == MT_ERR_NAN) { /* refused before the optimizer (every rank alike): skipped, or the run stops */
-            if (++nan_in_a_row >= o.max_nan_in_a_row)
-                die(1, "iteration %lld: %s; %d such step%s in a row (--max-consecutive-nan-iterations %lld)",
-                    (long long)iteration + 1, err.message, nan_in_a_row, nan_in_a_row == 1 ? "" : "s",
-                    (long long)o.max_nan_in_a_row);
-            if (log_line_out) {
-                fprintf(log_line_out, "iteration %lld skipped: %s; %d in a row (--max-consecutive-nan-iterations %lld)\n",
-                        (long long)iteration + 1, err.message, nan_in_a_row, (long long)o.max_nan_in_a_row);
-                fflush(log_line_out);
-            }
-            r.skipped = r.nan = 1;
-        } else if (st != MT_OK) {
-            die(1, "iteration %lld: %s", (long long)iteration + 1, err.message);
-        } else {
-            nan_in_a_row = 0;
-        }
-        interval_time += now_seconds() - t0;
-        iteration++;
-        consumed += batch;
-        if (o.async_save) save_poll(t, &saver, 0);
-        if (o.profile && rank == 0 && iteration == o.profile_step_end && mt_device_profiler(0, &err) != MT_OK)
-            die(1, "--profile: %s", err.message);
-        if (r.skipped) interval_skipped++;
-        else interval_loss += r.lm_loss;
-        if (r.nan) interval_nan++;
-        interval_steps++;
-        if (tb && iteration % o.tensorboard_log_interval == 0) tensorboard_iteration(tb, &o, t, &r, iteration, consumed, batch);
-
-        if (iteration % o.log_interval == 0 || iteration == c->train_iters) {
-            double ms = 1000.0 * interval_time / interval_steps;
-            double tflops = mt_flops_per_iteration(c, batch) / (ms / 1000.0) / 1e12 / c->world_size;
-            int good = interval_steps - interval_skipped;
-            char ts[64], throughput[128] = "", mfu[64] = "", decoupled[96] = "", zeros[64] = "", pnorm[64] = "";
-            if (c->decoupled_lr >= 0) /* Megatron's field, after the learning rate */
-                snprintf(decoupled, sizeof(decoupled), " decoupled learning rate: %.6E |", r.next_decoupled_learning_rate);
-            timestamp(ts, sizeof(ts));
-            /* Megatron's fields after the grad norm, this iteration's values, only when computed */
-            if (r.num_zeros_in_grad >= 0)
-                snprintf(zeros, sizeof(zeros), " num zeros: %lld |", (long long)r.num_zeros_in_grad);
-            if (r.params_norm >= 0) snprintf(pnorm, sizeof(pnorm), " params norm: %.3f |", r.params_norm);
-            if (o.log_throughput) { /* Megatron prints the field only with --log-throughput; MFU is this build's */
-                snprintf(throughput, sizeof(throughput), " throughput per GPU (TFLOP/s/GPU): %.1f |", tflops);
-                snprintf(mfu, sizeof(mfu), " MFU: %.1f%% |", peak > 0 ? 100.0 * tflops / peak : 0.0);
-            }
-            if (log_line_out) {
-                fprintf(log_line_out,
-                        " [%s] iteration %8lld/%8lld | consumed samples: %12lld | elapsed time per iteration (ms): %.1f |%s"
-                        " learning rate: %.6E |%s global batch size: %5d | lm loss: %.6E | loss scale: %.1f | grad norm: "
-                        "%.3f |%s%s number of skipped iterations: %3d | number of nan iterations: %3d |%s\n",
-                        ts, (long long)iteration, (long long)c->train_iters, (long long)consumed, ms, throughput,
-                        r.next_learning_rate, decoupled, batch, good ? interval_loss / good : 0.0, r.loss_scale, r.grad_norm,
-                        zeros, pnorm, interval_skipped, interval_nan, mfu);
-                fflush(log_line_out);
-            }
-            if (tb) tensorboard_log_line(tb, &o, iteration, ms / 1000.0, tflops);
-            interval_loss = interval_time = 0.0;
-            interval_steps = interval_skipped = interval_nan = 0;
-        }
-        if (o.eval_interval > 0 && iteration % o.eval_interval == 0 && (o.eval_iters > 0 || o.full_validation) &&
-            split_samples(data, MT_SPLIT_VALID) > 0) {
-            char prefix[64];
-            snprintf(prefix, sizeof(prefix), "iteration %lld", (long long)iteration);
-            double loss = o.full_validation ? evaluate_full(t, data, MT_SPLIT_VALID, c, tokens)
-                                            : evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens, 0);
-            print_validation(prefix, loss);
-            if (tb) tensorboard_evaluation(tb, &o, "validation", loss, iteration, consumed);
-        }
-        if (o.save && o.save_interval > 0 && iteration % o.save_interval == 0)
-            saved_at = save_checkpoint(t, &saver, iteration, consumed);
+        train_step(run, &tally, micro, batch, &r);
+        if (run->tb && run->iteration % o->tensorboard_log_interval == 0)
+            tensorboard_iteration(run->tb, o, run->t, &r, run->iteration, run->consumed, batch);
+        if (run->iteration % o->log_interval == 0 || run->iteration == c->train_iters)
+            print_log_line(run, &tally, &r, batch);
+        if (o->eval_interval > 0 && run->iteration % o->eval_interval == 0 && (o->eval_iters > 0 || o->full_validation) &&
+            split_samples(run->data, MT_SPLIT_VALID) > 0)
+            validate_during_training(run);
+        if (o->save && o->save_interval > 0 && run->iteration % o->save_interval == 0)
+            run->saved_at = save_checkpoint(run->t, &run->saver, run->iteration, run->consumed);
         /* Megatron's exit conditions: save (unless just saved) and stop, without the final evaluations */
-        if ((why = exit_reason(&o, iteration, t_launch, why_buf, sizeof(why_buf))) != NULL) {
-            if (o.save && saved_at != iteration) saved_at = save_checkpoint(t, &saver, iteration, consumed);
-            printf("exiting program %s\n", why);
+        if ((run->why = exit_reason(o, run->iteration, run->t_launch, run->why_buf, sizeof(run->why_buf))) != NULL) {
+            if (o->save && run->saved_at != run->iteration)
+                run->saved_at = save_checkpoint(run->t, &run->saver, run->iteration, run->consumed);
+            printf("exiting program %s\n", run->why);
             break;
         }
     }
-    if (!why) { /* an exit condition stops as Megatron does: a checkpoint, no final evaluation, no sample */
-        if (!o.skip_train) {
-            printf("training took %.1f s\n", now_seconds() - t_start);
-            print_memory_in_use(t, iteration); /* the plan against the device once training has run */
-        }
-        /* as Megatron: validation and test losses at the end of training, or instead of it with
-         * --skip-train (then nothing goes to TensorBoard, as in Megatron) */
-        mt_tb_writer* final_tb = o.skip_train ? NULL : tb;
-        char prefix[96];
-        int validate = o.full_validation ? split_samples(data, MT_SPLIT_VALID) > 0
-                                         : o.eval_iters > 0 && split_samples(data, MT_SPLIT_VALID) >=
-                                                                   consumed_valid + o.eval_iters * c->global_batch_size;
-        if (validate) {
-            double loss = o.full_validation ? evaluate_full(t, data, MT_SPLIT_VALID, c, tokens)
-                                            : evaluate(t, data, MT_SPLIT_VALID, &consumed_valid, o.eval_iters, c, tokens, 1);
-            snprintf(prefix, sizeof(prefix), "iteration %lld on validation set", (long long)iteration);
-            print_validation(prefix, loss);
-            if (final_tb) tensorboard_evaluation(final_tb, &o, "validation", loss, iteration, consumed);
-        }
-        if (o.eval_iters > 0 && split_samples(data, MT_SPLIT_TEST) >= o.eval_iters * c->global_batch_size) {
-            int64_t consumed_test = 0;
-            double loss = evaluate(t, data, MT_SPLIT_TEST, &consumed_test, o.eval_iters, c, tokens, 1);
-            snprintf(prefix, sizeof(prefix), "iteration %lld on test set", (long long)iteration);
-            print_validation(prefix, loss);
-            if (final_tb) tensorboard_evaluation(final_tb, &o, "test", loss, iteration, consumed);
-        }
+    if (!run->why && !o->skip_train) {
+        printf("training took %.1f s\n", now_seconds() - t_start);
+        print_memory_in_use(run->t, run->iteration); /* the plan against the device once training has run */
     }
-    if (tb && mt_tb_close(tb, &err) != MT_OK) die(1, "%s", err.message);
-    if (o.save && !o.skip_train && saved_at != iteration) save_checkpoint(t, &saver, iteration, consumed);
-    if (o.async_save) save_poll(t, &saver, 1); /* a save still in flight completes before the run ends */
-    if (why) {
+}
+
+/* as Megatron: validation and test losses at the end of training, or instead of it with
+ * --skip-train (then nothing goes to TensorBoard, as in Megatron) */
+static void evaluate_at_end(run_state* run) {
+    const tg_flags* o = &run->o;
+    const mt_config* c = &o->cfg;
+    mt_tb_writer* final_tb = o->skip_train ? NULL : run->tb;
+    char prefix[96];
+    int validate = o->full_validation ? split_samples(run->data, MT_SPLIT_VALID) > 0
+                                      : o->eval_iters > 0 && split_samples(run->data, MT_SPLIT_VALID) >=
+                                                                 run->consumed_valid + o->eval_iters * c->global_batch_size;
+    if (validate) {
+        double loss = o->full_validation ? evaluate_full(run->t, run->data, MT_SPLIT_VALID, c, run->tokens)
+                                         : evaluate(run->t, run->data, MT_SPLIT_VALID, &run->consumed_valid,
+                                                    o->eval_iters, c, run->tokens, 1);
+        snprintf(prefix, sizeof(prefix), "iteration %lld on validation set", (long long)run->iteration);
+        print_validation(prefix, loss);
+        if (final_tb) tensorboard_evaluation(final_tb, o, "validation", loss, run->iteration, run->consumed);
+    }
+    if (o->eval_iters > 0 && split_samples(run->data, MT_SPLIT_TEST) >= o->eval_iters * c->global_batch_size) {
+        int64_t consumed_test = 0;
+        double loss = evaluate(run->t, run->data, MT_SPLIT_TEST, &consumed_test, o->eval_iters, c, run->tokens, 1);
+        snprintf(prefix, sizeof(prefix), "iteration %lld on test set", (long long)run->iteration);
+        print_validation(prefix, loss);
+        if (final_tb) tensorboard_evaluation(final_tb, o, "test", loss, run->iteration, run->consumed);
+    }
+}
+
+/* The end of a run: the events closed, the last checkpoint (a save in flight committed first), and
+ * the text sample unless an exit condition stopped the run. */
+static void finish_run(run_state* run) {
+    const tg_flags* o = &run->o;
+    const mt_config* c = &o->cfg;
+    mt_error err;
+    if (run->tb && mt_tb_close(run->tb, &err) != MT_OK) die(1, "%s", err.message);
+    if (o->save && !o->skip_train && run->saved_at != run->iteration)
+        save_checkpoint(run->t, &run->saver, run->iteration, run->consumed);
+    if (o->async_save) save_poll(run->t, &run->saver, 1); /* a save still in flight completes before the run ends */
+    if (run->why) {
         /* Megatron's exit conditions end the run without a sample */
-    } else if (c->pipeline_model_parallel_size > 1 && o.sample_tokens > 0)
+    } else if (c->pipeline_model_parallel_size > 1 && o->sample_tokens > 0)
         printf("sample: skipped (generation needs the whole model on one stage: --pipeline-model-parallel-size 1)\n");
     else /* every rank samples (the same tokens: same seed; with tensor parallelism the forward needs the
           * whole TP group); only rank 0's stdout is open */
-        print_sample(t, tok, c, o.sample_tokens, c->seed);
+        print_sample(run->t, run->tok, c, o->sample_tokens, c->seed);
+}
 
-    free(tokens);
-    mt_trainer_free(t);
-    if (data) mt_gpt_data_close(data);
-    if (tok) mt_tokenizer_free(tok);
+/* Everything the run holds released (what a --plan run never made is NULL), then MPI's end. */
+static void shut_down(run_state* run) {
+    free(run->tokens);
+    if (run->t) mt_trainer_free(run->t);
+    if (run->data) mt_gpt_data_close(run->data);
+    if (run->tok) mt_tokenizer_free(run->tok);
 #ifdef MT_USE_MPI
     MPI_Finalize();
 #endif
+}
+
+/* ---- main ------------------------------------------------------------------------------------- */
+
+int main(int argc, char** argv) {
+    run_state run;
+    memset(&run, 0, sizeof(run));
+    run.t_launch = now_seconds(); /* --exit-duration-in-mins counts from here, as Megatron from its start */
+    launch(&run, &argc, &argv);
+    read_flags(&run, argc, argv);
+    finish_config(&run);
+    open_log_line(&run);
+    note_grad_bf16(&run);
+    if (run.planning) { /* --plan, --plan-layouts: no GPU, no data */
+        int status = run_plan(&run.o, &run.o.cfg, run.sequence_parallel, run.global_batch);
+        shut_down(&run);
+        return status;
+    }
+    count_samples(&run);
+    check_gpu();
+    open_data(&run);
+    create_trainer(&run);
+    load_checkpoint(&run);
+    run.tb = tensorboard_open(&run.o, argc, argv, run.iteration);
+    train(&run);
+    if (!run.why) evaluate_at_end(&run); /* an exit condition stops as Megatron does: no final evaluation */
+    finish_run(&run);
+    shut_down(&run);
     return 0;
 }

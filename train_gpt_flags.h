@@ -14,7 +14,7 @@
  * A flag not in the table is unknown. `--flag=value` works wherever argparse accepts it.
  *
  * Adding a flag is one row in tg_flag_table (plus a field in tg_flags and, for an implemented
- * flag, its use in tg_flags_apply). Included by train_gpt.c and by tests/test_flags.h; no exits,
+ * flag, its use in the tg_apply_* step of tg_flags_apply it belongs to). Included by train_gpt.c and by tests/test_flags.h; no exits,
  * no printing besides tg_flags_help: errors come back as text.
  */
 #ifndef TRAIN_GPT_FLAGS_H
@@ -836,6 +836,19 @@ static int tg_unknown_fail(const tg_unknown_flags* u, char* msg, size_t size) {
     return -1;
 }
 
+/* A list flag's values (argparse's nargs): the words after argv[i] up to the next --flag, or the one
+ * value of --flag=value (*inline_val). Returns how many; *list points at the first. */
+static int tg_list_values(int argc, char** argv, int i, const char* const* inline_val, const char* const** list) {
+    if (*inline_val) {
+        *list = inline_val;
+        return 1;
+    }
+    int end = i + 1;
+    while (end < argc && strncmp(argv[end], "--", 2) != 0) end++;
+    *list = (const char* const*)argv + i + 1;
+    return end - (i + 1);
+}
+
 /* argv -> v. Returns 0, 1 for --help, or -1 with one line in msg (a refused flag, a bad or missing
  * value: the first; unknown flags: all of them, once the rest parsed). */
 static int tg_flags_parse(tg_flags* v, int argc, char** argv, char* msg, size_t size) {
@@ -864,43 +877,37 @@ static int tg_flags_parse(tg_flags* v, int argc, char** argv, char* msg, size_t 
             continue;
         }
         if (!strcmp(a, "--data-path")) { /* a list: up to the next --flag; --data-path=P is a list of one */
-            int start = i + 1, end = start;
-            const char* const* list = (const char* const*)argv + start;
-            if (inline_val) { list = &inline_val; end = start + 1; }
-            else while (end < argc && strncmp(argv[end], "--", 2) != 0) end++;
-            if (end - start > TG_MAX_DATA_PATHS) return tg_fail(msg, size, "--data-path: at most %d entries", TG_MAX_DATA_PATHS);
+            const char* const* list;
+            const int n = tg_list_values(argc, argv, i, &inline_val, &list);
+            if (n > TG_MAX_DATA_PATHS) return tg_fail(msg, size, "--data-path: at most %d entries", TG_MAX_DATA_PATHS);
             mt_error err;
-            if (mt_data_path_parse(end - start, list, v->data_paths, v->data_weights, &v->num_data_paths, &v->weighted,
+            if (mt_data_path_parse(n, list, v->data_paths, v->data_weights, &v->num_data_paths, &v->weighted,
                                    &err) != MT_OK)
                 return tg_fail(msg, size, "%s", err.message);
-            if (!inline_val) i = end - 1;
+            if (!inline_val) i += n;
             continue;
         }
         if (!strcmp(a, "--tokenizer-special-tokens")) { /* a list (argparse nargs='+'): up to the next --flag */
-            int start = i + 1, end = start;
-            const char* const* list = (const char* const*)argv + start;
-            if (inline_val) { list = &inline_val; end = start + 1; }
-            else while (end < argc && strncmp(argv[end], "--", 2) != 0) end++;
-            if (end == start) return tg_fail(msg, size, "%s needs a value", a);
-            if (v->num_special_tokens + end - start > TG_MAX_SPECIAL_TOKENS)
+            const char* const* list;
+            const int n = tg_list_values(argc, argv, i, &inline_val, &list);
+            if (n == 0) return tg_fail(msg, size, "%s needs a value", a);
+            if (v->num_special_tokens + n > TG_MAX_SPECIAL_TOKENS)
                 return tg_fail(msg, size, "%s: at most %d tokens", a, TG_MAX_SPECIAL_TOKENS);
-            for (int k = 0; k < end - start; k++) v->special_tokens[v->num_special_tokens++] = list[k];
-            if (!inline_val) i = end - 1;
+            for (int k = 0; k < n; k++) v->special_tokens[v->num_special_tokens++] = list[k];
+            if (!inline_val) i += n;
             continue;
         }
         if (!strcmp(a, "--recompute-modules")) { /* a list (argparse nargs='*'): up to the next --flag */
-            int start = i + 1, end = start;
-            const char* const* list = (const char* const*)argv + start;
-            if (inline_val) { list = &inline_val; end = start + 1; }
-            else while (end < argc && strncmp(argv[end], "--", 2) != 0) end++;
-            if (end == start) return tg_fail(msg, size, "%s needs at least one of %s", a, f->choices);
+            const char* const* list;
+            const int n = tg_list_values(argc, argv, i, &inline_val, &list);
+            if (n == 0) return tg_fail(msg, size, "%s needs at least one of %s", a, f->choices);
             static const char* const modules[] = {"core_attn", "layernorm", "act", "mlp"};
-            for (int k = 0; k < end - start; k++) {
+            for (int k = 0; k < n; k++) {
                 const int m = tg_lookup(list[k], modules, 4);
                 if (m < 0) return tg_fail(msg, size, "%s %s: expected one of %s", a, list[k], f->choices);
                 v->recompute_modules |= 1 << m; /* MT_RECOMPUTE_CORE_ATTN, _LAYERNORM, _ACT, _MLP */
             }
-            if (!inline_val) i = end - 1;
+            if (!inline_val) i += n;
             continue;
         }
         if (!strcmp(a, "--step-batch-size-schedule") && !inline_val) { /* one string, or the shell's words of it */
@@ -971,11 +978,10 @@ static void tg_builtin_defaults(tg_flags* v) {
     if (v->sample_tokens < 0) v->sample_tokens = 128;
 }
 
-/* The parsed values -> cfg and the run's options: the built-in job's defaults or Megatron's
- * (required flags), choices, combinations. 0, or -1 with one line in msg. mt_config_finalize
- * checks the rest once the vocabulary and the world are known. */
-static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
-    mt_config* c = &v->cfg;
+/* The defaults: the built-in job's (no --data-path, no --mock-data), or Megatron's, which then
+ * require the model's sizes, the micro-batch, the learning rate and the run's length; the run
+ * options' own defaults, and the flags that only go together. */
+static int tg_apply_defaults(tg_flags* v, char* msg, size_t size) {
     v->builtin = v->num_data_paths == 0 && !v->mock_data;
     if (v->builtin) {
         tg_builtin_defaults(v);
@@ -1004,8 +1010,11 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
         return tg_fail(msg, size, "--world-size and --gpu-memory-gib go with --plan or --plan-layouts (a run's world "
                        "is its processes)");
     if (v->gpu_memory_gib < 0) v->gpu_memory_gib = 80.0;
+    return 0;
+}
 
-    /* flags whose value decides whether this build can honour them */
+/* flags whose value decides whether this build can honour them */
+static int tg_apply_build_limits(tg_flags* v, char* msg, size_t size) {
     if (v->cp > 1) return tg_fail(msg, size, "--context-parallel-size %lld: context parallelism is not implemented "
                                              "(use 1)", (long long)v->cp);
     if (v->ep > 1) return tg_fail(msg, size, "--expert-model-parallel-size %lld: expert parallelism needs MoE, which "
@@ -1024,8 +1033,12 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
         tg_note_info(v, "--tiktoken-pattern", v->tiktoken_pattern); /* used by TikTokenizer only, as in Megatron */
     if (v->no_load_rng) tg_note_info(v, "--no-load-rng", NULL);
     if (v->data_cache_path && v->mock_data) tg_note_info(v, "--data-cache-path (--mock-data reads no dataset)", NULL);
+    return 0;
+}
 
-    /* FP8 (ranges and combinations are checked by mt_config_finalize) */
+/* FP8 (ranges and combinations are checked by mt_config_finalize) */
+static int tg_apply_fp8(tg_flags* v, char* msg, size_t size) {
+    mt_config* c = &v->cfg;
     if (v->fp8_format) c->fp8_format = !strcmp(v->fp8_format, "e4m3") ? MT_FP8_E4M3 : MT_FP8_HYBRID;
     if (v->fp8_recipe) {
         const char* names[] = {"delayed", "tensorwise", "blockwise"};
@@ -1042,9 +1055,13 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
     if (!v->fp8_format && (v->fp8_recipe || v->fp8_algo || v->fp8_margin != -1 || v->fp8_history != -1 ||
                            v->no_fp8_wgrad || v->first_last_bf16 || v->fp8_param_gather))
         return tg_fail(msg, size, "the --fp8-* flags need --fp8-format e4m3|hybrid");
+    return 0;
+}
 
-    /* activation recompute, with Megatron's checks (the layer count against the layers per pipeline
-     * rank: mt_config_finalize) */
+/* activation recompute, with Megatron's checks (the layer count against the layers per pipeline
+ * rank: mt_config_finalize) */
+static int tg_apply_recompute(tg_flags* v, char* msg, size_t size) {
+    mt_config* c = &v->cfg;
     mt_recompute* rc = &c->recompute;
     if (v->recompute_activations && v->recompute_granularity && strcmp(v->recompute_granularity, "selective"))
         return tg_fail(msg, size, "--recompute-activations is selective recompute: it contradicts "
@@ -1068,8 +1085,12 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
         return tg_fail(msg, size, "--recompute-modules goes with --recompute-granularity selective (or "
                        "--recompute-activations)");
     rc->modules = v->recompute_modules;
+    return 0;
+}
 
-    /* the model flavour (GPT-2 by default; Llama: RMSNorm, SwiGLU, rope, GQA, untied, no biases) */
+/* the model flavour (GPT-2 by default; Llama: RMSNorm, SwiGLU, rope, GQA, untied, no biases) */
+static int tg_apply_model(tg_flags* v, char* msg, size_t size) {
+    mt_config* c = &v->cfg;
     if (v->normalization) c->normalization = !strcmp(v->normalization, "RMSNorm") ? MT_NORM_RMSNORM : MT_NORM_LAYERNORM;
     if (v->position_type) {
         const char* names[] = {"learned_absolute", "rope", "none"};
@@ -1110,8 +1131,12 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
     if (v->min_loss_scale >= 0) c->min_loss_scale = v->min_loss_scale;
     if (v->window >= 0) c->loss_scale_window = (int)v->window;
     if (v->hysteresis >= 0) c->hysteresis = (int)v->hysteresis;
+    return 0;
+}
 
-    /* schedule and length of training */
+/* schedule and length of training */
+static int tg_apply_schedule(tg_flags* v, char* msg, size_t size) {
+    mt_config* c = &v->cfg;
     if (v->lr >= 0) c->lr = v->lr;
     if (v->min_lr >= 0) c->min_lr = v->min_lr;
     c->decoupled_lr = v->decoupled_lr; /* < 0: not given */
@@ -1163,8 +1188,12 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
     c->eod_mask_loss = v->eod_mask_loss;
     c->calculate_per_token_loss = v->per_token_loss;
     c->check_for_nan_in_loss_and_grad = !v->no_check_for_nan;
+    return 0;
+}
 
-    /* parallelism */
+/* parallelism */
+static void tg_apply_parallelism(tg_flags* v) {
+    mt_config* c = &v->cfg;
     if (v->tp >= 0) c->tensor_model_parallel_size = (int)v->tp;
     if (v->pp >= 0) c->pipeline_model_parallel_size = (int)v->pp;
     c->sequence_parallel = v->sequence_parallel;
@@ -1172,8 +1201,10 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
     c->overlap_grad_reduce = v->overlap_grad_reduce;
     c->overlap_param_gather = v->overlap_param_gather;
     if (v->ddp_bucket_size >= 0) c->ddp_bucket_size = v->ddp_bucket_size;
+}
 
-    /* exits, checkpoints, profiling */
+/* exits, checkpoints, profiling */
+static int tg_apply_exits(tg_flags* v, char* msg, size_t size) {
     if (v->finetune && v->no_load_optim) tg_note_info(v, "--no-load-optim (implied by --finetune)", NULL);
     if (v->save_retain_interval > 0 && v->save) { /* Megatron's checks, with --save */
         if (v->save_interval <= 0)
@@ -1189,6 +1220,18 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
         return tg_fail(msg, size, "--profile-step-end %lld must come after --profile-step-start %lld",
                        (long long)v->profile_step_end, (long long)v->profile_step_start);
     return 0;
+}
+
+/* The parsed values -> cfg and the run's options: the built-in job's defaults or Megatron's
+ * (required flags), choices, combinations. 0, or -1 with one line in msg. mt_config_finalize
+ * checks the rest once the vocabulary and the world are known. */
+static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
+    if (tg_apply_defaults(v, msg, size) != 0 || tg_apply_build_limits(v, msg, size) != 0 ||
+        tg_apply_fp8(v, msg, size) != 0 || tg_apply_recompute(v, msg, size) != 0 ||
+        tg_apply_model(v, msg, size) != 0 || tg_apply_schedule(v, msg, size) != 0)
+        return -1;
+    tg_apply_parallelism(v);
+    return tg_apply_exits(v, msg, size);
 }
 
 /* Whether informational flag `name` was given (it is in the startup line's list). */
