@@ -654,13 +654,9 @@ float mt_fp8_delayed_scale(const float* history, int len, int newest, mt_fp8_ama
                            int margin, float previous_scale);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* 6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout,          */
-/*    pipeline schedules, memory plan, CPU AdamW                                                   */
-/*    Where every parameter element lives: its place in the canonical order (checkpoints, test     */
-/*    vectors), the slice a tensor-parallel rank holds, the coordinates of a rank, and the offset, */
-/*    bucket and data-parallel shard of the DDP / distributed-optimizer buffer; the order of the   */
-/*    forward and backward steps of each pipeline rank, with their transfers; what every GPU of a  */
-/*    layout holds (the memory plan); and the CPU AdamW that updates an offloaded optimizer shard. */
+/* 6. Parameter tensors and tensor-parallel shards                                                 */
+/*    Where every parameter element lives: each tensor's place in the canonical order              */
+/*    (checkpoints, test vectors) and the slice of it a tensor-parallel rank holds.                */
 /* ---------------------------------------------------------------------------------------------- */
 
 /* The model's parameter tensors in canonical order (the order of checkpoints and test vectors).
@@ -732,6 +728,12 @@ static inline MT_HOST_DEVICE int64_t mt_tp_full_index(int64_t i, int64_t rows_sh
     return (o * rows_full + row0) * inner + rem;
 }
 
+/* ---------------------------------------------------------------------------------------------- */
+/* 7. Rank layout and pipeline stages (the layer split)                                            */
+/*    A rank's coordinates in Megatron's order, the layer split over pipeline ranks and their      */
+/*    model chunks (virtual stages), and which tensors a pipeline rank holds.                      */
+/* ---------------------------------------------------------------------------------------------- */
+
 /* Megatron's rank layout, order tp-cp-ep-dp-pp (cp = ep = 1 for now):
  * rank = tp + TP * (dp + DP * pp). Groups: tp contiguous, dp stride TP, pp stride TP * DP. */
 typedef struct { int tp, dp, pp; } mt_rank_coords;
@@ -766,6 +768,13 @@ void mt_pp_stage_copy(const mt_config* cfg, const mt_pp_stage* stage, float* ful
  * array, leaving the other elements of `full` alone. scratch: mt_param_layout_shard(cfg) floats. */
 void mt_pp_tp_part_to_full(const mt_config* cfg, const mt_pp_stage* stage, int tp_rank, const float* part, float* full,
                            float* scratch);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* 8. DDP buffer layout: buckets and distributed-optimizer shards                                  */
+/*    The one flat parameter/gradient buffer of a rank as Megatron's DDP lays it out: each         */
+/*    tensor's offset and bucket, each data-parallel rank's shard of a bucket, and the parameter   */
+/*    storage.                                                                                     */
+/* ---------------------------------------------------------------------------------------------- */
 
 /* The parameter/gradient buffer of Megatron's DDP (param_and_grad_buffer.py). Each (tensor, layer)
  * slice is one parameter; they are laid out in reverse model order (backprop order: final norm,
@@ -820,6 +829,12 @@ int64_t mt_buffer_storage_byte(const mt_buffer_layout* layout, int64_t element);
 /* DP rank r's shard of bucket b: [begin, end) in buffer elements (the whole bucket when dp == 1). */
 void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end);
 
+/* ---------------------------------------------------------------------------------------------- */
+/* 9. Pipeline schedules                                                                           */
+/*    The forward and backward steps of each pipeline rank in order, with their transfers, as      */
+/*    data (1F1B, interleaved 1F1B), and the activation slots a schedule holds at once.            */
+/* ---------------------------------------------------------------------------------------------- */
+
 /* Pipeline schedules (Megatron's pipeline_parallel/schedules.py), as data: the ordered list of
  * forward and backward steps one pipeline rank runs in one training step, and the point-to-point
  * transfers each step needs. M micro-batches, PP pipeline ranks, VP model chunks per rank (virtual
@@ -859,6 +874,21 @@ int mt_pp_num_warmup(int pp, int vp, int num_micro_batches, int group_size, int 
 mt_status mt_pp_schedule(int pp, int vp, int num_micro_batches, int group_size, int rank, mt_pp_op* ops,
                          int* num_warmup, mt_error* err);
 
+/* Activation slots pipeline rank `rank` needs for one training step of M micro-batches: the most
+ * (chunk, micro-batch) pairs whose forward has run and whose backward has not, over its schedule
+ * (mt_pp_schedule): 1 at PP = 1, min(PP - rank, M) for 1F1B, counted from the schedule when
+ * interleaved. mt_pp_slots_needed counts the same over any list of steps. */
+int mt_pp_slots_needed(const mt_pp_op* ops, int num_ops);
+mt_status mt_pp_activation_slots(int pp, int vp, int num_micro_batches, int group_size, int rank, int* slots,
+                                 mt_error* err);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* 10. Memory plan of any layout: arenas, recompute, optimizer pieces, --plan-layouts              */
+/*    What every GPU of a layout holds, from the config alone, before any GPU work: the            */
+/*    activation and FP8 arenas the trainer carves, recompute's kept layers, the optimizer's       */
+/*    pieces, and the layouts of a world size ranked by a cost model.                              */
+/* ---------------------------------------------------------------------------------------------- */
+
 /* The memory plan: every byte a GPU holds during training, computed on the host from the config
  * alone, before any GPU work (train_gpt --plan) and by mt_trainer_create, which allocates exactly
  * the plan's bytes and refuses a plan that does not fit the device's free memory. The device's
@@ -869,14 +899,6 @@ mt_status mt_pp_schedule(int pp, int vp, int num_micro_batches, int group_size, 
  * output layer on the last, with tied embeddings its own copy of the word embeddings) and one
  * activation slot per (chunk, micro-batch) pair its training schedule holds at once
  * (mt_pp_activation_slots). */
-
-/* Activation slots pipeline rank `rank` needs for one training step of M micro-batches: the most
- * (chunk, micro-batch) pairs whose forward has run and whose backward has not, over its schedule
- * (mt_pp_schedule): 1 at PP = 1, min(PP - rank, M) for 1F1B, counted from the schedule when
- * interleaved. mt_pp_slots_needed counts the same over any list of steps. */
-int mt_pp_slots_needed(const mt_pp_op* ops, int num_ops);
-mt_status mt_pp_activation_slots(int pp, int vp, int num_micro_batches, int group_size, int rank, int* slots,
-                                 mt_error* err);
 
 /* What the plan is asked about besides the config (the layout, VP, the micro-batch group size and
  * the recompute setting included, is the config's). */
@@ -1055,7 +1077,25 @@ typedef struct {
 mt_status mt_plan_layouts(const mt_config* cfg, const mt_plan_options* opts, int world_size,
                           mt_layout_candidate* out, int max, int* count, mt_error* err);
 
-/* ---- CPU AdamW (optimizer offload) ----------------------------------------------------------- */
+/* ---------------------------------------------------------------------------------------------- */
+/* 11. Thread pool                                                                                 */
+/*    pthread workers that run one job at a time on every thread (the CPU AdamW's).                */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* A pool of worker threads (pthreads) that runs one job at a time on every thread. */
+typedef struct mt_thread_pool mt_thread_pool;
+mt_status mt_thread_pool_create(mt_thread_pool** out, int threads, mt_error* err);
+void mt_thread_pool_free(mt_thread_pool* pool);
+int mt_thread_pool_size(const mt_thread_pool* pool);
+/* Runs fn(arg, worker, workers) on every worker (the caller is worker 0) and returns when all are done. */
+void mt_thread_pool_run(mt_thread_pool* pool, void (*fn)(void* arg, int worker, int workers), void* arg);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* 12. CPU AdamW (optimizer offload)                                                               */
+/*    The GPU AdamW on the host, bit for bit, for the part of the optimizer that                   */
+/*    --optimizer-cpu-offload keeps in host memory, split over the thread pool.                    */
+/* ---------------------------------------------------------------------------------------------- */
+
 /* The GPU AdamW of megatron.cu section 11 on the host, operation for operation in the same order
  * with the same fused multiply-adds, so each element's m, v and master are bit-for-bit the GPU's
  * (IEEE fp32 division and square root on both; no flush to zero): per element, g = grad * grad_scale,
@@ -1073,14 +1113,6 @@ void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* m
 /* The same per element, one element at a time in plain C: the reference the tests hold mt_adamw_cpu to. */
 void mt_adamw_cpu_scalar(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
                          int64_t n);
-
-/* A pool of worker threads (pthreads) that runs one job at a time on every thread. */
-typedef struct mt_thread_pool mt_thread_pool;
-mt_status mt_thread_pool_create(mt_thread_pool** out, int threads, mt_error* err);
-void mt_thread_pool_free(mt_thread_pool* pool);
-int mt_thread_pool_size(const mt_thread_pool* pool);
-/* Runs fn(arg, worker, workers) on every worker (the caller is worker 0) and returns when all are done. */
-void mt_thread_pool_run(mt_thread_pool* pool, void (*fn)(void* arg, int worker, int workers), void* arg);
 
 /* A run of elements of one weight-decay class in arrays laid out alike (grad, master, m, v). */
 typedef struct {
@@ -4035,8 +4067,7 @@ double mt_flops_per_iteration(const mt_config* c, int64_t batch) {
 
 int64_t mt_num_parameters(const mt_config* c) { return mt_param_layout(c, NULL); }
 
-/* 6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout,
- *    pipeline schedules, memory plan, CPU AdamW ---------------------------------------------- */
+/* 6. Parameter tensors and tensor-parallel shards ---------------------------------------------- */
 
 /* The layout at a tensor-parallel size of tp (1: the full model). Each tensor is given per layer as
  * [outer, rows, inner] with the rows cut over TP when split (see mt_param_info). */
@@ -4126,6 +4157,8 @@ void mt_tp_shard_copy(const mt_config* c, int tp_rank, float* full, float* shard
     }
 }
 
+/* 7. Rank layout and pipeline stages (the layer split) ----------------------------------------- */
+
 mt_rank_coords mt_rank_coordinates(const mt_config* c, int rank) {
     mt_rank_coords r;
     int tp = c->tensor_model_parallel_size, dp = c->data_parallel_size;
@@ -4180,6 +4213,86 @@ void mt_pp_tp_part_to_full(const mt_config* c, const mt_pp_stage* st, int tp_ran
     mt_pp_stage_copy(c, st, scratch, (float*)part, 0); /* this stage's, from part */
     mt_tp_shard_copy(c, tp_rank, full, scratch, 0);
 }
+
+/* Layers of virtual stage v (of PP * VP) under cfg's split; -1 when the split is impossible. */
+static int mt__pp_stage_layers(const mt_config* c, int v) {
+    int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
+    int L = c->num_layers;
+    int stages = pp * vp;
+    int first = c->decoder_first_pipeline_num_layers, last = c->decoder_last_pipeline_num_layers;
+    if (first >= 0 || last >= 0) { /* uneven (VP = 1): the middle stages share what is left evenly */
+        int middle = pp - (first >= 0) - (last >= 0);
+        int64_t rest = (int64_t)L - (first > 0 ? first : 0) - (last > 0 ? last : 0); /* flags up to 2^31 - 1 */
+        if (v == 0 && first >= 0) return first;
+        if (v == pp - 1 && last >= 0) return last;
+        if (middle <= 0 || rest < 0 || rest % middle || rest / middle == 0) return -1; /* no empty middle stage */
+        return (int)(rest / middle);
+    }
+    int e = c->account_for_embedding_in_pipeline_split != 0, l = c->account_for_loss_in_pipeline_split != 0;
+    int total = L + e + l;
+    if (total % stages) return -1;
+    int per = total / stages;
+    return per - (v == 0 ? e : 0) - (v == stages - 1 ? l : 0);
+}
+
+mt_status mt_pp_stage_of(const mt_config* c, int pp_rank, mt_pp_stage* out, mt_error* err) {
+    int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
+    int L = c->num_layers;
+    if (pp < 1 || vp < 1 || vp > MT_PP_MAX_CHUNKS || (vp > 1 && pp == 1))
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d virtual stages per rank over %d stages (virtual stages need "
+                       "--pipeline-model-parallel-size > 1 and at most %d per rank)", vp, pp, MT_PP_MAX_CHUNKS);
+    if (pp_rank < 0 || pp_rank >= pp)
+        return mt_fail(err, MT_ERR_RANGE, "pipeline rank %d outside [0, %d)", pp_rank, pp);
+    if ((int64_t)pp * vp > (int64_t)L + 2) /* every virtual stage but the first and last builds a layer */
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d stages x %d virtual stages exceed the %d layers", pp, vp, L);
+    /* an uneven split with virtual stages is not built (mt_config_check_supported refuses it; here its
+     * stages would not add up to the layers, refused below) */
+    int uneven = c->decoder_first_pipeline_num_layers >= 0 || c->decoder_last_pipeline_num_layers >= 0;
+    if (uneven && (c->account_for_embedding_in_pipeline_split || c->account_for_loss_in_pipeline_split))
+        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-"
+                       "split are exclusive (as in Megatron)");
+    if (uneven && pp == 1)
+        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers need "
+                       "--pipeline-model-parallel-size > 1 (with one stage they would change the model)");
+    int stages = pp * vp, first = 0, sum = 0;
+    if (out) memset(out, 0, sizeof(*out));
+    for (int v = 0; v < stages; v++) {
+        int n = mt__pp_stage_layers(c, v);
+        if (n < 0)
+            return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d layers%s do not split evenly over %d %sstages", L,
+                           uneven ? " (less the first/last stage's)" : "", uneven ? pp - (c->decoder_first_pipeline_num_layers >= 0) -
+                           (c->decoder_last_pipeline_num_layers >= 0) : stages, vp > 1 ? "virtual " : "");
+        if (out && v % pp == pp_rank) {
+            out->first_layer[v / pp] = first;
+            out->num_layers[v / pp] = n;
+        }
+        first += n;
+        sum += n;
+    }
+    if (sum != L)
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline: the stages' layers add up to %d, not --num-layers %d", sum, L);
+    if (out) {
+        out->num_chunks = vp;
+        out->embedding = pp_rank == 0;
+        out->head = pp_rank == pp - 1;
+    }
+    return MT_OK;
+}
+
+int mt_pp_holds(const mt_pp_stage* st, int tensor, int layer) {
+    switch (tensor) {
+        case MT_P_WORD_EMBEDDINGS: return st->embedding || st->head; /* the head's copy only while tied */
+        case MT_P_POSITION_EMBEDDINGS: return st->embedding;
+        case MT_P_FINAL_LN_WEIGHT: case MT_P_FINAL_LN_BIAS: case MT_P_OUTPUT_WEIGHT: return st->head;
+        default:
+            for (int c = 0; c < st->num_chunks; c++)
+                if (layer >= st->first_layer[c] && layer < st->first_layer[c] + st->num_layers[c]) return 1;
+            return 0;
+    }
+}
+
+/* 8. DDP buffer layout: buckets and distributed-optimizer shards ------------------------------- */
+
 static int64_t mt__round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int64_t mt__gcd(int64_t a, int64_t b) { while (b) { int64_t t = a % b; a = b; b = t; } return a; }
 
@@ -4351,7 +4464,7 @@ void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_
     *end = *begin + shard;
 }
 
-/* Pipeline schedules */
+/* 9. Pipeline schedules ------------------------------------------------------------------------ */
 
 static int mt__pp_group(int pp, int vp, int m, int group_size) {
     (void)m;
@@ -4461,84 +4574,7 @@ mt_status mt_pp_activation_slots(int pp, int vp, int m, int group_size, int rank
     return MT_OK;
 }
 
-/* Layers of virtual stage v (of PP * VP) under cfg's split; -1 when the split is impossible. */
-static int mt__pp_stage_layers(const mt_config* c, int v) {
-    int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
-    int L = c->num_layers;
-    int stages = pp * vp;
-    int first = c->decoder_first_pipeline_num_layers, last = c->decoder_last_pipeline_num_layers;
-    if (first >= 0 || last >= 0) { /* uneven (VP = 1): the middle stages share what is left evenly */
-        int middle = pp - (first >= 0) - (last >= 0);
-        int64_t rest = (int64_t)L - (first > 0 ? first : 0) - (last > 0 ? last : 0); /* flags up to 2^31 - 1 */
-        if (v == 0 && first >= 0) return first;
-        if (v == pp - 1 && last >= 0) return last;
-        if (middle <= 0 || rest < 0 || rest % middle || rest / middle == 0) return -1; /* no empty middle stage */
-        return (int)(rest / middle);
-    }
-    int e = c->account_for_embedding_in_pipeline_split != 0, l = c->account_for_loss_in_pipeline_split != 0;
-    int total = L + e + l;
-    if (total % stages) return -1;
-    int per = total / stages;
-    return per - (v == 0 ? e : 0) - (v == stages - 1 ? l : 0);
-}
-
-mt_status mt_pp_stage_of(const mt_config* c, int pp_rank, mt_pp_stage* out, mt_error* err) {
-    int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
-    int L = c->num_layers;
-    if (pp < 1 || vp < 1 || vp > MT_PP_MAX_CHUNKS || (vp > 1 && pp == 1))
-        return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d virtual stages per rank over %d stages (virtual stages need "
-                       "--pipeline-model-parallel-size > 1 and at most %d per rank)", vp, pp, MT_PP_MAX_CHUNKS);
-    if (pp_rank < 0 || pp_rank >= pp)
-        return mt_fail(err, MT_ERR_RANGE, "pipeline rank %d outside [0, %d)", pp_rank, pp);
-    if ((int64_t)pp * vp > (int64_t)L + 2) /* every virtual stage but the first and last builds a layer */
-        return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d stages x %d virtual stages exceed the %d layers", pp, vp, L);
-    /* an uneven split with virtual stages is not built (mt_config_check_supported refuses it; here its
-     * stages would not add up to the layers, refused below) */
-    int uneven = c->decoder_first_pipeline_num_layers >= 0 || c->decoder_last_pipeline_num_layers >= 0;
-    if (uneven && (c->account_for_embedding_in_pipeline_split || c->account_for_loss_in_pipeline_split))
-        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-"
-                       "split are exclusive (as in Megatron)");
-    if (uneven && pp == 1)
-        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers need "
-                       "--pipeline-model-parallel-size > 1 (with one stage they would change the model)");
-    int stages = pp * vp, first = 0, sum = 0;
-    if (out) memset(out, 0, sizeof(*out));
-    for (int v = 0; v < stages; v++) {
-        int n = mt__pp_stage_layers(c, v);
-        if (n < 0)
-            return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d layers%s do not split evenly over %d %sstages", L,
-                           uneven ? " (less the first/last stage's)" : "", uneven ? pp - (c->decoder_first_pipeline_num_layers >= 0) -
-                           (c->decoder_last_pipeline_num_layers >= 0) : stages, vp > 1 ? "virtual " : "");
-        if (out && v % pp == pp_rank) {
-            out->first_layer[v / pp] = first;
-            out->num_layers[v / pp] = n;
-        }
-        first += n;
-        sum += n;
-    }
-    if (sum != L)
-        return mt_fail(err, MT_ERR_CONFIG, "pipeline: the stages' layers add up to %d, not --num-layers %d", sum, L);
-    if (out) {
-        out->num_chunks = vp;
-        out->embedding = pp_rank == 0;
-        out->head = pp_rank == pp - 1;
-    }
-    return MT_OK;
-}
-
-int mt_pp_holds(const mt_pp_stage* st, int tensor, int layer) {
-    switch (tensor) {
-        case MT_P_WORD_EMBEDDINGS: return st->embedding || st->head; /* the head's copy only while tied */
-        case MT_P_POSITION_EMBEDDINGS: return st->embedding;
-        case MT_P_FINAL_LN_WEIGHT: case MT_P_FINAL_LN_BIAS: case MT_P_OUTPUT_WEIGHT: return st->head;
-        default:
-            for (int c = 0; c < st->num_chunks; c++)
-                if (layer >= st->first_layer[c] && layer < st->first_layer[c] + st->num_layers[c]) return 1;
-            return 0;
-    }
-}
-
-/* The memory plan ---------------------------------------------------------------------------- */
+/* 10. Memory plan of any layout: arenas, recompute, optimizer pieces, --plan-layouts ----------- */
 
 void mt_plan_options_defaults(mt_plan_options* o) {
     memset(o, 0, sizeof(*o));
@@ -5004,60 +5040,7 @@ mt_status mt_plan_layouts(const mt_config* c, const mt_plan_options* opts, int w
     return MT_OK;
 }
 
-/* CPU AdamW (optimizer offload) ------------------------------------------------------------------ */
-
-void mt_adamw_cpu_scalar(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
-                         int64_t n) {
-    const float wd = decay ? h->weight_decay : 0.0f, one_minus_beta1 = 1.0f - h->beta1,
-                one_minus_beta2 = 1.0f - h->beta2;
-    for (int64_t i = 0; i < n; i++) {
-        const float g = grad[i] * h->grad_scale;
-        const float mi = fmaf(m[i], h->beta1, one_minus_beta1 * g);
-        const float vi = fmaf(v[i], h->beta2, g * (one_minus_beta2 * g));
-        const float update = fmaf(master[i], wd, (mi / h->bias_correction1) / (sqrtf(vi / h->bias_correction2) + h->eps));
-        master[i] = fmaf(-update, h->lr, master[i]);
-        m[i] = mi;
-        v[i] = vi;
-    }
-}
-
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define MT__ADAMW_AVX2 1
-/* 8 elements per instruction; the same operations as the scalar loop, each correctly rounded */
-__attribute__((target("avx2,fma"))) static void mt__adamw_avx2(const mt_adamw_step* h, float wd, const float* grad,
-                                                                 float* master, float* m, float* v, int64_t n) {
-    const __m256 gs = _mm256_set1_ps(h->grad_scale), b1 = _mm256_set1_ps(h->beta1), b2 = _mm256_set1_ps(h->beta2);
-    const __m256 omb1 = _mm256_set1_ps(1.0f - h->beta1), omb2 = _mm256_set1_ps(1.0f - h->beta2);
-    const __m256 bc1 = _mm256_set1_ps(h->bias_correction1), bc2 = _mm256_set1_ps(h->bias_correction2);
-    const __m256 eps = _mm256_set1_ps(h->eps), decay = _mm256_set1_ps(wd), lr = _mm256_set1_ps(h->lr);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad + i), gs);
-        const __m256 mi = _mm256_fmadd_ps(_mm256_loadu_ps(m + i), b1, _mm256_mul_ps(omb1, g));
-        const __m256 vi = _mm256_fmadd_ps(_mm256_loadu_ps(v + i), b2, _mm256_mul_ps(g, _mm256_mul_ps(omb2, g)));
-        const __m256 p = _mm256_loadu_ps(master + i);
-        const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_div_ps(vi, bc2)), eps);
-        const __m256 update = _mm256_fmadd_ps(p, decay, _mm256_div_ps(_mm256_div_ps(mi, bc1), denom));
-        _mm256_storeu_ps(master + i, _mm256_fnmadd_ps(update, lr, p)); /* p - update * lr, one rounding */
-        _mm256_storeu_ps(m + i, mi);
-        _mm256_storeu_ps(v + i, vi);
-    }
-    if (i < n) mt_adamw_cpu_scalar(h, wd != 0.0f, grad + i, master + i, m + i, v + i, n - i);
-}
-#endif
-
-void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v, int64_t n) {
-#ifdef MT__ADAMW_AVX2
-    __builtin_cpu_init(); /* idempotent; then the CPU's features are a table look-up */
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        mt_adamw_step k = *h;
-        if (!decay) k.weight_decay = 0.0f;
-        mt__adamw_avx2(&k, k.weight_decay, grad, master, m, v, n);
-        return;
-    }
-#endif
-    mt_adamw_cpu_scalar(h, decay, grad, master, m, v, n);
-}
+/* 11. Thread pool ------------------------------------------------------------------------------ */
 
 struct mt__pool_worker {
     struct mt_thread_pool* pool;
@@ -5159,6 +5142,61 @@ void mt_thread_pool_run(mt_thread_pool* pool, void (*fn)(void* arg, int worker, 
     pthread_mutex_lock(&pool->lock);
     while (pool->pending > 0) pthread_cond_wait(&pool->done, &pool->lock);
     pthread_mutex_unlock(&pool->lock);
+}
+
+/* 12. CPU AdamW (optimizer offload) ------------------------------------------------------------ */
+
+void mt_adamw_cpu_scalar(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
+                         int64_t n) {
+    const float wd = decay ? h->weight_decay : 0.0f, one_minus_beta1 = 1.0f - h->beta1,
+                one_minus_beta2 = 1.0f - h->beta2;
+    for (int64_t i = 0; i < n; i++) {
+        const float g = grad[i] * h->grad_scale;
+        const float mi = fmaf(m[i], h->beta1, one_minus_beta1 * g);
+        const float vi = fmaf(v[i], h->beta2, g * (one_minus_beta2 * g));
+        const float update = fmaf(master[i], wd, (mi / h->bias_correction1) / (sqrtf(vi / h->bias_correction2) + h->eps));
+        master[i] = fmaf(-update, h->lr, master[i]);
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define MT__ADAMW_AVX2 1
+/* 8 elements per instruction; the same operations as the scalar loop, each correctly rounded */
+__attribute__((target("avx2,fma"))) static void mt__adamw_avx2(const mt_adamw_step* h, float wd, const float* grad,
+                                                                 float* master, float* m, float* v, int64_t n) {
+    const __m256 gs = _mm256_set1_ps(h->grad_scale), b1 = _mm256_set1_ps(h->beta1), b2 = _mm256_set1_ps(h->beta2);
+    const __m256 omb1 = _mm256_set1_ps(1.0f - h->beta1), omb2 = _mm256_set1_ps(1.0f - h->beta2);
+    const __m256 bc1 = _mm256_set1_ps(h->bias_correction1), bc2 = _mm256_set1_ps(h->bias_correction2);
+    const __m256 eps = _mm256_set1_ps(h->eps), decay = _mm256_set1_ps(wd), lr = _mm256_set1_ps(h->lr);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad + i), gs);
+        const __m256 mi = _mm256_fmadd_ps(_mm256_loadu_ps(m + i), b1, _mm256_mul_ps(omb1, g));
+        const __m256 vi = _mm256_fmadd_ps(_mm256_loadu_ps(v + i), b2, _mm256_mul_ps(g, _mm256_mul_ps(omb2, g)));
+        const __m256 p = _mm256_loadu_ps(master + i);
+        const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_div_ps(vi, bc2)), eps);
+        const __m256 update = _mm256_fmadd_ps(p, decay, _mm256_div_ps(_mm256_div_ps(mi, bc1), denom));
+        _mm256_storeu_ps(master + i, _mm256_fnmadd_ps(update, lr, p)); /* p - update * lr, one rounding */
+        _mm256_storeu_ps(m + i, mi);
+        _mm256_storeu_ps(v + i, vi);
+    }
+    if (i < n) mt_adamw_cpu_scalar(h, wd != 0.0f, grad + i, master + i, m + i, v + i, n - i);
+}
+#endif
+
+void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v, int64_t n) {
+#ifdef MT__ADAMW_AVX2
+    __builtin_cpu_init(); /* idempotent; then the CPU's features are a table look-up */
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        mt_adamw_step k = *h;
+        if (!decay) k.weight_decay = 0.0f;
+        mt__adamw_avx2(&k, k.weight_decay, grad, master, m, v, n);
+        return;
+    }
+#endif
+    mt_adamw_cpu_scalar(h, decay, grad, master, m, v, n);
 }
 
 typedef struct {
