@@ -1126,16 +1126,28 @@ void mt_adamw_cpu_parallel(mt_thread_pool* pool, const mt_adamw_step* h, const m
                            int num_segments, const float* grad, float* master, float* m, float* v);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* 7. Checkpoint format: the header words, config <-> header                                       */
+/* 13. Checkpoint files: header and checks, names, tracker, retention, commit, manifest, integrity */
+/*    What a checkpoint is on disk, and the rules every writer and reader of one applies: the      */
+/*    header words and their checks, each rank's file names, the tracker, --save-retain-interval,  */
+/*    a save's temporary directory and its commit, the manifest and the integrity rule.            */
+/*    megatron.cu section 19 stages and writes the trainer's files through them, and the prepro/   */
+/*    tools read and write through them.                                                           */
 /* ---------------------------------------------------------------------------------------------- */
 
 /* The checkpoint format. <dir>/iter_%07d/mp_rank_00/model_optim_rng.bin is a header of
  * MT_CK_HEADER_WORDS little-endian int64 words (indices below), then fp32 master weights, Adam m and
  * v, each in canonical order (only the master weights when MT_CK_SHARDED_DP > 0: then every DP rank
- * r also has distrib_optim_dp<r>.bin, the same header and its shard of master, m, v). With tensor
+ * r also has distrib_optim_dp<r>.bin, the same header and its shard of master, m, v: for each bucket
+ * of the DDP buffer (mt_buffer_layout_build) in order, r's part of it (mt_bucket_shard)). With tensor
  * parallelism every TP rank t writes mp_rank_<t>/ (two digits, Megatron's naming) holding its shard
- * in mt_param_layout_shard's order; MT_CK_NUM_PARAMS is always the full model's count. megatron.cu
- * writes and loads it; prepro/convert_hf writes and reads it (TP = 1). */
+ * in mt_param_layout_shard's order; with pipeline parallelism mp_rank_<t>_<p>/ (three digits for the
+ * pipeline rank) holds that shard's tensors of pipeline rank p's stage, laid out as
+ * mt_pp_stage_copy lays them out. MT_CK_NUM_PARAMS is always the full model's count. A model file
+ * ends with the FP8 delayed-scaling state when the run had one (MT_CK_FP8_*): state of one layout,
+ * not carried to another. The files' names, the rank words of their headers and the checks a reader
+ * applies are the functions below (mt_ckpt_rank_files, mt_checkpoint_header_set_rank,
+ * mt_checkpoint_header_check_rank); megatron.cu writes and loads checkpoints through them,
+ * prepro/convert_hf writes and reads one (TP = 1), prepro/checkpoint_tool.h reads and reshards. */
 #define MT_CKPT_MAGIC 0x4b43544d /* "MTCK" */
 #define MT_CKPT_VERSION 1
 enum {
@@ -1201,6 +1213,61 @@ mt_status mt_checkpoint_header_check(const int64_t* header, const char* path, mt
  * (model_optim_rng.bin: master weights of its TP shard, then m and v unless sharded, then the FP8
  * state) or, shard_file != 0, a distrib_optim_dp<r>.bin (master, m and v of MT_CK_SHARD_NUMEL each). */
 int64_t mt_checkpoint_file_bytes(const int64_t* header, int shard_file);
+/* The distributed optimizer's buckets, which cut its shard files: --overlap-grad-reduce and
+ * --ddp-bucket-size (the header records the saving run's: MT_CK_DDP_*). */
+typedef struct {
+    int overlap_grad_reduce;
+    int64_t ddp_bucket_size; /* 0: Megatron's default */
+} mt_ckpt_ddp;
+/* One rank's place in a checkpoint of its own layout: what its files are called, and what the rank
+ * words of their headers hold (a writer sets them with mt_checkpoint_header_set_rank; a reader at the
+ * same layout checks them with mt_checkpoint_header_check_rank). */
+typedef struct {
+    int tp_rank, pp_rank, dp_rank; /* its coordinates (mt_rank_coordinates) */
+    int pp;                        /* pipeline stages (> 1: mp_rank_<tp>_<pp>/ and the stage's words) */
+    int vp;                        /* model chunks of each pipeline rank */
+    int64_t stage_numel;           /* one array of its model file: its stage's tensors of its TP shard */
+    int dp;                        /* the data-parallel size */
+    int sharded;                   /* the distributed optimizer shards master, m and v over the dp ranks */
+    int64_t shard_numel;           /* one array of its shard file */
+    mt_ckpt_ddp ddp;               /* the buckets that cut the shards */
+} mt_ckpt_rank;
+/* <iter_dir>/mp_rank_<tp>[_<pp>] (the _<pp> part when the layout has pp > 1 stages) */
+void mt_ckpt_rank_dir(char* buf, size_t cap, const char* iter_dir, int pp, int tp_rank, int pp_rank);
+/* A file of a rank's directory: <rank_dir>/model_optim_rng.bin (dp_shard < 0), else DP rank dp_shard's
+ * shard file <rank_dir>/distrib_optim_dp<dp_shard, three digits>.bin. */
+void mt_ckpt_file_path(char* buf, size_t cap, const char* rank_dir, int dp_shard);
+/* The files rank r writes, in this order: its shard file (sharded), then the model file on DP rank 0
+ * (the DP replicas of a TP x PP rank hold the same model file); paths relative to the iteration
+ * directory. Returns how many (0 to 2). */
+typedef struct {
+    char path[96];
+    int shard; /* 1: the shard file (master, m, v of the DP shard), 0: the model file */
+} mt_ckpt_file;
+int mt_ckpt_rank_files(const mt_ckpt_rank* r, mt_ckpt_file files[2]);
+/* The rank words of a header that mt_checkpoint_header_init filled: r's TP, PP and DP ranks, the
+ * stage's words (VP, parameter count) when pp > 1, the sharding's (DP size, shard size, buckets) when
+ * sharded, else 0. */
+void mt_checkpoint_header_set_rank(int64_t* header, const mt_ckpt_rank* r);
+/* Every header word that describes the model (shape, flavour) and its layout must be cfg's (one line
+ * names the first that differs); with any_layout the parallel layout (TP, PP) and the vocabulary's
+ * padding may differ (a load at another layout, which re-pads: then the true vocabulary, when the
+ * header knows it, must be cfg's). */
+mt_status mt_checkpoint_header_check_model(const int64_t* header, const char* path, const mt_config* cfg,
+                                           int any_layout, mt_error* err);
+/* A file that rank r of cfg's layout reads at its own layout, `file_bytes` long (its size on disk):
+ * every word in range (mt_checkpoint_header_check), the iteration the one asked for, the file's exact
+ * size, the model and layout cfg's (mt_checkpoint_header_check_model), the TP rank and the pipeline
+ * stage's words r's, optimizer state sharded over r's DP size if at all, and a shard file (shard_file)
+ * r's DP rank's, of r's shard size. */
+mt_status mt_checkpoint_header_check_rank(const int64_t* header, int64_t file_bytes, const char* path,
+                                          const mt_config* cfg, const mt_ckpt_rank* r, int64_t iteration,
+                                          int shard_file, mt_error* err);
+/* Reads and checks a header of `path` (shard_file: a distrib_optim file): its words in range, the
+ * file's exact size, and (ref not NULL) every model and layout word as ref's but for the rank words,
+ * which must be (tp_rank, pp_rank, dp_rank). *fd_out (if not NULL) gets the file, open (else -1). */
+mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_file, int tp_rank, int pp_rank,
+                              int dp_rank, int64_t* h, int* fd_out, mt_error* err);
 /* The tracker <dir>/latest_checkpointed_iteration.txt: Megatron's one decimal iteration (its
  * "release" is not supported). Reading refuses anything else with one line; writing goes through a
  * temporary file, fsync'ed and renamed (the previous tracker stays until the new one is complete). */
@@ -1226,6 +1293,14 @@ int64_t mt_checkpoint_retain_victim(int64_t previous, int64_t saved, int64_t ret
  * *deleted: the iteration deleted, or -1. Rank 0 only (the ranks share the file system). */
 mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t saved, int64_t retain_interval,
                                      int64_t pending, int64_t* deleted, mt_error* err);
+/* A save's directories: the iteration's <dir>/iter_%07lld, and the temporary <dir>/.tmp_iter_%07lld
+ * its files are written into until the commit renames it into place. */
+void mt_checkpoint_save_dirs(const char* dir, int64_t iteration, char* final_dir, size_t final_cap, char* tmp_dir,
+                             size_t tmp_cap);
+/* Before a save (rank 0): removes the temporary directories (.tmp_iter_*) of saves that never
+ * finished, and settles every iter_N.old a save left: removed when iter_N is in place, else renamed
+ * back. */
+void mt_checkpoint_tidy(const char* dir);
 
 /* The manifest: <iter dir>/manifest.txt lists every other regular file under the iteration
  * directory (subdirectories included), with its size and CRC-32C (mt_crc32c_extend), one file a line,
@@ -1255,6 +1330,12 @@ mt_status mt_checkpoint_manifest_write_known(const char* iter_dir, const mt_chec
  * checksum, and that no file is there that it does not list; one line names the first bad file
  * (MT_ERR_IO when the manifest itself is missing or unreadable, else MT_ERR_FORMAT). */
 mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* err);
+/* Commits a save whose every file is complete in tmp_dir (mt_checkpoint_save_dirs) as `iteration` of
+ * dir: the manifest (mt_checkpoint_manifest_write_known; a failure removes tmp_dir), an older copy of
+ * the iteration moved aside to iter_N.old, tmp_dir renamed into place and the directory synced, the
+ * .old removed (or put back when the new one did not arrive), then the tracker. */
+mt_status mt_checkpoint_commit(const char* dir, int64_t iteration, const char* tmp_dir,
+                               const mt_checkpoint_file_crc* known, int num_known, mt_error* err);
 /* The integrity rule, the one every reader of a checkpoint applies before it reads its data (the
  * trainer's --load, checkpoint_tool, convert_hf --export, eval_hellaswag, dev/hf_logits through
  * these functions; prepro/convert_mcore.py restates it in Python):
@@ -1276,6 +1357,12 @@ mt_status mt_checkpoint_check_integrity(const char* iter_dir, int no_verify, mt_
 mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no_verify, int64_t* chosen, int* fell_back,
                                mt_error* warning, mt_error* err);
 
+/* ---------------------------------------------------------------------------------------------- */
+/* 14. Checkpoints at any layout: the reader of any rank's part                                    */
+/*    A checkpoint's layout from its first header, and any rank's part of another layout cut from  */
+/*    the saved files slice by slice (the trainer's --load at another layout, checkpoint_tool.h).  */
+/* ---------------------------------------------------------------------------------------------- */
+
 /* A checkpoint read at any layout: its layout from the first model file's header (mp_rank_00 or
  * mp_rank_00_000), each file's header and exact size checked when first read, and any rank's part
  * of a model at another layout (TP, PP with virtual stages, DP with or without the distributed
@@ -1291,15 +1378,9 @@ typedef struct {
     mt_config cfg;                      /* the model, at the files' TP, PP and VP */
     int tp, pp, vp, sharded_dp;         /* sharded_dp: 0, or the distributed optimizer's DP size */
 } mt_ckpt;
-typedef struct {
-    int overlap_grad_reduce;
-    int64_t ddp_bucket_size; /* 0: Megatron's default */
-} mt_ckpt_ddp;
 enum { MT_CKPT_MASTER = 0, MT_CKPT_M, MT_CKPT_V, MT_CKPT_ARRAYS }; /* the three fp32 arrays of a checkpoint */
 /* The buckets of ck's distributed-optimizer shards: the header's record, else `fallback` (NULL: one bucket). */
 mt_ckpt_ddp mt_ckpt_saved_ddp(const mt_ckpt* ck, const mt_ckpt_ddp* fallback);
-/* <iter_dir>/mp_rank_<tp>[_<pp>] (the _<pp> part when the layout has pp > 1 stages) */
-void mt_ckpt_rank_dir(char* buf, size_t cap, const char* iter_dir, int pp, int tp_rank, int pp_rank);
 /* The model of header h at a layout, as rank (tp_rank, DP 0, pp_rank) of it sees it: dp > 0 with the
  * distributed optimizer's buckets (ddp). The layer split is checked (an even one: the header does not
  * record --decoder-first/last-pipeline-num-layers). */
@@ -1307,11 +1388,6 @@ mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp,
                          int tp_rank, int pp_rank, mt_error* err);
 /* Elements of one array of a model file of c's rank: its stage's tensors of its TP shard. */
 mt_status mt_ckpt_rank_numel(const mt_config* c, int64_t* numel, mt_error* err);
-/* Reads and checks a header of `path` (shard_file: a distrib_optim file): its words in range, the
- * file's exact size, and (ref not NULL) every model and layout word as ref's but for the rank words,
- * which must be (tp_rank, pp_rank, dp_rank). *fd_out (if not NULL) gets the file, open (else -1). */
-mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_file, int tp_rank, int pp_rank,
-                              int dp_rank, int64_t* h, int* fd_out, mt_error* err);
 /* Finds the iteration (< 0: the tracker's) and reads its first model file's header. */
 mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, mt_error* err);
 /* Reads n floats at element offset `at` of the arrays after the header of file fd. */
@@ -5241,7 +5317,7 @@ void mt_adamw_cpu_parallel(mt_thread_pool* pool, const mt_adamw_step* h, const m
     mt_thread_pool_run(pool, mt__adamw_worker, &job);
 }
 
-/* 7. Checkpoint format ------------------------------------------------------------------------- */
+/* 13. Checkpoint files: header and checks, names, tracker, retention, commit, manifest, integrity ---- */
 
 void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
     memset(h, 0, sizeof(int64_t) * MT_CK_HEADER_WORDS);
@@ -5428,6 +5504,173 @@ int64_t mt_checkpoint_file_bytes(const int64_t* h, int shard_file) {
     return header + 4 * (arrays * numel + fp8);
 }
 
+/* ---- one rank's files: their names, the rank words of their headers, the checks of a reader ---- */
+
+/* bytes at offset of file fd, all of them: 0, or -1 (an error, or the file ends first) */
+static int mt__ckpt_read_at(int fd, int64_t offset, void* out, size_t bytes) {
+    if (lseek(fd, (off_t)offset, SEEK_SET) == (off_t)-1) return -1;
+    char* p = (char*)out;
+    while (bytes > 0) {
+        ssize_t k = read(fd, p, bytes < ((size_t)1 << 30) ? bytes : ((size_t)1 << 30));
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) return -1;
+        p += k;
+        bytes -= (size_t)k;
+    }
+    return 0;
+}
+
+void mt_ckpt_rank_dir(char* buf, size_t cap, const char* iter_dir, int pp, int tp_rank, int pp_rank) {
+    if (pp > 1) snprintf(buf, cap, "%s/mp_rank_%02d_%03d", iter_dir, tp_rank, pp_rank);
+    else snprintf(buf, cap, "%s/mp_rank_%02d", iter_dir, tp_rank);
+}
+
+void mt_ckpt_file_path(char* buf, size_t cap, const char* rank_dir, int dp_shard) {
+    if (dp_shard < 0) snprintf(buf, cap, "%s/model_optim_rng.bin", rank_dir);
+    else snprintf(buf, cap, "%s/distrib_optim_dp%03d.bin", rank_dir, dp_shard);
+}
+
+int mt_ckpt_rank_files(const mt_ckpt_rank* r, mt_ckpt_file files[2]) {
+    char rank_dir[40];
+    mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), "", r->pp, r->tp_rank, r->pp_rank); /* "/mp_rank_..." */
+    int n = 0;
+    if (r->sharded) {
+        mt_ckpt_file_path(files[n].path, sizeof(files[n].path), rank_dir + 1, r->dp_rank);
+        files[n++].shard = 1;
+    }
+    if (r->dp_rank == 0) {
+        mt_ckpt_file_path(files[n].path, sizeof(files[n].path), rank_dir + 1, -1);
+        files[n++].shard = 0;
+    }
+    return n;
+}
+
+void mt_checkpoint_header_set_rank(int64_t* h, const mt_ckpt_rank* r) {
+    h[MT_CK_SHARDED_DP] = r->sharded ? r->dp : 0;
+    h[MT_CK_DP_RANK] = r->dp_rank;
+    h[MT_CK_SHARD_NUMEL] = r->sharded ? r->shard_numel : 0;
+    h[MT_CK_DDP_OVERLAP] = r->sharded ? 1 + (r->ddp.overlap_grad_reduce != 0) : 0;
+    h[MT_CK_DDP_BUCKET_SIZE] = r->sharded ? r->ddp.ddp_bucket_size : 0;
+    h[MT_CK_TP_RANK] = r->tp_rank;
+    h[MT_CK_PP_RANK] = r->pp_rank;
+    h[MT_CK_VP] = r->pp > 1 ? r->vp : 0;
+    h[MT_CK_STAGE_NUMEL] = r->pp > 1 ? r->stage_numel : 0;
+}
+
+/* The file's size on disk (bytes; -1: unknown) against the size its header describes. */
+static mt_status mt__ckpt_size_check(const int64_t* h, int64_t bytes, int shard_file, const char* path, mt_error* err) {
+    const int64_t want = mt_checkpoint_file_bytes(h, shard_file);
+    if (bytes != want)
+        return mt_fail(err, MT_ERR_FORMAT, "%s has %lld bytes, but its header describes %lld (%s)", path,
+                       (long long)bytes, (long long)want, bytes < want ? "truncated" : "too long");
+    return MT_OK;
+}
+
+mt_status mt_checkpoint_header_check_model(const int64_t* h, const char* path, const mt_config* cfg, int any_layout,
+                                           mt_error* err) {
+    int64_t expected[MT_CK_HEADER_WORDS];
+    mt_checkpoint_header_init(expected, cfg);
+    /* every word that describes the model (shape, flavour, parallel layout) must be this run's */
+    struct { int word; const char* what; } shape[] = {
+        {MT_CK_LAYERS, "--num-layers"},
+        {MT_CK_HIDDEN, "--hidden-size"},
+        {MT_CK_HEADS, "--num-attention-heads"},
+        {MT_CK_GROUPS, "--num-query-groups"},
+        {MT_CK_KV, "--kv-channels"},
+        {MT_CK_FFN, "--ffn-hidden-size"},
+        {MT_CK_VOCAB, "padded vocabulary size"},
+        {MT_CK_POSITIONS, "--max-position-embeddings"},
+        {MT_CK_TP, "--tensor-model-parallel-size"},
+        {MT_CK_PP, "--pipeline-model-parallel-size"},
+        {MT_CK_NORMALIZATION, "--normalization (0 LayerNorm, 1 RMSNorm)"},
+        {MT_CK_SWIGLU, "--swiglu"},
+        {MT_CK_POSITION_TYPE, "--position-embedding-type (0 learned_absolute, 1 rope, 2 none)"},
+        {MT_CK_ROTARY_BASE_BITS, "--rotary-base (bits)"},
+        {MT_CK_ROTARY_PERCENT_BITS, "--rotary-percent (bits)"},
+        {MT_CK_ROPE_SCALING_FACTOR_BITS, "--rope-scaling-factor (bits)"},
+        {MT_CK_UNTIED, "--untie-embeddings-and-output-weights"},
+        {MT_CK_NO_BIAS_LINEAR, "--disable-bias-linear"},
+        {MT_CK_LAYERNORM_1P, "--apply-layernorm-1p"},
+        {MT_CK_SQUARED_RELU, "--squared-relu"},
+        {MT_CK_QK_LAYERNORM, "--qk-layernorm"},
+    };
+    for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++) {
+        const int w = shape[i].word;
+        if (any_layout && (w == MT_CK_TP || w == MT_CK_PP || (w == MT_CK_VOCAB && h[MT_CK_TRUE_VOCAB] > 0))) continue;
+        if (h[w] != expected[w])
+            return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has %s %lld but this run has %lld", path, shape[i].what,
+                           (long long)h[w], (long long)expected[w]);
+    }
+    if (any_layout && h[MT_CK_TRUE_VOCAB] > 0 && h[MT_CK_TRUE_VOCAB] != cfg->vocab_size)
+        return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has a vocabulary of %lld but this run has %lld", path,
+                       (long long)h[MT_CK_TRUE_VOCAB], (long long)cfg->vocab_size);
+    return MT_OK;
+}
+
+mt_status mt_checkpoint_header_check_rank(const int64_t* h, int64_t file_bytes, const char* path, const mt_config* cfg,
+                                          const mt_ckpt_rank* r, int64_t iteration, int shard_file, mt_error* err) {
+    mt_status st = mt_checkpoint_header_check(h, path, NULL, err);
+    if (st != MT_OK) return st;
+    if (h[MT_CK_ITERATION] != iteration)
+        return mt_fail(err, MT_ERR_FORMAT, "%s holds iteration %lld, not %lld", path, (long long)h[MT_CK_ITERATION],
+                       (long long)iteration);
+    st = mt__ckpt_size_check(h, file_bytes, shard_file, path, err);
+    if (st != MT_OK) return st;
+    st = mt_checkpoint_header_check_model(h, path, cfg, 0, err);
+    if (st != MT_OK) return st;
+    if (h[MT_CK_TP_RANK] != r->tp_rank)
+        return mt_fail(err, MT_ERR_FORMAT, "%s holds tensor-parallel rank %lld's shard, not rank %d's", path,
+                       (long long)h[MT_CK_TP_RANK], r->tp_rank);
+    const int pp = r->pp > 1;
+    if (h[MT_CK_PP_RANK] != r->pp_rank || h[MT_CK_VP] != (pp ? r->vp : 0) || h[MT_CK_STAGE_NUMEL] != (pp ? r->stage_numel : 0))
+        return mt_fail(err, MT_ERR_CONFIG, "%s holds pipeline rank %lld's layers (%lld virtual stages, %lld parameters); "
+                       "this rank is pipeline rank %d of another split: resume with the same pipeline layout", path,
+                       (long long)h[MT_CK_PP_RANK], (long long)h[MT_CK_VP], (long long)h[MT_CK_STAGE_NUMEL], r->pp_rank);
+    const int64_t sharded = h[MT_CK_SHARDED_DP], mine = r->sharded ? r->dp : 0;
+    if (sharded != 0 && sharded != mine)
+        return mt_fail(err, MT_ERR_CONFIG,
+                       "checkpoint %s holds optimizer state sharded over %lld data-parallel ranks "
+                       "(--use-distributed-optimizer); this run has %d ranks%s: resume with the same layout",
+                       path, (long long)sharded, r->dp, r->sharded ? "" : " without it");
+    if (shard_file && (h[MT_CK_DP_RANK] != r->dp_rank || h[MT_CK_SHARD_NUMEL] != r->shard_numel))
+        return mt_fail(err, MT_ERR_FORMAT, "%s is the shard of DP rank %lld with %lld elements, not of rank %d with %lld",
+                       path, (long long)h[MT_CK_DP_RANK], (long long)h[MT_CK_SHARD_NUMEL], r->dp_rank,
+                       (long long)r->shard_numel);
+    return MT_OK;
+}
+
+mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_file, int tp_rank, int pp_rank,
+                              int dp_rank, int64_t* h, int* fd_out, mt_error* err) {
+    if (fd_out) *fd_out = -1;
+    int fd = mt_open_regular_file(path, err);
+    if (fd < 0) return MT_ERR_IO;
+    mt_status st = mt__ckpt_read_at(fd, 0, h, sizeof(int64_t) * MT_CK_HEADER_WORDS) == 0
+                       ? mt_checkpoint_header_check(h, path, NULL, err)
+                       : mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
+    struct stat sb;
+    if (st == MT_OK) st = mt__ckpt_size_check(h, fstat(fd, &sb) == 0 ? (int64_t)sb.st_size : -1, shard_file, path, err);
+    if (st == MT_OK && ref) {
+        /* every word but the rank's own and the stage's size: as the first file's */
+        for (int w = 0; w < MT_CK_HEADER_WORDS && st == MT_OK; w++) {
+            if (w == MT_CK_TP_RANK || w == MT_CK_PP_RANK || w == MT_CK_DP_RANK || w == MT_CK_STAGE_NUMEL ||
+                w == MT_CK_SHARD_NUMEL || w == MT_CK_FP8_TENSORS || w == MT_CK_FP8_HISTORY_POS)
+                continue;
+            if (h[w] != ref[w])
+                st = mt_fail(err, MT_ERR_FORMAT, "%s: header word %d is %lld, but %lld in the first model file", path, w,
+                             (long long)h[w], (long long)ref[w]);
+        }
+        if (st == MT_OK && (h[MT_CK_TP_RANK] != tp_rank || h[MT_CK_PP_RANK] != pp_rank || h[MT_CK_DP_RANK] != dp_rank))
+            st = mt_fail(err, MT_ERR_FORMAT, "%s holds the part of (TP, PP, DP) rank (%lld, %lld, %lld), not (%d, %d, %d)",
+                         path, (long long)h[MT_CK_TP_RANK], (long long)h[MT_CK_PP_RANK], (long long)h[MT_CK_DP_RANK],
+                         tp_rank, pp_rank, dp_rank);
+    }
+    if (st == MT_OK && fd_out) *fd_out = fd;
+    else close(fd);
+    return st;
+}
+
+/* ---- the tracker, retention, a save's directories ---- */
+
 static const char mt__tracker_name[] = "latest_checkpointed_iteration.txt";
 
 mt_status mt_checkpoint_read_tracker(const char* dir, int64_t* iteration, mt_error* err) {
@@ -5517,6 +5760,35 @@ int mt_make_directories(const char* path) {
         *p = '/';
     }
     return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+void mt_checkpoint_save_dirs(const char* dir, int64_t iteration, char* final_dir, size_t final_cap, char* tmp_dir,
+                             size_t tmp_cap) {
+    snprintf(final_dir, final_cap, "%s/iter_%07lld", dir, (long long)iteration);
+    snprintf(tmp_dir, tmp_cap, "%s/.tmp_iter_%07lld", dir, (long long)iteration);
+}
+
+void mt_checkpoint_tidy(const char* dir) {
+    DIR* d = opendir(dir);
+    if (!d) return;
+    struct dirent* e;
+    char path[4400], final_dir[4400];
+    while ((e = readdir(d))) {
+        const char* n = e->d_name;
+        size_t len = strlen(n);
+        snprintf(path, sizeof(path), "%s/%s", dir, n);
+        if (!strncmp(n, ".tmp_iter_", 10)) {
+            mt_remove_tree(path);
+        } else if (!strncmp(n, "iter_", 5) && len > 9 && !strcmp(n + len - 4, ".old")) {
+            snprintf(final_dir, sizeof(final_dir), "%s/%.*s", dir, (int)(len - 4), n);
+            struct stat st;
+            if (stat(final_dir, &st) == 0) mt_remove_tree(path);
+            else if (errno == ENOENT) rename(path, final_dir);
+        }
+    }
+    closedir(d);
+    snprintf(path, sizeof(path), "%s/.", dir);
+    mt_sync_directory_of(path); /* of dir */
 }
 
 /* The manifest ---------------------------------------------------------------------------------- */
@@ -5741,13 +6013,36 @@ mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* err) {
     return st;
 }
 
+/* ---- the commit of a save ---- */
+
+mt_status mt_checkpoint_commit(const char* dir, int64_t iteration, const char* tmp_dir,
+                               const mt_checkpoint_file_crc* known, int num_known, mt_error* err) {
+    char final_dir[4096], old_dir[4160];
+    snprintf(final_dir, sizeof(final_dir), "%s/iter_%07lld", dir, (long long)iteration);
+    snprintf(old_dir, sizeof(old_dir), "%s.old", final_dir);
+    mt_status st = mt_checkpoint_manifest_write_known(tmp_dir, known, num_known, err);
+    if (st != MT_OK) mt_remove_tree(tmp_dir);
+    else if (rename(final_dir, old_dir) != 0 && errno != ENOENT) /* an older copy of this iteration steps aside */
+        st = mt_fail(err, MT_ERR_IO, "cannot replace %s: %s", final_dir, strerror(errno));
+    else if (rename(tmp_dir, final_dir) != 0)
+        st = mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", tmp_dir, final_dir, strerror(errno));
+    else if (mt_sync_directory_of(final_dir) != 0)
+        st = mt_fail(err, MT_ERR_IO, "cannot sync %s: %s", dir, strerror(errno));
+    if (st == MT_OK) mt_remove_tree(old_dir);
+    else rename(old_dir, final_dir); /* the new one did not arrive: the old one comes back */
+    if (st == MT_OK) st = mt_checkpoint_write_tracker(dir, iteration, err);
+    return st;
+}
+
+/* ---- the integrity rule ---- */
+
 /* The first model file of an iteration directory: mp_rank_00 (one stage) or mp_rank_00_000 (a pipeline). */
 static void mt__ckpt_first_file(char* path, size_t cap, const char* iter_dir) {
     char rank_dir[4300];
     struct stat sb;
     mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, 1, 0, 0);
     if (stat(rank_dir, &sb) != 0) mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, 2, 0, 0);
-    snprintf(path, cap, "%s/model_optim_rng.bin", rank_dir);
+    mt_ckpt_file_path(path, cap, rank_dir, -1);
 }
 
 mt_status mt_checkpoint_check_integrity(const char* iter_dir, int no_verify, mt_error* warning, mt_error* err) {
@@ -5827,7 +6122,7 @@ mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no_verify
     return mt_fail(err, st, "%s", refused.message);
 }
 
-/* ---- a checkpoint at any layout: the files' layout, and any rank's part of another layout ---- */
+/* 14. Checkpoints at any layout: the reader of any rank's part --------------------------------- */
 
 mt_ckpt_ddp mt_ckpt_saved_ddp(const mt_ckpt* ck, const mt_ckpt_ddp* fallback) {
     mt_ckpt_ddp d = {0, 0};
@@ -5838,11 +6133,6 @@ mt_ckpt_ddp mt_ckpt_saved_ddp(const mt_ckpt* ck, const mt_ckpt_ddp* fallback) {
         d = *fallback;
     }
     return d;
-}
-
-void mt_ckpt_rank_dir(char* buf, size_t cap, const char* iter_dir, int pp, int tp_rank, int pp_rank) {
-    if (pp > 1) snprintf(buf, cap, "%s/mp_rank_%02d_%03d", iter_dir, tp_rank, pp_rank);
-    else snprintf(buf, cap, "%s/mp_rank_%02d", iter_dir, tp_rank);
 }
 
 mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp, int dp, const mt_ckpt_ddp* ddp,
@@ -5864,20 +6154,6 @@ mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp,
     return mt_pp_stage_of(c, pp_rank, NULL, err);
 }
 
-/* bytes at offset of file fd, all of them: 0, or -1 (an error, or the file ends first) */
-static int mt__ckpt_read_at(int fd, int64_t offset, void* out, size_t bytes) {
-    if (lseek(fd, (off_t)offset, SEEK_SET) == (off_t)-1) return -1;
-    char* p = (char*)out;
-    while (bytes > 0) {
-        ssize_t k = read(fd, p, bytes < ((size_t)1 << 30) ? bytes : ((size_t)1 << 30));
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) return -1;
-        p += k;
-        bytes -= (size_t)k;
-    }
-    return 0;
-}
-
 mt_status mt_ckpt_rank_numel(const mt_config* c, int64_t* numel, mt_error* err) {
     mt_buffer_layout B;
     mt_status st = mt_buffer_layout_build(&B, c, err);
@@ -5885,41 +6161,6 @@ mt_status mt_ckpt_rank_numel(const mt_config* c, int64_t* numel, mt_error* err) 
     *numel = B.canonical_size;
     mt_buffer_layout_free(&B);
     return MT_OK;
-}
-
-mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_file, int tp_rank, int pp_rank,
-                              int dp_rank, int64_t* h, int* fd_out, mt_error* err) {
-    if (fd_out) *fd_out = -1;
-    int fd = mt_open_regular_file(path, err);
-    if (fd < 0) return MT_ERR_IO;
-    mt_status st = mt__ckpt_read_at(fd, 0, h, sizeof(int64_t) * MT_CK_HEADER_WORDS) == 0
-                       ? mt_checkpoint_header_check(h, path, NULL, err)
-                       : mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
-    struct stat sb;
-    if (st == MT_OK) {
-        const int64_t want = mt_checkpoint_file_bytes(h, shard_file);
-        if (fstat(fd, &sb) != 0 || (int64_t)sb.st_size != want)
-            st = mt_fail(err, MT_ERR_FORMAT, "%s has %lld bytes, but its header describes %lld (%s)", path,
-                         (long long)sb.st_size, (long long)want, (int64_t)sb.st_size < want ? "truncated" : "too long");
-    }
-    if (st == MT_OK && ref) {
-        /* every word but the rank's own and the stage's size: as the first file's */
-        for (int w = 0; w < MT_CK_HEADER_WORDS && st == MT_OK; w++) {
-            if (w == MT_CK_TP_RANK || w == MT_CK_PP_RANK || w == MT_CK_DP_RANK || w == MT_CK_STAGE_NUMEL ||
-                w == MT_CK_SHARD_NUMEL || w == MT_CK_FP8_TENSORS || w == MT_CK_FP8_HISTORY_POS)
-                continue;
-            if (h[w] != ref[w])
-                st = mt_fail(err, MT_ERR_FORMAT, "%s: header word %d is %lld, but %lld in the first model file", path, w,
-                             (long long)h[w], (long long)ref[w]);
-        }
-        if (st == MT_OK && (h[MT_CK_TP_RANK] != tp_rank || h[MT_CK_PP_RANK] != pp_rank || h[MT_CK_DP_RANK] != dp_rank))
-            st = mt_fail(err, MT_ERR_FORMAT, "%s holds the part of (TP, PP, DP) rank (%lld, %lld, %lld), not (%d, %d, %d)",
-                         path, (long long)h[MT_CK_TP_RANK], (long long)h[MT_CK_PP_RANK], (long long)h[MT_CK_DP_RANK],
-                         tp_rank, pp_rank, dp_rank);
-    }
-    if (st == MT_OK && fd_out) *fd_out = fd;
-    else close(fd);
-    return st;
 }
 
 void mt_config_resume_padding(mt_config* c, const char* dir) {
@@ -6011,8 +6252,7 @@ static mt_status mt__ckpt_reader_open(mt__ckpt_reader* r, int t, int s, int dp_r
     const mt_ckpt* ck = r->ck;
     char rank_dir[4300], path[4400];
     mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, t, s);
-    if (dp_rank < 0) snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
-    else snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, dp_rank);
+    mt_ckpt_file_path(path, sizeof(path), rank_dir, dp_rank);
     if (r->fd >= 0 && !strcmp(path, r->open_path)) return MT_OK;
     if (r->fd >= 0) close(r->fd);
     r->fd = -1;
