@@ -3850,11 +3850,9 @@ MT_DEF mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, 
     return MT_OK;
 }
 
-/* check_supported 0: only Megatron's consistency (--plan-layouts classifies each layout it plans with
- * mt_config_check_supported itself, to show a refused one with its reason) */
-static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error* err) {
-    /* every double finite (a NaN passes every < / >= range test below), then the ranges Megatron's
-     * optimizer and model accept, for callers of the C API as much as for train_gpt's flags */
+/* Every double finite (a NaN passes every < / >= range test below), then the ranges Megatron's
+ * optimizer and model accept, for callers of the C API as much as for train_gpt's flags. */
+static mt_status mt__config_numbers(const mt_config* c, mt_error* err) {
     struct { const char* name; double v; } reals[] = {
         {"--init-method-std", c->init_method_std}, {"--norm-epsilon", c->norm_epsilon},
         {"--rotary-base", c->rotary_base}, {"--rotary-percent", c->rotary_percent},
@@ -3883,6 +3881,12 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
     if (c->train_samples < 0 || c->lr_warmup_samples < 0 || c->lr_decay_samples < 0 || c->lr_wsd_decay_samples < 0)
         return mt_fail(err, MT_ERR_CONFIG, "--train-samples, --lr-warmup-samples, --lr-decay-samples and "
                        "--lr-wsd-decay-samples must be >= 0");
+    return MT_OK;
+}
+
+/* The model's shape and flavour, and what Megatron derives from them: the ffn size, the query groups,
+ * the kv channels, the rotary channels, the position embeddings. */
+static mt_status mt__config_model(mt_config* c, mt_error* err) {
     if (c->num_layers <= 0) return mt_fail(err, MT_ERR_CONFIG, "--num-layers must be positive");
     if (c->hidden_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--hidden-size must be positive");
     if (c->num_attention_heads <= 0) return mt_fail(err, MT_ERR_CONFIG, "--num-attention-heads must be positive");
@@ -3929,6 +3933,12 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
     if (c->seq_length > c->max_position_embeddings)
         return mt_fail(err, MT_ERR_CONFIG, "--seq-length %d exceeds --max-position-embeddings %d", c->seq_length,
                        c->max_position_embeddings);
+    return MT_OK;
+}
+
+/* The parallel layout: TP and PP against the world, the data-parallel size, what tensor parallelism
+ * must divide, sequence parallelism, the padded vocabulary. */
+static mt_status mt__config_layout(mt_config* c, mt_error* err) {
     if (c->tensor_model_parallel_size < 1 || c->pipeline_model_parallel_size < 1)
         return mt_fail(err, MT_ERR_CONFIG, "parallel sizes must be >= 1");
     if (c->world_size < 1) c->world_size = 1;
@@ -3966,6 +3976,12 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
                        (long long)c->resumed_padded_vocab_size);
     c->padded_vocab_size = mt_padded_vocab_size_resumed(c->vocab_size, c->make_vocab_size_divisible_by,
                                                         c->tensor_model_parallel_size, c->resumed_padded_vocab_size);
+    return MT_OK;
+}
+
+/* The batch: micro-batch and global batch (the step schedule's last size, the ramp), and the
+ * length of training. */
+static mt_status mt__config_batch(mt_config* c, mt_error* err) {
     if (c->micro_batch_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--micro-batch-size must be positive");
     if (c->global_batch_size < 0) return mt_fail(err, MT_ERR_CONFIG, "--global-batch-size must be positive");
     if ((int64_t)c->micro_batch_size * c->data_parallel_size > INT32_MAX)
@@ -3985,7 +4001,12 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
                        c->global_batch_size, c->micro_batch_size, c->data_parallel_size);
     if (mt_batch_ramp_check(c, err) != MT_OK) return MT_ERR_CONFIG;
     if (mt_training_length_finalize(c, err) != MT_OK) return MT_ERR_CONFIG;
-    /* pipeline: virtual stages from either flag, the layer split, the schedule of a training step */
+    return MT_OK;
+}
+
+/* The pipeline: virtual stages from either flag, the layer split, the schedule of a training step;
+ * and (check_supported) what this build lacks. */
+static mt_status mt__config_pipeline(mt_config* c, int check_supported, mt_error* err) {
     if (c->virtual_pipeline_size < 1) c->virtual_pipeline_size = 1;
     if (c->num_layers_per_virtual_pipeline_stage > 0) {
         int64_t per_rank = (int64_t)c->pipeline_model_parallel_size * c->num_layers_per_virtual_pipeline_stage;
@@ -4008,6 +4029,11 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
         mt_pp_schedule_check(c->pipeline_model_parallel_size, c->virtual_pipeline_size, mt_num_micro_batches(c),
                              c->microbatch_group_size_per_vp_stage, err) != MT_OK)
         return MT_ERR_CONFIG;
+    return MT_OK;
+}
+
+/* The learning rates: peak and minimum, the decoupled pair, the warm-up fraction. */
+static mt_status mt__config_rates(const mt_config* c, mt_error* err) {
     if (c->lr < 0 || c->min_lr < 0) return mt_fail(err, MT_ERR_CONFIG, "learning rates must be >= 0");
     if (c->min_lr > c->lr) return mt_fail(err, MT_ERR_CONFIG, "--min-lr %g exceeds --lr %g", c->min_lr, c->lr);
     if (!isfinite(c->decoupled_lr) || !isfinite(c->decoupled_min_lr))
@@ -4024,8 +4050,11 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
     if (c->lr_warmup_fraction >= 0 && c->lr_warmup_samples > 0)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive");
     if (c->lr_warmup_fraction > 1.0) return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction must be <= 1");
-    if (mt_config_size_check(c, err) != MT_OK) return MT_ERR_CONFIG;
-    if (mt_fp8_config_check(c, err) != MT_OK) return MT_ERR_CONFIG;
+    return MT_OK;
+}
+
+/* The schedule's lengths: warm-up within the decay, WSD's annealing tail. */
+static mt_status mt__config_schedule_lengths(const mt_config* c, mt_error* err) {
     if (c->lr_warmup_iters > c->lr_decay_iters)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-iters %lld exceeds --lr-decay-iters %lld",
                        (long long)c->lr_warmup_iters, (long long)c->lr_decay_iters);
@@ -4035,6 +4064,11 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
     if (c->lr_decay_style == MT_LR_WSD && c->lr_wsd_decay_iters <= 0 && c->lr_wsd_decay_samples <= 0)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-decay-style WSD needs --lr-wsd-decay-iters (--lr-wsd-decay-samples "
                        "with --train-samples)");
+    return MT_OK;
+}
+
+/* Adam, the fp16 loss scale, the DDP's overlap and buckets, optimizer offload. */
+static mt_status mt__config_optimizer(const mt_config* c, mt_error* err) {
     if (c->adam_beta1 < 0 || c->adam_beta1 >= 1 || c->adam_beta2 < 0 || c->adam_beta2 >= 1)
         return mt_fail(err, MT_ERR_CONFIG, "Adam betas must be in [0, 1)");
     if (c->precision == MT_FP16 && c->loss_scale <= 0 && c->initial_loss_scale <= 0)
@@ -4047,6 +4081,11 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
     if (!(c->optimizer_offload_fraction >= 0.0 && c->optimizer_offload_fraction <= 1.0))
         return mt_fail(err, MT_ERR_CONFIG, "--optimizer-offload-fraction %g: must be in [0, 1]",
                        c->optimizer_offload_fraction);
+    return MT_OK;
+}
+
+/* Activation recompute (--recompute-*), as Megatron's arguments take it. */
+static mt_status mt__config_recompute(const mt_config* c, mt_error* err) {
     const mt_recompute* rc = &c->recompute;
     if (rc->granularity < MT_RECOMPUTE_NONE || rc->granularity > MT_RECOMPUTE_FULL || rc->method < MT_RECOMPUTE_UNIFORM ||
         rc->method > MT_RECOMPUTE_BLOCK || rc->modules < 0 || rc->modules > 15)
@@ -4059,11 +4098,30 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
         (rc->num_layers < 0 || rc->num_layers > c->num_layers / c->pipeline_model_parallel_size))
         return mt_fail(err, MT_ERR_CONFIG, "--recompute-num-layers %d: must be between 1 and the layers per pipeline rank "
                        "(%d)", rc->num_layers, c->num_layers / c->pipeline_model_parallel_size);
+    return MT_OK;
+}
+
+/* The launch: the watchdog's timeout, this process's rank in the world. */
+static mt_status mt__config_launch(const mt_config* c, mt_error* err) {
     if (!(c->distributed_timeout_minutes > 0.0 && c->distributed_timeout_minutes <= 1e6))
         return mt_fail(err, MT_ERR_CONFIG, "--distributed-timeout-minutes %g: must be in (0, 1e6]",
                        c->distributed_timeout_minutes);
     if (c->rank < 0 || c->rank >= c->world_size)
         return mt_fail(err, MT_ERR_CONFIG, "rank %d outside a world of %d", c->rank, c->world_size);
+    return MT_OK;
+}
+
+/* check_supported 0: only Megatron's consistency (--plan-layouts classifies each layout it plans with
+ * mt_config_check_supported itself, to show a refused one with its reason) */
+static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error* err) {
+    /* in this order: a later step reads what an earlier one derived */
+    if (mt__config_numbers(c, err) != MT_OK || mt__config_model(c, err) != MT_OK ||
+        mt__config_layout(c, err) != MT_OK || mt__config_batch(c, err) != MT_OK ||
+        mt__config_pipeline(c, check_supported, err) != MT_OK || mt__config_rates(c, err) != MT_OK ||
+        mt_config_size_check(c, err) != MT_OK || mt_fp8_config_check(c, err) != MT_OK ||
+        mt__config_schedule_lengths(c, err) != MT_OK || mt__config_optimizer(c, err) != MT_OK ||
+        mt__config_recompute(c, err) != MT_OK || mt__config_launch(c, err) != MT_OK)
+        return MT_ERR_CONFIG;
     return MT_OK;
 }
 
