@@ -1,5 +1,5 @@
 /* prepro/checkpoint_tool.c — inspect, verify and reshard a checkpoint of this project
- * (megatron.h section 7, megatron.cu section 19; the engine is prepro/checkpoint_tool.h).
+ * (megatron.h sections 13 and 14, megatron.cu section 19; the engine is prepro/checkpoint_tool.h).
  *
  * Every command first applies the integrity rule of megatron.h (mt_checkpoint_check_integrity): the
  * iteration's manifest.txt verified (sizes and CRC-32C of every file), or, without one, the header's

@@ -1,6 +1,6 @@
 /* tests/test_checkpoint_tool.h — checkpoint integrity and the offline tool (host only).
  *
- * The manifest (megatron.h section 7): CRC-32C against its published check value and computed in
+ * The manifest (megatron.h section 13): CRC-32C against its published check value and computed in
  * pieces, manifest write/verify on a tree of files, and every kind of damage refused in one line
  * naming the file; mt_checkpoint_select falling back from a damaged tracked iteration to the newest
  * good one; the integrity rule every reader applies (mt_checkpoint_check_integrity: a failing manifest
