@@ -215,7 +215,7 @@ MT_DEF int64_t mt_indexed_dataset_document_start(const mt_indexed_dataset* ds, i
 /* count tokens of sequence seq starting at token offset, converted to int32 (integer dtypes only;
  * an int64 or uint token that does not fit int32 is MT_ERR_RANGE). */
 MT_DEF mt_status mt_indexed_dataset_read(const mt_indexed_dataset* ds, int64_t seq, int64_t offset, int64_t count,
-                                  int32_t* out, mt_error* err);
+                                         int32_t* out, mt_error* err);
 
 /* Writer: Megatron's IndexedDatasetBuilder. Writes <prefix>.bin.tmp.<pid> and <prefix>.idx.tmp.<pid>
  * (removing those of processes that are gone first) and commits them in finalize, so a failed or
@@ -236,8 +236,8 @@ MT_DEF mt_status mt_indexed_writer_open(mt_indexed_writer** out, const char* pre
  * num_sequences == 0 writes an empty document (a repeated entry in the document index), exactly as
  * Megatron's add_document does for a document that tokenizes to nothing. */
 MT_DEF mt_status mt_indexed_writer_add_document(mt_indexed_writer* w, const int32_t* tokens,
-                                         const int64_t* sequence_lengths, int64_t num_sequences,
-                                         mt_error* err);
+                                                const int64_t* sequence_lengths, int64_t num_sequences,
+                                                mt_error* err);
 /* Appends a whole dataset (Megatron's add_index, used for merging): its lengths, its document
  * indices shifted by the current sequence count, and a byte copy of its .bin. The dtypes must match. */
 MT_DEF mt_status mt_indexed_writer_add_index(mt_indexed_writer* w, const char* other_prefix, mt_error* err);
@@ -286,8 +286,8 @@ MT_DEF void mt_split_range(const mt_split_matrix* m, int split, int64_t n, int64
  * eval_iters*gbs. (With --train-samples, put that in out[0] instead.) eval_interval <= 0 counts as
  * no evaluation during training (valid = eval_iters*gbs). Negative counts, or products that do not
  * fit int64, are MT_ERR_CONFIG naming the flags. */
-MT_DEF mt_status mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t eval_iters, int64_t global_batch_size,
-                             int64_t out[3], mt_error* err);
+MT_DEF mt_status mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t eval_iters,
+                                    int64_t global_batch_size, int64_t out[3], mt_error* err);
 
 /* numpy.random.RandomState's generator: legacy MT19937 seeded with init_genrand(seed), and the
  * Fisher-Yates shuffle of RandomState.shuffle (for i = n-1 .. 1: j = random_interval(i), swap),
@@ -340,7 +340,7 @@ typedef struct {
     const void* shuffle_index;  /* n elements */
 } mt_gpt_dataset_info;
 MT_DEF mt_status mt_gpt_dataset_build(mt_gpt_dataset** out, const mt_indexed_dataset* ds, int64_t begin, int64_t end,
-                               int seq_length, uint32_t seed, int64_t num_samples, mt_error* err);
+                                      int seq_length, uint32_t seed, int64_t num_samples, mt_error* err);
 MT_DEF void mt_gpt_dataset_free(mt_gpt_dataset* g);
 MT_DEF void mt_gpt_dataset_get_info(const mt_gpt_dataset* g, mt_gpt_dataset_info* info);
 MT_DEF int64_t mt_gpt_dataset_num_samples(const mt_gpt_dataset* g);
@@ -351,16 +351,16 @@ MT_DEF mt_status mt_gpt_dataset_get(const mt_gpt_dataset* g, int64_t idx, int32_
 /* Writes <dir>/<name_prefix>{document_index,sample_index,shuffle_index}.npy (name_prefix may be
  * NULL), in Megatron's dtypes and numpy.save's exact bytes. */
 MT_DEF mt_status mt_gpt_dataset_save_indices(const mt_gpt_dataset* g, const char* dir, const char* name_prefix,
-                                      mt_error* err);
+                                             mt_error* err);
 
 /* helpers.cpp build_blending_indices: for each sample s, the dataset d with the largest
  * weights[d]*max(s,1) - count[d] (lowest d on ties) supplies its next sample. No RNG. */
 MT_DEF void mt_build_blending_indices(const double* weights, int num_datasets, int64_t size, int16_t* dataset_index,
-                               int64_t* dataset_sample_index);
+                                      int64_t* dataset_sample_index);
 /* helpers.cpp build_exhaustive_blending_indices: exactly sizes[d] samples from each dataset
  * (size = sum(sizes)), used for an unweighted blend whose split size is None. */
 MT_DEF void mt_build_exhaustive_blending_indices(const int64_t* sizes, int num_datasets, int16_t* dataset_index,
-                                          int64_t* dataset_sample_index);
+                                                 int64_t* dataset_sample_index);
 
 #define MT_MID_LEVEL_DATASET_SURPLUS 0.005 /* --mid-level-dataset-surplus default */
 
@@ -376,12 +376,12 @@ MT_DEF void mt_build_exhaustive_blending_indices(const int64_t* sizes, int num_d
  * --split string leaves empty has 0 samples. A blend that asks a dataset for more samples than it
  * built is an error, as in Megatron. */
 typedef struct mt_gpt_data mt_gpt_data;
-MT_DEF mt_status mt_gpt_data_open(mt_gpt_data** out, int num_prefixes, const char* const* prefixes, const double* weights,
-                           const char* split, int seq_length, uint32_t seed, const int64_t num_samples[3],
-                           mt_error* err);
+MT_DEF mt_status mt_gpt_data_open(mt_gpt_data** out, int num_prefixes, const char* const* prefixes,
+                                  const double* weights, const char* split, int seq_length, uint32_t seed,
+                                  const int64_t num_samples[3], mt_error* err);
 MT_DEF int64_t mt_gpt_data_num_samples(const mt_gpt_data* d, int split); /* 0 for an empty split */
 MT_DEF mt_status mt_gpt_data_get(const mt_gpt_data* d, int split, int64_t index, int32_t* tokens /* [seq_length+1] */,
-                          mt_error* err);
+                                 mt_error* err);
 MT_DEF void mt_gpt_data_close(mt_gpt_data* d);
 MT_DEF int mt_gpt_data_num_datasets(const mt_gpt_data* d);
 MT_DEF const mt_indexed_dataset* mt_gpt_data_indexed(const mt_gpt_data* d, int k);
@@ -399,8 +399,8 @@ MT_DEF const int64_t* mt_gpt_data_blend_sample_index(const mt_gpt_data* d, int s
  * (weights are then the datasets' lengths, or none for a single prefix). prefixes[] points into
  * args; prefixes and weights need room for n entries; *weighted says which form it was. A mix
  * (some weight positions numbers, some not) is refused rather than guessed. */
-MT_DEF mt_status mt_data_path_parse(int n, const char* const* args, const char** prefixes, double* weights, int* num_prefixes,
-                             int* weighted, mt_error* err);
+MT_DEF mt_status mt_data_path_parse(int n, const char* const* args, const char** prefixes, double* weights,
+                                    int* num_prefixes, int* weighted, mt_error* err);
 
 /* Megatron's MegatronPretrainingSampler (data_samplers.py) is sequential: it walks the global
  * sample indices from consumed_samples on in chunks of micro_batch_size * dp_size consecutive
@@ -418,7 +418,7 @@ MT_DEF int64_t mt_sampler_index(int64_t consumed_samples, int64_t micro_batch_si
  * descr: "<i2", "<i4", "<i8", "<u2", "<u4", "<u8", "|i1", "|u1", "<f4", "<f8". Written to a
  * temporary name and renamed. */
 MT_DEF mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int64_t* shape, const void* data,
-                       mt_error* err);
+                              mt_error* err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 5. Training configuration, learning-rate schedule, FLOP formula                                 */
@@ -626,7 +626,8 @@ MT_DEF int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int te
  * rows included, whose logits take part in the softmax) is the one that was saved and the loss curve
  * continues; else Megatron's padding at this TP (new rows start at 0: the loss moves). The trainer's
  * --load (through mt_config.resumed_padded_vocab_size) and checkpoint_tool's reshard use it. */
-MT_DEF int64_t mt_padded_vocab_size_resumed(int64_t vocab_size, int divisible_by, int tensor_parallel_size, int64_t saved);
+MT_DEF int64_t mt_padded_vocab_size_resumed(int64_t vocab_size, int divisible_by, int tensor_parallel_size,
+                                            int64_t saved);
 /* The launch: how many processes the launcher says it started, from its environment (lookup: a
  * getenv-like function, user its context; NULL lookup: getenv). mpirun's OMPI_COMM_WORLD_SIZE,
  * MPICH/Hydra's and srun --mpi=pmi2's PMI_SIZE, torchrun's WORLD_SIZE, srun's
@@ -689,7 +690,7 @@ MT_DEF int mt_fp8_layer(const mt_config* cfg, int layer);
  * margin: fp8_max / amax / 2^margin; the previous scale when that amax is 0 or not finite. The
  * GPU's update (megatron.cu) computes exactly this. */
 MT_DEF float mt_fp8_delayed_scale(const float* history, int len, int newest, mt_fp8_amax_algo algo, float fp8_max,
-                           int margin, float previous_scale);
+                                  int margin, float previous_scale);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 6. Parameter tensors and tensor-parallel shards                                                 */
@@ -804,8 +805,8 @@ MT_DEF void mt_pp_stage_copy(const mt_config* cfg, const mt_pp_stage* stage, flo
 /* Puts the part of the model that pipeline stage `stage` holds of TP rank tp_rank's shard (in
  * mt_buffer_layout's canonical order, as mt_pp_stage_copy makes it) into the full model's canonical
  * array, leaving the other elements of `full` alone. scratch: mt_param_layout_shard(cfg) floats. */
-MT_DEF void mt_pp_tp_part_to_full(const mt_config* cfg, const mt_pp_stage* stage, int tp_rank, const float* part, float* full,
-                           float* scratch);
+MT_DEF void mt_pp_tp_part_to_full(const mt_config* cfg, const mt_pp_stage* stage, int tp_rank, const float* part,
+                                  float* full, float* scratch);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 8. DDP buffer layout: buckets and distributed-optimizer shards                                  */
@@ -910,7 +911,7 @@ MT_DEF int mt_pp_num_warmup(int pp, int vp, int num_micro_batches, int group_siz
  * each chunk taking the whole group; the k-th backward runs the same entry with the chunk mirrored
  * (VP - 1 - chunk). */
 MT_DEF mt_status mt_pp_schedule(int pp, int vp, int num_micro_batches, int group_size, int rank, mt_pp_op* ops,
-                         int* num_warmup, mt_error* err);
+                                int* num_warmup, mt_error* err);
 
 /* Activation slots pipeline rank `rank` needs for one training step of M micro-batches: the most
  * (chunk, micro-batch) pairs whose forward has run and whose backward has not, over its schedule
@@ -918,7 +919,7 @@ MT_DEF mt_status mt_pp_schedule(int pp, int vp, int num_micro_batches, int group
  * interleaved. mt_pp_slots_needed counts the same over any list of steps. */
 MT_DEF int mt_pp_slots_needed(const mt_pp_op* ops, int num_ops);
 MT_DEF mt_status mt_pp_activation_slots(int pp, int vp, int num_micro_batches, int group_size, int rank, int* slots,
-                                 mt_error* err);
+                                        mt_error* err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 10. Memory plan of any layout: arenas, recompute, optimizer pieces, --plan-layouts              */
@@ -1007,7 +1008,7 @@ typedef struct {
  * precision, FP8, offload, micro-batch) for opts (NULL: defaults). cfg must have been finalized (its
  * layer split and schedule checked); fails on a pipeline rank outside [0, PP). */
 MT_DEF mt_status mt_memory_plan_compute(const mt_config* cfg, const mt_plan_options* opts, mt_memory_plan* plan,
-                                 mt_error* err);
+                                        mt_error* err);
 /* --grad-reduce-in-bf16 (Megatron's; not built here: gradients accumulate and are reduced in fp32):
  * the bytes per GPU a bf16 gradient buffer would save in this plan, the fp32 buffer's bytes less a
  * bf16 one's (2 bytes per buffer element). */
@@ -1023,7 +1024,8 @@ typedef struct {
     int64_t buffer, master, length;
     int tensor; /* MT_P_* */
 } mt_optimizer_piece;
-MT_DEF int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int64_t gpu_shard, mt_optimizer_piece* out);
+MT_DEF int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int64_t gpu_shard,
+                                   mt_optimizer_piece* out);
 /* Whether the config's attention runs on the flash kernels (bf16, head dim 64 or 128), else exact. */
 MT_DEF int mt_flash_attention(const mt_config* cfg);
 
@@ -1055,7 +1057,7 @@ typedef struct {
 /* A pipeline rank whose largest model chunk has `layers` transformer layers (head: it holds the final
  * norm and output layer), with num_slots slots. */
 MT_DEF void mt_activation_layout_compute(const mt_config* cfg, int layers, int head, int num_slots,
-                                  const mt_recompute* recompute, mt_activation_layout* out);
+                                         const mt_recompute* recompute, mt_activation_layout* out);
 /* Where layer i (0-based) of a model chunk of `count` layers keeps per-layer region `region` in a
  * slot under a recompute setting (NULL: none): its room among the region's kept_layers (counted for
  * the rank's largest chunk, so every chunk of the rank fits). For MT_ACT_RESIDUAL and the first
@@ -1113,7 +1115,7 @@ typedef struct {
     char reason[512];             /* then its line; a refused layout never fits, whatever its plan says */
 } mt_layout_candidate;
 MT_DEF mt_status mt_plan_layouts(const mt_config* cfg, const mt_plan_options* opts, int world_size,
-                          mt_layout_candidate* out, int max, int* count, mt_error* err);
+                                 mt_layout_candidate* out, int max, int* count, mt_error* err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 11. Thread pool                                                                                 */
@@ -1147,10 +1149,11 @@ typedef struct {
     float lr_decoupled; /* the rate of a segment marked decoupled (--decoupled-lr; else lr) */
 } mt_adamw_step;
 /* n elements of one weight-decay class (decay: weight_decay applies, else 0). */
-MT_DEF void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v, int64_t n);
+MT_DEF void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
+                         int64_t n);
 /* The same per element, one element at a time in plain C: the reference the tests hold mt_adamw_cpu to. */
 MT_DEF void mt_adamw_cpu_scalar(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
-                         int64_t n);
+                                int64_t n);
 
 /* A run of elements of one weight-decay class in arrays laid out alike (grad, master, m, v). */
 typedef struct {
@@ -1161,7 +1164,7 @@ typedef struct {
 /* mt_adamw_cpu over segments (increasing, disjoint), the elements split evenly over the pool's threads
  * at 16-element boundaries (pool NULL: this thread). */
 MT_DEF void mt_adamw_cpu_parallel(mt_thread_pool* pool, const mt_adamw_step* h, const mt_adamw_segment* segments,
-                           int num_segments, const float* grad, float* master, float* m, float* v);
+                                  int num_segments, const float* grad, float* master, float* m, float* v);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 13. Checkpoint files: header and checks, names, tracker, retention, commit, integrity           */
@@ -1292,20 +1295,20 @@ MT_DEF void mt_checkpoint_header_set_rank(int64_t* header, const mt_ckpt_rank* r
  * padding may differ (a load at another layout, which re-pads: then the true vocabulary, when the
  * header knows it, must be cfg's). */
 MT_DEF mt_status mt_checkpoint_header_check_model(const int64_t* header, const char* path, const mt_config* cfg,
-                                           int any_layout, mt_error* err);
+                                                  int any_layout, mt_error* err);
 /* A file that rank r of cfg's layout reads at its own layout, `file_bytes` long (its size on disk):
  * every word in range (mt_checkpoint_header_check), the iteration the one asked for, the file's exact
  * size, the model and layout cfg's (mt_checkpoint_header_check_model), the TP rank and the pipeline
  * stage's words r's, optimizer state sharded over r's DP size if at all, and a shard file (shard_file)
  * r's DP rank's, of r's shard size. */
 MT_DEF mt_status mt_checkpoint_header_check_rank(const int64_t* header, int64_t file_bytes, const char* path,
-                                          const mt_config* cfg, const mt_ckpt_rank* r, int64_t iteration,
-                                          int shard_file, mt_error* err);
+                                                 const mt_config* cfg, const mt_ckpt_rank* r, int64_t iteration,
+                                                 int shard_file, mt_error* err);
 /* Reads and checks a header of `path` (shard_file: a distrib_optim file): its words in range, the
  * file's exact size, and (ref not NULL) every model and layout word as ref's but for the rank words,
  * which must be (tp_rank, pp_rank, dp_rank). *fd_out (if not NULL) gets the file, open (else -1). */
 MT_DEF mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_file, int tp_rank, int pp_rank,
-                              int dp_rank, int64_t* h, int* fd_out, mt_error* err);
+                                     int dp_rank, int64_t* h, int* fd_out, mt_error* err);
 /* The tracker <dir>/latest_checkpointed_iteration.txt: Megatron's one decimal iteration (its
  * "release" is not supported). Reading refuses anything else with one line; writing goes through a
  * temporary file, fsync'ed and renamed (the previous tracker stays until the new one is complete). */
@@ -1330,11 +1333,11 @@ MT_DEF int64_t mt_checkpoint_retain_victim(int64_t previous, int64_t saved, int6
  * Megatron does (where the platform has O_NOFOLLOW; elsewhere the link goes, never what it points to).
  * *deleted: the iteration deleted, or -1. Rank 0 only (the ranks share the file system). */
 MT_DEF mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t saved, int64_t retain_interval,
-                                     int64_t pending, int64_t* deleted, mt_error* err);
+                                            int64_t pending, int64_t* deleted, mt_error* err);
 /* A save's directories: the iteration's <dir>/iter_%07lld, and the temporary <dir>/.tmp_iter_%07lld
  * its files are written into until the commit renames it into place. */
-MT_DEF void mt_checkpoint_save_dirs(const char* dir, int64_t iteration, char* final_dir, size_t final_cap, char* tmp_dir,
-                             size_t tmp_cap);
+MT_DEF void mt_checkpoint_save_dirs(const char* dir, int64_t iteration, char* final_dir, size_t final_cap,
+                                    char* tmp_dir, size_t tmp_cap);
 /* Before a save (rank 0): removes the temporary directories (.tmp_iter_*) of saves that never
  * finished, and settles every iter_N.old a save left: removed when iter_N is in place, else renamed
  * back. */
@@ -1362,8 +1365,8 @@ typedef struct {
 /* The same manifest, taking the checksum of each listed file that `known` names with the size the
  * file has on disk from there instead of reading it (a trainer's save: its writers checksummed the
  * bytes as they wrote them, so the commit does not read the checkpoint back); other files are read. */
-MT_DEF mt_status mt_checkpoint_manifest_write_known(const char* iter_dir, const mt_checkpoint_file_crc* known, int num_known,
-                                             mt_error* err);
+MT_DEF mt_status mt_checkpoint_manifest_write_known(const char* iter_dir, const mt_checkpoint_file_crc* known,
+                                                    int num_known, mt_error* err);
 /* Reads iter_dir/manifest.txt and checks every listed file is there, a regular file of that size and
  * checksum, and that no file is there that it does not list; one line names the first bad file
  * (MT_ERR_IO when the manifest itself is missing or unreadable, else MT_ERR_FORMAT). */
@@ -1373,7 +1376,7 @@ MT_DEF mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* e
  * the iteration moved aside to iter_N.old, tmp_dir renamed into place and the directory synced, the
  * .old removed (or put back when the new one did not arrive), then the tracker. */
 MT_DEF mt_status mt_checkpoint_commit(const char* dir, int64_t iteration, const char* tmp_dir,
-                               const mt_checkpoint_file_crc* known, int num_known, mt_error* err);
+                                      const mt_checkpoint_file_crc* known, int num_known, mt_error* err);
 /* The integrity rule, the one every reader of a checkpoint applies before it reads its data (the
  * trainer's --load, checkpoint_tool, convert_hf --export, eval_hellaswag, dev/hf_logits through
  * these functions; prepro/convert_mcore.py restates it in Python):
@@ -1392,8 +1395,8 @@ MT_DEF mt_status mt_checkpoint_check_integrity(const char* iter_dir, int no_veri
  * way to the newest older iter_* directory of dir whose manifest verifies (*fell_back = 1; *warning
  * says which was refused and why); with fell_back NULL (the tools: they read what they are asked or
  * nothing), and for an explicit iteration, the refusal is the result. */
-MT_DEF mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no_verify, int64_t* chosen, int* fell_back,
-                               mt_error* warning, mt_error* err);
+MT_DEF mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no_verify, int64_t* chosen,
+                                      int* fell_back, mt_error* warning, mt_error* err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 14. Checkpoints at any layout: the reader of any rank's part                                    */
@@ -1423,7 +1426,7 @@ MT_DEF mt_ckpt_ddp mt_ckpt_saved_ddp(const mt_ckpt* ck, const mt_ckpt_ddp* fallb
  * distributed optimizer's buckets (ddp). The layer split is checked (an even one: the header does not
  * record --decoder-first/last-pipeline-num-layers). */
 MT_DEF mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp, int dp, const mt_ckpt_ddp* ddp,
-                         int tp_rank, int pp_rank, mt_error* err);
+                                int tp_rank, int pp_rank, mt_error* err);
 /* Elements of one array of a model file of c's rank: its stage's tensors of its TP shard. */
 MT_DEF mt_status mt_ckpt_rank_numel(const mt_config* c, int64_t* numel, mt_error* err);
 /* Finds the iteration (< 0: the tracker's) and reads its first model file's header. */
@@ -1439,8 +1442,8 @@ MT_DEF mt_status mt_ckpt_read_floats(int fd, const char* path, int64_t at, float
  * saved (tensor, layer) slice is held at a time. The target's model must be the checkpoint's but for
  * the vocabulary padding: rows the target pads beyond the saved ones are 0, saved rows beyond the
  * target's padding are dropped (as checkpoint_tool's reshard re-pads). */
-MT_DEF mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_config* target, int array, float* out,
-                            mt_error* err);
+MT_DEF mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_config* target, int array,
+                                   float* out, mt_error* err);
 /* Before mt_config_finalize of a run that will load from dir: c->resumed_padded_vocab_size = the
  * padded vocabulary of dir's tracked checkpoint (left as it is when dir holds none, or a damaged one:
  * the load says so), so the finalized model keeps it where it can (mt_padded_vocab_size_resumed). */
@@ -1642,7 +1645,7 @@ MT_DEF mt_status mt_tb_scalar(mt_tb_writer* w, const char* tag, double value, in
 /* Megatron's habit for training scalars: tag at step iteration and "<tag> vs samples" at step
  * consumed_samples. */
 MT_DEF mt_status mt_tb_scalar_pair(mt_tb_writer* w, const char* tag, double value, int64_t iteration,
-                            int64_t consumed_samples, mt_error* err);
+                                   int64_t consumed_samples, mt_error* err);
 /* A text at step, under the tag "<tag>/text_summary" (add_text's naming). */
 MT_DEF mt_status mt_tb_text(mt_tb_writer* w, const char* tag, const char* text, int64_t step, mt_error* err);
 /* Writes the pending events to the file. */
@@ -2234,7 +2237,7 @@ MT_DEF int64_t mt_indexed_dataset_document_start(const mt_indexed_dataset* ds, i
 }
 
 MT_DEF mt_status mt_indexed_dataset_read(const mt_indexed_dataset* ds, int64_t seq, int64_t offset, int64_t count,
-                                  int32_t* out, mt_error* err) {
+                                         int32_t* out, mt_error* err) {
     if (seq < 0 || seq >= ds->num_sequences)
         return mt_fail(err, MT_ERR_RANGE, "%s: sequence %lld out of range [0, %lld)", ds->prefix, (long long)seq,
                        (long long)ds->num_sequences);
@@ -2435,7 +2438,7 @@ static int mt__token_fits(int dtype, int32_t v) {
 }
 
 MT_DEF mt_status mt_indexed_writer_add_document(mt_indexed_writer* w, const int32_t* tokens,
-                                         const int64_t* sequence_lengths, int64_t num_sequences, mt_error* err) {
+                                                const int64_t* sequence_lengths, int64_t num_sequences, mt_error* err) {
     if (w->prepared) return mt_fail(err, MT_ERR_ARG, "%s: the writer was already prepared", w->prefix);
     if (num_sequences < 0) return mt_fail(err, MT_ERR_ARG, "%s: negative sequence count %lld", w->prefix,
                                           (long long)num_sequences);
@@ -2705,8 +2708,8 @@ MT_DEF void mt_split_range(const mt_split_matrix* m, int split, int64_t n, int64
     *end = (int64_t)nearbyint(m->end[split] * (double)n);
 }
 
-MT_DEF mt_status mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t eval_iters, int64_t global_batch_size,
-                             int64_t out[3], mt_error* err) {
+MT_DEF mt_status mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t eval_iters,
+                                    int64_t global_batch_size, int64_t out[3], mt_error* err) {
     if (train_iters < 0 || eval_iters < 0 || global_batch_size < 0)
         return mt_fail(err, MT_ERR_CONFIG, "--train-iters %lld, --eval-iters %lld and --global-batch-size %lld must be "
                        ">= 0", (long long)train_iters, (long long)eval_iters, (long long)global_batch_size);
@@ -2857,7 +2860,7 @@ static int64_t mt__range_tokens(const mt_indexed_dataset* ds, int64_t begin, int
 }
 
 MT_DEF mt_status mt_gpt_dataset_build(mt_gpt_dataset** out, const mt_indexed_dataset* ds, int64_t begin, int64_t end,
-                               int seq_length, uint32_t seed, int64_t num_samples, mt_error* err) {
+                                      int seq_length, uint32_t seed, int64_t num_samples, mt_error* err) {
     *out = NULL;
     const char* name = ds->prefix;
     if (ds->dtype == MT_DTYPE_FLOAT32 || ds->dtype == MT_DTYPE_FLOAT64) /* refused here, not at the first sample */
@@ -3056,7 +3059,7 @@ MT_DEF mt_status mt_gpt_dataset_get(const mt_gpt_dataset* g, int64_t idx, int32_
 }
 
 MT_DEF mt_status mt_gpt_dataset_save_indices(const mt_gpt_dataset* g, const char* dir, const char* name_prefix,
-                                      mt_error* err) {
+                                             mt_error* err) {
     const char* names[3] = {"document_index.npy", "sample_index.npy", "shuffle_index.npy"};
     const char* dtypes[3] = {"<i4", g->sample_itemsize == 4 ? "<i4" : "<i8", g->shuffle_itemsize == 4 ? "<u4" : "<i8"};
     int64_t shapes[3][2] = {{g->document_index_length, 0}, {g->num_samples + 1, 2}, {g->num_samples, 0}};
@@ -3075,7 +3078,7 @@ MT_DEF mt_status mt_gpt_dataset_save_indices(const mt_gpt_dataset* g, const char
 }
 
 MT_DEF void mt_build_blending_indices(const double* weights, int num_datasets, int64_t size, int16_t* dataset_index,
-                               int64_t* dataset_sample_index) {
+                                      int64_t* dataset_sample_index) {
     int64_t* current = (int64_t*)calloc((size_t)(num_datasets > 0 ? num_datasets : 1), sizeof(int64_t));
     if (!current) return;
     for (int64_t s = 0; s < size; s++) {
@@ -3096,7 +3099,7 @@ MT_DEF void mt_build_blending_indices(const double* weights, int num_datasets, i
 }
 
 MT_DEF void mt_build_exhaustive_blending_indices(const int64_t* sizes, int num_datasets, int16_t* dataset_index,
-                                          int64_t* dataset_sample_index) {
+                                                 int64_t* dataset_sample_index) {
     int64_t total = 0;
     for (int d = 0; d < num_datasets; d++) total += sizes[d];
     int64_t* count = (int64_t*)calloc((size_t)(num_datasets > 0 ? num_datasets : 1), sizeof(int64_t));
@@ -3144,8 +3147,8 @@ static int mt__parse_float(const char* s, double* out) {
     return *end == 0;
 }
 
-MT_DEF mt_status mt_data_path_parse(int n, const char* const* args, const char** prefixes, double* weights, int* num_prefixes,
-                             int* weighted, mt_error* err) {
+MT_DEF mt_status mt_data_path_parse(int n, const char* const* args, const char** prefixes, double* weights,
+                                    int* num_prefixes, int* weighted, mt_error* err) {
     *num_prefixes = 0;
     *weighted = 0;
     if (n < 1) return mt_fail(err, MT_ERR_ARG, "--data-path needs at least one dataset prefix");
@@ -3313,9 +3316,9 @@ done:
     return st;
 }
 
-MT_DEF mt_status mt_gpt_data_open(mt_gpt_data** out, int num_prefixes, const char* const* prefixes, const double* weights,
-                           const char* split, int seq_length, uint32_t seed, const int64_t num_samples[3],
-                           mt_error* err) {
+MT_DEF mt_status mt_gpt_data_open(mt_gpt_data** out, int num_prefixes, const char* const* prefixes,
+                                  const double* weights, const char* split, int seq_length, uint32_t seed,
+                                  const int64_t num_samples[3], mt_error* err) {
     *out = NULL;
     if (num_prefixes < 1) return mt_fail(err, MT_ERR_ARG, "no --data-path given");
     if (num_prefixes >= 32767) return mt_fail(err, MT_ERR_ARG, "too many datasets to blend (%d)", num_prefixes);
@@ -3376,7 +3379,7 @@ MT_DEF const int64_t* mt_gpt_data_blend_sample_index(const mt_gpt_data* d, int s
 /* 4. .npy writer (Megatron's index cache format) ----------------------------------------------- */
 
 MT_DEF mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int64_t* shape, const void* data,
-                       mt_error* err) {
+                              mt_error* err) {
     static const char* const descrs[] = {"<i2", "<i4", "<i8", "<u2", "<u4", "<u8", "|i1", "|u1", "<f4", "<f8"};
     static const size_t sizes[] = {2, 4, 8, 2, 4, 8, 1, 1, 4, 8};
     size_t itemsize = 0;
@@ -3471,7 +3474,8 @@ MT_DEF int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int te
     return (vocab_size + multiple - 1) / multiple * multiple;
 }
 
-MT_DEF int64_t mt_padded_vocab_size_resumed(int64_t vocab_size, int divisible_by, int tensor_parallel_size, int64_t saved) {
+MT_DEF int64_t mt_padded_vocab_size_resumed(int64_t vocab_size, int divisible_by, int tensor_parallel_size,
+                                            int64_t saved) {
     if (saved > 0 && saved >= vocab_size && tensor_parallel_size > 0 && saved % tensor_parallel_size == 0) return saved;
     return mt_padded_vocab_size(vocab_size, divisible_by, tensor_parallel_size);
 }
@@ -3569,7 +3573,7 @@ MT_DEF int mt_fp8_layer(const mt_config* c, int layer) {
 }
 
 MT_DEF float mt_fp8_delayed_scale(const float* history, int len, int newest, mt_fp8_amax_algo algo, float fp8_max,
-                           int margin, float previous_scale) {
+                                  int margin, float previous_scale) {
     float amax = history[newest];
     if (algo == MT_FP8_AMAX_MAX)
         for (int i = 0; i < len; i++) amax = history[i] > amax ? history[i] : amax;
@@ -4213,7 +4217,9 @@ static double mt__learning_rate(const mt_config* c, int64_t num_steps, double ma
     return min_lr + coeff * (max_lr - min_lr);
 }
 
-MT_DEF double mt_learning_rate(const mt_config* c, int64_t num_steps) { return mt__learning_rate(c, num_steps, c->lr, c->min_lr); }
+MT_DEF double mt_learning_rate(const mt_config* c, int64_t num_steps) {
+    return mt__learning_rate(c, num_steps, c->lr, c->min_lr);
+}
 
 MT_DEF double mt_learning_rate_decoupled(const mt_config* c, int64_t num_steps) {
     if (c->decoupled_lr < 0) return mt_learning_rate(c, num_steps);
@@ -4375,8 +4381,8 @@ MT_DEF void mt_pp_stage_copy(const mt_config* c, const mt_pp_stage* st, float* f
         }
     }
 }
-MT_DEF void mt_pp_tp_part_to_full(const mt_config* c, const mt_pp_stage* st, int tp_rank, const float* part, float* full,
-                           float* scratch) {
+MT_DEF void mt_pp_tp_part_to_full(const mt_config* c, const mt_pp_stage* st, int tp_rank, const float* part,
+                                  float* full, float* scratch) {
     mt_tp_shard_copy(c, tp_rank, full, scratch, 1);   /* the shard as full has it: the other stages' elements */
     mt_pp_stage_copy(c, st, scratch, (float*)part, 0); /* this stage's, from part */
     mt_tp_shard_copy(c, tp_rank, full, scratch, 0);
@@ -4709,7 +4715,7 @@ static void mt__pp_fill(int pp, int vp, int m, int group_size, int rank, mt_pp_o
 }
 
 MT_DEF mt_status mt_pp_schedule(int pp, int vp, int m, int group_size, int rank, mt_pp_op* ops, int* num_warmup,
-                         mt_error* err) {
+                                mt_error* err) {
     mt_status st = mt_pp_schedule_check(pp, vp, m, group_size, err);
     if (st != MT_OK) return st;
     if (rank < 0 || rank >= pp)
@@ -4851,8 +4857,8 @@ static int64_t mt__size_add(int64_t a, int64_t b) {
     return a < 0 || b < 0 || mt_add_overflows_i64(a, b, &r) ? MT__SIZE_MAX : r;
 }
 
-MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int head, int num_slots, const mt_recompute* rc,
-                                  mt_activation_layout* out) {
+MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int head, int num_slots,
+                                         const mt_recompute* rc, mt_activation_layout* out) {
     memset(out, 0, sizeof(*out));
     const int tp = c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1;
     const int sp = c->sequence_parallel && tp > 1, flash = mt_flash_attention(c);
@@ -4973,7 +4979,8 @@ MT_DEF void mt_fp8_arena_layout_compute(const mt_config* c, int fp8_layers, mt_f
     out->total = (size_t)off;
 }
 
-MT_DEF int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int64_t gpu_shard, mt_optimizer_piece* out) {
+MT_DEF int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int64_t gpu_shard,
+                                   mt_optimizer_piece* out) {
     int64_t count = 0, master = 0;
     for (int b = 0; b < B->num_buckets; b++) {
         int64_t begin, end;
@@ -5103,7 +5110,7 @@ MT_DEF size_t mt_memory_plan_bf16_grad_savings(const mt_memory_plan* p) {
 }
 
 MT_DEF mt_status mt_memory_plan_compute(const mt_config* c, const mt_plan_options* opts, mt_memory_plan* plan,
-                                 mt_error* err) {
+                                        mt_error* err) {
     mt_plan_options defaults;
     mt_plan_options_defaults(&defaults);
     const mt_plan_options* o = opts ? opts : &defaults;
@@ -5150,7 +5157,7 @@ static double mt__layout_seconds(const mt_config* c, int tp, int pp, int vp, int
 }
 
 MT_DEF mt_status mt_plan_layouts(const mt_config* c, const mt_plan_options* opts, int world, mt_layout_candidate* out,
-                          int max, int* count, mt_error* err) {
+                                 int max, int* count, mt_error* err) {
     *count = 0;
     mt_plan_options o;
     if (opts) o = *opts;
@@ -5315,7 +5322,7 @@ MT_DEF void mt_thread_pool_run(mt_thread_pool* pool, void (*fn)(void* arg, int w
 /* 12. CPU AdamW (optimizer offload) ------------------------------------------------------------ */
 
 MT_DEF void mt_adamw_cpu_scalar(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
-                         int64_t n) {
+                                int64_t n) {
     const float wd = decay ? h->weight_decay : 0.0f, one_minus_beta1 = 1.0f - h->beta1,
                 one_minus_beta2 = 1.0f - h->beta2;
     for (int64_t i = 0; i < n; i++) {
@@ -5354,7 +5361,8 @@ __attribute__((target("avx2,fma"))) static void mt__adamw_avx2(const mt_adamw_st
 }
 #endif
 
-MT_DEF void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v, int64_t n) {
+MT_DEF void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
+                         int64_t n) {
 #ifdef MT__ADAMW_AVX2
     __builtin_cpu_init(); /* idempotent; then the CPU's features are a table look-up */
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
@@ -5395,7 +5403,7 @@ static void mt__adamw_worker(void* arg, int w, int workers) {
 }
 
 MT_DEF void mt_adamw_cpu_parallel(mt_thread_pool* pool, const mt_adamw_step* h, const mt_adamw_segment* segments,
-                           int num_segments, const float* grad, float* master, float* m, float* v) {
+                                  int num_segments, const float* grad, float* master, float* m, float* v) {
     mt__adamw_job job;
     job.h = h;
     job.segments = segments;
@@ -5658,8 +5666,8 @@ static mt_status mt__ckpt_size_check(const int64_t* h, int64_t bytes, int shard_
     return MT_OK;
 }
 
-MT_DEF mt_status mt_checkpoint_header_check_model(const int64_t* h, const char* path, const mt_config* cfg, int any_layout,
-                                           mt_error* err) {
+MT_DEF mt_status mt_checkpoint_header_check_model(const int64_t* h, const char* path, const mt_config* cfg,
+                                                  int any_layout, mt_error* err) {
     int64_t expected[MT_CK_HEADER_WORDS];
     mt_checkpoint_header_init(expected, cfg);
     /* every word that describes the model (shape, flavour, parallel layout) must be this run's */
@@ -5699,8 +5707,9 @@ MT_DEF mt_status mt_checkpoint_header_check_model(const int64_t* h, const char* 
     return MT_OK;
 }
 
-MT_DEF mt_status mt_checkpoint_header_check_rank(const int64_t* h, int64_t file_bytes, const char* path, const mt_config* cfg,
-                                          const mt_ckpt_rank* r, int64_t iteration, int shard_file, mt_error* err) {
+MT_DEF mt_status mt_checkpoint_header_check_rank(const int64_t* h, int64_t file_bytes, const char* path,
+                                                 const mt_config* cfg, const mt_ckpt_rank* r, int64_t iteration,
+                                                 int shard_file, mt_error* err) {
     mt_status st = mt_checkpoint_header_check(h, path, NULL, err);
     if (st != MT_OK) return st;
     if (h[MT_CK_ITERATION] != iteration)
@@ -5714,10 +5723,13 @@ MT_DEF mt_status mt_checkpoint_header_check_rank(const int64_t* h, int64_t file_
         return mt_fail(err, MT_ERR_FORMAT, "%s holds tensor-parallel rank %lld's shard, not rank %d's", path,
                        (long long)h[MT_CK_TP_RANK], r->tp_rank);
     const int pp = r->pp > 1;
-    if (h[MT_CK_PP_RANK] != r->pp_rank || h[MT_CK_VP] != (pp ? r->vp : 0) || h[MT_CK_STAGE_NUMEL] != (pp ? r->stage_numel : 0))
-        return mt_fail(err, MT_ERR_CONFIG, "%s holds pipeline rank %lld's layers (%lld virtual stages, %lld parameters); "
+    if (h[MT_CK_PP_RANK] != r->pp_rank || h[MT_CK_VP] != (pp ? r->vp : 0) ||
+        h[MT_CK_STAGE_NUMEL] != (pp ? r->stage_numel : 0))
+        return mt_fail(err, MT_ERR_CONFIG,
+                       "%s holds pipeline rank %lld's layers (%lld virtual stages, %lld parameters); "
                        "this rank is pipeline rank %d of another split: resume with the same pipeline layout", path,
-                       (long long)h[MT_CK_PP_RANK], (long long)h[MT_CK_VP], (long long)h[MT_CK_STAGE_NUMEL], r->pp_rank);
+                       (long long)h[MT_CK_PP_RANK], (long long)h[MT_CK_VP], (long long)h[MT_CK_STAGE_NUMEL],
+                       r->pp_rank);
     const int64_t sharded = h[MT_CK_SHARDED_DP], mine = r->sharded ? r->dp : 0;
     if (sharded != 0 && sharded != mine)
         return mt_fail(err, MT_ERR_CONFIG,
@@ -5725,14 +5737,15 @@ MT_DEF mt_status mt_checkpoint_header_check_rank(const int64_t* h, int64_t file_
                        "(--use-distributed-optimizer); this run has %d ranks%s: resume with the same layout",
                        path, (long long)sharded, r->dp, r->sharded ? "" : " without it");
     if (shard_file && (h[MT_CK_DP_RANK] != r->dp_rank || h[MT_CK_SHARD_NUMEL] != r->shard_numel))
-        return mt_fail(err, MT_ERR_FORMAT, "%s is the shard of DP rank %lld with %lld elements, not of rank %d with %lld",
-                       path, (long long)h[MT_CK_DP_RANK], (long long)h[MT_CK_SHARD_NUMEL], r->dp_rank,
+        return mt_fail(err, MT_ERR_FORMAT,
+                       "%s is the shard of DP rank %lld with %lld elements, not of rank %d with %lld", path,
+                       (long long)h[MT_CK_DP_RANK], (long long)h[MT_CK_SHARD_NUMEL], r->dp_rank,
                        (long long)r->shard_numel);
     return MT_OK;
 }
 
 MT_DEF mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_file, int tp_rank, int pp_rank,
-                              int dp_rank, int64_t* h, int* fd_out, mt_error* err) {
+                                     int dp_rank, int64_t* h, int* fd_out, mt_error* err) {
     if (fd_out) *fd_out = -1;
     int fd = mt_open_regular_file(path, err);
     if (fd < 0) return MT_ERR_IO;
@@ -5812,7 +5825,7 @@ MT_DEF int64_t mt_checkpoint_retain_victim(int64_t previous, int64_t saved, int6
 }
 
 MT_DEF mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t saved, int64_t retain_interval,
-                                     int64_t pending, int64_t* deleted, mt_error* err) {
+                                            int64_t pending, int64_t* deleted, mt_error* err) {
     *deleted = -1;
     const int64_t victim = mt_checkpoint_retain_victim(previous, saved, retain_interval, pending);
     if (victim < 0) return MT_OK;
@@ -5854,8 +5867,8 @@ MT_DEF int mt_make_directories(const char* path) {
     return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
 }
 
-MT_DEF void mt_checkpoint_save_dirs(const char* dir, int64_t iteration, char* final_dir, size_t final_cap, char* tmp_dir,
-                             size_t tmp_cap) {
+MT_DEF void mt_checkpoint_save_dirs(const char* dir, int64_t iteration, char* final_dir, size_t final_cap,
+                                    char* tmp_dir, size_t tmp_cap) {
     snprintf(final_dir, final_cap, "%s/iter_%07lld", dir, (long long)iteration);
     snprintf(tmp_dir, tmp_cap, "%s/.tmp_iter_%07lld", dir, (long long)iteration);
 }
@@ -5970,8 +5983,8 @@ MT_DEF mt_status mt_checkpoint_manifest_write(const char* iter_dir, mt_error* er
     return mt_checkpoint_manifest_write_known(iter_dir, NULL, 0, err);
 }
 
-MT_DEF mt_status mt_checkpoint_manifest_write_known(const char* iter_dir, const mt_checkpoint_file_crc* known, int num_known,
-                                             mt_error* err) {
+MT_DEF mt_status mt_checkpoint_manifest_write_known(const char* iter_dir, const mt_checkpoint_file_crc* known,
+                                                    int num_known, mt_error* err) {
     mt__file_list l = {NULL, 0, 0};
     mt_status st = mt__list_files(iter_dir, "", &l, 0, err);
     if (st == MT_OK && l.count > 0) qsort(l.paths, (size_t)l.count, sizeof(char*), mt__strcmp_ptr);
@@ -6108,7 +6121,7 @@ MT_DEF mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* e
 /* ---- the commit of a save ---- */
 
 MT_DEF mt_status mt_checkpoint_commit(const char* dir, int64_t iteration, const char* tmp_dir,
-                               const mt_checkpoint_file_crc* known, int num_known, mt_error* err) {
+                                      const mt_checkpoint_file_crc* known, int num_known, mt_error* err) {
     char final_dir[4096], old_dir[4160];
     snprintf(final_dir, sizeof(final_dir), "%s/iter_%07lld", dir, (long long)iteration);
     snprintf(old_dir, sizeof(old_dir), "%s.old", final_dir);
@@ -6168,8 +6181,8 @@ MT_DEF mt_status mt_checkpoint_check_integrity(const char* iter_dir, int no_veri
     return MT_OK;
 }
 
-MT_DEF mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no_verify, int64_t* chosen, int* fell_back,
-                               mt_error* warning, mt_error* err) {
+MT_DEF mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no_verify, int64_t* chosen,
+                                      int* fell_back, mt_error* warning, mt_error* err) {
     if (fell_back) *fell_back = 0;
     if (warning) warning->message[0] = 0;
     const int tracked = iteration < 0;
@@ -6228,7 +6241,7 @@ MT_DEF mt_ckpt_ddp mt_ckpt_saved_ddp(const mt_ckpt* ck, const mt_ckpt_ddp* fallb
 }
 
 MT_DEF mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp, int dp, const mt_ckpt_ddp* ddp,
-                         int tp_rank, int pp_rank, mt_error* err) {
+                                int tp_rank, int pp_rank, mt_error* err) {
     mt_config_defaults(c);
     mt_config_from_checkpoint_header(c, h);
     c->tensor_model_parallel_size = tp;
@@ -6406,8 +6419,8 @@ static mt_status mt__ckpt_read_piece(mt__ckpt_reader* r, int t, int s, int tenso
     return st;
 }
 
-MT_DEF mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_config* target, int array, float* out,
-                            mt_error* err) {
+MT_DEF mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_config* target, int array,
+                                   float* out, mt_error* err) {
     if (array < 0 || array >= MT_CKPT_ARRAYS) return mt_fail(err, MT_ERR_ARG, "checkpoint array %d does not exist", array);
     const int D = ck->sharded_dp;
     mt__ckpt_reader r;
@@ -6704,7 +6717,7 @@ MT_DEF mt_status mt_tb_scalar(mt_tb_writer* w, const char* tag, double value, in
 }
 
 MT_DEF mt_status mt_tb_scalar_pair(mt_tb_writer* w, const char* tag, double value, int64_t iteration,
-                            int64_t consumed_samples, mt_error* err) {
+                                   int64_t consumed_samples, mt_error* err) {
     mt_status st = mt_tb_scalar(w, tag, value, iteration, err);
     char* twin = st == MT_OK ? mt__concat(tag, " vs samples") : NULL;
     if (st == MT_OK && !twin) st = mt_fail(err, MT_ERR_OOM, "out of memory");
