@@ -67,7 +67,7 @@
  * with its banner; section 15 is implemented in megatron.cu):
  *    1. Status and errors
  *    2. Indexed datasets (.bin/.idx, Megatron MMIDIDX v1): reader and writer
- *    3. GPT datasets: --split, document/sample/shuffle index, blending (bit-exact with Megatron)
+ *    3. GPT datasets: --split, document/sample/shuffle index, blending, bit-exact with Megatron
  *    4. .npy writer (Megatron's index cache format)
  *    5. Training configuration, learning-rate schedule, FLOP formula
  *    6. Parameter tensors and tensor-parallel shards
@@ -258,7 +258,7 @@ MT_DEF mt_status mt_indexed_writer_prepare(mt_indexed_writer* w, mt_error* err);
 MT_DEF mt_status mt_indexed_writers_commit(mt_indexed_writer** writers, int count, mt_error* err);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* 3. GPT datasets: --split, document/sample/shuffle index, blending (bit-exact with Megatron)     */
+/* 3. GPT datasets: --split, document/sample/shuffle index, blending, bit-exact with Megatron      */
 /*    megatron/core/datasets/{gpt_dataset.py, helpers.cpp, blended_dataset.py,                     */
 /*    blended_megatron_dataset_builder.py, blended_megatron_dataset_config.py}. Every array below  */
 /*    equals, element for element and in Megatron's dtype, what Megatron caches as                 */
@@ -2622,7 +2622,7 @@ MT_DEF mt_status mt_indexed_writer_finalize(mt_indexed_writer* w, mt_error* err)
     return mt_indexed_writers_commit(&w, 1, err);
 }
 
-/* 3. GPT datasets: --split, document/sample/shuffle index, blending (bit-exact with Megatron) -- */
+/* 3. GPT datasets: --split, document/sample/shuffle index, blending, bit-exact with Megatron --- */
 
 MT_DEF const char* mt_split_name(int split) {
     switch (split) {
