@@ -6900,31 +6900,6 @@ static mt_status write_all(FILE* f, const void* data, size_t bytes, const char* 
     return MT_OK;
 }
 
-/* Rank 0, before a save: removes the temporary directories of saves that never finished, and
- * settles every iter_N.old a save left: removed when iter_N is in place, else renamed back. */
-static void tidy_checkpoint_dir(const char* dir) {
-    DIR* d = opendir(dir);
-    if (!d) return;
-    struct dirent* e;
-    char path[4400], final_dir[4400];
-    while ((e = readdir(d))) {
-        const char* n = e->d_name;
-        size_t len = strlen(n);
-        snprintf(path, sizeof(path), "%s/%s", dir, n);
-        if (!strncmp(n, ".tmp_iter_", 10)) {
-            mt_remove_tree(path);
-        } else if (!strncmp(n, "iter_", 5) && len > 9 && !strcmp(n + len - 4, ".old")) {
-            snprintf(final_dir, sizeof(final_dir), "%s/%.*s", dir, (int)(len - 4), n);
-            struct stat st;
-            if (stat(final_dir, &st) == 0) mt_remove_tree(path);
-            else if (errno == ENOENT) rename(path, final_dir);
-        }
-    }
-    closedir(d);
-    snprintf(path, sizeof(path), "%s/.", dir);
-    mt_sync_directory_of(path); /* of dir */
-}
-
 /* fopen(path, "rb") of a regular file only (a FIFO or a directory is refused without blocking) */
 static FILE* open_checkpoint_file(const char* path, mt_error* err) {
     int fd = mt_open_regular_file(path, err);
@@ -7054,8 +7029,28 @@ static mt_status skip_canonical(mt_trainer* t, FILE* f, int count, const char* p
     return MT_OK;
 }
 
+/* This rank's place in its checkpoint files (megatron.h mt_ckpt_rank: their names, the rank words). */
+static mt_ckpt_rank checkpoint_rank(const mt_trainer* t) {
+    mt_ckpt_rank r;
+    memset(&r, 0, sizeof(r));
+    r.tp_rank = t->groups.tp.rank;
+    r.pp_rank = t->groups.pp_rank;
+    r.dp_rank = t->groups.dp_rank;
+    r.pp = t->groups.pp_size;
+    r.vp = t->buffer.stage.num_chunks;
+    r.stage_numel = t->num_params;
+    r.dp = t->groups.dp_size;
+    r.sharded = t->opt.sharded;
+    r.shard_numel = t->opt.shard_numel;
+    r.ddp.overlap_grad_reduce = t->cfg.overlap_grad_reduce;
+    r.ddp.ddp_bucket_size = t->cfg.ddp_bucket_size;
+    return r;
+}
+
 static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration, int64_t consumed_samples) {
+    const mt_ckpt_rank rank = checkpoint_rank(t);
     mt_checkpoint_header_init(header, &t->cfg);
+    mt_checkpoint_header_set_rank(header, &rank);
     header[MT_CK_ITERATION] = iteration;
     header[MT_CK_CONSUMED] = consumed_samples;
     header[MT_CK_SCHED_STEPS] = t->opt.scheduler_steps;
@@ -7063,15 +7058,6 @@ static void fill_header(const mt_trainer* t, int64_t* header, int64_t iteration,
     header[MT_CK_GROWTH] = t->scaler.growth_tracker;
     header[MT_CK_HYSTERESIS] = t->scaler.hysteresis_tracker;
     memcpy(&header[MT_CK_LOSS_SCALE_BITS], &t->scaler.loss_scale, sizeof(double));
-    header[MT_CK_SHARDED_DP] = t->opt.sharded ? t->groups.dp_size : 0;
-    header[MT_CK_DP_RANK] = t->groups.dp_rank;
-    header[MT_CK_SHARD_NUMEL] = t->opt.sharded ? t->opt.shard_numel : 0;
-    header[MT_CK_DDP_OVERLAP] = t->opt.sharded ? 1 + (t->cfg.overlap_grad_reduce != 0) : 0;
-    header[MT_CK_DDP_BUCKET_SIZE] = t->opt.sharded ? t->cfg.ddp_bucket_size : 0;
-    header[MT_CK_TP_RANK] = t->groups.tp.rank;
-    header[MT_CK_PP_RANK] = t->groups.pp_rank;
-    header[MT_CK_VP] = t->groups.pp_size > 1 ? t->buffer.stage.num_chunks : 0;
-    header[MT_CK_STAGE_NUMEL] = t->groups.pp_size > 1 ? t->num_params : 0;
     const int delayed = t->fp8.enabled && t->fp8.recipe == MT_FP8_DELAYED;
     header[MT_CK_FP8_TENSORS] = delayed ? t->fp8.num_tensors : 0;
     header[MT_CK_FP8_HISTORY_LEN] = delayed ? t->fp8.history_len : 0;
@@ -7208,33 +7194,6 @@ static mt_status other_rank_failed(mt_status st, mt_error* err, const char* what
     return mt_fail(err, MT_ERR_IO, "%s %s failed on another rank", what, path);
 }
 
-/* A model-parallel rank's directory, Megatron's naming: mp_rank_<tp> (two digits), with pipeline
- * parallelism mp_rank_<tp>_<pp> (two and three digits). */
-static void model_rank_dir(const mt_trainer* t, char* buf, size_t size, const char* parent, int tp, int pp) {
-    if (t->groups.pp_size > 1) snprintf(buf, size, "%s/mp_rank_%02d_%03d", parent, tp, pp);
-    else snprintf(buf, size, "%s/mp_rank_%02d", parent, tp);
-}
-
-/* The files a rank writes into its model-parallel directory, in this order: the distributed
- * optimizer's shard file distrib_optim_dp<dp>.bin (when sharded), then model_optim_rng.bin on DP
- * rank 0 (the replicas of a TP x PP rank hold the same model file). Returns how many (0 to 2). */
-typedef struct {
-    char name[32];
-    int shard; /* 1: the shard file (master, m, v of this DP rank's shard), 0: the model file */
-} rank_file;
-static int rank_checkpoint_files(const mt_trainer* t, int dp_rank, rank_file files[2]) {
-    int n = 0;
-    if (t->opt.sharded) {
-        snprintf(files[n].name, sizeof(files[n].name), "distrib_optim_dp%03d.bin", dp_rank);
-        files[n++].shard = 1;
-    }
-    if (dp_rank == 0) {
-        snprintf(files[n].name, sizeof(files[n].name), "model_optim_rng.bin");
-        files[n++].shard = 0;
-    }
-    return n;
-}
-
 /* Every rank's `n` (at most MT_GATHER_DOUBLES) host doubles, all-gathered over the world in rank
  * order into out [world * n]. Collective. */
 static mt_status all_gather_world(mt_trainer* t, const double* mine, int n, double* out, mt_error* err) {
@@ -7260,7 +7219,7 @@ static mt_status all_gather_world(mt_trainer* t, const double* mine, int n, doub
 
 /* The writers' checksums, gathered to rank 0 for the manifest (so the commit, which runs in the step
  * loop, does not read the checkpoint back): every rank's (CRC, size) of its files in one all-gather
- * over the world, and rank 0 names each rank's files with rank_checkpoint_files as begin_save does.
+ * over the world, and rank 0 names each rank's files with mt_ckpt_rank_files as begin_save does.
  * Collective. */
 static mt_status gather_file_checksums(mt_trainer* t, const struct mt_async_save* a, mt_checkpoint_file_crc** known,
                                        int* num_known, mt_error* err) {
@@ -7280,12 +7239,14 @@ static mt_status gather_file_checksums(mt_trainer* t, const struct mt_async_save
     int n = 0;
     for (int r = 0; r < world && st == MT_OK && k; r++) {
         mt_rank_coords rc = mt_rank_coordinates(&t->cfg, r);
-        char rank_dir[64];
-        model_rank_dir(t, rank_dir, sizeof(rank_dir), "", rc.tp, rc.pp); /* "/mp_rank_..." */
-        rank_file files[2];
-        const int count = rank_checkpoint_files(t, rc.dp, files);
+        mt_ckpt_rank other = checkpoint_rank(t);
+        other.tp_rank = rc.tp;
+        other.pp_rank = rc.pp;
+        other.dp_rank = rc.dp;
+        mt_ckpt_file files[2];
+        const int count = mt_ckpt_rank_files(&other, files);
         for (int f = 0; f < count; f++, n++) {
-            snprintf(k[n].path, sizeof(k[n].path), "%s/%s", rank_dir + 1, files[f].name);
+            snprintf(k[n].path, sizeof(k[n].path), "%s", files[f].path);
             k[n].crc = (uint32_t)all[(size_t)r * MT_GATHER_DOUBLES + 2 * f];
             k[n].size = (int64_t)all[(size_t)r * MT_GATHER_DOUBLES + 2 * f + 1];
         }
@@ -7300,9 +7261,9 @@ static mt_status gather_file_checksums(mt_trainer* t, const struct mt_async_save
     return MT_OK;
 }
 
-/* Rank 0 commits a save whose files every rank has written: the manifest (every rank's files with
- * their checksums: the commit marker, megatron.h), the rename into place (replacing an older copy of
- * the same iteration), then the tracker. Collective. */
+/* Rank 0 commits a save whose files every rank has written (megatron.h mt_checkpoint_commit: the
+ * manifest of every rank's files with their checksums, the rename into place replacing an older copy
+ * of the same iteration, then the tracker). Collective. */
 static mt_status commit_save(mt_trainer* t, struct mt_async_save* a, mt_error* err) {
     mt_checkpoint_file_crc* known = NULL;
     int num_known = 0;
@@ -7311,21 +7272,7 @@ static mt_status commit_save(mt_trainer* t, struct mt_async_save* a, mt_error* e
         free(known);
         return other_rank_failed(st, err, "saving", a->final_dir);
     }
-    if (t->cfg.rank == 0) {
-        char old_dir[4160];
-        snprintf(old_dir, sizeof(old_dir), "%s.old", a->final_dir);
-        st = mt_checkpoint_manifest_write_known(a->tmp_dir, known, num_known, err);
-        if (st != MT_OK) mt_remove_tree(a->tmp_dir);
-        else if (rename(a->final_dir, old_dir) != 0 && errno != ENOENT) /* an older copy of this iteration steps aside */
-            st = mt_fail(err, MT_ERR_IO, "cannot replace %s: %s", a->final_dir, strerror(errno));
-        else if (rename(a->tmp_dir, a->final_dir) != 0)
-            st = mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", a->tmp_dir, a->final_dir, strerror(errno));
-        else if (mt_sync_directory_of(a->final_dir) != 0)
-            st = mt_fail(err, MT_ERR_IO, "cannot sync %s: %s", a->dir, strerror(errno));
-        if (st == MT_OK) mt_remove_tree(old_dir);
-        else rename(old_dir, a->final_dir); /* the new one did not arrive: the old one comes back */
-        if (st == MT_OK) st = mt_checkpoint_write_tracker(a->dir, a->iteration, err);
-    }
+    if (t->cfg.rank == 0) st = mt_checkpoint_commit(a->dir, a->iteration, a->tmp_dir, known, num_known, err);
     free(known);
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", a->final_dir);
     return mt_gpu_error_return(&t->error, err);
@@ -7373,12 +7320,13 @@ static mt_status reserve_pinned_staging(struct mt_async_save* a, size_t total, m
     return MT_OK;
 }
 
-/* This rank's checkpoint bytes (its files: rank_checkpoint_files). */
+/* This rank's checkpoint bytes (its files: mt_ckpt_rank_files). */
 static size_t rank_checkpoint_bytes(mt_trainer* t) {
     int64_t header[MT_CK_HEADER_WORDS];
     fill_header(t, header, 0, 0);
-    rank_file files[2];
-    const int count = rank_checkpoint_files(t, t->groups.dp_rank, files);
+    const mt_ckpt_rank rank = checkpoint_rank(t);
+    mt_ckpt_file files[2];
+    const int count = mt_ckpt_rank_files(&rank, files);
     size_t total = 0;
     for (int f = 0; f < count; f++) total += (size_t)mt_checkpoint_file_bytes(header, files[f].shard);
     return total;
@@ -7407,8 +7355,7 @@ static mt_status begin_save(mt_trainer* t, const char* dir, int64_t iteration, i
     char rank_dir[4160];
     int leader = t->cfg.rank == 0;       /* makes and renames the directories */
     snprintf(a->dir, sizeof(a->dir), "%s", dir);
-    snprintf(a->final_dir, sizeof(a->final_dir), "%s/iter_%07lld", dir, (long long)iteration);
-    snprintf(a->tmp_dir, sizeof(a->tmp_dir), "%s/.tmp_iter_%07lld", dir, (long long)iteration);
+    mt_checkpoint_save_dirs(dir, iteration, a->final_dir, sizeof(a->final_dir), a->tmp_dir, sizeof(a->tmp_dir));
     a->iteration = iteration;
     wait_for_all_parameters(t);
 
@@ -7416,25 +7363,26 @@ static mt_status begin_save(mt_trainer* t, const char* dir, int64_t iteration, i
     if (leader) {
         if (mt_make_directories(dir) != 0)
             st = mt_fail(err, MT_ERR_IO, "cannot create checkpoint directory %s: %s", dir, strerror(errno));
-        tidy_checkpoint_dir(dir);
+        mt_checkpoint_tidy(dir);
         if (st == MT_OK && mkdir(a->tmp_dir, 0755) != 0)
             st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", a->tmp_dir, strerror(errno));
         for (int r = 0; r < t->groups.tp.size * t->groups.pp_size && st == MT_OK; r++) {
-            model_rank_dir(t, rank_dir, sizeof(rank_dir), a->tmp_dir, r % t->groups.tp.size, r / t->groups.tp.size);
+            mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), a->tmp_dir, t->groups.pp_size, r % t->groups.tp.size,
+                             r / t->groups.tp.size);
             if (mkdir(rank_dir, 0755) != 0) st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", rank_dir, strerror(errno));
         }
     }
-    model_rank_dir(t, rank_dir, sizeof(rank_dir), a->tmp_dir, t->groups.tp.rank, t->groups.pp_rank);
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", a->final_dir);
 
-    /* 2. every rank stages its files (rank_checkpoint_files: the shard file, the model file on DP rank 0) */
+    /* 2. every rank stages its files (mt_ckpt_rank_files: the shard file, the model file on DP rank 0) */
     int64_t header[MT_CK_HEADER_WORDS];
     fill_header(t, header, iteration, consumed_samples);
-    rank_file files[2];
-    a->num_files = rank_checkpoint_files(t, t->groups.dp_rank, files);
+    const mt_ckpt_rank rank = checkpoint_rank(t);
+    mt_ckpt_file files[2];
+    a->num_files = mt_ckpt_rank_files(&rank, files);
     size_t total = 0;
     for (int i = 0; i < a->num_files; i++) {
-        snprintf(a->files[i].path, sizeof(a->files[0].path), "%s/%s", rank_dir, files[i].name);
+        snprintf(a->files[i].path, sizeof(a->files[0].path), "%s/%s", a->tmp_dir, files[i].path);
         a->files[i].size = (size_t)mt_checkpoint_file_bytes(header, files[i].shard);
         total += a->files[i].size;
     }
@@ -7494,87 +7442,18 @@ mt_status mt_trainer_save_wait(mt_trainer* t, int blocking, int64_t* committed_i
     return finish_save(t, blocking, committed_iteration, err);
 }
 
-/* Every header word that describes the model (shape, flavour) must be this run's; with any_layout
- * the parallel layout (TP, PP) and the vocabulary's padding may differ (a load at another layout,
- * which re-pads: then the true vocabulary, when the header knows it, must be this run's). */
-static mt_status check_model_words(const mt_trainer* t, const int64_t* h, const char* path, int any_layout,
-                                   mt_error* err) {
-    int64_t expected[MT_CK_HEADER_WORDS];
-    mt_checkpoint_header_init(expected, &t->cfg);
-    /* every word that describes the model (shape, flavour, parallel layout) must be this run's */
-    struct { int word; const char* what; } shape[] = {
-        {MT_CK_LAYERS, "--num-layers"},
-        {MT_CK_HIDDEN, "--hidden-size"},
-        {MT_CK_HEADS, "--num-attention-heads"},
-        {MT_CK_GROUPS, "--num-query-groups"},
-        {MT_CK_KV, "--kv-channels"},
-        {MT_CK_FFN, "--ffn-hidden-size"},
-        {MT_CK_VOCAB, "padded vocabulary size"},
-        {MT_CK_POSITIONS, "--max-position-embeddings"},
-        {MT_CK_TP, "--tensor-model-parallel-size"},
-        {MT_CK_PP, "--pipeline-model-parallel-size"},
-        {MT_CK_NORMALIZATION, "--normalization (0 LayerNorm, 1 RMSNorm)"},
-        {MT_CK_SWIGLU, "--swiglu"},
-        {MT_CK_POSITION_TYPE, "--position-embedding-type (0 learned_absolute, 1 rope, 2 none)"},
-        {MT_CK_ROTARY_BASE_BITS, "--rotary-base (bits)"},
-        {MT_CK_ROTARY_PERCENT_BITS, "--rotary-percent (bits)"},
-        {MT_CK_ROPE_SCALING_FACTOR_BITS, "--rope-scaling-factor (bits)"},
-        {MT_CK_UNTIED, "--untie-embeddings-and-output-weights"},
-        {MT_CK_NO_BIAS_LINEAR, "--disable-bias-linear"},
-        {MT_CK_LAYERNORM_1P, "--apply-layernorm-1p"},
-        {MT_CK_SQUARED_RELU, "--squared-relu"},
-        {MT_CK_QK_LAYERNORM, "--qk-layernorm"},
-    };
-    for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++) {
-        const int w = shape[i].word;
-        if (any_layout && (w == MT_CK_TP || w == MT_CK_PP || (w == MT_CK_VOCAB && h[MT_CK_TRUE_VOCAB] > 0))) continue;
-        if (h[w] != expected[w])
-            return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has %s %lld but this run has %lld", path, shape[i].what,
-                           (long long)h[w], (long long)expected[w]);
-    }
-    if (any_layout && h[MT_CK_TRUE_VOCAB] > 0 && h[MT_CK_TRUE_VOCAB] != t->cfg.vocab_size)
-        return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has a vocabulary of %lld but this run has %lld", path,
-                       (long long)h[MT_CK_TRUE_VOCAB], (long long)t->cfg.vocab_size);
-    return MT_OK;
-}
-
-/* Reads a checkpoint header and checks it: every word in range (mt_checkpoint_header_check), the
- * iteration the one asked for, the file's exact size, and the model this run's. f is NULL when the
- * open failed (err already says why). */
+/* Reads a checkpoint header and checks it as megatron.h's mt_checkpoint_header_check_rank does: every
+ * word in range, the iteration the one asked for, the file's exact size, the model and layout this
+ * run's, a shard file this rank's. f is NULL when the open failed (err already says why). */
 static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int64_t iteration, int shard_file,
                              int64_t* h, mt_error* err) {
     if (!f) return MT_ERR_IO;
     if (fread(h, sizeof(int64_t), MT_CK_HEADER_WORDS, f) != MT_CK_HEADER_WORDS)
         return mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
-    mt_status st = mt_checkpoint_header_check(h, path, NULL, err);
-    if (st != MT_OK) return st;
-    if (h[MT_CK_ITERATION] != iteration)
-        return mt_fail(err, MT_ERR_FORMAT, "%s holds iteration %lld, not %lld", path, (long long)h[MT_CK_ITERATION],
-                       (long long)iteration);
     struct stat sb;
-    const int64_t want = mt_checkpoint_file_bytes(h, shard_file);
-    if (fstat(fileno(f), &sb) != 0 || (int64_t)sb.st_size != want)
-        return mt_fail(err, MT_ERR_FORMAT, "%s has %lld bytes, but its header describes %lld (%s)", path,
-                       (long long)sb.st_size, (long long)want, (int64_t)sb.st_size < want ? "truncated" : "too long");
-    mt_status model_st = check_model_words(t, h, path, 0, err);
-    if (model_st != MT_OK) return model_st;
-    if (h[MT_CK_TP_RANK] != t->groups.tp.rank)
-        return mt_fail(err, MT_ERR_FORMAT, "%s holds tensor-parallel rank %lld's shard, not rank %d's", path,
-                       (long long)h[MT_CK_TP_RANK], t->groups.tp.rank);
-    const int pp = t->groups.pp_size > 1;
-    if (h[MT_CK_PP_RANK] != t->groups.pp_rank || h[MT_CK_VP] != (pp ? t->buffer.stage.num_chunks : 0) ||
-        h[MT_CK_STAGE_NUMEL] != (pp ? t->num_params : 0))
-        return mt_fail(err, MT_ERR_CONFIG, "%s holds pipeline rank %lld's layers (%lld virtual stages, %lld parameters); "
-                       "this rank is pipeline rank %d of another split: resume with the same pipeline layout", path,
-                       (long long)h[MT_CK_PP_RANK], (long long)h[MT_CK_VP], (long long)h[MT_CK_STAGE_NUMEL],
-                       t->groups.pp_rank);
-    int64_t sharded = h[MT_CK_SHARDED_DP], mine = t->opt.sharded ? t->groups.dp_size : 0;
-    if (sharded != 0 && sharded != mine)
-        return mt_fail(err, MT_ERR_CONFIG,
-                       "checkpoint %s holds optimizer state sharded over %lld data-parallel ranks "
-                       "(--use-distributed-optimizer); this run has %d ranks%s: resume with the same layout",
-                       path, (long long)sharded, t->groups.dp_size, t->opt.sharded ? "" : " without it");
-    return MT_OK;
+    const mt_ckpt_rank rank = checkpoint_rank(t);
+    return mt_checkpoint_header_check_rank(h, fstat(fileno(f), &sb) == 0 ? (int64_t)sb.st_size : -1, path, &t->cfg,
+                                           &rank, iteration, shard_file, err);
 }
 
 /* A checkpoint saved at another layout (TP, PP, VP, the distributed optimizer's DP size, the
@@ -7589,7 +7468,7 @@ static mt_status read_header(const mt_trainer* t, FILE* f, const char* path, int
 static mt_status load_other_layout(mt_trainer* t, const mt_ckpt* ck, int load_optim, float* host, int64_t* h,
                                    mt_error* err) {
     memcpy(h, ck->header, sizeof(int64_t) * MT_CK_HEADER_WORDS);
-    mt_status st = check_model_words(t, h, ck->iter_dir, 1, err);
+    mt_status st = mt_checkpoint_header_check_model(h, ck->iter_dir, &t->cfg, 1, err);
     const mt_ckpt_ddp ddp = {t->cfg.overlap_grad_reduce, t->cfg.ddp_bucket_size};
     float* moments[2] = {t->opt.adam_m, t->opt.adam_v};
     for (int a = MT_CKPT_MASTER; a <= (load_optim ? MT_CKPT_V : MT_CKPT_MASTER) && st == MT_OK; a++) {
@@ -7643,8 +7522,8 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
     if (st == MT_OK && other_layout) st = load_other_layout(t, &ck, load_optim, host, h, err);
     if (st == MT_OK && !other_layout) {
         /* the model file: master weights (then m and v unless sharded), through the gradient buffer */
-        model_rank_dir(t, rank_dir, sizeof(rank_dir), iter_dir, t->groups.tp.rank, t->groups.pp_rank);
-        snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
+        mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, t->groups.pp_size, t->groups.tp.rank, t->groups.pp_rank);
+        mt_ckpt_file_path(path, sizeof(path), rank_dir, -1);
         FILE* f = open_checkpoint_file(path, err);
         st = read_header(t, f, path, iteration, 0, h, err);
         if (st == MT_OK) st = read_canonical(t, f, t->grads, host, path, err);
@@ -7676,17 +7555,12 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
     }
     if (st == MT_OK && !other_layout && load_optim && h[MT_CK_SHARDED_DP] != 0) {
         /* this rank's shard of master, m and v */
-        snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, t->groups.dp_rank);
+        mt_ckpt_file_path(path, sizeof(path), rank_dir, t->groups.dp_rank);
         FILE* f = open_checkpoint_file(path, err);
         int64_t hs[MT_CK_HEADER_WORDS];
-        st = read_header(t, f, path, iteration, 1, hs, err);
-        if (st == MT_OK && (hs[MT_CK_DP_RANK] != t->groups.dp_rank || hs[MT_CK_SHARD_NUMEL] != t->opt.shard_numel))
-            st = mt_fail(err, MT_ERR_FORMAT, "%s is the shard of DP rank %lld with %lld elements, not of rank %d with %lld",
-                         path, (long long)hs[MT_CK_DP_RANK], (long long)hs[MT_CK_SHARD_NUMEL], t->groups.dp_rank,
-                         (long long)t->opt.shard_numel);
+        st = read_header(t, f, path, iteration, 1, hs, err); /* its DP rank and shard size too */
         float* arrays[3] = {t->opt.master, t->opt.adam_m, t->opt.adam_v};
-        for (int i = 0; i < 3 && st == MT_OK; i++)
-            st = read_device_array(t, f, arrays[i], t->opt.shard_numel, host, path, err);
+        for (int i = 0; i < 3 && st == MT_OK; i++) st = read_device_array(t, f, arrays[i], t->opt.shard_numel, host, path, err);
         if (f) fclose(f);
     }
     free(host);

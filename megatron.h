@@ -6,8 +6,10 @@
  * file you copy into another project. It declares the whole C API (C99 and C++, extern "C", every
  * public name prefixed mt_ / MT_) and implements its host-only part: Megatron's .bin/.idx datasets,
  * the GPT sample index and blending, the .npy writer, the configuration, learning-rate schedules and
- * FLOP formula, the parallel geometry, the checkpoint header and TensorBoard event files. A plain C
- * program has all of that without CUDA.
+ * FLOP formula, the parallel geometry (tensor-parallel shards, rank layout and pipeline stages, the
+ * DDP buffer, pipeline schedules), the memory plan of any layout, the CPU AdamW, checkpoints (the
+ * files and the rules for writing and reading them, and a reader of any layout) and TensorBoard
+ * event files. A plain C program has all of that without CUDA.
  *
  * Use. Include it wherever you need the declarations. In exactly one C or C++ file of the program,
  * define MEGATRON_IMPLEMENTATION before including it: that file also gets the implementation.
@@ -26,6 +28,13 @@
  * further down. The declarations and the implementation each appear once per translation unit,
  * however often the header is included.
  *
+ * Define MT_STATIC as well (in the one file that defines MEGATRON_IMPLEMENTATION, before its first
+ * include of the header) to make every function of the implementation static, private to that file,
+ * as stb's STB_xxx_STATIC does: for a program that uses the header in one file only, or that links a
+ * library holding a copy of its own. MT_DEF is the linkage macro this sets (define it yourself to
+ * override it); the trainer API of section 15 keeps extern linkage (megatron.o defines it). The
+ * header's version: MT_VERSION_MAJOR, MT_VERSION_MINOR, MT_VERSION_PATCH.
+ *
  * Link: -lm (sqrt, pow, cos, ceil, nearbyint) -lpthread (the thread pool of the CPU AdamW; part of
  * libc from glibc 2.34 on).
  * Platform: POSIX. Besides ISO C the implementation calls open, read, write, close, fcntl, stat, fstat,
@@ -41,7 +50,7 @@
  * _POSIX_C_SOURCE=200809L when compiling the implementation file.
  * The files it reads and writes are little-endian, as is every host it targets.
  *
- * The GPU side (the trainer, mt_comm_id_create, mt_device_*; section 8) is declared here and
+ * The GPU side (the trainer, mt_comm_id_create, mt_device_*; section 15) is declared here and
  * implemented in megatron.cu, which defines MEGATRON_IMPLEMENTATION itself: megatron.o (built by
  * nvcc) holds this header's implementation too, so a program that links it (with -lcudart -lcublas
  * -lcublasLt -lnccl) defines MEGATRON_IMPLEMENTATION nowhere else, as train_gpt.c does.
@@ -54,24 +63,53 @@
  * Errors: every fallible function returns an mt_status and, when given a non-NULL mt_error*, a
  * one-line message naming the problem. Library code never exits and never prints.
  *
- * Sections (declarations in this order, then the implementation in the same order; section 8's is
- * in megatron.cu):
- *   1. Status and errors
- *   2. Indexed datasets (.bin/.idx, Megatron MMIDIDX v1): reader and writer
- *   3. GPT datasets: --split, document/sample/shuffle index, blending (bit-exact with Megatron)
- *   4. .npy writer (Megatron's index cache format)
- *   5. Training configuration, learning-rate schedule, FLOP formula
- *   6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout, pipeline
- *      schedules; the memory plan of any layout; the CPU AdamW of optimizer offload
- *   7. Checkpoint format: the header words, config <-> header
- *   8. The trainer API (GPU; implemented in megatron.cu)
- *   9. TensorBoard event files (TFRecord framing, Event and Summary protobufs, encoded by hand)
+ * Sections (declarations in this order, then the implementation in the same order, each opening
+ * with its banner; section 15 is implemented in megatron.cu):
+ *    1. Status and errors
+ *    2. Indexed datasets (.bin/.idx, Megatron MMIDIDX v1): reader and writer
+ *    3. GPT datasets: --split, document/sample/shuffle index, blending, bit-exact with Megatron
+ *    4. .npy writer (Megatron's index cache format)
+ *    5. Training configuration, learning-rate schedule, FLOP formula
+ *    6. Parameter tensors and tensor-parallel shards
+ *    7. Rank layout and pipeline stages (the layer split)
+ *    8. DDP buffer layout: buckets and distributed-optimizer shards
+ *    9. Pipeline schedules
+ *   10. Memory plan of any layout: arenas, recompute, optimizer pieces, --plan-layouts
+ *   11. Thread pool
+ *   12. CPU AdamW (optimizer offload)
+ *   13. Checkpoint files: header and checks, names, tracker, retention, commit, integrity
+ *   14. Checkpoints at any layout: the reader of any rank's part
+ *   15. The trainer API (GPU; implemented in megatron.cu)
+ *   16. TensorBoard event files
  */
 #ifndef MEGATRON_H
 #define MEGATRON_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+/* This header's version (semantic versioning: MAJOR changes with an incompatible change of the API,
+ * MINOR with additions, PATCH with fixes). For the preprocessor only: nothing writes it into a file or
+ * a log (the checkpoint format has its own MT_CKPT_VERSION, the datasets Megatron's version word). */
+#define MT_VERSION_MAJOR 0
+#define MT_VERSION_MINOR 1
+#define MT_VERSION_PATCH 0
+
+/* The linkage of every public function this header implements, on its declaration and its definition:
+ * extern, or static (and unused-tolerant on GCC and Clang) where MT_STATIC is defined before the
+ * include (see "Use." above). Not on section 15's trainer API: megatron.o defines it, another
+ * translation unit, so those declarations are always extern. */
+#ifndef MT_DEF
+#ifdef MT_STATIC
+#if defined(__GNUC__) || defined(__clang__)
+#define MT_DEF static __attribute__((unused))
+#else
+#define MT_DEF static
+#endif
+#else
+#define MT_DEF extern
+#endif
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -99,10 +137,10 @@ typedef struct {
     char message[512];
 } mt_error;
 
-const char* mt_status_name(mt_status status);
+MT_DEF const char* mt_status_name(mt_status status);
 /* printf-style: fills err (if not NULL) and returns status, so error paths read
  * `return mt_fail(err, MT_ERR_IO, "cannot open %s", path);` */
-mt_status mt_fail(mt_error* err, mt_status status, const char* fmt, ...)
+MT_DEF mt_status mt_fail(mt_error* err, mt_status status, const char* fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 3, 4)))
 #endif
@@ -131,17 +169,17 @@ mt_status mt_fail(mt_error* err, mt_status status, const char* fmt, ...)
  *   in /proc; where there is no /proc nothing is removed; a dataset writer first puts back an old
  *   pair that a crashed commit moved aside, see the writer below). Two writers of one path at once (even on
  *   two hosts of a shared file system) are not supported, as in Megatron. */
-int mt_open_regular_file(const char* path, mt_error* err); /* read-only fd, or -1 (err set) */
+MT_DEF int mt_open_regular_file(const char* path, mt_error* err); /* read-only fd, or -1 (err set) */
 /* A whole regular file of at most max_bytes, malloc'd and NUL-terminated (size excludes the NUL). */
-mt_status mt_read_file(const char* path, size_t max_bytes, char** data, size_t* size, mt_error* err);
-char* mt_temporary_path(const char* path); /* malloc'd "<path>.tmp.<pid>", NULL when out of memory */
+MT_DEF mt_status mt_read_file(const char* path, size_t max_bytes, char** data, size_t* size, mt_error* err);
+MT_DEF char* mt_temporary_path(const char* path); /* malloc'd "<path>.tmp.<pid>", NULL when out of memory */
 /* rename(tmp, path) and fsync of path's directory; on failure tmp is removed. */
-mt_status mt_commit_file(const char* tmp, const char* path, mt_error* err);
+MT_DEF mt_status mt_commit_file(const char* tmp, const char* path, mt_error* err);
 /* The whole file path from n chunks, committed as above (stale temporaries removed first). */
-mt_status mt_write_file(const char* path, int n, const void* const* chunks, const size_t* sizes, mt_error* err);
-int mt_sync_directory_of(const char* path); /* fsync of the directory holding path: 0 or -1 */
-int mt_remove_stale_temporaries(const char* path); /* how many it removed */
-int mt_remove_tree(const char* path);              /* rm -rf (no symlink followed): 0, or -1 */
+MT_DEF mt_status mt_write_file(const char* path, int n, const void* const* chunks, const size_t* sizes, mt_error* err);
+MT_DEF int mt_sync_directory_of(const char* path); /* fsync of the directory holding path: 0 or -1 */
+MT_DEF int mt_remove_stale_temporaries(const char* path); /* how many it removed */
+MT_DEF int mt_remove_tree(const char* path);              /* rm -rf (no symlink followed): 0, or -1 */
 
 /* Megatron's DType codes. preprocess writes 8 (uint16) for vocabularies < 65500, else 4 (int32). */
 enum {
@@ -154,30 +192,30 @@ enum {
     MT_DTYPE_FLOAT32 = 7,
     MT_DTYPE_UINT16 = 8
 };
-size_t mt_indexed_dtype_size(int dtype_code);      /* bytes per token, 0 for an unknown code */
-const char* mt_indexed_dtype_name(int dtype_code); /* "uint16", "int32", ... or "unknown" */
-int mt_indexed_dtype_for_vocab(int64_t vocab_size); /* DType.optimal_dtype: 8 (uint16) if < 65500 else 4 */
+MT_DEF size_t mt_indexed_dtype_size(int dtype_code);      /* bytes per token, 0 for an unknown code */
+MT_DEF const char* mt_indexed_dtype_name(int dtype_code); /* "uint16", "int32", ... or "unknown" */
+MT_DEF int mt_indexed_dtype_for_vocab(int64_t vocab_size); /* DType.optimal_dtype: 8 (uint16) if < 65500 else 4 */
 
 /* Reader. Both files are mmapped and fully validated at open (header, sizes, document indices,
  * pointers = prefix sum of length*itemsize, .bin size); afterwards reads cannot go out of bounds.
  * A dataset is read-only and may be shared by threads. */
 typedef struct mt_indexed_dataset mt_indexed_dataset;
-mt_status mt_indexed_dataset_open(mt_indexed_dataset** out, const char* prefix, mt_error* err);
-void mt_indexed_dataset_close(mt_indexed_dataset* ds);
-const char* mt_indexed_dataset_prefix(const mt_indexed_dataset* ds);
-int mt_indexed_dataset_dtype(const mt_indexed_dataset* ds);
-int64_t mt_indexed_dataset_num_sequences(const mt_indexed_dataset* ds);
-int64_t mt_indexed_dataset_num_documents(const mt_indexed_dataset* ds); /* D - 1 */
-int64_t mt_indexed_dataset_num_tokens(const mt_indexed_dataset* ds);
+MT_DEF mt_status mt_indexed_dataset_open(mt_indexed_dataset** out, const char* prefix, mt_error* err);
+MT_DEF void mt_indexed_dataset_close(mt_indexed_dataset* ds);
+MT_DEF const char* mt_indexed_dataset_prefix(const mt_indexed_dataset* ds);
+MT_DEF int mt_indexed_dataset_dtype(const mt_indexed_dataset* ds);
+MT_DEF int64_t mt_indexed_dataset_num_sequences(const mt_indexed_dataset* ds);
+MT_DEF int64_t mt_indexed_dataset_num_documents(const mt_indexed_dataset* ds); /* D - 1 */
+MT_DEF int64_t mt_indexed_dataset_num_tokens(const mt_indexed_dataset* ds);
 /* Tokens of sequence i; -1 if i is out of range. */
-int64_t mt_indexed_dataset_sequence_length(const mt_indexed_dataset* ds, int64_t i);
+MT_DEF int64_t mt_indexed_dataset_sequence_length(const mt_indexed_dataset* ds, int64_t i);
 /* First sequence of document k, for k in [0, num_documents] (k = num_documents gives N); -1 if out
  * of range. A document with no sequences has document_start(k) == document_start(k+1). */
-int64_t mt_indexed_dataset_document_start(const mt_indexed_dataset* ds, int64_t k);
+MT_DEF int64_t mt_indexed_dataset_document_start(const mt_indexed_dataset* ds, int64_t k);
 /* count tokens of sequence seq starting at token offset, converted to int32 (integer dtypes only;
  * an int64 or uint token that does not fit int32 is MT_ERR_RANGE). */
-mt_status mt_indexed_dataset_read(const mt_indexed_dataset* ds, int64_t seq, int64_t offset, int64_t count,
-                                  int32_t* out, mt_error* err);
+MT_DEF mt_status mt_indexed_dataset_read(const mt_indexed_dataset* ds, int64_t seq, int64_t offset, int64_t count,
+                                         int32_t* out, mt_error* err);
 
 /* Writer: Megatron's IndexedDatasetBuilder. Writes <prefix>.bin.tmp.<pid> and <prefix>.idx.tmp.<pid>
  * (removing those of processes that are gone first) and commits them in finalize, so a failed or
@@ -193,22 +231,22 @@ mt_status mt_indexed_dataset_read(const mt_indexed_dataset* ds, int64_t seq, int
  * ("open it again") rather than read as a mix. Integer dtypes only; every token is range-checked against the
  * dtype before anything is written, so a rejected add_document leaves the writer unchanged. */
 typedef struct mt_indexed_writer mt_indexed_writer;
-mt_status mt_indexed_writer_open(mt_indexed_writer** out, const char* prefix, int dtype_code, mt_error* err);
+MT_DEF mt_status mt_indexed_writer_open(mt_indexed_writer** out, const char* prefix, int dtype_code, mt_error* err);
 /* One document of num_sequences sequences (tokens holds sum(sequence_lengths) tokens back to back).
  * num_sequences == 0 writes an empty document (a repeated entry in the document index), exactly as
  * Megatron's add_document does for a document that tokenizes to nothing. */
-mt_status mt_indexed_writer_add_document(mt_indexed_writer* w, const int32_t* tokens,
-                                         const int64_t* sequence_lengths, int64_t num_sequences,
-                                         mt_error* err);
+MT_DEF mt_status mt_indexed_writer_add_document(mt_indexed_writer* w, const int32_t* tokens,
+                                                const int64_t* sequence_lengths, int64_t num_sequences,
+                                                mt_error* err);
 /* Appends a whole dataset (Megatron's add_index, used for merging): its lengths, its document
  * indices shifted by the current sequence count, and a byte copy of its .bin. The dtypes must match. */
-mt_status mt_indexed_writer_add_index(mt_indexed_writer* w, const char* other_prefix, mt_error* err);
-int64_t mt_indexed_writer_num_sequences(const mt_indexed_writer* w);
-int64_t mt_indexed_writer_num_documents(const mt_indexed_writer* w);
+MT_DEF mt_status mt_indexed_writer_add_index(mt_indexed_writer* w, const char* other_prefix, mt_error* err);
+MT_DEF int64_t mt_indexed_writer_num_sequences(const mt_indexed_writer* w);
+MT_DEF int64_t mt_indexed_writer_num_documents(const mt_indexed_writer* w);
 /* Writes the .idx, renames both files into place and frees w, in every case (on failure the
  * temporary files are removed): mt_indexed_writer_prepare then mt_indexed_writers_commit of one. */
-mt_status mt_indexed_writer_finalize(mt_indexed_writer* w, mt_error* err);
-void mt_indexed_writer_abort(mt_indexed_writer* w); /* removes the temporary files, frees */
+MT_DEF mt_status mt_indexed_writer_finalize(mt_indexed_writer* w, mt_error* err);
+MT_DEF void mt_indexed_writer_abort(mt_indexed_writer* w); /* removes the temporary files, frees */
 /* Several datasets as one set (preprocess_data's --json-keys): prepare each (the .bin flushed, the
  * .idx written, both fsync'ed under their temporary names; w stays open and abort still removes
  * them), and only when every one is prepared, commit them all: every old .idx and every old .bin
@@ -216,11 +254,11 @@ void mt_indexed_writer_abort(mt_indexed_writer* w); /* removes the temporary fil
  * A failure (while preparing or committing) leaves every old dataset as it was; a crash while
  * committing leaves each dataset old or new (the old one read from, and at the next writer's open
  * restored from, where it was moved aside). Commit frees every writer. */
-mt_status mt_indexed_writer_prepare(mt_indexed_writer* w, mt_error* err);
-mt_status mt_indexed_writers_commit(mt_indexed_writer** writers, int count, mt_error* err);
+MT_DEF mt_status mt_indexed_writer_prepare(mt_indexed_writer* w, mt_error* err);
+MT_DEF mt_status mt_indexed_writers_commit(mt_indexed_writer** writers, int count, mt_error* err);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* 3. GPT datasets: --split, document/sample/shuffle index, blending (bit-exact with Megatron)     */
+/* 3. GPT datasets: --split, document/sample/shuffle index, blending, bit-exact with Megatron      */
 /*    megatron/core/datasets/{gpt_dataset.py, helpers.cpp, blended_dataset.py,                     */
 /*    blended_megatron_dataset_builder.py, blended_megatron_dataset_config.py}. Every array below  */
 /*    equals, element for element and in Megatron's dtype, what Megatron caches as                 */
@@ -229,7 +267,7 @@ mt_status mt_indexed_writers_commit(mt_indexed_writer** writers, int count, mt_e
 /* ---------------------------------------------------------------------------------------------- */
 
 enum { MT_SPLIT_TRAIN = 0, MT_SPLIT_VALID = 1, MT_SPLIT_TEST = 2 };
-const char* mt_split_name(int split); /* "train", "valid", "test" */
+MT_DEF const char* mt_split_name(int split); /* "train", "valid", "test" */
 
 /* --split "969,30,1": the numbers matched by the regex [.0-9]+, padded with zeros to three,
  * normalised by their sum; split i covers [begin[i], end[i]) of [0, 1], or is empty (Megatron's
@@ -238,18 +276,18 @@ typedef struct {
     int present[3];
     double begin[3], end[3];
 } mt_split_matrix;
-mt_status mt_split_parse(const char* split, mt_split_matrix* out, mt_error* err);
+MT_DEF mt_status mt_split_parse(const char* split, mt_split_matrix* out, mt_error* err);
 /* Sequence range of split i in a dataset of n sequences: [int(round(begin*n)), int(round(end*n))),
  * Python's round, i.e. half to even (nearbyint under the default rounding mode). Empty: 0, 0. */
-void mt_split_range(const mt_split_matrix* m, int split, int64_t n, int64_t* begin, int64_t* end);
+MT_DEF void mt_split_range(const mt_split_matrix* m, int split, int64_t n, int64_t* begin, int64_t* end);
 
 /* Megatron's requested samples per split (training.py, get_train_valid_test_num_samples):
  * train train_iters*gbs, valid (train_iters // eval_interval + 1) * eval_iters * gbs, test
  * eval_iters*gbs. (With --train-samples, put that in out[0] instead.) eval_interval <= 0 counts as
  * no evaluation during training (valid = eval_iters*gbs). Negative counts, or products that do not
  * fit int64, are MT_ERR_CONFIG naming the flags. */
-mt_status mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t eval_iters, int64_t global_batch_size,
-                             int64_t out[3], mt_error* err);
+MT_DEF mt_status mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t eval_iters,
+                                    int64_t global_batch_size, int64_t out[3], mt_error* err);
 
 /* numpy.random.RandomState's generator: legacy MT19937 seeded with init_genrand(seed), and the
  * Fisher-Yates shuffle of RandomState.shuffle (for i = n-1 .. 1: j = random_interval(i), swap),
@@ -259,16 +297,16 @@ typedef struct {
     uint32_t key[624];
     int pos;
 } mt_mt19937;
-void mt_mt19937_seed(mt_mt19937* rng, uint32_t seed);
-uint32_t mt_mt19937_next32(mt_mt19937* rng);
-uint64_t mt_mt19937_next64(mt_mt19937* rng);
-uint64_t mt_mt19937_interval(mt_mt19937* rng, uint64_t max);
+MT_DEF void mt_mt19937_seed(mt_mt19937* rng, uint32_t seed);
+MT_DEF uint32_t mt_mt19937_next32(mt_mt19937* rng);
+MT_DEF uint64_t mt_mt19937_next64(mt_mt19937* rng);
+MT_DEF uint64_t mt_mt19937_interval(mt_mt19937* rng, uint64_t max);
 /* Shuffles n elements of itemsize bytes (1, 2, 4 or 8) in place, exactly as RandomState.shuffle. */
-void mt_shuffle(mt_mt19937* rng, void* data, int64_t n, size_t itemsize);
+MT_DEF void mt_shuffle(mt_mt19937* rng, void* data, int64_t n, size_t itemsize);
 
 /* numpy's float64 sum (pairwise summation) and utils.normalize (w / sum(w)). */
-double mt_numpy_sum(const double* x, int64_t n);
-void mt_normalize_weights(const double* w, int n, double* out);
+MT_DEF double mt_numpy_sum(const double* x, int64_t n);
+MT_DEF void mt_normalize_weights(const double* w, int n, double* out);
 
 /* One split of one indexed dataset: Megatron's GPTDataset (the "mid-level" dataset).
  * Sequences [begin, end) of ds form one epoch of tokens_per_epoch tokens; with S = seq_length:
@@ -301,28 +339,28 @@ typedef struct {
     int shuffle_index_itemsize; /* 4: uint32, 8: int64 */
     const void* shuffle_index;  /* n elements */
 } mt_gpt_dataset_info;
-mt_status mt_gpt_dataset_build(mt_gpt_dataset** out, const mt_indexed_dataset* ds, int64_t begin, int64_t end,
-                               int seq_length, uint32_t seed, int64_t num_samples, mt_error* err);
-void mt_gpt_dataset_free(mt_gpt_dataset* g);
-void mt_gpt_dataset_get_info(const mt_gpt_dataset* g, mt_gpt_dataset_info* info);
-int64_t mt_gpt_dataset_num_samples(const mt_gpt_dataset* g);
-int64_t mt_gpt_dataset_shuffle_index(const mt_gpt_dataset* g, int64_t i);
-void mt_gpt_dataset_sample_index(const mt_gpt_dataset* g, int64_t row, int64_t* doc_position, int64_t* offset);
+MT_DEF mt_status mt_gpt_dataset_build(mt_gpt_dataset** out, const mt_indexed_dataset* ds, int64_t begin, int64_t end,
+                                      int seq_length, uint32_t seed, int64_t num_samples, mt_error* err);
+MT_DEF void mt_gpt_dataset_free(mt_gpt_dataset* g);
+MT_DEF void mt_gpt_dataset_get_info(const mt_gpt_dataset* g, mt_gpt_dataset_info* info);
+MT_DEF int64_t mt_gpt_dataset_num_samples(const mt_gpt_dataset* g);
+MT_DEF int64_t mt_gpt_dataset_shuffle_index(const mt_gpt_dataset* g, int64_t i);
+MT_DEF void mt_gpt_dataset_sample_index(const mt_gpt_dataset* g, int64_t row, int64_t* doc_position, int64_t* offset);
 /* Sample idx (after the shuffle): seq_length + 1 tokens across document boundaries. */
-mt_status mt_gpt_dataset_get(const mt_gpt_dataset* g, int64_t idx, int32_t* tokens, mt_error* err);
+MT_DEF mt_status mt_gpt_dataset_get(const mt_gpt_dataset* g, int64_t idx, int32_t* tokens, mt_error* err);
 /* Writes <dir>/<name_prefix>{document_index,sample_index,shuffle_index}.npy (name_prefix may be
  * NULL), in Megatron's dtypes and numpy.save's exact bytes. */
-mt_status mt_gpt_dataset_save_indices(const mt_gpt_dataset* g, const char* dir, const char* name_prefix,
-                                      mt_error* err);
+MT_DEF mt_status mt_gpt_dataset_save_indices(const mt_gpt_dataset* g, const char* dir, const char* name_prefix,
+                                             mt_error* err);
 
 /* helpers.cpp build_blending_indices: for each sample s, the dataset d with the largest
  * weights[d]*max(s,1) - count[d] (lowest d on ties) supplies its next sample. No RNG. */
-void mt_build_blending_indices(const double* weights, int num_datasets, int64_t size, int16_t* dataset_index,
-                               int64_t* dataset_sample_index);
+MT_DEF void mt_build_blending_indices(const double* weights, int num_datasets, int64_t size, int16_t* dataset_index,
+                                      int64_t* dataset_sample_index);
 /* helpers.cpp build_exhaustive_blending_indices: exactly sizes[d] samples from each dataset
  * (size = sum(sizes)), used for an unweighted blend whose split size is None. */
-void mt_build_exhaustive_blending_indices(const int64_t* sizes, int num_datasets, int16_t* dataset_index,
-                                          int64_t* dataset_sample_index);
+MT_DEF void mt_build_exhaustive_blending_indices(const int64_t* sizes, int num_datasets, int16_t* dataset_index,
+                                                 int64_t* dataset_sample_index);
 
 #define MT_MID_LEVEL_DATASET_SURPLUS 0.005 /* --mid-level-dataset-surplus default */
 
@@ -338,31 +376,31 @@ void mt_build_exhaustive_blending_indices(const int64_t* sizes, int num_datasets
  * --split string leaves empty has 0 samples. A blend that asks a dataset for more samples than it
  * built is an error, as in Megatron. */
 typedef struct mt_gpt_data mt_gpt_data;
-mt_status mt_gpt_data_open(mt_gpt_data** out, int num_prefixes, const char* const* prefixes, const double* weights,
-                           const char* split, int seq_length, uint32_t seed, const int64_t num_samples[3],
-                           mt_error* err);
-int64_t mt_gpt_data_num_samples(const mt_gpt_data* d, int split); /* 0 for an empty split */
-mt_status mt_gpt_data_get(const mt_gpt_data* d, int split, int64_t index, int32_t* tokens /* [seq_length+1] */,
-                          mt_error* err);
-void mt_gpt_data_close(mt_gpt_data* d);
-int mt_gpt_data_num_datasets(const mt_gpt_data* d);
-const mt_indexed_dataset* mt_gpt_data_indexed(const mt_gpt_data* d, int k);
-int mt_gpt_data_is_blended(const mt_gpt_data* d);
-const mt_split_matrix* mt_gpt_data_split_matrix(const mt_gpt_data* d);
+MT_DEF mt_status mt_gpt_data_open(mt_gpt_data** out, int num_prefixes, const char* const* prefixes,
+                                  const double* weights, const char* split, int seq_length, uint32_t seed,
+                                  const int64_t num_samples[3], mt_error* err);
+MT_DEF int64_t mt_gpt_data_num_samples(const mt_gpt_data* d, int split); /* 0 for an empty split */
+MT_DEF mt_status mt_gpt_data_get(const mt_gpt_data* d, int split, int64_t index, int32_t* tokens /* [seq_length+1] */,
+                                 mt_error* err);
+MT_DEF void mt_gpt_data_close(mt_gpt_data* d);
+MT_DEF int mt_gpt_data_num_datasets(const mt_gpt_data* d);
+MT_DEF const mt_indexed_dataset* mt_gpt_data_indexed(const mt_gpt_data* d, int k);
+MT_DEF int mt_gpt_data_is_blended(const mt_gpt_data* d);
+MT_DEF const mt_split_matrix* mt_gpt_data_split_matrix(const mt_gpt_data* d);
 /* Dataset k's GPTDataset for a split; NULL when the split is empty. */
-const mt_gpt_dataset* mt_gpt_data_dataset(const mt_gpt_data* d, int split, int k);
+MT_DEF const mt_gpt_dataset* mt_gpt_data_dataset(const mt_gpt_data* d, int split, int k);
 /* A blended split's dataset_index (int16) and dataset_sample_index (int64), each
  * mt_gpt_data_num_samples long; NULL when not blended. */
-const int16_t* mt_gpt_data_blend_dataset_index(const mt_gpt_data* d, int split);
-const int64_t* mt_gpt_data_blend_sample_index(const mt_gpt_data* d, int split);
+MT_DEF const int16_t* mt_gpt_data_blend_dataset_index(const mt_gpt_data* d, int split);
+MT_DEF const int64_t* mt_gpt_data_blend_sample_index(const mt_gpt_data* d, int split);
 
 /* --data-path's arguments (utils.get_blend_from_list): an even number of entries whose every
  * other one (w1 p1 w2 p2 ...) is a number is a weighted blend; otherwise every entry is a prefix
  * (weights are then the datasets' lengths, or none for a single prefix). prefixes[] points into
  * args; prefixes and weights need room for n entries; *weighted says which form it was. A mix
  * (some weight positions numbers, some not) is refused rather than guessed. */
-mt_status mt_data_path_parse(int n, const char* const* args, const char** prefixes, double* weights, int* num_prefixes,
-                             int* weighted, mt_error* err);
+MT_DEF mt_status mt_data_path_parse(int n, const char* const* args, const char** prefixes, double* weights,
+                                    int* num_prefixes, int* weighted, mt_error* err);
 
 /* Megatron's MegatronPretrainingSampler (data_samplers.py) is sequential: it walks the global
  * sample indices from consumed_samples on in chunks of micro_batch_size * dp_size consecutive
@@ -370,17 +408,17 @@ mt_status mt_data_path_parse(int n, const char* const* args, const char** prefix
  * chunk is dropped. consumed_samples grows by mbs*dp per micro-batch (by global_batch_size per
  * iteration), so micro-batch j of iteration it starts at it*gbs + j*mbs*dp. This returns the global
  * index of sample k (0 <= k < mbs) of rank dp_rank's next micro-batch. */
-int64_t mt_sampler_index(int64_t consumed_samples, int64_t micro_batch_size, int dp_rank, int64_t k);
+MT_DEF int64_t mt_sampler_index(int64_t consumed_samples, int64_t micro_batch_size, int dp_rank, int64_t k);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* 4. .npy writer (Megatron's index cache format)                                                   */
+/* 4. .npy writer (Megatron's index cache format)                                                  */
 /* ---------------------------------------------------------------------------------------------- */
 
 /* Writes a C-order array in NumPy format 1.0 with numpy.save's exact header; dtype is a NumPy
  * descr: "<i2", "<i4", "<i8", "<u2", "<u4", "<u8", "|i1", "|u1", "<f4", "<f8". Written to a
  * temporary name and renamed. */
-mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int64_t* shape, const void* data,
-                       mt_error* err);
+MT_DEF mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int64_t* shape, const void* data,
+                              mt_error* err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 5. Training configuration, learning-rate schedule, FLOP formula                                 */
@@ -570,10 +608,10 @@ typedef struct {
     mt_comm_id comm_id;               /* NCCL id made by rank 0 with mt_comm_id_create, sent to every rank */
 } mt_config;
 
-void mt_config_defaults(mt_config* cfg);
+MT_DEF void mt_config_defaults(mt_config* cfg);
 /* Derives padded vocab, ffn, kv channels, max positions, global batch; checks consistency, and that
  * this build has what the config combines (mt_config_check_supported). */
-mt_status mt_config_finalize(mt_config* cfg, mt_error* err);
+MT_DEF mt_status mt_config_finalize(mt_config* cfg, mt_error* err);
 /* Every "is this combination built here" rule, in one place: FP8 with pipeline parallelism, FP8
  * outside bf16, the shapes FP8 GEMMs take, --fp8-param-gather with the blockwise recipe or optimizer
  * offload, an uneven pipeline split with virtual stages, a virtual-stage micro-batch group above PP.
@@ -581,14 +619,15 @@ mt_status mt_config_finalize(mt_config* cfg, mt_error* err);
  * derived sizes must be there (mt_config_finalize calls it once they are; mt_trainer_create and
  * --plan-layouts, for each layout it plans, call it too), so the planner never approves a layout the
  * trainer refuses. Megatron's own refusals (inconsistent flags) stay in mt_config_finalize. */
-mt_status mt_config_check_supported(const mt_config* cfg, mt_error* err);
-int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int tensor_parallel_size);
+MT_DEF mt_status mt_config_check_supported(const mt_config* cfg, mt_error* err);
+MT_DEF int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int tensor_parallel_size);
 /* The padded vocabulary of a run that resumes a checkpoint padded to `saved` (0: none) at another
  * layout: `saved` itself when it covers vocab_size and divides by the new TP, so the model (padded
  * rows included, whose logits take part in the softmax) is the one that was saved and the loss curve
  * continues; else Megatron's padding at this TP (new rows start at 0: the loss moves). The trainer's
  * --load (through mt_config.resumed_padded_vocab_size) and checkpoint_tool's reshard use it. */
-int64_t mt_padded_vocab_size_resumed(int64_t vocab_size, int divisible_by, int tensor_parallel_size, int64_t saved);
+MT_DEF int64_t mt_padded_vocab_size_resumed(int64_t vocab_size, int divisible_by, int tensor_parallel_size,
+                                            int64_t saved);
 /* The launch: how many processes the launcher says it started, from its environment (lookup: a
  * getenv-like function, user its context; NULL lookup: getenv). mpirun's OMPI_COMM_WORLD_SIZE,
  * MPICH/Hydra's and srun --mpi=pmi2's PMI_SIZE, torchrun's WORLD_SIZE, srun's
@@ -596,11 +635,11 @@ int64_t mt_padded_vocab_size_resumed(int64_t vocab_size, int divisible_by, int t
  * else 1. SLURM_NTASKS alone does not count: in a batch script it is the allocation's, and the script
  * is one process (srun sets both inside a step). *source (if not NULL) names the variable. */
 typedef const char* (*mt_env_lookup)(const char* name, void* user);
-int mt_launcher_world_size(mt_env_lookup lookup, void* user, const char** source);
+MT_DEF int mt_launcher_world_size(mt_env_lookup lookup, void* user, const char** source);
 /* A process that sees `world` ranks (1 when built without MPI) refuses to start when the launcher
  * says it started more: each would train alone on GPU 0 and write the same --save directory.
  * MT_ERR_CONFIG with one line saying why and what to do (built_with_mpi picks the advice). */
-mt_status mt_launcher_check(int world, int built_with_mpi, mt_env_lookup lookup, void* user, mt_error* err);
+MT_DEF mt_status mt_launcher_check(int world, int built_with_mpi, mt_env_lookup lookup, void* user, mt_error* err);
 /* Overflow-safe size arithmetic: 1 when a * b (a + b) does not fit int64_t (then *out is untouched),
  * else 0 with the result in *out. mt_config_finalize checks every size product it derives with these. */
 static inline int mt_mul_overflows_i64(int64_t a, int64_t b, int64_t* out) {
@@ -616,51 +655,47 @@ static inline int mt_add_overflows_i64(int64_t a, int64_t b, int64_t* out) {
     return 0;
 }
 /* Number of micro-batches one rank runs per iteration: global / (micro * dp). */
-int mt_num_micro_batches(const mt_config* cfg);
+MT_DEF int mt_num_micro_batches(const mt_config* cfg);
 /* The global batch of the iteration that starts after consumed_samples, and its micro-batches per
  * rank: global_batch_size, or the ramp's / step schedule's size at that point (Megatron's
  * num_microbatches_calculator). mt_config_finalize has checked that every size the run can reach
  * divides by micro-batch x data-parallel size. */
-int mt_global_batch_size_at(const mt_config* cfg, int64_t consumed_samples);
-int mt_num_micro_batches_at(const mt_config* cfg, int64_t consumed_samples);
+MT_DEF int mt_global_batch_size_at(const mt_config* cfg, int64_t consumed_samples);
+MT_DEF int mt_num_micro_batches_at(const mt_config* cfg, int64_t consumed_samples);
 /* --step-batch-size-schedule "THRESHOLD:BATCH ...": thresholds in tokens (suffixes K, M, B, T as
  * powers of 1000, decimals allowed: 2.4B), turned into samples by // seq_length as Megatron does;
  * entries separated by spaces or commas, sorted by threshold; the first must be 0, thresholds
  * strictly increasing, batch sizes positive. Fills cfg's num_batch_size_steps and tables. */
-mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, mt_config* cfg, mt_error* err);
+MT_DEF mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, mt_config* cfg, mt_error* err);
 
 /* Megatron's OptimizerParamScheduler, counted in samples: `num_steps` grows by the global batch
  * size after each optimizer step, and the step taken at num_steps uses mt_learning_rate(cfg, num_steps). */
-double mt_learning_rate(const mt_config* cfg, int64_t num_steps);
+MT_DEF double mt_learning_rate(const mt_config* cfg, int64_t num_steps);
 /* The rate of the word embeddings and the output layer (Megatron's is_embedding_or_output_parameter):
  * the same schedule from --decoupled-lr down to --decoupled-min-lr (else --min-lr); without
  * --decoupled-lr, mt_learning_rate's. */
-double mt_learning_rate_decoupled(const mt_config* cfg, int64_t num_steps);
+MT_DEF double mt_learning_rate_decoupled(const mt_config* cfg, int64_t num_steps);
 /* 1 for the tensors --decoupled-lr applies to (the word embeddings and the output layer) */
-int mt_param_lr_decoupled(int tensor);
+MT_DEF int mt_param_lr_decoupled(int tensor);
 
 /* Megatron's num_floating_point_operations for one global batch (training.py), and the parameter count. */
-double mt_flops_per_iteration(const mt_config* cfg, int64_t global_batch_size);
-int64_t mt_num_parameters(const mt_config* cfg);
+MT_DEF double mt_flops_per_iteration(const mt_config* cfg, int64_t global_batch_size);
+MT_DEF int64_t mt_num_parameters(const mt_config* cfg);
 
 /* FP8: whether transformer layer l runs its linears in FP8 (FP8 on, and l outside the bf16 layers
  * of --first-last-layers-bf16). */
-int mt_fp8_layer(const mt_config* cfg, int layer);
+MT_DEF int mt_fp8_layer(const mt_config* cfg, int layer);
 /* Delayed scaling (Transformer Engine's DelayedScaling): the scale of one tensor after a step, from
  * its amax history [len] (max over it, or the most recent entry `newest`), the format's max and the
  * margin: fp8_max / amax / 2^margin; the previous scale when that amax is 0 or not finite. The
  * GPU's update (megatron.cu) computes exactly this. */
-float mt_fp8_delayed_scale(const float* history, int len, int newest, mt_fp8_amax_algo algo, float fp8_max,
-                           int margin, float previous_scale);
+MT_DEF float mt_fp8_delayed_scale(const float* history, int len, int newest, mt_fp8_amax_algo algo, float fp8_max,
+                                  int margin, float previous_scale);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* 6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout,          */
-/*    pipeline schedules, memory plan, CPU AdamW                                                   */
-/*    Where every parameter element lives: its place in the canonical order (checkpoints, test     */
-/*    vectors), the slice a tensor-parallel rank holds, the coordinates of a rank, and the offset, */
-/*    bucket and data-parallel shard of the DDP / distributed-optimizer buffer; the order of the   */
-/*    forward and backward steps of each pipeline rank, with their transfers; what every GPU of a  */
-/*    layout holds (the memory plan); and the CPU AdamW that updates an offloaded optimizer shard. */
+/* 6. Parameter tensors and tensor-parallel shards                                                 */
+/*    Where every parameter element lives: each tensor's place in the canonical order              */
+/*    (checkpoints, test vectors) and the slice of it a tensor-parallel rank holds.                */
 /* ---------------------------------------------------------------------------------------------- */
 
 /* The model's parameter tensors in canonical order (the order of checkpoints and test vectors).
@@ -709,16 +744,16 @@ typedef struct {
     int64_t split_outer, split_rows, split_inner;
 } mt_param_info;
 /* The full model: fills info[MT_NUM_PARAM_TENSORS]; returns the total element count. */
-int64_t mt_param_layout(const mt_config* cfg, mt_param_info* info);
+MT_DEF int64_t mt_param_layout(const mt_config* cfg, mt_param_info* info);
 /* One tensor-parallel rank's shard (every TP rank's is the same shape): numel and offset count
  * this rank's elements, in the same canonical order. Equals mt_param_layout at TP = 1. */
-int64_t mt_param_layout_shard(const mt_config* cfg, mt_param_info* info);
+MT_DEF int64_t mt_param_layout_shard(const mt_config* cfg, mt_param_info* info);
 /* Copies between a full-model canonical array and TP rank tp_rank's shard-layout array (from the
  * full one when to_shard, else into it). */
-void mt_tp_shard_copy(const mt_config* cfg, int tp_rank, float* full, float* shard, int to_shard);
+MT_DEF void mt_tp_shard_copy(const mt_config* cfg, int tp_rank, float* full, float* shard, int to_shard);
 /* The rows of `full` (an mt_param_layout entry) that TP rank tp_rank holds: [*row0, *row0 + *rows)
  * of full->split_rows (all of them when the tensor is not split). */
-void mt_tp_rows(const mt_param_info* full, int tp, int tp_rank, int64_t* rows, int64_t* row0);
+MT_DEF void mt_tp_rows(const mt_param_info* full, int tp, int tp_rank, int64_t* rows, int64_t* row0);
 /* Index, within one layer's slice of the full tensor, of element i of a rank's slice: the slice
  * [outer, rows, inner] holds rows [row0, row0 + rows_shard) of rows_full. */
 #ifdef __CUDACC__
@@ -732,11 +767,17 @@ static inline MT_HOST_DEVICE int64_t mt_tp_full_index(int64_t i, int64_t rows_sh
     return (o * rows_full + row0) * inner + rem;
 }
 
+/* ---------------------------------------------------------------------------------------------- */
+/* 7. Rank layout and pipeline stages (the layer split)                                            */
+/*    A rank's coordinates in Megatron's order, the layer split over pipeline ranks and their      */
+/*    model chunks (virtual stages), and which tensors a pipeline rank holds.                      */
+/* ---------------------------------------------------------------------------------------------- */
+
 /* Megatron's rank layout, order tp-cp-ep-dp-pp (cp = ep = 1 for now):
  * rank = tp + TP * (dp + DP * pp). Groups: tp contiguous, dp stride TP, pp stride TP * DP. */
 typedef struct { int tp, dp, pp; } mt_rank_coords;
-mt_rank_coords mt_rank_coordinates(const mt_config* cfg, int rank);
-int mt_rank_of(const mt_config* cfg, mt_rank_coords coords);
+MT_DEF mt_rank_coords mt_rank_coordinates(const mt_config* cfg, int rank);
+MT_DEF int mt_rank_of(const mt_config* cfg, mt_rank_coords coords);
 
 /* The layer split (Megatron's get_num_layers_to_build): virtual stage v = chunk * PP + rank holds the
  * consecutive layers [first, first + count). Evenly by default; --decoder-first/last-pipeline-num-layers
@@ -752,20 +793,27 @@ typedef struct {
     int head;                            /* holds the last virtual stage: final norm, output layer, loss */
 } mt_pp_stage;
 /* Checks the split of cfg (finalized sizes) and fills pipeline rank pp_rank's part (out may be NULL). */
-mt_status mt_pp_stage_of(const mt_config* cfg, int pp_rank, mt_pp_stage* out, mt_error* err);
+MT_DEF mt_status mt_pp_stage_of(const mt_config* cfg, int pp_rank, mt_pp_stage* out, mt_error* err);
 /* Whether a pipeline rank holds parameter `tensor` (MT_P_*) of `layer` (ignored outside the layers):
  * its layers' tensors; position embeddings on the first stage; the word embeddings on the first and,
  * tied to the output layer, on the last; final norm and output weight on the last. */
-int mt_pp_holds(const mt_pp_stage* stage, int tensor, int layer);
+MT_DEF int mt_pp_holds(const mt_pp_stage* stage, int tensor, int layer);
 /* Copies between a canonical array of one TP shard (mt_param_layout_shard's order) and a pipeline
  * rank's part of it (its tensors in the same order, as mt_buffer_layout's `canonical` counts them):
  * into `part` when to_part, else back into `full` (whose other elements are left alone). */
-void mt_pp_stage_copy(const mt_config* cfg, const mt_pp_stage* stage, float* full, float* part, int to_part);
+MT_DEF void mt_pp_stage_copy(const mt_config* cfg, const mt_pp_stage* stage, float* full, float* part, int to_part);
 /* Puts the part of the model that pipeline stage `stage` holds of TP rank tp_rank's shard (in
  * mt_buffer_layout's canonical order, as mt_pp_stage_copy makes it) into the full model's canonical
  * array, leaving the other elements of `full` alone. scratch: mt_param_layout_shard(cfg) floats. */
-void mt_pp_tp_part_to_full(const mt_config* cfg, const mt_pp_stage* stage, int tp_rank, const float* part, float* full,
-                           float* scratch);
+MT_DEF void mt_pp_tp_part_to_full(const mt_config* cfg, const mt_pp_stage* stage, int tp_rank, const float* part,
+                                  float* full, float* scratch);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* 8. DDP buffer layout: buckets and distributed-optimizer shards                                  */
+/*    The one flat parameter/gradient buffer of a rank as Megatron's DDP lays it out: each         */
+/*    tensor's offset and bucket, each data-parallel rank's shard of a bucket, and the parameter   */
+/*    storage.                                                                                     */
+/* ---------------------------------------------------------------------------------------------- */
 
 /* The parameter/gradient buffer of Megatron's DDP (param_and_grad_buffer.py). Each (tensor, layer)
  * slice is one parameter; they are laid out in reverse model order (backprop order: final norm,
@@ -804,21 +852,27 @@ typedef struct {
     int elem;                   /* bytes of a model-type element: 4 (fp32) or 2 */
     int64_t storage_bytes;
 } mt_buffer_layout;
-mt_status mt_buffer_layout_build(mt_buffer_layout* layout, const mt_config* cfg, mt_error* err);
-void mt_buffer_layout_free(mt_buffer_layout* layout);
+MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* layout, const mt_config* cfg, mt_error* err);
+MT_DEF void mt_buffer_layout_free(mt_buffer_layout* layout);
 /* Buffer offset of (tensor, layer); layer is ignored for tensors outside the layers; -1 for a tensor
  * the flavour does not have. */
-int64_t mt_buffer_offset(const mt_buffer_layout* layout, int tensor, int layer);
+MT_DEF int64_t mt_buffer_offset(const mt_buffer_layout* layout, int tensor, int layer);
 /* Whether parameter `tensor` of `layer` is stored and all-gathered in FP8 (--fp8-param-gather): the
  * weights of QKV, the attention projection, fc1 and fc2 of every layer that runs in FP8. */
-int mt_fp8_param_stored(const mt_config* cfg, int tensor, int layer);
+MT_DEF int mt_fp8_param_stored(const mt_config* cfg, int tensor, int layer);
 /* Byte offset in the parameter storage of buffer element `element` (in [0, size]): elem bytes per
  * element below it, one per FP8-stored element, plus the alignment padding before each parameter
  * (mt_buffer_param.storage; the padding before a parameter belongs to it). Monotonic, so a DP shard
  * [begin, end) is the bytes [of(begin), of(end)). Needs the storage of the parameters below it. */
-int64_t mt_buffer_storage_byte(const mt_buffer_layout* layout, int64_t element);
+MT_DEF int64_t mt_buffer_storage_byte(const mt_buffer_layout* layout, int64_t element);
 /* DP rank r's shard of bucket b: [begin, end) in buffer elements (the whole bucket when dp == 1). */
-void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end);
+MT_DEF void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* 9. Pipeline schedules                                                                           */
+/*    The forward and backward steps of each pipeline rank in order, with their transfers, as      */
+/*    data (1F1B, interleaved 1F1B), and the activation slots a schedule holds at once.            */
+/* ---------------------------------------------------------------------------------------------- */
 
 /* Pipeline schedules (Megatron's pipeline_parallel/schedules.py), as data: the ordered list of
  * forward and backward steps one pipeline rank runs in one training step, and the point-to-point
@@ -845,19 +899,34 @@ typedef struct {
 /* Checks (PP, VP, M, group_size) the way Megatron does: PP, VP, M >= 1; interleaving (VP > 1)
  * needs PP > 1 and PP <= group_size <= M, and the last, partial group (M % group_size) must be 0 or
  * hold at least PP micro-batches. group_size <= 0 means PP; it is ignored when VP = 1. */
-mt_status mt_pp_schedule_check(int pp, int vp, int num_micro_batches, int group_size, mt_error* err);
+MT_DEF mt_status mt_pp_schedule_check(int pp, int vp, int num_micro_batches, int group_size, mt_error* err);
 /* Warm-up forwards of rank `rank` (of a setting mt_pp_schedule_check accepts): min(PP - rank - 1, M)
  * with VP = 1; with VP > 1, 2 (PP - rank - 1) + (VP - 1) group_size, capped at M * VP (then every
  * forward is warm-up). (Megatron's extra warm-up forward of --overlap-moe-expert-parallel-comm is
  * not modelled.) */
-int mt_pp_num_warmup(int pp, int vp, int num_micro_batches, int group_size, int rank);
+MT_DEF int mt_pp_num_warmup(int pp, int vp, int num_micro_batches, int group_size, int rank);
 /* Fills ops[2 * M * VP] with rank `rank`'s steps in order (M * VP forwards and as many backwards);
  * *num_warmup (if not NULL) gets mt_pp_num_warmup. The k-th forward runs entry k of the table that
  * walks groups of group_size micro-batches (the last group: what is left) over chunks 0 .. VP-1,
  * each chunk taking the whole group; the k-th backward runs the same entry with the chunk mirrored
  * (VP - 1 - chunk). */
-mt_status mt_pp_schedule(int pp, int vp, int num_micro_batches, int group_size, int rank, mt_pp_op* ops,
-                         int* num_warmup, mt_error* err);
+MT_DEF mt_status mt_pp_schedule(int pp, int vp, int num_micro_batches, int group_size, int rank, mt_pp_op* ops,
+                                int* num_warmup, mt_error* err);
+
+/* Activation slots pipeline rank `rank` needs for one training step of M micro-batches: the most
+ * (chunk, micro-batch) pairs whose forward has run and whose backward has not, over its schedule
+ * (mt_pp_schedule): 1 at PP = 1, min(PP - rank, M) for 1F1B, counted from the schedule when
+ * interleaved. mt_pp_slots_needed counts the same over any list of steps. */
+MT_DEF int mt_pp_slots_needed(const mt_pp_op* ops, int num_ops);
+MT_DEF mt_status mt_pp_activation_slots(int pp, int vp, int num_micro_batches, int group_size, int rank, int* slots,
+                                        mt_error* err);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* 10. Memory plan of any layout: arenas, recompute, optimizer pieces, --plan-layouts              */
+/*    What every GPU of a layout holds, from the config alone, before any GPU work: the            */
+/*    activation and FP8 arenas the trainer carves, recompute's kept layers, the optimizer's       */
+/*    pieces, and the layouts of a world size ranked by a cost model.                              */
+/* ---------------------------------------------------------------------------------------------- */
 
 /* The memory plan: every byte a GPU holds during training, computed on the host from the config
  * alone, before any GPU work (train_gpt --plan) and by mt_trainer_create, which allocates exactly
@@ -870,21 +939,13 @@ mt_status mt_pp_schedule(int pp, int vp, int num_micro_batches, int group_size, 
  * activation slot per (chunk, micro-batch) pair its training schedule holds at once
  * (mt_pp_activation_slots). */
 
-/* Activation slots pipeline rank `rank` needs for one training step of M micro-batches: the most
- * (chunk, micro-batch) pairs whose forward has run and whose backward has not, over its schedule
- * (mt_pp_schedule): 1 at PP = 1, min(PP - rank, M) for 1F1B, counted from the schedule when
- * interleaved. mt_pp_slots_needed counts the same over any list of steps. */
-int mt_pp_slots_needed(const mt_pp_op* ops, int num_ops);
-mt_status mt_pp_activation_slots(int pp, int vp, int num_micro_batches, int group_size, int rank, int* slots,
-                                 mt_error* err);
-
 /* What the plan is asked about besides the config (the layout, VP, the micro-batch group size and
  * the recompute setting included, is the config's). */
 typedef struct {
     int pp_rank;                  /* the pipeline rank planned; -1: the one that needs the most memory */
     int dp_rank;                  /* the data-parallel rank (its shard's AdamW chunk count; 0 by default) */
 } mt_plan_options;
-void mt_plan_options_defaults(mt_plan_options* opts);
+MT_DEF void mt_plan_options_defaults(mt_plan_options* opts);
 
 /* Constants the plan adds to the allocations for what the libraries hold; stated, not measured by
  * the plan (dev/memory_check.sh compares the sum with what the device reports). */
@@ -946,15 +1007,15 @@ typedef struct {
 /* The plan of one GPU of the config's layout (world_size, TP, PP, VP, DP, SP, distributed optimizer,
  * precision, FP8, offload, micro-batch) for opts (NULL: defaults). cfg must have been finalized (its
  * layer split and schedule checked); fails on a pipeline rank outside [0, PP). */
-mt_status mt_memory_plan_compute(const mt_config* cfg, const mt_plan_options* opts, mt_memory_plan* plan,
-                                 mt_error* err);
+MT_DEF mt_status mt_memory_plan_compute(const mt_config* cfg, const mt_plan_options* opts, mt_memory_plan* plan,
+                                        mt_error* err);
 /* --grad-reduce-in-bf16 (Megatron's; not built here: gradients accumulate and are reduced in fp32):
  * the bytes per GPU a bf16 gradient buffer would save in this plan, the fp32 buffer's bytes less a
  * bf16 one's (2 bytes per buffer element). */
-size_t mt_memory_plan_bf16_grad_savings(const mt_memory_plan* plan);
+MT_DEF size_t mt_memory_plan_bf16_grad_savings(const mt_memory_plan* plan);
 /* Elements of an optimizer shard of `shard` elements that --optimizer-cpu-offload puts in host
  * memory: the last fraction x shard of it (all at 1.0; else rounded down to 16 elements). */
-int64_t mt_offload_elements(const mt_config* cfg, int64_t shard);
+MT_DEF int64_t mt_offload_elements(const mt_config* cfg, int64_t shard);
 /* The optimizer's work in pieces (megatron.cu's AdamW chunks): for each bucket of B in order, each
  * parameter's part of the bucket's DP shard (dp = 1: all of it) in pieces of at most
  * MT_OPT_CHUNK_ELEMENTS, numbered by their place in the shard, a piece cut where the GPU's part of the
@@ -963,9 +1024,10 @@ typedef struct {
     int64_t buffer, master, length;
     int tensor; /* MT_P_* */
 } mt_optimizer_piece;
-int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int64_t gpu_shard, mt_optimizer_piece* out);
+MT_DEF int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int64_t gpu_shard,
+                                   mt_optimizer_piece* out);
 /* Whether the config's attention runs on the flash kernels (bf16, head dim 64 or 128), else exact. */
-int mt_flash_attention(const mt_config* cfg);
+MT_DEF int mt_flash_attention(const mt_config* cfg);
 
 /* The activation arena of one pipeline rank (megatron.cu section 16 names each region): regions in
  * this order, each at a 256-byte-aligned offset; a region of 0 bytes does not exist in this config.
@@ -994,8 +1056,8 @@ typedef struct {
 } mt_activation_layout;
 /* A pipeline rank whose largest model chunk has `layers` transformer layers (head: it holds the final
  * norm and output layer), with num_slots slots. */
-void mt_activation_layout_compute(const mt_config* cfg, int layers, int head, int num_slots,
-                                  const mt_recompute* recompute, mt_activation_layout* out);
+MT_DEF void mt_activation_layout_compute(const mt_config* cfg, int layers, int head, int num_slots,
+                                         const mt_recompute* recompute, mt_activation_layout* out);
 /* Where layer i (0-based) of a model chunk of `count` layers keeps per-layer region `region` in a
  * slot under a recompute setting (NULL: none): its room among the region's kept_layers (counted for
  * the rank's largest chunk, so every chunk of the rank fits). For MT_ACT_RESIDUAL and the first
@@ -1004,14 +1066,14 @@ void mt_activation_layout_compute(const mt_config* cfg, int layers, int head, in
  * at most count): every layer's input kept; layers [0, n) share room 0, layer i >= n has room
  * i - n + 1. Full uniform (groups of n): every group's input, the inputs of a replayed group's later
  * layers, then the output; other regions room i % n. */
-int64_t mt_recompute_position(const mt_recompute* recompute, int region, int64_t count, int64_t i);
+MT_DEF int64_t mt_recompute_position(const mt_recompute* recompute, int region, int64_t count, int64_t i);
 /* Full recompute: 1 when the backward, arriving at layer i (going down), must first replay the
  * forward of layers [*first, i] from the kept input of layer *first (block: layer i alone, for
  * i < n - 1; uniform: i's group, when i ends a group that is not the chunk's last). The layers the
  * forward ran last (block's layer n - 1, uniform's last group) are still in their rooms. */
-int mt_recompute_replay(const mt_recompute* recompute, int64_t count, int64_t i, int64_t* first);
+MT_DEF int mt_recompute_replay(const mt_recompute* recompute, int64_t count, int64_t i, int64_t* first);
 /* The setting in words for the plan's line: "none", "selective (core_attn, mlp)", "full uniform 2". */
-void mt_recompute_describe(const mt_recompute* recompute, char* out, size_t size);
+MT_DEF void mt_recompute_describe(const mt_recompute* recompute, char* out, size_t size);
 
 /* The FP8 arena (one allocation) of `fp8_layers` FP8 layers: scaling arrays, the weights' FP8 copies
  * in both layouts, the cast scratch of one linear and, blockwise, the block scales. */
@@ -1030,10 +1092,10 @@ typedef struct {
     int64_t weight_blocks_per_layer;/* floats of one layer's 128x128 block scales (both layouts) */
     size_t total;
 } mt_fp8_arena_layout;
-void mt_fp8_arena_layout_compute(const mt_config* cfg, int fp8_layers, mt_fp8_arena_layout* out);
+MT_DEF void mt_fp8_arena_layout_compute(const mt_config* cfg, int fp8_layers, mt_fp8_arena_layout* out);
 /* Floats of a blockwise scale_inv of a tensor [rows, cols]: 1x128 blocks (blocks_128x128 = 0) or
  * 128x128 blocks with cuBLASLt's padding (the column blocks rounded up to 4). */
-int64_t mt_fp8_scale_inv_floats(int blocks_128x128, int rows, int cols);
+MT_DEF int64_t mt_fp8_scale_inv_floats(int blocks_128x128, int rows, int cols);
 
 /* Layouts of a world size for train_gpt --plan-layouts: every (TP, PP, VP) the model divides into
  * (those this build lacks included, marked refused with mt_config_check_supported's line)
@@ -1052,10 +1114,28 @@ typedef struct {
     int refused;                  /* 1: this build does not have the combination (mt_config_check_supported) */
     char reason[512];             /* then its line; a refused layout never fits, whatever its plan says */
 } mt_layout_candidate;
-mt_status mt_plan_layouts(const mt_config* cfg, const mt_plan_options* opts, int world_size,
-                          mt_layout_candidate* out, int max, int* count, mt_error* err);
+MT_DEF mt_status mt_plan_layouts(const mt_config* cfg, const mt_plan_options* opts, int world_size,
+                                 mt_layout_candidate* out, int max, int* count, mt_error* err);
 
-/* ---- CPU AdamW (optimizer offload) ----------------------------------------------------------- */
+/* ---------------------------------------------------------------------------------------------- */
+/* 11. Thread pool                                                                                 */
+/*    pthread workers that run one job at a time on every thread (the CPU AdamW's).                */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* A pool of worker threads (pthreads) that runs one job at a time on every thread. */
+typedef struct mt_thread_pool mt_thread_pool;
+MT_DEF mt_status mt_thread_pool_create(mt_thread_pool** out, int threads, mt_error* err);
+MT_DEF void mt_thread_pool_free(mt_thread_pool* pool);
+MT_DEF int mt_thread_pool_size(const mt_thread_pool* pool);
+/* Runs fn(arg, worker, workers) on every worker (the caller is worker 0) and returns when all are done. */
+MT_DEF void mt_thread_pool_run(mt_thread_pool* pool, void (*fn)(void* arg, int worker, int workers), void* arg);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* 12. CPU AdamW (optimizer offload)                                                               */
+/*    The GPU AdamW on the host, bit for bit, for the part of the optimizer that                   */
+/*    --optimizer-cpu-offload keeps in host memory, split over the thread pool.                    */
+/* ---------------------------------------------------------------------------------------------- */
+
 /* The GPU AdamW of megatron.cu section 11 on the host, operation for operation in the same order
  * with the same fused multiply-adds, so each element's m, v and master are bit-for-bit the GPU's
  * (IEEE fp32 division and square root on both; no flush to zero): per element, g = grad * grad_scale,
@@ -1069,18 +1149,11 @@ typedef struct {
     float lr_decoupled; /* the rate of a segment marked decoupled (--decoupled-lr; else lr) */
 } mt_adamw_step;
 /* n elements of one weight-decay class (decay: weight_decay applies, else 0). */
-void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v, int64_t n);
-/* The same per element, one element at a time in plain C: the reference the tests hold mt_adamw_cpu to. */
-void mt_adamw_cpu_scalar(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
+MT_DEF void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
                          int64_t n);
-
-/* A pool of worker threads (pthreads) that runs one job at a time on every thread. */
-typedef struct mt_thread_pool mt_thread_pool;
-mt_status mt_thread_pool_create(mt_thread_pool** out, int threads, mt_error* err);
-void mt_thread_pool_free(mt_thread_pool* pool);
-int mt_thread_pool_size(const mt_thread_pool* pool);
-/* Runs fn(arg, worker, workers) on every worker (the caller is worker 0) and returns when all are done. */
-void mt_thread_pool_run(mt_thread_pool* pool, void (*fn)(void* arg, int worker, int workers), void* arg);
+/* The same per element, one element at a time in plain C: the reference the tests hold mt_adamw_cpu to. */
+MT_DEF void mt_adamw_cpu_scalar(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
+                                int64_t n);
 
 /* A run of elements of one weight-decay class in arrays laid out alike (grad, master, m, v). */
 typedef struct {
@@ -1090,20 +1163,32 @@ typedef struct {
 } mt_adamw_segment;
 /* mt_adamw_cpu over segments (increasing, disjoint), the elements split evenly over the pool's threads
  * at 16-element boundaries (pool NULL: this thread). */
-void mt_adamw_cpu_parallel(mt_thread_pool* pool, const mt_adamw_step* h, const mt_adamw_segment* segments,
-                           int num_segments, const float* grad, float* master, float* m, float* v);
+MT_DEF void mt_adamw_cpu_parallel(mt_thread_pool* pool, const mt_adamw_step* h, const mt_adamw_segment* segments,
+                                  int num_segments, const float* grad, float* master, float* m, float* v);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* 7. Checkpoint format: the header words, config <-> header                                       */
+/* 13. Checkpoint files: header and checks, names, tracker, retention, commit, integrity           */
+/*    What a checkpoint is on disk, and the rules every writer and reader of one applies: the      */
+/*    header words and their checks, each rank's file names, the tracker, --save-retain-interval,  */
+/*    a save's temporary directory and its commit, the manifest and the integrity rule.            */
+/*    megatron.cu section 19 stages and writes the trainer's files through them, and the prepro/   */
+/*    tools read and write through them.                                                           */
 /* ---------------------------------------------------------------------------------------------- */
 
 /* The checkpoint format. <dir>/iter_%07d/mp_rank_00/model_optim_rng.bin is a header of
  * MT_CK_HEADER_WORDS little-endian int64 words (indices below), then fp32 master weights, Adam m and
  * v, each in canonical order (only the master weights when MT_CK_SHARDED_DP > 0: then every DP rank
- * r also has distrib_optim_dp<r>.bin, the same header and its shard of master, m, v). With tensor
+ * r also has distrib_optim_dp<r>.bin, the same header and its shard of master, m, v: for each bucket
+ * of the DDP buffer (mt_buffer_layout_build) in order, r's part of it (mt_bucket_shard)). With tensor
  * parallelism every TP rank t writes mp_rank_<t>/ (two digits, Megatron's naming) holding its shard
- * in mt_param_layout_shard's order; MT_CK_NUM_PARAMS is always the full model's count. megatron.cu
- * writes and loads it; prepro/convert_hf writes and reads it (TP = 1). */
+ * in mt_param_layout_shard's order; with pipeline parallelism mp_rank_<t>_<p>/ (three digits for the
+ * pipeline rank) holds that shard's tensors of pipeline rank p's stage, laid out as
+ * mt_pp_stage_copy lays them out. MT_CK_NUM_PARAMS is always the full model's count. A model file
+ * ends with the FP8 delayed-scaling state when the run had one (MT_CK_FP8_*): state of one layout,
+ * not carried to another. The files' names, the rank words of their headers and the checks a reader
+ * applies are the functions below (mt_ckpt_rank_files, mt_checkpoint_header_set_rank,
+ * mt_checkpoint_header_check_rank); megatron.cu writes and loads checkpoints through them,
+ * prepro/convert_hf writes and reads one (TP = 1), prepro/checkpoint_tool.h reads and reshards. */
 #define MT_CKPT_MAGIC 0x4b43544d /* "MTCK" */
 #define MT_CKPT_VERSION 1
 enum {
@@ -1149,11 +1234,11 @@ enum {
  * shape, parameter count, precision, seed, parallel sizes (progress words stay 0, and so does
  * MT_CK_MANIFESTED: a writer sets it to 1 when it commits the checkpoint with a manifest, which every
  * writer of this project does). */
-void mt_checkpoint_header_init(int64_t* header, const mt_config* cfg);
+MT_DEF void mt_checkpoint_header_init(int64_t* header, const mt_config* cfg);
 /* The reverse: the model fields of cfg (shape and flavour) from a header; vocab_size is set to the
  * padded size (it pads to itself). Other fields are left as they are. Only for a header that
  * mt_checkpoint_header_check accepted. */
-void mt_config_from_checkpoint_header(mt_config* cfg, const int64_t* header);
+MT_DEF void mt_config_from_checkpoint_header(mt_config* cfg, const int64_t* header);
 /* Every word of a header read from a file, checked before any is used as a size, a count or a
  * value: magic and version; the shape words in [1, 2^31) with a parameter count that fits (the
  * overflow checks of mt_config_finalize) and equals MT_CK_NUM_PARAMS; the flavour words in their
@@ -1164,36 +1249,99 @@ void mt_config_from_checkpoint_header(mt_config* cfg, const int64_t* header);
  * int (the growth tracker >= 0; hysteresis counts down past 0, as Megatron's) and the loss scale
  * finite and > 0; the FP8 words in range; the manifest mark 0 or 1. cfg (if not NULL) gets the model
  * (mt_config_defaults, then mt_config_from_checkpoint_header). path names the file in messages. */
-mt_status mt_checkpoint_header_check(const int64_t* header, const char* path, mt_config* cfg, mt_error* err);
+MT_DEF mt_status mt_checkpoint_header_check(const int64_t* header, const char* path, mt_config* cfg, mt_error* err);
 /* The exact size in bytes of a checkpoint file with this (checked) header: the model file
  * (model_optim_rng.bin: master weights of its TP shard, then m and v unless sharded, then the FP8
  * state) or, shard_file != 0, a distrib_optim_dp<r>.bin (master, m and v of MT_CK_SHARD_NUMEL each). */
-int64_t mt_checkpoint_file_bytes(const int64_t* header, int shard_file);
+MT_DEF int64_t mt_checkpoint_file_bytes(const int64_t* header, int shard_file);
+/* The distributed optimizer's buckets, which cut its shard files: --overlap-grad-reduce and
+ * --ddp-bucket-size (the header records the saving run's: MT_CK_DDP_*). */
+typedef struct {
+    int overlap_grad_reduce;
+    int64_t ddp_bucket_size; /* 0: Megatron's default */
+} mt_ckpt_ddp;
+/* One rank's place in a checkpoint of its own layout: what its files are called, and what the rank
+ * words of their headers hold (a writer sets them with mt_checkpoint_header_set_rank; a reader at the
+ * same layout checks them with mt_checkpoint_header_check_rank). */
+typedef struct {
+    int tp_rank, pp_rank, dp_rank; /* its coordinates (mt_rank_coordinates) */
+    int pp;                        /* pipeline stages (> 1: mp_rank_<tp>_<pp>/ and the stage's words) */
+    int vp;                        /* model chunks of each pipeline rank */
+    int64_t stage_numel;           /* one array of its model file: its stage's tensors of its TP shard */
+    int dp;                        /* the data-parallel size */
+    int sharded;                   /* the distributed optimizer shards master, m and v over the dp ranks */
+    int64_t shard_numel;           /* one array of its shard file */
+    mt_ckpt_ddp ddp;               /* the buckets that cut the shards */
+} mt_ckpt_rank;
+/* <iter_dir>/mp_rank_<tp>[_<pp>] (the _<pp> part when the layout has pp > 1 stages) */
+MT_DEF void mt_ckpt_rank_dir(char* buf, size_t cap, const char* iter_dir, int pp, int tp_rank, int pp_rank);
+/* A file of a rank's directory: <rank_dir>/model_optim_rng.bin (dp_shard < 0), else DP rank dp_shard's
+ * shard file <rank_dir>/distrib_optim_dp<dp_shard, three digits>.bin. */
+MT_DEF void mt_ckpt_file_path(char* buf, size_t cap, const char* rank_dir, int dp_shard);
+/* The files rank r writes, in this order: its shard file (sharded), then the model file on DP rank 0
+ * (the DP replicas of a TP x PP rank hold the same model file); paths relative to the iteration
+ * directory. Returns how many (0 to 2). */
+typedef struct {
+    char path[96];
+    int shard; /* 1: the shard file (master, m, v of the DP shard), 0: the model file */
+} mt_ckpt_file;
+MT_DEF int mt_ckpt_rank_files(const mt_ckpt_rank* r, mt_ckpt_file files[2]);
+/* The rank words of a header that mt_checkpoint_header_init filled: r's TP, PP and DP ranks, the
+ * stage's words (VP, parameter count) when pp > 1, the sharding's (DP size, shard size, buckets) when
+ * sharded, else 0. */
+MT_DEF void mt_checkpoint_header_set_rank(int64_t* header, const mt_ckpt_rank* r);
+/* Every header word that describes the model (shape, flavour) and its layout must be cfg's (one line
+ * names the first that differs); with any_layout the parallel layout (TP, PP) and the vocabulary's
+ * padding may differ (a load at another layout, which re-pads: then the true vocabulary, when the
+ * header knows it, must be cfg's). */
+MT_DEF mt_status mt_checkpoint_header_check_model(const int64_t* header, const char* path, const mt_config* cfg,
+                                                  int any_layout, mt_error* err);
+/* A file that rank r of cfg's layout reads at its own layout, `file_bytes` long (its size on disk):
+ * every word in range (mt_checkpoint_header_check), the iteration the one asked for, the file's exact
+ * size, the model and layout cfg's (mt_checkpoint_header_check_model), the TP rank and the pipeline
+ * stage's words r's, optimizer state sharded over r's DP size if at all, and a shard file (shard_file)
+ * r's DP rank's, of r's shard size. */
+MT_DEF mt_status mt_checkpoint_header_check_rank(const int64_t* header, int64_t file_bytes, const char* path,
+                                                 const mt_config* cfg, const mt_ckpt_rank* r, int64_t iteration,
+                                                 int shard_file, mt_error* err);
+/* Reads and checks a header of `path` (shard_file: a distrib_optim file): its words in range, the
+ * file's exact size, and (ref not NULL) every model and layout word as ref's but for the rank words,
+ * which must be (tp_rank, pp_rank, dp_rank). *fd_out (if not NULL) gets the file, open (else -1). */
+MT_DEF mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_file, int tp_rank, int pp_rank,
+                                     int dp_rank, int64_t* h, int* fd_out, mt_error* err);
 /* The tracker <dir>/latest_checkpointed_iteration.txt: Megatron's one decimal iteration (its
  * "release" is not supported). Reading refuses anything else with one line; writing goes through a
  * temporary file, fsync'ed and renamed (the previous tracker stays until the new one is complete). */
-mt_status mt_checkpoint_read_tracker(const char* dir, int64_t* iteration, mt_error* err);
-mt_status mt_checkpoint_write_tracker(const char* dir, int64_t iteration, mt_error* err);
+MT_DEF mt_status mt_checkpoint_read_tracker(const char* dir, int64_t* iteration, mt_error* err);
+MT_DEF mt_status mt_checkpoint_write_tracker(const char* dir, int64_t iteration, mt_error* err);
 /* <dir>/iter_%07lld of an iteration, into out: a save that replaces an iteration moves the old
  * directory to iter_%07lld.old before it renames the new one into place; when a crash came between
  * those two renames only the .old exists, and this returns it (the complete old checkpoint). */
-void mt_checkpoint_iteration_dir(char* out, size_t cap, const char* dir, int64_t iteration);
+MT_DEF void mt_checkpoint_iteration_dir(char* out, size_t cap, const char* dir, int64_t iteration);
 /* mkdir -p: 0, or -1 with errno set. */
-int mt_make_directories(const char* path);
+MT_DEF int mt_make_directories(const char* path);
 /* --save-retain-interval (Megatron's checkpointing.py): once the save of iteration `saved` is
  * committed (the tracker names it), the checkpoint the tracker named before it (`previous`; -1: none)
  * is deleted unless it is iteration 0 or less, the one just saved, a multiple of retain_interval, or
  * the iteration of a save still being written (`pending`; -1: none). Run after run, what stays is
  * every multiple of the interval and the newest. Returns the iteration to delete, or -1 (also for an
  * interval < 1: no retention). */
-int64_t mt_checkpoint_retain_victim(int64_t previous, int64_t saved, int64_t retain_interval, int64_t pending);
+MT_DEF int64_t mt_checkpoint_retain_victim(int64_t previous, int64_t saved, int64_t retain_interval, int64_t pending);
 /* Applies it to dir: only when the tracker now names `saved` (a save that was not committed deletes
  * nothing), the victim's directory is renamed to a .tmp_iter_ name (which the next save removes, so a
  * crash leaves no half-deleted checkpoint in place) and removed; a symbolic link is left alone, as
  * Megatron does (where the platform has O_NOFOLLOW; elsewhere the link goes, never what it points to).
  * *deleted: the iteration deleted, or -1. Rank 0 only (the ranks share the file system). */
-mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t saved, int64_t retain_interval,
-                                     int64_t pending, int64_t* deleted, mt_error* err);
+MT_DEF mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t saved, int64_t retain_interval,
+                                            int64_t pending, int64_t* deleted, mt_error* err);
+/* A save's directories: the iteration's <dir>/iter_%07lld, and the temporary <dir>/.tmp_iter_%07lld
+ * its files are written into until the commit renames it into place. */
+MT_DEF void mt_checkpoint_save_dirs(const char* dir, int64_t iteration, char* final_dir, size_t final_cap,
+                                    char* tmp_dir, size_t tmp_cap);
+/* Before a save (rank 0): removes the temporary directories (.tmp_iter_*) of saves that never
+ * finished, and settles every iter_N.old a save left: removed when iter_N is in place, else renamed
+ * back. */
+MT_DEF void mt_checkpoint_tidy(const char* dir);
 
 /* The manifest: <iter dir>/manifest.txt lists every other regular file under the iteration
  * directory (subdirectories included), with its size and CRC-32C (mt_crc32c_extend), one file a line,
@@ -1206,7 +1354,7 @@ mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t 
  * a complete checkpoint. Checkpoints of this project from before the manifest have none. */
 #define MT_CKPT_MANIFEST "manifest.txt"
 /* Lists iter_dir's files into iter_dir/manifest.txt (reading every byte once). */
-mt_status mt_checkpoint_manifest_write(const char* iter_dir, mt_error* err);
+MT_DEF mt_status mt_checkpoint_manifest_write(const char* iter_dir, mt_error* err);
 /* A file whose size and CRC-32C its writer computed from the bytes it wrote (path relative to the
  * iteration directory). */
 typedef struct {
@@ -1217,12 +1365,18 @@ typedef struct {
 /* The same manifest, taking the checksum of each listed file that `known` names with the size the
  * file has on disk from there instead of reading it (a trainer's save: its writers checksummed the
  * bytes as they wrote them, so the commit does not read the checkpoint back); other files are read. */
-mt_status mt_checkpoint_manifest_write_known(const char* iter_dir, const mt_checkpoint_file_crc* known, int num_known,
-                                             mt_error* err);
+MT_DEF mt_status mt_checkpoint_manifest_write_known(const char* iter_dir, const mt_checkpoint_file_crc* known,
+                                                    int num_known, mt_error* err);
 /* Reads iter_dir/manifest.txt and checks every listed file is there, a regular file of that size and
  * checksum, and that no file is there that it does not list; one line names the first bad file
  * (MT_ERR_IO when the manifest itself is missing or unreadable, else MT_ERR_FORMAT). */
-mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* err);
+MT_DEF mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* err);
+/* Commits a save whose every file is complete in tmp_dir (mt_checkpoint_save_dirs) as `iteration` of
+ * dir: the manifest (mt_checkpoint_manifest_write_known; a failure removes tmp_dir), an older copy of
+ * the iteration moved aside to iter_N.old, tmp_dir renamed into place and the directory synced, the
+ * .old removed (or put back when the new one did not arrive), then the tracker. */
+MT_DEF mt_status mt_checkpoint_commit(const char* dir, int64_t iteration, const char* tmp_dir,
+                                      const mt_checkpoint_file_crc* known, int num_known, mt_error* err);
 /* The integrity rule, the one every reader of a checkpoint applies before it reads its data (the
  * trainer's --load, checkpoint_tool, convert_hf --export, eval_hellaswag, dev/hf_logits through
  * these functions; prepro/convert_mcore.py restates it in Python):
@@ -1235,14 +1389,20 @@ mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* err);
  * --no-verify-checkpoint) turns every refusal into a warning that says why, and MT_OK: the reader then
  * proceeds (and fails by itself on what it cannot read). Library code does not print: *warning (may be
  * NULL) gets the one line for the caller to print, "" when there is nothing to say. */
-mt_status mt_checkpoint_check_integrity(const char* iter_dir, int no_verify, mt_error* warning, mt_error* err);
+MT_DEF mt_status mt_checkpoint_check_integrity(const char* iter_dir, int no_verify, mt_error* warning, mt_error* err);
 /* The iteration a reader reads, the rule above applied: `iteration` (< 0: the tracker's) when it
  * passes. With fell_back not NULL (the trainer's --load) a tracker's iteration that is refused gives
  * way to the newest older iter_* directory of dir whose manifest verifies (*fell_back = 1; *warning
  * says which was refused and why); with fell_back NULL (the tools: they read what they are asked or
  * nothing), and for an explicit iteration, the refusal is the result. */
-mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no_verify, int64_t* chosen, int* fell_back,
-                               mt_error* warning, mt_error* err);
+MT_DEF mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no_verify, int64_t* chosen,
+                                      int* fell_back, mt_error* warning, mt_error* err);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* 14. Checkpoints at any layout: the reader of any rank's part                                    */
+/*    A checkpoint's layout from its first header, and any rank's part of another layout cut from  */
+/*    the saved files slice by slice (the trainer's --load at another layout, checkpoint_tool.h).  */
+/* ---------------------------------------------------------------------------------------------- */
 
 /* A checkpoint read at any layout: its layout from the first model file's header (mp_rank_00 or
  * mp_rank_00_000), each file's header and exact size checked when first read, and any rank's part
@@ -1259,31 +1419,20 @@ typedef struct {
     mt_config cfg;                      /* the model, at the files' TP, PP and VP */
     int tp, pp, vp, sharded_dp;         /* sharded_dp: 0, or the distributed optimizer's DP size */
 } mt_ckpt;
-typedef struct {
-    int overlap_grad_reduce;
-    int64_t ddp_bucket_size; /* 0: Megatron's default */
-} mt_ckpt_ddp;
 enum { MT_CKPT_MASTER = 0, MT_CKPT_M, MT_CKPT_V, MT_CKPT_ARRAYS }; /* the three fp32 arrays of a checkpoint */
 /* The buckets of ck's distributed-optimizer shards: the header's record, else `fallback` (NULL: one bucket). */
-mt_ckpt_ddp mt_ckpt_saved_ddp(const mt_ckpt* ck, const mt_ckpt_ddp* fallback);
-/* <iter_dir>/mp_rank_<tp>[_<pp>] (the _<pp> part when the layout has pp > 1 stages) */
-void mt_ckpt_rank_dir(char* buf, size_t cap, const char* iter_dir, int pp, int tp_rank, int pp_rank);
+MT_DEF mt_ckpt_ddp mt_ckpt_saved_ddp(const mt_ckpt* ck, const mt_ckpt_ddp* fallback);
 /* The model of header h at a layout, as rank (tp_rank, DP 0, pp_rank) of it sees it: dp > 0 with the
  * distributed optimizer's buckets (ddp). The layer split is checked (an even one: the header does not
  * record --decoder-first/last-pipeline-num-layers). */
-mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp, int dp, const mt_ckpt_ddp* ddp,
-                         int tp_rank, int pp_rank, mt_error* err);
+MT_DEF mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp, int dp, const mt_ckpt_ddp* ddp,
+                                int tp_rank, int pp_rank, mt_error* err);
 /* Elements of one array of a model file of c's rank: its stage's tensors of its TP shard. */
-mt_status mt_ckpt_rank_numel(const mt_config* c, int64_t* numel, mt_error* err);
-/* Reads and checks a header of `path` (shard_file: a distrib_optim file): its words in range, the
- * file's exact size, and (ref not NULL) every model and layout word as ref's but for the rank words,
- * which must be (tp_rank, pp_rank, dp_rank). *fd_out (if not NULL) gets the file, open (else -1). */
-mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_file, int tp_rank, int pp_rank,
-                              int dp_rank, int64_t* h, int* fd_out, mt_error* err);
+MT_DEF mt_status mt_ckpt_rank_numel(const mt_config* c, int64_t* numel, mt_error* err);
 /* Finds the iteration (< 0: the tracker's) and reads its first model file's header. */
-mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, mt_error* err);
+MT_DEF mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, mt_error* err);
 /* Reads n floats at element offset `at` of the arrays after the header of file fd. */
-mt_status mt_ckpt_read_floats(int fd, const char* path, int64_t at, float* out, int64_t n, mt_error* err);
+MT_DEF mt_status mt_ckpt_read_floats(int fd, const char* path, int64_t at, float* out, int64_t n, mt_error* err);
 /* One array (MT_CKPT_*) of the part of the model that rank target->rank of the layout `target` (a
  * finalized config: TP, PP, VP, its rank) holds, in its mt_buffer_layout's canonical order (its
  * canonical_size elements into out), read slice by slice from checkpoint ck: for each of its
@@ -1293,15 +1442,15 @@ mt_status mt_ckpt_read_floats(int fd, const char* path, int64_t at, float* out, 
  * saved (tensor, layer) slice is held at a time. The target's model must be the checkpoint's but for
  * the vocabulary padding: rows the target pads beyond the saved ones are 0, saved rows beyond the
  * target's padding are dropped (as checkpoint_tool's reshard re-pads). */
-mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_config* target, int array, float* out,
-                            mt_error* err);
+MT_DEF mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_config* target, int array,
+                                   float* out, mt_error* err);
 /* Before mt_config_finalize of a run that will load from dir: c->resumed_padded_vocab_size = the
  * padded vocabulary of dir's tracked checkpoint (left as it is when dir holds none, or a damaged one:
  * the load says so), so the finalized model keeps it where it can (mt_padded_vocab_size_resumed). */
-void mt_config_resume_padding(mt_config* c, const char* dir);
+MT_DEF void mt_config_resume_padding(mt_config* c, const char* dir);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* 8. The trainer (GPU; implemented in megatron.cu)                                                */
+/* 15. The trainer API (GPU; implemented in megatron.cu)                                           */
 /* ---------------------------------------------------------------------------------------------- */
 
 typedef struct mt_trainer mt_trainer;
@@ -1410,7 +1559,7 @@ mt_status mt_trainer_get_gradients(mt_trainer* t, float* grads, mt_error* err);
 
 /* Checkpoints in Megatron's layout: <dir>/iter_0000100/mp_rank_00/model_optim_rng.bin and
  * <dir>/latest_checkpointed_iteration.txt, written under temporary names and renamed, the
- * iteration's manifest.txt (section 7) last before the rename, the tracker after it.
+ * iteration's manifest.txt (section 13) last before the rename, the tracker after it.
  * The checkpoint holds weights, optimizer state, scheduler, loss scaler and data position. */
 mt_status mt_trainer_save(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples,
                           mt_error* err);
@@ -1459,7 +1608,7 @@ mt_status mt_trainer_set_iteration(mt_trainer* t, int64_t iteration, mt_error* e
 mt_status mt_device_profiler(int start, mt_error* err);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* 9. TensorBoard event files                                                                      */
+/* 16. TensorBoard event files                                                                     */
 /*    What --tensorboard-dir writes, read by TensorBoard itself (and by `wandb sync               */
 /*    --sync-tensorboard`). A file is a sequence of TFRecords: u64 length, u32 masked CRC-32C of   */
 /*    those 8 bytes, the data, u32 masked CRC-32C of the data (little endian; the mask rotates the */
@@ -1482,27 +1631,27 @@ typedef struct mt_tb_writer mt_tb_writer;
  * file's CRC can be computed in pieces (the checkpoint manifest); mt_tb_crc32c(d, n) is
  * mt_crc32c_extend(0, d, n). SSE4.2's crc32 instruction where the CPU has it (checked at run time),
  * else bit by bit. */
-uint32_t mt_crc32c_extend(uint32_t crc, const void* data, size_t n);
-uint32_t mt_tb_crc32c(const void* data, size_t n);
-uint32_t mt_tb_masked_crc32c(const void* data, size_t n);
+MT_DEF uint32_t mt_crc32c_extend(uint32_t crc, const void* data, size_t n);
+MT_DEF uint32_t mt_tb_crc32c(const void* data, size_t n);
+MT_DEF uint32_t mt_tb_masked_crc32c(const void* data, size_t n);
 
 /* Creates dir (mkdir -p) and in it a new file events.out.tfevents.<unix time, 10 digits>.<host>.<pid>.<k>
  * (k: the first number that makes the name new) whose first record, written at once, is the
  * file_version event. queue_size >= 1: pending events that force a flush. */
-mt_status mt_tb_open(mt_tb_writer** out, const char* dir, int queue_size, mt_error* err);
-const char* mt_tb_path(const mt_tb_writer* w);
+MT_DEF mt_status mt_tb_open(mt_tb_writer** out, const char* dir, int queue_size, mt_error* err);
+MT_DEF const char* mt_tb_path(const mt_tb_writer* w);
 /* A scalar (stored as float32, as TensorBoard does) at step. */
-mt_status mt_tb_scalar(mt_tb_writer* w, const char* tag, double value, int64_t step, mt_error* err);
+MT_DEF mt_status mt_tb_scalar(mt_tb_writer* w, const char* tag, double value, int64_t step, mt_error* err);
 /* Megatron's habit for training scalars: tag at step iteration and "<tag> vs samples" at step
  * consumed_samples. */
-mt_status mt_tb_scalar_pair(mt_tb_writer* w, const char* tag, double value, int64_t iteration,
-                            int64_t consumed_samples, mt_error* err);
+MT_DEF mt_status mt_tb_scalar_pair(mt_tb_writer* w, const char* tag, double value, int64_t iteration,
+                                   int64_t consumed_samples, mt_error* err);
 /* A text at step, under the tag "<tag>/text_summary" (add_text's naming). */
-mt_status mt_tb_text(mt_tb_writer* w, const char* tag, const char* text, int64_t step, mt_error* err);
+MT_DEF mt_status mt_tb_text(mt_tb_writer* w, const char* tag, const char* text, int64_t step, mt_error* err);
 /* Writes the pending events to the file. */
-mt_status mt_tb_flush(mt_tb_writer* w, mt_error* err);
+MT_DEF mt_status mt_tb_flush(mt_tb_writer* w, mt_error* err);
 /* Flushes, closes and frees (w may be NULL). The status is the flush's or the close's. */
-mt_status mt_tb_close(mt_tb_writer* w, mt_error* err);
+MT_DEF mt_status mt_tb_close(mt_tb_writer* w, mt_error* err);
 
 #ifdef __cplusplus
 }
@@ -1519,11 +1668,23 @@ mt_status mt_tb_close(mt_tb_writer* w, mt_error* err);
 #if defined(MEGATRON_IMPLEMENTATION) && !defined(MEGATRON_IMPLEMENTATION_DONE)
 #define MEGATRON_IMPLEMENTATION_DONE
 
+/* Every system header the implementation uses (the top comment's "Platform" says why each). */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
-#include <pthread.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/utsname.h>
+#include <time.h>
+#include <unistd.h>
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #endif
@@ -1534,7 +1695,7 @@ extern "C" {
 
 /* 1. Status and errors ------------------------------------------------------------------------- */
 
-const char* mt_status_name(mt_status status) {
+MT_DEF const char* mt_status_name(mt_status status) {
     switch (status) {
         case MT_OK: return "ok";
         case MT_ERR_IO: return "io error";
@@ -1550,7 +1711,7 @@ const char* mt_status_name(mt_status status) {
     return "unknown error";
 }
 
-mt_status mt_fail(mt_error* err, mt_status status, const char* fmt, ...) {
+MT_DEF mt_status mt_fail(mt_error* err, mt_status status, const char* fmt, ...) {
     if (err) {
         va_list ap;
         va_start(ap, fmt);
@@ -1560,23 +1721,7 @@ mt_status mt_fail(mt_error* err, mt_status status, const char* fmt, ...) {
     return status;
 }
 
-
-/* 2. Indexed datasets (.bin/.idx) -------------------------------------------------------------- */
-
-#ifdef __cplusplus
-}
-#endif
-#include <dirent.h>
-#include <errno.h>
-#include <fcntl.h>
-#include <limits.h>
-#include <stdlib.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-#ifdef __cplusplus
-extern "C" {
-#endif
+/* 2. Indexed datasets (.bin/.idx, Megatron MMIDIDX v1): reader and writer ---------------------- */
 
 /* The .idx arrays start at byte 34, so they are unaligned: every load goes through memcpy (one
  * instruction on x86 and ARM). The files are little-endian; so is every host we build for. */
@@ -1652,12 +1797,12 @@ static int mt__open_regular(const char* path, struct stat* st_out, mt_error* err
     return fd;
 }
 
-int mt_open_regular_file(const char* path, mt_error* err) {
+MT_DEF int mt_open_regular_file(const char* path, mt_error* err) {
     struct stat st;
     return mt__open_regular(path, &st, err);
 }
 
-mt_status mt_read_file(const char* path, size_t max_bytes, char** data, size_t* size, mt_error* err) {
+MT_DEF mt_status mt_read_file(const char* path, size_t max_bytes, char** data, size_t* size, mt_error* err) {
     *data = NULL;
     *size = 0;
     struct stat st;
@@ -1696,7 +1841,7 @@ mt_status mt_read_file(const char* path, size_t max_bytes, char** data, size_t* 
     return MT_OK;
 }
 
-char* mt_temporary_path(const char* path) {
+MT_DEF char* mt_temporary_path(const char* path) {
     char suffix[32];
     snprintf(suffix, sizeof(suffix), ".tmp.%ld", (long)getpid());
     return mt__concat(path, suffix);
@@ -1710,7 +1855,7 @@ static void mt__dirname(const char* path, char* buf, size_t cap) {
     else snprintf(buf, cap, "%.*s", (int)(slash - path), path);
 }
 
-int mt_sync_directory_of(const char* path) {
+MT_DEF int mt_sync_directory_of(const char* path) {
     char dir[4096];
     mt__dirname(path, dir, sizeof(dir));
     int fd = open(dir, O_RDONLY | O_NONBLOCK);
@@ -1721,7 +1866,7 @@ int mt_sync_directory_of(const char* path) {
     return rc;
 }
 
-mt_status mt_commit_file(const char* tmp, const char* path, mt_error* err) {
+MT_DEF mt_status mt_commit_file(const char* tmp, const char* path, mt_error* err) {
     if (rename(tmp, path) != 0) {
         int e = errno;
         unlink(tmp);
@@ -1732,7 +1877,7 @@ mt_status mt_commit_file(const char* tmp, const char* path, mt_error* err) {
     return MT_OK;
 }
 
-mt_status mt_write_file(const char* path, int n, const void* const* chunks, const size_t* sizes, mt_error* err) {
+MT_DEF mt_status mt_write_file(const char* path, int n, const void* const* chunks, const size_t* sizes, mt_error* err) {
     char* tmp = mt_temporary_path(path);
     if (!tmp) return mt_fail(err, MT_ERR_OOM, "out of memory writing %s", path);
     mt_remove_stale_temporaries(path);
@@ -1748,7 +1893,7 @@ mt_status mt_write_file(const char* path, int n, const void* const* chunks, cons
     return st;
 }
 
-int mt_remove_tree(const char* path) {
+MT_DEF int mt_remove_tree(const char* path) {
     /* unlink removes a file or a symbolic link itself (never what a link points to); only a real
      * directory refuses it (EISDIR on Linux, EPERM elsewhere), and only then do we descend */
     if (unlink(path) == 0 || errno == ENOENT) return 0;
@@ -1792,7 +1937,7 @@ static long mt__temporary_pid(const char* name, const char* base, size_t nb, con
     return pid;
 }
 
-int mt_remove_stale_temporaries(const char* path) {
+MT_DEF int mt_remove_stale_temporaries(const char* path) {
     char dir[4096];
     mt__dirname(path, dir, sizeof(dir));
     const char* slash = strrchr(path, '/');
@@ -1817,7 +1962,7 @@ int mt_remove_stale_temporaries(const char* path) {
     return removed;
 }
 
-size_t mt_indexed_dtype_size(int dtype_code) {
+MT_DEF size_t mt_indexed_dtype_size(int dtype_code) {
     switch (dtype_code) {
         case MT_DTYPE_UINT8: case MT_DTYPE_INT8: return 1;
         case MT_DTYPE_INT16: case MT_DTYPE_UINT16: return 2;
@@ -1827,7 +1972,7 @@ size_t mt_indexed_dtype_size(int dtype_code) {
     return 0;
 }
 
-const char* mt_indexed_dtype_name(int dtype_code) {
+MT_DEF const char* mt_indexed_dtype_name(int dtype_code) {
     switch (dtype_code) {
         case MT_DTYPE_UINT8: return "uint8";
         case MT_DTYPE_INT8: return "int8";
@@ -1841,7 +1986,7 @@ const char* mt_indexed_dtype_name(int dtype_code) {
     return "unknown";
 }
 
-int mt_indexed_dtype_for_vocab(int64_t vocab_size) {
+MT_DEF int mt_indexed_dtype_for_vocab(int64_t vocab_size) {
     return vocab_size < 65500 ? MT_DTYPE_UINT16 : MT_DTYPE_INT32;
 }
 
@@ -1892,7 +2037,7 @@ static mt_status mt__map_file(const char* path, unsigned char** map, size_t* siz
     return MT_OK;
 }
 
-void mt_indexed_dataset_close(mt_indexed_dataset* ds) {
+MT_DEF void mt_indexed_dataset_close(mt_indexed_dataset* ds) {
     if (!ds) return;
     if (ds->idx_map) munmap(ds->idx_map, ds->idx_size);
     if (ds->bin_map) munmap(ds->bin_map, ds->bin_size);
@@ -2025,7 +2170,7 @@ static mt_status mt__open_moved_aside(mt_indexed_dataset* ds, const char* prefix
     return MT_OK;
 }
 
-mt_status mt_indexed_dataset_open(mt_indexed_dataset** out, const char* prefix, mt_error* err) {
+MT_DEF mt_status mt_indexed_dataset_open(mt_indexed_dataset** out, const char* prefix, mt_error* err) {
     *out = NULL;
     const uint16_t one = 1;
     if (*(const unsigned char*)&one != 1)
@@ -2075,24 +2220,24 @@ done:
     return st;
 }
 
-const char* mt_indexed_dataset_prefix(const mt_indexed_dataset* ds) { return ds->prefix; }
-int mt_indexed_dataset_dtype(const mt_indexed_dataset* ds) { return ds->dtype; }
-int64_t mt_indexed_dataset_num_sequences(const mt_indexed_dataset* ds) { return ds->num_sequences; }
-int64_t mt_indexed_dataset_num_documents(const mt_indexed_dataset* ds) { return ds->num_doc_entries - 1; }
-int64_t mt_indexed_dataset_num_tokens(const mt_indexed_dataset* ds) { return ds->num_tokens; }
+MT_DEF const char* mt_indexed_dataset_prefix(const mt_indexed_dataset* ds) { return ds->prefix; }
+MT_DEF int mt_indexed_dataset_dtype(const mt_indexed_dataset* ds) { return ds->dtype; }
+MT_DEF int64_t mt_indexed_dataset_num_sequences(const mt_indexed_dataset* ds) { return ds->num_sequences; }
+MT_DEF int64_t mt_indexed_dataset_num_documents(const mt_indexed_dataset* ds) { return ds->num_doc_entries - 1; }
+MT_DEF int64_t mt_indexed_dataset_num_tokens(const mt_indexed_dataset* ds) { return ds->num_tokens; }
 
-int64_t mt_indexed_dataset_sequence_length(const mt_indexed_dataset* ds, int64_t i) {
+MT_DEF int64_t mt_indexed_dataset_sequence_length(const mt_indexed_dataset* ds, int64_t i) {
     if (i < 0 || i >= ds->num_sequences) return -1;
     return mt__load_i32(ds->lengths + i * 4);
 }
 
-int64_t mt_indexed_dataset_document_start(const mt_indexed_dataset* ds, int64_t k) {
+MT_DEF int64_t mt_indexed_dataset_document_start(const mt_indexed_dataset* ds, int64_t k) {
     if (k < 0 || k >= ds->num_doc_entries) return -1;
     return mt__load_i64(ds->docs + k * 8);
 }
 
-mt_status mt_indexed_dataset_read(const mt_indexed_dataset* ds, int64_t seq, int64_t offset, int64_t count,
-                                  int32_t* out, mt_error* err) {
+MT_DEF mt_status mt_indexed_dataset_read(const mt_indexed_dataset* ds, int64_t seq, int64_t offset, int64_t count,
+                                         int32_t* out, mt_error* err) {
     if (seq < 0 || seq >= ds->num_sequences)
         return mt_fail(err, MT_ERR_RANGE, "%s: sequence %lld out of range [0, %lld)", ds->prefix, (long long)seq,
                        (long long)ds->num_sequences);
@@ -2193,7 +2338,7 @@ static mt_status mt__restore_moved_aside(const char* prefix, const char* idx, co
     return MT_OK;
 }
 
-mt_status mt_indexed_writer_open(mt_indexed_writer** out, const char* prefix, int dtype_code, mt_error* err) {
+MT_DEF mt_status mt_indexed_writer_open(mt_indexed_writer** out, const char* prefix, int dtype_code, mt_error* err) {
     *out = NULL;
     if (dtype_code == MT_DTYPE_FLOAT32 || dtype_code == MT_DTYPE_FLOAT64 || mt_indexed_dtype_size(dtype_code) == 0)
         return mt_fail(err, MT_ERR_ARG, "cannot write %s: token dtype code %d is not an integer dtype", prefix,
@@ -2292,8 +2437,8 @@ static int mt__token_fits(int dtype, int32_t v) {
     return 1; /* int32, int64 */
 }
 
-mt_status mt_indexed_writer_add_document(mt_indexed_writer* w, const int32_t* tokens,
-                                         const int64_t* sequence_lengths, int64_t num_sequences, mt_error* err) {
+MT_DEF mt_status mt_indexed_writer_add_document(mt_indexed_writer* w, const int32_t* tokens,
+                                                const int64_t* sequence_lengths, int64_t num_sequences, mt_error* err) {
     if (w->prepared) return mt_fail(err, MT_ERR_ARG, "%s: the writer was already prepared", w->prefix);
     if (num_sequences < 0) return mt_fail(err, MT_ERR_ARG, "%s: negative sequence count %lld", w->prefix,
                                           (long long)num_sequences);
@@ -2334,7 +2479,7 @@ mt_status mt_indexed_writer_add_document(mt_indexed_writer* w, const int32_t* to
     return MT_OK;
 }
 
-mt_status mt_indexed_writer_add_index(mt_indexed_writer* w, const char* other_prefix, mt_error* err) {
+MT_DEF mt_status mt_indexed_writer_add_index(mt_indexed_writer* w, const char* other_prefix, mt_error* err) {
     if (w->prepared) return mt_fail(err, MT_ERR_ARG, "%s: the writer was already prepared", w->prefix);
     mt_indexed_dataset* ds = NULL;
     mt_status st = mt_indexed_dataset_open(&ds, other_prefix, err);
@@ -2365,10 +2510,10 @@ mt_status mt_indexed_writer_add_index(mt_indexed_writer* w, const char* other_pr
     return st;
 }
 
-int64_t mt_indexed_writer_num_sequences(const mt_indexed_writer* w) { return w->num_sequences; }
-int64_t mt_indexed_writer_num_documents(const mt_indexed_writer* w) { return w->num_docs - 1; }
+MT_DEF int64_t mt_indexed_writer_num_sequences(const mt_indexed_writer* w) { return w->num_sequences; }
+MT_DEF int64_t mt_indexed_writer_num_documents(const mt_indexed_writer* w) { return w->num_docs - 1; }
 
-void mt_indexed_writer_abort(mt_indexed_writer* w) {
+MT_DEF void mt_indexed_writer_abort(mt_indexed_writer* w) {
     if (!w) return;
     if (w->fd >= 0) { close(w->fd); w->fd = -1; }
     unlink(w->bin_tmp);
@@ -2412,7 +2557,7 @@ static mt_status mt__write_idx(mt_indexed_writer* w, mt_error* err) {
     return MT_OK;
 }
 
-mt_status mt_indexed_writer_prepare(mt_indexed_writer* w, mt_error* err) {
+MT_DEF mt_status mt_indexed_writer_prepare(mt_indexed_writer* w, mt_error* err) {
     if (w->prepared) return MT_OK;
     mt_status st = mt__writer_flush(w, err);
     if (st == MT_OK) {
@@ -2445,7 +2590,7 @@ static mt_status mt__writers_commit_ops(mt_indexed_writer** ws, int n, int max_o
     return MT_OK;
 }
 
-mt_status mt_indexed_writers_commit(mt_indexed_writer** ws, int n, mt_error* err) {
+MT_DEF mt_status mt_indexed_writers_commit(mt_indexed_writer** ws, int n, mt_error* err) {
     mt_status st = mt__writers_commit_ops(ws, n, INT_MAX, err);
     for (int k = 0; k < n && st == MT_OK; k++)
         if (mt_sync_directory_of(ws[k]->idx) != 0)
@@ -2468,7 +2613,7 @@ mt_status mt_indexed_writers_commit(mt_indexed_writer** ws, int n, mt_error* err
     return st;
 }
 
-mt_status mt_indexed_writer_finalize(mt_indexed_writer* w, mt_error* err) {
+MT_DEF mt_status mt_indexed_writer_finalize(mt_indexed_writer* w, mt_error* err) {
     mt_status st = mt_indexed_writer_prepare(w, err);
     if (st != MT_OK) {
         mt_indexed_writer_abort(w);
@@ -2477,9 +2622,9 @@ mt_status mt_indexed_writer_finalize(mt_indexed_writer* w, mt_error* err) {
     return mt_indexed_writers_commit(&w, 1, err);
 }
 
-/* 3. GPT datasets ----------------------------------------------------------------------------- */
+/* 3. GPT datasets: --split, document/sample/shuffle index, blending, bit-exact with Megatron --- */
 
-const char* mt_split_name(int split) {
+MT_DEF const char* mt_split_name(int split) {
     switch (split) {
         case MT_SPLIT_TRAIN: return "train";
         case MT_SPLIT_VALID: return "valid";
@@ -2510,14 +2655,14 @@ static double mt__pairwise_sum(const double* a, int64_t n) {
     return mt__pairwise_sum(a, n2) + mt__pairwise_sum(a + n2, n - n2);
 }
 
-double mt_numpy_sum(const double* x, int64_t n) { return 0.0 + mt__pairwise_sum(x, n); }
+MT_DEF double mt_numpy_sum(const double* x, int64_t n) { return 0.0 + mt__pairwise_sum(x, n); }
 
-void mt_normalize_weights(const double* w, int n, double* out) {
+MT_DEF void mt_normalize_weights(const double* w, int n, double* out) {
     double s = mt_numpy_sum(w, n);
     for (int i = 0; i < n; i++) out[i] = w[i] / s;
 }
 
-mt_status mt_split_parse(const char* split, mt_split_matrix* out, mt_error* err) {
+MT_DEF mt_status mt_split_parse(const char* split, mt_split_matrix* out, mt_error* err) {
     /* re.findall(r"[.0-9]+", split), each run parsed by Python's float(): the whole run must parse. */
     double v[3] = {0, 0, 0};
     int count = 0;
@@ -2555,7 +2700,7 @@ mt_status mt_split_parse(const char* split, mt_split_matrix* out, mt_error* err)
     return MT_OK;
 }
 
-void mt_split_range(const mt_split_matrix* m, int split, int64_t n, int64_t* begin, int64_t* end) {
+MT_DEF void mt_split_range(const mt_split_matrix* m, int split, int64_t n, int64_t* begin, int64_t* end) {
     *begin = *end = 0;
     if (split < 0 || split > 2 || !m->present[split]) return;
     /* int(round(x)): Python rounds half to even, as nearbyint does in the default rounding mode. */
@@ -2563,8 +2708,8 @@ void mt_split_range(const mt_split_matrix* m, int split, int64_t n, int64_t* beg
     *end = (int64_t)nearbyint(m->end[split] * (double)n);
 }
 
-mt_status mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t eval_iters, int64_t global_batch_size,
-                             int64_t out[3], mt_error* err) {
+MT_DEF mt_status mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t eval_iters,
+                                    int64_t global_batch_size, int64_t out[3], mt_error* err) {
     if (train_iters < 0 || eval_iters < 0 || global_batch_size < 0)
         return mt_fail(err, MT_ERR_CONFIG, "--train-iters %lld, --eval-iters %lld and --global-batch-size %lld must be "
                        ">= 0", (long long)train_iters, (long long)eval_iters, (long long)global_batch_size);
@@ -2584,7 +2729,7 @@ mt_status mt_gpt_num_samples(int64_t train_iters, int64_t eval_interval, int64_t
 #define MT__MT_N 624
 #define MT__MT_M 397
 
-void mt_mt19937_seed(mt_mt19937* rng, uint32_t seed) {
+MT_DEF void mt_mt19937_seed(mt_mt19937* rng, uint32_t seed) {
     uint32_t s = seed;
     for (int i = 0; i < MT__MT_N; i++) {
         rng->key[i] = s;
@@ -2610,7 +2755,7 @@ static void mt__mt19937_gen(mt_mt19937* rng) {
     rng->pos = 0;
 }
 
-uint32_t mt_mt19937_next32(mt_mt19937* rng) {
+MT_DEF uint32_t mt_mt19937_next32(mt_mt19937* rng) {
     if (rng->pos == MT__MT_N) mt__mt19937_gen(rng);
     uint32_t y = rng->key[rng->pos++];
     y ^= (y >> 11);
@@ -2620,12 +2765,12 @@ uint32_t mt_mt19937_next32(mt_mt19937* rng) {
     return y;
 }
 
-uint64_t mt_mt19937_next64(mt_mt19937* rng) {
+MT_DEF uint64_t mt_mt19937_next64(mt_mt19937* rng) {
     uint64_t hi = mt_mt19937_next32(rng);
     return (hi << 32) | mt_mt19937_next32(rng);
 }
 
-uint64_t mt_mt19937_interval(mt_mt19937* rng, uint64_t max) {
+MT_DEF uint64_t mt_mt19937_interval(mt_mt19937* rng, uint64_t max) {
     if (max == 0) return 0;
     uint64_t mask = max, v;
     mask |= mask >> 1;
@@ -2653,7 +2798,7 @@ uint64_t mt_mt19937_interval(mt_mt19937* rng, uint64_t max) {
         }                                                                                  \
     } while (0)
 
-void mt_shuffle(mt_mt19937* rng, void* data, int64_t n, size_t itemsize) {
+MT_DEF void mt_shuffle(mt_mt19937* rng, void* data, int64_t n, size_t itemsize) {
     switch (itemsize) {
         case 1: MT__SHUFFLE_LOOP(uint8_t); break;
         case 2: MT__SHUFFLE_LOOP(uint16_t); break;
@@ -2681,7 +2826,7 @@ struct mt_gpt_dataset {
     void* shuffle_index;
 };
 
-void mt_gpt_dataset_free(mt_gpt_dataset* g) {
+MT_DEF void mt_gpt_dataset_free(mt_gpt_dataset* g) {
     if (!g) return;
     free(g->document_index);
     free(g->sample_index);
@@ -2714,8 +2859,8 @@ static int64_t mt__range_tokens(const mt_indexed_dataset* ds, int64_t begin, int
     return T;
 }
 
-mt_status mt_gpt_dataset_build(mt_gpt_dataset** out, const mt_indexed_dataset* ds, int64_t begin, int64_t end,
-                               int seq_length, uint32_t seed, int64_t num_samples, mt_error* err) {
+MT_DEF mt_status mt_gpt_dataset_build(mt_gpt_dataset** out, const mt_indexed_dataset* ds, int64_t begin, int64_t end,
+                                      int seq_length, uint32_t seed, int64_t num_samples, mt_error* err) {
     *out = NULL;
     const char* name = ds->prefix;
     if (ds->dtype == MT_DTYPE_FLOAT32 || ds->dtype == MT_DTYPE_FLOAT64) /* refused here, not at the first sample */
@@ -2862,7 +3007,7 @@ mt_status mt_gpt_dataset_build(mt_gpt_dataset** out, const mt_indexed_dataset* d
     return MT_OK;
 }
 
-void mt_gpt_dataset_get_info(const mt_gpt_dataset* g, mt_gpt_dataset_info* info) {
+MT_DEF void mt_gpt_dataset_get_info(const mt_gpt_dataset* g, mt_gpt_dataset_info* info) {
     info->begin = g->begin;
     info->end = g->end;
     info->tokens_per_epoch = g->tokens_per_epoch;
@@ -2879,18 +3024,18 @@ void mt_gpt_dataset_get_info(const mt_gpt_dataset* g, mt_gpt_dataset_info* info)
     info->shuffle_index = g->shuffle_index;
 }
 
-int64_t mt_gpt_dataset_num_samples(const mt_gpt_dataset* g) { return g->num_samples; }
+MT_DEF int64_t mt_gpt_dataset_num_samples(const mt_gpt_dataset* g) { return g->num_samples; }
 
-int64_t mt_gpt_dataset_shuffle_index(const mt_gpt_dataset* g, int64_t i) {
+MT_DEF int64_t mt_gpt_dataset_shuffle_index(const mt_gpt_dataset* g, int64_t i) {
     return mt__get_shuffle(g->shuffle_index, g->shuffle_itemsize, i);
 }
 
-void mt_gpt_dataset_sample_index(const mt_gpt_dataset* g, int64_t row, int64_t* doc_position, int64_t* offset) {
+MT_DEF void mt_gpt_dataset_sample_index(const mt_gpt_dataset* g, int64_t row, int64_t* doc_position, int64_t* offset) {
     *doc_position = mt__get_index(g->sample_index, g->sample_itemsize, 2 * row);
     *offset = mt__get_index(g->sample_index, g->sample_itemsize, 2 * row + 1);
 }
 
-mt_status mt_gpt_dataset_get(const mt_gpt_dataset* g, int64_t idx, int32_t* tokens, mt_error* err) {
+MT_DEF mt_status mt_gpt_dataset_get(const mt_gpt_dataset* g, int64_t idx, int32_t* tokens, mt_error* err) {
     if (idx < 0 || idx >= g->num_samples)
         return mt_fail(err, MT_ERR_RANGE, "%s: sample %lld out of range [0, %lld)", g->ds->prefix, (long long)idx,
                        (long long)g->num_samples);
@@ -2913,8 +3058,8 @@ mt_status mt_gpt_dataset_get(const mt_gpt_dataset* g, int64_t idx, int32_t* toke
     return MT_OK;
 }
 
-mt_status mt_gpt_dataset_save_indices(const mt_gpt_dataset* g, const char* dir, const char* name_prefix,
-                                      mt_error* err) {
+MT_DEF mt_status mt_gpt_dataset_save_indices(const mt_gpt_dataset* g, const char* dir, const char* name_prefix,
+                                             mt_error* err) {
     const char* names[3] = {"document_index.npy", "sample_index.npy", "shuffle_index.npy"};
     const char* dtypes[3] = {"<i4", g->sample_itemsize == 4 ? "<i4" : "<i8", g->shuffle_itemsize == 4 ? "<u4" : "<i8"};
     int64_t shapes[3][2] = {{g->document_index_length, 0}, {g->num_samples + 1, 2}, {g->num_samples, 0}};
@@ -2932,8 +3077,8 @@ mt_status mt_gpt_dataset_save_indices(const mt_gpt_dataset* g, const char* dir, 
     return MT_OK;
 }
 
-void mt_build_blending_indices(const double* weights, int num_datasets, int64_t size, int16_t* dataset_index,
-                               int64_t* dataset_sample_index) {
+MT_DEF void mt_build_blending_indices(const double* weights, int num_datasets, int64_t size, int16_t* dataset_index,
+                                      int64_t* dataset_sample_index) {
     int64_t* current = (int64_t*)calloc((size_t)(num_datasets > 0 ? num_datasets : 1), sizeof(int64_t));
     if (!current) return;
     for (int64_t s = 0; s < size; s++) {
@@ -2953,8 +3098,8 @@ void mt_build_blending_indices(const double* weights, int num_datasets, int64_t 
     free(current);
 }
 
-void mt_build_exhaustive_blending_indices(const int64_t* sizes, int num_datasets, int16_t* dataset_index,
-                                          int64_t* dataset_sample_index) {
+MT_DEF void mt_build_exhaustive_blending_indices(const int64_t* sizes, int num_datasets, int16_t* dataset_index,
+                                                 int64_t* dataset_sample_index) {
     int64_t total = 0;
     for (int d = 0; d < num_datasets; d++) total += sizes[d];
     int64_t* count = (int64_t*)calloc((size_t)(num_datasets > 0 ? num_datasets : 1), sizeof(int64_t));
@@ -2987,7 +3132,7 @@ void mt_build_exhaustive_blending_indices(const int64_t* sizes, int num_datasets
     free(spent);
 }
 
-int64_t mt_sampler_index(int64_t consumed_samples, int64_t micro_batch_size, int dp_rank, int64_t k) {
+MT_DEF int64_t mt_sampler_index(int64_t consumed_samples, int64_t micro_batch_size, int dp_rank, int64_t k) {
     return consumed_samples + (int64_t)dp_rank * micro_batch_size + k;
 }
 
@@ -3002,8 +3147,8 @@ static int mt__parse_float(const char* s, double* out) {
     return *end == 0;
 }
 
-mt_status mt_data_path_parse(int n, const char* const* args, const char** prefixes, double* weights, int* num_prefixes,
-                             int* weighted, mt_error* err) {
+MT_DEF mt_status mt_data_path_parse(int n, const char* const* args, const char** prefixes, double* weights,
+                                    int* num_prefixes, int* weighted, mt_error* err) {
     *num_prefixes = 0;
     *weighted = 0;
     if (n < 1) return mt_fail(err, MT_ERR_ARG, "--data-path needs at least one dataset prefix");
@@ -3043,7 +3188,7 @@ struct mt_gpt_data {
     int64_t* dataset_sample_index[3];
 };
 
-void mt_gpt_data_close(mt_gpt_data* d) {
+MT_DEF void mt_gpt_data_close(mt_gpt_data* d) {
     if (!d) return;
     for (int s = 0; s < 3; s++) {
         if (d->mid[s])
@@ -3171,9 +3316,9 @@ done:
     return st;
 }
 
-mt_status mt_gpt_data_open(mt_gpt_data** out, int num_prefixes, const char* const* prefixes, const double* weights,
-                           const char* split, int seq_length, uint32_t seed, const int64_t num_samples[3],
-                           mt_error* err) {
+MT_DEF mt_status mt_gpt_data_open(mt_gpt_data** out, int num_prefixes, const char* const* prefixes,
+                                  const double* weights, const char* split, int seq_length, uint32_t seed,
+                                  const int64_t num_samples[3], mt_error* err) {
     *out = NULL;
     if (num_prefixes < 1) return mt_fail(err, MT_ERR_ARG, "no --data-path given");
     if (num_prefixes >= 32767) return mt_fail(err, MT_ERR_ARG, "too many datasets to blend (%d)", num_prefixes);
@@ -3198,12 +3343,12 @@ mt_status mt_gpt_data_open(mt_gpt_data** out, int num_prefixes, const char* cons
     return MT_OK;
 }
 
-int64_t mt_gpt_data_num_samples(const mt_gpt_data* d, int split) {
+MT_DEF int64_t mt_gpt_data_num_samples(const mt_gpt_data* d, int split) {
     if (split < 0 || split > 2) return 0;
     return d->size[split];
 }
 
-mt_status mt_gpt_data_get(const mt_gpt_data* d, int split, int64_t index, int32_t* tokens, mt_error* err) {
+MT_DEF mt_status mt_gpt_data_get(const mt_gpt_data* d, int split, int64_t index, int32_t* tokens, mt_error* err) {
     if (split < 0 || split > 2) return mt_fail(err, MT_ERR_ARG, "no split %d", split);
     if (index < 0 || index >= d->size[split])
         return mt_fail(err, MT_ERR_RANGE, "%s sample %lld out of range [0, %lld)", mt_split_name(split),
@@ -3213,28 +3358,28 @@ mt_status mt_gpt_data_get(const mt_gpt_data* d, int split, int64_t index, int32_
                               tokens, err);
 }
 
-int mt_gpt_data_num_datasets(const mt_gpt_data* d) { return d->num_prefixes; }
-const mt_indexed_dataset* mt_gpt_data_indexed(const mt_gpt_data* d, int k) { return d->indexed[k]; }
-int mt_gpt_data_is_blended(const mt_gpt_data* d) { return d->blended; }
-const mt_split_matrix* mt_gpt_data_split_matrix(const mt_gpt_data* d) { return &d->split; }
+MT_DEF int mt_gpt_data_num_datasets(const mt_gpt_data* d) { return d->num_prefixes; }
+MT_DEF const mt_indexed_dataset* mt_gpt_data_indexed(const mt_gpt_data* d, int k) { return d->indexed[k]; }
+MT_DEF int mt_gpt_data_is_blended(const mt_gpt_data* d) { return d->blended; }
+MT_DEF const mt_split_matrix* mt_gpt_data_split_matrix(const mt_gpt_data* d) { return &d->split; }
 
-const mt_gpt_dataset* mt_gpt_data_dataset(const mt_gpt_data* d, int split, int k) {
+MT_DEF const mt_gpt_dataset* mt_gpt_data_dataset(const mt_gpt_data* d, int split, int k) {
     if (split < 0 || split > 2 || k < 0 || k >= d->num_prefixes) return NULL;
     return d->mid[split][k];
 }
 
-const int16_t* mt_gpt_data_blend_dataset_index(const mt_gpt_data* d, int split) {
+MT_DEF const int16_t* mt_gpt_data_blend_dataset_index(const mt_gpt_data* d, int split) {
     return split >= 0 && split <= 2 ? d->dataset_index[split] : NULL;
 }
 
-const int64_t* mt_gpt_data_blend_sample_index(const mt_gpt_data* d, int split) {
+MT_DEF const int64_t* mt_gpt_data_blend_sample_index(const mt_gpt_data* d, int split) {
     return split >= 0 && split <= 2 ? d->dataset_sample_index[split] : NULL;
 }
 
-/* 4. .npy writer ------------------------------------------------------------------------------- */
+/* 4. .npy writer (Megatron's index cache format) ----------------------------------------------- */
 
-mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int64_t* shape, const void* data,
-                       mt_error* err) {
+MT_DEF mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int64_t* shape, const void* data,
+                              mt_error* err) {
     static const char* const descrs[] = {"<i2", "<i4", "<i8", "<u2", "<u4", "<u8", "|i1", "|u1", "<f4", "<f8"};
     static const size_t sizes[] = {2, 4, 8, 2, 4, 8, 1, 1, 4, 8};
     size_t itemsize = 0;
@@ -3276,7 +3421,7 @@ mt_status mt_npy_write(const char* path, const char* dtype, int ndim, const int6
 
 /* 5. Training configuration, learning-rate schedule, FLOP formula ------------------------------ */
 
-void mt_config_defaults(mt_config* cfg) {
+MT_DEF void mt_config_defaults(mt_config* cfg) {
     memset(cfg, 0, sizeof(*cfg));
     cfg->make_vocab_size_divisible_by = 128;
     cfg->init_method_std = 0.02;
@@ -3323,13 +3468,14 @@ void mt_config_defaults(mt_config* cfg) {
     cfg->distributed_timeout_minutes = 10.0;
 }
 
-int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int tensor_parallel_size) {
+MT_DEF int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int tensor_parallel_size) {
     int64_t multiple = (int64_t)divisible_by * tensor_parallel_size;
     if (multiple <= 0) return vocab_size;
     return (vocab_size + multiple - 1) / multiple * multiple;
 }
 
-int64_t mt_padded_vocab_size_resumed(int64_t vocab_size, int divisible_by, int tensor_parallel_size, int64_t saved) {
+MT_DEF int64_t mt_padded_vocab_size_resumed(int64_t vocab_size, int divisible_by, int tensor_parallel_size,
+                                            int64_t saved) {
     if (saved > 0 && saved >= vocab_size && tensor_parallel_size > 0 && saved % tensor_parallel_size == 0) return saved;
     return mt_padded_vocab_size(vocab_size, divisible_by, tensor_parallel_size);
 }
@@ -3372,7 +3518,7 @@ static mt_status mt_fp8_config_check(const mt_config* c, mt_error* err) {
 
 /* The one list of combinations this build does not have (declared with mt_config_finalize). Each
  * rule says what is missing and what to run instead; Megatron accepts every one of them. */
-mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
+MT_DEF mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
     const int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
     /* pipeline parallelism */
     if (vp > 1 && (c->decoder_first_pipeline_num_layers >= 0 || c->decoder_last_pipeline_num_layers >= 0))
@@ -3420,14 +3566,14 @@ mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
     return MT_OK;
 }
 
-int mt_fp8_layer(const mt_config* c, int layer) {
+MT_DEF int mt_fp8_layer(const mt_config* c, int layer) {
     if (c->fp8_format == MT_FP8_NONE) return 0;
     if (!c->first_last_layers_bf16) return 1;
     return layer >= c->num_layers_at_start_in_bf16 && layer < c->num_layers - c->num_layers_at_end_in_bf16;
 }
 
-float mt_fp8_delayed_scale(const float* history, int len, int newest, mt_fp8_amax_algo algo, float fp8_max,
-                           int margin, float previous_scale) {
+MT_DEF float mt_fp8_delayed_scale(const float* history, int len, int newest, mt_fp8_amax_algo algo, float fp8_max,
+                                  int margin, float previous_scale) {
     float amax = history[newest];
     if (algo == MT_FP8_AMAX_MAX)
         for (int i = 0; i < len; i++) amax = history[i] > amax ? history[i] : amax;
@@ -3544,12 +3690,12 @@ static int mt__batch_segment(const mt_config* c, int64_t consumed, int64_t* chan
     return (int)(c->rampup_batch_size[0] + k * c->rampup_batch_size[1]);
 }
 
-int mt_global_batch_size_at(const mt_config* c, int64_t consumed_samples) {
+MT_DEF int mt_global_batch_size_at(const mt_config* c, int64_t consumed_samples) {
     int64_t change_at;
     return mt__batch_segment(c, consumed_samples, &change_at);
 }
 
-int mt_num_micro_batches_at(const mt_config* c, int64_t consumed_samples) {
+MT_DEF int mt_num_micro_batches_at(const mt_config* c, int64_t consumed_samples) {
     return mt_global_batch_size_at(c, consumed_samples) / (c->micro_batch_size * c->data_parallel_size);
 }
 
@@ -3664,7 +3810,7 @@ static int mt__schedule_number(const char* s, size_t n, int64_t* out) {
     return 1;
 }
 
-mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, mt_config* c, mt_error* err) {
+MT_DEF mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, mt_config* c, mt_error* err) {
     if (seq_length <= 0) return mt_fail(err, MT_ERR_ARG, "--step-batch-size-schedule needs --seq-length");
     int n = 0;
     const char* p = text;
@@ -3708,11 +3854,9 @@ mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, mt_conf
     return MT_OK;
 }
 
-/* check_supported 0: only Megatron's consistency (--plan-layouts classifies each layout it plans with
- * mt_config_check_supported itself, to show a refused one with its reason) */
-static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error* err) {
-    /* every double finite (a NaN passes every < / >= range test below), then the ranges Megatron's
-     * optimizer and model accept, for callers of the C API as much as for train_gpt's flags */
+/* Every double finite (a NaN passes every < / >= range test below), then the ranges Megatron's
+ * optimizer and model accept, for callers of the C API as much as for train_gpt's flags. */
+static mt_status mt__config_numbers(const mt_config* c, mt_error* err) {
     struct { const char* name; double v; } reals[] = {
         {"--init-method-std", c->init_method_std}, {"--norm-epsilon", c->norm_epsilon},
         {"--rotary-base", c->rotary_base}, {"--rotary-percent", c->rotary_percent},
@@ -3741,6 +3885,12 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
     if (c->train_samples < 0 || c->lr_warmup_samples < 0 || c->lr_decay_samples < 0 || c->lr_wsd_decay_samples < 0)
         return mt_fail(err, MT_ERR_CONFIG, "--train-samples, --lr-warmup-samples, --lr-decay-samples and "
                        "--lr-wsd-decay-samples must be >= 0");
+    return MT_OK;
+}
+
+/* The model's shape and flavour, and what Megatron derives from them: the ffn size, the query groups,
+ * the kv channels, the rotary channels, the position embeddings. */
+static mt_status mt__config_model(mt_config* c, mt_error* err) {
     if (c->num_layers <= 0) return mt_fail(err, MT_ERR_CONFIG, "--num-layers must be positive");
     if (c->hidden_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--hidden-size must be positive");
     if (c->num_attention_heads <= 0) return mt_fail(err, MT_ERR_CONFIG, "--num-attention-heads must be positive");
@@ -3787,6 +3937,12 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
     if (c->seq_length > c->max_position_embeddings)
         return mt_fail(err, MT_ERR_CONFIG, "--seq-length %d exceeds --max-position-embeddings %d", c->seq_length,
                        c->max_position_embeddings);
+    return MT_OK;
+}
+
+/* The parallel layout: TP and PP against the world, the data-parallel size, what tensor parallelism
+ * must divide, sequence parallelism, the padded vocabulary. */
+static mt_status mt__config_layout(mt_config* c, mt_error* err) {
     if (c->tensor_model_parallel_size < 1 || c->pipeline_model_parallel_size < 1)
         return mt_fail(err, MT_ERR_CONFIG, "parallel sizes must be >= 1");
     if (c->world_size < 1) c->world_size = 1;
@@ -3824,6 +3980,12 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
                        (long long)c->resumed_padded_vocab_size);
     c->padded_vocab_size = mt_padded_vocab_size_resumed(c->vocab_size, c->make_vocab_size_divisible_by,
                                                         c->tensor_model_parallel_size, c->resumed_padded_vocab_size);
+    return MT_OK;
+}
+
+/* The batch: micro-batch and global batch (the step schedule's last size, the ramp), and the
+ * length of training. */
+static mt_status mt__config_batch(mt_config* c, mt_error* err) {
     if (c->micro_batch_size <= 0) return mt_fail(err, MT_ERR_CONFIG, "--micro-batch-size must be positive");
     if (c->global_batch_size < 0) return mt_fail(err, MT_ERR_CONFIG, "--global-batch-size must be positive");
     if ((int64_t)c->micro_batch_size * c->data_parallel_size > INT32_MAX)
@@ -3843,7 +4005,12 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
                        c->global_batch_size, c->micro_batch_size, c->data_parallel_size);
     if (mt_batch_ramp_check(c, err) != MT_OK) return MT_ERR_CONFIG;
     if (mt_training_length_finalize(c, err) != MT_OK) return MT_ERR_CONFIG;
-    /* pipeline: virtual stages from either flag, the layer split, the schedule of a training step */
+    return MT_OK;
+}
+
+/* The pipeline: virtual stages from either flag, the layer split, the schedule of a training step;
+ * and (check_supported) what this build lacks. */
+static mt_status mt__config_pipeline(mt_config* c, int check_supported, mt_error* err) {
     if (c->virtual_pipeline_size < 1) c->virtual_pipeline_size = 1;
     if (c->num_layers_per_virtual_pipeline_stage > 0) {
         int64_t per_rank = (int64_t)c->pipeline_model_parallel_size * c->num_layers_per_virtual_pipeline_stage;
@@ -3866,6 +4033,11 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
         mt_pp_schedule_check(c->pipeline_model_parallel_size, c->virtual_pipeline_size, mt_num_micro_batches(c),
                              c->microbatch_group_size_per_vp_stage, err) != MT_OK)
         return MT_ERR_CONFIG;
+    return MT_OK;
+}
+
+/* The learning rates: peak and minimum, the decoupled pair, the warm-up fraction. */
+static mt_status mt__config_rates(const mt_config* c, mt_error* err) {
     if (c->lr < 0 || c->min_lr < 0) return mt_fail(err, MT_ERR_CONFIG, "learning rates must be >= 0");
     if (c->min_lr > c->lr) return mt_fail(err, MT_ERR_CONFIG, "--min-lr %g exceeds --lr %g", c->min_lr, c->lr);
     if (!isfinite(c->decoupled_lr) || !isfinite(c->decoupled_min_lr))
@@ -3882,8 +4054,11 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
     if (c->lr_warmup_fraction >= 0 && c->lr_warmup_samples > 0)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive");
     if (c->lr_warmup_fraction > 1.0) return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-fraction must be <= 1");
-    if (mt_config_size_check(c, err) != MT_OK) return MT_ERR_CONFIG;
-    if (mt_fp8_config_check(c, err) != MT_OK) return MT_ERR_CONFIG;
+    return MT_OK;
+}
+
+/* The schedule's lengths: warm-up within the decay, WSD's annealing tail. */
+static mt_status mt__config_schedule_lengths(const mt_config* c, mt_error* err) {
     if (c->lr_warmup_iters > c->lr_decay_iters)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-warmup-iters %lld exceeds --lr-decay-iters %lld",
                        (long long)c->lr_warmup_iters, (long long)c->lr_decay_iters);
@@ -3893,6 +4068,11 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
     if (c->lr_decay_style == MT_LR_WSD && c->lr_wsd_decay_iters <= 0 && c->lr_wsd_decay_samples <= 0)
         return mt_fail(err, MT_ERR_CONFIG, "--lr-decay-style WSD needs --lr-wsd-decay-iters (--lr-wsd-decay-samples "
                        "with --train-samples)");
+    return MT_OK;
+}
+
+/* Adam, the fp16 loss scale, the DDP's overlap and buckets, optimizer offload. */
+static mt_status mt__config_optimizer(const mt_config* c, mt_error* err) {
     if (c->adam_beta1 < 0 || c->adam_beta1 >= 1 || c->adam_beta2 < 0 || c->adam_beta2 >= 1)
         return mt_fail(err, MT_ERR_CONFIG, "Adam betas must be in [0, 1)");
     if (c->precision == MT_FP16 && c->loss_scale <= 0 && c->initial_loss_scale <= 0)
@@ -3905,6 +4085,11 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
     if (!(c->optimizer_offload_fraction >= 0.0 && c->optimizer_offload_fraction <= 1.0))
         return mt_fail(err, MT_ERR_CONFIG, "--optimizer-offload-fraction %g: must be in [0, 1]",
                        c->optimizer_offload_fraction);
+    return MT_OK;
+}
+
+/* Activation recompute (--recompute-*), as Megatron's arguments take it. */
+static mt_status mt__config_recompute(const mt_config* c, mt_error* err) {
     const mt_recompute* rc = &c->recompute;
     if (rc->granularity < MT_RECOMPUTE_NONE || rc->granularity > MT_RECOMPUTE_FULL || rc->method < MT_RECOMPUTE_UNIFORM ||
         rc->method > MT_RECOMPUTE_BLOCK || rc->modules < 0 || rc->modules > 15)
@@ -3917,6 +4102,11 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
         (rc->num_layers < 0 || rc->num_layers > c->num_layers / c->pipeline_model_parallel_size))
         return mt_fail(err, MT_ERR_CONFIG, "--recompute-num-layers %d: must be between 1 and the layers per pipeline rank "
                        "(%d)", rc->num_layers, c->num_layers / c->pipeline_model_parallel_size);
+    return MT_OK;
+}
+
+/* The launch: the watchdog's timeout, this process's rank in the world. */
+static mt_status mt__config_launch(const mt_config* c, mt_error* err) {
     if (!(c->distributed_timeout_minutes > 0.0 && c->distributed_timeout_minutes <= 1e6))
         return mt_fail(err, MT_ERR_CONFIG, "--distributed-timeout-minutes %g: must be in (0, 1e6]",
                        c->distributed_timeout_minutes);
@@ -3925,14 +4115,28 @@ static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error
     return MT_OK;
 }
 
-mt_status mt_config_finalize(mt_config* c, mt_error* err) { return mt__config_finalize(c, 1, err); }
+/* check_supported 0: only Megatron's consistency (--plan-layouts classifies each layout it plans with
+ * mt_config_check_supported itself, to show a refused one with its reason) */
+static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error* err) {
+    /* in this order: a later step reads what an earlier one derived */
+    if (mt__config_numbers(c, err) != MT_OK || mt__config_model(c, err) != MT_OK ||
+        mt__config_layout(c, err) != MT_OK || mt__config_batch(c, err) != MT_OK ||
+        mt__config_pipeline(c, check_supported, err) != MT_OK || mt__config_rates(c, err) != MT_OK ||
+        mt_config_size_check(c, err) != MT_OK || mt_fp8_config_check(c, err) != MT_OK ||
+        mt__config_schedule_lengths(c, err) != MT_OK || mt__config_optimizer(c, err) != MT_OK ||
+        mt__config_recompute(c, err) != MT_OK || mt__config_launch(c, err) != MT_OK)
+        return MT_ERR_CONFIG;
+    return MT_OK;
+}
+
+MT_DEF mt_status mt_config_finalize(mt_config* c, mt_error* err) { return mt__config_finalize(c, 1, err); }
 
 static const char* mt__getenv(const char* name, void* user) {
     (void)user;
     return getenv(name);
 }
 
-int mt_launcher_world_size(mt_env_lookup lookup, void* user, const char** source) {
+MT_DEF int mt_launcher_world_size(mt_env_lookup lookup, void* user, const char** source) {
     static const char* const names[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS"};
     if (!lookup) lookup = mt__getenv;
     int64_t most = 1;
@@ -3950,7 +4154,7 @@ int mt_launcher_world_size(mt_env_lookup lookup, void* user, const char** source
     return (int)most;
 }
 
-mt_status mt_launcher_check(int world, int built_with_mpi, mt_env_lookup lookup, void* user, mt_error* err) {
+MT_DEF mt_status mt_launcher_check(int world, int built_with_mpi, mt_env_lookup lookup, void* user, mt_error* err) {
     const char* source = NULL;
     int launched = mt_launcher_world_size(lookup, user, &source);
     if (launched <= 1 || launched == world) return MT_OK;
@@ -3964,7 +4168,7 @@ mt_status mt_launcher_check(int world, int built_with_mpi, mt_env_lookup lookup,
                    "plugin; torchrun does not start MPI ranks)", source, launched, launched, world);
 }
 
-int mt_num_micro_batches(const mt_config* c) {
+MT_DEF int mt_num_micro_batches(const mt_config* c) {
     return c->global_batch_size / (c->micro_batch_size * c->data_parallel_size);
 }
 
@@ -4013,18 +4217,20 @@ static double mt__learning_rate(const mt_config* c, int64_t num_steps, double ma
     return min_lr + coeff * (max_lr - min_lr);
 }
 
-double mt_learning_rate(const mt_config* c, int64_t num_steps) { return mt__learning_rate(c, num_steps, c->lr, c->min_lr); }
+MT_DEF double mt_learning_rate(const mt_config* c, int64_t num_steps) {
+    return mt__learning_rate(c, num_steps, c->lr, c->min_lr);
+}
 
-double mt_learning_rate_decoupled(const mt_config* c, int64_t num_steps) {
+MT_DEF double mt_learning_rate_decoupled(const mt_config* c, int64_t num_steps) {
     if (c->decoupled_lr < 0) return mt_learning_rate(c, num_steps);
     return mt__learning_rate(c, num_steps, c->decoupled_lr, c->decoupled_min_lr >= 0 ? c->decoupled_min_lr : c->min_lr);
 }
 
-int mt_param_lr_decoupled(int tensor) { return tensor == MT_P_WORD_EMBEDDINGS || tensor == MT_P_OUTPUT_WEIGHT; }
+MT_DEF int mt_param_lr_decoupled(int tensor) { return tensor == MT_P_WORD_EMBEDDINGS || tensor == MT_P_OUTPUT_WEIGHT; }
 
 /* training.py:num_floating_point_operations (dense, no MoE/MTP): 3 passes (forward, dgrad, wgrad)
  * x 2 (multiply-add) over every GEMM, causal attention halved, plus the logits. */
-double mt_flops_per_iteration(const mt_config* c, int64_t batch) {
+MT_DEF double mt_flops_per_iteration(const mt_config* c, int64_t batch) {
     double s = c->seq_length, h = c->hidden_size, L = c->num_layers, V = (double)c->padded_vocab_size;
     double n = c->num_attention_heads, g = c->num_query_groups, d = c->kv_channels, f = c->ffn_hidden_size;
     double mlp_factor = c->swiglu ? 3.0 : 2.0; /* two GEMMs, or three with SwiGLU's gate */
@@ -4033,10 +4239,9 @@ double mt_flops_per_iteration(const mt_config* c, int64_t batch) {
            (double)batch * s * s * 6.0 * n * d * L;
 }
 
-int64_t mt_num_parameters(const mt_config* c) { return mt_param_layout(c, NULL); }
+MT_DEF int64_t mt_num_parameters(const mt_config* c) { return mt_param_layout(c, NULL); }
 
-/* 6. Parallel geometry: parameter tensors and TP shards, rank layout, DDP buffer layout,
- *    pipeline schedules, memory plan, CPU AdamW ---------------------------------------------- */
+/* 6. Parameter tensors and tensor-parallel shards ---------------------------------------------- */
 
 /* The layout at a tensor-parallel size of tp (1: the full model). Each tensor is given per layer as
  * [outer, rows, inner] with the rows cut over TP when split (see mt_param_info). */
@@ -4093,18 +4298,18 @@ static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* in
     return offset;
 }
 
-int64_t mt_param_layout(const mt_config* c, mt_param_info* info) { return mt__param_layout_tp(c, 1, info); }
+MT_DEF int64_t mt_param_layout(const mt_config* c, mt_param_info* info) { return mt__param_layout_tp(c, 1, info); }
 
-int64_t mt_param_layout_shard(const mt_config* c, mt_param_info* info) {
+MT_DEF int64_t mt_param_layout_shard(const mt_config* c, mt_param_info* info) {
     return mt__param_layout_tp(c, c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1, info);
 }
 
-void mt_tp_rows(const mt_param_info* full, int tp, int tp_rank, int64_t* rows, int64_t* row0) {
+MT_DEF void mt_tp_rows(const mt_param_info* full, int tp, int tp_rank, int64_t* rows, int64_t* row0) {
     *rows = full->tp_split ? full->split_rows / tp : full->split_rows;
     *row0 = full->tp_split ? (int64_t)tp_rank * *rows : 0;
 }
 
-void mt_tp_shard_copy(const mt_config* c, int tp_rank, float* full, float* shard, int to_shard) {
+MT_DEF void mt_tp_shard_copy(const mt_config* c, int tp_rank, float* full, float* shard, int to_shard) {
     mt_param_info whole[MT_NUM_PARAM_TENSORS], part[MT_NUM_PARAM_TENSORS];
     mt_param_layout(c, whole);
     mt_param_layout_shard(c, part);
@@ -4126,7 +4331,9 @@ void mt_tp_shard_copy(const mt_config* c, int tp_rank, float* full, float* shard
     }
 }
 
-mt_rank_coords mt_rank_coordinates(const mt_config* c, int rank) {
+/* 7. Rank layout and pipeline stages (the layer split) ----------------------------------------- */
+
+MT_DEF mt_rank_coords mt_rank_coordinates(const mt_config* c, int rank) {
     mt_rank_coords r;
     int tp = c->tensor_model_parallel_size, dp = c->data_parallel_size;
     r.tp = rank % tp;
@@ -4135,7 +4342,7 @@ mt_rank_coords mt_rank_coordinates(const mt_config* c, int rank) {
     return r;
 }
 
-int mt_rank_of(const mt_config* c, mt_rank_coords r) {
+MT_DEF int mt_rank_of(const mt_config* c, mt_rank_coords r) {
     return r.tp + c->tensor_model_parallel_size * (r.dp + c->data_parallel_size * r.pp);
 }
 
@@ -4154,7 +4361,7 @@ static int mt__pp_held(const mt_pp_stage* st, int L, mt_param_info* info) {
     return held_layers;
 }
 
-void mt_pp_stage_copy(const mt_config* c, const mt_pp_stage* st, float* full, float* part, int to_part) {
+MT_DEF void mt_pp_stage_copy(const mt_config* c, const mt_pp_stage* st, float* full, float* part, int to_part) {
     mt_param_info all[MT_NUM_PARAM_TENSORS], held[MT_NUM_PARAM_TENSORS];
     mt_param_layout_shard(c, all);
     memcpy(held, all, sizeof(all));
@@ -4174,16 +4381,96 @@ void mt_pp_stage_copy(const mt_config* c, const mt_pp_stage* st, float* full, fl
         }
     }
 }
-void mt_pp_tp_part_to_full(const mt_config* c, const mt_pp_stage* st, int tp_rank, const float* part, float* full,
-                           float* scratch) {
+MT_DEF void mt_pp_tp_part_to_full(const mt_config* c, const mt_pp_stage* st, int tp_rank, const float* part,
+                                  float* full, float* scratch) {
     mt_tp_shard_copy(c, tp_rank, full, scratch, 1);   /* the shard as full has it: the other stages' elements */
     mt_pp_stage_copy(c, st, scratch, (float*)part, 0); /* this stage's, from part */
     mt_tp_shard_copy(c, tp_rank, full, scratch, 0);
 }
+
+/* Layers of virtual stage v (of PP * VP) under cfg's split; -1 when the split is impossible. */
+static int mt__pp_stage_layers(const mt_config* c, int v) {
+    int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
+    int L = c->num_layers;
+    int stages = pp * vp;
+    int first = c->decoder_first_pipeline_num_layers, last = c->decoder_last_pipeline_num_layers;
+    if (first >= 0 || last >= 0) { /* uneven (VP = 1): the middle stages share what is left evenly */
+        int middle = pp - (first >= 0) - (last >= 0);
+        int64_t rest = (int64_t)L - (first > 0 ? first : 0) - (last > 0 ? last : 0); /* flags up to 2^31 - 1 */
+        if (v == 0 && first >= 0) return first;
+        if (v == pp - 1 && last >= 0) return last;
+        if (middle <= 0 || rest < 0 || rest % middle || rest / middle == 0) return -1; /* no empty middle stage */
+        return (int)(rest / middle);
+    }
+    int e = c->account_for_embedding_in_pipeline_split != 0, l = c->account_for_loss_in_pipeline_split != 0;
+    int total = L + e + l;
+    if (total % stages) return -1;
+    int per = total / stages;
+    return per - (v == 0 ? e : 0) - (v == stages - 1 ? l : 0);
+}
+
+MT_DEF mt_status mt_pp_stage_of(const mt_config* c, int pp_rank, mt_pp_stage* out, mt_error* err) {
+    int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
+    int L = c->num_layers;
+    if (pp < 1 || vp < 1 || vp > MT_PP_MAX_CHUNKS || (vp > 1 && pp == 1))
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d virtual stages per rank over %d stages (virtual stages need "
+                       "--pipeline-model-parallel-size > 1 and at most %d per rank)", vp, pp, MT_PP_MAX_CHUNKS);
+    if (pp_rank < 0 || pp_rank >= pp)
+        return mt_fail(err, MT_ERR_RANGE, "pipeline rank %d outside [0, %d)", pp_rank, pp);
+    if ((int64_t)pp * vp > (int64_t)L + 2) /* every virtual stage but the first and last builds a layer */
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d stages x %d virtual stages exceed the %d layers", pp, vp, L);
+    /* an uneven split with virtual stages is not built (mt_config_check_supported refuses it; here its
+     * stages would not add up to the layers, refused below) */
+    int uneven = c->decoder_first_pipeline_num_layers >= 0 || c->decoder_last_pipeline_num_layers >= 0;
+    if (uneven && (c->account_for_embedding_in_pipeline_split || c->account_for_loss_in_pipeline_split))
+        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-"
+                       "split are exclusive (as in Megatron)");
+    if (uneven && pp == 1)
+        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers need "
+                       "--pipeline-model-parallel-size > 1 (with one stage they would change the model)");
+    int stages = pp * vp, first = 0, sum = 0;
+    if (out) memset(out, 0, sizeof(*out));
+    for (int v = 0; v < stages; v++) {
+        int n = mt__pp_stage_layers(c, v);
+        if (n < 0)
+            return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d layers%s do not split evenly over %d %sstages", L,
+                           uneven ? " (less the first/last stage's)" : "", uneven ? pp - (c->decoder_first_pipeline_num_layers >= 0) -
+                           (c->decoder_last_pipeline_num_layers >= 0) : stages, vp > 1 ? "virtual " : "");
+        if (out && v % pp == pp_rank) {
+            out->first_layer[v / pp] = first;
+            out->num_layers[v / pp] = n;
+        }
+        first += n;
+        sum += n;
+    }
+    if (sum != L)
+        return mt_fail(err, MT_ERR_CONFIG, "pipeline: the stages' layers add up to %d, not --num-layers %d", sum, L);
+    if (out) {
+        out->num_chunks = vp;
+        out->embedding = pp_rank == 0;
+        out->head = pp_rank == pp - 1;
+    }
+    return MT_OK;
+}
+
+MT_DEF int mt_pp_holds(const mt_pp_stage* st, int tensor, int layer) {
+    switch (tensor) {
+        case MT_P_WORD_EMBEDDINGS: return st->embedding || st->head; /* the head's copy only while tied */
+        case MT_P_POSITION_EMBEDDINGS: return st->embedding;
+        case MT_P_FINAL_LN_WEIGHT: case MT_P_FINAL_LN_BIAS: case MT_P_OUTPUT_WEIGHT: return st->head;
+        default:
+            for (int c = 0; c < st->num_chunks; c++)
+                if (layer >= st->first_layer[c] && layer < st->first_layer[c] + st->num_layers[c]) return 1;
+            return 0;
+    }
+}
+
+/* 8. DDP buffer layout: buckets and distributed-optimizer shards ------------------------------- */
+
 static int64_t mt__round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int64_t mt__gcd(int64_t a, int64_t b) { while (b) { int64_t t = a % b; a = b; b = t; } return a; }
 
-void mt_buffer_layout_free(mt_buffer_layout* b) {
+MT_DEF void mt_buffer_layout_free(mt_buffer_layout* b) {
     if (!b) return;
     free(b->params);
     free(b->buckets);
@@ -4191,7 +4478,7 @@ void mt_buffer_layout_free(mt_buffer_layout* b) {
     memset(b, 0, sizeof(*b));
 }
 
-mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_error* err) {
+MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_error* err) {
     memset(b, 0, sizeof(*b));
     mt_param_info info[MT_NUM_PARAM_TENSORS];
     mt_param_layout_shard(c, info); /* this tensor-parallel rank's shard */
@@ -4320,13 +4607,13 @@ mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c, mt_err
     return MT_OK;
 }
 
-int mt_fp8_param_stored(const mt_config* c, int tensor, int layer) {
+MT_DEF int mt_fp8_param_stored(const mt_config* c, int tensor, int layer) {
     if (!c->fp8_param_gather || c->fp8_format == MT_FP8_NONE || !c->use_distributed_optimizer) return 0;
     return (tensor == MT_P_QKV_WEIGHT || tensor == MT_P_PROJ_WEIGHT || tensor == MT_P_FC1_WEIGHT ||
             tensor == MT_P_FC2_WEIGHT) && mt_fp8_layer(c, layer);
 }
 
-int64_t mt_buffer_storage_byte(const mt_buffer_layout* b, int64_t element) {
+MT_DEF int64_t mt_buffer_storage_byte(const mt_buffer_layout* b, int64_t element) {
     int lo = 0, hi = b->num_params; /* the last parameter that starts below `element`: params[lo - 1] */
     while (lo < hi) {
         const int mid = (lo + hi) / 2;
@@ -4340,25 +4627,25 @@ int64_t mt_buffer_storage_byte(const mt_buffer_layout* b, int64_t element) {
     return q->storage + q->numel * width + (inside - q->numel) * b->elem; /* padding after q */
 }
 
-int64_t mt_buffer_offset(const mt_buffer_layout* b, int tensor, int layer) {
+MT_DEF int64_t mt_buffer_offset(const mt_buffer_layout* b, int tensor, int layer) {
     int i = b->index[tensor * b->num_layers + layer];
     return i < 0 ? -1 : b->params[i].offset;
 }
 
-void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end) {
+MT_DEF void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end) {
     int64_t shard = (bucket->end - bucket->start) / dp;
     *begin = bucket->start + (int64_t)dp_rank * shard;
     *end = *begin + shard;
 }
 
-/* Pipeline schedules */
+/* 9. Pipeline schedules ------------------------------------------------------------------------ */
 
 static int mt__pp_group(int pp, int vp, int m, int group_size) {
     (void)m;
     return vp == 1 ? 1 : group_size <= 0 ? pp : group_size;
 }
 
-mt_status mt_pp_schedule_check(int pp, int vp, int m, int group_size, mt_error* err) {
+MT_DEF mt_status mt_pp_schedule_check(int pp, int vp, int m, int group_size, mt_error* err) {
     if (pp < 1 || vp < 1 || m < 1)
         return mt_fail(err, MT_ERR_CONFIG, "pipeline schedule: PP (%d), VP (%d) and micro-batches (%d) must be >= 1",
                        pp, vp, m);
@@ -4379,7 +4666,7 @@ mt_status mt_pp_schedule_check(int pp, int vp, int m, int group_size, mt_error* 
     return MT_OK;
 }
 
-int mt_pp_num_warmup(int pp, int vp, int m, int group_size, int rank) {
+MT_DEF int mt_pp_num_warmup(int pp, int vp, int m, int group_size, int rank) {
     if (vp == 1) return pp - rank - 1 < m ? pp - rank - 1 : m;
     int64_t w = 2 * (int64_t)(pp - rank - 1) + (int64_t)(vp - 1) * mt__pp_group(pp, vp, m, group_size);
     int64_t total = (int64_t)m * vp;
@@ -4427,8 +4714,8 @@ static void mt__pp_fill(int pp, int vp, int m, int group_size, int rank, mt_pp_o
     }
 }
 
-mt_status mt_pp_schedule(int pp, int vp, int m, int group_size, int rank, mt_pp_op* ops, int* num_warmup,
-                         mt_error* err) {
+MT_DEF mt_status mt_pp_schedule(int pp, int vp, int m, int group_size, int rank, mt_pp_op* ops, int* num_warmup,
+                                mt_error* err) {
     mt_status st = mt_pp_schedule_check(pp, vp, m, group_size, err);
     if (st != MT_OK) return st;
     if (rank < 0 || rank >= pp)
@@ -4438,7 +4725,7 @@ mt_status mt_pp_schedule(int pp, int vp, int m, int group_size, int rank, mt_pp_
     return MT_OK;
 }
 
-int mt_pp_slots_needed(const mt_pp_op* ops, int num_ops) {
+MT_DEF int mt_pp_slots_needed(const mt_pp_op* ops, int num_ops) {
     int live = 0, most = 1;
     for (int k = 0; k < num_ops; k++) {
         live += ops[k].kind == MT_PP_FORWARD ? 1 : -1;
@@ -4447,7 +4734,7 @@ int mt_pp_slots_needed(const mt_pp_op* ops, int num_ops) {
     return most;
 }
 
-mt_status mt_pp_activation_slots(int pp, int vp, int m, int group_size, int rank, int* slots, mt_error* err) {
+MT_DEF mt_status mt_pp_activation_slots(int pp, int vp, int m, int group_size, int rank, int* slots, mt_error* err) {
     *slots = 0;
     mt_status st = mt_pp_schedule_check(pp, vp, m, group_size, err);
     if (st != MT_OK) return st;
@@ -4461,95 +4748,18 @@ mt_status mt_pp_activation_slots(int pp, int vp, int m, int group_size, int rank
     return MT_OK;
 }
 
-/* Layers of virtual stage v (of PP * VP) under cfg's split; -1 when the split is impossible. */
-static int mt__pp_stage_layers(const mt_config* c, int v) {
-    int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
-    int L = c->num_layers;
-    int stages = pp * vp;
-    int first = c->decoder_first_pipeline_num_layers, last = c->decoder_last_pipeline_num_layers;
-    if (first >= 0 || last >= 0) { /* uneven (VP = 1): the middle stages share what is left evenly */
-        int middle = pp - (first >= 0) - (last >= 0);
-        int64_t rest = (int64_t)L - (first > 0 ? first : 0) - (last > 0 ? last : 0); /* flags up to 2^31 - 1 */
-        if (v == 0 && first >= 0) return first;
-        if (v == pp - 1 && last >= 0) return last;
-        if (middle <= 0 || rest < 0 || rest % middle || rest / middle == 0) return -1; /* no empty middle stage */
-        return (int)(rest / middle);
-    }
-    int e = c->account_for_embedding_in_pipeline_split != 0, l = c->account_for_loss_in_pipeline_split != 0;
-    int total = L + e + l;
-    if (total % stages) return -1;
-    int per = total / stages;
-    return per - (v == 0 ? e : 0) - (v == stages - 1 ? l : 0);
-}
+/* 10. Memory plan of any layout: arenas, recompute, optimizer pieces, --plan-layouts ----------- */
 
-mt_status mt_pp_stage_of(const mt_config* c, int pp_rank, mt_pp_stage* out, mt_error* err) {
-    int pp = c->pipeline_model_parallel_size, vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1;
-    int L = c->num_layers;
-    if (pp < 1 || vp < 1 || vp > MT_PP_MAX_CHUNKS || (vp > 1 && pp == 1))
-        return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d virtual stages per rank over %d stages (virtual stages need "
-                       "--pipeline-model-parallel-size > 1 and at most %d per rank)", vp, pp, MT_PP_MAX_CHUNKS);
-    if (pp_rank < 0 || pp_rank >= pp)
-        return mt_fail(err, MT_ERR_RANGE, "pipeline rank %d outside [0, %d)", pp_rank, pp);
-    if ((int64_t)pp * vp > (int64_t)L + 2) /* every virtual stage but the first and last builds a layer */
-        return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d stages x %d virtual stages exceed the %d layers", pp, vp, L);
-    /* an uneven split with virtual stages is not built (mt_config_check_supported refuses it; here its
-     * stages would not add up to the layers, refused below) */
-    int uneven = c->decoder_first_pipeline_num_layers >= 0 || c->decoder_last_pipeline_num_layers >= 0;
-    if (uneven && (c->account_for_embedding_in_pipeline_split || c->account_for_loss_in_pipeline_split))
-        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-"
-                       "split are exclusive (as in Megatron)");
-    if (uneven && pp == 1)
-        return mt_fail(err, MT_ERR_CONFIG, "--decoder-first/last-pipeline-num-layers need "
-                       "--pipeline-model-parallel-size > 1 (with one stage they would change the model)");
-    int stages = pp * vp, first = 0, sum = 0;
-    if (out) memset(out, 0, sizeof(*out));
-    for (int v = 0; v < stages; v++) {
-        int n = mt__pp_stage_layers(c, v);
-        if (n < 0)
-            return mt_fail(err, MT_ERR_CONFIG, "pipeline: %d layers%s do not split evenly over %d %sstages", L,
-                           uneven ? " (less the first/last stage's)" : "", uneven ? pp - (c->decoder_first_pipeline_num_layers >= 0) -
-                           (c->decoder_last_pipeline_num_layers >= 0) : stages, vp > 1 ? "virtual " : "");
-        if (out && v % pp == pp_rank) {
-            out->first_layer[v / pp] = first;
-            out->num_layers[v / pp] = n;
-        }
-        first += n;
-        sum += n;
-    }
-    if (sum != L)
-        return mt_fail(err, MT_ERR_CONFIG, "pipeline: the stages' layers add up to %d, not --num-layers %d", sum, L);
-    if (out) {
-        out->num_chunks = vp;
-        out->embedding = pp_rank == 0;
-        out->head = pp_rank == pp - 1;
-    }
-    return MT_OK;
-}
-
-int mt_pp_holds(const mt_pp_stage* st, int tensor, int layer) {
-    switch (tensor) {
-        case MT_P_WORD_EMBEDDINGS: return st->embedding || st->head; /* the head's copy only while tied */
-        case MT_P_POSITION_EMBEDDINGS: return st->embedding;
-        case MT_P_FINAL_LN_WEIGHT: case MT_P_FINAL_LN_BIAS: case MT_P_OUTPUT_WEIGHT: return st->head;
-        default:
-            for (int c = 0; c < st->num_chunks; c++)
-                if (layer >= st->first_layer[c] && layer < st->first_layer[c] + st->num_layers[c]) return 1;
-            return 0;
-    }
-}
-
-/* The memory plan ---------------------------------------------------------------------------- */
-
-void mt_plan_options_defaults(mt_plan_options* o) {
+MT_DEF void mt_plan_options_defaults(mt_plan_options* o) {
     memset(o, 0, sizeof(*o));
     o->pp_rank = -1;
 }
 
-int mt_flash_attention(const mt_config* c) {
+MT_DEF int mt_flash_attention(const mt_config* c) {
     return c->precision == MT_BF16 && (c->kv_channels == 64 || c->kv_channels == 128);
 }
 
-int64_t mt_offload_elements(const mt_config* c, int64_t shard) {
+MT_DEF int64_t mt_offload_elements(const mt_config* c, int64_t shard) {
     if (!c->optimizer_cpu_offload || shard <= 0) return 0;
     if (c->optimizer_offload_fraction >= 1.0) return shard;
     int64_t n = (int64_t)(c->optimizer_offload_fraction * (double)shard);
@@ -4572,7 +4782,7 @@ static int mt__selective_region(const mt_recompute* rc, int region) {
            (region == MT_ACT_FC1 && (m & MT_RECOMPUTE_MLP));
 }
 
-int64_t mt_recompute_position(const mt_recompute* rc, int region, int64_t count, int64_t i) {
+MT_DEF int64_t mt_recompute_position(const mt_recompute* rc, int region, int64_t count, int64_t i) {
     if (!rc || rc->granularity == MT_RECOMPUTE_NONE) return i;
     if (rc->granularity == MT_RECOMPUTE_SELECTIVE) return mt__selective_region(rc, region) ? 0 : i;
     const int input = region == MT_ACT_RESIDUAL || region == MT_ACT_LN1_MEAN || region == MT_ACT_LN1_RSTD;
@@ -4587,7 +4797,7 @@ int64_t mt_recompute_position(const mt_recompute* rc, int region, int64_t count,
     return i % n == 0 ? i / n : groups + i % n - 1;
 }
 
-int mt_recompute_replay(const mt_recompute* rc, int64_t count, int64_t i, int64_t* first) {
+MT_DEF int mt_recompute_replay(const mt_recompute* rc, int64_t count, int64_t i, int64_t* first) {
     if (!rc || rc->granularity != MT_RECOMPUTE_FULL || i < 0 || i >= count) return 0;
     const int64_t n = mt__recompute_n(rc, count);
     if (rc->method == MT_RECOMPUTE_BLOCK) { /* the last recomputed layer's activations are still in room 0 */
@@ -4601,7 +4811,7 @@ int mt_recompute_replay(const mt_recompute* rc, int64_t count, int64_t i, int64_
     return 1;
 }
 
-void mt_recompute_describe(const mt_recompute* rc, char* out, size_t size) {
+MT_DEF void mt_recompute_describe(const mt_recompute* rc, char* out, size_t size) {
     if (!size) return;
     if (rc->granularity == MT_RECOMPUTE_FULL) {
         if (rc->num_layers > 0)
@@ -4647,8 +4857,8 @@ static int64_t mt__size_add(int64_t a, int64_t b) {
     return a < 0 || b < 0 || mt_add_overflows_i64(a, b, &r) ? MT__SIZE_MAX : r;
 }
 
-void mt_activation_layout_compute(const mt_config* c, int layers, int head, int num_slots, const mt_recompute* rc,
-                                  mt_activation_layout* out) {
+MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int head, int num_slots,
+                                         const mt_recompute* rc, mt_activation_layout* out) {
     memset(out, 0, sizeof(*out));
     const int tp = c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1;
     const int sp = c->sequence_parallel && tp > 1, flash = mt_flash_attention(c);
@@ -4725,13 +4935,13 @@ void mt_activation_layout_compute(const mt_config* c, int layers, int head, int 
     out->total = (size_t)mt__size_add((int64_t)out->scratch_bytes, mt__size_mul(out->num_slots, off));
 }
 
-int64_t mt_fp8_scale_inv_floats(int blocks_128x128, int rows, int cols) {
+MT_DEF int64_t mt_fp8_scale_inv_floats(int blocks_128x128, int rows, int cols) {
     int64_t row_blocks = (rows + 127) / 128, col_blocks = (cols + 127) / 128;
     if (!blocks_128x128) return col_blocks * rows;
     return row_blocks * ((col_blocks + 3) / 4 * 4);
 }
 
-void mt_fp8_arena_layout_compute(const mt_config* c, int fp8_layers, mt_fp8_arena_layout* out) {
+MT_DEF void mt_fp8_arena_layout_compute(const mt_config* c, int fp8_layers, mt_fp8_arena_layout* out) {
     memset(out, 0, sizeof(*out));
     if (c->fp8_format == MT_FP8_NONE) return;
     const int tp = c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1;
@@ -4769,7 +4979,8 @@ void mt_fp8_arena_layout_compute(const mt_config* c, int fp8_layers, mt_fp8_aren
     out->total = (size_t)off;
 }
 
-int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int64_t gpu_shard, mt_optimizer_piece* out) {
+MT_DEF int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_rank, int64_t gpu_shard,
+                                   mt_optimizer_piece* out) {
     int64_t count = 0, master = 0;
     for (int b = 0; b < B->num_buckets; b++) {
         int64_t begin, end;
@@ -4893,13 +5104,13 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     return MT_OK;
 }
 
-size_t mt_memory_plan_bf16_grad_savings(const mt_memory_plan* p) {
+MT_DEF size_t mt_memory_plan_bf16_grad_savings(const mt_memory_plan* p) {
     const size_t bf16_bytes = (size_t)p->buffer_elements * 2;
     return p->gradient_bytes > bf16_bytes ? p->gradient_bytes - bf16_bytes : 0;
 }
 
-mt_status mt_memory_plan_compute(const mt_config* c, const mt_plan_options* opts, mt_memory_plan* plan,
-                                 mt_error* err) {
+MT_DEF mt_status mt_memory_plan_compute(const mt_config* c, const mt_plan_options* opts, mt_memory_plan* plan,
+                                        mt_error* err) {
     mt_plan_options defaults;
     mt_plan_options_defaults(&defaults);
     const mt_plan_options* o = opts ? opts : &defaults;
@@ -4945,8 +5156,8 @@ static double mt__layout_seconds(const mt_config* c, int tp, int pp, int vp, int
     return compute + bubble + tp_comm + dp_comm;
 }
 
-mt_status mt_plan_layouts(const mt_config* c, const mt_plan_options* opts, int world, mt_layout_candidate* out,
-                          int max, int* count, mt_error* err) {
+MT_DEF mt_status mt_plan_layouts(const mt_config* c, const mt_plan_options* opts, int world, mt_layout_candidate* out,
+                                 int max, int* count, mt_error* err) {
     *count = 0;
     mt_plan_options o;
     if (opts) o = *opts;
@@ -5004,60 +5215,7 @@ mt_status mt_plan_layouts(const mt_config* c, const mt_plan_options* opts, int w
     return MT_OK;
 }
 
-/* CPU AdamW (optimizer offload) ------------------------------------------------------------------ */
-
-void mt_adamw_cpu_scalar(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
-                         int64_t n) {
-    const float wd = decay ? h->weight_decay : 0.0f, one_minus_beta1 = 1.0f - h->beta1,
-                one_minus_beta2 = 1.0f - h->beta2;
-    for (int64_t i = 0; i < n; i++) {
-        const float g = grad[i] * h->grad_scale;
-        const float mi = fmaf(m[i], h->beta1, one_minus_beta1 * g);
-        const float vi = fmaf(v[i], h->beta2, g * (one_minus_beta2 * g));
-        const float update = fmaf(master[i], wd, (mi / h->bias_correction1) / (sqrtf(vi / h->bias_correction2) + h->eps));
-        master[i] = fmaf(-update, h->lr, master[i]);
-        m[i] = mi;
-        v[i] = vi;
-    }
-}
-
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define MT__ADAMW_AVX2 1
-/* 8 elements per instruction; the same operations as the scalar loop, each correctly rounded */
-__attribute__((target("avx2,fma"))) static void mt__adamw_avx2(const mt_adamw_step* h, float wd, const float* grad,
-                                                                 float* master, float* m, float* v, int64_t n) {
-    const __m256 gs = _mm256_set1_ps(h->grad_scale), b1 = _mm256_set1_ps(h->beta1), b2 = _mm256_set1_ps(h->beta2);
-    const __m256 omb1 = _mm256_set1_ps(1.0f - h->beta1), omb2 = _mm256_set1_ps(1.0f - h->beta2);
-    const __m256 bc1 = _mm256_set1_ps(h->bias_correction1), bc2 = _mm256_set1_ps(h->bias_correction2);
-    const __m256 eps = _mm256_set1_ps(h->eps), decay = _mm256_set1_ps(wd), lr = _mm256_set1_ps(h->lr);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad + i), gs);
-        const __m256 mi = _mm256_fmadd_ps(_mm256_loadu_ps(m + i), b1, _mm256_mul_ps(omb1, g));
-        const __m256 vi = _mm256_fmadd_ps(_mm256_loadu_ps(v + i), b2, _mm256_mul_ps(g, _mm256_mul_ps(omb2, g)));
-        const __m256 p = _mm256_loadu_ps(master + i);
-        const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_div_ps(vi, bc2)), eps);
-        const __m256 update = _mm256_fmadd_ps(p, decay, _mm256_div_ps(_mm256_div_ps(mi, bc1), denom));
-        _mm256_storeu_ps(master + i, _mm256_fnmadd_ps(update, lr, p)); /* p - update * lr, one rounding */
-        _mm256_storeu_ps(m + i, mi);
-        _mm256_storeu_ps(v + i, vi);
-    }
-    if (i < n) mt_adamw_cpu_scalar(h, wd != 0.0f, grad + i, master + i, m + i, v + i, n - i);
-}
-#endif
-
-void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v, int64_t n) {
-#ifdef MT__ADAMW_AVX2
-    __builtin_cpu_init(); /* idempotent; then the CPU's features are a table look-up */
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        mt_adamw_step k = *h;
-        if (!decay) k.weight_decay = 0.0f;
-        mt__adamw_avx2(&k, k.weight_decay, grad, master, m, v, n);
-        return;
-    }
-#endif
-    mt_adamw_cpu_scalar(h, decay, grad, master, m, v, n);
-}
+/* 11. Thread pool ------------------------------------------------------------------------------ */
 
 struct mt__pool_worker {
     struct mt_thread_pool* pool;
@@ -5097,7 +5255,7 @@ static void* mt__pool_main(void* p) {
     }
 }
 
-void mt_thread_pool_free(mt_thread_pool* pool) {
+MT_DEF void mt_thread_pool_free(mt_thread_pool* pool) {
     if (!pool) return;
     pthread_mutex_lock(&pool->lock);
     pool->quit = 1;
@@ -5112,7 +5270,7 @@ void mt_thread_pool_free(mt_thread_pool* pool) {
     free(pool);
 }
 
-mt_status mt_thread_pool_create(mt_thread_pool** out, int threads, mt_error* err) {
+MT_DEF mt_status mt_thread_pool_create(mt_thread_pool** out, int threads, mt_error* err) {
     *out = NULL;
     if (threads < 1 || threads > 1024) return mt_fail(err, MT_ERR_ARG, "thread pool: %d threads (1 to 1024)", threads);
     mt_thread_pool* pool = (mt_thread_pool*)calloc(1, sizeof(mt_thread_pool));
@@ -5141,9 +5299,9 @@ mt_status mt_thread_pool_create(mt_thread_pool** out, int threads, mt_error* err
     return MT_OK;
 }
 
-int mt_thread_pool_size(const mt_thread_pool* pool) { return pool ? pool->size : 1; }
+MT_DEF int mt_thread_pool_size(const mt_thread_pool* pool) { return pool ? pool->size : 1; }
 
-void mt_thread_pool_run(mt_thread_pool* pool, void (*fn)(void* arg, int worker, int workers), void* arg) {
+MT_DEF void mt_thread_pool_run(mt_thread_pool* pool, void (*fn)(void* arg, int worker, int workers), void* arg) {
     if (!pool || pool->size == 1) {
         fn(arg, 0, 1);
         return;
@@ -5159,6 +5317,62 @@ void mt_thread_pool_run(mt_thread_pool* pool, void (*fn)(void* arg, int worker, 
     pthread_mutex_lock(&pool->lock);
     while (pool->pending > 0) pthread_cond_wait(&pool->done, &pool->lock);
     pthread_mutex_unlock(&pool->lock);
+}
+
+/* 12. CPU AdamW (optimizer offload) ------------------------------------------------------------ */
+
+MT_DEF void mt_adamw_cpu_scalar(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
+                                int64_t n) {
+    const float wd = decay ? h->weight_decay : 0.0f, one_minus_beta1 = 1.0f - h->beta1,
+                one_minus_beta2 = 1.0f - h->beta2;
+    for (int64_t i = 0; i < n; i++) {
+        const float g = grad[i] * h->grad_scale;
+        const float mi = fmaf(m[i], h->beta1, one_minus_beta1 * g);
+        const float vi = fmaf(v[i], h->beta2, g * (one_minus_beta2 * g));
+        const float update = fmaf(master[i], wd, (mi / h->bias_correction1) / (sqrtf(vi / h->bias_correction2) + h->eps));
+        master[i] = fmaf(-update, h->lr, master[i]);
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define MT__ADAMW_AVX2 1
+/* 8 elements per instruction; the same operations as the scalar loop, each correctly rounded */
+__attribute__((target("avx2,fma"))) static void mt__adamw_avx2(const mt_adamw_step* h, float wd, const float* grad,
+                                                                 float* master, float* m, float* v, int64_t n) {
+    const __m256 gs = _mm256_set1_ps(h->grad_scale), b1 = _mm256_set1_ps(h->beta1), b2 = _mm256_set1_ps(h->beta2);
+    const __m256 omb1 = _mm256_set1_ps(1.0f - h->beta1), omb2 = _mm256_set1_ps(1.0f - h->beta2);
+    const __m256 bc1 = _mm256_set1_ps(h->bias_correction1), bc2 = _mm256_set1_ps(h->bias_correction2);
+    const __m256 eps = _mm256_set1_ps(h->eps), decay = _mm256_set1_ps(wd), lr = _mm256_set1_ps(h->lr);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad + i), gs);
+        const __m256 mi = _mm256_fmadd_ps(_mm256_loadu_ps(m + i), b1, _mm256_mul_ps(omb1, g));
+        const __m256 vi = _mm256_fmadd_ps(_mm256_loadu_ps(v + i), b2, _mm256_mul_ps(g, _mm256_mul_ps(omb2, g)));
+        const __m256 p = _mm256_loadu_ps(master + i);
+        const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_div_ps(vi, bc2)), eps);
+        const __m256 update = _mm256_fmadd_ps(p, decay, _mm256_div_ps(_mm256_div_ps(mi, bc1), denom));
+        _mm256_storeu_ps(master + i, _mm256_fnmadd_ps(update, lr, p)); /* p - update * lr, one rounding */
+        _mm256_storeu_ps(m + i, mi);
+        _mm256_storeu_ps(v + i, vi);
+    }
+    if (i < n) mt_adamw_cpu_scalar(h, wd != 0.0f, grad + i, master + i, m + i, v + i, n - i);
+}
+#endif
+
+MT_DEF void mt_adamw_cpu(const mt_adamw_step* h, int decay, const float* grad, float* master, float* m, float* v,
+                         int64_t n) {
+#ifdef MT__ADAMW_AVX2
+    __builtin_cpu_init(); /* idempotent; then the CPU's features are a table look-up */
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        mt_adamw_step k = *h;
+        if (!decay) k.weight_decay = 0.0f;
+        mt__adamw_avx2(&k, k.weight_decay, grad, master, m, v, n);
+        return;
+    }
+#endif
+    mt_adamw_cpu_scalar(h, decay, grad, master, m, v, n);
 }
 
 typedef struct {
@@ -5188,8 +5402,8 @@ static void mt__adamw_worker(void* arg, int w, int workers) {
     }
 }
 
-void mt_adamw_cpu_parallel(mt_thread_pool* pool, const mt_adamw_step* h, const mt_adamw_segment* segments,
-                           int num_segments, const float* grad, float* master, float* m, float* v) {
+MT_DEF void mt_adamw_cpu_parallel(mt_thread_pool* pool, const mt_adamw_step* h, const mt_adamw_segment* segments,
+                                  int num_segments, const float* grad, float* master, float* m, float* v) {
     mt__adamw_job job;
     job.h = h;
     job.segments = segments;
@@ -5203,9 +5417,9 @@ void mt_adamw_cpu_parallel(mt_thread_pool* pool, const mt_adamw_step* h, const m
     mt_thread_pool_run(pool, mt__adamw_worker, &job);
 }
 
-/* 7. Checkpoint format ------------------------------------------------------------------------- */
+/* 13. Checkpoint files: header and checks, names, tracker, retention, commit, integrity -------- */
 
-void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
+MT_DEF void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
     memset(h, 0, sizeof(int64_t) * MT_CK_HEADER_WORDS);
     h[MT_CK_MAGIC] = MT_CKPT_MAGIC;
     h[MT_CK_VERSION] = MT_CKPT_VERSION;
@@ -5240,7 +5454,7 @@ void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
     h[MT_CK_TRUE_VOCAB] = c->vocab_size;
 }
 
-void mt_config_from_checkpoint_header(mt_config* c, const int64_t* h) {
+MT_DEF void mt_config_from_checkpoint_header(mt_config* c, const int64_t* h) {
     c->num_layers = (int)h[MT_CK_LAYERS];
     c->hidden_size = (int)h[MT_CK_HIDDEN];
     c->num_attention_heads = (int)h[MT_CK_HEADS];
@@ -5269,7 +5483,7 @@ void mt_config_from_checkpoint_header(mt_config* c, const int64_t* h) {
     if (h[MT_CK_NORM_EPS_BITS]) memcpy(&c->norm_epsilon, &h[MT_CK_NORM_EPS_BITS], sizeof(double));
 }
 
-mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, mt_config* cfg_out, mt_error* err) {
+MT_DEF mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, mt_config* cfg_out, mt_error* err) {
     if (h[MT_CK_MAGIC] != MT_CKPT_MAGIC || h[MT_CK_VERSION] != MT_CKPT_VERSION)
         return mt_fail(err, MT_ERR_FORMAT, "%s is not a megatron.c checkpoint (bad magic or version)", path);
     /* words and the range each must be in (all inclusive) */
@@ -5375,7 +5589,7 @@ mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, mt_conf
     return MT_OK;
 }
 
-int64_t mt_checkpoint_file_bytes(const int64_t* h, int shard_file) {
+MT_DEF int64_t mt_checkpoint_file_bytes(const int64_t* h, int shard_file) {
     const int64_t header = (int64_t)sizeof(int64_t) * MT_CK_HEADER_WORDS;
     if (shard_file) return header + 3 * 4 * h[MT_CK_SHARD_NUMEL];
     mt_config c;
@@ -5390,9 +5604,181 @@ int64_t mt_checkpoint_file_bytes(const int64_t* h, int shard_file) {
     return header + 4 * (arrays * numel + fp8);
 }
 
+/* ---- one rank's files: their names, the rank words of their headers, the checks of a reader ---- */
+
+/* bytes at offset of file fd, all of them: 0, or -1 (an error, or the file ends first) */
+static int mt__ckpt_read_at(int fd, int64_t offset, void* out, size_t bytes) {
+    if (lseek(fd, (off_t)offset, SEEK_SET) == (off_t)-1) return -1;
+    char* p = (char*)out;
+    while (bytes > 0) {
+        ssize_t k = read(fd, p, bytes < ((size_t)1 << 30) ? bytes : ((size_t)1 << 30));
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) return -1;
+        p += k;
+        bytes -= (size_t)k;
+    }
+    return 0;
+}
+
+MT_DEF void mt_ckpt_rank_dir(char* buf, size_t cap, const char* iter_dir, int pp, int tp_rank, int pp_rank) {
+    if (pp > 1) snprintf(buf, cap, "%s/mp_rank_%02d_%03d", iter_dir, tp_rank, pp_rank);
+    else snprintf(buf, cap, "%s/mp_rank_%02d", iter_dir, tp_rank);
+}
+
+MT_DEF void mt_ckpt_file_path(char* buf, size_t cap, const char* rank_dir, int dp_shard) {
+    if (dp_shard < 0) snprintf(buf, cap, "%s/model_optim_rng.bin", rank_dir);
+    else snprintf(buf, cap, "%s/distrib_optim_dp%03d.bin", rank_dir, dp_shard);
+}
+
+MT_DEF int mt_ckpt_rank_files(const mt_ckpt_rank* r, mt_ckpt_file files[2]) {
+    char rank_dir[40];
+    mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), "", r->pp, r->tp_rank, r->pp_rank); /* "/mp_rank_..." */
+    int n = 0;
+    if (r->sharded) {
+        mt_ckpt_file_path(files[n].path, sizeof(files[n].path), rank_dir + 1, r->dp_rank);
+        files[n++].shard = 1;
+    }
+    if (r->dp_rank == 0) {
+        mt_ckpt_file_path(files[n].path, sizeof(files[n].path), rank_dir + 1, -1);
+        files[n++].shard = 0;
+    }
+    return n;
+}
+
+MT_DEF void mt_checkpoint_header_set_rank(int64_t* h, const mt_ckpt_rank* r) {
+    h[MT_CK_SHARDED_DP] = r->sharded ? r->dp : 0;
+    h[MT_CK_DP_RANK] = r->dp_rank;
+    h[MT_CK_SHARD_NUMEL] = r->sharded ? r->shard_numel : 0;
+    h[MT_CK_DDP_OVERLAP] = r->sharded ? 1 + (r->ddp.overlap_grad_reduce != 0) : 0;
+    h[MT_CK_DDP_BUCKET_SIZE] = r->sharded ? r->ddp.ddp_bucket_size : 0;
+    h[MT_CK_TP_RANK] = r->tp_rank;
+    h[MT_CK_PP_RANK] = r->pp_rank;
+    h[MT_CK_VP] = r->pp > 1 ? r->vp : 0;
+    h[MT_CK_STAGE_NUMEL] = r->pp > 1 ? r->stage_numel : 0;
+}
+
+/* The file's size on disk (bytes; -1: unknown) against the size its header describes. */
+static mt_status mt__ckpt_size_check(const int64_t* h, int64_t bytes, int shard_file, const char* path, mt_error* err) {
+    const int64_t want = mt_checkpoint_file_bytes(h, shard_file);
+    if (bytes != want)
+        return mt_fail(err, MT_ERR_FORMAT, "%s has %lld bytes, but its header describes %lld (%s)", path,
+                       (long long)bytes, (long long)want, bytes < want ? "truncated" : "too long");
+    return MT_OK;
+}
+
+MT_DEF mt_status mt_checkpoint_header_check_model(const int64_t* h, const char* path, const mt_config* cfg,
+                                                  int any_layout, mt_error* err) {
+    int64_t expected[MT_CK_HEADER_WORDS];
+    mt_checkpoint_header_init(expected, cfg);
+    /* every word that describes the model (shape, flavour, parallel layout) must be this run's */
+    struct { int word; const char* what; } shape[] = {
+        {MT_CK_LAYERS, "--num-layers"},
+        {MT_CK_HIDDEN, "--hidden-size"},
+        {MT_CK_HEADS, "--num-attention-heads"},
+        {MT_CK_GROUPS, "--num-query-groups"},
+        {MT_CK_KV, "--kv-channels"},
+        {MT_CK_FFN, "--ffn-hidden-size"},
+        {MT_CK_VOCAB, "padded vocabulary size"},
+        {MT_CK_POSITIONS, "--max-position-embeddings"},
+        {MT_CK_TP, "--tensor-model-parallel-size"},
+        {MT_CK_PP, "--pipeline-model-parallel-size"},
+        {MT_CK_NORMALIZATION, "--normalization (0 LayerNorm, 1 RMSNorm)"},
+        {MT_CK_SWIGLU, "--swiglu"},
+        {MT_CK_POSITION_TYPE, "--position-embedding-type (0 learned_absolute, 1 rope, 2 none)"},
+        {MT_CK_ROTARY_BASE_BITS, "--rotary-base (bits)"},
+        {MT_CK_ROTARY_PERCENT_BITS, "--rotary-percent (bits)"},
+        {MT_CK_ROPE_SCALING_FACTOR_BITS, "--rope-scaling-factor (bits)"},
+        {MT_CK_UNTIED, "--untie-embeddings-and-output-weights"},
+        {MT_CK_NO_BIAS_LINEAR, "--disable-bias-linear"},
+        {MT_CK_LAYERNORM_1P, "--apply-layernorm-1p"},
+        {MT_CK_SQUARED_RELU, "--squared-relu"},
+        {MT_CK_QK_LAYERNORM, "--qk-layernorm"},
+    };
+    for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++) {
+        const int w = shape[i].word;
+        if (any_layout && (w == MT_CK_TP || w == MT_CK_PP || (w == MT_CK_VOCAB && h[MT_CK_TRUE_VOCAB] > 0))) continue;
+        if (h[w] != expected[w])
+            return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has %s %lld but this run has %lld", path, shape[i].what,
+                           (long long)h[w], (long long)expected[w]);
+    }
+    if (any_layout && h[MT_CK_TRUE_VOCAB] > 0 && h[MT_CK_TRUE_VOCAB] != cfg->vocab_size)
+        return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has a vocabulary of %lld but this run has %lld", path,
+                       (long long)h[MT_CK_TRUE_VOCAB], (long long)cfg->vocab_size);
+    return MT_OK;
+}
+
+MT_DEF mt_status mt_checkpoint_header_check_rank(const int64_t* h, int64_t file_bytes, const char* path,
+                                                 const mt_config* cfg, const mt_ckpt_rank* r, int64_t iteration,
+                                                 int shard_file, mt_error* err) {
+    mt_status st = mt_checkpoint_header_check(h, path, NULL, err);
+    if (st != MT_OK) return st;
+    if (h[MT_CK_ITERATION] != iteration)
+        return mt_fail(err, MT_ERR_FORMAT, "%s holds iteration %lld, not %lld", path, (long long)h[MT_CK_ITERATION],
+                       (long long)iteration);
+    st = mt__ckpt_size_check(h, file_bytes, shard_file, path, err);
+    if (st != MT_OK) return st;
+    st = mt_checkpoint_header_check_model(h, path, cfg, 0, err);
+    if (st != MT_OK) return st;
+    if (h[MT_CK_TP_RANK] != r->tp_rank)
+        return mt_fail(err, MT_ERR_FORMAT, "%s holds tensor-parallel rank %lld's shard, not rank %d's", path,
+                       (long long)h[MT_CK_TP_RANK], r->tp_rank);
+    const int pp = r->pp > 1;
+    if (h[MT_CK_PP_RANK] != r->pp_rank || h[MT_CK_VP] != (pp ? r->vp : 0) ||
+        h[MT_CK_STAGE_NUMEL] != (pp ? r->stage_numel : 0))
+        return mt_fail(err, MT_ERR_CONFIG,
+                       "%s holds pipeline rank %lld's layers (%lld virtual stages, %lld parameters); "
+                       "this rank is pipeline rank %d of another split: resume with the same pipeline layout", path,
+                       (long long)h[MT_CK_PP_RANK], (long long)h[MT_CK_VP], (long long)h[MT_CK_STAGE_NUMEL],
+                       r->pp_rank);
+    const int64_t sharded = h[MT_CK_SHARDED_DP], mine = r->sharded ? r->dp : 0;
+    if (sharded != 0 && sharded != mine)
+        return mt_fail(err, MT_ERR_CONFIG,
+                       "checkpoint %s holds optimizer state sharded over %lld data-parallel ranks "
+                       "(--use-distributed-optimizer); this run has %d ranks%s: resume with the same layout",
+                       path, (long long)sharded, r->dp, r->sharded ? "" : " without it");
+    if (shard_file && (h[MT_CK_DP_RANK] != r->dp_rank || h[MT_CK_SHARD_NUMEL] != r->shard_numel))
+        return mt_fail(err, MT_ERR_FORMAT,
+                       "%s is the shard of DP rank %lld with %lld elements, not of rank %d with %lld", path,
+                       (long long)h[MT_CK_DP_RANK], (long long)h[MT_CK_SHARD_NUMEL], r->dp_rank,
+                       (long long)r->shard_numel);
+    return MT_OK;
+}
+
+MT_DEF mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_file, int tp_rank, int pp_rank,
+                                     int dp_rank, int64_t* h, int* fd_out, mt_error* err) {
+    if (fd_out) *fd_out = -1;
+    int fd = mt_open_regular_file(path, err);
+    if (fd < 0) return MT_ERR_IO;
+    mt_status st = mt__ckpt_read_at(fd, 0, h, sizeof(int64_t) * MT_CK_HEADER_WORDS) == 0
+                       ? mt_checkpoint_header_check(h, path, NULL, err)
+                       : mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
+    struct stat sb;
+    if (st == MT_OK) st = mt__ckpt_size_check(h, fstat(fd, &sb) == 0 ? (int64_t)sb.st_size : -1, shard_file, path, err);
+    if (st == MT_OK && ref) {
+        /* every word but the rank's own and the stage's size: as the first file's */
+        for (int w = 0; w < MT_CK_HEADER_WORDS && st == MT_OK; w++) {
+            if (w == MT_CK_TP_RANK || w == MT_CK_PP_RANK || w == MT_CK_DP_RANK || w == MT_CK_STAGE_NUMEL ||
+                w == MT_CK_SHARD_NUMEL || w == MT_CK_FP8_TENSORS || w == MT_CK_FP8_HISTORY_POS)
+                continue;
+            if (h[w] != ref[w])
+                st = mt_fail(err, MT_ERR_FORMAT, "%s: header word %d is %lld, but %lld in the first model file", path, w,
+                             (long long)h[w], (long long)ref[w]);
+        }
+        if (st == MT_OK && (h[MT_CK_TP_RANK] != tp_rank || h[MT_CK_PP_RANK] != pp_rank || h[MT_CK_DP_RANK] != dp_rank))
+            st = mt_fail(err, MT_ERR_FORMAT, "%s holds the part of (TP, PP, DP) rank (%lld, %lld, %lld), not (%d, %d, %d)",
+                         path, (long long)h[MT_CK_TP_RANK], (long long)h[MT_CK_PP_RANK], (long long)h[MT_CK_DP_RANK],
+                         tp_rank, pp_rank, dp_rank);
+    }
+    if (st == MT_OK && fd_out) *fd_out = fd;
+    else close(fd);
+    return st;
+}
+
+/* ---- the tracker, retention, a save's directories ---- */
+
 static const char mt__tracker_name[] = "latest_checkpointed_iteration.txt";
 
-mt_status mt_checkpoint_read_tracker(const char* dir, int64_t* iteration, mt_error* err) {
+MT_DEF mt_status mt_checkpoint_read_tracker(const char* dir, int64_t* iteration, mt_error* err) {
     char path[4200];
     snprintf(path, sizeof(path), "%s/%s", dir, mt__tracker_name);
     char* text = NULL;
@@ -5417,7 +5803,7 @@ mt_status mt_checkpoint_read_tracker(const char* dir, int64_t* iteration, mt_err
     return st;
 }
 
-mt_status mt_checkpoint_write_tracker(const char* dir, int64_t iteration, mt_error* err) {
+MT_DEF mt_status mt_checkpoint_write_tracker(const char* dir, int64_t iteration, mt_error* err) {
     char path[4200], text[32];
     snprintf(path, sizeof(path), "%s/%s", dir, mt__tracker_name);
     const void* chunk = text;
@@ -5425,7 +5811,7 @@ mt_status mt_checkpoint_write_tracker(const char* dir, int64_t iteration, mt_err
     return mt_write_file(path, 1, &chunk, &size, err);
 }
 
-void mt_checkpoint_iteration_dir(char* out, size_t cap, const char* dir, int64_t iteration) {
+MT_DEF void mt_checkpoint_iteration_dir(char* out, size_t cap, const char* dir, int64_t iteration) {
     struct stat st;
     snprintf(out, cap, "%s/iter_%07lld.old", dir, (long long)iteration);
     int only_old = stat(out, &st) == 0;
@@ -5433,13 +5819,13 @@ void mt_checkpoint_iteration_dir(char* out, size_t cap, const char* dir, int64_t
     if (only_old && stat(out, &st) != 0 && errno == ENOENT) snprintf(out, cap, "%s/iter_%07lld.old", dir, (long long)iteration);
 }
 
-int64_t mt_checkpoint_retain_victim(int64_t previous, int64_t saved, int64_t retain_interval, int64_t pending) {
+MT_DEF int64_t mt_checkpoint_retain_victim(int64_t previous, int64_t saved, int64_t retain_interval, int64_t pending) {
     if (retain_interval < 1 || previous <= 0 || previous == saved || previous == pending) return -1;
     return previous % retain_interval == 0 ? -1 : previous;
 }
 
-mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t saved, int64_t retain_interval,
-                                     int64_t pending, int64_t* deleted, mt_error* err) {
+MT_DEF mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t saved, int64_t retain_interval,
+                                            int64_t pending, int64_t* deleted, mt_error* err) {
     *deleted = -1;
     const int64_t victim = mt_checkpoint_retain_victim(previous, saved, retain_interval, pending);
     if (victim < 0) return MT_OK;
@@ -5469,7 +5855,7 @@ mt_status mt_checkpoint_retain_apply(const char* dir, int64_t previous, int64_t 
     return MT_OK;
 }
 
-int mt_make_directories(const char* path) {
+MT_DEF int mt_make_directories(const char* path) {
     char buf[4096];
     snprintf(buf, sizeof(buf), "%s", path);
     for (char* p = buf + 1; *p; p++) {
@@ -5479,6 +5865,35 @@ int mt_make_directories(const char* path) {
         *p = '/';
     }
     return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+MT_DEF void mt_checkpoint_save_dirs(const char* dir, int64_t iteration, char* final_dir, size_t final_cap,
+                                    char* tmp_dir, size_t tmp_cap) {
+    snprintf(final_dir, final_cap, "%s/iter_%07lld", dir, (long long)iteration);
+    snprintf(tmp_dir, tmp_cap, "%s/.tmp_iter_%07lld", dir, (long long)iteration);
+}
+
+MT_DEF void mt_checkpoint_tidy(const char* dir) {
+    DIR* d = opendir(dir);
+    if (!d) return;
+    struct dirent* e;
+    char path[4400], final_dir[4400];
+    while ((e = readdir(d))) {
+        const char* n = e->d_name;
+        size_t len = strlen(n);
+        snprintf(path, sizeof(path), "%s/%s", dir, n);
+        if (!strncmp(n, ".tmp_iter_", 10)) {
+            mt_remove_tree(path);
+        } else if (!strncmp(n, "iter_", 5) && len > 9 && !strcmp(n + len - 4, ".old")) {
+            snprintf(final_dir, sizeof(final_dir), "%s/%.*s", dir, (int)(len - 4), n);
+            struct stat st;
+            if (stat(final_dir, &st) == 0) mt_remove_tree(path);
+            else if (errno == ENOENT) rename(path, final_dir);
+        }
+    }
+    closedir(d);
+    snprintf(path, sizeof(path), "%s/.", dir);
+    mt_sync_directory_of(path); /* of dir */
 }
 
 /* The manifest ---------------------------------------------------------------------------------- */
@@ -5564,12 +5979,12 @@ static mt_status mt__file_checksum(const char* path, unsigned char* buf, size_t 
 
 #define MT__CHECKSUM_BUFFER ((size_t)8 << 20)
 
-mt_status mt_checkpoint_manifest_write(const char* iter_dir, mt_error* err) {
+MT_DEF mt_status mt_checkpoint_manifest_write(const char* iter_dir, mt_error* err) {
     return mt_checkpoint_manifest_write_known(iter_dir, NULL, 0, err);
 }
 
-mt_status mt_checkpoint_manifest_write_known(const char* iter_dir, const mt_checkpoint_file_crc* known, int num_known,
-                                             mt_error* err) {
+MT_DEF mt_status mt_checkpoint_manifest_write_known(const char* iter_dir, const mt_checkpoint_file_crc* known,
+                                                    int num_known, mt_error* err) {
     mt__file_list l = {NULL, 0, 0};
     mt_status st = mt__list_files(iter_dir, "", &l, 0, err);
     if (st == MT_OK && l.count > 0) qsort(l.paths, (size_t)l.count, sizeof(char*), mt__strcmp_ptr);
@@ -5625,7 +6040,7 @@ static int mt__manifest_path_ok(const char* p) {
     return 1;
 }
 
-mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* err) {
+MT_DEF mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* err) {
     char manifest[4400];
     snprintf(manifest, sizeof(manifest), "%s/%s", iter_dir, MT_CKPT_MANIFEST);
     char* text = NULL;
@@ -5703,16 +6118,39 @@ mt_status mt_checkpoint_manifest_verify(const char* iter_dir, mt_error* err) {
     return st;
 }
 
+/* ---- the commit of a save ---- */
+
+MT_DEF mt_status mt_checkpoint_commit(const char* dir, int64_t iteration, const char* tmp_dir,
+                                      const mt_checkpoint_file_crc* known, int num_known, mt_error* err) {
+    char final_dir[4096], old_dir[4160];
+    snprintf(final_dir, sizeof(final_dir), "%s/iter_%07lld", dir, (long long)iteration);
+    snprintf(old_dir, sizeof(old_dir), "%s.old", final_dir);
+    mt_status st = mt_checkpoint_manifest_write_known(tmp_dir, known, num_known, err);
+    if (st != MT_OK) mt_remove_tree(tmp_dir);
+    else if (rename(final_dir, old_dir) != 0 && errno != ENOENT) /* an older copy of this iteration steps aside */
+        st = mt_fail(err, MT_ERR_IO, "cannot replace %s: %s", final_dir, strerror(errno));
+    else if (rename(tmp_dir, final_dir) != 0)
+        st = mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", tmp_dir, final_dir, strerror(errno));
+    else if (mt_sync_directory_of(final_dir) != 0)
+        st = mt_fail(err, MT_ERR_IO, "cannot sync %s: %s", dir, strerror(errno));
+    if (st == MT_OK) mt_remove_tree(old_dir);
+    else rename(old_dir, final_dir); /* the new one did not arrive: the old one comes back */
+    if (st == MT_OK) st = mt_checkpoint_write_tracker(dir, iteration, err);
+    return st;
+}
+
+/* ---- the integrity rule ---- */
+
 /* The first model file of an iteration directory: mp_rank_00 (one stage) or mp_rank_00_000 (a pipeline). */
 static void mt__ckpt_first_file(char* path, size_t cap, const char* iter_dir) {
     char rank_dir[4300];
     struct stat sb;
     mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, 1, 0, 0);
     if (stat(rank_dir, &sb) != 0) mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, 2, 0, 0);
-    snprintf(path, cap, "%s/model_optim_rng.bin", rank_dir);
+    mt_ckpt_file_path(path, cap, rank_dir, -1);
 }
 
-mt_status mt_checkpoint_check_integrity(const char* iter_dir, int no_verify, mt_error* warning, mt_error* err) {
+MT_DEF mt_status mt_checkpoint_check_integrity(const char* iter_dir, int no_verify, mt_error* warning, mt_error* err) {
     if (warning) warning->message[0] = 0;
     char manifest[4400], path[4400];
     struct stat sb;
@@ -5743,8 +6181,8 @@ mt_status mt_checkpoint_check_integrity(const char* iter_dir, int no_verify, mt_
     return MT_OK;
 }
 
-mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no_verify, int64_t* chosen, int* fell_back,
-                               mt_error* warning, mt_error* err) {
+MT_DEF mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no_verify, int64_t* chosen,
+                                      int* fell_back, mt_error* warning, mt_error* err) {
     if (fell_back) *fell_back = 0;
     if (warning) warning->message[0] = 0;
     const int tracked = iteration < 0;
@@ -5789,9 +6227,9 @@ mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no_verify
     return mt_fail(err, st, "%s", refused.message);
 }
 
-/* ---- a checkpoint at any layout: the files' layout, and any rank's part of another layout ---- */
+/* 14. Checkpoints at any layout: the reader of any rank's part --------------------------------- */
 
-mt_ckpt_ddp mt_ckpt_saved_ddp(const mt_ckpt* ck, const mt_ckpt_ddp* fallback) {
+MT_DEF mt_ckpt_ddp mt_ckpt_saved_ddp(const mt_ckpt* ck, const mt_ckpt_ddp* fallback) {
     mt_ckpt_ddp d = {0, 0};
     if (ck->header[MT_CK_DDP_OVERLAP] > 0) {
         d.overlap_grad_reduce = ck->header[MT_CK_DDP_OVERLAP] == 2;
@@ -5802,13 +6240,8 @@ mt_ckpt_ddp mt_ckpt_saved_ddp(const mt_ckpt* ck, const mt_ckpt_ddp* fallback) {
     return d;
 }
 
-void mt_ckpt_rank_dir(char* buf, size_t cap, const char* iter_dir, int pp, int tp_rank, int pp_rank) {
-    if (pp > 1) snprintf(buf, cap, "%s/mp_rank_%02d_%03d", iter_dir, tp_rank, pp_rank);
-    else snprintf(buf, cap, "%s/mp_rank_%02d", iter_dir, tp_rank);
-}
-
-mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp, int dp, const mt_ckpt_ddp* ddp,
-                         int tp_rank, int pp_rank, mt_error* err) {
+MT_DEF mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp, int dp, const mt_ckpt_ddp* ddp,
+                                int tp_rank, int pp_rank, mt_error* err) {
     mt_config_defaults(c);
     mt_config_from_checkpoint_header(c, h);
     c->tensor_model_parallel_size = tp;
@@ -5826,21 +6259,7 @@ mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp,
     return mt_pp_stage_of(c, pp_rank, NULL, err);
 }
 
-/* bytes at offset of file fd, all of them: 0, or -1 (an error, or the file ends first) */
-static int mt__ckpt_read_at(int fd, int64_t offset, void* out, size_t bytes) {
-    if (lseek(fd, (off_t)offset, SEEK_SET) == (off_t)-1) return -1;
-    char* p = (char*)out;
-    while (bytes > 0) {
-        ssize_t k = read(fd, p, bytes < ((size_t)1 << 30) ? bytes : ((size_t)1 << 30));
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) return -1;
-        p += k;
-        bytes -= (size_t)k;
-    }
-    return 0;
-}
-
-mt_status mt_ckpt_rank_numel(const mt_config* c, int64_t* numel, mt_error* err) {
+MT_DEF mt_status mt_ckpt_rank_numel(const mt_config* c, int64_t* numel, mt_error* err) {
     mt_buffer_layout B;
     mt_status st = mt_buffer_layout_build(&B, c, err);
     if (st != MT_OK) return st;
@@ -5849,48 +6268,13 @@ mt_status mt_ckpt_rank_numel(const mt_config* c, int64_t* numel, mt_error* err) 
     return MT_OK;
 }
 
-mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int shard_file, int tp_rank, int pp_rank,
-                              int dp_rank, int64_t* h, int* fd_out, mt_error* err) {
-    if (fd_out) *fd_out = -1;
-    int fd = mt_open_regular_file(path, err);
-    if (fd < 0) return MT_ERR_IO;
-    mt_status st = mt__ckpt_read_at(fd, 0, h, sizeof(int64_t) * MT_CK_HEADER_WORDS) == 0
-                       ? mt_checkpoint_header_check(h, path, NULL, err)
-                       : mt_fail(err, MT_ERR_FORMAT, "%s is truncated (no header)", path);
-    struct stat sb;
-    if (st == MT_OK) {
-        const int64_t want = mt_checkpoint_file_bytes(h, shard_file);
-        if (fstat(fd, &sb) != 0 || (int64_t)sb.st_size != want)
-            st = mt_fail(err, MT_ERR_FORMAT, "%s has %lld bytes, but its header describes %lld (%s)", path,
-                         (long long)sb.st_size, (long long)want, (int64_t)sb.st_size < want ? "truncated" : "too long");
-    }
-    if (st == MT_OK && ref) {
-        /* every word but the rank's own and the stage's size: as the first file's */
-        for (int w = 0; w < MT_CK_HEADER_WORDS && st == MT_OK; w++) {
-            if (w == MT_CK_TP_RANK || w == MT_CK_PP_RANK || w == MT_CK_DP_RANK || w == MT_CK_STAGE_NUMEL ||
-                w == MT_CK_SHARD_NUMEL || w == MT_CK_FP8_TENSORS || w == MT_CK_FP8_HISTORY_POS)
-                continue;
-            if (h[w] != ref[w])
-                st = mt_fail(err, MT_ERR_FORMAT, "%s: header word %d is %lld, but %lld in the first model file", path, w,
-                             (long long)h[w], (long long)ref[w]);
-        }
-        if (st == MT_OK && (h[MT_CK_TP_RANK] != tp_rank || h[MT_CK_PP_RANK] != pp_rank || h[MT_CK_DP_RANK] != dp_rank))
-            st = mt_fail(err, MT_ERR_FORMAT, "%s holds the part of (TP, PP, DP) rank (%lld, %lld, %lld), not (%d, %d, %d)",
-                         path, (long long)h[MT_CK_TP_RANK], (long long)h[MT_CK_PP_RANK], (long long)h[MT_CK_DP_RANK],
-                         tp_rank, pp_rank, dp_rank);
-    }
-    if (st == MT_OK && fd_out) *fd_out = fd;
-    else close(fd);
-    return st;
-}
-
-void mt_config_resume_padding(mt_config* c, const char* dir) {
+MT_DEF void mt_config_resume_padding(mt_config* c, const char* dir) {
     mt_ckpt saved;
     mt_error ignored;
     if (dir && mt_ckpt_open(&saved, dir, -1, &ignored) == MT_OK) c->resumed_padded_vocab_size = saved.header[MT_CK_VOCAB];
 }
 
-mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, mt_error* err) {
+MT_DEF mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, mt_error* err) {
     memset(ck, 0, sizeof(*ck));
     mt_status st = iteration < 0 ? mt_checkpoint_read_tracker(dir, &iteration, err) : MT_OK;
     if (st != MT_OK) return st;
@@ -5916,7 +6300,7 @@ mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, mt_error
     return mt_ckpt_config(&ck->cfg, h, ck->tp, ck->pp, ck->vp, 0, NULL, 0, 0, err);
 }
 
-mt_status mt_ckpt_read_floats(int fd, const char* path, int64_t at, float* out, int64_t n, mt_error* err) {
+MT_DEF mt_status mt_ckpt_read_floats(int fd, const char* path, int64_t at, float* out, int64_t n, mt_error* err) {
     if (mt__ckpt_read_at(fd, (int64_t)sizeof(int64_t) * MT_CK_HEADER_WORDS + at * (int64_t)sizeof(float), out,
                          sizeof(float) * (size_t)n) != 0)
         return mt_fail(err, MT_ERR_FORMAT, "%s is truncated", path);
@@ -5973,8 +6357,7 @@ static mt_status mt__ckpt_reader_open(mt__ckpt_reader* r, int t, int s, int dp_r
     const mt_ckpt* ck = r->ck;
     char rank_dir[4300], path[4400];
     mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, t, s);
-    if (dp_rank < 0) snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
-    else snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, dp_rank);
+    mt_ckpt_file_path(path, sizeof(path), rank_dir, dp_rank);
     if (r->fd >= 0 && !strcmp(path, r->open_path)) return MT_OK;
     if (r->fd >= 0) close(r->fd);
     r->fd = -1;
@@ -6036,8 +6419,8 @@ static mt_status mt__ckpt_read_piece(mt__ckpt_reader* r, int t, int s, int tenso
     return st;
 }
 
-mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_config* target, int array, float* out,
-                            mt_error* err) {
+MT_DEF mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_config* target, int array,
+                                   float* out, mt_error* err) {
     if (array < 0 || array >= MT_CKPT_ARRAYS) return mt_fail(err, MT_ERR_ARG, "checkpoint array %d does not exist", array);
     const int D = ck->sharded_dp;
     mt__ckpt_reader r;
@@ -6127,17 +6510,7 @@ mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_
     return st;
 }
 
-/* 9. TensorBoard event files ------------------------------------------------------------------- */
-
-#ifdef __cplusplus
-}
-#endif
-#include <sys/time.h>
-#include <sys/utsname.h>
-#include <time.h>
-#ifdef __cplusplus
-extern "C" {
-#endif
+/* 16. TensorBoard event files ------------------------------------------------------------------ */
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 /* the same register update as the loop below, eight bytes per instruction */
@@ -6156,7 +6529,7 @@ __attribute__((target("sse4.2"))) static uint32_t mt__crc32c_sse42(uint32_t crc,
 }
 #endif
 
-uint32_t mt_crc32c_extend(uint32_t crc, const void* data, size_t n) {
+MT_DEF uint32_t mt_crc32c_extend(uint32_t crc, const void* data, size_t n) {
     const unsigned char* p = (const unsigned char*)data;
     crc = ~crc;
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -6169,9 +6542,9 @@ uint32_t mt_crc32c_extend(uint32_t crc, const void* data, size_t n) {
     return ~crc;
 }
 
-uint32_t mt_tb_crc32c(const void* data, size_t n) { return mt_crc32c_extend(0, data, n); }
+MT_DEF uint32_t mt_tb_crc32c(const void* data, size_t n) { return mt_crc32c_extend(0, data, n); }
 
-uint32_t mt_tb_masked_crc32c(const void* data, size_t n) {
+MT_DEF uint32_t mt_tb_masked_crc32c(const void* data, size_t n) {
     uint32_t crc = mt_tb_crc32c(data, n);
     return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
 }
@@ -6287,7 +6660,7 @@ static mt_status mt__tb_append(mt_tb_writer* w, int kind, const char* tag, float
     return MT_OK;
 }
 
-mt_status mt_tb_flush(mt_tb_writer* w, mt_error* err) {
+MT_DEF mt_status mt_tb_flush(mt_tb_writer* w, mt_error* err) {
     if (w->length && mt__write_all(w->fd, w->pending, w->length) != 0)
         return mt_fail(err, MT_ERR_IO, "cannot write TensorBoard events to %s: %s", w->path, strerror(errno));
     w->length = 0;
@@ -6295,7 +6668,7 @@ mt_status mt_tb_flush(mt_tb_writer* w, mt_error* err) {
     return MT_OK;
 }
 
-mt_status mt_tb_open(mt_tb_writer** out, const char* dir, int queue_size, mt_error* err) {
+MT_DEF mt_status mt_tb_open(mt_tb_writer** out, const char* dir, int queue_size, mt_error* err) {
     *out = NULL;
     if (queue_size < 1) return mt_fail(err, MT_ERR_ARG, "TensorBoard queue size %d: must be >= 1", queue_size);
     if (!dir || !*dir) return mt_fail(err, MT_ERR_ARG, "no TensorBoard directory given");
@@ -6337,14 +6710,14 @@ mt_status mt_tb_open(mt_tb_writer** out, const char* dir, int queue_size, mt_err
     return MT_OK;
 }
 
-const char* mt_tb_path(const mt_tb_writer* w) { return w->path; }
+MT_DEF const char* mt_tb_path(const mt_tb_writer* w) { return w->path; }
 
-mt_status mt_tb_scalar(mt_tb_writer* w, const char* tag, double value, int64_t step, mt_error* err) {
+MT_DEF mt_status mt_tb_scalar(mt_tb_writer* w, const char* tag, double value, int64_t step, mt_error* err) {
     return mt__tb_append(w, MT__TB_SCALAR, tag, (float)value, NULL, step, err);
 }
 
-mt_status mt_tb_scalar_pair(mt_tb_writer* w, const char* tag, double value, int64_t iteration,
-                            int64_t consumed_samples, mt_error* err) {
+MT_DEF mt_status mt_tb_scalar_pair(mt_tb_writer* w, const char* tag, double value, int64_t iteration,
+                                   int64_t consumed_samples, mt_error* err) {
     mt_status st = mt_tb_scalar(w, tag, value, iteration, err);
     char* twin = st == MT_OK ? mt__concat(tag, " vs samples") : NULL;
     if (st == MT_OK && !twin) st = mt_fail(err, MT_ERR_OOM, "out of memory");
@@ -6353,7 +6726,7 @@ mt_status mt_tb_scalar_pair(mt_tb_writer* w, const char* tag, double value, int6
     return st;
 }
 
-mt_status mt_tb_text(mt_tb_writer* w, const char* tag, const char* text, int64_t step, mt_error* err) {
+MT_DEF mt_status mt_tb_text(mt_tb_writer* w, const char* tag, const char* text, int64_t step, mt_error* err) {
     char* full = mt__concat(tag, "/text_summary");
     if (!full) return mt_fail(err, MT_ERR_OOM, "out of memory");
     mt_status st = mt__tb_append(w, MT__TB_TEXT, full, 0.0f, text, step, err);
@@ -6361,7 +6734,7 @@ mt_status mt_tb_text(mt_tb_writer* w, const char* tag, const char* text, int64_t
     return st;
 }
 
-mt_status mt_tb_close(mt_tb_writer* w, mt_error* err) {
+MT_DEF mt_status mt_tb_close(mt_tb_writer* w, mt_error* err) {
     if (!w) return MT_OK;
     mt_status st = w->fd >= 0 ? mt_tb_flush(w, err) : MT_OK;
     if (w->fd >= 0 && close(w->fd) != 0 && st == MT_OK)

@@ -1,5 +1,5 @@
 /* prepro/checkpoint_tool.c — inspect, verify and reshard a checkpoint of this project
- * (megatron.h section 7, megatron.cu section 19; the engine is prepro/checkpoint_tool.h).
+ * (megatron.h sections 13 and 14, megatron.cu section 19; the engine is prepro/checkpoint_tool.h).
  *
  * Every command first applies the integrity rule of megatron.h (mt_checkpoint_check_integrity): the
  * iteration's manifest.txt verified (sizes and CRC-32C of every file), or, without one, the header's
@@ -103,8 +103,7 @@ static int info(const mt_ckpt* ck) {
             char rank_dir[4300], path[4400];
             mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, t, s);
             for (int r = -1; r < ck->sharded_dp; r++) {
-                if (r < 0) snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
-                else snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, r);
+                mt_ckpt_file_path(path, sizeof(path), rank_dir, r);
                 struct stat sb;
                 if (stat(path, &sb) == 0) printf("  %s  %lld bytes\n", path + strlen(ck->iter_dir) + 1, (long long)sb.st_size);
                 else printf("  %s  MISSING (%s)\n", path + strlen(ck->iter_dir) + 1, strerror(errno));

@@ -11,18 +11,10 @@
  * at a time). Its callers apply megatron.h's integrity rule (mt_checkpoint_select /
  * mt_checkpoint_check_integrity) before they read a checkpoint with it.
  *
- * The files, as megatron.cu section 19 writes them: <iter dir>/mp_rank_<tp, 2 digits>/ (with
- * pipeline parallelism mp_rank_<tp>_<pp, 3 digits>/) holds model_optim_rng.bin: the header, then
- * that rank's tensors (its TP shard, mt_param_layout_shard's order, restricted to its pipeline
- * stage's tensors as mt_pp_stage_copy lays them out) as fp32 master, m, v; with the distributed
- * optimizer (MT_CK_SHARDED_DP = D > 0) the master only, and distrib_optim_dp<r, 3 digits>.bin for
- * r < D beside it: the header, then master, m, v of DP rank r's shard: for each bucket of the DDP
- * buffer (mt_buffer_layout_build) in order, r's part of it (mt_bucket_shard). The buckets depend on
- * --overlap-grad-reduce and --ddp-bucket-size: the header records them (MT_CK_DDP_*); for older
- * files the caller passes them (mt_ckpt_ddp; one bucket by default) and a shard size other than the
- * header's is refused.
- * The model files end with the FP8 delayed-scaling state when the run had one; it is per-layer state
- * of one layout and is not carried over (the trainer starts the scales afresh without it).
+ * The files, their names and headers, and the rules a reader applies to them: megatron.h section 13
+ * (its format paragraph and the functions after it; section 14 for the reader of any layout). This
+ * file names its files and fills their rank words through those functions (mt_ckpt_rank_dir,
+ * mt_ckpt_file_path, mt_checkpoint_header_set_rank).
  */
 #ifndef MT_PREPRO_CHECKPOINT_TOOL_H
 #define MT_PREPRO_CHECKPOINT_TOOL_H
@@ -54,7 +46,7 @@ static mt_status mt_ckpt_read_dp_shards(const mt_ckpt* ck, const mt_ckpt_ddp* dd
     if (!buffer || !piece) st = mt_fail(err, MT_ERR_OOM, "out of memory reading the optimizer shards of %s", rank_dir);
     for (int r = 0; r < D && st == MT_OK; r++) {
         char path[4400];
-        snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, r);
+        mt_ckpt_file_path(path, sizeof(path), rank_dir, r);
         int64_t h[MT_CK_HEADER_WORDS];
         int fd = -1;
         st = mt_ckpt_read_header(path, ck->header, 1, tp_rank, pp_rank, r, h, &fd, err);
@@ -99,7 +91,7 @@ static mt_status mt_ckpt_read(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, float* 
         for (int s = ck->pp - 1; s >= 0 && st == MT_OK; s--) {
             char rank_dir[4300], path[4400];
             mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, t, s);
-            snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
+            mt_ckpt_file_path(path, sizeof(path), rank_dir, -1);
             int64_t h[MT_CK_HEADER_WORDS], numel = 0;
             int fd = -1;
             mt_config rc;
@@ -119,7 +111,7 @@ static mt_status mt_ckpt_read(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, float* 
             if (st == MT_OK && ck->sharded_dp > 0) {
                 if (arrays) st = mt_ckpt_read_dp_shards(ck, ddp, rank_dir, t, s, part + numel, part + 2 * numel, err);
                 for (int r = 0; r < ck->sharded_dp && st == MT_OK && !arrays; r++) {
-                    snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, r);
+                    mt_ckpt_file_path(path, sizeof(path), rank_dir, r);
                     st = mt_ckpt_read_header(path, ck->header, 1, t, s, r, h, NULL, err);
                 }
             }
@@ -162,9 +154,6 @@ static mt_status mt_ckpt_target(const int64_t* src, int tp, int pp, int vp, int 
         h[MT_CK_VOCAB] = mt_padded_vocab_size_resumed(h[MT_CK_TRUE_VOCAB], divisible_by, tp, src[MT_CK_VOCAB]);
     h[MT_CK_TP] = tp;
     h[MT_CK_PP] = pp;
-    h[MT_CK_VP] = pp > 1 ? vp : 0;
-    h[MT_CK_TP_RANK] = h[MT_CK_PP_RANK] = h[MT_CK_DP_RANK] = 0;
-    h[MT_CK_SHARDED_DP] = h[MT_CK_SHARD_NUMEL] = h[MT_CK_DDP_OVERLAP] = h[MT_CK_DDP_BUCKET_SIZE] = 0;
     h[MT_CK_FP8_TENSORS] = h[MT_CK_FP8_HISTORY_LEN] = h[MT_CK_FP8_HISTORY_POS] = 0;
     h[MT_CK_MANIFESTED] = 1; /* mt_ckpt_write commits it with a manifest */
     mt_status st = mt_ckpt_config(c, h, tp, pp, vp, 0, NULL, 0, 0, err);
@@ -172,7 +161,9 @@ static mt_status mt_ckpt_target(const int64_t* src, int tp, int pp, int vp, int 
     h[MT_CK_NUM_PARAMS] = mt_param_layout(c, NULL);
     int64_t numel = 0;
     st = mt_ckpt_rank_numel(c, &numel, err);
-    h[MT_CK_STAGE_NUMEL] = pp > 1 ? numel : 0;
+    /* rank 0's words: TP, PP, DP ranks 0; PP stages of VP chunks of numel; one DP rank, unsharded */
+    const mt_ckpt_rank first = {0, 0, 0, pp, vp, numel, 1, 0, 0, {0, 0}};
+    mt_checkpoint_header_set_rank(h, &first);
     return st == MT_OK ? mt_checkpoint_header_check(h, "the target layout", NULL, err) : st;
 }
 
@@ -214,10 +205,9 @@ static mt_status mt_ckpt_write(const char* out, const int64_t* th, const mt_ckpt
             if (st == MT_OK && !part) st = mt_fail(err, MT_ERR_OOM, "out of memory writing %s", out);
             if (st != MT_OK) break;
             memcpy(h, th, sizeof(h));
-            h[MT_CK_TP_RANK] = t;
-            h[MT_CK_PP_RANK] = s;
-            h[MT_CK_STAGE_NUMEL] = pp > 1 ? numel : 0;
-            snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
+            const mt_ckpt_rank rank = {t, s, 0, pp, vp, numel, 1, 0, 0, {0, 0}}; /* as `first` in mt_ckpt_target */
+            mt_checkpoint_header_set_rank(h, &rank);
+            mt_ckpt_file_path(path, sizeof(path), rank_dir, -1);
             FILE* f = fopen(path, "wb");
             if (!f) st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", path, strerror(errno));
             if (st == MT_OK) st = mt_ckpt_write_floats(f, path, h, sizeof(h), err);

@@ -14,7 +14,7 @@ megatron-core's own dist_checkpointing.save / load, so the directory is what the
 writes with `--ckpt-format torch_dist` (.metadata, __0_0.distcp, common.pt, metadata.json) under
 Megatron's `iter_0000100/` and `latest_checkpointed_iteration.txt`.
 
-This project's side (megatron.h section 7): iter_N/mp_rank_00/model_optim_rng.bin, a header of 64 int64
+This project's side (megatron.h section 13): iter_N/mp_rank_00/model_optim_rng.bin, a header of 64 int64
 words then fp32 master weights, Adam m and v in the canonical order of mt_param_layout; the manifest
 (CRC-32C of every file) is written last, as the trainer writes it, and the header's manifest mark is 1.
 --to-mcore reads a checkpoint after megatron.h's integrity rule (mt_checkpoint_check_integrity, restated

@@ -1,6 +1,6 @@
 /* tests/test_checkpoint_tool.h — checkpoint integrity and the offline tool (host only).
  *
- * The manifest (megatron.h section 7): CRC-32C against its published check value and computed in
+ * The manifest (megatron.h section 13): CRC-32C against its published check value and computed in
  * pieces, manifest write/verify on a tree of files, and every kind of damage refused in one line
  * naming the file; mt_checkpoint_select falling back from a damaged tracked iteration to the newest
  * good one; the integrity rule every reader applies (mt_checkpoint_check_integrity: a failing manifest
@@ -14,7 +14,9 @@
  * shards bucket by bucket as copy_owned cuts them), random arrays, both flavours, tied and untied;
  * reshards TP1 -> TP2 -> TP1 x PP2 x VP2 -> TP2 x PP2 -> TP1 come back bitwise; a distributed-optimizer
  * checkpoint of several buckets reassembles exactly; verify catches a flipped byte, a truncated
- * file, a missing file and a missing manifest. GPU: the trainer's checkpoints verified, resharded
+ * file, a missing file and a missing manifest. One rank's file names, its headers' rank words and the
+ * checks of a load at the same layout (each refusal's line); a save's directories, tidying and commit
+ * on disk. GPU: the trainer's checkpoints verified, resharded
  * and resumed bitwise, a damaged tracked iteration skipped on load (with the warning), read under
  * --no-verify-checkpoint, and one whose manifest was deleted refused. */
 #ifndef MT_TEST_CHECKPOINT_TOOL_H
@@ -1494,6 +1496,179 @@ static test_result test_async_save(void) {
     return res;
 }
 
+/* ---- one rank's files, their headers' rank words and checks; a save's directories and commit -------- */
+
+/* megatron.h's rules for one rank's files (section 13): the names it writes (one stage and a
+ * pipeline; the model file on DP rank 0 only; with the distributed optimizer the shard file first),
+ * the rank words a writer puts in its headers, and the checks of a load at the same layout
+ * (mt_checkpoint_header_check_rank): a header as the writer filled it passes for its own rank (and
+ * the model file for every DP rank), and each way a file can belong to another iteration, another
+ * size, another model, another rank or another sharding is refused in one line naming it. */
+static test_result test_rank_files_and_checks(void) {
+    mt_ckpt_rank r;
+    memset(&r, 0, sizeof(r));
+    mt_ckpt_file files[2];
+    r.tp_rank = 1, r.pp = 1, r.vp = 1, r.dp = 2;
+    int n = mt_ckpt_rank_files(&r, files);
+    EXPECT(n == 1 && !strcmp(files[0].path, "mp_rank_01/model_optim_rng.bin") && !files[0].shard, "%d: %s", n,
+           files[0].path);
+    r.dp_rank = 1;
+    EXPECT(mt_ckpt_rank_files(&r, files) == 0, "a DP replica writes no model file");
+    r.tp_rank = 0, r.pp = 2, r.pp_rank = 1, r.dp_rank = 0, r.sharded = 1;
+    n = mt_ckpt_rank_files(&r, files);
+    EXPECT(n == 2 && !strcmp(files[0].path, "mp_rank_00_001/distrib_optim_dp000.bin") && files[0].shard &&
+           !strcmp(files[1].path, "mp_rank_00_001/model_optim_rng.bin") && !files[1].shard, "%d: %s, %s", n,
+           files[0].path, files[1].path);
+    r.dp_rank = 12;
+    n = mt_ckpt_rank_files(&r, files);
+    EXPECT(n == 1 && !strcmp(files[0].path, "mp_rank_00_001/distrib_optim_dp012.bin"), "%d: %s", n, files[0].path);
+
+    /* rank (TP 1, DP 1, PP 1) of TP 2 x DP 2 x PP 2 with the distributed optimizer */
+    ckt_layout L;
+    memset(&L, 0, sizeof(L));
+    L.tp = 2, L.pp = 2, L.vp = 1, L.dp = 2;
+    mt_config c;
+    ckt_model(&c, &L);
+    mt_rank_coords coords = {1, 1, 1};
+    c.rank = mt_rank_of(&c, coords);
+    mt_error err;
+    mt_buffer_layout B;
+    EXPECT_OK(mt_buffer_layout_build(&B, &c, &err), &err);
+    int64_t shard = 0;
+    for (int b = 0; b < B.num_buckets; b++) {
+        int64_t begin, end;
+        mt_bucket_shard(&B.buckets[b], 2, 1, &begin, &end);
+        shard += end - begin;
+    }
+    const mt_ckpt_rank me = {1, 1, 1, 2, 1, B.canonical_size, 2, 1, shard, {1, 4096}};
+    mt_buffer_layout_free(&B);
+    int64_t h[MT_CK_HEADER_WORDS];
+    mt_checkpoint_header_init(h, &c);
+    mt_checkpoint_header_set_rank(h, &me);
+    h[MT_CK_ITERATION] = 7;
+    double scale = 1.0;
+    memcpy(&h[MT_CK_LOSS_SCALE_BITS], &scale, sizeof(double));
+    EXPECT(h[MT_CK_TP_RANK] == 1 && h[MT_CK_PP_RANK] == 1 && h[MT_CK_DP_RANK] == 1 && h[MT_CK_VP] == 1 &&
+           h[MT_CK_STAGE_NUMEL] == me.stage_numel && h[MT_CK_SHARDED_DP] == 2 && h[MT_CK_SHARD_NUMEL] == shard &&
+           h[MT_CK_DDP_OVERLAP] == 2 && h[MT_CK_DDP_BUCKET_SIZE] == 4096, "rank words");
+    const int64_t model_bytes = mt_checkpoint_file_bytes(h, 0), shard_bytes = mt_checkpoint_file_bytes(h, 1);
+    EXPECT_OK(mt_checkpoint_header_check_rank(h, model_bytes, "m.bin", &c, &me, 7, 0, &err), &err);
+    EXPECT_OK(mt_checkpoint_header_check_rank(h, shard_bytes, "s.bin", &c, &me, 7, 1, &err), &err);
+    mt_ckpt_rank replica = me;
+    replica.dp_rank = 0; /* every DP rank reads the model file */
+    EXPECT_OK(mt_checkpoint_header_check_rank(h, model_bytes, "m.bin", &c, &replica, 7, 0, &err), &err);
+    mt_config other = c;
+    other.num_layers = 8;
+    struct {
+        const char* what;
+        int64_t bytes, iteration;
+        int shard_file;
+        const mt_config* cfg;
+        mt_ckpt_rank rank;
+        mt_status status;
+        const char* needle;
+    } cases[] = {
+        {"another iteration", model_bytes, 8, 0, &c, me, MT_ERR_FORMAT, "m.bin holds iteration 7, not 8"},
+        {"a short file", model_bytes - 4, 7, 0, &c, me, MT_ERR_FORMAT, "but its header describes"},
+        {"a long file", shard_bytes + 4, 7, 1, &c, me, MT_ERR_FORMAT, "(too long)"},
+        {"no size", -1, 7, 0, &c, me, MT_ERR_FORMAT, "m.bin has -1 bytes"},
+        {"another model", model_bytes, 7, 0, &other, me, MT_ERR_CONFIG, "has --num-layers 4 but this run has 8"},
+        {"another TP rank", model_bytes, 7, 0, &c, {0, 1, 1, 2, 1, me.stage_numel, 2, 1, shard, {1, 4096}},
+         MT_ERR_FORMAT, "holds tensor-parallel rank 1's shard, not rank 0's"},
+        {"another pipeline rank", model_bytes, 7, 0, &c, {1, 0, 1, 2, 1, me.stage_numel, 2, 1, shard, {1, 4096}},
+         MT_ERR_CONFIG, "this rank is pipeline rank 0 of another split"},
+        {"another stage size", model_bytes, 7, 0, &c, {1, 1, 1, 2, 1, me.stage_numel + 1, 2, 1, shard, {1, 4096}},
+         MT_ERR_CONFIG, "resume with the same pipeline layout"},
+        {"sharded over another DP size", model_bytes, 7, 0, &c, {1, 1, 1, 2, 1, me.stage_numel, 4, 1, shard, {1, 4096}},
+         MT_ERR_CONFIG, "sharded over 2 data-parallel ranks (--use-distributed-optimizer); this run has 4 ranks:"},
+        {"sharded, read unsharded", model_bytes, 7, 0, &c, {1, 1, 1, 2, 1, me.stage_numel, 2, 0, 0, {0, 0}},
+         MT_ERR_CONFIG, "this run has 2 ranks without it"},
+        {"another DP rank's shard", shard_bytes, 7, 1, &c, {1, 1, 0, 2, 1, me.stage_numel, 2, 1, shard, {1, 4096}},
+         MT_ERR_FORMAT, "s.bin is the shard of DP rank 1 with"},
+        {"another shard size", shard_bytes, 7, 1, &c, {1, 1, 1, 2, 1, me.stage_numel, 2, 1, shard + 1, {1, 4096}},
+         MT_ERR_FORMAT, "not of rank 1 with"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        const char* path = cases[i].shard_file ? "s.bin" : "m.bin";
+        mt_status st = mt_checkpoint_header_check_rank(h, cases[i].bytes, path, cases[i].cfg, &cases[i].rank,
+                                                       cases[i].iteration, cases[i].shard_file, &err);
+        EXPECT(st == cases[i].status && strstr(err.message, cases[i].needle) && !strchr(err.message, '\n'),
+               "%s: %s, '%s'", cases[i].what, mt_status_name(st), st != MT_OK ? err.message : "");
+    }
+    /* one stage, unsharded: no stage or sharding words */
+    const mt_ckpt_rank plain = {0, 0, 0, 1, 1, 999, 1, 0, 0, {1, 4096}};
+    mt_checkpoint_header_set_rank(h, &plain);
+    EXPECT(h[MT_CK_VP] == 0 && h[MT_CK_STAGE_NUMEL] == 0 && h[MT_CK_SHARDED_DP] == 0 && h[MT_CK_SHARD_NUMEL] == 0 &&
+           h[MT_CK_DDP_OVERLAP] == 0 && h[MT_CK_DDP_BUCKET_SIZE] == 0, "unsharded, one stage");
+    return TEST_PASS;
+}
+
+/* A save's directories, tidying and commit (megatron.h section 13): the commit writes the manifest,
+ * replaces an older copy of the iteration, syncs and writes the tracker; a commit whose manifest
+ * cannot be written changes nothing that was there; tidying removes the temporary directories of
+ * saves that never finished and settles each iter_N.old (removed beside iter_N, else put back). */
+static test_result test_save_dirs_tidy_commit(void) {
+    char dir[256], final_dir[400], tmp_dir[400], path[600];
+    ckt_dir(dir, sizeof(dir), "commit");
+    mt_checkpoint_save_dirs(dir, 5, final_dir, sizeof(final_dir), tmp_dir, sizeof(tmp_dir));
+    snprintf(path, sizeof(path), "%s/iter_0000005", dir);
+    EXPECT(!strcmp(final_dir, path), "%s", final_dir);
+    snprintf(path, sizeof(path), "%s/.tmp_iter_0000005", dir);
+    EXPECT(!strcmp(tmp_dir, path), "%s", tmp_dir);
+    mt_error err;
+    /* an older copy of iteration 5 in place, the new one in the temporary directory */
+    snprintf(path, sizeof(path), "%s/mp_rank_00", final_dir);
+    EXPECT(mt_make_directories(path) == 0, "mkdir %s", path);
+    snprintf(path, sizeof(path), "%s/mp_rank_00/model_optim_rng.bin", final_dir);
+    EXPECT(ckt_write_bytes(path, "old", 3) == 0, "write %s", path);
+    snprintf(path, sizeof(path), "%s/mp_rank_00", tmp_dir);
+    EXPECT(mt_make_directories(path) == 0, "mkdir %s", path);
+    snprintf(path, sizeof(path), "%s/mp_rank_00/model_optim_rng.bin", tmp_dir);
+    EXPECT(ckt_write_bytes(path, "newer", 5) == 0, "write %s", path);
+    mt_checkpoint_file_crc known = {"mp_rank_00/model_optim_rng.bin", 5, mt_crc32c_extend(0, "newer", 5)};
+    EXPECT_OK(mt_checkpoint_commit(dir, 5, tmp_dir, &known, 1, &err), &err);
+    EXPECT_OK(mt_checkpoint_manifest_verify(final_dir, &err), &err);
+    snprintf(path, sizeof(path), "%s/mp_rank_00/model_optim_rng.bin", final_dir);
+    size_t size = 0;
+    char* text = test_read_file(path, &size);
+    const int replaced = text && size == 5 && !memcmp(text, "newer", 5);
+    free(text);
+    EXPECT(replaced, "iteration 5 was not replaced");
+    struct stat sb;
+    snprintf(path, sizeof(path), "%s.old", final_dir);
+    EXPECT(stat(path, &sb) != 0 && stat(tmp_dir, &sb) != 0, "the .old or the temporary directory is left");
+    int64_t tracked = -1;
+    EXPECT_OK(mt_checkpoint_read_tracker(dir, &tracked, &err), &err);
+    EXPECT(tracked == 5, "tracker %lld", (long long)tracked);
+    /* a commit that cannot write its manifest (no temporary directory): iteration 6 does not appear,
+     * the tracker stays */
+    mt_checkpoint_save_dirs(dir, 6, final_dir, sizeof(final_dir), tmp_dir, sizeof(tmp_dir));
+    mt_status st = mt_checkpoint_commit(dir, 6, tmp_dir, NULL, 0, &err);
+    EXPECT(st != MT_OK && stat(final_dir, &sb) != 0, "status %s", mt_status_name(st));
+    EXPECT_OK(mt_checkpoint_read_tracker(dir, &tracked, &err), &err);
+    EXPECT(tracked == 5, "tracker %lld after a failed commit", (long long)tracked);
+    /* tidying: an unfinished save, a crash between the commit's two renames (iter_3.old alone), and a
+     * crash after them (iter_5.old beside iter_5) */
+    snprintf(path, sizeof(path), "%s/.tmp_iter_0000009/mp_rank_00", dir);
+    EXPECT(mt_make_directories(path) == 0, "mkdir %s", path);
+    snprintf(path, sizeof(path), "%s/iter_0000003.old/mp_rank_00", dir);
+    EXPECT(mt_make_directories(path) == 0, "mkdir %s", path);
+    snprintf(path, sizeof(path), "%s/iter_0000005.old/mp_rank_00", dir);
+    EXPECT(mt_make_directories(path) == 0, "mkdir %s", path);
+    mt_checkpoint_tidy(dir);
+    const struct { const char* name; int there; } after[] = {
+        {".tmp_iter_0000009", 0}, {"iter_0000003.old", 0}, {"iter_0000003/mp_rank_00", 1}, {"iter_0000005.old", 0},
+        {"iter_0000005/mp_rank_00/model_optim_rng.bin", 1},
+    };
+    for (size_t i = 0; i < sizeof(after) / sizeof(after[0]); i++) {
+        snprintf(path, sizeof(path), "%s/%s", dir, after[i].name);
+        EXPECT((stat(path, &sb) == 0) == after[i].there, "after tidying, %s is %s", after[i].name,
+               after[i].there ? "gone" : "still there");
+    }
+    mt_remove_tree(dir);
+    return TEST_PASS;
+}
+
 /* ---- --save-retain-interval ------------------------------------------------------------------------ */
 
 /* Megatron's rule (checkpointing.py): after the save of `saved` commits, the previously tracked
@@ -1627,6 +1802,8 @@ static const test_case checkpoint_tool_tests[] = {
     {"read_part_any_layout", test_read_part_any_layout},
     {"save_retain_interval_rule", test_retain_victim_rule},
     {"save_retain_interval_on_disk", test_retain_on_disk},
+    {"rank_files_and_checks", test_rank_files_and_checks},
+    {"save_dirs_tidy_commit", test_save_dirs_tidy_commit},
 };
 
 #endif

@@ -7,7 +7,10 @@
  *   - a declarations-only include, with the implementation include further down the same file;
  *   - two translation units, one holding the implementation, linked together (and, for megatron.h,
  *     a C implementation linked into a C++ program). With the companions, the first idiom is this
- *     program's implementation file.
+ *     program's implementation file;
+ *   - megatron.h only: MT_STATIC, two translation units each holding a private (static) copy of the
+ *     implementation, linked into one program (without MT_STATIC their symbols would collide), and
+ *     neither object file exporting an mt_ function (checked with nm where it is on the PATH).
  * It compiles them as strict C and as C++ with every warning an error, links them with what the
  * banners say and runs them: each calls real functions and exits non-zero on a wrong result. The
  * directory is removed afterwards. Skips when cc or c++ is not on the PATH, or when not run from the
@@ -157,6 +160,17 @@ static const char th_alone_later[] = /* declarations first; the implementation a
 static const char th_alone_impl[] = TH_IMPL_MEGATRON; /* two files: the implementation ... */
 static const char th_alone_main[] = /* ... and a program that sees the declarations only */
     "#include \"megatron.h\"\n" TH_PRELUDE TH_CHECK_MEGATRON TH_MAIN("check_megatron()");
+/* MT_STATIC: two files, each with its own static copy of the implementation */
+#define TH_IMPL_STATIC "#define MT_STATIC\n#define MEGATRON_IMPLEMENTATION\n#include \"megatron.h\"\n"
+static const char th_static_a[] =
+    TH_IMPL_STATIC TH_PRELUDE TH_CHECK_MEGATRON "int other_copy(void);\n" TH_MAIN("(check_megatron() + other_copy())");
+static const char th_static_b[] =
+    TH_IMPL_STATIC "int other_copy(void) { return mt_indexed_dtype_size(MT_DTYPE_UINT16) == 2 ? 0 : 1; }\n";
+/* the two objects link, and neither exports an mt_ function (nm, where it is on the PATH) */
+#define TH_STATIC_LINK(CC, LD, o)                                                                  \
+    CC " -c static_a." o " -o static_a_" o ".o && " CC " -c static_b." o " -o static_b_" o ".o && " \
+    "! { nm static_a_" o ".o static_b_" o ".o 2>/dev/null | grep ' T mt_'; } && "                  \
+    LD " static_a_" o ".o static_b_" o ".o -o static_" o " " TH_LIBS_ALONE
 
 /* megatron.h with the companions */
 #define TH_IMPL_ALL_MACROS                                                                         \
@@ -323,6 +337,7 @@ static test_result test_header_alone_each_idiom(void) {
     static const char* const sources[] = {
         "single.c", th_alone_single, "later.c", th_alone_later, "impl.c", th_alone_impl, "main.c", th_alone_main,
         "single.cpp", th_alone_single, "later.cpp", th_alone_later, "impl.cpp", th_alone_impl, "main.cpp", th_alone_main,
+        "static_a.c", th_static_a, "static_b.c", th_static_b, "static_a.cpp", th_static_a, "static_b.cpp", th_static_b,
     };
     static const th_case cases[] = {
         {"C99, implementation macro then include", TH_CC_ALONE " single.c -o single_c " TH_LIBS_ALONE, "single_c"},
@@ -340,6 +355,10 @@ static test_result test_header_alone_each_idiom(void) {
         {"a C99 implementation linked into a C++17 program",
          TH_CC_ALONE " -c impl.c -o impl_mixed.o && " TH_CXX " -c main.cpp -o main_mixed.o && "
          "c++ impl_mixed.o main_mixed.o -o mixed " TH_LIBS_ALONE, "mixed"},
+        {"C99, MT_STATIC: two private copies of the implementation in one program", TH_STATIC_LINK(TH_CC_ALONE, "cc", "c"),
+         "static_c"},
+        {"C++17, MT_STATIC: two private copies of the implementation in one program", TH_STATIC_LINK(TH_CXX, "c++", "cpp"),
+         "static_cpp"},
     };
     r = th_build_and_run(dir, sources, (int)(sizeof(sources) / sizeof(sources[0]) / 2), cases,
                          (int)(sizeof(cases) / sizeof(cases[0])));

@@ -1,4 +1,4 @@
-/* tests/test_tensorboard.h — megatron.h section 9: TensorBoard event files (host).
+/* tests/test_tensorboard.h — megatron.h section 16: TensorBoard event files (host).
  *
  * CRC-32C against its published check values (RFC 3720 B.4 and "123456789") and the masked form
  * against the tensorboard package's masked_crc32c; each kind of Event against the bytes protobuf
