@@ -80,7 +80,6 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
-#include <dirent.h>
 
 #include <type_traits>
 
@@ -6871,24 +6870,17 @@ static void adamw_step(mt_trainer* t, float lr, float lr_decoupled, float grad_s
 
 /* ============================================================================================== */
 /* 19. Checkpoints                                                                                */
-/*    <dir>/iter_0000100/mp_rank_00/model_optim_rng.bin: a header (magic, version, model shape,   */
-/*    progress counters), then the fp32 master weights, Adam m and v, each in canonical order,    */
-/*    so a checkpoint does not depend on the buffer layout or the number of data-parallel ranks.  */
-/*    With the distributed optimizer the file holds the master weights only, and every DP rank r  */
-/*    writes its shard of master, m and v to distrib_optim_dp<r>.bin beside it (Megatron's        */
-/*    distrib_optim.pt). With tensor parallelism each TP rank's shard goes to mp_rank_<tp>/,      */
-/*    with pipeline parallelism each stage's to mp_rank_<tp>_<pp>/. A load at the same layout     */
-/*    reads each rank's own files; at another one each rank cuts its part from the saved files    */
-/*    (load_other_layout, megatron.h mt_ckpt_read_part). A save stages each rank's files in host  */
-/*    memory, writes them (--async-save: in a writer thread while training goes on) into a        */
-/*    temporary directory that rank 0 renames into place once every rank has written (every file  */
-/*    fsync'ed first); latest_checkpointed_iteration.txt comes last. A crash at any instant       */
-/*    leaves the previous complete checkpoint readable: a half-written save is a .tmp_iter_*      */
-/*    directory that the next save removes; one cut between moving an old copy of the same        */
-/*    iteration aside (iter_N.old) and renaming the new one in is read from iter_N.old, and the   */
-/*    next save puts it back. Loading checks every header word before use (megatron.h's           */
-/*    mt_checkpoint_header_check) and each file's exact size. Ranks share the file system; one    */
-/*    job saves into a checkpoint directory at a time.                                            */
+/*    The format on disk and the rules every writer and reader applies (the header and its        */
+/*    checks, each rank's file names, the tracker, a save's temporary directory and commit, the   */
+/*    manifest) are megatron.h section 13's; this section stages a rank's files from the device   */
+/*    and loads them back. A save copies each rank's fp32 master weights, Adam m and v in         */
+/*    canonical order (or its distributed-optimizer shard) into host memory and writes them       */
+/*    (--async-save: in a writer thread while training goes on) into the temporary directory      */
+/*    that rank 0 commits once every rank has written (every file fsync'ed first). A load at the  */
+/*    same layout reads each rank's own files, checked word by word                               */
+/*    (mt_checkpoint_header_check_rank) and for its exact size; at another layout each rank cuts  */
+/*    its part from the saved files (load_other_layout, megatron.h mt_ckpt_read_part). Ranks      */
+/*    share the file system; one job saves into a checkpoint directory at a time.                 */
 /*    defines: mt_trainer_save, mt_trainer_save_async / mt_trainer_save_wait, mt_trainer_load,    */
 /*    mt_trainer_load_weights.                                                                    */
 /* ============================================================================================== */

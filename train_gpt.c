@@ -35,13 +35,17 @@
 static int g_rank = 0, g_world = 1; /* for error lines only: which of the N processes failed */
 
 static void die(int code, const char* fmt, ...) {
+    /* one write of the whole line, so that the ranks' lines under mpirun do not interleave */
+    char line[1024];
+    int n = g_world > 1 ? snprintf(line, sizeof(line), "train_gpt: rank %d: ", g_rank)
+                        : snprintf(line, sizeof(line), "train_gpt: ");
     va_list ap;
     va_start(ap, fmt);
-    if (g_world > 1) fprintf(stderr, "train_gpt: rank %d: ", g_rank);
-    else fprintf(stderr, "train_gpt: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
+    vsnprintf(line + n, sizeof(line) - (size_t)n - 1, fmt, ap);
     va_end(ap);
+    strcat(line, "\n");
+    fputs(line, stderr);
+    fflush(stderr);
 #ifdef MT_USE_MPI
     int initialized = 0, finalized = 0;
     MPI_Initialized(&initialized);

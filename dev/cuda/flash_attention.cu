@@ -1,10 +1,10 @@
 /*
  * dev/cuda/flash_attention.cu — causal flash attention, forward and backward, on tensor cores.
  *
- * A standalone lab file (no megatron.h): bf16 inputs, fp32 accumulation, the T x T score matrix is
- * never written to memory. It is meant to move into megatron.cu section 2 as it stands (the
- * kernels and the two host launchers); main() below is the harness: a correctness check against a
- * naive fp32 reference for several shapes, a determinism check, and a benchmark.
+ * The lab of megatron.cu section 9: it includes megatron.cu whole and drives its flash kernels (bf16
+ * inputs, fp32 accumulation, the T x T score matrix never written to memory) through their host
+ * launchers; main() below is the harness: a correctness check against a naive fp32 reference for
+ * several shapes, a determinism check, and a benchmark.
  *
  * Build and run (on an sm_90 GPU):
  *   nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90,code=sm_90 -o flash_attention dev/cuda/flash_attention.cu -lcublas -lcublasLt
@@ -91,7 +91,7 @@
     } while (0)
 
 /* ============================================================================================== */
-/* 1-4. The kernels and launchers live in megatron.cu (section 2.7); this lab includes it whole and */
+/* 1-4. The kernels and launchers live in megatron.cu (section 9); this lab includes it whole and */
 /*      keeps the reference, the checks and the benchmark.                                        */
 /* ============================================================================================== */
 #include "../../megatron.cu"
