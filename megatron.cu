@@ -4643,7 +4643,9 @@ typedef struct {
     float* history;             /* [num_tensors, history_len] delayed scaling's amax rings */
     uint8_t* weights;           /* per FP8 layer, per linear: W [out, in] then W^T [in, out] */
     int64_t weights_per_layer;  /* bytes */
-    int stale;                  /* the FP8 weight copies predate the parameters */
+    uint8_t* stale;             /* host [L]: 1 where a layer's FP8 weight copies predate the parameters (its
+                                   first forward after a change casts them: per layer, since with virtual
+                                   pipeline stages a rank's layers run in several chunks) */
     /* --fp8-param-gather (section 18, fp8_publish_parameters): W of every FP8 linear lives in the
      * parameter storage as FP8 bytes, all-gathered after each step; `weights` holds W^T only */
     int param_gather;
@@ -4656,6 +4658,13 @@ typedef struct {
     float* weight_blocks;
     int64_t weight_blocks_per_layer; /* floats */
 } mt_fp8_state;
+
+/* The parameters changed (an optimizer step, a load, a skipped step's lost amaxes): every layer's FP8
+ * weight copies are made again at its next forward. num_layers: the model's (the table is indexed by
+ * the global layer number). Without FP8 (no table) nothing to do. */
+static void fp8_weights_changed(mt_fp8_state* f, int num_layers) {
+    if (f->stale) memset(f->stale, 1, (size_t)num_layers);
+}
 
 /* One linear's view of that state: its three scaling slots and its weight copies. */
 typedef struct {
@@ -5615,7 +5624,7 @@ static void layer_forward(mt_trainer* t, const mt_exec* ex, const model_chunk& c
     const layer_view<T> v = chunk_layer<T>(t, ch, l);
     const layer_tensors<T> p = layer_params<T>(t, l);
     fp8_linear f8[FP8_LINEARS];
-    const bool fp8 = fp8_layer_linears<T>(t, ex, l, !replay && t->fp8.stale != 0, f8);
+    const bool fp8 = fp8_layer_linears<T>(t, ex, l, !replay && t->fp8.stale && t->fp8.stale[l], f8);
 
     /* attention block: ln1 = norm1(x) is already there */
     const T* ln1_in = column_parallel_input<T>(tp, gathered, v.ln1, s.R, s.h);
@@ -5688,7 +5697,7 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
     }
     for (int l = ch.first; l <= last; l++) layer_forward<T>(t, ex, ch, l, false, true);
 
-    if (t->fp8.stale) t->fp8.stale = 0;
+    if (t->fp8.stale) memset(t->fp8.stale + ch.first, 0, (size_t)ch.count);
     if (!ch.head) return;
     if (ch.count == 0) /* a head without layers: the final norm of the received stream (bucket 0: wait for it) */
         wait_for_parameters(t, s.L), norm_forward<T>(ex, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, (const T*)a->residual,
@@ -6863,7 +6872,7 @@ static void adamw_step(mt_trainer* t, float lr, float lr_decoupled, float grad_s
                         t->opt.adam_v);
     offload_update(t, &h); /* the CPU's part, while the GPU's runs */
     if (params_norm) *params_norm = sqrt(params_norm_squared(t));
-    t->fp8.stale = 1;
+    fp8_weights_changed(&t->fp8, model_shape(t).L);
     if (t->fp8.param_gather) t->fp8.unpublished = 1; /* at the next forward, after the FP8 scale update */
     else gather_parameters(t);
 }
@@ -6958,7 +6967,7 @@ static float* full_optimizer_array(mt_trainer* t, float* array) {
 
 /* Master weights (this rank's part) and the model-type copy from a full fp32 buffer-layout array. */
 static void set_master_from_full(mt_trainer* t, float* full) {
-    t->fp8.stale = 1; /* the FP8 weight copies are made again from the new parameters */
+    fp8_weights_changed(&t->fp8, model_shape(t).L); /* the FP8 weight copies are made again from the new parameters */
     t->fp8.unpublished = t->fp8.param_gather; /* --fp8-param-gather: the storage is written from the master */
     if (full != t->opt.master) copy_owned(t, t->opt.master, full, 1);
     if (t->params == (void*)t->opt.master) {
@@ -7844,7 +7853,8 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
     f->history_len = c->fp8_recipe == MT_FP8_DELAYED ? c->fp8_amax_history_len : 1;
     f->slot_of_layer = (int*)malloc(sizeof(int) * (size_t)s.L);
     if (!f->slot_of_layer) return mt_fail(err, MT_ERR_OOM, "cannot allocate the FP8 layer table");
-    for (int l = 0; l < s.L; l++) f->slot_of_layer[l] = mt_fp8_layer(c, l) ? f->num_layers++ : -1;
+    for (int l = 0; l < s.L; l++) /* this pipeline rank's layers (the memory plan's count, megatron.h) */
+        f->slot_of_layer[l] = mt_pp_holds(&t->buffer.stage, MT_P_LN1_WEIGHT, l) && mt_fp8_layer(c, l) ? f->num_layers++ : -1;
     f->num_tensors = f->num_layers * FP8_LINEARS * FP8_ROLES;
     for (int k = 0; k < FP8_LINEARS; k++) {
         int out, in;
@@ -7897,7 +7907,9 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
     CUDA_CHECK(&t->error, cudaMemsetAsync(f->history, 0, nt * f->history_len * 4, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream)); /* before the host buffer goes */
     free(host);
-    f->stale = 1;
+    f->stale = (uint8_t*)malloc((size_t)s.L);
+    if (!f->stale) return mt_fail(err, MT_ERR_OOM, "cannot allocate the FP8 layer table");
+    fp8_weights_changed(&t->fp8, model_shape(t).L);
     f->param_gather = c->fp8_param_gather;
     f->unpublished = c->fp8_param_gather;
     if (f->param_gather && t->error.status == MT_OK) return fp8_publish_create(t, err);
@@ -8165,6 +8177,7 @@ void mt_trainer_free(mt_trainer* t) {
     cudaFree(t->loop.pp_send);
     cudaFree(t->mem.fp8_arena);
     offload_free(&t->opt);
+    free(t->fp8.stale);
     free(t->fp8.slot_of_layer);
     cudaFree(t->rope_cos); /* the sin table shares its allocation */
     cudaFree(t->cublas_workspace);
@@ -8212,19 +8225,24 @@ mt_status mt_trainer_token_losses(mt_trainer* t, const int32_t* tokens, float* l
 }
 
 /* FP8 delayed scaling after an optimizer step: this step's amaxes (the largest over its micro-batches
- * and, reduced with max over every rank, the same on all: Megatron's amax-reduction group, TP x DP)
- * enter each tensor's history, the scales follow (fp8_scale_update), the amaxes restart at 0. */
+ * and, reduced with max over Megatron's amax-reduction group, TP x DP, the same on all its ranks)
+ * enter each tensor's history, the scales follow (fp8_scale_update), the amaxes restart at 0. At
+ * PP = 1 that group is every rank (one all-reduce over the world); with pipeline parallelism each
+ * stage holds other layers' slots, so the stage's ranks reduce over TP, then over DP (a maximum of
+ * maxima is the same bits in any order). */
 static void fp8_after_step(mt_trainer* t) {
     mt_fp8_state* f = &t->fp8;
     if (!f->enabled || f->recipe != MT_FP8_DELAYED || f->num_tensors == 0) return;
     const mt_exec ex = trainer_exec(t);
-    if (t->groups.world) {
-        comm_after_compute(t);
-        NCCL_CHECK(&t->error, t->cfg.rank,
-                   ncclAllReduce(f->amax, f->amax, (size_t)f->num_tensors, ncclFloat, ncclMax, t->groups.world,
-                                 t->groups.comm_stream));
-        compute_after_comm(t);
-    }
+    mt_process_groups* g = &t->groups;
+    ncclComm_t groups[2] = {g->pp_size > 1 ? g->tp.comm : g->world, g->pp_size > 1 ? g->dp : NULL};
+    if (groups[0] || groups[1]) comm_after_compute(t);
+    for (int k = 0; k < 2; k++)
+        if (groups[k])
+            NCCL_CHECK(&t->error, t->cfg.rank,
+                       ncclAllReduce(f->amax, f->amax, (size_t)f->num_tensors, ncclFloat, ncclMax, groups[k],
+                                     g->comm_stream));
+    if (groups[0] || groups[1]) compute_after_comm(t);
     fp8_scale_update(&ex, f->history, f->scale, f->scale_inv, f->amax, f->fp8_max, f->num_tensors, f->history_len,
                      f->history_pos, f->margin, f->algo, FP8_SCALE_INV_STRIDE);
     f->history_pos = (f->history_pos + 1) % f->history_len;
@@ -8274,7 +8292,7 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
          * step), so the next step casts them again, from the same weights at the same scales (the same
          * bytes); without this its history would get 0 for every weight */
         if (t->fp8.enabled) {
-            t->fp8.stale = 1;
+            fp8_weights_changed(&t->fp8, model_shape(t).L);
             if (t->fp8.param_gather) t->fp8.unpublished = 1;
         }
         out->next_learning_rate = lr; /* the scheduler did not move (a skipping caller logs these) */

@@ -612,9 +612,9 @@ MT_DEF void mt_config_defaults(mt_config* cfg);
 /* Derives padded vocab, ffn, kv channels, max positions, global batch; checks consistency, and that
  * this build has what the config combines (mt_config_check_supported). */
 MT_DEF mt_status mt_config_finalize(mt_config* cfg, mt_error* err);
-/* Every "is this combination built here" rule, in one place: FP8 with pipeline parallelism, FP8
- * outside bf16, the shapes FP8 GEMMs take, --fp8-param-gather with the blockwise recipe or optimizer
- * offload, an uneven pipeline split with virtual stages, a virtual-stage micro-batch group above PP.
+/* Every "is this combination built here" rule, in one place: FP8 outside bf16, the shapes FP8 GEMMs
+ * take, --fp8-param-gather with the blockwise recipe or optimizer offload, an uneven pipeline split
+ * with virtual stages, a virtual-stage micro-batch group above PP.
  * MT_OK, or MT_ERR_CONFIG with one line naming the combination and what to do instead. The config's
  * derived sizes must be there (mt_config_finalize calls it once they are; mt_trainer_create and
  * --plan-layouts, for each layout it plans, call it too), so the planner never approves a layout the
@@ -3531,10 +3531,6 @@ MT_DEF mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
                        c->microbatch_group_size_per_vp_stage, pp);
     if (c->fp8_format == MT_FP8_NONE) return MT_OK;
     /* FP8 */
-    if (pp > 1)
-        return mt_fail(err, MT_ERR_CONFIG, "--fp8-format with --pipeline-model-parallel-size %d is not built yet (the "
-                       "FP8 weight casts and amax reduction are per stage only at PP = 1): use PP 1, or bf16 without "
-                       "--fp8-format", pp);
     if (c->precision != MT_BF16)
         return mt_fail(err, MT_ERR_CONFIG, "FP8 training needs --bf16 (FP8 with %s is not supported)",
                        c->precision == MT_FP16 ? "--fp16" : "fp32");

@@ -7,7 +7,7 @@
 # its checkpoint files (fp32 master weights, Adam moments, scheduler and data position: the whole
 # state, bitwise) and the md5 of its log's numbers: every iteration line and every validation/test
 # line with the timestamp, the step time, throughput and MFU taken out (they are timing, not state).
-# Job gpt_accum runs twice to show the table itself is repeatable. With two or more GPUs the
+# Jobs gpt_accum and llama_fp8_pp2 run twice to show the table itself is repeatable. With two or more GPUs the
 # parallel jobs (TP=2 with SP, PP=2, DP=2 with the distributed optimizer and overlapped reduction)
 # run under mpirun too.
 set -uo pipefail
@@ -35,6 +35,8 @@ jobs=(
   "llama_qkln_offload|1|$short $llama --qk-layernorm --use-distributed-optimizer --optimizer-cpu-offload --micro-batch-size 4 --global-batch-size 16"
   "gpt_tp2_sp|2|$short --tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 8 --global-batch-size 32"
   "llama_pp2|2|$short $llama --pipeline-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 16"
+  "llama_fp8_pp2|2|$short $llama --bf16 --fp8-format hybrid --fp8-recipe delayed --pipeline-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 16"
+  "llama_fp8_pp2_again|2|$short $llama --bf16 --fp8-format hybrid --fp8-recipe delayed --pipeline-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 16"
   "gpt_dp2_distopt|2|$short --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --micro-batch-size 8 --global-batch-size 32"
 )
 printf '%-20s %-34s %-14s %s\n' job "checkpoint md5 (all files)" "log md5" "last loss line" > "$OUT/bitwise.txt"

@@ -382,21 +382,25 @@ static mt_config memory_llama3_8b_fp8(void) {
     return c;
 }
 
-/* --plan-layouts asks mt_config_check_supported of every layout, as mt_trainer_create does: for the
- * Llama-3-8B FP8 script on 8 GPUs every layout with PP > 1 comes back refused with the trainer's own
- * line (mt_trainer_create on that layout, which refuses before touching a GPU), every PP = 1 layout
- * is not refused, and no refused layout is among those that fit. */
+/* --plan-layouts asks mt_config_check_supported of every layout, as mt_trainer_create does: the
+ * Llama-3-8B FP8 script on 8 GPUs with --ffn-hidden-size 14400 (64 x 225: a multiple of 16 per rank
+ * at TP 1, 2, 4, not at TP 8, where it is 1800): every TP 8 layout comes back refused with the
+ * trainer's own line (mt_trainer_create on that layout, which refuses before touching a GPU), every
+ * other layout (PP > 1 ones included: FP8 with pipeline parallelism is built) is not refused. */
 static test_result test_plan_layouts_refuse_what_the_trainer_refuses(void) {
     mt_config c = memory_llama3_8b_fp8();
+    c.ffn_hidden_size = 14400;
     static mt_layout_candidate k[256];
-    int n = 0, refused = 0, checked = 0;
+    int n = 0, refused = 0, checked = 0, pp_planned = 0;
     mt_error err;
     EXPECT_OK(mt_plan_layouts(&c, NULL, 8, k, 256, &n, &err), &err);
     for (int i = 0; i < n; i++) {
-        EXPECT(k[i].refused == (k[i].pp > 1), "TP %d PP %d VP %d: refused %d", k[i].tp, k[i].pp, k[i].vp, k[i].refused);
+        EXPECT(k[i].refused == (k[i].tp == 8), "TP %d PP %d VP %d: refused %d", k[i].tp, k[i].pp, k[i].vp, k[i].refused);
+        pp_planned += k[i].pp > 1 && !k[i].refused;
         if (!k[i].refused) continue;
         refused++;
-        EXPECT(strstr(k[i].reason, "--fp8-format with --pipeline-model-parallel-size"), "reason '%s'", k[i].reason);
+        EXPECT(strstr(k[i].reason, "--ffn-hidden-size per tensor-parallel rank (1800) to be a multiple of 16"),
+               "reason '%s'", k[i].reason);
         /* the same layout handed to the trainer: the same line */
         mt_config x = c;
         x.tensor_model_parallel_size = k[i].tp;
@@ -412,8 +416,10 @@ static test_result test_plan_layouts_refuse_what_the_trainer_refuses(void) {
                "TP %d PP %d: the trainer says '%s', the planner '%s'", k[i].tp, k[i].pp, create_err.message, k[i].reason);
         checked++;
     }
-    printf("      %d layouts of 8 GPUs, %d refused (FP8 with PP > 1), each with the trainer's line\n", n, refused);
-    EXPECT(n >= 18 && refused >= 15 && checked == refused, "%d layouts, %d refused", n, refused);
+    printf("      %d layouts of 8 GPUs, %d refused (TP 8), each with the trainer's line; %d with PP > 1 planned\n", n,
+           refused, pp_planned);
+    EXPECT(n >= 18 && refused >= 1 && checked == refused && pp_planned >= 10, "%d layouts, %d refused, %d PP > 1",
+           n, refused, pp_planned);
     return TEST_PASS;
 }
 
@@ -567,8 +573,9 @@ static void memory_script_command(const flags_script* s, char* cmd, size_t cap) 
     }
 }
 
-/* ./train_gpt --plan-layouts --world-size 8 with Megatron's Llama-3-8B FP8 script: no layout that fits
- * has PP > 1 (FP8 with pipeline parallelism is not built); those are listed as refused with the reason.
+/* ./train_gpt --plan-layouts --world-size 8 with Megatron's Llama-3-8B FP8 script: FP8 with pipeline
+ * parallelism is built, so no layout is refused and layouts with PP > 1 are among those that fit (at
+ * 80 GiB the script's own TP 1 x DP 8 does not: 8.03e9 parameters' state on each GPU's DP shard).
  * --plan of the script's own layout names what --grad-reduce-in-bf16 would save there. */
 static test_result test_train_gpt_plan_layouts_llama_fp8(void) {
     if (access("./train_gpt", X_OK) != 0) SKIP("./train_gpt is not built (make all)");
@@ -579,20 +586,17 @@ static test_result test_train_gpt_plan_layouts_llama_fp8(void) {
     snprintf(line_cmd, sizeof(line_cmd), "%s --plan-layouts --world-size 8 2>&1", cmd);
     int code = test_command_output(line_cmd, out, sizeof(out));
     EXPECT(code == 0, "exit %d\n%s", code, out);
-    const char* refused_part = strstr(out, "layouts this build refuses");
-    EXPECT(refused_part && strstr(refused_part, "refused: --fp8-format with --pipeline-model-parallel-size"),
-           "no refused FP8 + PP layouts listed:\n%s", out);
-    int fit_rows = 0, refused_rows = 0;
-    for (const char* line = strstr(out, "activation slots\n"); line && line < refused_part; line = strchr(line, '\n')) {
+    EXPECT(!strstr(out, "layouts this build refuses") && !strstr(out, "refused: "), "a layout is refused:\n%s", out);
+    int fit_rows = 0, pp_rows = 0;
+    for (const char* line = strstr(out, "activation slots\n"); line; line = strchr(line, '\n')) {
         line++;
         int tp, pp, vp, dp, gbs;
-        if (line >= refused_part || sscanf(line, "%d %d %d %d %d", &tp, &pp, &vp, &dp, &gbs) != 5) continue;
-        EXPECT(pp == 1, "a layout with PP %d (TP %d VP %d DP %d) is shown as fitting:\n%s", pp, tp, vp, dp, out);
+        if (sscanf(line, "%d %d %d %d %d", &tp, &pp, &vp, &dp, &gbs) != 5) continue;
         fit_rows++;
+        pp_rows += pp > 1;
     }
-    for (const char* p = refused_part; (p = strstr(p, "refused: ")) != NULL; p++) refused_rows++;
-    printf("      %d layouts fit (all PP 1), %d refused\n", fit_rows, refused_rows);
-    EXPECT(fit_rows >= 1 && refused_rows >= 15, "%d fit, %d refused:\n%s", fit_rows, refused_rows, out);
+    printf("      %d layouts fit, %d of them with PP > 1\n", fit_rows, pp_rows);
+    EXPECT(fit_rows >= 10 && pp_rows >= 5, "%d fit, %d with PP > 1:\n%s", fit_rows, pp_rows, out);
     /* --plan of the script's layout (TP 1, DP 8): the bf16 gradient buffer's saving, the plan's figure */
     snprintf(line_cmd, sizeof(line_cmd), "%s --plan --world-size 8 2>&1", cmd); /* exit 1: it does not fit 80 GiB */
     code = test_command_output(line_cmd, out, sizeof(out));

@@ -16,7 +16,7 @@
  *     schedule's in-flight count (1 at PP = 1, min(PP - rank, M) for 1F1B);
  *   - mt_pp_tp_part_to_full: each PP x TP rank's part (its stage's tensors of its TP shard) lands on
  *     exactly its full-model elements, and all ranks' parts give the model back;
- *   - the refusals of what is not built: FP8 with PP > 1, --decoder-first/last-pipeline-num-layers
+ *   - the refusals of what is not built: --decoder-first/last-pipeline-num-layers
  *     with virtual stages (checked by their key words).
  * Multi-GPU tests (mpirun -np 2 or 4), each layout against PP = 1 on the same data through the layout
  * comparison (tests/test_data_parallel.h: initial weights bitwise, the first step's gradients per
@@ -439,27 +439,21 @@ static test_result pp_expect_refused(mt_config c, const char* what, const char* 
     return TEST_PASS;
 }
 
-/* The pipeline refusals of what is not built: FP8 with PP > 1 (delayed and tensorwise scaling), and
- * --decoder-first/last-pipeline-num-layers with virtual pipeline stages (VP given directly or through
- * --num-layers-per-virtual-pipeline-stage). Each config without its one conflicting setting finalizes,
- * so each refusal is the combination's. */
+/* The pipeline refusals of what is not built: --decoder-first/last-pipeline-num-layers with virtual
+ * stages (VP given directly or through --num-layers-per-virtual-pipeline-stage). Each config without
+ * its one conflicting setting finalizes, so each refusal is the combination's. FP8 at PP = 2 (every
+ * recipe) is built and finalizes. */
 static test_result test_pp_refusals(void) {
     mt_error err;
-    static const char* const fp8_words[] = {"fp8", "pipeline"};
     static const char* const split_words[] = {"decoder", "virtual"};
-    for (int tensorwise = 0; tensorwise <= 1; tensorwise++) {
+    for (int recipe = 0; recipe < 3; recipe++) {
         mt_config c = test_config(TEST_GPT2, MT_BF16); /* 2 layers */
         c.pipeline_model_parallel_size = 2;
         c.world_size = 2;
-        mt_config no_fp8 = c;
-        c.fp8_format = tensorwise ? MT_FP8_E4M3 : MT_FP8_HYBRID;
-        c.fp8_recipe = tensorwise ? MT_FP8_TENSORWISE : MT_FP8_DELAYED;
-        mt_config one_stage = c;
-        one_stage.pipeline_model_parallel_size = one_stage.world_size = 1;
-        EXPECT_OK(mt_config_finalize(&no_fp8, &err), &err);
-        EXPECT_OK(mt_config_finalize(&one_stage, &err), &err);
-        if (pp_expect_refused(c, tensorwise ? "FP8 tensorwise at PP=2" : "FP8 delayed at PP=2", fp8_words, 2) != TEST_PASS)
-            return TEST_FAIL;
+        c.fp8_format = recipe == 1 ? MT_FP8_E4M3 : MT_FP8_HYBRID;
+        c.fp8_recipe = recipe == 0 ? MT_FP8_DELAYED : recipe == 1 ? MT_FP8_TENSORWISE : MT_FP8_BLOCKWISE;
+        if (recipe == 2) c.hidden_size = 128, c.ffn_hidden_size = 512, c.micro_batch_size = 2;
+        EXPECT_OK(mt_config_finalize(&c, &err), &err);
     }
     for (int k = 0; k < 3; k++) {
         mt_config c = test_config(TEST_GPT2, MT_FP32);
@@ -488,7 +482,7 @@ static const test_case pipeline_tests[] = {
     {"pp_stage_holds_each_element_once", test_pp_stage_layout},
     {"pp_engine_transfers_finish", test_pp_engine_transfers},
     {"pp_tp_parts_give_the_full_model", test_pp_tp_parts},
-    {"pp_refuses_fp8_and_interleaved_uneven_splits", test_pp_refusals},
+    {"pp_refuses_interleaved_uneven_splits_builds_fp8", test_pp_refusals},
 };
 
 /* ---- multi-GPU ---- */
@@ -664,6 +658,38 @@ static test_result test_pp_matches_single_dropout_fp32(void) {
     return res;
 }
 static test_result test_pp_matches_single_bf16(void) { return pp_matches_single(MT_BF16); }
+
+/* FP8 linears at PP = world (and PP = 2 x VP = 2: a rank's layers in two chunks, each chunk's first
+ * forward after a step casting its own layers' weights) against FP8 at PP = 1, GPT-2, each recipe.
+ * Each stage holds its own layers' scaling slots; delayed scaling reduces the amaxes over the
+ * stage's TP x DP ranks (here none: each stage's own). At TP = 1 a stage computes PP = 1's
+ * arithmetic (the layout comparison's bf16 notes), the casts included: the same amaxes (a maximum in
+ * any order), so the same scales and the same FP8 bytes; the bf16 bounds hold. */
+static test_result test_pp_matches_single_fp8(void) {
+    REQUIRE_MPI_GPUS();
+    REQUIRE_PP_WORLD();
+    const int world = mpi_world();
+    test_result res = TEST_PASS;
+    const char* recipes[3] = {"delayed", "tensorwise", "blockwise"};
+    for (int r = 0; r < 3 && res == TEST_PASS; r++) {
+        mt_config one = pp_config(MT_BF16, 1, 1, 1, 1, 0);
+        one.fp8_format = r == 1 ? MT_FP8_E4M3 : MT_FP8_HYBRID;
+        one.fp8_recipe = r == 0 ? MT_FP8_DELAYED : r == 1 ? MT_FP8_TENSORWISE : MT_FP8_BLOCKWISE;
+        pp_reference ref;
+        res = pp_reference_train(&ref, one);
+        mt_config layouts[2] = {pp_config(MT_BF16, world, 1, 1, 1, 0), pp_config(MT_BF16, 2, 2, 1, world / 2, 0)};
+        for (int k = 0; k < 2 && res == TEST_PASS; k++) {
+            layouts[k].fp8_format = one.fp8_format;
+            layouts[k].fp8_recipe = one.fp8_recipe;
+            char name[128];
+            if (k == 0) snprintf(name, sizeof(name), "GPT-2 FP8 %s PP=%d", recipes[r], world);
+            else snprintf(name, sizeof(name), "GPT-2 FP8 %s PP=2 x VP=2 interleaved%s", recipes[r], world == 4 ? " x DP=2" : "");
+            res = pp_against_reference(name, layouts[k], &ref);
+        }
+        pp_reference_free(&ref);
+    }
+    return res;
+}
 
 /* Layer splits other than the even one, against PP = 1, both flavours. 2 processes, the PP tests'
  * 4 layers: --decoder-first-pipeline-num-layers 1 (stages of 1 and 3 layers), and
@@ -849,6 +875,7 @@ static test_result test_params_norm_zeros_layouts(void) {
 static const test_case pipeline_multigpu_tests[] = {
     {"pp_matches_single_gpu_fp32", test_pp_matches_single_fp32},
     {"pp_matches_single_gpu_bf16", test_pp_matches_single_bf16},
+    {"pp_matches_single_gpu_fp8", test_pp_matches_single_fp8},
     {"pp_matches_single_gpu_dropout_fp32", test_pp_matches_single_dropout_fp32},
     {"pp_splits_match_single_gpu_fp32", test_pp_splits_match_single_fp32},
     {"pp_splits_match_single_gpu_bf16", test_pp_splits_match_single_bf16},
