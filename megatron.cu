@@ -4675,6 +4675,9 @@ typedef struct {
     const float* w8_blocks;     /* blockwise: W's 128x128 block scale_invs */
     const float* w8t_blocks;    /* blockwise: W^T's */
     int record_amax;            /* training: delayed scaling records the amaxes */
+    int fresh_backward_input;   /* tensorwise at PP > 1: the backward casts its input afresh (its own amax and
+                                   scale), since the slot holds the scale of the stage's latest forward, which
+                                   the pipeline's schedule may have run on another micro-batch */
 } fp8_linear;
 
 static mt_fp8_scaling fp8_slot(const fp8_linear* L, int role) {
@@ -4771,7 +4774,7 @@ static void fp8_linear_weight_gradient(const mt_exec* ex, const fp8_linear* L, m
                             FP8_BLOCKS_1x128);
         }
     } else {
-        fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, NULL, f->x8t, x, N, in, false);
+        fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, NULL, f->x8t, x, N, in, L->fresh_backward_input != 0);
         gemm_fp8<float>(ex, out, in, N, f->g8t, f->bwd, fp8_scale_inv(L, FP8_G), f->x8t, f->fwd, fp8_scale_inv(L, FP8_X),
                         dweight, in, 1.0f, (float)ex->mode.accumulate_gradients);
     }
@@ -5518,6 +5521,7 @@ static bool fp8_layer_linears(mt_trainer* t, const mt_exec* ex, int l, bool cast
         L[k].w8_blocks = wb;
         L[k].w8t_blocks = wb ? wb + fp8_block_scales(FP8_BLOCKS_128x128, out, in) : NULL;
         L[k].record_amax = ex->mode.training;
+        L[k].fresh_backward_input = f->recipe == MT_FP8_TENSORWISE && t->groups.pp_size > 1;
         if (cast_weights && f->param_gather) { /* W gathered in FP8 (fp8_publish_parameters): W^T from its bytes */
             fp8_transpose(ex, (uint8_t*)L[k].w8t, L[k].w8, out, in);
         } else if (cast_weights) {
