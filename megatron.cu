@@ -3856,8 +3856,10 @@ static void fp8_publish(const mt_exec* ex, uint8_t* storage, const mt_opt_chunk*
 /*    gradient. FP8 (gemm_fp8): both operands stored with rows along K, the only layout Hopper's  */
 /*    FP8 tensor cores take ("TN" in cuBLASLt's column-major terms), E4M3 x E4M3 or E4M3 x E5M2,  */
 /*    their scale_inv (per tensor, or per 1x128 or 128x128 block, section 12) applied by cuBLASLt */
-/*    to the fp32-accumulated product, C in bf16 or fp32.                                         */
-/*    defines: mt_gemm_plans, mt_gemm_epilogue, gemm, gemm_epilogue, gemm_fp8, gemm_plans_free.   */
+/*    to the fp32-accumulated product, C in bf16 or fp32. gemm_uncached: the plain GEMM without a */
+/*    plan (cuBLAS's own), for shapes that change every step (the experts' row counts).           */
+/*    defines: mt_gemm_plans, mt_gemm_epilogue, gemm, gemm_uncached, gemm_epilogue, gemm_fp8,     */
+/*    gemm_plans_free.                                                                            */
 /* ============================================================================================== */
 
 typedef enum {
@@ -4047,6 +4049,24 @@ static mt_gemm_plan* gemm_plan_lookup(const mt_exec* ex, mt_gemm_key* key, const
     return plan;
 }
 
+/* The plain GEMM of gemm() below (same arguments, row-major) through cuBLAS's own cublasGemmStridedBatchedEx,
+ * without a cuBLASLt plan: where gemm_epilogue has none, and for the experts' GEMMs of a mixture of experts
+ * (section 14), whose row counts change with every routing and would fill the plan cache. */
+template <typename T, typename TC>
+static void gemm_uncached(const mt_exec* ex, bool transA, bool transB, int M, int N, int K, const T* A, int lda,
+                          const T* B, int ldb, TC* C, int ldc, float alpha, float beta, int batch = 1,
+                          int64_t strideA = 0, int64_t strideB = 0, int64_t strideC = 0) {
+    mt_gemm_plans* g = ex->gemm;
+    if (ex->error->status != MT_OK) return;
+    CUBLAS_CHECK(ex->error, cublasSetStream(g->handle, ex->stream));
+    cublasOperation_t opB = transB ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasOperation_t opA = transA ? CUBLAS_OP_T : CUBLAS_OP_N;
+    CUBLAS_CHECK(ex->error, cublasGemmStridedBatchedEx(g->handle, opB, opA, N, M, K, &alpha, B, cuda_type<T>(), ldb,
+                                                      strideB, A, cuda_type<T>(), lda, strideA, &beta, C,
+                                                      cuda_type<TC>(), ldc, strideC, batch, CUBLAS_COMPUTE_32F,
+                                                      CUBLAS_GEMM_DEFAULT));
+}
+
 /* Row-major: C[M,N] (ldc) = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, where op(A) = A ([M,K], lda)
  * or A^T (A stored [K,M]); likewise B; with an epilogue (bias [N] of type T, or with GEMM_BGRADB the
  * fp32 output [M]: sums of op(A) over k, with GEMM_DGELU_BGRAD the fp32 output [N]: sums of C's
@@ -4079,13 +4099,8 @@ static bool gemm_epilogue(const mt_exec* ex, mt_gemm_epilogue epilogue, bool tra
     }
     if (epilogue != GEMM_PLAIN) return false;
     /* no cuBLASLt algorithm (or the plan cache is full): cuBLAS's own GEMM */
-    CUBLAS_CHECK(ex->error, cublasSetStream(g->handle, ex->stream));
-    cublasOperation_t opB = transB ? CUBLAS_OP_T : CUBLAS_OP_N;
-    cublasOperation_t opA = transA ? CUBLAS_OP_T : CUBLAS_OP_N;
-    CUBLAS_CHECK(ex->error, cublasGemmStridedBatchedEx(g->handle, opB, opA, N, M, K, &alpha, B, cuda_type<T>(), ldb,
-                                                      strideB, A, cuda_type<T>(), lda, strideA, &beta, C,
-                                                      cuda_type<TC>(), ldc, strideC, batch, CUBLAS_COMPUTE_32F,
-                                                      CUBLAS_GEMM_DEFAULT));
+    gemm_uncached<T, TC>(ex, transA, transB, M, N, K, A, lda, B, ldb, C, ldc, alpha, beta, batch, strideA, strideB,
+                         strideC);
     return true;
 }
 

@@ -234,6 +234,12 @@ CONFIGS = {
                                E=16, topk=4, fe=24, layer_freq=(0, 1, 1), score="sigmoid", scaling=2.5,
                                num_groups=4, group_topk=2, lb=("seq_aux_loss",), aux_coeff=(1e-3,),
                                expert_bias=True, bias_rate=1e-3, shared=48),
+    # the same DeepSeek-style router with every layer MoE (megatron.c's first MoE phase builds no dense layers
+    # beside MoE ones)
+    "deepseek_tiny_all": MoEConfig(flavor="llama", L=2, h=64, n=4, g=2, f=96, Vp=256, T=32, G=4, mb=2, S=20,
+                                   E=16, topk=4, fe=24, score="sigmoid", scaling=2.5, num_groups=4, group_topk=2,
+                                   lb=("seq_aux_loss",), aux_coeff=(1e-3,), expert_bias=True, bias_rate=1e-3,
+                                   shared=48),
     # Qwen3-MoE-style: 128 small experts, top-8, softmax after top-k (HF norm_topk_prob=True), qk-layernorm,
     # the global-batch aux loss
     "qwen3_tiny": MoEConfig(flavor="llama", L=2, h=64, n=4, g=2, kv=16, f=96, Vp=256, T=32, G=4, mb=2, S=20,
