@@ -186,6 +186,9 @@ typedef struct {
                                dropout is on */
     int64_t first_sample;   /* the number of this micro-batch's first sample in the step's global batch
                                (Megatron's sampler order): keys its dropout masks (section 5) */
+    int micro_batch;        /* its number in the step (0-based): the MoE global aux loss averages over 0..it */
+    float moe_loss_scale;   /* the backward scale of a loss that is a mean over this micro-batch (the MoE aux
+                               losses): loss scale / (micro-batches x DP), as its language-model loss's mean */
 } mt_micro_batch_mode;
 
 typedef struct mt_gemm_plans mt_gemm_plans; /* section 13 */
@@ -4984,6 +4987,33 @@ typedef struct {
      * each row's head statistics, made again from the kept qkv before the layer's attention backward */
     void* qk_norm;       /* [BT, qkv_width] */
     float* qk_stats;     /* [2, BT, heads + groups]: mean, then 1/std, of every q and k head vector */
+    /* mixture of experts (NULL in a dense model; megatron.h MT_ACT_MOE_*). N = BT tokens, E experts, fe an
+     * expert's width (f1e = 2 fe: SwiGLU), Rmax the permuted rows' bound (mt_moe_max_rows), Rx = max(Rmax, N).
+     * Scratch: */
+    void* moe_xperm;     /* [Rx, h] the layer input's rows in expert order (forward; again in the backward) */
+    void* moe_y;         /* [Rx, h] the experts' output rows; in the backward their gradient, then the input
+                            rows' gradient, then the shared expert's output gradient (gated) */
+    void* moe_dz;        /* [Rmax, f1e] d(expert fc1 output) */
+    void* moe_dact;      /* [Rmax, fe] d(expert activation) */
+    float* moe_dlogits;  /* [N, E] */
+    float* moe_dprobs;   /* [N, E] d(final probabilities); the shared gate's logit gradient [N] after the router */
+    float* moe_x32;      /* [N, h] the router's input in fp32 (bf16/fp16 models), then its gradient */
+    float* moe_w32;      /* [E, h] the router weight in fp32 (bf16/fp16 models) */
+    int32_t* moe_work;   /* moe_work_words(N, E, B): the routing kernels' scratch */
+    int32_t* moe_stats;  /* one micro-batch's aux statistics: aux_counts int [(B+1), E], score_sums float
+                            [(B+1), E], lse_sq_sum float [1] (moe_aux_stats) */
+    /* saved per layer (layer 0's; layer l at + l * its per-layer size): */
+    float* moe_logits;   /* [L, N, E] router logits */
+    float* moe_probs;    /* [L, N, E] final probabilities (0 off the final map) */
+    int32_t* moe_row;    /* [L, N, E] permuted row of (token, expert), -1 off the map */
+    int32_t* moe_token;  /* [L, Rmax] token row of each permuted row */
+    float* moe_row_prob; /* [L, Rmax] probability of each permuted row */
+    int32_t* moe_counts; /* [L, 2E + 1] rows per expert, then the offsets */
+    float* moe_auxw;     /* [L, B, E] the aux losses' gradient weights (training with aux losses) */
+    void* moe_fc1;       /* [L, Rmax, f1e] the experts' fc1 output */
+    void* moe_act;       /* [L, Rmax, fe] the experts' activation times the probability */
+    void* moe_shared;    /* [L, N, h] the shared expert's output before its gate (--moe-shared-expert-gate) */
+    float* moe_gate;     /* [L, N] the shared expert's gate, sigmoid(x . w) */
 } mt_activations;
 
 /* ---- The trainer and its parts ----
@@ -5066,6 +5096,23 @@ typedef struct {
     size_t fp8_arena_bytes;
 } mt_memory_state;
 
+/* Section 16, mixture of experts: what the routers carry between micro-batches and steps (Megatron's
+ * router buffers and finalize_model_grads' MoE part), per MoE layer l (indexed by model layer; every layer
+ * is MoE in this build), and the last training pass's statistics on the host (mt_trainer_moe_stats). */
+typedef struct {
+    int enabled;              /* the model has MoE layers */
+    float* expert_bias;       /* [L, E] fp32: --moe-router-enable-expert-bias's bias (a buffer: no gradient,
+                                 checkpointed), updated after each step's backward; 0 without the flag */
+    int32_t* step_tokens;     /* [L, E]: tokens per expert of the final routing maps, summed over this pass */
+    float* global_sums;       /* [L, E]: --global_aux_loss: the step's DP-summed aux counts so far; then [E]
+                                 more: the running average of the layer being routed */
+    float* log;               /* [L, 4]: the pass's logged loss sums (load balancing, seq, global, z) */
+    int32_t* host_counts;     /* pinned [2E + 1]: one layer's rows per expert and offsets, for the expert GEMMs */
+    float* last_log;          /* host [L, 4]: the last training pass's logged values, averaged over micro-batches */
+    int32_t* last_tokens;     /* host [L, E]: its tokens per expert */
+    int micro_batches;        /* micro-batches of the running pass (the global aux loss's running average) */
+} mt_moe_state;
+
 /* Hooks for debugging and tests, off in a normal run. */
 typedef struct {
     int64_t test_nan_gradients_at; /* tests only (section 20): 1 + the iteration one of whose gradients (the first
@@ -5111,8 +5158,9 @@ struct mt_trainer {
     mt_checkpoint_state ckpt; /* section 19 */
     mt_memory_state mem;      /* section 20 */
     mt_debug_hooks debug;     /* sections 17 and 20: tracing and a test hook */
-    /* Room for the parts still to come, empty by design until they land: expert parallelism (the MoE
-     * layers' router state, the expert-parallel group's token dispatch and its buffers) and context
+    mt_moe_state moe;         /* section 16: the MoE routers' state (enabled = 0 in a dense model) */
+    /* Room for the parts still to come, empty by design until they land: expert parallelism (the
+     * expert-parallel group's token dispatch and its buffers) and context
      * parallelism (the sequence's split over the CP group and attention's ring exchange) each add
      * a part here, its type beside the others above and owned by the section that brings it. */
 };
@@ -5175,6 +5223,12 @@ typedef struct {
     int64_t V;          /* this rank's vocabulary columns: Vp / tp */
     int64_t V_full;     /* the padded vocabulary Vp */
     int64_t vocab_start;/* the first of this rank's columns */
+    /* mixture of experts (moe false: a dense model). Every layer's MLP is then the MoE layer and its dense
+     * MLP tensors and regions (f, f1, fc1, act) are the shared expert's (f = 0 without one). */
+    bool moe;
+    int E, k;      /* experts, top-k */
+    int fe, f1e;   /* an expert's width and its fc1's (2 fe with SwiGLU) */
+    int64_t Rmax;  /* the permuted rows' bound of a micro-batch (mt_moe_max_rows) */
 } mt_shape;
 
 static mt_shape model_shape(const mt_trainer* t) {
@@ -5193,7 +5247,8 @@ static mt_shape model_shape(const mt_trainer* t) {
     s.d = c->kv_channels;
     s.qkv_width = (s.heads + 2 * s.groups) * s.d;
     s.attn_width = s.heads * s.d;
-    s.f = c->ffn_hidden_size / s.tp;
+    s.moe = c->num_experts > 0;
+    s.f = (s.moe ? c->moe_shared_expert_intermediate_size : c->ffn_hidden_size) / s.tp;
     s.swiglu = c->swiglu != 0;
     s.act = c->squared_relu ? ACT_SQUARED_RELU : ACT_GELU;
     s.qk_norm = c->qk_layernorm != 0;
@@ -5205,6 +5260,11 @@ static mt_shape model_shape(const mt_trainer* t) {
     s.V_full = c->padded_vocab_size;
     s.V = s.V_full / s.tp;
     s.vocab_start = s.V * s.tp_rank;
+    s.E = c->num_experts;
+    s.k = c->moe_router_topk;
+    s.fe = s.moe ? c->moe_ffn_hidden_size : 0;
+    s.f1e = s.swiglu ? 2 * s.fe : s.fe;
+    s.Rmax = s.moe ? mt_moe_max_rows(c, s.BT) : 0;
     return s;
 }
 
@@ -5227,6 +5287,10 @@ struct layer_view {
     T *fc1;                     /* [BT, f1] pre-activation */
     T *act;                     /* [BT, f] */
     T *out;                     /* [R, h] layer output = the next layer's input */
+    /* an MoE layer's (section 16's mt_activations names them) */
+    float *moe_logits, *moe_probs, *moe_row_prob, *moe_auxw, *moe_gate;
+    int32_t *moe_row, *moe_token, *moe_counts;
+    T *moe_fc1, *moe_act, *moe_shared;
 };
 template <typename T>
 static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& s, const mt_recompute* rc, int count,
@@ -5249,6 +5313,18 @@ static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& 
     v.fc1 = LAYER(a->fc1, T, room(MT_ACT_FC1, i), (int64_t)s.BT * s.f1);
     v.act = LAYER(a->act, T, room(MT_ACT_ACT, i), (int64_t)s.BT * s.f);
     v.out = LAYER(a->residual, T, room(MT_ACT_RESIDUAL, i + 1), Rh);
+    const int64_t NE = (int64_t)s.BT * s.E;
+    v.moe_logits = a->moe_logits ? a->moe_logits + room(MT_ACT_MOE_LOGITS, i) * NE : NULL;
+    v.moe_probs = a->moe_probs ? a->moe_probs + room(MT_ACT_MOE_PROBS, i) * NE : NULL;
+    v.moe_row = a->moe_row ? a->moe_row + room(MT_ACT_MOE_ROW, i) * NE : NULL;
+    v.moe_token = a->moe_token ? a->moe_token + room(MT_ACT_MOE_TOKEN, i) * s.Rmax : NULL;
+    v.moe_row_prob = a->moe_row_prob ? a->moe_row_prob + room(MT_ACT_MOE_ROW_PROB, i) * s.Rmax : NULL;
+    v.moe_counts = a->moe_counts ? a->moe_counts + room(MT_ACT_MOE_COUNTS, i) * (2 * s.E + 1) : NULL;
+    v.moe_auxw = a->moe_auxw ? a->moe_auxw + room(MT_ACT_MOE_AUXW, i) * s.B * s.E : NULL;
+    v.moe_fc1 = a->moe_fc1 ? LAYER(a->moe_fc1, T, room(MT_ACT_MOE_FC1, i), s.Rmax * s.f1e) : NULL;
+    v.moe_act = a->moe_act ? LAYER(a->moe_act, T, room(MT_ACT_MOE_ACT, i), s.Rmax * s.fe) : NULL;
+    v.moe_shared = a->moe_shared ? LAYER(a->moe_shared, T, room(MT_ACT_MOE_SHARED, i), (int64_t)s.BT * s.h) : NULL;
+    v.moe_gate = a->moe_gate ? a->moe_gate + room(MT_ACT_MOE_GATE, i) * s.BT : NULL;
     return v;
 }
 
@@ -5261,6 +5337,10 @@ template <typename E>
 struct layer_tensors {
     E *ln1_w, *ln1_b, *qkv_w, *qkv_b, *q_ln_w, *q_ln_b, *k_ln_w, *k_ln_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc1_w,
         *fc1_b, *fc2_w, *fc2_b;
+    /* an MoE layer: router [E, h], experts' fc1 [E, f1e, h] and fc2 [E, h, fe], the shared expert's gate [h];
+     * its fc1_w / fc2_w above are the shared expert's [f1, h] and [h, f] (NULL without one), the dense MLP
+     * that runs beside the experts */
+    E *router_w, *router_b, *expert_fc1_w, *expert_fc1_b, *expert_fc2_w, *expert_fc2_b, *shared_gate_w;
 };
 template <typename E>
 static layer_tensors<E> layer_tensors_in(const mt_trainer* t, E* base, int l, bool storage = false) {
@@ -5268,11 +5348,15 @@ static layer_tensors<E> layer_tensors_in(const mt_trainer* t, E* base, int l, bo
         int64_t offset = storage ? param_storage(t, which, l) : mt_buffer_offset(&t->buffer, which, l);
         return offset < 0 ? (E*)NULL : storage ? (E*)((char*)base + offset) : base + offset;
     };
+    const bool moe = mt_moe_layer(&t->cfg, l) != 0;
     return {at(MT_P_LN1_WEIGHT), at(MT_P_LN1_BIAS), at(MT_P_QKV_WEIGHT),  at(MT_P_QKV_BIAS),
             at(MT_P_Q_LAYERNORM_WEIGHT), at(MT_P_Q_LAYERNORM_BIAS), at(MT_P_K_LAYERNORM_WEIGHT),
             at(MT_P_K_LAYERNORM_BIAS),
             at(MT_P_PROJ_WEIGHT), at(MT_P_PROJ_BIAS), at(MT_P_LN2_WEIGHT), at(MT_P_LN2_BIAS),
-            at(MT_P_FC1_WEIGHT),  at(MT_P_FC1_BIAS),  at(MT_P_FC2_WEIGHT), at(MT_P_FC2_BIAS)};
+            at(moe ? MT_P_SHARED_FC1_WEIGHT : MT_P_FC1_WEIGHT), moe ? (E*)NULL : at(MT_P_FC1_BIAS),
+            at(moe ? MT_P_SHARED_FC2_WEIGHT : MT_P_FC2_WEIGHT), moe ? (E*)NULL : at(MT_P_FC2_BIAS),
+            at(MT_P_ROUTER_WEIGHT), at(MT_P_ROUTER_BIAS), at(MT_P_EXPERT_FC1_WEIGHT), at(MT_P_EXPERT_FC1_BIAS),
+            at(MT_P_EXPERT_FC2_WEIGHT), at(MT_P_EXPERT_FC2_BIAS), at(MT_P_SHARED_GATE_WEIGHT)};
 }
 template <typename T>
 static layer_tensors<T> layer_params(const mt_trainer* t, int l) { return layer_tensors_in<T>(t, (T*)t->params, l, true); }
@@ -5626,6 +5710,312 @@ static void mlp_up_forward(const mt_exec* ex, const mt_shape& s, const layer_vie
     mlp_activation<T>(ex, s, v, p.fc1_b);
 }
 
+/* ---- Mixture of experts (Megatron-Core's MoELayer; dev/moe_semantics.md states it, dev/ref_moe.py computes
+ * it) ----
+ * An MoE layer's MLP block on its input x = norm2(mid) [N, h], N = BT tokens: the router's logits in fp32
+ * (x and the weight widened to fp32: Megatron's --moe-router-dtype fp32; with the default router dtype of a
+ * bf16 model the logits are then rounded to bf16 as Megatron computes them), top-k routing with capacity
+ * and dropping (section 14's moe_route), the aux losses' statistics, the layer's rows permuted into expert
+ * order, each expert's two GEMMs on its rows (the row counts read back to the host once per layer and pass,
+ * as Megatron's dropless dispatcher does), SwiGLU times the row's probability, the rows summed back per
+ * token (ascending expert: no atomics), plus the shared expert (this layer's dense MLP, run by the dense
+ * code on fc1_w / fc2_w) under its optional sigmoid gate. The aux losses enter the backward as gradients
+ * of the router's logits scaled like the micro-batch's loss (ex->mode.moe_loss_scale). */
+
+/* The routing settings of the config, for a micro-batch of s.BT tokens. */
+static moe_routing moe_routing_of(const mt_trainer* t, const mt_shape& s) {
+    const mt_config* c = &t->cfg;
+    moe_routing r;
+    memset(&r, 0, sizeof(r));
+    r.N = s.BT, r.B = s.B, r.T = s.S, r.E = s.E, r.k = s.k;
+    r.sigmoid = c->moe_router_score_sigmoid != 0;
+    r.pre_softmax = c->moe_router_pre_softmax != 0;
+    r.scaling = (float)c->moe_router_topk_scaling_factor;
+    r.num_groups = c->moe_router_num_groups;
+    r.group_topk = c->moe_router_group_topk;
+    r.round_bf16 = c->precision == MT_BF16 && !c->moe_router_dtype_fp32;
+    r.capacity = (int)mt_moe_capacity(c, s.BT);
+    r.drop_position = c->moe_token_drop_position != 0;
+    r.pad = c->moe_pad_expert_input_to_capacity != 0;
+    return r;
+}
+
+/* The aux losses' coefficients that are on (0: off). */
+static float moe_aux_coef(const mt_config* c, int bit) {
+    const int index = bit == MT_MOE_AUX_LOSS ? 0 : bit == MT_MOE_SEQ_AUX_LOSS ? 1 : 2;
+    return (c->moe_load_balancing & bit) ? (float)c->moe_aux_loss_coeff[index] : 0.0f;
+}
+
+/* One layer's rows per expert and offsets, read back to the host (pinned; the stream synchronised). */
+static const int32_t* moe_host_counts(mt_trainer* t, const int32_t* device_counts, int E) {
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(t->moe.host_counts, device_counts, sizeof(int32_t) * (2 * (size_t)E + 1),
+                                          cudaMemcpyDeviceToHost, t->stream));
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    return t->moe.host_counts;
+}
+
+/* The experts' linear on their permuted rows: y_e [n_e, out] = x_e [n_e, in] W_e^T for each expert e with rows
+ * (W [E, out, in]); counts: the host's rows per expert then offsets. */
+template <typename T>
+static void moe_experts_forward(const mt_exec* ex, T* y, const T* x, const T* W, const int32_t* counts, int E, int in,
+                                int out) {
+    for (int e = 0; e < E; e++) {
+        const int n = counts[e], at = counts[E + e];
+        if (n > 0)
+            gemm_uncached<T, T>(ex, false, true, n, out, in, x + (int64_t)at * in, in, W + (int64_t)e * out * in, in,
+                                y + (int64_t)at * out, out, 1.0f, 0.0f);
+    }
+}
+/* Its backward: dx_e = dy_e W_e; dW_e (+)= dy_e^T x_e (an expert without rows: its gradient 0 on the first
+ * micro-batch, unchanged after). */
+template <typename T>
+static void moe_experts_backward(const mt_exec* ex, T* dx, float* dW, const T* dy, const T* x, const T* W,
+                                 const int32_t* counts, int E, int in, int out) {
+    const float beta = ex->mode.accumulate_gradients ? 1.0f : 0.0f;
+    for (int e = 0; e < E; e++) {
+        const int n = counts[e], at = counts[E + e];
+        float* dW_e = dW + (int64_t)e * out * in;
+        if (n == 0) {
+            if (beta == 0.0f) CUDA_CHECK(ex->error, cudaMemsetAsync(dW_e, 0, sizeof(float) * (size_t)out * in, ex->stream));
+            continue;
+        }
+        gemm_uncached<T, T>(ex, false, false, n, in, out, dy + (int64_t)at * out, out, W + (int64_t)e * out * in, in,
+                            dx + (int64_t)at * in, in, 1.0f, 0.0f);
+        gemm_uncached<T, float>(ex, true, false, out, in, n, dy + (int64_t)at * out, out, x + (int64_t)at * in, in, dW_e,
+                                in, 1.0f, beta);
+    }
+}
+
+/* The router's fp32 operands: x and W themselves in an fp32 model, else widened into the scratch. */
+template <typename T>
+static void moe_router_operands(const mt_exec* ex, const mt_activations* a, const mt_shape& s, const T* x, const T* W,
+                                const float** x32, const float** W32) {
+    if (sizeof(T) == 4) {
+        *x32 = (const float*)x, *W32 = (const float*)W;
+        return;
+    }
+    moe_to_f32<T>(ex, a->moe_x32, x, (int64_t)s.BT * s.h);
+    moe_to_f32<T>(ex, a->moe_w32, W, (int64_t)s.E * s.h);
+    *x32 = a->moe_x32, *W32 = a->moe_w32;
+}
+
+static void comm_after_compute(mt_trainer* t); /* section 18: the communication stream waits for the compute's work */
+static void* device_alloc(mt_trainer* t, size_t bytes, size_t* counter); /* section 20 */
+static void compute_after_comm(mt_trainer* t); /* section 18: and the compute stream for the communication's */
+/* All-reduce (sum) of a device array over the data-parallel group, ordered after the compute stream's work
+ * and before its next (a no-op with one DP rank). */
+static void dp_all_reduce_device(mt_trainer* t, void* buffer, size_t count, ncclDataType_t type) {
+    if (!t->groups.dp) return;
+    comm_after_compute(t);
+    NCCL_CHECK(&t->error, t->cfg.rank,
+               ncclAllReduce(buffer, buffer, count, type, ncclSum, t->groups.dp, t->groups.comm_stream));
+    compute_after_comm(t);
+}
+
+/* The aux losses of layer l's routing of this micro-batch (training): their statistics, the global aux
+ * loss's counts summed over DP and averaged over the step's micro-batches so far, then the logged values
+ * (added to moe.log) and the gradient weights the backward applies (v.moe_auxw). */
+template <typename T>
+static void moe_aux_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const moe_routing& r,
+                            const layer_view<T>& v, int l) {
+    const mt_config* c = &t->cfg;
+    const float coef_aux = moe_aux_coef(c, MT_MOE_AUX_LOSS), coef_seq = moe_aux_coef(c, MT_MOE_SEQ_AUX_LOSS);
+    const float coef_global = moe_aux_coef(c, MT_MOE_GLOBAL_AUX_LOSS), coef_z = (float)c->moe_z_loss_coeff;
+    if (coef_aux == 0.0f && coef_seq == 0.0f && coef_global == 0.0f && coef_z == 0.0f) return;
+    const int E = s.E;
+    int32_t* aux_counts = t->act.moe_stats;                        /* [(B + 1), E] */
+    float* score_sums = (float*)(aux_counts + (size_t)(s.B + 1) * E); /* [(B + 1), E] */
+    float* lse_sq_sum = score_sums + (size_t)(s.B + 1) * E;         /* [1] */
+    moe_aux_stats(ex, r, v.moe_logits, aux_counts, score_sums, lse_sq_sum, t->act.moe_work);
+    float* average = NULL;
+    if (coef_global != 0.0f) {
+        dp_all_reduce_device(t, aux_counts, (size_t)E, ncclInt32); /* row 0: the micro-batch's counts */
+        average = t->moe.global_sums + (int64_t)s.L * E;
+        moe_global_aux_average(ex, t->moe.global_sums + (int64_t)l * E, average, aux_counts, E,
+                               ex->mode.micro_batch + 1);
+    }
+    moe_aux_finish(ex, r, aux_counts, score_sums, lse_sq_sum, average, (double)s.BT * t->groups.dp_size, coef_aux,
+                   coef_seq, coef_global, coef_z, v.moe_auxw, t->moe.log + (int64_t)l * 4);
+}
+
+/* Forward of layer l's MoE block: out [N, h] (the branch before the residual add) from x = ln2 [N, h]. */
+template <typename T>
+static void moe_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const layer_view<T>& v,
+                        const layer_tensors<T>& p, int l, const T* x, T* out) {
+    const mt_config* c = &t->cfg;
+    mt_activations* a = &t->act;
+    const moe_routing r = moe_routing_of(t, s);
+    const bool training = ex->mode.training != 0;
+    const int E = s.E, N = s.BT;
+    /* router: logits [N, E] = x W_r^T in fp32; routing; the aux losses' statistics */
+    const float *x32, *W32;
+    moe_router_operands<T>(ex, a, s, x, p.router_w, &x32, &W32);
+    gemm<float, float>(ex, false, true, N, E, s.h, x32, s.h, W32, s.h, v.moe_logits, E, 1.0f, 0.0f);
+    const float* bias = c->moe_router_enable_expert_bias ? t->moe.expert_bias + (int64_t)l * E : (const float*)NULL;
+    moe_route(ex, r, v.moe_logits, bias, v.moe_probs, v.moe_row, v.moe_token, v.moe_row_prob, v.moe_counts,
+              training ? t->moe.step_tokens + (int64_t)l * E : (int32_t*)NULL, a->moe_work);
+    if (training) moe_aux_forward(t, ex, s, r, v, l);
+    /* the experts on their rows */
+    const int32_t* counts = moe_host_counts(t, v.moe_counts, E);
+    const int R = counts[2 * E];
+    moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, R, s.h);
+    moe_experts_forward<T>(ex, v.moe_fc1, (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h, s.f1e);
+    moe_swiglu_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_row_prob, R, s.fe);
+    moe_experts_forward<T>(ex, (T*)a->moe_y, v.moe_act, p.expert_fc2_w, counts, E, s.fe, s.h);
+    /* the shared expert (the dense MLP code on this layer's shared weights), its output kept when gated */
+    T* shared = NULL;
+    if (p.fc1_w) {
+        mlp_up_forward<T>(ex, s, v, p, x, (const fp8_linear*)NULL);
+        shared = v.moe_shared ? v.moe_shared : (T*)a->branch2;
+        linear_forward<T>(ex, shared, v.act, p.fc2_w, (const T*)NULL, N, s.f, s.h);
+        if (v.moe_gate) moe_gate_forward<T>(ex, v.moe_gate, x, p.shared_gate_w, N, s.h);
+    }
+    moe_unpermute<T>(ex, out, (const T*)a->moe_y, v.moe_row, shared, v.moe_gate, N, E, s.h, false);
+}
+
+/* Backward of layer l's MoE block from dout [N, h] (the branch's gradient): the layer input's gradient into
+ * dx [N, h] (written), the router's, experts' and shared expert's weight gradients. Order: the experts
+ * (their probabilities' gradient into moe_dprobs), the router (the routing's and the aux losses' gradients
+ * of the logits), then the shared expert, each adding into dx. */
+template <typename T>
+static void moe_backward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const layer_view<T>& v,
+                         const layer_tensors<T>& p, const layer_tensors<float>& dp, int l, const T* dout, const T* x,
+                         T* dx) {
+    const mt_config* c = &t->cfg;
+    mt_activations* a = &t->act;
+    const moe_routing r = moe_routing_of(t, s);
+    const int E = s.E, N = s.BT;
+    const int32_t* counts = moe_host_counts(t, v.moe_counts, E);
+    const int R = counts[2 * E];
+    /* experts: d(rows) = dout at each row's token; fc2, the probability-weighted SwiGLU, fc1 */
+    T* drows = (T*)a->moe_y;
+    moe_permute<T>(ex, drows, dout, v.moe_token, R, s.h);
+    moe_experts_backward<T>(ex, (T*)a->moe_dact, dp.expert_fc2_w, drows, v.moe_act, p.expert_fc2_w, counts, E, s.fe,
+                            s.h);
+    CUDA_CHECK(ex->error, cudaMemsetAsync(a->moe_dprobs, 0, sizeof(float) * (size_t)N * E, ex->stream));
+    moe_swiglu_prob_backward<T>(ex, (T*)a->moe_dz, a->moe_dprobs, (const T*)a->moe_dact, v.moe_fc1, v.moe_row_prob,
+                                v.moe_token, v.moe_counts + E, R, s.fe, E);
+    moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, R, s.h); /* the rows the forward's fc1 read */
+    moe_experts_backward<T>(ex, drows, dp.expert_fc1_w, (const T*)a->moe_dz, (const T*)a->moe_xperm, p.expert_fc1_w,
+                            counts, E, s.h, s.f1e);
+    moe_unpermute<T>(ex, dx, (const T*)drows, v.moe_row, (const T*)NULL, (const float*)NULL, N, E, s.h, false);
+    /* router: dlogits from the probabilities' gradient and the aux losses; dW_r (+)= dlogits^T x, dx += dlogits W_r */
+    const float scale = ex->mode.moe_loss_scale;
+    const float z_scale = (float)c->moe_z_loss_coeff * scale;
+    moe_route_backward(ex, r, v.moe_logits,
+                       c->moe_router_enable_expert_bias ? t->moe.expert_bias + (int64_t)l * E : (const float*)NULL,
+                       a->moe_dprobs, v.moe_auxw, scale, z_scale, a->moe_dlogits, a->moe_work);
+    const float *x32, *W32;
+    moe_router_operands<T>(ex, a, s, x, p.router_w, &x32, &W32);
+    weight_gradient<float>(ex, &t->colsum, dp.router_w, (float*)NULL, a->moe_dlogits, x32, N, s.h, E);
+    if (sizeof(T) == 4) { /* fp32: straight into dx */
+        gemm<float, float>(ex, false, false, N, s.h, E, a->moe_dlogits, E, W32, s.h, (float*)dx, s.h, 1.0f, 1.0f);
+    } else {
+        /* the fp32 input is no longer needed: its scratch takes the fp32 input gradient */
+        gemm<float, float>(ex, false, false, N, s.h, E, a->moe_dlogits, E, W32, s.h, a->moe_x32, s.h, 1.0f, 0.0f);
+        moe_add_f32<T>(ex, dx, a->moe_x32, (int64_t)N * s.h, true);
+    }
+    if (!p.fc1_w) return;
+    /* the shared expert: through its gate, then its fc2, SwiGLU (or its activation) and fc1 (dx += its input
+     * gradient) */
+    const T* dshared = dout;
+    if (v.moe_gate) {
+        T* gated = (T*)a->moe_y;
+        moe_gate_backward<T>(ex, gated, a->moe_dprobs, dp.shared_gate_w, dx, dout, v.moe_shared, v.moe_gate, x,
+                             p.shared_gate_w, N, s.h, ex->mode.accumulate_gradients != 0);
+        dshared = gated;
+    }
+    linear_backward<T>(ex, &t->colsum, (T*)a->branch2, dp.fc2_w, (float*)NULL, dshared, v.act, p.fc2_w, N, s.f, s.h);
+    T* dfc1 = (T*)a->branch2;
+    if (s.swiglu) {
+        swiglu_backward<T>(ex, (T*)a->branch, (T*)a->branch2, v.fc1, N, s.f);
+        dfc1 = (T*)a->branch;
+    } else {
+        activation_backward<T>(ex, s.act, (T*)a->branch2, v.fc1, (int64_t)N * s.f);
+    }
+    gemm<T, T>(ex, false, false, N, s.h, s.f1, dfc1, s.f1, p.fc1_w, s.h, dx, s.h, 1.0f, 1.0f);
+    weight_gradient<T>(ex, &t->colsum, dp.fc1_w, (float*)NULL, dfc1, x, N, s.h, s.f1);
+}
+
+/* ---- The MoE routers' state over a pass and a step ---- */
+
+/* Its device arrays and host mirrors (mt_trainer_create; a dense model has none). The plan counts the device
+ * arrays as workspace (megatron.h MT_MOE_STATE_BYTES). */
+static void moe_state_create(mt_trainer* t) {
+    const mt_config* c = &t->cfg;
+    mt_moe_state* m = &t->moe;
+    if (c->num_experts <= 0) return;
+    const size_t L = (size_t)c->num_layers, E = (size_t)c->num_experts;
+    size_t* counter = &t->mem.allocated.workspace_bytes;
+    m->enabled = 1;
+    m->expert_bias = (float*)device_alloc(t, L * E * 4, counter);
+    m->step_tokens = (int32_t*)device_alloc(t, L * E * 4, counter);
+    m->global_sums = (float*)device_alloc(t, (L + 1) * E * 4, counter);
+    m->log = (float*)device_alloc(t, L * 4 * 4, counter);
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&m->host_counts, sizeof(int32_t) * (2 * E + 1)));
+    m->last_log = (float*)calloc(L * 4, sizeof(float));
+    m->last_tokens = (int32_t*)calloc(L * E, sizeof(int32_t));
+    if (!m->last_log || !m->last_tokens) mt_gpu_fail(&t->error, MT_ERR_OOM, "cannot allocate the MoE statistics");
+    if (m->expert_bias) CUDA_CHECK(&t->error, cudaMemsetAsync(m->expert_bias, 0, L * E * 4, t->stream));
+}
+static void moe_state_free(mt_moe_state* m) {
+    cudaFree(m->expert_bias);
+    cudaFree(m->step_tokens);
+    cudaFree(m->global_sums);
+    cudaFree(m->log);
+    cudaFreeHost(m->host_counts);
+    free(m->last_log);
+    free(m->last_tokens);
+    memset(m, 0, sizeof(*m));
+}
+
+/* A training pass starts: the step's tokens per expert, global aux sums and logged losses from 0. */
+static void moe_pass_begin(mt_trainer* t) {
+    const mt_moe_state* m = &t->moe;
+    if (!m->enabled) return;
+    const size_t L = (size_t)t->cfg.num_layers, E = (size_t)t->cfg.num_experts;
+    CUDA_CHECK(&t->error, cudaMemsetAsync(m->step_tokens, 0, L * E * 4, t->stream));
+    CUDA_CHECK(&t->error, cudaMemsetAsync(m->global_sums, 0, (L + 1) * E * 4, t->stream));
+    CUDA_CHECK(&t->error, cudaMemsetAsync(m->log, 0, L * 4 * 4, t->stream));
+}
+
+/* A training pass of `count` micro-batches ended: the tokens per expert summed over DP (what the expert bias
+ * balances), the logged losses averaged over DP and the micro-batches (Megatron's reduction of its MoE
+ * tracker), both kept on the host for mt_trainer_moe_stats and the step's result. */
+static void moe_pass_end(mt_trainer* t, int count) {
+    mt_moe_state* m = &t->moe;
+    if (!m->enabled) return;
+    const size_t L = (size_t)t->cfg.num_layers, E = (size_t)t->cfg.num_experts;
+    dp_all_reduce_device(t, m->step_tokens, L * E, ncclInt32);
+    dp_all_reduce_device(t, m->log, L * 4, ncclFloat);
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(m->last_tokens, m->step_tokens, L * E * 4, cudaMemcpyDeviceToHost, t->stream));
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(m->last_log, m->log, L * 4 * 4, cudaMemcpyDeviceToHost, t->stream));
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    const float scale = 1.0f / ((float)count * (float)t->groups.dp_size);
+    for (size_t i = 0; i < L * 4; i++) m->last_log[i] *= scale;
+}
+
+/* After a step's backward, before the optimizer (Megatron's finalize_model_grads): the aux-loss-free
+ * balancing moves each layer's expert bias against its load. */
+static void moe_after_backward(mt_trainer* t) {
+    const mt_config* c = &t->cfg;
+    if (!t->moe.enabled || !c->moe_router_enable_expert_bias) return;
+    const mt_exec ex = trainer_exec(t);
+    moe_expert_bias_update(&ex, t->moe.expert_bias, t->moe.step_tokens, c->num_layers, c->num_experts,
+                           (float)c->moe_router_bias_update_rate);
+}
+
+/* The step's logged MoE losses (Megatron's log line): each kind's value averaged over the MoE layers. */
+static void moe_step_losses(const mt_trainer* t, double* out) {
+    const mt_config* c = &t->cfg;
+    for (int k = 0; k < 4; k++) out[k] = 0.0;
+    if (!t->moe.enabled) return;
+    const int layers = mt_moe_num_layers(c);
+    for (int l = 0; l < c->num_layers; l++)
+        if (mt_moe_layer(c, l))
+            for (int k = 0; k < 4; k++) out[k] += t->moe.last_log[l * 4 + k] / layers;
+}
+
 /* Layer l's forward (of chunk ch, in the running slot) from its input x and ln1 = norm1(x) already
  * in the scratch: attention, MLP, then the residual add fused with the norm that follows it (layer
  * l+1's first, the final norm, or none before the next stage), which also writes the next layer's
@@ -5656,12 +6046,18 @@ static void layer_forward(mt_trainer* t, const mt_exec* ex, const model_chunk& c
     residual_norm_forward<T>(ex, v.mid, v.ln2, v.ln2_mean, v.ln2_rstd, v.x, proj, p.proj_b, p.ln2_w, p.ln2_b, s.R, s.h,
                              eps, s.rms, s.norm_w1, dropout_site(t, ex, l, DROPOUT_PROJ));
 
-    /* MLP block */
+    /* MLP block (an MoE layer's: router, experts and shared expert, moe_forward; no recompute replays it) */
     const T* ln2_in = column_parallel_input<T>(tp, gathered, v.ln2, s.R, s.h);
-    mlp_up_forward<T>(ex, s, v, p, ln2_in, fp8 ? &f8[FP8_FC1] : NULL);
-    if (!output) return;
-    linear_forward<T>(ex, (T*)a->branch, v.act, p.fc2_w, (const T*)NULL, s.BT, s.f, s.h, fp8 ? &f8[FP8_FC2] : NULL);
-    T* fc2 = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
+    T* fc2 = (T*)a->branch;
+    if (s.moe) {
+        if (!output) return;
+        moe_forward<T>(t, ex, s, v, p, l, ln2_in, fc2);
+    } else {
+        mlp_up_forward<T>(ex, s, v, p, ln2_in, fp8 ? &f8[FP8_FC1] : NULL);
+        if (!output) return;
+        linear_forward<T>(ex, (T*)a->branch, v.act, p.fc2_w, (const T*)NULL, s.BT, s.f, s.h, fp8 ? &f8[FP8_FC2] : NULL);
+        fc2 = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
+    }
     /* out = mid + dropout(fc2 + bias); then the next norm: layer l+1's first, or the final norm */
     if (!replay) wait_for_parameters(t, l + 1);
     const mt_dropout fc2_drop = dropout_site(t, ex, l, DROPOUT_FC2);
@@ -5867,19 +6263,24 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
         bool fused = gelu_fused<T>(s); /* d(act) and GELU's derivative in one GEMM (DGELU epilogue), or
                                           with FP8 after it by the kernel (linear_backward) */
         const T* dfc2 = hidden_dropout_backward<T>(t, ex, dres, dp.fc2_b, l, DROPOUT_FC2);
-        row_parallel_backward<T>(pc, (T*)a->branch2, dp.fc2_w, dfc2, v.act, p.fc2_w, s.f, s.h,
-                                 fused ? v.fc1 : (const T*)NULL, fp8 ? &f8[FP8_FC2] : NULL);
-        T* dfc1 = (T*)a->branch2;
         T* dln2 = (T*)a->branch;
-        if (s.swiglu) {
-            swiglu_backward<T>(ex, (T*)a->branch, (T*)a->branch2, v.fc1, s.BT, s.f);
-            dfc1 = (T*)a->branch;
-            dln2 = (T*)a->branch2;
-        } else if (!fused) {
-            activation_backward<T>(ex, s.act, (T*)a->branch2, v.fc1, (int64_t)s.BT * s.f);
+        if (s.moe) { /* d(ln2) into the first norm's scratch, free until the attention block remakes ln1 */
+            dln2 = (T*)a->ln1;
+            moe_backward<T>(t, ex, s, v, p, dp, l, dfc2, v.ln2, dln2);
+        } else {
+            row_parallel_backward<T>(pc, (T*)a->branch2, dp.fc2_w, dfc2, v.act, p.fc2_w, s.f, s.h,
+                                     fused ? v.fc1 : (const T*)NULL, fp8 ? &f8[FP8_FC2] : NULL);
+            T* dfc1 = (T*)a->branch2;
+            if (s.swiglu) {
+                swiglu_backward<T>(ex, (T*)a->branch, (T*)a->branch2, v.fc1, s.BT, s.f);
+                dfc1 = (T*)a->branch;
+                dln2 = (T*)a->branch2;
+            } else if (!fused) {
+                activation_backward<T>(ex, s.act, (T*)a->branch2, v.fc1, (int64_t)s.BT * s.f);
+            }
+            dln2 = column_parallel_backward<T>(pc, dln2, dp.fc1_w, dp.fc1_b, dfc1, v.ln2, p.fc1_w, s.h, s.f1,
+                                               fp8 ? &f8[FP8_FC1] : NULL);
         }
-        dln2 = column_parallel_backward<T>(pc, dln2, dp.fc1_w, dp.fc1_b, dfc1, v.ln2, p.fc1_w, s.h, s.f1,
-                                           fp8 ? &f8[FP8_FC1] : NULL);
         norm_backward<T>(ex, cs, dres, dp.ln2_w, dp.ln2_b, hidden_drop ? (float*)NULL : dp.proj_b, dln2, v.mid, p.ln2_w,
                          v.ln2_mean, v.ln2_rstd, s.R, s.h, s.rms, s.norm_w1);
 
@@ -6241,6 +6642,8 @@ static mt_status run_schedule_step(mt_trainer* t, micro_batch_pass* p, const mt_
     mode.reduce_in_backward = mode.last && dp > 1 && t->cfg.overlap_grad_reduce && pp == 1;
     mode.training = train;
     mode.first_sample = ((int64_t)op->micro_batch * dp + t->groups.dp_rank) * s.B;
+    mode.micro_batch = op->micro_batch;
+    mode.moe_loss_scale = train ? (float)(p->loss_scale / ((double)count * dp)) : 0.0f;
     const mt_exec ex = trainer_exec(t, mode);
     pipeline_wait(t, forward ? 0 : 1);
     switch (t->cfg.precision) {
@@ -6313,6 +6716,7 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
     mt_status st = count_loss_positions(t, &p, err);
     if (st != MT_OK) return free(p.counted), st;
     if (train) t->ddp.next_bucket = 0; /* no zeroing: each chunk's first backward writes its gradients */
+    if (train) moe_pass_begin(t);
     int num_ops = 0, num_warmup = 0;
     mt_pp_op* ops = trainer_steps(t, count, train, &num_ops, &num_warmup, err);
     if (!ops) return free(p.counted), MT_ERR_CONFIG;
@@ -6349,6 +6753,7 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
     free(ops), free(p.slot_of), free(p.free_slots), free(p.counted);
     if (st != MT_OK) return st;
     if (train) finish_gradient_reduction(t);
+    if (train) moe_pass_end(t, count);
     return mean_loss_over_ranks(t, p.total, p.tokens_counted, across_dp, mean_loss, err);
 }
 
@@ -8116,6 +8521,7 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
         return st;
     }
     if (t->groups.pp_size > 1) t->loop.pp_send = device_alloc(t, (size_t)s.R * s.h * t->elem, &a->workspace_bytes);
+    if (t->error.status == MT_OK) moe_state_create(t);
     if (t->error.status == MT_OK) create_rope_tables(t);
     if (t->error.status == MT_OK) {
         mt_status fst = fp8_state_create(t, err);
@@ -8192,6 +8598,7 @@ void mt_trainer_free(mt_trainer* t) {
     cudaFree(t->colsum.partial_b);
     cudaFree(t->colsum.partial_c);
     cudaFree(t->mem.arena);
+    moe_state_free(&t->moe);
     free(t->loop.slots);
     cudaFree(t->loop.pp_send);
     cudaFree(t->mem.fp8_arena);
@@ -8290,6 +8697,8 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
     if (t->debug.test_nan_gradients_at == t->iteration + 1 && t->buffer.num_params > 0) /* bytes 0xff: a NaN */
         CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads + t->buffer.params[0].offset, 0xff, sizeof(float), t->stream));
     t->iteration++; /* the next step draws new dropout masks, applied or skipped */
+    moe_after_backward(t);
+    moe_step_losses(t, out->moe_losses);
     out->lm_loss = loss;
     out->loss_scale = scale;
     out->nan = !isfinite(loss);
@@ -8352,6 +8761,31 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
 }
 
 int64_t mt_trainer_last_loss_tokens(const mt_trainer* t) { return t->loop.last_loss_tokens; }
+
+mt_status mt_trainer_moe_stats(mt_trainer* t, float* losses, int32_t* tokens, float* expert_bias, mt_error* err) {
+    const mt_config* c = &t->cfg;
+    if (!t->moe.enabled) return mt_fail(err, MT_ERR_CONFIG, "MoE statistics: the model has no MoE layers");
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    const int E = c->num_experts;
+    float* bias = NULL;
+    if (expert_bias) {
+        bias = (float*)malloc(sizeof(float) * (size_t)c->num_layers * E);
+        if (!bias) return mt_fail(err, MT_ERR_OOM, "out of memory");
+        mt_status st = copy_sync(t, bias, t->moe.expert_bias, sizeof(float) * (size_t)c->num_layers * E,
+                                 cudaMemcpyDeviceToHost, err);
+        if (st != MT_OK) return free(bias), st;
+    }
+    int i = 0;
+    for (int l = 0; l < c->num_layers; l++) {
+        if (!mt_moe_layer(c, l)) continue;
+        if (losses) memcpy(losses + (size_t)i * 4, t->moe.last_log + (size_t)l * 4, sizeof(float) * 4);
+        if (tokens) memcpy(tokens + (size_t)i * E, t->moe.last_tokens + (size_t)l * E, sizeof(int32_t) * E);
+        if (bias) memcpy(expert_bias + (size_t)i * E, bias + (size_t)l * E, sizeof(float) * E);
+        i++;
+    }
+    free(bias);
+    return MT_OK;
+}
 
 mt_status mt_trainer_set_iteration(mt_trainer* t, int64_t iteration, mt_error* err) {
     if (iteration < 0) return mt_fail(err, MT_ERR_ARG, "iteration %lld: must be >= 0", (long long)iteration);

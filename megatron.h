@@ -1473,6 +1473,11 @@ typedef struct {
      * (Megatron's count_zeros_fp32), every parameter once as above; -1 when not asked for or when the
      * step was skipped or refused */
     int64_t num_zeros_in_grad;
+    /* mixture of experts: the step's logged load-balancing, sequence load-balancing, global load-balancing and
+     * z losses (Megatron's load_balancing_loss, seq_load_balancing_loss, global_load_balancing_loss, z_loss:
+     * each loss / its coefficient, averaged over the micro-batches, the DP ranks and the MoE layers); 0 for a
+     * kind that is off and in a dense model */
+    double moe_losses[4];
 } mt_step_result;
 
 typedef void (*mt_log_fn)(void* user, const char* line);
@@ -1518,6 +1523,13 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
 /* The positions the last train step or evaluation counted in its loss, over the data-parallel ranks
  * (every position unless --eod-mask-loss): a mean over several calls weighs each call by it. */
 int64_t mt_trainer_last_loss_tokens(const mt_trainer* t);
+/* Mixture of experts: the last training pass's (mt_trainer_train_step's or mt_trainer_compute_gradients')
+ * statistics of each MoE layer i (model order): losses [Lm, 4] the logged load-balancing, sequence, global
+ * and z losses (mt_step_result.moe_losses' per layer), tokens [Lm, E] tokens per expert of the final routing
+ * maps summed over the micro-batches and DP ranks, expert_bias [Lm, E] the aux-loss-free bias now (after
+ * the last step's update; 0 without --moe-router-enable-expert-bias). Any pointer may be NULL.
+ * MT_ERR_CONFIG for a dense model. */
+mt_status mt_trainer_moe_stats(mt_trainer* t, float* losses, int32_t* tokens, float* expert_bias, mt_error* err);
 /* Forward + backward only: fills the fp32 gradients (mean loss over the batch) and returns the loss. */
 mt_status mt_trainer_compute_gradients(mt_trainer* t, const int32_t* tokens, int num_micro_batches,
                                        double* loss, mt_error* err);
