@@ -26,6 +26,7 @@
 #include "tests/test_tokenizer.h"
 #include "tests/test_config.h"
 #include "tests/test_model.h"
+#include "tests/test_moe.h"
 #include "tests/test_precision.h"
 #include "tests/test_checkpoint.h"
 #include "tests/test_attention.h"
@@ -135,6 +136,7 @@ int main(int argc, char** argv) {
         GROUP("host.faults", faults_tests),
         GROUP("host.runner", runner_tests),
         GROUP("gpu.model", model_gpu_tests),
+        GROUP("gpu.moe", moe_gpu_tests),
         GROUP("gpu.flags", flags_gpu_tests),
         GROUP("gpu.precision", precision_gpu_tests),
         GROUP("gpu.checkpoint", checkpoint_gpu_tests),

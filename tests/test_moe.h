@@ -1,0 +1,377 @@
+/* tests/test_moe.h — mixture of experts in the whole model (GPU tests; each skips when no GPU is visible):
+ * parity with the float64 PyTorch reference dev/ref_moe.py (-> dev/data/moe_vectors/NAME.bin): the first
+ * micro-batch's routing (final probabilities and map, capacity and dropping included), the evaluation
+ * logits, the loss and every gradient of one step (aux losses, z-loss and the expert bias included), then S
+ * AdamW steps with each step's loss, gradient norm, logged MoE losses per layer, tokens per expert and
+ * expert bias, and the final weights, per tensor and per element; and a rerun bitwise equal.
+ * The MoE kernels alone: tests/test_moe_kernels.h.
+ *
+ * Tolerances (fp32). Every GEMM is true fp32, so, as in tests/test_model.h, results carry a few fp32 ulps
+ * amplified by depth: 1e-5 norm-wise on logits, losses and gradients, per tensor. Per element: |ours - ref|
+ * <= 1e-4 (|ref| + rms(ref tensor)): an element's error is ~1e-6 of its tensor's scale; 1e-4 leaves 100x for
+ * long sums and cancellation, and any indexing or routing error (a wrong expert, a dropped row, a missing
+ * probability factor) moves elements by O(1) of that scale. Routing decisions are discrete: they match
+ * exactly when the reference's closest decision gap (ref_moe.py prints it: 1e-5 of the score spread for
+ * these files) is far above fp32's error in the logits (~1e-6 relative), so the map, the tokens per expert
+ * and the expert bias (a sum of +-rate steps) are compared exactly; probabilities per element within 1e-5
+ * relative to their row's largest. Logged MoE losses (a loss over a coefficient, an O(1) number): 1e-5
+ * relative. After S steps: the weights within 1e-5 per tensor and, per tensor, within 0.5 of the
+ * reference's own movement (a lost update gives 1).
+ * bf16: the weights and activations carry 8 mantissa bits, so routing decisions whose gap is below ~1e-2
+ * of the score spread can flip (then one token's expert changes: an O(1) change of that token's output):
+ * logits 5e-2, losses 2e-2, gradients 1e-1 norm-wise (flips move whole rows of the expert gradients), the
+ * step losses 2e-2, weights after S steps 5e-3; the tokens per expert within 10% of the micro-batch's
+ * routed pairs. */
+#ifndef MT_TEST_MOE_H
+#define MT_TEST_MOE_H
+
+#define MOE_VECTORS_MAGIC 20261134
+
+typedef struct {
+    gpt_vectors g;          /* the dense file's part (header words 0..26, hyper 0..14, the arrays) */
+    int E, topk, fe, Lm, N0;
+    float* moe_losses;      /* [S, 4, Lm] */
+    int32_t* tokens_per_expert; /* [S, Lm, E] */
+    float* expert_bias;     /* [S + 1, Lm, E] */
+    float* route_probs0;    /* [Lm, N0, E] token order n = t * mb + b */
+    int32_t* route_map0;    /* [Lm, N0, E] */
+} moe_vectors;
+
+static int load_moe_vectors(moe_vectors* v, const char* path) {
+    size_t size = 0;
+    memset(v, 0, sizeof(*v));
+    gpt_vectors* g = &v->g;
+    g->blob = test_read_file(path, &size);
+    if (!g->blob || size < 1024 + 256) return 0;
+    memcpy(g->header, g->blob, 1024);
+    memcpy(g->hyper, g->blob + 1024, 256);
+    if (g->header[0] != MOE_VECTORS_MAGIC || g->header[1] != 1) return 0;
+    g->L = g->header[3]; g->h = g->header[4]; g->heads = g->header[5]; g->f = g->header[6]; g->Vp = g->header[7];
+    g->P = g->header[8]; g->T = g->header[9]; g->G = g->header[10]; g->mb = g->header[11]; g->S = g->header[12];
+    g->n = g->header[13]; g->groups = g->header[14];
+    v->E = g->header[32]; v->topk = g->header[33]; v->fe = g->header[34]; v->Lm = g->header[45]; v->N0 = g->header[46];
+    char* p = g->blob + 1280;
+    g->params0 = (float*)p; p += 4 * g->n;
+    g->tokens = (int32_t*)p; p += 4 * (size_t)g->S * g->G * (g->T + 1);
+    g->logits = (float*)p; p += 4 * (size_t)g->G * g->T * g->Vp;
+    memcpy(&g->loss0, p, 4); p += 4;
+    g->grads0 = (float*)p; p += 4 * g->n;
+    g->losses = (float*)p; p += 4 * g->S;
+    g->grad_norms = (float*)p; p += 4 * g->S;
+    g->lrs = (float*)p; p += 4 * g->S;
+    g->params_final = (float*)p; p += 4 * g->n;
+    v->moe_losses = (float*)p; p += 4 * (size_t)g->S * 4 * v->Lm;
+    v->tokens_per_expert = (int32_t*)p; p += 4 * (size_t)g->S * v->Lm * v->E;
+    v->expert_bias = (float*)p; p += 4 * (size_t)(g->S + 1) * v->Lm * v->E;
+    v->route_probs0 = (float*)p; p += 4 * (size_t)v->Lm * v->N0 * v->E;
+    v->route_map0 = (int32_t*)p; p += 4 * (size_t)v->Lm * v->N0 * v->E;
+    return (size_t)(p - g->blob) == size;
+}
+
+/* The file's model and its MoE settings (header [32..46], [64 + l]; hyper [16..22]: ref_moe.py's docstring). */
+static mt_config moe_config_from_vectors(const moe_vectors* v, mt_precision precision) {
+    const gpt_vectors* g = &v->g;
+    mt_config c = config_from_vectors(g, precision);
+    const int32_t* hd = g->header;
+    const float* hp = g->hyper;
+    c.num_experts = hd[32];
+    c.moe_router_topk = hd[33];
+    c.moe_ffn_hidden_size = hd[34];
+    c.moe_router_score_sigmoid = hd[35];
+    c.moe_router_pre_softmax = hd[36];
+    c.moe_router_num_groups = hd[37];
+    c.moe_router_group_topk = hd[38];
+    c.moe_load_balancing = hd[39];
+    c.moe_router_enable_expert_bias = hd[40];
+    c.moe_token_drop_position = hd[41];
+    c.moe_pad_expert_input_to_capacity = hd[42];
+    c.moe_shared_expert_intermediate_size = hd[43];
+    c.moe_shared_expert_gate = hd[44];
+    c.moe_router_topk_scaling_factor = hp[16];
+    c.moe_aux_loss_coeff[0] = hp[17];
+    c.moe_aux_loss_coeff[1] = hp[18];
+    c.moe_aux_loss_coeff[2] = hp[19];
+    c.moe_z_loss_coeff = hp[20];
+    c.moe_router_bias_update_rate = hp[21];
+    c.moe_expert_capacity_factor = hp[22];
+    /* the reference computes the router in float64 from the model's values: ours in fp32 */
+    c.moe_router_dtype_fp32 = 1;
+    return c;
+}
+
+/* Per-element agreement of a tensor: |a - ref| <= tol (|ref| + rms(ref)); returns the worst ratio of the
+ * error to its bound (<= 1 passes) and its index in *where. */
+static double moe_element_ratio(const float* a, const float* ref, int64_t n, double tol, int64_t* where) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)ref[i] * ref[i];
+    const double rms = n > 0 ? sqrt(ss / n) : 0.0;
+    double worst = 0.0;
+    *where = -1;
+    for (int64_t i = 0; i < n; i++) {
+        const double bound = tol * (fabs((double)ref[i]) + rms) + 1e-30;
+        const double r = fabs((double)a[i] - (double)ref[i]) / bound;
+        if (!(r <= worst)) worst = r, *where = i;
+    }
+    return worst;
+}
+
+/* Per tensor (norm-wise) and per element against the reference; prints each tensor; returns 0 on a failure
+ * (the first failing tensor named in why). */
+static int moe_compare_tensors(const char* what, const mt_config* c, const float* ours, const float* ref,
+                               double tol_tensor, double tol_element, char* why, size_t cap) {
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    mt_param_layout(c, info);
+    int ok = 1;
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
+        if (info[i].numel == 0) continue;
+        const double e = rel_error(ours + info[i].offset, ref + info[i].offset, info[i].numel, NULL);
+        int64_t where = -1;
+        const double r = moe_element_ratio(ours + info[i].offset, ref + info[i].offset, info[i].numel, tol_element,
+                                           &where);
+        printf("      %-8s %-20s rel err %.3e, worst element %.3f of its bound\n", what, info[i].name, e, r);
+        if (ok && !(e <= tol_tensor && r <= 1.0)) {
+            snprintf(why, cap, "%s %s: rel err %.3e (tol %.1e), element %lld: %.7g vs %.7g (%.2f x its bound)", what,
+                     info[i].name, e, tol_tensor, (long long)where, where >= 0 ? ours[info[i].offset + where] : 0.0,
+                     where >= 0 ? ref[info[i].offset + where] : 0.0, r);
+            ok = 0;
+        }
+    }
+    return ok;
+}
+
+typedef struct {
+    double logits, loss, grads, grads_element, probs, steps_loss, params, moe_loss;
+    int exact_routing;  /* fp32: the map, tokens per expert and expert bias exactly */
+} moe_tolerances;
+
+static test_result check_moe_against_reference(const char* path, mt_precision precision, const moe_tolerances* tol) {
+    REQUIRE_GPU();
+    moe_vectors mv;
+    if (!load_moe_vectors(&mv, path)) {
+        free(mv.g.blob);
+        printf("    FAIL cannot read test vectors %s (run dev/ref_moe.py)\n", path);
+        return TEST_FAIL;
+    }
+    const gpt_vectors* v = &mv.g;
+    mt_config c = moe_config_from_vectors(&mv, precision);
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT(c.padded_vocab_size == v->Vp && mt_num_parameters(&c) == v->n, "shape mismatch with %s (%lld vs %lld params)",
+           path, (long long)mt_num_parameters(&c), (long long)v->n);
+    const int E = mv.E, Lm = mv.Lm, T = v->T, mb = v->mb, N0 = mv.N0;
+    EXPECT(Lm == c.num_layers && N0 == mb * T, "%s: every layer must be MoE here (Lm %d of %d)", path, Lm, c.num_layers);
+    int64_t big = v->n > (int64_t)v->G * T * v->Vp ? v->n : (int64_t)v->G * T * v->Vp;
+    float* buf = (float*)malloc(sizeof(float) * (size_t)big);
+    float* stats = (float*)malloc(sizeof(float) * (size_t)Lm * (4 + 2 * E) + 64);
+    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * (size_t)Lm * E);
+    float* probs = (float*)malloc(sizeof(float) * (size_t)N0 * E);
+    int32_t* rows = (int32_t*)malloc(sizeof(int32_t) * (size_t)N0 * E);
+    test_result result = TEST_PASS;
+    mt_trainer* t = NULL;
+    char why[512] = "";
+#define CHECK_OR_FAIL(cond, ...)                                            \
+    do {                                                                    \
+        if (!(cond)) {                                                      \
+            printf("    FAIL %s:%d: ", __FILE__, __LINE__);                 \
+            printf(__VA_ARGS__);                                            \
+            printf("\n");                                                   \
+            result = TEST_FAIL;                                             \
+            goto done;                                                      \
+        }                                                                   \
+    } while (0)
+#define OK_OR_FAIL(call)                                                                              \
+    do {                                                                                              \
+        mt_status st_ = (call);                                                                       \
+        CHECK_OR_FAIL(st_ == MT_OK, "%s -> %s: %s", #call, mt_status_name(st_), err.message);        \
+    } while (0)
+    {
+        OK_OR_FAIL(mt_trainer_create(&t, &c, &err));
+        OK_OR_FAIL(mt_trainer_set_parameters(t, v->params0, &err));
+
+        /* 1. the first micro-batch's routing: one training micro-batch, its saved probabilities and map (the
+         * reference's token order n = t * mb + b; ours rows r = b * T + t) */
+        double loss = 0.0;
+        OK_OR_FAIL(mt_trainer_compute_gradients(t, v->tokens, 1, &loss, &err));
+        {
+            int64_t map_mismatch = 0;
+            double worst_prob = 0.0;
+            for (int l = 0; l < Lm; l++) {
+                const layer_view<float> lv = layer_activations<float>(&t->act, model_shape(t), &t->cfg.recompute,
+                                                                     c.num_layers, l);
+                OK_OR_FAIL(copy_sync(t, probs, lv.moe_probs, sizeof(float) * (size_t)N0 * E, cudaMemcpyDeviceToHost, &err));
+                OK_OR_FAIL(copy_sync(t, rows, lv.moe_row, sizeof(int32_t) * (size_t)N0 * E, cudaMemcpyDeviceToHost, &err));
+                for (int n = 0; n < N0; n++) {
+                    const int r = (n % mb) * T + n / mb;
+                    const float* ref = mv.route_probs0 + ((size_t)l * N0 + n) * E;
+                    float top = 0.0f;
+                    for (int e = 0; e < E; e++) top = fabsf(ref[e]) > top ? fabsf(ref[e]) : top;
+                    for (int e = 0; e < E; e++) {
+                        const int in_map = rows[(size_t)r * E + e] >= 0;
+                        map_mismatch += in_map != (mv.route_map0[((size_t)l * N0 + n) * E + e] != 0);
+                        const double d = fabs((double)probs[(size_t)r * E + e] - ref[e]) / (top > 0 ? top : 1.0f);
+                        if (d > worst_prob) worst_prob = d;
+                    }
+                }
+            }
+            printf("      first micro-batch's routing: %lld map entries differ, probabilities worst %.3e of the row's "
+                   "largest (tol %.1e)\n", (long long)map_mismatch, worst_prob, tol->probs);
+            CHECK_OR_FAIL(!tol->exact_routing || map_mismatch == 0, "%lld routing map entries differ", (long long)map_mismatch);
+            CHECK_OR_FAIL(worst_prob <= tol->probs, "routing probabilities off by %.3e", worst_prob);
+        }
+
+        /* 2. evaluation logits of step 0's batch, one micro-batch at a time (capacity applies, no aux losses) */
+        int32_t* in = (int32_t*)malloc(sizeof(int32_t) * (size_t)mb * T);
+        double worst_logits = 0.0;
+        for (int m = 0; m < v->G / mb; m++) {
+            for (int b = 0; b < mb; b++)
+                memcpy(in + (size_t)b * T, v->tokens + ((size_t)m * mb + b) * (T + 1), sizeof(int32_t) * T);
+            mt_status st = mt_trainer_logits(t, in, buf, &err);
+            if (st != MT_OK) { free(in); OK_OR_FAIL(st); }
+            double e = rel_error(buf, v->logits + (size_t)m * mb * T * v->Vp, (int64_t)mb * T * v->Vp, NULL);
+            if (e > worst_logits) worst_logits = e;
+        }
+        free(in);
+        printf("      logits rel err %.3e (tol %.1e)\n", worst_logits, tol->logits);
+        CHECK_OR_FAIL(worst_logits <= tol->logits, "logits rel err %.3e > %.1e", worst_logits, tol->logits);
+
+        /* 3. the loss and every gradient of step 0's batch */
+        OK_OR_FAIL(mt_trainer_compute_gradients(t, v->tokens, v->G / mb, &loss, &err));
+        const double loss_err = fabs(loss - v->loss0) / fabs(v->loss0);
+        printf("      loss %.7f ref %.7f rel err %.3e (tol %.1e)\n", loss, v->loss0, loss_err, tol->loss);
+        CHECK_OR_FAIL(loss_err <= tol->loss, "loss %.7f vs %.7f", loss, v->loss0);
+        OK_OR_FAIL(mt_trainer_get_gradients(t, buf, &err));
+        CHECK_OR_FAIL(moe_compare_tensors("grad", &c, buf, v->grads0, tol->grads, tol->grads_element, why, sizeof(why)),
+                      "%s", why);
+        mt_trainer_free(t);
+        t = NULL;
+
+        /* 4. S optimizer steps from params0: losses, norms, rates, the MoE statistics of each step */
+        OK_OR_FAIL(mt_trainer_create(&t, &c, &err));
+        OK_OR_FAIL(mt_trainer_set_parameters(t, v->params0, &err));
+        int64_t token_diff_worst = 0;
+        for (int k = 0; k < v->S; k++) {
+            mt_step_result r;
+            OK_OR_FAIL(mt_trainer_train_step(t, v->tokens + (size_t)k * v->G * (T + 1), &r, &err));
+            const double le = fabs(r.lm_loss - v->losses[k]) / fabs(v->losses[k]);
+            const double ne = fabs(r.grad_norm - v->grad_norms[k]) / fabs(v->grad_norms[k]);
+            const double lre = fabs(r.learning_rate - v->lrs[k]);
+            OK_OR_FAIL(mt_trainer_moe_stats(t, stats, tokens, stats + (size_t)Lm * 4, &err));
+            double worst_moe = 0.0;
+            for (int l = 0; l < Lm; l++)
+                for (int kind = 0; kind < 4; kind++) {
+                    const double ref = mv.moe_losses[((size_t)k * 4 + kind) * Lm + l];
+                    const double d = fabs(stats[l * 4 + kind] - ref) / (fabs(ref) > 1e-30 ? fabs(ref) : 1.0);
+                    if (d > worst_moe) worst_moe = d;
+                }
+            int64_t token_diff = 0, bias_diff = 0;
+            for (int i = 0; i < Lm * E; i++) {
+                token_diff += llabs((long long)tokens[i] - mv.tokens_per_expert[(size_t)k * Lm * E + i]);
+                bias_diff += stats[(size_t)Lm * 4 + i] != mv.expert_bias[(size_t)(k + 1) * Lm * E + i];
+            }
+            if (token_diff > token_diff_worst) token_diff_worst = token_diff;
+            printf("      step %2d loss %.6f ref %.6f | norm %.5f ref %.5f | moe losses worst %.2e | tokens per expert "
+                   "off by %lld | expert bias entries off %lld\n", k, r.lm_loss, v->losses[k], r.grad_norm,
+                   v->grad_norms[k], worst_moe, (long long)token_diff, (long long)bias_diff);
+            CHECK_OR_FAIL(le <= tol->steps_loss, "step %d loss rel err %.3e", k, le);
+            CHECK_OR_FAIL(ne <= 10 * tol->grads, "step %d grad norm rel err %.3e", k, ne);
+            CHECK_OR_FAIL(lre <= 1e-9 + 1e-6 * v->lrs[k], "step %d lr %.9g vs %.9g", k, r.learning_rate, v->lrs[k]);
+            CHECK_OR_FAIL(worst_moe <= tol->moe_loss, "step %d logged MoE losses off by %.3e", k, worst_moe);
+            if (tol->exact_routing) {
+                CHECK_OR_FAIL(token_diff == 0, "step %d: tokens per expert differ by %lld", k, (long long)token_diff);
+                CHECK_OR_FAIL(bias_diff == 0, "step %d: %lld expert bias entries differ", k, (long long)bias_diff);
+            } else {
+                const int64_t pairs = (int64_t)v->G * T * mv.topk * Lm;
+                CHECK_OR_FAIL(token_diff * 10 <= pairs, "step %d: tokens per expert differ by %lld of %lld", k,
+                              (long long)token_diff, (long long)pairs);
+            }
+        }
+        OK_OR_FAIL(mt_trainer_get_parameters(t, buf, &err));
+        CHECK_OR_FAIL(moe_compare_tensors("weights", &c, buf, v->params_final, tol->params, 1e30, why, sizeof(why)),
+                      "%s", why);
+        /* per tensor against the reference's own movement (tests/test_model.h says why) */
+        mt_param_info info[MT_NUM_PARAM_TENSORS];
+        mt_param_layout(&c, info);
+        for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
+            double num = 0.0, den = 0.0;
+            for (int64_t j = info[i].offset; j < info[i].offset + info[i].numel; j++) {
+                const double d = (double)buf[j] - v->params_final[j], m = (double)v->params_final[j] - v->params0[j];
+                num += d * d;
+                den += m * m;
+            }
+            if (info[i].numel == 0) continue;
+            const double ratio = den > 0 ? sqrt(num / den) : (num > 0 ? INFINITY : 0.0);
+            CHECK_OR_FAIL(ratio <= 0.5, "%s ended %.3e of its movement away from the reference", info[i].name, ratio);
+        }
+
+        /* 5. bitwise repeatable: the same S steps again give the same weights */
+        if (tol->exact_routing) {
+            float* again = (float*)malloc(sizeof(float) * (size_t)v->n);
+            mt_trainer_free(t);
+            t = NULL;
+            mt_status st = mt_trainer_create(&t, &c, &err);
+            if (st == MT_OK) st = mt_trainer_set_parameters(t, v->params0, &err);
+            for (int k = 0; k < v->S && st == MT_OK; k++) {
+                mt_step_result r;
+                st = mt_trainer_train_step(t, v->tokens + (size_t)k * v->G * (T + 1), &r, &err);
+            }
+            if (st == MT_OK) st = mt_trainer_get_parameters(t, again, &err);
+            const int same = st == MT_OK && !memcmp(again, buf, sizeof(float) * (size_t)v->n);
+            free(again);
+            OK_OR_FAIL(st);
+            printf("      rerun: weights bitwise %s\n", same ? "equal" : "DIFFERENT");
+            CHECK_OR_FAIL(same, "a rerun of the %d steps gave other weights", v->S);
+        }
+    }
+done:
+#undef CHECK_OR_FAIL
+#undef OK_OR_FAIL
+    if (t) mt_trainer_free(t);
+    free(buf);
+    free(stats);
+    free(tokens);
+    free(probs);
+    free(rows);
+    free(mv.g.blob);
+    return result;
+}
+
+static const moe_tolerances moe_fp32 = {1e-5, 1e-5, 1e-5, 1e-4, 1e-5, 1e-5, 1e-5, 1e-5, 1};
+static const moe_tolerances moe_bf16 = {5e-2, 2e-2, 1e-1, 1e30, 5e-2, 2e-2, 5e-3, 5e-2, 0};
+
+static test_result test_moe_mixtral_fp32(void) {
+    return check_moe_against_reference("dev/data/moe_vectors/mixtral_tiny.bin", MT_FP32, &moe_fp32);
+}
+static test_result test_moe_mixtral_bf16(void) {
+    return check_moe_against_reference("dev/data/moe_vectors/mixtral_tiny.bin", MT_BF16, &moe_bf16);
+}
+static test_result test_moe_deepseek_fp32(void) {
+    return check_moe_against_reference("dev/data/moe_vectors/deepseek_tiny_all.bin", MT_FP32, &moe_fp32);
+}
+static test_result test_moe_qwen3_fp32(void) {
+    return check_moe_against_reference("dev/data/moe_vectors/qwen3_tiny.bin", MT_FP32, &moe_fp32);
+}
+static test_result test_moe_capacity_probs_fp32(void) {
+    return check_moe_against_reference("dev/data/moe_vectors/moe_cap_probs.bin", MT_FP32, &moe_fp32);
+}
+static test_result test_moe_capacity_position_pad_fp32(void) {
+    return check_moe_against_reference("dev/data/moe_vectors/moe_cap_position_pad.bin", MT_FP32, &moe_fp32);
+}
+static test_result test_moe_shared_gate_fp32(void) {
+    return check_moe_against_reference("dev/data/moe_vectors/moe_shared_gate.bin", MT_FP32, &moe_fp32);
+}
+static test_result test_moe_deepseek_bf16(void) {
+    return check_moe_against_reference("dev/data/moe_vectors/deepseek_tiny_all.bin", MT_BF16, &moe_bf16);
+}
+
+static const test_case moe_gpu_tests[] = {
+    {"mixtral_fp32_matches_reference", test_moe_mixtral_fp32},
+    {"deepseek_fp32_matches_reference", test_moe_deepseek_fp32},
+    {"qwen3_fp32_matches_reference", test_moe_qwen3_fp32},
+    {"capacity_probs_fp32_matches_reference", test_moe_capacity_probs_fp32},
+    {"capacity_position_pad_fp32_matches_reference", test_moe_capacity_position_pad_fp32},
+    {"shared_gate_fp32_matches_reference", test_moe_shared_gate_fp32},
+    {"mixtral_bf16_matches_reference", test_moe_mixtral_bf16},
+    {"deepseek_bf16_matches_reference", test_moe_deepseek_bf16},
+};
+
+#endif /* MT_TEST_MOE_H */
