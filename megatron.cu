@@ -8043,19 +8043,21 @@ const char* mt_trainer_load_warning(const mt_trainer* t) { return t->ckpt.load_w
 static void layout_activations(mt_activations* slots, const mt_activation_layout* L, char* base) {
     for (int k = 0; k < L->num_slots; k++) {
         mt_activations* a = &slots[k];
+        void* moe_unused; void** M = &moe_unused; /* the MoE regions (megatron.h MT_ACT_MOE_*) until the model uses them */
         void** regions[MT_ACT_REGIONS] = {
             (void**)&a->ln1, (void**)&a->q, (void**)&a->k, (void**)&a->v, (void**)&a->o, (void**)&a->dk, (void**)&a->dv,
             (void**)&a->dscores, (void**)&a->dsum, (void**)&a->logits_row, (void**)&a->branch, (void**)&a->branch2,
             (void**)&a->dresidual, (void**)&a->gathered, (void**)&a->gathered_grad, (void**)&a->rows,
             (void**)&a->ce_stats, (void**)&a->inputs, (void**)&a->targets, (void**)&a->losses, (void**)&a->embed_index,
-            (void**)&a->qk_norm, (void**)&a->qk_stats, (void**)&a->residual, (void**)&a->ln1_mean, (void**)&a->ln1_rstd, (void**)&a->qkv, (void**)&a->probs,
+            (void**)&a->qk_norm, (void**)&a->qk_stats, M, M, M, M, M, M, M, M, M, M, (void**)&a->residual, (void**)&a->ln1_mean, (void**)&a->ln1_rstd, (void**)&a->qkv, (void**)&a->probs,
             (void**)&a->lse, (void**)&a->attn_out, (void**)&a->residual_mid, (void**)&a->ln2, (void**)&a->ln2_mean,
-            (void**)&a->ln2_rstd, (void**)&a->fc1, (void**)&a->act, (void**)&a->lnf, (void**)&a->lnf_mean,
+            (void**)&a->ln2_rstd, (void**)&a->fc1, (void**)&a->act, M, M, M, M, M, M, M, M, M, M, M, (void**)&a->lnf, (void**)&a->lnf_mean,
             (void**)&a->lnf_rstd, (void**)&a->logits};
         for (int r = 0; r < MT_ACT_REGIONS; r++) {
             const size_t at = L->offset[r] + (r >= MT_ACT_RESIDUAL ? (size_t)k * L->saved_bytes : 0);
             *regions[r] = L->bytes[r] ? base + at : NULL;
         }
+        static_assert(MT_ACT_REGIONS == 61, "every activation region has its pointer above");
     }
 }
 
@@ -8158,7 +8160,7 @@ static void initialise_parameters(mt_trainer* t) {
         int64_t rows, row0;
         mt_tp_rows(full, t->groups.tp.size, t->groups.tp.rank, &rows, &row0);
         init_param(&ex, t->grads + p->offset, p->numel, (int64_t)p->layer * per_layer_full, rows, full->split_inner,
-                   full->split_rows, row0, mode, std, c->seed, (uint64_t)p->tensor);
+                   full->split_rows, row0, mode, std, c->seed, (uint64_t)mt_param_init_stream(p->tensor));
     }
     set_master_from_full(t, t->grads);
     CUDA_CHECK(&t->error, cudaMemsetAsync(t->grads, 0, sizeof(float) * t->buffer.size, t->stream));

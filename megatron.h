@@ -477,6 +477,9 @@ typedef struct {
 } mt_recompute;
 
 #define MT_MAX_BATCH_SIZE_STEPS 64 /* entries of --step-batch-size-schedule */
+#define MT_MAX_MOE_PATTERN 1024    /* entries of a --moe-layer-freq list (one per layer) */
+/* --moe-router-load-balancing-type: the aux losses, bits (none: 0); their coefficients in this order */
+enum { MT_MOE_AUX_LOSS = 1, MT_MOE_SEQ_AUX_LOSS = 2, MT_MOE_GLOBAL_AUX_LOSS = 4 };
 
 typedef struct {
     /* model */
@@ -504,6 +507,38 @@ typedef struct {
                                          goes through a norm of the model's kind (weights shared by the heads),
                                          before RoPE (Megatron-Core's q_layernorm / k_layernorm) */
     mt_position_embedding position_embedding_type; /* --position-embedding-type learned_absolute|rope|none */
+    /* mixture of experts (Megatron-Core's MoE): the MLP of the layers --moe-layer-freq marks is a router,
+     * top-k experts and optionally a shared expert (dev/moe_semantics.md). Without --num-experts every
+     * other field is ignored (mt_config_finalize refuses the MoE flags without it). */
+    int num_experts;                        /* --num-experts (0: no MoE, a dense model) */
+    int moe_layer_freq;                     /* --moe-layer-freq N (1): layer l is MoE when l % N == 0 ... */
+    /* ... or a pattern: --moe-layer-freq "([0]*3+[1]*29)" / "[1,0,1]": moe_layer_pattern_len > 0 entries of
+     * 0/1, one per layer (then moe_layer_freq is ignored) */
+    unsigned char moe_layer_pattern[MT_MAX_MOE_PATTERN];
+    int moe_layer_pattern_len;
+    int moe_ffn_hidden_size;                /* --moe-ffn-hidden-size (0: --ffn-hidden-size; finalize derives it) */
+    int moe_router_topk;                    /* --moe-router-topk (2) */
+    int moe_router_score_sigmoid;           /* --moe-router-score-function sigmoid (default softmax = 0) */
+    int moe_router_pre_softmax;             /* --moe-router-pre-softmax */
+    double moe_router_topk_scaling_factor;  /* --moe-router-topk-scaling-factor (0: none) */
+    int moe_router_num_groups, moe_router_group_topk; /* --moe-router-num-groups / -group-topk (0: none) */
+    int moe_load_balancing;                 /* --moe-router-load-balancing-type: MT_MOE_* bits (none: 0);
+                                               default aux_loss */
+    double moe_aux_loss_coeff[3];           /* --moe-aux-loss-coeff, one per type in the bits' order (0: off) */
+    double moe_z_loss_coeff;                /* --moe-z-loss-coeff (0: none) */
+    int moe_router_enable_expert_bias;      /* --moe-router-enable-expert-bias (aux-loss-free balancing) */
+    double moe_router_bias_update_rate;     /* --moe-router-bias-update-rate (1e-3) */
+    int moe_router_dtype_fp32;              /* --moe-router-dtype fp32 (default: the activations' dtype) */
+    double moe_expert_capacity_factor;      /* --moe-expert-capacity-factor (0: dropless) */
+    int moe_token_drop_position;            /* --moe-token-drop-policy position (default probs = 0) */
+    int moe_pad_expert_input_to_capacity;   /* --moe-pad-expert-input-to-capacity */
+    int moe_shared_expert_intermediate_size;/* --moe-shared-expert-intermediate-size (0: none) */
+    int moe_shared_expert_gate;             /* --moe-shared-expert-gate: sigmoid gate on the shared output */
+    int moe_grouped_gemm;                   /* --moe-grouped-gemm (same math; accepted) */
+    int moe_token_dispatcher_alltoall;      /* --moe-token-dispatcher-type alltoall (default allgather = 0) */
+    int expert_model_parallel_size;         /* --expert-model-parallel-size (1) */
+    int expert_tensor_parallel_size;        /* --expert-tensor-parallel-size (0: = TP) */
+    int moe_per_layer_logging;              /* --moe-per-layer-logging */
     int apply_layernorm_1p;           /* --apply-layernorm-1p: norm weights hold w - 1 (y = (1 + w) * norm) */
     double rotary_base;               /* --rotary-base (10000) */
     double rotary_percent;            /* --rotary-percent (1.0): the first rotary_percent * d channels rotate */
@@ -682,6 +717,26 @@ MT_DEF int mt_param_lr_decoupled(int tensor);
 MT_DEF double mt_flops_per_iteration(const mt_config* cfg, int64_t global_batch_size);
 MT_DEF int64_t mt_num_parameters(const mt_config* cfg);
 
+/* Mixture of experts. mt_moe_layer: 1 when layer l (0-based) is an MoE layer (num_experts > 0 and
+ * --moe-layer-freq's int N with l % N == 0, or its pattern's entry 1); mt_moe_num_layers counts them. */
+MT_DEF int mt_moe_layer(const mt_config* cfg, int layer);
+MT_DEF int mt_moe_num_layers(const mt_config* cfg);
+/* The expert width fe (--moe-ffn-hidden-size, else --ffn-hidden-size). */
+MT_DEF int64_t mt_moe_ffn(const mt_config* cfg);
+/* Tokens one expert may take in a micro-batch of N tokens: 0 when dropless (no capacity factor), else
+ * ceil((N k / E) * factor), N k / E in double and the factor rounded to float first (as Python's
+ * ceil((N * k / E) * f32(factor)) in dev/ref_moe.py capacity_of, which is Megatron's). */
+MT_DEF int64_t mt_moe_capacity(const mt_config* cfg, int64_t tokens);
+/* The permuted rows' bound of a micro-batch of N tokens: N k dropless; with a capacity C: N k when
+ * C >= N (nothing dropped), E C when padded to capacity, else min(N k, E C). */
+MT_DEF int64_t mt_moe_max_rows(const mt_config* cfg, int64_t tokens);
+/* The trainer's MoE state (megatron.cu; the memory plan's workspace counts it), for L MoE layers of E
+ * experts: four allocations, each rounded up to 256 bytes: the expert bias [L, E] fp32, a step's tokens
+ * per expert [L, E], the global aux loss's running sums [L, E], the logged losses [L, 4] fp32. */
+#define MT__MOE_ALIGN256(x) ((((size_t)(x)) + 255) & ~(size_t)255)
+#define MT_MOE_STATE_BYTES(L, E) \
+    (3 * MT__MOE_ALIGN256((size_t)(L) * (size_t)(E) * 4) + MT__MOE_ALIGN256((size_t)(L) * 4 * 4))
+
 /* FP8: whether transformer layer l runs its linears in FP8 (FP8 on, and l outside the bf16 layers
  * of --first-last-layers-bf16). */
 MT_DEF int mt_fp8_layer(const mt_config* cfg, int layer);
@@ -703,7 +758,14 @@ MT_DEF float mt_fp8_delayed_scale(const float* history, int len, int newest, mt_
  * the norm biases with RMSNorm, the linear biases with --disable-bias-linear, the query and key
  * norms without --qk-layernorm, the output weight while it is tied to the word embeddings (so a
  * model without a switch has the same files as before the switch existed). f1 = 2f with SwiGLU
- * (gate rows, then up rows), else f. The per-layer tensors are MT_P_LN1_WEIGHT .. MT_P_FC2_BIAS. */
+ * (gate rows, then up rows), else f. The per-layer tensors are MT_P_LN1_WEIGHT .. MT_P_LAST_LAYER_TENSOR
+ * (mt_param_per_layer); each is stacked over the layers that have it: the dense MLP's (fc1, fc2) over
+ * the dense layers, the MoE tensors (router .. shared gate, dev/ref_moe.py's canonical order) over the
+ * MoE layers (mt_moe_layer), every other one over all layers. A dense model has no MoE tensors (numel
+ * 0), so its files and layouts are those of before MoE existed; this build (phase 1) runs MoE models
+ * whose every layer is MoE (mt_config_check_supported), where the dense MLP's tensors have numel 0.
+ * MoE shapes: E experts, fe = mt_moe_ffn, f1e = 2 fe with SwiGLU (each expert's gate rows, then its up
+ * rows), fs = --moe-shared-expert-intermediate-size, fs1 = 2 fs with SwiGLU. */
 enum {
     MT_P_WORD_EMBEDDINGS = 0, /* [Vp, h] */
     MT_P_POSITION_EMBEDDINGS, /* [P, h]  (learned_absolute only) */
@@ -723,11 +785,36 @@ enum {
     MT_P_FC1_BIAS,            /* [L, f1] */
     MT_P_FC2_WEIGHT,          /* [L, h, f] */
     MT_P_FC2_BIAS,            /* [L, h] */
+    MT_P_ROUTER_WEIGHT,       /* [L, E, h]      whole on every TP rank */
+    MT_P_ROUTER_BIAS,         /* [L, E]         (--add-bias-linear only) */
+    MT_P_EXPERT_FC1_WEIGHT,   /* [L, E, f1e, h] each expert's rows cut over TP like fc1's (ETP = TP) */
+    MT_P_EXPERT_FC1_BIAS,     /* [L, E, f1e]    (--add-bias-linear only) */
+    MT_P_EXPERT_FC2_WEIGHT,   /* [L, E, h, fe]  each expert's input columns cut over TP like fc2's */
+    MT_P_EXPERT_FC2_BIAS,     /* [L, E, h]      (--add-bias-linear only) whole */
+    MT_P_SHARED_FC1_WEIGHT,   /* [L, fs1, h]    (shared expert) as fc1 */
+    MT_P_SHARED_FC2_WEIGHT,   /* [L, h, fs]     (shared expert) as fc2 */
+    MT_P_SHARED_GATE_WEIGHT,  /* [L, h]         (--moe-shared-expert-gate) whole */
     MT_P_FINAL_LN_WEIGHT,     /* [h] */
     MT_P_FINAL_LN_BIAS,       /* [h]     (LayerNorm only) */
     MT_P_OUTPUT_WEIGHT,       /* [Vp, h] (--untie-embeddings-and-output-weights only) */
-    MT_NUM_PARAM_TENSORS
+    MT_NUM_PARAM_TENSORS,
+    MT_P_LAST_LAYER_TENSOR = MT_P_SHARED_GATE_WEIGHT /* the per-layer tensors: MT_P_LN1_WEIGHT .. this */
 };
+/* 1 for the per-layer tensors (stacked over layers), 0 for the embeddings, final norm, output layer. */
+static inline int mt_param_per_layer(int tensor) { return tensor >= MT_P_LN1_WEIGHT && tensor <= MT_P_LAST_LAYER_TENSOR; }
+/* 1 for the MoE layers' tensors (router .. shared gate), which only MoE layers have. */
+static inline int mt_param_moe(int tensor) { return tensor >= MT_P_ROUTER_WEIGHT && tensor <= MT_P_SHARED_GATE_WEIGHT; }
+/* The random stream a tensor's initial values are drawn from: its index in the order of before the MoE
+ * tensors existed (so a dense model's initial weights are those it always had), the MoE tensors after
+ * all of those. */
+static inline int mt_param_init_stream(int tensor) {
+    const int moe = MT_P_SHARED_GATE_WEIGHT - MT_P_ROUTER_WEIGHT + 1;
+    return tensor < MT_P_ROUTER_WEIGHT ? tensor : tensor > MT_P_SHARED_GATE_WEIGHT ? tensor - moe
+                                                                                    : tensor - MT_P_ROUTER_WEIGHT + MT_NUM_PARAM_TENSORS - moe;
+}
+/* Whether layer `layer` has per-layer tensor `tensor`: the MoE tensors in MoE layers (mt_moe_layer), the
+ * dense MLP's (fc1, fc2 and their biases) in the other layers, every other per-layer tensor in all. */
+MT_DEF int mt_param_layer_has(const mt_config* cfg, int tensor, int layer);
 typedef struct {
     const char* name;
     int64_t numel;
@@ -1031,19 +1118,50 @@ MT_DEF int mt_flash_attention(const mt_config* cfg);
 
 /* The activation arena of one pipeline rank (megatron.cu section 16 names each region): regions in
  * this order, each at a 256-byte-aligned offset; a region of 0 bytes does not exist in this config.
- * First the scratch every micro-batch shares (MT_ACT_LN1 .. MT_ACT_QK_STATS), then num_slots
+ * First the scratch every micro-batch shares (MT_ACT_LN1 .. MT_ACT_MOE_STATS), then num_slots
  * slots one after another, each a copy of the saved regions (MT_ACT_RESIDUAL .. MT_ACT_LOGITS: what
  * one micro-batch's pass through one model chunk keeps for its backward, sized for the rank's
- * largest chunk; the final norm's output and the logits only on the rank that holds the head). */
+ * largest chunk; the final norm's output and the logits only on the rank that holds the head).
+ * Mixture of experts (0 bytes without --num-experts), per MoE layer, for a micro-batch of N = B S
+ * tokens (B sequences), E experts, Rmax = mt_moe_max_rows(cfg, N) permuted rows, fe = mt_moe_ffn,
+ * f1e = 2 fe with SwiGLU (else fe), T = the model type (fp32 or 16-bit): scratch MT_ACT_MOE_XPERM ..
+ * MT_ACT_MOE_STATS (see the enum), saved per layer MT_ACT_MOE_LOGITS .. MT_ACT_MOE_GATE, after the dense
+ * layer regions (the per-layer regions stay together, before the head's). In an MoE layer MT_ACT_FC1 and
+ * MT_ACT_ACT hold the shared expert's fc1 output [N, fs1] and activation [N, fs] (0 bytes without a
+ * shared expert when every layer is MoE). */
+#define MT_MOE_WORK_WORDS(N, E, B) (2 * (int64_t)(N) * (E) + 4 * (int64_t)(B) * (E) + 16 * (int64_t)(E) + 256)
 enum {
     MT_ACT_LN1 = 0, MT_ACT_Q, MT_ACT_K, MT_ACT_V, MT_ACT_O, MT_ACT_DK, MT_ACT_DV, MT_ACT_DSCORES, MT_ACT_DSUM,
     MT_ACT_LOGITS_ROW, MT_ACT_BRANCH, MT_ACT_BRANCH2, MT_ACT_DRESIDUAL, MT_ACT_GATHERED, MT_ACT_GATHERED_GRAD,
     MT_ACT_ROWS, MT_ACT_CE_STATS, MT_ACT_INPUTS, MT_ACT_TARGETS, MT_ACT_LOSSES, MT_ACT_EMBED_INDEX,
     MT_ACT_QK_NORM, MT_ACT_QK_STATS, /* --qk-layernorm: the normalised QKV rows and their mean and 1/std */
+    /* MoE scratch */
+    MT_ACT_MOE_XPERM,    /* [Rmax, h] T      the layer input's rows permuted (forward), again in the backward */
+    MT_ACT_MOE_Y,        /* [Rmax, h] T      the experts' output rows, then their gradient */
+    MT_ACT_MOE_DZ,       /* [Rmax, f1e] T    d(expert fc1 output) */
+    MT_ACT_MOE_DACT,     /* [Rmax, fe] T     d(expert activation) */
+    MT_ACT_MOE_DLOGITS,  /* [N, E] fp32 */
+    MT_ACT_MOE_DPROBS,   /* [N, E] fp32 */
+    MT_ACT_MOE_X32,      /* [N, h] fp32      the router's input in fp32 (T not fp32 only), also its gradient */
+    MT_ACT_MOE_W32,      /* [E, h] fp32      the router weight in fp32 (T not fp32 only) */
+    MT_ACT_MOE_WORK,     /* int32 [MT_MOE_WORK_WORDS(N, E, B)] */
+    MT_ACT_MOE_STATS,    /* (B + 1) E int32, then (B + 1) E + 64 fp32: one micro-batch's aux statistics */
     MT_ACT_RESIDUAL, /* the first saved region */
     MT_ACT_LN1_MEAN, MT_ACT_LN1_RSTD, MT_ACT_QKV, MT_ACT_PROBS, MT_ACT_LSE, MT_ACT_ATTN_OUT, MT_ACT_RESIDUAL_MID,
-    MT_ACT_LN2, MT_ACT_LN2_MEAN, MT_ACT_LN2_RSTD, MT_ACT_FC1, MT_ACT_ACT, MT_ACT_LNF, MT_ACT_LNF_MEAN,
-    MT_ACT_LNF_RSTD, MT_ACT_LOGITS, MT_ACT_REGIONS
+    MT_ACT_LN2, MT_ACT_LN2_MEAN, MT_ACT_LN2_RSTD, MT_ACT_FC1, MT_ACT_ACT,
+    /* MoE, saved per layer */
+    MT_ACT_MOE_LOGITS,   /* [L, N, E] fp32   router logits */
+    MT_ACT_MOE_PROBS,    /* [L, N, E] fp32   final probabilities */
+    MT_ACT_MOE_ROW,      /* [L, N, E] int32  permuted row of (token, expert), -1 off the map */
+    MT_ACT_MOE_TOKEN,    /* [L, Rmax] int32  token row of each permuted row */
+    MT_ACT_MOE_ROW_PROB, /* [L, Rmax] fp32   each permuted row's probability */
+    MT_ACT_MOE_COUNTS,   /* [L, 2E + 1] int32 rows per expert, then the row offsets (E + 1) */
+    MT_ACT_MOE_AUXW,     /* [L, B, E] fp32   the aux losses' gradient weights (0 bytes without aux losses) */
+    MT_ACT_MOE_FC1,      /* [L, Rmax, f1e] T the experts' fc1 output */
+    MT_ACT_MOE_ACT,      /* [L, Rmax, fe] T  the experts' activation times the probability */
+    MT_ACT_MOE_SHARED,   /* [L, N, h] T      the shared expert's output before its gate (with the gate only) */
+    MT_ACT_MOE_GATE,     /* [L, N] fp32      the gate's sigmoid (with the gate only) */
+    MT_ACT_LNF, MT_ACT_LNF_MEAN, MT_ACT_LNF_RSTD, MT_ACT_LOGITS, MT_ACT_REGIONS
 };
 typedef struct {
     size_t offset[MT_ACT_REGIONS];  /* scratch: in the arena; saved: slot 0's (slot k's is k x saved_bytes on) */
@@ -1228,8 +1346,15 @@ enum {
                           * before manifests, read with a warning) */
     MT_CK_SQUARED_RELU,  /* --squared-relu: the MLP's activation is relu(x)^2 (0 in older files) */
     MT_CK_QK_LAYERNORM,  /* --qk-layernorm: per-head norms of the queries and keys (0 in older files) */
+    /* mixture of experts (0 in every word: a dense model, and every older file): --num-experts, the expert
+     * width (mt_moe_ffn), --moe-shared-expert-intermediate-size, --moe-shared-expert-gate, how many layers
+     * are MoE and a hash of which (mt_moe_layers_hash) */
+    MT_CK_NUM_EXPERTS, MT_CK_MOE_FFN, MT_CK_MOE_SHARED, MT_CK_MOE_SHARED_GATE, MT_CK_MOE_LAYERS, MT_CK_MOE_LAYERS_HASH,
     MT_CK_HEADER_WORDS = 64
 };
+/* Which layers are MoE, as one number for the checkpoint header: FNV-1a (64 bits) over mt_moe_layer of
+ * every layer, 0 for a dense model. */
+MT_DEF int64_t mt_moe_layers_hash(const mt_config* cfg);
 /* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
  * shape, parameter count, precision, seed, parallel sizes (progress words stay 0, and so does
  * MT_CK_MANIFESTED: a writer sets it to 1 when it commits the checkpoint with a manifest, which every
@@ -3478,6 +3603,12 @@ MT_DEF void mt_config_defaults(mt_config* cfg) {
     cfg->num_layers_at_end_in_bf16 = 1;
     cfg->optimizer_offload_fraction = 1.0;
     cfg->distributed_timeout_minutes = 10.0;
+    /* mixture of experts: Megatron's defaults (no experts: a dense model) */
+    cfg->moe_layer_freq = 1;
+    cfg->moe_router_topk = 2;
+    cfg->moe_load_balancing = MT_MOE_AUX_LOSS;
+    cfg->moe_router_bias_update_rate = 1e-3;
+    cfg->expert_model_parallel_size = 1;
 }
 
 MT_DEF int64_t mt_padded_vocab_size(int64_t vocab_size, int divisible_by, int tensor_parallel_size) {
@@ -3572,6 +3703,44 @@ MT_DEF mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
             return mt_fail(err, MT_ERR_CONFIG, "FP8 GEMMs need %s (%lld) to be a multiple of %d", dims[i].what,
                            (long long)dims[i].n, multiple);
     return MT_OK;
+}
+
+MT_DEF int mt_moe_layer(const mt_config* c, int layer) {
+    if (c->num_experts <= 0 || layer < 0 || layer >= c->num_layers) return 0;
+    if (c->moe_layer_pattern_len > 0)
+        return layer < c->moe_layer_pattern_len && layer < MT_MAX_MOE_PATTERN && c->moe_layer_pattern[layer] != 0;
+    return c->moe_layer_freq > 0 && layer % c->moe_layer_freq == 0;
+}
+
+MT_DEF int mt_moe_num_layers(const mt_config* c) {
+    int n = 0;
+    for (int l = 0; c->num_experts > 0 && l < c->num_layers; l++) n += mt_moe_layer(c, l);
+    return n;
+}
+
+MT_DEF int64_t mt_moe_ffn(const mt_config* c) {
+    return c->moe_ffn_hidden_size > 0 ? c->moe_ffn_hidden_size : c->ffn_hidden_size;
+}
+
+MT_DEF int64_t mt_moe_capacity(const mt_config* c, int64_t tokens) {
+    if (c->num_experts <= 0 || !(c->moe_expert_capacity_factor > 0)) return 0;
+    const double per_expert = (double)tokens * (double)c->moe_router_topk / (double)c->num_experts;
+    const double v = ceil(per_expert * (double)(float)c->moe_expert_capacity_factor);
+    return v >= 9.2e18 ? INT64_MAX : (int64_t)v;
+}
+
+MT_DEF int64_t mt_moe_max_rows(const mt_config* c, int64_t tokens) {
+    if (c->num_experts <= 0) return 0;
+    int64_t pairs, cap_rows;
+    if (mt_mul_overflows_i64(tokens, c->moe_router_topk, &pairs)) return INT64_MAX;
+    const int64_t C = mt_moe_capacity(c, tokens);
+    if (C <= 0) return pairs;
+    /* padded: every expert exactly min(C, N) rows (C > N pads each to all N tokens; refused, still bounded) */
+    if (c->moe_pad_expert_input_to_capacity)
+        return mt_mul_overflows_i64(C < tokens ? C : tokens, c->num_experts, &cap_rows) ? INT64_MAX : cap_rows;
+    if (C >= tokens) return pairs;
+    if (mt_mul_overflows_i64(C, c->num_experts, &cap_rows)) return INT64_MAX;
+    return pairs < cap_rows ? pairs : cap_rows;
 }
 
 MT_DEF int mt_fp8_layer(const mt_config* c, int layer) {
@@ -4262,6 +4431,10 @@ static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* in
     int64_t V = c->padded_vocab_size, untied = c->untie_embeddings_and_output_weights != 0;
     int64_t glu = c->swiglu ? 2 : 1, qk = c->qk_layernorm != 0, d = c->kv_channels;
     int norm_w = c->apply_layernorm_1p ? 0 : 1; /* --apply-layernorm-1p: the weights hold w - 1, from 0 */
+    /* MoE: the dense MLP's tensors over the Ld dense layers, the MoE tensors over the Lm MoE layers */
+    const int64_t Lm = mt_moe_num_layers(c), Ld = L - Lm, E = c->num_experts > 0 ? c->num_experts : 0;
+    const int64_t fe = mt_moe_ffn(c), fs = c->moe_shared_expert_intermediate_size > 0 ? c->moe_shared_expert_intermediate_size : 0;
+    const int64_t shared = fs > 0, gate = shared && c->moe_shared_expert_gate;
     struct { const char* name; int64_t layers, outer, rows, inner; int split, wd, init; } t[MT_NUM_PARAM_TENSORS] = {
         /* name                 layers        outer rows       inner split wd init */
         {"word_embeddings",     1,            1,    V,         h,    1, 1, 2},
@@ -4278,10 +4451,19 @@ static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* in
         {"proj_bias",           bias * L,     1,    h,         1,    0, 0, 0},
         {"ln2_weight",          L,            1,    h,         1,    0, 0, norm_w},
         {"ln2_bias",            ln_bias * L,  1,    h,         1,    0, 0, 0},
-        {"fc1_weight",          L,            glu,  f,         h,    1, 1, 2},
-        {"fc1_bias",            bias * L,     glu,  f,         1,    1, 0, 0},
-        {"fc2_weight",          L,            h,    f,         1,    1, 1, 3},
-        {"fc2_bias",            bias * L,     1,    h,         1,    0, 0, 0},
+        {"fc1_weight",          Ld,           glu,  f,         h,    1, 1, 2},
+        {"fc1_bias",            bias * Ld,    glu,  f,         1,    1, 0, 0},
+        {"fc2_weight",          Ld,           h,    f,         1,    1, 1, 3},
+        {"fc2_bias",            bias * Ld,    1,    h,         1,    0, 0, 0},
+        {"router_weight",       Lm,           1,    E,         h,    0, 1, 2}, /* whole on every TP rank */
+        {"router_bias",         bias * Lm,    1,    E,         1,    0, 0, 0},
+        {"expert_fc1_weight",   Lm,           E * glu, fe,     h,    1, 1, 2}, /* each expert as fc1 */
+        {"expert_fc1_bias",     bias * Lm,    E * glu, fe,     1,    1, 0, 0},
+        {"expert_fc2_weight",   Lm,           E * h, fe,       1,    1, 1, 3}, /* each expert as fc2 */
+        {"expert_fc2_bias",     bias * Lm,    E,    h,         1,    0, 0, 0},
+        {"shared_fc1_weight",   shared * Lm,  glu,  fs,        h,    1, 1, 2},
+        {"shared_fc2_weight",   shared * Lm,  h,    fs,        1,    1, 1, 3},
+        {"shared_gate_weight",  gate * Lm,    1,    h,         1,    0, 1, 2},
         {"final_ln_weight",     1,            1,    h,         1,    0, 0, norm_w},
         {"final_ln_bias",       ln_bias,      1,    h,         1,    0, 0, 0},
         {"output_weight",       untied,       1,    V,         h,    1, 1, 2},
@@ -4307,6 +4489,13 @@ static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* in
 }
 
 MT_DEF int64_t mt_param_layout(const mt_config* c, mt_param_info* info) { return mt__param_layout_tp(c, 1, info); }
+
+MT_DEF int mt_param_layer_has(const mt_config* c, int tensor, int layer) {
+    if (!mt_param_per_layer(tensor) || layer < 0 || layer >= c->num_layers) return 0;
+    if (mt_param_moe(tensor)) return mt_moe_layer(c, layer);
+    if (tensor >= MT_P_FC1_WEIGHT && tensor <= MT_P_FC2_BIAS) return !mt_moe_layer(c, layer);
+    return 1;
+}
 
 MT_DEF int64_t mt_param_layout_shard(const mt_config* c, mt_param_info* info) {
     return mt__param_layout_tp(c, c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1, info);
@@ -4354,7 +4543,6 @@ MT_DEF int mt_rank_of(const mt_config* c, mt_rank_coords r) {
     return r.tp + c->tensor_model_parallel_size * (r.dp + c->data_parallel_size * r.pp);
 }
 
-static int mt__param_in_layers(int tensor) { return tensor >= MT_P_LN1_WEIGHT && tensor <= MT_P_FC2_BIAS; }
 
 /* A pipeline rank's tensors: numel set to 0 in info[] for the rest (the last stage's word embeddings
  * only while tied); returns how many layers it holds. */
@@ -4362,7 +4550,7 @@ static int mt__pp_held(const mt_pp_stage* st, int L, mt_param_info* info) {
     int held_layers = 0;
     for (int l = 0; l < L; l++) held_layers += mt_pp_holds(st, MT_P_LN1_WEIGHT, l);
     for (int tsr = 0; tsr < MT_NUM_PARAM_TENSORS; tsr++) {
-        int keep = mt__param_in_layers(tsr) ? held_layers > 0 : mt_pp_holds(st, tsr, 0);
+        int keep = mt_param_per_layer(tsr) ? held_layers > 0 : mt_pp_holds(st, tsr, 0);
         if (tsr == MT_P_WORD_EMBEDDINGS && !st->embedding && info[MT_P_OUTPUT_WEIGHT].numel > 0) keep = 0;
         if (!keep) info[tsr].numel = 0;
     }
@@ -4378,7 +4566,7 @@ MT_DEF void mt_pp_stage_copy(const mt_config* c, const mt_pp_stage* st, float* f
     int64_t at = 0;
     for (int tsr = 0; tsr < MT_NUM_PARAM_TENSORS; tsr++) {
         if (held[tsr].numel == 0) continue;
-        int layered = mt__param_in_layers(tsr);
+        int layered = mt_param_per_layer(tsr);
         int64_t per = layered ? all[tsr].numel / L : all[tsr].numel;
         for (int l = 0; l < (layered ? L : 1); l++) {
             if (layered && !mt_pp_holds(st, tsr, l)) continue;
@@ -4491,6 +4679,13 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
     mt_param_info info[MT_NUM_PARAM_TENSORS];
     mt_param_layout_shard(c, info); /* this tensor-parallel rank's shard */
     int L = c->num_layers, dp = c->data_parallel_size > 0 ? c->data_parallel_size : 1;
+    /* every per-layer tensor is stacked over all L layers or none (each layer's slice numel / L): an MoE
+     * model with dense layers would stack fc1/fc2 and the MoE tensors over parts of them (not built yet,
+     * mt_config_check_supported refuses it) */
+    const int moe_layers = mt_moe_num_layers(c);
+    if (moe_layers > 0 && moe_layers < L)
+        return mt_fail(err, MT_ERR_CONFIG, "an MoE model with dense layers (--moe-layer-freq marks %d of %d layers) is "
+                       "not built yet: give --moe-layer-freq 1", moe_layers, L);
     int pp_rank = c->world_size > 0 && c->data_parallel_size > 0 && c->rank >= 0 && c->rank < c->world_size
                       ? mt_rank_coordinates(c, c->rank).pp : 0;
     mt_status st = mt_pp_stage_of(c, pp_rank, &b->stage, err);
@@ -4500,7 +4695,7 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
     int64_t canonical_base[MT_NUM_PARAM_TENSORS], running = 0;
     for (int tsr = 0; tsr < MT_NUM_PARAM_TENSORS; tsr++) {
         canonical_base[tsr] = running;
-        running += mt__param_in_layers(tsr) ? info[tsr].numel / L * held_layers : info[tsr].numel;
+        running += mt_param_per_layer(tsr) ? info[tsr].numel / L * held_layers : info[tsr].numel;
     }
     b->canonical_size = running;
     /* model order (Megatron's module.parameters()): embeddings, each layer, final norm, output
@@ -4511,7 +4706,7 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
     int per_layer = 0, num_order = 0;
     for (size_t i = 0; i < sizeof(outside) / sizeof(outside[0]); i++) {
         if (outside[i] < 0) { /* the layers */
-            for (int tsr = MT_P_LN1_WEIGHT; tsr <= MT_P_FC2_BIAS; tsr++)
+            for (int tsr = MT_P_LN1_WEIGHT; tsr <= MT_P_LAST_LAYER_TENSOR; tsr++)
                 if (info[tsr].numel > 0) { order[num_order++] = tsr; per_layer++; }
         } else if (info[outside[i]].numel > 0) {
             order[num_order++] = outside[i];
@@ -4535,11 +4730,11 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
     /* walk the model order backwards */
     int k = 0;
     for (int o = num_order - 1; o >= 0; o--) {
-        int tensor = order[o], layered = mt__param_in_layers(tensor);
+        int tensor = order[o], layered = mt_param_per_layer(tensor);
         /* a run of per-layer tensors: walk layers L-1..0, each layer's tensors in reverse */
         if (layered) {
             int first = o;
-            while (first > 0 && mt__param_in_layers(order[first - 1])) first--;
+            while (first > 0 && mt_param_per_layer(order[first - 1])) first--;
             int held_below = held_layers; /* held layers below `layer` + 1 */
             for (int layer = L - 1; layer >= 0; layer--) {
                 if (!mt_pp_holds(&b->stage, MT_P_LN1_WEIGHT, layer)) continue;
@@ -4588,7 +4783,7 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
             bk->ready_layer = L;
             for (int j = first; j <= i; j++) {
                 const mt_buffer_param* q = &b->params[j];
-                int ready = mt__param_in_layers(q->tensor) ? q->layer
+                int ready = mt_param_per_layer(q->tensor) ? q->layer
                             : (q->tensor >= MT_P_FINAL_LN_WEIGHT ? L : -1); /* final norm, output layer: L */
                 if (ready < bk->ready_layer) bk->ready_layer = ready;
             }
@@ -4878,9 +5073,20 @@ MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int hea
     const int64_t heads_elems = mt__size_mul3(B * heads, S, d), group_elems = mt__size_mul3(B * groups, S, d);
     const int64_t score_elems = mt__size_mul3(B * heads, S, S), lse = mt__size_mul3(B * heads, S, 4);
     const int64_t Rh = mt__size_mul3(R, h, e), BTwide_e = mt__size_mul(BT, e);
+    /* mixture of experts (moe_layers 0: none); the shared expert is tensor-parallel like the dense MLP */
+    const int64_t moe_layers = mt_moe_num_layers(c), E = moe_layers ? c->num_experts : 0;
+    const int64_t fe = moe_layers ? mt_moe_ffn(c) / tp : 0, f1e = c->swiglu ? 2 * fe : fe;
+    const int64_t fs = moe_layers ? c->moe_shared_expert_intermediate_size / tp : 0, fs1 = c->swiglu ? 2 * fs : fs;
+    const int64_t Rmax = moe_layers ? mt_moe_max_rows(c, BT) : 0, NE4 = mt__size_mul3(BT, E, 4);
+    const int gate = moe_layers && fs > 0 && c->moe_shared_expert_gate;
+    int aux = 0;
+    for (int k = 0; k < 3; k++) aux |= (c->moe_load_balancing & (1 << k)) && c->moe_aux_loss_coeff[k] > 0;
+    const int64_t mlp_f1 = moe_layers == c->num_layers ? fs1 : (f1 > fs1 ? f1 : fs1);
+    const int64_t mlp_f = moe_layers == c->num_layers ? fs : (f > fs ? f : fs);
     int64_t wide = h;
     if (qkv_width > wide) wide = qkv_width;
     if (f1 > wide) wide = f1;
+    if (fs1 > wide) wide = fs1;
     if (attn_width > wide) wide = attn_width;
     /* bytes: per layer for the per-layer saved regions, else of the region; 0 where the config has none */
     int64_t per_layer[MT_ACT_REGIONS] = {0}, once[MT_ACT_REGIONS] = {0};
@@ -4909,6 +5115,16 @@ MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int hea
      * kept QKV rows where attention reads them (forward and backward), with every head's mean and 1/std */
     once[MT_ACT_QK_NORM] = c->qk_layernorm ? mt__size_mul(BTwide_e, qkv_width) : 0;
     once[MT_ACT_QK_STATS] = c->qk_layernorm ? mt__size_mul3(BT, heads + groups, 2 * 4) : 0;
+    once[MT_ACT_MOE_XPERM] = mt__size_mul3(Rmax, h, e);
+    once[MT_ACT_MOE_Y] = mt__size_mul3(Rmax, h, e);
+    once[MT_ACT_MOE_DZ] = mt__size_mul3(Rmax, f1e, e);
+    once[MT_ACT_MOE_DACT] = mt__size_mul3(Rmax, fe, e);
+    once[MT_ACT_MOE_DLOGITS] = NE4;
+    once[MT_ACT_MOE_DPROBS] = NE4;
+    once[MT_ACT_MOE_X32] = e != 4 && E ? mt__size_mul3(BT, h, 4) : 0;
+    once[MT_ACT_MOE_W32] = e != 4 ? mt__size_mul3(E, h, 4) : 0;
+    once[MT_ACT_MOE_WORK] = E ? mt__size_mul(MT_MOE_WORK_WORDS(BT, E, B), 4) : 0;
+    once[MT_ACT_MOE_STATS] = E ? (2 * (B + 1) * E + 64) * 4 : 0;
     per_layer[MT_ACT_RESIDUAL] = Rh; /* L + 1 of them: each layer's input and the chunk's output */
     per_layer[MT_ACT_LN1_MEAN] = R * 4;
     per_layer[MT_ACT_LN1_RSTD] = R * 4;
@@ -4920,8 +5136,19 @@ MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int hea
     per_layer[MT_ACT_LN2] = Rh;
     per_layer[MT_ACT_LN2_MEAN] = R * 4;
     per_layer[MT_ACT_LN2_RSTD] = R * 4;
-    per_layer[MT_ACT_FC1] = mt__size_mul(BTwide_e, f1);
-    per_layer[MT_ACT_ACT] = mt__size_mul(BTwide_e, f);
+    per_layer[MT_ACT_FC1] = mt__size_mul(BTwide_e, moe_layers ? mlp_f1 : f1); /* MoE: the shared expert's */
+    per_layer[MT_ACT_ACT] = mt__size_mul(BTwide_e, moe_layers ? mlp_f : f);
+    per_layer[MT_ACT_MOE_LOGITS] = NE4;
+    per_layer[MT_ACT_MOE_PROBS] = NE4;
+    per_layer[MT_ACT_MOE_ROW] = NE4;
+    per_layer[MT_ACT_MOE_TOKEN] = mt__size_mul(Rmax, 4);
+    per_layer[MT_ACT_MOE_ROW_PROB] = mt__size_mul(Rmax, 4);
+    per_layer[MT_ACT_MOE_COUNTS] = E ? (2 * E + 1) * 4 : 0;
+    per_layer[MT_ACT_MOE_AUXW] = aux ? mt__size_mul3(B, E, 4) : 0;
+    per_layer[MT_ACT_MOE_FC1] = mt__size_mul3(Rmax, f1e, e);
+    per_layer[MT_ACT_MOE_ACT] = mt__size_mul3(Rmax, fe, e);
+    per_layer[MT_ACT_MOE_SHARED] = gate ? mt__size_mul(BTwide_e, h) : 0;
+    per_layer[MT_ACT_MOE_GATE] = gate ? BT * 4 : 0;
     once[MT_ACT_LNF] = head ? Rh : 0;
     once[MT_ACT_LNF_MEAN] = head ? R * 4 : 0;
     once[MT_ACT_LNF_RSTD] = head ? R * 4 : 0;
@@ -5050,7 +5277,11 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
         p->num_layers += stage->num_layers[k];
         if (stage->num_layers[k] > largest) largest = stage->num_layers[k];
     }
-    for (int l = 0; l < c->num_layers; l++) fp8_layers += mt_pp_holds(stage, MT_P_LN1_WEIGHT, l) && mt_fp8_layer(c, l);
+    int moe_layers = 0; /* the MoE layers this rank holds (their trainer state) */
+    for (int l = 0; l < c->num_layers; l++) {
+        fp8_layers += mt_pp_holds(stage, MT_P_LN1_WEIGHT, l) && mt_fp8_layer(c, l);
+        moe_layers += mt_pp_holds(stage, MT_P_LN1_WEIGHT, l) && mt_moe_layer(c, l);
+    }
     p->num_parameters = B.canonical_size;
     p->buffer_elements = B.size;
     for (int b = 0; b < B.num_buckets; b++) p->shard_elements += (B.buckets[b].end - B.buckets[b].start) / (sharded ? dp : 1);
@@ -5083,6 +5314,8 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
                                                               ? (int64_t)c->micro_batch_size * c->seq_length / tp
                                                               : (int64_t)c->micro_batch_size * c->seq_length,
                                                           c->hidden_size, (int64_t)elem));
+    if (moe_layers) /* the trainer's MoE state: expert bias, tokens per expert, global aux sums, logged losses */
+        workspace = mt__size_add(workspace, (int64_t)MT_MOE_STATE_BYTES(moe_layers, c->num_experts));
     p->workspace_bytes = (size_t)workspace;
     if (c->fp8_format != MT_FP8_NONE) {
         mt_fp8_arena_layout f;
@@ -5460,6 +5693,39 @@ MT_DEF void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
     h[MT_CK_QK_LAYERNORM] = c->qk_layernorm != 0;
     memcpy(&h[MT_CK_NORM_EPS_BITS], &c->norm_epsilon, sizeof(double));
     h[MT_CK_TRUE_VOCAB] = c->vocab_size;
+    if (mt_moe_num_layers(c) > 0) {
+        h[MT_CK_NUM_EXPERTS] = c->num_experts;
+        h[MT_CK_MOE_FFN] = mt_moe_ffn(c);
+        h[MT_CK_MOE_SHARED] = c->moe_shared_expert_intermediate_size;
+        h[MT_CK_MOE_SHARED_GATE] = c->moe_shared_expert_intermediate_size > 0 && c->moe_shared_expert_gate;
+        h[MT_CK_MOE_LAYERS] = mt_moe_num_layers(c);
+        h[MT_CK_MOE_LAYERS_HASH] = mt_moe_layers_hash(c);
+    }
+}
+
+MT_DEF int64_t mt_moe_layers_hash(const mt_config* c) {
+    if (mt_moe_num_layers(c) == 0) return 0;
+    uint64_t x = 14695981039346656037ULL;
+    for (int l = 0; l < c->num_layers; l++) x = (x ^ (uint64_t)(mt_moe_layer(c, l) ? 1 : 0)) * 1099511628211ULL;
+    return (int64_t)x;
+}
+
+/* The MoE fields of a header's model: the layers from the hash, as the --moe-layer-freq N that gives it
+ * (the only kind of pattern this build writes: every layer MoE, N = 1); 0 when none does. */
+static int mt__moe_from_header(mt_config* c, const int64_t* h) {
+    c->num_experts = (int)h[MT_CK_NUM_EXPERTS];
+    c->moe_ffn_hidden_size = (int)h[MT_CK_MOE_FFN];
+    c->moe_shared_expert_intermediate_size = (int)h[MT_CK_MOE_SHARED];
+    c->moe_shared_expert_gate = h[MT_CK_MOE_SHARED_GATE] != 0;
+    c->moe_layer_pattern_len = 0;
+    c->moe_layer_freq = 1;
+    if (c->num_experts <= 0) return 1;
+    for (int n = 1; n <= c->num_layers; n++) {
+        c->moe_layer_freq = n;
+        if (mt_moe_num_layers(c) == h[MT_CK_MOE_LAYERS] && mt_moe_layers_hash(c) == h[MT_CK_MOE_LAYERS_HASH]) return 1;
+    }
+    c->moe_layer_freq = 1;
+    return 0;
 }
 
 MT_DEF void mt_config_from_checkpoint_header(mt_config* c, const int64_t* h) {
@@ -5489,6 +5755,7 @@ MT_DEF void mt_config_from_checkpoint_header(mt_config* c, const int64_t* h) {
     c->squared_relu = h[MT_CK_SQUARED_RELU] != 0;
     c->qk_layernorm = h[MT_CK_QK_LAYERNORM] != 0;
     if (h[MT_CK_NORM_EPS_BITS]) memcpy(&c->norm_epsilon, &h[MT_CK_NORM_EPS_BITS], sizeof(double));
+    mt__moe_from_header(c, h);
 }
 
 MT_DEF mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, mt_config* cfg_out, mt_error* err) {
@@ -5536,6 +5803,11 @@ MT_DEF mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, 
         {MT_CK_DDP_OVERLAP, 0, 2, "the distributed optimizer's --overlap-grad-reduce"},
         {MT_CK_DDP_BUCKET_SIZE, 0, INT64_MAX, "the distributed optimizer's --ddp-bucket-size"},
         {MT_CK_MANIFESTED, 0, 1, "the manifest mark"},
+        {MT_CK_NUM_EXPERTS, 0, INT32_MAX, "--num-experts"},
+        {MT_CK_MOE_FFN, 0, INT32_MAX, "--moe-ffn-hidden-size"},
+        {MT_CK_MOE_SHARED, 0, INT32_MAX, "--moe-shared-expert-intermediate-size"},
+        {MT_CK_MOE_SHARED_GATE, 0, 1, "--moe-shared-expert-gate"},
+        {MT_CK_MOE_LAYERS, 0, INT32_MAX, "the MoE layers"},
     };
     for (size_t i = 0; i < sizeof(range) / sizeof(range[0]); i++)
         if (h[range[i].word] < range[i].lo || h[range[i].word] > range[i].hi)
@@ -5556,6 +5828,18 @@ MT_DEF mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, 
         bad = "the data-parallel rank is not below the optimizer's sharding";
     else if (h[MT_CK_FP8_TENSORS] > 0 && (h[MT_CK_FP8_HISTORY_LEN] < 1 || h[MT_CK_FP8_HISTORY_POS] >= h[MT_CK_FP8_HISTORY_LEN]))
         bad = "the FP8 amax history (length and slot) is inconsistent";
+    else if (h[MT_CK_NUM_EXPERTS] == 0 ? h[MT_CK_MOE_FFN] || h[MT_CK_MOE_SHARED] || h[MT_CK_MOE_SHARED_GATE] ||
+                                             h[MT_CK_MOE_LAYERS] || h[MT_CK_MOE_LAYERS_HASH]
+                                       : h[MT_CK_MOE_FFN] < 1 || h[MT_CK_MOE_LAYERS] < 1 ||
+                                             h[MT_CK_MOE_LAYERS] > h[MT_CK_LAYERS] ||
+                                             (h[MT_CK_MOE_SHARED_GATE] && !h[MT_CK_MOE_SHARED]))
+        bad = "the MoE words (experts, expert width, shared expert and its gate, MoE layers) are inconsistent";
+    else if (h[MT_CK_NUM_EXPERTS] > 0) {
+        mt_config moe;
+        mt_config_defaults(&moe);
+        moe.num_layers = (int)h[MT_CK_LAYERS];
+        if (!mt__moe_from_header(&moe, h)) bad = "its MoE layers are no --moe-layer-freq N's (not a pattern this build writes)";
+    }
     if (bad) return mt_fail(err, MT_ERR_FORMAT, "%s: %s", path, bad);
     double loss_scale, eps, base, percent, scaling;
     memcpy(&loss_scale, &h[MT_CK_LOSS_SCALE_BITS], sizeof(double));
@@ -5701,6 +5985,12 @@ MT_DEF mt_status mt_checkpoint_header_check_model(const int64_t* h, const char* 
         {MT_CK_LAYERNORM_1P, "--apply-layernorm-1p"},
         {MT_CK_SQUARED_RELU, "--squared-relu"},
         {MT_CK_QK_LAYERNORM, "--qk-layernorm"},
+        {MT_CK_NUM_EXPERTS, "--num-experts (0: a dense model)"},
+        {MT_CK_MOE_FFN, "the expert width (--moe-ffn-hidden-size)"},
+        {MT_CK_MOE_SHARED, "--moe-shared-expert-intermediate-size"},
+        {MT_CK_MOE_SHARED_GATE, "--moe-shared-expert-gate"},
+        {MT_CK_MOE_LAYERS, "MoE layers (--moe-layer-freq)"},
+        {MT_CK_MOE_LAYERS_HASH, "the MoE layers' pattern hash (--moe-layer-freq)"},
     };
     for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++) {
         const int w = shape[i].word;

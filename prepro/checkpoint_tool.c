@@ -57,7 +57,7 @@ static int parse_num(const char* flag, const char* s, long long lo, long long hi
     return mt_args_parse_int("checkpoint_tool", flag, s, lo, hi, out);
 }
 
-static int is_layered(int tensor) { return tensor >= MT_P_LN1_WEIGHT && tensor <= MT_P_FC2_BIAS; }
+static int is_layered(int tensor) { return mt_param_per_layer(tensor); }
 
 static void print_layers(const mt_pp_stage* st) {
     for (int c = 0; c < st->num_chunks; c++) {

@@ -274,7 +274,7 @@ int64_t mt_hf_qkv_index(const mt_config* c, int64_t r) {
 int64_t mt_hf_param_offset(const mt_config* c, int kind, int layer) {
     mt_param_info info[MT_NUM_PARAM_TENSORS];
     mt_param_layout(c, info);
-    int per_layer = kind >= MT_P_LN1_WEIGHT && kind <= MT_P_FC2_BIAS;
+    int per_layer = mt_param_per_layer(kind);
     return info[kind].offset + (per_layer ? (int64_t)layer * (info[kind].numel / c->num_layers) : 0);
 }
 

@@ -258,7 +258,7 @@ static mt_status ckt_write(const char* dir, int64_t iteration, const ckt_layout*
                 mt_tp_shard_copy(&c, t, full[a], shard, 1);
                 for (int i = 0; i < B.num_params; i++) {
                     const mt_buffer_param* p = &B.params[i];
-                    int layered = p->tensor >= MT_P_LN1_WEIGHT && p->tensor <= MT_P_FC2_BIAS;
+                    int layered = mt_param_per_layer(p->tensor);
                     const float* from = shard + info[p->tensor].offset + (layered ? (int64_t)p->layer * p->numel : 0);
                     memcpy(part + a * numel + p->canonical, from, sizeof(float) * (size_t)p->numel);
                     memcpy(buffer + a * B.size + p->offset, from, sizeof(float) * (size_t)p->numel);
@@ -611,7 +611,7 @@ static test_result test_read_part_any_layout(void) {
                     mt_tp_shard_copy(&c, rk.tp, want[k], shard, 1);
                     for (int i = 0; i < B.num_params; i++) {
                         const mt_buffer_param* p = &B.params[i];
-                        int layered = p->tensor >= MT_P_LN1_WEIGHT && p->tensor <= MT_P_FC2_BIAS;
+                        int layered = mt_param_per_layer(p->tensor);
                         memcpy(ref + p->canonical, shard + info[p->tensor].offset + (layered ? (int64_t)p->layer * p->numel : 0),
                                sizeof(float) * (size_t)p->numel);
                     }

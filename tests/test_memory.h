@@ -112,7 +112,7 @@ static test_result test_plan_pipeline(void) {
         mt_param_info info[MT_NUM_PARAM_TENSORS];
         const int64_t full = mt_param_layout(&c, info), word = info[MT_P_WORD_EMBEDDINGS].numel;
         int64_t layers = 0; /* every transformer layer's parameters */
-        for (int k = MT_P_LN1_WEIGHT; k <= MT_P_FC2_BIAS; k++) layers += info[k].numel;
+        for (int k = MT_P_LN1_WEIGHT; k <= MT_P_LAST_LAYER_TENSOR; k++) layers += info[k].numel;
         int64_t sum = 0;
         size_t worst = 0;
         for (int r = 0; r < 4; r++) {

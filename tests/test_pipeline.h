@@ -138,7 +138,7 @@ static test_result pp_check_layout(int llama, int pp, int vp, int layers) {
         char* seen = (char*)calloc((size_t)b.canonical_size, 1);
         for (int k = 0; k < b.num_params; k++) {
             const mt_buffer_param* p = &b.params[k];
-            int64_t at = info[p->tensor].offset + (mt__param_in_layers(p->tensor) ? (int64_t)p->layer * p->numel : 0);
+            int64_t at = info[p->tensor].offset + (mt_param_per_layer(p->tensor) ? (int64_t)p->layer * p->numel : 0);
             for (int64_t i = 0; i < p->numel; i++) {
                 held[at + i]++;
                 seen[p->canonical + i]++;

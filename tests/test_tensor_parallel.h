@@ -88,7 +88,10 @@ static test_result tp_check_shards(int flavour, int tp) {
     EXPECT(n == mt_num_parameters(&c) && n < (1 << 24), "%lld parameters", (long long)n);
     /* which tensors TP splits: column-parallel QKV and fc1 (weights and biases), row-parallel proj and
      * fc2 weights, the vocab-parallel embeddings and output layer; the rest is replicated */
-    static const int split_expected[MT_NUM_PARAM_TENSORS] = {1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1};
+    /* ... and the MoE tensors: router and its bias whole, each expert's fc1 (and bias) and fc2 as the
+     * dense ones, the experts' fc2 bias whole, the shared expert as the dense MLP, its gate whole */
+    static const int split_expected[MT_NUM_PARAM_TENSORS] = {1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 1, 0,
+                                                             0, 0, 1, 1, 1, 0, 1, 1, 0, 0, 0, 1};
     int64_t replicated = 0, offset = 0;
     for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
         EXPECT(!strcmp(part[i].name, whole[i].name) && part[i].weight_decay == whole[i].weight_decay &&
@@ -225,6 +228,7 @@ static test_result tp_check_geometry(int flavour, int tp) {
     full_n[MT_P_FC1_BIAS] = bias * L * glu * f;       shard_n[MT_P_FC1_BIAS] = bias * L * glu * f_r;
     full_n[MT_P_FC2_WEIGHT] = L * h * f;              shard_n[MT_P_FC2_WEIGHT] = L * h * f_r;
     full_n[MT_P_FC2_BIAS] = bias * L * h;             shard_n[MT_P_FC2_BIAS] = bias * L * h;
+    for (int i = MT_P_ROUTER_WEIGHT; i <= MT_P_SHARED_GATE_WEIGHT; i++) full_n[i] = shard_n[i] = 0; /* dense */
     full_n[MT_P_FINAL_LN_WEIGHT] = h;                 shard_n[MT_P_FINAL_LN_WEIGHT] = h;
     full_n[MT_P_FINAL_LN_BIAS] = lnb * h;             shard_n[MT_P_FINAL_LN_BIAS] = lnb * h;
     full_n[MT_P_OUTPUT_WEIGHT] = untied * V * h;      shard_n[MT_P_OUTPUT_WEIGHT] = untied * V_r * h;
@@ -425,7 +429,7 @@ static test_result tp_check_buffer(int flavour, int dp, int dist) {
     }
     for (int k = 0; k < b.num_params && res == TEST_PASS; k++) {
         const mt_buffer_param* p = &b.params[k];
-        int layered = p->tensor >= MT_P_LN1_WEIGHT && p->tensor <= MT_P_FC2_BIAS;
+        int layered = mt_param_per_layer(p->tensor);
         int64_t numel = part[p->tensor].numel / (layered ? c.num_layers : 1);
         if (p->tensor != b1.params[k].tensor || p->layer != b1.params[k].layer) {
             printf("    FAIL param %d is %d/%d at TP=2, %d/%d at TP=1\n", k, p->tensor, p->layer, b1.params[k].tensor,
