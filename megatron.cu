@@ -5262,7 +5262,7 @@ static mt_shape model_shape(const mt_trainer* t) {
     s.vocab_start = s.V * s.tp_rank;
     s.E = c->num_experts;
     s.k = c->moe_router_topk;
-    s.fe = s.moe ? c->moe_ffn_hidden_size : 0;
+    s.fe = s.moe ? (int)mt_moe_ffn(c) : 0;
     s.f1e = s.swiglu ? 2 * s.fe : s.fe;
     s.Rmax = s.moe ? mt_moe_max_rows(c, s.BT) : 0;
     return s;
@@ -5948,10 +5948,10 @@ static void moe_state_create(mt_trainer* t) {
     const size_t L = (size_t)c->num_layers, E = (size_t)c->num_experts;
     size_t* counter = &t->mem.allocated.workspace_bytes;
     m->enabled = 1;
-    m->expert_bias = (float*)device_alloc(t, L * E * 4, counter);
-    m->step_tokens = (int32_t*)device_alloc(t, L * E * 4, counter);
-    m->global_sums = (float*)device_alloc(t, (L + 1) * E * 4, counter);
-    m->log = (float*)device_alloc(t, L * 4 * 4, counter);
+    m->expert_bias = (float*)device_alloc(t, MT__MOE_ALIGN256(L * E * 4), counter); /* MT_MOE_STATE_BYTES' four */
+    m->step_tokens = (int32_t*)device_alloc(t, MT__MOE_ALIGN256(L * E * 4), counter);
+    m->global_sums = (float*)device_alloc(t, MT__MOE_ALIGN256((L + 1) * E * 4), counter);
+    m->log = (float*)device_alloc(t, MT__MOE_ALIGN256(L * 4 * 4), counter);
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&m->host_counts, sizeof(int32_t) * (2 * E + 1)));
     m->last_log = (float*)calloc(L * 4, sizeof(float));
     m->last_tokens = (int32_t*)calloc(L * E, sizeof(int32_t));
@@ -8043,15 +8043,19 @@ const char* mt_trainer_load_warning(const mt_trainer* t) { return t->ckpt.load_w
 static void layout_activations(mt_activations* slots, const mt_activation_layout* L, char* base) {
     for (int k = 0; k < L->num_slots; k++) {
         mt_activations* a = &slots[k];
-        void* moe_unused; void** M = &moe_unused; /* the MoE regions (megatron.h MT_ACT_MOE_*) until the model uses them */
         void** regions[MT_ACT_REGIONS] = {
             (void**)&a->ln1, (void**)&a->q, (void**)&a->k, (void**)&a->v, (void**)&a->o, (void**)&a->dk, (void**)&a->dv,
             (void**)&a->dscores, (void**)&a->dsum, (void**)&a->logits_row, (void**)&a->branch, (void**)&a->branch2,
             (void**)&a->dresidual, (void**)&a->gathered, (void**)&a->gathered_grad, (void**)&a->rows,
             (void**)&a->ce_stats, (void**)&a->inputs, (void**)&a->targets, (void**)&a->losses, (void**)&a->embed_index,
-            (void**)&a->qk_norm, (void**)&a->qk_stats, M, M, M, M, M, M, M, M, M, M, (void**)&a->residual, (void**)&a->ln1_mean, (void**)&a->ln1_rstd, (void**)&a->qkv, (void**)&a->probs,
+            (void**)&a->qk_norm, (void**)&a->qk_stats, (void**)&a->moe_xperm, (void**)&a->moe_y, (void**)&a->moe_dz,
+            (void**)&a->moe_dact, (void**)&a->moe_dlogits, (void**)&a->moe_dprobs, (void**)&a->moe_x32,
+            (void**)&a->moe_w32, (void**)&a->moe_work, (void**)&a->moe_stats, (void**)&a->residual, (void**)&a->ln1_mean, (void**)&a->ln1_rstd, (void**)&a->qkv, (void**)&a->probs,
             (void**)&a->lse, (void**)&a->attn_out, (void**)&a->residual_mid, (void**)&a->ln2, (void**)&a->ln2_mean,
-            (void**)&a->ln2_rstd, (void**)&a->fc1, (void**)&a->act, M, M, M, M, M, M, M, M, M, M, M, (void**)&a->lnf, (void**)&a->lnf_mean,
+            (void**)&a->ln2_rstd, (void**)&a->fc1, (void**)&a->act, (void**)&a->moe_logits, (void**)&a->moe_probs,
+            (void**)&a->moe_row, (void**)&a->moe_token, (void**)&a->moe_row_prob, (void**)&a->moe_counts,
+            (void**)&a->moe_auxw, (void**)&a->moe_fc1, (void**)&a->moe_act, (void**)&a->moe_shared,
+            (void**)&a->moe_gate, (void**)&a->lnf, (void**)&a->lnf_mean,
             (void**)&a->lnf_rstd, (void**)&a->logits};
         for (int r = 0; r < MT_ACT_REGIONS; r++) {
             const size_t at = L->offset[r] + (r >= MT_ACT_RESIDUAL ? (size_t)k * L->saved_bytes : 0);

@@ -732,10 +732,12 @@ MT_DEF int64_t mt_moe_capacity(const mt_config* cfg, int64_t tokens);
 MT_DEF int64_t mt_moe_max_rows(const mt_config* cfg, int64_t tokens);
 /* The trainer's MoE state (megatron.cu; the memory plan's workspace counts it), for L MoE layers of E
  * experts: four allocations, each rounded up to 256 bytes: the expert bias [L, E] fp32, a step's tokens
- * per expert [L, E], the global aux loss's running sums [L, E], the logged losses [L, 4] fp32. */
+ * per expert [L, E], the global aux loss's running sums [L, E] and the running average [E], the logged
+ * losses [L, 4] fp32. */
 #define MT__MOE_ALIGN256(x) ((((size_t)(x)) + 255) & ~(size_t)255)
-#define MT_MOE_STATE_BYTES(L, E) \
-    (3 * MT__MOE_ALIGN256((size_t)(L) * (size_t)(E) * 4) + MT__MOE_ALIGN256((size_t)(L) * 4 * 4))
+#define MT_MOE_STATE_BYTES(L, E)                                                                      \
+    (2 * MT__MOE_ALIGN256((size_t)(L) * (size_t)(E) * 4) + MT__MOE_ALIGN256(((size_t)(L) + 1) * (size_t)(E) * 4) + \
+     MT__MOE_ALIGN256((size_t)(L) * 4 * 4))
 
 /* FP8: whether transformer layer l runs its linears in FP8 (FP8 on, and l outside the bf16 layers
  * of --first-last-layers-bf16). */
@@ -5115,8 +5117,9 @@ MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int hea
      * kept QKV rows where attention reads them (forward and backward), with every head's mean and 1/std */
     once[MT_ACT_QK_NORM] = c->qk_layernorm ? mt__size_mul(BTwide_e, qkv_width) : 0;
     once[MT_ACT_QK_STATS] = c->qk_layernorm ? mt__size_mul3(BT, heads + groups, 2 * 4) : 0;
-    once[MT_ACT_MOE_XPERM] = mt__size_mul3(Rmax, h, e);
-    once[MT_ACT_MOE_Y] = mt__size_mul3(Rmax, h, e);
+    /* the permuted rows' scratch also holds one row per token (the backward's gated shared expert gradient) */
+    once[MT_ACT_MOE_XPERM] = mt__size_mul3(E ? (Rmax > BT ? Rmax : BT) : 0, h, e);
+    once[MT_ACT_MOE_Y] = mt__size_mul3(E ? (Rmax > BT ? Rmax : BT) : 0, h, e);
     once[MT_ACT_MOE_DZ] = mt__size_mul3(Rmax, f1e, e);
     once[MT_ACT_MOE_DACT] = mt__size_mul3(Rmax, fe, e);
     once[MT_ACT_MOE_DLOGITS] = NE4;
