@@ -4,14 +4,14 @@
  * declared in megatron.h. DESIGN.md is the map; this file reads top to bottom in this order.
  *
  * Two parts, one translation unit, and a seam between them:
- *   Part I, kernels and launchers (sections 1-13): each operation's kernels with the host launchers
+ *   Part I, kernels and launchers (sections 1-14): each operation's kernels with the host launchers
  *     that queue them. What they may use: pointers, sizes, `const mt_exec* ex` (taken first: the
  *     stream, the error record, the GEMM plans and the micro-batch's mode, built by whoever decides
  *     the work), the enums and structs of Part I, and megatron.h's plain types, constants and
  *     element rules (mt_status, mt_precision, mt_tp_full_index, mt_adamw_step). Never mt_trainer,
  *     mt_config or anything of Part II. (Flash attention's launchers take a bare stream: the lab in
  *     dev/cuda/ calls them without an mt_exec.)
- *   Part II, the model and the trainer (sections 14-20): process groups, layers, the model, the
+ *   Part II, the model and the trainer (sections 15-21): process groups, layers, the model, the
  *     micro-batch loop, the optimizer, checkpoints and the trainer API. They may use Part I,
  *     mt_trainer and mt_config; their device work goes through Part I's launchers with an mt_exec
  *     (trainer_exec(t), with the micro-batch's mode in run_micro_batches): Part II defines and
@@ -39,14 +39,15 @@
  *   11. Gradient norm and AdamW
  *   12. FP8: formats, scaling, casts and transposes
  *   13. GEMM
+ *   14. Mixture of experts: routing, permutation, the experts' activation
  *   Part II: the model and the trainer
- *   14. Process groups
- *   15. Parallel layers
- *   16. The model
- *   17. The micro-batch loop
- *   18. Optimizer
- *   19. Checkpoints
- *   20. The trainer API
+ *   15. Process groups
+ *   16. Parallel layers
+ *   17. The model
+ *   18. The micro-batch loop
+ *   19. Optimizer
+ *   20. Checkpoints
+ *   21. The trainer API
  *
  * Precision: the model runs in a type T (float, bf16 or fp16) chosen at run time; every kernel is a
  * template over T and does its arithmetic in fp32. Weight gradients are accumulated in fp32 by the
@@ -84,7 +85,7 @@
 #include <type_traits>
 
 /* ############################################################################################## */
-/* PART I: KERNELS AND LAUNCHERS (sections 1-13)                                                  */
+/* PART I: KERNELS AND LAUNCHERS (sections 1-14)                                                  */
 /*    Each operation's kernels and the launchers that queue them. They may use pointers, sizes,   */
 /*    a const mt_exec* (stream, error record, GEMM plans, micro-batch mode), the types of Part I  */
 /*    and megatron.h's plain types and element rules; never mt_trainer, mt_config or anything of  */
@@ -564,7 +565,7 @@ static void position_embedding_backward(const mt_exec* ex, float* dwpe, const T*
     LAUNCH_CHECK(ex->error);
 }
 /* dwte += the scatter of dout [BT, C] by token; index = [unique (BT+1)][offsets (BT+1)][positions (BT)]
- * as built by build_embedding_index (section 17) for `unique_tokens` distinct tokens */
+ * as built by build_embedding_index (section 18) for `unique_tokens` distinct tokens */
 template <typename T>
 static void word_embedding_backward(const mt_exec* ex, float* dwte, const T* dout, const int32_t* index,
                                     int unique_tokens, int BT, int C, int64_t vocab_start) {
@@ -588,7 +589,7 @@ static void word_embedding_backward(const mt_exec* ex, float* dwte, const T* dou
 
 /* ---- Dropout masks. A dropout site (one tensor of one micro-batch: the embeddings' output, a layer's
  *      attention probabilities, its attention or MLP branch) has a 64-bit stream key made from (seed,
- *      iteration, layer, site) on the host (dropout_stream, section 16). Element number `counter` of
+ *      iteration, layer, site) on the host (dropout_stream, section 17). Element number `counter` of
  *      the site takes the 64 bits splitmix64(key + counter * golden), i.e. output counter + 1 of
  *      SplitMix64 seeded with the key; elements 2c and 2c+1 of a row share counter c (low 32 bits for
  *      the even column, high for the odd), so a thread holding a column pair hashes once. An element
@@ -1879,7 +1880,7 @@ static void qk_norm_backward(const mt_exec* ex, const mt_attention_dims& a, T* d
 /*    The simple path (fp32, fp16, and bf16 head dims other than 64/128): the scores are          */
 /*    materialised per layer, softmax(scale * Q K^T) with the causal mask in place, and its       */
 /*    backward dS = scale * P * (dP - rowsum(dP * P)). The GEMMs around it are in the model       */
-/*    (section 16).                                                                               */
+/*    (section 17).                                                                               */
 /*    defines: causal_softmax_forward, causal_softmax_backward, attention_dropout.                */
 /* ============================================================================================== */
 
@@ -3752,7 +3753,7 @@ static bool fp8_cast_blockwise(const mt_exec* ex, mt_fp8_dtype fmt, uint8_t* out
 
 /* ---- the parameter storage's FP8 weights (--fp8-param-gather) ----
  * After a step each DP rank writes its shard of the parameter storage from its fp32 master weights
- * (section 18, fp8_publish_parameters, says why and gathers them): a block per optimizer chunk
+ * (section 19, fp8_publish_parameters, says why and gathers them): a block per optimizer chunk
  * (mt_opt_chunk), a bf16 parameter as bf16(master), an FP8 weight as e4m3(float(bf16(master)) x
  * scale[weight]), bitwise the cast the run without the flag makes from the bf16 copy. */
 typedef struct fp8_publish_chunk {
@@ -3801,7 +3802,7 @@ __global__ void fp8_strided_scales_kernel(float* scale, float* scale_inv, const 
     scale_inv[(int64_t)t * FP8_SCALE_INV_STRIDE] = 1.0f / s;
 }
 
-/* Current (tensorwise) scaling of every STRIDE-th slot from FIRST (section 18: every linear's weight
+/* Current (tensorwise) scaling of every STRIDE-th slot from FIRST (section 19: every linear's weight
  * slot) of the per-tensor arrays [num_tensors] (num_tensors >= 1): scale = fp8_max / amax / 2^margin
  * (1 when the amax is 0 or not finite), scale_inv (FP8_SCALE_INV_STRIDE floats apart) = 1 / scale. */
 template <int STRIDE, int FIRST>
@@ -4216,8 +4217,906 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
     return true;
 }
 
+/* ============================================================================================== */
+/* 14. Mixture of experts: routing, permutation, the experts' activation                          */
+/*    Megatron-Core's MoE layer (dev/moe_semantics.md, dev/ref_moe.py) without its atomics. The  */
+/*    router: a warp per token ranks the experts (softmax, pre-softmax or sigmoid scores, the     */
+/*    expert bias, group-limited routing), takes the top k (ties: the lower expert) and makes the */
+/*    probabilities; one device function does that selection for the forward and the backward,  */
+/*    so the backward's choice is the forward's. Capacity: a block per expert column radix-      */
+/*    selects its C tokens (integer histograms; ties to the lower token number). Tokens are      */
+/*    ordered as Megatron orders them, n = t*B + j (sequence-major), while arrays stay in rows    */
+/*    r = j*T + t: counts, offsets and each expert's rows (tokens ascending in n) come from block */
+/*    scans per expert, no atomics. Unpermute sums a token's rows in ascending expert order.     */
+/*    The aux-loss statistics reduce fixed row groups in order. Then the experts' SwiGLU times    */
+/*    the row's probability, the shared expert's gate, and casts for the fp32 router GEMM.       */
+/*    defines: moe_routing, moe_work_words, moe_row_of_token / moe_token_of_row, moe_route,      */
+/*    moe_aux_stats, moe_aux_finish, moe_route_backward, moe_permute, moe_unpermute,             */
+/*    moe_swiglu_prob(_backward), moe_gate_forward / moe_gate_backward, moe_add_f32, moe_to_f32.  */
+/* ============================================================================================== */
+
+/* One MoE layer's routing settings (host, by value). */
+typedef struct {
+    int N, B, T, E, k;          /* tokens (N = B*T), sequences, positions, experts, top-k */
+    int sigmoid;                /* 0: softmax scores, 1: sigmoid scores */
+    int pre_softmax;            /* softmax over all experts, then top-k (softmax only) */
+    float scaling;              /* --moe-router-topk-scaling-factor (0: none) */
+    int num_groups, group_topk; /* group-limited routing (0: none) */
+    int round_bf16;             /* Megatron's default router dtype in bf16 training: the logits are rounded to
+                                   bf16 (in place, first), and the final probabilities too */
+    int capacity;               /* C (0: dropless) */
+    int drop_position;          /* the "position" drop policy (else "probs") */
+    int pad;                    /* --moe-pad-expert-input-to-capacity: exactly C rows per expert */
+} moe_routing;
+
+#define MOE_MAX_EXPERTS 1024 /* the per-token kernels keep a token's E scores in shared memory */
+#define MOE_MAX_TOPK 32      /* selected experts per token (a warp's lanes) */
+#define MOE_SIGMOID_EPS 1e-20f /* Megatron's guard of the sigmoid top-k normalisation */
+
+/* Words of int32 scratch the routing launchers need (the caller allocates at least this). */
+static inline __host__ __device__ int64_t moe_work_words(int N, int E, int B) { return 2LL * N * E + 4LL * B * E + 16LL * E + 256; }
+
+/* Megatron's token number n = t*B + j of row r = j*T + t, and back. */
+static __host__ __device__ int moe_row_of_token(int n, int B, int T) { return (n % B) * T + n / B; }
+static __host__ __device__ int moe_token_of_row(int r, int B, int T) { return (r % T) * B + r / T; }
+
+/* Capacity dropping applies when 0 < C < N (C >= N: nothing dropped, no padding). */
+static __host__ __device__ bool moe_drops(const moe_routing& r) { return r.capacity > 0 && r.capacity < r.N; }
+
+/* ---- the per-token selection (forward and backward) ---- */
+
+/* A warp's shared memory for one token: the ranking values, the score values, group scores and the
+ * group choice, the selected experts (descending) and their probabilities. */
+struct moe_warp_smem {
+    float* rank;      /* [E] what the top-k ranks (NaN taken as -inf) */
+    float* val;       /* [E] logits (softmax), softmax over all (pre-softmax) or sigmoid scores */
+    float* gscore;    /* [E] group scores (G <= E) */
+    uint8_t* gsel;    /* [E] 1 for a selected group */
+    int* sel;         /* [MOE_MAX_TOPK] the selected experts, best first */
+    float* selp;      /* [MOE_MAX_TOPK] their probabilities */
+};
+static __host__ __device__ int moe_warp_smem_bytes(int E) {
+    return ((E * 12 + E + 15) / 16) * 16 + MOE_MAX_TOPK * 8;
+}
+static __host__ int moe_warps_per_block(int E) { return E <= 256 ? 4 : 1; }
+__device__ moe_warp_smem moe_warp_smem_at(unsigned char* base, int E, int warp) {
+    unsigned char* p = base + (int64_t)warp * moe_warp_smem_bytes(E);
+    moe_warp_smem s;
+    s.rank = (float*)p;
+    s.val = s.rank + E;
+    s.gscore = s.val + E;
+    s.gsel = (uint8_t*)(s.gscore + E);
+    s.sel = (int*)(p + ((E * 12 + E + 15) / 16) * 16);
+    s.selp = (float*)(s.sel + MOE_MAX_TOPK);
+    return s;
+}
+
+/* The selection order: (v, i) comes before (w, j) when v > w, or v == w and i < j (a stable sort's
+ * order, ties to the lower index). */
+__device__ __forceinline__ bool moe_before(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
+
+/* The warp's best (value, index) over the lanes' candidates (index INT_MAX: none), in a fixed tree. */
+__device__ __forceinline__ void moe_warp_best(float& v, int& i) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float w = __shfl_xor_sync(0xffffffffu, v, o);
+        int j = __shfl_xor_sync(0xffffffffu, i, o);
+        if (j != INT_MAX && (i == INT_MAX || moe_before(w, j, v, i))) { v = w; i = j; }
+    }
+}
+
+/* The k experts of a token, best first, into s.sel: the top k of s.rank over the experts of the
+ * group_topk groups whose score (the sum of their top k/group_topk ranks, summed best first) is
+ * largest (all experts without groups). Each pick is the best element after the previous one in
+ * the selection order, so no element is marked. Called by a whole warp. */
+__device__ void moe_select(const moe_routing& r, const moe_warp_smem& s, int k, bool groups, int lane) {
+    const int E = r.E;
+    if (groups) {
+        const int G = r.num_groups, per = E / G, m = r.k / r.group_topk;
+        for (int g = lane; g < G; g += 32) {
+            const float* x = s.rank + g * per;
+            float pv = INFINITY, sum = 0.0f;
+            int pi = -1;
+            for (int t = 0; t < m; t++) { /* the next best of the group, after (pv, pi) */
+                float bv = 0.0f;
+                int bi = INT_MAX;
+                for (int e = 0; e < per; e++)
+                    if (moe_before(pv, pi, x[e], e) && (bi == INT_MAX || moe_before(x[e], e, bv, bi))) { bv = x[e]; bi = e; }
+                sum += bv;
+                pv = bv; pi = bi;
+            }
+            s.gscore[g] = sum;
+            s.gsel[g] = 0;
+        }
+        __syncwarp();
+        float pv = INFINITY;
+        int pi = -1;
+        for (int t = 0; t < r.group_topk; t++) {
+            float bv = 0.0f;
+            int bi = INT_MAX;
+            for (int g = lane; g < G; g += 32) {
+                float x = s.gscore[g];
+                if (x != x) x = -INFINITY;
+                if (moe_before(pv, pi, x, g) && (bi == INT_MAX || moe_before(x, g, bv, bi))) { bv = x; bi = g; }
+            }
+            moe_warp_best(bv, bi);
+            if (lane == 0 && bi != INT_MAX) s.gsel[bi] = 1;
+            pv = bv; pi = bi;
+        }
+        __syncwarp();
+    }
+    const int per = groups ? E / r.num_groups : E;
+    float pv = INFINITY;
+    int pi = -1;
+    for (int t = 0; t < k; t++) {
+        float bv = 0.0f;
+        int bi = INT_MAX;
+        for (int e = lane; e < E; e += 32) {
+            if (groups && !s.gsel[e / per]) continue;
+            const float x = s.rank[e];
+            if (moe_before(pv, pi, x, e) && (bi == INT_MAX || moe_before(x, e, bv, bi))) { bv = x; bi = e; }
+        }
+        moe_warp_best(bv, bi);
+        if (lane == 0) s.sel[t] = bi == INT_MAX ? 0 : bi; /* none: only with groups the launcher refuses */
+        pv = bv; pi = bi;
+    }
+    __syncwarp();
+}
+
+__device__ __forceinline__ float moe_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float moe_round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+/* Loads token row `row`'s logits (rounded to bf16 in place first when `round_in_place`), fills s.val
+ * and s.rank as the routing ranks them, selects the k experts into s.sel, and returns the row's max
+ * logit and sum of exp(logit - max) (the full softmax's, for pre-softmax). */
+__device__ void moe_token_select(const moe_routing& r, const moe_warp_smem& s, float* logits_row,
+                                 const float* expert_bias, bool round_in_place, int lane, float* max_out,
+                                 float* sum_out) {
+    const int E = r.E;
+    float mx = -INFINITY;
+    for (int e = lane; e < E; e += 32) {
+        float l = logits_row[e];
+        if (round_in_place) {
+            l = moe_round_bf16(l);
+            logits_row[e] = l;
+        }
+        s.val[e] = l;
+        mx = fmaxf(mx, l);
+    }
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    if (!r.sigmoid && r.pre_softmax) {
+        for (int e = lane; e < E; e += 32) sum += expf(s.val[e] - mx);
+        sum = warp_sum(sum);
+    }
+    for (int e = lane; e < E; e += 32) {
+        float v = s.val[e], rk;
+        if (r.sigmoid) {
+            v = moe_sigmoid(v);
+            rk = expert_bias ? v + expert_bias[e] : v;
+        } else if (r.pre_softmax) {
+            v = expf(v - mx) / sum;
+            rk = v;
+        } else {
+            rk = v;
+        }
+        s.val[e] = v;
+        s.rank[e] = rk != rk ? -INFINITY : rk;
+    }
+    __syncwarp();
+    moe_select(r, s, r.k, r.group_topk > 0, lane);
+    *max_out = mx;
+    *sum_out = sum;
+}
+
+/* The probabilities of the selected experts before scaling (lane 0, serially: k is small):
+ * softmax over the selected logits (max first, then the sum in selection order), the pre-softmax
+ * scores as they are, or the sigmoid scores normalised by their sum (k > 1). */
+__device__ void moe_selected_probs(const moe_routing& r, const moe_warp_smem& s, float* q) {
+    const int k = r.k;
+    if (r.sigmoid) {
+        float sum = 0.0f;
+        for (int i = 0; i < k; i++) { q[i] = s.val[s.sel[i]]; sum += q[i]; }
+        if (k > 1)
+            for (int i = 0; i < k; i++) q[i] = q[i] / (sum + MOE_SIGMOID_EPS);
+    } else if (r.pre_softmax) {
+        for (int i = 0; i < k; i++) q[i] = s.val[s.sel[i]];
+    } else {
+        float m = s.val[s.sel[0]], sum = 0.0f;
+        for (int i = 1; i < k; i++) m = fmaxf(m, s.val[s.sel[i]]);
+        for (int i = 0; i < k; i++) { q[i] = expf(s.val[s.sel[i]] - m); sum += q[i]; }
+        for (int i = 0; i < k; i++) q[i] = q[i] / sum;
+    }
+}
+
+/* The order-preserving unsigned key of a probability (+0 for both zeros). */
+__device__ __forceinline__ uint32_t moe_prob_key(float p) {
+    uint32_t u = __float_as_uint(p == 0.0f ? 0.0f : p);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* Routing, step 1, a warp per token: probs [N, E] (the routed probabilities, 0 elsewhere), the map
+ * column-major by token number (map [E][N], 1 routed), and with capacity the drop keys [E][N]. */
+__global__ void moe_topk_kernel(moe_routing r, float* logits, const float* expert_bias, float* probs,
+                                int32_t* map, uint32_t* keys) {
+    extern __shared__ __align__(16) unsigned char moe_smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * (blockDim.x / 32) + warp;
+    if (row >= r.N) return;
+    const int E = r.E;
+    moe_warp_smem s = moe_warp_smem_at(moe_smem, E, warp);
+    float mx, sum;
+    moe_token_select(r, s, logits + (int64_t)row * E, r.sigmoid ? expert_bias : NULL, r.round_bf16 != 0, lane, &mx,
+                     &sum);
+    if (lane == 0) {
+        float q[MOE_MAX_TOPK];
+        moe_selected_probs(r, s, q);
+        for (int i = 0; i < r.k; i++) {
+            float p = r.scaling != 0.0f ? q[i] * r.scaling : q[i];
+            s.selp[i] = r.round_bf16 ? moe_round_bf16(p) : p;
+        }
+    }
+    __syncwarp();
+    const int n = moe_token_of_row(row, r.B, r.T);
+    for (int e = lane; e < E; e += 32) {
+        float p = 0.0f;
+        int routed = 0;
+        for (int i = 0; i < r.k; i++)
+            if (s.sel[i] == e) { p = s.selp[i]; routed = 1; }
+        probs[(int64_t)row * E + e] = p;
+        map[(int64_t)e * r.N + n] = routed;
+        if (keys) keys[(int64_t)e * r.N + n] = r.drop_position ? (uint32_t)routed : moe_prob_key(p);
+    }
+}
+
+/* Block-wide exclusive scan of 0/1 flags in thread order; returns this thread's prefix and puts the
+ * block's total in *total. blockDim.x a multiple of 32, <= 1024. */
+__device__ int moe_block_scan(int flag, int* total) {
+    __shared__ int warp_counts[33];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const unsigned bits = __ballot_sync(0xffffffffu, flag);
+    const int in_warp = __popc(bits & ((1u << lane) - 1u));
+    __syncthreads();
+    if (lane == 0) warp_counts[warp] = __popc(bits);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int w = 0; w < warps; w++) { int c = warp_counts[w]; warp_counts[w] = acc; acc += c; }
+        warp_counts[32] = acc;
+    }
+    __syncthreads();
+    *total = warp_counts[32];
+    return warp_counts[warp] + in_warp;
+}
+
+/* Routing, step 2 (capacity 0 < C < N), a block per expert column: the C tokens with the largest
+ * keys (ties: the lower token number), by a 4-pass radix select on 8-bit digits (integer
+ * histograms), then a scan over the tied tokens in token order. The map becomes the kept routed
+ * tokens, or with pad the kept tokens; a routed pair that is dropped gets probability 0. */
+__global__ void moe_capacity_kernel(moe_routing r, float* probs, int32_t* map, const uint32_t* keys) {
+    __shared__ int hist[256];
+    __shared__ uint32_t sh_prefix;
+    __shared__ int sh_need;
+    const int e = blockIdx.x, N = r.N;
+    const uint32_t* key = keys + (int64_t)e * N;
+    int32_t* col = map + (int64_t)e * N;
+    if (threadIdx.x == 0) { sh_prefix = 0; sh_need = r.capacity; }
+    uint32_t mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        const uint32_t prefix = sh_prefix;
+        for (int n = threadIdx.x; n < N; n += blockDim.x) {
+            const uint32_t k = key[n];
+            if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1); /* a count: any order */
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) { /* the digit holding the need-th largest key among those matching */
+            int need = sh_need, above = 0, d = 255;
+            for (; d > 0; d--) {
+                if (above + hist[d] >= need) break;
+                above += hist[d];
+            }
+            sh_need = need - above;
+            sh_prefix = prefix | ((uint32_t)d << shift);
+        }
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    const uint32_t v = sh_prefix; /* the C-th largest key; take sh_need of the tokens equal to it */
+    const int need = sh_need;
+    int base = 0;
+    for (int n0 = 0; n0 < N; n0 += blockDim.x) {
+        const int n = n0 + threadIdx.x;
+        const uint32_t k = n < N ? key[n] : 0;
+        int total;
+        const int rank = moe_block_scan(n < N && k == v, &total);
+        if (n < N) {
+            const bool keep = k > v || (k == v && base + rank < need);
+            const int routed = col[n];
+            col[n] = r.pad ? (int)keep : (int)(routed && keep);
+            if (routed && !keep) probs[(int64_t)moe_row_of_token(n, r.B, r.T) * r.E + e] = 0.0f;
+        }
+        base += total;
+    }
+}
+
+/* Integer block sum (blockDim.x a multiple of 32). */
+__device__ int moe_block_sum_int(int v) {
+    __shared__ int part[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    v = lane < warps ? part[lane] : 0;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* Routing, step 3, a block per expert: counts[e] = its rows. */
+__global__ void moe_count_kernel(const int32_t* map, int N, int32_t* counts) {
+    const int32_t* col = map + (int64_t)blockIdx.x * N;
+    int c = 0;
+    for (int n = threadIdx.x; n < N; n += blockDim.x) c += col[n];
+    c = moe_block_sum_int(c);
+    if (threadIdx.x == 0) counts[blockIdx.x] = c;
+}
+
+/* Routing, step 4, one thread: offsets = the exclusive prefix sum (counts[E..2E]); step_counts += counts. */
+__global__ void moe_offsets_kernel(int32_t* counts, int E, int32_t* step_counts) {
+    int acc = 0;
+    for (int e = 0; e < E; e++) {
+        counts[E + e] = acc;
+        acc += counts[e];
+        if (step_counts) atomicAdd(&step_counts[e], counts[e]); /* integer: any order */
+    }
+    counts[2 * E] = acc;
+}
+
+/* Routing, step 5, a block per expert: its rows in token order (a scan of the map column), writing
+ * token_of, row_prob and the column of row_of (-1 off the map). */
+__global__ void moe_scatter_kernel(moe_routing r, const float* probs, const int32_t* map, const int32_t* counts,
+                                   int32_t* row_of, int32_t* token_of, float* row_prob) {
+    const int e = blockIdx.x, N = r.N, E = r.E;
+    const int32_t* col = map + (int64_t)e * N;
+    int base = counts[E + e];
+    for (int n0 = 0; n0 < N; n0 += blockDim.x) {
+        const int n = n0 + threadIdx.x;
+        const int flag = n < N ? col[n] : 0;
+        int total;
+        const int rank = moe_block_scan(flag, &total);
+        if (n < N) {
+            const int row = moe_row_of_token(n, r.B, r.T);
+            const int64_t at = (int64_t)row * E + e;
+            if (flag) {
+                const int p = base + rank;
+                token_of[p] = row;
+                row_prob[p] = probs[at];
+                row_of[at] = p;
+            } else {
+                row_of[at] = -1;
+            }
+        }
+        base += total;
+    }
+}
+
+/* The refusals every routing launcher shares (one line each, recorded in the error record). */
+static bool moe_routing_ok(const mt_exec* ex, const moe_routing& r, const char* who) {
+    if (r.N <= 0 || r.B <= 0 || r.T <= 0 || (int64_t)r.B * r.T != r.N)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "%s: N = %d must be B * T = %d * %d", who, r.N, r.B, r.T);
+    if (r.E < 1 || r.E > MOE_MAX_EXPERTS)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "%s: %d experts, must be in [1, %d]", who, r.E, MOE_MAX_EXPERTS);
+    if (r.k < 1 || r.k > r.E || r.k > MOE_MAX_TOPK)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "%s: top-k %d must be in [1, min(E = %d, %d)]", who, r.k, r.E,
+                           MOE_MAX_TOPK);
+    if (r.group_topk) {
+        const int G = r.num_groups, g = r.group_topk;
+        if (G < 1 || r.E % G || g > G || r.k < g || r.k > g * (r.E / G))
+            return mt_gpu_fail(ex->error, MT_ERR_ARG,
+                               "%s: group-limited routing needs E %% G == 0, group_topk <= G and group_topk <= k <= "
+                               "group_topk * E / G (E %d, G %d, group_topk %d, k %d)", who, r.E, G, g, r.k);
+    }
+    if (r.capacity < 0) return mt_gpu_fail(ex->error, MT_ERR_ARG, "%s: capacity %d < 0", who, r.capacity);
+    return true;
+}
+
+void moe_route(const mt_exec* ex, const moe_routing& r, float* logits, const float* expert_bias, float* probs,
+                      int32_t* row_of, int32_t* token_of, float* row_prob, int32_t* counts, int32_t* step_counts,
+                      int32_t* work) {
+    if (!moe_routing_ok(ex, r, "moe_route")) return;
+    const int64_t NE = (int64_t)r.N * r.E;
+    int32_t* map = work;                                    /* [E][N] */
+    uint32_t* keys = moe_drops(r) ? (uint32_t*)(work + NE) : NULL; /* [E][N] */
+    const int warps = moe_warps_per_block(r.E);
+    moe_topk_kernel<<<ceil_div(r.N, warps), warps * 32, warps * moe_warp_smem_bytes(r.E), ex->stream>>>(
+        r, logits, expert_bias, probs, map, keys);
+    if (!LAUNCH_CHECK(ex->error)) return;
+    if (keys) {
+        moe_capacity_kernel<<<r.E, 1024, 0, ex->stream>>>(r, probs, map, keys);
+        if (!LAUNCH_CHECK(ex->error)) return;
+    }
+    moe_count_kernel<<<r.E, 256, 0, ex->stream>>>(map, r.N, counts);
+    if (!LAUNCH_CHECK(ex->error)) return;
+    moe_offsets_kernel<<<1, 1, 0, ex->stream>>>(counts, r.E, step_counts);
+    if (!LAUNCH_CHECK(ex->error)) return;
+    moe_scatter_kernel<<<r.E, 1024, 0, ex->stream>>>(r, probs, map, counts, row_of, token_of, row_prob);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ---- the auxiliary losses' statistics ---- */
+
+/* The aux scores of a token row into s.val (softmax over all E, or the sigmoid normalised by its sum
+ * + 1e-20), and the row's logsumexp. Called by a whole warp. */
+__device__ float moe_aux_scores(const moe_routing& r, const moe_warp_smem& s, const float* logits_row, int lane) {
+    const int E = r.E;
+    float mx = -INFINITY;
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, logits_row[e]);
+    mx = warp_max(mx);
+    float se = 0.0f, ss = 0.0f;
+    for (int e = lane; e < E; e += 32) {
+        const float l = logits_row[e];
+        se += expf(l - mx);
+        if (r.sigmoid) ss += moe_sigmoid(l);
+    }
+    se = warp_sum(se);
+    ss = warp_sum(ss);
+    for (int e = lane; e < E; e += 32) {
+        const float l = logits_row[e];
+        const float v = r.sigmoid ? moe_sigmoid(l) / (ss + MOE_SIGMOID_EPS) : expf(l - mx) / se;
+        s.val[e] = v;
+        s.rank[e] = v != v ? -INFINITY : v;
+    }
+    __syncwarp();
+    return mx + logf(se);
+}
+
+/* Aux stats, step 1, a warp per token: S with the sign bit set where A (the plain top-k of S) holds,
+ * as fp32 bits in sa [N, E]; lse^2 into lse2 [N]. */
+__global__ void moe_aux_rows_kernel(moe_routing r, const float* logits, float* sa, float* lse2) {
+    extern __shared__ __align__(16) unsigned char moe_smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * (blockDim.x / 32) + warp;
+    if (row >= r.N) return;
+    const int E = r.E;
+    moe_warp_smem s = moe_warp_smem_at(moe_smem, E, warp);
+    const float lse = moe_aux_scores(r, s, logits + (int64_t)row * E, lane);
+    moe_select(r, s, r.k, false, lane);
+    for (int e = lane; e < E; e += 32) {
+        bool chosen = false;
+        for (int i = 0; i < r.k; i++) chosen |= s.sel[i] == e;
+        const float v = s.val[e];
+        sa[(int64_t)row * E + e] = chosen ? -v : v; /* S >= 0: the sign carries A (-0 for a chosen 0) */
+    }
+    if (lane == 0) lse2[row] = lse * lse;
+}
+
+/* Aux stats, step 2, block (32 columns, sequence j): each of 8 row groups sums its positions in
+ * order, then the 8 in order: rows 1 + j of score_sums and aux_counts. */
+__global__ void moe_aux_columns_kernel(moe_routing r, const float* sa, int32_t* aux_counts, float* score_sums) {
+    __shared__ float part_s[8][32];
+    __shared__ int part_c[8][32];
+    const int c = threadIdx.x, g = threadIdx.y, e = blockIdx.x * 32 + c, j = blockIdx.y;
+    float sum = 0.0f;
+    int cnt = 0;
+    if (e < r.E)
+        for (int t = g; t < r.T; t += 8) {
+            const float v = sa[((int64_t)j * r.T + t) * r.E + e];
+            sum += fabsf(v);
+            cnt += signbit(v) ? 1 : 0;
+        }
+    part_s[g][c] = sum;
+    part_c[g][c] = cnt;
+    __syncthreads();
+    if (g == 0 && e < r.E) {
+        float a = 0.0f;
+        int b = 0;
+        for (int i = 0; i < 8; i++) { a += part_s[i][c]; b += part_c[i][c]; }
+        score_sums[(int64_t)(1 + j) * r.E + e] = a;
+        aux_counts[(int64_t)(1 + j) * r.E + e] = b;
+    }
+}
+
+/* Aux stats, step 3, one block: row 0 = the sequences' rows in order; lse_sq_sum = the fixed-order sum. */
+__global__ void moe_aux_total_kernel(moe_routing r, const float* lse2, int32_t* aux_counts, float* score_sums,
+                                     float* lse_sq_sum) {
+    for (int e = threadIdx.x; e < r.E; e += blockDim.x) {
+        float a = 0.0f;
+        int b = 0;
+        for (int j = 0; j < r.B; j++) { a += score_sums[(int64_t)(1 + j) * r.E + e]; b += aux_counts[(int64_t)(1 + j) * r.E + e]; }
+        score_sums[e] = a;
+        aux_counts[e] = b;
+    }
+    float z = 0.0f;
+    for (int i = threadIdx.x; i < r.N; i += blockDim.x) z += lse2[i];
+    z = block_sum(z);
+    if (threadIdx.x == 0) lse_sq_sum[0] = z;
+}
+
+void moe_aux_stats(const mt_exec* ex, const moe_routing& r, const float* logits, int32_t* aux_counts,
+                          float* score_sums, float* lse_sq_sum, int32_t* work) {
+    if (!moe_routing_ok(ex, r, "moe_aux_stats")) return;
+    float* sa = (float*)work;                          /* [N, E] */
+    float* lse2 = (float*)(work + (int64_t)r.N * r.E); /* [N] */
+    const int warps = moe_warps_per_block(r.E);
+    moe_aux_rows_kernel<<<ceil_div(r.N, warps), warps * 32, warps * moe_warp_smem_bytes(r.E), ex->stream>>>(
+        r, logits, sa, lse2);
+    if (!LAUNCH_CHECK(ex->error)) return;
+    moe_aux_columns_kernel<<<dim3(ceil_div(r.E, 32), r.B), dim3(32, 8), 0, ex->stream>>>(r, sa, aux_counts, score_sums);
+    if (!LAUNCH_CHECK(ex->error)) return;
+    moe_aux_total_kernel<<<1, 1024, 0, ex->stream>>>(r, lse2, aux_counts, score_sums, lse_sq_sum);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* The aux losses from the stats: one block; scale factors come from the host in double. */
+__global__ void moe_aux_finish_kernel(moe_routing r, const int32_t* aux_counts, const float* score_sums,
+                                      const float* lse_sq_sum, const float* global_avg, float f_aux, float f_seq,
+                                      float f_global, float coef_aux, float coef_seq, float coef_global, float coef_z,
+                                      float* grad_w, float* log) {
+    const int E = r.E, B = r.B;
+    float a = 0.0f, q = 0.0f, g = 0.0f;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        if (coef_aux != 0.0f) a += score_sums[e] * (float)aux_counts[e];
+        if (coef_seq != 0.0f)
+            for (int j = 0; j < B; j++) q += score_sums[(int64_t)(1 + j) * E + e] * (float)aux_counts[(int64_t)(1 + j) * E + e];
+        if (coef_global != 0.0f) g += score_sums[e] * global_avg[e];
+    }
+    a = block_sum(a);
+    q = block_sum(q);
+    g = block_sum(g);
+    /* grad_w[j, e] = d(total)/dS[row of sequence j, e] */
+    for (int i = threadIdx.x; i < B * E; i += blockDim.x) {
+        const int j = i / E, e = i % E;
+        float v = 0.0f;
+        if (coef_aux != 0.0f) v += (float)aux_counts[e] * (f_aux * coef_aux);
+        if (coef_seq != 0.0f) v += (float)aux_counts[(int64_t)(1 + j) * E + e] * (f_seq * coef_seq);
+        if (coef_global != 0.0f) v += global_avg[e] * (f_global * coef_global);
+        grad_w[i] = v;
+    }
+    if (threadIdx.x == 0) {
+        if (coef_aux != 0.0f) log[0] += a * f_aux;
+        if (coef_seq != 0.0f) log[1] += q * f_seq;
+        if (coef_global != 0.0f) log[2] += g * f_global;
+        if (coef_z != 0.0f) log[3] += lse_sq_sum[0] / (float)r.N;
+    }
+}
+
+void moe_aux_finish(const mt_exec* ex, const moe_routing& r, const int32_t* aux_counts, const float* score_sums,
+                           const float* lse_sq_sum, const float* global_avg, double n_global, float coef_aux,
+                           float coef_seq, float coef_global, float coef_z, float* grad_w, float* log) {
+    if (!moe_routing_ok(ex, r, "moe_aux_finish")) return;
+    if (coef_global != 0.0f && (!global_avg || !(n_global > 0)))
+        return (void)mt_gpu_fail(ex->error, MT_ERR_ARG, "moe_aux_finish: the global aux loss needs global_avg and n_global > 0");
+    /* the logged value of each term (loss / coef) per unit of sum_i S_i c_i: E / (k n^2), seq / B */
+    const double E = r.E, k = r.k;
+    const float f_aux = (float)(E / (k * (double)r.N * (double)r.N));
+    const float f_seq = (float)(E / (k * (double)r.T * (double)r.T) / (double)r.B);
+    const float f_global = coef_global != 0.0f ? (float)(E / (k * n_global * n_global)) : 0.0f;
+    moe_aux_finish_kernel<<<1, 256, 0, ex->stream>>>(r, aux_counts, score_sums, lse_sq_sum, global_avg, f_aux, f_seq,
+                                                     f_global, coef_aux, coef_seq, coef_global, coef_z, grad_w, log);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ---- the router's backward, a warp per token ---- */
+
+__global__ void moe_route_backward_kernel(moe_routing r, const float* logits, const float* expert_bias,
+                                          const float* dprobs, const float* grad_w, float aux_scale, float z_scale,
+                                          float* dlogits) {
+    extern __shared__ __align__(16) unsigned char moe_smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * (blockDim.x / 32) + warp;
+    if (row >= r.N) return;
+    const int E = r.E, k = r.k;
+    moe_warp_smem s = moe_warp_smem_at(moe_smem, E, warp);
+    const float* lrow = logits + (int64_t)row * E;
+    float* drow = dlogits + (int64_t)row * E;
+    float mx, sum;
+    moe_token_select(r, s, (float*)lrow, r.sigmoid ? expert_bias : NULL, false, lane, &mx, &sum);
+    /* the routed probabilities' gradient: dq_i = c dprobs (c: the scaling), then back through the
+     * normalisation over the k and the score function; selp holds dq, gscore the per-expert result */
+    if (lane == 0) {
+        float q[MOE_MAX_TOPK];
+        moe_selected_probs(r, s, q);
+        const float c = r.scaling != 0.0f ? r.scaling : 1.0f;
+        float dot = 0.0f;
+        for (int i = 0; i < k; i++) { s.selp[i] = c * dprobs[(int64_t)row * E + s.sel[i]]; }
+        if (r.sigmoid) {
+            float ssum = 0.0f, t = 0.0f;
+            for (int i = 0; i < k; i++) { ssum += s.val[s.sel[i]]; t += s.selp[i] * s.val[s.sel[i]]; }
+            const float D = ssum + MOE_SIGMOID_EPS;
+            for (int i = 0; i < k; i++) { /* ds_i, then times sigmoid' */
+                const float sv = s.val[s.sel[i]];
+                const float ds = k > 1 ? s.selp[i] / D - t / (D * D) : s.selp[i];
+                s.selp[i] = ds * sv * (1.0f - sv);
+            }
+        } else if (r.pre_softmax) {
+            for (int i = 0; i < k; i++) dot += q[i] * s.selp[i];
+            s.gscore[0] = dot; /* dl_e = S_e (dS_e - dot) over all e */
+        } else {
+            for (int i = 0; i < k; i++) dot += q[i] * s.selp[i];
+            for (int i = 0; i < k; i++) s.selp[i] = q[i] * (s.selp[i] - dot);
+        }
+    }
+    __syncwarp();
+    const float pre_dot = (!r.sigmoid && r.pre_softmax) ? s.gscore[0] : 0.0f;
+    __syncwarp();
+    /* the aux terms' scores (softmax over all, or normalised sigmoid) and the z-loss's softmax */
+    float zmx = -INFINITY;
+    for (int e = lane; e < E; e += 32) zmx = fmaxf(zmx, lrow[e]);
+    zmx = warp_max(zmx);
+    float zse = 0.0f, sig = 0.0f;
+    for (int e = lane; e < E; e += 32) {
+        zse += expf(lrow[e] - zmx);
+        if (r.sigmoid) sig += moe_sigmoid(lrow[e]);
+    }
+    zse = warp_sum(zse);
+    sig = warp_sum(sig);
+    const float lse = zmx + logf(zse), D = sig + MOE_SIGMOID_EPS;
+    const float* gw = grad_w ? grad_w + (int64_t)(row / r.T) * E : NULL;
+    float adot = 0.0f; /* softmax: sum_e S_e dS_e; sigmoid: sum_e dS_e sigma_e */
+    if (gw) {
+        for (int e = lane; e < E; e += 32) {
+            const float ds = aux_scale * gw[e];
+            adot += r.sigmoid ? ds * moe_sigmoid(lrow[e]) : ds * (expf(lrow[e] - zmx) / zse);
+        }
+        adot = warp_sum(adot);
+    }
+    for (int e = lane; e < E; e += 32) {
+        const float l = lrow[e], sm = expf(l - zmx) / zse;
+        float d = 0.0f;
+        if (!r.sigmoid && r.pre_softmax) {
+            float dq = 0.0f;
+            for (int i = 0; i < k; i++)
+                if (s.sel[i] == e) dq = s.selp[i];
+            d = s.val[e] * (dq - pre_dot);
+        } else {
+            for (int i = 0; i < k; i++)
+                if (s.sel[i] == e) d = s.selp[i];
+        }
+        if (gw) {
+            const float ds = aux_scale * gw[e];
+            if (r.sigmoid) {
+                const float sg = moe_sigmoid(l);
+                d += (ds / D - adot / (D * D)) * sg * (1.0f - sg);
+            } else {
+                d += sm * (ds - adot);
+            }
+        }
+        if (z_scale != 0.0f) d += z_scale * 2.0f * lse * sm / (float)r.N;
+        drow[e] = d;
+    }
+}
+
+void moe_route_backward(const mt_exec* ex, const moe_routing& r, const float* logits, const float* expert_bias,
+                               const float* dprobs, const float* grad_w, float aux_scale, float z_scale,
+                               float* dlogits, int32_t* work) {
+    if (!moe_routing_ok(ex, r, "moe_route_backward")) return;
+    const int warps = moe_warps_per_block(r.E);
+    moe_route_backward_kernel<<<ceil_div(r.N, warps), warps * 32, warps * moe_warp_smem_bytes(r.E), ex->stream>>>(
+        r, logits, expert_bias, dprobs, grad_w, aux_scale, z_scale, dlogits);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ---- permutation ---- */
+
+/* out [R, h] row p = x row token_of[p]; a thread per element (scalar) or per 16 bytes (vec). */
+template <typename T>
+__global__ void moe_permute_kernel(T* out, const T* x, const int32_t* token_of, int R, int h) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)R * h) return;
+    const int64_t p = i / h, c = i % h;
+    out[i] = x[(int64_t)token_of[p] * h + c];
+}
+template <typename T>
+__global__ void moe_permute_vec_kernel(T* out, const T* x, const int32_t* token_of, int R, int h) {
+    constexpr int V = vec16<T>::N;
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int hv = h / V;
+    if (i >= (int64_t)R * hv) return;
+    const int64_t p = i / hv, c = (i % hv) * V;
+    *reinterpret_cast<int4*>(out + p * h + c) = *reinterpret_cast<const int4*>(x + (int64_t)token_of[p] * h + c);
+}
+
+template <typename T>
+static void moe_permute(const mt_exec* ex, T* out, const T* x, const int32_t* token_of, int R, int h) {
+    if (R <= 0 || h <= 0) return;
+    constexpr int V = vec16<T>::N;
+    if (h % V == 0 && aligned16(out) && aligned16(x))
+        moe_permute_vec_kernel<T><<<ceil_div((int64_t)R * (h / V), 256), 256, 0, ex->stream>>>(out, x, token_of, R, h);
+    else
+        moe_permute_kernel<T><<<ceil_div((int64_t)R * h, 256), 256, 0, ex->stream>>>(out, x, token_of, R, h);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* Combine, a block per token row: the row's permuted rows listed in ascending expert order (warp 0,
+ * by ballots), then each thread sums its columns over that list in order. */
+template <typename T>
+__global__ void moe_unpermute_kernel(T* out, const T* rows, const int32_t* row_of, const T* shared, const float* gate,
+                                     int E, int h, int accumulate) {
+    extern __shared__ int moe_rows[]; /* [E] the row's permuted rows, then the count */
+    const int r = blockIdx.x;
+    if (threadIdx.x < 32) {
+        int count = 0;
+        for (int e0 = 0; e0 < E; e0 += 32) {
+            const int e = e0 + (int)threadIdx.x;
+            const int p = e < E ? row_of[(int64_t)r * E + e] : -1;
+            const unsigned bits = __ballot_sync(0xffffffffu, p >= 0);
+            if (p >= 0) moe_rows[count + __popc(bits & ((1u << threadIdx.x) - 1u))] = p;
+            count += __popc(bits);
+        }
+        if (threadIdx.x == 0) moe_rows[E] = count;
+    }
+    __syncthreads();
+    const int count = moe_rows[E];
+    const float gv = shared ? (gate ? gate[r] : 1.0f) : 0.0f;
+    for (int c = threadIdx.x; c < h; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int i = 0; i < count; i++) acc += to_float(rows[(int64_t)moe_rows[i] * h + c]);
+        if (shared) acc += gv * to_float(shared[(int64_t)r * h + c]);
+        T* o = out + (int64_t)r * h + c;
+        *o = from_float<T>(accumulate ? to_float(*o) + acc : acc);
+    }
+}
+
+template <typename T>
+static void moe_unpermute(const mt_exec* ex, T* out, const T* rows, const int32_t* row_of, const T* shared,
+                          const float* gate, int N, int E, int h, bool accumulate) {
+    if (N <= 0 || h <= 0) return;
+    if (E < 1 || E > MOE_MAX_EXPERTS)
+        return (void)mt_gpu_fail(ex->error, MT_ERR_ARG, "moe_unpermute: %d experts, must be in [1, %d]", E, MOE_MAX_EXPERTS);
+    const int threads = h >= 1024 ? 256 : 128;
+    moe_unpermute_kernel<T><<<N, threads, (E + 1) * sizeof(int), ex->stream>>>(out, rows, row_of, shared, gate, E, h,
+                                                                               accumulate ? 1 : 0);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ---- the experts' SwiGLU times the row's probability ---- */
+
+template <typename T>
+__global__ void moe_swiglu_prob_kernel(T* act, const T* z, const float* row_prob, int R, int fe) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)R * fe) return;
+    const int64_t p = i / fe, c = i % fe;
+    const float gate = to_float(z[p * 2 * fe + c]), up = to_float(z[p * 2 * fe + fe + c]);
+    act[i] = from_float<T>(silu(gate) * up * row_prob[p]);
+}
+
+template <typename T>
+static void moe_swiglu_prob(const mt_exec* ex, T* act, const T* z, const float* row_prob, int R, int fe) {
+    if (R <= 0 || fe <= 0) return;
+    moe_swiglu_prob_kernel<T><<<ceil_div((int64_t)R * fe, 256), 256, 0, ex->stream>>>(act, z, row_prob, R, fe);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* A block per permuted row: dz, and dp = sum_j silu(gate_j) up_j dact_j (each thread's columns in
+ * order, then block_sum's fixed tree) into dprobs at (token, expert of the row). */
+template <typename T>
+__global__ void moe_swiglu_prob_backward_kernel(T* dz, float* dprobs, const T* dact, const T* z, const float* row_prob,
+                                                const int32_t* token_of, const int32_t* offsets, int fe, int E) {
+    const int64_t p = blockIdx.x;
+    const float prob = row_prob[p];
+    float dp = 0.0f;
+    for (int c = threadIdx.x; c < fe; c += blockDim.x) {
+        const float gate = to_float(z[p * 2 * fe + c]), up = to_float(z[p * 2 * fe + fe + c]);
+        const float d = to_float(dact[p * fe + c]);
+        const float s = 1.0f / (1.0f + expf(-gate)), sl = gate * s;
+        dz[p * 2 * fe + c] = from_float<T>(d * prob * up * s * (1.0f + gate * (1.0f - s)));
+        dz[p * 2 * fe + fe + c] = from_float<T>(d * prob * sl);
+        dp += sl * up * d;
+    }
+    dp = block_sum(dp);
+    if (threadIdx.x == 0) {
+        int lo = 0, hi = E; /* the expert e with offsets[e] <= p < offsets[e + 1] */
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) / 2;
+            if (offsets[mid] <= p) lo = mid;
+            else hi = mid;
+        }
+        dprobs[(int64_t)token_of[p] * E + lo] = dp;
+    }
+}
+
+template <typename T>
+static void moe_swiglu_prob_backward(const mt_exec* ex, T* dz, float* dprobs, const T* dact, const T* z,
+                                     const float* row_prob, const int32_t* token_of, const int32_t* offsets, int R,
+                                     int fe, int E) {
+    if (R <= 0 || fe <= 0) return;
+    const int threads = fe >= 512 ? 256 : fe >= 128 ? 128 : 32;
+    moe_swiglu_prob_backward_kernel<T><<<R, threads, 0, ex->stream>>>(dz, dprobs, dact, z, row_prob, token_of, offsets,
+                                                                       fe, E);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ---- the shared expert's gate ---- */
+
+/* A warp per row: gate[r] = sigmoid(x[r] . w), lanes over columns in order, then the warp's tree. */
+template <typename T>
+__global__ void moe_gate_forward_kernel(float* gate, const T* x, const T* w, int N, int h) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= N) return;
+    float d = 0.0f;
+    for (int c = lane; c < h; c += 32) d += to_float(x[(int64_t)row * h + c]) * to_float(w[c]);
+    d = warp_sum(d);
+    if (lane == 0) gate[row] = moe_sigmoid(d);
+}
+
+template <typename T>
+static void moe_gate_forward(const mt_exec* ex, float* gate, const T* x, const T* w, int N, int h) {
+    if (N <= 0) return;
+    moe_gate_forward_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(gate, x, w, N, h);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* Gate backward, a block per row: the dot dout . shared (each thread's columns in order, then
+ * block_sum), dgate_logit, dshared = gate * dout (after the dot: dshared may be dout), dx += dgl * w. */
+template <typename T>
+__global__ void moe_gate_backward_rows_kernel(T* dshared, float* dgate_logit, T* dx, const T* dout, const T* shared,
+                                              const float* gate, const T* w, int h) {
+    const int64_t r = blockIdx.x;
+    float d = 0.0f;
+    for (int c = threadIdx.x; c < h; c += blockDim.x) d += to_float(dout[r * h + c]) * to_float(shared[r * h + c]);
+    d = block_sum(d);
+    const float g = gate[r], dgl = g * (1.0f - g) * d;
+    if (threadIdx.x == 0) dgate_logit[r] = dgl;
+    for (int c = threadIdx.x; c < h; c += blockDim.x) {
+        dshared[r * h + c] = from_float<T>(g * to_float(dout[r * h + c]));
+        dx[r * h + c] = from_float<T>(to_float(dx[r * h + c]) + dgl * to_float(w[c]));
+    }
+}
+
+/* dw [h] (+)= sum_r dgl[r] x[r]: block of 32 columns x 32 row groups, each group's rows in order,
+ * then the 32 groups in order. */
+template <typename T>
+__global__ void moe_gate_dw_kernel(float* dw, const float* dgl, const T* x, int N, int h, int accumulate) {
+    __shared__ float part[32][33];
+    const int c = blockIdx.x * 32 + threadIdx.x, g = threadIdx.y;
+    float a = 0.0f;
+    if (c < h)
+        for (int r = g; r < N; r += 32) a += dgl[r] * to_float(x[(int64_t)r * h + c]);
+    part[g][threadIdx.x] = a;
+    __syncthreads();
+    if (g == 0 && c < h) {
+        float s = 0.0f;
+        for (int i = 0; i < 32; i++) s += part[i][threadIdx.x];
+        dw[c] = accumulate ? dw[c] + s : s;
+    }
+}
+
+template <typename T>
+static void moe_gate_backward(const mt_exec* ex, T* dshared, float* dgate_logit, float* dw, T* dx, const T* dout,
+                              const T* shared, const float* gate, const T* x, const T* w, int N, int h,
+                              bool accumulate) {
+    if (N <= 0 || h <= 0) return;
+    moe_gate_backward_rows_kernel<T><<<N, h >= 1024 ? 256 : 128, 0, ex->stream>>>(dshared, dgate_logit, dx, dout,
+                                                                                  shared, gate, w, h);
+    if (!LAUNCH_CHECK(ex->error)) return;
+    moe_gate_dw_kernel<T><<<ceil_div(h, 32), dim3(32, 32), 0, ex->stream>>>(dw, dgate_logit, x, N, h, accumulate ? 1 : 0);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ---- fp32 <-> T for the fp32 router ---- */
+
+template <typename T>
+__global__ void moe_add_f32_kernel(T* dst, const float* src, int64_t n, int accumulate) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = from_float<T>(accumulate ? to_float(dst[i]) + src[i] : src[i]);
+}
+
+template <typename T>
+static void moe_add_f32(const mt_exec* ex, T* dst, const float* src, int64_t n, bool accumulate) {
+    if (n <= 0) return;
+    moe_add_f32_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(dst, src, n, accumulate ? 1 : 0);
+    LAUNCH_CHECK(ex->error);
+}
+template <typename T>
+static void moe_to_f32(const mt_exec* ex, float* dst, const T* src, int64_t n) {
+    if (n <= 0) return;
+    cast_to_float_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(dst, src, n);
+    LAUNCH_CHECK(ex->error);
+}
+
 /* ############################################################################################## */
-/* PART II: THE MODEL AND THE TRAINER (sections 14-20)                                            */
+/* PART II: THE MODEL AND THE TRAINER (sections 15-21)                                            */
 /*    Process groups, parallel layers, the model, the micro-batch loop, the optimizer,            */
 /*    checkpoints and the trainer API, on mt_trainer and mt_config. All device work through Part  */
 /*    I's launchers (trainer_exec(t) makes their mt_exec): no kernel is defined or launched       */
@@ -4225,7 +5124,7 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
 /* ############################################################################################## */
 
 /* ============================================================================================== */
-/* 14. Process groups                                                                             */
+/* 15. Process groups                                                                             */
 /*    Megatron's rank layout (megatron.h: tp-cp-ep-dp-pp) gives each rank its coordinates. One    */
 /*    NCCL communicator spans the job; it is split into the tensor-parallel group (the TP ranks   */
 /*    of one model replica, contiguous ranks), the data-parallel group (the ranks that hold the   */
@@ -4601,7 +5500,7 @@ static void process_groups_free(mt_process_groups* g) {
 }
 
 /* ============================================================================================== */
-/* 15. Parallel layers                                                                            */
+/* 16. Parallel layers                                                                            */
 /*    linear_forward/backward: y = x W^T + b, W stored [out, in], weight and bias gradients in    */
 /*    fp32. Megatron's tensor parallelism around them: a column-parallel linear holds rows of W   */
 /*    (its output columns) and needs the whole input; a row-parallel linear holds columns of W    */
@@ -4664,7 +5563,7 @@ typedef struct {
     uint8_t* stale;             /* host [L]: 1 where a layer's FP8 weight copies predate the parameters (its
                                    first forward after a change casts them: per layer, since with virtual
                                    pipeline stages a rank's layers run in several chunks) */
-    /* --fp8-param-gather (section 18, fp8_publish_parameters): W of every FP8 linear lives in the
+    /* --fp8-param-gather (section 19, fp8_publish_parameters): W of every FP8 linear lives in the
      * parameter storage as FP8 bytes, all-gathered after each step; `weights` holds W^T only */
     int param_gather;
     int unpublished;            /* the parameter storage predates the master weights */
@@ -4922,7 +5821,7 @@ static void row_parallel_backward(const parallel_backward_ctx<T>& pc, T* dx, flo
 }
 
 /* ============================================================================================== */
-/* 16. The model                                                                                  */
+/* 17. The model                                                                                  */
 /*    Parameters: one buffer in Megatron's DDP layout (megatron.h mt_buffer_layout: reverse       */
 /*    model order, buckets) of this tensor-parallel rank's shard; layer_params / layer_grads      */
 /*    name one layer's tensors in it. Activations: one arena for one micro-batch, sized at        */
@@ -5017,14 +5916,14 @@ typedef struct {
 } mt_activations;
 
 /* ---- The trainer and its parts ----
- * mt_trainer holds what sections 14-20 all read (the config, the error record, the process groups,
+ * mt_trainer holds what sections 15-21 all read (the config, the error record, the process groups,
  * the stream and GEMM plans, the model's buffers and running activations, the FP8 state), then one
  * part for each section that keeps state of its own from call to call. A part's type sits here,
  * before the trainer (C++ needs it whole), and names its section: that section's functions read and
  * write it, and one that needs nothing else takes the part alone (loss_scaler_update, offloaded_part,
  * offload_free, release_save; ddp_create with the buffer layout it sizes the part by). */
 
-/* Section 17, the micro-batch loop: the activation slots a step's schedule hands out, the host
+/* Section 18, the micro-batch loop: the activation slots a step's schedule hands out, the host
  * staging of one micro-batch's tokens, the pipeline's pending send, and the last loss's count. */
 typedef struct {
     mt_activations* slots;    /* [num_slots]: saved activations of the micro-batches in flight (their own
@@ -5038,7 +5937,7 @@ typedef struct {
     int64_t last_loss_tokens; /* positions the last train step or evaluation counted (over DP) */
 } mt_loop_state;
 
-/* Section 18, the data-parallel reduction and gathering (Megatron's DistributedDataParallel): the
+/* Section 19, the data-parallel reduction and gathering (Megatron's DistributedDataParallel): the
  * buckets' progress through a step, the parameter all-gather's events, the handover between the
  * compute and communication streams, and the device scratch of host values reduced over a group. */
 typedef struct {
@@ -5051,7 +5950,7 @@ typedef struct {
     double* reduce_scratch;   /* [2 + world * MT_GATHER_DOUBLES]: values all-reduced, then all_gather_world's */
 } mt_ddp_state;
 
-/* Section 18, the optimizer: each bucket's owned range (its DP shard, or all of it without the
+/* Section 19, the optimizer: each bucket's owned range (its DP shard, or all of it without the
  * distributed optimizer), concatenated in bucket order, with its fp32 master weights and Adam
  * moments, the chunks AdamW and the norms walk, the offloaded end, and the step counters. */
 typedef struct {
@@ -5069,22 +5968,22 @@ typedef struct {
     int64_t adam_step;        /* optimizer steps taken */
 } mt_optimizer_state;
 
-/* Section 18, Megatron's fp16 DynamicGradScaler (a loss scale of 1 otherwise). */
+/* Section 19, Megatron's fp16 DynamicGradScaler (a loss scale of 1 otherwise). */
 typedef struct {
     double loss_scale;
     int growth_tracker;
     int hysteresis_tracker;
 } mt_loss_scaler;
 
-/* Section 19, checkpoints: the writer of the last save and what loads are told. */
-struct mt_async_save; /* a save between staging and commit (section 19) */
+/* Section 20, checkpoints: the writer of the last save and what loads are told. */
+struct mt_async_save; /* a save between staging and commit (section 20) */
 typedef struct {
     struct mt_async_save* async_save; /* the checkpoint writer, from the first save */
     int no_verify_checkpoint;   /* --no-verify-checkpoint: loads warn where the integrity rule refuses */
     mt_error load_warning;      /* what the last load's integrity check had to say (rank 0), "" if nothing */
 } mt_checkpoint_state;
 
-/* Section 20, the memory: the plan computed on the host before any allocation, what was allocated by
+/* Section 21, the memory: the plan computed on the host before any allocation, what was allocated by
  * its categories, and the two arenas carved from its layouts. */
 typedef struct {
     mt_memory_plan plan;        /* computed on the host before any allocation */
@@ -5096,7 +5995,7 @@ typedef struct {
     size_t fp8_arena_bytes;
 } mt_memory_state;
 
-/* Section 16, mixture of experts: what the routers carry between micro-batches and steps (Megatron's
+/* Section 17, mixture of experts: what the routers carry between micro-batches and steps (Megatron's
  * router buffers and finalize_model_grads' MoE part), per MoE layer l (indexed by model layer; every layer
  * is MoE in this build), and the last training pass's statistics on the host (mt_trainer_moe_stats). */
 typedef struct {
@@ -5115,9 +6014,9 @@ typedef struct {
 
 /* Hooks for debugging and tests, off in a normal run. */
 typedef struct {
-    int64_t test_nan_gradients_at; /* tests only (section 20): 1 + the iteration one of whose gradients (the first
+    int64_t test_nan_gradients_at; /* tests only (section 21): 1 + the iteration one of whose gradients (the first
                                       parameter's first) is made NaN after its backward (0: never) */
-    int pp_trace;             /* section 17: MT_PP_TRACE=1 in the environment at PP > 1: each pipeline unit's
+    int pp_trace;             /* section 18: MT_PP_TRACE=1 in the environment at PP > 1: each pipeline unit's
                                  transfers and steps on stderr, the stream synchronised after each (a hang then
                                  names the unit it stopped in); read once, at creation */
 } mt_debug_hooks;
@@ -5126,7 +6025,7 @@ struct mt_trainer {
     mt_config cfg;
     mt_gpu_error error;
     mt_process_groups groups;
-    mt_watchdog* watchdog;    /* mt_trainer_on_collective_timeout's thread (NULL: none; section 14) */
+    mt_watchdog* watchdog;    /* mt_trainer_on_collective_timeout's thread (NULL: none; section 15) */
     cudaStream_t stream;
     cublasHandle_t cublas;
     void* cublas_workspace;
@@ -5147,18 +6046,18 @@ struct mt_trainer {
                                  optimizer */
     float* grads;             /* [buffer.size] fp32 */
     mt_activations act;       /* the activations of the (chunk, micro-batch) running: one of loop.slots[] */
-    mt_fp8_state fp8;         /* FP8 linears (section 15); enabled = 0 without --fp8-format */
+    mt_fp8_state fp8;         /* FP8 linears (section 16); enabled = 0 without --fp8-format */
     int64_t iteration;        /* train steps taken, skipped ones too (after a load: the checkpoint's
                                  iteration): keys the dropout masks (dropout_site) */
     /* the sections' parts */
-    mt_loop_state loop;       /* section 17 */
-    mt_ddp_state ddp;         /* section 18 */
-    mt_optimizer_state opt;   /* section 18 */
-    mt_loss_scaler scaler;    /* section 18 */
-    mt_checkpoint_state ckpt; /* section 19 */
-    mt_memory_state mem;      /* section 20 */
-    mt_debug_hooks debug;     /* sections 17 and 20: tracing and a test hook */
-    mt_moe_state moe;         /* section 16: the MoE routers' state (enabled = 0 in a dense model) */
+    mt_loop_state loop;       /* section 18 */
+    mt_ddp_state ddp;         /* section 19 */
+    mt_optimizer_state opt;   /* section 19 */
+    mt_loss_scaler scaler;    /* section 19 */
+    mt_checkpoint_state ckpt; /* section 20 */
+    mt_memory_state mem;      /* section 21 */
+    mt_debug_hooks debug;     /* sections 18 and 21: tracing and a test hook */
+    mt_moe_state moe;         /* section 17: the MoE routers' state (enabled = 0 in a dense model) */
     /* Room for the parts still to come, empty by design until they land: expert parallelism (the
      * expert-parallel group's token dispatch and its buffers) and context
      * parallelism (the sequence's split over the CP group and attention's ring exchange) each add
@@ -5287,7 +6186,7 @@ struct layer_view {
     T *fc1;                     /* [BT, f1] pre-activation */
     T *act;                     /* [BT, f] */
     T *out;                     /* [R, h] layer output = the next layer's input */
-    /* an MoE layer's (section 16's mt_activations names them) */
+    /* an MoE layer's (mt_activations names them) */
     float *moe_logits, *moe_probs, *moe_row_prob, *moe_auxw, *moe_gate;
     int32_t *moe_row, *moe_token, *moe_counts;
     T *moe_fc1, *moe_act, *moe_shared;
@@ -5576,12 +6475,12 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
     return sums;
 }
 
-/* The data-parallel hooks the model calls (section 18): the forward waits for each layer's
+/* The data-parallel hooks the model calls (section 19): the forward waits for each layer's
  * parameters when the last step's all-gather still runs; the backward reports each layer whose
  * gradients are final, so full buckets can start their reduction (when the micro-batch's mode says
  * so). Layer -1 is the embeddings, layer L the final norm and output layer. */
 static void wait_for_parameters(mt_trainer* t, int layer);
-static void fp8_publish_parameters(mt_trainer* t); /* section 18: --fp8-param-gather's cast and all-gather */
+static void fp8_publish_parameters(mt_trainer* t); /* section 19: --fp8-param-gather's cast and all-gather */
 static void gradients_ready(mt_trainer* t, const mt_exec* ex, int layer);
 
 /* FP8 (--fp8-format): layer l's four linears as FP8 operands (false for a bf16 layer), with their
@@ -5799,9 +6698,9 @@ static void moe_router_operands(const mt_exec* ex, const mt_activations* a, cons
     *x32 = a->moe_x32, *W32 = a->moe_w32;
 }
 
-static void comm_after_compute(mt_trainer* t); /* section 18: the communication stream waits for the compute's work */
-static void* device_alloc(mt_trainer* t, size_t bytes, size_t* counter); /* section 20 */
-static void compute_after_comm(mt_trainer* t); /* section 18: and the compute stream for the communication's */
+static void comm_after_compute(mt_trainer* t); /* section 19: the communication stream waits for the compute's work */
+static void* device_alloc(mt_trainer* t, size_t bytes, size_t* counter); /* section 21 */
+static void compute_after_comm(mt_trainer* t); /* section 19: and the compute stream for the communication's */
 /* All-reduce (sum) of a device array over the data-parallel group, ordered after the compute stream's work
  * and before its next (a no-op with one DP rank). */
 static void dp_all_reduce_device(mt_trainer* t, void* buffer, size_t count, ncclDataType_t type) {
@@ -6082,7 +6981,7 @@ static void layer_forward(mt_trainer* t, const mt_exec* ex, const model_chunk& c
  * Each residual add is fused with the norm that follows it: the attention residual with the MLP's
  * norm, the MLP residual with the next layer's first norm (or the final norm). With tensor
  * parallelism: QKV and fc1 are column-parallel, proj and fc2 row-parallel, the embedding and the
- * output layer vocab-parallel (section 15). */
+ * output layer vocab-parallel (section 16). */
 template <typename T>
 static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, model_chunk ch) {
     mt_shape s = model_shape(t);
@@ -6319,7 +7218,7 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
 }
 
 /* ============================================================================================== */
-/* 17. The micro-batch loop                                                                       */
+/* 18. The micro-batch loop                                                                       */
 /*    One stage, the micro-batches in order, forward then backward for each (pipeline schedules   */
 /*    are not built yet). Stages one micro-batch's tokens onto the device, builds its mode        */
 /*    (first micro-batch overwrites gradients, the last one's backward starts the DP reductions)  */
@@ -6758,7 +7657,7 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
 }
 
 /* ============================================================================================== */
-/* 18. Optimizer                                                                                  */
+/* 19. Optimizer                                                                                  */
 /*    Data-parallel buckets, the global gradient norm, clipping, Megatron's fp16                  */
 /*    DynamicGradScaler, AdamW over this rank's shard, and the all-gather of the new parameters.  */
 /*    Every DP collective runs on the communication stream, in the same order on every rank; the  */
@@ -7302,7 +8201,7 @@ static void adamw_step(mt_trainer* t, float lr, float lr_decoupled, float grad_s
 }
 
 /* ============================================================================================== */
-/* 19. Checkpoints                                                                                */
+/* 20. Checkpoints                                                                                */
 /*    The format on disk and the rules every writer and reader applies (the header and its        */
 /*    checks, each rank's file names, the tracker, a save's temporary directory and commit, the   */
 /*    manifest) are megatron.h section 13's; this section stages a rank's files from the device   */
@@ -7339,7 +8238,7 @@ static FILE* open_checkpoint_file(const char* path, mt_error* err) {
 /* ---- fp32 arrays between the optimizer shard, the full buffer layout, and canonical order ---- */
 
 /* Copies every bucket's owned range between a full buffer-layout array and an optimizer-shard array
- * (with optimizer offload, the shard's end is in host memory: section 18's offloaded_part). */
+ * (with optimizer offload, the shard's end is in host memory: section 19's offloaded_part). */
 static void copy_owned(mt_trainer* t, float* shard, float* full, int to_shard) {
     float* host = offloaded_part(&t->opt, shard);
     const int64_t split = host ? t->opt.offload->gpu_numel : INT64_MAX;
@@ -8029,7 +8928,7 @@ void mt_trainer_set_no_verify_checkpoint(mt_trainer* t, int no_verify) {
 const char* mt_trainer_load_warning(const mt_trainer* t) { return t->ckpt.load_warning.message; }
 
 /* ============================================================================================== */
-/* 20. The trainer API                                                                            */
+/* 21. The trainer API                                                                            */
 /*    defines: mt_trainer_create / mt_trainer_free, mt_trainer_train_step(_n),                    */
 /*    mt_trainer_evaluate, mt_trainer_logits, mt_trainer_get_parameters /                         */
 /*    mt_trainer_set_parameters, mt_device_info: the API megatron.h declares.                     */
@@ -8172,7 +9071,7 @@ static void initialise_parameters(mt_trainer* t) {
 
 /* The optimizer's shard: each bucket's owned range, and the chunks AdamW and the norm walk (cut where
  * the GPU's part ends when the end of the shard is offloaded: the GPU's chunks come first); then the
- * offload's host state (section 18). The plan counts the same chunks (megatron.h). */
+ * offload's host state (section 19). The plan counts the same chunks (megatron.h). */
 static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
     const mt_buffer_layout* B = &t->buffer;
     const int dp = t->opt.sharded ? t->groups.dp_size : 1, dp_rank = t->opt.sharded ? t->groups.dp_rank : 0;
@@ -8221,7 +9120,7 @@ static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
 }
 
 /* --fp8-param-gather: where each optimizer chunk (plan_optimizer_shard's, the same pieces) goes in
- * the parameter storage, and the scaling slot of the FP8 weight it belongs to (section 18). */
+ * the parameter storage, and the scaling slot of the FP8 weight it belongs to (section 19). */
 static mt_status fp8_publish_create(mt_trainer* t, mt_error* err) {
     const mt_buffer_layout* B = &t->buffer;
     const int dp = t->opt.sharded ? t->groups.dp_size : 1, dp_rank = t->opt.sharded ? t->groups.dp_rank : 0;
@@ -8257,7 +9156,7 @@ static mt_status fp8_publish_create(mt_trainer* t, mt_error* err) {
     return mt_gpu_error_return(&t->error, err);
 }
 
-/* The FP8 state (section 15), one device allocation: the scaling arrays (every scale 1, every
+/* The FP8 state (section 16), one device allocation: the scaling arrays (every scale 1, every
  * history 0 at the start, as Transformer Engine), the weights' FP8 copies in both layouts for every
  * FP8 layer, and the cast scratch of one linear ([BT, widest] four times). */
 static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
@@ -8371,7 +9270,7 @@ static mt_status plan_trainer_memory(const mt_config* cfg, mt_memory_plan* plan,
     return MT_OK;
 }
 
-/* The data-parallel part (section 18): the events of the compute and communication streams'
+/* The data-parallel part (section 19): the events of the compute and communication streams'
  * handover, one event per bucket's parameter all-gather, and the first bucket of every layer. */
 static mt_status ddp_create(mt_ddp_state* d, const mt_buffer_layout* B, mt_gpu_error* e, mt_error* err) {
     CUDA_CHECK(e, cudaEventCreateWithFlags(&d->compute_done, cudaEventDisableTiming));
@@ -8406,7 +9305,7 @@ static void gemm_context_create(mt_trainer* t) {
 /* The model state, measured as the device sees it: gradients, master weights, the parameters (the
  * master itself when `alias`: fp32 weights are their own master, all buffer.size of them), Adam's
  * moments; `shard` elements of master, m and v on the device (with offload the first ones of the
- * optimizer's shard, section 18). */
+ * optimizer's shard, section 19). */
 static void allocate_model_state(mt_trainer* t, size_t shard, int alias) {
     size_t free_before = 0, free_after = 0, total = 0;
     CUDA_CHECK(&t->error, cudaDeviceSynchronize());
@@ -8509,7 +9408,7 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
         }
     }
 
-    /* with offload the device holds the first `shard` elements of master, m and v (section 18) */
+    /* with offload the device holds the first `shard` elements of master, m and v (section 19) */
     const size_t shard = (size_t)(t->opt.offload ? t->opt.offload->gpu_numel : t->opt.shard_numel);
     const int alias = cfg->precision == MT_FP32 && !t->opt.sharded; /* fp32 weights are their own master */
     allocate_model_state(t, shard, alias);

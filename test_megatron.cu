@@ -31,6 +31,7 @@
 #include "tests/test_checkpoint.h"
 #include "tests/test_attention.h"
 #include "tests/test_kernels.h"
+#include "tests/test_moe_kernels.h"
 #include "tests/test_fp8.h"
 #include "tests/test_data_parallel.h"
 #include "tests/test_tensor_parallel.h"
@@ -135,6 +136,7 @@ int main(int argc, char** argv) {
         GROUP("host.dropout", dropout_tests),
         GROUP("host.faults", faults_tests),
         GROUP("host.runner", runner_tests),
+        GROUP("host.moe_kernels", moe_kernels_host_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.moe", moe_gpu_tests),
         GROUP("gpu.flags", flags_gpu_tests),

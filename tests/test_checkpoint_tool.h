@@ -9,7 +9,7 @@
  * tools as a user runs them (checkpoint_tool info / verify / reshard, convert_hf --export and --import,
  * eval_hellaswag when built, convert_mcore.py via dev/mcore_integrity_check.py when python3 has numpy),
  * and train_gpt's --no-verify-checkpoint flag. prepro/checkpoint_tool.h: synthetic checkpoints written here in the trainer's exact
- * format (megatron.cu section 19: headers as fill_header fills them, each rank's tensors laid out
+ * format (megatron.cu section 20: headers as fill_header fills them, each rank's tensors laid out
  * through the DDP buffer layout's canonical offsets as canonical_transfer does, distributed-optimizer
  * shards bucket by bucket as copy_owned cuts them), random arrays, both flavours, tied and untied;
  * reshards TP1 -> TP2 -> TP1 x PP2 x VP2 -> TP2 x PP2 -> TP1 come back bitwise; a distributed-optimizer

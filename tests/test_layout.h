@@ -570,13 +570,13 @@ static test_result test_layout_checks_can_fail(void) {
         char entry[200], title[200], cases[5][2][220];
         snprintf(entry, sizeof(entry), "%.*s", (int)(eol - first), first); /* "1. Checks, ..." */
         snprintf(title, sizeof(title), "%s", entry + 3);
-        /* list: renamed (a word added), dropped (a line that is no entry), renumbered (1 -> 21) */
+        /* list: renamed (a word added), dropped (a line that is no entry), renumbered (1 -> 22) */
         snprintf(cases[0][0], 220, "%s", entry);
         snprintf(cases[0][1], 220, "1. Some %s", title);
         snprintf(cases[1][0], 220, "%s", entry);
         snprintf(cases[1][1], 220, "(none) %s", title);
         snprintf(cases[2][0], 220, "%s", entry);
-        snprintf(cases[2][1], 220, "21. %s", title);
+        snprintf(cases[2][1], 220, "22. %s", title);
         int failed_all = 1;
         for (int c = 0; c < 3 && failed_all; c++) {
             free(broken);
@@ -603,11 +603,11 @@ static test_result test_layout_checks_can_fail(void) {
         }
         /* DESIGN.md's first megatron.cu entry renumbered */
         free(broken);
-        broken = tl_edit(s.design, "## megatron.cu", "\n1. **", "\n21. **");
+        broken = tl_edit(s.design, "## megatron.cu", "\n1. **", "\n22. **");
         {
             char w[512] = "";
             const int ok = broken && tl_check_design(broken, &cu, &h, w, sizeof(w));
-            printf("    DESIGN.md \"1. **\" -> \"21. **\": %s\n", ok ? "not caught" : w);
+            printf("    DESIGN.md \"1. **\" -> \"22. **\": %s\n", ok ? "not caught" : w);
             failed_all = failed_all && broken && !ok;
         }
         /* the seam: a launch in Part II, mt_config in Part I (code, not a comment) */

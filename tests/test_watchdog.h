@@ -1,6 +1,6 @@
 /* tests/test_watchdog.h — the collectives' watchdog (--distributed-timeout-minutes, issue #23).
  * Host: the flag and the config refuse a timeout that is not a positive finite number of minutes.
- * GPU: the watchdog of megatron.cu section 14 on a stream of the test's own: a kernel that never ends
+ * GPU: the watchdog of megatron.cu section 15 on a stream of the test's own: a kernel that never ends
  * (it spins on a flag in mapped host memory, as a collective waits for a dead peer) is reported once,
  * after the timeout and not before, in one line naming the rank and the stream; a stream that is busy
  * but makes progress (0.2 s kernels one after another, the host waiting for each as training does)
