@@ -4217,6 +4217,46 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
     return true;
 }
 
+/* The global aux loss's running average over a step (Megatron's router keeps the sum of the step's
+ * DP-summed counts and divides by the micro-batches so far): sums [E] += counts [E]; average [E] = sums / m. */
+__global__ void moe_global_aux_average_kernel(float* sums, float* average, const int32_t* counts, int E, float m) {
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= E) return;
+    const float sum = sums[e] + (float)counts[e];
+    sums[e] = sum;
+    average[e] = sum / m;
+}
+static void moe_global_aux_average(const mt_exec* ex, float* sums, float* average, const int32_t* counts, int E,
+                                   int m) {
+    if (ex->error->status != MT_OK) return;
+    moe_global_aux_average_kernel<<<ceil_div(E, 256), 256, 0, ex->stream>>>(sums, average, counts, E, (float)m);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* Aux-loss-free balancing after a step (Megatron's expert-bias update): for each of L layers, bias[e] += rate *
+ * sign(mean - count[e]), mean = sum(count) / E in fp32 (an integer sum, exact below 2^24), fp32 throughout as
+ * Megatron's fp32 buffer; one block a layer. bias, counts [L, E]. */
+__global__ void moe_expert_bias_update_kernel(float* bias, const int32_t* counts, int E, float rate) {
+    const int64_t row = (int64_t)blockIdx.x * E;
+    __shared__ float mean;
+    if (threadIdx.x == 0) {
+        float sum = 0.0f;
+        for (int e = 0; e < E; e++) sum += (float)counts[row + e];
+        mean = sum / (float)E;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const float d = mean - (float)counts[row + e];
+        bias[row + e] += (d > 0.0f ? 1.0f : d < 0.0f ? -1.0f : 0.0f) * rate;
+    }
+}
+static void moe_expert_bias_update(const mt_exec* ex, float* bias, const int32_t* counts, int L, int E, float rate) {
+    if (ex->error->status != MT_OK || L <= 0) return;
+    moe_expert_bias_update_kernel<<<L, 128, 0, ex->stream>>>(bias, counts, E, rate);
+    LAUNCH_CHECK(ex->error);
+}
+
+
 /* ============================================================================================== */
 /* 14. Mixture of experts: routing, permutation, the experts' activation                          */
 /*    Megatron-Core's MoE layer (dev/moe_semantics.md, dev/ref_moe.py) without its atomics. The  */
@@ -4229,10 +4269,12 @@ static bool gemm_fp8(const mt_exec* ex, int M, int N, int K, const uint8_t* A, m
 /*    r = j*T + t: counts, offsets and each expert's rows (tokens ascending in n) come from block */
 /*    scans per expert, no atomics. Unpermute sums a token's rows in ascending expert order.     */
 /*    The aux-loss statistics reduce fixed row groups in order. Then the experts' SwiGLU times    */
-/*    the row's probability, the shared expert's gate, and casts for the fp32 router GEMM.       */
+/*    the row's probability, the shared expert's gate, casts for the fp32 router GEMM, and the    */
+/*    step's bookkeeping: the global aux loss's running average and the expert-bias update.      */
 /*    defines: moe_routing, moe_work_words, moe_row_of_token / moe_token_of_row, moe_route,      */
 /*    moe_aux_stats, moe_aux_finish, moe_route_backward, moe_permute, moe_unpermute,             */
-/*    moe_swiglu_prob(_backward), moe_gate_forward / moe_gate_backward, moe_add_f32, moe_to_f32.  */
+/*    moe_swiglu_prob(_backward), moe_gate_forward / moe_gate_backward, moe_add_f32, moe_to_f32,  */
+/*    moe_global_aux_average, moe_expert_bias_update.                                            */
 /* ============================================================================================== */
 
 /* One MoE layer's routing settings (host, by value). */
@@ -4254,7 +4296,7 @@ typedef struct {
 #define MOE_SIGMOID_EPS 1e-20f /* Megatron's guard of the sigmoid top-k normalisation */
 
 /* Words of int32 scratch the routing launchers need (the caller allocates at least this). */
-static inline __host__ __device__ int64_t moe_work_words(int N, int E, int B) { return 2LL * N * E + 4LL * B * E + 16LL * E + 256; }
+static inline __host__ __device__ int64_t moe_work_words(int N, int E, int B) { return MT_MOE_WORK_WORDS(N, E, B); }
 
 /* Megatron's token number n = t*B + j of row r = j*T + t, and back. */
 static __host__ __device__ int moe_row_of_token(int n, int B, int T) { return (n % B) * T + n / B; }
