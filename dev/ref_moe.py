@@ -242,8 +242,9 @@ CONFIGS = {
                                    shared=48),
     # Qwen3-MoE-style: 128 small experts, top-8, softmax after top-k (HF norm_topk_prob=True), qk-layernorm,
     # the global-batch aux loss
-    "qwen3_tiny": MoEConfig(flavor="llama", L=2, h=64, n=4, g=2, kv=16, f=96, Vp=256, T=32, G=4, mb=2, S=20,
-                            qk_layernorm=True, E=128, topk=8, fe=16, lb=("global_aux_loss",), aux_coeff=(1e-3,)),
+    # (hidden 32 and experts of width 8 keep its 128 experts' file small: the test vectors travel with the tree)
+    "qwen3_tiny": MoEConfig(flavor="llama", L=2, h=32, n=4, g=2, kv=16, f=96, Vp=256, T=32, G=4, mb=2, S=20,
+                            qk_layernorm=True, E=128, topk=8, fe=8, lb=("global_aux_loss",), aux_coeff=(1e-3,)),
     # capacity 1.0 with the probs policy (tokens dropped, not padded)
     "moe_cap_probs": MoEConfig(flavor="llama", L=2, h=64, n=4, g=2, f=96, Vp=256, T=32, G=4, mb=2, S=20,
                                E=8, topk=2, fe=32, lb=("aux_loss",), aux_coeff=(1e-2,), capacity=1.0),

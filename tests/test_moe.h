@@ -21,7 +21,8 @@
  * of the score spread can flip (then one token's expert changes: an O(1) change of that token's output):
  * logits 5e-2, losses 2e-2, gradients 1e-1 norm-wise (flips move whole rows of the expert gradients), the
  * step losses 2e-2, weights after S steps 5e-3; the tokens per expert within 10% of the micro-batch's
- * routed pairs. */
+ * routed pairs; the first micro-batch's map within 2% of its routed pairs (a flip changes two entries), the
+ * probabilities of the tokens whose choice agrees within 5e-2 of their row's largest. */
 #ifndef MT_TEST_MOE_H
 #define MT_TEST_MOE_H
 
@@ -204,10 +205,15 @@ static test_result check_moe_against_reference(const char* path, mt_precision pr
                     const int r = (n % mb) * T + n / mb;
                     const float* ref = mv.route_probs0 + ((size_t)l * N0 + n) * E;
                     float top = 0.0f;
-                    for (int e = 0; e < E; e++) top = fabsf(ref[e]) > top ? fabsf(ref[e]) : top;
+                    int64_t row_mismatch = 0;
                     for (int e = 0; e < E; e++) {
+                        top = fabsf(ref[e]) > top ? fabsf(ref[e]) : top;
                         const int in_map = rows[(size_t)r * E + e] >= 0;
-                        map_mismatch += in_map != (mv.route_map0[((size_t)l * N0 + n) * E + e] != 0);
+                        row_mismatch += in_map != (mv.route_map0[((size_t)l * N0 + n) * E + e] != 0);
+                    }
+                    map_mismatch += row_mismatch;
+                    if (row_mismatch) continue; /* a flipped decision renormalises the token's probabilities */
+                    for (int e = 0; e < E; e++) {
                         const double d = fabs((double)probs[(size_t)r * E + e] - ref[e]) / (top > 0 ? top : 1.0f);
                         if (d > worst_prob) worst_prob = d;
                     }
@@ -215,7 +221,10 @@ static test_result check_moe_against_reference(const char* path, mt_precision pr
             }
             printf("      first micro-batch's routing: %lld map entries differ, probabilities worst %.3e of the row's "
                    "largest (tol %.1e)\n", (long long)map_mismatch, worst_prob, tol->probs);
-            CHECK_OR_FAIL(!tol->exact_routing || map_mismatch == 0, "%lld routing map entries differ", (long long)map_mismatch);
+            /* bf16: a flip moves one token's choice (two entries of its row); at most 2% of the routed pairs */
+            const int64_t pairs = (int64_t)Lm * N0 * mv.topk;
+            CHECK_OR_FAIL(tol->exact_routing ? map_mismatch == 0 : map_mismatch * 50 <= 2 * pairs,
+                          "%lld routing map entries differ (%lld pairs routed)", (long long)map_mismatch, (long long)pairs);
             CHECK_OR_FAIL(worst_prob <= tol->probs, "routing probabilities off by %.3e", worst_prob);
         }
 
