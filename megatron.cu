@@ -3861,9 +3861,10 @@ static void fp8_publish(const mt_exec* ex, uint8_t* storage, const mt_opt_chunk*
 /*    FP8 tensor cores take ("TN" in cuBLASLt's column-major terms), E4M3 x E4M3 or E4M3 x E5M2,  */
 /*    their scale_inv (per tensor, or per 1x128 or 128x128 block, section 12) applied by cuBLASLt */
 /*    to the fp32-accumulated product, C in bf16 or fp32. gemm_uncached: the plain GEMM without a */
-/*    plan (cuBLAS's own), for shapes that change every step (the experts' row counts).           */
-/*    defines: mt_gemm_plans, mt_gemm_epilogue, gemm, gemm_uncached, gemm_epilogue, gemm_fp8,     */
-/*    gemm_plans_free.                                                                            */
+/*    plan (cuBLAS's own), for shapes that change every step (the experts' row counts);           */
+/*    gemm_grouped: many such GEMMs in one cuBLAS grouped call.                                    */
+/*    defines: mt_gemm_plans, mt_gemm_epilogue, gemm, gemm_uncached, gemm_grouped, gemm_epilogue, */
+/*    gemm_fp8, gemm_plans_free.                                                                  */
 /* ============================================================================================== */
 
 typedef enum {
@@ -4069,6 +4070,47 @@ static void gemm_uncached(const mt_exec* ex, bool transA, bool transB, int M, in
                                                       strideB, A, cuda_type<T>(), lda, strideA, &beta, C,
                                                       cuda_type<TC>(), ldc, strideC, batch, CUBLAS_COMPUTE_32F,
                                                       CUBLAS_GEMM_DEFAULT));
+}
+
+/* A group of independent row-major GEMMs C_g[M_g, N_g] = op(A_g) op(B_g) + beta C_g (shared transposes,
+ * alpha 1) in one cuBLAS call, cublasGemmGroupedBatchedEx: the experts' GEMMs of a mixture of experts, whose
+ * row counts differ per expert and per step. The shapes are host arrays read during the call; the matrix
+ * pointers must be in device memory: they are staged through `staging` (pinned host, 3 x groups pointers)
+ * into `table` (device, the same), whose previous contents must no longer be in use by the stream (the
+ * caller synchronises between reuses). Groups of 0 rows must be left out by the caller. */
+template <typename T, typename TC>
+static void gemm_grouped(const mt_exec* ex, int groups, bool transA, bool transB, const int* M, const int* N,
+                         const int* K, const T* const* A, const int* lda, const T* const* B, const int* ldb,
+                         TC* const* C, const int* ldc, float beta, const void** staging, const void** table) {
+    mt_gemm_plans* g = ex->gemm;
+    if (ex->error->status != MT_OK || groups <= 0) return;
+    /* cuBLAS is column-major: the row-major C = op(A) op(B) is C^T = op(B)^T op(A)^T, B first */
+    for (int i = 0; i < groups; i++) staging[i] = B[i], staging[groups + i] = A[i], staging[2 * groups + i] = C[i];
+    if (!CUDA_CHECK(ex->error, cudaMemcpyAsync((void*)table, (const void*)staging, sizeof(void*) * 3 * (size_t)groups,
+                                               cudaMemcpyHostToDevice, ex->stream)))
+        return;
+    int* dims = (int*)malloc(sizeof(int) * 7 * (size_t)groups);
+    float* scalars = (float*)malloc(sizeof(float) * 2 * (size_t)groups);
+    cublasOperation_t* ops = (cublasOperation_t*)malloc(sizeof(cublasOperation_t) * 2 * (size_t)groups);
+    if (!dims || !scalars || !ops) {
+        free(dims), free(scalars), free(ops);
+        mt_gpu_fail(ex->error, MT_ERR_OOM, "grouped GEMM: cannot allocate the shape arrays of %d groups", groups);
+        return;
+    }
+    for (int i = 0; i < groups; i++) {
+        dims[i] = N[i], dims[groups + i] = M[i], dims[2 * groups + i] = K[i];
+        dims[3 * groups + i] = ldb[i], dims[4 * groups + i] = lda[i], dims[5 * groups + i] = ldc[i];
+        dims[6 * groups + i] = 1; /* one GEMM per group */
+        scalars[i] = 1.0f, scalars[groups + i] = beta;
+        ops[i] = transB ? CUBLAS_OP_T : CUBLAS_OP_N, ops[groups + i] = transA ? CUBLAS_OP_T : CUBLAS_OP_N;
+    }
+    CUBLAS_CHECK(ex->error, cublasSetStream(g->handle, ex->stream));
+    CUBLAS_CHECK(ex->error, cublasGemmGroupedBatchedEx(g->handle, ops, ops + groups, dims, dims + groups, dims + 2 * groups,
+                                                      scalars, table, cuda_type<T>(), dims + 3 * groups, table + groups,
+                                                      cuda_type<T>(), dims + 4 * groups, scalars + groups,
+                                                      (void* const*)(table + 2 * groups), cuda_type<TC>(),
+                                                      dims + 5 * groups, groups, dims + 6 * groups, CUBLAS_COMPUTE_32F));
+    free(dims), free(scalars), free(ops);
 }
 
 /* Row-major: C[M,N] (ldc) = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, where op(A) = A ([M,K], lda)
@@ -6049,6 +6091,8 @@ typedef struct {
                                  more: the running average of the layer being routed */
     float* log;               /* [L, 4]: the pass's logged loss sums (load balancing, seq, global, z) */
     int32_t* host_counts;     /* pinned [2E + 1]: one layer's rows per expert and offsets, for the expert GEMMs */
+    const void** gemm_staging;/* pinned [MOE_GEMM_SLOTS, 3, E]: the experts' grouped GEMMs' matrix pointers ... */
+    const void** gemm_table;  /* device [MOE_GEMM_SLOTS, 3, E]: ... where cuBLAS reads them */
     float* last_log;          /* host [L, 4]: the last training pass's logged values, averaged over micro-batches */
     int32_t* last_tokens;     /* host [L, E]: its tokens per expert */
     int micro_batches;        /* micro-batches of the running pass (the global aux loss's running average) */
@@ -6058,6 +6102,8 @@ typedef struct {
 typedef struct {
     int64_t test_nan_gradients_at; /* tests only (section 21): 1 + the iteration one of whose gradients (the first
                                       parameter's first) is made NaN after its backward (0: never) */
+    int moe_gemm_loop;        /* section 17: MT_MOE_GEMM=loop in the environment: the experts' GEMMs one by one
+                                 instead of grouped (for comparison); read once, at creation */
     int pp_trace;             /* section 18: MT_PP_TRACE=1 in the environment at PP > 1: each pipeline unit's
                                  transfers and steps on stderr, the stream synchronised after each (a hang then
                                  names the unit it stopped in); read once, at creation */
@@ -6695,36 +6741,77 @@ static const int32_t* moe_host_counts(mt_trainer* t, const int32_t* device_count
     return t->moe.host_counts;
 }
 
+/* The experts' GEMMs of one layer run as one grouped cuBLAS call each (gemm_grouped; MT_MOE_GEMM=loop in the
+ * environment: one GEMM per expert instead, for comparison), the experts without rows left out. Each call of
+ * a layer's pass has its own slot of pointer staging (forward: fc1, fc2; backward: fc2's input and weight
+ * gradients, fc1's): a layer reads its row counts back (synchronising the stream) before it reuses them. */
+enum { MOE_GEMM_FC1, MOE_GEMM_FC2, MOE_GEMM_FC2_DX, MOE_GEMM_FC2_DW, MOE_GEMM_FC1_DX, MOE_GEMM_FC1_DW, MOE_GEMM_SLOTS };
+static_assert(MOE_GEMM_SLOTS * 3 == (int)MT_MOE_GEMM_POINTERS(1), "the plan counts every slot's pointers");
+
+/* One grouped GEMM over the experts with rows: C_e = op(A_e) op(B_e) + beta C_e for each expert e with n_e > 0
+ * rows at row offset o_e: A_e = A + o_e a_row + e a_expert (likewise B and C); M, N or K of -1 is n_e. */
+typedef struct {
+    bool transA, transB;
+    int M, N, K;
+    int64_t a_row, a_expert, b_row, b_expert, c_row, c_expert; /* element steps per row offset and per expert */
+    int lda, ldb, ldc;
+} moe_gemm_shape;
+template <typename T, typename TC>
+static void moe_experts_gemm(mt_trainer* t, const mt_exec* ex, int slot, const moe_gemm_shape& g, const T* A,
+                             const T* B, TC* C, float beta, const int32_t* counts, int E) {
+    int groups = 0;
+    int* dims = (int*)malloc(sizeof(int) * 6 * (size_t)E);
+    const T** ab = (const T**)malloc(sizeof(T*) * 2 * (size_t)E);
+    TC** cs = (TC**)malloc(sizeof(TC*) * (size_t)E);
+    if (!dims || !ab || !cs) {
+        free(dims), free(ab), free(cs);
+        mt_gpu_fail(ex->error, MT_ERR_OOM, "MoE: cannot allocate the experts' GEMM table");
+        return;
+    }
+    for (int e = 0; e < E; e++) {
+        const int n = counts[e], at = counts[E + e];
+        if (n == 0) continue;
+        const int M = g.M < 0 ? n : g.M, N = g.N < 0 ? n : g.N, K = g.K < 0 ? n : g.K;
+        const T* a = A + at * g.a_row + e * g.a_expert;
+        const T* b = B + at * g.b_row + e * g.b_expert;
+        TC* c = C + at * g.c_row + e * g.c_expert;
+        if (t->debug.moe_gemm_loop) {
+            gemm_uncached<T, TC>(ex, g.transA, g.transB, M, N, K, a, g.lda, b, g.ldb, c, g.ldc, 1.0f, beta);
+            continue;
+        }
+        dims[groups] = M, dims[E + groups] = N, dims[2 * E + groups] = K;
+        dims[3 * E + groups] = g.lda, dims[4 * E + groups] = g.ldb, dims[5 * E + groups] = g.ldc;
+        ab[groups] = a, ab[E + groups] = b, cs[groups] = c;
+        groups++;
+    }
+    const size_t at = (size_t)slot * 3 * (size_t)E;
+    gemm_grouped<T, TC>(ex, groups, g.transA, g.transB, dims, dims + E, dims + 2 * E, ab, dims + 3 * E, ab + E,
+                        dims + 4 * E, cs, dims + 5 * E, beta, t->moe.gemm_staging + at, t->moe.gemm_table + at);
+    free(dims), free(ab), free(cs);
+}
+
 /* The experts' linear on their permuted rows: y_e [n_e, out] = x_e [n_e, in] W_e^T for each expert e with rows
  * (W [E, out, in]); counts: the host's rows per expert then offsets. */
 template <typename T>
-static void moe_experts_forward(const mt_exec* ex, T* y, const T* x, const T* W, const int32_t* counts, int E, int in,
-                                int out) {
-    for (int e = 0; e < E; e++) {
-        const int n = counts[e], at = counts[E + e];
-        if (n > 0)
-            gemm_uncached<T, T>(ex, false, true, n, out, in, x + (int64_t)at * in, in, W + (int64_t)e * out * in, in,
-                                y + (int64_t)at * out, out, 1.0f, 0.0f);
-    }
+static void moe_experts_forward(mt_trainer* t, const mt_exec* ex, int slot, T* y, const T* x, const T* W,
+                                const int32_t* counts, int E, int in, int out) {
+    const moe_gemm_shape g = {false, true, -1, out, in, in, 0, 0, (int64_t)out * in, out, 0, in, in, out};
+    moe_experts_gemm<T, T>(t, ex, slot, g, x, W, y, 0.0f, counts, E);
 }
 /* Its backward: dx_e = dy_e W_e; dW_e (+)= dy_e^T x_e (an expert without rows: its gradient 0 on the first
- * micro-batch, unchanged after). */
+ * micro-batch, unchanged after). slot: the input gradient's staging slot (the weight gradient's is the next). */
 template <typename T>
-static void moe_experts_backward(const mt_exec* ex, T* dx, float* dW, const T* dy, const T* x, const T* W,
-                                 const int32_t* counts, int E, int in, int out) {
+static void moe_experts_backward(mt_trainer* t, const mt_exec* ex, int slot, T* dx, float* dW, const T* dy,
+                                 const T* x, const T* W, const int32_t* counts, int E, int in, int out) {
     const float beta = ex->mode.accumulate_gradients ? 1.0f : 0.0f;
-    for (int e = 0; e < E; e++) {
-        const int n = counts[e], at = counts[E + e];
-        float* dW_e = dW + (int64_t)e * out * in;
-        if (n == 0) {
-            if (beta == 0.0f) CUDA_CHECK(ex->error, cudaMemsetAsync(dW_e, 0, sizeof(float) * (size_t)out * in, ex->stream));
-            continue;
-        }
-        gemm_uncached<T, T>(ex, false, false, n, in, out, dy + (int64_t)at * out, out, W + (int64_t)e * out * in, in,
-                            dx + (int64_t)at * in, in, 1.0f, 0.0f);
-        gemm_uncached<T, float>(ex, true, false, out, in, n, dy + (int64_t)at * out, out, x + (int64_t)at * in, in, dW_e,
-                                in, 1.0f, beta);
-    }
+    for (int e = 0; e < E && beta == 0.0f; e++)
+        if (counts[e] == 0)
+            CUDA_CHECK(ex->error, cudaMemsetAsync(dW + (int64_t)e * out * in, 0, sizeof(float) * (size_t)out * in,
+                                                  ex->stream));
+    const moe_gemm_shape gx = {false, false, -1, in, out, out, 0, 0, (int64_t)out * in, in, 0, out, in, in};
+    moe_experts_gemm<T, T>(t, ex, slot, gx, dy, W, dx, 0.0f, counts, E);
+    const moe_gemm_shape gw = {true, false, out, in, -1, out, 0, in, 0, 0, (int64_t)out * in, out, in, in};
+    moe_experts_gemm<T, float>(t, ex, slot + 1, gw, dy, x, dW, beta, counts, E);
 }
 
 /* The router's fp32 operands: x and W themselves in an fp32 model, else widened into the scratch. */
@@ -6800,9 +6887,10 @@ static void moe_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, con
     const int32_t* counts = moe_host_counts(t, v.moe_counts, E);
     const int R = counts[2 * E];
     moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, R, s.h);
-    moe_experts_forward<T>(ex, v.moe_fc1, (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h, s.f1e);
+    moe_experts_forward<T>(t, ex, MOE_GEMM_FC1, v.moe_fc1, (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h,
+                           s.f1e);
     moe_swiglu_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_row_prob, R, s.fe);
-    moe_experts_forward<T>(ex, (T*)a->moe_y, v.moe_act, p.expert_fc2_w, counts, E, s.fe, s.h);
+    moe_experts_forward<T>(t, ex, MOE_GEMM_FC2, (T*)a->moe_y, v.moe_act, p.expert_fc2_w, counts, E, s.fe, s.h);
     /* the shared expert (the dense MLP code on this layer's shared weights), its output kept when gated */
     T* shared = NULL;
     if (p.fc1_w) {
@@ -6831,14 +6919,14 @@ static void moe_backward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, co
     /* experts: d(rows) = dout at each row's token; fc2, the probability-weighted SwiGLU, fc1 */
     T* drows = (T*)a->moe_y;
     moe_permute<T>(ex, drows, dout, v.moe_token, R, s.h);
-    moe_experts_backward<T>(ex, (T*)a->moe_dact, dp.expert_fc2_w, drows, v.moe_act, p.expert_fc2_w, counts, E, s.fe,
-                            s.h);
+    moe_experts_backward<T>(t, ex, MOE_GEMM_FC2_DX, (T*)a->moe_dact, dp.expert_fc2_w, drows, v.moe_act,
+                            p.expert_fc2_w, counts, E, s.fe, s.h);
     CUDA_CHECK(ex->error, cudaMemsetAsync(a->moe_dprobs, 0, sizeof(float) * (size_t)N * E, ex->stream));
     moe_swiglu_prob_backward<T>(ex, (T*)a->moe_dz, a->moe_dprobs, (const T*)a->moe_dact, v.moe_fc1, v.moe_row_prob,
                                 v.moe_token, v.moe_counts + E, R, s.fe, E);
     moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, R, s.h); /* the rows the forward's fc1 read */
-    moe_experts_backward<T>(ex, drows, dp.expert_fc1_w, (const T*)a->moe_dz, (const T*)a->moe_xperm, p.expert_fc1_w,
-                            counts, E, s.h, s.f1e);
+    moe_experts_backward<T>(t, ex, MOE_GEMM_FC1_DX, drows, dp.expert_fc1_w, (const T*)a->moe_dz,
+                            (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h, s.f1e);
     moe_unpermute<T>(ex, dx, (const T*)drows, v.moe_row, (const T*)NULL, (const float*)NULL, N, E, s.h, false);
     /* router: dlogits from the probabilities' gradient and the aux losses; dW_r (+)= dlogits^T x, dx += dlogits W_r */
     const float scale = ex->mode.moe_loss_scale;
@@ -6893,6 +6981,10 @@ static void moe_state_create(mt_trainer* t) {
     m->step_tokens = (int32_t*)device_alloc(t, MT__MOE_ALIGN256(L * E * 4), counter);
     m->global_sums = (float*)device_alloc(t, MT__MOE_ALIGN256((L + 1) * E * 4), counter);
     m->log = (float*)device_alloc(t, MT__MOE_ALIGN256(L * 4 * 4), counter);
+    m->gemm_table = (const void**)device_alloc(t, MT__MOE_ALIGN256(MT_MOE_GEMM_POINTERS(E) * sizeof(void*)), counter);
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&m->gemm_staging, MT_MOE_GEMM_POINTERS(E) * sizeof(void*)));
+    const char* loop = getenv("MT_MOE_GEMM");
+    t->debug.moe_gemm_loop = loop && !strcmp(loop, "loop");
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&m->host_counts, sizeof(int32_t) * (2 * E + 1)));
     m->last_log = (float*)calloc(L * 4, sizeof(float));
     m->last_tokens = (int32_t*)calloc(L * E, sizeof(int32_t));
@@ -6905,6 +6997,8 @@ static void moe_state_free(mt_moe_state* m) {
     cudaFree(m->global_sums);
     cudaFree(m->log);
     cudaFreeHost(m->host_counts);
+    cudaFree((void*)m->gemm_table);
+    cudaFreeHost((void*)m->gemm_staging);
     free(m->last_log);
     free(m->last_tokens);
     memset(m, 0, sizeof(*m));
