@@ -6741,10 +6741,17 @@ static const int32_t* moe_host_counts(mt_trainer* t, const int32_t* device_count
     return t->moe.host_counts;
 }
 
-/* The experts' GEMMs of one layer run as one grouped cuBLAS call each (gemm_grouped; MT_MOE_GEMM=loop in the
- * environment: one GEMM per expert instead, for comparison), the experts without rows left out. Each call of
- * a layer's pass has its own slot of pointer staging (forward: fc1, fc2; backward: fc2's input and weight
- * gradients, fc1's): a layer reads its row counts back (synchronising the stream) before it reuses them. */
+/* The experts' GEMMs of one layer, the experts without rows left out: one grouped cuBLAS call (gemm_grouped)
+ * where cuBLAS has the types (C in the inputs' type: its grouped GEMM refuses bf16 x bf16 -> fp32, so the bf16
+ * weight gradients go one GEMM per expert) and the experts' GEMMs are small, else one GEMM per expert.
+ * Measured on an H200 (dev/cuda/grouped_gemm_probe.cu, bf16): 128 experts of [256 x 2048] x [2048 x 1536]
+ * grouped 0.65 ms (317 TFLOP/s), one by one 0.98 ms (211); 8 experts of [1024 x 4096] x [4096 x 28672]
+ * grouped 5.99 ms (321 TFLOP/s), one by one 2.18 ms (884): cuBLAS's grouped kernel stays near 320 TFLOP/s,
+ * so it takes the GEMMs of under MOE_GROUPED_MAX_FLOP each on average. MT_MOE_GEMM=loop in the environment:
+ * always one by one (for comparison). Each call of a layer's pass has its own slot of pointer staging
+ * (forward: fc1, fc2; backward: fc2's input and weight gradients, fc1's): a layer reads its row counts back
+ * (synchronising the stream) before it reuses them. */
+#define MOE_GROUPED_MAX_FLOP 8e9
 enum { MOE_GEMM_FC1, MOE_GEMM_FC2, MOE_GEMM_FC2_DX, MOE_GEMM_FC2_DW, MOE_GEMM_FC1_DX, MOE_GEMM_FC1_DW, MOE_GEMM_SLOTS };
 static_assert(MOE_GEMM_SLOTS * 3 == (int)MT_MOE_GEMM_POINTERS(1), "the plan counts every slot's pointers");
 
@@ -6759,7 +6766,13 @@ typedef struct {
 template <typename T, typename TC>
 static void moe_experts_gemm(mt_trainer* t, const mt_exec* ex, int slot, const moe_gemm_shape& g, const T* A,
                              const T* B, TC* C, float beta, const int32_t* counts, int E) {
-    int groups = 0;
+    int groups = 0, with_rows = 0;
+    double flop = 0.0;
+    for (int e = 0; e < E; e++)
+        if (counts[e] > 0)
+            with_rows++, flop += 2.0 * (g.M < 0 ? counts[e] : g.M) * (double)(g.N < 0 ? counts[e] : g.N) *
+                                (g.K < 0 ? counts[e] : g.K);
+    const bool one_by_one = t->debug.moe_gemm_loop || sizeof(TC) != sizeof(T) || flop > MOE_GROUPED_MAX_FLOP * with_rows;
     int* dims = (int*)malloc(sizeof(int) * 6 * (size_t)E);
     const T** ab = (const T**)malloc(sizeof(T*) * 2 * (size_t)E);
     TC** cs = (TC**)malloc(sizeof(TC*) * (size_t)E);
@@ -6775,7 +6788,7 @@ static void moe_experts_gemm(mt_trainer* t, const mt_exec* ex, int slot, const m
         const T* a = A + at * g.a_row + e * g.a_expert;
         const T* b = B + at * g.b_row + e * g.b_expert;
         TC* c = C + at * g.c_row + e * g.c_expert;
-        if (t->debug.moe_gemm_loop) {
+        if (one_by_one) {
             gemm_uncached<T, TC>(ex, g.transA, g.transB, M, N, K, a, g.lda, b, g.ldb, c, g.ldc, 1.0f, beta);
             continue;
         }
