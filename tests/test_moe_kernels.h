@@ -1,7 +1,20 @@
-/* tests/test_moe_kernels.h — megatron.cu section 14, the mixture-of-experts kernels.
+/* tests/test_moe_kernels.h — megatron.cu section 14, the mixture-of-experts kernels, through the launchers
+ * the model calls.
  *
  * Host: Megatron's token order (n = t*B + j) against rows (r = j*T + t), both ways; the scratch size
- * rule; when capacity dropping applies.
+ * rule; when capacity dropping applies; the routing launchers' refusals (before any device work).
+ * GPU (skip without one): every routing variant (softmax, pre-softmax, sigmoid with and without the
+ * expert bias, group-limited, scaling, bf16 rounding, capacity by probs or position with and without
+ * pad, C >= N; E 8..512, k 1..16, N 64..8192, B 1..4) against a float64 C++ reference that mirrors
+ * dev/ref_moe.py's route(), drop(), permute() and aux_scores() (checked against ref_moe.py itself on
+ * the CPU while it was written): counts, offsets, row_of, token_of, aux counts and step counts exact,
+ * probabilities, score sums, lse^2, the aux losses and grad_w within fp32 bounds; two runs bitwise
+ * equal; the router's backward (routing term alone, then with the aux and z terms) against the
+ * reference's analytic gradient, which itself is checked against central differences in double.
+ * Then permute / unpermute, SwiGLU x probability and its backward, the shared expert's gate and the
+ * router's casts in fp32, bf16 and fp16, at shapes reaching each launcher's variants (kt_cover).
+ * The helpers (kt_*) are tests/test_kernels.h's: outputs poisoned with NaN before each run, inputs
+ * never zero, per-element and norm-wise bounds. Run: ./test_megatron moe_kernels
  */
 #ifndef MT_TEST_MOE_KERNELS_H
 #define MT_TEST_MOE_KERNELS_H
