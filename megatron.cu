@@ -4338,7 +4338,7 @@ typedef struct {
 #define MOE_SIGMOID_EPS 1e-20f /* Megatron's guard of the sigmoid top-k normalisation */
 
 /* Words of int32 scratch the routing launchers need (the caller allocates at least this). */
-static inline __host__ __device__ int64_t moe_work_words(int N, int E, int B) { return MT_MOE_WORK_WORDS(N, E, B); }
+inline __host__ __device__ int64_t moe_work_words(int N, int E, int B) { return MT_MOE_WORK_WORDS(N, E, B); }
 
 /* Megatron's token number n = t*B + j of row r = j*T + t, and back. */
 static __host__ __device__ int moe_row_of_token(int n, int B, int T) { return (n % B) * T + n / B; }

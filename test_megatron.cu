@@ -145,6 +145,7 @@ int main(int argc, char** argv) {
         GROUP("gpu.checkpoint_tool", checkpoint_tool_gpu_tests),
         GROUP("gpu.attention", attention_gpu_tests),
         GROUP("gpu.kernels", kernels_gpu_tests),
+        GROUP("gpu.moe_kernels", moe_kernels_gpu_tests),
         GROUP("gpu.fp8", fp8_tests),
         GROUP("gpu.data_parallel", data_parallel_gpu_tests),
         GROUP("gpu.tensor_parallel", tensor_parallel_gpu_tests),

@@ -1,11 +1,25 @@
-/* tests/test_moe_kernels.h — megatron.cu section 14, the mixture-of-experts kernels.
+/* tests/test_moe_kernels.h — megatron.cu section 14, the mixture-of-experts kernels, through the launchers
+ * the model calls.
  *
  * Host: Megatron's token order (n = t*B + j) against rows (r = j*T + t), both ways; the scratch size
- * rule; when capacity dropping applies.
+ * rule; when capacity dropping applies; the routing launchers' refusals (before any device work).
+ * GPU (skip without one): every routing variant (softmax, pre-softmax, sigmoid with and without the
+ * expert bias, group-limited, scaling, bf16 rounding, capacity by probs or position with and without
+ * pad, C >= N; E 8..512, k 1..16, N 64..8192, B 1..4) against a float64 C++ reference that mirrors
+ * dev/ref_moe.py's route(), drop(), permute() and aux_scores() (checked against ref_moe.py itself on
+ * the CPU while it was written): counts, offsets, row_of, token_of, aux counts and step counts exact,
+ * probabilities, score sums, lse^2, the aux losses and grad_w within fp32 bounds; two runs bitwise
+ * equal; the router's backward (routing term alone, then with the aux and z terms) against the
+ * reference's analytic gradient, which itself is checked against central differences in double.
+ * Then permute / unpermute, SwiGLU x probability and its backward, the shared expert's gate and the
+ * router's casts in fp32, bf16 and fp16, at shapes reaching each launcher's variants (kt_cover).
+ * The helpers (kt_*) are tests/test_kernels.h's: outputs poisoned with NaN before each run, inputs
+ * never zero, per-element and norm-wise bounds. Run: ./test_megatron moe_kernels
  */
 #ifndef MT_TEST_MOE_KERNELS_H
 #define MT_TEST_MOE_KERNELS_H
 
+#include <algorithm>
 #include <vector>
 
 /* ============================================================================================== */
@@ -55,9 +69,1146 @@ static test_result test_moe_work_and_capacity_rules(void) {
     return TEST_PASS;
 }
 
+/* The routing launchers refuse what they cannot route, in one line, before any device work (so this
+ * runs without a GPU: no pointer is touched). */
+static test_result test_moe_routing_refusals(void) {
+    moe_routing good;
+    memset(&good, 0, sizeof(good));
+    good.N = 64; good.B = 2; good.T = 32; good.E = 16; good.k = 4;
+    struct { const char* what; int field; int value; } bad[] = {
+        {"N != B*T", 0, 63}, {"E = 0", 1, 0}, {"E too large", 1, MOE_MAX_EXPERTS + 1}, {"k = 0", 2, 0},
+        {"k > E", 2, 17}, {"k > 32", 3, 0}, {"groups: E % G", 4, 3}, {"groups: k < group_topk", 5, 0},
+        {"capacity < 0", 6, -1}};
+    for (const auto& b : bad) {
+        moe_routing r = good;
+        switch (b.field) {
+            case 0: r.N = b.value; break;
+            case 1: r.E = b.value; break;
+            case 2: r.k = b.value; break;
+            case 3: r.E = 64; r.k = 33; break;
+            case 4: r.num_groups = b.value; r.group_topk = 1; break;
+            case 5: r.num_groups = 4; r.group_topk = 4; r.k = 2; break;
+            case 6: r.capacity = b.value; break;
+        }
+        mt_gpu_error err;
+        memset(&err, 0, sizeof(err));
+        mt_exec ex;
+        memset(&ex, 0, sizeof(ex));
+        ex.error = &err;
+        moe_route(&ex, r, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL);
+        EXPECT(err.status == MT_ERR_ARG, "%s: moe_route recorded status %d", b.what, (int)err.status);
+        EXPECT(strncmp(err.error.message, "moe_route: ", 11) == 0 && !strchr(err.error.message, '\n'),
+               "%s: message \"%s\"", b.what, err.error.message);
+        memset(&err, 0, sizeof(err));
+        moe_route_backward(&ex, r, NULL, NULL, NULL, NULL, 1.0f, 0.0f, NULL, NULL);
+        EXPECT(err.status == MT_ERR_ARG, "%s: moe_route_backward recorded status %d", b.what, (int)err.status);
+        memset(&err, 0, sizeof(err));
+        moe_aux_stats(&ex, r, NULL, NULL, NULL, NULL, NULL);
+        EXPECT(err.status == MT_ERR_ARG, "%s: moe_aux_stats recorded status %d", b.what, (int)err.status);
+        printf("    %s: %s\n", b.what, err.error.message);
+    }
+    return TEST_PASS;
+}
+
+/* ============================================================================================== */
+/* The float64 reference (dev/ref_moe.py's route(), drop(), aux_scores(), switch_loss(), z_loss()    */
+/* and the permutation, in C++), with the decision gaps that fp32 could flip                         */
+/* ============================================================================================== */
+
+/* Two decisions closer than this (relative) are near-ties: fp32 may take them either way, so the
+ * generator draws that token's logits again. Exact ties are no risk: the GPU and the reference break
+ * them the same way (lower expert, lower token) and compute equal values from equal inputs. The GPU's
+ * scores carry at most a few tens of fp32 roundings (< 4e-6 relative): 1e-5 keeps a margin. */
+#define MR_NEAR 1e-5
+
+static bool mr_near(double a, double b) {
+    return a != b && fabs(a - b) <= MR_NEAR * fmax(fabs(a), fabs(b));
+}
+static double mr_bf16(double x) { return (double)test_bf16_to_float(test_bf16_from_float((float)x)); }
+static double mr_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+/* One routing configuration of the test. */
+typedef struct {
+    const char* name;
+    int B, T, E, k;
+    int sigmoid, pre, groups, gtopk;
+    float scaling;
+    int bias, round_bf16;
+    double cap_factor; /* 0 dropless; > 0 Megatron's ceil(N k / E * factor); < 0: C = N + 5 (nothing dropped) */
+    int position, pad;
+    int grid; /* logits on a grid of 1/16 (exact ties between experts and tokens) */
+} mr_case;
+
+static moe_routing mr_routing(const mr_case& c) {
+    moe_routing r;
+    memset(&r, 0, sizeof(r));
+    r.B = c.B; r.T = c.T; r.N = c.B * c.T; r.E = c.E; r.k = c.k;
+    r.sigmoid = c.sigmoid; r.pre_softmax = c.pre; r.scaling = c.scaling;
+    r.num_groups = c.groups; r.group_topk = c.gtopk; r.round_bf16 = c.round_bf16;
+    if (c.cap_factor > 0) r.capacity = (int)ceil((double)r.N * c.k / c.E * (double)(float)c.cap_factor);
+    else if (c.cap_factor < 0) r.capacity = r.N + 5;
+    r.drop_position = c.position; r.pad = c.pad;
+    return r;
+}
+
+/* The reference's routing of one micro-batch. */
+struct mr_ref {
+    std::vector<int> sel;           /* [N, k] selected experts, best first */
+    std::vector<double> probs;      /* [N, E] final */
+    std::vector<int> routed, fmap;  /* [N, E] selection, final map */
+    std::vector<int> row_of, token_of, counts;
+    std::vector<double> row_prob;
+    std::vector<double> S;          /* [N, E] aux scores */
+    std::vector<int> A;             /* [N, E] their plain top-k */
+    std::vector<double> lse;        /* [N] */
+    std::vector<int> near;          /* rows with a near-tie (to draw again) */
+};
+
+/* indices of x (n values) in the selection order: value descending, ties to the lower index */
+static std::vector<int> mr_order(const double* x, int n, const std::vector<int>* allowed = NULL) {
+    std::vector<int> idx;
+    for (int i = 0; i < n; i++)
+        if (!allowed || (*allowed)[i]) idx.push_back(i);
+    std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return x[a] > x[b]; });
+    return idx;
+}
+
+/* Scores and the top-k of one row: val (what the probabilities come from), rank (what is ranked);
+ * returns the selected experts; flags a near-tie. */
+static std::vector<int> mr_select_row(const mr_case& c, const double* l, const float* bias, std::vector<double>& val,
+                                      bool* near) {
+    const int E = c.E, k = c.k;
+    std::vector<double> rank((size_t)E);
+    val.assign((size_t)E, 0.0);
+    double mx = -INFINITY, sum = 0.0;
+    for (int e = 0; e < E; e++) mx = fmax(mx, l[e]);
+    for (int e = 0; e < E; e++) sum += exp(l[e] - mx);
+    for (int e = 0; e < E; e++) {
+        if (c.sigmoid) {
+            val[e] = mr_sigmoid(l[e]);
+            rank[e] = c.bias ? val[e] + (double)bias[e] : val[e];
+        } else if (c.pre) {
+            val[e] = exp(l[e] - mx) / sum;
+            rank[e] = val[e];
+        } else {
+            val[e] = rank[e] = l[e];
+        }
+    }
+    std::vector<int> allowed((size_t)E, 1);
+    if (c.gtopk) {
+        const int G = c.groups, per = E / G, m = k / c.gtopk;
+        std::vector<double> gs((size_t)G);
+        for (int g = 0; g < G; g++) {
+            std::vector<int> o = mr_order(rank.data() + g * per, per);
+            double s = 0.0;
+            for (int i = 0; i < m; i++) s += rank[g * per + o[i]];
+            gs[g] = s;
+        }
+        std::vector<int> go = mr_order(gs.data(), G);
+        if (G > c.gtopk && mr_near(gs[go[c.gtopk - 1]], gs[go[c.gtopk]])) *near = true;
+        for (int e = 0; e < E; e++) allowed[e] = 0;
+        for (int i = 0; i < c.gtopk; i++)
+            for (int e = 0; e < per; e++) allowed[go[i] * per + e] = 1;
+    }
+    std::vector<int> o = mr_order(rank.data(), E, &allowed);
+    if ((int)o.size() > k && mr_near(rank[o[k - 1]], rank[o[k]])) *near = true;
+    o.resize((size_t)k);
+    return o;
+}
+
+/* The probabilities of the selected experts before scaling */
+static void mr_selected_probs(const mr_case& c, const double* l, const std::vector<double>& val, const int* sel,
+                              double* q) {
+    const int k = c.k;
+    if (c.sigmoid) {
+        double s = 0.0;
+        for (int i = 0; i < k; i++) { q[i] = val[sel[i]]; s += q[i]; }
+        if (k > 1)
+            for (int i = 0; i < k; i++) q[i] /= s + 1e-20;
+    } else if (c.pre) {
+        for (int i = 0; i < k; i++) q[i] = val[sel[i]];
+    } else {
+        double m = -INFINITY, s = 0.0;
+        for (int i = 0; i < k; i++) m = fmax(m, l[sel[i]]);
+        for (int i = 0; i < k; i++) { q[i] = exp(l[sel[i]] - m); s += q[i]; }
+        for (int i = 0; i < k; i++) q[i] /= s;
+    }
+}
+
+/* route(), drop(), the permutation and aux_scores() of ref_moe.py; l: the logits as the kernels see
+ * them (rounded to bf16 already with round_bf16). */
+static void mr_reference(const mr_case& c, const moe_routing& r, const std::vector<double>& l,
+                         const std::vector<float>& bias, mr_ref* o) {
+    const int N = r.N, E = c.E, k = c.k, B = c.B, T = c.T;
+    o->sel.assign((size_t)N * k, 0);
+    o->probs.assign((size_t)N * E, 0.0);
+    o->routed.assign((size_t)N * E, 0);
+    o->near.clear();
+    std::vector<double> val;
+    for (int row = 0; row < N; row++) {
+        bool near = false;
+        std::vector<int> s = mr_select_row(c, &l[(size_t)row * E], bias.data(), val, &near);
+        double q[MOE_MAX_TOPK];
+        mr_selected_probs(c, &l[(size_t)row * E], val, s.data(), q);
+        for (int i = 0; i < k; i++) {
+            double p = c.scaling != 0.0f ? q[i] * (double)c.scaling : q[i];
+            if (c.round_bf16) {
+                if (mr_bf16(p * (1 + MR_NEAR)) != mr_bf16(p * (1 - MR_NEAR))) near = true; /* near a rounding midpoint */
+                p = mr_bf16(p);
+            }
+            o->sel[(size_t)row * k + i] = s[i];
+            o->probs[(size_t)row * E + s[i]] = p;
+            o->routed[(size_t)row * E + s[i]] = 1;
+        }
+        if (near) o->near.push_back(row);
+    }
+    o->fmap = o->routed;
+    if (r.capacity > 0 && r.capacity < N) {
+        const int C = r.capacity;
+        for (int e = 0; e < E; e++) {
+            std::vector<double> key((size_t)N); /* by token number n */
+            for (int n = 0; n < N; n++) {
+                const size_t at = (size_t)moe_row_of_token(n, B, T) * E + e;
+                key[n] = c.position ? (double)o->routed[at] : o->probs[at];
+            }
+            std::vector<int> ord = mr_order(key.data(), N);
+            if (!c.position && mr_near(key[ord[C - 1]], key[ord[C]])) {
+                o->near.push_back(moe_row_of_token(ord[C - 1], B, T));
+                o->near.push_back(moe_row_of_token(ord[C], B, T));
+            }
+            std::vector<int> keep((size_t)N, 0);
+            for (int i = 0; i < C; i++) keep[ord[i]] = 1;
+            for (int n = 0; n < N; n++) {
+                const size_t at = (size_t)moe_row_of_token(n, B, T) * E + e;
+                o->fmap[at] = c.pad ? keep[n] : (o->routed[at] && keep[n]);
+                if (!o->fmap[at]) o->probs[at] = 0.0;
+            }
+        }
+    }
+    o->row_of.assign((size_t)N * E, -1);
+    o->token_of.clear();
+    o->row_prob.clear();
+    o->counts.assign((size_t)2 * E + 1, 0);
+    for (int e = 0; e < E; e++) {
+        o->counts[E + e] = (int)o->token_of.size();
+        for (int n = 0; n < N; n++) {
+            const int row = moe_row_of_token(n, B, T);
+            const size_t at = (size_t)row * E + e;
+            if (!o->fmap[at]) continue;
+            o->row_of[at] = (int)o->token_of.size();
+            o->token_of.push_back(row);
+            o->row_prob.push_back(o->probs[at]);
+        }
+        o->counts[e] = (int)o->token_of.size() - o->counts[E + e];
+    }
+    o->counts[2 * E] = (int)o->token_of.size();
+    /* aux_scores(): softmax over all, or the sigmoid normalised; A = their plain top-k */
+    o->S.assign((size_t)N * E, 0.0);
+    o->A.assign((size_t)N * E, 0);
+    o->lse.assign((size_t)N, 0.0);
+    for (int row = 0; row < N; row++) {
+        const double* lr = &l[(size_t)row * E];
+        double* S = &o->S[(size_t)row * E];
+        double mx = -INFINITY, se = 0.0, ss = 0.0;
+        for (int e = 0; e < E; e++) mx = fmax(mx, lr[e]);
+        for (int e = 0; e < E; e++) { se += exp(lr[e] - mx); ss += mr_sigmoid(lr[e]); }
+        for (int e = 0; e < E; e++) S[e] = c.sigmoid ? mr_sigmoid(lr[e]) / (ss + 1e-20) : exp(lr[e] - mx) / se;
+        o->lse[row] = mx + log(se);
+        std::vector<int> ord = mr_order(S, E);
+        if (E > k && mr_near(S[ord[k - 1]], S[ord[k]])) o->near.push_back(row);
+        for (int i = 0; i < k; i++) o->A[(size_t)row * E + ord[i]] = 1;
+    }
+}
+
+/* Logits never zero: uniform in +-[0.05, 4) or, on the grid, multiples of 1/16 in +-[1/16, 4]; the
+ * expert bias (sigmoid) in +-[0.001, 0.05) (on the grid: multiples of 1/256). */
+static void mr_draw_row(const mr_case& c, kt_rng* rng, float* row) {
+    for (int e = 0; e < c.E; e++) {
+        if (c.grid) {
+            const int m = 1 + (int)(kt_next(rng) % 64);
+            row[e] = (kt_next(rng) & 1) ? -m / 16.0f : m / 16.0f;
+        } else {
+            row[e] = kt_signed(rng, 0.05, 4.0);
+        }
+    }
+}
+
+/* Logits (and the bias) with no near-tie anywhere: rows with one are drawn again until none is left. */
+static bool mr_make_inputs(const mr_case& c, const moe_routing& r, uint64_t seed, std::vector<float>& logits,
+                           std::vector<float>& bias, std::vector<double>& lv, mr_ref* ref) {
+    kt_rng rng = {seed};
+    const int N = r.N, E = c.E;
+    logits.resize((size_t)N * E);
+    bias.assign((size_t)E, 0.0f);
+    if (c.bias)
+        for (int e = 0; e < E; e++)
+            bias[e] = c.grid ? (float)((1 + (int)(kt_next(&rng) % 12)) / 256.0) * ((kt_next(&rng) & 1) ? -1 : 1)
+                             : kt_signed(&rng, 0.001, 0.05);
+    for (int row = 0; row < N; row++) mr_draw_row(c, &rng, &logits[(size_t)row * E]);
+    for (int round = 0; round < 200; round++) {
+        lv.resize(logits.size());
+        for (size_t i = 0; i < logits.size(); i++)
+            lv[i] = c.round_bf16 ? (double)test_bf16_to_float(test_bf16_from_float(logits[i])) : (double)logits[i];
+        mr_reference(c, r, lv, bias, ref);
+        if (ref->near.empty()) return true;
+        for (int row : ref->near) mr_draw_row(c, &rng, &logits[(size_t)row * E]);
+    }
+    printf("    FAIL %s: near-ties remain after 200 redraws\n", c.name);
+    return false;
+}
+
+/* The router's backward on one row in double, with the forward's selection sel: the analytic
+ * gradient (dl) and, per element, the sum of the magnitudes its fp32 evaluation rounds (scale). */
+struct mr_bwd_in {
+    const double* dprobs; /* [E] */
+    const double* gw;     /* [E] or NULL */
+    double aux_scale, z_scale;
+    int N;
+};
+static void mr_backward_row(const mr_case& c, const double* l, const float* bias, const int* sel, const mr_bwd_in& in,
+                            double* dl, double* scale) {
+    const int E = c.E, k = c.k;
+    std::vector<double> val;
+    bool near = false;
+    std::vector<int> s2 = mr_select_row(c, l, bias, val, &near); /* val only; the selection is sel */
+    for (int e = 0; e < E; e++) dl[e] = scale[e] = 0.0;
+    double q[MOE_MAX_TOPK], dq[MOE_MAX_TOPK];
+    mr_selected_probs(c, l, val, sel, q);
+    const double cs = c.scaling != 0.0f ? (double)c.scaling : 1.0;
+    for (int i = 0; i < k; i++) dq[i] = cs * in.dprobs[sel[i]];
+    double mx = -INFINITY, se = 0.0;
+    for (int e = 0; e < E; e++) mx = fmax(mx, l[e]);
+    for (int e = 0; e < E; e++) se += exp(l[e] - mx);
+    const double lse = mx + log(se);
+    if (c.sigmoid) {
+        double D = 1e-20, t = 0.0, ta = 0.0;
+        for (int i = 0; i < k; i++) { D += val[sel[i]]; t += dq[i] * val[sel[i]]; ta += fabs(dq[i] * val[sel[i]]); }
+        for (int i = 0; i < k; i++) {
+            const double sv = val[sel[i]], d = k > 1 ? dq[i] / D - t / (D * D) : dq[i];
+            const double a = k > 1 ? fabs(dq[i]) / D + ta / (D * D) : fabs(dq[i]);
+            dl[sel[i]] += d * sv * (1 - sv);
+            scale[sel[i]] += a * sv * (1 - sv);
+        }
+    } else {
+        double dot = 0.0, adot = 0.0;
+        for (int i = 0; i < k; i++) { dot += q[i] * dq[i]; adot += fabs(q[i] * dq[i]); }
+        if (c.pre) {
+            for (int e = 0; e < E; e++) {
+                double g = 0.0;
+                for (int i = 0; i < k; i++)
+                    if (sel[i] == e) g = dq[i];
+                dl[e] += val[e] * (g - dot);
+                scale[e] += val[e] * (fabs(g) + adot);
+            }
+        } else {
+            for (int i = 0; i < k; i++) {
+                dl[sel[i]] += q[i] * (dq[i] - dot);
+                scale[sel[i]] += q[i] * (fabs(dq[i]) + adot);
+            }
+        }
+    }
+    if (in.gw) {
+        std::vector<double> S((size_t)E), sg((size_t)E);
+        double D = 1e-20;
+        for (int e = 0; e < E; e++) { sg[e] = mr_sigmoid(l[e]); D += sg[e]; }
+        double dot = 0.0, adot = 0.0;
+        for (int e = 0; e < E; e++) {
+            const double ds = in.aux_scale * in.gw[e];
+            S[e] = exp(l[e] - mx) / se;
+            dot += c.sigmoid ? ds * sg[e] : ds * S[e];
+            adot += c.sigmoid ? fabs(ds * sg[e]) : fabs(ds * S[e]);
+        }
+        for (int e = 0; e < E; e++) {
+            const double ds = in.aux_scale * in.gw[e];
+            if (c.sigmoid) {
+                dl[e] += (ds / D - dot / (D * D)) * sg[e] * (1 - sg[e]);
+                scale[e] += (fabs(ds) / D + adot / (D * D)) * sg[e] * (1 - sg[e]);
+            } else {
+                dl[e] += S[e] * (ds - dot);
+                scale[e] += S[e] * (fabs(ds) + adot);
+            }
+        }
+    }
+    if (in.z_scale != 0.0)
+        for (int e = 0; e < E; e++) {
+            const double t = in.z_scale * 2.0 * lse * (exp(l[e] - mx) / se) / in.N;
+            dl[e] += t;
+            scale[e] += fabs(t) + fabs(in.z_scale * 2.0 * (exp(l[e] - mx) / se) / in.N) * (E / 32.0 + 8);
+        }
+}
+
+/* The objective whose gradient mr_backward_row gives, for finite differences (the selection fixed). */
+static double mr_objective_row(const mr_case& c, const double* l, const float* bias, const int* sel,
+                               const mr_bwd_in& in) {
+    const int E = c.E, k = c.k;
+    std::vector<double> val;
+    bool near = false;
+    mr_select_row(c, l, bias, val, &near);
+    double q[MOE_MAX_TOPK];
+    mr_selected_probs(c, l, val, sel, q);
+    const double cs = c.scaling != 0.0f ? (double)c.scaling : 1.0;
+    double f = 0.0;
+    for (int i = 0; i < k; i++) f += in.dprobs[sel[i]] * cs * q[i];
+    double mx = -INFINITY, se = 0.0, D = 1e-20;
+    for (int e = 0; e < E; e++) mx = fmax(mx, l[e]);
+    for (int e = 0; e < E; e++) { se += exp(l[e] - mx); D += mr_sigmoid(l[e]); }
+    if (in.gw)
+        for (int e = 0; e < E; e++)
+            f += in.aux_scale * in.gw[e] * (c.sigmoid ? mr_sigmoid(l[e]) / D : exp(l[e] - mx) / se);
+    const double lse = mx + log(se);
+    return f + in.z_scale * lse * lse / in.N;
+}
+
+/* ============================================================================================== */
+/* GPU: the routing launchers on every variant                                                       */
+/* ============================================================================================== */
+
+/* Tolerances (u_c = 2^-24, the kernels' fp32 arithmetic; bounds first-order, then doubled):
+ *   - integers (counts, offsets, the map's rows, token_of, aux counts, step counts): exact;
+ *   - probabilities: a softmax or sigmoid score over E (a warp's sum: E/32 + 5 additions), the
+ *     normalisation over k (k additions), expf/logf within 2 ulp, the scaling: at most
+ *     (E/32 + k + 24) u_c relative, doubled; with round_bf16 the roundings agree exactly (no value
+ *     within 1e-5 of a bf16 midpoint: the generator draws such tokens again), so do the decisions
+ *     (no selection, group or capacity gap below 1e-5 relative, MR_NEAR);
+ *   - score sums: S (E/32 + 12) u_c relative, summed in chains of T/8 + 8 (+ B for row 0): that many
+ *     u_c times the sum of the (positive) terms, doubled; lse^2: the lse of a row is within
+ *     (E/32 + 10)(1 + |lse|) u_c, squared, then a chain of N/1024 + 10;
+ *   - the aux losses and grad_w from given stats: chains of E/256 + 12 (+ B E/256 for the sequence
+ *     term) times the sum of |terms|; grad_w a few products: 8 u_c;
+ *   - dlogits: each term of the router's backward is a few products and a dot of E or k terms: per
+ *     element 2 (E/32 + k + 40) u_c times the sum of the magnitudes it is made of (mr_backward_row's
+ *     scale), the cancellation in S (dS - dot) included;
+ *   - the reference's own analytic gradient against central differences (h = 1e-5, double): the
+ *     truncation is h^2 |f'''| ~ 1e-10 and the rounding 1e-16 / h: 1e-7 + 1e-6 x the row's scale.
+ * Any indexing, ordering, tie or missed-write bug gives errors of order 1, or wrong integers. */
+static double mr_prob_rtol(const mr_case& c) { return 2.0 * (c.E / 32.0 + c.k + 24) * KT_UC; }
+
+static int mr_check_ints(kt_report* rep, const char* what, const int32_t* got, const int* want, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (got[i] != want[i]) {
+            printf("    FAIL %s: %s[%lld] = %d, reference %d\n", rep->label, what, (long long)i, got[i], want[i]);
+            rep->ok = 0;
+            return 0;
+        }
+    size_t len = strlen(rep->line);
+    snprintf(rep->line + len, sizeof(rep->line) - len, " %s exact", what);
+    return 1;
+}
+template <typename T>
+static int mr_same_bits(kt_report* rep, const char* what, const std::vector<T>& a, const std::vector<T>& b, int64_t n) {
+    if (memcmp(a.data(), b.data(), (size_t)n * sizeof(T)) != 0) {
+        printf("    FAIL %s: %s differs between two identical runs\n", rep->label, what);
+        rep->ok = 0;
+        return 0;
+    }
+    return 1;
+}
+
+static int mr_run_case(kt_ctx* k, const mr_case& c, int index) {
+    const moe_routing r = mr_routing(c);
+    const int N = r.N, E = c.E, K = c.k, B = c.B, T = c.T, C = r.capacity;
+    kt_report rep;
+    kt_report_begin(&rep, "%s (B %d T %d E %d k %d C %d)", c.name, B, T, E, K, C);
+    std::vector<float> logits, bias;
+    std::vector<double> lv;
+    mr_ref ref;
+    if (!mr_make_inputs(c, r, kt_seed(50, index, E, K), logits, bias, lv, &ref)) return 0;
+    const int64_t NE = (int64_t)N * E;
+    const int Rmax = N * K > E * C ? N * K : E * C, R = ref.counts[2 * E];
+    float* dl = kt_alloc<float>(k, NE);
+    float* dbias = kt_alloc<float>(k, E);
+    float* dprobs = kt_alloc<float>(k, NE);
+    int32_t* drow_of = kt_alloc<int32_t>(k, NE);
+    int32_t* dtoken = kt_alloc<int32_t>(k, Rmax);
+    float* drow_prob = kt_alloc<float>(k, Rmax);
+    int32_t* dcounts = kt_alloc<int32_t>(k, 2 * E + 1);
+    int32_t* dstep = kt_alloc<int32_t>(k, E);
+    int32_t* dwork = kt_alloc<int32_t>(k, moe_work_words(N, E, B));
+    int32_t* daux_counts = kt_alloc<int32_t>(k, (int64_t)(B + 1) * E);
+    float* dscore_sums = kt_alloc<float>(k, (int64_t)(B + 1) * E);
+    float* dlse = kt_alloc<float>(k, 1);
+    float* dglobal = kt_alloc<float>(k, E);
+    float* dgrad_w = kt_alloc<float>(k, (int64_t)B * E);
+    float* dlog = kt_alloc<float>(k, 4);
+    float* ddprobs = kt_alloc<float>(k, NE);
+    float* ddlogits = kt_alloc<float>(k, NE);
+    KT_ALLOCATED(k);
+    kt_rng rng = {kt_seed(51, index, E, K)};
+    std::vector<int32_t> step0((size_t)E);
+    for (int e = 0; e < E; e++) step0[e] = (int32_t)(kt_next(&rng) % 1000);
+    KT_CUDA(kt_put(k, dbias, bias));
+    KT_CUDA(kt_put(k, dstep, step0));
+
+    /* ---- moe_route, twice ---- */
+    std::vector<float> probs[2], row_prob[2], lafter;
+    std::vector<int32_t> row_of[2], token[2], counts[2], step;
+    for (int run = 0; run < 2; run++) {
+        KT_CUDA(kt_put(k, dl, logits));
+        KT_CUDA(kt_poison(k, dprobs, NE));
+        KT_CUDA(kt_poison(k, drow_of, NE));
+        KT_CUDA(kt_poison(k, dtoken, Rmax));
+        KT_CUDA(kt_poison(k, drow_prob, Rmax));
+        KT_CUDA(kt_poison(k, dcounts, 2 * E + 1));
+        KT_CUDA(kt_poison(k, dwork, moe_work_words(N, E, B)));
+        moe_route(kt_exec(k, 0), r, dl, c.bias ? dbias : NULL, dprobs, drow_of, dtoken, drow_prob, dcounts, dstep, dwork);
+        if (!kt_sync(k, rep.label)) return 0;
+        KT_CUDA(kt_get(k, probs[run], dprobs, NE));
+        KT_CUDA(kt_get(k, row_of[run], drow_of, NE));
+        KT_CUDA(kt_get(k, counts[run], dcounts, 2 * E + 1));
+        KT_CUDA(kt_get(k, token[run], dtoken, R));
+        KT_CUDA(kt_get(k, row_prob[run], drow_prob, R));
+    }
+    KT_CUDA(kt_get(k, lafter, dl, NE));
+    KT_CUDA(kt_get(k, step, dstep, E));
+    if (!mr_check_ints(&rep, "counts", counts[0].data(), ref.counts.data(), 2 * E + 1)) return kt_report_end(&rep);
+    mr_check_ints(&rep, "row_of", row_of[0].data(), ref.row_of.data(), NE);
+    mr_check_ints(&rep, "token_of", token[0].data(), ref.token_of.data(), R);
+    for (int e = 0; e < E; e++)
+        if (step[e] != step0[e] + 2 * ref.counts[e]) {
+            printf("    FAIL %s: step_counts[%d] = %d, expected %d + 2 x %d\n", rep.label, e, step[e], step0[e], ref.counts[e]);
+            rep.ok = 0;
+            break;
+        }
+    for (int64_t i = 0; i < NE; i++)
+        if (lafter[i] != (float)lv[i]) {
+            printf("    FAIL %s: logits[%lld] = %.9g after routing, expected %.9g (%s)\n", rep.label, (long long)i, lafter[i],
+                   lv[i], c.round_bf16 ? "rounded to bf16" : "unchanged");
+            rep.ok = 0;
+            break;
+        }
+    {
+        kt_check cp, crp;
+        kt_check_begin(&cp, "probs", E, mr_prob_rtol(c), -1.0, 0.0);
+        kt_check_begin(&crp, "row_prob", 0, mr_prob_rtol(c), -1.0, 0.0);
+        for (int64_t i = 0; i < NE; i++) kt_check_add(&cp, i, probs[0][i], ref.probs[i], 0.0);
+        for (int p = 0; p < R; p++) {
+            kt_check_add(&crp, p, row_prob[0][p], ref.row_prob[p], 0.0);
+            int e = 0;
+            while (e + 1 < E && ref.counts[E + e + 1] <= p) e++;
+            if (p < (int)token[0].size() && token[0][p] >= 0 && token[0][p] < N &&
+                row_prob[0][p] != probs[0][(int64_t)token[0][p] * E + e]) {
+                printf("    FAIL %s: row_prob[%d] = %.9g is not probs at its pair (%.9g)\n", rep.label, p, row_prob[0][p],
+                       probs[0][(int64_t)token[0][p] * E + e]);
+                rep.ok = 0;
+                break;
+            }
+        }
+        kt_check_end(&cp, &rep);
+        if (R > 0) kt_check_end(&crp, &rep);
+    }
+    mr_same_bits(&rep, "probs", probs[0], probs[1], NE);
+    mr_same_bits(&rep, "row_of", row_of[0], row_of[1], NE);
+    mr_same_bits(&rep, "counts", counts[0], counts[1], 2 * E + 1);
+    mr_same_bits(&rep, "token_of", token[0], token[1], R);
+    mr_same_bits(&rep, "row_prob", row_prob[0], row_prob[1], R);
+
+    /* ---- moe_aux_stats, twice (on the logits as routed: rounded in place with round_bf16) ---- */
+    std::vector<int32_t> ac[2];
+    std::vector<float> ss[2], lse[2];
+    for (int run = 0; run < 2; run++) {
+        KT_CUDA(kt_poison(k, daux_counts, (int64_t)(B + 1) * E));
+        KT_CUDA(kt_poison(k, dscore_sums, (int64_t)(B + 1) * E));
+        KT_CUDA(kt_poison(k, dlse, 1));
+        KT_CUDA(kt_poison(k, dwork, moe_work_words(N, E, B)));
+        moe_aux_stats(kt_exec(k, 0), r, dl, daux_counts, dscore_sums, dlse, dwork);
+        if (!kt_sync(k, rep.label)) return 0;
+        KT_CUDA(kt_get(k, ac[run], daux_counts, (int64_t)(B + 1) * E));
+        KT_CUDA(kt_get(k, ss[run], dscore_sums, (int64_t)(B + 1) * E));
+        KT_CUDA(kt_get(k, lse[run], dlse, 1));
+    }
+    {
+        std::vector<int> want_c((size_t)(B + 1) * E, 0);
+        std::vector<double> want_s((size_t)(B + 1) * E, 0.0);
+        double lse2 = 0.0, lse_tol = 0.0;
+        for (int row = 0; row < N; row++) {
+            const int j = row / T;
+            for (int e = 0; e < E; e++) {
+                want_c[(size_t)(1 + j) * E + e] += ref.A[(size_t)row * E + e];
+                want_c[e] += ref.A[(size_t)row * E + e];
+                want_s[(size_t)(1 + j) * E + e] += ref.S[(size_t)row * E + e];
+                want_s[e] += ref.S[(size_t)row * E + e];
+            }
+            const double L = ref.lse[row];
+            lse2 += L * L;
+            lse_tol += 2 * fabs(L) * (E / 32.0 + 10) * (1 + fabs(L)) * KT_UC + KT_UC * L * L;
+        }
+        lse_tol = 2 * (lse_tol + (N / 1024.0 + 10) * KT_UC * lse2);
+        mr_check_ints(&rep, "aux_counts", ac[0].data(), want_c.data(), (int64_t)(B + 1) * E);
+        kt_check cs, cl;
+        kt_check_begin(&cs, "score_sums", E, 2.0 * ((E / 32.0 + 12) + T / 8.0 + 8 + B) * KT_UC, -1.0, 0.0);
+        for (int64_t i = 0; i < (int64_t)(B + 1) * E; i++) kt_check_add(&cs, i, ss[0][i], want_s[i], 0.0);
+        kt_check_end(&cs, &rep);
+        kt_check_begin(&cl, "lse_sq_sum", 0, 0.0, -1.0, 0.0);
+        kt_check_add(&cl, 0, lse[0][0], lse2, lse_tol);
+        kt_check_end(&cl, &rep);
+        mr_same_bits(&rep, "aux_counts", ac[0], ac[1], (int64_t)(B + 1) * E);
+        mr_same_bits(&rep, "score_sums", ss[0], ss[1], (int64_t)(B + 1) * E);
+        mr_same_bits(&rep, "lse_sq_sum", lse[0], lse[1], 1);
+    }
+
+    /* ---- moe_aux_finish from those stats: every term on, then the aux loss alone ---- */
+    std::vector<float> gavg((size_t)E), log0(4), gw;
+    for (int e = 0; e < E; e++) gavg[e] = (float)(1 + kt_next(&rng) % (2 * N * K / E + 2)) * 0.5f;
+    for (int i = 0; i < 4; i++) log0[i] = kt_signed(&rng, 0.1, 2.0);
+    const double n_global = 3.0 * N;
+    const float coef[2][4] = {{1e-2f, 3e-3f, 2e-3f, 1e-3f}, {1e-2f, 0.0f, 0.0f, 0.0f}};
+    for (int variant = 0; variant < 2; variant++) {
+        KT_CUDA(kt_put(k, dglobal, gavg));
+        KT_CUDA(kt_put(k, dlog, log0));
+        KT_CUDA(kt_poison(k, dgrad_w, (int64_t)B * E));
+        moe_aux_finish(kt_exec(k, 0), r, daux_counts, dscore_sums, dlse, variant ? NULL : dglobal, n_global, coef[variant][0],
+                       coef[variant][1], coef[variant][2], coef[variant][3], dgrad_w, dlog);
+        if (!kt_sync(k, rep.label)) return 0;
+        std::vector<float> lg, g;
+        KT_CUDA(kt_get(k, lg, dlog, 4));
+        KT_CUDA(kt_get(k, g, dgrad_w, (int64_t)B * E));
+        const double fa = (double)E / ((double)K * N * N), fs = (double)E / ((double)K * T * T) / B,
+                     fg = (double)E / ((double)K * n_global * n_global);
+        double want[4] = {0, 0, 0, 0}, mag[4] = {0, 0, 0, 0};
+        for (int e = 0; e < E; e++) {
+            want[0] += (double)ss[0][e] * ac[0][e];
+            for (int j = 0; j < B; j++) want[1] += (double)ss[0][(size_t)(1 + j) * E + e] * ac[0][(size_t)(1 + j) * E + e];
+            want[2] += (double)ss[0][e] * gavg[e];
+        }
+        mag[0] = want[0] * fa; mag[1] = want[1] * fs; mag[2] = want[2] * fg; /* terms are >= 0 */
+        want[0] *= fa; want[1] *= fs; want[2] *= fg;
+        want[3] = (double)lse[0][0] / N;
+        mag[3] = want[3];
+        kt_check cl, cg;
+        kt_check_begin(&cl, variant ? "log(aux only)" : "log", 0, 0.0, -1.0, 0.0);
+        for (int i = 0; i < 4; i++) {
+            const bool on = coef[variant][i] != 0.0f;
+            const double depth = E / 256.0 + 12 + (i == 1 ? B * E / 256.0 + B : 0);
+            kt_check_add(&cl, i, lg[i], (double)log0[i] + (on ? want[i] : 0.0),
+                         2 * (depth * mag[i] + fabs(log0[i])) * KT_UC * (on ? 1 : 0));
+        }
+        kt_check_end(&cl, &rep);
+        kt_check_begin(&cg, variant ? "grad_w(aux only)" : "grad_w", E, 0.0, -1.0, 0.0);
+        for (int j = 0; j < B; j++)
+            for (int e = 0; e < E; e++) {
+                const double a = ac[0][e] * fa * coef[variant][0], b = ac[0][(size_t)(1 + j) * E + e] * fs * coef[variant][1],
+                             c2 = coef[variant][2] != 0.0f ? gavg[e] * fg * coef[variant][2] : 0.0;
+                kt_check_add(&cg, (int64_t)j * E + e, g[(size_t)j * E + e], a + b + c2, 8 * KT_UC * (a + b + c2));
+            }
+        kt_check_end(&cg, &rep);
+        if (variant == 0) gw = g;
+    }
+
+    /* ---- moe_route_backward: the routing term alone, then with the aux and z terms; twice ---- */
+    std::vector<float> dp((size_t)NE);
+    std::vector<double> dpv((size_t)NE);
+    for (int64_t i = 0; i < NE; i++) {
+        /* random everywhere (the kernel must read only the selected pairs) but 0 at dropped pairs */
+        const bool dropped = ref.routed[i] && !ref.fmap[i];
+        dp[i] = dropped ? 0.0f : kt_signed(&rng, 0.1, 1.0);
+        dpv[i] = dp[i];
+    }
+    KT_CUDA(kt_put(k, ddprobs, dp));
+    KT_CUDA(kt_put(k, dgrad_w, gw));
+    std::vector<double> gwv(gw.begin(), gw.end());
+    const float aux_scale = 0.75f, z_scale = 7e-4f;
+    for (int variant = 0; variant < 2; variant++) {
+        std::vector<float> got[2];
+        for (int run = 0; run < 2; run++) {
+            KT_CUDA(kt_poison(k, ddlogits, NE));
+            moe_route_backward(kt_exec(k, 0), r, dl, c.bias ? dbias : NULL, ddprobs, variant ? dgrad_w : NULL,
+                               variant ? aux_scale : 0.0f, variant ? z_scale : 0.0f, ddlogits, dwork);
+            if (!kt_sync(k, rep.label)) return 0;
+            KT_CUDA(kt_get(k, got[run], ddlogits, NE));
+        }
+        mr_same_bits(&rep, "dlogits", got[0], got[1], NE);
+        kt_check cd;
+        kt_check_begin(&cd, variant ? "dlogits(+aux+z)" : "dlogits", E, 0.0, -1.0, 1e-30);
+        std::vector<double> an((size_t)E), sc((size_t)E);
+        double fd_worst = 0.0;
+        int fd_bad = 0;
+        const int fd_rows = N < 6 ? N : 6;
+        for (int row = 0; row < N; row++) {
+            mr_bwd_in in;
+            in.dprobs = &dpv[(size_t)row * E];
+            in.gw = variant ? &gwv[(size_t)(row / T) * E] : NULL;
+            in.aux_scale = variant ? aux_scale : 0.0;
+            in.z_scale = variant ? z_scale : 0.0;
+            in.N = N;
+            const int* sel = &ref.sel[(size_t)row * K];
+            mr_backward_row(c, &lv[(size_t)row * E], bias.data(), sel, in, an.data(), sc.data());
+            for (int e = 0; e < E; e++)
+                kt_check_add(&cd, (int64_t)row * E + e, got[0][(size_t)row * E + e], an[e],
+                             2.0 * (E / 32.0 + K + 40) * KT_UC * sc[e]);
+            if (row % (N / fd_rows) == 0) { /* the reference's analytic gradient against central differences */
+                std::vector<double> lp(lv.begin() + (size_t)row * E, lv.begin() + (size_t)(row + 1) * E);
+                double smax = 0.0;
+                for (int e = 0; e < E; e++) smax = fmax(smax, sc[e]);
+                for (int e = 0; e < E; e++) {
+                    const double h = 1e-5, x0 = lp[e];
+                    lp[e] = x0 + h;
+                    const double fp = mr_objective_row(c, lp.data(), bias.data(), sel, in);
+                    lp[e] = x0 - h;
+                    const double fm = mr_objective_row(c, lp.data(), bias.data(), sel, in);
+                    lp[e] = x0;
+                    const double fd = (fp - fm) / (2 * h), err = fabs(fd - an[e]), tol = 1e-7 + 1e-6 * smax;
+                    fd_worst = fmax(fd_worst, err / tol);
+                    if (!(err <= tol) && fd_bad++ == 0)
+                        printf("    FAIL %s: the reference's analytic dlogits[%d, %d] = %.12g, central difference %.12g\n",
+                               rep.label, row, e, an[e], fd);
+                }
+            }
+        }
+        kt_check_end(&cd, &rep);
+        if (fd_bad) rep.ok = 0;
+        size_t len = strlen(rep.line);
+        snprintf(rep.line + len, sizeof(rep.line) - len, " fd %.2f", fd_worst);
+    }
+    size_t len = strlen(rep.line);
+    snprintf(rep.line + len, sizeof(rep.line) - len, " R %d", R);
+    kt_release(k);
+    return kt_report_end(&rep);
+}
+
+/* Every routing variant (and each kernel variant: 4 warps a block for E <= 256, 1 above; the
+ * capacity kernel's radix select on probabilities and on the 0/1 map, with and without pad). */
+static const mr_case mr_cases[] = {
+    /* name                        B  T     E    k  sig pre G  g  scale  bias rnd cap    pos pad grid */
+    {"softmax_top2",               2, 32,   8,   2, 0,  0,  0, 0, 0.0f,  0,   0,  0.0,   0,  0,  0},
+    {"softmax_top2_grid_ties",     4, 64,   8,   2, 0,  0,  0, 0, 0.0f,  0,   0,  0.0,   0,  0,  1},
+    {"pre_softmax_top1",           4, 64,   16,  1, 0,  1,  0, 0, 0.0f,  0,   0,  0.0,   0,  0,  0},
+    {"pre_softmax_top4_grid",      2, 100,  16,  4, 0,  1,  0, 0, 0.0f,  0,   0,  0.0,   0,  0,  1},
+    {"sigmoid_top2",               2, 64,   8,   2, 1,  0,  0, 0, 0.0f,  0,   0,  0.0,   0,  0,  0},
+    {"sigmoid_top1_bias",          1, 128,  8,   1, 1,  0,  0, 0, 0.0f,  1,   0,  0.0,   0,  0,  0},
+    {"sigmoid_bias_groups_scale",  2, 128,  16,  4, 1,  0,  4, 2, 2.5f,  1,   0,  0.0,   0,  0,  0},
+    {"softmax_groups",             2, 64,   16,  4, 0,  0,  4, 2, 0.0f,  0,   0,  0.0,   0,  0,  0},
+    {"softmax_top8_e128_bf16",     4, 2048, 128, 8, 0,  0,  0, 0, 0.0f,  0,   1,  0.0,   0,  0,  0},
+    {"sigmoid_e256_bias_groups",   1, 4096, 256, 8, 1,  0,  8, 4, 2.5f,  1,   0,  0.0,   0,  0,  0},
+    {"sigmoid_e256_grid_bf16",     2, 512,  256, 8, 1,  0,  0, 0, 0.0f,  1,   1,  0.0,   0,  0,  1},
+    {"pre_softmax_e512_top16",     1, 256,  512, 16,0,  1,  0, 0, 1.5f,  0,   0,  0.0,   0,  0,  0},
+    {"capacity_probs",             2, 512,  8,   2, 0,  0,  0, 0, 0.0f,  0,   0,  1.0,   0,  0,  0},
+    {"capacity_probs_pad",         2, 512,  8,   2, 0,  0,  0, 0, 0.0f,  0,   0,  1.0,   0,  1,  0},
+    {"capacity_probs_pad_grid",    4, 64,   16,  4, 0,  0,  0, 0, 0.0f,  0,   0,  0.5,   0,  1,  1},
+    {"capacity_position",          2, 256,  16,  4, 0,  0,  0, 0, 0.0f,  0,   0,  1.0,   1,  0,  0},
+    {"capacity_position_pad_pre",  2, 32,   8,   2, 0,  1,  0, 0, 0.0f,  0,   0,  1.0,   1,  1,  0},
+    {"capacity_probs_bf16_pad",    4, 256,  16,  2, 1,  0,  0, 0, 0.0f,  1,   1,  0.75,  0,  1,  0},
+    {"capacity_e128_position",     4, 2048, 128, 8, 0,  0,  0, 0, 0.0f,  0,   0,  1.25,  1,  0,  0},
+    {"capacity_at_least_N",        2, 64,   8,   2, 0,  0,  0, 0, 0.0f,  0,   0,  -1.0,  0,  0,  0},
+};
+
+static test_result test_moe_routing(void) {
+    REQUIRE_GPU();
+    kt_ctx k_;
+    if (!kt_ctx_init(&k_)) return TEST_FAIL;
+    int ok = 1;
+    for (int i = 0; i < (int)(sizeof(mr_cases) / sizeof(mr_cases[0])); i++) ok &= mr_run_case(&k_, mr_cases[i], i);
+    kt_ctx_free(&k_);
+    return ok ? TEST_PASS : TEST_FAIL;
+}
+
+/* ============================================================================================== */
+/* GPU: the templated kernels, in fp32, bf16 and fp16                                                */
+/* ============================================================================================== */
+
+/* A reference routing to permute with: rows from tokens with several experts, none (dropped), or
+ * padded ones. */
+static bool mr_routing_for(const mr_case& c, int seed, mr_ref* ref) {
+    std::vector<float> logits, bias;
+    std::vector<double> lv;
+    return mr_make_inputs(c, mr_routing(c), kt_seed(60, seed, c.E, c.k), logits, bias, lv, ref);
+}
+
+typedef struct {
+    mr_case routing;
+    int h;
+    int misalign; /* offset the data by one element: the scalar path */
+} mp_shape;
+
+/* Tolerance of a combine: an fp32 sum of count + 1 terms, rounded once to T: 2 u_s relative, and
+ * 2 (count + 3) u_c times the sum of |terms|. */
+template <typename T>
+static int mp_permute_case(kt_ctx* k, kt_cover* cov, const mp_shape& s, int index) {
+    mr_ref ref;
+    if (!mr_routing_for(s.routing, index, &ref)) return 0;
+    const moe_routing r = mr_routing(s.routing);
+    const int N = r.N, E = s.routing.E, h = s.h, R = ref.counts[2 * E];
+    constexpr int V = vec16<T>::N;
+    kt_report rep;
+    kt_report_begin(&rep, "moe_permute / moe_unpermute<%s> N %d E %d R %d h %d%s", kt_fmt<T>::name, N, E, R, h,
+                    s.misalign ? " misaligned" : "");
+    kt_rng rng = {kt_seed(61, index, h, (int)sizeof(T))};
+    kt_host<T> x, rows, shared, init;
+    x.fill((int64_t)N * h, &rng, 0.01, 2.0);
+    rows.fill((int64_t)R * h, &rng, 0.01, 2.0);
+    shared.fill((int64_t)N * h, &rng, 0.01, 2.0);
+    init.fill((int64_t)N * h, &rng, 0.01, 2.0);
+    std::vector<float> gate((size_t)N);
+    for (int i = 0; i < N; i++) gate[i] = (float)(0.05 + 0.9 * kt_uniform(&rng));
+    T* dx = kt_alloc<T>(k, (int64_t)N * h, s.misalign);
+    T* dperm = kt_alloc<T>(k, (int64_t)R * h + 1, s.misalign);
+    T* drows = kt_alloc<T>(k, (int64_t)R * h + 1, s.misalign);
+    T* dshared = kt_alloc<T>(k, (int64_t)N * h, s.misalign);
+    T* dout = kt_alloc<T>(k, (int64_t)N * h, s.misalign);
+    float* dgate = kt_alloc<float>(k, N);
+    int32_t* dtoken = kt_alloc<int32_t>(k, R + 1);
+    int32_t* drow_of = kt_alloc<int32_t>(k, (int64_t)N * E);
+    KT_ALLOCATED(k);
+    std::vector<int32_t> tok(ref.token_of.begin(), ref.token_of.end()), rof(ref.row_of.begin(), ref.row_of.end());
+    KT_CUDA(kt_put(k, dx, x.h));
+    KT_CUDA(kt_put(k, drows, rows.h));
+    KT_CUDA(kt_put(k, dshared, shared.h));
+    KT_CUDA(kt_put(k, dgate, gate));
+    KT_CUDA(kt_put(k, dtoken, tok));
+    KT_CUDA(kt_put(k, drow_of, rof));
+    /* the launchers' predicates */
+    const bool vec = h % V == 0 && aligned16(dperm) && aligned16(dx);
+    kt_cover_hit(cov, vec ? "permute vec" : "permute scalar");
+    kt_cover_hit(cov, h >= 1024 ? "unpermute 256" : "unpermute 128");
+    /* gather: bitwise */
+    KT_CUDA(kt_poison(k, dperm, (int64_t)R * h));
+    moe_permute<T>(kt_exec(k, 0), dperm, dx, dtoken, R, h);
+    if (!kt_sync(k, rep.label)) return 0;
+    std::vector<T> perm;
+    KT_CUDA(kt_get(k, perm, dperm, (int64_t)R * h));
+    for (int p = 0; p < R; p++)
+        if (memcmp(&perm[(size_t)p * h], &x.h[(size_t)ref.token_of[p] * h], (size_t)h * sizeof(T))) {
+            printf("    FAIL %s: permuted row %d is not token row %d\n", rep.label, p, ref.token_of[p]);
+            rep.ok = 0;
+            break;
+        }
+    /* combine: (no shared, overwrite), (gated shared, overwrite), (shared without gate, accumulate) */
+    for (int variant = 0; variant < 3; variant++) {
+        if (variant == 2) KT_CUDA(kt_put(k, dout, init.h));
+        else KT_CUDA(kt_poison(k, dout, (int64_t)N * h));
+        moe_unpermute<T>(kt_exec(k, 0), dout, drows, drow_of, variant ? dshared : NULL, variant == 1 ? dgate : NULL, N, E,
+                         h, variant == 2);
+        if (!kt_sync(k, rep.label)) return 0;
+        std::vector<T> out;
+        KT_CUDA(kt_get(k, out, dout, (int64_t)N * h));
+        kt_check co;
+        static const char* names[3] = {"combine", "combine+gated shared", "combine+shared, accumulate"};
+        kt_check_begin(&co, names[variant], h, 2 * kt_fmt<T>::u, -1.0, kt_fmt<T>::tiny);
+        for (int row = 0; row < N; row++) {
+            int count = 0;
+            for (int e = 0; e < E; e++) count += ref.row_of[(size_t)row * E + e] >= 0;
+            for (int c = 0; c < h; c++) {
+                double want = 0.0, mag = 0.0;
+                for (int e = 0; e < E; e++) {
+                    const int p = ref.row_of[(size_t)row * E + e];
+                    if (p < 0) continue;
+                    want += rows.v[(size_t)p * h + c];
+                    mag += fabs(rows.v[(size_t)p * h + c]);
+                }
+                if (variant) {
+                    const double g = variant == 1 ? (double)gate[row] : 1.0, sh = shared.v[(size_t)row * h + c];
+                    want += g * sh;
+                    mag += fabs(g * sh);
+                }
+                if (variant == 2) {
+                    want += init.v[(size_t)row * h + c];
+                    mag += fabs(init.v[(size_t)row * h + c]);
+                }
+                kt_check_add(&co, (int64_t)row * h + c, kt_to<T>(out[(size_t)row * h + c]), want,
+                             2.0 * (count + 3) * KT_UC * mag);
+            }
+        }
+        kt_check_end(&co, &rep);
+    }
+    kt_release(k);
+    return kt_report_end(&rep);
+}
+
+static const mp_shape mp_shapes[] = {
+    /* padded: exactly C rows per expert, tokens with many rows */
+    {{"pad", 2, 32, 8, 2, 0, 0, 0, 0, 0.0f, 0, 0, 1.0, 0, 1, 0}, 64, 0},
+    /* dropping: tokens with no row (combine writes 0, or the shared expert alone) */
+    {{"drop", 1, 100, 16, 4, 0, 0, 0, 0, 0.0f, 0, 0, 0.5, 0, 0, 0}, 37, 0},
+    /* dropless, many experts, a wide row */
+    {{"dropless", 4, 64, 128, 8, 0, 0, 0, 0, 0.0f, 0, 0, 0.0, 0, 0, 0}, 1024, 0},
+    /* 16-byte rows but misaligned data: the scalar gather */
+    {{"misaligned", 2, 48, 8, 2, 0, 0, 0, 0, 0.0f, 0, 0, 0.0, 0, 0, 0}, 128, 1},
+};
+
+template <typename T>
+static int mp_permute_all(kt_ctx* k) {
+    static const char* variants[] = {"permute vec", "permute scalar", "unpermute 128", "unpermute 256"};
+    kt_cover cov;
+    kt_cover_init(&cov, variants, 4);
+    int ok = 1;
+    for (int i = 0; i < (int)(sizeof(mp_shapes) / sizeof(mp_shapes[0])); i++) ok &= mp_permute_case<T>(k, &cov, mp_shapes[i], i);
+    return kt_cover_check(&cov, "moe_permute / moe_unpermute", kt_fmt<T>::name) && ok;
+}
+static test_result test_moe_permute_unpermute(void) { KT_FOR_TYPES(mp_permute_all); }
+
+/* SwiGLU times the row's probability, and its backward. act: silu(gate) up p in fp32 (expf within 2
+ * ulp, a division and two products: 8 u_c), rounded once (2 u_s); dz likewise (10 u_c); dp a sum of
+ * fe products, each thread's columns in order then block_sum's tree: 2 (fe / threads + 14) u_c times
+ * the sum of |terms|. dprobs: only (token, expert) of each row is written, the rest keeps its values. */
+template <typename T>
+static int ms_case(kt_ctx* k, kt_cover* cov, const mr_case& rc, int fe, int index) {
+    mr_ref ref;
+    if (!mr_routing_for(rc, 100 + index, &ref)) return 0;
+    const moe_routing r = mr_routing(rc);
+    const int N = r.N, E = rc.E, R = ref.counts[2 * E];
+    kt_report rep;
+    kt_report_begin(&rep, "moe_swiglu_prob(+backward)<%s> R %d fe %d E %d", kt_fmt<T>::name, R, fe, E);
+    kt_rng rng = {kt_seed(62, index, fe, (int)sizeof(T))};
+    kt_host<T> z, dact;
+    z.fill((int64_t)R * 2 * fe, &rng, 0.05, 3.0);
+    dact.fill((int64_t)R * fe, &rng, 0.05, 1.0);
+    std::vector<float> prob(ref.row_prob.begin(), ref.row_prob.end()); /* 0 on padded rows */
+    std::vector<float> dprobs0((size_t)N * E);
+    for (auto& v : dprobs0) v = kt_signed(&rng, 0.5, 1.0);
+    T* dz = kt_alloc<T>(k, (int64_t)R * 2 * fe);
+    T* dact_d = kt_alloc<T>(k, (int64_t)R * fe);
+    T* dact_out = kt_alloc<T>(k, (int64_t)R * fe);
+    T* ddz = kt_alloc<T>(k, (int64_t)R * 2 * fe);
+    float* dprob = kt_alloc<float>(k, R + 1);
+    float* ddprobs = kt_alloc<float>(k, (int64_t)N * E);
+    int32_t* dtoken = kt_alloc<int32_t>(k, R + 1);
+    int32_t* dcounts = kt_alloc<int32_t>(k, 2 * E + 1);
+    KT_ALLOCATED(k);
+    std::vector<int32_t> tok(ref.token_of.begin(), ref.token_of.end()), cnt(ref.counts.begin(), ref.counts.end());
+    KT_CUDA(kt_put(k, dz, z.h));
+    KT_CUDA(kt_put(k, dact_d, dact.h));
+    KT_CUDA(kt_put(k, dprob, prob));
+    KT_CUDA(kt_put(k, ddprobs, dprobs0));
+    KT_CUDA(kt_put(k, dtoken, tok));
+    KT_CUDA(kt_put(k, dcounts, cnt));
+    KT_CUDA(kt_poison(k, dact_out, (int64_t)R * fe));
+    KT_CUDA(kt_poison(k, ddz, (int64_t)R * 2 * fe));
+    kt_cover_hit(cov, fe >= 512 ? "backward 256" : fe >= 128 ? "backward 128" : "backward 32");
+    moe_swiglu_prob<T>(kt_exec(k, 0), dact_out, dz, dprob, R, fe);
+    moe_swiglu_prob_backward<T>(kt_exec(k, 0), ddz, ddprobs, dact_d, dz, dprob, dtoken, dcounts + E, R, fe, E);
+    if (!kt_sync(k, rep.label)) return 0;
+    std::vector<T> act, gz;
+    std::vector<float> gdp;
+    KT_CUDA(kt_get(k, act, dact_out, (int64_t)R * fe));
+    KT_CUDA(kt_get(k, gz, ddz, (int64_t)R * 2 * fe));
+    KT_CUDA(kt_get(k, gdp, ddprobs, (int64_t)N * E));
+    const double us = kt_fmt<T>::u, tiny = kt_fmt<T>::tiny;
+    kt_check ca, cz, cp;
+    kt_check_begin(&ca, "act", fe, 2 * us, -1.0, tiny);
+    kt_check_begin(&cz, "dz", 2 * fe, 2 * us, -1.0, tiny);
+    kt_check_begin(&cp, "dprobs", E, 0.0, -1.0, 0.0);
+    const int threads = fe >= 512 ? 256 : fe >= 128 ? 128 : 32;
+    std::vector<int> written((size_t)N * E, 0);
+    for (int p = 0; p < R; p++) {
+        int e = 0;
+        while (e + 1 < E && ref.counts[E + e + 1] <= p) e++;
+        const double pr = prob[p];
+        double dpv = 0.0, mag = 0.0;
+        for (int c = 0; c < fe; c++) {
+            const double g = z.v[(size_t)p * 2 * fe + c], u = z.v[(size_t)p * 2 * fe + fe + c], d = dact.v[(size_t)p * fe + c];
+            const double sg = 1.0 / (1.0 + exp(-g)), silu = g * sg;
+            const double a = silu * u * pr;
+            kt_check_add(&ca, (int64_t)p * fe + c, kt_to<T>(act[(size_t)p * fe + c]), a, 2 * 8 * KT_UC * fabs(a));
+            const double dg = d * pr * u * sg * (1 + g * (1 - sg)), du = d * pr * silu;
+            kt_check_add(&cz, (int64_t)p * 2 * fe + c, kt_to<T>(gz[(size_t)p * 2 * fe + c]), dg, 2 * 10 * KT_UC * fabs(dg));
+            kt_check_add(&cz, (int64_t)p * 2 * fe + fe + c, kt_to<T>(gz[(size_t)p * 2 * fe + fe + c]), du,
+                         2 * 10 * KT_UC * fabs(du));
+            dpv += silu * u * d;
+            mag += fabs(silu * u * d);
+        }
+        const size_t at = (size_t)ref.token_of[p] * E + e;
+        written[at] = 1;
+        kt_check_add(&cp, p, gdp[at], dpv, 2 * ((double)fe / threads + 14) * KT_UC * mag);
+    }
+    for (size_t i = 0; i < written.size(); i++)
+        if (!written[i] && memcmp(&gdp[i], &dprobs0[i], sizeof(float))) {
+            printf("    FAIL %s: dprobs[%zu] (no permuted row) changed: %.9g, was %.9g\n", rep.label, i, gdp[i], dprobs0[i]);
+            rep.ok = 0;
+            break;
+        }
+    kt_check_end(&ca, &rep);
+    kt_check_end(&cz, &rep);
+    kt_check_end(&cp, &rep);
+    kt_release(k);
+    return kt_report_end(&rep);
+}
+
+template <typename T>
+static int ms_all(kt_ctx* k) {
+    static const char* variants[] = {"backward 32", "backward 128", "backward 256"};
+    kt_cover cov;
+    kt_cover_init(&cov, variants, 3);
+    const mr_case pad = {"pad", 2, 32, 8, 2, 0, 0, 0, 0, 0.0f, 0, 0, 1.0, 0, 1, 0};
+    const mr_case dropless = {"dropless", 2, 64, 16, 4, 0, 0, 0, 0, 0.0f, 0, 0, 0.0, 0, 0, 0};
+    int ok = ms_case<T>(k, &cov, pad, 48, 0);
+    ok &= ms_case<T>(k, &cov, dropless, 200, 1);
+    ok &= ms_case<T>(k, &cov, pad, 512, 2);
+    return kt_cover_check(&cov, "moe_swiglu_prob_backward", kt_fmt<T>::name) && ok;
+}
+static test_result test_moe_swiglu_prob(void) { KT_FOR_TYPES(ms_all); }
+
+/* The shared expert's gate. Forward: a dot of h products (lanes: h/32 in order, then 5 levels):
+ * 2 (h/32 + 6) u_c sum|x w|, times sigmoid's slope <= 1/4, plus 4 u_c. Backward: dgate_logit from a
+ * dot in a block (h / threads + 8 + 4 levels, times g (1 - g)); dshared one product rounded to T;
+ * dx = dx0 + dgl w with the kernel's own dgl (checked above), one fma-like update rounded to T; dw a
+ * column sum of N products (32 groups of N/32 in order, then the 32): 2 (N/32 + 34) u_c sum|terms|. */
+template <typename T>
+static int mg_case(kt_ctx* k, kt_cover* cov, int N, int h, int accumulate, int index) {
+    kt_report rep;
+    kt_report_begin(&rep, "moe_gate_forward/backward<%s> N %d h %d%s", kt_fmt<T>::name, N, h, accumulate ? " accumulate" : "");
+    kt_rng rng = {kt_seed(63, N, h, (int)sizeof(T) * 2 + accumulate)};
+    const double amp = 2.0 / sqrt((double)h);
+    kt_host<T> x, w, dout, shared, dx0;
+    x.fill((int64_t)N * h, &rng, 0.01, 1.0);
+    w.fill(h, &rng, 0.01 * amp, amp);
+    dout.fill((int64_t)N * h, &rng, 0.01, 1.0);
+    shared.fill((int64_t)N * h, &rng, 0.01, 1.0);
+    dx0.fill((int64_t)N * h, &rng, 0.01, 1.0);
+    std::vector<float> dw0((size_t)h);
+    for (auto& v : dw0) v = kt_signed(&rng, 0.1, 1.0);
+    T* d_x = kt_alloc<T>(k, (int64_t)N * h);
+    T* d_w = kt_alloc<T>(k, h);
+    T* d_dout = kt_alloc<T>(k, (int64_t)N * h);
+    T* d_shared = kt_alloc<T>(k, (int64_t)N * h);
+    T* d_dshared = kt_alloc<T>(k, (int64_t)N * h);
+    T* d_dx = kt_alloc<T>(k, (int64_t)N * h);
+    float* d_gate = kt_alloc<float>(k, N);
+    float* d_dgl = kt_alloc<float>(k, N);
+    float* d_dw = kt_alloc<float>(k, h);
+    KT_ALLOCATED(k);
+    KT_CUDA(kt_put(k, d_x, x.h));
+    KT_CUDA(kt_put(k, d_w, w.h));
+    KT_CUDA(kt_put(k, d_dout, dout.h));
+    KT_CUDA(kt_put(k, d_shared, shared.h));
+    KT_CUDA(kt_put(k, d_dx, dx0.h));
+    if (accumulate) KT_CUDA(kt_put(k, d_dw, dw0));
+    else KT_CUDA(kt_poison(k, d_dw, h));
+    KT_CUDA(kt_poison(k, d_gate, N));
+    KT_CUDA(kt_poison(k, d_dgl, N));
+    KT_CUDA(kt_poison(k, d_dshared, (int64_t)N * h));
+    kt_cover_hit(cov, h >= 1024 ? "rows 256" : "rows 128");
+    moe_gate_forward<T>(kt_exec(k, 0), d_gate, d_x, d_w, N, h);
+    moe_gate_backward<T>(kt_exec(k, 0), d_dshared, d_dgl, d_dw, d_dx, d_dout, d_shared, d_gate, d_x, d_w, N, h,
+                         accumulate != 0);
+    if (!kt_sync(k, rep.label)) return 0;
+    std::vector<float> gate, dgl, dw;
+    std::vector<T> dshared, dx;
+    KT_CUDA(kt_get(k, gate, d_gate, N));
+    KT_CUDA(kt_get(k, dgl, d_dgl, N));
+    KT_CUDA(kt_get(k, dw, d_dw, h));
+    KT_CUDA(kt_get(k, dshared, d_dshared, (int64_t)N * h));
+    KT_CUDA(kt_get(k, dx, d_dx, (int64_t)N * h));
+    const double us = kt_fmt<T>::u, tiny = kt_fmt<T>::tiny;
+    const int threads = h >= 1024 ? 256 : 128;
+    kt_check cg, cl, cs, cx, cw;
+    kt_check_begin(&cg, "gate", 0, 0.0, -1.0, 0.0);
+    kt_check_begin(&cl, "dgate_logit", 0, 0.0, -1.0, 1e-30);
+    kt_check_begin(&cs, "dshared", h, 2 * us, -1.0, tiny);
+    kt_check_begin(&cx, "dx", h, 2 * us, -1.0, tiny);
+    kt_check_begin(&cw, "dw", 0, 0.0, -1.0, 1e-30);
+    for (int r = 0; r < N; r++) {
+        double d = 0.0, mag = 0.0, o = 0.0, omag = 0.0;
+        for (int c = 0; c < h; c++) {
+            d += x.v[(size_t)r * h + c] * w.v[c];
+            mag += fabs(x.v[(size_t)r * h + c] * w.v[c]);
+            o += dout.v[(size_t)r * h + c] * shared.v[(size_t)r * h + c];
+            omag += fabs(dout.v[(size_t)r * h + c] * shared.v[(size_t)r * h + c]);
+        }
+        const double g = 1.0 / (1.0 + exp(-d));
+        kt_check_add(&cg, r, gate[r], g, 0.25 * 2 * (h / 32.0 + 6) * KT_UC * mag + 4 * KT_UC);
+        const double gk = gate[r], want = gk * (1 - gk) * o; /* from the kernel's own gate */
+        kt_check_add(&cl, r, dgl[r], want, 2 * ((double)h / threads + 12) * KT_UC * gk * (1 - gk) * omag + 4 * KT_UC * fabs(want));
+        for (int c = 0; c < h; c++) {
+            const size_t i = (size_t)r * h + c;
+            const double ds = gk * dout.v[i];
+            kt_check_add(&cs, (int64_t)i, kt_to<T>(dshared[i]), ds, 4 * KT_UC * fabs(ds));
+            const double xv = dx0.v[i] + (double)dgl[r] * w.v[c];
+            kt_check_add(&cx, (int64_t)i, kt_to<T>(dx[i]), xv, 2 * 3 * KT_UC * (fabs(dx0.v[i]) + fabs((double)dgl[r] * w.v[c])));
+        }
+    }
+    for (int c = 0; c < h; c++) {
+        double s = accumulate ? (double)dw0[c] : 0.0, mag = fabs(s);
+        for (int r = 0; r < N; r++) {
+            s += (double)dgl[r] * x.v[(size_t)r * h + c];
+            mag += fabs((double)dgl[r] * x.v[(size_t)r * h + c]);
+        }
+        kt_check_add(&cw, c, dw[c], s, 2 * (N / 32.0 + 34) * KT_UC * mag);
+    }
+    kt_check_end(&cg, &rep);
+    kt_check_end(&cl, &rep);
+    kt_check_end(&cs, &rep);
+    kt_check_end(&cx, &rep);
+    kt_check_end(&cw, &rep);
+    (void)index;
+    kt_release(k);
+    return kt_report_end(&rep);
+}
+
+template <typename T>
+static int mg_all(kt_ctx* k) {
+    static const char* variants[] = {"rows 128", "rows 256"};
+    kt_cover cov;
+    kt_cover_init(&cov, variants, 2);
+    int ok = mg_case<T>(k, &cov, 64, 64, 0, 0);
+    ok &= mg_case<T>(k, &cov, 300, 1000, 1, 1);
+    ok &= mg_case<T>(k, &cov, 128, 2048, 0, 2);
+    return kt_cover_check(&cov, "moe_gate_backward", kt_fmt<T>::name) && ok;
+}
+static test_result test_moe_shared_gate(void) { KT_FOR_TYPES(mg_all); }
+
+/* The router's casts: bitwise (one fp32 add, or none, then the same rounding as the host's). */
+template <typename T>
+static int mc_all(kt_ctx* k) {
+    const int64_t n = 4099;
+    kt_report rep;
+    kt_report_begin(&rep, "moe_add_f32 / moe_to_f32<%s> n %lld", kt_fmt<T>::name, (long long)n);
+    kt_rng rng = {kt_seed(64, (int)sizeof(T), 0, 0)};
+    kt_host<T> dst0;
+    dst0.fill(n, &rng, 0.01, 3.0);
+    std::vector<float> src((size_t)n);
+    for (auto& v : src) v = kt_signed(&rng, 0.01, 3.0);
+    T* d_dst = kt_alloc<T>(k, n);
+    float* d_src = kt_alloc<float>(k, n);
+    float* d_f = kt_alloc<float>(k, n);
+    KT_ALLOCATED(k);
+    KT_CUDA(kt_put(k, d_src, src));
+    for (int acc = 0; acc < 2; acc++) {
+        if (acc) KT_CUDA(kt_put(k, d_dst, dst0.h));
+        else KT_CUDA(kt_poison(k, d_dst, n));
+        moe_add_f32<T>(kt_exec(k, 0), d_dst, d_src, n, acc != 0);
+        if (!kt_sync(k, rep.label)) return 0;
+        std::vector<T> got;
+        KT_CUDA(kt_get(k, got, d_dst, n));
+        for (int64_t i = 0; i < n; i++) {
+            const T want = kt_from<T>(acc ? kt_to<T>(dst0.h[i]) + src[i] : src[i]);
+            if (memcmp(&want, &got[i], sizeof(T))) {
+                printf("    FAIL %s: moe_add_f32 (accumulate %d)[%lld] = %.9g, expected %.9g\n", rep.label, acc, (long long)i,
+                       kt_to<T>(got[i]), kt_to<T>(want));
+                rep.ok = 0;
+                break;
+            }
+        }
+    }
+    KT_CUDA(kt_put(k, d_dst, dst0.h));
+    KT_CUDA(kt_poison(k, d_f, n));
+    moe_to_f32<T>(kt_exec(k, 0), d_f, d_dst, n);
+    if (!kt_sync(k, rep.label)) return 0;
+    std::vector<float> f;
+    KT_CUDA(kt_get(k, f, d_f, n));
+    for (int64_t i = 0; i < n; i++)
+        if (f[i] != (float)dst0.v[i]) {
+            printf("    FAIL %s: moe_to_f32[%lld] = %.9g, expected %.9g\n", rep.label, (long long)i, f[i], dst0.v[i]);
+            rep.ok = 0;
+            break;
+        }
+    size_t len = strlen(rep.line);
+    snprintf(rep.line + len, sizeof(rep.line) - len, " bitwise %s", rep.ok ? "equal" : "DIFFERENT");
+    kt_release(k);
+    return kt_report_end(&rep);
+}
+static test_result test_moe_casts(void) { KT_FOR_TYPES(mc_all); }
+
 static const test_case moe_kernels_host_tests[] = {
     {"moe_token_order", test_moe_token_order},
     {"moe_work_and_capacity_rules", test_moe_work_and_capacity_rules},
+    {"moe_routing_refusals", test_moe_routing_refusals},
+};
+
+static const test_case moe_kernels_gpu_tests[] = {
+    {"moe_routing", test_moe_routing},
+    {"moe_permute_unpermute", test_moe_permute_unpermute},
+    {"moe_swiglu_prob", test_moe_swiglu_prob},
+    {"moe_shared_gate", test_moe_shared_gate},
+    {"moe_casts", test_moe_casts},
 };
 
 #endif
