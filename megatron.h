@@ -4090,7 +4090,7 @@ MT_DEF mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, 
 /* --moe-layer-freq's list expressions: a small recursive-descent reader of Python's list arithmetic
  * (expr := term ('+' term)*; term := factor ('*' count)* | count '*' factor; factor := '[' ints ']' | '('
  * expr ')'), each list built in out[] from *n on. */
-typedef struct { const char* p; const char* err; unsigned char* out; int n; } mt__freq_reader;
+typedef struct { const char* p; const char* err; unsigned char* out; int n, depth; } mt__freq_reader;
 static void mt__freq_space(mt__freq_reader* r) { while (*r->p == ' ' || *r->p == '\t') r->p++; }
 static int mt__freq_count(mt__freq_reader* r, int64_t* v) {
     mt__freq_space(r);
@@ -4108,6 +4108,7 @@ static int mt__freq_expr(mt__freq_reader* r);
 static int mt__freq_repeat(mt__freq_reader* r, int from, int64_t times) {
     const int len = r->n - from;
     if (times == 0) { r->n = from; return 1; }
+    if (len == 0) return 1;
     if ((int64_t)len * times > MT_MAX_MOE_PATTERN - from) { r->err = "more entries than layers a pattern may have"; return 0; }
     for (int64_t t = 1; t < times; t++) {
         memmove(r->out + r->n, r->out + from, (size_t)len);
@@ -4119,7 +4120,9 @@ static int mt__freq_factor(mt__freq_reader* r) {
     mt__freq_space(r);
     if (*r->p == '(') {
         r->p++;
+        if (++r->depth > 64) { r->err = "parentheses nested more than 64 deep"; return 0; }
         if (!mt__freq_expr(r)) return 0;
+        r->depth--;
         mt__freq_space(r);
         if (*r->p != ')') { r->err = "a ( without its )"; return 0; }
         r->p++;
@@ -4190,7 +4193,7 @@ MT_DEF mt_status mt_moe_layer_freq_parse(const char* text, mt_config* c, mt_erro
         return MT_OK;
     }
     unsigned char local[MT_MAX_MOE_PATTERN];
-    mt__freq_reader r = {t, NULL, local, 0};
+    mt__freq_reader r = {t, NULL, local, 0, 0};
     int ok = mt__freq_expr(&r);
     mt__freq_space(&r);
     if (ok && *r.p) { ok = 0; r.err = "text after the expression"; }

@@ -554,6 +554,20 @@ static test_result test_moe_flags(void) {
                    !strchr(err.message, '\n'),
                "%s: '%s'", bad_forms[i], err.message);
     }
+    char deep[200]; /* nesting is bounded (a recursive reader): 70 parentheses are refused, 60 are read */
+    for (int depth = 60; depth <= 70; depth += 10) {
+        int at = 0;
+        for (int i = 0; i < depth; i++) deep[at++] = '(';
+        at += snprintf(deep + at, sizeof(deep) - at, "[1]");
+        for (int i = 0; i < depth; i++) deep[at++] = ')';
+        deep[at] = 0;
+        mt_config p;
+        mt_config_defaults(&p);
+        const mt_status st = mt_moe_layer_freq_parse(deep, &p, &err);
+        EXPECT(depth == 60 ? st == MT_OK && p.moe_layer_pattern_len == 1
+                           : st == MT_ERR_ARG && strstr(err.message, "nested more than 64 deep"),
+               "%d deep: '%s'", depth, err.message);
+    }
     /* the flags' refusals: not built, argparse's, Megatron's list rule; each one line naming the flag */
     struct { const char* a[9]; const char* says; } bad[] = {
         {{"--num-experts", "8", "--moe-router-score-function", "sqrtsoftplus"}, "sqrtsoftplus is not built here"},
