@@ -649,7 +649,9 @@ MT_DEF void mt_config_defaults(mt_config* cfg);
 MT_DEF mt_status mt_config_finalize(mt_config* cfg, mt_error* err);
 /* Every "is this combination built here" rule, in one place: FP8 outside bf16, the shapes FP8 GEMMs
  * take, --fp8-param-gather with the blockwise recipe or optimizer offload, an uneven pipeline split
- * with virtual stages, a virtual-stage micro-batch group above PP.
+ * with virtual stages, a virtual-stage micro-batch group above PP; mixture of experts beyond phase 1
+ * (one GPU and data parallelism: MoE with TP, PP, EP or ETP above 1, FP8, recompute, linear biases,
+ * non-SwiGLU experts, dense layers between MoE ones, --calculate-per-token-loss).
  * MT_OK, or MT_ERR_CONFIG with one line naming the combination and what to do instead. The config's
  * derived sizes must be there (mt_config_finalize calls it once they are; mt_trainer_create and
  * --plan-layouts, for each layout it plans, call it too), so the planner never approves a layout the
@@ -702,6 +704,13 @@ MT_DEF int mt_num_micro_batches_at(const mt_config* cfg, int64_t consumed_sample
  * entries separated by spaces or commas, sorted by threshold; the first must be 0, thresholds
  * strictly increasing, batch sizes positive. Fills cfg's num_batch_size_steps and tables. */
 MT_DEF mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, mt_config* cfg, mt_error* err);
+
+/* --moe-layer-freq: an integer N (layer l is MoE when l % N == 0), or Megatron's Python list expression
+ * of one 0/1 per layer: a list literal "[1,0,1]", sums of lists "[0]*3+[1]*29" (a list times a count,
+ * or a count times a list), parenthesised groups, repeated: "([1]*3+[0])*2". Sets moe_layer_freq, or
+ * moe_layer_pattern and its length (at most MT_MAX_MOE_PATTERN entries); the length against
+ * --num-layers is mt_config_finalize's check. MT_ERR_ARG with one line on anything else. */
+MT_DEF mt_status mt_moe_layer_freq_parse(const char* text, mt_config* cfg, mt_error* err);
 
 /* Megatron's OptimizerParamScheduler, counted in samples: `num_steps` grows by the global batch
  * size after each optimizer step, and the step taken at num_steps uses mt_learning_rate(cfg, num_steps). */
@@ -3675,6 +3684,40 @@ MT_DEF mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
                        "its schedule leaves activation sends waiting for receives posted several steps later, which "
                        "only NCCL's buffering lets finish (tests/test_pipeline.h); use the default group (PP)",
                        c->microbatch_group_size_per_vp_stage, pp);
+    /* mixture of experts, phase 1: one GPU and data parallelism (issue #34) */
+    const int moe_layers = mt_moe_num_layers(c);
+    if (moe_layers > 0) {
+        const int etp = c->expert_tensor_parallel_size > 0 ? c->expert_tensor_parallel_size : c->tensor_model_parallel_size;
+        if (c->expert_model_parallel_size > 1)
+            return mt_fail(err, MT_ERR_CONFIG, "--expert-model-parallel-size %d: expert parallelism is not built yet (use 1; "
+                           "data parallelism is)", c->expert_model_parallel_size);
+        if (pp > 1)
+            return mt_fail(err, MT_ERR_CONFIG, "MoE with pipeline parallelism (--pipeline-model-parallel-size %d) is not built "
+                           "yet: use 1 (data parallelism is)", pp);
+        if (c->tensor_model_parallel_size > 1)
+            return mt_fail(err, MT_ERR_CONFIG, "MoE with tensor parallelism (--tensor-model-parallel-size %d) is not built "
+                           "yet: use 1 (data parallelism is)", c->tensor_model_parallel_size);
+        if (etp != 1)
+            return mt_fail(err, MT_ERR_CONFIG, "--expert-tensor-parallel-size %d: expert tensor parallelism is not built yet "
+                           "(use 1)", etp);
+        if (moe_layers < c->num_layers)
+            return mt_fail(err, MT_ERR_CONFIG, "an MoE model with dense layers (--moe-layer-freq marks %d of %d layers) is not "
+                           "built yet: give --moe-layer-freq 1 (every layer MoE)", moe_layers, c->num_layers);
+        if (c->add_bias_linear)
+            return mt_fail(err, MT_ERR_CONFIG, "MoE with linear biases is not built yet: give --disable-bias-linear");
+        if (!c->swiglu)
+            return mt_fail(err, MT_ERR_CONFIG, "MoE experts without --swiglu (GELU or squared-ReLU experts) are not built "
+                           "yet: give --swiglu");
+        if (c->fp8_format != MT_FP8_NONE || c->fp8_param_gather)
+            return mt_fail(err, MT_ERR_CONFIG, "MoE with FP8 is not built yet: drop --fp8-format (and --fp8-param-gather); "
+                           "bf16 is");
+        if (c->recompute.granularity != MT_RECOMPUTE_NONE)
+            return mt_fail(err, MT_ERR_CONFIG, "MoE with activation recompute is not built yet: drop --recompute-granularity "
+                           "/ --recompute-activations");
+        if (c->calculate_per_token_loss)
+            return mt_fail(err, MT_ERR_CONFIG, "MoE with --calculate-per-token-loss is not built yet (Megatron scales the "
+                           "auxiliary losses differently with it): drop the flag");
+    }
     if (c->fp8_format == MT_FP8_NONE) return MT_OK;
     /* FP8 */
     if (c->precision != MT_BF16)
@@ -3795,6 +3838,24 @@ static mt_status mt_config_size_check(const mt_config* c, mt_error* err) {
     }
     MT__ADD(per_layer, 4 * h, &per_layer, MT__BIG);
     MT__MUL(per_layer, c->num_layers, &params, MT__BIG);
+    /* mixture of experts: per MoE layer E experts (fc1, fc2 and their biases), the router, the shared expert */
+    const int64_t moe_layers = mt_moe_num_layers(c), E = c->num_experts, fe = mt_moe_ffn(c);
+    const int64_t f1e = c->swiglu ? 2 * fe : fe, fs = c->moe_shared_expert_intermediate_size, fs1 = c->swiglu ? 2 * fs : fs;
+    if (moe_layers > 0) {
+        const char* moe_big = "the MoE layers' parameter count overflows (--num-experts %d, expert width %lld, --hidden-size "
+                              "%d, shared expert %d)";
+#define MT__MOE_BIG moe_big, c->num_experts, (long long)fe, c->hidden_size, c->moe_shared_expert_intermediate_size
+        if (f1e > INT32_MAX || fs1 > INT32_MAX) return mt_fail(err, MT_ERR_CONFIG, MT__MOE_BIG);
+        int64_t expert, moe;
+        MT__MUL(f1e + fe + 1, h, &expert, MT__MOE_BIG); /* fc1 [f1e, h], fc2 [h, fe], router row, biases below */
+        MT__ADD(expert, f1e + h + 1, &expert, MT__MOE_BIG);
+        MT__MUL(expert, E, &moe, MT__MOE_BIG);
+        MT__MUL(fs1 + fs + 1, h, &t, MT__MOE_BIG);
+        MT__ADD(moe, t, &moe, MT__MOE_BIG);
+        MT__MUL(moe, moe_layers, &t, MT__MOE_BIG);
+        MT__ADD(params, t, &params, MT__MOE_BIG);
+#undef MT__MOE_BIG
+    }
     MT__MUL(c->padded_vocab_size, h, &emb, "the padded vocabulary %lld (--vocab-size %lld) x --hidden-size %d "
             "overflows", (long long)c->padded_vocab_size, (long long)c->vocab_size, c->hidden_size);
     if (c->untie_embeddings_and_output_weights) MT__ADD(emb, emb, &emb, MT__BIG);
@@ -3813,6 +3874,13 @@ static mt_status mt_config_size_check(const mt_config* c, mt_error* err) {
     if (qkv > widest) widest = qkv;
     MT__MUL(tokens, widest, &x, "--micro-batch-size %d x --seq-length %d x the widest activation row %lld "
             "(padded vocabulary, QKV or MLP width) overflows", c->micro_batch_size, c->seq_length, (long long)widest);
+    if (moe_layers > 0) { /* the router's [N, E], the permuted rows [Rmax, max(h, f1e)] (Rmax <= N k) */
+        int64_t rows;
+        MT__MUL(tokens, E > c->moe_router_topk ? E : c->moe_router_topk, &rows, "--micro-batch-size %d x --seq-length %d x "
+                "--num-experts %d overflows", c->micro_batch_size, c->seq_length, c->num_experts);
+        MT__MUL(rows, f1e > h ? f1e : h, &x, "the permuted rows (--micro-batch-size %d x --seq-length %d x "
+                "--moe-router-topk %d) x the expert width overflow", c->micro_batch_size, c->seq_length, c->moe_router_topk);
+    }
     MT__MUL(tokens, (int64_t)c->num_attention_heads, &x,
             "--micro-batch-size %d x --seq-length %d x --num-attention-heads %d overflows", c->micro_batch_size,
             c->seq_length, c->num_attention_heads);
@@ -4034,6 +4102,127 @@ MT_DEF mt_status mt_batch_size_schedule_parse(const char* text, int seq_length, 
     return MT_OK;
 }
 
+/* --moe-layer-freq's list expressions: a small recursive-descent reader of Python's list arithmetic
+ * (expr := term ('+' term)*; term := factor ('*' count)* | count '*' factor; factor := '[' ints ']' | '('
+ * expr ')'), each list built in out[] from *n on. */
+typedef struct { const char* p; const char* err; unsigned char* out; int n, depth; } mt__freq_reader;
+static void mt__freq_space(mt__freq_reader* r) { while (*r->p == ' ' || *r->p == '\t') r->p++; }
+static int mt__freq_count(mt__freq_reader* r, int64_t* v) {
+    mt__freq_space(r);
+    if (*r->p < '0' || *r->p > '9') return 0;
+    int64_t x = 0;
+    while (*r->p >= '0' && *r->p <= '9') {
+        x = x * 10 + (*r->p++ - '0');
+        if (x > MT_MAX_MOE_PATTERN * 1000LL) { r->err = "a count too large"; return 0; }
+    }
+    *v = x;
+    return 1;
+}
+static int mt__freq_expr(mt__freq_reader* r);
+/* repeats out[from, n) so it appears `times` times in all */
+static int mt__freq_repeat(mt__freq_reader* r, int from, int64_t times) {
+    const int len = r->n - from;
+    if (times == 0) { r->n = from; return 1; }
+    if (len == 0) return 1;
+    if ((int64_t)len * times > MT_MAX_MOE_PATTERN - from) { r->err = "more entries than layers a pattern may have"; return 0; }
+    for (int64_t t = 1; t < times; t++) {
+        memmove(r->out + r->n, r->out + from, (size_t)len);
+        r->n += len;
+    }
+    return 1;
+}
+static int mt__freq_factor(mt__freq_reader* r) {
+    mt__freq_space(r);
+    if (*r->p == '(') {
+        r->p++;
+        if (++r->depth > 64) { r->err = "parentheses nested more than 64 deep"; return 0; }
+        if (!mt__freq_expr(r)) return 0;
+        r->depth--;
+        mt__freq_space(r);
+        if (*r->p != ')') { r->err = "a ( without its )"; return 0; }
+        r->p++;
+        return 1;
+    }
+    if (*r->p != '[') { r->err = "expected [ or ("; return 0; }
+    r->p++;
+    mt__freq_space(r);
+    if (*r->p == ']') { r->p++; return 1; }
+    for (;;) {
+        int64_t v;
+        if (!mt__freq_count(r, &v)) { if (!r->err) r->err = "expected an entry 0 or 1"; return 0; }
+        if (v > 1) { r->err = "an entry other than 0 or 1"; return 0; }
+        if (r->n >= MT_MAX_MOE_PATTERN) { r->err = "more entries than layers a pattern may have"; return 0; }
+        r->out[r->n++] = (unsigned char)v;
+        mt__freq_space(r);
+        if (*r->p == ',') { r->p++; mt__freq_space(r); if (*r->p == ']') { r->p++; return 1; } continue; }
+        if (*r->p == ']') { r->p++; return 1; }
+        r->err = "expected , or ] in a list";
+        return 0;
+    }
+}
+static int mt__freq_term(mt__freq_reader* r) {
+    const int from = r->n;
+    int64_t times;
+    mt__freq_space(r);
+    if (*r->p >= '0' && *r->p <= '9') { /* count * factor */
+        if (!mt__freq_count(r, &times)) return 0;
+        mt__freq_space(r);
+        if (*r->p != '*') { r->err = "a bare number (give the list, or an integer alone)"; return 0; }
+        r->p++;
+        if (!mt__freq_factor(r)) return 0;
+        if (!mt__freq_repeat(r, from, times)) return 0;
+    } else if (!mt__freq_factor(r)) {
+        return 0;
+    }
+    for (;;) { /* factor * count * count ... */
+        mt__freq_space(r);
+        if (*r->p != '*') return 1;
+        r->p++;
+        if (!mt__freq_count(r, &times)) { if (!r->err) r->err = "expected a count after *"; return 0; }
+        if (!mt__freq_repeat(r, from, times)) return 0;
+    }
+}
+static int mt__freq_expr(mt__freq_reader* r) {
+    if (!mt__freq_term(r)) return 0;
+    for (;;) {
+        mt__freq_space(r);
+        if (*r->p != '+') return 1;
+        r->p++;
+        if (!mt__freq_term(r)) return 0;
+    }
+}
+
+MT_DEF mt_status mt_moe_layer_freq_parse(const char* text, mt_config* c, mt_error* err) {
+    const char* t = text;
+    while (*t == ' ') t++;
+    if (*t >= '0' && *t <= '9' && !strpbrk(t, "[(*+")) { /* an integer */
+        char* end;
+        errno = 0;
+        long v = strtol(t, &end, 10);
+        while (*end == ' ') end++;
+        if (*end || errno || v < 1 || v > INT32_MAX)
+            return mt_fail(err, MT_ERR_ARG, "--moe-layer-freq %s: an integer >= 1, or a list such as \"([0]*3+[1]*29)\"",
+                           text);
+        c->moe_layer_freq = (int)v;
+        c->moe_layer_pattern_len = 0;
+        return MT_OK;
+    }
+    unsigned char local[MT_MAX_MOE_PATTERN];
+    mt__freq_reader r = {t, NULL, local, 0, 0};
+    int ok = mt__freq_expr(&r);
+    mt__freq_space(&r);
+    if (ok && *r.p) { ok = 0; r.err = "text after the expression"; }
+    if (ok && r.n == 0) { ok = 0; r.err = "an empty pattern"; }
+    if (!ok)
+        return mt_fail(err, MT_ERR_ARG, "--moe-layer-freq %s: %s (at offset %d); give an integer or a Python list of 0/1 "
+                       "such as \"([0]*3+[1]*29)\" or \"[1,0,1]\"", text, r.err ? r.err : "not a list expression",
+                       (int)(r.p - text));
+    memcpy(c->moe_layer_pattern, local, (size_t)r.n);
+    c->moe_layer_pattern_len = r.n;
+    c->moe_layer_freq = 1;
+    return MT_OK;
+}
+
 /* Every double finite (a NaN passes every < / >= range test below), then the ranges Megatron's
  * optimizer and model accept, for callers of the C API as much as for train_gpt's flags. */
 static mt_status mt__config_numbers(const mt_config* c, mt_error* err) {
@@ -4188,6 +4377,136 @@ static mt_status mt__config_batch(mt_config* c, mt_error* err) {
     return MT_OK;
 }
 
+/* Mixture of experts: Megatron's refusals (its message where it has one; dev/moe_semantics.md section 3),
+ * the ranges, and the expert width Megatron derives (--ffn-hidden-size). What this build does not have
+ * yet is mt_config_check_supported's. */
+static mt_status mt__config_moe(mt_config* c, mt_error* err) {
+    const int E = c->num_experts, k = c->moe_router_topk, G = c->moe_router_num_groups, g = c->moe_router_group_topk;
+    const double reals[] = {c->moe_router_topk_scaling_factor, c->moe_aux_loss_coeff[0], c->moe_aux_loss_coeff[1],
+                            c->moe_aux_loss_coeff[2], c->moe_z_loss_coeff, c->moe_router_bias_update_rate,
+                            c->moe_expert_capacity_factor};
+    for (size_t i = 0; i < sizeof(reals) / sizeof(reals[0]); i++)
+        if (!isfinite(reals[i]) || reals[i] < 0)
+            return mt_fail(err, MT_ERR_CONFIG, "the MoE coefficients (--moe-router-topk-scaling-factor, --moe-aux-loss-coeff, "
+                           "--moe-z-loss-coeff, --moe-router-bias-update-rate, --moe-expert-capacity-factor) must be "
+                           "finite and >= 0 (got %g)", reals[i]);
+    if (E < 0) return mt_fail(err, MT_ERR_CONFIG, "num_moe_experts must be non-negative. (--num-experts %d)", E);
+    if (c->expert_model_parallel_size < 1 || c->expert_tensor_parallel_size < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--expert-model-parallel-size %d and --expert-tensor-parallel-size %d must be "
+                       ">= 1", c->expert_model_parallel_size, c->expert_tensor_parallel_size);
+    if (E == 0) {
+        if (c->expert_model_parallel_size > 1)
+            return mt_fail(err, MT_ERR_CONFIG, "num_experts must be non None to use expert model parallelism "
+                           "(--expert-model-parallel-size %d without --num-experts)", c->expert_model_parallel_size);
+        /* what an MoE flag would set, without experts (0 is also "not given" where the default is not 0) */
+        const char* given = c->moe_ffn_hidden_size > 0 ? "--moe-ffn-hidden-size"
+            : c->moe_layer_pattern_len > 0 || c->moe_layer_freq > 1 ? "--moe-layer-freq"
+            : (c->moe_router_topk != 0 && c->moe_router_topk != 2) ? "--moe-router-topk"
+            : c->moe_router_score_sigmoid ? "--moe-router-score-function"
+            : c->moe_router_pre_softmax ? "--moe-router-pre-softmax"
+            : c->moe_router_topk_scaling_factor != 0 ? "--moe-router-topk-scaling-factor"
+            : c->moe_router_num_groups || c->moe_router_group_topk ? "--moe-router-num-groups / --moe-router-group-topk"
+            : c->moe_load_balancing & ~MT_MOE_AUX_LOSS ? "--moe-router-load-balancing-type"
+            : c->moe_aux_loss_coeff[0] != 0 || c->moe_aux_loss_coeff[1] != 0 || c->moe_aux_loss_coeff[2] != 0
+                ? "--moe-aux-loss-coeff"
+            : c->moe_z_loss_coeff != 0 ? "--moe-z-loss-coeff"
+            : c->moe_router_enable_expert_bias ? "--moe-router-enable-expert-bias"
+            : c->moe_router_dtype_fp32 ? "--moe-router-dtype"
+            : c->moe_expert_capacity_factor != 0 ? "--moe-expert-capacity-factor"
+            : c->moe_token_drop_position ? "--moe-token-drop-policy"
+            : c->moe_pad_expert_input_to_capacity ? "--moe-pad-expert-input-to-capacity"
+            : c->moe_shared_expert_intermediate_size ? "--moe-shared-expert-intermediate-size"
+            : c->moe_shared_expert_gate ? "--moe-shared-expert-gate"
+            : c->moe_token_dispatcher_alltoall ? "--moe-token-dispatcher-type"
+            : c->moe_per_layer_logging ? "--moe-per-layer-logging" : NULL;
+        if (given)
+            return mt_fail(err, MT_ERR_CONFIG, "%s needs --num-experts (a dense model has no experts)", given);
+        return MT_OK;
+    }
+    if (c->moe_ffn_hidden_size < 0 || c->moe_shared_expert_intermediate_size < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--moe-ffn-hidden-size %d and --moe-shared-expert-intermediate-size %d must be "
+                       "positive", c->moe_ffn_hidden_size, c->moe_shared_expert_intermediate_size);
+    if (c->moe_ffn_hidden_size == 0) c->moe_ffn_hidden_size = c->ffn_hidden_size; /* Megatron's default */
+    /* the layers */
+    if (c->moe_layer_pattern_len > 0) {
+        if (c->moe_layer_pattern_len != c->num_layers)
+            return mt_fail(err, MT_ERR_CONFIG, "Invalid length of moe_layer_pattern: %d, expected %d (--moe-layer-freq "
+                           "gives one 0/1 per layer)", c->moe_layer_pattern_len, c->num_layers);
+        for (int l = 0; l < c->moe_layer_pattern_len; l++)
+            if (c->moe_layer_pattern[l] > 1)
+                return mt_fail(err, MT_ERR_CONFIG, "--moe-layer-freq: entry %d of the pattern is %d, not 0 or 1", l,
+                               c->moe_layer_pattern[l]);
+    } else if (c->moe_layer_freq < 1) {
+        return mt_fail(err, MT_ERR_CONFIG, "--moe-layer-freq %d must be >= 1", c->moe_layer_freq);
+    }
+    if (mt_moe_num_layers(c) == 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--moe-layer-freq marks no layer as MoE: drop --num-experts for a dense model");
+    /* the router */
+    if (k < 1 || k > E)
+        return mt_fail(err, MT_ERR_CONFIG, "--moe-router-topk %d must be in [1, --num-experts %d]", k, E);
+    if (E % c->expert_model_parallel_size)
+        return mt_fail(err, MT_ERR_CONFIG, "Number of experts should be a multiple of expert model parallel_size. "
+                       "(--num-experts %d, --expert-model-parallel-size %d)", E, c->expert_model_parallel_size);
+    if (k == 1 && !c->moe_router_score_sigmoid && !c->moe_router_pre_softmax)
+        return mt_fail(err, MT_ERR_CONFIG, "Please use --moe-router-pre-softmax when topk is 1.");
+    if (G < 0 || g < 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--moe-router-num-groups %d and --moe-router-group-topk %d must be >= 0", G, g);
+    if (g > 0 && G == 0)
+        return mt_fail(err, MT_ERR_CONFIG, "When using group limited routing, moe_router_num_groups must be specified.");
+    if (G > 0 && E % G)
+        return mt_fail(err, MT_ERR_CONFIG, "num_moe_experts (%d) should be divisible by moe_router_num_groups (%d).", E, G);
+    if (G > 0 && g == 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--moe-router-num-groups %d needs --moe-router-group-topk (group-limited "
+                       "routing)", G);
+    if (g > G)
+        return mt_fail(err, MT_ERR_CONFIG, "moe_router_group_topk (%d) should be smaller than moe_router_num_groups (%d).",
+                       g, G);
+    if (g > 0 && (k < g || (int64_t)k > (int64_t)g * (E / G))) /* ours: Megatron runs these, to no purpose */
+        return mt_fail(err, MT_ERR_CONFIG, "group-limited routing needs --moe-router-group-topk <= --moe-router-topk <= "
+                       "group-topk x experts per group (%d <= %d <= %lld): topk // group-topk = 0 scores every group 0, "
+                       "and more than the kept groups' experts would pick masked ones", g, k, (long long)g * (E / G));
+    if (c->moe_load_balancing & ~(MT_MOE_AUX_LOSS | MT_MOE_SEQ_AUX_LOSS | MT_MOE_GLOBAL_AUX_LOSS))
+        return mt_fail(err, MT_ERR_CONFIG, "--moe-router-load-balancing-type: unknown types (bits 0x%x)", c->moe_load_balancing);
+    for (int t = 0; t < 3; t++)
+        if (!(c->moe_load_balancing & (1 << t)) && c->moe_aux_loss_coeff[t] != 0)
+            return mt_fail(err, MT_ERR_CONFIG, "moe_aux_loss_coeff must be a list of the same length as "
+                           "moe_router_load_balancing_type (a coefficient %g for %s, which is not selected)",
+                           c->moe_aux_loss_coeff[t], t == 0 ? "aux_loss" : t == 1 ? "seq_aux_loss" : "global_aux_loss");
+    if (c->moe_router_enable_expert_bias && !c->moe_router_score_sigmoid)
+        return mt_fail(err, MT_ERR_CONFIG, "Expert bias for aux-loss-free routing only supports 'sigmoid' and "
+                       "'sqrtsoftplus' score functions. Give --moe-router-score-function sigmoid");
+    /* capacity */
+    if (c->moe_pad_expert_input_to_capacity && !(c->moe_expert_capacity_factor > 0))
+        return mt_fail(err, MT_ERR_CONFIG, "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity");
+    if (c->moe_pad_expert_input_to_capacity) {
+        const int64_t N = (int64_t)c->micro_batch_size * c->seq_length, C = mt_moe_capacity(c, N);
+        if (C >= N)
+            return mt_fail(err, MT_ERR_CONFIG, "--moe-pad-expert-input-to-capacity with a capacity of %lld tokens >= the "
+                           "micro-batch's %lld (--moe-expert-capacity-factor %g): every expert would be padded to all "
+                           "tokens (Megatron's alltoall dispatcher fails on it); lower the factor or drop the padding",
+                           (long long)C, (long long)N, c->moe_expert_capacity_factor);
+    }
+    /* the experts */
+    if (c->moe_shared_expert_intermediate_size > 0 && c->add_bias_linear)
+        return mt_fail(err, MT_ERR_CONFIG, "bias is not supported in the shared experts, please set "
+                       "'--disable-bias-linear' instead.");
+    if (c->moe_shared_expert_gate && c->moe_shared_expert_intermediate_size == 0)
+        return mt_fail(err, MT_ERR_CONFIG, "--moe-shared-expert-gate needs a shared expert "
+                       "(--moe-shared-expert-intermediate-size)");
+    const int etp = c->expert_tensor_parallel_size > 0 ? c->expert_tensor_parallel_size : c->tensor_model_parallel_size;
+    if (c->add_bias_linear && etp != 1)
+        return mt_fail(err, MT_ERR_CONFIG, "Bias in Moe is only supported when ETP==1 (--expert-tensor-parallel-size %d; "
+                       "give --disable-bias-linear)", etp);
+    if (c->moe_ffn_hidden_size % etp || c->moe_shared_expert_intermediate_size % c->tensor_model_parallel_size)
+        return mt_fail(err, MT_ERR_CONFIG, "--moe-ffn-hidden-size %d must divide by the expert tensor-parallel size %d and "
+                       "--moe-shared-expert-intermediate-size %d by --tensor-model-parallel-size %d",
+                       c->moe_ffn_hidden_size, etp, c->moe_shared_expert_intermediate_size, c->tensor_model_parallel_size);
+    if (c->tensor_model_parallel_size > 1 && !c->sequence_parallel)
+        return mt_fail(err, MT_ERR_CONFIG, "During training, performance may degrade if MoE and tensor parallelism are "
+                       "enabled without also enabling sequence parallelism. (give --sequence-parallel)");
+    return MT_OK;
+}
+
 /* The pipeline: virtual stages from either flag, the layer split, the schedule of a training step;
  * and (check_supported) what this build lacks. */
 static mt_status mt__config_pipeline(mt_config* c, int check_supported, mt_error* err) {
@@ -4300,7 +4619,7 @@ static mt_status mt__config_launch(const mt_config* c, mt_error* err) {
 static mt_status mt__config_finalize(mt_config* c, int check_supported, mt_error* err) {
     /* in this order: a later step reads what an earlier one derived */
     if (mt__config_numbers(c, err) != MT_OK || mt__config_model(c, err) != MT_OK ||
-        mt__config_layout(c, err) != MT_OK || mt__config_batch(c, err) != MT_OK ||
+        mt__config_layout(c, err) != MT_OK || mt__config_batch(c, err) != MT_OK || mt__config_moe(c, err) != MT_OK ||
         mt__config_pipeline(c, check_supported, err) != MT_OK || mt__config_rates(c, err) != MT_OK ||
         mt_config_size_check(c, err) != MT_OK || mt_fp8_config_check(c, err) != MT_OK ||
         mt__config_schedule_lengths(c, err) != MT_OK || mt__config_optimizer(c, err) != MT_OK ||
@@ -4408,14 +4727,19 @@ MT_DEF double mt_learning_rate_decoupled(const mt_config* c, int64_t num_steps) 
 
 MT_DEF int mt_param_lr_decoupled(int tensor) { return tensor == MT_P_WORD_EMBEDDINGS || tensor == MT_P_OUTPUT_WEIGHT; }
 
-/* training.py:num_floating_point_operations (dense, no MoE/MTP): 3 passes (forward, dgrad, wgrad)
- * x 2 (multiply-add) over every GEMM, causal attention halved, plus the logits. */
+/* training.py:num_floating_point_operations (no MTP): 3 passes (forward, dgrad, wgrad) x 2
+ * (multiply-add) over every GEMM, causal attention halved, plus the logits. The MLP: the dense layers'
+ * f, each MoE layer's top-k experts of width fe and its shared expert of width fs (the router's GEMM is
+ * not counted, as in Megatron). */
 MT_DEF double mt_flops_per_iteration(const mt_config* c, int64_t batch) {
     double s = c->seq_length, h = c->hidden_size, L = c->num_layers, V = (double)c->padded_vocab_size;
     double n = c->num_attention_heads, g = c->num_query_groups, d = c->kv_channels, f = c->ffn_hidden_size;
     double mlp_factor = c->swiglu ? 3.0 : 2.0; /* two GEMMs, or three with SwiGLU's gate */
+    double Lm = mt_moe_num_layers(c), Ld = L - Lm, k = Lm > 0 ? c->moe_router_topk : 0;
+    double fe = Lm > 0 ? (double)mt_moe_ffn(c) : 0, fs = Lm > 0 ? c->moe_shared_expert_intermediate_size : 0;
+    double mlp = f * mlp_factor * Ld + fe * k * mlp_factor * Lm + fs * mlp_factor * Lm;
     double tokens = (double)batch * s;
-    return tokens * (6.0 * h * f * mlp_factor * L + 6.0 * (h * (n * d + 2.0 * g * d) + n * d * h) * L + 6.0 * h * V) +
+    return tokens * (6.0 * h * mlp + 6.0 * (h * (n * d + 2.0 * g * d) + n * d * h) * L + 6.0 * h * V) +
            (double)batch * s * s * 6.0 * n * d * L;
 }
 

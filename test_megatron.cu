@@ -44,6 +44,7 @@
 #include "tests/test_tensorboard.h"
 #include "tests/test_evaluation.h"
 #include "tests/test_flags.h"
+#include "tests/test_moe_config.h"
 #include "tests/test_memory.h"
 #include "tests/test_recompute.h"
 #include "tests/test_checkpoint_tool.h"
@@ -119,6 +120,7 @@ int main(int argc, char** argv) {
         GROUP("host.tokenizer", tokenizer_tests),
         GROUP("host.config", config_tests),
         GROUP("host.flags", flags_tests),
+        GROUP("host.moe_config", moe_config_tests),
         GROUP("host.data_parallel", data_parallel_tests),
         GROUP("host.tensor_parallel", tensor_parallel_tests),
         GROUP("host.pipeline", pipeline_schedule_tests),

@@ -205,9 +205,28 @@ static void print_plan(const mt_memory_plan* p, const mt_config* c) {
     printf("  activations  %8.3f GiB  (%.3f GiB saved per micro-batch x %d slots, the rest scratch)\n",
            p->activation_bytes / gib, p->activation_saved_bytes / gib, p->in_flight);
     if (p->fp8_bytes) printf("  fp8          %8.3f GiB  (the weights' FP8 copies, scaling state, cast scratch)\n", p->fp8_bytes / gib);
-    printf("  workspace    %8.3f GiB  (cuBLAS %.0f MiB, column sums, AdamW chunk table, RoPE tables%s)\n",
+    printf("  workspace    %8.3f GiB  (cuBLAS %.0f MiB, column sums, AdamW chunk table, RoPE tables%s%s)\n",
            p->workspace_bytes / gib, MT_CUBLAS_WORKSPACE_BYTES / mib,
-           c->pipeline_model_parallel_size > 1 ? ", the pipeline's send buffer" : "");
+           c->pipeline_model_parallel_size > 1 ? ", the pipeline's send buffer" : "",
+           mt_moe_num_layers(c) > 0 ? ", the MoE state" : "");
+    if (mt_moe_num_layers(c) > 0) { /* mixture of experts: routing, the rows bound the capacity sets, expert parameters */
+        mt_param_info info[MT_NUM_PARAM_TENSORS];
+        mt_param_layout_shard(c, info);
+        int64_t experts = 0, router = 0, shared = 0;
+        for (int k = MT_P_EXPERT_FC1_WEIGHT; k <= MT_P_EXPERT_FC2_BIAS; k++) experts += info[k].numel;
+        router = info[MT_P_ROUTER_WEIGHT].numel + info[MT_P_ROUTER_BIAS].numel;
+        for (int k = MT_P_SHARED_FC1_WEIGHT; k <= MT_P_SHARED_GATE_WEIGHT; k++) shared += info[k].numel;
+        const int64_t N = (int64_t)c->micro_batch_size * c->seq_length, C = mt_moe_capacity(c, N);
+        char capacity[96];
+        if (C > 0) snprintf(capacity, sizeof(capacity), "capacity %lld tokens per expert%s", (long long)C,
+                            c->moe_pad_expert_input_to_capacity ? ", padded" : "");
+        else snprintf(capacity, sizeof(capacity), "dropless");
+        printf("  MoE          %d of %d layers: %d experts of width %lld, top-%d; at most %lld permuted rows per micro-batch "
+               "of %lld tokens (%s); %lld expert, %lld router, %lld shared-expert parameters on this GPU\n",
+               mt_moe_num_layers(c), c->num_layers, c->num_experts, (long long)mt_moe_ffn(c), c->moe_router_topk,
+               (long long)mt_moe_max_rows(c, N), (long long)N, capacity, (long long)experts, (long long)router,
+               (long long)shared);
+    }
     if (p->offload_elements)
         printf("  offload      %8.3f GiB  (device staging; host: %.3f GiB pinned for %lld offloaded elements)\n",
                p->offload_bytes / gib, p->host_pinned_bytes / gib, (long long)p->offload_elements);

@@ -126,6 +126,18 @@ typedef struct {
     int recompute_num_layers;
     int recompute_modules;
     int64_t ddp_bucket_size;
+    /* mixture of experts: the flags that tg_apply_moe turns into cfg's MoE fields (the rest land there
+     * directly); the two lists (argparse nargs='+') in the order given */
+    const char* moe_layer_freq;
+    const char* moe_score_function;
+    const char* moe_router_dtype;
+    const char* moe_drop_policy;
+    const char* moe_dispatcher;
+    int moe_shared_overlap;
+    int moe_lb_count;             /* --moe-router-load-balancing-type: indices into TG_MOE_LB_TYPES */
+    int moe_lb[8];
+    int moe_coeff_count;          /* --moe-aux-loss-coeff */
+    double moe_coeff[8];
     /* the informational flags given, for the startup line: "--name" or "--name value" */
     int num_info;
     char info[TG_MAX_INFO][160];
@@ -183,7 +195,8 @@ typedef struct {
 #define G_MOE "moe"
 #define G_HERE "this build"
 
-#define MOE_REFUSED "MoE is not implemented (dense models only): remove the MoE flags (--num-experts, --moe-*)"
+#define MOE_NOT_BUILT "is not built here (dev/moe_semantics.md): drop the flag"
+#define TG_MOE_LB_TYPES "aux_loss|seq_aux_loss|global_aux_loss|sinkhorn|quantile_balancing|none"
 #define MLA_REFUSED "multi-latent attention is not implemented: drop the MLA flags (--multi-latent-attention, " \
                     "--q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim)"
 #define ATTENTION_VARIANT_REFUSED "attention variants (gated delta net, linear attention, DeepSeek sparse attention) " \
@@ -493,7 +506,7 @@ static const tg_flag tg_flag_table[] = {
     {"--context-parallel-size", G_DIST, F_INT64, TG_AT(cp), IR(1, TG_I32MAX), "1",
      "context parallelism: only 1 here (not implemented)"},
     {"--expert-model-parallel-size", G_DIST, F_INT64, TG_AT(ep), IR(1, TG_I32MAX), "1",
-     "expert parallelism: only 1 here (no MoE)"},
+     "experts split over this many ranks (expert parallelism: not built yet, 1 only)"},
     {"--use-distributed-optimizer", G_DIST, F_TRUE, TG_AT(distributed_optimizer), NR, "off",
      "shard master weights and Adam state over data parallelism"},
     {"--overlap-grad-reduce", G_DIST, F_TRUE, TG_AT(overlap_grad_reduce), NR, "off",
@@ -626,19 +639,67 @@ static const tg_flag tg_flag_table[] = {
      "the iteration profiling stops at"},
     {"--use-pytorch-profiler", G_PROF, F_REFUSED_SWITCH, 0, NR, "off",
      "there is no PyTorch here: use --profile under nsys"},
-    /* moe */
-    {"--num-experts", G_MOE, F_REFUSED_VALUE, 0, NR, "none", MOE_REFUSED},
-    {"--moe-router-topk", G_MOE, F_REFUSED_VALUE, 0, NR, "2", MOE_REFUSED},
-    {"--moe-router-load-balancing-type", G_MOE, F_REFUSED_VALUE, 0, NR, "aux_loss", MOE_REFUSED},
-    {"--moe-aux-loss-coeff", G_MOE, F_REFUSED_VALUE, 0, NR, "0", MOE_REFUSED},
-    {"--moe-grouped-gemm", G_MOE, F_REFUSED_SWITCH, 0, NR, "off", MOE_REFUSED},
-    {"--moe-token-dispatcher-type", G_MOE, F_REFUSED_VALUE, 0, NR, "allgather", MOE_REFUSED},
-    /* Megatron's functional-test flags (dev/data/megatron_scripts/functional_test_flags.txt) */
-    {"--expert-tensor-parallel-size", G_MOE, F_REFUSED_VALUE, 0, NR, "tensor-model-parallel-size", MOE_REFUSED},
-    {"--moe-ffn-hidden-size", G_MOE, F_REFUSED_VALUE, 0, NR, "ffn-hidden-size", MOE_REFUSED},
-    {"--moe-shared-expert-intermediate-size", G_MOE, F_REFUSED_VALUE, 0, NR, "none", MOE_REFUSED},
-    {"--moe-shared-expert-gate", G_MOE, F_REFUSED_SWITCH, 0, NR, "off", MOE_REFUSED},
-    {"--moe-router-dtype", G_MOE, F_REFUSED_VALUE, 0, NR, "none", MOE_REFUSED},
+    /* moe (Megatron-Core's mixture of experts; dev/moe_semantics.md) */
+    {"--num-experts", G_MOE, F_INT, TG_AT(cfg.num_experts), IR(0, TG_I32MAX), "none",
+     "experts of each MoE layer's MLP (0 or none: a dense model)"},
+    {"--moe-layer-freq", G_MOE, F_STRING, TG_AT(moe_layer_freq), NR, "1",
+     "N: layer l is MoE when l % N == 0; or a Python list of 0/1 per layer, e.g. \"([0]*3+[1]*29)\""},
+    {"--moe-ffn-hidden-size", G_MOE, F_INT, TG_AT(cfg.moe_ffn_hidden_size), IR(1, TG_I32MAX), "ffn-hidden-size",
+     "each expert's MLP width"},
+    {"--moe-router-topk", G_MOE, F_INT, TG_AT(cfg.moe_router_topk), IR(1, TG_I32MAX), "2", "experts per token"},
+    {"--moe-router-score-function", G_MOE, F_STRING, TG_AT(moe_score_function), CH("softmax|sigmoid|sqrtsoftplus"),
+     "softmax", "the router's scores (sqrtsoftplus is not built)"},
+    {"--moe-router-pre-softmax", G_MOE, F_TRUE, TG_AT(cfg.moe_router_pre_softmax), NR, "off",
+     "softmax over all experts before the top-k (not renormalised over the k)"},
+    {"--moe-router-topk-scaling-factor", G_MOE, F_DOUBLE, TG_AT(cfg.moe_router_topk_scaling_factor),
+     DR(0, INFINITY, D_LO_OPEN), "none", "multiplies the routing probabilities"},
+    {"--moe-router-num-groups", G_MOE, F_INT, TG_AT(cfg.moe_router_num_groups), IR(1, TG_I32MAX), "none",
+     "expert groups of group-limited routing (DeepSeek's)"},
+    {"--moe-router-group-topk", G_MOE, F_INT, TG_AT(cfg.moe_router_group_topk), IR(1, TG_I32MAX), "none",
+     "groups each token may route to (group-limited routing)"},
+    {"--moe-router-load-balancing-type", G_MOE, F_STRING, 0, CH(TG_MOE_LB_TYPES), "aux_loss",
+     "one or more auxiliary losses (a list; sinkhorn and quantile_balancing are not built)"},
+    {"--moe-aux-loss-coeff", G_MOE, F_DOUBLE, 0, DR(0, INFINITY, 0), "0",
+     "one coefficient per load-balancing type (a list); 0 turns that loss off"},
+    {"--moe-z-loss-coeff", G_MOE, F_DOUBLE, TG_AT(cfg.moe_z_loss_coeff), DR(0, INFINITY, 0), "none",
+     "coefficient of the router's z-loss"},
+    {"--moe-router-enable-expert-bias", G_MOE, F_TRUE, TG_AT(cfg.moe_router_enable_expert_bias), NR, "off",
+     "aux-loss-free balancing: a per-expert bias moves the selection (sigmoid scores)"},
+    {"--moe-router-bias-update-rate", G_MOE, F_DOUBLE, TG_AT(cfg.moe_router_bias_update_rate), DR(0, INFINITY, 0),
+     "1e-3", "the expert bias's step after each iteration"},
+    {"--moe-router-dtype", G_MOE, F_STRING, TG_AT(moe_router_dtype), CH("fp32|fp64"), "none",
+     "the router's logits in fp32 (default: the activations' type; fp64 is not built)"},
+    {"--moe-expert-capacity-factor", G_MOE, F_DOUBLE, TG_AT(cfg.moe_expert_capacity_factor), DR(0, INFINITY, D_LO_OPEN),
+     "none (dropless)", "tokens an expert takes: ceil(tokens x topk / experts x factor); the rest are dropped"},
+    {"--moe-token-drop-policy", G_MOE, F_STRING, TG_AT(moe_drop_policy), CH("probs|position"), "probs",
+     "which tokens an expert over capacity keeps: the most probable, or the first"},
+    {"--moe-pad-expert-input-to-capacity", G_MOE, F_TRUE, TG_AT(cfg.moe_pad_expert_input_to_capacity), NR, "off",
+     "every expert gets exactly its capacity of rows (with --moe-expert-capacity-factor)"},
+    {"--moe-shared-expert-intermediate-size", G_MOE, F_INT, TG_AT(cfg.moe_shared_expert_intermediate_size),
+     IR(1, TG_I32MAX), "none", "width of the shared expert every token goes through"},
+    {"--moe-shared-expert-gate", G_MOE, F_TRUE, TG_AT(cfg.moe_shared_expert_gate), NR, "off",
+     "a per-token sigmoid gate on the shared expert's output"},
+    {"--moe-shared-expert-overlap", G_MOE, F_TRUE, TG_AT(moe_shared_overlap), NR, "off",
+     "the shared expert beside the dispatch (same values; with the alltoall dispatcher, as Megatron)"},
+    {"--moe-grouped-gemm", G_MOE, F_TRUE, TG_AT(cfg.moe_grouped_gemm), NR, "off",
+     "one grouped GEMM for the experts (the same math; this build's experts always run grouped)"},
+    {"--moe-token-dispatcher-type", G_MOE, F_STRING, TG_AT(moe_dispatcher), CH("allgather|alltoall|flex"), "allgather",
+     "how tokens reach the experts' ranks (the same values; flex is not built)"},
+    {"--expert-tensor-parallel-size", G_MOE, F_INT, TG_AT(cfg.expert_tensor_parallel_size), IR(1, TG_I32MAX),
+     "tensor-model-parallel-size", "each expert split over this many ranks (not built yet: 1 only)"},
+    {"--moe-per-layer-logging", G_MOE, F_TRUE, TG_AT(cfg.moe_per_layer_logging), NR, "off",
+     "the auxiliary losses of every layer to TensorBoard"},
+    {"--moe-permute-fusion", G_MOE, F_INFO_SWITCH, 0, NR, "off", "the permutation is always one fused kernel here"},
+    {"--moe-router-fusion", G_MOE, F_INFO_SWITCH, 0, NR, "off", "the router's top-k and scores are always fused here"},
+    {"--moe-router-padding-for-quantization", G_MOE, F_REFUSED_SWITCH, 0, NR, "off", "padding the routing map " MOE_NOT_BUILT},
+    {"--moe-router-padding-for-fp8", G_MOE, F_REFUSED_SWITCH, 0, NR, "off", "padding the routing map " MOE_NOT_BUILT},
+    {"--moe-apply-probs-on-input", G_MOE, F_REFUSED_SWITCH, 0, NR, "off",
+     "the probabilities on the experts' input " MOE_NOT_BUILT},
+    {"--moe-input-jitter-eps", G_MOE, F_REFUSED_VALUE, 0, NR, "none", "input jitter " MOE_NOT_BUILT},
+    {"--moe-router-force-load-balancing", G_MOE, F_REFUSED_SWITCH, 0, NR, "off", "forced balanced routing " MOE_NOT_BUILT},
+    {"--moe-latent-size", G_MOE, F_REFUSED_VALUE, 0, NR, "none", "latent expert projections " MOE_NOT_BUILT},
+    {"--moe-use-upcycling", G_MOE, F_REFUSED_SWITCH, 0, NR, "off", "upcycling a dense checkpoint " MOE_NOT_BUILT},
+    {"--moe-layer-recompute", G_MOE, F_REFUSED_SWITCH, 0, NR, "off", "recomputing the MoE layer " MOE_NOT_BUILT},
     /* this build */
     {"--sample-tokens", G_HERE, F_INT, TG_AT(sample_tokens), IR(0, TG_I32MAX), "0 (built-in job: 128)",
      "tokens of text sampled at the end"},
@@ -910,6 +971,36 @@ static int tg_flags_parse(tg_flags* v, int argc, char** argv, char* msg, size_t 
             if (!inline_val) i += n;
             continue;
         }
+        if (!strcmp(a, "--moe-router-load-balancing-type")) { /* a list (argparse nargs='+'): up to the next --flag */
+            const char* const* list;
+            const int n = tg_list_values(argc, argv, i, &inline_val, &list);
+            if (n == 0) return tg_fail(msg, size, "%s needs at least one of %s", a, f->choices);
+            if (n > 8) return tg_fail(msg, size, "%s: at most 8 types", a);
+            static const char* const types[] = {"aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                                                "quantile_balancing", "none"};
+            for (int k = 0; k < n; k++) {
+                const int t = tg_lookup(list[k], types, 6);
+                if (t < 0) return tg_fail(msg, size, "%s %s: expected one of %s", a, list[k], f->choices);
+                v->moe_lb[k] = t;
+            }
+            v->moe_lb_count = n;
+            if (!inline_val) i += n;
+            continue;
+        }
+        if (!strcmp(a, "--moe-aux-loss-coeff")) { /* a list of numbers (argparse nargs='+') */
+            const char* const* list;
+            const int n = tg_list_values(argc, argv, i, &inline_val, &list);
+            if (n == 0) return tg_fail(msg, size, "%s needs a value", a);
+            if (n > 8) return tg_fail(msg, size, "%s: at most 8 coefficients", a);
+            for (int k = 0; k < n; k++) {
+                const int r = tg_parse_double(list[k], &v->moe_coeff[k]);
+                if (r == 0) return tg_fail(msg, size, "%s %s: not a number", a, list[k]);
+                if (r < 0 || v->moe_coeff[k] < 0) return tg_fail(msg, size, "%s %s: must be a finite number >= 0", a, list[k]);
+            }
+            v->moe_coeff_count = n;
+            if (!inline_val) i += n;
+            continue;
+        }
         if (!strcmp(a, "--step-batch-size-schedule") && !inline_val) { /* one string, or the shell's words of it */
             size_t used = 0;
             int start = i + 1;
@@ -1017,8 +1108,6 @@ static int tg_apply_defaults(tg_flags* v, char* msg, size_t size) {
 static int tg_apply_build_limits(tg_flags* v, char* msg, size_t size) {
     if (v->cp > 1) return tg_fail(msg, size, "--context-parallel-size %lld: context parallelism is not implemented "
                                              "(use 1)", (long long)v->cp);
-    if (v->ep > 1) return tg_fail(msg, size, "--expert-model-parallel-size %lld: expert parallelism needs MoE, which "
-                                             "is not implemented (use 1)", (long long)v->ep);
     if (v->optimizer && strcmp(v->optimizer, "adam"))
         return tg_fail(msg, size, "--optimizer %s: only adam (AdamW) is implemented", v->optimizer);
     if (v->dist_opt_instances > 1)
@@ -1191,6 +1280,61 @@ static int tg_apply_schedule(tg_flags* v, char* msg, size_t size) {
     return 0;
 }
 
+/* mixture of experts: the flags that need turning into cfg's fields (Megatron's refusals and what is not
+ * built yet: mt_config_finalize), and the kinds of Megatron this build does not have */
+static int tg_apply_moe(tg_flags* v, char* msg, size_t size) {
+    mt_config* c = &v->cfg;
+    if (v->moe_layer_freq) {
+        mt_error err;
+        if (mt_moe_layer_freq_parse(v->moe_layer_freq, c, &err) != MT_OK) return tg_fail(msg, size, "%s", err.message);
+    }
+    if (v->moe_score_function) {
+        if (!strcmp(v->moe_score_function, "sqrtsoftplus"))
+            return tg_fail(msg, size, "--moe-router-score-function sqrtsoftplus is not built here: use softmax or sigmoid");
+        c->moe_router_score_sigmoid = !strcmp(v->moe_score_function, "sigmoid");
+    }
+    if (v->moe_router_dtype) {
+        if (!strcmp(v->moe_router_dtype, "fp64"))
+            return tg_fail(msg, size, "--moe-router-dtype fp64 is not built here: use fp32");
+        c->moe_router_dtype_fp32 = 1;
+    }
+    if (v->moe_drop_policy) c->moe_token_drop_position = !strcmp(v->moe_drop_policy, "position");
+    if (v->moe_dispatcher) {
+        if (!strcmp(v->moe_dispatcher, "flex"))
+            return tg_fail(msg, size, "--moe-token-dispatcher-type flex (DeepEP / HybridEP) is not built here: use "
+                           "allgather or alltoall");
+        c->moe_token_dispatcher_alltoall = !strcmp(v->moe_dispatcher, "alltoall");
+    }
+    if (v->moe_shared_overlap) {
+        if (!c->moe_token_dispatcher_alltoall)
+            return tg_fail(msg, size, "moe_shared_expert_overlap only works with alltoall or flex token dispatcher. "
+                           "(--moe-shared-expert-overlap)");
+        tg_note_info(v, "--moe-shared-expert-overlap", NULL); /* the same values either way */
+    }
+    /* the load-balancing types (default aux_loss) and one coefficient each (default 0: off) */
+    static const int bits[] = {MT_MOE_AUX_LOSS, MT_MOE_SEQ_AUX_LOSS, MT_MOE_GLOBAL_AUX_LOSS};
+    static const char* const names[] = {"aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing",
+                                        "none"};
+    const int types = v->moe_lb_count > 0 ? v->moe_lb_count : 1;
+    if ((v->moe_coeff_count > 0 || types > 1) && v->moe_coeff_count != types)
+        return tg_fail(msg, size, "moe_aux_loss_coeff must be a list of the same length as moe_router_load_balancing_type "
+                       "(%d coefficients for %d types)", v->moe_coeff_count, types);
+    if (v->moe_lb_count > 0) c->moe_load_balancing = 0;
+    for (int k = 0; k < types; k++) {
+        const int t = v->moe_lb_count > 0 ? v->moe_lb[k] : 0;
+        if (t == 3 || t == 4)
+            return tg_fail(msg, size, "--moe-router-load-balancing-type %s is not built here: use aux_loss, seq_aux_loss, "
+                           "global_aux_loss or none", names[t]);
+        if (t == 5) continue; /* none */
+        if (c->moe_load_balancing & bits[t] && v->moe_lb_count > 0)
+            return tg_fail(msg, size, "--moe-router-load-balancing-type: %s given twice", names[t]);
+        c->moe_load_balancing |= bits[t];
+        c->moe_aux_loss_coeff[t] = v->moe_coeff_count > 0 ? v->moe_coeff[k] : 0.0;
+    }
+    if (v->ep >= 0) c->expert_model_parallel_size = (int)v->ep;
+    return 0;
+}
+
 /* parallelism */
 static void tg_apply_parallelism(tg_flags* v) {
     mt_config* c = &v->cfg;
@@ -1228,7 +1372,7 @@ static int tg_apply_exits(tg_flags* v, char* msg, size_t size) {
 static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
     if (tg_apply_defaults(v, msg, size) != 0 || tg_apply_build_limits(v, msg, size) != 0 ||
         tg_apply_fp8(v, msg, size) != 0 || tg_apply_recompute(v, msg, size) != 0 ||
-        tg_apply_model(v, msg, size) != 0 || tg_apply_schedule(v, msg, size) != 0)
+        tg_apply_model(v, msg, size) != 0 || tg_apply_schedule(v, msg, size) != 0 || tg_apply_moe(v, msg, size) != 0)
         return -1;
     tg_apply_parallelism(v);
     return tg_apply_exits(v, msg, size);

@@ -8,8 +8,9 @@ expands them). Each list is given to ./train_gpt as it is, except for:
     counts, evaluation and log intervals (the flags that carry sizes get new values, nothing else);
   - the layout set to one GPU: tensor and pipeline parallel sizes 1 (sequence parallelism stays asked
     for: with TP = 1 it has nothing to split, as in Megatron);
-  - the flags this build refuses removed (MoE), each with the line train_gpt refuses it with; the
-    Mixtral script is otherwise run;
+  - the flags this build refuses removed, each with the line train_gpt refuses it with (none of the
+    scripts' flags is refused now: the Mixtral script's MoE flags run as given, its expert-parallel
+    size set to 1 like the other parallel sizes, as MoE is built for one GPU and data parallelism);
   - paths: data, tokenizer files, checkpoints, TensorBoard and the data cache point into --work;
     the data is tiny shakespeare, tokenized by prepro/preprocess_data with each script's own tokenizer
     kind (GPT-2 BPE; Llama-3's tokenizer.json for HuggingFaceTokenizer; Mixtral's Llama2Tokenizer,
@@ -39,12 +40,11 @@ SMALL = {
     "--micro-batch-size": "2", "--global-batch-size": "8",
     "--train-iters": "40", "--lr-decay-iters": "40", "--lr-warmup-iters": "4",
     "--train-samples": "320", "--lr-decay-samples": "300", "--lr-warmup-samples": "16",
-    "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "1",
+    "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "1", "--expert-model-parallel-size": "1",
     "--eval-interval": "20", "--eval-iters": "2", "--log-interval": "5", "--save-interval": "20",
 }
-# removed with their values, each refused by this build with one line (printed): MoE and the expert-
-# parallel size
-REFUSED = ("--num-experts", "--expert-model-parallel-size")
+# removed with their values, each refused by this build with one line (printed); none since MoE is built
+REFUSED = ()
 # the batch-size schedule (thresholds in tokens) in the small run's sizes: 4 sequences of 256 until
 # 10240 tokens (40 samples, iteration 10), then 8 (--global-batch-size, the last size)
 SMALL_SCHEDULE = ["0:4", "10240:8"]
@@ -110,7 +110,7 @@ def shrink(name, flags, work, train_gpt):
         hf_model = "dev/data/tokenizers/mistral/tokenizer.json"
         notes.append("Llama2Tokenizer (SentencePiece tokenizer.model) -> HuggingFaceTokenizer with Mistral's tokenizer.json")
     for flag, values in flags:
-        if flag.startswith("--moe-") or flag in REFUSED:
+        if flag in REFUSED:
             notes.append(f"removed {' '.join([flag] + values)}: {refusal(train_gpt, flag, values)}")
             continue
         if flag == "--step-batch-size-schedule":

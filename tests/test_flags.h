@@ -203,7 +203,7 @@ static test_result test_flags_equals_form_and_help(void) {
            "--flag=value parsed differently from --flag value");
     /* argparse's refusals of the form: a switch with a value, a three-valued flag with one */
     const char* bad[][3] = {{"x", "--bf16=1", "takes no value"}, {"x", "--rampup-batch-size=16", "takes 3 values"},
-                            {"x", "--num-experts=8", "MoE is not implemented"}, {"x", "--nope=1", "unknown flag --nope"}};
+                            {"x", "--moe-input-jitter-eps=0.1", "input jitter is not built here"}, {"x", "--nope=1", "unknown flag --nope"}};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         tg_flags_init(&a);
         EXPECT(tg_flags_parse(&a, 2, (char**)bad[i], msg, sizeof(msg)) < 0 && strstr(msg, bad[i][2]), "%s: %s",
