@@ -746,8 +746,10 @@ MT_DEF int64_t mt_moe_max_rows(const mt_config* cfg, int64_t tokens);
 #define MT__MOE_ALIGN256(x) ((((size_t)(x)) + 255) & ~(size_t)255)
 #define MT_MOE_GEMM_POINTERS(E) ((size_t)6 * 3 * (size_t)(E)) /* the experts' grouped GEMMs' pointer table */
 #define MT_MOE_STATE_BYTES(L, E)                                                                      \
-    (2 * MT__MOE_ALIGN256((size_t)(L) * (size_t)(E) * 4) + MT__MOE_ALIGN256(((size_t)(L) + 1) * (size_t)(E) * 4) + \
-     MT__MOE_ALIGN256((size_t)(L) * 4 * 4) + MT__MOE_ALIGN256(MT_MOE_GEMM_POINTERS(E) * sizeof(void*)))
+    ((L) > 0 ? 2 * MT__MOE_ALIGN256((size_t)(L) * (size_t)(E) * 4) +                                   \
+                   MT__MOE_ALIGN256(((size_t)(L) + 1) * (size_t)(E) * 4) + MT__MOE_ALIGN256((size_t)(L) * 4 * 4) + \
+                   MT__MOE_ALIGN256(MT_MOE_GEMM_POINTERS(E) * sizeof(void*))                            \
+             : (size_t)0)
 
 /* FP8: whether transformer layer l runs its linears in FP8 (FP8 on, and l outside the bf16 layers
  * of --first-last-layers-bf16). */
