@@ -4908,10 +4908,10 @@ __global__ void moe_route_backward_kernel(moe_routing r, const float* logits, co
             float ssum = 0.0f, t = 0.0f;
             for (int i = 0; i < k; i++) { ssum += s.val[s.sel[i]]; t += s.selp[i] * s.val[s.sel[i]]; }
             const float D = ssum + MOE_SIGMOID_EPS;
-            for (int i = 0; i < k; i++) { /* ds_i, then times sigmoid' */
+            for (int i = 0; i < k; i++) { /* ds_i, then times sigmoid' = s(x) s(-x) (no 1 - s cancellation) */
                 const float sv = s.val[s.sel[i]];
                 const float ds = k > 1 ? s.selp[i] / D - t / (D * D) : s.selp[i];
-                s.selp[i] = ds * sv * (1.0f - sv);
+                s.selp[i] = ds * sv * moe_sigmoid(-lrow[s.sel[i]]);
             }
         } else if (r.pre_softmax) {
             for (int i = 0; i < k; i++) dot += q[i] * s.selp[i];
@@ -4960,8 +4960,7 @@ __global__ void moe_route_backward_kernel(moe_routing r, const float* logits, co
         if (gw) {
             const float ds = aux_scale * gw[e];
             if (r.sigmoid) {
-                const float sg = moe_sigmoid(l);
-                d += (ds / D - adot / (D * D)) * sg * (1.0f - sg);
+                d += (ds / D - adot / (D * D)) * moe_sigmoid(l) * moe_sigmoid(-l);
             } else {
                 d += sm * (ds - adot);
             }
