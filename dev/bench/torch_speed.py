@@ -50,7 +50,7 @@ DEFAULTS = {
     "llama": dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=8192,
                   seq_length=2048, padded_vocab_size=128256, tokens=128000),
     "moe": dict(num_layers=4, hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336,
-                seq_length=4096, padded_vocab_size=32000, tokens=32000),
+                seq_length=4096, padded_vocab_size=32000, tokens=None),  # tokens None: the whole vocabulary
 }
 
 
@@ -227,7 +227,7 @@ def main():
                             **({"fused": True} if cuda else {}))
     params = list(model.parameters())
     gen = torch.Generator(device="cpu").manual_seed(1)
-    tokens = torch.randint(0, min(a.tokens, V), (a.accum * a.mbs, S + 1), generator=gen).to(dev)
+    tokens = torch.randint(0, min(a.tokens or V, V), (a.accum * a.mbs, S + 1), generator=gen).to(dev)
 
     def precision():
         if not cuda:
@@ -262,9 +262,30 @@ def main():
         e1.synchronize()
         return e0.elapsed_time(e1), loss
 
+    def warm_up():
+        """The warm-up steps (torch.compile compiles in the first). Where compiling fails (not for memory): once
+        more with dynamo running the frames it cannot compile eagerly, then uncompiled; RESULT's "compile" says so."""
+        nonlocal run, compiled
+        for attempt in ("asked", "suppress_errors", "eager"):
+            try:
+                for _ in range(a.warmup):
+                    step()
+                return
+            except Exception as e:  # noqa: BLE001 (whatever the compiler raises)
+                if "out of memory" in str(e) or a.compile == "off" or attempt == "eager":
+                    raise
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+                print(f"torch.compile failed: {why}", file=sys.stderr, flush=True)
+                opt.zero_grad(set_to_none=True)
+                torch._dynamo.reset()
+                if attempt == "asked":
+                    torch._dynamo.config.suppress_errors = True
+                    run, compiled = torch.compile(model), f"partly (what failed runs eagerly: {why})"
+                else:
+                    run, compiled = model, f"off (torch.compile failed: {why})"
+
     try:
-        for _ in range(a.warmup):
-            step()
+        warm_up()
         if cuda:
             torch.cuda.synchronize()
         times = []
