@@ -9,17 +9,20 @@
 # top-k of the logits then softmax over the k, aux_loss load balancing, dropless; ours with --moe-grouped-gemm
 # --moe-token-dispatcher-type alltoall --moe-router-dtype fp32):
 #   mixtral   Mixtral-8x7B's layers: hidden 4096, 32 heads, 8 query groups, 8 experts of ffn 14336, top-2,
-#             aux_loss 1e-2, vocab 32000; 4 layers (MIXTRAL_LAYERS or LAYERS). Sized by memory: 1451M
-#             parameters a layer (41.9M attention, 1409M experts) + 262M embedding and output; at 18 bytes a
-#             parameter (bf16 weights, fp32 grads, fp32 master, Adam m and v; torch: 16 bytes of fp32 weights,
-#             grads and Adam plus bf16 copies of the weights) 4 layers are 102 GiB of state (train_gpt --plan:
-#             107.4 GiB in use with 5.0 GiB of activations), 5 layers 126 GiB (--plan: 132.5 GiB), too close to an
-#             H200's 139 GiB for torch's bf16 weight copies and allocator slack: 4 fit both sides.
+#             aux_loss 1e-2, vocab 32000; 4 layers (MIXTRAL_LAYERS or LAYERS), as many as fit one H200 (139 GiB)
+#             on both sides. Sized by memory: 1451M parameters a layer (41.9M attention, 1409M experts) + 262M
+#             embedding and output layer. Ours at 18 bytes a parameter (bf16 weights, fp32 grads, fp32 master,
+#             Adam m and v): 4 layers 102 GiB of state (train_gpt --plan: 107.4 GiB in use, 5.0 GiB of it
+#             activations), 5 layers 126 GiB (--plan: 132.5 GiB). Torch at 16 bytes (fp32 weights, grads, Adam)
+#             plus bf16 copies of the weights for the GEMMs (up to 2 bytes more), activations and the experts'
+#             weight gradients passing through bf16 and fp32 temporaries (~6 GiB): 4 layers ~112 GiB, 5 layers
+#             ~136 GiB, too close to 139 GiB. So 4.
 #   qwen3moe  Qwen3-30B-A3B's layers: hidden 2048, 32 heads, 4 query groups, kv channels 128, qk-layernorm, 128
-#             experts of ffn 768, top-8 (softmax after the top-k: Qwen's norm_topk_prob), aux_loss 1e-3 on both
-#             sides (Qwen's Megatron recipe may use global_aux_loss; per micro-batch of one sequence it is the same
-#             loss up to the counts' averaging), vocab 151936; 4 layers (QWEN3MOE_LAYERS or LAYERS): 3.1B
-#             parameters, train_gpt --plan 55.8 GiB.
+#             experts of ffn 768, top-8 (softmax after the top-k: Qwen's norm_topk_prob), vocab 151936; 4 layers
+#             (QWEN3MOE_LAYERS or LAYERS): 3.1B parameters, train_gpt --plan 55.8 GiB. aux_loss 1e-3 on both
+#             sides: Qwen's Megatron recipe may use global_aux_loss, whose counts (summed over the data-parallel
+#             ranks, averaged over the step's micro-batches so far) are, with one micro-batch per step on one
+#             GPU, this micro-batch's: the same loss as aux_loss here.
 #   For these, a second "ours" row runs train_gpt with MT_MOE_GEMM=loop (the experts one GEMM each), and torch
 #   runs its experts as torch._grouped_mm where the installed torch has it, else one GEMM each (its row says
 #   which, and how much of the model torch.compile compiled). TFLOP/s: train_gpt's count (Megatron's formula with
