@@ -1130,7 +1130,7 @@ MT_DEF int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_ran
 /* Whether the config's attention runs on the flash kernels (bf16, head dim 64 or 128), else exact. */
 MT_DEF int mt_flash_attention(const mt_config* cfg);
 
-/* The activation arena of one pipeline rank (megatron.cu section 16 names each region): regions in
+/* The activation arena of one pipeline rank (megatron.cu section 17 names each region): regions in
  * this order, each at a 256-byte-aligned offset; a region of 0 bytes does not exist in this config.
  * First the scratch every micro-batch shares (MT_ACT_LN1 .. MT_ACT_MOE_STATS), then num_slots
  * slots one after another, each a copy of the saved regions (MT_ACT_RESIDUAL .. MT_ACT_LOGITS: what
@@ -1303,7 +1303,7 @@ MT_DEF void mt_adamw_cpu_parallel(mt_thread_pool* pool, const mt_adamw_step* h, 
 /*    What a checkpoint is on disk, and the rules every writer and reader of one applies: the      */
 /*    header words and their checks, each rank's file names, the tracker, --save-retain-interval,  */
 /*    a save's temporary directory and its commit, the manifest and the integrity rule.            */
-/*    megatron.cu section 19 stages and writes the trainer's files through them, and the prepro/   */
+/*    megatron.cu section 20 stages and writes the trainer's files through them, and the prepro/   */
 /*    tools read and write through them.                                                           */
 /* ---------------------------------------------------------------------------------------------- */
 

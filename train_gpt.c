@@ -1018,6 +1018,7 @@ static void load_checkpoint(run_state* run) {
 /* The log line's tallies since the last one, and the steps refused for NaN in a row. */
 typedef struct {
     double loss, time;    /* summed: the steps' losses (those not skipped) and their seconds */
+    double moe[4];        /* summed: the MoE load-balancing, seq, global and z losses (mt_step_result.moe_losses) */
     int steps, skipped, nan;
     int nan_in_a_row;
 } train_tally;
@@ -1058,6 +1059,7 @@ static void train_step(run_state* run, train_tally* tally, int micro, int batch,
         die(1, "--profile: %s", err.message);
     if (r->skipped) tally->skipped++;
     else tally->loss += r->lm_loss;
+    for (int k = 0; k < 4 && !r->skipped; k++) tally->moe[k] += r->moe_losses[k];
     if (r->nan) tally->nan++;
     tally->steps++;
 }
@@ -1070,7 +1072,18 @@ static void print_log_line(run_state* run, train_tally* tally, const mt_step_res
     double ms = 1000.0 * tally->time / tally->steps;
     double tflops = mt_flops_per_iteration(c, batch) / (ms / 1000.0) / 1e12 / c->world_size;
     int good = tally->steps - tally->skipped;
-    char ts[64], throughput[128] = "", mfu[64] = "", decoupled[96] = "", zeros[64] = "", pnorm[64] = "";
+    char ts[64], throughput[128] = "", mfu[64] = "", decoupled[96] = "", zeros[64] = "", pnorm[64] = "", moe[256] = "";
+    /* Megatron's MoE losses after the lm loss, those the run computes (a coefficient > 0), averaged like it */
+    static const char* const moe_names[4] = {"load_balancing_loss", "seq_load_balancing_loss",
+                                             "global_load_balancing_loss", "z_loss"};
+    const double moe_coef[4] = {c->moe_load_balancing & MT_MOE_AUX_LOSS ? c->moe_aux_loss_coeff[0] : 0.0,
+                                c->moe_load_balancing & MT_MOE_SEQ_AUX_LOSS ? c->moe_aux_loss_coeff[1] : 0.0,
+                                c->moe_load_balancing & MT_MOE_GLOBAL_AUX_LOSS ? c->moe_aux_loss_coeff[2] : 0.0,
+                                c->moe_z_loss_coeff};
+    for (int k = 0, at = 0; k < 4 && c->num_experts > 0; k++)
+        if (moe_coef[k] > 0 && at < (int)sizeof(moe))
+            at += snprintf(moe + at, sizeof(moe) - (size_t)at, " %s: %.6E |", moe_names[k],
+                           good ? tally->moe[k] / good : 0.0);
     if (c->decoupled_lr >= 0) /* Megatron's field, after the learning rate */
         snprintf(decoupled, sizeof(decoupled), " decoupled learning rate: %.6E |", r->next_decoupled_learning_rate);
     timestamp(ts, sizeof(ts));
@@ -1085,15 +1098,16 @@ static void print_log_line(run_state* run, train_tally* tally, const mt_step_res
     if (run->log_line_out) {
         fprintf(run->log_line_out,
                 " [%s] iteration %8lld/%8lld | consumed samples: %12lld | elapsed time per iteration (ms): %.1f |%s"
-                " learning rate: %.6E |%s global batch size: %5d | lm loss: %.6E | loss scale: %.1f | grad norm: "
+                " learning rate: %.6E |%s global batch size: %5d | lm loss: %.6E |%s loss scale: %.1f | grad norm: "
                 "%.3f |%s%s number of skipped iterations: %3d | number of nan iterations: %3d |%s\n",
                 ts, (long long)run->iteration, (long long)c->train_iters, (long long)run->consumed, ms, throughput,
-                r->next_learning_rate, decoupled, batch, good ? tally->loss / good : 0.0, r->loss_scale, r->grad_norm,
+                r->next_learning_rate, decoupled, batch, good ? tally->loss / good : 0.0, moe, r->loss_scale, r->grad_norm,
                 zeros, pnorm, tally->skipped, tally->nan, mfu);
         fflush(run->log_line_out);
     }
     if (run->tb) tensorboard_log_line(run->tb, o, run->iteration, ms / 1000.0, tflops);
     tally->loss = tally->time = 0.0;
+    for (int k = 0; k < 4; k++) tally->moe[k] = 0.0;
     tally->steps = tally->skipped = tally->nan = 0;
 }
 
