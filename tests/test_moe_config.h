@@ -791,6 +791,11 @@ static test_result test_moe_checkpoint_header(void) {
     memcpy(bad, hd, sizeof(bad));
     bad[MT_CK_MOE_SHARED] = 64;
     EXPECT(mt_checkpoint_header_check(bad, "bad", NULL, &err) == MT_ERR_FORMAT, "shared expert without experts");
+    /* Hugging Face export refuses an MoE model (not built yet) in one line */
+    const mt_hf_arch* arch = NULL;
+    EXPECT(mt_hf_arch_for_config(&m, &arch, &err) == MT_ERR_CONFIG && !arch && strstr(err.message, "mixture of experts"),
+           "'%s'", err.message);
+    EXPECT_OK(mt_hf_arch_for_config(&d, &arch, &err), &err);
     return TEST_PASS;
 }
 
