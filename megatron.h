@@ -1362,13 +1362,15 @@ enum {
     MT_CK_QK_LAYERNORM,  /* --qk-layernorm: per-head norms of the queries and keys (0 in older files) */
     /* mixture of experts (0 in every word: a dense model, and every older file): --num-experts, the expert
      * width (mt_moe_ffn), --moe-shared-expert-intermediate-size, --moe-shared-expert-gate, how many layers
-     * are MoE and a hash of which (mt_moe_layers_hash) */
-    MT_CK_NUM_EXPERTS, MT_CK_MOE_FFN, MT_CK_MOE_SHARED, MT_CK_MOE_SHARED_GATE, MT_CK_MOE_LAYERS, MT_CK_MOE_LAYERS_HASH,
+     * are MoE and which (mt_moe_layers_word) */
+    MT_CK_NUM_EXPERTS, MT_CK_MOE_FFN, MT_CK_MOE_SHARED, MT_CK_MOE_SHARED_GATE, MT_CK_MOE_LAYERS, MT_CK_MOE_LAYER_FREQ,
     MT_CK_HEADER_WORDS = 64
 };
-/* Which layers are MoE, as one number for the checkpoint header: FNV-1a (64 bits) over mt_moe_layer of
- * every layer, 0 for a dense model. */
-MT_DEF int64_t mt_moe_layers_hash(const mt_config* cfg);
+/* Which layers are MoE, as one number for the checkpoint header: 0 for a dense model; N in [1, layers]
+ * when they are the layers l % N == 0 (--moe-layer-freq N, or a pattern that is the same layers; N the
+ * smallest that gives them); else a hash of the pattern (FNV-1a over its entries) with the sign bit set.
+ * O(1) for --moe-layer-freq N, O(pattern) for a pattern. */
+MT_DEF int64_t mt_moe_layers_word(const mt_config* cfg);
 /* Zeroes header[MT_CK_HEADER_WORDS] and fills the words that describe cfg's model: magic, version,
  * shape, parameter count, precision, seed, parallel sizes (progress words stay 0, and so does
  * MT_CK_MANIFESTED: a writer sets it to 1 when it commits the checkpoint with a manifest, which every
@@ -3761,8 +3763,12 @@ MT_DEF int mt_moe_layer(const mt_config* c, int layer) {
 }
 
 MT_DEF int mt_moe_num_layers(const mt_config* c) {
+    if (c->num_experts <= 0 || c->num_layers <= 0) return 0;
+    if (c->moe_layer_pattern_len <= 0) /* layers 0, N, 2N, ... below L */
+        return c->moe_layer_freq > 0 ? (int)(((int64_t)c->num_layers + c->moe_layer_freq - 1) / c->moe_layer_freq) : 0;
     int n = 0;
-    for (int l = 0; c->num_experts > 0 && l < c->num_layers; l++) n += mt_moe_layer(c, l);
+    for (int l = 0; l < c->num_layers && l < c->moe_layer_pattern_len && l < MT_MAX_MOE_PATTERN; l++)
+        n += c->moe_layer_pattern[l] != 0;
     return n;
 }
 
@@ -6029,19 +6035,28 @@ MT_DEF void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
         h[MT_CK_MOE_SHARED] = c->moe_shared_expert_intermediate_size;
         h[MT_CK_MOE_SHARED_GATE] = c->moe_shared_expert_intermediate_size > 0 && c->moe_shared_expert_gate;
         h[MT_CK_MOE_LAYERS] = mt_moe_num_layers(c);
-        h[MT_CK_MOE_LAYERS_HASH] = mt_moe_layers_hash(c);
+        h[MT_CK_MOE_LAYER_FREQ] = mt_moe_layers_word(c);
     }
 }
 
-MT_DEF int64_t mt_moe_layers_hash(const mt_config* c) {
+MT_DEF int64_t mt_moe_layers_word(const mt_config* c) {
+    const int L = c->num_layers;
     if (mt_moe_num_layers(c) == 0) return 0;
+    if (c->moe_layer_pattern_len <= 0) return c->moe_layer_freq < L ? c->moe_layer_freq : L; /* past L: layer 0 alone */
+    /* a pattern that is some N's layers: layer 0, then the next MoE layer at N (none: N = L) */
+    int n = L;
+    for (int l = 1; l < L && l < c->moe_layer_pattern_len; l++)
+        if (mt_moe_layer(c, l)) { n = l; break; }
+    int same = mt_moe_layer(c, 0);
+    for (int l = 0; same && l < L; l++) same = mt_moe_layer(c, l) == (l % n == 0);
+    if (same) return n;
     uint64_t x = 14695981039346656037ULL;
-    for (int l = 0; l < c->num_layers; l++) x = (x ^ (uint64_t)(mt_moe_layer(c, l) ? 1 : 0)) * 1099511628211ULL;
-    return (int64_t)x;
+    for (int l = 0; l < L; l++) x = (x ^ (uint64_t)(mt_moe_layer(c, l) ? 1 : 0)) * 1099511628211ULL;
+    return (int64_t)(x | (1ULL << 63));
 }
 
-/* The MoE fields of a header's model: the layers from the hash, as the --moe-layer-freq N that gives it
- * (the only kind of pattern this build writes: every layer MoE, N = 1); 0 when none does. */
+/* The MoE fields of a header's model; the layers from MT_CK_MOE_LAYER_FREQ's N (a pattern that is no N's,
+ * which this build does not write, cannot be rebuilt: 0). */
 static int mt__moe_from_header(mt_config* c, const int64_t* h) {
     c->num_experts = (int)h[MT_CK_NUM_EXPERTS];
     c->moe_ffn_hidden_size = (int)h[MT_CK_MOE_FFN];
@@ -6050,12 +6065,9 @@ static int mt__moe_from_header(mt_config* c, const int64_t* h) {
     c->moe_layer_pattern_len = 0;
     c->moe_layer_freq = 1;
     if (c->num_experts <= 0) return 1;
-    for (int n = 1; n <= c->num_layers; n++) {
-        c->moe_layer_freq = n;
-        if (mt_moe_num_layers(c) == h[MT_CK_MOE_LAYERS] && mt_moe_layers_hash(c) == h[MT_CK_MOE_LAYERS_HASH]) return 1;
-    }
-    c->moe_layer_freq = 1;
-    return 0;
+    if (h[MT_CK_MOE_LAYER_FREQ] < 1 || h[MT_CK_MOE_LAYER_FREQ] > c->num_layers) return 0;
+    c->moe_layer_freq = (int)h[MT_CK_MOE_LAYER_FREQ];
+    return mt_moe_num_layers(c) == h[MT_CK_MOE_LAYERS];
 }
 
 MT_DEF void mt_config_from_checkpoint_header(mt_config* c, const int64_t* h) {
@@ -6159,7 +6171,7 @@ MT_DEF mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, 
     else if (h[MT_CK_FP8_TENSORS] > 0 && (h[MT_CK_FP8_HISTORY_LEN] < 1 || h[MT_CK_FP8_HISTORY_POS] >= h[MT_CK_FP8_HISTORY_LEN]))
         bad = "the FP8 amax history (length and slot) is inconsistent";
     else if (h[MT_CK_NUM_EXPERTS] == 0 ? h[MT_CK_MOE_FFN] || h[MT_CK_MOE_SHARED] || h[MT_CK_MOE_SHARED_GATE] ||
-                                             h[MT_CK_MOE_LAYERS] || h[MT_CK_MOE_LAYERS_HASH]
+                                             h[MT_CK_MOE_LAYERS] || h[MT_CK_MOE_LAYER_FREQ]
                                        : h[MT_CK_MOE_FFN] < 1 || h[MT_CK_MOE_LAYERS] < 1 ||
                                              h[MT_CK_MOE_LAYERS] > h[MT_CK_LAYERS] ||
                                              (h[MT_CK_MOE_SHARED_GATE] && !h[MT_CK_MOE_SHARED]))
@@ -6168,7 +6180,8 @@ MT_DEF mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, 
         mt_config moe;
         mt_config_defaults(&moe);
         moe.num_layers = (int)h[MT_CK_LAYERS];
-        if (!mt__moe_from_header(&moe, h)) bad = "its MoE layers are no --moe-layer-freq N's (not a pattern this build writes)";
+        if (!mt__moe_from_header(&moe, h))
+            bad = "its MoE layers are no --moe-layer-freq N's, or not as many as it says (a pattern this build does not write)";
     }
     if (bad) return mt_fail(err, MT_ERR_FORMAT, "%s: %s", path, bad);
     double loss_scale, eps, base, percent, scaling;
@@ -6320,7 +6333,7 @@ MT_DEF mt_status mt_checkpoint_header_check_model(const int64_t* h, const char* 
         {MT_CK_MOE_SHARED, "--moe-shared-expert-intermediate-size"},
         {MT_CK_MOE_SHARED_GATE, "--moe-shared-expert-gate"},
         {MT_CK_MOE_LAYERS, "MoE layers (--moe-layer-freq)"},
-        {MT_CK_MOE_LAYERS_HASH, "the MoE layers' pattern hash (--moe-layer-freq)"},
+        {MT_CK_MOE_LAYER_FREQ, "the MoE layers (--moe-layer-freq, or a pattern's hash)"},
     };
     for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++) {
         const int w = shape[i].word;

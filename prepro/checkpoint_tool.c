@@ -92,6 +92,10 @@ static int info(const mt_ckpt* ck) {
            eps, h[MT_CK_PRECISION] >= 0 && h[MT_CK_PRECISION] <= 2 ? precision[h[MT_CK_PRECISION]] : "?");
     if (c->position_embedding_type == MT_POSITION_ROPE)
         printf("rope: base %g, percent %g%s\n", c->rotary_base, c->rotary_percent, c->use_rope_scaling ? ", Llama-3.1 scaling" : "");
+    if (mt_moe_num_layers(c) > 0)
+        printf("mixture of experts: %d of %d layers, %d experts of width %lld%s%s\n", mt_moe_num_layers(c), c->num_layers,
+               c->num_experts, (long long)mt_moe_ffn(c), c->moe_shared_expert_intermediate_size ? ", a shared expert" : "",
+               c->moe_shared_expert_gate ? " (gated)" : "");
     printf("progress: %lld samples consumed, scheduler step %lld, Adam step %lld, loss scale %g\n",
            (long long)h[MT_CK_CONSUMED], (long long)h[MT_CK_SCHED_STEPS], (long long)h[MT_CK_ADAM_STEP], loss_scale);
     if (h[MT_CK_FP8_TENSORS] > 0)

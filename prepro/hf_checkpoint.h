@@ -251,6 +251,9 @@ mt_status mt_hf_arch_for_config(const mt_config* c, const mt_hf_arch** out, mt_e
     if (c->qk_layernorm)
         return mt_fail(err, MT_ERR_CONFIG, "the model normalises its queries and keys (--qk-layernorm): neither GPT-2 "
                        "nor Llama in transformers has those norms, so it cannot be exported to them");
+    if (mt_moe_num_layers(c) > 0)
+        return mt_fail(err, MT_ERR_CONFIG, "the model is a mixture of experts (--num-experts %d): export to Hugging Face "
+                       "(Mixtral, Qwen3-MoE) is not built yet", c->num_experts);
     if (ln && learned && bias && !glu && !untied) *out = &mt_hf_gpt2_arch;
     else if (!ln && rope && !bias && glu) *out = &mt_hf_llama_arch;
     else

@@ -751,8 +751,21 @@ static test_result test_moe_checkpoint_header(void) {
     memcpy(&hm[MT_CK_LOSS_SCALE_BITS], &scale, sizeof(double));
     memcpy(&hd[MT_CK_LOSS_SCALE_BITS], &scale, sizeof(double));
     EXPECT(hm[MT_CK_NUM_EXPERTS] == 8 && hm[MT_CK_MOE_FFN] == 32 && hm[MT_CK_MOE_LAYERS] == 2 &&
-           hm[MT_CK_MOE_LAYERS_HASH] == mt_moe_layers_hash(&m) && hm[MT_CK_MOE_LAYERS_HASH] != 0 &&
-           hd[MT_CK_NUM_EXPERTS] == 0 && hd[MT_CK_MOE_LAYERS_HASH] == 0, "MoE words");
+           hm[MT_CK_MOE_LAYER_FREQ] == 1 && hd[MT_CK_NUM_EXPERTS] == 0 && hd[MT_CK_MOE_LAYER_FREQ] == 0, "MoE words");
+    /* the layers' word: the smallest N giving them, whichever form named them; else a negative hash */
+    mt_config w = moe_ref_config(&moe_ref_cases[1]); /* [0,1,1]: no N's */
+    const int64_t pattern_word = mt_moe_layers_word(&w);
+    EXPECT(pattern_word < 0, "[0,1,1]: %lld", (long long)pattern_word);
+    w.num_layers = 4;
+    const struct { const char* freq; int64_t word; } words[] = {
+        {"1", 1}, {"[1,1,1,1]", 1}, {"2", 2}, {"[1,0,1,0]", 2}, {"3", 3}, {"[1,0,0,1]", 3}, {"4", 4}, {"9", 4},
+        {"[1,0,0,0]", 4}};
+    for (size_t i = 0; i < sizeof(words) / sizeof(words[0]); i++) {
+        EXPECT_OK(mt_moe_layer_freq_parse(words[i].freq, &w, &err), &err);
+        EXPECT(mt_moe_layers_word(&w) == words[i].word, "%s: %lld", words[i].freq, (long long)mt_moe_layers_word(&w));
+    }
+    EXPECT_OK(mt_moe_layer_freq_parse("[1,1,0,1]", &w, &err), &err);
+    EXPECT(mt_moe_layers_word(&w) < 0 && mt_moe_layers_word(&w) != pattern_word, "[1,1,0,1]");
     mt_config back;
     EXPECT_OK(mt_checkpoint_header_check(hm, "moe", &back, &err), &err);
     EXPECT(mt_num_parameters(&back) == mt_num_parameters(&m) && back.num_experts == 8 && mt_moe_num_layers(&back) == 2,
@@ -774,12 +787,17 @@ static test_result test_moe_checkpoint_header(void) {
     EXPECT(mt_checkpoint_header_check(bad, "bad", NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "MoE words"),
            "'%s'", err.message);
     memcpy(bad, hm, sizeof(bad));
-    bad[MT_CK_MOE_LAYERS_HASH] ^= 1;
+    bad[MT_CK_MOE_LAYER_FREQ] = 2; /* 1 of 2 layers, not the 2 the header says */
     EXPECT(mt_checkpoint_header_check(bad, "bad", NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "MoE layers"),
            "'%s'", err.message);
     memcpy(bad, hd, sizeof(bad));
     bad[MT_CK_MOE_SHARED] = 64;
     EXPECT(mt_checkpoint_header_check(bad, "bad", NULL, &err) == MT_ERR_FORMAT, "shared expert without experts");
+    /* Hugging Face export refuses an MoE model (not built yet) in one line */
+    const mt_hf_arch* arch = NULL;
+    EXPECT(mt_hf_arch_for_config(&m, &arch, &err) == MT_ERR_CONFIG && !arch && strstr(err.message, "mixture of experts"),
+           "'%s'", err.message);
+    EXPECT_OK(mt_hf_arch_for_config(&d, &arch, &err), &err);
     return TEST_PASS;
 }
 
