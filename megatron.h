@@ -1380,7 +1380,9 @@ MT_DEF void mt_config_from_checkpoint_header(mt_config* cfg, const int64_t* head
  * stages and the pipeline stage's words consistent;
  * a known precision; progress, scheduler and Adam counters >= 0; the loss-scaler counters within
  * int (the growth tracker >= 0; hysteresis counts down past 0, as Megatron's) and the loss scale
- * finite and > 0; the FP8 words in range; the manifest mark 0 or 1. cfg (if not NULL) gets the model
+ * finite and > 0; the FP8 words in range; the manifest mark 0 or 1; the MoE words consistent (an MoE
+ * model of at most MT_MAX_MOE_PATTERN layers, its tensors' sizes overflow-checked, the expert bias word
+ * 0 or 1 and only with experts). cfg (if not NULL) gets the model
  * (mt_config_defaults, then mt_config_from_checkpoint_header). path names the file in messages. */
 MT_DEF mt_status mt_checkpoint_header_check(const int64_t* header, const char* path, mt_config* cfg, mt_error* err);
 /* The exact size in bytes of a checkpoint file with this (checked) header: the model file
@@ -5747,7 +5749,12 @@ static int mt__moe_from_header(mt_config* c, const int64_t* h) {
     c->moe_layer_pattern_len = 0;
     c->moe_layer_freq = 1;
     if (c->num_experts <= 0) return 1;
+    /* each candidate's hash runs over every layer: only the N whose count (ceil(L / N)) is the header's, and
+     * only models of at most MT_MAX_MOE_PATTERN layers (mt_checkpoint_header_check refuses more: a hostile
+     * header's 2^31 layers would take minutes) */
+    if (c->num_layers > MT_MAX_MOE_PATTERN) return 0;
     for (int n = 1; n <= c->num_layers; n++) {
+        if ((c->num_layers + n - 1) / n != h[MT_CK_MOE_LAYERS]) continue;
         c->moe_layer_freq = n;
         if (mt_moe_num_layers(c) == h[MT_CK_MOE_LAYERS] && mt_moe_layers_hash(c) == h[MT_CK_MOE_LAYERS_HASH]) return 1;
     }
@@ -5842,6 +5849,9 @@ MT_DEF mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, 
             return mt_fail(err, MT_ERR_FORMAT, "%s: header word %d (%s) is %lld, outside [%lld, %lld]", path,
                            range[i].word, range[i].what, (long long)h[range[i].word], (long long)range[i].lo,
                            (long long)range[i].hi);
+    if (h[MT_CK_NUM_EXPERTS] > 0 && h[MT_CK_LAYERS] > MT_MAX_MOE_PATTERN) /* before any loop over its layers */
+        return mt_fail(err, MT_ERR_FORMAT, "%s: an MoE model of %lld layers (this build reads at most %d)", path,
+                       (long long)h[MT_CK_LAYERS], MT_MAX_MOE_PATTERN);
     /* the words that relate to each other */
     const char* bad = NULL;
     if (h[MT_CK_HEADS] % h[MT_CK_GROUPS]) bad = "the attention heads are not a multiple of the query groups";

@@ -1035,6 +1035,9 @@ static test_result test_moe_expert_bias_checkpoint(void) {
         /* with experts of width 2^31 - 1 too (below): 2^31 x 2^31 x 64 x 3 overflows before any count */
         {MT_CK_NUM_EXPERTS, INT32_MAX, "the MoE tensors' sizes (2147483647 experts of width 2147483647"},
         {MT_CK_MOE_FFN, 17, "the header says"}, /* the experts' width is counted in the parameters */
+        /* refused before any loop over its layers (a fuzzed header of 2^31 MoE layers took minutes to check) */
+        {MT_CK_LAYERS, 1025, "an MoE model of 1025 layers (this build reads at most 1024)"},
+        {MT_CK_LAYERS, INT32_MAX, "an MoE model of 2147483647 layers"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         memcpy(h2, h, sizeof(h));
