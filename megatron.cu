@@ -8354,7 +8354,8 @@ static void adamw_step(mt_trainer* t, float lr, float lr_decoupled, float grad_s
 /*    checks, each rank's file names, the tracker, a save's temporary directory and commit, the   */
 /*    manifest) are megatron.h section 13's; this section stages a rank's files from the device   */
 /*    and loads them back. A save copies each rank's fp32 master weights, Adam m and v in         */
-/*    canonical order (or its distributed-optimizer shard) into host memory and writes them       */
+/*    canonical order (or its distributed-optimizer shard; a model file then ends with the FP8    */
+/*    state and the routers' expert bias, whole at PP > 1 too) into host memory and writes them   */
 /*    (--async-save: in a writer thread while training goes on) into the temporary directory      */
 /*    that rank 0 commits once every rank has written (every file fsync'ed first). A load at the  */
 /*    same layout reads each rank's own files, checked word by word                               */
@@ -8579,6 +8580,61 @@ static mt_status fp8_state_transfer(mt_trainer* t, FILE* f, float* staged, const
     return st;
 }
 
+/* The routers' expert bias (megatron.h MT_CK_MOE_EXPERT_BIAS: [MoE layers, E] fp32 at the end of every model
+ * file, the size rule mt_checkpoint_expert_bias_numel's) between the device's [L, E] (rows by model layer) and
+ * a host array of the MoE layers' rows in model order: copied into a save's host copy (upload 0), or onto
+ * the device from a checked read of the file (upload 1). */
+static mt_status expert_bias_transfer(mt_trainer* t, float* host, int upload, mt_error* err) {
+    const mt_config* c = &t->cfg;
+    const int64_t E = c->num_experts;
+    int64_t row = 0;
+    for (int l = 0; l < c->num_layers; l++) {
+        if (!mt_moe_layer(c, l)) continue;
+        float* device = t->moe.expert_bias + (int64_t)l * E;
+        float* h = host + row++ * E;
+        CUDA_CHECK(&t->error, cudaMemcpyAsync(upload ? device : h, upload ? h : device, sizeof(float) * (size_t)E,
+                                              upload ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, t->stream));
+    }
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    return mt_gpu_error_return(&t->error, err);
+}
+
+/* Before a save at PP > 1: every rank assembles the whole bias. Each stage's update moves only its own
+ * layers' rows (moe_after_backward: the other rows see no tokens), so the rows a rank holds (mt_pp_holds) are
+ * kept on its TP 0 / DP 0 copy, every other row zeroed, and the world sums them: each row then comes from
+ * its one owner (x + 0 is exact; the bias is never -0: it starts at +0 and moves by +-rate). Every model
+ * file then holds the same whole copy. Collective (a no-op without the bias or at PP = 1, where every rank
+ * holds it whole). */
+static void expert_bias_assemble(mt_trainer* t) {
+    const mt_config* c = &t->cfg;
+    if (!t->moe.enabled || !c->moe_router_enable_expert_bias || t->groups.pp_size == 1 || !t->groups.world) return;
+    const int64_t E = c->num_experts, L = c->num_layers;
+    const int keep = t->groups.tp.rank == 0 && t->groups.dp_rank == 0;
+    for (int l = 0; l < L; l++)
+        if (!keep || !mt_pp_holds(&t->buffer.stage, MT_P_ROUTER_WEIGHT, l))
+            CUDA_CHECK(&t->error, cudaMemsetAsync(t->moe.expert_bias + l * E, 0, sizeof(float) * (size_t)E, t->stream));
+    comm_after_compute(t);
+    NCCL_CHECK(&t->error, t->cfg.rank,
+               ncclAllReduce(t->moe.expert_bias, t->moe.expert_bias, (size_t)(L * E), ncclFloat, ncclSum,
+                             t->groups.world, t->groups.comm_stream));
+    compute_after_comm(t);
+}
+
+/* A load's expert bias (the header says there is one; mt_checkpoint_header_check_model made sure this run
+ * has it, of the same MoE layers and experts): from ck's first model file when ck is not NULL (another
+ * layout), else from the model file fd this rank reads; checked (megatron.h: finite values) and put on the
+ * device. Model state: it loads with the weights, under --no-load-optim and --finetune too. */
+static mt_status load_expert_bias(mt_trainer* t, const mt_ckpt* ck, int fd, const char* path, const int64_t* h,
+                                  mt_error* err) {
+    const int64_t n = mt_checkpoint_expert_bias_numel(h, NULL);
+    float* host = (float*)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (!host) return mt_fail(err, MT_ERR_OOM, "cannot allocate the expert bias' staging");
+    mt_status st = ck ? mt_ckpt_read_expert_bias(ck, 0, host, err) : mt_checkpoint_read_expert_bias(fd, path, h, host, err);
+    if (st == MT_OK) st = expert_bias_transfer(t, host, 1, err);
+    free(host);
+    return st;
+}
+
 /* ---- saving: each rank's files staged in host memory, then written (in the background with
  * --async-save), then committed by rank 0 once every rank's are complete ---- */
 
@@ -8625,6 +8681,9 @@ static mt_status stage_checkpoint_file(mt_trainer* t, const int64_t* header, int
     for (int i = 0; i < 2 && !t->opt.sharded && st == MT_OK; i++, at += t->num_params)
         st = canonical_transfer(t, full_optimizer_array(t, i ? t->opt.adam_v : t->opt.adam_m), at, 0, err);
     if (header[MT_CK_FP8_TENSORS] > 0 && st == MT_OK) st = fp8_state_transfer(t, NULL, at, NULL, err);
+    int64_t bias_at = 0;
+    if (mt_checkpoint_expert_bias_numel(header, &bias_at) > 0 && st == MT_OK)
+        st = expert_bias_transfer(t, (float*)(out + sizeof(int64_t) * MT_CK_HEADER_WORDS) + bias_at, 0, err);
     return st;
 }
 
@@ -8864,6 +8923,7 @@ static mt_status begin_save(mt_trainer* t, const char* dir, int64_t iteration, i
     else if (total > 0 && !(stage = (char*)malloc(total)))
         st = mt_fail(err, MT_ERR_OOM, "cannot allocate %zu bytes to save a checkpoint", total);
     float* master_full = full_master(t); /* collective with the distributed optimizer */
+    expert_bias_assemble(t);             /* collective at PP > 1 */
     for (int i = 0; i < a->num_files && st == MT_OK; i++) {
         a->files[i].bytes = stage + (i ? a->files[0].size : 0);
         st = stage_checkpoint_file(t, header, files[i].shard, master_full, a->files[i].bytes, err);
@@ -8950,12 +9010,15 @@ static mt_status load_other_layout(mt_trainer* t, const mt_ckpt* ck, int load_op
         if (a == MT_CKPT_MASTER) set_master_from_full(t, t->grads);
         else copy_owned(t, moments[a - MT_CKPT_M], t->grads, 1);
     }
+    /* the expert bias: layout-free, whole from the first model file */
+    if (st == MT_OK && h[MT_CK_MOE_EXPERT_BIAS]) st = load_expert_bias(t, ck, -1, ck->iter_dir, h, err);
     return st;
 }
 
 /* Loads a checkpoint: the weights, and with load_optim the optimizer's state too (Adam moments and
  * step, the scheduler's samples, the loss scaler). Without it (--no-load-optim, --finetune) only the
- * model file's master weights (and FP8 scaling state, part of the model in Megatron) are read, and
+ * model file's master weights (and FP8 scaling state and the routers' expert bias, part of the model in
+ * Megatron) are read, and
  * Adam, the schedule and the loss scale start as a new trainer's do. */
 static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iteration, int load_optim,
                                  int64_t* iteration_out, int64_t* consumed_out, mt_error* err) {
@@ -9023,6 +9086,8 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
             if (st == MT_OK) st = fp8_state_transfer(t, f, NULL, path, err);
             if (st == MT_OK) t->fp8.history_pos = (int)h[MT_CK_FP8_HISTORY_POS];
         }
+        /* the expert bias at the file's end, read at its offset (whatever was read or skipped before it) */
+        if (st == MT_OK && h[MT_CK_MOE_EXPERT_BIAS]) st = load_expert_bias(t, NULL, fileno(f), path, h, err);
         if (f) fclose(f);
     }
     if (st == MT_OK && !other_layout && load_optim && h[MT_CK_SHARDED_DP] != 0) {

@@ -1317,7 +1317,10 @@ MT_DEF void mt_adamw_cpu_parallel(mt_thread_pool* pool, const mt_adamw_step* h, 
  * pipeline rank) holds that shard's tensors of pipeline rank p's stage, laid out as
  * mt_pp_stage_copy lays them out. MT_CK_NUM_PARAMS is always the full model's count. A model file
  * ends with the FP8 delayed-scaling state when the run had one (MT_CK_FP8_*): state of one layout,
- * not carried to another. The files' names, the rank words of their headers and the checks a reader
+ * not carried to another; then, with --moe-router-enable-expert-bias (MT_CK_MOE_EXPERT_BIAS), the
+ * routers' expert bias [MoE layers, experts] fp32, whole in every model file (model state without
+ * gradient or Adam state: Megatron's persistent mlp.router.expert_bias buffers; one copy per file, the
+ * same in each). The files' names, the rank words of their headers and the checks a reader
  * applies are the functions below (mt_ckpt_rank_files, mt_checkpoint_header_set_rank,
  * mt_checkpoint_header_check_rank); megatron.cu writes and loads checkpoints through them,
  * prepro/convert_hf writes and reads one (TP = 1), prepro/checkpoint_tool.h reads and reshards. */
@@ -1364,6 +1367,9 @@ enum {
      * width (mt_moe_ffn), --moe-shared-expert-intermediate-size, --moe-shared-expert-gate, how many layers
      * are MoE and which (mt_moe_layers_word) */
     MT_CK_NUM_EXPERTS, MT_CK_MOE_FFN, MT_CK_MOE_SHARED, MT_CK_MOE_SHARED_GATE, MT_CK_MOE_LAYERS, MT_CK_MOE_LAYER_FREQ,
+    /* --moe-router-enable-expert-bias (0 in older files and without it): 1: every model file ends with the
+     * routers' expert bias [MOE_LAYERS, NUM_EXPERTS] fp32 (mt_checkpoint_expert_bias_numel) */
+    MT_CK_MOE_EXPERT_BIAS,
     MT_CK_HEADER_WORDS = 64
 };
 /* Which layers are MoE, as one number for the checkpoint header: 0 for a dense model; N in [1, layers]
@@ -1388,13 +1394,25 @@ MT_DEF void mt_config_from_checkpoint_header(mt_config* cfg, const int64_t* head
  * stages and the pipeline stage's words consistent;
  * a known precision; progress, scheduler and Adam counters >= 0; the loss-scaler counters within
  * int (the growth tracker >= 0; hysteresis counts down past 0, as Megatron's) and the loss scale
- * finite and > 0; the FP8 words in range; the manifest mark 0 or 1. cfg (if not NULL) gets the model
+ * finite and > 0; the FP8 words in range; the manifest mark 0 or 1; the MoE words consistent (an MoE
+ * model of at most MT_MAX_MOE_PATTERN layers, its tensors' sizes overflow-checked, the expert bias word
+ * 0 or 1 and only with experts). cfg (if not NULL) gets the model
  * (mt_config_defaults, then mt_config_from_checkpoint_header). path names the file in messages. */
 MT_DEF mt_status mt_checkpoint_header_check(const int64_t* header, const char* path, mt_config* cfg, mt_error* err);
 /* The exact size in bytes of a checkpoint file with this (checked) header: the model file
  * (model_optim_rng.bin: master weights of its TP shard, then m and v unless sharded, then the FP8
- * state) or, shard_file != 0, a distrib_optim_dp<r>.bin (master, m and v of MT_CK_SHARD_NUMEL each). */
+ * state, then the expert bias) or, shard_file != 0, a distrib_optim_dp<r>.bin (master, m and v of
+ * MT_CK_SHARD_NUMEL each). */
 MT_DEF int64_t mt_checkpoint_file_bytes(const int64_t* header, int shard_file);
+/* The routers' expert bias at the end of a model file with this (checked) header, the one size rule of
+ * every writer and reader: MT_CK_MOE_LAYERS x MT_CK_NUM_EXPERTS fp32 values, MoE layer by MoE layer in
+ * model order (0 without MT_CK_MOE_EXPERT_BIAS); *at (if not NULL) gets their offset in floats after the
+ * header (after the arrays and the FP8 state). */
+MT_DEF int64_t mt_checkpoint_expert_bias_numel(const int64_t* header, int64_t* at);
+/* Reads the expert bias of model file fd (`path` in messages; header h checked, the file's size too) into
+ * out [mt_checkpoint_expert_bias_numel] and checks every value is finite (one line names the first that
+ * is not, by MoE layer and expert); a file that ends first is "cut short". */
+MT_DEF mt_status mt_checkpoint_read_expert_bias(int fd, const char* path, const int64_t* h, float* out, mt_error* err);
 /* The distributed optimizer's buckets, which cut its shard files: --overlap-grad-reduce and
  * --ddp-bucket-size (the header records the saving run's: MT_CK_DDP_*). */
 typedef struct {
@@ -1585,6 +1603,12 @@ MT_DEF mt_status mt_ckpt_read_floats(int fd, const char* path, int64_t at, float
  * target's padding are dropped (as checkpoint_tool's reshard re-pads). */
 MT_DEF mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const mt_config* target, int array,
                                    float* out, mt_error* err);
+/* The routers' expert bias of checkpoint ck (MT_CK_MOE_EXPERT_BIAS: mt_checkpoint_expert_bias_numel of
+ * ck->header floats, [MoE layers, experts]; layout-free, so any layout's run takes it whole) into out, from
+ * the first model file (mt_checkpoint_read_expert_bias's checks); with every_file each other model file's
+ * copy is read and checked too and must equal it bitwise (checkpoint_tool verify). A checkpoint without
+ * one is refused (MT_ERR_CONFIG). */
+MT_DEF mt_status mt_ckpt_read_expert_bias(const mt_ckpt* ck, int every_file, float* out, mt_error* err);
 /* Before mt_config_finalize of a run that will load from dir: c->resumed_padded_vocab_size = the
  * padded vocabulary of dir's tracked checkpoint (left as it is when dir holds none, or a damaged one:
  * the load says so), so the finalized model keeps it where it can (mt_padded_vocab_size_resumed). */
@@ -6036,6 +6060,7 @@ MT_DEF void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
         h[MT_CK_MOE_SHARED_GATE] = c->moe_shared_expert_intermediate_size > 0 && c->moe_shared_expert_gate;
         h[MT_CK_MOE_LAYERS] = mt_moe_num_layers(c);
         h[MT_CK_MOE_LAYER_FREQ] = mt_moe_layers_word(c);
+        h[MT_CK_MOE_EXPERT_BIAS] = c->moe_router_enable_expert_bias != 0;
     }
 }
 
@@ -6062,6 +6087,7 @@ static int mt__moe_from_header(mt_config* c, const int64_t* h) {
     c->moe_ffn_hidden_size = (int)h[MT_CK_MOE_FFN];
     c->moe_shared_expert_intermediate_size = (int)h[MT_CK_MOE_SHARED];
     c->moe_shared_expert_gate = h[MT_CK_MOE_SHARED_GATE] != 0;
+    c->moe_router_enable_expert_bias = h[MT_CK_MOE_EXPERT_BIAS] != 0;
     c->moe_layer_pattern_len = 0;
     c->moe_layer_freq = 1;
     if (c->num_experts <= 0) return 1;
@@ -6150,12 +6176,16 @@ MT_DEF mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, 
         {MT_CK_MOE_SHARED, 0, INT32_MAX, "--moe-shared-expert-intermediate-size"},
         {MT_CK_MOE_SHARED_GATE, 0, 1, "--moe-shared-expert-gate"},
         {MT_CK_MOE_LAYERS, 0, INT32_MAX, "the MoE layers"},
+        {MT_CK_MOE_EXPERT_BIAS, 0, 1, "--moe-router-enable-expert-bias"},
     };
     for (size_t i = 0; i < sizeof(range) / sizeof(range[0]); i++)
         if (h[range[i].word] < range[i].lo || h[range[i].word] > range[i].hi)
             return mt_fail(err, MT_ERR_FORMAT, "%s: header word %d (%s) is %lld, outside [%lld, %lld]", path,
                            range[i].word, range[i].what, (long long)h[range[i].word], (long long)range[i].lo,
                            (long long)range[i].hi);
+    if (h[MT_CK_NUM_EXPERTS] > 0 && h[MT_CK_LAYERS] > MT_MAX_MOE_PATTERN) /* before any loop over its layers */
+        return mt_fail(err, MT_ERR_FORMAT, "%s: an MoE model of %lld layers (this build reads at most %d)", path,
+                       (long long)h[MT_CK_LAYERS], MT_MAX_MOE_PATTERN);
     /* the words that relate to each other */
     const char* bad = NULL;
     if (h[MT_CK_HEADS] % h[MT_CK_GROUPS]) bad = "the attention heads are not a multiple of the query groups";
@@ -6171,11 +6201,11 @@ MT_DEF mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, 
     else if (h[MT_CK_FP8_TENSORS] > 0 && (h[MT_CK_FP8_HISTORY_LEN] < 1 || h[MT_CK_FP8_HISTORY_POS] >= h[MT_CK_FP8_HISTORY_LEN]))
         bad = "the FP8 amax history (length and slot) is inconsistent";
     else if (h[MT_CK_NUM_EXPERTS] == 0 ? h[MT_CK_MOE_FFN] || h[MT_CK_MOE_SHARED] || h[MT_CK_MOE_SHARED_GATE] ||
-                                             h[MT_CK_MOE_LAYERS] || h[MT_CK_MOE_LAYER_FREQ]
+                                             h[MT_CK_MOE_LAYERS] || h[MT_CK_MOE_LAYER_FREQ] || h[MT_CK_MOE_EXPERT_BIAS]
                                        : h[MT_CK_MOE_FFN] < 1 || h[MT_CK_MOE_LAYERS] < 1 ||
                                              h[MT_CK_MOE_LAYERS] > h[MT_CK_LAYERS] ||
                                              (h[MT_CK_MOE_SHARED_GATE] && !h[MT_CK_MOE_SHARED]))
-        bad = "the MoE words (experts, expert width, shared expert and its gate, MoE layers) are inconsistent";
+        bad = "the MoE words (experts, expert width, shared expert and its gate, MoE layers, expert bias) are inconsistent";
     else if (h[MT_CK_NUM_EXPERTS] > 0) {
         mt_config moe;
         mt_config_defaults(&moe);
@@ -6209,6 +6239,22 @@ MT_DEF mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, 
     mt_error size_err;
     if (mt_config_size_check(&c, &size_err) != MT_OK)
         return mt_fail(err, MT_ERR_FORMAT, "%s: %s", path, size_err.message);
+    if (h[MT_CK_NUM_EXPERTS] > 0) {
+        /* the MoE tensors (which mt_config_size_check does not count), bounded per MoE layer with SwiGLU's
+         * widths and every bias: E (3 fe h + 2 fe + 2 h + 1) + 3 fs h + h; then the expert bias (MoE layers x
+         * E, below the routers' weights) fits too */
+        const int64_t E = h[MT_CK_NUM_EXPERTS], fe = h[MT_CK_MOE_FFN], fs = h[MT_CK_MOE_SHARED], hid = h[MT_CK_HIDDEN];
+        int64_t a = 0, b = 0, per_expert = 0, shared = 0, moe = 0;
+        int over = mt_mul_overflows_i64(fe, hid, &a) || mt_mul_overflows_i64(a, 3, &a) ||
+                   mt_add_overflows_i64(a, 2 * fe + 2 * hid + 1, &per_expert) ||
+                   mt_mul_overflows_i64(per_expert, E, &moe) || mt_mul_overflows_i64(fs, hid, &b) ||
+                   mt_mul_overflows_i64(b, 3, &b) || mt_add_overflows_i64(b, hid, &shared) ||
+                   mt_add_overflows_i64(moe, shared, &moe) || mt_mul_overflows_i64(moe, h[MT_CK_MOE_LAYERS], &moe);
+        if (over || moe > INT64_MAX / 64)
+            return mt_fail(err, MT_ERR_FORMAT, "%s: the MoE tensors' sizes (%lld experts of width %lld, shared expert "
+                           "%lld, %lld MoE layers) overflow", path, (long long)E, (long long)fe, (long long)fs,
+                           (long long)h[MT_CK_MOE_LAYERS]);
+    }
     int64_t n = mt_param_layout(&c, NULL);
     if (n != h[MT_CK_NUM_PARAMS])
         return mt_fail(err, MT_ERR_FORMAT, "%s: the header says %lld parameters but its model has %lld", path,
@@ -6224,9 +6270,9 @@ MT_DEF mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, 
     return MT_OK;
 }
 
-MT_DEF int64_t mt_checkpoint_file_bytes(const int64_t* h, int shard_file) {
-    const int64_t header = (int64_t)sizeof(int64_t) * MT_CK_HEADER_WORDS;
-    if (shard_file) return header + 3 * 4 * h[MT_CK_SHARD_NUMEL];
+/* A model file's floats after its header, in order: the arrays, the FP8 state, then the expert bias
+ * (*bias_at: where it starts, *bias_numel: its size); the one place of that rule. */
+static int64_t mt__ckpt_model_floats(const int64_t* h, int64_t* bias_at, int64_t* bias_numel) {
     mt_config c;
     mt_config_defaults(&c);
     mt_config_from_checkpoint_header(&c, h);
@@ -6236,7 +6282,24 @@ MT_DEF int64_t mt_checkpoint_file_bytes(const int64_t* h, int shard_file) {
     const int64_t numel = h[MT_CK_PP] > 1 ? h[MT_CK_STAGE_NUMEL] : mt_param_layout_shard(&c, NULL);
     /* FP8: scale [n], scale_inv [n, 4] (16-byte slots), history [n, len] */
     const int64_t fp8 = h[MT_CK_FP8_TENSORS] * (1 + 4 + h[MT_CK_FP8_HISTORY_LEN]);
-    return header + 4 * (arrays * numel + fp8);
+    /* the routers' expert bias [MoE layers, experts] (the header check bounds both words by the model's
+     * router weights, so the product fits) */
+    const int64_t bias = h[MT_CK_MOE_EXPERT_BIAS] ? h[MT_CK_MOE_LAYERS] * h[MT_CK_NUM_EXPERTS] : 0;
+    if (bias_at) *bias_at = arrays * numel + fp8;
+    if (bias_numel) *bias_numel = bias;
+    return arrays * numel + fp8 + bias;
+}
+
+MT_DEF int64_t mt_checkpoint_file_bytes(const int64_t* h, int shard_file) {
+    const int64_t header = (int64_t)sizeof(int64_t) * MT_CK_HEADER_WORDS;
+    if (shard_file) return header + 3 * 4 * h[MT_CK_SHARD_NUMEL];
+    return header + 4 * mt__ckpt_model_floats(h, NULL, NULL);
+}
+
+MT_DEF int64_t mt_checkpoint_expert_bias_numel(const int64_t* h, int64_t* at) {
+    int64_t numel = 0;
+    mt__ckpt_model_floats(h, at, &numel);
+    return numel;
 }
 
 /* ---- one rank's files: their names, the rank words of their headers, the checks of a reader ---- */
@@ -6334,6 +6397,7 @@ MT_DEF mt_status mt_checkpoint_header_check_model(const int64_t* h, const char* 
         {MT_CK_MOE_SHARED_GATE, "--moe-shared-expert-gate"},
         {MT_CK_MOE_LAYERS, "MoE layers (--moe-layer-freq)"},
         {MT_CK_MOE_LAYER_FREQ, "the MoE layers (--moe-layer-freq, or a pattern's hash)"},
+        {MT_CK_MOE_EXPERT_BIAS, "--moe-router-enable-expert-bias (the routers' expert bias)"},
     };
     for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++) {
         const int w = shape[i].word;
@@ -6413,6 +6477,22 @@ MT_DEF mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int s
     if (st == MT_OK && fd_out) *fd_out = fd;
     else close(fd);
     return st;
+}
+
+MT_DEF mt_status mt_checkpoint_read_expert_bias(int fd, const char* path, const int64_t* h, float* out, mt_error* err) {
+    int64_t at = 0;
+    const int64_t n = mt_checkpoint_expert_bias_numel(h, &at), E = h[MT_CK_NUM_EXPERTS];
+    if (n == 0) return MT_OK;
+    if (mt__ckpt_read_at(fd, (int64_t)sizeof(int64_t) * MT_CK_HEADER_WORDS + at * (int64_t)sizeof(float), out,
+                         sizeof(float) * (size_t)n) != 0)
+        return mt_fail(err, MT_ERR_FORMAT, "%s: the expert bias (%lld MoE layers x %lld experts) is cut short", path,
+                       (long long)h[MT_CK_MOE_LAYERS], (long long)E);
+    /* what the file says before it reaches the routing: every value finite (a NaN would pick no expert) */
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(out[i]))
+            return mt_fail(err, MT_ERR_FORMAT, "%s: the expert bias of MoE layer %lld, expert %lld is %g (must be "
+                           "finite)", path, (long long)(i / E), (long long)(i % E), (double)out[i]);
+    return MT_OK;
 }
 
 /* ---- the tracker, retention, a save's directories ---- */
@@ -6939,6 +7019,37 @@ MT_DEF mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, m
     ck->vp = h[MT_CK_PP] > 1 ? (int)h[MT_CK_VP] : 1;
     ck->sharded_dp = (int)h[MT_CK_SHARDED_DP];
     return mt_ckpt_config(&ck->cfg, h, ck->tp, ck->pp, ck->vp, 0, NULL, 0, 0, err);
+}
+
+MT_DEF mt_status mt_ckpt_read_expert_bias(const mt_ckpt* ck, int every_file, float* out, mt_error* err) {
+    const int64_t n = mt_checkpoint_expert_bias_numel(ck->header, NULL);
+    if (n == 0)
+        return mt_fail(err, MT_ERR_CONFIG, "%s holds no expert bias (saved without --moe-router-enable-expert-bias)",
+                       ck->iter_dir);
+    float* other = every_file ? (float*)malloc(sizeof(float) * (size_t)n) : NULL;
+    mt_status st = every_file && !other ? mt_fail(err, MT_ERR_OOM, "out of memory reading %s", ck->iter_dir) : MT_OK;
+    /* the first model file's (mp_rank_00[_000]), then with every_file the others' */
+    for (int k = 0; k < (every_file ? ck->tp * ck->pp : 1) && st == MT_OK; k++) {
+        const int t = k / ck->pp, s = k % ck->pp;
+        char rank_dir[4300], path[4400];
+        mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, t, s);
+        mt_ckpt_file_path(path, sizeof(path), rank_dir, -1);
+        int64_t h[MT_CK_HEADER_WORDS];
+        int fd = -1;
+        st = mt_ckpt_read_header(path, ck->header, 0, t, s, 0, h, &fd, err);
+        if (st == MT_OK) st = mt_checkpoint_read_expert_bias(fd, path, h, k ? other : out, err);
+        if (fd >= 0) close(fd);
+        if (st == MT_OK && k && memcmp(other, out, sizeof(float) * (size_t)n) != 0) {
+            int64_t i = 0;
+            while (!memcmp(&other[i], &out[i], sizeof(float))) i++;
+            st = mt_fail(err, MT_ERR_FORMAT, "%s: the expert bias of MoE layer %lld, expert %lld is %.9g, but %.9g in "
+                         "the first model file (every model file holds the same copy)", path,
+                         (long long)(i / h[MT_CK_NUM_EXPERTS]), (long long)(i % h[MT_CK_NUM_EXPERTS]),
+                         (double)other[i], (double)out[i]);
+        }
+    }
+    free(other);
+    return st;
 }
 
 MT_DEF mt_status mt_ckpt_read_floats(int fd, const char* path, int64_t at, float* out, int64_t n, mt_error* err) {

@@ -15,7 +15,8 @@ convert_mcore's own writer (write_ours: manifest, manifest mark 1) and then, eac
   3. the manifest deleted (the header says it was saved with one): refused ("incomplete or tampered");
      with --no-verify: a warning;
   4. a file the manifest does not list: refused naming it;
-  5. a checkpoint from before manifests (mark 0, no manifest): read with a warning, no refusal;
+  5. a checkpoint from before manifests (mark 0, no manifest): read with a warning, no refusal; a
+     mixture-of-experts checkpoint (its --num-experts header word): refused in one line;
   6. with --checkpoint-tool (when built): the C side agrees: `checkpoint_tool verify` accepts the
      Python-written checkpoint and refuses the damaged one, and the manifest `checkpoint_tool reshard`
      writes (C) verifies here (Python), its header carrying the mark.
@@ -148,6 +149,17 @@ def main():
         rc, lines = run(["--to-mcore", old, os.path.join(work, "out_old")])
         check("before manifests: read with a warning", past_rule(rc, lines) and
               any("saved before manifests" in line and "warning" in line for line in lines), f"exit {rc}, {lines}")
+        # a mixture-of-experts checkpoint (its header's --num-experts word): refused in one line, nothing written
+        moe = os.path.join(work, "moe")
+        h, layout = header(0)
+        h[W["NUM_EXPERTS"]] = 4
+        rng = np.random.default_rng(8)
+        cm.write_ours(moe, h, layout, *[{n: rng.normal(0, 1, s).astype(np.float32) for n, _, s in layout}
+                                        for _ in range(3)])
+        rc, lines = run(["--to-mcore", moe, os.path.join(work, "out_moe")])
+        check("an MoE checkpoint: --to-mcore refuses it in one line", rc == 1 and len(lines) == 1 and
+              "mixture-of-experts model (--num-experts 4)" in lines[0] and
+              not os.path.exists(os.path.join(work, "out_moe")), f"exit {rc}, {lines}")
         # usage: --no-verify goes with --to-mcore
         rc, lines = run(["--from-mcore", good, os.path.join(work, "out_usage"), "--no-verify"])
         check("--no-verify with --from-mcore is a usage error (exit 2)", rc == 2, f"exit {rc}")

@@ -9,14 +9,17 @@
  *
  *   checkpoint_tool info DIR [--iteration N] [--no-verify]
  *       the iteration, the layout (TP, PP, VP, the optimizer sharded over DP or not), the model's
- *       shape and flavour and the training progress from the header, every file with its size, and
+ *       shape and flavour (its experts and expert bias too) and the training progress from the
+ *       header, every file with its size, and
  *       every tensor with its full shape and the slice each file holds (rows of the TP split, layers
  *       of the pipeline stages).
  *   checkpoint_tool verify DIR [--iteration N]
  *       the manifest's sizes and CRC-32C checksums (a checkpoint without a manifest fails, also one
  *       from before manifests: it cannot be verified), then every file's header
  *       (mt_checkpoint_header_check and the layout's ranks) and its exact size
- *       (mt_checkpoint_file_bytes). Exit status 0 only when all hold; else one line names what failed.
+ *       (mt_checkpoint_file_bytes), and the routers' expert bias of an MoE checkpoint in every model
+ *       file (finite, the same copy in each). Exit status 0 only when all hold; else one line names
+ *       what failed.
  *       (--no-verify does not go with verify.)
  *   checkpoint_tool reshard DIR OUT --target-tp N --target-pp M [--target-vp V] [--iteration N]
  *                   [--make-vocab-size-divisible-by 128] [--overlap-grad-reduce] [--ddp-bucket-size N]
@@ -27,7 +30,8 @@
  *       temporary directory renamed into place). A distributed-optimizer checkpoint's buckets come
  *       from its header; one written before the header recorded them needs the
  *       --overlap-grad-reduce / --ddp-bucket-size of the run that wrote it. The vocabulary is padded for the target TP as
- *       Megatron pads it (new padding rows zero). FP8 delayed-scaling state is dropped, with a note.
+ *       Megatron pads it (new padding rows zero). The routers' expert bias (layout-free) is carried
+ *       whole into every model file. FP8 delayed-scaling state is dropped, with a note.
  *       The output is committed with its own manifest (and the header's manifest mark).
  * `--flag=value` is `--flag value` (prepro/args.h). Bad usage: exit 2.
  */
@@ -90,6 +94,16 @@ static int info(const mt_ckpt* ck) {
                                                                          ? "no" : "learned absolute",
            c->untie_embeddings_and_output_weights ? "untied" : "tied", c->add_bias_linear ? "linear biases" : "no linear biases",
            eps, h[MT_CK_PRECISION] >= 0 && h[MT_CK_PRECISION] <= 2 ? precision[h[MT_CK_PRECISION]] : "?");
+    if (c->num_experts > 0) {
+        char shared[64] = "none";
+        if (c->moe_shared_expert_intermediate_size > 0)
+            snprintf(shared, sizeof(shared), "of width %d%s", c->moe_shared_expert_intermediate_size,
+                     c->moe_shared_expert_gate ? ", gated" : "");
+        printf("mixture of experts: %d experts of width %lld in %lld of %d layers, shared expert %s, expert bias "
+               "(--moe-router-enable-expert-bias) %s\n", c->num_experts, (long long)h[MT_CK_MOE_FFN],
+               (long long)h[MT_CK_MOE_LAYERS], c->num_layers, shared,
+               h[MT_CK_MOE_EXPERT_BIAS] ? "[MoE layers, experts] fp32, whole at the end of every model file" : "none");
+    }
     if (c->position_embedding_type == MT_POSITION_ROPE)
         printf("rope: base %g, percent %g%s\n", c->rotary_base, c->rotary_percent, c->use_rope_scaling ? ", Llama-3.1 scaling" : "");
     if (mt_moe_num_layers(c) > 0)

@@ -129,14 +129,23 @@ static mt_status mt_ckpt_read(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, float* 
 /* verify: the integrity rule without its leniency (mt_checkpoint_check_integrity: the manifest's
  * sizes and checksums; a checkpoint without a manifest fails, also one from before manifests, which the
  * readers take with a warning but which cannot be verified), then every file's header and exact size
- * (mt_ckpt_read without arrays). */
+ * (mt_ckpt_read without arrays), and with an expert bias every model file's copy (finite, the same in
+ * each: mt_ckpt_read_expert_bias). */
 static mt_status mt_ckpt_verify(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, mt_error* err) {
     mt_error warning;
     mt_status st = mt_checkpoint_check_integrity(ck->iter_dir, 0, &warning, err);
     if (st == MT_OK && warning.message[0]) /* accepted unchecked: saved before manifests */
         st = mt_fail(err, MT_ERR_FORMAT, "%s has no %s: saved before manifests, it cannot be verified", ck->iter_dir,
                      MT_CKPT_MANIFEST);
-    return st == MT_OK ? mt_ckpt_read(ck, ddp, NULL, err) : st;
+    if (st == MT_OK) st = mt_ckpt_read(ck, ddp, NULL, err);
+    /* the routers' expert bias: every model file's copy finite and the same */
+    const int64_t bias = mt_checkpoint_expert_bias_numel(ck->header, NULL);
+    if (st == MT_OK && bias > 0) {
+        float* b = (float*)malloc(sizeof(float) * (size_t)bias);
+        st = b ? mt_ckpt_read_expert_bias(ck, 1, b, err) : mt_fail(err, MT_ERR_OOM, "out of memory reading %s", ck->iter_dir);
+        free(b);
+    }
+    return st;
 }
 
 /* The target layout's model: header src's model with its padded vocabulary kept when it divides by
@@ -174,8 +183,9 @@ static mt_status mt_ckpt_write_floats(FILE* f, const char* path, const void* dat
 
 /* Writes checkpoint ck at th's layout (mt_ckpt_target's header, a non-sharded optimizer) as `out`:
  * every target rank's part cut from ck's files by mt_ckpt_read_part (the loader's own slicing, one
- * rank's part in memory at a time) into a temporary directory, the manifest, the rename into place,
- * then the tracker. Refuses an out that already holds the iteration. */
+ * rank's part in memory at a time), and the routers' expert bias when ck has one (whole in every
+ * model file, as the trainer writes it), into a temporary directory, the manifest, the rename into
+ * place, then the tracker. Refuses an out that already holds the iteration. */
 static mt_status mt_ckpt_write(const char* out, const int64_t* th, const mt_ckpt* ck, const mt_ckpt_ddp* ddp,
                                mt_error* err) {
     char final_dir[4200], rank_dir[4400], path[4500];
@@ -191,6 +201,11 @@ static mt_status mt_ckpt_write(const char* out, const int64_t* th, const mt_ckpt
     if (!tmp) return mt_fail(err, MT_ERR_OOM, "out of memory");
     mt_status st = mkdir(tmp, 0755) == 0 ? MT_OK : mt_fail(err, MT_ERR_IO, "cannot create %s: %s", tmp, strerror(errno));
     float* part = NULL;
+    /* the routers' expert bias (layout-free): read once, whole into every target model file after its arrays */
+    const int64_t bias_numel = mt_checkpoint_expert_bias_numel(th, NULL);
+    float* bias = bias_numel > 0 && st == MT_OK ? (float*)malloc(sizeof(float) * (size_t)bias_numel) : NULL;
+    if (bias_numel > 0 && st == MT_OK && !bias) st = mt_fail(err, MT_ERR_OOM, "out of memory writing %s", out);
+    if (bias) st = mt_ckpt_read_expert_bias(ck, 0, bias, err);
     for (int t = 0; t < tp && st == MT_OK; t++) {
         for (int s = 0; s < pp && st == MT_OK; s++) {
             mt_config rc;
@@ -215,6 +230,7 @@ static mt_status mt_ckpt_write(const char* out, const int64_t* th, const mt_ckpt
                 st = mt_ckpt_read_part(ck, ddp, &rc, a, part, err);
                 if (st == MT_OK) st = mt_ckpt_write_floats(f, path, part, sizeof(float) * (size_t)numel, err);
             }
+            if (bias && st == MT_OK) st = mt_ckpt_write_floats(f, path, bias, sizeof(float) * (size_t)bias_numel, err);
             if (f && st == MT_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
                 st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
             if (f && fclose(f) != 0 && st == MT_OK) st = mt_fail(err, MT_ERR_IO, "cannot write %s: %s", path, strerror(errno));
@@ -223,6 +239,7 @@ static mt_status mt_ckpt_write(const char* out, const int64_t* th, const mt_ckpt
         }
     }
     free(part);
+    free(bias);
     if (st == MT_OK) st = mt_checkpoint_manifest_write(tmp, err);
     if (st == MT_OK && rename(tmp, final_dir) != 0)
         st = mt_fail(err, MT_ERR_IO, "cannot rename %s to %s: %s", tmp, final_dir, strerror(errno));

@@ -65,7 +65,8 @@ above: resume in Megatron with --override-opt_param-scheduler if they differ fro
 optimizer's param groups (weight decay and no weight decay, with Adam's `step`) and, in fp16, the loss
 scaler (scale, growth_tracker, hysteresis_tracker). Not carried: Megatron's RNG states (resume with
 --no-load-rng) and this project's FP8 delayed-scaling state (dropped with a note; the trainer starts the
-scales afresh).
+scales afresh). Mixture-of-experts models (--num-experts, either way) are refused with one line: their
+experts, routers and expert bias have no mapping here yet.
 """
 import argparse
 import math
@@ -89,7 +90,8 @@ W = dict(zip(
     "SCHED_STEPS ADAM_STEP SEED GROWTH HYSTERESIS LOSS_SCALE_BITS TP PP SHARDED_DP DP_RANK SHARD_NUMEL "
     "NORMALIZATION SWIGLU POSITION_TYPE ROTARY_BASE_BITS ROTARY_PERCENT_BITS ROPE_SCALING_FACTOR_BITS UNTIED "
     "NO_BIAS_LINEAR NORM_EPS_BITS TRUE_VOCAB TP_RANK FP8_TENSORS FP8_HISTORY_LEN FP8_HISTORY_POS PP_RANK VP "
-    "STAGE_NUMEL LAYERNORM_1P DDP_OVERLAP DDP_BUCKET_SIZE MANIFESTED SQUARED_RELU QK_LAYERNORM".split(), range(64)))
+    "STAGE_NUMEL LAYERNORM_1P DDP_OVERLAP DDP_BUCKET_SIZE MANIFESTED SQUARED_RELU QK_LAYERNORM NUM_EXPERTS MOE_FFN "
+    "MOE_SHARED MOE_SHARED_GATE MOE_LAYERS MOE_LAYER_FREQ MOE_EXPERT_BIAS".split(), range(64)))
 MANIFEST = "manifest.txt"
 MANIFEST_HEAD = "megatron.c checkpoint manifest 1"
 PRECISIONS = {0: "fp32", 1: "bf16", 2: "fp16"}
@@ -381,6 +383,9 @@ def read_ours(ckpt, iteration=None, no_verify=False):
         for word, flag in (("SQUARED_RELU", "--squared-relu"), ("QK_LAYERNORM", "--qk-layernorm")):
             if h[W[word]]:
                 raise ConvertError(f"{path}: the model was trained with {flag}, which this tool does not convert")
+        if h[W["NUM_EXPERTS"]]:
+            raise ConvertError(f"{path}: a mixture-of-experts model (--num-experts {h[W['NUM_EXPERTS']]}), which this "
+                               "tool does not convert (its experts, routers and expert bias have no mapping here yet)")
         m = model_of_header(h)
         layout = param_layout(m)
         n = sum(int(np.prod(s)) for _, _, s in layout)
@@ -623,6 +628,9 @@ def from_mcore(src, out, iteration):
         raise ConvertError(f"{d}: position_embedding_type {position!r} has no counterpart here")
     if arg(a, "normalization", "LayerNorm") not in ("LayerNorm", "RMSNorm"):
         raise ConvertError(f"{d}: normalization {a.normalization!r} has no counterpart here")
+    if arg(a, "num_experts", 0):
+        raise ConvertError(f"{d}: a mixture-of-experts model (--num-experts {a.num_experts}), which this tool does not "
+                           "convert")
     for flag in ("squared_relu", "qk_layernorm"):
         if arg(a, flag, False):
             raise ConvertError(f"{d}: the model was trained with --{flag.replace('_', '-')}, which this tool does not "

@@ -199,6 +199,9 @@ typedef struct {
     int switches;              /* --qk-layernorm (its whole-on-every-TP-rank tensors) and, without SwiGLU,
                                   --squared-relu (a header word) */
     int64_t padded;            /* the padded vocabulary (0: Megatron's at tp, 128 x TP) */
+    int moe;                   /* every layer MoE: 4 experts of width 16, top 2 of sigmoid scores, a gated shared
+                                  expert of width 32, and the expert bias at the end of every model file */
+    const float* expert_bias;  /* moe: the bias [4 layers, 4 experts] the files hold */
 } ckt_layout;
 
 /* The tiny model: 4 layers, hidden 64, 4 heads in 2 query groups, vocabulary 300 (padded to 384 at
@@ -214,6 +217,14 @@ static void ckt_model(mt_config* c, const ckt_layout* L) {
     c->untie_embeddings_and_output_weights = L->untied;
     c->qk_layernorm = L->switches;
     c->squared_relu = L->switches && !L->llama;
+    if (L->moe) {
+        c->num_experts = 4;
+        c->moe_ffn_hidden_size = 16;
+        c->moe_router_score_sigmoid = 1;
+        c->moe_router_enable_expert_bias = 1;
+        c->moe_shared_expert_intermediate_size = 32;
+        c->moe_shared_expert_gate = 1;
+    }
     test_config_parallel(c, L->tp, L->tp * L->pp * (L->dp > 0 ? L->dp : 1), 0);
     c->pipeline_model_parallel_size = L->pp;
     c->virtual_pipeline_size = L->vp;
@@ -305,6 +316,8 @@ static mt_status ckt_write(const char* dir, int64_t iteration, const ckt_layout*
                 for (int i = 0; i < 27; i++) tail[i] = 0.5f + (float)i;
                 st = ckt_put(f, tail, sizeof(tail), err);
             }
+            if (st == MT_OK && L->moe) /* the trainer's last array: the whole bias in every model file */
+                st = ckt_put(f, L->expert_bias, sizeof(float) * (size_t)c.num_layers * c.num_experts, err);
             if (f) fclose(f);
             /* the distributed optimizer: DP rank r's shard of every bucket of master, m, v */
             for (int r = 0; r < L->dp && st == MT_OK; r++) {
@@ -955,6 +968,212 @@ static test_result test_mcore_integrity(void) {
         SKIP("python3 with numpy is not available (dev/mcore_integrity_check.py; MT_PYTHON names another python)");
     int code = test_command_output("${MT_PYTHON:-python3} dev/mcore_integrity_check.py 2>&1", out, sizeof(out));
     EXPECT(code == 0 && strstr(out, "all passed"), "dev/mcore_integrity_check.py: exit %d:\n%s", code, out);
+    return TEST_PASS;
+}
+
+/* one float of a file, `from_end` bytes before its end, set to v */
+static int ckt_put_float(const char* path, long from_end, float v) {
+    FILE* f = fopen(path, "r+b");
+    if (!f) return -1;
+    int rc = fseek(f, -from_end, SEEK_END) == 0 && fwrite(&v, sizeof(v), 1, f) == 1 ? 0 : -1;
+    return fclose(f) == 0 ? rc : -1;
+}
+
+/* Issue #34, the routers' expert bias in checkpoints (host): the size rule (mt_checkpoint_expert_bias_numel:
+ * MoE layers x experts after the arrays and the FP8 state, counted by mt_checkpoint_file_bytes; nothing
+ * without --moe-router-enable-expert-bias) and the header's checks of its word (range, experts, the MoE
+ * tensors' sizes overflow-checked); a TP2 x PP2 MoE checkpoint (FP8 state before the bias) verifies and gives
+ * the bias back bitwise from every model file; resharded to TP1 and back to TP2 x PP2 its arrays and bias
+ * are kept bitwise, with the trainer's files byte for byte (info names the bias); refused in one line naming
+ * the file: a cut-short bias, a NaN in it (verify, and the first file's read a load at another layout
+ * does), one file's copy other than the first's; a run that differs in the bias, or a dense checkpoint
+ * into an MoE run and back, refused naming the flag; a checkpoint without a bias has none to read.
+ * (convert_mcore's one-line refusal of MoE: dev/mcore_integrity_check.py, mcore_integrity.) */
+static test_result test_moe_expert_bias_checkpoint(void) {
+    char root[256], src[400], out[400], back[400], syn[400], path[800], text[8192];
+    ckt_dir(root, sizeof(root), "moe_bias");
+    mt_error err;
+    float bias[16], got[16];
+    for (int i = 0; i < 16; i++) bias[i] = 1e-3f * (float)(i - 7) + (i % 3 ? 0.25f : -0.5f); /* distinct, none 0 */
+    /* 4 layers (all MoE) of 4 experts; the vocabulary padded to 512 at every layout */
+    ckt_layout L = {0, 0, 2, 2, 1, 0, 0, 0, 1 /* FP8 state, before the bias */, 1, 0, 0, 512, 1, bias};
+    ckt_layout L1 = L, L22 = L;
+    L1.tp = L1.pp = 1;
+    L1.fp8 = L22.fp8 = 0;
+
+    /* 1. the size rule and the header words */
+    mt_config c1;
+    ckt_model(&c1, &L1);
+    int64_t h[MT_CK_HEADER_WORDS], h2[MT_CK_HEADER_WORDS], at = -1;
+    const double one = 1.0;
+    mt_checkpoint_header_init(h, &c1);
+    memcpy(&h[MT_CK_LOSS_SCALE_BITS], &one, sizeof(double));
+    EXPECT_OK(mt_checkpoint_header_check(h, "ck", NULL, &err), &err);
+    const int64_t numel = mt_param_layout(&c1, NULL), head = 8 * MT_CK_HEADER_WORDS;
+    EXPECT(h[MT_CK_MOE_EXPERT_BIAS] == 1 && mt_checkpoint_expert_bias_numel(h, &at) == 16 && at == 3 * numel &&
+               mt_checkpoint_file_bytes(h, 0) == head + 4 * (3 * numel + 16),
+           "the bias after the arrays: word %lld, %lld floats at %lld, file %lld bytes", (long long)h[MT_CK_MOE_EXPERT_BIAS],
+           (long long)mt_checkpoint_expert_bias_numel(h, NULL), (long long)at, (long long)mt_checkpoint_file_bytes(h, 0));
+    memcpy(h2, h, sizeof(h));
+    h2[MT_CK_FP8_TENSORS] = 3;
+    h2[MT_CK_FP8_HISTORY_LEN] = 4;
+    EXPECT(mt_checkpoint_expert_bias_numel(h2, &at) == 16 && at == 3 * numel + 27 &&
+               mt_checkpoint_file_bytes(h2, 0) == head + 4 * (3 * numel + 27 + 16) &&
+               mt_checkpoint_file_bytes(h2, 1) == head + 12 * h2[MT_CK_SHARD_NUMEL],
+           "after the FP8 state: at %lld", (long long)at);
+    h2[MT_CK_SHARDED_DP] = 2;
+    h2[MT_CK_FP8_TENSORS] = h2[MT_CK_FP8_HISTORY_LEN] = 0;
+    EXPECT(mt_checkpoint_expert_bias_numel(h2, &at) == 16 && at == numel, "sharded: the bias after the master (%lld)",
+           (long long)at);
+    mt_config nob = c1;
+    nob.moe_router_enable_expert_bias = 0;
+    mt_checkpoint_header_init(h2, &nob);
+    EXPECT(h2[MT_CK_MOE_EXPERT_BIAS] == 0 && mt_checkpoint_expert_bias_numel(h2, &at) == 0 && at == 3 * numel &&
+               mt_checkpoint_file_bytes(h2, 0) == head + 12 * numel, "no bias without the flag");
+    struct { int word; int64_t value; const char* needle; } bad[] = {
+        {MT_CK_MOE_EXPERT_BIAS, 2, "(--moe-router-enable-expert-bias) is 2, outside [0, 1]"},
+        /* with experts of width 2^31 - 1 too (below): 2^31 x 2^31 x 64 x 3 overflows before any count */
+        {MT_CK_NUM_EXPERTS, INT32_MAX, "the MoE tensors' sizes (2147483647 experts of width 2147483647"},
+        {MT_CK_MOE_FFN, 17, "the header says"}, /* the experts' width is counted in the parameters */
+        /* refused before any loop over its layers (a fuzzed header of 2^31 MoE layers took minutes to check) */
+        {MT_CK_LAYERS, 1025, "an MoE model of 1025 layers (this build reads at most 1024)"},
+        {MT_CK_LAYERS, INT32_MAX, "an MoE model of 2147483647 layers"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        memcpy(h2, h, sizeof(h));
+        h2[bad[i].word] = bad[i].value;
+        if (bad[i].word == MT_CK_NUM_EXPERTS) h2[MT_CK_MOE_FFN] = INT32_MAX;
+        err.message[0] = 0;
+        mt_status st = mt_checkpoint_header_check(h2, "ck", NULL, &err);
+        EXPECT(st == MT_ERR_FORMAT && strstr(err.message, bad[i].needle) && !strchr(err.message, '\n'),
+               "word %d = %lld: %s '%s'", bad[i].word, (long long)bad[i].value, mt_status_name(st), err.message);
+    }
+    mt_config dense = c1;
+    dense.num_experts = 0;
+    mt_checkpoint_header_init(h2, &dense);
+    memcpy(&h2[MT_CK_LOSS_SCALE_BITS], &one, sizeof(double));
+    h2[MT_CK_MOE_EXPERT_BIAS] = 1;
+    EXPECT(mt_checkpoint_header_check(h2, "ck", NULL, &err) == MT_ERR_FORMAT && strstr(err.message, "expert bias) are inconsistent"),
+           "a bias without experts: '%s'", err.message);
+    h2[MT_CK_MOE_EXPERT_BIAS] = 0;
+    /* the run's model: the bias word as any other (both ways), a dense checkpoint into an MoE run and back */
+    struct { const char* what; const int64_t* header; const mt_config* run; const char* needle; } runs[] = {
+        {"a bias into a run without", h, &nob, "has --moe-router-enable-expert-bias (the routers' expert bias) 1 but this run has 0"},
+        {"no bias into a run with it", NULL, &c1, "has --moe-router-enable-expert-bias (the routers' expert bias) 0 but this run has 1"},
+        {"a dense checkpoint into an MoE run", h2, &c1, "has --num-experts (0: a dense model) 0 but this run has 4"},
+        {"an MoE checkpoint into a dense run", h, &dense, "has --num-experts (0: a dense model) 4 but this run has 0"},
+    };
+    int64_t hn[MT_CK_HEADER_WORDS];
+    mt_checkpoint_header_init(hn, &nob);
+    runs[1].header = hn;
+    for (size_t i = 0; i < sizeof(runs) / sizeof(runs[0]); i++)
+        for (int any = 0; any < 2; any++) {
+            err.message[0] = 0;
+            mt_status st = mt_checkpoint_header_check_model(runs[i].header, "ck", runs[i].run, any, &err);
+            EXPECT(st == MT_ERR_CONFIG && strstr(err.message, runs[i].needle) && !strchr(err.message, '\n'),
+                   "%s (any layout %d): %s '%s'", runs[i].what, any, mt_status_name(st), err.message);
+        }
+    EXPECT_OK(mt_checkpoint_header_check_model(h, "ck", &c1, 0, &err), &err);
+
+    /* 2. TP2 x PP2 with FP8 state and the bias: verified, the bias bitwise from every model file */
+    int64_t n = 0;
+    float** a = ckt_arrays(&L, 21, &n);
+    snprintf(src, sizeof(src), "%s/src", root);
+    EXPECT_OK(ckt_write(src, 12, &L, a, &err), &err);
+    mt_ckpt ck;
+    EXPECT_OK(mt_ckpt_open(&ck, src, -1, &err), &err);
+    EXPECT_OK(mt_ckpt_verify(&ck, NULL, &err), &err);
+    memset(got, 0, sizeof(got));
+    EXPECT_OK(mt_ckpt_read_expert_bias(&ck, 1, got, &err), &err);
+    EXPECT(!memcmp(got, bias, sizeof(bias)), "the bias read back differs");
+    EXPECT(ckt_read_equal(src, &L, a, n, &err), "the MoE arrays at TP2 x PP2 differ");
+    if (access("prepro/checkpoint_tool", X_OK) == 0) {
+        char cmd[600];
+        snprintf(cmd, sizeof(cmd), "prepro/checkpoint_tool info %s 2>&1", src);
+        int code = test_command_output(cmd, text, sizeof(text));
+        EXPECT(code == 0 && strstr(text, "mixture of experts: 4 experts of width 16 in 4 of 4 layers, shared expert of "
+                                         "width 32, gated, expert bias (--moe-router-enable-expert-bias) [MoE layers, "
+                                         "experts] fp32"), "info: exit %d:\n%s", code, text);
+    }
+
+    /* 3. resharded to TP1, then back to TP2 x PP2: arrays and bias kept; the files the trainer's, byte for byte */
+    snprintf(out, sizeof(out), "%s/tp1", root);
+    snprintf(back, sizeof(back), "%s/back", root);
+    snprintf(syn, sizeof(syn), "%s/synthetic", root);
+    EXPECT_OK(mt_ckpt_reshard(&ck, NULL, out, 1, 1, 1, 128, NULL, &err), &err);
+    EXPECT(ckt_read_equal(out, &L1, a, n, &err), "TP1: the arrays differ");
+    EXPECT_OK(mt_ckpt_open(&ck, out, -1, &err), &err);
+    EXPECT_OK(mt_ckpt_verify(&ck, NULL, &err), &err);
+    memset(got, 0, sizeof(got));
+    EXPECT_OK(mt_ckpt_read_expert_bias(&ck, 1, got, &err), &err);
+    EXPECT(!memcmp(got, bias, sizeof(bias)) && ck.header[MT_CK_MOE_EXPERT_BIAS] == 1, "TP1: the bias not carried");
+    EXPECT_OK(mt_ckpt_reshard(&ck, NULL, back, 2, 2, 1, 128, NULL, &err), &err);
+    EXPECT_OK(ckt_write(syn, 12, &L22, a, &err), &err);
+    for (int t = 0; t < 2; t++)
+        for (int s = 0; s < 2; s++) {
+            char p2[800];
+            size_t na = 0, nb = 0;
+            snprintf(path, sizeof(path), "%s/iter_0000012/mp_rank_%02d_%03d/model_optim_rng.bin", back, t, s);
+            snprintf(p2, sizeof(p2), "%s/iter_0000012/mp_rank_%02d_%03d/model_optim_rng.bin", syn, t, s);
+            char* x = test_read_file(path, &na);
+            char* y = test_read_file(p2, &nb);
+            const int same = x && y && na == nb && !memcmp(x, y, na);
+            free(x);
+            free(y);
+            EXPECT(same, "%s differs from the trainer's layout (%zu vs %zu bytes)", path, na, nb);
+        }
+
+    /* 4. damage, each refused in one line naming the file (the manifest rewritten, so the bias's own checks
+     * speak): a NaN, a copy other than the first's, a cut-short array; a NaN in the first file for the
+     * loader's read at another layout */
+    struct { const char* what; const char* file; int kind; float value; const char* needle; } damage[] = {
+        {"a NaN", "mp_rank_01_001", 0, NAN, "mp_rank_01_001/model_optim_rng.bin: the expert bias of MoE layer 2, expert 3 is nan (must be finite)"},
+        {"an infinity", "mp_rank_01_000", 0, INFINITY, "expert 3 is inf (must be finite)"},
+        {"another copy", "mp_rank_00_001", 0, 0.75f, "mp_rank_00_001/model_optim_rng.bin: the expert bias of MoE layer 2, expert 3 is 0.75, but"},
+        {"a cut-short bias", "mp_rank_01_000", 1, 0.0f, "mp_rank_01_000/model_optim_rng.bin has"},
+        {"a NaN in the first file", "mp_rank_00_000", 2, NAN, "mp_rank_00_000/model_optim_rng.bin: the expert bias of MoE layer 2, expert 3 is nan"},
+    };
+    for (size_t i = 0; i < sizeof(damage) / sizeof(damage[0]); i++) {
+        char dir[500], iter_dir[600];
+        snprintf(dir, sizeof(dir), "%s/damage%zu", root, i);
+        EXPECT_OK(ckt_write(dir, 12, &L22, a, &err), &err);
+        snprintf(iter_dir, sizeof(iter_dir), "%s/iter_0000012", dir);
+        snprintf(path, sizeof(path), "%s/%s/model_optim_rng.bin", iter_dir, damage[i].file);
+        if (damage[i].kind == 1) {
+            struct stat sb;
+            EXPECT(stat(path, &sb) == 0 && truncate(path, sb.st_size - 4) == 0, "truncate %s", path);
+        } else {
+            EXPECT(ckt_put_float(path, 4 * (16 - 11), damage[i].value) == 0, "write %s", path); /* element 11: layer 2, expert 3 */
+        }
+        EXPECT_OK(mt_checkpoint_manifest_write(iter_dir, &err), &err);
+        EXPECT_OK(mt_ckpt_open(&ck, dir, -1, &err), &err);
+        err.message[0] = 0;
+        mt_status st = damage[i].kind == 2 ? mt_ckpt_read_expert_bias(&ck, 0, got, &err) : mt_ckpt_verify(&ck, NULL, &err);
+        EXPECT(st == MT_ERR_FORMAT && strstr(err.message, damage[i].needle) && !strchr(err.message, '\n'),
+               "%s: %s '%s'", damage[i].what, mt_status_name(st), err.message);
+        if (damage[i].kind == 1) { /* the reader itself, on a file its size check did not see: "cut short" */
+            int64_t hf[MT_CK_HEADER_WORDS];
+            int fd = open(path, O_RDONLY);
+            EXPECT(fd >= 0 && read(fd, hf, sizeof(hf)) == (ssize_t)sizeof(hf), "read %s", path);
+            st = mt_checkpoint_read_expert_bias(fd, path, hf, got, &err);
+            close(fd);
+            EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "the expert bias (4 MoE layers x 4 experts) is cut short") &&
+                   !strchr(err.message, '\n'), "cut short: %s '%s'", mt_status_name(st), err.message);
+        }
+    }
+
+    /* 5. a checkpoint without the bias has none to read */
+    ckt_layout Ln = L22;
+    Ln.moe = 0;
+    snprintf(out, sizeof(out), "%s/dense", root);
+    float** ad = ckt_arrays(&Ln, 4, &n);
+    EXPECT_OK(ckt_write(out, 3, &Ln, ad, &err), &err);
+    EXPECT_OK(mt_ckpt_open(&ck, out, -1, &err), &err);
+    EXPECT(mt_ckpt_read_expert_bias(&ck, 0, got, &err) == MT_ERR_CONFIG && strstr(err.message, "holds no expert bias"),
+           "'%s'", err.message);
+    ckt_arrays_free(ad);
+    ckt_arrays_free(a);
+    mt_remove_tree(root);
     return TEST_PASS;
 }
 
@@ -1800,6 +2019,7 @@ static const test_case checkpoint_tool_tests[] = {
     {"reshard_llama_qk_layernorm", test_reshard_llama_qk_layernorm},
     {"reshard_distributed_optimizer", test_reshard_distributed_optimizer},
     {"read_part_any_layout", test_read_part_any_layout},
+    {"moe_expert_bias_checkpoint", test_moe_expert_bias_checkpoint},
     {"save_retain_interval_rule", test_retain_victim_rule},
     {"save_retain_interval_on_disk", test_retain_on_disk},
     {"rank_files_and_checks", test_rank_files_and_checks},

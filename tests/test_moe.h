@@ -3,8 +3,10 @@
  * micro-batch's routing (final probabilities and map, capacity and dropping included), the evaluation
  * logits, the loss and every gradient of one step (aux losses, z-loss and the expert bias included), then S
  * AdamW steps with each step's loss, gradient norm, logged MoE losses per layer, tokens per expert and
- * expert bias, and the final weights, per tensor and per element; and a rerun bitwise equal.
- * The MoE kernels alone: tests/test_moe_kernels.h.
+ * expert bias, and the final weights, per tensor and per element; and a rerun bitwise equal. MoE
+ * checkpoints (issue #34): a resume bitwise with the expert bias, a save right after a load byte-identical,
+ * the refusals (test_moe_checkpoint_resume_bitwise; the format's host side: tests/test_checkpoint_tool.h
+ * moe_expert_bias_checkpoint). The MoE kernels alone: tests/test_moe_kernels.h.
  *
  * Tolerances (fp32). Every GEMM is true fp32, so, as in tests/test_model.h, results carry a few fp32 ulps
  * amplified by depth: 1e-5 norm-wise on logits, losses and gradients, per tensor. Per element: |ours - ref|
@@ -382,6 +384,183 @@ static test_result test_moe_deepseek_bf16(void) {
     return check_moe_against_reference("dev/data/moe_vectors/deepseek_tiny_all.bin", MT_BF16, &moe_bf16);
 }
 
+/* Issue #34: MoE checkpoints resume bitwise. deepseek_tiny_all's model (sigmoid routing in groups with the
+ * expert bias, the sequence aux loss, a gated shared expert; fp32, where runs are deterministic: test 5
+ * above) from its random weights: K steps, save, K more (the straight run); a fresh trainer loads the save
+ * (its expert bias bitwise the saved one, which moved away from 0), saves it again at once (every file of
+ * the iteration byte-identical: model file and manifest) and trains the same K steps: each step's loss,
+ * logged MoE losses (the step's and each layer's), tokens per expert and expert bias, and the final
+ * weights, bitwise the straight run's. --no-load-optim (mt_trainer_load_weights) takes the bias too (model
+ * state, as Megatron's persistent buffer). Refused in one line naming the flag: a dense checkpoint of the
+ * same transformer into this MoE run, and this checkpoint into a run without --moe-router-enable-expert-bias. */
+static test_result test_moe_checkpoint_resume_bitwise(void) {
+    REQUIRE_GPU();
+    enum { K = 4 };
+    moe_vectors mv;
+    if (!load_moe_vectors(&mv, "dev/data/moe_vectors/deepseek_tiny_all.bin")) {
+        free(mv.g.blob);
+        printf("    FAIL cannot read dev/data/moe_vectors/deepseek_tiny_all.bin (run dev/ref_moe.py)\n");
+        return TEST_FAIL;
+    }
+    const gpt_vectors* v = &mv.g;
+    mt_config c = moe_config_from_vectors(&mv, MT_FP32);
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    EXPECT(c.moe_router_enable_expert_bias && c.moe_router_score_sigmoid && c.moe_router_num_groups > 0 &&
+               (c.moe_load_balancing & MT_MOE_SEQ_AUX_LOSS) && c.moe_shared_expert_intermediate_size > 0,
+           "deepseek_tiny_all is not the configuration this test needs");
+    const int Lm = mv.Lm, E = mv.E;
+    const int64_t n = v->n, per_step = (int64_t)c.global_batch_size * (c.seq_length + 1), LE = (int64_t)Lm * E;
+    char dir[3][256];
+    for (int i = 0; i < 3; i++) {
+        snprintf(dir[i], sizeof(dir[i]), "/tmp/mt_test_moe_ckpt_%d_%d", (int)getpid(), i);
+        mt_remove_tree(dir[i]);
+    }
+    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * (size_t)per_step);
+    float* pa = (float*)malloc(sizeof(float) * (size_t)n);
+    float* pb = (float*)malloc(sizeof(float) * (size_t)n);
+    /* per step of the second K: [0] the loss and r.moe_losses as doubles; per layer stats, tokens, bias */
+    double steps[2][K][5];
+    float* layer_losses = (float*)malloc(sizeof(float) * 2 * K * Lm * 4);
+    int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * 2 * K * LE);
+    float* bias = (float*)malloc(sizeof(float) * (2 * K + 2) * LE); /* [2][K] after each step, saved, loaded */
+    float* saved_bias = bias + 2 * K * LE;
+    float* loaded_bias = saved_bias + LE;
+    test_result result = TEST_PASS;
+    mt_trainer* t = NULL;
+#define CHECK_OR_FAIL(cond, ...)                            \
+    do {                                                    \
+        if (!(cond)) {                                      \
+            printf("    FAIL %s:%d: ", __FILE__, __LINE__); \
+            printf(__VA_ARGS__);                            \
+            printf("\n");                                   \
+            result = TEST_FAIL;                             \
+            goto done;                                      \
+        }                                                   \
+    } while (0)
+#define OK_OR_FAIL(call)                                                                       \
+    do {                                                                                       \
+        mt_status st_ = (call);                                                                \
+        CHECK_OR_FAIL(st_ == MT_OK, "%s -> %s: %s", #call, mt_status_name(st_), err.message); \
+    } while (0)
+    for (int run = 0; run < 2; run++) {
+        /* run 0: the straight run from the file's weights, saving after K steps; run 1: loads that save */
+        OK_OR_FAIL(mt_trainer_create(&t, &c, &err));
+        if (run == 0) {
+            OK_OR_FAIL(mt_trainer_set_parameters(t, v->params0, &err));
+            for (int k = 0; k < K; k++) {
+                mt_step_result r;
+                fill_tokens(tokens, per_step, (int)c.vocab_size, 4000 + k);
+                OK_OR_FAIL(mt_trainer_train_step(t, tokens, &r, &err));
+            }
+            OK_OR_FAIL(mt_trainer_save(t, dir[0], K, (int64_t)K * c.global_batch_size, &err));
+            OK_OR_FAIL(mt_trainer_moe_stats(t, NULL, NULL, saved_bias, &err));
+            int64_t moved = 0;
+            for (int64_t i = 0; i < LE; i++) moved += saved_bias[i] != 0.0f;
+            printf("      after %d steps %lld of %lld expert bias entries moved from 0\n", K, (long long)moved, (long long)LE);
+            CHECK_OR_FAIL(moved > 0, "the expert bias did not move (a load that dropped it would pass)");
+        } else {
+            int64_t it = -1, consumed = -1;
+            OK_OR_FAIL(mt_trainer_load(t, dir[0], -1, &it, &consumed, &err));
+            CHECK_OR_FAIL(it == K && consumed == (int64_t)K * c.global_batch_size, "resumed at %lld (%lld samples)",
+                          (long long)it, (long long)consumed);
+            OK_OR_FAIL(mt_trainer_moe_stats(t, NULL, NULL, loaded_bias, &err));
+            CHECK_OR_FAIL(!memcmp(loaded_bias, saved_bias, sizeof(float) * (size_t)LE), "the loaded expert bias differs");
+            /* saved again at once: the same files */
+            OK_OR_FAIL(mt_trainer_save(t, dir[1], K, (int64_t)K * c.global_batch_size, &err));
+            const char* files[] = {"mp_rank_00/model_optim_rng.bin", "manifest.txt"};
+            for (int f = 0; f < 2; f++) {
+                char p1[512], p2[512];
+                size_t n1 = 0, n2 = 0;
+                snprintf(p1, sizeof(p1), "%s/iter_%07d/%s", dir[0], K, files[f]);
+                snprintf(p2, sizeof(p2), "%s/iter_%07d/%s", dir[1], K, files[f]);
+                char* x = test_read_file(p1, &n1);
+                char* y = test_read_file(p2, &n2);
+                const int same = x && y && n1 == n2 && !memcmp(x, y, n1);
+                free(x);
+                free(y);
+                CHECK_OR_FAIL(same, "saved again after the load, %s differs (%zu vs %zu bytes)", files[f], n1, n2);
+            }
+            printf("      loaded: expert bias bitwise the saved one; saved again: the same files\n");
+        }
+        for (int k = 0; k < K; k++) {
+            mt_step_result r;
+            fill_tokens(tokens, per_step, (int)c.vocab_size, 4000 + K + k);
+            OK_OR_FAIL(mt_trainer_train_step(t, tokens, &r, &err));
+            steps[run][k][0] = r.lm_loss;
+            for (int q = 0; q < 4; q++) steps[run][k][1 + q] = r.moe_losses[q];
+            OK_OR_FAIL(mt_trainer_moe_stats(t, layer_losses + ((size_t)run * K + k) * Lm * 4,
+                                            tok + ((size_t)run * K + k) * LE, bias + ((size_t)run * K + k) * LE, &err));
+        }
+        OK_OR_FAIL(mt_trainer_get_parameters(t, run ? pb : pa, &err));
+        mt_trainer_free(t);
+        t = NULL;
+    }
+    for (int k = 0; k < K; k++) {
+        const size_t at = (size_t)K + k;
+        printf("      step %d loss %.9g / %.9g, seq aux loss %.9g / %.9g\n", K + k, steps[0][k][0], steps[1][k][0],
+               steps[0][k][2], steps[1][k][2]);
+        CHECK_OR_FAIL(!memcmp(steps[0][k], steps[1][k], sizeof(steps[0][k])), "step %d: the loss or the logged MoE "
+                      "losses differ after the resume", K + k);
+        CHECK_OR_FAIL(!memcmp(layer_losses + (size_t)k * Lm * 4, layer_losses + at * Lm * 4, sizeof(float) * Lm * 4),
+                      "step %d: a layer's logged MoE losses differ", K + k);
+        CHECK_OR_FAIL(!memcmp(tok + (size_t)k * LE, tok + at * LE, sizeof(int32_t) * (size_t)LE),
+                      "step %d: the tokens per expert differ", K + k);
+        CHECK_OR_FAIL(!memcmp(bias + (size_t)k * LE, bias + at * LE, sizeof(float) * (size_t)LE),
+                      "step %d: the expert bias differs", K + k);
+    }
+    CHECK_OR_FAIL(!memcmp(pa, pb, sizeof(float) * (size_t)n), "the final weights differ after the resume");
+    CHECK_OR_FAIL(steps[0][0][2] > 0.0, "no sequence aux loss was logged");
+    printf("      resumed: %d steps' losses, MoE losses, tokens per expert, expert bias and weights bitwise equal\n", K);
+
+    /* --no-load-optim: the bias is model state, it loads with the weights */
+    OK_OR_FAIL(mt_trainer_create(&t, &c, &err));
+    OK_OR_FAIL(mt_trainer_load_weights(t, dir[0], -1, NULL, NULL, &err));
+    OK_OR_FAIL(mt_trainer_moe_stats(t, NULL, NULL, loaded_bias, &err));
+    CHECK_OR_FAIL(!memcmp(loaded_bias, saved_bias, sizeof(float) * (size_t)LE),
+                  "mt_trainer_load_weights (--no-load-optim) did not take the expert bias");
+    mt_trainer_free(t);
+    t = NULL;
+    {
+        /* refusals, one line naming the flag: a dense checkpoint into this run; this one into a run without the bias */
+        mt_config dense = config_from_vectors(v, MT_FP32), nob = moe_config_from_vectors(&mv, MT_FP32);
+        nob.moe_router_enable_expert_bias = 0;
+        OK_OR_FAIL(mt_config_finalize(&dense, &err));
+        OK_OR_FAIL(mt_config_finalize(&nob, &err));
+        OK_OR_FAIL(mt_trainer_create(&t, &dense, &err));
+        OK_OR_FAIL(mt_trainer_save(t, dir[2], 3, 3 * (int64_t)dense.global_batch_size, &err));
+        mt_trainer_free(t);
+        t = NULL;
+        struct { const mt_config* run; const char* from; const char* needle; } cases[] = {
+            {&c, dir[2], "has --num-experts (0: a dense model) 0 but this run has"},
+            {&nob, dir[0], "has --moe-router-enable-expert-bias (the routers' expert bias) 1 but this run has 0"},
+        };
+        for (int i = 0; i < 2; i++) {
+            OK_OR_FAIL(mt_trainer_create(&t, cases[i].run, &err));
+            err.message[0] = 0;
+            mt_status st = mt_trainer_load(t, cases[i].from, -1, NULL, NULL, &err);
+            mt_trainer_free(t);
+            t = NULL;
+            CHECK_OR_FAIL(st == MT_ERR_CONFIG && strstr(err.message, cases[i].needle) && !strchr(err.message, '\n'),
+                          "case %d: %s '%s'", i, mt_status_name(st), err.message);
+        }
+        printf("      refused: a dense checkpoint into the MoE run, the expert bias into a run without it\n");
+    }
+done:
+#undef CHECK_OR_FAIL
+#undef OK_OR_FAIL
+    if (t) mt_trainer_free(t);
+    for (int i = 0; i < 3; i++) mt_remove_tree(dir[i]);
+    free(tokens);
+    free(pa);
+    free(pb);
+    free(layer_losses);
+    free(tok);
+    free(bias);
+    free(mv.g.blob);
+    return result;
+}
+
 static const test_case moe_gpu_tests[] = {
     {"mixtral_fp32_matches_reference", test_moe_mixtral_fp32},
     {"deepseek_fp32_matches_reference", test_moe_deepseek_fp32},
@@ -391,6 +570,7 @@ static const test_case moe_gpu_tests[] = {
     {"shared_gate_fp32_matches_reference", test_moe_shared_gate_fp32},
     {"mixtral_bf16_matches_reference", test_moe_mixtral_bf16},
     {"deepseek_bf16_matches_reference", test_moe_deepseek_bf16},
+    {"checkpoint_resume_bitwise", test_moe_checkpoint_resume_bitwise},
 };
 
 #endif /* MT_TEST_MOE_H */

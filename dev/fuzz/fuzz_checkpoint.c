@@ -2,8 +2,9 @@
  * fuzz_checkpoint — a checkpoint directory as train_gpt --load, checkpoint_tool and convert_hf --export
  * read it: the tracker (mt_checkpoint_read_tracker), the model file's header words
  * (mt_checkpoint_header_check, mt_checkpoint_file_bytes, mt_config_from_checkpoint_header), the
- * whole layout (checkpoint_tool.h's mt_ckpt_open, mt_ckpt_verify, and for models of at most 2^20
- * parameters mt_ckpt_read of every array), mt_checkpoint_select, and mt_hf_checkpoint_read.
+ * whole layout (checkpoint_tool.h's mt_ckpt_open, mt_ckpt_verify, an MoE checkpoint's expert bias in
+ * every model file by mt_ckpt_read_expert_bias, and for models of at most 2^20 parameters mt_ckpt_read
+ * of every array), mt_checkpoint_select, and mt_hf_checkpoint_read.
  *
  * Input: the tracker text, then the checkpoint's files joined by FZ_SEP, each as its path relative to
  * the checkpoint directory, a newline, and its bytes (a path with a ".." part, a leading '/' or over
@@ -82,6 +83,14 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     mt_ckpt_ddp ddp = {0, 0};
     if (mt_ckpt_open(&ck, dir, -1, &err) == MT_OK) {
         if (mt_ckpt_verify(&ck, &ddp, &err) != MT_OK) fz_check_error(&err);
+        /* the routers' expert bias of every model file, past the integrity rule (a load's read at another layout) */
+        const int64_t bias = mt_checkpoint_expert_bias_numel(ck.header, NULL);
+        if (bias > 0 && bias <= (1 << 20)) {
+            float* b = (float*)malloc(sizeof(float) * (size_t)bias);
+            if (mt_ckpt_read_expert_bias(&ck, 1, b, &err) != MT_OK) fz_check_error(&err);
+            else for (int64_t i = 0; i < bias; i++) FZ_ASSERT(isfinite(b[i]), "expert bias %lld is %g", (long long)i, b[i]);
+            free(b);
+        }
         mt_config full = ck.cfg;
         full.tensor_model_parallel_size = 1;
         full.pipeline_model_parallel_size = 1;
