@@ -13,9 +13,15 @@
  * (every tensor checked in place against an independent statement of Megatron's grouped QKV and
  * [gate; up] layouts, the header's flavour words), exported back bitwise with config.json's fields,
  * and every unsupported config.json or weight file is refused with its one-line message; weights that
- * hold a NaN or an infinity are refused naming file, tensor and index. GPU tests:
- * GPT-2 and Llama checkpoints written by the converter load into the trainer (same bytes back) and
- * their logits equal a forward written the way transformers computes it.
+ * hold a NaN or an infinity are refused naming file, tensor and index. Mixtral and Qwen3-MoE
+ * (prepro/hf_moe.h): the mapping both ways bitwise, tiny directories written here imported (every
+ * expert, router and q/k norm tensor in place against an independent statement of our layout, the MoE
+ * config) and exported back bitwise with config.json's fields, every refusal (sliding window, jitter,
+ * dense layers, shared experts, biases; routers transformers cannot hold; convert_hf --export without
+ * --moe-router-topk). GPU tests: GPT-2 and Llama checkpoints written by the converter load into the
+ * trainer (same bytes back) and their logits equal a forward written the way transformers computes it;
+ * transformers' own tiny Mixtral and Qwen3-MoE models (dev/hf_moe_check.py --write) give the trainer's
+ * logits transformers' float64 ones (skipped without python's transformers).
  *
  * Files go to /tmp/mt_test_hf_<pid>_*, removed at the end. Run from the repository root. */
 #ifndef MT_TEST_HF_H
