@@ -78,7 +78,7 @@ test_megatron: test_megatron.cu megatron.cu train_gpt_flags.h $(HEADERS) $(wildc
 
 prepro/%: prepro/%.c prepro/args.h $(HEADERS)
 	$(CC) $(CFLAGS) $< -o $@ $(HOST_LIBS)
-HF_HEADERS := prepro/safetensors.h prepro/hf_checkpoint.h prepro/hf_gpt2.h prepro/hf_llama.h
+HF_HEADERS := prepro/safetensors.h prepro/hf_checkpoint.h prepro/hf_gpt2.h prepro/hf_llama.h prepro/hf_moe.h
 prepro/convert_hf: $(HF_HEADERS)
 prepro/checkpoint_tool: prepro/checkpoint_tool.h
 test_megatron: prepro/checkpoint_tool.h

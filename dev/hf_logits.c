@@ -2,10 +2,13 @@
  * API (mt_trainer_load + mt_trainer_logits). dev/hf_check.py compares them with transformers'.
  *
  *   make dev/hf_logits && dev/hf_logits CKPT_DIR TOKENS.bin LOGITS.bin [--bf16 | --bf16-weights] [--no-verify]
+ *                                     [--moe-router-topk K [--moe-router-pre-softmax]]
  *
  * TOKENS.bin: int32 B, int32 T, int32 tokens [B*T]. LOGITS.bin: int32 B, T, Vp, float32 [B, T, Vp].
  * The model's shape and flavour (GPT-2 or Llama: norm, MLP, positions, rope, tied output, biases, norm
- * epsilon) come from the checkpoint's header (mt_config_from_checkpoint_header), so no flags.
+ * epsilon; a mixture of experts' experts, expert width and layers) come from the checkpoint's header
+ * (mt_config_from_checkpoint_header), so no flags, but for the router of a mixture of experts, which the
+ * header does not record: --moe-router-topk K (required for one) and --moe-router-pre-softmax.
  * Default: fp32 compute on the checkpoint's fp32 master weights. --bf16: bf16 compute (the model copy
  * is the master rounded to bf16). --bf16-weights: fp32 compute on the master rounded to bf16, the
  * weights a bf16 checkpoint's model tensors hold (what another framework loads from it). The tracker's
@@ -25,17 +28,24 @@ static int fail(const char* what, const char* detail) {
 }
 
 int main(int argc, char** argv) {
-    int bf16 = 0, bf16_weights = 0, no_verify = 0, positional = 0;
+    int bf16 = 0, bf16_weights = 0, no_verify = 0, positional = 0, topk = 0, pre_softmax = 0;
     const char* args[3] = {NULL, NULL, NULL};
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--bf16") && !bf16_weights) bf16 = 1;
+        if (!strcmp(argv[i], "--moe-router-topk") && i + 1 < argc) {
+            char* end = NULL;
+            long k = strtol(argv[++i], &end, 10);
+            if (*end || k < 1 || k > (1 << 20)) positional = 4;
+            topk = (int)k;
+        } else if (!strcmp(argv[i], "--moe-router-pre-softmax")) pre_softmax = 1;
+        else if (!strcmp(argv[i], "--bf16") && !bf16_weights) bf16 = 1;
         else if (!strcmp(argv[i], "--bf16-weights") && !bf16) bf16_weights = 1;
         else if (!strcmp(argv[i], "--no-verify")) no_verify = 1;
         else if (strncmp(argv[i], "--", 2) && positional < 3) args[positional++] = argv[i];
         else positional = 4;
     }
     if (positional != 3)
-        return fprintf(stderr, "usage: hf_logits CKPT_DIR TOKENS.bin LOGITS.bin [--bf16 | --bf16-weights] [--no-verify]\n"), 2;
+        return fprintf(stderr, "usage: hf_logits CKPT_DIR TOKENS.bin LOGITS.bin [--bf16 | --bf16-weights] [--no-verify] "
+                       "[--moe-router-topk K [--moe-router-pre-softmax]]\n"), 2;
     const char* dir = args[0];
     mt_error err, warning;
     int64_t it = -1;
@@ -62,6 +72,10 @@ int main(int argc, char** argv) {
     c.train_iters = 1;
     c.lr = 1e-4;
     c.precision = bf16 ? MT_BF16 : MT_FP32;
+    if (c.num_experts > 0 && !topk) return fail("the checkpoint is a mixture of experts: give --moe-router-topk K", NULL);
+    if (c.num_experts == 0 && (topk || pre_softmax)) return fail("--moe-router-* with a dense checkpoint", NULL);
+    if (topk) c.moe_router_topk = topk;
+    c.moe_router_pre_softmax = pre_softmax;
     mt_trainer* t = NULL;
     if (mt_config_finalize(&c, &err) != MT_OK || mt_trainer_create(&t, &c, &err) != MT_OK) return fail(err.message, NULL);
     mt_trainer_set_no_verify_checkpoint(t, no_verify);

@@ -1,8 +1,9 @@
-/* prepro/convert_hf.c — Hugging Face GPT-2 and Llama checkpoints <-> megatron.c checkpoints.
+/* prepro/convert_hf.c — Hugging Face GPT-2, Llama, Mixtral and Qwen3-MoE checkpoints <-> megatron.c
+ * checkpoints.
  *
  *   convert_hf --import HF_DIR --save CKPT_DIR
- *       reads HF_DIR/config.json (GPT2LMHeadModel or LlamaForCausalLM, told apart by model_type or
- *       architectures) and HF_DIR/model.safetensors (or the shards of model.safetensors.index.json;
+ *       reads HF_DIR/config.json (GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM or
+ *       Qwen3MoeForCausalLM, told apart by model_type or architectures) and HF_DIR/model.safetensors (or the shards of model.safetensors.index.json;
  *       F32, F16 or BF16), writes CKPT_DIR/iter_0000000/ (fp32 master weights, Adam moments zero; the
  *       header records the flavour, the norm epsilon and the true vocabulary; its manifest.txt) and
  *       CKPT_DIR/latest_checkpointed_iteration.txt, and prints the train_gpt flags of the model (load
@@ -10,6 +11,7 @@
  *
  *   convert_hf --export CKPT_DIR --out HF_DIR [--iteration N] [--vocab-size V] [--norm-epsilon E]
  *              [--dtype float32|bfloat16] [--no-verify]
+ *              [--moe-router-topk K [--moe-router-pre-softmax] [--moe-aux-loss-coeff C]]
  *       applies the integrity rule (megatron.h mt_checkpoint_check_integrity: the manifest verified, or
  *       without one the header's manifest mark; a refusal names the file; --no-verify reads it anyway,
  *       with a warning), reads the checkpoint's master weights (the tracker's iteration unless --iteration) and writes
@@ -17,9 +19,12 @@
  *       GPT2LMHeadModel / LlamaForCausalLM.from_pretrained(HF_DIR): the class follows the checkpoint's
  *       flavour (a flavour transformers has no class for is refused). The padded vocabulary is cut back
  *       to V and the norm epsilon is E: by default the ones the header records (checkpoints from before
- *       those words: 50257, or the padded size if smaller, and 1e-5).
+ *       those words: 50257, or the padded size if smaller, and 1e-5). A mixture-of-experts checkpoint
+ *       (MixtralForCausalLM, or Qwen3MoeForCausalLM with --qk-layernorm) needs the router's top-k, which
+ *       the header does not record: --moe-router-topk K as trained, and --moe-router-pre-softmax (Qwen3-MoE's
+ *       norm_topk_prob false) and --moe-aux-loss-coeff C (router_aux_loss_coef; default 0) when trained so.
  *
- * The mappings are prepro/hf_gpt2.h and prepro/hf_llama.h, what they share (loading, saving,
+ * The mappings are prepro/hf_gpt2.h, prepro/hf_llama.h and prepro/hf_moe.h, what they share (loading, saving,
  * checkpoints) prepro/hf_checkpoint.h, the safetensors reader/writer prepro/safetensors.h. Errors: one
  * line on stderr and exit 1 (bad usage: exit 2); nothing is left half-written.
  */
@@ -42,7 +47,9 @@ static void usage(void) {
             "usage: convert_hf --import HF_DIR --save CKPT_DIR\n"
             "       convert_hf --export CKPT_DIR --out HF_DIR [--iteration N] [--vocab-size V] [--norm-epsilon E]\n"
             "                  [--dtype float32|bfloat16] [--no-verify]\n"
-            "  --import HF_DIR     a transformers GPT-2 or Llama directory: config.json + model.safetensors\n"
+            "                  [--moe-router-topk K [--moe-router-pre-softmax] [--moe-aux-loss-coeff C]]\n"
+            "  --import HF_DIR     a transformers GPT-2, Llama, Mixtral or Qwen3-MoE directory: config.json +\n"
+            "                      model.safetensors\n"
             "                      (or model.safetensors.index.json and its shards)\n"
             "  --save CKPT_DIR     where to write the megatron.c checkpoint (iteration 0); must not hold one\n"
             "  --export CKPT_DIR   a megatron.c checkpoint directory (train_gpt --save)\n"
@@ -53,7 +60,12 @@ static void usage(void) {
             "  --norm-epsilon E    the norm epsilon the model was trained with (default: the checkpoint's; else 1e-5)\n"
             "  --dtype T           float32 (default) or bfloat16 weights in model.safetensors\n"
             "  --no-verify         export a checkpoint whose manifest check fails (or that lost the manifest it\n"
-            "                      was saved with) anyway, with a warning\n");
+            "                      was saved with) anyway, with a warning\n"
+            "  --moe-router-topk K          a mixture of experts' top-k (required for one: the checkpoint does not\n"
+            "                               record it); exported as num_experts_per_tok\n"
+            "  --moe-router-pre-softmax     its router took the top-k of softmax over all experts, not renormalised\n"
+            "                               (Qwen3-MoE's norm_topk_prob false; Mixtral has no such router)\n"
+            "  --moe-aux-loss-coeff C       its aux_loss coefficient, exported as router_aux_loss_coef (default 0)\n");
 }
 
 static int fail(const mt_error* err) {
@@ -96,15 +108,18 @@ static int do_import(const char* hf_dir, const char* ckpt_dir) {
     mt_status st = mt_hf_checkpoint_write(ckpt_dir, &c, params, 0, &err);
     free(params);
     if (st != MT_OK) return fail(&err);
-    int llama = arch == &mt_hf_llama_arch;
+    int llama = arch != &mt_hf_gpt2_arch; /* the Llama family: Llama, Mixtral, Qwen3-MoE */
     char eps[64], base[64], factor[64];
     shortest(eps, sizeof(eps), c.norm_epsilon);
     printf("imported %s: %s, %d layers, hidden %d, %d heads", hf_dir, arch->title, c.num_layers, c.hidden_size,
            c.num_attention_heads);
     if (llama) printf(", %d query groups, head dim %d", c.num_query_groups, c.kv_channels);
-    printf(", ffn %d, %d positions, vocab %lld (padded %lld), %lld parameters\n", c.ffn_hidden_size,
-           c.max_position_embeddings, (long long)c.vocab_size, (long long)c.padded_vocab_size,
-           (long long)mt_num_parameters(&c));
+    printf(", ffn %d", c.ffn_hidden_size);
+    if (c.num_experts > 0)
+        printf(", %d experts of ffn %lld (top-%d%s)%s", c.num_experts, (long long)mt_moe_ffn(&c), c.moe_router_topk,
+               c.moe_router_pre_softmax ? ", not renormalised" : "", c.qk_layernorm ? ", query and key norms" : "");
+    printf(", %d positions, vocab %lld (padded %lld), %lld parameters\n", c.max_position_embeddings,
+           (long long)c.vocab_size, (long long)c.padded_vocab_size, (long long)mt_num_parameters(&c));
     printf("wrote %s/iter_0000000/mp_rank_00/model_optim_rng.bin (iteration 0, Adam state zero) and its manifest\n",
            ckpt_dir);
     printf("train_gpt flags for this model:\n");
@@ -121,6 +136,13 @@ static int do_import(const char* hf_dir, const char* ckpt_dir) {
         if (c.use_rope_scaling) printf(" --use-rope-scaling --rope-scaling-factor %s", shortest(factor, sizeof(factor), c.rope_scaling_factor));
         printf(c.untie_embeddings_and_output_weights ? " \\\n  --untie-embeddings-and-output-weights \\\n" : " \\\n");
     }
+    if (c.num_experts > 0) {
+        char coef[64];
+        printf("  --num-experts %d --moe-router-topk %d --moe-ffn-hidden-size %lld%s%s \\\n"
+               "  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff %s \\\n",
+               c.num_experts, c.moe_router_topk, (long long)mt_moe_ffn(&c), c.moe_router_pre_softmax ? " --moe-router-pre-softmax" : "",
+               c.qk_layernorm ? " --qk-layernorm" : "", shortest(coef, sizeof(coef), c.moe_aux_loss_coeff[0]));
+    }
     if (!llama && c.vocab_size == 50257)
         printf("  --tokenizer-type GPT2BPETokenizer --vocab-file dev/data/gpt2/gpt2-vocab.json "
                "--merge-file dev/data/gpt2/gpt2-merges.txt \\\n");
@@ -131,8 +153,15 @@ static int do_import(const char* hf_dir, const char* ckpt_dir) {
     return 0;
 }
 
+/* The router settings an MoE export takes from the command line (the header does not record them). */
+typedef struct {
+    int64_t topk;     /* --moe-router-topk (-1: not given) */
+    int pre_softmax;  /* --moe-router-pre-softmax */
+    double coeff;     /* --moe-aux-loss-coeff (-1: not given) */
+} moe_flags;
+
 static int do_export(const char* ckpt_dir, const char* hf_dir, int64_t iteration, int64_t vocab, double eps,
-                     mt_st_dtype dtype, int no_verify) {
+                     mt_st_dtype dtype, int no_verify, const moe_flags* moe) {
     mt_error err, warning;
     mt_config cfg;
     float* params = NULL;
@@ -143,6 +172,32 @@ static int do_export(const char* ckpt_dir, const char* hf_dir, int64_t iteration
     if (vocab < 0) vocab = header[MT_CK_TRUE_VOCAB] > 0 ? header[MT_CK_TRUE_VOCAB]
                          : cfg.padded_vocab_size < 50257 ? cfg.padded_vocab_size : 50257;
     if (eps > 0) cfg.norm_epsilon = eps; /* else the header's (or 1e-5 when it has none) */
+    const int given = moe->topk >= 0 || moe->pre_softmax || moe->coeff >= 0;
+    if (cfg.num_experts > 0 && moe->topk < 0) {
+        free(params);
+        fprintf(stderr, "convert_hf: %s holds a mixture of experts (%d experts) and its header does not record the "
+                "router's top-k: give --moe-router-topk K as trained (and --moe-router-pre-softmax, --moe-aux-loss-coeff "
+                "if it was trained with them)\n", ckpt_dir, cfg.num_experts);
+        return 2;
+    }
+    if (cfg.num_experts == 0 && given) {
+        free(params);
+        fprintf(stderr, "convert_hf: --moe-router-topk, --moe-router-pre-softmax and --moe-aux-loss-coeff go with a mixture "
+                "of experts, and %s holds a dense model\n", ckpt_dir);
+        return 2;
+    }
+    if (cfg.num_experts > 0 && moe->topk > cfg.num_experts) {
+        free(params);
+        fprintf(stderr, "convert_hf: --moe-router-topk %lld is more than the checkpoint's %d experts\n", (long long)moe->topk,
+                cfg.num_experts);
+        return 2;
+    }
+    if (cfg.num_experts > 0) {
+        cfg.moe_router_topk = (int)moe->topk;
+        cfg.moe_router_pre_softmax = moe->pre_softmax;
+        cfg.moe_load_balancing = MT_MOE_AUX_LOSS;
+        cfg.moe_aux_loss_coeff[0] = moe->coeff >= 0 ? moe->coeff : 0.0;
+    }
     const mt_hf_arch* arch = NULL;
     mt_status st = mt_hf_arch_for_config(&cfg, &arch, &err);
     if (st == MT_OK) st = mt_hf_save(hf_dir, &cfg, params, vocab, dtype, 0, &err);
@@ -157,10 +212,14 @@ static int do_export(const char* ckpt_dir, const char* hf_dir, int64_t iteration
     snprintf(index, sizeof(index), "%s/model.safetensors.index.json", hf_dir);
     struct stat sb;
     int sharded = stat(index, &sb) == 0; /* the export wrote an index */
-    printf("exported %s iteration %lld (%s: %d layers, hidden %d, %d heads, ffn %d, %d positions, vocab %lld of %lld "
+    char experts[128] = "";
+    if (cfg.num_experts > 0)
+        snprintf(experts, sizeof(experts), ", %d experts of ffn %lld, top-%d", cfg.num_experts, (long long)mt_moe_ffn(&cfg),
+                 cfg.moe_router_topk);
+    printf("exported %s iteration %lld (%s: %d layers, hidden %d, %d heads, ffn %d%s, %d positions, vocab %lld of %lld "
            "padded) to %s/config.json and %s/%s (%s)\n",
            ckpt_dir, (long long)header[MT_CK_ITERATION], arch->name, cfg.num_layers, cfg.hidden_size,
-           cfg.num_attention_heads, cfg.ffn_hidden_size, cfg.max_position_embeddings, (long long)vocab,
+           cfg.num_attention_heads, cfg.ffn_hidden_size, experts, cfg.max_position_embeddings, (long long)vocab,
            (long long)cfg.padded_vocab_size, hf_dir, hf_dir, sharded ? "model.safetensors.index.json + shards" : "model.safetensors",
            mt_st_dtype_name(dtype));
     return 0;
@@ -174,6 +233,7 @@ int main(int argc, char** argv) {
     double eps = -1.0;
     mt_st_dtype dtype = MT_ST_F32;
     int no_verify = 0;
+    moe_flags moe = {-1, 0, -1.0};
     for (int i = 1; i < argc; i++) {
         const char* a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -184,9 +244,13 @@ int main(int argc, char** argv) {
             no_verify = 1;
             continue;
         }
+        if (!strcmp(a, "--moe-router-pre-softmax")) {
+            moe.pre_softmax = 1;
+            continue;
+        }
         /* the flags below, each with a value: an unknown one is named as such, not as missing its value */
         static const char* const known[] = {"--import", "--save", "--export", "--out", "--iteration", "--vocab-size",
-                                            "--norm-epsilon", "--dtype"};
+                                            "--norm-epsilon", "--dtype", "--moe-router-topk", "--moe-aux-loss-coeff"};
         int is_known = 0;
         for (size_t k = 0; k < sizeof(known) / sizeof(known[0]); k++) is_known |= !strcmp(a, known[k]);
         if (!is_known) return bad_usage(a[0] == '-' ? "unknown flag" : "unexpected argument", a);
@@ -204,6 +268,14 @@ int main(int argc, char** argv) {
             char* end = NULL;
             eps = strtod(v, &end);
             if (!*v || *end || !(eps > 0 && eps < 1)) return bad_usage("--norm-epsilon needs a number in (0, 1), not", v);
+        } else if (!strcmp(a, "--moe-router-topk")) {
+            if (parse_int64(v, &moe.topk) || moe.topk < 1 || moe.topk > (1 << 20))
+                return bad_usage("--moe-router-topk needs an integer in [1, 1048576], not", v);
+        } else if (!strcmp(a, "--moe-aux-loss-coeff")) {
+            char* end = NULL;
+            moe.coeff = strtod(v, &end);
+            if (!*v || *end || !(moe.coeff >= 0 && moe.coeff < 1e6))
+                return bad_usage("--moe-aux-loss-coeff needs a number in [0, 1e6), not", v);
         } else if (!strcmp(a, "--dtype")) {
             if (!strcmp(v, "float32") || !strcmp(v, "fp32")) dtype = MT_ST_F32;
             else if (!strcmp(v, "bfloat16") || !strcmp(v, "bf16")) dtype = MT_ST_BF16;
@@ -213,15 +285,16 @@ int main(int argc, char** argv) {
     if (import_dir && export_dir) return bad_usage("give one of --import and --export", NULL);
     if (import_dir) {
         if (!save_dir) return bad_usage("--import needs --save CKPT_DIR", NULL);
-        if (out_dir || iteration >= 0 || vocab >= 0 || eps > 0 || dtype != MT_ST_F32 || no_verify)
-            return bad_usage("--out, --iteration, --vocab-size, --norm-epsilon, --dtype and --no-verify go with --export",
-                             NULL);
+        if (out_dir || iteration >= 0 || vocab >= 0 || eps > 0 || dtype != MT_ST_F32 || no_verify || moe.topk >= 0 ||
+            moe.pre_softmax || moe.coeff >= 0)
+            return bad_usage("--out, --iteration, --vocab-size, --norm-epsilon, --dtype, --no-verify and the --moe-* flags "
+                             "go with --export (an import takes them from config.json)", NULL);
         return do_import(import_dir, save_dir);
     }
     if (export_dir) {
         if (!out_dir) return bad_usage("--export needs --out HF_DIR", NULL);
         if (save_dir) return bad_usage("--save goes with --import", NULL);
-        return do_export(export_dir, out_dir, iteration, vocab, eps, dtype, no_verify);
+        return do_export(export_dir, out_dir, iteration, vocab, eps, dtype, no_verify, &moe);
     }
     return bad_usage("give --import HF_DIR --save CKPT_DIR or --export CKPT_DIR --out HF_DIR", NULL);
 }

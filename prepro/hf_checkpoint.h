@@ -1,7 +1,8 @@
 /*
  * prepro/hf_checkpoint.h — Hugging Face checkpoints <-> megatron.c checkpoints (stb style): what the
- * architectures share. The mappings themselves are prepro/hf_gpt2.h (GPT2LMHeadModel) and
- * prepro/hf_llama.h (LlamaForCausalLM); this header includes both.
+ * architectures share. The mappings themselves are prepro/hf_gpt2.h (GPT2LMHeadModel),
+ * prepro/hf_llama.h (LlamaForCausalLM) and prepro/hf_moe.h (MixtralForCausalLM, Qwen3MoeForCausalLM);
+ * this header includes all three.
  *
  *   1. An architecture (mt_hf_arch) is a table: config.json -> mt_config, mt_config -> config.json,
  *      and its tensors, one HF tensor at a time both ways (mt_hf_tensor: name, shape, the MT_P_*
@@ -24,8 +25,8 @@
  * Use: #define MT_HF_IMPLEMENTATION in exactly one file before including this header (or before
  * including it again after a declarations-only include), after (or together with)
  * MT_SAFETENSORS_IMPLEMENTATION for prepro/safetensors.h; needs megatron.h's implementation linked.
- * It includes "megatron.h" and "safetensors.h": keep them side by side (with hf_gpt2.h and
- * hf_llama.h), or put megatron.h's directory on the include path (-I). Like safetensors.h, a strict
+ * It includes "megatron.h" and "safetensors.h": keep them side by side (with hf_gpt2.h,
+ * hf_llama.h and hf_moe.h), or put megatron.h's directory on the include path (-I). Like safetensors.h, a strict
  * -std=c99/c11 build of the implementation needs -D_POSIX_C_SOURCE=200809L (fileno). Library code
  * never prints.
  */
@@ -48,6 +49,7 @@ typedef struct {
     int kind;          /* the MT_P_* tensor it maps to */
     int layer;         /* 0 outside the layers */
     int part;          /* a piece of a fused tensor of ours: 0 q, 1 k, 2 v of qkv; 0 gate, 1 up of fc1 */
+    int expert;        /* the expert of an expert tensor (MT_P_EXPERT_*); 0 otherwise */
     int ndim;
     int64_t shape[2];  /* HF's shape */
     int64_t numel;
@@ -77,14 +79,19 @@ struct mt_hf_arch {
     const char* tied_note;                /* why a differing lm_head.weight is refused */
 };
 
-extern const mt_hf_arch mt_hf_gpt2_arch;  /* prepro/hf_gpt2.h */
-extern const mt_hf_arch mt_hf_llama_arch; /* prepro/hf_llama.h */
+extern const mt_hf_arch mt_hf_gpt2_arch;      /* prepro/hf_gpt2.h */
+extern const mt_hf_arch mt_hf_llama_arch;     /* prepro/hf_llama.h */
+extern const mt_hf_arch mt_hf_mixtral_arch;   /* prepro/hf_moe.h */
+extern const mt_hf_arch mt_hf_qwen3_moe_arch; /* prepro/hf_moe.h */
 
-/* The architecture of a parsed config.json: "model_type" if present ("gpt2", "llama"), else
- * "architectures"[0] (GPT2LMHeadModel, LlamaForCausalLM); when both name one, they must agree. */
+/* The architecture of a parsed config.json: "model_type" if present ("gpt2", "llama", "mixtral",
+ * "qwen3_moe"), else "architectures"[0] (GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM,
+ * Qwen3MoeForCausalLM); when both name one, they must agree. */
 mt_status mt_hf_detect(const mt_json* root, const char* path, const mt_hf_arch** arch, mt_error* err);
-/* The architecture that holds cfg's flavour: GPT-2 (LayerNorm, GELU, learned positions, tied, biases)
- * or Llama (RMSNorm, SwiGLU, RoPE, no linear biases, tied or not); any other mix is refused. */
+/* The architecture that holds cfg's flavour: GPT-2 (LayerNorm, GELU, learned positions, tied, biases),
+ * Llama (RMSNorm, SwiGLU, RoPE, no linear biases, tied or not), and with experts in every layer
+ * (--num-experts) the same Llama flavour as Mixtral, or with --qk-layernorm as Qwen3-MoE; any other mix
+ * is refused. */
 mt_status mt_hf_arch_for_config(const mt_config* cfg, const mt_hf_arch** arch, mt_error* err);
 
 /* Reads HF_DIR: a finalized cfg (vocab_size = the true vocabulary) and malloc'd canonical parameters
@@ -96,8 +103,10 @@ mt_status mt_hf_load(const char* hf_dir, mt_config* cfg, float** params, const m
  * the weights renamed into place and config.json last (other files in HF_DIR are kept). */
 #define MT_HF_SHARD_BYTES ((int64_t)5000000000)
 /* The most transformer layers a Hugging Face checkpoint may have here: at most 16 tensors a layer keeps
- * every tensor count and index an int (config.json's n_layer / num_hidden_layers and exports alike). */
+ * every tensor count and index an int (config.json's n_layer / num_hidden_layers and exports alike).
+ * The MoE architectures, with 3 tensors an expert, bound the count itself (MT_HF_MAX_TENSORS). */
 #define MT_HF_MAX_LAYERS ((int64_t)1 << 26)
+#define MT_HF_MAX_TENSORS ((int64_t)1 << 30)
 mt_status mt_hf_save(const char* hf_dir, const mt_config* cfg, const float* params, int64_t vocab_size,
                      mt_st_dtype dtype, int64_t shard_bytes, mt_error* err);
 
@@ -105,7 +114,8 @@ mt_status mt_hf_save(const char* hf_dir, const mt_config* cfg, const float* para
  * of our fused-QKV row r (Megatron's grouped layout: per query group, its heads' q rows, its k rows,
  * its v rows). */
 int64_t mt_hf_qkv_index(const mt_config* cfg, int64_t r);
-/* Where (kind, layer) starts in the canonical vector. */
+/* Where (kind, layer) starts in the canonical vector: a per-layer tensor is stacked over the layers that
+ * have it (mt_param_layer_has: the MoE tensors over the MoE layers), `layer` being the model's layer. */
 int64_t mt_hf_param_offset(const mt_config* cfg, int kind, int layer);
 
 /* Writes a fresh checkpoint of cfg's model at `iteration`: the header (mt_checkpoint_header_init: shape,
@@ -215,14 +225,15 @@ static void mt_hf__double(char* buf, size_t cap, double x, int json) {
 /* architecture -------------------------------------------------------------------------------- */
 
 mt_status mt_hf_detect(const mt_json* root, const char* path, const mt_hf_arch** out, mt_error* err) {
-    static const mt_hf_arch* const archs[] = {&mt_hf_gpt2_arch, &mt_hf_llama_arch};
+    static const mt_hf_arch* const archs[] = {&mt_hf_gpt2_arch, &mt_hf_llama_arch, &mt_hf_mixtral_arch,
+                                              &mt_hf_qwen3_moe_arch};
     const mt_json* type = mt_json_get(root, "model_type");
     const mt_json* list = mt_json_get(root, "architectures");
     const char* t = type && type->type == MT_JSON_STRING ? type->string : NULL;
     const char* a = list && list->type == MT_JSON_ARRAY && list->count > 0 && list->items[0].type == MT_JSON_STRING
                         ? list->items[0].string : NULL;
     const mt_hf_arch *by_type = NULL, *by_name = NULL;
-    for (int i = 0; i < 2; i++) {
+    for (size_t i = 0; i < sizeof(archs) / sizeof(archs[0]); i++) {
         if (t && !strcmp(t, archs[i]->model_type)) by_type = archs[i];
         if (a && !strcmp(a, archs[i]->name)) by_name = archs[i];
     }
@@ -232,7 +243,8 @@ mt_status mt_hf_detect(const mt_json* root, const char* path, const mt_hf_arch**
         return mt_fail(err, MT_ERR_FORMAT, "%s: model_type \"%s\" and architectures[0] \"%s\" disagree", path, t, a);
     if (*out) return MT_OK;
     return mt_fail(err, MT_ERR_FORMAT, "%s: model_type %s%s%s%s%s%s is not supported: only GPT-2 (GPT2LMHeadModel, "
-                   "model_type \"gpt2\") and Llama (LlamaForCausalLM, \"llama\") checkpoints convert", path,
+                   "model_type \"gpt2\"), Llama (LlamaForCausalLM, \"llama\"), Mixtral (MixtralForCausalLM, \"mixtral\") "
+                   "and Qwen3-MoE (Qwen3MoeForCausalLM, \"qwen3_moe\") checkpoints convert", path,
                    t ? "\"" : "", t ? t : "missing", t ? "\"" : "", a ? " (architectures[0] \"" : "", a ? a : "",
                    a ? "\")" : "");
 }
@@ -248,12 +260,19 @@ mt_status mt_hf_arch_for_config(const mt_config* c, const mt_hf_arch** out, mt_e
     if (c->squared_relu)
         return mt_fail(err, MT_ERR_CONFIG, "the model's MLP uses squared ReLU (--squared-relu): neither GPT-2 nor Llama "
                        "in transformers has that activation, so it cannot be exported to them");
+    if (c->num_experts > 0) { /* mixture of experts: Mixtral, or Qwen3-MoE with the query and key norms */
+        if (ln || !rope || bias || !glu)
+            return mt_fail(err, MT_ERR_CONFIG, "the MoE model (%s, %s, %s positions, %s linear biases) is not a Mixtral "
+                           "or Qwen3-MoE (RMSNorm, SwiGLU experts, rope, no biases): transformers has no class to export "
+                           "it to", ln ? "LayerNorm" : "RMSNorm", glu ? "SwiGLU" : "GELU",
+                           learned ? "learned" : rope ? "rope" : "no", bias ? "with" : "no");
+        *out = c->qk_layernorm ? &mt_hf_qwen3_moe_arch : &mt_hf_mixtral_arch;
+        return MT_OK;
+    }
     if (c->qk_layernorm)
         return mt_fail(err, MT_ERR_CONFIG, "the model normalises its queries and keys (--qk-layernorm): neither GPT-2 "
-                       "nor Llama in transformers has those norms, so it cannot be exported to them");
-    if (mt_moe_num_layers(c) > 0)
-        return mt_fail(err, MT_ERR_CONFIG, "the model is a mixture of experts (--num-experts %d): export to Hugging Face "
-                       "(Mixtral, Qwen3-MoE) is not built yet", c->num_experts);
+                       "nor Llama in transformers has those norms, so it cannot be exported to them (with experts it "
+                       "would be a Qwen3-MoE)");
     if (ln && learned && bias && !glu && !untied) *out = &mt_hf_gpt2_arch;
     else if (!ln && rope && !bias && glu) *out = &mt_hf_llama_arch;
     else
@@ -277,8 +296,14 @@ int64_t mt_hf_qkv_index(const mt_config* c, int64_t r) {
 int64_t mt_hf_param_offset(const mt_config* c, int kind, int layer) {
     mt_param_info info[MT_NUM_PARAM_TENSORS];
     mt_param_layout(c, info);
-    int per_layer = mt_param_per_layer(kind);
-    return info[kind].offset + (per_layer ? (int64_t)layer * (info[kind].numel / c->num_layers) : 0);
+    if (!mt_param_per_layer(kind)) return info[kind].offset;
+    int64_t holders = 0, before = 0; /* the layers stacked in the tensor, and those of them before `layer` */
+    for (int l = 0; l < c->num_layers; l++)
+        if (mt_param_layer_has(c, kind, l)) {
+            holders++;
+            before += l < layer;
+        }
+    return info[kind].offset + (holders ? before * (info[kind].numel / holders) : 0);
 }
 
 /* word embeddings / output layer: the first V rows; on import the padded rows are zeroed */
@@ -705,11 +730,12 @@ mt_status mt_hf_checkpoint_read(const char* dir, int64_t iteration, int no_verif
 
 /* The architectures, after the shared implementation, whose helpers theirs use. Outside the guard,
  * so that a later include with MT_HF_IMPLEMENTATION brings their implementations too; not while
- * hf_gpt2.h or hf_llama.h is including this header (they include it first), so that each of them is
+ * hf_gpt2.h, hf_llama.h or hf_moe.h is including this header (they include it first), so that each of them is
  * read once, in this order, whichever header the program includes. */
 #ifndef MT_HF_CHECKPOINT_INCLUDING_ARCHS
 #define MT_HF_CHECKPOINT_INCLUDING_ARCHS
 #include "hf_gpt2.h"
 #include "hf_llama.h"
+#include "hf_moe.h"
 #undef MT_HF_CHECKPOINT_INCLUDING_ARCHS
 #endif

@@ -65,8 +65,9 @@ void mt_hf_llama_import_tensor(const mt_config* cfg, int64_t vocab_size, const m
 extern "C" {
 #endif
 
-/* rope_theta and the scaling: rope_parameters (transformers 5) or rope_theta + rope_scaling (4). */
-static mt_status mt_hf_llama__rope(const mt_json* root, const char* path, mt_config* c, mt_error* err) {
+/* rope_theta (absent: theta, the class's default) and the scaling: rope_parameters (transformers 5) or
+ * rope_theta + rope_scaling (4). */
+static mt_status mt_hf_llama__rope(const mt_json* root, const char* path, double theta, mt_config* c, mt_error* err) {
     const mt_json* obj = mt_json_get(root, "rope_parameters");
     const char* what = "rope_parameters";
     int modern = obj && obj->type != MT_JSON_NULL;
@@ -77,7 +78,7 @@ static mt_status mt_hf_llama__rope(const mt_json* root, const char* path, mt_con
     }
     if (obj && obj->type != MT_JSON_OBJECT) return mt_fail(err, MT_ERR_FORMAT, "%s: \"%s\" is not an object", path, what);
     double partial = 1.0;
-    mt_status s = mt_hf__number_field(root, "rope_theta", 10000.0, &c->rotary_base, path, err);
+    mt_status s = mt_hf__number_field(root, "rope_theta", theta, &c->rotary_base, path, err);
     if (s == MT_OK && modern) s = mt_hf__number_field(obj, "rope_theta", c->rotary_base, &c->rotary_base, path, err);
     if (s == MT_OK) s = mt_hf__number_field(root, "partial_rotary_factor", 1.0, &partial, path, err);
     if (s == MT_OK && obj) s = mt_hf__number_field(obj, "partial_rotary_factor", partial, &partial, path, err);
@@ -106,13 +107,23 @@ static mt_status mt_hf_llama__rope(const mt_json* root, const char* path, mt_con
     return MT_OK;
 }
 
-static mt_status mt_hf_llama__read_config(const mt_json* root, const char* path, mt_config* c, int* head_required,
-                                          mt_error* err) {
+/* The fields the Llama family shares (LlamaForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM), an
+ * absent one taking the class's default (def): shape, hidden_act "silu", no attention or MLP biases, the
+ * tied head, rms_norm_eps, RoPE. Fills c (from mt_config_defaults) with the Llama flavour: RMSNorm, SwiGLU,
+ * rope, GQA, no linear biases; ffn_hidden_size = intermediate_size. Not finalized. */
+typedef struct {
+    int64_t layers, hidden, intermediate, heads, kv_heads /* 0: = heads */, positions, vocab;
+    double eps, theta;
+} mt_hf_llama_defaults;
+
+static mt_status mt_hf_llama__read_common(const mt_json* root, const char* path, const mt_hf_llama_defaults* def,
+                                          mt_config* c, mt_error* err) {
     int64_t L, h, f, n, g, d, P, V;
-    struct { const char* key; int64_t def; int null_ok; int64_t* out; } ints[8] = { /* LlamaConfig's defaults */
-        {"num_hidden_layers", 32, 0, &L}, {"hidden_size", 4096, 0, &h}, {"intermediate_size", 11008, 0, &f},
-        {"num_attention_heads", 32, 0, &n}, {"num_key_value_heads", 0, 1, &g}, {"head_dim", 0, 1, &d},
-        {"max_position_embeddings", 2048, 0, &P}, {"vocab_size", 32000, 0, &V}};
+    struct { const char* key; int64_t def; int null_ok; int64_t* out; } ints[8] = {
+        {"num_hidden_layers", def->layers, 0, &L}, {"hidden_size", def->hidden, 0, &h},
+        {"intermediate_size", def->intermediate, 0, &f}, {"num_attention_heads", def->heads, 0, &n},
+        {"num_key_value_heads", def->kv_heads, 1, &g}, {"head_dim", 0, 1, &d},
+        {"max_position_embeddings", def->positions, 0, &P}, {"vocab_size", def->vocab, 0, &V}};
     mt_status s = MT_OK;
     for (int i = 0; s == MT_OK && i < 8; i++)
         s = mt_hf__int_field(root, ints[i].key, ints[i].def, 1, i == 0 ? MT_HF_MAX_LAYERS : (int64_t)1 << (i == 7 ? 31 : 30),
@@ -129,20 +140,20 @@ static mt_status mt_hf_llama__read_config(const mt_json* root, const char* path,
                        (long long)n, (long long)g);
     const char* act = mt_hf__string_field(root, "hidden_act", "silu");
     if (strcmp(act, "silu") != 0)
-        return mt_fail(err, MT_ERR_CONFIG, "%s: hidden_act \"%s\" is not supported: megatron.c's Llama MLP is SwiGLU "
-                       "(\"silu\")", path, act);
+        return mt_fail(err, MT_ERR_CONFIG, "%s: hidden_act \"%s\" is not supported: megatron.c's Llama-family MLP is "
+                       "SwiGLU (\"silu\")", path, act);
     static const char* const biases[2] = {"attention_bias", "mlp_bias"};
     int flag = 0, tie = 0;
     for (int k = 0; k < 2; k++) {
         if ((s = mt_hf__bool_field(root, biases[k], 0, &flag, path, err)) != MT_OK) return s;
         if (flag)
-            return mt_fail(err, MT_ERR_CONFIG, "%s: %s true is not supported: megatron.c's Llama has no linear biases",
-                           path, biases[k]);
+            return mt_fail(err, MT_ERR_CONFIG, "%s: %s true is not supported: megatron.c's Llama family has no linear "
+                           "biases", path, biases[k]);
     }
     if ((s = mt_hf__bool_field(root, "tie_word_embeddings", 0, &tie, path, err)) != MT_OK) return s;
     mt_config_defaults(c);
-    if ((s = mt_hf__number_field(root, "rms_norm_eps", 1e-6, &c->norm_epsilon, path, err)) != MT_OK) return s;
-    if ((s = mt_hf_llama__rope(root, path, c, err)) != MT_OK) return s;
+    if ((s = mt_hf__number_field(root, "rms_norm_eps", def->eps, &c->norm_epsilon, path, err)) != MT_OK) return s;
+    if ((s = mt_hf_llama__rope(root, path, def->theta, c, err)) != MT_OK) return s;
     c->num_layers = (int)L;
     c->hidden_size = (int)h;
     c->num_attention_heads = (int)n;
@@ -160,10 +171,22 @@ static mt_status mt_hf_llama__read_config(const mt_json* root, const char* path,
     c->train_iters = 1;
     c->lr = 1e-4;
     c->micro_batch_size = 1;
-    *head_required = 0;
+    return MT_OK;
+}
+
+/* mt_config_finalize of an imported config, its message prefixed with config.json's path. */
+static mt_status mt_hf_llama__finalize(const char* path, mt_config* c, mt_error* err) {
     mt_error inner;
-    s = mt_config_finalize(c, &inner);
+    mt_status s = mt_config_finalize(c, &inner);
     return s == MT_OK ? s : mt_fail(err, s, "%s: %s", path, inner.message);
+}
+
+static mt_status mt_hf_llama__read_config(const mt_json* root, const char* path, mt_config* c, int* head_required,
+                                          mt_error* err) {
+    static const mt_hf_llama_defaults llama = {32, 4096, 11008, 32, 0, 2048, 32000, 1e-6, 10000.0}; /* LlamaConfig's */
+    *head_required = 0;
+    mt_status s = mt_hf_llama__read_common(root, path, &llama, c, err);
+    return s == MT_OK ? mt_hf_llama__finalize(path, c, err) : s;
 }
 
 mt_status mt_hf_llama_check(const mt_config* c, int64_t vocab_size, mt_error* err) {
@@ -179,16 +202,22 @@ mt_status mt_hf_llama_check(const mt_config* c, int64_t vocab_size, mt_error* er
     return MT_OK;
 }
 
-static int mt_hf_llama__write_config(FILE* f, const mt_config* c, int64_t vocab_size, const char* torch_dtype) {
-    char eps[64], theta[64], factor[64], scaling[400];
-    mt_hf__double(eps, sizeof(eps), c->norm_epsilon, 1);
-    mt_hf__double(theta, sizeof(theta), c->rotary_base, 1);
+/* config.json's rms_norm_eps, rope_theta and rope_scaling values (transformers 4's form, which 5 reads too). */
+static void mt_hf_llama__norm_rope_text(const mt_config* c, char eps[64], char theta[64], char scaling[400]) {
+    char factor[64];
+    mt_hf__double(eps, 64, c->norm_epsilon, 1);
+    mt_hf__double(theta, 64, c->rotary_base, 1);
     mt_hf__double(factor, sizeof(factor), c->rope_scaling_factor, 1);
     if (c->use_rope_scaling)
-        snprintf(scaling, sizeof(scaling),
+        snprintf(scaling, 400,
                  "{\n    \"factor\": %s,\n    \"high_freq_factor\": 4.0,\n    \"low_freq_factor\": 1.0,\n"
                  "    \"original_max_position_embeddings\": 8192,\n    \"rope_type\": \"llama3\"\n  }", factor);
-    else snprintf(scaling, sizeof(scaling), "null");
+    else snprintf(scaling, 400, "null");
+}
+
+static int mt_hf_llama__write_config(FILE* f, const mt_config* c, int64_t vocab_size, const char* torch_dtype) {
+    char eps[64], theta[64], scaling[400];
+    mt_hf_llama__norm_rope_text(c, eps, theta, scaling);
     return fprintf(f,
                    "{\n"
                    "  \"architectures\": [\n    \"LlamaForCausalLM\"\n  ],\n"

@@ -89,7 +89,7 @@
     "}\n"
 
 /* the companions: tokenizer names and the JSONL reader, a safetensors round trip, the HF
- * architectures (hf_gpt2.h, hf_llama.h) and a megatron.c checkpoint written and read back */
+ * architectures (hf_gpt2.h, hf_llama.h, hf_moe.h) and a megatron.c checkpoint written and read back */
 #define TH_CHECK_COMPANIONS                                                                        \
     "static int check_companions(void) {\n"                                                        \
     "    mt_error err;\n"                                                                          \
@@ -371,7 +371,7 @@ static test_result test_header_alone_each_idiom(void) {
 static test_result test_header_with_companions_each_idiom(void) {
     static const char* const files[] = {"megatron.h",          "prepro/tokenizer.h",     "prepro/unicode_tables.h",
                                         "prepro/safetensors.h", "prepro/hf_checkpoint.h", "prepro/hf_gpt2.h",
-                                        "prepro/hf_llama.h"};
+                                        "prepro/hf_llama.h",   "prepro/hf_moe.h"};
     char dir[256];
     test_result r = th_prepare(dir, sizeof(dir), files, (int)(sizeof(files) / sizeof(files[0])));
     if (r != TEST_PASS) return r;

@@ -13,9 +13,15 @@
  * (every tensor checked in place against an independent statement of Megatron's grouped QKV and
  * [gate; up] layouts, the header's flavour words), exported back bitwise with config.json's fields,
  * and every unsupported config.json or weight file is refused with its one-line message; weights that
- * hold a NaN or an infinity are refused naming file, tensor and index. GPU tests:
- * GPT-2 and Llama checkpoints written by the converter load into the trainer (same bytes back) and
- * their logits equal a forward written the way transformers computes it.
+ * hold a NaN or an infinity are refused naming file, tensor and index. Mixtral and Qwen3-MoE
+ * (prepro/hf_moe.h): the mapping both ways bitwise, tiny directories written here imported (every
+ * expert, router and q/k norm tensor in place against an independent statement of our layout, the MoE
+ * config) and exported back bitwise with config.json's fields, every refusal (sliding window, jitter,
+ * dense layers, shared experts, biases; routers transformers cannot hold; convert_hf --export without
+ * --moe-router-topk). GPU tests: GPT-2 and Llama checkpoints written by the converter load into the
+ * trainer (same bytes back) and their logits equal a forward written the way transformers computes it;
+ * transformers' own tiny Mixtral and Qwen3-MoE models (dev/hf_moe_check.py --write) give the trainer's
+ * logits transformers' float64 ones (skipped without python's transformers).
  *
  * Files go to /tmp/mt_test_hf_<pid>_*, removed at the end. Run from the repository root. */
 #ifndef MT_TEST_HF_H
@@ -949,7 +955,7 @@ typedef struct {
 } thf_tensor;
 typedef struct {
     int count;
-    thf_tensor t[64];
+    thf_tensor t[80];
 } thf_model;
 
 /* LlamaForCausalLM's tensors with random values, in its state-dict order */
@@ -1003,7 +1009,7 @@ static mt_status thf_write_model(const char* dir, const thf_model* m, const char
                                  mt_error* err) {
     char path[600];
     snprintf(path, sizeof(path), "%s/model.safetensors", dir);
-    mt_st_write_tensor wt[66];
+    mt_st_write_tensor wt[82];
     int k = 0;
     memset(wt, 0, sizeof(wt));
     for (int i = m->count - 1; i >= 0; i--) {
@@ -1590,6 +1596,475 @@ static void thf_llama_forward(const thf_llama_spec* s, const thf_model* m, doubl
     free(x); free(a); free(q); free(k); free(v); free(o); free(z); free(sc); free(inv);
 }
 
+/* ---- Mixtral and Qwen3-MoE: directories written here, tensor by tensor, independently of the mapping */
+
+typedef struct {
+    int qwen;                   /* Qwen3MoeForCausalLM (q_norm / k_norm, mlp.*) or MixtralForCausalLM */
+    int L, h, n, g, d, ffn, fe, E, k, V, P, tied, norm_topk;
+    double coef;                /* router_aux_loss_coef */
+} thf_moe_spec;
+/* Mixtral: GQA, head_dim = hidden / heads, 4 experts of width 48 (= intermediate_size), top-2, untied */
+static const thf_moe_spec thf_mixtral = {0, 2, 64, 4, 2, 16, 48, 48, 4, 2, 100, 32, 0, 1, 0.02};
+/* Qwen3-MoE: head_dim 24 != hidden / heads, 6 experts of width 40, intermediate_size 96 (the dense MLP's),
+ * top-3 of softmax over all experts (norm_topk_prob false), tied */
+static const thf_moe_spec thf_qwen3 = {1, 2, 64, 4, 2, 24, 96, 40, 6, 3, 100, 32, 1, 0, 0.001};
+
+/* The class's tensors with random values, in its state-dict order. */
+static void thf_moe_tensors(const thf_moe_spec* s, thf_model* m) {
+    memset(m, 0, sizeof(*m));
+    const int64_t nd = (int64_t)s->n * s->d, gd = (int64_t)s->g * s->d;
+    const char* moe = s->qwen ? "mlp" : "block_sparse_moe";
+    const char* ex[3] = {s->qwen ? "gate_proj" : "w1", s->qwen ? "up_proj" : "w2", s->qwen ? "down_proj" : "w3"};
+#define THF_ADD(rows, cols, ...)                                                    \
+    do {                                                                            \
+        thf_tensor* t_ = &m->t[m->count++];                                         \
+        snprintf(t_->name, sizeof(t_->name), __VA_ARGS__);                          \
+        t_->ndim = (cols) ? 2 : 1;                                                  \
+        t_->shape[0] = (rows);                                                      \
+        t_->shape[1] = (cols);                                                      \
+        t_->numel = t_->shape[0] * ((cols) ? (cols) : 1);                           \
+        t_->data = (float*)malloc(sizeof(float) * (size_t)t_->numel);               \
+        for (int64_t e_ = 0; e_ < t_->numel; e_++) t_->data[e_] = thf_uniform();    \
+    } while (0)
+    THF_ADD(s->V, s->h, "model.embed_tokens.weight");
+    for (int l = 0; l < s->L; l++) {
+        THF_ADD(nd, s->h, "model.layers.%d.self_attn.q_proj.weight", l);
+        THF_ADD(gd, s->h, "model.layers.%d.self_attn.k_proj.weight", l);
+        THF_ADD(gd, s->h, "model.layers.%d.self_attn.v_proj.weight", l);
+        THF_ADD(s->h, nd, "model.layers.%d.self_attn.o_proj.weight", l);
+        if (s->qwen) {
+            THF_ADD(s->d, 0, "model.layers.%d.self_attn.q_norm.weight", l);
+            THF_ADD(s->d, 0, "model.layers.%d.self_attn.k_norm.weight", l);
+        }
+        THF_ADD(s->E, s->h, "model.layers.%d.%s.gate.weight", l, moe);
+        for (int e = 0; e < s->E; e++)
+            for (int j = 0; j < 3; j++) { /* Mixtral: w1, w2, w3; Qwen3-MoE: gate, up, down */
+                int down = s->qwen ? j == 2 : j == 1;
+                THF_ADD(down ? s->h : s->fe, down ? s->fe : s->h, "model.layers.%d.%s.experts.%d.%s.weight", l, moe, e, ex[j]);
+            }
+        THF_ADD(s->h, 0, "model.layers.%d.input_layernorm.weight", l);
+        THF_ADD(s->h, 0, "model.layers.%d.post_attention_layernorm.weight", l);
+    }
+    THF_ADD(s->h, 0, "model.norm.weight");
+    if (!s->tied) THF_ADD(s->V, s->h, "lm_head.weight");
+#undef THF_ADD
+}
+
+/* config.json as transformers 4.51 writes it (the fields the classes read) */
+static void thf_moe_config_text(char* buf, size_t cap, const thf_moe_spec* s, const char* extra) {
+    size_t n = (size_t)snprintf(buf, cap,
+                                "{\"architectures\": [\"%s\"], \"model_type\": \"%s\", \"hidden_size\": %d, "
+                                "\"num_hidden_layers\": %d, \"num_attention_heads\": %d, \"num_key_value_heads\": %d, "
+                                "\"head_dim\": %d, \"max_position_embeddings\": %d, \"vocab_size\": %d, "
+                                "\"tie_word_embeddings\": %s, \"hidden_act\": \"silu\", \"num_experts_per_tok\": %d, "
+                                "\"router_aux_loss_coef\": %g, \"output_router_logits\": false, \"rope_scaling\": null, "
+                                "\"sliding_window\": null",
+                                s->qwen ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM", s->qwen ? "qwen3_moe" : "mixtral",
+                                s->h, s->L, s->n, s->g, s->d, s->P, s->V, s->tied ? "true" : "false", s->k, s->coef);
+    if (s->qwen)
+        n += (size_t)snprintf(buf + n, cap - n,
+                              ", \"intermediate_size\": %d, \"moe_intermediate_size\": %d, \"num_experts\": %d, "
+                              "\"norm_topk_prob\": %s, \"decoder_sparse_step\": 1, \"mlp_only_layers\": [], "
+                              "\"use_sliding_window\": false, \"attention_bias\": false, \"rms_norm_eps\": 1e-06, "
+                              "\"rope_theta\": 10000.0",
+                              s->ffn, s->fe, s->E, s->norm_topk ? "true" : "false");
+    else
+        n += (size_t)snprintf(buf + n, cap - n,
+                              ", \"intermediate_size\": %d, \"num_local_experts\": %d, \"router_jitter_noise\": 0.0, "
+                              "\"rms_norm_eps\": 1e-05, \"rope_theta\": 1000000.0",
+                              s->fe, s->E);
+    snprintf(buf + n, cap - n, "%s}", extra);
+}
+
+/* Every HF tensor is where our layout puts it, stated here on its own: Megatron's grouped QKV rows; the
+ * router [L, E, h]; expert e's fc1 rows [gate (w1 / gate_proj); up (w3 / up_proj)] of [L, E, 2fe, h];
+ * its fc2 [L, E, h, fe] = w2 / down_proj; q_norm / k_norm [L, d]; zero padded vocabulary rows. */
+static test_result thf_moe_check_params(const thf_moe_spec* s, const thf_model* m, const mt_config* c, const float* p) {
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    int64_t total = mt_param_layout(c, info);
+    const int64_t h = s->h, d = s->d, fe = s->fe, E = s->E, nd = (int64_t)s->n * d, per = s->n / s->g * d + 2 * d;
+    const int64_t R = (int64_t)(s->n + 2 * s->g) * d, Vp = 128;
+    int64_t want_total = Vp * h * (s->tied ? 1 : 2) + h +
+                         s->L * (2 * h + R * h + h * nd + E * h + E * 3 * fe * h + (s->qwen ? 2 * d : 0));
+    EXPECT(total == want_total && total == mt_num_parameters(c), "parameters %lld, want %lld", (long long)total,
+           (long long)want_total);
+    EXPECT(info[MT_P_FC1_WEIGHT].numel == 0 && info[MT_P_FC2_WEIGHT].numel == 0 && info[MT_P_ROUTER_BIAS].numel == 0 &&
+               info[MT_P_SHARED_FC1_WEIGHT].numel == 0, "dense MLP, router bias or shared expert present");
+    char name[160];
+    const char* moe = s->qwen ? "mlp" : "block_sparse_moe";
+    for (int out = 0; out < 2 - s->tied; out++) {
+        const thf_tensor* t = thf_model_find(m, out ? "lm_head.weight" : "model.embed_tokens.weight");
+        const float* w = p + info[out ? MT_P_OUTPUT_WEIGHT : MT_P_WORD_EMBEDDINGS].offset;
+        for (int64_t e = 0; e < Vp * h; e++)
+            EXPECT(w[e] == (e < s->V * h ? t->data[e] : 0.0f), "%s element %lld", t->name, (long long)e);
+    }
+    for (int l = 0; l < s->L; l++) {
+        const float* qkv = p + info[MT_P_QKV_WEIGHT].offset + l * R * h;
+        const thf_tensor* part[3];
+        const char* parts[3] = {"q_proj", "k_proj", "v_proj"};
+        for (int k = 0; k < 3; k++) {
+            snprintf(name, sizeof(name), "model.layers.%d.self_attn.%s.weight", l, parts[k]);
+            part[k] = thf_model_find(m, name);
+        }
+        for (int j = 0; j < s->g; j++)
+            for (int64_t w = 0; w < per; w++) {
+                int64_t q_rows = s->n / s->g * d;
+                const float* src = w < q_rows ? part[0]->data + (j * q_rows + w) * h
+                                 : w < q_rows + d ? part[1]->data + (j * d + w - q_rows) * h
+                                                  : part[2]->data + (j * d + w - q_rows - d) * h;
+                EXPECT(!memcmp(qkv + (j * per + w) * h, src, sizeof(float) * (size_t)h), "layer %d group %d qkv row %lld", l,
+                       j, (long long)w);
+            }
+        struct { char hf[96]; int kind; int64_t numel, at; } plain[6 + 3 * 8];
+        int np = 0;
+#define THF_PLAIN(kind_, numel_, at_, ...)                                              \
+    do {                                                                                \
+        snprintf(plain[np].hf, sizeof(plain[np].hf), __VA_ARGS__);                      \
+        plain[np].kind = (kind_);                                                       \
+        plain[np].numel = (numel_);                                                     \
+        plain[np++].at = (at_);                                                         \
+    } while (0)
+        THF_PLAIN(MT_P_PROJ_WEIGHT, h * nd, l * h * nd, "self_attn.o_proj");
+        THF_PLAIN(MT_P_LN1_WEIGHT, h, l * h, "input_layernorm");
+        THF_PLAIN(MT_P_LN2_WEIGHT, h, l * h, "post_attention_layernorm");
+        THF_PLAIN(MT_P_ROUTER_WEIGHT, E * h, l * E * h, "%s.gate", moe);
+        if (s->qwen) {
+            THF_PLAIN(MT_P_Q_LAYERNORM_WEIGHT, d, l * d, "self_attn.q_norm");
+            THF_PLAIN(MT_P_K_LAYERNORM_WEIGHT, d, l * d, "self_attn.k_norm");
+        }
+        for (int e = 0; e < E && e < 8; e++) {
+            const int64_t fc1 = ((int64_t)l * E + e) * 2 * fe * h, fc2 = ((int64_t)l * E + e) * h * fe;
+            THF_PLAIN(MT_P_EXPERT_FC1_WEIGHT, fe * h, fc1, "%s.experts.%d.%s", moe, e, s->qwen ? "gate_proj" : "w1");
+            THF_PLAIN(MT_P_EXPERT_FC1_WEIGHT, fe * h, fc1 + fe * h, "%s.experts.%d.%s", moe, e, s->qwen ? "up_proj" : "w3");
+            THF_PLAIN(MT_P_EXPERT_FC2_WEIGHT, h * fe, fc2, "%s.experts.%d.%s", moe, e, s->qwen ? "down_proj" : "w2");
+        }
+#undef THF_PLAIN
+        for (int k = 0; k < np; k++) {
+            snprintf(name, sizeof(name), "model.layers.%d.%.96s.weight", l, plain[k].hf);
+            const thf_tensor* t = thf_model_find(m, name);
+            EXPECT(t && t->numel == plain[k].numel, "%s", name);
+            EXPECT(!memcmp(p + info[plain[k].kind].offset + plain[k].at, t->data, sizeof(float) * (size_t)plain[k].numel),
+                   "%s not in place", name);
+        }
+    }
+    EXPECT(!memcmp(p + info[MT_P_FINAL_LN_WEIGHT].offset, thf_model_find(m, "model.norm.weight")->data, sizeof(float) * (size_t)h),
+           "model.norm.weight");
+    return TEST_PASS;
+}
+
+/* Mixtral (GQA, untied) and Qwen3-MoE (head_dim != hidden / heads, pre-softmax, tied) directories: import
+ * (config and every tensor in place), checkpoint (the MoE header words), export with the router's
+ * settings given as convert_hf gives them: the original tensors bitwise, config.json's fields, load(export)
+ * = import; a bf16 and a sharded export load back. */
+static test_result test_hf_moe_directories(void) {
+    const thf_moe_spec* specs[2] = {&thf_mixtral, &thf_qwen3};
+    for (int k = 0; k < 2; k++) {
+        const thf_moe_spec* s = specs[k];
+        char root[256], hf_dir[300], ck_dir[300], out_dir[300], sh_dir[300], path[400], text[4096];
+        thf_path(root, sizeof(root), k ? "qwen3_moe" : "mixtral");
+        thf_remove(root);
+        snprintf(hf_dir, sizeof(hf_dir), "%s/hf", root);
+        snprintf(ck_dir, sizeof(ck_dir), "%s/ckpt", root);
+        snprintf(out_dir, sizeof(out_dir), "%s/out", root);
+        snprintf(sh_dir, sizeof(sh_dir), "%s/sharded", root);
+        thf_model m;
+        thf_moe_tensors(s, &m);
+        mt_error err;
+        EXPECT(mt_make_directories(hf_dir) == 0, "mkdir");
+        thf_moe_config_text(text, sizeof(text), s, "");
+        EXPECT(thf_write_text(hf_dir, "config.json", text) == 0, "write config");
+        EXPECT_OK(thf_write_model(hf_dir, &m, NULL, NULL, &err), &err);
+
+        mt_config c;
+        float* p = NULL;
+        const mt_hf_arch* arch = NULL;
+        EXPECT_OK(mt_hf_load(hf_dir, &c, &p, &arch, &err), &err);
+        EXPECT(arch == (s->qwen ? &mt_hf_qwen3_moe_arch : &mt_hf_mixtral_arch), "detected %s", arch->name);
+        EXPECT(c.num_layers == s->L && c.hidden_size == s->h && c.num_attention_heads == s->n && c.num_query_groups == s->g &&
+                   c.kv_channels == s->d && c.ffn_hidden_size == s->ffn && c.max_position_embeddings == s->P &&
+                   c.vocab_size == s->V && c.normalization == MT_NORM_RMSNORM && c.swiglu && !c.add_bias_linear &&
+                   c.position_embedding_type == MT_POSITION_ROPE && c.untie_embeddings_and_output_weights == !s->tied &&
+                   c.rotary_base == (s->qwen ? 10000.0 : 1e6) && c.norm_epsilon == (s->qwen ? 1e-6 : 1e-5),
+               "shape and flavour from config.json");
+        EXPECT(c.num_experts == s->E && c.moe_router_topk == s->k && mt_moe_ffn(&c) == s->fe &&
+                   mt_moe_num_layers(&c) == s->L && c.moe_router_pre_softmax == !s->norm_topk && !c.moe_router_score_sigmoid &&
+                   c.qk_layernorm == s->qwen && c.moe_load_balancing == MT_MOE_AUX_LOSS && c.moe_aux_loss_coeff[0] == s->coef &&
+                   c.moe_shared_expert_intermediate_size == 0, "MoE settings from config.json");
+        if (thf_moe_check_params(s, &m, &c, p) != TEST_PASS) return TEST_FAIL;
+        const int64_t n = mt_num_parameters(&c);
+
+        /* the checkpoint: the MoE words; read back, the router's settings are not in it */
+        EXPECT_OK(mt_hf_checkpoint_write(ck_dir, &c, p, 0, &err), &err);
+        mt_config c2;
+        float* q = NULL;
+        int64_t header[64];
+        EXPECT_OK(mt_hf_checkpoint_read(ck_dir, -1, 0, &c2, &q, header, NULL, &err), &err);
+        EXPECT(header[MT_CK_NUM_EXPERTS] == s->E && header[MT_CK_MOE_FFN] == s->fe && header[MT_CK_MOE_LAYERS] == s->L &&
+                   header[MT_CK_QK_LAYERNORM] == s->qwen && header[MT_CK_MOE_SHARED] == 0, "MoE header words");
+        EXPECT(c2.num_experts == s->E && mt_moe_ffn(&c2) == s->fe && c2.qk_layernorm == s->qwen &&
+                   mt_moe_num_layers(&c2) == s->L && !memcmp(p, q, sizeof(float) * (size_t)n), "checkpoint read back");
+        /* what convert_hf --export --moe-router-topk K [--moe-router-pre-softmax] --moe-aux-loss-coeff C sets */
+        c2.moe_router_topk = s->k;
+        c2.moe_router_pre_softmax = !s->norm_topk;
+        c2.moe_aux_loss_coeff[0] = s->coef;
+        EXPECT_OK(mt_hf_save(out_dir, &c2, q, header[MT_CK_TRUE_VOCAB], MT_ST_F32, 0, &err), &err);
+        if (thf_same_tensors(out_dir, &m) != TEST_PASS) return TEST_FAIL;
+        mt_json* cj = NULL;
+        if (thf_config_roundtrip(text, out_dir, &cj) != TEST_PASS) return TEST_FAIL;
+        mt_json_free(cj);
+        float* r = NULL;
+        EXPECT_OK(mt_hf_load(out_dir, &c2, &r, NULL, &err), &err);
+        EXPECT(!memcmp(p, r, sizeof(float) * (size_t)n) && c2.moe_router_topk == s->k, "load(export) != import");
+        free(r);
+        /* bfloat16: the rounded parameters; sharded: the same parameters through the index */
+        EXPECT_OK(mt_hf_save(out_dir, &c, p, s->V, MT_ST_BF16, 0, &err), &err);
+        EXPECT_OK(mt_hf_load(out_dir, &c2, &r, NULL, &err), &err);
+        for (int64_t i = 0; i < n; i++) EXPECT(r[i] == mt_st_bf16_to_f32(mt_st_f32_to_bf16(p[i])), "bf16 element %lld", (long long)i);
+        free(r);
+        EXPECT_OK(mt_hf_save(sh_dir, &c, p, s->V, MT_ST_F32, 20000, &err), &err);
+        snprintf(path, sizeof(path), "%s/model.safetensors.index.json", sh_dir);
+        EXPECT(access(path, F_OK) == 0, "no index");
+        EXPECT_OK(mt_hf_load(sh_dir, &c2, &r, NULL, &err), &err);
+        EXPECT(!memcmp(p, r, sizeof(float) * (size_t)n), "sharded export loads differently");
+        free(r);
+        free(p);
+        free(q);
+        thf_model_free(&m);
+        thf_remove(root);
+    }
+    return TEST_PASS;
+}
+
+/* Canonical -> HF -> canonical and HF -> canonical -> HF are the identity, bitwise, for both classes. */
+static test_result test_hf_moe_mapping_roundtrip(void) {
+    for (int qwen = 0; qwen < 2; qwen++) {
+        mt_config c = test_config_sized(3, 64, 4, 32, 100);
+        test_config_attention(&c, 4, 2, qwen ? 24 : 16, 80);
+        test_config_llama(&c);
+        c.lr = 0;
+        c.num_experts = 5;
+        c.moe_router_topk = 2;
+        c.moe_ffn_hidden_size = 24;
+        c.qk_layernorm = qwen;
+        mt_error err;
+        EXPECT_OK(mt_config_finalize(&c, &err), &err);
+        const mt_hf_arch* arch = NULL;
+        EXPECT_OK(mt_hf_arch_for_config(&c, &arch, &err), &err);
+        EXPECT(arch == (qwen ? &mt_hf_qwen3_moe_arch : &mt_hf_mixtral_arch), "arch %s", arch->name);
+        const int per = (qwen ? 7 : 5) + 3 * 5 + 2, count = arch->num_tensors(&c);
+        EXPECT(count == 3 + 3 * per, "tensor count %d", count);
+        int64_t n = mt_num_parameters(&c), V = 100;
+        float* p = (float*)malloc(sizeof(float) * (size_t)n);
+        float* q = (float*)malloc(sizeof(float) * (size_t)n);
+        float* hf = (float*)malloc(sizeof(float) * (size_t)n);
+        float* hf2 = (float*)malloc(sizeof(float) * (size_t)n);
+        EXPECT(p && q && hf && hf2, "alloc");
+        mt_param_info info[MT_NUM_PARAM_TENSORS];
+        mt_param_layout(&c, info);
+        for (int64_t i = 0; i < n; i++) {
+            p[i] = thf_uniform();
+            q[i] = 12345.0f; /* every element must be overwritten */
+        }
+        for (int k = 0; k < 2; k++) /* padded rows: zero, as an import leaves them */
+            memset(p + info[k ? MT_P_OUTPUT_WEIGHT : MT_P_WORD_EMBEDDINGS].offset + V * 64, 0, sizeof(float) * 28 * 64);
+        int64_t total = 0;
+        for (int i = 0; i < count; i++) {
+            mt_hf_tensor t;
+            arch->tensor(&c, V, i, &t);
+            arch->export_tensor(&c, V, &t, p, hf + total);
+            arch->import_tensor(&c, V, &t, hf + total, q);
+            total += t.numel;
+        }
+        EXPECT(total == n - 2 * 28 * 64, "HF holds every parameter but the padding: %lld", (long long)total);
+        EXPECT(!memcmp(p, q, sizeof(float) * (size_t)n), "canonical -> HF -> canonical is not bitwise the identity");
+        total = 0;
+        for (int i = 0; i < count; i++) {
+            mt_hf_tensor t;
+            arch->tensor(&c, V, i, &t);
+            arch->export_tensor(&c, V, &t, q, hf2 + total);
+            total += t.numel;
+        }
+        EXPECT(!memcmp(hf, hf2, sizeof(float) * (size_t)total), "HF -> canonical -> HF is not bitwise the identity");
+        /* names, shapes, and the last layer's last expert's up rows where they belong */
+        mt_hf_tensor t;
+        const int up = 1 + 2 * per + (qwen ? 7 : 5) + 3 * 4 + (qwen ? 1 : 2);
+        arch->tensor(&c, V, up, &t);
+        char want[96];
+        snprintf(want, sizeof(want), "model.layers.2.%s.experts.4.%s.weight", qwen ? "mlp" : "block_sparse_moe",
+                 qwen ? "up_proj" : "w3");
+        EXPECT(!strcmp(t.name, want) && t.kind == MT_P_EXPERT_FC1_WEIGHT && t.part == 1 && t.expert == 4 && t.layer == 2 &&
+                   t.shape[0] == 24 && t.shape[1] == 64, "%s: %s", want, t.name);
+        float out[24 * 64];
+        arch->export_tensor(&c, V, &t, p, out);
+        EXPECT(!memcmp(out, p + info[MT_P_EXPERT_FC1_WEIGHT].offset + ((2 * 5 + 4) * 48 + 24) * 64, sizeof(out)),
+               "expert 4's up rows of layer 2");
+        arch->tensor(&c, V, 1 + per + (qwen ? 6 : 4), &t);
+        EXPECT(!strcmp(t.name, qwen ? "model.layers.1.mlp.gate.weight" : "model.layers.1.block_sparse_moe.gate.weight") &&
+                   t.kind == MT_P_ROUTER_WEIGHT && t.shape[0] == 5 && t.shape[1] == 64, "router: %s", t.name);
+        arch->tensor(&c, V, count - 1, &t);
+        EXPECT(!strcmp(t.name, "lm_head.weight") && t.kind == MT_P_OUTPUT_WEIGHT && t.shape[0] == 100, "lm_head: %s", t.name);
+        free(p);
+        free(q);
+        free(hf);
+        free(hf2);
+    }
+    return TEST_PASS;
+}
+
+/* What must be refused, on import and on export, each with one line naming the problem. */
+static test_result test_hf_moe_rejects(void) {
+    char root[256], dir[300], out[300], text[4096];
+    thf_path(root, sizeof(root), "moe_rejects");
+    thf_remove(root);
+    snprintf(dir, sizeof(dir), "%s/hf", root);
+    snprintf(out, sizeof(out), "%s/out", root);
+    mt_error err;
+    EXPECT(mt_make_directories(dir) == 0, "mkdir");
+    struct {
+        int qwen;
+        const char* extra;  /* config.json fields added at the end (a repeated key replaces nothing: keys are new) */
+        const char* skip;   /* a tensor left out */
+        mt_status status;
+        const char* words;
+    } cases[] = {
+        {0, ", \"max_window_layers\": 28, \"bos_token_id\": 1", NULL, MT_OK, ""},
+        {1, ", \"max_window_layers\": 28", NULL, MT_OK, ""},
+        {0, ", \"attention_bias\": true", NULL, MT_ERR_CONFIG, "attention_bias true is not supported"},
+        {1, ", \"shared_expert_intermediate_size\": 64", NULL, MT_ERR_CONFIG, "Qwen3-MoE has no shared expert"},
+        {1, ", \"num_local_experts\": 8", NULL, MT_ERR_FORMAT, "num_experts 6 and num_local_experts 8 disagree"},
+        {1, "", "model.layers.1.self_attn.k_norm.weight", MT_ERR_FORMAT, "tensor model.layers.1.self_attn.k_norm.weight is missing"},
+        {0, "", "model.layers.0.block_sparse_moe.experts.3.w2.weight", MT_ERR_FORMAT,
+         "tensor model.layers.0.block_sparse_moe.experts.3.w2.weight is missing"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        const thf_moe_spec* s = cases[i].qwen ? &thf_qwen3 : &thf_mixtral;
+        thf_model m;
+        thf_moe_tensors(s, &m);
+        thf_moe_config_text(text, sizeof(text), s, cases[i].extra);
+        EXPECT(thf_write_text(dir, "config.json", text) == 0, "write");
+        EXPECT_OK(thf_write_model(dir, &m, cases[i].skip, NULL, &err), &err);
+        mt_config c;
+        float* q = NULL;
+        err.message[0] = 0;
+        mt_status st = mt_hf_load(dir, &c, &q, NULL, &err);
+        EXPECT(st == cases[i].status && strstr(err.message, cases[i].words) && !strchr(err.message, '\n') &&
+                   (st == MT_OK) == (q != NULL), "case %zu (%s): %s: %s", i, cases[i].extra, mt_status_name(st), err.message);
+        if (st == MT_OK) EXPECT(thf_moe_check_params(s, &m, &c, q) == TEST_PASS, "case %zu", i);
+        free(q);
+        thf_model_free(&m);
+    }
+    /* config.json values that replace the written ones: the writer's text with one field's value changed */
+    struct { int qwen; const char* key; const char* value; mt_status status; const char* words; } values[] = {
+        {0, "\"sliding_window\": null", "\"sliding_window\": 4096", MT_ERR_CONFIG, "sliding_window set is not supported"},
+        {0, "\"router_jitter_noise\": 0.0", "\"router_jitter_noise\": 0.01", MT_ERR_CONFIG,
+         "router_jitter_noise 0.01 is not supported"},
+        {1, "\"decoder_sparse_step\": 1", "\"decoder_sparse_step\": 2", MT_ERR_CONFIG,
+         "decoder_sparse_step 2 makes the layers l with (l + 1) % 2 != 0 dense"},
+        {1, "\"decoder_sparse_step\": 1", "\"decoder_sparse_step\": 3", MT_ERR_CONFIG, "leaves every layer dense"},
+        {1, "\"mlp_only_layers\": []", "\"mlp_only_layers\": [1]", MT_ERR_CONFIG,
+         "mlp_only_layers lists 1 layers with a dense MLP: MoE models with dense layers are not built yet"},
+        {1, "\"use_sliding_window\": false", "\"use_sliding_window\": true", MT_ERR_CONFIG,
+         "use_sliding_window true is not supported"},
+        {1, "\"num_experts_per_tok\": 3", "\"num_experts_per_tok\": 7", MT_ERR_CONFIG,
+         "num_experts_per_tok 7 is more than the 6 experts"},
+        {1, "\"router_aux_loss_coef\": 0.001", "\"router_aux_loss_coef\": -1", MT_ERR_FORMAT,
+         "\"router_aux_loss_coef\" is not a non-negative number"},
+        {1, "\"moe_intermediate_size\": 40, \"num_experts\": 6",
+         "\"moe_intermediate_size\": 1073741824, \"num_experts\": 1048576", MT_ERR_CONFIG, "too large to convert here"},
+        {0, "\"num_local_experts\": 4", "\"num_local_experts\": 0", MT_ERR_FORMAT, "\"num_local_experts\" is 0, outside"},
+        {0, "\"output_router_logits\": false", "\"output_router_logits\": 1", MT_ERR_FORMAT,
+         "\"output_router_logits\" is not true or false"},
+        {0, "\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\"", MT_ERR_CONFIG, "hidden_act \"gelu\" is not supported"},
+    };
+    for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
+        const thf_moe_spec* s = values[i].qwen ? &thf_qwen3 : &thf_mixtral;
+        thf_model m;
+        thf_moe_tensors(s, &m);
+        thf_moe_config_text(text, sizeof(text), s, "");
+        char* at = strstr(text, values[i].key);
+        EXPECT(at, "case %zu: %s not in the config", i, values[i].key);
+        char changed[8400];
+        snprintf(changed, sizeof(changed), "%.*s%s%s", (int)(at - text), text, values[i].value, at + strlen(values[i].key));
+        EXPECT(thf_write_text(dir, "config.json", changed) == 0, "write");
+        EXPECT_OK(thf_write_model(dir, &m, NULL, NULL, &err), &err);
+        mt_config c;
+        float* q = NULL;
+        err.message[0] = 0;
+        mt_status st = mt_hf_load(dir, &c, &q, NULL, &err);
+        EXPECT(st == values[i].status && strstr(err.message, values[i].words) && !strchr(err.message, '\n') && !q,
+               "value case %zu (%s): %s: %s", i, values[i].value, mt_status_name(st), err.message);
+        thf_model_free(&m);
+    }
+
+    /* export: what transformers' MoE classes cannot hold */
+    thf_model m;
+    thf_moe_tensors(&thf_qwen3, &m);
+    thf_moe_config_text(text, sizeof(text), &thf_qwen3, "");
+    EXPECT(thf_write_text(dir, "config.json", text) == 0, "write");
+    EXPECT_OK(thf_write_model(dir, &m, NULL, NULL, &err), &err);
+    thf_model_free(&m);
+    mt_config c;
+    float* p = NULL;
+    EXPECT_OK(mt_hf_load(dir, &c, &p, NULL, &err), &err);
+    struct { const char* what; void (*change)(mt_config*); const char* words; } bad[] = {
+        {"Mixtral pre-softmax", NULL, "--moe-router-pre-softmax (Mixtral always renormalises"},
+        {"sigmoid", NULL, "sigmoid router scores"},
+        {"groups", NULL, "group-limited routing"},
+        {"scaling", NULL, "a top-k scaling factor"},
+        {"expert bias", NULL, "the expert bias"},
+        {"capacity", NULL, "token dropping"},
+        {"seq aux", NULL, "a seq_aux_loss or global_aux_loss coefficient"},
+        {"shared", NULL, "a shared expert"},
+        {"dense layers", NULL, "dense layers"},
+        {"biases", NULL, "is not a Mixtral or Qwen3-MoE"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        mt_config b = c;
+        switch (i) {
+            case 0: b.qk_layernorm = 0; b.moe_router_pre_softmax = 1; break;
+            case 1: b.moe_router_score_sigmoid = 1; break;
+            case 2: b.moe_router_num_groups = 2; b.moe_router_group_topk = 1; break;
+            case 3: b.moe_router_topk_scaling_factor = 2.5; break;
+            case 4: b.moe_router_enable_expert_bias = 1; break;
+            case 5: b.moe_expert_capacity_factor = 1.0; break;
+            case 6: b.moe_load_balancing |= MT_MOE_SEQ_AUX_LOSS; b.moe_aux_loss_coeff[1] = 1e-3; break;
+            case 7: b.moe_shared_expert_intermediate_size = 64; break;
+            case 8: b.moe_layer_freq = 2; break;
+            default: b.add_bias_linear = 1; break;
+        }
+        err.message[0] = 0;
+        EXPECT(mt_hf_save(out, &b, p, 100, MT_ST_F32, 0, &err) == MT_ERR_CONFIG && strstr(err.message, bad[i].words) &&
+                   !strchr(err.message, '\n'), "export %s: %s", bad[i].what, err.message);
+    }
+    EXPECT(access(out, F_OK) != 0, "a refused export wrote %s", out);
+    /* convert_hf --export of an MoE checkpoint needs the router's top-k (exit 2, one line, nothing written) */
+    if (access("prepro/convert_hf", X_OK) == 0) {
+        char ck[300], cmd[1200], msg[4096];
+        snprintf(ck, sizeof(ck), "%s/ckpt", root);
+        EXPECT_OK(mt_hf_checkpoint_write(ck, &c, p, 0, &err), &err);
+        snprintf(cmd, sizeof(cmd), "prepro/convert_hf --export '%s' --out '%s' 2>&1 >/dev/null", ck, out);
+        int code = test_command_output(cmd, msg, sizeof(msg));
+        EXPECT(code == 2 && strstr(msg, "give --moe-router-topk K") && strchr(msg, '\n') == msg + strlen(msg) - 1 &&
+                   access(out, F_OK) != 0, "export without --moe-router-topk: exit %d, '%s'", code, msg);
+        snprintf(cmd, sizeof(cmd), "prepro/convert_hf --export '%s' --out '%s' --moe-router-topk 7 2>&1 >/dev/null", ck, out);
+        code = test_command_output(cmd, msg, sizeof(msg));
+        EXPECT(code == 2 && strstr(msg, "--moe-router-topk 7 is more than the checkpoint's 6 experts"), "topk 7: %d '%s'",
+               code, msg);
+        snprintf(cmd, sizeof(cmd), "prepro/convert_hf --export '%s' --out '%s' --moe-router-topk 3 "
+                 "--moe-router-pre-softmax --moe-aux-loss-coeff 0.001 >/dev/null 2>&1", ck, out);
+        EXPECT(test_command_output(cmd, msg, sizeof(msg)) == 0, "export with the router's settings: '%s'", msg);
+        mt_config back;
+        float* r = NULL;
+        EXPECT_OK(mt_hf_load(out, &back, &r, NULL, &err), &err);
+        EXPECT(back.moe_router_topk == 3 && back.moe_router_pre_softmax && back.moe_aux_loss_coeff[0] == 0.001 &&
+                   !memcmp(r, p, sizeof(float) * (size_t)mt_num_parameters(&c)), "convert_hf's export");
+        free(r);
+    }
+    free(p);
+    thf_remove(root);
+    return TEST_PASS;
+}
+
 /* ---- GPU: the converter's checkpoint in the trainer ------------------------------------------- */
 
 static test_result test_hf_gpu_load(void) {
@@ -1742,6 +2217,133 @@ static test_result test_hf_gpu_load_llama(void) {
     return res;
 }
 
+/* Relative norm error of logits [BT, Vp] (the first V columns) against want [BT, V] over the tokens, once
+ * the `drop` share of the tokens with the largest error is set aside; *worst: the largest token's. */
+static double thf_trimmed_rel_err(const float* logits, int64_t Vp, const double* want, int64_t V, int BT, double drop,
+                                  double* worst) {
+    double* num = (double*)calloc((size_t)BT, sizeof(double));
+    double* den = (double*)calloc((size_t)BT, sizeof(double));
+    double* rel = (double*)calloc((size_t)BT, sizeof(double));
+    for (int i = 0; i < BT; i++) {
+        for (int64_t v = 0; v < V; v++) {
+            double d = logits[(int64_t)i * Vp + v] - want[(int64_t)i * V + v];
+            num[i] += d * d;
+            den[i] += want[(int64_t)i * V + v] * want[(int64_t)i * V + v];
+        }
+        rel[i] = sqrt(num[i] / (den[i] > 0 ? den[i] : 1e-300));
+    }
+    int skip = (int)(drop * BT);
+    double sn = 0, sd = 0;
+    *worst = 0;
+    for (int i = 0; i < BT; i++) {
+        int larger = 0; /* tokens with a larger error (ties: the lower index counts as larger) */
+        for (int j = 0; j < BT; j++) larger += rel[j] > rel[i] || (rel[j] == rel[i] && j < i);
+        if (larger >= skip) { sn += num[i]; sd += den[i]; }
+        if (rel[i] > *worst) *worst = rel[i];
+    }
+    free(num); free(den); free(rel);
+    return sqrt(sn / (sd > 0 ? sd : 1e-300));
+}
+
+/* Tiny random MixtralForCausalLM and Qwen3MoeForCausalLM models made by transformers itself
+ * (`dev/hf_moe_check.py --write DIR`: Mixtral top-2 of 4 experts, GQA; Qwen3-MoE top-4 of 8 with
+ * norm_topk_prob false, head_dim != hidden / heads, q/k norms; Qwen3-MoE top-2 renormalised and tied; the
+ * float64 model's logits for 2 x 32 tokens) are imported (mt_hf_load), written as checkpoints, loaded into
+ * the trainer (the same bytes back) and their logits compared with transformers': fp32 within 1e-5
+ * relative (norm over all tokens; fp32 GEMM rounding ~1e-7, transformers' own float32 RoPE and router
+ * softmax ~1e-7), bf16 within 3e-2 once the 10% worst tokens are set aside (bf16 rounding of the router's
+ * input may flip a near-tie top-k choice, which changes that token's output entirely; the script's
+ * routers have decision gaps ~1e-2 of logits ~1). Skipped without a GPU, and when python ($MT_PYTHON,
+ * else python3) has no transformers 4.51+ (the GPU machines have it: dev/hf_moe_check.py runs the whole
+ * convert_hf round trip there too). */
+static test_result test_hf_gpu_moe_transformers(void) {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+        cudaGetLastError();
+        SKIP("no GPU visible");
+    }
+    static char out[8192];
+    if (test_command_output("${MT_PYTHON:-python3} -c 'import torch, safetensors; "
+                            "from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM' 2>&1", out, sizeof(out)) != 0)
+        SKIP("python3 with torch, safetensors and transformers 4.51+ is not available (dev/hf_moe_check.py; MT_PYTHON "
+             "names another python)");
+    char root[256], cmd[700];
+    thf_path(root, sizeof(root), "gpu_moe");
+    thf_remove(root);
+    snprintf(cmd, sizeof(cmd), "${MT_PYTHON:-python3} dev/hf_moe_check.py --write '%s' 2>&1", root);
+    int code = test_command_output(cmd, out, sizeof(out));
+    EXPECT(code == 0, "dev/hf_moe_check.py --write: exit %d: %s", code, out);
+    printf("%s", out);
+    static const char* const names[3] = {"mixtral", "qwen3", "qwen3_tied"};
+    test_result res = TEST_PASS;
+    for (int k = 0; k < 3 && res == TEST_PASS; k++) {
+        char hf_dir[400], ck_dir[400], ref[400];
+        snprintf(hf_dir, sizeof(hf_dir), "%s/%s", root, names[k]);
+        snprintf(ck_dir, sizeof(ck_dir), "%s/%s_ckpt", root, names[k]);
+        snprintf(ref, sizeof(ref), "%s/%s.ref.bin", root, names[k]);
+        size_t size = 0;
+        char* raw = test_read_file(ref, &size);
+        int32_t dims[3] = {0, 0, 0};
+        if (raw && size >= 12) memcpy(dims, raw, 12);
+        const int B = dims[0], T = dims[1];
+        const int64_t V = dims[2];
+        EXPECT(raw && B > 0 && T > 0 && V > 0 && size == 12 + 4 * (size_t)B * T + 8 * (size_t)B * T * (size_t)V,
+               "%s: %zu bytes", ref, size);
+        int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * (size_t)B * T);
+        double* want = (double*)malloc(sizeof(double) * (size_t)B * T * (size_t)V);
+        memcpy(tokens, raw + 12, sizeof(int32_t) * (size_t)B * T);
+        memcpy(want, raw + 12 + 4 * (size_t)B * T, sizeof(double) * (size_t)B * T * (size_t)V);
+        free(raw);
+        mt_error err;
+        mt_config c;
+        float* p = NULL;
+        EXPECT_OK(mt_hf_load(hf_dir, &c, &p, NULL, &err), &err);
+        EXPECT_OK(mt_hf_checkpoint_write(ck_dir, &c, p, 0, &err), &err);
+        c.seq_length = T;
+        c.micro_batch_size = B;
+        c.global_batch_size = B;
+        EXPECT_OK(mt_config_finalize(&c, &err), &err);
+        const int64_t n = mt_num_parameters(&c);
+        float* q = (float*)malloc(sizeof(float) * (size_t)n);
+        float* logits = (float*)malloc(sizeof(float) * (size_t)B * T * (size_t)c.padded_vocab_size);
+        mt_precision precisions[2] = {MT_FP32, MT_BF16};
+        for (int pr = 0; pr < 2 && res == TEST_PASS; pr++) {
+            c.precision = precisions[pr];
+            mt_trainer* t = NULL;
+            int64_t it = -1;
+            mt_status st = mt_trainer_create(&t, &c, &err);
+            if (st == MT_OK) st = mt_trainer_load(t, ck_dir, -1, &it, NULL, &err);
+            if (st == MT_OK) st = mt_trainer_get_parameters(t, q, &err);
+            if (st == MT_OK) st = mt_trainer_logits(t, tokens, logits, &err);
+            mt_trainer_free(t);
+            if (st != MT_OK) {
+                printf("    FAIL %s %s: %s\n", names[k], pr ? "bf16" : "fp32", err.message);
+                res = TEST_FAIL;
+                break;
+            }
+            if (it != 0 || memcmp(p, q, sizeof(float) * (size_t)n) != 0) {
+                printf("    FAIL %s: the trainer's parameters are not the checkpoint's (iteration %lld)\n", names[k],
+                       (long long)it);
+                res = TEST_FAIL;
+                break;
+            }
+            double worst = 0;
+            const double rel = thf_trimmed_rel_err(logits, c.padded_vocab_size, want, V, B * T, pr ? 0.1 : 0.0, &worst);
+            const double tol = pr ? 3e-2 : 1e-5;
+            printf("    %s %s logits vs transformers (float64): rel err %.2e%s (tol %.0e), worst token %.2e\n", names[k],
+                   pr ? "bf16" : "fp32", rel, pr ? " without the 10% worst tokens" : "", tol, worst);
+            if (!(rel < tol)) res = TEST_FAIL;
+        }
+        free(q);
+        free(logits);
+        free(tokens);
+        free(want);
+        free(p);
+    }
+    thf_remove(root);
+    return res;
+}
+
 /* Writes one element of tensor `name` of dir's model.safetensors as the bit pattern `bits` of the
  * tensor's dtype (4 bytes for F32, else the low 2), in place; 0 on success. */
 static int thf_poke(const char* dir, const char* name, int64_t index, uint32_t bits) {
@@ -1846,11 +2448,15 @@ static const test_case hf_tests[] = {
     {"hf_llama_tied", test_hf_llama_tied},
     {"hf_llama_rejects", test_hf_llama_rejects},
     {"hf_nonfinite_refused", test_hf_nonfinite_refused},
+    {"hf_moe_mapping_roundtrip", test_hf_moe_mapping_roundtrip},
+    {"hf_moe_directories", test_hf_moe_directories},
+    {"hf_moe_rejects", test_hf_moe_rejects},
 };
 
 static const test_case hf_gpu_tests[] = {
     {"hf_gpu_load", test_hf_gpu_load},
     {"hf_gpu_load_llama", test_hf_gpu_load_llama},
+    {"hf_gpu_moe_transformers", test_hf_gpu_moe_transformers},
 };
 
 #endif
