@@ -104,6 +104,8 @@ def make_model(name, seed):
                             **common)
         model = MixtralForCausalLM(cfg)
     model.eval()
+    if hasattr(model, "set_experts_implementation"):  # transformers 5: its grouped_mm path takes no float64
+        model.set_experts_implementation("eager")
     with torch.no_grad():  # no unit norm weights, nothing at its initial value; routers far from ties
         for pname, p in model.named_parameters():
             if "norm" in pname:

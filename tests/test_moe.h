@@ -27,9 +27,10 @@
  * probabilities of the tokens whose choice agrees within 5e-2 of their row's largest. The router's and the
  * experts' tensors are where flips weigh most: a flipped token moves its whole contribution (its input row
  * in the experts' weight gradients, its term dprobs x the probabilities' Jacobian in the router's) from one
- * expert to another, on a micro-batch of 64 tokens: 3e-1 on their gradients, 5e-2 on their weights after S
+ * expert to another, on a micro-batch of 64 tokens: 3e-1 on their gradients, 1e-1 on their weights after S
  * steps (measured on an H200: router gradient 1.5e-1 and experts' fc1 gradient 1.2e-1 (deepseek_tiny_all, 8
- * flipped entries of 512), weights 1.5e-2 and 1.7e-2 (mixtral_tiny)); the dense tensors keep the tolerances
+ * flipped entries of 512), weights 1.5e-2 and 1.7e-2 (mixtral_tiny), experts' fc2 weights 5.5e-2
+ * (deepseek_tiny_all, whose 16 experts see 16 tokens each)); the dense tensors keep the tolerances
  * above. A router that does not learn, or an expert that gets the wrong rows, is O(1) off. */
 #ifndef MT_TEST_MOE_H
 #define MT_TEST_MOE_H
@@ -357,7 +358,7 @@ done:
 }
 
 static const moe_tolerances moe_fp32 = {1e-5, 1e-5, 1e-5, 1e-4, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5, 1};
-static const moe_tolerances moe_bf16 = {5e-2, 2e-2, 1e-1, 1e30, 5e-2, 2e-2, 5e-3, 5e-2, 3e-1, 5e-2, 0};
+static const moe_tolerances moe_bf16 = {5e-2, 2e-2, 1e-1, 1e30, 5e-2, 2e-2, 5e-3, 5e-2, 3e-1, 1e-1, 0};
 
 static test_result test_moe_mixtral_fp32(void) {
     return check_moe_against_reference("dev/data/moe_vectors/mixtral_tiny.bin", MT_FP32, &moe_fp32);
