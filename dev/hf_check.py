@@ -96,6 +96,13 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 # header words (megatron.h, MT_CK_*)
 CK_NORMALIZATION, CK_SWIGLU, CK_POSITION_TYPE, CK_ROTARY_BASE, CK_ROTARY_PERCENT, CK_ROPE_SCALING = 25, 26, 27, 28, 29, 30
 CK_UNTIED, CK_NO_BIAS, CK_NORM_EPS, CK_TRUE_VOCAB = 31, 32, 33, 34
+CK_MANIFESTED = 45  # 1: committed with its manifest.txt (every writer sets it)
+
+
+def rest_of_header_ok(header):
+    """The words after the true vocabulary: the manifest mark 1, every other one 0."""
+    rest = [int(w) for i, w in enumerate(header) if i > CK_TRUE_VOCAB and i != CK_MANIFESTED]
+    return header[CK_MANIFESTED] == 1 and not any(rest)
 
 rows = []  # (check, status, detail)
 
@@ -216,7 +223,7 @@ def check_model(name, heads, seed, args, work):
                 struct.unpack("<d", struct.pack("<q", int(header[19])))[0] == 1.0 and header[20] == 1 and
                 header[21] == 1 and header[22] == 0 and not header[23:CK_NORM_EPS].any() and
                 as_double(header[CK_NORM_EPS]) == 1e-5 and header[CK_TRUE_VOCAB] == V and
-                not header[CK_TRUE_VOCAB + 1:].any())
+                rest_of_header_ok(header))
     size_ok = len(raw) == 8 * CK_HEADER_WORDS + 12 * n
     master, m, v = arrays[:n], arrays[n:2 * n], arrays[2 * n:3 * n]
     params = ref_gpt.unflatten(cfg, master)
@@ -451,7 +458,7 @@ def check_llama(name, d, tied, seed, args, work):
                 as_double(header[CK_ROTARY_BASE]) == 500000.0 and as_double(header[CK_ROTARY_PERCENT]) == 1.0 and
                 as_double(header[CK_ROPE_SCALING]) == 8.0 and header[CK_UNTIED] == (0 if tied else 1) and
                 header[CK_NO_BIAS] == 1 and as_double(header[CK_NORM_EPS]) == 1e-5 and header[CK_TRUE_VOCAB] == V and
-                not header[CK_TRUE_VOCAB + 1:].any())
+                rest_of_header_ok(header))
     size_ok = len(raw) == 8 * CK_HEADER_WORDS + 12 * n
     master, m, v = arrays[:n], arrays[n:2 * n], arrays[2 * n:3 * n]
     record(f"{name}: checkpoint header (shape, flavour words)", bool(words_ok and size_ok and not m.any() and not v.any()),

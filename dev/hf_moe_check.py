@@ -292,9 +292,14 @@ def check_moe(name, seed, args, work):
         ok, detail = clean_load(info, log)
         record(f"{name}: from_pretrained(export) loads cleanly", ok, detail)
         fields = CONFIG_FIELDS + (QWEN3_FIELDS if m["qwen"] else MIXTRAL_FIELDS)
-        diff = [k for k in fields if getattr(back.config, k, None) != getattr(model.config, k, None)]
+
+        def field(cfg, k):  # head_dim None (transformers 5's Mixtral default) is hidden / heads
+            v = getattr(cfg, k, None)
+            return cfg.hidden_size // cfg.num_attention_heads if k == "head_dim" and v is None else v
+
+        diff = [k for k in fields if field(back.config, k) != field(model.config, k)]
         record(f"{name}: exported config.json", not diff, "differs: " + ", ".join(
-            f"{k} {getattr(back.config, k, None)!r} != {getattr(model.config, k, None)!r}" for k in diff) if diff else
+            f"{k} {field(back.config, k)!r} != {field(model.config, k)!r}" for k in diff) if diff else
                f"{len(fields)} fields as the original's")
         sd0, sd1 = model.state_dict(), back.state_dict()
         diff = [k for k in sd0 if k not in sd1 or not torch.equal(sd0[k], sd1[k])]
