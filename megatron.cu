@@ -4333,8 +4333,8 @@ typedef struct {
     int pad;                    /* --moe-pad-expert-input-to-capacity: exactly C rows per expert */
 } moe_routing;
 
-#define MOE_MAX_EXPERTS 1024 /* the per-token kernels keep a token's E scores in shared memory */
-#define MOE_MAX_TOPK 32      /* selected experts per token (a warp's lanes) */
+#define MOE_MAX_EXPERTS MT_MOE_MAX_EXPERTS /* the per-token kernels keep a token's E scores in shared memory */
+#define MOE_MAX_TOPK MT_MOE_MAX_TOPK         /* selected experts per token (a warp's lanes) */
 #define MOE_SIGMOID_EPS 1e-20f /* Megatron's guard of the sigmoid top-k normalisation */
 
 /* Words of int32 scratch the routing launchers need (the caller allocates at least this). */

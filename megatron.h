@@ -480,6 +480,10 @@ typedef struct {
 #define MT_MAX_MOE_PATTERN 1024    /* entries of a --moe-layer-freq list (one per layer) */
 /* --moe-router-load-balancing-type: the aux losses, bits (none: 0); their coefficients in this order */
 enum { MT_MOE_AUX_LOSS = 1, MT_MOE_SEQ_AUX_LOSS = 2, MT_MOE_GLOBAL_AUX_LOSS = 4 };
+/* What the router's kernels take (megatron.cu section 14; mt_config_check_supported refuses more): a token's
+ * E scores in shared memory, its top k in a warp's lanes. */
+#define MT_MOE_MAX_EXPERTS 1024
+#define MT_MOE_MAX_TOPK 32
 
 typedef struct {
     /* model */
@@ -3745,6 +3749,10 @@ MT_DEF mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
         if (c->calculate_per_token_loss)
             return mt_fail(err, MT_ERR_CONFIG, "MoE with --calculate-per-token-loss is not built yet (Megatron scales the "
                            "auxiliary losses differently with it): drop the flag");
+        if (c->num_experts > MT_MOE_MAX_EXPERTS || c->moe_router_topk > MT_MOE_MAX_TOPK)
+            return mt_fail(err, MT_ERR_CONFIG, "MoE with %d experts and top-%d: the router's kernels take at most %d experts "
+                           "and top-%d (megatron.cu section 14)", c->num_experts, c->moe_router_topk, MT_MOE_MAX_EXPERTS,
+                           MT_MOE_MAX_TOPK);
     }
     if (c->fp8_format == MT_FP8_NONE) return MT_OK;
     /* FP8 */

@@ -39,14 +39,16 @@ typedef struct {
     char* blob;
 } gpt_vectors;
 
-static int load_gpt_vectors(gpt_vectors* v, const char* path) {
-    size_t size = 0;
+/* Reads the file whole into v->blob and points v's arrays into it, after checking its magic and version
+ * (dev/ref_gpt.py's, or a file that extends its layout: dev/ref_moe.py's). Returns the end of the dense
+ * arrays in the blob (the extension's arrays follow), or NULL; *size gets the file's size. */
+static char* read_gpt_vectors(gpt_vectors* v, const char* path, int32_t magic, size_t* size) {
     memset(v, 0, sizeof(*v));
-    v->blob = test_read_file(path, &size);
-    if (!v->blob || size < 1024 + 256) return 0;
+    v->blob = test_read_file(path, size);
+    if (!v->blob || *size < 1024 + 256) return NULL;
     memcpy(v->header, v->blob, 1024);
     memcpy(v->hyper, v->blob + 1024, 256);
-    if (v->header[0] != 20261121 || v->header[1] != 1) return 0;
+    if (v->header[0] != magic || v->header[1] != 1) return NULL;
     v->L = v->header[3]; v->h = v->header[4]; v->heads = v->header[5]; v->f = v->header[6]; v->Vp = v->header[7];
     v->P = v->header[8]; v->T = v->header[9]; v->G = v->header[10]; v->mb = v->header[11]; v->S = v->header[12];
     v->n = v->header[13]; v->groups = v->header[14];
@@ -60,7 +62,13 @@ static int load_gpt_vectors(gpt_vectors* v, const char* path) {
     v->grad_norms = (float*)p; p += 4 * v->S;
     v->lrs = (float*)p; p += 4 * v->S;
     v->params_final = (float*)p; p += 4 * v->n;
-    return (size_t)(p - v->blob) == size;
+    return p;
+}
+
+static int load_gpt_vectors(gpt_vectors* v, const char* path) {
+    size_t size = 0;
+    const char* end = read_gpt_vectors(v, path, 20261121, &size);
+    return end && (size_t)(end - v->blob) == size;
 }
 
 static mt_config config_from_vectors(const gpt_vectors* v, mt_precision precision) {

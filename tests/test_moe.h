@@ -51,25 +51,9 @@ static int load_moe_vectors(moe_vectors* v, const char* path) {
     size_t size = 0;
     memset(v, 0, sizeof(*v));
     gpt_vectors* g = &v->g;
-    g->blob = test_read_file(path, &size);
-    if (!g->blob || size < 1024 + 256) return 0;
-    memcpy(g->header, g->blob, 1024);
-    memcpy(g->hyper, g->blob + 1024, 256);
-    if (g->header[0] != MOE_VECTORS_MAGIC || g->header[1] != 1) return 0;
-    g->L = g->header[3]; g->h = g->header[4]; g->heads = g->header[5]; g->f = g->header[6]; g->Vp = g->header[7];
-    g->P = g->header[8]; g->T = g->header[9]; g->G = g->header[10]; g->mb = g->header[11]; g->S = g->header[12];
-    g->n = g->header[13]; g->groups = g->header[14];
+    char* p = read_gpt_vectors(g, path, MOE_VECTORS_MAGIC, &size); /* the dense file's part */
+    if (!p) return 0;
     v->E = g->header[32]; v->topk = g->header[33]; v->fe = g->header[34]; v->Lm = g->header[45]; v->N0 = g->header[46];
-    char* p = g->blob + 1280;
-    g->params0 = (float*)p; p += 4 * g->n;
-    g->tokens = (int32_t*)p; p += 4 * (size_t)g->S * g->G * (g->T + 1);
-    g->logits = (float*)p; p += 4 * (size_t)g->G * g->T * g->Vp;
-    memcpy(&g->loss0, p, 4); p += 4;
-    g->grads0 = (float*)p; p += 4 * g->n;
-    g->losses = (float*)p; p += 4 * g->S;
-    g->grad_norms = (float*)p; p += 4 * g->S;
-    g->lrs = (float*)p; p += 4 * g->S;
-    g->params_final = (float*)p; p += 4 * g->n;
     v->moe_losses = (float*)p; p += 4 * (size_t)g->S * 4 * v->Lm;
     v->tokens_per_expert = (int32_t*)p; p += 4 * (size_t)g->S * v->Lm * v->E;
     v->expert_bias = (float*)p; p += 4 * (size_t)(g->S + 1) * v->Lm * v->E;
