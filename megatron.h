@@ -1789,6 +1789,68 @@ mt_status mt_trainer_set_iteration(mt_trainer* t, int64_t iteration, mt_error* e
 mt_status mt_device_profiler(int start, mt_error* err);
 
 /* ---------------------------------------------------------------------------------------------- */
+/* 15b. Generation: a KV-cache inference engine over a trainer's weights (megatron.cu)             */
+/*    Requests (a prompt and its sampling settings) join and leave between steps (continuous      */
+/*    batching). A step prefills the prompts added since the last step and decodes one token for  */
+/*    every running request. The keys and values live in a pool of fixed-size blocks (so requests */
+/*    of any length never fragment it); each request holds a list of blocks. Sampling runs on the */
+/*    GPU from (seed, request's own token index) alone, so a request's text does not depend on    */
+/*    which other requests share its steps (greedy = temperature 0).                             */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef struct mt_generator mt_generator;
+
+typedef struct {
+    int max_batch;       /* requests decoded together, >= 1 */
+    int max_context;     /* tokens per request, prompt + generated, 1 .. the model's max positions */
+    int block_tokens;    /* tokens per KV-cache block, a power of two in 16 .. 1024 (0: 64) */
+    int64_t num_blocks;  /* blocks in the pool (0: max_batch * ceil(max_context / block_tokens)) */
+} mt_generator_config;
+
+typedef struct {
+    float temperature;   /* 0: greedy (argmax, ties to the lowest token id); else > 0 */
+    int top_k;           /* 0: off; else keep the k most likely tokens */
+    float top_p;         /* 0 or 1: off; else keep the smallest set whose probability reaches top_p */
+    uint64_t seed;       /* same seed, same prompt, same settings: the same tokens */
+    int max_new_tokens;  /* >= 0 (0: only the prompt's log-probabilities) */
+    const int32_t* stop_tokens; /* tokens that end the request (the stop token itself is returned) */
+    int num_stop_tokens; /* 0 .. 16; copied at mt_generator_add */
+    int prompt_logprobs; /* 1: also return log p(prompt[i] | prompt[0..i-1]) for i >= 1 */
+} mt_sampling;
+
+/* One new token of one request, as mt_generator_step returns it. */
+typedef struct {
+    int64_t id;          /* the request's id from mt_generator_add */
+    int32_t token;       /* the token sampled */
+    float logprob;       /* its log-probability under the model's distribution (before temperature,
+                            top-k and top-p), fp32 over the real (unpadded) vocabulary */
+    int finished;        /* 1: a stop token, max_new_tokens or max_context ended it; its blocks are free */
+} mt_generated;
+
+/* Creates the engine on the trainer's GPU, sharing its weights (the trainer must outlive it and must not
+ * train while it exists). Allocates the block pool and its decode workspace once; MT_ERR_OOM (naming the
+ * bytes) when they do not fit. MT_ERR_CONFIG for a layout it does not serve (PP > 1, and others it names). */
+mt_status mt_generator_create(mt_generator** out, mt_trainer* t, const mt_generator_config* gc, mt_error* err);
+void mt_generator_free(mt_generator* g);
+/* Adds a request: prompt [prompt_len] (1 .. max_context - 1 tokens, each < the vocabulary). *id is its
+ * handle (increasing from 0). MT_ERR_RANGE when no slot or not enough free blocks for the prompt are left
+ * now (the caller retries after a step frees some); MT_ERR_ARG on a bad prompt or setting. */
+mt_status mt_generator_add(mt_generator* g, const int32_t* prompt, int prompt_len, const mt_sampling* s,
+                           int64_t* id, mt_error* err);
+/* The prompt log-probabilities of request id (after the step that prefilled it, when asked for with
+ * prompt_logprobs): out [prompt_len - 1]; MT_ERR_ARG when not asked for, not yet prefilled or unknown. */
+mt_status mt_generator_prompt_logprobs(mt_generator* g, int64_t id, float* out, mt_error* err);
+/* One step: prefill the requests added since the last step (their first token comes from it), decode one
+ * token for each other running request. out [max_out] receives one entry per running request (max_out >=
+ * the running count, at most max_batch); *n_out how many. A finished request is forgotten after the step
+ * that returns its last token. */
+mt_status mt_generator_step(mt_generator* g, mt_generated* out, int max_out, int* n_out, mt_error* err);
+/* Ends request id now (a client went away); its blocks are free for the next add. MT_ERR_ARG if unknown. */
+mt_status mt_generator_cancel(mt_generator* g, int64_t id, mt_error* err);
+/* Requests running (added and not finished) now. */
+int mt_generator_running(const mt_generator* g);
+
+/* ---------------------------------------------------------------------------------------------- */
 /* 16. TensorBoard event files                                                                     */
 /*    What --tensorboard-dir writes, read by TensorBoard itself (and by `wandb sync               */
 /*    --sync-tensorboard`). A file is a sequence of TFRecords: u64 length, u32 masked CRC-32C of   */
