@@ -4315,8 +4315,8 @@ static void moe_expert_bias_update(const mt_exec* ex, float* bias, const int32_t
 /*    step's bookkeeping: the global aux loss's running average and the expert-bias update.      */
 /*    defines: moe_routing, moe_work_words, moe_row_of_token / moe_token_of_row, moe_route,      */
 /*    moe_aux_stats, moe_aux_finish, moe_route_backward, moe_permute, moe_unpermute,             */
-/*    moe_swiglu_prob(_backward), moe_gate_forward / moe_gate_backward, moe_add_f32, moe_to_f32,  */
-/*    moe_global_aux_average, moe_expert_bias_update.                                            */
+/*    moe_swiglu_prob(_backward), moe_row_prob_scatter (expert parallelism), moe_gate_forward /   */
+/*    moe_gate_backward, moe_add_f32, moe_to_f32, moe_global_aux_average, moe_expert_bias_update.  */
 /* ============================================================================================== */
 
 /* One MoE layer's routing settings (host, by value). */
@@ -5072,7 +5072,8 @@ static void moe_swiglu_prob(const mt_exec* ex, T* act, const T* z, const float* 
 }
 
 /* A block per permuted row: dz, and dp = sum_j silu(gate_j) up_j dact_j (each thread's columns in
- * order, then block_sum's fixed tree) into dprobs at (token, expert of the row). */
+ * order, then block_sum's fixed tree) into dprobs at (token, expert of the row); without token_of
+ * (expert parallelism: the rows are another rank's tokens) into dprobs [R] at the row. */
 template <typename T>
 __global__ void moe_swiglu_prob_backward_kernel(T* dz, float* dprobs, const T* dact, const T* z, const float* row_prob,
                                                 const int32_t* token_of, const int32_t* offsets, int fe, int E) {
@@ -5088,6 +5089,10 @@ __global__ void moe_swiglu_prob_backward_kernel(T* dz, float* dprobs, const T* d
         dp += sl * up * d;
     }
     dp = block_sum(dp);
+    if (threadIdx.x == 0 && !token_of) { /* expert parallelism: the row's own gradient, dprobs [R] */
+        dprobs[p] = dp;
+        return;
+    }
     if (threadIdx.x == 0) {
         int lo = 0, hi = E; /* the expert e with offsets[e] <= p < offsets[e + 1] */
         while (hi - lo > 1) {
@@ -5107,6 +5112,27 @@ static void moe_swiglu_prob_backward(const mt_exec* ex, T* dz, float* dprobs, co
     const int threads = fe >= 512 ? 256 : fe >= 128 ? 128 : 32;
     moe_swiglu_prob_backward_kernel<T><<<R, threads, 0, ex->stream>>>(dz, dprobs, dact, z, row_prob, token_of, offsets,
                                                                        fe, E);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* Expert parallelism: the rows' probability gradients, come back from the experts' ranks, into dprobs
+ * [N, E] at (token, expert of the row); a thread per row (each (token, expert) has one row: no races). */
+__global__ void moe_row_prob_scatter_kernel(float* dprobs, const float* drow, const int32_t* token_of,
+                                            const int32_t* offsets, int R, int E) {
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= R) return;
+    int lo = 0, hi = E; /* the expert e with offsets[e] <= p < offsets[e + 1] */
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (offsets[mid] <= p) lo = mid;
+        else hi = mid;
+    }
+    dprobs[(int64_t)token_of[p] * E + lo] = drow[p];
+}
+static void moe_row_prob_scatter(const mt_exec* ex, float* dprobs, const float* drow, const int32_t* token_of,
+                                 const int32_t* offsets, int R, int E) {
+    if (R <= 0) return;
+    moe_row_prob_scatter_kernel<<<ceil_div(R, 256), 256, 0, ex->stream>>>(dprobs, drow, token_of, offsets, R, E);
     LAUNCH_CHECK(ex->error);
 }
 
@@ -5286,6 +5312,13 @@ typedef struct {
     ncclComm_t embedding;       /* Megatron's embedding group: the first and last stage (PP > 1, else NULL);
                                    they hold the tied word embeddings and add their gradients */
     cudaStream_t comm_stream;   /* DP collectives (and the world's) */
+    /* expert parallelism (MoE with EP > 1): the DP ranks folded into EP x EDP (megatron.h mt_rank_coords) */
+    int ep_size, ep_rank;       /* 1, 0 without expert parallelism */
+    int edp_size, edp_rank;     /* expert-data-parallel: dp_size / ep_size ranks hold the same experts */
+    ncclComm_t ep;              /* the expert-parallel group: the tokens' all-to-all (on the compute stream);
+                                   NULL when ep_size == 1 */
+    ncclComm_t edp;             /* the expert-data-parallel group: the experts' gradient reduction and parameter
+                                   gather (on the DP stream); NULL when edp_size == 1 */
 } mt_process_groups;
 
 mt_status mt_comm_id_create(mt_comm_id* id, mt_error* err) {
@@ -5339,6 +5372,10 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
     g->dp_size = c->data_parallel_size;
     g->pp_rank = me.pp;
     g->dp_rank = me.dp;
+    g->ep_size = c->num_experts > 0 && c->expert_model_parallel_size > 1 ? c->expert_model_parallel_size : 1;
+    g->ep_rank = me.ep;
+    g->edp_size = g->dp_size / g->ep_size;
+    g->edp_rank = me.edp;
     if (!CUDA_CHECK(e, cudaStreamCreateWithFlags(&g->comm_stream, cudaStreamNonBlocking)) ||
         !CUDA_CHECK(e, cudaStreamCreateWithFlags(&tp->stream, cudaStreamNonBlocking)) ||
         !CUDA_CHECK(e, cudaEventCreateWithFlags(&tp->issued, cudaEventDisableTiming)) ||
@@ -5355,6 +5392,13 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.dp + g->dp_size * me.pp, me.tp, &tp->comm, NULL));
     if (g->dp_size > 1)
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.tp + tp->size * me.pp, me.dp, &g->dp, NULL));
+    if (g->ep_size > 1) { /* colour: the coordinates outside the group (tp, pp and the other fold coordinate) */
+        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.tp + tp->size * (me.edp + g->edp_size * me.pp), me.ep, &g->ep,
+                                             NULL));
+        if (g->edp_size > 1)
+            NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.tp + tp->size * (me.ep + g->ep_size * me.pp), me.edp,
+                                                 &g->edp, NULL));
+    }
     if (g->pp_size > 1) {
         int replica = me.tp + tp->size * me.dp; /* the (tp, dp) coordinates the stages of a pipeline share */
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, replica, me.pp, &g->pp, NULL));
@@ -5573,6 +5617,8 @@ static void process_groups_free(mt_process_groups* g) {
     }
     if (g->pp_ready) cudaEventDestroy(g->pp_ready);
     if (g->embedding) ncclCommDestroy(g->embedding);
+    if (g->ep) ncclCommDestroy(g->ep);
+    if (g->edp) ncclCommDestroy(g->edp);
     if (g->world) ncclCommDestroy(g->world);
     if (g->comm_stream) cudaStreamDestroy(g->comm_stream);
     if (g->tp.stream) cudaStreamDestroy(g->tp.stream);
@@ -5992,10 +6038,19 @@ typedef struct {
     float* moe_row_prob; /* [L, Rmax] probability of each permuted row */
     int32_t* moe_counts; /* [L, 2E + 1] rows per expert, then the offsets */
     float* moe_auxw;     /* [L, B, E] the aux losses' gradient weights (training with aux losses) */
-    void* moe_fc1;       /* [L, Rmax, f1e] the experts' fc1 output */
-    void* moe_act;       /* [L, Rmax, fe] the experts' activation times the probability */
+    void* moe_fc1;       /* [L, Rexp, f1e] the experts' fc1 output (Rexp = Rmax at EP = 1) */
+    void* moe_act;       /* [L, Rexp, fe] the experts' activation times the probability */
     void* moe_shared;    /* [L, N, h] the shared expert's output before its gate (--moe-shared-expert-gate) */
     float* moe_gate;     /* [L, N] the shared expert's gate, sigmoid(x . w) */
+    /* expert parallelism (NULL at EP = 1): Rexp = mt_moe_expert_rows, El = E / EP local experts.
+     * Scratch: */
+    int32_t* moe_ep_index; /* [2, Rexp] the received rows in local-expert order (gather index), then its inverse */
+    float* moe_ep_drow;    /* [2 Rexp + Rmax] the probability gradient of the local experts' rows, the same in
+                              the received order, and the rows' of this rank's tokens as they come back */
+    /* saved per layer: */
+    void* moe_ep_in;       /* [L, Rexp, h] the local experts' input rows, in local-expert order */
+    float* moe_ep_prob;    /* [L, Rexp] their probabilities */
+    int32_t* moe_ep_counts;/* [L, EP, El] rows received from each EP rank for each local expert */
 } mt_activations;
 
 /* ---- The trainer and its parts ----
@@ -6095,6 +6150,11 @@ typedef struct {
     float* last_log;          /* host [L, 4]: the last training pass's logged values, averaged over micro-batches */
     int32_t* last_tokens;     /* host [L, E]: its tokens per expert */
     int micro_batches;        /* micro-batches of the running pass (the global aux loss's running average) */
+    /* expert parallelism (EP > 1; NULL else): one layer's dispatch plan on the host (moe_ep_plan) */
+    int32_t* ep_host;         /* pinned: the received counts [EP, El], then the gather index and its inverse
+                                 [2, Rexp] staged for the device */
+    int64_t* ep_offsets;      /* host [2, EP + 1]: the rows sent to and received from each EP rank, as offsets */
+    int32_t* ep_local;        /* host [2 El + 1]: rows per local expert, offsets, total (the experts' GEMMs') */
 } mt_moe_state;
 
 /* Hooks for debugging and tests, off in a normal run. */
@@ -6215,6 +6275,9 @@ typedef struct {
     int E, k;      /* experts, top-k */
     int fe, f1e;   /* an expert's width and its fc1's (2 fe with SwiGLU) */
     int64_t Rmax;  /* the permuted rows' bound of a micro-batch (mt_moe_max_rows) */
+    int ep, ep_rank; /* expert parallelism: EP ranks, this one's (1, 0 without) */
+    int El;        /* local experts: E / EP, experts ep_rank El .. (ep_rank + 1) El - 1 */
+    int64_t Rexp;  /* the rows the local experts may receive (mt_moe_expert_rows; Rmax at EP = 1) */
 } mt_shape;
 
 static mt_shape model_shape(const mt_trainer* t) {
@@ -6251,6 +6314,10 @@ static mt_shape model_shape(const mt_trainer* t) {
     s.fe = s.moe ? (int)mt_moe_ffn(c) : 0;
     s.f1e = s.swiglu ? 2 * s.fe : s.fe;
     s.Rmax = s.moe ? mt_moe_max_rows(c, s.BT) : 0;
+    s.ep = t->groups.ep_size > 0 ? t->groups.ep_size : 1;
+    s.ep_rank = t->groups.ep_rank;
+    s.El = s.moe ? s.E / s.ep : 0;
+    s.Rexp = s.moe ? mt_moe_expert_rows(c, s.BT) : 0;
     return s;
 }
 
@@ -6277,6 +6344,9 @@ struct layer_view {
     float *moe_logits, *moe_probs, *moe_row_prob, *moe_auxw, *moe_gate;
     int32_t *moe_row, *moe_token, *moe_counts;
     T *moe_fc1, *moe_act, *moe_shared;
+    T *moe_ep_in;               /* EP > 1 (else NULL): [Rexp, h] the local experts' input rows */
+    float *moe_ep_prob;         /* [Rexp] their probabilities */
+    int32_t *moe_ep_counts;     /* [EP, El] rows received per EP rank and local expert */
 };
 template <typename T>
 static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& s, const mt_recompute* rc, int count,
@@ -6307,8 +6377,11 @@ static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& 
     v.moe_row_prob = a->moe_row_prob ? a->moe_row_prob + room(MT_ACT_MOE_ROW_PROB, i) * s.Rmax : NULL;
     v.moe_counts = a->moe_counts ? a->moe_counts + room(MT_ACT_MOE_COUNTS, i) * (2 * s.E + 1) : NULL;
     v.moe_auxw = a->moe_auxw ? a->moe_auxw + room(MT_ACT_MOE_AUXW, i) * s.B * s.E : NULL;
-    v.moe_fc1 = a->moe_fc1 ? LAYER(a->moe_fc1, T, room(MT_ACT_MOE_FC1, i), s.Rmax * s.f1e) : NULL;
-    v.moe_act = a->moe_act ? LAYER(a->moe_act, T, room(MT_ACT_MOE_ACT, i), s.Rmax * s.fe) : NULL;
+    v.moe_fc1 = a->moe_fc1 ? LAYER(a->moe_fc1, T, room(MT_ACT_MOE_FC1, i), s.Rexp * s.f1e) : NULL;
+    v.moe_act = a->moe_act ? LAYER(a->moe_act, T, room(MT_ACT_MOE_ACT, i), s.Rexp * s.fe) : NULL;
+    v.moe_ep_in = a->moe_ep_in ? LAYER(a->moe_ep_in, T, room(MT_ACT_MOE_EP_IN, i), s.Rexp * s.h) : NULL;
+    v.moe_ep_prob = a->moe_ep_prob ? a->moe_ep_prob + room(MT_ACT_MOE_EP_PROB, i) * s.Rexp : NULL;
+    v.moe_ep_counts = a->moe_ep_counts ? a->moe_ep_counts + room(MT_ACT_MOE_EP_COUNTS, i) * s.E : NULL;
     v.moe_shared = a->moe_shared ? LAYER(a->moe_shared, T, room(MT_ACT_MOE_SHARED, i), (int64_t)s.BT * s.h) : NULL;
     v.moe_gate = a->moe_gate ? a->moe_gate + room(MT_ACT_MOE_GATE, i) * s.BT : NULL;
     return v;
@@ -6839,6 +6912,170 @@ static void moe_router_operands(const mt_exec* ex, const mt_activations* a, cons
     *x32 = a->moe_x32, *W32 = a->moe_w32;
 }
 
+/* ---- Expert parallelism: the all-to-all dispatch (Megatron's MoEAlltoAllTokenDispatcher) ----
+ * With EP > 1 each rank routes its own tokens over all E experts and permutes them by global expert as
+ * at EP = 1, so the rows for EP rank r's experts (r El .. (r + 1) El - 1) are one contiguous run. The ranks
+ * swap their rows per expert (an int32 all-to-all, saved per layer for the backward), read those counts
+ * back with the layer's own (the one host synchronisation per layer and pass, as at EP = 1), and send each
+ * run to its rank (NCCL send/receive pairs in one group, on the compute stream: the experts wait for it).
+ * A rank receives, from each rank in turn, its rows for each local expert; a gather (moe_permute with a
+ * host-made index) puts them in local-expert order [expert j: rank 0's rows, rank 1's, ...], the order the
+ * experts' GEMMs take. The probabilities travel with the rows; the experts' outputs go back the same way
+ * in reverse, then unpermute sums each token's rows as at EP = 1. The backward mirrors it: the rows'
+ * output gradients out, the input and probability gradients back. Every transfer moves whole rows into
+ * fixed places, so the results are bitwise those of the same ranks at any timing. */
+
+/* One layer's dispatch plan on the host, from this rank's rows per global expert (counts [E] then its
+ * offsets, the host copy) and the rows received [EP, El] (ep_counts, device; read back here): the rows
+ * sent to and received from each rank (offsets), the rows per local expert (ep_local: counts, offsets,
+ * total) and the gather index into local-expert order with its inverse, copied to a->moe_ep_index. With
+ * exchange (the forward) the counts are first swapped over the EP group into ep_counts. Returns the
+ * received rows, or -1 on an error (recorded). */
+static int64_t moe_ep_plan(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const int32_t* device_counts,
+                           int32_t* ep_counts, bool exchange) {
+    mt_process_groups* g = &t->groups;
+    mt_moe_state* m = &t->moe;
+    const int EP = s.ep, El = s.El;
+    if (exchange) {
+        NCCL_CHECK(ex->error, t->cfg.rank, ncclGroupStart());
+        for (int r = 0; r < EP; r++) {
+            NCCL_CHECK(ex->error, t->cfg.rank, ncclSend(device_counts + (int64_t)r * El, (size_t)El, ncclInt32, r, g->ep,
+                                                        ex->stream));
+            NCCL_CHECK(ex->error, t->cfg.rank, ncclRecv(ep_counts + (int64_t)r * El, (size_t)El, ncclInt32, r, g->ep,
+                                                        ex->stream));
+        }
+        NCCL_CHECK(ex->error, t->cfg.rank, ncclGroupEnd());
+    }
+    CUDA_CHECK(ex->error, cudaMemcpyAsync(m->host_counts, device_counts, sizeof(int32_t) * (2 * (size_t)s.E + 1),
+                                          cudaMemcpyDeviceToHost, ex->stream));
+    CUDA_CHECK(ex->error, cudaMemcpyAsync(m->ep_host, ep_counts, sizeof(int32_t) * (size_t)s.E, cudaMemcpyDeviceToHost,
+                                          ex->stream));
+    if (!CUDA_CHECK(ex->error, cudaStreamSynchronize(ex->stream))) return -1;
+    const int32_t* counts = m->host_counts; /* [E] this rank's rows per global expert, [E + 1] their offsets */
+    const int32_t* received = m->ep_host;   /* [EP, El] */
+    int64_t* send = m->ep_offsets;          /* [EP + 1] */
+    int64_t* recv = m->ep_offsets + EP + 1; /* [EP + 1] */
+    send[0] = recv[0] = 0;
+    for (int r = 0; r < EP; r++) {
+        send[r + 1] = counts[s.E + (r + 1) * El];
+        int64_t n = 0;
+        for (int j = 0; j < El; j++) n += received[r * El + j];
+        recv[r + 1] = recv[r] + n;
+    }
+    const int64_t total = recv[EP];
+    if (total > s.Rexp) {
+        mt_gpu_fail(ex->error, MT_ERR_RANGE, "MoE expert parallelism: %lld rows received, above the plan's bound %lld",
+                    (long long)total, (long long)s.Rexp);
+        return -1;
+    }
+    int32_t* local = m->ep_local; /* counts [El], offsets [El + 1] */
+    local[El] = 0;
+    for (int j = 0; j < El; j++) {
+        int64_t n = 0;
+        for (int r = 0; r < EP; r++) n += received[r * El + j];
+        local[j] = (int32_t)n;
+        local[El + j + 1] = local[El + j] + (int32_t)n;
+    }
+    int32_t* order = m->ep_host + s.E;  /* [Rexp]: sorted row p <- received row order[p] */
+    int32_t* inverse = order + s.Rexp; /* [Rexp]: received row q -> sorted row inverse[q] */
+    int64_t p = 0;
+    for (int j = 0; j < El; j++)
+        for (int r = 0; r < EP; r++) {
+            int64_t q = recv[r];
+            for (int i = 0; i < j; i++) q += received[r * El + i];
+            for (int i = 0; i < received[r * El + j]; i++, p++, q++) order[p] = (int32_t)q, inverse[q] = (int32_t)p;
+        }
+    mt_activations* a = &t->act;
+    CUDA_CHECK(ex->error, cudaMemcpyAsync(a->moe_ep_index, order, sizeof(int32_t) * (size_t)total, cudaMemcpyHostToDevice,
+                                          ex->stream));
+    CUDA_CHECK(ex->error, cudaMemcpyAsync(a->moe_ep_index + s.Rexp, inverse, sizeof(int32_t) * (size_t)total,
+                                          cudaMemcpyHostToDevice, ex->stream));
+    return total;
+}
+
+/* recv [recv_off[EP], width] = from each EP rank r its rows; send [send_off[EP], width]: rows
+ * [send_off[r], send_off[r + 1]) go to rank r. One NCCL group on the compute stream. */
+static void moe_all_to_all(mt_trainer* t, const mt_exec* ex, void* recv, const int64_t* recv_off, const void* send,
+                           const int64_t* send_off, int64_t width, ncclDataType_t type, size_t elem) {
+    mt_process_groups* g = &t->groups;
+    NCCL_CHECK(ex->error, t->cfg.rank, ncclGroupStart());
+    for (int r = 0; r < g->ep_size; r++) {
+        const int64_t ns = send_off[r + 1] - send_off[r], nr = recv_off[r + 1] - recv_off[r];
+        if (ns > 0)
+            NCCL_CHECK(ex->error, t->cfg.rank, ncclSend((const char*)send + send_off[r] * width * elem,
+                                                        (size_t)(ns * width), type, r, g->ep, ex->stream));
+        if (nr > 0)
+            NCCL_CHECK(ex->error, t->cfg.rank, ncclRecv((char*)recv + recv_off[r] * width * elem, (size_t)(nr * width),
+                                                        type, r, g->ep, ex->stream));
+    }
+    NCCL_CHECK(ex->error, t->cfg.rank, ncclGroupEnd());
+}
+
+/* The rows of this rank's tokens (x [N, h] permuted into global expert order, their probabilities
+ * v.moe_row_prob [R]) through the experts of their EP ranks, back into y [R, h] in that order (EP > 1; layer
+ * view v keeps what the backward needs). Scratch: a->moe_y and a->moe_xperm ([max(Rmax, Rexp), h] each),
+ * a->moe_ep_drow for the received probabilities. */
+template <typename T>
+static void moe_ep_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const layer_view<T>& v,
+                           const layer_tensors<T>& p, const T* x, T* y) {
+    mt_activations* a = &t->act;
+    const ncclDataType_t type = t->groups.tp.type;
+    const int64_t received = moe_ep_plan(t, ex, s, v.moe_counts, v.moe_ep_counts, true);
+    if (received < 0) return;
+    const int64_t* send = t->moe.ep_offsets;
+    const int64_t* recv = t->moe.ep_offsets + s.ep + 1;
+    const int Rr = (int)received;
+    moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, (int)send[s.ep], s.h);
+    moe_all_to_all(t, ex, a->moe_y, recv, a->moe_xperm, send, s.h, type, sizeof(T));
+    moe_all_to_all(t, ex, a->moe_ep_drow, recv, v.moe_row_prob, send, 1, ncclFloat, sizeof(float));
+    moe_permute<T>(ex, v.moe_ep_in, (const T*)a->moe_y, a->moe_ep_index, Rr, s.h);
+    moe_permute<float>(ex, v.moe_ep_prob, a->moe_ep_drow, a->moe_ep_index, Rr, 1);
+    const int32_t* local = t->moe.ep_local;
+    moe_experts_forward<T>(t, ex, MOE_GEMM_FC1, v.moe_fc1, (const T*)v.moe_ep_in, p.expert_fc1_w, local, s.El, s.h,
+                           s.f1e);
+    moe_swiglu_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_ep_prob, Rr, s.fe);
+    moe_experts_forward<T>(t, ex, MOE_GEMM_FC2, (T*)a->moe_y, v.moe_act, p.expert_fc2_w, local, s.El, s.fe, s.h);
+    moe_permute<T>(ex, (T*)a->moe_xperm, (const T*)a->moe_y, a->moe_ep_index + s.Rexp, Rr, s.h); /* received order */
+    moe_all_to_all(t, ex, y, send, a->moe_xperm, recv, s.h, type, sizeof(T));
+}
+
+/* Its backward: the output gradient dout [N, h] at this rank's rows (global expert order, into dx_rows) out
+ * to the experts, their weight gradients, and back: the rows' input gradient into dx_rows [R, h] (a->moe_y)
+ * and their probabilities' gradient into dprobs [N, E] (zeroed first); a->moe_xperm is scratch. */
+template <typename T>
+static void moe_ep_backward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const layer_view<T>& v,
+                            const layer_tensors<T>& p, const layer_tensors<float>& dp, const T* dout, T* dx_rows,
+                            float* dprobs) {
+    mt_activations* a = &t->act;
+    const ncclDataType_t type = t->groups.tp.type;
+    const int64_t received = moe_ep_plan(t, ex, s, v.moe_counts, v.moe_ep_counts, false);
+    if (received < 0) return;
+    const int64_t* send = t->moe.ep_offsets;
+    const int64_t* recv = t->moe.ep_offsets + s.ep + 1;
+    const int Rr = (int)received, R = (int)send[s.ep];
+    T* drows = dx_rows;
+    moe_permute<T>(ex, drows, dout, v.moe_token, R, s.h);
+    const int32_t* local = t->moe.ep_local;
+    float* drow_local = a->moe_ep_drow;                      /* [Rexp] local-expert order */
+    float* drow_received = a->moe_ep_drow + s.Rexp;          /* [Rexp] received order */
+    float* drow_mine = a->moe_ep_drow + 2 * s.Rexp;          /* [Rmax] this rank's rows */
+    T* sorted = (T*)a->moe_y;
+    moe_all_to_all(t, ex, a->moe_xperm, recv, drows, send, s.h, type, sizeof(T));
+    moe_permute<T>(ex, sorted, (const T*)a->moe_xperm, a->moe_ep_index, Rr, s.h);
+    moe_experts_backward<T>(t, ex, MOE_GEMM_FC2_DX, (T*)a->moe_dact, dp.expert_fc2_w, sorted, v.moe_act,
+                            p.expert_fc2_w, local, s.El, s.fe, s.h);
+    moe_swiglu_prob_backward<T>(ex, (T*)a->moe_dz, drow_local, (const T*)a->moe_dact, v.moe_fc1, v.moe_ep_prob,
+                                (const int32_t*)NULL, (const int32_t*)NULL, Rr, s.fe, s.El);
+    moe_experts_backward<T>(t, ex, MOE_GEMM_FC1_DX, sorted, dp.expert_fc1_w, (const T*)a->moe_dz,
+                            (const T*)v.moe_ep_in, p.expert_fc1_w, local, s.El, s.h, s.f1e);
+    moe_permute<T>(ex, (T*)a->moe_xperm, (const T*)sorted, a->moe_ep_index + s.Rexp, Rr, s.h);
+    moe_permute<float>(ex, drow_received, drow_local, a->moe_ep_index + s.Rexp, Rr, 1);
+    moe_all_to_all(t, ex, dx_rows, send, a->moe_xperm, recv, s.h, type, sizeof(T));
+    moe_all_to_all(t, ex, drow_mine, send, drow_received, recv, 1, ncclFloat, sizeof(float));
+    CUDA_CHECK(ex->error, cudaMemsetAsync(dprobs, 0, sizeof(float) * (size_t)s.BT * s.E, ex->stream));
+    moe_row_prob_scatter(ex, dprobs, drow_mine, v.moe_token, v.moe_counts + s.E, R, s.E);
+}
+
 static void comm_after_compute(mt_trainer* t); /* section 19: the communication stream waits for the compute's work */
 static void* device_alloc(mt_trainer* t, size_t bytes, size_t* counter); /* section 21 */
 static void compute_after_comm(mt_trainer* t); /* section 19: and the compute stream for the communication's */
@@ -6895,14 +7132,19 @@ static void moe_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, con
     moe_route(ex, r, v.moe_logits, bias, v.moe_probs, v.moe_row, v.moe_token, v.moe_row_prob, v.moe_counts,
               training ? t->moe.step_tokens + (int64_t)l * E : (int32_t*)NULL, a->moe_work);
     if (training) moe_aux_forward(t, ex, s, r, v, l);
-    /* the experts on their rows */
-    const int32_t* counts = moe_host_counts(t, v.moe_counts, E);
-    const int R = counts[2 * E];
-    moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, R, s.h);
-    moe_experts_forward<T>(t, ex, MOE_GEMM_FC1, v.moe_fc1, (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h,
-                           s.f1e);
-    moe_swiglu_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_row_prob, R, s.fe);
-    moe_experts_forward<T>(t, ex, MOE_GEMM_FC2, (T*)a->moe_y, v.moe_act, p.expert_fc2_w, counts, E, s.fe, s.h);
+    /* the experts on their rows (with expert parallelism, on the rows' EP ranks: moe_ep_forward reads the
+     * counts back itself) */
+    if (s.ep > 1) {
+        moe_ep_forward<T>(t, ex, s, v, p, x, (T*)a->moe_y);
+    } else {
+        const int32_t* counts = moe_host_counts(t, v.moe_counts, E);
+        const int R = counts[2 * E];
+        moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, R, s.h);
+        moe_experts_forward<T>(t, ex, MOE_GEMM_FC1, v.moe_fc1, (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h,
+                               s.f1e);
+        moe_swiglu_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_row_prob, R, s.fe);
+        moe_experts_forward<T>(t, ex, MOE_GEMM_FC2, (T*)a->moe_y, v.moe_act, p.expert_fc2_w, counts, E, s.fe, s.h);
+    }
     /* the shared expert (the dense MLP code on this layer's shared weights), its output kept when gated */
     T* shared = NULL;
     if (p.fc1_w) {
@@ -6926,19 +7168,24 @@ static void moe_backward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, co
     mt_activations* a = &t->act;
     const moe_routing r = moe_routing_of(t, s);
     const int E = s.E, N = s.BT;
-    const int32_t* counts = moe_host_counts(t, v.moe_counts, E);
-    const int R = counts[2 * E];
-    /* experts: d(rows) = dout at each row's token; fc2, the probability-weighted SwiGLU, fc1 */
+    /* experts: d(rows) = dout at each row's token; fc2, the probability-weighted SwiGLU, fc1 (with expert
+     * parallelism on the rows' EP ranks) */
     T* drows = (T*)a->moe_y;
-    moe_permute<T>(ex, drows, dout, v.moe_token, R, s.h);
-    moe_experts_backward<T>(t, ex, MOE_GEMM_FC2_DX, (T*)a->moe_dact, dp.expert_fc2_w, drows, v.moe_act,
-                            p.expert_fc2_w, counts, E, s.fe, s.h);
-    CUDA_CHECK(ex->error, cudaMemsetAsync(a->moe_dprobs, 0, sizeof(float) * (size_t)N * E, ex->stream));
-    moe_swiglu_prob_backward<T>(ex, (T*)a->moe_dz, a->moe_dprobs, (const T*)a->moe_dact, v.moe_fc1, v.moe_row_prob,
-                                v.moe_token, v.moe_counts + E, R, s.fe, E);
-    moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, R, s.h); /* the rows the forward's fc1 read */
-    moe_experts_backward<T>(t, ex, MOE_GEMM_FC1_DX, drows, dp.expert_fc1_w, (const T*)a->moe_dz,
-                            (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h, s.f1e);
+    if (s.ep > 1) {
+        moe_ep_backward<T>(t, ex, s, v, p, dp, dout, drows, a->moe_dprobs);
+    } else {
+        const int32_t* counts = moe_host_counts(t, v.moe_counts, E);
+        const int R = counts[2 * E];
+        moe_permute<T>(ex, drows, dout, v.moe_token, R, s.h);
+        moe_experts_backward<T>(t, ex, MOE_GEMM_FC2_DX, (T*)a->moe_dact, dp.expert_fc2_w, drows, v.moe_act,
+                                p.expert_fc2_w, counts, E, s.fe, s.h);
+        CUDA_CHECK(ex->error, cudaMemsetAsync(a->moe_dprobs, 0, sizeof(float) * (size_t)N * E, ex->stream));
+        moe_swiglu_prob_backward<T>(ex, (T*)a->moe_dz, a->moe_dprobs, (const T*)a->moe_dact, v.moe_fc1,
+                                    v.moe_row_prob, v.moe_token, v.moe_counts + E, R, s.fe, E);
+        moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, R, s.h); /* the rows the forward's fc1 read */
+        moe_experts_backward<T>(t, ex, MOE_GEMM_FC1_DX, drows, dp.expert_fc1_w, (const T*)a->moe_dz,
+                                (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h, s.f1e);
+    }
     moe_unpermute<T>(ex, dx, (const T*)drows, v.moe_row, (const T*)NULL, (const float*)NULL, N, E, s.h, false);
     /* router: dlogits from the probabilities' gradient and the aux losses; dW_r (+)= dlogits^T x, dx += dlogits W_r */
     const float scale = ex->mode.moe_loss_scale;
@@ -7001,6 +7248,13 @@ static void moe_state_create(mt_trainer* t) {
     m->last_log = (float*)calloc(L * 4, sizeof(float));
     m->last_tokens = (int32_t*)calloc(L * E, sizeof(int32_t));
     if (!m->last_log || !m->last_tokens) mt_gpu_fail(&t->error, MT_ERR_OOM, "cannot allocate the MoE statistics");
+    if (t->groups.ep_size > 1) { /* the dispatch plan's host side (moe_ep_plan) */
+        const mt_shape s = model_shape(t);
+        CUDA_CHECK(&t->error, cudaMallocHost((void**)&m->ep_host, sizeof(int32_t) * (E + 2 * (size_t)s.Rexp)));
+        m->ep_offsets = (int64_t*)calloc(2 * ((size_t)s.ep + 1), sizeof(int64_t));
+        m->ep_local = (int32_t*)calloc(2 * (size_t)s.El + 1, sizeof(int32_t));
+        if (!m->ep_offsets || !m->ep_local) mt_gpu_fail(&t->error, MT_ERR_OOM, "cannot allocate the MoE dispatch plan");
+    }
     if (m->expert_bias) CUDA_CHECK(&t->error, cudaMemsetAsync(m->expert_bias, 0, L * E * 4, t->stream));
 }
 static void moe_state_free(mt_moe_state* m) {
@@ -7013,6 +7267,9 @@ static void moe_state_free(mt_moe_state* m) {
     cudaFreeHost((void*)m->gemm_staging);
     free(m->last_log);
     free(m->last_tokens);
+    cudaFreeHost(m->ep_host);
+    free(m->ep_offsets);
+    free(m->ep_local);
     memset(m, 0, sizeof(*m));
 }
 
@@ -7831,22 +8088,35 @@ static void owned_range(const mt_trainer* t, int b, int64_t* begin, int64_t* end
     else mt_bucket_shard(&t->buffer.buckets[b], 1, 0, begin, end);
 }
 
+/* The group bucket b is reduced and gathered over: DP, or for an expert bucket (EP > 1) the
+ * expert-data-parallel group (Megatron's expert buffers); NULL when that group is one rank. */
+static ncclComm_t bucket_group(const mt_trainer* t, int b, int* size) {
+    const bool expert = t->buffer.buckets[b].ep > 1;
+    *size = expert ? t->groups.edp_size : t->groups.dp_size;
+    return expert ? t->groups.edp : t->groups.dp;
+}
+
 /* Starts the DP reduction of bucket b's gradients (already pre-scaled by 1/dp): an all-reduce, or
- * with the distributed optimizer a reduce-scatter leaving this rank the sum over its own shard. */
+ * with the distributed optimizer a reduce-scatter leaving this rank the sum over its own shard. An
+ * expert bucket's gradients already hold every EP rank's tokens (the all-to-all brought them): they add
+ * over the expert-data-parallel group only (nothing to do when it is one rank). */
 static void reduce_bucket(mt_trainer* t, int b) {
     const mt_buffer_bucket* k = &t->buffer.buckets[b];
     mt_process_groups* g = &t->groups;
+    int size;
+    ncclComm_t comm = bucket_group(t, b, &size);
+    if (!comm) return;
     float* base = t->grads + k->start;
     comm_after_compute(t);
     if (t->opt.sharded) {
         int64_t begin, end;
         owned_range(t, b, &begin, &end);
         NCCL_CHECK(&t->error, t->cfg.rank,
-                   ncclReduceScatter(base, t->grads + begin, (size_t)(end - begin), ncclFloat, ncclSum, g->dp,
+                   ncclReduceScatter(base, t->grads + begin, (size_t)(end - begin), ncclFloat, ncclSum, comm,
                                      g->comm_stream));
     } else {
         NCCL_CHECK(&t->error, t->cfg.rank,
-                   ncclAllReduce(base, base, (size_t)(k->end - k->start), ncclFloat, ncclSum, g->dp, g->comm_stream));
+                   ncclAllReduce(base, base, (size_t)(k->end - k->start), ncclFloat, ncclSum, comm, g->comm_stream));
     }
 }
 
@@ -7926,11 +8196,14 @@ static void gather_parameters(mt_trainer* t) {
         int64_t begin, end;
         owned_range(t, b, &begin, &end);
         char* base = (char*)t->params;
-        NCCL_CHECK(&t->error, t->cfg.rank,
-                   ncclAllGather(base + begin * t->elem, base + t->buffer.buckets[b].start * t->elem,
-                                 (size_t)(end - begin), type, g->dp, g->comm_stream));
+        int size;
+        ncclComm_t comm = bucket_group(t, b, &size); /* an expert bucket over EDP: none when it is one rank */
+        if (comm)
+            NCCL_CHECK(&t->error, t->cfg.rank,
+                       ncclAllGather(base + begin * t->elem, base + t->buffer.buckets[b].start * t->elem,
+                                     (size_t)(end - begin), type, comm, g->comm_stream));
         CUDA_CHECK(&t->error, cudaEventRecord(t->ddp.gathered[b], g->comm_stream));
-        t->ddp.param_gather_bytes += (end - begin) * t->elem * g->dp_size;
+        t->ddp.param_gather_bytes += (end - begin) * t->elem * size;
     }
     if (t->cfg.overlap_param_gather) t->ddp.gather_pending = 1;
     else compute_after_comm(t);
@@ -8032,6 +8305,11 @@ static void fp8_publish_parameters(mt_trainer* t) {
  * elements in fixed chunks; the TP ranks' sums are added (a whole tensor that every TP rank holds
  * is counted on TP rank 0 only), then the pipeline stages' (the last stage's copy of tied word
  * embeddings is not counted), and with the distributed optimizer the shards' sums over DP. */
+/* Whether a norm's (or zero count's) partial sums add over DP: with the distributed optimizer (each rank
+ * owns a shard), and with expert parallelism (each EP rank holds other experts; plan_optimizer_shard then
+ * counts a replicated element on one rank of its group only). */
+static bool norm_over_dp(const mt_trainer* t) { return t->opt.sharded || t->groups.ep_size > 1; }
+
 static double gradient_norm_squared(mt_trainer* t) {
     const mt_exec ex = trainer_exec(t);
     gradient_sum_squares(&ex, t->opt.norm_partial, t->opt.chunks, t->opt.num_chunks, t->grads);
@@ -8041,7 +8319,7 @@ static double gradient_norm_squared(mt_trainer* t) {
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     all_reduce_sum(t, &result, GROUP_TP, NULL);
     all_reduce_sum(t, &result, GROUP_PP, NULL);
-    if (t->opt.sharded) all_reduce_sum(t, &result, GROUP_DP, NULL);
+    if (norm_over_dp(t)) all_reduce_sum(t, &result, GROUP_DP, NULL);
     return result;
 }
 
@@ -8299,7 +8577,7 @@ static double params_norm_squared(mt_trainer* t) {
     }
     all_reduce_sum(t, &result, GROUP_TP, NULL);
     all_reduce_sum(t, &result, GROUP_PP, NULL);
-    if (t->opt.sharded) all_reduce_sum(t, &result, GROUP_DP, NULL);
+    if (norm_over_dp(t)) all_reduce_sum(t, &result, GROUP_DP, NULL);
     return result;
 }
 
@@ -8314,7 +8592,7 @@ static int64_t gradient_zeros(mt_trainer* t, float grad_scale) {
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
     all_reduce_sum(t, &result, GROUP_TP, NULL);
     all_reduce_sum(t, &result, GROUP_PP, NULL);
-    if (t->opt.sharded) all_reduce_sum(t, &result, GROUP_DP, NULL);
+    if (norm_over_dp(t)) all_reduce_sum(t, &result, GROUP_DP, NULL);
     return (int64_t)result;
 }
 
@@ -8412,11 +8690,15 @@ static void copy_owned(mt_trainer* t, float* shard, float* full, int to_shard) {
 static void gather_owned_fp32(mt_trainer* t, float* full) {
     comm_after_compute(t);
     for (int b = 0; b < t->buffer.num_buckets; b++) {
-        int64_t begin, end;
+        int64_t begin, end, size;
         owned_range(t, b, &begin, &end);
-        NCCL_CHECK(&t->error, t->cfg.rank,
-                   ncclAllGather(full + begin, full + t->buffer.buckets[b].start, (size_t)(end - begin), ncclFloat,
-                                 t->groups.dp, t->groups.comm_stream));
+        int group_size;
+        ncclComm_t comm = bucket_group(t, b, &group_size);
+        size = end - begin;
+        if (comm)
+            NCCL_CHECK(&t->error, t->cfg.rank,
+                       ncclAllGather(full + begin, full + t->buffer.buckets[b].start, (size_t)size, ncclFloat, comm,
+                                     t->groups.comm_stream));
     }
     compute_after_comm(t);
 }
@@ -8875,6 +9157,7 @@ mt_status mt_trainer_reserve_async_save(mt_trainer* t, mt_error* err) {
 static mt_status begin_save(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples, int async,
                             mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    if (t->groups.ep_size > 1) return mt_fail(err, MT_ERR_CONFIG, MT_EP_CHECKPOINT_REFUSAL, "save");
     mt_status st = finish_save(t, 1, NULL, err); /* a save still in flight completes first */
     if (st != MT_OK) return st;
     if (!t->ckpt.async_save) {
@@ -9023,6 +9306,7 @@ static mt_status load_other_layout(mt_trainer* t, const mt_ckpt* ck, int load_op
 static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iteration, int load_optim,
                                  int64_t* iteration_out, int64_t* consumed_out, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    if (t->groups.ep_size > 1) return mt_fail(err, MT_ERR_CONFIG, MT_EP_CHECKPOINT_REFUSAL, "load");
     char path[4400], iter_dir[4200], rank_dir[4300];
     /* rank 0 picks the iteration and applies the integrity rule (megatron.h mt_checkpoint_select: a
      * tracked one that is refused gives way to the newest older one that verifies; what it has to say
@@ -9162,18 +9446,20 @@ static void layout_activations(mt_activations* slots, const mt_activation_layout
             (void**)&a->ce_stats, (void**)&a->inputs, (void**)&a->targets, (void**)&a->losses, (void**)&a->embed_index,
             (void**)&a->qk_norm, (void**)&a->qk_stats, (void**)&a->moe_xperm, (void**)&a->moe_y, (void**)&a->moe_dz,
             (void**)&a->moe_dact, (void**)&a->moe_dlogits, (void**)&a->moe_dprobs, (void**)&a->moe_x32,
-            (void**)&a->moe_w32, (void**)&a->moe_work, (void**)&a->moe_stats, (void**)&a->residual, (void**)&a->ln1_mean, (void**)&a->ln1_rstd, (void**)&a->qkv, (void**)&a->probs,
+            (void**)&a->moe_w32, (void**)&a->moe_work, (void**)&a->moe_stats, (void**)&a->moe_ep_index,
+            (void**)&a->moe_ep_drow, (void**)&a->residual, (void**)&a->ln1_mean, (void**)&a->ln1_rstd, (void**)&a->qkv, (void**)&a->probs,
             (void**)&a->lse, (void**)&a->attn_out, (void**)&a->residual_mid, (void**)&a->ln2, (void**)&a->ln2_mean,
             (void**)&a->ln2_rstd, (void**)&a->fc1, (void**)&a->act, (void**)&a->moe_logits, (void**)&a->moe_probs,
             (void**)&a->moe_row, (void**)&a->moe_token, (void**)&a->moe_row_prob, (void**)&a->moe_counts,
             (void**)&a->moe_auxw, (void**)&a->moe_fc1, (void**)&a->moe_act, (void**)&a->moe_shared,
-            (void**)&a->moe_gate, (void**)&a->lnf, (void**)&a->lnf_mean,
+            (void**)&a->moe_gate, (void**)&a->moe_ep_in, (void**)&a->moe_ep_prob, (void**)&a->moe_ep_counts,
+            (void**)&a->lnf, (void**)&a->lnf_mean,
             (void**)&a->lnf_rstd, (void**)&a->logits};
         for (int r = 0; r < MT_ACT_REGIONS; r++) {
             const size_t at = L->offset[r] + (r >= MT_ACT_RESIDUAL ? (size_t)k * L->saved_bytes : 0);
             *regions[r] = L->bytes[r] ? base + at : NULL;
         }
-        static_assert(MT_ACT_REGIONS == 61, "every activation region has its pointer above");
+        static_assert(MT_ACT_REGIONS == 66, "every activation region has its pointer above");
     }
 }
 
@@ -9273,9 +9559,11 @@ static void initialise_parameters(mt_trainer* t) {
         if (full->init == 3) std = (float)(c->init_method_std / sqrt(2.0 * s.L));
         int mode = full->init == 3 ? 2 : full->init;
         int64_t per_layer_full = full->split_outer * full->split_rows * full->split_inner;
-        int64_t rows, row0;
+        int64_t rows, row0, outer, outer0;
         mt_tp_rows(full, t->groups.tp.size, t->groups.tp.rank, &rows, &row0);
-        init_param(&ex, t->grads + p->offset, p->numel, (int64_t)p->layer * per_layer_full, rows, full->split_inner,
+        mt_ep_outer(full, t->groups.ep_size, t->groups.ep_rank, &outer, &outer0); /* an EP rank's experts */
+        const int64_t first = (int64_t)p->layer * per_layer_full + outer0 * full->split_rows * full->split_inner;
+        init_param(&ex, t->grads + p->offset, p->numel, first, rows, full->split_inner,
                    full->split_rows, row0, mode, std, c->seed, (uint64_t)mt_param_init_stream(p->tensor));
     }
     set_master_from_full(t, t->grads);
@@ -9318,6 +9606,11 @@ static mt_status plan_optimizer_shard(mt_trainer* t, mt_error* err) {
          * embeddings not at all (the first stage's counts) */
         c->count_in_norm = (t->params_info[pieces[k].tensor].tp_split || t->groups.tp.rank == 0) &&
                            !(pieces[k].tensor == MT_P_WORD_EMBEDDINGS && !B->stage.embedding);
+        /* expert parallelism without the distributed optimizer: the norms add over DP (norm_over_dp), so a
+         * dense element counts on DP rank 0 only, an expert's on its expert-data-parallel rank 0 */
+        if (t->groups.ep_size > 1 && !t->opt.sharded)
+            c->count_in_norm &= t->params_info[pieces[k].tensor].ep_split ? t->groups.edp_rank == 0
+                                                                          : t->groups.dp_rank == 0;
         c->decoupled = c_cfg_decoupled && mt_param_lr_decoupled(pieces[k].tensor);
     }
     free(pieces);
@@ -9676,10 +9969,11 @@ mt_status mt_trainer_on_collective_timeout(mt_trainer* t, mt_collective_timeout_
     for (int i = 0; i < 5; i++)
         if (streams[i] && (i != 2 || g->tp.size > 1))
             w->stream[w->num_streams] = streams[i], w->stream_name[w->num_streams++] = stream_names[i];
-    const ncclComm_t comms[] = {g->world, g->tp.comm, g->dp, g->pp, g->pp_grad, g->embedding};
+    const ncclComm_t comms[] = {g->world, g->tp.comm, g->dp, g->pp, g->pp_grad, g->embedding, g->ep, g->edp};
     const char* comm_names[] = {"world", "tensor-parallel", "data-parallel", "pipeline", "pipeline gradient",
-                                "embedding"};
-    for (int i = 0; i < 6; i++)
+                                "embedding", "expert-parallel", "expert-data-parallel"};
+    static_assert(MT_WATCH_MAX_COMMS >= 8, "the watchdog watches every communicator");
+    for (int i = 0; i < 8; i++)
         if (comms[i]) w->comm[w->num_comms] = comms[i], w->comm_name[w->num_comms++] = comm_names[i];
     w->rank = t->cfg.rank;
     if (cudaGetDevice(&w->device) != cudaSuccess) w->device = t->cfg.local_rank >= 0 ? t->cfg.local_rank : 0;
@@ -9975,6 +10269,26 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
     return mt_gpu_error_return(&t->error, err);
 }
 
+/* gather_full_model with expert parallelism (TP = PP = 1 in this build): each EP rank's buffer in turn is
+ * broadcast over the EP group, downloaded and put in place (mt_tp_shard_copy of shard ep_rank: its
+ * experts; the dense tensors, the same on every rank, come from each). Collective over EP. */
+static mt_status gather_expert_shards(mt_trainer* t, float* device_full, float* host_full, mt_error* err) {
+    mt_process_groups* g = &t->groups;
+    float* part = (float*)malloc(sizeof(float) * (size_t)t->num_params);
+    if (!part) return mt_fail(err, MT_ERR_OOM, "cannot allocate a host shard of %lld floats", (long long)t->num_params);
+    float* staging = (float*)device_alloc(t, sizeof(float) * (size_t)t->buffer.size, NULL);
+    for (int r = 0; r < g->ep_size && t->error.status == MT_OK; r++) {
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclBroadcast(device_full, staging, (size_t)t->buffer.size, ncclFloat, r, g->ep,
+                                                         t->stream));
+        if (canonical_transfer(t, staging, part, 0, err) != MT_OK) break;
+        mt_tp_shard_copy(&t->cfg, r, host_full, part, 0);
+    }
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    cudaFree(staging);
+    free(part);
+    return mt_gpu_error_return(&t->error, err);
+}
+
 /* The full model's canonical array from a full buffer-layout array of every TP rank: each rank's
  * shard in turn is broadcast over the TP group, downloaded and put in place (mt_tp_shard_copy; with
  * pipeline parallelism only this stage's tensors, the rest of host_full left alone:
@@ -9982,6 +10296,7 @@ mt_status mt_trainer_logits(mt_trainer* t, const int32_t* tokens, float* logits,
  * training loop). */
 static mt_status gather_full_model(mt_trainer* t, float* device_full, float* host_full, mt_error* err) {
     const int staged = t->groups.pp_size > 1; /* this stage's tensors only */
+    if (t->groups.ep_size > 1) return gather_expert_shards(t, device_full, host_full, err);
     if (t->groups.tp.size == 1 && !staged) return canonical_transfer(t, device_full, host_full, 0, err);
     const int64_t shard_numel = mt_param_layout_shard(&t->cfg, NULL);
     float* part = (float*)malloc(sizeof(float) * (size_t)t->num_params); /* this stage's part of one shard */
@@ -10013,8 +10328,8 @@ static mt_status gather_full_model(mt_trainer* t, float* device_full, float* hos
     return mt_gpu_error_return(&t->error, err);
 }
 
-/* Parameters in canonical order (the full model; each TP rank keeps its shard), through the
- * gradient buffer (free between steps). */
+/* Parameters in canonical order (the full model; each TP rank keeps its shard, each EP rank its
+ * experts), through the gradient buffer (free between steps). */
 mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
     wait_for_all_parameters(t);
@@ -10026,6 +10341,10 @@ mt_status mt_trainer_set_parameters(mt_trainer* t, const float* params, mt_error
         if (!shard) return mt_fail(err, MT_ERR_OOM, "cannot allocate a host shard of %lld floats", (long long)t->num_params);
         if (t->groups.pp_size > 1) mt_pp_stage_copy(&t->cfg, &t->buffer.stage, (float*)params, shard, 1);
         else mt_tp_shard_copy(&t->cfg, t->groups.tp.rank, (float*)params, shard, 1);
+    } else if (t->groups.ep_size > 1) { /* this EP rank's experts (TP = PP = 1 with experts here) */
+        shard = (float*)malloc(sizeof(float) * (size_t)t->num_params);
+        if (!shard) return mt_fail(err, MT_ERR_OOM, "cannot allocate a host shard of %lld floats", (long long)t->num_params);
+        mt_tp_shard_copy(&t->cfg, t->groups.ep_rank, (float*)params, shard, 1);
     }
     mt_status st = canonical_transfer(t, t->grads, shard, 1, err);
     if (shard != params) free(shard);

@@ -743,6 +743,16 @@ MT_DEF int64_t mt_moe_capacity(const mt_config* cfg, int64_t tokens);
 /* The permuted rows' bound of a micro-batch of N tokens: N k dropless; with a capacity C: N k when
  * C >= N (nothing dropped), E C when padded to capacity, else min(N k, E C). */
 MT_DEF int64_t mt_moe_max_rows(const mt_config* cfg, int64_t tokens);
+/* Expert parallelism (EP > 1): the bound of the rows an EP rank's E / EP local experts receive from its EP
+ * group, each rank routing N tokens: every rank's rows for those experts, EP x min(N k, E/EP x C) (C = N
+ * when dropless; padded to capacity: exactly EP x E/EP x min(C, N)). The worst case of an all-to-all
+ * dispatch, which the memory plan reserves: a dropless run may send all of a group's rows to one rank
+ * (a capacity factor bounds it). mt_moe_max_rows at EP = 1. */
+MT_DEF int64_t mt_moe_expert_rows(const mt_config* cfg, int64_t tokens);
+/* Checkpoints of an expert-parallel run (experts sharded by EP, Megatron's mp_rank_TT_EEE files) are not
+ * built yet: the trainer's save and load refuse with this line (%s: "save" or "load"). */
+#define MT_EP_CHECKPOINT_REFUSAL "checkpoints with expert parallelism (--expert-model-parallel-size > 1) are not built " \
+                                 "yet: cannot %s; train without --save/--load or at EP = 1"
 /* The trainer's MoE state (megatron.cu; the memory plan's workspace counts it), for L MoE layers of E
  * experts: four allocations, each rounded up to 256 bytes: the expert bias [L, E] fp32, a step's tokens
  * per expert [L, E], the global aux loss's running sums [L, E] and the running average [E], the logged
@@ -847,18 +857,27 @@ typedef struct {
      * its gate rows and its up rows; norms, row-parallel biases and position embeddings are whole. */
     int tp_split;
     int64_t split_outer, split_rows, split_inner;
+    /* Expert parallelism: the experts' tensors (expert_fc1/fc2 weights and biases) have their outer
+     * dimension (experts outermost) cut into EP equal parts, expert-parallel rank e holding part e: its
+     * E / EP local experts (ep_split = 0: every EP rank holds all of it). */
+    int ep_split;
 } mt_param_info;
 /* The full model: fills info[MT_NUM_PARAM_TENSORS]; returns the total element count. */
 MT_DEF int64_t mt_param_layout(const mt_config* cfg, mt_param_info* info);
-/* One tensor-parallel rank's shard (every TP rank's is the same shape): numel and offset count
- * this rank's elements, in the same canonical order. Equals mt_param_layout at TP = 1. */
+/* One model-parallel rank's shard (every rank's is the same shape): a tensor-parallel rank's rows and,
+ * with expert parallelism, an expert-parallel rank's experts; numel and offset count this rank's
+ * elements, in the same canonical order. Equals mt_param_layout at TP = EP = 1. Shard s (the argument
+ * `shard_rank` below) is TP rank s % TP of EP rank s / TP. */
 MT_DEF int64_t mt_param_layout_shard(const mt_config* cfg, mt_param_info* info);
-/* Copies between a full-model canonical array and TP rank tp_rank's shard-layout array (from the
- * full one when to_shard, else into it). */
-MT_DEF void mt_tp_shard_copy(const mt_config* cfg, int tp_rank, float* full, float* shard, int to_shard);
+/* Copies between a full-model canonical array and shard shard_rank's shard-layout array (from the
+ * full one when to_shard, else into it); shard_rank = tp_rank + TP * ep_rank (the TP rank at EP = 1). */
+MT_DEF void mt_tp_shard_copy(const mt_config* cfg, int shard_rank, float* full, float* shard, int to_shard);
 /* The rows of `full` (an mt_param_layout entry) that TP rank tp_rank holds: [*row0, *row0 + *rows)
  * of full->split_rows (all of them when the tensor is not split). */
 MT_DEF void mt_tp_rows(const mt_param_info* full, int tp, int tp_rank, int64_t* rows, int64_t* row0);
+/* The outer indices of `full` that EP rank ep_rank holds: [*outer0, *outer0 + *outer) of full->split_outer
+ * (all of them when the tensor is not cut over EP). */
+MT_DEF void mt_ep_outer(const mt_param_info* full, int ep, int ep_rank, int64_t* outer, int64_t* outer0);
 /* Index, within one layer's slice of the full tensor, of element i of a rank's slice: the slice
  * [outer, rows, inner] holds rows [row0, row0 + rows_shard) of rows_full. */
 #ifdef __CUDACC__
@@ -871,6 +890,11 @@ static inline MT_HOST_DEVICE int64_t mt_tp_full_index(int64_t i, int64_t rows_sh
     int64_t per_outer = rows_shard * inner, o = i / per_outer, rem = i - o * per_outer;
     return (o * rows_full + row0) * inner + rem;
 }
+/* The same for a slice that also starts at outer index outer0 (an expert-parallel rank's experts). */
+static inline MT_HOST_DEVICE int64_t mt_shard_full_index(int64_t i, int64_t rows_shard, int64_t inner, int64_t rows_full,
+                                                         int64_t row0, int64_t outer0) {
+    return outer0 * rows_full * inner + mt_tp_full_index(i, rows_shard, inner, rows_full, row0);
+}
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 7. Rank layout and pipeline stages (the layer split)                                            */
@@ -878,9 +902,12 @@ static inline MT_HOST_DEVICE int64_t mt_tp_full_index(int64_t i, int64_t rows_sh
 /*    model chunks (virtual stages), and which tensors a pipeline rank holds.                      */
 /* ---------------------------------------------------------------------------------------------- */
 
-/* Megatron's rank layout, order tp-cp-ep-dp-pp (cp = ep = 1 for now):
- * rank = tp + TP * (dp + DP * pp). Groups: tp contiguous, dp stride TP, pp stride TP * DP. */
-typedef struct { int tp, dp, pp; } mt_rank_coords;
+/* Megatron's rank layout, order tp-cp-ep-dp-pp (cp = 1 for now):
+ * rank = tp + TP * (dp + DP * pp). Groups: tp contiguous, dp stride TP, pp stride TP * DP. The expert
+ * layers fold the data-parallel ranks into EP x EDP (MoE parallel folding with ETP = TP = 1): the
+ * expert-parallel rank is ep = dp % EP (consecutive DP ranks form an EP group) and the expert-data-parallel
+ * rank edp = dp / EP (the ranks holding the same experts, stride EP within DP). */
+typedef struct { int tp, dp, pp, ep, edp; } mt_rank_coords;
 MT_DEF mt_rank_coords mt_rank_coordinates(const mt_config* cfg, int rank);
 MT_DEF int mt_rank_of(const mt_config* cfg, mt_rank_coords coords);
 
@@ -941,6 +968,8 @@ typedef struct {
     int64_t start, end;  /* [start, end) in buffer elements, padding included */
     int64_t numel_unpadded;
     int ready_layer;     /* gradients final once backward has done this layer (L: final norm, -1: embeddings) */
+    int ep;              /* > 1: a bucket of expert parameters (EP > 1), reduced and sharded over the
+                            expert-data-parallel group (DP / ep ranks) instead of DP; else 0 */
 } mt_buffer_bucket;
 typedef struct {
     int num_params, num_buckets, num_layers;
@@ -970,7 +999,9 @@ MT_DEF int mt_fp8_param_stored(const mt_config* cfg, int tensor, int layer);
  * (mt_buffer_param.storage; the padding before a parameter belongs to it). Monotonic, so a DP shard
  * [begin, end) is the bytes [of(begin), of(end)). Needs the storage of the parameters below it. */
 MT_DEF int64_t mt_buffer_storage_byte(const mt_buffer_layout* layout, int64_t element);
-/* DP rank r's shard of bucket b: [begin, end) in buffer elements (the whole bucket when dp == 1). */
+/* DP rank r's shard of bucket b: [begin, end) in buffer elements (the whole bucket when dp == 1). An
+ * expert bucket (bucket->ep > 1) is sharded over the expert-data-parallel group: given the DP size and
+ * rank, its shard is EDP rank dp_rank / ep's of dp / ep parts. */
 MT_DEF void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end);
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -1146,7 +1177,9 @@ MT_DEF int mt_flash_attention(const mt_config* cfg);
  * MT_ACT_MOE_STATS (see the enum), saved per layer MT_ACT_MOE_LOGITS .. MT_ACT_MOE_GATE, after the dense
  * layer regions (the per-layer regions stay together, before the head's). In an MoE layer MT_ACT_FC1 and
  * MT_ACT_ACT hold the shared expert's fc1 output [N, fs1] and activation [N, fs] (0 bytes without a
- * shared expert when every layer is MoE). */
+ * shared expert when every layer is MoE). With expert parallelism the experts' regions (MT_ACT_MOE_FC1,
+ * _ACT, _DZ, _DACT) hold the rows the local experts receive, Rexp = mt_moe_expert_rows (Rmax at EP = 1),
+ * and the MT_ACT_MOE_EP_* regions exist. */
 #define MT_MOE_WORK_WORDS(N, E, B) (2 * (int64_t)(N) * (E) + 4 * (int64_t)(B) * (E) + 16 * (int64_t)(E) + 256)
 enum {
     MT_ACT_LN1 = 0, MT_ACT_Q, MT_ACT_K, MT_ACT_V, MT_ACT_O, MT_ACT_DK, MT_ACT_DV, MT_ACT_DSCORES, MT_ACT_DSUM,
@@ -1164,6 +1197,8 @@ enum {
     MT_ACT_MOE_W32,      /* [E, h] fp32      the router weight in fp32 (T not fp32 only) */
     MT_ACT_MOE_WORK,     /* int32 [MT_MOE_WORK_WORDS(N, E, B)] */
     MT_ACT_MOE_STATS,    /* (B + 1) E int32, then (B + 1) E + 64 fp32: one micro-batch's aux statistics */
+    MT_ACT_MOE_EP_INDEX, /* int32 [2 Rexp]    EP > 1: the received rows' order by local expert and its inverse */
+    MT_ACT_MOE_EP_DROW,  /* fp32 [2 Rexp + Rmax] EP > 1: the rows' probability gradients (expert side, sent, received) */
     MT_ACT_RESIDUAL, /* the first saved region */
     MT_ACT_LN1_MEAN, MT_ACT_LN1_RSTD, MT_ACT_QKV, MT_ACT_PROBS, MT_ACT_LSE, MT_ACT_ATTN_OUT, MT_ACT_RESIDUAL_MID,
     MT_ACT_LN2, MT_ACT_LN2_MEAN, MT_ACT_LN2_RSTD, MT_ACT_FC1, MT_ACT_ACT,
@@ -1179,6 +1214,9 @@ enum {
     MT_ACT_MOE_ACT,      /* [L, Rmax, fe] T  the experts' activation times the probability */
     MT_ACT_MOE_SHARED,   /* [L, N, h] T      the shared expert's output before its gate (with the gate only) */
     MT_ACT_MOE_GATE,     /* [L, N] fp32      the gate's sigmoid (with the gate only) */
+    MT_ACT_MOE_EP_IN,    /* [L, Rexp, h] T   EP > 1: the local experts' input rows (received, in local expert order) */
+    MT_ACT_MOE_EP_PROB,  /* [L, Rexp] fp32   EP > 1: their probabilities */
+    MT_ACT_MOE_EP_COUNTS,/* [L, EP, E/EP] int32 EP > 1: rows received from each EP rank for each local expert */
     MT_ACT_LNF, MT_ACT_LNF_MEAN, MT_ACT_LNF_RSTD, MT_ACT_LOGITS, MT_ACT_REGIONS
 };
 typedef struct {
@@ -3782,9 +3820,14 @@ MT_DEF mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
     const int moe_layers = mt_moe_num_layers(c);
     if (moe_layers > 0) {
         const int etp = c->expert_tensor_parallel_size > 0 ? c->expert_tensor_parallel_size : c->tensor_model_parallel_size;
-        if (c->expert_model_parallel_size > 1)
-            return mt_fail(err, MT_ERR_CONFIG, "--expert-model-parallel-size %d: expert parallelism is not built yet (use 1; "
-                           "data parallelism is)", c->expert_model_parallel_size);
+        const int ep = c->expert_model_parallel_size;
+        if (ep > 1 && c->data_parallel_size % ep)
+            return mt_fail(err, MT_ERR_CONFIG, "--expert-model-parallel-size %d must divide the data-parallel size %d (the "
+                           "expert layers fold the data-parallel ranks into EP x expert-data-parallel)", ep,
+                           c->data_parallel_size);
+        if (ep > 1 && !c->moe_token_dispatcher_alltoall)
+            return mt_fail(err, MT_ERR_CONFIG, "--moe-token-dispatcher-type allgather with expert parallelism is not built: "
+                           "give --moe-token-dispatcher-type alltoall (the same routing and experts)");
         if (pp > 1)
             return mt_fail(err, MT_ERR_CONFIG, "MoE with pipeline parallelism (--pipeline-model-parallel-size %d) is not built "
                            "yet: use 1 (data parallelism is)", pp);
@@ -3889,6 +3932,17 @@ MT_DEF int64_t mt_moe_max_rows(const mt_config* c, int64_t tokens) {
     if (C >= tokens) return pairs;
     if (mt_mul_overflows_i64(C, c->num_experts, &cap_rows)) return INT64_MAX;
     return pairs < cap_rows ? pairs : cap_rows;
+}
+
+MT_DEF int64_t mt_moe_expert_rows(const mt_config* c, int64_t tokens) {
+    const int64_t ep = c->num_experts > 0 && c->expert_model_parallel_size > 1 ? c->expert_model_parallel_size : 1;
+    if (ep == 1) return mt_moe_max_rows(c, tokens);
+    const int64_t local = c->num_experts / ep, C = mt_moe_capacity(c, tokens);
+    int64_t pairs, per_expert = C > 0 && C < tokens ? C : tokens, cap_rows, rows;
+    if (mt_mul_overflows_i64(tokens, c->moe_router_topk, &pairs) || mt_mul_overflows_i64(local, per_expert, &cap_rows))
+        return INT64_MAX;
+    rows = c->moe_pad_expert_input_to_capacity && C > 0 ? cap_rows : pairs < cap_rows ? pairs : cap_rows;
+    return mt_mul_overflows_i64(rows, ep, &rows) ? INT64_MAX : rows;
 }
 
 MT_DEF int mt_fp8_layer(const mt_config* c, int layer) {
@@ -4851,7 +4905,7 @@ MT_DEF int64_t mt_num_parameters(const mt_config* c) { return mt_param_layout(c,
 
 /* The layout at a tensor-parallel size of tp (1: the full model). Each tensor is given per layer as
  * [outer, rows, inner] with the rows cut over TP when split (see mt_param_info). */
-static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* info) {
+static int64_t mt__param_layout_tp(const mt_config* c, int tp, int ep, mt_param_info* info) {
     int64_t L = c->num_layers, h = c->hidden_size, f = c->ffn_hidden_size;
     int64_t qkv = ((int64_t)c->num_attention_heads + 2 * (int64_t)c->num_query_groups) * c->kv_channels;
     int64_t attn = (int64_t)c->num_attention_heads * c->kv_channels;
@@ -4865,6 +4919,7 @@ static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* in
     const int64_t fe = mt_moe_ffn(c), fs = c->moe_shared_expert_intermediate_size > 0 ? c->moe_shared_expert_intermediate_size : 0;
     const int64_t shared = fs > 0, gate = shared && c->moe_shared_expert_gate;
     struct { const char* name; int64_t layers, outer, rows, inner; int split, wd, init; } t[MT_NUM_PARAM_TENSORS] = {
+        /* (the experts' tensors, expert_fc1/fc2 weight and bias, are also cut over EP by their outer dimension) */
         /* name                 layers        outer rows       inner split wd init */
         {"word_embeddings",     1,            1,    V,         h,    1, 1, 2},
         {"position_embeddings", 1,            1,    positions, h,    0, 1, 2},
@@ -4899,8 +4954,9 @@ static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* in
     };
     int64_t offset = 0;
     for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
+        const int ep_split = i >= MT_P_EXPERT_FC1_WEIGHT && i <= MT_P_EXPERT_FC2_BIAS;
         int64_t rows = t[i].split ? t[i].rows / tp : t[i].rows;
-        int64_t numel = t[i].layers * t[i].outer * rows * t[i].inner;
+        int64_t numel = t[i].layers * (ep_split ? t[i].outer / ep : t[i].outer) * rows * t[i].inner;
         if (info) {
             info[i].name = t[i].name;
             info[i].numel = numel;
@@ -4911,13 +4967,14 @@ static int64_t mt__param_layout_tp(const mt_config* c, int tp, mt_param_info* in
             info[i].split_outer = t[i].outer;
             info[i].split_rows = t[i].rows;
             info[i].split_inner = t[i].inner;
+            info[i].ep_split = ep_split;
         }
         offset += numel;
     }
     return offset;
 }
 
-MT_DEF int64_t mt_param_layout(const mt_config* c, mt_param_info* info) { return mt__param_layout_tp(c, 1, info); }
+MT_DEF int64_t mt_param_layout(const mt_config* c, mt_param_info* info) { return mt__param_layout_tp(c, 1, 1, info); }
 
 MT_DEF int mt_param_layer_has(const mt_config* c, int tensor, int layer) {
     if (!mt_param_per_layer(tensor) || layer < 0 || layer >= c->num_layers) return 0;
@@ -4927,7 +4984,9 @@ MT_DEF int mt_param_layer_has(const mt_config* c, int tensor, int layer) {
 }
 
 MT_DEF int64_t mt_param_layout_shard(const mt_config* c, mt_param_info* info) {
-    return mt__param_layout_tp(c, c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1, info);
+    return mt__param_layout_tp(c, c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1,
+                               c->num_experts > 0 && c->expert_model_parallel_size > 0 ? c->expert_model_parallel_size : 1,
+                               info);
 }
 
 MT_DEF void mt_tp_rows(const mt_param_info* full, int tp, int tp_rank, int64_t* rows, int64_t* row0) {
@@ -4935,21 +4994,29 @@ MT_DEF void mt_tp_rows(const mt_param_info* full, int tp, int tp_rank, int64_t* 
     *row0 = full->tp_split ? (int64_t)tp_rank * *rows : 0;
 }
 
-MT_DEF void mt_tp_shard_copy(const mt_config* c, int tp_rank, float* full, float* shard, int to_shard) {
+MT_DEF void mt_ep_outer(const mt_param_info* full, int ep, int ep_rank, int64_t* outer, int64_t* outer0) {
+    *outer = full->ep_split ? full->split_outer / ep : full->split_outer;
+    *outer0 = full->ep_split ? (int64_t)ep_rank * *outer : 0;
+}
+
+MT_DEF void mt_tp_shard_copy(const mt_config* c, int shard_rank, float* full, float* shard, int to_shard) {
     mt_param_info whole[MT_NUM_PARAM_TENSORS], part[MT_NUM_PARAM_TENSORS];
     mt_param_layout(c, whole);
     mt_param_layout_shard(c, part);
     int tp = c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1;
+    int ep = c->num_experts > 0 && c->expert_model_parallel_size > 0 ? c->expert_model_parallel_size : 1;
+    const int tp_rank = shard_rank % tp, ep_rank = shard_rank / tp;
     for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
         if (part[i].numel == 0) continue;
         int64_t per_layer_full = whole[i].split_outer * whole[i].split_rows * whole[i].split_inner;
         int64_t layers = whole[i].numel / per_layer_full, per_layer = part[i].numel / layers;
-        int64_t rows, row0;
+        int64_t rows, row0, outer, outer0;
         mt_tp_rows(&whole[i], tp, tp_rank, &rows, &row0);
+        mt_ep_outer(&whole[i], ep, ep_rank, &outer, &outer0);
         for (int64_t l = 0; l < layers; l++)
             for (int64_t j = 0; j < per_layer; j++) {
                 float* a = full + whole[i].offset + l * per_layer_full +
-                           mt_tp_full_index(j, rows, whole[i].split_inner, whole[i].split_rows, row0);
+                           mt_shard_full_index(j, rows, whole[i].split_inner, whole[i].split_rows, row0, outer0);
                 float* b = shard + part[i].offset + l * per_layer + j;
                 if (to_shard) *b = *a;
                 else *a = *b;
@@ -4965,6 +5032,9 @@ MT_DEF mt_rank_coords mt_rank_coordinates(const mt_config* c, int rank) {
     r.tp = rank % tp;
     r.dp = (rank / tp) % dp;
     r.pp = rank / (tp * dp);
+    const int ep = c->num_experts > 0 && c->expert_model_parallel_size > 1 ? c->expert_model_parallel_size : 1;
+    r.ep = r.dp % ep;
+    r.edp = r.dp / ep;
     return r;
 }
 
@@ -5133,16 +5203,23 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
     int outside[] = {MT_P_WORD_EMBEDDINGS, MT_P_POSITION_EMBEDDINGS, -1, MT_P_FINAL_LN_WEIGHT, MT_P_FINAL_LN_BIAS,
                      MT_P_OUTPUT_WEIGHT};
     int per_layer = 0, num_order = 0;
+    /* expert parallelism: the experts' tensors go last, in buckets of their own (Megatron's expert-parallel
+     * buffer), reduced over the expert-data-parallel group; at EP = 1 they stay in the layers' order */
+    const int ep = c->num_experts > 0 && c->expert_model_parallel_size > 1 ? c->expert_model_parallel_size : 1;
+    int expert_tensors = 0;
     for (size_t i = 0; i < sizeof(outside) / sizeof(outside[0]); i++) {
         if (outside[i] < 0) { /* the layers */
-            for (int tsr = MT_P_LN1_WEIGHT; tsr <= MT_P_LAST_LAYER_TENSOR; tsr++)
-                if (info[tsr].numel > 0) { order[num_order++] = tsr; per_layer++; }
+            for (int tsr = MT_P_LN1_WEIGHT; tsr <= MT_P_LAST_LAYER_TENSOR; tsr++) {
+                if (info[tsr].numel == 0) continue;
+                if (ep > 1 && info[tsr].ep_split) { expert_tensors++; continue; }
+                order[num_order++] = tsr; per_layer++;
+            }
         } else if (info[outside[i]].numel > 0) {
             order[num_order++] = outside[i];
             n++;
         }
     }
-    n += per_layer * held_layers;
+    n += (per_layer + expert_tensors) * held_layers;
     b->num_layers = L;
     b->params = (mt_buffer_param*)calloc((size_t)(n > 0 ? n : 1), sizeof(mt_buffer_param));
     b->buckets = (mt_buffer_bucket*)calloc((size_t)(n > 0 ? n : 1), sizeof(mt_buffer_bucket));
@@ -5188,6 +5265,20 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
         for (int l = 0; l < L; l++) b->index[tensor * L + l] = k;
         k++;
     }
+    const int first_expert_param = k; /* the experts' tensors (EP > 1): layers L-1..0, each layer's in reverse */
+    for (int layer = L - 1, held_below = held_layers; expert_tensors > 0 && layer >= 0; layer--) {
+        if (!mt_pp_holds(&b->stage, MT_P_LN1_WEIGHT, layer)) continue;
+        held_below--;
+        for (int tsr = MT_P_LAST_LAYER_TENSOR; tsr >= MT_P_LN1_WEIGHT; tsr--) {
+            if (info[tsr].numel == 0 || !info[tsr].ep_split) continue;
+            mt_buffer_param* p = &b->params[k];
+            p->tensor = tsr;
+            p->layer = layer;
+            p->numel = info[tsr].numel / L;
+            p->canonical = canonical_base[tsr] + (int64_t)held_below * p->numel;
+            b->index[tsr * L + layer] = k++;
+        }
+    }
     b->num_params = n;
     int64_t bucket_size = 0; /* 0: one bucket */
     if (c->overlap_grad_reduce) {
@@ -5204,8 +5295,10 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
         p->offset = start;
         p->bucket = nb;
         end = start + p->numel;
-        if ((bucket_size > 0 && end - bucket_start >= bucket_size) || i == n - 1) {
+        if ((bucket_size > 0 && end - bucket_start >= bucket_size) || i == n - 1 ||
+            (expert_tensors > 0 && i == first_expert_param - 1)) { /* dense and expert parameters never share one */
             mt_buffer_bucket* bk = &b->buckets[nb];
+            bk->ep = i >= first_expert_param ? ep : 0;
             bk->start = bucket_start;
             bk->numel_unpadded = end - bucket_start;
             bk->end = dist ? mt__round_up(end, bucket_divisor) : end;
@@ -5265,6 +5358,7 @@ MT_DEF int64_t mt_buffer_offset(const mt_buffer_layout* b, int tensor, int layer
 }
 
 MT_DEF void mt_bucket_shard(const mt_buffer_bucket* bucket, int dp, int dp_rank, int64_t* begin, int64_t* end) {
+    if (bucket->ep > 1 && dp % bucket->ep == 0) dp /= bucket->ep, dp_rank /= bucket->ep;
     int64_t shard = (bucket->end - bucket->start) / dp;
     *begin = bucket->start + (int64_t)dp_rank * shard;
     *end = *begin + shard;
@@ -5507,6 +5601,8 @@ MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int hea
     const int64_t fe = moe_layers ? mt_moe_ffn(c) / tp : 0, f1e = c->swiglu ? 2 * fe : fe;
     const int64_t fs = moe_layers ? c->moe_shared_expert_intermediate_size / tp : 0, fs1 = c->swiglu ? 2 * fs : fs;
     const int64_t Rmax = moe_layers ? mt_moe_max_rows(c, BT) : 0, NE4 = mt__size_mul3(BT, E, 4);
+    const int64_t ep = moe_layers && c->expert_model_parallel_size > 1 ? c->expert_model_parallel_size : 1;
+    const int64_t Rexp = moe_layers ? mt_moe_expert_rows(c, BT) : 0, Rrows = Rexp > Rmax ? Rexp : Rmax;
     const int gate = moe_layers && fs > 0 && c->moe_shared_expert_gate;
     int aux = 0;
     for (int k = 0; k < 3; k++) aux |= (c->moe_load_balancing & (1 << k)) && c->moe_aux_loss_coeff[k] > 0;
@@ -5545,16 +5641,18 @@ MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int hea
     once[MT_ACT_QK_NORM] = c->qk_layernorm ? mt__size_mul(BTwide_e, qkv_width) : 0;
     once[MT_ACT_QK_STATS] = c->qk_layernorm ? mt__size_mul3(BT, heads + groups, 2 * 4) : 0;
     /* the permuted rows' scratch also holds one row per token (the backward's gated shared expert gradient) */
-    once[MT_ACT_MOE_XPERM] = mt__size_mul3(E ? (Rmax > BT ? Rmax : BT) : 0, h, e);
-    once[MT_ACT_MOE_Y] = mt__size_mul3(E ? (Rmax > BT ? Rmax : BT) : 0, h, e);
-    once[MT_ACT_MOE_DZ] = mt__size_mul3(Rmax, f1e, e);
-    once[MT_ACT_MOE_DACT] = mt__size_mul3(Rmax, fe, e);
+    once[MT_ACT_MOE_XPERM] = mt__size_mul3(E ? (Rrows > BT ? Rrows : BT) : 0, h, e);
+    once[MT_ACT_MOE_Y] = mt__size_mul3(E ? (Rrows > BT ? Rrows : BT) : 0, h, e);
+    once[MT_ACT_MOE_DZ] = mt__size_mul3(Rexp, f1e, e);
+    once[MT_ACT_MOE_DACT] = mt__size_mul3(Rexp, fe, e);
     once[MT_ACT_MOE_DLOGITS] = NE4;
     once[MT_ACT_MOE_DPROBS] = NE4;
     once[MT_ACT_MOE_X32] = e != 4 && E ? mt__size_mul3(BT, h, 4) : 0;
     once[MT_ACT_MOE_W32] = e != 4 ? mt__size_mul3(E, h, 4) : 0;
     once[MT_ACT_MOE_WORK] = E ? mt__size_mul(MT_MOE_WORK_WORDS(BT, E, B), 4) : 0;
     once[MT_ACT_MOE_STATS] = E ? (2 * (B + 1) * E + 64) * 4 : 0;
+    once[MT_ACT_MOE_EP_INDEX] = ep > 1 ? mt__size_mul3(2, Rexp, 4) : 0;
+    once[MT_ACT_MOE_EP_DROW] = ep > 1 ? mt__size_mul(mt__size_add(mt__size_mul(2, Rexp), Rmax), 4) : 0;
     per_layer[MT_ACT_RESIDUAL] = Rh; /* L + 1 of them: each layer's input and the chunk's output */
     per_layer[MT_ACT_LN1_MEAN] = R * 4;
     per_layer[MT_ACT_LN1_RSTD] = R * 4;
@@ -5575,10 +5673,13 @@ MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int hea
     per_layer[MT_ACT_MOE_ROW_PROB] = mt__size_mul(Rmax, 4);
     per_layer[MT_ACT_MOE_COUNTS] = E ? (2 * E + 1) * 4 : 0;
     per_layer[MT_ACT_MOE_AUXW] = aux ? mt__size_mul3(B, E, 4) : 0;
-    per_layer[MT_ACT_MOE_FC1] = mt__size_mul3(Rmax, f1e, e);
-    per_layer[MT_ACT_MOE_ACT] = mt__size_mul3(Rmax, fe, e);
+    per_layer[MT_ACT_MOE_FC1] = mt__size_mul3(Rexp, f1e, e);
+    per_layer[MT_ACT_MOE_ACT] = mt__size_mul3(Rexp, fe, e);
     per_layer[MT_ACT_MOE_SHARED] = gate ? mt__size_mul(BTwide_e, h) : 0;
     per_layer[MT_ACT_MOE_GATE] = gate ? BT * 4 : 0;
+    per_layer[MT_ACT_MOE_EP_IN] = ep > 1 ? mt__size_mul3(Rexp, h, e) : 0;
+    per_layer[MT_ACT_MOE_EP_PROB] = ep > 1 ? mt__size_mul(Rexp, 4) : 0;
+    per_layer[MT_ACT_MOE_EP_COUNTS] = ep > 1 ? E * 4 : 0;
     once[MT_ACT_LNF] = head ? Rh : 0;
     once[MT_ACT_LNF_MEAN] = head ? R * 4 : 0;
     once[MT_ACT_LNF_RSTD] = head ? R * 4 : 0;
@@ -5689,7 +5790,7 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     const int sharded = c->use_distributed_optimizer && dp > 1, alias = c->precision == MT_FP32 && !sharded;
     const size_t elem = c->precision == MT_FP32 ? 4 : 2;
     mt_config at = *c; /* a rank of this pipeline stage (and of the planned DP rank) */
-    mt_rank_coords coords = {0, o->dp_rank, pp_rank};
+    mt_rank_coords coords = {0, o->dp_rank, pp_rank, 0, 0};
     at.rank = mt_rank_of(c, coords);
     mt_buffer_layout B;
     mt_status st = mt_buffer_layout_build(&B, &at, err);
@@ -7045,7 +7146,7 @@ MT_DEF mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, 
         c->overlap_grad_reduce = ddp->overlap_grad_reduce;
         c->ddp_bucket_size = ddp->ddp_bucket_size;
     }
-    mt_rank_coords coords = {tp_rank, 0, pp_rank};
+    mt_rank_coords coords = {tp_rank, 0, pp_rank, 0, 0};
     c->rank = mt_rank_of(c, coords);
     return mt_pp_stage_of(c, pp_rank, NULL, err);
 }

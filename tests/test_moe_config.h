@@ -350,6 +350,8 @@ MOE_SET(bias_etp, c->add_bias_linear = 1; c->expert_tensor_parallel_size = 2)
 MOE_SET(tp, c->tensor_model_parallel_size = 2; c->sequence_parallel = 1; c->world_size = 2)
 MOE_SET(pp, c->pipeline_model_parallel_size = 2; c->world_size = 2)
 MOE_SET(ep, c->expert_model_parallel_size = 2; c->world_size = 2; c->global_batch_size = 4)
+MOE_SET(ep_over_dp, c->expert_model_parallel_size = 4; c->world_size = 2; c->global_batch_size = 4;
+        c->moe_token_dispatcher_alltoall = 1)
 MOE_SET(etp, c->expert_tensor_parallel_size = 2)
 MOE_SET(fp8, c->precision = MT_BF16; c->fp8_format = MT_FP8_HYBRID)
 MOE_SET(recompute, c->recompute.granularity = MT_RECOMPUTE_SELECTIVE)
@@ -402,7 +404,9 @@ static test_result test_moe_refusals(void) {
     const moe_refusal later[] = {
         {"TP", moe_set_tp, "MoE with tensor parallelism (--tensor-model-parallel-size 2) is not built yet: use 1"},
         {"PP", moe_set_pp, "MoE with pipeline parallelism (--pipeline-model-parallel-size 2) is not built yet: use 1"},
-        {"EP", moe_set_ep, "--expert-model-parallel-size 2: expert parallelism is not built yet (use 1"},
+        {"EP allgather", moe_set_ep, "--moe-token-dispatcher-type allgather with expert parallelism is not built: give "
+                                     "--moe-token-dispatcher-type alltoall"},
+        {"EP above DP", moe_set_ep_over_dp, "--expert-model-parallel-size 4 must divide the data-parallel size 2"},
         {"ETP", moe_set_etp, "--expert-tensor-parallel-size 2: expert tensor parallelism is not built yet (use 1)"},
         {"FP8", moe_set_fp8, "MoE with FP8 is not built yet: drop --fp8-format"},
         {"recompute", moe_set_recompute, "MoE with activation recompute is not built yet"},
@@ -443,6 +447,17 @@ static test_result test_moe_refusals(void) {
     mt_error err;
     EXPECT_OK(mt_config_finalize(&ok, &err), &err);
     EXPECT(ok.moe_ffn_hidden_size == 32, "expert width");
+    /* expert parallelism with the all-to-all dispatcher: EP = DP, and EP below DP (EDP = 2) */
+    for (int world = 2; world <= 4; world += 2) {
+        mt_config e = moe_base(world);
+        e.expert_model_parallel_size = 2;
+        e.moe_token_dispatcher_alltoall = 1;
+        test_config_ddp(&e, 1, 1, 1, 0);
+        EXPECT_OK(mt_config_finalize(&e, &err), &err);
+        const mt_rank_coords last = mt_rank_coordinates(&e, world - 1);
+        EXPECT(last.dp == world - 1 && last.ep == 1 && last.edp == world / 2 - 1, "rank %d: ep %d edp %d", world - 1,
+               last.ep, last.edp);
+    }
     mt_config fp16 = moe_base(1);
     fp16.precision = MT_FP16;
     fp16.moe_ffn_hidden_size = 0; /* Megatron's default: --ffn-hidden-size */
@@ -629,7 +644,7 @@ static test_result test_moe_mixtral_script(void) {
     c.vocab_size = 32000;
     c.world_size = 32;
     mt_error err;
-    EXPECT(mt_config_finalize(&c, &err) == MT_ERR_CONFIG && strstr(err.message, "expert parallelism is not built yet"),
+    EXPECT(mt_config_finalize(&c, &err) == MT_ERR_CONFIG && strstr(err.message, "MoE with pipeline parallelism"),
            "EP 8 / PP 4: '%s'", err.message);
     /* shrunk: dev/megatron_scripts_check.py's sizes, one GPU */
     static char* argv[600];
@@ -804,7 +819,102 @@ static test_result test_moe_checkpoint_header(void) {
     return TEST_PASS;
 }
 
+/* Expert parallelism's layouts (megatron.h sections 6-8): an EP rank's shard holds E / EP experts of each
+ * expert tensor (and every other tensor whole); the EP ranks' shards put back together are the full model,
+ * element for element; shard 1's first expert is the full model's expert E / EP; the buffer puts the experts'
+ * tensors last in buckets of their own (ep = EP), which shard over the expert-data-parallel group; the plan
+ * reserves the received rows' bound and the EP regions, which an EP = 1 run does not have. */
+static test_result test_moe_ep_layout(void) {
+    mt_config c = moe_base(4);
+    c.expert_model_parallel_size = 2;
+    c.moe_token_dispatcher_alltoall = 1;
+    test_config_ddp(&c, 1, 1, 1, 0);
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    mt_config one = c;
+    one.expert_model_parallel_size = 1;
+    mt_param_info full[MT_NUM_PARAM_TENSORS], shard[MT_NUM_PARAM_TENSORS], shard1[MT_NUM_PARAM_TENSORS];
+    const int64_t n = mt_param_layout(&c, full), ns = mt_param_layout_shard(&c, shard);
+    EXPECT(mt_param_layout_shard(&one, shard1) == n, "EP = 1: the shard is the model");
+    const int E = c.num_experts, El = E / 2;
+    int64_t expert_elems = 0;
+    for (int i = 0; i < MT_NUM_PARAM_TENSORS; i++) {
+        const int cut = i >= MT_P_EXPERT_FC1_WEIGHT && i <= MT_P_EXPERT_FC2_BIAS;
+        EXPECT(shard[i].ep_split == cut && shard[i].numel == (cut ? full[i].numel / 2 : full[i].numel),
+               "%s: %lld of %lld", full[i].name, (long long)shard[i].numel, (long long)full[i].numel);
+        if (cut) expert_elems += full[i].numel;
+    }
+    EXPECT(expert_elems > 0 && ns == n - expert_elems / 2, "shard %lld of %lld", (long long)ns, (long long)n);
+    float* model = (float*)malloc(sizeof(float) * (size_t)n);
+    float* back = (float*)calloc((size_t)n, sizeof(float));
+    float* part = (float*)malloc(sizeof(float) * (size_t)ns);
+    if (!model || !back || !part) {
+        free(model), free(back), free(part);
+        return TEST_FAIL;
+    }
+    for (int64_t i = 0; i < n; i++) model[i] = (float)(i + 1);
+    for (int r = 0; r < 2; r++) {
+        mt_tp_shard_copy(&c, r, model, part, 1);
+        if (r == 1) { /* its first expert's fc1 row block is the model's expert El */
+            const mt_param_info* f = &full[MT_P_EXPERT_FC1_WEIGHT];
+            const int64_t per_expert = f->split_outer / E * f->split_rows * f->split_inner;
+            EXPECT(part[shard[MT_P_EXPERT_FC1_WEIGHT].offset] == model[f->offset + El * per_expert],
+                   "EP rank 1 holds experts %d..%d", El, E - 1);
+        }
+        mt_tp_shard_copy(&c, r, back, part, 0);
+    }
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < n; i++) wrong += back[i] != model[i];
+    EXPECT(wrong == 0, "%lld elements not put back", (long long)wrong);
+    free(model), free(back), free(part);
+    /* the buffer of DP rank 3 (EP rank 1, EDP rank 1) */
+    c.rank = 3;
+    mt_buffer_layout B;
+    EXPECT_OK(mt_buffer_layout_build(&B, &c, &err), &err);
+    int first_expert_bucket = -1;
+    for (int i = 0; i < B.num_params; i++) {
+        const mt_buffer_param* p = &B.params[i];
+        const int expert = shard[p->tensor].ep_split;
+        const mt_buffer_bucket* k = &B.buckets[p->bucket];
+        EXPECT(k->ep == (expert ? 2 : 0), "%s of layer %d in bucket %d (ep %d)", full[p->tensor].name, p->layer,
+               p->bucket, k->ep);
+        if (expert && first_expert_bucket < 0) first_expert_bucket = p->bucket;
+        EXPECT(!expert || i >= B.num_params - 4 * c.num_layers || !shard[MT_P_EXPERT_FC1_BIAS].numel,
+               "the experts' tensors come last");
+    }
+    EXPECT(first_expert_bucket > 0, "dense buckets first");
+    const mt_buffer_bucket* k = &B.buckets[first_expert_bucket];
+    int64_t begin, end, dense_begin, dense_end;
+    mt_bucket_shard(k, 4, 3, &begin, &end);
+    mt_bucket_shard(&B.buckets[0], 4, 3, &dense_begin, &dense_end);
+    EXPECT(end - begin == (k->end - k->start) / 2 && begin == k->start + (end - begin) &&
+               dense_end - dense_begin == (B.buckets[0].end - B.buckets[0].start) / 4,
+           "expert bucket sharded over EDP = 2: [%lld, %lld) of [%lld, %lld)", (long long)begin, (long long)end,
+           (long long)k->start, (long long)k->end);
+    mt_buffer_layout_free(&B);
+    /* the received rows' bound and the plan's EP regions */
+    const int64_t N = (int64_t)c.micro_batch_size * c.seq_length;
+    EXPECT(mt_moe_expert_rows(&c, N) == 2 * mt_moe_max_rows(&c, N) && mt_moe_expert_rows(&one, N) ==
+                                                                          mt_moe_max_rows(&one, N),
+           "dropless: every EP rank's rows");
+    mt_config cap = c;
+    cap.moe_expert_capacity_factor = 1.0;
+    const int64_t C = mt_moe_capacity(&cap, N);
+    EXPECT(C > 0 && mt_moe_expert_rows(&cap, N) == 2 * (El * C < N * c.moe_router_topk ? El * C : N * c.moe_router_topk),
+           "capacity: EP x min(N k, El C)");
+    mt_activation_layout a, a1;
+    mt_activation_layout_compute(&c, c.num_layers, 1, 1, &c.recompute, &a);
+    mt_activation_layout_compute(&one, one.num_layers, 1, 1, &one.recompute, &a1);
+    const int64_t Rexp = mt_moe_expert_rows(&c, N);
+    EXPECT(a.bytes[MT_ACT_MOE_EP_IN] == (size_t)(c.num_layers * Rexp * c.hidden_size * 4) &&
+               a.bytes[MT_ACT_MOE_EP_COUNTS] == (size_t)(c.num_layers * E * 4) && a.bytes[MT_ACT_MOE_EP_INDEX] > 0 &&
+               a1.bytes[MT_ACT_MOE_EP_IN] == 0 && a1.bytes[MT_ACT_MOE_EP_INDEX] == 0 && a1.bytes[MT_ACT_MOE_EP_DROW] == 0,
+           "EP regions: %zu, %zu", a.bytes[MT_ACT_MOE_EP_IN], a1.bytes[MT_ACT_MOE_EP_IN]);
+    return TEST_PASS;
+}
+
 static const test_case moe_config_tests[] = {
+    {"moe_ep_layout", test_moe_ep_layout},
     {"moe_capacity_and_rows", test_moe_capacity_and_rows},
     {"moe_refusals", test_moe_refusals},
     {"moe_flags", test_moe_flags},
