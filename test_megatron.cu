@@ -34,6 +34,7 @@
 #include "tests/test_moe_kernels.h"
 #include "tests/test_fp8.h"
 #include "tests/test_data_parallel.h"
+#include "tests/test_expert_parallel.h"
 #include "tests/test_tensor_parallel.h"
 #include "tests/test_pipeline_schedule.h"
 #include "tests/test_pipeline.h"
@@ -160,6 +161,7 @@ int main(int argc, char** argv) {
         GROUP("gpu.dropout", dropout_gpu_tests),
         GROUP("gpu.faults", faults_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
+        GROUP("multigpu.expert_parallel", expert_parallel_multigpu_tests),
         GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),
         GROUP("multigpu.pipeline", pipeline_multigpu_tests),
         GROUP("multigpu.memory", memory_multigpu_tests),
