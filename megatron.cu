@@ -6278,6 +6278,8 @@ typedef struct {
     int ep, ep_rank; /* expert parallelism: EP ranks, this one's (1, 0 without) */
     int El;        /* local experts: E / EP, experts ep_rank El .. (ep_rank + 1) El - 1 */
     int64_t Rexp;  /* the rows the local experts may receive (mt_moe_expert_rows; Rmax at EP = 1) */
+    int f_room, f1_room; /* the per-layer MLP activation regions' widths (MT_ACT_ACT, MT_ACT_FC1): f and f1, or in
+                            an MoE model with dense layers the wider of the dense MLP's and the shared expert's */
 } mt_shape;
 
 static mt_shape model_shape(const mt_trainer* t) {
@@ -6318,6 +6320,24 @@ static mt_shape model_shape(const mt_trainer* t) {
     s.ep_rank = t->groups.ep_rank;
     s.El = s.moe ? s.E / s.ep : 0;
     s.Rexp = s.moe ? mt_moe_expert_rows(c, s.BT) : 0;
+    s.f_room = s.f, s.f1_room = s.f1;
+    if (s.moe && mt_moe_num_layers(c) < c->num_layers) { /* the memory plan's mlp_f / mlp_f1 */
+        const int dense_f = c->ffn_hidden_size / s.tp, dense_f1 = s.swiglu ? 2 * dense_f : dense_f;
+        s.f_room = dense_f > s.f ? dense_f : s.f;
+        s.f1_room = dense_f1 > s.f1 ? dense_f1 : s.f1;
+    }
+    return s;
+}
+
+/* Layer l's shape: the model's, except that a dense layer of an MoE model (--moe-layer-freq) is not MoE and
+ * its MLP is --ffn-hidden-size wide (model_shape's f is the shared expert's). */
+static mt_shape layer_shape(const mt_trainer* t, int l) {
+    mt_shape s = model_shape(t);
+    if (s.moe && !mt_moe_layer(&t->cfg, l)) {
+        s.moe = false;
+        s.f = t->cfg.ffn_hidden_size / s.tp;
+        s.f1 = s.swiglu ? 2 * s.f : s.f;
+    }
     return s;
 }
 
@@ -6366,8 +6386,8 @@ static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& 
     v.ln2 = LAYER(a->ln2, T, room(MT_ACT_LN2, i), Rh);
     v.ln2_mean = a->ln2_mean + room(MT_ACT_LN2_MEAN, i) * s.R;
     v.ln2_rstd = a->ln2_rstd + room(MT_ACT_LN2_RSTD, i) * s.R;
-    v.fc1 = LAYER(a->fc1, T, room(MT_ACT_FC1, i), (int64_t)s.BT * s.f1);
-    v.act = LAYER(a->act, T, room(MT_ACT_ACT, i), (int64_t)s.BT * s.f);
+    v.fc1 = LAYER(a->fc1, T, room(MT_ACT_FC1, i), (int64_t)s.BT * s.f1_room);
+    v.act = LAYER(a->act, T, room(MT_ACT_ACT, i), (int64_t)s.BT * s.f_room);
     v.out = LAYER(a->residual, T, room(MT_ACT_RESIDUAL, i + 1), Rh);
     const int64_t NE = (int64_t)s.BT * s.E;
     v.moe_logits = a->moe_logits ? a->moe_logits + room(MT_ACT_MOE_LOGITS, i) * NE : NULL;
@@ -7328,7 +7348,7 @@ static void moe_step_losses(const mt_trainer* t, double* out) {
  * the last layer it replays stops before fc2 (output false): its output is kept. */
 template <typename T>
 static void layer_forward(mt_trainer* t, const mt_exec* ex, const model_chunk& ch, int l, bool replay, bool output) {
-    mt_shape s = model_shape(t);
+    mt_shape s = layer_shape(t, l);
     mt_activations* a = &t->act;
     mt_tp_group* tp = &t->groups.tp;
     const float eps = (float)t->cfg.norm_epsilon;
@@ -7555,6 +7575,7 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
     }
 
     for (int l = last; l >= ch.first; l--) {
+        s = layer_shape(t, l); /* an MoE model's dense layers: their own MLP */
         recompute_layer<T>(t, ex, ch, l);
         const layer_view<T> v = chunk_layer<T>(t, ch, l);
         const layer_tensors<T> p = layer_params<T>(t, l);
@@ -9472,7 +9493,9 @@ static size_t max_columns(const mt_trainer* t) {
     mt_shape s = model_shape(t);
     size_t w = (size_t)s.h;
     if ((size_t)s.qkv_width > w) w = s.qkv_width;
-    if ((size_t)s.f1 > w) w = s.f1;
+    if ((size_t)s.f1 > w) w = s.f1; /* an MoE model's: the shared expert's */
+    const size_t dense_f1 = (size_t)t->cfg.ffn_hidden_size / s.tp * (s.swiglu ? 2 : 1); /* the plan's (megatron.h) */
+    if (dense_f1 > w) w = dense_f1;
     return w;
 }
 /* floats of each column-sum scratch: [chunks, columns] of column_sum, [blocks, h] of the fused norm backward */

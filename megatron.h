@@ -3837,9 +3837,6 @@ MT_DEF mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
         if (etp != 1)
             return mt_fail(err, MT_ERR_CONFIG, "--expert-tensor-parallel-size %d: expert tensor parallelism is not built yet "
                            "(use 1)", etp);
-        if (moe_layers < c->num_layers)
-            return mt_fail(err, MT_ERR_CONFIG, "an MoE model with dense layers (--moe-layer-freq marks %d of %d layers) is not "
-                           "built yet: give --moe-layer-freq 1 (every layer MoE)", moe_layers, c->num_layers);
         if (c->add_bias_linear)
             return mt_fail(err, MT_ERR_CONFIG, "MoE with linear biases is not built yet: give --disable-bias-linear");
         if (!c->swiglu)
@@ -5178,23 +5175,35 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
     mt_param_info info[MT_NUM_PARAM_TENSORS];
     mt_param_layout_shard(c, info); /* this tensor-parallel rank's shard */
     int L = c->num_layers, dp = c->data_parallel_size > 0 ? c->data_parallel_size : 1;
-    /* every per-layer tensor is stacked over all L layers or none (each layer's slice numel / L): an MoE
-     * model with dense layers would stack fc1/fc2 and the MoE tensors over parts of them (not built yet,
-     * mt_config_check_supported refuses it) */
-    const int moe_layers = mt_moe_num_layers(c);
-    if (moe_layers > 0 && moe_layers < L)
-        return mt_fail(err, MT_ERR_CONFIG, "an MoE model with dense layers (--moe-layer-freq marks %d of %d layers) is "
-                       "not built yet: give --moe-layer-freq 1", moe_layers, L);
+    /* a per-layer tensor is stacked over the layers that have it (mt_param_layer_has: every layer, or in an
+     * MoE model with dense layers the dense MLP's over the dense layers and the MoE tensors over the MoE
+     * ones): each layer's slice is its numel / that count; below[tsr * L + l] counts the held layers under
+     * l that have it (its slice's place in the canonical order) */
+    int* below = (int*)calloc((size_t)MT_NUM_PARAM_TENSORS * (size_t)(L + 1), sizeof(int));
+    int stacked[MT_NUM_PARAM_TENSORS];
+    if (!below) return mt_fail(err, MT_ERR_OOM, "cannot allocate the gradient buffer layout");
     int pp_rank = c->world_size > 0 && c->data_parallel_size > 0 && c->rank >= 0 && c->rank < c->world_size
                       ? mt_rank_coordinates(c, c->rank).pp : 0;
     mt_status st = mt_pp_stage_of(c, pp_rank, &b->stage, err);
-    if (st != MT_OK) return st;
-    int held_layers = mt__pp_held(&b->stage, L, info);
+    if (st != MT_OK) return free(below), st;
+    mt__pp_held(&b->stage, L, info);
+    for (int tsr = 0; tsr < MT_NUM_PARAM_TENSORS; tsr++) {
+        stacked[tsr] = 0;
+        for (int l = 0; l < L; l++) stacked[tsr] += mt_param_per_layer(tsr) && mt_param_layer_has(c, tsr, l);
+        int held = 0;
+        for (int l = 0; l < L; l++) {
+            below[tsr * (L + 1) + l] = held;
+            held += mt_pp_holds(&b->stage, MT_P_LN1_WEIGHT, l) && mt_param_layer_has(c, tsr, l);
+        }
+        below[tsr * (L + 1) + L] = held; /* the held layers that have it */
+    }
     /* canonical offsets restricted to the held tensors and layers, in canonical order */
     int64_t canonical_base[MT_NUM_PARAM_TENSORS], running = 0;
     for (int tsr = 0; tsr < MT_NUM_PARAM_TENSORS; tsr++) {
         canonical_base[tsr] = running;
-        running += mt_param_per_layer(tsr) ? info[tsr].numel / L * held_layers : info[tsr].numel;
+        running += mt_param_per_layer(tsr) ? (stacked[tsr] ? info[tsr].numel / stacked[tsr] : 0) *
+                                                 below[tsr * (L + 1) + L]
+                                           : info[tsr].numel;
     }
     b->canonical_size = running;
     /* model order (Megatron's module.parameters()): embeddings, each layer, final norm, output
@@ -5219,17 +5228,22 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
             n++;
         }
     }
-    n += (per_layer + expert_tensors) * held_layers;
+    n = 0; /* the parameters: each held (tensor, layer) slice that exists, and the tensors outside the layers */
+    for (int tsr = 0; tsr < MT_NUM_PARAM_TENSORS; tsr++)
+        if (info[tsr].numel > 0) n += mt_param_per_layer(tsr) ? below[tsr * (L + 1) + L] : 1;
+    (void)per_layer;
     b->num_layers = L;
     b->params = (mt_buffer_param*)calloc((size_t)(n > 0 ? n : 1), sizeof(mt_buffer_param));
     b->buckets = (mt_buffer_bucket*)calloc((size_t)(n > 0 ? n : 1), sizeof(mt_buffer_bucket));
     b->index = (int*)calloc((size_t)MT_NUM_PARAM_TENSORS * (size_t)L, sizeof(int));
     if (!b->params || !b->buckets || !b->index) {
         mt_buffer_layout_free(b);
+        free(below);
         return mt_fail(err, MT_ERR_OOM, "cannot allocate the gradient buffer layout");
     }
     if (n == 0) {
         mt_buffer_layout_free(b);
+        free(below);
         return mt_fail(err, MT_ERR_CONFIG, "pipeline rank %d holds no parameters (an empty stage)", pp_rank);
     }
     for (int i = 0; i < MT_NUM_PARAM_TENSORS * L; i++) b->index[i] = -1;
@@ -5241,17 +5255,16 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
         if (layered) {
             int first = o;
             while (first > 0 && mt_param_per_layer(order[first - 1])) first--;
-            int held_below = held_layers; /* held layers below `layer` + 1 */
             for (int layer = L - 1; layer >= 0; layer--) {
                 if (!mt_pp_holds(&b->stage, MT_P_LN1_WEIGHT, layer)) continue;
-                held_below--;
                 for (int j = o; j >= first; j--) {
                     int tsr = order[j];
+                    if (!mt_param_layer_has(c, tsr, layer)) continue;
                     mt_buffer_param* p = &b->params[k];
                     p->tensor = tsr;
                     p->layer = layer;
-                    p->numel = info[tsr].numel / L;
-                    p->canonical = canonical_base[tsr] + (int64_t)held_below * p->numel;
+                    p->numel = info[tsr].numel / stacked[tsr];
+                    p->canonical = canonical_base[tsr] + (int64_t)below[tsr * (L + 1) + layer] * p->numel;
                     b->index[tsr * L + layer] = k++;
                 }
             }
@@ -5266,18 +5279,22 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
         k++;
     }
     const int first_expert_param = k; /* the experts' tensors (EP > 1): layers L-1..0, each layer's in reverse */
-    for (int layer = L - 1, held_below = held_layers; expert_tensors > 0 && layer >= 0; layer--) {
+    for (int layer = L - 1; expert_tensors > 0 && layer >= 0; layer--) {
         if (!mt_pp_holds(&b->stage, MT_P_LN1_WEIGHT, layer)) continue;
-        held_below--;
         for (int tsr = MT_P_LAST_LAYER_TENSOR; tsr >= MT_P_LN1_WEIGHT; tsr--) {
-            if (info[tsr].numel == 0 || !info[tsr].ep_split) continue;
+            if (info[tsr].numel == 0 || !info[tsr].ep_split || !mt_param_layer_has(c, tsr, layer)) continue;
             mt_buffer_param* p = &b->params[k];
             p->tensor = tsr;
             p->layer = layer;
-            p->numel = info[tsr].numel / L;
-            p->canonical = canonical_base[tsr] + (int64_t)held_below * p->numel;
+            p->numel = info[tsr].numel / stacked[tsr];
+            p->canonical = canonical_base[tsr] + (int64_t)below[tsr * (L + 1) + layer] * p->numel;
             b->index[tsr * L + layer] = k++;
         }
+    }
+    free(below);
+    if (k != n) {
+        mt_buffer_layout_free(b);
+        return mt_fail(err, MT_ERR_CONFIG, "internal: the buffer layout placed %d of %d parameters", k, n);
     }
     b->num_params = n;
     int64_t bucket_size = 0; /* 0: one bucket */
@@ -5827,8 +5844,11 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     p->optimizer_bytes = (size_t)gpu_shard * 8;
     p->activation_saved_bytes = a.saved_bytes;
     p->activation_bytes = a.total;
-    const int64_t wide = c->hidden_size > (int64_t)c->ffn_hidden_size / tp * (c->swiglu ? 2 : 1)
-                             ? c->hidden_size : (int64_t)c->ffn_hidden_size / tp * (c->swiglu ? 2 : 1);
+    int64_t wide = c->hidden_size > (int64_t)c->ffn_hidden_size / tp * (c->swiglu ? 2 : 1)
+                       ? c->hidden_size : (int64_t)c->ffn_hidden_size / tp * (c->swiglu ? 2 : 1);
+    const int64_t shared1 = c->num_experts > 0 ? (int64_t)c->moe_shared_expert_intermediate_size / tp * (c->swiglu ? 2 : 1)
+                                               : 0; /* the trainer's column sums also serve the shared expert */
+    if (shared1 > wide) wide = shared1;
     const int64_t qkv = (int64_t)(c->num_attention_heads + 2 * c->num_query_groups) / tp * c->kv_channels;
     size_t colsum = (size_t)MT_COLSUM_MAX_CHUNKS * (size_t)(qkv > wide ? qkv : wide);
     if ((size_t)MT_NORM_BWD_BLOCKS * (size_t)c->hidden_size > colsum) colsum = (size_t)MT_NORM_BWD_BLOCKS * c->hidden_size;

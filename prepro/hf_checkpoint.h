@@ -266,6 +266,10 @@ mt_status mt_hf_arch_for_config(const mt_config* c, const mt_hf_arch** out, mt_e
                            "or Qwen3-MoE (RMSNorm, SwiGLU experts, rope, no biases): transformers has no class to export "
                            "it to", ln ? "LayerNorm" : "RMSNorm", glu ? "SwiGLU" : "GELU",
                            learned ? "learned" : rope ? "rope" : "no", bias ? "with" : "no");
+        if (mt_moe_num_layers(c) < c->num_layers)
+            return mt_fail(err, MT_ERR_CONFIG, "the MoE model has dense layers (--moe-layer-freq marks %d of %d layers "
+                           "MoE): exporting them (Qwen3-MoE's mlp_only_layers) is not built yet", mt_moe_num_layers(c),
+                           c->num_layers);
         *out = c->qk_layernorm ? &mt_hf_qwen3_moe_arch : &mt_hf_mixtral_arch;
         return MT_OK;
     }

@@ -36,6 +36,7 @@
 #define MT_TEST_MOE_H
 
 #define MOE_VECTORS_MAGIC 20261134
+#define MT_MAX_MOE_PATTERN_TEST 192 /* ref_moe.py's files: L <= 192 (header words 64 + l) */
 
 typedef struct {
     gpt_vectors g;          /* the dense file's part (header words 0..26, hyper 0..14, the arrays) */
@@ -88,6 +89,13 @@ static mt_config moe_config_from_vectors(const moe_vectors* v, mt_precision prec
     c.moe_z_loss_coeff = hp[20];
     c.moe_router_bias_update_rate = hp[21];
     c.moe_expert_capacity_factor = hp[22];
+    /* the layers: header [64 + l] is 1 for an MoE layer (every layer: --moe-layer-freq 1, else the pattern) */
+    int every = 1;
+    for (int l = 0; l < c.num_layers && l < MT_MAX_MOE_PATTERN_TEST; l++) every &= hd[64 + l] == 1;
+    if (!every) {
+        c.moe_layer_pattern_len = c.num_layers;
+        for (int l = 0; l < c.num_layers; l++) c.moe_layer_pattern[l] = (unsigned char)hd[64 + l];
+    }
     /* the reference computes the router in float64 from the model's values: ours in fp32 */
     c.moe_router_dtype_fp32 = 1;
     return c;
@@ -155,7 +163,11 @@ static test_result check_moe_against_reference(const char* path, mt_precision pr
     EXPECT(c.padded_vocab_size == v->Vp && mt_num_parameters(&c) == v->n, "shape mismatch with %s (%lld vs %lld params)",
            path, (long long)mt_num_parameters(&c), (long long)v->n);
     const int E = mv.E, Lm = mv.Lm, T = v->T, mb = v->mb, N0 = mv.N0;
-    EXPECT(Lm == c.num_layers && N0 == mb * T, "%s: every layer must be MoE here (Lm %d of %d)", path, Lm, c.num_layers);
+    EXPECT(Lm == mt_moe_num_layers(&c) && N0 == mb * T, "%s: %d MoE layers, the config has %d", path, Lm,
+           mt_moe_num_layers(&c));
+    int moe_layer_of[MT_MAX_MOE_PATTERN_TEST]; /* the model layer of the file's MoE layer i */
+    for (int l = 0, i = 0; l < c.num_layers; l++)
+        if (mt_moe_layer(&c, l) && i < MT_MAX_MOE_PATTERN_TEST) moe_layer_of[i++] = l;
     int64_t big = v->n > (int64_t)v->G * T * v->Vp ? v->n : (int64_t)v->G * T * v->Vp;
     float* buf = (float*)malloc(sizeof(float) * (size_t)big);
     float* stats = (float*)malloc(sizeof(float) * (size_t)Lm * (4 + 2 * E) + 64);
@@ -193,7 +205,7 @@ static test_result check_moe_against_reference(const char* path, mt_precision pr
             double worst_prob = 0.0;
             for (int l = 0; l < Lm; l++) {
                 const layer_view<float> lv = layer_activations<float>(&t->act, model_shape(t), &t->cfg.recompute,
-                                                                     c.num_layers, l);
+                                                                     c.num_layers, moe_layer_of[l]);
                 OK_OR_FAIL(copy_sync(t, probs, lv.moe_probs, sizeof(float) * (size_t)N0 * E, cudaMemcpyDeviceToHost, &err));
                 OK_OR_FAIL(copy_sync(t, rows, lv.moe_row, sizeof(int32_t) * (size_t)N0 * E, cudaMemcpyDeviceToHost, &err));
                 for (int n = 0; n < N0; n++) {
@@ -364,6 +376,11 @@ static test_result test_moe_capacity_position_pad_fp32(void) {
 }
 static test_result test_moe_shared_gate_fp32(void) {
     return check_moe_against_reference("dev/data/moe_vectors/moe_shared_gate.bin", MT_FP32, &moe_fp32);
+}
+/* DeepSeek-style with a dense first layer (--moe-layer-freq pattern [0, 1, 1]): the dense layer's MLP beside
+ * MoE layers with a shared expert */
+static test_result test_moe_deepseek_dense_first_fp32(void) {
+    return check_moe_against_reference("dev/data/moe_vectors/deepseek_tiny.bin", MT_FP32, &moe_fp32);
 }
 static test_result test_moe_deepseek_bf16(void) {
     return check_moe_against_reference("dev/data/moe_vectors/deepseek_tiny_all.bin", MT_BF16, &moe_bf16);
@@ -549,6 +566,7 @@ done:
 static const test_case moe_gpu_tests[] = {
     {"mixtral_fp32_matches_reference", test_moe_mixtral_fp32},
     {"deepseek_fp32_matches_reference", test_moe_deepseek_fp32},
+    {"deepseek_dense_first_layer_fp32_matches_reference", test_moe_deepseek_dense_first_fp32},
     {"qwen3_fp32_matches_reference", test_moe_qwen3_fp32},
     {"capacity_probs_fp32_matches_reference", test_moe_capacity_probs_fp32},
     {"capacity_position_pad_fp32_matches_reference", test_moe_capacity_position_pad_fp32},

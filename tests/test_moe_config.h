@@ -412,8 +412,6 @@ static test_result test_moe_refusals(void) {
         {"recompute", moe_set_recompute, "MoE with activation recompute is not built yet"},
         {"linear biases", moe_set_biases, "MoE with linear biases is not built yet: give --disable-bias-linear"},
         {"GELU experts", moe_set_gelu, "MoE experts without --swiglu (GELU or squared-ReLU experts) are not built yet: give --swiglu"},
-        {"dense layers (freq)", moe_set_dense_layers, "an MoE model with dense layers (--moe-layer-freq marks 1 of 2 layers) is not built yet"},
-        {"dense layers (pattern)", moe_set_dense_pattern, "is not built yet: give --moe-layer-freq 1"},
         {"per-token loss", moe_set_per_token_loss, "MoE with --calculate-per-token-loss is not built yet"},
     };
     for (size_t i = 0; i < sizeof(later) / sizeof(later[0]); i++) {
@@ -447,6 +445,30 @@ static test_result test_moe_refusals(void) {
     mt_error err;
     EXPECT_OK(mt_config_finalize(&ok, &err), &err);
     EXPECT(ok.moe_ffn_hidden_size == 32, "expert width");
+    /* dense layers beside MoE ones (--moe-layer-freq 2, or a pattern): accepted, and the buffer stacks the dense
+     * MLP's tensors over the dense layers and the MoE tensors over the MoE ones: every element once, each
+     * (tensor, layer) slice where its layer has it */
+    void (*mixed[2])(mt_config*) = {moe_set_dense_layers, moe_set_dense_pattern};
+    for (int m = 0; m < 2; m++) {
+        mt_config x = moe_base(1);
+        mixed[m](&x);
+        EXPECT_OK(mt_config_finalize(&x, &err), &err);
+        mt_buffer_layout B;
+        EXPECT_OK(mt_buffer_layout_build(&B, &x, &err), &err);
+        int64_t sum = 0;
+        int misplaced = 0;
+        for (int i = 0; i < B.num_params; i++) {
+            sum += B.params[i].numel;
+            misplaced += mt_param_per_layer(B.params[i].tensor) &&
+                         !mt_param_layer_has(&x, B.params[i].tensor, B.params[i].layer);
+        }
+        const int Lm = mt_moe_num_layers(&x);
+        EXPECT(Lm > 0 && Lm < x.num_layers && sum == mt_num_parameters(&x) && B.canonical_size == sum && !misplaced &&
+                   mt_buffer_offset(&B, MT_P_FC1_WEIGHT, mt_moe_layer(&x, 0) ? 0 : 1) < 0,
+               "mixed layers %d: %lld of %lld elements, %d misplaced", m, (long long)sum,
+               (long long)mt_num_parameters(&x), misplaced);
+        mt_buffer_layout_free(&B);
+    }
     /* expert parallelism with the all-to-all dispatcher: EP = DP, and EP below DP (EDP = 2) */
     for (int world = 2; world <= 4; world += 2) {
         mt_config e = moe_base(world);
