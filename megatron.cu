@@ -10519,6 +10519,7 @@ mt_status mt_device_info(char* name, size_t name_size, size_t* free_bytes, size_
 /*    The GEMMs go to cuBLAS without a cuBLASLt plan (gemm_uncached): the row count changes with  */
 /*    every step and would fill the trainer's plan cache. All device work on the trainer's        */
 /*    stream with its error record; one host-to-device copy of the step's rows and one copy back. */
+/*    A decode step of n rows runs as a CUDA graph captured at its first occurrence.              */
 /*    defines: the mt_generator API of megatron.h section 15b.                                    */
 /* ============================================================================================== */
 
@@ -10581,6 +10582,11 @@ struct mt_generator {
     gen_retired* retired;     /* [max_batch] */
     int num_retired;
     int* row_request;         /* [cap] the slot of each logits row; -1 none */
+    /* decode steps as CUDA graphs: the launches of a step of n decoding rows (1 .. max_batch) captured once and
+     * replayed (a step is some 10 launches a layer, whose CPU cost would exceed the GPU's at small batches);
+     * off with MT_GEN_GRAPHS=0 in the environment, or after a capture that failed (then eager launches) */
+    cudaGraphExec_t* graphs;  /* [max_batch + 1], NULL where not captured yet */
+    int use_graphs;
 };
 
 static void gen_release_blocks(mt_generator* g, gen_request* r, int slot) {
@@ -10615,6 +10621,9 @@ void mt_generator_free(mt_generator* g) {
                       g->lnf_rows, g->mean, g->rstd, g->qk_stats, g->part_o, g->part_lse, g->rope_cos, g->logits,
                       g->rows, g->params, g->out_token, g->out_logprob};
     for (size_t i = 0; i < sizeof(device) / sizeof(device[0]); i++) cudaFree(device[i]);
+    for (int n = 0; g->graphs && n <= g->gc.max_batch; n++)
+        if (g->graphs[n]) cudaGraphExecDestroy(g->graphs[n]);
+    free(g->graphs);
     cudaFreeHost(g->h_rows);
     cudaFreeHost(g->h_params);
     cudaFreeHost(g->h_out_token);
@@ -10726,7 +10735,10 @@ mt_status mt_generator_create(mt_generator** out, mt_trainer* t, const mt_genera
     g->req = (gen_request*)calloc((size_t)r.max_batch, sizeof(gen_request));
     g->retired = (gen_retired*)calloc((size_t)r.max_batch, sizeof(gen_retired));
     g->row_request = (int*)malloc(sizeof(int) * cap);
-    int ok = g->h_tables && g->free_list && g->req && g->retired && g->row_request;
+    g->graphs = (cudaGraphExec_t*)calloc((size_t)r.max_batch + 1, sizeof(cudaGraphExec_t));
+    const char* graphs = getenv("MT_GEN_GRAPHS");
+    g->use_graphs = !(graphs && !strcmp(graphs, "0"));
+    int ok = g->h_tables && g->free_list && g->req && g->retired && g->row_request && g->graphs;
     for (int i = 0; ok && i < r.max_batch; i++) ok = (g->req[i].tokens = (int32_t*)malloc(4 * (size_t)r.max_context)) != NULL;
     if (!ok) {
         mt_generator_free(g);
@@ -10890,6 +10902,36 @@ static void gen_forward(mt_generator* g, int n, int n_sel) {
     }
 }
 
+template <typename T>
+static void gen_forward_eager_or_graph(mt_generator* g, int n, int n_sel, bool decode_only) {
+    mt_trainer* t = g->t;
+    if (!decode_only || !g->use_graphs || n > g->gc.max_batch || n_sel != n) {
+        gen_forward<T>(g, n, n_sel);
+        return;
+    }
+    if (!g->graphs[n]) { /* capture this row count's step once */
+        cudaGraph_t graph = NULL;
+        cudaGraphExec_t exec = NULL;
+        cudaError_t e = cudaStreamBeginCapture(t->stream, cudaStreamCaptureModeThreadLocal);
+        if (e == cudaSuccess) {
+            gen_forward<T>(g, n, n_sel);
+            e = cudaStreamEndCapture(t->stream, &graph);
+        }
+        if (e == cudaSuccess && t->error.status == MT_OK) e = cudaGraphInstantiate(&exec, graph, 0);
+        if (graph) cudaGraphDestroy(graph);
+        if (e != cudaSuccess || t->error.status != MT_OK) { /* no graphs here: eager launches from now on */
+            cudaGetLastError();
+            if (exec) cudaGraphExecDestroy(exec);
+            t->error.status = MT_OK; /* the capture's failure only: nothing ran */
+            g->use_graphs = 0;
+            gen_forward<T>(g, n, n_sel);
+            return;
+        }
+        g->graphs[n] = exec;
+    }
+    CUDA_CHECK(&t->error, cudaGraphLaunch(g->graphs[n], t->stream));
+}
+
 static int gen_is_stop(const gen_request* r, int32_t token) {
     for (int i = 0; i < r->s.num_stop_tokens; i++)
         if (r->stop[i] == token) return 1;
@@ -10921,6 +10963,7 @@ mt_status mt_generator_step(mt_generator* g, mt_generated* out, int max_out, int
         sel[n_sel++] = n++;
         in_step[count++] = i;
     }
+    const int decode_rows = n;
     /* the prompts, in the order they were added, while they fit */
     for (;;) {
         int next = -1;
@@ -10953,10 +10996,11 @@ mt_status mt_generator_step(mt_generator* g, mt_generated* out, int max_out, int
                                               cudaMemcpyHostToDevice, t->stream));
         g->tables_dirty = 0;
     }
+    const bool decode_only = n > 0 && decode_rows == n; /* no prompt in this step: a graph's shape */
     switch (t->cfg.precision) {
-        case MT_FP32: gen_forward<float>(g, n, n_sel); break;
-        case MT_BF16: gen_forward<__nv_bfloat16>(g, n, n_sel); break;
-        case MT_FP16: gen_forward<__half>(g, n, n_sel); break;
+        case MT_FP32: gen_forward_eager_or_graph<float>(g, n, n_sel, decode_only); break;
+        case MT_BF16: gen_forward_eager_or_graph<__nv_bfloat16>(g, n, n_sel, decode_only); break;
+        case MT_FP16: gen_forward_eager_or_graph<__half>(g, n, n_sel, decode_only); break;
     }
     CUDA_CHECK(&t->error, cudaMemcpyAsync(g->h_out_token, g->out_token, sizeof(int32_t) * (size_t)n_sel,
                                           cudaMemcpyDeviceToHost, t->stream));

@@ -73,7 +73,9 @@ def greedy(model, prompt):
                           bos_token_id=None)
     ids = torch.tensor([prompt], dtype=torch.long)
     with torch.no_grad():
-        kwargs = dict(generation_config=gc, return_dict_in_generate=True, output_scores=True)
+        # the mask given: without it transformers would take a prompt token equal to pad_token_id for padding
+        kwargs = dict(attention_mask=torch.ones_like(ids), generation_config=gc, return_dict_in_generate=True,
+                      output_scores=True)
         try:
             out = model.generate(ids, output_logits=True, **kwargs)
             logits = out.logits

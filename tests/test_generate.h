@@ -10,7 +10,8 @@
  *       KV-cache decoding against a full recompute (mt_trainer_logits of the finished sequence: every
  *       greedy token its argmax, every log-probability and prompt log-probability within 1e-4) with
  *       requests that reach max_context and cross decode-attention splits and cache blocks; batch
- *       independence (requests alone and together, joining at different steps: the same tokens);
+ *       independence (requests alone and together, joining at different steps: the same tokens; eager
+ *       launches against the decode steps' CUDA graphs);
  *       sampling (same seed same tokens, other seeds differ, top_k 1 = greedy, the frequencies of 4096
  *       draws against the softmax by chi-square, with and without temperature, top-k and top-p, and
  *       never a token outside the kept set); blocks reused after requests finish and are cancelled
@@ -314,7 +315,8 @@ static test_result test_generate_gpu_recompute_llama(void) { return tgen_recompu
 
 /* The same requests alone and together, joining at different steps: identical tokens, log-probabilities
  * within 1e-4 (the GEMMs over another number of rows may round otherwise; attention and sampling of a
- * request read only its own rows). Greedy, sampled at temperature 1, and top-p 0.9 at temperature 0.8. */
+ * request read only its own rows). Greedy, sampled at temperature 1, and top-p 0.9 at temperature 0.8.
+ * Alone with eager launches, together through the decode steps' CUDA graphs. */
 static test_result test_generate_gpu_batch_independent(void) {
     REQUIRE_GPU();
     mt_error err;
@@ -335,7 +337,9 @@ static test_result test_generate_gpu_batch_independent(void) {
     s[2].max_new_tokens = 70, s[2].temperature = 0.8f, s[2].top_p = 0.9f, s[2].seed = 5;
     static tgen_result alone[3], together[3];
     const int zero[1] = {0};
+    g->use_graphs = 0; /* alone: eager launches; together: the decode steps' CUDA graphs (section 23) */
     for (int i = 0; i < 3; i++) EXPECT_OK(tgen_run(g, 1, &prompts[i], &len[i], &s[i], zero, &alone[i], &err), &err);
+    g->use_graphs = 1;
     const int join[3] = {0, 3, 10};
     EXPECT_OK(tgen_run(g, 3, prompts, len, s, join, together, &err), &err);
     double worst = 0.0;

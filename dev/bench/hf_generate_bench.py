@@ -33,7 +33,7 @@ def timed(model, ids, new):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.no_grad():
-        model.generate(ids, generation_config=gc)
+        model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 
