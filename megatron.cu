@@ -5431,7 +5431,6 @@ __global__ void __launch_bounds__(GEN_SAMPLE_THREADS) sample_rows_kernel(int32_t
     if (P.target >= 0) {
         chosen = P.target;
     } else if (P.temperature > 0.0f) {
-        const float inv_t = 1.0f / P.temperature;
         /* top-k: the largest key K with at least k logits at or above it (the k-th largest logit) */
         uint32_t kmin = 0;
         if (P.top_k > 0 && P.top_k < V) {
@@ -5446,14 +5445,14 @@ __global__ void __launch_bounds__(GEN_SAMPLE_THREADS) sample_rows_kernel(int32_t
         if (P.top_p > 0.0f && P.top_p < 1.0f) {
             float w = 0.0f;
             for (int i = tid; i < V; i += blockDim.x)
-                if (gen_order_key(x[i]) >= kmin) w += expf((x[i] - m) * inv_t);
+                if (gen_order_key(x[i]) >= kmin) w += expf((x[i] - m) / P.temperature);
             const float goal = P.top_p * block_sum(w);
             uint32_t pmin = 0; /* the answer is >= kmin: below it the weights are 0 */
             for (int bit = 31; bit >= 0; bit--) {
                 const uint32_t cand = pmin | (1u << bit);
                 float c = 0.0f;
                 for (int i = tid; i < V; i += blockDim.x)
-                    if (gen_order_key(x[i]) >= cand) c += expf((x[i] - m) * inv_t);
+                    if (gen_order_key(x[i]) >= cand) c += expf((x[i] - m) / P.temperature);
                 if (block_sum(c) >= goal) pmin = cand;
             }
             kmin = pmin;
@@ -5463,7 +5462,7 @@ __global__ void __launch_bounds__(GEN_SAMPLE_THREADS) sample_rows_kernel(int32_t
         float mine = 0.0f;
         int last_kept = -1;
         for (int i = b; i < e; i++)
-            if (gen_order_key(x[i]) >= kmin) mine += expf((x[i] - m) * inv_t), last_kept = i;
+            if (gen_order_key(x[i]) >= kmin) mine += expf((x[i] - m) / P.temperature), last_kept = i;
         s_scan[tid + 1] = mine;
         if (tid == 0) s_pick = INT_MAX, s_last = -1;
         __syncthreads();
@@ -5480,7 +5479,7 @@ __global__ void __launch_bounds__(GEN_SAMPLE_THREADS) sample_rows_kernel(int32_t
             int pick = last_kept;
             for (int i = b; i < e; i++) {
                 if (gen_order_key(x[i]) < kmin) continue;
-                acc += expf((x[i] - m) * inv_t);
+                acc += expf((x[i] - m) / P.temperature);
                 if (acc > target) { pick = i; break; }
             }
             atomicMin(&s_pick, pick);
@@ -10683,7 +10682,6 @@ mt_status mt_generator_create(mt_generator** out, mt_trainer* t, const mt_genera
     const mt_shape& s = g->s;
     const size_t e = t->elem, cap = (size_t)g->cap;
     const size_t pool_bytes = (size_t)r.num_blocks * s.L * 2 * s.groups * r.block_tokens * s.d * e;
-    const size_t widths = (size_t)3 * s.h + 2 * s.qkv_width + s.attn_width + s.h + s.f1 + s.f + s.h;
     const size_t sizes[] = {
         pool_bytes,                                                       /* pool */
         sizeof(int32_t) * (size_t)r.max_batch * g->max_blocks,            /* tables */
@@ -10703,7 +10701,6 @@ mt_status mt_generator_create(mt_generator** out, mt_trainer* t, const mt_genera
                       (void**)&g->part_o, (void**)&g->part_lse, (void**)&g->rope_cos, (void**)&g->logits,
                       (void**)&g->rows, (void**)&g->params, (void**)&g->out_token, (void**)&g->out_logprob};
     static_assert(sizeof(sizes) / sizeof(sizes[0]) == sizeof(where) / sizeof(where[0]), "one size per allocation");
-    (void)widths;
     size_t total = 0;
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) total += (sizes[i] + 255) / 256 * 256;
     g->device_bytes = total;

@@ -232,9 +232,9 @@ static test_result tgen_check_recompute(mt_trainer* t, const mt_config* c, const
     const int64_t Vp = c->padded_vocab_size;
     int32_t* seq = (int32_t*)calloc((size_t)S, sizeof(int32_t));
     float* logits = (float*)malloc(sizeof(float) * (size_t)S * Vp);
-    memcpy(seq, prompt, sizeof(int32_t) * plen);
     const int total = plen + r->n;
     EXPECT(total <= S, "%s: %d tokens, seq_length %d", what, total, S);
+    memcpy(seq, prompt, sizeof(int32_t) * plen);
     memcpy(seq + plen, r->tokens, sizeof(int32_t) * r->n);
     EXPECT_OK(mt_trainer_logits(t, seq, logits, &err), &err);
     double worst = 0.0;
