@@ -10549,7 +10549,7 @@ struct mt_generator {
     mt_shape s;               /* the model's shapes (TP = 1); B, S, BT, R set per pass */
     int qpg, V;               /* query heads per group; the real vocabulary */
     int max_blocks;           /* blocks of one request at most: ceil(max_context / block_tokens) */
-    int cap;                  /* rows of one step: max_context + max_batch */
+    int cap;                  /* rows of one step: max_step_tokens */
     int logit_rows;           /* rows of logits made at once */
     int part_rows;            /* rows of one decode-attention launch (its split scratch) */
     int max_splits;           /* splits of the longest row: ceil(max_context / GEN_SPLIT_TOKENS) */
@@ -10673,7 +10673,7 @@ mt_status mt_generator_create(mt_generator** out, mt_trainer* t, const mt_genera
     g->qpg = g->s.heads / g->s.groups;
     g->V = (int)(c->vocab_size < c->padded_vocab_size ? c->vocab_size : c->padded_vocab_size);
     g->max_blocks = ceil_div(r.max_context, r.block_tokens);
-    g->cap = r.max_context + r.max_batch;
+    g->cap = r.max_step_tokens;
     g->logit_rows = r.max_batch > 256 ? r.max_batch : 256;
     if (g->logit_rows > g->cap) g->logit_rows = g->cap;
     g->max_splits = ceil_div(r.max_context, GEN_SPLIT_TOKENS);

@@ -1805,6 +1805,8 @@ typedef struct {
     int max_context;     /* tokens per request, prompt + generated, 1 .. the model's max positions */
     int block_tokens;    /* tokens per KV-cache block, a power of two in 16 .. 1024 (0: 64) */
     int64_t num_blocks;  /* blocks in the pool (0: max_batch * ceil(max_context / block_tokens)) */
+    int max_step_tokens; /* rows one step runs: its prompts' tokens plus one per decoding request, at least
+                            max_context + max_batch, at most 2^20 (0: the larger of that and 8192) */
 } mt_generator_config;
 
 typedef struct {
@@ -1859,8 +1861,8 @@ mt_status mt_device_copy_bandwidth(double* bytes_per_second, mt_error* err);
 
 /* Implementation notes (megatron.cu sections 22 and 23):
  *  - A step prefills pending requests in the order they were added while the step's rows (one per prompt
- *    token, one per decoding request) stay within max_context + max_batch; a prompt that does not fit
- *    waits for the next step (it always fits in a step of its own). Its first token comes from that step.
+ *    token, one per decoding request) stay within max_step_tokens; a prompt that does not fit waits for the
+ *    next step (it always fits beside the decoding requests). Its first token comes from that step.
  *  - A request with max_new_tokens 0 gets one entry from its prefill step: token -1, logprob 0, finished.
  *  - A finished request's prompt log-probabilities stay readable until the next mt_generator_step (a
  *    cancelled request's are forgotten at once).
@@ -7412,6 +7414,11 @@ MT_DEF mt_status mt_generator_config_check(const mt_generator_config* gc, const 
         return mt_fail(err, MT_ERR_ARG, "generator num_blocks %lld: must be in [%lld, 2^30] (at least one request of "
                        "max_context %d in blocks of %d tokens)", (long long)r.num_blocks, (long long)per_request,
                        r.max_context, r.block_tokens);
+    const int least = r.max_context + r.max_batch;
+    if (r.max_step_tokens == 0) r.max_step_tokens = least > 8192 ? least : 8192;
+    if (r.max_step_tokens < least || r.max_step_tokens > (1 << 20))
+        return mt_fail(err, MT_ERR_ARG, "generator max_step_tokens %d: must be in [%d, 2^20] (max_context + max_batch: "
+                       "a prompt of max_context - 1 tokens beside every other request decoding)", r.max_step_tokens, least);
     if (out) *out = r;
     return MT_OK;
 }

@@ -94,7 +94,7 @@ int main(int argc, char** argv) {
         if (*at == ',') at++;
         if (B < 1 || B > MT_GEN_MAX_BATCH) continue;
         mt_generator* g = NULL;
-        mt_generator_config gc = {B, prompt + new_tokens + 1, 64, 0};
+        mt_generator_config gc = {B, prompt + new_tokens + 1, 64, 0, 0};
         if (mt_generator_create(&g, t, &gc, &err) != MT_OK) {
             fprintf(stderr, "batch %d: %s\n", B, err.message);
             return 1;

@@ -51,10 +51,11 @@ static test_result test_generate_settings_refused(void) {
         EXPECT(mt_generator_supported(&m, &err) == MT_ERR_CONFIG && strstr(err.message, models[i].says), "model %zu: %s",
                i, err.message);
     }
-    mt_generator_config gc = {4, 128, 0, 0}, r = {0, 0, 0, 0};
+    mt_generator_config gc = {4, 128, 0, 0, 0}, r = {0, 0, 0, 0, 0};
     EXPECT_OK(mt_generator_config_check(&gc, &c, &r, &err), &err);
-    EXPECT(r.block_tokens == 64 && r.num_blocks == 4 * 2, "defaults: %d tokens a block, %lld blocks", r.block_tokens,
-           (long long)r.num_blocks);
+    EXPECT(r.block_tokens == 64 && r.num_blocks == 4 * 2 && r.max_step_tokens == 8192,
+           "defaults: %d tokens a block, %lld blocks, %d rows a step", r.block_tokens, (long long)r.num_blocks,
+           r.max_step_tokens);
     struct {
         mt_generator_config gc;
         const char* says;
@@ -63,7 +64,8 @@ static test_result test_generate_settings_refused(void) {
         {{4, 1, 0, 0}, "max_context 1"},       {{4, 129, 0, 0}, "max_context 129"},
         {{4, 128, 48, 0}, "block_tokens 48"},  {{4, 128, 8, 0}, "block_tokens 8"},
         {{4, 128, 2048, 0}, "block_tokens 2048"}, {{4, 128, 16, 7}, "num_blocks 7"},
-        {{4, 128, 16, -1}, "num_blocks -1"},
+        {{4, 128, 16, -1}, "num_blocks -1"},   {{4, 128, 16, 0, 131}, "max_step_tokens 131"},
+        {{4, 128, 16, 0, (1 << 20) + 1}, "max_step_tokens"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
         EXPECT(mt_generator_config_check(&bad[i].gc, &c, &r, &err) == MT_ERR_ARG && strstr(err.message, bad[i].says),
