@@ -14,7 +14,8 @@
  *       launches against the decode steps' CUDA graphs);
  *       sampling (same seed same tokens, other seeds differ, top_k 1 = greedy, the frequencies of 4096
  *       draws against the softmax by chi-square, with and without temperature, top-k and top-p, and
- *       never a token outside the kept set); blocks reused after requests finish and are cancelled
+ *       never a token outside the kept set); stop tokens, max_new_tokens and max_new_tokens 0; blocks
+ *       reused after requests finish and are cancelled
  *       (the reused blocks' stale contents change nothing); greedy tokens equal to Hugging Face
  *       transformers' greedy generate on a tiny GPT-2 and Llama (dev/hf_generate_check.py; skipped
  *       without transformers) and, in bf16, the log-probabilities of transformers' tokens within a
@@ -552,6 +553,56 @@ static test_result test_generate_gpu_block_reuse(void) {
     return TEST_PASS;
 }
 
+/* How requests end: a stop token (returned, finished, at its first occurrence), max_new_tokens, and
+ * max_new_tokens 0 (one entry from the prefill step: token -1, finished; its prompt log-probabilities
+ * readable after that step and forgotten at the next). */
+static test_result test_generate_gpu_endings(void) {
+    REQUIRE_GPU();
+    mt_error err;
+    mt_trainer* t = NULL;
+    mt_config c;
+    EXPECT_OK(tgen_trainer(TEST_GPT2, MT_FP32, 64, 4.0f, &t, &c, &err), &err);
+    mt_generator* g = NULL;
+    mt_generator_config gc = {2, 64, 16, 0, 0};
+    EXPECT_OK(mt_generator_create(&g, t, &gc, &err), &err);
+    int32_t p[9];
+    tgen_prompt(p, 9, 1000, 31);
+    const int32_t* prompts[1] = {p};
+    const int len[1] = {9}, zero[1] = {0};
+    mt_sampling s;
+    memset(&s, 0, sizeof(s));
+    s.max_new_tokens = 12;
+    static tgen_result free_run[1], stopped[1];
+    EXPECT_OK(tgen_run(g, 1, prompts, len, &s, zero, free_run, &err), &err);
+    EXPECT(free_run[0].n == 12, "max_new_tokens 12: %d tokens", free_run[0].n);
+    int first = 0; /* the stop token: the 6th generated token, ending at its first occurrence */
+    while (free_run[0].tokens[first] != free_run[0].tokens[5]) first++;
+    s.stop_tokens = &free_run[0].tokens[5], s.num_stop_tokens = 1;
+    EXPECT_OK(tgen_run(g, 1, prompts, len, &s, zero, stopped, &err), &err);
+    EXPECT(stopped[0].n == first + 1 && !memcmp(stopped[0].tokens, free_run[0].tokens, sizeof(int32_t) * (first + 1)),
+           "stop token %d: %d tokens, want %d", free_run[0].tokens[5], stopped[0].n, first + 1);
+    mt_sampling z;
+    memset(&z, 0, sizeof(z));
+    z.prompt_logprobs = 1;
+    int64_t id;
+    mt_generated out[2];
+    int n = 0;
+    float lp[8];
+    EXPECT_OK(mt_generator_add(g, p, 9, &z, &id, &err), &err);
+    EXPECT_OK(mt_generator_step(g, out, 2, &n, &err), &err);
+    EXPECT(n == 1 && out[0].id == id && out[0].token == -1 && out[0].finished, "max_new_tokens 0: %d entries, token %d",
+           n, n ? out[0].token : 0);
+    EXPECT(mt_generator_running(g) == 0 && mt_generator_free_blocks(g) == gc.max_batch * 4, "blocks after the prefill");
+    EXPECT_OK(mt_generator_prompt_logprobs(g, id, lp, &err), &err);
+    for (int i = 0; i < 8; i++) EXPECT(lp[i] < 0.0f && lp[i] > -50.0f, "prompt log-probability %d: %g", i, (double)lp[i]);
+    EXPECT_OK(mt_generator_step(g, out, 2, &n, &err), &err);
+    EXPECT(n == 0 && mt_generator_prompt_logprobs(g, id, lp, &err) == MT_ERR_ARG, "kept past the next step");
+    mt_generator_free(g);
+    mt_trainer_free(t);
+    printf("    max_new_tokens 12, a stop token after %d, max_new_tokens 0 with prompt log-probabilities\n", first + 1);
+    return TEST_PASS;
+}
+
 /* Hugging Face transformers' greedy generate (dev/hf_generate_check.py --write DIR: a tiny random GPT-2 and
  * Llama saved by save_pretrained, greedy generate in float64 on prompts of 3 to 24 tokens, the tokens, their
  * log-probabilities and transformers' top-two gap per step) against this engine on the imported weights:
@@ -676,6 +727,7 @@ static const test_case generate_gpu_tests[] = {
     {"generate_batch_independent", test_generate_gpu_batch_independent},
     {"generate_sampling", test_generate_gpu_sampling},
     {"generate_block_reuse", test_generate_gpu_block_reuse},
+    {"generate_endings", test_generate_gpu_endings},
     {"generate_transformers", test_generate_gpu_transformers},
 };
 
