@@ -90,10 +90,15 @@ dev/hf_logits: dev/hf_logits.c megatron.o $(HEADERS)
 	$(CC) $(CFLAGS) -c $< -o dev/hf_logits.o
 	$(NVCC) $(NVFLAGS) dev/hf_logits.o megatron.o -o $@ $(CUDA_LIBS) $(HOST_LIBS)
 
+# dev/generate_bench: the generation engine's decode speed (dev/bench/generate_bench.sh runs it on a GPU)
+dev/generate_bench: dev/generate_bench.c megatron.o $(HEADERS)
+	$(CC) $(CFLAGS) -c $< -o dev/generate_bench.o
+	$(NVCC) $(NVFLAGS) dev/generate_bench.o megatron.o -o $@ $(CUDA_LIBS) $(HOST_LIBS)
+
 test: test_megatron $(PREPRO)
 	./test_megatron
 
 clean:
-	rm -f *.o train_gpt eval_hellaswag test_megatron dev/hf_logits $(PREPRO) $(FUZZ_TARGETS) test_megatron_asan
+	rm -f *.o train_gpt eval_hellaswag test_megatron dev/hf_logits dev/generate_bench dev/generate_bench.o $(PREPRO) $(FUZZ_TARGETS) test_megatron_asan
 
 include dev/fuzz/fuzz.mk

@@ -40,6 +40,7 @@
  *   12. FP8: formats, scaling, casts and transposes
  *   13. GEMM
  *   14. Mixture of experts: routing, permutation, the experts' activation
+ *   22. Generation kernels: the KV cache, decode attention and sampling
  *   Part II: the model and the trainer
  *   15. Process groups
  *   16. Parallel layers
@@ -48,6 +49,7 @@
  *   19. Optimizer
  *   20. Checkpoints
  *   21. The trainer API
+ *   23. Generation: the engine
  *
  * Precision: the model runs in a type T (float, bf16 or fp16) chosen at run time; every kernel is a
  * template over T and does its arithmetic in fp32. Weight gradients are accumulated in fp32 by the
@@ -502,7 +504,8 @@ static void column_sum(const mt_exec* ex, mt_colsum_scratch* s, float* dst, cons
 
 /* ============================================================================================== */
 /* 4. Embedding                                                                                   */
-/*    x[b,t,:] = word[token] + position[t] (no position table with RoPE: wpe NULL). Vocab-        */
+/*    x[b,t,:] = word[token] + position[t] (no position table with RoPE: wpe NULL; generation     */
+/*    passes each row's position, else row bt is at t = bt mod seq). Vocab-                       */
 /*    parallel: wte holds rows [vocab_start, vocab_start + vocab_rows); a token outside them      */
 /*    contributes zeros, and the sum over the tensor-parallel ranks completes the lookup. The     */
 /*    backward sums each token's positions in order from a host-built index (no atomics).         */
@@ -511,11 +514,11 @@ static void column_sum(const mt_exec* ex, mt_colsum_scratch* s, float* dst, cons
 
 template <typename T>
 __global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T* wte, const T* wpe, int BT, int seq,
-                                         int C, int64_t vocab_start, int64_t vocab_rows) {
+                                         int C, int64_t vocab_start, int64_t vocab_rows, const int32_t* positions) {
     int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (int64_t)BT * C) return;
     int bt = (int)(idx / C), c = (int)(idx % C);
-    int t = bt % seq;
+    int t = positions ? positions[bt] : bt % seq;
     int64_t tok = tokens[bt] - vocab_start;
     float word = tok >= 0 && tok < vocab_rows ? to_float(wte[tok * C + c]) : 0.0f;
     out[idx] = from_float<T>(word + (wpe ? to_float(wpe[(int64_t)t * C + c]) : 0.0f));
@@ -549,12 +552,14 @@ __global__ void word_embedding_backward_kernel(float* dwte, const T* dout, const
     }
 }
 
-/* out [BT, C] = the embedding of tokens [BT] (this rank's vocabulary rows; wpe NULL: none) */
+/* out [BT, C] = the embedding of tokens [BT] (this rank's vocabulary rows; wpe NULL: none); positions
+ * [BT] each row's position (generation), or NULL: row bt at bt mod seq */
 template <typename T>
 static void embedding_forward(const mt_exec* ex, T* out, const int32_t* tokens, const T* wte, const T* wpe, int BT,
-                              int seq, int C, int64_t vocab_start, int64_t vocab_rows) {
+                              int seq, int C, int64_t vocab_start, int64_t vocab_rows,
+                              const int32_t* positions = NULL) {
     embedding_forward_kernel<T><<<ceil_div((int64_t)BT * C, 256), 256, 0, ex->stream>>>(out, tokens, wte, wpe, BT, seq, C,
-                                                                                      vocab_start, vocab_rows);
+                                                                                      vocab_start, vocab_rows, positions);
     LAUNCH_CHECK(ex->error);
 }
 /* dwpe [seq, C] (+)= the batch sum of dout [B, seq, C] (overwritten in the step's first micro-batch) */
@@ -1616,13 +1621,13 @@ __global__ void attention_qkv_permute_vec_kernel(T* qkv, T* q, T* k, T* v, const
  * rotary half; it also owns the matching channels of the second half, so the update is in place. */
 template <typename T, int V, bool BACKWARD>
 __global__ void rope_qkv_rows_kernel(T* qkv, const float* cos_table, const float* sin_table, int64_t BT, int seq,
-                                     int groups, int qpg, int d, int rot) {
+                                     int groups, int qpg, int d, int rot, const int32_t* positions) {
     const int half = rot / 2, pieces = half / V, rotated = groups * (qpg + 1); /* q and k heads per row */
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= BT * rotated * pieces) return;
     const int piece = (int)(i % pieces), head = (int)((i / pieces) % rotated);
     const int64_t bt = i / ((int64_t)pieces * rotated);
-    const int g = head / (qpg + 1), slot = head % (qpg + 1), t = (int)(bt % seq);
+    const int g = head / (qpg + 1), slot = head % (qpg + 1), t = positions ? positions[bt] : (int)(bt % seq);
     T* x1 = qkv + bt * groups * (qpg + 2) * d + ((int64_t)g * (qpg + 2) + slot) * d + piece * V;
     T* x2 = x1 + half;
     float a[V], b[V], y1[V], y2[V];
@@ -1723,9 +1728,11 @@ static void permute_heads(const mt_exec* ex, const mt_attention_dims& a, T* out,
 /* Flash path (bf16, head dim 64 or 128): the kernels read q, k, v straight from the fused QKV rows
  * and write the output straight into the attention output rows; the backward reads dO and O from
  * rows and writes dq, dk, dv into the gradient's QKV rows. No split, no head permutes. RoPE rotates
- * q and k in place in the saved QKV rows (forward) and un-rotates their gradient (backward). */
+ * q and k in place in the saved QKV rows (forward) and un-rotates their gradient (backward).
+ * positions [B*S]: each row's own position (generation's rows, section 22), else NULL: row bt at bt mod S. */
 template <typename T>
-static void rope_qkv_rows(const mt_exec* ex, const mt_attention_dims& a, T* qkv, bool backward) {
+static void rope_qkv_rows(const mt_exec* ex, const mt_attention_dims& a, T* qkv, bool backward,
+                          const int32_t* positions = NULL) {
     if (a.rot == 0) return;
     int half = a.rot / 2, qpg = a.heads / a.groups;
     constexpr int V = vec16<T>::N;
@@ -1735,7 +1742,7 @@ static void rope_qkv_rows(const mt_exec* ex, const mt_attention_dims& a, T* qkv,
     unsigned blocks = ceil_div(threads, 256);
     auto kernel = vec ? (backward ? rope_qkv_rows_kernel<T, V, true> : rope_qkv_rows_kernel<T, V, false>)
                       : (backward ? rope_qkv_rows_kernel<T, 1, true> : rope_qkv_rows_kernel<T, 1, false>);
-    kernel<<<blocks, 256, 0, ex->stream>>>(qkv, a.rope_cos, a.rope_sin, BT, a.S, a.groups, qpg, a.d, a.rot);
+    kernel<<<blocks, 256, 0, ex->stream>>>(qkv, a.rope_cos, a.rope_sin, BT, a.S, a.groups, qpg, a.d, a.rot, positions);
     LAUNCH_CHECK(ex->error);
 }
 
@@ -5221,6 +5228,365 @@ template <typename T>
 static void moe_to_f32(const mt_exec* ex, float* dst, const T* src, int64_t n) {
     if (n <= 0) return;
     cast_to_float_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(dst, src, n);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* ============================================================================================== */
+/* 22. Generation kernels: the KV cache, decode attention and sampling                            */
+/*    What decoding needs beyond the forward's kernels (section 23 runs the engine on them). The  */
+/*    cache is a pool of fixed-size blocks, [num_blocks, L, 2, groups, block_tokens, d] in the    */
+/*    model type (k then v; a block holds block_tokens consecutive positions of one request for   */
+/*    every layer); a request's block table [max_blocks] lists its blocks in position order, so   */
+/*    position p lives in block table[p / block_tokens] at offset p mod block_tokens. The engine  */
+/*    runs a step as rows: every prompt token of a request being prefilled and one token of each  */
+/*    decoding request, row r being request slot slots[r] at position positions[r]. Attention of  */
+/*    row r (flash-decoding): its query heads against its request's cached positions 0 .. p (its  */
+/*    own K/V included, stored first), cut into splits of GEN_SPLIT_TOKENS positions; one block   */
+/*    per (split, K/V group, row) computes every query head of the group against the keys it      */
+/*    loads once (GQA), an online softmax per warp, the warps merged, and each split's output and */
+/*    log-sum-exp merged per head by a second kernel. The split count of a row depends on its     */
+/*    position alone, so its result never depends on the other rows of the step. Sampling: one   */
+/*    block per row of fp32 logits over the real vocabulary: the log-sum-exp (untempered), the    */
+/*    argmax (ties to the lowest id), and with a temperature the kept set of top-k and top-p as   */
+/*    thresholds on the logits' order-preserving bit patterns (32 bisection passes each; ties at  */
+/*    a threshold are kept), then one draw u = counter-hash(seed, token index) inverted through   */
+/*    the kept weights' cumulative sum in vocabulary order (fixed per-thread ranges, a serial     */
+/*    scan of their sums: deterministic).                                                        */
+/*    defines: GEN_SPLIT_TOKENS, GEN_MAX_QPG, gen_sample_params, gen_uniform, kv_cache_store,     */
+/*    decode_attention, sample_rows, gather_rows.                                                 */
+/* ============================================================================================== */
+
+#define GEN_SPLIT_TOKENS 64 /* cached positions per split of the decode attention */
+#define GEN_MAX_QPG 8       /* query heads per K/V group the decode attention takes */
+#define GEN_ATTN_WARPS 4
+
+/* pool element (block, layer, k/v, group, offset, e) */
+__device__ __forceinline__ int64_t kv_cache_index(int64_t block, int layer, int kv, int g, int off, int e, int L,
+                                                  int groups, int block_tokens, int d) {
+    return ((((block * L + layer) * 2 + kv) * groups + g) * (int64_t)block_tokens + off) * d + e;
+}
+
+/* The rows' k and v heads (from the QKV rows [N, qkv_width], k already rotated) into their cache positions.
+ * One thread per element of the rows' k and v heads. */
+template <typename T>
+__global__ void kv_cache_store_kernel(T* pool, const T* qkv, const int32_t* slots, const int32_t* positions,
+                                      const int32_t* tables, int table_stride, int N, int groups, int qpg, int d,
+                                      int layer, int L, int block_tokens) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)N * groups * 2 * d) return;
+    const int e = (int)(i % d), kv = (int)((i / d) % 2), g = (int)((i / (2 * d)) % groups);
+    const int r = (int)(i / ((int64_t)2 * d * groups));
+    const int p = positions[r];
+    const int64_t block = tables[(int64_t)slots[r] * table_stride + p / block_tokens];
+    const T x = qkv[(int64_t)r * groups * (qpg + 2) * d + ((int64_t)g * (qpg + 2) + qpg + kv) * d + e];
+    pool[kv_cache_index(block, layer, kv, g, p % block_tokens, e, L, groups, block_tokens, d)] = x;
+}
+
+/* One split of one row's attention for the qpg query heads of group g: part_o [rows, heads, max_splits, d]
+ * (normalised within the split), part_lse [rows, heads, max_splits]. q from the QKV rows (rotated), scaled
+ * by `scale`. E = elements per lane (d <= 32 E). Block: GEN_ATTN_WARPS warps; grid (max_splits, groups, rows). */
+template <typename T, int E>
+__global__ void decode_attention_split_kernel(float* part_o, float* part_lse, const T* qkv, const T* pool,
+                                              const int32_t* slots, const int32_t* positions, const int32_t* tables,
+                                              int table_stride, int groups, int qpg, int d, int layer, int L,
+                                              int block_tokens, int max_splits, float scale) {
+    const int split = blockIdx.x, g = blockIdx.y, r = blockIdx.z;
+    const int p = positions[r];
+    const int splits = p / GEN_SPLIT_TOKENS + 1;
+    if (split >= splits) return; /* the whole block leaves: no barrier is skipped by part of it */
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    extern __shared__ float gen_shared[]; /* [warps][qpg] m, [warps][qpg] l, [warps][qpg][d] acc */
+    float* sm_m = gen_shared;
+    float* sm_l = sm_m + GEN_ATTN_WARPS * GEN_MAX_QPG;
+    float* sm_acc = sm_l + GEN_ATTN_WARPS * GEN_MAX_QPG;
+    float q[GEN_MAX_QPG][E], acc[GEN_MAX_QPG][E], m[GEN_MAX_QPG], l[GEN_MAX_QPG];
+    const T* qrow = qkv + (int64_t)r * groups * (qpg + 2) * d + (int64_t)g * (qpg + 2) * d;
+#pragma unroll
+    for (int h = 0; h < GEN_MAX_QPG; h++) {
+        m[h] = -INFINITY, l[h] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < E; i++) {
+            const int e = lane + 32 * i;
+            q[h][i] = h < qpg && e < d ? to_float(qrow[(int64_t)h * d + e]) * scale : 0.0f;
+            acc[h][i] = 0.0f;
+        }
+    }
+    const int32_t* table = tables + (int64_t)slots[r] * table_stride;
+    const int first = split * GEN_SPLIT_TOKENS, end = min(first + GEN_SPLIT_TOKENS, p + 1);
+    for (int j = first + warp; j < end; j += GEN_ATTN_WARPS) {
+        const int64_t block = table[j / block_tokens];
+        const T* kp = pool + kv_cache_index(block, layer, 0, g, j % block_tokens, 0, L, groups, block_tokens, d);
+        const T* vp = pool + kv_cache_index(block, layer, 1, g, j % block_tokens, 0, L, groups, block_tokens, d);
+        float k[E], v[E];
+#pragma unroll
+        for (int i = 0; i < E; i++) {
+            const int e = lane + 32 * i;
+            k[i] = e < d ? to_float(kp[e]) : 0.0f;
+            v[i] = e < d ? to_float(vp[e]) : 0.0f;
+        }
+#pragma unroll
+        for (int h = 0; h < GEN_MAX_QPG; h++) {
+            if (h >= qpg) break;
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < E; i++) s += q[h][i] * k[i];
+            s = warp_sum(s);
+            const float mn = fmaxf(m[h], s), corr = expf(m[h] - mn), w = expf(s - mn);
+            l[h] = l[h] * corr + w;
+#pragma unroll
+            for (int i = 0; i < E; i++) acc[h][i] = acc[h][i] * corr + w * v[i];
+            m[h] = mn;
+        }
+    }
+    /* the warps' states merged in warp order */
+    for (int h = 0; h < qpg; h++) {
+        if (lane == 0) sm_m[warp * GEN_MAX_QPG + h] = m[h], sm_l[warp * GEN_MAX_QPG + h] = l[h];
+#pragma unroll
+        for (int i = 0; i < E; i++) {
+            const int e = lane + 32 * i;
+            if (e < d) sm_acc[((int64_t)warp * GEN_MAX_QPG + h) * d + e] = acc[h][i];
+        }
+    }
+    __syncthreads();
+    const int heads = groups * qpg;
+    for (int x = threadIdx.x; x < qpg * d; x += blockDim.x) {
+        const int h = x / d, e = x % d;
+        float M = -INFINITY;
+        for (int w = 0; w < GEN_ATTN_WARPS; w++) M = fmaxf(M, sm_m[w * GEN_MAX_QPG + h]);
+        float sum = 0.0f, o = 0.0f;
+        for (int w = 0; w < GEN_ATTN_WARPS; w++) {
+            const float mw = sm_m[w * GEN_MAX_QPG + h];
+            const float c = mw == -INFINITY ? 0.0f : expf(mw - M);
+            sum += sm_l[w * GEN_MAX_QPG + h] * c;
+            o += sm_acc[((int64_t)w * GEN_MAX_QPG + h) * d + e] * c;
+        }
+        const int64_t at = ((int64_t)r * heads + g * qpg + h) * max_splits + split;
+        part_o[at * d + e] = o / sum; /* sum >= 1: the split holds at least one key, whose weight is 1 at M */
+        if (e == 0) part_lse[at] = M + logf(sum);
+    }
+}
+
+/* out [rows, heads * d] (head h = g qpg + slot at h d) = the splits of each (row, head) merged by their
+ * log-sum-exp in split order. One block per (head, row), threads over d. */
+template <typename T>
+__global__ void decode_attention_merge_kernel(T* out, const float* part_o, const float* part_lse,
+                                              const int32_t* positions, int heads, int d, int max_splits) {
+    const int h = blockIdx.x, r = blockIdx.y;
+    const int splits = positions[r] / GEN_SPLIT_TOKENS + 1;
+    const int64_t at = ((int64_t)r * heads + h) * max_splits;
+    float M = -INFINITY;
+    for (int s = 0; s < splits; s++) M = fmaxf(M, part_lse[at + s]);
+    for (int e = threadIdx.x; e < d; e += blockDim.x) {
+        float sum = 0.0f, o = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            const float w = expf(part_lse[at + s] - M);
+            sum += w;
+            o += w * part_o[(at + s) * d + e];
+        }
+        out[((int64_t)r * heads + h) * d + e] = from_float<T>(o / sum);
+    }
+}
+
+/* A row's sampling settings (section 23 fills them from mt_sampling). */
+typedef struct {
+    float temperature; /* 0: greedy */
+    int top_k;         /* 0: off */
+    float top_p;       /* 0 or >= 1: off */
+    int target;        /* >= 0: no draw, the log-probability of this token (a prompt's next token) */
+    uint64_t seed;
+    int64_t index;     /* the token's number among the request's generated tokens (0: the first) */
+} gen_sample_params;
+
+/* The draw of token `index` of a request with this seed: uniform in [0, 1), 24 bits. */
+__host__ __device__ __forceinline__ float gen_uniform(uint64_t seed, int64_t index) {
+    const uint64_t x = splitmix64(seed ^ splitmix64(0x73616D706C652121ull ^ (uint64_t)index)); /* "sample!!" */
+    return (float)(x >> 40) * (1.0f / 16777216.0f);
+}
+
+/* A float's bits made order-preserving as an unsigned integer (larger float, larger key). */
+__device__ __forceinline__ uint32_t gen_order_key(float x) {
+    const uint32_t u = __float_as_uint(x);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+#define GEN_SAMPLE_THREADS 1024
+
+/* One block per row of logits [n, ld] (fp32, the first V columns the real vocabulary): token[r] and
+ * logprob[r] (log p(token) under softmax over the V real logits, untempered). */
+__global__ void __launch_bounds__(GEN_SAMPLE_THREADS) sample_rows_kernel(int32_t* token_out, float* logprob_out,
+                                                                         const float* logits, int64_t ld, int V,
+                                                                         const gen_sample_params* params) {
+    __shared__ float s_best[32];
+    __shared__ int s_best_i[32];
+    __shared__ float s_scan[GEN_SAMPLE_THREADS + 1];
+    __shared__ int s_pick, s_last;
+    const int r = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const float* x = logits + (int64_t)r * ld;
+    const gen_sample_params P = params[r];
+    /* max and argmax, ties to the lowest id */
+    float best = -INFINITY;
+    int bi = INT_MAX;
+    for (int i = tid; i < V; i += blockDim.x)
+        if (x[i] > best || (x[i] == best && i < bi)) best = x[i], bi = i;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ob > best || (ob == best && oi < bi)) best = ob, bi = oi;
+    }
+    if (lane == 0) s_best[warp] = best, s_best_i[warp] = bi;
+    __syncthreads();
+    if (warp == 0) {
+        const int warps = blockDim.x / 32;
+        best = lane < warps ? s_best[lane] : -INFINITY;
+        bi = lane < warps ? s_best_i[lane] : INT_MAX;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ob > best || (ob == best && oi < bi)) best = ob, bi = oi;
+        }
+        if (lane == 0) s_best[0] = best, s_best_i[0] = bi;
+    }
+    __syncthreads();
+    const float m = s_best[0];
+    const int argmax = s_best_i[0];
+    __syncthreads();
+    float se = 0.0f;
+    for (int i = tid; i < V; i += blockDim.x) se += expf(x[i] - m);
+    const float lse = m + logf(block_sum(se));
+    int chosen = argmax;
+    if (P.target >= 0) {
+        chosen = P.target;
+    } else if (P.temperature > 0.0f) {
+        /* top-k: the largest key K with at least k logits at or above it (the k-th largest logit) */
+        uint32_t kmin = 0;
+        if (P.top_k > 0 && P.top_k < V) {
+            for (int bit = 31; bit >= 0; bit--) {
+                const uint32_t cand = kmin | (1u << bit);
+                float c = 0.0f;
+                for (int i = tid; i < V; i += blockDim.x) c += gen_order_key(x[i]) >= cand ? 1.0f : 0.0f;
+                if (block_sum(c) >= (float)P.top_k) kmin = cand;
+            }
+        }
+        /* top-p over the tempered weights of the top-k set: the largest K whose set reaches top_p of its mass */
+        if (P.top_p > 0.0f && P.top_p < 1.0f) {
+            float w = 0.0f;
+            for (int i = tid; i < V; i += blockDim.x)
+                if (gen_order_key(x[i]) >= kmin) w += expf((x[i] - m) / P.temperature);
+            const float goal = P.top_p * block_sum(w);
+            uint32_t pmin = 0; /* the answer is >= kmin: below it the weights are 0 */
+            for (int bit = 31; bit >= 0; bit--) {
+                const uint32_t cand = pmin | (1u << bit);
+                float c = 0.0f;
+                for (int i = tid; i < V; i += blockDim.x)
+                    if (gen_order_key(x[i]) >= cand) c += expf((x[i] - m) / P.temperature);
+                if (block_sum(c) >= goal) pmin = cand;
+            }
+            kmin = pmin;
+        }
+        /* the draw: contiguous ranges per thread, their sums scanned serially, the range holding u * total walked */
+        const int chunk = (V + blockDim.x - 1) / blockDim.x, b = tid * chunk, e = min(b + chunk, V);
+        float mine = 0.0f;
+        int last_kept = -1;
+        for (int i = b; i < e; i++)
+            if (gen_order_key(x[i]) >= kmin) mine += expf((x[i] - m) / P.temperature), last_kept = i;
+        s_scan[tid + 1] = mine;
+        if (tid == 0) s_pick = INT_MAX, s_last = -1;
+        __syncthreads();
+        if (last_kept >= 0) atomicMax(&s_last, last_kept);
+        if (tid == 0) {
+            s_scan[0] = 0.0f;
+            for (int k = 1; k <= (int)blockDim.x; k++) s_scan[k] += s_scan[k - 1];
+        }
+        __syncthreads();
+        const float target = gen_uniform(P.seed, P.index) * s_scan[blockDim.x];
+        const float before = s_scan[tid];
+        if (mine > 0.0f && before <= target && target < s_scan[tid + 1]) { /* the range holding the target */
+            float acc = before;
+            int pick = last_kept;
+            for (int i = b; i < e; i++) {
+                if (gen_order_key(x[i]) < kmin) continue;
+                acc += expf((x[i] - m) / P.temperature);
+                if (acc > target) { pick = i; break; }
+            }
+            atomicMin(&s_pick, pick);
+        }
+        __syncthreads();
+        chosen = s_pick != INT_MAX ? s_pick : s_last >= 0 ? s_last : argmax; /* u * total rounded up to total */
+    }
+    if (tid == 0) {
+        token_out[r] = chosen;
+        logprob_out[r] = chosen >= 0 && chosen < V ? x[chosen] - lse : -INFINITY;
+    }
+}
+
+/* out [n, C] = rows index[0 .. n-1] of in [*, C]. */
+template <typename T>
+__global__ void gather_rows_kernel(T* out, const T* in, const int32_t* index, int n, int C) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)n * C) return;
+    const int r = (int)(i / C), c = (int)(i % C);
+    out[i] = in[(int64_t)index[r] * C + c];
+}
+
+/* Launchers. */
+template <typename T>
+static void gather_rows(const mt_exec* ex, T* out, const T* in, const int32_t* index, int n, int C) {
+    if (n == 0) return;
+    gather_rows_kernel<T><<<ceil_div((int64_t)n * C, 256), 256, 0, ex->stream>>>(out, in, index, n, C);
+    LAUNCH_CHECK(ex->error);
+}
+template <typename T>
+static void kv_cache_store(const mt_exec* ex, T* pool, const T* qkv, const int32_t* slots, const int32_t* positions,
+                           const int32_t* tables, int table_stride, int N, int groups, int qpg, int d, int layer, int L,
+                           int block_tokens) {
+    const int64_t n = (int64_t)N * groups * 2 * d;
+    if (n == 0) return;
+    kv_cache_store_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(pool, qkv, slots, positions, tables, table_stride, N,
+                                                                       groups, qpg, d, layer, L, block_tokens);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* Bytes of the split kernel's shared memory for head dim d. */
+static size_t decode_attention_shared_bytes(int d) {
+    return sizeof(float) * (size_t)GEN_ATTN_WARPS * GEN_MAX_QPG * (2 + (size_t)d);
+}
+
+/* attn [N, groups qpg d] = each row's attention against its cached positions 0 .. positions[r] (layer's
+ * part of the pool); part_o [N, heads, max_splits, d] and part_lse [N, heads, max_splits] scratch,
+ * max_splits >= the rows' largest position / GEN_SPLIT_TOKENS + 1. qpg <= GEN_MAX_QPG, d <= 256. */
+template <typename T>
+static void decode_attention(const mt_exec* ex, T* attn, float* part_o, float* part_lse, const T* qkv, const T* pool,
+                             const int32_t* slots, const int32_t* positions, const int32_t* tables, int table_stride,
+                             int N, int groups, int qpg, int d, int layer, int L, int block_tokens, int max_splits) {
+    if (N == 0) return;
+    if (qpg > GEN_MAX_QPG || d > 256 || d < 1) {
+        mt_gpu_fail(ex->error, MT_ERR_CONFIG, "decode attention: %d query heads per group (at most %d), head dim %d "
+                    "(at most 256)", qpg, GEN_MAX_QPG, d);
+        return;
+    }
+    const float scale = 1.0f / sqrtf((float)d);
+    const dim3 grid(max_splits, groups, N);
+    const size_t shared = decode_attention_shared_bytes(d);
+    const int threads = 32 * GEN_ATTN_WARPS;
+#define GEN_ATTN_LAUNCH(E)                                                                                        \
+    decode_attention_split_kernel<T, E><<<grid, threads, shared, ex->stream>>>(                                   \
+        part_o, part_lse, qkv, pool, slots, positions, tables, table_stride, groups, qpg, d, layer, L, block_tokens, \
+        max_splits, scale)
+    if (d <= 64) GEN_ATTN_LAUNCH(2);
+    else if (d <= 128) GEN_ATTN_LAUNCH(4);
+    else GEN_ATTN_LAUNCH(8);
+#undef GEN_ATTN_LAUNCH
+    LAUNCH_CHECK(ex->error);
+    decode_attention_merge_kernel<T><<<dim3(groups * qpg, N), d < 128 ? 64 : 128, 0, ex->stream>>>(
+        attn, part_o, part_lse, positions, groups * qpg, d, max_splits);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* token[n], logprob[n] from logits [n, ld] fp32 over the real vocabulary V (params [n] on the device). */
+static void sample_rows(const mt_exec* ex, int32_t* token, float* logprob, const float* logits, int64_t ld, int V,
+                        const gen_sample_params* params, int n) {
+    if (n == 0) return;
+    sample_rows_kernel<<<n, GEN_SAMPLE_THREADS, 0, ex->stream>>>(token, logprob, logits, ld, V, params);
     LAUNCH_CHECK(ex->error);
 }
 
@@ -9528,20 +9894,13 @@ static void* device_alloc(mt_trainer* t, size_t bytes, size_t* counter) {
  * Llama-3.1's scaling (low/high frequency factors 1 and 4, original context 8192): wavelengths
  * 2 pi / w above 8192 are stretched by the factor, those below 2048 kept, those between blended;
  * angle = t * w_i in fp32, its cos and sin rounded to fp32. */
-static void create_rope_tables(mt_trainer* t) {
-    const mt_config* c = &t->cfg;
-    mt_shape s = model_shape(t);
-    if (s.rot == 0) return;
+/* The values: cos_out, sin_out [positions, rot/2] (generation's tables, section 23, are the same values
+ * for more positions). */
+static void rope_table_values(const mt_config* c, int rot, int positions, float* cos_out, float* sin_out) {
     const double pi = 3.14159265358979323846, original = 8192.0, low = 1.0, high = 4.0;
-    int half = s.rot / 2;
-    size_t n = (size_t)s.S * half;
-    float* host = (float*)malloc(2 * n * sizeof(float));
-    if (!host) {
-        t->error.status = mt_fail(&t->error.error, MT_ERR_OOM, "cannot allocate the RoPE tables");
-        return;
-    }
+    const int half = rot / 2;
     for (int i = 0; i < half; i++) {
-        double w = 1.0 / pow(c->rotary_base, 2.0 * i / s.rot);
+        double w = 1.0 / pow(c->rotary_base, 2.0 * i / rot);
         if (c->use_rope_scaling) {
             double factor = c->rope_scaling_factor, wavelen = 2.0 * pi / w;
             if (wavelen > original / low) {
@@ -9552,12 +9911,24 @@ static void create_rope_tables(mt_trainer* t) {
             }
         }
         float wf = (float)w;
-        for (int pos = 0; pos < s.S; pos++) {
+        for (int pos = 0; pos < positions; pos++) {
             float angle = (float)pos * wf;
-            host[(size_t)pos * half + i] = (float)cos((double)angle);
-            host[n + (size_t)pos * half + i] = (float)sin((double)angle);
+            cos_out[(size_t)pos * half + i] = (float)cos((double)angle);
+            sin_out[(size_t)pos * half + i] = (float)sin((double)angle);
         }
     }
+}
+static void create_rope_tables(mt_trainer* t) {
+    mt_shape s = model_shape(t);
+    if (s.rot == 0) return;
+    int half = s.rot / 2;
+    size_t n = (size_t)s.S * half;
+    float* host = (float*)malloc(2 * n * sizeof(float));
+    if (!host) {
+        t->error.status = mt_fail(&t->error.error, MT_ERR_OOM, "cannot allocate the RoPE tables");
+        return;
+    }
+    rope_table_values(&t->cfg, s.rot, s.S, host, host + n);
     t->rope_cos = (float*)device_alloc(t, 2 * n * sizeof(float), &t->mem.allocated.workspace_bytes);
     if (t->rope_cos) {
         t->rope_sin = t->rope_cos + n;
@@ -10472,4 +10843,558 @@ mt_status mt_device_info(char* name, size_t name_size, size_t* free_bytes, size_
     if (e != cudaSuccess) return mt_fail(err, MT_ERR_CUDA, "no usable CUDA device: %s", cudaGetErrorString(e));
     snprintf(name, name_size, "%s", prop.name);
     return MT_OK;
+}
+
+/* ============================================================================================== */
+/* 23. Generation: the engine                                                                     */
+/*    megatron.h section 15b's mt_generator over a trainer's weights (one GPU, TP = PP = 1): the  */
+/*    KV-cache block pool and its free list, the requests (each in a slot: a row of the block     */
+/*    tables, its blocks taken at mt_generator_add for every position it can ever cache, so a     */
+/*    running request never waits for memory), and the step: the rows of the prompts prefilled    */
+/*    now and of one token per decoding request go through the layers together (the forward's    */
+/*    launchers: embedding at the rows' positions, norms, GEMMs, RoPE at the rows' positions,     */
+/*    activations) with the K/V of every row stored into its request's blocks before the         */
+/*    attention of section 22 reads them; the final norm's rows that need logits (the last of a  */
+/*    prompt, each decoding row, a prompt's every row for its log-probabilities) are gathered,    */
+/*    the output layer makes their fp32 logits in chunks, and sample_rows draws or scores them.   */
+/*    The GEMMs go to cuBLAS without a cuBLASLt plan (gemm_uncached): the row count changes with  */
+/*    every step and would fill the trainer's plan cache. All device work on the trainer's        */
+/*    stream with its error record; one host-to-device copy of the step's rows and one copy back. */
+/*    A decode step of n rows runs as a CUDA graph captured at its first occurrence.              */
+/*    defines: the mt_generator API of megatron.h section 15b.                                    */
+/* ============================================================================================== */
+
+/* One request: its tokens (the prompt, then those generated), its sampling settings and its blocks. */
+typedef struct {
+    int active;               /* the slot holds a request (added, not finished) */
+    int64_t id;
+    int32_t* tokens;          /* [max_context] host */
+    int prompt_len, len;      /* the prompt's tokens; all tokens so far */
+    int generated;            /* tokens generated so far */
+    int prefilled;            /* its prompt went through a step */
+    mt_sampling s;            /* stop_tokens points at stop */
+    int32_t stop[MT_GEN_MAX_STOP_TOKENS];
+    int64_t num_blocks;       /* its blocks: the slot's row of the block tables */
+    float* prompt_logprobs;   /* [prompt_len - 1] when asked for */
+} gen_request;
+
+/* A finished request's prompt log-probabilities, readable until the next step. */
+typedef struct {
+    int64_t id;
+    int count;
+    float* values;
+} gen_retired;
+
+struct mt_generator {
+    mt_trainer* t;
+    mt_generator_config gc;   /* with its defaults filled */
+    mt_shape s;               /* the model's shapes (TP = 1); B, S, BT, R set per pass */
+    int qpg, V;               /* query heads per group; the real vocabulary */
+    int max_blocks;           /* blocks of one request at most: ceil(max_context / block_tokens) */
+    int cap;                  /* rows of one step: max_step_tokens */
+    int logit_rows;           /* rows of logits made at once */
+    int part_rows;            /* rows of one decode-attention launch (its split scratch) */
+    int max_splits;           /* splits of the longest row: ceil(max_context / GEN_SPLIT_TOKENS) */
+    /* device */
+    void* pool;               /* [num_blocks, L, 2, groups, block_tokens, d] model type */
+    int32_t* tables;          /* [max_batch, max_blocks] the slots' block tables */
+    void *x, *mid, *ln, *qkv, *qk_rows, *attn, *branch, *fc1, *act, *lnf_rows; /* [cap, width] activations */
+    float *mean, *rstd;       /* [cap] the norms' statistics (unused) */
+    float* qk_stats;          /* [2, cap * groups * (qpg + 1)] --qk-layernorm's */
+    float *part_o, *part_lse; /* [part_rows, heads, max_splits, d], [part_rows, heads, max_splits] */
+    float *rope_cos, *rope_sin; /* [max_context, rot / 2] */
+    float* logits;            /* [logit_rows, Vp] fp32 */
+    int32_t* rows;            /* [4, cap]: tokens, positions, slots, the rows gathered for logits */
+    gen_sample_params* params;/* [cap] */
+    int32_t* out_token;       /* [cap] */
+    float* out_logprob;       /* [cap] */
+    size_t device_bytes;
+    /* host */
+    int32_t* h_rows;          /* pinned [4, cap] */
+    gen_sample_params* h_params; /* pinned [cap] */
+    int32_t* h_out_token;     /* pinned [cap] */
+    float* h_out_logprob;     /* pinned [cap] */
+    int32_t* h_tables;        /* [max_batch, max_blocks] */
+    int tables_dirty;
+    int32_t* free_list;       /* [num_blocks] */
+    int64_t num_free;
+    gen_request* req;         /* [max_batch] */
+    int64_t next_id;
+    gen_retired* retired;     /* [max_batch] */
+    int num_retired;
+    int* row_request;         /* [cap] the slot of each logits row; -1 none */
+    /* decode steps as CUDA graphs: the launches of a step of n decoding rows (1 .. max_batch) captured once and
+     * replayed (a step is some 10 launches a layer, whose CPU cost would exceed the GPU's at small batches);
+     * off with MT_GEN_GRAPHS=0 in the environment, or after a capture that failed (then eager launches) */
+    cudaGraphExec_t* graphs;  /* [max_batch + 1], NULL where not captured yet */
+    int use_graphs;
+};
+
+static void gen_release_blocks(mt_generator* g, gen_request* r, int slot) {
+    for (int64_t b = 0; b < r->num_blocks; b++) g->free_list[g->num_free++] = g->h_tables[(int64_t)slot * g->max_blocks + b];
+    r->num_blocks = 0;
+}
+
+/* Ends the request in `slot`: its blocks back to the pool; its prompt log-probabilities kept until the next
+ * step when `keep` (a request that finished; a cancelled one is forgotten at once). */
+static void gen_finish(mt_generator* g, int slot, int keep) {
+    gen_request* r = &g->req[slot];
+    gen_release_blocks(g, r, slot);
+    if (keep && r->prompt_logprobs && r->prefilled && g->num_retired < g->gc.max_batch) {
+        gen_retired* k = &g->retired[g->num_retired++];
+        k->id = r->id, k->count = r->prompt_len - 1, k->values = r->prompt_logprobs;
+    } else {
+        free(r->prompt_logprobs);
+    }
+    r->prompt_logprobs = NULL;
+    r->active = 0;
+}
+
+static void gen_forget_retired(mt_generator* g) {
+    for (int i = 0; i < g->num_retired; i++) free(g->retired[i].values);
+    g->num_retired = 0;
+}
+
+void mt_generator_free(mt_generator* g) {
+    if (!g) return;
+    if (g->t && g->t->stream) cudaStreamSynchronize(g->t->stream);
+    void* device[] = {g->pool, g->tables, g->x, g->mid, g->ln, g->qkv, g->qk_rows, g->attn, g->branch, g->fc1, g->act,
+                      g->lnf_rows, g->mean, g->rstd, g->qk_stats, g->part_o, g->part_lse, g->rope_cos, g->logits,
+                      g->rows, g->params, g->out_token, g->out_logprob};
+    for (size_t i = 0; i < sizeof(device) / sizeof(device[0]); i++) cudaFree(device[i]);
+    for (int n = 0; g->graphs && n <= g->gc.max_batch; n++)
+        if (g->graphs[n]) cudaGraphExecDestroy(g->graphs[n]);
+    free(g->graphs);
+    cudaFreeHost(g->h_rows);
+    cudaFreeHost(g->h_params);
+    cudaFreeHost(g->h_out_token);
+    cudaFreeHost(g->h_out_logprob);
+    for (int i = 0; g->req && i < g->gc.max_batch; i++) {
+        free(g->req[i].tokens);
+        free(g->req[i].prompt_logprobs);
+    }
+    gen_forget_retired(g);
+    free(g->req);
+    free(g->retired);
+    free(g->h_tables);
+    free(g->free_list);
+    free(g->row_request);
+    free(g);
+}
+
+/* The RoPE tables for positions 0 .. max_context - 1 (the trainer's only reach seq_length). */
+static mt_status gen_rope_tables(mt_generator* g, mt_error* err) {
+    const int half = g->s.rot / 2, n = g->gc.max_context * half;
+    float* host = (float*)malloc(sizeof(float) * 2 * (size_t)n);
+    if (!host) return mt_fail(err, MT_ERR_OOM, "cannot allocate the RoPE tables");
+    rope_table_values(&g->t->cfg, g->s.rot, g->gc.max_context, host, host + n);
+    CUDA_CHECK(&g->t->error, cudaMemcpy(g->rope_cos, host, sizeof(float) * 2 * (size_t)n, cudaMemcpyHostToDevice));
+    g->rope_sin = g->rope_cos + n;
+    free(host);
+    return mt_gpu_error_return(&g->t->error, err);
+}
+
+mt_status mt_generator_create(mt_generator** out, mt_trainer* t, const mt_generator_config* gc, mt_error* err) {
+    *out = NULL;
+    if (!t || !gc) return mt_fail(err, MT_ERR_ARG, "mt_generator_create needs a trainer and a config");
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    const mt_config* c = &t->cfg;
+    mt_status st = mt_generator_supported(c, err);
+    if (st != MT_OK) return st;
+    if (t->groups.pp_size != 1 || t->groups.tp.size != 1 || t->moe.enabled)
+        return mt_fail(err, MT_ERR_CONFIG, "generation runs on one GPU holding the whole dense model");
+    mt_generator_config r;
+    st = mt_generator_config_check(gc, c, &r, err);
+    if (st != MT_OK) return st;
+    static_assert(GEN_MAX_QPG == MT_GEN_MAX_QPG, "the host check's bound is the kernel's");
+    mt_generator* g = (mt_generator*)calloc(1, sizeof(mt_generator));
+    if (!g) return mt_fail(err, MT_ERR_OOM, "cannot allocate the generator");
+    g->t = t;
+    g->gc = r;
+    g->s = model_shape(t);
+    g->qpg = g->s.heads / g->s.groups;
+    g->V = (int)(c->vocab_size < c->padded_vocab_size ? c->vocab_size : c->padded_vocab_size);
+    g->max_blocks = ceil_div(r.max_context, r.block_tokens);
+    g->cap = r.max_step_tokens;
+    g->logit_rows = r.max_batch > 256 ? r.max_batch : 256;
+    if (g->logit_rows > g->cap) g->logit_rows = g->cap;
+    g->max_splits = ceil_div(r.max_context, GEN_SPLIT_TOKENS);
+    g->part_rows = r.max_batch > 64 ? r.max_batch : 64;
+    if (g->part_rows > g->cap) g->part_rows = g->cap;
+    const mt_shape& s = g->s;
+    const size_t e = t->elem, cap = (size_t)g->cap;
+    const size_t pool_bytes = (size_t)r.num_blocks * s.L * 2 * s.groups * r.block_tokens * s.d * e;
+    const size_t sizes[] = {
+        pool_bytes,                                                       /* pool */
+        sizeof(int32_t) * (size_t)r.max_batch * g->max_blocks,            /* tables */
+        cap * s.h * e, cap * s.h * e, cap * s.h * e,                       /* x, mid, ln */
+        cap * s.qkv_width * e, s.qk_norm ? cap * s.qkv_width * e : 0,     /* qkv, qk_rows */
+        cap * s.attn_width * e, cap * s.h * e, cap * s.f1 * e, cap * s.f * e, /* attn, branch, fc1, act */
+        (size_t)g->logit_rows * s.h * e,                                  /* lnf_rows */
+        cap * 4, cap * 4,                                                 /* mean, rstd */
+        s.qk_norm ? 2 * cap * s.groups * (g->qpg + 1) * 4 : 0,             /* qk_stats */
+        (size_t)g->part_rows * s.heads * g->max_splits * s.d * 4,          /* part_o */
+        (size_t)g->part_rows * s.heads * g->max_splits * 4,                /* part_lse */
+        s.rot ? 2 * (size_t)r.max_context * (s.rot / 2) * 4 : 0,          /* rope tables */
+        (size_t)g->logit_rows * s.V_full * 4,                              /* logits */
+        4 * cap * 4, cap * sizeof(gen_sample_params), cap * 4, cap * 4};  /* rows, params, out_token, out_logprob */
+    void** where[] = {&g->pool, (void**)&g->tables, &g->x, &g->mid, &g->ln, &g->qkv, &g->qk_rows, &g->attn, &g->branch,
+                      &g->fc1, &g->act, &g->lnf_rows, (void**)&g->mean, (void**)&g->rstd, (void**)&g->qk_stats,
+                      (void**)&g->part_o, (void**)&g->part_lse, (void**)&g->rope_cos, (void**)&g->logits,
+                      (void**)&g->rows, (void**)&g->params, (void**)&g->out_token, (void**)&g->out_logprob};
+    static_assert(sizeof(sizes) / sizeof(sizes[0]) == sizeof(where) / sizeof(where[0]), "one size per allocation");
+    size_t total = 0;
+    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) total += (sizes[i] + 255) / 256 * 256;
+    g->device_bytes = total;
+    size_t free_bytes = 0, total_bytes = 0;
+    if (!CUDA_CHECK(&t->error, cudaMemGetInfo(&free_bytes, &total_bytes))) {
+        mt_generator_free(g);
+        return mt_gpu_error_return(&t->error, err);
+    }
+    if (total > free_bytes) {
+        mt_generator_free(g);
+        return mt_fail(err, MT_ERR_OOM, "the generator needs %.3f GB (KV cache %.3f GB: %lld blocks of %d tokens) but the "
+                       "GPU has %.3f GB free: fewer blocks, a smaller max_batch or max_context", total / 1e9,
+                       pool_bytes / 1e9, (long long)r.num_blocks, r.block_tokens, free_bytes / 1e9);
+    }
+    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]) && t->error.status == MT_OK; i++)
+        if (sizes[i]) *where[i] = device_alloc(t, sizes[i], NULL);
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&g->h_rows, 4 * cap * 4));
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&g->h_params, cap * sizeof(gen_sample_params)));
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&g->h_out_token, cap * 4));
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&g->h_out_logprob, cap * 4));
+    if (t->error.status != MT_OK) {
+        st = mt_gpu_error_return(&t->error, err);
+        t->error.status = MT_OK; /* the trainer itself is intact: only the generator's allocations failed */
+        mt_generator_free(g);
+        return st;
+    }
+    g->h_tables = (int32_t*)calloc((size_t)r.max_batch * g->max_blocks, sizeof(int32_t));
+    g->free_list = (int32_t*)malloc(sizeof(int32_t) * (size_t)r.num_blocks);
+    g->req = (gen_request*)calloc((size_t)r.max_batch, sizeof(gen_request));
+    g->retired = (gen_retired*)calloc((size_t)r.max_batch, sizeof(gen_retired));
+    g->row_request = (int*)malloc(sizeof(int) * cap);
+    g->graphs = (cudaGraphExec_t*)calloc((size_t)r.max_batch + 1, sizeof(cudaGraphExec_t));
+    const char* graphs = getenv("MT_GEN_GRAPHS");
+    g->use_graphs = !(graphs && !strcmp(graphs, "0"));
+    int ok = g->h_tables && g->free_list && g->req && g->retired && g->row_request && g->graphs;
+    for (int i = 0; ok && i < r.max_batch; i++) ok = (g->req[i].tokens = (int32_t*)malloc(4 * (size_t)r.max_context)) != NULL;
+    if (!ok) {
+        mt_generator_free(g);
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate the generator's host state");
+    }
+    for (int64_t b = 0; b < r.num_blocks; b++) g->free_list[b] = (int32_t)(r.num_blocks - 1 - b); /* block 0 first */
+    g->num_free = r.num_blocks;
+    g->tables_dirty = 1;
+    if (s.rot) {
+        st = gen_rope_tables(g, err);
+        if (st != MT_OK) {
+            mt_generator_free(g);
+            return st;
+        }
+    }
+    wait_for_all_parameters(t); /* a data-parallel trainer's last parameter gather, if one is in flight */
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    if (t->error.status != MT_OK) {
+        st = mt_gpu_error_return(&t->error, err);
+        mt_generator_free(g);
+        return st;
+    }
+    *out = g;
+    return MT_OK;
+}
+
+int mt_generator_running(const mt_generator* g) {
+    int n = 0;
+    for (int i = 0; i < g->gc.max_batch; i++) n += g->req[i].active;
+    return n;
+}
+
+int64_t mt_generator_free_blocks(const mt_generator* g) { return g->num_free; }
+
+mt_status mt_generator_add(mt_generator* g, const int32_t* prompt, int prompt_len, const mt_sampling* s, int64_t* id,
+                           mt_error* err) {
+    mt_status st = mt_generator_request_check(prompt, prompt_len, s, g->gc.max_context, g->V, err);
+    if (st != MT_OK) return st;
+    int slot = -1;
+    for (int i = 0; i < g->gc.max_batch && slot < 0; i++)
+        if (!g->req[i].active) slot = i;
+    if (slot < 0)
+        return mt_fail(err, MT_ERR_RANGE, "the generator runs %d requests already (max_batch): retry after a step",
+                       g->gc.max_batch);
+    const int64_t need = mt_generator_request_blocks(prompt_len, s->max_new_tokens, g->gc.max_context, g->gc.block_tokens);
+    if (need > g->num_free)
+        return mt_fail(err, MT_ERR_RANGE, "the KV cache has %lld free blocks, the request needs %lld: retry after a step",
+                       (long long)g->num_free, (long long)need);
+    float* lp = NULL;
+    if (s->prompt_logprobs && prompt_len > 1 && !(lp = (float*)malloc(sizeof(float) * (size_t)(prompt_len - 1))))
+        return mt_fail(err, MT_ERR_OOM, "cannot allocate the prompt's log-probabilities");
+    gen_request* r = &g->req[slot];
+    int32_t* tokens = r->tokens;
+    memset(r, 0, sizeof(*r));
+    r->tokens = tokens;
+    r->active = 1;
+    r->id = g->next_id++;
+    memcpy(r->tokens, prompt, sizeof(int32_t) * (size_t)prompt_len);
+    r->prompt_len = r->len = prompt_len;
+    r->s = *s;
+    memcpy(r->stop, s->stop_tokens ? s->stop_tokens : r->stop, sizeof(int32_t) * (size_t)s->num_stop_tokens);
+    r->s.stop_tokens = r->stop;
+    r->prompt_logprobs = lp;
+    r->num_blocks = need;
+    for (int64_t b = 0; b < need; b++) g->h_tables[(int64_t)slot * g->max_blocks + b] = g->free_list[--g->num_free];
+    g->tables_dirty = 1;
+    *id = r->id;
+    return MT_OK;
+}
+
+static int gen_slot_of(const mt_generator* g, int64_t id) {
+    for (int i = 0; i < g->gc.max_batch; i++)
+        if (g->req[i].active && g->req[i].id == id) return i;
+    return -1;
+}
+
+mt_status mt_generator_cancel(mt_generator* g, int64_t id, mt_error* err) {
+    const int slot = gen_slot_of(g, id);
+    if (slot < 0) return mt_fail(err, MT_ERR_ARG, "no running request %lld", (long long)id);
+    gen_finish(g, slot, 0);
+    return MT_OK;
+}
+
+mt_status mt_generator_prompt_logprobs(mt_generator* g, int64_t id, float* out, mt_error* err) {
+    const int slot = gen_slot_of(g, id);
+    const float* values = NULL;
+    int count = 0;
+    if (slot >= 0 && g->req[slot].prefilled && g->req[slot].prompt_logprobs)
+        values = g->req[slot].prompt_logprobs, count = g->req[slot].prompt_len - 1;
+    for (int i = 0; !values && i < g->num_retired; i++)
+        if (g->retired[i].id == id) values = g->retired[i].values, count = g->retired[i].count;
+    if (slot >= 0 && g->req[slot].prompt_len == 1 && g->req[slot].s.prompt_logprobs && g->req[slot].prefilled)
+        return MT_OK; /* a one-token prompt has none */
+    if (!values)
+        return mt_fail(err, MT_ERR_ARG, "request %lld: no prompt log-probabilities (unknown, not asked for, or not "
+                       "prefilled yet)", (long long)id);
+    memcpy(out, values, sizeof(float) * (size_t)count);
+    return MT_OK;
+}
+
+/* One pass of n rows (g->h_rows uploaded: tokens, positions, slots, then n_sel gathered rows) through the
+ * model; the fp32 logits of the gathered rows in chunks of logit_rows, each sampled or scored right away
+ * (params on the device): out_token / out_logprob [n_sel]. */
+template <typename T>
+static void gen_forward(mt_generator* g, int n, int n_sel) {
+    mt_trainer* t = g->t;
+    const mt_exec ex = trainer_exec(t);
+    mt_shape s = g->s;
+    s.B = 1, s.S = n, s.BT = n, s.R = n;
+    const float eps = (float)t->cfg.norm_epsilon;
+    const int32_t* tokens = g->rows;
+    const int32_t* positions = g->rows + g->cap;
+    const int32_t* slots = g->rows + 2 * g->cap;
+    const int32_t* gathered = g->rows + 3 * g->cap;
+    T *x = (T*)g->x, *mid = (T*)g->mid, *ln = (T*)g->ln, *qkv = (T*)g->qkv, *attn = (T*)g->attn, *branch = (T*)g->branch;
+    const mt_attention_dims dims = {1, n, s.heads, s.groups, s.d, s.rot, g->rope_cos, g->rope_sin};
+    const T* wpe = t->cfg.position_embedding_type == MT_POSITION_LEARNED ? param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS) : NULL;
+    embedding_forward<T>(&ex, x, tokens, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS), wpe, n, n, s.h, 0, s.V, positions);
+    const layer_tensors<T> p0 = layer_params<T>(t, 0);
+    norm_forward<T>(&ex, ln, g->mean, g->rstd, x, p0.ln1_w, p0.ln1_b, n, s.h, eps, s.rms, s.norm_w1);
+    for (int l = 0; l < s.L; l++) {
+        const layer_tensors<T> p = layer_params<T>(t, l);
+        gemm_uncached<T, T>(&ex, false, true, n, s.qkv_width, s.h, ln, s.h, p.qkv_w, s.h, qkv, s.qkv_width, 1.0f, 0.0f);
+        if (p.qkv_b) bias_add<T>(&ex, qkv, p.qkv_b, n, s.qkv_width);
+        T* rows = qkv;
+        if (s.qk_norm) {
+            qk_norm_forward<T>(&ex, dims, (T*)g->qk_rows, g->qk_stats, qkv, p.q_ln_w, p.q_ln_b, p.k_ln_w, p.k_ln_b, eps,
+                               s.rms, s.norm_w1);
+            rows = (T*)g->qk_rows;
+        }
+        rope_qkv_rows<T>(&ex, dims, rows, false, positions);
+        kv_cache_store<T>(&ex, (T*)g->pool, rows, slots, positions, g->tables, g->max_blocks, n, s.groups, g->qpg, s.d, l,
+                          s.L, g->gc.block_tokens);
+        for (int r0 = 0; r0 < n; r0 += g->part_rows) {
+            const int m = n - r0 < g->part_rows ? n - r0 : g->part_rows;
+            decode_attention<T>(&ex, attn + (int64_t)r0 * s.attn_width, g->part_o, g->part_lse,
+                                rows + (int64_t)r0 * s.qkv_width, (const T*)g->pool, slots + r0, positions + r0, g->tables,
+                                g->max_blocks, m, s.groups, g->qpg, s.d, l, s.L, g->gc.block_tokens, g->max_splits);
+        }
+        gemm_uncached<T, T>(&ex, false, true, n, s.h, s.attn_width, attn, s.attn_width, p.proj_w, s.attn_width, branch, s.h,
+                            1.0f, 0.0f);
+        residual_norm_forward<T>(&ex, mid, ln, g->mean, g->rstd, x, branch, p.proj_b, p.ln2_w, p.ln2_b, n, s.h, eps, s.rms,
+                                 s.norm_w1);
+        gemm_uncached<T, T>(&ex, false, true, n, s.f1, s.h, ln, s.h, p.fc1_w, s.h, (T*)g->fc1, s.f1, 1.0f, 0.0f);
+        if (s.swiglu) bias_swiglu<T>(&ex, (T*)g->fc1, (T*)g->act, p.fc1_b, n, s.f);
+        else bias_activation<T>(&ex, s.act, (T*)g->fc1, (T*)g->act, p.fc1_b, n, s.f);
+        gemm_uncached<T, T>(&ex, false, true, n, s.h, s.f, (T*)g->act, s.f, p.fc2_w, s.f, branch, s.h, 1.0f, 0.0f);
+        const bool last = l == s.L - 1;
+        const layer_tensors<T> np = layer_params<T>(t, last ? l : l + 1);
+        residual_norm_forward<T>(&ex, x, ln, g->mean, g->rstd, mid, branch, p.fc2_b,
+                                 last ? param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT) : np.ln1_w,
+                                 last ? param_ptr<T>(t, MT_P_FINAL_LN_BIAS) : np.ln1_b, n, s.h, eps, s.rms, s.norm_w1);
+    }
+    /* ln holds the final norm of every row: the gathered rows' logits, chunk by chunk, sampled or scored */
+    for (int k0 = 0; k0 < n_sel; k0 += g->logit_rows) {
+        const int m = n_sel - k0 < g->logit_rows ? n_sel - k0 : g->logit_rows;
+        gather_rows<T>(&ex, (T*)g->lnf_rows, ln, gathered + k0, m, s.h);
+        gemm_uncached<T, float>(&ex, false, true, m, (int)s.V_full, s.h, (const T*)g->lnf_rows, s.h, output_weight<T>(t), s.h,
+                                g->logits, (int)s.V_full, 1.0f, 0.0f);
+        sample_rows(&ex, g->out_token + k0, g->out_logprob + k0, g->logits, s.V_full, g->V, g->params + k0, m);
+    }
+}
+
+template <typename T>
+static void gen_forward_eager_or_graph(mt_generator* g, int n, int n_sel, bool decode_only) {
+    mt_trainer* t = g->t;
+    if (!decode_only || !g->use_graphs || n > g->gc.max_batch || n_sel != n) {
+        gen_forward<T>(g, n, n_sel);
+        return;
+    }
+    if (!g->graphs[n]) { /* capture this row count's step once */
+        cudaGraph_t graph = NULL;
+        cudaGraphExec_t exec = NULL;
+        cudaError_t e = cudaStreamBeginCapture(t->stream, cudaStreamCaptureModeThreadLocal);
+        if (e == cudaSuccess) {
+            gen_forward<T>(g, n, n_sel);
+            e = cudaStreamEndCapture(t->stream, &graph);
+        }
+        if (e == cudaSuccess && t->error.status == MT_OK) e = cudaGraphInstantiate(&exec, graph, 0);
+        if (graph) cudaGraphDestroy(graph);
+        if (e != cudaSuccess || t->error.status != MT_OK) { /* no graphs here: eager launches from now on */
+            cudaGetLastError();
+            if (exec) cudaGraphExecDestroy(exec);
+            t->error.status = MT_OK; /* the capture's failure only: nothing ran */
+            g->use_graphs = 0;
+            gen_forward<T>(g, n, n_sel);
+            return;
+        }
+        g->graphs[n] = exec;
+    }
+    CUDA_CHECK(&t->error, cudaGraphLaunch(g->graphs[n], t->stream));
+}
+
+static int gen_is_stop(const gen_request* r, int32_t token) {
+    for (int i = 0; i < r->s.num_stop_tokens; i++)
+        if (r->stop[i] == token) return 1;
+    return 0;
+}
+
+mt_status mt_generator_step(mt_generator* g, mt_generated* out, int max_out, int* n_out, mt_error* err) {
+    mt_trainer* t = g->t;
+    *n_out = 0;
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    const int running = mt_generator_running(g);
+    if (max_out < running)
+        return mt_fail(err, MT_ERR_ARG, "mt_generator_step: room for %d results, %d requests are running", max_out, running);
+    gen_forget_retired(g);
+    if (running == 0) return MT_OK;
+    const int cap = g->cap, B = g->gc.max_batch;
+    int32_t *tok = g->h_rows, *pos = g->h_rows + cap, *slot = g->h_rows + 2 * cap, *sel = g->h_rows + 3 * cap;
+    int n = 0, n_sel = 0;
+    /* the decoding rows: each running request's last token at its position */
+    int in_step[MT_GEN_MAX_BATCH];
+    int count = 0;
+    for (int i = 0; i < B; i++) {
+        gen_request* r = &g->req[i];
+        if (!r->active || !r->prefilled) continue;
+        tok[n] = r->tokens[r->len - 1], pos[n] = r->len - 1, slot[n] = i;
+        gen_sample_params* P = &g->h_params[n_sel];
+        *P = gen_sample_params{r->s.temperature, r->s.top_k, r->s.top_p, -1, r->s.seed, (int64_t)r->generated};
+        g->row_request[n_sel] = i;
+        sel[n_sel++] = n++;
+        in_step[count++] = i;
+    }
+    const int decode_rows = n;
+    /* the prompts, in the order they were added, while they fit */
+    for (;;) {
+        int next = -1;
+        for (int i = 0; i < B; i++)
+            if (g->req[i].active && !g->req[i].prefilled && (next < 0 || g->req[i].id < g->req[next].id)) next = i;
+        if (next < 0 || n + g->req[next].prompt_len > cap) break;
+        gen_request* r = &g->req[next];
+        for (int k = 0; k < r->prompt_len; k++) {
+            tok[n + k] = r->tokens[k], pos[n + k] = k, slot[n + k] = next;
+            const int scored = r->s.prompt_logprobs && k < r->prompt_len - 1;
+            const int sampled = k == r->prompt_len - 1 && r->s.max_new_tokens > 0;
+            if (scored || sampled) {
+                g->h_params[n_sel] = gen_sample_params{r->s.temperature, r->s.top_k, r->s.top_p,
+                                                       scored ? r->tokens[k + 1] : -1, r->s.seed, 0};
+                g->row_request[n_sel] = next;
+                sel[n_sel++] = n + k;
+            }
+        }
+        n += r->prompt_len;
+        r->prefilled = 1; /* marks it as taken by this step (and makes the loop move on) */
+        in_step[count++] = next;
+    }
+    /* one copy up: the rows (tokens, positions, slots, gathered), the draws' settings, the tables if they changed */
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(g->rows, g->h_rows, sizeof(int32_t) * 4 * (size_t)cap, cudaMemcpyHostToDevice,
+                                          t->stream));
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(g->params, g->h_params, sizeof(gen_sample_params) * (size_t)n_sel,
+                                          cudaMemcpyHostToDevice, t->stream));
+    if (g->tables_dirty) {
+        CUDA_CHECK(&t->error, cudaMemcpyAsync(g->tables, g->h_tables, sizeof(int32_t) * (size_t)B * g->max_blocks,
+                                              cudaMemcpyHostToDevice, t->stream));
+        g->tables_dirty = 0;
+    }
+    const bool decode_only = n > 0 && decode_rows == n; /* no prompt in this step: a graph's shape */
+    switch (t->cfg.precision) {
+        case MT_FP32: gen_forward_eager_or_graph<float>(g, n, n_sel, decode_only); break;
+        case MT_BF16: gen_forward_eager_or_graph<__nv_bfloat16>(g, n, n_sel, decode_only); break;
+        case MT_FP16: gen_forward_eager_or_graph<__half>(g, n, n_sel, decode_only); break;
+    }
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(g->h_out_token, g->out_token, sizeof(int32_t) * (size_t)n_sel,
+                                          cudaMemcpyDeviceToHost, t->stream));
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(g->h_out_logprob, g->out_logprob, sizeof(float) * (size_t)n_sel,
+                                          cudaMemcpyDeviceToHost, t->stream));
+    CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    /* the results, per request of the step (its logits rows are consecutive, in the step's order): the prompt's
+     * log-probabilities, then the new token */
+    int k = 0;
+    for (int c = 0; c < count; c++) {
+        const int i = in_step[c];
+        gen_request* r = &g->req[i];
+        mt_generated* o = &out[(*n_out)++];
+        o->id = r->id, o->token = -1, o->logprob = 0.0f, o->finished = 0;
+        int scored = 0, sampled = 0;
+        for (; k < n_sel && g->row_request[k] == i; k++) {
+            if (g->h_params[k].target >= 0) {
+                r->prompt_logprobs[scored++] = g->h_out_logprob[k];
+            } else {
+                o->token = g->h_out_token[k], o->logprob = g->h_out_logprob[k];
+                sampled = 1;
+            }
+        }
+        if (sampled) {
+            r->tokens[r->len++] = o->token;
+            r->generated++;
+        }
+        o->finished = !sampled || gen_is_stop(r, o->token) || r->generated >= r->s.max_new_tokens ||
+                      r->len >= g->gc.max_context;
+        if (o->finished) gen_finish(g, i, 1);
+    }
+    return MT_OK;
+}
+
+mt_status mt_device_copy_bandwidth(double* bytes_per_second, mt_error* err) {
+    const size_t bytes = (size_t)1 << 30;
+    void *a = NULL, *b = NULL;
+    cudaEvent_t start = NULL, stop = NULL;
+    mt_gpu_error e;
+    memset(&e, 0, sizeof(e));
+    (void)(CUDA_CHECK(&e, cudaMalloc(&a, bytes)) && CUDA_CHECK(&e, cudaMalloc(&b, bytes)) &&
+           CUDA_CHECK(&e, cudaEventCreate(&start)) && CUDA_CHECK(&e, cudaEventCreate(&stop)) &&
+           CUDA_CHECK(&e, cudaMemset(a, 1, bytes)) && CUDA_CHECK(&e, cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice)));
+    float best = 0.0f;
+    for (int i = 0; i < 5 && e.status == MT_OK; i++) {
+        float ms = 0.0f;
+        (void)(CUDA_CHECK(&e, cudaEventRecord(start)) &&
+               CUDA_CHECK(&e, cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice)) && CUDA_CHECK(&e, cudaEventRecord(stop)) &&
+               CUDA_CHECK(&e, cudaEventSynchronize(stop)) && CUDA_CHECK(&e, cudaEventElapsedTime(&ms, start, stop)));
+        if (e.status == MT_OK && (best == 0.0f || ms < best)) best = ms;
+    }
+    cudaFree(a), cudaFree(b);
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    if (e.status == MT_OK && best > 0.0f) *bytes_per_second = 2.0 * (double)bytes / (best * 1e-3);
+    return mt_gpu_error_return(&e, err);
 }

@@ -1843,6 +1843,8 @@ typedef struct {
     int max_context;     /* tokens per request, prompt + generated, 1 .. the model's max positions */
     int block_tokens;    /* tokens per KV-cache block, a power of two in 16 .. 1024 (0: 64) */
     int64_t num_blocks;  /* blocks in the pool (0: max_batch * ceil(max_context / block_tokens)) */
+    int max_step_tokens; /* rows one step runs: its prompts' tokens plus one per decoding request, at least
+                            max_context + max_batch, at most 2^20 (0: the larger of that and 8192) */
 } mt_generator_config;
 
 typedef struct {
@@ -1887,6 +1889,44 @@ mt_status mt_generator_step(mt_generator* g, mt_generated* out, int max_out, int
 mt_status mt_generator_cancel(mt_generator* g, int64_t id, mt_error* err);
 /* Requests running (added and not finished) now. */
 int mt_generator_running(const mt_generator* g);
+/* Blocks of the pool free now (a request takes, at mt_generator_add, the blocks of every position it can
+ * ever cache: min(prompt_len + max_new_tokens, max_context) - 1 positions, at least its prompt's; they are
+ * free again when it finishes or is cancelled). */
+int64_t mt_generator_free_blocks(const mt_generator* g);
+/* The current GPU's device-to-device copy bandwidth in bytes/s (bytes read plus written by a 1 GiB
+ * cudaMemcpy, the best of 5): the memory-bandwidth bound of decoding (dev/bench/generate_bench.sh). */
+mt_status mt_device_copy_bandwidth(double* bytes_per_second, mt_error* err);
+
+/* Implementation notes (megatron.cu sections 22 and 23):
+ *  - A step prefills pending requests in the order they were added while the step's rows (one per prompt
+ *    token, one per decoding request) stay within max_step_tokens; a prompt that does not fit waits for the
+ *    next step (it always fits beside the decoding requests). Its first token comes from that step.
+ *  - A request with max_new_tokens 0 gets one entry from its prefill step: token -1, logprob 0, finished.
+ *  - A finished request's prompt log-probabilities stay readable until the next mt_generator_step (a
+ *    cancelled request's are forgotten at once).
+ *  - fp32 and bf16/fp16 models; an FP8-trained model generates from its bf16 weights (no FP8 GEMMs).
+ *    Served: TP = PP = 1, dense (no MoE), at most MT_GEN_MAX_QPG query heads per K/V group, head dim
+ *    <= 256, no --fp8-param-gather (mt_generator_supported says why not).
+ *  - The attention of a request and its sampling do not depend on the other requests of a step; the
+ *    GEMMs run over all rows together, so cuBLAS may pick another kernel for another row count: a
+ *    request's logits can then differ in the last bits with the batch (its tokens only at a near-tie). */
+#define MT_GEN_MAX_QPG 8
+#define MT_GEN_MAX_STOP_TOKENS 16
+#define MT_GEN_MAX_BATCH 4096
+/* Host checks (no GPU), the ones mt_generator_create and mt_generator_add make: */
+/* the model: MT_ERR_CONFIG naming what the engine does not serve */
+MT_DEF mt_status mt_generator_supported(const mt_config* cfg, mt_error* err);
+/* gc against the finalized model cfg; *resolved = gc with its defaults filled (block_tokens, num_blocks) */
+MT_DEF mt_status mt_generator_config_check(const mt_generator_config* gc, const mt_config* cfg,
+                                           mt_generator_config* resolved, mt_error* err);
+/* one request: the prompt (1 .. max_context - 1 tokens in [0, vocab)) and its sampling settings
+ * (temperature finite >= 0, top_k >= 0, top_p in [0, 1], max_new_tokens >= 0, 0 .. 16 stop tokens in
+ * [0, vocab), prompt_logprobs 0 or 1): MT_ERR_ARG naming the bad one */
+MT_DEF mt_status mt_generator_request_check(const int32_t* prompt, int prompt_len, const mt_sampling* s,
+                                            int max_context, int64_t vocab, mt_error* err);
+/* Blocks a request holds: those of min(prompt_len + max_new_tokens, max_context) - 1 positions, at least
+ * prompt_len (its prefill caches every prompt token). */
+MT_DEF int64_t mt_generator_request_blocks(int prompt_len, int max_new_tokens, int max_context, int block_tokens);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* 16. TensorBoard event files                                                                     */
@@ -7451,6 +7491,93 @@ MT_DEF mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, co
     free(r.checked);
     mt_buffer_layout_free(&TB);
     return st;
+}
+
+/* 15b. Generation: the host checks of the engine's settings (the engine is megatron.cu's) ------ */
+
+MT_DEF mt_status mt_generator_supported(const mt_config* c, mt_error* err) {
+    if (c->pipeline_model_parallel_size > 1)
+        return mt_fail(err, MT_ERR_CONFIG, "generation needs the whole model on one GPU: pipeline parallelism (%d "
+                       "stages) is not served", c->pipeline_model_parallel_size);
+    if (c->tensor_model_parallel_size > 1)
+        return mt_fail(err, MT_ERR_CONFIG, "generation runs on one GPU: tensor parallelism (%d) is not served yet",
+                       c->tensor_model_parallel_size);
+    if (c->num_experts > 0)
+        return mt_fail(err, MT_ERR_CONFIG, "generation does not serve mixture-of-experts models (--num-experts %d) yet",
+                       c->num_experts);
+    if (c->fp8_param_gather)
+        return mt_fail(err, MT_ERR_CONFIG, "generation reads the bf16 weights: --fp8-param-gather keeps only FP8 ones");
+    if (c->num_query_groups <= 0 || c->num_attention_heads % c->num_query_groups != 0 ||
+        c->num_attention_heads / c->num_query_groups > MT_GEN_MAX_QPG)
+        return mt_fail(err, MT_ERR_CONFIG, "generation's decode attention takes at most %d query heads per group "
+                       "(%d heads in %d groups)", MT_GEN_MAX_QPG, c->num_attention_heads, c->num_query_groups);
+    if (c->kv_channels < 1 || c->kv_channels > 256)
+        return mt_fail(err, MT_ERR_CONFIG, "generation's decode attention takes head dims 1 .. 256 (--kv-channels %d)",
+                       c->kv_channels);
+    return MT_OK;
+}
+
+MT_DEF mt_status mt_generator_config_check(const mt_generator_config* gc, const mt_config* c, mt_generator_config* out,
+                                    mt_error* err) {
+    mt_generator_config r = *gc;
+    const int positions = c->max_position_embeddings > 0 ? c->max_position_embeddings : c->seq_length;
+    if (r.max_batch < 1 || r.max_batch > MT_GEN_MAX_BATCH)
+        return mt_fail(err, MT_ERR_ARG, "generator max_batch %d: must be in [1, %d]", r.max_batch, MT_GEN_MAX_BATCH);
+    if (r.max_context < 2 || r.max_context > positions)
+        return mt_fail(err, MT_ERR_ARG, "generator max_context %d: must be in [2, %d] (the model's positions; a "
+                       "request holds at least one prompt token and one generated token)", r.max_context, positions);
+    if (r.block_tokens == 0) r.block_tokens = 64;
+    if (r.block_tokens < 16 || r.block_tokens > 1024 || (r.block_tokens & (r.block_tokens - 1)) != 0)
+        return mt_fail(err, MT_ERR_ARG, "generator block_tokens %d: must be a power of two in [16, 1024]", r.block_tokens);
+    const int64_t per_request = ((int64_t)r.max_context + r.block_tokens - 1) / r.block_tokens;
+    if (r.num_blocks == 0) r.num_blocks = (int64_t)r.max_batch * per_request;
+    if (r.num_blocks < per_request || r.num_blocks > ((int64_t)1 << 30))
+        return mt_fail(err, MT_ERR_ARG, "generator num_blocks %lld: must be in [%lld, 2^30] (at least one request of "
+                       "max_context %d in blocks of %d tokens)", (long long)r.num_blocks, (long long)per_request,
+                       r.max_context, r.block_tokens);
+    const int least = r.max_context + r.max_batch;
+    if (r.max_step_tokens == 0) r.max_step_tokens = least > 8192 ? least : 8192;
+    if (r.max_step_tokens < least || r.max_step_tokens > (1 << 20))
+        return mt_fail(err, MT_ERR_ARG, "generator max_step_tokens %d: must be in [%d, 2^20] (max_context + max_batch: "
+                       "a prompt of max_context - 1 tokens beside every other request decoding)", r.max_step_tokens, least);
+    if (out) *out = r;
+    return MT_OK;
+}
+
+MT_DEF mt_status mt_generator_request_check(const int32_t* prompt, int prompt_len, const mt_sampling* s, int max_context,
+                                     int64_t vocab, mt_error* err) {
+    if (!prompt || prompt_len < 1 || prompt_len > max_context - 1)
+        return mt_fail(err, MT_ERR_ARG, "prompt of %d tokens: must be 1 .. %d (max_context %d less the token to "
+                       "generate)", prompt_len, max_context - 1, max_context);
+    for (int i = 0; i < prompt_len; i++)
+        if (prompt[i] < 0 || prompt[i] >= vocab)
+            return mt_fail(err, MT_ERR_ARG, "prompt token %d (at %d) is not in the vocabulary [0, %lld)", prompt[i], i,
+                           (long long)vocab);
+    if (!s) return mt_fail(err, MT_ERR_ARG, "a request needs its sampling settings");
+    if (!(s->temperature >= 0.0f) || s->temperature > 3.0e38f)
+        return mt_fail(err, MT_ERR_ARG, "temperature %g: must be 0 (greedy) or a finite positive number",
+                       (double)s->temperature);
+    if (s->top_k < 0) return mt_fail(err, MT_ERR_ARG, "top_k %d: must be >= 0 (0: off)", s->top_k);
+    if (!(s->top_p >= 0.0f && s->top_p <= 1.0f))
+        return mt_fail(err, MT_ERR_ARG, "top_p %g: must be in [0, 1] (0 or 1: off)", (double)s->top_p);
+    if (s->max_new_tokens < 0) return mt_fail(err, MT_ERR_ARG, "max_new_tokens %d: must be >= 0", s->max_new_tokens);
+    if (s->num_stop_tokens < 0 || s->num_stop_tokens > MT_GEN_MAX_STOP_TOKENS || (s->num_stop_tokens > 0 && !s->stop_tokens))
+        return mt_fail(err, MT_ERR_ARG, "%d stop tokens: at most %d, given as an array", s->num_stop_tokens,
+                       MT_GEN_MAX_STOP_TOKENS);
+    for (int i = 0; i < s->num_stop_tokens; i++)
+        if (s->stop_tokens[i] < 0 || s->stop_tokens[i] >= vocab)
+            return mt_fail(err, MT_ERR_ARG, "stop token %d is not in the vocabulary [0, %lld)", s->stop_tokens[i],
+                           (long long)vocab);
+    if (s->prompt_logprobs != 0 && s->prompt_logprobs != 1)
+        return mt_fail(err, MT_ERR_ARG, "prompt_logprobs %d: must be 0 or 1", s->prompt_logprobs);
+    return MT_OK;
+}
+
+MT_DEF int64_t mt_generator_request_blocks(int prompt_len, int max_new_tokens, int max_context, int block_tokens) {
+    int64_t total = (int64_t)prompt_len + (max_new_tokens > 0 ? max_new_tokens : 0);
+    if (total > max_context) total = max_context;
+    int64_t cached = total - 1 > prompt_len ? total - 1 : prompt_len;
+    return (cached + block_tokens - 1) / block_tokens;
 }
 
 /* 16. TensorBoard event files ------------------------------------------------------------------ */

@@ -52,6 +52,7 @@
 #include "tests/test_watchdog.h"
 #include "tests/test_dropout.h"
 #include "tests/test_faults.h"
+#include "tests/test_generate.h"
 #include "tests/test_runner.h"
 
 typedef struct {
@@ -140,6 +141,7 @@ int main(int argc, char** argv) {
         GROUP("host.faults", faults_tests),
         GROUP("host.runner", runner_tests),
         GROUP("host.moe_kernels", moe_kernels_host_tests),
+        GROUP("host.generate", generate_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.moe", moe_gpu_tests),
         GROUP("gpu.flags", flags_gpu_tests),
@@ -160,6 +162,7 @@ int main(int argc, char** argv) {
         GROUP("gpu.watchdog", watchdog_gpu_tests),
         GROUP("gpu.dropout", dropout_gpu_tests),
         GROUP("gpu.faults", faults_gpu_tests),
+        GROUP("gpu.generate", generate_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
         GROUP("multigpu.expert_parallel", expert_parallel_multigpu_tests),
         GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),

@@ -1731,15 +1731,15 @@ static void item_rope_rows(bool backward) {
     const int64_t rotated = (int64_t)BT * groups * (qpg + 1);
     auto vec = [&] {
         if (backward)
-            rope_qkv_rows_kernel<bf16, V, true><<<ceil_div(rotated * (half / V), 256), 256, 0, S>>>(qkv, cosd, sind, BT, T, groups, qpg, d, rot);
+            rope_qkv_rows_kernel<bf16, V, true><<<ceil_div(rotated * (half / V), 256), 256, 0, S>>>(qkv, cosd, sind, BT, T, groups, qpg, d, rot, NULL);
         else
-            rope_qkv_rows_kernel<bf16, V, false><<<ceil_div(rotated * (half / V), 256), 256, 0, S>>>(qkv, cosd, sind, BT, T, groups, qpg, d, rot);
+            rope_qkv_rows_kernel<bf16, V, false><<<ceil_div(rotated * (half / V), 256), 256, 0, S>>>(qkv, cosd, sind, BT, T, groups, qpg, d, rot, NULL);
     };
     auto scalar = [&] {
         if (backward)
-            rope_qkv_rows_kernel<bf16, 1, true><<<ceil_div(rotated * half, 256), 256, 0, S>>>(qkv, cosd, sind, BT, T, groups, qpg, d, rot);
+            rope_qkv_rows_kernel<bf16, 1, true><<<ceil_div(rotated * half, 256), 256, 0, S>>>(qkv, cosd, sind, BT, T, groups, qpg, d, rot, NULL);
         else
-            rope_qkv_rows_kernel<bf16, 1, false><<<ceil_div(rotated * half, 256), 256, 0, S>>>(qkv, cosd, sind, BT, T, groups, qpg, d, rot);
+            rope_qkv_rows_kernel<bf16, 1, false><<<ceil_div(rotated * half, 256), 256, 0, S>>>(qkv, cosd, sind, BT, T, groups, qpg, d, rot, NULL);
     };
     /* in place: every timed run starts from the original rows */
     auto reset = [&] { CK(cudaMemcpyAsync(qkv, h_qkv.data(), n * 2, cudaMemcpyHostToDevice, S)); };
