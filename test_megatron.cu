@@ -51,6 +51,7 @@
 #include "tests/test_watchdog.h"
 #include "tests/test_dropout.h"
 #include "tests/test_faults.h"
+#include "tests/test_serve.h"
 #include "tests/test_runner.h"
 
 typedef struct {
@@ -137,6 +138,7 @@ int main(int argc, char** argv) {
         GROUP("host.watchdog", watchdog_tests),
         GROUP("host.dropout", dropout_tests),
         GROUP("host.faults", faults_tests),
+        GROUP("host.serve", serve_tests),
         GROUP("host.runner", runner_tests),
         GROUP("host.moe_kernels", moe_kernels_host_tests),
         GROUP("gpu.model", model_gpu_tests),
