@@ -193,6 +193,8 @@ static int sv_parse_api(const char* body, size_t len, const sv_limits* lim, sv_r
         if (i64 < 0) SV_FAIL("tokens_to_generate must be an integer greater than or equal to 0");
         if (i64 > lim->max_tokens) SV_FAIL("tokens_to_generate must be at most %d (the context)", lim->max_tokens);
         r->tokens_to_generate = (int)i64;
+    } else if (r->tokens_to_generate > lim->max_tokens) { /* the default, within a small context */
+        r->tokens_to_generate = lim->max_tokens;
     }
     if ((st = sv_bool_field(root, "logprobs", &r->logprobs, "logprobs must be a boolean value", msg, cap)) != 200) goto done;
     if (r->tokens_to_generate == 0 && !r->logprobs) SV_FAIL("tokens_to_generate=0 implies logprobs should be True");
@@ -300,6 +302,8 @@ static int sv_parse_completions(const char* body, size_t len, const sv_limits* l
         if (!sv_is_int(v, &i64) || i64 < 0) SV_FAIL("max_tokens must be an integer >= 0");
         if (i64 > lim->max_tokens) SV_FAIL("max_tokens must be at most %d (the context)", lim->max_tokens);
         r->tokens_to_generate = (int)i64;
+    } else if (r->tokens_to_generate > lim->max_tokens) { /* the default, within a small context */
+        r->tokens_to_generate = lim->max_tokens;
     }
     if ((v = cJSON_GetObjectItemCaseSensitive(root, "temperature")) && !cJSON_IsNull(v)) {
         if (!sv_is_number(v, &d) || d < 0.0 || d > 2.0) SV_FAIL("temperature must be a number in [0, 2]");

@@ -427,7 +427,10 @@ static void* engine_main(void* arg) {
                 prefilled_now[num_added++] = s->id;
                 j->queued_from++;
             }
-            if (st != MT_OK && st != MT_ERR_RANGE) { /* a request the engine refuses: it alone fails */
+            if (st == MT_ERR_RANGE && sv->num_running == 0) /* no room with nothing running: it never fits */
+                snprintf(err.message, sizeof(err.message), "prompt %d does not fit in the KV cache (--max-context, "
+                         "--block-tokens)", j->queued_from);
+            if (st != MT_OK && (st != MT_ERR_RANGE || sv->num_running == 0)) { /* it alone fails */
                 job_fail(j, err.message);
                 j->queued_from = j->num_seqs;
             }
@@ -464,6 +467,12 @@ static void* engine_main(void* arg) {
             int slot;
             sv_seq* s = running_find(sv, out[i].id, &slot);
             if (!s) continue;
+            if (s->state != 2 && s->job->sampling.max_new_tokens == 0) { /* only its prompt was asked for */
+                seq_done(s, "length");
+                running_remove(sv, slot);
+                if (!out[i].finished) sv->eng.cancel(sv->eng.self, s->id, &err);
+                continue;
+            }
             if (s->state == 2) { /* cancelled meanwhile */
                 if (out[i].finished) running_remove(sv, slot);
                 continue;
@@ -1110,7 +1119,8 @@ int main(int argc, char** argv) {
     sv->vocab = mt_tokenizer_vocab_size(tok);
     sv->max_batch = so.max_batch;
     sv->model_name = o.load ? o.load : "megatron.c";
-    sv->next_seed = (uint64_t)time(NULL) * 2654435761u;
+    /* requests without a seed: --seed, then +1 each (the same order, the same texts), else from the clock */
+    sv->next_seed = so.seed >= 0 ? (uint64_t)so.seed : (uint64_t)time(NULL) * 2654435761u;
     sv->running = (sv_seq**)calloc((size_t)so.max_batch, sizeof(sv_seq*));
     if (!sv->running) die(1, "out of memory");
     pthread_mutex_init(&sv->mu, NULL);
@@ -1165,7 +1175,8 @@ int main(int argc, char** argv) {
         while (read(g_signal_pipe[0], &b, 1) < 0 && errno == EINTR) {}
         printf("signal %d: no new connections; finishing the requests in flight\n", (int)b);
         fflush(stdout);
-        MHD_quiesce_daemon(d);
+        MHD_socket listening = MHD_quiesce_daemon(d); /* ours to close: new connections are refused */
+        if (listening != MHD_INVALID_SOCKET) close(listening);
         pthread_mutex_lock(&sv->mu);
         while (sv->active_requests > 0) pthread_cond_wait(&sv->cv_idle, &sv->mu);
         pthread_mutex_unlock(&sv->mu);

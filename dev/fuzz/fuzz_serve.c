@@ -44,7 +44,7 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         sv_result* res = (sv_result*)calloc((size_t)r.num_prompts, sizeof(sv_result));
         int32_t toks[4] = {1, 2, 3, 4};
         float lps[4] = {0, -1, -2, -3};
-        char* segs[4] = {(char*)"a", (char*)"\xc3", (char*)"", (char*)"d"};
+        char* segs[4] = {(char*)"a", (char*)"\xc3\xa9", (char*)"", (char*)"d"}; /* the server sanitizes them */
         for (int i = 0; i < r.num_prompts; i++) {
             const char* p = r.prompts[i];
             size_t n = strlen(p);
