@@ -1048,7 +1048,7 @@ static sv_engine open_engine(sv_options* so, tg_flags* o, mt_tokenizer** tok_out
 #else
     if (!o->load) die(2, "--load CKPT_DIR is required (the checkpoint to serve)");
     mt_ckpt ck;
-    if (mt_ckpt_open(&ck, o->load, -1, &err) != MT_OK) die(1, "%s: %s", o->load, err.message);
+    if (mt_ckpt_open(&ck, o->load, -1, &err) != MT_OK) die(1, "%s", err.message);
     if (ck.header[MT_CK_TRUE_VOCAB] > 0 && ck.header[MT_CK_TRUE_VOCAB] != c->vocab_size)
         die(1, "the tokenizer's vocabulary is %lld tokens, the checkpoint in %s was trained with %lld: give its tokenizer",
             (long long)c->vocab_size, o->load, (long long)ck.header[MT_CK_TRUE_VOCAB]);
