@@ -70,7 +70,7 @@ ifeq ($(HAVE_CJSON),1)
   TEST_SERVE_LIBS := $(SERVE_LDFLAGS) -lcjson
 endif
 # serve_gpt links megatron.cu's mt_generator_* (megatron.h 15b): in `make all` once megatron.cu defines them
-SERVE_BINS := $(if $(HAVE_SERVE),serve_gpt_fake $(if $(shell grep -l '^mt_status mt_generator_step' megatron.cu 2>/dev/null),serve_gpt))
+SERVE_BINS := $(if $(HAVE_SERVE),serve_gpt_fake $(if $(shell grep -l 'mt_status mt_generator_step(' megatron.cu 2>/dev/null),serve_gpt))
 
 PREPRO := prepro/preprocess_data prepro/merge_datasets prepro/dataset_info prepro/convert_hf prepro/checkpoint_tool
 HEADERS := megatron.h prepro/tokenizer.h prepro/safetensors.h prepro/unicode_tables.h
