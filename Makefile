@@ -47,11 +47,36 @@ ifeq ($(call have_lib,zstd.h,-lzstd),1)
   HOST_LIBS += -lzstd
 endif
 
+# serve_gpt (the text generation server) needs libmicrohttpd (HTTP) and cJSON (JSON): Debian's
+# libmicrohttpd-dev and libcjson-dev, from the system or, where they cannot be installed (the GPU
+# machine), unpacked into SERVE_DEPS by dev/serve_deps.sh (a directory that travels with the tree).
+# libmicrohttpd is linked statically (its .a; it needs the system's libgnutls.so.30), cJSON from its
+# .so (found at run time through the rpath). Without them serve_gpt is not built, and the suite's
+# serve tests skip. serve_gpt_fake: serve_gpt.c with its CPU fake engine only, no CUDA (the host tests).
+SERVE_DEPS ?= dev/serve_deps
+SERVE_DEPS_LIB := $(firstword $(wildcard $(SERVE_DEPS)/usr/lib/*-linux-gnu))
+ifneq ($(wildcard $(SERVE_DEPS)/usr/include/microhttpd.h),)
+  SERVE_CFLAGS := -I$(SERVE_DEPS)/usr/include
+  SERVE_LDFLAGS := -L$(SERVE_DEPS_LIB) -Xlinker -rpath -Xlinker $(abspath $(SERVE_DEPS_LIB))
+endif
+MHD_A := $(firstword $(wildcard $(SERVE_DEPS_LIB)/libmicrohttpd.a /usr/lib/*-linux-gnu/libmicrohttpd.a))
+SERVE_LIBS := $(if $(MHD_A),$(MHD_A) -Xlinker -l:libgnutls.so.30,-lmicrohttpd) -lcjson
+# (gcc takes nvcc's -Xlinker too, so one spelling serves both links)
+HAVE_CJSON := $(call have_lib,cjson/cJSON.h,$(SERVE_CFLAGS) $(SERVE_LDFLAGS) -lcjson)
+HAVE_SERVE := $(if $(HAVE_CJSON),$(call have_lib,microhttpd.h,$(SERVE_CFLAGS) $(SERVE_LDFLAGS) $(SERVE_LIBS)))
+# the suite's serve tests (serve_api.h) and the parser's fuzz target need cJSON
+ifeq ($(HAVE_CJSON),1)
+  TEST_SERVE_FLAGS := -DMT_HAVE_CJSON $(SERVE_CFLAGS)
+  TEST_SERVE_LIBS := $(SERVE_LDFLAGS) -lcjson
+endif
+# serve_gpt links megatron.cu's generation engine (mt_generator_*, megatron.h 15b)
+SERVE_BINS := $(if $(HAVE_SERVE),serve_gpt_fake serve_gpt)
+
 PREPRO := prepro/preprocess_data prepro/merge_datasets prepro/dataset_info prepro/convert_hf prepro/checkpoint_tool
 HEADERS := megatron.h prepro/tokenizer.h prepro/safetensors.h prepro/unicode_tables.h
 
 .PHONY: all test clean
-all: train_gpt eval_hellaswag test_megatron $(PREPRO) dev/data/hellaswag_val_full.txt
+all: train_gpt eval_hellaswag test_megatron $(PREPRO) $(SERVE_BINS) dev/data/hellaswag_val_full.txt
 
 megatron.o: megatron.cu $(HEADERS)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
@@ -72,9 +97,19 @@ eval_hellaswag: eval_hellaswag.o megatron.o
 dev/data/hellaswag_val_full.txt: dev/data/hellaswag_val_full.txt.bz2
 	bzip2 -dc $< > $@.tmp && mv $@.tmp $@
 
+# serve_gpt: the server over the generation engine (megatron.h 15b); never part of train_gpt.
+serve_gpt.o: serve_gpt.c serve_api.h train_gpt_flags.h $(HEADERS)
+	$(CC) $(CFLAGS) $(SERVE_CFLAGS) -c $< -o $@
+
+serve_gpt: serve_gpt.o megatron.o
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(CUDA_LIBS) $(SERVE_LDFLAGS) $(SERVE_LIBS) $(HOST_LIBS)
+
+serve_gpt_fake: serve_gpt.c serve_api.h train_gpt_flags.h $(HEADERS)
+	$(CC) $(CFLAGS) -DMT_SERVE_FAKE_ONLY $(SERVE_CFLAGS) $< -o $@ $(SERVE_LDFLAGS) $(SERVE_LIBS) $(HOST_LIBS)
+
 # The test suite includes megatron.cu whole, so it can reach the kernels behind the API.
-test_megatron: test_megatron.cu megatron.cu train_gpt_flags.h $(HEADERS) $(wildcard tests/*.h)
-	$(NVCC) $(NVFLAGS) $(MPI_CFLAGS) $< -o $@ $(CUDA_LIBS) $(MPI_LIBS) $(HOST_LIBS)
+test_megatron: test_megatron.cu megatron.cu train_gpt_flags.h serve_api.h $(HEADERS) $(wildcard tests/*.h)
+	$(NVCC) $(NVFLAGS) $(MPI_CFLAGS) $(TEST_SERVE_FLAGS) $< -o $@ $(CUDA_LIBS) $(MPI_LIBS) $(TEST_SERVE_LIBS) $(HOST_LIBS)
 
 prepro/%: prepro/%.c prepro/args.h $(HEADERS)
 	$(CC) $(CFLAGS) $< -o $@ $(HOST_LIBS)
@@ -95,10 +130,10 @@ dev/generate_bench: dev/generate_bench.c megatron.o $(HEADERS)
 	$(CC) $(CFLAGS) -c $< -o dev/generate_bench.o
 	$(NVCC) $(NVFLAGS) dev/generate_bench.o megatron.o -o $@ $(CUDA_LIBS) $(HOST_LIBS)
 
-test: test_megatron $(PREPRO)
+test: test_megatron $(PREPRO) $(if $(HAVE_SERVE),serve_gpt_fake)
 	./test_megatron
 
 clean:
-	rm -f *.o train_gpt eval_hellaswag test_megatron dev/hf_logits dev/generate_bench dev/generate_bench.o $(PREPRO) $(FUZZ_TARGETS) test_megatron_asan
+	rm -f *.o train_gpt eval_hellaswag test_megatron serve_gpt serve_gpt_fake dev/hf_logits dev/generate_bench dev/generate_bench.o $(PREPRO) $(FUZZ_TARGETS) test_megatron_asan
 
 include dev/fuzz/fuzz.mk

@@ -53,6 +53,7 @@
 #include "tests/test_dropout.h"
 #include "tests/test_faults.h"
 #include "tests/test_generate.h"
+#include "tests/test_serve.h"
 #include "tests/test_runner.h"
 
 typedef struct {
@@ -139,6 +140,7 @@ int main(int argc, char** argv) {
         GROUP("host.watchdog", watchdog_tests),
         GROUP("host.dropout", dropout_tests),
         GROUP("host.faults", faults_tests),
+        GROUP("host.serve", serve_tests),
         GROUP("host.runner", runner_tests),
         GROUP("host.moe_kernels", moe_kernels_host_tests),
         GROUP("host.generate", generate_tests),

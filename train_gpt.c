@@ -88,22 +88,7 @@ static mt_tokenizer* load_tokenizer(tg_flags* o) {
     mt_error err;
     mt_tokenizer* tok = NULL;
     mt_tokenizer_args args;
-    mt_tokenizer_args_init(&args);
-    args.type = o->tokenizer_type ? o->tokenizer_type : "GPT2BPETokenizer";
-    if (o->builtin && !o->vocab_file && !strcmp(args.type, "GPT2BPETokenizer")) {
-        o->vocab_file = "dev/data/gpt2/gpt2-vocab.json";
-        o->merge_file = "dev/data/gpt2/gpt2-merges.txt";
-    }
-    args.vocab_file = o->vocab_file;
-    args.merge_file = o->merge_file;
-    args.model = o->tokenizer_model;
-    args.vocab_size = o->null_vocab_size > 0 ? o->null_vocab_size : 0;
-    args.tiktoken_pattern = o->tiktoken_pattern;
-    if (o->tiktoken_num_special_tokens > 0) args.tiktoken_num_special_tokens = o->tiktoken_num_special_tokens;
-    args.special_tokens = o->num_special_tokens ? o->special_tokens : NULL;
-    args.num_special_tokens = o->num_special_tokens;
-    args.hf_no_include_special_tokens = o->hf_no_include_special_tokens;
-    args.tiktoken_encoding = o->tiktoken_encoding;
+    tg_tokenizer_args(o, &args);
     if (mt_tokenizer_load_by_type(&tok, &args, &err) != MT_OK) die(2, "%s", err.message);
     if (tok && mt_tokenizer_eod(tok) < 0 && o->sample_tokens > 0) {
         printf("the tokenizer names no end-of-document token (eos_token): no text sample is printed\n");

@@ -1428,4 +1428,28 @@ static void tg_flags_help(FILE* out) {
     }
 }
 
+/* The tokenizer flags -> prepro/tokenizer.h's mt_tokenizer_args (Megatron's --tokenizer-type names;
+ * the built-in job's GPT-2 files when it names none). Shared by train_gpt and serve_gpt; only where
+ * the file including this one included prepro/tokenizer.h first. */
+#ifdef MT_TOKENIZER_H
+static void tg_tokenizer_args(tg_flags* o, mt_tokenizer_args* args) {
+    mt_tokenizer_args_init(args);
+    args->type = o->tokenizer_type ? o->tokenizer_type : "GPT2BPETokenizer";
+    if (o->builtin && !o->vocab_file && !strcmp(args->type, "GPT2BPETokenizer")) {
+        o->vocab_file = "dev/data/gpt2/gpt2-vocab.json";
+        o->merge_file = "dev/data/gpt2/gpt2-merges.txt";
+    }
+    args->vocab_file = o->vocab_file;
+    args->merge_file = o->merge_file;
+    args->model = o->tokenizer_model;
+    args->vocab_size = o->null_vocab_size > 0 ? o->null_vocab_size : 0;
+    args->tiktoken_pattern = o->tiktoken_pattern;
+    if (o->tiktoken_num_special_tokens > 0) args->tiktoken_num_special_tokens = o->tiktoken_num_special_tokens;
+    args->special_tokens = o->num_special_tokens ? o->special_tokens : NULL;
+    args->num_special_tokens = o->num_special_tokens;
+    args->hf_no_include_special_tokens = o->hf_no_include_special_tokens;
+    args->tiktoken_encoding = o->tiktoken_encoding;
+}
+#endif
+
 #endif /* TRAIN_GPT_FLAGS_H */
