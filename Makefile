@@ -35,7 +35,7 @@ HOST_LIBS := -lpthread -lm
 
 # Compressed input for preprocess_data (.gz, .zst): zlib and zstd, each used when its header and
 # library are found (prepro/tokenizer.h refuses such files in one line otherwise).
-have_lib = $(shell printf '\043include <$(1)>\nint main(void){return 0;}\n' | $(CC) -x c - -o /dev/null $(2) 2>/dev/null && echo 1)
+have_lib = $(shell printf '\043include <$(1)>\nint main(void){return 0;}\n' | $(CC) -x c - -x none -o /dev/null $(2) 2>/dev/null && echo 1)
 ifeq ($(call have_lib,zlib.h,-lz),1)
   CFLAGS += -DMT_HAVE_ZLIB
   NVFLAGS += -DMT_HAVE_ZLIB
