@@ -443,6 +443,30 @@ static test_result test_flags_eod_mask_llama_bf16(void) {
 }
 
 /* --apply-layernorm-1p: LayerNorm (weights and biases) and RMSNorm with their weights stored as w - 1 */
+/* --reset-position-ids and --reset-attention-mask (dev/ref_gpt.py "Documents": Megatron's own loop on the
+ * inputs, an eod at input 0, at the last input, two in a row, a sequence without any): gpt2_docs (learned
+ * positions read at the reset positions, attention and hidden dropout 0.1 under the document mask, every
+ * position counted) and llama_docs (RoPE at the reset positions, GQA, --eod-mask-loss on the same eod),
+ * head dim 64 and T = 80 so bf16 runs the flash kernels over two key tiles and a partial query tile,
+ * fp32 the exact path. Tolerances as the models without documents (test_model.h's and test_dropout.h's,
+ * per tensor: fp32 1e-5, the float64 reference's rounding to fp32; bf16 3e-2 logits and gradients, 1e-2
+ * losses, weights 3e-3 tied / 5e-3 untied, the bf16 rounding of activations and the flash kernels' bf16
+ * P and dS): the documents change no arithmetic, only which keys and positions enter it, and a wrong
+ * boundary (at i instead of i + 1), a missing reset or a leak across documents moves the logits by 0.4
+ * (gpt2_docs) to 1.0 (llama_docs) relative: the reference with plain positions and causal masks. */
+static test_result test_flags_docs_gpt2_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_docs.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_flags_docs_gpt2_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_docs.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 3e-3);
+}
+static test_result test_flags_docs_llama_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_docs.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_flags_docs_llama_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_docs.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 5e-3);
+}
+
 static test_result test_flags_layernorm_1p_fp32(void) {
     return check_against_reference("dev/data/gpt_vectors/gpt2_1p.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
 }
@@ -662,6 +686,10 @@ static const test_case flags_gpu_tests[] = {
     {"flags_eod_mask_nope_bf16", test_flags_eod_mask_nope_bf16},
     {"flags_eod_mask_llama_fp32", test_flags_eod_mask_llama_fp32},
     {"flags_eod_mask_llama_bf16", test_flags_eod_mask_llama_bf16},
+    {"flags_docs_gpt2_fp32", test_flags_docs_gpt2_fp32},
+    {"flags_docs_gpt2_bf16", test_flags_docs_gpt2_bf16},
+    {"flags_docs_llama_fp32", test_flags_docs_llama_fp32},
+    {"flags_docs_llama_bf16", test_flags_docs_llama_bf16},
     {"flags_per_token_loss", test_flags_per_token_loss},
     {"flags_ramp_step_and_weights_only_load", test_flags_ramp_step_and_weights_only_load},
     {"flags_decoupled_lr", test_flags_decoupled_lr},
