@@ -20,6 +20,8 @@
 #ifndef MT_TEST_ATTENTION_H
 #define MT_TEST_ATTENTION_H
 
+#include <algorithm>
+
 typedef struct {
     int B, H, Hkv, T, d;
     const int32_t* doc; /* [B, T] each query's document start (--reset-attention-mask); NULL: causal only */
@@ -352,7 +354,181 @@ static test_result test_flash_attention_long_sequences(void) {
     return TEST_PASS;
 }
 
+/* Document starts of B rows of T inputs (mt_document_boundaries) with the end-of-document token at the
+ * given input positions of each row (eods[b], terminated by -1). */
+static void flash_docs(int32_t* doc, int B, int T, const int* const* eods) {
+    int32_t* in = (int32_t*)malloc(sizeof(int32_t) * (size_t)B * T);
+    for (int b = 0; b < B; b++) {
+        for (int i = 0; i < T; i++) in[(size_t)b * T + i] = 2;
+        for (const int* e = eods[b]; *e >= 0; e++) in[(size_t)b * T + *e] = 1;
+    }
+    mt_document_boundaries(in, B, T, 1, doc, NULL);
+    free(in);
+}
+
+/* --reset-attention-mask in the flash kernels: each shape's document starts against the reference with
+ * the same documents (flash_check_shape: norm-wise as the causal shapes, and per element, see
+ * flash_elementwise), the packed layout bitwise the rows', the backward deterministic. The documents
+ * exercise the kernels' block variants and skips: documents shorter than a tile (a one-token document at
+ * position 0, two in a row, runs of 7), longer than one (130 and more), boundaries inside tiles and on the
+ * 64-key and 128-query tile edges (eod at 63 and 127: documents starting at 64 and 128), a document of
+ * one token at the last position, a row without any eod (causal), T not a multiple of a tile, GQA and
+ * head dims 64 and 128. Then a single document given as doc_start = 0 everywhere runs bitwise as the
+ * causal kernels without doc (the same arithmetic, every mask and skip test false). */
+static test_result test_flash_attention_document_masks(void) {
+    REQUIRE_GPU();
+    static int32_t doc1[2 * 300], doc2[260], doc3[2 * 80], doc4[17];
+    const int e1a[] = {0, 63, 64, 127, 199, 262, 298, -1};
+    int e1b[64], n = 0;
+    for (int i = 5; i < 300 && n < 63; i += 7) e1b[n++] = i; /* documents of 7 */
+    e1b[n] = -1;
+    const int* eods1[] = {e1a, e1b};
+    flash_docs(doc1, 2, 300, eods1);
+    const int e2[] = {129, 130, 199, -1};
+    const int* eods2[] = {e2};
+    flash_docs(doc2, 1, 260, eods2);
+    const int e3a[] = {-1}, e3b[] = {0, 78, 79, -1};
+    const int* eods3[] = {e3a, e3b};
+    flash_docs(doc3, 2, 80, eods3);
+    const int e4[] = {3, 9, 10, -1};
+    const int* eods4[] = {e4};
+    flash_docs(doc4, 1, 17, eods4);
+    const flash_shape shapes[] = {
+        {2, 4, 2, 300, 64, doc1},  /* tile-edge boundaries; many documents of 7 */
+        {1, 2, 1, 260, 128, doc2}, /* documents longer than a tile, head dim 128 */
+        {2, 4, 1, 80, 64, doc3},   /* one document; eods at 0 and at the last two inputs */
+        {1, 4, 1, 17, 64, doc4},   /* below one tile */
+    };
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
+        if (!flash_check_shape(&shapes[i])) return TEST_FAIL;
+
+    /* one document written out (doc_start 0) == no documents, bitwise */
+    const int B = 2, H = 4, Hkv = 2, T = 200, d = 64, qpg = H / Hkv, W = Hkv * (qpg + 2) * d, C = H * d;
+    const size_t n_qkv = (size_t)B * T * W, n_rows = (size_t)B * T * C, n_lse = (size_t)B * H * T;
+    uint16_t* hq = (uint16_t*)malloc(n_qkv * 2);
+    uint16_t* hg = (uint16_t*)malloc(n_rows * 2);
+    uint16_t* res[2] = {(uint16_t*)malloc((n_rows + n_qkv) * 2), (uint16_t*)malloc((n_rows + n_qkv) * 2)};
+    float* lses[2] = {(float*)malloc(n_lse * 4), (float*)malloc(n_lse * 4)};
+    uint64_t rng = 77;
+    flash_fill(hq, n_qkv, 1.7f, &rng);
+    flash_fill(hg, n_rows, 1.0f, &rng);
+    bf16 *qkv = NULL, *dqkv = NULL, *out = NULL, *dout = NULL;
+    float *lse = NULL, *dsum = NULL;
+    int32_t* zeros = NULL;
+    int ok = 1;
+    FLASH_CUDA(cudaMalloc(&qkv, n_qkv * 2));
+    FLASH_CUDA(cudaMalloc(&dqkv, n_qkv * 2));
+    FLASH_CUDA(cudaMalloc(&out, n_rows * 2));
+    FLASH_CUDA(cudaMalloc(&dout, n_rows * 2));
+    FLASH_CUDA(cudaMalloc(&lse, n_lse * 4));
+    FLASH_CUDA(cudaMalloc(&dsum, n_lse * 4));
+    FLASH_CUDA(cudaMalloc(&zeros, (size_t)B * T * 4));
+    FLASH_CUDA(cudaMemset(zeros, 0, (size_t)B * T * 4));
+    FLASH_CUDA(cudaMemcpy(qkv, hq, n_qkv * 2, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaMemcpy(dout, hg, n_rows * 2, cudaMemcpyHostToDevice));
+    for (int run = 0; run < 2; run++) {
+        attn_view q = qkv_rows_view(qkv, T, Hkv, d, qpg, 0), k = qkv_rows_view(qkv, T, Hkv, d, qpg, qpg),
+                  v = qkv_rows_view(qkv, T, Hkv, d, qpg, qpg + 1);
+        attn_view dq = qkv_rows_view(dqkv, T, Hkv, d, qpg, 0), dk = qkv_rows_view(dqkv, T, Hkv, d, qpg, qpg),
+                  dv = qkv_rows_view(dqkv, T, Hkv, d, qpg, qpg + 1);
+        attn_view o = attention_rows_view(out, T, H, d, qpg), go = attention_rows_view(dout, T, H, d, qpg);
+        const int32_t* docs = run ? zeros : NULL;
+        FLASH_CUDA(flash_attention_forward(o, lse, cview(q), cview(k), cview(v), B, H, Hkv, T, d, 0, mt_dropout(), docs));
+        FLASH_CUDA(flash_attention_backward(dq, dk, dv, dsum, cview(go), cview(q), cview(k), cview(v), cview(o), lse, B,
+                                            H, Hkv, T, d, 0, NULL, mt_dropout(), docs));
+        FLASH_CUDA(cudaMemcpy(res[run], out, n_rows * 2, cudaMemcpyDeviceToHost));
+        FLASH_CUDA(cudaMemcpy(res[run] + n_rows, dqkv, n_qkv * 2, cudaMemcpyDeviceToHost));
+        FLASH_CUDA(cudaMemcpy(lses[run], lse, n_lse * 4, cudaMemcpyDeviceToHost));
+    }
+    if (memcmp(res[0], res[1], (n_rows + n_qkv) * 2) != 0 || memcmp(lses[0], lses[1], n_lse * 4) != 0) {
+        printf("    FAIL one document given as doc_start 0 differs from the causal kernels\n");
+        ok = 0;
+    } else {
+        printf("      one document (doc_start 0) == causal, bitwise (O, LSE, dQ, dK, dV)\n");
+    }
+done:
+    cudaFree(qkv); cudaFree(dqkv); cudaFree(out); cudaFree(dout); cudaFree(lse); cudaFree(dsum); cudaFree(zeros);
+    free(hq); free(hg); free(res[0]); free(res[1]); free(lses[0]); free(lses[1]);
+    return ok ? TEST_PASS : TEST_FAIL;
+}
+
+/* The work the document skips save (the lead's micro-benchmark): flash forward + backward at T = 4096,
+ * B = 2, 16 query heads over 8 kv heads, d = 128, with one document (doc NULL) and with documents of
+ * 1024, 256 and 64 tokens; milliseconds per forward + backward (median of 7 after a warm-up). Causal
+ * attention over one document does ~T^2/2 work per head; n documents of T/n about 1/n of it, plus the
+ * tiles that straddle a boundary. Fails unless documents of 256 run at least 2x faster than one document
+ * (16 documents: ~8x less work even counting whole 64-key tiles). */
+static test_result test_flash_attention_document_speed(void) {
+    REQUIRE_GPU();
+    const int B = 2, H = 16, Hkv = 8, T = 4096, d = 128, qpg = H / Hkv, W = Hkv * (qpg + 2) * d, C = H * d;
+    const size_t n_qkv = (size_t)B * T * W, n_rows = (size_t)B * T * C, n_lse = (size_t)B * H * T;
+    uint16_t* hq = (uint16_t*)malloc(n_qkv * 2);
+    uint16_t* hg = (uint16_t*)malloc(n_rows * 2);
+    int32_t* hdoc = (int32_t*)malloc(sizeof(int32_t) * 3 * B * T);
+    uint64_t rng = 99;
+    flash_fill(hq, n_qkv, 1.7f, &rng);
+    flash_fill(hg, n_rows, 1.0f, &rng);
+    const int lengths[3] = {1024, 256, 64};
+    for (int k = 0; k < 3; k++)
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < T; i++) hdoc[((size_t)k * B + b) * T + i] = i / lengths[k] * lengths[k];
+    bf16 *qkv = NULL, *dqkv = NULL, *out = NULL, *dout = NULL;
+    float *lse = NULL, *dsum = NULL;
+    int32_t* doc = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    double ms[4] = {0, 0, 0, 0};
+    int ok = 1;
+    FLASH_CUDA(cudaMalloc(&qkv, n_qkv * 2));
+    FLASH_CUDA(cudaMalloc(&dqkv, n_qkv * 2));
+    FLASH_CUDA(cudaMalloc(&out, n_rows * 2));
+    FLASH_CUDA(cudaMalloc(&dout, n_rows * 2));
+    FLASH_CUDA(cudaMalloc(&lse, n_lse * 4));
+    FLASH_CUDA(cudaMalloc(&dsum, n_lse * 4));
+    FLASH_CUDA(cudaMalloc(&doc, sizeof(int32_t) * 3 * B * T));
+    FLASH_CUDA(cudaMemcpy(qkv, hq, n_qkv * 2, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaMemcpy(dout, hg, n_rows * 2, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaMemcpy(doc, hdoc, sizeof(int32_t) * 3 * B * T, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaEventCreate(&e0));
+    FLASH_CUDA(cudaEventCreate(&e1));
+    for (int k = 0; k < 4; k++) {
+        attn_view q = qkv_rows_view(qkv, T, Hkv, d, qpg, 0), kk = qkv_rows_view(qkv, T, Hkv, d, qpg, qpg),
+                  v = qkv_rows_view(qkv, T, Hkv, d, qpg, qpg + 1);
+        attn_view dq = qkv_rows_view(dqkv, T, Hkv, d, qpg, 0), dk = qkv_rows_view(dqkv, T, Hkv, d, qpg, qpg),
+                  dv = qkv_rows_view(dqkv, T, Hkv, d, qpg, qpg + 1);
+        attn_view o = attention_rows_view(out, T, H, d, qpg), go = attention_rows_view(dout, T, H, d, qpg);
+        const int32_t* docs = k == 0 ? NULL : doc + (size_t)(k - 1) * B * T;
+        float times[8];
+        for (int rep = 0; rep < 8; rep++) { /* rep 0 warms up */
+            FLASH_CUDA(cudaEventRecord(e0, 0));
+            FLASH_CUDA(flash_attention_forward(o, lse, cview(q), cview(kk), cview(v), B, H, Hkv, T, d, 0, mt_dropout(),
+                                               docs));
+            FLASH_CUDA(flash_attention_backward(dq, dk, dv, dsum, cview(go), cview(q), cview(kk), cview(v), cview(o), lse,
+                                                B, H, Hkv, T, d, 0, NULL, mt_dropout(), docs));
+            FLASH_CUDA(cudaEventRecord(e1, 0));
+            FLASH_CUDA(cudaEventSynchronize(e1));
+            FLASH_CUDA(cudaEventElapsedTime(&times[rep], e0, e1));
+        }
+        std::sort(times + 1, times + 8);
+        ms[k] = times[4];
+    }
+    printf("      flash fwd+bwd, T=%d B=%d H=%d Hkv=%d d=%d: one document %.3f ms | documents of 1024 %.3f ms (%.2fx) | "
+           "256 %.3f ms (%.2fx) | 64 %.3f ms (%.2fx)\n", T, B, H, Hkv, d, ms[0], ms[1], ms[0] / ms[1], ms[2],
+           ms[0] / ms[2], ms[3], ms[0] / ms[3]);
+    if (!(ms[0] >= 2.0 * ms[2])) {
+        printf("    FAIL documents of 256 are not 2x faster than one document: the skips do not show\n");
+        ok = 0;
+    }
+done:
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    cudaFree(qkv); cudaFree(dqkv); cudaFree(out); cudaFree(dout); cudaFree(lse); cudaFree(dsum); cudaFree(doc);
+    free(hq); free(hg); free(hdoc);
+    return ok ? TEST_PASS : TEST_FAIL;
+}
+
 static const test_case attention_gpu_tests[] = {
+    {"flash_attention_document_masks_match_reference", test_flash_attention_document_masks},
+    {"flash_attention_document_speed", test_flash_attention_document_speed},
     {"flash_attention_row_layouts_match_reference", test_flash_attention_row_layouts},
     {"flash_attention_long_sequences_match_reference", test_flash_attention_long_sequences},
 };
