@@ -2011,9 +2011,10 @@ static void attention_dropout(const mt_exec* ex, T* out, const T* probs, int row
 /* ============================================================================================== */
 /* 9. Flash attention (bf16)                                                                      */
 /*    Causal flash attention on tensor cores for head dims 64 and 128, deterministic (no          */
-/*    atomics): device helpers, forward, backward (dK/dV and dQ kernels), launchers. The lab      */
-/*    dev/cuda/flash_attention.cu checks it against a CPU reference, times it and explains the    */
-/*    design.                                                                                     */
+/*    atomics), with optional document masks (doc_start: tiles outside a tile's documents are     */
+/*    skipped, the work saved on packed short documents): device helpers, forward, backward       */
+/*    (dK/dV and dQ kernels), launchers. The lab dev/cuda/flash_attention.cu checks it against    */
+/*    a CPU reference, times it and explains the design.                                          */
 /*    defines: namespace fa (9.1-9.3), then attn_view, flash_attention_forward,                   */
 /*    flash_attention_backward, flash_colsum_chunks (9.4).                                        */
 /* ============================================================================================== */
