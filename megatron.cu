@@ -504,17 +504,19 @@ static void column_sum(const mt_exec* ex, mt_colsum_scratch* s, float* dst, cons
 
 /* ============================================================================================== */
 /* 4. Embedding                                                                                   */
-/*    x[b,t,:] = word[token] + position[t] (no position table with RoPE: wpe NULL; generation     */
-/*    passes each row's position, else row bt is at t = bt mod seq). Vocab-                       */
+/*    x[b,t,:] = word[token] + position[p] (no position table with RoPE: wpe NULL), p = t or a     */
+/*    row's own position (--reset-position-ids: mt_document_boundaries; generation). Vocab-       */
 /*    parallel: wte holds rows [vocab_start, vocab_start + vocab_rows); a token outside them      */
 /*    contributes zeros, and the sum over the tensor-parallel ranks completes the lookup. The     */
-/*    backward sums each token's positions in order from a host-built index (no atomics).         */
+/*    backward sums each token's positions in order from a host-built index (no atomics); with    */
+/*    reset positions the position table's gradient likewise (mt_position_index).                */
 /*    defines: embedding_forward, position_embedding_backward, word_embedding_backward.           */
 /* ============================================================================================== */
 
 template <typename T>
-__global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T* wte, const T* wpe, int BT, int seq,
-                                         int C, int64_t vocab_start, int64_t vocab_rows, const int32_t* positions) {
+__global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T* wte, const T* wpe,
+                                         const int32_t* positions, int BT, int seq, int C, int64_t vocab_start,
+                                         int64_t vocab_rows) {
     int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (int64_t)BT * C) return;
     int bt = (int)(idx / C), c = (int)(idx % C);
@@ -536,6 +538,21 @@ __global__ void position_embedding_backward_kernel(float* dwpe, const T* dout, i
     dwpe[idx] = accumulate ? dwpe[idx] + s : s;
 }
 
+/* The same with reset positions: one block per position p, summing the rows of that position in
+ * increasing order from the host-built index (offsets [seq + 1], rows [BT]); a position no row has
+ * gets 0 (or keeps its sum when accumulating). */
+template <typename T>
+__global__ void position_embedding_backward_indexed_kernel(float* dwpe, const T* dout, const int32_t* offsets,
+                                                           const int32_t* rows, int C, int accumulate) {
+    const int p = blockIdx.x, begin = offsets[p], end = offsets[p + 1];
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float s = 0.0f;
+        for (int r = begin; r < end; r++) s += to_float(dout[(int64_t)rows[r] * C + c]);
+        float* w = dwpe + (int64_t)p * C + c;
+        *w = accumulate ? *w + s : s;
+    }
+}
+
 /* Word-embedding gradient: one block per distinct token of the micro-batch; it sums that token's
  * positions in increasing order (index built on the host), so no atomics are needed. */
 template <typename T>
@@ -552,21 +569,28 @@ __global__ void word_embedding_backward_kernel(float* dwte, const T* dout, const
     }
 }
 
-/* out [BT, C] = the embedding of tokens [BT] (this rank's vocabulary rows; wpe NULL: none); positions
- * [BT] each row's position (generation), or NULL: row bt at bt mod seq */
+/* out [BT, C] = the embedding of tokens [BT] (this rank's vocabulary rows; wpe NULL: none) at
+ * positions [BT] (NULL: t of each row; --reset-position-ids' or generation's positions otherwise) */
 template <typename T>
 static void embedding_forward(const mt_exec* ex, T* out, const int32_t* tokens, const T* wte, const T* wpe, int BT,
                               int seq, int C, int64_t vocab_start, int64_t vocab_rows,
                               const int32_t* positions = NULL) {
-    embedding_forward_kernel<T><<<ceil_div((int64_t)BT * C, 256), 256, 0, ex->stream>>>(out, tokens, wte, wpe, BT, seq, C,
-                                                                                      vocab_start, vocab_rows, positions);
+    embedding_forward_kernel<T><<<ceil_div((int64_t)BT * C, 256), 256, 0, ex->stream>>>(
+        out, tokens, wte, wpe, positions, BT, seq, C, vocab_start, vocab_rows);
     LAUNCH_CHECK(ex->error);
 }
-/* dwpe [seq, C] (+)= the batch sum of dout [B, seq, C] (overwritten in the step's first micro-batch) */
+/* dwpe [seq, C] (+)= the batch sum of dout [B, seq, C] (overwritten in the step's first micro-batch);
+ * with index (mt_position_index's offsets [seq + 1] then rows [BT]; NULL: positions are t) the sum of
+ * each position's rows */
 template <typename T>
-static void position_embedding_backward(const mt_exec* ex, float* dwpe, const T* dout, int B, int seq, int C) {
-    position_embedding_backward_kernel<T><<<ceil_div((int64_t)seq * C, 256), 256, 0, ex->stream>>>(
-        dwpe, dout, B, seq, C, ex->mode.accumulate_gradients);
+static void position_embedding_backward(const mt_exec* ex, float* dwpe, const T* dout, int B, int seq, int C,
+                                        const int32_t* index = NULL) {
+    if (index)
+        position_embedding_backward_indexed_kernel<T><<<seq, 256, 0, ex->stream>>>(
+            dwpe, dout, index, index + seq + 1, C, ex->mode.accumulate_gradients);
+    else
+        position_embedding_backward_kernel<T><<<ceil_div((int64_t)seq * C, 256), 256, 0, ex->stream>>>(
+            dwpe, dout, B, seq, C, ex->mode.accumulate_gradients);
     LAUNCH_CHECK(ex->error);
 }
 /* dwte += the scatter of dout [BT, C] by token; index = [unique (BT+1)][offsets (BT+1)][positions (BT)]
@@ -1517,7 +1541,8 @@ static void norm_backward(const mt_exec* ex, mt_colsum_scratch* s, T* dresidual,
 /*      y[e] = x[e] c + x[e - half] s   (half <= e < rot).                                        */
 /*    The exact path splits the rows into head layouts with RoPE fused (and merges the gradients  */
 /*    with its transpose); the flash path rotates q and k in place in the rows. cos/sin tables    */
-/*    [T, half] fp32.                                                                             */
+/*    [T, half] fp32, read at row (b, t)'s position: t, or with --reset-position-ids its reset    */
+/*    position (positions [B*T], mt_document_boundaries).                                        */
 /*    defines: mt_attention_dims, split_qkv, merge_qkv_grads, permute_heads, rope_qkv_rows,       */
 /*    qk_norm_forward, qk_norm_backward.                                                          */
 /* ============================================================================================== */
@@ -1533,8 +1558,8 @@ __device__ __forceinline__ int64_t qkv_destination(int slot, int qpg, int g, int
  * rotated. One thread per element of qkv. */
 template <typename T>
 __global__ void attention_split_heads_kernel(T* q, T* k, T* v, const T* qkv, const float* cos_table,
-                                             const float* sin_table, int B, int seq, int heads, int groups, int d,
-                                             int rot) {
+                                             const float* sin_table, const int32_t* positions, int B, int seq,
+                                             int heads, int groups, int d, int rot) {
     int qpg = heads / groups;
     int width = groups * (qpg + 2) * d;
     int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -1545,8 +1570,8 @@ __global__ void attention_split_heads_kernel(T* q, T* k, T* v, const T* qkv, con
     int g = col / ((qpg + 2) * d), slot = (col / d) % (qpg + 2), e = col % d;
     float x = to_float(qkv[idx]);
     if (slot <= qpg && e < rot) {
-        int half = rot / 2, i = e % half;
-        float c = cos_table[(int64_t)t * half + i], s = sin_table[(int64_t)t * half + i];
+        int half = rot / 2, i = e % half, pos = positions ? positions[bt] : t;
+        float c = cos_table[(int64_t)pos * half + i], s = sin_table[(int64_t)pos * half + i];
         x = e < half ? x * c - to_float(qkv[idx + half]) * s : x * c + to_float(qkv[idx - half]) * s;
     }
     T* dst = slot < qpg ? q : (slot == qpg ? k : v);
@@ -1557,8 +1582,9 @@ __global__ void attention_split_heads_kernel(T* q, T* k, T* v, const T* qkv, con
  * (the transpose of the rotation: dx[e] = dy[e] c + dy[e + half] s, dx[e + half] = dy[e + half] c - dy[e] s). */
 template <typename T>
 __global__ void attention_merge_head_grads_kernel(T* dqkv, const T* dq, const T* dk, const T* dv,
-                                                  const float* cos_table, const float* sin_table, int B, int seq,
-                                                  int heads, int groups, int d, int rot) {
+                                                  const float* cos_table, const float* sin_table,
+                                                  const int32_t* positions, int B, int seq, int heads, int groups,
+                                                  int d, int rot) {
     int qpg = heads / groups;
     int width = groups * (qpg + 2) * d;
     int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -1571,8 +1597,8 @@ __global__ void attention_merge_head_grads_kernel(T* dqkv, const T* dq, const T*
     int64_t at = qkv_destination(slot, qpg, g, b, t, e, seq, heads, groups, d);
     float x = to_float(src[at]);
     if (slot <= qpg && e < rot) {
-        int half = rot / 2, i = e % half;
-        float c = cos_table[(int64_t)t * half + i], s = sin_table[(int64_t)t * half + i];
+        int half = rot / 2, i = e % half, pos = positions ? positions[bt] : t;
+        float c = cos_table[(int64_t)pos * half + i], s = sin_table[(int64_t)pos * half + i];
         x = e < half ? x * c + to_float(src[at + half]) * s : x * c - to_float(src[at - half]) * s;
     }
     dqkv[idx] = from_float<T>(x);
@@ -1582,8 +1608,8 @@ __global__ void attention_merge_head_grads_kernel(T* dqkv, const T* dq, const T*
  * vector never straddles a head, the rotary halves or the rotary end). i indexes vectors of qkv. */
 template <typename T, bool BACKWARD>
 __global__ void attention_qkv_permute_vec_kernel(T* qkv, T* q, T* k, T* v, const float* cos_table,
-                                                 const float* sin_table, int B, int seq, int heads, int groups, int d,
-                                                 int rot) {
+                                                 const float* sin_table, const int32_t* positions, int B, int seq,
+                                                 int heads, int groups, int d, int rot) {
     constexpr int V = vec16<T>::N;
     int qpg = heads / groups;
     int width = groups * (qpg + 2) * d;
@@ -1602,12 +1628,12 @@ __global__ void attention_qkv_permute_vec_kernel(T* qkv, T* q, T* k, T* v, const
         *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(src);
         return;
     }
-    int half = rot / 2, first = e < half, partner = first ? half : -half;
+    int half = rot / 2, first = e < half, partner = first ? half : -half, pos = positions ? positions[bt] : t;
     float x[V], p[V];
     load16(x, src);
     load16(p, src + partner);
-    const float* cs = cos_table + (int64_t)t * half + e % half;
-    const float* sn = sin_table + (int64_t)t * half + e % half;
+    const float* cs = cos_table + (int64_t)pos * half + e % half;
+    const float* sn = sin_table + (int64_t)pos * half + e % half;
     /* forward: first half x c - p s, second x c + p s; backward (transpose): the signs swap */
     float sign = (first != BACKWARD) ? -1.0f : 1.0f;
 #pragma unroll
@@ -1620,8 +1646,9 @@ __global__ void attention_qkv_permute_vec_kernel(T* qkv, T* q, T* k, T* v, const
  * (BACKWARD) a gradient un-rotated by the transpose. One thread per V channels of a head's first
  * rotary half; it also owns the matching channels of the second half, so the update is in place. */
 template <typename T, int V, bool BACKWARD>
-__global__ void rope_qkv_rows_kernel(T* qkv, const float* cos_table, const float* sin_table, int64_t BT, int seq,
-                                     int groups, int qpg, int d, int rot, const int32_t* positions) {
+__global__ void rope_qkv_rows_kernel(T* qkv, const float* cos_table, const float* sin_table,
+                                     const int32_t* positions, int64_t BT, int seq, int groups, int qpg, int d,
+                                     int rot) {
     const int half = rot / 2, pieces = half / V, rotated = groups * (qpg + 1); /* q and k heads per row */
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= BT * rotated * pieces) return;
@@ -1679,6 +1706,8 @@ typedef struct {
     int rot;                    /* rotary channels per head (0: no RoPE) */
     const float* rope_cos;      /* [S, rot/2] (NULL without RoPE) */
     const float* rope_sin;
+    const int32_t* positions;   /* [B*S] RoPE's position of each row (NULL: t; --reset-position-ids) */
+    const int32_t* doc_start;   /* [B*S] each query's document start (NULL: none; --reset-attention-mask) */
 } mt_attention_dims;
 
 /* Head permutes between [B, T, heads*d] rows and the attention kernels' layouts; the vectorised
@@ -1694,10 +1723,10 @@ static void split_qkv(const mt_exec* ex, const mt_attention_dims& a, T* q, T* k,
     int64_t n = (int64_t)a.B * a.S * (a.heads + 2 * a.groups) * a.d;
     if (qkv_permute_vectorised<T>(a))
         attention_qkv_permute_vec_kernel<T, false><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(
-            (T*)qkv, q, k, v, a.rope_cos, a.rope_sin, a.B, a.S, a.heads, a.groups, a.d, a.rot);
+            (T*)qkv, q, k, v, a.rope_cos, a.rope_sin, a.positions, a.B, a.S, a.heads, a.groups, a.d, a.rot);
     else
         attention_split_heads_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(
-            q, k, v, qkv, a.rope_cos, a.rope_sin, a.B, a.S, a.heads, a.groups, a.d, a.rot);
+            q, k, v, qkv, a.rope_cos, a.rope_sin, a.positions, a.B, a.S, a.heads, a.groups, a.d, a.rot);
     LAUNCH_CHECK(ex->error);
 }
 /* dq [B, heads, T, d], dk, dv [B, groups, T, d] -> dqkv [BT, qkv_width], RoPE's transpose applied to dq and dk */
@@ -1706,10 +1735,10 @@ static void merge_qkv_grads(const mt_exec* ex, const mt_attention_dims& a, T* dq
     int64_t n = (int64_t)a.B * a.S * (a.heads + 2 * a.groups) * a.d;
     if (qkv_permute_vectorised<T>(a))
         attention_qkv_permute_vec_kernel<T, true><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(
-            dqkv, dq, dk, dv, a.rope_cos, a.rope_sin, a.B, a.S, a.heads, a.groups, a.d, a.rot);
+            dqkv, dq, dk, dv, a.rope_cos, a.rope_sin, a.positions, a.B, a.S, a.heads, a.groups, a.d, a.rot);
     else
         attention_merge_head_grads_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(
-            dqkv, dq, dk, dv, a.rope_cos, a.rope_sin, a.B, a.S, a.heads, a.groups, a.d, a.rot);
+            dqkv, dq, dk, dv, a.rope_cos, a.rope_sin, a.positions, a.B, a.S, a.heads, a.groups, a.d, a.rot);
     LAUNCH_CHECK(ex->error);
 }
 /* [B, heads, T, d] <-> [BT, heads*d] (to_rows: the first into the second) */
@@ -1729,10 +1758,10 @@ static void permute_heads(const mt_exec* ex, const mt_attention_dims& a, T* out,
  * and write the output straight into the attention output rows; the backward reads dO and O from
  * rows and writes dq, dk, dv into the gradient's QKV rows. No split, no head permutes. RoPE rotates
  * q and k in place in the saved QKV rows (forward) and un-rotates their gradient (backward).
- * positions [B*S]: each row's own position (generation's rows, section 22), else NULL: row bt at bt mod S. */
+ * Each row at its own position a.positions (--reset-position-ids; generation's rows, section 23), else
+ * (NULL) row bt at bt mod S. */
 template <typename T>
-static void rope_qkv_rows(const mt_exec* ex, const mt_attention_dims& a, T* qkv, bool backward,
-                          const int32_t* positions = NULL) {
+static void rope_qkv_rows(const mt_exec* ex, const mt_attention_dims& a, T* qkv, bool backward) {
     if (a.rot == 0) return;
     int half = a.rot / 2, qpg = a.heads / a.groups;
     constexpr int V = vec16<T>::N;
@@ -1742,7 +1771,8 @@ static void rope_qkv_rows(const mt_exec* ex, const mt_attention_dims& a, T* qkv,
     unsigned blocks = ceil_div(threads, 256);
     auto kernel = vec ? (backward ? rope_qkv_rows_kernel<T, V, true> : rope_qkv_rows_kernel<T, V, false>)
                       : (backward ? rope_qkv_rows_kernel<T, 1, true> : rope_qkv_rows_kernel<T, 1, false>);
-    kernel<<<blocks, 256, 0, ex->stream>>>(qkv, a.rope_cos, a.rope_sin, BT, a.S, a.groups, qpg, a.d, a.rot, positions);
+    kernel<<<blocks, 256, 0, ex->stream>>>(qkv, a.rope_cos, a.rope_sin, a.positions, BT, a.S, a.groups, qpg, a.d,
+                                           a.rot);
     LAUNCH_CHECK(ex->error);
 }
 
@@ -1886,40 +1916,44 @@ static void qk_norm_backward(const mt_exec* ex, const mt_attention_dims& a, T* d
 /* 8. Exact attention                                                                             */
 /*    The simple path (fp32, fp16, and bf16 head dims other than 64/128): the scores are          */
 /*    materialised per layer, softmax(scale * Q K^T) with the causal mask in place, and its       */
-/*    backward dS = scale * P * (dP - rowsum(dP * P)). The GEMMs around it are in the model       */
-/*    (section 17).                                                                               */
+/*    backward dS = scale * P * (dP - rowsum(dP * P)). With --reset-attention-mask (doc_start     */
+/*    [B, T], mt_document_boundaries) query q sees keys doc_start[q] <= k <= q only; the others   */
+/*    get probability 0 like the causal ones. The GEMMs around it are in the model (section 17).  */
 /*    defines: causal_softmax_forward, causal_softmax_backward, attention_dropout.                */
 /* ============================================================================================== */
 
-/* Causal softmax in place over rows of scores [B*heads, T, T]: p = softmax(scale * s) over k <= q,
- * exactly 0 above the diagonal. One warp per row. */
+/* Causal softmax in place over rows of scores [B*heads, T, T]: p = softmax(scale * s) over
+ * lo <= k <= q (lo = doc_start[b, q], or 0 without document masks), exactly 0 elsewhere. One warp per row. */
 template <typename T>
-__global__ void causal_softmax_forward_kernel(T* scores, int rows, int seq, float scale) {
+__global__ void causal_softmax_forward_kernel(T* scores, int rows, int seq, float scale, const int32_t* doc_start,
+                                              int heads) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= rows) return;
     int q = row % seq;
+    const int lo = doc_start ? doc_start[(int64_t)(row / (heads * seq)) * seq + q] : 0;
     T* s = scores + (int64_t)row * seq;
     float mx = -INFINITY;
-    for (int k = lane; k <= q; k += 32) mx = fmaxf(mx, scale * to_float(s[k]));
+    for (int k = lo + lane; k <= q; k += 32) mx = fmaxf(mx, scale * to_float(s[k]));
     mx = warp_max(mx);
     float sum = 0.0f;
-    for (int k = lane; k <= q; k += 32) sum += expf(scale * to_float(s[k]) - mx);
+    for (int k = lo + lane; k <= q; k += 32) sum += expf(scale * to_float(s[k]) - mx);
     sum = warp_sum(sum);
     float inv = 1.0f / sum;
     for (int k = lane; k < seq; k += 32)
-        s[k] = from_float<T>(k <= q ? expf(scale * to_float(s[k]) - mx) * inv : 0.0f);
+        s[k] = from_float<T>(k >= lo && k <= q ? expf(scale * to_float(s[k]) - mx) * inv : 0.0f);
 }
 
 /* In place over dP: dS = scale * P * (dP - sum_k dP*P). With attention dropout dscores holds the
  * gradient of the dropped probabilities P_d, and dP = dropout(that) with the forward's mask. */
 template <typename T>
 __global__ void causal_softmax_backward_kernel(T* dscores, const T* probs, int rows, int seq, float scale,
-                                               mt_dropout d, int heads) {
+                                               mt_dropout d, int heads, const int32_t* doc_start) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= rows) return;
     int q = row % seq;
+    const int lo = doc_start ? doc_start[(int64_t)(row / (heads * seq)) * seq + q] : 0;
     T* ds = dscores + (int64_t)row * seq;
     const T* p = probs + (int64_t)row * seq;
     const int b = row / (heads * seq), h = (row / seq) % heads;
@@ -1929,10 +1963,10 @@ __global__ void causal_softmax_backward_kernel(T* dscores, const T* probs, int r
         return dropout_value(d, dropout_bits(d.key, dropout_attention_counter(d, b, h, q, k, seq)), k, g);
     };
     float dot = 0.0f;
-    for (int k = lane; k <= q; k += 32) dot += dprob(k) * to_float(p[k]);
+    for (int k = lo + lane; k <= q; k += 32) dot += dprob(k) * to_float(p[k]);
     dot = warp_sum(dot);
     for (int k = lane; k < seq; k += 32)
-        ds[k] = from_float<T>(k <= q ? scale * to_float(p[k]) * (dprob(k) - dot) : 0.0f);
+        ds[k] = from_float<T>(k >= lo && k <= q ? scale * to_float(p[k]) * (dprob(k) - dot) : 0.0f);
 }
 
 /* out = dropout(probs) over [B*heads, T, T] rows (row as above): the probabilities that multiply V. */
@@ -1950,19 +1984,23 @@ __global__ void attention_dropout_kernel(T* out, const T* probs, int rows, int s
     }
 }
 
-/* probs [rows, S, S] (rows = B*heads query rows of S keys): softmax(scale * scores), causal, in place */
+/* probs [rows, S, S] (rows = B*heads query rows of S keys): softmax(scale * scores), causal, in place;
+ * with doc_start [B, S] (heads: query heads per sample) also masked before each query's document */
 template <typename T>
-static void causal_softmax_forward(const mt_exec* ex, T* probs, int rows, int S, float scale) {
-    causal_softmax_forward_kernel<T><<<ceil_div(rows, 8), 256, 0, ex->stream>>>(probs, rows, S, scale);
+static void causal_softmax_forward(const mt_exec* ex, T* probs, int rows, int S, float scale,
+                                   const int32_t* doc_start = NULL, int heads = 1) {
+    causal_softmax_forward_kernel<T><<<ceil_div(rows, 8), 256, 0, ex->stream>>>(probs, rows, S, scale, doc_start,
+                                                                               heads);
     LAUNCH_CHECK(ex->error);
 }
 /* dscores [rows, S, S]: dP -> dS in place, from the forward's probs (rows = B*heads*S; with a
  * dropout site, dscores is the gradient of the dropped probabilities) */
 template <typename T>
 static void causal_softmax_backward(const mt_exec* ex, T* dscores, const T* probs, int rows, int S, float scale,
-                                    const mt_dropout& d = mt_dropout(), int heads = 1) {
+                                    const mt_dropout& d = mt_dropout(), int heads = 1,
+                                    const int32_t* doc_start = NULL) {
     causal_softmax_backward_kernel<T><<<ceil_div(rows, 8), 256, 0, ex->stream>>>(dscores, probs, rows, S, scale, d,
-                                                                                heads);
+                                                                                heads, doc_start);
     LAUNCH_CHECK(ex->error);
 }
 /* out [rows, S, S] = dropout(probs) with the site's mask (rows = B*heads*S) */
@@ -1977,9 +2015,10 @@ static void attention_dropout(const mt_exec* ex, T* out, const T* probs, int row
 /* ============================================================================================== */
 /* 9. Flash attention (bf16)                                                                      */
 /*    Causal flash attention on tensor cores for head dims 64 and 128, deterministic (no          */
-/*    atomics): device helpers, forward, backward (dK/dV and dQ kernels), launchers. The lab      */
-/*    dev/cuda/flash_attention.cu checks it against a CPU reference, times it and explains the    */
-/*    design.                                                                                     */
+/*    atomics), with optional document masks (doc_start: tiles outside a tile's documents are     */
+/*    skipped, the work saved on packed short documents): device helpers, forward, backward       */
+/*    (dK/dV and dQ kernels), launchers. The lab dev/cuda/flash_attention.cu checks it against    */
+/*    a CPU reference, times it and explains the design.                                          */
 /*    defines: namespace fa (9.1-9.3), then attn_view, flash_attention_forward,                   */
 /*    flash_attention_backward, flash_colsum_chunks (9.4).                                        */
 /* ============================================================================================== */
@@ -2160,6 +2199,29 @@ __device__ __forceinline__ void c_to_a(uint32_t a[4], const float c0[4], const f
     a[3] = pack_bf16(c1[2], c1[3]);
 }
 
+/* ---- Document masks (--reset-attention-mask): doc [B, T] holds each query's document start, which
+ *      never decreases along t; key k is visible to query q iff doc[q] <= k <= q. For the rows of a
+ *      query tile from q0 (a warp's [wq_first, wq_last]): tile_first, the first row's start, is the
+ *      tile's smallest (key tiles ending before it are skipped whole); warp_first and warp_last the
+ *      warp's smallest and largest; row[mt][r] this thread's rows' (rows past T read row T-1's: they
+ *      are never stored). Without doc everything is 0, which masks nothing. ---- */
+template <int MT>
+struct doc_rows {
+    int tile_first, warp_first, warp_last;
+    int row[MT][2];
+    __device__ __forceinline__ doc_rows(const int32_t* __restrict__ doc, int b, int T, int q0, int wq_first,
+                                        int wq_last, int g) {
+        const int32_t* d = doc ? doc + (int64_t)b * T : NULL;
+        tile_first = d ? d[q0] : 0;
+        warp_first = d ? d[min(wq_first, T - 1)] : 0;
+        warp_last = d ? d[min(wq_last, T - 1)] : 0;
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) row[mt][r] = d ? d[min(wq_first + mt * 16 + g + r * 8, T - 1)] : 0;
+    }
+};
+
 /* ---- Attention dropout on a warp's tile of scores laid out as the forward's and dQ's (queries as
  *      rows): x[mt][nt][2r], [2r+1] are query wq_first+mt*16+g+8r and keys k0+nt*8+2t, +1, one
  *      counter for the pair. Each element becomes dropout(x) with the site's mask (section 5). ---- */
@@ -2277,7 +2339,8 @@ constexpr size_t fwd_smem_bytes() {
 template <int D, int BM, int WARPS, bool DROP>
 __global__ void __launch_bounds__(32 * WARPS)
     flash_fwd_kernel(heads_view<bf16> O, float* __restrict__ LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
-                     heads_view<const bf16> V, int H, int Hkv, int T, float scale, mt_dropout drop) {
+                     heads_view<const bf16> V, int H, int Hkv, int T, float scale, mt_dropout drop,
+                     const int32_t* __restrict__ doc) {
     constexpr int NTH = 32 * WARPS, MT = BM / (16 * WARPS); /* m16 row blocks per warp: a warp owns 16*MT rows */
     constexpr int S = D + 8, NT = BN / 8, DT = D / 8;
     static_assert(BM % (16 * WARPS) == 0 && (D == 64 || D == 128), "tile shape");
@@ -2299,11 +2362,13 @@ __global__ void __launch_bounds__(32 * WARPS)
     const bf16* Vh = V.at(b, hkv, 1);
     const float c = scale * LOG2E;                      /* softmax in base 2: exp(x*scale) = 2^(x*c) */
     const int n_kt = (min(q0 + BM, T) - 1) / BN + 1;    /* causal: key tiles up to the last row */
+    const doc_rows<MT> dr(doc, b, T, q0, wq_first, wq_last, g);
+    const int kt0 = dr.tile_first / BN;                 /* key tiles before every row's document: skipped */
 
-    /* prologue: Q tile and the first K/V tile in one cp.async group */
+    /* prologue: Q tile and the first K/V tile in one cp.async group (in the stage kv_stage_step expects) */
     load_tile<BM, D, NTH>(sQ, Qh, Q.row, q0, T);
-    load_tile<BN, D, NTH>(sK, Kh, K.row, 0, T);
-    load_tile<BN, D, NTH>(sV, Vh, V.row, 0, T);
+    load_tile<BN, D, NTH>(sK + (kt0 & 1) * BN * S, Kh, K.row, kt0 * BN, T);
+    load_tile<BN, D, NTH>(sV + (kt0 & 1) * BN * S, Vh, V.row, kt0 * BN, T);
     cp_async_commit();
 
     uint32_t qf[MT][D / 16][4]; /* this warp's Q rows as A fragments, loaded once */
@@ -2317,19 +2382,20 @@ __global__ void __launch_bounds__(32 * WARPS)
         l[mt][0] = l[mt][1] = 0.0f;
     }
 
-    for (int kt = 0; kt < n_kt; kt++) {
+    for (int kt = kt0; kt < n_kt; kt++) {
         const int k0 = kt * BN;
         const bf16 *sKs, *sVs;
         kv_stage_step<D, NTH>(sK, sV, Kh, Vh, K.row, V.row, kt, n_kt, T, &sKs, &sVs);
 
-        if (kt == 0) {
+        if (kt == kt0) {
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int kd = 0; kd < D / 16; kd++) load_a(qf[mt][kd], sQ, S, wrow + mt * 16, kd * 16, lane);
         }
 
-        if (k0 <= wq_last) { /* else every key of this tile comes after every row of this warp */
+        /* else every key of this tile comes after every row of this warp, or before their documents */
+        if (k0 <= wq_last && k0 + BN - 1 >= dr.warp_first) {
             /* S = Q K^T for this warp's rows: s[mt][nt] holds rows (g, g+8) x keys k0+nt*8+2t+(0,1) */
             float s[MT][NT][4];
 #pragma unroll
@@ -2338,8 +2404,9 @@ __global__ void __launch_bounds__(32 * WARPS)
                 for (int nt = 0; nt < NT; nt++) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
             gemm_abt_rega<MT, BN, D>(s, qf, sKs, lane);
 
-            /* causal mask, only on tiles that cross this warp's diagonal */
-            if (k0 + BN - 1 > wq_first) {
+            /* causal (and document) mask, only on tiles that cross this warp's diagonal (or a
+             * document start of its rows) */
+            if (k0 + BN - 1 > wq_first || k0 < dr.warp_last) {
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -2348,7 +2415,7 @@ __global__ void __launch_bounds__(32 * WARPS)
                         for (int j = 0; j < 4; j++) {
                             int row = wq_first + mt * 16 + g + (j >> 1) * 8;
                             int key = k0 + nt * 8 + 2 * t + (j & 1);
-                            if (key > row) s[mt][nt][j] = -INFINITY;
+                            if (key > row || key < dr.row[mt][j >> 1]) s[mt][nt][j] = -INFINITY;
                         }
             }
 
@@ -2447,10 +2514,23 @@ __global__ void flash_bwd_dot_kernel(float* __restrict__ Dsum, heads_view<const 
     if (row < rows && part == 0) Dsum[row] = acc;
 }
 
-/* Shared memory of dK/dV: sK, sV [KEYS][D+8]; sQ, sdO [2][BMQ][D+8]; sL, sD [2][BMQ] fp32. */
+/* Shared memory of dK/dV: sK, sV [KEYS][D+8]; sQ, sdO [2][BMQ][D+8]; sL, sD [2][BMQ] fp32; sDoc [2][BMQ]
+ * int32 (the queries' document starts). */
 template <int D, int BMQ, int KEYS>
 constexpr size_t dkdv_smem_bytes() {
-    return (size_t)(2 * KEYS + 4 * BMQ) * (D + 8) * sizeof(bf16) + 4 * BMQ * sizeof(float);
+    return (size_t)(2 * KEYS + 4 * BMQ) * (D + 8) * sizeof(bf16) + 4 * BMQ * sizeof(float) + 2 * BMQ * sizeof(int32_t);
+}
+
+/* Document masks in dK/dV: the first query after key k's document, i.e. the first q > k whose document
+ * starts after k (doc non-decreasing: a binary search; T when k's document runs to the end). */
+__device__ __forceinline__ int doc_query_end(const int32_t* __restrict__ d, int k, int T) {
+    int lo = k + 1, hi = T;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (d[mid] > k) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
 }
 
 /* One CTA per (b, kv head, tile of KEYS = 16*WARPS keys); warp w owns keys k0+16w .. k0+16w+15. Everything
@@ -2458,14 +2538,16 @@ constexpr size_t dkdv_smem_bytes() {
  *   S^T = K Q^T,  P^T = exp(scale*S^T - LSE[q]),  dV += P^T dO,
  *   dP^T = V dO^T,  dS^T = P^T * (dP^T - Dsum[q]),  dK += dS^T Q,   finally dK *= scale.
  * The loop runs over the H/Hkv query heads of this kv head, and for each over the query tiles of
- * BMQ rows from the one holding query k0 (earlier queries see none of these keys) to the end. */
+ * BMQ rows from the one holding query k0 (earlier queries see none of these keys) to the end, or with
+ * document masks (doc) to the tile holding the last query of the last key's document (later queries
+ * see none of these keys either); a query sees key k iff doc[q] <= k <= q. */
 template <int D, int BMQ, int WARPS, bool DROP>
 __global__ void __launch_bounds__(32 * WARPS)
     flash_bwd_dkdv_kernel(heads_view<bf16> dK, heads_view<bf16> dV, heads_view<const bf16> Q,
                           heads_view<const bf16> K, heads_view<const bf16> V, heads_view<const bf16> dO,
                           const float* __restrict__ LSE, const float* __restrict__ Dsum, int H, int Hkv, int T,
                           float scale, float* __restrict__ colsum, int64_t k_column, int64_t v_column,
-                          mt_dropout drop) {
+                          mt_dropout drop, const int32_t* __restrict__ doc) {
     constexpr int S = D + 8, NQ = BMQ / 8, DT = D / 8, NTH = 32 * WARPS, KEYS = 16 * WARPS;
     static_assert(BMQ % 16 == 0 && (D == 64 || D == 128), "tile shape");
 
@@ -2476,6 +2558,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     bf16* sdO = sQ + 2 * BMQ * S; /* [2][BMQ][S] */
     float* sL = reinterpret_cast<float*>(sdO + 2 * BMQ * S); /* [2][BMQ] */
     float* sD = sL + 2 * BMQ;                                /* [2][BMQ] */
+    int32_t* sDoc = reinterpret_cast<int32_t*>(sD + 2 * BMQ); /* [2][BMQ] */
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -2485,8 +2568,10 @@ __global__ void __launch_bounds__(32 * WARPS)
     const int wk_first = k0 + warp * 16, wk_last = wk_first + 15;
     const float c = scale * LOG2E;
 
+    const int32_t* docb = doc ? doc + (int64_t)b * T : NULL;
+    const int q_end = docb ? doc_query_end(docb, min(k0 + KEYS, T) - 1, T) : T; /* queries past it see no key here */
     const int qt_first = k0 / BMQ;
-    const int per_head = (T + BMQ - 1) / BMQ - qt_first; /* query tiles visited per head */
+    const int per_head = (q_end + BMQ - 1) / BMQ - qt_first; /* query tiles visited per head */
     const int n_it = qpg * per_head;
 
     /* iteration it -> (query head, query tile); loads its Q, dO, LSE, Dsum tiles into stage st */
@@ -2498,6 +2583,8 @@ __global__ void __launch_bounds__(32 * WARPS)
         load_tile<BMQ, D, NTH>(sdO + st * BMQ * S, dO.at(b, h, qpg), dO.row, q0, T);
         load_vec<BMQ, NTH>(sL + st * BMQ, LSE + bh * T, q0, T);
         load_vec<BMQ, NTH>(sD + st * BMQ, Dsum + bh * T, q0, T);
+        if (docb) /* 4-byte copies: the int32 starts travel as the floats do (0 past T) */
+            load_vec<BMQ, NTH>(reinterpret_cast<float*>(sDoc + st * BMQ), reinterpret_cast<const float*>(docb), q0, T);
     };
 
     load_tile<KEYS, D, NTH>(sK, K.at(b, hkv, 1), K.row, k0, T);
@@ -2523,16 +2610,20 @@ __global__ void __launch_bounds__(32 * WARPS)
         const bf16* sdOs = sdO + st * BMQ * S;
         const float* sLs = sL + st * BMQ;
         const float* sDs = sD + st * BMQ;
+        const int32_t* sDocs = sDoc + st * BMQ;
+        /* the tile's smallest and largest document start (its first row's and its last valid row's) */
+        const int tdoc_first = docb ? docb[q0] : 0, tdoc_last = docb ? docb[min(q0 + BMQ, T) - 1] : 0;
 
-        if (wk_first <= q0 + BMQ - 1) { /* else all of this warp's keys come after every query here */
+        /* else all of this warp's keys come after every query here, or before all their documents */
+        if (wk_first <= q0 + BMQ - 1 && wk_last >= tdoc_first) {
             /* S^T = K Q^T: p[0][nq] holds keys (g, g+8) x queries q0+nq*8+2t+(0,1) */
             float p[1][NQ][4];
 #pragma unroll
             for (int nq = 0; nq < NQ; nq++) p[0][nq][0] = p[0][nq][1] = p[0][nq][2] = p[0][nq][3] = 0.0f;
             gemm_abt<1, BMQ, D>(p, sK, warp * 16, sQs, lane);
 
-            /* P^T = 2^(S^T*c - LSE*log2e), zero where key > query */
-            const bool need_mask = wk_last > q0;
+            /* P^T = 2^(S^T*c - LSE*log2e), zero where key > query or before the query's document */
+            const bool need_mask = wk_last > q0, need_doc = wk_first < tdoc_last;
 #pragma unroll
             for (int nq = 0; nq < NQ; nq++)
 #pragma unroll
@@ -2540,7 +2631,7 @@ __global__ void __launch_bounds__(32 * WARPS)
                     const int qi = nq * 8 + 2 * t + (j & 1);
                     const int key = wk_first + g + (j >> 1) * 8;
                     float v = exp2_approx(fmaf(p[0][nq][j], c, -sLs[qi] * LOG2E));
-                    p[0][nq][j] = (need_mask && key > q0 + qi) ? 0.0f : v;
+                    p[0][nq][j] = ((need_mask && key > q0 + qi) || (need_doc && key < sDocs[qi])) ? 0.0f : v;
                 }
 
             /* attention dropout: the forward's mask of this tile, one bit per element (bit nq*4 + j);
@@ -2627,7 +2718,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     flash_bwd_dq_kernel(heads_view<bf16> dQ, heads_view<const bf16> Q, heads_view<const bf16> K,
                         heads_view<const bf16> V, heads_view<const bf16> dO, const float* __restrict__ LSE,
                         const float* __restrict__ Dsum, int H, int Hkv, int T, float scale,
-                        float* __restrict__ colsum, mt_dropout drop) {
+                        float* __restrict__ colsum, mt_dropout drop, const int32_t* __restrict__ doc) {
     constexpr int NTH = 32 * WARPS, MT = BM / (16 * WARPS);
     constexpr int S = D + 8, NT = BN / 8, DT = D / 8;
     static_assert(BM % (16 * WARPS) == 0 && (D == 64 || D == 128), "tile shape");
@@ -2649,11 +2740,13 @@ __global__ void __launch_bounds__(32 * WARPS)
     const bf16* Vh = V.at(b, hkv, 1);
     const float c = scale * LOG2E;
     const int n_kt = (min(q0 + BM, T) - 1) / BN + 1;
+    const doc_rows<MT> dr(doc, b, T, q0, wq_first, wq_last, g);
+    const int kt0 = dr.tile_first / BN; /* key tiles before every row's document: skipped */
 
     load_tile<BM, D, NTH>(sQ, Q.at(b, h, qpg), Q.row, q0, T);
     load_tile<BM, D, NTH>(sdO, dO.at(b, h, qpg), dO.row, q0, T);
-    load_tile<BN, D, NTH>(sK, Kh, K.row, 0, T);
-    load_tile<BN, D, NTH>(sV, Vh, V.row, 0, T);
+    load_tile<BN, D, NTH>(sK + (kt0 & 1) * BN * (D + 8), Kh, K.row, kt0 * BN, T);
+    load_tile<BN, D, NTH>(sV + (kt0 & 1) * BN * (D + 8), Vh, V.row, kt0 * BN, T);
     cp_async_commit();
 
     /* per-row constants of this thread's rows (g, g+8 of each m16 block); padded rows get 0 */
@@ -2673,12 +2766,12 @@ __global__ void __launch_bounds__(32 * WARPS)
 #pragma unroll
         for (int dt = 0; dt < DT; dt++) dq[mt][dt][0] = dq[mt][dt][1] = dq[mt][dt][2] = dq[mt][dt][3] = 0.0f;
 
-    for (int kt = 0; kt < n_kt; kt++) {
+    for (int kt = kt0; kt < n_kt; kt++) {
         const int k0 = kt * BN;
         const bf16 *sKs, *sVs;
         kv_stage_step<D, NTH>(sK, sV, Kh, Vh, K.row, V.row, kt, n_kt, T, &sKs, &sVs);
 
-        if (k0 <= wq_last) {
+        if (k0 <= wq_last && k0 + BN - 1 >= dr.warp_first) {
             /* S = Q K^T */
             float p[MT][NT][4];
 #pragma unroll
@@ -2687,8 +2780,8 @@ __global__ void __launch_bounds__(32 * WARPS)
                 for (int nt = 0; nt < NT; nt++) p[mt][nt][0] = p[mt][nt][1] = p[mt][nt][2] = p[mt][nt][3] = 0.0f;
             gemm_abt<MT, BN, D>(p, sQ, wrow, sKs, lane);
 
-            /* P = 2^(S*c - LSE*log2e), zero where key > query */
-            const bool need_mask = k0 + BN - 1 > wq_first;
+            /* P = 2^(S*c - LSE*log2e), zero where key > query or before the query's document */
+            const bool need_mask = k0 + BN - 1 > wq_first || k0 < dr.warp_last;
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -2698,7 +2791,7 @@ __global__ void __launch_bounds__(32 * WARPS)
                         const int row = wq_first + mt * 16 + g + (j >> 1) * 8;
                         const int key = k0 + nt * 8 + 2 * t + (j & 1);
                         float v = exp2_approx(fmaf(p[mt][nt][j], c, -lse2[mt][j >> 1]));
-                        p[mt][nt][j] = (need_mask && key > row) ? 0.0f : v;
+                        p[mt][nt][j] = (need_mask && (key > row || key < dr.row[mt][j >> 1])) ? 0.0f : v;
                     }
 
             /* dP = dO V^T */
@@ -2786,13 +2879,14 @@ static bool shape_ok(int B, int H, int Hkv, int T, int d) {
 template <int D, int BM, int WARPS, bool DROP = false>
 static cudaError_t forward_tiles(heads_view<bf16> O, float* LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
                                  heads_view<const bf16> V, int B, int H, int Hkv, int T, cudaStream_t st,
-                                 const mt_dropout& drop = mt_dropout()) {
+                                 const mt_dropout& drop = mt_dropout(), const int32_t* doc = NULL) {
     static bool ready = false;
     cudaError_t e = set_smem_limit(flash_fwd_kernel<D, BM, WARPS, DROP>, fwd_smem_bytes<D, BM>(), &ready);
     if (e != cudaSuccess) return e;
     dim3 grid(B * H, (T + BM - 1) / BM);
     flash_fwd_kernel<D, BM, WARPS, DROP><<<grid, 32 * WARPS, fwd_smem_bytes<D, BM>(), st>>>(O, LSE, Q, K, V, H, Hkv, T,
-                                                                                          1.0f / sqrtf((float)D), drop);
+                                                                                          1.0f / sqrtf((float)D), drop,
+                                                                                          doc);
     return cudaGetLastError();
 }
 
@@ -2801,7 +2895,7 @@ static cudaError_t backward_tiles(heads_view<bf16> dQ, heads_view<bf16> dK, head
                                   heads_view<const bf16> dO, heads_view<const bf16> Q, heads_view<const bf16> K,
                                   heads_view<const bf16> V, heads_view<const bf16> O, const float* LSE, int B, int H,
                                   int Hkv, int T, cudaStream_t st, float* colsum = NULL,
-                                  const mt_dropout& drop = mt_dropout()) {
+                                  const mt_dropout& drop = mt_dropout(), const int32_t* doc = NULL) {
     constexpr int KEYS = 16 * KV_WARPS;
     /* one chunk of column sums per (b, 64-row tile) in both kernels */
     if (colsum && (KEYS != COLSUM_TILE || BM != COLSUM_TILE)) return cudaErrorInvalidValue;
@@ -2817,33 +2911,35 @@ static cudaError_t backward_tiles(heads_view<bf16> dQ, heads_view<bf16> dK, head
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     dim3 grid_kv(B * Hkv, (T + KEYS - 1) / KEYS);
     flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS, DROP><<<grid_kv, 32 * KV_WARPS, dkdv_smem_bytes<D, BMQ, KEYS>(), st>>>(
-        dK, dV, Q, K, V, dO, LSE, Dsum, H, Hkv, T, scale, colsum, dK.p - dQ.p, dV.p - dQ.p, drop);
+        dK, dV, Q, K, V, dO, LSE, Dsum, H, Hkv, T, scale, colsum, dK.p - dQ.p, dV.p - dQ.p, drop, doc);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     dim3 grid_q(B * H, (T + BM - 1) / BM);
     flash_bwd_dq_kernel<D, BM, Q_WARPS, DROP><<<grid_q, 32 * Q_WARPS, dq_smem_bytes<D, BM>(), st>>>(
-        dQ, Q, K, V, dO, LSE, Dsum, H, Hkv, T, scale, colsum, drop);
+        dQ, Q, K, V, dO, LSE, Dsum, H, Hkv, T, scale, colsum, drop, doc);
     return cudaGetLastError();
 }
 
 template <int D>
 static cudaError_t forward_d(heads_view<bf16> O, float* LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
                              heads_view<const bf16> V, int B, int H, int Hkv, int T, cudaStream_t st,
-                             const mt_dropout& drop) {
+                             const mt_dropout& drop, const int32_t* doc) {
     if (drop.on)
-        return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS, true>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop);
-    return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS>(O, LSE, Q, K, V, B, H, Hkv, T, st);
+        return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS, true>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop,
+                                                                             doc);
+    return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop, doc);
 }
 
 template <int D>
 static cudaError_t backward_d(heads_view<bf16> dQ, heads_view<bf16> dK, heads_view<bf16> dV, float* Dsum,
                               heads_view<const bf16> dO, heads_view<const bf16> Q, heads_view<const bf16> K,
                               heads_view<const bf16> V, heads_view<const bf16> O, const float* LSE, int B, int H,
-                              int Hkv, int T, cudaStream_t st, float* colsum, const mt_dropout& drop) {
+                              int Hkv, int T, cudaStream_t st, float* colsum, const mt_dropout& drop,
+                              const int32_t* doc) {
     if (drop.on)
         return backward_tiles<D, Tiles<D>::DKDV_BMQ, Tiles<D>::DKDV_WARPS, Tiles<D>::DQ_BM, Tiles<D>::DQ_WARPS, true>(
-            dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop);
+            dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop, doc);
     return backward_tiles<D, Tiles<D>::DKDV_BMQ, Tiles<D>::DKDV_WARPS, Tiles<D>::DQ_BM, Tiles<D>::DQ_WARPS>(
-        dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum);
+        dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop, doc);
 }
 
 } // namespace fa
@@ -2869,14 +2965,16 @@ static attn_view qkv_rows_view(bf16* qkv, int T, int groups, int d, int qpg, int
 static attn_cview cview(attn_view v) { return {v.p, v.batch, v.row, v.group, v.head}; }
 
 /* Causal attention forward: O and LSE [B, H, T] (fp32, packed) from Q (H heads), K, V (Hkv heads),
- * each a view (any of the layouts above). With a dropout site, O = dropout(P) V (LSE is P's). */
+ * each a view (any of the layouts above). With a dropout site, O = dropout(P) V (LSE is P's). With
+ * doc [B, T] (NULL: none; --reset-attention-mask, mt_document_boundaries) query q sees only keys
+ * doc[q] <= k <= q, and key tiles wholly before a query tile's documents are not visited. */
 static cudaError_t flash_attention_forward(attn_view O, float* LSE, attn_cview Q, attn_cview K, attn_cview V, int B,
                                            int H, int Hkv, int T, int d, cudaStream_t st,
-                                           const mt_dropout& drop = mt_dropout()) {
+                                           const mt_dropout& drop = mt_dropout(), const int32_t* doc = NULL) {
     if (!fa::shape_ok(B, H, Hkv, T, d) || !fa::view_ok(O) || !fa::view_ok(Q) || !fa::view_ok(K) || !fa::view_ok(V))
         return cudaErrorInvalidValue;
-    return d == 64 ? fa::forward_d<64>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop)
-                   : fa::forward_d<128>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop);
+    return d == 64 ? fa::forward_d<64>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop, doc)
+                   : fa::forward_d<128>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop, doc);
 }
 
 /* Causal attention backward: dQ (H heads), dK, dV (Hkv heads) from dO and the forward's Q, K, V, O,
@@ -2884,12 +2982,14 @@ static cudaError_t flash_attention_forward(attn_view O, float* LSE, attn_cview Q
  * (may be NULL): the column sums of the gradient as stored, per chunk: colsum[chunk, column] for
  * chunk = b * ceil(T / 64) + (64-row tile), column = the element's column in the gradient's rows:
  * dQ, dK, dV are views of one set of rows (the QKV rows) that starts at dQ.p; every column of their
- * heads is written for every chunk, and the sum over chunks is the QKV bias gradient. */
+ * heads is written for every chunk, and the sum over chunks is the QKV bias gradient. doc: the forward's
+ * document starts (NULL: none); query tiles after a key tile's documents are not visited. */
 static int flash_colsum_chunks(int B, int T) { return B * ((T + fa::COLSUM_TILE - 1) / fa::COLSUM_TILE); }
 static cudaError_t flash_attention_backward(attn_view dQ, attn_view dK, attn_view dV, float* Dsum, attn_cview dO,
                                             attn_cview Q, attn_cview K, attn_cview V, attn_cview O, const float* LSE,
                                             int B, int H, int Hkv, int T, int d, cudaStream_t st,
-                                            float* colsum = NULL, const mt_dropout& drop = mt_dropout()) {
+                                            float* colsum = NULL, const mt_dropout& drop = mt_dropout(),
+                                            const int32_t* doc = NULL) {
     attn_cview views[] = {cview(dQ), cview(dK), cview(dV), dO, Q, K, V, O};
     bool ok = fa::shape_ok(B, H, Hkv, T, d);
     for (const attn_cview& v : views) ok = ok && fa::view_ok(v);
@@ -2897,8 +2997,8 @@ static cudaError_t flash_attention_backward(attn_view dQ, attn_view dK, attn_vie
         ok = ok && dK.row == dQ.row && dV.row == dQ.row && dK.batch == dQ.batch && dV.batch == dQ.batch &&
              dK.p - dQ.p >= 0 && dK.p - dQ.p < dQ.row && dV.p - dQ.p >= 0 && dV.p - dQ.p < dQ.row;
     if (!ok) return cudaErrorInvalidValue;
-    return d == 64 ? fa::backward_d<64>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop)
-                   : fa::backward_d<128>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop);
+    return d == 64 ? fa::backward_d<64>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop, doc)
+                   : fa::backward_d<128>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop, doc);
 }
 
 /* ============================================================================================== */
@@ -6375,7 +6475,8 @@ typedef struct {
     int32_t* inputs;     /* [BT] */
     int32_t* targets;    /* [BT] */
     float* losses;       /* [BT] */
-    int32_t* embed_index;/* word-embedding backward index: unique tokens, offsets, positions */
+    int32_t* embed_index;/* word-embedding backward index: unique tokens, offsets, positions; with
+                            --reset-position-ids then mt_position_index's offsets [S+1] and rows [BT] */
     /* --qk-layernorm (NULL without): the layer's QKV rows as attention reads them, q and k normalised
      * (v copied; the flash path rotates q and k here, the kept qkv stays as the linear made it), and
      * each row's head statistics, made again from the kept qkv before the layer's attention backward */
@@ -6417,6 +6518,10 @@ typedef struct {
     void* moe_ep_in;       /* [L, Rexp, h] the local experts' input rows, in local-expert order */
     float* moe_ep_prob;    /* [L, Rexp] their probabilities */
     int32_t* moe_ep_counts;/* [L, EP, El] rows received from each EP rank for each local expert */
+    /* saved once per slot: the micro-batch's documents (mt_document_boundaries; NULL without
+     * --reset-position-ids / --reset-attention-mask), staged with every forward of the micro-batch, so
+     * every pipeline stage has them and the backward (and recompute) reads the forward's */
+    int32_t* docs;       /* [2, BT] doc_start, then positions */
 } mt_activations;
 
 /* ---- The trainer and its parts ----
@@ -6872,9 +6977,13 @@ static mt_dropout dropout_site(const mt_trainer* t, const mt_exec* ex, int layer
     return d;
 }
 
-/* The attention geometry of this rank (section 7), from its shapes and the RoPE tables. */
+/* The attention geometry of this rank (section 7), from its shapes, the RoPE tables and the running
+ * micro-batch's documents (--reset-position-ids: RoPE's positions; --reset-attention-mask: doc_start). */
 static mt_attention_dims attention_dims(const mt_trainer* t, const mt_shape& s) {
-    return {s.B, s.S, s.heads, s.groups, s.d, s.rot, t->rope_cos, t->rope_sin};
+    const int32_t* docs = t->act.docs;
+    return {s.B, s.S, s.heads, s.groups, s.d, s.rot, t->rope_cos, t->rope_sin,
+            t->cfg.reset_position_ids ? docs + s.BT : (const int32_t*)NULL,
+            t->cfg.reset_attention_mask ? docs : (const int32_t*)NULL};
 }
 
 /* The row views of one layer's fused QKV rows (query heads, keys, values) and of [BT, heads*d] rows. */
@@ -6922,7 +7031,7 @@ static void attention_probabilities(mt_trainer* t, const mt_exec* ex, T* qkv, T*
     int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
     int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
     gemm<T, T>(ex, false, true, M, s.S, s.d, (T*)a->q, s.d, (T*)a->k, s.d, probs, s.S, 1.0f, 0.0f, batch, qd, sd, qs);
-    causal_softmax_forward<T>(ex, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d));
+    causal_softmax_forward<T>(ex, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d), dims.doc_start, s.heads);
 }
 
 /* One layer's attention: qkv [BT, qkv_width] (the QKV linear's output) -> attn [BT, heads*d].
@@ -6942,7 +7051,7 @@ static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs
             qkv_views in = qkv_rows_views(s, rows);
             CUDA_CHECK(ex->error, flash_attention_forward(heads_rows_view(s, attn), lse, cview(in.q), cview(in.k),
                                                           cview(in.v), s.B, s.heads, s.groups, s.S, s.d, ex->stream,
-                                                          drop));
+                                                          drop, dims.doc_start));
             return;
         }
     }
@@ -6985,7 +7094,8 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
                                                            cview(in.k), cview(in.v),
                                                            cview(heads_rows_view(s, (void*)attn)), lse, s.B, s.heads,
                                                            s.groups, s.S, s.d, ex->stream,
-                                                           sums ? t->colsum.partial_a : (float*)NULL, drop));
+                                                           sums ? t->colsum.partial_a : (float*)NULL, drop,
+                                                           dims.doc_start));
             rope_qkv_rows<T>(ex, dims, dqkv, true);
             if (sums) column_final_sums(ex, 1, chunks, s.qkv_width, dbias, t->colsum.partial_a);
             done = true;
@@ -7003,7 +7113,7 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
         gemm<T, T>(ex, false, true, M, s.S, s.d, (T*)a->o, s.d, (T*)a->v, s.d, (T*)a->dscores, s.S, 1.0f, 0.0f, batch,
                    qd, sd, qs);
         causal_softmax_backward<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d), drop,
-                                   s.heads);
+                                   s.heads, dims.doc_start);
         /* dK = dS^T Q (before dQ overwrites q);  dQ = dS K */
         gemm<T, T>(ex, true, false, s.S, s.d, M, (T*)a->dscores, s.S, (T*)a->q, s.d, (T*)a->dk, s.d, 1.0f, 0.0f, batch,
                    qs, qd, sd);
@@ -7789,7 +7899,7 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
         T* embedded = s.sp ? (T*)a->branch : (T*)a->residual;
         embedding_forward<T>(ex, embedded, a->inputs, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS),
                              s.tp_rank == 0 ? param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS) : (const T*)NULL, s.BT, s.S,
-                             s.h, s.vocab_start, s.V);
+                             s.h, s.vocab_start, s.V, t->cfg.reset_position_ids ? a->docs + s.BT : (const int32_t*)NULL);
         row_parallel_output<T>(tp, embedded, (T*)a->residual, s.BT, s.R, s.h); /* the sum lands in a->residual */
         const mt_dropout drop = dropout_site(t, ex, -1, DROPOUT_EMBEDDING); /* Megatron's embedding dropout */
         if (drop.on) dropout_apply<T>(ex, (T*)a->residual, (const T*)a->residual, drop, s.R, s.h);
@@ -7999,7 +8109,9 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
      * the position embeddings' gradient is whole on every TP rank) */
     const T* demb = column_parallel_input<T>(tp, gathered_grad, dres, s.R, s.h);
     float* dwpe = grad_ptr(t, MT_P_POSITION_EMBEDDINGS);
-    if (dwpe) position_embedding_backward<T>(ex, dwpe, demb, s.B, s.S, s.h);
+    if (dwpe) /* with reset positions: by the index stage_micro_batch built after the word index */
+        position_embedding_backward<T>(ex, dwpe, demb, s.B, s.S, s.h,
+                                       t->cfg.reset_position_ids ? a->embed_index + 3 * s.BT + 2 : (const int32_t*)NULL);
     /* the word embeddings' gradient is a scatter-add over the micro-batch's tokens: tied on one stage,
      * the output layer's weight GEMM wrote the whole tensor above; else the first micro-batch zeroes it */
     float* dwte = grad_ptr(t, MT_P_WORD_EMBEDDINGS);
@@ -8046,7 +8158,9 @@ static int build_embedding_index(int32_t* index, const int32_t* inputs, int BT, 
     return n;
 }
 
-/* Copies micro-batch `mb` of tokens [*, B, S+1] to the device as inputs/targets (+ backward index). */
+/* Copies micro-batch `mb` of tokens [*, B, S+1] to the device as inputs/targets (+ backward index);
+ * with --reset-position-ids / --reset-attention-mask also its documents into the running slot's
+ * act.docs (mt_document_boundaries), and with reset positions the position index after the word index. */
 static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb, int with_index, int* unique_out,
                                    mt_error* err) {
     mt_shape s = model_shape(t);
@@ -8064,10 +8178,23 @@ static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb,
                                           t->stream));
     CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.targets, targets, sizeof(int32_t) * s.BT, cudaMemcpyHostToDevice,
                                           t->stream));
+    const mt_config* c = &t->cfg;
+    int32_t* docs = t->loop.host_tokens + 2 * s.BT + s.V_full; /* [2, BT]: doc_start, positions */
+    if (c->reset_position_ids || c->reset_attention_mask) {
+        mt_document_boundaries(inputs, s.B, s.S, c->eod_token, docs, docs + s.BT);
+        CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.docs, docs, sizeof(int32_t) * 2 * s.BT, cudaMemcpyHostToDevice,
+                                              t->stream));
+    }
     if (with_index) {
         int32_t* counts = t->loop.host_tokens + 2 * s.BT;
         *unique_out = build_embedding_index(t->loop.host_index, inputs, s.BT, s.vocab_start, s.V, counts);
-        CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.embed_index, t->loop.host_index, sizeof(int32_t) * (3 * s.BT + 2),
+        size_t words = 3 * (size_t)s.BT + 2;
+        if (c->reset_position_ids) { /* the position index after the word index (MT_ACT_EMBED_INDEX) */
+            int32_t* pos_index = t->loop.host_index + words;
+            mt_position_index(docs + s.BT, s.BT, s.S, pos_index, pos_index + s.S + 1);
+            words += (size_t)s.S + 1 + s.BT;
+        }
+        CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.embed_index, t->loop.host_index, sizeof(int32_t) * words,
                                               cudaMemcpyHostToDevice, t->stream));
     }
     return mt_gpu_error_return(&t->error, err);
@@ -8315,7 +8442,8 @@ static mt_status run_schedule_step(mt_trainer* t, micro_batch_pass* p, const mt_
      * the word-embedding index (at PP = 1 with the forward: nothing runs between them) */
     int unique = 0;
     const bool index_now = ch.embedding && train && (forward ? pp == 1 : pp > 1);
-    if ((forward && (ch.embedding || ch.head)) || index_now) {
+    const bool docs = c->reset_position_ids || c->reset_attention_mask; /* every forward stages the slot's */
+    if ((forward && (ch.embedding || ch.head || docs)) || index_now) {
         mt_status st = stage_micro_batch(t, p->tokens, op->micro_batch, index_now, &unique, err);
         if (st != MT_OK) return st;
     }
@@ -9840,13 +9968,13 @@ static void layout_activations(mt_activations* slots, const mt_activation_layout
             (void**)&a->moe_row, (void**)&a->moe_token, (void**)&a->moe_row_prob, (void**)&a->moe_counts,
             (void**)&a->moe_auxw, (void**)&a->moe_fc1, (void**)&a->moe_act, (void**)&a->moe_shared,
             (void**)&a->moe_gate, (void**)&a->moe_ep_in, (void**)&a->moe_ep_prob, (void**)&a->moe_ep_counts,
-            (void**)&a->lnf, (void**)&a->lnf_mean,
+            (void**)&a->docs, (void**)&a->lnf, (void**)&a->lnf_mean,
             (void**)&a->lnf_rstd, (void**)&a->logits};
         for (int r = 0; r < MT_ACT_REGIONS; r++) {
             const size_t at = L->offset[r] + (r >= MT_ACT_RESIDUAL ? (size_t)k * L->saved_bytes : 0);
             *regions[r] = L->bytes[r] ? base + at : NULL;
         }
-        static_assert(MT_ACT_REGIONS == 66, "every activation region has its pointer above");
+        static_assert(MT_ACT_REGIONS == 67, "every activation region has its pointer above");
     }
 }
 
@@ -10335,10 +10463,12 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
             return fst;
         }
     }
-    /* host staging: inputs, targets, a V-sized counting buffer; the embedding index; losses */
+    /* host staging: inputs, targets, a V-sized counting buffer, the documents [2, BT]; the embedding index
+     * (with the position index's room); losses */
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->loop.host_tokens,
-                                         sizeof(int32_t) * (2 * (size_t)s.BT + (size_t)s.V_full)));
-    CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->loop.host_index, sizeof(int32_t) * (3 * (size_t)s.BT + 2)));
+                                         sizeof(int32_t) * (4 * (size_t)s.BT + (size_t)s.V_full)));
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->loop.host_index,
+                                         sizeof(int32_t) * (4 * (size_t)s.BT + 3 + (size_t)s.S)));
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->loop.host_losses, sizeof(float) * (size_t)s.BT));
     if (t->error.status == MT_OK) initialise_model_state(t, shard, alias);
     if (t->error.status != MT_OK) {
@@ -11193,7 +11323,7 @@ static void gen_forward(mt_generator* g, int n, int n_sel) {
     const int32_t* slots = g->rows + 2 * g->cap;
     const int32_t* gathered = g->rows + 3 * g->cap;
     T *x = (T*)g->x, *mid = (T*)g->mid, *ln = (T*)g->ln, *qkv = (T*)g->qkv, *attn = (T*)g->attn, *branch = (T*)g->branch;
-    const mt_attention_dims dims = {1, n, s.heads, s.groups, s.d, s.rot, g->rope_cos, g->rope_sin};
+    const mt_attention_dims dims = {1, n, s.heads, s.groups, s.d, s.rot, g->rope_cos, g->rope_sin, positions, NULL};
     const T* wpe = t->cfg.position_embedding_type == MT_POSITION_LEARNED ? param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS) : NULL;
     embedding_forward<T>(&ex, x, tokens, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS), wpe, n, n, s.h, 0, s.V, positions);
     const layer_tensors<T> p0 = layer_params<T>(t, 0);
@@ -11208,7 +11338,7 @@ static void gen_forward(mt_generator* g, int n, int n_sel) {
                                s.rms, s.norm_w1);
             rows = (T*)g->qk_rows;
         }
-        rope_qkv_rows<T>(&ex, dims, rows, false, positions);
+        rope_qkv_rows<T>(&ex, dims, rows, false); /* at each row's position (dims.positions) */
         kv_cache_store<T>(&ex, (T*)g->pool, rows, slots, positions, g->tables, g->max_blocks, n, s.groups, g->qpg, s.d, l,
                           s.L, g->gc.block_tokens);
         for (int r0 = 0; r0 < n; r0 += g->part_rows) {

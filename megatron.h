@@ -607,7 +607,9 @@ typedef struct {
     int batch_size_step_size[MT_MAX_BATCH_SIZE_STEPS];        /* the global batch has this many */
     /* the loss */
     int eod_mask_loss;                /* --eod-mask-loss: positions whose input token is eod_token do not count */
-    int64_t eod_token;                /* the tokenizer's end-of-document id (for --eod-mask-loss) */
+    int64_t eod_token;                /* the tokenizer's end-of-document id (for --eod-mask-loss and the resets) */
+    int reset_position_ids;           /* --reset-position-ids: positions restart at 0 after each eod_token input */
+    int reset_attention_mask;         /* --reset-attention-mask: a position attends only within its document */
     int calculate_per_token_loss;     /* --calculate-per-token-loss: the gradient of the global batch's loss
                                          sum / its counted tokens, instead of the mean of micro-batch means */
     uint64_t seed;                    /* --seed (1234) */
@@ -1165,6 +1167,20 @@ MT_DEF int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_ran
 /* Whether the config's attention runs on the flash kernels (bf16, head dim 64 or 128), else exact. */
 MT_DEF int mt_flash_attention(const mt_config* cfg);
 
+/* Megatron's documents in a micro-batch (gpt_dataset.py _get_ltor_masks_and_position_ids, for
+ * --reset-position-ids and --reset-attention-mask): a document ends with its end-of-document token
+ * (the eod belongs to the document it ends), so after an eod input at position i the next document
+ * starts at i + 1; each sequence starts a document at 0. inputs [B, S] -> doc_start [B, S]: the first
+ * position of each position's document (a sequence position, so a context-parallel split can read its
+ * chunks' values as they are: key j is visible to query i iff doc_start[i] <= j <= i); positions
+ * [B, S] (NULL: not wanted): i - doc_start[i], the reset position ids. */
+MT_DEF void mt_document_boundaries(const int32_t* inputs, int B, int S, int64_t eod, int32_t* doc_start,
+                                   int32_t* positions);
+/* The learned position embeddings' backward index with --reset-position-ids (megatron.cu section 4):
+ * the rows r of positions [BT] (values in [0, S)) grouped by positions[r], rows ascending within a
+ * group (a counting sort): group p is rows[offsets[p] .. offsets[p + 1]), offsets [S + 1], rows [BT]. */
+MT_DEF void mt_position_index(const int32_t* positions, int BT, int S, int32_t* offsets, int32_t* rows);
+
 /* The activation arena of one pipeline rank (megatron.cu section 17 names each region): regions in
  * this order, each at a 256-byte-aligned offset; a region of 0 bytes does not exist in this config.
  * First the scratch every micro-batch shares (MT_ACT_LN1 .. MT_ACT_MOE_STATS), then num_slots
@@ -1217,6 +1233,8 @@ enum {
     MT_ACT_MOE_EP_IN,    /* [L, Rexp, h] T   EP > 1: the local experts' input rows (received, in local expert order) */
     MT_ACT_MOE_EP_PROB,  /* [L, Rexp] fp32   EP > 1: their probabilities */
     MT_ACT_MOE_EP_COUNTS,/* [L, EP, E/EP] int32 EP > 1: rows received from each EP rank for each local expert */
+    MT_ACT_DOCS,         /* int32 [2, BT]    the micro-batch's doc_start, then positions (mt_document_boundaries;
+                                             0 bytes without --reset-position-ids / --reset-attention-mask) */
     MT_ACT_LNF, MT_ACT_LNF_MEAN, MT_ACT_LNF_RSTD, MT_ACT_LOGITS, MT_ACT_REGIONS
 };
 typedef struct {
@@ -5542,6 +5560,29 @@ MT_DEF int mt_flash_attention(const mt_config* c) {
     return c->precision == MT_BF16 && (c->kv_channels == 64 || c->kv_channels == 128);
 }
 
+MT_DEF void mt_document_boundaries(const int32_t* inputs, int B, int S, int64_t eod, int32_t* doc_start,
+                                   int32_t* positions) {
+    for (int b = 0; b < B; b++) {
+        const int32_t* in = inputs + (int64_t)b * S;
+        int32_t* ds = doc_start + (int64_t)b * S;
+        int32_t start = 0;
+        for (int i = 0; i < S; i++) {
+            if (i > 0 && in[i - 1] == eod) start = i; /* the eod at i - 1 ended the previous document */
+            ds[i] = start;
+            if (positions) positions[(int64_t)b * S + i] = i - start;
+        }
+    }
+}
+
+MT_DEF void mt_position_index(const int32_t* positions, int BT, int S, int32_t* offsets, int32_t* rows) {
+    memset(offsets, 0, sizeof(int32_t) * ((size_t)S + 1));
+    for (int r = 0; r < BT; r++) offsets[positions[r] + 1]++;
+    for (int p = 0; p < S; p++) offsets[p + 1] += offsets[p];
+    for (int r = 0; r < BT; r++) rows[offsets[positions[r]]++] = r; /* offsets[p] walks to offsets[p + 1] */
+    for (int p = S; p > 0; p--) offsets[p] = offsets[p - 1];           /* back to the groups' starts */
+    offsets[0] = 0;
+}
+
 MT_DEF int64_t mt_offload_elements(const mt_config* c, int64_t shard) {
     if (!c->optimizer_cpu_offload || shard <= 0) return 0;
     if (c->optimizer_offload_fraction >= 1.0) return shard;
@@ -5692,7 +5733,7 @@ MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int hea
     once[MT_ACT_INPUTS] = BT * 4;
     once[MT_ACT_TARGETS] = BT * 4;
     once[MT_ACT_LOSSES] = BT * 4;
-    once[MT_ACT_EMBED_INDEX] = (3 * BT + 2) * 4;
+    once[MT_ACT_EMBED_INDEX] = (3 * BT + 2 + (c->reset_position_ids ? S + 1 + BT : 0)) * 4; /* + mt_position_index */
     /* --qk-layernorm: the QKV rows with q and k normalised (v copied), [BT, qkv_width], made from the
      * kept QKV rows where attention reads them (forward and backward), with every head's mean and 1/std */
     once[MT_ACT_QK_NORM] = c->qk_layernorm ? mt__size_mul(BTwide_e, qkv_width) : 0;
@@ -5737,6 +5778,7 @@ MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int hea
     per_layer[MT_ACT_MOE_EP_IN] = ep > 1 ? mt__size_mul3(Rexp, h, e) : 0;
     per_layer[MT_ACT_MOE_EP_PROB] = ep > 1 ? mt__size_mul(Rexp, 4) : 0;
     per_layer[MT_ACT_MOE_EP_COUNTS] = ep > 1 ? E * 4 : 0;
+    once[MT_ACT_DOCS] = c->reset_position_ids || c->reset_attention_mask ? 2 * BT * 4 : 0;
     once[MT_ACT_LNF] = head ? Rh : 0;
     once[MT_ACT_LNF_MEAN] = head ? R * 4 : 0;
     once[MT_ACT_LNF_RSTD] = head ? R * 4 : 0;

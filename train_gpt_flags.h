@@ -48,6 +48,7 @@ typedef struct {
     const char* data_cache_path;
     int mock_data;
     int eod_mask_loss;
+    int reset_position_ids, reset_attention_mask;
     double mid_level_surplus;
     /* tokenizer */
     const char* tokenizer_type;
@@ -562,10 +563,10 @@ static const tg_flag tg_flag_table[] = {
      "positions whose input is the end-of-document token do not count in the loss"},
     {"--mid-level-dataset-surplus", G_DATA, F_DOUBLE, TG_AT(mid_level_surplus), DR(0, INFINITY, 0), "0.005",
      "extra samples each blended dataset builds (0.005 only here)"},
-    {"--reset-position-ids", G_DATA, F_REFUSED_SWITCH, 0, NR, "off",
-     "positions restarting at each document are not implemented: drop the flag"},
-    {"--reset-attention-mask", G_DATA, F_REFUSED_SWITCH, 0, NR, "off",
-     "attention masked at document boundaries is not implemented: drop the flag"},
+    {"--reset-position-ids", G_DATA, F_TRUE, TG_AT(reset_position_ids), NR, "off",
+     "positions restart at 0 after each end-of-document token (the eod belongs to the document it ends)"},
+    {"--reset-attention-mask", G_DATA, F_TRUE, TG_AT(reset_attention_mask), NR, "off",
+     "a position attends only to earlier positions of its own document (eod-separated)"},
     {"--no-create-attention-mask-in-dataloader", G_DATA, F_INFO_SWITCH, 0, NR, "off",
      "no attention mask is ever materialised here (causal inside the kernels)"},
     {"--no-mmap-bin-files", G_DATA, F_INFO_SWITCH, 0, NR, "off", "datasets are always memory-mapped here"},
@@ -1275,6 +1276,8 @@ static int tg_apply_schedule(tg_flags* v, char* msg, size_t size) {
     }
     if (v->seed >= 0) c->seed = (uint64_t)v->seed;
     c->eod_mask_loss = v->eod_mask_loss;
+    c->reset_position_ids = v->reset_position_ids;
+    c->reset_attention_mask = v->reset_attention_mask;
     c->calculate_per_token_loss = v->per_token_loss;
     c->check_for_nan_in_loss_and_grad = !v->no_check_for_nan;
     return 0;

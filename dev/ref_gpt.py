@@ -85,8 +85,9 @@ header int32[256]:
   [20] disable_bias (0 biases present, 1 none)  [21] use_rope_scaling (0/1)
   [22] layernorm_1p (0/1)  [23] eod + 1 (0: no loss mask)  [24] the dropout seed (0 without dropout)
   [25] squared_relu (0/1)  [26] qk_layernorm (0/1)
-  [27..255] 0
-  (words 15..26 are all 0 for gpt2, so files written before they existed read the same)
+  [27] reset_position_ids (0/1)  [28] reset_attention_mask (0/1)  [29] the documents' eod + 1 (0 without resets)
+  [30..255] 0
+  (words 15..29 are all 0 for gpt2, so files written before they existed read the same)
 hyper float32[64]:
   [0] max_lr  [1] min_lr  [2] lr_warmup_iters  [3] lr_decay_iters  [4] b1  [5] b2  [6] eps
   [7] weight_decay  [8] clip_grad  [9] norm eps  [10] rotary_base  [11] rotary_percent
@@ -151,6 +152,16 @@ Switches of train_gpt's launch-script flags (any flavor; header words 18, 22, 23
                      e; the gradient is that of Megatron's objective, the mean over the G/mb micro-batches
                      of each one's sum(loss * mask) / sum(mask); loss0 and losses are the reported loss,
                      sum(loss * mask) / sum(mask) over the whole batch. Tokens hold e at ~1 in 8 positions.
+
+Documents (--reset-position-ids, --reset-attention-mask; header words 27-29), with the end-of-document id
+e = doc_eod (or eod when doc_eod < 0), as Megatron's gpt_dataset._get_ltor_masks_and_position_ids runs on
+each sequence's inputs: for each position i holding e, in order, with reset_attention_mask the mask rows
+after i lose the columns up to i (the eod belongs to the document it ends), and with reset_position_ids
+the positions after i drop by i + 1 - prev (prev = the previous such i + 1, first 0): positions restart
+at 0 at i + 1. The learned table is read at those positions, RoPE rotates by them; attention keeps the
+causal mask and the document mask together (masked scores are -inf before the softmax, so dropout sees
+probability 0 there). Tokens hold e at ~1 in 8 positions, and at input position 0 of sequence 0, the
+last input position of sequence 1, two in a row in sequence 3; sequence 2 holds none.
 
 Dropout (--hidden-dropout, --attention-dropout; header word 24, hyper 13-14): Megatron's four sites,
 each x -> x * keep / (1 - p) in training, with megatron.c's masks (megatron.cu section 5), so that the
@@ -235,6 +246,9 @@ class Config:
     squared_relu: bool = False  # --squared-relu: act = relu(z)^2 (not with swiglu)
     qk_layernorm: bool = False  # --qk-layernorm: q and k heads normalised after the split, before rope
     eod: int = -1         # --eod-mask-loss with this end-of-document id (-1: every position counts)
+    reset_position_ids: bool = False    # --reset-position-ids (documents end at doc_eod, or eod)
+    reset_attention_mask: bool = False  # --reset-attention-mask
+    doc_eod: int = -1     # the documents' end-of-document id (-1: eod's)
     hidden_dropout: float = 0.0     # --hidden-dropout (embeddings, proj and fc2 branches)
     attention_dropout: float = 0.0  # --attention-dropout (the attention probabilities)
     # rope (hyper[10..12]; 0 in files without rope)
@@ -265,6 +279,8 @@ class Config:
         assert (self.kv > 0 or self.h % self.n == 0) and self.n % self.g == 0 and self.G % self.mb == 0
         assert self.T <= self.P and self.Vp > 64
         assert not (self.squared_relu and self.swiglu), "squared_relu and swiglu exclude each other"
+        if self.reset_position_ids or self.reset_attention_mask:
+            assert self.doc_end >= 0, "the resets need an end-of-document id"
         if self.position == "rope":
             assert self.rotary_base > 0 and 0 < self.rotary_percent <= 1 and self.rope_scaling_factor >= 0
             assert self.rot > 0 and self.rot % 2 == 0, self.rot
@@ -276,6 +292,14 @@ class Config:
     @property
     def f1(self):         # fc1 rows: [gate; up] with swiglu
         return 2 * self.f if self.swiglu else self.f
+
+    @property
+    def docs(self):       # documents change positions or the mask
+        return self.reset_position_ids or self.reset_attention_mask
+
+    @property
+    def doc_end(self):    # the documents' end-of-document id
+        return self.doc_eod if self.doc_eod >= 0 else self.eod
 
     @property
     def rot(self):        # rotary dims per head (rope)
@@ -320,6 +344,14 @@ CONFIGS = {
     "gpt2_qkln": Config(L=2, h=64, n=2, kv=64, f=128, Vp=256, T=32, G=4, mb=2, S=6, qk_layernorm=True),
     "llama_qkln": Config(flavor="llama", L=2, h=64, n=2, g=1, kv=64, f=96, Vp=256, T=32, G=4, mb=2, S=6, max_lr=3e-3,
                          rotary_base=500000.0, rotary_percent=0.5, qk_layernorm=True, layernorm_1p=True),
+    # documents (issue #36): --reset-position-ids and --reset-attention-mask, head dim 64 (bf16 runs the flash
+    # kernels; T = 80 spans two key tiles of 64 and a partial query tile). GPT-2: learned positions read at the
+    # reset positions, every loss position counts, attention and hidden dropout 0.1 under the document mask;
+    # Llama: RoPE at the reset positions with GQA, and --eod-mask-loss on the same eod.
+    "gpt2_docs": Config(L=2, h=128, n=2, f=256, Vp=256, T=80, G=4, mb=2, S=6, reset_position_ids=True,
+                        reset_attention_mask=True, doc_eod=7, hidden_dropout=0.1, attention_dropout=0.1),
+    "llama_docs": Config(flavor="llama", L=2, h=64, n=4, g=2, kv=64, f=128, Vp=256, T=80, G=4, mb=1, S=6,
+                         rotary_base=10000.0, reset_position_ids=True, reset_attention_mask=True, eod=5),
 }
 
 
@@ -471,15 +503,16 @@ def split_qkv(cfg, qkv):
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
-def causal_attention(q, k, v, drop_probs=None):
+def causal_attention(q, k, v, drop_probs=None, allowed=None):
     """Plain softmax attention, scale 1/sqrt(d), causal. q [B, n, T, d], k, v [B, g, T, d]. drop_probs:
-    attention dropout applied to the probabilities before they multiply v."""
+    attention dropout applied to the probabilities before they multiply v. allowed [B, T, T] bool (None:
+    causal): which keys each query sees (documents)."""
     n, g, T, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
     if g != n:                                   # GQA: each group serves n/g consecutive heads
         k = k.repeat_interleave(n // g, dim=1)
         v = v.repeat_interleave(n // g, dim=1)
     s = (q @ k.transpose(-1, -2)) / math.sqrt(d)
-    mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+    mask = torch.ones(T, T, dtype=torch.bool).triu(1) if allowed is None else ~allowed[:, None]
     s = s.masked_fill(mask, float("-inf"))
     p = torch.softmax(s, dim=-1)
     if drop_probs is not None:
@@ -519,7 +552,14 @@ class TorchPieces:
         return torch.cat([z.real, z.imag, x[..., 2 * r2:]], dim=-1)
 
     @staticmethod
-    def attention(q, k, v):
+    def attention(q, k, v, allowed=None):
+        if allowed is not None:  # documents: SDPA with the boolean mask (True: attend), GQA heads repeated
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+            if not hasattr(F, "scaled_dot_product_attention"):   # torch < 2.0
+                s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~allowed[:, None], float("-inf"))
+                return torch.softmax(s, dim=-1) @ v
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
         if k.shape[1] != q.shape[1]:
             try:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -608,10 +648,29 @@ class Dropout:
         return probs * (m * self.scale(self.p_attention))
 
 
+def megatron_documents(cfg, tokens):
+    """Megatron's gpt_dataset._get_ltor_masks_and_position_ids on each sequence of tokens [B, T] (the
+    inputs): (allowed [B, T, T] bool, the causal mask with --reset-attention-mask's cuts, or None without
+    it; positions [B, T] int64, reset with --reset-position-ids)."""
+    B, T = tokens.shape
+    allowed = torch.ones(B, T, T, dtype=torch.bool).tril()
+    positions = torch.arange(T, dtype=torch.int64).repeat(B, 1)
+    for b in range(B):
+        prev = 0
+        for i in (tokens[b] == cfg.doc_end).nonzero().flatten().tolist():
+            if cfg.reset_attention_mask:
+                allowed[b, i + 1:, :i + 1] = False
+            if cfg.reset_position_ids:
+                positions[b, i + 1:] -= i + 1 - prev
+                prev = i + 1
+    return (allowed if cfg.reset_attention_mask else None), positions
+
+
 def forward(cfg, p, tokens, pieces=Pieces, drop=None):
     """tokens int64 [B, T] -> logits [B, T, Vp]. p: dict name -> tensor (flavor dispatch below). drop: a
     Dropout (training with dropout; B is then the step's global batch) or None."""
     B, T = tokens.shape
+    allowed, positions = megatron_documents(cfg, tokens) if cfg.docs else (None, None)
 
     def norm(x, w, b):            # b is None without LayerNorm
         if cfg.layernorm_1p:      # zero-centred weights (Megatron's --apply-layernorm-1p)
@@ -625,10 +684,13 @@ def forward(cfg, p, tokens, pieces=Pieces, drop=None):
 
     x = p["word_embeddings"][tokens]
     if cfg.position == "learned":
-        x = x + p["position_embeddings"][:T].unsqueeze(0)
+        x = x + (p["position_embeddings"][positions] if positions is not None else
+                 p["position_embeddings"][:T].unsqueeze(0))
     if drop is not None:
         x = drop.hidden(x, -1, SITE_EMBEDDING)
     ang = rope_angles(cfg, T) if cfg.position == "rope" else None
+    if ang is not None and positions is not None:   # [B, 1, T, rot/2]: each row at its reset position
+        ang = ang[positions].unsqueeze(1)
     for l in range(cfg.L):
         w = {k: p[k][l] if k in p else None for k in
              ("ln1_weight", "ln1_bias", "qkv_weight", "qkv_bias", "q_layernorm_weight", "q_layernorm_bias",
@@ -641,10 +703,10 @@ def forward(cfg, p, tokens, pieces=Pieces, drop=None):
             k = norm(k, w["k_layernorm_weight"], w["k_layernorm_bias"])
         if ang is not None:                                  # rope on q and k, after the split
             q, k = pieces.rope(q, ang), pieces.rope(k, ang)
-        if drop is None:
-            o = pieces.attention(q, k, v)                    # [B, n, T, d]
+        if drop is None:                                     # [B, n, T, d]
+            o = pieces.attention(q, k, v) if allowed is None else pieces.attention(q, k, v, allowed=allowed)
         else:
-            o = causal_attention(q, k, v, lambda probs: drop.attention(probs, l))
+            o = causal_attention(q, k, v, lambda probs: drop.attention(probs, l), allowed)
         o = o.transpose(1, 2).reshape(B, T, cfg.n * cfg.d)   # heads concatenated in order
         proj = linear(o, w["proj_weight"], w["proj_bias"])
         x = x + (proj if drop is None else drop.hidden(proj, l, SITE_PROJ))
@@ -768,6 +830,14 @@ def make_tokens(cfg):
         tokens = rng.integers(0, cfg.Vp - 64, size=(cfg.S, cfg.G, cfg.T + 1)).astype(np.int32)
     if cfg.eod >= 0:   # documents: an end-of-document token at ~1 in 8 positions, a different count per sequence
         tokens[rng.random(tokens.shape) < 0.125] = cfg.eod
+    if cfg.docs:       # the documents' edge cases (see "Documents" above; G >= 4)
+        e = cfg.doc_end
+        if cfg.eod < 0:
+            tokens[rng.random(tokens.shape) < 0.125] = e
+        tokens[:, 0, 0] = e
+        tokens[:, 1, cfg.T - 1] = e
+        tokens[:, 2, :][tokens[:, 2, :] == e] = e + 1
+        tokens[:, 3, 5:7] = e
     return tokens
 
 
@@ -822,12 +892,13 @@ def header_arrays(cfg):
     rope = cfg.position == "rope"
     hd = np.zeros(HEADER_INTS, dtype="<i4")
     dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
-    hd[:27] = [MAGIC, VERSION, FLAVORS[cfg.flavor], cfg.L, cfg.h, cfg.n, cfg.f, cfg.Vp, cfg.P, cfg.T,
+    hd[:30] = [MAGIC, VERSION, FLAVORS[cfg.flavor], cfg.L, cfg.h, cfg.n, cfg.f, cfg.Vp, cfg.P, cfg.T,
                cfg.G, cfg.mb, cfg.S, num_params(cfg), cfg.g,
                cfg.d if (cfg.kv or cfg.flavor != "gpt2") else 0,   # gpt2 files keep 0 (= h/n) here
                NORMS[cfg.norm], int(cfg.swiglu), POSITIONS[cfg.position], int(cfg.untied), int(not cfg.bias),
                int(rope and cfg.rope_scaling_factor > 0), int(cfg.layernorm_1p), cfg.eod + 1,
-               cfg.seed if dropout else 0, int(cfg.squared_relu), int(cfg.qk_layernorm)]
+               cfg.seed if dropout else 0, int(cfg.squared_relu), int(cfg.qk_layernorm),
+               int(cfg.reset_position_ids), int(cfg.reset_attention_mask), cfg.doc_end + 1 if cfg.docs else 0]
     hp = np.zeros(HYPER_FLOATS, dtype="<f4")
     hp[:15] = [cfg.max_lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.lr_decay_iters, cfg.b1, cfg.b2, cfg.eps,
                cfg.weight_decay, cfg.clip_grad, cfg.norm_eps,
@@ -885,7 +956,8 @@ def read_file(path):
     norm_c, swiglu, pos_c, untied, no_bias, scaling, one_p, eod1 = (int(x) for x in hd[16:24])
     dropout_seed, hidden_dropout, attention_dropout = int(hd[24]), float(hp[13]), float(hp[14])
     squared_relu, qk_layernorm = int(hd[25]), int(hd[26])
-    if any(hd[27:]) or any(hp[15:]):
+    reset_pos, reset_mask, doc_eod1 = int(hd[27]), int(hd[28]), int(hd[29])
+    if any(hd[30:]) or any(hp[15:]):
         raise ValueError("reserved header fields not zero")
     if squared_relu not in (0, 1) or qk_layernorm not in (0, 1):
         raise ValueError(f"bad switches squared_relu {squared_relu}, qk_layernorm {qk_layernorm}")
@@ -902,7 +974,8 @@ def read_file(path):
                      norm={v: k for k, v in NORMS.items()}[norm_c], swiglu=bool(swiglu),
                      position={v: k for k, v in POSITIONS.items()}[pos_c], untied=bool(untied), bias=not no_bias,
                      layernorm_1p=bool(one_p), eod=eod1 - 1, squared_relu=bool(squared_relu),
-                     qk_layernorm=bool(qk_layernorm),
+                     qk_layernorm=bool(qk_layernorm), reset_position_ids=bool(reset_pos),
+                     reset_attention_mask=bool(reset_mask), doc_eod=doc_eod1 - 1 if doc_eod1 - 1 != eod1 - 1 else -1,
                      hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
                      seed=dropout_seed if dropout_seed else Config.seed,
                      rotary_base=float(hp[10]) if rope else Config.rotary_base,
@@ -1215,8 +1288,21 @@ def selftest():
                 worst = max(worst, abs(fd - an) / (abs(an) + 1e-5))
         expect(worst < 1e-5, f"gradient == finite differences on {3 * len(param_specs(cfg))} coordinates "
                              f"(worst |fd-an|/(|an|+1e-5) {worst:.1e})")
-        if cfg.flavor == "llama":
+        if cfg.flavor == "llama" and not cfg.docs:   # HF's Llama takes no document mask here
             hf_selftest(cfg, params, t[:, :-1], mine, expect)
+        if cfg.docs:   # the documents: Megatron's loop against doc_start's rule (key j seen iff start <= j <= i)
+            allowed, positions = megatron_documents(cfg, t[:, :-1])
+            good = True
+            for b in range(t.shape[0]):
+                start = 0
+                for i in range(cfg.T):
+                    if i > 0 and int(t[b, i - 1]) == cfg.doc_end:
+                        start = i
+                    good &= int(positions[b, i]) == (i - start if cfg.reset_position_ids else i)
+                    if allowed is not None:
+                        good &= all(bool(allowed[b, i, j]) == (start <= j <= i) for j in range(cfg.T))
+            eods = int((t[:, :-1] == cfg.doc_end).sum())
+            expect(good and eods >= 8, f"documents: {eods} eod inputs, positions and mask follow doc_start")
     # AdamW: our update against torch.optim.AdamW (same math: decoupled decay on the old p)
     for name in ("gpt2_tiny", "llama_tiny"):
         cfg = replace(CONFIGS[name], S=3, clip_grad=1e9)

@@ -20,8 +20,11 @@
 #ifndef MT_TEST_ATTENTION_H
 #define MT_TEST_ATTENTION_H
 
+#include <algorithm>
+
 typedef struct {
     int B, H, Hkv, T, d;
+    const int32_t* doc; /* [B, T] each query's document start (--reset-attention-mask); NULL: causal only */
 } flash_shape;
 
 static uint16_t flash_f2bf(float f) { return test_bf16_from_float(f); }
@@ -72,7 +75,8 @@ static void flash_reference(const flash_shape* s, const uint16_t* qkv, const uin
             for (int i = 0; i < T; i++) {
                 const uint16_t* q = qkv + ((size_t)b * T + i) * W + qoff;
                 double mx = -INFINITY;
-                for (int j = 0; j <= i; j++) {
+                const int lo = s->doc ? s->doc[(size_t)b * T + i] : 0; /* keys lo..i: the query's document */
+                for (int j = lo; j <= i; j++) {
                     const uint16_t* k = qkv + ((size_t)b * T + j) * W + koff;
                     double acc = 0.0;
                     for (int e = 0; e < d; e++) acc += flash_bf2d(q[e]) * flash_bf2d(k[e]);
@@ -80,26 +84,26 @@ static void flash_reference(const flash_shape* s, const uint16_t* qkv, const uin
                     if (p[j] > mx) mx = p[j];
                 }
                 double sum = 0.0;
-                for (int j = 0; j <= i; j++) sum += exp(p[j] - mx);
-                for (int j = 0; j <= i; j++) p[j] = exp(p[j] - mx) / sum;
+                for (int j = lo; j <= i; j++) sum += exp(p[j] - mx);
+                for (int j = lo; j <= i; j++) p[j] = exp(p[j] - mx) / sum;
                 lse[((size_t)b * s->H + h) * T + i] = mx + log(sum);
                 double* orow = o + ((size_t)b * T + i) * C + (size_t)h * d;
                 const uint16_t* go = dout + ((size_t)b * T + i) * C + (size_t)h * d;
                 for (int e = 0; e < d; e++) {
                     double acc = 0.0;
-                    for (int j = 0; j <= i; j++) acc += p[j] * flash_bf2d(qkv[((size_t)b * T + j) * W + voff + e]);
+                    for (int j = lo; j <= i; j++) acc += p[j] * flash_bf2d(qkv[((size_t)b * T + j) * W + voff + e]);
                     orow[e] = acc;
                 }
                 double dsum = 0.0;
                 for (int e = 0; e < d; e++) dsum += flash_bf2d(go[e]) * orow[e];
-                for (int j = 0; j <= i; j++) {
+                for (int j = lo; j <= i; j++) {
                     const uint16_t* v = qkv + ((size_t)b * T + j) * W + voff;
                     double dp = 0.0;
                     for (int e = 0; e < d; e++) dp += flash_bf2d(go[e]) * flash_bf2d(v[e]);
                     ds[j] = p[j] * (dp - dsum);
                 }
                 double* dq = dqkv + ((size_t)b * T + i) * W + qoff;
-                for (int j = 0; j <= i; j++) {
+                for (int j = lo; j <= i; j++) {
                     const uint16_t* k = qkv + ((size_t)b * T + j) * W + koff;
                     double* dk = dqkv + ((size_t)b * T + j) * W + koff;
                     double* dv = dqkv + ((size_t)b * T + j) * W + voff;
@@ -113,6 +117,22 @@ static void flash_reference(const flash_shape* s, const uint16_t* qkv, const uin
         }
     free(p);
     free(ds);
+}
+
+/* Per element (document-mask shapes): the worst |out - ref| / (2e-2 |ref| + 5e-2 rms(ref)) over a tensor,
+ * which must stay <= 1. An element carries its bf16 rounding (2^-9 |ref|) and the bf16 rounding of the P
+ * and dS terms it sums (random-signed, ~2^-9 of the tensor's scale); norm-wise those are a few 1e-3, so
+ * the largest of ~1e5 elements sits near 1e-2 rms. A key seen across a document boundary is of the
+ * order of the values themselves in the first rows of a document (few keys), far past 5e-2 rms. */
+static double flash_elementwise(const double* out, const double* ref, size_t n) {
+    double sq = 0.0, worst = 0.0;
+    for (size_t i = 0; i < n; i++) sq += ref[i] * ref[i];
+    const double rms = sqrt(sq / (double)(n ? n : 1));
+    for (size_t i = 0; i < n; i++) {
+        const double r = fabs(out[i] - ref[i]) / (2e-2 * fabs(ref[i]) + 5e-2 * rms);
+        if (!(r <= worst)) worst = r; /* NaN too */
+    }
+    return worst;
 }
 
 #define FLASH_CUDA(call)                                                                                 \
@@ -139,6 +159,8 @@ static int flash_check_shape(const flash_shape* s) {
     bf16 *qkv = NULL, *dout = NULL, *out = NULL, *dqkv = NULL, *pq = NULL, *pk = NULL, *pv = NULL, *po = NULL,
          *pdo = NULL, *pdq = NULL, *pdk = NULL, *pdv = NULL;
     float *lse = NULL, *dsum = NULL, *colsum = NULL;
+    int32_t* doc = NULL; /* the document starts on the device (NULL: causal only) */
+    double e_elem = 0.0;
     const int chunks = flash_colsum_chunks(s->B, T);
     float* h_colsum = (float*)malloc((size_t)chunks * W * 4);
     uint64_t rng = 0x5DEECE66Dull + (uint64_t)T * 131 + d;
@@ -154,6 +176,10 @@ static int flash_check_shape(const flash_shape* s) {
     FLASH_CUDA(cudaMalloc(&dsum, n_lse * 4));
     FLASH_CUDA(cudaMalloc(&colsum, (size_t)chunks * W * 4));
     FLASH_CUDA(cudaMemset(colsum, 0xFF, (size_t)chunks * W * 4));
+    if (s->doc) {
+        FLASH_CUDA(cudaMalloc(&doc, BT * 4));
+        FLASH_CUDA(cudaMemcpy(doc, s->doc, BT * 4, cudaMemcpyHostToDevice));
+    }
     FLASH_CUDA(cudaMemcpy(qkv, h_qkv, n_qkv * 2, cudaMemcpyHostToDevice));
     FLASH_CUDA(cudaMemcpy(dout, h_dout, n_rows * 2, cudaMemcpyHostToDevice));
     FLASH_CUDA(cudaMemset(out, 0xFF, n_rows * 2)); /* poisoned: NaN wherever nothing is written */
@@ -164,10 +190,12 @@ static int flash_check_shape(const flash_shape* s) {
         attn_view dq = qkv_rows_view(dqkv, T, s->Hkv, d, qpg, 0), dk = qkv_rows_view(dqkv, T, s->Hkv, d, qpg, qpg),
                   dv = qkv_rows_view(dqkv, T, s->Hkv, d, qpg, qpg + 1);
         attn_view o = attention_rows_view(out, T, s->H, d, qpg), go = attention_rows_view(dout, T, s->H, d, qpg);
-        FLASH_CUDA(flash_attention_forward(o, lse, cview(q), cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0));
+        FLASH_CUDA(flash_attention_forward(o, lse, cview(q), cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0,
+                                           mt_dropout(), doc));
         for (int run = 0; run < 2; run++) {
             FLASH_CUDA(flash_attention_backward(dq, dk, dv, dsum, cview(go), cview(q), cview(k), cview(v), cview(o),
-                                                lse, s->B, s->H, s->Hkv, T, d, 0, run ? colsum : (float*)NULL));
+                                                lse, s->B, s->H, s->Hkv, T, d, 0, run ? colsum : (float*)NULL,
+                                                mt_dropout(), doc));
             FLASH_CUDA(cudaMemcpy(run ? h_dqkv2 : h_dqkv, dqkv, n_qkv * 2, cudaMemcpyDeviceToHost));
             FLASH_CUDA(cudaMemset(dqkv, 0xFF, n_qkv * 2));
         }
@@ -177,6 +205,7 @@ static int flash_check_shape(const flash_shape* s) {
     {
         for (size_t i = 0; i < n_rows; i++) got[i] = flash_bf2d(h_out[i]);
         double e_o = flash_rel(got, r_o, n_rows);
+        e_elem = flash_elementwise(got, r_o, n_rows);
         for (size_t i = 0; i < n_lse; i++) got[i] = h_lse[i];
         double e_lse = flash_rel(got, r_lse, n_lse);
         /* the q, k and v columns of the gradient rows, each against its own norm */
@@ -192,6 +221,8 @@ static int flash_check_shape(const flash_shape* s) {
                     want[n++] = r_dqkv[r * W + c];
                 }
             e_part[part] = flash_rel(got, want, n);
+            const double el = flash_elementwise(got, want, n);
+            if (!(el <= e_elem)) e_elem = el;
         }
         int same = memcmp(h_dqkv, h_dqkv2, n_qkv * 2) == 0;
         /* the column sums: chunks added in double against the stored gradient's column sums */
@@ -208,9 +239,13 @@ static int flash_check_shape(const flash_shape* s) {
             ok = 0;
             goto done;
         }
-        printf("      B=%d H=%d Hkv=%d T=%d d=%d: O %.2e LSE %.2e dq %.2e dk %.2e dv %.2e%s\n", s->B, s->H, s->Hkv, T, d,
-               e_o, e_lse, e_part[0], e_part[1], e_part[2], same ? "" : " (backward NOT deterministic)");
-        if (!(e_o < 2e-2 && e_lse < 1e-4 && e_part[0] < 2e-2 && e_part[1] < 2e-2 && e_part[2] < 2e-2 && same)) {
+        printf("      B=%d H=%d Hkv=%d T=%d d=%d%s: O %.2e LSE %.2e dq %.2e dk %.2e dv %.2e%s", s->B, s->H, s->Hkv, T, d,
+               s->doc ? " (documents)" : "", e_o, e_lse, e_part[0], e_part[1], e_part[2],
+               same ? "" : " (backward NOT deterministic)");
+        if (s->doc) printf("; worst element %.2f of its bound", e_elem);
+        printf("\n");
+        if (!(e_o < 2e-2 && e_lse < 1e-4 && e_part[0] < 2e-2 && e_part[1] < 2e-2 && e_part[2] < 2e-2 && same &&
+              (!s->doc || e_elem <= 1.0))) {
             printf("    FAIL flash attention on the row layouts is off the reference\n");
             ok = 0;
             goto done;
@@ -253,9 +288,10 @@ static int flash_check_shape(const flash_shape* s) {
                   v = packed_heads_view(pv, s->Hkv, T, d, 1), o = packed_heads_view(po, s->H, T, d, qpg),
                   go = packed_heads_view(pdo, s->H, T, d, qpg), dq = packed_heads_view(pdq, s->H, T, d, qpg),
                   dk = packed_heads_view(pdk, s->Hkv, T, d, 1), dv = packed_heads_view(pdv, s->Hkv, T, d, 1);
-        FLASH_CUDA(flash_attention_forward(o, lse, cview(q), cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0));
+        FLASH_CUDA(flash_attention_forward(o, lse, cview(q), cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0,
+                                           mt_dropout(), doc));
         FLASH_CUDA(flash_attention_backward(dq, dk, dv, dsum, cview(go), cview(q), cview(k), cview(v), cview(o), lse,
-                                            s->B, s->H, s->Hkv, T, d, 0));
+                                            s->B, s->H, s->Hkv, T, d, 0, NULL, mt_dropout(), doc));
         /* compare the packed output and gradients with the row results, element by element */
         struct { bf16* src; const uint16_t* rows; int heads, width, slot_of_head; } outs[4] = {
             {po, h_out, s->H, C, 3}, {pdq, h_dqkv, s->H, W, 0}, {pdk, h_dqkv, s->Hkv, W, 1}, {pdv, h_dqkv, s->Hkv, W, 2}};
@@ -280,6 +316,7 @@ static int flash_check_shape(const flash_shape* s) {
 done:
     cudaFree(qkv); cudaFree(dqkv); cudaFree(dout); cudaFree(out); cudaFree(lse); cudaFree(dsum); cudaFree(colsum);
     cudaFree(pq); cudaFree(pk); cudaFree(pv); cudaFree(po); cudaFree(pdo); cudaFree(pdq); cudaFree(pdk); cudaFree(pdv);
+    cudaFree(doc);
     free(h_qkv); free(h_dout); free(h_out); free(h_dqkv); free(h_dqkv2); free(h_packed); free(h_lse); free(h_colsum);
     free(r_o); free(r_lse); free(r_dqkv); free(got); free(want);
     return ok;
@@ -317,7 +354,181 @@ static test_result test_flash_attention_long_sequences(void) {
     return TEST_PASS;
 }
 
+/* Document starts of B rows of T inputs (mt_document_boundaries) with the end-of-document token at the
+ * given input positions of each row (eods[b], terminated by -1). */
+static void flash_docs(int32_t* doc, int B, int T, const int* const* eods) {
+    int32_t* in = (int32_t*)malloc(sizeof(int32_t) * (size_t)B * T);
+    for (int b = 0; b < B; b++) {
+        for (int i = 0; i < T; i++) in[(size_t)b * T + i] = 2;
+        for (const int* e = eods[b]; *e >= 0; e++) in[(size_t)b * T + *e] = 1;
+    }
+    mt_document_boundaries(in, B, T, 1, doc, NULL);
+    free(in);
+}
+
+/* --reset-attention-mask in the flash kernels: each shape's document starts against the reference with
+ * the same documents (flash_check_shape: norm-wise as the causal shapes, and per element, see
+ * flash_elementwise), the packed layout bitwise the rows', the backward deterministic. The documents
+ * exercise the kernels' block variants and skips: documents shorter than a tile (a one-token document at
+ * position 0, two in a row, runs of 7), longer than one (130 and more), boundaries inside tiles and on the
+ * 64-key and 128-query tile edges (eod at 63 and 127: documents starting at 64 and 128), a document of
+ * one token at the last position, a row without any eod (causal), T not a multiple of a tile, GQA and
+ * head dims 64 and 128. Then a single document given as doc_start = 0 everywhere runs bitwise as the
+ * causal kernels without doc (the same arithmetic, every mask and skip test false). */
+static test_result test_flash_attention_document_masks(void) {
+    REQUIRE_GPU();
+    static int32_t doc1[2 * 300], doc2[260], doc3[2 * 80], doc4[17];
+    const int e1a[] = {0, 63, 64, 127, 199, 262, 298, -1};
+    int e1b[64], n = 0;
+    for (int i = 5; i < 300 && n < 63; i += 7) e1b[n++] = i; /* documents of 7 */
+    e1b[n] = -1;
+    const int* eods1[] = {e1a, e1b};
+    flash_docs(doc1, 2, 300, eods1);
+    const int e2[] = {129, 130, 199, -1};
+    const int* eods2[] = {e2};
+    flash_docs(doc2, 1, 260, eods2);
+    const int e3a[] = {-1}, e3b[] = {0, 78, 79, -1};
+    const int* eods3[] = {e3a, e3b};
+    flash_docs(doc3, 2, 80, eods3);
+    const int e4[] = {3, 9, 10, -1};
+    const int* eods4[] = {e4};
+    flash_docs(doc4, 1, 17, eods4);
+    const flash_shape shapes[] = {
+        {2, 4, 2, 300, 64, doc1},  /* tile-edge boundaries; many documents of 7 */
+        {1, 2, 1, 260, 128, doc2}, /* documents longer than a tile, head dim 128 */
+        {2, 4, 1, 80, 64, doc3},   /* one document; eods at 0 and at the last two inputs */
+        {1, 4, 1, 17, 64, doc4},   /* below one tile */
+    };
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
+        if (!flash_check_shape(&shapes[i])) return TEST_FAIL;
+
+    /* one document written out (doc_start 0) == no documents, bitwise */
+    const int B = 2, H = 4, Hkv = 2, T = 200, d = 64, qpg = H / Hkv, W = Hkv * (qpg + 2) * d, C = H * d;
+    const size_t n_qkv = (size_t)B * T * W, n_rows = (size_t)B * T * C, n_lse = (size_t)B * H * T;
+    uint16_t* hq = (uint16_t*)malloc(n_qkv * 2);
+    uint16_t* hg = (uint16_t*)malloc(n_rows * 2);
+    uint16_t* res[2] = {(uint16_t*)malloc((n_rows + n_qkv) * 2), (uint16_t*)malloc((n_rows + n_qkv) * 2)};
+    float* lses[2] = {(float*)malloc(n_lse * 4), (float*)malloc(n_lse * 4)};
+    uint64_t rng = 77;
+    flash_fill(hq, n_qkv, 1.7f, &rng);
+    flash_fill(hg, n_rows, 1.0f, &rng);
+    bf16 *qkv = NULL, *dqkv = NULL, *out = NULL, *dout = NULL;
+    float *lse = NULL, *dsum = NULL;
+    int32_t* zeros = NULL;
+    int ok = 1;
+    FLASH_CUDA(cudaMalloc(&qkv, n_qkv * 2));
+    FLASH_CUDA(cudaMalloc(&dqkv, n_qkv * 2));
+    FLASH_CUDA(cudaMalloc(&out, n_rows * 2));
+    FLASH_CUDA(cudaMalloc(&dout, n_rows * 2));
+    FLASH_CUDA(cudaMalloc(&lse, n_lse * 4));
+    FLASH_CUDA(cudaMalloc(&dsum, n_lse * 4));
+    FLASH_CUDA(cudaMalloc(&zeros, (size_t)B * T * 4));
+    FLASH_CUDA(cudaMemset(zeros, 0, (size_t)B * T * 4));
+    FLASH_CUDA(cudaMemcpy(qkv, hq, n_qkv * 2, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaMemcpy(dout, hg, n_rows * 2, cudaMemcpyHostToDevice));
+    for (int run = 0; run < 2; run++) {
+        attn_view q = qkv_rows_view(qkv, T, Hkv, d, qpg, 0), k = qkv_rows_view(qkv, T, Hkv, d, qpg, qpg),
+                  v = qkv_rows_view(qkv, T, Hkv, d, qpg, qpg + 1);
+        attn_view dq = qkv_rows_view(dqkv, T, Hkv, d, qpg, 0), dk = qkv_rows_view(dqkv, T, Hkv, d, qpg, qpg),
+                  dv = qkv_rows_view(dqkv, T, Hkv, d, qpg, qpg + 1);
+        attn_view o = attention_rows_view(out, T, H, d, qpg), go = attention_rows_view(dout, T, H, d, qpg);
+        const int32_t* docs = run ? zeros : NULL;
+        FLASH_CUDA(flash_attention_forward(o, lse, cview(q), cview(k), cview(v), B, H, Hkv, T, d, 0, mt_dropout(), docs));
+        FLASH_CUDA(flash_attention_backward(dq, dk, dv, dsum, cview(go), cview(q), cview(k), cview(v), cview(o), lse, B,
+                                            H, Hkv, T, d, 0, NULL, mt_dropout(), docs));
+        FLASH_CUDA(cudaMemcpy(res[run], out, n_rows * 2, cudaMemcpyDeviceToHost));
+        FLASH_CUDA(cudaMemcpy(res[run] + n_rows, dqkv, n_qkv * 2, cudaMemcpyDeviceToHost));
+        FLASH_CUDA(cudaMemcpy(lses[run], lse, n_lse * 4, cudaMemcpyDeviceToHost));
+    }
+    if (memcmp(res[0], res[1], (n_rows + n_qkv) * 2) != 0 || memcmp(lses[0], lses[1], n_lse * 4) != 0) {
+        printf("    FAIL one document given as doc_start 0 differs from the causal kernels\n");
+        ok = 0;
+    } else {
+        printf("      one document (doc_start 0) == causal, bitwise (O, LSE, dQ, dK, dV)\n");
+    }
+done:
+    cudaFree(qkv); cudaFree(dqkv); cudaFree(out); cudaFree(dout); cudaFree(lse); cudaFree(dsum); cudaFree(zeros);
+    free(hq); free(hg); free(res[0]); free(res[1]); free(lses[0]); free(lses[1]);
+    return ok ? TEST_PASS : TEST_FAIL;
+}
+
+/* The work the document skips save (the lead's micro-benchmark): flash forward + backward at T = 4096,
+ * B = 2, 16 query heads over 8 kv heads, d = 128, with one document (doc NULL) and with documents of
+ * 1024, 256 and 64 tokens; milliseconds per forward + backward (median of 7 after a warm-up). Causal
+ * attention over one document does ~T^2/2 work per head; n documents of T/n about 1/n of it, plus the
+ * tiles that straddle a boundary. Fails unless documents of 256 run at least 2x faster than one document
+ * (16 documents: ~8x less work even counting whole 64-key tiles). */
+static test_result test_flash_attention_document_speed(void) {
+    REQUIRE_GPU();
+    const int B = 2, H = 16, Hkv = 8, T = 4096, d = 128, qpg = H / Hkv, W = Hkv * (qpg + 2) * d, C = H * d;
+    const size_t n_qkv = (size_t)B * T * W, n_rows = (size_t)B * T * C, n_lse = (size_t)B * H * T;
+    uint16_t* hq = (uint16_t*)malloc(n_qkv * 2);
+    uint16_t* hg = (uint16_t*)malloc(n_rows * 2);
+    int32_t* hdoc = (int32_t*)malloc(sizeof(int32_t) * 3 * B * T);
+    uint64_t rng = 99;
+    flash_fill(hq, n_qkv, 1.7f, &rng);
+    flash_fill(hg, n_rows, 1.0f, &rng);
+    const int lengths[3] = {1024, 256, 64};
+    for (int k = 0; k < 3; k++)
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < T; i++) hdoc[((size_t)k * B + b) * T + i] = i / lengths[k] * lengths[k];
+    bf16 *qkv = NULL, *dqkv = NULL, *out = NULL, *dout = NULL;
+    float *lse = NULL, *dsum = NULL;
+    int32_t* doc = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    double ms[4] = {0, 0, 0, 0};
+    int ok = 1;
+    FLASH_CUDA(cudaMalloc(&qkv, n_qkv * 2));
+    FLASH_CUDA(cudaMalloc(&dqkv, n_qkv * 2));
+    FLASH_CUDA(cudaMalloc(&out, n_rows * 2));
+    FLASH_CUDA(cudaMalloc(&dout, n_rows * 2));
+    FLASH_CUDA(cudaMalloc(&lse, n_lse * 4));
+    FLASH_CUDA(cudaMalloc(&dsum, n_lse * 4));
+    FLASH_CUDA(cudaMalloc(&doc, sizeof(int32_t) * 3 * B * T));
+    FLASH_CUDA(cudaMemcpy(qkv, hq, n_qkv * 2, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaMemcpy(dout, hg, n_rows * 2, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaMemcpy(doc, hdoc, sizeof(int32_t) * 3 * B * T, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaEventCreate(&e0));
+    FLASH_CUDA(cudaEventCreate(&e1));
+    for (int k = 0; k < 4; k++) {
+        attn_view q = qkv_rows_view(qkv, T, Hkv, d, qpg, 0), kk = qkv_rows_view(qkv, T, Hkv, d, qpg, qpg),
+                  v = qkv_rows_view(qkv, T, Hkv, d, qpg, qpg + 1);
+        attn_view dq = qkv_rows_view(dqkv, T, Hkv, d, qpg, 0), dk = qkv_rows_view(dqkv, T, Hkv, d, qpg, qpg),
+                  dv = qkv_rows_view(dqkv, T, Hkv, d, qpg, qpg + 1);
+        attn_view o = attention_rows_view(out, T, H, d, qpg), go = attention_rows_view(dout, T, H, d, qpg);
+        const int32_t* docs = k == 0 ? NULL : doc + (size_t)(k - 1) * B * T;
+        float times[8];
+        for (int rep = 0; rep < 8; rep++) { /* rep 0 warms up */
+            FLASH_CUDA(cudaEventRecord(e0, 0));
+            FLASH_CUDA(flash_attention_forward(o, lse, cview(q), cview(kk), cview(v), B, H, Hkv, T, d, 0, mt_dropout(),
+                                               docs));
+            FLASH_CUDA(flash_attention_backward(dq, dk, dv, dsum, cview(go), cview(q), cview(kk), cview(v), cview(o), lse,
+                                                B, H, Hkv, T, d, 0, NULL, mt_dropout(), docs));
+            FLASH_CUDA(cudaEventRecord(e1, 0));
+            FLASH_CUDA(cudaEventSynchronize(e1));
+            FLASH_CUDA(cudaEventElapsedTime(&times[rep], e0, e1));
+        }
+        std::sort(times + 1, times + 8);
+        ms[k] = times[4];
+    }
+    printf("      flash fwd+bwd, T=%d B=%d H=%d Hkv=%d d=%d: one document %.3f ms | documents of 1024 %.3f ms (%.2fx) | "
+           "256 %.3f ms (%.2fx) | 64 %.3f ms (%.2fx)\n", T, B, H, Hkv, d, ms[0], ms[1], ms[0] / ms[1], ms[2],
+           ms[0] / ms[2], ms[3], ms[0] / ms[3]);
+    if (!(ms[0] >= 2.0 * ms[2])) {
+        printf("    FAIL documents of 256 are not 2x faster than one document: the skips do not show\n");
+        ok = 0;
+    }
+done:
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    cudaFree(qkv); cudaFree(dqkv); cudaFree(out); cudaFree(dout); cudaFree(lse); cudaFree(dsum); cudaFree(doc);
+    free(hq); free(hg); free(hdoc);
+    return ok ? TEST_PASS : TEST_FAIL;
+}
+
 static const test_case attention_gpu_tests[] = {
+    {"flash_attention_document_masks_match_reference", test_flash_attention_document_masks},
+    {"flash_attention_document_speed", test_flash_attention_document_speed},
     {"flash_attention_row_layouts_match_reference", test_flash_attention_row_layouts},
     {"flash_attention_long_sequences_match_reference", test_flash_attention_long_sequences},
 };

@@ -443,6 +443,30 @@ static test_result test_flags_eod_mask_llama_bf16(void) {
 }
 
 /* --apply-layernorm-1p: LayerNorm (weights and biases) and RMSNorm with their weights stored as w - 1 */
+/* --reset-position-ids and --reset-attention-mask (dev/ref_gpt.py "Documents": Megatron's own loop on the
+ * inputs, an eod at input 0, at the last input, two in a row, a sequence without any): gpt2_docs (learned
+ * positions read at the reset positions, attention and hidden dropout 0.1 under the document mask, every
+ * position counted) and llama_docs (RoPE at the reset positions, GQA, --eod-mask-loss on the same eod),
+ * head dim 64 and T = 80 so bf16 runs the flash kernels over two key tiles and a partial query tile,
+ * fp32 the exact path. Tolerances as the models without documents (test_model.h's and test_dropout.h's,
+ * per tensor: fp32 1e-5, the float64 reference's rounding to fp32; bf16 3e-2 logits and gradients, 1e-2
+ * losses, weights 3e-3 tied / 5e-3 untied, the bf16 rounding of activations and the flash kernels' bf16
+ * P and dS): the documents change no arithmetic, only which keys and positions enter it, and a wrong
+ * boundary (at i instead of i + 1), a missing reset or a leak across documents moves the logits by 0.4
+ * (gpt2_docs) to 1.0 (llama_docs) relative: the reference with plain positions and causal masks. */
+static test_result test_flags_docs_gpt2_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_docs.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_flags_docs_gpt2_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/gpt2_docs.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 3e-3);
+}
+static test_result test_flags_docs_llama_fp32(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_docs.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
+}
+static test_result test_flags_docs_llama_bf16(void) {
+    return check_against_reference("dev/data/gpt_vectors/llama_docs.bin", MT_BF16, 3e-2, 1e-2, 3e-2, 1e-2, 5e-3);
+}
+
 static test_result test_flags_layernorm_1p_fp32(void) {
     return check_against_reference("dev/data/gpt_vectors/gpt2_1p.bin", MT_FP32, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5);
 }
@@ -662,6 +686,10 @@ static const test_case flags_gpu_tests[] = {
     {"flags_eod_mask_nope_bf16", test_flags_eod_mask_nope_bf16},
     {"flags_eod_mask_llama_fp32", test_flags_eod_mask_llama_fp32},
     {"flags_eod_mask_llama_bf16", test_flags_eod_mask_llama_bf16},
+    {"flags_docs_gpt2_fp32", test_flags_docs_gpt2_fp32},
+    {"flags_docs_gpt2_bf16", test_flags_docs_gpt2_bf16},
+    {"flags_docs_llama_fp32", test_flags_docs_llama_fp32},
+    {"flags_docs_llama_bf16", test_flags_docs_llama_bf16},
     {"flags_per_token_loss", test_flags_per_token_loss},
     {"flags_ramp_step_and_weights_only_load", test_flags_ramp_step_and_weights_only_load},
     {"flags_decoupled_lr", test_flags_decoupled_lr},
@@ -1205,7 +1233,115 @@ static test_result test_flags_no_gpu_message(void) {
     return TEST_PASS;
 }
 
+/* --reset-position-ids and --reset-attention-mask, host side. The flags land (off by default, Megatron's
+ * names) and leave the checkpoint header alone (data settings, as in Megatron, whose checkpoints only
+ * carry them in the saved args). mt_document_boundaries against hand cases (an eod at position 0, two in
+ * a row, one at the last position, a sequence without any) and, on random token rows, against Megatron's
+ * own loop (gpt_dataset.py: for each eod at i, positions after i drop by i + 1 - prev; mask rows after i
+ * lose the columns up to i) written out here on a dense mask; mt_position_index groups the rows by
+ * position in increasing order; the memory plan holds the documents [2, BT] per slot and the position
+ * index's room only with the flags. */
+static test_result test_flags_document_masks_host(void) {
+    const char* base[] = {"train_gpt", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+                          "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3"};
+    const int nb = (int)(sizeof(base) / sizeof(base[0]));
+    static tg_flags v;
+    char msg[512] = "";
+    char* argv[64];
+    const char* none[] = {NULL};
+    int n = flags_argv_with(base, nb, none, argv);
+    EXPECT(flags_configure(argv, n, 1000, 1, &v, msg, sizeof(msg)) == 0, "%s", msg);
+    EXPECT(!v.cfg.reset_position_ids && !v.cfg.reset_attention_mask, "the resets are off by default");
+    const char* both[] = {"--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", NULL};
+    n = flags_argv_with(base, nb, both, argv);
+    EXPECT(flags_configure(argv, n, 1000, 1, &v, msg, sizeof(msg)) == 0, "%s", msg);
+    EXPECT(v.cfg.reset_position_ids == 1 && v.cfg.reset_attention_mask == 1 && v.cfg.eod_mask_loss == 1,
+           "the flags did not land: %d %d %d", v.cfg.reset_position_ids, v.cfg.reset_attention_mask,
+           v.cfg.eod_mask_loss);
+    const char* one[] = {"--reset-attention-mask", NULL};
+    n = flags_argv_with(base, nb, one, argv);
+    EXPECT(flags_configure(argv, n, 1000, 1, &v, msg, sizeof(msg)) == 0, "%s", msg);
+    EXPECT(v.cfg.reset_position_ids == 0 && v.cfg.reset_attention_mask == 1, "--reset-attention-mask alone");
+
+    /* hand cases, eod 5: [5 1 2 5 3 4 7 5] [1 2 3 4 6 7 8 9] [5 5 1 5 5 2 3 4] */
+    const int32_t in[3][8] = {{5, 1, 2, 5, 3, 4, 7, 5}, {1, 2, 3, 4, 6, 7, 8, 9}, {5, 5, 1, 5, 5, 2, 3, 4}};
+    const int32_t want_start[3][8] = {{0, 1, 1, 1, 4, 4, 4, 4}, {0, 0, 0, 0, 0, 0, 0, 0}, {0, 1, 2, 2, 4, 5, 5, 5}};
+    const int32_t want_pos[3][8] = {{0, 0, 1, 2, 0, 1, 2, 3}, {0, 1, 2, 3, 4, 5, 6, 7}, {0, 0, 0, 1, 0, 0, 1, 2}};
+    int32_t start[24], pos[24];
+    mt_document_boundaries(&in[0][0], 3, 8, 5, start, pos);
+    EXPECT(memcmp(start, want_start, sizeof(start)) == 0 && memcmp(pos, want_pos, sizeof(pos)) == 0,
+           "hand cases: doc_start or positions wrong");
+    int32_t only[24];
+    mt_document_boundaries(&in[0][0], 3, 8, 5, only, NULL);
+    EXPECT(memcmp(only, want_start, sizeof(only)) == 0, "doc_start without positions");
+    /* the position index of the hand cases: position 0 holds rows 0 1 4 8 16 17 18 20 21, and so on */
+    int32_t offsets[9], rows[24];
+    mt_position_index(pos, 24, 8, offsets, rows);
+    EXPECT(offsets[0] == 0 && offsets[8] == 24, "offsets %d .. %d", offsets[0], offsets[8]);
+    const int32_t want_p0[] = {0, 1, 4, 8, 16, 17, 18, 20, 21};
+    EXPECT(offsets[1] == 9 && memcmp(rows, want_p0, sizeof(want_p0)) == 0, "position 0's rows");
+    for (int p = 0; p < 8; p++)
+        for (int k = offsets[p]; k < offsets[p + 1]; k++)
+            EXPECT(pos[rows[k]] == p && (k == offsets[p] || rows[k] > rows[k - 1]), "position %d row %d", p, rows[k]);
+
+    /* random rows against Megatron's loop on a dense mask (S = 40; eod 3 at ~1 in 5, some rows forced to
+     * start or end with it) */
+    enum { RS = 40 };
+    uint64_t rng = 0x1234567ull;
+    for (int trial = 0; trial < 50; trial++) {
+        int32_t row[RS], ds[RS], ps[RS], mpos[RS];
+        unsigned char mask[RS][RS];
+        for (int i = 0; i < RS; i++) {
+            rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+            row[i] = (rng >> 33) % 5 == 0 ? 3 : 10 + (int)((rng >> 40) % 50);
+        }
+        if (trial % 3 == 0) row[0] = 3;
+        if (trial % 4 == 0) row[RS - 1] = 3;
+        for (int i = 0; i < RS; i++) {
+            mpos[i] = i;
+            for (int j = 0; j < RS; j++) mask[i][j] = j <= i;
+        }
+        int prev = 0;
+        for (int i = 0; i < RS; i++) {
+            if (row[i] != 3) continue;
+            for (int a = i + 1; a < RS; a++)
+                for (int j = 0; j <= i; j++) mask[a][j] = 0;
+            for (int a = i + 1; a < RS; a++) mpos[a] -= i + 1 - prev;
+            prev = i + 1;
+        }
+        mt_document_boundaries(row, 1, RS, 3, ds, ps);
+        for (int i = 0; i < RS; i++) {
+            EXPECT(ps[i] == mpos[i], "trial %d: position %d is %d, Megatron's %d", trial, i, ps[i], mpos[i]);
+            for (int j = 0; j < RS; j++)
+                EXPECT(mask[i][j] == (ds[i] <= j && j <= i), "trial %d: query %d key %d: mask %d, doc_start %d", trial,
+                       i, j, mask[i][j], ds[i]);
+        }
+    }
+
+    /* the memory plan: documents per slot and the position index only with the flags; the header unchanged */
+    mt_config c = small_test_config();
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    mt_activation_layout plain, docs;
+    mt_activation_layout_compute(&c, 2, 1, 1, NULL, &plain);
+    int64_t h0[MT_CK_HEADER_WORDS], h1[MT_CK_HEADER_WORDS];
+    mt_checkpoint_header_init(h0, &c);
+    c.reset_position_ids = c.reset_attention_mask = 1;
+    mt_activation_layout_compute(&c, 2, 1, 1, NULL, &docs);
+    mt_checkpoint_header_init(h1, &c);
+    const size_t BT = (size_t)c.micro_batch_size * c.seq_length;
+    EXPECT(plain.bytes[MT_ACT_DOCS] == 0 && docs.bytes[MT_ACT_DOCS] == 2 * BT * 4 &&
+               docs.bytes[MT_ACT_EMBED_INDEX] == plain.bytes[MT_ACT_EMBED_INDEX] + (c.seq_length + 1 + BT) * 4 &&
+               MT_ACT_DOCS >= MT_ACT_RESIDUAL,
+           "documents %zu / %zu bytes, index %zu / %zu", plain.bytes[MT_ACT_DOCS], docs.bytes[MT_ACT_DOCS],
+           plain.bytes[MT_ACT_EMBED_INDEX], docs.bytes[MT_ACT_EMBED_INDEX]);
+    EXPECT(memcmp(h0, h1, sizeof(h0)) == 0, "the resets changed the checkpoint header");
+    return TEST_PASS;
+}
+
 static const test_case flags_tests[] = {
+    {"flags_document_masks_host", test_flags_document_masks_host},
     {"flags_builtin_short_runs", test_flags_builtin_short_runs},
     {"flags_prepro_equals_form", test_flags_prepro_equals_form},
     {"flags_model_switches_host", test_flags_model_switches_host},

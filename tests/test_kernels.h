@@ -1819,10 +1819,20 @@ static test_result test_kernels_qk_norm(void) { KT_FOR_TYPES(kt_qk_norm_all); }
 /* 9. Causal softmax forward and backward (exact attention path), in place, one warp per row        */
 /* ============================================================================================== */
 
+/* heads > 0: document masks (--reset-attention-mask) over BH = B * heads rows of heads per sample,
+ * doc_start from mt_document_boundaries: sample b ends a document after every input (b % 3) + 2 (runs of
+ * 2, 3, 4: boundaries inside warps and on lane 32's edge), the last sample also after input 0 and the
+ * next to last. Each row's reference covers keys doc_start[q] .. q only; the others must come out 0. */
 template <typename T>
-static int kt_softmax_case(kt_ctx* k, int BH, int S) {
+static int kt_softmax_case(kt_ctx* k, int BH, int S, int heads = 0) {
     const double us = kt_fmt<T>::u, uc = KT_UC;
-    const int rows = BH * S;
+    const int rows = BH * S, B = heads > 0 ? BH / heads : 0;
+    std::vector<int32_t> doc(B > 0 ? (size_t)B * S : 1, 0), in(doc.size(), 7);
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < S; i++)
+            if (i % ((b % 3) + 2) == (b % 3) + 1 || (b == B - 1 && (i == 0 || i == S - 2))) in[(size_t)b * S + i] = 1;
+    if (B > 0) mt_document_boundaries(in.data(), B, S, 1, doc.data(), NULL);
+    auto lo_of = [&](int r) { return B > 0 ? doc[(size_t)(r / (heads * S)) * S + r % S] : 0; };
     const int64_t n = (int64_t)rows * S;
     const float scale = 0.125f; /* 1/sqrt(64) */
     kt_rng rng = {kt_seed(14, BH, S, 0)};
@@ -1833,11 +1843,11 @@ static int kt_softmax_case(kt_ctx* k, int BH, int S) {
      * diagonal, and nonzero garbage above it (the kernel must not use it) */
     p.fill(n, &rng, 0.01, 1.0);
     for (int r = 0; r < rows; r++) {
-        const int q = r % S;
+        const int q = r % S, lo = lo_of(r);
         std::vector<double> e(q + 1);
         double sum = 0.0;
-        for (int j = 0; j <= q; j++) sum += (e[j] = exp(4.0 * kt_uniform(&rng)));
-        for (int j = 0; j <= q; j++) {
+        for (int j = lo; j <= q; j++) sum += (e[j] = exp(4.0 * kt_uniform(&rng)));
+        for (int j = lo; j <= q; j++) {
             const int64_t i = (int64_t)r * S + j;
             p.h[i] = kt_from<T>((float)(e[j] / sum));
             p.v[i] = kt_to<T>(p.h[i]);
@@ -1846,14 +1856,17 @@ static int kt_softmax_case(kt_ctx* k, int BH, int S) {
     T* ds = kt_alloc<T>(k, n);
     T* ddp = kt_alloc<T>(k, n);
     T* dprob = kt_alloc<T>(k, n);
+    int32_t* ddoc = B > 0 ? kt_alloc<int32_t>(k, (int64_t)B * S) : NULL;
     KT_ALLOCATED(k);
     kt_report rep;
-    kt_report_begin(&rep, "causal_softmax forward + backward<%s> rows=%d (B*heads=%d) T=%d", kt_fmt<T>::name, rows, BH, S);
+    kt_report_begin(&rep, "causal_softmax forward + backward<%s> rows=%d (B*heads=%d) T=%d%s", kt_fmt<T>::name, rows, BH, S,
+                    B > 0 ? " with documents" : "");
     KT_CUDA(kt_put(k, ds, s0.h));
     KT_CUDA(kt_put(k, ddp, dp0.h));
     KT_CUDA(kt_put(k, dprob, p.h));
-    causal_softmax_forward<T>(kt_exec(k, 0), ds, rows, S, scale);
-    causal_softmax_backward<T>(kt_exec(k, 0), ddp, dprob, rows, S, scale);
+    if (ddoc) KT_CUDA(cudaMemcpy(ddoc, doc.data(), sizeof(int32_t) * doc.size(), cudaMemcpyHostToDevice));
+    causal_softmax_forward<T>(kt_exec(k, 0), ds, rows, S, scale, ddoc, heads > 0 ? heads : 1);
+    causal_softmax_backward<T>(kt_exec(k, 0), ddp, dprob, rows, S, scale, mt_dropout(), heads > 0 ? heads : 1, ddoc);
     if (!kt_sync(k, rep.label)) return 0;
     std::vector<T> out, dsc;
     KT_CUDA(kt_get(k, out, ds, n));
@@ -1865,26 +1878,27 @@ static int kt_softmax_case(kt_ctx* k, int BH, int S) {
     kt_check cf, cb, cz;
     kt_check_begin(&cf, "probs", S, 2 * us, 2 * us + 64 * uc, kt_fmt<T>::tiny);
     kt_check_begin(&cb, "dscores", S, 2 * us, 2 * us + 64 * uc, kt_fmt<T>::tiny);
-    kt_check_begin(&cz, "zero above the diagonal", S, 0.0, 0.0, 0.0);
+    kt_check_begin(&cz, B > 0 ? "zero above the diagonal and before the document" : "zero above the diagonal", S, 0.0,
+                   0.0, 0.0);
     std::vector<double> z(S);
     for (int r = 0; r < rows; r++) {
-        const int q = r % S;
+        const int q = r % S, lo = lo_of(r);
         const int64_t base = (int64_t)r * S;
         double mx = -INFINITY, amax = 0.0, sum = 0.0, dot = 0.0, adot = 0.0;
-        for (int j = 0; j <= q; j++) {
+        for (int j = lo; j <= q; j++) {
             z[j] = scale * s0.v[base + j];
             mx = z[j] > mx ? z[j] : mx;
             amax = fabs(z[j]) > amax ? fabs(z[j]) : amax;
         }
-        for (int j = 0; j <= q; j++) sum += exp(z[j] - mx);
-        for (int j = 0; j <= q; j++) {
+        for (int j = lo; j <= q; j++) sum += exp(z[j] - mx);
+        for (int j = lo; j <= q; j++) {
             dot += dp0.v[base + j] * p.v[base + j];
             adot += fabs(dp0.v[base + j] * p.v[base + j]);
         }
         const double rel = 2 * uc * (2 * (amax + fabs(mx)) + (q + 1) / 32.0 + 14);
         for (int j = 0; j < S; j++) {
             const int64_t i = base + j;
-            if (j > q) {
+            if (j > q || j < lo) {
                 kt_check_add(&cz, i, kt_to<T>(out[i]), 0.0, 0.0);
                 kt_check_add(&cz, i, kt_to<T>(dsc[i]), 0.0, 0.0);
                 continue;
@@ -1899,7 +1913,7 @@ static int kt_softmax_case(kt_ctx* k, int BH, int S) {
     }
     kt_check_end(&cf, &rep);
     kt_check_end(&cb, &rep);
-    if (S > 1) kt_check_end(&cz, &rep);
+    if (S > 1 || B > 0) kt_check_end(&cz, &rep);
     return kt_report_end(&rep);
 }
 
@@ -1917,6 +1931,11 @@ static int kt_softmax_all(kt_ctx* k) {
         ok = kt_softmax_case<T>(k, 1, 4096) && ok;
         kt_release(k);
     }
+    /* documents: 3 samples of 2 heads (the heads of a sample share its documents), and one long row */
+    ok = kt_softmax_case<T>(k, 6, 70, 2) && ok;
+    kt_release(k);
+    ok = kt_softmax_case<T>(k, 2, 1024, 1) && ok;
+    kt_release(k);
     return ok;
 }
 static test_result test_kernels_causal_softmax(void) { KT_FOR_TYPES(kt_softmax_all); }

@@ -115,6 +115,9 @@ static mt_config config_from_vectors(const gpt_vectors* v, mt_precision precisio
     c.qk_layernorm = v->header[26];
     c.eod_mask_loss = v->header[23] > 0;        /* [23] the end-of-document id + 1 (0: no loss mask) */
     c.eod_token = v->header[23] - 1;
+    c.reset_position_ids = v->header[27];       /* [27] --reset-position-ids, [28] --reset-attention-mask, */
+    c.reset_attention_mask = v->header[28];     /* [29] the documents' end-of-document id + 1 (0 in older files) */
+    if (v->header[29] > 0) c.eod_token = v->header[29] - 1;
     if (v->header[18] == MT_POSITION_ROPE) {
         c.rotary_base = v->hyper[10];
         c.rotary_percent = v->hyper[11];

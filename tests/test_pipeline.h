@@ -872,7 +872,42 @@ static test_result test_params_norm_zeros_layouts(void) {
     return res;
 }
 
+/* Documents over the pipeline (--reset-position-ids, --reset-attention-mask; one GPU's model against
+ * dev/ref_gpt.py's documents in tests/test_flags.h): every stage stages the micro-batch's documents with
+ * its forward into the micro-batch's activation slot, where its backward, and the recompute of full
+ * recompute (on the pipeline side only), read them again. A vocabulary of 16 with eod 0 puts ~2 document
+ * ends in each micro-batch of 2 x 16 tokens, so a stage holding another micro-batch's documents, or none,
+ * moves the losses far past the layouts' tolerances. GPT-2 (learned positions, exact attention in fp32)
+ * and Llama in bf16 (RoPE, the flash kernels' document masks). */
+static test_result test_pp_matches_single_documents(void) {
+    REQUIRE_MPI_GPUS();
+    REQUIRE_PP_WORLD();
+    test_result res = TEST_PASS;
+    for (int llama = 0; llama <= 1 && res == TEST_PASS; llama++) {
+        const mt_precision prec = llama ? MT_BF16 : MT_FP32;
+        mt_config one = pp_config(prec, 1, 1, 1, 1, llama), c = pp_config(prec, mpi_world(), 1, 1, 1, llama);
+        mt_config* both[2] = {&one, &c};
+        for (int k = 0; k < 2; k++) {
+            both[k]->vocab_size = 16;
+            both[k]->eod_token = 0;
+            both[k]->reset_position_ids = both[k]->reset_attention_mask = 1;
+        }
+        c.recompute.granularity = MT_RECOMPUTE_FULL;
+        c.recompute.method = MT_RECOMPUTE_UNIFORM;
+        c.recompute.num_layers = 1;
+        char name[96];
+        snprintf(name, sizeof(name), "%s %s PP=%d, documents, full recompute", llama ? "Llama" : "GPT-2",
+                 llama ? "bf16" : "fp32", mpi_world());
+        pp_reference ref;
+        res = pp_reference_train(&ref, one);
+        if (res == TEST_PASS) res = pp_against_reference(name, c, &ref);
+        pp_reference_free(&ref);
+    }
+    return res;
+}
+
 static const test_case pipeline_multigpu_tests[] = {
+    {"pp_matches_single_gpu_documents", test_pp_matches_single_documents},
     {"pp_matches_single_gpu_fp32", test_pp_matches_single_fp32},
     {"pp_matches_single_gpu_bf16", test_pp_matches_single_bf16},
     {"pp_matches_single_gpu_fp8", test_pp_matches_single_fp8},
