@@ -75,7 +75,10 @@ SERVE_BINS := $(if $(HAVE_SERVE),serve_gpt_fake serve_gpt)
 PREPRO := prepro/preprocess_data prepro/merge_datasets prepro/dataset_info prepro/convert_hf prepro/checkpoint_tool
 HEADERS := megatron.h prepro/tokenizer.h prepro/safetensors.h prepro/unicode_tables.h
 
-.PHONY: all test clean
+.PHONY: all test clean moe-vectors
+# the MoE GPU tests' reference vectors (tests/test_moe.h; not in the repository): python with torch
+moe-vectors:
+	python3 dev/ref_moe.py
 all: train_gpt eval_hellaswag test_megatron $(PREPRO) $(SERVE_BINS) dev/data/hellaswag_val_full.txt
 
 megatron.o: megatron.cu $(HEADERS)

@@ -49,6 +49,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 start=$(date +%s)
+# the MoE tests' vectors are not in the repository (the tree that travels to the GPU machine must stay
+# under 64 MiB): written here by dev/ref_moe.py (float64 on the CPU, beside the build)
+moe_vectors_pid=""
+if [ ! -f dev/data/moe_vectors/mixtral_tiny.bin ]; then
+  python3 dev/ref_moe.py >"$OUT/ref_moe.log" 2>&1 &
+  moe_vectors_pid=$!
+fi
 if make -j"$(nproc)" GPU_ARCH=90 all >"$OUT/build.log" 2>&1; then
   rows+=("build (sm_90)|ok|$(( $(date +%s) - start )) s")
 else
@@ -66,6 +73,10 @@ case "$what" in
   *) echo "dev/gpu_check.sh: unknown part '$what' (all, tests, single, multi, jobs)"; exit 2 ;;
 esac
 
+if [ -n "$moe_vectors_pid" ]; then
+  if wait "$moe_vectors_pid"; then rows+=("MoE vectors (dev/ref_moe.py)|written|")
+  else rows+=("MoE vectors (dev/ref_moe.py)|FAILED|see ref_moe.log"); fi
+fi
 if [ $run_single = 1 ]; then
   start=$(date +%s)
   shards=$(( ngpu > 1 ? ngpu : 1 ))

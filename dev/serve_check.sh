@@ -155,7 +155,7 @@ c = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=300)
 c.request("PUT", "/api", body=json.dumps({"prompts": ["ROMEO:"] * 4, "tokens_to_generate": 200, "top_k": 1}))
 r = c.getresponse()
 j = json.loads(r.read())
-open(sys.argv[2] + "/inflight.txt", "w").write("%d %d" % (r.status, min(len(t) for t in j["tokens"])))
+open(sys.argv[2] + "/inflight.txt", "w").write("%d %d\n" % (r.status, min(len(t) for t in j["tokens"])))
 PY
 client=$!
 sleep 0.5

@@ -92,6 +92,7 @@ static test_result ep_matches_ep1(const char* vectors, mt_precision precision, i
     REQUIRE_MPI_GPUS();
     if (mpi_world() % 2) SKIP("expert parallelism at EP = 2 needs an even number of ranks");
     moe_vectors mv;
+    if (access(vectors, R_OK) != 0) SKIP_OR_FAIL_STRICT(MOE_VECTORS_MISSING, vectors);
     if (!load_moe_vectors(&mv, vectors)) {
         free(mv.g.blob);
         printf("    FAIL cannot read test vectors %s (run dev/ref_moe.py)\n", vectors);
