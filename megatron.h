@@ -5307,6 +5307,15 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
     for (int i = 0; i < MT_NUM_PARAM_TENSORS * L; i++) b->index[i] = -1;
     /* walk the model order backwards */
     int k = 0;
+#define MT__PLACE_SLICE(tsr_, layer_)                                                                      \
+    do { /* the next parameter: (tsr_, layer_)'s slice, at its place in the canonical order */         \
+        mt_buffer_param* p_ = &b->params[k];                                                           \
+        p_->tensor = (tsr_);                                                                           \
+        p_->layer = (layer_);                                                                          \
+        p_->numel = info[tsr_].numel / stacked[tsr_];                                                  \
+        p_->canonical = canonical_base[tsr_] + (int64_t)below[(tsr_) * (L + 1) + (layer_)] * p_->numel; \
+        b->index[(tsr_) * L + (layer_)] = k++;                                                         \
+    } while (0)
     for (int o = num_order - 1; o >= 0; o--) {
         int tensor = order[o], layered = mt_param_per_layer(tensor);
         /* a run of per-layer tensors: walk layers L-1..0, each layer's tensors in reverse */
@@ -5315,16 +5324,8 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
             while (first > 0 && mt_param_per_layer(order[first - 1])) first--;
             for (int layer = L - 1; layer >= 0; layer--) {
                 if (!mt_pp_holds(&b->stage, MT_P_LN1_WEIGHT, layer)) continue;
-                for (int j = o; j >= first; j--) {
-                    int tsr = order[j];
-                    if (!mt_param_layer_has(c, tsr, layer)) continue;
-                    mt_buffer_param* p = &b->params[k];
-                    p->tensor = tsr;
-                    p->layer = layer;
-                    p->numel = info[tsr].numel / stacked[tsr];
-                    p->canonical = canonical_base[tsr] + (int64_t)below[tsr * (L + 1) + layer] * p->numel;
-                    b->index[tsr * L + layer] = k++;
-                }
+                for (int j = o; j >= first; j--)
+                    if (mt_param_layer_has(c, order[j], layer)) MT__PLACE_SLICE(order[j], layer);
             }
             o = first;
             continue;
@@ -5340,15 +5341,10 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
     for (int layer = L - 1; expert_tensors > 0 && layer >= 0; layer--) {
         if (!mt_pp_holds(&b->stage, MT_P_LN1_WEIGHT, layer)) continue;
         for (int tsr = MT_P_LAST_LAYER_TENSOR; tsr >= MT_P_LN1_WEIGHT; tsr--) {
-            if (info[tsr].numel == 0 || !info[tsr].ep_split || !mt_param_layer_has(c, tsr, layer)) continue;
-            mt_buffer_param* p = &b->params[k];
-            p->tensor = tsr;
-            p->layer = layer;
-            p->numel = info[tsr].numel / stacked[tsr];
-            p->canonical = canonical_base[tsr] + (int64_t)below[tsr * (L + 1) + layer] * p->numel;
-            b->index[tsr * L + layer] = k++;
+            if (info[tsr].numel > 0 && info[tsr].ep_split && mt_param_layer_has(c, tsr, layer)) MT__PLACE_SLICE(tsr, layer);
         }
     }
+#undef MT__PLACE_SLICE
     free(below);
     if (k != n) {
         mt_buffer_layout_free(b);
