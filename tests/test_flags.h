@@ -728,6 +728,12 @@ static test_result test_flags_model_switches_host(void) {
     return TEST_PASS;
 }
 
+/* The host flag tests' small job (mock data, 2 layers of 64, seq 32), to which a test adds its flags. */
+static const char* const flags_small_job[] = {
+    "train_gpt", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--num-layers", "2",
+    "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+    "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3"};
+
 /* Issue #32's four flags, host side: --squared-relu, --qk-layernorm, --log-params-norm and
  * --log-num-zeros-in-grad land in their config fields (off by default); --squared-relu with --swiglu
  * is refused naming both (Megatron asserts not args.swiglu). The model switches ride in the
@@ -738,10 +744,8 @@ static test_result test_flags_model_switches_host(void) {
  * counts exactly their elements (weights and gradients, fp32, DP 1: no padding) and the normalised
  * QKV rows' scratch with its statistics; neither switch exports to Hugging Face. */
 static test_result test_flags_issue32_host(void) {
-    const char* base[] = {"train_gpt", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
-                          "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-                          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3"};
-    const int nb = (int)(sizeof(base) / sizeof(base[0]));
+    const char* const* base = flags_small_job;
+    const int nb = (int)(sizeof(flags_small_job) / sizeof(flags_small_job[0]));
     static tg_flags v;
     char msg[512] = "";
     char* argv[64];
@@ -1242,10 +1246,8 @@ static test_result test_flags_no_gpu_message(void) {
  * position in increasing order; the memory plan holds the documents [2, BT] per slot and the position
  * index's room only with the flags. */
 static test_result test_flags_document_masks_host(void) {
-    const char* base[] = {"train_gpt", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
-                          "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-                          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3"};
-    const int nb = (int)(sizeof(base) / sizeof(base[0]));
+    const char* const* base = flags_small_job;
+    const int nb = (int)(sizeof(flags_small_job) / sizeof(flags_small_job[0]));
     static tg_flags v;
     char msg[512] = "";
     char* argv[64];
