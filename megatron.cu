@@ -6557,6 +6557,7 @@ typedef struct {
     cudaEvent_t* gathered;    /* [num_buckets]: bucket b's parameters all-gathered */
     int* first_bucket_of_layer; /* [L + 2]: see first_bucket_of_layers */
     double* reduce_scratch;   /* [2 + world * MT_GATHER_DOUBLES]: values all-reduced, then all_gather_world's */
+    __nv_bfloat16* bf16_grads; /* [mt_grad_reduce_scratch]: a bucket's gradients in bf16 (--grad-reduce-in-bf16) */
 } mt_ddp_state;
 
 /* Section 19, the optimizer: each bucket's owned range (its DP shard, or all of it without the
@@ -8623,6 +8624,24 @@ static void reduce_bucket(mt_trainer* t, int b) {
     if (!comm) return;
     float* base = t->grads + k->start;
     comm_after_compute(t);
+    if (t->ddp.bf16_grads) { /* --grad-reduce-in-bf16: round, reduce in bf16, widen what this rank keeps */
+        mt_exec ex = trainer_exec(t);
+        ex.stream = g->comm_stream;
+        __nv_bfloat16* half = t->ddp.bf16_grads;
+        cast_from_float(&ex, MT_BF16, half, base, k->end - k->start);
+        int64_t begin = k->start, end = k->end;
+        if (t->opt.sharded) {
+            owned_range(t, b, &begin, &end);
+            NCCL_CHECK(&t->error, t->cfg.rank,
+                       ncclReduceScatter(half, half + (begin - k->start), (size_t)(end - begin), ncclBfloat16, ncclSum,
+                                         comm, g->comm_stream));
+        } else {
+            NCCL_CHECK(&t->error, t->cfg.rank,
+                       ncclAllReduce(half, half, (size_t)(end - begin), ncclBfloat16, ncclSum, comm, g->comm_stream));
+        }
+        cast_to_float(&ex, MT_BF16, t->grads + begin, half + (begin - k->start), end - begin);
+        return;
+    }
     if (t->opt.sharded) {
         int64_t begin, end;
         owned_range(t, b, &begin, &end);
@@ -10444,6 +10463,9 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     t->opt.norm_partial = (double*)device_alloc(t, ((size_t)t->opt.num_chunks + 1) * sizeof(double),
                                                 &a->workspace_bytes);
     t->ddp.reduce_scratch = (double*)device_alloc(t, MT_REDUCE_SCRATCH_BYTES(t->cfg.world_size), &a->workspace_bytes);
+    if (mt_grad_reduce_scratch(&t->cfg, &t->buffer) > 0)
+        t->ddp.bf16_grads = (__nv_bfloat16*)device_alloc(t, (size_t)mt_grad_reduce_scratch(&t->cfg, &t->buffer) * 2,
+                                                         &a->workspace_bytes);
     t->colsum.max_chunks = COLSUM_MAX_CHUNKS;
     t->colsum.partial_a = (float*)device_alloc(t, colsum_scratch_floats(t) * 4, &a->workspace_bytes);
     t->colsum.partial_b = (float*)device_alloc(t, colsum_scratch_floats(t) * 4, &a->workspace_bytes);
@@ -10530,6 +10552,7 @@ void mt_trainer_free(mt_trainer* t) {
     cudaFree(t->fp8.publish);
     cudaFree(t->opt.norm_partial);
     cudaFree(t->ddp.reduce_scratch);
+    cudaFree(t->ddp.bf16_grads);
     cudaFree(t->colsum.partial_a);
     cudaFree(t->colsum.partial_b);
     cudaFree(t->colsum.partial_c);

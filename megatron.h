@@ -633,6 +633,8 @@ typedef struct {
     int use_distributed_optimizer;    /* --use-distributed-optimizer: fp32 master + Adam sharded over DP */
     int overlap_grad_reduce;          /* --overlap-grad-reduce: reduce each bucket during the backward */
     int overlap_param_gather;         /* --overlap-param-gather: all-gather overlapped with the next forward */
+    int grad_reduce_in_bf16;          /* --grad-reduce-in-bf16: the data-parallel reduction carries bf16 (half the
+                                         bytes); gradients still accumulate in the fp32 buffer (mt_grad_reduce_scratch) */
     int64_t ddp_bucket_size;          /* --ddp-bucket-size in elements (0: max(40M, 1M * dp)) */
     /* optimizer offload (Megatron's HybridDeviceOptimizer): the fp32 master weights and Adam moments
      * of the last `fraction` of this rank's optimizer shard live in pinned host memory and are
@@ -1151,6 +1153,11 @@ MT_DEF mt_status mt_memory_plan_compute(const mt_config* cfg, const mt_plan_opti
  * the bytes per GPU a bf16 gradient buffer would save in this plan, the fp32 buffer's bytes less a
  * bf16 one's (2 bytes per buffer element). */
 MT_DEF size_t mt_memory_plan_bf16_grad_savings(const mt_memory_plan* plan);
+/* --grad-reduce-in-bf16 as built here: each bucket's fp32 gradients are rounded to bf16 into a scratch,
+ * reduced over their data-parallel group in bf16, and widened back (the owned shard, or all of it), so
+ * the collective moves half the bytes while accumulation stays fp32. The scratch's elements (bf16):
+ * the largest bucket when the flag is on and data parallelism reduces anything, else 0. */
+MT_DEF int64_t mt_grad_reduce_scratch(const mt_config* cfg, const mt_buffer_layout* buffer);
 /* Elements of an optimizer shard of `shard` elements that --optimizer-cpu-offload puts in host
  * memory: the last fraction x shard of it (all at 1.0; else rounded down to 16 elements). */
 MT_DEF int64_t mt_offload_elements(const mt_config* cfg, int64_t shard);
@@ -4787,6 +4794,9 @@ static mt_status mt__config_optimizer(const mt_config* c, mt_error* err) {
         return mt_fail(err, MT_ERR_CONFIG, "Adam betas must be in [0, 1)");
     if (c->precision == MT_FP16 && c->loss_scale <= 0 && c->initial_loss_scale <= 0)
         return mt_fail(err, MT_ERR_CONFIG, "--initial-loss-scale must be positive");
+    if (c->grad_reduce_in_bf16 && c->precision != MT_BF16)
+        return mt_fail(err, MT_ERR_CONFIG, "--grad-reduce-in-bf16 needs --bf16 (it reduces the gradients of a bf16 model in "
+                       "bf16)");
     if (c->overlap_param_gather && !c->use_distributed_optimizer)
         return mt_fail(err, MT_ERR_CONFIG, "--overlap-param-gather needs --use-distributed-optimizer");
     if (c->overlap_param_gather && !c->overlap_grad_reduce)
@@ -5934,6 +5944,7 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     int64_t workspace = mt__size_add((int64_t)(MT_CUBLAS_WORKSPACE_BYTES + 3 * colsum * 4 + MT_REDUCE_SCRATCH_BYTES(c->world_size)),
                                      mt__size_mul3(2 * (int64_t)c->seq_length, rot / 2, 4));
     workspace = mt__size_add(workspace, mt__size_mul(p->optimizer_chunks + 1, 8));
+    workspace = mt__size_add(workspace, mt__size_mul(mt_grad_reduce_scratch(c, &B), 2)); /* --grad-reduce-in-bf16 */
     workspace = mt__size_add(workspace, mt__size_mul(p->optimizer_chunks > 0 ? p->optimizer_chunks : 1, MT_OPT_CHUNK_BYTES));
     if (c->fp8_param_gather) /* the chunks' places in the parameter storage (megatron.cu fp8_publish_chunk) */
         workspace = mt__size_add(workspace, mt__size_mul(p->optimizer_chunks > 0 ? p->optimizer_chunks : 1,
@@ -5972,6 +5983,14 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     p->device_bytes = p->total_bytes + p->overhead_bytes;
     mt_buffer_layout_free(&B);
     return MT_OK;
+}
+
+MT_DEF int64_t mt_grad_reduce_scratch(const mt_config* c, const mt_buffer_layout* B) {
+    if (!c->grad_reduce_in_bf16 || c->data_parallel_size <= 1) return 0;
+    int64_t largest = 0;
+    for (int b = 0; b < B->num_buckets; b++)
+        if (B->buckets[b].end - B->buckets[b].start > largest) largest = B->buckets[b].end - B->buckets[b].start;
+    return largest;
 }
 
 MT_DEF size_t mt_memory_plan_bf16_grad_savings(const mt_memory_plan* p) {

@@ -1107,7 +1107,6 @@ int main(int argc, char** argv) {
     if (r < 0 || tg_flags_apply(&o, msg, sizeof(msg)) != 0) die(2, "%s", msg);
     tg_flags_info_line(&o, msg, sizeof(msg)); /* train_gpt's line naming the flags with no effect */
     if (msg[0]) fprintf(so.mode == 1 ? stderr : stdout, "%s\n", msg); /* generate: stdout is the text alone */
-    (void)tg_flags_info_given;
 
     signal(SIGPIPE, SIG_IGN); /* a client gone mid-write is an error return, not the end */
     sv_server* sv = (sv_server*)calloc(1, sizeof(sv_server));

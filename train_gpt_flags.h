@@ -118,7 +118,7 @@ typedef struct {
     const char* fp8_recipe;
     const char* fp8_algo;
     int fp8_margin, fp8_history, no_fp8_wgrad, first_last_bf16, bf16_start, bf16_end, fp8_param_gather;
-    int sequence_parallel, distributed_optimizer, overlap_grad_reduce, overlap_param_gather;
+    int sequence_parallel, distributed_optimizer, overlap_grad_reduce, overlap_param_gather, grad_reduce_bf16;
     /* activation recompute: --recompute-activations, -granularity, -method, -num-layers (-1: not
      * given), -modules (MT_RECOMPUTE_* bits; 0: not given) */
     int recompute_activations;
@@ -481,9 +481,9 @@ static const tg_flag tg_flag_table[] = {
     {"--num-layers-at-start-in-bf16", G_MIXED, F_INT, TG_AT(bf16_start), IR(0, TG_I32MAX), "1", "bf16 layers at the start"},
     {"--num-layers-at-end-in-bf16", G_MIXED, F_INT, TG_AT(bf16_end), IR(0, TG_I32MAX), "1", "bf16 layers at the end"},
     {"--fp8-param-gather", G_MIXED, F_TRUE, TG_AT(fp8_param_gather), NR, "off", "all-gather parameters in FP8"},
-    {"--grad-reduce-in-bf16", G_MIXED, F_INFO_SWITCH, 0, NR, "off",
-     "gradients are accumulated and reduced in fp32 here (bf16 reduction is not built): the startup lines and --plan "
-     "say what a bf16 gradient buffer would save per GPU"},
+    {"--grad-reduce-in-bf16", G_MIXED, F_TRUE, TG_AT(grad_reduce_bf16), NR, "off",
+     "reduce the gradients over data parallelism in bf16 (half the bytes); they still accumulate in fp32 here, so "
+     "Megatron's memory saving is not taken (--plan says how much it would be)"},
     /* distributed */
     {"--tensor-model-parallel-size", G_DIST, F_INT64, TG_AT(tp), IR(1, TG_I32MAX), "1", "tensor-parallel GPUs"},
     {"--sequence-parallel", G_DIST, F_TRUE, TG_AT(sequence_parallel), NR, "off", "sequence parallelism (TP > 1)"},
@@ -1347,6 +1347,7 @@ static void tg_apply_parallelism(tg_flags* v) {
     c->use_distributed_optimizer = v->distributed_optimizer;
     c->overlap_grad_reduce = v->overlap_grad_reduce;
     c->overlap_param_gather = v->overlap_param_gather;
+    c->grad_reduce_in_bf16 = v->grad_reduce_bf16;
     if (v->ddp_bucket_size >= 0) c->ddp_bucket_size = v->ddp_bucket_size;
 }
 
@@ -1379,14 +1380,6 @@ static int tg_flags_apply(tg_flags* v, char* msg, size_t size) {
         return -1;
     tg_apply_parallelism(v);
     return tg_apply_exits(v, msg, size);
-}
-
-/* Whether informational flag `name` was given (it is in the startup line's list). */
-static int tg_flags_info_given(const tg_flags* v, const char* name) {
-    size_t n = strlen(name);
-    for (int k = 0; k < v->num_info; k++)
-        if (!strncmp(v->info[k], name, n) && (v->info[k][n] == 0 || v->info[k][n] == ' ')) return 1;
-    return 0;
 }
 
 /* The one startup line naming the informational flags given ("" when none). */

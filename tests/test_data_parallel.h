@@ -850,6 +850,52 @@ static test_result test_dp_matches_single_bf16(void) { return dp_matches_single(
 static test_result test_dp_matches_single_llama_bf16(void) { return dp_matches_single(MT_BF16, 1); }
 static test_result test_dp_matches_single_llama_fp32(void) { return dp_matches_single(MT_FP32, 1); }
 
+/* --grad-reduce-in-bf16: each bucket's fp32 gradients are rounded to bf16, summed over DP in bf16 and
+ * widened, so every reduced gradient is a bf16 value (its low 16 bits zero; with the fp32 reduction
+ * almost none is: the check that the bf16 path ran), and training stays within the bf16 layout bounds
+ * of one GPU (layout_tolerance_of: one rounding of 2^-9 before the sum and one after it is inside the
+ * 3e-2 per tensor and 0.25 per element that DP and TP's bf16 roundings are given), with the all-reduce
+ * and with the distributed optimizer's overlapped reduce-scatter. */
+static test_result dp_grad_reduce_bf16(int llama) {
+    REQUIRE_MPI_GPUS();
+    const int dp = mpi_world();
+    const layout_tolerance tol = layout_tolerance_of(MT_BF16);
+    layout_reference ref;
+    test_result res = layout_reference_train(&ref, dp_config(MT_BF16, 1, 0, 0, llama), 20, NULL, NULL);
+    for (int v = 0; v < 2 && res == TEST_PASS; v++) {
+        mt_config c = dp_config(MT_BF16, dp, v, v, llama);
+        c.grad_reduce_in_bf16 = 1;
+        char name[128];
+        snprintf(name, sizeof(name), "%s bf16 DP=%d %s, --grad-reduce-in-bf16", llama ? "Llama" : "GPT-2", dp,
+                 v ? "distributed optimizer, overlapped" : "all-reduce");
+        layout_run run;
+        res = layout_train(c, ref.run.steps, NULL, NULL, &run);
+        if (res == TEST_PASS) {
+            int64_t wide = 0, held = 0;
+            for (int64_t i = 0; i < ref.numel; i++) {
+                uint32_t bits;
+                memcpy(&bits, &run.grads[i], 4);
+                if (bits == LAYOUT_UNHELD) continue;
+                held++;
+                wide += (bits & 0xffffu) != 0;
+            }
+            printf("      %s: %lld of %lld gradient elements not bf16 values\n", name, (long long)wide, (long long)held);
+            if (wide != 0 || held != ref.numel) {
+                printf("    FAIL %s: %lld reduced gradients are not bf16 values (%lld of %lld held)\n", name,
+                       (long long)wide, (long long)held, (long long)ref.numel);
+                res = TEST_FAIL;
+            }
+            if (layout_compare(name, &ref, &run, &tol, 1) != TEST_PASS) res = TEST_FAIL;
+        }
+        layout_run_free(&run);
+        res = tp_agree(res);
+    }
+    layout_reference_free(&ref);
+    return res;
+}
+static test_result test_dp_grad_reduce_bf16(void) { return dp_grad_reduce_bf16(0); }
+static test_result test_dp_grad_reduce_bf16_llama(void) { return dp_grad_reduce_bf16(1); }
+
 /* Two runs bitwise equal; 10 + save + load + 10 bitwise equal to 20 straight. */
 static test_result dp_repeat_and_resume(mt_precision precision, int dist) {
     REQUIRE_MPI_GPUS();
@@ -1186,6 +1232,8 @@ static const test_case data_parallel_multigpu_tests[] = {
     {"dp_matches_single_gpu_llama_bf16", test_dp_matches_single_llama_bf16},
     {"dp_matches_single_gpu_llama_fp32", test_dp_matches_single_llama_fp32},
     {"dp_matches_single_gpu_dropout_fp32", test_dp_matches_single_dropout_fp32},
+    {"dp_grad_reduce_in_bf16_matches_single_gpu", test_dp_grad_reduce_bf16},
+    {"dp_grad_reduce_in_bf16_matches_single_gpu_llama", test_dp_grad_reduce_bf16_llama},
     {"dp_repeatable_and_resumes_bf16_distributed_optimizer", test_dp_repeat_resume_bf16_distributed},
     {"dp_repeatable_and_resumes_fp32_allreduce", test_dp_repeat_resume_fp32_allreduce},
     {"dp_memory_plan_follows_megatron", test_dp_memory_plan},

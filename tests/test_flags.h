@@ -154,10 +154,12 @@ static test_result test_flags_llama_script_lands(void) {
     tg_flags_info_line(&v, line, sizeof(line));
     const char* named[] = {"--use-mcore-models", "--attention-backend fused", "--cross-entropy-loss-fusion",
                            "--manual-gc", "--no-mmap-bin-files", "--num-workers 1", "--ckpt-format torch_dist",
-                           "--tiktoken-pattern v2", "--grad-reduce-in-bf16"};
+                           "--tiktoken-pattern v2"};
     for (size_t i = 0; i < sizeof(named) / sizeof(named[0]); i++)
         EXPECT(strstr(line, named[i]) != NULL, "the startup line lacks %s: %s", named[i], line);
     EXPECT(!strchr(line, '\n') && !strstr(line, "--tensorboard-dir"), "one line, TensorBoard not in it: %s", line);
+    EXPECT(!strstr(line, "--grad-reduce-in-bf16") && c->grad_reduce_in_bf16 == 1, "--grad-reduce-in-bf16 is built: %s",
+           line);
     /* the iterations --train-samples gives: whole global batches (Megatron's update_train_iters) */
     c = &v.cfg;
     mt_config f = *c;
