@@ -5846,7 +5846,7 @@ static void sample_rows(const mt_exec* ex, int32_t* token, float* logprob, float
 #define GEN_GEMV_MAX_ROWS 8 /* decode rows up to which the engine's linears run here (cuBLAS above) */
 #define GEN_GEMV_WARPS 4
 #define GEN_GEMV_COLS 2     /* output columns per warp (sharing the x loads) */
-#define GEN_GEMV_UNROLL 8   /* 16-byte vectors per lane and weight row in flight */
+#define GEN_GEMV_UNROLL 8   /* 16-byte weight vectors per lane and column in flight (SwiGLU: half, for two rows) */
 enum { GEMV_PLAIN = 0, GEMV_GELU = 1, GEMV_SQUARED_RELU = 2, GEMV_SWIGLU = 3 };
 
 template <typename T, int NR, int EPI>
@@ -5880,10 +5880,11 @@ __global__ void __launch_bounds__(32 * GEN_GEMV_WARPS) gemv_rows_kernel(T* out, 
     const T* xr[NR];
 #pragma unroll
     for (int r = 0; r < NR; r++) xr[r] = x + (int64_t)(r < n ? r : n - 1) * ldx; /* rows past n: discarded */
-    for (int base = 0; base < K; base += 32 * V * GEN_GEMV_UNROLL) {
-        int4 w[R][C][GEN_GEMV_UNROLL];
+    constexpr int U = GEN_GEMV_UNROLL / R; /* the same bytes in flight, SwiGLU's two rows in the registers of one */
+    for (int base = 0; base < K; base += 32 * V * U) {
+        int4 w[R][C][U];
 #pragma unroll
-        for (int u = 0; u < GEN_GEMV_UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             const int k = base + (u * 32 + lane) * V;
 #pragma unroll
             for (int c = 0; c < C; c++) {
@@ -5893,7 +5894,7 @@ __global__ void __launch_bounds__(32 * GEN_GEMV_WARPS) gemv_rows_kernel(T* out, 
             }
         }
 #pragma unroll
-        for (int u = 0; u < GEN_GEMV_UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             const int k = base + (u * 32 + lane) * V;
             if (k >= K) break;
 #pragma unroll
@@ -11940,4 +11941,58 @@ mt_status mt_device_copy_bandwidth(double* bytes_per_second, mt_error* err) {
     if (stop) cudaEventDestroy(stop);
     if (e.status == MT_OK && best > 0.0f) *bytes_per_second = 2.0 * (double)bytes / (best * 1e-3);
     return mt_gpu_error_return(&e, err);
+}
+
+/* Copies of W cycled so that a launch never finds its weights in L2 (mt_decode_gemv_benchmark). */
+#define GEN_BENCH_BYTES ((size_t)256 << 20)
+
+mt_status mt_decode_gemv_benchmark(mt_trainer* t, int n, int M, int K, double* gemv_s, double* cublas_s, mt_error* err) {
+    if (n < 1 || n > 64 || M < 1 || M > 65536 || K < 8 || K > 65536 || K % 8)
+        return mt_fail(err, MT_ERR_ARG, "mt_decode_gemv_benchmark: n %d (1 .. 64), M %d, K %d (1 .. 65536, K a multiple "
+                       "of 8)", n, M, K);
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    typedef __nv_bfloat16 T;
+    const size_t wbytes = (size_t)M * K * sizeof(T);
+    const int copies = (int)((GEN_BENCH_BYTES + wbytes - 1) / wbytes);
+    T *w = NULL, *x = NULL, *y = NULL;
+    cudaEvent_t start = NULL, stop = NULL;
+    const mt_exec ex = trainer_exec(t);
+    mt_gpu_error* e = &t->error;
+    (void)(CUDA_CHECK(e, cudaMalloc(&w, wbytes * copies)) && CUDA_CHECK(e, cudaMalloc(&x, (size_t)n * K * sizeof(T))) &&
+           CUDA_CHECK(e, cudaMalloc(&y, (size_t)n * M * sizeof(T))) && CUDA_CHECK(e, cudaEventCreate(&start)) &&
+           CUDA_CHECK(e, cudaEventCreate(&stop)));
+    if (e->status == MT_OK) { /* small values of both signs, no NaN: bf16 0x3c3c, 0xbc3c (+-0.0115) */
+        CUDA_CHECK(e, cudaMemset(w, 0x3c, wbytes * copies));
+        CUDA_CHECK(e, cudaMemset(x, 0xbc, (size_t)n * K * sizeof(T)));
+    }
+    for (int which = 0; which < 2 && e->status == MT_OK; which++) {
+        float ms[21];
+        int at = 0;
+        for (int rep = -1; rep < 21 && e->status == MT_OK; rep++) {
+            if (rep >= 0) CUDA_CHECK(e, cudaEventRecord(start, t->stream));
+            for (int i = 0; i < (rep < 0 ? 5 : 10); i++) {
+                const T* wi = w + (size_t)(at++ % copies) * M * K;
+                if (which == 0)
+                    for (int r0 = 0; r0 < n; r0 += GEN_GEMV_MAX_ROWS)
+                        gemv_rows<T>(&ex, GEMV_PLAIN, y + (size_t)r0 * M, M, x + (size_t)r0 * K, K, wi, NULL,
+                                     n - r0 < GEN_GEMV_MAX_ROWS ? n - r0 : GEN_GEMV_MAX_ROWS, M, K);
+                else
+                    gemm_uncached<T, T>(&ex, false, true, n, M, K, x, K, wi, K, y, M, 1.0f, 0.0f);
+            }
+            if (rep >= 0 && CUDA_CHECK(e, cudaEventRecord(stop, t->stream)) && CUDA_CHECK(e, cudaEventSynchronize(stop)))
+                CUDA_CHECK(e, cudaEventElapsedTime(&ms[rep], start, stop));
+        }
+        if (e->status != MT_OK) break;
+        for (int i = 1; i < 21; i++) /* sorted: the median at 10 */
+            for (int j = i; j > 0 && ms[j] < ms[j - 1]; j--) {
+                const float s = ms[j];
+                ms[j] = ms[j - 1], ms[j - 1] = s;
+            }
+        *(which == 0 ? gemv_s : cublas_s) = ms[10] * 1e-3 / 10;
+    }
+    cudaStreamSynchronize(t->stream);
+    cudaFree(w), cudaFree(x), cudaFree(y);
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    return mt_gpu_error_return(&t->error, err);
 }
