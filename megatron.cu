@@ -5349,10 +5349,11 @@ static void moe_to_f32(const mt_exec* ex, float* dst, const T* src, int64_t n) {
 /*    other rows of the step. Sampling: every row's log-sum-exp (untempered) and argmax (ties to  */
 /*    the lowest id) from many blocks per row merged in a fixed order (sample_stats_kernel: the    */
 /*    greedy and scored rows end there); a row with a temperature then gets one block: the kept    */
-/*    set of top-k and top-p as thresholds on the logits' order-preserving bit patterns (32        */
-/*    bisection passes each; ties at a threshold are kept), then one draw u = counter-hash(seed,   */
-/*    token index) inverted through the kept weights' cumulative sum in vocabulary order (fixed   */
-/*    per-thread ranges, a serial scan of their sums: deterministic). The decode steps' linears   */
+/*    set of top-k and top-p as thresholds on the logits' order-preserving bit patterns (a        */
+/*    16-ary search, 4 bits a pass over the row; ties at a threshold are kept), then one draw     */
+/*    u = counter-hash(seed, token index) inverted through the kept weights' cumulative sum in    */
+/*    vocabulary order (fixed per-thread ranges, their sums scanned in a fixed order:             */
+/*    deterministic). The decode steps' linears                                                   */
 /*    and norms of few rows have their own kernels here (gemv_rows, norm_rows: see there).        */
 /*    defines: GEN_SPLIT_TOKENS, GEN_MAX_QPG, gen_sample_params, gen_uniform, kv_cache_store,     */
 /*    decode_attention, sample_rows, gather_rows, GEN_GEMV_MAX_ROWS, gemv_rows,                   */
@@ -5408,97 +5409,133 @@ __device__ __forceinline__ uint32_t gen_order_key(float x) {
 
 #define GEN_SAMPLE_THREADS 1024
 
-/* One block per row of logits [n, ld] (fp32, the first V columns the real vocabulary): token[r] and
- * logprob[r] (log p(token) under softmax over the V real logits, untempered). */
+/* f(i, x[i]) for this thread's share of a row of V logits: 16-byte loads when vec (the row 16-byte aligned). */
+template <typename F>
+__device__ __forceinline__ void gen_row_each(const float* x, int V, bool vec, F f) {
+    int i0 = 0;
+    if (vec) {
+        const int n4 = V / 4;
+        for (int q = threadIdx.x; q < n4; q += blockDim.x) {
+            const float4 v = reinterpret_cast<const float4*>(x)[q];
+            f(4 * q, v.x), f(4 * q + 1, v.y), f(4 * q + 2, v.z), f(4 * q + 3, v.w);
+        }
+        i0 = 4 * n4;
+    }
+    for (int i = i0 + threadIdx.x; i < V; i += blockDim.x) f(i, x[i]);
+}
+
+/* The largest order key K whose set {i : key_i >= K} has weight(x_i) summed >= goal, over a row of V logits:
+ * 16-ary search, 4 bits of K a pass (8 passes; the binary search's answer, as S(K) falls with K), each pass
+ * the sums for the 15 candidates at once (every thread its fixed share in order, then fixed trees). */
+template <typename W>
+__device__ uint32_t gen_threshold(const float* x, int V, bool vec, float goal, W weight) {
+    __shared__ float s_part[GEN_SAMPLE_THREADS / 32][16];
+    __shared__ uint32_t s_prefix;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    __syncthreads(); /* s_prefix and s_part free (a previous call's readers are done) */
+    if (threadIdx.x == 0) s_prefix = 0;
+    for (int shift = 28; shift >= 0; shift -= 4) {
+        __syncthreads();
+        const uint32_t prefix = s_prefix;
+        float acc[16];
+#pragma unroll
+        for (int t = 1; t < 16; t++) acc[t] = 0.0f;
+        gen_row_each(x, V, vec, [&](int, float v) {
+            const uint32_t key = gen_order_key(v);
+            if (key < prefix) return;
+            const uint32_t d = (key - prefix) >> shift; /* candidates prefix + t 2^shift at or below key: t <= d */
+            const float w = weight(v, key);
+#pragma unroll
+            for (int t = 1; t < 16; t++) acc[t] += (uint32_t)t <= d ? w : 0.0f;
+        });
+#pragma unroll
+        for (int t = 1; t < 16; t++) {
+            const float s = warp_sum(acc[t]);
+            if (lane == 0) s_part[warp][t] = s;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            float s = 0.0f; /* lane t: candidate t's sum, warps in order */
+            if (lane >= 1 && lane < 16)
+                for (int w = 0; w < (int)blockDim.x / 32; w++) s += s_part[w][lane];
+            const unsigned ok = __ballot_sync(0xffffffffu, lane >= 1 && lane < 16 && s >= goal);
+            if (lane == 0) s_prefix = prefix + ((uint32_t)(ok ? 31 - __clz(ok) : 0) << shift); /* the largest t */
+        }
+    }
+    __syncthreads();
+    return s_prefix;
+}
+
+/* One block per row of logits [n, ld] (fp32, the first V columns the real vocabulary) that has a
+ * temperature (the others are sample_stats_kernel's, which also left every row's max, log-sum-exp and
+ * argmax in row_stat [n] (max, lse, argmax's bits)): token[r] and logprob[r] (log p(token) under softmax
+ * over the V real logits, untempered). */
 __global__ void __launch_bounds__(GEN_SAMPLE_THREADS) sample_rows_kernel(int32_t* token_out, float* logprob_out,
                                                                          const float* logits, int64_t ld, int V,
-                                                                         const gen_sample_params* params) {
-    __shared__ float s_best[32];
-    __shared__ int s_best_i[32];
-    __shared__ float s_scan[GEN_SAMPLE_THREADS + 1];
+                                                                         const gen_sample_params* params,
+                                                                         const float4* row_stat) {
+    __shared__ float s_warp[GEN_SAMPLE_THREADS / 32], s_total;
     __shared__ int s_pick, s_last;
     const int r = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const float* x = logits + (int64_t)r * ld;
     const gen_sample_params P = params[r];
     if (P.target >= 0 || !(P.temperature > 0.0f)) return; /* sample_stats_kernel's (the whole block leaves) */
-    /* max and argmax, ties to the lowest id */
-    float best = -INFINITY;
-    int bi = INT_MAX;
-    for (int i = tid; i < V; i += blockDim.x)
-        if (x[i] > best || (x[i] == best && i < bi)) best = x[i], bi = i;
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ob > best || (ob == best && oi < bi)) best = ob, bi = oi;
-    }
-    if (lane == 0) s_best[warp] = best, s_best_i[warp] = bi;
-    __syncthreads();
-    if (warp == 0) {
-        const int warps = blockDim.x / 32;
-        best = lane < warps ? s_best[lane] : -INFINITY;
-        bi = lane < warps ? s_best_i[lane] : INT_MAX;
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ob > best || (ob == best && oi < bi)) best = ob, bi = oi;
-        }
-        if (lane == 0) s_best[0] = best, s_best_i[0] = bi;
-    }
-    __syncthreads();
-    const float m = s_best[0];
-    const int argmax = s_best_i[0];
-    __syncthreads();
-    float se = 0.0f;
-    for (int i = tid; i < V; i += blockDim.x) se += expf(x[i] - m);
-    const float lse = m + logf(block_sum(se));
+    const bool vec = (ld % 4) == 0 && ((uintptr_t)logits & 15) == 0;
+    const float4 st = row_stat[r];
+    const float m = st.x, lse = st.y;
+    const int argmax = __float_as_int(st.z);
     int chosen = argmax;
-    if (P.target >= 0) {
-        chosen = P.target;
-    } else if (P.temperature > 0.0f) {
+    {
         /* top-k: the largest key K with at least k logits at or above it (the k-th largest logit) */
         uint32_t kmin = 0;
-        if (P.top_k > 0 && P.top_k < V) {
-            for (int bit = 31; bit >= 0; bit--) {
-                const uint32_t cand = kmin | (1u << bit);
-                float c = 0.0f;
-                for (int i = tid; i < V; i += blockDim.x) c += gen_order_key(x[i]) >= cand ? 1.0f : 0.0f;
-                if (block_sum(c) >= (float)P.top_k) kmin = cand;
-            }
-        }
+        if (P.top_k > 0 && P.top_k < V)
+            kmin = gen_threshold(x, V, vec, (float)P.top_k, [](float, uint32_t) { return 1.0f; });
         /* top-p over the tempered weights of the top-k set: the largest K whose set reaches top_p of its mass */
         if (P.top_p > 0.0f && P.top_p < 1.0f) {
             float w = 0.0f;
-            for (int i = tid; i < V; i += blockDim.x)
-                if (gen_order_key(x[i]) >= kmin) w += expf((x[i] - m) / P.temperature);
+            gen_row_each(x, V, vec, [&](int, float v) {
+                if (gen_order_key(v) >= kmin) w += expf((v - m) / P.temperature);
+            });
             const float goal = P.top_p * block_sum(w);
-            uint32_t pmin = 0; /* the answer is >= kmin: below it the weights are 0 */
-            for (int bit = 31; bit >= 0; bit--) {
-                const uint32_t cand = pmin | (1u << bit);
-                float c = 0.0f;
-                for (int i = tid; i < V; i += blockDim.x)
-                    if (gen_order_key(x[i]) >= cand) c += expf((x[i] - m) / P.temperature);
-                if (block_sum(c) >= goal) pmin = cand;
-            }
-            kmin = pmin;
+            const float T = P.temperature;
+            const uint32_t pmin = gen_threshold(x, V, vec, goal, [=](float v, uint32_t key) {
+                return key >= kmin ? expf((v - m) / T) : 0.0f;
+            });
+            kmin = pmin > kmin ? pmin : kmin; /* >= kmin but where rounding made the whole set fall short */
         }
-        /* the draw: contiguous ranges per thread, their sums scanned serially, the range holding u * total walked */
+        /* the draw: contiguous ranges per thread, their sums scanned in a fixed order, the range holding u * total
+         * walked */
         const int chunk = (V + blockDim.x - 1) / blockDim.x, b = tid * chunk, e = min(b + chunk, V);
         float mine = 0.0f;
         int last_kept = -1;
         for (int i = b; i < e; i++)
             if (gen_order_key(x[i]) >= kmin) mine += expf((x[i] - m) / P.temperature), last_kept = i;
-        s_scan[tid + 1] = mine;
         if (tid == 0) s_pick = INT_MAX, s_last = -1;
+        /* the ranges' sums scanned: within each warp by shuffles, then the warps' totals serially; a range is
+         * [before, after), the next one's before being this one's after, bit for bit */
+        float incl = mine;
+        for (int o = 1; o < 32; o <<= 1) {
+            const float y = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += y;
+        }
+        float excl = __shfl_up_sync(0xffffffffu, incl, 1);
+        if (lane == 0) excl = 0.0f;
+        if (lane == 31) s_warp[warp] = incl;
         __syncthreads();
         if (last_kept >= 0) atomicMax(&s_last, last_kept);
         if (tid == 0) {
-            s_scan[0] = 0.0f;
-            for (int k = 1; k <= (int)blockDim.x; k++) s_scan[k] += s_scan[k - 1];
+            float run = 0.0f;
+            for (int w = 0; w < (int)blockDim.x / 32; w++) {
+                const float t = s_warp[w];
+                s_warp[w] = run;
+                run += t;
+            }
+            s_total = run;
         }
         __syncthreads();
-        const float target = gen_uniform(P.seed, P.index) * s_scan[blockDim.x];
-        const float before = s_scan[tid];
-        if (mine > 0.0f && before <= target && target < s_scan[tid + 1]) { /* the range holding the target */
+        const float before = s_warp[warp] + excl, after = s_warp[warp] + incl;
+        const float target = gen_uniform(P.seed, P.index) * s_total;
+        if (mine > 0.0f && before <= target && target < after) { /* the range holding the target */
             float acc = before;
             int pick = last_kept;
             for (int i = b; i < e; i++) {
@@ -5701,8 +5738,9 @@ static size_t decode_attention_tile_bytes(int qpg, int d) {
  * (part, r) takes GEN_STATS_SPAN consecutive logits of row r (16-byte loads, four per thread in flight),
  * its max, the lowest index of the max, and the sum of exp(x - its max); the block that finishes last
  * merges the parts in part order (a counter per row, reset by it): lse = M + log(sum_p s_p exp(m_p - M)),
- * and a greedy or scored row's token and log-probability. Rows with a temperature are left to
- * sample_rows_kernel, which leaves the others alone. part [rows, parts] (max, sum), part_i [rows, parts]. */
+ * and a greedy or scored row's token and log-probability; every row's (max, lse, argmax's bits) into
+ * row_stat [rows]. Rows with a temperature are left to sample_rows_kernel, which leaves the others alone.
+ * part [rows, parts] (max, sum), part_i [rows, parts]. */
 #define GEN_STATS_THREADS 256
 #define GEN_STATS_SPAN (GEN_STATS_THREADS * 16)
 struct gen_stat {
@@ -5717,7 +5755,8 @@ __device__ __forceinline__ gen_stat gen_stat_merge(gen_stat a, gen_stat b) {
     return o;
 }
 __global__ void __launch_bounds__(GEN_STATS_THREADS) sample_stats_kernel(int32_t* token_out, float* logprob_out,
-                                                                         float2* part, int* part_i, int* counters,
+                                                                         float4* row_stat, float2* part, int* part_i,
+                                                                         int* counters,
                                                                          const float* logits, int64_t ld, int V,
                                                                          const gen_sample_params* params) {
     const int pi = blockIdx.x, parts = gridDim.x, r = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -5775,10 +5814,11 @@ __global__ void __launch_bounds__(GEN_STATS_THREADS) sample_stats_kernel(int32_t
         a = gen_stat_merge(a, b);
     }
     counters[r] = 0;
+    const float lse = a.m + logf(a.s);
+    row_stat[r] = make_float4(a.m, lse, __int_as_float(a.i), 0.0f);
     const gen_sample_params P = params[r];
     if (P.target < 0 && P.temperature > 0.0f) return; /* sample_rows_kernel draws it */
     const int chosen = P.target >= 0 ? P.target : a.i;
-    const float lse = a.m + logf(a.s);
     token_out[r] = chosen;
     logprob_out[r] = chosen >= 0 && chosen < V ? x[chosen] - lse : -INFINITY;
 }
@@ -5814,14 +5854,15 @@ static int sample_stats_parts(int V) { return ceil_div(V, GEN_STATS_SPAN); }
 
 /* token[n], logprob[n] from logits [n, ld] fp32 over the real vocabulary V (params [n] on the device):
  * sample_stats_kernel for every row (the greedy and scored rows done there), then sample_rows_kernel for
- * the rows with a temperature. part [n, parts] float2, part_i [n, parts], counters [n] zero (left zero). */
-static void sample_rows(const mt_exec* ex, int32_t* token, float* logprob, float2* part, int* part_i, int* counters,
-                        const float* logits, int64_t ld, int V, const gen_sample_params* params, int n) {
+ * the rows with a temperature. row_stat [n] float4, part [n, parts] float2, part_i [n, parts] scratch,
+ * counters [n] zero (left zero). */
+static void sample_rows(const mt_exec* ex, int32_t* token, float* logprob, float4* row_stat, float2* part, int* part_i,
+                        int* counters, const float* logits, int64_t ld, int V, const gen_sample_params* params, int n) {
     if (n == 0) return;
     sample_stats_kernel<<<dim3(sample_stats_parts(V), n), GEN_STATS_THREADS, 0, ex->stream>>>(
-        token, logprob, part, part_i, counters, logits, ld, V, params);
+        token, logprob, row_stat, part, part_i, counters, logits, ld, V, params);
     LAUNCH_CHECK(ex->error);
-    sample_rows_kernel<<<n, GEN_SAMPLE_THREADS, 0, ex->stream>>>(token, logprob, logits, ld, V, params);
+    sample_rows_kernel<<<n, GEN_SAMPLE_THREADS, 0, ex->stream>>>(token, logprob, logits, ld, V, params, row_stat);
     LAUNCH_CHECK(ex->error);
 }
 
@@ -11406,6 +11447,7 @@ struct mt_generator {
     float2* sample_part;      /* [logit_rows, parts] sample_stats_kernel's (max, sum) per part */
     int* sample_part_i;       /* [logit_rows, parts] its argmax per part */
     int* sample_counters;     /* [logit_rows] (zero between launches) */
+    float4* sample_row;       /* [logit_rows] each row's max, log-sum-exp, argmax */
     float *rope_cos, *rope_sin; /* [max_context, rot / 2] */
     float* logits;            /* [logit_rows, Vp] fp32 */
     int32_t* rows;            /* [4, cap]: tokens, positions, slots, the rows gathered for logits */
@@ -11468,7 +11510,7 @@ void mt_generator_free(mt_generator* g) {
     void* device[] = {g->pool, g->tables, g->x, g->mid, g->ln, g->qkv, g->qk_rows, g->attn, g->branch, g->fc1, g->act,
                       g->lnf_rows, g->mean, g->rstd, g->qk_stats, g->part_o, g->part_lse, g->rope_cos, g->logits,
                       g->rows, g->params, g->out_token, g->out_logprob, g->attn_counters, g->sample_part,
-                      g->sample_part_i, g->sample_counters};
+                      g->sample_part_i, g->sample_counters, g->sample_row};
     for (size_t i = 0; i < sizeof(device) / sizeof(device[0]); i++) cudaFree(device[i]);
     for (int n = 0; g->graphs && n <= g->gc.max_batch; n++)
         if (g->graphs[n]) cudaGraphExecDestroy(g->graphs[n]);
@@ -11549,13 +11591,14 @@ mt_status mt_generator_create(mt_generator** out, mt_trainer* t, const mt_genera
         (size_t)g->part_rows * s.groups * 4,                               /* attn_counters */
         (size_t)g->logit_rows * sample_stats_parts(g->V) * 8,              /* sample_part */
         (size_t)g->logit_rows * sample_stats_parts(g->V) * 4,              /* sample_part_i */
-        (size_t)g->logit_rows * 4};                                        /* sample_counters */
+        (size_t)g->logit_rows * 4,                                         /* sample_counters */
+        (size_t)g->logit_rows * 16};                                       /* sample_row */
     void** where[] = {&g->pool, (void**)&g->tables, &g->x, &g->mid, &g->ln, &g->qkv, &g->qk_rows, &g->attn, &g->branch,
                       &g->fc1, &g->act, &g->lnf_rows, (void**)&g->mean, (void**)&g->rstd, (void**)&g->qk_stats,
                       (void**)&g->part_o, (void**)&g->part_lse, (void**)&g->rope_cos, (void**)&g->logits,
                       (void**)&g->rows, (void**)&g->params, (void**)&g->out_token, (void**)&g->out_logprob,
                       (void**)&g->attn_counters, (void**)&g->sample_part, (void**)&g->sample_part_i,
-                      (void**)&g->sample_counters};
+                      (void**)&g->sample_counters, (void**)&g->sample_row};
     static_assert(sizeof(sizes) / sizeof(sizes[0]) == sizeof(where) / sizeof(where[0]), "one size per allocation");
     size_t total = 0;
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) total += (sizes[i] + 255) / 256 * 256;
@@ -11780,8 +11823,8 @@ static void gen_forward(mt_generator* g, int n, int n_sel, bool decode_only) {
         }
         gemm_uncached<T, float>(&ex, false, true, m, (int)s.V_full, s.h, rows, s.h, output_weight<T>(t), s.h, g->logits,
                                 (int)s.V_full, 1.0f, 0.0f);
-        sample_rows(&ex, g->out_token + k0, g->out_logprob + k0, g->sample_part, g->sample_part_i, g->sample_counters,
-                    g->logits, s.V_full, g->V, g->params + k0, m);
+        sample_rows(&ex, g->out_token + k0, g->out_logprob + k0, g->sample_row, g->sample_part, g->sample_part_i,
+                    g->sample_counters, g->logits, s.V_full, g->V, g->params + k0, m);
     }
 }
 
