@@ -5885,7 +5885,7 @@ static void sample_rows(const mt_exec* ex, int32_t* token, float* logprob, float
  * multiples of the 16-byte vector and 16-byte-aligned x and W (gemv_rows_supported); the engine falls
  * back to cuBLAS and the separate kernels otherwise. */
 #define GEN_GEMV_MAX_ROWS 8 /* decode rows up to which the engine's linears run here (cuBLAS above) */
-#define GEN_GEMV_WARPS 4
+#define GEN_GEMV_WARPS 2     /* small blocks: a narrow output (1600 columns, 400 blocks) spreads evenly over the SMs */
 #define GEN_GEMV_COLS 2     /* output columns per warp (sharing the x loads) */
 #define GEN_GEMV_UNROLL 8   /* 16-byte weight vectors per lane and column in flight (SwiGLU: half, for two rows) */
 enum { GEMV_PLAIN = 0, GEMV_GELU = 1, GEMV_SQUARED_RELU = 2, GEMV_SWIGLU = 3 };
