@@ -5369,6 +5369,37 @@ __device__ __forceinline__ int64_t kv_cache_index(int64_t block, int layer, int 
     return ((((block * L + layer) * 2 + kv) * groups + g) * (int64_t)block_tokens + off) * d + e;
 }
 
+/* Programmatic dependent launch (sm_90) for the decode kernels (gen_launch with pdl): such a kernel may start
+ * while the stream's previous kernel is still running (its blocks scheduled once every block of that kernel
+ * has started and called gen_pdl_trigger), so it can issue what does not depend on that kernel (weights, the
+ * cache of earlier steps) first; gen_pdl_wait() returns once the previous kernel has finished and its writes
+ * are visible, and every block calls it before touching any output of an earlier kernel of the step (so the
+ * chain stays ordered: a kernel finishes only after its own wait). Without the launch attribute both are
+ * no-ops. Between two launches of a decode step this hides the launch latency (~1 us a kernel) and the
+ * first round trip to memory. */
+__device__ __forceinline__ void gen_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void gen_pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+template <typename... KArgs, typename... Args>
+static void gen_launch(const mt_exec* ex, bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t shared,
+                       Args... args) {
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = shared, cfg.stream = ex->stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr, cfg.numAttrs = pdl ? 1 : 0;
+    CUDA_CHECK(ex->error, cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...));
+}
+
 /* The rows' k and v heads (from the QKV rows [N, qkv_width], k already rotated) into their cache positions.
  * One thread per element of the rows' k and v heads. */
 template <typename T>
@@ -5601,9 +5632,14 @@ __global__ void __launch_bounds__(GEN_ATTN_THREADS) decode_attention_tile_kernel
     int block_tokens, int max_splits, float scale, int store_own) {
     constexpr int V = vec16<T>::N;
     const int split = blockIdx.x, g = blockIdx.y, r = blockIdx.z, tid = threadIdx.x;
+    gen_pdl_trigger();
+    /* positions, slots and tables come from the step's upload, before every kernel of the step */
     const int p = positions[r];
     const int splits = p / GEN_SPLIT_TOKENS + 1;
-    if (split >= splits) return; /* the whole block leaves: no barrier is skipped by part of it */
+    if (split >= splits) { /* the whole block leaves: no barrier is skipped by part of it */
+        gen_pdl_wait();
+        return;
+    }
     const int first = split * GEN_SPLIT_TOKENS, cnt = min(GEN_SPLIT_TOKENS, p + 1 - first);
     const bool vec = d % V == 0;
     const int dp = d + V; /* padded K row */
@@ -5617,17 +5653,24 @@ __global__ void __launch_bounds__(GEN_ATTN_THREADS) decode_attention_tile_kernel
     const int32_t* table = tables + (int64_t)slots[r] * table_stride;
     const T* qrow = qkv + (int64_t)r * groups * (qpg + 2) * d + (int64_t)g * (qpg + 2) * d; /* q heads, k, v */
     if (vec) {
+        /* store_own (a decode step): the cache of earlier positions was written by earlier steps, so it is copied
+         * before the wait, overlapping the previous kernel; the row's own k/v (its QKV row) after it */
         const int cv = d / V;
-        for (int i = tid; i < 2 * cnt * cv; i += GEN_ATTN_THREADS) {
-            const int kv = i / (cnt * cv), j = (i / cv) % cnt, ch = i % cv, pos = first + j;
-            const T* src = pos == p ? qrow + (qpg + kv) * d + ch * V /* the row's own k/v: its QKV row */
-                                    : pool + kv_cache_index(table[pos / block_tokens], layer, kv, g, pos % block_tokens,
-                                                            ch * V, L, groups, block_tokens, d);
-            T* dst = kv ? vt + j * d + ch * V : kt + j * dp + ch * V;
-            cp_async_16(smem_u32(dst), src, true);
+        for (int pass = store_own ? 0 : 1; pass < 2; pass++) {
+            if (pass == 1) gen_pdl_wait();
+            for (int i = tid; i < 2 * cnt * cv; i += GEN_ATTN_THREADS) {
+                const int kv = i / (cnt * cv), j = (i / cv) % cnt, ch = i % cv, pos = first + j;
+                if (store_own && (pos == p) != (pass == 1)) continue;
+                const T* src = pos == p ? qrow + (qpg + kv) * d + ch * V /* the row's own k/v: its QKV row */
+                                        : pool + kv_cache_index(table[pos / block_tokens], layer, kv, g,
+                                                                pos % block_tokens, ch * V, L, groups, block_tokens, d);
+                T* dst = kv ? vt + j * d + ch * V : kt + j * dp + ch * V;
+                cp_async_16(smem_u32(dst), src, true);
+            }
         }
         cp_async_commit();
     } else {
+        gen_pdl_wait();
         for (int i = tid; i < 2 * cnt * d; i += GEN_ATTN_THREADS) {
             const int kv = i / (cnt * d), j = (i / d) % cnt, e = i % d, pos = first + j;
             const T x = pos == p ? qrow[(qpg + kv) * d + e]
@@ -5826,10 +5869,11 @@ __global__ void __launch_bounds__(GEN_STATS_THREADS) sample_stats_kernel(int32_t
 /* attn [N, groups qpg d] = each row's attention against its cached positions 0 .. positions[r] (layer's
  * part of the pool); part_o [N, heads, max_splits, d] and part_lse [N, heads, max_splits] scratch,
  * max_splits >= the rows' largest position / GEN_SPLIT_TOKENS + 1; counters [N, groups] zero (left zero).
- * store_own: each row's own k/v stored into the pool too (see the kernel). qpg <= GEN_MAX_QPG, d <= 256. */
+ * store_own: each row's own k/v stored into the pool too (see the kernel); pdl: a programmatic dependent
+ * launch (gen_launch). qpg <= GEN_MAX_QPG, d <= 256. */
 template <typename T>
 static void decode_attention(const mt_exec* ex, T* attn, float* part_o, float* part_lse, int* counters, const T* qkv,
-                             T* pool, bool store_own, const int32_t* slots, const int32_t* positions, const int32_t* tables,
+                             T* pool, bool store_own, bool pdl, const int32_t* slots, const int32_t* positions, const int32_t* tables,
                              int table_stride, int N, int groups, int qpg, int d, int layer, int L, int block_tokens,
                              int max_splits) {
     if (N == 0) return;
@@ -5843,10 +5887,9 @@ static void decode_attention(const mt_exec* ex, T* attn, float* part_o, float* p
         !CUDA_CHECK(ex->error, cudaFuncSetAttribute(decode_attention_tile_kernel<T>,
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared)))
         return;
-    decode_attention_tile_kernel<T><<<dim3(max_splits, groups, N), GEN_ATTN_THREADS, shared, ex->stream>>>(
-        attn, part_o, part_lse, counters, qkv, pool, slots, positions, tables, table_stride, groups, qpg, d, layer, L,
-        block_tokens, max_splits, 1.0f / sqrtf((float)d), store_own ? 1 : 0);
-    LAUNCH_CHECK(ex->error);
+    gen_launch(ex, pdl, decode_attention_tile_kernel<T>, dim3(max_splits, groups, N), dim3(GEN_ATTN_THREADS), shared,
+               attn, part_o, part_lse, counters, qkv, pool, slots, positions, tables, table_stride, groups, qpg, d, layer,
+               L, block_tokens, max_splits, 1.0f / sqrtf((float)d), store_own ? 1 : 0);
 }
 
 /* Parts of sample_stats_kernel for a vocabulary of V. */
@@ -5898,6 +5941,14 @@ __global__ void __launch_bounds__(32 * GEN_GEMV_WARPS) gemv_rows_kernel(T* out, 
     constexpr int C = GEN_GEMV_COLS;
     const int lane = threadIdx.x % 32;
     const int j0 = (blockIdx.x * GEN_GEMV_WARPS + threadIdx.x / 32) * C;
+    gen_pdl_trigger();
+    if (j0 < cols) /* the first weights into L2 while the previous kernel finishes (they depend on nothing) */
+        for (int c = 0; c < C && j0 + c < cols; c++)
+            for (int u = 0; u < GEN_GEMV_UNROLL; u++) {
+                const int k = (u * 32 + lane) * V;
+                if (k < K) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)(j0 + c) * K + k));
+            }
+    gen_pdl_wait();
     if (j0 >= cols) return; /* the whole warp leaves; no barrier below */
     const T* wr[C];
     bool has[C];
@@ -5988,17 +6039,18 @@ static bool gemv_rows_supported(int n, int K, const T* x, int ldx, const T* W) {
 }
 
 /* out [n, ldo] (columns 0 .. cols-1) = epilogue(x [n, ldx] W^T + bias): W [cols, K] (SwiGLU: [2 cols, K],
- * the gate rows then the up rows, bias [2 cols]); bias may be NULL. Needs gemv_rows_supported. */
+ * the gate rows then the up rows, bias [2 cols]); bias may be NULL. Needs gemv_rows_supported. pdl: a
+ * programmatic dependent launch (gen_launch). */
 template <typename T>
 static void gemv_rows(const mt_exec* ex, int epi, T* out, int ldo, const T* x, int ldx, const T* W, const T* bias, int n,
-                      int cols, int K) {
+                      int cols, int K, bool pdl = false) {
     if (n == 0) return;
     if (!gemv_rows_supported<T>(n, K, x, ldx, W)) {
         mt_gpu_fail(ex->error, MT_ERR_CONFIG, "gemv_rows: %d rows of K %d (ldx %d) it does not take", n, K, ldx);
         return;
     }
     const dim3 grid(ceil_div(cols, GEN_GEMV_WARPS * GEN_GEMV_COLS)), block(32 * GEN_GEMV_WARPS);
-#define GEN_GEMV_LAUNCH(NR, E) gemv_rows_kernel<T, NR, E><<<grid, block, 0, ex->stream>>>(out, ldo, x, ldx, W, bias, n, cols, K)
+#define GEN_GEMV_LAUNCH(NR, E) gen_launch(ex, pdl, gemv_rows_kernel<T, NR, E>, grid, block, 0, out, ldo, x, ldx, W, bias, n, cols, K)
 #define GEN_GEMV_EPI(NR)                                                  \
     switch (epi) {                                                        \
         case GEMV_GELU: GEN_GEMV_LAUNCH(NR, GEMV_GELU); break;            \
@@ -6034,6 +6086,17 @@ __global__ void __launch_bounds__(GEN_NORM_THREADS) norm_rows_kernel(T* sum_out,
     const int64_t base = (int64_t)blockIdx.x * C;
     const int nv = C / V;
     float r[GEN_NORM_MAXV][V], y[GEN_NORM_MAXV][V], w[GEN_NORM_MAXV][V], b[GEN_NORM_MAXV][V], nb[GEN_NORM_MAXV][V];
+    gen_pdl_trigger();
+#pragma unroll
+    for (int j = 0; j < GEN_NORM_MAXV; j++) { /* the parameters: no kernel of the step writes them */
+        const int v = threadIdx.x + GEN_NORM_THREADS * j;
+        if (v >= nv) continue;
+        const int c = v * V;
+        if (bias) load16(b[j], bias + c);
+        load16(w[j], weight + c);
+        if (norm_bias) load16(nb[j], norm_bias + c);
+    }
+    gen_pdl_wait();
 #pragma unroll
     for (int j = 0; j < GEN_NORM_MAXV; j++) {
         const int v = threadIdx.x + GEN_NORM_THREADS * j;
@@ -6041,9 +6104,6 @@ __global__ void __launch_bounds__(GEN_NORM_THREADS) norm_rows_kernel(T* sum_out,
         const int c = v * V;
         load16(y[j], branch + base + c);
         if (residual) load16(r[j], residual + base + c);
-        if (bias) load16(b[j], bias + c);
-        load16(w[j], weight + c);
-        if (norm_bias) load16(nb[j], norm_bias + c);
     }
     float sum = 0.0f;
 #pragma unroll
@@ -6085,15 +6145,15 @@ static bool norm_rows_supported(int C, const void* a, const void* b, const void*
 }
 
 /* sum [N, C] = residual + branch + bias, out = norm(sum) (residual NULL: out = norm(branch), sum not
- * written); norm_rows_kernel where it can, else the forward's kernels (mean, rstd [N] scratch). */
+ * written); norm_rows_kernel where it can (pdl: a programmatic dependent launch, gen_launch), else the
+ * forward's kernels (mean, rstd [N] scratch). */
 template <typename T>
 static void norm_rows(const mt_exec* ex, T* sum, T* out, float* mean, float* rstd, const T* residual, T* branch,
-                      const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms, float w1) {
+                      const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms, float w1, bool pdl) {
     if (N == 0) return;
     if (norm_rows_supported<T>(C, sum, out, residual, branch, bias, w, b)) {
-        norm_rows_kernel<T><<<N, GEN_NORM_THREADS, 0, ex->stream>>>(residual ? sum : NULL, out, residual, branch, bias, w,
-                                                                    b, C, eps, rms, w1);
-        LAUNCH_CHECK(ex->error);
+        gen_launch(ex, pdl, norm_rows_kernel<T>, dim3(N), dim3(GEN_NORM_THREADS), 0, residual ? sum : (T*)NULL, out,
+                   residual, (const T*)branch, bias, w, b, C, eps, rms, w1);
     } else if (residual) {
         residual_norm_forward<T>(ex, sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms, w1);
     } else {
@@ -11477,6 +11537,8 @@ struct mt_generator {
     /* the linears of steps of at most GEN_GEMV_MAX_ROWS rows through gemv_rows (else cuBLAS); off with
      * MT_GEN_GEMV=0 in the environment (to compare) */
     int use_gemv;
+    /* the decode kernels as programmatic dependent launches (gen_launch); off with MT_GEN_PDL=0 */
+    int use_pdl;
 };
 
 static void gen_release_blocks(mt_generator* g, gen_request* r, int slot) {
@@ -11640,6 +11702,8 @@ mt_status mt_generator_create(mt_generator** out, mt_trainer* t, const mt_genera
     g->use_graphs = !(graphs && !strcmp(graphs, "0"));
     const char* gemv = getenv("MT_GEN_GEMV");
     g->use_gemv = !(gemv && !strcmp(gemv, "0"));
+    const char* pdl = getenv("MT_GEN_PDL");
+    g->use_pdl = !(pdl && !strcmp(pdl, "0"));
     int ok = g->h_tables && g->free_list && g->req && g->retired && g->row_request && g->graphs;
     for (int i = 0; ok && i < r.max_batch; i++) ok = (g->req[i].tokens = (int32_t*)malloc(4 * (size_t)r.max_context)) != NULL;
     if (!ok) {
@@ -11750,7 +11814,7 @@ template <typename T>
 static void gen_linear(const mt_generator* g, const mt_exec* ex, int epi, T* out, T* pre, const T* in, int K, const T* W,
                        const T* bias, int n, int cols) {
     if (g->use_gemv && gemv_rows_supported<T>(n, K, in, K, W)) {
-        gemv_rows<T>(ex, epi, out, cols, in, K, W, bias, n, cols, K);
+        gemv_rows<T>(ex, epi, out, cols, in, K, W, bias, n, cols, K, g->use_pdl);
         return;
     }
     const int width = epi == GEMV_SWIGLU ? 2 * cols : cols;
@@ -11782,7 +11846,8 @@ static void gen_forward(mt_generator* g, int n, int n_sel, bool decode_only) {
     const T* wpe = t->cfg.position_embedding_type == MT_POSITION_LEARNED ? param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS) : NULL;
     embedding_forward<T>(&ex, x, tokens, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS), wpe, n, n, s.h, 0, s.V, positions);
     const layer_tensors<T> p0 = layer_params<T>(t, 0);
-    norm_rows<T>(&ex, NULL, ln, g->mean, g->rstd, NULL, x, NULL, p0.ln1_w, p0.ln1_b, n, s.h, eps, s.rms, s.norm_w1);
+    const bool pdl = g->use_pdl;
+    norm_rows<T>(&ex, NULL, ln, g->mean, g->rstd, NULL, x, NULL, p0.ln1_w, p0.ln1_b, n, s.h, eps, s.rms, s.norm_w1, pdl);
     const int epi = s.swiglu ? GEMV_SWIGLU : s.act == ACT_SQUARED_RELU ? GEMV_SQUARED_RELU : GEMV_GELU;
     for (int l = 0; l < s.L; l++) {
         const layer_tensors<T> p = layer_params<T>(t, l);
@@ -11800,18 +11865,19 @@ static void gen_forward(mt_generator* g, int n, int n_sel, bool decode_only) {
         for (int r0 = 0; r0 < n; r0 += g->part_rows) {
             const int m = n - r0 < g->part_rows ? n - r0 : g->part_rows;
             decode_attention<T>(&ex, attn + (int64_t)r0 * s.attn_width, g->part_o, g->part_lse, g->attn_counters,
-                                rows + (int64_t)r0 * s.qkv_width, (T*)g->pool, decode_only, slots + r0, positions + r0,
+                                rows + (int64_t)r0 * s.qkv_width, (T*)g->pool, decode_only, pdl, slots + r0, positions + r0,
                                 g->tables, g->max_blocks, m, s.groups, g->qpg, s.d, l, s.L, g->gc.block_tokens,
                                 g->max_splits);
         }
         gen_linear<T>(g, &ex, GEMV_PLAIN, branch, NULL, attn, s.attn_width, p.proj_w, NULL, n, s.h);
-        norm_rows<T>(&ex, mid, ln, g->mean, g->rstd, x, branch, p.proj_b, p.ln2_w, p.ln2_b, n, s.h, eps, s.rms, s.norm_w1);
+        norm_rows<T>(&ex, mid, ln, g->mean, g->rstd, x, branch, p.proj_b, p.ln2_w, p.ln2_b, n, s.h, eps, s.rms, s.norm_w1,
+                     pdl);
         gen_linear<T>(g, &ex, epi, (T*)g->act, (T*)g->fc1, ln, s.h, p.fc1_w, p.fc1_b, n, s.f);
         gen_linear<T>(g, &ex, GEMV_PLAIN, branch, NULL, (T*)g->act, s.f, p.fc2_w, NULL, n, s.h);
         const bool last = l == s.L - 1;
         const layer_tensors<T> np = layer_params<T>(t, last ? l : l + 1);
         norm_rows<T>(&ex, x, ln, g->mean, g->rstd, mid, branch, p.fc2_b, last ? param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT) : np.ln1_w,
-                     last ? param_ptr<T>(t, MT_P_FINAL_LN_BIAS) : np.ln1_b, n, s.h, eps, s.rms, s.norm_w1);
+                     last ? param_ptr<T>(t, MT_P_FINAL_LN_BIAS) : np.ln1_b, n, s.h, eps, s.rms, s.norm_w1, pdl);
     }
     /* ln holds the final norm of every row: the gathered rows' logits, chunk by chunk, sampled or scored */
     for (int k0 = 0; k0 < n_sel; k0 += g->logit_rows) {

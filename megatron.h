@@ -1937,7 +1937,8 @@ mt_status mt_decode_gemv_benchmark(mt_trainer* t, int n, int M, int K, double* g
  *    linears of steps of at most 8 rows run a GEMV whose every output is the same sum whatever the rows
  *    beside it (bitwise), larger steps go to cuBLAS over all rows together, which may pick another kernel
  *    for another row count: a request's logits can then differ in the last bits with the batch (its
- *    tokens only at a near-tie). MT_GEN_GEMV=0 in the environment sends every step to cuBLAS. */
+ *    tokens only at a near-tie). MT_GEN_GEMV=0 in the environment sends every step to cuBLAS;
+ *    MT_GEN_PDL=0 launches the decode kernels without programmatic dependent launch. */
 #define MT_GEN_MAX_QPG 8
 #define MT_GEN_MAX_STOP_TOKENS 16
 #define MT_GEN_MAX_BATCH 4096

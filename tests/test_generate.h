@@ -730,7 +730,8 @@ static test_result test_generate_gpu_transformers(void) {
  * and the activation's slope is at most 1.2 (GELU 1.13; SwiGLU's product scaled by |up| and |silu(gate)|).
  * A lost tail vector or a wrong row moves an element by some (8 / K) sum|w x|: far outside in fp32, and in
  * bf16 on most elements. Bitwise: two runs equal, and each row equal to that row run alone (the batch
- * beside a request changes none of its bits). Shapes gemv_rows does not take (K not a multiple of the
+ * beside a request changes none of its bits), the second run a programmatic dependent launch as in the
+ * engine. Shapes gemv_rows does not take (K not a multiple of the
  * vector, more than GEN_GEMV_MAX_ROWS rows) are refused by gemv_rows_supported. */
 template <typename T>
 static test_result tgen_gemv_case(int n, int cols, int K, int epi, bool with_bias, uint64_t seed) {
@@ -781,7 +782,7 @@ static test_result tgen_gemv_case(int n, int cols, int K, int epi, bool with_bia
     EXPECT(gemv_rows_supported<T>(n, K, dx, K, dw), "gemv_rows refuses %d rows of K %d", n, K);
     gemv_rows<T>(&ex, epi, dy, cols, dx, K, dw, with_bias ? db : NULL, n, cols, K);
     cudaMemcpy(hy.data(), dy, ny * sizeof(T), cudaMemcpyDeviceToHost);
-    gemv_rows<T>(&ex, epi, dy, cols, dx, K, dw, with_bias ? db : NULL, n, cols, K);
+    gemv_rows<T>(&ex, epi, dy, cols, dx, K, dw, with_bias ? db : NULL, n, cols, K, true); /* as the engine launches it */
     cudaMemcpy(hy2.data(), dy, ny * sizeof(T), cudaMemcpyDeviceToHost);
     EXPECT(cudaDeviceSynchronize() == cudaSuccess && err.status == MT_OK, "gemv_rows: %s", err.error.message);
     EXPECT(!memcmp(hy.data(), hy2.data(), ny * sizeof(T)), "two runs differ");
