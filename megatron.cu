@@ -5390,8 +5390,7 @@ __device__ __forceinline__ void gen_pdl_trigger() {
 template <typename... KArgs, typename... Args>
 static void gen_launch(const mt_exec* ex, bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t shared,
                        Args... args) {
-    cudaLaunchConfig_t cfg;
-    memset(&cfg, 0, sizeof(cfg));
+    cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = shared, cfg.stream = ex->stream;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
