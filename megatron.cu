@@ -5342,28 +5342,61 @@ static void moe_to_f32(const mt_exec* ex, float* dst, const T* src, int64_t n) {
 /*    decoding request, row r being request slot slots[r] at position positions[r]. Attention of  */
 /*    row r (flash-decoding): its query heads against its request's cached positions 0 .. p (its  */
 /*    own K/V included, stored first), cut into splits of GEN_SPLIT_TOKENS positions; one block   */
-/*    per (split, K/V group, row) computes every query head of the group against the keys it      */
-/*    loads once (GQA), an online softmax per warp, the warps merged, and each split's output and */
-/*    log-sum-exp merged per head by a second kernel. The split count of a row depends on its     */
-/*    position alone, so its result never depends on the other rows of the step. Sampling: one   */
-/*    block per row of fp32 logits over the real vocabulary: the log-sum-exp (untempered), the    */
-/*    argmax (ties to the lowest id), and with a temperature the kept set of top-k and top-p as   */
-/*    thresholds on the logits' order-preserving bit patterns (32 bisection passes each; ties at  */
-/*    a threshold are kept), then one draw u = counter-hash(seed, token index) inverted through   */
-/*    the kept weights' cumulative sum in vocabulary order (fixed per-thread ranges, a serial     */
-/*    scan of their sums: deterministic).                                                        */
+/*    per (split, K/V group, row) copies the split's keys and values to shared memory at once and */
+/*    computes every query head of the group against them (GQA); a row of one split writes its    */
+/*    output, else the last block of the row's splits merges them by log-sum-exp in split order.  */
+/*    The split count of a row depends on its position alone, so its result never depends on the */
+/*    other rows of the step. Sampling: every row's log-sum-exp (untempered) and argmax (ties to  */
+/*    the lowest id) from many blocks per row merged in a fixed order (sample_stats_kernel: the    */
+/*    greedy and scored rows end there); a row with a temperature then gets one block: the kept    */
+/*    set of top-k and top-p as thresholds on the logits' order-preserving bit patterns (a        */
+/*    16-ary search, 4 bits a pass over the row; ties at a threshold are kept), then one draw     */
+/*    u = counter-hash(seed, token index) inverted through the kept weights' cumulative sum in    */
+/*    vocabulary order (fixed per-thread ranges, their sums scanned in a fixed order:             */
+/*    deterministic). The decode steps' linears                                                   */
+/*    and norms of few rows have their own kernels here (gemv_rows, norm_rows: see there).        */
 /*    defines: GEN_SPLIT_TOKENS, GEN_MAX_QPG, gen_sample_params, gen_uniform, kv_cache_store,     */
-/*    decode_attention, sample_rows, gather_rows.                                                 */
+/*    decode_attention, sample_rows, gather_rows, GEN_GEMV_MAX_ROWS, gemv_rows,                   */
+/*    gemv_rows_supported, norm_rows.                                                             */
 /* ============================================================================================== */
 
 #define GEN_SPLIT_TOKENS 64 /* cached positions per split of the decode attention */
 #define GEN_MAX_QPG 8       /* query heads per K/V group the decode attention takes */
-#define GEN_ATTN_WARPS 4
 
 /* pool element (block, layer, k/v, group, offset, e) */
 __device__ __forceinline__ int64_t kv_cache_index(int64_t block, int layer, int kv, int g, int off, int e, int L,
                                                   int groups, int block_tokens, int d) {
     return ((((block * L + layer) * 2 + kv) * groups + g) * (int64_t)block_tokens + off) * d + e;
+}
+
+/* Programmatic dependent launch (sm_90) for the decode kernels (gen_launch with pdl): such a kernel may start
+ * while the stream's previous kernel is still running (its blocks scheduled once every block of that kernel
+ * has started and called gen_pdl_trigger), so it can issue what does not depend on that kernel (weights, the
+ * cache of earlier steps) first; gen_pdl_wait() returns once the previous kernel has finished and its writes
+ * are visible, and every block calls it before touching any output of an earlier kernel of the step (so the
+ * chain stays ordered: a kernel finishes only after its own wait). Without the launch attribute both are
+ * no-ops. Between two launches of a decode step this hides the launch latency (~1 us a kernel) and the
+ * first round trip to memory. */
+__device__ __forceinline__ void gen_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void gen_pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+template <typename... KArgs, typename... Args>
+static void gen_launch(const mt_exec* ex, bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t shared,
+                       Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = shared, cfg.stream = ex->stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr, cfg.numAttrs = pdl ? 1 : 0;
+    CUDA_CHECK(ex->error, cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...));
 }
 
 /* The rows' k and v heads (from the QKV rows [N, qkv_width], k already rotated) into their cache positions.
@@ -5380,111 +5413,6 @@ __global__ void kv_cache_store_kernel(T* pool, const T* qkv, const int32_t* slot
     const int64_t block = tables[(int64_t)slots[r] * table_stride + p / block_tokens];
     const T x = qkv[(int64_t)r * groups * (qpg + 2) * d + ((int64_t)g * (qpg + 2) + qpg + kv) * d + e];
     pool[kv_cache_index(block, layer, kv, g, p % block_tokens, e, L, groups, block_tokens, d)] = x;
-}
-
-/* One split of one row's attention for the qpg query heads of group g: part_o [rows, heads, max_splits, d]
- * (normalised within the split), part_lse [rows, heads, max_splits]. q from the QKV rows (rotated), scaled
- * by `scale`. E = elements per lane (d <= 32 E). Block: GEN_ATTN_WARPS warps; grid (max_splits, groups, rows). */
-template <typename T, int E>
-__global__ void decode_attention_split_kernel(float* part_o, float* part_lse, const T* qkv, const T* pool,
-                                              const int32_t* slots, const int32_t* positions, const int32_t* tables,
-                                              int table_stride, int groups, int qpg, int d, int layer, int L,
-                                              int block_tokens, int max_splits, float scale) {
-    const int split = blockIdx.x, g = blockIdx.y, r = blockIdx.z;
-    const int p = positions[r];
-    const int splits = p / GEN_SPLIT_TOKENS + 1;
-    if (split >= splits) return; /* the whole block leaves: no barrier is skipped by part of it */
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    extern __shared__ float gen_shared[]; /* [warps][qpg] m, [warps][qpg] l, [warps][qpg][d] acc */
-    float* sm_m = gen_shared;
-    float* sm_l = sm_m + GEN_ATTN_WARPS * GEN_MAX_QPG;
-    float* sm_acc = sm_l + GEN_ATTN_WARPS * GEN_MAX_QPG;
-    float q[GEN_MAX_QPG][E], acc[GEN_MAX_QPG][E], m[GEN_MAX_QPG], l[GEN_MAX_QPG];
-    const T* qrow = qkv + (int64_t)r * groups * (qpg + 2) * d + (int64_t)g * (qpg + 2) * d;
-#pragma unroll
-    for (int h = 0; h < GEN_MAX_QPG; h++) {
-        m[h] = -INFINITY, l[h] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < E; i++) {
-            const int e = lane + 32 * i;
-            q[h][i] = h < qpg && e < d ? to_float(qrow[(int64_t)h * d + e]) * scale : 0.0f;
-            acc[h][i] = 0.0f;
-        }
-    }
-    const int32_t* table = tables + (int64_t)slots[r] * table_stride;
-    const int first = split * GEN_SPLIT_TOKENS, end = min(first + GEN_SPLIT_TOKENS, p + 1);
-    for (int j = first + warp; j < end; j += GEN_ATTN_WARPS) {
-        const int64_t block = table[j / block_tokens];
-        const T* kp = pool + kv_cache_index(block, layer, 0, g, j % block_tokens, 0, L, groups, block_tokens, d);
-        const T* vp = pool + kv_cache_index(block, layer, 1, g, j % block_tokens, 0, L, groups, block_tokens, d);
-        float k[E], v[E];
-#pragma unroll
-        for (int i = 0; i < E; i++) {
-            const int e = lane + 32 * i;
-            k[i] = e < d ? to_float(kp[e]) : 0.0f;
-            v[i] = e < d ? to_float(vp[e]) : 0.0f;
-        }
-#pragma unroll
-        for (int h = 0; h < GEN_MAX_QPG; h++) {
-            if (h >= qpg) break;
-            float s = 0.0f;
-#pragma unroll
-            for (int i = 0; i < E; i++) s += q[h][i] * k[i];
-            s = warp_sum(s);
-            const float mn = fmaxf(m[h], s), corr = expf(m[h] - mn), w = expf(s - mn);
-            l[h] = l[h] * corr + w;
-#pragma unroll
-            for (int i = 0; i < E; i++) acc[h][i] = acc[h][i] * corr + w * v[i];
-            m[h] = mn;
-        }
-    }
-    /* the warps' states merged in warp order */
-    for (int h = 0; h < qpg; h++) {
-        if (lane == 0) sm_m[warp * GEN_MAX_QPG + h] = m[h], sm_l[warp * GEN_MAX_QPG + h] = l[h];
-#pragma unroll
-        for (int i = 0; i < E; i++) {
-            const int e = lane + 32 * i;
-            if (e < d) sm_acc[((int64_t)warp * GEN_MAX_QPG + h) * d + e] = acc[h][i];
-        }
-    }
-    __syncthreads();
-    const int heads = groups * qpg;
-    for (int x = threadIdx.x; x < qpg * d; x += blockDim.x) {
-        const int h = x / d, e = x % d;
-        float M = -INFINITY;
-        for (int w = 0; w < GEN_ATTN_WARPS; w++) M = fmaxf(M, sm_m[w * GEN_MAX_QPG + h]);
-        float sum = 0.0f, o = 0.0f;
-        for (int w = 0; w < GEN_ATTN_WARPS; w++) {
-            const float mw = sm_m[w * GEN_MAX_QPG + h];
-            const float c = mw == -INFINITY ? 0.0f : expf(mw - M);
-            sum += sm_l[w * GEN_MAX_QPG + h] * c;
-            o += sm_acc[((int64_t)w * GEN_MAX_QPG + h) * d + e] * c;
-        }
-        const int64_t at = ((int64_t)r * heads + g * qpg + h) * max_splits + split;
-        part_o[at * d + e] = o / sum; /* sum >= 1: the split holds at least one key, whose weight is 1 at M */
-        if (e == 0) part_lse[at] = M + logf(sum);
-    }
-}
-
-/* out [rows, heads * d] (head h = g qpg + slot at h d) = the splits of each (row, head) merged by their
- * log-sum-exp in split order. One block per (head, row), threads over d. */
-template <typename T>
-__global__ void decode_attention_merge_kernel(T* out, const float* part_o, const float* part_lse,
-                                              const int32_t* positions, int heads, int d, int max_splits) {
-    const int h = blockIdx.x, r = blockIdx.y;
-    const int splits = positions[r] / GEN_SPLIT_TOKENS + 1;
-    const int64_t at = ((int64_t)r * heads + h) * max_splits;
-    float M = -INFINITY;
-    for (int s = 0; s < splits; s++) M = fmaxf(M, part_lse[at + s]);
-    for (int e = threadIdx.x; e < d; e += blockDim.x) {
-        float sum = 0.0f, o = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            const float w = expf(part_lse[at + s] - M);
-            sum += w;
-            o += w * part_o[(at + s) * d + e];
-        }
-        out[((int64_t)r * heads + h) * d + e] = from_float<T>(o / sum);
-    }
 }
 
 /* A row's sampling settings (section 23 fills them from mt_sampling). */
@@ -5511,96 +5439,133 @@ __device__ __forceinline__ uint32_t gen_order_key(float x) {
 
 #define GEN_SAMPLE_THREADS 1024
 
-/* One block per row of logits [n, ld] (fp32, the first V columns the real vocabulary): token[r] and
- * logprob[r] (log p(token) under softmax over the V real logits, untempered). */
+/* f(i, x[i]) for this thread's share of a row of V logits: 16-byte loads when vec (the row 16-byte aligned). */
+template <typename F>
+__device__ __forceinline__ void gen_row_each(const float* x, int V, bool vec, F f) {
+    int i0 = 0;
+    if (vec) {
+        const int n4 = V / 4;
+        for (int q = threadIdx.x; q < n4; q += blockDim.x) {
+            const float4 v = reinterpret_cast<const float4*>(x)[q];
+            f(4 * q, v.x), f(4 * q + 1, v.y), f(4 * q + 2, v.z), f(4 * q + 3, v.w);
+        }
+        i0 = 4 * n4;
+    }
+    for (int i = i0 + threadIdx.x; i < V; i += blockDim.x) f(i, x[i]);
+}
+
+/* The largest order key K whose set {i : key_i >= K} has weight(x_i) summed >= goal, over a row of V logits:
+ * 16-ary search, 4 bits of K a pass (8 passes; the binary search's answer, as S(K) falls with K), each pass
+ * the sums for the 15 candidates at once (every thread its fixed share in order, then fixed trees). */
+template <typename W>
+__device__ uint32_t gen_threshold(const float* x, int V, bool vec, float goal, W weight) {
+    __shared__ float s_part[GEN_SAMPLE_THREADS / 32][16];
+    __shared__ uint32_t s_prefix;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    __syncthreads(); /* s_prefix and s_part free (a previous call's readers are done) */
+    if (threadIdx.x == 0) s_prefix = 0;
+    for (int shift = 28; shift >= 0; shift -= 4) {
+        __syncthreads();
+        const uint32_t prefix = s_prefix;
+        float acc[16];
+#pragma unroll
+        for (int t = 1; t < 16; t++) acc[t] = 0.0f;
+        gen_row_each(x, V, vec, [&](int, float v) {
+            const uint32_t key = gen_order_key(v);
+            if (key < prefix) return;
+            const uint32_t d = (key - prefix) >> shift; /* candidates prefix + t 2^shift at or below key: t <= d */
+            const float w = weight(v, key);
+#pragma unroll
+            for (int t = 1; t < 16; t++) acc[t] += (uint32_t)t <= d ? w : 0.0f;
+        });
+#pragma unroll
+        for (int t = 1; t < 16; t++) {
+            const float s = warp_sum(acc[t]);
+            if (lane == 0) s_part[warp][t] = s;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            float s = 0.0f; /* lane t: candidate t's sum, warps in order */
+            if (lane >= 1 && lane < 16)
+                for (int w = 0; w < (int)blockDim.x / 32; w++) s += s_part[w][lane];
+            const unsigned ok = __ballot_sync(0xffffffffu, lane >= 1 && lane < 16 && s >= goal);
+            if (lane == 0) s_prefix = prefix + ((uint32_t)(ok ? 31 - __clz(ok) : 0) << shift); /* the largest t */
+        }
+    }
+    __syncthreads();
+    return s_prefix;
+}
+
+/* One block per row of logits [n, ld] (fp32, the first V columns the real vocabulary) that has a
+ * temperature (the others are sample_stats_kernel's, which also left every row's max, log-sum-exp and
+ * argmax in row_stat [n] (max, lse, argmax's bits)): token[r] and logprob[r] (log p(token) under softmax
+ * over the V real logits, untempered). */
 __global__ void __launch_bounds__(GEN_SAMPLE_THREADS) sample_rows_kernel(int32_t* token_out, float* logprob_out,
                                                                          const float* logits, int64_t ld, int V,
-                                                                         const gen_sample_params* params) {
-    __shared__ float s_best[32];
-    __shared__ int s_best_i[32];
-    __shared__ float s_scan[GEN_SAMPLE_THREADS + 1];
+                                                                         const gen_sample_params* params,
+                                                                         const float4* row_stat) {
+    __shared__ float s_warp[GEN_SAMPLE_THREADS / 32], s_total;
     __shared__ int s_pick, s_last;
     const int r = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const float* x = logits + (int64_t)r * ld;
     const gen_sample_params P = params[r];
-    /* max and argmax, ties to the lowest id */
-    float best = -INFINITY;
-    int bi = INT_MAX;
-    for (int i = tid; i < V; i += blockDim.x)
-        if (x[i] > best || (x[i] == best && i < bi)) best = x[i], bi = i;
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ob > best || (ob == best && oi < bi)) best = ob, bi = oi;
-    }
-    if (lane == 0) s_best[warp] = best, s_best_i[warp] = bi;
-    __syncthreads();
-    if (warp == 0) {
-        const int warps = blockDim.x / 32;
-        best = lane < warps ? s_best[lane] : -INFINITY;
-        bi = lane < warps ? s_best_i[lane] : INT_MAX;
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ob > best || (ob == best && oi < bi)) best = ob, bi = oi;
-        }
-        if (lane == 0) s_best[0] = best, s_best_i[0] = bi;
-    }
-    __syncthreads();
-    const float m = s_best[0];
-    const int argmax = s_best_i[0];
-    __syncthreads();
-    float se = 0.0f;
-    for (int i = tid; i < V; i += blockDim.x) se += expf(x[i] - m);
-    const float lse = m + logf(block_sum(se));
+    if (P.target >= 0 || !(P.temperature > 0.0f)) return; /* sample_stats_kernel's (the whole block leaves) */
+    const bool vec = (ld % 4) == 0 && ((uintptr_t)logits & 15) == 0;
+    const float4 st = row_stat[r];
+    const float m = st.x, lse = st.y;
+    const int argmax = __float_as_int(st.z);
     int chosen = argmax;
-    if (P.target >= 0) {
-        chosen = P.target;
-    } else if (P.temperature > 0.0f) {
+    {
         /* top-k: the largest key K with at least k logits at or above it (the k-th largest logit) */
         uint32_t kmin = 0;
-        if (P.top_k > 0 && P.top_k < V) {
-            for (int bit = 31; bit >= 0; bit--) {
-                const uint32_t cand = kmin | (1u << bit);
-                float c = 0.0f;
-                for (int i = tid; i < V; i += blockDim.x) c += gen_order_key(x[i]) >= cand ? 1.0f : 0.0f;
-                if (block_sum(c) >= (float)P.top_k) kmin = cand;
-            }
-        }
+        if (P.top_k > 0 && P.top_k < V)
+            kmin = gen_threshold(x, V, vec, (float)P.top_k, [](float, uint32_t) { return 1.0f; });
         /* top-p over the tempered weights of the top-k set: the largest K whose set reaches top_p of its mass */
         if (P.top_p > 0.0f && P.top_p < 1.0f) {
             float w = 0.0f;
-            for (int i = tid; i < V; i += blockDim.x)
-                if (gen_order_key(x[i]) >= kmin) w += expf((x[i] - m) / P.temperature);
+            gen_row_each(x, V, vec, [&](int, float v) {
+                if (gen_order_key(v) >= kmin) w += expf((v - m) / P.temperature);
+            });
             const float goal = P.top_p * block_sum(w);
-            uint32_t pmin = 0; /* the answer is >= kmin: below it the weights are 0 */
-            for (int bit = 31; bit >= 0; bit--) {
-                const uint32_t cand = pmin | (1u << bit);
-                float c = 0.0f;
-                for (int i = tid; i < V; i += blockDim.x)
-                    if (gen_order_key(x[i]) >= cand) c += expf((x[i] - m) / P.temperature);
-                if (block_sum(c) >= goal) pmin = cand;
-            }
-            kmin = pmin;
+            const float T = P.temperature;
+            const uint32_t pmin = gen_threshold(x, V, vec, goal, [=](float v, uint32_t key) {
+                return key >= kmin ? expf((v - m) / T) : 0.0f;
+            });
+            kmin = pmin > kmin ? pmin : kmin; /* >= kmin but where rounding made the whole set fall short */
         }
-        /* the draw: contiguous ranges per thread, their sums scanned serially, the range holding u * total walked */
+        /* the draw: contiguous ranges per thread, their sums scanned in a fixed order, the range holding u * total
+         * walked */
         const int chunk = (V + blockDim.x - 1) / blockDim.x, b = tid * chunk, e = min(b + chunk, V);
         float mine = 0.0f;
         int last_kept = -1;
         for (int i = b; i < e; i++)
             if (gen_order_key(x[i]) >= kmin) mine += expf((x[i] - m) / P.temperature), last_kept = i;
-        s_scan[tid + 1] = mine;
         if (tid == 0) s_pick = INT_MAX, s_last = -1;
+        /* the ranges' sums scanned: within each warp by shuffles, then the warps' totals serially; a range is
+         * [before, after), the next one's before being this one's after, bit for bit */
+        float incl = mine;
+        for (int o = 1; o < 32; o <<= 1) {
+            const float y = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += y;
+        }
+        float excl = __shfl_up_sync(0xffffffffu, incl, 1);
+        if (lane == 0) excl = 0.0f;
+        if (lane == 31) s_warp[warp] = incl;
         __syncthreads();
         if (last_kept >= 0) atomicMax(&s_last, last_kept);
         if (tid == 0) {
-            s_scan[0] = 0.0f;
-            for (int k = 1; k <= (int)blockDim.x; k++) s_scan[k] += s_scan[k - 1];
+            float run = 0.0f;
+            for (int w = 0; w < (int)blockDim.x / 32; w++) {
+                const float t = s_warp[w];
+                s_warp[w] = run;
+                run += t;
+            }
+            s_total = run;
         }
         __syncthreads();
-        const float target = gen_uniform(P.seed, P.index) * s_scan[blockDim.x];
-        const float before = s_scan[tid];
-        if (mine > 0.0f && before <= target && target < s_scan[tid + 1]) { /* the range holding the target */
+        const float before = s_warp[warp] + excl, after = s_warp[warp] + incl;
+        const float target = gen_uniform(P.seed, P.index) * s_total;
+        if (mine > 0.0f && before <= target && target < after) { /* the range holding the target */
             float acc = before;
             int pick = last_kept;
             for (int i = b; i < e; i++) {
@@ -5646,48 +5611,553 @@ static void kv_cache_store(const mt_exec* ex, T* pool, const T* qkv, const int32
     LAUNCH_CHECK(ex->error);
 }
 
-/* Bytes of the split kernel's shared memory for head dim d. */
-static size_t decode_attention_shared_bytes(int d) {
-    return sizeof(float) * (size_t)GEN_ATTN_WARPS * GEN_MAX_QPG * (2 + (size_t)d);
+/* decode_attention_tile_kernel: one block per (split, K/V group, row); the split's keys and values (at most GEN_SPLIT_TOKENS positions) go to shared memory with
+ * 16-byte asynchronous copies issued all at once (one round trip for the whole tile, instead of one per
+ * key and warp), then: every thread a key's scores for the group's query heads (K rows padded by one
+ * vector so the lanes' 16-byte reads fall in distinct banks), a warp per head the split's max, weights and
+ * sum (fixed order), every thread output elements (its head and column over the split's keys in order).
+ * A row of one split writes its attention output directly; with more, each split stores its normalised
+ * output and log-sum-exp, and the block that finishes last (a counter per (row, group), reset by that
+ * block) merges the splits in split order by their log-sum-exp: no second launch,
+ * the same sums whichever block merges. counters [rows, groups] start at 0. A row's own position is read
+ * from its QKV row (the same values kv_cache_store copies), and with store_own the block holding it also
+ * stores it into the cache: a step in which no row reads another row's keys (one row per request: a
+ * decode step) needs no kv_cache_store. */
+#define GEN_ATTN_THREADS 128
+template <typename T>
+__global__ void __launch_bounds__(GEN_ATTN_THREADS) decode_attention_tile_kernel(
+    T* out, float* part_o, float* part_lse, int* counters, const T* qkv, T* pool, const int32_t* slots,
+    const int32_t* positions, const int32_t* tables, int table_stride, int groups, int qpg, int d, int layer, int L,
+    int block_tokens, int max_splits, float scale, int store_own) {
+    constexpr int V = vec16<T>::N;
+    const int split = blockIdx.x, g = blockIdx.y, r = blockIdx.z, tid = threadIdx.x;
+    gen_pdl_trigger();
+    /* positions, slots and tables come from the step's upload, before every kernel of the step */
+    const int p = positions[r];
+    const int splits = p / GEN_SPLIT_TOKENS + 1;
+    if (split >= splits) { /* the whole block leaves: no barrier is skipped by part of it */
+        gen_pdl_wait();
+        return;
+    }
+    const int first = split * GEN_SPLIT_TOKENS, cnt = min(GEN_SPLIT_TOKENS, p + 1 - first);
+    const bool vec = d % V == 0;
+    const int dp = d + V; /* padded K row */
+    extern __shared__ __align__(16) unsigned char gen_tile[];
+    T* kt = reinterpret_cast<T*>(gen_tile);                     /* [GEN_SPLIT_TOKENS][dp] */
+    T* vt = kt + GEN_SPLIT_TOKENS * dp;                          /* [GEN_SPLIT_TOKENS][d] */
+    float* qs = reinterpret_cast<float*>(vt + GEN_SPLIT_TOKENS * d); /* [qpg][d] */
+    float* ps = qs + qpg * d;                                   /* [qpg][GEN_SPLIT_TOKENS] */
+    float* stat = ps + qpg * GEN_SPLIT_TOKENS;                  /* [qpg][2] max, sum */
+    __shared__ int s_last;
+    const int32_t* table = tables + (int64_t)slots[r] * table_stride;
+    const T* qrow = qkv + (int64_t)r * groups * (qpg + 2) * d + (int64_t)g * (qpg + 2) * d; /* q heads, k, v */
+    if (vec) {
+        /* store_own (a decode step): the cache of earlier positions was written by earlier steps, so it is copied
+         * before the wait, overlapping the previous kernel; the row's own k/v (its QKV row) after it */
+        const int cv = d / V;
+        for (int pass = store_own ? 0 : 1; pass < 2; pass++) {
+            if (pass == 1) gen_pdl_wait();
+            for (int i = tid; i < 2 * cnt * cv; i += GEN_ATTN_THREADS) {
+                const int kv = i / (cnt * cv), j = (i / cv) % cnt, ch = i % cv, pos = first + j;
+                if (store_own && (pos == p) != (pass == 1)) continue;
+                const T* src = pos == p ? qrow + (qpg + kv) * d + ch * V /* the row's own k/v: its QKV row */
+                                        : pool + kv_cache_index(table[pos / block_tokens], layer, kv, g,
+                                                                pos % block_tokens, ch * V, L, groups, block_tokens, d);
+                T* dst = kv ? vt + j * d + ch * V : kt + j * dp + ch * V;
+                cp_async_16(smem_u32(dst), src, true);
+            }
+        }
+        cp_async_commit();
+    } else {
+        gen_pdl_wait();
+        for (int i = tid; i < 2 * cnt * d; i += GEN_ATTN_THREADS) {
+            const int kv = i / (cnt * d), j = (i / d) % cnt, e = i % d, pos = first + j;
+            const T x = pos == p ? qrow[(qpg + kv) * d + e]
+                                 : pool[kv_cache_index(table[pos / block_tokens], layer, kv, g, pos % block_tokens, e, L,
+                                                       groups, block_tokens, d)];
+            (kv ? vt[j * d + e] : kt[j * dp + e]) = x;
+        }
+    }
+    if (store_own && split == splits - 1) /* the row's own k/v into its cache position (kv_cache_store's job) */
+        for (int i = tid; i < 2 * d; i += GEN_ATTN_THREADS)
+            pool[kv_cache_index(table[p / block_tokens], layer, i / d, g, p % block_tokens, i % d, L, groups, block_tokens,
+                                d)] = qrow[qpg * d + i];
+    for (int i = tid; i < qpg * d; i += GEN_ATTN_THREADS) qs[i] = to_float(qrow[i]) * scale;
+    if (vec) cp_async_wait<0>();
+    __syncthreads();
+    /* scores: thread j, key j, every head */
+    for (int j = tid; j < cnt; j += GEN_ATTN_THREADS) {
+        float s[GEN_MAX_QPG];
+#pragma unroll
+        for (int h = 0; h < GEN_MAX_QPG; h++) s[h] = 0.0f;
+        const T* kr = kt + j * dp;
+        for (int e0 = 0; e0 < d; e0 += V) {
+            float k[V];
+            if (vec) {
+                const int4 raw = *reinterpret_cast<const int4*>(kr + e0);
+                const T* ke = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+                for (int i = 0; i < V; i++) k[i] = to_float(ke[i]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < V; i++) k[i] = e0 + i < d ? to_float(kr[e0 + i]) : 0.0f;
+            }
+#pragma unroll
+            for (int h = 0; h < GEN_MAX_QPG; h++) {
+                if (h >= qpg) break;
+#pragma unroll
+                for (int i = 0; i < V; i++)
+                    if (vec || e0 + i < d) s[h] = __fmaf_rn(qs[h * d + e0 + i], k[i], s[h]);
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < GEN_MAX_QPG; h++)
+            if (h < qpg) ps[h * GEN_SPLIT_TOKENS + j] = s[h];
+    }
+    __syncthreads();
+    /* per head: the split's max, the weights exp(s - max) and their sum */
+    const int lane = tid % 32, warp = tid / 32;
+    for (int h = warp; h < qpg; h += GEN_ATTN_THREADS / 32) {
+        float m = -INFINITY;
+        for (int j = lane; j < cnt; j += 32) m = fmaxf(m, ps[h * GEN_SPLIT_TOKENS + j]);
+        m = warp_max(m);
+        float l = 0.0f;
+        for (int j = lane; j < cnt; j += 32) {
+            const float w = expf(ps[h * GEN_SPLIT_TOKENS + j] - m);
+            ps[h * GEN_SPLIT_TOKENS + j] = w;
+            l += w;
+        }
+        l = warp_sum(l);
+        if (lane == 0) stat[2 * h] = m, stat[2 * h + 1] = l;
+    }
+    __syncthreads();
+    const int heads = groups * qpg;
+    for (int i = tid; i < qpg * d; i += GEN_ATTN_THREADS) {
+        const int h = i / d, e = i % d;
+        float o = 0.0f;
+        for (int j = 0; j < cnt; j++) o = __fmaf_rn(ps[h * GEN_SPLIT_TOKENS + j], to_float(vt[j * d + e]), o);
+        o /= stat[2 * h + 1]; /* >= 1: the split's largest score has weight 1 */
+        if (splits == 1) {
+            out[((int64_t)r * heads + g * qpg + h) * d + e] = from_float<T>(o);
+        } else {
+            const int64_t at = ((int64_t)r * heads + g * qpg + h) * max_splits + split;
+            part_o[at * d + e] = o;
+            if (e == 0) part_lse[at] = stat[2 * h] + logf(stat[2 * h + 1]);
+        }
+    }
+    if (splits == 1) return;
+    /* the last block of this (row, group) merges */
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(&counters[r * groups + g], 1) == splits - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (int i = tid; i < qpg * d; i += GEN_ATTN_THREADS) {
+        const int h = i / d, e = i % d;
+        const int64_t at = ((int64_t)r * heads + g * qpg + h) * max_splits;
+        float M = -INFINITY;
+        for (int s = 0; s < splits; s++) M = fmaxf(M, __ldcg(part_lse + at + s));
+        float sum = 0.0f, o = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            const float w = expf(__ldcg(part_lse + at + s) - M);
+            sum += w;
+            o += w * __ldcg(part_o + (at + s) * d + e);
+        }
+        out[((int64_t)r * heads + g * qpg + h) * d + e] = from_float<T>(o / sum);
+    }
+    if (tid == 0) counters[r * groups + g] = 0;
+}
+
+/* Bytes of decode_attention_tile_kernel's dynamic shared memory. */
+template <typename T>
+static size_t decode_attention_tile_bytes(int qpg, int d) {
+    return sizeof(T) * (size_t)GEN_SPLIT_TOKENS * (2 * d + vec16<T>::N) +
+           sizeof(float) * (size_t)qpg * (d + GEN_SPLIT_TOKENS + 2);
+}
+
+/* sample_stats: the greedy and scored rows' sampling without sort or bisection. Grid (parts, rows): block
+ * (part, r) takes GEN_STATS_SPAN consecutive logits of row r (16-byte loads, four per thread in flight),
+ * its max, the lowest index of the max, and the sum of exp(x - its max); the block that finishes last
+ * merges the parts in part order (a counter per row, reset by it): lse = M + log(sum_p s_p exp(m_p - M)),
+ * and a greedy or scored row's token and log-probability; every row's (max, lse, argmax's bits) into
+ * row_stat [rows]. Rows with a temperature are left to sample_rows_kernel, which leaves the others alone.
+ * part [rows, parts] (max, sum), part_i [rows, parts]. */
+#define GEN_STATS_THREADS 256
+#define GEN_STATS_SPAN (GEN_STATS_THREADS * 16)
+struct gen_stat {
+    float m, s;
+    int i;
+};
+__device__ __forceinline__ gen_stat gen_stat_merge(gen_stat a, gen_stat b) {
+    gen_stat o;
+    o.m = fmaxf(a.m, b.m);
+    o.i = a.m > b.m ? a.i : b.m > a.m ? b.i : min(a.i, b.i);
+    o.s = (a.m == -INFINITY ? 0.0f : a.s * expf(a.m - o.m)) + (b.m == -INFINITY ? 0.0f : b.s * expf(b.m - o.m));
+    return o;
+}
+__global__ void __launch_bounds__(GEN_STATS_THREADS) sample_stats_kernel(int32_t* token_out, float* logprob_out,
+                                                                         float4* row_stat, float2* part, int* part_i,
+                                                                         int* counters,
+                                                                         const float* logits, int64_t ld, int V,
+                                                                         const gen_sample_params* params) {
+    const int pi = blockIdx.x, parts = gridDim.x, r = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const float* x = logits + (int64_t)r * ld;
+    const bool vec = (ld % 4) == 0 && ((uintptr_t)logits & 15) == 0;
+    float v[16];
+    const int base = pi * GEN_STATS_SPAN;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int i = base + (k * GEN_STATS_THREADS + tid) * 4;
+        if (vec && i + 3 < V) {
+            const float4 f = __ldcs(reinterpret_cast<const float4*>(x + i));
+            v[4 * k] = f.x, v[4 * k + 1] = f.y, v[4 * k + 2] = f.z, v[4 * k + 3] = f.w;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; e++) v[4 * k + e] = i + e < V ? x[i + e] : -INFINITY;
+        }
+    }
+    gen_stat st = {-INFINITY, 0.0f, INT_MAX};
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int i = base + (k * GEN_STATS_THREADS + tid) * 4 + e;
+            if (i < V && v[4 * k + e] > st.m) st.m = v[4 * k + e], st.i = i;
+        }
+#pragma unroll
+    for (int k = 0; k < 16; k++)
+        if (st.m != -INFINITY) st.s += expf(v[k] - st.m); /* -inf (past V) adds 0 */
+    for (int o = 16; o > 0; o >>= 1) {
+        gen_stat b;
+        b.m = __shfl_xor_sync(0xffffffffu, st.m, o), b.s = __shfl_xor_sync(0xffffffffu, st.s, o);
+        b.i = __shfl_xor_sync(0xffffffffu, st.i, o);
+        st = gen_stat_merge(st, b);
+    }
+    __shared__ gen_stat s_w[GEN_STATS_THREADS / 32];
+    __shared__ int s_last;
+    if (lane == 0) s_w[warp] = st;
+    __syncthreads();
+    if (tid == 0) {
+        gen_stat a = s_w[0];
+        for (int w = 1; w < GEN_STATS_THREADS / 32; w++) a = gen_stat_merge(a, s_w[w]);
+        part[(int64_t)r * parts + pi] = make_float2(a.m, a.s);
+        part_i[(int64_t)r * parts + pi] = a.i;
+        __threadfence();
+        s_last = atomicAdd(&counters[r], 1) == parts - 1;
+    }
+    __syncthreads();
+    if (!s_last || tid != 0) return;
+    __threadfence();
+    gen_stat a = {-INFINITY, 0.0f, INT_MAX};
+    for (int q = 0; q < parts; q++) {
+        const float2 f = __ldcg(part + (int64_t)r * parts + q);
+        gen_stat b = {f.x, f.y, __ldcg(part_i + (int64_t)r * parts + q)};
+        a = gen_stat_merge(a, b);
+    }
+    counters[r] = 0;
+    const float lse = a.m + logf(a.s);
+    row_stat[r] = make_float4(a.m, lse, __int_as_float(a.i), 0.0f);
+    const gen_sample_params P = params[r];
+    if (P.target < 0 && P.temperature > 0.0f) return; /* sample_rows_kernel draws it */
+    const int chosen = P.target >= 0 ? P.target : a.i;
+    token_out[r] = chosen;
+    logprob_out[r] = chosen >= 0 && chosen < V ? x[chosen] - lse : -INFINITY;
 }
 
 /* attn [N, groups qpg d] = each row's attention against its cached positions 0 .. positions[r] (layer's
  * part of the pool); part_o [N, heads, max_splits, d] and part_lse [N, heads, max_splits] scratch,
- * max_splits >= the rows' largest position / GEN_SPLIT_TOKENS + 1. qpg <= GEN_MAX_QPG, d <= 256. */
+ * max_splits >= the rows' largest position / GEN_SPLIT_TOKENS + 1; counters [N, groups] zero (left zero).
+ * store_own: each row's own k/v stored into the pool too (see the kernel); pdl: a programmatic dependent
+ * launch (gen_launch). qpg <= GEN_MAX_QPG, d <= 256. */
 template <typename T>
-static void decode_attention(const mt_exec* ex, T* attn, float* part_o, float* part_lse, const T* qkv, const T* pool,
-                             const int32_t* slots, const int32_t* positions, const int32_t* tables, int table_stride,
-                             int N, int groups, int qpg, int d, int layer, int L, int block_tokens, int max_splits) {
+static void decode_attention(const mt_exec* ex, T* attn, float* part_o, float* part_lse, int* counters, const T* qkv,
+                             T* pool, bool store_own, bool pdl, const int32_t* slots, const int32_t* positions, const int32_t* tables,
+                             int table_stride, int N, int groups, int qpg, int d, int layer, int L, int block_tokens,
+                             int max_splits) {
     if (N == 0) return;
     if (qpg > GEN_MAX_QPG || d > 256 || d < 1) {
         mt_gpu_fail(ex->error, MT_ERR_CONFIG, "decode attention: %d query heads per group (at most %d), head dim %d "
                     "(at most 256)", qpg, GEN_MAX_QPG, d);
         return;
     }
-    const float scale = 1.0f / sqrtf((float)d);
-    const dim3 grid(max_splits, groups, N);
-    const size_t shared = decode_attention_shared_bytes(d);
-    const int threads = 32 * GEN_ATTN_WARPS;
-#define GEN_ATTN_LAUNCH(E)                                                                                        \
-    decode_attention_split_kernel<T, E><<<grid, threads, shared, ex->stream>>>(                                   \
-        part_o, part_lse, qkv, pool, slots, positions, tables, table_stride, groups, qpg, d, layer, L, block_tokens, \
-        max_splits, scale)
-    if (d <= 64) GEN_ATTN_LAUNCH(2);
-    else if (d <= 128) GEN_ATTN_LAUNCH(4);
-    else GEN_ATTN_LAUNCH(8);
-#undef GEN_ATTN_LAUNCH
+    const size_t shared = decode_attention_tile_bytes<T>(qpg, d);
+    if (shared > 48 * 1024 &&
+        !CUDA_CHECK(ex->error, cudaFuncSetAttribute(decode_attention_tile_kernel<T>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared)))
+        return;
+    gen_launch(ex, pdl, decode_attention_tile_kernel<T>, dim3(max_splits, groups, N), dim3(GEN_ATTN_THREADS), shared,
+               attn, part_o, part_lse, counters, qkv, pool, slots, positions, tables, table_stride, groups, qpg, d, layer,
+               L, block_tokens, max_splits, 1.0f / sqrtf((float)d), store_own ? 1 : 0);
+}
+
+/* Parts of sample_stats_kernel for a vocabulary of V. */
+static int sample_stats_parts(int V) { return ceil_div(V, GEN_STATS_SPAN); }
+
+/* token[n], logprob[n] from logits [n, ld] fp32 over the real vocabulary V (params [n] on the device):
+ * sample_stats_kernel for every row (the greedy and scored rows done there), then sample_rows_kernel for
+ * the rows with a temperature. row_stat [n] float4, part [n, parts] float2, part_i [n, parts] scratch,
+ * counters [n] zero (left zero). */
+static void sample_rows(const mt_exec* ex, int32_t* token, float* logprob, float4* row_stat, float2* part, int* part_i,
+                        int* counters, const float* logits, int64_t ld, int V, const gen_sample_params* params, int n) {
+    if (n == 0) return;
+    sample_stats_kernel<<<dim3(sample_stats_parts(V), n), GEN_STATS_THREADS, 0, ex->stream>>>(
+        token, logprob, row_stat, part, part_i, counters, logits, ld, V, params);
     LAUNCH_CHECK(ex->error);
-    decode_attention_merge_kernel<T><<<dim3(groups * qpg, N), d < 128 ? 64 : 128, 0, ex->stream>>>(
-        attn, part_o, part_lse, positions, groups * qpg, d, max_splits);
+    sample_rows_kernel<<<n, GEN_SAMPLE_THREADS, 0, ex->stream>>>(token, logprob, logits, ld, V, params, row_stat);
     LAUNCH_CHECK(ex->error);
 }
 
-/* token[n], logprob[n] from logits [n, ld] fp32 over the real vocabulary V (params [n] on the device). */
-static void sample_rows(const mt_exec* ex, int32_t* token, float* logprob, const float* logits, int64_t ld, int V,
-                        const gen_sample_params* params, int n) {
+/* ---- Decode kernels for few rows ------------------------------------------------------------------
+ * A decode step of a few requests is a chain of matrix-vector products, row norms and attentions over
+ * a short cache; the forward's kernels are made for thousands of rows and leave HBM idle there (one
+ * warp per norm row walking it serially, one key at a time per warp in the attention, one block per row
+ * of logits). These kernels keep many independent 16-byte loads in flight instead.
+ *
+ * gemv_rows: out [n, M] = x [n, K] W[M, K]^T for n <= GEN_GEMV_MAX_ROWS rows (the engine's linears; cuBLAS
+ * above that). One warp per GEN_GEMV_COLS output columns (weight rows): each lane takes the 16-byte
+ * vectors lane, lane + 32, ... of the K dimension, GEN_GEMV_UNROLL of them loaded at once per weight row
+ * (predicated at the tail, so a row of K = 1600 is one round trip), the x rows (L1-resident) read for
+ * each; fp32 products summed per lane in K order with explicit FMAs, then the warp's butterfly. Every
+ * output element is that same sum of the same products whatever n is and whichever rows share the
+ * launch: bitwise repeatable, a request's results independent of the batch beside it. The epilogue is
+ * the engine's next elementwise step, rounded as the separate kernels round: the GEMM's output to T,
+ * then + bias (to T), then GELU / squared ReLU (to T), or SwiGLU (the warp computes the gate column j
+ * and the up column f + j of the [2f, K] weight: act = silu(gate) * up). Needs K and the x row stride
+ * multiples of the 16-byte vector and 16-byte-aligned x and W (gemv_rows_supported); the engine falls
+ * back to cuBLAS and the separate kernels otherwise. */
+#define GEN_GEMV_MAX_ROWS 8 /* decode rows up to which the engine's linears run here (cuBLAS above) */
+#define GEN_GEMV_WARPS 2     /* small blocks: a narrow output (1600 columns, 400 blocks) spreads evenly over the SMs */
+#define GEN_GEMV_COLS 2     /* output columns per warp (sharing the x loads) */
+#define GEN_GEMV_UNROLL 8   /* 16-byte weight vectors per lane and column in flight (SwiGLU: half, for two rows) */
+enum { GEMV_PLAIN = 0, GEMV_GELU = 1, GEMV_SQUARED_RELU = 2, GEMV_SWIGLU = 3 };
+
+template <typename T, int NR, int EPI>
+__global__ void __launch_bounds__(32 * GEN_GEMV_WARPS) gemv_rows_kernel(T* out, int ldo, const T* x, int ldx,
+                                                                        const T* W, const T* bias, int n, int cols,
+                                                                        int K) {
+    constexpr int V = vec16<T>::N;
+    constexpr int C = GEN_GEMV_COLS;
+    const int lane = threadIdx.x % 32;
+    const int j0 = (blockIdx.x * GEN_GEMV_WARPS + threadIdx.x / 32) * C;
+    gen_pdl_trigger();
+    if (j0 < cols) /* the first weights into L2 while the previous kernel finishes (they depend on nothing) */
+        for (int c = 0; c < C && j0 + c < cols; c++)
+            for (int u = 0; u < GEN_GEMV_UNROLL; u++) {
+                const int k = (u * 32 + lane) * V;
+                if (k < K) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)(j0 + c) * K + k));
+            }
+    gen_pdl_wait();
+    if (j0 >= cols) return; /* the whole warp leaves; no barrier below */
+    const T* wr[C];
+    bool has[C];
+#pragma unroll
+    for (int c = 0; c < C; c++) {
+        has[c] = j0 + c < cols;
+        const int j = has[c] ? j0 + c : j0; /* a missing column reads column j0's weights, never stored */
+        wr[c] = W + (int64_t)j * K;
+    }
+    const T* wu[C]; /* SwiGLU: the up rows f + j */
+#pragma unroll
+    for (int c = 0; c < C; c++) wu[c] = EPI == GEMV_SWIGLU ? wr[c] + (int64_t)cols * K : wr[c];
+    constexpr int R = EPI == GEMV_SWIGLU ? 2 : 1;
+    float acc[R][C][NR];
+#pragma unroll
+    for (int q = 0; q < R; q++)
+#pragma unroll
+        for (int c = 0; c < C; c++)
+#pragma unroll
+            for (int r = 0; r < NR; r++) acc[q][c][r] = 0.0f;
+    const T* xr[NR];
+#pragma unroll
+    for (int r = 0; r < NR; r++) xr[r] = x + (int64_t)(r < n ? r : n - 1) * ldx; /* rows past n: discarded */
+    constexpr int U = GEN_GEMV_UNROLL / R; /* the same bytes in flight, SwiGLU's two rows in the registers of one */
+    for (int base = 0; base < K; base += 32 * V * U) {
+        int4 w[R][C][U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int k = base + (u * 32 + lane) * V;
+#pragma unroll
+            for (int c = 0; c < C; c++) {
+                w[0][c][u] = k < K ? __ldcs(reinterpret_cast<const int4*>(wr[c] + k)) : make_int4(0, 0, 0, 0);
+                if (R == 2)
+                    w[R - 1][c][u] = k < K ? __ldcs(reinterpret_cast<const int4*>(wu[c] + k)) : make_int4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int k = base + (u * 32 + lane) * V;
+            if (k >= K) break;
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                const int4 raw = __ldg(reinterpret_cast<const int4*>(xr[r] + k));
+                const T* xe = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+                for (int q = 0; q < R; q++)
+#pragma unroll
+                    for (int c = 0; c < C; c++) {
+                        const T* we = reinterpret_cast<const T*>(&w[q][c][u]);
+#pragma unroll
+                        for (int i = 0; i < V; i++) acc[q][c][r] = __fmaf_rn(to_float(we[i]), to_float(xe[i]), acc[q][c][r]);
+                    }
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < R; q++)
+#pragma unroll
+        for (int c = 0; c < C; c++)
+#pragma unroll
+            for (int r = 0; r < NR; r++) acc[q][c][r] = warp_sum(acc[q][c][r]);
+    /* lane (c, r) stores element (r, j0 + c) */
+#pragma unroll
+    for (int c = 0; c < C; c++)
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            if (lane != c * NR + r || r >= n || !has[c]) continue;
+            const int j = j0 + c;
+            float y = to_float(from_float<T>(acc[0][c][r])); /* the GEMM's output in T */
+            if (bias) y = to_float(from_float<T>(y + to_float(bias[j])));
+            if (EPI == GEMV_GELU) y = activation<ACT_GELU>(y);
+            if (EPI == GEMV_SQUARED_RELU) y = activation<ACT_SQUARED_RELU>(y);
+            if (EPI == GEMV_SWIGLU) {
+                float up = to_float(from_float<T>(acc[R - 1][c][r]));
+                if (bias) up = to_float(from_float<T>(up + to_float(bias[cols + j])));
+                y = silu(y) * up;
+            }
+            out[(int64_t)r * ldo + j] = from_float<T>(y);
+        }
+}
+
+/* gemv_rows can take these operands (16-byte vectors along K, aligned rows, few rows). */
+template <typename T>
+static bool gemv_rows_supported(int n, int K, const T* x, int ldx, const T* W) {
+    constexpr int V = vec16<T>::N;
+    static_assert(GEN_GEMV_COLS * GEN_GEMV_MAX_ROWS <= 32, "one lane per stored element of a warp");
+    return n >= 1 && n <= GEN_GEMV_MAX_ROWS && K >= V && K % V == 0 && ldx % V == 0 && aligned16(x) && aligned16(W);
+}
+
+/* out [n, ldo] (columns 0 .. cols-1) = epilogue(x [n, ldx] W^T + bias): W [cols, K] (SwiGLU: [2 cols, K],
+ * the gate rows then the up rows, bias [2 cols]); bias may be NULL. Needs gemv_rows_supported. pdl: a
+ * programmatic dependent launch (gen_launch). */
+template <typename T>
+static void gemv_rows(const mt_exec* ex, int epi, T* out, int ldo, const T* x, int ldx, const T* W, const T* bias, int n,
+                      int cols, int K, bool pdl = false) {
     if (n == 0) return;
-    sample_rows_kernel<<<n, GEN_SAMPLE_THREADS, 0, ex->stream>>>(token, logprob, logits, ld, V, params);
+    if (!gemv_rows_supported<T>(n, K, x, ldx, W)) {
+        mt_gpu_fail(ex->error, MT_ERR_CONFIG, "gemv_rows: %d rows of K %d (ldx %d) it does not take", n, K, ldx);
+        return;
+    }
+    const dim3 grid(ceil_div(cols, GEN_GEMV_WARPS * GEN_GEMV_COLS)), block(32 * GEN_GEMV_WARPS);
+#define GEN_GEMV_LAUNCH(NR, E) gen_launch(ex, pdl, gemv_rows_kernel<T, NR, E>, grid, block, 0, out, ldo, x, ldx, W, bias, n, cols, K)
+#define GEN_GEMV_EPI(NR)                                                  \
+    switch (epi) {                                                        \
+        case GEMV_GELU: GEN_GEMV_LAUNCH(NR, GEMV_GELU); break;            \
+        case GEMV_SQUARED_RELU: GEN_GEMV_LAUNCH(NR, GEMV_SQUARED_RELU); break; \
+        case GEMV_SWIGLU: GEN_GEMV_LAUNCH(NR, GEMV_SWIGLU); break;        \
+        default: GEN_GEMV_LAUNCH(NR, GEMV_PLAIN); break;                  \
+    }
+    if (n == 1) GEN_GEMV_EPI(1)
+    else if (n == 2) GEN_GEMV_EPI(2)
+    else if (n <= 4) GEN_GEMV_EPI(4)
+    else GEN_GEMV_EPI(8)
+#undef GEN_GEMV_EPI
+#undef GEN_GEMV_LAUNCH
     LAUNCH_CHECK(ex->error);
+}
+
+/* norm_rows: sum = residual + branch + bias (rounded to T; stored when sum_out), out = norm(sum), one block
+ * of GEN_NORM_THREADS threads per row: every thread loads its (at most GEN_NORM_MAXV) 16-byte vectors of
+ * the row, its weights and biases at once, then two block reductions (fixed trees) for the mean and the
+ * variance. residual NULL: out = norm(branch) (the first norm). The forward's warp-per-row kernel takes a
+ * row's vectors one after another (some 14 round trips to memory for a row of 1600: ~11 us); here it is
+ * one. Rounding as residual_norm_forward's (the sum rounded to T before its statistics, norm_output). The
+ * statistics are not stored. Needs C % V == 0, C <= GEN_NORM_THREADS GEN_NORM_MAXV V, aligned rows
+ * (norm_rows_supported); residual_norm_forward otherwise. */
+#define GEN_NORM_THREADS 256
+#define GEN_NORM_MAXV 4
+template <typename T>
+__global__ void __launch_bounds__(GEN_NORM_THREADS) norm_rows_kernel(T* sum_out, T* out, const T* residual,
+                                                                     const T* branch, const T* bias, const T* weight,
+                                                                     const T* norm_bias, int C, float eps, bool rms,
+                                                                     float w1) {
+    constexpr int V = vec16<T>::N;
+    const int64_t base = (int64_t)blockIdx.x * C;
+    const int nv = C / V;
+    float r[GEN_NORM_MAXV][V], y[GEN_NORM_MAXV][V], w[GEN_NORM_MAXV][V], b[GEN_NORM_MAXV][V], nb[GEN_NORM_MAXV][V];
+    gen_pdl_trigger();
+#pragma unroll
+    for (int j = 0; j < GEN_NORM_MAXV; j++) { /* the parameters: no kernel of the step writes them */
+        const int v = threadIdx.x + GEN_NORM_THREADS * j;
+        if (v >= nv) continue;
+        const int c = v * V;
+        if (bias) load16(b[j], bias + c);
+        load16(w[j], weight + c);
+        if (norm_bias) load16(nb[j], norm_bias + c);
+    }
+    gen_pdl_wait();
+#pragma unroll
+    for (int j = 0; j < GEN_NORM_MAXV; j++) {
+        const int v = threadIdx.x + GEN_NORM_THREADS * j;
+        if (v >= nv) continue;
+        const int c = v * V;
+        load16(y[j], branch + base + c);
+        if (residual) load16(r[j], residual + base + c);
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < GEN_NORM_MAXV; j++) {
+        const int v = threadIdx.x + GEN_NORM_THREADS * j;
+        if (v >= nv) continue;
+#pragma unroll
+        for (int i = 0; i < V; i++) {
+            r[j][i] = residual ? to_float(from_float<T>(r[j][i] + y[j][i] + (bias ? b[j][i] : 0.0f))) : y[j][i];
+            sum += r[j][i];
+        }
+        if (sum_out) store16(sum_out + base + v * V, r[j]);
+    }
+    const float mean = rms ? 0.0f : block_sum(sum) / C;
+    float var = 0.0f;
+#pragma unroll
+    for (int j = 0; j < GEN_NORM_MAXV; j++) {
+        if ((int)threadIdx.x + GEN_NORM_THREADS * j >= nv) continue;
+#pragma unroll
+        for (int i = 0; i < V; i++) var += (r[j][i] - mean) * (r[j][i] - mean);
+    }
+    const float rstd = 1.0f / sqrtf(block_sum(var) / C + eps);
+#pragma unroll
+    for (int j = 0; j < GEN_NORM_MAXV; j++) {
+        const int v = threadIdx.x + GEN_NORM_THREADS * j;
+        if (v >= nv) continue;
+#pragma unroll
+        for (int i = 0; i < V; i++) y[j][i] = norm_output(r[j][i], mean, rstd, w[j][i], w1, norm_bias ? nb[j][i] : 0.0f);
+        store16(out + base + v * V, y[j]);
+    }
+}
+
+template <typename T>
+static bool norm_rows_supported(int C, const void* a, const void* b, const void* c, const void* d, const void* e,
+                                const void* f, const void* g) {
+    constexpr int V = vec16<T>::N;
+    return C % V == 0 && C <= GEN_NORM_THREADS * GEN_NORM_MAXV * V && aligned16(a) && aligned16(b) && aligned16(c) &&
+           aligned16(d) && aligned16(e) && aligned16(f) && aligned16(g);
+}
+
+/* sum [N, C] = residual + branch + bias, out = norm(sum) (residual NULL: out = norm(branch), sum not
+ * written); norm_rows_kernel where it can (pdl: a programmatic dependent launch, gen_launch), else the
+ * forward's kernels (mean, rstd [N] scratch). */
+template <typename T>
+static void norm_rows(const mt_exec* ex, T* sum, T* out, float* mean, float* rstd, const T* residual, T* branch,
+                      const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms, float w1, bool pdl) {
+    if (N == 0) return;
+    if (norm_rows_supported<T>(C, sum, out, residual, branch, bias, w, b)) {
+        gen_launch(ex, pdl, norm_rows_kernel<T>, dim3(N), dim3(GEN_NORM_THREADS), 0, residual ? sum : (T*)NULL, out,
+                   residual, (const T*)branch, bias, w, b, C, eps, rms, w1);
+    } else if (residual) {
+        residual_norm_forward<T>(ex, sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms, w1);
+    } else {
+        norm_forward<T>(ex, out, mean, rstd, branch, w, b, N, C, eps, rms, w1);
+    }
 }
 
 /* ############################################################################################## */
@@ -11055,6 +11525,11 @@ struct mt_generator {
     float *mean, *rstd;       /* [cap] the norms' statistics (unused) */
     float* qk_stats;          /* [2, cap * groups * (qpg + 1)] --qk-layernorm's */
     float *part_o, *part_lse; /* [part_rows, heads, max_splits, d], [part_rows, heads, max_splits] */
+    int* attn_counters;       /* [part_rows, groups] the attention's merge counters (zero between launches) */
+    float2* sample_part;      /* [logit_rows, parts] sample_stats_kernel's (max, sum) per part */
+    int* sample_part_i;       /* [logit_rows, parts] its argmax per part */
+    int* sample_counters;     /* [logit_rows] (zero between launches) */
+    float4* sample_row;       /* [logit_rows] each row's max, log-sum-exp, argmax */
     float *rope_cos, *rope_sin; /* [max_context, rot / 2] */
     float* logits;            /* [logit_rows, Vp] fp32 */
     int32_t* rows;            /* [4, cap]: tokens, positions, slots, the rows gathered for logits */
@@ -11081,6 +11556,11 @@ struct mt_generator {
      * off with MT_GEN_GRAPHS=0 in the environment, or after a capture that failed (then eager launches) */
     cudaGraphExec_t* graphs;  /* [max_batch + 1], NULL where not captured yet */
     int use_graphs;
+    /* the linears of steps of at most GEN_GEMV_MAX_ROWS rows through gemv_rows (else cuBLAS); off with
+     * MT_GEN_GEMV=0 in the environment (to compare) */
+    int use_gemv;
+    /* the decode kernels as programmatic dependent launches (gen_launch); off with MT_GEN_PDL=0 */
+    int use_pdl;
 };
 
 static void gen_release_blocks(mt_generator* g, gen_request* r, int slot) {
@@ -11113,7 +11593,8 @@ void mt_generator_free(mt_generator* g) {
     if (g->t && g->t->stream) cudaStreamSynchronize(g->t->stream);
     void* device[] = {g->pool, g->tables, g->x, g->mid, g->ln, g->qkv, g->qk_rows, g->attn, g->branch, g->fc1, g->act,
                       g->lnf_rows, g->mean, g->rstd, g->qk_stats, g->part_o, g->part_lse, g->rope_cos, g->logits,
-                      g->rows, g->params, g->out_token, g->out_logprob};
+                      g->rows, g->params, g->out_token, g->out_logprob, g->attn_counters, g->sample_part,
+                      g->sample_part_i, g->sample_counters, g->sample_row};
     for (size_t i = 0; i < sizeof(device) / sizeof(device[0]); i++) cudaFree(device[i]);
     for (int n = 0; g->graphs && n <= g->gc.max_batch; n++)
         if (g->graphs[n]) cudaGraphExecDestroy(g->graphs[n]);
@@ -11190,11 +11671,18 @@ mt_status mt_generator_create(mt_generator** out, mt_trainer* t, const mt_genera
         (size_t)g->part_rows * s.heads * g->max_splits * 4,                /* part_lse */
         s.rot ? 2 * (size_t)r.max_context * (s.rot / 2) * 4 : 0,          /* rope tables */
         (size_t)g->logit_rows * s.V_full * 4,                              /* logits */
-        4 * cap * 4, cap * sizeof(gen_sample_params), cap * 4, cap * 4};  /* rows, params, out_token, out_logprob */
+        4 * cap * 4, cap * sizeof(gen_sample_params), cap * 4, cap * 4,   /* rows, params, out_token, out_logprob */
+        (size_t)g->part_rows * s.groups * 4,                               /* attn_counters */
+        (size_t)g->logit_rows * sample_stats_parts(g->V) * 8,              /* sample_part */
+        (size_t)g->logit_rows * sample_stats_parts(g->V) * 4,              /* sample_part_i */
+        (size_t)g->logit_rows * 4,                                         /* sample_counters */
+        (size_t)g->logit_rows * 16};                                       /* sample_row */
     void** where[] = {&g->pool, (void**)&g->tables, &g->x, &g->mid, &g->ln, &g->qkv, &g->qk_rows, &g->attn, &g->branch,
                       &g->fc1, &g->act, &g->lnf_rows, (void**)&g->mean, (void**)&g->rstd, (void**)&g->qk_stats,
                       (void**)&g->part_o, (void**)&g->part_lse, (void**)&g->rope_cos, (void**)&g->logits,
-                      (void**)&g->rows, (void**)&g->params, (void**)&g->out_token, (void**)&g->out_logprob};
+                      (void**)&g->rows, (void**)&g->params, (void**)&g->out_token, (void**)&g->out_logprob,
+                      (void**)&g->attn_counters, (void**)&g->sample_part, (void**)&g->sample_part_i,
+                      (void**)&g->sample_counters, (void**)&g->sample_row};
     static_assert(sizeof(sizes) / sizeof(sizes[0]) == sizeof(where) / sizeof(where[0]), "one size per allocation");
     size_t total = 0;
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) total += (sizes[i] + 255) / 256 * 256;
@@ -11212,6 +11700,10 @@ mt_status mt_generator_create(mt_generator** out, mt_trainer* t, const mt_genera
     }
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]) && t->error.status == MT_OK; i++)
         if (sizes[i]) *where[i] = device_alloc(t, sizes[i], NULL);
+    if (t->error.status == MT_OK) { /* the counters start at zero (their kernels leave them so) */
+        CUDA_CHECK(&t->error, cudaMemset(g->attn_counters, 0, (size_t)g->part_rows * s.groups * 4));
+        CUDA_CHECK(&t->error, cudaMemset(g->sample_counters, 0, (size_t)g->logit_rows * 4));
+    }
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&g->h_rows, 4 * cap * 4));
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&g->h_params, cap * sizeof(gen_sample_params)));
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&g->h_out_token, cap * 4));
@@ -11230,6 +11722,10 @@ mt_status mt_generator_create(mt_generator** out, mt_trainer* t, const mt_genera
     g->graphs = (cudaGraphExec_t*)calloc((size_t)r.max_batch + 1, sizeof(cudaGraphExec_t));
     const char* graphs = getenv("MT_GEN_GRAPHS");
     g->use_graphs = !(graphs && !strcmp(graphs, "0"));
+    const char* gemv = getenv("MT_GEN_GEMV");
+    g->use_gemv = !(gemv && !strcmp(gemv, "0"));
+    const char* pdl = getenv("MT_GEN_PDL");
+    g->use_pdl = !(pdl && !strcmp(pdl, "0"));
     int ok = g->h_tables && g->free_list && g->req && g->retired && g->row_request && g->graphs;
     for (int i = 0; ok && i < r.max_batch; i++) ok = (g->req[i].tokens = (int32_t*)malloc(4 * (size_t)r.max_context)) != NULL;
     if (!ok) {
@@ -11331,11 +11827,33 @@ mt_status mt_generator_prompt_logprobs(mt_generator* g, int64_t id, float* out, 
     return MT_OK;
 }
 
+/* One linear of the step: out [n, cols] = epilogue(in [n, K] W^T + bias) (epi: GEMV_PLAIN, GEMV_GELU,
+ * GEMV_SQUARED_RELU, GEMV_SWIGLU; W [cols, K], for SwiGLU [2 cols, K]; bias may be NULL). Up to
+ * GEN_GEMV_MAX_ROWS rows through gemv_rows (the epilogue fused); more rows (a prefill, a large batch), or
+ * operands gemv_rows does not take, through cuBLAS into pre ([n, cols] or for SwiGLU [n, 2 cols]; out itself
+ * for GEMV_PLAIN) and the forward's elementwise kernel. */
+template <typename T>
+static void gen_linear(const mt_generator* g, const mt_exec* ex, int epi, T* out, T* pre, const T* in, int K, const T* W,
+                       const T* bias, int n, int cols) {
+    if (g->use_gemv && gemv_rows_supported<T>(n, K, in, K, W)) {
+        gemv_rows<T>(ex, epi, out, cols, in, K, W, bias, n, cols, K, g->use_pdl);
+        return;
+    }
+    const int width = epi == GEMV_SWIGLU ? 2 * cols : cols;
+    T* y = epi == GEMV_PLAIN ? out : pre;
+    gemm_uncached<T, T>(ex, false, true, n, width, K, in, K, W, K, y, width, 1.0f, 0.0f);
+    if (epi == GEMV_PLAIN && bias) bias_add<T>(ex, out, bias, n, cols);
+    else if (epi == GEMV_SWIGLU) bias_swiglu<T>(ex, pre, out, bias, n, cols);
+    else if (epi != GEMV_PLAIN) bias_activation<T>(ex, epi == GEMV_GELU ? ACT_GELU : ACT_SQUARED_RELU, pre, out, bias, n, cols);
+}
+
 /* One pass of n rows (g->h_rows uploaded: tokens, positions, slots, then n_sel gathered rows) through the
  * model; the fp32 logits of the gathered rows in chunks of logit_rows, each sampled or scored right away
- * (params on the device): out_token / out_logprob [n_sel]. */
+ * (params on the device): out_token / out_logprob [n_sel]. decode_only: one row per request, the rows
+ * gathered being 0 .. n-1 in order (a decode step): no row reads another's keys, so the attention stores
+ * each row's own k/v (no kv_cache_store), and the final norm's rows are the logits' rows (no gather). */
 template <typename T>
-static void gen_forward(mt_generator* g, int n, int n_sel) {
+static void gen_forward(mt_generator* g, int n, int n_sel, bool decode_only) {
     mt_trainer* t = g->t;
     const mt_exec ex = trainer_exec(t);
     mt_shape s = g->s;
@@ -11350,11 +11868,12 @@ static void gen_forward(mt_generator* g, int n, int n_sel) {
     const T* wpe = t->cfg.position_embedding_type == MT_POSITION_LEARNED ? param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS) : NULL;
     embedding_forward<T>(&ex, x, tokens, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS), wpe, n, n, s.h, 0, s.V, positions);
     const layer_tensors<T> p0 = layer_params<T>(t, 0);
-    norm_forward<T>(&ex, ln, g->mean, g->rstd, x, p0.ln1_w, p0.ln1_b, n, s.h, eps, s.rms, s.norm_w1);
+    const bool pdl = g->use_pdl;
+    norm_rows<T>(&ex, NULL, ln, g->mean, g->rstd, NULL, x, NULL, p0.ln1_w, p0.ln1_b, n, s.h, eps, s.rms, s.norm_w1, pdl);
+    const int epi = s.swiglu ? GEMV_SWIGLU : s.act == ACT_SQUARED_RELU ? GEMV_SQUARED_RELU : GEMV_GELU;
     for (int l = 0; l < s.L; l++) {
         const layer_tensors<T> p = layer_params<T>(t, l);
-        gemm_uncached<T, T>(&ex, false, true, n, s.qkv_width, s.h, ln, s.h, p.qkv_w, s.h, qkv, s.qkv_width, 1.0f, 0.0f);
-        if (p.qkv_b) bias_add<T>(&ex, qkv, p.qkv_b, n, s.qkv_width);
+        gen_linear<T>(g, &ex, GEMV_PLAIN, qkv, NULL, ln, s.h, p.qkv_w, p.qkv_b, n, s.qkv_width);
         T* rows = qkv;
         if (s.qk_norm) {
             qk_norm_forward<T>(&ex, dims, (T*)g->qk_rows, g->qk_stats, qkv, p.q_ln_w, p.q_ln_b, p.k_ln_w, p.k_ln_b, eps,
@@ -11362,35 +11881,38 @@ static void gen_forward(mt_generator* g, int n, int n_sel) {
             rows = (T*)g->qk_rows;
         }
         rope_qkv_rows<T>(&ex, dims, rows, false); /* at each row's position (dims.positions) */
-        kv_cache_store<T>(&ex, (T*)g->pool, rows, slots, positions, g->tables, g->max_blocks, n, s.groups, g->qpg, s.d, l,
-                          s.L, g->gc.block_tokens);
+        if (!decode_only)
+            kv_cache_store<T>(&ex, (T*)g->pool, rows, slots, positions, g->tables, g->max_blocks, n, s.groups, g->qpg, s.d,
+                              l, s.L, g->gc.block_tokens);
         for (int r0 = 0; r0 < n; r0 += g->part_rows) {
             const int m = n - r0 < g->part_rows ? n - r0 : g->part_rows;
-            decode_attention<T>(&ex, attn + (int64_t)r0 * s.attn_width, g->part_o, g->part_lse,
-                                rows + (int64_t)r0 * s.qkv_width, (const T*)g->pool, slots + r0, positions + r0, g->tables,
-                                g->max_blocks, m, s.groups, g->qpg, s.d, l, s.L, g->gc.block_tokens, g->max_splits);
+            decode_attention<T>(&ex, attn + (int64_t)r0 * s.attn_width, g->part_o, g->part_lse, g->attn_counters,
+                                rows + (int64_t)r0 * s.qkv_width, (T*)g->pool, decode_only, pdl, slots + r0, positions + r0,
+                                g->tables, g->max_blocks, m, s.groups, g->qpg, s.d, l, s.L, g->gc.block_tokens,
+                                g->max_splits);
         }
-        gemm_uncached<T, T>(&ex, false, true, n, s.h, s.attn_width, attn, s.attn_width, p.proj_w, s.attn_width, branch, s.h,
-                            1.0f, 0.0f);
-        residual_norm_forward<T>(&ex, mid, ln, g->mean, g->rstd, x, branch, p.proj_b, p.ln2_w, p.ln2_b, n, s.h, eps, s.rms,
-                                 s.norm_w1);
-        gemm_uncached<T, T>(&ex, false, true, n, s.f1, s.h, ln, s.h, p.fc1_w, s.h, (T*)g->fc1, s.f1, 1.0f, 0.0f);
-        if (s.swiglu) bias_swiglu<T>(&ex, (T*)g->fc1, (T*)g->act, p.fc1_b, n, s.f);
-        else bias_activation<T>(&ex, s.act, (T*)g->fc1, (T*)g->act, p.fc1_b, n, s.f);
-        gemm_uncached<T, T>(&ex, false, true, n, s.h, s.f, (T*)g->act, s.f, p.fc2_w, s.f, branch, s.h, 1.0f, 0.0f);
+        gen_linear<T>(g, &ex, GEMV_PLAIN, branch, NULL, attn, s.attn_width, p.proj_w, NULL, n, s.h);
+        norm_rows<T>(&ex, mid, ln, g->mean, g->rstd, x, branch, p.proj_b, p.ln2_w, p.ln2_b, n, s.h, eps, s.rms, s.norm_w1,
+                     pdl);
+        gen_linear<T>(g, &ex, epi, (T*)g->act, (T*)g->fc1, ln, s.h, p.fc1_w, p.fc1_b, n, s.f);
+        gen_linear<T>(g, &ex, GEMV_PLAIN, branch, NULL, (T*)g->act, s.f, p.fc2_w, NULL, n, s.h);
         const bool last = l == s.L - 1;
         const layer_tensors<T> np = layer_params<T>(t, last ? l : l + 1);
-        residual_norm_forward<T>(&ex, x, ln, g->mean, g->rstd, mid, branch, p.fc2_b,
-                                 last ? param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT) : np.ln1_w,
-                                 last ? param_ptr<T>(t, MT_P_FINAL_LN_BIAS) : np.ln1_b, n, s.h, eps, s.rms, s.norm_w1);
+        norm_rows<T>(&ex, x, ln, g->mean, g->rstd, mid, branch, p.fc2_b, last ? param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT) : np.ln1_w,
+                     last ? param_ptr<T>(t, MT_P_FINAL_LN_BIAS) : np.ln1_b, n, s.h, eps, s.rms, s.norm_w1, pdl);
     }
     /* ln holds the final norm of every row: the gathered rows' logits, chunk by chunk, sampled or scored */
     for (int k0 = 0; k0 < n_sel; k0 += g->logit_rows) {
         const int m = n_sel - k0 < g->logit_rows ? n_sel - k0 : g->logit_rows;
-        gather_rows<T>(&ex, (T*)g->lnf_rows, ln, gathered + k0, m, s.h);
-        gemm_uncached<T, float>(&ex, false, true, m, (int)s.V_full, s.h, (const T*)g->lnf_rows, s.h, output_weight<T>(t), s.h,
-                                g->logits, (int)s.V_full, 1.0f, 0.0f);
-        sample_rows(&ex, g->out_token + k0, g->out_logprob + k0, g->logits, s.V_full, g->V, g->params + k0, m);
+        const T* rows = ln + (int64_t)k0 * s.h; /* a decode step's rows are gathered already */
+        if (!decode_only) {
+            gather_rows<T>(&ex, (T*)g->lnf_rows, ln, gathered + k0, m, s.h);
+            rows = (const T*)g->lnf_rows;
+        }
+        gemm_uncached<T, float>(&ex, false, true, m, (int)s.V_full, s.h, rows, s.h, output_weight<T>(t), s.h, g->logits,
+                                (int)s.V_full, 1.0f, 0.0f);
+        sample_rows(&ex, g->out_token + k0, g->out_logprob + k0, g->sample_row, g->sample_part, g->sample_part_i,
+                    g->sample_counters, g->logits, s.V_full, g->V, g->params + k0, m);
     }
 }
 
@@ -11398,7 +11920,7 @@ template <typename T>
 static void gen_forward_eager_or_graph(mt_generator* g, int n, int n_sel, bool decode_only) {
     mt_trainer* t = g->t;
     if (!decode_only || !g->use_graphs || n > g->gc.max_batch || n_sel != n) {
-        gen_forward<T>(g, n, n_sel);
+        gen_forward<T>(g, n, n_sel, decode_only && n_sel == n);
         return;
     }
     if (!g->graphs[n]) { /* capture this row count's step once */
@@ -11406,7 +11928,7 @@ static void gen_forward_eager_or_graph(mt_generator* g, int n, int n_sel, bool d
         cudaGraphExec_t exec = NULL;
         cudaError_t e = cudaStreamBeginCapture(t->stream, cudaStreamCaptureModeThreadLocal);
         if (e == cudaSuccess) {
-            gen_forward<T>(g, n, n_sel);
+            gen_forward<T>(g, n, n_sel, true);
             e = cudaStreamEndCapture(t->stream, &graph);
         }
         if (e == cudaSuccess && t->error.status == MT_OK) e = cudaGraphInstantiate(&exec, graph, 0);
@@ -11416,7 +11938,7 @@ static void gen_forward_eager_or_graph(mt_generator* g, int n, int n_sel, bool d
             if (exec) cudaGraphExecDestroy(exec);
             t->error.status = MT_OK; /* the capture's failure only: nothing ran */
             g->use_graphs = 0;
-            gen_forward<T>(g, n, n_sel);
+            gen_forward<T>(g, n, n_sel, true);
             return;
         }
         g->graphs[n] = exec;
@@ -11550,4 +12072,58 @@ mt_status mt_device_copy_bandwidth(double* bytes_per_second, mt_error* err) {
     if (stop) cudaEventDestroy(stop);
     if (e.status == MT_OK && best > 0.0f) *bytes_per_second = 2.0 * (double)bytes / (best * 1e-3);
     return mt_gpu_error_return(&e, err);
+}
+
+/* Copies of W cycled so that a launch never finds its weights in L2 (mt_decode_gemv_benchmark). */
+#define GEN_BENCH_BYTES ((size_t)256 << 20)
+
+mt_status mt_decode_gemv_benchmark(mt_trainer* t, int n, int M, int K, double* gemv_s, double* cublas_s, mt_error* err) {
+    if (n < 1 || n > 64 || M < 1 || M > 65536 || K < 8 || K > 65536 || K % 8)
+        return mt_fail(err, MT_ERR_ARG, "mt_decode_gemv_benchmark: n %d (1 .. 64), M %d, K %d (1 .. 65536, K a multiple "
+                       "of 8)", n, M, K);
+    if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    typedef __nv_bfloat16 T;
+    const size_t wbytes = (size_t)M * K * sizeof(T);
+    const int copies = (int)((GEN_BENCH_BYTES + wbytes - 1) / wbytes);
+    T *w = NULL, *x = NULL, *y = NULL;
+    cudaEvent_t start = NULL, stop = NULL;
+    const mt_exec ex = trainer_exec(t);
+    mt_gpu_error* e = &t->error;
+    (void)(CUDA_CHECK(e, cudaMalloc(&w, wbytes * copies)) && CUDA_CHECK(e, cudaMalloc(&x, (size_t)n * K * sizeof(T))) &&
+           CUDA_CHECK(e, cudaMalloc(&y, (size_t)n * M * sizeof(T))) && CUDA_CHECK(e, cudaEventCreate(&start)) &&
+           CUDA_CHECK(e, cudaEventCreate(&stop)));
+    if (e->status == MT_OK) { /* small values of both signs, no NaN: bf16 0x3c3c, 0xbc3c (+-0.0115) */
+        CUDA_CHECK(e, cudaMemset(w, 0x3c, wbytes * copies));
+        CUDA_CHECK(e, cudaMemset(x, 0xbc, (size_t)n * K * sizeof(T)));
+    }
+    for (int which = 0; which < 2 && e->status == MT_OK; which++) {
+        float ms[21];
+        int at = 0;
+        for (int rep = -1; rep < 21 && e->status == MT_OK; rep++) {
+            if (rep >= 0) CUDA_CHECK(e, cudaEventRecord(start, t->stream));
+            for (int i = 0; i < (rep < 0 ? 5 : 10); i++) {
+                const T* wi = w + (size_t)(at++ % copies) * M * K;
+                if (which == 0)
+                    for (int r0 = 0; r0 < n; r0 += GEN_GEMV_MAX_ROWS)
+                        gemv_rows<T>(&ex, GEMV_PLAIN, y + (size_t)r0 * M, M, x + (size_t)r0 * K, K, wi, NULL,
+                                     n - r0 < GEN_GEMV_MAX_ROWS ? n - r0 : GEN_GEMV_MAX_ROWS, M, K);
+                else
+                    gemm_uncached<T, T>(&ex, false, true, n, M, K, x, K, wi, K, y, M, 1.0f, 0.0f);
+            }
+            if (rep >= 0 && CUDA_CHECK(e, cudaEventRecord(stop, t->stream)) && CUDA_CHECK(e, cudaEventSynchronize(stop)))
+                CUDA_CHECK(e, cudaEventElapsedTime(&ms[rep], start, stop));
+        }
+        if (e->status != MT_OK) break;
+        for (int i = 1; i < 21; i++) /* sorted: the median at 10 */
+            for (int j = i; j > 0 && ms[j] < ms[j - 1]; j--) {
+                const float s = ms[j];
+                ms[j] = ms[j - 1], ms[j - 1] = s;
+            }
+        *(which == 0 ? gemv_s : cublas_s) = ms[10] * 1e-3 / 10;
+    }
+    cudaStreamSynchronize(t->stream);
+    cudaFree(w), cudaFree(x), cudaFree(y);
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    return mt_gpu_error_return(&t->error, err);
 }

@@ -1921,6 +1921,14 @@ int64_t mt_generator_free_blocks(const mt_generator* g);
 /* The current GPU's device-to-device copy bandwidth in bytes/s (bytes read plus written by a 1 GiB
  * cudaMemcpy, the best of 5): the memory-bandwidth bound of decoding (dev/bench/generate_bench.sh). */
 mt_status mt_device_copy_bandwidth(double* bytes_per_second, mt_error* err);
+/* The engine's decode GEMV (megatron.cu section 22's gemv_rows: the linears of steps of at most 8 rows)
+ * against cuBLAS on the trainer's GPU (dev/generate_bench --gemv): y [n, M] = x [n, K] W^T in bf16, W [M, K]
+ * row-major as the linears store theirs, random values. Each the median of 21 samples of 10 back-to-back
+ * launches timed by CUDA events after 5 warm-up launches, the launches cycling over enough copies of W (at
+ * least 256 MB together) that none finds its weights in L2. *gemv_s: seconds a launch (more than 8 rows:
+ * chunks of 8, W read once a chunk); *cublas_s: the same product through cuBLAS (cublasGemmStridedBatchedEx,
+ * as the engine's larger steps). n 1 .. 64, M and K 1 .. 65536, K a multiple of 8. On the trainer's stream. */
+mt_status mt_decode_gemv_benchmark(mt_trainer* t, int n, int M, int K, double* gemv_s, double* cublas_s, mt_error* err);
 
 /* Implementation notes (megatron.cu sections 22 and 23):
  *  - A step prefills pending requests in the order they were added while the step's rows (one per prompt
@@ -1933,8 +1941,11 @@ mt_status mt_device_copy_bandwidth(double* bytes_per_second, mt_error* err);
  *    Served: TP = PP = 1, dense (no MoE), at most MT_GEN_MAX_QPG query heads per K/V group, head dim
  *    <= 256, no --fp8-param-gather (mt_generator_supported says why not).
  *  - The attention of a request and its sampling do not depend on the other requests of a step; the
- *    GEMMs run over all rows together, so cuBLAS may pick another kernel for another row count: a
- *    request's logits can then differ in the last bits with the batch (its tokens only at a near-tie). */
+ *    linears of steps of at most 8 rows run a GEMV whose every output is the same sum whatever the rows
+ *    beside it (bitwise), larger steps go to cuBLAS over all rows together, which may pick another kernel
+ *    for another row count: a request's logits can then differ in the last bits with the batch (its
+ *    tokens only at a near-tie). MT_GEN_GEMV=0 in the environment sends every step to cuBLAS;
+ *    MT_GEN_PDL=0 launches the decode kernels without programmatic dependent launch. */
 #define MT_GEN_MAX_QPG 8
 #define MT_GEN_MAX_STOP_TOKENS 16
 #define MT_GEN_MAX_BATCH 4096

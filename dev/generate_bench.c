@@ -7,7 +7,15 @@
  *   positions x layers x 2 x groups x head dim x 2 bytes); over the device's measured copy bandwidth
  *   (mt_device_copy_bandwidth) that is the fastest step possible, and the rate's share of it.
  *
+ * Every batch size first runs one untimed round (B requests of PROMPT tokens, 4 new tokens each) on the same
+ * engine: the first launches of every kernel (CUDA's lazy module loading), cuBLAS's first calls for the
+ * prefill's shapes and the capture of the B-row decode step's CUDA graph happen there, not in the timings.
+ *
  *   dev/generate_bench [--model gpt2-1.5b|llama-3.2-1b] [--batches 1,8,64] [--prompt 128] [--new 256]
+ *   dev/generate_bench --gemv
+ * --gemv: the engine's decode GEMV against cuBLAS (mt_decode_gemv_benchmark) for both models' linears at 1, 8
+ * and 16 rows: microseconds a product, GB/s (weights + activations read and written) and the share of the
+ * copy bandwidth. MT_GEN_GEMV=0 in the environment runs the engine's decode steps on cuBLAS (to compare).
  * Built by `make dev/generate_bench`; dev/bench/generate_bench.sh runs both models. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,19 +54,74 @@ static int model_config(const char* name, mt_config* c) {
     return 0;
 }
 
+/* The decode GEMV against cuBLAS for the linears of both models (y [n, M] = x [n, K] W^T, bf16). */
+static int gemv_table(mt_trainer* t, double bandwidth) {
+    static const struct {
+        const char* model;
+        const char* name;
+        int M, K;
+    } shapes[] = {{"gpt2-1.5b", "qkv", 4800, 1600},    {"gpt2-1.5b", "proj", 1600, 1600},
+                  {"gpt2-1.5b", "fc1", 6400, 1600},    {"gpt2-1.5b", "fc2", 1600, 6400},
+                  {"llama-3.2-1b", "qkv", 3072, 2048}, {"llama-3.2-1b", "proj", 2048, 2048},
+                  {"llama-3.2-1b", "fc1", 16384, 2048}, {"llama-3.2-1b", "fc2", 2048, 8192}};
+    static const int rows[3] = {1, 8, 16};
+    mt_error err;
+    printf("decode GEMV against cuBLAS, bf16, copy bandwidth %.0f GB/s (median of 21 x 10 launches, weights not in L2)\n",
+           bandwidth / 1e9);
+    printf("%-13s %-5s %6s %6s %3s %9s %8s %6s %9s %8s %6s\n", "model", "layer", "M", "K", "n", "gemv us", "GB/s", "%bw",
+           "cublas us", "GB/s", "%bw");
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
+        for (int k = 0; k < 3; k++) {
+            const int n = rows[k], M = shapes[i].M, K = shapes[i].K;
+            double a = 0.0, b = 0.0;
+            if (mt_decode_gemv_benchmark(t, n, M, K, &a, &b, &err) != MT_OK) {
+                fprintf(stderr, "%s\n", err.message);
+                return 1;
+            }
+            const double bytes = 2.0 * ((double)M * K + (double)n * K + (double)n * M);
+            printf("%-13s %-5s %6d %6d %3d %9.2f %8.0f %5.1f%% %9.2f %8.0f %5.1f%%\n", shapes[i].model, shapes[i].name, M, K,
+                   n, a * 1e6, bytes / a / 1e9, 100.0 * bytes / a / bandwidth, b * 1e6, bytes / b / 1e9,
+                   100.0 * bytes / b / bandwidth);
+            fflush(stdout);
+        }
+    return 0;
+}
+
+/* B requests of `prompt` random tokens (from the generator state *x), each generating `new_tokens`, added to g;
+ * 0 or 1 with the error printed. */
+static int add_requests(mt_generator* g, int B, int prompt, int new_tokens, uint64_t* x) {
+    int32_t* p = (int32_t*)malloc(sizeof(int32_t) * prompt);
+    mt_sampling s;
+    memset(&s, 0, sizeof(s));
+    s.max_new_tokens = new_tokens;
+    mt_error err;
+    for (int r = 0; p && r < B; r++) {
+        for (int i = 0; i < prompt; i++) *x ^= *x << 13, *x ^= *x >> 7, *x ^= *x << 17, p[i] = (int32_t)(*x % 50000);
+        int64_t id;
+        if (mt_generator_add(g, p, prompt, &s, &id, &err) != MT_OK) {
+            fprintf(stderr, "%s\n", err.message);
+            free(p);
+            return 1;
+        }
+    }
+    free(p);
+    return p ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
     const char* model = "gpt2-1.5b";
     char batches[128] = "1,8,64";
-    int prompt = 128, new_tokens = 256;
+    int prompt = 128, new_tokens = 256, gemv = 0;
     for (int i = 1; i < argc; i++) {
         const char* v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(argv[i], "--model") && v) model = v, i++;
         else if (!strcmp(argv[i], "--batches") && v) snprintf(batches, sizeof(batches), "%s", v), i++;
         else if (!strcmp(argv[i], "--prompt") && v) prompt = atoi(v), i++;
         else if (!strcmp(argv[i], "--new") && v) new_tokens = atoi(v), i++;
+        else if (!strcmp(argv[i], "--gemv")) gemv = 1;
         else {
-            fprintf(stderr, "usage: %s [--model gpt2-1.5b|llama-3.2-1b] [--batches 1,8,64] [--prompt N] [--new N]\n",
-                    argv[0]);
+            fprintf(stderr, "usage: %s [--model gpt2-1.5b|llama-3.2-1b] [--batches 1,8,64] [--prompt N] [--new N] "
+                    "[--gemv]\n", argv[0]);
             return 2;
         }
     }
@@ -80,6 +143,11 @@ int main(int argc, char** argv) {
         fprintf(stderr, "%s\n", err.message);
         return 1;
     }
+    if (gemv) {
+        const int rc = gemv_table(t, bandwidth);
+        mt_trainer_free(t);
+        return rc;
+    }
     const double elem = 2.0;
     const int64_t params = mt_num_parameters(&c);
     const int64_t positions = c.position_embedding_type == MT_POSITION_LEARNED ? (int64_t)c.max_position_embeddings * c.hidden_size : 0;
@@ -99,23 +167,19 @@ int main(int argc, char** argv) {
             fprintf(stderr, "batch %d: %s\n", B, err.message);
             return 1;
         }
-        int32_t* p = (int32_t*)malloc(sizeof(int32_t) * prompt);
         mt_generated* out = (mt_generated*)malloc(sizeof(mt_generated) * B);
-        mt_sampling s;
-        memset(&s, 0, sizeof(s));
-        s.max_new_tokens = new_tokens;
         uint64_t x = 88172645463325252ull;
-        for (int r = 0; r < B; r++) {
-            for (int i = 0; i < prompt; i++) x ^= x << 13, x ^= x >> 7, x ^= x << 17, p[i] = (int32_t)(x % 50000);
-            int64_t id;
-            if (mt_generator_add(g, p, prompt, &s, &id, &err) != MT_OK) {
-                fprintf(stderr, "%s\n", err.message);
-                return 1;
-            }
-        }
         int n = 0, steps = 0;
+        mt_status st = MT_OK;
+        /* the untimed round: first launches, cuBLAS's first calls, the decode step's graph capture */
+        if (add_requests(g, B, prompt, 4, &x)) return 1;
+        while (st == MT_OK && mt_generator_running(g) > 0) st = mt_generator_step(g, out, B, &n, &err);
+        if (st != MT_OK || add_requests(g, B, prompt, new_tokens, &x)) {
+            if (st != MT_OK) fprintf(stderr, "%s\n", err.message);
+            return 1;
+        }
         const double t0 = now_s();
-        mt_status st = mt_generator_step(g, out, B, &n, &err);
+        st = mt_generator_step(g, out, B, &n, &err);
         const double t1 = now_s();
         while (st == MT_OK && mt_generator_running(g) > 0) st = mt_generator_step(g, out, B, &n, &err), steps++;
         const double t2 = now_s();
@@ -129,7 +193,6 @@ int main(int argc, char** argv) {
         printf("%6d %10.2f %12.1f %10.3f %14.1f %9.1f%%\n", B, (t1 - t0) * 1e3, B / step_s, step_s * 1e3, bound,
                100.0 * (B / step_s) / bound);
         fflush(stdout);
-        free(p);
         free(out);
         mt_generator_free(g);
     }

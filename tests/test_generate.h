@@ -19,9 +19,13 @@
  *       (the reused blocks' stale contents change nothing); greedy tokens equal to Hugging Face
  *       transformers' greedy generate on a tiny GPT-2 and Llama (dev/hf_generate_check.py; skipped
  *       without transformers) and, in bf16, the log-probabilities of transformers' tokens within a
- *       stated tolerance. */
+ *       stated tolerance; the decode GEMV (gemv_rows) against a float64 reference per element, every
+ *       epilogue, tails in both dimensions, fp32 and bf16, bitwise repeatable and independent of the rows
+ *       beside a row. */
 #ifndef MT_TEST_GENERATE_H
 #define MT_TEST_GENERATE_H
+
+#include <vector>
 
 #include "test_common.h"
 #include "test_configs.h"
@@ -716,6 +720,142 @@ static test_result test_generate_gpu_transformers(void) {
     return TEST_PASS;
 }
 
+/* The decode GEMV (megatron.cu section 22, gemv_rows) against a float64 host reference on random operands,
+ * per element, fp32 and bf16, every epilogue (+ bias, GELU, squared ReLU, SwiGLU), shapes with tails: K not
+ * a multiple of the 32-lane x 8-vector tile (a lane's last vectors predicated off), output columns not a
+ * multiple of a block's 8, rows 1 .. 8 (row counts between the kernels' 1, 2, 4, 8). The reference rounds
+ * where the kernel rounds (the product to T, + bias to T, the activation to T); the tolerance follows each
+ * step: the fp32 sum of K products differs from the exact one by at most K 2^-24 sum|w x| (fp32's
+ * accumulation bound), a rounding to T may then land one unit (2^-7 relative in bf16, 2^-23 in fp32) away,
+ * and the activation's slope is at most 1.2 (GELU 1.13; SwiGLU's product scaled by |up| and |silu(gate)|).
+ * A lost tail vector or a wrong row moves an element by some (8 / K) sum|w x|: far outside in fp32, and in
+ * bf16 on most elements. Bitwise: two runs equal, and each row equal to that row run alone (the batch
+ * beside a request changes none of its bits), the second run a programmatic dependent launch as in the
+ * engine. Shapes gemv_rows does not take (K not a multiple of the
+ * vector, more than GEN_GEMV_MAX_ROWS rows) are refused by gemv_rows_supported. */
+template <typename T>
+static test_result tgen_gemv_case(int n, int cols, int K, int epi, bool with_bias, uint64_t seed) {
+    const bool bf = sizeof(T) == 2;
+    const int wrows = epi == GEMV_SWIGLU ? 2 * cols : cols;
+    const size_t nx = (size_t)n * K, nw = (size_t)wrows * K, nb = (size_t)wrows, ny = (size_t)n * cols;
+    std::vector<double> x(nx), w(nw), b(nb, 0.0);
+    std::vector<T> hx(nx), hw(nw), hb(nb), hy(ny), hy2(ny), h1(cols);
+    uint64_t s = seed;
+    auto next = [&s]() { s = s * 6364136223846793005ull + 1442695040888963407ull; return (double)(s >> 11) / 9007199254740992.0; };
+    auto put = [&](double v, T* to) -> double { /* v rounded to T, stored; the rounded value */
+        if (bf) {
+            const uint16_t u = test_bf16_from_float((float)v);
+            memcpy((void*)to, &u, 2);
+            return test_bf16_to_float(u);
+        }
+        const float f = (float)v;
+        memcpy((void*)to, &f, 4);
+        return f;
+    };
+    auto get = [&](const T* from) -> double {
+        if (bf) {
+            uint16_t u;
+            memcpy(&u, from, 2);
+            return test_bf16_to_float(u);
+        }
+        float f;
+        memcpy(&f, from, 4);
+        return f;
+    };
+    const double unit = bf ? 1.0 / 128 : 1.0 / 8388608;
+    auto round_t = [&](double v) { T tmp; return put(v, &tmp); };
+    for (size_t i = 0; i < nx; i++) x[i] = put(2.0 * next() - 1.0, &hx[i]);
+    for (size_t i = 0; i < nw; i++) w[i] = put(2.0 * next() - 1.0, &hw[i]);
+    for (size_t i = 0; i < nb; i++) b[i] = put(next() - 0.5, &hb[i]);
+    T *dx = NULL, *dw = NULL, *db = NULL, *dy = NULL;
+    EXPECT(cudaMalloc(&dx, nx * sizeof(T)) == cudaSuccess && cudaMalloc(&dw, nw * sizeof(T)) == cudaSuccess &&
+               cudaMalloc(&db, nb * sizeof(T)) == cudaSuccess && cudaMalloc(&dy, ny * sizeof(T)) == cudaSuccess,
+           "cudaMalloc");
+    cudaMemcpy(dx, hx.data(), nx * sizeof(T), cudaMemcpyHostToDevice);
+    cudaMemcpy(dw, hw.data(), nw * sizeof(T), cudaMemcpyHostToDevice);
+    cudaMemcpy(db, hb.data(), nb * sizeof(T), cudaMemcpyHostToDevice);
+    mt_gpu_error err;
+    memset(&err, 0, sizeof(err));
+    mt_exec ex;
+    memset(&ex, 0, sizeof(ex));
+    ex.error = &err;
+    EXPECT(gemv_rows_supported<T>(n, K, dx, K, dw), "gemv_rows refuses %d rows of K %d", n, K);
+    gemv_rows<T>(&ex, epi, dy, cols, dx, K, dw, with_bias ? db : NULL, n, cols, K);
+    cudaMemcpy(hy.data(), dy, ny * sizeof(T), cudaMemcpyDeviceToHost);
+    gemv_rows<T>(&ex, epi, dy, cols, dx, K, dw, with_bias ? db : NULL, n, cols, K, true); /* as the engine launches it */
+    cudaMemcpy(hy2.data(), dy, ny * sizeof(T), cudaMemcpyDeviceToHost);
+    EXPECT(cudaDeviceSynchronize() == cudaSuccess && err.status == MT_OK, "gemv_rows: %s", err.error.message);
+    EXPECT(!memcmp(hy.data(), hy2.data(), ny * sizeof(T)), "two runs differ");
+    for (int r = 0; n > 1 && r < n; r++) { /* row r alone */
+        gemv_rows<T>(&ex, epi, dy, cols, dx + (size_t)r * K, K, dw, with_bias ? db : NULL, 1, cols, K);
+        cudaMemcpy(h1.data(), dy, cols * sizeof(T), cudaMemcpyDeviceToHost);
+        EXPECT(!memcmp(h1.data(), hy.data() + (size_t)r * cols, cols * sizeof(T)), "row %d of %d alone differs", r, n);
+    }
+    double worst = 0.0;
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < cols; j++) {
+            double stage[2], err_stage[2];
+            for (int q = 0; q < (epi == GEMV_SWIGLU ? 2 : 1); q++) {
+                const int row = j + q * cols;
+                double acc = 0.0, S = 0.0;
+                for (int k = 0; k < K; k++) {
+                    acc += w[(size_t)row * K + k] * x[(size_t)r * K + k];
+                    S += fabs(w[(size_t)row * K + k] * x[(size_t)r * K + k]);
+                }
+                double e = K * S / 16777216.0;
+                double y = round_t(acc);
+                e += unit * (fabs(acc) + e);
+                if (with_bias) {
+                    const double z = round_t(y + b[row]);
+                    e += unit * (fabs(y + b[row]) + e);
+                    y = z;
+                }
+                stage[q] = y, err_stage[q] = e;
+            }
+            double want, tol;
+            const double g = stage[0], eg = err_stage[0];
+            if (epi == GEMV_PLAIN) want = g, tol = eg;
+            else if (epi == GEMV_GELU) want = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))), tol = 1.2 * eg;
+            else if (epi == GEMV_SQUARED_RELU) want = g > 0 ? g * g : 0.0, tol = 2.0 * (fabs(g) + eg) * eg;
+            else {
+                const double sg = g / (1.0 + exp(-g)), up = stage[1];
+                want = sg * up, tol = 1.2 * eg * (fabs(up) + err_stage[1]) + (fabs(sg) + 1.2 * eg) * err_stage[1];
+            }
+            tol += unit * (fabs(want) + tol) + 1e-30; /* the output's rounding */
+            const double got = get(&hy[(size_t)r * cols + j]), d = fabs(got - want);
+            worst = d / tol > worst ? d / tol : worst;
+            EXPECT(d <= tol, "%s n %d cols %d K %d epilogue %d: (%d, %d) %.8g, reference %.8g (tolerance %.3g)",
+                   bf ? "bf16" : "fp32", n, cols, K, epi, r, j, got, want, tol);
+        }
+    printf("    %s n %d cols %d K %d epilogue %d%s: within %.2f of the tolerance, bitwise repeatable and batch-free\n",
+           bf ? "bf16" : "fp32", n, cols, K, epi, with_bias ? " + bias" : "", worst);
+    cudaFree(dx), cudaFree(dw), cudaFree(db), cudaFree(dy);
+    return TEST_PASS;
+}
+
+static test_result test_generate_gpu_gemv(void) {
+    REQUIRE_GPU();
+    struct {
+        int n, cols, K, epi, bias;
+    } f32[] = {{1, 37, 28, GEMV_PLAIN, 1}, {3, 130, 1604, GEMV_GELU, 1}, {8, 67, 2052, GEMV_SWIGLU, 1},
+               {5, 9, 6400, GEMV_PLAIN, 0}, {2, 1, 4, GEMV_SQUARED_RELU, 1}, {6, 250, 1024, GEMV_SWIGLU, 0}},
+      b16[] = {{1, 4800, 1600, GEMV_PLAIN, 1}, {4, 257, 1608, GEMV_GELU, 1}, {8, 100, 2056, GEMV_SWIGLU, 0},
+               {7, 33, 6400, GEMV_SQUARED_RELU, 1}, {1, 3, 8, GEMV_PLAIN, 0}, {2, 515, 2048, GEMV_SWIGLU, 1}};
+    for (size_t i = 0; i < sizeof(f32) / sizeof(f32[0]); i++) {
+        test_result r = tgen_gemv_case<float>(f32[i].n, f32[i].cols, f32[i].K, f32[i].epi, f32[i].bias, 100 + i);
+        if (r != TEST_PASS) return r;
+    }
+    for (size_t i = 0; i < sizeof(b16) / sizeof(b16[0]); i++) {
+        test_result r = tgen_gemv_case<__nv_bfloat16>(b16[i].n, b16[i].cols, b16[i].K, b16[i].epi, b16[i].bias, 200 + i);
+        if (r != TEST_PASS) return r;
+    }
+    const __nv_bfloat16* aligned = (const __nv_bfloat16*)(uintptr_t)256;
+    EXPECT(!gemv_rows_supported<__nv_bfloat16>(1, 12, aligned, 12, aligned), "K 12 in bf16 (not a multiple of 8) taken");
+    EXPECT(!gemv_rows_supported<__nv_bfloat16>(GEN_GEMV_MAX_ROWS + 1, 64, aligned, 64, aligned), "9 rows taken");
+    EXPECT(!gemv_rows_supported<__nv_bfloat16>(1, 64, aligned + 1, 64, aligned), "an unaligned x taken");
+    return TEST_PASS;
+}
+
 static const test_case generate_tests[] = {
     {"generate_settings_refused", test_generate_settings_refused},
     {"generate_uniform", test_generate_uniform},
@@ -729,6 +869,7 @@ static const test_case generate_gpu_tests[] = {
     {"generate_block_reuse", test_generate_gpu_block_reuse},
     {"generate_endings", test_generate_gpu_endings},
     {"generate_transformers", test_generate_gpu_transformers},
+    {"generate_gemv", test_generate_gpu_gemv},
 };
 
 #endif

@@ -3,7 +3,8 @@
 # token, and the memory-bandwidth bound (weight + cache bytes a step over the measured copy bandwidth), for
 # the GPT-2 1.5B and Llama-3.2-1B shapes with random bf16 weights (dev/generate_bench.c); then, when python
 # has torch and transformers, transformers' generate with its static cache and torch.compile on the same
-# shapes (dev/bench/hf_generate_bench.py; HF=0 skips it).
+# shapes (dev/bench/hf_generate_bench.py; HF=0 skips it). First the decode GEMV against cuBLAS on both models'
+# linears (dev/generate_bench --gemv; GEMV=0 skips it).
 #
 #   dev/bench/generate_bench.sh [PROMPT] [NEW]     (defaults 128 and 256)
 set -euo pipefail
@@ -12,6 +13,7 @@ PROMPT="${1:-128}"
 NEW="${2:-256}"
 make -s dev/generate_bench
 git log -1 --format='commit %h %s' 2>/dev/null || true
+if [ "${GEMV:-1}" != 0 ]; then ./dev/generate_bench --gemv; fi
 for model in gpt2-1.5b llama-3.2-1b; do
   ./dev/generate_bench --model "$model" --batches 1,8,64 --prompt "$PROMPT" --new "$NEW"
 done
