@@ -2023,8 +2023,10 @@ static void attention_dropout(const mt_exec* ex, T* out, const T* probs, int row
 /*    skipped, the work saved on packed short documents): device helpers, forward, backward       */
 /*    (dK/dV and dQ kernels), launchers. The lab dev/cuda/flash_attention.cu checks it against    */
 /*    a CPU reference, times it and explains the design.                                          */
+/*    Queries and keys may be slices of a sequence at two-chunk positions (context parallelism).  */
 /*    defines: namespace fa (9.1-9.3), then attn_view, flash_attention_forward,                   */
-/*    flash_attention_backward, flash_colsum_chunks (9.4).                                        */
+/*    flash_attention_backward, flash_colsum_chunks, flash_attention_forward_span,                */
+/*    flash_attention_backward_span (9.4), the ring attention of context parallelism (9.5).       */
 /* ============================================================================================== */
 
 typedef __nv_bfloat16 bf16;
@@ -2038,8 +2040,8 @@ constexpr float LOG2E = 1.4426950408889634f;
 
 /* ============================================================================================== */
 /* 9.1 Device helpers                                                                             */
-/*    defines: fa::heads_view, the ldmatrix / mma.sync wrappers, tile loads, the in-register      */
-/*    GEMMs.                                                                                      */
+/*    defines: fa::heads_view, the ldmatrix / mma.sync wrappers, tile loads, fa::geom (sequence   */
+/*    positions), the in-register GEMMs.                                                          */
 /* ============================================================================================== */
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
@@ -2356,7 +2358,7 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MT][D / 8][4], const float 
 
 /* ============================================================================================== */
 /* 9.2 Forward                                                                                    */
-/*    defines: fa::flash_fwd_kernel.                                                              */
+/*    defines: fa::fwd_merge, fa::flash_fwd_kernel.                                               */
 /* ============================================================================================== */
 
 /* Shared memory: sQ [BM][D+8], sK [2][BN][D+8], sV [2][BN][D+8] (two stages each). */
@@ -2409,6 +2411,8 @@ __global__ void __launch_bounds__(32 * WARPS)
     const int n_kt = (span_rows_below(gm.ks, Tk, span_pos(gm.qs, min(q0 + BM, Tq) - 1) + 1) + BN - 1) / BN;
     const doc_rows<MT> dr(doc, b, Tq, q0, wq_first, wq_last, g);
     const int kt0 = span_rows_below(gm.ks, Tk, dr.tile_first) / BN; /* key tiles before every row's document: skipped */
+    /* a merge step whose block no row of this tile sees leaves the running result as it is */
+    if (MERGE && !mo.first && !mo.last && kt0 >= n_kt) return;
 
     /* prologue: Q tile and the first K/V tile in one cp.async group (in the stage kv_stage_step expects) */
     if (kt0 < n_kt) {
@@ -2557,7 +2561,8 @@ __global__ void __launch_bounds__(32 * WARPS)
 
 /* ============================================================================================== */
 /* 9.3 Backward                                                                                   */
-/*    defines: fa::flash_bwd_dot_kernel, fa::flash_bwd_dkdv_kernel, fa::flash_bwd_dq_kernel.      */
+/*    defines: fa::flash_bwd_dot_kernel, fa::bwd_acc, fa::flash_bwd_dkdv_kernel,                  */
+/*    fa::flash_bwd_dq_kernel.                                                                    */
 /* ============================================================================================== */
 
 /* Dsum[(b*H + h)*T + t] = sum_e dO[b,h,t][e] * O[b,h,t][e], D/8 threads per row, 16-byte loads. */
@@ -2858,6 +2863,8 @@ __global__ void __launch_bounds__(32 * WARPS)
     const int n_kt = (span_rows_below(gm.ks, Tk, span_pos(gm.qs, min(q0 + BM, Tq) - 1) + 1) + BN - 1) / BN;
     const doc_rows<MT> dr(doc, b, Tq, q0, wq_first, wq_last, g);
     const int kt0 = span_rows_below(gm.ks, Tk, dr.tile_first) / BN; /* key tiles before every row's document: skipped */
+    /* an accumulating step whose block no row of this tile sees leaves the running dQ as it is */
+    if (ACC && !acc.first && !acc.last && kt0 >= n_kt) return;
 
     if (kt0 < n_kt) { /* else no key here is visible to these rows: their dQ (contribution) is 0 */
         load_tile<BM, D, NTH>(sQ, Q.at(b, h, qpg), Q.row, q0, Tq);
@@ -2973,8 +2980,9 @@ __global__ void __launch_bounds__(32 * WARPS)
 
 /* ============================================================================================== */
 /* 9.4 Host launchers                                                                             */
-/*    defines: fa::forward_tiles / backward_tiles (the lab's), attn_view,                         */
-/*    flash_attention_forward, flash_attention_backward, flash_colsum_chunks.                     */
+/*    defines: fa::forward_tiles / backward_tiles (the lab's), fa::geom_ok, attn_view,            */
+/*    flash_attention_forward, flash_attention_backward, flash_colsum_chunks,                     */
+/*    flash_attention_forward_span, flash_attention_backward_span.                                */
 /* ============================================================================================== */
 
 /* Tile choices (rows of queries per CTA, warps per CTA). The forward keeps Q fragments in registers,
@@ -3209,7 +3217,8 @@ static cudaError_t flash_attention_backward(attn_view dQ, attn_view dK, attn_vie
  * --cp-comm-type all_gather: the local two chunks (Tq = S/CP) against the whole gathered sequence (Tk
  * = S, kv_span len 0); dK, dV are then this rank's partial gradients of all S keys (bf16), which the
  * caller reduce-scatters. A query row that sees no key gets O = 0, LSE = -inf. LSE, Dsum [B, H, Tq]. */
-[[maybe_unused]] static cudaError_t flash_attention_forward_span(attn_view O, float* LSE, attn_cview Q, attn_cview K, attn_cview V,
+[[maybe_unused]]
+static cudaError_t flash_attention_forward_span(attn_view O, float* LSE, attn_cview Q, attn_cview K, attn_cview V,
                                                 int B, int H, int Hkv, int Tq, int Tk, mt_seq_span q_span,
                                                 mt_seq_span kv_span, int seq, int d, cudaStream_t st,
                                                 const mt_dropout& drop = mt_dropout(), const int32_t* doc = NULL) {
@@ -3220,7 +3229,8 @@ static cudaError_t flash_attention_backward(attn_view dQ, attn_view dK, attn_vie
     return d == 64 ? fa::forward_d<64>(O, LSE, Q, K, V, B, H, Hkv, Tq, st, drop, doc, &g)
                    : fa::forward_d<128>(O, LSE, Q, K, V, B, H, Hkv, Tq, st, drop, doc, &g);
 }
-[[maybe_unused]] static cudaError_t flash_attention_backward_span(attn_view dQ, attn_view dK, attn_view dV, float* Dsum, attn_cview dO,
+[[maybe_unused]]
+static cudaError_t flash_attention_backward_span(attn_view dQ, attn_view dK, attn_view dV, float* Dsum, attn_cview dO,
                                                  attn_cview Q, attn_cview K, attn_cview V, attn_cview O,
                                                  const float* LSE, int B, int H, int Hkv, int Tq, int Tk,
                                                  mt_seq_span q_span, mt_seq_span kv_span, int seq, int d,
@@ -3281,7 +3291,8 @@ static void cp_ring_destroy(mt_cp_ring* r) {
     if (r->stream) cudaStreamDestroy(r->stream), r->stream = NULL;
 }
 /* comm: the CP group's communicator (not owned); rank, size: this rank's place in it. */
-[[maybe_unused]] static bool cp_ring_create(mt_cp_ring* r, ncclComm_t comm, int rank, int size, int global_rank, mt_gpu_error* e) {
+[[maybe_unused]]
+static bool cp_ring_create(mt_cp_ring* r, ncclComm_t comm, int rank, int size, int global_rank, mt_gpu_error* e) {
     memset(r, 0, sizeof(*r));
     if (size < 1 || rank < 0 || rank >= size)
         return mt_gpu_fail(e, MT_ERR_ARG, "context-parallel ring: rank %d of %d", rank, size);
@@ -3349,7 +3360,8 @@ static cudaError_t cp_attention_forward_block(attn_view O, float* LSE, float* ac
 static cudaError_t cp_attention_dsum(float* Dsum, attn_cview dO, attn_cview O, int B, int H, int Hkv, int T, int d,
                                      cudaStream_t st) {
     if (!fa::shape_ok(B, H, Hkv, T, d) || !fa::view_ok(dO) || !fa::view_ok(O)) return cudaErrorInvalidValue;
-    return d == 64 ? fa::backward_dot<64>(Dsum, dO, O, B, H, Hkv, T, st) : fa::backward_dot<128>(Dsum, dO, O, B, H, Hkv, T, st);
+    return d == 64 ? fa::backward_dot<64>(Dsum, dO, O, B, H, Hkv, T, st)
+                   : fa::backward_dot<128>(Dsum, dO, O, B, H, Hkv, T, st);
 }
 /* One ring step's backward with the final LSE and Dsum: which & 2: dQ += this block's, in dq_acc
  * (first / last as the forward's); which & 1: the block's dK/dV added to dkv_in (NULL: none yet)
@@ -3381,7 +3393,8 @@ __global__ void cp_pack_kv_kernel(bf16* __restrict__ out, attn_cview K, attn_cvi
     const size_t j = i % vecs, e8 = j % (d / 8), row = j / (d / 8);
     const int t = (int)(row % T), bh = (int)(row / T), b = bh / Hkv, h = bh % Hkv;
     const attn_cview& src = i < vecs ? K : V;
-    *reinterpret_cast<uint4*>(out + i * 8) = *reinterpret_cast<const uint4*>(src.at(b, h, 1) + (int64_t)t * src.row + e8 * 8);
+    *reinterpret_cast<uint4*>(out + i * 8) =
+        *reinterpret_cast<const uint4*>(src.at(b, h, 1) + (int64_t)t * src.row + e8 * 8);
 }
 __global__ void cp_store_kv_grads_kernel(attn_view dK, attn_view dV, const float* __restrict__ in, int Hkv, int T, int d,
                                          size_t vecs) {
@@ -3392,7 +3405,8 @@ __global__ void cp_store_kv_grads_kernel(attn_view dK, attn_view dV, const float
     const attn_view& dst = i < vecs ? dK : dV;
     const float4 a = *reinterpret_cast<const float4*>(in + i * 8), c = *reinterpret_cast<const float4*>(in + i * 8 + 4);
     uint4 v;
-    v.x = fa::pack_bf16(a.x, a.y), v.y = fa::pack_bf16(a.z, a.w), v.z = fa::pack_bf16(c.x, c.y), v.w = fa::pack_bf16(c.z, c.w);
+    v.x = fa::pack_bf16(a.x, a.y), v.y = fa::pack_bf16(a.z, a.w);
+    v.z = fa::pack_bf16(c.x, c.y), v.w = fa::pack_bf16(c.z, c.w);
     *reinterpret_cast<uint4*>(dst.at(b, h, 1) + (int64_t)t * dst.row + e8 * 8) = v;
 }
 static cudaError_t cp_pack_kv(bf16* out, attn_cview K, attn_cview V, int B, int Hkv, int T, int d, cudaStream_t st) {
@@ -3440,7 +3454,8 @@ static bool cp_ring_kv_step(const mt_exec* ex, const mt_cp_ring* r, cp_scratch& 
     mt_gpu_error* e = ex->error;
     return CUDA_CHECK(e, cudaStreamWaitEvent(r->stream, r->ready[cur], 0)) &&
            (i == 0 || CUDA_CHECK(e, cudaStreamWaitEvent(r->stream, r->freed[nxt], 0))) &&
-           cp_ring_shift(e, r, s.kv[cur], s.kv[nxt], kv_bytes) && CUDA_CHECK(e, cudaEventRecord(r->ready[nxt], r->stream));
+           cp_ring_shift(e, r, s.kv[cur], s.kv[nxt], kv_bytes) &&
+           CUDA_CHECK(e, cudaEventRecord(r->ready[nxt], r->stream));
 }
 
 /* Ring attention forward on ex->stream: O (H heads, T = 2C local rows, any view) and LSE [B, H, T]
@@ -3448,7 +3463,8 @@ static bool cp_ring_kv_step(const mt_exec* ex, const mt_cp_ring* r, cp_scratch& 
  * (ring->rank); doc [B, T]: the local rows' document starts as sequence positions (NULL: none); drop:
  * the layer's attention dropout site (its masks indexed by global positions in the S = CP*T sequence).
  * Errors go to ex->error (false returned). Scratch: cp_ring_scratch_bytes(B, H, Hkv, T, d). */
-[[maybe_unused]] static bool cp_ring_attention_forward(const mt_exec* ex, const mt_cp_ring* ring, attn_view O, float* LSE, attn_cview Q,
+[[maybe_unused]]
+static bool cp_ring_attention_forward(const mt_exec* ex, const mt_cp_ring* ring, attn_view O, float* LSE, attn_cview Q,
                                       attn_cview K, attn_cview V, int B, int H, int Hkv, int T, int d,
                                       const mt_dropout& drop, const int32_t* doc, void* scratch, size_t scratch_bytes) {
     const attn_cview views[] = {cview(O), Q, K, V};
@@ -3477,7 +3493,8 @@ static bool cp_ring_kv_step(const mt_exec* ex, const mt_cp_ring* r, cp_scratch& 
 /* Ring attention backward on ex->stream: dQ (H heads), dK, dV (Hkv heads; views of the local rows) from
  * the local dO, Q, K, V and the forward's final O and LSE; Dsum [B, H, T] fp32 is scratch (as
  * flash_attention_backward's). Other arguments as the forward's. */
-[[maybe_unused]] static bool cp_ring_attention_backward(const mt_exec* ex, const mt_cp_ring* ring, attn_view dQ, attn_view dK,
+[[maybe_unused]]
+static bool cp_ring_attention_backward(const mt_exec* ex, const mt_cp_ring* ring, attn_view dQ, attn_view dK,
                                        attn_view dV, float* Dsum, attn_cview dO, attn_cview Q, attn_cview K,
                                        attn_cview V, attn_cview O, const float* LSE, int B, int H, int Hkv, int T,
                                        int d, const mt_dropout& drop, const int32_t* doc, void* scratch,

@@ -12,8 +12,8 @@
  *     tensor; with and without document masks (documents cross chunk boundaries), GQA, d = 64 and 128,
  *     B = 2, and with attention dropout (the same site: the whole sequence's masks must be drawn). Also
  *     the all-gather case (flash_attention_forward_span / _backward_span: the local two chunks against the
- *     whole sequence's K/V, Tq != Tk) against the full kernel's rows, dK/dV as the sum of the ranks'
- *     partial gradients; a slice of chunks that are not whole tiles is refused; and bitwise repeatability.
+ *     whole sequence's K/V, Tq != Tk) against the full kernel's rows (O, LSE, dQ bitwise: the same tiles
+ *     in the same order), dK/dV as the sum of the ranks' partial gradients; a slice of chunks that are not whole tiles is refused; and bitwise repeatability.
  *   multigpu.cp_attention (mpirun -np 2 or 4): the real ring over NCCL at CP = 2 and CP = the world
  *     (cp_ring_attention_forward / _backward, K/V and the dK/dV sums moving on the ring's stream) against
  *     the simulation on each rank's GPU: bitwise the same (the same kernels in the same order; the
@@ -392,6 +392,7 @@ static int cpa_compare(const cpa_full* f, const cpa_host* h, const uint16_t* con
     cpa_pairs po = {0}, pq = {0}, pk = {0}, pv = {0};
     double *lg = (double*)malloc(nl * 8), *lr = (double*)malloc(nl * 8);
     double* buf = (double*)malloc(sizeof(double) * 2 * (2 * nq + 2 * nk));
+    size_t differ = 0; /* O, LSE, dQ elements not bitwise the whole-sequence kernel's */
     int ok = lg && lr && buf;
     if (ok) {
         double* p = buf;
@@ -409,12 +410,16 @@ static int cpa_compare(const cpa_full* f, const cpa_host* h, const uint16_t* con
                     for (int hh = 0; hh < H; hh++) {
                         lg[nlse] = h[r].lse[((size_t)b * H + hh) * T + t];
                         lr[nlse++] = f->lse[((size_t)b * H + hh) * S + pos];
+                        differ += memcmp(&h[r].lse[((size_t)b * H + hh) * T + t],
+                                         &f->lse[((size_t)b * H + hh) * S + pos], 4) != 0;
                         for (int e = 0; e < d; e++) {
                             const size_t full = (((size_t)b * H + hh) * S + pos) * d + e;
                             cpa_add(&po, test_bf16_to_float(h[r].o[row * CW + cpa_column(f, 3, hh) + e]),
                                     test_bf16_to_float(f->o[full]));
                             cpa_add(&pq, test_bf16_to_float(h[r].dqkv[row * W + cpa_column(f, 0, hh) + e]),
                                     test_bf16_to_float(f->dq[full]));
+                            differ += h[r].o[row * CW + cpa_column(f, 3, hh) + e] != f->o[full];
+                            differ += h[r].dqkv[row * W + cpa_column(f, 0, hh) + e] != f->dq[full];
                         }
                     }
                     if (!kv_partial)
@@ -442,7 +447,13 @@ static int cpa_compare(const cpa_full* f, const cpa_host* h, const uint16_t* con
         ok = cpa_judge("O", &po, 5e-3, 1.0 / 64, 0) && cpa_lse_judge(lg, lr, nlse, 0) &&
              cpa_judge("dQ", &pq, 5e-3, 1.0 / 64, 0) && cpa_judge("dK", &pk, kv_tensor, kv_elem, 0) &&
              cpa_judge("dV", &pv, kv_tensor, kv_elem, 0);
-        if (ok) printf("\n");
+        if (ok) printf("; %zu of O, LSE, dQ not bitwise the whole sequence's\n", differ);
+        /* the all-gather slices run the whole-sequence kernels' very tiles in their order (the chunks
+         * are whole query tiles; the key tiles are the whole sequence's): O, LSE, dQ bit for bit */
+        if (ok && kv_partial && differ) {
+            printf("    FAIL the all-gather slices' O, LSE, dQ are not bitwise the whole-sequence kernel's\n");
+            ok = 0;
+        }
     } else {
         printf("    FAIL out of host memory\n");
     }
