@@ -35,6 +35,7 @@
  *       9.2 Forward
  *       9.3 Backward
  *       9.4 Host launchers
+ *       9.5 Context-parallel ring attention
  *   10. Cross entropy
  *   11. Gradient norm and AdamW
  *   12. FP8: formats, scaling, casts and transposes
@@ -2229,6 +2230,15 @@ __host__ __device__ __forceinline__ int span_rows_below(const mt_seq_span& s, in
     if (s.len == 0) return min(max(pos, 0), T);
     return min(max(pos - s.start[0], 0), s.len) + min(max(pos - s.start[1], 0), s.len);
 }
+/* The kernels' MODE: 0 plain causal attention (rows are positions: the geometry's spans are not read,
+ * so the plain kernels are compiled as they were before slices existed), 1 sequence slices, 2 slices
+ * whose results are merged into (accumulated onto) a running result (section 9.5). */
+template <bool POS>
+__device__ __forceinline__ int pos_of(const mt_seq_span& s, int i) { return POS ? span_pos(s, i) : i; }
+template <bool POS>
+__device__ __forceinline__ int rows_below(const mt_seq_span& s, int T, int pos) {
+    return POS ? span_rows_below(s, T, pos) : min(max(pos, 0), T);
+}
 
 /* ---- Document masks (--reset-attention-mask): doc [B, T] holds each query's document start, which
  *      never decreases along t; key k is visible to query q iff doc[q] <= k <= q. For the rows of a
@@ -2367,7 +2377,7 @@ constexpr size_t fwd_smem_bytes() {
     return (size_t)(BM + 4 * BN) * (D + 8) * sizeof(bf16);
 }
 
-/* The forward's partial results (context parallelism's ring, section 9.5): with MERGE the kernel's block
+/* The forward's partial results (context parallelism's ring, section 9.5): in MODE 2 the kernel's block
  * result (O_blk, LSE_blk over this call's keys) is merged by log-sum-exp into the running result of
  * the earlier blocks: lse = log(e^lse_run + e^lse_blk), acc = acc * e^(lse_run - lse) + O_blk *
  * e^(lse_blk - lse), in fp32, acc [B, H, Tq, D] packed. first: there is no running result yet; last:
@@ -2379,7 +2389,7 @@ struct fwd_merge {
     int first, last;
 };
 
-template <int D, int BM, int WARPS, bool DROP, bool MERGE = false>
+template <int D, int BM, int WARPS, bool DROP, int MODE = 0>
 __global__ void __launch_bounds__(32 * WARPS)
     flash_fwd_kernel(heads_view<bf16> O, float* __restrict__ LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
                      heads_view<const bf16> V, int H, int Hkv, geom gm, float scale, mt_dropout drop,
@@ -2387,13 +2397,14 @@ __global__ void __launch_bounds__(32 * WARPS)
     constexpr int NTH = 32 * WARPS, MT = BM / (16 * WARPS); /* m16 row blocks per warp: a warp owns 16*MT rows */
     constexpr int S = D + 8, NT = BN / 8, DT = D / 8;
     static_assert(BM % (16 * WARPS) == 0 && (D == 64 || D == 128), "tile shape");
+    constexpr bool POS = MODE != 0, MERGE = MODE == 2;
 
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* sQ = reinterpret_cast<bf16*>(smem);
     bf16* sK = sQ + BM * S;
     bf16* sV = sK + 2 * BN * S;
 
-    const int Tq = gm.Tq, Tk = gm.Tk;
+    const int Tq = gm.Tq, Tk = POS ? gm.Tk : gm.Tq;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
@@ -2401,21 +2412,21 @@ __global__ void __launch_bounds__(32 * WARPS)
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;   /* heaviest (last) query tiles launch first */
     const int wrow = warp * 16 * MT;                    /* this warp's first row inside the tile */
     const int wq_first = q0 + wrow, wq_last = wq_first + 16 * MT - 1;
-    const int qoff = span_pos(gm.qs, q0) - q0;          /* row -> sequence position in this tile */
+    const int qoff = pos_of<POS>(gm.qs, q0) - q0;       /* row -> sequence position in this tile */
     const int wp_first = wq_first + qoff, wp_last = wq_last + qoff;
     const bf16* Qh = Q.at(b, h, qpg);                   /* row 0 of (b, h); rows Q.row apart */
     const bf16* Kh = K.at(b, hkv, 1);
     const bf16* Vh = V.at(b, hkv, 1);
     const float c = scale * LOG2E;                      /* softmax in base 2: exp(x*scale) = 2^(x*c) */
     /* causal: key tiles up to the last key at or before the tile's last row's position */
-    const int n_kt = (span_rows_below(gm.ks, Tk, span_pos(gm.qs, min(q0 + BM, Tq) - 1) + 1) + BN - 1) / BN;
+    const int n_kt = (rows_below<POS>(gm.ks, Tk, pos_of<POS>(gm.qs, min(q0 + BM, Tq) - 1) + 1) + BN - 1) / BN;
     const doc_rows<MT> dr(doc, b, Tq, q0, wq_first, wq_last, g);
-    const int kt0 = span_rows_below(gm.ks, Tk, dr.tile_first) / BN; /* key tiles before every row's document: skipped */
+    const int kt0 = rows_below<POS>(gm.ks, Tk, dr.tile_first) / BN; /* key tiles before every row's document: skipped */
     /* a merge step whose block no row of this tile sees leaves the running result as it is */
     if (MERGE && !mo.first && !mo.last && kt0 >= n_kt) return;
 
     /* prologue: Q tile and the first K/V tile in one cp.async group (in the stage kv_stage_step expects) */
-    if (kt0 < n_kt) {
+    if (!POS || kt0 < n_kt) {
         load_tile<BM, D, NTH>(sQ, Qh, Q.row, q0, Tq);
         load_tile<BN, D, NTH>(sK + (kt0 & 1) * BN * S, Kh, K.row, kt0 * BN, Tk);
         load_tile<BN, D, NTH>(sV + (kt0 & 1) * BN * S, Vh, V.row, kt0 * BN, Tk);
@@ -2435,7 +2446,7 @@ __global__ void __launch_bounds__(32 * WARPS)
 
     for (int kt = kt0; kt < n_kt; kt++) {
         const int k0 = kt * BN;
-        const int kp0 = span_pos(gm.ks, k0); /* the tile's first key's position; its keys are consecutive */
+        const int kp0 = pos_of<POS>(gm.ks, k0); /* the tile's first key's position; its keys are consecutive */
         const bf16 *sKs, *sVs;
         kv_stage_step<D, NTH>(sK, sV, Kh, Vh, K.row, V.row, kt, n_kt, Tk, &sKs, &sVs);
 
@@ -2524,8 +2535,8 @@ __global__ void __launch_bounds__(32 * WARPS)
             lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
             lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
             const int row = wq_first + mt * 16 + g + r * 8;
-            const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-            const float lse = lsum > 0.0f ? m[mt][r] * scale + logf(lsum) : -INFINITY;
+            const float inv = !POS || lsum > 0.0f ? 1.0f / lsum : 0.0f;
+            const float lse = !POS || lsum > 0.0f ? m[mt][r] * scale + logf(lsum) : -INFINITY;
             if constexpr (!MERGE) {
                 if (row < Tq) {
                     bf16* orow = O.at(b, h, qpg) + (int64_t)row * O.row;
@@ -2611,9 +2622,9 @@ __device__ __forceinline__ int doc_query_end(const int32_t* __restrict__ d, int 
     return lo;
 }
 
-/* The backward's partial results (context parallelism's ring, section 9.5). dQ with ACC: dQ of this
+/* The backward's partial results (context parallelism's ring, section 9.5). dQ in MODE 2: dQ of this
  * call's keys is added in fp32 to acc [B, H, Tq, D] packed (first: nothing there yet; last: the sum is
- * rounded to bf16 into the dQ view instead). dK/dV with ACC: this call's dK (scaled) and dV are added
+ * rounded to bf16 into the dQ view instead). dK/dV in MODE 2: this call's dK (scaled) and dV are added
  * to dk_in / dv_in (NULL: nothing yet) and written to dk_out / dv_out, fp32 [B, Hkv, Tk, D] packed,
  * the buffers that travel around the ring to the keys' owner. */
 struct bwd_acc {
@@ -2632,7 +2643,7 @@ struct bwd_acc {
  * none of these keys) to the end, or with document masks (doc) to the tile holding the last query of
  * the last key's document (later queries see none of these keys either); a query sees key k iff
  * doc[q] <= pos(k) <= pos(q) (positions: section 9.1's geom). */
-template <int D, int BMQ, int WARPS, bool DROP, bool ACC = false>
+template <int D, int BMQ, int WARPS, bool DROP, int MODE = 0>
 __global__ void __launch_bounds__(32 * WARPS)
     flash_bwd_dkdv_kernel(heads_view<bf16> dK, heads_view<bf16> dV, heads_view<const bf16> Q,
                           heads_view<const bf16> K, heads_view<const bf16> V, heads_view<const bf16> dO,
@@ -2641,6 +2652,7 @@ __global__ void __launch_bounds__(32 * WARPS)
                           mt_dropout drop, const int32_t* __restrict__ doc, bwd_acc acc) {
     constexpr int S = D + 8, NQ = BMQ / 8, DT = D / 8, NTH = 32 * WARPS, KEYS = 16 * WARPS;
     static_assert(BMQ % 16 == 0 && (D == 64 || D == 128), "tile shape");
+    constexpr bool POS = MODE != 0, ACC = MODE == 2;
 
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* sK = reinterpret_cast<bf16*>(smem);
@@ -2651,22 +2663,22 @@ __global__ void __launch_bounds__(32 * WARPS)
     float* sD = sL + 2 * BMQ;                                /* [2][BMQ] */
     int32_t* sDoc = reinterpret_cast<int32_t*>(sD + 2 * BMQ); /* [2][BMQ] */
 
-    const int Tq = gm.Tq, Tk = gm.Tk;
+    const int Tq = gm.Tq, Tk = POS ? gm.Tk : gm.Tq;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int bkv = blockIdx.x, b = bkv / Hkv, hkv = bkv % Hkv;
     const int k0 = blockIdx.y * KEYS; /* low key tiles have the most work and launch first */
     const int qpg = H / Hkv;        /* query heads per kv head: heads hkv*qpg .. hkv*qpg+qpg-1 */
     const int wk_first = k0 + warp * 16;
-    const int koff = span_pos(gm.ks, k0) - k0; /* key row -> sequence position in this tile */
+    const int koff = pos_of<POS>(gm.ks, k0) - k0; /* key row -> sequence position in this tile */
     const int wkp_first = wk_first + koff, wkp_last = wkp_first + 15;
     const float c = scale * LOG2E;
 
     const int32_t* docb = doc ? doc + (int64_t)b * Tq : NULL;
-    const int kp_last = span_pos(gm.ks, min(k0 + KEYS, Tk) - 1); /* the tile's last key's position */
-    const int q_lo = span_rows_below(gm.qs, Tq, kp_last + 1);    /* the first query row past it */
+    const int kp_last = pos_of<POS>(gm.ks, min(k0 + KEYS, Tk) - 1); /* the tile's last key's position */
+    const int q_lo = rows_below<POS>(gm.qs, Tq, kp_last + 1);    /* the first query row past it */
     const int q_end = docb ? doc_query_end(docb, kp_last, q_lo, Tq) : Tq; /* queries past it see no key here */
-    const int qt_first = span_rows_below(gm.qs, Tq, k0 + koff) / BMQ;
+    const int qt_first = rows_below<POS>(gm.qs, Tq, k0 + koff) / BMQ;
     const int per_head = (q_end + BMQ - 1) / BMQ - qt_first; /* query tiles visited per head */
     const int n_it = qpg * per_head;
 
@@ -2683,7 +2695,7 @@ __global__ void __launch_bounds__(32 * WARPS)
             load_vec<BMQ, NTH>(reinterpret_cast<float*>(sDoc + st * BMQ), reinterpret_cast<const float*>(docb), q0, Tq);
     };
 
-    if (n_it > 0) { /* else no query sees these keys: their gradient (contribution) is 0 */
+    if (!POS || n_it > 0) { /* else no query sees these keys: their gradient (contribution) is 0 */
         load_tile<KEYS, D, NTH>(sK, K.at(b, hkv, 1), K.row, k0, Tk);
         load_tile<KEYS, D, NTH>(sV, V.at(b, hkv, 1), V.row, k0, Tk);
         load_q_tiles(0, 0);
@@ -2699,7 +2711,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     for (int it = 0; it < n_it; it++) {
         const int st = it & 1;
         const int q0 = (qt_first + it % per_head) * BMQ;
-        const int qp0 = span_pos(gm.qs, q0); /* the tile's first query's position; its rows are consecutive */
+        const int qp0 = pos_of<POS>(gm.qs, q0); /* the tile's first query's position; its rows are consecutive */
         if (it + 1 < n_it) load_q_tiles(it + 1, st ^ 1);
         cp_async_commit();
         cp_async_wait<1>();
@@ -2831,7 +2843,7 @@ constexpr size_t dq_smem_bytes() {
 /* One CTA per (b, h, tile of BM query rows), warps own 16*MT rows, loop over key tiles as in the
  * forward:  S = Q K^T,  P = exp(scale*S - LSE),  dP = dO V^T,  dS = P * (dP - Dsum),  dQ += dS K;
  * finally dQ *= scale. */
-template <int D, int BM, int WARPS, bool DROP, bool ACC = false>
+template <int D, int BM, int WARPS, bool DROP, int MODE = 0>
 __global__ void __launch_bounds__(32 * WARPS)
     flash_bwd_dq_kernel(heads_view<bf16> dQ, heads_view<const bf16> Q, heads_view<const bf16> K,
                         heads_view<const bf16> V, heads_view<const bf16> dO, const float* __restrict__ LSE,
@@ -2840,6 +2852,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     constexpr int NTH = 32 * WARPS, MT = BM / (16 * WARPS);
     constexpr int S = D + 8, NT = BN / 8, DT = D / 8;
     static_assert(BM % (16 * WARPS) == 0 && (D == 64 || D == 128), "tile shape");
+    constexpr bool POS = MODE != 0, ACC = MODE == 2;
 
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* sQ = reinterpret_cast<bf16*>(smem);
@@ -2847,7 +2860,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     bf16* sK = sdO + BM * S; /* [2][BN][S] */
     bf16* sV = sK + 2 * BN * S;
 
-    const int Tq = gm.Tq, Tk = gm.Tk;
+    const int Tq = gm.Tq, Tk = POS ? gm.Tk : gm.Tq;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
@@ -2855,18 +2868,18 @@ __global__ void __launch_bounds__(32 * WARPS)
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
     const int wrow = warp * 16 * MT;
     const int wq_first = q0 + wrow, wq_last = wq_first + 16 * MT - 1;
-    const int qoff = span_pos(gm.qs, q0) - q0; /* row -> sequence position in this tile */
+    const int qoff = pos_of<POS>(gm.qs, q0) - q0; /* row -> sequence position in this tile */
     const int wp_first = wq_first + qoff, wp_last = wq_last + qoff;
     const bf16* Kh = K.at(b, hkv, 1);
     const bf16* Vh = V.at(b, hkv, 1);
     const float c = scale * LOG2E;
-    const int n_kt = (span_rows_below(gm.ks, Tk, span_pos(gm.qs, min(q0 + BM, Tq) - 1) + 1) + BN - 1) / BN;
+    const int n_kt = (rows_below<POS>(gm.ks, Tk, pos_of<POS>(gm.qs, min(q0 + BM, Tq) - 1) + 1) + BN - 1) / BN;
     const doc_rows<MT> dr(doc, b, Tq, q0, wq_first, wq_last, g);
-    const int kt0 = span_rows_below(gm.ks, Tk, dr.tile_first) / BN; /* key tiles before every row's document: skipped */
+    const int kt0 = rows_below<POS>(gm.ks, Tk, dr.tile_first) / BN; /* key tiles before every row's document: skipped */
     /* an accumulating step whose block no row of this tile sees leaves the running dQ as it is */
     if (ACC && !acc.first && !acc.last && kt0 >= n_kt) return;
 
-    if (kt0 < n_kt) { /* else no key here is visible to these rows: their dQ (contribution) is 0 */
+    if (!POS || kt0 < n_kt) { /* else no key here is visible to these rows: their dQ (contribution) is 0 */
         load_tile<BM, D, NTH>(sQ, Q.at(b, h, qpg), Q.row, q0, Tq);
         load_tile<BM, D, NTH>(sdO, dO.at(b, h, qpg), dO.row, q0, Tq);
         load_tile<BN, D, NTH>(sK + (kt0 & 1) * BN * (D + 8), Kh, K.row, kt0 * BN, Tk);
@@ -2893,7 +2906,7 @@ __global__ void __launch_bounds__(32 * WARPS)
 
     for (int kt = kt0; kt < n_kt; kt++) {
         const int k0 = kt * BN;
-        const int kp0 = span_pos(gm.ks, k0); /* the tile's first key's position; its keys are consecutive */
+        const int kp0 = pos_of<POS>(gm.ks, k0); /* the tile's first key's position; its keys are consecutive */
         const bf16 *sKs, *sVs;
         kv_stage_step<D, NTH>(sK, sV, Kh, Vh, K.row, V.row, kt, n_kt, Tk, &sKs, &sVs);
 
@@ -3018,17 +3031,17 @@ static bool shape_ok(int B, int H, int Hkv, int T, int d) {
 
 /* Launchers for any tile choice (the lab compares them); forward_d / backward_d use Tiles<D>. gm: the
  * rows' geometry (section 9.1; NULL: plain causal attention over T rows), checked by the caller. */
-template <int D, int BM, int WARPS, bool DROP = false, bool MERGE = false>
+template <int D, int BM, int WARPS, bool DROP = false, int MODE = 0>
 static cudaError_t forward_tiles(heads_view<bf16> O, float* LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
                                  heads_view<const bf16> V, int B, int H, int Hkv, int T, cudaStream_t st,
                                  const mt_dropout& drop = mt_dropout(), const int32_t* doc = NULL,
                                  const geom* gm = NULL, fwd_merge mo = fwd_merge()) {
     static bool ready = false;
-    cudaError_t e = set_smem_limit(flash_fwd_kernel<D, BM, WARPS, DROP, MERGE>, fwd_smem_bytes<D, BM>(), &ready);
+    cudaError_t e = set_smem_limit(flash_fwd_kernel<D, BM, WARPS, DROP, MODE>, fwd_smem_bytes<D, BM>(), &ready);
     if (e != cudaSuccess) return e;
     const geom g = gm ? *gm : plain_geom(T);
     dim3 grid(B * H, (g.Tq + BM - 1) / BM);
-    flash_fwd_kernel<D, BM, WARPS, DROP, MERGE><<<grid, 32 * WARPS, fwd_smem_bytes<D, BM>(), st>>>(
+    flash_fwd_kernel<D, BM, WARPS, DROP, MODE><<<grid, 32 * WARPS, fwd_smem_bytes<D, BM>(), st>>>(
         O, LSE, Q, K, V, H, Hkv, g, 1.0f / sqrtf((float)D), drop, doc, mo);
     return cudaGetLastError();
 }
@@ -3044,7 +3057,7 @@ static cudaError_t backward_dot(float* Dsum, heads_view<const bf16> dO, heads_vi
 }
 
 /* The dK/dV kernel (which & 1) and the dQ kernel (which & 2), in that order, from a computed Dsum. */
-template <int D, int BMQ, int KV_WARPS, int BM, int Q_WARPS, bool DROP = false, bool ACC = false>
+template <int D, int BMQ, int KV_WARPS, int BM, int Q_WARPS, bool DROP = false, int MODE = 0>
 static cudaError_t backward_kernels(int which, heads_view<bf16> dQ, heads_view<bf16> dK, heads_view<bf16> dV,
                                     const float* Dsum, heads_view<const bf16> dO, heads_view<const bf16> Q,
                                     heads_view<const bf16> K, heads_view<const bf16> V, const float* LSE, int B, int H,
@@ -3052,23 +3065,23 @@ static cudaError_t backward_kernels(int which, heads_view<bf16> dQ, heads_view<b
                                     const int32_t* doc, bwd_acc acc = bwd_acc()) {
     constexpr int KEYS = 16 * KV_WARPS;
     /* one chunk of column sums per (b, 64-row tile) in both kernels */
-    if (colsum && (KEYS != COLSUM_TILE || BM != COLSUM_TILE || ACC)) return cudaErrorInvalidValue;
+    if (colsum && (KEYS != COLSUM_TILE || BM != COLSUM_TILE || MODE == 2)) return cudaErrorInvalidValue;
     static bool ready_kv = false, ready_q = false;
     const float scale = 1.0f / sqrtf((float)D);
     cudaError_t e =
-        set_smem_limit(flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS, DROP, ACC>, dkdv_smem_bytes<D, BMQ, KEYS>(), &ready_kv);
+        set_smem_limit(flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS, DROP, MODE>, dkdv_smem_bytes<D, BMQ, KEYS>(), &ready_kv);
     if (e == cudaSuccess)
-        e = set_smem_limit(flash_bwd_dq_kernel<D, BM, Q_WARPS, DROP, ACC>, dq_smem_bytes<D, BM>(), &ready_q);
+        e = set_smem_limit(flash_bwd_dq_kernel<D, BM, Q_WARPS, DROP, MODE>, dq_smem_bytes<D, BM>(), &ready_q);
     if (e != cudaSuccess) return e;
     if (which & 1) {
         dim3 grid_kv(B * Hkv, (g.Tk + KEYS - 1) / KEYS);
-        flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS, DROP, ACC><<<grid_kv, 32 * KV_WARPS, dkdv_smem_bytes<D, BMQ, KEYS>(), st>>>(
+        flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS, DROP, MODE><<<grid_kv, 32 * KV_WARPS, dkdv_smem_bytes<D, BMQ, KEYS>(), st>>>(
             dK, dV, Q, K, V, dO, LSE, Dsum, H, Hkv, g, scale, colsum, dK.p - dQ.p, dV.p - dQ.p, drop, doc, acc);
         if ((e = cudaGetLastError()) != cudaSuccess) return e;
     }
     if (which & 2) {
         dim3 grid_q(B * H, (g.Tq + BM - 1) / BM);
-        flash_bwd_dq_kernel<D, BM, Q_WARPS, DROP, ACC><<<grid_q, 32 * Q_WARPS, dq_smem_bytes<D, BM>(), st>>>(
+        flash_bwd_dq_kernel<D, BM, Q_WARPS, DROP, MODE><<<grid_q, 32 * Q_WARPS, dq_smem_bytes<D, BM>(), st>>>(
             dQ, Q, K, V, dO, LSE, Dsum, H, Hkv, g, scale, colsum, drop, doc, acc);
         e = cudaGetLastError();
     }
@@ -3085,20 +3098,23 @@ static cudaError_t backward_tiles(heads_view<bf16> dQ, heads_view<bf16> dK, head
     const geom g = gm ? *gm : plain_geom(T);
     cudaError_t e = backward_dot<D>(Dsum, dO, O, B, H, Hkv, g.Tq, st);
     if (e != cudaSuccess) return e;
+    if (gm) /* slices (MODE 1) */
+        return backward_kernels<D, BMQ, KV_WARPS, BM, Q_WARPS, DROP, 1>(3, dQ, dK, dV, Dsum, dO, Q, K, V, LSE, B, H, Hkv,
+                                                                         g, st, colsum, drop, doc);
     return backward_kernels<D, BMQ, KV_WARPS, BM, Q_WARPS, DROP>(3, dQ, dK, dV, Dsum, dO, Q, K, V, LSE, B, H, Hkv, g,
                                                                   st, colsum, drop, doc);
 }
 
-template <int D, bool MERGE = false>
+template <int D, int MODE = 0>
 static cudaError_t forward_d(heads_view<bf16> O, float* LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
                              heads_view<const bf16> V, int B, int H, int Hkv, int T, cudaStream_t st,
                              const mt_dropout& drop, const int32_t* doc, const geom* gm = NULL,
                              fwd_merge mo = fwd_merge()) {
     if (drop.on)
-        return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS, true, MERGE>(O, LSE, Q, K, V, B, H, Hkv, T, st,
-                                                                                    drop, doc, gm, mo);
-    return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS, false, MERGE>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop,
-                                                                                 doc, gm, mo);
+        return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS, true, MODE>(O, LSE, Q, K, V, B, H, Hkv, T, st,
+                                                                                   drop, doc, gm, mo);
+    return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS, false, MODE>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop,
+                                                                                doc, gm, mo);
 }
 
 template <int D>
@@ -3123,10 +3139,10 @@ static cudaError_t backward_block_d(int which, heads_view<bf16> dQ, heads_view<c
     const heads_view<bf16> none = {NULL, 0, 0, 0, 0}; /* dK, dV go to acc's fp32 buffers */
     if (drop.on)
         return backward_kernels<D, Tiles<D>::DKDV_BMQ, Tiles<D>::DKDV_WARPS, Tiles<D>::DQ_BM, Tiles<D>::DQ_WARPS, true,
-                                true>(which, dQ, none, none, Dsum, dO, Q, K, V, LSE, B, H, Hkv, g, st, NULL, drop, doc,
+                                2>(which, dQ, none, none, Dsum, dO, Q, K, V, LSE, B, H, Hkv, g, st, NULL, drop, doc,
                                       acc);
     return backward_kernels<D, Tiles<D>::DKDV_BMQ, Tiles<D>::DKDV_WARPS, Tiles<D>::DQ_BM, Tiles<D>::DQ_WARPS, false,
-                            true>(which, dQ, none, none, Dsum, dO, Q, K, V, LSE, B, H, Hkv, g, st, NULL, drop, doc, acc);
+                            2>(which, dQ, none, none, Dsum, dO, Q, K, V, LSE, B, H, Hkv, g, st, NULL, drop, doc, acc);
 }
 
 /* Rows of whole tiles: a span's chunks and its slices hold multiples of this many rows (the largest
@@ -3226,8 +3242,8 @@ static cudaError_t flash_attention_forward_span(attn_view O, float* LSE, attn_cv
     if (!fa::shape_ok(B, H, Hkv, Tq, d) || !fa::shape_ok(B, H, Hkv, Tk, d) || !fa::geom_ok(g, d) || !fa::view_ok(O) ||
         !fa::view_ok(Q) || !fa::view_ok(K) || !fa::view_ok(V))
         return cudaErrorInvalidValue;
-    return d == 64 ? fa::forward_d<64>(O, LSE, Q, K, V, B, H, Hkv, Tq, st, drop, doc, &g)
-                   : fa::forward_d<128>(O, LSE, Q, K, V, B, H, Hkv, Tq, st, drop, doc, &g);
+    return d == 64 ? fa::forward_d<64, 1>(O, LSE, Q, K, V, B, H, Hkv, Tq, st, drop, doc, &g)
+                   : fa::forward_d<128, 1>(O, LSE, Q, K, V, B, H, Hkv, Tq, st, drop, doc, &g);
 }
 [[maybe_unused]]
 static cudaError_t flash_attention_backward_span(attn_view dQ, attn_view dK, attn_view dV, float* Dsum, attn_cview dO,
@@ -3353,8 +3369,8 @@ static cudaError_t cp_attention_forward_block(attn_view O, float* LSE, float* ac
         !fa::view_ok(K) || !fa::view_ok(V) || !acc)
         return cudaErrorInvalidValue;
     const fa::fwd_merge mo = {acc, first, last};
-    return d == 64 ? fa::forward_d<64, true>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop, doc, &g, mo)
-                   : fa::forward_d<128, true>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop, doc, &g, mo);
+    return d == 64 ? fa::forward_d<64, 2>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop, doc, &g, mo)
+                   : fa::forward_d<128, 2>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop, doc, &g, mo);
 }
 /* Dsum [B, H, T] = rowsum(dO * O), once per backward, from the final O. */
 static cudaError_t cp_attention_dsum(float* Dsum, attn_cview dO, attn_cview O, int B, int H, int Hkv, int T, int d,

@@ -488,6 +488,7 @@ static int cpa_simulated_case(const cpa_full* f, cpa_host* out) {
         }
 done:
     for (int r = 0; r < P && r < 8; r++) {
+        cpa_local_free(&L[r]);
         cudaFree(scratch[r]);
         cpa_host_free(&h[1][r]);
         if (out && ok) out[r] = h[0][r];
