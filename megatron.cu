@@ -35,6 +35,7 @@
  *       9.2 Forward
  *       9.3 Backward
  *       9.4 Host launchers
+ *       9.5 Context-parallel ring attention
  *   10. Cross entropy
  *   11. Gradient norm and AdamW
  *   12. FP8: formats, scaling, casts and transposes
@@ -1700,6 +1701,10 @@ __global__ void attention_heads_permute_vec_kernel(T* out, const T* in, int B, i
     *reinterpret_cast<int4*>(out + (TO_ROWS ? rows : other)) = *reinterpret_cast<const int4*>(in + (TO_ROWS ? other : rows));
 }
 
+/* Where a slice's rows sit in the full sequence (context parallelism): rows [0, len) are sequence
+ * positions start[0] + i, rows [len, 2*len) are start[1] + i. len == 0: rows are positions 0, 1, ... */
+typedef struct { int len; int start[2]; } mt_seq_span;
+
 /* The attention geometry one tensor-parallel rank sees. */
 typedef struct {
     int B, S, heads, groups, d; /* this rank's query heads and K/V groups (heads % groups == 0), head dim */
@@ -2019,8 +2024,10 @@ static void attention_dropout(const mt_exec* ex, T* out, const T* probs, int row
 /*    skipped, the work saved on packed short documents): device helpers, forward, backward       */
 /*    (dK/dV and dQ kernels), launchers. The lab dev/cuda/flash_attention.cu checks it against    */
 /*    a CPU reference, times it and explains the design.                                          */
+/*    Queries and keys may be slices of a sequence at two-chunk positions (context parallelism).  */
 /*    defines: namespace fa (9.1-9.3), then attn_view, flash_attention_forward,                   */
-/*    flash_attention_backward, flash_colsum_chunks (9.4).                                        */
+/*    flash_attention_backward, flash_colsum_chunks, flash_attention_forward_span,                */
+/*    flash_attention_backward_span (9.4), the ring attention of context parallelism (9.5).       */
 /* ============================================================================================== */
 
 typedef __nv_bfloat16 bf16;
@@ -2034,8 +2041,8 @@ constexpr float LOG2E = 1.4426950408889634f;
 
 /* ============================================================================================== */
 /* 9.1 Device helpers                                                                             */
-/*    defines: fa::heads_view, the ldmatrix / mma.sync wrappers, tile loads, the in-register      */
-/*    GEMMs.                                                                                      */
+/*    defines: fa::heads_view, the ldmatrix / mma.sync wrappers, tile loads, fa::geom (sequence   */
+/*    positions), the in-register GEMMs.                                                          */
 /* ============================================================================================== */
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
@@ -2199,6 +2206,40 @@ __device__ __forceinline__ void c_to_a(uint32_t a[4], const float c0[4], const f
     a[3] = pack_bf16(c1[2], c1[3]);
 }
 
+/* ---- Sequence positions (context parallelism, section 9.5). The kernels take Tq query rows and Tk key
+ *      rows, each a slice of the sequence described by an mt_seq_span (section 7), and mask by position:
+ *      key k is visible to query q iff pos(k) <= pos(q) (and doc[q] <= pos(k)). A span's two chunks hold
+ *      whole tiles (len a multiple of span_tile_rows, checked on the host), so a tile's rows are
+ *      consecutive positions and a tile is mapped by one offset; positions grow with the row (start[0] +
+ *      len <= start[1]), so the keys a query tile sees are one range of key tiles. `seq` is the full
+ *      sequence length: attention dropout counts its elements by global (query, key) positions in a
+ *      seq x seq matrix, so a context-parallel run draws the masks of the whole sequence. The default
+ *      geometry (len 0, Tq = Tk = seq = T) is the kernels' plain causal attention, bit for bit. ---- */
+struct geom {
+    int Tq, Tk;          /* query rows, key rows of this call */
+    mt_seq_span qs, ks;  /* where they sit in the sequence */
+    int seq;             /* the full sequence length (dropout counters) */
+};
+__host__ __device__ __forceinline__ geom plain_geom(int T) { return {T, T, {0, {0, 0}}, {0, {0, 0}}, T}; }
+/* the sequence position of row i of a slice */
+__host__ __device__ __forceinline__ int span_pos(const mt_seq_span& s, int i) {
+    return s.len == 0 ? i : i < s.len ? s.start[0] + i : s.start[1] + (i - s.len);
+}
+/* how many of the slice's T rows sit at positions below pos (they are its first rows) */
+__host__ __device__ __forceinline__ int span_rows_below(const mt_seq_span& s, int T, int pos) {
+    if (s.len == 0) return min(max(pos, 0), T);
+    return min(max(pos - s.start[0], 0), s.len) + min(max(pos - s.start[1], 0), s.len);
+}
+/* The kernels' MODE: 0 plain causal attention (rows are positions: the geometry's spans are not read,
+ * so the plain kernels are compiled as they were before slices existed), 1 sequence slices, 2 slices
+ * whose results are merged into (accumulated onto) a running result (section 9.5). */
+template <bool POS>
+__device__ __forceinline__ int pos_of(const mt_seq_span& s, int i) { return POS ? span_pos(s, i) : i; }
+template <bool POS>
+__device__ __forceinline__ int rows_below(const mt_seq_span& s, int T, int pos) {
+    return POS ? span_rows_below(s, T, pos) : min(max(pos, 0), T);
+}
+
 /* ---- Document masks (--reset-attention-mask): doc [B, T] holds each query's document start, which
  *      never decreases along t; key k is visible to query q iff doc[q] <= k <= q. For the rows of a
  *      query tile from q0 (a warp's [wq_first, wq_last]): tile_first, the first row's start, is the
@@ -2327,7 +2368,7 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[MT][D / 8][4], const float 
 
 /* ============================================================================================== */
 /* 9.2 Forward                                                                                    */
-/*    defines: fa::flash_fwd_kernel.                                                              */
+/*    defines: fa::fwd_merge, fa::flash_fwd_kernel.                                               */
 /* ============================================================================================== */
 
 /* Shared memory: sQ [BM][D+8], sK [2][BN][D+8], sV [2][BN][D+8] (two stages each). */
@@ -2336,20 +2377,34 @@ constexpr size_t fwd_smem_bytes() {
     return (size_t)(BM + 4 * BN) * (D + 8) * sizeof(bf16);
 }
 
-template <int D, int BM, int WARPS, bool DROP>
+/* The forward's partial results (context parallelism's ring, section 9.5): in MODE 2 the kernel's block
+ * result (O_blk, LSE_blk over this call's keys) is merged by log-sum-exp into the running result of
+ * the earlier blocks: lse = log(e^lse_run + e^lse_blk), acc = acc * e^(lse_run - lse) + O_blk *
+ * e^(lse_blk - lse), in fp32, acc [B, H, Tq, D] packed. first: there is no running result yet; last:
+ * the merged O is rounded to bf16 into the O view (once) instead of written to acc. LSE [B, H, Tq]
+ * holds the running log-sum-exp throughout. A row that sees no key of the block has LSE_blk = -inf
+ * and O_blk = 0, which the merge ignores. Each CTA owns its rows: no atomics, deterministic. */
+struct fwd_merge {
+    float* acc;
+    int first, last;
+};
+
+template <int D, int BM, int WARPS, bool DROP, int MODE = 0>
 __global__ void __launch_bounds__(32 * WARPS)
     flash_fwd_kernel(heads_view<bf16> O, float* __restrict__ LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
-                     heads_view<const bf16> V, int H, int Hkv, int T, float scale, mt_dropout drop,
-                     const int32_t* __restrict__ doc) {
+                     heads_view<const bf16> V, int H, int Hkv, geom gm, float scale, mt_dropout drop,
+                     const int32_t* __restrict__ doc, fwd_merge mo) {
     constexpr int NTH = 32 * WARPS, MT = BM / (16 * WARPS); /* m16 row blocks per warp: a warp owns 16*MT rows */
     constexpr int S = D + 8, NT = BN / 8, DT = D / 8;
     static_assert(BM % (16 * WARPS) == 0 && (D == 64 || D == 128), "tile shape");
+    constexpr bool POS = MODE != 0, MERGE = MODE == 2;
 
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* sQ = reinterpret_cast<bf16*>(smem);
     bf16* sK = sQ + BM * S;
     bf16* sV = sK + 2 * BN * S;
 
+    const int Tq = gm.Tq, Tk = POS ? gm.Tk : gm.Tq;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
@@ -2357,19 +2412,26 @@ __global__ void __launch_bounds__(32 * WARPS)
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;   /* heaviest (last) query tiles launch first */
     const int wrow = warp * 16 * MT;                    /* this warp's first row inside the tile */
     const int wq_first = q0 + wrow, wq_last = wq_first + 16 * MT - 1;
+    const int qoff = pos_of<POS>(gm.qs, q0) - q0;       /* row -> sequence position in this tile */
+    const int wp_first = wq_first + qoff, wp_last = wq_last + qoff;
     const bf16* Qh = Q.at(b, h, qpg);                   /* row 0 of (b, h); rows Q.row apart */
     const bf16* Kh = K.at(b, hkv, 1);
     const bf16* Vh = V.at(b, hkv, 1);
     const float c = scale * LOG2E;                      /* softmax in base 2: exp(x*scale) = 2^(x*c) */
-    const int n_kt = (min(q0 + BM, T) - 1) / BN + 1;    /* causal: key tiles up to the last row */
-    const doc_rows<MT> dr(doc, b, T, q0, wq_first, wq_last, g);
-    const int kt0 = dr.tile_first / BN;                 /* key tiles before every row's document: skipped */
+    /* causal: key tiles up to the last key at or before the tile's last row's position */
+    const int n_kt = (rows_below<POS>(gm.ks, Tk, pos_of<POS>(gm.qs, min(q0 + BM, Tq) - 1) + 1) + BN - 1) / BN;
+    const doc_rows<MT> dr(doc, b, Tq, q0, wq_first, wq_last, g);
+    const int kt0 = rows_below<POS>(gm.ks, Tk, dr.tile_first) / BN; /* key tiles before every row's document: skipped */
+    /* a merge step whose block no row of this tile sees leaves the running result as it is */
+    if (MERGE && !mo.first && !mo.last && kt0 >= n_kt) return;
 
     /* prologue: Q tile and the first K/V tile in one cp.async group (in the stage kv_stage_step expects) */
-    load_tile<BM, D, NTH>(sQ, Qh, Q.row, q0, T);
-    load_tile<BN, D, NTH>(sK + (kt0 & 1) * BN * S, Kh, K.row, kt0 * BN, T);
-    load_tile<BN, D, NTH>(sV + (kt0 & 1) * BN * S, Vh, V.row, kt0 * BN, T);
-    cp_async_commit();
+    if (!POS || kt0 < n_kt) {
+        load_tile<BM, D, NTH>(sQ, Qh, Q.row, q0, Tq);
+        load_tile<BN, D, NTH>(sK + (kt0 & 1) * BN * S, Kh, K.row, kt0 * BN, Tk);
+        load_tile<BN, D, NTH>(sV + (kt0 & 1) * BN * S, Vh, V.row, kt0 * BN, Tk);
+        cp_async_commit();
+    }
 
     uint32_t qf[MT][D / 16][4]; /* this warp's Q rows as A fragments, loaded once */
     float o[MT][DT][4];         /* O accumulator (unnormalised), rows g and g+8 of each m16 block */
@@ -2384,8 +2446,9 @@ __global__ void __launch_bounds__(32 * WARPS)
 
     for (int kt = kt0; kt < n_kt; kt++) {
         const int k0 = kt * BN;
+        const int kp0 = pos_of<POS>(gm.ks, k0); /* the tile's first key's position; its keys are consecutive */
         const bf16 *sKs, *sVs;
-        kv_stage_step<D, NTH>(sK, sV, Kh, Vh, K.row, V.row, kt, n_kt, T, &sKs, &sVs);
+        kv_stage_step<D, NTH>(sK, sV, Kh, Vh, K.row, V.row, kt, n_kt, Tk, &sKs, &sVs);
 
         if (kt == kt0) {
 #pragma unroll
@@ -2395,7 +2458,7 @@ __global__ void __launch_bounds__(32 * WARPS)
         }
 
         /* else every key of this tile comes after every row of this warp, or before their documents */
-        if (k0 <= wq_last && k0 + BN - 1 >= dr.warp_first) {
+        if (kp0 <= wp_last && kp0 + BN - 1 >= dr.warp_first) {
             /* S = Q K^T for this warp's rows: s[mt][nt] holds rows (g, g+8) x keys k0+nt*8+2t+(0,1) */
             float s[MT][NT][4];
 #pragma unroll
@@ -2405,16 +2468,16 @@ __global__ void __launch_bounds__(32 * WARPS)
             gemm_abt_rega<MT, BN, D>(s, qf, sKs, lane);
 
             /* causal (and document) mask, only on tiles that cross this warp's diagonal (or a
-             * document start of its rows) */
-            if (k0 + BN - 1 > wq_first || k0 < dr.warp_last) {
+             * document start of its rows); rows and keys as positions */
+            if (kp0 + BN - 1 > wp_first || kp0 < dr.warp_last) {
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                         for (int j = 0; j < 4; j++) {
-                            int row = wq_first + mt * 16 + g + (j >> 1) * 8;
-                            int key = k0 + nt * 8 + 2 * t + (j & 1);
+                            int row = wp_first + mt * 16 + g + (j >> 1) * 8;
+                            int key = kp0 + nt * 8 + 2 * t + (j & 1);
                             if (key > row || key < dr.row[mt][j >> 1]) s[mt][nt][j] = -INFINITY;
                         }
             }
@@ -2453,8 +2516,8 @@ __global__ void __launch_bounds__(32 * WARPS)
                 }
 
             /* attention dropout: O accumulates P_d V with P_d = dropout(P); the row sums above (and so
-             * LSE) are P's own */
-            if constexpr (DROP) dropout_rows_tile<MT, NT>(s, drop, b, h, wq_first, k0, T, g, t);
+             * LSE) are P's own. Counted by (query, key) positions in the whole sequence. */
+            if constexpr (DROP) dropout_rows_tile<MT, NT>(s, drop, b, h, wp_first, kp0, gm.seq, g, t);
 
             /* O += P V, P straight from registers (bf16) */
             gemm_pb<MT, BN, D>(o, s, sVs, lane);
@@ -2462,7 +2525,8 @@ __global__ void __launch_bounds__(32 * WARPS)
         __syncthreads(); /* everyone is done with this stage before it is refilled */
     }
 
-    /* epilogue: O = o / l, LSE = m*scale + log(l); rows past T are not stored */
+    /* epilogue: O = o / l, LSE = m*scale + log(l); rows past Tq are not stored. A row that saw no key
+     * (only where the keys are another slice of the sequence) has l = 0: O = 0, LSE = -inf. */
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -2471,21 +2535,45 @@ __global__ void __launch_bounds__(32 * WARPS)
             lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
             lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
             const int row = wq_first + mt * 16 + g + r * 8;
-            if (row < T) {
-                const float inv = 1.0f / lsum;
+            const float inv = !POS || lsum > 0.0f ? 1.0f / lsum : 0.0f;
+            const float lse = !POS || lsum > 0.0f ? m[mt][r] * scale + logf(lsum) : -INFINITY;
+            if constexpr (!MERGE) {
+                if (row < Tq) {
+                    bf16* orow = O.at(b, h, qpg) + (int64_t)row * O.row;
+#pragma unroll
+                    for (int dt = 0; dt < DT; dt++)
+                        *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) =
+                            pack_bf16(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
+                    if (t == 0) LSE[(size_t)bh * Tq + row] = lse;
+                }
+            } else { /* every row is valid here (Tq is a multiple of BM, checked on the host) */
+                const size_t li = (size_t)bh * Tq + row;
+                const float run = mo.first ? -INFINITY : LSE[li];
+                __syncwarp(); /* the quad read LSE before its lane t = 0 rewrites it */
+                const float mx = fmaxf(run, lse);
+                const float merged = mx == -INFINITY ? -INFINITY : mx + logf(expf(run - mx) + expf(lse - mx));
+                const float w_run = mx == -INFINITY ? 0.0f : expf(run - merged);
+                const float w_blk = mx == -INFINITY ? 0.0f : expf(lse - merged) * inv;
+                float* arow = mo.acc + li * D;
                 bf16* orow = O.at(b, h, qpg) + (int64_t)row * O.row;
 #pragma unroll
-                for (int dt = 0; dt < DT; dt++)
-                    *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) =
-                        pack_bf16(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
-                if (t == 0) LSE[(size_t)bh * T + row] = m[mt][r] * scale + logf(lsum);
+                for (int dt = 0; dt < DT; dt++) {
+                    float2 a = make_float2(0.0f, 0.0f);
+                    if (!mo.first) a = *reinterpret_cast<const float2*>(arow + dt * 8 + 2 * t);
+                    const float v0 = w_run * a.x + w_blk * o[mt][dt][2 * r];
+                    const float v1 = w_run * a.y + w_blk * o[mt][dt][2 * r + 1];
+                    if (mo.last) *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) = pack_bf16(v0, v1);
+                    else *reinterpret_cast<float2*>(arow + dt * 8 + 2 * t) = make_float2(v0, v1);
+                }
+                if (t == 0) LSE[li] = merged;
             }
         }
 }
 
 /* ============================================================================================== */
 /* 9.3 Backward                                                                                   */
-/*    defines: fa::flash_bwd_dot_kernel, fa::flash_bwd_dkdv_kernel, fa::flash_bwd_dq_kernel.      */
+/*    defines: fa::flash_bwd_dot_kernel, fa::bwd_acc, fa::flash_bwd_dkdv_kernel,                  */
+/*    fa::flash_bwd_dq_kernel.                                                                    */
 /* ============================================================================================== */
 
 /* Dsum[(b*H + h)*T + t] = sum_e dO[b,h,t][e] * O[b,h,t][e], D/8 threads per row, 16-byte loads. */
@@ -2521,10 +2609,11 @@ constexpr size_t dkdv_smem_bytes() {
     return (size_t)(2 * KEYS + 4 * BMQ) * (D + 8) * sizeof(bf16) + 4 * BMQ * sizeof(float) + 2 * BMQ * sizeof(int32_t);
 }
 
-/* Document masks in dK/dV: the first query after key k's document, i.e. the first q > k whose document
- * starts after k (doc non-decreasing: a binary search; T when k's document runs to the end). */
-__device__ __forceinline__ int doc_query_end(const int32_t* __restrict__ d, int k, int T) {
-    int lo = k + 1, hi = T;
+/* Document masks in dK/dV: the first query row after key position k's document, i.e. the first row q
+ * from lo (the first row past position k) whose document starts after k (doc non-decreasing: a binary
+ * search; T when k's document runs to the end). */
+__device__ __forceinline__ int doc_query_end(const int32_t* __restrict__ d, int k, int lo, int T) {
+    int hi = T;
     while (lo < hi) {
         const int mid = (lo + hi) >> 1;
         if (d[mid] > k) hi = mid;
@@ -2533,23 +2622,37 @@ __device__ __forceinline__ int doc_query_end(const int32_t* __restrict__ d, int 
     return lo;
 }
 
+/* The backward's partial results (context parallelism's ring, section 9.5). dQ in MODE 2: dQ of this
+ * call's keys is added in fp32 to acc [B, H, Tq, D] packed (first: nothing there yet; last: the sum is
+ * rounded to bf16 into the dQ view instead). dK/dV in MODE 2: this call's dK (scaled) and dV are added
+ * to dk_in / dv_in (NULL: nothing yet) and written to dk_out / dv_out, fp32 [B, Hkv, Tk, D] packed,
+ * the buffers that travel around the ring to the keys' owner. */
+struct bwd_acc {
+    float* dq;
+    int first, last;
+    const float *dk_in, *dv_in;
+    float *dk_out, *dv_out;
+};
+
 /* One CTA per (b, kv head, tile of KEYS = 16*WARPS keys); warp w owns keys k0+16w .. k0+16w+15. Everything
  * is computed transposed (keys as rows), so each warp's dK and dV rows stay in its registers:
  *   S^T = K Q^T,  P^T = exp(scale*S^T - LSE[q]),  dV += P^T dO,
  *   dP^T = V dO^T,  dS^T = P^T * (dP^T - Dsum[q]),  dK += dS^T Q,   finally dK *= scale.
  * The loop runs over the H/Hkv query heads of this kv head, and for each over the query tiles of
- * BMQ rows from the one holding query k0 (earlier queries see none of these keys) to the end, or with
- * document masks (doc) to the tile holding the last query of the last key's document (later queries
- * see none of these keys either); a query sees key k iff doc[q] <= k <= q. */
-template <int D, int BMQ, int WARPS, bool DROP>
+ * BMQ rows from the one holding the first query at or after key k0's position (earlier queries see
+ * none of these keys) to the end, or with document masks (doc) to the tile holding the last query of
+ * the last key's document (later queries see none of these keys either); a query sees key k iff
+ * doc[q] <= pos(k) <= pos(q) (positions: section 9.1's geom). */
+template <int D, int BMQ, int WARPS, bool DROP, int MODE = 0>
 __global__ void __launch_bounds__(32 * WARPS)
     flash_bwd_dkdv_kernel(heads_view<bf16> dK, heads_view<bf16> dV, heads_view<const bf16> Q,
                           heads_view<const bf16> K, heads_view<const bf16> V, heads_view<const bf16> dO,
-                          const float* __restrict__ LSE, const float* __restrict__ Dsum, int H, int Hkv, int T,
+                          const float* __restrict__ LSE, const float* __restrict__ Dsum, int H, int Hkv, geom gm,
                           float scale, float* __restrict__ colsum, int64_t k_column, int64_t v_column,
-                          mt_dropout drop, const int32_t* __restrict__ doc) {
+                          mt_dropout drop, const int32_t* __restrict__ doc, bwd_acc acc) {
     constexpr int S = D + 8, NQ = BMQ / 8, DT = D / 8, NTH = 32 * WARPS, KEYS = 16 * WARPS;
     static_assert(BMQ % 16 == 0 && (D == 64 || D == 128), "tile shape");
+    constexpr bool POS = MODE != 0, ACC = MODE == 2;
 
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* sK = reinterpret_cast<bf16*>(smem);
@@ -2560,17 +2663,22 @@ __global__ void __launch_bounds__(32 * WARPS)
     float* sD = sL + 2 * BMQ;                                /* [2][BMQ] */
     int32_t* sDoc = reinterpret_cast<int32_t*>(sD + 2 * BMQ); /* [2][BMQ] */
 
+    const int Tq = gm.Tq, Tk = POS ? gm.Tk : gm.Tq;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int bkv = blockIdx.x, b = bkv / Hkv, hkv = bkv % Hkv;
     const int k0 = blockIdx.y * KEYS; /* low key tiles have the most work and launch first */
     const int qpg = H / Hkv;        /* query heads per kv head: heads hkv*qpg .. hkv*qpg+qpg-1 */
-    const int wk_first = k0 + warp * 16, wk_last = wk_first + 15;
+    const int wk_first = k0 + warp * 16;
+    const int koff = pos_of<POS>(gm.ks, k0) - k0; /* key row -> sequence position in this tile */
+    const int wkp_first = wk_first + koff, wkp_last = wkp_first + 15;
     const float c = scale * LOG2E;
 
-    const int32_t* docb = doc ? doc + (int64_t)b * T : NULL;
-    const int q_end = docb ? doc_query_end(docb, min(k0 + KEYS, T) - 1, T) : T; /* queries past it see no key here */
-    const int qt_first = k0 / BMQ;
+    const int32_t* docb = doc ? doc + (int64_t)b * Tq : NULL;
+    const int kp_last = pos_of<POS>(gm.ks, min(k0 + KEYS, Tk) - 1); /* the tile's last key's position */
+    const int q_lo = rows_below<POS>(gm.qs, Tq, kp_last + 1);    /* the first query row past it */
+    const int q_end = docb ? doc_query_end(docb, kp_last, q_lo, Tq) : Tq; /* queries past it see no key here */
+    const int qt_first = rows_below<POS>(gm.qs, Tq, k0 + koff) / BMQ;
     const int per_head = (q_end + BMQ - 1) / BMQ - qt_first; /* query tiles visited per head */
     const int n_it = qpg * per_head;
 
@@ -2579,18 +2687,20 @@ __global__ void __launch_bounds__(32 * WARPS)
         const int h = hkv * qpg + it / per_head;
         const int q0 = (qt_first + it % per_head) * BMQ;
         const size_t bh = (size_t)b * H + h;
-        load_tile<BMQ, D, NTH>(sQ + st * BMQ * S, Q.at(b, h, qpg), Q.row, q0, T);
-        load_tile<BMQ, D, NTH>(sdO + st * BMQ * S, dO.at(b, h, qpg), dO.row, q0, T);
-        load_vec<BMQ, NTH>(sL + st * BMQ, LSE + bh * T, q0, T);
-        load_vec<BMQ, NTH>(sD + st * BMQ, Dsum + bh * T, q0, T);
-        if (docb) /* 4-byte copies: the int32 starts travel as the floats do (0 past T) */
-            load_vec<BMQ, NTH>(reinterpret_cast<float*>(sDoc + st * BMQ), reinterpret_cast<const float*>(docb), q0, T);
+        load_tile<BMQ, D, NTH>(sQ + st * BMQ * S, Q.at(b, h, qpg), Q.row, q0, Tq);
+        load_tile<BMQ, D, NTH>(sdO + st * BMQ * S, dO.at(b, h, qpg), dO.row, q0, Tq);
+        load_vec<BMQ, NTH>(sL + st * BMQ, LSE + bh * Tq, q0, Tq);
+        load_vec<BMQ, NTH>(sD + st * BMQ, Dsum + bh * Tq, q0, Tq);
+        if (docb) /* 4-byte copies: the int32 starts travel as the floats do (0 past Tq) */
+            load_vec<BMQ, NTH>(reinterpret_cast<float*>(sDoc + st * BMQ), reinterpret_cast<const float*>(docb), q0, Tq);
     };
 
-    load_tile<KEYS, D, NTH>(sK, K.at(b, hkv, 1), K.row, k0, T);
-    load_tile<KEYS, D, NTH>(sV, V.at(b, hkv, 1), V.row, k0, T);
-    load_q_tiles(0, 0);
-    cp_async_commit();
+    if (!POS || n_it > 0) { /* else no query sees these keys: their gradient (contribution) is 0 */
+        load_tile<KEYS, D, NTH>(sK, K.at(b, hkv, 1), K.row, k0, Tk);
+        load_tile<KEYS, D, NTH>(sV, V.at(b, hkv, 1), V.row, k0, Tk);
+        load_q_tiles(0, 0);
+        cp_async_commit();
+    }
 
     float dk[1][DT][4], dv[1][DT][4]; /* this warp's 16 key rows: rows g and g+8, cols dt*8+2t+(0,1) */
 #pragma unroll
@@ -2601,6 +2711,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     for (int it = 0; it < n_it; it++) {
         const int st = it & 1;
         const int q0 = (qt_first + it % per_head) * BMQ;
+        const int qp0 = pos_of<POS>(gm.qs, q0); /* the tile's first query's position; its rows are consecutive */
         if (it + 1 < n_it) load_q_tiles(it + 1, st ^ 1);
         cp_async_commit();
         cp_async_wait<1>();
@@ -2612,10 +2723,10 @@ __global__ void __launch_bounds__(32 * WARPS)
         const float* sDs = sD + st * BMQ;
         const int32_t* sDocs = sDoc + st * BMQ;
         /* the tile's smallest and largest document start (its first row's and its last valid row's) */
-        const int tdoc_first = docb ? docb[q0] : 0, tdoc_last = docb ? docb[min(q0 + BMQ, T) - 1] : 0;
+        const int tdoc_first = docb ? docb[q0] : 0, tdoc_last = docb ? docb[min(q0 + BMQ, Tq) - 1] : 0;
 
         /* else all of this warp's keys come after every query here, or before all their documents */
-        if (wk_first <= q0 + BMQ - 1 && wk_last >= tdoc_first) {
+        if (wkp_first <= qp0 + BMQ - 1 && wkp_last >= tdoc_first) {
             /* S^T = K Q^T: p[0][nq] holds keys (g, g+8) x queries q0+nq*8+2t+(0,1) */
             float p[1][NQ][4];
 #pragma unroll
@@ -2623,15 +2734,15 @@ __global__ void __launch_bounds__(32 * WARPS)
             gemm_abt<1, BMQ, D>(p, sK, warp * 16, sQs, lane);
 
             /* P^T = 2^(S^T*c - LSE*log2e), zero where key > query or before the query's document */
-            const bool need_mask = wk_last > q0, need_doc = wk_first < tdoc_last;
+            const bool need_mask = wkp_last > qp0, need_doc = wkp_first < tdoc_last;
 #pragma unroll
             for (int nq = 0; nq < NQ; nq++)
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     const int qi = nq * 8 + 2 * t + (j & 1);
-                    const int key = wk_first + g + (j >> 1) * 8;
+                    const int key = wkp_first + g + (j >> 1) * 8;
                     float v = exp2_approx(fmaf(p[0][nq][j], c, -sLs[qi] * LOG2E));
-                    p[0][nq][j] = ((need_mask && key > q0 + qi) || (need_doc && key < sDocs[qi])) ? 0.0f : v;
+                    p[0][nq][j] = ((need_mask && key > qp0 + qi) || (need_doc && key < sDocs[qi])) ? 0.0f : v;
                 }
 
             /* attention dropout: the forward's mask of this tile, one bit per element (bit nq*4 + j);
@@ -2643,8 +2754,9 @@ __global__ void __launch_bounds__(32 * WARPS)
                 for (int nq = 0; nq < NQ; nq++)
 #pragma unroll
                     for (int j = 0; j < 4; j++) {
-                        const int query = q0 + nq * 8 + 2 * t + (j & 1), key = wk_first + g + (j >> 1) * 8;
-                        const uint64_t bits = dropout_bits(drop.key, dropout_attention_counter(drop, b, h, query, key, T));
+                        const int query = qp0 + nq * 8 + 2 * t + (j & 1), key = wkp_first + g + (j >> 1) * 8;
+                        const uint64_t bits =
+                            dropout_bits(drop.key, dropout_attention_counter(drop, b, h, query, key, gm.seq));
                         keep |= (uint32_t)dropout_keeps(drop, bits, key) << (nq * 4 + j);
                     }
                 gemm_pb<1, BMQ, D, true>(dv, p, sdOs, lane, keep, drop.scale);
@@ -2675,32 +2787,50 @@ __global__ void __launch_bounds__(32 * WARPS)
         __syncthreads(); /* this stage is free to be refilled */
     }
 
-    /* epilogue: rows past T are not stored */
+    /* epilogue: rows past Tk are not stored */
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int key = wk_first + g + r * 8;
-        if (key < T) {
-            bf16* dk_row = dK.at(b, hkv, 1) + (int64_t)key * dK.row;
-            bf16* dv_row = dV.at(b, hkv, 1) + (int64_t)key * dV.row;
+        if (key < Tk) {
+            if constexpr (ACC) {
+                const size_t off = (((size_t)b * Hkv + hkv) * Tk + key) * D;
 #pragma unroll
-            for (int dt = 0; dt < DT; dt++) {
-                *reinterpret_cast<uint32_t*>(dk_row + dt * 8 + 2 * t) =
-                    pack_bf16(dk[0][dt][2 * r] * scale, dk[0][dt][2 * r + 1] * scale);
-                *reinterpret_cast<uint32_t*>(dv_row + dt * 8 + 2 * t) =
-                    pack_bf16(dv[0][dt][2 * r], dv[0][dt][2 * r + 1]);
+                for (int dt = 0; dt < DT; dt++) {
+                    const int e = dt * 8 + 2 * t;
+                    float2 k2 = make_float2(dk[0][dt][2 * r] * scale, dk[0][dt][2 * r + 1] * scale);
+                    float2 v2 = make_float2(dv[0][dt][2 * r], dv[0][dt][2 * r + 1]);
+                    if (acc.dk_in) {
+                        const float2 a = *reinterpret_cast<const float2*>(acc.dk_in + off + e);
+                        const float2 w = *reinterpret_cast<const float2*>(acc.dv_in + off + e);
+                        k2 = make_float2(a.x + k2.x, a.y + k2.y);
+                        v2 = make_float2(w.x + v2.x, w.y + v2.y);
+                    }
+                    *reinterpret_cast<float2*>(acc.dk_out + off + e) = k2;
+                    *reinterpret_cast<float2*>(acc.dv_out + off + e) = v2;
+                }
+            } else {
+                bf16* dk_row = dK.at(b, hkv, 1) + (int64_t)key * dK.row;
+                bf16* dv_row = dV.at(b, hkv, 1) + (int64_t)key * dV.row;
+#pragma unroll
+                for (int dt = 0; dt < DT; dt++) {
+                    *reinterpret_cast<uint32_t*>(dk_row + dt * 8 + 2 * t) =
+                        pack_bf16(dk[0][dt][2 * r] * scale, dk[0][dt][2 * r + 1] * scale);
+                    *reinterpret_cast<uint32_t*>(dv_row + dt * 8 + 2 * t) =
+                        pack_bf16(dv[0][dt][2 * r], dv[0][dt][2 * r + 1]);
+                }
             }
         }
     }
     /* with colsum: this tile's column sums of dK and dV, chunk (b, key tile); k_column and v_column
      * are where dK's and dV's heads start in the rows (the loop's last barrier freed shared memory) */
-    if (colsum) {
+    if (!ACC && colsum) {
         float* red = reinterpret_cast<float*>(smem);
         const int64_t chunk = (int64_t)b * gridDim.y + blockIdx.y;
-        tile_column_sums<D, WARPS, 1>(colsum, dK.row, chunk, k_column + dK.column(hkv, 1), dk, scale, k0 + warp * 16, T,
-                                      red);
+        tile_column_sums<D, WARPS, 1>(colsum, dK.row, chunk, k_column + dK.column(hkv, 1), dk, scale, k0 + warp * 16,
+                                      Tk, red);
         __syncthreads();
-        tile_column_sums<D, WARPS, 1>(colsum, dV.row, chunk, v_column + dV.column(hkv, 1), dv, 1.0f, k0 + warp * 16, T,
-                                      red);
+        tile_column_sums<D, WARPS, 1>(colsum, dV.row, chunk, v_column + dV.column(hkv, 1), dv, 1.0f, k0 + warp * 16,
+                                      Tk, red);
     }
 }
 
@@ -2713,15 +2843,16 @@ constexpr size_t dq_smem_bytes() {
 /* One CTA per (b, h, tile of BM query rows), warps own 16*MT rows, loop over key tiles as in the
  * forward:  S = Q K^T,  P = exp(scale*S - LSE),  dP = dO V^T,  dS = P * (dP - Dsum),  dQ += dS K;
  * finally dQ *= scale. */
-template <int D, int BM, int WARPS, bool DROP>
+template <int D, int BM, int WARPS, bool DROP, int MODE = 0>
 __global__ void __launch_bounds__(32 * WARPS)
     flash_bwd_dq_kernel(heads_view<bf16> dQ, heads_view<const bf16> Q, heads_view<const bf16> K,
                         heads_view<const bf16> V, heads_view<const bf16> dO, const float* __restrict__ LSE,
-                        const float* __restrict__ Dsum, int H, int Hkv, int T, float scale,
-                        float* __restrict__ colsum, mt_dropout drop, const int32_t* __restrict__ doc) {
+                        const float* __restrict__ Dsum, int H, int Hkv, geom gm, float scale,
+                        float* __restrict__ colsum, mt_dropout drop, const int32_t* __restrict__ doc, bwd_acc acc) {
     constexpr int NTH = 32 * WARPS, MT = BM / (16 * WARPS);
     constexpr int S = D + 8, NT = BN / 8, DT = D / 8;
     static_assert(BM % (16 * WARPS) == 0 && (D == 64 || D == 128), "tile shape");
+    constexpr bool POS = MODE != 0, ACC = MODE == 2;
 
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* sQ = reinterpret_cast<bf16*>(smem);
@@ -2729,6 +2860,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     bf16* sK = sdO + BM * S; /* [2][BN][S] */
     bf16* sV = sK + 2 * BN * S;
 
+    const int Tq = gm.Tq, Tk = POS ? gm.Tk : gm.Tq;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int bh = blockIdx.x, b = bh / H, h = bh % H;
@@ -2736,18 +2868,24 @@ __global__ void __launch_bounds__(32 * WARPS)
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;
     const int wrow = warp * 16 * MT;
     const int wq_first = q0 + wrow, wq_last = wq_first + 16 * MT - 1;
+    const int qoff = pos_of<POS>(gm.qs, q0) - q0; /* row -> sequence position in this tile */
+    const int wp_first = wq_first + qoff, wp_last = wq_last + qoff;
     const bf16* Kh = K.at(b, hkv, 1);
     const bf16* Vh = V.at(b, hkv, 1);
     const float c = scale * LOG2E;
-    const int n_kt = (min(q0 + BM, T) - 1) / BN + 1;
-    const doc_rows<MT> dr(doc, b, T, q0, wq_first, wq_last, g);
-    const int kt0 = dr.tile_first / BN; /* key tiles before every row's document: skipped */
+    const int n_kt = (rows_below<POS>(gm.ks, Tk, pos_of<POS>(gm.qs, min(q0 + BM, Tq) - 1) + 1) + BN - 1) / BN;
+    const doc_rows<MT> dr(doc, b, Tq, q0, wq_first, wq_last, g);
+    const int kt0 = rows_below<POS>(gm.ks, Tk, dr.tile_first) / BN; /* key tiles before every row's document: skipped */
+    /* an accumulating step whose block no row of this tile sees leaves the running dQ as it is */
+    if (ACC && !acc.first && !acc.last && kt0 >= n_kt) return;
 
-    load_tile<BM, D, NTH>(sQ, Q.at(b, h, qpg), Q.row, q0, T);
-    load_tile<BM, D, NTH>(sdO, dO.at(b, h, qpg), dO.row, q0, T);
-    load_tile<BN, D, NTH>(sK + (kt0 & 1) * BN * (D + 8), Kh, K.row, kt0 * BN, T);
-    load_tile<BN, D, NTH>(sV + (kt0 & 1) * BN * (D + 8), Vh, V.row, kt0 * BN, T);
-    cp_async_commit();
+    if (!POS || kt0 < n_kt) { /* else no key here is visible to these rows: their dQ (contribution) is 0 */
+        load_tile<BM, D, NTH>(sQ, Q.at(b, h, qpg), Q.row, q0, Tq);
+        load_tile<BM, D, NTH>(sdO, dO.at(b, h, qpg), dO.row, q0, Tq);
+        load_tile<BN, D, NTH>(sK + (kt0 & 1) * BN * (D + 8), Kh, K.row, kt0 * BN, Tk);
+        load_tile<BN, D, NTH>(sV + (kt0 & 1) * BN * (D + 8), Vh, V.row, kt0 * BN, Tk);
+        cp_async_commit();
+    }
 
     /* per-row constants of this thread's rows (g, g+8 of each m16 block); padded rows get 0 */
     float lse2[MT][2], dsum[MT][2];
@@ -2756,8 +2894,8 @@ __global__ void __launch_bounds__(32 * WARPS)
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const int row = wq_first + mt * 16 + g + r * 8;
-            lse2[mt][r] = row < T ? LSE[(size_t)bh * T + row] * LOG2E : 0.0f;
-            dsum[mt][r] = row < T ? Dsum[(size_t)bh * T + row] : 0.0f;
+            lse2[mt][r] = row < Tq ? LSE[(size_t)bh * Tq + row] * LOG2E : 0.0f;
+            dsum[mt][r] = row < Tq ? Dsum[(size_t)bh * Tq + row] : 0.0f;
         }
 
     float dq[MT][DT][4];
@@ -2768,10 +2906,11 @@ __global__ void __launch_bounds__(32 * WARPS)
 
     for (int kt = kt0; kt < n_kt; kt++) {
         const int k0 = kt * BN;
+        const int kp0 = pos_of<POS>(gm.ks, k0); /* the tile's first key's position; its keys are consecutive */
         const bf16 *sKs, *sVs;
-        kv_stage_step<D, NTH>(sK, sV, Kh, Vh, K.row, V.row, kt, n_kt, T, &sKs, &sVs);
+        kv_stage_step<D, NTH>(sK, sV, Kh, Vh, K.row, V.row, kt, n_kt, Tk, &sKs, &sVs);
 
-        if (k0 <= wq_last && k0 + BN - 1 >= dr.warp_first) {
+        if (kp0 <= wp_last && kp0 + BN - 1 >= dr.warp_first) {
             /* S = Q K^T */
             float p[MT][NT][4];
 #pragma unroll
@@ -2781,15 +2920,15 @@ __global__ void __launch_bounds__(32 * WARPS)
             gemm_abt<MT, BN, D>(p, sQ, wrow, sKs, lane);
 
             /* P = 2^(S*c - LSE*log2e), zero where key > query or before the query's document */
-            const bool need_mask = k0 + BN - 1 > wq_first || k0 < dr.warp_last;
+            const bool need_mask = kp0 + BN - 1 > wp_first || kp0 < dr.warp_last;
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                     for (int j = 0; j < 4; j++) {
-                        const int row = wq_first + mt * 16 + g + (j >> 1) * 8;
-                        const int key = k0 + nt * 8 + 2 * t + (j & 1);
+                        const int row = wp_first + mt * 16 + g + (j >> 1) * 8;
+                        const int key = kp0 + nt * 8 + 2 * t + (j & 1);
                         float v = exp2_approx(fmaf(p[mt][nt][j], c, -lse2[mt][j >> 1]));
                         p[mt][nt][j] = (need_mask && (key > row || key < dr.row[mt][j >> 1])) ? 0.0f : v;
                     }
@@ -2803,7 +2942,7 @@ __global__ void __launch_bounds__(32 * WARPS)
             gemm_abt<MT, BN, D>(ds, sdO, wrow, sVs, lane);
 
             /* attention dropout: the gradient reaching P is dropout(dP_d), the forward's mask */
-            if constexpr (DROP) dropout_rows_tile<MT, NT>(ds, drop, b, h, wq_first, k0, T, g, t);
+            if constexpr (DROP) dropout_rows_tile<MT, NT>(ds, drop, b, h, wp_first, kp0, gm.seq, g, t);
 
             /* dS = P * (dP - Dsum[row]) */
 #pragma unroll
@@ -2824,24 +2963,39 @@ __global__ void __launch_bounds__(32 * WARPS)
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const int row = wq_first + mt * 16 + g + r * 8;
-            if (row < T) {
+            if (row < Tq) {
                 bf16* drow = dQ.at(b, h, qpg) + (int64_t)row * dQ.row;
+                if constexpr (ACC) {
+                    float* arow = acc.dq + ((size_t)bh * Tq + row) * D;
 #pragma unroll
-                for (int dt = 0; dt < DT; dt++)
-                    *reinterpret_cast<uint32_t*>(drow + dt * 8 + 2 * t) =
-                        pack_bf16(dq[mt][dt][2 * r] * scale, dq[mt][dt][2 * r + 1] * scale);
+                    for (int dt = 0; dt < DT; dt++) {
+                        float2 v = make_float2(dq[mt][dt][2 * r] * scale, dq[mt][dt][2 * r + 1] * scale);
+                        if (!acc.first) {
+                            const float2 a = *reinterpret_cast<const float2*>(arow + dt * 8 + 2 * t);
+                            v = make_float2(a.x + v.x, a.y + v.y);
+                        }
+                        if (acc.last) *reinterpret_cast<uint32_t*>(drow + dt * 8 + 2 * t) = pack_bf16(v.x, v.y);
+                        else *reinterpret_cast<float2*>(arow + dt * 8 + 2 * t) = v;
+                    }
+                } else {
+#pragma unroll
+                    for (int dt = 0; dt < DT; dt++)
+                        *reinterpret_cast<uint32_t*>(drow + dt * 8 + 2 * t) =
+                            pack_bf16(dq[mt][dt][2 * r] * scale, dq[mt][dt][2 * r + 1] * scale);
+                }
             }
         }
     /* with colsum: this tile's column sums of dQ, chunk (b, query tile) (dQ's rows start at dQ.p) */
-    if (colsum)
+    if (!ACC && colsum)
         tile_column_sums<D, WARPS, MT>(colsum, dQ.row, (int64_t)b * gridDim.y + q0 / BM, dQ.column(h, qpg), dq, scale,
-                                       wq_first, T, reinterpret_cast<float*>(smem));
+                                       wq_first, Tq, reinterpret_cast<float*>(smem));
 }
 
 /* ============================================================================================== */
 /* 9.4 Host launchers                                                                             */
-/*    defines: fa::forward_tiles / backward_tiles (the lab's), attn_view,                         */
-/*    flash_attention_forward, flash_attention_backward, flash_colsum_chunks.                     */
+/*    defines: fa::forward_tiles / backward_tiles (the lab's), fa::geom_ok, attn_view,            */
+/*    flash_attention_forward, flash_attention_backward, flash_colsum_chunks,                     */
+/*    flash_attention_forward_span, flash_attention_backward_span.                                */
 /* ============================================================================================== */
 
 /* Tile choices (rows of queries per CTA, warps per CTA). The forward keeps Q fragments in registers,
@@ -2875,19 +3029,63 @@ static bool shape_ok(int B, int H, int Hkv, int T, int d) {
            (T + 63) / 64 <= 65535;
 }
 
-/* Launchers for any tile choice (the lab compares them); forward_d / backward_d use Tiles<D>. */
-template <int D, int BM, int WARPS, bool DROP = false>
+/* Launchers for any tile choice (the lab compares them); forward_d / backward_d use Tiles<D>. gm: the
+ * rows' geometry (section 9.1; NULL: plain causal attention over T rows), checked by the caller. */
+template <int D, int BM, int WARPS, bool DROP = false, int MODE = 0>
 static cudaError_t forward_tiles(heads_view<bf16> O, float* LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
                                  heads_view<const bf16> V, int B, int H, int Hkv, int T, cudaStream_t st,
-                                 const mt_dropout& drop = mt_dropout(), const int32_t* doc = NULL) {
+                                 const mt_dropout& drop = mt_dropout(), const int32_t* doc = NULL,
+                                 const geom* gm = NULL, fwd_merge mo = fwd_merge()) {
     static bool ready = false;
-    cudaError_t e = set_smem_limit(flash_fwd_kernel<D, BM, WARPS, DROP>, fwd_smem_bytes<D, BM>(), &ready);
+    cudaError_t e = set_smem_limit(flash_fwd_kernel<D, BM, WARPS, DROP, MODE>, fwd_smem_bytes<D, BM>(), &ready);
     if (e != cudaSuccess) return e;
-    dim3 grid(B * H, (T + BM - 1) / BM);
-    flash_fwd_kernel<D, BM, WARPS, DROP><<<grid, 32 * WARPS, fwd_smem_bytes<D, BM>(), st>>>(O, LSE, Q, K, V, H, Hkv, T,
-                                                                                          1.0f / sqrtf((float)D), drop,
-                                                                                          doc);
+    const geom g = gm ? *gm : plain_geom(T);
+    dim3 grid(B * H, (g.Tq + BM - 1) / BM);
+    flash_fwd_kernel<D, BM, WARPS, DROP, MODE><<<grid, 32 * WARPS, fwd_smem_bytes<D, BM>(), st>>>(
+        O, LSE, Q, K, V, H, Hkv, g, 1.0f / sqrtf((float)D), drop, doc, mo);
     return cudaGetLastError();
+}
+
+/* Dsum = rowsum(dO * O) over the Tq query rows [B, H, Tq]. */
+template <int D>
+static cudaError_t backward_dot(float* Dsum, heads_view<const bf16> dO, heads_view<const bf16> O, int B, int H, int Hkv,
+                                int Tq, cudaStream_t st) {
+    const size_t rows = (size_t)B * H * Tq;
+    flash_bwd_dot_kernel<D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, st>>>(Dsum, dO, O, H, H / Hkv, Tq,
+                                                                                      rows);
+    return cudaGetLastError();
+}
+
+/* The dK/dV kernel (which & 1) and the dQ kernel (which & 2), in that order, from a computed Dsum. */
+template <int D, int BMQ, int KV_WARPS, int BM, int Q_WARPS, bool DROP = false, int MODE = 0>
+static cudaError_t backward_kernels(int which, heads_view<bf16> dQ, heads_view<bf16> dK, heads_view<bf16> dV,
+                                    const float* Dsum, heads_view<const bf16> dO, heads_view<const bf16> Q,
+                                    heads_view<const bf16> K, heads_view<const bf16> V, const float* LSE, int B, int H,
+                                    int Hkv, const geom& g, cudaStream_t st, float* colsum, const mt_dropout& drop,
+                                    const int32_t* doc, bwd_acc acc = bwd_acc()) {
+    constexpr int KEYS = 16 * KV_WARPS;
+    /* one chunk of column sums per (b, 64-row tile) in both kernels */
+    if (colsum && (KEYS != COLSUM_TILE || BM != COLSUM_TILE || MODE == 2)) return cudaErrorInvalidValue;
+    static bool ready_kv = false, ready_q = false;
+    const float scale = 1.0f / sqrtf((float)D);
+    cudaError_t e =
+        set_smem_limit(flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS, DROP, MODE>, dkdv_smem_bytes<D, BMQ, KEYS>(), &ready_kv);
+    if (e == cudaSuccess)
+        e = set_smem_limit(flash_bwd_dq_kernel<D, BM, Q_WARPS, DROP, MODE>, dq_smem_bytes<D, BM>(), &ready_q);
+    if (e != cudaSuccess) return e;
+    if (which & 1) {
+        dim3 grid_kv(B * Hkv, (g.Tk + KEYS - 1) / KEYS);
+        flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS, DROP, MODE><<<grid_kv, 32 * KV_WARPS, dkdv_smem_bytes<D, BMQ, KEYS>(), st>>>(
+            dK, dV, Q, K, V, dO, LSE, Dsum, H, Hkv, g, scale, colsum, dK.p - dQ.p, dV.p - dQ.p, drop, doc, acc);
+        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+    if (which & 2) {
+        dim3 grid_q(B * H, (g.Tq + BM - 1) / BM);
+        flash_bwd_dq_kernel<D, BM, Q_WARPS, DROP, MODE><<<grid_q, 32 * Q_WARPS, dq_smem_bytes<D, BM>(), st>>>(
+            dQ, Q, K, V, dO, LSE, Dsum, H, Hkv, g, scale, colsum, drop, doc, acc);
+        e = cudaGetLastError();
+    }
+    return e;
 }
 
 template <int D, int BMQ, int KV_WARPS, int BM, int Q_WARPS, bool DROP = false>
@@ -2895,38 +3093,28 @@ static cudaError_t backward_tiles(heads_view<bf16> dQ, heads_view<bf16> dK, head
                                   heads_view<const bf16> dO, heads_view<const bf16> Q, heads_view<const bf16> K,
                                   heads_view<const bf16> V, heads_view<const bf16> O, const float* LSE, int B, int H,
                                   int Hkv, int T, cudaStream_t st, float* colsum = NULL,
-                                  const mt_dropout& drop = mt_dropout(), const int32_t* doc = NULL) {
-    constexpr int KEYS = 16 * KV_WARPS;
-    /* one chunk of column sums per (b, 64-row tile) in both kernels */
-    if (colsum && (KEYS != COLSUM_TILE || BM != COLSUM_TILE)) return cudaErrorInvalidValue;
-    static bool ready_kv = false, ready_q = false;
-    const float scale = 1.0f / sqrtf((float)D);
-    cudaError_t e =
-        set_smem_limit(flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS, DROP>, dkdv_smem_bytes<D, BMQ, KEYS>(), &ready_kv);
-    if (e == cudaSuccess) e = set_smem_limit(flash_bwd_dq_kernel<D, BM, Q_WARPS, DROP>, dq_smem_bytes<D, BM>(), &ready_q);
+                                  const mt_dropout& drop = mt_dropout(), const int32_t* doc = NULL,
+                                  const geom* gm = NULL) {
+    const geom g = gm ? *gm : plain_geom(T);
+    cudaError_t e = backward_dot<D>(Dsum, dO, O, B, H, Hkv, g.Tq, st);
     if (e != cudaSuccess) return e;
-    const size_t rows = (size_t)B * H * T;
-    flash_bwd_dot_kernel<D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, st>>>(Dsum, dO, O, H, H / Hkv, T,
-                                                                                      rows);
-    if ((e = cudaGetLastError()) != cudaSuccess) return e;
-    dim3 grid_kv(B * Hkv, (T + KEYS - 1) / KEYS);
-    flash_bwd_dkdv_kernel<D, BMQ, KV_WARPS, DROP><<<grid_kv, 32 * KV_WARPS, dkdv_smem_bytes<D, BMQ, KEYS>(), st>>>(
-        dK, dV, Q, K, V, dO, LSE, Dsum, H, Hkv, T, scale, colsum, dK.p - dQ.p, dV.p - dQ.p, drop, doc);
-    if ((e = cudaGetLastError()) != cudaSuccess) return e;
-    dim3 grid_q(B * H, (T + BM - 1) / BM);
-    flash_bwd_dq_kernel<D, BM, Q_WARPS, DROP><<<grid_q, 32 * Q_WARPS, dq_smem_bytes<D, BM>(), st>>>(
-        dQ, Q, K, V, dO, LSE, Dsum, H, Hkv, T, scale, colsum, drop, doc);
-    return cudaGetLastError();
+    if (gm) /* slices (MODE 1) */
+        return backward_kernels<D, BMQ, KV_WARPS, BM, Q_WARPS, DROP, 1>(3, dQ, dK, dV, Dsum, dO, Q, K, V, LSE, B, H, Hkv,
+                                                                         g, st, colsum, drop, doc);
+    return backward_kernels<D, BMQ, KV_WARPS, BM, Q_WARPS, DROP>(3, dQ, dK, dV, Dsum, dO, Q, K, V, LSE, B, H, Hkv, g,
+                                                                  st, colsum, drop, doc);
 }
 
-template <int D>
+template <int D, int MODE = 0>
 static cudaError_t forward_d(heads_view<bf16> O, float* LSE, heads_view<const bf16> Q, heads_view<const bf16> K,
                              heads_view<const bf16> V, int B, int H, int Hkv, int T, cudaStream_t st,
-                             const mt_dropout& drop, const int32_t* doc) {
+                             const mt_dropout& drop, const int32_t* doc, const geom* gm = NULL,
+                             fwd_merge mo = fwd_merge()) {
     if (drop.on)
-        return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS, true>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop,
-                                                                             doc);
-    return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop, doc);
+        return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS, true, MODE>(O, LSE, Q, K, V, B, H, Hkv, T, st,
+                                                                                   drop, doc, gm, mo);
+    return forward_tiles<D, Tiles<D>::FWD_BM, Tiles<D>::FWD_WARPS, false, MODE>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop,
+                                                                                doc, gm, mo);
 }
 
 template <int D>
@@ -2934,12 +3122,46 @@ static cudaError_t backward_d(heads_view<bf16> dQ, heads_view<bf16> dK, heads_vi
                               heads_view<const bf16> dO, heads_view<const bf16> Q, heads_view<const bf16> K,
                               heads_view<const bf16> V, heads_view<const bf16> O, const float* LSE, int B, int H,
                               int Hkv, int T, cudaStream_t st, float* colsum, const mt_dropout& drop,
-                              const int32_t* doc) {
+                              const int32_t* doc, const geom* gm = NULL) {
     if (drop.on)
         return backward_tiles<D, Tiles<D>::DKDV_BMQ, Tiles<D>::DKDV_WARPS, Tiles<D>::DQ_BM, Tiles<D>::DQ_WARPS, true>(
-            dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop, doc);
+            dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop, doc, gm);
     return backward_tiles<D, Tiles<D>::DKDV_BMQ, Tiles<D>::DKDV_WARPS, Tiles<D>::DQ_BM, Tiles<D>::DQ_WARPS>(
-        dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop, doc);
+        dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop, doc, gm);
+}
+
+/* The ring's per-block backward (section 9.5): Dsum computed once, partial results in bwd_acc. */
+template <int D>
+static cudaError_t backward_block_d(int which, heads_view<bf16> dQ, heads_view<const bf16> dO, heads_view<const bf16> Q,
+                                    heads_view<const bf16> K, heads_view<const bf16> V, const float* LSE,
+                                    const float* Dsum, int B, int H, int Hkv, const geom& g, cudaStream_t st,
+                                    const mt_dropout& drop, const int32_t* doc, bwd_acc acc) {
+    const heads_view<bf16> none = {NULL, 0, 0, 0, 0}; /* dK, dV go to acc's fp32 buffers */
+    if (drop.on)
+        return backward_kernels<D, Tiles<D>::DKDV_BMQ, Tiles<D>::DKDV_WARPS, Tiles<D>::DQ_BM, Tiles<D>::DQ_WARPS, true,
+                                2>(which, dQ, none, none, Dsum, dO, Q, K, V, LSE, B, H, Hkv, g, st, NULL, drop, doc,
+                                      acc);
+    return backward_kernels<D, Tiles<D>::DKDV_BMQ, Tiles<D>::DKDV_WARPS, Tiles<D>::DQ_BM, Tiles<D>::DQ_WARPS, false,
+                            2>(which, dQ, none, none, Dsum, dO, Q, K, V, LSE, B, H, Hkv, g, st, NULL, drop, doc, acc);
+}
+
+/* Rows of whole tiles: a span's chunks and its slices hold multiples of this many rows (the largest
+ * query tile of head dim d; key tiles are 64). */
+static int span_tile_rows(int d) { return d == 64 ? Tiles<64>::FWD_BM : Tiles<128>::FWD_BM; }
+
+/* A geometry the kernels take: the plain one, or slices of whole tiles whose positions grow with the
+ * row and lie inside the sequence (int64 sums: no overflow on hostile values). */
+static bool geom_ok(const geom& g, int d) {
+    if (g.Tq == g.Tk && g.qs.len == 0 && g.ks.len == 0 && g.seq == g.Tq) return true; /* shape_ok checks T */
+    const int64_t tile = span_tile_rows(d);
+    auto slice_ok = [&](const mt_seq_span& s, int T) {
+        if (T < tile || T % tile != 0 || (T + 63) / 64 > 65535) return false;
+        if (s.len == 0) return T <= g.seq;
+        return (int64_t)T == 2 * (int64_t)s.len && s.start[0] >= 0 && s.start[0] % tile == 0 &&
+               s.start[1] % tile == 0 && (int64_t)s.start[0] + s.len <= s.start[1] &&
+               (int64_t)s.start[1] + s.len <= g.seq;
+    };
+    return g.seq >= 1 && slice_ok(g.qs, g.Tq) && slice_ok(g.ks, g.Tk);
 }
 
 } // namespace fa
@@ -2999,6 +3221,339 @@ static cudaError_t flash_attention_backward(attn_view dQ, attn_view dK, attn_vie
     if (!ok) return cudaErrorInvalidValue;
     return d == 64 ? fa::backward_d<64>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop, doc)
                    : fa::backward_d<128>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, st, colsum, drop, doc);
+}
+
+/* Attention of Tq query rows against Tk key rows that are slices of one sequence (context parallelism):
+ * q_span / kv_span say where the rows sit (section 7's mt_seq_span; len 0: positions 0, 1, ...), seq is
+ * the whole sequence's length (attention dropout's masks are those of the seq x seq matrix, so a slice
+ * draws exactly the whole sequence's bits); key k is visible to query q iff pos(k) <= pos(q) (and with
+ * doc [B, Tq], given per query row as a sequence position, doc[q] <= pos(k)); key tiles wholly masked
+ * are skipped. Slices must hold whole tiles (Tq, Tk and the spans' len and starts multiples of
+ * fa::span_tile_rows(d): 128 rows for d = 64, 64 for d = 128), else cudaErrorInvalidValue. E.g.
+ * --cp-comm-type all_gather: the local two chunks (Tq = S/CP) against the whole gathered sequence (Tk
+ * = S, kv_span len 0); dK, dV are then this rank's partial gradients of all S keys (bf16), which the
+ * caller reduce-scatters. A query row that sees no key gets O = 0, LSE = -inf. LSE, Dsum [B, H, Tq]. */
+[[maybe_unused]]
+static cudaError_t flash_attention_forward_span(attn_view O, float* LSE, attn_cview Q, attn_cview K, attn_cview V,
+                                                int B, int H, int Hkv, int Tq, int Tk, mt_seq_span q_span,
+                                                mt_seq_span kv_span, int seq, int d, cudaStream_t st,
+                                                const mt_dropout& drop = mt_dropout(), const int32_t* doc = NULL) {
+    const fa::geom g = {Tq, Tk, q_span, kv_span, seq};
+    if (!fa::shape_ok(B, H, Hkv, Tq, d) || !fa::shape_ok(B, H, Hkv, Tk, d) || !fa::geom_ok(g, d) || !fa::view_ok(O) ||
+        !fa::view_ok(Q) || !fa::view_ok(K) || !fa::view_ok(V))
+        return cudaErrorInvalidValue;
+    return d == 64 ? fa::forward_d<64, 1>(O, LSE, Q, K, V, B, H, Hkv, Tq, st, drop, doc, &g)
+                   : fa::forward_d<128, 1>(O, LSE, Q, K, V, B, H, Hkv, Tq, st, drop, doc, &g);
+}
+[[maybe_unused]]
+static cudaError_t flash_attention_backward_span(attn_view dQ, attn_view dK, attn_view dV, float* Dsum, attn_cview dO,
+                                                 attn_cview Q, attn_cview K, attn_cview V, attn_cview O,
+                                                 const float* LSE, int B, int H, int Hkv, int Tq, int Tk,
+                                                 mt_seq_span q_span, mt_seq_span kv_span, int seq, int d,
+                                                 cudaStream_t st, const mt_dropout& drop = mt_dropout(),
+                                                 const int32_t* doc = NULL) {
+    const fa::geom g = {Tq, Tk, q_span, kv_span, seq};
+    attn_cview views[] = {cview(dQ), cview(dK), cview(dV), dO, Q, K, V, O};
+    bool ok = fa::shape_ok(B, H, Hkv, Tq, d) && fa::shape_ok(B, H, Hkv, Tk, d) && fa::geom_ok(g, d);
+    for (const attn_cview& v : views) ok = ok && fa::view_ok(v);
+    if (!ok) return cudaErrorInvalidValue;
+    return d == 64 ? fa::backward_d<64>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, Tq, st, NULL, drop, doc, &g)
+                   : fa::backward_d<128>(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, Tq, st, NULL, drop, doc, &g);
+}
+
+/* ============================================================================================== */
+/* 9.5 Context-parallel ring attention                                                            */
+/*    --cp-comm-type p2p, as Transformer Engine's context-parallel attention does it: the S       */
+/*    tokens are cut into 2*CP chunks of C = S/(2CP) rows and CP rank r holds chunks r and        */
+/*    2CP-1-r (its T = 2C local rows, cp_chunk_span), so every rank has the same causal work.     */
+/*    K/V blocks travel around the ring (rank r sends to r+1 and receives from r-1; ring step i   */
+/*    works on rank (r-i)'s block) on a second stream while the flash kernels work on the block   */
+/*    in hand (two buffers, events between the streams). Against its own block a rank's work is   */
+/*    causal; against an earlier rank's block (j < r) all its queries see the block's first       */
+/*    chunk only; against a later one (j > r) only its second chunk sees anything: the kernels'   */
+/*    tile skipping makes those steps cost half (section 9.1's positions).                        */
+/*    Forward: each step's O_blk, LSE_blk merged by log-sum-exp into the running (O, LSE), O in   */
+/*    an fp32 accumulator, rounded to bf16 once by the last step (the forward kernel's MERGE      */
+/*    epilogue). Backward with the final O and LSE (Dsum = rowsum(dO*O) once): dQ accumulates     */
+/*    over the steps in fp32 (rounded once by the last step); the dK/dV of the block in hand are  */
+/*    added, in fp32, to the partial sums that arrived with it and the sums travel on with it:   */
+/*    after CP steps they have seen every rank's queries and one more hop takes them home, where  */
+/*    they are rounded to bf16. fp32 for the travelling sums: bf16 would round CP-1 times more   */
+/*    than one GPU's kernel does (its sums stay in fp32 registers), and the transfer is as fast   */
+/*    next to the step's work. Fixed ring order everywhere: deterministic.                        */
+/*    Dropout masks are drawn by global (sample, head, query, key) positions (section 9.1), the   */
+/*    masks of CP = 1. The QKV bias column sums (flash_attention_backward's colsum) are not       */
+/*    taken here: the caller sums the columns.                                                    */
+/*    defines: mt_cp_ring, cp_ring_create, cp_ring_destroy, cp_chunk_span, cp_ring_scratch_bytes, */
+/*    cp_attention_forward_block, cp_attention_dsum, cp_attention_backward_block,                 */
+/*    cp_pack_kv, cp_store_kv_grads, cp_ring_attention_forward, cp_ring_attention_backward.       */
+/* ============================================================================================== */
+
+/* The CP group's ring: its communicator, this rank in it, the transfers' stream and the events that
+ * order the two streams (made by cp_ring_create). */
+typedef struct {
+    ncclComm_t comm;
+    int rank, size;     /* CP rank and CP */
+    int global_rank;    /* named in NCCL errors */
+    cudaStream_t stream; /* the transfers */
+    cudaEvent_t ready[2], freed[2]; /* K/V buffer i: its block arrived / the kernels are done with it */
+    cudaEvent_t grad_done, grad_ready; /* the travelling dK/dV sums: written / arrived */
+} mt_cp_ring;
+
+static void cp_ring_destroy(mt_cp_ring* r) {
+    cudaEvent_t* evs[] = {&r->ready[0], &r->ready[1], &r->freed[0], &r->freed[1], &r->grad_done, &r->grad_ready};
+    for (cudaEvent_t* e : evs)
+        if (*e) cudaEventDestroy(*e), *e = NULL;
+    if (r->stream) cudaStreamDestroy(r->stream), r->stream = NULL;
+}
+/* comm: the CP group's communicator (not owned); rank, size: this rank's place in it. */
+[[maybe_unused]]
+static bool cp_ring_create(mt_cp_ring* r, ncclComm_t comm, int rank, int size, int global_rank, mt_gpu_error* e) {
+    memset(r, 0, sizeof(*r));
+    if (size < 1 || rank < 0 || rank >= size)
+        return mt_gpu_fail(e, MT_ERR_ARG, "context-parallel ring: rank %d of %d", rank, size);
+    r->comm = comm, r->rank = rank, r->size = size, r->global_rank = global_rank;
+    bool ok = CUDA_CHECK(e, cudaStreamCreateWithFlags(&r->stream, cudaStreamNonBlocking));
+    cudaEvent_t* evs[] = {&r->ready[0], &r->ready[1], &r->freed[0], &r->freed[1], &r->grad_done, &r->grad_ready};
+    for (cudaEvent_t* ev : evs) ok = ok && CUDA_CHECK(e, cudaEventCreateWithFlags(ev, cudaEventDisableTiming));
+    if (!ok) cp_ring_destroy(r);
+    return ok;
+}
+
+/* The rows CP rank `rank` of `cp` holds: chunks rank and 2cp-1-rank of C rows. */
+static mt_seq_span cp_chunk_span(int rank, int cp, int C) {
+    mt_seq_span s;
+    s.len = C;
+    s.start[0] = rank * C;
+    s.start[1] = (2 * cp - 1 - rank) * C;
+    return s;
+}
+/* The geometry of rank q_rank's T local query rows against rank kv_rank's T key rows. */
+static fa::geom cp_block_geom(int q_rank, int kv_rank, int cp, int T) {
+    return {T, T, cp_chunk_span(q_rank, cp, T / 2), cp_chunk_span(kv_rank, cp, T / 2), cp * T};
+}
+
+/* The ring's scratch, 256-byte aligned pieces: two K/V blocks (bf16 [2][B][Hkv][T][d]: K then V,
+ * packed), the fp32 accumulator [B][H][T][d] (the forward's O, the backward's dQ), two travelling
+ * dK/dV sums (fp32 [2][B][Hkv][T][d]). The forward uses the first three pieces. T: local rows. */
+typedef struct {
+    bf16* kv[2];
+    float* acc;
+    float* dkv[2];
+} cp_scratch;
+static size_t cp_align(size_t n) { return (n + 255) & ~(size_t)255; }
+static size_t cp_ring_scratch_bytes(int B, int H, int Hkv, int T, int d) {
+    const size_t kv = 2 * (size_t)B * Hkv * T * d; /* elements of one block's K and V */
+    return 2 * cp_align(kv * sizeof(bf16)) + cp_align((size_t)B * H * T * d * sizeof(float)) +
+           2 * cp_align(kv * sizeof(float));
+}
+static cp_scratch cp_scratch_layout(void* scratch, int B, int H, int Hkv, int T, int d) {
+    const size_t kv = 2 * (size_t)B * Hkv * T * d;
+    char* p = (char*)scratch;
+    cp_scratch s;
+    for (int i = 0; i < 2; i++) s.kv[i] = (bf16*)p, p += cp_align(kv * sizeof(bf16));
+    s.acc = (float*)p, p += cp_align((size_t)B * H * T * d * sizeof(float));
+    for (int i = 0; i < 2; i++) s.dkv[i] = (float*)p, p += cp_align(kv * sizeof(float));
+    return s;
+}
+
+/* One ring step's forward: rank q_rank's queries against rank kv_rank's K/V block, merged into the
+ * running (acc, LSE) (first: the first block; last: O rounded into the O view). T: local rows. */
+static cudaError_t cp_attention_forward_block(attn_view O, float* LSE, float* acc, int first, int last, attn_cview Q,
+                                              attn_cview K, attn_cview V, int B, int H, int Hkv, int T, int q_rank,
+                                              int kv_rank, int cp, int d, cudaStream_t st,
+                                              const mt_dropout& drop = mt_dropout(), const int32_t* doc = NULL) {
+    const fa::geom g = cp_block_geom(q_rank, kv_rank, cp, T);
+    if (cp < 1 || q_rank < 0 || q_rank >= cp || kv_rank < 0 || kv_rank >= cp || T % 2 != 0 ||
+        !fa::shape_ok(B, H, Hkv, T, d) || !fa::geom_ok(g, d) || !fa::view_ok(O) || !fa::view_ok(Q) ||
+        !fa::view_ok(K) || !fa::view_ok(V) || !acc)
+        return cudaErrorInvalidValue;
+    const fa::fwd_merge mo = {acc, first, last};
+    return d == 64 ? fa::forward_d<64, 2>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop, doc, &g, mo)
+                   : fa::forward_d<128, 2>(O, LSE, Q, K, V, B, H, Hkv, T, st, drop, doc, &g, mo);
+}
+/* Dsum [B, H, T] = rowsum(dO * O), once per backward, from the final O. */
+static cudaError_t cp_attention_dsum(float* Dsum, attn_cview dO, attn_cview O, int B, int H, int Hkv, int T, int d,
+                                     cudaStream_t st) {
+    if (!fa::shape_ok(B, H, Hkv, T, d) || !fa::view_ok(dO) || !fa::view_ok(O)) return cudaErrorInvalidValue;
+    return d == 64 ? fa::backward_dot<64>(Dsum, dO, O, B, H, Hkv, T, st)
+                   : fa::backward_dot<128>(Dsum, dO, O, B, H, Hkv, T, st);
+}
+/* One ring step's backward with the final LSE and Dsum: which & 2: dQ += this block's, in dq_acc
+ * (first / last as the forward's); which & 1: the block's dK/dV added to dkv_in (NULL: none yet)
+ * into dkv_out, fp32 [2][B][Hkv][T][d] (dK then dV). */
+static cudaError_t cp_attention_backward_block(int which, attn_view dQ, float* dq_acc, int first, int last,
+                                               const float* dkv_in, float* dkv_out, attn_cview dO, attn_cview Q,
+                                               attn_cview K, attn_cview V, const float* LSE, const float* Dsum, int B,
+                                               int H, int Hkv, int T, int q_rank, int kv_rank, int cp, int d,
+                                               cudaStream_t st, const mt_dropout& drop = mt_dropout(),
+                                               const int32_t* doc = NULL) {
+    const fa::geom g = cp_block_geom(q_rank, kv_rank, cp, T);
+    if (cp < 1 || q_rank < 0 || q_rank >= cp || kv_rank < 0 || kv_rank >= cp || T % 2 != 0 ||
+        !fa::shape_ok(B, H, Hkv, T, d) || !fa::geom_ok(g, d) || !fa::view_ok(dO) || !fa::view_ok(Q) ||
+        !fa::view_ok(K) || !fa::view_ok(V) || ((which & 2) && (!dq_acc || !fa::view_ok(dQ))) || ((which & 1) && !dkv_out))
+        return cudaErrorInvalidValue;
+    const size_t half = (size_t)B * Hkv * T * d;
+    const fa::bwd_acc acc = {dq_acc, first, last, dkv_in, dkv_in ? dkv_in + half : NULL, dkv_out,
+                             dkv_out ? dkv_out + half : NULL};
+    return d == 64 ? fa::backward_block_d<64>(which, dQ, dO, Q, K, V, LSE, Dsum, B, H, Hkv, g, st, drop, doc, acc)
+                   : fa::backward_block_d<128>(which, dQ, dO, Q, K, V, LSE, Dsum, B, H, Hkv, g, st, drop, doc, acc);
+}
+
+/* K and V views -> one packed block [2][B][Hkv][T][d] (what travels); dK/dV sums (fp32, packed as the
+ * block) -> bf16 into the gradient views. 8 elements per thread. */
+__global__ void cp_pack_kv_kernel(bf16* __restrict__ out, attn_cview K, attn_cview V, int Hkv, int T, int d,
+                                  size_t vecs) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 2 * vecs) return;
+    const size_t j = i % vecs, e8 = j % (d / 8), row = j / (d / 8);
+    const int t = (int)(row % T), bh = (int)(row / T), b = bh / Hkv, h = bh % Hkv;
+    const attn_cview& src = i < vecs ? K : V;
+    *reinterpret_cast<uint4*>(out + i * 8) =
+        *reinterpret_cast<const uint4*>(src.at(b, h, 1) + (int64_t)t * src.row + e8 * 8);
+}
+__global__ void cp_store_kv_grads_kernel(attn_view dK, attn_view dV, const float* __restrict__ in, int Hkv, int T, int d,
+                                         size_t vecs) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 2 * vecs) return;
+    const size_t j = i % vecs, e8 = j % (d / 8), row = j / (d / 8);
+    const int t = (int)(row % T), bh = (int)(row / T), b = bh / Hkv, h = bh % Hkv;
+    const attn_view& dst = i < vecs ? dK : dV;
+    const float4 a = *reinterpret_cast<const float4*>(in + i * 8), c = *reinterpret_cast<const float4*>(in + i * 8 + 4);
+    uint4 v;
+    v.x = fa::pack_bf16(a.x, a.y), v.y = fa::pack_bf16(a.z, a.w);
+    v.z = fa::pack_bf16(c.x, c.y), v.w = fa::pack_bf16(c.z, c.w);
+    *reinterpret_cast<uint4*>(dst.at(b, h, 1) + (int64_t)t * dst.row + e8 * 8) = v;
+}
+static cudaError_t cp_pack_kv(bf16* out, attn_cview K, attn_cview V, int B, int Hkv, int T, int d, cudaStream_t st) {
+    const size_t vecs = (size_t)B * Hkv * T * (d / 8);
+    cp_pack_kv_kernel<<<(unsigned)((2 * vecs + 255) / 256), 256, 0, st>>>(out, K, V, Hkv, T, d, vecs);
+    return cudaGetLastError();
+}
+static cudaError_t cp_store_kv_grads(attn_view dK, attn_view dV, const float* in, int B, int Hkv, int T, int d,
+                                     cudaStream_t st) {
+    const size_t vecs = (size_t)B * Hkv * T * (d / 8);
+    cp_store_kv_grads_kernel<<<(unsigned)((2 * vecs + 255) / 256), 256, 0, st>>>(dK, dV, in, Hkv, T, d, vecs);
+    return cudaGetLastError();
+}
+
+/* One hop around the ring on the transfers' stream: `send` to rank+1, `recv` from rank-1. */
+static bool cp_ring_shift(mt_gpu_error* e, const mt_cp_ring* r, const void* send, void* recv, size_t bytes) {
+    const int next = (r->rank + 1) % r->size, prev = (r->rank + r->size - 1) % r->size;
+    if (!NCCL_CHECK(e, r->global_rank, ncclGroupStart())) return false;
+    bool ok = NCCL_CHECK(e, r->global_rank, ncclSend(send, bytes, ncclInt8, next, r->comm, r->stream));
+    ok = ok && NCCL_CHECK(e, r->global_rank, ncclRecv(recv, bytes, ncclInt8, prev, r->comm, r->stream));
+    return NCCL_CHECK(e, r->global_rank, ncclGroupEnd()) && ok;
+}
+
+/* The arguments both directions check: shapes, views, whole tiles per chunk, the scratch. */
+static bool cp_ring_args_ok(const mt_exec* ex, const mt_cp_ring* r, const attn_cview* views, int n, int B, int H,
+                            int Hkv, int T, int d, const void* scratch, size_t scratch_bytes, const char* what) {
+    bool ok = r && r->size >= 1 && r->rank >= 0 && r->rank < r->size && T % 2 == 0 && fa::shape_ok(B, H, Hkv, T, d) &&
+              fa::geom_ok(cp_block_geom(0, 0, r->size, T), d);
+    for (int i = 0; i < n; i++) ok = ok && fa::view_ok(views[i]);
+    if (!ok)
+        return mt_gpu_fail(ex->error, MT_ERR_ARG,
+                           "context-parallel attention %s: B %d H %d Hkv %d local rows %d d %d at CP %d: each of the "
+                           "2*CP chunks must be a multiple of %d rows (head dim 64 or 128, 16-byte rows)",
+                           what, B, H, Hkv, T, d, r ? r->size : 0, fa::span_tile_rows(d == 64 ? 64 : 128));
+    if (!scratch || scratch_bytes < cp_ring_scratch_bytes(B, H, Hkv, T, d))
+        return mt_gpu_fail(ex->error, MT_ERR_ARG, "context-parallel attention %s: scratch of %zu bytes, %zu needed",
+                           what, scratch_bytes, cp_ring_scratch_bytes(B, H, Hkv, T, d));
+    return true;
+}
+
+/* The ring's K/V transfer of step i (of its K/V buffers): buffer cur (its block) goes to rank+1 while
+ * buffer nxt receives the next block, once the kernels of step i-1 are done with it. */
+static bool cp_ring_kv_step(const mt_exec* ex, const mt_cp_ring* r, cp_scratch& s, int i, size_t kv_bytes) {
+    const int cur = i & 1, nxt = cur ^ 1;
+    mt_gpu_error* e = ex->error;
+    return CUDA_CHECK(e, cudaStreamWaitEvent(r->stream, r->ready[cur], 0)) &&
+           (i == 0 || CUDA_CHECK(e, cudaStreamWaitEvent(r->stream, r->freed[nxt], 0))) &&
+           cp_ring_shift(e, r, s.kv[cur], s.kv[nxt], kv_bytes) &&
+           CUDA_CHECK(e, cudaEventRecord(r->ready[nxt], r->stream));
+}
+
+/* Ring attention forward on ex->stream: O (H heads, T = 2C local rows, any view) and LSE [B, H, T]
+ * fp32 from the local Q, K, V (section 17's row views), the rows' positions those of cp_chunk_span
+ * (ring->rank); doc [B, T]: the local rows' document starts as sequence positions (NULL: none); drop:
+ * the layer's attention dropout site (its masks indexed by global positions in the S = CP*T sequence).
+ * Errors go to ex->error (false returned). Scratch: cp_ring_scratch_bytes(B, H, Hkv, T, d). */
+[[maybe_unused]]
+static bool cp_ring_attention_forward(const mt_exec* ex, const mt_cp_ring* ring, attn_view O, float* LSE, attn_cview Q,
+                                      attn_cview K, attn_cview V, int B, int H, int Hkv, int T, int d,
+                                      const mt_dropout& drop, const int32_t* doc, void* scratch, size_t scratch_bytes) {
+    const attn_cview views[] = {cview(O), Q, K, V};
+    if (!cp_ring_args_ok(ex, ring, views, 4, B, H, Hkv, T, d, scratch, scratch_bytes, "forward")) return false;
+    mt_gpu_error* e = ex->error;
+    const int P = ring->size, r = ring->rank;
+    cudaStream_t st = ex->stream;
+    cp_scratch s = cp_scratch_layout(scratch, B, H, Hkv, T, d);
+    const size_t kv_elems = (size_t)B * Hkv * T * d, kv_bytes = 2 * kv_elems * sizeof(bf16);
+    if (!CUDA_CHECK(e, cp_pack_kv(s.kv[0], K, V, B, Hkv, T, d, st))) return false;
+    if (P > 1 && !CUDA_CHECK(e, cudaEventRecord(ring->ready[0], st))) return false;
+    for (int i = 0; i < P; i++) {
+        const int cur = i & 1, j = (r - i + P) % P; /* step i: rank j's block */
+        if (i + 1 < P && !cp_ring_kv_step(ex, ring, s, i, kv_bytes)) return false;
+        if (i > 0 && !CUDA_CHECK(e, cudaStreamWaitEvent(st, ring->ready[cur], 0))) return false;
+        const attn_cview k = cview(packed_heads_view(s.kv[cur], Hkv, T, d, 1)),
+                         v = cview(packed_heads_view(s.kv[cur] + kv_elems, Hkv, T, d, 1));
+        if (!CUDA_CHECK(e, cp_attention_forward_block(O, LSE, s.acc, i == 0, i == P - 1, Q, k, v, B, H, Hkv, T, r, j, P,
+                                                      d, st, drop, doc)))
+            return false;
+        if (P > 1 && !CUDA_CHECK(e, cudaEventRecord(ring->freed[cur], st))) return false;
+    }
+    return true;
+}
+
+/* Ring attention backward on ex->stream: dQ (H heads), dK, dV (Hkv heads; views of the local rows) from
+ * the local dO, Q, K, V and the forward's final O and LSE; Dsum [B, H, T] fp32 is scratch (as
+ * flash_attention_backward's). Other arguments as the forward's. */
+[[maybe_unused]]
+static bool cp_ring_attention_backward(const mt_exec* ex, const mt_cp_ring* ring, attn_view dQ, attn_view dK,
+                                       attn_view dV, float* Dsum, attn_cview dO, attn_cview Q, attn_cview K,
+                                       attn_cview V, attn_cview O, const float* LSE, int B, int H, int Hkv, int T,
+                                       int d, const mt_dropout& drop, const int32_t* doc, void* scratch,
+                                       size_t scratch_bytes) {
+    const attn_cview views[] = {cview(dQ), cview(dK), cview(dV), dO, Q, K, V, O};
+    if (!cp_ring_args_ok(ex, ring, views, 8, B, H, Hkv, T, d, scratch, scratch_bytes, "backward")) return false;
+    mt_gpu_error* e = ex->error;
+    const int P = ring->size, r = ring->rank;
+    cudaStream_t st = ex->stream;
+    cp_scratch s = cp_scratch_layout(scratch, B, H, Hkv, T, d);
+    const size_t kv_elems = (size_t)B * Hkv * T * d, kv_bytes = 2 * kv_elems * sizeof(bf16),
+                 grad_bytes = 2 * kv_elems * sizeof(float);
+    if (!CUDA_CHECK(e, cp_attention_dsum(Dsum, dO, O, B, H, Hkv, T, d, st)) ||
+        !CUDA_CHECK(e, cp_pack_kv(s.kv[0], K, V, B, Hkv, T, d, st)))
+        return false;
+    if (P > 1 && !CUDA_CHECK(e, cudaEventRecord(ring->ready[0], st))) return false;
+    for (int i = 0; i < P; i++) {
+        const int cur = i & 1, j = (r - i + P) % P;
+        if (i + 1 < P && !cp_ring_kv_step(ex, ring, s, i, kv_bytes)) return false;
+        if (i > 0 && !CUDA_CHECK(e, cudaStreamWaitEvent(st, ring->ready[cur], 0))) return false;
+        const attn_cview k = cview(packed_heads_view(s.kv[cur], Hkv, T, d, 1)),
+                         v = cview(packed_heads_view(s.kv[cur] + kv_elems, Hkv, T, d, 1));
+        /* dQ first: it needs no travelling sums, so it overlaps their arrival */
+        if (!CUDA_CHECK(e, cp_attention_backward_block(2, dQ, s.acc, i == 0, i == P - 1, NULL, NULL, dO, Q, k, v, LSE,
+                                                       Dsum, B, H, Hkv, T, r, j, P, d, st, drop, doc)))
+            return false;
+        /* the sums for rank j's block arrived in dkv[1] (from rank r-1's step i-1); this step's go to dkv[0] */
+        if (i > 0 && !CUDA_CHECK(e, cudaStreamWaitEvent(st, ring->grad_ready, 0))) return false;
+        if (!CUDA_CHECK(e, cp_attention_backward_block(1, dQ, s.acc, i == 0, i == P - 1, i > 0 ? s.dkv[1] : NULL,
+                                                       s.dkv[0], dO, Q, k, v, LSE, Dsum, B, H, Hkv, T, r, j, P, d, st,
+                                                       drop, doc)))
+            return false;
+        if (P > 1) { /* the sums move on with the block (after the last step: home to their owner) */
+            if (!CUDA_CHECK(e, cudaEventRecord(ring->freed[cur], st)) ||
+                !CUDA_CHECK(e, cudaEventRecord(ring->grad_done, st)) ||
+                !CUDA_CHECK(e, cudaStreamWaitEvent(ring->stream, ring->grad_done, 0)) ||
+                !cp_ring_shift(e, ring, s.dkv[0], s.dkv[1], grad_bytes) ||
+                !CUDA_CHECK(e, cudaEventRecord(ring->grad_ready, ring->stream)))
+                return false;
+        }
+    }
+    if (P > 1 && !CUDA_CHECK(e, cudaStreamWaitEvent(st, ring->grad_ready, 0))) return false;
+    return CUDA_CHECK(e, cp_store_kv_grads(dK, dV, P > 1 ? s.dkv[1] : s.dkv[0], B, Hkv, T, d, st));
 }
 
 /* ============================================================================================== */

@@ -31,6 +31,7 @@
 #include "tests/test_checkpoint.h"
 #include "tests/test_attention.h"
 #include "tests/test_kernels.h"
+#include "tests/test_cp_attention.h"
 #include "tests/test_moe_kernels.h"
 #include "tests/test_fp8.h"
 #include "tests/test_data_parallel.h"
@@ -152,6 +153,7 @@ int main(int argc, char** argv) {
         GROUP("gpu.checkpoint_tool", checkpoint_tool_gpu_tests),
         GROUP("gpu.attention", attention_gpu_tests),
         GROUP("gpu.kernels", kernels_gpu_tests),
+        GROUP("gpu.cp_attention", cp_attention_gpu_tests),
         GROUP("gpu.moe_kernels", moe_kernels_gpu_tests),
         GROUP("gpu.fp8", fp8_tests),
         GROUP("gpu.data_parallel", data_parallel_gpu_tests),
@@ -173,6 +175,7 @@ int main(int argc, char** argv) {
         GROUP("multigpu.checkpoint_tool", checkpoint_tool_multigpu_tests),
         GROUP("multigpu.recompute", recompute_multigpu_tests),
         GROUP("multigpu.faults", faults_multigpu_tests),
+        GROUP("multigpu.cp_attention", cp_attention_multigpu_tests),
     };
     int passed = 0, failed = 0, skipped = 0;
     const char* failed_names[64];
