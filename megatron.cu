@@ -5160,65 +5160,185 @@ static void moe_unpermute(const mt_exec* ex, T* out, const T* rows, const int32_
     LAUNCH_CHECK(ex->error);
 }
 
-/* ---- the experts' SwiGLU times the row's probability ---- */
+/* ---- the experts' activation times the row's probability, and the experts' biases ---- */
 
-template <typename T>
-__global__ void moe_swiglu_prob_kernel(T* act, const T* z, const float* row_prob, int R, int fe) {
+/* The expert of permuted row p: e with offsets[e] <= p < offsets[e + 1] (offsets [E + 1], ascending). */
+static __device__ int moe_expert_of_row(const int32_t* offsets, int E, int p) {
+    int lo = 0, hi = E;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (offsets[mid] <= p) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* The experts' activation (Megatron's experts follow the model's): MOE_ACT_SWIGLU, z [R, 2 fe] with each
+ * row's gate columns then its up columns; or the dense MLP's elementwise one (ACT_GELU, ACT_SQUARED_RELU),
+ * z [R, fe]. */
+enum { MOE_ACT_SWIGLU = 2 };
+static_assert((int)MOE_ACT_SWIGLU != (int)ACT_GELU && (int)MOE_ACT_SWIGLU != (int)ACT_SQUARED_RELU, "distinct kinds");
+
+template <typename T, int KIND>
+__global__ void moe_act_prob_kernel(T* act, const T* z, const float* row_prob, int R, int fe) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)R * fe) return;
     const int64_t p = i / fe, c = i % fe;
-    const float gate = to_float(z[p * 2 * fe + c]), up = to_float(z[p * 2 * fe + fe + c]);
-    act[i] = from_float<T>(silu(gate) * up * row_prob[p]);
+    float y;
+    if (KIND == MOE_ACT_SWIGLU) {
+        const float gate = to_float(z[p * 2 * fe + c]), up = to_float(z[p * 2 * fe + fe + c]);
+        y = silu(gate) * up;
+    } else {
+        y = activation<KIND == MOE_ACT_SWIGLU ? ACT_GELU : KIND>(to_float(z[i]));
+    }
+    act[i] = from_float<T>(y * row_prob[p]);
 }
 
+/* act [R, fe] = act(z) times the row's probability (Megatron applies it there, before fc2). */
 template <typename T>
-static void moe_swiglu_prob(const mt_exec* ex, T* act, const T* z, const float* row_prob, int R, int fe) {
+static void moe_act_prob(const mt_exec* ex, T* act, const T* z, const float* row_prob, int R, int fe, int kind) {
     if (R <= 0 || fe <= 0) return;
-    moe_swiglu_prob_kernel<T><<<ceil_div((int64_t)R * fe, 256), 256, 0, ex->stream>>>(act, z, row_prob, R, fe);
+    const unsigned blocks = ceil_div((int64_t)R * fe, 256);
+    if (kind == MOE_ACT_SWIGLU)
+        moe_act_prob_kernel<T, MOE_ACT_SWIGLU><<<blocks, 256, 0, ex->stream>>>(act, z, row_prob, R, fe);
+    else if (kind == ACT_SQUARED_RELU)
+        moe_act_prob_kernel<T, ACT_SQUARED_RELU><<<blocks, 256, 0, ex->stream>>>(act, z, row_prob, R, fe);
+    else
+        moe_act_prob_kernel<T, ACT_GELU><<<blocks, 256, 0, ex->stream>>>(act, z, row_prob, R, fe);
     LAUNCH_CHECK(ex->error);
 }
-
-/* A block per permuted row: dz, and dp = sum_j silu(gate_j) up_j dact_j (each thread's columns in
- * order, then block_sum's fixed tree) into dprobs at (token, expert of the row); without token_of
- * (expert parallelism: the rows are another rank's tokens) into dprobs [R] at the row. */
 template <typename T>
-__global__ void moe_swiglu_prob_backward_kernel(T* dz, float* dprobs, const T* dact, const T* z, const float* row_prob,
-                                                const int32_t* token_of, const int32_t* offsets, int fe, int E) {
+static void moe_swiglu_prob(const mt_exec* ex, T* act, const T* z, const float* row_prob, int R, int fe) {
+    moe_act_prob<T>(ex, act, z, row_prob, R, fe, MOE_ACT_SWIGLU);
+}
+
+/* A block per permuted row: dz, and dp = sum_j act(z)_j dact_j (each thread's columns in order, then
+ * block_sum's fixed tree), plus, with the experts' fc2 bias (fc2_bias [E, h], the row's output gradient dy
+ * [R, h]), dy . b2 of the row's expert (the bias is weighted by the probability: p (fc2(a) + b2)), into
+ * dprobs at (token, expert of the row); without token_of (expert parallelism: the rows are another rank's
+ * tokens) into dprobs [R] at the row. */
+template <typename T, int KIND>
+__global__ void moe_act_prob_backward_kernel(T* dz, float* dprobs, const T* dact, const T* z, const float* row_prob,
+                                             const int32_t* token_of, const int32_t* offsets, int fe, int E,
+                                             const T* dy, const T* fc2_bias, int h) {
     const int64_t p = blockIdx.x;
     const float prob = row_prob[p];
     float dp = 0.0f;
     for (int c = threadIdx.x; c < fe; c += blockDim.x) {
-        const float gate = to_float(z[p * 2 * fe + c]), up = to_float(z[p * 2 * fe + fe + c]);
-        const float d = to_float(dact[p * fe + c]);
-        const float s = 1.0f / (1.0f + expf(-gate)), sl = gate * s;
-        dz[p * 2 * fe + c] = from_float<T>(d * prob * up * s * (1.0f + gate * (1.0f - s)));
-        dz[p * 2 * fe + fe + c] = from_float<T>(d * prob * sl);
-        dp += sl * up * d;
+        if (KIND == MOE_ACT_SWIGLU) {
+            const float gate = to_float(z[p * 2 * fe + c]), up = to_float(z[p * 2 * fe + fe + c]);
+            const float d = to_float(dact[p * fe + c]);
+            const float s = 1.0f / (1.0f + expf(-gate)), sl = gate * s;
+            dz[p * 2 * fe + c] = from_float<T>(d * prob * up * s * (1.0f + gate * (1.0f - s)));
+            dz[p * 2 * fe + fe + c] = from_float<T>(d * prob * sl);
+            dp += sl * up * d;
+        } else {
+            constexpr int A = KIND == MOE_ACT_SWIGLU ? ACT_GELU : KIND;
+            const float x = to_float(z[p * fe + c]), d = to_float(dact[p * fe + c]);
+            dz[p * fe + c] = from_float<T>(d * prob * activation_derivative<A>(x));
+            dp += activation<A>(x) * d;
+        }
+    }
+    __shared__ int expert;
+    if (offsets) {
+        if (threadIdx.x == 0) expert = moe_expert_of_row(offsets, E, (int)p);
+        __syncthreads();
+        if (fc2_bias)
+            for (int j = threadIdx.x; j < h; j += blockDim.x)
+                dp += to_float(dy[p * h + j]) * to_float(fc2_bias[(int64_t)expert * h + j]);
     }
     dp = block_sum(dp);
     if (threadIdx.x == 0 && !token_of) { /* expert parallelism: the row's own gradient, dprobs [R] */
         dprobs[p] = dp;
         return;
     }
-    if (threadIdx.x == 0) {
-        int lo = 0, hi = E; /* the expert e with offsets[e] <= p < offsets[e + 1] */
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) / 2;
-            if (offsets[mid] <= p) lo = mid;
-            else hi = mid;
-        }
-        dprobs[(int64_t)token_of[p] * E + lo] = dp;
-    }
+    if (threadIdx.x == 0) dprobs[(int64_t)token_of[p] * E + expert] = dp;
 }
 
+/* dy and fc2_bias: the experts' fc2 bias and the rows' output gradient (NULL: no fc2 bias; needs offsets). */
+template <typename T>
+static void moe_act_prob_backward(const mt_exec* ex, T* dz, float* dprobs, const T* dact, const T* z,
+                                  const float* row_prob, const int32_t* token_of, const int32_t* offsets, int R,
+                                  int fe, int E, int kind, const T* dy = NULL, const T* fc2_bias = NULL, int h = 0) {
+    if (R <= 0 || fe <= 0) return;
+    if (fc2_bias && !offsets) {
+        mt_gpu_fail(ex->error, MT_ERR_CONFIG, "moe_act_prob_backward: the fc2 bias needs the rows' experts");
+        return;
+    }
+    const int threads = fe >= 512 ? 256 : fe >= 128 ? 128 : 32;
+    if (kind == MOE_ACT_SWIGLU)
+        moe_act_prob_backward_kernel<T, MOE_ACT_SWIGLU><<<R, threads, 0, ex->stream>>>(
+            dz, dprobs, dact, z, row_prob, token_of, offsets, fe, E, dy, fc2_bias, h);
+    else if (kind == ACT_SQUARED_RELU)
+        moe_act_prob_backward_kernel<T, ACT_SQUARED_RELU><<<R, threads, 0, ex->stream>>>(
+            dz, dprobs, dact, z, row_prob, token_of, offsets, fe, E, dy, fc2_bias, h);
+    else
+        moe_act_prob_backward_kernel<T, ACT_GELU><<<R, threads, 0, ex->stream>>>(
+            dz, dprobs, dact, z, row_prob, token_of, offsets, fe, E, dy, fc2_bias, h);
+    LAUNCH_CHECK(ex->error);
+}
 template <typename T>
 static void moe_swiglu_prob_backward(const mt_exec* ex, T* dz, float* dprobs, const T* dact, const T* z,
                                      const float* row_prob, const int32_t* token_of, const int32_t* offsets, int R,
                                      int fe, int E) {
-    if (R <= 0 || fe <= 0) return;
-    const int threads = fe >= 512 ? 256 : fe >= 128 ? 128 : 32;
-    moe_swiglu_prob_backward_kernel<T><<<R, threads, 0, ex->stream>>>(dz, dprobs, dact, z, row_prob, token_of, offsets,
-                                                                       fe, E);
+    moe_act_prob_backward<T>(ex, dz, dprobs, dact, z, row_prob, token_of, offsets, R, fe, E, MOE_ACT_SWIGLU);
+}
+
+/* The experts' biases on their rows (--add-bias-linear; Megatron's grouped experts): y [R, C] += b[e] of the
+ * row's expert e (offsets [E + 1]), times the row's probability when row_prob is given (the fc2 bias: the
+ * expert's output is p (fc2(a) + b2)); a block per row. */
+template <typename T>
+__global__ void moe_rows_bias_kernel(T* y, const T* bias, const float* row_prob, const int32_t* offsets, int C, int E) {
+    const int64_t p = blockIdx.x;
+    __shared__ int expert;
+    if (threadIdx.x == 0) expert = moe_expert_of_row(offsets, E, (int)p);
+    __syncthreads();
+    const float scale = row_prob ? row_prob[p] : 1.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        y[p * C + c] = from_float<T>(to_float(y[p * C + c]) + to_float(bias[(int64_t)expert * C + c]) * scale);
+}
+template <typename T>
+static void moe_rows_bias(const mt_exec* ex, T* y, const T* bias, const float* row_prob, const int32_t* offsets, int R,
+                          int C, int E) {
+    if (R <= 0 || C <= 0) return;
+    moe_rows_bias_kernel<T><<<R, C >= 256 ? 256 : 128, 0, ex->stream>>>(y, bias, row_prob, offsets, C, E);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* Its gradient: db [E, C] (fp32) = sum over expert e's rows of dy [R, C] (times the row's probability when
+ * row_prob is given), rows in order, a thread per column (no atomics); added to db when accumulating, else
+ * written (an expert without rows: 0). */
+template <typename T>
+__global__ void moe_rows_bias_grad_kernel(float* db, const T* dy, const float* row_prob, const int32_t* offsets, int C,
+                                          int accumulate) {
+    const int e = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float sum = 0.0f;
+    for (int p = offsets[e]; p < offsets[e + 1]; p++)
+        sum += to_float(dy[(int64_t)p * C + c]) * (row_prob ? row_prob[p] : 1.0f);
+    float* out = db + (int64_t)e * C + c;
+    *out = accumulate ? *out + sum : sum;
+}
+template <typename T>
+static void moe_rows_bias_grad(const mt_exec* ex, float* db, const T* dy, const float* row_prob, const int32_t* offsets,
+                               int C, int E, bool accumulate) {
+    if (C <= 0 || E <= 0) return;
+    const dim3 grid((unsigned)E, (unsigned)ceil_div(C, 128));
+    moe_rows_bias_grad_kernel<T><<<grid, 128, 0, ex->stream>>>(db, dy, row_prob, offsets, C, accumulate ? 1 : 0);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* The router's bias (--add-bias-linear, Megatron's router): logits [N, E] += b (widened to fp32). */
+template <typename T>
+__global__ void moe_router_bias_kernel(float* logits, const T* bias, int64_t n, int E) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) logits[i] += to_float(bias[i % E]);
+}
+template <typename T>
+static void moe_router_bias(const mt_exec* ex, float* logits, const T* bias, int N, int E) {
+    const int64_t n = (int64_t)N * E;
+    if (n <= 0) return;
+    moe_router_bias_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(logits, bias, n, E);
     LAUNCH_CHECK(ex->error);
 }
 
@@ -5228,13 +5348,7 @@ __global__ void moe_row_prob_scatter_kernel(float* dprobs, const float* drow, co
                                             const int32_t* offsets, int R, int E) {
     const int p = blockIdx.x * blockDim.x + threadIdx.x;
     if (p >= R) return;
-    int lo = 0, hi = E; /* the expert e with offsets[e] <= p < offsets[e + 1] */
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (offsets[mid] <= p) lo = mid;
-        else hi = mid;
-    }
-    dprobs[(int64_t)token_of[p] * E + lo] = drow[p];
+    dprobs[(int64_t)token_of[p] * E + moe_expert_of_row(offsets, E, p)] = drow[p];
 }
 static void moe_row_prob_scatter(const mt_exec* ex, float* dprobs, const float* drow, const int32_t* token_of,
                                  const int32_t* offsets, int R, int E) {
@@ -7277,6 +7391,9 @@ static void mlp_up_forward(const mt_exec* ex, const mt_shape& s, const layer_vie
  * code on fc1_w / fc2_w) under its optional sigmoid gate. The aux losses enter the backward as gradients
  * of the router's logits scaled like the micro-batch's loss (ex->mode.moe_loss_scale). */
 
+/* The experts' activation: the model's (SwiGLU, else the dense MLP's GELU or squared ReLU). */
+static int moe_act_kind(const mt_shape& s) { return s.swiglu ? MOE_ACT_SWIGLU : s.act; }
+
 /* The routing settings of the config, for a micro-batch of s.BT tokens. */
 static moe_routing moe_routing_of(const mt_trainer* t, const mt_shape& s) {
     const mt_config* c = &t->cfg;
@@ -7529,7 +7646,7 @@ static void moe_ep_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, 
     const int32_t* local = t->moe.ep_local;
     moe_experts_forward<T>(t, ex, MOE_GEMM_FC1, v.moe_fc1, (const T*)v.moe_ep_in, p.expert_fc1_w, local, s.El, s.h,
                            s.f1e);
-    moe_swiglu_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_ep_prob, Rr, s.fe);
+    moe_act_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_ep_prob, Rr, s.fe, moe_act_kind(s));
     moe_experts_forward<T>(t, ex, MOE_GEMM_FC2, (T*)a->moe_y, v.moe_act, p.expert_fc2_w, local, s.El, s.fe, s.h);
     moe_permute<T>(ex, (T*)a->moe_xperm, (const T*)a->moe_y, a->moe_ep_index + s.Rexp, Rr, s.h); /* received order */
     moe_all_to_all(t, ex, y, send, a->moe_xperm, recv, s.h, type, sizeof(T));
@@ -7560,8 +7677,8 @@ static void moe_ep_backward(mt_trainer* t, const mt_exec* ex, const mt_shape& s,
     moe_permute<T>(ex, sorted, (const T*)a->moe_xperm, a->moe_ep_index, Rr, s.h);
     moe_experts_backward<T>(t, ex, MOE_GEMM_FC2_DX, (T*)a->moe_dact, dp.expert_fc2_w, sorted, v.moe_act,
                             p.expert_fc2_w, local, s.El, s.fe, s.h);
-    moe_swiglu_prob_backward<T>(ex, (T*)a->moe_dz, drow_local, (const T*)a->moe_dact, v.moe_fc1, v.moe_ep_prob,
-                                (const int32_t*)NULL, (const int32_t*)NULL, Rr, s.fe, s.El);
+    moe_act_prob_backward<T>(ex, (T*)a->moe_dz, drow_local, (const T*)a->moe_dact, v.moe_fc1, v.moe_ep_prob,
+                             (const int32_t*)NULL, (const int32_t*)NULL, Rr, s.fe, s.El, moe_act_kind(s));
     moe_experts_backward<T>(t, ex, MOE_GEMM_FC1_DX, sorted, dp.expert_fc1_w, (const T*)a->moe_dz,
                             (const T*)v.moe_ep_in, p.expert_fc1_w, local, s.El, s.h, s.f1e);
     moe_permute<T>(ex, (T*)a->moe_xperm, (const T*)sorted, a->moe_ep_index + s.Rexp, Rr, s.h);
@@ -7624,6 +7741,7 @@ static void moe_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, con
     const float *x32, *W32;
     moe_router_operands<T>(ex, a, s, x, p.router_w, &x32, &W32);
     gemm<float, float>(ex, false, true, N, E, s.h, x32, s.h, W32, s.h, v.moe_logits, E, 1.0f, 0.0f);
+    if (p.router_b) moe_router_bias<T>(ex, v.moe_logits, p.router_b, N, E);
     const float* bias = c->moe_router_enable_expert_bias ? t->moe.expert_bias + (int64_t)l * E : (const float*)NULL;
     moe_route(ex, r, v.moe_logits, bias, v.moe_probs, v.moe_row, v.moe_token, v.moe_row_prob, v.moe_counts,
               training ? t->moe.step_tokens + (int64_t)l * E : (int32_t*)NULL, a->moe_work);
@@ -7638,8 +7756,11 @@ static void moe_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, con
         moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, R, s.h);
         moe_experts_forward<T>(t, ex, MOE_GEMM_FC1, v.moe_fc1, (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h,
                                s.f1e);
-        moe_swiglu_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_row_prob, R, s.fe);
+        const int32_t* offsets = v.moe_counts + E; /* the device's, for the biases' row -> expert */
+        if (p.expert_fc1_b) moe_rows_bias<T>(ex, v.moe_fc1, p.expert_fc1_b, (const float*)NULL, offsets, R, s.f1e, E);
+        moe_act_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_row_prob, R, s.fe, moe_act_kind(s));
         moe_experts_forward<T>(t, ex, MOE_GEMM_FC2, (T*)a->moe_y, v.moe_act, p.expert_fc2_w, counts, E, s.fe, s.h);
+        if (p.expert_fc2_b) moe_rows_bias<T>(ex, (T*)a->moe_y, p.expert_fc2_b, v.moe_row_prob, offsets, R, s.h, E);
     }
     /* the shared expert (the dense MLP code on this layer's shared weights), its output kept when gated */
     T* shared = NULL;
@@ -7673,11 +7794,17 @@ static void moe_backward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, co
         const int32_t* counts = moe_host_counts(t, v.moe_counts, E);
         const int R = counts[2 * E];
         moe_permute<T>(ex, drows, dout, v.moe_token, R, s.h);
+        const int32_t* offsets = v.moe_counts + E;
+        const bool accumulate = ex->mode.accumulate_gradients != 0;
         moe_experts_backward<T>(t, ex, MOE_GEMM_FC2_DX, (T*)a->moe_dact, dp.expert_fc2_w, drows, v.moe_act,
                                 p.expert_fc2_w, counts, E, s.fe, s.h);
+        if (dp.expert_fc2_b) moe_rows_bias_grad<T>(ex, dp.expert_fc2_b, drows, v.moe_row_prob, offsets, s.h, E, accumulate);
         CUDA_CHECK(ex->error, cudaMemsetAsync(a->moe_dprobs, 0, sizeof(float) * (size_t)N * E, ex->stream));
-        moe_swiglu_prob_backward<T>(ex, (T*)a->moe_dz, a->moe_dprobs, (const T*)a->moe_dact, v.moe_fc1,
-                                    v.moe_row_prob, v.moe_token, v.moe_counts + E, R, s.fe, E);
+        moe_act_prob_backward<T>(ex, (T*)a->moe_dz, a->moe_dprobs, (const T*)a->moe_dact, v.moe_fc1, v.moe_row_prob,
+                                 v.moe_token, offsets, R, s.fe, E, moe_act_kind(s), p.expert_fc2_b ? drows : (const T*)NULL,
+                                 p.expert_fc2_b, s.h);
+        if (dp.expert_fc1_b) moe_rows_bias_grad<T>(ex, dp.expert_fc1_b, (const T*)a->moe_dz, (const float*)NULL, offsets,
+                                                   s.f1e, E, accumulate);
         moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, R, s.h); /* the rows the forward's fc1 read */
         moe_experts_backward<T>(t, ex, MOE_GEMM_FC1_DX, drows, dp.expert_fc1_w, (const T*)a->moe_dz,
                                 (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h, s.f1e);
@@ -7691,7 +7818,7 @@ static void moe_backward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, co
                        a->moe_dprobs, v.moe_auxw, scale, z_scale, a->moe_dlogits, a->moe_work);
     const float *x32, *W32;
     moe_router_operands<T>(ex, a, s, x, p.router_w, &x32, &W32);
-    weight_gradient<float>(ex, &t->colsum, dp.router_w, (float*)NULL, a->moe_dlogits, x32, N, s.h, E);
+    weight_gradient<float>(ex, &t->colsum, dp.router_w, dp.router_b, a->moe_dlogits, x32, N, s.h, E);
     if (sizeof(T) == 4) { /* fp32: straight into dx */
         gemm<float, float>(ex, false, false, N, s.h, E, a->moe_dlogits, E, W32, s.h, (float*)dx, s.h, 1.0f, 1.0f);
     } else {

@@ -3895,11 +3895,12 @@ MT_DEF mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
         if (etp != 1)
             return mt_fail(err, MT_ERR_CONFIG, "--expert-tensor-parallel-size %d: expert tensor parallelism is not built yet "
                            "(use 1)", etp);
-        if (c->add_bias_linear)
-            return mt_fail(err, MT_ERR_CONFIG, "MoE with linear biases is not built yet: give --disable-bias-linear");
-        if (!c->swiglu)
-            return mt_fail(err, MT_ERR_CONFIG, "MoE experts without --swiglu (GELU or squared-ReLU experts) are not built "
-                           "yet: give --swiglu");
+        if (c->add_bias_linear && ep > 1)
+            return mt_fail(err, MT_ERR_CONFIG, "MoE linear biases with expert parallelism (--expert-model-parallel-size "
+                           "%d) are not built yet: give --disable-bias-linear, or use EP 1", ep);
+        if (c->squared_relu)
+            return mt_fail(err, MT_ERR_CONFIG, "MoE experts with --squared-relu are not built yet: give --swiglu, or "
+                           "neither (GELU experts)");
         if (c->fp8_format != MT_FP8_NONE || c->fp8_param_gather)
             return mt_fail(err, MT_ERR_CONFIG, "MoE with FP8 is not built yet: drop --fp8-format (and --fp8-param-gather); "
                            "bf16 is");
@@ -4995,7 +4996,7 @@ static int64_t mt__param_layout_tp(const mt_config* c, int tp, int ep, mt_param_
         {"fc2_weight",          Ld,           h,    f,         1,    1, 1, 3},
         {"fc2_bias",            bias * Ld,    1,    h,         1,    0, 0, 0},
         {"router_weight",       Lm,           1,    E,         h,    0, 1, 2}, /* whole on every TP rank */
-        {"router_bias",         bias * Lm,    1,    E,         1,    0, 0, 0},
+        {"router_bias",         bias * Lm,    1,    E,         1,    0, 0, 2}, /* normal(std), as Megatron's router */
         {"expert_fc1_weight",   Lm,           E * glu, fe,     h,    1, 1, 2}, /* each expert as fc1 */
         {"expert_fc1_bias",     bias * Lm,    E * glu, fe,     1,    1, 0, 0},
         {"expert_fc2_weight",   Lm,           E * h, fe,       1,    1, 1, 3}, /* each expert as fc2 */

@@ -355,8 +355,12 @@ MOE_SET(ep_over_dp, c->expert_model_parallel_size = 4; c->world_size = 2; c->glo
 MOE_SET(etp, c->expert_tensor_parallel_size = 2)
 MOE_SET(fp8, c->precision = MT_BF16; c->fp8_format = MT_FP8_HYBRID)
 MOE_SET(recompute, c->recompute.granularity = MT_RECOMPUTE_SELECTIVE)
-MOE_SET(biases, c->add_bias_linear = 1)
-MOE_SET(gelu, c->swiglu = 0)
+MOE_SET(biases_ep, c->add_bias_linear = 1; c->expert_model_parallel_size = 2; c->world_size = 2;
+        c->global_batch_size = 4; c->moe_token_dispatcher_alltoall = 1)
+MOE_SET(squared_relu, c->swiglu = 0; c->squared_relu = 1)
+/* built (issue #34): GELU experts (the model's activation without --swiglu) and linear biases on the router and
+ * the experts */
+MOE_SET(gelu_biases, c->swiglu = 0; c->add_bias_linear = 1)
 MOE_SET(dense_layers, c->moe_layer_freq = 2)
 MOE_SET(dense_pattern, c->moe_layer_pattern_len = 2; c->moe_layer_pattern[0] = 0; c->moe_layer_pattern[1] = 1)
 MOE_SET(per_token_loss, c->calculate_per_token_loss = 1)
@@ -410,8 +414,9 @@ static test_result test_moe_refusals(void) {
         {"ETP", moe_set_etp, "--expert-tensor-parallel-size 2: expert tensor parallelism is not built yet (use 1)"},
         {"FP8", moe_set_fp8, "MoE with FP8 is not built yet: drop --fp8-format"},
         {"recompute", moe_set_recompute, "MoE with activation recompute is not built yet"},
-        {"linear biases", moe_set_biases, "MoE with linear biases is not built yet: give --disable-bias-linear"},
-        {"GELU experts", moe_set_gelu, "MoE experts without --swiglu (GELU or squared-ReLU experts) are not built yet: give --swiglu"},
+        {"linear biases with EP", moe_set_biases_ep, "MoE linear biases with expert parallelism "
+                                                     "(--expert-model-parallel-size 2) are not built yet"},
+        {"squared-ReLU experts", moe_set_squared_relu, "MoE experts with --squared-relu are not built yet"},
         {"per-token loss", moe_set_per_token_loss, "MoE with --calculate-per-token-loss is not built yet"},
     };
     for (size_t i = 0; i < sizeof(later) / sizeof(later[0]); i++) {
@@ -445,6 +450,25 @@ static test_result test_moe_refusals(void) {
     mt_error err;
     EXPECT_OK(mt_config_finalize(&ok, &err), &err);
     EXPECT(ok.moe_ffn_hidden_size == 32, "expert width");
+    /* GELU experts with biases (no shared expert: Megatron refuses biases there): accepted, and the layout has the
+     * router's bias [E] and each expert's fc1 bias [fe] (GELU: fc1 as wide as the expert) and fc2 bias [h] */
+    {
+        mt_config g = moe_base(1);
+        moe_set_gelu_biases(&g);
+        EXPECT_OK(mt_config_finalize(&g, &err), &err);
+        EXPECT_OK(mt_config_check_supported(&g, &err), &err);
+        mt_param_info info[MT_NUM_PARAM_TENSORS];
+        mt_param_layout(&g, info);
+        const int64_t Lm = mt_moe_num_layers(&g), E = g.num_experts, fe = mt_moe_ffn(&g), h = g.hidden_size;
+        EXPECT(info[MT_P_ROUTER_BIAS].numel == Lm * E && info[MT_P_EXPERT_FC1_BIAS].numel == Lm * E * fe &&
+                   info[MT_P_EXPERT_FC2_BIAS].numel == Lm * E * h && info[MT_P_EXPERT_FC1_WEIGHT].numel == Lm * E * fe * h,
+               "GELU experts with biases: router bias %lld, fc1 bias %lld, fc2 bias %lld, fc1 %lld elements",
+               (long long)info[MT_P_ROUTER_BIAS].numel, (long long)info[MT_P_EXPERT_FC1_BIAS].numel,
+               (long long)info[MT_P_EXPERT_FC2_BIAS].numel, (long long)info[MT_P_EXPERT_FC1_WEIGHT].numel);
+        EXPECT(info[MT_P_ROUTER_BIAS].init == 2 && !info[MT_P_ROUTER_BIAS].weight_decay &&
+                   info[MT_P_EXPERT_FC1_BIAS].init == 0 && info[MT_P_EXPERT_FC2_BIAS].init == 0,
+               "the router's bias starts normal(std) as Megatron's router initialises it, the experts' at 0; no decay");
+    }
     /* dense layers beside MoE ones (--moe-layer-freq 2, or a pattern): accepted, and the buffer stacks the dense
      * MLP's tensors over the dense layers and the MoE tensors over the MoE ones: every element once, each
      * (tensor, layer) slice where its layer has it */
