@@ -4417,12 +4417,14 @@ static void moe_expert_bias_update(const mt_exec* ex, float* bias, const int32_t
 /*    ordered as Megatron orders them, n = t*B + j (sequence-major), while arrays stay in rows    */
 /*    r = j*T + t: counts, offsets and each expert's rows (tokens ascending in n) come from block */
 /*    scans per expert, no atomics. Unpermute sums a token's rows in ascending expert order.     */
-/*    The aux-loss statistics reduce fixed row groups in order. Then the experts' SwiGLU times    */
-/*    the row's probability, the shared expert's gate, casts for the fp32 router GEMM, and the    */
+/*    The aux-loss statistics reduce fixed row groups in order. Then the experts' activation      */
+/*    (SwiGLU or GELU) times the row's probability, the experts' and the router's biases, the     */
+/*    shared expert's gate, casts for the fp32 router GEMM, and the                               */
 /*    step's bookkeeping: the global aux loss's running average and the expert-bias update.      */
 /*    defines: moe_routing, moe_work_words, moe_row_of_token / moe_token_of_row, moe_route,      */
 /*    moe_aux_stats, moe_aux_finish, moe_route_backward, moe_permute, moe_unpermute,             */
-/*    moe_swiglu_prob(_backward), moe_row_prob_scatter (expert parallelism), moe_gate_forward /   */
+/*    moe_act_prob(_backward) (moe_swiglu_prob: its SwiGLU), moe_rows_bias(_grad),                */
+/*    moe_router_bias, moe_row_prob_scatter (expert parallelism), moe_gate_forward /              */
 /*    moe_gate_backward, moe_add_f32, moe_to_f32, moe_global_aux_average, moe_expert_bias_update.  */
 /* ============================================================================================== */
 
@@ -7386,7 +7388,9 @@ static void mlp_up_forward(const mt_exec* ex, const mt_shape& s, const layer_vie
  * bf16 model the logits are then rounded to bf16 as Megatron computes them), top-k routing with capacity
  * and dropping (section 14's moe_route), the aux losses' statistics, the layer's rows permuted into expert
  * order, each expert's two GEMMs on its rows (the row counts read back to the host once per layer and pass,
- * as Megatron's dropless dispatcher does), SwiGLU times the row's probability, the rows summed back per
+ * as Megatron's dropless dispatcher does), the activation (SwiGLU, or the model's GELU) times the row's
+ * probability (with --add-bias-linear: the router's bias on the logits, each expert's fc1 bias before the
+ * activation and its fc2 bias times the row's probability, as Megatron's experts), the rows summed back per
  * token (ascending expert: no atomics), plus the shared expert (this layer's dense MLP, run by the dense
  * code on fc1_w / fc2_w) under its optional sigmoid gate. The aux losses enter the backward as gradients
  * of the router's logits scaled like the micro-batch's loss (ex->mode.moe_loss_scale). */

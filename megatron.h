@@ -656,8 +656,8 @@ MT_DEF mt_status mt_config_finalize(mt_config* cfg, mt_error* err);
 /* Every "is this combination built here" rule, in one place: FP8 outside bf16, the shapes FP8 GEMMs
  * take, --fp8-param-gather with the blockwise recipe or optimizer offload, an uneven pipeline split
  * with virtual stages, a virtual-stage micro-batch group above PP; mixture of experts beyond phase 1
- * (one GPU and data parallelism: MoE with TP, PP, EP or ETP above 1, FP8, recompute, linear biases,
- * non-SwiGLU experts, dense layers between MoE ones, --calculate-per-token-loss).
+ * (one GPU and data parallelism: MoE with TP, PP or ETP above 1, FP8, recompute, linear biases with EP
+ * above 1, squared-ReLU experts, --calculate-per-token-loss).
  * MT_OK, or MT_ERR_CONFIG with one line naming the combination and what to do instead. The config's
  * derived sizes must be there (mt_config_finalize calls it once they are; mt_trainer_create and
  * --plan-layouts, for each layout it plans, call it too), so the planner never approves a layout the
