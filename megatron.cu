@@ -7732,24 +7732,29 @@ static void moe_aux_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s,
                    coef_seq, coef_global, coef_z, v.moe_auxw, t->moe.log + (int64_t)l * 4);
 }
 
-/* Forward of layer l's MoE block: out [N, h] (the branch before the residual add) from x = ln2 [N, h]. */
+/* Forward of layer l's MoE block: out [N, h] (the branch before the residual add) from x = ln2 [N, h].
+ * replay (full recompute, in the backward): the routing is the forward's, kept per layer (megatron.h
+ * mt_recompute_position), so neither the router nor its bookkeeping (tokens per expert, aux losses' sums)
+ * runs again; the experts and the shared expert recompute from it bit for bit. */
 template <typename T>
 static void moe_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const layer_view<T>& v,
-                        const layer_tensors<T>& p, int l, const T* x, T* out) {
+                        const layer_tensors<T>& p, int l, const T* x, T* out, bool replay = false) {
     const mt_config* c = &t->cfg;
     mt_activations* a = &t->act;
     const moe_routing r = moe_routing_of(t, s);
     const bool training = ex->mode.training != 0;
     const int E = s.E, N = s.BT;
     /* router: logits [N, E] = x W_r^T in fp32; routing; the aux losses' statistics */
-    const float *x32, *W32;
-    moe_router_operands<T>(ex, a, s, x, p.router_w, &x32, &W32);
-    gemm<float, float>(ex, false, true, N, E, s.h, x32, s.h, W32, s.h, v.moe_logits, E, 1.0f, 0.0f);
-    if (p.router_b) moe_router_bias<T>(ex, v.moe_logits, p.router_b, N, E);
-    const float* bias = c->moe_router_enable_expert_bias ? t->moe.expert_bias + (int64_t)l * E : (const float*)NULL;
-    moe_route(ex, r, v.moe_logits, bias, v.moe_probs, v.moe_row, v.moe_token, v.moe_row_prob, v.moe_counts,
-              training ? t->moe.step_tokens + (int64_t)l * E : (int32_t*)NULL, a->moe_work);
-    if (training) moe_aux_forward(t, ex, s, r, v, l);
+    if (!replay) {
+        const float *x32, *W32;
+        moe_router_operands<T>(ex, a, s, x, p.router_w, &x32, &W32);
+        gemm<float, float>(ex, false, true, N, E, s.h, x32, s.h, W32, s.h, v.moe_logits, E, 1.0f, 0.0f);
+        if (p.router_b) moe_router_bias<T>(ex, v.moe_logits, p.router_b, N, E);
+        const float* bias = c->moe_router_enable_expert_bias ? t->moe.expert_bias + (int64_t)l * E : (const float*)NULL;
+        moe_route(ex, r, v.moe_logits, bias, v.moe_probs, v.moe_row, v.moe_token, v.moe_row_prob, v.moe_counts,
+                  training ? t->moe.step_tokens + (int64_t)l * E : (int32_t*)NULL, a->moe_work);
+        if (training) moe_aux_forward(t, ex, s, r, v, l);
+    }
     /* the experts on their rows (with expert parallelism, on the rows' EP ranks: moe_ep_forward reads the
      * counts back itself) */
     if (s.ep > 1) {
@@ -7775,6 +7780,25 @@ static void moe_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, con
         if (v.moe_gate) moe_gate_forward<T>(ex, v.moe_gate, x, p.shared_gate_w, N, s.h);
     }
     moe_unpermute<T>(ex, out, (const T*)a->moe_y, v.moe_row, shared, v.moe_gate, N, E, s.h, false);
+}
+
+/* Selective moe_act: the experts' activation times the probability again from the kept fc1 output, over the
+ * rows the local experts hold (their count read back: this layer's rows, or with expert parallelism the
+ * rows received, from the kept counts). */
+template <typename T>
+static void moe_recompute_act(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const layer_view<T>& v) {
+    int rows = 0;
+    if (s.ep > 1) {
+        int32_t* received = t->moe.ep_host; /* [EP, El] */
+        CUDA_CHECK(ex->error, cudaMemcpyAsync(received, v.moe_ep_counts, sizeof(int32_t) * (size_t)s.E,
+                                              cudaMemcpyDeviceToHost, ex->stream));
+        if (!CUDA_CHECK(ex->error, cudaStreamSynchronize(ex->stream))) return;
+        for (int i = 0; i < s.E; i++) rows += received[i];
+        moe_act_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_ep_prob, rows, s.fe, moe_act_kind(s));
+    } else {
+        rows = moe_host_counts(t, v.moe_counts, s.E)[2 * s.E];
+        moe_act_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_row_prob, rows, s.fe, moe_act_kind(s));
+    }
 }
 
 /* Backward of layer l's MoE block from dout [N, h] (the branch's gradient): the layer input's gradient into
@@ -7912,13 +7936,26 @@ static void moe_pass_begin(mt_trainer* t) {
 
 /* A training pass of `count` micro-batches ended: the tokens per expert summed over DP (what the expert bias
  * balances), the logged losses averaged over DP and the micro-batches (Megatron's reduction of its MoE
- * tracker), both kept on the host for mt_trainer_moe_stats and the step's result. */
+ * tracker), both kept on the host for mt_trainer_moe_stats and the step's result. With pipeline parallelism
+ * each stage filled its own layers' rows (the others are 0) and both are summed over the pipeline as well
+ * (Megatron's tracker reduces across the pipeline for its log line): every rank then holds every layer's
+ * (x + 0: exact), and the expert-bias update moves every layer's row alike on every rank. */
 static void moe_pass_end(mt_trainer* t, int count) {
     mt_moe_state* m = &t->moe;
     if (!m->enabled) return;
     const size_t L = (size_t)t->cfg.num_layers, E = (size_t)t->cfg.num_experts;
     dp_all_reduce_device(t, m->step_tokens, L * E, ncclInt32);
     dp_all_reduce_device(t, m->log, L * 4, ncclFloat);
+    if (t->groups.pp_size > 1 && t->groups.pp) {
+        comm_after_compute(t);
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupStart());
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclAllReduce(m->step_tokens, m->step_tokens, L * E, ncclInt32, ncclSum,
+                                                         t->groups.pp, t->groups.comm_stream));
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclAllReduce(m->log, m->log, L * 4, ncclFloat, ncclSum, t->groups.pp,
+                                                         t->groups.comm_stream));
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupEnd());
+        compute_after_comm(t);
+    }
     CUDA_CHECK(&t->error, cudaMemcpyAsync(m->last_tokens, m->step_tokens, L * E * 4, cudaMemcpyDeviceToHost, t->stream));
     CUDA_CHECK(&t->error, cudaMemcpyAsync(m->last_log, m->log, L * 4 * 4, cudaMemcpyDeviceToHost, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
@@ -7977,12 +8014,14 @@ static void layer_forward(mt_trainer* t, const mt_exec* ex, const model_chunk& c
     residual_norm_forward<T>(ex, v.mid, v.ln2, v.ln2_mean, v.ln2_rstd, v.x, proj, p.proj_b, p.ln2_w, p.ln2_b, s.R, s.h,
                              eps, s.rms, s.norm_w1, dropout_site(t, ex, l, DROPOUT_PROJ));
 
-    /* MLP block (an MoE layer's: router, experts and shared expert, moe_forward; no recompute replays it) */
+    /* MLP block (an MoE layer's: router, experts and shared expert, moe_forward; a replay takes the kept
+     * routing and recomputes the experts and the shared expert, its output too when !output: the gated
+     * shared expert's backward reads it) */
     const T* ln2_in = column_parallel_input<T>(tp, gathered, v.ln2, s.R, s.h);
     T* fc2 = (T*)a->branch;
     if (s.moe) {
+        moe_forward<T>(t, ex, s, v, p, l, ln2_in, fc2, replay);
         if (!output) return;
-        moe_forward<T>(t, ex, s, v, p, l, ln2_in, fc2);
     } else {
         mlp_up_forward<T>(ex, s, v, p, ln2_in, fp8 ? &f8[FP8_FC1] : NULL);
         if (!output) return;
@@ -8126,6 +8165,8 @@ static void recompute_layer(mt_trainer* t, const mt_exec* ex, const model_chunk&
     }
     if (rc->granularity != MT_RECOMPUTE_SELECTIVE) return;
     const int modules = rc->modules ? rc->modules : MT_RECOMPUTE_CORE_ATTN;
+    const mt_shape ls = layer_shape(t, l); /* an MoE layer's MLP regions are its shared expert's (none: nothing) */
+    const bool mlp_regions = !ls.moe || ls.f > 0;
     const layer_view<T> v = chunk_layer<T>(t, ch, l);
     const layer_tensors<T> p = layer_params<T>(t, l);
     fp8_linear f8[FP8_LINEARS];
@@ -8134,13 +8175,22 @@ static void recompute_layer(mt_trainer* t, const mt_exec* ex, const model_chunk&
         norm_apply<T>(ex, v.ln2, v.mid, v.ln2_mean, v.ln2_rstd, p.ln2_w, p.ln2_b, s.R, s.h, s.norm_w1);
     /* GELU: the forward's act came from the fc1 GEMM's epilogue (bf16 or FP8), so its bits come back
      * only through that GEMM again */
-    if ((modules & MT_RECOMPUTE_MLP) || ((modules & MT_RECOMPUTE_ACT) && gelu_fused<T>(s))) {
+    if (!mlp_regions) {
+    } else if ((modules & MT_RECOMPUTE_MLP) || ((modules & MT_RECOMPUTE_ACT) && gelu_fused<T>(ls))) {
         const T* ln2_in = column_parallel_input<T>(&t->groups.tp, (T*)t->act.gathered, v.ln2, s.R, s.h);
-        mlp_up_forward<T>(ex, s, v, p, ln2_in, fp8 ? &f8[FP8_FC1] : NULL);
+        mlp_up_forward<T>(ex, ls, v, p, ln2_in, fp8 ? &f8[FP8_FC1] : NULL);
     } else if (modules & MT_RECOMPUTE_ACT) {
-        mlp_activation<T>(ex, s, v, (const T*)NULL);
+        mlp_activation<T>(ex, ls, v, (const T*)NULL);
     }
     if ((modules & MT_RECOMPUTE_CORE_ATTN) && v.probs) attention_probabilities<T>(t, ex, v.qkv, v.probs, l);
+    /* an MoE layer (after ln2 above): its experts and shared expert from the kept routing (moe), or the
+     * experts' activation alone from their kept fc1 output (moe_act) */
+    if (ls.moe && (modules & MT_RECOMPUTE_MOE)) {
+        const T* ln2_in = column_parallel_input<T>(&t->groups.tp, (T*)t->act.gathered, v.ln2, s.R, s.h);
+        moe_forward<T>(t, ex, ls, v, p, l, ln2_in, (T*)t->act.branch, true);
+    } else if (ls.moe && (modules & MT_RECOMPUTE_MOE_ACT)) {
+        moe_recompute_act<T>(t, ex, ls, v);
+    }
 }
 
 /* Backward of one model chunk of a micro-batch whose forward ran with grad_scale != 0: accumulates
@@ -9527,8 +9577,7 @@ static mt_status expert_bias_transfer(mt_trainer* t, float* host, int upload, mt
     return mt_gpu_error_return(&t->error, err);
 }
 
-/* Before a save at PP > 1: every rank assembles the whole bias. Each stage's update moves only its own
- * layers' rows (moe_after_backward: the other rows see no tokens), so the rows a rank holds (mt_pp_holds) are
+/* Before a save at PP > 1: every rank assembles the whole bias. The rows a rank holds (mt_pp_holds) are
  * kept on its TP 0 / DP 0 copy, every other row zeroed, and the world sums them: each row then comes from
  * its one owner (x + 0 is exact; the bias is never -0: it starts at +0 and moves by +-rate). Every model
  * file then holds the same whole copy. Collective (a no-op without the bias or at PP = 1, where every rank

@@ -348,7 +348,8 @@ MOE_SET(tp_no_sp, c->tensor_model_parallel_size = 2; c->world_size = 2)
 MOE_SET(bias_etp, c->add_bias_linear = 1; c->expert_tensor_parallel_size = 2)
 /* not built yet (mt_config_check_supported) */
 MOE_SET(tp, c->tensor_model_parallel_size = 2; c->sequence_parallel = 1; c->world_size = 2)
-MOE_SET(pp, c->pipeline_model_parallel_size = 2; c->world_size = 2)
+MOE_SET(pp_ep, c->pipeline_model_parallel_size = 2; c->expert_model_parallel_size = 2; c->world_size = 4;
+        c->global_batch_size = 8; c->moe_token_dispatcher_alltoall = 1)
 MOE_SET(ep, c->expert_model_parallel_size = 2; c->world_size = 2; c->global_batch_size = 4)
 MOE_SET(ep_over_dp, c->expert_model_parallel_size = 4; c->world_size = 2; c->global_batch_size = 4;
         c->moe_token_dispatcher_alltoall = 1)
@@ -407,13 +408,13 @@ static test_result test_moe_refusals(void) {
      * alike (the planner's and the trainer's answer) */
     const moe_refusal later[] = {
         {"TP", moe_set_tp, "MoE with tensor parallelism (--tensor-model-parallel-size 2) is not built yet: use 1"},
-        {"PP", moe_set_pp, "MoE with pipeline parallelism (--pipeline-model-parallel-size 2) is not built yet: use 1"},
+        {"PP with EP", moe_set_pp_ep, "MoE with pipeline parallelism (--pipeline-model-parallel-size 2) and expert "
+                                      "parallelism (--expert-model-parallel-size 2) together is not built yet"},
         {"EP allgather", moe_set_ep, "--moe-token-dispatcher-type allgather with expert parallelism is not built: give "
                                      "--moe-token-dispatcher-type alltoall"},
         {"EP above DP", moe_set_ep_over_dp, "--expert-model-parallel-size 4 must divide the data-parallel size 2"},
         {"ETP", moe_set_etp, "--expert-tensor-parallel-size 2: expert tensor parallelism is not built yet (use 1)"},
         {"FP8", moe_set_fp8, "MoE with FP8 is not built yet: drop --fp8-format"},
-        {"recompute", moe_set_recompute, "MoE with activation recompute is not built yet"},
         {"linear biases with EP", moe_set_biases_ep, "MoE linear biases with expert parallelism "
                                                      "(--expert-model-parallel-size 2) are not built yet"},
         {"squared-ReLU experts", moe_set_squared_relu, "MoE experts with --squared-relu are not built yet"},
@@ -450,6 +451,19 @@ static test_result test_moe_refusals(void) {
     mt_error err;
     EXPECT_OK(mt_config_finalize(&ok, &err), &err);
     EXPECT(ok.moe_ffn_hidden_size == 32, "expert width");
+    /* activation recompute (issue #34): selective, and full with PP = 2 at EP = 1: accepted */
+    {
+        mt_config r = moe_base(1);
+        moe_set_recompute(&r);
+        EXPECT_OK(mt_config_finalize(&r, &err), &err);
+        mt_config f = moe_base(2);
+        f.pipeline_model_parallel_size = 2;
+        f.recompute.granularity = MT_RECOMPUTE_FULL;
+        f.recompute.method = MT_RECOMPUTE_UNIFORM;
+        f.recompute.num_layers = 1;
+        EXPECT_OK(mt_config_finalize(&f, &err), &err);
+        EXPECT_OK(mt_config_check_supported(&f, &err), &err);
+    }
     /* GELU experts with biases (no shared expert: Megatron refuses biases there): accepted, and the layout has the
      * router's bias [E] and each expert's fc1 bias [fe] (GELU: fc1 as wide as the expert) and fc2 bias [h] */
     {
@@ -516,12 +530,12 @@ static test_result test_moe_refusals(void) {
     mt_layout_candidate k[16];
     int n = 0;
     EXPECT_OK(mt_plan_layouts(&two, NULL, 2, k, 16, &n, &err), &err);
-    int dp_ok = 0, pp_refused = 0;
+    int dp_ok = 0, pp_ok = 0;
     for (int i = 0; i < n; i++) {
         if (k[i].tp == 1 && k[i].pp == 1) dp_ok = !k[i].refused;
-        if (k[i].pp == 2) pp_refused = k[i].refused && strstr(k[i].reason, "MoE with pipeline parallelism") != NULL;
+        if (k[i].pp == 2) pp_ok = !k[i].refused; /* MoE with PP (issue #34) */
     }
-    EXPECT(dp_ok && pp_refused, "%d layouts: DP 2 planned %d, PP 2 refused %d", n, dp_ok, pp_refused);
+    EXPECT(dp_ok && pp_ok, "%d layouts: DP 2 planned %d, PP 2 planned %d", n, dp_ok, pp_ok);
     return TEST_PASS;
 }
 
@@ -653,7 +667,8 @@ static test_result test_moe_flags(void) {
         {{"--moe-router-force-load-balancing"}, "forced balanced routing is not built"},
         {{"--moe-latent-size", "64"}, "latent expert projections is not built"},
         {{"--moe-use-upcycling"}, "upcycling a dense checkpoint is not built"},
-        {{"--moe-layer-recompute"}, "recomputing the MoE layer is not built"},
+        {{"--moe-layer-recompute", "--recompute-granularity", "full", "--recompute-method", "uniform",
+          "--recompute-num-layers", "1"}, "Do not set --moe-layer-recompute with full recompute granularity."},
         {{"--moe-router-padding-for-fp8"}, "padding the routing map is not built"},
         {{"--moe-router-padding-for-quantization"}, "padding the routing map is not built"},
         {{"--moe-aux-loss-coeff", "x"}, "--moe-aux-loss-coeff x: not a number"},
@@ -669,6 +684,28 @@ static test_result test_moe_flags(void) {
     f.vocab_size = 256;
     EXPECT(mt_config_finalize(&f, &err) == MT_ERR_CONFIG && strstr(err.message, "--moe-ffn-hidden-size needs --num-experts"),
            "'%s'", err.message);
+    /* recompute (issue #34): --moe-layer-recompute is Megatron's selective with "moe" appended to the modules
+     * (core_attn by default, or the ones given); moe_act needs --moe-grouped-gemm (Megatron's check) */
+    const char* layer_rc[] = {"--num-experts", "8", "--moe-layer-recompute", NULL};
+    EXPECT(moe_flags(&v, layer_rc, msg, sizeof(msg)) == 0 && v.cfg.recompute.granularity == MT_RECOMPUTE_SELECTIVE &&
+               v.cfg.recompute.modules == (MT_RECOMPUTE_CORE_ATTN | MT_RECOMPUTE_MOE),
+           "--moe-layer-recompute: '%s', granularity %d modules %d", msg, (int)v.cfg.recompute.granularity,
+           v.cfg.recompute.modules);
+    const char* layer_rc_mlp[] = {"--num-experts", "8", "--moe-layer-recompute", "--recompute-activations",
+                                  "--recompute-modules", "mlp", NULL};
+    EXPECT(moe_flags(&v, layer_rc_mlp, msg, sizeof(msg)) == 0 &&
+               v.cfg.recompute.modules == (MT_RECOMPUTE_MLP | MT_RECOMPUTE_MOE), "with mlp: '%s', modules %d", msg,
+           v.cfg.recompute.modules);
+    const char* moe_act[] = {"--num-experts", "8", "--recompute-activations", "--recompute-modules", "moe_act", NULL};
+    EXPECT(moe_flags(&v, moe_act, msg, sizeof(msg)) == 0 && v.cfg.recompute.modules == MT_RECOMPUTE_MOE_ACT, "moe_act: '%s'",
+           msg);
+    f = v.cfg;
+    f.vocab_size = 256;
+    EXPECT(mt_config_finalize(&f, &err) == MT_ERR_CONFIG &&
+               strstr(err.message, "moe_act in recompute_modules is only supported with moe_grouped_gemm."),
+           "moe_act without --moe-grouped-gemm: '%s'", err.message);
+    f.moe_grouped_gemm = 1;
+    EXPECT_OK(mt_config_finalize(&f, &err), &err);
     return TEST_PASS;
 }
 
