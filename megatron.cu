@@ -4972,12 +4972,14 @@ static void moe_expert_bias_update(const mt_exec* ex, float* bias, const int32_t
 /*    ordered as Megatron orders them, n = t*B + j (sequence-major), while arrays stay in rows    */
 /*    r = j*T + t: counts, offsets and each expert's rows (tokens ascending in n) come from block */
 /*    scans per expert, no atomics. Unpermute sums a token's rows in ascending expert order.     */
-/*    The aux-loss statistics reduce fixed row groups in order. Then the experts' SwiGLU times    */
-/*    the row's probability, the shared expert's gate, casts for the fp32 router GEMM, and the    */
+/*    The aux-loss statistics reduce fixed row groups in order. Then the experts' activation      */
+/*    (SwiGLU or GELU) times the row's probability, the experts' and the router's biases, the     */
+/*    shared expert's gate, casts for the fp32 router GEMM, and the                               */
 /*    step's bookkeeping: the global aux loss's running average and the expert-bias update.      */
 /*    defines: moe_routing, moe_work_words, moe_row_of_token / moe_token_of_row, moe_route,      */
 /*    moe_aux_stats, moe_aux_finish, moe_route_backward, moe_permute, moe_unpermute,             */
-/*    moe_swiglu_prob(_backward), moe_row_prob_scatter (expert parallelism), moe_gate_forward /   */
+/*    moe_act_prob(_backward) (moe_swiglu_prob: its SwiGLU), moe_rows_bias(_grad),                */
+/*    moe_router_bias, moe_row_prob_scatter (expert parallelism), moe_gate_forward /              */
 /*    moe_gate_backward, moe_add_f32, moe_to_f32, moe_global_aux_average, moe_expert_bias_update.  */
 /* ============================================================================================== */
 
@@ -5715,65 +5717,185 @@ static void moe_unpermute(const mt_exec* ex, T* out, const T* rows, const int32_
     LAUNCH_CHECK(ex->error);
 }
 
-/* ---- the experts' SwiGLU times the row's probability ---- */
+/* ---- the experts' activation times the row's probability, and the experts' biases ---- */
 
-template <typename T>
-__global__ void moe_swiglu_prob_kernel(T* act, const T* z, const float* row_prob, int R, int fe) {
+/* The expert of permuted row p: e with offsets[e] <= p < offsets[e + 1] (offsets [E + 1], ascending). */
+static __device__ int moe_expert_of_row(const int32_t* offsets, int E, int p) {
+    int lo = 0, hi = E;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (offsets[mid] <= p) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* The experts' activation (Megatron's experts follow the model's): MOE_ACT_SWIGLU, z [R, 2 fe] with each
+ * row's gate columns then its up columns; or the dense MLP's elementwise one (ACT_GELU, ACT_SQUARED_RELU),
+ * z [R, fe]. */
+enum { MOE_ACT_SWIGLU = 2 };
+static_assert((int)MOE_ACT_SWIGLU != (int)ACT_GELU && (int)MOE_ACT_SWIGLU != (int)ACT_SQUARED_RELU, "distinct kinds");
+
+template <typename T, int KIND>
+__global__ void moe_act_prob_kernel(T* act, const T* z, const float* row_prob, int R, int fe) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)R * fe) return;
     const int64_t p = i / fe, c = i % fe;
-    const float gate = to_float(z[p * 2 * fe + c]), up = to_float(z[p * 2 * fe + fe + c]);
-    act[i] = from_float<T>(silu(gate) * up * row_prob[p]);
+    float y;
+    if (KIND == MOE_ACT_SWIGLU) {
+        const float gate = to_float(z[p * 2 * fe + c]), up = to_float(z[p * 2 * fe + fe + c]);
+        y = silu(gate) * up;
+    } else {
+        y = activation<KIND == MOE_ACT_SWIGLU ? ACT_GELU : KIND>(to_float(z[i]));
+    }
+    act[i] = from_float<T>(y * row_prob[p]);
 }
 
+/* act [R, fe] = act(z) times the row's probability (Megatron applies it there, before fc2). */
 template <typename T>
-static void moe_swiglu_prob(const mt_exec* ex, T* act, const T* z, const float* row_prob, int R, int fe) {
+static void moe_act_prob(const mt_exec* ex, T* act, const T* z, const float* row_prob, int R, int fe, int kind) {
     if (R <= 0 || fe <= 0) return;
-    moe_swiglu_prob_kernel<T><<<ceil_div((int64_t)R * fe, 256), 256, 0, ex->stream>>>(act, z, row_prob, R, fe);
+    const unsigned blocks = ceil_div((int64_t)R * fe, 256);
+    if (kind == MOE_ACT_SWIGLU)
+        moe_act_prob_kernel<T, MOE_ACT_SWIGLU><<<blocks, 256, 0, ex->stream>>>(act, z, row_prob, R, fe);
+    else if (kind == ACT_SQUARED_RELU)
+        moe_act_prob_kernel<T, ACT_SQUARED_RELU><<<blocks, 256, 0, ex->stream>>>(act, z, row_prob, R, fe);
+    else
+        moe_act_prob_kernel<T, ACT_GELU><<<blocks, 256, 0, ex->stream>>>(act, z, row_prob, R, fe);
     LAUNCH_CHECK(ex->error);
 }
-
-/* A block per permuted row: dz, and dp = sum_j silu(gate_j) up_j dact_j (each thread's columns in
- * order, then block_sum's fixed tree) into dprobs at (token, expert of the row); without token_of
- * (expert parallelism: the rows are another rank's tokens) into dprobs [R] at the row. */
 template <typename T>
-__global__ void moe_swiglu_prob_backward_kernel(T* dz, float* dprobs, const T* dact, const T* z, const float* row_prob,
-                                                const int32_t* token_of, const int32_t* offsets, int fe, int E) {
+static void moe_swiglu_prob(const mt_exec* ex, T* act, const T* z, const float* row_prob, int R, int fe) {
+    moe_act_prob<T>(ex, act, z, row_prob, R, fe, MOE_ACT_SWIGLU);
+}
+
+/* A block per permuted row: dz, and dp = sum_j act(z)_j dact_j (each thread's columns in order, then
+ * block_sum's fixed tree), plus, with the experts' fc2 bias (fc2_bias [E, h], the row's output gradient dy
+ * [R, h]), dy . b2 of the row's expert (the bias is weighted by the probability: p (fc2(a) + b2)), into
+ * dprobs at (token, expert of the row); without token_of (expert parallelism: the rows are another rank's
+ * tokens) into dprobs [R] at the row. */
+template <typename T, int KIND>
+__global__ void moe_act_prob_backward_kernel(T* dz, float* dprobs, const T* dact, const T* z, const float* row_prob,
+                                             const int32_t* token_of, const int32_t* offsets, int fe, int E,
+                                             const T* dy, const T* fc2_bias, int h) {
     const int64_t p = blockIdx.x;
     const float prob = row_prob[p];
     float dp = 0.0f;
     for (int c = threadIdx.x; c < fe; c += blockDim.x) {
-        const float gate = to_float(z[p * 2 * fe + c]), up = to_float(z[p * 2 * fe + fe + c]);
-        const float d = to_float(dact[p * fe + c]);
-        const float s = 1.0f / (1.0f + expf(-gate)), sl = gate * s;
-        dz[p * 2 * fe + c] = from_float<T>(d * prob * up * s * (1.0f + gate * (1.0f - s)));
-        dz[p * 2 * fe + fe + c] = from_float<T>(d * prob * sl);
-        dp += sl * up * d;
+        if (KIND == MOE_ACT_SWIGLU) {
+            const float gate = to_float(z[p * 2 * fe + c]), up = to_float(z[p * 2 * fe + fe + c]);
+            const float d = to_float(dact[p * fe + c]);
+            const float s = 1.0f / (1.0f + expf(-gate)), sl = gate * s;
+            dz[p * 2 * fe + c] = from_float<T>(d * prob * up * s * (1.0f + gate * (1.0f - s)));
+            dz[p * 2 * fe + fe + c] = from_float<T>(d * prob * sl);
+            dp += sl * up * d;
+        } else {
+            constexpr int A = KIND == MOE_ACT_SWIGLU ? ACT_GELU : KIND;
+            const float x = to_float(z[p * fe + c]), d = to_float(dact[p * fe + c]);
+            dz[p * fe + c] = from_float<T>(d * prob * activation_derivative<A>(x));
+            dp += activation<A>(x) * d;
+        }
+    }
+    __shared__ int expert;
+    if (offsets) {
+        if (threadIdx.x == 0) expert = moe_expert_of_row(offsets, E, (int)p);
+        __syncthreads();
+        if (fc2_bias)
+            for (int j = threadIdx.x; j < h; j += blockDim.x)
+                dp += to_float(dy[p * h + j]) * to_float(fc2_bias[(int64_t)expert * h + j]);
     }
     dp = block_sum(dp);
     if (threadIdx.x == 0 && !token_of) { /* expert parallelism: the row's own gradient, dprobs [R] */
         dprobs[p] = dp;
         return;
     }
-    if (threadIdx.x == 0) {
-        int lo = 0, hi = E; /* the expert e with offsets[e] <= p < offsets[e + 1] */
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) / 2;
-            if (offsets[mid] <= p) lo = mid;
-            else hi = mid;
-        }
-        dprobs[(int64_t)token_of[p] * E + lo] = dp;
-    }
+    if (threadIdx.x == 0) dprobs[(int64_t)token_of[p] * E + expert] = dp;
 }
 
+/* dy and fc2_bias: the experts' fc2 bias and the rows' output gradient (NULL: no fc2 bias; needs offsets). */
+template <typename T>
+static void moe_act_prob_backward(const mt_exec* ex, T* dz, float* dprobs, const T* dact, const T* z,
+                                  const float* row_prob, const int32_t* token_of, const int32_t* offsets, int R,
+                                  int fe, int E, int kind, const T* dy = NULL, const T* fc2_bias = NULL, int h = 0) {
+    if (R <= 0 || fe <= 0) return;
+    if (fc2_bias && !offsets) {
+        mt_gpu_fail(ex->error, MT_ERR_CONFIG, "moe_act_prob_backward: the fc2 bias needs the rows' experts");
+        return;
+    }
+    const int threads = fe >= 512 ? 256 : fe >= 128 ? 128 : 32;
+    if (kind == MOE_ACT_SWIGLU)
+        moe_act_prob_backward_kernel<T, MOE_ACT_SWIGLU><<<R, threads, 0, ex->stream>>>(
+            dz, dprobs, dact, z, row_prob, token_of, offsets, fe, E, dy, fc2_bias, h);
+    else if (kind == ACT_SQUARED_RELU)
+        moe_act_prob_backward_kernel<T, ACT_SQUARED_RELU><<<R, threads, 0, ex->stream>>>(
+            dz, dprobs, dact, z, row_prob, token_of, offsets, fe, E, dy, fc2_bias, h);
+    else
+        moe_act_prob_backward_kernel<T, ACT_GELU><<<R, threads, 0, ex->stream>>>(
+            dz, dprobs, dact, z, row_prob, token_of, offsets, fe, E, dy, fc2_bias, h);
+    LAUNCH_CHECK(ex->error);
+}
 template <typename T>
 static void moe_swiglu_prob_backward(const mt_exec* ex, T* dz, float* dprobs, const T* dact, const T* z,
                                      const float* row_prob, const int32_t* token_of, const int32_t* offsets, int R,
                                      int fe, int E) {
-    if (R <= 0 || fe <= 0) return;
-    const int threads = fe >= 512 ? 256 : fe >= 128 ? 128 : 32;
-    moe_swiglu_prob_backward_kernel<T><<<R, threads, 0, ex->stream>>>(dz, dprobs, dact, z, row_prob, token_of, offsets,
-                                                                       fe, E);
+    moe_act_prob_backward<T>(ex, dz, dprobs, dact, z, row_prob, token_of, offsets, R, fe, E, MOE_ACT_SWIGLU);
+}
+
+/* The experts' biases on their rows (--add-bias-linear; Megatron's grouped experts): y [R, C] += b[e] of the
+ * row's expert e (offsets [E + 1]), times the row's probability when row_prob is given (the fc2 bias: the
+ * expert's output is p (fc2(a) + b2)); a block per row. */
+template <typename T>
+__global__ void moe_rows_bias_kernel(T* y, const T* bias, const float* row_prob, const int32_t* offsets, int C, int E) {
+    const int64_t p = blockIdx.x;
+    __shared__ int expert;
+    if (threadIdx.x == 0) expert = moe_expert_of_row(offsets, E, (int)p);
+    __syncthreads();
+    const float scale = row_prob ? row_prob[p] : 1.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        y[p * C + c] = from_float<T>(to_float(y[p * C + c]) + to_float(bias[(int64_t)expert * C + c]) * scale);
+}
+template <typename T>
+static void moe_rows_bias(const mt_exec* ex, T* y, const T* bias, const float* row_prob, const int32_t* offsets, int R,
+                          int C, int E) {
+    if (R <= 0 || C <= 0) return;
+    moe_rows_bias_kernel<T><<<R, C >= 256 ? 256 : 128, 0, ex->stream>>>(y, bias, row_prob, offsets, C, E);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* Its gradient: db [E, C] (fp32) = sum over expert e's rows of dy [R, C] (times the row's probability when
+ * row_prob is given), rows in order, a thread per column (no atomics); added to db when accumulating, else
+ * written (an expert without rows: 0). */
+template <typename T>
+__global__ void moe_rows_bias_grad_kernel(float* db, const T* dy, const float* row_prob, const int32_t* offsets, int C,
+                                          int accumulate) {
+    const int e = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float sum = 0.0f;
+    for (int p = offsets[e]; p < offsets[e + 1]; p++)
+        sum += to_float(dy[(int64_t)p * C + c]) * (row_prob ? row_prob[p] : 1.0f);
+    float* out = db + (int64_t)e * C + c;
+    *out = accumulate ? *out + sum : sum;
+}
+template <typename T>
+static void moe_rows_bias_grad(const mt_exec* ex, float* db, const T* dy, const float* row_prob, const int32_t* offsets,
+                               int C, int E, bool accumulate) {
+    if (C <= 0 || E <= 0) return;
+    const dim3 grid((unsigned)E, (unsigned)ceil_div(C, 128));
+    moe_rows_bias_grad_kernel<T><<<grid, 128, 0, ex->stream>>>(db, dy, row_prob, offsets, C, accumulate ? 1 : 0);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* The router's bias (--add-bias-linear, Megatron's router): logits [N, E] += b (widened to fp32). */
+template <typename T>
+__global__ void moe_router_bias_kernel(float* logits, const T* bias, int64_t n, int E) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) logits[i] += to_float(bias[i % E]);
+}
+template <typename T>
+static void moe_router_bias(const mt_exec* ex, float* logits, const T* bias, int N, int E) {
+    const int64_t n = (int64_t)N * E;
+    if (n <= 0) return;
+    moe_router_bias_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(logits, bias, n, E);
     LAUNCH_CHECK(ex->error);
 }
 
@@ -5783,13 +5905,7 @@ __global__ void moe_row_prob_scatter_kernel(float* dprobs, const float* drow, co
                                             const int32_t* offsets, int R, int E) {
     const int p = blockIdx.x * blockDim.x + threadIdx.x;
     if (p >= R) return;
-    int lo = 0, hi = E; /* the expert e with offsets[e] <= p < offsets[e + 1] */
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (offsets[mid] <= p) lo = mid;
-        else hi = mid;
-    }
-    dprobs[(int64_t)token_of[p] * E + lo] = drow[p];
+    dprobs[(int64_t)token_of[p] * E + moe_expert_of_row(offsets, E, p)] = drow[p];
 }
 static void moe_row_prob_scatter(const mt_exec* ex, float* dprobs, const float* drow, const int32_t* token_of,
                                  const int32_t* offsets, int R, int E) {
@@ -8298,10 +8414,15 @@ static void mlp_up_forward(const mt_exec* ex, const mt_shape& s, const layer_vie
  * bf16 model the logits are then rounded to bf16 as Megatron computes them), top-k routing with capacity
  * and dropping (section 14's moe_route), the aux losses' statistics, the layer's rows permuted into expert
  * order, each expert's two GEMMs on its rows (the row counts read back to the host once per layer and pass,
- * as Megatron's dropless dispatcher does), SwiGLU times the row's probability, the rows summed back per
+ * as Megatron's dropless dispatcher does), the activation (SwiGLU, or the model's GELU) times the row's
+ * probability (with --add-bias-linear: the router's bias on the logits, each expert's fc1 bias before the
+ * activation and its fc2 bias times the row's probability, as Megatron's experts), the rows summed back per
  * token (ascending expert: no atomics), plus the shared expert (this layer's dense MLP, run by the dense
  * code on fc1_w / fc2_w) under its optional sigmoid gate. The aux losses enter the backward as gradients
  * of the router's logits scaled like the micro-batch's loss (ex->mode.moe_loss_scale). */
+
+/* The experts' activation: the model's (SwiGLU, else the dense MLP's GELU or squared ReLU). */
+static int moe_act_kind(const mt_shape& s) { return s.swiglu ? MOE_ACT_SWIGLU : s.act; }
 
 /* The routing settings of the config, for a micro-batch of s.BT tokens. */
 static moe_routing moe_routing_of(const mt_trainer* t, const mt_shape& s) {
@@ -8555,7 +8676,7 @@ static void moe_ep_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, 
     const int32_t* local = t->moe.ep_local;
     moe_experts_forward<T>(t, ex, MOE_GEMM_FC1, v.moe_fc1, (const T*)v.moe_ep_in, p.expert_fc1_w, local, s.El, s.h,
                            s.f1e);
-    moe_swiglu_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_ep_prob, Rr, s.fe);
+    moe_act_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_ep_prob, Rr, s.fe, moe_act_kind(s));
     moe_experts_forward<T>(t, ex, MOE_GEMM_FC2, (T*)a->moe_y, v.moe_act, p.expert_fc2_w, local, s.El, s.fe, s.h);
     moe_permute<T>(ex, (T*)a->moe_xperm, (const T*)a->moe_y, a->moe_ep_index + s.Rexp, Rr, s.h); /* received order */
     moe_all_to_all(t, ex, y, send, a->moe_xperm, recv, s.h, type, sizeof(T));
@@ -8586,8 +8707,8 @@ static void moe_ep_backward(mt_trainer* t, const mt_exec* ex, const mt_shape& s,
     moe_permute<T>(ex, sorted, (const T*)a->moe_xperm, a->moe_ep_index, Rr, s.h);
     moe_experts_backward<T>(t, ex, MOE_GEMM_FC2_DX, (T*)a->moe_dact, dp.expert_fc2_w, sorted, v.moe_act,
                             p.expert_fc2_w, local, s.El, s.fe, s.h);
-    moe_swiglu_prob_backward<T>(ex, (T*)a->moe_dz, drow_local, (const T*)a->moe_dact, v.moe_fc1, v.moe_ep_prob,
-                                (const int32_t*)NULL, (const int32_t*)NULL, Rr, s.fe, s.El);
+    moe_act_prob_backward<T>(ex, (T*)a->moe_dz, drow_local, (const T*)a->moe_dact, v.moe_fc1, v.moe_ep_prob,
+                             (const int32_t*)NULL, (const int32_t*)NULL, Rr, s.fe, s.El, moe_act_kind(s));
     moe_experts_backward<T>(t, ex, MOE_GEMM_FC1_DX, sorted, dp.expert_fc1_w, (const T*)a->moe_dz,
                             (const T*)v.moe_ep_in, p.expert_fc1_w, local, s.El, s.h, s.f1e);
     moe_permute<T>(ex, (T*)a->moe_xperm, (const T*)sorted, a->moe_ep_index + s.Rexp, Rr, s.h);
@@ -8637,23 +8758,29 @@ static void moe_aux_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s,
                    coef_seq, coef_global, coef_z, v.moe_auxw, t->moe.log + (int64_t)l * 4);
 }
 
-/* Forward of layer l's MoE block: out [N, h] (the branch before the residual add) from x = ln2 [N, h]. */
+/* Forward of layer l's MoE block: out [N, h] (the branch before the residual add) from x = ln2 [N, h].
+ * replay (full recompute, in the backward): the routing is the forward's, kept per layer (megatron.h
+ * mt_recompute_position), so neither the router nor its bookkeeping (tokens per expert, aux losses' sums)
+ * runs again; the experts and the shared expert recompute from it bit for bit. */
 template <typename T>
 static void moe_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const layer_view<T>& v,
-                        const layer_tensors<T>& p, int l, const T* x, T* out) {
+                        const layer_tensors<T>& p, int l, const T* x, T* out, bool replay = false) {
     const mt_config* c = &t->cfg;
     mt_activations* a = &t->act;
     const moe_routing r = moe_routing_of(t, s);
     const bool training = ex->mode.training != 0;
     const int E = s.E, N = s.BT;
     /* router: logits [N, E] = x W_r^T in fp32; routing; the aux losses' statistics */
-    const float *x32, *W32;
-    moe_router_operands<T>(ex, a, s, x, p.router_w, &x32, &W32);
-    gemm<float, float>(ex, false, true, N, E, s.h, x32, s.h, W32, s.h, v.moe_logits, E, 1.0f, 0.0f);
-    const float* bias = c->moe_router_enable_expert_bias ? t->moe.expert_bias + (int64_t)l * E : (const float*)NULL;
-    moe_route(ex, r, v.moe_logits, bias, v.moe_probs, v.moe_row, v.moe_token, v.moe_row_prob, v.moe_counts,
-              training ? t->moe.step_tokens + (int64_t)l * E : (int32_t*)NULL, a->moe_work);
-    if (training) moe_aux_forward(t, ex, s, r, v, l);
+    if (!replay) {
+        const float *x32, *W32;
+        moe_router_operands<T>(ex, a, s, x, p.router_w, &x32, &W32);
+        gemm<float, float>(ex, false, true, N, E, s.h, x32, s.h, W32, s.h, v.moe_logits, E, 1.0f, 0.0f);
+        if (p.router_b) moe_router_bias<T>(ex, v.moe_logits, p.router_b, N, E);
+        const float* bias = c->moe_router_enable_expert_bias ? t->moe.expert_bias + (int64_t)l * E : (const float*)NULL;
+        moe_route(ex, r, v.moe_logits, bias, v.moe_probs, v.moe_row, v.moe_token, v.moe_row_prob, v.moe_counts,
+                  training ? t->moe.step_tokens + (int64_t)l * E : (int32_t*)NULL, a->moe_work);
+        if (training) moe_aux_forward(t, ex, s, r, v, l);
+    }
     /* the experts on their rows (with expert parallelism, on the rows' EP ranks: moe_ep_forward reads the
      * counts back itself) */
     if (s.ep > 1) {
@@ -8664,8 +8791,11 @@ static void moe_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, con
         moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, R, s.h);
         moe_experts_forward<T>(t, ex, MOE_GEMM_FC1, v.moe_fc1, (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h,
                                s.f1e);
-        moe_swiglu_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_row_prob, R, s.fe);
+        const int32_t* offsets = v.moe_counts + E; /* the device's, for the biases' row -> expert */
+        if (p.expert_fc1_b) moe_rows_bias<T>(ex, v.moe_fc1, p.expert_fc1_b, (const float*)NULL, offsets, R, s.f1e, E);
+        moe_act_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_row_prob, R, s.fe, moe_act_kind(s));
         moe_experts_forward<T>(t, ex, MOE_GEMM_FC2, (T*)a->moe_y, v.moe_act, p.expert_fc2_w, counts, E, s.fe, s.h);
+        if (p.expert_fc2_b) moe_rows_bias<T>(ex, (T*)a->moe_y, p.expert_fc2_b, v.moe_row_prob, offsets, R, s.h, E);
     }
     /* the shared expert (the dense MLP code on this layer's shared weights), its output kept when gated */
     T* shared = NULL;
@@ -8676,6 +8806,25 @@ static void moe_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, con
         if (v.moe_gate) moe_gate_forward<T>(ex, v.moe_gate, x, p.shared_gate_w, N, s.h);
     }
     moe_unpermute<T>(ex, out, (const T*)a->moe_y, v.moe_row, shared, v.moe_gate, N, E, s.h, false);
+}
+
+/* Selective moe_act: the experts' activation times the probability again from the kept fc1 output, over the
+ * rows the local experts hold (their count read back: this layer's rows, or with expert parallelism the
+ * rows received, from the kept counts). */
+template <typename T>
+static void moe_recompute_act(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const layer_view<T>& v) {
+    int rows = 0;
+    if (s.ep > 1) {
+        int32_t* received = t->moe.ep_host; /* [EP, El] */
+        CUDA_CHECK(ex->error, cudaMemcpyAsync(received, v.moe_ep_counts, sizeof(int32_t) * (size_t)s.E,
+                                              cudaMemcpyDeviceToHost, ex->stream));
+        if (!CUDA_CHECK(ex->error, cudaStreamSynchronize(ex->stream))) return;
+        for (int i = 0; i < s.E; i++) rows += received[i];
+        moe_act_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_ep_prob, rows, s.fe, moe_act_kind(s));
+    } else {
+        rows = moe_host_counts(t, v.moe_counts, s.E)[2 * s.E];
+        moe_act_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_row_prob, rows, s.fe, moe_act_kind(s));
+    }
 }
 
 /* Backward of layer l's MoE block from dout [N, h] (the branch's gradient): the layer input's gradient into
@@ -8699,11 +8848,17 @@ static void moe_backward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, co
         const int32_t* counts = moe_host_counts(t, v.moe_counts, E);
         const int R = counts[2 * E];
         moe_permute<T>(ex, drows, dout, v.moe_token, R, s.h);
+        const int32_t* offsets = v.moe_counts + E;
+        const bool accumulate = ex->mode.accumulate_gradients != 0;
         moe_experts_backward<T>(t, ex, MOE_GEMM_FC2_DX, (T*)a->moe_dact, dp.expert_fc2_w, drows, v.moe_act,
                                 p.expert_fc2_w, counts, E, s.fe, s.h);
+        if (dp.expert_fc2_b) moe_rows_bias_grad<T>(ex, dp.expert_fc2_b, drows, v.moe_row_prob, offsets, s.h, E, accumulate);
         CUDA_CHECK(ex->error, cudaMemsetAsync(a->moe_dprobs, 0, sizeof(float) * (size_t)N * E, ex->stream));
-        moe_swiglu_prob_backward<T>(ex, (T*)a->moe_dz, a->moe_dprobs, (const T*)a->moe_dact, v.moe_fc1,
-                                    v.moe_row_prob, v.moe_token, v.moe_counts + E, R, s.fe, E);
+        moe_act_prob_backward<T>(ex, (T*)a->moe_dz, a->moe_dprobs, (const T*)a->moe_dact, v.moe_fc1, v.moe_row_prob,
+                                 v.moe_token, offsets, R, s.fe, E, moe_act_kind(s), p.expert_fc2_b ? drows : (const T*)NULL,
+                                 p.expert_fc2_b, s.h);
+        if (dp.expert_fc1_b) moe_rows_bias_grad<T>(ex, dp.expert_fc1_b, (const T*)a->moe_dz, (const float*)NULL, offsets,
+                                                   s.f1e, E, accumulate);
         moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, R, s.h); /* the rows the forward's fc1 read */
         moe_experts_backward<T>(t, ex, MOE_GEMM_FC1_DX, drows, dp.expert_fc1_w, (const T*)a->moe_dz,
                                 (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h, s.f1e);
@@ -8717,7 +8872,7 @@ static void moe_backward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, co
                        a->moe_dprobs, v.moe_auxw, scale, z_scale, a->moe_dlogits, a->moe_work);
     const float *x32, *W32;
     moe_router_operands<T>(ex, a, s, x, p.router_w, &x32, &W32);
-    weight_gradient<float>(ex, &t->colsum, dp.router_w, (float*)NULL, a->moe_dlogits, x32, N, s.h, E);
+    weight_gradient<float>(ex, &t->colsum, dp.router_w, dp.router_b, a->moe_dlogits, x32, N, s.h, E);
     if (sizeof(T) == 4) { /* fp32: straight into dx */
         gemm<float, float>(ex, false, false, N, s.h, E, a->moe_dlogits, E, W32, s.h, (float*)dx, s.h, 1.0f, 1.0f);
     } else {
@@ -8807,13 +8962,26 @@ static void moe_pass_begin(mt_trainer* t) {
 
 /* A training pass of `count` micro-batches ended: the tokens per expert summed over DP (what the expert bias
  * balances), the logged losses averaged over DP and the micro-batches (Megatron's reduction of its MoE
- * tracker), both kept on the host for mt_trainer_moe_stats and the step's result. */
+ * tracker), both kept on the host for mt_trainer_moe_stats and the step's result. With pipeline parallelism
+ * each stage filled its own layers' rows (the others are 0) and both are summed over the pipeline as well
+ * (Megatron's tracker reduces across the pipeline for its log line): every rank then holds every layer's
+ * (x + 0: exact), and the expert-bias update moves every layer's row alike on every rank. */
 static void moe_pass_end(mt_trainer* t, int count) {
     mt_moe_state* m = &t->moe;
     if (!m->enabled) return;
     const size_t L = (size_t)t->cfg.num_layers, E = (size_t)t->cfg.num_experts;
     dp_all_reduce_device(t, m->step_tokens, L * E, ncclInt32);
     dp_all_reduce_device(t, m->log, L * 4, ncclFloat);
+    if (t->groups.pp_size > 1 && t->groups.pp) {
+        comm_after_compute(t);
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupStart());
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclAllReduce(m->step_tokens, m->step_tokens, L * E, ncclInt32, ncclSum,
+                                                         t->groups.pp, t->groups.comm_stream));
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclAllReduce(m->log, m->log, L * 4, ncclFloat, ncclSum, t->groups.pp,
+                                                         t->groups.comm_stream));
+        NCCL_CHECK(&t->error, t->cfg.rank, ncclGroupEnd());
+        compute_after_comm(t);
+    }
     CUDA_CHECK(&t->error, cudaMemcpyAsync(m->last_tokens, m->step_tokens, L * E * 4, cudaMemcpyDeviceToHost, t->stream));
     CUDA_CHECK(&t->error, cudaMemcpyAsync(m->last_log, m->log, L * 4 * 4, cudaMemcpyDeviceToHost, t->stream));
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
@@ -8872,12 +9040,14 @@ static void layer_forward(mt_trainer* t, const mt_exec* ex, const model_chunk& c
     residual_norm_forward<T>(ex, v.mid, v.ln2, v.ln2_mean, v.ln2_rstd, v.x, proj, p.proj_b, p.ln2_w, p.ln2_b, s.R, s.h,
                              eps, s.rms, s.norm_w1, dropout_site(t, ex, l, DROPOUT_PROJ));
 
-    /* MLP block (an MoE layer's: router, experts and shared expert, moe_forward; no recompute replays it) */
+    /* MLP block (an MoE layer's: router, experts and shared expert, moe_forward; a replay takes the kept
+     * routing and recomputes the experts and the shared expert, its output too when !output: the gated
+     * shared expert's backward reads it) */
     const T* ln2_in = column_parallel_input<T>(tp, gathered, v.ln2, s.R, s.h);
     T* fc2 = (T*)a->branch;
     if (s.moe) {
+        moe_forward<T>(t, ex, s, v, p, l, ln2_in, fc2, replay);
         if (!output) return;
-        moe_forward<T>(t, ex, s, v, p, l, ln2_in, fc2);
     } else {
         mlp_up_forward<T>(ex, s, v, p, ln2_in, fp8 ? &f8[FP8_FC1] : NULL);
         if (!output) return;
@@ -9021,6 +9191,8 @@ static void recompute_layer(mt_trainer* t, const mt_exec* ex, const model_chunk&
     }
     if (rc->granularity != MT_RECOMPUTE_SELECTIVE) return;
     const int modules = rc->modules ? rc->modules : MT_RECOMPUTE_CORE_ATTN;
+    const mt_shape ls = layer_shape(t, l); /* an MoE layer's MLP regions are its shared expert's (none: nothing) */
+    const bool mlp_regions = !ls.moe || ls.f > 0;
     const layer_view<T> v = chunk_layer<T>(t, ch, l);
     const layer_tensors<T> p = layer_params<T>(t, l);
     fp8_linear f8[FP8_LINEARS];
@@ -9029,13 +9201,22 @@ static void recompute_layer(mt_trainer* t, const mt_exec* ex, const model_chunk&
         norm_apply<T>(ex, v.ln2, v.mid, v.ln2_mean, v.ln2_rstd, p.ln2_w, p.ln2_b, s.R, s.h, s.norm_w1);
     /* GELU: the forward's act came from the fc1 GEMM's epilogue (bf16 or FP8), so its bits come back
      * only through that GEMM again */
-    if ((modules & MT_RECOMPUTE_MLP) || ((modules & MT_RECOMPUTE_ACT) && gelu_fused<T>(s))) {
+    if (!mlp_regions) {
+    } else if ((modules & MT_RECOMPUTE_MLP) || ((modules & MT_RECOMPUTE_ACT) && gelu_fused<T>(ls))) {
         const T* ln2_in = column_parallel_input<T>(&t->groups.tp, (T*)t->act.gathered, v.ln2, s.R, s.h);
-        mlp_up_forward<T>(ex, s, v, p, ln2_in, fp8 ? &f8[FP8_FC1] : NULL);
+        mlp_up_forward<T>(ex, ls, v, p, ln2_in, fp8 ? &f8[FP8_FC1] : NULL);
     } else if (modules & MT_RECOMPUTE_ACT) {
-        mlp_activation<T>(ex, s, v, (const T*)NULL);
+        mlp_activation<T>(ex, ls, v, (const T*)NULL);
     }
     if ((modules & MT_RECOMPUTE_CORE_ATTN) && v.probs) attention_probabilities<T>(t, ex, v.qkv, v.probs, l);
+    /* an MoE layer (after ln2 above): its experts and shared expert from the kept routing (moe), or the
+     * experts' activation alone from their kept fc1 output (moe_act) */
+    if (ls.moe && (modules & MT_RECOMPUTE_MOE)) {
+        const T* ln2_in = column_parallel_input<T>(&t->groups.tp, (T*)t->act.gathered, v.ln2, s.R, s.h);
+        moe_forward<T>(t, ex, ls, v, p, l, ln2_in, (T*)t->act.branch, true);
+    } else if (ls.moe && (modules & MT_RECOMPUTE_MOE_ACT)) {
+        moe_recompute_act<T>(t, ex, ls, v);
+    }
 }
 
 /* Backward of one model chunk of a micro-batch whose forward ran with grad_scale != 0: accumulates
@@ -10440,8 +10621,7 @@ static mt_status expert_bias_transfer(mt_trainer* t, float* host, int upload, mt
     return mt_gpu_error_return(&t->error, err);
 }
 
-/* Before a save at PP > 1: every rank assembles the whole bias. Each stage's update moves only its own
- * layers' rows (moe_after_backward: the other rows see no tokens), so the rows a rank holds (mt_pp_holds) are
+/* Before a save at PP > 1: every rank assembles the whole bias. The rows a rank holds (mt_pp_holds) are
  * kept on its TP 0 / DP 0 copy, every other row zeroed, and the world sums them: each row then comes from
  * its one owner (x + 0 is exact; the bias is never -0: it starts at +0 and moves by +-rate). Every model
  * file then holds the same whole copy. Collective (a no-op without the bias or at PP = 1, where every rank

@@ -465,8 +465,10 @@ typedef enum { MT_RECOMPUTE_NONE = 0, MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_FULL 
 typedef enum { MT_RECOMPUTE_UNIFORM = 0, MT_RECOMPUTE_BLOCK } mt_recompute_method;
 /* selective's modules: the attention probabilities (exact path; flash attention keeps none anyway),
  * the second norm's output, the MLP's activation output, or the whole MLP's inner activations (fc1
- * and activation outputs) */
-enum { MT_RECOMPUTE_CORE_ATTN = 1, MT_RECOMPUTE_LAYERNORM = 2, MT_RECOMPUTE_ACT = 4, MT_RECOMPUTE_MLP = 8 };
+ * and activation outputs); an MoE layer's: the experts' activation output (moe_act), or its experts'
+ * and shared expert's activations, recomputed from the kept routing (moe; --moe-layer-recompute) */
+enum { MT_RECOMPUTE_CORE_ATTN = 1, MT_RECOMPUTE_LAYERNORM = 2, MT_RECOMPUTE_ACT = 4, MT_RECOMPUTE_MLP = 8,
+       MT_RECOMPUTE_MOE_ACT = 16, MT_RECOMPUTE_MOE = 32 };
 typedef struct {
     mt_recompute_granularity granularity;
     mt_recompute_method method;   /* full: uniform keeps the input of every group of num_layers layers
@@ -658,8 +660,8 @@ MT_DEF mt_status mt_config_finalize(mt_config* cfg, mt_error* err);
 /* Every "is this combination built here" rule, in one place: FP8 outside bf16, the shapes FP8 GEMMs
  * take, --fp8-param-gather with the blockwise recipe or optimizer offload, an uneven pipeline split
  * with virtual stages, a virtual-stage micro-batch group above PP; mixture of experts beyond phase 1
- * (one GPU and data parallelism: MoE with TP, PP, EP or ETP above 1, FP8, recompute, linear biases,
- * non-SwiGLU experts, dense layers between MoE ones, --calculate-per-token-loss).
+ * (MoE with TP or ETP above 1, PP together with EP above 1, FP8, linear biases with EP above 1,
+ * squared-ReLU experts, --calculate-per-token-loss).
  * MT_OK, or MT_ERR_CONFIG with one line naming the combination and what to do instead. The config's
  * derived sizes must be there (mt_config_finalize calls it once they are; mt_trainer_create and
  * --plan-layouts, for each layout it plans, call it too), so the planner never approves a layout the
@@ -1758,7 +1760,8 @@ int64_t mt_trainer_last_loss_tokens(const mt_trainer* t);
 /* Mixture of experts: the last training pass's (mt_trainer_train_step's or mt_trainer_compute_gradients')
  * statistics of each MoE layer i (model order): losses [Lm, 4] the logged load-balancing, sequence, global
  * and z losses (mt_step_result.moe_losses' per layer), tokens [Lm, E] tokens per expert of the final routing
- * maps summed over the micro-batches and DP ranks, expert_bias [Lm, E] the aux-loss-free bias now (after
+ * maps summed over the micro-batches and DP ranks (with pipeline parallelism every rank has every stage's
+ * layers: the pass sums them over the pipeline), expert_bias [Lm, E] the aux-loss-free bias now (after
  * the last step's update; 0 without --moe-router-enable-expert-bias). Any pointer may be NULL.
  * MT_ERR_CONFIG for a dense model. */
 mt_status mt_trainer_moe_stats(mt_trainer* t, float* losses, int32_t* tokens, float* expert_bias, mt_error* err);
@@ -3904,26 +3907,24 @@ MT_DEF mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
         if (ep > 1 && !c->moe_token_dispatcher_alltoall)
             return mt_fail(err, MT_ERR_CONFIG, "--moe-token-dispatcher-type allgather with expert parallelism is not built: "
                            "give --moe-token-dispatcher-type alltoall (the same routing and experts)");
-        if (pp > 1)
-            return mt_fail(err, MT_ERR_CONFIG, "MoE with pipeline parallelism (--pipeline-model-parallel-size %d) is not built "
-                           "yet: use 1 (data parallelism is)", pp);
+        if (pp > 1 && ep > 1)
+            return mt_fail(err, MT_ERR_CONFIG, "MoE with pipeline parallelism (--pipeline-model-parallel-size %d) and expert "
+                           "parallelism (--expert-model-parallel-size %d) together is not built yet: use one of them", pp, ep);
         if (c->tensor_model_parallel_size > 1)
             return mt_fail(err, MT_ERR_CONFIG, "MoE with tensor parallelism (--tensor-model-parallel-size %d) is not built "
                            "yet: use 1 (data parallelism is)", c->tensor_model_parallel_size);
         if (etp != 1)
             return mt_fail(err, MT_ERR_CONFIG, "--expert-tensor-parallel-size %d: expert tensor parallelism is not built yet "
                            "(use 1)", etp);
-        if (c->add_bias_linear)
-            return mt_fail(err, MT_ERR_CONFIG, "MoE with linear biases is not built yet: give --disable-bias-linear");
-        if (!c->swiglu)
-            return mt_fail(err, MT_ERR_CONFIG, "MoE experts without --swiglu (GELU or squared-ReLU experts) are not built "
-                           "yet: give --swiglu");
+        if (c->add_bias_linear && ep > 1)
+            return mt_fail(err, MT_ERR_CONFIG, "MoE linear biases with expert parallelism (--expert-model-parallel-size "
+                           "%d) are not built yet: give --disable-bias-linear, or use EP 1", ep);
+        if (c->squared_relu)
+            return mt_fail(err, MT_ERR_CONFIG, "MoE experts with --squared-relu are not built yet: give --swiglu, or "
+                           "neither (GELU experts)");
         if (c->fp8_format != MT_FP8_NONE || c->fp8_param_gather)
             return mt_fail(err, MT_ERR_CONFIG, "MoE with FP8 is not built yet: drop --fp8-format (and --fp8-param-gather); "
                            "bf16 is");
-        if (c->recompute.granularity != MT_RECOMPUTE_NONE)
-            return mt_fail(err, MT_ERR_CONFIG, "MoE with activation recompute is not built yet: drop --recompute-granularity "
-                           "/ --recompute-activations");
         if (c->calculate_per_token_loss)
             return mt_fail(err, MT_ERR_CONFIG, "MoE with --calculate-per-token-loss is not built yet (Megatron scales the "
                            "auxiliary losses differently with it): drop the flag");
@@ -4823,12 +4824,14 @@ static mt_status mt__config_optimizer(const mt_config* c, mt_error* err) {
 static mt_status mt__config_recompute(const mt_config* c, mt_error* err) {
     const mt_recompute* rc = &c->recompute;
     if (rc->granularity < MT_RECOMPUTE_NONE || rc->granularity > MT_RECOMPUTE_FULL || rc->method < MT_RECOMPUTE_UNIFORM ||
-        rc->method > MT_RECOMPUTE_BLOCK || rc->modules < 0 || rc->modules > 15)
+        rc->method > MT_RECOMPUTE_BLOCK || rc->modules < 0 || rc->modules > 63)
         return mt_fail(err, MT_ERR_CONFIG, "recompute: an unknown granularity, method or module");
     if (rc->granularity != MT_RECOMPUTE_FULL && rc->num_layers != 0)
         return mt_fail(err, MT_ERR_CONFIG, "--recompute-num-layers %d goes with --recompute-granularity full", rc->num_layers);
     if (rc->granularity != MT_RECOMPUTE_SELECTIVE && rc->modules != 0)
         return mt_fail(err, MT_ERR_CONFIG, "--recompute-modules goes with --recompute-granularity selective");
+    if ((rc->modules & MT_RECOMPUTE_MOE_ACT) && !c->moe_grouped_gemm)
+        return mt_fail(err, MT_ERR_CONFIG, "moe_act in recompute_modules is only supported with moe_grouped_gemm.");
     if (rc->granularity == MT_RECOMPUTE_FULL &&
         (rc->num_layers < 0 || rc->num_layers > c->num_layers / c->pipeline_model_parallel_size))
         return mt_fail(err, MT_ERR_CONFIG, "--recompute-num-layers %d: must be between 1 and the layers per pipeline rank "
@@ -5016,7 +5019,7 @@ static int64_t mt__param_layout_tp(const mt_config* c, int tp, int ep, mt_param_
         {"fc2_weight",          Ld,           h,    f,         1,    1, 1, 3},
         {"fc2_bias",            bias * Ld,    1,    h,         1,    0, 0, 0},
         {"router_weight",       Lm,           1,    E,         h,    0, 1, 2}, /* whole on every TP rank */
-        {"router_bias",         bias * Lm,    1,    E,         1,    0, 0, 0},
+        {"router_bias",         bias * Lm,    1,    E,         1,    0, 0, 2}, /* normal(std), as Megatron's router */
         {"expert_fc1_weight",   Lm,           E * glu, fe,     h,    1, 1, 2}, /* each expert as fc1 */
         {"expert_fc1_bias",     bias * Lm,    E * glu, fe,     1,    1, 0, 0},
         {"expert_fc2_weight",   Lm,           E * h, fe,       1,    1, 1, 3}, /* each expert as fc2 */
@@ -5142,10 +5145,17 @@ MT_DEF void mt_pp_stage_copy(const mt_config* c, const mt_pp_stage* st, float* f
     for (int tsr = 0; tsr < MT_NUM_PARAM_TENSORS; tsr++) {
         if (held[tsr].numel == 0) continue;
         int layered = mt_param_per_layer(tsr);
-        int64_t per = layered ? all[tsr].numel / L : all[tsr].numel;
+        /* a per-layer tensor is stacked over the layers that have it (mt_param_layer_has: an MoE model's
+         * MoE tensors over its MoE layers, its dense MLP's over the others) */
+        int64_t stacked = 0, row = 0;
+        for (int l = 0; layered && l < L; l++) stacked += mt_param_layer_has(c, tsr, l);
+        if (layered && stacked == 0) continue;
+        int64_t per = layered ? all[tsr].numel / stacked : all[tsr].numel;
         for (int l = 0; l < (layered ? L : 1); l++) {
+            if (layered && !mt_param_layer_has(c, tsr, l)) continue;
+            const int64_t at_row = row++;
             if (layered && !mt_pp_holds(st, tsr, l)) continue;
-            float* f = full + all[tsr].offset + (int64_t)l * per;
+            float* f = full + all[tsr].offset + at_row * per;
             if (to_part) memcpy(part + at, f, sizeof(float) * (size_t)per);
             else memcpy(f, part + at, sizeof(float) * (size_t)per);
             at += per;
@@ -5618,14 +5628,30 @@ static int64_t mt__recompute_n(const mt_recompute* rc, int64_t count) {
 /* Selective: whether a region is one the modules recompute (then every layer uses one layer's room). */
 static int mt__selective_region(const mt_recompute* rc, int region) {
     const int m = rc->modules ? rc->modules : MT_RECOMPUTE_CORE_ATTN;
+    const int moe_experts = region == MT_ACT_MOE_FC1 || region == MT_ACT_MOE_SHARED || region == MT_ACT_MOE_GATE ||
+                            region == MT_ACT_MOE_EP_IN || region == MT_ACT_MOE_EP_PROB;
     return (region == MT_ACT_PROBS && (m & MT_RECOMPUTE_CORE_ATTN)) || (region == MT_ACT_LN2 && (m & MT_RECOMPUTE_LAYERNORM)) ||
            (region == MT_ACT_ACT && (m & (MT_RECOMPUTE_ACT | MT_RECOMPUTE_MLP))) ||
-           (region == MT_ACT_FC1 && (m & MT_RECOMPUTE_MLP));
+           (region == MT_ACT_FC1 && (m & MT_RECOMPUTE_MLP)) ||
+           (region == MT_ACT_MOE_ACT && (m & (MT_RECOMPUTE_MOE_ACT | MT_RECOMPUTE_MOE))) ||
+           (moe_experts && (m & MT_RECOMPUTE_MOE));
+}
+
+/* An MoE layer's routing (the router's logits, the probabilities and map, the permutation, the row counts, the
+ * aux losses' gradient weights, the rows received per EP rank): kept per layer by full recompute too, so a
+ * replayed MoE layer takes the forward's routing as it was (its bookkeeping, the tokens per expert and the aux
+ * losses' running sums, is the forward's alone) and recomputes only the experts' and the shared expert's
+ * activations from it. A few [N, E] arrays per layer against the experts' [N k, fe] ones. */
+static int mt__moe_routing_region(int region) {
+    return region == MT_ACT_MOE_LOGITS || region == MT_ACT_MOE_PROBS || region == MT_ACT_MOE_ROW ||
+           region == MT_ACT_MOE_TOKEN || region == MT_ACT_MOE_ROW_PROB || region == MT_ACT_MOE_COUNTS ||
+           region == MT_ACT_MOE_AUXW || region == MT_ACT_MOE_EP_COUNTS;
 }
 
 MT_DEF int64_t mt_recompute_position(const mt_recompute* rc, int region, int64_t count, int64_t i) {
     if (!rc || rc->granularity == MT_RECOMPUTE_NONE) return i;
     if (rc->granularity == MT_RECOMPUTE_SELECTIVE) return mt__selective_region(rc, region) ? 0 : i;
+    if (mt__moe_routing_region(region)) return i;
     const int input = region == MT_ACT_RESIDUAL || region == MT_ACT_LN1_MEAN || region == MT_ACT_LN1_RSTD;
     const int64_t n = mt__recompute_n(rc, count);
     if (rc->method == MT_RECOMPUTE_BLOCK) /* every layer's input kept; the recomputed layers share room 0 */
@@ -5665,10 +5691,10 @@ MT_DEF void mt_recompute_describe(const mt_recompute* rc, char* out, size_t size
         snprintf(out, size, "none");
         return;
     }
-    static const char* const names[] = {"core_attn", "layernorm", "act", "mlp"};
+    static const char* const names[] = {"core_attn", "layernorm", "act", "mlp", "moe_act", "moe"};
     const int m = rc->modules ? rc->modules : MT_RECOMPUTE_CORE_ATTN;
     size_t used = (size_t)snprintf(out, size, "selective (");
-    for (int k = 0, n = 0; k < 4 && used < size; k++)
+    for (int k = 0, n = 0; k < 6 && used < size; k++)
         if (m & (1 << k)) used += (size_t)snprintf(out + used, size - used, "%s%s", n++ ? ", " : "", names[k]);
     if (used < size) snprintf(out + used, size - used, ")");
 }

@@ -122,6 +122,7 @@ typedef struct {
     /* activation recompute: --recompute-activations, -granularity, -method, -num-layers (-1: not
      * given), -modules (MT_RECOMPUTE_* bits; 0: not given) */
     int recompute_activations;
+    int moe_layer_recompute; /* --moe-layer-recompute: selective with the moe module (Megatron's mapping) */
     const char* recompute_granularity;
     const char* recompute_method;
     int recompute_num_layers;
@@ -375,9 +376,11 @@ static const tg_flag tg_flag_table[] = {
     {"--recompute-num-layers", G_TRAIN, F_INT, TG_AT(recompute_num_layers), IR(1, TG_I32MAX), "none",
      "full: the group size (uniform) or the recomputed layers per model chunk (block), at most the layers per "
      "pipeline rank"},
-    {"--recompute-modules", G_TRAIN, F_STRING, 0, CH("core_attn|layernorm|act|mlp"), "core_attn",
+    {"--recompute-modules", G_TRAIN, F_STRING, 0, CH("core_attn|layernorm|act|mlp|moe_act|moe"), "core_attn",
      "selective: a list of core_attn (the attention probabilities; flash attention keeps none), layernorm (the "
-     "second norm's output), act (the MLP activation's output), mlp (fc1 and the activation)"},
+     "second norm's output), act (the MLP activation's output), mlp (fc1 and the activation), moe_act (the "
+     "experts' activation output; needs --moe-grouped-gemm), moe (an MoE layer's experts and shared expert, "
+     "from its kept routing)"},
     /* initialization */
     {"--seed", G_INIT, F_INT64, TG_AT(seed), IR(0, 4294967295LL), "1234", "seed of the weights and the data order"},
     {"--init-method-std", G_INIT, F_DOUBLE, TG_AT(std), DR(0, INFINITY, 0), "0.02", "std of the normal initialisation"},
@@ -700,7 +703,9 @@ static const tg_flag tg_flag_table[] = {
     {"--moe-router-force-load-balancing", G_MOE, F_REFUSED_SWITCH, 0, NR, "off", "forced balanced routing " MOE_NOT_BUILT},
     {"--moe-latent-size", G_MOE, F_REFUSED_VALUE, 0, NR, "none", "latent expert projections " MOE_NOT_BUILT},
     {"--moe-use-upcycling", G_MOE, F_REFUSED_SWITCH, 0, NR, "off", "upcycling a dense checkpoint " MOE_NOT_BUILT},
-    {"--moe-layer-recompute", G_MOE, F_REFUSED_SWITCH, 0, NR, "off", "recomputing the MoE layer " MOE_NOT_BUILT},
+    {"--moe-layer-recompute", G_MOE, F_TRUE, TG_AT(moe_layer_recompute), NR, "off",
+     "recompute the MoE layers' experts (deprecated in Megatron: --recompute-granularity selective "
+     "--recompute-modules moe, which it sets)"},
     /* this build */
     {"--sample-tokens", G_HERE, F_INT, TG_AT(sample_tokens), IR(0, TG_I32MAX), "0 (built-in job: 128)",
      "tokens of text sampled at the end"},
@@ -963,11 +968,11 @@ static int tg_flags_parse(tg_flags* v, int argc, char** argv, char* msg, size_t 
             const char* const* list;
             const int n = tg_list_values(argc, argv, i, &inline_val, &list);
             if (n == 0) return tg_fail(msg, size, "%s needs at least one of %s", a, f->choices);
-            static const char* const modules[] = {"core_attn", "layernorm", "act", "mlp"};
+            static const char* const modules[] = {"core_attn", "layernorm", "act", "mlp", "moe_act", "moe"};
             for (int k = 0; k < n; k++) {
-                const int m = tg_lookup(list[k], modules, 4);
+                const int m = tg_lookup(list[k], modules, 6);
                 if (m < 0) return tg_fail(msg, size, "%s %s: expected one of %s", a, list[k], f->choices);
-                v->recompute_modules |= 1 << m; /* MT_RECOMPUTE_CORE_ATTN, _LAYERNORM, _ACT, _MLP */
+                v->recompute_modules |= 1 << m; /* MT_RECOMPUTE_CORE_ATTN, _LAYERNORM, _ACT, _MLP, _MOE_ACT, _MOE */
             }
             if (!inline_val) i += n;
             continue;
@@ -1159,6 +1164,12 @@ static int tg_apply_recompute(tg_flags* v, char* msg, size_t size) {
     if (v->recompute_activations || v->recompute_granularity)
         rc->granularity = v->recompute_granularity && !strcmp(v->recompute_granularity, "full") ? MT_RECOMPUTE_FULL
                                                                                                  : MT_RECOMPUTE_SELECTIVE;
+    if (v->moe_layer_recompute) { /* Megatron: selective, "moe" appended to the modules (core_attn by default) */
+        if (rc->granularity == MT_RECOMPUTE_FULL)
+            return tg_fail(msg, size, "Do not set --moe-layer-recompute with full recompute granularity. ");
+        rc->granularity = MT_RECOMPUTE_SELECTIVE;
+        v->recompute_modules = (v->recompute_modules ? v->recompute_modules : MT_RECOMPUTE_CORE_ATTN) | MT_RECOMPUTE_MOE;
+    }
     if (rc->granularity == MT_RECOMPUTE_FULL) {
         if (!v->recompute_method)
             return tg_fail(msg, size, "--recompute-granularity full needs --recompute-method uniform|block");

@@ -31,9 +31,11 @@ One MoE layer (input m = the pre-MLP norm's output, N = B*T tokens, E experts, k
   rows     = the (token, expert) pairs of map, expert-major, tokens ascending (permute())
   expert e on its rows x [n_e, h] with probabilities p [n_e]:
       z = x @ fc1_e^T (+ b1_e); a = act(z) * p; y = a @ fc2_e^T (+ b2_e * p)
-      act: SwiGLU silu(z[:, :fe]) * z[:, fe:]; squared relu; or GELU = exact erf GELU (Megatron refuses the
-      fused tanh-GELU with per-token probabilities, so an MoE GELU model runs --no-bias-gelu-fusion, and
-      every GELU of such a model, dense layers too, is the erf one)
+      act: SwiGLU silu(z[:, :fe]) * z[:, fe:]; squared relu; or GELU, one of two (MoEConfig.gelu): "erf",
+      torch's exact GELU (Megatron refuses its fused tanh-GELU with per-token probabilities, so an MoE GELU
+      model runs --no-bias-gelu-fusion, and every GELU of such a model, dense layers too, is the erf one), or
+      "tanh", ref_gpt's gelu_tanh (Megatron with --use-te-activation-func: Transformer Engine's GELU, the
+      tanh approximation, in the experts and the dense MLPs alike; megatron.c's GELU)
   out[n]   = sum of the rows of token n, in ascending expert order (unpermute())
            + shared(m) (shared expert MLP, fe = --moe-shared-expert-intermediate-size, no biases;
              with --moe-shared-expert-gate times sigmoid(m @ shared_gate_weight))
@@ -67,6 +69,7 @@ header int32[256]: words 0..26 as ref_gpt.py's (word 0 = MOE_MAGIC, word 1 versi
   [38] group_topk  [39] load balancing types (bits: 1 aux_loss, 2 seq_aux_loss, 4 global_aux_loss)
   [40] expert bias (0/1)  [41] drop policy (0 probs, 1 position)  [42] pad to capacity (0/1)
   [43] shared expert size (0 none)  [44] shared gate (0/1)  [45] Lm  [46] N0 = mb * T
+  [47] GELU kind (0 erf, 1 tanh; 0 with swiglu or squared relu)
   [64 + l] 1 if layer l is MoE (l < L <= 192); every other word 0
 hyper float32[64]: [0..14] as ref_gpt.py's, then [16] topk scaling factor (0 none) [17] aux_loss coeff
   [18] seq_aux_loss coeff [19] global_aux_loss coeff [20] z-loss coeff (0 none) [21] bias update rate
@@ -131,6 +134,7 @@ class MoEConfig(Config):
     pad: bool = False           # --moe-pad-expert-input-to-capacity
     shared: int = 0             # --moe-shared-expert-intermediate-size (0: none)
     shared_gate: bool = False   # --moe-shared-expert-gate
+    gelu: str = "erf"           # without swiglu / squared_relu: "erf" (torch's GELU) or "tanh" (TE's; see above)
 
     def __post_init__(self):
         super().__post_init__()
@@ -190,6 +194,8 @@ def moe_refusals(cfg):
         out.append(f"--moe-token-drop-policy {cfg.drop_policy}")
     if cfg.shared and cfg.bias:
         out.append("bias is not supported in the shared experts, please set '--disable-bias-linear' instead.")
+    if cfg.gelu not in ("erf", "tanh"):
+        out.append(f"gelu {cfg.gelu}: erf or tanh")
     if cfg.shared_gate and not cfg.shared:
         out.append("--moe-shared-expert-gate without --moe-shared-expert-intermediate-size")
     if cfg.hidden_dropout or cfg.attention_dropout:
@@ -258,6 +264,12 @@ CONFIGS = {
     "gpt2_moe": MoEConfig(L=2, h=64, n=4, f=128, Vp=256, T=32, G=4, mb=2, S=20, E=4, topk=1, fe=64,
                           pre_softmax=True, layer_freq=2, lb=("aux_loss", "seq_aux_loss", "global_aux_loss"),
                           aux_coeff=(1e-2, 1e-2, 1e-2), z_coeff=1e-3),
+    # GPT flavour (LayerNorm, learned positions, biases everywhere: the router's and each expert's fc1 and fc2,
+    # the fc2 bias weighted by the row's probability), GELU experts (tanh: TE's, megatron.c's), top-2 softmax,
+    # MoE layers 0 and 2 beside a dense GELU layer 1, the aux loss and the z-loss; no shared expert (Megatron
+    # refuses one with biases)
+    "gpt_moe_tiny": MoEConfig(L=3, h=64, n=4, f=128, Vp=256, T=32, G=4, mb=2, S=20, E=4, topk=2, fe=48,
+                              layer_freq=2, lb=("aux_loss",), aux_coeff=(1e-2,), z_coeff=1e-3, gelu="tanh"),
     # the gated shared expert (Qwen2-MoE's) with the sigmoid router without bias, top-2 (normalised)
     "moe_shared_gate": MoEConfig(flavor="llama", L=2, h=64, n=4, g=2, f=96, Vp=256, T=32, G=4, mb=2, S=20,
                                  E=8, topk=2, fe=32, score="sigmoid", lb=("none",), aux_coeff=(0.0,),
@@ -445,12 +457,12 @@ def erf_gelu(z):
 
 
 def activation(cfg, z, f, pieces=Pieces):
-    """MoE models' activations (dense MLPs of an MoE model too): SwiGLU, squared relu, or erf GELU."""
+    """MoE models' activations (dense MLPs of an MoE model too): SwiGLU, squared relu, or GELU (erf or tanh)."""
     if cfg.swiglu:
         return pieces.silu(z[..., :f]) * z[..., f:]
     if cfg.squared_relu:
         return pieces.squared_relu(z)
-    return erf_gelu(z)
+    return pieces.gelu(z) if cfg.gelu == "tanh" else erf_gelu(z)
 
 
 def expert_mlp(cfg, x, p, w1, b1, w2, b2):
@@ -783,9 +795,10 @@ def lb_bits(cfg):
 def header_arrays(cfg):
     hd, hp = ref_gpt.header_arrays(cfg)                      # words 0..26 / 0..14 as a dense file's
     hd[0], hd[1], hd[13] = MOE_MAGIC, MOE_VERSION, num_params(cfg)
-    hd[32:47] = [cfg.E, cfg.topk, cfg.fe, int(cfg.score == "sigmoid"), int(cfg.pre_softmax), cfg.num_groups,
+    hd[32:48] = [cfg.E, cfg.topk, cfg.fe, int(cfg.score == "sigmoid"), int(cfg.pre_softmax), cfg.num_groups,
                  cfg.group_topk, lb_bits(cfg), int(cfg.expert_bias), int(cfg.drop_policy == "position"),
-                 int(cfg.pad), cfg.shared, int(cfg.shared_gate), n_moe(cfg), cfg.mb * cfg.T]
+                 int(cfg.pad), cfg.shared, int(cfg.shared_gate), n_moe(cfg), cfg.mb * cfg.T,
+                 int(cfg.gelu == "tanh" and not cfg.swiglu and not cfg.squared_relu)]
     hd[64:64 + cfg.L] = [int(v) for v in moe_layers(cfg)]
     hp[16:23] = [cfg.scaling, cfg.coeff("aux_loss"), cfg.coeff("seq_aux_loss"), cfg.coeff("global_aux_loss"),
                  cfg.z_coeff, cfg.bias_rate, cfg.capacity]
@@ -891,6 +904,7 @@ def read_file(path):
                         pre_softmax=bool(hd[36]), num_groups=int(hd[37]), group_topk=int(hd[38]), lb=lb,
                         aux_coeff=coeffs, expert_bias=bool(hd[40]), drop_policy="position" if hd[41] else "probs",
                         pad=bool(hd[42]), shared=int(hd[43]), shared_gate=bool(hd[44]), layer_freq=pattern,
+                        gelu="tanh" if hd[47] else "erf",
                         scaling=float(hp[16]), z_coeff=float(hp[20]), bias_rate=float(hp[21]), capacity=float(hp[22]))
     except (KeyError, AssertionError, ValueError) as e:
         raise ValueError(f"inconsistent header: {e}")

@@ -170,6 +170,9 @@ static test_result check_moe_against_reference(const char* path, mt_precision pr
     const int E = mv.E, Lm = mv.Lm, T = v->T, mb = v->mb, N0 = mv.N0;
     EXPECT(Lm == mt_moe_num_layers(&c) && N0 == mb * T, "%s: %d MoE layers, the config has %d", path, Lm,
            mt_moe_num_layers(&c));
+    /* header [47]: the reference's GELU (1: the tanh one, ours; 0: torch's erf GELU, which this build has not) */
+    EXPECT(c.swiglu || c.squared_relu || v->header[47] == 1, "%s: its GELU is the erf one (header [47] 0): ours is the "
+           "tanh approximation (Megatron's --use-te-activation-func)", path);
     int moe_layer_of[MT_MAX_MOE_PATTERN_TEST]; /* the model layer of the file's MoE layer i */
     for (int l = 0, i = 0; l < c.num_layers; l++)
         if (mt_moe_layer(&c, l) && i < MT_MAX_MOE_PATTERN_TEST) moe_layer_of[i++] = l;
@@ -387,6 +390,12 @@ static test_result test_moe_shared_gate_fp32(void) {
 static test_result test_moe_deepseek_dense_first_fp32(void) {
     return check_moe_against_reference("dev/data/moe_vectors/deepseek_tiny.bin", MT_FP32, &moe_fp32);
 }
+/* GPT flavour (issue #34): LayerNorm, learned positions, linear biases everywhere (the router's; each expert's fc1
+ * bias before its GELU and its fc2 bias times the row's probability, as Megatron's experts), GELU experts of width
+ * 48 (fc1 as wide as the expert), top-2 softmax, MoE layers 0 and 2 beside a dense GELU layer, aux and z losses */
+static test_result test_moe_gpt_gelu_biases_fp32(void) {
+    return check_moe_against_reference("dev/data/moe_vectors/gpt_moe_tiny.bin", MT_FP32, &moe_fp32);
+}
 static test_result test_moe_deepseek_bf16(void) {
     return check_moe_against_reference("dev/data/moe_vectors/deepseek_tiny_all.bin", MT_BF16, &moe_bf16);
 }
@@ -578,6 +587,7 @@ static const test_case moe_gpu_tests[] = {
     {"capacity_probs_fp32_matches_reference", test_moe_capacity_probs_fp32},
     {"capacity_position_pad_fp32_matches_reference", test_moe_capacity_position_pad_fp32},
     {"shared_gate_fp32_matches_reference", test_moe_shared_gate_fp32},
+    {"gpt_gelu_biases_fp32_matches_reference", test_moe_gpt_gelu_biases_fp32},
     {"mixtral_bf16_matches_reference", test_moe_mixtral_bf16},
     {"deepseek_bf16_matches_reference", test_moe_deepseek_bf16},
     {"checkpoint_resume_bitwise", test_moe_checkpoint_resume_bitwise},

@@ -348,15 +348,20 @@ MOE_SET(tp_no_sp, c->tensor_model_parallel_size = 2; c->world_size = 2)
 MOE_SET(bias_etp, c->add_bias_linear = 1; c->expert_tensor_parallel_size = 2)
 /* not built yet (mt_config_check_supported) */
 MOE_SET(tp, c->tensor_model_parallel_size = 2; c->sequence_parallel = 1; c->world_size = 2)
-MOE_SET(pp, c->pipeline_model_parallel_size = 2; c->world_size = 2)
+MOE_SET(pp_ep, c->pipeline_model_parallel_size = 2; c->expert_model_parallel_size = 2; c->world_size = 4;
+        c->global_batch_size = 8; c->moe_token_dispatcher_alltoall = 1)
 MOE_SET(ep, c->expert_model_parallel_size = 2; c->world_size = 2; c->global_batch_size = 4)
 MOE_SET(ep_over_dp, c->expert_model_parallel_size = 4; c->world_size = 2; c->global_batch_size = 4;
         c->moe_token_dispatcher_alltoall = 1)
 MOE_SET(etp, c->expert_tensor_parallel_size = 2)
 MOE_SET(fp8, c->precision = MT_BF16; c->fp8_format = MT_FP8_HYBRID)
 MOE_SET(recompute, c->recompute.granularity = MT_RECOMPUTE_SELECTIVE)
-MOE_SET(biases, c->add_bias_linear = 1)
-MOE_SET(gelu, c->swiglu = 0)
+MOE_SET(biases_ep, c->add_bias_linear = 1; c->expert_model_parallel_size = 2; c->world_size = 2;
+        c->global_batch_size = 4; c->moe_token_dispatcher_alltoall = 1)
+MOE_SET(squared_relu, c->swiglu = 0; c->squared_relu = 1)
+/* built (issue #34): GELU experts (the model's activation without --swiglu) and linear biases on the router and
+ * the experts */
+MOE_SET(gelu_biases, c->swiglu = 0; c->add_bias_linear = 1)
 MOE_SET(dense_layers, c->moe_layer_freq = 2)
 MOE_SET(dense_pattern, c->moe_layer_pattern_len = 2; c->moe_layer_pattern[0] = 0; c->moe_layer_pattern[1] = 1)
 MOE_SET(per_token_loss, c->calculate_per_token_loss = 1)
@@ -403,15 +408,16 @@ static test_result test_moe_refusals(void) {
      * alike (the planner's and the trainer's answer) */
     const moe_refusal later[] = {
         {"TP", moe_set_tp, "MoE with tensor parallelism (--tensor-model-parallel-size 2) is not built yet: use 1"},
-        {"PP", moe_set_pp, "MoE with pipeline parallelism (--pipeline-model-parallel-size 2) is not built yet: use 1"},
+        {"PP with EP", moe_set_pp_ep, "MoE with pipeline parallelism (--pipeline-model-parallel-size 2) and expert "
+                                      "parallelism (--expert-model-parallel-size 2) together is not built yet"},
         {"EP allgather", moe_set_ep, "--moe-token-dispatcher-type allgather with expert parallelism is not built: give "
                                      "--moe-token-dispatcher-type alltoall"},
         {"EP above DP", moe_set_ep_over_dp, "--expert-model-parallel-size 4 must divide the data-parallel size 2"},
         {"ETP", moe_set_etp, "--expert-tensor-parallel-size 2: expert tensor parallelism is not built yet (use 1)"},
         {"FP8", moe_set_fp8, "MoE with FP8 is not built yet: drop --fp8-format"},
-        {"recompute", moe_set_recompute, "MoE with activation recompute is not built yet"},
-        {"linear biases", moe_set_biases, "MoE with linear biases is not built yet: give --disable-bias-linear"},
-        {"GELU experts", moe_set_gelu, "MoE experts without --swiglu (GELU or squared-ReLU experts) are not built yet: give --swiglu"},
+        {"linear biases with EP", moe_set_biases_ep, "MoE linear biases with expert parallelism "
+                                                     "(--expert-model-parallel-size 2) are not built yet"},
+        {"squared-ReLU experts", moe_set_squared_relu, "MoE experts with --squared-relu are not built yet"},
         {"per-token loss", moe_set_per_token_loss, "MoE with --calculate-per-token-loss is not built yet"},
     };
     for (size_t i = 0; i < sizeof(later) / sizeof(later[0]); i++) {
@@ -445,6 +451,38 @@ static test_result test_moe_refusals(void) {
     mt_error err;
     EXPECT_OK(mt_config_finalize(&ok, &err), &err);
     EXPECT(ok.moe_ffn_hidden_size == 32, "expert width");
+    /* activation recompute (issue #34): selective, and full with PP = 2 at EP = 1: accepted */
+    {
+        mt_config r = moe_base(1);
+        moe_set_recompute(&r);
+        EXPECT_OK(mt_config_finalize(&r, &err), &err);
+        mt_config f = moe_base(2);
+        f.pipeline_model_parallel_size = 2;
+        f.recompute.granularity = MT_RECOMPUTE_FULL;
+        f.recompute.method = MT_RECOMPUTE_UNIFORM;
+        f.recompute.num_layers = 1;
+        EXPECT_OK(mt_config_finalize(&f, &err), &err);
+        EXPECT_OK(mt_config_check_supported(&f, &err), &err);
+    }
+    /* GELU experts with biases (no shared expert: Megatron refuses biases there): accepted, and the layout has the
+     * router's bias [E] and each expert's fc1 bias [fe] (GELU: fc1 as wide as the expert) and fc2 bias [h] */
+    {
+        mt_config g = moe_base(1);
+        moe_set_gelu_biases(&g);
+        EXPECT_OK(mt_config_finalize(&g, &err), &err);
+        EXPECT_OK(mt_config_check_supported(&g, &err), &err);
+        mt_param_info info[MT_NUM_PARAM_TENSORS];
+        mt_param_layout(&g, info);
+        const int64_t Lm = mt_moe_num_layers(&g), E = g.num_experts, fe = mt_moe_ffn(&g), h = g.hidden_size;
+        EXPECT(info[MT_P_ROUTER_BIAS].numel == Lm * E && info[MT_P_EXPERT_FC1_BIAS].numel == Lm * E * fe &&
+                   info[MT_P_EXPERT_FC2_BIAS].numel == Lm * E * h && info[MT_P_EXPERT_FC1_WEIGHT].numel == Lm * E * fe * h,
+               "GELU experts with biases: router bias %lld, fc1 bias %lld, fc2 bias %lld, fc1 %lld elements",
+               (long long)info[MT_P_ROUTER_BIAS].numel, (long long)info[MT_P_EXPERT_FC1_BIAS].numel,
+               (long long)info[MT_P_EXPERT_FC2_BIAS].numel, (long long)info[MT_P_EXPERT_FC1_WEIGHT].numel);
+        EXPECT(info[MT_P_ROUTER_BIAS].init == 2 && !info[MT_P_ROUTER_BIAS].weight_decay &&
+                   info[MT_P_EXPERT_FC1_BIAS].init == 0 && info[MT_P_EXPERT_FC2_BIAS].init == 0,
+               "the router's bias starts normal(std) as Megatron's router initialises it, the experts' at 0; no decay");
+    }
     /* dense layers beside MoE ones (--moe-layer-freq 2, or a pattern): accepted, and the buffer stacks the dense
      * MLP's tensors over the dense layers and the MoE tensors over the MoE ones: every element once, each
      * (tensor, layer) slice where its layer has it */
@@ -492,12 +530,12 @@ static test_result test_moe_refusals(void) {
     mt_layout_candidate k[16];
     int n = 0;
     EXPECT_OK(mt_plan_layouts(&two, NULL, 2, k, 16, &n, &err), &err);
-    int dp_ok = 0, pp_refused = 0;
+    int dp_ok = 0, pp_ok = 0;
     for (int i = 0; i < n; i++) {
         if (k[i].tp == 1 && k[i].pp == 1) dp_ok = !k[i].refused;
-        if (k[i].pp == 2) pp_refused = k[i].refused && strstr(k[i].reason, "MoE with pipeline parallelism") != NULL;
+        if (k[i].pp == 2) pp_ok = !k[i].refused; /* MoE with PP (issue #34) */
     }
-    EXPECT(dp_ok && pp_refused, "%d layouts: DP 2 planned %d, PP 2 refused %d", n, dp_ok, pp_refused);
+    EXPECT(dp_ok && pp_ok, "%d layouts: DP 2 planned %d, PP 2 planned %d", n, dp_ok, pp_ok);
     return TEST_PASS;
 }
 
@@ -629,7 +667,8 @@ static test_result test_moe_flags(void) {
         {{"--moe-router-force-load-balancing"}, "forced balanced routing is not built"},
         {{"--moe-latent-size", "64"}, "latent expert projections is not built"},
         {{"--moe-use-upcycling"}, "upcycling a dense checkpoint is not built"},
-        {{"--moe-layer-recompute"}, "recomputing the MoE layer is not built"},
+        {{"--moe-layer-recompute", "--recompute-granularity", "full", "--recompute-method", "uniform",
+          "--recompute-num-layers", "1"}, "Do not set --moe-layer-recompute with full recompute granularity."},
         {{"--moe-router-padding-for-fp8"}, "padding the routing map is not built"},
         {{"--moe-router-padding-for-quantization"}, "padding the routing map is not built"},
         {{"--moe-aux-loss-coeff", "x"}, "--moe-aux-loss-coeff x: not a number"},
@@ -645,6 +684,28 @@ static test_result test_moe_flags(void) {
     f.vocab_size = 256;
     EXPECT(mt_config_finalize(&f, &err) == MT_ERR_CONFIG && strstr(err.message, "--moe-ffn-hidden-size needs --num-experts"),
            "'%s'", err.message);
+    /* recompute (issue #34): --moe-layer-recompute is Megatron's selective with "moe" appended to the modules
+     * (core_attn by default, or the ones given); moe_act needs --moe-grouped-gemm (Megatron's check) */
+    const char* layer_rc[] = {"--num-experts", "8", "--moe-layer-recompute", NULL};
+    EXPECT(moe_flags(&v, layer_rc, msg, sizeof(msg)) == 0 && v.cfg.recompute.granularity == MT_RECOMPUTE_SELECTIVE &&
+               v.cfg.recompute.modules == (MT_RECOMPUTE_CORE_ATTN | MT_RECOMPUTE_MOE),
+           "--moe-layer-recompute: '%s', granularity %d modules %d", msg, (int)v.cfg.recompute.granularity,
+           v.cfg.recompute.modules);
+    const char* layer_rc_mlp[] = {"--num-experts", "8", "--moe-layer-recompute", "--recompute-activations",
+                                  "--recompute-modules", "mlp", NULL};
+    EXPECT(moe_flags(&v, layer_rc_mlp, msg, sizeof(msg)) == 0 &&
+               v.cfg.recompute.modules == (MT_RECOMPUTE_MLP | MT_RECOMPUTE_MOE), "with mlp: '%s', modules %d", msg,
+           v.cfg.recompute.modules);
+    const char* moe_act[] = {"--num-experts", "8", "--recompute-activations", "--recompute-modules", "moe_act", NULL};
+    EXPECT(moe_flags(&v, moe_act, msg, sizeof(msg)) == 0 && v.cfg.recompute.modules == MT_RECOMPUTE_MOE_ACT, "moe_act: '%s'",
+           msg);
+    f = v.cfg;
+    f.vocab_size = 256;
+    EXPECT(mt_config_finalize(&f, &err) == MT_ERR_CONFIG &&
+               strstr(err.message, "moe_act in recompute_modules is only supported with moe_grouped_gemm."),
+           "moe_act without --moe-grouped-gemm: '%s'", err.message);
+    f.moe_grouped_gemm = 1;
+    EXPECT_OK(mt_config_finalize(&f, &err), &err);
     return TEST_PASS;
 }
 

@@ -11,8 +11,9 @@
  * probabilities, score sums, lse^2, the aux losses and grad_w within fp32 bounds; two runs bitwise
  * equal; the router's backward (routing term alone, then with the aux and z terms) against the
  * reference's analytic gradient, which itself is checked against central differences in double.
- * Then permute / unpermute, SwiGLU x probability and its backward, the shared expert's gate and the
- * router's casts in fp32, bf16 and fp16, at shapes reaching each launcher's variants (kt_cover).
+ * Then permute / unpermute, SwiGLU x probability and its backward, GELU x probability with the experts' and
+ * the router's biases (issue #34), the shared expert's gate and the router's casts in fp32, bf16 and fp16,
+ * at shapes reaching each launcher's variants (kt_cover).
  * The helpers (kt_*) are tests/test_kernels.h's: outputs poisoned with NaN before each run, inputs
  * never zero, per-element and norm-wise bounds. Run: ./test_megatron moe_kernels
  */
@@ -1040,6 +1041,185 @@ static int ms_all(kt_ctx* k) {
 }
 static test_result test_moe_swiglu_prob(void) { KT_FOR_TYPES(ms_all); }
 
+/* GELU experts and the experts' biases (issue #34): moe_act_prob's GELU times the probability and its
+ * backward, whose probability gradient takes the fc2 bias's term dy . b2 of the row's expert; moe_rows_bias
+ * (fc1's bias; fc2's times the probability), moe_rows_bias_grad (each expert's rows summed, plain and times
+ * the probability; written, then accumulated) and moe_router_bias, against double references. Bounds: the
+ * fp32 GELU and its derivative within tests/test_kernels.h's kt_gelu_bounds (absolute: 1 + tanh cancels),
+ * times the probability, plus one rounding to T (2 u_s); dp a sum of fe + h products, each thread's in order
+ * then block_sum's tree: 2 ((fe + h) / threads + 14) u_c of the sum of |terms| plus the GELU's own error per
+ * term; a bias add one fp32 add and product rounded to T; a bias gradient a serial sum over the expert's n
+ * rows: 2 (n + 2) u_c of its |terms|; the router bias one fp32 add. dprobs off the rows keeps its values. */
+template <typename T>
+static int mgb_case(kt_ctx* k, const mr_case& rc, int fe, int h, int index) {
+    mr_ref ref;
+    if (!mr_routing_for(rc, 200 + index, &ref)) return 0;
+    const moe_routing r = mr_routing(rc);
+    const int N = r.N, E = rc.E, R = ref.counts[2 * E];
+    kt_report rep;
+    kt_report_begin(&rep, "moe GELU x probability, expert and router biases<%s> R %d fe %d h %d E %d", kt_fmt<T>::name,
+                    R, fe, h, E);
+    kt_rng rng = {kt_seed(63, index, fe, (int)sizeof(T))};
+    kt_host<T> z, dact, dy, b1, b2, y0, rb;
+    z.fill((int64_t)R * fe, &rng, 0.05, 3.0);
+    dact.fill((int64_t)R * fe, &rng, 0.05, 1.0);
+    dy.fill((int64_t)R * h, &rng, 0.05, 1.0);
+    b1.fill((int64_t)E * fe, &rng, 0.05, 1.0);
+    b2.fill((int64_t)E * h, &rng, 0.05, 1.0);
+    y0.fill((int64_t)R * h, &rng, 0.05, 1.0);
+    rb.fill(E, &rng, 0.05, 1.0);
+    std::vector<float> prob(ref.row_prob.begin(), ref.row_prob.end()); /* 0 on padded rows */
+    std::vector<float> dprobs0((size_t)N * E), logits0((size_t)N * E);
+    for (auto& v : dprobs0) v = kt_signed(&rng, 0.5, 1.0);
+    for (auto& v : logits0) v = kt_signed(&rng, 0.05, 2.0);
+    T* dz = kt_alloc<T>(k, (int64_t)R * fe);
+    T* dzb = kt_alloc<T>(k, (int64_t)R * fe);
+    T* dact_d = kt_alloc<T>(k, (int64_t)R * fe);
+    T* dact_out = kt_alloc<T>(k, (int64_t)R * fe);
+    T* ddz = kt_alloc<T>(k, (int64_t)R * fe);
+    T* ddy = kt_alloc<T>(k, (int64_t)R * h);
+    T* dy0 = kt_alloc<T>(k, (int64_t)R * h);
+    T* db1 = kt_alloc<T>(k, (int64_t)E * fe);
+    T* db2 = kt_alloc<T>(k, (int64_t)E * h);
+    T* drb = kt_alloc<T>(k, E);
+    float* dprob = kt_alloc<float>(k, R + 1);
+    float* ddprobs = kt_alloc<float>(k, (int64_t)N * E);
+    float* dlogits = kt_alloc<float>(k, (int64_t)N * E);
+    float* gb1 = kt_alloc<float>(k, (int64_t)E * fe);
+    float* gb2 = kt_alloc<float>(k, (int64_t)E * h);
+    int32_t* dtoken = kt_alloc<int32_t>(k, R + 1);
+    int32_t* dcounts = kt_alloc<int32_t>(k, 2 * E + 1);
+    KT_ALLOCATED(k);
+    std::vector<int32_t> tok(ref.token_of.begin(), ref.token_of.end()), cnt(ref.counts.begin(), ref.counts.end());
+    KT_CUDA(kt_put(k, dz, z.h));
+    KT_CUDA(kt_put(k, dzb, z.h));
+    KT_CUDA(kt_put(k, dact_d, dact.h));
+    KT_CUDA(kt_put(k, ddy, dy.h));
+    KT_CUDA(kt_put(k, dy0, y0.h));
+    KT_CUDA(kt_put(k, db1, b1.h));
+    KT_CUDA(kt_put(k, db2, b2.h));
+    KT_CUDA(kt_put(k, drb, rb.h));
+    KT_CUDA(kt_put(k, dprob, prob));
+    KT_CUDA(kt_put(k, ddprobs, dprobs0));
+    KT_CUDA(kt_put(k, dlogits, logits0));
+    KT_CUDA(kt_put(k, dtoken, tok));
+    KT_CUDA(kt_put(k, dcounts, cnt));
+    KT_CUDA(kt_poison(k, dact_out, (int64_t)R * fe));
+    KT_CUDA(kt_poison(k, ddz, (int64_t)R * fe));
+    KT_CUDA(kt_poison(k, gb1, (int64_t)E * fe));
+    KT_CUDA(kt_poison(k, gb2, (int64_t)E * h));
+    const mt_exec* ex = kt_exec(k, 0);
+    const int32_t* offsets = dcounts + E;
+    moe_act_prob<T>(ex, dact_out, dz, dprob, R, fe, ACT_GELU);
+    moe_act_prob_backward<T>(ex, ddz, ddprobs, dact_d, dz, dprob, dtoken, offsets, R, fe, E, ACT_GELU, ddy, db2, h);
+    moe_rows_bias<T>(ex, dzb, db1, (const float*)NULL, offsets, R, fe, E);
+    moe_rows_bias<T>(ex, dy0, db2, dprob, offsets, R, h, E);
+    moe_rows_bias_grad<T>(ex, gb1, dz, (const float*)NULL, offsets, fe, E, false);
+    moe_rows_bias_grad<T>(ex, gb2, ddy, dprob, offsets, h, E, false);
+    moe_rows_bias_grad<T>(ex, gb2, ddy, dprob, offsets, h, E, true); /* accumulated: twice the sums */
+    moe_router_bias<T>(ex, dlogits, drb, N, E);
+    if (!kt_sync(k, rep.label)) return 0;
+    std::vector<T> act, gz, zb, yb;
+    std::vector<float> gdp, g1, g2, lg;
+    KT_CUDA(kt_get(k, act, dact_out, (int64_t)R * fe));
+    KT_CUDA(kt_get(k, gz, ddz, (int64_t)R * fe));
+    KT_CUDA(kt_get(k, zb, dzb, (int64_t)R * fe));
+    KT_CUDA(kt_get(k, yb, dy0, (int64_t)R * h));
+    KT_CUDA(kt_get(k, gdp, ddprobs, (int64_t)N * E));
+    KT_CUDA(kt_get(k, g1, gb1, (int64_t)E * fe));
+    KT_CUDA(kt_get(k, g2, gb2, (int64_t)E * h));
+    KT_CUDA(kt_get(k, lg, dlogits, (int64_t)N * E));
+    const double us = kt_fmt<T>::u, tiny = kt_fmt<T>::tiny, uc = KT_UC;
+    const int threads = fe >= 512 ? 256 : fe >= 128 ? 128 : 32;
+    kt_check ca, cz, cp, c1, c2, cg1, cg2, cl;
+    kt_check_begin(&ca, "act", fe, 2 * us, -1.0, tiny);
+    kt_check_begin(&cz, "dz", fe, 2 * us, -1.0, tiny);
+    kt_check_begin(&cp, "dprobs", E, 0.0, -1.0, 0.0);
+    kt_check_begin(&c1, "fc1 + b1", fe, 2 * us, -1.0, tiny);
+    kt_check_begin(&c2, "y + p b2", h, 2 * us, -1.0, tiny);
+    kt_check_begin(&cg1, "db1", fe, 0.0, -1.0, 0.0);
+    kt_check_begin(&cg2, "db2 (accumulated)", h, 0.0, -1.0, 0.0);
+    kt_check_begin(&cl, "logits + b", E, 0.0, -1.0, 0.0);
+    std::vector<int> written((size_t)N * E, 0);
+    std::vector<double> s1((size_t)E * fe, 0.0), m1((size_t)E * fe, 0.0), s2((size_t)E * h, 0.0), m2((size_t)E * h, 0.0);
+    for (int p = 0; p < R; p++) {
+        int e = 0;
+        while (e + 1 < E && ref.counts[E + e + 1] <= p) e++;
+        const double pr = prob[p];
+        double dpv = 0.0, mag = 0.0, eval = 0.0;
+        for (int c = 0; c < fe; c++) {
+            const size_t i = (size_t)p * fe + c;
+            const double x = z.v[i], d = dact.v[i];
+            double e_gelu, e_grad;
+            kt_gelu_bounds(x, &e_gelu, &e_grad);
+            const double a = kt_gelu(x) * pr;
+            kt_check_add(&ca, (int64_t)i, kt_to<T>(act[i]), a, 2 * (e_gelu * fabs(pr) + uc * fabs(a)));
+            const double g = d * pr * kt_gelu_grad(x);
+            kt_check_add(&cz, (int64_t)i, kt_to<T>(gz[i]), g, 2 * (e_grad * fabs(d * pr) + 2 * uc * fabs(g)));
+            dpv += kt_gelu(x) * d;
+            mag += fabs(kt_gelu(x) * d);
+            eval += e_gelu * fabs(d);
+            const double zb_ref = x + b1.v[(size_t)e * fe + c];
+            kt_check_add(&c1, (int64_t)i, kt_to<T>(zb[i]), zb_ref, 2 * uc * (fabs(x) + fabs(b1.v[(size_t)e * fe + c])));
+            s1[(size_t)e * fe + c] += x;
+            m1[(size_t)e * fe + c] += fabs(x);
+        }
+        for (int j = 0; j < h; j++) {
+            const size_t i = (size_t)p * h + j;
+            const double b = b2.v[(size_t)e * h + j];
+            dpv += dy.v[i] * b;
+            mag += fabs(dy.v[i] * b);
+            const double y_ref = y0.v[i] + b * pr;
+            kt_check_add(&c2, (int64_t)i, kt_to<T>(yb[i]), y_ref, 2 * uc * (fabs(y0.v[i]) + 2 * fabs(b * pr)));
+            s2[(size_t)e * h + j] += dy.v[i] * pr;
+            m2[(size_t)e * h + j] += fabs(dy.v[i] * pr);
+        }
+        const size_t at = (size_t)ref.token_of[p] * E + e;
+        written[at] = 1;
+        kt_check_add(&cp, p, gdp[at], dpv, 2 * ((double)(fe + h) / threads + 14) * uc * mag + 2 * eval);
+    }
+    for (int e = 0; e < E; e++) {
+        const double n = ref.counts[e];
+        for (int c = 0; c < fe; c++)
+            kt_check_add(&cg1, (int64_t)e * fe + c, g1[(size_t)e * fe + c], s1[(size_t)e * fe + c],
+                         2 * (n + 2) * uc * m1[(size_t)e * fe + c]);
+        for (int j = 0; j < h; j++)
+            kt_check_add(&cg2, (int64_t)e * h + j, g2[(size_t)e * h + j], 2 * s2[(size_t)e * h + j],
+                         4 * (n + 3) * uc * m2[(size_t)e * h + j]);
+    }
+    for (int64_t i = 0; i < (int64_t)N * E; i++) {
+        const double want = (double)logits0[(size_t)i] + rb.v[(size_t)(i % E)];
+        kt_check_add(&cl, i, lg[(size_t)i], want, uc * fabs(want));
+    }
+    for (size_t i = 0; i < written.size(); i++)
+        if (!written[i] && memcmp(&gdp[i], &dprobs0[i], sizeof(float))) {
+            printf("    FAIL %s: dprobs[%zu] (no permuted row) changed: %.9g, was %.9g\n", rep.label, i, gdp[i], dprobs0[i]);
+            rep.ok = 0;
+            break;
+        }
+    kt_check_end(&ca, &rep);
+    kt_check_end(&cz, &rep);
+    kt_check_end(&cp, &rep);
+    kt_check_end(&c1, &rep);
+    kt_check_end(&c2, &rep);
+    kt_check_end(&cg1, &rep);
+    kt_check_end(&cg2, &rep);
+    kt_check_end(&cl, &rep);
+    kt_release(k);
+    return kt_report_end(&rep);
+}
+
+template <typename T>
+static int mgb_all(kt_ctx* k) {
+    const mr_case pad = {"pad", 2, 32, 8, 2, 0, 0, 0, 0, 0.0f, 0, 0, 1.0, 0, 1, 0};
+    const mr_case dropless = {"dropless", 2, 64, 16, 4, 0, 0, 0, 0, 0.0f, 0, 0, 0.0, 0, 0, 0};
+    int ok = mgb_case<T>(k, pad, 48, 64, 0);
+    ok &= mgb_case<T>(k, dropless, 200, 96, 1);
+    ok &= mgb_case<T>(k, pad, 512, 32, 2);
+    return ok;
+}
+static test_result test_moe_gelu_biases(void) { KT_FOR_TYPES(mgb_all); }
+
 /* The shared expert's gate. Forward: a dot of h products (lanes: h/32 in order, then 5 levels):
  * 2 (h/32 + 6) u_c sum|x w|, times sigmoid's slope <= 1/4, plus 4 u_c. Backward: dgate_logit from a
  * dot in a block (h / threads + 8 + 4 levels, times g (1 - g)); dshared one product rounded to T;
@@ -1211,6 +1391,7 @@ static const test_case moe_kernels_gpu_tests[] = {
     {"moe_routing", test_moe_routing},
     {"moe_permute_unpermute", test_moe_permute_unpermute},
     {"moe_swiglu_prob", test_moe_swiglu_prob},
+    {"moe_gelu_and_biases", test_moe_gelu_biases},
     {"moe_shared_gate", test_moe_shared_gate},
     {"moe_casts", test_moe_casts},
 };

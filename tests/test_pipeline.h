@@ -110,11 +110,20 @@ static test_result test_pp_layer_split(void) {
 }
 
 /* Every canonical element held once over the stages (the tied word embeddings on the first and the
- * last), dense stage numbering, and mt_pp_stage_copy round trips. */
-static test_result pp_check_layout(int llama, int pp, int vp, int layers) {
+ * last), dense stage numbering, and mt_pp_stage_copy round trips. moe: 4 experts in every other layer
+ * (--moe-layer-freq 2, issue #34): the MoE tensors stacked over the MoE layers, the dense MLP's over the
+ * others, so a stage's slice of one is not at layer x its size. */
+static test_result pp_check_layout(int llama, int pp, int vp, int layers, int moe) {
     mt_error err;
     mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, MT_BF16);
     c.num_layers = layers;
+    if (moe) {
+        c.num_experts = 4;
+        c.moe_router_topk = 2;
+        c.moe_ffn_hidden_size = 32;
+        c.moe_layer_freq = 2;
+        c.moe_shared_expert_intermediate_size = llama ? 32 : 0; /* GPT-2's biases: no shared expert (Megatron's) */
+    }
     c.pipeline_model_parallel_size = pp;
     c.virtual_pipeline_size = vp;
     c.world_size = pp;
@@ -138,7 +147,9 @@ static test_result pp_check_layout(int llama, int pp, int vp, int layers) {
         char* seen = (char*)calloc((size_t)b.canonical_size, 1);
         for (int k = 0; k < b.num_params; k++) {
             const mt_buffer_param* p = &b.params[k];
-            int64_t at = info[p->tensor].offset + (mt_param_per_layer(p->tensor) ? (int64_t)p->layer * p->numel : 0);
+            int64_t row = 0; /* the slice's place in its tensor's stack: the layers before it that have it */
+            for (int l = 0; mt_param_per_layer(p->tensor) && l < p->layer; l++) row += mt_param_layer_has(&c, p->tensor, l);
+            int64_t at = info[p->tensor].offset + row * p->numel;
             for (int64_t i = 0; i < p->numel; i++) {
                 held[at + i]++;
                 seen[p->canonical + i]++;
@@ -147,7 +158,7 @@ static test_result pp_check_layout(int llama, int pp, int vp, int layers) {
         }
         for (int64_t i = 0; i < b.canonical_size; i++)
             if (seen[i] != 1) res = TEST_FAIL;
-        if (res != TEST_PASS) printf("    FAIL PP %d VP %d rank %d: stage numbering or copy wrong\n", pp, vp, r);
+        if (res != TEST_PASS) printf("    FAIL PP %d VP %d%s rank %d: stage numbering or copy wrong\n", pp, vp, moe ? " MoE" : "", r);
         mt_pp_stage_copy(&cr, &b.stage, back, part, 0);
         total += b.canonical_size;
         free(part);
@@ -158,8 +169,8 @@ static test_result pp_check_layout(int llama, int pp, int vp, int layers) {
     for (int64_t i = 0; i < n && res == TEST_PASS; i++) {
         int want = tied && i < info[MT_P_WORD_EMBEDDINGS].numel ? 2 : 1;
         if (held[i] != want || back[i] != full[i]) {
-            printf("    FAIL PP %d VP %d %s: element %lld held %d times (want %d), copied back %g\n", pp, vp,
-                   llama ? "Llama" : "GPT-2", (long long)i, held[i], want, back[i]);
+            printf("    FAIL PP %d VP %d %s%s: element %lld held %d times (want %d), copied back %g\n", pp, vp,
+                   llama ? "Llama" : "GPT-2", moe ? " MoE" : "", (long long)i, held[i], want, back[i]);
             res = TEST_FAIL;
         }
     }
@@ -172,9 +183,10 @@ static test_result pp_check_layout(int llama, int pp, int vp, int layers) {
 
 static test_result test_pp_stage_layout(void) {
     int cases[][3] = {{1, 1, 2}, {2, 1, 4}, {4, 1, 4}, {2, 2, 4}, {4, 2, 8}, {3, 1, 6}, {2, 3, 6}};
-    for (int llama = 0; llama <= 1; llama++)
-        for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++)
-            if (pp_check_layout(llama, cases[k][0], cases[k][1], cases[k][2]) != TEST_PASS) return TEST_FAIL;
+    for (int moe = 0; moe <= 1; moe++)
+        for (int llama = 0; llama <= 1; llama++)
+            for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++)
+                if (pp_check_layout(llama, cases[k][0], cases[k][1], cases[k][2], moe) != TEST_PASS) return TEST_FAIL;
     return TEST_PASS;
 }
 
@@ -906,7 +918,133 @@ static test_result test_pp_matches_single_documents(void) {
     return res;
 }
 
+/* Issue #34: mixture of experts under pipeline parallelism, against the same model on one GPU, fp32, both
+ * flavours. The model: pp_config's 4 layers with --moe-layer-freq 2 (layers 0 and 2 MoE, 1 and 3 dense: at
+ * PP = 2 each stage holds one of each, at PP = 2 x VP = 2 rank 0 holds both MoE layers and rank 1 none), 4
+ * experts of width 128, top-2 sigmoid scores with the expert bias (--moe-router-enable-expert-bias, rate
+ * 1e-3), the aux loss (1e-2) and the z-loss (1e-3); GPT-2: GELU experts with biases (router, fc1, fc2),
+ * Llama: SwiGLU experts and a shared expert of 128. The layout comparison (tests/test_data_parallel.h:
+ * 20 steps' losses and grad norms, the first step's gradients, the final weights, each tensor and element,
+ * the router's and experts' included; the aux losses' gradients reach the router on the stage that holds
+ * its layer) within the fp32 layout bounds, which the dense PP tests use too (PP runs one GPU's kernels on
+ * each layer; the gradient norm's and the tied embedding's sums are ordered otherwise, so not bitwise).
+ * Then the MoE statistics of 4 steps, every rank's (each stage routes its own layers; the pass end sums
+ * the tokens per expert and the logged losses over the pipeline as Megatron's tracker does): the step's
+ * logged load_balancing_loss and z_loss (mean over the MoE layers) within 1e-5 of one GPU's, the first
+ * step's tokens per expert and the expert bias after it bitwise (the same weights route the same: every
+ * layer's row, a stage that lost another stage's counts would report 0 there), later steps' tokens within
+ * 2% of the routed pairs (the weights then differ by ulps: a near tie may route otherwise), the same
+ * values on every rank. */
+static test_result pp_moe_config(mt_config* c, int llama) {
+    c->num_experts = 4;
+    c->moe_router_topk = 2;
+    c->moe_ffn_hidden_size = 128;
+    c->moe_layer_freq = 2;
+    c->moe_router_score_sigmoid = 1;
+    c->moe_router_enable_expert_bias = 1;
+    c->moe_router_bias_update_rate = 1e-3;
+    c->moe_load_balancing = MT_MOE_AUX_LOSS;
+    c->moe_aux_loss_coeff[0] = 1e-2;
+    c->moe_z_loss_coeff = 1e-3;
+    c->moe_router_dtype_fp32 = 1;
+    if (llama) c->moe_shared_expert_intermediate_size = 128;
+    EXPECT(llama ? c->swiglu && !c->add_bias_linear : !c->swiglu && c->add_bias_linear, "pp_config's flavour changed");
+    return TEST_PASS;
+}
+enum { PP_MOE_STEPS = 4, PP_MOE_LAYERS = 2, PP_MOE_E = 4 };
+typedef struct {
+    double losses[PP_MOE_STEPS][4];
+    int32_t tokens[PP_MOE_STEPS][PP_MOE_LAYERS * PP_MOE_E];
+    float bias[PP_MOE_STEPS][PP_MOE_LAYERS * PP_MOE_E];
+} pp_moe_stats;
+static test_result pp_moe_stats_run(mt_config c, pp_moe_stats* out) {
+    memset(out, 0, sizeof(*out));
+    mt_trainer* t = NULL;
+    mt_error err;
+    if (dp_create(&c, &t) != TEST_PASS) return tp_agree(TEST_FAIL);
+    test_result res = mt_moe_num_layers(&c) == PP_MOE_LAYERS && c.num_experts == PP_MOE_E ? TEST_PASS : TEST_FAIL;
+    const int64_t count = (int64_t)c.global_batch_size * (c.seq_length + 1);
+    int32_t* global = (int32_t*)malloc(sizeof(int32_t) * (size_t)count);
+    int32_t* mine = (int32_t*)malloc(sizeof(int32_t) * (size_t)count);
+    for (int k = 0; k < PP_MOE_STEPS && res == TEST_PASS; k++) {
+        fill_tokens(global, count, (int)c.vocab_size, 3000 + k);
+        dp_slice(&c, global, mine);
+        mt_step_result r;
+        mt_status st = mt_trainer_train_step(t, mine, &r, &err);
+        if (st == MT_OK) st = mt_trainer_moe_stats(t, NULL, out->tokens[k], out->bias[k], &err);
+        if (st != MT_OK) {
+            printf("    FAIL step %d: %s\n", k, err.message);
+            res = TEST_FAIL;
+        } else {
+            for (int q = 0; q < 4; q++) out->losses[k][q] = r.moe_losses[q];
+        }
+    }
+    free(global);
+    free(mine);
+    mt_trainer_free(t);
+    return tp_agree(res);
+}
+static test_result test_pp_moe_matches_single(void) {
+    REQUIRE_MPI_GPUS();
+    REQUIRE_PP_WORLD();
+    const int world = mpi_world();
+    test_result res = TEST_PASS;
+    for (int llama = 0; llama <= 1 && res == TEST_PASS; llama++) {
+        mt_config one = pp_config(MT_FP32, 1, 1, 1, 1, llama);
+        mt_config layouts[2] = {pp_config(MT_FP32, world, 1, 1, 1, llama), pp_config(MT_FP32, 2, 2, 1, world / 2, llama)};
+        res = pp_moe_config(&one, llama);
+        for (int k = 0; k < 2 && res == TEST_PASS; k++) res = pp_moe_config(&layouts[k], llama);
+        if (res != TEST_PASS) return res;
+        const char* fl = llama ? "Llama MoE (SwiGLU, shared expert)" : "GPT-2 MoE (GELU experts, biases)";
+        pp_reference ref;
+        res = pp_reference_train(&ref, one);
+        static pp_moe_stats single, ours;
+        if (res == TEST_PASS) res = pp_moe_stats_run(one, &single);
+        for (int k = 0; k < 2 && res == TEST_PASS; k++) {
+            char name[160];
+            if (k == 0) snprintf(name, sizeof(name), "%s fp32 PP=%d", fl, world);
+            else snprintf(name, sizeof(name), "%s fp32 PP=2 x VP=2 interleaved%s", fl, world == 4 ? " x DP=2" : "");
+            res = pp_against_reference(name, layouts[k], &ref);
+            if (res == TEST_PASS) res = pp_moe_stats_run(layouts[k], &ours);
+            if (res != TEST_PASS) break;
+            double worst = 0.0;
+            int64_t token_diff = 0;
+            for (int s = 0; s < PP_MOE_STEPS; s++) {
+                for (int q = 0; q < 4; q++) {
+                    const double d = fabs(ours.losses[s][q] - single.losses[s][q]) / fmax(fabs(single.losses[s][q]), 1e-30);
+                    if (single.losses[s][q] != 0.0 || ours.losses[s][q] != 0.0) worst = d > worst ? d : worst;
+                }
+                for (int i = 0; s > 0 && i < PP_MOE_LAYERS * PP_MOE_E; i++)
+                    token_diff += llabs((long long)ours.tokens[s][i] - single.tokens[s][i]);
+            }
+            const int64_t pairs = (int64_t)one.global_batch_size * one.seq_length * one.moe_router_topk * PP_MOE_LAYERS;
+            const int first_tokens = !memcmp(ours.tokens[0], single.tokens[0], sizeof(ours.tokens[0]));
+            const int first_bias = !memcmp(ours.bias[0], single.bias[0], sizeof(ours.bias[0]));
+            int moved = 0;
+            for (int i = 0; i < PP_MOE_LAYERS * PP_MOE_E; i++) moved += single.bias[0][i] != 0.0f;
+            printf("      %s: load_balancing_loss %.6f (one GPU %.6f), z_loss %.6f (%.6f) at step 0; logged MoE losses "
+                   "worst %.2e; step 0's tokens per expert %s, expert bias %s (%d of %d entries moved); later tokens "
+                   "off by %lld of %lld pairs\n", name, ours.losses[0][0], single.losses[0][0], ours.losses[0][3],
+                   single.losses[0][3], worst, first_tokens ? "bitwise" : "DIFFER", first_bias ? "bitwise" : "DIFFERS",
+                   moved, PP_MOE_LAYERS * PP_MOE_E, (long long)token_diff, (long long)(PP_MOE_STEPS - 1) * pairs);
+            if (!tp_same_on_all_ranks(&ours, sizeof(ours))) {
+                printf("    FAIL %s: the ranks report different MoE statistics\n", name);
+                res = TEST_FAIL;
+            }
+            if (!(worst <= 1e-5) || !(single.losses[0][0] > 0.1) || !(single.losses[0][3] > 0.0) || !first_tokens ||
+                !first_bias || moved == 0 || token_diff * 50 > (int64_t)(PP_MOE_STEPS - 1) * pairs) {
+                printf("    FAIL %s: the MoE statistics differ from one GPU's\n", name);
+                res = TEST_FAIL;
+            }
+            res = tp_agree(res);
+        }
+        pp_reference_free(&ref);
+    }
+    return res;
+}
+
 static const test_case pipeline_multigpu_tests[] = {
+    {"pp_moe_matches_single_gpu_fp32", test_pp_moe_matches_single},
     {"pp_matches_single_gpu_documents", test_pp_matches_single_documents},
     {"pp_matches_single_gpu_fp32", test_pp_matches_single_fp32},
     {"pp_matches_single_gpu_bf16", test_pp_matches_single_bf16},

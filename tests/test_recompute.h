@@ -186,6 +186,49 @@ static test_result test_recompute_plan_rooms(void) {
     return TEST_PASS;
 }
 
+/* Mixture of experts (issue #34): full recompute keeps an MoE layer's routing per layer (the router's
+ * logits, probabilities, map, permutation, row counts, aux-loss weights) and shares the experts' rooms
+ * (fc1, activation) like the dense MLP's; selective keeps the routing too, and the experts' regions unless
+ * moe (fc1 and activation: one room) or moe_act (the activation) recomputes them. A 4-layer MoE model's
+ * slot: routing L rooms, experts n (uniform n) or 1 + L - n (block n). */
+static test_result test_recompute_moe_rooms(void) {
+    mt_config c = test_config(TEST_LLAMA, MT_FP32);
+    c.num_layers = 4;
+    c.num_experts = 4;
+    c.moe_router_topk = 2;
+    c.moe_ffn_hidden_size = 64;
+    c.moe_aux_loss_coeff[0] = 1e-2;
+    mt_error err;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    const int routing[] = {MT_ACT_MOE_LOGITS, MT_ACT_MOE_PROBS, MT_ACT_MOE_ROW, MT_ACT_MOE_TOKEN, MT_ACT_MOE_ROW_PROB,
+                           MT_ACT_MOE_COUNTS, MT_ACT_MOE_AUXW};
+    struct { mt_recompute rc; int64_t fc1, act; } cases[] = {
+        {{MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, 15}, 4, 4},
+        {{MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, MT_RECOMPUTE_MOE_ACT}, 4, 1},
+        {{MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, MT_RECOMPUTE_MOE}, 1, 1},
+        {{MT_RECOMPUTE_FULL, MT_RECOMPUTE_UNIFORM, 1, 0}, 1, 1},
+        {{MT_RECOMPUTE_FULL, MT_RECOMPUTE_UNIFORM, 2, 0}, 2, 2},
+        {{MT_RECOMPUTE_FULL, MT_RECOMPUTE_BLOCK, 3, 0}, 2, 2},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        mt_activation_layout a;
+        mt_activation_layout_compute(&c, 4, 1, 1, &cases[i].rc, &a);
+        char setting[128];
+        mt_recompute_describe(&cases[i].rc, setting, sizeof(setting));
+        for (size_t r = 0; r < sizeof(routing) / sizeof(routing[0]); r++) {
+            EXPECT(a.kept_layers[routing[r]] == 4, "%s: MoE routing region %d keeps %lld layers, not 4", setting,
+                   routing[r], (long long)a.kept_layers[routing[r]]);
+            for (int l = 0; l < 4; l++)
+                EXPECT(mt_recompute_position(&cases[i].rc, routing[r], 4, l) == l, "%s: layer %d's routing room", setting, l);
+        }
+        EXPECT(a.kept_layers[MT_ACT_MOE_FC1] == cases[i].fc1 && a.kept_layers[MT_ACT_MOE_ACT] == cases[i].act,
+               "%s: the experts' fc1 / activation keep %lld / %lld layers, not %lld / %lld", setting,
+               (long long)a.kept_layers[MT_ACT_MOE_FC1], (long long)a.kept_layers[MT_ACT_MOE_ACT],
+               (long long)cases[i].fc1, (long long)cases[i].act);
+    }
+    return TEST_PASS;
+}
+
 /* The flags: what lands in cfg.recompute, and what is refused (Megatron's rules: full needs a method
  * and a layer count of 1 to the layers per pipeline rank; method and count only with full; modules
  * only with selective). */
@@ -274,6 +317,7 @@ static test_result test_recompute_train_gpt_plan(void) {
 static const test_case recompute_tests[] = {
     {"recompute_rooms_hold_what_the_backward_reads", test_recompute_rooms},
     {"recompute_plan_rooms", test_recompute_plan_rooms},
+    {"recompute_moe_rooms", test_recompute_moe_rooms},
     {"recompute_flags", test_recompute_flags},
     {"recompute_train_gpt_plan", test_recompute_train_gpt_plan},
 };
@@ -281,14 +325,19 @@ static const test_case recompute_tests[] = {
 /* ---- GPU: bit for bit the training without recompute ------------------------------------------------ */
 
 /* What a run leaves to compare: each step's loss, then the gradients of one more batch and the weights. */
+enum { RC_STEPS = 3, RC_MOE_MAX = 64 };
 typedef struct {
     double losses[4];
     float* grads;
     float* weights;
     size_t activation_bytes;
+    /* an MoE model's (num_experts > 0): each step's logged MoE losses, and after the last step every MoE
+     * layer's logged losses, tokens per expert and expert bias (mt_trainer_moe_stats; Lm x E <= RC_MOE_MAX) */
+    double moe_losses[RC_STEPS][4];
+    float moe_layer_losses[4 * RC_MOE_MAX];
+    int32_t moe_tokens[RC_MOE_MAX];
+    float moe_bias[RC_MOE_MAX];
 } rc_run;
-
-enum { RC_STEPS = 3 };
 
 /* RC_STEPS training steps at lr 1e-2 from the config's initial weights on fixed batches (each
  * data-parallel rank its own), then the gradients of one more batch (single GPU: grads != NULL); the
@@ -313,6 +362,15 @@ static test_result rc_train(mt_config c, rc_run* out) {
             mt_step_result r;
             st = mt_trainer_train_step(t, tokens, &r, &err);
             out->losses[k] = r.lm_loss;
+            memcpy(out->moe_losses[k], r.moe_losses, sizeof(out->moe_losses[k]));
+            if (st == MT_OK && k == RC_STEPS - 1 && c.num_experts > 0) {
+                if ((int64_t)mt_moe_num_layers(&c) * c.num_experts > RC_MOE_MAX) {
+                    printf("    FAIL %s: more MoE layers x experts than RC_MOE_MAX\n", setting);
+                    res = TEST_FAIL;
+                } else {
+                    st = mt_trainer_moe_stats(t, out->moe_layer_losses, out->moe_tokens, out->moe_bias, &err);
+                }
+            }
         } else if (out->grads) {
             double loss = 0.0;
             st = mt_trainer_compute_gradients(t, tokens, mt_num_micro_batches(&c), &loss, &err);
@@ -352,6 +410,13 @@ static test_result rc_compare(const mt_config* base, const mt_recompute* setting
     run.weights = (float*)calloc((size_t)n, sizeof(float));
     memset(ref.losses, 0, sizeof(ref.losses));
     memset(run.losses, 0, sizeof(run.losses));
+    rc_run* both[2] = {&ref, &run};
+    for (int i = 0; i < 2; i++) {
+        memset(both[i]->moe_losses, 0, sizeof(both[i]->moe_losses));
+        memset(both[i]->moe_layer_losses, 0, sizeof(both[i]->moe_layer_losses));
+        memset(both[i]->moe_tokens, 0, sizeof(both[i]->moe_tokens));
+        memset(both[i]->moe_bias, 0, sizeof(both[i]->moe_bias));
+    }
     mt_config c = *base;
     c.recompute = mt_recompute();
     test_result res = tp_agree(rc_train(c, &ref));
@@ -374,6 +439,17 @@ static test_result rc_compare(const mt_config* base, const mt_recompute* setting
         if (at >= 0) {
             printf("    FAIL %s %s: gradient %lld is %.9g, without recompute %.9g\n", label, setting, (long long)at,
                    run.grads[at], ref.grads[at]);
+            res = TEST_FAIL;
+        }
+        /* MoE: the routers' bookkeeping is the forward's alone (a replay that counted its tokens or aux losses
+         * again would change these) */
+        if (res == TEST_PASS && base->num_experts > 0 &&
+            (memcmp(run.moe_losses, ref.moe_losses, sizeof(ref.moe_losses)) ||
+             memcmp(run.moe_layer_losses, ref.moe_layer_losses, sizeof(ref.moe_layer_losses)) ||
+             memcmp(run.moe_tokens, ref.moe_tokens, sizeof(ref.moe_tokens)) ||
+             memcmp(run.moe_bias, ref.moe_bias, sizeof(ref.moe_bias)))) {
+            printf("    FAIL %s %s: the MoE statistics differ (load balancing %.9g vs %.9g at the last step)\n", label,
+                   setting, run.moe_losses[RC_STEPS - 1][0], ref.moe_losses[RC_STEPS - 1][0]);
             res = TEST_FAIL;
         }
         at = res == TEST_PASS ? rc_first_difference(run.weights, ref.weights, n) : -1;
@@ -577,7 +653,54 @@ static test_result test_recompute_norm_apply_is_the_forward(void) {
     return TEST_PASS;
 }
 
+/* Mixture of experts (issue #34) under every single-GPU setting, GPT-2 and Llama, fp32 and bf16: layers 0, 2
+ * and 4 MoE (--moe-layer-freq 2) beside dense ones, 4 experts of width 64, top-2 sigmoid scores with the
+ * expert bias, the aux loss, the global-batch aux loss (a running average over the step's micro-batches: a
+ * replay that added to it again would change the gradients) and the z-loss; GPT-2's GELU experts with
+ * biases, Llama's SwiGLU experts with a gated shared expert. Full recompute keeps each MoE layer's routing
+ * and replays its experts and shared expert from it; selective recomputes the shared expert as the dense
+ * MLP (mlp, act), the norm before the router (layernorm), the experts and shared expert from the kept
+ * routing (moe) or the experts' activation (moe_act), alone and together. Besides the losses, gradients and weights,
+ * the logged MoE losses of every step and the last step's tokens per expert and expert bias bit for bit. */
+static test_result rc_moe(test_flavour flavour, mt_precision prec) {
+    REQUIRE_GPU();
+    mt_config c = rc_config(flavour, prec);
+    c.num_experts = 4;
+    c.moe_router_topk = 2;
+    c.moe_ffn_hidden_size = 64;
+    c.moe_layer_freq = 2;
+    c.moe_router_score_sigmoid = 1;
+    c.moe_router_enable_expert_bias = 1;
+    c.moe_load_balancing = MT_MOE_AUX_LOSS | MT_MOE_GLOBAL_AUX_LOSS;
+    c.moe_aux_loss_coeff[0] = 1e-2;
+    c.moe_aux_loss_coeff[2] = 1e-2;
+    c.moe_z_loss_coeff = 1e-3;
+    c.moe_grouped_gemm = 1; /* Megatron's condition for moe_act */
+    if (flavour == TEST_LLAMA) c.moe_shared_expert_intermediate_size = 64, c.moe_shared_expert_gate = 1;
+    char label[48];
+    snprintf(label, sizeof(label), "moe %s %s", flavour == TEST_LLAMA ? "llama" : "gpt2", prec == MT_FP32 ? "fp32" : "bf16");
+    enum { SINGLE = sizeof(rc_single_gpu_settings) / sizeof(rc_single_gpu_settings[0]) };
+    mt_recompute settings[SINGLE + 4];
+    memcpy(settings, rc_single_gpu_settings, sizeof(rc_single_gpu_settings));
+    settings[SINGLE] = {MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, MT_RECOMPUTE_MOE};
+    settings[SINGLE + 1] = {MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, MT_RECOMPUTE_MOE_ACT};
+    settings[SINGLE + 2] = {MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, MT_RECOMPUTE_MOE | MT_RECOMPUTE_LAYERNORM};
+    settings[SINGLE + 3] = {MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_UNIFORM, 0, 63};
+    return rc_compare(&c, settings, SINGLE + 4, 1, label);
+}
+static test_result test_recompute_moe(void) {
+    const test_flavour flavours[2] = {TEST_GPT2, TEST_LLAMA};
+    const mt_precision precs[2] = {MT_FP32, MT_BF16};
+    for (int f = 0; f < 2; f++)
+        for (int p = 0; p < 2; p++) {
+            const test_result r = rc_moe(flavours[f], precs[p]);
+            if (r != TEST_PASS) return r;
+        }
+    return TEST_PASS;
+}
+
 static const test_case recompute_gpu_tests[] = {
+    {"recompute_bitwise_moe", test_recompute_moe},
     {"recompute_norm_apply_is_the_forward", test_recompute_norm_apply_is_the_forward},
     {"recompute_bitwise_gpt2_fp32", test_recompute_gpt2_fp32},
     {"recompute_bitwise_gpt2_bf16", test_recompute_gpt2_bf16},
