@@ -10660,6 +10660,7 @@ static mt_status plan_trainer_memory(const mt_config* cfg, mt_memory_plan* plan,
     mt_plan_options_defaults(&plan_options);
     plan_options.pp_rank = mt_rank_coordinates(cfg, cfg->rank).pp;
     plan_options.dp_rank = mt_rank_coordinates(cfg, cfg->rank).dp;
+    plan_options.cp_rank = mt_rank_coordinates(cfg, cfg->rank).cp;
     mt_status plan_status = mt_memory_plan_compute(cfg, &plan_options, plan, err);
     if (plan_status != MT_OK) return plan_status;
     size_t free_bytes = 0, total_bytes = 0;

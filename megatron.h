@@ -1099,6 +1099,7 @@ MT_DEF mt_status mt_pp_activation_slots(int pp, int vp, int num_micro_batches, i
 typedef struct {
     int pp_rank;                  /* the pipeline rank planned; -1: the one that needs the most memory */
     int dp_rank;                  /* the data-parallel rank (its shard's AdamW chunk count; 0 by default) */
+    int cp_rank;                  /* the context-parallel rank (with dp_rank, its place in the DP x CP shards; 0) */
 } mt_plan_options;
 MT_DEF void mt_plan_options_defaults(mt_plan_options* opts);
 
@@ -5994,8 +5995,8 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     const int vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1, M = mt_num_micro_batches(c);
     const int sharded = c->use_distributed_optimizer && dp > 1, alias = c->precision == MT_FP32 && !sharded;
     const size_t elem = c->precision == MT_FP32 ? 4 : 2;
-    mt_config at = *c; /* a rank of this pipeline stage (and of the planned DP rank, context-parallel rank 0) */
-    mt_rank_coords coords = {0, o->dp_rank, pp_rank, 0, 0, 0, 0};
+    mt_config at = *c; /* a rank of this pipeline stage (and of the planned DP and CP ranks) */
+    mt_rank_coords coords = {0, o->dp_rank, pp_rank, 0, 0, o->cp_rank, 0};
     at.rank = mt_rank_of(c, coords);
     const int dpcp_rank = mt_rank_coordinates(c, at.rank).dpcp;
     mt_buffer_layout B;
@@ -6104,6 +6105,8 @@ MT_DEF mt_status mt_memory_plan_compute(const mt_config* c, const mt_plan_option
     if (o->pp_rank >= pp) return mt_fail(err, MT_ERR_RANGE, "pipeline rank %d outside [0, %d)", o->pp_rank, pp);
     if (o->dp_rank < 0 || o->dp_rank >= c->data_parallel_size)
         return mt_fail(err, MT_ERR_RANGE, "data-parallel rank %d outside [0, %d)", o->dp_rank, c->data_parallel_size);
+    if (o->cp_rank < 0 || o->cp_rank >= mt__cp_size(c))
+        return mt_fail(err, MT_ERR_RANGE, "context-parallel rank %d outside [0, %d)", o->cp_rank, mt__cp_size(c));
     if (o->pp_rank >= 0) return mt__memory_plan_rank(c, o, o->pp_rank, plan, err);
     for (int r = 0; r < pp; r++) { /* the rank that needs the most */
         mt_memory_plan p;

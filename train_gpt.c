@@ -871,6 +871,7 @@ static void note_grad_bf16(const run_state* run) {
         mt_plan_options_defaults(&opts);
         opts.pp_rank = mt_rank_coordinates(c, c->rank).pp;
         opts.dp_rank = mt_rank_coordinates(c, c->rank).dp;
+        opts.cp_rank = mt_rank_coordinates(c, c->rank).cp;
         mt_memory_plan p;
         if (mt_memory_plan_compute(c, &opts, &p, &err) == MT_OK) print_grad_bf16_note(&p);
     }
