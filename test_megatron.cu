@@ -167,6 +167,7 @@ int main(int argc, char** argv) {
         GROUP("gpu.dropout", dropout_gpu_tests),
         GROUP("gpu.faults", faults_gpu_tests),
         GROUP("gpu.generate", generate_gpu_tests),
+        GROUP("gpu.context_parallel", context_parallel_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
         GROUP("multigpu.expert_parallel", expert_parallel_multigpu_tests),
         GROUP("multigpu.context_parallel", context_parallel_multigpu_tests),

@@ -1211,6 +1211,8 @@ static void finish_run(run_state* run) {
         /* Megatron's exit conditions end the run without a sample */
     } else if (c->pipeline_model_parallel_size > 1 && o->sample_tokens > 0)
         printf("sample: skipped (generation needs the whole model on one stage: --pipeline-model-parallel-size 1)\n");
+    else if (c->context_parallel_size > 1 && o->sample_tokens > 0)
+        printf("sample: skipped (generation needs whole sequences on one rank: --context-parallel-size 1)\n");
     else /* every rank samples (the same tokens: same seed; with tensor parallelism the forward needs the
           * whole TP group); only rank 0's stdout is open */
         print_sample(run->t, run->tok, c, o->sample_tokens, c->seed);

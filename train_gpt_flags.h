@@ -1098,6 +1098,9 @@ static int tg_apply_defaults(tg_flags* v, char* msg, size_t size) {
     if (v->tensorboard_log_interval < 0) v->tensorboard_log_interval = 1;
     if (v->max_nan_in_a_row < 0) v->max_nan_in_a_row = 1;
     if (v->tensorboard_queue_size < 0) v->tensorboard_queue_size = 1000;
+    if (v->full_validation && v->cp > 1)
+        return tg_fail(msg, size, "--full-validation with --context-parallel-size %lld is not built (its last partial round "
+                       "needs every position's loss on one rank): drop one", (long long)v->cp);
     if (v->full_validation && v->mock_data)
         return tg_fail(msg, size, "--full-validation needs a dataset: --mock-data has no end");
     if (!v->plan && !v->plan_layouts && (v->plan_world_size > 0 || v->gpu_memory_gib > 0))

@@ -297,6 +297,183 @@ static const test_case context_parallel_tests[] = {
     {"cp_buffer_layout", test_cp_buffer_layout},
 };
 
+/* ---- one GPU: context parallelism's kernels against the whole sequence's ---- */
+
+/* device <-> host copies on the test's stream (0 on a CUDA error) */
+static int cp_put(kt_ctx* k, void* dst, const void* src, size_t bytes) {
+    KT_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, k->stream));
+    KT_CUDA(cudaStreamSynchronize(k->stream));
+    return 1;
+}
+static int cp_get(kt_ctx* k, void* dst, const void* src, size_t bytes) {
+    KT_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, k->stream));
+    KT_CUDA(cudaStreamSynchronize(k->stream));
+    return k->error.status == MT_OK;
+}
+
+/* Each CP rank's rows (chunks r and 2 CP - 1 - r) run through section 8's kernels with their span and the
+ * whole sequence's keys give, bit for bit, the whole sequence's rows at those positions: the causal softmax
+ * with documents, attention dropout, the softmax backward with dropout; a hidden dropout site's local rows
+ * (mt_dropout.cp_len) draw the whole rows' masks; and the exchanges' permutations (cp_chunks_full,
+ * cp_rows_blocks) move each element where mt_cp_position says, and back. fp32, CP = 2 and 4. */
+static int cp_kernels_case(kt_ctx* k, int cp) {
+    const int B = 2, H = 3, S = 8 * cp, Sl = S / cp, C = Sl / 2, W = 6;
+    const float scale = 0.37f;
+    const mt_exec* ex = kt_exec(k, 0);
+    mt_config c = small_test_config();
+    c.context_parallel_size = cp;
+    c.seq_length = S;
+    const int64_t n_full = (int64_t)B * H * S * S, n_local = (int64_t)B * H * Sl * S;
+    std::vector<float> scores(n_full), dp(n_full), probs(n_full), dropped(n_full), ds(n_full), x((size_t)B * S * W),
+        xd((size_t)B * S * W);
+    std::vector<int32_t> doc((size_t)B * S);
+    uint64_t g = 99 + cp;
+    auto uniform = [&]() { g = g * 6364136223846793005ull + 1442695040888963407ull; return (float)((g >> 40) * (1.0 / (1 << 24))) * 2 - 1; };
+    for (auto& v : scores) v = 3 * uniform();
+    for (auto& v : dp) v = uniform();
+    for (auto& v : x) v = uniform();
+    for (int b = 0; b < B; b++) /* documents starting at 0, 3, S/2 + 1 (sample 0) and 0, S - 2 (sample 1) */
+        for (int t = 0; t < S; t++)
+            doc[(size_t)b * S + t] = b == 0 ? (t >= S / 2 + 1 ? S / 2 + 1 : t >= 3 ? 3 : 0) : (t >= S - 2 ? S - 2 : 0);
+    mt_dropout d = mt_dropout();
+    d.on = 1, d.threshold = 0x4CCCCCCDu, d.scale = 1.0f / 0.7f, d.key = 0x1234567ull + cp, d.row0 = 5, d.heads = H;
+    float *f_s = kt_alloc<float>(k, n_full), *f_p = kt_alloc<float>(k, n_full), *f_ds = kt_alloc<float>(k, n_full);
+    float *l_s = kt_alloc<float>(k, n_local), *l_p = kt_alloc<float>(k, n_local), *l_ds = kt_alloc<float>(k, n_local);
+    float *f_x = kt_alloc<float>(k, (int64_t)B * S * W), *l_x = kt_alloc<float>(k, (int64_t)B * Sl * W);
+    int32_t *f_doc = kt_alloc<int32_t>(k, (int64_t)B * S), *l_doc = kt_alloc<int32_t>(k, (int64_t)B * Sl);
+    KT_ALLOCATED(k);
+    /* the whole sequence */
+    if (!cp_put(k, f_s, scores.data(), sizeof(float) * n_full) || !cp_put(k, f_doc, doc.data(), sizeof(int32_t) * B * S))
+        return 0;
+    causal_softmax_forward<float>(ex, f_s, B * H * S, S, scale, f_doc, H);
+    attention_dropout<float>(ex, f_p, f_s, B * H * S, S, d, H);
+    if (!cp_get(k, probs.data(), f_s, sizeof(float) * n_full) || !cp_get(k, dropped.data(), f_p, sizeof(float) * n_full) ||
+        !cp_put(k, f_ds, dp.data(), sizeof(float) * n_full))
+        return 0;
+    causal_softmax_backward<float>(ex, f_ds, f_s, B * H * S, S, scale, d, H, f_doc);
+    if (!cp_get(k, ds.data(), f_ds, sizeof(float) * n_full) || !cp_put(k, f_x, x.data(), sizeof(float) * x.size())) return 0;
+    mt_dropout hd = d;
+    hd.row0 = 5 * S; /* the global row of local row 0: sample 5 */
+    dropout_apply<float>(ex, f_x, f_x, hd, B * S, W);
+    if (!cp_get(k, xd.data(), f_x, sizeof(float) * x.size())) return 0;
+    for (int r = 0; r < cp; r++) {
+        const mt_seq_span span = {C, {r * C, (2 * cp - 1 - r) * C}};
+        std::vector<float> ls(n_local), ldp(n_local), lx((size_t)B * Sl * W), got(n_local), gotx((size_t)B * Sl * W);
+        std::vector<int32_t> ldoc((size_t)B * Sl);
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < Sl; i++) {
+                const int p = mt_cp_position(&c, r, i);
+                if (p != seq_span_position(span, i)) {
+                    printf("    FAIL CP %d rank %d row %d: span %d, mt_cp_position %d\n", cp, r, i, seq_span_position(span, i), p);
+                    return 0;
+                }
+                ldoc[(size_t)b * Sl + i] = doc[(size_t)b * S + p];
+                for (int cc = 0; cc < W; cc++) lx[((size_t)b * Sl + i) * W + cc] = x[((size_t)b * S + p) * W + cc];
+                for (int h = 0; h < H; h++) {
+                    const size_t lr = (((size_t)b * H + h) * Sl + i) * S, fr = (((size_t)b * H + h) * S + p) * S;
+                    memcpy(&ls[lr], &scores[fr], sizeof(float) * S);
+                    memcpy(&ldp[lr], &dp[fr], sizeof(float) * S);
+                }
+            }
+        if (!cp_put(k, l_s, ls.data(), sizeof(float) * n_local) || !cp_put(k, l_doc, ldoc.data(), sizeof(int32_t) * B * Sl))
+            return 0;
+        causal_softmax_forward<float>(ex, l_s, B * H * Sl, Sl, scale, l_doc, H, S, span);
+        attention_dropout<float>(ex, l_p, l_s, B * H * Sl, Sl, d, H, S, span);
+        if (!cp_put(k, l_ds, ldp.data(), sizeof(float) * n_local)) return 0;
+        causal_softmax_backward<float>(ex, l_ds, l_s, B * H * Sl, Sl, scale, d, H, l_doc, S, span);
+        if (!cp_put(k, l_x, lx.data(), sizeof(float) * lx.size())) return 0;
+        mt_dropout hl = d;
+        hl.row0 = 5, hl.cp_len = C, hl.cp_start[0] = span.start[0], hl.cp_start[1] = span.start[1], hl.seq = S;
+        dropout_apply<float>(ex, l_x, l_x, hl, B * Sl, W);
+        const char* what[3] = {"softmax", "attention dropout", "softmax backward"};
+        float* dev[3] = {l_s, l_p, l_ds};
+        const std::vector<float>* ref[3] = {&probs, &dropped, &ds};
+        for (int m = 0; m < 3; m++) {
+            if (!cp_get(k, got.data(), dev[m], sizeof(float) * n_local)) return 0;
+            for (int b = 0; b < B; b++)
+                for (int h = 0; h < H; h++)
+                    for (int i = 0; i < Sl; i++) {
+                        const int p = mt_cp_position(&c, r, i);
+                        const size_t lr = (((size_t)b * H + h) * Sl + i) * S, fr = (((size_t)b * H + h) * S + p) * S;
+                        if (memcmp(&got[lr], &(*ref[m])[fr], sizeof(float) * S)) {
+                            printf("    FAIL CP %d rank %d: %s of sample %d head %d row %d (position %d) differs from the "
+                                   "whole sequence's\n", cp, r, what[m], b, h, i, p);
+                            return 0;
+                        }
+                    }
+        }
+        if (!cp_get(k, gotx.data(), l_x, sizeof(float) * gotx.size())) return 0;
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < Sl; i++)
+                if (memcmp(&gotx[((size_t)b * Sl + i) * W], &xd[((size_t)b * S + mt_cp_position(&c, r, i)) * W],
+                           sizeof(float) * W)) {
+                    printf("    FAIL CP %d rank %d: hidden dropout of sample %d row %d differs\n", cp, r, b, i);
+                    return 0;
+                }
+    }
+    /* the permutations: full [B, S, W] <-> chunked [CP, B, Sl, W]; rows [N, CP W] <-> blocks [CP, N, W] */
+    std::vector<float> chunked((size_t)B * S * W), back((size_t)B * S * W);
+    float* f_c = kt_alloc<float>(k, (int64_t)B * S * W);
+    KT_ALLOCATED(k);
+    if (!cp_put(k, f_x, x.data(), sizeof(float) * x.size())) return 0;
+    cp_chunks_full<float>(ex, f_x, f_c, B, Sl, W, cp, false);
+    if (!cp_get(k, chunked.data(), f_c, sizeof(float) * chunked.size())) return 0;
+    for (int r = 0; r < cp; r++)
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < Sl; i++)
+                if (memcmp(&chunked[(((size_t)r * B + b) * Sl + i) * W], &x[((size_t)b * S + mt_cp_position(&c, r, i)) * W],
+                           sizeof(float) * W)) {
+                    printf("    FAIL CP %d: chunk block %d sample %d row %d is not position %d\n", cp, r, b, i,
+                           mt_cp_position(&c, r, i));
+                    return 0;
+                }
+    KT_CUDA(cudaMemsetAsync(f_x, 0, sizeof(float) * x.size(), k->stream));
+    cp_chunks_full<float>(ex, f_x, f_c, B, Sl, W, cp, true);
+    if (!cp_get(k, back.data(), f_x, sizeof(float) * back.size())) return 0;
+    if (memcmp(back.data(), x.data(), sizeof(float) * x.size())) {
+        printf("    FAIL CP %d: chunked -> full is not the inverse\n", cp);
+        return 0;
+    }
+    const int64_t N = (int64_t)B * S / cp, Wb = W / 2; /* rows [N, CP Wb] */
+    std::vector<float> rows((size_t)N * cp * Wb), blocks((size_t)N * cp * Wb);
+    for (size_t i = 0; i < rows.size(); i++) rows[i] = x[i];
+    if (!cp_put(k, f_x, rows.data(), sizeof(float) * rows.size())) return 0;
+    cp_rows_blocks<float>(ex, f_x, f_c, N, (int)Wb, cp, true);
+    if (!cp_get(k, blocks.data(), f_c, sizeof(float) * blocks.size())) return 0;
+    for (int j = 0; j < cp; j++)
+        for (int64_t rr = 0; rr < N; rr++)
+            if (memcmp(&blocks[((size_t)j * N + rr) * Wb], &rows[(size_t)rr * cp * Wb + (size_t)j * Wb], sizeof(float) * Wb)) {
+                printf("    FAIL CP %d: block %d row %lld\n", cp, j, (long long)rr);
+                return 0;
+            }
+    KT_CUDA(cudaMemsetAsync(f_x, 0, sizeof(float) * rows.size(), k->stream));
+    cp_rows_blocks<float>(ex, f_x, f_c, N, (int)Wb, cp, false);
+    if (!cp_get(k, back.data(), f_x, sizeof(float) * rows.size())) return 0;
+    if (memcmp(back.data(), rows.data(), sizeof(float) * rows.size())) {
+        printf("    FAIL CP %d: blocks -> rows is not the inverse\n", cp);
+        return 0;
+    }
+    return 1;
+}
+
+static test_result test_cp_kernels_match_whole_sequence(void) {
+    REQUIRE_GPU();
+    kt_ctx k;
+    if (!kt_ctx_init(&k)) return TEST_FAIL;
+    int ok = 1;
+    for (int cp = 2; cp <= 4 && ok; cp += 2) {
+        ok = cp_kernels_case(&k, cp);
+        kt_release(&k);
+    }
+    kt_ctx_free(&k);
+    EXPECT(ok, "see above");
+    return TEST_PASS;
+}
+
+static const test_case context_parallel_gpu_tests[] = {
+    {"cp_kernels_match_whole_sequence", test_cp_kernels_match_whole_sequence},
+};
+
 /* ---- multi-GPU: CP = 2 against CP = 1 on two ranks ---- */
 
 #define CP_STEPS 20
