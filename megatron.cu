@@ -630,14 +630,23 @@ static void word_embedding_backward(const mt_exec* ex, float* dwte, const T* dou
  *                 step's global batch (sample * seq + position);
  *        attention [T, T] per (sample, head): counter = ((sample * heads + head) * T + query) *
  *                 ceil(T / 2) + key / 2, with the model's head number.
+ *      With context parallelism a rank's rows are two chunks of each sequence: a hidden site maps its
+ *      local row to (sample, position) through the chunks (cp_len > 0), and attention passes the
+ *      sequence positions of its queries and keys, so the masks are CP = 1's.
  *      dev/ref_gpt.py computes the same bits in numpy. ---- */
 typedef struct {
     int on;             /* 0: no dropout at this site (evaluation, p = 0) */
     uint32_t threshold; /* dropped when the element's 32 bits < threshold */
     float scale;        /* 1 / (1 - p) */
     uint64_t key;       /* the site's stream */
-    int64_t row0;       /* hidden: the global row of local row 0; attention: the global sample of batch 0 */
+    int64_t row0;       /* hidden: the global row of local row 0 (with cp_len > 0: the global sample of local
+                           sample 0); attention: the global sample of batch 0 */
     int head0, heads;   /* attention: the model's number of local head 0, and its number of heads */
+    /* hidden sites under context parallelism (cp_len 0: none): local row r (+ cp_row0, the sequence-parallel
+     * block's first row) is local sample r / (2 cp_len), row i = r % (2 cp_len) of its two chunks, which
+     * hold positions cp_start[0] + i (i < cp_len) and cp_start[1] + i - cp_len of seq positions */
+    int cp_len, cp_start[2], seq;
+    int64_t cp_row0;
 } mt_dropout;
 
 __host__ __device__ __forceinline__ uint64_t dropout_bits(uint64_t key, uint64_t counter) {
@@ -650,7 +659,13 @@ __host__ __device__ __forceinline__ bool dropout_keeps(const mt_dropout& d, uint
 /* the counter of element (row, column) of a hidden site [rows, C], row local */
 __host__ __device__ __forceinline__ uint64_t dropout_hidden_counter(const mt_dropout& d, int64_t row, int64_t column,
                                                                     int64_t C) {
-    return (uint64_t)(d.row0 + row) * (uint64_t)((C + 1) / 2) + (uint64_t)(column / 2);
+    int64_t global = d.row0 + row;
+    if (d.cp_len > 0) { /* context parallelism: the local row's sample and sequence position */
+        const int64_t r = d.cp_row0 + row, b = r / (2 * d.cp_len);
+        const int i = (int)(r % (2 * d.cp_len));
+        global = (d.row0 + b) * d.seq + (i < d.cp_len ? d.cp_start[0] + i : d.cp_start[1] + i - d.cp_len);
+    }
+    return (uint64_t)global * (uint64_t)((C + 1) / 2) + (uint64_t)(column / 2);
 }
 /* the counter of (local batch b, local head h, query, key) of an attention site with sequence T */
 __host__ __device__ __forceinline__ uint64_t dropout_attention_counter(const mt_dropout& d, int b, int h, int query,
@@ -1711,9 +1726,17 @@ typedef struct {
     int rot;                    /* rotary channels per head (0: no RoPE) */
     const float* rope_cos;      /* [S, rot/2] (NULL without RoPE) */
     const float* rope_sin;
-    const int32_t* positions;   /* [B*S] RoPE's position of each row (NULL: t; --reset-position-ids) */
-    const int32_t* doc_start;   /* [B*S] each query's document start (NULL: none; --reset-attention-mask) */
+    const int32_t* positions;   /* [B*S] RoPE's position of each row (NULL: t; --reset-position-ids, CP) */
+    const int32_t* doc_start;   /* [B*S] each query's document start, a sequence position (NULL: none;
+                                   --reset-attention-mask) */
+    mt_seq_span q_span, kv_span;/* context parallelism: the query rows' and the key rows' sequence positions */
+    int S_kv;                   /* key rows per sample when they differ from the query rows (0: S) */
 } mt_attention_dims;
+
+/* Sequence position of row i of a span (mt_seq_span). */
+__host__ __device__ __forceinline__ int seq_span_position(const mt_seq_span& sp, int i) {
+    return sp.len == 0 ? i : i < sp.len ? sp.start[0] + i : sp.start[1] + i - sp.len;
+}
 
 /* Head permutes between [B, T, heads*d] rows and the attention kernels' layouts; the vectorised
  * kernels when d (and, with RoPE, half the rotary channels) is a multiple of the vector width. */
@@ -1917,6 +1940,53 @@ static void qk_norm_backward(const mt_exec* ex, const mt_attention_dims& a, T* d
     LAUNCH_CHECK(ex->error);
 }
 
+/* ---- Context parallelism's layouts (megatron.h mt_cp_position; section 17 exchanges them over the CP
+ *      group). A rank's Sl rows of a sample are chunks r and 2 CP - 1 - r of the sequence (C = Sl / 2
+ *      rows each). Two permutations, each one thread per element:
+ *        chunked [CP, B, Sl, W] (block r: CP rank r's rows of every sample) <-> full [B, CP Sl, W] (the
+ *        samples' rows in sequence order);
+ *        rows [N, CP W] (a rank's rows, every column block) <-> blocks [CP, N, W] (block j: columns
+ *        j W .. (j + 1) W - 1 of every row). ---- */
+template <typename T, bool TO_FULL>
+__global__ void cp_chunks_full_kernel(T* full, T* chunked, int B, int Sl, int W, int cp) {
+    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (int64_t)cp * B * Sl * W) return;
+    const int c = (int)(idx % W), i = (int)((idx / W) % Sl);
+    const int64_t rb = idx / ((int64_t)W * Sl);
+    const int b = (int)(rb % B), r = (int)(rb / B), C = Sl / 2;
+    const int pos = i < C ? r * C + i : (2 * cp - 1 - r) * C + (i - C);
+    const int64_t f = ((int64_t)b * Sl * cp + pos) * W + c;
+    if (TO_FULL) full[f] = chunked[idx];
+    else chunked[idx] = full[f];
+}
+template <typename T, bool TO_BLOCKS>
+__global__ void cp_rows_blocks_kernel(T* rows, T* blocks, int64_t N, int W, int cp) {
+    const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (int64_t)cp * N * W) return;
+    const int c = (int)(idx % W);
+    const int64_t r = (idx / W) % N;
+    const int j = (int)(idx / ((int64_t)W * N));
+    const int64_t at = r * ((int64_t)cp * W) + (int64_t)j * W + c;
+    if (TO_BLOCKS) blocks[idx] = rows[at];
+    else rows[at] = blocks[idx];
+}
+/* full [B, CP Sl, W] <-> chunked [CP, B, Sl, W] (to_full: the second into the first) */
+template <typename T>
+static void cp_chunks_full(const mt_exec* ex, T* full, T* chunked, int B, int Sl, int W, int cp, bool to_full) {
+    const int64_t n = (int64_t)cp * B * Sl * W;
+    if (to_full) cp_chunks_full_kernel<T, true><<<ceil_div(n, 256), 256, 0, ex->stream>>>(full, chunked, B, Sl, W, cp);
+    else cp_chunks_full_kernel<T, false><<<ceil_div(n, 256), 256, 0, ex->stream>>>(full, chunked, B, Sl, W, cp);
+    LAUNCH_CHECK(ex->error);
+}
+/* rows [N, CP W] <-> blocks [CP, N, W] (to_blocks: the first into the second) */
+template <typename T>
+static void cp_rows_blocks(const mt_exec* ex, T* rows, T* blocks, int64_t N, int W, int cp, bool to_blocks) {
+    const int64_t n = (int64_t)cp * N * W;
+    if (to_blocks) cp_rows_blocks_kernel<T, true><<<ceil_div(n, 256), 256, 0, ex->stream>>>(rows, blocks, N, W, cp);
+    else cp_rows_blocks_kernel<T, false><<<ceil_div(n, 256), 256, 0, ex->stream>>>(rows, blocks, N, W, cp);
+    LAUNCH_CHECK(ex->error);
+}
+
 /* ============================================================================================== */
 /* 8. Exact attention                                                                             */
 /*    The simple path (fp32, fp16, and bf16 head dims other than 64/128): the scores are          */
@@ -1927,93 +1997,102 @@ static void qk_norm_backward(const mt_exec* ex, const mt_attention_dims& a, T* d
 /*    defines: causal_softmax_forward, causal_softmax_backward, attention_dropout.                */
 /* ============================================================================================== */
 
-/* Causal softmax in place over rows of scores [B*heads, T, T]: p = softmax(scale * s) over
- * lo <= k <= q (lo = doc_start[b, q], or 0 without document masks), exactly 0 elsewhere. One warp per row. */
+/* Causal softmax in place over rows of scores [B*heads, Sq, Sk] (query rows of Sk keys in sequence
+ * order): p = softmax(scale * s) over lo <= k <= pos, pos = the query row's sequence position (its row
+ * q, or with context parallelism seq_span_position(qs, q)), lo = doc_start[b, q] (a sequence position)
+ * or 0 without document masks; exactly 0 elsewhere. One warp per row. */
 template <typename T>
-__global__ void causal_softmax_forward_kernel(T* scores, int rows, int seq, float scale, const int32_t* doc_start,
-                                              int heads) {
+__global__ void causal_softmax_forward_kernel(T* scores, int rows, int Sq, int Sk, float scale,
+                                              const int32_t* doc_start, int heads, mt_seq_span qs) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= rows) return;
-    int q = row % seq;
-    const int lo = doc_start ? doc_start[(int64_t)(row / (heads * seq)) * seq + q] : 0;
-    T* s = scores + (int64_t)row * seq;
+    const int q = row % Sq, pos = seq_span_position(qs, q);
+    const int lo = doc_start ? doc_start[(int64_t)(row / (heads * Sq)) * Sq + q] : 0;
+    T* s = scores + (int64_t)row * Sk;
     float mx = -INFINITY;
-    for (int k = lo + lane; k <= q; k += 32) mx = fmaxf(mx, scale * to_float(s[k]));
+    for (int k = lo + lane; k <= pos; k += 32) mx = fmaxf(mx, scale * to_float(s[k]));
     mx = warp_max(mx);
     float sum = 0.0f;
-    for (int k = lo + lane; k <= q; k += 32) sum += expf(scale * to_float(s[k]) - mx);
+    for (int k = lo + lane; k <= pos; k += 32) sum += expf(scale * to_float(s[k]) - mx);
     sum = warp_sum(sum);
     float inv = 1.0f / sum;
-    for (int k = lane; k < seq; k += 32)
-        s[k] = from_float<T>(k >= lo && k <= q ? expf(scale * to_float(s[k]) - mx) * inv : 0.0f);
+    for (int k = lane; k < Sk; k += 32)
+        s[k] = from_float<T>(k >= lo && k <= pos ? expf(scale * to_float(s[k]) - mx) * inv : 0.0f);
 }
 
 /* In place over dP: dS = scale * P * (dP - sum_k dP*P). With attention dropout dscores holds the
- * gradient of the dropped probabilities P_d, and dP = dropout(that) with the forward's mask. */
+ * gradient of the dropped probabilities P_d, and dP = dropout(that) with the forward's mask (drawn at
+ * the query's and keys' sequence positions in a sequence of Sk). */
 template <typename T>
-__global__ void causal_softmax_backward_kernel(T* dscores, const T* probs, int rows, int seq, float scale,
-                                               mt_dropout d, int heads, const int32_t* doc_start) {
+__global__ void causal_softmax_backward_kernel(T* dscores, const T* probs, int rows, int Sq, int Sk, float scale,
+                                               mt_dropout d, int heads, const int32_t* doc_start, mt_seq_span qs) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= rows) return;
-    int q = row % seq;
-    const int lo = doc_start ? doc_start[(int64_t)(row / (heads * seq)) * seq + q] : 0;
-    T* ds = dscores + (int64_t)row * seq;
-    const T* p = probs + (int64_t)row * seq;
-    const int b = row / (heads * seq), h = (row / seq) % heads;
+    const int q = row % Sq, pos = seq_span_position(qs, q);
+    const int lo = doc_start ? doc_start[(int64_t)(row / (heads * Sq)) * Sq + q] : 0;
+    T* ds = dscores + (int64_t)row * Sk;
+    const T* p = probs + (int64_t)row * Sk;
+    const int b = row / (heads * Sq), h = (row / Sq) % heads;
     auto dprob = [&](int k) {
         const float g = to_float(ds[k]);
         if (!d.on) return g;
-        return dropout_value(d, dropout_bits(d.key, dropout_attention_counter(d, b, h, q, k, seq)), k, g);
+        return dropout_value(d, dropout_bits(d.key, dropout_attention_counter(d, b, h, pos, k, Sk)), k, g);
     };
     float dot = 0.0f;
-    for (int k = lo + lane; k <= q; k += 32) dot += dprob(k) * to_float(p[k]);
+    for (int k = lo + lane; k <= pos; k += 32) dot += dprob(k) * to_float(p[k]);
     dot = warp_sum(dot);
-    for (int k = lane; k < seq; k += 32)
-        ds[k] = from_float<T>(k >= lo && k <= q ? scale * to_float(p[k]) * (dprob(k) - dot) : 0.0f);
+    for (int k = lane; k < Sk; k += 32)
+        ds[k] = from_float<T>(k >= lo && k <= pos ? scale * to_float(p[k]) * (dprob(k) - dot) : 0.0f);
 }
 
-/* out = dropout(probs) over [B*heads, T, T] rows (row as above): the probabilities that multiply V. */
+/* out = dropout(probs) over [B*heads, Sq, Sk] rows (row and position as above): the probabilities that
+ * multiply V. */
 template <typename T>
-__global__ void attention_dropout_kernel(T* out, const T* probs, int rows, int seq, mt_dropout d, int heads) {
-    const int64_t pairs_per_row = (seq + 1) / 2;
+__global__ void attention_dropout_kernel(T* out, const T* probs, int rows, int Sq, int Sk, mt_dropout d, int heads,
+                                         mt_seq_span qs) {
+    const int64_t pairs_per_row = (Sk + 1) / 2;
     const int64_t pair = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (pair >= (int64_t)rows * pairs_per_row) return;
     const int row = (int)(pair / pairs_per_row), k0 = (int)(pair % pairs_per_row) * 2;
-    const int q = row % seq, b = row / (heads * seq), h = (row / seq) % heads;
-    const uint64_t bits = dropout_bits(d.key, dropout_attention_counter(d, b, h, q, k0, seq));
-    for (int k = k0; k < k0 + 2 && k < seq; k++) {
-        const int64_t i = (int64_t)row * seq + k;
+    const int q = row % Sq, b = row / (heads * Sq), h = (row / Sq) % heads;
+    const uint64_t bits = dropout_bits(d.key, dropout_attention_counter(d, b, h, seq_span_position(qs, q), k0, Sk));
+    for (int k = k0; k < k0 + 2 && k < Sk; k++) {
+        const int64_t i = (int64_t)row * Sk + k;
         out[i] = from_float<T>(dropout_value(d, bits, k, to_float(probs[i])));
     }
 }
 
-/* probs [rows, S, S] (rows = B*heads query rows of S keys): softmax(scale * scores), causal, in place;
- * with doc_start [B, S] (heads: query heads per sample) also masked before each query's document */
+/* probs [rows, S, Sk] (rows = B*heads query rows of Sk keys; Sk 0: S): softmax(scale * scores), causal,
+ * in place; with doc_start [B, S] (heads: query heads per sample) also masked before each query's
+ * document; qs: the query rows' sequence positions (context parallelism; default: row t is t) */
 template <typename T>
 static void causal_softmax_forward(const mt_exec* ex, T* probs, int rows, int S, float scale,
-                                   const int32_t* doc_start = NULL, int heads = 1) {
-    causal_softmax_forward_kernel<T><<<ceil_div(rows, 8), 256, 0, ex->stream>>>(probs, rows, S, scale, doc_start,
-                                                                               heads);
+                                   const int32_t* doc_start = NULL, int heads = 1, int Sk = 0,
+                                   mt_seq_span qs = mt_seq_span()) {
+    causal_softmax_forward_kernel<T><<<ceil_div(rows, 8), 256, 0, ex->stream>>>(probs, rows, S, Sk > 0 ? Sk : S, scale,
+                                                                               doc_start, heads, qs);
     LAUNCH_CHECK(ex->error);
 }
-/* dscores [rows, S, S]: dP -> dS in place, from the forward's probs (rows = B*heads*S; with a
+/* dscores [rows, S, Sk]: dP -> dS in place, from the forward's probs (rows = B*heads*S; with a
  * dropout site, dscores is the gradient of the dropped probabilities) */
 template <typename T>
 static void causal_softmax_backward(const mt_exec* ex, T* dscores, const T* probs, int rows, int S, float scale,
                                     const mt_dropout& d = mt_dropout(), int heads = 1,
-                                    const int32_t* doc_start = NULL) {
-    causal_softmax_backward_kernel<T><<<ceil_div(rows, 8), 256, 0, ex->stream>>>(dscores, probs, rows, S, scale, d,
-                                                                                heads, doc_start);
+                                    const int32_t* doc_start = NULL, int Sk = 0, mt_seq_span qs = mt_seq_span()) {
+    causal_softmax_backward_kernel<T><<<ceil_div(rows, 8), 256, 0, ex->stream>>>(dscores, probs, rows, S,
+                                                                                Sk > 0 ? Sk : S, scale, d, heads,
+                                                                                doc_start, qs);
     LAUNCH_CHECK(ex->error);
 }
-/* out [rows, S, S] = dropout(probs) with the site's mask (rows = B*heads*S) */
+/* out [rows, S, Sk] = dropout(probs) with the site's mask (rows = B*heads*S) */
 template <typename T>
 static void attention_dropout(const mt_exec* ex, T* out, const T* probs, int rows, int S, const mt_dropout& d,
-                              int heads) {
-    const int64_t pairs = (int64_t)rows * ((S + 1) / 2);
-    attention_dropout_kernel<T><<<ceil_div(pairs, 256), 256, 0, ex->stream>>>(out, probs, rows, S, d, heads);
+                              int heads, int Sk = 0, mt_seq_span qs = mt_seq_span()) {
+    const int keys = Sk > 0 ? Sk : S;
+    const int64_t pairs = (int64_t)rows * ((keys + 1) / 2);
+    attention_dropout_kernel<T><<<ceil_div(pairs, 256), 256, 0, ex->stream>>>(out, probs, rows, S, keys, d, heads, qs);
     LAUNCH_CHECK(ex->error);
 }
 
@@ -6907,9 +6986,14 @@ static void tp_join(mt_tp_group* tp) {
 typedef struct {
     mt_tp_group tp;             /* the tensor-parallel group, on a stream of its own */
     int pp_size, pp_rank;
-    int dp_size, dp_rank;
+    int dp_size, dp_rank;       /* the gradient-reduction group: DP x CP ranks (Megatron's data-parallel group
+                                   with context parallelism), rank dpcp = cp + CP dp; DP without CP */
+    int data_size, data_rank;   /* the data-parallel size and rank alone: which micro-batches a rank reads */
+    int cp_size, cp_rank;       /* context parallelism: 1, 0 without */
     ncclComm_t world;           /* every rank; NULL in a one-process job */
-    ncclComm_t dp;              /* the data-parallel group; NULL when dp_size == 1 */
+    ncclComm_t dp;              /* the gradient-reduction group (DP x CP); NULL when dp_size == 1 */
+    ncclComm_t cp;              /* the context-parallel group (stride TP): attention's K/V exchange, on the compute
+                                   stream; NULL when cp_size == 1 */
     ncclComm_t pp;              /* the pipeline group (one rank per stage, rank = stage): activations */
     ncclComm_t pp_grad;         /* the same ranks again for the gradients, so that each kind is matched in its
                                    own posting order (NULL when pp_size == 1) */
@@ -6945,7 +7029,8 @@ mt_status mt_comm_id_create(mt_comm_id* id, mt_error* err) {
 static void pipeline_connect(mt_process_groups* g, const mt_config* c, cudaStream_t stream, mt_gpu_error* e) {
     /* messages of the real size [R, h] (NCCL may set up channels by size) */
     const int tp = c->tensor_model_parallel_size, sp = c->sequence_parallel && tp > 1;
-    const size_t n = (size_t)c->micro_batch_size * c->seq_length / (sp ? tp : 1) * c->hidden_size;
+    const int cp = c->context_parallel_size > 1 ? c->context_parallel_size : 1; /* a rank's rows: S / CP a sample */
+    const size_t n = (size_t)c->micro_batch_size * (c->seq_length / cp) / (sp ? tp : 1) * c->hidden_size;
     void* buf = NULL;
     if (!CUDA_CHECK(e, cudaMalloc(&buf, 3 * n * 4))) return;
     float* f = (float*)buf;
@@ -6976,9 +7061,13 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
     tp->world_rank = c->rank;
     tp->error = e;
     g->pp_size = c->pipeline_model_parallel_size;
-    g->dp_size = c->data_parallel_size;
+    g->cp_size = c->context_parallel_size > 1 ? c->context_parallel_size : 1;
+    g->cp_rank = me.cp;
+    g->data_size = c->data_parallel_size;
+    g->data_rank = me.dp;
+    g->dp_size = mt_grad_dp_size(c);
     g->pp_rank = me.pp;
-    g->dp_rank = me.dp;
+    g->dp_rank = me.dpcp;
     g->ep_size = c->num_experts > 0 && c->expert_model_parallel_size > 1 ? c->expert_model_parallel_size : 1;
     g->ep_rank = me.ep;
     g->edp_size = g->dp_size / g->ep_size;
@@ -6996,9 +7085,12 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
     /* the split is collective over the world: every rank takes part in both (sizes are uniform);
      * colour = the coordinates the group's members share, key = the coordinate that orders them */
     if (tp->size > 1)
-        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.dp + g->dp_size * me.pp, me.tp, &tp->comm, NULL));
-    if (g->dp_size > 1)
-        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.tp + tp->size * me.pp, me.dp, &g->dp, NULL));
+        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.dpcp + g->dp_size * me.pp, me.tp, &tp->comm, NULL));
+    if (g->dp_size > 1) /* DP x CP, ordered by dpcp */
+        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.tp + tp->size * me.pp, me.dpcp, &g->dp, NULL));
+    if (g->cp_size > 1) /* colour: tp, dp and pp */
+        NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.tp + tp->size * (me.dp + g->data_size * me.pp), me.cp, &g->cp,
+                                             NULL));
     if (g->ep_size > 1) { /* colour: the coordinates outside the group (tp, pp and the other fold coordinate) */
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.tp + tp->size * (me.edp + g->edp_size * me.pp), me.ep, &g->ep,
                                              NULL));
@@ -7007,7 +7099,7 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
                                                  &g->edp, NULL));
     }
     if (g->pp_size > 1) {
-        int replica = me.tp + tp->size * me.dp; /* the (tp, dp) coordinates the stages of a pipeline share */
+        int replica = me.tp + tp->size * me.dpcp; /* the (tp, cp, dp) coordinates the stages of a pipeline share */
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, replica, me.pp, &g->pp, NULL));
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, replica, me.pp, &g->pp_grad, NULL));
         int ends = me.pp == 0 || me.pp == g->pp_size - 1;
@@ -7036,7 +7128,7 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
  * The handler is called once, by the reporter; then both threads end (the prober when its call
  * returns). */
 #define MT_WATCH_MAX_STREAMS 6
-#define MT_WATCH_MAX_COMMS 8
+#define MT_WATCH_MAX_COMMS 9
 typedef struct mt_watchdog {
     pthread_t thread, prober;
     int running, reporter_running, prober_running, stop, fired; /* running: the lock and condition exist */
@@ -7216,6 +7308,7 @@ static void watchdog_stop(mt_watchdog* w) {
 static void process_groups_free(mt_process_groups* g) {
     if (g->tp.comm) ncclCommDestroy(g->tp.comm);
     if (g->dp) ncclCommDestroy(g->dp);
+    if (g->cp) ncclCommDestroy(g->cp);
     if (g->pp) ncclCommDestroy(g->pp);
     if (g->pp_grad) ncclCommDestroy(g->pp_grad);
     for (int i = 0; i < 2; i++) {
@@ -7655,14 +7748,17 @@ typedef struct {
     int32_t* moe_ep_index; /* [2, Rexp] the received rows in local-expert order (gather index), then its inverse */
     float* moe_ep_drow;    /* [2 Rexp + Rmax] the probability gradient of the local experts' rows, the same in
                               the received order, and the rows' of this rank's tokens as they come back */
+    /* context parallelism (NULL at CP = 1): attention's buffers (megatron.h mt_cp_scratch_bytes, cp_scratch) */
+    void* cp;
     /* saved per layer: */
     void* moe_ep_in;       /* [L, Rexp, h] the local experts' input rows, in local-expert order */
     float* moe_ep_prob;    /* [L, Rexp] their probabilities */
     int32_t* moe_ep_counts;/* [L, EP, El] rows received from each EP rank for each local expert */
     /* saved once per slot: the micro-batch's documents (mt_document_boundaries; NULL without
-     * --reset-position-ids / --reset-attention-mask), staged with every forward of the micro-batch, so
-     * every pipeline stage has them and the backward (and recompute) reads the forward's */
-    int32_t* docs;       /* [2, BT] doc_start, then positions */
+     * --reset-position-ids / --reset-attention-mask and context parallelism), staged with every forward of
+     * the micro-batch, so every pipeline stage has them and the backward (and recompute) reads the forward's */
+    int32_t* docs;       /* [2, BT] doc_start, then positions, of this rank's rows (sequence positions); with
+                            CP then [2, B S_full] the whole samples' (a2a reads them) */
 } mt_activations;
 
 /* ---- The trainer and its parts ----
@@ -7866,9 +7962,13 @@ static mt_status copy_sync(mt_trainer* t, void* dst, const void* src, size_t byt
 }
 
 /* Shapes used everywhere below. */
-/* One tensor-parallel rank's shapes: heads, groups, widths, f and V are its shares. */
+/* One tensor-parallel rank's shapes: heads, groups, widths, f and V are its shares. With context
+ * parallelism S is the rank's rows of a sample (two chunks, S_full / CP) and BT = B S its rows. */
 typedef struct {
     int B, S, BT, h, heads, groups, d, qkv_width, attn_width, f, L;
+    int cp, cp_rank;    /* context parallelism (1, 0 without) */
+    int S_full;         /* the sequence length (S at CP = 1) */
+    mt_cp_comm_type cp_comm;
     int f1;        /* first MLP linear's width: 2f with SwiGLU */
     int rot;       /* rotary channels per head (0 without RoPE) */
     bool rms;      /* RMSNorm, else LayerNorm */
@@ -7902,7 +8002,11 @@ static mt_shape model_shape(const mt_trainer* t) {
     s.tp_rank = t->groups.tp.rank;
     s.sp = t->groups.tp.sp != 0;
     s.B = c->micro_batch_size;
-    s.S = c->seq_length;
+    s.cp = t->groups.cp_size > 0 ? t->groups.cp_size : 1;
+    s.cp_rank = t->groups.cp_rank;
+    s.cp_comm = c->cp_comm_type;
+    s.S_full = c->seq_length;
+    s.S = c->seq_length / s.cp;
     s.BT = s.B * s.S;
     s.R = s.sp ? s.BT / s.tp : s.BT;
     s.h = c->hidden_size;
@@ -7992,7 +8096,7 @@ static layer_view<T> layer_activations(const mt_activations* a, const mt_shape& 
     v.ln1_mean = a->ln1_mean + room(MT_ACT_LN1_MEAN, i) * s.R;
     v.ln1_rstd = a->ln1_rstd + room(MT_ACT_LN1_RSTD, i) * s.R;
     v.qkv = LAYER(a->qkv, T, room(MT_ACT_QKV, i), (int64_t)s.BT * s.qkv_width);
-    v.probs = a->probs ? LAYER(a->probs, T, room(MT_ACT_PROBS, i), (int64_t)s.B * s.heads * s.S * s.S) : NULL;
+    v.probs = a->probs ? LAYER(a->probs, T, room(MT_ACT_PROBS, i), (int64_t)s.B * s.heads * s.S * s.S_full) : NULL;
     v.lse = a->lse ? a->lse + room(MT_ACT_LSE, i) * s.B * s.heads * s.S : NULL;
     v.attn = LAYER(a->attn_out, T, room(MT_ACT_ATTN_OUT, i), (int64_t)s.BT * s.attn_width);
     v.mid = LAYER(a->residual_mid, T, room(MT_ACT_RESIDUAL_MID, i), Rh);
@@ -8081,6 +8185,17 @@ static void* chunk_output(const mt_trainer* t, const model_chunk& ch) {
                  (int64_t)s.R * s.h * t->elem);
 }
 
+/* Context parallelism: the sequence positions of this rank's rows of a sample (megatron.h mt_cp_position):
+ * chunks cp_rank and 2 CP - 1 - cp_rank of C = S / 2 rows each; len 0 (row i is position i) at CP = 1. */
+static mt_seq_span cp_query_span(const mt_shape& s) {
+    mt_seq_span span = {0, {0, 0}};
+    if (s.cp == 1) return span;
+    span.len = s.S / 2;
+    span.start[0] = s.cp_rank * span.len;
+    span.start[1] = (2 * s.cp - 1 - s.cp_rank) * span.len;
+    return span;
+}
+
 /* Dropout sites (section 5): Megatron's embedding dropout (the embeddings' output, --hidden-dropout),
  * attention dropout (the probabilities, --attention-dropout) and hidden dropout of the attention and
  * MLP branches before their residual adds (bias-dropout-add). Only in training (evaluation and
@@ -8109,24 +8224,62 @@ static mt_dropout dropout_site(const mt_trainer* t, const mt_exec* ex, int layer
     d.threshold = dropout_threshold(p);
     d.scale = (float)(1.0 / (1.0 - p));
     d.key = dropout_stream((uint64_t)t->cfg.seed, t->iteration, layer, site);
-    if (site == DROPOUT_ATTENTION) {
+    if (site == DROPOUT_ATTENTION) { /* the queries' and keys' sequence positions come with the attention call */
         d.row0 = ex->mode.first_sample;
         d.head0 = s.tp_rank * s.heads; /* whole query groups per rank: its heads are consecutive */
+        if (s.cp > 1 && s.cp_comm == MT_CP_A2A) d.head0 += s.cp_rank * (s.heads / s.cp); /* its block of them */
         d.heads = t->cfg.num_attention_heads;
+    } else if (s.cp > 1) { /* the rank's rows are two chunks of each sample (with SP, this TP rank's block) */
+        const mt_seq_span span = cp_query_span(s);
+        d.row0 = ex->mode.first_sample;
+        d.cp_len = span.len;
+        d.cp_start[0] = span.start[0], d.cp_start[1] = span.start[1];
+        d.seq = s.S_full;
+        d.cp_row0 = s.sp ? (int64_t)s.tp_rank * s.R : 0;
     } else { /* the norm/residual rows: with SP this rank's block of the micro-batch's B*T rows */
         d.row0 = ex->mode.first_sample * s.S + (s.sp ? (int64_t)s.tp_rank * s.R : 0);
     }
     return d;
 }
 
-/* The attention geometry of this rank (section 7), from its shapes, the RoPE tables and the running
- * micro-batch's documents (--reset-position-ids: RoPE's positions; --reset-attention-mask: doc_start). */
+/* The attention geometry of this rank's rows (section 7), from its shapes, the RoPE tables and the
+ * running micro-batch's documents (--reset-position-ids: RoPE's positions; --reset-attention-mask:
+ * doc_start). With context parallelism the rows are the rank's two chunks of each sample: their
+ * positions are always given (act.docs), the queries' span says where they sit, and the keys are the
+ * whole sequence (S_kv, all_gather). */
 static mt_attention_dims attention_dims(const mt_trainer* t, const mt_shape& s) {
     const int32_t* docs = t->act.docs;
-    return {s.B, s.S, s.heads, s.groups, s.d, s.rot, t->rope_cos, t->rope_sin,
-            t->cfg.reset_position_ids ? docs + s.BT : (const int32_t*)NULL,
-            t->cfg.reset_attention_mask ? docs : (const int32_t*)NULL};
+    mt_attention_dims a = {s.B, s.S, s.heads, s.groups, s.d, s.rot, t->rope_cos, t->rope_sin,
+                           mt_explicit_positions(&t->cfg) ? docs + s.BT : (const int32_t*)NULL,
+                           t->cfg.reset_attention_mask ? docs : (const int32_t*)NULL};
+    if (s.cp > 1) {
+        a.q_span = cp_query_span(s);
+        a.S_kv = s.S_full;
+    }
+    return a;
 }
+
+/* Context parallelism with a2a (Ulysses): attention runs on the whole sequence of this rank's block of
+ * heads / CP query heads (groups / CP K/V groups), rows in sequence order; its shape and geometry, with
+ * the whole samples' positions and doc_start (act.docs after the local rows' [2, BT]). */
+static mt_shape a2a_shape(const mt_shape& s) {
+    mt_shape a = s;
+    a.S = s.S_full;
+    a.BT = s.B * s.S_full;
+    a.heads = s.heads / s.cp;
+    a.groups = s.groups / s.cp;
+    a.qkv_width = s.qkv_width / s.cp;
+    a.attn_width = s.attn_width / s.cp;
+    return a;
+}
+static mt_attention_dims a2a_dims(const mt_trainer* t, const mt_shape& s) {
+    const int32_t* whole = t->act.docs + 2 * (int64_t)s.BT; /* [2, B S_full]: doc_start, positions */
+    const int64_t BS = (int64_t)s.B * s.S_full;
+    return {s.B, s.S_full, s.heads / s.cp, s.groups / s.cp, s.d, s.rot, t->rope_cos, t->rope_sin,
+            t->cfg.reset_position_ids ? whole + BS : (const int32_t*)NULL,
+            t->cfg.reset_attention_mask ? whole : (const int32_t*)NULL};
+}
+static bool cp_a2a(const mt_shape& s) { return s.cp > 1 && s.cp_comm == MT_CP_A2A; }
 
 /* The row views of one layer's fused QKV rows (query heads, keys, values) and of [BT, heads*d] rows. */
 struct qkv_views {
@@ -8141,11 +8294,99 @@ static attn_view heads_rows_view(const mt_shape& s, void* rows) {
     return attention_rows_view((bf16*)rows, s.S, s.heads, s.d, s.heads / s.groups);
 }
 
+/* ---- Context parallelism's exchanges (the CP group, on the compute stream: attention waits for them).
+ * act.cp holds, by --cp-comm-type (megatron.h mt_cp_scratch_bytes):
+ *   all_gather: kfull, vfull [B, groups, S_full, d], dkfull, dvfull (the same), xfer [2, CP, B, groups, S, d];
+ *   a2a: qkv [B S_full, qkv_width / CP] (the whole sequence of this rank's head block), dqkv (the same),
+ *        o, dO [B S_full, attn_width / CP], xfer [B S, qkv_width] (as many elements as qkv).
+ * all_gather: every rank's K and V (after RoPE) gathered and put in sequence order; the keys' and values'
+ * gradients of the whole sequence put back in rank order and reduce-scattered, each rank keeping the sum
+ * over the group of its own rows'. a2a: this rank's rows of every head block out, the whole sequence of its
+ * own head block in (and back), by NCCL send/receive pairs in one group. ---- */
+template <typename T>
+struct cp_buffers {
+    T *kfull, *vfull, *dkfull, *dvfull;    /* all_gather */
+    T *qkv, *dqkv, *o, *dout;              /* a2a */
+    T* xfer;
+};
+template <typename T>
+static cp_buffers<T> cp_scratch(const mt_trainer* t, const mt_shape& s) {
+    cp_buffers<T> b = {};
+    T* base = (T*)t->act.cp;
+    if (s.cp_comm == MT_CP_ALL_GATHER) {
+        const int64_t n = (int64_t)s.B * s.groups * s.S_full * s.d;
+        b.kfull = base, b.vfull = base + n, b.dkfull = base + 2 * n, b.dvfull = base + 3 * n, b.xfer = base + 4 * n;
+    } else if (s.cp_comm == MT_CP_A2A) {
+        const int64_t W = (int64_t)s.BT * s.qkv_width, A = (int64_t)s.BT * s.attn_width;
+        b.qkv = base, b.dqkv = base + W, b.o = base + 2 * W, b.dout = base + 2 * W + A, b.xfer = base + 2 * W + 2 * A;
+    }
+    return b;
+}
+
+/* all_gather: k, v [B, groups, S, d] of every CP rank -> kfull, vfull [B, groups, S_full, d] in sequence order */
+template <typename T>
+static void cp_gather_kv(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const T* k, const T* v, T* kfull,
+                         T* vfull, T* xfer) {
+    const size_t n = (size_t)s.B * s.groups * s.S * s.d;
+    mt_process_groups* g = &t->groups;
+    NCCL_CHECK(ex->error, t->cfg.rank, ncclGroupStart());
+    NCCL_CHECK(ex->error, t->cfg.rank, ncclAllGather(k, xfer, n, g->tp.type, g->cp, ex->stream));
+    NCCL_CHECK(ex->error, t->cfg.rank, ncclAllGather(v, xfer + s.cp * n, n, g->tp.type, g->cp, ex->stream));
+    NCCL_CHECK(ex->error, t->cfg.rank, ncclGroupEnd());
+    cp_chunks_full<T>(ex, kfull, xfer, s.B * s.groups, s.S, s.d, s.cp, true);
+    cp_chunks_full<T>(ex, vfull, xfer + s.cp * n, s.B * s.groups, s.S, s.d, s.cp, true);
+}
+/* all_gather's backward: dk, dv [B, groups, S, d] = the sum over the CP group of every rank's dkfull, dvfull
+ * rows of this rank's chunks */
+template <typename T>
+static void cp_reduce_scatter_kv(mt_trainer* t, const mt_exec* ex, const mt_shape& s, T* dk, T* dv, T* dkfull,
+                                 T* dvfull, T* xfer) {
+    const size_t n = (size_t)s.B * s.groups * s.S * s.d;
+    mt_process_groups* g = &t->groups;
+    cp_chunks_full<T>(ex, dkfull, xfer, s.B * s.groups, s.S, s.d, s.cp, false);
+    cp_chunks_full<T>(ex, dvfull, xfer + s.cp * n, s.B * s.groups, s.S, s.d, s.cp, false);
+    NCCL_CHECK(ex->error, t->cfg.rank, ncclGroupStart());
+    NCCL_CHECK(ex->error, t->cfg.rank, ncclReduceScatter(xfer, dk, n, g->tp.type, ncclSum, g->cp, ex->stream));
+    NCCL_CHECK(ex->error, t->cfg.rank,
+               ncclReduceScatter(xfer + s.cp * n, dv, n, g->tp.type, ncclSum, g->cp, ex->stream));
+    NCCL_CHECK(ex->error, t->cfg.rank, ncclGroupEnd());
+}
+/* send [CP, n] -> recv [CP, n]: block j to CP rank j, block r from CP rank r */
+template <typename T>
+static void cp_all_to_all(mt_trainer* t, const mt_exec* ex, const T* send, T* recv, size_t n) {
+    mt_process_groups* g = &t->groups;
+    NCCL_CHECK(ex->error, t->cfg.rank, ncclGroupStart());
+    for (int j = 0; j < g->cp_size; j++) {
+        NCCL_CHECK(ex->error, t->cfg.rank, ncclSend(send + j * n, n, g->tp.type, j, g->cp, ex->stream));
+        NCCL_CHECK(ex->error, t->cfg.rank, ncclRecv(recv + j * n, n, g->tp.type, j, g->cp, ex->stream));
+    }
+    NCCL_CHECK(ex->error, t->cfg.rank, ncclGroupEnd());
+}
+/* a2a: rows [BT, CP Wj] (this rank's rows, every head block) -> full [B, S_full, Wj] (every row of head block
+ * cp_rank); send and recv: [CP, BT, Wj] each */
+template <typename T>
+static void cp_a2a_to_full(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const T* rows, T* full, int Wj, T* send,
+                           T* recv) {
+    cp_rows_blocks<T>(ex, (T*)rows, send, s.BT, Wj, s.cp, true);
+    cp_all_to_all<T>(t, ex, send, recv, (size_t)s.BT * Wj);
+    cp_chunks_full<T>(ex, full, recv, s.B, s.S, Wj, s.cp, true);
+}
+/* the reverse: full [B, S_full, Wj] (head block cp_rank) -> rows [BT, CP Wj] */
+template <typename T>
+static void cp_a2a_to_rows(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const T* full, T* rows, int Wj, T* send,
+                           T* recv) {
+    cp_chunks_full<T>(ex, (T*)full, send, s.B, s.S, Wj, s.cp, false);
+    cp_all_to_all<T>(t, ex, send, recv, (size_t)s.BT * Wj);
+    cp_rows_blocks<T>(ex, rows, recv, s.BT, Wj, s.cp, false);
+}
+
 /* Exact path with grouped K/V: the heads of one group are adjacent in q [B, heads, T, d], so per
- * (batch, group) Q is one [qpg*T, d] matrix against that group's K [T, d]. Every GEMM is batched
- * over B*groups with M = qpg*T; the scores [B*groups, qpg*T, T] are the same memory as
- * [B*heads, T, T], so the softmax kernels see one row per (head, query). dK and dV come out summed
- * over the group's heads by the GEMMs themselves. The probabilities are kept in probs [B*heads, T, T]. */
+ * (batch, group) Q is one [qpg*T, d] matrix against that group's K [Tk, d]. Every GEMM is batched
+ * over B*groups with M = qpg*T; the scores [B*groups, qpg*T, Tk] are the same memory as
+ * [B*heads, T, Tk], so the softmax kernels see one row per (head, query). dK and dV come out summed
+ * over the group's heads by the GEMMs themselves. The probabilities are kept in probs [B*heads, T, Tk].
+ * Tk = T, except with context parallelism's all_gather: the T local queries against the whole
+ * sequence's Tk = S_full keys. */
 
 /* The QKV rows layer l's attention reads: the kept qkv itself, or with --qk-layernorm its q and k
  * heads normalised into act.qk_norm (v copied) and their statistics into act.qk_stats (section 7).
@@ -8160,61 +8401,152 @@ static T* attention_input(mt_trainer* t, const mt_exec* ex, T* qkv, int layer) {
     return (T*)t->act.qk_norm;
 }
 
-/* Exact path: q, k, v split from layer l's qkv (its q and k normalised first with --qk-layernorm)
- * into the scratch (RoPE applied) and probs = the causal softmax of Q K^T / sqrt(d) per (batch,
- * group); the forward's first half, and what selective recompute of core_attn replays before the
- * backward. */
+/* The exact path's q, k, v of rows [B*S, qkv_width] at geometry (s, dims) in the scratch (RoPE applied);
+ * with all_gather (dims.S_kv > 0) K and V of the whole sequence gathered into the CP buffers. Returns the
+ * keys' rows per sample and points *K, *V at the keys and values the scores use. */
+template <typename T>
+static int exact_qkv(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const mt_attention_dims& dims, const T* rows,
+                     T** K, T** V) {
+    mt_activations* a = &t->act;
+    split_qkv<T>(ex, dims, (T*)a->q, (T*)a->k, (T*)a->v, rows);
+    *K = (T*)a->k, *V = (T*)a->v;
+    if (dims.S_kv == 0) return s.S;
+    const cp_buffers<T> cb = cp_scratch<T>(t, s);
+    cp_gather_kv<T>(t, ex, s, (T*)a->k, (T*)a->v, cb.kfull, cb.vfull, cb.xfer);
+    *K = cb.kfull, *V = cb.vfull;
+    return dims.S_kv;
+}
+
+/* Exact path at geometry (s, dims): q, k, v from rows and probs = the causal softmax of Q K^T / sqrt(d) per
+ * (batch, group); returns the keys per sample and their K, V (exact_qkv). */
+template <typename T>
+static int exact_probabilities(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const mt_attention_dims& dims,
+                               const T* rows, T* probs, T** K, T** V) {
+    const int Sk = exact_qkv<T>(t, ex, s, dims, rows, K, V);
+    int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
+    int64_t qd = (int64_t)M * s.d, kd = (int64_t)Sk * s.d, qs = (int64_t)M * Sk;
+    gemm<T, T>(ex, false, true, M, Sk, s.d, (T*)t->act.q, s.d, *K, s.d, probs, Sk, 1.0f, 0.0f, batch, qd, kd, qs);
+    causal_softmax_forward<T>(ex, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d), dims.doc_start, s.heads, Sk,
+                              dims.q_span);
+    return Sk;
+}
+
+/* Exact path: layer l's probabilities (its q and k normalised first with --qk-layernorm) at this rank's
+ * geometry: the forward's first half, and what selective recompute of core_attn replays before the
+ * backward. With a2a the rows go out first (the whole sequence of this rank's head block). */
 template <typename T>
 static void attention_probabilities(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs, int layer) {
     mt_shape s = model_shape(t);
-    mt_attention_dims dims = attention_dims(t, s);
+    T* rows = attention_input<T>(t, ex, qkv, layer);
+    T *K, *V;
+    if (cp_a2a(s)) {
+        const cp_buffers<T> cb = cp_scratch<T>(t, s);
+        const mt_shape sa = a2a_shape(s);
+        cp_a2a_to_full<T>(t, ex, s, rows, cb.qkv, sa.qkv_width, cb.dqkv, cb.xfer);
+        exact_probabilities<T>(t, ex, sa, a2a_dims(t, s), cb.qkv, probs, &K, &V);
+    } else {
+        exact_probabilities<T>(t, ex, s, attention_dims(t, s), rows, probs, &K, &V);
+    }
+}
+
+/* Exact path's second half at geometry (s, dims): out rows [B*S, heads*d] = dropout(P) V (the dropped
+ * probabilities in the dscores scratch; P is kept) */
+template <typename T>
+static void exact_output(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const mt_attention_dims& dims,
+                         const T* probs, const T* V, int Sk, const mt_dropout& drop, T* out) {
     mt_activations* a = &t->act;
-    split_qkv<T>(ex, dims, (T*)a->q, (T*)a->k, (T*)a->v, attention_input<T>(t, ex, qkv, layer));
     int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
-    int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
-    gemm<T, T>(ex, false, true, M, s.S, s.d, (T*)a->q, s.d, (T*)a->k, s.d, probs, s.S, 1.0f, 0.0f, batch, qd, sd, qs);
-    causal_softmax_forward<T>(ex, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d), dims.doc_start, s.heads);
+    int64_t qd = (int64_t)M * s.d, kd = (int64_t)Sk * s.d, qs = (int64_t)M * Sk;
+    const T* pv = probs;
+    if (drop.on)
+        attention_dropout<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, drop, s.heads, Sk, dims.q_span),
+            pv = (T*)a->dscores;
+    gemm<T, T>(ex, false, false, M, s.d, Sk, pv, Sk, V, s.d, (T*)a->o, s.d, 1.0f, 0.0f, batch, qs, kd, qd);
+    permute_heads<T>(ex, dims, out, (T*)a->o, true);
+}
+
+/* Exact path's backward at geometry (s, dims): dqkv rows from dout rows [B*S, heads*d], the rows, and the
+ * probabilities (q, k, v and with all_gather the whole K and V made again; their gradients reduce-scattered). */
+template <typename T>
+static void exact_backward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, const mt_attention_dims& dims, T* dqkv,
+                           const T* dout, const T* rows, T* probs, const mt_dropout& drop) {
+    mt_activations* a = &t->act;
+    permute_heads<T>(ex, dims, (T*)a->o, dout, false);
+    T *K, *V;
+    const int Sk = exact_qkv<T>(t, ex, s, dims, rows, &K, &V);
+    const cp_buffers<T> cb = cp_scratch<T>(t, s);
+    T* dK = dims.S_kv > 0 ? cb.dkfull : (T*)a->dk;
+    T* dV = dims.S_kv > 0 ? cb.dvfull : (T*)a->dv;
+    int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
+    int64_t qd = (int64_t)M * s.d, kd = (int64_t)Sk * s.d, qs = (int64_t)M * Sk;
+    /* dV = P^T dO (with attention dropout P_d^T dO, P_d regenerated into dscores first);  dP = dO V^T */
+    if (drop.on) attention_dropout<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, drop, s.heads, Sk, dims.q_span);
+    gemm<T, T>(ex, true, false, Sk, s.d, M, drop.on ? (T*)a->dscores : probs, Sk, (T*)a->o, s.d, dV, s.d, 1.0f, 0.0f,
+               batch, qs, qd, kd);
+    gemm<T, T>(ex, false, true, M, Sk, s.d, (T*)a->o, s.d, V, s.d, (T*)a->dscores, Sk, 1.0f, 0.0f, batch, qd, kd, qs);
+    causal_softmax_backward<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d), drop,
+                               s.heads, dims.doc_start, Sk, dims.q_span);
+    /* dK = dS^T Q (before dQ overwrites q);  dQ = dS K */
+    gemm<T, T>(ex, true, false, Sk, s.d, M, (T*)a->dscores, Sk, (T*)a->q, s.d, dK, s.d, 1.0f, 0.0f, batch, qs, qd, kd);
+    gemm<T, T>(ex, false, false, M, s.d, Sk, (T*)a->dscores, Sk, K, s.d, (T*)a->q, s.d, 1.0f, 0.0f, batch, qs, kd, qd);
+    if (dims.S_kv > 0) cp_reduce_scatter_kv<T>(t, ex, s, (T*)a->dk, (T*)a->dv, dK, dV, cb.xfer);
+    merge_qkv_grads<T>(ex, dims, dqkv, (T*)a->q, (T*)a->dk, (T*)a->dv);
 }
 
 /* One layer's attention: qkv [BT, qkv_width] (the QKV linear's output) -> attn [BT, heads*d].
  * Flash path: only the log-sum-exp lse [B*heads, T] is kept; exact path: the probabilities. The flash
  * path rotates q and k in place in the rows it reads: the kept qkv, or with --qk-layernorm the
- * normalised rows in the scratch. */
+ * normalised rows in the scratch. Context parallelism: all_gather on the exact path (the keys and
+ * values gathered inside); a2a moves the rows to the whole sequence of this rank's head block, runs
+ * the attention of CP = 1 there (flash: rotating that copy, the kept qkv stays unrotated) and moves
+ * the output back. */
 template <typename T>
 static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs, float* lse, T* attn, int layer) {
     mt_shape s = model_shape(t);
     mt_attention_dims dims = attention_dims(t, s);
-    mt_activations* a = &t->act;
     const mt_dropout drop = dropout_site(t, ex, layer, DROPOUT_ATTENTION);
+    const bool a2a = cp_a2a(s);
+    const cp_buffers<T> cb = cp_scratch<T>(t, s);
+    const mt_shape sa = a2a ? a2a_shape(s) : s;
+    const mt_attention_dims da = a2a ? a2a_dims(t, s) : dims;
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
             T* rows = attention_input<T>(t, ex, qkv, layer);
-            rope_qkv_rows<T>(ex, dims, rows, false);
-            qkv_views in = qkv_rows_views(s, rows);
-            CUDA_CHECK(ex->error, flash_attention_forward(heads_rows_view(s, attn), lse, cview(in.q), cview(in.k),
-                                                          cview(in.v), s.B, s.heads, s.groups, s.S, s.d, ex->stream,
-                                                          drop, dims.doc_start));
+            T* out = attn;
+            if (a2a) {
+                cp_a2a_to_full<T>(t, ex, s, rows, cb.qkv, sa.qkv_width, cb.dqkv, cb.xfer);
+                rows = cb.qkv, out = cb.o;
+            }
+            rope_qkv_rows<T>(ex, da, rows, false);
+            qkv_views in = qkv_rows_views(sa, rows);
+            CUDA_CHECK(ex->error, flash_attention_forward(heads_rows_view(sa, out), lse, cview(in.q), cview(in.k),
+                                                          cview(in.v), sa.B, sa.heads, sa.groups, sa.S, sa.d, ex->stream,
+                                                          drop, da.doc_start));
+            if (a2a) cp_a2a_to_rows<T>(t, ex, s, cb.o, attn, sa.attn_width, cb.dout, cb.xfer);
             return;
         }
     }
-    attention_probabilities<T>(t, ex, qkv, probs, layer);
-    int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
-    int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
-    /* attention dropout: o = dropout(P) V, the dropped probabilities in the dscores scratch (P is kept) */
-    const T* pv = probs;
-    if (drop.on) attention_dropout<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, drop, s.heads), pv = (T*)a->dscores;
-    gemm<T, T>(ex, false, false, M, s.d, s.S, pv, s.S, (T*)a->v, s.d, (T*)a->o, s.d, 1.0f, 0.0f, batch, qs, sd, qd);
-    permute_heads<T>(ex, dims, attn, (T*)a->o, true);
+    T *K, *V;
+    T* rows = attention_input<T>(t, ex, qkv, layer);
+    if (a2a) {
+        cp_a2a_to_full<T>(t, ex, s, rows, cb.qkv, sa.qkv_width, cb.dqkv, cb.xfer);
+        const int Sk = exact_probabilities<T>(t, ex, sa, da, cb.qkv, probs, &K, &V);
+        exact_output<T>(t, ex, sa, da, probs, V, Sk, drop, cb.o);
+        cp_a2a_to_rows<T>(t, ex, s, cb.o, attn, sa.attn_width, cb.dout, cb.xfer);
+        return;
+    }
+    const int Sk = exact_probabilities<T>(t, ex, s, dims, rows, probs, &K, &V);
+    exact_output<T>(t, ex, s, dims, probs, V, Sk, drop, attn);
 }
 
 /* Backward of one layer's attention: dattn [BT, heads*d] -> dqkv [BT, qkv_width], from the saved qkv,
  * probs or lse, and attn (the flash backward needs O). With dbias (the QKV bias gradient; may be
- * NULL), the flash path without RoPE and without --qk-layernorm also takes dbias += the column sums
- * of dqkv from the kernels' own registers (one read of [BT, qkv_width] less than a column sum) and
- * returns true; otherwise the caller sums them. With --qk-layernorm the normalised rows are made
- * again from the kept qkv (the forward's kernels on the same inputs: its bits), attention's gradient
- * reaches them, and the norms' backward takes it to the QKV linear's output, writing the norms'
- * weight and bias gradients. */
+ * NULL), the flash path without RoPE, without --qk-layernorm and without a2a also takes dbias += the
+ * column sums of dqkv from the kernels' own registers (one read of [BT, qkv_width] less than a column
+ * sum) and returns true; otherwise the caller sums them. With --qk-layernorm the normalised rows are
+ * made again from the kept qkv (the forward's kernels on the same inputs: its bits), attention's
+ * gradient reaches them, and the norms' backward takes it to the QKV linear's output, writing the
+ * norms' weight and bias gradients. a2a: the rows, O and dO go out again, the gradient comes back. */
 template <typename T>
 static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const T* dattn, T* qkv, T* probs,
                                const float* lse, const T* attn, float* dbias, int layer) {
@@ -8222,46 +8554,49 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
     mt_attention_dims dims = attention_dims(t, s);
     mt_activations* a = &t->act;
     const mt_dropout drop = dropout_site(t, ex, layer, DROPOUT_ATTENTION);
+    const bool a2a = cp_a2a(s);
+    const cp_buffers<T> cb = cp_scratch<T>(t, s);
+    const mt_shape sa = a2a ? a2a_shape(s) : s;
+    const mt_attention_dims da = a2a ? a2a_dims(t, s) : dims;
     T* rows = attention_input<T>(t, ex, qkv, layer); /* qkv, or its normalised q and k (v copied) */
     bool sums = false;
     bool done = false;
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
             const int chunks = flash_colsum_chunks(s.B, s.S);
-            sums = dbias && s.rot == 0 && !s.qk_norm && chunks <= t->colsum.max_chunks;
-            if (s.qk_norm) rope_qkv_rows<T>(ex, dims, rows, false); /* as the forward read them */
-            qkv_views in = qkv_rows_views(s, rows), out = qkv_rows_views(s, dqkv);
+            sums = dbias && s.rot == 0 && !s.qk_norm && !a2a && chunks <= t->colsum.max_chunks;
+            T *in_rows = rows, *out_rows = dqkv;
+            const T *o_rows = attn, *do_rows = dattn;
+            if (a2a) { /* the forward's rows (unrotated: it rotated its copy), O and dO of the whole sequence */
+                cp_a2a_to_full<T>(t, ex, s, rows, cb.qkv, sa.qkv_width, cb.dqkv, cb.xfer);
+                cp_a2a_to_full<T>(t, ex, s, attn, cb.o, sa.attn_width, cb.dout, cb.xfer);
+                cp_a2a_to_full<T>(t, ex, s, dattn, cb.dout, sa.attn_width, cb.dqkv, cb.xfer);
+                in_rows = cb.qkv, out_rows = cb.dqkv, o_rows = cb.o, do_rows = cb.dout;
+            }
+            if (s.qk_norm || a2a) rope_qkv_rows<T>(ex, da, in_rows, false); /* as the forward read them */
+            qkv_views in = qkv_rows_views(sa, in_rows), out = qkv_rows_views(sa, out_rows);
             CUDA_CHECK(ex->error, flash_attention_backward(out.q, out.k, out.v, a->dsum,
-                                                           cview(heads_rows_view(s, (void*)dattn)), cview(in.q),
+                                                           cview(heads_rows_view(sa, (void*)do_rows)), cview(in.q),
                                                            cview(in.k), cview(in.v),
-                                                           cview(heads_rows_view(s, (void*)attn)), lse, s.B, s.heads,
-                                                           s.groups, s.S, s.d, ex->stream,
+                                                           cview(heads_rows_view(sa, (void*)o_rows)), lse, sa.B, sa.heads,
+                                                           sa.groups, sa.S, sa.d, ex->stream,
                                                            sums ? t->colsum.partial_a : (float*)NULL, drop,
-                                                           dims.doc_start));
-            rope_qkv_rows<T>(ex, dims, dqkv, true);
+                                                           da.doc_start));
+            rope_qkv_rows<T>(ex, da, out_rows, true);
+            if (a2a) cp_a2a_to_rows<T>(t, ex, s, cb.dqkv, dqkv, sa.qkv_width, cb.qkv, cb.xfer);
             if (sums) column_final_sums(ex, 1, chunks, s.qkv_width, dbias, t->colsum.partial_a);
             done = true;
         }
     }
     if (!done) {
-        permute_heads<T>(ex, dims, (T*)a->o, dattn, false);
-        split_qkv<T>(ex, dims, (T*)a->q, (T*)a->k, (T*)a->v, rows);
-        int batch = s.B * s.groups, M = (s.heads / s.groups) * s.S;
-        int64_t qd = (int64_t)M * s.d, sd = (int64_t)s.S * s.d, qs = (int64_t)M * s.S;
-        /* dV = P^T dO (with attention dropout P_d^T dO, P_d regenerated into dscores first);  dP = dO V^T */
-        if (drop.on) attention_dropout<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, drop, s.heads);
-        gemm<T, T>(ex, true, false, s.S, s.d, M, drop.on ? (T*)a->dscores : probs, s.S, (T*)a->o, s.d, (T*)a->dv, s.d,
-                   1.0f, 0.0f, batch, qs, qd, sd);
-        gemm<T, T>(ex, false, true, M, s.S, s.d, (T*)a->o, s.d, (T*)a->v, s.d, (T*)a->dscores, s.S, 1.0f, 0.0f, batch,
-                   qd, sd, qs);
-        causal_softmax_backward<T>(ex, (T*)a->dscores, probs, s.B * s.heads * s.S, s.S, 1.0f / sqrtf((float)s.d), drop,
-                                   s.heads, dims.doc_start);
-        /* dK = dS^T Q (before dQ overwrites q);  dQ = dS K */
-        gemm<T, T>(ex, true, false, s.S, s.d, M, (T*)a->dscores, s.S, (T*)a->q, s.d, (T*)a->dk, s.d, 1.0f, 0.0f, batch,
-                   qs, qd, sd);
-        gemm<T, T>(ex, false, false, M, s.d, s.S, (T*)a->dscores, s.S, (T*)a->k, s.d, (T*)a->q, s.d, 1.0f, 0.0f, batch,
-                   qs, sd, qd);
-        merge_qkv_grads<T>(ex, dims, dqkv, (T*)a->q, (T*)a->dk, (T*)a->dv);
+        if (a2a) {
+            cp_a2a_to_full<T>(t, ex, s, rows, cb.qkv, sa.qkv_width, cb.dqkv, cb.xfer);
+            cp_a2a_to_full<T>(t, ex, s, dattn, cb.dout, sa.attn_width, cb.dqkv, cb.xfer);
+            exact_backward<T>(t, ex, sa, da, cb.dqkv, cb.dout, cb.qkv, probs, drop);
+            cp_a2a_to_rows<T>(t, ex, s, cb.dqkv, dqkv, sa.qkv_width, cb.qkv, cb.xfer);
+        } else {
+            exact_backward<T>(t, ex, s, dims, dqkv, dattn, rows, probs, drop);
+        }
     }
     if (s.qk_norm) { /* dqkv holds the normalised q and k's gradient: through the norms */
         const layer_tensors<T> p = layer_params<T>(t, layer);
@@ -9095,7 +9430,7 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
         T* embedded = s.sp ? (T*)a->branch : (T*)a->residual;
         embedding_forward<T>(ex, embedded, a->inputs, param_ptr<T>(t, MT_P_WORD_EMBEDDINGS),
                              s.tp_rank == 0 ? param_ptr<T>(t, MT_P_POSITION_EMBEDDINGS) : (const T*)NULL, s.BT, s.S,
-                             s.h, s.vocab_start, s.V, t->cfg.reset_position_ids ? a->docs + s.BT : (const int32_t*)NULL);
+                             s.h, s.vocab_start, s.V, mt_explicit_positions(&t->cfg) ? a->docs + s.BT : (const int32_t*)NULL);
         row_parallel_output<T>(tp, embedded, (T*)a->residual, s.BT, s.R, s.h); /* the sum lands in a->residual */
         const mt_dropout drop = dropout_site(t, ex, -1, DROPOUT_EMBEDDING); /* Megatron's embedding dropout */
         if (drop.on) dropout_apply<T>(ex, (T*)a->residual, (const T*)a->residual, drop, s.R, s.h);
@@ -9317,8 +9652,8 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
     const T* demb = column_parallel_input<T>(tp, gathered_grad, dres, s.R, s.h);
     float* dwpe = grad_ptr(t, MT_P_POSITION_EMBEDDINGS);
     if (dwpe) /* with reset positions: by the index stage_micro_batch built after the word index */
-        position_embedding_backward<T>(ex, dwpe, demb, s.B, s.S, s.h,
-                                       t->cfg.reset_position_ids ? a->embed_index + 3 * s.BT + 2 : (const int32_t*)NULL);
+        position_embedding_backward<T>(ex, dwpe, demb, s.B, s.S_full, s.h,
+                                       mt_explicit_positions(&t->cfg) ? a->embed_index + 3 * s.BT + 2 : (const int32_t*)NULL);
     /* the word embeddings' gradient is a scatter-add over the micro-batch's tokens: tied on one stage,
      * the output layer's weight GEMM wrote the whole tensor above; else the first micro-batch zeroes it */
     float* dwte = grad_ptr(t, MT_P_WORD_EMBEDDINGS);
@@ -9367,17 +9702,25 @@ static int build_embedding_index(int32_t* index, const int32_t* inputs, int BT, 
 
 /* Copies micro-batch `mb` of tokens [*, B, S+1] to the device as inputs/targets (+ backward index);
  * with --reset-position-ids / --reset-attention-mask also its documents into the running slot's
- * act.docs (mt_document_boundaries), and with reset positions the position index after the word index. */
+ * act.docs (mt_document_boundaries), and with reset positions the position index after the word index.
+ * With context parallelism every CP rank holds the whole micro-batch and stages its own rows (chunks
+ * cp_rank and 2 CP - 1 - cp_rank of each sample): their inputs, targets, positions (the reset ones, or
+ * their sequence positions) and doc_start, the position index, and for a2a the whole samples' doc_start
+ * and positions. */
 static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb, int with_index, int* unique_out,
                                    mt_error* err) {
     mt_shape s = model_shape(t);
-    const int32_t* src = tokens + (int64_t)mb * s.B * (s.S + 1);
+    const mt_config* c = &t->cfg;
+    const mt_seq_span span = cp_query_span(s);
+    const int64_t BS = (int64_t)s.B * s.S_full; /* the whole micro-batch's rows */
+    const int32_t* src = tokens + (int64_t)mb * s.B * (s.S_full + 1);
     int32_t* inputs = t->loop.host_tokens;
     int32_t* targets = t->loop.host_tokens + s.BT;
     for (int b = 0; b < s.B; b++) { /* ids range-checked by run_micro_batches, on every rank */
         for (int i = 0; i < s.S; i++) {
-            inputs[b * s.S + i] = src[(int64_t)b * (s.S + 1) + i];
-            targets[b * s.S + i] = src[(int64_t)b * (s.S + 1) + i + 1];
+            const int p = seq_span_position(span, i);
+            inputs[b * s.S + i] = src[(int64_t)b * (s.S_full + 1) + p];
+            targets[b * s.S + i] = src[(int64_t)b * (s.S_full + 1) + p + 1];
         }
     }
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream)); /* the staging buffers are about to be reused */
@@ -9385,9 +9728,24 @@ static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb,
                                           t->stream));
     CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.targets, targets, sizeof(int32_t) * s.BT, cudaMemcpyHostToDevice,
                                           t->stream));
-    const mt_config* c = &t->cfg;
-    int32_t* docs = t->loop.host_tokens + 2 * s.BT + s.V_full; /* [2, BT]: doc_start, positions */
-    if (c->reset_position_ids || c->reset_attention_mask) {
+    int32_t* docs = t->loop.host_tokens + 2 * s.BT + s.V_full; /* [2, BT]: doc_start, positions (CP: then [2, BS]) */
+    if (s.cp > 1) { /* the whole samples' documents (positions 0.. without resets), then this rank's rows' */
+        int32_t* whole_inputs = docs + 2 * s.BT + 2 * BS;
+        int32_t *whole_start = docs + 2 * s.BT, *whole_pos = whole_start + BS;
+        for (int b = 0; b < s.B; b++)
+            memcpy(whole_inputs + (int64_t)b * s.S_full, src + (int64_t)b * (s.S_full + 1), sizeof(int32_t) * s.S_full);
+        mt_document_boundaries(whole_inputs, s.B, s.S_full, c->eod_token, whole_start, whole_pos);
+        for (int b = 0; b < s.B; b++)
+            for (int i = 0; i < s.S; i++) {
+                const int64_t at = (int64_t)b * s.S_full + seq_span_position(span, i);
+                docs[b * s.S + i] = c->reset_attention_mask ? whole_start[at] : 0;
+                docs[s.BT + b * s.S + i] = c->reset_position_ids ? whole_pos[at] : seq_span_position(span, i);
+            }
+        if (!c->reset_position_ids)
+            for (int64_t r = 0; r < BS; r++) whole_pos[r] = (int32_t)(r % s.S_full);
+        CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.docs, docs, sizeof(int32_t) * (2 * s.BT + 2 * BS),
+                                              cudaMemcpyHostToDevice, t->stream));
+    } else if (c->reset_position_ids || c->reset_attention_mask) {
         mt_document_boundaries(inputs, s.B, s.S, c->eod_token, docs, docs + s.BT);
         CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.docs, docs, sizeof(int32_t) * 2 * s.BT, cudaMemcpyHostToDevice,
                                               t->stream));
@@ -9396,10 +9754,10 @@ static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb,
         int32_t* counts = t->loop.host_tokens + 2 * s.BT;
         *unique_out = build_embedding_index(t->loop.host_index, inputs, s.BT, s.vocab_start, s.V, counts);
         size_t words = 3 * (size_t)s.BT + 2;
-        if (c->reset_position_ids) { /* the position index after the word index (MT_ACT_EMBED_INDEX) */
+        if (mt_explicit_positions(c)) { /* the position index after the word index (MT_ACT_EMBED_INDEX) */
             int32_t* pos_index = t->loop.host_index + words;
-            mt_position_index(docs + s.BT, s.BT, s.S, pos_index, pos_index + s.S + 1);
-            words += (size_t)s.S + 1 + s.BT;
+            mt_position_index(docs + s.BT, s.BT, s.S_full, pos_index, pos_index + s.S_full + 1);
+            words += (size_t)s.S_full + 1 + s.BT;
         }
         CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.embed_index, t->loop.host_index, sizeof(int32_t) * words,
                                               cudaMemcpyHostToDevice, t->stream));
@@ -9408,16 +9766,22 @@ static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb,
 }
 
 /* --eod-mask-loss (Megatron's loss mask): a position counts in the loss unless its *input* token
- * is the end-of-document token. Whether position i of micro-batch mb of tokens [*, B, S+1] counts. */
+ * is the end-of-document token. Whether this rank's row i (its sample i / S, sequence position
+ * cp_query_span's) of micro-batch mb of tokens [*, B, S_full+1] counts. */
 static int position_counts(const mt_config* c, const mt_shape& s, const int32_t* tokens, int mb, int i) {
     if (!c->eod_mask_loss) return 1;
-    const int32_t* row = tokens + ((int64_t)mb * s.B + i / s.S) * (s.S + 1);
-    return row[i % s.S] != c->eod_token;
+    const int32_t* row = tokens + ((int64_t)mb * s.B + i / s.S) * (s.S_full + 1);
+    return row[seq_span_position(cp_query_span(s), i % s.S)] != c->eod_token;
 }
 
+/* The counted positions of the whole micro-batch (every CP rank's rows). */
 static int64_t micro_batch_counted(const mt_config* c, const mt_shape& s, const int32_t* tokens, int mb) {
+    if (!c->eod_mask_loss) return (int64_t)s.B * s.S_full;
     int64_t n = 0;
-    for (int i = 0; i < s.BT; i++) n += position_counts(c, s, tokens, mb, i);
+    for (int b = 0; b < s.B; b++) {
+        const int32_t* row = tokens + ((int64_t)mb * s.B + b) * (s.S_full + 1);
+        for (int p = 0; p < s.S_full; p++) n += row[p] != c->eod_token;
+    }
     return n;
 }
 
@@ -9444,7 +9808,7 @@ static double micro_batch_loss_sum(mt_trainer* t, const int32_t* tokens, int mb)
 }
 
 static void finish_gradient_reduction(mt_trainer* t);
-typedef enum { GROUP_DP, GROUP_TP, GROUP_PP, GROUP_WORLD } mt_group_kind;
+typedef enum { GROUP_DP, GROUP_TP, GROUP_PP, GROUP_WORLD, GROUP_CP } mt_group_kind;
 static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_group_kind group, mt_error* err);
 
 /* Pipeline rank `rank`'s steps for `count` micro-batches: a training step's schedule (megatron.h
@@ -9576,7 +9940,11 @@ static mt_status count_loss_positions(mt_trainer* t, micro_batch_pass* p, mt_err
         p->tokens_counted += p->counted[mb] = (double)micro_batch_counted(c, s, p->tokens, mb);
     if (p->train && c->calculate_per_token_loss) {
         p->global_counted = p->tokens_counted;
-        if (t->groups.dp_size > 1) return all_reduce_sum(t, &p->global_counted, GROUP_DP, err);
+        if (t->groups.dp_size > 1) { /* over DP x CP, whose CP ranks all counted the same micro-batches */
+            mt_status st = all_reduce_sum(t, &p->global_counted, GROUP_DP, err);
+            p->global_counted /= t->groups.cp_size;
+            return st;
+        }
     }
     return MT_OK;
 }
@@ -9639,7 +10007,8 @@ static void trace_unit(const mt_trainer* t, const pipeline_transfers* x, const m
 static mt_status run_schedule_step(mt_trainer* t, micro_batch_pass* p, const mt_pp_op* op, mt_error* err) {
     const mt_config* c = &t->cfg;
     const mt_shape s = model_shape(t);
-    const int dp = t->groups.dp_size, pp = t->groups.pp_size, vp = t->buffer.stage.num_chunks;
+    /* dp: the data-parallel size (CP ranks share micro-batches; their gradients add over DP x CP) */
+    const int dp = t->groups.data_size, pp = t->groups.pp_size, vp = t->buffer.stage.num_chunks;
     const int train = p->train, count = p->count;
     const bool forward = op->kind == MT_PP_FORWARD;
     const model_chunk ch = chunk_of(t, op->chunk);
@@ -9649,7 +10018,7 @@ static mt_status run_schedule_step(mt_trainer* t, micro_batch_pass* p, const mt_
      * the word-embedding index (at PP = 1 with the forward: nothing runs between them) */
     int unique = 0;
     const bool index_now = ch.embedding && train && (forward ? pp == 1 : pp > 1);
-    const bool docs = c->reset_position_ids || c->reset_attention_mask; /* every forward stages the slot's */
+    const bool docs = mt_explicit_positions(c) || c->reset_attention_mask; /* every forward stages the slot's */
     if ((forward && (ch.embedding || ch.head || docs)) || index_now) {
         mt_status st = stage_micro_batch(t, p->tokens, op->micro_batch, index_now, &unique, err);
         if (st != MT_OK) return st;
@@ -9665,9 +10034,9 @@ static mt_status run_schedule_step(mt_trainer* t, micro_batch_pass* p, const mt_
     mt_micro_batch_mode mode;
     mode.accumulate_gradients = op->micro_batch > 0;
     mode.last = train && op->micro_batch == count - 1;
-    mode.reduce_in_backward = mode.last && dp > 1 && t->cfg.overlap_grad_reduce && pp == 1;
+    mode.reduce_in_backward = mode.last && t->groups.dp_size > 1 && t->cfg.overlap_grad_reduce && pp == 1;
     mode.training = train;
-    mode.first_sample = ((int64_t)op->micro_batch * dp + t->groups.dp_rank) * s.B;
+    mode.first_sample = ((int64_t)op->micro_batch * dp + t->groups.data_rank) * s.B;
     mode.micro_batch = op->micro_batch;
     mode.moe_loss_scale = train ? (float)(p->loss_scale / ((double)count * dp)) : 0.0f;
     const mt_exec ex = trainer_exec(t, mode);
@@ -9699,7 +10068,9 @@ static mt_status run_schedule_step(mt_trainer* t, micro_batch_pass* p, const mt_
 }
 
 /* The pass's mean loss: the last stage's sum shared over the pipeline, and with across_dp the sums
- * and the counts over DP (collective). */
+ * and the counts over DP (collective). With context parallelism each rank summed its own rows' losses
+ * and counted the whole micro-batches: the sums add over CP (within DP x CP when across_dp), the counts
+ * are each CP rank's. */
 static mt_status mean_loss_over_ranks(mt_trainer* t, double total, double tokens_counted, int across_dp,
                                       double* mean_loss, mt_error* err) {
     mt_status st = MT_OK;
@@ -9710,6 +10081,10 @@ static mt_status mean_loss_over_ranks(mt_trainer* t, double total, double tokens
     if (across_dp && t->groups.dp_size > 1) {
         st = all_reduce_sum(t, &total, GROUP_DP, err);
         if (st == MT_OK) st = all_reduce_sum(t, &tokens_counted, GROUP_DP, err);
+        if (st != MT_OK) return st;
+        tokens_counted /= t->groups.cp_size;
+    } else if (t->groups.cp_size > 1) {
+        st = all_reduce_sum(t, &total, GROUP_CP, err);
         if (st != MT_OK) return st;
     }
     t->loop.last_loss_tokens = (int64_t)tokens_counted;
@@ -9727,7 +10102,7 @@ static mt_status run_micro_batches(mt_trainer* t, const int32_t* tokens, int cou
                                    int across_dp, double* mean_loss, mt_error* err) {
     const mt_shape s = model_shape(t);
     const int vp = t->buffer.stage.num_chunks;
-    for (int64_t i = 0; i < (int64_t)count * s.B * (s.S + 1); i++) /* every rank refuses alike */
+    for (int64_t i = 0; i < (int64_t)count * s.B * (s.S_full + 1); i++) /* every rank refuses alike */
         if (tokens[i] < 0 || tokens[i] >= s.V_full)
             return mt_fail(err, MT_ERR_RANGE, "token id %d outside the padded vocabulary of %lld", tokens[i],
                            (long long)s.V_full);
@@ -9896,7 +10271,8 @@ static void finish_gradient_reduction(mt_trainer* t) {
  * the world's agreement before files are renamed). TP's on its stream, the others on the DP one. */
 static mt_status all_reduce_sum(mt_trainer* t, double* value, mt_group_kind group, mt_error* err) {
     mt_process_groups* g = &t->groups;
-    ncclComm_t comm = group == GROUP_DP ? g->dp : group == GROUP_TP ? g->tp.comm : group == GROUP_PP ? g->pp : g->world;
+    ncclComm_t comm = group == GROUP_DP ? g->dp : group == GROUP_TP ? g->tp.comm : group == GROUP_PP ? g->pp
+                      : group == GROUP_CP ? g->cp : g->world;
     if (!comm) return MT_OK; /* a group of one */
     CUDA_CHECK(&t->error,
                cudaMemcpyAsync(t->ddp.reduce_scratch, value, sizeof(double), cudaMemcpyHostToDevice, t->stream));
@@ -11186,7 +11562,7 @@ static void layout_activations(mt_activations* slots, const mt_activation_layout
             (void**)&a->qk_norm, (void**)&a->qk_stats, (void**)&a->moe_xperm, (void**)&a->moe_y, (void**)&a->moe_dz,
             (void**)&a->moe_dact, (void**)&a->moe_dlogits, (void**)&a->moe_dprobs, (void**)&a->moe_x32,
             (void**)&a->moe_w32, (void**)&a->moe_work, (void**)&a->moe_stats, (void**)&a->moe_ep_index,
-            (void**)&a->moe_ep_drow, (void**)&a->residual, (void**)&a->ln1_mean, (void**)&a->ln1_rstd, (void**)&a->qkv, (void**)&a->probs,
+            (void**)&a->moe_ep_drow, (void**)&a->cp, (void**)&a->residual, (void**)&a->ln1_mean, (void**)&a->ln1_rstd, (void**)&a->qkv, (void**)&a->probs,
             (void**)&a->lse, (void**)&a->attn_out, (void**)&a->residual_mid, (void**)&a->ln2, (void**)&a->ln2_mean,
             (void**)&a->ln2_rstd, (void**)&a->fc1, (void**)&a->act, (void**)&a->moe_logits, (void**)&a->moe_probs,
             (void**)&a->moe_row, (void**)&a->moe_token, (void**)&a->moe_row_prob, (void**)&a->moe_counts,
@@ -11198,7 +11574,7 @@ static void layout_activations(mt_activations* slots, const mt_activation_layout
             const size_t at = L->offset[r] + (r >= MT_ACT_RESIDUAL ? (size_t)k * L->saved_bytes : 0);
             *regions[r] = L->bytes[r] ? base + at : NULL;
         }
-        static_assert(MT_ACT_REGIONS == 67, "every activation region has its pointer above");
+        static_assert(MT_ACT_REGIONS == 68, "every activation region has its pointer above");
     }
 }
 
@@ -11274,13 +11650,13 @@ static void create_rope_tables(mt_trainer* t) {
     mt_shape s = model_shape(t);
     if (s.rot == 0) return;
     int half = s.rot / 2;
-    size_t n = (size_t)s.S * half;
+    size_t n = (size_t)s.S_full * half; /* every position of the sequence (context parallelism: not only this rank's) */
     float* host = (float*)malloc(2 * n * sizeof(float));
     if (!host) {
         t->error.status = mt_fail(&t->error.error, MT_ERR_OOM, "cannot allocate the RoPE tables");
         return;
     }
-    rope_table_values(&t->cfg, s.rot, s.S, host, host + n);
+    rope_table_values(&t->cfg, s.rot, s.S_full, host, host + n);
     t->rope_cos = (float*)device_alloc(t, 2 * n * sizeof(float), &t->mem.allocated.workspace_bytes);
     if (t->rope_cos) {
         t->rope_sin = t->rope_cos + n;
@@ -11504,6 +11880,7 @@ static mt_status plan_trainer_memory(const mt_config* cfg, mt_memory_plan* plan,
     mt_plan_options_defaults(&plan_options);
     plan_options.pp_rank = mt_rank_coordinates(cfg, cfg->rank).pp;
     plan_options.dp_rank = mt_rank_coordinates(cfg, cfg->rank).dp;
+    plan_options.cp_rank = mt_rank_coordinates(cfg, cfg->rank).cp;
     mt_status plan_status = mt_memory_plan_compute(cfg, &plan_options, plan, err);
     if (plan_status != MT_OK) return plan_status;
     size_t free_bytes = 0, total_bytes = 0;
@@ -11692,10 +12069,11 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     }
     /* host staging: inputs, targets, a V-sized counting buffer, the documents [2, BT]; the embedding index
      * (with the position index's room); losses */
+    const size_t whole = s.cp > 1 ? 5 * (size_t)s.B * s.S_full : 0; /* CP: the whole samples' documents, inputs */
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->loop.host_tokens,
-                                         sizeof(int32_t) * (4 * (size_t)s.BT + (size_t)s.V_full)));
+                                         sizeof(int32_t) * (4 * (size_t)s.BT + (size_t)s.V_full + whole)));
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->loop.host_index,
-                                         sizeof(int32_t) * (4 * (size_t)s.BT + 3 + (size_t)s.S)));
+                                         sizeof(int32_t) * (4 * (size_t)s.BT + 3 + (size_t)s.S_full)));
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&t->loop.host_losses, sizeof(float) * (size_t)s.BT));
     if (t->error.status == MT_OK) initialise_model_state(t, shard, alias);
     if (t->error.status != MT_OK) {
@@ -11720,11 +12098,11 @@ mt_status mt_trainer_on_collective_timeout(mt_trainer* t, mt_collective_timeout_
     for (int i = 0; i < 5; i++)
         if (streams[i] && (i != 2 || g->tp.size > 1))
             w->stream[w->num_streams] = streams[i], w->stream_name[w->num_streams++] = stream_names[i];
-    const ncclComm_t comms[] = {g->world, g->tp.comm, g->dp, g->pp, g->pp_grad, g->embedding, g->ep, g->edp};
+    const ncclComm_t comms[] = {g->world, g->tp.comm, g->dp, g->pp, g->pp_grad, g->embedding, g->ep, g->edp, g->cp};
     const char* comm_names[] = {"world", "tensor-parallel", "data-parallel", "pipeline", "pipeline gradient",
-                                "embedding", "expert-parallel", "expert-data-parallel"};
-    static_assert(MT_WATCH_MAX_COMMS >= 8, "the watchdog watches every communicator");
-    for (int i = 0; i < 8; i++)
+                                "embedding", "expert-parallel", "expert-data-parallel", "context-parallel"};
+    static_assert(MT_WATCH_MAX_COMMS >= 9, "the watchdog watches every communicator");
+    for (int i = 0; i < 9; i++)
         if (comms[i]) w->comm[w->num_comms] = comms[i], w->comm_name[w->num_comms++] = comm_names[i];
     w->rank = t->cfg.rank;
     if (cudaGetDevice(&w->device) != cudaSuccess) w->device = t->cfg.local_rank >= 0 ? t->cfg.local_rank : 0;
@@ -11802,8 +12180,10 @@ mt_status mt_trainer_evaluate(mt_trainer* t, const int32_t* tokens, int num_micr
     return run_micro_batches(t, tokens, num_micro_batches, 0, 1.0, 1, loss, err);
 }
 
+static int whole_sequence_here(const mt_trainer* t, const char* what, mt_error* err);
 mt_status mt_trainer_token_losses(mt_trainer* t, const int32_t* tokens, float* losses, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
+    if (!whole_sequence_here(t, "mt_trainer_token_losses", err)) return MT_ERR_CONFIG;
     double mean; /* run_micro_batches leaves the micro-batch's per-token losses in act.losses (last stage) */
     mt_status st = run_micro_batches(t, tokens, 1, 0, 1.0, 0, &mean, err);
     if (st != MT_OK) return st;
@@ -11917,7 +12297,7 @@ mt_status mt_trainer_train_step_n(mt_trainer* t, const int32_t* tokens, int num_
         case MT_FP16: adamw_step<__half>(t, (float)lr, (float)lr_decoupled, grad_scale, params_norm); break;
     }
     fp8_after_step(t);
-    t->opt.scheduler_steps += (int64_t)num_micro_batches * model_shape(t).B * t->groups.dp_size;
+    t->opt.scheduler_steps += (int64_t)num_micro_batches * model_shape(t).B * t->groups.data_size;
     out->next_learning_rate = mt_learning_rate(c, t->opt.scheduler_steps);
     out->next_decoupled_learning_rate = mt_learning_rate_decoupled(c, t->opt.scheduler_steps);
     CUDA_CHECK(&t->error, cudaStreamSynchronize(t->stream));
@@ -11966,8 +12346,16 @@ mt_status mt_device_profiler(int start, mt_error* err) {
 
 /* Calls that need the whole model on one rank's pipeline stage (logits, text generation). */
 static int whole_model_here(const mt_trainer* t, const char* what, mt_error* err) {
+    if (!whole_sequence_here(t, what, err)) return 0;
     if (t->groups.pp_size == 1) return 1;
     mt_fail(err, MT_ERR_CONFIG, "%s needs the whole model on one pipeline stage (--pipeline-model-parallel-size 1)", what);
+    return 0;
+}
+/* Per-position results (logits, per-token losses) need every position on this rank: not with context
+ * parallelism (each rank holds two chunks of each sequence). */
+static int whole_sequence_here(const mt_trainer* t, const char* what, mt_error* err) {
+    if (t->groups.cp_size == 1) return 1;
+    mt_fail(err, MT_ERR_CONFIG, "%s needs whole sequences on one rank (--context-parallel-size 1)", what);
     return 0;
 }
 

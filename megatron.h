@@ -452,6 +452,9 @@ typedef enum { MT_FP8_NONE = 0, MT_FP8_E4M3, MT_FP8_HYBRID } mt_fp8_format;
 /* delayed: the scale from an amax history (updated after every step); tensorwise: from the tensor's
  * own amax at cast time; blockwise: 1x128 (activations, gradients) and 128x128 (weights) blocks */
 typedef enum { MT_FP8_DELAYED = 0, MT_FP8_TENSORWISE, MT_FP8_BLOCKWISE } mt_fp8_recipe;
+/* --cp-comm-type: how attention's context-parallel ranks exchange keys and values (Megatron's names):
+ * p2p (a ring of K/V blocks), a2a (Ulysses: an all-to-all over heads), all_gather (K and V gathered whole) */
+typedef enum { MT_CP_P2P = 0, MT_CP_A2A, MT_CP_ALL_GATHER } mt_cp_comm_type;
 typedef enum { MT_FP8_AMAX_MOST_RECENT = 0, MT_FP8_AMAX_MAX } mt_fp8_amax_algo;
 #define MT_FP8_E4M3_MAX 448.0f
 #define MT_FP8_E5M2_MAX 57344.0f
@@ -630,7 +633,10 @@ typedef struct {
     int decoder_last_pipeline_num_layers;   /* --decoder-last-pipeline-num-layers (-1: even split) */
     int account_for_embedding_in_pipeline_split; /* the embedding counts as a layer of the first stage */
     int account_for_loss_in_pipeline_split;      /* the output layer and loss count as a layer of the last */
-    int data_parallel_size;           /* derived: world / (tp * pp) */
+    int context_parallel_size;        /* --context-parallel-size (1): each sequence cut into 2 CP chunks, rank r of
+                                         the context-parallel group keeping chunks r and 2 CP - 1 - r */
+    mt_cp_comm_type cp_comm_type;     /* --cp-comm-type (p2p) */
+    int data_parallel_size;           /* derived: world / (tp * cp * pp) */
     /* data-parallel gradient reduction and optimizer (Megatron's DistributedDataParallelConfig) */
     int use_distributed_optimizer;    /* --use-distributed-optimizer: fp32 master + Adam sharded over DP */
     int overlap_grad_reduce;          /* --overlap-grad-reduce: reduce each bucket during the backward */
@@ -908,14 +914,25 @@ static inline MT_HOST_DEVICE int64_t mt_shard_full_index(int64_t i, int64_t rows
 /*    model chunks (virtual stages), and which tensors a pipeline rank holds.                      */
 /* ---------------------------------------------------------------------------------------------- */
 
-/* Megatron's rank layout, order tp-cp-ep-dp-pp (cp = 1 for now):
- * rank = tp + TP * (dp + DP * pp). Groups: tp contiguous, dp stride TP, pp stride TP * DP. The expert
- * layers fold the data-parallel ranks into EP x EDP (MoE parallel folding with ETP = TP = 1): the
- * expert-parallel rank is ep = dp % EP (consecutive DP ranks form an EP group) and the expert-data-parallel
- * rank edp = dp / EP (the ranks holding the same experts, stride EP within DP). */
-typedef struct { int tp, dp, pp, ep, edp; } mt_rank_coords;
+/* Megatron's rank layout, order tp-cp-ep-dp-pp: rank = tp + TP * (cp + CP * (dp + DP * pp)). Groups: tp
+ * contiguous, cp stride TP, dp stride TP * CP, pp stride TP * CP * DP. The ranks of one (tp, pp) that
+ * differ in cp or dp form the gradient-reduction group (Megatron's data-parallel group with context
+ * parallelism: gradients are summed and the distributed optimizer sharded over its DP x CP ranks,
+ * numbered dpcp = cp + CP * dp); the data loader's rank is dp alone (every CP rank of a replica reads the
+ * same micro-batches). The expert layers fold the data-parallel ranks into EP x EDP (MoE parallel folding
+ * with ETP = TP = 1, CP = 1): the expert-parallel rank is ep = dp % EP (consecutive DP ranks form an EP
+ * group) and the expert-data-parallel rank edp = dp / EP (the ranks holding the same experts, stride EP
+ * within DP). cp and dpcp come last (a {tp, dp, pp} initialiser means cp = 0). */
+typedef struct { int tp, dp, pp, ep, edp, cp, dpcp; } mt_rank_coords;
 MT_DEF mt_rank_coords mt_rank_coordinates(const mt_config* cfg, int rank);
 MT_DEF int mt_rank_of(const mt_config* cfg, mt_rank_coords coords);
+/* The gradient-reduction group's size, DP x CP (the distributed optimizer's shards, the DDP buffer's
+ * padding); DP without context parallelism. */
+MT_DEF int mt_grad_dp_size(const mt_config* cfg);
+/* Context parallelism's chunks (CP = cfg's context_parallel_size, S its seq_length, C = S / (2 CP)):
+ * context-parallel rank r keeps chunks r and 2 CP - 1 - r of every sequence, its local row i (of 2C)
+ * being sequence position mt_cp_position(cfg, r, i). CP = 1: i. */
+MT_DEF int mt_cp_position(const mt_config* cfg, int cp_rank, int i);
 
 /* The layer split (Megatron's get_num_layers_to_build): virtual stage v = chunk * PP + rank holds the
  * consecutive layers [first, first + count). Evenly by default; --decoder-first/last-pipeline-num-layers
@@ -1086,6 +1103,7 @@ MT_DEF mt_status mt_pp_activation_slots(int pp, int vp, int num_micro_batches, i
 typedef struct {
     int pp_rank;                  /* the pipeline rank planned; -1: the one that needs the most memory */
     int dp_rank;                  /* the data-parallel rank (its shard's AdamW chunk count; 0 by default) */
+    int cp_rank;                  /* the context-parallel rank (with dp_rank, its place in the DP x CP shards; 0) */
 } mt_plan_options;
 MT_DEF void mt_plan_options_defaults(mt_plan_options* opts);
 
@@ -1175,6 +1193,20 @@ MT_DEF int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_ran
                                    mt_optimizer_piece* out);
 /* Whether the config's attention runs on the flash kernels (bf16, head dim 64 or 128), else exact. */
 MT_DEF int mt_flash_attention(const mt_config* cfg);
+/* Whether the model reads each row's position from the micro-batch's documents region (MT_ACT_DOCS)
+ * instead of its row number: --reset-position-ids, or context parallelism (a rank's rows are two chunks
+ * of the sequence). */
+MT_DEF int mt_explicit_positions(const mt_config* cfg);
+/* Context parallelism's attention buffers on one rank (MT_ACT_CP, bytes; 0 at CP = 1), by --cp-comm-type
+ * (B micro-batch, S sequence, C = S / (2 CP) chunk, Hkv and heads per TP rank, d head dim, T model type):
+ * all_gather: K and V of the whole sequence, their gradients, and the transfer buffer, 6 [B, Hkv, S, d] T;
+ * a2a: the QKV rows, their gradient, the attention output and its gradient of the rank's heads over the whole
+ * sequence (as many elements as its own rows' ones) and one transfer buffer: 3 [B S/CP, qkv width] +
+ * 2 [B S/CP, heads d] T; p2p: the ring's, cp_ring_scratch_bytes. */
+MT_DEF int64_t mt_cp_scratch_bytes(const mt_config* cfg);
+/* The p2p ring's buffers (two blocks of K and V in bf16, fp32 dK/dV accumulators) for B samples, Hkv K/V
+ * heads, chunk C and head dim d: the count the ring's kernels allocate. */
+MT_DEF int64_t cp_ring_scratch_bytes(int64_t B, int64_t Hkv, int64_t C, int64_t d);
 
 /* Megatron's documents in a micro-batch (gpt_dataset.py _get_ltor_masks_and_position_ids, for
  * --reset-position-ids and --reset-attention-mask): a document ends with its end-of-document token
@@ -1224,6 +1256,7 @@ enum {
     MT_ACT_MOE_STATS,    /* (B + 1) E int32, then (B + 1) E + 64 fp32: one micro-batch's aux statistics */
     MT_ACT_MOE_EP_INDEX, /* int32 [2 Rexp]    EP > 1: the received rows' order by local expert and its inverse */
     MT_ACT_MOE_EP_DROW,  /* fp32 [2 Rexp + Rmax] EP > 1: the rows' probability gradients (expert side, sent, received) */
+    MT_ACT_CP,           /* CP > 1: attention's context-parallel buffers (mt_cp_scratch_bytes) */
     MT_ACT_RESIDUAL, /* the first saved region */
     MT_ACT_LN1_MEAN, MT_ACT_LN1_RSTD, MT_ACT_QKV, MT_ACT_PROBS, MT_ACT_LSE, MT_ACT_ATTN_OUT, MT_ACT_RESIDUAL_MID,
     MT_ACT_LN2, MT_ACT_LN2_MEAN, MT_ACT_LN2_RSTD, MT_ACT_FC1, MT_ACT_ACT,
@@ -3812,6 +3845,8 @@ MT_DEF void mt_config_defaults(mt_config* cfg) {
     cfg->attention_dropout = 0.1;
     cfg->tensor_model_parallel_size = 1;
     cfg->pipeline_model_parallel_size = 1;
+    cfg->context_parallel_size = 1;
+    cfg->cp_comm_type = MT_CP_P2P;
     cfg->virtual_pipeline_size = 1;
     cfg->decoder_first_pipeline_num_layers = -1;
     cfg->decoder_last_pipeline_num_layers = -1;
@@ -3895,6 +3930,28 @@ MT_DEF mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
                        "its schedule leaves activation sends waiting for receives posted several steps later, which "
                        "only NCCL's buffering lets finish (tests/test_pipeline.h); use the default group (PP)",
                        c->microbatch_group_size_per_vp_stage, pp);
+    /* context parallelism (issue #36): the all_gather and a2a exchanges; p2p's ring is not in this build yet */
+    const int cp = c->context_parallel_size;
+    if (cp > 1) {
+        const int tp = c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1;
+        if (c->num_experts > 0)
+            return mt_fail(err, MT_ERR_CONFIG, "--context-parallel-size %d with mixture of experts (and expert "
+                           "parallelism) is not built yet: use 1", cp);
+        if (c->fp8_format != MT_FP8_NONE)
+            return mt_fail(err, MT_ERR_CONFIG, "--context-parallel-size %d with FP8 is not built yet: drop --fp8-format", cp);
+        if (c->cp_comm_type == MT_CP_P2P)
+            return mt_fail(err, MT_ERR_CONFIG, "--cp-comm-type p2p (the default) needs the ring attention kernels, not in "
+                           "this build yet: give --cp-comm-type all_gather or a2a");
+        if (c->cp_comm_type == MT_CP_ALL_GATHER && mt_flash_attention(c))
+            return mt_fail(err, MT_ERR_CONFIG, "--cp-comm-type all_gather runs on the exact attention path (fp32, fp16, "
+                           "bf16 head dims other than 64 and 128); with bf16 flash attention (head dim %d) give "
+                           "--cp-comm-type a2a", c->kv_channels);
+        if (c->cp_comm_type == MT_CP_A2A &&
+            ((c->num_attention_heads / tp) % cp || (c->num_query_groups / tp) % cp))
+            return mt_fail(err, MT_ERR_CONFIG, "--cp-comm-type a2a needs the attention heads (%d) and query groups (%d) "
+                           "of a tensor-parallel rank divisible by --context-parallel-size %d",
+                           c->num_attention_heads / tp, c->num_query_groups / tp, cp);
+    }
     /* mixture of experts, phase 1: one GPU and data parallelism (issue #34) */
     const int moe_layers = mt_moe_num_layers(c);
     if (moe_layers > 0) {
@@ -4542,18 +4599,26 @@ static mt_status mt__config_model(mt_config* c, mt_error* err) {
 /* The parallel layout: TP and PP against the world, the data-parallel size, what tensor parallelism
  * must divide, sequence parallelism, the padded vocabulary. */
 static mt_status mt__config_layout(mt_config* c, mt_error* err) {
-    if (c->tensor_model_parallel_size < 1 || c->pipeline_model_parallel_size < 1)
+    if (c->tensor_model_parallel_size < 1 || c->pipeline_model_parallel_size < 1 || c->context_parallel_size < 1)
         return mt_fail(err, MT_ERR_CONFIG, "parallel sizes must be >= 1");
     if (c->world_size < 1) c->world_size = 1;
-    if ((int64_t)c->tensor_model_parallel_size * c->pipeline_model_parallel_size > c->world_size)
-        return mt_fail(err, MT_ERR_CONFIG, "--tensor-model-parallel-size %d x --pipeline-model-parallel-size %d "
-                       "exceeds the world size %d", c->tensor_model_parallel_size, c->pipeline_model_parallel_size,
-                       c->world_size);
-    int model_parallel = c->tensor_model_parallel_size * c->pipeline_model_parallel_size;
+    const int64_t model_parallel64 =
+        (int64_t)c->tensor_model_parallel_size * c->context_parallel_size * c->pipeline_model_parallel_size;
+    if (model_parallel64 > c->world_size)
+        return mt_fail(err, MT_ERR_CONFIG, "--tensor-model-parallel-size %d x --context-parallel-size %d x "
+                       "--pipeline-model-parallel-size %d exceeds the world size %d", c->tensor_model_parallel_size,
+                       c->context_parallel_size, c->pipeline_model_parallel_size, c->world_size);
+    int model_parallel = (int)model_parallel64;
     if (c->world_size % model_parallel)
-        return mt_fail(err, MT_ERR_CONFIG, "world size %d is not divisible by tensor x pipeline parallel size %d",
-                       c->world_size, model_parallel);
+        return mt_fail(err, MT_ERR_CONFIG, "world size %d is not divisible by --tensor-model-parallel-size %d x "
+                       "--context-parallel-size %d x --pipeline-model-parallel-size %d", c->world_size,
+                       c->tensor_model_parallel_size, c->context_parallel_size, c->pipeline_model_parallel_size);
     c->data_parallel_size = c->world_size / model_parallel;
+    if ((unsigned)c->cp_comm_type > MT_CP_ALL_GATHER)
+        return mt_fail(err, MT_ERR_CONFIG, "--cp-comm-type %d is not one of p2p, a2a, all_gather", (int)c->cp_comm_type);
+    if (c->context_parallel_size > 1 && c->seq_length % (2 * c->context_parallel_size))
+        return mt_fail(err, MT_ERR_CONFIG, "--seq-length %d must be divisible by 2 x --context-parallel-size %d (each "
+                       "rank keeps two of the sequence's 2 CP chunks)", c->seq_length, c->context_parallel_size);
     int tp = c->tensor_model_parallel_size;
     if (c->num_attention_heads % tp || c->num_query_groups % tp)
         return mt_fail(err, MT_ERR_CONFIG,
@@ -4563,9 +4628,9 @@ static mt_status mt__config_layout(mt_config* c, mt_error* err) {
         return mt_fail(err, MT_ERR_CONFIG, "--ffn-hidden-size %d is not divisible by --tensor-model-parallel-size %d",
                        c->ffn_hidden_size, tp);
     if (tp == 1) c->sequence_parallel = 0; /* as Megatron: nothing to split */
-    if (c->sequence_parallel && c->seq_length % tp)
-        return mt_fail(err, MT_ERR_CONFIG, "--sequence-parallel needs --seq-length %d divisible by "
-                       "--tensor-model-parallel-size %d", c->seq_length, tp);
+    if (c->sequence_parallel && (c->seq_length / c->context_parallel_size) % tp)
+        return mt_fail(err, MT_ERR_CONFIG, "--sequence-parallel needs --seq-length %d / --context-parallel-size %d "
+                       "divisible by --tensor-model-parallel-size %d", c->seq_length, c->context_parallel_size, tp);
     if (c->make_vocab_size_divisible_by < 1)
         return mt_fail(err, MT_ERR_CONFIG, "--make-vocab-size-divisible-by must be positive");
     {
@@ -5105,12 +5170,16 @@ MT_DEF void mt_tp_shard_copy(const mt_config* c, int shard_rank, float* full, fl
 
 /* 7. Rank layout and pipeline stages (the layer split) ----------------------------------------- */
 
+static int mt__cp_size(const mt_config* c) { return c->context_parallel_size > 1 ? c->context_parallel_size : 1; }
+
 MT_DEF mt_rank_coords mt_rank_coordinates(const mt_config* c, int rank) {
     mt_rank_coords r;
-    int tp = c->tensor_model_parallel_size, dp = c->data_parallel_size;
+    int tp = c->tensor_model_parallel_size, dp = c->data_parallel_size, cp = mt__cp_size(c);
     r.tp = rank % tp;
-    r.dp = (rank / tp) % dp;
-    r.pp = rank / (tp * dp);
+    r.cp = (rank / tp) % cp;
+    r.dp = (rank / (tp * cp)) % dp;
+    r.pp = rank / (tp * cp * dp);
+    r.dpcp = r.cp + cp * r.dp;
     const int ep = c->num_experts > 0 && c->expert_model_parallel_size > 1 ? c->expert_model_parallel_size : 1;
     r.ep = r.dp % ep;
     r.edp = r.dp / ep;
@@ -5118,7 +5187,19 @@ MT_DEF mt_rank_coords mt_rank_coordinates(const mt_config* c, int rank) {
 }
 
 MT_DEF int mt_rank_of(const mt_config* c, mt_rank_coords r) {
-    return r.tp + c->tensor_model_parallel_size * (r.dp + c->data_parallel_size * r.pp);
+    const int cp = mt__cp_size(c);
+    return r.tp + c->tensor_model_parallel_size * (r.cp + cp * (r.dp + c->data_parallel_size * r.pp));
+}
+
+MT_DEF int mt_grad_dp_size(const mt_config* c) {
+    return (c->data_parallel_size > 0 ? c->data_parallel_size : 1) * mt__cp_size(c);
+}
+
+MT_DEF int mt_cp_position(const mt_config* c, int cp_rank, int i) {
+    const int cp = mt__cp_size(c);
+    if (cp == 1) return i;
+    const int C = c->seq_length / (2 * cp);
+    return i < C ? cp_rank * C + i : (2 * cp - 1 - cp_rank) * C + (i - C);
 }
 
 
@@ -5263,7 +5344,7 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
     memset(b, 0, sizeof(*b));
     mt_param_info info[MT_NUM_PARAM_TENSORS];
     mt_param_layout_shard(c, info); /* this tensor-parallel rank's shard */
-    int L = c->num_layers, dp = c->data_parallel_size > 0 ? c->data_parallel_size : 1;
+    int L = c->num_layers, dp = mt_grad_dp_size(c); /* the gradient-reduction group shards */
     /* a per-layer tensor is stacked over the layers that have it (mt_param_layer_has: every layer, or in an
      * MoE model with dense layers the dense MLP's over the dense layers and the MoE tensors over the MoE
      * ones): each layer's slice is its numel / that count; below[tsr * L + l] counts the held layers under
@@ -5587,6 +5668,8 @@ MT_DEF int mt_flash_attention(const mt_config* c) {
     return c->precision == MT_BF16 && (c->kv_channels == 64 || c->kv_channels == 128);
 }
 
+MT_DEF int mt_explicit_positions(const mt_config* c) { return c->reset_position_ids || mt__cp_size(c) > 1; }
+
 MT_DEF void mt_document_boundaries(const int32_t* inputs, int B, int S, int64_t eod, int32_t* doc_start,
                                    int32_t* positions) {
     for (int b = 0; b < B; b++) {
@@ -5724,18 +5807,42 @@ static int64_t mt__size_add(int64_t a, int64_t b) {
     return a < 0 || b < 0 || mt_add_overflows_i64(a, b, &r) ? MT__SIZE_MAX : r;
 }
 
+MT_DEF int64_t cp_ring_scratch_bytes(int64_t B, int64_t Hkv, int64_t C, int64_t d) {
+    const int64_t block = mt__size_mul(mt__size_mul(B, Hkv), mt__size_mul(C, d));
+    return mt__size_add(mt__size_mul(4 * 2, block), mt__size_mul(2 * 4, block));
+}
+
+MT_DEF int64_t mt_cp_scratch_bytes(const mt_config* c) {
+    const int64_t cp = mt__cp_size(c);
+    if (cp == 1) return 0;
+    const int64_t tp = c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1;
+    const int64_t e = c->precision == MT_FP32 ? 4 : 2, B = c->micro_batch_size, S = c->seq_length, d = c->kv_channels;
+    const int64_t heads = c->num_attention_heads / tp, groups = c->num_query_groups / tp, BTl = B * (S / cp);
+    switch (c->cp_comm_type) {
+        case MT_CP_ALL_GATHER: return mt__size_mul(6 * e, mt__size_mul3(B * groups, S, d));
+        case MT_CP_A2A:
+            return mt__size_mul(e, mt__size_add(mt__size_mul3(3, BTl, (heads + 2 * groups) * d),
+                                                mt__size_mul3(2, BTl, heads * d)));
+        default: return cp_ring_scratch_bytes(B, groups, S / (2 * cp), d);
+    }
+}
+
 MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int head, int num_slots,
                                          const mt_recompute* rc, mt_activation_layout* out) {
     memset(out, 0, sizeof(*out));
     const int tp = c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1;
     const int sp = c->sequence_parallel && tp > 1, flash = mt_flash_attention(c);
-    const int64_t e = c->precision == MT_FP32 ? 4 : 2, B = c->micro_batch_size, S = c->seq_length, BT = B * S;
+    /* S: this rank's rows of a sequence (S_full / CP with context parallelism: two chunks) */
+    const int64_t cp = mt__cp_size(c), S_full = c->seq_length;
+    const int64_t e = c->precision == MT_FP32 ? 4 : 2, B = c->micro_batch_size, S = S_full / cp, BT = B * S;
     const int64_t R = sp ? BT / tp : BT, h = c->hidden_size, d = c->kv_channels, L = layers;
     const int64_t heads = c->num_attention_heads / tp, groups = c->num_query_groups / tp;
     const int64_t qkv_width = (heads + 2 * groups) * d, attn_width = heads * d, f = c->ffn_hidden_size / tp;
     const int64_t f1 = c->swiglu ? 2 * f : f, V_full = c->padded_vocab_size, V = V_full / tp;
     const int64_t heads_elems = mt__size_mul3(B * heads, S, d), group_elems = mt__size_mul3(B * groups, S, d);
-    const int64_t score_elems = mt__size_mul3(B * heads, S, S), lse = mt__size_mul3(B * heads, S, 4);
+    /* scores: the local queries against every key (CP all_gather), or the whole sequence of heads / CP heads (a2a):
+     * the same count */
+    const int64_t score_elems = mt__size_mul3(B * heads, S, S_full), lse = mt__size_mul3(B * heads, S, 4);
     const int64_t Rh = mt__size_mul3(R, h, e), BTwide_e = mt__size_mul(BT, e);
     /* mixture of experts (moe_layers 0: none); the shared expert is tensor-parallel like the dense MLP */
     const int64_t moe_layers = mt_moe_num_layers(c), E = moe_layers ? c->num_experts : 0;
@@ -5776,7 +5883,7 @@ MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int hea
     once[MT_ACT_INPUTS] = BT * 4;
     once[MT_ACT_TARGETS] = BT * 4;
     once[MT_ACT_LOSSES] = BT * 4;
-    once[MT_ACT_EMBED_INDEX] = (3 * BT + 2 + (c->reset_position_ids ? S + 1 + BT : 0)) * 4; /* + mt_position_index */
+    once[MT_ACT_EMBED_INDEX] = (3 * BT + 2 + (mt_explicit_positions(c) ? S_full + 1 + BT : 0)) * 4; /* + mt_position_index */
     /* --qk-layernorm: the QKV rows with q and k normalised (v copied), [BT, qkv_width], made from the
      * kept QKV rows where attention reads them (forward and backward), with every head's mean and 1/std */
     once[MT_ACT_QK_NORM] = c->qk_layernorm ? mt__size_mul(BTwide_e, qkv_width) : 0;
@@ -5794,6 +5901,7 @@ MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int hea
     once[MT_ACT_MOE_STATS] = E ? (2 * (B + 1) * E + 64) * 4 : 0;
     once[MT_ACT_MOE_EP_INDEX] = ep > 1 ? mt__size_mul3(2, Rexp, 4) : 0;
     once[MT_ACT_MOE_EP_DROW] = ep > 1 ? mt__size_mul(mt__size_add(mt__size_mul(2, Rexp), Rmax), 4) : 0;
+    once[MT_ACT_CP] = mt_cp_scratch_bytes(c);
     per_layer[MT_ACT_RESIDUAL] = Rh; /* L + 1 of them: each layer's input and the chunk's output */
     per_layer[MT_ACT_LN1_MEAN] = R * 4;
     per_layer[MT_ACT_LN1_RSTD] = R * 4;
@@ -5821,7 +5929,8 @@ MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int hea
     per_layer[MT_ACT_MOE_EP_IN] = ep > 1 ? mt__size_mul3(Rexp, h, e) : 0;
     per_layer[MT_ACT_MOE_EP_PROB] = ep > 1 ? mt__size_mul(Rexp, 4) : 0;
     per_layer[MT_ACT_MOE_EP_COUNTS] = ep > 1 ? E * 4 : 0;
-    once[MT_ACT_DOCS] = c->reset_position_ids || c->reset_attention_mask ? 2 * BT * 4 : 0;
+    /* doc_start and positions of the local rows; with CP also the whole samples' [2, B, S_full] (a2a) */
+    once[MT_ACT_DOCS] = cp > 1 ? (2 * BT + 2 * B * S_full) * 4 : c->reset_position_ids || c->reset_attention_mask ? 2 * BT * 4 : 0;
     once[MT_ACT_LNF] = head ? Rh : 0;
     once[MT_ACT_LNF_MEAN] = head ? R * 4 : 0;
     once[MT_ACT_LNF_RSTD] = head ? R * 4 : 0;
@@ -5927,13 +6036,16 @@ MT_DEF int64_t mt_optimizer_pieces(const mt_buffer_layout* B, int dp, int dp_ran
 static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options* o, int pp_rank, mt_memory_plan* p,
                                       mt_error* err) {
     memset(p, 0, sizeof(*p));
-    const int pp = c->pipeline_model_parallel_size, tp = c->tensor_model_parallel_size, dp = c->data_parallel_size;
+    /* dp: the gradient-reduction group (DP x CP), which the distributed optimizer shards over */
+    const int pp = c->pipeline_model_parallel_size, tp = c->tensor_model_parallel_size, dp = mt_grad_dp_size(c);
+    const int cp = mt__cp_size(c);
     const int vp = c->virtual_pipeline_size > 0 ? c->virtual_pipeline_size : 1, M = mt_num_micro_batches(c);
     const int sharded = c->use_distributed_optimizer && dp > 1, alias = c->precision == MT_FP32 && !sharded;
     const size_t elem = c->precision == MT_FP32 ? 4 : 2;
-    mt_config at = *c; /* a rank of this pipeline stage (and of the planned DP rank) */
-    mt_rank_coords coords = {0, o->dp_rank, pp_rank, 0, 0};
+    mt_config at = *c; /* a rank of this pipeline stage (and of the planned DP and CP ranks) */
+    mt_rank_coords coords = {0, o->dp_rank, pp_rank, 0, 0, o->cp_rank, 0};
     at.rank = mt_rank_of(c, coords);
+    const int dpcp_rank = mt_rank_coordinates(c, at.rank).dpcp;
     mt_buffer_layout B;
     mt_status st = mt_buffer_layout_build(&B, &at, err);
     if (st != MT_OK) return st;
@@ -5960,7 +6072,7 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     for (int b = 0; b < B.num_buckets; b++) p->shard_elements += (B.buckets[b].end - B.buckets[b].start) / (sharded ? dp : 1);
     p->offload_elements = mt_offload_elements(c, p->shard_elements);
     const int64_t gpu_shard = p->shard_elements - p->offload_elements, n = p->buffer_elements;
-    p->optimizer_chunks = mt_optimizer_pieces(&B, sharded ? dp : 1, sharded ? o->dp_rank : 0, gpu_shard, NULL);
+    p->optimizer_chunks = mt_optimizer_pieces(&B, sharded ? dp : 1, sharded ? dpcp_rank : 0, gpu_shard, NULL);
     mt_activation_layout a;
     mt_activation_layout_compute(c, largest, stage->head, p->in_flight, &c->recompute, &a);
     p->parameter_bytes = alias ? (size_t)n * 4 : (size_t)B.storage_bytes; /* n x elem, FP8-stored weights 1 byte */
@@ -5988,8 +6100,8 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
                                                          MT_PUBLISH_CHUNK_BYTES));
     if (pp > 1) /* an input gradient waiting to be sent to the previous stage, [R, h] */
         workspace = mt__size_add(workspace, mt__size_mul3(c->sequence_parallel && tp > 1
-                                                              ? (int64_t)c->micro_batch_size * c->seq_length / tp
-                                                              : (int64_t)c->micro_batch_size * c->seq_length,
+                                                              ? (int64_t)c->micro_batch_size * c->seq_length / cp / tp
+                                                              : (int64_t)c->micro_batch_size * c->seq_length / cp,
                                                           c->hidden_size, (int64_t)elem));
     if (moe_layers) /* the trainer's MoE state: expert bias, tokens per expert, global aux sums, logged losses */
         workspace = mt__size_add(workspace, (int64_t)MT_MOE_STATE_BYTES(moe_layers, c->num_experts));
@@ -6014,7 +6126,7 @@ static mt_status mt__memory_plan_rank(const mt_config* c, const mt_plan_options*
     }
     p->total_bytes = (size_t)total;
     /* the communicators megatron.cu's process groups create on this rank */
-    int comms = (c->world_size > 1) + (tp > 1) + (dp > 1);
+    int comms = (c->world_size > 1) + (tp > 1) + (dp > 1) + (cp > 1); /* world, TP, DP x CP, CP */
     if (pp > 1) comms += 2 + (stage->embedding || stage->head); /* activations, gradients; the embedding group */
     p->overhead_bytes = MT_PLAN_CONTEXT_BYTES + MT_PLAN_CUBLAS_BYTES + (size_t)comms * MT_PLAN_NCCL_BYTES;
     p->device_bytes = p->total_bytes + p->overhead_bytes;
@@ -6042,12 +6154,15 @@ MT_DEF mt_status mt_memory_plan_compute(const mt_config* c, const mt_plan_option
     const mt_plan_options* o = opts ? opts : &defaults;
     memset(plan, 0, sizeof(*plan));
     if (c->padded_vocab_size <= 0 || c->kv_channels <= 0 || c->ffn_hidden_size <= 0 || c->data_parallel_size <= 0 ||
-        c->world_size != c->tensor_model_parallel_size * c->pipeline_model_parallel_size * c->data_parallel_size)
+        c->world_size != c->tensor_model_parallel_size * c->pipeline_model_parallel_size * c->data_parallel_size *
+                             mt__cp_size(c))
         return mt_fail(err, MT_ERR_CONFIG, "the memory plan needs a finalized config (mt_config_finalize)");
     const int pp = c->pipeline_model_parallel_size;
     if (o->pp_rank >= pp) return mt_fail(err, MT_ERR_RANGE, "pipeline rank %d outside [0, %d)", o->pp_rank, pp);
     if (o->dp_rank < 0 || o->dp_rank >= c->data_parallel_size)
         return mt_fail(err, MT_ERR_RANGE, "data-parallel rank %d outside [0, %d)", o->dp_rank, c->data_parallel_size);
+    if (o->cp_rank < 0 || o->cp_rank >= mt__cp_size(c))
+        return mt_fail(err, MT_ERR_RANGE, "context-parallel rank %d outside [0, %d)", o->cp_rank, mt__cp_size(c));
     if (o->pp_rank >= 0) return mt__memory_plan_rank(c, o, o->pp_rank, plan, err);
     for (int r = 0; r < pp; r++) { /* the rank that needs the most */
         mt_memory_plan p;
@@ -7300,7 +7415,7 @@ MT_DEF mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, 
         c->overlap_grad_reduce = ddp->overlap_grad_reduce;
         c->ddp_bucket_size = ddp->ddp_bucket_size;
     }
-    mt_rank_coords coords = {tp_rank, 0, pp_rank, 0, 0};
+    mt_rank_coords coords = {tp_rank, 0, pp_rank, 0, 0, 0, 0};
     c->rank = mt_rank_of(c, coords);
     return mt_pp_stage_of(c, pp_rank, NULL, err);
 }
@@ -7596,6 +7711,9 @@ MT_DEF mt_status mt_generator_supported(const mt_config* c, mt_error* err) {
     if (c->tensor_model_parallel_size > 1)
         return mt_fail(err, MT_ERR_CONFIG, "generation runs on one GPU: tensor parallelism (%d) is not served yet",
                        c->tensor_model_parallel_size);
+    if (c->context_parallel_size > 1)
+        return mt_fail(err, MT_ERR_CONFIG, "generation runs on one GPU: context parallelism (%d) is not served",
+                       c->context_parallel_size);
     if (c->num_experts > 0)
         return mt_fail(err, MT_ERR_CONFIG, "generation does not serve mixture-of-experts models (--num-experts %d) yet",
                        c->num_experts);

@@ -48,6 +48,7 @@
 #include "tests/test_flags.h"
 #include "tests/test_moe_config.h"
 #include "tests/test_memory.h"
+#include "tests/test_context_parallel.h"
 #include "tests/test_recompute.h"
 #include "tests/test_checkpoint_tool.h"
 #include "tests/test_watchdog.h"
@@ -145,6 +146,7 @@ int main(int argc, char** argv) {
         GROUP("host.runner", runner_tests),
         GROUP("host.moe_kernels", moe_kernels_host_tests),
         GROUP("host.generate", generate_tests),
+        GROUP("host.context_parallel", context_parallel_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.moe", moe_gpu_tests),
         GROUP("gpu.flags", flags_gpu_tests),
@@ -167,8 +169,10 @@ int main(int argc, char** argv) {
         GROUP("gpu.dropout", dropout_gpu_tests),
         GROUP("gpu.faults", faults_gpu_tests),
         GROUP("gpu.generate", generate_gpu_tests),
+        GROUP("gpu.context_parallel", context_parallel_gpu_tests),
         GROUP("multigpu.data_parallel", data_parallel_multigpu_tests),
         GROUP("multigpu.expert_parallel", expert_parallel_multigpu_tests),
+        GROUP("multigpu.context_parallel", context_parallel_multigpu_tests),
         GROUP("multigpu.tensor_parallel", tensor_parallel_multigpu_tests),
         GROUP("multigpu.pipeline", pipeline_multigpu_tests),
         GROUP("multigpu.memory", memory_multigpu_tests),

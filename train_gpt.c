@@ -167,17 +167,22 @@ static void timestamp(char* buf, size_t n) {
 /* ---- memory plan ------------------------------------------------------------------------------ */
 
 static const char* precision_name(mt_precision p) { return p == MT_FP32 ? "fp32" : p == MT_BF16 ? "bf16" : "fp16"; }
+static const char* cp_comm_name(mt_cp_comm_type k) { return k == MT_CP_A2A ? "a2a" : k == MT_CP_ALL_GATHER ? "all_gather" : "p2p"; }
 
 /* The plan of one GPU, by category (the same block at startup, for --plan, and before a refusal). */
 static void print_plan(const mt_memory_plan* p, const mt_config* c) {
     const double gib = 1024.0 * 1024.0 * 1024.0, mib = 1024.0 * 1024.0;
     char recompute_setting[128];
     mt_recompute_describe(&c->recompute, recompute_setting, sizeof(recompute_setting));
-    printf("memory plan per GPU (pipeline rank %d of %d, %lld parameters on this GPU, %s%s): TP %d, PP %d, VP %d, DP %d%s%s%s, "
+    char cp_note[64] = "";
+    if (c->context_parallel_size > 1)
+        snprintf(cp_note, sizeof(cp_note), ", CP %d (%s, %d tokens a rank)", c->context_parallel_size,
+                 cp_comm_name(c->cp_comm_type), c->seq_length / c->context_parallel_size);
+    printf("memory plan per GPU (pipeline rank %d of %d, %lld parameters on this GPU, %s%s): TP %d, PP %d, VP %d, DP %d%s%s%s%s, "
            "recompute %s, micro-batch %d x %d tokens, %d activation slots for %d micro-batches\n",
            p->pp_rank, c->pipeline_model_parallel_size, (long long)p->num_parameters, precision_name(c->precision),
            c->fp8_format != MT_FP8_NONE ? " + FP8" : "", c->tensor_model_parallel_size, c->pipeline_model_parallel_size,
-           c->virtual_pipeline_size, c->data_parallel_size, c->sequence_parallel ? ", SP" : "",
+           c->virtual_pipeline_size, c->data_parallel_size, cp_note, c->sequence_parallel ? ", SP" : "",
            c->use_distributed_optimizer ? ", distributed optimizer" : "",
            p->offload_elements ? ", optimizer offload" : "", recompute_setting,
            c->micro_batch_size, c->seq_length, p->in_flight, p->num_micro_batches);
@@ -867,6 +872,7 @@ static void note_grad_bf16(const run_state* run) {
         mt_plan_options_defaults(&opts);
         opts.pp_rank = mt_rank_coordinates(c, c->rank).pp;
         opts.dp_rank = mt_rank_coordinates(c, c->rank).dp;
+        opts.cp_rank = mt_rank_coordinates(c, c->rank).cp;
         mt_memory_plan p;
         if (mt_memory_plan_compute(c, &opts, &p, &err) == MT_OK) print_grad_bf16_note(&p);
     }
@@ -936,9 +942,13 @@ static void create_trainer(run_state* run) {
            (long long)c->train_iters);
     char vp_note[64] = "";
     if (c->virtual_pipeline_size > 1) snprintf(vp_note, sizeof(vp_note), " x %d virtual stages", c->virtual_pipeline_size);
-    printf("parallel: %d GPU(s), data-parallel %d, tensor-parallel %d%s, pipeline-parallel %d%s%s%s%s%s\n", c->world_size,
+    char cp_note[64] = "";
+    if (c->context_parallel_size > 1)
+        snprintf(cp_note, sizeof(cp_note), ", context-parallel %d (%s)", c->context_parallel_size,
+                 cp_comm_name(c->cp_comm_type));
+    printf("parallel: %d GPU(s), data-parallel %d, tensor-parallel %d%s, pipeline-parallel %d%s%s%s%s%s%s\n", c->world_size,
            c->data_parallel_size, c->tensor_model_parallel_size, c->sequence_parallel ? " (sequence parallel)" : "",
-           c->pipeline_model_parallel_size, vp_note,
+           c->pipeline_model_parallel_size, vp_note, cp_note,
            c->use_distributed_optimizer ? ", distributed optimizer" : "",
            c->overlap_grad_reduce ? ", overlapped grad reduce" : "", c->overlap_param_gather ? ", overlapped param gather" : "",
            c->grad_reduce_in_bf16 ? ", bf16 grad reduce" : "");
@@ -1203,6 +1213,8 @@ static void finish_run(run_state* run) {
         /* Megatron's exit conditions end the run without a sample */
     } else if (c->pipeline_model_parallel_size > 1 && o->sample_tokens > 0)
         printf("sample: skipped (generation needs the whole model on one stage: --pipeline-model-parallel-size 1)\n");
+    else if (c->context_parallel_size > 1 && o->sample_tokens > 0)
+        printf("sample: skipped (generation needs whole sequences on one rank: --context-parallel-size 1)\n");
     else /* every rank samples (the same tokens: same seed; with tensor parallelism the forward needs the
           * whole TP group); only rank 0's stdout is open */
         print_sample(run->t, run->tok, c, o->sample_tokens, c->seed);

@@ -114,6 +114,7 @@ typedef struct {
     char batch_schedule_words[1024]; /* the schedule's words rejoined when the shell split them */
     const char* optimizer;
     const char* distributed_backend;
+    const char* cp_comm_type;         /* --cp-comm-type */
     const char* fp8_format;
     const char* fp8_recipe;
     const char* fp8_algo;
@@ -205,7 +206,7 @@ typedef struct {
                                   "are not implemented, only softmax attention: drop the flag"
 #define MUP_REFUSED "muP (maximal update parametrization) is not implemented: drop --use-mup and --mup-*"
 #define MODELOPT_REFUSED "ModelOpt export and knowledge distillation are not implemented: drop the flag"
-#define CP_REFUSED "context parallelism is not implemented (--context-parallel-size 1 only): drop the flag"
+#define HCP_REFUSED "hierarchical context parallelism (a2a+p2p) is not built: give --cp-comm-type a2a or all_gather"
 #define FSDP_REFUSED "FSDP is not implemented: --use-distributed-optimizer shards the optimizer state over data parallelism"
 #define FIM_REFUSED "fill-in-the-middle datasets are not implemented: drop the --fim-* flags"
 
@@ -508,7 +509,7 @@ static const tg_flag tg_flag_table[] = {
     {"--account-for-loss-in-pipeline-split", G_DIST, F_TRUE, TG_AT(cfg.account_for_loss_in_pipeline_split), NR, "off",
      "the output layer and loss count as a layer of the last stage in the split"},
     {"--context-parallel-size", G_DIST, F_INT64, TG_AT(cp), IR(1, TG_I32MAX), "1",
-     "context parallelism: only 1 here (not implemented)"},
+     "each sequence cut into 2 x this many chunks over as many ranks (rank r keeps chunks r and 2 CP - 1 - r)"},
     {"--expert-model-parallel-size", G_DIST, F_INT64, TG_AT(ep), IR(1, TG_I32MAX), "1",
      "experts split over this many ranks (expert parallelism: not built yet, 1 only)"},
     {"--use-distributed-optimizer", G_DIST, F_TRUE, TG_AT(distributed_optimizer), NR, "off",
@@ -541,8 +542,9 @@ static const tg_flag tg_flag_table[] = {
     {"--wgrad-deferral-limit", G_DIST, F_INFO_VALUE, 0, NR, "0",
      "the embedding's weight gradient is computed in the backward here, not deferred to the pipeline flush"},
     {"--disable-gloo-process-groups", G_DIST, F_INFO_SWITCH, 0, NR, "off", "there are no gloo process groups here (NCCL only)"},
-    {"--cp-comm-type", G_DIST, F_REFUSED_VALUE, 0, NR, "p2p", CP_REFUSED},
-    {"--hierarchical-context-parallel-sizes", G_DIST, F_REFUSED_VALUE, 0, NR, "none", CP_REFUSED},
+    {"--cp-comm-type", G_DIST, F_STRING, TG_AT(cp_comm_type), CH("p2p|a2a|all_gather|a2a+p2p"), "p2p",
+     "context parallelism's exchange in attention: p2p (K/V ring), a2a (all-to-all over heads), all_gather"},
+    {"--hierarchical-context-parallel-sizes", G_DIST, F_REFUSED_VALUE, 0, NR, "none", HCP_REFUSED},
     {"--use-torch-fsdp2", G_DIST, F_REFUSED_SWITCH, 0, NR, "off", FSDP_REFUSED},
     {"--use-megatron-fsdp", G_DIST, F_REFUSED_SWITCH, 0, NR, "off", FSDP_REFUSED},
     {"--data-parallel-sharding-strategy", G_DIST, F_REFUSED_VALUE, 0, NR, "no_shard", FSDP_REFUSED},
@@ -1101,6 +1103,9 @@ static int tg_apply_defaults(tg_flags* v, char* msg, size_t size) {
     if (v->tensorboard_log_interval < 0) v->tensorboard_log_interval = 1;
     if (v->max_nan_in_a_row < 0) v->max_nan_in_a_row = 1;
     if (v->tensorboard_queue_size < 0) v->tensorboard_queue_size = 1000;
+    if (v->full_validation && v->cp > 1)
+        return tg_fail(msg, size, "--full-validation with --context-parallel-size %lld is not built (its last partial round "
+                       "needs every position's loss on one rank): drop one", (long long)v->cp);
     if (v->full_validation && v->mock_data)
         return tg_fail(msg, size, "--full-validation needs a dataset: --mock-data has no end");
     if (!v->plan && !v->plan_layouts && (v->plan_world_size > 0 || v->gpu_memory_gib > 0))
@@ -1112,8 +1117,8 @@ static int tg_apply_defaults(tg_flags* v, char* msg, size_t size) {
 
 /* flags whose value decides whether this build can honour them */
 static int tg_apply_build_limits(tg_flags* v, char* msg, size_t size) {
-    if (v->cp > 1) return tg_fail(msg, size, "--context-parallel-size %lld: context parallelism is not implemented "
-                                             "(use 1)", (long long)v->cp);
+    if (v->cp_comm_type && !strcmp(v->cp_comm_type, "a2a+p2p"))
+        return tg_fail(msg, size, "--cp-comm-type a2a+p2p: %s", HCP_REFUSED);
     if (v->optimizer && strcmp(v->optimizer, "adam"))
         return tg_fail(msg, size, "--optimizer %s: only adam (AdamW) is implemented", v->optimizer);
     if (v->dist_opt_instances > 1)
@@ -1354,6 +1359,10 @@ static void tg_apply_parallelism(tg_flags* v) {
     mt_config* c = &v->cfg;
     if (v->tp >= 0) c->tensor_model_parallel_size = (int)v->tp;
     if (v->pp >= 0) c->pipeline_model_parallel_size = (int)v->pp;
+    if (v->cp >= 0) c->context_parallel_size = (int)v->cp;
+    if (v->cp_comm_type)
+        c->cp_comm_type = !strcmp(v->cp_comm_type, "a2a") ? MT_CP_A2A
+                          : !strcmp(v->cp_comm_type, "all_gather") ? MT_CP_ALL_GATHER : MT_CP_P2P;
     c->sequence_parallel = v->sequence_parallel;
     c->use_distributed_optimizer = v->distributed_optimizer;
     c->overlap_grad_reduce = v->overlap_grad_reduce;

@@ -99,7 +99,7 @@ if [ $run_multi = 1 ] && [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null; then
   for np in ${NPS:-2 4}; do
     [ "$ngpu" -ge "$np" ] || continue
     # one mpirun per feature, each cut at 240 s (a hang must not eat the session's GPU time)
-    for g in ${GROUPS_MULTI:-data_parallel expert_parallel tensor_parallel pipeline memory checkpoint_tool recompute faults cp_attention}; do
+    for g in ${GROUPS_MULTI:-data_parallel expert_parallel context_parallel tensor_parallel pipeline memory checkpoint_tool recompute faults cp_attention}; do
       start=$(date +%s)
       rm -f /tmp/mt_test_rank*.log
       timeout 240 $MPIRUN -x MT_TEST_STRICT=1 -np "$np" ./test_megatron multigpu.$g > "$OUT/test_mpi${np}_$g.log" 2>&1
