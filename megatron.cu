@@ -3363,7 +3363,7 @@ static cudaError_t flash_attention_backward_span(attn_view dQ, attn_view dK, att
 /*    Dropout masks are drawn by global (sample, head, query, key) positions (section 9.1), the   */
 /*    masks of CP = 1. The QKV bias column sums (flash_attention_backward's colsum) are not       */
 /*    taken here: the caller sums the columns.                                                    */
-/*    defines: mt_cp_ring, cp_ring_create, cp_ring_destroy, cp_chunk_span, cp_ring_scratch_bytes, */
+/*    defines: mt_cp_ring, cp_ring_create, cp_ring_destroy, cp_chunk_span, */
 /*    cp_attention_forward_block, cp_attention_dsum, cp_attention_backward_block,                 */
 /*    cp_pack_kv, cp_store_kv_grads, cp_ring_attention_forward, cp_ring_attention_backward.       */
 /* ============================================================================================== */
@@ -3419,17 +3419,12 @@ typedef struct {
     bf16* kv[2];
     float* acc;
     float* dkv[2];
-} cp_scratch;
+} cp_ring_scratch;
 static size_t cp_align(size_t n) { return (n + 255) & ~(size_t)255; }
-static size_t cp_ring_scratch_bytes(int B, int H, int Hkv, int T, int d) {
-    const size_t kv = 2 * (size_t)B * Hkv * T * d; /* elements of one block's K and V */
-    return 2 * cp_align(kv * sizeof(bf16)) + cp_align((size_t)B * H * T * d * sizeof(float)) +
-           2 * cp_align(kv * sizeof(float));
-}
-static cp_scratch cp_scratch_layout(void* scratch, int B, int H, int Hkv, int T, int d) {
+static cp_ring_scratch cp_scratch_layout(void* scratch, int B, int H, int Hkv, int T, int d) {
     const size_t kv = 2 * (size_t)B * Hkv * T * d;
     char* p = (char*)scratch;
-    cp_scratch s;
+    cp_ring_scratch s;
     for (int i = 0; i < 2; i++) s.kv[i] = (bf16*)p, p += cp_align(kv * sizeof(bf16));
     s.acc = (float*)p, p += cp_align((size_t)B * H * T * d * sizeof(float));
     for (int i = 0; i < 2; i++) s.dkv[i] = (float*)p, p += cp_align(kv * sizeof(float));
@@ -3536,15 +3531,15 @@ static bool cp_ring_args_ok(const mt_exec* ex, const mt_cp_ring* r, const attn_c
                            "context-parallel attention %s: B %d H %d Hkv %d local rows %d d %d at CP %d: each of the "
                            "2*CP chunks must be a multiple of %d rows (head dim 64 or 128, 16-byte rows)",
                            what, B, H, Hkv, T, d, r ? r->size : 0, fa::span_tile_rows(d == 64 ? 64 : 128));
-    if (!scratch || scratch_bytes < cp_ring_scratch_bytes(B, H, Hkv, T, d))
+    if (!scratch || scratch_bytes < (size_t)mt_cp_ring_scratch_bytes(B, H, Hkv, T, d))
         return mt_gpu_fail(ex->error, MT_ERR_ARG, "context-parallel attention %s: scratch of %zu bytes, %zu needed",
-                           what, scratch_bytes, cp_ring_scratch_bytes(B, H, Hkv, T, d));
+                           what, scratch_bytes, (size_t)mt_cp_ring_scratch_bytes(B, H, Hkv, T, d));
     return true;
 }
 
 /* The ring's K/V transfer of step i (of its K/V buffers): buffer cur (its block) goes to rank+1 while
  * buffer nxt receives the next block, once the kernels of step i-1 are done with it. */
-static bool cp_ring_kv_step(const mt_exec* ex, const mt_cp_ring* r, cp_scratch& s, int i, size_t kv_bytes) {
+static bool cp_ring_kv_step(const mt_exec* ex, const mt_cp_ring* r, cp_ring_scratch& s, int i, size_t kv_bytes) {
     const int cur = i & 1, nxt = cur ^ 1;
     mt_gpu_error* e = ex->error;
     return CUDA_CHECK(e, cudaStreamWaitEvent(r->stream, r->ready[cur], 0)) &&
@@ -3557,7 +3552,7 @@ static bool cp_ring_kv_step(const mt_exec* ex, const mt_cp_ring* r, cp_scratch& 
  * fp32 from the local Q, K, V (section 17's row views), the rows' positions those of cp_chunk_span
  * (ring->rank); doc [B, T]: the local rows' document starts as sequence positions (NULL: none); drop:
  * the layer's attention dropout site (its masks indexed by global positions in the S = CP*T sequence).
- * Errors go to ex->error (false returned). Scratch: cp_ring_scratch_bytes(B, H, Hkv, T, d). */
+ * Errors go to ex->error (false returned). Scratch: (size_t)mt_cp_ring_scratch_bytes(B, H, Hkv, T, d). */
 [[maybe_unused]]
 static bool cp_ring_attention_forward(const mt_exec* ex, const mt_cp_ring* ring, attn_view O, float* LSE, attn_cview Q,
                                       attn_cview K, attn_cview V, int B, int H, int Hkv, int T, int d,
@@ -3567,7 +3562,7 @@ static bool cp_ring_attention_forward(const mt_exec* ex, const mt_cp_ring* ring,
     mt_gpu_error* e = ex->error;
     const int P = ring->size, r = ring->rank;
     cudaStream_t st = ex->stream;
-    cp_scratch s = cp_scratch_layout(scratch, B, H, Hkv, T, d);
+    cp_ring_scratch s = cp_scratch_layout(scratch, B, H, Hkv, T, d);
     const size_t kv_elems = (size_t)B * Hkv * T * d, kv_bytes = 2 * kv_elems * sizeof(bf16);
     if (!CUDA_CHECK(e, cp_pack_kv(s.kv[0], K, V, B, Hkv, T, d, st))) return false;
     if (P > 1 && !CUDA_CHECK(e, cudaEventRecord(ring->ready[0], st))) return false;
@@ -3599,7 +3594,7 @@ static bool cp_ring_attention_backward(const mt_exec* ex, const mt_cp_ring* ring
     mt_gpu_error* e = ex->error;
     const int P = ring->size, r = ring->rank;
     cudaStream_t st = ex->stream;
-    cp_scratch s = cp_scratch_layout(scratch, B, H, Hkv, T, d);
+    cp_ring_scratch s = cp_scratch_layout(scratch, B, H, Hkv, T, d);
     const size_t kv_elems = (size_t)B * Hkv * T * d, kv_bytes = 2 * kv_elems * sizeof(bf16),
                  grad_bytes = 2 * kv_elems * sizeof(float);
     if (!CUDA_CHECK(e, cp_attention_dsum(Dsum, dO, O, B, H, Hkv, T, d, st)) ||
@@ -6994,6 +6989,7 @@ typedef struct {
     ncclComm_t dp;              /* the gradient-reduction group (DP x CP); NULL when dp_size == 1 */
     ncclComm_t cp;              /* the context-parallel group (stride TP): attention's K/V exchange, on the compute
                                    stream; NULL when cp_size == 1 */
+    mt_cp_ring cp_ring;         /* --cp-comm-type p2p: the ring over cp (section 9.5; its own transfer stream) */
     ncclComm_t pp;              /* the pipeline group (one rank per stage, rank = stage): activations */
     ncclComm_t pp_grad;         /* the same ranks again for the gradients, so that each kind is matched in its
                                    own posting order (NULL when pp_size == 1) */
@@ -7091,6 +7087,7 @@ static void process_groups_create(mt_process_groups* g, const mt_config* c, cuda
     if (g->cp_size > 1) /* colour: tp, dp and pp */
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.tp + tp->size * (me.dp + g->data_size * me.pp), me.cp, &g->cp,
                                              NULL));
+    if (g->cp && c->cp_comm_type == MT_CP_P2P) cp_ring_create(&g->cp_ring, g->cp, g->cp_rank, g->cp_size, c->rank, e);
     if (g->ep_size > 1) { /* colour: the coordinates outside the group (tp, pp and the other fold coordinate) */
         NCCL_CHECK(e, c->rank, ncclCommSplit(g->world, me.tp + tp->size * (me.edp + g->edp_size * me.pp), me.ep, &g->ep,
                                              NULL));
@@ -7308,6 +7305,7 @@ static void watchdog_stop(mt_watchdog* w) {
 static void process_groups_free(mt_process_groups* g) {
     if (g->tp.comm) ncclCommDestroy(g->tp.comm);
     if (g->dp) ncclCommDestroy(g->dp);
+    cp_ring_destroy(&g->cp_ring);
     if (g->cp) ncclCommDestroy(g->cp);
     if (g->pp) ncclCommDestroy(g->pp);
     if (g->pp_grad) ncclCommDestroy(g->pp_grad);
@@ -8280,6 +8278,7 @@ static mt_attention_dims a2a_dims(const mt_trainer* t, const mt_shape& s) {
             t->cfg.reset_attention_mask ? whole : (const int32_t*)NULL};
 }
 static bool cp_a2a(const mt_shape& s) { return s.cp > 1 && s.cp_comm == MT_CP_A2A; }
+static bool cp_p2p(const mt_shape& s) { return s.cp > 1 && s.cp_comm == MT_CP_P2P; }
 
 /* The row views of one layer's fused QKV rows (query heads, keys, values) and of [BT, heads*d] rows. */
 struct qkv_views {
@@ -8519,9 +8518,14 @@ static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs
             }
             rope_qkv_rows<T>(ex, da, rows, false);
             qkv_views in = qkv_rows_views(sa, rows);
-            CUDA_CHECK(ex->error, flash_attention_forward(heads_rows_view(sa, out), lse, cview(in.q), cview(in.k),
-                                                          cview(in.v), sa.B, sa.heads, sa.groups, sa.S, sa.d, ex->stream,
-                                                          drop, da.doc_start));
+            if (cp_p2p(s)) /* the ring over the CP group (section 9.5); its scratch is act.cp */
+                cp_ring_attention_forward(ex, &t->groups.cp_ring, heads_rows_view(s, out), lse, cview(in.q),
+                                          cview(in.k), cview(in.v), s.B, s.heads, s.groups, s.S, s.d, drop,
+                                          dims.doc_start, t->act.cp, (size_t)mt_cp_scratch_bytes(&t->cfg));
+            else
+                CUDA_CHECK(ex->error, flash_attention_forward(heads_rows_view(sa, out), lse, cview(in.q), cview(in.k),
+                                                              cview(in.v), sa.B, sa.heads, sa.groups, sa.S, sa.d,
+                                                              ex->stream, drop, da.doc_start));
             if (a2a) cp_a2a_to_rows<T>(t, ex, s, cb.o, attn, sa.attn_width, cb.dout, cb.xfer);
             return;
         }
@@ -8564,7 +8568,7 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
             const int chunks = flash_colsum_chunks(s.B, s.S);
-            sums = dbias && s.rot == 0 && !s.qk_norm && !a2a && chunks <= t->colsum.max_chunks;
+            sums = dbias && s.rot == 0 && !s.qk_norm && !a2a && !cp_p2p(s) && chunks <= t->colsum.max_chunks;
             T *in_rows = rows, *out_rows = dqkv;
             const T *o_rows = attn, *do_rows = dattn;
             if (a2a) { /* the forward's rows (unrotated: it rotated its copy), O and dO of the whole sequence */
@@ -8575,13 +8579,20 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
             }
             if (s.qk_norm || a2a) rope_qkv_rows<T>(ex, da, in_rows, false); /* as the forward read them */
             qkv_views in = qkv_rows_views(sa, in_rows), out = qkv_rows_views(sa, out_rows);
-            CUDA_CHECK(ex->error, flash_attention_backward(out.q, out.k, out.v, a->dsum,
-                                                           cview(heads_rows_view(sa, (void*)do_rows)), cview(in.q),
-                                                           cview(in.k), cview(in.v),
-                                                           cview(heads_rows_view(sa, (void*)o_rows)), lse, sa.B, sa.heads,
-                                                           sa.groups, sa.S, sa.d, ex->stream,
-                                                           sums ? t->colsum.partial_a : (float*)NULL, drop,
-                                                           da.doc_start));
+            if (cp_p2p(s))
+                cp_ring_attention_backward(ex, &t->groups.cp_ring, out.q, out.k, out.v, a->dsum,
+                                           cview(heads_rows_view(s, (void*)do_rows)), cview(in.q), cview(in.k),
+                                           cview(in.v), cview(heads_rows_view(s, (void*)o_rows)), lse, s.B, s.heads,
+                                           s.groups, s.S, s.d, drop, dims.doc_start, t->act.cp,
+                                           (size_t)mt_cp_scratch_bytes(&t->cfg));
+            else
+                CUDA_CHECK(ex->error, flash_attention_backward(out.q, out.k, out.v, a->dsum,
+                                                               cview(heads_rows_view(sa, (void*)do_rows)), cview(in.q),
+                                                               cview(in.k), cview(in.v),
+                                                               cview(heads_rows_view(sa, (void*)o_rows)), lse, sa.B,
+                                                               sa.heads, sa.groups, sa.S, sa.d, ex->stream,
+                                                               sums ? t->colsum.partial_a : (float*)NULL, drop,
+                                                               da.doc_start));
             rope_qkv_rows<T>(ex, da, out_rows, true);
             if (a2a) cp_a2a_to_rows<T>(t, ex, s, cb.dqkv, dqkv, sa.qkv_width, cb.qkv, cb.xfer);
             if (sums) column_final_sums(ex, 1, chunks, s.qkv_width, dbias, t->colsum.partial_a);

@@ -1202,11 +1202,13 @@ MT_DEF int mt_explicit_positions(const mt_config* cfg);
  * all_gather: K and V of the whole sequence, their gradients, and the transfer buffer, 6 [B, Hkv, S, d] T;
  * a2a: the QKV rows, their gradient, the attention output and its gradient of the rank's heads over the whole
  * sequence (as many elements as its own rows' ones) and one transfer buffer: 3 [B S/CP, qkv width] +
- * 2 [B S/CP, heads d] T; p2p: the ring's, cp_ring_scratch_bytes. */
+ * 2 [B S/CP, heads d] T; p2p: the ring's, mt_cp_ring_scratch_bytes. */
 MT_DEF int64_t mt_cp_scratch_bytes(const mt_config* cfg);
-/* The p2p ring's buffers (two blocks of K and V in bf16, fp32 dK/dV accumulators) for B samples, Hkv K/V
- * heads, chunk C and head dim d: the count the ring's kernels allocate. */
-MT_DEF int64_t cp_ring_scratch_bytes(int64_t B, int64_t Hkv, int64_t C, int64_t d);
+/* The p2p ring's scratch (megatron.cu section 9.5, cp_scratch_layout), 256-byte aligned pieces: two K/V
+ * blocks in bf16 (2 [B, Hkv, T, d] each), the fp32 accumulator [B, H, T, d] (the forward's O, the
+ * backward's dQ) and two travelling fp32 dK/dV sums (2 [B, Hkv, T, d] each), for B samples, H query and
+ * Hkv K/V heads per TP rank, T = S / CP local rows and head dim d. */
+MT_DEF int64_t mt_cp_ring_scratch_bytes(int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t d);
 
 /* Megatron's documents in a micro-batch (gpt_dataset.py _get_ltor_masks_and_position_ids, for
  * --reset-position-ids and --reset-attention-mask): a document ends with its end-of-document token
@@ -3930,7 +3932,8 @@ MT_DEF mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
                        "its schedule leaves activation sends waiting for receives posted several steps later, which "
                        "only NCCL's buffering lets finish (tests/test_pipeline.h); use the default group (PP)",
                        c->microbatch_group_size_per_vp_stage, pp);
-    /* context parallelism (issue #36): the all_gather and a2a exchanges; p2p's ring is not in this build yet */
+    /* context parallelism (issue #36): p2p's ring on the bf16 flash kernels, all_gather on the exact path, a2a
+     * on either */
     const int cp = c->context_parallel_size;
     if (cp > 1) {
         const int tp = c->tensor_model_parallel_size > 0 ? c->tensor_model_parallel_size : 1;
@@ -3939,9 +3942,15 @@ MT_DEF mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
                            "parallelism) is not built yet: use 1", cp);
         if (c->fp8_format != MT_FP8_NONE)
             return mt_fail(err, MT_ERR_CONFIG, "--context-parallel-size %d with FP8 is not built yet: drop --fp8-format", cp);
-        if (c->cp_comm_type == MT_CP_P2P)
-            return mt_fail(err, MT_ERR_CONFIG, "--cp-comm-type p2p (the default) needs the ring attention kernels, not in "
-                           "this build yet: give --cp-comm-type all_gather or a2a");
+        if (c->cp_comm_type == MT_CP_P2P && !mt_flash_attention(c))
+            return mt_fail(err, MT_ERR_CONFIG, "--cp-comm-type p2p (the default) runs the ring on the bf16 flash attention "
+                           "kernels (head dim 64 or 128); this model's attention is the exact path: give --cp-comm-type "
+                           "all_gather or a2a");
+        const int64_t chunk = c->seq_length / (2 * (int64_t)cp), tile = c->kv_channels == 64 ? 128 : 64;
+        if (c->cp_comm_type == MT_CP_P2P && chunk % tile)
+            return mt_fail(err, MT_ERR_CONFIG, "--cp-comm-type p2p: each of the 2 x CP = %d chunks of --seq-length %d has "
+                           "%lld rows, not a multiple of the ring kernels' %lld-row tiles (head dim %d)", 2 * cp,
+                           c->seq_length, (long long)chunk, (long long)tile, c->kv_channels);
         if (c->cp_comm_type == MT_CP_ALL_GATHER && mt_flash_attention(c))
             return mt_fail(err, MT_ERR_CONFIG, "--cp-comm-type all_gather runs on the exact attention path (fp32, fp16, "
                            "bf16 head dims other than 64 and 128); with bf16 flash attention (head dim %d) give "
@@ -5807,9 +5816,13 @@ static int64_t mt__size_add(int64_t a, int64_t b) {
     return a < 0 || b < 0 || mt_add_overflows_i64(a, b, &r) ? MT__SIZE_MAX : r;
 }
 
-MT_DEF int64_t cp_ring_scratch_bytes(int64_t B, int64_t Hkv, int64_t C, int64_t d) {
-    const int64_t block = mt__size_mul(mt__size_mul(B, Hkv), mt__size_mul(C, d));
-    return mt__size_add(mt__size_mul(4 * 2, block), mt__size_mul(2 * 4, block));
+static int64_t mt__size_align256(int64_t n) { return n > MT__SIZE_MAX - 255 ? MT__SIZE_MAX : (int64_t)mt__align256((size_t)n); }
+MT_DEF int64_t mt_cp_ring_scratch_bytes(int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t d) {
+    const int64_t kv = mt__size_mul(2, mt__size_mul(mt__size_mul(B, Hkv), mt__size_mul(T, d))); /* one block's K, V */
+    const int64_t acc = mt__size_mul(mt__size_mul(B, H), mt__size_mul(T, d));
+    return mt__size_add(mt__size_add(mt__size_mul(2, mt__size_align256(mt__size_mul(kv, 2))),
+                                     mt__size_align256(mt__size_mul(acc, 4))),
+                        mt__size_mul(2, mt__size_align256(mt__size_mul(kv, 4))));
 }
 
 MT_DEF int64_t mt_cp_scratch_bytes(const mt_config* c) {
@@ -5823,7 +5836,7 @@ MT_DEF int64_t mt_cp_scratch_bytes(const mt_config* c) {
         case MT_CP_A2A:
             return mt__size_mul(e, mt__size_add(mt__size_mul3(3, BTl, (heads + 2 * groups) * d),
                                                 mt__size_mul3(2, BTl, heads * d)));
-        default: return cp_ring_scratch_bytes(B, groups, S / (2 * cp), d);
+        default: return mt_cp_ring_scratch_bytes(B, heads, groups, S / cp, d);
     }
 }
 
@@ -5946,7 +5959,7 @@ MT_DEF void mt_activation_layout_compute(const mt_config* c, int layers, int hea
         const int64_t bytes = per_layer[r] > 0 ? mt__size_mul(per_layer[r], out->kept_layers[r]) : once[r];
         out->bytes[r] = (size_t)bytes;
         out->offset[r] = (size_t)mt__size_add(r >= MT_ACT_RESIDUAL ? (int64_t)out->scratch_bytes : 0, off);
-        off = mt__size_add(off, bytes > MT__SIZE_MAX - 255 ? MT__SIZE_MAX : (int64_t)mt__align256((size_t)bytes));
+        off = mt__size_add(off, mt__size_align256(bytes));
     }
     out->saved_bytes = (size_t)off;
     out->total = (size_t)mt__size_add((int64_t)out->scratch_bytes, mt__size_mul(out->num_slots, off));
@@ -5991,7 +6004,7 @@ MT_DEF void mt_fp8_arena_layout_compute(const mt_config* c, int fp8_layers, mt_f
     int64_t off = 0;
     for (int r = 0; r < MT_FP8A_REGIONS; r++) {
         out->offset[r] = (size_t)off;
-        off = mt__size_add(off, bytes[r] > MT__SIZE_MAX - 255 ? MT__SIZE_MAX : (int64_t)mt__align256((size_t)bytes[r]));
+        off = mt__size_add(off, mt__size_align256(bytes[r]));
     }
     out->total = (size_t)off;
 }

@@ -140,7 +140,7 @@ static test_result test_cp_flags(void) {
         {{"--context-parallel-size", "0"}, 2, 1, "--context-parallel-size"},
         {{"--context-parallel-size", "2", "--cp-comm-type", "all_gather"}, 4, 3, "--context-parallel-size"},
         {{"--context-parallel-size", "3", "--cp-comm-type", "all_gather"}, 4, 3, "--seq-length"}, /* 32 % 6 */
-        {{"--context-parallel-size", "2"}, 2, 2, "--cp-comm-type p2p"},                           /* no ring yet */
+        {{"--context-parallel-size", "2"}, 2, 2, "--cp-comm-type p2p"}, /* the ring needs flash; this is exact */
         {{"--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--bf16", "--kv-channels", "64"}, 7, 2,
          "--cp-comm-type all_gather"}, /* bf16 flash attention */
         {{"--context-parallel-size", "8", "--cp-comm-type", "a2a"}, 4, 8, "--cp-comm-type a2a"}, /* 4 heads */
@@ -161,8 +161,9 @@ static test_result test_cp_flags(void) {
 }
 
 /* The configuration's refusals (mt_config_check_supported, which mt_trainer_create and --plan ask):
- * MoE, FP8, p2p, all_gather with flash, a2a with heads or groups not divisible; accepted: all_gather
- * exact (fp32, bf16 head dim 32), a2a with flash, TP with SP, PP. */
+ * MoE, FP8, p2p on the exact path or with chunks of partial tiles, all_gather with flash, a2a with heads or
+ * groups not divisible; accepted: p2p on bf16 flash with whole-tile chunks, all_gather exact (fp32, bf16 head
+ * dim 32), a2a with flash, TP with SP, PP. */
 static test_result test_cp_refusals(void) {
     mt_error err;
     mt_config c;
@@ -179,6 +180,18 @@ static test_result test_cp_refusals(void) {
     c.cp_comm_type = MT_CP_ALL_GATHER;
     EXPECT(mt_config_finalize(&c, &err) == MT_ERR_CONFIG && strstr(err.message, "all_gather"), "%s", err.message);
     c.cp_comm_type = MT_CP_A2A;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    /* p2p: the ring on bf16 flash, each of the 2 CP chunks whole 128-row tiles at head dim 64 (64 at 128) */
+    c = small_test_config();
+    c.world_size = 2, c.context_parallel_size = 2, c.precision = MT_BF16, c.kv_channels = 64, c.seq_length = 512;
+    c.max_position_embeddings = 512, c.cp_comm_type = MT_CP_P2P;
+    EXPECT_OK(mt_config_finalize(&c, &err), &err);
+    c = small_test_config();
+    c.world_size = 2, c.context_parallel_size = 2, c.precision = MT_BF16, c.kv_channels = 64, c.seq_length = 256;
+    c.max_position_embeddings = 256, c.cp_comm_type = MT_CP_P2P; /* chunks of 64 rows */
+    EXPECT(mt_config_finalize(&c, &err) == MT_ERR_CONFIG && strstr(err.message, "p2p") && strstr(err.message, "128"),
+           "p2p with 64-row chunks at head dim 64: %s", err.message);
+    c.kv_channels = 128; /* 64-row tiles: accepted */
     EXPECT_OK(mt_config_finalize(&c, &err), &err);
     c = small_test_config(); /* head dim 16: the exact path */
     c.world_size = 2, c.context_parallel_size = 2, c.precision = MT_BF16, c.cp_comm_type = MT_CP_ALL_GATHER;
@@ -235,8 +248,11 @@ static test_result test_cp_plan(void) {
     /* the position index comes with CP (the rows' positions are not their row numbers) */
     EXPECT((int64_t)Lg.bytes[MT_ACT_EMBED_INDEX] == (3 * BT + 2 + S + 1 + BT) * 4, "embedding index %zu",
            Lg.bytes[MT_ACT_EMBED_INDEX]);
-    /* the ring's placeholder count: two bf16 blocks of K and V and fp32 dK/dV */
-    EXPECT(cp_ring_scratch_bytes(2, 4, 8, 16) == 4 * 2 * 4 * 8 * 16 * 2 + 2 * 2 * 4 * 8 * 16 * 4, "ring bytes");
+    /* the ring's scratch: two bf16 K/V blocks, the fp32 accumulator of the rank's heads, two fp32 dK/dV sums
+     * (B 2, H 8, Hkv 4, T 32, d 16: every piece a multiple of 256 bytes already), and a piece rounded up */
+    EXPECT(mt_cp_ring_scratch_bytes(2, 8, 4, 32, 16) == 2 * (2 * 2 * 4 * 32 * 16 * 2) + 2 * 8 * 32 * 16 * 4 +
+                                                         2 * (2 * 2 * 4 * 32 * 16 * 4), "ring bytes");
+    EXPECT(mt_cp_ring_scratch_bytes(1, 1, 1, 1, 1) == 5 * 256, "ring bytes rounded to 256 per piece");
     mt_memory_plan p1, p2;
     mt_plan_options o;
     mt_plan_options_defaults(&o);
@@ -571,11 +587,11 @@ static double cp_worst_tensor(const mt_config* c, const float* a, const float* b
     return worst;
 }
 
-/* CP = 2 (twice) against CP = 1 (DP = 2) on the same global batches. */
-static test_result cp_matches_cp1(test_flavour flavour, mt_precision precision, mt_cp_comm_type kind, int distributed) {
+/* CP = 2 (twice) against CP = 1 (DP = 2) on the same global batches, the model base. */
+static test_result cp_matches_cp1_model(mt_config base, test_flavour flavour, mt_precision precision,
+                                        mt_cp_comm_type kind, int distributed) {
     REQUIRE_MPI_GPUS();
     if (mpi_world() != 2) SKIP("the context-parallel comparisons run on two ranks (mpirun -np 2)");
-    const mt_config base = cp_model(flavour, precision);
     cp_run_result one = {}, two = {}, again = {};
     test_result res = cp_run(base, 1, MT_CP_P2P, distributed, NULL, NULL, 0, CP_STEPS, &one);
     if (tp_agree(res) == TEST_PASS) res = cp_run(base, 2, kind, distributed, NULL, NULL, 0, CP_STEPS, &two);
@@ -600,7 +616,8 @@ static test_result cp_matches_cp1(test_flavour flavour, mt_precision precision, 
         const double worst_w = cp_worst_tensor(&c, two.params, one.params, &worst_tensor);
         printf("    %s %s %s%s: over %d steps loss rel %.2e, grad norm rel %.2e, weights rel %.2e (tensor %d); "
                "losses %.5f -> %.5f\n", flavour == TEST_GPT2 ? "GPT-2" : "Llama", fp32 ? "fp32" : "bf16",
-               kind == MT_CP_A2A ? "a2a" : "all_gather", distributed ? " (distributed optimizer)" : "", CP_STEPS,
+               kind == MT_CP_A2A ? "a2a" : kind == MT_CP_P2P ? "p2p" : "all_gather",
+               distributed ? " (distributed optimizer)" : "", CP_STEPS,
                worst_loss, worst_norm, worst_w, worst_tensor, one.loss[0], one.loss[CP_STEPS - 1]);
         EXPECT(worst_loss <= tol_loss, "CP=2 losses off CP=1's by %.2e (tol %.0e)", worst_loss, tol_loss);
         EXPECT(worst_norm <= tol_norm, "CP=2 gradient norms off CP=1's by %.2e (tol %.0e)", worst_norm, tol_norm);
@@ -613,6 +630,22 @@ static test_result cp_matches_cp1(test_flavour flavour, mt_precision precision, 
     return res;
 }
 
+static test_result cp_matches_cp1(test_flavour flavour, mt_precision precision, mt_cp_comm_type kind, int distributed) {
+    return cp_matches_cp1_model(cp_model(flavour, precision), flavour, precision, kind, distributed);
+}
+/* p2p: the ring (section 9.5) on the bf16 flash kernels, whose CP chunks must be whole tiles (128 rows at
+ * head dim 64): sequence 512 (four chunks of 128), GPT-2's heads 64 wide too (2 of them), documents and
+ * dropout as the others; bf16's bounds (the ring merges partial results in fp32 and rounds once, where one
+ * GPU's kernel rounds once too: a few bf16 roundings apart at most, well inside 1e-3 on the losses). */
+static test_result cp_matches_cp1_p2p(test_flavour flavour, int distributed) {
+    mt_config c = cp_model(flavour, MT_BF16);
+    if (flavour == TEST_GPT2) test_config_attention(&c, 2, 2, 64, 0);
+    c.seq_length = 512;
+    c.max_position_embeddings = 512;
+    return cp_matches_cp1_model(c, flavour, MT_BF16, MT_CP_P2P, distributed);
+}
+static test_result test_cp_gpt2_bf16_p2p(void) { return cp_matches_cp1_p2p(TEST_GPT2, 0); }
+static test_result test_cp_llama_bf16_p2p_dist(void) { return cp_matches_cp1_p2p(TEST_LLAMA, 1); }
 static test_result test_cp_gpt2_fp32_all_gather(void) { return cp_matches_cp1(TEST_GPT2, MT_FP32, MT_CP_ALL_GATHER, 0); }
 static test_result test_cp_gpt2_fp32_all_gather_dist(void) {
     return cp_matches_cp1(TEST_GPT2, MT_FP32, MT_CP_ALL_GATHER, 1);
@@ -666,6 +699,8 @@ static const test_case context_parallel_multigpu_tests[] = {
     {"cp2_matches_cp1_llama_fp32_a2a_distributed_optimizer", test_cp_llama_fp32_a2a_dist},
     {"cp2_matches_cp1_gpt2_bf16_all_gather_distributed_optimizer", test_cp_gpt2_bf16_all_gather},
     {"cp2_matches_cp1_llama_bf16_a2a_flash_distributed_optimizer", test_cp_llama_bf16_a2a_flash},
+    {"cp2_matches_cp1_gpt2_bf16_p2p_ring", test_cp_gpt2_bf16_p2p},
+    {"cp2_matches_cp1_llama_bf16_p2p_ring_distributed_optimizer", test_cp_llama_bf16_p2p_dist},
     {"cp2_save_load_at_cp1", test_cp_save_cp2_load_cp1},
 };
 

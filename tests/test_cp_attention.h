@@ -262,13 +262,13 @@ static cpa_views cpa_local_views(const cpa_full* f, const cpa_local* l) {
 
 /* The ring simulated on one GPU: every virtual rank's steps in the ring's order (step i: rank r works on
  * rank (r - i)'s K/V block; the dK/dV sums of block j are added rank j, j+1, ... as they travel), the same
- * block calls as cp_ring_attention_forward / _backward make. scratch: cp_ring_scratch_bytes per rank. */
+ * block calls as cp_ring_attention_forward / _backward make. scratch: mt_cp_ring_scratch_bytes per rank. */
 static int cpa_simulate(const cpa_full* f, cpa_local* L, void** scratch) {
     const int B = f->c.B, H = f->c.H, Hkv = f->c.Hkv, T = f->T, d = f->c.d, P = f->c.cp;
     const mt_dropout drop = cpa_dropout(f->c.p_drop, H);
     const size_t kv_elems = (size_t)B * Hkv * T * d;
     int ok = 1;
-    cp_scratch s[8];
+    cp_ring_scratch s[8];
     for (int r = 0; r < P; r++) {
         s[r] = cp_scratch_layout(scratch[r], B, H, Hkv, T, d);
         const cpa_views v = cpa_local_views(f, &L[r]);
@@ -469,7 +469,7 @@ static int cpa_simulated_case(const cpa_full* f, cpa_host* out) {
     void* scratch[8] = {0};
     cpa_host h[2][8];
     memset(L, 0, sizeof(L)), memset(h, 0, sizeof(h));
-    const size_t bytes = cp_ring_scratch_bytes(f->c.B, f->c.H, f->c.Hkv, f->T, f->c.d);
+    const size_t bytes = (size_t)mt_cp_ring_scratch_bytes(f->c.B, f->c.H, f->c.Hkv, f->T, f->c.d);
     int ok = P <= 8;
     for (int run = 0; run < 2 && ok; run++) {
         for (int r = 0; r < P && ok; r++) {
@@ -674,7 +674,7 @@ static int cpa_ring_case(const cpa_case* c, cpa_group* g, uint64_t seed) {
     cudaStream_t st = NULL;
     const int r = g->ring.rank;
     int ok = cpa_full_make(c, seed, &f) && cpa_simulated_case(&f, sim);
-    const size_t bytes = ok ? cp_ring_scratch_bytes(c->B, c->H, c->Hkv, f.T, c->d) : 0;
+    const size_t bytes = ok ? (size_t)mt_cp_ring_scratch_bytes(c->B, c->H, c->Hkv, f.T, c->d) : 0;
     ok = ok && cpa_local_make(&f, r, &L);
     if (!ok) goto done;
     CPA_CUDA(cudaMalloc(&scratch, bytes));
@@ -731,7 +731,7 @@ static int cpa_timing(cpa_group* g) {
     cudaStream_t st = NULL;
     cudaEvent_t e0 = NULL, e1 = NULL;
     uint16_t* h = NULL;
-    const size_t bytes = cp_ring_scratch_bytes(B, H, Hkv, T, d);
+    const size_t bytes = (size_t)mt_cp_ring_scratch_bytes(B, H, Hkv, T, d);
     double ms[2] = {0, 0};
     int ok = 1;
     CPA_CUDA(cudaMalloc(&qkv, (size_t)S * W * 2));
