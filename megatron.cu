@@ -9154,7 +9154,10 @@ static void adamw_step(mt_trainer* t, float lr, float lr_decoupled, float grad_s
 /*    same layout reads each rank's own files, checked word by word                               */
 /*    (mt_checkpoint_header_check_rank) and for its exact size; at another layout each rank cuts  */
 /*    its part from the saved files (load_other_layout, megatron.h mt_ckpt_read_part). Ranks      */
-/*    share the file system; one job saves into a checkpoint directory at a time.                 */
+/*    share the file system; one job saves into a checkpoint directory at a time. With expert     */
+/*    parallelism each EP rank's experts are in its own mp_rank_<tp>_<ep>/ (the first DP rank     */
+/*    holding them writes the model file; every DP rank its optimizer shard there), and a load    */
+/*    at another EP size is a load at another layout.                                             */
 /*    defines: mt_trainer_save, mt_trainer_save_async / mt_trainer_save_wait, mt_trainer_load,    */
 /*    mt_trainer_load_weights.                                                                    */
 /* ============================================================================================== */

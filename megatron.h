@@ -1638,7 +1638,7 @@ MT_DEF mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no
 
 /* A checkpoint read at any layout: its layout from the first model file's header (mp_rank_00 or
  * mp_rank_00_000), each file's header and exact size checked when first read, and any rank's part
- * of a model at another layout (TP, PP with virtual stages, DP with or without the distributed
+ * of a model at another layout (TP, PP with virtual stages, EP, DP with or without the distributed
  * optimizer) cut from the saved files tensor by tensor: the loader of megatron.cu (a --load at
  * another layout) and prepro/checkpoint_tool.h use it. The distributed optimizer's buckets depend on
  * --overlap-grad-reduce and --ddp-bucket-size: the header records the saving run's
@@ -1670,9 +1670,11 @@ MT_DEF mt_status mt_ckpt_read_floats(int fd, const char* path, int64_t at, float
 /* One array (MT_CKPT_*) of the part of the model that rank target->rank of the layout `target` (a
  * finalized config: TP, PP, VP, its rank) holds, in its mt_buffer_layout's canonical order (its
  * canonical_size elements into out), read slice by slice from checkpoint ck: for each of its
- * (tensor, layer) pieces, the rows its TP shard holds from each saved TP shard that has them, from
+ * (tensor, layer) pieces, the rows its TP shard holds from each saved TP shard that has them (of an
+ * expert tensor, the experts its EP rank holds from each saved EP rank's files that have them), from
  * the pipeline stage that saved the layer (the word embeddings from the first stage), and for the
- * Adam moments of a distributed-optimizer checkpoint from the DP shards that own them. At most one
+ * Adam moments of a distributed-optimizer checkpoint from the DP shards that own them (of an expert
+ * bucket, the expert-data-parallel shards of the DP ranks holding those experts). At most one
  * saved (tensor, layer) slice is held at a time. The target's model must be the checkpoint's but for
  * the vocabulary padding: rows the target pads beyond the saved ones are 0, saved rows beyond the
  * target's padding are dropped (as checkpoint_tool's reshard re-pads). */
