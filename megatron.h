@@ -1463,7 +1463,9 @@ MT_DEF void mt_config_from_checkpoint_header(mt_config* cfg, const int64_t* head
  * int (the growth tracker >= 0; hysteresis counts down past 0, as Megatron's) and the loss scale
  * finite and > 0; the FP8 words in range; the manifest mark 0 or 1; the MoE words consistent (an MoE
  * model of at most MT_MAX_MOE_PATTERN layers, its tensors' sizes overflow-checked, the expert bias word
- * 0 or 1 and only with experts). cfg (if not NULL) gets the model
+ * 0 or 1 and only with experts), the expert-parallel words (a size of 0 or one > 1 that divides the experts
+ * and the optimizer's sharding, a rank below it, every file's DP rank one of its EP rank's). cfg (if not
+ * NULL) gets the model
  * (mt_config_defaults, then mt_config_from_checkpoint_header). path names the file in messages. */
 MT_DEF mt_status mt_checkpoint_header_check(const int64_t* header, const char* path, mt_config* cfg, mt_error* err);
 /* The exact size in bytes of a checkpoint file with this (checked) header: the model file
@@ -6485,10 +6487,12 @@ MT_DEF mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, 
     else if (h[MT_CK_PP] > 1 ? h[MT_CK_VP] < 1 || h[MT_CK_STAGE_NUMEL] < 1 || h[MT_CK_STAGE_NUMEL] > h[MT_CK_NUM_PARAMS]
                              : h[MT_CK_VP] != 0 || h[MT_CK_STAGE_NUMEL] != 0)
         bad = "the pipeline stage words (virtual stages, parameter count) do not fit the pipeline-parallel size";
-    else if (h[MT_CK_EP] == 1 || (h[MT_CK_EP] > 1 && (h[MT_CK_NUM_EXPERTS] == 0 || h[MT_CK_NUM_EXPERTS] % h[MT_CK_EP] || h[MT_CK_SHARDED_DP] % h[MT_CK_EP])) ||
-             h[MT_CK_EP_RANK] >= (h[MT_CK_EP] > 1 ? h[MT_CK_EP] : 1))
+    else if (h[MT_CK_EP] == 1 || h[MT_CK_EP_RANK] >= (h[MT_CK_EP] > 1 ? h[MT_CK_EP] : 1) ||
+             (h[MT_CK_EP] > 1 && (h[MT_CK_NUM_EXPERTS] == 0 || h[MT_CK_NUM_EXPERTS] % h[MT_CK_EP] ||
+                                  h[MT_CK_SHARDED_DP] % h[MT_CK_EP])))
         bad = "the expert-parallel words (size, rank) do not fit the experts or the optimizer's sharding";
-    else if (h[MT_CK_DP_RANK] >= (h[MT_CK_SHARDED_DP] > h[MT_CK_EP] ? h[MT_CK_SHARDED_DP] : h[MT_CK_EP] > 1 ? h[MT_CK_EP] : 1))
+    else if (h[MT_CK_DP_RANK] >= (h[MT_CK_SHARDED_DP] > h[MT_CK_EP] ? h[MT_CK_SHARDED_DP]
+                                  : h[MT_CK_EP] > 1 ? h[MT_CK_EP] : 1))
         bad = "the data-parallel rank is not below the optimizer's sharding";
     else if (h[MT_CK_EP] > 1 && h[MT_CK_DP_RANK] % h[MT_CK_EP] != h[MT_CK_EP_RANK])
         bad = "the data-parallel rank is not one of the expert-parallel rank's (DP rank % EP = EP rank)";
@@ -7323,9 +7327,9 @@ MT_DEF mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, m
                      (long long)iteration);
     if (st == MT_OK && (h[MT_CK_TP_RANK] != 0 || h[MT_CK_PP_RANK] != 0 || h[MT_CK_DP_RANK] != 0))
         st = mt_fail(err, MT_ERR_FORMAT, "%s is not the file of rank 0", path);
-    if (st == MT_OK && (h[MT_CK_TP] > 4096 || h[MT_CK_PP] > 4096 || h[MT_CK_SHARDED_DP] > 65536))
-        st = mt_fail(err, MT_ERR_FORMAT, "%s: a layout of %lld x %lld x %lld ranks is beyond this reader", path,
-                     (long long)h[MT_CK_TP], (long long)h[MT_CK_PP], (long long)h[MT_CK_SHARDED_DP]);
+    if (st == MT_OK && (h[MT_CK_TP] > 4096 || h[MT_CK_PP] > 4096 || h[MT_CK_SHARDED_DP] > 65536 || h[MT_CK_EP] > 4096))
+        st = mt_fail(err, MT_ERR_FORMAT, "%s: a layout of %lld x %lld x %lld ranks (EP %lld) is beyond this reader", path,
+                     (long long)h[MT_CK_TP], (long long)h[MT_CK_PP], (long long)h[MT_CK_SHARDED_DP], (long long)h[MT_CK_EP]);
     if (st != MT_OK) return st;
     ck->tp = (int)h[MT_CK_TP];
     ck->pp = (int)h[MT_CK_PP];

@@ -176,9 +176,12 @@ static int info(const mt_ckpt* ck) {
                 mt_ep_outer(p, ck->ep, e, &outer, &outer0);
                 const int ep_cut = p->ep_split && ck->ep > 1;
                 printf("    %-16s", rank_dir + 1);
-                if (ep_cut) /* the experts: the outer dimension, after the layers' */
-                    printf(" experts [%lld, %lld] (dimension %d)", (long long)outer0, (long long)(outer0 + outer - 1),
-                           is_layered(i));
+                if (ep_cut) { /* the experts: the outer dimension, after the layers' (2 entries per expert with SwiGLU) */
+                    const int64_t per = p->split_outer / c->num_experts;
+                    printf(" experts [%lld, %lld], dimension %d [%lld, %lld]", (long long)(outer0 / per),
+                           (long long)((outer0 + outer) / per - 1), is_layered(i), (long long)outer0,
+                           (long long)(outer0 + outer - 1));
+                }
                 if (p->tp_split && ck->tp > 1)
                     printf("%s [%lld, %lld] of dimension %d", ep_cut ? "," : "", (long long)row0,
                            (long long)(row0 + rows - 1), split_dim);

@@ -2114,10 +2114,40 @@ static test_result test_reshard_expert_parallel(void) {
     EXPECT_OK(mt_ckpt_verify(&c2, NULL, &err), &err);
     EXPECT_OK(mt_ckpt_read_expert_bias(&c2, 1, got_bias, &err), &err);
     EXPECT(!memcmp(got_bias, bias, sizeof(bias)), "the expert bias differs after EP 1 -> EP 2");
-    char path[600];
-    struct stat sb;
-    snprintf(path, sizeof(path), "%s/iter_0000009/mp_rank_00_001/model_optim_rng.bin", ep2);
-    EXPECT(stat(path, &sb) == 0, "no %s", path);
+    /* the files as the trainer lays them out without the distributed optimizer (ckt_write), byte for byte */
+    char path[600], syn[400];
+    snprintf(syn, sizeof(syn), "%s/synthetic", root);
+    EXPECT_OK(ckt_write(syn, 9, &L2, a, &err), &err);
+    for (int e = 0; e < 2; e++) {
+        char p2[800];
+        size_t na = 0, nb = 0;
+        snprintf(path, sizeof(path), "%s/iter_0000009/mp_rank_00_%03d/model_optim_rng.bin", ep2, e);
+        snprintf(p2, sizeof(p2), "%s/iter_0000009/mp_rank_00_%03d/model_optim_rng.bin", syn, e);
+        char* x = test_read_file(path, &na);
+        char* y = test_read_file(p2, &nb);
+        const int same = x && y && na == nb && !memcmp(x, y, na);
+        free(x);
+        free(y);
+        EXPECT(same, "%s differs from the trainer's layout (%zu vs %zu bytes)", path, na, nb);
+    }
+    /* the tool as a user runs it: reshard --target-ep, info's layout and each file's experts */
+    if (access("prepro/checkpoint_tool", X_OK) == 0) {
+        char cmd[1400], text[16384];
+        snprintf(cmd, sizeof(cmd), "prepro/checkpoint_tool reshard %s %s/cli --target-tp 1 --target-pp 1 --target-ep 4 "
+                 ">/dev/null 2>&1 && prepro/checkpoint_tool info %s/cli 2>&1", src, root, root);
+        int code = test_command_output(cmd, text, sizeof(text));
+        EXPECT(code == 0 && strstr(text, "layout: TP 1, PP 1, VP 1, EP 4;") &&
+                   strstr(text, "mp_rank_00_003/model_optim_rng.bin") && strstr(text, "experts [3, 3], dimension 1 [6, 7]"),
+               "reshard --target-ep 4, info: exit %d:\n%s", code, text);
+        ckt_layout L4cli = ckt_moe_layout(1, 0, 4, 0, bias);
+        snprintf(path, sizeof(path), "%s/cli", root);
+        EXPECT(ckt_read_equal(path, &L4cli, a, n, &err), "checkpoint_tool reshard --target-ep 4: arrays differ");
+        snprintf(cmd, sizeof(cmd), "prepro/checkpoint_tool reshard %s %s/bad --target-tp 1 --target-pp 1 --target-ep 3",
+                 src, root);
+        code = ckt_run_tool(cmd, text, sizeof(text));
+        EXPECT(ckt_one_line("reshard --target-ep 3", code, 1, text, "checkpoint_tool", "error", "experts do not divide"),
+               "see above");
+    }
     snprintf(ep4, sizeof(ep4), "%s/tp2ep4", root);
     EXPECT_OK(mt_ckpt_reshard_ep(&ck, NULL, ep4, 2, 1, 1, 4, 128, NULL, &err), &err);
     ckt_layout L4 = ckt_moe_layout(2, 0, 4, 0, bias);
