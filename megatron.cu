@@ -10766,7 +10766,10 @@ static void adamw_step(mt_trainer* t, float lr, float lr_decoupled, float grad_s
 /*    same layout reads each rank's own files, checked word by word                               */
 /*    (mt_checkpoint_header_check_rank) and for its exact size; at another layout each rank cuts  */
 /*    its part from the saved files (load_other_layout, megatron.h mt_ckpt_read_part). Ranks      */
-/*    share the file system; one job saves into a checkpoint directory at a time.                 */
+/*    share the file system; one job saves into a checkpoint directory at a time. With expert     */
+/*    parallelism each EP rank's experts are in its own mp_rank_<tp>_<ep>/ (the first DP rank     */
+/*    holding them writes the model file; every DP rank its optimizer shard there), and a load    */
+/*    at another EP size is a load at another layout.                                             */
 /*    defines: mt_trainer_save, mt_trainer_save_async / mt_trainer_save_wait, mt_trainer_load,    */
 /*    mt_trainer_load_weights.                                                                    */
 /* ============================================================================================== */
@@ -10926,6 +10929,7 @@ static mt_ckpt_rank checkpoint_rank(const mt_trainer* t) {
     r.shard_numel = t->opt.shard_numel;
     r.ddp.overlap_grad_reduce = t->cfg.overlap_grad_reduce;
     r.ddp.ddp_bucket_size = t->cfg.ddp_bucket_size;
+    r.ep = t->groups.ep_size; /* its EP rank: dp_rank % ep */
     return r;
 }
 
@@ -11283,7 +11287,6 @@ mt_status mt_trainer_reserve_async_save(mt_trainer* t, mt_error* err) {
 static mt_status begin_save(mt_trainer* t, const char* dir, int64_t iteration, int64_t consumed_samples, int async,
                             mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
-    if (t->groups.ep_size > 1) return mt_fail(err, MT_ERR_CONFIG, MT_EP_CHECKPOINT_REFUSAL, "save");
     mt_status st = finish_save(t, 1, NULL, err); /* a save still in flight completes first */
     if (st != MT_OK) return st;
     if (!t->ckpt.async_save) {
@@ -11299,22 +11302,23 @@ static mt_status begin_save(mt_trainer* t, const char* dir, int64_t iteration, i
     a->iteration = iteration;
     wait_for_all_parameters(t);
 
-    /* 1. rank 0 makes the temporary directory, one mp_rank_<tp>[_<pp>] per model-parallel rank */
+    /* 1. rank 0 makes the temporary directory, one mp_rank_<tp>[_<pp>][_<ep>] per model-parallel rank */
     if (leader) {
         if (mt_make_directories(dir) != 0)
             st = mt_fail(err, MT_ERR_IO, "cannot create checkpoint directory %s: %s", dir, strerror(errno));
         mt_checkpoint_tidy(dir);
         if (st == MT_OK && mkdir(a->tmp_dir, 0755) != 0)
             st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", a->tmp_dir, strerror(errno));
-        for (int r = 0; r < t->groups.tp.size * t->groups.pp_size && st == MT_OK; r++) {
-            mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), a->tmp_dir, t->groups.pp_size, r % t->groups.tp.size,
-                             r / t->groups.tp.size);
+        const int tp = t->groups.tp.size, pp = t->groups.pp_size, ep = t->groups.ep_size;
+        for (int r = 0; r < tp * pp * ep && st == MT_OK; r++) {
+            mt_ckpt_rank_dir_ep(rank_dir, sizeof(rank_dir), a->tmp_dir, pp, ep, r % tp, r / tp % pp, r / (tp * pp));
             if (mkdir(rank_dir, 0755) != 0) st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", rank_dir, strerror(errno));
         }
     }
     if (!all_ranks_ok(t, st == MT_OK)) return other_rank_failed(st, err, "saving", a->final_dir);
 
-    /* 2. every rank stages its files (mt_ckpt_rank_files: the shard file, the model file on DP rank 0) */
+    /* 2. every rank stages its files (mt_ckpt_rank_files: the shard file, the model file on DP rank 0, with
+     *    EP > 1 on the first DP rank of each EP rank's experts) */
     int64_t header[MT_CK_HEADER_WORDS];
     fill_header(t, header, iteration, consumed_samples);
     const mt_ckpt_rank rank = checkpoint_rank(t);
@@ -11432,7 +11436,6 @@ static mt_status load_other_layout(mt_trainer* t, const mt_ckpt* ck, int load_op
 static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iteration, int load_optim,
                                  int64_t* iteration_out, int64_t* consumed_out, mt_error* err) {
     if (t->error.status != MT_OK) return mt_gpu_error_return(&t->error, err);
-    if (t->groups.ep_size > 1) return mt_fail(err, MT_ERR_CONFIG, MT_EP_CHECKPOINT_REFUSAL, "load");
     char path[4400], iter_dir[4200], rank_dir[4300];
     /* rank 0 picks the iteration and applies the integrity rule (megatron.h mt_checkpoint_select: a
      * tracked one that is refused gives way to the newest older one that verifies; what it has to say
@@ -11463,11 +11466,13 @@ static mt_status load_checkpoint(mt_trainer* t, const char* dir, int64_t iterati
         other_layout = ck.tp != t->groups.tp.size || ck.pp != t->groups.pp_size ||
                        (ck.pp > 1 && ck.vp != t->buffer.stage.num_chunks) ||
                        ck.header[MT_CK_VOCAB] != t->cfg.padded_vocab_size ||
-                       (ck.sharded_dp > 0 && (!t->opt.sharded || ck.sharded_dp != t->groups.dp_size));
+                       (ck.sharded_dp > 0 && (!t->opt.sharded || ck.sharded_dp != t->groups.dp_size)) ||
+                       ck.ep != t->groups.ep_size;
     if (st == MT_OK && other_layout) st = load_other_layout(t, &ck, load_optim, host, h, err);
     if (st == MT_OK && !other_layout) {
         /* the model file: master weights (then m and v unless sharded), through the gradient buffer */
-        mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, t->groups.pp_size, t->groups.tp.rank, t->groups.pp_rank);
+        mt_ckpt_rank_dir_ep(rank_dir, sizeof(rank_dir), iter_dir, t->groups.pp_size, t->groups.ep_size, t->groups.tp.rank,
+                            t->groups.pp_rank, t->groups.ep_rank);
         mt_ckpt_file_path(path, sizeof(path), rank_dir, -1);
         FILE* f = open_checkpoint_file(path, err);
         st = read_header(t, f, path, iteration, 0, h, err);

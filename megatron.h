@@ -761,10 +761,6 @@ MT_DEF int64_t mt_moe_max_rows(const mt_config* cfg, int64_t tokens);
  * dispatch, which the memory plan reserves: a dropless run may send all of a group's rows to one rank
  * (a capacity factor bounds it). mt_moe_max_rows at EP = 1. */
 MT_DEF int64_t mt_moe_expert_rows(const mt_config* cfg, int64_t tokens);
-/* Checkpoints of an expert-parallel run (experts sharded by EP, Megatron's mp_rank_TT_EEE files) are not
- * built yet: the trainer's save and load refuse with this line (%s: "save" or "load"). */
-#define MT_EP_CHECKPOINT_REFUSAL "checkpoints with expert parallelism (--expert-model-parallel-size > 1) are not built " \
-                                 "yet: cannot %s; train without --save/--load or at EP = 1"
 /* The trainer's MoE state (megatron.cu; the memory plan's workspace counts it), for L MoE layers of E
  * experts: four allocations, each rounded up to 256 bytes: the expert bias [L, E] fp32, a step's tokens
  * per expert [L, E], the global aux loss's running sums [L, E] and the running average [E], the logged
@@ -1419,7 +1415,14 @@ MT_DEF void mt_adamw_cpu_parallel(mt_thread_pool* pool, const mt_adamw_step* h, 
  * parallelism every TP rank t writes mp_rank_<t>/ (two digits, Megatron's naming) holding its shard
  * in mt_param_layout_shard's order; with pipeline parallelism mp_rank_<t>_<p>/ (three digits for the
  * pipeline rank) holds that shard's tensors of pipeline rank p's stage, laid out as
- * mt_pp_stage_copy lays them out. MT_CK_NUM_PARAMS is always the full model's count. A model file
+ * mt_pp_stage_copy lays them out. With expert parallelism (EP > 1, Megatron's naming) every EP rank e has
+ * mp_rank_<tp>_<e, three digits>/ (mp_rank_<tp>_<pp>_<e> with pipeline stages): its model file holds shard
+ * tp + TP x e (mt_param_layout_shard: the expert tensors' E / EP experts of rank e, every other tensor whole),
+ * written by DP rank e (the first of the DP ranks holding those experts); the distributed optimizer's shard
+ * file of DP rank d is in EP rank d % EP's directory and holds d's part of each bucket of that rank's buffer:
+ * of a dense bucket its DP shard, of an expert bucket its expert-data-parallel shard d / EP (mt_bucket_shard).
+ * A file's DP rank word is its writer's, so DP_RANK % EP = EP_RANK in every file.
+ * MT_CK_NUM_PARAMS is always the full model's count. A model file
  * ends with the FP8 delayed-scaling state when the run had one (MT_CK_FP8_*): state of one layout,
  * not carried to another; then, with --moe-router-enable-expert-bias (MT_CK_MOE_EXPERT_BIAS), the
  * routers' expert bias [MoE layers, experts] fp32, whole in every model file (model state without
@@ -1474,6 +1477,10 @@ enum {
     /* --moe-router-enable-expert-bias (0 in older files and without it): 1: every model file ends with the
      * routers' expert bias [MOE_LAYERS, NUM_EXPERTS] fp32 (mt_checkpoint_expert_bias_numel) */
     MT_CK_MOE_EXPERT_BIAS,
+    /* expert parallelism (0 in both words at EP = 1, and in every older file): the expert-parallel size, and
+     * the EP rank whose experts the file holds (mp_rank_<tp>_<ep>/: its E / EP experts of every expert tensor,
+     * mt_param_layout_shard's order for shard tp + TP x ep; every other tensor whole, as at EP = 1) */
+    MT_CK_EP, MT_CK_EP_RANK,
     MT_CK_HEADER_WORDS = 64
 };
 /* Which layers are MoE, as one number for the checkpoint header: 0 for a dense model; N in [1, layers]
@@ -1500,7 +1507,9 @@ MT_DEF void mt_config_from_checkpoint_header(mt_config* cfg, const int64_t* head
  * int (the growth tracker >= 0; hysteresis counts down past 0, as Megatron's) and the loss scale
  * finite and > 0; the FP8 words in range; the manifest mark 0 or 1; the MoE words consistent (an MoE
  * model of at most MT_MAX_MOE_PATTERN layers, its tensors' sizes overflow-checked, the expert bias word
- * 0 or 1 and only with experts). cfg (if not NULL) gets the model
+ * 0 or 1 and only with experts), the expert-parallel words (a size of 0 or one > 1 that divides the experts
+ * and the optimizer's sharding, a rank below it, every file's DP rank one of its EP rank's). cfg (if not
+ * NULL) gets the model
  * (mt_config_defaults, then mt_config_from_checkpoint_header). path names the file in messages. */
 MT_DEF mt_status mt_checkpoint_header_check(const int64_t* header, const char* path, mt_config* cfg, mt_error* err);
 /* The exact size in bytes of a checkpoint file with this (checked) header: the model file
@@ -1535,15 +1544,21 @@ typedef struct {
     int sharded;                   /* the distributed optimizer shards master, m and v over the dp ranks */
     int64_t shard_numel;           /* one array of its shard file */
     mt_ckpt_ddp ddp;               /* the buckets that cut the shards */
+    int ep;                        /* the expert-parallel size (0 or 1: none); its EP rank is dp_rank % ep */
 } mt_ckpt_rank;
-/* <iter_dir>/mp_rank_<tp>[_<pp>] (the _<pp> part when the layout has pp > 1 stages) */
+/* <iter_dir>/mp_rank_<tp>[_<pp>][_<ep>] (the _<pp> part when the layout has pp > 1 stages, the _<ep> part,
+ * three digits, when it has ep > 1 expert-parallel ranks: Megatron's names) */
+MT_DEF void mt_ckpt_rank_dir_ep(char* buf, size_t cap, const char* iter_dir, int pp, int ep, int tp_rank, int pp_rank,
+                                int ep_rank);
+/* The same at EP = 1: <iter_dir>/mp_rank_<tp>[_<pp>] */
 MT_DEF void mt_ckpt_rank_dir(char* buf, size_t cap, const char* iter_dir, int pp, int tp_rank, int pp_rank);
 /* A file of a rank's directory: <rank_dir>/model_optim_rng.bin (dp_shard < 0), else DP rank dp_shard's
  * shard file <rank_dir>/distrib_optim_dp<dp_shard, three digits>.bin. */
 MT_DEF void mt_ckpt_file_path(char* buf, size_t cap, const char* rank_dir, int dp_shard);
 /* The files rank r writes, in this order: its shard file (sharded), then the model file on DP rank 0
- * (the DP replicas of a TP x PP rank hold the same model file); paths relative to the iteration
- * directory. Returns how many (0 to 2). */
+ * (the DP replicas of a TP x PP rank hold the same model file; with EP > 1 on DP ranks 0 .. EP-1, one per
+ * EP rank, the first DP rank holding its experts), in its EP rank's directory; paths relative to the
+ * iteration directory. Returns how many (0 to 2). */
 typedef struct {
     char path[96];
     int shard; /* 1: the shard file (master, m, v of the DP shard), 0: the model file */
@@ -1551,7 +1566,7 @@ typedef struct {
 MT_DEF int mt_ckpt_rank_files(const mt_ckpt_rank* r, mt_ckpt_file files[2]);
 /* The rank words of a header that mt_checkpoint_header_init filled: r's TP, PP and DP ranks, the
  * stage's words (VP, parameter count) when pp > 1, the sharding's (DP size, shard size, buckets) when
- * sharded, else 0. */
+ * sharded, else 0, the expert-parallel size and rank when ep > 1, else 0. */
 MT_DEF void mt_checkpoint_header_set_rank(int64_t* header, const mt_ckpt_rank* r);
 /* Every header word that describes the model (shape, flavour) and its layout must be cfg's (one line
  * names the first that differs); with any_layout the parallel layout (TP, PP) and the vocabulary's
@@ -1669,7 +1684,7 @@ MT_DEF mt_status mt_checkpoint_select(const char* dir, int64_t iteration, int no
 
 /* A checkpoint read at any layout: its layout from the first model file's header (mp_rank_00 or
  * mp_rank_00_000), each file's header and exact size checked when first read, and any rank's part
- * of a model at another layout (TP, PP with virtual stages, DP with or without the distributed
+ * of a model at another layout (TP, PP with virtual stages, EP, DP with or without the distributed
  * optimizer) cut from the saved files tensor by tensor: the loader of megatron.cu (a --load at
  * another layout) and prepro/checkpoint_tool.h use it. The distributed optimizer's buckets depend on
  * --overlap-grad-reduce and --ddp-bucket-size: the header records the saving run's
@@ -1681,13 +1696,15 @@ typedef struct {
     int64_t header[MT_CK_HEADER_WORDS]; /* the first model file's (mp_rank_00[_000]) */
     mt_config cfg;                      /* the model, at the files' TP, PP and VP */
     int tp, pp, vp, sharded_dp;         /* sharded_dp: 0, or the distributed optimizer's DP size */
+    int ep;                             /* the expert-parallel size (1: none) */
 } mt_ckpt;
 enum { MT_CKPT_MASTER = 0, MT_CKPT_M, MT_CKPT_V, MT_CKPT_ARRAYS }; /* the three fp32 arrays of a checkpoint */
 /* The buckets of ck's distributed-optimizer shards: the header's record, else `fallback` (NULL: one bucket). */
 MT_DEF mt_ckpt_ddp mt_ckpt_saved_ddp(const mt_ckpt* ck, const mt_ckpt_ddp* fallback);
 /* The model of header h at a layout, as rank (tp_rank, DP 0, pp_rank) of it sees it: dp > 0 with the
- * distributed optimizer's buckets (ddp). The layer split is checked (an even one: the header does not
- * record --decoder-first/last-pipeline-num-layers). */
+ * distributed optimizer's buckets (ddp); the expert-parallel size is h's (MT_CK_EP; without the
+ * distributed optimizer the data-parallel size is then EP, the least it can be). The layer split is
+ * checked (an even one: the header does not record --decoder-first/last-pipeline-num-layers). */
 MT_DEF mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, int vp, int dp, const mt_ckpt_ddp* ddp,
                                 int tp_rank, int pp_rank, mt_error* err);
 /* Elements of one array of a model file of c's rank: its stage's tensors of its TP shard. */
@@ -1699,9 +1716,11 @@ MT_DEF mt_status mt_ckpt_read_floats(int fd, const char* path, int64_t at, float
 /* One array (MT_CKPT_*) of the part of the model that rank target->rank of the layout `target` (a
  * finalized config: TP, PP, VP, its rank) holds, in its mt_buffer_layout's canonical order (its
  * canonical_size elements into out), read slice by slice from checkpoint ck: for each of its
- * (tensor, layer) pieces, the rows its TP shard holds from each saved TP shard that has them, from
+ * (tensor, layer) pieces, the rows its TP shard holds from each saved TP shard that has them (of an
+ * expert tensor, the experts its EP rank holds from each saved EP rank's files that have them), from
  * the pipeline stage that saved the layer (the word embeddings from the first stage), and for the
- * Adam moments of a distributed-optimizer checkpoint from the DP shards that own them. At most one
+ * Adam moments of a distributed-optimizer checkpoint from the DP shards that own them (of an expert
+ * bucket, the expert-data-parallel shards of the DP ranks holding those experts). At most one
  * saved (tensor, layer) slice is held at a time. The target's model must be the checkpoint's but for
  * the vocabulary padding: rows the target pads beyond the saved ones are 0, saved rows beyond the
  * target's padding are dropped (as checkpoint_tool's reshard re-pads). */
@@ -6514,6 +6533,7 @@ MT_DEF void mt_checkpoint_header_init(int64_t* h, const mt_config* c) {
         h[MT_CK_MOE_LAYERS] = mt_moe_num_layers(c);
         h[MT_CK_MOE_LAYER_FREQ] = mt_moe_layers_word(c);
         h[MT_CK_MOE_EXPERT_BIAS] = c->moe_router_enable_expert_bias != 0;
+        h[MT_CK_EP] = c->expert_model_parallel_size > 1 ? c->expert_model_parallel_size : 0;
     }
 }
 
@@ -6630,6 +6650,8 @@ MT_DEF mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, 
         {MT_CK_MOE_SHARED_GATE, 0, 1, "--moe-shared-expert-gate"},
         {MT_CK_MOE_LAYERS, 0, INT32_MAX, "the MoE layers"},
         {MT_CK_MOE_EXPERT_BIAS, 0, 1, "--moe-router-enable-expert-bias"},
+        {MT_CK_EP, 0, 65536, "--expert-model-parallel-size"},
+        {MT_CK_EP_RANK, 0, 65535, "the expert-parallel rank"},
     };
     for (size_t i = 0; i < sizeof(range) / sizeof(range[0]); i++)
         if (h[range[i].word] < range[i].lo || h[range[i].word] > range[i].hi)
@@ -6649,8 +6671,15 @@ MT_DEF mt_status mt_checkpoint_header_check(const int64_t* h, const char* path, 
     else if (h[MT_CK_PP] > 1 ? h[MT_CK_VP] < 1 || h[MT_CK_STAGE_NUMEL] < 1 || h[MT_CK_STAGE_NUMEL] > h[MT_CK_NUM_PARAMS]
                              : h[MT_CK_VP] != 0 || h[MT_CK_STAGE_NUMEL] != 0)
         bad = "the pipeline stage words (virtual stages, parameter count) do not fit the pipeline-parallel size";
-    else if (h[MT_CK_DP_RANK] >= (h[MT_CK_SHARDED_DP] > 0 ? h[MT_CK_SHARDED_DP] : 1))
+    else if (h[MT_CK_EP] == 1 || h[MT_CK_EP_RANK] >= (h[MT_CK_EP] > 1 ? h[MT_CK_EP] : 1) ||
+             (h[MT_CK_EP] > 1 && (h[MT_CK_NUM_EXPERTS] == 0 || h[MT_CK_NUM_EXPERTS] % h[MT_CK_EP] ||
+                                  h[MT_CK_SHARDED_DP] % h[MT_CK_EP])))
+        bad = "the expert-parallel words (size, rank) do not fit the experts or the optimizer's sharding";
+    else if (h[MT_CK_DP_RANK] >= (h[MT_CK_SHARDED_DP] > h[MT_CK_EP] ? h[MT_CK_SHARDED_DP]
+                                  : h[MT_CK_EP] > 1 ? h[MT_CK_EP] : 1))
         bad = "the data-parallel rank is not below the optimizer's sharding";
+    else if (h[MT_CK_EP] > 1 && h[MT_CK_DP_RANK] % h[MT_CK_EP] != h[MT_CK_EP_RANK])
+        bad = "the data-parallel rank is not one of the expert-parallel rank's (DP rank % EP = EP rank)";
     else if (h[MT_CK_FP8_TENSORS] > 0 && (h[MT_CK_FP8_HISTORY_LEN] < 1 || h[MT_CK_FP8_HISTORY_POS] >= h[MT_CK_FP8_HISTORY_LEN]))
         bad = "the FP8 amax history (length and slot) is inconsistent";
     else if (h[MT_CK_NUM_EXPERTS] == 0 ? h[MT_CK_MOE_FFN] || h[MT_CK_MOE_SHARED] || h[MT_CK_MOE_SHARED_GATE] ||
@@ -6730,6 +6759,7 @@ static int64_t mt__ckpt_model_floats(const int64_t* h, int64_t* bias_at, int64_t
     mt_config_defaults(&c);
     mt_config_from_checkpoint_header(&c, h);
     c.tensor_model_parallel_size = (int)h[MT_CK_TP];
+    c.expert_model_parallel_size = h[MT_CK_EP] > 1 ? (int)h[MT_CK_EP] : 1;
     const int64_t arrays = h[MT_CK_SHARDED_DP] > 0 ? 1 : 3;
     /* the file's tensors: its pipeline stage's (this TP rank's shard of them), or its TP shard */
     const int64_t numel = h[MT_CK_PP] > 1 ? h[MT_CK_STAGE_NUMEL] : mt_param_layout_shard(&c, NULL);
@@ -6771,9 +6801,16 @@ static int mt__ckpt_read_at(int fd, int64_t offset, void* out, size_t bytes) {
     return 0;
 }
 
+MT_DEF void mt_ckpt_rank_dir_ep(char* buf, size_t cap, const char* iter_dir, int pp, int ep, int tp_rank, int pp_rank,
+                                int ep_rank) {
+    char tail[16] = "";
+    if (ep > 1) snprintf(tail, sizeof(tail), "_%03d", ep_rank);
+    if (pp > 1) snprintf(buf, cap, "%s/mp_rank_%02d_%03d%s", iter_dir, tp_rank, pp_rank, tail);
+    else snprintf(buf, cap, "%s/mp_rank_%02d%s", iter_dir, tp_rank, tail);
+}
+
 MT_DEF void mt_ckpt_rank_dir(char* buf, size_t cap, const char* iter_dir, int pp, int tp_rank, int pp_rank) {
-    if (pp > 1) snprintf(buf, cap, "%s/mp_rank_%02d_%03d", iter_dir, tp_rank, pp_rank);
-    else snprintf(buf, cap, "%s/mp_rank_%02d", iter_dir, tp_rank);
+    mt_ckpt_rank_dir_ep(buf, cap, iter_dir, pp, 1, tp_rank, pp_rank, 0);
 }
 
 MT_DEF void mt_ckpt_file_path(char* buf, size_t cap, const char* rank_dir, int dp_shard) {
@@ -6782,14 +6819,15 @@ MT_DEF void mt_ckpt_file_path(char* buf, size_t cap, const char* rank_dir, int d
 }
 
 MT_DEF int mt_ckpt_rank_files(const mt_ckpt_rank* r, mt_ckpt_file files[2]) {
-    char rank_dir[40];
-    mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), "", r->pp, r->tp_rank, r->pp_rank); /* "/mp_rank_..." */
+    char rank_dir[48];
+    const int ep = r->ep > 1 ? r->ep : 1;
+    mt_ckpt_rank_dir_ep(rank_dir, sizeof(rank_dir), "", r->pp, ep, r->tp_rank, r->pp_rank, r->dp_rank % ep); /* "/mp_rank_..." */
     int n = 0;
     if (r->sharded) {
         mt_ckpt_file_path(files[n].path, sizeof(files[n].path), rank_dir + 1, r->dp_rank);
         files[n++].shard = 1;
     }
-    if (r->dp_rank == 0) {
+    if (r->dp_rank < ep) { /* the first DP rank of those holding its experts (DP rank 0 at EP = 1) */
         mt_ckpt_file_path(files[n].path, sizeof(files[n].path), rank_dir + 1, -1);
         files[n++].shard = 0;
     }
@@ -6806,6 +6844,8 @@ MT_DEF void mt_checkpoint_header_set_rank(int64_t* h, const mt_ckpt_rank* r) {
     h[MT_CK_PP_RANK] = r->pp_rank;
     h[MT_CK_VP] = r->pp > 1 ? r->vp : 0;
     h[MT_CK_STAGE_NUMEL] = r->pp > 1 ? r->stage_numel : 0;
+    h[MT_CK_EP] = r->ep > 1 ? r->ep : 0;
+    h[MT_CK_EP_RANK] = r->ep > 1 ? r->dp_rank % r->ep : 0;
 }
 
 /* The file's size on disk (bytes; -1: unknown) against the size its header describes. */
@@ -6851,10 +6891,12 @@ MT_DEF mt_status mt_checkpoint_header_check_model(const int64_t* h, const char* 
         {MT_CK_MOE_LAYERS, "MoE layers (--moe-layer-freq)"},
         {MT_CK_MOE_LAYER_FREQ, "the MoE layers (--moe-layer-freq, or a pattern's hash)"},
         {MT_CK_MOE_EXPERT_BIAS, "--moe-router-enable-expert-bias (the routers' expert bias)"},
+        {MT_CK_EP, "--expert-model-parallel-size (0: 1)"},
     };
     for (size_t i = 0; i < sizeof(shape) / sizeof(shape[0]); i++) {
         const int w = shape[i].word;
-        if (any_layout && (w == MT_CK_TP || w == MT_CK_PP || (w == MT_CK_VOCAB && h[MT_CK_TRUE_VOCAB] > 0))) continue;
+        if (any_layout && (w == MT_CK_TP || w == MT_CK_PP || w == MT_CK_EP || (w == MT_CK_VOCAB && h[MT_CK_TRUE_VOCAB] > 0)))
+            continue;
         if (h[w] != expected[w])
             return mt_fail(err, MT_ERR_CONFIG, "checkpoint %s has %s %lld but this run has %lld", path, shape[i].what,
                            (long long)h[w], (long long)expected[w]);
@@ -6880,6 +6922,9 @@ MT_DEF mt_status mt_checkpoint_header_check_rank(const int64_t* h, int64_t file_
     if (h[MT_CK_TP_RANK] != r->tp_rank)
         return mt_fail(err, MT_ERR_FORMAT, "%s holds tensor-parallel rank %lld's shard, not rank %d's", path,
                        (long long)h[MT_CK_TP_RANK], r->tp_rank);
+    if (h[MT_CK_EP_RANK] != (r->ep > 1 ? r->dp_rank % r->ep : 0))
+        return mt_fail(err, MT_ERR_FORMAT, "%s holds expert-parallel rank %lld's experts, not rank %d's", path,
+                       (long long)h[MT_CK_EP_RANK], r->ep > 1 ? r->dp_rank % r->ep : 0);
     const int pp = r->pp > 1;
     if (h[MT_CK_PP_RANK] != r->pp_rank || h[MT_CK_VP] != (pp ? r->vp : 0) ||
         h[MT_CK_STAGE_NUMEL] != (pp ? r->stage_numel : 0))
@@ -6916,12 +6961,13 @@ MT_DEF mt_status mt_ckpt_read_header(const char* path, const int64_t* ref, int s
         /* every word but the rank's own and the stage's size: as the first file's */
         for (int w = 0; w < MT_CK_HEADER_WORDS && st == MT_OK; w++) {
             if (w == MT_CK_TP_RANK || w == MT_CK_PP_RANK || w == MT_CK_DP_RANK || w == MT_CK_STAGE_NUMEL ||
-                w == MT_CK_SHARD_NUMEL || w == MT_CK_FP8_TENSORS || w == MT_CK_FP8_HISTORY_POS)
+                w == MT_CK_SHARD_NUMEL || w == MT_CK_FP8_TENSORS || w == MT_CK_FP8_HISTORY_POS || w == MT_CK_EP_RANK)
                 continue;
             if (h[w] != ref[w])
                 st = mt_fail(err, MT_ERR_FORMAT, "%s: header word %d is %lld, but %lld in the first model file", path, w,
                              (long long)h[w], (long long)ref[w]);
         }
+        /* (the EP rank follows from the DP rank: DP_RANK % EP = EP_RANK, mt_checkpoint_header_check) */
         if (st == MT_OK && (h[MT_CK_TP_RANK] != tp_rank || h[MT_CK_PP_RANK] != pp_rank || h[MT_CK_DP_RANK] != dp_rank))
             st = mt_fail(err, MT_ERR_FORMAT, "%s holds the part of (TP, PP, DP) rank (%lld, %lld, %lld), not (%d, %d, %d)",
                          path, (long long)h[MT_CK_TP_RANK], (long long)h[MT_CK_PP_RANK], (long long)h[MT_CK_DP_RANK],
@@ -7320,7 +7366,8 @@ static void mt__ckpt_first_file(char* path, size_t cap, const char* iter_dir) {
     char rank_dir[4300];
     struct stat sb;
     mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, 1, 0, 0);
-    if (stat(rank_dir, &sb) != 0) mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, 2, 0, 0);
+    if (stat(rank_dir, &sb) != 0) mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, 2, 0, 0); /* PP or EP > 1 */
+    if (stat(rank_dir, &sb) != 0) mt_ckpt_rank_dir_ep(rank_dir, sizeof(rank_dir), iter_dir, 2, 2, 0, 0, 0); /* both */
     mt_ckpt_file_path(path, cap, rank_dir, -1);
 }
 
@@ -7421,7 +7468,8 @@ MT_DEF mt_status mt_ckpt_config(mt_config* c, const int64_t* h, int tp, int pp, 
     c->tensor_model_parallel_size = tp;
     c->pipeline_model_parallel_size = pp;
     c->virtual_pipeline_size = vp > 0 ? vp : 1;
-    c->data_parallel_size = dp > 0 ? dp : 1;
+    c->expert_model_parallel_size = h[MT_CK_EP] > 1 ? (int)h[MT_CK_EP] : 1;
+    c->data_parallel_size = dp > 0 ? dp : c->expert_model_parallel_size;
     c->world_size = tp * pp * c->data_parallel_size;
     c->use_distributed_optimizer = dp > 0;
     if (ddp) {
@@ -7463,14 +7511,15 @@ MT_DEF mt_status mt_ckpt_open(mt_ckpt* ck, const char* dir, int64_t iteration, m
                      (long long)iteration);
     if (st == MT_OK && (h[MT_CK_TP_RANK] != 0 || h[MT_CK_PP_RANK] != 0 || h[MT_CK_DP_RANK] != 0))
         st = mt_fail(err, MT_ERR_FORMAT, "%s is not the file of rank 0", path);
-    if (st == MT_OK && (h[MT_CK_TP] > 4096 || h[MT_CK_PP] > 4096 || h[MT_CK_SHARDED_DP] > 65536))
-        st = mt_fail(err, MT_ERR_FORMAT, "%s: a layout of %lld x %lld x %lld ranks is beyond this reader", path,
-                     (long long)h[MT_CK_TP], (long long)h[MT_CK_PP], (long long)h[MT_CK_SHARDED_DP]);
+    if (st == MT_OK && (h[MT_CK_TP] > 4096 || h[MT_CK_PP] > 4096 || h[MT_CK_SHARDED_DP] > 65536 || h[MT_CK_EP] > 4096))
+        st = mt_fail(err, MT_ERR_FORMAT, "%s: a layout of %lld x %lld x %lld ranks (EP %lld) is beyond this reader", path,
+                     (long long)h[MT_CK_TP], (long long)h[MT_CK_PP], (long long)h[MT_CK_SHARDED_DP], (long long)h[MT_CK_EP]);
     if (st != MT_OK) return st;
     ck->tp = (int)h[MT_CK_TP];
     ck->pp = (int)h[MT_CK_PP];
     ck->vp = h[MT_CK_PP] > 1 ? (int)h[MT_CK_VP] : 1;
     ck->sharded_dp = (int)h[MT_CK_SHARDED_DP];
+    ck->ep = h[MT_CK_EP] > 1 ? (int)h[MT_CK_EP] : 1;
     return mt_ckpt_config(&ck->cfg, h, ck->tp, ck->pp, ck->vp, 0, NULL, 0, 0, err);
 }
 
@@ -7481,15 +7530,15 @@ MT_DEF mt_status mt_ckpt_read_expert_bias(const mt_ckpt* ck, int every_file, flo
                        ck->iter_dir);
     float* other = every_file ? (float*)malloc(sizeof(float) * (size_t)n) : NULL;
     mt_status st = every_file && !other ? mt_fail(err, MT_ERR_OOM, "out of memory reading %s", ck->iter_dir) : MT_OK;
-    /* the first model file's (mp_rank_00[_000]), then with every_file the others' */
-    for (int k = 0; k < (every_file ? ck->tp * ck->pp : 1) && st == MT_OK; k++) {
-        const int t = k / ck->pp, s = k % ck->pp;
+    /* the first model file's (mp_rank_00[_000]), then with every_file the others' (every TP, PP and EP rank's) */
+    for (int k = 0; k < (every_file ? ck->tp * ck->pp * ck->ep : 1) && st == MT_OK; k++) {
+        const int t = k / (ck->pp * ck->ep), s = k / ck->ep % ck->pp, e = k % ck->ep;
         char rank_dir[4300], path[4400];
-        mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, t, s);
+        mt_ckpt_rank_dir_ep(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, ck->ep, t, s, e);
         mt_ckpt_file_path(path, sizeof(path), rank_dir, -1);
         int64_t h[MT_CK_HEADER_WORDS];
         int fd = -1;
-        st = mt_ckpt_read_header(path, ck->header, 0, t, s, 0, h, &fd, err);
+        st = mt_ckpt_read_header(path, ck->header, 0, t, s, e, h, &fd, err); /* written by DP rank e */
         if (st == MT_OK) st = mt_checkpoint_read_expert_bias(fd, path, h, k ? other : out, err);
         if (fd >= 0) close(fd);
         if (st == MT_OK && k && memcmp(other, out, sizeof(float) * (size_t)n) != 0) {
@@ -7527,8 +7576,8 @@ typedef struct {
 typedef struct {
     const mt_ckpt* ck;
     const mt_ckpt_ddp* ddp;
-    mt__ckpt_source* src;     /* [tp * pp] */
-    unsigned char* checked;   /* [tp * pp * (1 + D)]: header checked */
+    mt__ckpt_source* src;     /* [tp * pp] (every EP rank's buffer has the same layout) */
+    unsigned char* checked;   /* [tp * pp * (EP + D)]: header checked (the EP model files, then the D shard files) */
     int fd;                   /* -1: none open */
     char open_path[4400];
 } mt__ckpt_reader;
@@ -7556,12 +7605,13 @@ static mt_status mt__ckpt_source_get(mt__ckpt_reader* r, int t, int s, mt__ckpt_
     return MT_OK;
 }
 
-/* Opens (the model file when dp_rank < 0, else distrib_optim_dp<dp_rank>) of saved rank (t, s),
- * checking its header the first time. */
-static mt_status mt__ckpt_reader_open(mt__ckpt_reader* r, int t, int s, int dp_rank, mt_error* err) {
+/* Opens (the model file of EP rank e when dp_rank < 0, else distrib_optim_dp<dp_rank>, in EP rank
+ * dp_rank % EP's directory) of saved rank (t, s), checking its header the first time. */
+static mt_status mt__ckpt_reader_open(mt__ckpt_reader* r, int t, int s, int e, int dp_rank, mt_error* err) {
     const mt_ckpt* ck = r->ck;
     char rank_dir[4300], path[4400];
-    mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, t, s);
+    if (dp_rank >= 0) e = dp_rank % ck->ep;
+    mt_ckpt_rank_dir_ep(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, ck->ep, t, s, e);
     mt_ckpt_file_path(path, sizeof(path), rank_dir, dp_rank);
     if (r->fd >= 0 && !strcmp(path, r->open_path)) return MT_OK;
     if (r->fd >= 0) close(r->fd);
@@ -7569,10 +7619,10 @@ static mt_status mt__ckpt_reader_open(mt__ckpt_reader* r, int t, int s, int dp_r
     mt__ckpt_source* q;
     mt_status st = mt__ckpt_source_get(r, t, s, &q, err);
     if (st != MT_OK) return st;
-    unsigned char* checked = &r->checked[(t * ck->pp + s) * (1 + ck->sharded_dp) + 1 + dp_rank];
+    unsigned char* checked = &r->checked[(t * ck->pp + s) * (ck->ep + ck->sharded_dp) + (dp_rank < 0 ? e : ck->ep + dp_rank)];
     int64_t h[MT_CK_HEADER_WORDS];
-    if (!*checked) {
-        st = mt_ckpt_read_header(path, ck->header, dp_rank >= 0, t, s, dp_rank < 0 ? 0 : dp_rank, h, &r->fd, err);
+    if (!*checked) { /* a model file's writer: DP rank e */
+        st = mt_ckpt_read_header(path, ck->header, dp_rank >= 0, t, s, dp_rank < 0 ? e : dp_rank, h, &r->fd, err);
         if (st == MT_OK && dp_rank < 0 && ck->pp > 1 && h[MT_CK_STAGE_NUMEL] != q->numel)
             st = mt_fail(err, MT_ERR_FORMAT, "%s holds %lld parameters, but an even split gives pipeline rank %d "
                          "%lld (uneven splits, --decoder-first/last-pipeline-num-layers, are not supported here)",
@@ -7594,8 +7644,8 @@ static mt_status mt__ckpt_reader_open(mt__ckpt_reader* r, int t, int s, int dp_r
     return MT_OK;
 }
 
-/* Saved rank (t, s)'s (tensor, layer) of one array, whole (q->B's numel of it) into buf. */
-static mt_status mt__ckpt_read_piece(mt__ckpt_reader* r, int t, int s, int tensor, int layer, int array, float* buf,
+/* Saved rank (t, s)'s (tensor, layer) of one array as EP rank e holds it, whole (q->B's numel of it) into buf. */
+static mt_status mt__ckpt_read_piece(mt__ckpt_reader* r, int t, int s, int e, int tensor, int layer, int array, float* buf,
                                      mt_error* err) {
     const mt_ckpt* ck = r->ck;
     mt__ckpt_source* q;
@@ -7604,19 +7654,21 @@ static mt_status mt__ckpt_read_piece(mt__ckpt_reader* r, int t, int s, int tenso
     const int k = q->B.index[tensor * q->B.num_layers + layer];
     const mt_buffer_param* p = &q->B.params[k];
     if (ck->sharded_dp == 0 || array == MT_CKPT_MASTER) { /* the model file: master, m, v of the stage */
-        st = mt__ckpt_reader_open(r, t, s, -1, err);
+        st = mt__ckpt_reader_open(r, t, s, e, -1, err);
         return st == MT_OK ? mt_ckpt_read_floats(r->fd, r->open_path, array * q->numel + p->canonical, buf, p->numel, err)
                            : st;
     }
-    /* the DP shards of the bucket that owns the parameter's buffer range */
+    /* the DP shards of the bucket that owns the parameter's buffer range (of an expert bucket, the shards of
+     * the DP ranks holding EP rank e's experts: d % EP = e) */
     const mt_buffer_bucket* bucket = &q->B.buckets[p->bucket];
     for (int d = 0; d < ck->sharded_dp && st == MT_OK; d++) {
+        if (bucket->ep > 1 && d % ck->ep != e) continue;
         int64_t begin, end;
         mt_bucket_shard(bucket, ck->sharded_dp, d, &begin, &end);
         const int64_t lo = begin > p->offset ? begin : p->offset;
         const int64_t hi = end < p->offset + p->numel ? end : p->offset + p->numel;
         if (lo >= hi) continue;
-        st = mt__ckpt_reader_open(r, t, s, d, err);
+        st = mt__ckpt_reader_open(r, t, s, e, d, err);
         if (st == MT_OK)
             st = mt_ckpt_read_floats(r->fd, r->open_path, array * q->shard_numel + q->bucket_prefix[p->bucket] + (lo - begin),
                                      buf + (lo - p->offset), hi - lo, err);
@@ -7634,7 +7686,7 @@ MT_DEF mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, co
     r.ck = ck;
     r.ddp = ddp;
     r.src = (mt__ckpt_source*)calloc((size_t)ck->tp * (size_t)ck->pp, sizeof(mt__ckpt_source));
-    r.checked = (unsigned char*)calloc((size_t)ck->tp * (size_t)ck->pp * (size_t)(1 + D), 1);
+    r.checked = (unsigned char*)calloc((size_t)ck->tp * (size_t)ck->pp * (size_t)(ck->ep + D), 1);
     mt_buffer_layout TB;
     memset(&TB, 0, sizeof(TB));
     mt_status st = r.src && r.checked ? mt_buffer_layout_build(&TB, target, err)
@@ -7645,6 +7697,9 @@ MT_DEF mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, co
     mt_param_layout(target, to);
     const int tp = target->tensor_model_parallel_size > 0 ? target->tensor_model_parallel_size : 1;
     const int tp_rank = target->world_size > 0 ? mt_rank_coordinates(target, target->rank).tp : 0;
+    /* the target's expert-parallel size and rank (its experts: mt_ep_outer) */
+    const int ep = target->num_experts > 0 && target->expert_model_parallel_size > 1 ? target->expert_model_parallel_size : 1;
+    const int ep_rank = target->world_size > 0 && ep > 1 ? mt_rank_coordinates(target, target->rank).ep : 0;
     if (st == MT_OK && ck->cfg.num_layers != target->num_layers)
         st = mt_fail(err, MT_ERR_CONFIG, "%s holds a model of %d layers, this run has %d", ck->iter_dir,
                      ck->cfg.num_layers, target->num_layers);
@@ -7675,31 +7730,43 @@ MT_DEF mt_status mt_ckpt_read_part(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, co
             st = mt_fail(err, MT_ERR_FORMAT, "%s: no pipeline stage holds %s of layer %d", ck->iter_dir, fi->name, p->layer);
             break;
         }
-        int64_t rows_to, row0_to;
+        int64_t rows_to, row0_to, outer_to, outer0_to;
         mt_tp_rows(ti, tp, tp_rank, &rows_to, &row0_to);
+        mt_ep_outer(ti, ep, ep_rank, &outer_to, &outer0_to);
         const int64_t rows_kept = fi->split_rows < ti->split_rows ? fi->split_rows : ti->split_rows;
-        const int64_t outer = ti->split_outer, inner = ti->split_inner;
-        for (int t = 0; t < ck->tp && st == MT_OK; t++) {
-            int64_t rows_from, row0_from;
-            mt_tp_rows(fi, ck->tp, t, &rows_from, &row0_from);
-            int64_t lo = row0_to > row0_from ? row0_to : row0_from;
-            int64_t hi = row0_to + rows_to < row0_from + rows_from ? row0_to + rows_to : row0_from + rows_from;
-            if (hi > rows_kept) hi = rows_kept;
-            if (lo >= hi) continue;
-            const int64_t piece = outer * rows_from * inner;
-            if (piece > buf_cap) {
-                free(buf);
-                buf = (float*)malloc(sizeof(float) * (size_t)piece);
-                buf_cap = buf ? piece : 0;
-                if (!buf) {
-                    st = mt_fail(err, MT_ERR_OOM, "out of memory reading %s (%lld floats)", ck->iter_dir, (long long)piece);
-                    break;
+        const int64_t inner = ti->split_inner;
+        /* each saved EP rank whose experts meet the target's (one, EP rank 0's files, for a tensor not cut
+         * over EP), each saved TP shard whose rows meet the target's */
+        for (int e = 0; e < (fi->ep_split ? ck->ep : 1) && st == MT_OK; e++) {
+            int64_t outer_from, outer0_from;
+            mt_ep_outer(fi, ck->ep, e, &outer_from, &outer0_from);
+            const int64_t olo = outer0_to > outer0_from ? outer0_to : outer0_from;
+            const int64_t ohi = outer0_to + outer_to < outer0_from + outer_from ? outer0_to + outer_to : outer0_from + outer_from;
+            if (olo >= ohi) continue;
+            for (int t = 0; t < ck->tp && st == MT_OK; t++) {
+                int64_t rows_from, row0_from;
+                mt_tp_rows(fi, ck->tp, t, &rows_from, &row0_from);
+                int64_t lo = row0_to > row0_from ? row0_to : row0_from;
+                int64_t hi = row0_to + rows_to < row0_from + rows_from ? row0_to + rows_to : row0_from + rows_from;
+                if (hi > rows_kept) hi = rows_kept;
+                if (lo >= hi) continue;
+                const int64_t piece = outer_from * rows_from * inner;
+                if (piece > buf_cap) {
+                    free(buf);
+                    buf = (float*)malloc(sizeof(float) * (size_t)piece);
+                    buf_cap = buf ? piece : 0;
+                    if (!buf) {
+                        st = mt_fail(err, MT_ERR_OOM, "out of memory reading %s (%lld floats)", ck->iter_dir,
+                                     (long long)piece);
+                        break;
+                    }
                 }
+                st = mt__ckpt_read_piece(&r, t, s, e, p->tensor, p->layer, array, buf, err);
+                for (int64_t o = olo; o < ohi && st == MT_OK; o++)
+                    memcpy(dst + ((o - outer0_to) * rows_to + lo - row0_to) * inner,
+                           buf + ((o - outer0_from) * rows_from + lo - row0_from) * inner,
+                           sizeof(float) * (size_t)((hi - lo) * inner));
             }
-            st = mt__ckpt_read_piece(&r, t, s, p->tensor, p->layer, array, buf, err);
-            for (int64_t o = 0; o < outer && st == MT_OK; o++)
-                memcpy(dst + (o * rows_to + lo - row0_to) * inner, buf + (o * rows_from + lo - row0_from) * inner,
-                       sizeof(float) * (size_t)((hi - lo) * inner));
         }
     }
     free(buf);

@@ -963,8 +963,6 @@ static void create_trainer(run_state* run) {
         if (mt_memory_plan_compute(c, &opts, &p, &plan_err) == MT_OK) print_plan(&p, c);
     }
     if (created != MT_OK) die(1, "%s", err.message);
-    if (c->num_experts > 0 && c->expert_model_parallel_size > 1 && (o->save || o->load)) /* before any step */
-        die(1, MT_EP_CHECKPOINT_REFUSAL, o->save ? "save" : "load");
     if (mt_trainer_on_collective_timeout(run->t, collective_timeout, NULL, &err) != MT_OK) die(1, "%s", err.message);
     print_memory_plan(run->t, c);
     /* --async-save: the pinned staging now, so the first save's stall is only its copy */

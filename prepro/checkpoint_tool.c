@@ -8,7 +8,7 @@
  * take --no-verify to read such a checkpoint anyway, with a warning.
  *
  *   checkpoint_tool info DIR [--iteration N] [--no-verify]
- *       the iteration, the layout (TP, PP, VP, the optimizer sharded over DP or not), the model's
+ *       the iteration, the layout (TP, PP, VP, EP, the optimizer sharded over DP or not), the model's
  *       shape and flavour (its experts and expert bias too) and the training progress from the
  *       header, every file with its size, and
  *       every tensor with its full shape and the slice each file holds (rows of the TP split, layers
@@ -21,7 +21,7 @@
  *       file (finite, the same copy in each). Exit status 0 only when all hold; else one line names
  *       what failed.
  *       (--no-verify does not go with verify.)
- *   checkpoint_tool reshard DIR OUT --target-tp N --target-pp M [--target-vp V] [--iteration N]
+ *   checkpoint_tool reshard DIR OUT --target-tp N --target-pp M [--target-vp V] [--target-ep E] [--iteration N]
  *                   [--make-vocab-size-divisible-by 128] [--overlap-grad-reduce] [--ddp-bucket-size N]
  *                   [--no-verify]
  *       writes OUT/iter_N at the target layout with a non-sharded optimizer, each target rank's
@@ -30,7 +30,9 @@
  *       temporary directory renamed into place). A distributed-optimizer checkpoint's buckets come
  *       from its header; one written before the header recorded them needs the
  *       --overlap-grad-reduce / --ddp-bucket-size of the run that wrote it. The vocabulary is padded for the target TP as
- *       Megatron pads it (new padding rows zero). The routers' expert bias (layout-free) is carried
+ *       Megatron pads it (new padding rows zero). --target-ep E (default 1: every expert in every model
+ *       file, the layout convert_hf --export reads) cuts the experts over E expert-parallel ranks
+ *       (mp_rank_<tp>_<e>/, as the trainer saves at --expert-model-parallel-size E). The routers' expert bias (layout-free) is carried
  *       whole into every model file. FP8 delayed-scaling state is dropped, with a note.
  *       The output is committed with its own manifest (and the header's manifest mark).
  * `--flag=value` is `--flag value` (prepro/args.h). Bad usage: exit 2.
@@ -50,7 +52,8 @@ static void usage(void) {
     fprintf(stderr,
             "usage: checkpoint_tool info DIR [--iteration N] [--no-verify]\n"
             "       checkpoint_tool verify DIR [--iteration N]\n"
-            "       checkpoint_tool reshard DIR OUT --target-tp N --target-pp M [--target-vp V] [--iteration N]\n"
+            "       checkpoint_tool reshard DIR OUT --target-tp N --target-pp M [--target-vp V] [--target-ep E]\n"
+            "                       [--iteration N]\n"
             "                       [--make-vocab-size-divisible-by 128] [--overlap-grad-reduce] [--ddp-bucket-size N]\n"
             "                       [--no-verify]\n"
             "  --no-verify  read a checkpoint whose manifest check fails (or that lost the manifest it was saved\n"
@@ -79,8 +82,12 @@ static int info(const mt_ckpt* ck) {
     memcpy(&eps, &h[MT_CK_NORM_EPS_BITS], sizeof(double));
     static const char* precision[] = {"fp32", "bf16", "fp16"};
     printf("checkpoint %s: iteration %lld\n", ck->iter_dir, (long long)ck->iteration);
-    printf("layout: TP %d, PP %d, VP %d; optimizer %s\n", ck->tp, ck->pp, ck->vp,
+    printf("layout: TP %d, PP %d, VP %d, EP %d; optimizer %s\n", ck->tp, ck->pp, ck->vp, ck->ep,
            ck->sharded_dp > 0 ? "sharded over DP (distributed optimizer)" : "not sharded");
+    if (ck->ep > 1)
+        printf("  expert parallelism: each EP rank's directory holds its %d of %d experts; its shard files are those "
+               "of the DP ranks d with d %% %d = its rank (experts sharded over those %d)\n", c->num_experts / ck->ep,
+               c->num_experts, ck->ep, ck->sharded_dp > 0 ? ck->sharded_dp / ck->ep : 1);
     if (ck->sharded_dp > 0) printf("  distributed optimizer: %d DP shards per model-parallel rank\n", ck->sharded_dp);
     printf("model: %d layers, hidden %d, %d heads, %d query groups, kv channels %d, ffn %d, vocabulary %lld padded "
            "(%lld true), %d positions, %lld parameters\n", c->num_layers, c->hidden_size, c->num_attention_heads,
@@ -117,10 +124,12 @@ static int info(const mt_ckpt* ck) {
                (long long)h[MT_CK_FP8_HISTORY_LEN]);
     printf("files:\n");
     for (int t = 0; t < ck->tp; t++)
-        for (int s = 0; s < ck->pp; s++) {
+        for (int k = 0; k < ck->pp * ck->ep; k++) {
+            const int s = k / ck->ep, e = k % ck->ep;
             char rank_dir[4300], path[4400];
-            mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, t, s);
+            mt_ckpt_rank_dir_ep(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, ck->ep, t, s, e);
             for (int r = -1; r < ck->sharded_dp; r++) {
+                if (r >= 0 && r % ck->ep != e) continue; /* DP rank r's shard is in EP rank r % EP's directory */
                 mt_ckpt_file_path(path, sizeof(path), rank_dir, r);
                 struct stat sb;
                 if (stat(path, &sb) == 0) printf("  %s  %lld bytes\n", path + strlen(ck->iter_dir) + 1, (long long)sb.st_size);
@@ -149,7 +158,8 @@ static int info(const mt_ckpt* ck) {
         const int split_dim = is_layered(i) + (p->split_outer > 1);
         printf("]  %lld elements%s\n", (long long)p->numel, p->tp_split && ck->tp > 1 ? "" : ck->tp > 1 ? ", whole on every TP rank" : "");
         for (int t = 0; t < ck->tp; t++)
-            for (int s = 0; s < ck->pp; s++) {
+            for (int k = 0; k < ck->pp * ck->ep; k++) {
+                const int s = k / ck->ep, e = k % ck->ep;
                 mt_config rc;
                 mt_pp_stage st;
                 if (mt_ckpt_config(&rc, ck->header, ck->tp, ck->pp, ck->vp, 0, NULL, t, s, &err) != MT_OK ||
@@ -160,17 +170,26 @@ static int info(const mt_ckpt* ck) {
                 if (!mt_pp_holds(&st, i, is_layered(i) ? st.first_layer[0] : 0)) continue;
                 if (i == MT_P_WORD_EMBEDDINGS && !st.embedding && c->untie_embeddings_and_output_weights) continue;
                 char rank_dir[4300];
-                mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), "", ck->pp, t, s);
-                int64_t rows, row0;
+                mt_ckpt_rank_dir_ep(rank_dir, sizeof(rank_dir), "", ck->pp, ck->ep, t, s, e);
+                int64_t rows, row0, outer, outer0;
                 mt_tp_rows(p, ck->tp, t, &rows, &row0);
+                mt_ep_outer(p, ck->ep, e, &outer, &outer0);
+                const int ep_cut = p->ep_split && ck->ep > 1;
                 printf("    %-16s", rank_dir + 1);
+                if (ep_cut) { /* the experts: the outer dimension, after the layers' (2 entries per expert with SwiGLU) */
+                    const int64_t per = p->split_outer / c->num_experts;
+                    printf(" experts [%lld, %lld], dimension %d [%lld, %lld]", (long long)(outer0 / per),
+                           (long long)((outer0 + outer) / per - 1), is_layered(i), (long long)outer0,
+                           (long long)(outer0 + outer - 1));
+                }
                 if (p->tp_split && ck->tp > 1)
-                    printf(" [%lld, %lld] of dimension %d", (long long)row0, (long long)(row0 + rows - 1), split_dim);
+                    printf("%s [%lld, %lld] of dimension %d", ep_cut ? "," : "", (long long)row0,
+                           (long long)(row0 + rows - 1), split_dim);
                 if (is_layered(i) && ck->pp > 1) {
                     printf("%s layers ", p->tp_split && ck->tp > 1 ? "," : "");
                     print_layers(&st);
                 }
-                if (!(p->tp_split && ck->tp > 1) && !(is_layered(i) && ck->pp > 1)) printf(" all of it");
+                if (!(p->tp_split && ck->tp > 1) && !(is_layered(i) && ck->pp > 1) && !ep_cut) printf(" all of it");
                 if (i == MT_P_WORD_EMBEDDINGS && !st.embedding) printf(" (the last stage's copy, tied)");
                 printf("\n");
             }
@@ -187,11 +206,11 @@ int main(int argc, char** argv) {
     }
     const char *command = NULL, *positional[2] = {NULL, NULL};
     int num_positional = 0;
-    long long iteration = -1, tp = 0, pp = 0, vp = 1, divisible_by = 128, bucket = 0;
+    long long iteration = -1, tp = 0, pp = 0, vp = 1, ep = 1, divisible_by = 128, bucket = 0;
     int no_verify = 0;
     mt_ckpt_ddp ddp = {0, 0};
     /* usage errors (a bad flag or value, a missing command) exit 2; a checkpoint that fails exits 1 */
-    static const char* const value_flags[] = {"--iteration", "--target-tp", "--target-pp", "--target-vp",
+    static const char* const value_flags[] = {"--iteration", "--target-tp", "--target-pp", "--target-vp", "--target-ep",
                                               "--make-vocab-size-divisible-by", "--ddp-bucket-size"};
     for (int i = 1; i < n; i++) {
         const char* a = args[i];
@@ -207,6 +226,7 @@ int main(int argc, char** argv) {
         else if (!strcmp(a, "--target-tp") && has_value) ok = parse_num(a, args[++i], 1, 4096, &tp);
         else if (!strcmp(a, "--target-pp") && has_value) ok = parse_num(a, args[++i], 1, 4096, &pp);
         else if (!strcmp(a, "--target-vp") && has_value) ok = parse_num(a, args[++i], 1, MT_PP_MAX_CHUNKS, &vp);
+        else if (!strcmp(a, "--target-ep") && has_value) ok = parse_num(a, args[++i], 1, 4096, &ep);
         else if (!strcmp(a, "--make-vocab-size-divisible-by") && has_value) ok = parse_num(a, args[++i], 1, 1 << 20, &divisible_by);
         else if (!strcmp(a, "--ddp-bucket-size") && has_value) ok = parse_num(a, args[++i], 1, INT64_MAX / 16, &bucket);
         else if (!strcmp(a, "--overlap-grad-reduce")) ddp.overlap_grad_reduce = 1;
@@ -261,17 +281,19 @@ int main(int argc, char** argv) {
     } else if (st == MT_OK && !strcmp(command, "verify")) {
         st = mt_ckpt_verify(&ck, &ddp, &err);
         if (st == MT_OK)
-            printf("%s: OK (iteration %lld, TP %d, PP %d, VP %d%s: headers, sizes and checksums)\n", ck.iter_dir,
-                   (long long)ck.iteration, ck.tp, ck.pp, ck.vp, ck.sharded_dp ? ", distributed optimizer" : "");
+            printf("%s: OK (iteration %lld, TP %d, PP %d, VP %d, EP %d%s: headers, sizes and checksums)\n", ck.iter_dir,
+                   (long long)ck.iteration, ck.tp, ck.pp, ck.vp, ck.ep, ck.sharded_dp ? ", distributed optimizer" : "");
     } else if (st == MT_OK) {
         int dropped_fp8 = 0;
-        st = mt_ckpt_reshard(&ck, &ddp, positional[1], (int)tp, (int)pp, (int)vp, (int)divisible_by, &dropped_fp8, &err);
+        st = mt_ckpt_reshard_ep(&ck, &ddp, positional[1], (int)tp, (int)pp, (int)vp, (int)ep, (int)divisible_by,
+                                &dropped_fp8, &err);
         if (st == MT_OK) {
             if (dropped_fp8)
                 printf("note: the FP8 delayed-scaling state (amax histories, scales) belongs to the old layout and was "
                        "dropped; the trainer starts the scales afresh\n");
-            printf("wrote %s/iter_%07lld at TP %lld, PP %lld, VP %lld (from TP %d, PP %d, VP %d%s)\n", positional[1],
-                   (long long)ck.iteration, tp, pp, vp, ck.tp, ck.pp, ck.vp, ck.sharded_dp ? ", distributed optimizer" : "");
+            printf("wrote %s/iter_%07lld at TP %lld, PP %lld, VP %lld, EP %lld (from TP %d, PP %d, VP %d, EP %d%s)\n",
+                   positional[1], (long long)ck.iteration, tp, pp, vp, ep, ck.tp, ck.pp, ck.vp, ck.ep,
+                   ck.sharded_dp ? ", distributed optimizer" : "");
         }
     }
     if (st != MT_OK) {

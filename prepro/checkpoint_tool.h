@@ -25,9 +25,11 @@
 #include <string.h>
 #include <sys/stat.h>
 
-/* One rank's distributed-optimizer shards (DP ranks 0..D-1) back into its stage's canonical m and v. */
-static mt_status mt_ckpt_read_dp_shards(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const char* rank_dir, int tp_rank,
-                                        int pp_rank, float* part_m, float* part_v, mt_error* err) {
+/* One rank's distributed-optimizer shards (DP ranks 0..D-1) back into its stage's canonical m and v: EP rank
+ * ep_rank's (its experts' buckets from the DP ranks d with d % EP = ep_rank, the dense buckets from every DP
+ * rank's file, in EP rank d % EP's directory). */
+static mt_status mt_ckpt_read_dp_shards(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, int tp_rank, int pp_rank, int ep_rank,
+                                        float* part_m, float* part_v, mt_error* err) {
     const int D = ck->sharded_dp;
     const mt_ckpt_ddp saved = mt_ckpt_saved_ddp(ck, ddp);
     mt_config c;
@@ -43,9 +45,10 @@ static mt_status mt_ckpt_read_dp_shards(const mt_ckpt* ck, const mt_ckpt_ddp* dd
     }
     float* buffer = (float*)calloc((size_t)B.size * 2, sizeof(float));
     float* piece = (float*)malloc(sizeof(float) * (size_t)(shard > 0 ? shard : 1));
-    if (!buffer || !piece) st = mt_fail(err, MT_ERR_OOM, "out of memory reading the optimizer shards of %s", rank_dir);
+    if (!buffer || !piece) st = mt_fail(err, MT_ERR_OOM, "out of memory reading the optimizer shards of %s", ck->iter_dir);
     for (int r = 0; r < D && st == MT_OK; r++) {
-        char path[4400];
+        char rank_dir[4300], path[4400];
+        mt_ckpt_rank_dir_ep(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, ck->ep, tp_rank, pp_rank, r % ck->ep);
         mt_ckpt_file_path(path, sizeof(path), rank_dir, r);
         int64_t h[MT_CK_HEADER_WORDS];
         int fd = -1;
@@ -60,7 +63,8 @@ static mt_status mt_ckpt_read_dp_shards(const mt_ckpt* ck, const mt_ckpt_ddp* dd
             for (int b = 0; b < B.num_buckets && st == MT_OK; b++) {
                 int64_t begin, end;
                 mt_bucket_shard(&B.buckets[b], D, r, &begin, &end);
-                memcpy(buffer + (a - 1) * B.size + begin, piece + k, sizeof(float) * (size_t)(end - begin));
+                if (B.buckets[b].ep <= 1 || r % ck->ep == ep_rank) /* another EP rank's experts: not this rank's */
+                    memcpy(buffer + (a - 1) * B.size + begin, piece + k, sizeof(float) * (size_t)(end - begin));
                 k += end - begin;
             }
         }
@@ -87,10 +91,12 @@ static mt_status mt_ckpt_read(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, float* 
     float* shard = arrays ? (float*)malloc(sizeof(float) * (size_t)shard_numel * MT_CKPT_ARRAYS) : NULL;
     float* part = arrays ? (float*)malloc(sizeof(float) * (size_t)shard_numel * MT_CKPT_ARRAYS) : NULL;
     mt_status st = arrays && (!shard || !part) ? mt_fail(err, MT_ERR_OOM, "out of memory reading %s", ck->iter_dir) : MT_OK;
-    for (int t = 0; t < ck->tp && st == MT_OK; t++) {
+    /* model-parallel shard m = t + TP x e (mt_tp_shard_copy's shard_rank): TP rank t of EP rank e */
+    for (int m = 0; m < ck->tp * ck->ep && st == MT_OK; m++) {
+        const int t = m % ck->tp, e = m / ck->tp;
         for (int s = ck->pp - 1; s >= 0 && st == MT_OK; s--) {
             char rank_dir[4300], path[4400];
-            mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, t, s);
+            mt_ckpt_rank_dir_ep(rank_dir, sizeof(rank_dir), ck->iter_dir, ck->pp, ck->ep, t, s, e);
             mt_ckpt_file_path(path, sizeof(path), rank_dir, -1);
             int64_t h[MT_CK_HEADER_WORDS], numel = 0;
             int fd = -1;
@@ -99,7 +105,7 @@ static mt_status mt_ckpt_read(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, float* 
             st = mt_ckpt_config(&rc, ck->header, ck->tp, ck->pp, ck->vp, 0, NULL, t, s, err);
             if (st == MT_OK) st = mt_pp_stage_of(&rc, s, &stage, err);
             if (st == MT_OK) st = mt_ckpt_rank_numel(&rc, &numel, err);
-            if (st == MT_OK) st = mt_ckpt_read_header(path, ck->header, 0, t, s, 0, h, &fd, err);
+            if (st == MT_OK) st = mt_ckpt_read_header(path, ck->header, 0, t, s, e, h, &fd, err); /* DP rank e wrote it */
             if (st == MT_OK && ck->pp > 1 && h[MT_CK_STAGE_NUMEL] != numel)
                 st = mt_fail(err, MT_ERR_FORMAT, "%s holds %lld parameters, but an even split gives pipeline rank %d "
                              "%lld (uneven splits, --decoder-first/last-pipeline-num-layers, are not supported here)",
@@ -109,8 +115,8 @@ static mt_status mt_ckpt_read(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, float* 
                 st = mt_ckpt_read_floats(fd, path, a * numel, part + a * numel, numel, err);
             if (fd >= 0) close(fd);
             if (st == MT_OK && ck->sharded_dp > 0) {
-                if (arrays) st = mt_ckpt_read_dp_shards(ck, ddp, rank_dir, t, s, part + numel, part + 2 * numel, err);
-                for (int r = 0; r < ck->sharded_dp && st == MT_OK && !arrays; r++) {
+                if (arrays) st = mt_ckpt_read_dp_shards(ck, ddp, t, s, e, part + numel, part + 2 * numel, err);
+                for (int r = e; r < ck->sharded_dp && st == MT_OK && !arrays; r += ck->ep) { /* EP rank e's files */
                     mt_ckpt_file_path(path, sizeof(path), rank_dir, r);
                     st = mt_ckpt_read_header(path, ck->header, 1, t, s, r, h, NULL, err);
                 }
@@ -119,7 +125,7 @@ static mt_status mt_ckpt_read(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, float* 
                 mt_pp_stage_copy(&rc, &stage, shard + a * shard_numel, part + a * numel, 0);
         }
         for (int a = 0; a < MT_CKPT_ARRAYS && st == MT_OK && arrays; a++)
-            mt_tp_shard_copy(&c, t, arrays[a], shard + a * shard_numel, 0);
+            mt_tp_shard_copy(&c, m, arrays[a], shard + a * shard_numel, 0);
     }
     free(shard);
     free(part);
@@ -152,13 +158,17 @@ static mt_status mt_ckpt_verify(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, mt_er
  * tp, else the one Megatron gives it at tp (--make-vocab-size-divisible-by x TP, from the true
  * vocabulary when the header knows it; mt_padded_vocab_size_resumed, the trainer's --load rule), and
  * its header words (rank words 0). */
-static mt_status mt_ckpt_target(const int64_t* src, int tp, int pp, int vp, int divisible_by, int64_t* h, mt_config* c,
-                                mt_error* err) {
+static mt_status mt_ckpt_target(const int64_t* src, int tp, int pp, int vp, int ep, int divisible_by, int64_t* h,
+                                mt_config* c, mt_error* err) {
     if (tp < 1 || tp > 4096 || pp < 1 || pp > 4096 || vp < 1 || vp > MT_PP_MAX_CHUNKS || (vp > 1 && pp == 1) ||
-        divisible_by < 1)
-        return mt_fail(err, MT_ERR_ARG, "target layout TP %d, PP %d, VP %d (divisible by %d): TP and PP in [1, 4096], "
-                       "VP in [1, %d] and > 1 only with PP > 1", tp, pp, vp, divisible_by, MT_PP_MAX_CHUNKS);
+        divisible_by < 1 || ep < 1 || ep > 4096)
+        return mt_fail(err, MT_ERR_ARG, "target layout TP %d, PP %d, VP %d, EP %d (divisible by %d): TP, PP and EP in "
+                       "[1, 4096], VP in [1, %d] and > 1 only with PP > 1", tp, pp, vp, ep, divisible_by, MT_PP_MAX_CHUNKS);
+    if (ep > 1 && (src[MT_CK_NUM_EXPERTS] == 0 || src[MT_CK_NUM_EXPERTS] % ep))
+        return mt_fail(err, MT_ERR_ARG, "target EP %d: the model's %lld experts do not divide over it", ep,
+                       (long long)src[MT_CK_NUM_EXPERTS]);
     memcpy(h, src, sizeof(int64_t) * MT_CK_HEADER_WORDS);
+    h[MT_CK_EP] = ep > 1 ? ep : 0;
     if (h[MT_CK_TRUE_VOCAB] > 0)
         h[MT_CK_VOCAB] = mt_padded_vocab_size_resumed(h[MT_CK_TRUE_VOCAB], divisible_by, tp, src[MT_CK_VOCAB]);
     h[MT_CK_TP] = tp;
@@ -170,8 +180,8 @@ static mt_status mt_ckpt_target(const int64_t* src, int tp, int pp, int vp, int 
     h[MT_CK_NUM_PARAMS] = mt_param_layout(c, NULL);
     int64_t numel = 0;
     st = mt_ckpt_rank_numel(c, &numel, err);
-    /* rank 0's words: TP, PP, DP ranks 0; PP stages of VP chunks of numel; one DP rank, unsharded */
-    const mt_ckpt_rank first = {0, 0, 0, pp, vp, numel, 1, 0, 0, {0, 0}};
+    /* rank 0's words: TP, PP, DP ranks 0; PP stages of VP chunks of numel; one DP rank (EP with EP > 1), unsharded */
+    const mt_ckpt_rank first = {0, 0, 0, pp, vp, numel, ep, 0, 0, {0, 0}, ep};
     mt_checkpoint_header_set_rank(h, &first);
     return st == MT_OK ? mt_checkpoint_header_check(h, "the target layout", NULL, err) : st;
 }
@@ -191,6 +201,7 @@ static mt_status mt_ckpt_write(const char* out, const int64_t* th, const mt_ckpt
     char final_dir[4200], rank_dir[4400], path[4500];
     const int64_t iteration = th[MT_CK_ITERATION];
     const int tp = (int)th[MT_CK_TP], pp = (int)th[MT_CK_PP], vp = th[MT_CK_VP] > 0 ? (int)th[MT_CK_VP] : 1;
+    const int ep = th[MT_CK_EP] > 1 ? (int)th[MT_CK_EP] : 1;
     if (mt_make_directories(out) != 0)
         return mt_fail(err, MT_ERR_IO, "cannot create %s: %s", out, strerror(errno));
     snprintf(final_dir, sizeof(final_dir), "%s/iter_%07lld", out, (long long)iteration);
@@ -207,12 +218,17 @@ static mt_status mt_ckpt_write(const char* out, const int64_t* th, const mt_ckpt
     if (bias_numel > 0 && st == MT_OK && !bias) st = mt_fail(err, MT_ERR_OOM, "out of memory writing %s", out);
     if (bias) st = mt_ckpt_read_expert_bias(ck, 0, bias, err);
     for (int t = 0; t < tp && st == MT_OK; t++) {
-        for (int s = 0; s < pp && st == MT_OK; s++) {
+        for (int k = 0; k < pp * ep && st == MT_OK; k++) {
+            const int s = k / ep, e = k % ep; /* pipeline rank s, EP rank e (written as DP rank e) */
             mt_config rc;
             int64_t numel = 0, h[MT_CK_HEADER_WORDS];
             st = mt_ckpt_config(&rc, th, tp, pp, vp, 0, NULL, t, s, err);
+            if (st == MT_OK && ep > 1) {
+                const mt_rank_coords rk = {t, e, s, 0, 0}; /* the reader's target rank: EP rank e's experts */
+                rc.rank = mt_rank_of(&rc, rk);
+            }
             if (st == MT_OK) st = mt_ckpt_rank_numel(&rc, &numel, err);
-            mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), tmp, pp, t, s);
+            mt_ckpt_rank_dir_ep(rank_dir, sizeof(rank_dir), tmp, pp, ep, t, s, e);
             if (st == MT_OK && mkdir(rank_dir, 0755) != 0)
                 st = mt_fail(err, MT_ERR_IO, "cannot create %s: %s", rank_dir, strerror(errno));
             free(part);
@@ -220,7 +236,7 @@ static mt_status mt_ckpt_write(const char* out, const int64_t* th, const mt_ckpt
             if (st == MT_OK && !part) st = mt_fail(err, MT_ERR_OOM, "out of memory writing %s", out);
             if (st != MT_OK) break;
             memcpy(h, th, sizeof(h));
-            const mt_ckpt_rank rank = {t, s, 0, pp, vp, numel, 1, 0, 0, {0, 0}}; /* as `first` in mt_ckpt_target */
+            const mt_ckpt_rank rank = {t, s, e, pp, vp, numel, ep, 0, 0, {0, 0}, ep}; /* as `first` in mt_ckpt_target */
             mt_checkpoint_header_set_rank(h, &rank);
             mt_ckpt_file_path(path, sizeof(path), rank_dir, -1);
             FILE* f = fopen(path, "wb");
@@ -251,17 +267,25 @@ static mt_status mt_ckpt_write(const char* out, const int64_t* th, const mt_ckpt
     return st;
 }
 
-/* Reshards checkpoint ck into `out` at (tp, pp, vp): every target rank's part read slice by slice
+/* Reshards checkpoint ck into `out` at (tp, pp, vp) and expert-parallel size ep (mp_rank_<tp>[_<pp>]_<ep>/ files
+ * each holding its EP rank's experts, as the trainer writes them without the distributed optimizer): every
+ * target rank's part read slice by slice
  * (the vocabulary re-padded when the target's TP asks for another padding: new rows 0), written.
  * *dropped_fp8 (if not NULL): 1 when the source's FP8 scaling state was left behind. */
-static mt_status mt_ckpt_reshard(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const char* out, int tp, int pp, int vp,
-                                 int divisible_by, int* dropped_fp8, mt_error* err) {
+static mt_status mt_ckpt_reshard_ep(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const char* out, int tp, int pp, int vp,
+                                    int ep, int divisible_by, int* dropped_fp8, mt_error* err) {
     int64_t th[MT_CK_HEADER_WORDS];
     mt_config tc;
-    mt_status st = mt_ckpt_target(ck->header, tp, pp, vp, divisible_by, th, &tc, err);
+    mt_status st = mt_ckpt_target(ck->header, tp, pp, vp, ep, divisible_by, th, &tc, err);
     if (st != MT_OK) return st;
     if (dropped_fp8) *dropped_fp8 = ck->header[MT_CK_FP8_TENSORS] > 0;
     return mt_ckpt_write(out, th, ck, ddp, err);
+}
+
+/* The same at EP = 1 (every expert in every model file). */
+static inline mt_status mt_ckpt_reshard(const mt_ckpt* ck, const mt_ckpt_ddp* ddp, const char* out, int tp, int pp, int vp,
+                                 int divisible_by, int* dropped_fp8, mt_error* err) {
+    return mt_ckpt_reshard_ep(ck, ddp, out, tp, pp, vp, 1, divisible_by, dropped_fp8, err);
 }
 
 #endif

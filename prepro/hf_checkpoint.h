@@ -682,6 +682,13 @@ mt_status mt_hf_checkpoint_read(const char* dir, int64_t iteration, int no_verif
     if (s != MT_OK) return s;
     mt_checkpoint_iteration_dir(iter_dir, sizeof(iter_dir), dir, iteration);
     snprintf(path, sizeof(path), "%s/mp_rank_00/model_optim_rng.bin", iter_dir);
+    struct stat first;
+    mt_ckpt layout;
+    mt_error why;
+    if (stat(path, &first) != 0 && mt_ckpt_open(&layout, dir, iteration, &why) == MT_OK) /* PP or EP > 1: no mp_rank_00 */
+        return mt_fail(err, MT_ERR_FORMAT, "%s was saved with tensor/pipeline/expert parallel sizes %d/%d/%d: only 1/1/1 "
+                       "converts (checkpoint_tool reshard --target-tp 1 --target-pp 1 first)", iter_dir, layout.tp,
+                       layout.pp, layout.ep);
     int fd = mt_open_regular_file(path, err);
     if (fd < 0) return MT_ERR_IO;
     FILE* f = fdopen(fd, "rb");
@@ -697,9 +704,10 @@ mt_status mt_hf_checkpoint_read(const char* dir, int64_t iteration, int no_verif
     }
     /* every word checked before any is used: shape, flavour, rope and norm doubles, counters */
     s = mt_checkpoint_header_check(h, path, c, err);
-    if (s == MT_OK && (h[MT_CK_TP] != 1 || h[MT_CK_PP] != 1))
-        s = mt_fail(err, MT_ERR_FORMAT, "%s was saved with tensor/pipeline parallel sizes %lld/%lld: only 1/1 converts",
-                    path, (long long)h[MT_CK_TP], (long long)h[MT_CK_PP]);
+    if (s == MT_OK && (h[MT_CK_TP] != 1 || h[MT_CK_PP] != 1 || h[MT_CK_EP] > 1))
+        s = mt_fail(err, MT_ERR_FORMAT, "%s was saved with tensor/pipeline/expert parallel sizes %lld/%lld/%lld: only "
+                    "1/1/1 converts (checkpoint_tool reshard --target-tp 1 --target-pp 1 first)", path,
+                    (long long)h[MT_CK_TP], (long long)h[MT_CK_PP], h[MT_CK_EP] > 1 ? (long long)h[MT_CK_EP] : 1LL);
     if (s == MT_OK && h[MT_CK_ITERATION] != iteration)
         s = mt_fail(err, MT_ERR_FORMAT, "%s holds iteration %lld, not %lld", path, (long long)h[MT_CK_ITERATION],
                     (long long)iteration);

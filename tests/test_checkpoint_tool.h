@@ -202,6 +202,8 @@ typedef struct {
     int moe;                   /* every layer MoE: 4 experts of width 16, top 2 of sigmoid scores, a gated shared
                                   expert of width 32, and the expert bias at the end of every model file */
     const float* expert_bias;  /* moe: the bias [4 layers, 4 experts] the files hold */
+    int ep;                    /* moe: the experts over this many expert-parallel ranks (0 or 1: none); the
+                                  data-parallel size is then dp (a multiple of ep), or ep without sharding */
 } ckt_layout;
 
 /* The tiny model: 4 layers, hidden 64, 4 heads in 2 query groups, vocabulary 300 (padded to 384 at
@@ -225,10 +227,12 @@ static void ckt_model(mt_config* c, const ckt_layout* L) {
         c->moe_shared_expert_intermediate_size = 32;
         c->moe_shared_expert_gate = 1;
     }
-    test_config_parallel(c, L->tp, L->tp * L->pp * (L->dp > 0 ? L->dp : 1), 0);
+    const int ep = L->moe && L->ep > 1 ? L->ep : 1, dp = L->dp > 0 ? L->dp : ep;
+    test_config_parallel(c, L->tp, L->tp * L->pp * dp, 0);
     c->pipeline_model_parallel_size = L->pp;
     c->virtual_pipeline_size = L->vp;
-    c->data_parallel_size = L->dp > 0 ? L->dp : 1;
+    c->data_parallel_size = dp;
+    c->expert_model_parallel_size = ep;
     test_config_ddp(c, L->dp > 0, L->overlap_grad_reduce, 0, L->ddp_bucket_size);
 }
 
@@ -250,11 +254,13 @@ static mt_status ckt_write(const char* dir, int64_t iteration, const ckt_layout*
     snprintf(iter_dir, sizeof(iter_dir), "%s/iter_%07lld", dir, (long long)iteration);
     if (mt_make_directories(iter_dir) != 0) return mt_fail(err, MT_ERR_IO, "mkdir %s", iter_dir);
     mt_status st = MT_OK;
-    for (int t = 0; t < L->tp && st == MT_OK; t++)
+    const int ep = L->moe && L->ep > 1 ? L->ep : 1;
+    for (int m = 0; m < L->tp * ep && st == MT_OK; m++) /* model-parallel shard m: TP rank m % TP of EP rank m / TP */
         for (int s = 0; s < L->pp && st == MT_OK; s++) {
+            const int t = m % L->tp, e = m / L->tp;
             mt_config c;
             ckt_model(&c, L);
-            mt_rank_coords rk = {t, 0, s};
+            mt_rank_coords rk = {t, e, s}; /* DP rank e: EP rank e, the first holding its experts */
             c.rank = mt_rank_of(&c, rk);
             mt_buffer_layout B;
             st = mt_buffer_layout_build(&B, &c, err);
@@ -266,7 +272,7 @@ static mt_status ckt_write(const char* dir, int64_t iteration, const ckt_layout*
             float* buffer = (float*)calloc((size_t)B.size * 3, sizeof(float));
             /* the rank's tensors, as the trainer's buffer layout places them in canonical order */
             for (int a = 0; a < 3; a++) {
-                mt_tp_shard_copy(&c, t, full[a], shard, 1);
+                mt_tp_shard_copy(&c, m, full[a], shard, 1);
                 for (int i = 0; i < B.num_params; i++) {
                     const mt_buffer_param* p = &B.params[i];
                     int layered = mt_param_per_layer(p->tensor);
@@ -304,7 +310,12 @@ static mt_status ckt_write(const char* dir, int64_t iteration, const ckt_layout*
             h[MT_CK_FP8_HISTORY_LEN] = L->fp8 ? 4 : 0;
             h[MT_CK_FP8_HISTORY_POS] = L->fp8 ? 1 : 0;
             h[MT_CK_MANIFESTED] = L->manifest != 0; /* committed with a manifest, as the trainer's are */
-            mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, L->pp, t, s);
+            h[MT_CK_EP] = ep > 1 ? ep : 0;
+            h[MT_CK_EP_RANK] = e;
+            h[MT_CK_DP_RANK] = e; /* the model file's writer */
+            if (ep > 1 && L->pp > 1) snprintf(rank_dir, sizeof(rank_dir), "%s/mp_rank_%02d_%03d_%03d", iter_dir, t, s, e);
+            else if (ep > 1) snprintf(rank_dir, sizeof(rank_dir), "%s/mp_rank_%02d_%03d", iter_dir, t, e); /* Megatron's */
+            else mt_ckpt_rank_dir(rank_dir, sizeof(rank_dir), iter_dir, L->pp, t, s);
             if (mkdir(rank_dir, 0755) != 0) st = mt_fail(err, MT_ERR_IO, "mkdir %s", rank_dir);
             snprintf(path, sizeof(path), "%s/model_optim_rng.bin", rank_dir);
             FILE* f = st == MT_OK ? fopen(path, "wb") : NULL;
@@ -320,7 +331,7 @@ static mt_status ckt_write(const char* dir, int64_t iteration, const ckt_layout*
                 st = ckt_put(f, L->expert_bias, sizeof(float) * (size_t)c.num_layers * c.num_experts, err);
             if (f) fclose(f);
             /* the distributed optimizer: DP rank r's shard of every bucket of master, m, v */
-            for (int r = 0; r < L->dp && st == MT_OK; r++) {
+            for (int r = e; r < L->dp && st == MT_OK; r += ep) { /* the DP ranks holding EP rank e's experts */
                 h[MT_CK_DP_RANK] = r;
                 snprintf(path, sizeof(path), "%s/distrib_optim_dp%03d.bin", rank_dir, r);
                 f = fopen(path, "wb");
@@ -1822,6 +1833,342 @@ static test_result test_rank_files_and_checks(void) {
     return TEST_PASS;
 }
 
+/* ---- issue #34: checkpoints of expert-parallel runs (host) ------------------------------------ */
+
+/* The part of the full canonical arrays `full` that rank c->rank of c's layout holds, in its buffer layout
+ * B's canonical order (the reference mt_ckpt_read_part is held to): its model-parallel shard (TP rank + TP x
+ * EP rank: mt_tp_shard_copy, the experts of its EP rank) put at each (tensor, layer)'s canonical offset, as
+ * ckt_write lays out a file. out: B->canonical_size floats. */
+static void ckt_rank_part(const mt_config* c, const mt_buffer_layout* B, float* full, float* out) {
+    mt_param_info info[MT_NUM_PARAM_TENSORS];
+    const int64_t n = mt_param_layout_shard(c, info);
+    float* shard = (float*)malloc(sizeof(float) * (size_t)n);
+    if (!shard) return;
+    const mt_rank_coords rk = mt_rank_coordinates(c, c->rank);
+    mt_tp_shard_copy(c, rk.tp + c->tensor_model_parallel_size * rk.ep, full, shard, 1);
+    for (int i = 0; i < B->num_params; i++) {
+        const mt_buffer_param* p = &B->params[i];
+        const int layered = mt_param_per_layer(p->tensor);
+        memcpy(out + p->canonical, shard + info[p->tensor].offset + (layered ? (int64_t)p->layer * p->numel : 0),
+               sizeof(float) * (size_t)p->numel);
+    }
+    free(shard);
+}
+
+/* An MoE layout of the tiny model (4 layers, all MoE, 4 experts, the expert bias): TP tp, the experts over ep
+ * EP ranks, dp > 0: the distributed optimizer over dp ranks (overlap: small buckets, several of each kind). */
+static ckt_layout ckt_moe_layout(int tp, int dp, int ep, int overlap, const float* bias) {
+    ckt_layout L;
+    memset(&L, 0, sizeof(L));
+    L.llama = 1, L.untied = 1, L.tp = tp, L.pp = 1, L.vp = 1, L.dp = dp, L.manifest = 1, L.record_ddp = 1;
+    L.overlap_grad_reduce = overlap, L.ddp_bucket_size = overlap ? 2000 : 0;
+    L.padded = 512, L.moe = 1, L.expert_bias = bias, L.ep = ep;
+    return L;
+}
+
+/* The files of an expert-parallel checkpoint, as Megatron names them (mp_rank_<tp>_<ep>, mp_rank_<tp>_<pp>_<ep>),
+ * which DP ranks write which (the model file on the first DP rank of each EP rank's experts, every shard file
+ * in its EP rank's directory), the EP words of the header (size, rank; the model file's size counts its EP
+ * rank's experts) and their checks: an EP size of 1, one that does not divide the experts or the optimizer's
+ * sharding, an EP rank beyond it, a DP rank not of that EP rank, EP on a dense model, a file of another EP rank,
+ * another EP size at the same layout (accepted at any layout) and another expert count, each refused in one
+ * line. */
+static test_result test_ep_rank_files_and_checks(void) {
+    char dir[64];
+    mt_ckpt_rank_dir_ep(dir, sizeof(dir), "it", 1, 2, 3, 0, 1);
+    EXPECT(!strcmp(dir, "it/mp_rank_03_001"), "%s", dir);
+    mt_ckpt_rank_dir_ep(dir, sizeof(dir), "it", 2, 4, 0, 1, 3);
+    EXPECT(!strcmp(dir, "it/mp_rank_00_001_003"), "%s", dir);
+    mt_ckpt_rank_dir_ep(dir, sizeof(dir), "it", 1, 1, 2, 0, 0);
+    EXPECT(!strcmp(dir, "it/mp_rank_02"), "%s", dir);
+    /* EP 2 over DP 4 with the distributed optimizer, then without */
+    mt_ckpt_rank r;
+    memset(&r, 0, sizeof(r));
+    r.pp = 1, r.vp = 1, r.dp = 4, r.sharded = 1, r.ep = 2;
+    const char* want[4][2] = {
+        {"mp_rank_00_000/distrib_optim_dp000.bin", "mp_rank_00_000/model_optim_rng.bin"},
+        {"mp_rank_00_001/distrib_optim_dp001.bin", "mp_rank_00_001/model_optim_rng.bin"},
+        {"mp_rank_00_000/distrib_optim_dp002.bin", NULL},
+        {"mp_rank_00_001/distrib_optim_dp003.bin", NULL},
+    };
+    mt_ckpt_file files[2];
+    for (int d = 0; d < 4; d++) {
+        r.dp_rank = d;
+        const int n = mt_ckpt_rank_files(&r, files);
+        EXPECT(n == (want[d][1] ? 2 : 1) && !strcmp(files[0].path, want[d][0]) && files[0].shard &&
+                   (n == 1 || (!strcmp(files[1].path, want[d][1]) && !files[1].shard)),
+               "DP rank %d: %d files, %s", d, n, files[0].path);
+    }
+    r.sharded = 0, r.dp_rank = 1;
+    EXPECT(mt_ckpt_rank_files(&r, files) == 1 && !strcmp(files[0].path, "mp_rank_00_001/model_optim_rng.bin"),
+           "unsharded DP rank 1: %s", files[0].path);
+    r.dp_rank = 3;
+    EXPECT(mt_ckpt_rank_files(&r, files) == 0, "unsharded DP rank 3 (EP rank 1's second copy) writes nothing");
+
+    /* DP rank 3 (EP rank 1, EDP rank 1) of EP 2 over DP 4 with the distributed optimizer */
+    float bias[16] = {0};
+    ckt_layout L = ckt_moe_layout(1, 4, 2, 0, bias);
+    mt_config c;
+    ckt_model(&c, &L);
+    mt_rank_coords coords = {0, 3, 0, 0, 0};
+    c.rank = mt_rank_of(&c, coords);
+    mt_error err;
+    mt_buffer_layout B;
+    EXPECT_OK(mt_buffer_layout_build(&B, &c, &err), &err);
+    int64_t shard = 0;
+    for (int b = 0; b < B.num_buckets; b++) {
+        int64_t begin, end;
+        mt_bucket_shard(&B.buckets[b], 4, 3, &begin, &end);
+        shard += end - begin;
+    }
+    const mt_ckpt_rank me = {0, 0, 3, 1, 1, B.canonical_size, 4, 1, shard, {0, 0}, 2};
+    const int64_t numel = B.canonical_size;
+    mt_buffer_layout_free(&B);
+    EXPECT(numel == mt_param_layout_shard(&c, NULL) && numel < mt_param_layout(&c, NULL), "EP rank 1 holds %lld of %lld",
+           (long long)numel, (long long)mt_param_layout(&c, NULL));
+    int64_t h[MT_CK_HEADER_WORDS], x[MT_CK_HEADER_WORDS];
+    mt_checkpoint_header_init(h, &c);
+    mt_checkpoint_header_set_rank(h, &me);
+    h[MT_CK_ITERATION] = 7;
+    const double one = 1.0;
+    memcpy(&h[MT_CK_LOSS_SCALE_BITS], &one, sizeof(double));
+    EXPECT(h[MT_CK_EP] == 2 && h[MT_CK_EP_RANK] == 1 && h[MT_CK_DP_RANK] == 3 && h[MT_CK_SHARDED_DP] == 4,
+           "EP words %lld %lld, DP rank %lld", (long long)h[MT_CK_EP], (long long)h[MT_CK_EP_RANK],
+           (long long)h[MT_CK_DP_RANK]);
+    EXPECT_OK(mt_checkpoint_header_check(h, "ck", NULL, &err), &err);
+    const int64_t model_bytes = mt_checkpoint_file_bytes(h, 0), shard_bytes = mt_checkpoint_file_bytes(h, 1);
+    EXPECT(model_bytes == 8 * MT_CK_HEADER_WORDS + 4 * (numel + 16), "the model file: %lld bytes", (long long)model_bytes);
+    EXPECT_OK(mt_checkpoint_header_check_rank(h, shard_bytes, "s.bin", &c, &me, 7, 1, &err), &err);
+    mt_ckpt_rank first = me;
+    first.dp_rank = 1; /* EP rank 1's other DP rank reads the same model file */
+    EXPECT_OK(mt_checkpoint_header_check_rank(h, model_bytes, "m.bin", &c, &first, 7, 0, &err), &err);
+    mt_ckpt_rank other_ep = me;
+    other_ep.dp_rank = 2;
+    mt_status st = mt_checkpoint_header_check_rank(h, model_bytes, "m.bin", &c, &other_ep, 7, 0, &err);
+    EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "m.bin holds expert-parallel rank 1's experts, not rank 0's") &&
+               !strchr(err.message, '\n'), "%s", err.message);
+    /* another EP size: refused at the same layout, taken at any layout; another expert count: refused at both */
+    mt_config c1 = c;
+    c1.expert_model_parallel_size = 1;
+    mt_ckpt_rank me1 = me;
+    me1.ep = 1;
+    st = mt_checkpoint_header_check_rank(h, model_bytes, "m.bin", &c1, &me1, 7, 0, &err);
+    EXPECT(st == MT_ERR_CONFIG && strstr(err.message, "has --expert-model-parallel-size (0: 1) 2 but this run has 0"),
+           "%s", err.message);
+    EXPECT_OK(mt_checkpoint_header_check_model(h, "m.bin", &c1, 1, &err), &err);
+    mt_config c8 = c1;
+    c8.num_experts = 8;
+    for (int any = 0; any < 2; any++) {
+        st = mt_checkpoint_header_check_model(h, "m.bin", &c8, any, &err);
+        EXPECT(st == MT_ERR_CONFIG && strstr(err.message, "has --num-experts (0: a dense model) 4 but this run has 8") &&
+                   !strchr(err.message, '\n'), "any layout %d: %s", any, err.message);
+    }
+    /* the header's own checks of the EP words */
+    struct { int word; int64_t value; const char* needle; } bad[] = {
+        {MT_CK_EP, 1, "the expert-parallel words"},        /* EP = 1 is written as 0 */
+        {MT_CK_EP, 3, "the expert-parallel words"},        /* 4 experts, and sharded over 4 */
+        {MT_CK_EP, 8, "the expert-parallel words"},
+        {MT_CK_EP_RANK, 2, "the expert-parallel words"},
+        {MT_CK_EP_RANK, 0, "DP rank % EP = EP rank"},      /* DP rank 3 is EP rank 1's */
+        {MT_CK_DP_RANK, 2, "DP rank % EP = EP rank"},
+        {MT_CK_EP, 70000, "outside [0, 65536]"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        memcpy(x, h, sizeof(h));
+        x[bad[i].word] = bad[i].value;
+        st = mt_checkpoint_header_check(x, "ck", NULL, &err);
+        EXPECT(st == MT_ERR_FORMAT && strstr(err.message, bad[i].needle) && !strchr(err.message, '\n'),
+               "word %d = %lld: %s", bad[i].word, (long long)bad[i].value, st == MT_OK ? "accepted" : err.message);
+    }
+    /* EP on a dense model */
+    ckt_layout D = L;
+    D.moe = 0, D.ep = 0, D.dp = 0;
+    mt_config cd;
+    ckt_model(&cd, &D);
+    mt_checkpoint_header_init(x, &cd);
+    memcpy(&x[MT_CK_LOSS_SCALE_BITS], &one, sizeof(double));
+    EXPECT_OK(mt_checkpoint_header_check(x, "dense", NULL, &err), &err);
+    x[MT_CK_EP] = 2;
+    st = mt_checkpoint_header_check(x, "dense", NULL, &err);
+    EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "the expert-parallel words"), "%s", err.message);
+    return TEST_PASS;
+}
+
+/* mt_ckpt_read_part with expert parallelism, the trainer's --load at another EP size: every rank of every target
+ * layout (EP 1, 2, 4; with and without the distributed optimizer; TP 2 x EP 2) reads from each source (EP 2
+ * unsharded; EP 2 over DP 4 with the distributed optimizer in several dense and expert buckets; EP 1 over
+ * DP 2 with it; TP 2 x EP 2 with it) exactly the part the reference cuts from the full arrays (ckt_rank_part:
+ * its EP rank's experts, its TP rows), bitwise, for the master weights and both Adam moments; each source's
+ * expert bias comes back bitwise from every model file (every EP rank's directory); a model with other
+ * expert counts is refused in one line. */
+static test_result test_read_part_expert_parallel(void) {
+    char root[256], src[400];
+    ckt_dir(root, sizeof(root), "read_part_ep");
+    mt_error err;
+    float bias[16], got_bias[16];
+    for (int i = 0; i < 16; i++) bias[i] = 0.125f * (float)(i - 5) + 1e-3f * (float)i;
+    const ckt_layout sources[] = {ckt_moe_layout(1, 0, 2, 0, bias), ckt_moe_layout(1, 4, 2, 1, bias),
+                                  ckt_moe_layout(1, 2, 1, 1, bias), ckt_moe_layout(2, 2, 2, 0, bias)};
+    const struct { int tp, dp, ep; } targets[] = {{1, 0, 1}, {1, 0, 2}, {1, 2, 2}, {1, 4, 2}, {1, 4, 4},
+                                                  {1, 2, 1}, {2, 0, 2}, {2, 4, 2}};
+    int compared = 0;
+    for (size_t si = 0; si < sizeof(sources) / sizeof(sources[0]); si++) {
+        const ckt_layout* S = &sources[si];
+        int64_t n_src;
+        float** a = ckt_arrays(S, 51 + (uint32_t)si, &n_src);
+        snprintf(src, sizeof(src), "%s/src%zu", root, si);
+        EXPECT_OK(ckt_write(src, 12, S, a, &err), &err);
+        mt_ckpt ck;
+        EXPECT_OK(mt_ckpt_open(&ck, src, -1, &err), &err);
+        EXPECT(ck.ep == (S->ep > 1 ? S->ep : 1) && ck.tp == S->tp && ck.sharded_dp == S->dp, "source %zu: EP %d TP %d "
+               "sharded over %d", si, ck.ep, ck.tp, ck.sharded_dp);
+        if (si == 1) { /* several buckets of each kind, or the test tests less than it says */
+            mt_config cs;
+            ckt_model(&cs, S);
+            mt_buffer_layout B;
+            EXPECT_OK(mt_buffer_layout_build(&B, &cs, &err), &err);
+            int dense = 0, expert = 0;
+            for (int b = 0; b < B.num_buckets; b++) (B.buckets[b].ep > 1 ? expert : dense)++;
+            mt_buffer_layout_free(&B);
+            EXPECT(dense > 1 && expert > 1, "%d dense and %d expert buckets", dense, expert);
+        }
+        EXPECT_OK(mt_ckpt_read_expert_bias(&ck, 1, got_bias, &err), &err);
+        EXPECT(!memcmp(got_bias, bias, sizeof(bias)), "source %zu: the expert bias differs", si);
+        EXPECT_OK(mt_ckpt_verify(&ck, NULL, &err), &err);
+        EXPECT(ckt_read_equal(src, S, a, n_src, &err), "source %zu read whole: arrays differ", si);
+        for (size_t ti = 0; ti < sizeof(targets) / sizeof(targets[0]); ti++) {
+            ckt_layout T = ckt_moe_layout(targets[ti].tp, targets[ti].dp, targets[ti].ep, 0, bias);
+            mt_config ct;
+            ckt_model(&ct, &T);
+            for (int rank = 0; rank < ct.world_size; rank++) {
+                mt_config c = ct;
+                c.rank = rank;
+                mt_buffer_layout B;
+                EXPECT_OK(mt_buffer_layout_build(&B, &c, &err), &err);
+                float* ref = (float*)malloc(sizeof(float) * (size_t)B.canonical_size);
+                float* got = (float*)malloc(sizeof(float) * (size_t)B.canonical_size);
+                EXPECT(ref && got, "out of memory");
+                for (int k = 0; k < 3; k++) {
+                    ckt_rank_part(&c, &B, a[k], ref);
+                    mt_status st = mt_ckpt_read_part(&ck, NULL, &c, k, got, &err);
+                    if (st != MT_OK || memcmp(ref, got, sizeof(float) * (size_t)B.canonical_size)) {
+                        printf("    source %zu -> TP %d DP %d EP %d, rank %d, array %d: %s\n", si, T.tp, targets[ti].dp,
+                               targets[ti].ep, rank, k, st == MT_OK ? "differs" : err.message);
+                        return TEST_FAIL;
+                    }
+                    compared++;
+                }
+                free(ref);
+                free(got);
+                mt_buffer_layout_free(&B);
+            }
+        }
+        mt_config other;
+        ckt_model(&other, S);
+        other.num_experts = 8;
+        other.expert_model_parallel_size = 1;
+        float one[1];
+        mt_status st = mt_ckpt_read_part(&ck, NULL, &other, 0, one, &err);
+        EXPECT(st == MT_ERR_CONFIG && strstr(err.message, "another model") && !strchr(err.message, '\n'), "%s",
+               err.message);
+        ckt_arrays_free(a);
+    }
+    printf("      %d parts (rank x array) read at another EP layout, bitwise\n", compared);
+    mt_remove_tree(root);
+    return TEST_PASS;
+}
+
+/* checkpoint_tool with expert parallelism (prepro/checkpoint_tool.h): an EP 2 checkpoint with the distributed
+ * optimizer resharded to EP 1 (every expert in one model file, the layout convert_hf --export reads) and back to
+ * EP 2, and to TP 2 x EP 4: each verifies and reads back whole bitwise (mt_ckpt_read, the independent reference:
+ * mt_tp_shard_copy of each (TP, EP) shard), with its expert bias in every model file; an EP that does not divide
+ * the experts is refused in one line, and so is an EP checkpoint given to the Hugging Face export. */
+static test_result test_reshard_expert_parallel(void) {
+    char root[256], src[400], ep1[400], ep2[400], ep4[400];
+    ckt_dir(root, sizeof(root), "reshard_ep");
+    mt_error err;
+    float bias[16], got_bias[16];
+    for (int i = 0; i < 16; i++) bias[i] = -0.0625f * (float)(i + 1);
+    ckt_layout S = ckt_moe_layout(1, 4, 2, 1, bias);
+    int64_t n;
+    float** a = ckt_arrays(&S, 77, &n);
+    snprintf(src, sizeof(src), "%s/src", root);
+    EXPECT_OK(ckt_write(src, 9, &S, a, &err), &err);
+    mt_ckpt ck;
+    EXPECT_OK(mt_ckpt_open(&ck, src, -1, &err), &err);
+    snprintf(ep1, sizeof(ep1), "%s/ep1", root);
+    EXPECT_OK(mt_ckpt_reshard_ep(&ck, NULL, ep1, 1, 1, 1, 1, 128, NULL, &err), &err);
+    ckt_layout L1 = ckt_moe_layout(1, 0, 1, 0, bias);
+    EXPECT(ckt_read_equal(ep1, &L1, a, n, &err), "EP 2 -> EP 1: arrays differ");
+    mt_ckpt c1;
+    EXPECT_OK(mt_ckpt_open(&c1, ep1, -1, &err), &err);
+    EXPECT(c1.ep == 1 && c1.header[MT_CK_EP] == 0 && c1.sharded_dp == 0, "EP %d", c1.ep);
+    EXPECT_OK(mt_ckpt_verify(&c1, NULL, &err), &err);
+    snprintf(ep2, sizeof(ep2), "%s/ep2", root);
+    EXPECT_OK(mt_ckpt_reshard_ep(&c1, NULL, ep2, 1, 1, 1, 2, 128, NULL, &err), &err);
+    ckt_layout L2 = ckt_moe_layout(1, 0, 2, 0, bias);
+    EXPECT(ckt_read_equal(ep2, &L2, a, n, &err), "EP 1 -> EP 2: arrays differ");
+    mt_ckpt c2;
+    EXPECT_OK(mt_ckpt_open(&c2, ep2, -1, &err), &err);
+    EXPECT(c2.ep == 2, "EP %d", c2.ep);
+    EXPECT_OK(mt_ckpt_verify(&c2, NULL, &err), &err);
+    EXPECT_OK(mt_ckpt_read_expert_bias(&c2, 1, got_bias, &err), &err);
+    EXPECT(!memcmp(got_bias, bias, sizeof(bias)), "the expert bias differs after EP 1 -> EP 2");
+    /* the files as the trainer lays them out without the distributed optimizer (ckt_write), byte for byte */
+    char path[600], syn[400];
+    snprintf(syn, sizeof(syn), "%s/synthetic", root);
+    EXPECT_OK(ckt_write(syn, 9, &L2, a, &err), &err);
+    for (int e = 0; e < 2; e++) {
+        char p2[800];
+        size_t na = 0, nb = 0;
+        snprintf(path, sizeof(path), "%s/iter_0000009/mp_rank_00_%03d/model_optim_rng.bin", ep2, e);
+        snprintf(p2, sizeof(p2), "%s/iter_0000009/mp_rank_00_%03d/model_optim_rng.bin", syn, e);
+        char* x = test_read_file(path, &na);
+        char* y = test_read_file(p2, &nb);
+        const int same = x && y && na == nb && !memcmp(x, y, na);
+        free(x);
+        free(y);
+        EXPECT(same, "%s differs from the trainer's layout (%zu vs %zu bytes)", path, na, nb);
+    }
+    /* the tool as a user runs it: reshard --target-ep, info's layout and each file's experts */
+    if (access("prepro/checkpoint_tool", X_OK) == 0) {
+        char cmd[1400], text[16384];
+        snprintf(cmd, sizeof(cmd), "prepro/checkpoint_tool reshard %s %s/cli --target-tp 1 --target-pp 1 --target-ep 4 "
+                 ">/dev/null 2>&1 && prepro/checkpoint_tool info %s/cli 2>&1", src, root, root);
+        int code = test_command_output(cmd, text, sizeof(text));
+        EXPECT(code == 0 && strstr(text, "layout: TP 1, PP 1, VP 1, EP 4;") &&
+                   strstr(text, "mp_rank_00_003/model_optim_rng.bin") && strstr(text, "experts [3, 3], dimension 1 [6, 7]"),
+               "reshard --target-ep 4, info: exit %d:\n%s", code, text);
+        ckt_layout L4cli = ckt_moe_layout(1, 0, 4, 0, bias);
+        snprintf(path, sizeof(path), "%s/cli", root);
+        EXPECT(ckt_read_equal(path, &L4cli, a, n, &err), "checkpoint_tool reshard --target-ep 4: arrays differ");
+        snprintf(cmd, sizeof(cmd), "prepro/checkpoint_tool reshard %s %s/bad --target-tp 1 --target-pp 1 --target-ep 3",
+                 src, root);
+        code = ckt_run_tool(cmd, text, sizeof(text));
+        EXPECT(ckt_one_line("reshard --target-ep 3", code, 1, text, "checkpoint_tool", "error", "experts do not divide"),
+               "see above");
+    }
+    snprintf(ep4, sizeof(ep4), "%s/tp2ep4", root);
+    EXPECT_OK(mt_ckpt_reshard_ep(&ck, NULL, ep4, 2, 1, 1, 4, 128, NULL, &err), &err);
+    ckt_layout L4 = ckt_moe_layout(2, 0, 4, 0, bias);
+    EXPECT(ckt_read_equal(ep4, &L4, a, n, &err), "EP 2 -> TP 2 x EP 4: arrays differ");
+    snprintf(path, sizeof(path), "%s/ep3", root);
+    mt_status st = mt_ckpt_reshard_ep(&ck, NULL, path, 1, 1, 1, 3, 128, NULL, &err);
+    EXPECT(st == MT_ERR_ARG && strstr(err.message, "experts do not divide") && !strchr(err.message, '\n'), "%s",
+           err.message);
+    /* the Hugging Face export reads TP = PP = EP = 1 only, and says how to get there */
+    mt_config hc;
+    float* params = NULL;
+    mt_error warning;
+    st = mt_hf_checkpoint_read(src, -1, 0, &hc, &params, NULL, &warning, &err);
+    EXPECT(st == MT_ERR_FORMAT && strstr(err.message, "tensor/pipeline/expert parallel sizes 1/1/2") &&
+               strstr(err.message, "checkpoint_tool reshard") && !strchr(err.message, '\n'), "%s", err.message);
+    free(params);
+    ckt_arrays_free(a);
+    mt_remove_tree(root);
+    return TEST_PASS;
+}
+
 /* A save's directories, tidying and commit (megatron.h section 13): the commit writes the manifest,
  * replaces an older copy of the iteration, syncs and writes the tracker; a commit whose manifest
  * cannot be written changes nothing that was there; tidying removes the temporary directories of
@@ -2024,6 +2371,9 @@ static const test_case checkpoint_tool_tests[] = {
     {"save_retain_interval_on_disk", test_retain_on_disk},
     {"rank_files_and_checks", test_rank_files_and_checks},
     {"save_dirs_tidy_commit", test_save_dirs_tidy_commit},
+    {"ep_rank_files_and_checks", test_ep_rank_files_and_checks},
+    {"read_part_expert_parallel", test_read_part_expert_parallel},
+    {"reshard_expert_parallel", test_reshard_expert_parallel},
 };
 
 #endif
