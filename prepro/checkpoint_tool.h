@@ -224,7 +224,7 @@ static mt_status mt_ckpt_write(const char* out, const int64_t* th, const mt_ckpt
             int64_t numel = 0, h[MT_CK_HEADER_WORDS];
             st = mt_ckpt_config(&rc, th, tp, pp, vp, 0, NULL, t, s, err);
             if (st == MT_OK && ep > 1) {
-                const mt_rank_coords rk = {t, e, s, 0, 0}; /* the reader's target rank: EP rank e's experts */
+                const mt_rank_coords rk = {t, e, s, 0, 0, 0, 0}; /* the reader's target rank: EP rank e's experts */
                 rc.rank = mt_rank_of(&rc, rk);
             }
             if (st == MT_OK) st = mt_ckpt_rank_numel(&rc, &numel, err);
