@@ -5502,7 +5502,12 @@ MT_DEF mt_status mt_buffer_layout_build(mt_buffer_layout* b, const mt_config* c,
     int nb = 0, first = 0;
     for (int i = 0; i < n; i++) {
         mt_buffer_param* p = &b->params[i];
-        if (dist) start = mt__round_up(start, 64);
+        /* Megatron starts a parameter at a multiple of 64 elements with the distributed optimizer; here also at
+         * a multiple of 8 without it (16 bytes of bf16): a tensor of a size not a multiple of 8 (the MoE
+         * router's bias of E elements) must not leave every tensor after it off the 16-byte alignment that the
+         * kernels' vector loads and cuBLASLt's algorithms assume. Models whose tensors are multiples of 8
+         * elements are laid out as Megatron lays them out. */
+        start = mt__round_up(start, dist ? 64 : 8);
         p->offset = start;
         p->bucket = nb;
         end = start + p->numel;
