@@ -248,6 +248,27 @@ static mt_status ckt_put(FILE* f, const void* data, size_t bytes, mt_error* err)
     return fwrite(data, 1, bytes, f) == bytes ? MT_OK : mt_fail(err, MT_ERR_IO, "short write");
 }
 
+/* The elements of the distributed optimizer's shard that DP rank dp_rank of dp holds: its part of every bucket
+ * of the buffer layout B. */
+static int64_t ckt_shard_numel(const mt_buffer_layout* B, int dp, int dp_rank) {
+    int64_t n = 0;
+    for (int b = 0; b < B->num_buckets; b++) {
+        int64_t begin, end;
+        mt_bucket_shard(&B->buckets[b], dp, dp_rank, &begin, &end);
+        n += end - begin;
+    }
+    return n;
+}
+
+/* A checkpoint header of model c for rank me at iteration `iteration`, loss scale 1. */
+static void ckt_rank_header(int64_t* h, const mt_config* c, const mt_ckpt_rank* me, int64_t iteration) {
+    mt_checkpoint_header_init(h, c);
+    mt_checkpoint_header_set_rank(h, me);
+    h[MT_CK_ITERATION] = iteration;
+    const double one = 1.0;
+    memcpy(&h[MT_CK_LOSS_SCALE_BITS], &one, sizeof(double));
+}
+
 /* Writes dir/iter_<iteration> and the tracker: every rank's files from the full canonical arrays. */
 static mt_status ckt_write(const char* dir, int64_t iteration, const ckt_layout* L, float* const* full, mt_error* err) {
     char iter_dir[400], rank_dir[500], path[600];
@@ -281,12 +302,7 @@ static mt_status ckt_write(const char* dir, int64_t iteration, const ckt_layout*
                     memcpy(buffer + a * B.size + p->offset, from, sizeof(float) * (size_t)p->numel);
                 }
             }
-            int64_t dp_shard = 0;
-            for (int b = 0; b < B.num_buckets && L->dp > 0; b++) {
-                int64_t begin, end;
-                mt_bucket_shard(&B.buckets[b], L->dp, 0, &begin, &end);
-                dp_shard += end - begin;
-            }
+            const int64_t dp_shard = L->dp > 0 ? ckt_shard_numel(&B, L->dp, 0) : 0;
             /* fill_header's words */
             int64_t h[MT_CK_HEADER_WORDS];
             mt_checkpoint_header_init(h, &c);
@@ -1764,20 +1780,11 @@ static test_result test_rank_files_and_checks(void) {
     mt_error err;
     mt_buffer_layout B;
     EXPECT_OK(mt_buffer_layout_build(&B, &c, &err), &err);
-    int64_t shard = 0;
-    for (int b = 0; b < B.num_buckets; b++) {
-        int64_t begin, end;
-        mt_bucket_shard(&B.buckets[b], 2, 1, &begin, &end);
-        shard += end - begin;
-    }
+    const int64_t shard = ckt_shard_numel(&B, 2, 1);
     const mt_ckpt_rank me = {1, 1, 1, 2, 1, B.canonical_size, 2, 1, shard, {1, 4096}};
     mt_buffer_layout_free(&B);
     int64_t h[MT_CK_HEADER_WORDS];
-    mt_checkpoint_header_init(h, &c);
-    mt_checkpoint_header_set_rank(h, &me);
-    h[MT_CK_ITERATION] = 7;
-    double scale = 1.0;
-    memcpy(&h[MT_CK_LOSS_SCALE_BITS], &scale, sizeof(double));
+    ckt_rank_header(h, &c, &me, 7);
     EXPECT(h[MT_CK_TP_RANK] == 1 && h[MT_CK_PP_RANK] == 1 && h[MT_CK_DP_RANK] == 1 && h[MT_CK_VP] == 1 &&
            h[MT_CK_STAGE_NUMEL] == me.stage_numel && h[MT_CK_SHARDED_DP] == 2 && h[MT_CK_SHARD_NUMEL] == shard &&
            h[MT_CK_DDP_OVERLAP] == 2 && h[MT_CK_DDP_BUCKET_SIZE] == 4096, "rank words");
@@ -1915,23 +1922,15 @@ static test_result test_ep_rank_files_and_checks(void) {
     mt_error err;
     mt_buffer_layout B;
     EXPECT_OK(mt_buffer_layout_build(&B, &c, &err), &err);
-    int64_t shard = 0;
-    for (int b = 0; b < B.num_buckets; b++) {
-        int64_t begin, end;
-        mt_bucket_shard(&B.buckets[b], 4, 3, &begin, &end);
-        shard += end - begin;
-    }
+    const int64_t shard = ckt_shard_numel(&B, 4, 3);
     const mt_ckpt_rank me = {0, 0, 3, 1, 1, B.canonical_size, 4, 1, shard, {0, 0}, 2};
     const int64_t numel = B.canonical_size;
     mt_buffer_layout_free(&B);
     EXPECT(numel == mt_param_layout_shard(&c, NULL) && numel < mt_param_layout(&c, NULL), "EP rank 1 holds %lld of %lld",
            (long long)numel, (long long)mt_param_layout(&c, NULL));
     int64_t h[MT_CK_HEADER_WORDS], x[MT_CK_HEADER_WORDS];
-    mt_checkpoint_header_init(h, &c);
-    mt_checkpoint_header_set_rank(h, &me);
-    h[MT_CK_ITERATION] = 7;
+    ckt_rank_header(h, &c, &me, 7);
     const double one = 1.0;
-    memcpy(&h[MT_CK_LOSS_SCALE_BITS], &one, sizeof(double));
     EXPECT(h[MT_CK_EP] == 2 && h[MT_CK_EP_RANK] == 1 && h[MT_CK_DP_RANK] == 3 && h[MT_CK_SHARDED_DP] == 4,
            "EP words %lld %lld, DP rank %lld", (long long)h[MT_CK_EP], (long long)h[MT_CK_EP_RANK],
            (long long)h[MT_CK_DP_RANK]);

@@ -112,9 +112,10 @@ static test_result ep_run_span(mt_config c, int ep, int distributed, const char*
 
 static double ep_rel(double a, double b) { return fabs(a - b) / (fabs(b) + 1e-30); }
 
-/* EP = 2 against EP = 1 on the model of a dev/ref_moe.py vectors file (its weights drawn from the config's
- * seed, not the file's: only the model and its MoE settings are taken). */
-static test_result ep_matches_ep1(const char* vectors, mt_precision precision, int distributed) {
+/* The EP tests' set-up: an even number of MPI ranks with GPUs, and the model of a dev/ref_moe.py vectors file
+ * (its weights drawn from the config's seed, not the file's: only the model and its MoE settings are taken) in
+ * *base. Anything but TEST_PASS is the test's result (a skip, or a failure to read the file). */
+static test_result ep_base_config(const char* vectors, mt_precision precision, mt_config* base) {
     REQUIRE_MPI_GPUS();
     if (mpi_world() % 2) SKIP("expert parallelism at EP = 2 needs an even number of ranks");
     moe_vectors mv;
@@ -124,8 +125,16 @@ static test_result ep_matches_ep1(const char* vectors, mt_precision precision, i
         printf("    FAIL cannot read test vectors %s (run dev/ref_moe.py)\n", vectors);
         return TEST_FAIL;
     }
-    const mt_config base = moe_config_from_vectors(&mv, precision);
+    *base = moe_config_from_vectors(&mv, precision);
     free(mv.g.blob);
+    return TEST_PASS;
+}
+
+/* EP = 2 against EP = 1 on the model of a dev/ref_moe.py vectors file. */
+static test_result ep_matches_ep1(const char* vectors, mt_precision precision, int distributed) {
+    mt_config base;
+    const test_result setup = ep_base_config(vectors, precision, &base);
+    if (setup != TEST_PASS) return setup;
     ep_run_result one, two, again;
     test_result res = ep_run(base, 1, distributed, &one);
     if (tp_agree(res) == TEST_PASS) res = ep_run(base, 2, distributed, &two);
@@ -211,18 +220,10 @@ static test_result test_ep_mixtral_bf16(void) { return ep_matches_ep1("dev/data/
  *     after a reset move every weight by ~lr);
  * and a trainer with another expert count refuses the checkpoint in one line naming --num-experts. */
 static test_result ep_checkpoint_case(int save_ep, int save_dist, int load_ep, int load_dist) {
-    REQUIRE_MPI_GPUS();
-    if (mpi_world() % 2) SKIP("expert parallelism at EP = 2 needs an even number of ranks");
     const char* vectors = "dev/data/moe_vectors/deepseek_tiny_all.bin";
-    moe_vectors mv;
-    if (access(vectors, R_OK) != 0) SKIP_OR_FAIL_STRICT(MOE_VECTORS_MISSING, vectors);
-    if (!load_moe_vectors(&mv, vectors)) {
-        free(mv.g.blob);
-        printf("    FAIL cannot read test vectors %s (run dev/ref_moe.py)\n", vectors);
-        return TEST_FAIL;
-    }
-    const mt_config base = moe_config_from_vectors(&mv, MT_FP32);
-    free(mv.g.blob);
+    mt_config base;
+    const test_result setup = ep_base_config(vectors, MT_FP32, &base);
+    if (setup != TEST_PASS) return setup;
     /* one directory for all ranks (they share this node's /tmp), named by rank 0 */
     int tag = (int)getpid();
 #ifdef MT_USE_MPI
