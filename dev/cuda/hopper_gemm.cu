@@ -60,6 +60,16 @@
  *   Phases: stage s is used for the (i*STAGES + s)-th k-block of this CTA's sequence; its barriers'
  *   phase parity flips each time the stage index wraps. The producer's first wait on "empty" uses
  *   parity 1, which a fresh mbarrier reports as already complete.
+ *   Ping-pong (PP = 1, BN = 128): the consumers do not share tiles; the CTA's j-th tile belongs to
+ *   warpgroup j % 2, which computes all 128 rows with two m64n128 accumulators (128 registers) and
+ *   releases its stages alone ("empty" count 4). The producer still loads the tiles in order, so the
+ *   two warpgroups take turns on the tensor cores and one's epilogue overlaps the other's main loop.
+ *
+ * ---- Variants (all built, all checked, all benchmarked; --variant N picks one) ------------------------
+ *   0 coop 128x256 4 stages, epilogue from registers     3 coop 128x128 5 stages, staged epilogue
+ *   1 coop 128x128 6 stages, epilogue from registers     4 ping-pong 128x128 6 stages, from registers
+ *   2 coop 128x256 3 stages, staged epilogue             5 ping-pong 128x128 4 stages, staged epilogue
+ *   "staged": through a padded shared buffer, then 16-byte coalesced global stores (store_block64).
  *
  * ---- Shared memory layout and the descriptors ----------------------------------------------------
  *   TMA with CU_TENSOR_MAP_SWIZZLE_128B writes a box of 64 bf16 (128 bytes) x R rows as R rows of
@@ -376,13 +386,69 @@ __device__ void build_schedule(const int* __restrict__ m_g, int G, int ntn, int 
     }
 }
 
+// ---- Epilogue of one 64-row block (one warpgroup's accumulators of one m64nBN product) ------------
+// fp32 -> bf16 (round to nearest); rows >= m_end and columns >= N are not stored. row0 = the block's
+// first global row, n0 its first column, wq the warp inside the warpgroup, t128 the thread inside it.
+// EPI 1 stages through buf [64][BN + 8] with the warpgroup's named barrier bar_id.
+template <int BN, int EPI>
+__device__ __forceinline__ void store_block64(const float* acc, bf16* __restrict__ C, int N, int row0, int m_end, int n0,
+                                              bf16* buf, int wq, int lane, int t128, int bar_id) {
+    if constexpr (EPI == 0) {
+        const int r0 = row0 + wq * 16 + (lane >> 2);
+        const int c0 = n0 + 2 * (lane & 3);
+        const bool ok0 = r0 < m_end, ok1 = r0 + 8 < m_end;
+        bf16* p0 = C + (size_t)r0 * N + c0;
+        bf16* p1 = p0 + (size_t)8 * N;
+        if (ok1 && n0 + BN <= N) {  // the whole 16-row strip of this warp is inside
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                *reinterpret_cast<__nv_bfloat162*>(p0 + 8 * j) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+                *reinterpret_cast<__nv_bfloat162*>(p1 + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                if (c0 + 8 * j < N) {
+                    if (ok0) *reinterpret_cast<__nv_bfloat162*>(p0 + 8 * j) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+                    if (ok1) *reinterpret_cast<__nv_bfloat162*>(p1 + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+                }
+            }
+        }
+    } else {
+        constexpr int LD = BN + 8;
+        // the warpgroup's previous copy-out from buf is finished
+        asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
+        {
+            bf16* q0 = buf + (wq * 16 + (lane >> 2)) * LD + 2 * (lane & 3);
+            bf16* q1 = q0 + 8 * LD;
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                *reinterpret_cast<__nv_bfloat162*>(q0 + 8 * j) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+                *reinterpret_cast<__nv_bfloat162*>(q1 + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+            }
+        }
+        asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
+        // copy-out: CPR 16-byte chunks per row; the warpgroup's 128 threads cover RPP rows per pass
+        constexpr int CPR = BN / 8, RPP = 128 / CPR;
+        const int ch = t128 % CPR, rr = t128 / CPR;
+        const int col = n0 + ch * 8;
+#pragma unroll 4
+        for (int r = rr; r < 64; r += RPP) {
+            const uint4 v = *reinterpret_cast<const uint4*>(buf + r * LD + ch * 8);
+            if (row0 + r < m_end && col < N) *reinterpret_cast<uint4*>(C + (size_t)(row0 + r) * N + col) = v;
+        }
+    }
+}
+
 // ---- The kernel -------------------------------------------------------------------------------------
 // tmA: A as [a_rows, K], box 64 x 128;  tmB: B as [G * N, K], box 64 x BN;  C: [a_rows, N] (row stride N)
-template <int BN, int STAGES, int EPI>
+// PP 0: cooperative consumers (both on every tile); PP 1: ping-pong consumers (alternate tiles; BN <= 128)
+template <int BN, int STAGES, int EPI, int PP>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB, bf16* __restrict__ C,
             const int* __restrict__ m_g, int G, int N, int K, int a_rows, Watchdog* wd, unsigned long long timeout_ns) {
     using Cf = Cfg<BN, STAGES, EPI>;
+    static_assert(!PP || BN <= 128, "ping-pong holds two m64 x BN accumulators per thread");
     extern __shared__ uint8_t smem_raw[];
     uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // 1024-byte aligned (swizzle atoms)
     uint8_t* sA = smem;                                   // [STAGES][128 rows][128 bytes]
@@ -398,7 +464,7 @@ gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUt
     if (tid == 0) {
         for (int s = 0; s < STAGES; s++) {
             mbar_init(smem_u32(&full[s]), 1);   // the producer's arrive.expect_tx (+ the TMA bytes)
-            mbar_init(smem_u32(&empty[s]), 8);  // lane 0 of each of the 8 consumer warps
+            mbar_init(smem_u32(&empty[s]), PP ? 4 : 8);  // lane 0 of each consumer warp that reads the stage
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -428,8 +494,8 @@ gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUt
                 }
             }
         }
-    } else {
-        // ---- consumer warpgroups ----
+    } else if constexpr (!PP) {
+        // ---- consumer warpgroups, cooperative: both work on every tile, 64 rows each ----
         setmaxnreg_inc<232>();
         const int cw = (tid >> 7) - 1;  // 0 or 1: rows 64*cw .. 64*cw+63 of the tile
         const int wq = warp & 3;        // warp inside the warpgroup: rows 16*wq .. 16*wq+15 of those
@@ -465,55 +531,58 @@ gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUt
             wgmma_wait<0>();
             reg_fence<BN / 2>(acc);
             if (lane == 0) mbar_arrive(smem_u32(&empty[prev]));
-
-            // epilogue: fp32 -> bf16 (round to nearest); rows past the group's end and columns past N
-            // are not stored
-            if constexpr (EPI == 0) {
-                const int r0 = tc.m0 + cw * 64 + wq * 16 + (lane >> 2);
-                const int c0 = tc.n0 + 2 * (lane & 3);
-                const bool ok0 = r0 < tc.m_end, ok1 = r0 + 8 < tc.m_end;
-                bf16* p0 = C + (size_t)r0 * N + c0;
-                bf16* p1 = p0 + (size_t)8 * N;
-                if (ok1 && tc.n0 + BN <= N) {  // the whole 16-row strip of this warp is inside
+            store_block64<BN, EPI>(acc, C, N, tc.m0 + cw * 64, tc.m_end, tc.n0, sC + cw * 64 * Cf::EPI_LD, wq, lane, tid & 127, 1 + cw);
+        }
+    } else {
+        // ---- consumer warpgroups, ping-pong: the CTA's j-th tile belongs to warpgroup j % 2, which computes
+        // all 128 rows (two m64 accumulators). The producer loads tiles in order, so while one warpgroup
+        // runs its epilogue the other has the tensor cores. Its k-blocks sit at ring positions
+        // j * nk + kb: stage = position % STAGES, parity = (position / STAGES) & 1.
+        setmaxnreg_inc<232>();
+        const int w = (tid >> 7) - 1;
+        const int wq = warp & 3;
+        float acc0[BN / 2], acc1[BN / 2];  // rows 0..63 and 64..127 of the tile
 #pragma unroll
-                    for (int j = 0; j < BN / 8; j++) {
-                        *reinterpret_cast<__nv_bfloat162*>(p0 + 8 * j) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
-                        *reinterpret_cast<__nv_bfloat162*>(p1 + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
-                    }
-                } else {
+        for (int i = 0; i < BN / 2; i++) acc0[i] = 0.f, acc1[i] = 0.f;
+        const uint32_t a_base = smem_u32(sA);
+        const uint32_t b_base = smem_u32(sB);
+        int j = w;
+        for (int t = blockIdx.x + w * gridDim.x; t < total; t += 2 * gridDim.x, j += 2) {
+            const TileCoord tc = decode_tile(t, tile_start, row_start, G, ntn, BN);
+            const long long pos = (long long)j * nk;
+            int stage = (int)(pos % STAGES);
+            uint32_t phase = (uint32_t)((pos / STAGES) & 1);
+            int prev = 0;
+            for (int kb = 0; kb < nk; kb++) {
+                mbar_wait(smem_u32(&full[stage]), phase, wd, timeout_ns, 1, stage, t, kb);
+                reg_fence<BN / 2>(acc0);
+                reg_fence<BN / 2>(acc1);
+                wgmma_fence();
 #pragma unroll
-                    for (int j = 0; j < BN / 8; j++) {
-                        if (c0 + 8 * j < N) {
-                            if (ok0) *reinterpret_cast<__nv_bfloat162*>(p0 + 8 * j) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
-                            if (ok1) *reinterpret_cast<__nv_bfloat162*>(p1 + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
-                        }
-                    }
+                for (int k = 0; k < BK / 16; k++) {
+                    const uint64_t da0 = make_desc(a_base + stage * Cf::A_BYTES + k * 32);
+                    const uint64_t da1 = make_desc(a_base + stage * Cf::A_BYTES + 64 * 128 + k * 32);
+                    const uint64_t db = make_desc(b_base + stage * Cf::B_BYTES + k * 32);
+                    wgmma_bn<BN>(acc0, da0, db, (kb > 0 || k > 0) ? 1 : 0);
+                    wgmma_bn<BN>(acc1, da1, db, (kb > 0 || k > 0) ? 1 : 0);
                 }
-            } else {
-                bf16* buf = sC + cw * 64 * Cf::EPI_LD;  // this warpgroup's 64 rows
-                // named barrier 1 + cw over the warpgroup's 128 threads: the previous tile's copy-out is done
-                asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
-                {
-                    bf16* q0 = buf + (wq * 16 + (lane >> 2)) * Cf::EPI_LD + 2 * (lane & 3);
-                    bf16* q1 = q0 + 8 * Cf::EPI_LD;
-#pragma unroll
-                    for (int j = 0; j < BN / 8; j++) {
-                        *reinterpret_cast<__nv_bfloat162*>(q0 + 8 * j) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
-                        *reinterpret_cast<__nv_bfloat162*>(q1 + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
-                    }
+                wgmma_commit();
+                reg_fence<BN / 2>(acc0);
+                reg_fence<BN / 2>(acc1);
+                if (kb > 0) {
+                    wgmma_wait<1>();
+                    if (lane == 0) mbar_arrive(smem_u32(&empty[prev]));
                 }
-                asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
-                // copy-out: CPR 16-byte chunks per row; the warpgroup's 128 threads cover 128 / CPR rows per pass
-                constexpr int CPR = BN / 8, RPP = 128 / CPR;
-                const int tt = tid & 127, ch = tt % CPR, rr = tt / CPR;
-                const int col = tc.n0 + ch * 8;
-                const int rbase = tc.m0 + cw * 64;
-#pragma unroll 4
-                for (int r = rr; r < 64; r += RPP) {
-                    const uint4 v = *reinterpret_cast<const uint4*>(buf + r * Cf::EPI_LD + ch * 8);
-                    if (rbase + r < tc.m_end && col < N) *reinterpret_cast<uint4*>(C + (size_t)(rbase + r) * N + col) = v;
-                }
+                prev = stage;
+                if (++stage == STAGES) stage = 0, phase ^= 1;
             }
+            wgmma_wait<0>();
+            reg_fence<BN / 2>(acc0);
+            reg_fence<BN / 2>(acc1);
+            if (lane == 0) mbar_arrive(smem_u32(&empty[prev]));
+            bf16* buf = sC + w * 64 * Cf::EPI_LD;
+            store_block64<BN, EPI>(acc0, C, N, tc.m0, tc.m_end, tc.n0, buf, wq, lane, tid & 127, 1 + w);
+            store_block64<BN, EPI>(acc1, C, N, tc.m0 + 64, tc.m_end, tc.n0, buf, wq, lane, tid & 127, 1 + w);
         }
     }
 }
@@ -600,12 +669,12 @@ static bool make_map(Lab& L, CUtensorMap* m, const bf16* p, long long rows, int 
     return true;
 }
 
-template <int BN, int STAGES, int EPI>
+template <int BN, int STAGES, int EPI, int PP>
 static void launch_impl(Lab& L, const Problem& p, const CUtensorMap& ta, const CUtensorMap& tb, int max_ctas) {
     using Cf = hg::Cfg<BN, STAGES, EPI>;
     static bool attr_set = false;
     if (!attr_set) {
-        CK(cudaFuncSetAttribute(hg::gemm_kernel<BN, STAGES, EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cf::SMEM));
+        CK(cudaFuncSetAttribute(hg::gemm_kernel<BN, STAGES, EPI, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cf::SMEM));
         attr_set = true;
     }
     const long long ntn = (p.N + BN - 1) / BN;
@@ -613,16 +682,20 @@ static void launch_impl(Lab& L, const Problem& p, const CUtensorMap& ta, const C
     long long grid = std::min<long long>(L.sms, upper);
     if (max_ctas > 0) grid = std::min<long long>(grid, max_ctas);
     if (grid < 1) grid = 1;
-    hg::gemm_kernel<BN, STAGES, EPI><<<(int)grid, hg::THREADS, Cf::SMEM, L.stream>>>(ta, tb, p.C, p.m_dev, p.G, p.N, p.K, p.a_rows,
+    hg::gemm_kernel<BN, STAGES, EPI, PP><<<(int)grid, hg::THREADS, Cf::SMEM, L.stream>>>(ta, tb, p.C, p.m_dev, p.G, p.N, p.K, p.a_rows,
                                                                               L.wd_dev, L.timeout_ns);
     CK(cudaGetLastError());
 }
 
 static Variant g_variants[] = {
-    {"128x256 4st reg-epi", 256, 4, hg::Cfg<256, 4, 0>::SMEM, launch_impl<256, 4, 0>, hg::gemm_kernel<256, 4, 0>},
-    {"128x128 6st reg-epi", 128, 6, hg::Cfg<128, 6, 0>::SMEM, launch_impl<128, 6, 0>, hg::gemm_kernel<128, 6, 0>},
-    {"128x256 3st smem-epi", 256, 3, hg::Cfg<256, 3, 1>::SMEM, launch_impl<256, 3, 1>, hg::gemm_kernel<256, 3, 1>},
-    {"128x128 5st smem-epi", 128, 5, hg::Cfg<128, 5, 1>::SMEM, launch_impl<128, 5, 1>, hg::gemm_kernel<128, 5, 1>},
+#define HG_VARIANT(name, bn, st, epi, pp) {name, bn, st, hg::Cfg<bn, st, epi>::SMEM, launch_impl<bn, st, epi, pp>, hg::gemm_kernel<bn, st, epi, pp>}
+    HG_VARIANT("coop 128x256 4st reg", 256, 4, 0, 0),
+    HG_VARIANT("coop 128x128 6st reg", 128, 6, 0, 0),
+    HG_VARIANT("coop 128x256 3st smem", 256, 3, 1, 0),
+    HG_VARIANT("coop 128x128 5st smem", 128, 5, 1, 0),
+    HG_VARIANT("pp 128x128 6st reg", 128, 6, 0, 1),
+    HG_VARIANT("pp 128x128 4st smem", 128, 4, 1, 1),
+#undef HG_VARIANT
 };
 constexpr int NVAR = sizeof(g_variants) / sizeof(g_variants[0]);
 
@@ -863,8 +936,18 @@ static void diagnose(const Case& c, int bn) {
             lr = (r - gs) % hg::BM;
             warpq[(lr % 64) / 16]++, half[(lr % 16) / 8]++, colpos[col % 8]++;
             if (shown < 6) {
-                fprintf(stderr, "      bad C[%lld][%d] (group %d, row %lld of its tile, col %d of its tile): got %g want %g\n", r, col,
+                // where does the wrong value belong? search the reference over this tile's rows and all columns:
+                // a hit means a layout/permutation bug (rows or columns in the wrong place), none means the
+                // operands were read wrongly (descriptor, swizzle, k offsets)
+                long long tr0 = r - lr, hr = -1;
+                int hc = -1;
+                for (long long rr = tr0; rr < std::min<long long>(tr0 + hg::BM, c.rows) && hr < 0; rr++)
+                    for (int cc = 0; cc < c.N; cc++)
+                        if (__bfloat162float(ref[(size_t)rr * c.N + cc]) == gv && gv != 0.f) { hr = rr, hc = cc; break; }
+                fprintf(stderr, "      bad C[%lld][%d] (group %d, row %lld of its tile, col %d of its tile): got %g want %g", r, col,
                         g, lr, col % bn, gv, rv);
+                if (hr >= 0) fprintf(stderr, "; got equals ref C[%lld][%d] (tile row %lld, col %d)\n", hr, hc, hr - tr0, hc % bn);
+                else fprintf(stderr, "; got matches no reference element of the tile's rows\n");
                 shown++;
             }
         }
