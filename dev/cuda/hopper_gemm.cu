@@ -103,6 +103,8 @@
  *   Qwen3-30B-A3B fc1 (128 x 256 rows, N 1536, K 2048) ~550 balanced, ~470 uneven (partial row tiles);
  *   Qwen3 fc2 (N 2048, K 768: 12 k-blocks per tile, epilogue-heavy) ~450;
  *   Mixtral fc1 (8 x 1024, N 28672, K 4096) ~650, fc2 (N 4096, K 14336) ~650.
+ *   (best variant per case; the ping-pong variants expected best where K is small (Qwen3 fc2), the
+ *   128x256 cooperative ones at large K; staged epilogues a few % ahead of register epilogues.)
  */
 #include <cuda.h>          // CUtensorMap and its enums (types only; no -lcuda)
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled_v12000
