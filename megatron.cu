@@ -7748,6 +7748,7 @@ typedef struct {
                               the received order, and the rows' of this rank's tokens as they come back */
     /* context parallelism (NULL at CP = 1): attention's buffers (megatron.h mt_cp_scratch_bytes, cp_scratch) */
     void* cp;
+    size_t cp_bytes;     /* their size, mt_cp_scratch_bytes as the layout carved it (0 at CP = 1) */
     /* saved per layer: */
     void* moe_ep_in;       /* [L, Rexp, h] the local experts' input rows, in local-expert order */
     float* moe_ep_prob;    /* [L, Rexp] their probabilities */
@@ -8521,7 +8522,7 @@ static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs
             if (cp_p2p(s)) /* the ring over the CP group (section 9.5); its scratch is act.cp */
                 cp_ring_attention_forward(ex, &t->groups.cp_ring, heads_rows_view(s, out), lse, cview(in.q),
                                           cview(in.k), cview(in.v), s.B, s.heads, s.groups, s.S, s.d, drop,
-                                          dims.doc_start, t->act.cp, (size_t)mt_cp_scratch_bytes(&t->cfg));
+                                          dims.doc_start, t->act.cp, t->act.cp_bytes);
             else
                 CUDA_CHECK(ex->error, flash_attention_forward(heads_rows_view(sa, out), lse, cview(in.q), cview(in.k),
                                                               cview(in.v), sa.B, sa.heads, sa.groups, sa.S, sa.d,
@@ -8584,7 +8585,7 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
                                            cview(heads_rows_view(s, (void*)do_rows)), cview(in.q), cview(in.k),
                                            cview(in.v), cview(heads_rows_view(s, (void*)o_rows)), lse, s.B, s.heads,
                                            s.groups, s.S, s.d, drop, dims.doc_start, t->act.cp,
-                                           (size_t)mt_cp_scratch_bytes(&t->cfg));
+                                           t->act.cp_bytes);
             else
                 CUDA_CHECK(ex->error, flash_attention_backward(out.q, out.k, out.v, a->dsum,
                                                                cview(heads_rows_view(sa, (void*)do_rows)), cview(in.q),
@@ -11590,6 +11591,7 @@ static void layout_activations(mt_activations* slots, const mt_activation_layout
             const size_t at = L->offset[r] + (r >= MT_ACT_RESIDUAL ? (size_t)k * L->saved_bytes : 0);
             *regions[r] = L->bytes[r] ? base + at : NULL;
         }
+        a->cp_bytes = L->bytes[MT_ACT_CP];
         static_assert(MT_ACT_REGIONS == 68, "every activation region has its pointer above");
     }
 }

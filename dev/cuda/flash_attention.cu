@@ -10,6 +10,10 @@
  *   nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90,code=sm_90 -o flash_attention dev/cuda/flash_attention.cu -lcublas -lcublasLt
  *   ./flash_attention
  * Add -Xptxas -v to read each kernel's registers, shared memory and spills.
+ *   ./flash_attention --bench B,H,Hkv,T,d [--bench ...]
+ * times only the given shapes (no reference, no checks: tests/test_flash.h and the default run check
+ * the kernels), forward and backward separately, and prints one "BENCH ..." line per shape
+ * (dev/bench/cp_bench.sh reads it; its PyTorch counterpart is dev/bench/attention_sdpa.py).
  *
  * ---- Layout (the same as megatron.cu's attention) -----------------------------------------------
  *   (the lab's layout; the kernels take any strided view of it, megatron.cu's fa::heads_view, so the
@@ -256,7 +260,24 @@ static void fill_random(bf16* dst, size_t n, float amp) {
     LAB_CHECK(cudaMemcpy(dst, h.data(), n * 2, cudaMemcpyHostToDevice));
 }
 
-static void alloc_buffers(Buffers* x, Shape s, bool with_ref) {
+/* the same distribution made on the device (splitmix64 of the index and a seed), for the benchmark's
+ * long sequences, where the host loop above would take seconds per buffer */
+__global__ void fill_random_kernel(bf16* dst, size_t n, float amp, uint64_t seed) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t z = seed + (i + 1) * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        const float u = (float)(z >> 40) / 16777216.0f, mag = 0.02f + (amp - 0.02f) * u;
+        dst[i] = __float2bfloat16((z & 1) ? -mag : mag);
+    }
+}
+static void fill_random_device(bf16* dst, size_t n, float amp, uint64_t seed) {
+    fill_random_kernel<<<1024, 256>>>(dst, n, amp, seed);
+    LAB_CHECK(cudaGetLastError());
+}
+
+static void alloc_buffers(Buffers* x, Shape s, bool with_ref, bool device_fill = false) {
     memset(x, 0, sizeof(*x));
     x->s = s;
     x->nq = (size_t)s.B * s.H * s.T * s.d;
@@ -285,6 +306,13 @@ static void alloc_buffers(Buffers* x, Shape s, bool with_ref) {
     }
     /* Q, K with |x| < 1.7 (so scale * q.k has a spread of about 1 and the softmax is not flat),
      * V and dO with |x| < 1 */
+    if (device_fill) {
+        fill_random_device(x->Q, x->nq, 1.7f, 1);
+        fill_random_device(x->K, x->nkv, 1.7f, 2);
+        fill_random_device(x->V, x->nkv, 1.0f, 3);
+        fill_random_device(x->dO, x->nq, 1.0f, 4);
+        return;
+    }
     fill_random(x->Q, x->nq, 1.7f);
     fill_random(x->K, x->nkv, 1.7f);
     fill_random(x->V, x->nkv, 1.0f);
@@ -453,6 +481,47 @@ static void bench_shape(Shape s) {
     free_buffers(&x);
 }
 
+/* --bench B,H,Hkv,T,d: one shape timed alone, without the reference's buffers (its T x T score matrices
+ * would not fit at long T). The same causal FLOP count as bench_shape (and as attention_sdpa.py):
+ * forward 2*B*H*T^2*d, backward 2.5x that. CUDA events around each call, WARMUP calls first, the median
+ * of REPS; the backward reads the forward's O and LSE, made once before it. */
+static int bench_one(const char* spec) {
+    Shape s;
+    char tail;
+    if (sscanf(spec, "%d,%d,%d,%d,%d%c", &s.B, &s.H, &s.Hkv, &s.T, &s.d, &tail) != 5 || s.B < 1 || s.B > 1024 ||
+        s.H < 1 || s.H > 1024 || s.Hkv < 1 || s.Hkv > s.H || s.H % s.Hkv != 0 || s.T < 1 || s.T > (1 << 22) ||
+        (s.d != 64 && s.d != 128)) {
+        fprintf(stderr, "flash_attention: --bench wants B,H,Hkv,T,d (H a multiple of Hkv, d 64 or 128), not '%s'\n",
+                spec);
+        return 2;
+    }
+    const double q_bytes = 2.0 * s.B * s.H * (double)s.T * s.d, kv_bytes = 2.0 * s.B * s.Hkv * (double)s.T * s.d;
+    size_t free_b = 0, total_b = 0;
+    LAB_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    const double need = 4 * q_bytes + 4 * kv_bytes + 8.0 * s.B * s.H * s.T; /* Q O dO dQ, K V dK dV, LSE Dsum */
+    if (need > 0.95 * (double)free_b) {
+        fprintf(stderr, "flash_attention: --bench %s needs %.1f GiB, %.1f GiB free\n", spec, need / (1 << 30),
+                free_b / (double)(1 << 30));
+        return 1;
+    }
+    Buffers x;
+    alloc_buffers(&x, s, false, true);
+    const double fwd_flop = 2.0 * 2.0 * s.B * s.H * (double)s.T * s.T * s.d / 2.0, bwd_flop = 2.5 * fwd_flop;
+    const int WARMUP = 2, REPS = 7;
+    flash_forward(&x);
+    LAB_CHECK(cudaDeviceSynchronize());
+    float f_ms = median_ms([&] { flash_forward(&x); }, WARMUP, REPS);
+    float b_ms = median_ms([&] { flash_backward(&x); }, WARMUP, REPS);
+    LAB_CHECK(cudaGetLastError());
+    printf("BENCH B=%d H=%d Hkv=%d T=%d d=%d causal bf16 fwd_ms=%.3f fwd_tflops=%.1f bwd_ms=%.3f bwd_tflops=%.1f "
+           "fwdbwd_tflops=%.1f\n",
+           s.B, s.H, s.Hkv, s.T, s.d, f_ms, fwd_flop / f_ms * 1e-9, b_ms, bwd_flop / b_ms * 1e-9,
+           (fwd_flop + bwd_flop) / (f_ms + b_ms) * 1e-9);
+    fflush(stdout);
+    free_buffers(&x);
+    return 0;
+}
+
 /* Tile variants (d = 64): each checked against the reference, then timed like bench_shape. */
 template <int BM, int W>
 static void variant_fwd(Buffers* x, const char* name, double flop) {
@@ -512,6 +581,23 @@ int main(int argc, char** argv) {
     LAB_CHECK(cudaGetDevice(&dev));
     LAB_CHECK(cudaGetDeviceProperties(&prop, dev));
     printf("flash attention lab: %s, %d SMs, sm_%d%d\n", prop.name, prop.multiProcessorCount, prop.major, prop.minor);
+
+    /* ---- --bench B,H,Hkv,T,d ...: the given shapes timed, nothing else ---- */
+    if (argc > 1 && strcmp(argv[1], "--bench") == 0) {
+        int rc = 0;
+        for (int i = 1; i < argc; i += 2) {
+            if (strcmp(argv[i], "--bench") != 0 || i + 1 >= argc) {
+                fprintf(stderr, "flash_attention: usage: %s --bench B,H,Hkv,T,d [--bench B,H,Hkv,T,d ...]\n", argv[0]);
+                return 2;
+            }
+        }
+        for (int i = 2; i < argc; i += 2) {
+            const int r = bench_one(argv[i]);
+            if (r == 2) return 2;
+            rc |= r;
+        }
+        return rc;
+    }
 
     /* ---- correctness: norm-wise relative error against the naive fp32 reference ---- */
     printf("correctness (||out - ref|| / ||ref||, tolerance %.0e; LSE %.0e):\n", TOL, TOL_LSE);
