@@ -6678,8 +6678,9 @@ static void sample_rows(const mt_exec* ex, int32_t* token, float* logprob, float
  * the first round trip. The epilogue is the engine's next elementwise step, rounded as the separate
  * kernels round: the GEMM's output to T, then + bias (to T), then GELU / squared ReLU (to T), or SwiGLU
  * (the warp computes the gate column j and the up column f + j of the [2f, K] weight: act = silu(gate)
- * * up), or RoPE of the QKV rows (GEMV_ROPE, gen_gemv_rope; rope_qkv_rows' arithmetic). Needs K and the x row stride multiples of the 16-byte vector and 16-byte-aligned x and W
- * (gemv_rows_supported); the engine falls back to cuBLAS and the separate kernels otherwise. */
+ * * up), or RoPE of the QKV rows (GEMV_ROPE, gen_gemv_rope; rope_qkv_rows' arithmetic). Needs K and the x
+ * row stride multiples of the 16-byte vector and 16-byte-aligned x and W (gemv_rows_supported); the engine
+ * falls back to cuBLAS and the separate kernels otherwise. */
 #define GEN_GEMV_MAX_ROWS 8 /* decode rows up to which the engine's linears run here (cuBLAS above) */
 #define GEN_GEMV_WARPS 4    /* warps a block: the K slices of a column pair, or column pairs (slices = 1, 2, 4) */
 #define GEN_GEMV_COLS 2     /* output columns per warp (sharing the x loads) */
