@@ -6101,8 +6101,8 @@ static void moe_to_f32(const mt_exec* ex, float* dst, const T* src, int64_t n) {
 /*    deterministic). The decode steps' linears                                                   */
 /*    and norms of few rows have their own kernels here (gemv_rows, norm_rows: see there).        */
 /*    defines: GEN_SPLIT_TOKENS, GEN_MAX_QPG, gen_sample_params, gen_uniform, kv_cache_store,     */
-/*    decode_attention, sample_rows, gather_rows, GEN_GEMV_MAX_ROWS, gemv_rows,                   */
-/*    gemv_rows_supported, norm_rows.                                                             */
+/*    decode_attention, sample_rows, gather_rows, GEN_GEMV_MAX_ROWS, gen_gemv_plan, gemv_rows,    */
+/*    gemv_rows_supported, gen_gemv_rope, gemv_rope_supported, norm_rows.                         */
 /* ============================================================================================== */
 
 #define GEN_SPLIT_TOKENS 64 /* cached positions per split of the decode attention */
@@ -6660,52 +6660,142 @@ static void sample_rows(const mt_exec* ex, int32_t* token, float* logprob, float
  * of logits). These kernels keep many independent 16-byte loads in flight instead.
  *
  * gemv_rows: out [n, M] = x [n, K] W[M, K]^T for n <= GEN_GEMV_MAX_ROWS rows (the engine's linears; cuBLAS
- * above that). One warp per GEN_GEMV_COLS output columns (weight rows): each lane takes the 16-byte
- * vectors lane, lane + 32, ... of the K dimension, GEN_GEMV_UNROLL of them loaded at once per weight row
- * (predicated at the tail, so a row of K = 1600 is one round trip), the x rows (L1-resident) read for
- * each; fp32 products summed per lane in K order with explicit FMAs, then the warp's butterfly. Every
- * output element is that same sum of the same products whatever n is and whichever rows share the
- * launch: bitwise repeatable, a request's results independent of the batch beside it. The epilogue is
- * the engine's next elementwise step, rounded as the separate kernels round: the GEMM's output to T,
- * then + bias (to T), then GELU / squared ReLU (to T), or SwiGLU (the warp computes the gate column j
- * and the up column f + j of the [2f, K] weight: act = silu(gate) * up). Needs K and the x row stride
- * multiples of the 16-byte vector and 16-byte-aligned x and W (gemv_rows_supported); the engine falls
- * back to cuBLAS and the separate kernels otherwise. */
+ * above that). The weights are read once a step and nothing else in it is: the kernel is a copy of W
+ * into registers at the bandwidth of HBM, which needs some 32-64 KB in flight on every SM the whole
+ * time. A warp takes GEN_GEMV_COLS output columns (weight rows) over one slice of K's 16-byte vectors:
+ * each lane loads its vectors lane, lane + 32, ... of the slice, GEN_GEMV_UNROLL of them per weight row
+ * at once (streaming loads, not kept in L1), all before its first product, so a slice of up to
+ * 32 x GEN_GEMV_UNROLL vectors is one round trip to memory (8 KB a warp in flight). K is cut into 1, 2
+ * or 4 slices (gen_gemv_plan, from the output width and K alone): as many as one round trip a warp
+ * needs, and more while the launch has fewer than GEN_GEMV_TARGET_WARPS warps (a narrow output such as
+ * a 1600-wide projection would leave SMs idle otherwise). The slices of a column pair are consecutive
+ * warps of one block: each sums its products per lane in K order with explicit FMAs, then the warp's
+ * butterfly; the block's first slice adds the others' sums in slice order (shared memory, no second
+ * launch). Every output element is that same sum of the same products whatever n is and whichever rows
+ * share the launch: bitwise repeatable, a request's results independent of the batch beside it. As a
+ * programmatic dependent launch (gen_launch) the first round of weight loads goes out before the wait
+ * for the previous kernel (the weights depend on nothing in the step): the previous kernel's tail hides
+ * the first round trip. The epilogue is the engine's next elementwise step, rounded as the separate
+ * kernels round: the GEMM's output to T, then + bias (to T), then GELU / squared ReLU (to T), or SwiGLU
+ * (the warp computes the gate column j and the up column f + j of the [2f, K] weight: act = silu(gate)
+ * * up), or RoPE of the QKV rows (GEMV_ROPE, gen_gemv_rope; rope_qkv_rows' arithmetic). Needs K and the x
+ * row stride multiples of the 16-byte vector and 16-byte-aligned x and W (gemv_rows_supported); the engine
+ * falls back to cuBLAS and the separate kernels otherwise. */
 #define GEN_GEMV_MAX_ROWS 8 /* decode rows up to which the engine's linears run here (cuBLAS above) */
-#define GEN_GEMV_WARPS 2     /* small blocks: a narrow output (1600 columns, 400 blocks) spreads evenly over the SMs */
+#define GEN_GEMV_WARPS 4    /* warps a block: the K slices of a column pair, or column pairs (slices = 1, 2, 4) */
 #define GEN_GEMV_COLS 2     /* output columns per warp (sharing the x loads) */
 #define GEN_GEMV_UNROLL 8   /* 16-byte weight vectors per lane and column in flight (SwiGLU: half, for two rows) */
-enum { GEMV_PLAIN = 0, GEMV_GELU = 1, GEMV_SQUARED_RELU = 2, GEMV_SWIGLU = 3 };
+#define GEN_GEMV_TARGET_WARPS 2048 /* warps a launch aims at: some 16 per SM of a 132-SM GPU (a constant, so */
+                                   /* that the sums' order never depends on the device) */
+enum { GEMV_PLAIN = 0, GEMV_GELU = 1, GEMV_SQUARED_RELU = 2, GEMV_SWIGLU = 3, GEMV_ROPE = 4 };
+
+/* GEMV_ROPE: the QKV linear with RoPE fused (the rows' q and k heads rotated at their positions, as
+ * rope_qkv_rows does after it otherwise; no kernel of its own in a decode step). The output is the fused
+ * QKV row [groups (qpg + 2) d]; a warp's column pair is then the two columns a rotation mixes, (e, e + rot/2)
+ * of a q or k head for e < rot/2, else two neighbours (the head's unrotated channels, the v head), so both
+ * values of a rotation are in one warp's sums. cos, sin [positions, rot/2], positions [n] of the rows. */
+typedef struct {
+    const float* cos;
+    const float* sin;
+    const int32_t* positions;
+    int d, rot, qpg;
+} gen_gemv_rope;
+
+/* The two output columns of column pair p under GEMV_ROPE (see there); the pair's rotation channel in *e
+ * (-1: not rotated). A bijection of the pairs onto the columns (d and rot even). */
+__host__ __device__ static inline void gen_gemv_rope_pair(const gen_gemv_rope& rp, int p, int* ja, int* jb, int* e) {
+    const int per = rp.d / 2, head = p / per, t = p % per, half = rp.rot / 2, base = head * rp.d;
+    const bool rotated_head = head % (rp.qpg + 2) <= rp.qpg; /* q heads and the k head; the v head is not */
+    if (rotated_head && t < half) {
+        *ja = base + t, *jb = base + t + half, *e = t;
+    } else {
+        const int c = rotated_head ? rp.rot + 2 * (t - half) : 2 * t;
+        *ja = base + c, *jb = base + c + 1, *e = -1;
+    }
+}
+
+/* A launch's cut of K: slices of `span` vectors (a multiple of 8: whole 128-byte lines), slice s of column
+ * pair p being warp s of the pair's GEN_GEMV_WARPS / slices in block p / (GEN_GEMV_WARPS / slices);
+ * `passes` rounds of loads a warp (1 unless K exceeds 4 slices of 32 GEN_GEMV_UNROLL / R vectors). */
+typedef struct {
+    int slices, span, passes, blocks;
+} gen_gemv_split;
+
+/* The cut for `cols` output columns over K = Kv vectors, R weight rows per column (2 for SwiGLU): a function
+ * of these alone, never of the row count (the sums' order must not depend on the batch). */
+__host__ __device__ static inline gen_gemv_split gen_gemv_plan(int cols, int Kv, int R) {
+    const int pass = 32 * (GEN_GEMV_UNROLL / R), pairs = (cols + GEN_GEMV_COLS - 1) / GEN_GEMV_COLS;
+    int s = 1;
+    while (s < GEN_GEMV_WARPS && (Kv + s - 1) / s > pass) s *= 2; /* one round trip a warp where 4 slices give it */
+    while (s < GEN_GEMV_WARPS && (int64_t)pairs * s < GEN_GEMV_TARGET_WARPS && Kv / (2 * s) >= 64) s *= 2;
+    gen_gemv_split p;
+    p.slices = s;
+    p.span = ((Kv + s - 1) / s + 7) / 8 * 8;
+    p.passes = (p.span + pass - 1) / pass;
+    p.blocks = (pairs + GEN_GEMV_WARPS / s - 1) / (GEN_GEMV_WARPS / s);
+    return p;
+}
+
+/* Warp `warp` of block `block` under cut p: its first column j0 and its slice's vectors [kb, ke) (empty past
+ * Kv); the kernel and the host test of the cut (every weight vector read by exactly one warp) share it. */
+__host__ __device__ static inline void gen_gemv_warp(const gen_gemv_split& p, int block, int warp, int Kv, int* j0,
+                                                     int* kb, int* ke) {
+    const int slice = warp % p.slices;
+    *j0 = (block * (GEN_GEMV_WARPS / p.slices) + warp / p.slices) * GEN_GEMV_COLS;
+    *kb = slice * p.span < Kv ? slice * p.span : Kv;
+    *ke = *kb + p.span < Kv ? *kb + p.span : Kv;
+}
+
+/* A 16-byte weight vector, streamed: the read-only path, not allocated in L1 (read once), 256-byte L2 fetches. */
+__device__ __forceinline__ int4 gen_load_stream(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
 
 template <typename T, int NR, int EPI>
 __global__ void __launch_bounds__(32 * GEN_GEMV_WARPS) gemv_rows_kernel(T* out, int ldo, const T* x, int ldx,
                                                                         const T* W, const T* bias, int n, int cols,
-                                                                        int K) {
+                                                                        int K, gen_gemv_split p, gen_gemv_rope rp) {
     constexpr int V = vec16<T>::N;
     constexpr int C = GEN_GEMV_COLS;
-    const int lane = threadIdx.x % 32;
-    const int j0 = (blockIdx.x * GEN_GEMV_WARPS + threadIdx.x / 32) * C;
+    constexpr int R = EPI == GEMV_SWIGLU ? 2 : 1;
+    constexpr int U = GEN_GEMV_UNROLL / R; /* the same bytes in flight, SwiGLU's two rows in the registers of one */
+    __shared__ float s_part[GEN_GEMV_WARPS][R][C][NR];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, Kv = K / V;
+    int j0, kb, ke;
+    gen_gemv_warp(p, blockIdx.x, warp, Kv, &j0, &kb, &ke);
     gen_pdl_trigger();
-    if (j0 < cols) /* the first weights into L2 while the previous kernel finishes (they depend on nothing) */
-        for (int c = 0; c < C && j0 + c < cols; c++)
-            for (int u = 0; u < GEN_GEMV_UNROLL; u++) {
-                const int k = (u * 32 + lane) * V;
-                if (k < K) asm volatile("prefetch.global.L2 [%0];" ::"l"(W + (int64_t)(j0 + c) * K + k));
-            }
-    gen_pdl_wait();
-    if (j0 >= cols) return; /* the whole warp leaves; no barrier below */
-    const T* wr[C];
+    static_assert(EPI != GEMV_ROPE || C == 2, "a rotation's two columns in one warp");
+    int jc[C], rot_e = -1; /* the warp's output columns; GEMV_ROPE: the pair's rotation channel */
+#pragma unroll
+    for (int c = 0; c < C; c++) jc[c] = j0 + c;
+    if (EPI == GEMV_ROPE && j0 < cols) gen_gemv_rope_pair(rp, j0 / 2, &jc[0], &jc[C - 1], &rot_e);
+    const int4* wr[R][C];
     bool has[C];
 #pragma unroll
     for (int c = 0; c < C; c++) {
         has[c] = j0 + c < cols;
-        const int j = has[c] ? j0 + c : j0; /* a missing column reads column j0's weights, never stored */
-        wr[c] = W + (int64_t)j * K;
+        const int64_t j = has[c] ? jc[c] : 0; /* a missing column loads nothing (its loads predicated off) */
+        wr[0][c] = reinterpret_cast<const int4*>(W) + j * Kv;
+        if (R == 2) wr[R - 1][c] = reinterpret_cast<const int4*>(W) + (j + cols) * Kv; /* SwiGLU: the up row f + j */
     }
-    const T* wu[C]; /* SwiGLU: the up rows f + j */
+    int4 w[R][C][U];
+    auto load_round = [&](int base) { /* the round's vectors base + 32 u + lane of every row, all at once */
 #pragma unroll
-    for (int c = 0; c < C; c++) wu[c] = EPI == GEMV_SWIGLU ? wr[c] + (int64_t)cols * K : wr[c];
-    constexpr int R = EPI == GEMV_SWIGLU ? 2 : 1;
+        for (int u = 0; u < U; u++) {
+            const int k = base + u * 32 + lane;
+#pragma unroll
+            for (int c = 0; c < C; c++)
+#pragma unroll
+                for (int q = 0; q < R; q++)
+                    w[q][c][u] = has[c] && k < ke ? gen_load_stream(wr[q][c] + k) : make_int4(0, 0, 0, 0);
+        }
+    };
+    load_round(kb); /* before the wait: the weights depend on nothing earlier in the step */
+    gen_pdl_wait();
     float acc[R][C][NR];
 #pragma unroll
     for (int q = 0; q < R; q++)
@@ -6713,29 +6803,19 @@ __global__ void __launch_bounds__(32 * GEN_GEMV_WARPS) gemv_rows_kernel(T* out, 
         for (int c = 0; c < C; c++)
 #pragma unroll
             for (int r = 0; r < NR; r++) acc[q][c][r] = 0.0f;
-    const T* xr[NR];
+    const int4* xr[NR];
 #pragma unroll
-    for (int r = 0; r < NR; r++) xr[r] = x + (int64_t)(r < n ? r : n - 1) * ldx; /* rows past n: discarded */
-    constexpr int U = GEN_GEMV_UNROLL / R; /* the same bytes in flight, SwiGLU's two rows in the registers of one */
-    for (int base = 0; base < K; base += 32 * V * U) {
-        int4 w[R][C][U];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int k = base + (u * 32 + lane) * V;
-#pragma unroll
-            for (int c = 0; c < C; c++) {
-                w[0][c][u] = k < K ? __ldcs(reinterpret_cast<const int4*>(wr[c] + k)) : make_int4(0, 0, 0, 0);
-                if (R == 2)
-                    w[R - 1][c][u] = k < K ? __ldcs(reinterpret_cast<const int4*>(wu[c] + k)) : make_int4(0, 0, 0, 0);
-            }
-        }
+    for (int r = 0; r < NR; r++) /* rows past n: row n - 1 again, discarded */
+        xr[r] = reinterpret_cast<const int4*>(x + (int64_t)(r < n ? r : n - 1) * ldx);
+    for (int base = kb; base < ke; base += 32 * U) {
+        if (base != kb) load_round(base);
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            const int k = base + (u * 32 + lane) * V;
-            if (k >= K) break;
+            const int k = base + u * 32 + lane;
+            if (k >= ke) break;
 #pragma unroll
             for (int r = 0; r < NR; r++) {
-                const int4 raw = __ldg(reinterpret_cast<const int4*>(xr[r] + k));
+                const int4 raw = __ldg(xr[r] + k);
                 const T* xe = reinterpret_cast<const T*>(&raw);
 #pragma unroll
                 for (int q = 0; q < R; q++)
@@ -6754,15 +6834,42 @@ __global__ void __launch_bounds__(32 * GEN_GEMV_WARPS) gemv_rows_kernel(T* out, 
         for (int c = 0; c < C; c++)
 #pragma unroll
             for (int r = 0; r < NR; r++) acc[q][c][r] = warp_sum(acc[q][c][r]);
-    /* lane (c, r) stores element (r, j0 + c) */
+    if (p.slices > 1) { /* the pair's slices: the first adds the others' sums in slice order */
+        if (lane == 0)
+#pragma unroll
+            for (int q = 0; q < R; q++)
+#pragma unroll
+                for (int c = 0; c < C; c++)
+#pragma unroll
+                    for (int r = 0; r < NR; r++) s_part[warp][q][c][r] = acc[q][c][r];
+        __syncthreads();
+        if (warp % p.slices != 0) return; /* after the block's only barrier */
+#pragma unroll
+        for (int q = 0; q < R; q++)
+#pragma unroll
+            for (int c = 0; c < C; c++)
+#pragma unroll
+                for (int r = 0; r < NR; r++)
+                    for (int s = 1; s < p.slices; s++) acc[q][c][r] += s_part[warp + s][q][c][r];
+    }
+    /* lane (c, r) stores element (r, jc[c]) */
 #pragma unroll
     for (int c = 0; c < C; c++)
 #pragma unroll
         for (int r = 0; r < NR; r++) {
             if (lane != c * NR + r || r >= n || !has[c]) continue;
-            const int j = j0 + c;
+            const int j = jc[c];
             float y = to_float(from_float<T>(acc[0][c][r])); /* the GEMM's output in T */
             if (bias) y = to_float(from_float<T>(y + to_float(bias[j])));
+            if (EPI == GEMV_ROPE && rot_e >= 0) { /* rope_qkv_rows_kernel's rotation of (x[e], x[e + half]), in T */
+                const int o = C - 1 - c, jo = jc[o];
+                float y2 = to_float(from_float<T>(acc[0][o][r]));
+                if (bias) y2 = to_float(from_float<T>(y2 + to_float(bias[jo])));
+                const float a = c == 0 ? y : y2, b = c == 0 ? y2 : y;
+                const int64_t at = (int64_t)rp.positions[r] * (rp.rot / 2) + rot_e;
+                const float cs = rp.cos[at], sn = rp.sin[at];
+                y = c == 0 ? a * cs - b * sn : b * cs + a * sn;
+            }
             if (EPI == GEMV_GELU) y = activation<ACT_GELU>(y);
             if (EPI == GEMV_SQUARED_RELU) y = activation<ACT_SQUARED_RELU>(y);
             if (EPI == GEMV_SWIGLU) {
@@ -6782,24 +6889,41 @@ static bool gemv_rows_supported(int n, int K, const T* x, int ldx, const T* W) {
     return n >= 1 && n <= GEN_GEMV_MAX_ROWS && K >= V && K % V == 0 && ldx % V == 0 && aligned16(x) && aligned16(W);
 }
 
+/* GEMV_ROPE takes this QKV geometry: whole heads of d channels (d, rot even, rot <= d), qpg + 2 heads a group. */
+static bool gemv_rope_supported(int d, int rot, int qpg, int cols) {
+    return d >= 2 && d % 2 == 0 && rot >= 2 && rot % 2 == 0 && rot <= d && qpg >= 1 && cols % (d * (qpg + 2)) == 0;
+}
+
 /* out [n, ldo] (columns 0 .. cols-1) = epilogue(x [n, ldx] W^T + bias): W [cols, K] (SwiGLU: [2 cols, K],
- * the gate rows then the up rows, bias [2 cols]); bias may be NULL. Needs gemv_rows_supported. pdl: a
- * programmatic dependent launch (gen_launch). */
+ * the gate rows then the up rows, bias [2 cols]); bias may be NULL. Needs gemv_rows_supported (and for
+ * GEMV_ROPE, rope with gemv_rope_supported). pdl: a programmatic dependent launch (gen_launch). */
 template <typename T>
 static void gemv_rows(const mt_exec* ex, int epi, T* out, int ldo, const T* x, int ldx, const T* W, const T* bias, int n,
-                      int cols, int K, bool pdl = false) {
+                      int cols, int K, bool pdl = false, const gen_gemv_rope* rope = NULL) {
     if (n == 0) return;
     if (!gemv_rows_supported<T>(n, K, x, ldx, W)) {
         mt_gpu_fail(ex->error, MT_ERR_CONFIG, "gemv_rows: %d rows of K %d (ldx %d) it does not take", n, K, ldx);
         return;
     }
-    const dim3 grid(ceil_div(cols, GEN_GEMV_WARPS * GEN_GEMV_COLS)), block(32 * GEN_GEMV_WARPS);
-#define GEN_GEMV_LAUNCH(NR, E) gen_launch(ex, pdl, gemv_rows_kernel<T, NR, E>, grid, block, 0, out, ldo, x, ldx, W, bias, n, cols, K)
+    gen_gemv_rope rp;
+    memset(&rp, 0, sizeof(rp));
+    if (epi == GEMV_ROPE) {
+        if (!rope || !gemv_rope_supported(rope->d, rope->rot, rope->qpg, cols)) {
+            mt_gpu_fail(ex->error, MT_ERR_CONFIG, "gemv_rows: RoPE over %d columns it does not take", cols);
+            return;
+        }
+        rp = *rope;
+    }
+    const gen_gemv_split p = gen_gemv_plan(cols, K / vec16<T>::N, epi == GEMV_SWIGLU ? 2 : 1);
+    const dim3 grid(p.blocks), block(32 * GEN_GEMV_WARPS);
+#define GEN_GEMV_LAUNCH(NR, E) \
+    gen_launch(ex, pdl, gemv_rows_kernel<T, NR, E>, grid, block, 0, out, ldo, x, ldx, W, bias, n, cols, K, p, rp)
 #define GEN_GEMV_EPI(NR)                                                  \
     switch (epi) {                                                        \
         case GEMV_GELU: GEN_GEMV_LAUNCH(NR, GEMV_GELU); break;            \
         case GEMV_SQUARED_RELU: GEN_GEMV_LAUNCH(NR, GEMV_SQUARED_RELU); break; \
         case GEMV_SWIGLU: GEN_GEMV_LAUNCH(NR, GEMV_SWIGLU); break;        \
+        case GEMV_ROPE: GEN_GEMV_LAUNCH(NR, GEMV_ROPE); break;            \
         default: GEN_GEMV_LAUNCH(NR, GEMV_PLAIN); break;                  \
     }
     if (n == 1) GEN_GEMV_EPI(1)
@@ -12616,7 +12740,8 @@ mt_status mt_device_info(char* name, size_t name_size, size_t* free_bytes, size_
 /*    tables, its blocks taken at mt_generator_add for every position it can ever cache, so a     */
 /*    running request never waits for memory), and the step: the rows of the prompts prefilled    */
 /*    now and of one token per decoding request go through the layers together (the forward's    */
-/*    launchers: embedding at the rows' positions, norms, GEMMs, RoPE at the rows' positions,     */
+/*    launchers: embedding at the rows' positions, norms, GEMMs, RoPE at the rows' positions (in  */
+/*    the QKV GEMV's epilogue where the step's linears run there),                                */
 /*    activations) with the K/V of every row stored into its request's blocks before the         */
 /*    attention of section 22 reads them; the final norm's rows that need logits (the last of a  */
 /*    prompt, each decoding row, a prompt's every row for its log-probabilities) are gathered,    */
@@ -13014,14 +13139,21 @@ static void gen_forward(mt_generator* g, int n, int n_sel, bool decode_only) {
     const int epi = s.swiglu ? GEMV_SWIGLU : s.act == ACT_SQUARED_RELU ? GEMV_SQUARED_RELU : GEMV_GELU;
     for (int l = 0; l < s.L; l++) {
         const layer_tensors<T> p = layer_params<T>(t, l);
-        gen_linear<T>(g, &ex, GEMV_PLAIN, qkv, NULL, ln, s.h, p.qkv_w, p.qkv_b, n, s.qkv_width);
+        /* RoPE in the QKV GEMV's epilogue where it takes the step (no --qk-layernorm between them) */
+        const gen_gemv_rope rope = {g->rope_cos, g->rope_sin, positions, s.d, s.rot, g->qpg};
+        const bool fused_rope = s.rot > 0 && !s.qk_norm && g->use_gemv && gemv_rows_supported<T>(n, s.h, ln, s.h, p.qkv_w) &&
+                                gemv_rope_supported(s.d, s.rot, g->qpg, s.qkv_width);
+        if (fused_rope)
+            gemv_rows<T>(&ex, GEMV_ROPE, qkv, s.qkv_width, ln, s.h, p.qkv_w, p.qkv_b, n, s.qkv_width, s.h, pdl, &rope);
+        else
+            gen_linear<T>(g, &ex, GEMV_PLAIN, qkv, NULL, ln, s.h, p.qkv_w, p.qkv_b, n, s.qkv_width);
         T* rows = qkv;
         if (s.qk_norm) {
             qk_norm_forward<T>(&ex, dims, (T*)g->qk_rows, g->qk_stats, qkv, p.q_ln_w, p.q_ln_b, p.k_ln_w, p.k_ln_b, eps,
                                s.rms, s.norm_w1);
             rows = (T*)g->qk_rows;
         }
-        rope_qkv_rows<T>(&ex, dims, rows, false); /* at each row's position (dims.positions) */
+        if (!fused_rope) rope_qkv_rows<T>(&ex, dims, rows, false); /* at each row's position (dims.positions) */
         if (!decode_only)
             kv_cache_store<T>(&ex, (T*)g->pool, rows, slots, positions, g->tables, g->max_blocks, n, s.groups, g->qpg, s.d,
                               l, s.L, g->gc.block_tokens);

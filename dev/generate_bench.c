@@ -13,9 +13,11 @@
  *
  *   dev/generate_bench [--model gpt2-1.5b|llama-3.2-1b] [--batches 1,8,64] [--prompt 128] [--new 256]
  *   dev/generate_bench --gemv
- * --gemv: the engine's decode GEMV against cuBLAS (mt_decode_gemv_benchmark) for both models' linears at 1, 8
- * and 16 rows: microseconds a product, GB/s (weights + activations read and written) and the share of the
- * copy bandwidth. MT_GEN_GEMV=0 in the environment runs the engine's decode steps on cuBLAS (to compare).
+ * --gemv: the engine's decode GEMV against cuBLAS (mt_decode_gemv_benchmark) for both models' linears at 1, 2,
+ * 4, 8 and 16 rows: microseconds a product, GB/s (weights + activations read and written) and the share of the
+ * copy bandwidth, for each, and cuBLAS's time over ours; then a layer's four linears summed. Each decode batch
+ * also prints a line `RESULT {json}` (dev/bench/generate_bench.sh's table reads them). MT_GEN_GEMV=0 in the
+ * environment runs the engine's decode steps on cuBLAS (to compare).
  * Built by `make dev/generate_bench`; dev/bench/generate_bench.sh runs both models. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,7 +56,9 @@ static int model_config(const char* name, mt_config* c) {
     return 0;
 }
 
-/* The decode GEMV against cuBLAS for the linears of both models (y [n, M] = x [n, K] W^T, bf16). */
+/* The decode GEMV against cuBLAS for the linears of both models (y [n, M] = x [n, K] W^T, bf16): a line per
+ * shape and row count with both times, their GB/s and share of the copy bandwidth, and cuBLAS's time over
+ * ours; then per model and row count a layer's four linears together (the decode step's weight stream). */
 static int gemv_table(mt_trainer* t, double bandwidth) {
     static const struct {
         const char* model;
@@ -64,14 +68,16 @@ static int gemv_table(mt_trainer* t, double bandwidth) {
                   {"gpt2-1.5b", "fc1", 6400, 1600},    {"gpt2-1.5b", "fc2", 1600, 6400},
                   {"llama-3.2-1b", "qkv", 3072, 2048}, {"llama-3.2-1b", "proj", 2048, 2048},
                   {"llama-3.2-1b", "fc1", 16384, 2048}, {"llama-3.2-1b", "fc2", 2048, 8192}};
-    static const int rows[3] = {1, 8, 16};
+    enum { NSHAPES = sizeof(shapes) / sizeof(shapes[0]), NROWS = 5 };
+    static const int rows[NROWS] = {1, 2, 4, 8, 16};
+    double ours[NSHAPES][NROWS], theirs[NSHAPES][NROWS], moved[NSHAPES][NROWS];
     mt_error err;
     printf("decode GEMV against cuBLAS, bf16, copy bandwidth %.0f GB/s (median of 21 x 10 launches, weights not in L2)\n",
            bandwidth / 1e9);
-    printf("%-13s %-5s %6s %6s %3s %9s %8s %6s %9s %8s %6s\n", "model", "layer", "M", "K", "n", "gemv us", "GB/s", "%bw",
-           "cublas us", "GB/s", "%bw");
-    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
-        for (int k = 0; k < 3; k++) {
+    printf("%-13s %-5s %6s %6s %3s %9s %8s %6s %9s %8s %6s %7s\n", "model", "layer", "M", "K", "n", "gemv us", "GB/s", "%bw",
+           "cublas us", "GB/s", "%bw", "cublas/");
+    for (int i = 0; i < NSHAPES; i++)
+        for (int k = 0; k < NROWS; k++) {
             const int n = rows[k], M = shapes[i].M, K = shapes[i].K;
             double a = 0.0, b = 0.0;
             if (mt_decode_gemv_benchmark(t, n, M, K, &a, &b, &err) != MT_OK) {
@@ -79,10 +85,20 @@ static int gemv_table(mt_trainer* t, double bandwidth) {
                 return 1;
             }
             const double bytes = 2.0 * ((double)M * K + (double)n * K + (double)n * M);
-            printf("%-13s %-5s %6d %6d %3d %9.2f %8.0f %5.1f%% %9.2f %8.0f %5.1f%%\n", shapes[i].model, shapes[i].name, M, K,
-                   n, a * 1e6, bytes / a / 1e9, 100.0 * bytes / a / bandwidth, b * 1e6, bytes / b / 1e9,
-                   100.0 * bytes / b / bandwidth);
+            ours[i][k] = a, theirs[i][k] = b, moved[i][k] = bytes;
+            printf("%-13s %-5s %6d %6d %3d %9.2f %8.0f %5.1f%% %9.2f %8.0f %5.1f%% %6.2fx\n", shapes[i].model, shapes[i].name, M,
+                   K, n, a * 1e6, bytes / a / 1e9, 100.0 * bytes / a / bandwidth, b * 1e6, bytes / b / 1e9,
+                   100.0 * bytes / b / bandwidth, b / a);
             fflush(stdout);
+        }
+    printf("a layer's four linears (separate launches, no overlap):\n");
+    for (int i = 0; i < NSHAPES; i += 4)
+        for (int k = 0; k < NROWS; k++) {
+            double a = 0.0, b = 0.0, bytes = 0.0;
+            for (int j = i; j < i + 4 && j < NSHAPES; j++) a += ours[j][k], b += theirs[j][k], bytes += moved[j][k];
+            printf("%-13s %-5s %6s %6s %3d %9.2f %8.0f %5.1f%% %9.2f %8.0f %5.1f%% %6.2fx\n", shapes[i].model, "all", "", "",
+                   rows[k], a * 1e6, bytes / a / 1e9, 100.0 * bytes / a / bandwidth, b * 1e6, bytes / b / 1e9,
+                   100.0 * bytes / b / bandwidth, b / a);
         }
     return 0;
 }
@@ -192,6 +208,9 @@ int main(int argc, char** argv) {
         const double bound = B / (bytes / bandwidth);
         printf("%6d %10.2f %12.1f %10.3f %14.1f %9.1f%%\n", B, (t1 - t0) * 1e3, B / step_s, step_s * 1e3, bound,
                100.0 * (B / step_s) / bound);
+        printf("RESULT {\"model\": \"%s\", \"batch\": %d, \"ttft_ms\": %.3f, \"tokens_per_s\": %.2f, \"ms_per_step\": "
+               "%.4f, \"bound_tokens_per_s\": %.2f, \"of_bound\": %.2f}\n", model, B, (t1 - t0) * 1e3, B / step_s,
+               step_s * 1e3, bound, 100.0 * (B / step_s) / bound);
         fflush(stdout);
         free(out);
         mt_generator_free(g);

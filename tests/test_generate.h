@@ -4,7 +4,8 @@
  * host: the settings the engine refuses (mt_generator_supported, mt_generator_config_check,
  *       mt_generator_request_check: each bad value named), the blocks a request takes, and the draw's
  *       counter-based uniform (gen_uniform, the same function the sampling kernel calls): in [0, 1),
- *       a function of (seed, index) alone, and uniform (chi-square over 64 bins).
+ *       a function of (seed, index) alone, and uniform (chi-square over 64 bins); the decode GEMV's cut of K
+ *       into slices (every weight vector read once, slices in order, one round of loads a warp).
  * gpu:  on small random GPT-2 and Llama models (fp32; weights scaled up so that attention is peaked
  *       and the logits spread, which makes a wrong position, a wrong cached key or a wrong head show):
  *       KV-cache decoding against a full recompute (mt_trainer_logits of the finished sequence: every
@@ -143,6 +144,96 @@ static test_result test_generate_uniform(void) {
     for (int b = 0; b < 64; b++) chi += (bins[b] - e) * (bins[b] - e) / e;
     EXPECT(chi < 130.0, "chi-square %.1f over 64 bins", chi);
     printf("    chi-square of 2^18 draws over 64 bins: %.1f (63 degrees of freedom)\n", chi);
+    return TEST_PASS;
+}
+
+/* The decode GEMV's cut of K (megatron.cu, gen_gemv_plan and gen_gemv_warp, which gemv_rows_kernel runs): on
+ * both models' linears, shapes with tails (columns not a multiple of a block's, K not of a slice or of a
+ * round of loads) and K past 4 slices of one round, walking every warp's lanes, rounds and loads as the
+ * kernel does: every weight vector of every column read by exactly one load; a column pair's slices the
+ * consecutive warps of one block, in K order (the order the block adds them); one round of loads a warp
+ * wherever 4 slices of 32 GEN_GEMV_UNROLL / R vectors hold K, as the cut promises; the launch cut further
+ * while it has fewer than GEN_GEMV_TARGET_WARPS warps (the 1600-wide projections). A lost tail, a vector
+ * read twice or slices summed out of order fail here without a GPU. */
+static test_result test_generate_gemv_plan(void) {
+    struct {
+        int cols, K, V, R, slices;  /* slices: the cut expected (0: not checked) */
+    } shapes[] = {{4800, 1600, 8, 1, 1},  {1600, 1600, 8, 1, 2},  {6400, 1600, 8, 1, 1},  {1600, 6400, 8, 1, 4},
+                  {3072, 2048, 8, 1, 2},  {2048, 2048, 8, 1, 2},  {8192, 2048, 8, 2, 2},  {2048, 8192, 8, 1, 4},
+                  {257, 1608, 8, 1, 2},   {100, 2056, 8, 2, 4},   {37, 8200, 8, 1, 4},    {3, 8, 8, 1, 1},
+                  {1, 4, 4, 1, 1},        {67, 2052, 4, 2, 4},    {9, 6400, 4, 1, 4},     {130, 1604, 4, 1, 4},
+                  {5, 1000, 4, 1, 0},     {33, 6400, 8, 1, 4},    {515, 2048, 8, 2, 4},   {1, 128, 8, 1, 1}};
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
+        const int cols = shapes[i].cols, Kv = shapes[i].K / shapes[i].V, R = shapes[i].R;
+        const int round = 32 * (GEN_GEMV_UNROLL / R), pairs = (cols + GEN_GEMV_COLS - 1) / GEN_GEMV_COLS;
+        const gen_gemv_split p = gen_gemv_plan(cols, Kv, R);
+        EXPECT(p.slices >= 1 && GEN_GEMV_WARPS % p.slices == 0, "shape %zu: %d slices", i, p.slices);
+        EXPECT(!shapes[i].slices || p.slices == shapes[i].slices, "shape %zu (%d x %d): %d slices, expected %d", i, cols,
+               shapes[i].K, p.slices, shapes[i].slices);
+        EXPECT(p.blocks * (GEN_GEMV_WARPS / p.slices) >= pairs && (p.blocks - 1) * (GEN_GEMV_WARPS / p.slices) < pairs,
+               "shape %zu: %d blocks for %d column pairs", i, p.blocks, pairs);
+        EXPECT(p.slices * round >= Kv ? p.passes == 1 : p.slices == GEN_GEMV_WARPS, "shape %zu: %d slices, %d passes", i,
+               p.slices, p.passes);
+        if (p.slices < GEN_GEMV_WARPS && Kv / (2 * p.slices) >= 64)
+            EXPECT((int64_t)pairs * p.slices >= GEN_GEMV_TARGET_WARPS, "shape %zu: %d warps, could be cut further", i,
+                   pairs * p.slices);
+        std::vector<unsigned char> seen((size_t)cols * Kv, 0);
+        for (int b = 0; b < p.blocks; b++)
+            for (int w = 0; w < GEN_GEMV_WARPS; w++) {
+                int j0, kb, ke;
+                gen_gemv_warp(p, b, w, Kv, &j0, &kb, &ke);
+                if (w % p.slices) { /* the next slice of the previous warp's pair, right after it in K */
+                    int j1, kb1, ke1;
+                    gen_gemv_warp(p, b, w - 1, Kv, &j1, &kb1, &ke1);
+                    EXPECT(j1 == j0 && kb == ke1, "shape %zu block %d warp %d: columns %d / %d, K from %d after %d", i, b,
+                           w, j0, j1, kb, ke1);
+                } else {
+                    EXPECT(kb == 0, "shape %zu block %d warp %d: the first slice starts at %d", i, b, w, kb);
+                }
+                if (w % p.slices == p.slices - 1)
+                    EXPECT(ke == Kv, "shape %zu block %d warp %d: the last slice ends at %d of %d", i, b, w, ke, Kv);
+                int rounds = 0;
+                for (int base = kb; base < ke; base += round, rounds++)
+                    for (int u = 0; u < GEN_GEMV_UNROLL / R; u++)
+                        for (int lane = 0; lane < 32; lane++) {
+                            const int k = base + u * 32 + lane;
+                            for (int c = 0; c < GEN_GEMV_COLS && k < ke; c++)
+                                if (j0 + c < cols) seen[(size_t)(j0 + c) * Kv + k]++;
+                        }
+                EXPECT(rounds <= p.passes, "shape %zu block %d warp %d: %d rounds of loads, the cut says %d", i, b, w,
+                       rounds, p.passes);
+            }
+        for (size_t e = 0; e < seen.size(); e++)
+            EXPECT(seen[e] == 1, "shape %zu (%d x %d): column %zu vector %zu read %d times", i, cols, shapes[i].K,
+                   e / Kv, e % Kv, seen[e]);
+    }
+    /* GEMV_ROPE's column pairs (gen_gemv_rope_pair): every QKV column once; a rotated pair (e, e + rot/2) of a q
+     * or k head with e < rot/2; the v heads and the unrotated channels in neighbouring pairs */
+    const struct {
+        int groups, qpg, d, rot;
+    } heads[] = {{8, 4, 64, 64}, {3, 2, 16, 8}, {1, 1, 2, 2}, {2, 3, 128, 32}, {4, 1, 64, 62}};
+    for (size_t i = 0; i < sizeof(heads) / sizeof(heads[0]); i++) {
+        const gen_gemv_rope rp = {NULL, NULL, NULL, heads[i].d, heads[i].rot, heads[i].qpg};
+        const int d = rp.d, half = rp.rot / 2, cols = heads[i].groups * (rp.qpg + 2) * d;
+        EXPECT(gemv_rope_supported(d, rp.rot, rp.qpg, cols), "RoPE geometry %zu refused", i);
+        std::vector<int> seen(cols, 0);
+        for (int p = 0; p < cols / 2; p++) {
+            int ja, jb, e;
+            gen_gemv_rope_pair(rp, p, &ja, &jb, &e);
+            EXPECT(ja >= 0 && jb < cols && ja / d == jb / d, "RoPE %zu pair %d: columns %d, %d", i, p, ja, jb);
+            const int slot = (ja / d) % (rp.qpg + 2), ea = ja % d;
+            if (slot <= rp.qpg && ea < half)
+                EXPECT(e == ea && jb == ja + half, "RoPE %zu pair %d: (%d, %d) rotation %d", i, p, ja, jb, e);
+            else
+                EXPECT(e == -1 && jb == ja + 1 && (slot > rp.qpg || ea >= rp.rot), "RoPE %zu pair %d: (%d, %d) rotation %d",
+                       i, p, ja, jb, e);
+            seen[ja]++, seen[jb]++;
+        }
+        for (int j = 0; j < cols; j++) EXPECT(seen[j] == 1, "RoPE %zu: column %d in %d pairs", i, j, seen[j]);
+    }
+    EXPECT(!gemv_rope_supported(64, 64, 4, 64 * 6 + 2) && !gemv_rope_supported(63, 62, 1, 63 * 3) &&
+               !gemv_rope_supported(64, 66, 1, 64 * 3),
+           "a RoPE geometry with a partial head, an odd head or rot > d taken");
     return TEST_PASS;
 }
 
@@ -722,8 +813,10 @@ static test_result test_generate_gpu_transformers(void) {
 
 /* The decode GEMV (megatron.cu section 22, gemv_rows) against a float64 host reference on random operands,
  * per element, fp32 and bf16, every epilogue (+ bias, GELU, squared ReLU, SwiGLU), shapes with tails: K not
- * a multiple of the 32-lane x 8-vector tile (a lane's last vectors predicated off), output columns not a
- * multiple of a block's 8, rows 1 .. 8 (row counts between the kernels' 1, 2, 4, 8). The reference rounds
+ * a multiple of the 32-lane x 8-vector round (a lane's last vectors predicated off), output columns not a
+ * multiple of a block's, rows 1 .. 8 (row counts between the kernels' 1, 2, 4, 8), and every cut of K
+ * (gen_gemv_plan: 1, 2 and 4 slices summed in the block, with SwiGLU too, and slices of two rounds of loads:
+ * K 8200 in bf16, 6400 and 2052 in fp32; test_generate_gemv_plan checks the cut itself on the host). The reference rounds
  * where the kernel rounds (the product to T, + bias to T, the activation to T); the tolerance follows each
  * step: the fp32 sum of K products differs from the exact one by at most K 2^-24 sum|w x| (fp32's
  * accumulation bound), a rounding to T may then land one unit (2^-7 relative in bf16, 2^-23 in fp32) away,
@@ -833,6 +926,81 @@ static test_result tgen_gemv_case(int n, int cols, int K, int epi, bool with_bia
     return TEST_PASS;
 }
 
+/* GEMV_ROPE (the QKV linear with RoPE in its epilogue, as the engine's decode steps run it) against the two
+ * kernels it replaces, gemv_rows GEMV_PLAIN then rope_qkv_rows at the rows' positions: bitwise equal (the same
+ * roundings: the product to T, + bias to T, the rotation from those T values to T, the same expression), every
+ * row equal to that row alone; heads of full and partial rotation, random tables and positions. */
+template <typename T>
+static test_result tgen_gemv_rope_case(int n, int groups, int qpg, int d, int rot, int K, uint64_t seed) {
+    const int cols = groups * (qpg + 2) * d, half = rot / 2, P = 37;
+    const size_t nx = (size_t)n * K, nw = (size_t)cols * K, ny = (size_t)n * cols;
+    std::vector<T> hx(nx), hw(nw), hb(cols), hy(ny), hz(ny), h1(cols);
+    std::vector<float> tab(2 * (size_t)P * half);
+    std::vector<int32_t> pos(n);
+    uint64_t s = seed;
+    auto next = [&s]() { s = s * 6364136223846793005ull + 1442695040888963407ull; return (double)(s >> 11) / 9007199254740992.0; };
+    auto put = [](double v, T* to) {
+        if (sizeof(T) == 2) {
+            const uint16_t u = test_bf16_from_float((float)v);
+            memcpy((void*)to, &u, 2);
+        } else {
+            const float f = (float)v;
+            memcpy((void*)to, &f, 4);
+        }
+    };
+    for (size_t i = 0; i < nx; i++) put(2.0 * next() - 1.0, &hx[i]);
+    for (size_t i = 0; i < nw; i++) put(2.0 * next() - 1.0, &hw[i]);
+    for (int i = 0; i < cols; i++) put(next() - 0.5, &hb[i]);
+    for (size_t i = 0; i < (size_t)P * half; i++) {
+        const double a = 6.283185307179586 * next();
+        tab[i] = (float)cos(a), tab[(size_t)P * half + i] = (float)sin(a);
+    }
+    for (int r = 0; r < n; r++) pos[r] = (int32_t)(next() * P);
+    T *dx = NULL, *dw = NULL, *db = NULL, *dy = NULL, *dz = NULL;
+    float* dtab = NULL;
+    int32_t* dpos = NULL;
+    EXPECT(cudaMalloc(&dx, nx * sizeof(T)) == cudaSuccess && cudaMalloc(&dw, nw * sizeof(T)) == cudaSuccess &&
+               cudaMalloc(&db, cols * sizeof(T)) == cudaSuccess && cudaMalloc(&dy, ny * sizeof(T)) == cudaSuccess &&
+               cudaMalloc(&dz, ny * sizeof(T)) == cudaSuccess && cudaMalloc(&dtab, tab.size() * sizeof(float)) == cudaSuccess &&
+               cudaMalloc(&dpos, n * sizeof(int32_t)) == cudaSuccess,
+           "cudaMalloc");
+    cudaMemcpy(dx, hx.data(), nx * sizeof(T), cudaMemcpyHostToDevice);
+    cudaMemcpy(dw, hw.data(), nw * sizeof(T), cudaMemcpyHostToDevice);
+    cudaMemcpy(db, hb.data(), cols * sizeof(T), cudaMemcpyHostToDevice);
+    cudaMemcpy(dtab, tab.data(), tab.size() * sizeof(float), cudaMemcpyHostToDevice);
+    cudaMemcpy(dpos, pos.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice);
+    mt_gpu_error err;
+    memset(&err, 0, sizeof(err));
+    mt_exec ex;
+    memset(&ex, 0, sizeof(ex));
+    ex.error = &err;
+    const gen_gemv_rope rope = {dtab, dtab + (size_t)P * half, dpos, d, rot, qpg};
+    EXPECT(gemv_rows_supported<T>(n, K, dx, K, dw) && gemv_rope_supported(d, rot, qpg, cols), "RoPE GEMV refused");
+    gemv_rows<T>(&ex, GEMV_ROPE, dy, cols, dx, K, dw, db, n, cols, K, true, &rope);
+    gemv_rows<T>(&ex, GEMV_PLAIN, dz, cols, dx, K, dw, db, n, cols, K);
+    mt_attention_dims dims;
+    memset(&dims, 0, sizeof(dims));
+    dims.B = 1, dims.S = n, dims.heads = groups * qpg, dims.groups = groups, dims.d = d, dims.rot = rot;
+    dims.rope_cos = rope.cos, dims.rope_sin = rope.sin, dims.positions = dpos;
+    rope_qkv_rows<T>(&ex, dims, dz, false);
+    cudaMemcpy(hy.data(), dy, ny * sizeof(T), cudaMemcpyDeviceToHost);
+    cudaMemcpy(hz.data(), dz, ny * sizeof(T), cudaMemcpyDeviceToHost);
+    EXPECT(cudaDeviceSynchronize() == cudaSuccess && err.status == MT_OK, "gemv_rows: %s", err.error.message);
+    for (size_t i = 0; i < ny; i++)
+        EXPECT(!memcmp(&hy[i], &hz[i], sizeof(T)), "%s n %d groups %d qpg %d d %d rot %d: row %zu column %zu differs from "
+               "gemv_rows + rope_qkv_rows", sizeof(T) == 2 ? "bf16" : "fp32", n, groups, qpg, d, rot, i / cols, i % cols);
+    for (int r = 0; n > 1 && r < n; r++) { /* row r alone */
+        const gen_gemv_rope one = {rope.cos, rope.sin, dpos + r, d, rot, qpg};
+        gemv_rows<T>(&ex, GEMV_ROPE, dy, cols, dx + (size_t)r * K, K, dw, db, 1, cols, K, false, &one);
+        cudaMemcpy(h1.data(), dy, cols * sizeof(T), cudaMemcpyDeviceToHost);
+        EXPECT(!memcmp(h1.data(), hy.data() + (size_t)r * cols, cols * sizeof(T)), "RoPE GEMV: row %d of %d alone differs", r, n);
+    }
+    printf("    %s n %d, %d groups of %d + 2 heads of %d (rot %d), K %d: RoPE GEMV bitwise equal to GEMV + RoPE, batch-free\n",
+           sizeof(T) == 2 ? "bf16" : "fp32", n, groups, qpg, d, rot, K);
+    cudaFree(dx), cudaFree(dw), cudaFree(db), cudaFree(dy), cudaFree(dz), cudaFree(dtab), cudaFree(dpos);
+    return TEST_PASS;
+}
+
 static test_result test_generate_gpu_gemv(void) {
     REQUIRE_GPU();
     struct {
@@ -840,13 +1008,22 @@ static test_result test_generate_gpu_gemv(void) {
     } f32[] = {{1, 37, 28, GEMV_PLAIN, 1}, {3, 130, 1604, GEMV_GELU, 1}, {8, 67, 2052, GEMV_SWIGLU, 1},
                {5, 9, 6400, GEMV_PLAIN, 0}, {2, 1, 4, GEMV_SQUARED_RELU, 1}, {6, 250, 1024, GEMV_SWIGLU, 0}},
       b16[] = {{1, 4800, 1600, GEMV_PLAIN, 1}, {4, 257, 1608, GEMV_GELU, 1}, {8, 100, 2056, GEMV_SWIGLU, 0},
-               {7, 33, 6400, GEMV_SQUARED_RELU, 1}, {1, 3, 8, GEMV_PLAIN, 0}, {2, 515, 2048, GEMV_SWIGLU, 1}};
+               {7, 33, 6400, GEMV_SQUARED_RELU, 1}, {1, 3, 8, GEMV_PLAIN, 0}, {2, 515, 2048, GEMV_SWIGLU, 1},
+               {3, 37, 8200, GEMV_GELU, 1}, {1, 1600, 1600, GEMV_PLAIN, 1}, {2, 1600, 6400, GEMV_GELU, 0},
+               {5, 1024, 2048, GEMV_SWIGLU, 1}};
     for (size_t i = 0; i < sizeof(f32) / sizeof(f32[0]); i++) {
         test_result r = tgen_gemv_case<float>(f32[i].n, f32[i].cols, f32[i].K, f32[i].epi, f32[i].bias, 100 + i);
         if (r != TEST_PASS) return r;
     }
     for (size_t i = 0; i < sizeof(b16) / sizeof(b16[0]); i++) {
         test_result r = tgen_gemv_case<__nv_bfloat16>(b16[i].n, b16[i].cols, b16[i].K, b16[i].epi, b16[i].bias, 200 + i);
+        if (r != TEST_PASS) return r;
+    }
+    {
+        test_result r = tgen_gemv_rope_case<__nv_bfloat16>(1, 8, 4, 64, 64, 2048, 300); /* Llama-3.2-1B's QKV */
+        if (r == TEST_PASS) r = tgen_gemv_rope_case<__nv_bfloat16>(5, 3, 2, 16, 8, 1608, 301);
+        if (r == TEST_PASS) r = tgen_gemv_rope_case<float>(8, 2, 3, 32, 32, 260, 302);
+        if (r == TEST_PASS) r = tgen_gemv_rope_case<float>(3, 4, 1, 64, 62, 6400, 303);
         if (r != TEST_PASS) return r;
     }
     const __nv_bfloat16* aligned = (const __nv_bfloat16*)(uintptr_t)256;
@@ -859,6 +1036,7 @@ static test_result test_generate_gpu_gemv(void) {
 static const test_case generate_tests[] = {
     {"generate_settings_refused", test_generate_settings_refused},
     {"generate_uniform", test_generate_uniform},
+    {"generate_gemv_plan", test_generate_gemv_plan},
 };
 
 static const test_case generate_gpu_tests[] = {
