@@ -13,14 +13,18 @@
 //   streams S the loop's calls spread over S side streams (S = 2, 4, 8), each with its own handle and 32 MiB
 //             workspace, each GEMM to the stream with the least work so far, forked from and joined to the compute
 //             stream by events: megatron.cu's MOE_PATH_STREAMS (it builds MT_MOE_GEMM_STREAMS = 4 of them)
+//   threads 4 streams 4 with each side stream's GEMMs queued by its own host thread (not in megatron.cu)
 //   dense     one GEMM of the same FLOPs: [R, in] x [in, out] (fwd), [out, R] x [R, in] (wgrad)
 // and prints each one's ms, TFLOP/s, its share of dense, and the host's issue time per GEMM (the CPU time of
 // queueing the calls; streams cannot beat the issue rate). Streams S = 4 are checked bit for bit against the loop
 // (uneven rows). The last column names the fastest path of the row.
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <thread>
 #include <vector>
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
@@ -110,6 +114,73 @@ static void run_streams(Ctx& c, const Family& f, int S) {
         CK(cudaStreamWaitEvent(c.main, c.joined[s], 0));
     }
 }
+
+// Not in megatron.cu (yet): streams 4 with each side stream's GEMMs queued by its own host thread (a persistent pool;
+// the calling thread forks, wakes the workers, waits for them, joins), to see how much of streams' time is the
+// single thread's issue rate.
+struct Pool {
+    std::vector<std::thread> threads;
+    std::mutex mu;
+    std::condition_variable go, done;
+    int generation = 0, finished = 0, S = 0;
+    bool quit = false;
+    Ctx* c = nullptr;
+    const Family* f = nullptr;
+    std::vector<int> owner; // expert -> side stream
+    void work(int s) {
+        int seen = 0;
+        for (;;) {
+            {
+                std::unique_lock<std::mutex> l(mu);
+                go.wait(l, [&] { return quit || generation != seen; });
+                if (quit) return;
+                seen = generation;
+            }
+            for (int e = 0; e < f->E; e++)
+                if (f->n[e] > 0 && owner[e] == s) CB(one_gemm(c->h_side[s], c->side[s], *f, e));
+            std::lock_guard<std::mutex> l(mu);
+            if (++finished == S) done.notify_one();
+        }
+    }
+    void start(Ctx* ctx, int streams) {
+        c = ctx, S = streams;
+        for (int s = 0; s < S; s++) threads.emplace_back([this, s] { work(s); });
+    }
+    void run(const Family& fam) {
+        double load[MAX_S] = {0};
+        owner.assign(fam.E, -1);
+        for (int e = 0; e < fam.E; e++) {
+            if (fam.n[e] == 0) continue;
+            int best = 0;
+            for (int s = 1; s < S; s++)
+                if (load[s] < load[best]) best = s;
+            load[best] += (double)fam.n[e], owner[e] = best;
+        }
+        CK(cudaEventRecord(c->fork, c->main));
+        for (int s = 0; s < S; s++) CK(cudaStreamWaitEvent(c->side[s], c->fork, 0));
+        {
+            std::lock_guard<std::mutex> l(mu);
+            f = &fam, finished = 0, generation++;
+        }
+        go.notify_all();
+        {
+            std::unique_lock<std::mutex> l(mu);
+            done.wait(l, [&] { return finished == S; });
+        }
+        for (int s = 0; s < S; s++) {
+            CK(cudaEventRecord(c->joined[s], c->side[s]));
+            CK(cudaStreamWaitEvent(c->main, c->joined[s], 0));
+        }
+    }
+    ~Pool() {
+        {
+            std::lock_guard<std::mutex> l(mu);
+            quit = true;
+        }
+        go.notify_all();
+        for (auto& t : threads) t.join();
+    }
+};
 
 // megatron.cu gemm_grouped: the experts with rows in one call (fwd only: cuBLAS refuses bf16 x bf16 -> fp32)
 static cublasStatus_t run_grouped(Ctx& c, const Family& f) {
@@ -209,8 +280,11 @@ int main() {
                                                                 {"qwen3 fc2", 128, 32768, 768, 2048},
                                                                 {"mixtral fc1", 8, 8192, 4096, 28672},
                                                                 {"mixtral fc2", 8, 8192, 14336, 4096}};
-    printf("%-12s %-5s %-8s %7s | %-24s | %-24s | %-24s | %-24s | %-24s | %-17s | %s\n", "shape", "gemm", "rows",
-           "max/mean", "grouped", "loop", "streams 2", "streams 4", "streams 8", "dense", "fastest, bitwise");
+    printf("%-12s %-5s %-8s %7s | %-24s | %-24s | %-24s | %-24s | %-24s | %-24s | %-17s | %s\n", "shape", "gemm",
+           "rows", "max/mean", "grouped", "loop", "streams 2", "streams 4", "streams 8", "threads 4", "dense",
+           "fastest, bitwise");
+    Pool pool;
+    pool.start(&c, 4);
     for (auto& sh : shapes) {
         const size_t nx = (size_t)sh.R * sh.in, ny = (size_t)sh.R * sh.out, nw = (size_t)sh.E * sh.out * sh.in;
         __nv_bfloat16 *x, *W, *dy, *y;
@@ -244,14 +318,15 @@ int main() {
                 Family f = {sh.name, w == 1, sh.E, sh.in, sh.out, n.data(), off.data(), x, W, dy, y, dW};
                 const double flop = 2.0 * sh.R * (double)sh.in * sh.out;
                 int with_rows = sh.E - zero;
-                Timing t[6];
-                const char* labels[6] = {"grouped", "loop", "streams 2", "streams 4", "streams 8", "dense"};
+                Timing t[7];
+                const char* labels[7] = {"grouped", "loop", "streams 2", "streams 4", "streams 8", "threads 4", "dense"};
                 cublasStatus_t gst = run_grouped(c, f);
                 t[0] = gst == CUBLAS_STATUS_SUCCESS ? time_it(c, [&] { run_grouped(c, f); }) : Timing{-1, 0};
                 t[1] = time_it(c, [&] { run_loop(c, f); });
                 const int S[3] = {2, 4, 8};
                 for (int i = 0; i < 3; i++) t[2 + i] = time_it(c, [&] { run_streams(c, f, S[i]); });
-                t[5] = time_it(c, [&] { run_dense(c, f, sh.R); });
+                t[5] = time_it(c, [&] { pool.run(f); });
+                t[6] = time_it(c, [&] { run_dense(c, f, sh.R); });
                 // bit for bit: streams 4 against the loop (wgrad from a zeroed dW, beta 1 as the model's)
                 const char* bitwise = "";
                 if (uneven) {
@@ -268,21 +343,21 @@ int main() {
                     bitwise = memcmp(a.data(), b.data(), bytes) ? ", streams 4 != loop: NOT BITWISE" : ", streams 4 == loop";
                 }
                 int best = 1;
-                for (int i = 0; i < 5; i++)
+                for (int i = 0; i < 6; i++)
                     if (t[i].ms > 0 && t[i].ms < t[best].ms) best = i;
                 char rows[32];
                 snprintf(rows, sizeof(rows), "%s", uneven ? "uneven" : "balanced");
                 printf("%-12s %-5s %-8s %7.2f", sh.name, w ? "wgrad" : "fwd", rows, (double)most * sh.E / sh.R);
-                for (int i = 0; i < 6; i++) {
+                for (int i = 0; i < 7; i++) {
                     char cell[64];
                     if (t[i].ms < 0)
                         snprintf(cell, sizeof(cell), "%s", cublasGetStatusName(gst));
-                    else if (i == 5)
+                    else if (i == 6)
                         snprintf(cell, sizeof(cell), "%.3f ms %4.0f TF", t[i].ms, flop / t[i].ms / 1e9);
                     else
                         snprintf(cell, sizeof(cell), "%.3f ms %4.0f TF %3.0f%% %4.1f", t[i].ms, flop / t[i].ms / 1e9,
-                                 100.0 * t[5].ms / t[i].ms, t[i].host_us / (i == 0 ? 1 : with_rows));
-                    printf(" | %-*s", i == 5 ? 17 : 24, cell);
+                                 100.0 * t[6].ms / t[i].ms, t[i].host_us / (i == 0 ? 1 : with_rows));
+                    printf(" | %-*s", i == 6 ? 17 : 24, cell);
                 }
                 printf(" | %s%s\n", labels[best], bitwise);
                 fflush(stdout);
@@ -290,6 +365,7 @@ int main() {
         }
         cudaFree(x), cudaFree(W), cudaFree(dy), cudaFree(y), cudaFree(dW);
     }
-    printf("host us: grouped per call, the others per GEMM; the 75%% goal: a path's share of dense >= 75%%\n");
+    printf("host us: grouped per call, the others per GEMM (threads 4: the calling thread's); the 75%% goal: a path's "
+           "share of dense >= 75%%\n");
     return 0;
 }
