@@ -4849,6 +4849,19 @@ static void gemm_grouped(const mt_exec* ex, int groups, bool transA, bool transB
     free(dims), free(scalars), free(ops);
 }
 
+/* A cuBLAS handle as every handle of the trainer is set up (the compute stream's, gemm_context_create, and the
+ * experts' side streams', section 17): on `stream`, default math (fp32 stays fp32: no TF32, Megatron's fp32
+ * default, so parity with a float64 reference holds), `workspace` (workspace_bytes, its own: two handles never
+ * share one) as its workspace. The same set-up on every handle gives cuBLAS's heuristic the same inputs, so a
+ * GEMM picks the same algorithm whichever handle and stream it runs on. */
+static void gemm_handle_create(mt_gpu_error* e, cublasHandle_t* handle, cudaStream_t stream, void* workspace,
+                               size_t workspace_bytes) {
+    if (!CUBLAS_CHECK(e, cublasCreate(handle))) return;
+    CUBLAS_CHECK(e, cublasSetStream(*handle, stream));
+    CUBLAS_CHECK(e, cublasSetMathMode(*handle, CUBLAS_DEFAULT_MATH));
+    if (workspace) CUBLAS_CHECK(e, cublasSetWorkspace(*handle, workspace, workspace_bytes));
+}
+
 /* Row-major: C[M,N] (ldc) = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, where op(A) = A ([M,K], lda)
  * or A^T (A stored [K,M]); likewise B; with an epilogue (bias [N] of type T, or with GEMM_BGRADB the
  * fp32 output [M]: sums of op(A) over k, with GEMM_DGELU_BGRAD the fp32 output [N]: sums of C's
@@ -7965,6 +7978,29 @@ typedef struct {
     size_t fp8_arena_bytes;
 } mt_memory_state;
 
+/* Section 17, the experts' GEMMs of a MoE layer (moe_experts_gemm): the paths one call's GEMMs can take, and the
+ * side streams of the third. MT_MOE_GEMM in the environment (read once, when the MoE state is created) forces one
+ * path for every call; unset, moe_gemm_choose's rule picks per call. */
+typedef enum {
+    MOE_PATH_DEFAULT = 0, /* moe_gemm_choose's rule */
+    MOE_PATH_GROUPED,     /* one cuBLAS grouped call (gemm_grouped) */
+    MOE_PATH_LOOP,        /* one cuBLAS GEMM per expert on the compute stream (gemm_uncached) */
+    MOE_PATH_STREAMS,     /* the loop's GEMMs spread over side streams, forked from and joined to the compute stream */
+} moe_gemm_path;
+#define MOE_SIDE_STREAMS MT_MOE_GEMM_STREAMS
+typedef struct {
+    int forced;               /* MT_MOE_GEMM (moe_gemm_path_parse): MOE_PATH_DEFAULT, or the path of every call */
+    int streams;              /* side streams created: MOE_SIDE_STREAMS (0 before, or after a failure) */
+    cudaStream_t side[MOE_SIDE_STREAMS];
+    mt_gemm_plans plans[MOE_SIDE_STREAMS]; /* each side stream's own cuBLAS handle (only .handle is used, by
+                                 gemm_uncached), set up as the compute stream's (gemm_handle_create) ... */
+    void* workspace[MOE_SIDE_STREAMS];     /* ... with its own workspace of MT_CUBLAS_WORKSPACE_BYTES */
+    cudaEvent_t fork;         /* recorded on the compute stream before a call's GEMMs; the side streams wait on it */
+    cudaEvent_t joined[MOE_SIDE_STREAMS]; /* recorded on each side stream after them; the compute stream waits */
+    const void** staging;     /* pinned [MOE_GEMM_SLOTS, 3, E]: the grouped calls' matrix pointers ... */
+    const void** table;       /* device [MOE_GEMM_SLOTS, 3, E]: ... where cuBLAS reads them */
+} mt_moe_gemm;
+
 /* Section 17, mixture of experts: what the routers carry between micro-batches and steps (Megatron's
  * router buffers and finalize_model_grads' MoE part), per MoE layer l (indexed by model layer; every layer
  * is MoE in this build), and the last training pass's statistics on the host (mt_trainer_moe_stats). */
@@ -7977,8 +8013,7 @@ typedef struct {
                                  more: the running average of the layer being routed */
     float* log;               /* [L, 4]: the pass's logged loss sums (load balancing, seq, global, z) */
     int32_t* host_counts;     /* pinned [2E + 1]: one layer's rows per expert and offsets, for the expert GEMMs */
-    const void** gemm_staging;/* pinned [MOE_GEMM_SLOTS, 3, E]: the experts' grouped GEMMs' matrix pointers ... */
-    const void** gemm_table;  /* device [MOE_GEMM_SLOTS, 3, E]: ... where cuBLAS reads them */
+    mt_moe_gemm gemm;         /* the experts' GEMMs: the path forced, the side streams, the grouped calls' tables */
     float* last_log;          /* host [L, 4]: the last training pass's logged values, averaged over micro-batches */
     int32_t* last_tokens;     /* host [L, E]: its tokens per expert */
     int micro_batches;        /* micro-batches of the running pass (the global aux loss's running average) */
@@ -7993,8 +8028,6 @@ typedef struct {
 typedef struct {
     int64_t test_nan_gradients_at; /* tests only (section 21): 1 + the iteration one of whose gradients (the first
                                       parameter's first) is made NaN after its backward (0: never) */
-    int moe_gemm_loop;        /* section 17: MT_MOE_GEMM=loop in the environment: the experts' GEMMs one by one
-                                 instead of grouped (for comparison); read once, at creation */
     int pp_trace;             /* section 18: MT_PP_TRACE=1 in the environment at PP > 1: each pipeline unit's
                                  transfers and steps on stderr, the stream synchronised after each (a hang then
                                  names the unit it stopped in); read once, at creation */
@@ -8927,21 +8960,101 @@ static const int32_t* moe_host_counts(mt_trainer* t, const int32_t* device_count
     return t->moe.host_counts;
 }
 
-/* The experts' GEMMs of one layer, the experts without rows left out: one grouped cuBLAS call (gemm_grouped)
- * where cuBLAS has the types (C in the inputs' type: its grouped GEMM refuses bf16 x bf16 -> fp32, so the bf16
- * weight gradients go one GEMM per expert) and the experts' GEMMs are small, else one GEMM per expert.
+/* The experts' GEMMs of one layer, the experts without rows left out, by one of three paths (moe_gemm_path):
+ * - grouped: one cuBLAS grouped call (gemm_grouped), where cuBLAS has the types (C in the inputs' type: its
+ *   grouped GEMM refuses bf16 x bf16 -> fp32, so the bf16 weight gradients, accumulated in fp32, never take it);
+ * - loop: one cuBLAS GEMM per expert (gemm_uncached) on the compute stream;
+ * - streams: the loop's GEMMs, each the same gemm_uncached call, spread over MOE_SIDE_STREAMS side streams (in
+ *   expert order, each to the stream with the least work so far) forked from the compute stream by one event
+ *   and joined back by one event per stream, so that small experts' GEMMs, each filling a fraction of the SMs,
+ *   run side by side. Each side stream has its own cuBLAS handle and workspace, set up as the compute stream's
+ *   (gemm_handle_create): cuBLAS's heuristic sees the same shape, types, math mode and workspace size, so each
+ *   GEMM runs the loop's algorithm, and each writes its own expert's rows or weights, so the results are the
+ *   loop's bit for bit in any interleaving (cuBLAS's reproducibility holds per handle and stream; concurrent
+ *   streams sharing one handle's workspace is what it excludes). Fork and join are events: legal under CUDA
+ *   graph capture (the side streams join the capture through the fork event).
  * Measured on an H200 (dev/cuda/grouped_gemm_probe.cu, bf16): 128 experts of [256 x 2048] x [2048 x 1536]
  * grouped 0.65 ms (317 TFLOP/s), one by one 0.98 ms (211); 8 experts of [1024 x 4096] x [4096 x 28672]
- * grouped 5.99 ms (321 TFLOP/s), one by one 2.18 ms (884): cuBLAS's grouped kernel stays near 320 TFLOP/s,
- * so it takes the GEMMs of under MOE_GROUPED_MAX_FLOP each on average. MT_MOE_GEMM=loop in the environment:
- * always one by one (for comparison). Each call of a layer's pass has its own slot of pointer staging
- * (forward: fc1, fc2; backward: fc2's input and weight gradients, fc1's): a layer reads its row counts back
- * (synchronising the stream) before it reuses them. */
+ * grouped 5.99 ms (321 TFLOP/s), one by one 2.18 ms (884): cuBLAS's grouped kernel stays near 320 TFLOP/s.
+ * The rule (moe_gemm_choose): grouped where it has the types and the GEMMs average under MOE_GROUPED_MAX_FLOP,
+ * else streams (at least as fast as the loop: the same kernels, overlapped), a lone GEMM on the compute stream.
+ * Each call of a layer's pass has its own slot of pointer staging (forward: fc1, fc2; backward: fc2's input and
+ * weight gradients, fc1's): a layer reads its row counts back (synchronising the stream) before it reuses them. */
 #define MOE_GROUPED_MAX_FLOP 8e9
 enum { MOE_GEMM_FC1, MOE_GEMM_FC2, MOE_GEMM_FC2_DX, MOE_GEMM_FC2_DW, MOE_GEMM_FC1_DX, MOE_GEMM_FC1_DW, MOE_GEMM_SLOTS };
 static_assert(MOE_GEMM_SLOTS * 3 == (int)MT_MOE_GEMM_POINTERS(1), "the plan counts every slot's pointers");
 
-/* One grouped GEMM over the experts with rows: C_e = op(A_e) op(B_e) + beta C_e for each expert e with n_e > 0
+/* MT_MOE_GEMM's value: unset or empty, the rule (MOE_PATH_DEFAULT); grouped, loop or streams, that path for every
+ * call; anything else refused in one line (MT_ERR_ARG). */
+static mt_status moe_gemm_path_parse(const char* value, int* path, mt_error* err) {
+    static const char* const names[] = {"grouped", "loop", "streams"};
+    static_assert(MOE_PATH_GROUPED == 1 && MOE_PATH_LOOP == 2 && MOE_PATH_STREAMS == 3, "names[] in path order");
+    *path = MOE_PATH_DEFAULT;
+    if (!value || !*value) return MT_OK;
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(value, names[i])) {
+            *path = MOE_PATH_GROUPED + i;
+            return MT_OK;
+        }
+    return mt_fail(err, MT_ERR_ARG, "MT_MOE_GEMM=%.64s: expected grouped, loop or streams (unset: the default rule)",
+                   value);
+}
+
+/* The path of one call's GEMMs: `forced` (MT_MOE_GEMM) where set, else grouped where cuBLAS's grouped GEMM has the
+ * types (grouped_types) and the with_rows GEMMs of `flop` in all average under MOE_GROUPED_MAX_FLOP, else
+ * streams. Grouped without the types runs the loop; streams without side streams (side_streams 0) or with one
+ * GEMM runs the loop (one GEMM gains nothing from a fork). */
+static int moe_gemm_choose(int forced, bool grouped_types, double flop, int with_rows, int side_streams) {
+    int path = forced;
+    if (path == MOE_PATH_DEFAULT)
+        path = grouped_types && flop < MOE_GROUPED_MAX_FLOP * with_rows ? MOE_PATH_GROUPED : MOE_PATH_STREAMS;
+    if (path == MOE_PATH_GROUPED && !grouped_types) path = MOE_PATH_LOOP;
+    if (path == MOE_PATH_STREAMS && (side_streams < 1 || with_rows < 2)) path = MOE_PATH_LOOP;
+    return path;
+}
+
+/* The side stream of each GEMM in expert order: the one with the least work (FLOPs) so far, ties to the lowest
+ * (load [streams], from 0). */
+static int moe_side_stream_pick(double* load, int streams, double work) {
+    int best = 0;
+    for (int s = 1; s < streams; s++)
+        if (load[s] < load[best]) best = s;
+    load[best] += work;
+    return best;
+}
+
+/* The side streams, their handles and events (mt_trainer_create through moe_state_create; the tests create their
+ * own). The workspaces are the caller's, in m->workspace (MT_CUBLAS_WORKSPACE_BYTES each; NULL: none set, cuBLAS's
+ * own), freed by the caller after moe_gemm_free. forced: MT_MOE_GEMM's path. */
+static void moe_gemm_create(mt_moe_gemm* m, mt_gpu_error* e, int forced) {
+    m->forced = forced;
+    m->streams = 0;
+    if (!CUDA_CHECK(e, cudaEventCreateWithFlags(&m->fork, cudaEventDisableTiming))) return;
+    for (int s = 0; s < MOE_SIDE_STREAMS; s++) {
+        if (!CUDA_CHECK(e, cudaStreamCreateWithFlags(&m->side[s], cudaStreamNonBlocking))) return;
+        if (!CUDA_CHECK(e, cudaEventCreateWithFlags(&m->joined[s], cudaEventDisableTiming))) return;
+        gemm_handle_create(e, &m->plans[s].handle, m->side[s], m->workspace[s], MT_CUBLAS_WORKSPACE_BYTES);
+        m->plans[s].workspace = m->workspace[s];
+        m->plans[s].workspace_bytes = m->workspace[s] ? MT_CUBLAS_WORKSPACE_BYTES : 0;
+        if (e->status != MT_OK) return;
+        m->streams = s + 1;
+    }
+}
+/* Frees what moe_gemm_create made (not the workspaces, nor the grouped calls' tables: their allocator's). */
+static void moe_gemm_free(mt_moe_gemm* m) {
+    for (int s = 0; s < MOE_SIDE_STREAMS; s++) {
+        if (m->side[s]) cudaStreamSynchronize(m->side[s]);
+        if (m->plans[s].handle) cublasDestroy(m->plans[s].handle);
+        if (m->joined[s]) cudaEventDestroy(m->joined[s]);
+        if (m->side[s]) cudaStreamDestroy(m->side[s]);
+        m->plans[s].handle = NULL, m->joined[s] = NULL, m->side[s] = NULL;
+    }
+    if (m->fork) cudaEventDestroy(m->fork);
+    m->fork = NULL;
+    m->streams = 0;
+}
+
+/* One call's GEMMs over the experts with rows: C_e = op(A_e) op(B_e) + beta C_e for each expert e with n_e > 0
  * rows at row offset o_e: A_e = A + o_e a_row + e a_expert (likewise B and C); M, N or K of -1 is n_e. */
 typedef struct {
     bool transA, transB;
@@ -8950,15 +9063,16 @@ typedef struct {
     int lda, ldb, ldc;
 } moe_gemm_shape;
 template <typename T, typename TC>
-static void moe_experts_gemm(mt_trainer* t, const mt_exec* ex, int slot, const moe_gemm_shape& g, const T* A,
+static void moe_experts_gemm(mt_moe_gemm* m, const mt_exec* ex, int slot, const moe_gemm_shape& g, const T* A,
                              const T* B, TC* C, float beta, const int32_t* counts, int E) {
+    if (ex->error->status != MT_OK) return;
     int groups = 0, with_rows = 0;
     double flop = 0.0;
     for (int e = 0; e < E; e++)
         if (counts[e] > 0)
             with_rows++, flop += 2.0 * (g.M < 0 ? counts[e] : g.M) * (double)(g.N < 0 ? counts[e] : g.N) *
                                 (g.K < 0 ? counts[e] : g.K);
-    const bool one_by_one = t->debug.moe_gemm_loop || sizeof(TC) != sizeof(T) || flop > MOE_GROUPED_MAX_FLOP * with_rows;
+    const int path = moe_gemm_choose(m->forced, sizeof(TC) == sizeof(T), flop, with_rows, m->streams);
     int* dims = (int*)malloc(sizeof(int) * 6 * (size_t)E);
     const T** ab = (const T**)malloc(sizeof(T*) * 2 * (size_t)E);
     TC** cs = (TC**)malloc(sizeof(TC*) * (size_t)E);
@@ -8967,6 +9081,15 @@ static void moe_experts_gemm(mt_trainer* t, const mt_exec* ex, int slot, const m
         mt_gpu_fail(ex->error, MT_ERR_OOM, "MoE: cannot allocate the experts' GEMM table");
         return;
     }
+    /* streams: each side stream's execution context, forked from the compute stream */
+    const int S = path == MOE_PATH_STREAMS ? (with_rows < m->streams ? with_rows : m->streams) : 0;
+    mt_exec side[MOE_SIDE_STREAMS];
+    double load[MOE_SIDE_STREAMS];
+    if (S > 0) CUDA_CHECK(ex->error, cudaEventRecord(m->fork, ex->stream));
+    for (int s = 0; s < S; s++) {
+        side[s] = *ex, side[s].stream = m->side[s], side[s].gemm = &m->plans[s], load[s] = 0.0;
+        CUDA_CHECK(ex->error, cudaStreamWaitEvent(m->side[s], m->fork, 0));
+    }
     for (int e = 0; e < E; e++) {
         const int n = counts[e], at = counts[E + e];
         if (n == 0) continue;
@@ -8974,8 +9097,9 @@ static void moe_experts_gemm(mt_trainer* t, const mt_exec* ex, int slot, const m
         const T* a = A + at * g.a_row + e * g.a_expert;
         const T* b = B + at * g.b_row + e * g.b_expert;
         TC* c = C + at * g.c_row + e * g.c_expert;
-        if (one_by_one) {
-            gemm_uncached<T, TC>(ex, g.transA, g.transB, M, N, K, a, g.lda, b, g.ldb, c, g.ldc, 1.0f, beta);
+        if (path != MOE_PATH_GROUPED) {
+            const mt_exec* on = S > 0 ? &side[moe_side_stream_pick(load, S, 2.0 * M * (double)N * K)] : ex;
+            gemm_uncached<T, TC>(on, g.transA, g.transB, M, N, K, a, g.lda, b, g.ldb, c, g.ldc, 1.0f, beta);
             continue;
         }
         dims[groups] = M, dims[E + groups] = N, dims[2 * E + groups] = K;
@@ -8983,24 +9107,28 @@ static void moe_experts_gemm(mt_trainer* t, const mt_exec* ex, int slot, const m
         ab[groups] = a, ab[E + groups] = b, cs[groups] = c;
         groups++;
     }
+    for (int s = 0; s < S; s++) { /* joined even after an error: no side stream's work is left unjoined */
+        CUDA_CHECK(ex->error, cudaEventRecord(m->joined[s], m->side[s]));
+        CUDA_CHECK(ex->error, cudaStreamWaitEvent(ex->stream, m->joined[s], 0));
+    }
     const size_t at = (size_t)slot * 3 * (size_t)E;
     gemm_grouped<T, TC>(ex, groups, g.transA, g.transB, dims, dims + E, dims + 2 * E, ab, dims + 3 * E, ab + E,
-                        dims + 4 * E, cs, dims + 5 * E, beta, t->moe.gemm_staging + at, t->moe.gemm_table + at);
+                        dims + 4 * E, cs, dims + 5 * E, beta, m->staging + at, m->table + at);
     free(dims), free(ab), free(cs);
 }
 
 /* The experts' linear on their permuted rows: y_e [n_e, out] = x_e [n_e, in] W_e^T for each expert e with rows
  * (W [E, out, in]); counts: the host's rows per expert then offsets. */
 template <typename T>
-static void moe_experts_forward(mt_trainer* t, const mt_exec* ex, int slot, T* y, const T* x, const T* W,
+static void moe_experts_forward(mt_moe_gemm* m, const mt_exec* ex, int slot, T* y, const T* x, const T* W,
                                 const int32_t* counts, int E, int in, int out) {
     const moe_gemm_shape g = {false, true, -1, out, in, in, 0, 0, (int64_t)out * in, out, 0, in, in, out};
-    moe_experts_gemm<T, T>(t, ex, slot, g, x, W, y, 0.0f, counts, E);
+    moe_experts_gemm<T, T>(m, ex, slot, g, x, W, y, 0.0f, counts, E);
 }
 /* Its backward: dx_e = dy_e W_e; dW_e (+)= dy_e^T x_e (an expert without rows: its gradient 0 on the first
  * micro-batch, unchanged after). slot: the input gradient's staging slot (the weight gradient's is the next). */
 template <typename T>
-static void moe_experts_backward(mt_trainer* t, const mt_exec* ex, int slot, T* dx, float* dW, const T* dy,
+static void moe_experts_backward(mt_moe_gemm* m, const mt_exec* ex, int slot, T* dx, float* dW, const T* dy,
                                  const T* x, const T* W, const int32_t* counts, int E, int in, int out) {
     const float beta = ex->mode.accumulate_gradients ? 1.0f : 0.0f;
     for (int e = 0; e < E && beta == 0.0f; e++)
@@ -9008,9 +9136,9 @@ static void moe_experts_backward(mt_trainer* t, const mt_exec* ex, int slot, T* 
             CUDA_CHECK(ex->error, cudaMemsetAsync(dW + (int64_t)e * out * in, 0, sizeof(float) * (size_t)out * in,
                                                   ex->stream));
     const moe_gemm_shape gx = {false, false, -1, in, out, out, 0, 0, (int64_t)out * in, in, 0, out, in, in};
-    moe_experts_gemm<T, T>(t, ex, slot, gx, dy, W, dx, 0.0f, counts, E);
+    moe_experts_gemm<T, T>(m, ex, slot, gx, dy, W, dx, 0.0f, counts, E);
     const moe_gemm_shape gw = {true, false, out, in, -1, out, 0, in, 0, 0, (int64_t)out * in, out, in, in};
-    moe_experts_gemm<T, float>(t, ex, slot + 1, gw, dy, x, dW, beta, counts, E);
+    moe_experts_gemm<T, float>(m, ex, slot + 1, gw, dy, x, dW, beta, counts, E);
 }
 
 /* The router's fp32 operands: x and W themselves in an fp32 model, else widened into the scratch. */
@@ -9145,10 +9273,10 @@ static void moe_ep_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, 
     moe_permute<T>(ex, v.moe_ep_in, (const T*)a->moe_y, a->moe_ep_index, Rr, s.h);
     moe_permute<float>(ex, v.moe_ep_prob, a->moe_ep_drow, a->moe_ep_index, Rr, 1);
     const int32_t* local = t->moe.ep_local;
-    moe_experts_forward<T>(t, ex, MOE_GEMM_FC1, v.moe_fc1, (const T*)v.moe_ep_in, p.expert_fc1_w, local, s.El, s.h,
+    moe_experts_forward<T>(&t->moe.gemm, ex, MOE_GEMM_FC1, v.moe_fc1, (const T*)v.moe_ep_in, p.expert_fc1_w, local, s.El, s.h,
                            s.f1e);
     moe_act_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_ep_prob, Rr, s.fe, moe_act_kind(s));
-    moe_experts_forward<T>(t, ex, MOE_GEMM_FC2, (T*)a->moe_y, v.moe_act, p.expert_fc2_w, local, s.El, s.fe, s.h);
+    moe_experts_forward<T>(&t->moe.gemm, ex, MOE_GEMM_FC2, (T*)a->moe_y, v.moe_act, p.expert_fc2_w, local, s.El, s.fe, s.h);
     moe_permute<T>(ex, (T*)a->moe_xperm, (const T*)a->moe_y, a->moe_ep_index + s.Rexp, Rr, s.h); /* received order */
     moe_all_to_all(t, ex, y, send, a->moe_xperm, recv, s.h, type, sizeof(T));
 }
@@ -9176,11 +9304,11 @@ static void moe_ep_backward(mt_trainer* t, const mt_exec* ex, const mt_shape& s,
     T* sorted = (T*)a->moe_y;
     moe_all_to_all(t, ex, a->moe_xperm, recv, drows, send, s.h, type, sizeof(T));
     moe_permute<T>(ex, sorted, (const T*)a->moe_xperm, a->moe_ep_index, Rr, s.h);
-    moe_experts_backward<T>(t, ex, MOE_GEMM_FC2_DX, (T*)a->moe_dact, dp.expert_fc2_w, sorted, v.moe_act,
+    moe_experts_backward<T>(&t->moe.gemm, ex, MOE_GEMM_FC2_DX, (T*)a->moe_dact, dp.expert_fc2_w, sorted, v.moe_act,
                             p.expert_fc2_w, local, s.El, s.fe, s.h);
     moe_act_prob_backward<T>(ex, (T*)a->moe_dz, drow_local, (const T*)a->moe_dact, v.moe_fc1, v.moe_ep_prob,
                              (const int32_t*)NULL, (const int32_t*)NULL, Rr, s.fe, s.El, moe_act_kind(s));
-    moe_experts_backward<T>(t, ex, MOE_GEMM_FC1_DX, sorted, dp.expert_fc1_w, (const T*)a->moe_dz,
+    moe_experts_backward<T>(&t->moe.gemm, ex, MOE_GEMM_FC1_DX, sorted, dp.expert_fc1_w, (const T*)a->moe_dz,
                             (const T*)v.moe_ep_in, p.expert_fc1_w, local, s.El, s.h, s.f1e);
     moe_permute<T>(ex, (T*)a->moe_xperm, (const T*)sorted, a->moe_ep_index + s.Rexp, Rr, s.h);
     moe_permute<float>(ex, drow_received, drow_local, a->moe_ep_index + s.Rexp, Rr, 1);
@@ -9260,12 +9388,12 @@ static void moe_forward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, con
         const int32_t* counts = moe_host_counts(t, v.moe_counts, E);
         const int R = counts[2 * E];
         moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, R, s.h);
-        moe_experts_forward<T>(t, ex, MOE_GEMM_FC1, v.moe_fc1, (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h,
+        moe_experts_forward<T>(&t->moe.gemm, ex, MOE_GEMM_FC1, v.moe_fc1, (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h,
                                s.f1e);
         const int32_t* offsets = v.moe_counts + E; /* the device's, for the biases' row -> expert */
         if (p.expert_fc1_b) moe_rows_bias<T>(ex, v.moe_fc1, p.expert_fc1_b, (const float*)NULL, offsets, R, s.f1e, E);
         moe_act_prob<T>(ex, v.moe_act, v.moe_fc1, v.moe_row_prob, R, s.fe, moe_act_kind(s));
-        moe_experts_forward<T>(t, ex, MOE_GEMM_FC2, (T*)a->moe_y, v.moe_act, p.expert_fc2_w, counts, E, s.fe, s.h);
+        moe_experts_forward<T>(&t->moe.gemm, ex, MOE_GEMM_FC2, (T*)a->moe_y, v.moe_act, p.expert_fc2_w, counts, E, s.fe, s.h);
         if (p.expert_fc2_b) moe_rows_bias<T>(ex, (T*)a->moe_y, p.expert_fc2_b, v.moe_row_prob, offsets, R, s.h, E);
     }
     /* the shared expert (the dense MLP code on this layer's shared weights), its output kept when gated */
@@ -9321,7 +9449,7 @@ static void moe_backward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, co
         moe_permute<T>(ex, drows, dout, v.moe_token, R, s.h);
         const int32_t* offsets = v.moe_counts + E;
         const bool accumulate = ex->mode.accumulate_gradients != 0;
-        moe_experts_backward<T>(t, ex, MOE_GEMM_FC2_DX, (T*)a->moe_dact, dp.expert_fc2_w, drows, v.moe_act,
+        moe_experts_backward<T>(&t->moe.gemm, ex, MOE_GEMM_FC2_DX, (T*)a->moe_dact, dp.expert_fc2_w, drows, v.moe_act,
                                 p.expert_fc2_w, counts, E, s.fe, s.h);
         if (dp.expert_fc2_b) moe_rows_bias_grad<T>(ex, dp.expert_fc2_b, drows, v.moe_row_prob, offsets, s.h, E, accumulate);
         CUDA_CHECK(ex->error, cudaMemsetAsync(a->moe_dprobs, 0, sizeof(float) * (size_t)N * E, ex->stream));
@@ -9331,7 +9459,7 @@ static void moe_backward(mt_trainer* t, const mt_exec* ex, const mt_shape& s, co
         if (dp.expert_fc1_b) moe_rows_bias_grad<T>(ex, dp.expert_fc1_b, (const T*)a->moe_dz, (const float*)NULL, offsets,
                                                    s.f1e, E, accumulate);
         moe_permute<T>(ex, (T*)a->moe_xperm, x, v.moe_token, R, s.h); /* the rows the forward's fc1 read */
-        moe_experts_backward<T>(t, ex, MOE_GEMM_FC1_DX, drows, dp.expert_fc1_w, (const T*)a->moe_dz,
+        moe_experts_backward<T>(&t->moe.gemm, ex, MOE_GEMM_FC1_DX, drows, dp.expert_fc1_w, (const T*)a->moe_dz,
                                 (const T*)a->moe_xperm, p.expert_fc1_w, counts, E, s.h, s.f1e);
     }
     moe_unpermute<T>(ex, dx, (const T*)drows, v.moe_row, (const T*)NULL, (const float*)NULL, N, E, s.h, false);
@@ -9388,10 +9516,15 @@ static void moe_state_create(mt_trainer* t) {
     m->step_tokens = (int32_t*)device_alloc(t, MT__MOE_ALIGN256(L * E * 4), counter);
     m->global_sums = (float*)device_alloc(t, MT__MOE_ALIGN256((L + 1) * E * 4), counter);
     m->log = (float*)device_alloc(t, MT__MOE_ALIGN256(L * 4 * 4), counter);
-    m->gemm_table = (const void**)device_alloc(t, MT__MOE_ALIGN256(MT_MOE_GEMM_POINTERS(E) * sizeof(void*)), counter);
-    CUDA_CHECK(&t->error, cudaMallocHost((void**)&m->gemm_staging, MT_MOE_GEMM_POINTERS(E) * sizeof(void*)));
-    const char* loop = getenv("MT_MOE_GEMM");
-    t->debug.moe_gemm_loop = loop && !strcmp(loop, "loop");
+    m->gemm.table = (const void**)device_alloc(t, MT__MOE_ALIGN256(MT_MOE_GEMM_POINTERS(E) * sizeof(void*)), counter);
+    CUDA_CHECK(&t->error, cudaMallocHost((void**)&m->gemm.staging, MT_MOE_GEMM_POINTERS(E) * sizeof(void*)));
+    int forced = MOE_PATH_DEFAULT; /* MT_MOE_GEMM, read once here */
+    mt_error path_error;
+    if (moe_gemm_path_parse(getenv("MT_MOE_GEMM"), &forced, &path_error) != MT_OK)
+        mt_gpu_fail(&t->error, MT_ERR_ARG, "%s", path_error.message);
+    for (int i = 0; i < MOE_SIDE_STREAMS; i++) /* MT_MOE_STATE_BYTES' side-stream workspaces */
+        m->gemm.workspace[i] = device_alloc(t, MT_CUBLAS_WORKSPACE_BYTES, counter);
+    if (t->error.status == MT_OK) moe_gemm_create(&m->gemm, &t->error, forced);
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&m->host_counts, sizeof(int32_t) * (2 * E + 1)));
     m->last_log = (float*)calloc(L * 4, sizeof(float));
     m->last_tokens = (int32_t*)calloc(L * E, sizeof(int32_t));
@@ -9411,8 +9544,10 @@ static void moe_state_free(mt_moe_state* m) {
     cudaFree(m->global_sums);
     cudaFree(m->log);
     cudaFreeHost(m->host_counts);
-    cudaFree((void*)m->gemm_table);
-    cudaFreeHost((void*)m->gemm_staging);
+    moe_gemm_free(&m->gemm);
+    for (int i = 0; i < MOE_SIDE_STREAMS; i++) cudaFree(m->gemm.workspace[i]);
+    cudaFree((void*)m->gemm.table);
+    cudaFreeHost((void*)m->gemm.staging);
     free(m->last_log);
     free(m->last_tokens);
     cudaFreeHost(m->ep_host);
@@ -12057,13 +12192,8 @@ static mt_status ddp_create(mt_ddp_state* d, const mt_buffer_layout* B, mt_gpu_e
 
 /* cuBLAS on the trainer's stream, its workspace, and the GEMM plan cache (section 13) sharing it. */
 static void gemm_context_create(mt_trainer* t) {
-    CUBLAS_CHECK(&t->error, cublasCreate(&t->cublas));
-    CUBLAS_CHECK(&t->error, cublasSetStream(t->cublas, t->stream));
-    /* fp32 stays fp32: no TF32 (Megatron's fp32 default), so parity with a float64 reference holds */
-    CUBLAS_CHECK(&t->error, cublasSetMathMode(t->cublas, CUBLAS_DEFAULT_MATH));
     t->cublas_workspace = device_alloc(t, CUBLAS_WORKSPACE_BYTES, &t->mem.allocated.workspace_bytes);
-    if (t->cublas_workspace)
-        CUBLAS_CHECK(&t->error, cublasSetWorkspace(t->cublas, t->cublas_workspace, CUBLAS_WORKSPACE_BYTES));
+    gemm_handle_create(&t->error, &t->cublas, t->stream, t->cublas_workspace, CUBLAS_WORKSPACE_BYTES);
     t->gemm.handle = t->cublas;
     CUBLAS_CHECK(&t->error, cublasLtCreate(&t->gemm.lt));
     t->gemm.workspace = t->cublas_workspace;

@@ -764,13 +764,17 @@ MT_DEF int64_t mt_moe_expert_rows(const mt_config* cfg, int64_t tokens);
 /* The trainer's MoE state (megatron.cu; the memory plan's workspace counts it), for L MoE layers of E
  * experts: four allocations, each rounded up to 256 bytes: the expert bias [L, E] fp32, a step's tokens
  * per expert [L, E], the global aux loss's running sums [L, E] and the running average [E], the logged
- * losses [L, 4] fp32, and the experts' grouped GEMMs' device pointer table (6 GEMMs x 3 matrices x E). */
+ * losses [L, 4] fp32, and the experts' grouped GEMMs' device pointer table (6 GEMMs x 3 matrices x E); then
+ * the cuBLAS workspaces of the experts' side streams (MT_MOE_GEMM_STREAMS x MT_CUBLAS_WORKSPACE_BYTES: each side
+ * stream's handle has its own, as large as the compute stream's, megatron.cu section 17). */
 #define MT__MOE_ALIGN256(x) ((((size_t)(x)) + 255) & ~(size_t)255)
 #define MT_MOE_GEMM_POINTERS(E) ((size_t)6 * 3 * (size_t)(E)) /* the experts' grouped GEMMs' pointer table */
+#define MT_MOE_GEMM_STREAMS 4 /* side streams the experts' GEMMs may spread over (MT_MOE_GEMM=streams) */
 #define MT_MOE_STATE_BYTES(L, E)                                                                      \
     ((L) > 0 ? 2 * MT__MOE_ALIGN256((size_t)(L) * (size_t)(E) * 4) +                                   \
                    MT__MOE_ALIGN256(((size_t)(L) + 1) * (size_t)(E) * 4) + MT__MOE_ALIGN256((size_t)(L) * 4 * 4) + \
-                   MT__MOE_ALIGN256(MT_MOE_GEMM_POINTERS(E) * sizeof(void*))                            \
+                   MT__MOE_ALIGN256(MT_MOE_GEMM_POINTERS(E) * sizeof(void*)) +                          \
+                   (size_t)MT_MOE_GEMM_STREAMS * MT_CUBLAS_WORKSPACE_BYTES                              \
              : (size_t)0)
 
 /* FP8: whether transformer layer l runs its linears in FP8 (FP8 on, and l outside the bf16 layers

@@ -801,9 +801,12 @@ static test_result test_moe_plan_counts_regions(void) {
     EXPECT((int64_t)(pm.activation_bytes - pd.activation_bytes) == moe_bytes, "plan's arena");
     const int64_t chunks = pm.optimizer_chunks - pd.optimizer_chunks;
     /* (L, E) = (2, 8): bias and tokens 64 B each, sums + average 96 B, losses 32 B, pointer table 6 x 3 x 8 x 8 =
-     * 1152 B, each rounded up to 256: 4 x 256 + 1280; (3, 128): 2 x 1536 + 2048 + 256 + 18432 */
-    EXPECT(MT_MOE_STATE_BYTES(2, 8) == 4 * 256 + 1280 && MT_MOE_STATE_BYTES(3, 128) == 2 * 1536 + 2048 + 256 + 18432 &&
-           MT_MOE_STATE_BYTES(0, 8) == 0, "MT_MOE_STATE_BYTES");
+     * 1152 B, each rounded up to 256: 4 x 256 + 1280; (3, 128): 2 x 1536 + 2048 + 256 + 18432; both with the 4 side
+     * streams' cuBLAS workspaces of 32 MiB each */
+    const size_t side = (size_t)4 * (32 << 20);
+    EXPECT(MT_MOE_STATE_BYTES(2, 8) == 4 * 256 + 1280 + side &&
+               MT_MOE_STATE_BYTES(3, 128) == 2 * 1536 + 2048 + 256 + 18432 + side && MT_MOE_STATE_BYTES(0, 8) == 0,
+           "MT_MOE_STATE_BYTES");
     EXPECT((int64_t)(pm.workspace_bytes - pd.workspace_bytes) ==
                (int64_t)MT_MOE_STATE_BYTES(2, 8) + chunks * (8 + MT_OPT_CHUNK_BYTES),
            "workspace grows by %lld (%lld more optimizer pieces)", (long long)(pm.workspace_bytes - pd.workspace_bytes),

@@ -1381,10 +1381,332 @@ static int mc_all(kt_ctx* k) {
 }
 static test_result test_moe_casts(void) { KT_FOR_TYPES(mc_all); }
 
+/* ---- The experts' GEMMs by their three paths (megatron.cu section 17, moe_experts_gemm) ---- */
+
+/* MT_MOE_GEMM's parsing (the three names and unset; anything else refused in one line naming the variable), the
+ * default rule per call, and the side streams' assignment, on the host. */
+static test_result test_moe_gemm_path_rule(void) {
+    mt_error err;
+    int path = -1;
+    const struct { const char* value; int path; } good[] = {{NULL, MOE_PATH_DEFAULT},     {"", MOE_PATH_DEFAULT},
+                                                            {"grouped", MOE_PATH_GROUPED}, {"loop", MOE_PATH_LOOP},
+                                                            {"streams", MOE_PATH_STREAMS}};
+    for (const auto& g : good) {
+        EXPECT_OK(moe_gemm_path_parse(g.value, &path, &err), &err);
+        EXPECT(path == g.path, "MT_MOE_GEMM=%s: path %d, expected %d", g.value ? g.value : "(unset)", path, g.path);
+    }
+    const char* bad[] = {"Loop", "stream", "grouped ", "1", "auto", "loops", "streams=4"};
+    for (const char* b : bad) {
+        err.message[0] = 0;
+        path = -1;
+        EXPECT(moe_gemm_path_parse(b, &path, &err) == MT_ERR_ARG, "MT_MOE_GEMM=%s accepted", b);
+        EXPECT(strstr(err.message, "MT_MOE_GEMM=") && strstr(err.message, "grouped, loop or streams") &&
+                   !strchr(err.message, '\n'),
+               "MT_MOE_GEMM=%s: message '%s'", b, err.message);
+        EXPECT(path == MOE_PATH_DEFAULT, "MT_MOE_GEMM=%s: path left at %d", b, path);
+    }
+    /* the rule: (forced, grouped has the types, FLOPs per GEMM, GEMMs with rows, side streams) -> path */
+    const double small = MOE_GROUPED_MAX_FLOP / 4, big = 2 * MOE_GROUPED_MAX_FLOP;
+    const struct { const char* what; int forced; bool types; double each; int n, streams, want; } rule[] = {
+        {"small, the types (Qwen3's forward, input gradients)", MOE_PATH_DEFAULT, true, small, 128, 4, MOE_PATH_GROUPED},
+        {"small, bf16 -> fp32 (weight gradients)", MOE_PATH_DEFAULT, false, small, 128, 4, MOE_PATH_STREAMS},
+        {"big (Mixtral's)", MOE_PATH_DEFAULT, true, big, 8, 4, MOE_PATH_STREAMS},
+        {"big, one expert with rows", MOE_PATH_DEFAULT, true, big, 1, 4, MOE_PATH_LOOP},
+        {"no side streams", MOE_PATH_DEFAULT, false, small, 128, 0, MOE_PATH_LOOP},
+        {"forced grouped without the types", MOE_PATH_GROUPED, false, small, 128, 4, MOE_PATH_LOOP},
+        {"forced grouped, big", MOE_PATH_GROUPED, true, big, 8, 4, MOE_PATH_GROUPED},
+        {"forced loop", MOE_PATH_LOOP, true, small, 128, 4, MOE_PATH_LOOP},
+        {"forced streams, small", MOE_PATH_STREAMS, true, small, 128, 4, MOE_PATH_STREAMS},
+        {"forced streams, one GEMM", MOE_PATH_STREAMS, true, small, 1, 4, MOE_PATH_LOOP},
+    };
+    for (const auto& r : rule) {
+        const int got = moe_gemm_choose(r.forced, r.types, r.each * r.n, r.n, r.streams);
+        EXPECT(got == r.want, "%s: path %d, expected %d", r.what, got, r.want);
+    }
+    /* the assignment: each GEMM to the side stream with the least work so far, ties to the lowest */
+    double load[4] = {0, 0, 0, 0};
+    const double work[] = {5, 1, 1, 1, 1, 3, 2};
+    const int want[] = {0, 1, 2, 3, 1, 2, 3};
+    for (int i = 0; i < 7; i++) {
+        const int s = moe_side_stream_pick(load, 4, work[i]);
+        EXPECT(s == want[i], "GEMM %d of work %g: stream %d, expected %d", i, work[i], s, want[i]);
+    }
+    EXPECT(load[0] == 5 && load[1] == 2 && load[2] == 4 && load[3] == 3, "loads %g %g %g %g", load[0], load[1], load[2],
+           load[3]);
+    return TEST_PASS;
+}
+
+/* A layer's shape for the paths' test: E experts over R rows in all, the linear in -> out, experts without rows. */
+typedef struct {
+    const char* name;
+    int E, R, in, out;
+    int zero[3]; /* experts given no rows (-1: none) */
+} mgp_shape;
+
+/* Rows per expert, skewed (weights exp(0.35 g), g about normal: the largest about twice the mean at E = 128) with
+ * the shape's experts at 0; counts then offsets then the total, as moe_host_counts returns them. */
+static std::vector<int32_t> mgp_counts(const mgp_shape& s, kt_rng* r) {
+    std::vector<double> w((size_t)s.E);
+    double sum = 0.0;
+    for (int e = 0; e < s.E; e++) {
+        double g = 0.0;
+        for (int i = 0; i < 4; i++) g += kt_uniform(r);
+        w[e] = exp(0.35 * (g - 2.0) * 1.7320508075688772);
+        for (int z : s.zero)
+            if (z == e) w[e] = 0.0;
+        sum += w[e];
+    }
+    std::vector<int32_t> c(2 * (size_t)s.E + 1, 0);
+    int given = 0;
+    for (int e = 0; e < s.E; e++) given += c[e] = (int32_t)floor(s.R * w[e] / sum);
+    for (int e = 0; given < s.R; e = (e + 1) % s.E)
+        if (w[e] > 0.0) c[e]++, given++;
+    for (int e = 0, at = 0; e < s.E; at += c[e], e++) c[s.E + e] = at;
+    c[2 * s.E] = s.R;
+    return c;
+}
+
+/* The device tensors of one case: inputs x [R, in], W [E, out, in], dy, dy2 [R, out]; outputs y [R, out],
+ * dx, dx2 [R, in], dW [E, out, in] fp32. */
+template <typename T>
+struct mgp_tensors {
+    T *x, *W, *dy, *dy2, *y, *dx, *dx2;
+    float* dW;
+};
+template <typename T>
+struct mgp_outputs {
+    std::vector<T> y, dx, dx2;
+    std::vector<float> dW;
+};
+
+/* One path over the layer: y = the forward; dx, dW = the backward of dy (a first micro-batch: dW written, the
+ * experts without rows zeroed); dx2, dW += the backward of dy2 (accumulating), every output NaN before. */
+template <typename T>
+static int mgp_run(kt_ctx* k, mt_exec* ex, mt_moe_gemm* m, int path, const mgp_shape& s, const int32_t* counts,
+                   const mgp_tensors<T>& d, mgp_outputs<T>* o) {
+    const int64_t ny = (int64_t)s.R * s.out, nx = (int64_t)s.R * s.in, nw = (int64_t)s.E * s.out * s.in;
+    KT_CUDA(kt_poison(k, d.y, ny));
+    KT_CUDA(kt_poison(k, d.dx, nx));
+    KT_CUDA(kt_poison(k, d.dx2, nx));
+    KT_CUDA(kt_poison(k, d.dW, nw));
+    m->forced = path;
+    ex->mode.accumulate_gradients = 0;
+    moe_experts_forward<T>(m, ex, MOE_GEMM_FC1, d.y, d.x, d.W, counts, s.E, s.in, s.out);
+    moe_experts_backward<T>(m, ex, MOE_GEMM_FC2_DX, d.dx, d.dW, d.dy, d.x, d.W, counts, s.E, s.in, s.out);
+    ex->mode.accumulate_gradients = 1;
+    moe_experts_backward<T>(m, ex, MOE_GEMM_FC1_DX, d.dx2, d.dW, d.dy2, d.x, d.W, counts, s.E, s.in, s.out);
+    char label[160];
+    snprintf(label, sizeof(label), "%s, path %d", s.name, path);
+    if (!kt_sync(k, label)) return 0;
+    KT_CUDA(kt_get(k, o->y, d.y, ny));
+    KT_CUDA(kt_get(k, o->dx, d.dx, nx));
+    KT_CUDA(kt_get(k, o->dx2, d.dx2, nx));
+    KT_CUDA(kt_get(k, o->dW, d.dW, nw));
+    return 1;
+}
+
+/* Bit for bit equal: prints the first difference and how many. */
+template <typename V>
+static int mgp_bitwise(const char* what, const std::vector<V>& a, const std::vector<V>& b) {
+    if (a.size() == b.size() && !memcmp(a.data(), b.data(), a.size() * sizeof(V))) return 1;
+    size_t first = a.size(), n = 0;
+    for (size_t i = 0; i < a.size() && i < b.size(); i++)
+        if (memcmp(&a[i], &b[i], sizeof(V))) n++, first = first < i ? first : i;
+    printf("    FAIL %s: not bitwise equal: %zu of %zu elements differ, the first at %zu (%g vs %g)\n", what, n, a.size(),
+           first, first < a.size() ? (double)kt_to<V>(a[first]) : 0.0, first < b.size() ? (double)kt_to<V>(b[first]) : 0.0);
+    return 0;
+}
+
+/* cuBLAS's grouped kernel against the loop's GEMMs, both fp32 accumulation over the same K terms rounded once to
+ * the output type: their fp32 sums differ by the order of the additions only (a random walk of ~sqrt(K) roundings
+ * of ~2^-24 of the partial sums: ~1e-5 of the output's rms at K 7168), so an element differs by at most one
+ * rounding step of the output type: |a - b| <= ulp(max(|a|, |b|)) <= 2^-7 max(|a|, |b|) in bf16, plus 2^-7 of
+ * the output's rms for the order itself (three orders of magnitude of margin); norm-wise under 2^-8 (most
+ * elements equal, the others one step apart). */
+template <typename T>
+static int mgp_close(const char* what, const std::vector<T>& got, const std::vector<T>& loop) {
+    double ss = 0.0, sd = 0.0, worst = 0.0;
+    for (size_t i = 0; i < loop.size(); i++) ss += (double)kt_to<T>(loop[i]) * kt_to<T>(loop[i]);
+    const double rms = sqrt(ss / (double)(loop.size() ? loop.size() : 1));
+    const double rel = kt_fmt<T>::u * 2.0; /* one ulp of the value's binade at most (u: half an ulp; bf16 2^-7) */
+    size_t bad = 0, equal = 0;
+    for (size_t i = 0; i < loop.size(); i++) {
+        const double a = kt_to<T>(got[i]), b = kt_to<T>(loop[i]), d = fabs(a - b);
+        const double tol = rel * (fabs(a) > fabs(b) ? fabs(a) : fabs(b)) + rel * rms;
+        if (!(d <= tol)) bad++;
+        if (d == 0.0) equal++;
+        sd += d * d;
+        if (d / (tol > 0 ? tol : 1) > worst) worst = d / (tol > 0 ? tol : 1);
+    }
+    const double norm = sqrt(sd / (ss > 0 ? ss : 1));
+    printf("      %s: grouped vs loop: %zu of %zu equal, worst at %.3f of the bound, norm-wise %.2e (bound %.2e)%s\n", what,
+           equal, loop.size(), worst, norm, rel / 2, bad || !(norm <= rel / 2) ? "   <- FAIL" : "");
+    return !bad && norm <= rel / 2;
+}
+
+/* The loop's outputs against float64 sums of the stored inputs at sampled elements (proving the three paths do
+ * not agree on something wrong: a wrong expert's weights or rows are off by the value's own size), the experts
+ * without rows' weight gradients exactly 0, and no NaN left anywhere. Bounds: the output type's rounding (half an
+ * ulp, u |value|; 2u allowed) plus fp32 accumulation over K terms, K 2^-24 sum |terms| <= 2^-11 sum |terms| for
+ * K <= 8192 (the weight gradients, fp32: the accumulation bound and fp32's rounding of the second pass's sum). */
+template <typename T>
+static int mgp_reference(const mgp_shape& s, const int32_t* c, const std::vector<T>& x, const std::vector<T>& W,
+                         const std::vector<T>& dy, const std::vector<T>& dy2, const mgp_outputs<T>& o, kt_rng* r) {
+    const int E = s.E, in = s.in, out = s.out;
+    std::vector<int> expert_of((size_t)s.R);
+    for (int e = 0; e < E; e++)
+        for (int i = 0; i < c[e]; i++) expert_of[(size_t)c[E + e] + i] = e;
+    const double rel = kt_fmt<T>::u * 2.0, acc = 1.0 / 2048;
+    int bad = 0;
+    for (int t = 0; t < 300; t++) {
+        const int row = (int)(kt_next(r) % (uint64_t)s.R), e = expert_of[(size_t)row];
+        const int j = (int)(kt_next(r) % (uint64_t)out), i = (int)(kt_next(r) % (uint64_t)in);
+        double y = 0, ya = 0, dx = 0, dxa = 0;
+        for (int q = 0; q < in; q++) {
+            const double p = (double)kt_to<T>(x[(size_t)row * in + q]) * kt_to<T>(W[((size_t)e * out + j) * in + q]);
+            y += p, ya += fabs(p);
+        }
+        for (int q = 0; q < out; q++) {
+            const double p = (double)kt_to<T>(dy[(size_t)row * out + q]) * kt_to<T>(W[((size_t)e * out + q) * in + i]);
+            dx += p, dxa += fabs(p);
+        }
+        const double gy = kt_to<T>(o.y[(size_t)row * out + j]), gx = kt_to<T>(o.dx[(size_t)row * in + i]);
+        if (!(fabs(gy - y) <= rel * fabs(y) + acc * ya)) bad++, printf("      y[%d, %d] (expert %d) %g, reference %g\n", row, j, e, gy, y);
+        if (!(fabs(gx - dx) <= rel * fabs(dx) + acc * dxa))
+            bad++, printf("      dx[%d, %d] (expert %d) %g, reference %g\n", row, i, e, gx, dx);
+        /* a weight gradient element of an expert with rows: both backward passes' sums */
+        int we = (int)(kt_next(r) % (uint64_t)E);
+        while (c[we] == 0) we = (we + 1) % E;
+        double w = 0, wa = 0;
+        for (int q = c[E + we]; q < c[E + we] + c[we]; q++) {
+            const double xv = kt_to<T>(x[(size_t)q * in + i]);
+            const double p = (double)kt_to<T>(dy[(size_t)q * out + j]) * xv, p2 = (double)kt_to<T>(dy2[(size_t)q * out + j]) * xv;
+            w += p + p2, wa += fabs(p) + fabs(p2);
+        }
+        const double gw = o.dW[((size_t)we * out + j) * in + i];
+        if (!(fabs(gw - w) <= acc * wa + 1.2e-7 * fabs(w)))
+            bad++, printf("      dW[%d, %d, %d] %g, reference %g\n", we, j, i, gw, w);
+        if (bad > 5) break;
+    }
+    for (int z : s.zero)
+        for (size_t q = 0; z >= 0 && q < (size_t)out * in; q++)
+            if (o.dW[(size_t)z * out * in + q] != 0.0f) {
+                printf("      dW of expert %d (no rows) at %zu: %g, expected 0\n", z, q, o.dW[(size_t)z * out * in + q]);
+                bad++;
+                break;
+            }
+    size_t nan = 0;
+    for (const T& v : o.y) nan += kt_to<T>(v) != kt_to<T>(v);
+    for (const T& v : o.dx) nan += kt_to<T>(v) != kt_to<T>(v);
+    for (const T& v : o.dx2) nan += kt_to<T>(v) != kt_to<T>(v);
+    for (float v : o.dW) nan += v != v;
+    if (nan) printf("      %zu NaN left in the outputs (an element no GEMM wrote)\n", nan), bad++;
+    return bad == 0;
+}
+
+/* One layer shape in bf16 by every path: streams == loop bit for bit (forward, input gradients, the fp32-accumulated
+ * weight gradients), streams twice bitwise equal, grouped within mgp_close of the loop (its weight gradients, bf16 x
+ * bf16 -> fp32, which cuBLAS's grouped GEMM refuses, run the loop: bitwise), the default rule's outputs bit for bit
+ * those of the path moe_gemm_choose names, and the loop against float64 (mgp_reference). */
+static int mgp_case(kt_ctx* k, mt_exec* ex, mt_moe_gemm* m, const mgp_shape& s, int index) {
+    typedef __nv_bfloat16 T;
+    kt_rng r = {kt_seed(71, index, s.E, s.out)};
+    const std::vector<int32_t> c = mgp_counts(s, &r);
+    int most = 0, with_rows = 0;
+    for (int e = 0; e < s.E; e++) most = c[e] > most ? c[e] : most, with_rows += c[e] > 0;
+    printf("    %s: %d experts (%d with rows), %d rows (most %d, mean %.1f), %d -> %d\n", s.name, s.E, with_rows, s.R,
+           most, (double)s.R / s.E, s.in, s.out);
+    const int64_t nx = (int64_t)s.R * s.in, ny = (int64_t)s.R * s.out, nw = (int64_t)s.E * s.out * s.in;
+    std::vector<T> x((size_t)nx), W((size_t)nw), dy((size_t)ny), dy2((size_t)ny);
+    for (auto* v : {&x, &W, &dy, &dy2})
+        for (auto& e : *v) e = kt_from<T>(kt_signed(&r, 0.1, 1.0));
+    mgp_tensors<T> d;
+    d.x = kt_alloc<T>(k, nx), d.W = kt_alloc<T>(k, nw), d.dy = kt_alloc<T>(k, ny), d.dy2 = kt_alloc<T>(k, ny);
+    d.y = kt_alloc<T>(k, ny), d.dx = kt_alloc<T>(k, nx), d.dx2 = kt_alloc<T>(k, nx), d.dW = kt_alloc<float>(k, nw);
+    KT_ALLOCATED(k);
+    KT_CUDA(kt_put(k, d.x, x));
+    KT_CUDA(kt_put(k, d.W, W));
+    KT_CUDA(kt_put(k, d.dy, dy));
+    KT_CUDA(kt_put(k, d.dy2, dy2));
+    mgp_outputs<T> loop, other, grouped;
+    if (!mgp_run<T>(k, ex, m, MOE_PATH_LOOP, s, c.data(), d, &loop)) return 0;
+    int ok = mgp_reference<T>(s, c.data(), x, W, dy, dy2, loop, &r);
+    printf("      loop against float64 at 300 sampled elements of y, dx, dW; experts without rows' dW 0; no NaN:%s\n",
+           ok ? " ok" : "   <- FAIL");
+    for (int rep = 0; rep < 2 && ok; rep++) { /* streams, twice: the loop's bits each time */
+        if (!mgp_run<T>(k, ex, m, MOE_PATH_STREAMS, s, c.data(), d, &other)) return 0;
+        ok = mgp_bitwise("streams y", other.y, loop.y) && mgp_bitwise("streams dx", other.dx, loop.dx) &&
+             mgp_bitwise("streams dx2", other.dx2, loop.dx2) && mgp_bitwise("streams dW", other.dW, loop.dW);
+        printf("      streams (run %d) bit for bit the loop's (y, dx, dx2, dW):%s\n", rep + 1, ok ? " ok" : "   <- FAIL");
+    }
+    if (!ok || !mgp_run<T>(k, ex, m, MOE_PATH_GROUPED, s, c.data(), d, &grouped)) return 0;
+    ok = mgp_close<T>("y", grouped.y, loop.y) & mgp_close<T>("dx", grouped.dx, loop.dx) &
+         mgp_close<T>("dx2", grouped.dx2, loop.dx2) & mgp_bitwise("grouped's dW (the loop's GEMMs)", grouped.dW, loop.dW);
+    if (!ok || !mgp_run<T>(k, ex, m, MOE_PATH_DEFAULT, s, c.data(), d, &other)) return 0;
+    const double flop = 2.0 * s.R * (double)s.in * s.out;
+    const int p_io = moe_gemm_choose(MOE_PATH_DEFAULT, true, flop, with_rows, m->streams);
+    const int p_w = moe_gemm_choose(MOE_PATH_DEFAULT, false, flop, with_rows, m->streams);
+    const mgp_outputs<T>& io = p_io == MOE_PATH_GROUPED ? grouped : loop;
+    ok = mgp_bitwise("default y", other.y, io.y) && mgp_bitwise("default dx", other.dx, io.dx) &&
+         mgp_bitwise("default dx2", other.dx2, io.dx2) && mgp_bitwise("default dW", other.dW, loop.dW);
+    printf("      default rule: forward and input gradients %s, weight gradients %s: bit for bit that path's:%s\n",
+           p_io == MOE_PATH_GROUPED ? "grouped" : p_io == MOE_PATH_STREAMS ? "streams" : "loop",
+           p_w == MOE_PATH_STREAMS ? "streams" : "loop", ok ? " ok" : "   <- FAIL");
+    kt_release(k);
+    return ok;
+}
+
+/* The paths at a Qwen3-like layer (128 small experts; its fc1 and fc2 at half the width) and a Mixtral-like one (8
+ * large experts), uneven rows with experts at 0. The compute stream's cuBLAS handle and the side streams' are set
+ * up as the trainer's (gemm_handle_create, their own workspaces). */
+static test_result test_moe_experts_gemm_paths(void) {
+    REQUIRE_GPU();
+    static const mgp_shape shapes[] = {
+        {"qwen3-like fc1", 128, 16384, 1024, 768, {3, 64, 127}},
+        {"qwen3-like fc2", 128, 16384, 384, 1024, {3, 64, 127}},
+        {"mixtral-like fc1", 8, 4096, 2048, 7168, {5, -1, -1}},
+        {"mixtral-like fc2", 8, 4096, 3584, 2048, {5, -1, -1}},
+    };
+    kt_ctx k;
+    if (!kt_ctx_init(&k)) return TEST_FAIL;
+    mt_gemm_plans main_plans;
+    mt_moe_gemm m;
+    memset(&main_plans, 0, sizeof(main_plans));
+    memset(&m, 0, sizeof(m));
+    const int E_max = 128;
+    int ok = cudaMalloc(&main_plans.workspace, MT_CUBLAS_WORKSPACE_BYTES) == cudaSuccess;
+    for (int s = 0; ok && s < MOE_SIDE_STREAMS; s++) ok = cudaMalloc(&m.workspace[s], MT_CUBLAS_WORKSPACE_BYTES) == cudaSuccess;
+    ok = ok && cudaMalloc((void**)&m.table, MT_MOE_GEMM_POINTERS(E_max) * sizeof(void*)) == cudaSuccess &&
+         cudaMallocHost((void**)&m.staging, MT_MOE_GEMM_POINTERS(E_max) * sizeof(void*)) == cudaSuccess;
+    if (ok) {
+        main_plans.workspace_bytes = MT_CUBLAS_WORKSPACE_BYTES;
+        gemm_handle_create(&k.error, &main_plans.handle, k.stream, main_plans.workspace, MT_CUBLAS_WORKSPACE_BYTES);
+        moe_gemm_create(&m, &k.error, MOE_PATH_DEFAULT);
+        ok = k.error.status == MT_OK && m.streams == MOE_SIDE_STREAMS;
+        if (!ok) printf("    FAIL setting up the handles and side streams: %s\n", k.error.error.message);
+    } else {
+        printf("    FAIL allocating the workspaces and the grouped calls' tables\n");
+    }
+    mt_exec ex;
+    memset(&ex, 0, sizeof(ex));
+    ex.stream = k.stream, ex.error = &k.error, ex.gemm = &main_plans;
+    for (int i = 0; ok && i < (int)(sizeof(shapes) / sizeof(shapes[0])); i++) ok = mgp_case(&k, &ex, &m, shapes[i], i);
+    kt_release(&k);
+    moe_gemm_free(&m);
+    if (main_plans.handle) cublasDestroy(main_plans.handle);
+    cudaFree(main_plans.workspace);
+    for (int s = 0; s < MOE_SIDE_STREAMS; s++) cudaFree(m.workspace[s]);
+    cudaFree((void*)m.table);
+    cudaFreeHost((void*)m.staging);
+    kt_ctx_free(&k);
+    return ok ? TEST_PASS : TEST_FAIL;
+}
+
 static const test_case moe_kernels_host_tests[] = {
     {"moe_token_order", test_moe_token_order},
     {"moe_work_and_capacity_rules", test_moe_work_and_capacity_rules},
     {"moe_routing_refusals", test_moe_routing_refusals},
+    {"moe_gemm_path_rule", test_moe_gemm_path_rule},
 };
 
 static const test_case moe_kernels_gpu_tests[] = {
@@ -1394,6 +1716,7 @@ static const test_case moe_kernels_gpu_tests[] = {
     {"moe_gelu_and_biases", test_moe_gelu_biases},
     {"moe_shared_gate", test_moe_shared_gate},
     {"moe_casts", test_moe_casts},
+    {"moe_experts_gemm_paths", test_moe_experts_gemm_paths},
 };
 
 #endif
