@@ -184,6 +184,12 @@ __device__ __forceinline__ void mbar_wait_slow(uint32_t bar, uint32_t parity, un
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, unsigned* watchdog, int what, int iter) {
     if (!mbar_try_wait(bar, parity)) mbar_wait_slow(bar, parity, watchdog, what, iter);
 }
+/* the consumers' wait: the lanes may leave the spin at different times, and the wgmma that follows is
+ * .sync.aligned (every lane of the warp must execute it together), so the warp reconverges first */
+__device__ __forceinline__ void mbar_wait_warp(uint32_t bar, uint32_t parity, unsigned* watchdog, int what, int iter) {
+    mbar_wait(bar, parity, watchdog, what, iter);
+    __syncwarp();
+}
 
 /* TMA: box at coordinates (c0 = column, c1 = row, c2 = batch*heads) of the tensor map into shared memory,
  * completing tx bytes on the mbarrier */
@@ -518,13 +524,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint32_t pa[BN / 16][4];
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f, c0, c1;
 
-    mbar_wait(q_full, 0, p.watchdog, WAIT_Q_FULL, 0);
+    mbar_wait_warp(q_full, 0, p.watchdog, WAIT_Q_FULL, 0);
 
     if constexpr (!OVERLAP) {
         for (int n = 0; n < n_tiles; n++) {
             const int st = n % STAGES;
             const uint32_t ph = (n / STAGES) & 1;
-            mbar_wait(k_full(st), ph, p.watchdog, WAIT_K_FULL, n);
+            mbar_wait_warp(k_full(st), ph, p.watchdog, WAIT_K_FULL, n);
             wgmma_fence();
             gemm_qk<D>(s, q_base, sK + st * L::TILE_KV);
             wgmma_commit();
@@ -535,7 +541,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             softmax_tile(s, m0, m1, l0, l1, c0, c1, sl2);
             rescale_o<D>(o, c0, c1);
             convert_p(s, pa);
-            mbar_wait(v_full(st), ph, p.watchdog, WAIT_V_FULL, n);
+            mbar_wait_warp(v_full(st), ph, p.watchdog, WAIT_V_FULL, n);
             fence_regs(o);
             fence_regs(pa);
             wgmma_fence();
@@ -548,7 +554,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
     } else {
         /* tile 0: S_0 and its softmax (O is zero, so no rescale) */
-        mbar_wait(k_full(0), 0, p.watchdog, WAIT_K_FULL, 0);
+        mbar_wait_warp(k_full(0), 0, p.watchdog, WAIT_K_FULL, 0);
         wgmma_fence();
         gemm_qk<D>(s, q_base, sK);
         wgmma_commit();
@@ -561,13 +567,13 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int n = 1; n < n_tiles; n++) {
             const int st = n % STAGES, pst = (n - 1) % STAGES;
             const uint32_t ph = (n / STAGES) & 1, pph = ((n - 1) / STAGES) & 1;
-            mbar_wait(k_full(st), ph, p.watchdog, WAIT_K_FULL, n);
+            mbar_wait_warp(k_full(st), ph, p.watchdog, WAIT_K_FULL, n);
             fence_regs(o);
             fence_regs(pa);
             wgmma_fence();
             gemm_qk<D>(s, q_base, sK + st * L::TILE_KV); /* S_n */
             wgmma_commit();
-            mbar_wait(v_full(pst), pph, p.watchdog, WAIT_V_FULL, n - 1);
+            mbar_wait_warp(v_full(pst), pph, p.watchdog, WAIT_V_FULL, n - 1);
             gemm_pv<D>(o, pa, sV + pst * L::TILE_KV); /* O += P_{n-1} V_{n-1}, in flight during the softmax */
             wgmma_commit();
             wgmma_wait<1>(); /* S_n done */
@@ -584,7 +590,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
         const int st = (n_tiles - 1) % STAGES;
         const uint32_t ph = ((n_tiles - 1) / STAGES) & 1;
-        mbar_wait(v_full(st), ph, p.watchdog, WAIT_V_FULL, n_tiles - 1);
+        mbar_wait_warp(v_full(st), ph, p.watchdog, WAIT_V_FULL, n_tiles - 1);
         fence_regs(o);
         fence_regs(pa);
         wgmma_fence();
