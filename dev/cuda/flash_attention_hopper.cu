@@ -35,7 +35,10 @@
  *   O += P_{n-1} V_{n-1} back to back, waits for S_n only, does S_n's softmax while P_{n-1} V_{n-1}
  *   runs, then waits for it, rescales O and converts P_n. Without OVERLAP each product is waited for
  *   before the softmax (the tensor cores then idle unless the other consumer warpgroup has work).
+ *   PINGPONG (FlashAttention-3's inter-warpgroup schedule, on top of OVERLAP): the two consumers take
+ *   turns to issue their GEMMs, through two "turn" mbarriers, so one's softmax overlaps the other's products.
  *   K and V have separate full/empty barriers, so K_n is released as soon as S_n is done.
+ *   VARIANT: 0 simple, 1 OVERLAP, 2 OVERLAP + PINGPONG; main() checks and times all three.
  *
  * ---- Shared memory (1024-byte aligned; every tile is a multiple of 1024 bytes) -----------------------
  *   A tile of R rows x d columns is stored as d/64 column halves, each [R][64] bf16 = R*128 bytes, in the
@@ -103,11 +106,11 @@ typedef __nv_bfloat16 bf16;
 /* 1. Watchdog: a mapped host buffer the kernel writes before it traps                            */
 /* ============================================================================================== */
 
-/* [0] = 1 + what was waited for (0 = nothing), [1..3] = block x, y, z, [4] = thread, [5] = parity, [6] = iteration */
+/* [0] = 1 + what was waited for (0 = nothing), [1..3] = block x, y, z, [4] = thread, [5] = parity, [6] = key tile or issue slot */
 static volatile unsigned* g_watchdog_host = nullptr;
 static unsigned* g_watchdog_dev = nullptr;
-static const char* const WAIT_NAMES[] = {"Q full", "K full", "V full", "K empty", "V empty"};
-enum { WAIT_Q_FULL = 0, WAIT_K_FULL, WAIT_V_FULL, WAIT_K_EMPTY, WAIT_V_EMPTY };
+static const char* const WAIT_NAMES[] = {"Q full", "K full", "V full", "K empty", "V empty", "pingpong turn"};
+enum { WAIT_Q_FULL = 0, WAIT_K_FULL, WAIT_V_FULL, WAIT_K_EMPTY, WAIT_V_EMPTY, WAIT_TURN };
 
 static void report_watchdog();
 /* after a synchronisation: exit if a kernel's watchdog fired */
@@ -122,7 +125,7 @@ static void report_watchdog() {
         unsigned w = g_watchdog_host[0] - 1;
         fprintf(stderr, "watchdog: block (%u,%u,%u) thread %u waited > 2 s on the %s barrier and gave up (parity %u, key tile %u)\n",
                 g_watchdog_host[1], g_watchdog_host[2], g_watchdog_host[3], g_watchdog_host[4],
-                w < 5 ? WAIT_NAMES[w] : "?", g_watchdog_host[5], g_watchdog_host[6]);
+                w < 6 ? WAIT_NAMES[w] : "?", g_watchdog_host[5], g_watchdog_host[6]);
     }
 }
 
@@ -320,7 +323,7 @@ struct smem_layout {
     static constexpr int OFF_K = OFF_Q + TILE_Q;
     static constexpr int OFF_V = OFF_K + STAGES * TILE_KV;
     static constexpr int OFF_BAR = OFF_V + STAGES * TILE_KV;
-    static constexpr int NBAR = 1 + 4 * STAGES; /* Q full; K full, V full, K empty, V empty per stage */
+    static constexpr int NBAR = 1 + 4 * STAGES + 2; /* Q full; K full, V full, K empty, V empty per stage; 2 turns */
     static constexpr int ALLOC = OFF_BAR + NBAR * 8 + 1024; /* + slack to align the base */
 };
 
@@ -439,11 +442,13 @@ __device__ __forceinline__ void gemm_pv(float (&o)[D / 2], const uint32_t (&pa)[
     }
 }
 
-template <int D, int STAGES, bool CAUSAL, bool OVERLAP>
+/* VARIANT 0: simple, 1: OVERLAP, 2: OVERLAP + PINGPONG (see the header) */
+template <int D, int STAGES, bool CAUSAL, int VARIANT>
 __global__ void __launch_bounds__(THREADS, 1)
     fa3_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                    const __grid_constant__ CUtensorMap tm_v, params p) {
     static_assert(D == 64 || D == 128, "head dim 64 or 128");
+    constexpr bool OVERLAP = VARIANT >= 1, PINGPONG = VARIANT == 2;
     using L = smem_layout<D, STAGES>;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = smem_u32(smem_raw);
@@ -454,6 +459,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     auto v_full = [&](int s) { return bars + 8u * (1 + STAGES + s); };
     auto k_empty = [&](int s) { return bars + 8u * (1 + 2 * STAGES + s); };
     auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * STAGES + s); };
+    auto turn = [&](int w) { return bars + 8u * (1 + 4 * STAGES + w); }; /* consumer w may issue its GEMMs */
 
     const int m_block = gridDim.x - 1 - blockIdx.x; /* the longest rows first */
     const int h = blockIdx.y, b = blockIdx.z;
@@ -473,6 +479,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             mbar_init(k_empty(s), 8); /* lane 0 of each of the 8 consumer warps */
             mbar_init(v_empty(s), 8);
         }
+        mbar_init(turn(0), 4); /* lane 0 of each warp of the other consumer warpgroup */
+        mbar_init(turn(1), 4);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -523,6 +531,23 @@ __global__ void __launch_bounds__(THREADS, 1)
     float s[BN / 2];
     uint32_t pa[BN / 16][4];
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f, c0, c1;
+    /* PINGPONG: the consumers take turns to issue their GEMMs, so that one's softmax runs while the other's
+     * products occupy the tensor cores. Issue slot k (k = 0: S_0; 1 .. n_tiles-1: S_k and P_{k-1} V_{k-1};
+     * n_tiles: the last P V) of warpgroup 0 waits for warpgroup 1's slot k-1, that of warpgroup 1 for
+     * warpgroup 0's slot k; each arrives on the other's turn barrier once it has issued. A barrier is never
+     * more than one phase ahead of its waiter, so the parity names the phase. */
+    auto turn_wait = [&](int k) {
+        if constexpr (PINGPONG) {
+            if (cw == 0 && k > 0) mbar_wait_warp(turn(0), (k - 1) & 1, p.watchdog, WAIT_TURN, k);
+            if (cw == 1) mbar_wait_warp(turn(1), k & 1, p.watchdog, WAIT_TURN, k);
+        }
+    };
+    auto turn_pass = [&]() {
+        if constexpr (PINGPONG) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(turn(1 - cw));
+        }
+    };
 
     mbar_wait_warp(q_full, 0, p.watchdog, WAIT_Q_FULL, 0);
 
@@ -555,9 +580,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     } else {
         /* tile 0: S_0 and its softmax (O is zero, so no rescale) */
         mbar_wait_warp(k_full(0), 0, p.watchdog, WAIT_K_FULL, 0);
+        turn_wait(0);
         wgmma_fence();
         gemm_qk<D>(s, q_base, sK);
         wgmma_commit();
+        turn_pass();
         wgmma_wait<0>();
         fence_regs(s);
         if (lane == 0) mbar_arrive(k_empty(0));
@@ -568,14 +595,16 @@ __global__ void __launch_bounds__(THREADS, 1)
             const int st = n % STAGES, pst = (n - 1) % STAGES;
             const uint32_t ph = (n / STAGES) & 1, pph = ((n - 1) / STAGES) & 1;
             mbar_wait_warp(k_full(st), ph, p.watchdog, WAIT_K_FULL, n);
+            mbar_wait_warp(v_full(pst), pph, p.watchdog, WAIT_V_FULL, n - 1);
+            turn_wait(n);
             fence_regs(o);
             fence_regs(pa);
             wgmma_fence();
             gemm_qk<D>(s, q_base, sK + st * L::TILE_KV); /* S_n */
             wgmma_commit();
-            mbar_wait_warp(v_full(pst), pph, p.watchdog, WAIT_V_FULL, n - 1);
             gemm_pv<D>(o, pa, sV + pst * L::TILE_KV); /* O += P_{n-1} V_{n-1}, in flight during the softmax */
             wgmma_commit();
+            turn_pass();
             wgmma_wait<1>(); /* S_n done */
             fence_regs(s);
             if (lane == 0) mbar_arrive(k_empty(st));
@@ -591,11 +620,13 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int st = (n_tiles - 1) % STAGES;
         const uint32_t ph = ((n_tiles - 1) / STAGES) & 1;
         mbar_wait_warp(v_full(st), ph, p.watchdog, WAIT_V_FULL, n_tiles - 1);
+        turn_wait(n_tiles);
         fence_regs(o);
         fence_regs(pa);
         wgmma_fence();
         gemm_pv<D>(o, pa, sV + st * L::TILE_KV);
         wgmma_commit();
+        turn_pass();
         wgmma_wait<0>();
         fence_regs(o);
         if (lane == 0) mbar_arrive(v_empty(st));
@@ -666,11 +697,11 @@ static CUtensorMap make_tensor_map(const bf16* base, int D, int T, int Z, int ro
 constexpr int STAGES = 2;
 
 /* O [B,H,T,D], LSE [B,H,T] from Q [B,H,T,D], K and V [B,Hkv,T,D] */
-template <int D, bool CAUSAL, bool OVERLAP>
+template <int D, bool CAUSAL, int VARIANT>
 static void fa3_forward(bf16* O, float* LSE, const bf16* Q, const bf16* K, const bf16* V, int B, int H, int Hkv, int T,
                         cudaStream_t st) {
     using L = fa3::smem_layout<D, STAGES>;
-    auto kernel = fa3::fa3_fwd_kernel<D, STAGES, CAUSAL, OVERLAP>;
+    auto kernel = fa3::fa3_fwd_kernel<D, STAGES, CAUSAL, VARIANT>;
     static bool ready = false;
     if (!ready) {
         LAB_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::ALLOC));
@@ -700,14 +731,17 @@ static void fa3_forward(bf16* O, float* LSE, const bf16* Q, const bf16* K, const
 
 typedef void (*forward_fn)(bf16*, float*, const bf16*, const bf16*, const bf16*, int, int, int, int, cudaStream_t);
 
-/* the eight instantiations: [d == 128][causal][overlap] */
-static forward_fn pick_forward(int D, bool causal, bool overlap) {
-    if (D == 128) {
-        if (causal) return overlap ? fa3_forward<128, true, true> : fa3_forward<128, true, false>;
-        return overlap ? fa3_forward<128, false, true> : fa3_forward<128, false, false>;
-    }
-    if (causal) return overlap ? fa3_forward<64, true, true> : fa3_forward<64, true, false>;
-    return overlap ? fa3_forward<64, false, true> : fa3_forward<64, false, false>;
+/* the twelve instantiations: d in {128, 64} x causal x variant (0 simple, 1 overlap, 2 overlap + pingpong) */
+static const char* const VARIANT_NAMES[] = {"simple", "overlap", "pingpong"};
+template <int D, bool CAUSAL>
+static forward_fn pick_variant(int variant) {
+    if (variant == 0) return fa3_forward<D, CAUSAL, 0>;
+    if (variant == 1) return fa3_forward<D, CAUSAL, 1>;
+    return fa3_forward<D, CAUSAL, 2>;
+}
+static forward_fn pick_forward(int D, bool causal, int variant) {
+    if (D == 128) return causal ? pick_variant<128, true>(variant) : pick_variant<128, false>(variant);
+    return causal ? pick_variant<64, true>(variant) : pick_variant<64, false>(variant);
 }
 
 /* ============================================================================================== */
@@ -790,7 +824,7 @@ struct shape {
 static const double O_ABS = 8e-3, O_REL = 1e-2, O_NORM = 1e-2, LSE_ABS = 1e-3, LSE_NORM = 1e-4;
 
 /* one shape through one variant; prints a line; true if it passes */
-static bool check_one(const char* stage, int D, bool overlap, shape s) {
+static bool check_one(const char* stage, int D, int variant, shape s) {
     const size_t nq = (size_t)s.B * s.H * s.T * D, nkv = (size_t)s.B * s.Hkv * s.T * D, nr = (size_t)s.B * s.H * s.T;
     bf16 *Q, *K, *V, *O;
     float *LSE, *S, *Oref, *LSEref;
@@ -813,7 +847,7 @@ static bool check_one(const char* stage, int D, bool overlap, shape s) {
     ref_pv_kernel<<<blocks_for(nq, 256), 256>>>(Oref, S, V, s.B, s.H, s.Hkv, s.T, D);
     LAB_CHECK(cudaGetLastError());
 
-    forward_fn fwd = pick_forward(D, s.causal, overlap);
+    forward_fn fwd = pick_forward(D, s.causal, variant);
     std::vector<bf16> o1(nq), o2(nq);
     std::vector<float> l1(nr), l2(nr), oref(nq), lref(nr);
     for (int run = 0; run < 2; run++) {
@@ -847,9 +881,9 @@ static bool check_one(const char* stage, int D, bool overlap, shape s) {
     const double rel = sqrt(num / den), lrel = sqrt(lnum / lden);
     const bool same = memcmp(o1.data(), o2.data(), nq * sizeof(bf16)) == 0 && memcmp(l1.data(), l2.data(), nr * sizeof(float)) == 0;
     const bool ok = bad == 0 && lbad == 0 && rel <= O_NORM && lrel <= LSE_NORM && same;
-    printf("%-28s d=%3d %-7s B=%d H=%2d Hkv=%d T=%5d %-6s  O: rel %.2e max %.2e bad %zu  LSE: rel %.2e max %.2e bad %zu  "
+    printf("%-28s d=%3d %-8s B=%d H=%2d Hkv=%d T=%5d %-6s  O: rel %.2e max %.2e bad %zu  LSE: rel %.2e max %.2e bad %zu  "
            "bitwise-repeat %s  %s\n",
-           stage, D, overlap ? "overlap" : "simple", s.B, s.H, s.Hkv, s.T, s.causal ? "causal" : "full", rel, worst, bad,
+           stage, D, VARIANT_NAMES[variant], s.B, s.H, s.Hkv, s.T, s.causal ? "causal" : "full", rel, worst, bad,
            lrel, lworst, lbad, same ? "yes" : "NO", ok ? "PASS" : "FAIL");
     if (!ok) {
         const size_t e = worst_at % D, rr = worst_at / D;
@@ -891,8 +925,8 @@ static int run_checks() {
     };
     int failed = 0;
     for (int D : {128, 64})
-        for (int overlap = 0; overlap < 2; overlap++)
-            for (const stage& st : stages) failed += !check_one(st.name, D, overlap != 0, st.s);
+        for (int variant = 0; variant < 3; variant++)
+            for (const stage& st : stages) failed += !check_one(st.name, D, variant, st.s);
     printf("checks: %d failed\n", failed);
     return failed;
 }
@@ -921,14 +955,15 @@ static void run_bench() {
     printf("\nbenchmark: B=%d H=%d Hkv=%d, median of %d CUDA-event timings after 3 warm-ups; causal FLOPs 2*B*H*T^2*d, "
            "full 4*B*H*T^2*d\n",
            B, H, Hkv, reps);
-    printf("| d | mask | T | simple ms | simple TFLOP/s | overlap ms | overlap TFLOP/s |\n| --- | --- | --- | --- | --- | --- | --- |\n");
+    printf("| d | mask | T | simple ms | TFLOP/s | overlap ms | TFLOP/s | pingpong ms | TFLOP/s |\n"
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
     for (int D : {128, 64})
         for (int causal = 1; causal >= 0; causal--)
             for (int T : {4096, 8192, 16384, 32768}) {
                 const double flops = (causal ? 2.0 : 4.0) * B * H * (double)T * T * D;
-                double ms[2];
-                for (int overlap = 0; overlap < 2; overlap++) {
-                    forward_fn fwd = pick_forward(D, causal != 0, overlap != 0);
+                double ms[3];
+                for (int variant = 0; variant < 3; variant++) {
+                    forward_fn fwd = pick_forward(D, causal != 0, variant);
                     for (int i = 0; i < 3; i++) fwd(O, LSE, Q, K, V, B, H, Hkv, T, 0);
                     std::vector<float> t(reps);
                     for (int i = 0; i < reps; i++) {
@@ -940,10 +975,10 @@ static void run_bench() {
                     }
                     check_watchdog();
                     std::sort(t.begin(), t.end());
-                    ms[overlap] = t[reps / 2];
+                    ms[variant] = t[reps / 2];
                 }
-                printf("| %d | %s | %d | %.3f | %.0f | %.3f | %.0f |\n", D, causal ? "causal" : "full", T, ms[0],
-                       flops / ms[0] * 1e-9, ms[1], flops / ms[1] * 1e-9);
+                printf("| %d | %s | %d | %.3f | %.0f | %.3f | %.0f | %.3f | %.0f |\n", D, causal ? "causal" : "full", T,
+                       ms[0], flops / ms[0] * 1e-9, ms[1], flops / ms[1] * 1e-9, ms[2], flops / ms[2] * 1e-9);
                 fflush(stdout);
             }
     printf("FlashAttention-2 lab (dev/cuda/README.md, H200): d=128 causal forward 239 TFLOP/s at B=4 H=16 T=2048; d=64 "
