@@ -8976,8 +8976,12 @@ static const int32_t* moe_host_counts(mt_trainer* t, const int32_t* device_count
  * Measured on an H200 (dev/cuda/grouped_gemm_probe.cu, bf16): 128 experts of [256 x 2048] x [2048 x 1536]
  * grouped 0.65 ms (317 TFLOP/s), one by one 0.98 ms (211); 8 experts of [1024 x 4096] x [4096 x 28672]
  * grouped 5.99 ms (321 TFLOP/s), one by one 2.18 ms (884): cuBLAS's grouped kernel stays near 320 TFLOP/s.
- * The rule (moe_gemm_choose): grouped where it has the types and the GEMMs average under MOE_GROUPED_MAX_FLOP,
- * else streams (at least as fast as the loop: the same kernels, overlapped), a lone GEMM on the compute stream.
+ * The rule (moe_gemm_choose), from dev/cuda/grouped_gemm_probe.cu on an H200 (dev/bench/results/
+ * hopper_decode_cp_h200.md): grouped where it has the types and the GEMMs average under MOE_GROUPED_MAX_FLOP
+ * (Qwen3's experts: the host issues a cuBLAS GEMM in 8-12 us, longer than each takes, so neither the loop nor
+ * side streams keep the GPU busy); the bf16 weight gradients with fp32 output, which the grouped call refuses,
+ * on side streams (Qwen3 fc1 1.85 -> 1.21 ms, Mixtral fc1 4.62 -> 4.34); big GEMMs with the types one by one
+ * on the compute stream (Mixtral fc2's forward: loop 1.16 ms, streams 4 1.36); a lone GEMM on the compute stream.
  * Each call of a layer's pass has its own slot of pointer staging (forward: fc1, fc2; backward: fc2's input and
  * weight gradients, fc1's): a layer reads its row counts back (synchronising the stream) before it reuses them. */
 #define MOE_GROUPED_MAX_FLOP 8e9
@@ -9007,7 +9011,8 @@ static mt_status moe_gemm_path_parse(const char* value, int* path, mt_error* err
 static int moe_gemm_choose(int forced, bool grouped_types, double flop, int with_rows, int side_streams) {
     int path = forced;
     if (path == MOE_PATH_DEFAULT)
-        path = grouped_types && flop < MOE_GROUPED_MAX_FLOP * with_rows ? MOE_PATH_GROUPED : MOE_PATH_STREAMS;
+        path = !grouped_types ? MOE_PATH_STREAMS
+               : flop < MOE_GROUPED_MAX_FLOP * with_rows ? MOE_PATH_GROUPED : MOE_PATH_LOOP;
     if (path == MOE_PATH_GROUPED && !grouped_types) path = MOE_PATH_LOOP;
     if (path == MOE_PATH_STREAMS && (side_streams < 1 || with_rows < 2)) path = MOE_PATH_LOOP;
     return path;

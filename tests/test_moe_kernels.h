@@ -1410,7 +1410,8 @@ static test_result test_moe_gemm_path_rule(void) {
     const struct { const char* what; int forced; bool types; double each; int n, streams, want; } rule[] = {
         {"small, the types (Qwen3's forward, input gradients)", MOE_PATH_DEFAULT, true, small, 128, 4, MOE_PATH_GROUPED},
         {"small, bf16 -> fp32 (weight gradients)", MOE_PATH_DEFAULT, false, small, 128, 4, MOE_PATH_STREAMS},
-        {"big (Mixtral's)", MOE_PATH_DEFAULT, true, big, 8, 4, MOE_PATH_STREAMS},
+        {"big (Mixtral's forward, input gradients)", MOE_PATH_DEFAULT, true, big, 8, 4, MOE_PATH_LOOP},
+        {"big, bf16 -> fp32 (Mixtral's weight gradients)", MOE_PATH_DEFAULT, false, big, 8, 4, MOE_PATH_STREAMS},
         {"big, one expert with rows", MOE_PATH_DEFAULT, true, big, 1, 4, MOE_PATH_LOOP},
         {"no side streams", MOE_PATH_DEFAULT, false, small, 128, 0, MOE_PATH_LOOP},
         {"forced grouped without the types", MOE_PATH_GROUPED, false, small, 128, 4, MOE_PATH_LOOP},
