@@ -5052,8 +5052,9 @@ static void moe_expert_bias_update(const mt_exec* ex, float* bias, const int32_t
 /*    (cublasGemmGroupedBatchedEx) reaches ~35% of a dense GEMM's TFLOP/s on an H200 at MoE       */
 /*    shapes; this kernel, written for sm_90a (TMA loads, mbarrier pipeline, wgmma), reaches      */
 /*    ~70-100% (its lab dev/cuda/hopper_gemm.cu measures and checks it). One launch computes for  */
-/*    every group g: C_g [m_g, N] = A_g [m_g, K] B_g [N, K]^T, bf16 in and out, fp32 accumulation,*/
-/*    the row counts m_g read on the device (no host synchronisation). Built only for sm_90a      */
+/*    every group g: C_g [m_g, N] = A_g [m_g, K] B_g [N, K]^T (the forward) or A_g B_g with B_g   */
+/*    [K, N] (the input gradient), bf16 in and out, fp32 accumulation, the row counts m_g read on */
+/*    the device (no host synchronisation). Built only for sm_90a                                 */
 /*    (GPU_ARCH 90, the Makefile's default there); every other target compiles a stub that traps */
 /*    and hopper_gemm_available() says no, so callers keep their cuBLAS path.                     */
 /*    defines: namespace hg (the kernel, its schedule, hg::options, hg::watchdog),               */
@@ -5064,7 +5065,8 @@ static void moe_expert_bias_update(const mt_exec* ex, float* bias, const int32_t
  *   Row-major, K contiguous for A and B ("TN": both operands K-major), N contiguous for C:
  *     A  [a_rows, K]   the groups' rows concatenated in group order (group g from row_start[g] =
  *                      m_0 + ... + m_{g-1}); a_rows >= sum m_g is the buffer's row capacity
- *     B  [G, N, K]     one weight matrix per group (the experts' W [E, out, in])
+ *     B  [G, N, K]     one weight matrix per group (the experts' W [E, out, in]): C_g = A_g B_g^T (B_NK);
+ *        or [G, K, N]  (B_KN: C_g = A_g B_g; dx = dy W with W [E, out, in], K = out, N = in)
  *     C  [a_rows, N]   concatenated like A; rows from sum m_g on are never written
  *     m  [G] int32     rows per group on the device (zeros allowed)
  *   Limits: N % 8 == K % 8 == 0 (TMA needs 16-byte row strides), 1 <= G <= hg::MAX_GROUPS,
@@ -5083,7 +5085,9 @@ static void moe_expert_bias_update(const mt_exec* ex, float* bias, const int32_t
  *   past a_rows); they only feed output rows the epilogue does not store (it masks rows >=
  *   row_start[g + 1] and columns >= N), and each output row depends only on its own A row. Likewise
  *   a column tile past N reads the next group's B rows or zeros, and K past its end reads zeros on
- *   both sides. No per-group tensor maps.
+ *   both sides. No per-group tensor maps. B_KN: B viewed as [G * K, N]; the last k-block's rows past
+ *   K are the next group's first rows (or zeros), met by A's zero fill past K (weights are finite, so
+ *   they add exact zeros); columns past N are TMA's zeros.
  *
  * ---- Roles (384 threads = 3 warpgroups, one CTA per SM) ------------------------------------------
  *   warpgroup 0     producer: setmaxnreg.dec to 40 registers; one thread waits for a free stage (its
@@ -5109,6 +5113,10 @@ static void moe_expert_bias_update(const mt_exec* ex, float* bias, const int32_t
  *   byte offset 1024 >> 4 (one 8-row group to the next, bits 32-45), base offset 0, swizzle mode 1
  *   (128 bytes, bits 62-63). The k-th 16-wide slice starts 32 k bytes into the row: the hardware
  *   applies the XOR to the final address, so the start address just advances by 32 k.
+ *   B_KN (N-major B, wgmma's imm-trans-b = 1): a stage holds BN / 64 boxes of [64 k rows][64 columns =
+ *   128 bytes], each 8 KiB; the canonical N-major 128-byte-swizzle layout ((8 chunks of 8 columns, m
+ *   blocks), (8 rows, k groups)) takes leading byte offset 8192 (the next 64 columns) and stride byte
+ *   offset 1024 (the next 8 k rows); the k-th 16-row slice starts 16 x 128 bytes further.
  *
  * ---- Accumulators (wgmma m64nNk16, fp32 D; PTX ISA "Register Fragments") ---------------------------
  *   thread 32 w + lane of a warpgroup, j in 0..N/8-1: d[4j], d[4j+1] -> row 16w + lane/4, columns
@@ -5134,6 +5142,9 @@ constexpr int BAND = 8;          /* row tiles per raster band */
 constexpr int MAX_GROUPS = 1024; /* the schedule tables live in shared memory */
 constexpr int THREADS = 384;
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+/* B's layout: B_NK, B_g [N, K] with K contiguous (y = x W^T: the forward); B_KN, B_g [K, N] with N contiguous
+ * (dx = dy W: the input gradient), wgmma's transposed B */
+enum { B_NK = 0, B_KN = 1, B_LAYOUTS = 2 };
 
 /* Written by a device thread whose wait timed out (the lab passes one in mapped pinned memory). */
 struct watchdog {
@@ -5275,9 +5286,16 @@ __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.
 __device__ __forceinline__ uint64_t make_desc(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
+/* the descriptor of an N-major B (B_KN, see above): 64-column blocks of [64 k rows][128 bytes] 8 KiB apart (leading
+ * byte offset: the next 64 columns), 8-row groups 1024 bytes apart (stride byte offset: the next 8 k) */
+__device__ __forceinline__ uint64_t make_desc_n_major(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(8192 >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           ((uint64_t)1 << 62);
+}
 
-/* D[64 x 256] (+)= A[64 x 16] B[256 x 16]^T, both K-major in shared memory; scale_d = 0 ignores D's old
- * value. 128 fp32 accumulators per thread. */
+/* D[64 x 256] (+)= A[64 x 16] B[256 x 16]^T, operands in shared memory, A K-major, B K-major (TB 0) or N-major
+ * (TB 1: wgmma's transpose of B); scale_d = 0 ignores D's old value. 128 fp32 accumulators per thread. */
+template <int TB>
 __device__ __forceinline__ void wgmma_m64n256k16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\n"
@@ -5291,7 +5309,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float* d, uint64_t desc_a, uint
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -5308,9 +5326,10 @@ __device__ __forceinline__ void wgmma_m64n256k16(float* d, uint64_t desc_a, uint
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TB));
 }
 /* D[64 x 128] (+)= A[64 x 16] B[128 x 16]^T, likewise; 64 fp32 accumulators per thread. */
+template <int TB>
 __device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\n"
@@ -5320,7 +5339,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -5329,12 +5348,12 @@ __device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TB));
 }
-template <int BN>
+template <int BN, int TB>
 __device__ __forceinline__ void wgmma_bn(float* d, uint64_t da, uint64_t db, int scale_d) {
-    if constexpr (BN == 256) wgmma_m64n256k16(d, da, db, scale_d);
-    else wgmma_m64n128k16(d, da, db, scale_d);
+    if constexpr (BN == 256) wgmma_m64n256k16<TB>(d, da, db, scale_d);
+    else wgmma_m64n128k16<TB>(d, da, db, scale_d);
 }
 
 /* The schedule tables, built by one warp of every CTA from the device counts: row_start[g] = m_0 + ... +
@@ -5399,8 +5418,9 @@ __device__ __forceinline__ void store_block64(const float* acc, __nv_bfloat16* _
 }
 #endif /* __CUDA_ARCH_FEAT_SM90_ALL */
 
-/* The kernel. tmA: A as [a_rows, K], box 64 x 128; tmB: B as [G * N, K], box 64 x BN; C [a_rows, N]. */
-template <int BN, int STAGES>
+/* The kernel. tmA: A as [a_rows, K], box 64 x 128; tmB: B as [G * N, K] with boxes 64 x BN (B_NK), or as
+ * [G * K, N] with boxes 64 x 64 (B_KN); C [a_rows, N]. */
+template <int BN, int STAGES, int BL>
 __global__ void __launch_bounds__(THREADS, 1)
 grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                     __nv_bfloat16* __restrict__ C, const int* __restrict__ m_g, int G, int N, int K, int a_rows,
@@ -5441,13 +5461,20 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_consta
             uint32_t phase = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
                 const tile_coord tc = decode_tile(t, tile_start, row_start, G, ntn, BN);
-                const int brow = tc.g * N + tc.n0;
+                const int brow = BL == B_NK ? tc.g * N + tc.n0 : tc.g * K; /* B_g's first row */
                 for (int kb = 0; kb < nk; kb++) {
                     mbar_wait(smem_u32(&empty[stage]), phase ^ 1, wd, timeout_ns, 0, stage, t, kb);
                     const uint32_t fb = smem_u32(&full[stage]);
                     mbar_arrive_expect_tx(fb, Cf::STAGE_BYTES); /* full boxes: out-of-bounds parts are zero-filled and counted */
                     tma_load_2d(smem_u32(sA + stage * Cf::A_BYTES), &tmA, fb, kb * BK, tc.m0);
-                    tma_load_2d(smem_u32(sB + stage * Cf::B_BYTES), &tmB, fb, kb * BK, brow);
+                    if constexpr (BL == B_NK) {
+                        tma_load_2d(smem_u32(sB + stage * Cf::B_BYTES), &tmB, fb, kb * BK, brow);
+                    } else { /* BN / 64 boxes of [64 k rows][64 columns]; k rows past K belong to the next group (or
+                                zeros): they meet A's zero fill past K */
+#pragma unroll
+                        for (int j = 0; j < BN / 64; j++)
+                            tma_load_2d(smem_u32(sB + stage * Cf::B_BYTES + j * 8192), &tmB, fb, tc.n0 + 64 * j, brow + kb * BK);
+                    }
                     if (++stage == STAGES) stage = 0, phase ^= 1;
                 }
             }
@@ -5474,8 +5501,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_consta
 #pragma unroll
                 for (int k = 0; k < BK / 16; k++) {
                     const uint64_t da = make_desc(a_base + stage * Cf::A_BYTES + k * 32);
-                    const uint64_t db = make_desc(b_base + stage * Cf::B_BYTES + k * 32);
-                    wgmma_bn<BN>(acc, da, db, (kb > 0 || k > 0) ? 1 : 0);
+                    const uint64_t db = BL == B_NK ? make_desc(b_base + stage * Cf::B_BYTES + k * 32)
+                                                   : make_desc_n_major(b_base + stage * Cf::B_BYTES + k * 16 * 128);
+                    wgmma_bn<BN, BL>(acc, da, db, (kb > 0 || k > 0) ? 1 : 0);
                 }
                 wgmma_commit();
                 reg_fence<BN / 2>(acc);
@@ -5512,10 +5540,14 @@ typedef CUresult (*hg_encode_tiled_fn)(CUtensorMap*, CUtensorMapDataType, cuuint
                                        const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                        CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-/* The kernel of a variant, as a plain function pointer (the attributes and launch below). */
-static const void* hg_kernel_of(int v) {
-    return v == 0 ? (const void*)hg::grouped_gemm_kernel<hg::variant<0>::BN, hg::variant<0>::STAGES>
-                  : (const void*)hg::grouped_gemm_kernel<hg::variant<1>::BN, hg::variant<1>::STAGES>;
+/* The kernel of a variant and B layout, as a plain function pointer (the attributes and launch below). */
+static const void* hg_kernel_of(int v, int bl) {
+    using namespace hg;
+    if (v == 0)
+        return bl == B_NK ? (const void*)grouped_gemm_kernel<variant<0>::BN, variant<0>::STAGES, B_NK>
+                          : (const void*)grouped_gemm_kernel<variant<0>::BN, variant<0>::STAGES, B_KN>;
+    return bl == B_NK ? (const void*)grouped_gemm_kernel<variant<1>::BN, variant<1>::STAGES, B_NK>
+                      : (const void*)grouped_gemm_kernel<variant<1>::BN, variant<1>::STAGES, B_KN>;
 }
 static int hg_smem_of(int v) {
     return v == 0 ? hg::cfg<hg::variant<0>::BN, hg::variant<0>::STAGES>::SMEM
@@ -5535,11 +5567,12 @@ static bool hopper_gemm_available(mt_hopper_gemm_state* s) {
               cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
               cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
               cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess && major == 9;
-    for (int v = 0; ok && v < hg::VARIANTS; v++) {
+    for (int i = 0; ok && i < hg::VARIANTS * hg::B_LAYOUTS; i++) {
+        const int v = i / hg::B_LAYOUTS, bl = i % hg::B_LAYOUTS;
         cudaFuncAttributes a;
-        ok = cudaFuncGetAttributes(&a, hg_kernel_of(v)) == cudaSuccess &&
+        ok = cudaFuncGetAttributes(&a, hg_kernel_of(v, bl)) == cudaSuccess &&
              a.numRegs * hg::THREADS >= hg::PRODUCER_REGS * 128 + hg::CONSUMER_REGS * 256 && hg_smem_of(v) <= optin &&
-             cudaFuncSetAttribute(hg_kernel_of(v), cudaFuncAttributeMaxDynamicSharedMemorySize, hg_smem_of(v)) == cudaSuccess;
+             cudaFuncSetAttribute(hg_kernel_of(v, bl), cudaFuncAttributeMaxDynamicSharedMemorySize, hg_smem_of(v)) == cudaSuccess;
     }
     void* fn = NULL;
     cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
@@ -5556,7 +5589,7 @@ static bool hopper_gemm_available(mt_hopper_gemm_state* s) {
 /* The shapes and pointers the kernel takes (see the section's banner); the launcher refuses others. */
 static bool hopper_gemm_fits(const void* A, const void* B, const void* C, int G, int N, int K, int64_t a_rows) {
     return N > 0 && K > 0 && N % 8 == 0 && K % 8 == 0 && G >= 1 && G <= hg::MAX_GROUPS && a_rows >= 0 &&
-           a_rows < ((int64_t)1 << 31) && (int64_t)G * N < ((int64_t)1 << 31) &&
+           a_rows < ((int64_t)1 << 31) && (int64_t)G * N < ((int64_t)1 << 31) && (int64_t)G * K < ((int64_t)1 << 31) &&
            ((uintptr_t)A % 16 | (uintptr_t)B % 16 | (uintptr_t)C % 16) == 0;
 }
 
@@ -5575,21 +5608,22 @@ static bool hg_tensor_map(const mt_exec* ex, hg_encode_tiled_fn encode, CUtensor
                        (int)r, (long long)rows, K, box_rows);
 }
 
-template <int V>
+template <int V, int BL>
 static void hg_launch(const mt_exec* ex, const CUtensorMap& ta, const CUtensorMap& tb, __nv_bfloat16* C, const int32_t* counts,
                       int G, int N, int K, int a_rows, int grid, hg::watchdog* wd, unsigned long long timeout_ns) {
     constexpr int BN = hg::variant<V>::BN, STAGES = hg::variant<V>::STAGES;
-    hg::grouped_gemm_kernel<BN, STAGES><<<grid, hg::THREADS, hg::cfg<BN, STAGES>::SMEM, ex->stream>>>(
+    hg::grouped_gemm_kernel<BN, STAGES, BL><<<grid, hg::THREADS, hg::cfg<BN, STAGES>::SMEM, ex->stream>>>(
         ta, tb, C, counts, G, N, K, a_rows, wd, timeout_ns);
     LAUNCH_CHECK(ex->error);
 }
 
-/* C [a_rows, N] = for each group g: A_g [m_g, K] B_g [N, K]^T (bf16; shapes in the section's banner), counts =
- * m [G] int32 on the device, read by the kernel (no synchronisation). Rows of C from sum m_g on are left as
- * they are. Refuses (recorded, nothing queued) a GPU or build without the kernel and shapes it does not take.
- * opt: the lab's and tests' knobs (NULL: the defaults). */
+/* C [a_rows, N] = for each group g: A_g [m_g, K] times B_g, which is [N, K] (b_layout hg::B_NK: C_g = A_g B_g^T)
+ * or [K, N] (hg::B_KN: C_g = A_g B_g), bf16 (shapes in the section's banner); counts = m [G] int32 on the
+ * device, read by the kernel (no synchronisation). Rows of C from sum m_g on are left as they are. Refuses
+ * (recorded, nothing queued) a GPU or build without the kernel and shapes it does not take. opt: the lab's and
+ * tests' knobs (NULL: the defaults). */
 static void hopper_grouped_gemm(const mt_exec* ex, __nv_bfloat16* C, const __nv_bfloat16* A, int64_t a_rows,
-                                const __nv_bfloat16* B, const int32_t* counts, int G, int N, int K,
+                                const __nv_bfloat16* B, int b_layout, const int32_t* counts, int G, int N, int K,
                                 const hg::options* opt = NULL) {
     if (ex->error->status != MT_OK) return;
     mt_hopper_gemm_state local = {0, 0, NULL};
@@ -5599,9 +5633,10 @@ static void hopper_grouped_gemm(const mt_exec* ex, __nv_bfloat16* C, const __nv_
                                            "capability 9.x and GPU_ARCH=90, which builds sm_90a)");
         return;
     }
-    if (!hopper_gemm_fits(A, B, C, G, N, K, a_rows)) {
-        mt_gpu_fail(ex->error, MT_ERR_ARG, "hopper_grouped_gemm: G %d N %d K %d rows %lld not taken (N %% 8 == K %% 8 == 0, "
-                                           "1 <= G <= %d, 16-byte aligned pointers)", G, N, K, (long long)a_rows, hg::MAX_GROUPS);
+    if (!hopper_gemm_fits(A, B, C, G, N, K, a_rows) || (b_layout != hg::B_NK && b_layout != hg::B_KN)) {
+        mt_gpu_fail(ex->error, MT_ERR_ARG, "hopper_grouped_gemm: G %d N %d K %d rows %lld B layout %d not taken (N %% 8 == K %% 8 "
+                                           "== 0, 1 <= G <= %d, 16-byte aligned pointers)", G, N, K, (long long)a_rows, b_layout,
+                    hg::MAX_GROUPS);
         return;
     }
     if (a_rows == 0) return;
@@ -5611,16 +5646,23 @@ static void hopper_grouped_gemm(const mt_exec* ex, __nv_bfloat16* C, const __nv_
     const int BN = v == 0 ? hg::variant<0>::BN : hg::variant<1>::BN;
     CUtensorMap ta, tb;
     const hg_encode_tiled_fn encode = (hg_encode_tiled_fn)st->encode;
-    if (!hg_tensor_map(ex, encode, &ta, A, a_rows, K, hg::BM) || !hg_tensor_map(ex, encode, &tb, B, (int64_t)G * N, K, BN))
-        return;
+    const bool ok = hg_tensor_map(ex, encode, &ta, A, a_rows, K, hg::BM) &&
+                    (b_layout == hg::B_NK ? hg_tensor_map(ex, encode, &tb, B, (int64_t)G * N, K, BN)
+                                          : hg_tensor_map(ex, encode, &tb, B, (int64_t)G * K, N, hg::BK));
+    if (!ok) return;
     const int64_t ntn = (N + BN - 1) / BN;
     const int64_t upper = ((a_rows + hg::BM - 1) / hg::BM + G) * ntn; /* >= the tile count, whatever the m_g */
     int64_t grid = upper < st->sms ? upper : st->sms;
     if (opt && opt->max_ctas > 0 && grid > opt->max_ctas) grid = opt->max_ctas;
     hg::watchdog* wd = opt ? opt->wd : NULL;
     const unsigned long long timeout = opt && opt->timeout_ns ? opt->timeout_ns : 20000000000ull;
-    if (v == 0) hg_launch<0>(ex, ta, tb, C, counts, G, N, K, (int)a_rows, (int)grid, wd, timeout);
-    else hg_launch<1>(ex, ta, tb, C, counts, G, N, K, (int)a_rows, (int)grid, wd, timeout);
+    if (b_layout == hg::B_NK) {
+        if (v == 0) hg_launch<0, hg::B_NK>(ex, ta, tb, C, counts, G, N, K, (int)a_rows, (int)grid, wd, timeout);
+        else hg_launch<1, hg::B_NK>(ex, ta, tb, C, counts, G, N, K, (int)a_rows, (int)grid, wd, timeout);
+    } else {
+        if (v == 0) hg_launch<0, hg::B_KN>(ex, ta, tb, C, counts, G, N, K, (int)a_rows, (int)grid, wd, timeout);
+        else hg_launch<1, hg::B_KN>(ex, ta, tb, C, counts, G, N, K, (int)a_rows, (int)grid, wd, timeout);
+    }
 }
 
 /* ============================================================================================== */
@@ -8450,7 +8492,7 @@ typedef struct {
                                  [2, Rexp] staged for the device */
     int64_t* ep_offsets;      /* host [2, EP + 1]: the rows sent to and received from each EP rank, as offsets */
     int32_t* ep_local;        /* host [2 El + 1]: rows per local expert, offsets, total (the experts' GEMMs') */
-    int hopper_gemm;          /* the experts' bf16 forward GEMMs through hopper_grouped_gemm (section 13.1): where it
+    int hopper_gemm;          /* the experts' bf16 forward and input-gradient GEMMs through hopper_grouped_gemm (13.1): where it
                                  runs, unless MT_MOE_GEMM names a cuBLAS path; decided once, at creation */
 } mt_moe_state;
 
@@ -9454,22 +9496,23 @@ static void moe_experts_gemm(mt_trainer* t, const mt_exec* ex, int slot, const m
     free(dims), free(ab), free(cs);
 }
 
-/* The experts' forward on Hopper (section 13.1), where moe_state_create chose it and the shapes fit; false: not
- * taken. The kernel reads the rows per expert on the device: they go there through this slot's part of the
+/* An experts' GEMM on Hopper (section 13.1): C_e [n_e, N] = A_e [n_e, K] times W_e ([N, K] with hg::B_NK, the
+ * forward; [K, N] with hg::B_KN, the input gradient), where moe_state_create chose it and the shapes fit; false:
+ * not taken. The kernel reads the rows per expert on the device: they go there through this slot's part of the
  * grouped GEMM's pointer staging and table (pinned, then device; unused by this call otherwise, and reused
  * under the same rule as there). */
 template <typename T>
-static bool moe_experts_forward_hopper(mt_trainer* t, const mt_exec* ex, int slot, T* y, const T* x, const T* W,
-                                       const int32_t* counts, int E, int in, int out) {
-    if (!std::is_same<T, __nv_bfloat16>::value || !t->moe.hopper_gemm || !hopper_gemm_fits(x, W, y, E, out, in, counts[2 * E]))
+static bool moe_experts_hopper(mt_trainer* t, const mt_exec* ex, int slot, T* C, const T* A, const T* W, int w_layout,
+                               const int32_t* counts, int E, int N, int K) {
+    if (!std::is_same<T, __nv_bfloat16>::value || !t->moe.hopper_gemm || !hopper_gemm_fits(A, W, C, E, N, K, counts[2 * E]))
         return false;
     const size_t at = (size_t)slot * 3 * (size_t)E;
     int32_t* staged = (int32_t*)(t->moe.gemm_staging + at);
     int32_t* device = (int32_t*)(t->moe.gemm_table + at);
     memcpy(staged, counts, sizeof(int32_t) * (size_t)E);
     if (CUDA_CHECK(ex->error, cudaMemcpyAsync(device, staged, sizeof(int32_t) * (size_t)E, cudaMemcpyHostToDevice, ex->stream)))
-        hopper_grouped_gemm(ex, (__nv_bfloat16*)y, (const __nv_bfloat16*)x, counts[2 * E], (const __nv_bfloat16*)W, device, E,
-                            out, in);
+        hopper_grouped_gemm(ex, (__nv_bfloat16*)C, (const __nv_bfloat16*)A, counts[2 * E], (const __nv_bfloat16*)W, w_layout,
+                            device, E, N, K);
     return true;
 }
 
@@ -9478,7 +9521,7 @@ static bool moe_experts_forward_hopper(mt_trainer* t, const mt_exec* ex, int slo
 template <typename T>
 static void moe_experts_forward(mt_trainer* t, const mt_exec* ex, int slot, T* y, const T* x, const T* W,
                                 const int32_t* counts, int E, int in, int out) {
-    if (moe_experts_forward_hopper<T>(t, ex, slot, y, x, W, counts, E, in, out)) return;
+    if (moe_experts_hopper<T>(t, ex, slot, y, x, W, hg::B_NK, counts, E, out, in)) return;
     const moe_gemm_shape g = {false, true, -1, out, in, in, 0, 0, (int64_t)out * in, out, 0, in, in, out};
     moe_experts_gemm<T, T>(t, ex, slot, g, x, W, y, 0.0f, counts, E);
 }
@@ -9493,7 +9536,8 @@ static void moe_experts_backward(mt_trainer* t, const mt_exec* ex, int slot, T* 
             CUDA_CHECK(ex->error, cudaMemsetAsync(dW + (int64_t)e * out * in, 0, sizeof(float) * (size_t)out * in,
                                                   ex->stream));
     const moe_gemm_shape gx = {false, false, -1, in, out, out, 0, 0, (int64_t)out * in, in, 0, out, in, in};
-    moe_experts_gemm<T, T>(t, ex, slot, gx, dy, W, dx, 0.0f, counts, E);
+    if (!moe_experts_hopper<T>(t, ex, slot, dx, dy, W, hg::B_KN, counts, E, in, out))
+        moe_experts_gemm<T, T>(t, ex, slot, gx, dy, W, dx, 0.0f, counts, E);
     const moe_gemm_shape gw = {true, false, out, in, -1, out, 0, in, 0, 0, (int64_t)out * in, out, in, in};
     moe_experts_gemm<T, float>(t, ex, slot + 1, gw, dy, x, dW, beta, counts, E);
 }

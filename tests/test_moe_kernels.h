@@ -16,7 +16,7 @@
  * at shapes reaching each launcher's variants (kt_cover).
  * The helpers (kt_*) are tests/test_kernels.h's: outputs poisoned with NaN before each run, inputs
  * never zero, per-element and norm-wise bounds.
- * Section 13.1, the Hopper grouped GEMM (the experts' forward): its tile schedule and its refusals on the
+ * Section 13.1, the Hopper grouped GEMM (the experts' forward and input gradient): its tile schedule and its refusals on the
  * host; on an sm_90a build and GPU, Qwen3- and Mixtral-like grouped shapes (uneven counts, zeros, single
  * rows, spare rows) and edges against a float64 reference, nothing written past the groups' rows, two runs
  * bitwise equal. Run: ./test_megatron moe_kernels
@@ -1442,7 +1442,7 @@ static test_result test_moe_hopper_refusals(void) {
     mt_exec ex;
     memset(&ex, 0, sizeof(ex));
     ex.error = &err;
-    hopper_grouped_gemm(&ex, (__nv_bfloat16*)base, (const __nv_bfloat16*)base, 100, (const __nv_bfloat16*)base,
+    hopper_grouped_gemm(&ex, (__nv_bfloat16*)base, (const __nv_bfloat16*)base, 100, (const __nv_bfloat16*)base, hg::B_NK,
                         (const int32_t*)base, 8, 60, 64);
     EXPECT(err.status == MT_ERR_ARG, "N 60: recorded status %d", (int)err.status);
     EXPECT(strncmp(err.error.message, "hopper_grouped_gemm: ", 21) == 0 && !strchr(err.error.message, '\n'),
@@ -1451,8 +1451,8 @@ static test_result test_moe_hopper_refusals(void) {
     return TEST_PASS;
 }
 
-/* One grouped GEMM of the launcher against a float64 host reference: C_g = A_g B_g^T for G groups of the given
- * counts, A holding `spare` rows more than the counts' sum (random: the kernel reads them for partial tiles
+/* One grouped GEMM of the launcher against a float64 host reference: C_g = A_g B_g^T (layout hg::B_NK, B [G, N, K])
+ * or A_g B_g (hg::B_KN, B [G, K, N]) for G groups of the given counts, A holding `spare` rows more than the counts' sum (random: the kernel reads them for partial tiles
  * but must not let them into stored rows) and C poisoned (NaN), so rows past the sum must stay NaN and every
  * row below it must be written. Then a second run into a freshly poisoned C must be bitwise the first.
  * Tolerance, per element: |got - ref| <= 2 u_bf16 |ref| + 4 K u_c sum_k |a_k b_k|. Why: the products of
@@ -1462,19 +1462,19 @@ static test_result test_moe_hopper_refusals(void) {
  * rounding to bf16 (u_bf16 of the value, doubled). Norm-wise: the norm of those bounds. A lost or repeated
  * 16-wide k slice, a row or column out of place or a stale stage moves elements by ~|a b| sqrt(16) or more:
  * orders of magnitude above both at these K (sum |a b| ~ K / 4 with inputs in [0.05, 1)). */
-static int mh_case(kt_ctx* k, kt_cover* cov, const char* name, const std::vector<int>& m, int N, int K, int spare,
-                   int index) {
+static int mh_case(kt_ctx* k, kt_cover* cov, const char* name, int layout, const std::vector<int>& m, int N, int K,
+                   int spare, int index) {
     typedef __nv_bfloat16 T;
     const int G = (int)m.size();
     int64_t rows = 0;
     for (int x : m) rows += x;
     const int64_t a_rows = rows + spare;
     const int variant = N % 256 != 0 && N % 256 <= 128 ? 1 : 0; /* ADAPT: hopper_grouped_gemm's choice */
-    kt_cover_hit(cov, variant ? "128x128" : "128x256");
+    kt_cover_hit(cov, layout == hg::B_KN ? (variant ? "128x128 B [K, N]" : "128x256 B [K, N]") : (variant ? "128x128" : "128x256"));
     kt_report rep;
-    kt_report_begin(&rep, "hopper_grouped_gemm %s: G %d rows %lld (+%d spare) N %d K %d, tiles 128x%d", name, G,
-                    (long long)rows, spare, N, K, variant ? 128 : 256);
-    kt_rng rng = {kt_seed(71, G, N, K + index)};
+    kt_report_begin(&rep, "hopper_grouped_gemm %s: G %d rows %lld (+%d spare) N %d K %d, B %s, tiles 128x%d", name, G,
+                    (long long)rows, spare, N, K, layout == hg::B_KN ? "[K, N]" : "[N, K]", variant ? 128 : 256);
+    kt_rng rng = {kt_seed(71 + layout, G, N, K + index)};
     kt_host<T> A, B;
     A.fill(a_rows * K, &rng, 0.05, 1.0);
     B.fill((int64_t)G * N * K, &rng, 0.05, 1.0);
@@ -1489,8 +1489,8 @@ static int mh_case(kt_ctx* k, kt_cover* cov, const char* name, const std::vector
     KT_CUDA(kt_put(k, d_m, m));
     KT_CUDA(kt_poison(k, d_C, a_rows * N));
     KT_CUDA(kt_poison(k, d_C2, a_rows * N));
-    hopper_grouped_gemm(kt_exec(k, 0), d_C, d_A, a_rows, d_B, d_m, G, N, K);
-    hopper_grouped_gemm(kt_exec(k, 0), d_C2, d_A, a_rows, d_B, d_m, G, N, K);
+    hopper_grouped_gemm(kt_exec(k, 0), d_C, d_A, a_rows, d_B, layout, d_m, G, N, K);
+    hopper_grouped_gemm(kt_exec(k, 0), d_C2, d_A, a_rows, d_B, layout, d_m, G, N, K);
     if (!kt_sync(k, rep.label)) return 0;
     std::vector<T> C, C2;
     KT_CUDA(kt_get(k, C, d_C, a_rows * N));
@@ -1502,9 +1502,10 @@ static int mh_case(kt_ctx* k, kt_cover* cov, const char* name, const std::vector
         for (int i = 0; i < m[g]; i++, row++)
             for (int n = 0; n < N; n++) {
                 const double* a = &A.v[(size_t)row * K];
-                const double* b = &B.v[((size_t)g * N + n) * K];
+                const double* b = layout == hg::B_KN ? &B.v[(size_t)g * K * N + n] : &B.v[((size_t)g * N + n) * K];
+                const size_t step = layout == hg::B_KN ? (size_t)N : 1; /* B_g[n][x] or B_g[x][n] */
                 double s = 0.0, mag = 0.0;
-                for (int x = 0; x < K; x++) s += a[x] * b[x], mag += fabs(a[x] * b[x]);
+                for (int x = 0; x < K; x++) s += a[x] * b[x * step], mag += fabs(a[x] * b[x * step]);
                 kt_check_add(&c, row * N + n, kt_to<T>(C[(size_t)row * N + n]), s, 4.0 * K * KT_UC * mag);
             }
     kt_check_end(&c, &rep);
@@ -1520,7 +1521,8 @@ static int mh_case(kt_ctx* k, kt_cover* cov, const char* name, const std::vector
 }
 
 /* Qwen3-like (128 experts, uneven counts with zeros and single rows, narrow N and K) and Mixtral-like (8
- * experts, uneven, wider) shapes, edges (N and K not multiples of the tile, K not of 64), both tile widths. */
+ * experts, uneven, wider) shapes, edges (N and K not multiples of the tile, K not of 64), both tile widths, both
+ * B layouts (the forward's W [N, K] and the input gradient's W [K, N]). */
 static test_result test_moe_hopper_grouped_gemm(void) {
     REQUIRE_GPU();
     mt_hopper_gemm_state probe = {0, 0, NULL};
@@ -1534,17 +1536,20 @@ static test_result test_moe_hopper_grouped_gemm(void) {
     }
     kt_ctx k;
     if (!kt_ctx_init(&k)) return TEST_FAIL;
-    static const char* variants[] = {"128x256", "128x128"};
+    static const char* variants[] = {"128x256", "128x128", "128x256 B [K, N]", "128x128 B [K, N]"};
     kt_cover cov;
-    kt_cover_init(&cov, variants, 2);
+    kt_cover_init(&cov, variants, 4);
     std::vector<int> qwen(128);
     for (int g = 0; g < 128; g++) qwen[g] = g % 7 == 3 ? 0 : g % 13 == 5 ? 1 : 1 + (g * 53) % 61; /* 0, 1, up to 61 */
     const std::vector<int> mixtral = {300, 17, 0, 513, 128, 1, 255, 86};
-    int ok = mh_case(&k, &cov, "qwen3-like", qwen, 384, 256, 0, 0);
-    ok &= mh_case(&k, &cov, "qwen3-like, spare rows", qwen, 768, 128, 77, 1);
-    ok &= mh_case(&k, &cov, "mixtral-like", mixtral, 1024, 512, 0, 2);
-    ok &= mh_case(&k, &cov, "edges", {0, 129, 1, 64}, 264, 200, 5, 3);
-    ok &= mh_case(&k, &cov, "one group, one row", {1}, 8, 8, 0, 4);
+    int ok = 1;
+    for (int layout = hg::B_NK; layout <= hg::B_KN; layout++) {
+        ok &= mh_case(&k, &cov, "qwen3-like", layout, qwen, 384, 256, 0, 0);
+        ok &= mh_case(&k, &cov, "qwen3-like, spare rows", layout, qwen, 768, 128, 77, 1);
+        ok &= mh_case(&k, &cov, "mixtral-like", layout, mixtral, 1024, 512, 0, 2);
+        ok &= mh_case(&k, &cov, "edges", layout, {0, 129, 1, 64}, 264, 200, 5, 3);
+        ok &= mh_case(&k, &cov, "one group, one row", layout, {1}, 8, 8, 0, 4);
+    }
     ok &= kt_cover_check(&cov, "hopper_grouped_gemm", "bf16");
     kt_ctx_free(&k);
     return ok ? TEST_PASS : TEST_FAIL;

@@ -1,7 +1,8 @@
 /*
  * dev/cuda/hopper_gemm.cu — the lab of megatron.cu section 13.1, the Hopper (sm_90a) grouped bf16 GEMM:
  * TMA + mbarrier pipeline + wgmma, warp-specialised, persistent; dense (G = 1) and grouped (the MoE
- * experts' forward, issue #34) in one kernel.
+ * experts' forward, issue #34) in one kernel; B as [N, K] (C = A B^T, the forward) or [K, N] (C = A B,
+ * the input gradient dx = dy W: stage 8 of the checks and the "dgrad" rows of the benchmark).
  *
  * It includes megatron.cu whole and drives the library's launcher, hopper_grouped_gemm (with its
  * hg::options: the variant, a CTA limit, the watchdog, a 4 s wait limit); the kernel, its design (the
@@ -142,10 +143,11 @@ static void sync_or_die(Lab& L, const char* what, double limit_s = 60.0) {
 // One grouped (or dense: G = 1) problem: C = per group A_g B_g^T. a_rows = rows the A and C buffers hold.
 struct Problem {
     const bf16* A; int a_rows;  // [a_rows, K]
-    const bf16* B;              // [G, N, K]
+    const bf16* B;              // [G, N, K] (b_layout hg::B_NK: C_g = A_g B_g^T) or [G, K, N] (hg::B_KN: C_g = A_g B_g)
     bf16* C;                    // [a_rows, N]
     const int* m_dev;           // [G] on the device
     int G, N, K;
+    int b_layout;
 };
 
 // The library's configurations (hg::variant<V>), by number
@@ -167,7 +169,7 @@ static void run_ours(Lab& L, const Problem& p, int variant, int max_ctas = 0) {
     o.max_ctas = max_ctas;
     o.wd = L.wd_dev;
     o.timeout_ns = L.timeout_ns;
-    hopper_grouped_gemm(&L.ex, p.C, p.A, p.a_rows, p.B, p.m_dev, p.G, p.N, p.K, &o);
+    hopper_grouped_gemm(&L.ex, p.C, p.A, p.a_rows, p.B, p.b_layout, p.m_dev, p.G, p.N, p.K, &o);
     if (L.error.status != MT_OK) {
         fprintf(stderr, "hopper_grouped_gemm refused: %s\n", L.error.error.message);
         exit(2);
@@ -183,17 +185,19 @@ static bool make_map(Lab& L, CUtensorMap* m, const bf16* p, long long rows, int 
 }
 
 // ---- cuBLAS (column-major): row-major C[M,N] = A[M,K] B[N,K]^T  <=>  C^T = B A^T with op(B) = T ----
-static void cublas_dense(Lab& L, const bf16* A, const bf16* B, bf16* C, int M, int N, int K) {
+// (B_KN: B [K, N] row-major is B^T column-major [N, K] with ld N: op N)
+static void cublas_dense(Lab& L, const bf16* A, const bf16* B, bf16* C, int M, int N, int K, int layout) {
     if (M == 0) return;
     const float one = 1.f, zero = 0.f;
-    CB(cublasGemmEx(L.cublas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, B, CUDA_R_16BF, K, A, CUDA_R_16BF, K, &zero, C,
-                    CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    const bool kn = layout == hg::B_KN;
+    CB(cublasGemmEx(L.cublas, kn ? CUBLAS_OP_N : CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, B, CUDA_R_16BF, kn ? N : K, A,
+                    CUDA_R_16BF, K, &zero, C, CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 // the reference for grouped problems: one cublasGemmEx per non-empty group
-static void cublas_group_loop(Lab& L, const bf16* A, const bf16* B, bf16* C, const std::vector<int>& m, int N, int K) {
+static void cublas_group_loop(Lab& L, const bf16* A, const bf16* B, bf16* C, const std::vector<int>& m, int N, int K, int layout) {
     long long row = 0;
     for (size_t g = 0; g < m.size(); g++) {
-        cublas_dense(L, A + row * K, B + (size_t)g * N * K, C + row * N, m[g], N, K);
+        cublas_dense(L, A + row * K, B + (size_t)g * N * K, C + row * N, m[g], N, K, layout);
         row += m[g];
     }
 }
@@ -205,7 +209,8 @@ struct CublasGrouped {
     void** ptr_dev = nullptr;
     int count = 0;
 };
-static void cublas_grouped_setup(CublasGrouped& cg, const bf16* A, const bf16* B, bf16* C, const std::vector<int>& m, int N, int K) {
+static void cublas_grouped_setup(CublasGrouped& cg, const bf16* A, const bf16* B, bf16* C, const std::vector<int>& m, int N, int K,
+                                 int layout) {
     std::vector<void*> a, b, c;
     long long row = 0;
     for (size_t g = 0; g < m.size(); g++) {
@@ -218,8 +223,9 @@ static void cublas_grouped_setup(CublasGrouped& cg, const bf16* A, const bf16* B
         row += m[g];
     }
     cg.count = (int)a.size();
-    cg.ta.assign(cg.count, CUBLAS_OP_T), cg.tb.assign(cg.count, CUBLAS_OP_N);
-    cg.lda.assign(cg.count, K), cg.ldb.assign(cg.count, K), cg.ldc.assign(cg.count, N), cg.gs.assign(cg.count, 1);
+    const bool kn = layout == hg::B_KN;
+    cg.ta.assign(cg.count, kn ? CUBLAS_OP_N : CUBLAS_OP_T), cg.tb.assign(cg.count, CUBLAS_OP_N);
+    cg.lda.assign(cg.count, kn ? N : K), cg.ldb.assign(cg.count, K), cg.ldc.assign(cg.count, N), cg.gs.assign(cg.count, 1);
     cg.al.assign(cg.count, 1.f), cg.be.assign(cg.count, 0.f);
     std::vector<void*> tab;
     tab.insert(tab.end(), b.begin(), b.end());
@@ -326,11 +332,12 @@ struct Case {
     int a_rows = 0;         // rows the A buffer holds (>= rows: a capacity, as an MoE buffer would have)
     bf16 *A = nullptr, *B = nullptr, *C = nullptr, *Cref = nullptr;
     int* m_dev = nullptr;
-    Problem problem() const { return Problem{A, a_rows, B, C, m_dev, G, N, K}; }
+    int layout = hg::B_NK;  // B [G, N, K]; hg::B_KN: [G, K, N]
+    Problem problem() const { return Problem{A, a_rows, B, C, m_dev, G, N, K, layout}; }
 };
-static Case make_case(Lab& L, const std::vector<int>& m, int N, int K, uint32_t seed, int extra_a_rows = 0) {
+static Case make_case(Lab& L, const std::vector<int>& m, int N, int K, uint32_t seed, int extra_a_rows = 0, int layout = hg::B_NK) {
     Case c;
-    c.m = m, c.G = (int)m.size(), c.N = N, c.K = K;
+    c.m = m, c.G = (int)m.size(), c.N = N, c.K = K, c.layout = layout;
     for (int x : m) c.rows += x;
     c.a_rows = (int)c.rows + extra_a_rows;
     CK(cudaMalloc(&c.A, sizeof(bf16) * std::max<size_t>((size_t)std::max(c.a_rows, 1) * K, 8)));
@@ -341,7 +348,7 @@ static Case make_case(Lab& L, const std::vector<int>& m, int N, int K, uint32_t 
     CK(cudaMemcpy(c.m_dev, m.data(), sizeof(int) * c.G, cudaMemcpyHostToDevice));
     fill_uniform(L, c.A, (size_t)c.a_rows * K, seed);
     fill_uniform(L, c.B, (size_t)c.G * N * K, seed + 1);
-    cublas_group_loop(L, c.A, c.B, c.Cref, m, N, K);
+    cublas_group_loop(L, c.A, c.B, c.Cref, m, N, K, layout);
     sync_or_die(L, "cuBLAS reference");
     return c;
 }
@@ -578,6 +585,17 @@ static void run_checks(Lab& L) {
           check_repeat(L, c, v, "G 128 uneven avg 256 N 1536 K 2048"); free_case(c); }
         { Case c = make_case(L, {2048}, 2048, 2048, 24); check_case(L, c, v, "M 2048 N 2048 K 2048");
           check_repeat(L, c, v, "M 2048 N 2048 K 2048"); free_case(c); }
+        stage("stage 8: B [K, N] (the input gradient's dx = dy W: N-major B, wgmma's transposed B)",
+              "the N-major descriptor (leading byte offset 8 KiB between 64-column boxes, stride 1024 between 8-row groups), "
+              "the B boxes' coordinates, the transpose bit");
+        { Case c = make_case(L, {128}, bn, 64, 31, 0, hg::B_KN); snprintf(what, sizeof what, "B[K,N] M 128 N %d K 64", bn); check_case(L, c, v, what); free_case(c); }
+        { Case c = make_case(L, {128}, bn, 1024, 32, 0, hg::B_KN); snprintf(what, sizeof what, "B[K,N] M 128 N %d K 1024", bn); check_case(L, c, v, what); free_case(c); }
+        { Case c = make_case(L, {1000}, 1000, 200, 33, 0, hg::B_KN); check_case(L, c, v, "B[K,N] M 1000 N 1000 K 200"); free_case(c); }
+        { Case c = make_case(L, {0, 1, 300, 129}, 512, 264, 34, 0, hg::B_KN); check_case(L, c, v, "B[K,N] G 4 m {0,1,300,129} N 512 K 264"); free_case(c); }
+        { Case c = make_case(L, uneven_counts(16, 200, 35), 768, 384, 35, 77, hg::B_KN);
+          check_case(L, c, v, "B[K,N] G 16 uneven N 768 K 384, +77 rows"); check_case(L, c, v, "  the same on 3 CTAs", 3); free_case(c); }
+        { Case c = make_case(L, uneven_counts(128, 256, 36), 2048, 1536, 36, 0, hg::B_KN); check_case(L, c, v, "B[K,N] G 128 uneven N 2048 K 1536");
+          check_repeat(L, c, v, "B[K,N] G 128 uneven N 2048 K 1536"); free_case(c); }
         if (L.failures > failures_before) {
             printf(" -- variant %d FAILED: left out of the benchmark --\n", vi);
             L.skip[vi] = true;
@@ -616,12 +634,12 @@ struct BenchRow {
     double dense_ms, grouped_ms;  // cuBLAS: one GEMM of the same total FLOPs; cublasGemmGroupedBatchedEx (< 0: none)
 };
 
-static BenchRow bench_case(Lab& L, const char* name, const std::vector<int>& m, int N, int K, uint32_t seed) {
+static BenchRow bench_case(Lab& L, const char* name, const std::vector<int>& m, int N, int K, uint32_t seed, int layout = hg::B_NK) {
     BenchRow row;
     snprintf(row.name, sizeof row.name, "%s", name);
     printf("  %s: G %zu, rows %lld, N %d, K %d\n", name, m.size(), [&] { long long s = 0; for (int x : m) s += x; return s; }(), N, K);
     fflush(stdout);
-    Case c = make_case(L, m, N, K, seed);
+    Case c = make_case(L, m, N, K, seed, 0, layout);
     row.flop = 2.0 * (double)c.rows * N * K;
     for (int vi = 0; vi < NVAR; vi++) {
         row.ours_ok[vi] = false, row.ours_ms[vi] = -1;
@@ -631,11 +649,11 @@ static BenchRow bench_case(Lab& L, const char* name, const std::vector<int>& m, 
     }
     bf16* Cd;
     CK(cudaMalloc(&Cd, sizeof(bf16) * std::max<size_t>((size_t)c.rows * N, 8)));
-    row.dense_ms = median_ms(L, [&] { cublas_dense(L, c.A, c.B, Cd, (int)c.rows, N, K); });
+    row.dense_ms = median_ms(L, [&] { cublas_dense(L, c.A, c.B, Cd, (int)c.rows, N, K, layout); });
     row.grouped_ms = -1;
     if (c.G > 1) {
         CublasGrouped cg;
-        cublas_grouped_setup(cg, c.A, c.B, Cd, m, N, K);
+        cublas_grouped_setup(cg, c.A, c.B, Cd, m, N, K, layout);
         cublasStatus_t s = cublas_grouped_run(L, cg);
         if (s == CUBLAS_STATUS_SUCCESS) {
             row.grouped_ms = median_ms(L, [&] { cublas_grouped_run(L, cg); });
@@ -669,6 +687,11 @@ static void run_bench(Lab& L) {
     rows.push_back(bench_case(L, "mixtral fc1 uneven", uneven_counts(8, 1024, 108), 28672, 4096, 108));
     rows.push_back(bench_case(L, "mixtral fc2 balanced", std::vector<int>(8, 1024), 4096, 14336, 109));
     rows.push_back(bench_case(L, "mixtral fc2 uneven", uneven_counts(8, 1024, 110), 4096, 14336, 110));
+    // the input gradients dx = dy W (B [K, N]): fc1's dx [rows, h] from dz [rows, 2 fe], fc2's from dy [rows, h]
+    rows.push_back(bench_case(L, "qwen3 fc1 dgrad uneven", uneven_counts(128, 256, 111), 2048, 1536, 111, hg::B_KN));
+    rows.push_back(bench_case(L, "qwen3 fc2 dgrad uneven", uneven_counts(128, 256, 112), 768, 2048, 112, hg::B_KN));
+    rows.push_back(bench_case(L, "mixtral fc1 dgrad uneven", uneven_counts(8, 1024, 113), 4096, 28672, 113, hg::B_KN));
+    rows.push_back(bench_case(L, "mixtral fc2 dgrad uneven", uneven_counts(8, 1024, 114), 14336, 4096, 114, hg::B_KN));
 
     printf("\n| case | GFLOP |");
     for (int vi = 0; vi < NVAR; vi++) printf(" %s TFLOP/s |", g_variants[vi].name);
