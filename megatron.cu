@@ -8492,8 +8492,9 @@ typedef struct {
                                  [2, Rexp] staged for the device */
     int64_t* ep_offsets;      /* host [2, EP + 1]: the rows sent to and received from each EP rank, as offsets */
     int32_t* ep_local;        /* host [2 El + 1]: rows per local expert, offsets, total (the experts' GEMMs') */
-    int hopper_gemm;          /* the experts' bf16 forward and input-gradient GEMMs through hopper_grouped_gemm (13.1): where it
-                                 runs, unless MT_MOE_GEMM names a cuBLAS path; decided once, at creation */
+    int hopper_gemm;          /* the experts' bf16 forward and input-gradient GEMMs through hopper_grouped_gemm (13.1): 1
+                                 where it runs and they are small (moe_experts_hopper), 2 always (MT_MOE_GEMM=hopper),
+                                 0 never (no sm_90a, not bf16, or MT_MOE_GEMM names a cuBLAS path); decided at creation */
 } mt_moe_state;
 
 /* Hooks for debugging and tests, off in a normal run. */
@@ -9497,15 +9498,21 @@ static void moe_experts_gemm(mt_trainer* t, const mt_exec* ex, int slot, const m
 }
 
 /* An experts' GEMM on Hopper (section 13.1): C_e [n_e, N] = A_e [n_e, K] times W_e ([N, K] with hg::B_NK, the
- * forward; [K, N] with hg::B_KN, the input gradient), where moe_state_create chose it and the shapes fit; false:
- * not taken. The kernel reads the rows per expert on the device: they go there through this slot's part of the
- * grouped GEMM's pointer staging and table (pinned, then device; unused by this call otherwise, and reused
- * under the same rule as there). */
+ * forward; [K, N] with hg::B_KN, the input gradient), where moe_state_create chose it, the shapes fit and (unless
+ * MT_MOE_GEMM=hopper) cuBLAS would take its grouped kernel: the experts' GEMMs are small (moe_experts_gemm's
+ * MOE_GROUPED_MAX_FLOP on average; H200, the lab: ours ~500-580 TFLOP/s at Qwen3's experts against cuBLAS
+ * grouped ~280, while large ones one by one through cuBLAS reach ~800-880, ahead of ours at Mixtral's fc2);
+ * false: not taken. The kernel reads the rows per expert on the device: they go there through this slot's part
+ * of the grouped GEMM's pointer staging and table (pinned, then device; unused by this call otherwise, and
+ * reused under the same rule as there). */
 template <typename T>
 static bool moe_experts_hopper(mt_trainer* t, const mt_exec* ex, int slot, T* C, const T* A, const T* W, int w_layout,
                                const int32_t* counts, int E, int N, int K) {
     if (!std::is_same<T, __nv_bfloat16>::value || !t->moe.hopper_gemm || !hopper_gemm_fits(A, W, C, E, N, K, counts[2 * E]))
         return false;
+    int with_rows = 0;
+    for (int e = 0; e < E; e++) with_rows += counts[e] > 0;
+    if (t->moe.hopper_gemm == 1 && 2.0 * counts[2 * E] * N * (double)K > MOE_GROUPED_MAX_FLOP * with_rows) return false;
     const size_t at = (size_t)slot * 3 * (size_t)E;
     int32_t* staged = (int32_t*)(t->moe.gemm_staging + at);
     int32_t* device = (int32_t*)(t->moe.gemm_table + at);
@@ -9921,11 +9928,12 @@ static void moe_state_create(mt_trainer* t) {
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&m->gemm_staging, MT_MOE_GEMM_POINTERS(E) * sizeof(void*)));
     const char* loop = getenv("MT_MOE_GEMM");
     t->debug.moe_gemm_loop = loop && !strcmp(loop, "loop");
-    /* bf16 experts on Hopper: section 13.1's grouped GEMM, unless MT_MOE_GEMM names a cuBLAS path (cublas,
-     * loop, ...); MT_MOE_GEMM=hopper insists on it (an error where it cannot run) */
-    const bool hopper_asked = !loop || !*loop || !strcmp(loop, "hopper");
-    m->hopper_gemm = hopper_asked && c->precision == MT_BF16 && hopper_gemm_available(&t->gemm.hopper);
-    if (loop && !strcmp(loop, "hopper") && !m->hopper_gemm)
+    /* bf16 experts on Hopper: section 13.1's grouped GEMM where cuBLAS would take its grouped kernel, unless
+     * MT_MOE_GEMM names a cuBLAS path (cublas, loop, ...); MT_MOE_GEMM=hopper takes it for every size (an error
+     * where it cannot run) */
+    const bool hopper_forced = loop && !strcmp(loop, "hopper"), hopper_asked = !loop || !*loop || hopper_forced;
+    m->hopper_gemm = hopper_asked && c->precision == MT_BF16 && hopper_gemm_available(&t->gemm.hopper) ? 1 + hopper_forced : 0;
+    if (hopper_forced && !m->hopper_gemm)
         mt_gpu_fail(&t->error, MT_ERR_ARG, "MT_MOE_GEMM=hopper: the Hopper grouped GEMM needs --bf16, a compute capability "
                                            "9.x GPU and a build for it (GPU_ARCH=90 builds sm_90a)");
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&m->host_counts, sizeof(int32_t) * (2 * E + 1)));

@@ -814,12 +814,13 @@ int main(int argc, char** argv) {
         fprintf(stderr, "hopper_gemm_available: no (a build without sm_90a? nvcc needs -gencode=arch=compute_90a,code=sm_90a)\n");
         return 1;
     }
-    for (int vi = 0; vi < NVAR; vi++) {  // what ptxas gave each kernel
-        cudaFuncAttributes a;
-        CK(cudaFuncGetAttributes(&a, hg_kernel_of(vi)));
-        printf("kernel %d %s: %d registers, %zu bytes local, %d bytes dynamic shared\n", vi, g_variants[vi].name, a.numRegs, a.localSizeBytes,
-               g_variants[vi].smem);
-    }
+    for (int vi = 0; vi < NVAR; vi++)  // what ptxas gave each kernel
+        for (int bl = 0; bl < hg::B_LAYOUTS; bl++) {
+            cudaFuncAttributes a;
+            CK(cudaFuncGetAttributes(&a, hg_kernel_of(vi, bl)));
+            printf("kernel %d %s, B %s: %d registers, %zu bytes local, %d bytes dynamic shared\n", vi, g_variants[vi].name,
+                   bl == hg::B_KN ? "[K, N]" : "[N, K]", a.numRegs, a.localSizeBytes, g_variants[vi].smem);
+        }
     if (do_check) {
         run_checks(L);
         bool any = false;
