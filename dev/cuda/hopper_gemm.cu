@@ -90,22 +90,21 @@ static void die_cublas(cublasStatus_t s, const char* what, int line) {
 __global__ void tma_probe_kernel(const __grid_constant__ CUtensorMap tm, int c0, int c1, uint4* out, hg::watchdog* wd,
                                  unsigned long long timeout_ns) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using namespace hg;
     extern __shared__ uint8_t smem_raw[];
-    uint8_t* buf = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    uint8_t* buf = smem_raw + ((1024 - (hg::smem_u32(smem_raw) & 1023)) & 1023);
     __shared__ uint64_t bar;
     if (threadIdx.x == 0) {
-        mbar_init(smem_u32(&bar), 1);
+        hg::mbar_init(hg::smem_u32(&bar), 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        mbar_arrive_expect_tx(smem_u32(&bar), BM * BK * 2);
-        tma_load_2d(smem_u32(buf), &tm, smem_u32(&bar), c0, c1);
+        hg::mbar_arrive_expect_tx(hg::smem_u32(&bar), hg::BM * hg::BK * 2);
+        hg::tma_load_2d(hg::smem_u32(buf), &tm, hg::smem_u32(&bar), c0, c1);
     }
-    mbar_wait(smem_u32(&bar), 0, wd, timeout_ns, 1, 0, -1, 0);
-    for (int i = threadIdx.x; i < BM * BK * 2 / 16; i += blockDim.x) out[i] = reinterpret_cast<const uint4*>(buf)[i];
+    hg::mbar_wait(hg::smem_u32(&bar), 0, wd, timeout_ns, 1, 0, -1, 0);
+    for (int i = threadIdx.x; i < hg::BM * hg::BK * 2 / 16; i += blockDim.x) out[i] = reinterpret_cast<const uint4*>(buf)[i];
 #endif
 }
 
