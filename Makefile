@@ -1,7 +1,7 @@
 # megatron.c build.
 #   make            every binary: train_gpt, eval_hellaswag, test_megatron, prepro tools
 #   make test       build and run the test suite (GPU tests skip without a GPU)
-#   make GPU_ARCH=90a ...   override the CUDA target (default: the visible GPU, else sm_90)
+#   make GPU_ARCH=80 ...    override the CUDA target (default: the visible GPU, else Hopper; 90 builds sm_90a)
 #   make fuzz, make asan-test, make ci-test   fuzzing and sanitizers (dev/fuzz/fuzz.mk)
 
 NVCC    ?= nvcc
@@ -14,7 +14,11 @@ GPU_ARCH ?= $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/
 ifeq ($(strip $(GPU_ARCH)),)
   GPU_ARCH := 90
 endif
-NVFLAGS += -gencode=arch=compute_$(GPU_ARCH),code=sm_$(GPU_ARCH)
+# Hopper (90) builds sm_90a, which runs on every compute capability 9.0 GPU (H100, H200, GH200): the
+# experts' grouped GEMM (megatron.cu section 13.1) needs wgmma and setmaxnreg, which exist only in the
+# "a" target. Other targets build that kernel as a stub that is never launched (cuBLAS instead).
+GPU_CODE := $(if $(filter 90,$(GPU_ARCH)),90a,$(GPU_ARCH))
+NVFLAGS += -gencode=arch=compute_$(GPU_CODE),code=sm_$(GPU_CODE)
 
 # MPI is used when mpicc is on the PATH (set USE_MPI=0 to build without it); make says which, since a
 # build without MPI trains on one GPU only (train_gpt then refuses to start under a multi-process launcher).

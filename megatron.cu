@@ -40,6 +40,7 @@
  *   11. Gradient norm and AdamW
  *   12. FP8: formats, scaling, casts and transposes
  *   13. GEMM
+ *       13.1 Hopper grouped GEMM (wgmma, TMA)
  *   14. Mixture of experts: routing, permutation, the experts' activation
  *   22. Generation kernels: the KV cache, decode attention and sampling
  *   Part II: the model and the trainer
@@ -67,6 +68,7 @@
 
 #include <cublas_v2.h>
 #include <cublasLt.h>
+#include <cuda.h> /* CUtensorMap and its enums, types only (section 13.1; no -lcuda) */
 #include <nccl.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -4636,6 +4638,14 @@ typedef struct {
 } mt_gemm_plan;
 
 #define GEMM_MAX_PLANS 256
+/* Section 13.1's probe of this GPU, made once (hopper_gemm_available): state 0 not yet, 1 the Hopper grouped
+ * GEMM runs here, -1 it does not; then the SM count and the driver's cuTensorMapEncodeTiled. */
+typedef struct {
+    int state;
+    int sms;
+    void* encode;
+} mt_hopper_gemm_state;
+
 /* The handles, the workspace and the plan cache (mt_exec.gemm points here; the stream and the
  * error record come with the mt_exec of each call). */
 struct mt_gemm_plans {
@@ -4645,6 +4655,7 @@ struct mt_gemm_plans {
     size_t workspace_bytes;
     mt_gemm_plan* plans;     /* [GEMM_MAX_PLANS] */
     int num_plans;
+    mt_hopper_gemm_state hopper; /* section 13.1 */
 };
 
 /* The largest power of two (<= 256) that divides the address. */
@@ -5047,6 +5058,625 @@ static void moe_expert_bias_update(const mt_exec* ex, float* bias, const int32_t
     LAUNCH_CHECK(ex->error);
 }
 
+
+/* ============================================================================================== */
+/* 13.1 Hopper grouped GEMM (wgmma, TMA)                                                          */
+/*    The experts' GEMMs of a mixture of experts on Hopper (issue #34): cuBLAS's grouped GEMM     */
+/*    (cublasGemmGroupedBatchedEx) reaches ~35% of a dense GEMM's TFLOP/s on an H200 at MoE       */
+/*    shapes; this kernel, written for sm_90a (TMA loads, mbarrier pipeline, wgmma), reaches      */
+/*    ~70-100% (its lab dev/cuda/hopper_gemm.cu measures and checks it). One launch computes for  */
+/*    every group g: C_g [m_g, N] = A_g [m_g, K] B_g [N, K]^T (the forward) or A_g B_g with B_g   */
+/*    [K, N] (the input gradient), bf16 in and out, fp32 accumulation, the row counts m_g read on */
+/*    the device (no host synchronisation). Built only for sm_90a                                 */
+/*    (GPU_ARCH 90, the Makefile's default there); every other target compiles a stub that traps */
+/*    and hopper_gemm_available() says no, so callers keep their cuBLAS path.                     */
+/*    defines: namespace hg (the kernel, its schedule, hg::options, hg::watchdog),               */
+/*    mt_hopper_gemm_state's probe hopper_gemm_available, hopper_gemm_fits, hopper_grouped_gemm.  */
+/* ============================================================================================== */
+/*
+ * ---- The operation ----------------------------------------------------------------------------------
+ *   Row-major, K contiguous for A and B ("TN": both operands K-major), N contiguous for C:
+ *     A  [a_rows, K]   the groups' rows concatenated in group order (group g from row_start[g] =
+ *                      m_0 + ... + m_{g-1}); a_rows >= sum m_g is the buffer's row capacity
+ *     B  [G, N, K]     one weight matrix per group (the experts' W [E, out, in]): C_g = A_g B_g^T (B_NK);
+ *        or [G, K, N]  (B_KN: C_g = A_g B_g; dx = dy W with W [E, out, in], K = out, N = in)
+ *     C  [a_rows, N]   concatenated like A; rows from sum m_g on are never written
+ *     m  [G] int32     rows per group on the device (zeros allowed)
+ *   Limits: N % 8 == K % 8 == 0 (TMA needs 16-byte row strides), 1 <= G <= hg::MAX_GROUPS,
+ *   16-byte aligned A, B, C; G * N < 2^31 (hopper_gemm_fits says all of it).
+ *
+ * ---- Tiles and the schedule ----------------------------------------------------------------------
+ *   CTA tile BM x BN x BK = 128 x BN x 64 (BN = 256 with 3 pipeline stages, or 128 with 5). A tile
+ *   never straddles groups: group g has ceil(m_g / 128) row tiles times ceil(N / BN) column tiles,
+ *   tile_start[g] their prefix sum. Every CTA builds tile_start and row_start in shared memory from
+ *   the device counts (one warp, shuffle scans), then takes tiles t = blockIdx.x, + gridDim.x, ...
+ *   (persistent CTAs, one per SM). Tile t's group is found by binary search of tile_start; inside a
+ *   group tiles run in bands of BAND = 8 row tiles, column by column inside a band, so the CTAs at
+ *   work at one time share a few A row blocks and B column blocks in L2.
+ *   Rows past a group's end: ONE tensor map over all of A and ONE over B viewed as [G * N, K]. A row
+ *   tile running past its group's last row loads the next group's first rows (or TMA's zero fill
+ *   past a_rows); they only feed output rows the epilogue does not store (it masks rows >=
+ *   row_start[g + 1] and columns >= N), and each output row depends only on its own A row. Likewise
+ *   a column tile past N reads the next group's B rows or zeros, and K past its end reads zeros on
+ *   both sides. No per-group tensor maps. B_KN: B viewed as [G * K, N]; the last k-block's rows past
+ *   K are the next group's first rows (or zeros), met by A's zero fill past K (weights are finite, so
+ *   they add exact zeros); columns past N are TMA's zeros.
+ *
+ * ---- Roles (384 threads = 3 warpgroups, one CTA per SM) ------------------------------------------
+ *   warpgroup 0     producer: setmaxnreg.dec to 40 registers; one thread waits for a free stage (its
+ *                   "empty" mbarrier), arms the stage's "full" mbarrier with the stage's byte count
+ *                   (mbarrier.arrive.expect_tx) and issues the two TMA loads (cp.async.bulk.tensor.2d).
+ *   warpgroups 1, 2 consumers: setmaxnreg.inc to 232 (40 + 2 * 232 = 3 * 168: the register file);
+ *                   consumer c computes rows 64c..64c+63 of the tile: per k-block it waits on "full",
+ *                   issues BK/16 = 4 wgmma.mma_async.m64nBNk16 (operands from shared memory through
+ *                   descriptors), commits, waits until at most one group is in flight (wait_group 1)
+ *                   and releases the PREVIOUS stage (lane 0 of each consumer warp arrives on "empty",
+ *                   count 8). After the last k-block: wait_group 0, release, and the epilogue: fp32 ->
+ *                   bf16 (round to nearest) into the warpgroup's padded shared buffer, then 16-byte
+ *                   coalesced global stores (masked). The producer meanwhile loads the next tile.
+ *   Phases: stage s holds the (i * STAGES + s)-th k-block of the CTA's sequence; its barriers' phase
+ *   parity flips each time the stage index wraps; the producer's first wait on "empty" uses parity 1,
+ *   which a fresh mbarrier reports complete.
+ *
+ * ---- Shared memory and the descriptors (PTX ISA "Matrix Descriptor Format") ------------------------
+ *   TMA with CU_TENSOR_MAP_SWIZZLE_128B writes a box of 64 bf16 (128 bytes) x R rows as R rows of 128
+ *   bytes in which 16-byte chunk c of row r sits at chunk c ^ (r % 8) (address bits: every tile starts
+ *   1024-byte aligned). The wgmma descriptor of such a K-major operand: start address >> 4 (bits
+ *   0-13), leading byte offset 1 (unused: a 16-wide k slice lies inside one 128-byte row), stride
+ *   byte offset 1024 >> 4 (one 8-row group to the next, bits 32-45), base offset 0, swizzle mode 1
+ *   (128 bytes, bits 62-63). The k-th 16-wide slice starts 32 k bytes into the row: the hardware
+ *   applies the XOR to the final address, so the start address just advances by 32 k.
+ *   B_KN (N-major B, wgmma's imm-trans-b = 1): a stage holds BN / 64 boxes of [64 k rows][64 columns =
+ *   128 bytes], each 8 KiB; the canonical N-major 128-byte-swizzle layout ((8 chunks of 8 columns, m
+ *   blocks), (8 rows, k groups)) takes leading byte offset 8192 (the next 64 columns) and stride byte
+ *   offset 1024 (the next 8 k rows); the k-th 16-row slice starts 16 x 128 bytes further.
+ *
+ * ---- Accumulators (wgmma m64nNk16, fp32 D; PTX ISA "Register Fragments") ---------------------------
+ *   thread 32 w + lane of a warpgroup, j in 0..N/8-1: d[4j], d[4j+1] -> row 16w + lane/4, columns
+ *   8j + 2 (lane % 4) + {0, 1}; d[4j+2], d[4j+3] -> row 16w + lane/4 + 8, the same columns.
+ *
+ * ---- Watchdog ------------------------------------------------------------------------------------
+ *   Every mbarrier wait is a bounded spin: past timeout_ns (hg::options; 20 s by default, a healthy
+ *   wait lasts microseconds) the thread records where it was (role, stage, parity, tile, k-block) in
+ *   an hg::watchdog if one was given (the lab's, in mapped host memory) and traps, so a deadlock ends
+ *   the kernel with an error instead of hanging the trainer. It costs one clock read per wait that
+ *   does not succeed at once (the lab measured no difference).
+ *
+ * ---- Determinism ---------------------------------------------------------------------------------
+ *   Each output element is one thread's fp32 sum over k in a fixed order (k-block by k-block, 16 at a
+ *   time in wgmma): bitwise the same from run to run, whatever the grid. It differs from cuBLAS's
+ *   summation order, so results agree with cuBLAS to fp32 rounding before the one bf16 rounding.
+ */
+
+namespace hg {
+constexpr int BM = 128;          /* rows per CTA tile: two consumer warpgroups of 64 */
+constexpr int BK = 64;           /* k per stage: 64 bf16 = one 128-byte swizzle row */
+constexpr int BAND = 8;          /* row tiles per raster band */
+constexpr int MAX_GROUPS = 1024; /* the schedule tables live in shared memory */
+constexpr int THREADS = 384;
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+/* B's layout: B_NK, B_g [N, K] with K contiguous (y = x W^T: the forward); B_KN, B_g [K, N] with N contiguous
+ * (dx = dy W: the input gradient), wgmma's transposed B */
+enum { B_NK = 0, B_KN = 1, B_LAYOUTS = 2 };
+
+/* Written by a device thread whose wait timed out (the lab passes one in mapped pinned memory). */
+struct watchdog {
+    volatile int fired;                                        /* 1 once written */
+    volatile int block, thread, role, stage, parity, tile, kb; /* role 0: producer waiting on "empty", 1: consumer on "full" */
+    volatile int clamped;                                      /* the schedule clamped rows: sum m_g > a_rows */
+};
+/* The lab's and the tests' knobs; the model passes none (NULL: the defaults). */
+struct options {
+    int variant;                   /* -1: chosen from N; 0: 128 x 256 tiles, 3 stages; 1: 128 x 128, 5 stages */
+    int max_ctas;                  /* > 0: at most this many CTAs (the lab's "many tiles per CTA" checks) */
+    watchdog* wd;                  /* where a timed-out wait reports (NULL: it just traps) */
+    unsigned long long timeout_ns; /* 0: 20 s */
+};
+
+/* Shared memory of one configuration: the stages, both warpgroups' epilogue buffers, the barriers and
+ * the schedule tables. */
+template <int BN, int STAGES>
+struct cfg {
+    static constexpr int A_BYTES = BM * BK * 2; /* 16 KiB */
+    static constexpr int B_BYTES = BN * BK * 2; /* 32 or 16 KiB */
+    static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+    static constexpr int EPI_LD = BN + 8; /* elements per staged output row: conflict-free */
+    static constexpr int EPI_BYTES = BM * EPI_LD * 2;
+    static constexpr int SMEM = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + EPI_BYTES + 2 * STAGES * 8 +
+                                2 * (MAX_GROUPS + 1) * 4;
+    static_assert(SMEM <= 227 * 1024, "shared memory");
+};
+
+/* One tile of the schedule: its group, first row (global), the group's end row, first column. */
+struct tile_coord {
+    int g, m0, m_end, n0;
+};
+__host__ __device__ inline tile_coord decode_tile(int t, const int* tile_start, const int* row_start, int G, int ntn,
+                                                  int bn) {
+    int lo = 0, hi = G; /* tile_start[lo] <= t < tile_start[hi]; skips groups without tiles */
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (tile_start[mid] <= t) lo = mid;
+        else hi = mid;
+    }
+    tile_coord c;
+    c.g = lo;
+    const int local = t - tile_start[lo];
+    const int rows = row_start[lo + 1] - row_start[lo];
+    const int mt = (rows + BM - 1) / BM;
+    const int band = local / (BAND * ntn);
+    int bh = mt - band * BAND;
+    if (bh > BAND) bh = BAND;
+    const int in = local - band * BAND * ntn;
+    const int nt = in / bh, mi = band * BAND + in % bh;
+    c.m0 = row_start[lo] + mi * BM;
+    c.m_end = row_start[lo + 1];
+    c.n0 = nt * bn;
+    return c;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* ---- PTX wrappers (sm_90a) ---- */
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+/* arrive once and add `bytes` to the transaction count the current phase waits for */
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+    uint32_t ok;
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return ok != 0;
+}
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+/* The watchdog: where this thread was stuck, then trap (the kernel ends with an error). Plain volatile
+ * stores (atomics on host memory over PCIe are not guaranteed). */
+__device__ __noinline__ void watchdog_fire(watchdog* wd, int role, int stage, int parity, int tile, int kb) {
+    if (wd) {
+        wd->block = blockIdx.x;
+        wd->thread = threadIdx.x;
+        wd->role = role;
+        wd->stage = stage;
+        wd->parity = parity;
+        wd->tile = tile;
+        wd->kb = kb;
+        __threadfence_system();
+        wd->fired = 1;
+        __threadfence_system();
+    }
+    __trap();
+}
+/* wait until the phase with this parity has completed; bounded by timeout_ns */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, watchdog* wd, unsigned long long timeout_ns,
+                                          int role, int stage, int tile, int kb) {
+    if (mbar_try_wait(bar, parity)) return;
+    const unsigned long long t0 = globaltimer_ns();
+    while (!mbar_try_wait(bar, parity))
+        if (globaltimer_ns() - t0 > timeout_ns) watchdog_fire(wd, role, stage, (int)parity, tile, kb);
+}
+/* 2-D TMA load of one box into shared memory, completion signalled on `bar` as transaction bytes;
+ * c0 = the inner (K) coordinate in elements, c1 = the row */
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+        : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+/* keeps the compiler from moving accumulator reads and writes across the asynchronous wgmma boundaries */
+template <int R>
+__device__ __forceinline__ void reg_fence(float* r) {
+#pragma unroll
+    for (int i = 0; i < R; i++) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R)); }
+template <int R>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R)); }
+
+/* the descriptor of a K-major, 128-byte-swizzled operand at shared address `addr` (see above) */
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+/* the descriptor of an N-major B (B_KN, see above): 64-column blocks of [64 k rows][128 bytes] 8 KiB apart (leading
+ * byte offset: the next 64 columns), 8-row groups 1024 bytes apart (stride byte offset: the next 8 k) */
+__device__ __forceinline__ uint64_t make_desc_n_major(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(8192 >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           ((uint64_t)1 << 62);
+}
+
+/* D[64 x 256] (+)= A[64 x 16] B[256 x 16]^T, operands in shared memory, A K-major, B K-major (TB 0) or N-major
+ * (TB 1: wgmma's transpose of B); scale_d = 0 ignores D's old value. 128 fp32 accumulators per thread. */
+template <int TB>
+__device__ __forceinline__ void wgmma_m64n256k16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TB));
+}
+/* D[64 x 128] (+)= A[64 x 16] B[128 x 16]^T, likewise; 64 fp32 accumulators per thread. */
+template <int TB>
+__device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TB));
+}
+template <int BN, int TB>
+__device__ __forceinline__ void wgmma_bn(float* d, uint64_t da, uint64_t db, int scale_d) {
+    if constexpr (BN == 256) wgmma_m64n256k16<TB>(d, da, db, scale_d);
+    else wgmma_m64n128k16<TB>(d, da, db, scale_d);
+}
+
+/* The schedule tables, built by one warp of every CTA from the device counts: row_start[g] = m_0 + ... +
+ * m_{g-1} (clamped to a_rows), tile_start[g] the prefix sum of the tile counts. */
+__device__ void build_schedule(const int* __restrict__ m_g, int G, int ntn, int a_rows, int* tile_start, int* row_start,
+                               watchdog* wd) {
+    const int lane = threadIdx.x & 31;
+    long long rows_carry = 0;
+    int tiles_carry = 0;
+    if (lane == 0) row_start[0] = 0, tile_start[0] = 0;
+    for (int base = 0; base < G; base += 32) {
+        const int g = base + lane;
+        const long long m = g < G ? (long long)max(m_g[g], 0) : 0;
+        long long end = m; /* inclusive scan of m over the lanes */
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const long long v = __shfl_up_sync(0xffffffffu, end, o);
+            if (lane >= o) end += v;
+        }
+        end += rows_carry;
+        const long long begin = end - m;
+        const int cb = (int)min(begin, (long long)a_rows), ce = (int)min(end, (long long)a_rows);
+        if (wd && g < G && ce != end) wd->clamped = 1;
+        int tiles = ((ce - cb + BM - 1) / BM) * ntn;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, tiles, o);
+            if (lane >= o) tiles += v;
+        }
+        tiles += tiles_carry;
+        if (g < G) row_start[g + 1] = ce, tile_start[g + 1] = tiles;
+        rows_carry = __shfl_sync(0xffffffffu, end, 31);
+        tiles_carry = __shfl_sync(0xffffffffu, tiles, 31);
+    }
+}
+
+/* The epilogue of one warpgroup's 64 x BN block: fp32 -> bf16 into its padded shared buffer buf [64][BN + 8]
+ * (named barrier bar_id), then 16-byte coalesced stores; rows >= m_end and columns >= N are not stored. */
+template <int BN>
+__device__ __forceinline__ void store_block64(const float* acc, __nv_bfloat16* __restrict__ C, int N, int row0, int m_end,
+                                              int n0, __nv_bfloat16* buf, int wq, int lane, int t128, int bar_id) {
+    constexpr int LD = BN + 8;
+    asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory"); /* the previous copy-out from buf is finished */
+    {
+        __nv_bfloat16* q0 = buf + (wq * 16 + (lane >> 2)) * LD + 2 * (lane & 3);
+        __nv_bfloat16* q1 = q0 + 8 * LD;
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+            *reinterpret_cast<__nv_bfloat162*>(q0 + 8 * j) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+            *reinterpret_cast<__nv_bfloat162*>(q1 + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+        }
+    }
+    asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
+    constexpr int CPR = BN / 8, RPP = 128 / CPR; /* 16-byte chunks per row; rows per pass of 128 threads */
+    const int ch = t128 % CPR, rr = t128 / CPR;
+    const int col = n0 + ch * 8;
+#pragma unroll 4
+    for (int r = rr; r < 64; r += RPP) {
+        const uint4 v = *reinterpret_cast<const uint4*>(buf + r * LD + ch * 8);
+        if (row0 + r < m_end && col < N) *reinterpret_cast<uint4*>(C + (size_t)(row0 + r) * N + col) = v;
+    }
+}
+#endif /* __CUDA_ARCH_FEAT_SM90_ALL */
+
+/* The kernel. tmA: A as [a_rows, K], box 64 x 128; tmB: B as [G * N, K] with boxes 64 x BN (B_NK), or as
+ * [G * K, N] with boxes 64 x 64 (B_KN); C [a_rows, N]. */
+template <int BN, int STAGES, int BL>
+__global__ void __launch_bounds__(THREADS, 1)
+grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                    __nv_bfloat16* __restrict__ C, const int* __restrict__ m_g, int G, int N, int K, int a_rows,
+                    watchdog* wd, unsigned long long timeout_ns) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Cf = cfg<BN, STAGES>;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023); /* 1024-byte aligned (swizzle atoms) */
+    uint8_t* sA = smem;                                      /* [STAGES][128 rows][128 bytes] */
+    uint8_t* sB = smem + STAGES * Cf::A_BYTES;               /* [STAGES][BN rows][128 bytes] */
+    __nv_bfloat16* sC = (__nv_bfloat16*)(sB + STAGES * Cf::B_BYTES); /* [2 warpgroups][64 rows][EPI_LD] */
+    uint64_t* full = (uint64_t*)(sB + STAGES * Cf::B_BYTES + Cf::EPI_BYTES);
+    uint64_t* empty = full + STAGES;
+    int* tile_start = (int*)(empty + STAGES); /* [G + 1] */
+    int* row_start = tile_start + MAX_GROUPS + 1;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int ntn = (N + BN - 1) / BN, nk = (K + BK - 1) / BK;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(smem_u32(&full[s]), 1);  /* the producer's arrive.expect_tx (+ the TMA bytes) */
+            mbar_init(smem_u32(&empty[s]), 8); /* lane 0 of each consumer warp */
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        tma_prefetch_desc(&tmA);
+        tma_prefetch_desc(&tmB);
+    }
+    if (warp == 1) build_schedule(m_g, G, ntn, a_rows, tile_start, row_start, wd);
+    __syncthreads();
+    const int total = tile_start[G];
+
+    if (tid < 128) {
+        /* ---- producer warpgroup: one thread issues every TMA load ---- */
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (tid == 0) {
+            int stage = 0;
+            uint32_t phase = 0;
+            for (int t = blockIdx.x; t < total; t += gridDim.x) {
+                const tile_coord tc = decode_tile(t, tile_start, row_start, G, ntn, BN);
+                const int brow = BL == B_NK ? tc.g * N + tc.n0 : tc.g * K; /* B_g's first row */
+                for (int kb = 0; kb < nk; kb++) {
+                    mbar_wait(smem_u32(&empty[stage]), phase ^ 1, wd, timeout_ns, 0, stage, t, kb);
+                    const uint32_t fb = smem_u32(&full[stage]);
+                    mbar_arrive_expect_tx(fb, Cf::STAGE_BYTES); /* full boxes: out-of-bounds parts are zero-filled and counted */
+                    tma_load_2d(smem_u32(sA + stage * Cf::A_BYTES), &tmA, fb, kb * BK, tc.m0);
+                    if constexpr (BL == B_NK) {
+                        tma_load_2d(smem_u32(sB + stage * Cf::B_BYTES), &tmB, fb, kb * BK, brow);
+                    } else { /* BN / 64 boxes of [64 k rows][64 columns]; k rows past K belong to the next group (or
+                                zeros): they meet A's zero fill past K */
+#pragma unroll
+                        for (int j = 0; j < BN / 64; j++)
+                            tma_load_2d(smem_u32(sB + stage * Cf::B_BYTES + j * 8192), &tmB, fb, tc.n0 + 64 * j, brow + kb * BK);
+                    }
+                    if (++stage == STAGES) stage = 0, phase ^= 1;
+                }
+            }
+        }
+    } else {
+        /* ---- consumer warpgroups: both work on every tile, 64 rows each ---- */
+        setmaxnreg_inc<CONSUMER_REGS>();
+        const int cw = (tid >> 7) - 1; /* rows 64 cw .. 64 cw + 63 of the tile */
+        const int wq = warp & 3;       /* the warp inside the warpgroup: rows 16 wq .. 16 wq + 15 of those */
+        float acc[BN / 2];
+#pragma unroll
+        for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
+        const uint32_t a_base = smem_u32(sA) + cw * 64 * 128;
+        const uint32_t b_base = smem_u32(sB);
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            const tile_coord tc = decode_tile(t, tile_start, row_start, G, ntn, BN);
+            int prev = 0;
+            for (int kb = 0; kb < nk; kb++) {
+                mbar_wait(smem_u32(&full[stage]), phase, wd, timeout_ns, 1, stage, t, kb);
+                reg_fence<BN / 2>(acc);
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < BK / 16; k++) {
+                    const uint64_t da = make_desc(a_base + stage * Cf::A_BYTES + k * 32);
+                    const uint64_t db = BL == B_NK ? make_desc(b_base + stage * Cf::B_BYTES + k * 32)
+                                                   : make_desc_n_major(b_base + stage * Cf::B_BYTES + k * 16 * 128);
+                    wgmma_bn<BN, BL>(acc, da, db, (kb > 0 || k > 0) ? 1 : 0);
+                }
+                wgmma_commit();
+                reg_fence<BN / 2>(acc);
+                if (kb > 0) {
+                    wgmma_wait<1>(); /* the previous k-block's group is done: its stage may be refilled */
+                    if (lane == 0) mbar_arrive(smem_u32(&empty[prev]));
+                }
+                prev = stage;
+                if (++stage == STAGES) stage = 0, phase ^= 1;
+            }
+            wgmma_wait<0>();
+            reg_fence<BN / 2>(acc);
+            if (lane == 0) mbar_arrive(smem_u32(&empty[prev]));
+            store_block64<BN>(acc, C, N, tc.m0 + cw * 64, tc.m_end, tc.n0, sC + cw * 64 * Cf::EPI_LD, wq, lane, tid & 127,
+                              1 + cw);
+        }
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap(); /* built without sm_90a: never launched (hopper_gemm_available says no) */
+#endif
+}
+
+/* The configurations: variant 0 (128 x 256, 3 stages) and 1 (128 x 128, 5 stages), the two best of the lab
+ * (H200: 128 x 256 ahead at Qwen3/Mixtral shapes, 128 x 128 where N's last 256-wide tile would be half empty). */
+constexpr int VARIANTS = 2;
+template <int V> struct variant;
+template <> struct variant<0> { static constexpr int BN = 256, STAGES = 3; };
+template <> struct variant<1> { static constexpr int BN = 128, STAGES = 5; };
+} /* namespace hg */
+
+/* cuTensorMapEncodeTiled's signature (CUDA 12.0's), reached through cudaGetDriverEntryPointByVersion, so the
+ * build needs no -lcuda */
+typedef CUresult (*hg_encode_tiled_fn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                       const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                       CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* The kernel of a variant and B layout, as a plain function pointer (the attributes and launch below). */
+static const void* hg_kernel_of(int v, int bl) {
+    using namespace hg;
+    if (v == 0)
+        return bl == B_NK ? (const void*)grouped_gemm_kernel<variant<0>::BN, variant<0>::STAGES, B_NK>
+                          : (const void*)grouped_gemm_kernel<variant<0>::BN, variant<0>::STAGES, B_KN>;
+    return bl == B_NK ? (const void*)grouped_gemm_kernel<variant<1>::BN, variant<1>::STAGES, B_NK>
+                      : (const void*)grouped_gemm_kernel<variant<1>::BN, variant<1>::STAGES, B_KN>;
+}
+static int hg_smem_of(int v) {
+    return v == 0 ? hg::cfg<hg::variant<0>::BN, hg::variant<0>::STAGES>::SMEM
+                  : hg::cfg<hg::variant<1>::BN, hg::variant<1>::STAGES>::SMEM;
+}
+
+/* Whether this process's GPU runs the Hopper GEMM: compute capability 9.x, the kernels built for sm_90a
+ * (a stub built for another target has far fewer registers than setmaxnreg's 40/232 split needs: the
+ * consumers' increase would wait forever unless the launch allocation covers 40 x 128 + 232 x 256), their
+ * shared memory allowed, and the driver's cuTensorMapEncodeTiled found. Probed once into *s (state 1 yes,
+ * -1 no); a failed probe leaves no CUDA error behind (later launch checks must not see it). */
+static bool hopper_gemm_available(mt_hopper_gemm_state* s) {
+    if (s->state) return s->state > 0;
+    s->state = -1;
+    int dev = 0, major = 0, sms = 0, optin = 0;
+    bool ok = cudaGetDevice(&dev) == cudaSuccess &&
+              cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+              cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
+              cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess && major == 9;
+    for (int i = 0; ok && i < hg::VARIANTS * hg::B_LAYOUTS; i++) {
+        const int v = i / hg::B_LAYOUTS, bl = i % hg::B_LAYOUTS;
+        cudaFuncAttributes a;
+        ok = cudaFuncGetAttributes(&a, hg_kernel_of(v, bl)) == cudaSuccess &&
+             a.numRegs * hg::THREADS >= hg::PRODUCER_REGS * 128 + hg::CONSUMER_REGS * 256 && hg_smem_of(v) <= optin &&
+             cudaFuncSetAttribute(hg_kernel_of(v, bl), cudaFuncAttributeMaxDynamicSharedMemorySize, hg_smem_of(v)) == cudaSuccess;
+    }
+    void* fn = NULL;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    ok = ok && cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+         q == cudaDriverEntryPointSuccess && fn;
+    (void)cudaGetLastError(); /* a failed query is an answer here, not an error for the next launch check */
+    if (!ok) return false;
+    s->state = 1;
+    s->sms = sms;
+    s->encode = fn;
+    return true;
+}
+
+/* The shapes and pointers the kernel takes (see the section's banner); the launcher refuses others. */
+static bool hopper_gemm_fits(const void* A, const void* B, const void* C, int G, int N, int K, int64_t a_rows) {
+    return N > 0 && K > 0 && N % 8 == 0 && K % 8 == 0 && G >= 1 && G <= hg::MAX_GROUPS && a_rows >= 0 &&
+           a_rows < ((int64_t)1 << 31) && (int64_t)G * N < ((int64_t)1 << 31) && (int64_t)G * K < ((int64_t)1 << 31) &&
+           ((uintptr_t)A % 16 | (uintptr_t)B % 16 | (uintptr_t)C % 16) == 0;
+}
+
+/* A row-major bf16 tensor [rows, K] as a TMA map: boxes of 64 (K) x box_rows, 128-byte swizzle, zero fill. */
+static bool hg_tensor_map(const mt_exec* ex, hg_encode_tiled_fn encode, CUtensorMap* m, const void* p, int64_t rows, int K,
+                          int box_rows) {
+    const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)rows};
+    const cuuint64_t strides[1] = {(cuuint64_t)K * 2};
+    const cuuint32_t box[2] = {(cuuint32_t)hg::BK, (cuuint32_t)box_rows};
+    const cuuint32_t estr[2] = {1, 1};
+    const CUresult r = encode(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)p, dims, strides, box, estr,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r == CUDA_SUCCESS) return true;
+    return mt_gpu_fail(ex->error, MT_ERR_CUDA, "hopper_grouped_gemm: cuTensorMapEncodeTiled failed (CUresult %d) for [%lld, %d] box %d",
+                       (int)r, (long long)rows, K, box_rows);
+}
+
+template <int V, int BL>
+static void hg_launch(const mt_exec* ex, const CUtensorMap& ta, const CUtensorMap& tb, __nv_bfloat16* C, const int32_t* counts,
+                      int G, int N, int K, int a_rows, int grid, hg::watchdog* wd, unsigned long long timeout_ns) {
+    constexpr int BN = hg::variant<V>::BN, STAGES = hg::variant<V>::STAGES;
+    hg::grouped_gemm_kernel<BN, STAGES, BL><<<grid, hg::THREADS, hg::cfg<BN, STAGES>::SMEM, ex->stream>>>(
+        ta, tb, C, counts, G, N, K, a_rows, wd, timeout_ns);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* C [a_rows, N] = for each group g: A_g [m_g, K] times B_g, which is [N, K] (b_layout hg::B_NK: C_g = A_g B_g^T)
+ * or [K, N] (hg::B_KN: C_g = A_g B_g), bf16 (shapes in the section's banner); counts = m [G] int32 on the
+ * device, read by the kernel (no synchronisation). Rows of C from sum m_g on are left as they are. Refuses
+ * (recorded, nothing queued) a GPU or build without the kernel and shapes it does not take. opt: the lab's and
+ * tests' knobs (NULL: the defaults). */
+static void hopper_grouped_gemm(const mt_exec* ex, __nv_bfloat16* C, const __nv_bfloat16* A, int64_t a_rows,
+                                const __nv_bfloat16* B, int b_layout, const int32_t* counts, int G, int N, int K,
+                                const hg::options* opt = NULL) {
+    if (ex->error->status != MT_OK) return;
+    mt_hopper_gemm_state local = {0, 0, NULL};
+    mt_hopper_gemm_state* st = ex->gemm ? &ex->gemm->hopper : &local;
+    if (!hopper_gemm_available(st)) {
+        mt_gpu_fail(ex->error, MT_ERR_ARG, "hopper_grouped_gemm: this GPU or build has no sm_90a kernel (needs compute "
+                                           "capability 9.x and GPU_ARCH=90, which builds sm_90a)");
+        return;
+    }
+    if (!hopper_gemm_fits(A, B, C, G, N, K, a_rows) || (b_layout != hg::B_NK && b_layout != hg::B_KN)) {
+        mt_gpu_fail(ex->error, MT_ERR_ARG, "hopper_grouped_gemm: G %d N %d K %d rows %lld B layout %d not taken (N %% 8 == K %% 8 "
+                                           "== 0, 1 <= G <= %d, 16-byte aligned pointers)", G, N, K, (long long)a_rows, b_layout,
+                    hg::MAX_GROUPS);
+        return;
+    }
+    if (a_rows == 0) return;
+    int v = opt && opt->variant >= 0 && opt->variant < hg::VARIANTS ? opt->variant : -1;
+    if (v < 0) /* 128-wide column tiles where the last 256-wide one would be at most half used */
+        v = N % 256 != 0 && N % 256 <= 128 ? 1 : 0;
+    const int BN = v == 0 ? hg::variant<0>::BN : hg::variant<1>::BN;
+    CUtensorMap ta, tb;
+    const hg_encode_tiled_fn encode = (hg_encode_tiled_fn)st->encode;
+    const bool ok = hg_tensor_map(ex, encode, &ta, A, a_rows, K, hg::BM) &&
+                    (b_layout == hg::B_NK ? hg_tensor_map(ex, encode, &tb, B, (int64_t)G * N, K, BN)
+                                          : hg_tensor_map(ex, encode, &tb, B, (int64_t)G * K, N, hg::BK));
+    if (!ok) return;
+    const int64_t ntn = (N + BN - 1) / BN;
+    const int64_t upper = ((a_rows + hg::BM - 1) / hg::BM + G) * ntn; /* >= the tile count, whatever the m_g */
+    int64_t grid = upper < st->sms ? upper : st->sms;
+    if (opt && opt->max_ctas > 0 && grid > opt->max_ctas) grid = opt->max_ctas;
+    hg::watchdog* wd = opt ? opt->wd : NULL;
+    const unsigned long long timeout = opt && opt->timeout_ns ? opt->timeout_ns : 20000000000ull;
+    if (b_layout == hg::B_NK) {
+        if (v == 0) hg_launch<0, hg::B_NK>(ex, ta, tb, C, counts, G, N, K, (int)a_rows, (int)grid, wd, timeout);
+        else hg_launch<1, hg::B_NK>(ex, ta, tb, C, counts, G, N, K, (int)a_rows, (int)grid, wd, timeout);
+    } else {
+        if (v == 0) hg_launch<0, hg::B_KN>(ex, ta, tb, C, counts, G, N, K, (int)a_rows, (int)grid, wd, timeout);
+        else hg_launch<1, hg::B_KN>(ex, ta, tb, C, counts, G, N, K, (int)a_rows, (int)grid, wd, timeout);
+    }
+}
 
 /* ============================================================================================== */
 /* 14. Mixture of experts: routing, permutation, the experts' activation                          */
@@ -7986,6 +8616,8 @@ typedef enum {
     MOE_PATH_GROUPED,     /* one cuBLAS grouped call (gemm_grouped) */
     MOE_PATH_LOOP,        /* one cuBLAS GEMM per expert on the compute stream (gemm_uncached) */
     MOE_PATH_STREAMS,     /* the loop's GEMMs spread over side streams, forked from and joined to the compute stream */
+    MOE_PATH_HOPPER,      /* MT_MOE_GEMM=hopper: section 13.1's grouped GEMM for every forward and input-gradient
+                             GEMM (the weight gradients, which it does not compute, by the default rule) */
 } moe_gemm_path;
 #define MOE_SIDE_STREAMS MT_MOE_GEMM_STREAMS
 typedef struct {
@@ -7998,7 +8630,11 @@ typedef struct {
     cudaEvent_t fork;         /* recorded on the compute stream before a call's GEMMs; the side streams wait on it */
     cudaEvent_t joined[MOE_SIDE_STREAMS]; /* recorded on each side stream after them; the compute stream waits */
     const void** staging;     /* pinned [MOE_GEMM_SLOTS, 3, E]: the grouped calls' matrix pointers ... */
-    const void** table;       /* device [MOE_GEMM_SLOTS, 3, E]: ... where cuBLAS reads them */
+    const void** table;       /* device [MOE_GEMM_SLOTS, 3, E]: ... where cuBLAS reads them (the Hopper kernel: a
+                                 slot's rows per expert, int32, staged the same way) */
+    int hopper;               /* the bf16 forward and input-gradient GEMMs through hopper_grouped_gemm (13.1): 1
+                                 where it runs and they are small (moe_experts_hopper), 2 always (MT_MOE_GEMM=hopper),
+                                 0 never (no sm_90a, not bf16, or MT_MOE_GEMM names a cuBLAS path); set at creation */
 } mt_moe_gemm;
 
 /* Section 17, mixture of experts: what the routers carry between micro-batches and steps (Megatron's
@@ -8991,16 +9627,17 @@ static_assert(MOE_GEMM_SLOTS * 3 == (int)MT_MOE_GEMM_POINTERS(1), "the plan coun
 /* MT_MOE_GEMM's value: unset or empty, the rule (MOE_PATH_DEFAULT); grouped, loop or streams, that path for every
  * call; anything else refused in one line (MT_ERR_ARG). */
 static mt_status moe_gemm_path_parse(const char* value, int* path, mt_error* err) {
-    static const char* const names[] = {"grouped", "loop", "streams"};
-    static_assert(MOE_PATH_GROUPED == 1 && MOE_PATH_LOOP == 2 && MOE_PATH_STREAMS == 3, "names[] in path order");
+    static const char* const names[] = {"grouped", "loop", "streams", "hopper"};
+    static_assert(MOE_PATH_GROUPED == 1 && MOE_PATH_LOOP == 2 && MOE_PATH_STREAMS == 3 && MOE_PATH_HOPPER == 4,
+                  "names[] in path order");
     *path = MOE_PATH_DEFAULT;
     if (!value || !*value) return MT_OK;
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 4; i++)
         if (!strcmp(value, names[i])) {
             *path = MOE_PATH_GROUPED + i;
             return MT_OK;
         }
-    return mt_fail(err, MT_ERR_ARG, "MT_MOE_GEMM=%.64s: expected grouped, loop or streams (unset: the default rule)",
+    return mt_fail(err, MT_ERR_ARG, "MT_MOE_GEMM=%.64s: expected grouped, loop, streams or hopper (unset: the default rule)",
                    value);
 }
 
@@ -9009,7 +9646,7 @@ static mt_status moe_gemm_path_parse(const char* value, int* path, mt_error* err
  * streams. Grouped without the types runs the loop; streams without side streams (side_streams 0) or with one
  * GEMM runs the loop (one GEMM gains nothing from a fork). */
 static int moe_gemm_choose(int forced, bool grouped_types, double flop, int with_rows, int side_streams) {
-    int path = forced;
+    int path = forced == MOE_PATH_HOPPER ? MOE_PATH_DEFAULT : forced; /* what the Hopper kernel leaves: the rule */
     if (path == MOE_PATH_DEFAULT)
         path = !grouped_types ? MOE_PATH_STREAMS
                : flop < MOE_GROUPED_MAX_FLOP * with_rows ? MOE_PATH_GROUPED : MOE_PATH_LOOP;
@@ -9122,11 +9759,38 @@ static void moe_experts_gemm(mt_moe_gemm* m, const mt_exec* ex, int slot, const 
     free(dims), free(ab), free(cs);
 }
 
+/* An experts' GEMM on Hopper (section 13.1): C_e [n_e, N] = A_e [n_e, K] times W_e ([N, K] with hg::B_NK, the
+ * forward; [K, N] with hg::B_KN, the input gradient), where moe_state_create chose it, the shapes fit and (unless
+ * MT_MOE_GEMM=hopper) cuBLAS would take its grouped kernel: the experts' GEMMs are small (moe_experts_gemm's
+ * MOE_GROUPED_MAX_FLOP on average; H200, the lab: ours ~500-580 TFLOP/s at Qwen3's experts against cuBLAS
+ * grouped ~280, while large ones one by one through cuBLAS reach ~800-880, ahead of ours at Mixtral's fc2);
+ * false: not taken. The kernel reads the rows per expert on the device: they go there through this slot's part
+ * of the grouped GEMM's pointer staging and table (pinned, then device; unused by this call otherwise, and
+ * reused under the same rule as there). */
+template <typename T>
+static bool moe_experts_hopper(mt_moe_gemm* m, const mt_exec* ex, int slot, T* C, const T* A, const T* W, int w_layout,
+                               const int32_t* counts, int E, int N, int K) {
+    if (!std::is_same<T, __nv_bfloat16>::value || !m->hopper || !hopper_gemm_fits(A, W, C, E, N, K, counts[2 * E]))
+        return false;
+    int with_rows = 0;
+    for (int e = 0; e < E; e++) with_rows += counts[e] > 0;
+    if (m->hopper == 1 && 2.0 * counts[2 * E] * N * (double)K > MOE_GROUPED_MAX_FLOP * with_rows) return false;
+    const size_t at = (size_t)slot * 3 * (size_t)E;
+    int32_t* staged = (int32_t*)(m->staging + at);
+    int32_t* device = (int32_t*)(m->table + at);
+    memcpy(staged, counts, sizeof(int32_t) * (size_t)E);
+    if (CUDA_CHECK(ex->error, cudaMemcpyAsync(device, staged, sizeof(int32_t) * (size_t)E, cudaMemcpyHostToDevice, ex->stream)))
+        hopper_grouped_gemm(ex, (__nv_bfloat16*)C, (const __nv_bfloat16*)A, counts[2 * E], (const __nv_bfloat16*)W, w_layout,
+                            device, E, N, K);
+    return true;
+}
+
 /* The experts' linear on their permuted rows: y_e [n_e, out] = x_e [n_e, in] W_e^T for each expert e with rows
- * (W [E, out, in]); counts: the host's rows per expert then offsets. */
+ * (W [E, out, in]); counts: the host's rows per expert then offsets (counts[2E]: the total). */
 template <typename T>
 static void moe_experts_forward(mt_moe_gemm* m, const mt_exec* ex, int slot, T* y, const T* x, const T* W,
                                 const int32_t* counts, int E, int in, int out) {
+    if (moe_experts_hopper<T>(m, ex, slot, y, x, W, hg::B_NK, counts, E, out, in)) return;
     const moe_gemm_shape g = {false, true, -1, out, in, in, 0, 0, (int64_t)out * in, out, 0, in, in, out};
     moe_experts_gemm<T, T>(m, ex, slot, g, x, W, y, 0.0f, counts, E);
 }
@@ -9141,7 +9805,8 @@ static void moe_experts_backward(mt_moe_gemm* m, const mt_exec* ex, int slot, T*
             CUDA_CHECK(ex->error, cudaMemsetAsync(dW + (int64_t)e * out * in, 0, sizeof(float) * (size_t)out * in,
                                                   ex->stream));
     const moe_gemm_shape gx = {false, false, -1, in, out, out, 0, 0, (int64_t)out * in, in, 0, out, in, in};
-    moe_experts_gemm<T, T>(m, ex, slot, gx, dy, W, dx, 0.0f, counts, E);
+    if (!moe_experts_hopper<T>(m, ex, slot, dx, dy, W, hg::B_KN, counts, E, in, out))
+        moe_experts_gemm<T, T>(m, ex, slot, gx, dy, W, dx, 0.0f, counts, E);
     const moe_gemm_shape gw = {true, false, out, in, -1, out, 0, in, 0, 0, (int64_t)out * in, out, in, in};
     moe_experts_gemm<T, float>(m, ex, slot + 1, gw, dy, x, dW, beta, counts, E);
 }
@@ -9530,6 +10195,17 @@ static void moe_state_create(mt_trainer* t) {
     for (int i = 0; i < MOE_SIDE_STREAMS; i++) /* MT_MOE_STATE_BYTES' side-stream workspaces */
         m->gemm.workspace[i] = device_alloc(t, MT_CUBLAS_WORKSPACE_BYTES, counter);
     if (t->error.status == MT_OK) moe_gemm_create(&m->gemm, &t->error, forced);
+    /* bf16 experts on Hopper: section 13.1's grouped GEMM for the forward and input-gradient GEMMs where cuBLAS
+     * would take its grouped kernel (the default rule), for every size with MT_MOE_GEMM=hopper (an error where it
+     * cannot run); never where MT_MOE_GEMM names a cuBLAS path */
+    const bool hopper_forced = forced == MOE_PATH_HOPPER;
+    m->gemm.hopper = (forced == MOE_PATH_DEFAULT || hopper_forced) && c->precision == MT_BF16 &&
+                             hopper_gemm_available(&t->gemm.hopper)
+                         ? 1 + hopper_forced
+                         : 0;
+    if (hopper_forced && !m->gemm.hopper)
+        mt_gpu_fail(&t->error, MT_ERR_ARG, "MT_MOE_GEMM=hopper: the Hopper grouped GEMM needs --bf16, a compute capability "
+                                           "9.x GPU and a build for it (GPU_ARCH=90 builds sm_90a)");
     CUDA_CHECK(&t->error, cudaMallocHost((void**)&m->host_counts, sizeof(int32_t) * (2 * E + 1)));
     m->last_log = (float*)calloc(L * 4, sizeof(float));
     m->last_tokens = (int32_t*)calloc(L * E, sizeof(int32_t));

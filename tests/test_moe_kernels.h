@@ -15,7 +15,11 @@
  * the router's biases (issue #34), the shared expert's gate and the router's casts in fp32, bf16 and fp16,
  * at shapes reaching each launcher's variants (kt_cover).
  * The helpers (kt_*) are tests/test_kernels.h's: outputs poisoned with NaN before each run, inputs
- * never zero, per-element and norm-wise bounds. Run: ./test_megatron moe_kernels
+ * never zero, per-element and norm-wise bounds.
+ * Section 13.1, the Hopper grouped GEMM (the experts' forward and input gradient): its tile schedule and its refusals on the
+ * host; on an sm_90a build and GPU, Qwen3- and Mixtral-like grouped shapes (uneven counts, zeros, single
+ * rows, spare rows) and edges against a float64 reference, nothing written past the groups' rows, two runs
+ * bitwise equal. Run: ./test_megatron moe_kernels
  */
 #ifndef MT_TEST_MOE_KERNELS_H
 #define MT_TEST_MOE_KERNELS_H
@@ -1390,17 +1394,17 @@ static test_result test_moe_gemm_path_rule(void) {
     int path = -1;
     const struct { const char* value; int path; } good[] = {{NULL, MOE_PATH_DEFAULT},     {"", MOE_PATH_DEFAULT},
                                                             {"grouped", MOE_PATH_GROUPED}, {"loop", MOE_PATH_LOOP},
-                                                            {"streams", MOE_PATH_STREAMS}};
+                                                            {"streams", MOE_PATH_STREAMS}, {"hopper", MOE_PATH_HOPPER}};
     for (const auto& g : good) {
         EXPECT_OK(moe_gemm_path_parse(g.value, &path, &err), &err);
         EXPECT(path == g.path, "MT_MOE_GEMM=%s: path %d, expected %d", g.value ? g.value : "(unset)", path, g.path);
     }
-    const char* bad[] = {"Loop", "stream", "grouped ", "1", "auto", "loops", "streams=4"};
+    const char* bad[] = {"Loop", "stream", "grouped ", "1", "auto", "loops", "streams=4", "cublas", "Hopper"};
     for (const char* b : bad) {
         err.message[0] = 0;
         path = -1;
         EXPECT(moe_gemm_path_parse(b, &path, &err) == MT_ERR_ARG, "MT_MOE_GEMM=%s accepted", b);
-        EXPECT(strstr(err.message, "MT_MOE_GEMM=") && strstr(err.message, "grouped, loop or streams") &&
+        EXPECT(strstr(err.message, "MT_MOE_GEMM=") && strstr(err.message, "grouped, loop, streams or hopper") &&
                    !strchr(err.message, '\n'),
                "MT_MOE_GEMM=%s: message '%s'", b, err.message);
         EXPECT(path == MOE_PATH_DEFAULT, "MT_MOE_GEMM=%s: path left at %d", b, path);
@@ -1416,6 +1420,9 @@ static test_result test_moe_gemm_path_rule(void) {
         {"no side streams", MOE_PATH_DEFAULT, false, small, 128, 0, MOE_PATH_LOOP},
         {"forced grouped without the types", MOE_PATH_GROUPED, false, small, 128, 4, MOE_PATH_LOOP},
         {"forced grouped, big", MOE_PATH_GROUPED, true, big, 8, 4, MOE_PATH_GROUPED},
+        {"forced hopper: what it leaves (weight gradients) by the rule", MOE_PATH_HOPPER, false, small, 128, 4,
+         MOE_PATH_STREAMS},
+        {"forced hopper: what it leaves (big, the types) by the rule", MOE_PATH_HOPPER, true, big, 8, 4, MOE_PATH_LOOP},
         {"forced loop", MOE_PATH_LOOP, true, small, 128, 4, MOE_PATH_LOOP},
         {"forced streams, small", MOE_PATH_STREAMS, true, small, 128, 4, MOE_PATH_STREAMS},
         {"forced streams, one GEMM", MOE_PATH_STREAMS, true, small, 1, 4, MOE_PATH_LOOP},
@@ -1703,11 +1710,183 @@ static test_result test_moe_experts_gemm_paths(void) {
     return ok ? TEST_PASS : TEST_FAIL;
 }
 
+/* ============================================================================================== */
+/* Section 13.1: the Hopper grouped GEMM (the experts' forward on sm_90a)                           */
+/* ============================================================================================== */
+
+/* Its schedule on the host (hg::decode_tile over the prefix sums the kernel builds): every (output row,
+ * column tile) covered exactly once, no tile outside its group, at uneven counts with zeros and single
+ * rows, both tile widths. */
+static test_result test_moe_hopper_schedule(void) {
+    struct shape { std::vector<int> m; int N, bn; };
+    std::vector<int> uneven(128);
+    for (int g = 0; g < 128; g++) uneven[g] = g % 7 == 3 ? 0 : g % 11 == 5 ? 1 : (g * 37) % 300; /* 0, 1, up to 299 */
+    const shape shapes[] = {{{128}, 256, 256},    {{1000}, 1000, 256},   {{0, 1, 300, 129}, 512, 128},
+                            {{0, 0, 0}, 256, 256}, {uneven, 1536, 256}, {uneven, 384, 128},
+                            {std::vector<int>(8, 1024), 28672, 256},   {{5, 0, 4000, 1, 0, 127, 128, 129}, 2048, 256}};
+    for (const shape& s : shapes) {
+        const int G = (int)s.m.size(), ntn = (s.N + s.bn - 1) / s.bn;
+        std::vector<int> ts((size_t)G + 1, 0), rs((size_t)G + 1, 0);
+        for (int g = 0; g < G; g++) {
+            rs[g + 1] = rs[g] + s.m[g];
+            ts[g + 1] = ts[g] + (s.m[g] + hg::BM - 1) / hg::BM * ntn;
+        }
+        const int rows = rs[G];
+        std::vector<int> cover((size_t)rows * ntn, 0);
+        for (int t = 0; t < ts[G]; t++) {
+            const hg::tile_coord c = hg::decode_tile(t, ts.data(), rs.data(), G, ntn, s.bn);
+            EXPECT(c.g >= 0 && c.g < G && c.m0 >= rs[c.g] && c.m0 < rs[c.g + 1] && c.m_end == rs[c.g + 1] &&
+                       (c.m0 - rs[c.g]) % hg::BM == 0 && c.n0 % s.bn == 0 && c.n0 < s.N,
+                   "G %d N %d BN %d: tile %d decodes to group %d rows %d.. column %d, outside its group", G, s.N, s.bn, t,
+                   c.g, c.m0, c.n0);
+            for (int r = c.m0; r < std::min(c.m0 + hg::BM, c.m_end); r++) cover[(size_t)r * ntn + c.n0 / s.bn]++;
+        }
+        for (size_t i = 0; i < cover.size(); i++)
+            EXPECT(cover[i] == 1, "G %d N %d BN %d: row %zu column tile %zu covered %d times", G, s.N, s.bn, i / ntn,
+                   i % ntn, cover[i]);
+    }
+    return TEST_PASS;
+}
+
+/* What it takes (hopper_gemm_fits) and that its launcher refuses the rest in one line, queuing nothing (no
+ * pointer is touched: this runs without a GPU, where the refusal is that there is no sm_90a kernel). */
+static test_result test_moe_hopper_refusals(void) {
+    char* base = (char*)(uintptr_t)4096; /* never dereferenced */
+    EXPECT(hopper_gemm_fits(base, base, base, 128, 1536, 2048, 32768), "the Qwen3 shape");
+    EXPECT(hopper_gemm_fits(base, base, base, 1, 8, 8, 0), "the smallest shape, no rows");
+    EXPECT(!hopper_gemm_fits(base, base, base, 8, 1540 + 2, 2048, 100), "N %% 8 != 0");
+    EXPECT(!hopper_gemm_fits(base, base, base, 8, 1536, 2044, 100), "K %% 8 != 0");
+    EXPECT(!hopper_gemm_fits(base, base, base, 0, 1536, 2048, 100), "G = 0");
+    EXPECT(!hopper_gemm_fits(base, base, base, hg::MAX_GROUPS + 1, 8, 8, 100), "G > MAX_GROUPS");
+    EXPECT(!hopper_gemm_fits(base + 2, base, base, 8, 64, 64, 100), "A misaligned");
+    EXPECT(!hopper_gemm_fits(base, base + 8, base, 8, 64, 64, 100), "B misaligned");
+    EXPECT(!hopper_gemm_fits(base, base, base + 4, 8, 64, 64, 100), "C misaligned");
+    EXPECT(!hopper_gemm_fits(base, base, base, 1024, 1 << 21, 64, 100), "G N >= 2^31");
+    mt_gpu_error err;
+    memset(&err, 0, sizeof(err));
+    mt_exec ex;
+    memset(&ex, 0, sizeof(ex));
+    ex.error = &err;
+    hopper_grouped_gemm(&ex, (__nv_bfloat16*)base, (const __nv_bfloat16*)base, 100, (const __nv_bfloat16*)base, hg::B_NK,
+                        (const int32_t*)base, 8, 60, 64);
+    EXPECT(err.status == MT_ERR_ARG, "N 60: recorded status %d", (int)err.status);
+    EXPECT(strncmp(err.error.message, "hopper_grouped_gemm: ", 21) == 0 && !strchr(err.error.message, '\n'),
+           "message \"%s\"", err.error.message);
+    printf("    %s\n", err.error.message);
+    return TEST_PASS;
+}
+
+/* One grouped GEMM of the launcher against a float64 host reference: C_g = A_g B_g^T (layout hg::B_NK, B [G, N, K])
+ * or A_g B_g (hg::B_KN, B [G, K, N]) for G groups of the given counts, A holding `spare` rows more than the counts' sum (random: the kernel reads them for partial tiles
+ * but must not let them into stored rows) and C poisoned (NaN), so rows past the sum must stay NaN and every
+ * row below it must be written. Then a second run into a freshly poisoned C must be bitwise the first.
+ * Tolerance, per element: |got - ref| <= 2 u_bf16 |ref| + 4 K u_c sum_k |a_k b_k|. Why: the products of
+ * bf16 values are exact in fp32; the kernel adds its K of them in fp32 in its own order (the tensor core's
+ * order inside each 16-wide slice, then slice by slice), each addition off by at most u_c (2 u_c if the
+ * hardware truncates) of a partial sum <= sum |a_k b_k|: at most 2 K u_c sum |a b| in all, doubled; then one
+ * rounding to bf16 (u_bf16 of the value, doubled). Norm-wise: the norm of those bounds. A lost or repeated
+ * 16-wide k slice, a row or column out of place or a stale stage moves elements by ~|a b| sqrt(16) or more:
+ * orders of magnitude above both at these K (sum |a b| ~ K / 4 with inputs in [0.05, 1)). */
+static int mh_case(kt_ctx* k, kt_cover* cov, const char* name, int layout, const std::vector<int>& m, int N, int K,
+                   int spare, int index) {
+    typedef __nv_bfloat16 T;
+    const int G = (int)m.size();
+    int64_t rows = 0;
+    for (int x : m) rows += x;
+    const int64_t a_rows = rows + spare;
+    const int variant = N % 256 != 0 && N % 256 <= 128 ? 1 : 0; /* ADAPT: hopper_grouped_gemm's choice */
+    kt_cover_hit(cov, layout == hg::B_KN ? (variant ? "128x128 B [K, N]" : "128x256 B [K, N]") : (variant ? "128x128" : "128x256"));
+    kt_report rep;
+    kt_report_begin(&rep, "hopper_grouped_gemm %s: G %d rows %lld (+%d spare) N %d K %d, B %s, tiles 128x%d", name, G,
+                    (long long)rows, spare, N, K, layout == hg::B_KN ? "[K, N]" : "[N, K]", variant ? 128 : 256);
+    kt_rng rng = {kt_seed(71 + layout, G, N, K + index)};
+    kt_host<T> A, B;
+    A.fill(a_rows * K, &rng, 0.05, 1.0);
+    B.fill((int64_t)G * N * K, &rng, 0.05, 1.0);
+    T* d_A = kt_alloc<T>(k, a_rows * K);
+    T* d_B = kt_alloc<T>(k, (int64_t)G * N * K);
+    T* d_C = kt_alloc<T>(k, a_rows * N);
+    T* d_C2 = kt_alloc<T>(k, a_rows * N);
+    int32_t* d_m = kt_alloc<int32_t>(k, G);
+    KT_ALLOCATED(k);
+    KT_CUDA(kt_put(k, d_A, A.h));
+    KT_CUDA(kt_put(k, d_B, B.h));
+    KT_CUDA(kt_put(k, d_m, m));
+    KT_CUDA(kt_poison(k, d_C, a_rows * N));
+    KT_CUDA(kt_poison(k, d_C2, a_rows * N));
+    hopper_grouped_gemm(kt_exec(k, 0), d_C, d_A, a_rows, d_B, layout, d_m, G, N, K);
+    hopper_grouped_gemm(kt_exec(k, 0), d_C2, d_A, a_rows, d_B, layout, d_m, G, N, K);
+    if (!kt_sync(k, rep.label)) return 0;
+    std::vector<T> C, C2;
+    KT_CUDA(kt_get(k, C, d_C, a_rows * N));
+    KT_CUDA(kt_get(k, C2, d_C2, a_rows * N));
+    kt_check c;
+    kt_check_begin(&c, "C", N, 2 * kt_fmt<T>::u, -1.0, 0.0);
+    int64_t row = 0;
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < m[g]; i++, row++)
+            for (int n = 0; n < N; n++) {
+                const double* a = &A.v[(size_t)row * K];
+                const double* b = layout == hg::B_KN ? &B.v[(size_t)g * K * N + n] : &B.v[((size_t)g * N + n) * K];
+                const size_t step = layout == hg::B_KN ? (size_t)N : 1; /* B_g[n][x] or B_g[x][n] */
+                double s = 0.0, mag = 0.0;
+                for (int x = 0; x < K; x++) s += a[x] * b[x * step], mag += fabs(a[x] * b[x * step]);
+                kt_check_add(&c, row * N + n, kt_to<T>(C[(size_t)row * N + n]), s, 4.0 * K * KT_UC * mag);
+            }
+    kt_check_end(&c, &rep);
+    int64_t written_past = 0, differ = 0;
+    for (int64_t i = rows * N; i < a_rows * N; i++) written_past += kt_to<T>(C[(size_t)i]) == kt_to<T>(C[(size_t)i]);
+    if (memcmp(C.data(), C2.data(), sizeof(T) * (size_t)(rows * N)) != 0)
+        for (int64_t i = 0; i < rows * N; i++) differ += memcmp(&C[(size_t)i], &C2[(size_t)i], sizeof(T)) != 0;
+    if (written_past) printf("    FAIL %s: %lld elements written past the groups' last row\n", rep.label, (long long)written_past);
+    if (differ) printf("    FAIL %s: %lld elements differ between two runs\n", rep.label, (long long)differ);
+    rep.ok &= written_past == 0 && differ == 0;
+    kt_release(k);
+    return kt_report_end(&rep);
+}
+
+/* Qwen3-like (128 experts, uneven counts with zeros and single rows, narrow N and K) and Mixtral-like (8
+ * experts, uneven, wider) shapes, edges (N and K not multiples of the tile, K not of 64), both tile widths, both
+ * B layouts (the forward's W [N, K] and the input gradient's W [K, N]). */
+static test_result test_moe_hopper_grouped_gemm(void) {
+    REQUIRE_GPU();
+    mt_hopper_gemm_state probe = {0, 0, NULL};
+    if (!hopper_gemm_available(&probe)) {
+        int dev = 0, major = 0;
+        cudaGetDevice(&dev);
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+        cudaGetLastError();
+        if (major == 9) SKIP_OR_FAIL_STRICT("a Hopper GPU, but no sm_90a kernel in this build (GPU_ARCH=90 builds it)");
+        SKIP("the Hopper grouped GEMM needs a compute capability 9.x GPU");
+    }
+    kt_ctx k;
+    if (!kt_ctx_init(&k)) return TEST_FAIL;
+    static const char* variants[] = {"128x256", "128x128", "128x256 B [K, N]", "128x128 B [K, N]"};
+    kt_cover cov;
+    kt_cover_init(&cov, variants, 4);
+    std::vector<int> qwen(128);
+    for (int g = 0; g < 128; g++) qwen[g] = g % 7 == 3 ? 0 : g % 13 == 5 ? 1 : 1 + (g * 53) % 61; /* 0, 1, up to 61 */
+    const std::vector<int> mixtral = {300, 17, 0, 513, 128, 1, 255, 86};
+    int ok = 1;
+    for (int layout = hg::B_NK; layout <= hg::B_KN; layout++) {
+        ok &= mh_case(&k, &cov, "qwen3-like", layout, qwen, 384, 256, 0, 0);
+        ok &= mh_case(&k, &cov, "qwen3-like, spare rows", layout, qwen, 768, 128, 77, 1);
+        ok &= mh_case(&k, &cov, "mixtral-like", layout, mixtral, 1024, 512, 0, 2);
+        ok &= mh_case(&k, &cov, "edges", layout, {0, 129, 1, 64}, 264, 200, 5, 3);
+        ok &= mh_case(&k, &cov, "one group, one row", layout, {1}, 8, 8, 0, 4);
+    }
+    ok &= kt_cover_check(&cov, "hopper_grouped_gemm", "bf16");
+    kt_ctx_free(&k);
+    return ok ? TEST_PASS : TEST_FAIL;
+}
+
 static const test_case moe_kernels_host_tests[] = {
     {"moe_token_order", test_moe_token_order},
     {"moe_work_and_capacity_rules", test_moe_work_and_capacity_rules},
     {"moe_routing_refusals", test_moe_routing_refusals},
     {"moe_gemm_path_rule", test_moe_gemm_path_rule},
+    {"moe_hopper_schedule", test_moe_hopper_schedule},
+    {"moe_hopper_refusals", test_moe_hopper_refusals},
 };
 
 static const test_case moe_kernels_gpu_tests[] = {
@@ -1718,6 +1897,7 @@ static const test_case moe_kernels_gpu_tests[] = {
     {"moe_shared_gate", test_moe_shared_gate},
     {"moe_casts", test_moe_casts},
     {"moe_experts_gemm_paths", test_moe_experts_gemm_paths},
+    {"moe_hopper_grouped_gemm", test_moe_hopper_grouped_gemm},
 };
 
 #endif

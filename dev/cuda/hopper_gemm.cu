@@ -1,113 +1,48 @@
 /*
- * dev/cuda/hopper_gemm.cu — a Hopper-native (sm_90a) bf16 GEMM: TMA + mbarrier pipeline + wgmma,
- * warp-specialised, persistent; dense and grouped (MoE experts) in one kernel.
+ * dev/cuda/hopper_gemm.cu — the lab of megatron.cu section 13.1, the Hopper (sm_90a) grouped bf16 GEMM:
+ * TMA + mbarrier pipeline + wgmma, warp-specialised, persistent; dense (G = 1) and grouped (the MoE
+ * experts' forward, issue #34) in one kernel; B as [N, K] (C = A B^T, the forward) or [K, N] (C = A B,
+ * the input gradient dx = dy W: stage 8 of the checks and the "dgrad" rows of the benchmark).
  *
- * The building block for the MoE grouped GEMM (issue #34: cuBLAS's grouped GEMM reaches ~320 TFLOP/s
- * on an H200 where a dense GEMM reaches ~880) and later a FlashAttention-3 style attention. Standalone:
- * its own main(), no megatron.h. Written from the PTX ISA (wgmma.mma_async, matrix descriptors,
+ * It includes megatron.cu whole and drives the library's launcher, hopper_grouped_gemm (with its
+ * hg::options: the variant, a CTA limit, the watchdog, a 4 s wait limit); the kernel, its design (the
+ * operation, tiles and schedule, roles, shared memory and descriptors, accumulators, watchdog) and the
+ * probe live there, once. This file keeps the staged checks against cuBLAS, the watchdog's report, the
+ * benchmark against cuBLAS (dense, and grouped through cublasGemmGroupedBatchedEx) and a host
+ * self-test of the tile schedule. Written from the PTX ISA (wgmma.mma_async, matrix descriptors,
  * cp.async.bulk.tensor, mbarrier, setmaxnreg) and the CUDA driver API docs (cuTensorMapEncodeTiled).
  *
- * Build (sm_90a is required: wgmma and setmaxnreg exist only in the "a" target):
- *   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o hopper_gemm dev/cuda/hopper_gemm.cu -lcublas
+ * Build (sm_90a is required: wgmma and setmaxnreg exist only in the "a" target; GPU_ARCH=90 in the
+ * Makefile builds the same), from the repository root:
+ *   nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o hopper_gemm dev/cuda/hopper_gemm.cu -lcublas -lcublasLt -lnccl
  *   ./hopper_gemm --check     staged correctness checks only (each stage says what a failure points at)
  *   ./hopper_gemm             checks, then the benchmark (exits 1 if any check fails; no benchmark then)
  *   ./hopper_gemm --bench     benchmark only (every benchmarked result is still checked against cuBLAS)
  *   ./hopper_gemm --host-selftest   the tile schedule's coverage test on the CPU (no GPU needed)
+ *   --variant N               only the library's variant N
  * No -lcuda: cuTensorMapEncodeTiled comes through cudaGetDriverEntryPointByVersion.
  *
- * ---- The operation -------------------------------------------------------------------------------
- *   C[M, N] = A[M, K] B[N, K]^T, bf16 inputs, fp32 accumulation, bf16 output (round to nearest).
- *   All row-major with K contiguous for A and B ("TN", both operands K-major), N contiguous for C.
- *   Grouped: G groups with rows m_g >= 0 (uneven, zeros allowed) sharing N and K:
- *     A  [sum m_g, K]   the groups' rows concatenated (group g's rows start at row_start[g])
- *     B  [G, N, K]      one weight matrix per group
- *     C  [sum m_g, N]   concatenated like A
- *   Dense is the grouped case with G = 1. The counts m_g live on the device (the router writes them),
- *   so the launch needs no host synchronisation: every CTA builds the schedule from them itself.
- *   Limits: N % 8 == 0 and K % 8 == 0 (TMA needs 16-byte row strides; C is written in bf16 pairs),
- *   G <= MAX_GROUPS, 16-byte aligned base pointers.
- *
- * ---- Tiles and the schedule ----------------------------------------------------------------------
- *   CTA tile BM x BN x BK = 128 x BN x 64, BN = 256 (4 stages) or 128 (6 stages). A tile never
- *   straddles groups: group g has ceil(m_g / 128) row tiles times ceil(N / BN) column tiles, and
- *   tile_start[g] = the prefix sum of those counts. Linear tile t belongs to the group found by a
- *   binary search of tile_start; inside a group the tiles run in bands of BAND = 8 row tiles, column
- *   by column inside a band, so the CTAs working at one time share a few A row blocks and B column
- *   blocks in L2. Persistent CTAs (one per SM) take tiles t = blockIdx.x, + gridDim.x, ...
- *
- *   Rows past a group's end: ONE 2-D tensor map over all of A ([a_rows, K], a_rows = the capacity of
- *   the A buffer, >= sum m_g) and ONE over B viewed as [G * N, K]. A row tile of group g that runs
- *   past the group's last row loads the next group's first rows (or zeros past a_rows, TMA's
- *   out-of-bounds fill); those rows only feed output rows that the epilogue does not store (it masks
- *   rows >= row_start[g + 1] and columns >= N). Each output row depends only on its own A row, so the
- *   extra rows cannot leak into stored results. Likewise a column tile past N reads the next group's
- *   B rows (or zeros), and K past the end reads zeros on both sides (adding 0). No per-group tensor
- *   maps, no host-side tensor-map rewrite per step.
- *
- * ---- Roles (384 threads = 3 warpgroups, __launch_bounds__(384, 1)) --------------------------------
- *   warpgroup 0  producer: setmaxnreg.dec to 40 registers; one thread waits for a free stage (the
- *                "empty" mbarrier), arms the stage's "full" mbarrier with the stage's byte count
- *                (mbarrier.arrive.expect_tx) and issues two TMA loads (cp.async.bulk.tensor.2d) into it.
- *   warpgroups 1, 2  consumers: setmaxnreg.inc to 232 (40 + 2 * 232 = 3 * 168, the register file);
- *                consumer c computes rows 64c..64c+63 of the tile: per k-block it waits on "full",
- *                issues BK/16 = 4 wgmma.mma_async.m64nBNk16 (A and B from shared memory through
- *                descriptors), commits, waits until at most one group is in flight (wgmma.wait_group
- *                1) and then releases the PREVIOUS stage (each warp's lane 0 arrives on "empty",
- *                count 8 = both consumers' warps). After the last k-block: wait_group 0, release,
- *                and the epilogue converts the fp32 accumulators to bf16 and stores them straight
- *                from registers (masked). The producer meanwhile already loads the next tile's
- *                stages, so loads overlap the epilogue.
- *   Phases: stage s is used for the (i*STAGES + s)-th k-block of this CTA's sequence; its barriers'
- *   phase parity flips each time the stage index wraps. The producer's first wait on "empty" uses
- *   parity 1, which a fresh mbarrier reports as already complete.
- *   Ping-pong (PP = 1, BN = 128): the consumers do not share tiles; the CTA's j-th tile belongs to
- *   warpgroup j % 2, which computes all 128 rows with two m64n128 accumulators (128 registers) and
- *   releases its stages alone ("empty" count 4). The producer still loads the tiles in order, so the
- *   two warpgroups take turns on the tensor cores and one's epilogue overlaps the other's main loop.
- *
- * ---- Variants (all built, all checked, all benchmarked; --variant N picks one) ------------------------
- *   0 coop 128x256 4 stages, epilogue from registers     3 coop 128x128 5 stages, staged epilogue
- *   1 coop 128x128 6 stages, epilogue from registers     4 ping-pong 128x128 6 stages, from registers
- *   2 coop 128x256 3 stages, staged epilogue             5 ping-pong 128x128 4 stages, staged epilogue
- *   "staged": through a padded shared buffer, then 16-byte coalesced global stores (store_block64).
- *
- * ---- Shared memory layout and the descriptors ----------------------------------------------------
- *   TMA with CU_TENSOR_MAP_SWIZZLE_128B writes a box of 64 bf16 (128 bytes) x R rows as R rows of
- *   128 bytes in which the 16-byte chunk c of row r sits at chunk position c ^ (r % 8) (the XOR uses
- *   the address bits, so every tile starts on a 1024-byte boundary). wgmma reads the same layout
- *   through a matrix descriptor (PTX ISA "Matrix Descriptor Format"):
- *     bits  0-13  start address >> 4
- *     bits 16-29  leading-dimension byte offset >> 4  (unused for a swizzled K-major operand whose
- *                 K extent (16 elements = 32 bytes) lies inside one 128-byte row; set to 1)
- *     bits 32-45  stride-dimension byte offset >> 4   = 1024 >> 4 (from one 8-row group to the next)
- *     bits 49-51  base offset = 0 (tiles are 1024-byte aligned)
- *     bits 62-63  swizzle mode: 1 = 128-byte swizzle
- *   The k-th 16-wide slice of the 64-wide k-block starts 32 * k bytes into the row; the hardware
- *   applies the XOR to the final address, so the descriptor's start address just advances by 32 * k.
- *   Consumer c's A slice starts at row 64c (8 KiB into the stage, still 1024-aligned).
- *
- * ---- Accumulator layout (wgmma m64nNk16, fp32 D; PTX ISA "Register Fragments") --------------------
- *   thread = 32 * w + lane of the warpgroup; for j in 0..N/8-1:
- *     d[4j], d[4j+1]   -> row 16w + lane/4,     columns 8j + 2*(lane%4) + {0, 1}
- *     d[4j+2], d[4j+3] -> row 16w + lane/4 + 8, the same columns
+ * ---- Variants (the library's hg::variant<V>; the launcher picks 1 where N % 256 is in (0, 128], else 0) --
+ *   0 coop 128x256 3 stages, staged epilogue     1 coop 128x128 5 stages, staged epilogue
+ *   "staged": through a padded shared buffer, then 16-byte coalesced global stores. The lab's first
+ *   version also had register epilogues (128x256 4 stages, 128x128 6 stages: all checks passed, a few %
+ *   slower) and ping-pong consumers (128x128, each warpgroup its own tiles: one hung at stage 6 with
+ *   the consumer waiting for TMA bytes; not pursued): left out of the library.
  *
  * ---- Watchdogs -----------------------------------------------------------------------------------
- *   Every mbarrier wait is a bounded spin: after timeout_ns (4 s; a healthy wait lasts microseconds)
- *   the thread writes who/where it was (role, stage, parity, tile, k-block) into a Watchdog struct in
- *   mapped pinned host memory and executes trap, so a deadlock ends the kernel with an error instead
- *   of eating the GPU budget; the host prints the struct. The host also polls cudaStreamQuery with a
- *   time limit after every checked launch.
+ *   The library's bounded mbarrier waits report into an hg::watchdog in mapped pinned host memory here
+ *   (role, stage, parity, tile, k-block) before trapping; the host prints it with the error. The host
+ *   also polls cudaStreamQuery with a time limit after every checked launch.
  *
- * ---- Predictions (H200, written before any run; cuBLAS dense measured ~880 TFLOP/s) ----------------
- *   dense 4096^3 ~600, 8192^3 ~680 TFLOP/s (no cluster multicast, epilogue from registers);
- *   Qwen3-30B-A3B fc1 (128 x 256 rows, N 1536, K 2048) ~550 balanced, ~470 uneven (partial row tiles);
- *   Qwen3 fc2 (N 2048, K 768: 12 k-blocks per tile, epilogue-heavy) ~450;
- *   Mixtral fc1 (8 x 1024, N 28672, K 4096) ~650, fc2 (N 4096, K 14336) ~650.
- *   (best variant per case; the ping-pong variants expected best where K is small (Qwen3 fc2), the
- *   128x256 cooperative ones at large K; staged epilogues a few % ahead of register epilogues.)
+ * ---- Measured (H200, median of 25, TFLOP/s; the lab's own copy of the kernel before the move) -------
+ *   variant 0 (then "2"): dense 4096^3 779 (cuBLAS 795); Qwen3-30B-A3B fc1 (128 groups, K 2048, N 1536,
+ *   avg 256 rows) balanced 575 / uneven 549 vs cuBLAS grouped ~280; Qwen3 fc2 (K 768, N 2048) 540 / 506
+ *   vs ~265; Mixtral fc1 (8 groups, K 4096, N 28672) 793 / 667; fc2 543 / 714.
+ *   variant 1 (then "3"): Qwen3 fc1 579 / 538, fc2 520 / 477.
+ *   Predictions written before the first run: dense 4096^3 ~600, Qwen3 fc1 ~550 / ~470, fc2 ~450,
+ *   Mixtral ~650 (the staged 128x256 variant beat them everywhere but Mixtral fc2 balanced).
  */
 #include <cuda.h>          // CUtensorMap and its enums (types only; no -lcuda)
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled_v12000
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cublas_v2.h>
@@ -123,15 +58,12 @@
 
 typedef __nv_bfloat16 bf16;
 
+// ---- The library: megatron.cu whole (its section 13.1 holds the kernel, its launcher and the probe) ----
+#include "../../megatron.cu"
+
 // ---- Error checks: every CUDA / cuBLAS call goes through these; a failure prints one line, the
 // device watchdog's report if it fired, and exits 1. ------------------------------------------------
-struct Watchdog {           // in mapped pinned host memory; written by a device thread that timed out
-    volatile int fired;     // 1 once written
-    volatile int block, thread, role, stage, parity, tile, kb;  // role 0: producer waiting on "empty",
-                                                                 // 1: consumer waiting on "full"
-    volatile int clamped;   // the schedule clamped rows past a_rows (sum m_g > the A capacity)
-};
-static Watchdog* g_wd_host = nullptr;  // the lab's one piece of global state: read by the error path
+static hg::watchdog* g_wd_host = nullptr;  // the lab's one piece of global state: read by the error path
 
 static void print_watchdog() {
     if (g_wd_host && g_wd_host->fired)
@@ -153,473 +85,41 @@ static void die_cublas(cublasStatus_t s, const char* what, int line) {
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) die_cuda(e_, #x, __LINE__); } while (0)
 #define CB(x) do { cublasStatus_t s_ = (x); if (s_ != CUBLAS_STATUS_SUCCESS) die_cublas(s_, #x, __LINE__); } while (0)
 
-namespace hg {
-constexpr int BM = 128;          // rows per CTA tile (two consumer warpgroups of 64)
-constexpr int BK = 64;           // k per stage: 64 bf16 = one 128-byte swizzle row
-constexpr int BAND = 8;          // row tiles per raster band
-constexpr int MAX_GROUPS = 1024; // schedule tables live in shared memory
-constexpr int THREADS = 384;
-
-// EPI 0: the epilogue stores bf16 pairs straight from the accumulator registers (4-byte stores, 8 rows
-//        x 16 bytes per warp instruction).
-// EPI 1: each consumer warpgroup first writes its 64 x BN bf16 block into its own padded shared buffer
-//        (row stride BN + 8 elements: conflict-free), then copies it out row by row with 16-byte loads
-//        and fully coalesced 16-byte global stores (a warp writes 512 contiguous bytes).
-template <int BN, int STAGES, int EPI>
-struct Cfg {
-    static constexpr int A_BYTES = BM * BK * 2;  // 16 KiB
-    static constexpr int B_BYTES = BN * BK * 2;  // 32 or 16 KiB
-    static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-    static constexpr int EPI_LD = BN + 8;                               // elements per staged row
-    static constexpr int EPI_BYTES = EPI ? BM * EPI_LD * 2 : 0;         // both warpgroups' buffers
-    static constexpr int SMEM = 1024 /* alignment slack */ + STAGES * STAGE_BYTES + EPI_BYTES + 2 * STAGES * 8 +
-                                2 * (MAX_GROUPS + 1) * 4;
-    static_assert(SMEM <= 227 * 1024, "shared memory");
-};
-
-// ---- The tile schedule (host and device) ---------------------------------------------------------
-struct TileCoord { int g, m0, m_end, n0; };  // group, first row (global), end of the group's rows, first column
-
-__host__ __device__ inline TileCoord decode_tile(int t, const int* tile_start, const int* row_start, int G, int ntn, int bn) {
-    int lo = 0, hi = G;  // tile_start[lo] <= t < tile_start[hi]; skips groups with no tiles
-    while (hi - lo > 1) {
-        int mid = (lo + hi) >> 1;
-        if (tile_start[mid] <= t) lo = mid; else hi = mid;
-    }
-    TileCoord c;
-    c.g = lo;
-    int local = t - tile_start[lo];
-    int rows = row_start[lo + 1] - row_start[lo];
-    int mt = (rows + BM - 1) / BM;
-    int band = local / (BAND * ntn);
-    int bh = mt - band * BAND;
-    if (bh > BAND) bh = BAND;
-    int in = local - band * BAND * ntn;
-    int nt = in / bh, mi = band * BAND + in % bh;
-    c.m0 = row_start[lo] + mi * BM;
-    c.m_end = row_start[lo + 1];
-    c.n0 = nt * bn;
-    return c;
-}
-}  // namespace hg
-
-// ---- PTX wrappers ----------------------------------------------------------------------------------
-namespace hg {
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-// arrive once and add `bytes` to the transaction count the current phase waits for
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-    uint32_t ok;
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    return ok != 0;
-}
-__device__ __forceinline__ unsigned long long globaltimer_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-// The watchdog: record where this thread was stuck, then trap (the kernel ends with an error).
-// Plain volatile stores (no atomics: atomics on host memory over PCIe are not guaranteed).
-__device__ __noinline__ void watchdog_fire(Watchdog* wd, int role, int stage, int parity, int tile, int kb) {
-    wd->block = blockIdx.x;
-    wd->thread = threadIdx.x;
-    wd->role = role;
-    wd->stage = stage;
-    wd->parity = parity;
-    wd->tile = tile;
-    wd->kb = kb;
-    __threadfence_system();
-    wd->fired = 1;
-    __threadfence_system();
-    __trap();
-}
-// wait until the phase with this parity has completed; bounded by timeout_ns
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, Watchdog* wd, unsigned long long timeout_ns,
-                                          int role, int stage, int tile, int kb) {
-    if (mbar_try_wait(bar, parity)) return;
-    const unsigned long long t0 = globaltimer_ns();
-    while (!mbar_try_wait(bar, parity))
-        if (globaltimer_ns() - t0 > timeout_ns) watchdog_fire(wd, role, stage, (int)parity, tile, kb);
-}
-// 2-D TMA load of one box into shared memory; completion is signalled on `bar` as transaction bytes.
-// c0 = the inner (K) coordinate in elements, c1 = the row.
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(dst),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
-        : "memory");
-}
-__device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-// keep the compiler from moving accumulator reads/writes across the asynchronous wgmma boundaries
-template <int R>
-__device__ __forceinline__ void reg_fence(float* r) {
-#pragma unroll
-    for (int i = 0; i < R; i++) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int R>
-__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R)); }
-template <int R>
-__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R)); }
-
-// descriptor of a K-major, 128-byte-swizzled operand starting at shared address `addr` (see the header)
-__device__ __forceinline__ uint64_t make_desc(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
-}
-
-// The two wgmma shapes (generated text: the accumulator operand lists are long).
-// D[64 x 256] (+)= A[64 x 16] B[256 x 16]^T, both operands K-major in shared memory (descriptors);
-// scale_d = 0 ignores D's old value. 128 fp32 accumulators per thread.
-__device__ __forceinline__ void wgmma_m64n256k16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "setp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-        :
-          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-// D[64 x 128] (+)= A[64 x 16] B[128 x 16]^T, both operands K-major in shared memory (descriptors);
-// scale_d = 0 ignores D's old value. 64 fp32 accumulators per thread.
-__device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        :
-          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-template <int BN>
-__device__ __forceinline__ void wgmma_bn(float* d, uint64_t da, uint64_t db, int scale_d) {
-    if constexpr (BN == 256) wgmma_m64n256k16(d, da, db, scale_d);
-    else wgmma_m64n128k16(d, da, db, scale_d);
-}
-
-// ---- The schedule tables, built by one warp of every CTA from the device-side counts m_g ----------
-// row_start[g] = sum of m_h for h < g (clamped to a_rows), tile_start[g] = sum of the tile counts.
-__device__ void build_schedule(const int* __restrict__ m_g, int G, int ntn, int a_rows, int* tile_start, int* row_start,
-                               Watchdog* wd) {
-    const int lane = threadIdx.x & 31;
-    long long rows_carry = 0;
-    int tiles_carry = 0;
-    if (lane == 0) row_start[0] = 0, tile_start[0] = 0;
-    for (int base = 0; base < G; base += 32) {
-        const int g = base + lane;
-        long long m = g < G ? (long long)max(m_g[g], 0) : 0;
-        long long end = m;  // inclusive scan of m over the lanes
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            long long v = __shfl_up_sync(0xffffffffu, end, o);
-            if (lane >= o) end += v;
-        }
-        end += rows_carry;
-        const long long begin = end - m;
-        const int cb = (int)min(begin, (long long)a_rows), ce = (int)min(end, (long long)a_rows);
-        if (g < G && ce != end) wd->clamped = 1;
-        int tiles = ((ce - cb + BM - 1) / BM) * ntn;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            int v = __shfl_up_sync(0xffffffffu, tiles, o);
-            if (lane >= o) tiles += v;
-        }
-        tiles += tiles_carry;
-        if (g < G) row_start[g + 1] = ce, tile_start[g + 1] = tiles;
-        rows_carry = __shfl_sync(0xffffffffu, end, 31);
-        tiles_carry = __shfl_sync(0xffffffffu, tiles, 31);
-    }
-}
-
-// ---- Epilogue of one 64-row block (one warpgroup's accumulators of one m64nBN product) ------------
-// fp32 -> bf16 (round to nearest); rows >= m_end and columns >= N are not stored. row0 = the block's
-// first global row, n0 its first column, wq the warp inside the warpgroup, t128 the thread inside it.
-// EPI 1 stages through buf [64][BN + 8] with the warpgroup's named barrier bar_id.
-template <int BN, int EPI>
-__device__ __forceinline__ void store_block64(const float* acc, bf16* __restrict__ C, int N, int row0, int m_end, int n0,
-                                              bf16* buf, int wq, int lane, int t128, int bar_id) {
-    if constexpr (EPI == 0) {
-        const int r0 = row0 + wq * 16 + (lane >> 2);
-        const int c0 = n0 + 2 * (lane & 3);
-        const bool ok0 = r0 < m_end, ok1 = r0 + 8 < m_end;
-        bf16* p0 = C + (size_t)r0 * N + c0;
-        bf16* p1 = p0 + (size_t)8 * N;
-        if (ok1 && n0 + BN <= N) {  // the whole 16-row strip of this warp is inside
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                *reinterpret_cast<__nv_bfloat162*>(p0 + 8 * j) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
-                *reinterpret_cast<__nv_bfloat162*>(p1 + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                if (c0 + 8 * j < N) {
-                    if (ok0) *reinterpret_cast<__nv_bfloat162*>(p0 + 8 * j) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
-                    if (ok1) *reinterpret_cast<__nv_bfloat162*>(p1 + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
-                }
-            }
-        }
-    } else {
-        constexpr int LD = BN + 8;
-        // the warpgroup's previous copy-out from buf is finished
-        asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
-        {
-            bf16* q0 = buf + (wq * 16 + (lane >> 2)) * LD + 2 * (lane & 3);
-            bf16* q1 = q0 + 8 * LD;
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                *reinterpret_cast<__nv_bfloat162*>(q0 + 8 * j) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
-                *reinterpret_cast<__nv_bfloat162*>(q1 + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
-            }
-        }
-        asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
-        // copy-out: CPR 16-byte chunks per row; the warpgroup's 128 threads cover RPP rows per pass
-        constexpr int CPR = BN / 8, RPP = 128 / CPR;
-        const int ch = t128 % CPR, rr = t128 / CPR;
-        const int col = n0 + ch * 8;
-#pragma unroll 4
-        for (int r = rr; r < 64; r += RPP) {
-            const uint4 v = *reinterpret_cast<const uint4*>(buf + r * LD + ch * 8);
-            if (row0 + r < m_end && col < N) *reinterpret_cast<uint4*>(C + (size_t)(row0 + r) * N + col) = v;
-        }
-    }
-}
-
-// ---- The kernel -------------------------------------------------------------------------------------
-// tmA: A as [a_rows, K], box 64 x 128;  tmB: B as [G * N, K], box 64 x BN;  C: [a_rows, N] (row stride N)
-// PP 0: cooperative consumers (both on every tile); PP 1: ping-pong consumers (alternate tiles; BN <= 128)
-template <int BN, int STAGES, int EPI, int PP>
-__global__ void __launch_bounds__(THREADS, 1)
-gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB, bf16* __restrict__ C,
-            const int* __restrict__ m_g, int G, int N, int K, int a_rows, Watchdog* wd, unsigned long long timeout_ns) {
-    using Cf = Cfg<BN, STAGES, EPI>;
-    static_assert(!PP || BN <= 128, "ping-pong holds two m64 x BN accumulators per thread");
-    extern __shared__ uint8_t smem_raw[];
-    uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // 1024-byte aligned (swizzle atoms)
-    uint8_t* sA = smem;                                   // [STAGES][128 rows][128 bytes]
-    uint8_t* sB = smem + STAGES * Cf::A_BYTES;            // [STAGES][BN rows][128 bytes]
-    bf16* sC = (bf16*)(sB + STAGES * Cf::B_BYTES);       // EPI 1: [2 warpgroups][64 rows][EPI_LD]
-    uint64_t* full = (uint64_t*)(sB + STAGES * Cf::B_BYTES + Cf::EPI_BYTES);
-    uint64_t* empty = full + STAGES;
-    int* tile_start = (int*)(empty + STAGES);             // [G + 1]
-    int* row_start = tile_start + MAX_GROUPS + 1;         // [G + 1]
-
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int ntn = (N + BN - 1) / BN, nk = (K + BK - 1) / BK;
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; s++) {
-            mbar_init(smem_u32(&full[s]), 1);   // the producer's arrive.expect_tx (+ the TMA bytes)
-            mbar_init(smem_u32(&empty[s]), PP ? 4 : 8);  // lane 0 of each consumer warp that reads the stage
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        tma_prefetch_desc(&tmA);
-        tma_prefetch_desc(&tmB);
-    }
-    if (warp == 1) build_schedule(m_g, G, ntn, a_rows, tile_start, row_start, wd);
-    __syncthreads();
-    const int total = tile_start[G];
-
-    if (tid < 128) {
-        // ---- producer warpgroup: one thread issues all TMA loads ----
-        setmaxnreg_dec<40>();
-        if (tid == 0) {
-            int stage = 0;
-            uint32_t phase = 0;
-            for (int t = blockIdx.x; t < total; t += gridDim.x) {
-                const TileCoord tc = decode_tile(t, tile_start, row_start, G, ntn, BN);
-                const int brow = tc.g * N + tc.n0;
-                for (int kb = 0; kb < nk; kb++) {
-                    mbar_wait(smem_u32(&empty[stage]), phase ^ 1, wd, timeout_ns, 0, stage, t, kb);
-                    const uint32_t fb = smem_u32(&full[stage]);
-                    mbar_arrive_expect_tx(fb, Cf::STAGE_BYTES);  // full boxes: OOB parts are zero-filled and counted
-                    tma_load_2d(smem_u32(sA + stage * Cf::A_BYTES), &tmA, fb, kb * BK, tc.m0);
-                    tma_load_2d(smem_u32(sB + stage * Cf::B_BYTES), &tmB, fb, kb * BK, brow);
-                    if (++stage == STAGES) stage = 0, phase ^= 1;
-                }
-            }
-        }
-    } else if constexpr (!PP) {
-        // ---- consumer warpgroups, cooperative: both work on every tile, 64 rows each ----
-        setmaxnreg_inc<232>();
-        const int cw = (tid >> 7) - 1;  // 0 or 1: rows 64*cw .. 64*cw+63 of the tile
-        const int wq = warp & 3;        // warp inside the warpgroup: rows 16*wq .. 16*wq+15 of those
-        float acc[BN / 2];
-#pragma unroll
-        for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
-        const uint32_t a_base = smem_u32(sA) + cw * 64 * 128;
-        const uint32_t b_base = smem_u32(sB);
-        int stage = 0;
-        uint32_t phase = 0;
-        for (int t = blockIdx.x; t < total; t += gridDim.x) {
-            const TileCoord tc = decode_tile(t, tile_start, row_start, G, ntn, BN);
-            int prev = 0;
-            for (int kb = 0; kb < nk; kb++) {
-                mbar_wait(smem_u32(&full[stage]), phase, wd, timeout_ns, 1, stage, t, kb);
-                reg_fence<BN / 2>(acc);
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < BK / 16; k++) {
-                    const uint64_t da = make_desc(a_base + stage * Cf::A_BYTES + k * 32);
-                    const uint64_t db = make_desc(b_base + stage * Cf::B_BYTES + k * 32);
-                    wgmma_bn<BN>(acc, da, db, (kb > 0 || k > 0) ? 1 : 0);
-                }
-                wgmma_commit();
-                reg_fence<BN / 2>(acc);
-                if (kb > 0) {
-                    wgmma_wait<1>();  // the previous k-block's group is done: its stage may be refilled
-                    if (lane == 0) mbar_arrive(smem_u32(&empty[prev]));
-                }
-                prev = stage;
-                if (++stage == STAGES) stage = 0, phase ^= 1;
-            }
-            wgmma_wait<0>();
-            reg_fence<BN / 2>(acc);
-            if (lane == 0) mbar_arrive(smem_u32(&empty[prev]));
-            store_block64<BN, EPI>(acc, C, N, tc.m0 + cw * 64, tc.m_end, tc.n0, sC + cw * 64 * Cf::EPI_LD, wq, lane, tid & 127, 1 + cw);
-        }
-    } else {
-        // ---- consumer warpgroups, ping-pong: the CTA's j-th tile belongs to warpgroup j % 2, which computes
-        // all 128 rows (two m64 accumulators). The producer loads tiles in order, so while one warpgroup
-        // runs its epilogue the other has the tensor cores. Its k-blocks sit at ring positions
-        // j * nk + kb: stage = position % STAGES, parity = (position / STAGES) & 1.
-        setmaxnreg_inc<232>();
-        const int w = (tid >> 7) - 1;
-        const int wq = warp & 3;
-        float acc0[BN / 2], acc1[BN / 2];  // rows 0..63 and 64..127 of the tile
-#pragma unroll
-        for (int i = 0; i < BN / 2; i++) acc0[i] = 0.f, acc1[i] = 0.f;
-        const uint32_t a_base = smem_u32(sA);
-        const uint32_t b_base = smem_u32(sB);
-        int j = w;
-        for (int t = blockIdx.x + w * gridDim.x; t < total; t += 2 * gridDim.x, j += 2) {
-            const TileCoord tc = decode_tile(t, tile_start, row_start, G, ntn, BN);
-            const long long pos = (long long)j * nk;
-            int stage = (int)(pos % STAGES);
-            uint32_t phase = (uint32_t)((pos / STAGES) & 1);
-            int prev = 0;
-            for (int kb = 0; kb < nk; kb++) {
-                mbar_wait(smem_u32(&full[stage]), phase, wd, timeout_ns, 1, stage, t, kb);
-                reg_fence<BN / 2>(acc0);
-                reg_fence<BN / 2>(acc1);
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < BK / 16; k++) {
-                    const uint64_t da0 = make_desc(a_base + stage * Cf::A_BYTES + k * 32);
-                    const uint64_t da1 = make_desc(a_base + stage * Cf::A_BYTES + 64 * 128 + k * 32);
-                    const uint64_t db = make_desc(b_base + stage * Cf::B_BYTES + k * 32);
-                    wgmma_bn<BN>(acc0, da0, db, (kb > 0 || k > 0) ? 1 : 0);
-                    wgmma_bn<BN>(acc1, da1, db, (kb > 0 || k > 0) ? 1 : 0);
-                }
-                wgmma_commit();
-                reg_fence<BN / 2>(acc0);
-                reg_fence<BN / 2>(acc1);
-                if (kb > 0) {
-                    wgmma_wait<1>();
-                    if (lane == 0) mbar_arrive(smem_u32(&empty[prev]));
-                }
-                prev = stage;
-                if (++stage == STAGES) stage = 0, phase ^= 1;
-            }
-            wgmma_wait<0>();
-            reg_fence<BN / 2>(acc0);
-            reg_fence<BN / 2>(acc1);
-            if (lane == 0) mbar_arrive(smem_u32(&empty[prev]));
-            bf16* buf = sC + w * 64 * Cf::EPI_LD;
-            store_block64<BN, EPI>(acc0, C, N, tc.m0, tc.m_end, tc.n0, buf, wq, lane, tid & 127, 1 + w);
-            store_block64<BN, EPI>(acc1, C, N, tc.m0 + 64, tc.m_end, tc.n0, buf, wq, lane, tid & 127, 1 + w);
-        }
-    }
-}
-
 // ---- Stage-0 probe: one TMA box loaded into shared memory and copied out as it lies there ----------
-__global__ void tma_probe_kernel(const __grid_constant__ CUtensorMap tm, int c0, int c1, uint4* out, Watchdog* wd,
+// (the library's PTX wrappers, sm_90a only)
+__global__ void tma_probe_kernel(const __grid_constant__ CUtensorMap tm, int c0, int c1, uint4* out, hg::watchdog* wd,
                                  unsigned long long timeout_ns) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ uint8_t smem_raw[];
-    uint8_t* buf = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    uint8_t* buf = smem_raw + ((1024 - (hg::smem_u32(smem_raw) & 1023)) & 1023);
     __shared__ uint64_t bar;
     if (threadIdx.x == 0) {
-        mbar_init(smem_u32(&bar), 1);
+        hg::mbar_init(hg::smem_u32(&bar), 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        mbar_arrive_expect_tx(smem_u32(&bar), BM * BK * 2);
-        tma_load_2d(smem_u32(buf), &tm, smem_u32(&bar), c0, c1);
+        hg::mbar_arrive_expect_tx(hg::smem_u32(&bar), hg::BM * hg::BK * 2);
+        hg::tma_load_2d(hg::smem_u32(buf), &tm, hg::smem_u32(&bar), c0, c1);
     }
-    mbar_wait(smem_u32(&bar), 0, wd, timeout_ns, 1, 0, -1, 0);
-    for (int i = threadIdx.x; i < BM * BK * 2 / 16; i += blockDim.x) out[i] = reinterpret_cast<const uint4*>(buf)[i];
+    hg::mbar_wait(hg::smem_u32(&bar), 0, wd, timeout_ns, 1, 0, -1, 0);
+    for (int i = threadIdx.x; i < hg::BM * hg::BK * 2 / 16; i += blockDim.x) out[i] = reinterpret_cast<const uint4*>(buf)[i];
+#endif
 }
-}  // namespace hg
 
-// ---- Host side: the lab context, tensor maps, launches ---------------------------------------------
+// ---- Host side: the lab context, launches ----------------------------------------------------------
 struct Lab {
     cublasHandle_t cublas = nullptr;
     cudaStream_t stream = nullptr;
     int sms = 0;
-    Watchdog* wd_dev = nullptr;  // device view of g_wd_host
-    PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    hg::watchdog* wd_dev = nullptr;  // device view of g_wd_host
     unsigned long long timeout_ns = 4000000000ull;
     int failures = 0;
     bool skip[8] = {};  // variants not selected (--variant) or failed a check: left out of the benchmark
+    mt_gpu_error error;      // the library launcher's error record ...
+    mt_gemm_plans plans;     // ... and its probe's cache (hopper), zeroed
+    mt_exec ex;
 };
 
 // host watchdog: wait for the stream with a time limit (a deadlocked kernel would otherwise hang here)
@@ -642,95 +142,61 @@ static void sync_or_die(Lab& L, const char* what, double limit_s = 60.0) {
 // One grouped (or dense: G = 1) problem: C = per group A_g B_g^T. a_rows = rows the A and C buffers hold.
 struct Problem {
     const bf16* A; int a_rows;  // [a_rows, K]
-    const bf16* B;              // [G, N, K]
+    const bf16* B;              // [G, N, K] (b_layout hg::B_NK: C_g = A_g B_g^T) or [G, K, N] (hg::B_KN: C_g = A_g B_g)
     bf16* C;                    // [a_rows, N]
     const int* m_dev;           // [G] on the device
     int G, N, K;
+    int b_layout;
 };
 
+// The library's configurations (hg::variant<V>), by number
 struct Variant {
     const char* name;
     int bn, stages, smem;
-    void (*launch)(Lab&, const Problem&, const CUtensorMap&, const CUtensorMap&, int max_ctas);
-    void (*kernel)(CUtensorMap, CUtensorMap, bf16*, const int*, int, int, int, int, Watchdog*, unsigned long long);
 };
+static Variant g_variants[] = {
+    {"coop 128x256 3st smem", hg::variant<0>::BN, hg::variant<0>::STAGES, hg::cfg<hg::variant<0>::BN, hg::variant<0>::STAGES>::SMEM},
+    {"coop 128x128 5st smem", hg::variant<1>::BN, hg::variant<1>::STAGES, hg::cfg<hg::variant<1>::BN, hg::variant<1>::STAGES>::SMEM},
+};
+constexpr int NVAR = sizeof(g_variants) / sizeof(g_variants[0]);
+static_assert(NVAR == hg::VARIANTS, "one row per library variant");
 
-// a 2-D row-major bf16 tensor [rows, K] as a TMA map with boxes of 64 (K) x box_rows, 128-byte swizzle
+// the library's launcher with the lab's knobs: this variant, the watchdog, 4 s waits, at most max_ctas CTAs
+static void run_ours(Lab& L, const Problem& p, int variant, int max_ctas = 0) {
+    hg::options o;
+    o.variant = variant;
+    o.max_ctas = max_ctas;
+    o.wd = L.wd_dev;
+    o.timeout_ns = L.timeout_ns;
+    hopper_grouped_gemm(&L.ex, p.C, p.A, p.a_rows, p.B, p.b_layout, p.m_dev, p.G, p.N, p.K, &o);
+    if (L.error.status != MT_OK) {
+        fprintf(stderr, "hopper_grouped_gemm refused: %s\n", L.error.error.message);
+        exit(2);
+    }
+}
+// the library's tensor map builder (stage 0 reads one box through it)
 static bool make_map(Lab& L, CUtensorMap* m, const bf16* p, long long rows, int K, int box_rows) {
-    cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)rows};
-    cuuint64_t strides[1] = {(cuuint64_t)K * 2};
-    cuuint32_t box[2] = {(cuuint32_t)hg::BK, (cuuint32_t)box_rows};
-    cuuint32_t estr[2] = {1, 1};
-    CUresult r = L.encode(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)p, dims, strides, box, estr,
-                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        fprintf(stderr, "cuTensorMapEncodeTiled failed (%d) for rows %lld K %d box %d\n", (int)r, rows, K, box_rows);
+    if (!hg_tensor_map(&L.ex, (hg_encode_tiled_fn)L.plans.hopper.encode, m, p, rows, K, box_rows)) {
+        fprintf(stderr, "%s\n", L.error.error.message);
         return false;
     }
     return true;
 }
 
-template <int BN, int STAGES, int EPI, int PP>
-static void launch_impl(Lab& L, const Problem& p, const CUtensorMap& ta, const CUtensorMap& tb, int max_ctas) {
-    using Cf = hg::Cfg<BN, STAGES, EPI>;
-    static bool attr_set = false;
-    if (!attr_set) {
-        CK(cudaFuncSetAttribute(hg::gemm_kernel<BN, STAGES, EPI, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cf::SMEM));
-        attr_set = true;
-    }
-    const long long ntn = (p.N + BN - 1) / BN;
-    const long long upper = ((long long)(p.a_rows + hg::BM - 1) / hg::BM + p.G) * ntn;  // >= the real tile count
-    long long grid = std::min<long long>(L.sms, upper);
-    if (max_ctas > 0) grid = std::min<long long>(grid, max_ctas);
-    if (grid < 1) grid = 1;
-    hg::gemm_kernel<BN, STAGES, EPI, PP><<<(int)grid, hg::THREADS, Cf::SMEM, L.stream>>>(ta, tb, p.C, p.m_dev, p.G, p.N, p.K, p.a_rows,
-                                                                              L.wd_dev, L.timeout_ns);
-    CK(cudaGetLastError());
-}
-
-static Variant g_variants[] = {
-#define HG_VARIANT(name, bn, st, epi, pp) {name, bn, st, hg::Cfg<bn, st, epi>::SMEM, launch_impl<bn, st, epi, pp>, hg::gemm_kernel<bn, st, epi, pp>}
-    HG_VARIANT("coop 128x256 4st reg", 256, 4, 0, 0),
-    HG_VARIANT("coop 128x128 6st reg", 128, 6, 0, 0),
-    HG_VARIANT("coop 128x256 3st smem", 256, 3, 1, 0),
-    HG_VARIANT("coop 128x128 5st smem", 128, 5, 1, 0),
-    HG_VARIANT("pp 128x128 6st reg", 128, 6, 0, 1),
-    HG_VARIANT("pp 128x128 4st smem", 128, 4, 1, 1),
-#undef HG_VARIANT
-};
-constexpr int NVAR = sizeof(g_variants) / sizeof(g_variants[0]);
-
-// validates the problem, builds the two maps; false (with one printed line) if it cannot run
-static bool prepare(Lab& L, const Problem& p, const Variant& v, CUtensorMap* ta, CUtensorMap* tb) {
-    if (p.N % 8 || p.K % 8 || p.N <= 0 || p.K <= 0 || p.G < 1 || p.G > hg::MAX_GROUPS || p.a_rows < 0 ||
-        ((uintptr_t)p.A | (uintptr_t)p.B | (uintptr_t)p.C) % 16) {
-        fprintf(stderr, "problem out of range: G %d N %d K %d a_rows %d (need N%%8 == K%%8 == 0, 1 <= G <= %d, 16-byte aligned)\n",
-                p.G, p.N, p.K, p.a_rows, hg::MAX_GROUPS);
-        return false;
-    }
-    // a map needs at least one row; an empty A is given one row of the (16-byte aligned) buffer's start
-    return make_map(L, ta, p.A, std::max(p.a_rows, 1), p.K, hg::BM) && make_map(L, tb, p.B, (long long)p.G * p.N, p.K, v.bn);
-}
-
-static void run_ours(Lab& L, const Problem& p, const Variant& v, int max_ctas = 0) {
-    CUtensorMap ta, tb;
-    if (!prepare(L, p, v, &ta, &tb)) exit(2);
-    v.launch(L, p, ta, tb, max_ctas);
-}
-
 // ---- cuBLAS (column-major): row-major C[M,N] = A[M,K] B[N,K]^T  <=>  C^T = B A^T with op(B) = T ----
-static void cublas_dense(Lab& L, const bf16* A, const bf16* B, bf16* C, int M, int N, int K) {
+// (B_KN: B [K, N] row-major is B^T column-major [N, K] with ld N: op N)
+static void cublas_dense(Lab& L, const bf16* A, const bf16* B, bf16* C, int M, int N, int K, int layout) {
     if (M == 0) return;
     const float one = 1.f, zero = 0.f;
-    CB(cublasGemmEx(L.cublas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, B, CUDA_R_16BF, K, A, CUDA_R_16BF, K, &zero, C,
-                    CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    const bool kn = layout == hg::B_KN;
+    CB(cublasGemmEx(L.cublas, kn ? CUBLAS_OP_N : CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, B, CUDA_R_16BF, kn ? N : K, A,
+                    CUDA_R_16BF, K, &zero, C, CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 // the reference for grouped problems: one cublasGemmEx per non-empty group
-static void cublas_group_loop(Lab& L, const bf16* A, const bf16* B, bf16* C, const std::vector<int>& m, int N, int K) {
+static void cublas_group_loop(Lab& L, const bf16* A, const bf16* B, bf16* C, const std::vector<int>& m, int N, int K, int layout) {
     long long row = 0;
     for (size_t g = 0; g < m.size(); g++) {
-        cublas_dense(L, A + row * K, B + (size_t)g * N * K, C + row * N, m[g], N, K);
+        cublas_dense(L, A + row * K, B + (size_t)g * N * K, C + row * N, m[g], N, K, layout);
         row += m[g];
     }
 }
@@ -742,7 +208,8 @@ struct CublasGrouped {
     void** ptr_dev = nullptr;
     int count = 0;
 };
-static void cublas_grouped_setup(CublasGrouped& cg, const bf16* A, const bf16* B, bf16* C, const std::vector<int>& m, int N, int K) {
+static void cublas_grouped_setup(CublasGrouped& cg, const bf16* A, const bf16* B, bf16* C, const std::vector<int>& m, int N, int K,
+                                 int layout) {
     std::vector<void*> a, b, c;
     long long row = 0;
     for (size_t g = 0; g < m.size(); g++) {
@@ -755,8 +222,9 @@ static void cublas_grouped_setup(CublasGrouped& cg, const bf16* A, const bf16* B
         row += m[g];
     }
     cg.count = (int)a.size();
-    cg.ta.assign(cg.count, CUBLAS_OP_T), cg.tb.assign(cg.count, CUBLAS_OP_N);
-    cg.lda.assign(cg.count, K), cg.ldb.assign(cg.count, K), cg.ldc.assign(cg.count, N), cg.gs.assign(cg.count, 1);
+    const bool kn = layout == hg::B_KN;
+    cg.ta.assign(cg.count, kn ? CUBLAS_OP_N : CUBLAS_OP_T), cg.tb.assign(cg.count, CUBLAS_OP_N);
+    cg.lda.assign(cg.count, kn ? N : K), cg.ldb.assign(cg.count, K), cg.ldc.assign(cg.count, N), cg.gs.assign(cg.count, 1);
     cg.al.assign(cg.count, 1.f), cg.be.assign(cg.count, 0.f);
     std::vector<void*> tab;
     tab.insert(tab.end(), b.begin(), b.end());
@@ -863,11 +331,12 @@ struct Case {
     int a_rows = 0;         // rows the A buffer holds (>= rows: a capacity, as an MoE buffer would have)
     bf16 *A = nullptr, *B = nullptr, *C = nullptr, *Cref = nullptr;
     int* m_dev = nullptr;
-    Problem problem() const { return Problem{A, a_rows, B, C, m_dev, G, N, K}; }
+    int layout = hg::B_NK;  // B [G, N, K]; hg::B_KN: [G, K, N]
+    Problem problem() const { return Problem{A, a_rows, B, C, m_dev, G, N, K, layout}; }
 };
-static Case make_case(Lab& L, const std::vector<int>& m, int N, int K, uint32_t seed, int extra_a_rows = 0) {
+static Case make_case(Lab& L, const std::vector<int>& m, int N, int K, uint32_t seed, int extra_a_rows = 0, int layout = hg::B_NK) {
     Case c;
-    c.m = m, c.G = (int)m.size(), c.N = N, c.K = K;
+    c.m = m, c.G = (int)m.size(), c.N = N, c.K = K, c.layout = layout;
     for (int x : m) c.rows += x;
     c.a_rows = (int)c.rows + extra_a_rows;
     CK(cudaMalloc(&c.A, sizeof(bf16) * std::max<size_t>((size_t)std::max(c.a_rows, 1) * K, 8)));
@@ -878,7 +347,7 @@ static Case make_case(Lab& L, const std::vector<int>& m, int N, int K, uint32_t 
     CK(cudaMemcpy(c.m_dev, m.data(), sizeof(int) * c.G, cudaMemcpyHostToDevice));
     fill_uniform(L, c.A, (size_t)c.a_rows * K, seed);
     fill_uniform(L, c.B, (size_t)c.G * N * K, seed + 1);
-    cublas_group_loop(L, c.A, c.B, c.Cref, m, N, K);
+    cublas_group_loop(L, c.A, c.B, c.Cref, m, N, K, layout);
     sync_or_die(L, "cuBLAS reference");
     return c;
 }
@@ -964,7 +433,7 @@ static void diagnose(const Case& c, int bn) {
 static bool check_case(Lab& L, Case& c, const Variant& v, const char* what, int max_ctas = 0) {
     fill_sentinel(L, c.C, (size_t)(c.a_rows + GUARD_ROWS) * c.N);
     g_wd_host->clamped = 0;
-    run_ours(L, c.problem(), v, max_ctas);
+    run_ours(L, c.problem(), (int)(&v - g_variants), max_ctas);
     sync_or_die(L, what, 20.0);
     // counters in device memory, initialised and read back through the stream
     CmpStats init;
@@ -1017,14 +486,14 @@ static bool check_repeat(Lab& L, Case& c, const Variant& v, const char* what) {
     const size_t n = (size_t)c.rows * c.N;
     bf16* first;
     CK(cudaMalloc(&first, sizeof(bf16) * std::max<size_t>(n, 1)));
-    run_ours(L, c.problem(), v);
+    run_ours(L, c.problem(), (int)(&v - g_variants));
     sync_or_die(L, what);
     CK(cudaMemcpyAsync(first, c.C, sizeof(bf16) * n, cudaMemcpyDeviceToDevice, L.stream));
     fill_sentinel(L, c.C, n);
     unsigned long long* cnt_d;
     CK(cudaMalloc(&cnt_d, sizeof(unsigned long long)));
     CK(cudaMemsetAsync(cnt_d, 0, sizeof(unsigned long long), L.stream));
-    run_ours(L, c.problem(), v);
+    run_ours(L, c.problem(), (int)(&v - g_variants));
     count_ne_kernel<<<512, 256, 0, L.stream>>>((const uint16_t*)c.C, (const uint16_t*)first, 0, n, cnt_d);
     CK(cudaGetLastError());
     unsigned long long cntv;
@@ -1051,8 +520,8 @@ static bool check_tma(Lab& L) {
     fill_uniform(L, A, (size_t)rows * K, 7);
     CUtensorMap tm;
     if (!make_map(L, &tm, A, rows, K, hg::BM)) exit(1);
-    CK(cudaFuncSetAttribute(hg::tma_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hg::BM * hg::BK * 2 + 1024));
-    hg::tma_probe_kernel<<<1, 128, hg::BM * hg::BK * 2 + 1024, L.stream>>>(tm, c0, c1, out, L.wd_dev, L.timeout_ns);
+    CK(cudaFuncSetAttribute(tma_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hg::BM * hg::BK * 2 + 1024));
+    tma_probe_kernel<<<1, 128, hg::BM * hg::BK * 2 + 1024, L.stream>>>(tm, c0, c1, out, L.wd_dev, L.timeout_ns);
     CK(cudaGetLastError());
     sync_or_die(L, "TMA probe", 20.0);
     std::vector<uint16_t> a((size_t)rows * K), s(hg::BM * hg::BK);
@@ -1115,6 +584,17 @@ static void run_checks(Lab& L) {
           check_repeat(L, c, v, "G 128 uneven avg 256 N 1536 K 2048"); free_case(c); }
         { Case c = make_case(L, {2048}, 2048, 2048, 24); check_case(L, c, v, "M 2048 N 2048 K 2048");
           check_repeat(L, c, v, "M 2048 N 2048 K 2048"); free_case(c); }
+        stage("stage 8: B [K, N] (the input gradient's dx = dy W: N-major B, wgmma's transposed B)",
+              "the N-major descriptor (leading byte offset 8 KiB between 64-column boxes, stride 1024 between 8-row groups), "
+              "the B boxes' coordinates, the transpose bit");
+        { Case c = make_case(L, {128}, bn, 64, 31, 0, hg::B_KN); snprintf(what, sizeof what, "B[K,N] M 128 N %d K 64", bn); check_case(L, c, v, what); free_case(c); }
+        { Case c = make_case(L, {128}, bn, 1024, 32, 0, hg::B_KN); snprintf(what, sizeof what, "B[K,N] M 128 N %d K 1024", bn); check_case(L, c, v, what); free_case(c); }
+        { Case c = make_case(L, {1000}, 1000, 200, 33, 0, hg::B_KN); check_case(L, c, v, "B[K,N] M 1000 N 1000 K 200"); free_case(c); }
+        { Case c = make_case(L, {0, 1, 300, 129}, 512, 264, 34, 0, hg::B_KN); check_case(L, c, v, "B[K,N] G 4 m {0,1,300,129} N 512 K 264"); free_case(c); }
+        { Case c = make_case(L, uneven_counts(16, 200, 35), 768, 384, 35, 77, hg::B_KN);
+          check_case(L, c, v, "B[K,N] G 16 uneven N 768 K 384, +77 rows"); check_case(L, c, v, "  the same on 3 CTAs", 3); free_case(c); }
+        { Case c = make_case(L, uneven_counts(128, 256, 36), 2048, 1536, 36, 0, hg::B_KN); check_case(L, c, v, "B[K,N] G 128 uneven N 2048 K 1536");
+          check_repeat(L, c, v, "B[K,N] G 128 uneven N 2048 K 1536"); free_case(c); }
         if (L.failures > failures_before) {
             printf(" -- variant %d FAILED: left out of the benchmark --\n", vi);
             L.skip[vi] = true;
@@ -1153,26 +633,26 @@ struct BenchRow {
     double dense_ms, grouped_ms;  // cuBLAS: one GEMM of the same total FLOPs; cublasGemmGroupedBatchedEx (< 0: none)
 };
 
-static BenchRow bench_case(Lab& L, const char* name, const std::vector<int>& m, int N, int K, uint32_t seed) {
+static BenchRow bench_case(Lab& L, const char* name, const std::vector<int>& m, int N, int K, uint32_t seed, int layout = hg::B_NK) {
     BenchRow row;
     snprintf(row.name, sizeof row.name, "%s", name);
     printf("  %s: G %zu, rows %lld, N %d, K %d\n", name, m.size(), [&] { long long s = 0; for (int x : m) s += x; return s; }(), N, K);
     fflush(stdout);
-    Case c = make_case(L, m, N, K, seed);
+    Case c = make_case(L, m, N, K, seed, 0, layout);
     row.flop = 2.0 * (double)c.rows * N * K;
     for (int vi = 0; vi < NVAR; vi++) {
         row.ours_ok[vi] = false, row.ours_ms[vi] = -1;
         if (L.skip[vi]) continue;
         row.ours_ok[vi] = check_case(L, c, g_variants[vi], name);
-        row.ours_ms[vi] = median_ms(L, [&] { run_ours(L, c.problem(), g_variants[vi]); });
+        row.ours_ms[vi] = median_ms(L, [&] { run_ours(L, c.problem(), vi); });
     }
     bf16* Cd;
     CK(cudaMalloc(&Cd, sizeof(bf16) * std::max<size_t>((size_t)c.rows * N, 8)));
-    row.dense_ms = median_ms(L, [&] { cublas_dense(L, c.A, c.B, Cd, (int)c.rows, N, K); });
+    row.dense_ms = median_ms(L, [&] { cublas_dense(L, c.A, c.B, Cd, (int)c.rows, N, K, layout); });
     row.grouped_ms = -1;
     if (c.G > 1) {
         CublasGrouped cg;
-        cublas_grouped_setup(cg, c.A, c.B, Cd, m, N, K);
+        cublas_grouped_setup(cg, c.A, c.B, Cd, m, N, K, layout);
         cublasStatus_t s = cublas_grouped_run(L, cg);
         if (s == CUBLAS_STATUS_SUCCESS) {
             row.grouped_ms = median_ms(L, [&] { cublas_grouped_run(L, cg); });
@@ -1206,6 +686,11 @@ static void run_bench(Lab& L) {
     rows.push_back(bench_case(L, "mixtral fc1 uneven", uneven_counts(8, 1024, 108), 28672, 4096, 108));
     rows.push_back(bench_case(L, "mixtral fc2 balanced", std::vector<int>(8, 1024), 4096, 14336, 109));
     rows.push_back(bench_case(L, "mixtral fc2 uneven", uneven_counts(8, 1024, 110), 4096, 14336, 110));
+    // the input gradients dx = dy W (B [K, N]): fc1's dx [rows, h] from dz [rows, 2 fe], fc2's from dy [rows, h]
+    rows.push_back(bench_case(L, "qwen3 fc1 dgrad uneven", uneven_counts(128, 256, 111), 2048, 1536, 111, hg::B_KN));
+    rows.push_back(bench_case(L, "qwen3 fc2 dgrad uneven", uneven_counts(128, 256, 112), 768, 2048, 112, hg::B_KN));
+    rows.push_back(bench_case(L, "mixtral fc1 dgrad uneven", uneven_counts(8, 1024, 113), 4096, 28672, 113, hg::B_KN));
+    rows.push_back(bench_case(L, "mixtral fc2 dgrad uneven", uneven_counts(8, 1024, 114), 14336, 4096, 114, hg::B_KN));
 
     printf("\n| case | GFLOP |");
     for (int vi = 0; vi < NVAR; vi++) printf(" %s TFLOP/s |", g_variants[vi].name);
@@ -1253,7 +738,7 @@ static int host_selftest() {
         std::vector<int> cover((size_t)rows * ntn, 0);
         bool ok = true;
         for (int tile = 0; tile < ts[G]; tile++) {
-            hg::TileCoord c = hg::decode_tile(tile, ts.data(), rs.data(), G, ntn, t.bn);
+            hg::tile_coord c = hg::decode_tile(tile, ts.data(), rs.data(), G, ntn, t.bn);
             if (c.g < 0 || c.g >= G || c.m0 < rs[c.g] || c.m0 >= rs[c.g + 1] || c.m_end != rs[c.g + 1] || c.n0 % t.bn || c.n0 >= t.N ||
                 (c.m0 - rs[c.g]) % hg::BM) {
                 fprintf(stderr, "tile %d decodes to group %d rows %d.. n0 %d: outside its group\n", tile, c.g, c.m0, c.n0);
@@ -1312,29 +797,29 @@ int main(int argc, char** argv) {
     CK(cudaStreamCreateWithFlags(&L.stream, cudaStreamNonBlocking));
     CB(cublasCreate(&L.cublas));
     CB(cublasSetStream(L.cublas, L.stream));
-    CK(cudaHostAlloc((void**)&g_wd_host, sizeof(Watchdog), cudaHostAllocMapped));
-    memset((void*)g_wd_host, 0, sizeof(Watchdog));
+    CK(cudaHostAlloc((void**)&g_wd_host, sizeof(hg::watchdog), cudaHostAllocMapped));
+    memset((void*)g_wd_host, 0, sizeof(hg::watchdog));
     CK(cudaHostGetDevicePointer((void**)&L.wd_dev, (void*)g_wd_host, 0));
-    cudaDriverEntryPointQueryResult q;
-    void* fn = nullptr;
-    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
-    if (q != cudaDriverEntryPointSuccess || !fn) {
-        fprintf(stderr, "cuTensorMapEncodeTiled not found in the driver\n");
+    memset(&L.error, 0, sizeof L.error);
+    memset(&L.plans, 0, sizeof L.plans);
+    memset(&L.ex, 0, sizeof L.ex);
+    L.ex.stream = L.stream;
+    L.ex.error = &L.error;
+    L.ex.gemm = &L.plans;
+    // the library's probe: sm_90a kernels present with registers enough for setmaxnreg 40/232 (the consumers'
+    // increase waits forever unless the launch allocation covers 40*128 + 232*256), shared memory, the driver's
+    // cuTensorMapEncodeTiled
+    if (!hopper_gemm_available(&L.plans.hopper)) {
+        fprintf(stderr, "hopper_gemm_available: no (a build without sm_90a? nvcc needs -gencode=arch=compute_90a,code=sm_90a)\n");
         return 1;
     }
-    L.encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
-    for (int vi = 0; vi < NVAR; vi++) {  // what ptxas gave each kernel
-        cudaFuncAttributes a;
-        CK(cudaFuncGetAttributes(&a, (const void*)g_variants[vi].kernel));
-        // setmaxnreg only moves registers inside the CTA's allocation: the consumers' increase to 232
-        // waits forever unless the launch allocation (numRegs per thread) covers 40*128 + 232*256
-        if (a.numRegs * hg::THREADS < 40 * 128 + 232 * 256) {
-            printf("kernel %d: %d registers at launch cannot cover setmaxnreg 40/232: variant skipped\n", vi, a.numRegs);
-            L.skip[vi] = true;
+    for (int vi = 0; vi < NVAR; vi++)  // what ptxas gave each kernel
+        for (int bl = 0; bl < hg::B_LAYOUTS; bl++) {
+            cudaFuncAttributes a;
+            CK(cudaFuncGetAttributes(&a, hg_kernel_of(vi, bl)));
+            printf("kernel %d %s, B %s: %d registers, %zu bytes local, %d bytes dynamic shared\n", vi, g_variants[vi].name,
+                   bl == hg::B_KN ? "[K, N]" : "[N, K]", a.numRegs, a.localSizeBytes, g_variants[vi].smem);
         }
-        printf("kernel %d %s: %d registers, %zu bytes local, %d bytes dynamic shared\n", vi, g_variants[vi].name, a.numRegs, a.localSizeBytes,
-               g_variants[vi].smem);
-    }
     if (do_check) {
         run_checks(L);
         bool any = false;
