@@ -986,14 +986,16 @@ static test_result tgen_gemv_rope_case(int n, int groups, int qpg, int d, int ro
     cudaMemcpy(hy.data(), dy, ny * sizeof(T), cudaMemcpyDeviceToHost);
     cudaMemcpy(hz.data(), dz, ny * sizeof(T), cudaMemcpyDeviceToHost);
     EXPECT(cudaDeviceSynchronize() == cudaSuccess && err.status == MT_OK, "gemv_rows: %s", err.error.message);
-    /* bf16: bitwise. fp32: within 4 fp32 ulps (2^-21 relative) of the larger magnitude: measured on an H200, the
-     * fused epilogue and rope_qkv_rows contract the rotation's multiply-adds differently in fp32 (partial rotary,
-     * rot 62: one element one rounding apart); rounded to bf16 they agree bitwise. A wrong pairing or sign is
-     * off by O(1). */
+    /* bf16: bitwise. fp32: within 2^-17 of the output's RMS: measured on an H200, the fused epilogue and
+     * rope_qkv_rows contract the rotation's multiply-adds differently in fp32 (partial rotary, rot 62:
+     * 0.452572256 vs 0.452572554, 6.6e-7 relative: x cos - y sin with cancellation, each product's rounding
+     * kept or not); rounded to bf16 they agree bitwise. A wrong pairing, angle or sign is off by O(RMS). */
+    double sq = 0.0;
+    for (size_t i = 0; i < ny; i++) sq += (double)(float)hz[i] * (double)(float)hz[i];
+    const double rms = sqrt(sq / (double)ny);
     for (size_t i = 0; i < ny; i++) {
         const double a = (double)(float)hy[i], b = (double)(float)hz[i];
-        const bool same = sizeof(T) == 2 ? !memcmp(&hy[i], &hz[i], sizeof(T))
-                                         : fabs(a - b) <= ldexp(fmax(fabs(a), fabs(b)), -21);
+        const bool same = sizeof(T) == 2 ? !memcmp(&hy[i], &hz[i], sizeof(T)) : fabs(a - b) <= ldexp(rms, -17);
         EXPECT(same, "%s n %d groups %d qpg %d d %d rot %d: row %zu column %zu differs from gemv_rows + rope_qkv_rows "
                "(%.9g vs %.9g)", sizeof(T) == 2 ? "bf16" : "fp32", n, groups, qpg, d, rot, i / cols, i % cols, a, b);
     }
@@ -1003,7 +1005,7 @@ static test_result tgen_gemv_rope_case(int n, int groups, int qpg, int d, int ro
         cudaMemcpy(h1.data(), dy, cols * sizeof(T), cudaMemcpyDeviceToHost);
         EXPECT(!memcmp(h1.data(), hy.data() + (size_t)r * cols, cols * sizeof(T)), "RoPE GEMV: row %d of %d alone differs", r, n);
     }
-    printf("    %s n %d, %d groups of %d + 2 heads of %d (rot %d), K %d: RoPE GEMV equal to GEMV + RoPE (bf16 bitwise, fp32 within 4 ulps), batch-free\n",
+    printf("    %s n %d, %d groups of %d + 2 heads of %d (rot %d), K %d: RoPE GEMV equal to GEMV + RoPE (bf16 bitwise, fp32 within 2^-17 of the RMS), batch-free\n",
            sizeof(T) == 2 ? "bf16" : "fp32", n, groups, qpg, d, rot, K);
     cudaFree(dx), cudaFree(dw), cudaFree(db), cudaFree(dy), cudaFree(dz), cudaFree(dtab), cudaFree(dpos);
     return TEST_PASS;
