@@ -5308,7 +5308,7 @@ __device__ __forceinline__ uint64_t make_desc_n_major(uint32_t addr) {
 
 /* D[64 x 256] (+)= A[64 x 16] B[256 x 16]^T, operands in shared memory, A K-major, B K-major (TB 0) or N-major
  * (TB 1: wgmma's transpose of B); scale_d = 0 ignores D's old value. 128 fp32 accumulators per thread. */
-template <int TB>
+template <int TB, int TA = 0> /* TA 1: an M-major A (wgmma's transpose of A; the weight gradient's dy^T) */
 __device__ __forceinline__ void wgmma_m64n256k16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\n"
@@ -5322,7 +5322,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float* d, uint64_t desc_a, uint
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+        "}, %128, %129, p, 1, 1, %132, %131;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -5339,10 +5339,10 @@ __device__ __forceinline__ void wgmma_m64n256k16(float* d, uint64_t desc_a, uint
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TB));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TB), "n"(TA));
 }
 /* D[64 x 128] (+)= A[64 x 16] B[128 x 16]^T, likewise; 64 fp32 accumulators per thread. */
-template <int TB>
+template <int TB, int TA = 0>
 __device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\n"
@@ -5352,7 +5352,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+        "}, %64, %65, p, 1, 1, %68, %67;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -5361,12 +5361,12 @@ __device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TB));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TB), "n"(TA));
 }
-template <int BN, int TB>
+template <int BN, int TB, int TA = 0>
 __device__ __forceinline__ void wgmma_bn(float* d, uint64_t da, uint64_t db, int scale_d) {
-    if constexpr (BN == 256) wgmma_m64n256k16<TB>(d, da, db, scale_d);
-    else wgmma_m64n128k16<TB>(d, da, db, scale_d);
+    if constexpr (BN == 256) wgmma_m64n256k16<TB, TA>(d, da, db, scale_d);
+    else wgmma_m64n128k16<TB, TA>(d, da, db, scale_d);
 }
 
 /* The schedule tables, built by one warp of every CTA from the device counts: row_start[g] = m_0 + ... +
@@ -5539,6 +5539,176 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_consta
 #endif
 }
 
+/* ---- The experts' weight gradient (hopper_grouped_wgrad) ----------------------------------------------
+ *   dW_g [M, N] (fp32) = beta dW_g + dY_g^T [M, m_g] X_g [m_g, N] for every group g, where dY [a_rows, M] and
+ *   X [a_rows, N] (bf16) hold the groups' rows concatenated as above (MoE: dW_e [out, in] from dy_e and x_e).
+ *   Tiles: BM x BN over (M, N) of each group, G * ceil(M / BM) * ceil(N / BN) of them whatever the m_g
+ *   (decode_wtile: group, then row tile, then column tile), taken by the persistent CTAs as above. The
+ *   contraction runs over the group's own rows: k-block kb of group g is rows row_start[g] + 64 kb .. + 63 of
+ *   both dY and X, so both operands are MN-major (wgmma's imm-trans-a = imm-trans-b = 1, both described like
+ *   B_KN's B above): A = dY^T as 2 boxes of [64 k rows][64 columns of M], B = X as BN / 64 such boxes. In a
+ *   group's last, partial k-block the rows past its end (the next group's, or X's and dY's rows past the sum,
+ *   which may be stale or not finite) are zeroed in shared memory by the two consumer warpgroups (whole
+ *   128-byte rows: the swizzle only moves chunks inside a row), then fence.proxy.async (the wgmma reads through
+ *   the async proxy) and a 256-thread named barrier (both read all of B). A group without rows runs no k-block:
+ *   its accumulators are zero, stored where beta == 0 and nothing stored otherwise (dW_g left as it is).
+ *   Epilogue: straight from the accumulators, each thread's two adjacent columns as one float2, read-add-write
+ *   where beta != 0; each element is one thread's (deterministic, as above).
+ */
+__host__ __device__ inline tile_coord decode_wtile(int t, int mtn, int ntn, int bn) {
+    const int per = mtn * ntn, g = t / per, local = t - g * per;
+    tile_coord c;
+    c.g = g;
+    c.m0 = (local / ntn) * BM;
+    c.m_end = 0; /* unused: the rows of the output are M's */
+    c.n0 = (local % ntn) * bn;
+    return c;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* One warpgroup's 64 x BN fp32 block of dW_g (D), rows from `row` (this thread's first), columns from col0
+ * (its first); rows >= M and columns >= N not stored; beta != 0 adds beta times the old value. */
+template <int BN>
+__device__ __forceinline__ void store_wgrad(const float* acc, float* __restrict__ D, int M, int N, int row, int col0,
+                                            float beta) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++) {
+        const int col = col0 + 8 * j; /* even, and N % 8 == 0: col < N means col + 1 < N */
+        if (col >= N) continue;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = row + 8 * h;
+            if (r >= M) continue;
+            float2* q = reinterpret_cast<float2*>(D + (size_t)r * N + col);
+            float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            if (beta != 0.0f) {
+                const float2 o = *q;
+                v.x += beta * o.x, v.y += beta * o.y;
+            }
+            *q = v;
+        }
+    }
+}
+#endif
+
+/* tmDY: dY as [a_rows, M], tmX: X as [a_rows, N], both boxes 64 x 64; dW [G, M, N] fp32. The shared memory is
+ * grouped_gemm_kernel's (its epilogue buffer unused). */
+template <int BN, int STAGES>
+__global__ void __launch_bounds__(THREADS, 1)
+grouped_wgrad_kernel(const __grid_constant__ CUtensorMap tmDY, const __grid_constant__ CUtensorMap tmX,
+                     float* __restrict__ dW, const int* __restrict__ m_g, int G, int M, int N, int a_rows, float beta,
+                     watchdog* wd, unsigned long long timeout_ns) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Cf = cfg<BN, STAGES>;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    uint8_t* sA = smem;                        /* [STAGES][2 boxes][64 k rows][128 bytes] */
+    uint8_t* sB = smem + STAGES * Cf::A_BYTES; /* [STAGES][BN / 64 boxes][64 k rows][128 bytes] */
+    uint64_t* full = (uint64_t*)(sB + STAGES * Cf::B_BYTES + Cf::EPI_BYTES);
+    uint64_t* empty = full + STAGES;
+    int* tile_start = (int*)(empty + STAGES); /* [G + 1], unused here */
+    int* row_start = tile_start + MAX_GROUPS + 1;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int mtn = (M + BM - 1) / BM, ntn = (N + BN - 1) / BN, total = G * mtn * ntn;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(smem_u32(&full[s]), 1);
+            mbar_init(smem_u32(&empty[s]), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        tma_prefetch_desc(&tmDY);
+        tma_prefetch_desc(&tmX);
+    }
+    if (warp == 1) build_schedule(m_g, G, 1, a_rows, tile_start, row_start, wd);
+    __syncthreads();
+
+    if (tid < 128) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (tid == 0) {
+            int stage = 0;
+            uint32_t phase = 0;
+            for (int t = blockIdx.x; t < total; t += gridDim.x) {
+                const tile_coord tc = decode_wtile(t, mtn, ntn, BN);
+                const int r0 = row_start[tc.g], nk = (row_start[tc.g + 1] - r0 + BK - 1) / BK;
+                for (int kb = 0; kb < nk; kb++) {
+                    mbar_wait(smem_u32(&empty[stage]), phase ^ 1, wd, timeout_ns, 0, stage, t, kb);
+                    const uint32_t fb = smem_u32(&full[stage]);
+                    mbar_arrive_expect_tx(fb, Cf::STAGE_BYTES);
+#pragma unroll
+                    for (int j = 0; j < 2; j++)
+                        tma_load_2d(smem_u32(sA + stage * Cf::A_BYTES + j * 8192), &tmDY, fb, tc.m0 + 64 * j, r0 + kb * BK);
+#pragma unroll
+                    for (int j = 0; j < BN / 64; j++)
+                        tma_load_2d(smem_u32(sB + stage * Cf::B_BYTES + j * 8192), &tmX, fb, tc.n0 + 64 * j, r0 + kb * BK);
+                    if (++stage == STAGES) stage = 0, phase ^= 1;
+                }
+            }
+        }
+    } else {
+        setmaxnreg_inc<CONSUMER_REGS>();
+        const int cw = (tid >> 7) - 1, wq = warp & 3, t256 = tid - 128;
+        float acc[BN / 2];
+#pragma unroll
+        for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
+        const uint32_t a_base = smem_u32(sA) + cw * 8192; /* this warpgroup's 64 columns of M */
+        const uint32_t b_base = smem_u32(sB);
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            const tile_coord tc = decode_wtile(t, mtn, ntn, BN);
+            const int r0 = row_start[tc.g], r_end = row_start[tc.g + 1], nk = (r_end - r0 + BK - 1) / BK;
+            int prev = 0;
+            for (int kb = 0; kb < nk; kb++) {
+                mbar_wait(smem_u32(&full[stage]), phase, wd, timeout_ns, 1, stage, t, kb);
+                const int valid = r_end - (r0 + kb * BK); /* rows of this k-block inside the group: 1 .. */
+                if (valid < BK) {
+                    constexpr int NBOX = 2 + BN / 64;
+                    const int per_box = (BK - valid) * 8; /* 16-byte chunks from row `valid` on */
+                    for (int i = t256; i < NBOX * per_box; i += 256) {
+                        const int b = i / per_box, c = i - b * per_box;
+                        uint8_t* box = b < 2 ? sA + stage * Cf::A_BYTES + b * 8192 : sB + stage * Cf::B_BYTES + (b - 2) * 8192;
+                        *reinterpret_cast<uint4*>(box + valid * 128 + c * 16) = make_uint4(0u, 0u, 0u, 0u);
+                    }
+                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                    asm volatile("bar.sync 3, 256;" ::: "memory"); /* ids 1, 2: the epilogues' */
+                }
+                reg_fence<BN / 2>(acc);
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < BK / 16; k++) {
+                    const uint64_t da = make_desc_n_major(a_base + stage * Cf::A_BYTES + k * 16 * 128);
+                    const uint64_t db = make_desc_n_major(b_base + stage * Cf::B_BYTES + k * 16 * 128);
+                    wgmma_bn<BN, 1, 1>(acc, da, db, (kb > 0 || k > 0) ? 1 : 0);
+                }
+                wgmma_commit();
+                reg_fence<BN / 2>(acc);
+                if (kb > 0) {
+                    wgmma_wait<1>();
+                    if (lane == 0) mbar_arrive(smem_u32(&empty[prev]));
+                }
+                prev = stage;
+                if (++stage == STAGES) stage = 0, phase ^= 1;
+            }
+            if (nk > 0) {
+                wgmma_wait<0>();
+                reg_fence<BN / 2>(acc);
+                if (lane == 0) mbar_arrive(smem_u32(&empty[prev]));
+            } else {
+#pragma unroll
+                for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
+            }
+            if (nk > 0 || beta == 0.0f)
+                store_wgrad<BN>(acc, dW + (size_t)tc.g * M * N, M, N, tc.m0 + cw * 64 + wq * 16 + (lane >> 2),
+                                tc.n0 + 2 * (lane & 3), beta);
+        }
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap();
+#endif
+}
+
 /* The configurations: variant 0 (128 x 256, 3 stages) and 1 (128 x 128, 5 stages), the two best of the lab
  * (H200: 128 x 256 ahead at Qwen3/Mixtral shapes, 128 x 128 where N's last 256-wide tile would be half empty). */
 constexpr int VARIANTS = 2;
@@ -5553,9 +5723,13 @@ typedef CUresult (*hg_encode_tiled_fn)(CUtensorMap*, CUtensorMapDataType, cuuint
                                        const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                        CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-/* The kernel of a variant and B layout, as a plain function pointer (the attributes and launch below). */
+/* The kernel of a variant and B layout (or hg::B_LAYOUTS: the weight gradient's), as a plain function pointer
+ * (the attributes and launch below). */
 static const void* hg_kernel_of(int v, int bl) {
     using namespace hg;
+    if (bl == B_LAYOUTS)
+        return v == 0 ? (const void*)grouped_wgrad_kernel<variant<0>::BN, variant<0>::STAGES>
+                      : (const void*)grouped_wgrad_kernel<variant<1>::BN, variant<1>::STAGES>;
     if (v == 0)
         return bl == B_NK ? (const void*)grouped_gemm_kernel<variant<0>::BN, variant<0>::STAGES, B_NK>
                           : (const void*)grouped_gemm_kernel<variant<0>::BN, variant<0>::STAGES, B_KN>;
@@ -5580,8 +5754,8 @@ static bool hopper_gemm_available(mt_hopper_gemm_state* s) {
               cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
               cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
               cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess && major == 9;
-    for (int i = 0; ok && i < hg::VARIANTS * hg::B_LAYOUTS; i++) {
-        const int v = i / hg::B_LAYOUTS, bl = i % hg::B_LAYOUTS;
+    for (int i = 0; ok && i < hg::VARIANTS * (hg::B_LAYOUTS + 1); i++) { /* + 1: the weight gradient's kernel */
+        const int v = i / (hg::B_LAYOUTS + 1), bl = i % (hg::B_LAYOUTS + 1);
         cudaFuncAttributes a;
         ok = cudaFuncGetAttributes(&a, hg_kernel_of(v, bl)) == cudaSuccess &&
              a.numRegs * hg::THREADS >= hg::PRODUCER_REGS * 128 + hg::CONSUMER_REGS * 256 && hg_smem_of(v) <= optin &&
@@ -5676,6 +5850,66 @@ static void hopper_grouped_gemm(const mt_exec* ex, __nv_bfloat16* C, const __nv_
         if (v == 0) hg_launch<0, hg::B_KN>(ex, ta, tb, C, counts, G, N, K, (int)a_rows, (int)grid, wd, timeout);
         else hg_launch<1, hg::B_KN>(ex, ta, tb, C, counts, G, N, K, (int)a_rows, (int)grid, wd, timeout);
     }
+}
+
+/* The shapes and pointers the weight-gradient kernel takes (see hg's "The experts' weight gradient"). */
+static bool hopper_wgrad_fits(const void* dW, const void* dY, const void* X, int G, int M, int N, int64_t a_rows) {
+    return M > 0 && N > 0 && M % 8 == 0 && N % 8 == 0 && G >= 1 && G <= hg::MAX_GROUPS && a_rows >= 0 &&
+           a_rows < ((int64_t)1 << 31) &&
+           (int64_t)G * ((M + hg::BM - 1) / hg::BM) * ((N + 127) / 128) < ((int64_t)1 << 31) &&
+           ((uintptr_t)dW % 16 | (uintptr_t)dY % 16 | (uintptr_t)X % 16) == 0;
+}
+
+template <int V>
+static void hg_wgrad_launch(const mt_exec* ex, const CUtensorMap& tdy, const CUtensorMap& tx, float* dW, const int32_t* counts,
+                            int G, int M, int N, int a_rows, float beta, int grid, hg::watchdog* wd,
+                            unsigned long long timeout_ns) {
+    constexpr int BN = hg::variant<V>::BN, STAGES = hg::variant<V>::STAGES;
+    hg::grouped_wgrad_kernel<BN, STAGES><<<grid, hg::THREADS, hg::cfg<BN, STAGES>::SMEM, ex->stream>>>(
+        tdy, tx, dW, counts, G, M, N, a_rows, beta, wd, timeout_ns);
+    LAUNCH_CHECK(ex->error);
+}
+
+/* The experts' weight gradient: for each group g, dW_g [M, N] (fp32) = beta dW_g + dY_g^T X_g, dY [a_rows, M] and
+ * X [a_rows, N] bf16 with the groups' rows concatenated (counts = m [G] int32 on the device, read by the kernel;
+ * rows from sum m_g on are never used). A group without rows: dW_g zeroed where beta == 0, else left as it is.
+ * beta: 0 or 1 in the model (accumulation over micro-batches); any finite value works. Refuses (recorded,
+ * nothing queued) what hopper_grouped_gemm refuses and shapes hopper_wgrad_fits does not take. */
+static void hopper_grouped_wgrad(const mt_exec* ex, float* dW, const __nv_bfloat16* dY, const __nv_bfloat16* X,
+                                 int64_t a_rows, const int32_t* counts, int G, int M, int N, float beta,
+                                 const hg::options* opt = NULL) {
+    if (ex->error->status != MT_OK) return;
+    mt_hopper_gemm_state local = {0, 0, NULL};
+    mt_hopper_gemm_state* st = ex->gemm ? &ex->gemm->hopper : &local;
+    if (!hopper_gemm_available(st)) {
+        mt_gpu_fail(ex->error, MT_ERR_ARG, "hopper_grouped_wgrad: this GPU or build has no sm_90a kernel (needs compute "
+                                           "capability 9.x and GPU_ARCH=90, which builds sm_90a)");
+        return;
+    }
+    if (!hopper_wgrad_fits(dW, dY, X, G, M, N, a_rows)) {
+        mt_gpu_fail(ex->error, MT_ERR_ARG, "hopper_grouped_wgrad: G %d M %d N %d rows %lld not taken (M %% 8 == N %% 8 == 0, "
+                                           "1 <= G <= %d, 16-byte aligned pointers)", G, M, N, (long long)a_rows, hg::MAX_GROUPS);
+        return;
+    }
+    if (a_rows == 0) { /* no rows at all (a TMA map needs one): every group is empty */
+        if (beta == 0.0f)
+            CUDA_CHECK(ex->error, cudaMemsetAsync(dW, 0, sizeof(float) * (size_t)G * M * N, ex->stream));
+        return;
+    }
+    int v = opt && opt->variant >= 0 && opt->variant < hg::VARIANTS ? opt->variant : -1;
+    if (v < 0) v = N % 256 != 0 && N % 256 <= 128 ? 1 : 0; /* hopper_grouped_gemm's rule, on dW's columns */
+    CUtensorMap tdy, tx;
+    const hg_encode_tiled_fn encode = (hg_encode_tiled_fn)st->encode;
+    if (!hg_tensor_map(ex, encode, &tdy, dY, a_rows, M, hg::BK) || !hg_tensor_map(ex, encode, &tx, X, a_rows, N, hg::BK))
+        return;
+    const int BN = v == 0 ? hg::variant<0>::BN : hg::variant<1>::BN;
+    const int64_t tiles = (int64_t)G * ((M + hg::BM - 1) / hg::BM) * ((N + BN - 1) / BN);
+    int64_t grid = tiles < st->sms ? tiles : st->sms;
+    if (opt && opt->max_ctas > 0 && grid > opt->max_ctas) grid = opt->max_ctas;
+    hg::watchdog* wd = opt ? opt->wd : NULL;
+    const unsigned long long timeout = opt && opt->timeout_ns ? opt->timeout_ns : 20000000000ull;
+    if (v == 0) hg_wgrad_launch<0>(ex, tdy, tx, dW, counts, G, M, N, (int)a_rows, beta, (int)grid, wd, timeout);
+    else hg_wgrad_launch<1>(ex, tdy, tx, dW, counts, G, M, N, (int)a_rows, beta, (int)grid, wd, timeout);
 }
 
 /* ============================================================================================== */
@@ -9767,21 +10001,47 @@ static void moe_experts_gemm(mt_moe_gemm* m, const mt_exec* ex, int slot, const 
  * false: not taken. The kernel reads the rows per expert on the device: they go there through this slot's part
  * of the grouped GEMM's pointer staging and table (pinned, then device; unused by this call otherwise, and
  * reused under the same rule as there). */
-template <typename T>
-static bool moe_experts_hopper(mt_moe_gemm* m, const mt_exec* ex, int slot, T* C, const T* A, const T* W, int w_layout,
-                               const int32_t* counts, int E, int N, int K) {
-    if (!std::is_same<T, __nv_bfloat16>::value || !m->hopper || !hopper_gemm_fits(A, W, C, E, N, K, counts[2 * E]))
-        return false;
+/* Whether an experts' GEMM of 2 sum(n_e) N K flops goes to Hopper (the rule above, one place for the forward, the
+ * input gradient and the weight gradient); then its rows per expert copied to the device through this slot's
+ * staging and table (*device; NULL after a recorded error). */
+static bool moe_hopper_take(mt_moe_gemm* m, const mt_exec* ex, int slot, const int32_t* counts, int E, int N, int K,
+                            const int32_t** device) {
     int with_rows = 0;
     for (int e = 0; e < E; e++) with_rows += counts[e] > 0;
     if (m->hopper == 1 && 2.0 * counts[2 * E] * N * (double)K > MOE_GROUPED_MAX_FLOP * with_rows) return false;
     const size_t at = (size_t)slot * 3 * (size_t)E;
     int32_t* staged = (int32_t*)(m->staging + at);
-    int32_t* device = (int32_t*)(m->table + at);
+    int32_t* dev = (int32_t*)(m->table + at);
     memcpy(staged, counts, sizeof(int32_t) * (size_t)E);
-    if (CUDA_CHECK(ex->error, cudaMemcpyAsync(device, staged, sizeof(int32_t) * (size_t)E, cudaMemcpyHostToDevice, ex->stream)))
+    const bool ok = CUDA_CHECK(ex->error, cudaMemcpyAsync(dev, staged, sizeof(int32_t) * (size_t)E, cudaMemcpyHostToDevice,
+                                                          ex->stream));
+    *device = ok ? dev : NULL;
+    return true;
+}
+template <typename T>
+static bool moe_experts_hopper(mt_moe_gemm* m, const mt_exec* ex, int slot, T* C, const T* A, const T* W, int w_layout,
+                               const int32_t* counts, int E, int N, int K) {
+    const int32_t* device = NULL;
+    if (!std::is_same<T, __nv_bfloat16>::value || !m->hopper || !hopper_gemm_fits(A, W, C, E, N, K, counts[2 * E]) ||
+        !moe_hopper_take(m, ex, slot, counts, E, N, K, &device))
+        return false;
+    if (device)
         hopper_grouped_gemm(ex, (__nv_bfloat16*)C, (const __nv_bfloat16*)A, counts[2 * E], (const __nv_bfloat16*)W, w_layout,
                             device, E, N, K);
+    return true;
+}
+/* The weight gradient on Hopper: dW_e [out, in] = beta dW_e + dy_e^T x_e (hopper_grouped_wgrad; an expert without
+ * rows zeroed where beta == 0), under moe_experts_hopper's rule; false: not taken. */
+template <typename T>
+static bool moe_experts_hopper_wgrad(mt_moe_gemm* m, const mt_exec* ex, int slot, float* dW, const T* dy, const T* x,
+                                     float beta, const int32_t* counts, int E, int in, int out) {
+    const int32_t* device = NULL;
+    if (!std::is_same<T, __nv_bfloat16>::value || !m->hopper || !hopper_wgrad_fits(dW, dy, x, E, out, in, counts[2 * E]) ||
+        !moe_hopper_take(m, ex, slot, counts, E, in, out, &device))
+        return false;
+    if (device)
+        hopper_grouped_wgrad(ex, dW, (const __nv_bfloat16*)dy, (const __nv_bfloat16*)x, counts[2 * E], device, E, out, in,
+                             beta);
     return true;
 }
 
@@ -9800,13 +10060,14 @@ template <typename T>
 static void moe_experts_backward(mt_moe_gemm* m, const mt_exec* ex, int slot, T* dx, float* dW, const T* dy,
                                  const T* x, const T* W, const int32_t* counts, int E, int in, int out) {
     const float beta = ex->mode.accumulate_gradients ? 1.0f : 0.0f;
+    const moe_gemm_shape gx = {false, false, -1, in, out, out, 0, 0, (int64_t)out * in, in, 0, out, in, in};
+    if (!moe_experts_hopper<T>(m, ex, slot, dx, dy, W, hg::B_KN, counts, E, in, out))
+        moe_experts_gemm<T, T>(m, ex, slot, gx, dy, W, dx, 0.0f, counts, E);
+    if (moe_experts_hopper_wgrad<T>(m, ex, slot + 1, dW, dy, x, beta, counts, E, in, out)) return;
     for (int e = 0; e < E && beta == 0.0f; e++)
         if (counts[e] == 0)
             CUDA_CHECK(ex->error, cudaMemsetAsync(dW + (int64_t)e * out * in, 0, sizeof(float) * (size_t)out * in,
                                                   ex->stream));
-    const moe_gemm_shape gx = {false, false, -1, in, out, out, 0, 0, (int64_t)out * in, in, 0, out, in, in};
-    if (!moe_experts_hopper<T>(m, ex, slot, dx, dy, W, hg::B_KN, counts, E, in, out))
-        moe_experts_gemm<T, T>(m, ex, slot, gx, dy, W, dx, 0.0f, counts, E);
     const moe_gemm_shape gw = {true, false, out, in, -1, out, 0, in, 0, 0, (int64_t)out * in, out, in, in};
     moe_experts_gemm<T, float>(m, ex, slot + 1, gw, dy, x, dW, beta, counts, E);
 }
