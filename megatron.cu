@@ -5070,8 +5070,11 @@ static void moe_expert_bias_update(const mt_exec* ex, float* bias, const int32_t
 /*    the device (no host synchronisation). Built only for sm_90a                                 */
 /*    (GPU_ARCH 90, the Makefile's default there); every other target compiles a stub that traps */
 /*    and hopper_gemm_available() says no, so callers keep their cuBLAS path.                     */
+/*    The experts' weight gradient, fp32 dW_g (+)= dY_g^T X_g, is a variant of it (both operands  */
+/*    MN-major; "The experts' weight gradient" below).                                            */
 /*    defines: namespace hg (the kernel, its schedule, hg::options, hg::watchdog),               */
-/*    mt_hopper_gemm_state's probe hopper_gemm_available, hopper_gemm_fits, hopper_grouped_gemm.  */
+/*    mt_hopper_gemm_state's probe hopper_gemm_available, hopper_gemm_fits, hopper_grouped_gemm,  */
+/*    hopper_wgrad_fits, hopper_grouped_wgrad.                                                    */
 /* ============================================================================================== */
 /*
  * ---- The operation ----------------------------------------------------------------------------------
@@ -5567,8 +5570,8 @@ __host__ __device__ inline tile_coord decode_wtile(int t, int mtn, int ntn, int 
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 /* One warpgroup's 64 x BN fp32 block of dW_g (D), rows from `row` (this thread's first), columns from col0
- * (its first); rows >= M and columns >= N not stored; beta != 0 adds beta times the old value. */
-template <int BN>
+ * (its first); rows >= M and columns >= N not stored; beta != 0 adds beta times the old value; ZERO: zeros. */
+template <int BN, bool ZERO>
 __device__ __forceinline__ void store_wgrad(const float* acc, float* __restrict__ D, int M, int N, int row, int col0,
                                             float beta) {
 #pragma unroll
@@ -5580,8 +5583,8 @@ __device__ __forceinline__ void store_wgrad(const float* acc, float* __restrict_
             const int r = row + 8 * h;
             if (r >= M) continue;
             float2* q = reinterpret_cast<float2*>(D + (size_t)r * N + col);
-            float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            if (beta != 0.0f) {
+            float2 v = ZERO ? make_float2(0.0f, 0.0f) : make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            if (!ZERO && beta != 0.0f) {
                 const float2 o = *q;
                 v.x += beta * o.x, v.y += beta * o.y;
             }
@@ -5691,17 +5694,16 @@ grouped_wgrad_kernel(const __grid_constant__ CUtensorMap tmDY, const __grid_cons
                 prev = stage;
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
+            float* D = dW + (size_t)tc.g * M * N;
+            const int row = tc.m0 + cw * 64 + wq * 16 + (lane >> 2), col0 = tc.n0 + 2 * (lane & 3);
+            wgmma_wait<0>(); /* unconditional: ptxas then sees no path to the accumulators past an unwaited wgmma */
+            reg_fence<BN / 2>(acc);
             if (nk > 0) {
-                wgmma_wait<0>();
-                reg_fence<BN / 2>(acc);
                 if (lane == 0) mbar_arrive(smem_u32(&empty[prev]));
-            } else {
-#pragma unroll
-                for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
+                store_wgrad<BN, false>(acc, D, M, N, row, col0, beta);
+            } else if (beta == 0.0f) { /* an empty group: zeros (acc untouched, so ptxas keeps the wgmma pipelined) */
+                store_wgrad<BN, true>(acc, D, M, N, row, col0, 0.0f);
             }
-            if (nk > 0 || beta == 0.0f)
-                store_wgrad<BN>(acc, dW + (size_t)tc.g * M * N, M, N, tc.m0 + cw * 64 + wq * 16 + (lane >> 2),
-                                tc.n0 + 2 * (lane & 3), beta);
         }
     }
 #elif defined(__CUDA_ARCH__)

@@ -1880,6 +1880,122 @@ static test_result test_moe_hopper_grouped_gemm(void) {
     return ok ? TEST_PASS : TEST_FAIL;
 }
 
+/* hopper_grouped_wgrad, the experts' weight gradient: dW_g [M, N] (fp32) = beta dW_g + dY_g^T X_g over each group's
+ * own rows of dY [a_rows, M] and X [a_rows, N] (bf16, groups concatenated), against float64 on the host, with
+ * beta 0 (dW poisoned: every element must be written, an empty group's with zeros) and beta 1 (dW random: an empty
+ * group's left bitwise as it was). The `spare` rows past the groups' sum are NaN: a partial last k-block that
+ * lets them in (the shared-memory zeroing failing) turns the last group's dW into NaN; the next group's rows
+ * entering a group's last k-block move its elements far past the tolerance. Then a second run from the same
+ * start must be bitwise the first.
+ * Tolerance, per element: |got - ref| <= 4 n_g u_c sum_k |a_k b_k| + 2 u_c |ref|. Why: bf16 products are exact in
+ * fp32; the kernel adds its n_g of them in fp32 in its own order, each addition off by at most u_c (2 u_c if the
+ * hardware truncates) of a partial sum <= sum |a b|: 2 n_g u_c sum |a b| in all, doubled; beta 1 adds the old
+ * value with one more rounding (u_c |ref|, doubled). Norm-wise: the norm of those bounds. A lost or repeated
+ * 16-row k slice or a foreign row moves elements by ~|a b| sqrt(16) or more (inputs in [0.05, 1)): orders of
+ * magnitude above both. */
+static int mw_case(kt_ctx* k, kt_cover* cov, const char* name, const std::vector<int>& m, int M, int N, int spare, float beta,
+                   int index) {
+    typedef __nv_bfloat16 T;
+    const int G = (int)m.size();
+    int64_t rows = 0;
+    for (int x : m) rows += x;
+    const int64_t a_rows = rows + spare, out = (int64_t)G * M * N;
+    const int variant = N % 256 != 0 && N % 256 <= 128 ? 1 : 0; /* ADAPT: hopper_grouped_wgrad's choice */
+    kt_cover_hit(cov, variant ? "wgrad 128x128" : "wgrad 128x256");
+    kt_report rep;
+    kt_report_begin(&rep, "hopper_grouped_wgrad %s: G %d rows %lld (+%d NaN) M %d N %d beta %g, tiles 128x%d", name, G,
+                    (long long)rows, spare, M, N, (double)beta, variant ? 128 : 256);
+    kt_rng rng = {kt_seed(83, G, M, N + index)};
+    kt_host<T> dY, X;
+    kt_host<float> W0;
+    dY.fill(rows * M, &rng, 0.05, 1.0);
+    X.fill(rows * N, &rng, 0.05, 1.0);
+    W0.fill(out, &rng, 0.05, 1.0);
+    T* d_dY = kt_alloc<T>(k, a_rows * M);
+    T* d_X = kt_alloc<T>(k, a_rows * N);
+    float* d_W = kt_alloc<float>(k, out);
+    float* d_W2 = kt_alloc<float>(k, out);
+    int32_t* d_m = kt_alloc<int32_t>(k, G);
+    KT_ALLOCATED(k);
+    KT_CUDA(kt_poison(k, d_dY, a_rows * M));
+    KT_CUDA(kt_poison(k, d_X, a_rows * N));
+    KT_CUDA(kt_put(k, d_dY, dY.h));
+    KT_CUDA(kt_put(k, d_X, X.h));
+    KT_CUDA(kt_put(k, d_m, m));
+    if (beta == 0.0f) {
+        KT_CUDA(kt_poison(k, d_W, out));
+        KT_CUDA(kt_poison(k, d_W2, out));
+    } else {
+        KT_CUDA(kt_put(k, d_W, W0.h));
+        KT_CUDA(kt_put(k, d_W2, W0.h));
+    }
+    hopper_grouped_wgrad(kt_exec(k, 0), d_W, d_dY, d_X, a_rows, d_m, G, M, N, beta);
+    hopper_grouped_wgrad(kt_exec(k, 0), d_W2, d_dY, d_X, a_rows, d_m, G, M, N, beta);
+    if (!kt_sync(k, rep.label)) return 0;
+    std::vector<float> W, W2;
+    KT_CUDA(kt_get(k, W, d_W, out));
+    KT_CUDA(kt_get(k, W2, d_W2, out));
+    kt_check c;
+    kt_check_begin(&c, "dW", N, 2 * KT_UC, -1.0, 0.0);
+    int64_t r0 = 0, untouched_changed = 0;
+    for (int g = 0; g < G; r0 += m[g], g++)
+        for (int i = 0; i < M; i++)
+            for (int n = 0; n < N; n++) {
+                const int64_t at = ((int64_t)g * M + i) * N + n;
+                double s = beta != 0.0f ? (double)beta * W0.v[(size_t)at] : 0.0, mag = 0.0;
+                for (int r = 0; r < m[g]; r++) {
+                    const double p = dY.v[(size_t)((r0 + r) * M + i)] * X.v[(size_t)((r0 + r) * N + n)];
+                    s += p, mag += fabs(p);
+                }
+                kt_check_add(&c, at, W[(size_t)at], s, 4.0 * m[g] * KT_UC * mag);
+                if (m[g] == 0 && beta != 0.0f) untouched_changed += memcmp(&W[(size_t)at], &W0.h[(size_t)at], sizeof(float)) != 0;
+            }
+    kt_check_end(&c, &rep);
+    int64_t differ = 0;
+    if (memcmp(W.data(), W2.data(), sizeof(float) * (size_t)out) != 0)
+        for (int64_t i = 0; i < out; i++) differ += memcmp(&W[(size_t)i], &W2[(size_t)i], sizeof(float)) != 0;
+    if (untouched_changed)
+        printf("    FAIL %s: %lld elements of empty groups changed with beta 1\n", rep.label, (long long)untouched_changed);
+    if (differ) printf("    FAIL %s: %lld elements differ between two runs\n", rep.label, (long long)differ);
+    rep.ok &= untouched_changed == 0 && differ == 0;
+    kt_release(k);
+    return kt_report_end(&rep);
+}
+
+/* Qwen3-like counts (zeros, single rows, up to 61: partial k-blocks everywhere) and uneven larger groups with
+ * edges (M, N not multiples of the tile), both tile widths, beta 0 and 1. */
+static test_result test_moe_hopper_grouped_wgrad(void) {
+    REQUIRE_GPU();
+    mt_hopper_gemm_state probe = {0, 0, NULL};
+    if (!hopper_gemm_available(&probe)) {
+        int dev = 0, major = 0;
+        cudaGetDevice(&dev);
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+        cudaGetLastError();
+        if (major == 9) SKIP_OR_FAIL_STRICT("a Hopper GPU, but no sm_90a kernel in this build (GPU_ARCH=90 builds it)");
+        SKIP("the Hopper grouped GEMM needs a compute capability 9.x GPU");
+    }
+    kt_ctx k;
+    if (!kt_ctx_init(&k)) return TEST_FAIL;
+    static const char* variants[] = {"wgrad 128x256", "wgrad 128x128"};
+    kt_cover cov;
+    kt_cover_init(&cov, variants, 2);
+    std::vector<int> qwen(128);
+    for (int g = 0; g < 128; g++) qwen[g] = g % 7 == 3 ? 0 : g % 13 == 5 ? 1 : 1 + (g * 53) % 61; /* 0, 1, up to 61 */
+    const std::vector<int> uneven = {0, 1, 130, 64, 0, 300, 77};
+    int ok = 1;
+    for (int b = 0; b < 2; b++) {
+        const float beta = (float)b;
+        ok &= mw_case(&k, &cov, "qwen3-like", qwen, 256, 256, 0, beta, 0);
+        ok &= mw_case(&k, &cov, "uneven, edges", uneven, 136, 264, 9, beta, 1);
+        ok &= mw_case(&k, &cov, "uneven, narrow", uneven, 264, 128, 64, beta, 2);
+        ok &= mw_case(&k, &cov, "all empty", {0, 0, 0}, 128, 256, 3, beta, 3);
+    }
+    ok &= kt_cover_check(&cov, "hopper_grouped_wgrad", "bf16");
+    kt_ctx_free(&k);
+    return ok ? TEST_PASS : TEST_FAIL;
+}
+
 static const test_case moe_kernels_host_tests[] = {
     {"moe_token_order", test_moe_token_order},
     {"moe_work_and_capacity_rules", test_moe_work_and_capacity_rules},
@@ -1898,6 +2014,7 @@ static const test_case moe_kernels_gpu_tests[] = {
     {"moe_casts", test_moe_casts},
     {"moe_experts_gemm_paths", test_moe_experts_gemm_paths},
     {"moe_hopper_grouped_gemm", test_moe_hopper_grouped_gemm},
+    {"moe_hopper_grouped_wgrad", test_moe_hopper_grouped_wgrad},
 };
 
 #endif

@@ -15,6 +15,7 @@
  * Build (sm_90a is required: wgmma and setmaxnreg exist only in the "a" target; GPU_ARCH=90 in the
  * Makefile builds the same), from the repository root:
  *   nvcc -O3 -std=c++17 -I. -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o hopper_gemm dev/cuda/hopper_gemm.cu -lcublas -lcublasLt -lnccl
+ * Stage 9 and the "wgrad" benchmark rows: the experts' weight gradient, hopper_grouped_wgrad (fp32 dW, beta).
  *   ./hopper_gemm --check     staged correctness checks only (each stage says what a failure points at)
  *   ./hopper_gemm             checks, then the benchmark (exits 1 if any check fails; no benchmark then)
  *   ./hopper_gemm --bench     benchmark only (every benchmarked result is still checked against cuBLAS)
@@ -544,6 +545,161 @@ static bool check_tma(Lab& L) {
     return ok;
 }
 
+// ---- Stage 9: the experts' weight gradient, hopper_grouped_wgrad ----------------------------------------
+// dW_g [M, N] (fp32) = beta dW_g + dY_g^T X_g, dY [a_rows, M] and X [a_rows, N] with the groups' rows
+// concatenated. Reference: cuBLAS, one cublasGemmEx per group (fp32 out, the same beta), empty groups by
+// hand (zeroed where beta == 0, else untouched). Rows of dY and X past the groups' sum are NaN: a partial
+// last k-block that let them in (the shared-memory zeroing failing) turns the last group's dW into NaN.
+// With beta 0 dW starts as NaN (every element, empty groups' too, must be written); with beta 1 it starts
+// random (and the reference starts from the same values).
+// Tolerance, per element: |ours - ref| <= 2^-16 n_max + 2^-22 |ref|. Why: both sides add the same exact
+// bf16 x bf16 products (exact in fp32) in fp32 in different orders, ~sqrt(n) 2^-24 sum|a b| apart (sum|a b|
+// ~ n / 4 for inputs in [-1, 1]), e.g. ~1e-4 at n = 1500, and the lab's 2^-16 n floor (0.023 there) bounds
+// it with margin; beta 1 adds one fp32 rounding of the sum on each side (2^-22 |ref| covers both). A lost,
+// repeated or foreign 16-row k slice moves an element by ~sqrt(16) / 3 ~ 1.3: far above it.
+__global__ void fill_f32_kernel(float* p, size_t n, uint32_t seed, int nan) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t x = (uint32_t)i * 0x9E3779B1u ^ (uint32_t)(i >> 32) * 0x85EBCA77u ^ seed * 0xC2B2AE3Du;
+        x ^= x >> 15, x *= 0x2C1B3C6Du, x ^= x >> 12, x *= 0x297A2D39u, x ^= x >> 15;
+        p[i] = nan ? __int_as_float(0x7FFFFFFF) : (float)(x >> 8) * (2.0f / 16777216.0f) - 1.0f;
+    }
+}
+__global__ void compare_f32_kernel(const float* got, const float* ref, size_t n, float abs_floor, unsigned long long* bad_nan_diff) {
+    unsigned long long bad = 0, nans = 0, diff = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float g = got[i], r = ref[i];
+        nans += isnan(g);
+        bad += !(fabsf(g - r) <= abs_floor + ldexpf(fabsf(r), -22));
+        diff += __float_as_uint(g) != __float_as_uint(r);
+    }
+    for (int o = 16; o; o >>= 1) {
+        bad += __shfl_xor_sync(~0u, bad, o), nans += __shfl_xor_sync(~0u, nans, o), diff += __shfl_xor_sync(~0u, diff, o);
+    }
+    if ((threadIdx.x & 31) == 0) atomicAdd(&bad_nan_diff[0], bad), atomicAdd(&bad_nan_diff[1], nans), atomicAdd(&bad_nan_diff[2], diff);
+}
+struct WCase {
+    std::vector<int> m;
+    int G = 0, M = 0, N = 0, a_rows = 0, n_max = 0;
+    long long rows = 0;
+    bf16 *dY = nullptr, *X = nullptr;
+    float *dW = nullptr, *ref = nullptr, *first = nullptr;
+    int* m_dev = nullptr;
+    size_t out() const { return (size_t)G * M * N; }
+};
+static WCase make_wcase(Lab& L, const std::vector<int>& m, int M, int N, uint32_t seed, int extra_rows) {
+    WCase c;
+    c.m = m, c.G = (int)m.size(), c.M = M, c.N = N;
+    for (int x : m) c.rows += x, c.n_max = std::max(c.n_max, x);
+    c.a_rows = (int)c.rows + extra_rows;
+    const size_t ar = std::max<size_t>(c.a_rows, 1);
+    CK(cudaMalloc(&c.dY, sizeof(bf16) * ar * M));
+    CK(cudaMalloc(&c.X, sizeof(bf16) * ar * N));
+    CK(cudaMalloc(&c.dW, sizeof(float) * c.out()));
+    CK(cudaMalloc(&c.ref, sizeof(float) * c.out()));
+    CK(cudaMalloc(&c.first, sizeof(float) * c.out()));
+    CK(cudaMalloc(&c.m_dev, sizeof(int) * c.G));
+    fill_uniform(L, c.dY, (size_t)c.rows * M, seed);
+    fill_uniform(L, c.X, (size_t)c.rows * N, seed + 1000);
+    fill_sentinel(L, c.dY + (size_t)c.rows * M, (size_t)extra_rows * M);  // NaN rows past the sum
+    fill_sentinel(L, c.X + (size_t)c.rows * N, (size_t)extra_rows * N);
+    CK(cudaMemcpyAsync(c.m_dev, m.data(), sizeof(int) * c.G, cudaMemcpyHostToDevice, L.stream));
+    sync_or_die(L, "make_wcase");
+    return c;
+}
+static void free_wcase(WCase& c) {
+    CK(cudaFree(c.dY));
+    CK(cudaFree(c.X));
+    CK(cudaFree(c.dW));
+    CK(cudaFree(c.ref));
+    CK(cudaFree(c.first));
+    CK(cudaFree(c.m_dev));
+}
+static void run_wgrad(Lab& L, const WCase& c, int variant, float beta, int max_ctas = 0) {
+    hg::options o;
+    o.variant = variant, o.max_ctas = max_ctas, o.wd = L.wd_dev, o.timeout_ns = L.timeout_ns;
+    hopper_grouped_wgrad(&L.ex, c.dW, c.dY, c.X, c.a_rows, c.m_dev, c.G, c.M, c.N, beta, &o);
+    if (L.error.status != MT_OK) {
+        fprintf(stderr, "hopper_grouped_wgrad refused: %s\n", L.error.error.message);
+        exit(2);
+    }
+}
+// the reference (and today's library path): row-major dW_g [M, N] = dY_g^T X_g is column-major dW_g^T [N, M] =
+// X_g^T (col-major [N, n], op N) times dY_g (col-major [M, n], op T)
+static void cublas_wgrad(Lab& L, const WCase& c, float* dW, float beta) {
+    long long r0 = 0;
+    const float one = 1.f;
+    for (int g = 0; g < c.G; r0 += c.m[g], g++) {
+        float* D = dW + (size_t)g * c.M * c.N;
+        if (c.m[g] == 0) {
+            if (beta == 0.f) CK(cudaMemsetAsync(D, 0, sizeof(float) * (size_t)c.M * c.N, L.stream));
+            continue;
+        }
+        CB(cublasGemmEx(L.cublas, CUBLAS_OP_N, CUBLAS_OP_T, c.N, c.M, c.m[g], &one, c.X + (size_t)r0 * c.N, CUDA_R_16BF, c.N,
+                        c.dY + (size_t)r0 * c.M, CUDA_R_16BF, c.M, &beta, D, CUDA_R_32F, c.N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+}
+// dW's start: NaN (beta 0: every element must be written) or random values (beta 1)
+static void wgrad_start(Lab& L, WCase& c, float* p, float beta) {
+    fill_f32_kernel<<<1024, 256, 0, L.stream>>>(p, c.out(), 77u + (uint32_t)c.G, beta == 0.f);
+    CK(cudaGetLastError());
+}
+// counts on the device: [0] elements out of tolerance, [1] NaNs in got, [2] elements not bitwise equal
+static void wgrad_compare(Lab& L, const WCase& c, const float* got, const float* ref, unsigned long long cnt[3], const char* what) {
+    unsigned long long* cnt_d;
+    CK(cudaMalloc(&cnt_d, 3 * sizeof(unsigned long long)));
+    CK(cudaMemsetAsync(cnt_d, 0, 3 * sizeof(unsigned long long), L.stream));
+    compare_f32_kernel<<<512, 256, 0, L.stream>>>(got, ref, c.out(), ldexpf((float)std::max(c.n_max, 1), -16), cnt_d);
+    CK(cudaGetLastError());
+    CK(cudaMemcpyAsync(cnt, cnt_d, 3 * sizeof(unsigned long long), cudaMemcpyDeviceToHost, L.stream));
+    sync_or_die(L, what);
+    CK(cudaFree(cnt_d));
+}
+// per element against cuBLAS from the same start
+static bool check_wgrad(Lab& L, WCase& c, int vi, float beta, const char* what, int max_ctas = 0) {
+    wgrad_start(L, c, c.dW, beta);
+    wgrad_start(L, c, c.ref, beta);
+    cublas_wgrad(L, c, c.ref, beta);
+    run_wgrad(L, c, vi, beta, max_ctas);
+    unsigned long long cnt[3];
+    wgrad_compare(L, c, c.dW, c.ref, cnt, what);
+    const bool ok = cnt[0] == 0 && cnt[1] == 0;
+    printf("    %-4s %-22s %-46s beta %g: %llu of %zu elements off (%llu NaN)\n", ok ? "PASS" : "FAIL", g_variants[vi].name, what,
+           (double)beta, cnt[0], c.out(), cnt[1]);
+    if (!ok) L.failures++;
+    return ok;
+}
+// two runs from the same start: bitwise the same (all SMs, then 3 CTAs: another tile order per CTA)
+static bool check_wgrad_repeat(Lab& L, WCase& c, int vi, float beta, const char* what) {
+    wgrad_start(L, c, c.dW, beta);
+    run_wgrad(L, c, vi, beta);
+    CK(cudaMemcpyAsync(c.first, c.dW, sizeof(float) * c.out(), cudaMemcpyDeviceToDevice, L.stream));
+    wgrad_start(L, c, c.dW, beta);
+    run_wgrad(L, c, vi, beta, 3);
+    unsigned long long cnt[3];
+    wgrad_compare(L, c, c.dW, c.first, cnt, what);
+    const bool ok = cnt[2] == 0;
+    printf("    %-4s %-22s %-46s beta %g: %llu of %zu elements differ between two runs (all SMs, 3 CTAs)\n", ok ? "PASS" : "FAIL",
+           g_variants[vi].name, what, (double)beta, cnt[2], c.out());
+    if (!ok) L.failures++;
+    return ok;
+}
+static void run_wgrad_checks(Lab& L, int vi) {
+    const int bn = g_variants[vi].bn;
+    char what[128];
+    { WCase c = make_wcase(L, {64}, 128, bn, 41, 0); snprintf(what, sizeof what, "G 1 n 64 M 128 N %d (one tile, one k-block)", bn);
+      check_wgrad(L, c, vi, 0.f, what); free_wcase(c); }
+    { WCase c = make_wcase(L, {1000}, 256, 512, 42, 64); check_wgrad(L, c, vi, 0.f, "G 1 n 1000 (partial k-block) M 256 N 512, +64 NaN rows");
+      check_wgrad(L, c, vi, 1.f, "  the same"); check_wgrad(L, c, vi, 0.f, "  the same on 3 CTAs", 3); free_wcase(c); }
+    { WCase c = make_wcase(L, {0, 1, 300, 129, 0}, 264, 200, 43, 77);
+      check_wgrad(L, c, vi, 0.f, "G 5 n {0,1,300,129,0} M 264 N 200, +77 NaN rows"); check_wgrad(L, c, vi, 1.f, "  the same"); free_wcase(c); }
+    { WCase c = make_wcase(L, {0, 0, 0}, 128, 256, 44, 5); check_wgrad(L, c, vi, 0.f, "G 3 n {0,0,0} (zeros only)");
+      check_wgrad(L, c, vi, 1.f, "  the same (untouched)"); free_wcase(c); }
+    { WCase c = make_wcase(L, uneven_counts(16, 200, 45), 768, 384, 45, 33);
+      check_wgrad(L, c, vi, 1.f, "G 16 uneven avg 200 M 768 N 384"); check_wgrad(L, c, vi, 1.f, "  the same on 5 CTAs", 5); free_wcase(c); }
+    { WCase c = make_wcase(L, uneven_counts(128, 256, 46), 1536, 2048, 46, 0);
+      check_wgrad(L, c, vi, 0.f, "G 128 uneven avg 256 M 1536 N 2048 (Qwen3 fc1)"); check_wgrad(L, c, vi, 1.f, "  the same");
+      check_wgrad_repeat(L, c, vi, 1.f, "  the same"); free_wcase(c); }
+}
 static void stage(const char* title, const char* if_fails) {
     printf("\n  %s\n    (a failure here, with the stages above passing, points at: %s)\n", title, if_fails);
 }
@@ -595,6 +751,11 @@ static void run_checks(Lab& L) {
           check_case(L, c, v, "B[K,N] G 16 uneven N 768 K 384, +77 rows"); check_case(L, c, v, "  the same on 3 CTAs", 3); free_case(c); }
         { Case c = make_case(L, uneven_counts(128, 256, 36), 2048, 1536, 36, 0, hg::B_KN); check_case(L, c, v, "B[K,N] G 128 uneven N 2048 K 1536");
           check_repeat(L, c, v, "B[K,N] G 128 uneven N 2048 K 1536"); free_case(c); }
+        stage("stage 9: the experts' weight gradient dW_g = beta dW_g + dY_g^T X_g (hopper_grouped_wgrad: both operands MN-major)",
+              "(one tile) wgmma's transposed A (imm-trans-a) or the A boxes' coordinates; (partial k-block) the shared-memory "
+              "zeroing of rows past the group, its proxy fence or named barrier; (empty groups) the beta 0 zero store; "
+              "(beta 1) the fp32 read-add-write");
+        run_wgrad_checks(L, vi);
         if (L.failures > failures_before) {
             printf(" -- variant %d FAILED: left out of the benchmark --\n", vi);
             L.skip[vi] = true;
@@ -673,6 +834,21 @@ static BenchRow bench_case(Lab& L, const char* name, const std::vector<int>& m, 
     return row;
 }
 
+// benchmark rows: ours against cuBLAS one GEMM per expert (the library's path before this kernel)
+static void bench_wgrad(Lab& L, const char* name, const std::vector<int>& m, int M, int N, uint32_t seed) {
+    WCase c = make_wcase(L, m, M, N, seed, 0);
+    const double flop = 2.0 * (double)c.rows * M * N;
+    printf("  %s: G %d, rows %lld, dW [%d, %d] fp32, beta 1\n    TFLOP/s:", name, c.G, c.rows, M, N);
+    for (int vi = 0; vi < NVAR; vi++) {
+        if (L.skip[vi]) continue;
+        const bool ok = check_wgrad(L, c, vi, 1.f, name);
+        const double ms = median_ms(L, [&] { run_wgrad(L, c, vi, 1.f); });
+        printf("    [%d] %.0f%s", vi, flop / (ms * 1e9), ok ? "" : " (WRONG)");
+    }
+    const double ms = median_ms(L, [&] { cublas_wgrad(L, c, c.ref, 1.f); });
+    printf(" | cuBLAS per expert %.0f\n", flop / (ms * 1e9));
+    free_wcase(c);
+}
 static void run_bench(Lab& L) {
     printf("\n== benchmark (median of 25 CUDA-event timings after 5 warm-ups) ==\n");
     std::vector<BenchRow> rows;
@@ -692,6 +868,11 @@ static void run_bench(Lab& L) {
     rows.push_back(bench_case(L, "mixtral fc1 dgrad uneven", uneven_counts(8, 1024, 113), 4096, 28672, 113, hg::B_KN));
     rows.push_back(bench_case(L, "mixtral fc2 dgrad uneven", uneven_counts(8, 1024, 114), 14336, 4096, 114, hg::B_KN));
 
+    // the experts' weight gradients dW_e = dy_e^T x_e: fc1's [2 fe, h] from dz and x, fc2's [h, fe] from dy and act
+    bench_wgrad(L, "qwen3 fc1 wgrad uneven", uneven_counts(128, 256, 115), 1536, 2048, 115);
+    bench_wgrad(L, "qwen3 fc2 wgrad uneven", uneven_counts(128, 256, 116), 2048, 768, 116);
+    bench_wgrad(L, "qwen3 fc1 wgrad balanced", std::vector<int>(128, 256), 1536, 2048, 117);
+    bench_wgrad(L, "mixtral fc2 wgrad uneven", uneven_counts(8, 1024, 118), 4096, 14336, 118);
     printf("\n| case | GFLOP |");
     for (int vi = 0; vi < NVAR; vi++) printf(" %s TFLOP/s |", g_variants[vi].name);
     printf(" cuBLAS dense same FLOPs | cuBLAS grouped | best ours / cuBLAS dense |\n|---|---|");
