@@ -9810,7 +9810,7 @@ static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs
                                           cview(in.k), cview(in.v), s.B, s.heads, s.groups, s.S, s.d, drop,
                                           dims.doc_start, t->act.cp, t->act.cp_bytes);
             else /* section 13.2's forward where it runs and fits (not under context parallelism), else section 9's */
-                CUDA_CHECK(ex->error, attention_forward_fast(a2a || !ex->gemm ? NULL : &ex->gemm->hopper, t->attn_fwd,
+                CUDA_CHECK(ex->error, attention_forward_fast(a2a ? NULL : &t->gemm.hopper, t->attn_fwd,
                                                              heads_rows_view(sa, out), lse, cview(in.q), cview(in.k),
                                                              cview(in.v), sa.B, sa.heads, sa.groups, sa.S, sa.d,
                                                              ex->stream, drop, da.doc_start));
