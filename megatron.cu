@@ -41,6 +41,7 @@
  *   12. FP8: formats, scaling, casts and transposes
  *   13. GEMM
  *       13.1 Hopper grouped GEMM (wgmma, TMA)
+ *       13.2 Hopper attention forward (FlashAttention-3 style: TMA, wgmma, warp specialisation)
  *   14. Mixture of experts: routing, permutation, the experts' activation
  *   22. Generation kernels: the KV cache, decode attention and sampling
  *   Part II: the model and the trainer
