@@ -41,6 +41,7 @@
  *   12. FP8: formats, scaling, casts and transposes
  *   13. GEMM
  *       13.1 Hopper grouped GEMM (wgmma, TMA)
+ *       13.2 Hopper attention forward (FlashAttention-3 style: TMA, wgmma, warp specialisation)
  *   14. Mixture of experts: routing, permutation, the experts' activation
  *   22. Generation kernels: the KV cache, decode attention and sampling
  *   Part II: the model and the trainer
@@ -4644,6 +4645,7 @@ typedef struct {
     int state;
     int sms;
     void* encode;
+    int attn; /* section 13.2's attention forward: 0 not yet probed, 1 it runs here, -1 it does not */
 } mt_hopper_gemm_state;
 
 /* The handles, the workspace and the plan cache (mt_exec.gemm points here; the stream and the
@@ -5165,7 +5167,8 @@ enum { B_NK = 0, B_KN = 1, B_LAYOUTS = 2 };
 /* Written by a device thread whose wait timed out (the lab passes one in mapped pinned memory). */
 struct watchdog {
     volatile int fired;                                        /* 1 once written */
-    volatile int block, thread, role, stage, parity, tile, kb; /* role 0: producer waiting on "empty", 1: consumer on "full" */
+    volatile int block, thread, role, stage, parity, tile, kb; /* role 0: producer waiting on "empty", 1: consumer on "full",
+                                                                  2: section 13.2's consumer on its ping-pong turn */
     volatile int clamped;                                      /* the schedule clamped rows: sum m_g > a_rows */
 };
 /* The lab's and the tests' knobs; the model passes none (NULL: the defaults). */
@@ -5280,6 +5283,15 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
         "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
         : "memory");
 }
+/* 5-D TMA load (section 13.2's attention: c0 = column, c1 = sequence row, c2 = head in its group, c3 = group,
+ * c4 = batch), likewise */
+__device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2,
+                                            int c3, int c4) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+        : "memory");
+}
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -5294,6 +5306,11 @@ __device__ __forceinline__ void reg_fence(float* r) {
     for (int i = 0; i < R; i++) asm volatile("" : "+f"(r[i])::"memory");
 }
 template <int R>
+__device__ __forceinline__ void reg_fence(uint32_t* r) {
+#pragma unroll
+    for (int i = 0; i < R; i++) asm volatile("" : "+r"(r[i])::"memory");
+}
+template <int R>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R)); }
 template <int R>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R)); }
@@ -5303,9 +5320,10 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 /* the descriptor of an N-major B (B_KN, see above): 64-column blocks of [64 k rows][128 bytes] 8 KiB apart (leading
- * byte offset: the next 64 columns), 8-row groups 1024 bytes apart (stride byte offset: the next 8 k) */
-__device__ __forceinline__ uint64_t make_desc_n_major(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(8192 >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) |
+ * byte offset: the next 64 columns), 8-row groups 1024 bytes apart (stride byte offset: the next 8 k). lbo: the
+ * step between 64-column blocks where they hold more k rows (section 13.2's V tiles: 128 keys, 16 KiB). */
+__device__ __forceinline__ uint64_t make_desc_n_major(uint32_t addr, uint32_t lbo = 8192) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) |
            ((uint64_t)1 << 62);
 }
 
@@ -5365,6 +5383,29 @@ __device__ __forceinline__ void wgmma_m64n128k16(float* d, uint64_t desc_a, uint
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TB), "n"(TA));
+}
+/* D[64 x 128] (+)= A[64 x 16] B[16 x 128], A from registers (4 bf16x2 per thread: the accumulator layout of two
+ * adjacent 8-column blocks, PTX ISA "Register Fragments"), B N-major in shared memory (imm-trans-b = 1);
+ * section 13.2's O += P V. */
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float* d, const uint32_t* a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 template <int BN, int TB, int TA = 0>
 __device__ __forceinline__ void wgmma_bn(float* d, uint64_t da, uint64_t db, int scale_d) {
@@ -5912,6 +5953,458 @@ static void hopper_grouped_wgrad(const mt_exec* ex, float* dW, const __nv_bfloat
     const unsigned long long timeout = opt && opt->timeout_ns ? opt->timeout_ns : 20000000000ull;
     if (v == 0) hg_wgrad_launch<0>(ex, tdy, tx, dW, counts, G, M, N, (int)a_rows, beta, (int)grid, wd, timeout);
     else hg_wgrad_launch<1>(ex, tdy, tx, dW, counts, G, M, N, (int)a_rows, beta, (int)grid, wd, timeout);
+}
+
+/* ============================================================================================== */
+/* 13.2 Hopper attention forward (FlashAttention-3 style: TMA, wgmma, warp specialisation)       */
+/*    The causal bf16 attention forward at head dim 128 on Hopper, an alternative to section 9's  */
+/*    FA2 forward (mma.sync): on an H200 its lab dev/cuda/flash_attention_hopper.cu measured      */
+/*    507-611 TFLOP/s at d = 128 causal against ~264 for section 9's kernel. It writes the same    */
+/*    O (through the same fa::heads_view) and the same LSE [B, H, T] (fp32, natural log) that     */
+/*    section 9's backward reads, so only the forward changes. PTX wrappers: section 13.1's (hg). */
+/*    Selection (attention_forward_fast): this kernel where it runs (sm_90a build, compute 9.x,   */
+/*    probed once into mt_hopper_gemm_state.attn), d = 128, no dropout, no document mask, no      */
+/*    context parallelism; MT_ATTN_FWD=fa2 forces section 9's forward (attn_fwd_parse).            */
+/*    defines: namespace fa3 (the kernel), hopper_attention_available, hopper_attention_forward,  */
+/*    attn_fwd_parse, attention_forward_fast.                                                      */
+/* ============================================================================================== */
+/*
+ * ---- The CTA: 384 threads, 128 query rows of one (b, h); grid (ceil(T / 128), H, B) ----------------
+ *   warpgroup 0 producer (setmaxnreg.dec 24): one thread loads the Q tile once, then for key tile n the
+ *     K tile and the V tile into stage n % 2, each after that stage's "empty" mbarrier (8 consumer-warp
+ *     arrivals) says the consumers are done with it. K and V have their own full/empty barriers.
+ *   warpgroups 1, 2 consumers (setmaxnreg.inc 240), 64 query rows each: S_n = Q K_n^T (wgmma m64n128k16,
+ *     both K-major in shared memory), the online softmax in registers (running max m, sum l; exp2 of
+ *     scale*log2(e)-scaled scores), O += P V (P from registers as bf16, V read N-major: wgmma's
+ *     transposed B). Intra-warpgroup overlap: S_n and P_{n-1} V_{n-1} are issued back to back and the
+ *     softmax of S_n runs while the second is in flight. Ping-pong: the two consumers take turns to
+ *     issue (two "turn" mbarriers, 4 arrivals each), so one's softmax overlaps the other's products.
+ *   Causal: a CTA stops at its diagonal key tile; blockIdx.x is reversed (the longest rows start first).
+ *
+ * ---- Tensor maps over the strided views (built per call on the host) --------------------------------
+ *   A view (fa::heads_view) puts element c of row t of head h of batch b at
+ *   p + b*batch + t*row + (h / qpg)*group + (h % qpg)*head + c. The map is 5-D: (c: d, t: T,
+ *   h % qpg: qpg, h / qpg: groups, b: B) with those strides in bytes (multiples of 16: fa::view_ok), so
+ *   the fused QKV rows are read in place. Boxes [1][1][1][128 rows][64 columns] with the 128-byte swizzle:
+ *   a [128 x 128] tile takes 2 loads, stored as two [128][64] column halves; a box past T is zero-filled
+ *   by TMA within its own head. Keys >= T are masked to -inf; rows >= T are not stored.
+ *
+ * ---- Descriptors (section 13.1's make_desc / make_desc_n_major) -------------------------------------
+ *   Q, K (K-major): k-slice kk of d starts in column half kk / 4, byte (kk % 4) * 32 of the row.
+ *   V (N-major, B of O = P V): the next 64 columns of d are the next column half, 128 keys x 128 bytes
+ *   = 16 KiB on (leading byte offset), 8 keys are 1024 bytes (stride byte offset); k-slice kk (keys
+ *   16kk..16kk+15) starts 2048 kk bytes on.
+ *   P as wgmma's register A: the accumulator layout of a k16 slice equals that of two adjacent n8 column
+ *   blocks, so P's slice kk is pack(s[8kk..8kk+7]) in pairs, no data movement.
+ *
+ * ---- Numerics and determinism ---------------------------------------------------------------------
+ *   fp32 scores and sums, P rounded to bf16 for the P V product, O = (sum P V) / l rounded to bf16 once;
+ *   LSE = scale * m + log(l). Each output is one thread's sums in a fixed order (key tiles ascending):
+ *   bitwise the same from run to run. Section 9's forward sums in 64-key tiles in another order, so the
+ *   two agree to rounding, not bitwise (bf16 runs at d = 128 change in their last bits with this kernel).
+ *
+ * ---- Watchdog -------------------------------------------------------------------------------------
+ *   Every mbarrier wait is section 13.1's bounded wait (hg::mbar_wait: 20 s, then trap), so a deadlock
+ *   ends the kernel with an error instead of hanging the trainer.
+ */
+namespace fa3 {
+constexpr int D = 128;       /* head dim */
+constexpr int BM = 128;      /* query rows per CTA: 2 consumer warpgroups x 64 */
+constexpr int BN = 128;      /* keys per tile */
+constexpr int STAGES = 2;    /* K/V pipeline stages */
+constexpr int THREADS = 384; /* producer warpgroup + 2 consumer warpgroups */
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240; /* 24*128 + 240*256 = 168*384: the register file */
+constexpr int TILE_Q = BM * D * 2, TILE_KV = BN * D * 2; /* 32 KiB each */
+constexpr int OFF_Q = 0, OFF_K = TILE_Q, OFF_V = OFF_K + STAGES * TILE_KV, OFF_BAR = OFF_V + STAGES * TILE_KV;
+constexpr int NBAR = 1 + 4 * STAGES + 2; /* Q full; K full, V full, K empty, V empty per stage; 2 turns */
+constexpr int SMEM = OFF_BAR + NBAR * 8 + 1024; /* + slack to align the base to 1024 bytes: 160 KiB + */
+constexpr unsigned long long TIMEOUT_NS = 20000000000ull;
+static_assert(SMEM <= 227 * 1024, "shared memory");
+
+/* What the kernel takes besides the tensor maps: O's view (written with plain stores), LSE [B, H, T]. */
+struct params {
+    fa::heads_view<bf16> O;
+    float* LSE;
+    int H, Hkv, T;
+    float scale;      /* 1/sqrt(D) */
+    float scale_log2; /* scale * log2(e): exp(scale x) = exp2(scale_log2 x) */
+    hg::watchdog* wd; /* NULL: a timed-out wait just traps */
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* s[BN/2]: this thread's scores of key tile n (rows row0 = 16w+g, row1 = row0+8); keys >= T and keys after
+ * the row (causal) become -inf */
+__device__ __forceinline__ void mask_tile(float (&s)[BN / 2], int n, int row0, int row1, int T, int t) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int col = n * BN + 8 * j + 2 * t + (e & 1);
+            const int row = e < 2 ? row0 : row1;
+            if (col >= T || col > row) s[4 * j + e] = -INFINITY;
+        }
+}
+
+/* Online softmax over one tile for the thread's two rows: m (raw q.k units) and l (this thread's partial
+ * sum; the row's 4 threads are summed at the end) updated; c0, c1 = the factors for O's rows; s becomes
+ * exp(scale (s - m)). A row whose max is still -inf uses 0 as its base (zeros, no NaN). */
+__device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], float& m0, float& m1, float& l0, float& l1, float& c0,
+                                             float& c1, float scale_log2) {
+    float x0 = m0, x1 = m1;
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++) {
+        x0 = fmaxf(x0, fmaxf(s[4 * j], s[4 * j + 1]));
+        x1 = fmaxf(x1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 1));
+    x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 2));
+    x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 1));
+    x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 2));
+    const float b0 = x0 == -INFINITY ? 0.0f : x0 * scale_log2;
+    const float b1 = x1 == -INFINITY ? 0.0f : x1 * scale_log2;
+    c0 = fa::exp2_approx(m0 * scale_log2 - b0); /* m0 = -inf: 0 */
+    c1 = fa::exp2_approx(m1 * scale_log2 - b1);
+    m0 = x0;
+    m1 = x1;
+    float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++) {
+        s[4 * j] = fa::exp2_approx(fmaf(s[4 * j], scale_log2, -b0));
+        s[4 * j + 1] = fa::exp2_approx(fmaf(s[4 * j + 1], scale_log2, -b0));
+        s[4 * j + 2] = fa::exp2_approx(fmaf(s[4 * j + 2], scale_log2, -b1));
+        s[4 * j + 3] = fa::exp2_approx(fmaf(s[4 * j + 3], scale_log2, -b1));
+        sum0 += s[4 * j] + s[4 * j + 1];
+        sum1 += s[4 * j + 2] + s[4 * j + 3];
+    }
+    l0 = l0 * c0 + sum0;
+    l1 = l1 * c1 + sum1;
+}
+
+__device__ __forceinline__ void rescale_o(float (&o)[D / 2], float c0, float c1) {
+#pragma unroll
+    for (int j = 0; j < D / 8; j++) {
+        o[4 * j] *= c0;
+        o[4 * j + 1] *= c0;
+        o[4 * j + 2] *= c1;
+        o[4 * j + 3] *= c1;
+    }
+}
+
+/* P (fp32, accumulator layout) -> bf16 register-A fragments, one per k16 slice of keys */
+__device__ __forceinline__ void convert_p(const float (&s)[BN / 2], uint32_t (&pa)[BN / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) {
+        pa[kk][0] = fa::pack_bf16(s[8 * kk], s[8 * kk + 1]);
+        pa[kk][1] = fa::pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = fa::pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = fa::pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
+/* S[64 x BN] = Q_w K^T over d; q_base = the warpgroup's first Q row in column half 0 */
+__device__ __forceinline__ void gemm_qk(float (&s)[BN / 2], uint32_t q_base, uint32_t k_base) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        const uint32_t off_q = (kk / 4) * (BM * 128) + (kk % 4) * 32;
+        const uint32_t off_k = (kk / 4) * (BN * 128) + (kk % 4) * 32;
+        hg::wgmma_m64n128k16<0>(s, hg::make_desc(q_base + off_q), hg::make_desc(k_base + off_k), kk > 0);
+    }
+}
+
+/* O[64 x D] += P[64 x BN] V[BN x D], V N-major: column halves BN*128 bytes apart */
+__device__ __forceinline__ void gemm_pv(float (&o)[D / 2], uint32_t (&pa)[BN / 16][4], uint32_t v_base) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++)
+        hg::wgmma_m64n128k16_rs(o, pa[kk], hg::make_desc_n_major(v_base + kk * 16 * 128, BN * 128), 1);
+}
+
+/* consumers' wait: the wgmma that follows is .sync.aligned, so the warp reconverges after the spin */
+__device__ __forceinline__ void wait_warp(uint32_t bar, uint32_t parity, hg::watchdog* wd, int role, int what, int tile,
+                                          int n) {
+    hg::mbar_wait(bar, parity, wd, TIMEOUT_NS, role, what, tile, n);
+    __syncwarp();
+}
+#endif /* __CUDA_ARCH_FEAT_SM90_ALL */
+
+/* watchdog "stage" field: which barrier was waited for */
+enum { WAIT_Q_FULL = 0, WAIT_K_FULL, WAIT_V_FULL, WAIT_K_EMPTY, WAIT_V_EMPTY, WAIT_TURN };
+
+__global__ void __launch_bounds__(THREADS, 1)
+    fa3_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                   const __grid_constant__ CUtensorMap tm_v, params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace hg;
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t raw = hg::smem_u32(smem_raw);
+    const uint32_t sbase = (raw + 1023u) & ~1023u;
+    const uint32_t sQ = sbase + OFF_Q, sK = sbase + OFF_K, sV = sbase + OFF_V, bars = sbase + OFF_BAR;
+    const uint32_t q_full = bars;
+    auto k_full = [&](int s) { return bars + 8u * (1 + s); };
+    auto v_full = [&](int s) { return bars + 8u * (1 + STAGES + s); };
+    auto k_empty = [&](int s) { return bars + 8u * (1 + 2 * STAGES + s); };
+    auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * STAGES + s); };
+    auto turn = [&](int w) { return bars + 8u * (1 + 4 * STAGES + w); }; /* consumer w may issue its GEMMs */
+
+    const int m_block = gridDim.x - 1 - blockIdx.x; /* the longest rows first */
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int qpg = p.H / p.Hkv, hkv = h / qpg;
+    const int T = p.T;
+    const int key_end = min(T, (m_block + 1) * BM);
+    const int n_tiles = (key_end + BN - 1) / BN;
+    /* warp-uniform by construction (a broadcast from lane 0): ptxas then gives each role's branch the
+     * register budget its setmaxnreg sets */
+    const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0), lane = threadIdx.x % 32, wg = warp / 4;
+
+    if (threadIdx.x == 0) {
+        mbar_init(q_full, 1);
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(k_full(s), 1);
+            mbar_init(v_full(s), 1);
+            mbar_init(k_empty(s), 8); /* lane 0 of each of the 8 consumer warps */
+            mbar_init(v_empty(s), 8);
+        }
+        mbar_init(turn(0), 4); /* lane 0 of each warp of the other consumer warpgroup */
+        mbar_init(turn(1), 4);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        /* ---- producer ---- */
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (warp == 0 && lane == 0) {
+            tma_prefetch_desc(&tm_q);
+            tma_prefetch_desc(&tm_k);
+            tma_prefetch_desc(&tm_v);
+            mbar_arrive_expect_tx(q_full, TILE_Q);
+#pragma unroll
+            for (int c = 0; c < D / 64; c++)
+                tma_load_5d(sQ + c * BM * 128, &tm_q, q_full, 64 * c, m_block * BM, h % qpg, h / qpg, b);
+            for (int n = 0; n < n_tiles; n++) {
+                const int s = n % STAGES;
+                const uint32_t ph = (n / STAGES) & 1;
+                mbar_wait(k_empty(s), ph ^ 1, p.wd, TIMEOUT_NS, 0, WAIT_K_EMPTY, m_block, n);
+                mbar_arrive_expect_tx(k_full(s), TILE_KV);
+#pragma unroll
+                for (int c = 0; c < D / 64; c++)
+                    tma_load_5d(sK + s * TILE_KV + c * BN * 128, &tm_k, k_full(s), 64 * c, n * BN, 0, hkv, b);
+                mbar_wait(v_empty(s), ph ^ 1, p.wd, TIMEOUT_NS, 0, WAIT_V_EMPTY, m_block, n);
+                mbar_arrive_expect_tx(v_full(s), TILE_KV);
+#pragma unroll
+                for (int c = 0; c < D / 64; c++)
+                    tma_load_5d(sV + s * TILE_KV + c * BN * 128, &tm_v, v_full(s), 64 * c, n * BN, 0, hkv, b);
+            }
+        }
+        return;
+    }
+
+    /* ---- consumers ---- */
+    setmaxnreg_inc<CONSUMER_REGS>();
+    const int cw = wg - 1;                              /* consumer warpgroup 0 or 1 */
+    const int w = warp % 4, g = lane / 4, t = lane % 4; /* warp in the warpgroup, row group, column pair */
+    const int wg_row0 = m_block * BM + cw * 64;         /* the warpgroup's first query row */
+    const int row0 = wg_row0 + 16 * w + g, row1 = row0 + 8;
+    const uint32_t q_base = sQ + cw * 64 * 128;
+    const float sl2 = p.scale_log2;
+    /* a tile needs masking when it reaches past T or its last key is after the warpgroup's first row */
+    auto needs_mask = [&](int n) { return (n + 1) * BN > T || (n + 1) * BN - 1 > wg_row0; };
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) o[i] = 0.0f;
+    float s[BN / 2];
+    uint32_t pa[BN / 16][4];
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f, c0, c1;
+    /* Ping-pong: issue slot k (0: S_0; 1 .. n_tiles-1: S_k and P_{k-1} V_{k-1}; n_tiles: the last P V) of
+     * warpgroup 0 waits for warpgroup 1's slot k-1, that of warpgroup 1 for warpgroup 0's slot k; each
+     * arrives on the other's turn barrier once it has issued. A barrier is never more than one phase ahead
+     * of its waiter, so the parity names the phase. */
+    auto turn_wait = [&](int k) {
+        if (cw == 0 && k > 0) wait_warp(turn(0), (k - 1) & 1, p.wd, 2, WAIT_TURN, m_block, k);
+        if (cw == 1) wait_warp(turn(1), k & 1, p.wd, 2, WAIT_TURN, m_block, k);
+    };
+    auto turn_pass = [&]() {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(turn(1 - cw));
+    };
+
+    wait_warp(q_full, 0, p.wd, 1, WAIT_Q_FULL, m_block, 0);
+    /* tile 0: S_0 and its softmax (O is zero: no rescale) */
+    wait_warp(k_full(0), 0, p.wd, 1, WAIT_K_FULL, m_block, 0);
+    turn_wait(0);
+    wgmma_fence();
+    gemm_qk(s, q_base, sK);
+    wgmma_commit();
+    turn_pass();
+    wgmma_wait<0>();
+    reg_fence<BN / 2>(s);
+    if (lane == 0) mbar_arrive(k_empty(0));
+    if (needs_mask(0)) mask_tile(s, 0, row0, row1, T, t);
+    softmax_tile(s, m0, m1, l0, l1, c0, c1, sl2);
+    convert_p(s, pa);
+    for (int n = 1; n < n_tiles; n++) {
+        const int st = n % STAGES, pst = (n - 1) % STAGES;
+        const uint32_t ph = (n / STAGES) & 1, pph = ((n - 1) / STAGES) & 1;
+        wait_warp(k_full(st), ph, p.wd, 1, WAIT_K_FULL, m_block, n);
+        wait_warp(v_full(pst), pph, p.wd, 1, WAIT_V_FULL, m_block, n - 1);
+        turn_wait(n);
+        reg_fence<D / 2>(o);
+        reg_fence<BN / 4>(&pa[0][0]);
+        wgmma_fence();
+        gemm_qk(s, q_base, sK + st * TILE_KV); /* S_n */
+        wgmma_commit();
+        gemm_pv(o, pa, sV + pst * TILE_KV); /* O += P_{n-1} V_{n-1}, in flight during the softmax */
+        wgmma_commit();
+        turn_pass();
+        wgmma_wait<1>(); /* S_n done */
+        reg_fence<BN / 2>(s);
+        if (lane == 0) mbar_arrive(k_empty(st));
+        if (needs_mask(n)) mask_tile(s, n, row0, row1, T, t);
+        softmax_tile(s, m0, m1, l0, l1, c0, c1, sl2);
+        wgmma_wait<0>(); /* P_{n-1} V_{n-1} done: O and pa are free */
+        reg_fence<D / 2>(o);
+        reg_fence<BN / 4>(&pa[0][0]);
+        if (lane == 0) mbar_arrive(v_empty(pst));
+        rescale_o(o, c0, c1);
+        convert_p(s, pa);
+    }
+    {
+        const int st = (n_tiles - 1) % STAGES;
+        const uint32_t ph = ((n_tiles - 1) / STAGES) & 1;
+        wait_warp(v_full(st), ph, p.wd, 1, WAIT_V_FULL, m_block, n_tiles - 1);
+        turn_wait(n_tiles);
+        reg_fence<D / 2>(o);
+        reg_fence<BN / 4>(&pa[0][0]);
+        wgmma_fence();
+        gemm_pv(o, pa, sV + st * TILE_KV);
+        wgmma_commit();
+        turn_pass();
+        wgmma_wait<0>();
+        reg_fence<D / 2>(o);
+        if (lane == 0) mbar_arrive(v_empty(st));
+    }
+
+    /* ---- epilogue: O / l into O's view, LSE = scale * m + log(l) ---- */
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    const size_t bh = (size_t)b * p.H + h;
+    bf16* oh = p.O.at(b, h, qpg) + 2 * t;
+    if (row0 < T) {
+        bf16* out = oh + (int64_t)row0 * p.O.row;
+#pragma unroll
+        for (int j = 0; j < D / 8; j++)
+            *reinterpret_cast<uint32_t*>(out + 8 * j) = fa::pack_bf16(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+        if (t == 0) p.LSE[bh * T + row0] = m0 * p.scale + logf(l0);
+    }
+    if (row1 < T) {
+        bf16* out = oh + (int64_t)row1 * p.O.row;
+#pragma unroll
+        for (int j = 0; j < D / 8; j++)
+            *reinterpret_cast<uint32_t*>(out + 8 * j) = fa::pack_bf16(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+        if (t == 0) p.LSE[bh * T + row1] = m1 * p.scale + logf(l1);
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap(); /* built without sm_90a: never launched (hopper_attention_available says no) */
+#endif
+}
+} /* namespace fa3 */
+
+/* Whether this process's GPU runs section 13.2's kernel: section 13.1's probe (compute 9.x, the driver's
+ * cuTensorMapEncodeTiled) and the kernel built for sm_90a with the registers setmaxnreg's 24/240 split needs
+ * and its shared memory allowed. Probed once into s->attn; a failed probe leaves no CUDA error behind. */
+static bool hopper_attention_available(mt_hopper_gemm_state* s) {
+    if (s->attn) return s->attn > 0;
+    if (!hopper_gemm_available(s)) {
+        s->attn = -1;
+        return false;
+    }
+    int dev = 0, optin = 0;
+    cudaFuncAttributes a;
+    const bool ok = cudaGetDevice(&dev) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
+                    cudaFuncGetAttributes(&a, fa3::fa3_fwd_kernel) == cudaSuccess &&
+                    a.numRegs * fa3::THREADS >= fa3::PRODUCER_REGS * 128 + fa3::CONSUMER_REGS * 256 &&
+                    fa3::SMEM <= optin &&
+                    cudaFuncSetAttribute(fa3::fa3_fwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, fa3::SMEM) ==
+                        cudaSuccess;
+    (void)cudaGetLastError();
+    s->attn = ok ? 1 : -1;
+    return ok;
+}
+
+/* A view of H heads (qpg per group) as a 5-D TMA map (see the section's banner): boxes of 64 columns x 128 rows.
+ * A dimension of size 1 takes a stride that is always valid (its coordinate is always 0). */
+static bool fa3_tensor_map(hg_encode_tiled_fn encode, CUtensorMap* m, attn_cview v, int B, int H, int qpg, int T) {
+    const int64_t big = (int64_t)T * v.row * 2;
+    const cuuint64_t dims[5] = {(cuuint64_t)fa3::D, (cuuint64_t)T, (cuuint64_t)qpg, (cuuint64_t)(H / qpg), (cuuint64_t)B};
+    const cuuint64_t strides[4] = {(cuuint64_t)v.row * 2, (cuuint64_t)(qpg > 1 ? v.head * 2 : big),
+                                   (cuuint64_t)(H / qpg > 1 ? v.group * 2 : big), (cuuint64_t)(B > 1 ? v.batch * 2 : big)};
+    const cuuint32_t box[5] = {64, (cuuint32_t)fa3::BM, 1, 1, 1};
+    const cuuint32_t estr[5] = {1, 1, 1, 1, 1};
+    for (int i = 0; i < 4; i++)
+        if (strides[i] == 0 || strides[i] % 16 != 0 || strides[i] >= ((cuuint64_t)1 << 40)) return false;
+    return encode(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, (void*)v.p, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* Causal attention forward on section 13.2's kernel, as flash_attention_forward without dropout or documents:
+ * O (H heads), LSE [B, H, T] fp32 from Q (H heads), K, V (Hkv heads), views of any layout fa::view_ok takes,
+ * d = 128. cudaErrorInvalidValue (nothing queued) for what it does not take; cudaErrorNotSupported where the
+ * kernel does not run (hopper_attention_available). wd: the tests' watchdog record (NULL: trap only). */
+static cudaError_t hopper_attention_forward(mt_hopper_gemm_state* st, attn_view O, float* LSE, attn_cview Q, attn_cview K,
+                                            attn_cview V, int B, int H, int Hkv, int T, int d, cudaStream_t stream,
+                                            hg::watchdog* wd = NULL) {
+    if (d != fa3::D || !fa::shape_ok(B, H, Hkv, T, d) || !fa::view_ok(O) || !fa::view_ok(Q) || !fa::view_ok(K) ||
+        !fa::view_ok(V) || H > 65535 || B > 65535)
+        return cudaErrorInvalidValue;
+    if (!hopper_attention_available(st)) return cudaErrorNotSupported;
+    const hg_encode_tiled_fn encode = (hg_encode_tiled_fn)st->encode;
+    CUtensorMap mq, mk, mv;
+    if (!fa3_tensor_map(encode, &mq, Q, B, H, H / Hkv, T) || !fa3_tensor_map(encode, &mk, K, B, Hkv, 1, T) ||
+        !fa3_tensor_map(encode, &mv, V, B, Hkv, 1, T))
+        return cudaErrorInvalidValue;
+    fa3::params p;
+    p.O = O;
+    p.LSE = LSE;
+    p.H = H;
+    p.Hkv = Hkv;
+    p.T = T;
+    p.scale = 1.0f / sqrtf((float)d); /* as section 9's forward */
+    p.scale_log2 = p.scale * 1.4426950408889634f;
+    p.wd = wd;
+    const dim3 grid((T + fa3::BM - 1) / fa3::BM, H, B);
+    fa3::fa3_fwd_kernel<<<grid, fa3::THREADS, fa3::SMEM, stream>>>(mq, mk, mv, p);
+    return cudaGetLastError();
+}
+
+/* MT_ATTN_FWD's value: unset or empty, the rule (section 13.2's kernel where it runs and the call fits, else
+ * section 9's); fa2, section 9's forward always; fa3, the rule, and an error where the GPU or build has no
+ * kernel (checked when the trainer is made). Anything else refused in one line (MT_ERR_ARG). */
+enum { MT_ATTN_FWD_DEFAULT = 0, MT_ATTN_FWD_FA2 = 1, MT_ATTN_FWD_FA3 = 2 };
+static mt_status attn_fwd_parse(const char* value, int* mode, mt_error* err) {
+    *mode = MT_ATTN_FWD_DEFAULT;
+    if (!value || !*value) return MT_OK;
+    if (!strcmp(value, "fa2")) *mode = MT_ATTN_FWD_FA2;
+    else if (!strcmp(value, "fa3")) *mode = MT_ATTN_FWD_FA3;
+    else return mt_fail(err, MT_ERR_ARG, "MT_ATTN_FWD=%.64s: expected fa2 or fa3 (unset: fa3 where it runs)", value);
+    return MT_OK;
+}
+
+/* The causal flash forward of one call: section 13.2's kernel where mode allows it, it runs here and the call
+ * is one it takes (d = 128, no dropout, no documents), else section 9's flash_attention_forward. st: the probe's
+ * state (NULL: section 9's). */
+static cudaError_t attention_forward_fast(mt_hopper_gemm_state* st, int mode, attn_view O, float* LSE, attn_cview Q,
+                                          attn_cview K, attn_cview V, int B, int H, int Hkv, int T, int d,
+                                          cudaStream_t stream, const mt_dropout& drop, const int32_t* doc) {
+    if (st && mode != MT_ATTN_FWD_FA2 && d == fa3::D && !drop.on && !doc && hopper_attention_available(st)) {
+        const cudaError_t e = hopper_attention_forward(st, O, LSE, Q, K, V, B, H, Hkv, T, d, stream);
+        if (e != cudaErrorInvalidValue) return e; /* a view it does not take falls through to section 9's */
+    }
+    return flash_attention_forward(O, LSE, Q, K, V, B, H, Hkv, T, d, stream, drop, doc);
 }
 
 /* ============================================================================================== */
@@ -8921,6 +9414,7 @@ struct mt_trainer {
     int64_t num_params;       /* this rank's parameters: its TP shard of its pipeline stage's tensors (no padding) */
     size_t elem;              /* bytes per model element */
     int flash;                /* attention by the flash kernels (bf16, head dim 64/128), else exact */
+    int attn_fwd;             /* MT_ATTN_FWD (attn_fwd_parse, read once at creation): which flash forward */
     float* rope_cos;          /* [T, rot/2] RoPE tables (NULL without RoPE) */
     float* rope_sin;
     /* parameters and gradients share one buffer layout (megatron.h, mt_buffer_layout): reverse model
@@ -9552,10 +10046,11 @@ static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs
                 cp_ring_attention_forward(ex, &t->groups.cp_ring, heads_rows_view(s, out), lse, cview(in.q),
                                           cview(in.k), cview(in.v), s.B, s.heads, s.groups, s.S, s.d, drop,
                                           dims.doc_start, t->act.cp, t->act.cp_bytes);
-            else
-                CUDA_CHECK(ex->error, flash_attention_forward(heads_rows_view(sa, out), lse, cview(in.q), cview(in.k),
-                                                              cview(in.v), sa.B, sa.heads, sa.groups, sa.S, sa.d,
-                                                              ex->stream, drop, da.doc_start));
+            else /* section 13.2's forward where it runs and fits (not under context parallelism), else section 9's */
+                CUDA_CHECK(ex->error, attention_forward_fast(a2a ? NULL : &t->gemm.hopper, t->attn_fwd,
+                                                             heads_rows_view(sa, out), lse, cview(in.q), cview(in.k),
+                                                             cview(in.v), sa.B, sa.heads, sa.groups, sa.S, sa.d,
+                                                             ex->stream, drop, da.doc_start));
             if (a2a) cp_a2a_to_rows<T>(t, ex, s, cb.o, attn, sa.attn_width, cb.dout, cb.xfer);
             return;
         }
@@ -13223,6 +13718,14 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
     t->elem = cfg->precision == MT_FP32 ? 4 : 2;
     /* bf16 attention runs on the flash kernels; fp32/fp16 keep the exact path (fp32 parity is 1e-5) */
     t->flash = mt_flash_attention(cfg);
+    { /* MT_ATTN_FWD, read once here (section 13.2) */
+        mt_error attn_error;
+        if (attn_fwd_parse(getenv("MT_ATTN_FWD"), &t->attn_fwd, &attn_error) != MT_OK)
+            mt_gpu_fail(&t->error, MT_ERR_ARG, "%s", attn_error.message);
+        else if (t->attn_fwd == MT_ATTN_FWD_FA3 && !(t->flash && hopper_attention_available(&t->gemm.hopper)))
+            mt_gpu_fail(&t->error, MT_ERR_ARG, "MT_ATTN_FWD=fa3: the Hopper attention forward needs --bf16 flash attention, "
+                                               "a compute capability 9.x GPU and a build for it (GPU_ARCH=90 builds sm_90a)");
+    }
     mt_param_layout_shard(cfg, t->params_info);
     mt_param_layout(cfg, t->params_info_full);
     loss_scaler_reset(&t->scaler, cfg);

@@ -526,7 +526,157 @@ done:
     return ok ? TEST_PASS : TEST_FAIL;
 }
 
+/* Section 13.2's Hopper attention forward against section 9's FA2 forward, on the model's layouts: q, k, v
+ * read in place from the fused QKV rows, O written into the attention rows (poisoned with NaN first: a row
+ * not written fails), causal, GQA, T not a multiple of the 128-row tile, and T below one tile. Then the
+ * Hopper forward again: bitwise the same O and LSE (fixed summation order). Then section 9's backward from
+ * the Hopper forward's O and LSE must match the backward from FA2's to bf16 tolerance (what the trainer
+ * runs: the new forward feeding the unchanged backward).
+ * Tolerances. O: both kernels sum fp32 scores and round P to bf16 before P V, but in other tile orders
+ * (128 keys vs 64), so P's roundings differ (2^-9 relative each, averaging over the keys) and the two
+ * bf16 results may round apart by one unit (2^-8 relative at most); per element |a - b| <= 2^-7 |b| +
+ * 2^-7 rms(row of b) allows one unit plus the P differences (the row's rms covers entries near zero
+ * from cancellation); norm-wise 2^-8. Any indexing, stride, masking or GQA mistake gives O(1) errors.
+ * LSE: fp32 throughout, m * scale + log(l) in both with l summed in another order: 1e-5 relative (of
+ * max(1, |LSE|): LSE near zero has no relative scale). Gradients: 2e-2 norm-wise, as the reference
+ * checks above (the backward is the same kernel; only O and LSE differ, by the tolerances above). */
+static int fa3_check_shape(const flash_shape* s, mt_hopper_gemm_state* st) {
+    int ok = 1;
+    const int qpg = s->H / s->Hkv, d = s->d, T = s->T, W = s->Hkv * (qpg + 2) * d, C = s->H * d;
+    const size_t BT = (size_t)s->B * T, n_qkv = BT * W, n_rows = BT * C, n_lse = (size_t)s->B * s->H * T;
+    uint16_t *h_qkv = (uint16_t*)malloc(n_qkv * 2), *h_dout = (uint16_t*)malloc(n_rows * 2);
+    uint16_t *h_o2 = (uint16_t*)malloc(n_rows * 2), *h_o3 = (uint16_t*)malloc(n_rows * 2), *h_o3b = (uint16_t*)malloc(n_rows * 2);
+    uint16_t *h_g2 = (uint16_t*)malloc(n_qkv * 2), *h_g3 = (uint16_t*)malloc(n_qkv * 2);
+    float *h_l2 = (float*)malloc(n_lse * 4), *h_l3 = (float*)malloc(n_lse * 4), *h_l3b = (float*)malloc(n_lse * 4);
+    double *got = (double*)malloc(n_qkv * 8), *want = (double*)malloc(n_qkv * 8);
+    bf16 *qkv = NULL, *dout = NULL, *out = NULL, *dqkv = NULL;
+    float *lse = NULL, *dsum = NULL;
+    double worst = 0.0, worst_lse = 0.0;
+    uint64_t rng = 0xFA3ull + (uint64_t)T * 131 + s->H;
+    flash_fill(h_qkv, n_qkv, 1.7f, &rng);
+    flash_fill(h_dout, n_rows, 1.0f, &rng);
+    FLASH_CUDA(cudaMalloc(&qkv, n_qkv * 2));
+    FLASH_CUDA(cudaMalloc(&dqkv, n_qkv * 2));
+    FLASH_CUDA(cudaMalloc(&dout, n_rows * 2));
+    FLASH_CUDA(cudaMalloc(&out, n_rows * 2));
+    FLASH_CUDA(cudaMalloc(&lse, n_lse * 4));
+    FLASH_CUDA(cudaMalloc(&dsum, n_lse * 4));
+    FLASH_CUDA(cudaMemcpy(qkv, h_qkv, n_qkv * 2, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaMemcpy(dout, h_dout, n_rows * 2, cudaMemcpyHostToDevice));
+    {
+        attn_view q = qkv_rows_view(qkv, T, s->Hkv, d, qpg, 0), k = qkv_rows_view(qkv, T, s->Hkv, d, qpg, qpg),
+                  v = qkv_rows_view(qkv, T, s->Hkv, d, qpg, qpg + 1);
+        attn_view dq = qkv_rows_view(dqkv, T, s->Hkv, d, qpg, 0), dk = qkv_rows_view(dqkv, T, s->Hkv, d, qpg, qpg),
+                  dv = qkv_rows_view(dqkv, T, s->Hkv, d, qpg, qpg + 1);
+        attn_view o = attention_rows_view(out, T, s->H, d, qpg), go = attention_rows_view(dout, T, s->H, d, qpg);
+        for (int pass = 0; pass < 3; pass++) { /* 0: FA2, 1: Hopper, 2: Hopper again */
+            FLASH_CUDA(cudaMemset(out, 0xFF, n_rows * 2));
+            FLASH_CUDA(cudaMemset(lse, 0xFF, n_lse * 4));
+            FLASH_CUDA(cudaMemset(dqkv, 0xFF, n_qkv * 2));
+            if (pass == 0)
+                FLASH_CUDA(flash_attention_forward(o, lse, cview(q), cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0));
+            else
+                FLASH_CUDA(hopper_attention_forward(st, o, lse, cview(q), cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0));
+            FLASH_CUDA(cudaDeviceSynchronize());
+            FLASH_CUDA(cudaMemcpy(pass == 0 ? h_o2 : pass == 1 ? h_o3 : h_o3b, out, n_rows * 2, cudaMemcpyDeviceToHost));
+            FLASH_CUDA(cudaMemcpy(pass == 0 ? h_l2 : pass == 1 ? h_l3 : h_l3b, lse, n_lse * 4, cudaMemcpyDeviceToHost));
+            if (pass == 2) break;
+            FLASH_CUDA(flash_attention_backward(dq, dk, dv, dsum, cview(go), cview(q), cview(k), cview(v), cview(o), lse,
+                                                s->B, s->H, s->Hkv, T, d, 0));
+            FLASH_CUDA(cudaMemcpy(pass == 0 ? h_g2 : h_g3, dqkv, n_qkv * 2, cudaMemcpyDeviceToHost));
+        }
+    }
+    for (size_t r = 0; r < BT; r++) /* O per element, row by row of each head */
+        for (int h = 0; h < s->H; h++) {
+            const uint16_t *a = h_o3 + r * C + (size_t)h * d, *b = h_o2 + r * C + (size_t)h * d;
+            double ss = 0.0;
+            for (int e = 0; e < d; e++) ss += flash_bf2d(b[e]) * flash_bf2d(b[e]);
+            const double rms = sqrt(ss / d);
+            for (int e = 0; e < d; e++) {
+                const double x = flash_bf2d(a[e]), y = flash_bf2d(b[e]);
+                const double excess = fabs(x - y) / (0x1p-7 * fabs(y) + 0x1p-7 * rms);
+                if (!(excess <= worst)) worst = excess; /* NaN (an unwritten element) sticks */
+            }
+        }
+    double e_o;
+    for (size_t i = 0; i < n_rows; i++) got[i] = flash_bf2d(h_o3[i]), want[i] = flash_bf2d(h_o2[i]);
+    e_o = flash_rel(got, want, n_rows);
+    for (size_t i = 0; i < n_lse; i++) {
+        const double x = h_l3[i], y = h_l2[i], e = fabs(x - y) / std::max(1.0, fabs(y));
+        if (!(e <= worst_lse)) worst_lse = e;
+    }
+    for (size_t i = 0; i < n_qkv; i++) got[i] = flash_bf2d(h_g3[i]), want[i] = flash_bf2d(h_g2[i]);
+    {
+        const double e_g = flash_rel(got, want, n_qkv);
+        const bool same = !memcmp(h_o3, h_o3b, n_rows * 2) && !memcmp(h_l3, h_l3b, n_lse * 4);
+        printf("      B=%d H=%d Hkv=%d T=%d d=%d: O worst %.3f of its per-element bound, %.2e norm-wise; LSE %.2e; "
+               "backward from it %.2e; repeat %s\n", s->B, s->H, s->Hkv, T, d, worst, e_o, worst_lse, e_g,
+               same ? "bitwise" : "DIFFERS");
+        if (!(worst <= 1.0) || !(e_o <= 0x1p-8) || !(worst_lse <= 1e-5) || !(e_g <= 2e-2) || !same) {
+            printf("    FAIL the Hopper attention forward is off section 9's\n");
+            ok = 0;
+        }
+    }
+done:
+    cudaFree(qkv); cudaFree(dqkv); cudaFree(dout); cudaFree(out); cudaFree(lse); cudaFree(dsum);
+    free(h_qkv); free(h_dout); free(h_o2); free(h_o3); free(h_o3b); free(h_g2); free(h_g3); free(h_l2); free(h_l3);
+    free(h_l3b); free(got); free(want);
+    return ok;
+}
+
+static test_result test_hopper_attention_forward(void) {
+    REQUIRE_GPU();
+    mt_hopper_gemm_state probe = {0, 0, NULL, 0};
+    if (!hopper_attention_available(&probe)) {
+        int dev = 0, major = 0;
+        cudaGetDevice(&dev);
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+        cudaGetLastError();
+        if (major == 9) SKIP_OR_FAIL_STRICT("a Hopper GPU, but no sm_90a kernel in this build (GPU_ARCH=90 builds it)");
+        SKIP("the Hopper attention forward needs a compute capability 9.x GPU");
+    }
+    const flash_shape shapes[] = {
+        {2, 4, 2, 200, 128, NULL},  /* GQA, T = 1.56 tiles */
+        {1, 8, 2, 1000, 128, NULL}, /* four query heads per kv head, 8 tiles, the last partial */
+        {2, 3, 3, 256, 128, NULL},  /* multi-head, whole tiles */
+        {1, 2, 1, 17, 128, NULL},   /* T below one tile */
+    };
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
+        if (!fa3_check_shape(&shapes[i], &probe)) return TEST_FAIL;
+    /* what it does not take is refused, not launched: head dim 64, a row stride of 12 elements */
+    attn_view bad = {(bf16*)NULL, 8, 12, 8, 8};
+    EXPECT(hopper_attention_forward(&probe, bad, NULL, cview(bad), cview(bad), cview(bad), 1, 1, 1, 8, 128, 0) ==
+               cudaErrorInvalidValue,
+           "a row stride of 12 elements was accepted");
+    attn_view d64 = {(bf16*)NULL, 64, 64, 64, 64};
+    EXPECT(hopper_attention_forward(&probe, d64, NULL, cview(d64), cview(d64), cview(d64), 1, 1, 1, 8, 64, 0) ==
+               cudaErrorInvalidValue,
+           "head dim 64 was accepted");
+    return TEST_PASS;
+}
+
+/* MT_ATTN_FWD's parser: unset or empty the default, fa2 / fa3 their modes, anything else refused in one line
+ * naming the value. */
+static test_result test_attention_forward_choice(void) {
+    int mode = -1;
+    mt_error err;
+    memset(&err, 0, sizeof(err));
+    EXPECT(attn_fwd_parse(NULL, &mode, &err) == MT_OK && mode == MT_ATTN_FWD_DEFAULT, "unset is not the default");
+    EXPECT(attn_fwd_parse("", &mode, &err) == MT_OK && mode == MT_ATTN_FWD_DEFAULT, "empty is not the default");
+    EXPECT(attn_fwd_parse("fa2", &mode, &err) == MT_OK && mode == MT_ATTN_FWD_FA2, "fa2 is not FA2");
+    EXPECT(attn_fwd_parse("fa3", &mode, &err) == MT_OK && mode == MT_ATTN_FWD_FA3, "fa3 is not FA3");
+    EXPECT(attn_fwd_parse("FA2", &mode, &err) == MT_ERR_ARG && strstr(err.message, "MT_ATTN_FWD=FA2") &&
+               !strchr(err.message, '\n'),
+           "an unknown value was not refused in one line");
+    return TEST_PASS;
+}
+
+static const test_case attention_host_tests[] = {
+    {"attention_forward_choice_parses", test_attention_forward_choice},
+};
+
 static const test_case attention_gpu_tests[] = {
+    {"hopper_attention_forward_matches_fa2", test_hopper_attention_forward},
     {"flash_attention_document_masks_match_reference", test_flash_attention_document_masks},
     {"flash_attention_document_speed", test_flash_attention_document_speed},
     {"flash_attention_row_layouts_match_reference", test_flash_attention_row_layouts},
