@@ -667,7 +667,7 @@ MT_DEF mt_status mt_config_finalize(mt_config* cfg, mt_error* err);
  * take, --fp8-param-gather with the blockwise recipe or optimizer offload, an uneven pipeline split
  * with virtual stages, a virtual-stage micro-batch group above PP; mixture of experts beyond phase 1
  * (MoE with TP or ETP above 1, PP together with EP above 1, FP8, linear biases with EP above 1,
- * squared-ReLU experts, --calculate-per-token-loss).
+ * --calculate-per-token-loss).
  * MT_OK, or MT_ERR_CONFIG with one line naming the combination and what to do instead. The config's
  * derived sizes must be there (mt_config_finalize calls it once they are; mt_trainer_create and
  * --plan-layouts, for each layout it plans, call it too), so the planner never approves a layout the
@@ -4008,9 +4008,6 @@ MT_DEF mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
         if (c->add_bias_linear && ep > 1)
             return mt_fail(err, MT_ERR_CONFIG, "MoE linear biases with expert parallelism (--expert-model-parallel-size "
                            "%d) are not built yet: give --disable-bias-linear, or use EP 1", ep);
-        if (c->squared_relu)
-            return mt_fail(err, MT_ERR_CONFIG, "MoE experts with --squared-relu are not built yet: give --swiglu, or "
-                           "neither (GELU experts)");
         if (c->fp8_format != MT_FP8_NONE || c->fp8_param_gather)
             return mt_fail(err, MT_ERR_CONFIG, "MoE with FP8 is not built yet: drop --fp8-format (and --fp8-param-gather); "
                            "bf16 is");

@@ -270,6 +270,11 @@ CONFIGS = {
     # refuses one with biases)
     "gpt_moe_tiny": MoEConfig(L=3, h=64, n=4, f=128, Vp=256, T=32, G=4, mb=2, S=20, E=4, topk=2, fe=48,
                               layer_freq=2, lb=("aux_loss",), aux_coeff=(1e-2,), z_coeff=1e-3, gelu="tanh"),
+    # squared-ReLU experts (--squared-relu: the model's activation, relu(z)^2, in the experts and the dense MLP
+    # alike, as Megatron's), Llama flavour, MoE layers 0 and 2 beside a dense layer 1, top-2 softmax, the aux loss
+    "sqrelu_moe_tiny": MoEConfig(flavor="llama", L=3, h=64, n=4, g=2, f=96, Vp=256, T=32, G=4, mb=2, S=20,
+                                 swiglu=False, squared_relu=True, E=4, topk=2, fe=32, layer_freq=2,
+                                 lb=("aux_loss",), aux_coeff=(1e-2,)),
     # the gated shared expert (Qwen2-MoE's) with the sigmoid router without bias, top-2 (normalised)
     "moe_shared_gate": MoEConfig(flavor="llama", L=2, h=64, n=4, g=2, f=96, Vp=256, T=32, G=4, mb=2, S=20,
                                  E=8, topk=2, fe=32, score="sigmoid", lb=("none",), aux_coeff=(0.0,),

@@ -402,6 +402,11 @@ static test_result test_moe_deepseek_dense_first_fp32(void) {
 static test_result test_moe_gpt_gelu_biases_fp32(void) {
     return check_moe_against_reference("dev/data/moe_vectors/gpt_moe_tiny.bin", MT_FP32, &moe_fp32);
 }
+/* squared-ReLU experts (--squared-relu, issue #34): the experts' and the dense layer's activation relu(z)^2, Llama
+ * flavour, MoE layers 0 and 2 beside a dense layer, top-2 softmax, the aux loss */
+static test_result test_moe_squared_relu_fp32(void) {
+    return check_moe_against_reference("dev/data/moe_vectors/sqrelu_moe_tiny.bin", MT_FP32, &moe_fp32);
+}
 static test_result test_moe_deepseek_bf16(void) {
     return check_moe_against_reference("dev/data/moe_vectors/deepseek_tiny_all.bin", MT_BF16, &moe_bf16);
 }
@@ -594,6 +599,7 @@ static const test_case moe_gpu_tests[] = {
     {"capacity_position_pad_fp32_matches_reference", test_moe_capacity_position_pad_fp32},
     {"shared_gate_fp32_matches_reference", test_moe_shared_gate_fp32},
     {"gpt_gelu_biases_fp32_matches_reference", test_moe_gpt_gelu_biases_fp32},
+    {"squared_relu_fp32_matches_reference", test_moe_squared_relu_fp32},
     {"mixtral_bf16_matches_reference", test_moe_mixtral_bf16},
     {"deepseek_bf16_matches_reference", test_moe_deepseek_bf16},
     {"checkpoint_resume_bitwise", test_moe_checkpoint_resume_bitwise},

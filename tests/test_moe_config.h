@@ -358,9 +358,9 @@ MOE_SET(fp8, c->precision = MT_BF16; c->fp8_format = MT_FP8_HYBRID)
 MOE_SET(recompute, c->recompute.granularity = MT_RECOMPUTE_SELECTIVE)
 MOE_SET(biases_ep, c->add_bias_linear = 1; c->expert_model_parallel_size = 2; c->world_size = 2;
         c->global_batch_size = 4; c->moe_token_dispatcher_alltoall = 1)
+/* built (issue #34): GELU or squared-ReLU experts (the model's activation without --swiglu) and linear biases on
+ * the router and the experts */
 MOE_SET(squared_relu, c->swiglu = 0; c->squared_relu = 1)
-/* built (issue #34): GELU experts (the model's activation without --swiglu) and linear biases on the router and
- * the experts */
 MOE_SET(gelu_biases, c->swiglu = 0; c->add_bias_linear = 1)
 MOE_SET(dense_layers, c->moe_layer_freq = 2)
 MOE_SET(dense_pattern, c->moe_layer_pattern_len = 2; c->moe_layer_pattern[0] = 0; c->moe_layer_pattern[1] = 1)
@@ -417,7 +417,6 @@ static test_result test_moe_refusals(void) {
         {"FP8", moe_set_fp8, "MoE with FP8 is not built yet: drop --fp8-format"},
         {"linear biases with EP", moe_set_biases_ep, "MoE linear biases with expert parallelism "
                                                      "(--expert-model-parallel-size 2) are not built yet"},
-        {"squared-ReLU experts", moe_set_squared_relu, "MoE experts with --squared-relu are not built yet"},
         {"per-token loss", moe_set_per_token_loss, "MoE with --calculate-per-token-loss is not built yet"},
     };
     for (size_t i = 0; i < sizeof(later) / sizeof(later[0]); i++) {
@@ -463,6 +462,14 @@ static test_result test_moe_refusals(void) {
         f.recompute.num_layers = 1;
         EXPECT_OK(mt_config_finalize(&f, &err), &err);
         EXPECT_OK(mt_config_check_supported(&f, &err), &err);
+    }
+    /* squared-ReLU experts (the model's activation with --squared-relu, as Megatron's experts): accepted, and
+     * fc1 as wide as the expert (no gate half) */
+    {
+        mt_config q = moe_base(1);
+        moe_set_squared_relu(&q);
+        EXPECT_OK(mt_config_finalize(&q, &err), &err);
+        EXPECT_OK(mt_config_check_supported(&q, &err), &err);
     }
     /* GELU experts with biases (no shared expert: Megatron refuses biases there): accepted, and the layout has the
      * router's bias [E] and each expert's fc1 bias [fe] (GELU: fc1 as wide as the expert) and fc2 bias [h] */

@@ -1849,16 +1849,7 @@ static int mh_case(kt_ctx* k, kt_cover* cov, const char* name, int layout, const
  * experts, uneven, wider) shapes, edges (N and K not multiples of the tile, K not of 64), both tile widths, both
  * B layouts (the forward's W [N, K] and the input gradient's W [K, N]). */
 static test_result test_moe_hopper_grouped_gemm(void) {
-    REQUIRE_GPU();
-    mt_hopper_gemm_state probe = {0, 0, NULL};
-    if (!hopper_gemm_available(&probe)) {
-        int dev = 0, major = 0;
-        cudaGetDevice(&dev);
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-        cudaGetLastError();
-        if (major == 9) SKIP_OR_FAIL_STRICT("a Hopper GPU, but no sm_90a kernel in this build (GPU_ARCH=90 builds it)");
-        SKIP("the Hopper grouped GEMM needs a compute capability 9.x GPU");
-    }
+    REQUIRE_HOPPER(hopper_gemm_available, "the Hopper grouped GEMM");
     kt_ctx k;
     if (!kt_ctx_init(&k)) return TEST_FAIL;
     static const char* variants[] = {"128x256", "128x128", "128x256 B [K, N]", "128x128 B [K, N]"};
@@ -1965,16 +1956,7 @@ static int mw_case(kt_ctx* k, kt_cover* cov, const char* name, const std::vector
 /* Qwen3-like counts (zeros, single rows, up to 61: partial k-blocks everywhere) and uneven larger groups with
  * edges (M, N not multiples of the tile), both tile widths, beta 0 and 1. */
 static test_result test_moe_hopper_grouped_wgrad(void) {
-    REQUIRE_GPU();
-    mt_hopper_gemm_state probe = {0, 0, NULL};
-    if (!hopper_gemm_available(&probe)) {
-        int dev = 0, major = 0;
-        cudaGetDevice(&dev);
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-        cudaGetLastError();
-        if (major == 9) SKIP_OR_FAIL_STRICT("a Hopper GPU, but no sm_90a kernel in this build (GPU_ARCH=90 builds it)");
-        SKIP("the Hopper grouped GEMM needs a compute capability 9.x GPU");
-    }
+    REQUIRE_HOPPER(hopper_gemm_available, "the Hopper grouped GEMM");
     kt_ctx k;
     if (!kt_ctx_init(&k)) return TEST_FAIL;
     static const char* variants[] = {"wgrad 128x256", "wgrad 128x128"};
