@@ -6013,7 +6013,8 @@ static void hopper_grouped_wgrad(const mt_exec* ex, float* dW, const __nv_bfloat
  * ---- Resources ------------------------------------------------------------------------------------
  *   Shared memory Q + 2 x (K + V) = 160 KiB at d = 128, 80 KiB at d = 64 (+ barriers, alignment slack);
  *   one CTA per SM either way (384 threads x 168 registers fill the register file). Consumer registers
- *   per thread: o d/2 + s 64 + P 32 (the lab: 184 used at d = 128, 152 at d = 64, of setmaxnreg's 240).
+ *   per thread: o d/2 + s 64 + P 32 (the lab's kernel used 184 at d = 128, 152 at d = 64, of
+ *   setmaxnreg's 240); ptxas (nvcc 13) reports no spills for either instantiation here.
  *
  * ---- Watchdog -------------------------------------------------------------------------------------
  *   Every mbarrier wait is section 13.1's bounded wait (hg::mbar_wait: 20 s, then trap), so a deadlock
