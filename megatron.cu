@@ -5957,43 +5957,50 @@ static void hopper_grouped_wgrad(const mt_exec* ex, float* dW, const __nv_bfloat
 
 /* ============================================================================================== */
 /* 13.2 Hopper attention forward (FlashAttention-3 style: TMA, wgmma, warp specialisation)       */
-/*    The causal bf16 attention forward at head dim 128 on Hopper, an alternative to section 9's  */
-/*    FA2 forward (mma.sync): on an H200 its lab dev/cuda/flash_attention_hopper.cu measured      */
-/*    507-611 TFLOP/s at d = 128 causal against ~264 for section 9's kernel. It writes the same    */
-/*    O (through the same fa::heads_view) and the same LSE [B, H, T] (fp32, natural log) that     */
-/*    section 9's backward reads, so only the forward changes. PTX wrappers: section 13.1's (hg). */
+/*    The causal bf16 attention forward at head dims 64 and 128 on Hopper, an alternative to      */
+/*    section 9's FA2 forward (mma.sync): on an H200 its lab dev/cuda/flash_attention_hopper.cu   */
+/*    measured 507-611 TFLOP/s at d = 128 causal against ~264 for section 9's kernel, and 277-435 */
+/*    at d = 64 (GPT-2's heads). It writes the same O (through the same fa::heads_view) and the   */
+/*    same LSE [B, H, T] (fp32, natural log) that section 9's backward reads, so only the forward */
+/*    changes. PTX wrappers: section 13.1's (hg), and fa3's own m64n64k16 for P V at d = 64.      */
 /*    Selection (attention_forward_fast): this kernel where it runs (sm_90a build, compute 9.x,   */
-/*    probed once into mt_hopper_gemm_state.attn), d = 128, no dropout, no document mask, no      */
-/*    context parallelism; MT_ATTN_FWD=fa2 forces section 9's forward (attn_fwd_parse).            */
-/*    defines: namespace fa3 (the kernel), hopper_attention_available, hopper_attention_forward,  */
-/*    attn_fwd_parse, attention_forward_fast.                                                      */
+/*    probed once into mt_hopper_gemm_state.attn), d = 64 or 128 (fa3::head_dim_ok), no dropout,  */
+/*    no document mask, no context parallelism; MT_ATTN_FWD=fa2 forces section 9's forward.       */
+/*    defines: namespace fa3 (the kernel, a template on d), hopper_attention_available,           */
+/*    hopper_attention_forward, attn_fwd_parse, attention_forward_fast.                           */
 /* ============================================================================================== */
 /*
  * ---- The CTA: 384 threads, 128 query rows of one (b, h); grid (ceil(T / 128), H, B) ----------------
+ *   One shape at both head dims d, the lab's (its d = 64 numbers above are this shape): 128 query rows x
+ *   128-key tiles, 2 K/V stages, overlap and ping-pong; only the d-wide parts (the Q, K, V tiles, O, the
+ *   N of P V) follow d.
  *   warpgroup 0 producer (setmaxnreg.dec 24): one thread loads the Q tile once, then for key tile n the
  *     K tile and the V tile into stage n % 2, each after that stage's "empty" mbarrier (8 consumer-warp
  *     arrivals) says the consumers are done with it. K and V have their own full/empty barriers.
  *   warpgroups 1, 2 consumers (setmaxnreg.inc 240), 64 query rows each: S_n = Q K_n^T (wgmma m64n128k16,
- *     both K-major in shared memory), the online softmax in registers (running max m, sum l; exp2 of
- *     scale*log2(e)-scaled scores), O += P V (P from registers as bf16, V read N-major: wgmma's
- *     transposed B). Intra-warpgroup overlap: S_n and P_{n-1} V_{n-1} are issued back to back and the
- *     softmax of S_n runs while the second is in flight. Ping-pong: the two consumers take turns to
- *     issue (two "turn" mbarriers, 4 arrivals each), so one's softmax overlaps the other's products.
+ *     both K-major in shared memory, d / 16 of them), the online softmax in registers (running max m,
+ *     sum l; exp2 of scale*log2(e)-scaled scores), O += P V (wgmma m64n{d}k16, P from registers as
+ *     bf16, V read N-major: wgmma's transposed B). Intra-warpgroup overlap: S_n and P_{n-1} V_{n-1}
+ *     are issued back to back and the softmax of S_n runs while the second is in flight. Ping-pong: the
+ *     two consumers take turns to issue (two "turn" mbarriers, 4 arrivals each), so one's softmax
+ *     overlaps the other's products.
  *   Causal: a CTA stops at its diagonal key tile; blockIdx.x is reversed (the longest rows start first).
  *
  * ---- Tensor maps over the strided views (built per call on the host) --------------------------------
  *   A view (fa::heads_view) puts element c of row t of head h of batch b at
  *   p + b*batch + t*row + (h / qpg)*group + (h % qpg)*head + c. The map is 5-D: (c: d, t: T,
  *   h % qpg: qpg, h / qpg: groups, b: B) with those strides in bytes (multiples of 16: fa::view_ok), so
- *   the fused QKV rows are read in place. Boxes [1][1][1][128 rows][64 columns] with the 128-byte swizzle:
- *   a [128 x 128] tile takes 2 loads, stored as two [128][64] column halves; a box past T is zero-filled
- *   by TMA within its own head. Keys >= T are masked to -inf; rows >= T are not stored.
+ *   the fused QKV rows are read in place. Boxes [1][1][1][128 rows][64 columns] with the 128-byte swizzle
+ *   (a box row of 64 bf16 is exactly one 128-byte swizzle span): a [128 x d] tile takes d / 64 loads,
+ *   stored as d / 64 [128][64] column halves; a box past T is zero-filled by TMA within its own head.
+ *   Keys >= T are masked to -inf; rows >= T are not stored.
  *
  * ---- Descriptors (section 13.1's make_desc / make_desc_n_major) -------------------------------------
- *   Q, K (K-major): k-slice kk of d starts in column half kk / 4, byte (kk % 4) * 32 of the row.
+ *   Q, K (K-major): k-slice kk of d starts in column half kk / 4, byte (kk % 4) * 32 of the row (d = 64:
+ *   one half, kk < 4).
  *   V (N-major, B of O = P V): the next 64 columns of d are the next column half, 128 keys x 128 bytes
- *   = 16 KiB on (leading byte offset), 8 keys are 1024 bytes (stride byte offset); k-slice kk (keys
- *   16kk..16kk+15) starts 2048 kk bytes on.
+ *   = 16 KiB on (leading byte offset; at d = 64 wgmma's N is one 64-column span and never steps to it),
+ *   8 keys are 1024 bytes (stride byte offset); k-slice kk (keys 16kk..16kk+15) starts 2048 kk bytes on.
  *   P as wgmma's register A: the accumulator layout of a k16 slice equals that of two adjacent n8 column
  *   blocks, so P's slice kk is pack(s[8kk..8kk+7]) in pairs, no data movement.
  *
@@ -6001,32 +6008,48 @@ static void hopper_grouped_wgrad(const mt_exec* ex, float* dW, const __nv_bfloat
  *   fp32 scores and sums, P rounded to bf16 for the P V product, O = (sum P V) / l rounded to bf16 once;
  *   LSE = scale * m + log(l). Each output is one thread's sums in a fixed order (key tiles ascending):
  *   bitwise the same from run to run. Section 9's forward sums in 64-key tiles in another order, so the
- *   two agree to rounding, not bitwise (bf16 runs at d = 128 change in their last bits with this kernel).
+ *   two agree to rounding, not bitwise (bf16 runs change in their last bits with this kernel).
+ *
+ * ---- Resources ------------------------------------------------------------------------------------
+ *   Shared memory Q + 2 x (K + V) = 160 KiB at d = 128, 80 KiB at d = 64 (+ barriers, alignment slack);
+ *   one CTA per SM either way (384 threads x 168 registers fill the register file). Consumer registers
+ *   per thread: o d/2 + s 64 + P 32 (the lab's kernel used 184 at d = 128, 152 at d = 64, of
+ *   setmaxnreg's 240); ptxas (nvcc 13) reports no spills for either instantiation here.
  *
  * ---- Watchdog -------------------------------------------------------------------------------------
  *   Every mbarrier wait is section 13.1's bounded wait (hg::mbar_wait: 20 s, then trap), so a deadlock
  *   ends the kernel with an error instead of hanging the trainer.
  */
 namespace fa3 {
-constexpr int D = 128;       /* head dim */
 constexpr int BM = 128;      /* query rows per CTA: 2 consumer warpgroups x 64 */
 constexpr int BN = 128;      /* keys per tile */
 constexpr int STAGES = 2;    /* K/V pipeline stages */
 constexpr int THREADS = 384; /* producer warpgroup + 2 consumer warpgroups */
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240; /* 24*128 + 240*256 = 168*384: the register file */
-constexpr int TILE_Q = BM * D * 2, TILE_KV = BN * D * 2; /* 32 KiB each */
-constexpr int OFF_Q = 0, OFF_K = TILE_Q, OFF_V = OFF_K + STAGES * TILE_KV, OFF_BAR = OFF_V + STAGES * TILE_KV;
-constexpr int NBAR = 1 + 4 * STAGES + 2; /* Q full; K full, V full, K empty, V empty per stage; 2 turns */
-constexpr int SMEM = OFF_BAR + NBAR * 8 + 1024; /* + slack to align the base to 1024 bytes: 160 KiB + */
 constexpr unsigned long long TIMEOUT_NS = 20000000000ull;
-static_assert(SMEM <= 227 * 1024, "shared memory");
+/* the head dims the kernel is built for (the launcher's and the selection's one rule) */
+constexpr bool head_dim_ok(int d) { return d == 64 || d == 128; }
+
+/* Shared memory at head dim D (byte offsets from the 1024-aligned base): Q, STAGES K and STAGES V tiles
+ * (each d / 64 column halves of [128][64] bf16), then the mbarriers. */
+template <int D>
+struct layout {
+    static_assert(head_dim_ok(D), "head dim 64 or 128");
+    static constexpr int TILE_Q = BM * D * 2, TILE_KV = BN * D * 2; /* 32 KiB each at d = 128, 16 at d = 64 */
+    static constexpr int OFF_Q = 0, OFF_K = TILE_Q, OFF_V = OFF_K + STAGES * TILE_KV;
+    static constexpr int OFF_BAR = OFF_V + STAGES * TILE_KV;
+    static constexpr int NBAR = 1 + 4 * STAGES + 2; /* Q full; K full, V full, K empty, V empty per stage; 2 turns */
+    static constexpr int SMEM = OFF_BAR + NBAR * 8 + 1024; /* + slack to align the base: 160 / 80 KiB + */
+    static_assert(SMEM <= 227 * 1024, "shared memory");
+    static_assert(TILE_Q % 1024 == 0 && TILE_KV % 1024 == 0, "tiles on 1024-byte swizzle atoms");
+};
 
 /* What the kernel takes besides the tensor maps: O's view (written with plain stores), LSE [B, H, T]. */
 struct params {
     fa::heads_view<bf16> O;
     float* LSE;
     int H, Hkv, T;
-    float scale;      /* 1/sqrt(D) */
+    float scale;      /* 1/sqrt(d) */
     float scale_log2; /* scale * log2(e): exp(scale x) = exp2(scale_log2 x) */
     hg::watchdog* wd; /* NULL: a timed-out wait just traps */
 };
@@ -6080,6 +6103,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BN / 2], float& m0, floa
     l1 = l1 * c1 + sum1;
 }
 
+template <int D>
 __device__ __forceinline__ void rescale_o(float (&o)[D / 2], float c0, float c1) {
 #pragma unroll
     for (int j = 0; j < D / 8; j++) {
@@ -6102,6 +6126,7 @@ __device__ __forceinline__ void convert_p(const float (&s)[BN / 2], uint32_t (&p
 }
 
 /* S[64 x BN] = Q_w K^T over d; q_base = the warpgroup's first Q row in column half 0 */
+template <int D>
 __device__ __forceinline__ void gemm_qk(float (&s)[BN / 2], uint32_t q_base, uint32_t k_base) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
@@ -6111,11 +6136,32 @@ __device__ __forceinline__ void gemm_qk(float (&s)[BN / 2], uint32_t q_base, uin
     }
 }
 
-/* O[64 x D] += P[64 x BN] V[BN x D], V N-major: column halves BN*128 bytes apart */
+/* D[64 x 64] (+)= A[64 x 16] B[16 x 64]: section 13.1's wgmma_m64n128k16_rs at N = 64 (P V at d = 64), A from
+ * registers, B N-major in shared memory (imm-trans-b = 1); 32 fp32 accumulators per thread. */
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float* d, const uint32_t* a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+/* O[64 x D] += P[64 x BN] V[BN x D], V N-major: column halves BN*128 bytes apart (d = 64: one half) */
+template <int D>
 __device__ __forceinline__ void gemm_pv(float (&o)[D / 2], uint32_t (&pa)[BN / 16][4], uint32_t v_base) {
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; kk++)
-        hg::wgmma_m64n128k16_rs(o, pa[kk], hg::make_desc_n_major(v_base + kk * 16 * 128, BN * 128), 1);
+    for (int kk = 0; kk < BN / 16; kk++) {
+        const uint64_t desc = hg::make_desc_n_major(v_base + kk * 16 * 128, BN * 128);
+        if constexpr (D == 128) hg::wgmma_m64n128k16_rs(o, pa[kk], desc, 1);
+        else wgmma_m64n64k16_rs(o, pa[kk], desc, 1);
+    }
 }
 
 /* consumers' wait: the wgmma that follows is .sync.aligned, so the warp reconverges after the spin */
@@ -6129,15 +6175,18 @@ __device__ __forceinline__ void wait_warp(uint32_t bar, uint32_t parity, hg::wat
 /* watchdog "stage" field: which barrier was waited for */
 enum { WAIT_Q_FULL = 0, WAIT_K_FULL, WAIT_V_FULL, WAIT_K_EMPTY, WAIT_V_EMPTY, WAIT_TURN };
 
+/* D: the head dim, 64 or 128 (layout's static_assert) */
+template <int D>
 __global__ void __launch_bounds__(THREADS, 1)
     fa3_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                    const __grid_constant__ CUtensorMap tm_v, params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace hg;
+    using L = layout<D>;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = hg::smem_u32(smem_raw);
     const uint32_t sbase = (raw + 1023u) & ~1023u;
-    const uint32_t sQ = sbase + OFF_Q, sK = sbase + OFF_K, sV = sbase + OFF_V, bars = sbase + OFF_BAR;
+    const uint32_t sQ = sbase + L::OFF_Q, sK = sbase + L::OFF_K, sV = sbase + L::OFF_V, bars = sbase + L::OFF_BAR;
     const uint32_t q_full = bars;
     auto k_full = [&](int s) { return bars + 8u * (1 + s); };
     auto v_full = [&](int s) { return bars + 8u * (1 + STAGES + s); };
@@ -6176,7 +6225,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             tma_prefetch_desc(&tm_q);
             tma_prefetch_desc(&tm_k);
             tma_prefetch_desc(&tm_v);
-            mbar_arrive_expect_tx(q_full, TILE_Q);
+            mbar_arrive_expect_tx(q_full, L::TILE_Q);
 #pragma unroll
             for (int c = 0; c < D / 64; c++)
                 tma_load_5d(sQ + c * BM * 128, &tm_q, q_full, 64 * c, m_block * BM, h % qpg, h / qpg, b);
@@ -6184,15 +6233,15 @@ __global__ void __launch_bounds__(THREADS, 1)
                 const int s = n % STAGES;
                 const uint32_t ph = (n / STAGES) & 1;
                 mbar_wait(k_empty(s), ph ^ 1, p.wd, TIMEOUT_NS, 0, WAIT_K_EMPTY, m_block, n);
-                mbar_arrive_expect_tx(k_full(s), TILE_KV);
+                mbar_arrive_expect_tx(k_full(s), L::TILE_KV);
 #pragma unroll
                 for (int c = 0; c < D / 64; c++)
-                    tma_load_5d(sK + s * TILE_KV + c * BN * 128, &tm_k, k_full(s), 64 * c, n * BN, 0, hkv, b);
+                    tma_load_5d(sK + s * L::TILE_KV + c * BN * 128, &tm_k, k_full(s), 64 * c, n * BN, 0, hkv, b);
                 mbar_wait(v_empty(s), ph ^ 1, p.wd, TIMEOUT_NS, 0, WAIT_V_EMPTY, m_block, n);
-                mbar_arrive_expect_tx(v_full(s), TILE_KV);
+                mbar_arrive_expect_tx(v_full(s), L::TILE_KV);
 #pragma unroll
                 for (int c = 0; c < D / 64; c++)
-                    tma_load_5d(sV + s * TILE_KV + c * BN * 128, &tm_v, v_full(s), 64 * c, n * BN, 0, hkv, b);
+                    tma_load_5d(sV + s * L::TILE_KV + c * BN * 128, &tm_v, v_full(s), 64 * c, n * BN, 0, hkv, b);
             }
         }
         return;
@@ -6233,7 +6282,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     wait_warp(k_full(0), 0, p.wd, 1, WAIT_K_FULL, m_block, 0);
     turn_wait(0);
     wgmma_fence();
-    gemm_qk(s, q_base, sK);
+    gemm_qk<D>(s, q_base, sK);
     wgmma_commit();
     turn_pass();
     wgmma_wait<0>();
@@ -6251,9 +6300,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         reg_fence<D / 2>(o);
         reg_fence<BN / 4>(&pa[0][0]);
         wgmma_fence();
-        gemm_qk(s, q_base, sK + st * TILE_KV); /* S_n */
+        gemm_qk<D>(s, q_base, sK + st * L::TILE_KV); /* S_n */
         wgmma_commit();
-        gemm_pv(o, pa, sV + pst * TILE_KV); /* O += P_{n-1} V_{n-1}, in flight during the softmax */
+        gemm_pv<D>(o, pa, sV + pst * L::TILE_KV); /* O += P_{n-1} V_{n-1}, in flight during the softmax */
         wgmma_commit();
         turn_pass();
         wgmma_wait<1>(); /* S_n done */
@@ -6265,7 +6314,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         reg_fence<D / 2>(o);
         reg_fence<BN / 4>(&pa[0][0]);
         if (lane == 0) mbar_arrive(v_empty(pst));
-        rescale_o(o, c0, c1);
+        rescale_o<D>(o, c0, c1);
         convert_p(s, pa);
     }
     {
@@ -6276,7 +6325,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         reg_fence<D / 2>(o);
         reg_fence<BN / 4>(&pa[0][0]);
         wgmma_fence();
-        gemm_pv(o, pa, sV + st * TILE_KV);
+        gemm_pv<D>(o, pa, sV + st * L::TILE_KV);
         wgmma_commit();
         turn_pass();
         wgmma_wait<0>();
@@ -6312,9 +6361,21 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 } /* namespace fa3 */
 
+/* One head dim's kernel built for sm_90a with the registers setmaxnreg's 24/240 split needs, and its shared
+ * memory allowed (the opt-in limit optin) and set. */
+template <int D>
+static bool fa3_kernel_ready(int optin) {
+    cudaFuncAttributes a;
+    return cudaFuncGetAttributes(&a, fa3::fa3_fwd_kernel<D>) == cudaSuccess &&
+           a.numRegs * fa3::THREADS >= fa3::PRODUCER_REGS * 128 + fa3::CONSUMER_REGS * 256 &&
+           fa3::layout<D>::SMEM <= optin &&
+           cudaFuncSetAttribute(fa3::fa3_fwd_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                fa3::layout<D>::SMEM) == cudaSuccess;
+}
+
 /* Whether this process's GPU runs section 13.2's kernel: section 13.1's probe (compute 9.x, the driver's
- * cuTensorMapEncodeTiled) and the kernel built for sm_90a with the registers setmaxnreg's 24/240 split needs
- * and its shared memory allowed. Probed once into s->attn; a failed probe leaves no CUDA error behind. */
+ * cuTensorMapEncodeTiled) and both head dims' kernels ready (fa3_kernel_ready). Probed once into s->attn; a
+ * failed probe leaves no CUDA error behind. */
 static bool hopper_attention_available(mt_hopper_gemm_state* s) {
     if (s->attn) return s->attn > 0;
     if (!hopper_gemm_available(s)) {
@@ -6322,24 +6383,20 @@ static bool hopper_attention_available(mt_hopper_gemm_state* s) {
         return false;
     }
     int dev = 0, optin = 0;
-    cudaFuncAttributes a;
     const bool ok = cudaGetDevice(&dev) == cudaSuccess &&
                     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
-                    cudaFuncGetAttributes(&a, fa3::fa3_fwd_kernel) == cudaSuccess &&
-                    a.numRegs * fa3::THREADS >= fa3::PRODUCER_REGS * 128 + fa3::CONSUMER_REGS * 256 &&
-                    fa3::SMEM <= optin &&
-                    cudaFuncSetAttribute(fa3::fa3_fwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, fa3::SMEM) ==
-                        cudaSuccess;
+                    fa3_kernel_ready<128>(optin) && fa3_kernel_ready<64>(optin);
     (void)cudaGetLastError();
     s->attn = ok ? 1 : -1;
     return ok;
 }
 
-/* A view of H heads (qpg per group) as a 5-D TMA map (see the section's banner): boxes of 64 columns x 128 rows.
- * A dimension of size 1 takes a stride that is always valid (its coordinate is always 0). */
-static bool fa3_tensor_map(hg_encode_tiled_fn encode, CUtensorMap* m, attn_cview v, int B, int H, int qpg, int T) {
+/* A view of H heads (qpg per group) of d columns as a 5-D TMA map (see the section's banner): boxes of 64
+ * columns x 128 rows. A dimension of size 1 takes a stride that is always valid (its coordinate is always 0). */
+static bool fa3_tensor_map(hg_encode_tiled_fn encode, CUtensorMap* m, attn_cview v, int B, int H, int qpg, int T,
+                           int d) {
     const int64_t big = (int64_t)T * v.row * 2;
-    const cuuint64_t dims[5] = {(cuuint64_t)fa3::D, (cuuint64_t)T, (cuuint64_t)qpg, (cuuint64_t)(H / qpg), (cuuint64_t)B};
+    const cuuint64_t dims[5] = {(cuuint64_t)d, (cuuint64_t)T, (cuuint64_t)qpg, (cuuint64_t)(H / qpg), (cuuint64_t)B};
     const cuuint64_t strides[4] = {(cuuint64_t)v.row * 2, (cuuint64_t)(qpg > 1 ? v.head * 2 : big),
                                    (cuuint64_t)(H / qpg > 1 ? v.group * 2 : big), (cuuint64_t)(B > 1 ? v.batch * 2 : big)};
     const cuuint32_t box[5] = {64, (cuuint32_t)fa3::BM, 1, 1, 1};
@@ -6353,19 +6410,19 @@ static bool fa3_tensor_map(hg_encode_tiled_fn encode, CUtensorMap* m, attn_cview
 
 /* Causal attention forward on section 13.2's kernel, as flash_attention_forward without dropout or documents:
  * O (H heads), LSE [B, H, T] fp32 from Q (H heads), K, V (Hkv heads), views of any layout fa::view_ok takes,
- * d = 128. cudaErrorInvalidValue (nothing queued) for what it does not take; cudaErrorNotSupported where the
- * kernel does not run (hopper_attention_available). wd: the tests' watchdog record (NULL: trap only). */
+ * d = 64 or 128. cudaErrorInvalidValue (nothing queued) for what it does not take; cudaErrorNotSupported where
+ * the kernel does not run (hopper_attention_available). wd: the tests' watchdog record (NULL: trap only). */
 static cudaError_t hopper_attention_forward(mt_hopper_gemm_state* st, attn_view O, float* LSE, attn_cview Q, attn_cview K,
                                             attn_cview V, int B, int H, int Hkv, int T, int d, cudaStream_t stream,
                                             hg::watchdog* wd = NULL) {
-    if (d != fa3::D || !fa::shape_ok(B, H, Hkv, T, d) || !fa::view_ok(O) || !fa::view_ok(Q) || !fa::view_ok(K) ||
-        !fa::view_ok(V) || H > 65535 || B > 65535)
+    if (!fa3::head_dim_ok(d) || !fa::shape_ok(B, H, Hkv, T, d) || !fa::view_ok(O) || !fa::view_ok(Q) ||
+        !fa::view_ok(K) || !fa::view_ok(V) || H > 65535 || B > 65535)
         return cudaErrorInvalidValue;
     if (!hopper_attention_available(st)) return cudaErrorNotSupported;
     const hg_encode_tiled_fn encode = (hg_encode_tiled_fn)st->encode;
     CUtensorMap mq, mk, mv;
-    if (!fa3_tensor_map(encode, &mq, Q, B, H, H / Hkv, T) || !fa3_tensor_map(encode, &mk, K, B, Hkv, 1, T) ||
-        !fa3_tensor_map(encode, &mv, V, B, Hkv, 1, T))
+    if (!fa3_tensor_map(encode, &mq, Q, B, H, H / Hkv, T, d) || !fa3_tensor_map(encode, &mk, K, B, Hkv, 1, T, d) ||
+        !fa3_tensor_map(encode, &mv, V, B, Hkv, 1, T, d))
         return cudaErrorInvalidValue;
     fa3::params p;
     p.O = O;
@@ -6377,7 +6434,8 @@ static cudaError_t hopper_attention_forward(mt_hopper_gemm_state* st, attn_view 
     p.scale_log2 = p.scale * 1.4426950408889634f;
     p.wd = wd;
     const dim3 grid((T + fa3::BM - 1) / fa3::BM, H, B);
-    fa3::fa3_fwd_kernel<<<grid, fa3::THREADS, fa3::SMEM, stream>>>(mq, mk, mv, p);
+    if (d == 64) fa3::fa3_fwd_kernel<64><<<grid, fa3::THREADS, fa3::layout<64>::SMEM, stream>>>(mq, mk, mv, p);
+    else fa3::fa3_fwd_kernel<128><<<grid, fa3::THREADS, fa3::layout<128>::SMEM, stream>>>(mq, mk, mv, p);
     return cudaGetLastError();
 }
 
@@ -6395,12 +6453,12 @@ static mt_status attn_fwd_parse(const char* value, int* mode, mt_error* err) {
 }
 
 /* The causal flash forward of one call: section 13.2's kernel where mode allows it, it runs here and the call
- * is one it takes (d = 128, no dropout, no documents), else section 9's flash_attention_forward. st: the probe's
- * state (NULL: section 9's). */
+ * is one it takes (d = 64 or 128, no dropout, no documents), else section 9's flash_attention_forward. st: the
+ * probe's state (NULL: section 9's). */
 static cudaError_t attention_forward_fast(mt_hopper_gemm_state* st, int mode, attn_view O, float* LSE, attn_cview Q,
                                           attn_cview K, attn_cview V, int B, int H, int Hkv, int T, int d,
                                           cudaStream_t stream, const mt_dropout& drop, const int32_t* doc) {
-    if (st && mode != MT_ATTN_FWD_FA2 && d == fa3::D && !drop.on && !doc && hopper_attention_available(st)) {
+    if (st && mode != MT_ATTN_FWD_FA2 && fa3::head_dim_ok(d) && !drop.on && !doc && hopper_attention_available(st)) {
         const cudaError_t e = hopper_attention_forward(st, O, LSE, Q, K, V, B, H, Hkv, T, d, stream);
         if (e != cudaErrorInvalidValue) return e; /* a view it does not take falls through to section 9's */
     }
@@ -13746,8 +13804,9 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
         if (attn_fwd_parse(getenv("MT_ATTN_FWD"), &t->attn_fwd, &attn_error) != MT_OK)
             mt_gpu_fail(&t->error, MT_ERR_ARG, "%s", attn_error.message);
         else if (t->attn_fwd == MT_ATTN_FWD_FA3 && !(t->flash && hopper_attention_available(&t->gemm.hopper)))
-            mt_gpu_fail(&t->error, MT_ERR_ARG, "MT_ATTN_FWD=fa3: the Hopper attention forward needs --bf16 flash attention, "
-                                               "a compute capability 9.x GPU and a build for it (GPU_ARCH=90 builds sm_90a)");
+            mt_gpu_fail(&t->error, MT_ERR_ARG,
+                        "MT_ATTN_FWD=fa3: the Hopper attention forward needs --bf16 flash attention (head dim 64 or "
+                        "128), a compute capability 9.x GPU and a build for it (GPU_ARCH=90 builds sm_90a)");
     }
     mt_param_layout_shard(cfg, t->params_info);
     mt_param_layout(cfg, t->params_info_full);

@@ -528,10 +528,12 @@ done:
 
 /* Section 13.2's Hopper attention forward against section 9's FA2 forward, on the model's layouts: q, k, v
  * read in place from the fused QKV rows, O written into the attention rows (poisoned with NaN first: a row
- * not written fails), causal, GQA, T not a multiple of the 128-row tile, and T below one tile. Then the
- * Hopper forward again: bitwise the same O and LSE (fixed summation order). Then section 9's backward from
- * the Hopper forward's O and LSE must match the backward from FA2's to bf16 tolerance (what the trainer
- * runs: the new forward feeding the unchanged backward).
+ * not written fails), causal, head dims 64 and 128, GQA and MHA, B > 1, T not a multiple of the 128-row
+ * tile, T below one tile and T = 1. Then the Hopper forward again: bitwise the same O and LSE (fixed
+ * summation order). Then section 9's backward from the Hopper forward's O and LSE must match the backward
+ * from FA2's to bf16 tolerance (what the trainer runs: the new forward feeding the unchanged backward).
+ * Then the selection (attention_forward_fast): by default bitwise the Hopper forward's O and LSE, under
+ * MT_ATTN_FWD=fa2 bitwise FA2's (a shape where the two differ proves which one ran).
  * Tolerances. O: both kernels sum fp32 scores and round P to bf16 before P V, but in other tile orders
  * (128 keys vs 64), so P's roundings differ (2^-9 relative each, averaging over the keys) and the two
  * bf16 results may round apart by one unit (2^-8 relative at most); per element |a - b| <= 2^-7 |b| +
@@ -539,8 +541,9 @@ done:
  * from cancellation); norm-wise 2^-8. Any indexing, stride, masking or GQA mistake gives O(1) errors.
  * LSE: fp32 throughout, m * scale + log(l) in both with l summed in another order: 1e-5 relative (of
  * max(1, |LSE|): LSE near zero has no relative scale). Gradients: 2e-2 norm-wise, as the reference
- * checks above (the backward is the same kernel; only O and LSE differ, by the tolerances above). */
-static int fa3_check_shape(const flash_shape* s, mt_hopper_gemm_state* st) {
+ * checks above (the backward is the same kernel; only O and LSE differ, by the tolerances above).
+ * *apart: set when the two forwards' outputs differ (the selection check then tells which one ran). */
+static int fa3_check_shape(const flash_shape* s, mt_hopper_gemm_state* st, int* apart) {
     int ok = 1;
     const int qpg = s->H / s->Hkv, d = s->d, T = s->T, W = s->Hkv * (qpg + 2) * d, C = s->H * d;
     const size_t BT = (size_t)s->B * T, n_qkv = BT * W, n_rows = BT * C, n_lse = (size_t)s->B * s->H * T;
@@ -548,6 +551,9 @@ static int fa3_check_shape(const flash_shape* s, mt_hopper_gemm_state* st) {
     uint16_t *h_o2 = (uint16_t*)malloc(n_rows * 2), *h_o3 = (uint16_t*)malloc(n_rows * 2), *h_o3b = (uint16_t*)malloc(n_rows * 2);
     uint16_t *h_g2 = (uint16_t*)malloc(n_qkv * 2), *h_g3 = (uint16_t*)malloc(n_qkv * 2);
     float *h_l2 = (float*)malloc(n_lse * 4), *h_l3 = (float*)malloc(n_lse * 4), *h_l3b = (float*)malloc(n_lse * 4);
+    uint16_t* h_os = (uint16_t*)malloc(n_rows * 2); /* the selection's O and LSE (passes 3, 4) */
+    float* h_ls = (float*)malloc(n_lse * 4);
+    bool sel_default = false, sel_fa2 = false;
     double *got = (double*)malloc(n_qkv * 8), *want = (double*)malloc(n_qkv * 8);
     bf16 *qkv = NULL, *dout = NULL, *out = NULL, *dqkv = NULL;
     float *lse = NULL, *dsum = NULL;
@@ -569,18 +575,26 @@ static int fa3_check_shape(const flash_shape* s, mt_hopper_gemm_state* st) {
         attn_view dq = qkv_rows_view(dqkv, T, s->Hkv, d, qpg, 0), dk = qkv_rows_view(dqkv, T, s->Hkv, d, qpg, qpg),
                   dv = qkv_rows_view(dqkv, T, s->Hkv, d, qpg, qpg + 1);
         attn_view o = attention_rows_view(out, T, s->H, d, qpg), go = attention_rows_view(dout, T, s->H, d, qpg);
-        for (int pass = 0; pass < 3; pass++) { /* 0: FA2, 1: Hopper, 2: Hopper again */
+        /* 0: FA2, 1: Hopper, 2: Hopper again, 3: attention_forward_fast by default, 4: it under MT_ATTN_FWD=fa2 */
+        for (int pass = 0; pass < 5; pass++) {
             FLASH_CUDA(cudaMemset(out, 0xFF, n_rows * 2));
             FLASH_CUDA(cudaMemset(lse, 0xFF, n_lse * 4));
             FLASH_CUDA(cudaMemset(dqkv, 0xFF, n_qkv * 2));
             if (pass == 0)
                 FLASH_CUDA(flash_attention_forward(o, lse, cview(q), cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0));
-            else
+            else if (pass <= 2)
                 FLASH_CUDA(hopper_attention_forward(st, o, lse, cview(q), cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0));
+            else
+                FLASH_CUDA(attention_forward_fast(st, pass == 3 ? MT_ATTN_FWD_DEFAULT : MT_ATTN_FWD_FA2, o, lse, cview(q),
+                                                  cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0, mt_dropout(), NULL));
             FLASH_CUDA(cudaDeviceSynchronize());
-            FLASH_CUDA(cudaMemcpy(pass == 0 ? h_o2 : pass == 1 ? h_o3 : h_o3b, out, n_rows * 2, cudaMemcpyDeviceToHost));
-            FLASH_CUDA(cudaMemcpy(pass == 0 ? h_l2 : pass == 1 ? h_l3 : h_l3b, lse, n_lse * 4, cudaMemcpyDeviceToHost));
-            if (pass == 2) break;
+            uint16_t* ho = pass == 0 ? h_o2 : pass == 1 ? h_o3 : pass == 2 ? h_o3b : h_os;
+            float* hl = pass == 0 ? h_l2 : pass == 1 ? h_l3 : pass == 2 ? h_l3b : h_ls;
+            FLASH_CUDA(cudaMemcpy(ho, out, n_rows * 2, cudaMemcpyDeviceToHost));
+            FLASH_CUDA(cudaMemcpy(hl, lse, n_lse * 4, cudaMemcpyDeviceToHost));
+            if (pass == 3) sel_default = !memcmp(h_os, h_o3, n_rows * 2) && !memcmp(h_ls, h_l3, n_lse * 4);
+            if (pass == 4) sel_fa2 = !memcmp(h_os, h_o2, n_rows * 2) && !memcmp(h_ls, h_l2, n_lse * 4);
+            if (pass >= 2) continue;
             FLASH_CUDA(flash_attention_backward(dq, dk, dv, dsum, cview(go), cview(q), cview(k), cview(v), cview(o), lse,
                                                 s->B, s->H, s->Hkv, T, d, 0));
             FLASH_CUDA(cudaMemcpy(pass == 0 ? h_g2 : h_g3, dqkv, n_qkv * 2, cudaMemcpyDeviceToHost));
@@ -609,18 +623,26 @@ static int fa3_check_shape(const flash_shape* s, mt_hopper_gemm_state* st) {
     {
         const double e_g = flash_rel(got, want, n_qkv);
         const bool same = !memcmp(h_o3, h_o3b, n_rows * 2) && !memcmp(h_l3, h_l3b, n_lse * 4);
+        const bool differ = memcmp(h_o3, h_o2, n_rows * 2) || memcmp(h_l3, h_l2, n_lse * 4);
+        const char* sel = !(sel_default && sel_fa2) ? "WRONG" : differ ? "fa3 / fa2 as set" : "ok (outputs equal)";
+        *apart = differ;
         printf("      B=%d H=%d Hkv=%d T=%d d=%d: O worst %.3f of its per-element bound, %.2e norm-wise; LSE %.2e; "
-               "backward from it %.2e; repeat %s\n", s->B, s->H, s->Hkv, T, d, worst, e_o, worst_lse, e_g,
-               same ? "bitwise" : "DIFFERS");
+               "backward from it %.2e; repeat %s; selection %s\n", s->B, s->H, s->Hkv, T, d, worst, e_o, worst_lse,
+               e_g, same ? "bitwise" : "DIFFERS", sel);
         if (!(worst <= 1.0) || !(e_o <= 0x1p-8) || !(worst_lse <= 1e-5) || !(e_g <= 2e-2) || !same) {
             printf("    FAIL the Hopper attention forward is off section 9's\n");
+            ok = 0;
+        }
+        if (!sel_default || !sel_fa2) {
+            printf("    FAIL attention_forward_fast: by default %s the Hopper forward's output, under fa2 %s FA2's\n",
+                   sel_default ? "gives" : "does not give", sel_fa2 ? "gives" : "does not give");
             ok = 0;
         }
     }
 done:
     cudaFree(qkv); cudaFree(dqkv); cudaFree(dout); cudaFree(out); cudaFree(lse); cudaFree(dsum);
     free(h_qkv); free(h_dout); free(h_o2); free(h_o3); free(h_o3b); free(h_g2); free(h_g3); free(h_l2); free(h_l3);
-    free(h_l3b); free(got); free(want);
+    free(h_l3b); free(h_os); free(h_ls); free(got); free(want);
     return ok;
 }
 
@@ -635,23 +657,37 @@ static test_result test_hopper_attention_forward(void) {
         if (major == 9) SKIP_OR_FAIL_STRICT("a Hopper GPU, but no sm_90a kernel in this build (GPU_ARCH=90 builds it)");
         SKIP("the Hopper attention forward needs a compute capability 9.x GPU");
     }
+    int apart[2] = {0, 0}; /* d = 64, 128: a shape where FA2's and the Hopper forward's outputs differ */
     const flash_shape shapes[] = {
         {2, 4, 2, 200, 128, NULL},  /* GQA, T = 1.56 tiles */
         {1, 8, 2, 1000, 128, NULL}, /* four query heads per kv head, 8 tiles, the last partial */
         {2, 3, 3, 256, 128, NULL},  /* multi-head, whole tiles */
         {1, 2, 1, 17, 128, NULL},   /* T below one tile */
+        {2, 2, 2, 1, 128, NULL},    /* T = 1 */
+        {2, 12, 12, 300, 64, NULL}, /* head dim 64: GPT-2 124M's 12 heads, B = 2, T = 2.34 tiles */
+        {1, 25, 25, 129, 64, NULL}, /* GPT-2 1.5B's 25 heads, one row past a tile */
+        {2, 8, 2, 200, 64, NULL},   /* GQA */
+        {1, 8, 2, 1000, 64, NULL},  /* four query heads per kv head, 8 tiles, the last partial */
+        {2, 3, 3, 256, 64, NULL},   /* multi-head, whole tiles */
+        {1, 2, 1, 17, 64, NULL},    /* T below one tile */
+        {3, 4, 2, 1, 64, NULL},     /* T = 1 */
     };
-    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
-        if (!fa3_check_shape(&shapes[i], &probe)) return TEST_FAIL;
-    /* what it does not take is refused, not launched: head dim 64, a row stride of 12 elements */
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
+        int differ = 0;
+        if (!fa3_check_shape(&shapes[i], &probe, &differ)) return TEST_FAIL;
+        apart[shapes[i].d == 128] |= differ;
+    }
+    EXPECT(apart[0] && apart[1], "FA2 and the Hopper forward agreed bitwise on every shape of a head dim: the selection "
+                                 "check could not tell which ran");
+    /* what it does not take is refused, not launched: head dim 96, a row stride of 12 elements */
     attn_view bad = {(bf16*)NULL, 8, 12, 8, 8};
     EXPECT(hopper_attention_forward(&probe, bad, NULL, cview(bad), cview(bad), cview(bad), 1, 1, 1, 8, 128, 0) ==
                cudaErrorInvalidValue,
            "a row stride of 12 elements was accepted");
-    attn_view d64 = {(bf16*)NULL, 64, 64, 64, 64};
-    EXPECT(hopper_attention_forward(&probe, d64, NULL, cview(d64), cview(d64), cview(d64), 1, 1, 1, 8, 64, 0) ==
+    attn_view d96 = {(bf16*)NULL, 96, 96, 96, 96};
+    EXPECT(hopper_attention_forward(&probe, d96, NULL, cview(d96), cview(d96), cview(d96), 1, 1, 1, 8, 96, 0) ==
                cudaErrorInvalidValue,
-           "head dim 64 was accepted");
+           "head dim 96 was accepted");
     return TEST_PASS;
 }
 
