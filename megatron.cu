@@ -617,7 +617,7 @@ static void word_embedding_backward(const mt_exec* ex, float* dwte, const T* dou
 /*    bias-linear). Dropout (Megatron's hidden and attention dropout) draws its masks from a      */
 /*    counter-based generator: nothing is stored, the backward regenerates them.                  */
 /*    defines: mt_dropout, dropout_apply, bias_add, bias_residual, bias_activation, bias_swiglu,  */
-/*    activation_backward, swiglu_backward.                                                       */
+/*    activation_backward, swiglu_backward, fp8_out (the activations' and norms' FP8 outputs).    */
 /* ============================================================================================== */
 
 /* ---- Dropout masks. A dropout site (one tensor of one micro-batch: the embeddings' output, a layer's
@@ -4079,7 +4079,7 @@ static void adamw_update(const mt_exec* ex, const mt_adamw_step* h, const mt_opt
 /*    defines: mt_fp8_dtype, mt_fp8_scaling_mode, mt_fp8_scaling, fp8_amax, fp8_scale_update,     */
 /*    fp8_scale_from_amax, fp8_cast_transpose, fp8_quantize_tensorwise, fp8_transpose,            */
 /*    fp8_cast_blockwise, fp8_publish_chunk, fp8_publish_amax, fp8_strided_scales_from_amax,      */
-/*    fp8_publish.                                                                                */
+/*    fp8_publish, fp8x4_scaled, fp8_out_store, fp8_out_amax.                                     */
 /* ============================================================================================== */
 
 typedef enum { FP8_E4M3 = 0, FP8_E5M2 = 1 } mt_fp8_dtype;
@@ -8935,7 +8935,7 @@ static void process_groups_free(mt_process_groups* g) {
 /*    the backward). At TP = 1 every collective vanishes and these are the plain linears.         */
 /*    defines: linear_forward, linear_backward, column_parallel_input, row_parallel_output,       */
 /*    parallel_backward_ctx, column_parallel_backward, row_parallel_backward, mt_fp8_state,       */
-/*    fp8_linear.                                                                                 */
+/*    fp8_linear, fp8_fused_parse, fp8_input_out.                                                 */
 /* ============================================================================================== */
 
 
@@ -9063,10 +9063,13 @@ static fp8_out fp8_input_out(const fp8_linear* L, bool record = true) {
 
 /* x [rows, cols] -> out [rows, cols] and/or out_t [cols, rows] in `dtype`, scaled by the slot of
  * `role`. fresh: the tensor's first cast in this micro-batch (tensorwise takes its amax and scale
- * now; delayed records its amax); otherwise a recast with the scale already set. */
+ * now; delayed records its amax); otherwise a recast with the scale already set. The input's cast
+ * into x8 (x8t) alone is skipped where x8_ready (x8t_ready) says the producer wrote it. */
 template <typename T>
 static void fp8_cast_operand(const mt_exec* ex, const fp8_linear* L, int role, mt_fp8_dtype dtype, uint8_t* out,
                              uint8_t* out_t, const T* x, int rows, int cols, bool fresh) {
+    if (role == FP8_X && ((L->x8_ready && out == L->f->x8 && !out_t) || (L->x8t_ready && !out && out_t == L->f->x8t)))
+        return;
     mt_fp8_scaling s = fp8_slot(L, role);
     if (L->f->recipe == MT_FP8_TENSORWISE && fresh)
         fp8_quantize_tensorwise(ex, dtype, &s, L->f->margin, out, out_t, x, rows, cols);
@@ -9092,7 +9095,7 @@ static bool fp8_linear_forward(const mt_exec* ex, const fp8_linear* L, T* y, con
                         out, 1.0f, 0.0f, gelu_pre ? (const T*)NULL : bias, FP8_BLOCKS_1x128, FP8_BLOCKS_128x128);
             return !gelu_pre || ex->error->status != MT_OK;
         }
-        if (!L->x8_ready) fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, f->x8, NULL, x, N, in, true);
+        fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, f->x8, NULL, x, N, in, true);
         const float* x_inv = fp8_scale_inv(L, FP8_X);
         const float* w_inv = fp8_scale_inv(L, FP8_W);
         if (gemm_fp8<T>(ex, N, out, in, f->x8, f->fwd, x_inv, L->w8, f->fwd, w_inv, y, out, 1.0f, 0.0f, bias,
@@ -9148,7 +9151,7 @@ static void fp8_linear_weight_gradient(const mt_exec* ex, const fp8_linear* L, m
                             FP8_BLOCKS_1x128);
         }
     } else {
-        if (!L->x8t_ready) fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, NULL, f->x8t, x, N, in, L->fresh_backward_input != 0);
+        fp8_cast_operand<T>(ex, L, FP8_X, f->fwd, NULL, f->x8t, x, N, in, L->fresh_backward_input != 0);
         gemm_fp8<float>(ex, out, in, N, f->g8t, f->bwd, fp8_scale_inv(L, FP8_G), f->x8t, f->fwd, fp8_scale_inv(L, FP8_X),
                         dweight, in, 1.0f, (float)ex->mode.accumulate_gradients);
     }
@@ -10315,6 +10318,7 @@ static bool fp8_layer_linears(mt_trainer* t, const mt_exec* ex, int l, bool cast
     for (int k = 0; k < FP8_LINEARS; k++) {
         int out, in;
         fp8_linear_dims(s, k, &out, &in);
+        L[k] = fp8_linear(); /* x8_ready, x8t_ready 0 */
         L[k].f = f;
         L[k].tensor = (slot * FP8_LINEARS + k) * FP8_ROLES;
         L[k].w8 = f->param_gather ? (const uint8_t*)weights[k] : w8;
@@ -10323,7 +10327,6 @@ static bool fp8_layer_linears(mt_trainer* t, const mt_exec* ex, int l, bool cast
         L[k].w8t_blocks = wb ? wb + fp8_block_scales(FP8_BLOCKS_128x128, out, in) : NULL;
         L[k].record_amax = ex->mode.training;
         L[k].fresh_backward_input = f->recipe == MT_FP8_TENSORWISE && t->groups.pp_size > 1;
-        L[k].x8_ready = L[k].x8t_ready = 0;
         if (cast_weights && f->param_gather) { /* W gathered in FP8 (fp8_publish_parameters): W^T from its bytes */
             fp8_transpose(ex, (uint8_t*)L[k].w8t, L[k].w8, out, in);
         } else if (cast_weights) {
