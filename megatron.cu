@@ -617,7 +617,7 @@ static void word_embedding_backward(const mt_exec* ex, float* dwte, const T* dou
 /*    bias-linear). Dropout (Megatron's hidden and attention dropout) draws its masks from a      */
 /*    counter-based generator: nothing is stored, the backward regenerates them.                  */
 /*    defines: mt_dropout, dropout_apply, bias_add, bias_residual, bias_activation, bias_swiglu,  */
-/*    activation_backward, swiglu_backward.                                                       */
+/*    activation_backward, swiglu_backward, fp8_out (the activations' and norms' FP8 outputs).    */
 /* ============================================================================================== */
 
 /* ---- Dropout masks. A dropout site (one tensor of one micro-batch: the embeddings' output, a layer's
@@ -712,6 +712,19 @@ __global__ void residual_add_kernel(T* out, const T* a, const T* b, int64_t n) {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
 }
+
+/* ---- FP8 outputs of producer kernels (section 12 defines the device functions). Under delayed
+ *      scaling a tensor's scale is known before the tensor is made, so a kernel whose output is an
+ *      FP8 linear's input (a norm, an MLP activation) can also write that input's E4M3 bytes and fold
+ *      its amax into the slot: the linear then skips its cast and its read of the bf16 tensor. ---- */
+struct fp8_out {
+    uint8_t* q;         /* [N, C] row-major, the output's layout; NULL: no FP8 output */
+    const float* scale; /* the linear's input slot: scale (device, one float) */
+    float* amax;        /* and amax, max-ed into; NULL: not recorded (evaluation, recasts) */
+};
+template <typename T, int V>
+__device__ __forceinline__ void fp8_out_store(const fp8_out& o, int64_t at, const float* v, uint32_t& largest);
+__device__ __forceinline__ void fp8_out_amax(const fp8_out& o, uint32_t largest);
 
 #define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
 /* The MLP's elementwise activations (SwiGLU, which pairs columns, is below): GELU's tanh
@@ -817,23 +830,28 @@ __global__ void bias_dropout_residual_kernel(T* out, const T* residual, const T*
 }
 
 template <typename T, int ACT>
-__global__ void bias_activation_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int C) {
+__global__ void bias_activation_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int C, fp8_out f8) {
     constexpr int V = vec16<T>::N;
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= vectors) return;
-    int64_t e = i * V;
-    float y[V], b[V], a[V];
-    load16(y, pre + e);
-    if (bias) load16(b, bias + e % C);
+    if (i >= vectors && !f8.q) return; /* with f8 every lane reaches the warp's amax */
+    uint32_t largest = 0;
+    if (i < vectors) {
+        int64_t e = i * V;
+        float y[V], b[V], a[V];
+        load16(y, pre + e);
+        if (bias) load16(b, bias + e % C);
 #pragma unroll
-    for (int k = 0; k < V; k++) {
-        /* round the pre-activation to T first: the backward recomputes act' from the stored value */
-        float x = to_float(from_float<T>(y[k] + (bias ? b[k] : 0.0f)));
-        y[k] = x;
-        a[k] = activation<ACT>(x);
+        for (int k = 0; k < V; k++) {
+            /* round the pre-activation to T first: the backward recomputes act' from the stored value */
+            float x = to_float(from_float<T>(y[k] + (bias ? b[k] : 0.0f)));
+            y[k] = x;
+            a[k] = activation<ACT>(x);
+        }
+        store16(pre + e, y);
+        store16(act + e, a);
+        if (f8.q) fp8_out_store<T, V>(f8, e, a, largest);
     }
-    store16(pre + e, y);
-    store16(act + e, a);
+    if (f8.q) fp8_out_amax(f8, largest);
 }
 
 /* SwiGLU (Megatron's --swiglu): the first MLP linear gives pre [N, 2f] = [gate | up] per row;
@@ -873,29 +891,34 @@ __global__ void swiglu_backward_kernel(T* dpre, const T* dact, const T* pre, int
 }
 
 template <typename T>
-__global__ void swiglu_forward_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int f) {
+__global__ void swiglu_forward_vec_kernel(T* pre, T* act, const T* bias, int64_t vectors, int f, fp8_out f8) {
     constexpr int V = vec16<T>::N;
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= vectors) return;
-    int64_t row = i * V / f;
-    int col = (int)(i * V % f);
-    T* g = pre + row * 2 * f + col;
-    float gate[V], up[V], b[V], a[V];
-    load16(gate, g);
-    load16(up, g + f);
-    if (bias) {
-        load16(b, bias + col);
+    if (i >= vectors && !f8.q) return; /* with f8 every lane reaches the warp's amax */
+    uint32_t largest = 0;
+    if (i < vectors) {
+        int64_t row = i * V / f;
+        int col = (int)(i * V % f);
+        T* g = pre + row * 2 * f + col;
+        float gate[V], up[V], b[V], a[V];
+        load16(gate, g);
+        load16(up, g + f);
+        if (bias) {
+            load16(b, bias + col);
 #pragma unroll
-        for (int k = 0; k < V; k++) gate[k] = to_float(from_float<T>(gate[k] + b[k]));
-        load16(b, bias + f + col);
+            for (int k = 0; k < V; k++) gate[k] = to_float(from_float<T>(gate[k] + b[k]));
+            load16(b, bias + f + col);
 #pragma unroll
-        for (int k = 0; k < V; k++) up[k] = to_float(from_float<T>(up[k] + b[k]));
-        store16(g, gate);
-        store16(g + f, up);
+            for (int k = 0; k < V; k++) up[k] = to_float(from_float<T>(up[k] + b[k]));
+            store16(g, gate);
+            store16(g + f, up);
+        }
+#pragma unroll
+        for (int k = 0; k < V; k++) a[k] = silu(gate[k]) * up[k];
+        store16(act + i * V, a);
+        if (f8.q) fp8_out_store<T, V>(f8, i * V, a, largest);
     }
-#pragma unroll
-    for (int k = 0; k < V; k++) a[k] = silu(gate[k]) * up[k];
-    store16(act + i * V, a);
+    if (f8.q) fp8_out_amax(f8, largest);
 }
 
 template <typename T>
@@ -949,35 +972,43 @@ static void bias_residual(const mt_exec* ex, T* out, const T* residual, T* branc
     LAUNCH_CHECK(ex->error);
 }
 
-/* pre[N, C] += bias (may be NULL); act = gelu(pre) or relu(pre)^2 (kind: ACT_GELU, ACT_SQUARED_RELU) */
+/* pre[N, C] += bias (may be NULL); act = gelu(pre) or relu(pre)^2 (kind: ACT_GELU, ACT_SQUARED_RELU);
+ * with f8.q also act's FP8 bytes and amax (fp8_out; the 16-byte kernel only). Returns whether f8 was
+ * written (false: the caller casts act itself). */
 template <typename T, int ACT>
-static void bias_activation_as(const mt_exec* ex, T* pre, T* act, const T* bias, int N, int C) {
+static bool bias_activation_as(const mt_exec* ex, T* pre, T* act, const T* bias, int N, int C, const fp8_out& f8) {
     int64_t n = (int64_t)N * C;
-    if (C % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias)) {
+    const bool vec = C % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias);
+    if (vec) {
         int64_t vectors = n / vec16<T>::N;
-        bias_activation_vec_kernel<T, ACT><<<ceil_div(vectors, 256), 256, 0, ex->stream>>>(pre, act, bias, vectors, C);
+        bias_activation_vec_kernel<T, ACT><<<ceil_div(vectors, 256), 256, 0, ex->stream>>>(pre, act, bias, vectors, C,
+                                                                                          f8);
     } else {
         if (bias) bias_add_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(pre, bias, N, C);
         activation_forward_kernel<T, ACT><<<ceil_div(n, 256), 256, 0, ex->stream>>>(act, pre, n);
     }
     LAUNCH_CHECK(ex->error);
+    return vec && f8.q;
 }
 template <typename T>
-static void bias_activation(const mt_exec* ex, int kind, T* pre, T* act, const T* bias, int N, int C) {
-    if (kind == ACT_SQUARED_RELU) bias_activation_as<T, ACT_SQUARED_RELU>(ex, pre, act, bias, N, C);
-    else bias_activation_as<T, ACT_GELU>(ex, pre, act, bias, N, C);
+static bool bias_activation(const mt_exec* ex, int kind, T* pre, T* act, const T* bias, int N, int C,
+                            const fp8_out& f8 = fp8_out()) {
+    if (kind == ACT_SQUARED_RELU) return bias_activation_as<T, ACT_SQUARED_RELU>(ex, pre, act, bias, N, C, f8);
+    return bias_activation_as<T, ACT_GELU>(ex, pre, act, bias, N, C, f8);
 }
 
-/* pre[N, 2f] += bias (may be NULL); act[N, f] = silu(gate) * up */
+/* pre[N, 2f] += bias (may be NULL); act[N, f] = silu(gate) * up; f8 as bias_activation's */
 template <typename T>
-static void bias_swiglu(const mt_exec* ex, T* pre, T* act, const T* bias, int N, int f) {
+static bool bias_swiglu(const mt_exec* ex, T* pre, T* act, const T* bias, int N, int f, const fp8_out& f8 = fp8_out()) {
     int64_t n = (int64_t)N * f;
-    if (f % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias))
+    const bool vec = f % vec16<T>::N == 0 && aligned16(pre) && aligned16(act) && aligned16(bias);
+    if (vec)
         swiglu_forward_vec_kernel<T><<<ceil_div(n / vec16<T>::N, 256), 256, 0, ex->stream>>>(pre, act, bias,
-                                                                                           n / vec16<T>::N, f);
+                                                                                           n / vec16<T>::N, f, f8);
     else
         swiglu_forward_kernel<T><<<ceil_div(n, 256), 256, 0, ex->stream>>>(pre, act, bias, N, f);
     LAUNCH_CHECK(ex->error);
+    return vec && f8.q;
 }
 
 /* d <- d * act'(pre), in place over [n] (kind: ACT_GELU, ACT_SQUARED_RELU) */
@@ -1087,9 +1118,10 @@ __global__ void layernorm_backward_input_kernel(T* dresidual, const T* dy, const
 
 /* The same two kernels with 16-byte loads (one warp per row; C a multiple of the vector width).
  * Statistics are summed in the same per-lane-then-warp pattern, so results are deterministic. */
+/* With f8.q the row's FP8 bytes too (fp8_out), and out may be NULL (no bf16 output). */
 template <typename T>
 __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rstd_out, const T* x, const T* weight,
-                                             const T* bias, int N, int C, float eps, bool rms, float w1) {
+                                             const T* bias, int N, int C, float eps, bool rms, float w1, fp8_out f8) {
     constexpr int V = vec16<T>::N;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -1110,15 +1142,17 @@ __global__ void layernorm_forward_vec_kernel(T* out, float* mean_out, float* rst
         for (int i = 0; i < V; i++) var += (v[i] - mean) * (v[i] - mean);
     }
     float rstd = 1.0f / sqrtf(warp_sum(var) / C + eps);
-    T* o = out + (int64_t)row * C;
+    uint32_t largest = 0;
     for (int c = lane * V; c < C; c += 32 * V) {
         load16(v, xr + c);
         load16(w, weight + c);
         if (bias) load16(b, bias + c);
 #pragma unroll
         for (int i = 0; i < V; i++) v[i] = norm_output(v[i], mean, rstd, w[i], w1, bias ? b[i] : 0.0f);
-        store16(o + c, v);
+        if (out) store16(out + (int64_t)row * C + c, v);
+        if (f8.q) fp8_out_store<T, V>(f8, (int64_t)row * C + c, v, largest);
     }
+    if (f8.q) fp8_out_amax(f8, largest); /* whole warps: a warp's lanes share the row */
     if (lane == 0) {
         mean_out[row] = mean;
         rstd_out[row] = rstd;
@@ -1177,12 +1211,12 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
  * residual stream and the norm's saved input), then y = norm(sum). The row stays in registers
  * between the two (at most 32 * MAXV vectors per row; the launcher checks), so the sum is read
  * back from no memory at all. The stored sum is rounded to T before the statistics, exactly as if
- * the norm had read it back. */
+ * the norm had read it back. f8, out NULL: as layernorm_forward_vec_kernel's. */
 template <typename T, int MAXV>
 __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean_out, float* rstd_out,
                                                  const T* residual, const T* branch, const T* bias, const T* weight,
                                                  const T* norm_bias, int N, int C, float eps, bool rms, float w1,
-                                                 mt_dropout d) {
+                                                 mt_dropout d, fp8_out f8) {
     constexpr int V = vec16<T>::N;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -1225,6 +1259,7 @@ __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean
         for (int i = 0; i < V; i++) var += (r[j][i] - mean) * (r[j][i] - mean);
     }
     float rstd = 1.0f / sqrtf(warp_sum(var) / C + eps);
+    uint32_t largest = 0;
 #pragma unroll
     for (int j = 0; j < MAXV; j++) {
         int c = (lane + 32 * j) * V;
@@ -1233,8 +1268,10 @@ __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean
         if (norm_bias) load16(y, norm_bias + c);
 #pragma unroll
         for (int i = 0; i < V; i++) y[i] = norm_output(r[j][i], mean, rstd, w[i], w1, norm_bias ? y[i] : 0.0f);
-        store16(out + base + c, y);
+        if (out) store16(out + base + c, y);
+        if (f8.q) fp8_out_store<T, V>(f8, base + c, y, largest);
     }
+    if (f8.q) fp8_out_amax(f8, largest);
     if (lane == 0) {
         mean_out[row] = mean;
         rstd_out[row] = rstd;
@@ -1261,7 +1298,7 @@ __device__ __forceinline__ void store_n(T* p, const float* in) {
  * of the vector width). */
 template <typename T, int V>
 __global__ void norm_apply_kernel(T* out, const T* x, const float* mean, const float* rstd, const T* w, const T* b,
-                                  int64_t N, int C, float w1) {
+                                  int64_t N, int C, float w1, fp8_out f8) {
     int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * V;
     if (i >= N * C) return;
     int64_t row = i / C;
@@ -1273,7 +1310,11 @@ __global__ void norm_apply_kernel(T* out, const T* x, const float* mean, const f
     const float m = mean[row], rs = rstd[row];
 #pragma unroll
     for (int k = 0; k < V; k++) v[k] = norm_output(v[k], m, rs, wv[k], w1, b ? bv[k] : 0.0f);
-    store_n<T, V>(out + i, v);
+    if (out) store_n<T, V>(out + i, v);
+    if constexpr (V % 4 == 0) { /* the 16-byte kernel: FP8 bytes without amax (a recast, fp8_out) */
+        uint32_t largest = 0;
+        if (f8.q) fp8_out_store<T, V>(f8, i, v, largest);
+    }
 }
 
 /* ---- The norm backward fused with every column sum that reads the same rows. A block walks tiles of
@@ -1438,48 +1479,68 @@ __global__ void __launch_bounds__(256)
                                         part_b, part_prev);
 }
 
-/* out = (x - mean) * rstd * w (+ b) over rows of [N, C], from the statistics the forward saved. */
-template <typename T>
-static void norm_apply(const mt_exec* ex, T* out, const T* x, const float* mean, const float* rstd, const T* w,
-                       const T* b, int N, int C, float w1 = 0.0f) {
-    constexpr int V = vec16<T>::N;
-    int64_t n = (int64_t)N * C;
-    if (C % V == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
-        norm_apply_kernel<T, V><<<ceil_div(n / V, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C, w1);
-    else
-        norm_apply_kernel<T, 1><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C, w1);
-    LAUNCH_CHECK(ex->error);
+/* The norms' FP8 outputs (fp8_out) come from their 16-byte kernels only: where those do not apply
+ * (C not a multiple of the vector width, a misaligned pointer) a launcher given f8.q writes none and
+ * says so (returns false; the caller casts), and one given out = NULL as well records an error. */
+static bool norm_fp8_fallback(const mt_exec* ex, const void* out, const char* what) {
+    if (!out) mt_gpu_fail(ex->error, MT_ERR_ARG, "%s: no bf16 output asked for, and the FP8 one needs the 16-byte kernel", what);
+    return false;
 }
 
-/* out = norm(x): LayerNorm (w, b) or RMSNorm (w; b NULL, rms) over rows of [N, C]. */
+/* out = (x - mean) * rstd * w (+ b) over rows of [N, C], from the statistics the forward saved. With
+ * f8.q also its FP8 bytes, without amax (a recast: f8.amax is not read), and out may be NULL; returns
+ * whether f8 was written. */
 template <typename T>
-static void norm_forward(const mt_exec* ex, T* out, float* mean, float* rstd, const T* x, const T* w, const T* b,
-                         int N, int C, float eps, bool rms, float w1 = 0.0f) {
-    if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b))
-        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms,
-                                                                                w1);
-    else
-        layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms, w1);
+static bool norm_apply(const mt_exec* ex, T* out, const T* x, const float* mean, const float* rstd, const T* w,
+                       const T* b, int N, int C, float w1 = 0.0f, const fp8_out& f8 = fp8_out()) {
+    constexpr int V = vec16<T>::N;
+    int64_t n = (int64_t)N * C;
+    if (C % V == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b)) {
+        norm_apply_kernel<T, V><<<ceil_div(n / V, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C, w1, f8);
+        LAUNCH_CHECK(ex->error);
+        return f8.q != NULL;
+    }
+    if (f8.q && !out) return norm_fp8_fallback(ex, out, "norm_apply");
+    norm_apply_kernel<T, 1><<<ceil_div(n, 256), 256, 0, ex->stream>>>(out, x, mean, rstd, w, b, N, C, w1, fp8_out());
     LAUNCH_CHECK(ex->error);
+    return false;
+}
+
+/* out = norm(x): LayerNorm (w, b) or RMSNorm (w; b NULL, rms) over rows of [N, C]. With f8.q also its
+ * FP8 bytes and amax (fp8_out), and out may be NULL; returns whether f8 was written. */
+template <typename T>
+static bool norm_forward(const mt_exec* ex, T* out, float* mean, float* rstd, const T* x, const T* w, const T* b,
+                         int N, int C, float eps, bool rms, float w1 = 0.0f, const fp8_out& f8 = fp8_out()) {
+    if (C % vec16<T>::N == 0 && aligned16(out) && aligned16(x) && aligned16(w) && aligned16(b)) {
+        layernorm_forward_vec_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms,
+                                                                                w1, f8);
+        LAUNCH_CHECK(ex->error);
+        return f8.q != NULL;
+    }
+    if (f8.q && !out) return norm_fp8_fallback(ex, out, "norm_forward");
+    layernorm_forward_kernel<T><<<ceil_div(N, 8), 256, 0, ex->stream>>>(out, mean, rstd, x, w, b, N, C, eps, rms, w1);
+    LAUNCH_CHECK(ex->error);
+    return false;
 }
 
 /* sum = residual + branch + bias (the residual stream), then out = norm(sum): one kernel when a
- * row fits the registers of one warp (C <= 32 * 8 vectors: hidden 2048 in bf16), else two. */
+ * row fits the registers of one warp (C <= 32 * 8 vectors: hidden 2048 in bf16), else two. f8, out
+ * NULL and the result: as norm_forward's. */
 #define RESIDUAL_NORM_MAXV 8
 template <typename T>
-static void residual_norm_forward(const mt_exec* ex, T* sum, T* out, float* mean, float* rstd, const T* residual,
+static bool residual_norm_forward(const mt_exec* ex, T* sum, T* out, float* mean, float* rstd, const T* residual,
                                   T* branch, const T* bias, const T* w, const T* b, int N, int C, float eps, bool rms,
-                                  float w1 = 0.0f, const mt_dropout& d = mt_dropout()) {
+                                  float w1 = 0.0f, const mt_dropout& d = mt_dropout(), const fp8_out& f8 = fp8_out()) {
     constexpr int V = vec16<T>::N;
     if (C % V == 0 && C <= 32 * V * RESIDUAL_NORM_MAXV && aligned16(sum) && aligned16(out) && aligned16(residual) &&
         aligned16(branch) && aligned16(bias) && aligned16(w) && aligned16(b)) {
         residual_norm_forward_vec_kernel<T, RESIDUAL_NORM_MAXV><<<ceil_div(N, 8), 256, 0, ex->stream>>>(
-            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms, w1, d);
+            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms, w1, d, f8);
         LAUNCH_CHECK(ex->error);
-        return;
+        return f8.q != NULL;
     }
     bias_residual<T>(ex, sum, residual, branch, bias, N, C, d);
-    norm_forward<T>(ex, out, mean, rstd, sum, w, b, N, C, eps, rms, w1);
+    return norm_forward<T>(ex, out, mean, rstd, sum, w, b, N, C, eps, rms, w1, f8);
 }
 
 /* Launches norm_backward_fused_kernel with `rows`-row tiles over at most max_blocks blocks (NJ = nj:
@@ -4018,7 +4079,7 @@ static void adamw_update(const mt_exec* ex, const mt_adamw_step* h, const mt_opt
 /*    defines: mt_fp8_dtype, mt_fp8_scaling_mode, mt_fp8_scaling, fp8_amax, fp8_scale_update,     */
 /*    fp8_scale_from_amax, fp8_cast_transpose, fp8_quantize_tensorwise, fp8_transpose,            */
 /*    fp8_cast_blockwise, fp8_publish_chunk, fp8_publish_amax, fp8_strided_scales_from_amax,      */
-/*    fp8_publish.                                                                                */
+/*    fp8_publish, fp8x4_scaled, fp8_out_store, fp8_out_amax.                                     */
 /* ============================================================================================== */
 
 typedef enum { FP8_E4M3 = 0, FP8_E5M2 = 1 } mt_fp8_dtype;
@@ -4090,6 +4151,47 @@ __device__ __forceinline__ uint8_t fp8_quantize(T x, float scale) {
 /* |x| as bits that order like the value: for a float with the sign bit cleared, integer order is
  * numeric order, and every NaN lies above +infinity. */
 __device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7FFFFFFFu; }
+
+/* Four values scaled and cast, a in the low byte: the per-tensor casts' one rule (fp8_cast_transpose and
+ * the producers' fp8_out). */
+template <mt_fp8_dtype F>
+__device__ __forceinline__ uint32_t fp8x4_scaled(float a, float b, float c, float d, float scale) {
+    return fp8x2_from_float<F>(a * scale, b * scale) | fp8x2_from_float<F>(c * scale, d * scale) << 16;
+}
+
+/* ---- FP8 outputs of producer kernels (fp8_out, declared in section 5) ----
+ * A norm or MLP activation that makes an FP8 linear's input x under delayed scaling writes x's E4M3
+ * bytes itself: each value rounded to the model type T first (the x fp8_cast_transpose would read
+ * back), then cast with fp8x4_scaled as that cast does, its |x| bits max-ed into the slot's amax. So
+ * the bytes and the amax are bitwise the cast's, and the cast's read of x is saved. */
+template <typename T, int V>
+__device__ __forceinline__ void fp8_out_store(const fp8_out& o, int64_t at, const float* v, uint32_t& largest) {
+    static_assert(V % 4 == 0, "whole 4-byte words of FP8");
+    const float scale = *o.scale;
+    uint32_t packed[V / 4];
+#pragma unroll
+    for (int i = 0; i < V; i += 4) {
+        float x[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            x[k] = to_float(from_float<T>(v[i + k]));
+            largest = max(largest, abs_bits(x[k]));
+        }
+        packed[i / 4] = fp8x4_scaled<FP8_E4M3>(x[0], x[1], x[2], x[3], scale);
+    }
+    uint8_t* dst = o.q + at; /* at a multiple of V: 4 * (V / 4) aligned bytes */
+    if constexpr (V == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+    else
+#pragma unroll
+        for (int i = 0; i < V / 4; i++) reinterpret_cast<uint32_t*>(dst)[i] = packed[i];
+}
+/* The warp's largest |x| into o.amax (every lane of a whole warp calls it). The atomic only where it
+ * would raise the slot: amax only grows within a step, so skipping a smaller value is exact. */
+__device__ __forceinline__ void fp8_out_amax(const fp8_out& o, uint32_t largest) {
+    largest = __reduce_max_sync(0xffffffffu, largest);
+    if (o.amax && threadIdx.x % 32 == 0 && largest > *reinterpret_cast<volatile uint32_t*>(o.amax))
+        atomicMax(reinterpret_cast<unsigned int*>(o.amax), largest);
+}
 /* Block-wide maximum of unsigned values (exact, so any order gives the same result). */
 __device__ uint32_t block_max_u32(uint32_t v) {
     __shared__ uint32_t shared[32];
@@ -4266,8 +4368,7 @@ __global__ void __launch_bounds__(256) fp8_cast_transpose_kernel(uint8_t* out, u
             for (int i = 0; i < V; i += 4) {
                 largest = max(max(largest, max(abs_bits(v[i]), abs_bits(v[i + 1]))),
                               max(abs_bits(v[i + 2]), abs_bits(v[i + 3])));
-                packed[i / 4] = fp8x2_from_float<F>(v[i] * scale, v[i + 1] * scale) |
-                                fp8x2_from_float<F>(v[i + 2] * scale, v[i + 3] * scale) << 16;
+                packed[i / 4] = fp8x4_scaled<F>(v[i], v[i + 1], v[i + 2], v[i + 3], scale);
             }
 #pragma unroll
             for (int i = 0; i < V / 4; i++) *reinterpret_cast<uint32_t*>(&tile[r * PITCH + c + 4 * i]) = packed[i];
@@ -8915,7 +9016,7 @@ static void process_groups_free(mt_process_groups* g) {
 /*    the backward). At TP = 1 every collective vanishes and these are the plain linears.         */
 /*    defines: linear_forward, linear_backward, column_parallel_input, row_parallel_output,       */
 /*    parallel_backward_ctx, column_parallel_backward, row_parallel_backward, mt_fp8_state,       */
-/*    fp8_linear.                                                                                 */
+/*    fp8_linear, fp8_fused_parse, fp8_input_out.                                                 */
 /* ============================================================================================== */
 
 
@@ -8940,7 +9041,11 @@ static void weight_gradient(const mt_exec* ex, mt_colsum_scratch* s, float* dwei
  * Each operand has a scaling slot in the trainer's FP8 state: delayed scaling casts with the slot's
  * scale and records the amax (the step's largest) for the update after the step; tensorwise takes
  * the scale from the tensor's own amax at each cast. Biases, GELU/SwiGLU and their gradients stay
- * in bf16 around the GEMMs. */
+ * in bf16 around the GEMMs. Delayed scaling knows the scale before the input exists, so the kernel
+ * that makes a forward input writes its FP8 bytes into x8 (fp8_out, section 12; MT_FP8_FUSED=0 turns
+ * this off): the norms for QKV and fc1 (not with sequence parallelism: the all-gather wants bf16),
+ * the activation for fc2; ln1's bf16 copy is then not written at all (the backward remakes it), and
+ * the backward's norm_apply of ln1 writes its FP8 bytes, whose byte transpose is QKV's wgrad operand. */
 enum { FP8_QKV = 0, FP8_PROJ, FP8_FC1, FP8_FC2, FP8_LINEARS };
 enum { FP8_X = 0, FP8_W, FP8_G, FP8_ROLES }; /* a linear's input, weight and output gradient */
 
@@ -8952,6 +9057,8 @@ typedef struct {
     mt_fp8_dtype fwd, bwd;      /* E4M3; the gradients E5M2 with hybrid */
     mt_fp8_recipe recipe;
     int margin, wgrad;
+    int fused;                  /* delayed scaling and MT_FP8_FUSED not 0: producers write x8 (fp8_input_out) */
+    int64_t fused_casts;        /* host: forward and wgrad casts the producers made instead (the tests read it) */
     mt_fp8_amax_algo algo;
     int history_len, history_pos;
     int num_layers;             /* FP8 layers */
@@ -8999,6 +9106,8 @@ typedef struct {
     int fresh_backward_input;   /* tensorwise at PP > 1: the backward casts its input afresh (its own amax and
                                    scale), since the slot holds the scale of the stage's latest forward, which
                                    the pipeline's schedule may have run on another micro-batch */
+    int x8_ready;               /* x8 holds the forward's input bytes, by the kernel that made x: no cast */
+    int x8t_ready;              /* x8t holds the weight gradient's x^T bytes already: no cast */
 } fp8_linear;
 
 static mt_fp8_scaling fp8_slot(const fp8_linear* L, int role) {
@@ -9008,12 +9117,40 @@ static mt_fp8_scaling fp8_slot(const fp8_linear* L, int role) {
 }
 static const float* fp8_scale_inv(const fp8_linear* L, int role) { return fp8_slot(L, role).scale_inv; }
 
+/* MT_FP8_FUSED's value (read once, at trainer creation): unset, empty or 1, the producers write the
+ * FP8 inputs under delayed scaling (fp8_input_out); 0, every input is cast by its linear (to compare:
+ * the same bits, one more read of each input); anything else refused in one line. */
+static mt_status fp8_fused_parse(const char* value, int* on, mt_error* err) {
+    *on = 1;
+    if (!value || !*value || !strcmp(value, "1")) return MT_OK;
+    if (!strcmp(value, "0")) *on = 0;
+    else return mt_fail(err, MT_ERR_ARG, "MT_FP8_FUSED=%.64s: expected 0 or 1 (unset: 1)", value);
+    return MT_OK;
+}
+
+/* The FP8 output a producer kernel writes for L's forward input (section 12, fp8_out): x8 with the
+ * input slot's scale, the amax recorded as the forward's cast records it; none (q NULL) without L
+ * or unless the state's fused is set (delayed scaling, MT_FP8_FUSED). record: false for a recast
+ * (the backward's). */
+static fp8_out fp8_input_out(const fp8_linear* L, bool record = true) {
+    fp8_out o = {NULL, NULL, NULL};
+    if (!L || !L->f->fused) return o;
+    const mt_fp8_scaling s = fp8_slot(L, FP8_X);
+    o.q = L->f->x8;
+    o.scale = s.scale;
+    o.amax = record && L->record_amax ? s.amax : NULL;
+    return o;
+}
+
 /* x [rows, cols] -> out [rows, cols] and/or out_t [cols, rows] in `dtype`, scaled by the slot of
  * `role`. fresh: the tensor's first cast in this micro-batch (tensorwise takes its amax and scale
- * now; delayed records its amax); otherwise a recast with the scale already set. */
+ * now; delayed records its amax); otherwise a recast with the scale already set. The input's cast
+ * into x8 (x8t) alone is skipped where x8_ready (x8t_ready) says the producer wrote it. */
 template <typename T>
 static void fp8_cast_operand(const mt_exec* ex, const fp8_linear* L, int role, mt_fp8_dtype dtype, uint8_t* out,
                              uint8_t* out_t, const T* x, int rows, int cols, bool fresh) {
+    if (role == FP8_X && ((L->x8_ready && out == L->f->x8 && !out_t) || (L->x8t_ready && !out && out_t == L->f->x8t)))
+        return;
     mt_fp8_scaling s = fp8_slot(L, role);
     if (L->f->recipe == MT_FP8_TENSORWISE && fresh)
         fp8_quantize_tensorwise(ex, dtype, &s, L->f->margin, out, out_t, x, rows, cols);
@@ -10262,6 +10399,7 @@ static bool fp8_layer_linears(mt_trainer* t, const mt_exec* ex, int l, bool cast
     for (int k = 0; k < FP8_LINEARS; k++) {
         int out, in;
         fp8_linear_dims(s, k, &out, &in);
+        L[k] = fp8_linear(); /* x8_ready, x8t_ready 0 */
         L[k].f = f;
         L[k].tensor = (slot * FP8_LINEARS + k) * FP8_ROLES;
         L[k].w8 = f->param_gather ? (const uint8_t*)weights[k] : w8;
@@ -10332,31 +10470,32 @@ static void cross_entropy(mt_trainer* t, const mt_exec* ex, float grad_scale) {
 }
 
 /* The MLP's activation: act = GELU, squared ReLU or SwiGLU of the pre-activation fc1, the bias (may
- * be NULL) added into fc1 first. */
+ * be NULL) added into fc1 first; with act8.q also act's FP8 bytes for fc2 (returns whether written). */
 template <typename T>
-static void mlp_activation(const mt_exec* ex, const mt_shape& s, const layer_view<T>& v, const T* bias) {
-    if (s.swiglu)
-        bias_swiglu<T>(ex, v.fc1, v.act, bias, s.BT, s.f);
-    else
-        bias_activation<T>(ex, s.act, v.fc1, v.act, bias, s.BT, s.f);
+static bool mlp_activation(const mt_exec* ex, const mt_shape& s, const layer_view<T>& v, const T* bias,
+                           const fp8_out& act8 = fp8_out()) {
+    if (s.swiglu) return bias_swiglu<T>(ex, v.fc1, v.act, bias, s.BT, s.f, act8);
+    return bias_activation<T>(ex, s.act, v.fc1, v.act, bias, s.BT, s.f, act8);
 }
 /* The MLP's first linear and its activation: fc1 = ln2_in W1^T + b, act = its GELU, squared ReLU or
  * SwiGLU (bf16 and fp16 GELU: one cuBLASLt GEMM whose epilogue applies GELU and keeps fc1 as its aux
  * output; FP8 the same, the FP8 GEMM's epilogue, where cuBLASLt has it; squared ReLU and SwiGLU: the
- * GEMM (FP8 or not), then the kernel). */
+ * GEMM (FP8 or not), then the kernel). act8: FP8 bytes of act for fc2 where the kernel makes act
+ * (returns whether they were written; never from a GEMM's epilogue). */
 template <typename T>
-static void mlp_up_forward(const mt_exec* ex, const mt_shape& s, const layer_view<T>& v, const layer_tensors<T>& p,
-                           const T* ln2_in, const fp8_linear* f8) {
+static bool mlp_up_forward(const mt_exec* ex, const mt_shape& s, const layer_view<T>& v, const layer_tensors<T>& p,
+                           const T* ln2_in, const fp8_linear* f8, const fp8_out& act8 = fp8_out()) {
     if (!f8 && gelu_fused<T>(s) &&
         gemm_epilogue<T, T>(ex, GEMM_GELU_AUX_BIAS, false, true, s.BT, s.f, s.h, ln2_in, s.h, p.fc1_w, s.h, v.act, s.f,
                             1.0f, 0.0f, p.fc1_b, v.fc1))
-        return;
+        return false;
     if (f8 && gelu_fused<T>(s)) { /* the epilogue, else fc1 without the bias from the same cast */
-        if (!fp8_linear_forward<T>(ex, f8, v.act, ln2_in, p.fc1_b, s.BT, s.h, s.f, v.fc1)) mlp_activation<T>(ex, s, v, p.fc1_b);
-        return;
+        if (!fp8_linear_forward<T>(ex, f8, v.act, ln2_in, p.fc1_b, s.BT, s.h, s.f, v.fc1))
+            return mlp_activation<T>(ex, s, v, p.fc1_b, act8);
+        return false;
     }
     linear_forward<T>(ex, v.fc1, ln2_in, p.fc1_w, (const T*)NULL, s.BT, s.h, s.f1, f8);
-    mlp_activation<T>(ex, s, v, p.fc1_b);
+    return mlp_activation<T>(ex, s, v, p.fc1_b, act8);
 }
 
 /* ---- Mixture of experts (Megatron-Core's MoELayer; dev/moe_semantics.md states it, dev/ref_moe.py computes
@@ -11141,9 +11280,12 @@ static void moe_step_losses(const mt_trainer* t, double* out) {
  * l+1's first, the final norm, or none before the next stage), which also writes the next layer's
  * ln1. Full recompute replays it in the backward (replay: no FP8 weight casts, no parameter waits)
  * with the same kernels and arguments on the kept input, so it writes the forward's bits again;
- * the last layer it replays stops before fc2 (output false): its output is kept. */
+ * the last layer it replays stops before fc2 (output false): its output is kept. ln1_fp8: ln1's FP8
+ * bytes are in x8 (the norm before wrote them, fp8_input_out) and ln1 itself was not written;
+ * returns whether this layer left the next one's so (section 16, FP8 linears). */
 template <typename T>
-static void layer_forward(mt_trainer* t, const mt_exec* ex, const model_chunk& ch, int l, bool replay, bool output) {
+static bool layer_forward(mt_trainer* t, const mt_exec* ex, const model_chunk& ch, int l, bool replay, bool output,
+                          bool ln1_fp8) {
     mt_shape s = layer_shape(t, l);
     mt_activations* a = &t->act;
     mt_tp_group* tp = &t->groups.tp;
@@ -11154,8 +11296,10 @@ static void layer_forward(mt_trainer* t, const mt_exec* ex, const model_chunk& c
     const layer_tensors<T> p = layer_params<T>(t, l);
     fp8_linear f8[FP8_LINEARS];
     const bool fp8 = fp8_layer_linears<T>(t, ex, l, !replay && t->fp8.stale && t->fp8.stale[l], f8);
+    const bool fuse_norms = t->fp8.fused && !tp->sp; /* the norms' FP8 outputs (not through an all-gather) */
+    if (fp8 && ln1_fp8) f8[FP8_QKV].x8_ready = 1;
 
-    /* attention block: ln1 = norm1(x) is already there */
+    /* attention block: ln1 = norm1(x) is already there (or only its FP8 bytes, ln1_fp8) */
     const T* ln1_in = column_parallel_input<T>(tp, gathered, v.ln1, s.R, s.h);
     linear_forward<T>(ex, v.qkv, ln1_in, p.qkv_w, p.qkv_b, s.BT, s.h, s.qkv_width, fp8 ? &f8[FP8_QKV] : NULL);
     attention_forward<T>(t, ex, v.qkv, v.probs, v.lse, v.attn, l);
@@ -11163,8 +11307,10 @@ static void layer_forward(mt_trainer* t, const mt_exec* ex, const model_chunk& c
                       fp8 ? &f8[FP8_PROJ] : NULL);
     T* proj = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
     /* mid = x + dropout(proj + bias); ln2 = norm2(mid) */
-    residual_norm_forward<T>(ex, v.mid, v.ln2, v.ln2_mean, v.ln2_rstd, v.x, proj, p.proj_b, p.ln2_w, p.ln2_b, s.R, s.h,
-                             eps, s.rms, s.norm_w1, dropout_site(t, ex, l, DROPOUT_PROJ));
+    const fp8_out ln2_8 = fp8 && fuse_norms && !s.moe ? fp8_input_out(&f8[FP8_FC1]) : fp8_out();
+    if (residual_norm_forward<T>(ex, v.mid, v.ln2, v.ln2_mean, v.ln2_rstd, v.x, proj, p.proj_b, p.ln2_w, p.ln2_b, s.R,
+                                 s.h, eps, s.rms, s.norm_w1, dropout_site(t, ex, l, DROPOUT_PROJ), ln2_8))
+        f8[FP8_FC1].x8_ready = 1, t->fp8.fused_casts++;
 
     /* MLP block (an MoE layer's: router, experts and shared expert, moe_forward; a replay takes the kept
      * routing and recomputes the experts and the shared expert, its output too when !output: the gated
@@ -11173,21 +11319,28 @@ static void layer_forward(mt_trainer* t, const mt_exec* ex, const model_chunk& c
     T* fc2 = (T*)a->branch;
     if (s.moe) {
         moe_forward<T>(t, ex, s, v, p, l, ln2_in, fc2, replay);
-        if (!output) return;
+        if (!output) return false;
     } else {
-        mlp_up_forward<T>(ex, s, v, p, ln2_in, fp8 ? &f8[FP8_FC1] : NULL);
-        if (!output) return;
+        const fp8_out act8 = fp8 && output ? fp8_input_out(&f8[FP8_FC2]) : fp8_out();
+        if (mlp_up_forward<T>(ex, s, v, p, ln2_in, fp8 ? &f8[FP8_FC1] : NULL, act8))
+            f8[FP8_FC2].x8_ready = 1, t->fp8.fused_casts++;
+        if (!output) return false;
         linear_forward<T>(ex, (T*)a->branch, v.act, p.fc2_w, (const T*)NULL, s.BT, s.f, s.h, fp8 ? &f8[FP8_FC2] : NULL);
         fc2 = row_parallel_output<T>(tp, (T*)a->branch, (T*)a->rows, s.BT, s.R, s.h);
     }
     /* out = mid + dropout(fc2 + bias); then the next norm: layer l+1's first, or the final norm */
     if (!replay) wait_for_parameters(t, l + 1);
     const mt_dropout fc2_drop = dropout_site(t, ex, l, DROPOUT_FC2);
-    if (l < last) {
+    if (l < last) { /* next.ln1 only as FP8 bytes where layer l+1's QKV takes them (fp8_input_out) */
         const layer_view<T> next = chunk_layer<T>(t, ch, l + 1);
         const layer_tensors<T> np = layer_params<T>(t, l + 1);
-        residual_norm_forward<T>(ex, v.out, next.ln1, next.ln1_mean, next.ln1_rstd, v.mid, fc2, p.fc2_b, np.ln1_w,
-                                 np.ln1_b, s.R, s.h, eps, s.rms, s.norm_w1, fc2_drop);
+        fp8_linear nf8[FP8_LINEARS];
+        const bool next8 = fuse_norms && fp8_layer_linears<T>(t, ex, l + 1, false, nf8);
+        const bool wrote = residual_norm_forward<T>(ex, v.out, next8 ? (T*)NULL : next.ln1, next.ln1_mean, next.ln1_rstd,
+                                                    v.mid, fc2, p.fc2_b, np.ln1_w, np.ln1_b, s.R, s.h, eps, s.rms,
+                                                    s.norm_w1, fc2_drop, next8 ? fp8_input_out(&nf8[FP8_QKV]) : fp8_out());
+        if (wrote) t->fp8.fused_casts++;
+        return wrote;
     } else if (ch.head) {
         residual_norm_forward<T>(ex, v.out, (T*)a->lnf, a->lnf_mean, a->lnf_rstd, v.mid, fc2, p.fc2_b,
                                  param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT), param_ptr<T>(t, MT_P_FINAL_LN_BIAS), s.R, s.h,
@@ -11195,6 +11348,7 @@ static void layer_forward(mt_trainer* t, const mt_exec* ex, const model_chunk& c
     } else { /* the chunk's output, for the next pipeline stage */
         bias_residual<T>(ex, v.out, v.mid, fc2, p.fc2_b, s.R, s.h, fc2_drop);
     }
+    return false;
 }
 
 /* Forward of one model chunk of one micro-batch. The first chunk embeds the inputs already on the
@@ -11226,13 +11380,18 @@ static void model_forward(mt_trainer* t, const mt_exec* ex, float grad_scale, mo
         const mt_dropout drop = dropout_site(t, ex, -1, DROPOUT_EMBEDDING); /* Megatron's embedding dropout */
         if (drop.on) dropout_apply<T>(ex, (T*)a->residual, (const T*)a->residual, drop, s.R, s.h);
     }
+    bool ln1_fp8 = false; /* the first norm writes only the FP8 bytes where QKV takes them (layer_forward) */
     if (ch.count > 0) {
         wait_for_parameters(t, ch.first);
         const layer_tensors<T> p = layer_params<T>(t, ch.first);
         const layer_view<T> v = chunk_layer<T>(t, ch, ch.first);
-        norm_forward<T>(ex, v.ln1, v.ln1_mean, v.ln1_rstd, v.x, p.ln1_w, p.ln1_b, s.R, s.h, eps, s.rms, s.norm_w1);
+        fp8_linear f8[FP8_LINEARS];
+        const bool fp8 = t->fp8.fused && !tp->sp && fp8_layer_linears<T>(t, ex, ch.first, false, f8);
+        ln1_fp8 = norm_forward<T>(ex, fp8 ? (T*)NULL : v.ln1, v.ln1_mean, v.ln1_rstd, v.x, p.ln1_w, p.ln1_b, s.R, s.h,
+                                  eps, s.rms, s.norm_w1, fp8 ? fp8_input_out(&f8[FP8_QKV]) : fp8_out());
+        if (ln1_fp8) t->fp8.fused_casts++;
     }
-    for (int l = ch.first; l <= last; l++) layer_forward<T>(t, ex, ch, l, false, true);
+    for (int l = ch.first; l <= last; l++) ln1_fp8 = layer_forward<T>(t, ex, ch, l, false, true, ln1_fp8);
 
     if (t->fp8.stale) memset(t->fp8.stale + ch.first, 0, (size_t)ch.count);
     if (!ch.head) return;
@@ -11312,7 +11471,8 @@ static void recompute_layer(mt_trainer* t, const mt_exec* ex, const model_chunk&
         const layer_view<T> g = chunk_layer<T>(t, ch, first);
         const layer_tensors<T> gp = layer_params<T>(t, first);
         norm_apply<T>(ex, g.ln1, g.x, g.ln1_mean, g.ln1_rstd, gp.ln1_w, gp.ln1_b, s.R, s.h, s.norm_w1);
-        for (int k = first; k <= l; k++) layer_forward<T>(t, ex, ch, k, true, k < l);
+        bool ln1_fp8 = false; /* g.ln1 in bf16 above; the replayed norms as the forward's */
+        for (int k = first; k <= l; k++) ln1_fp8 = layer_forward<T>(t, ex, ch, k, true, k < l, ln1_fp8);
         return;
     }
     if (rc->granularity != MT_RECOMPUTE_SELECTIVE) return;
@@ -11425,7 +11585,13 @@ static void model_backward(mt_trainer* t, const mt_exec* ex, int unique_tokens, 
         float* dqkv_bias = dp.qkv_b;
         if (attention_backward<T>(t, ex, (T*)a->branch, (T*)a->branch2, v.qkv, v.probs, v.lse, v.attn, dqkv_bias, l))
             dqkv_bias = NULL; /* taken from the attention kernels */
-        norm_apply<T>(ex, v.ln1, v.x, v.ln1_mean, v.ln1_rstd, p.ln1_w, p.ln1_b, s.R, s.h, s.norm_w1);
+        /* ln1 again; where QKV's weight gradient is FP8 and takes it as is (no all-gather), only its FP8
+         * bytes (x8, the forward's scale) and their transpose, its operand: bitwise the recast's */
+        const bool ln1_8 = fp8 && t->fp8.fused && t->fp8.wgrad && !tp->sp;
+        if (norm_apply<T>(ex, ln1_8 ? (T*)NULL : v.ln1, v.x, v.ln1_mean, v.ln1_rstd, p.ln1_w, p.ln1_b, s.R, s.h,
+                          s.norm_w1, ln1_8 ? fp8_input_out(&f8[FP8_QKV], false) : fp8_out()) &&
+            fp8_transpose(ex, t->fp8.x8t, t->fp8.x8, s.R, s.h))
+            f8[FP8_QKV].x8t_ready = 1, t->fp8.fused_casts++;
         T* dln1 = column_parallel_backward<T>(pc, (T*)a->branch2, dp.qkv_w, dqkv_bias, (T*)a->branch, v.ln1, p.qkv_w,
                                               s.h, s.qkv_width, fp8 ? &f8[FP8_QKV] : NULL);
         norm_backward<T>(ex, cs, dres, dp.ln1_w, dp.ln1_b,
@@ -13603,6 +13769,8 @@ static mt_status fp8_state_create(mt_trainer* t, mt_error* err) {
     f->recipe = c->fp8_recipe;
     f->margin = c->fp8_margin;
     f->wgrad = c->fp8_wgrad;
+    if (fp8_fused_parse(getenv("MT_FP8_FUSED"), &f->fused, err) != MT_OK) return MT_ERR_ARG;
+    f->fused = f->fused && f->recipe == MT_FP8_DELAYED; /* the other recipes' scales need the tensor first */
     f->algo = c->fp8_amax_compute_algo;
     f->history_len = c->fp8_recipe == MT_FP8_DELAYED ? c->fp8_amax_history_len : 1;
     f->slot_of_layer = (int*)malloc(sizeof(int) * (size_t)s.L);

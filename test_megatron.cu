@@ -148,6 +148,7 @@ int main(int argc, char** argv) {
         GROUP("host.generate", generate_tests),
         GROUP("host.context_parallel", context_parallel_tests),
         GROUP("host.attention", attention_host_tests),
+        GROUP("host.fp8", fp8_host_tests),
         GROUP("gpu.model", model_gpu_tests),
         GROUP("gpu.moe", moe_gpu_tests),
         GROUP("gpu.flags", flags_gpu_tests),

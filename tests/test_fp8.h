@@ -1578,6 +1578,345 @@ static test_result test_fp8_delayed_tracks_reference(void) { return fp8t_tracks_
 static test_result test_fp8_tensorwise_tracks_reference(void) { return fp8t_tracks_reference(1); }
 static test_result test_fp8_blockwise_tracks_reference(void) { return fp8t_tracks_reference(2); }
 
+/* ---- (e) the producers' FP8 outputs (fp8_out: megatron.cu section 12) ----
+ *
+ * Under delayed scaling the norms and the MLP activations write their output's E4M3 bytes and fold its
+ * amax into the slot, and the linear skips its cast. That must change no bit: for each producer, its
+ * bf16 output cast by fp8_cast_transpose (out and out_t, amax accumulated) against the same producer
+ * given an fp8_out: the bytes, their byte transpose (fp8_transpose), the amax and every bf16 output
+ * (mean, rstd, pre-activation) bitwise equal. Shapes: rows not multiples of the cast's 64-row tile,
+ * norm widths 512 (the one-kernel residual norm), 4096 and 14336 (its two-kernel path), activation
+ * widths 512, 4096, 14336; LayerNorm with bias and RMSNorm with --apply-layernorm-1p's w1; GELU and
+ * squared ReLU with a bias, SwiGLU with and without. Scales: one that puts the amax at ~300 (inside
+ * E4M3) and one 16x larger (the largest values saturate). The amax slot starts at 0, then at a value
+ * above every |x| (the fused amax must leave it, not lower it). */
+typedef struct {
+    fp8t_ctx* c;
+    int rows, cols;
+    uint8_t *q_ref, *qt_ref, *q, *qt; /* [rows, cols], [cols, rows] */
+    float* state;                     /* [4]: scale, amax_ref, amax, (unused) */
+} fp8t_fused_case;
+
+static int fp8t_fused_alloc(fp8t_ctx* c, fp8t_fused_case* k, int rows, int cols) {
+    k->c = c;
+    k->rows = rows;
+    k->cols = cols;
+    const size_t n = (size_t)rows * cols;
+    k->q_ref = (uint8_t*)fp8t_device(c, n, 0xFF);
+    k->qt_ref = (uint8_t*)fp8t_device(c, n, 0xFF);
+    k->q = (uint8_t*)fp8t_device(c, n, 0xFF);
+    k->qt = (uint8_t*)fp8t_device(c, n, 0xFF);
+    k->state = (float*)fp8t_device(c, 4 * sizeof(float), 0);
+    FP8T_CHECK(k->q_ref && k->qt_ref && k->q && k->qt && k->state, "allocation");
+    return 1;
+}
+/* the slot before a producer runs: scale, and both amaxes at amax0 */
+static int fp8t_fused_reset(fp8t_fused_case* k, float scale, float amax0) {
+    const float h[4] = {scale, amax0, amax0, 0.0f};
+    const size_t n = (size_t)k->rows * k->cols;
+    return fp8t_copy(k->state, h, sizeof(h), cudaMemcpyHostToDevice) && cudaMemset(k->q, 0xFF, n) == cudaSuccess &&
+           cudaMemset(k->qt, 0xFF, n) == cudaSuccess && cudaMemset(k->q_ref, 0xFF, n) == cudaSuccess &&
+           cudaMemset(k->qt_ref, 0xFF, n) == cudaSuccess;
+}
+static fp8_out fp8t_fused_out(const fp8t_fused_case* k, bool record) {
+    fp8_out o = {k->q, k->state, record ? k->state + 2 : (float*)NULL};
+    return o;
+}
+/* two device buffers of `bytes` bitwise equal (the first difference printed) */
+static int fp8t_same_bytes(const void* a, const void* b, size_t bytes, const char* what) {
+    uint8_t* ha = (uint8_t*)malloc(bytes ? bytes : 1);
+    uint8_t* hb = (uint8_t*)malloc(bytes ? bytes : 1);
+    int ok = ha && hb && fp8t_copy(ha, a, bytes, cudaMemcpyDeviceToHost) && fp8t_copy(hb, b, bytes, cudaMemcpyDeviceToHost);
+    for (size_t i = 0; ok && i < bytes; i++)
+        if (ha[i] != hb[i]) {
+            printf("    FAIL %s: byte %zu differs: 0x%02x fused, 0x%02x unfused\n", what, i, ha[i], hb[i]);
+            ok = 0;
+        }
+    free(ha);
+    free(hb);
+    return ok;
+}
+/* The reference cast of the unfused bf16 output x_ref (amax accumulated into state[1]), the fused
+ * bytes' transpose, then every comparison; record: whether the fused amax was recorded. */
+static int fp8t_fused_check(fp8t_fused_case* k, const __nv_bfloat16* x_ref, bool record, const char* what) {
+    fp8t_ctx* c = k->c;
+    fp8_cast_transpose(&c->ex, FP8_E4M3, k->q_ref, k->qt_ref, x_ref, k->rows, k->cols, k->state, k->state + 1, true);
+    fp8_transpose(&c->ex, k->qt, k->q, k->rows, k->cols);
+    if (!fp8t_sync(c, what)) return 0;
+    const size_t n = (size_t)k->rows * k->cols;
+    char buf[224];
+    snprintf(buf, sizeof(buf), "%s: FP8 bytes", what);
+    if (!fp8t_same_bytes(k->q, k->q_ref, n, buf)) return 0;
+    snprintf(buf, sizeof(buf), "%s: transposed FP8 bytes", what);
+    if (!fp8t_same_bytes(k->qt, k->qt_ref, n, buf)) return 0;
+    float st[4];
+    if (!fp8t_copy(st, k->state, sizeof(st), cudaMemcpyDeviceToHost)) return 0;
+    if (record)
+        FP8T_CHECK(fp8t_bits_of(st[2]) == fp8t_bits_of(st[1]), "%s: amax %.9g fused, %.9g unfused", what, st[2], st[1]);
+    return 1;
+}
+static float* fp8t_random_host(fp8t_ctx* c, int rows, int cols, float amplitude, uint64_t seed) {
+    float* h = (float*)fp8t_host(c, sizeof(float) * (size_t)rows * cols);
+    if (h) fp8t_fill(h, rows, cols, amplitude, seed);
+    return h;
+}
+/* random signed values around `center` (a norm's weight near 1, a bias near 0) */
+static __nv_bfloat16* fp8t_random_vector(fp8t_ctx* c, int n, float center, float spread, uint64_t seed) {
+    float* h = (float*)fp8t_host(c, sizeof(float) * (size_t)n);
+    if (!h) return NULL;
+    uint64_t st = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (int i = 0; i < n; i++) h[i] = center + spread * (float)(2.0 * fp8t_uniform(&st) - 1.0);
+    return fp8t_upload_as<__nv_bfloat16>(c, h, n);
+}
+
+/* The norms: norm_forward, residual_norm_forward (with out and without: ln1's case), norm_apply (no amax). */
+static int fp8t_fused_norm_case(fp8t_ctx* c, int rows, int C, bool rms, uint64_t seed) {
+    typedef __nv_bfloat16 bf16;
+    const float w1 = rms ? 1.0f : 0.0f, eps = 1e-5f;
+    const size_t n = (size_t)rows * C;
+    fp8t_fused_case k;
+    if (!fp8t_fused_alloc(c, &k, rows, C)) return 0;
+    float* hx = fp8t_random_host(c, rows, C, 3.0f, seed);
+    float* hb = fp8t_random_host(c, rows, C, 2.0f, seed + 1);
+    FP8T_CHECK(hx && hb, "allocation");
+    bf16* x = fp8t_upload_as<bf16>(c, hx, n);      /* the residual (or the norm's input) */
+    bf16* branch = fp8t_upload_as<bf16>(c, hb, n); /* the branch added to it */
+    bf16* w = fp8t_random_vector(c, C, rms ? 0.0f : 1.0f, 0.5f, seed + 2);
+    bf16* b = rms ? (bf16*)NULL : fp8t_random_vector(c, C, 0.0f, 0.3f, seed + 3);
+    bf16* bias = fp8t_random_vector(c, C, 0.0f, 0.3f, seed + 4);
+    bf16 *y_ref = (bf16*)fp8t_device(c, 2 * n, 0xFF), *y = (bf16*)fp8t_device(c, 2 * n, 0xFF);
+    bf16 *sum_ref = (bf16*)fp8t_device(c, 2 * n, 0xFF), *sum = (bf16*)fp8t_device(c, 2 * n, 0xFF);
+    float* stats = (float*)fp8t_device(c, 4 * sizeof(float) * rows, 0xFF); /* mean, rstd: reference, fused */
+    FP8T_CHECK(x && branch && w && (b || rms) && bias && y_ref && y && sum_ref && sum && stats, "allocation");
+    float *m_ref = stats, *r_ref = stats + rows, *m = stats + 2 * rows, *r = stats + 3 * rows;
+    const char* name = rms ? "RMSNorm (w1 = 1)" : "LayerNorm";
+    char what[200];
+    /* the amax the unfused norm's output has: the scale puts it near 300 (then 16x: saturation) */
+    norm_forward<bf16>(&c->ex, y_ref, m_ref, r_ref, x, w, b, rows, C, eps, rms, w1);
+    float* d_amax = k.state + 3;
+    fp8_amax(&c->ex, d_amax, y_ref, (int64_t)n);
+    float amax = 0.0f;
+    if (!fp8t_sync(c, "amax") || !fp8t_copy(&amax, d_amax, 4, cudaMemcpyDeviceToHost)) return 0;
+    for (int v = 0; v < 4; v++) {
+        const float scale = (v & 1 ? 16.0f : 1.0f) * 300.0f / amax, amax0 = v & 2 ? 2.0f * amax : 0.0f;
+        /* norm_forward, bf16 output too */
+        if (!fp8t_fused_reset(&k, scale, amax0)) return 0;
+        norm_forward<bf16>(&c->ex, y_ref, m_ref, r_ref, x, w, b, rows, C, eps, rms, w1);
+        FP8T_CHECK(norm_forward<bf16>(&c->ex, y, m, r, x, w, b, rows, C, eps, rms, w1, fp8t_fused_out(&k, true)),
+                   "norm_forward did not write the FP8 output");
+        snprintf(what, sizeof(what), "norm_forward %s [%d, %d] scale %.4g amax0 %.3g", name, rows, C, scale, amax0);
+        if (!fp8t_fused_check(&k, y_ref, true, what) || !fp8t_same_bytes(y, y_ref, 2 * n, what) ||
+            !fp8t_same_bytes(m, m_ref, 8 * (size_t)rows, what))
+            return 0;
+        /* norm_forward, FP8 only */
+        if (!fp8t_fused_reset(&k, scale, amax0) || cudaMemset(y, 0xFF, 2 * n) != cudaSuccess) return 0;
+        norm_forward<bf16>(&c->ex, y_ref, m_ref, r_ref, x, w, b, rows, C, eps, rms, w1);
+        norm_forward<bf16>(&c->ex, (bf16*)NULL, m, r, x, w, b, rows, C, eps, rms, w1, fp8t_fused_out(&k, true));
+        snprintf(what, sizeof(what), "norm_forward %s [%d, %d] FP8 only, scale %.4g amax0 %.3g", name, rows, C, scale, amax0);
+        if (!fp8t_fused_check(&k, y_ref, true, what) || !fp8t_same_bytes(m, m_ref, 8 * (size_t)rows, what) ||
+            !fp8t_all_bytes((const uint8_t*)y, 2 * n, 0xFF, what))
+            return 0;
+        /* residual_norm_forward, with and without the bf16 output (ln2's case, ln1's case) */
+        for (int with_out = 0; with_out < 2; with_out++) {
+            if (!fp8t_fused_reset(&k, scale, amax0) || cudaMemset(y, 0xFF, 2 * n) != cudaSuccess) return 0;
+            residual_norm_forward<bf16>(&c->ex, sum_ref, y_ref, m_ref, r_ref, x, branch, bias, w, b, rows, C, eps, rms, w1);
+            FP8T_CHECK(residual_norm_forward<bf16>(&c->ex, sum, with_out ? y : (bf16*)NULL, m, r, x, branch, bias, w, b,
+                                                   rows, C, eps, rms, w1, mt_dropout(), fp8t_fused_out(&k, true)),
+                       "residual_norm_forward did not write the FP8 output");
+            snprintf(what, sizeof(what), "residual_norm_forward %s [%d, %d]%s scale %.4g amax0 %.3g", name, rows, C,
+                     with_out ? "" : " FP8 only", scale, amax0);
+            if (!fp8t_fused_check(&k, y_ref, true, what) || !fp8t_same_bytes(sum, sum_ref, 2 * n, what) ||
+                !fp8t_same_bytes(m, m_ref, 8 * (size_t)rows, what) ||
+                !(with_out ? fp8t_same_bytes(y, y_ref, 2 * n, what) : fp8t_all_bytes((const uint8_t*)y, 2 * n, 0xFF, what)))
+                return 0;
+        }
+        /* norm_apply from the saved statistics, FP8 only and no amax (the backward's recast): the amax
+         * slot must keep amax0 */
+        if (!fp8t_fused_reset(&k, scale, amax0)) return 0;
+        norm_apply<bf16>(&c->ex, y_ref, x, m_ref, r_ref, w, b, rows, C, w1);
+        FP8T_CHECK(norm_apply<bf16>(&c->ex, (bf16*)NULL, x, m_ref, r_ref, w, b, rows, C, w1, fp8t_fused_out(&k, false)),
+                   "norm_apply did not write the FP8 output");
+        snprintf(what, sizeof(what), "norm_apply %s [%d, %d] FP8 only, scale %.4g", name, rows, C, scale);
+        if (!fp8t_fused_check(&k, y_ref, false, what)) return 0;
+        float st[4];
+        if (!fp8t_copy(st, k.state, sizeof(st), cudaMemcpyDeviceToHost)) return 0;
+        FP8T_CHECK(fp8t_bits_of(st[2]) == fp8t_bits_of(amax0), "%s: the amax slot changed (%.9g, was %.9g)", what, st[2], amax0);
+    }
+    printf("      %s [%d, %d]: FP8 bytes, transposes, amaxes and bf16 outputs bitwise the unfused ones\n", name, rows, C);
+    return 1;
+}
+
+/* The activations: bias_activation (GELU, squared ReLU) and bias_swiglu (with and without a bias). */
+static int fp8t_fused_activation_case(fp8t_ctx* c, int rows, int f, int kind, bool with_bias, uint64_t seed) {
+    typedef __nv_bfloat16 bf16;
+    const bool swiglu = kind < 0;
+    const int wide = swiglu ? 2 * f : f; /* the pre-activation's width */
+    const size_t n = (size_t)rows * f, np = (size_t)rows * wide;
+    fp8t_fused_case k;
+    if (!fp8t_fused_alloc(c, &k, rows, f)) return 0;
+    float* hp = fp8t_random_host(c, rows, wide, 2.0f, seed);
+    FP8T_CHECK(hp, "allocation");
+    bf16* pre0 = fp8t_upload_as<bf16>(c, hp, np);
+    bf16* bias = with_bias ? fp8t_random_vector(c, wide, 0.0f, 0.5f, seed + 1) : (bf16*)NULL;
+    bf16 *pre_ref = (bf16*)fp8t_device(c, 2 * np, 0), *pre = (bf16*)fp8t_device(c, 2 * np, 0);
+    bf16 *act_ref = (bf16*)fp8t_device(c, 2 * n, 0xFF), *act = (bf16*)fp8t_device(c, 2 * n, 0xFF);
+    FP8T_CHECK(pre0 && (bias || !with_bias) && pre_ref && pre && act_ref && act, "allocation");
+    const char* name = swiglu ? "SwiGLU" : kind == ACT_GELU ? "GELU" : "squared ReLU";
+    auto run = [&](bf16* p, bf16* a, const fp8_out& o) { /* the bias goes into pre in place: start from pre0 */
+        cudaMemcpy(p, pre0, 2 * np, cudaMemcpyDeviceToDevice);
+        return swiglu ? bias_swiglu<bf16>(&c->ex, p, a, bias, rows, f, o) : bias_activation<bf16>(&c->ex, kind, p, a, bias, rows, f, o);
+    };
+    run(pre_ref, act_ref, fp8_out());
+    float* d_amax = k.state + 3;
+    fp8_amax(&c->ex, d_amax, act_ref, (int64_t)n);
+    float amax = 0.0f;
+    if (!fp8t_sync(c, "amax") || !fp8t_copy(&amax, d_amax, 4, cudaMemcpyDeviceToHost)) return 0;
+    char what[200];
+    for (int v = 0; v < 4; v++) {
+        const float scale = (v & 1 ? 16.0f : 1.0f) * 300.0f / amax, amax0 = v & 2 ? 2.0f * amax : 0.0f;
+        if (!fp8t_fused_reset(&k, scale, amax0)) return 0;
+        FP8T_CHECK(run(pre, act, fp8t_fused_out(&k, true)), "%s did not write the FP8 output", name);
+        snprintf(what, sizeof(what), "%s%s [%d, %d] scale %.4g amax0 %.3g", name, with_bias ? " with bias" : "", rows, f,
+                 scale, amax0);
+        if (!fp8t_fused_check(&k, act_ref, true, what) || !fp8t_same_bytes(act, act_ref, 2 * n, what) ||
+            !fp8t_same_bytes(pre, pre_ref, 2 * np, what))
+            return 0;
+    }
+    printf("      %s%s [%d, %d]: FP8 bytes, transposes, amaxes and bf16 outputs bitwise the unfused ones\n", name,
+           with_bias ? " with bias" : "", rows, f);
+    return 1;
+}
+
+static test_result test_fp8_fused_producers(void) {
+    REQUIRE_FP8_GPU();
+    fp8t_ctx c;
+    int ok = fp8t_ctx_init(&c);
+    const int rows[] = {80, 272, 1040}; /* multiples of 16 (the casts' rule), none of the 64-row tile */
+    const int widths[] = {512, 4096, 14336};
+    for (int r = 0; ok && r < 3; r++)
+        for (int w = 0; ok && w < 3; w++) {
+            if (rows[r] == 1040 && widths[w] == 14336) continue; /* 1040 rows at 512 and 4096 suffice */
+            for (int rms = 0; ok && rms < 2; rms++) {
+                const fp8t_mark mark = fp8t_mark_now(&c);
+                ok = fp8t_fused_norm_case(&c, rows[r], widths[w], rms != 0, 700 + 10 * r + 3 * w + rms);
+                fp8t_release_to(&c, mark);
+            }
+            for (int a = 0; ok && a < 4; a++) { /* GELU, squared ReLU (with bias), SwiGLU with and without */
+                const fp8t_mark mark = fp8t_mark_now(&c);
+                const int kind = a == 0 ? ACT_GELU : a == 1 ? ACT_SQUARED_RELU : -1;
+                ok = fp8t_fused_activation_case(&c, rows[r], widths[w], kind, a != 3, 800 + 10 * r + 3 * w + a);
+                fp8t_release_to(&c, mark);
+            }
+        }
+    fp8t_ctx_free(&c);
+    return ok ? TEST_PASS : TEST_FAIL;
+}
+
+/* A short FP8 delayed training run is bitwise the same with the producers' FP8 outputs (the default)
+ * and without (MT_FP8_FUSED=0): every step's loss and gradient norm and the parameters after the
+ * steps, in four settings: GPT-2 (LayerNorm, GELU from the FP8 GEMM's epilogue), GPT-2 with squared
+ * ReLU and full recompute of both layers (the replay passes ln1's FP8 bytes from layer to layer),
+ * Llama (RMSNorm, SwiGLU) and Llama with selective recompute of the norm and the MLP. The fused run
+ * must really have fused (t->fp8.fused_casts > 0: else the comparison proves nothing) and the other
+ * not at all. */
+static int fp8t_fused_run(const mt_config* base, const char* fused, int steps, double* losses, double* norms,
+                          float* params, int64_t* casts) {
+    mt_config c = *base;
+    mt_error err;
+    memset(&err, 0, sizeof(err));
+    if (fused) setenv("MT_FP8_FUSED", fused, 1);
+    else unsetenv("MT_FP8_FUSED");
+    mt_trainer* t = NULL;
+    mt_status st = mt_trainer_create(&t, &c, &err); /* reads MT_FP8_FUSED */
+    unsetenv("MT_FP8_FUSED");
+    FP8T_CHECK(st == MT_OK, "mt_trainer_create (MT_FP8_FUSED=%s): %s", fused ? fused : "unset", err.message);
+    const int64_t per_step = (int64_t)c.global_batch_size * (c.seq_length + 1);
+    int32_t* tokens = (int32_t*)malloc(sizeof(int32_t) * (size_t)per_step);
+    for (int k = 0; tokens && st == MT_OK && k < steps; k++) {
+        fill_tokens(tokens, per_step, (int)c.vocab_size, 900 + k);
+        mt_step_result r;
+        st = mt_trainer_train_step(t, tokens, &r, &err);
+        losses[k] = r.lm_loss;
+        norms[k] = r.grad_norm;
+    }
+    free(tokens);
+    if (st == MT_OK) st = mt_trainer_get_parameters(t, params, &err);
+    *casts = t->fp8.fused_casts;
+    mt_trainer_free(t);
+    FP8T_CHECK(st == MT_OK, "training (MT_FP8_FUSED=%s): %s", fused ? fused : "unset", err.message);
+    return 1;
+}
+static test_result test_fp8_fused_training_bitwise(void) {
+    REQUIRE_FP8_GPU();
+    const int steps = 4;
+    for (int setting = 0; setting < 4; setting++) {
+        const bool llama = setting >= 2;
+        mt_config c = test_config(llama ? TEST_LLAMA : TEST_GPT2, MT_BF16);
+        c.fp8_format = MT_FP8_HYBRID;
+        c.fp8_recipe = MT_FP8_DELAYED;
+        c.fp8_amax_history_len = 4;
+        c.fp8_amax_compute_algo = MT_FP8_AMAX_MAX;
+        const char* name = llama ? "Llama" : "GPT-2";
+        const char* more = "";
+        if (setting == 1) {
+            c.squared_relu = 1;
+            c.recompute.granularity = MT_RECOMPUTE_FULL;
+            c.recompute.method = MT_RECOMPUTE_UNIFORM;
+            c.recompute.num_layers = 2;
+            more = ", squared ReLU, full recompute of 2 layers";
+        } else if (setting == 3) {
+            c.recompute.granularity = MT_RECOMPUTE_SELECTIVE;
+            c.recompute.modules = MT_RECOMPUTE_LAYERNORM | MT_RECOMPUTE_MLP;
+            more = ", selective recompute (layernorm, mlp)";
+        }
+        mt_error err;
+        EXPECT_OK(mt_config_finalize(&c, &err), &err);
+        const int64_t np = mt_num_parameters(&c);
+        float* p_on = (float*)malloc(sizeof(float) * (size_t)np);
+        float* p_off = (float*)malloc(sizeof(float) * (size_t)np);
+        double l_on[4], l_off[4], n_on[4], n_off[4];
+        int64_t casts_on = 0, casts_off = -1;
+        int ok = p_on && p_off && fp8t_fused_run(&c, NULL, steps, l_on, n_on, p_on, &casts_on) &&
+                 fp8t_fused_run(&c, "0", steps, l_off, n_off, p_off, &casts_off);
+        int64_t differ = 0, first = -1;
+        for (int64_t i = 0; ok && i < np; i++)
+            if (fp8t_bits_of(p_on[i]) != fp8t_bits_of(p_off[i])) differ++, first = first < 0 ? i : first;
+        const float a = ok && first >= 0 ? p_on[first] : 0.0f, b = ok && first >= 0 ? p_off[first] : 0.0f;
+        free(p_on);
+        free(p_off);
+        EXPECT(ok, "%s%s: a run failed (above)", name, more);
+        printf("      %s%s: %lld casts fused (0 with MT_FP8_FUSED=0), loss %.6f -> %.6f\n", name, more,
+               (long long)casts_on, l_on[0], l_on[steps - 1]);
+        EXPECT(casts_on > 0 && casts_off == 0, "%s%s: %lld casts fused by default, %lld with MT_FP8_FUSED=0", name, more,
+               (long long)casts_on, (long long)casts_off);
+        for (int k = 0; k < steps; k++)
+            EXPECT(l_on[k] == l_off[k] && n_on[k] == n_off[k], "%s%s step %d: loss %.9g / %.9g, norm %.9g / %.9g (fused / not)",
+                   name, more, k, l_on[k], l_off[k], n_on[k], n_off[k]);
+        EXPECT(differ == 0, "%s%s: %lld of %lld parameters differ after %d steps (first %lld: %.9g fused, %.9g not)", name,
+               more, (long long)differ, (long long)np, steps, (long long)first, a, b);
+    }
+    return TEST_PASS;
+}
+
+/* MT_FP8_FUSED's parser: unset, empty and 1 on, 0 off, anything else refused in one line naming it. */
+static test_result test_fp8_fused_switch_parses(void) {
+    int on = -1;
+    mt_error err;
+    memset(&err, 0, sizeof(err));
+    EXPECT(fp8_fused_parse(NULL, &on, &err) == MT_OK && on == 1, "unset is not on");
+    EXPECT(fp8_fused_parse("", &on, &err) == MT_OK && on == 1, "empty is not on");
+    EXPECT(fp8_fused_parse("1", &on, &err) == MT_OK && on == 1, "1 is not on");
+    EXPECT(fp8_fused_parse("0", &on, &err) == MT_OK && on == 0, "0 is not off");
+    EXPECT(fp8_fused_parse("off", &on, &err) == MT_ERR_ARG && strstr(err.message, "MT_FP8_FUSED=off") &&
+               !strchr(err.message, '\n'),
+           "an unknown value was not refused in one line");
+    return TEST_PASS;
+}
+
+static const test_case fp8_host_tests[] = {
+    {"fp8_fused_switch_parses", test_fp8_fused_switch_parses},
+};
+
 static const test_case fp8_tests[] = {
     {"fp8_special_values", test_fp8_special_values},
     {"fp8_amax", test_fp8_amax},
@@ -1591,6 +1930,8 @@ static const test_case fp8_tests[] = {
     {"fp8_delayed_tracks_reference", test_fp8_delayed_tracks_reference},
     {"fp8_tensorwise_tracks_reference", test_fp8_tensorwise_tracks_reference},
     {"fp8_blockwise_tracks_reference", test_fp8_blockwise_tracks_reference},
+    {"fp8_fused_producers", test_fp8_fused_producers},
+    {"fp8_fused_training_bitwise", test_fp8_fused_training_bitwise},
 };
 
 #endif

@@ -456,7 +456,7 @@ static void item_residual_norm(bool rms) {
     auto restore = [&] { d2d(br, br0, n * sizeof(bf16)); };
     auto fused = [&] {
         residual_norm_forward_vec_kernel<bf16, RESIDUAL_NORM_MAXV><<<ceil_div(N, 8), 256, 0, S>>>(
-            sum, out, mean, rstd, res, br, bias, w, nb, N, C, EPS, rms, 0.0f, mt_dropout());
+            sum, out, mean, rstd, res, br, bias, w, nb, N, C, EPS, rms, 0.0f, mt_dropout(), fp8_out());
     };
     auto unfused_vec = [&] { /* the launchers' vectorised paths (every pointer is 16-byte aligned) */
         bias_residual<bf16>(&G, sum, res, br, bias, N, C);
@@ -1265,7 +1265,7 @@ static void item_swiglu() {
     std::vector<int> rows = sample_rows(N);
     const int64_t vectors = (int64_t)n / vec16<bf16>::N;
     auto fvec = [&] {
-        swiglu_forward_vec_kernel<bf16><<<ceil_div(vectors, 256), 256, 0, S>>>(pre, act, (const bf16*)NULL, vectors, f);
+        swiglu_forward_vec_kernel<bf16><<<ceil_div(vectors, 256), 256, 0, S>>>(pre, act, (const bf16*)NULL, vectors, f, fp8_out());
     };
     auto fscalar = [&] {
         swiglu_forward_kernel<bf16><<<ceil_div((int64_t)n, 256), 256, 0, S>>>(pre, act, (const bf16*)NULL, N, f);
