@@ -6410,19 +6410,19 @@ static cudaError_t attention_forward_fast(mt_hopper_gemm_state* st, int mode, at
 }
 
 /* ============================================================================================== */
-/* 13.3 Hopper attention backward (FlashAttention-3 style: TMA, wgmma, warp specialisation)      */
+/* 13.3 Hopper attention backward (FlashAttention-3 style: TMA, wgmma, warp specialisation)       */
 /*    The causal bf16 attention backward at head dims 64 and 128 on Hopper, an alternative to     */
 /*    section 9's FA2 backward (mma.sync; 196 TFLOP/s fwd+bwd at d = 128, T = 32k on an H200).    */
 /*    The same split as section 9.3, deterministic by construction: Dsum = rowsum(dO * O)         */
 /*    (section 9's kernel), a dK/dV kernel per (key tile, kv head, batch) and a dQ kernel per     */
 /*    (query tile, head, batch); every gradient element is one thread's fp32 sum in a fixed       */
 /*    order, no atomics. Same arguments and outputs as flash_attention_backward (views read and   */
-/*    written in place), without dropout, document masks or the QKV-bias column sums. Its lab:   */
-/*    dev/cuda/flash_attention_hopper_bwd.cu. PTX wrappers: section 13.1's (hg), plus the m64n64 */
+/*    written in place), without dropout, document masks or the QKV-bias column sums. Its lab:    */
+/*    dev/cuda/flash_attention_hopper_bwd.cu. PTX wrappers: section 13.1's (hg), plus the m64n64  */
 /*    shapes below. Selection (attention_backward_fast): this path where it runs and the call     */
-/*    fits, else section 9's; MT_ATTN_BWD=fa2 forces section 9's (attn_bwd_parse).               */
-/*    defines: namespace fa3b (the kernels), hopper_attention_backward_available,                */
-/*    hopper_attention_backward, attn_bwd_parse, hopper_backward_wanted,                         */
+/*    fits, else section 9's; MT_ATTN_BWD=fa2 forces section 9's (attn_bwd_parse).                */
+/*    defines: namespace fa3b (the kernels), hopper_attention_backward_available,                 */
+/*    hopper_attention_backward, attn_bwd_parse, hopper_backward_wanted,                          */
 /*    attention_backward_fast.                                                                    */
 /* ============================================================================================== */
 /*
