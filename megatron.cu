@@ -6687,13 +6687,15 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (q0 + KV_QB - 1 >= wk0) { /* else every query here is before every key of this warpgroup */
             const uint32_t q_s = sQ + s * L::TILE_Q, do_s = sdO + s * L::TILE_Q;
             float x[32], dp[32]; /* S^T then P^T; dP^T then dS^T: keys (rows) x 64 queries */
+            /* four commit groups: S^T, dP^T, dV += P^T dO, dK += dS^T Q; P^T is computed while dP^T runs and
+             * dS^T while the dV product runs */
             wgmma_fence();
             gemm_abt<D, KV_KEYS>(x, a_k, q_s);
+            wgmma_commit();
             gemm_abt<D, KV_KEYS>(dp, a_v, do_s);
             wgmma_commit();
-            wgmma_wait<0>();
+            wgmma_wait<1>(); /* S^T done */
             reg_fence<32>(x);
-            reg_fence<32>(dp);
             const float* l = sL + s * KV_QB;
             const float* dd = sD + s * KV_QB;
             const bool mask = q0 < wk0 + 64 || q0 + KV_QB > T;
@@ -6702,25 +6704,33 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int col = 8 * j + 2 * t + (e & 1), key = e < 2 ? key0 : key1;
-                    float pv = fa::exp2_approx(fmaf(x[4 * j + e], sl2, -l[col]));
-                    if (mask && (q0 + col < key || q0 + col >= T)) pv = 0.0f;
-                    x[4 * j + e] = pv;
-                    dp[4 * j + e] = pv * (dp[4 * j + e] - dd[col]);
+                    const float pv = fa::exp2_approx(fmaf(x[4 * j + e], sl2, -l[col]));
+                    x[4 * j + e] = mask && (q0 + col < key || q0 + col >= T) ? 0.0f : pv;
                 }
             uint32_t pa[4][4], da[4][4];
             to_frags(x, pa);
-            to_frags(dp, da);
-            reg_fence<D / 2>(dk);
             reg_fence<D / 2>(dv);
             reg_fence<16>(&pa[0][0]);
-            reg_fence<16>(&da[0][0]);
             wgmma_fence();
             gemm_rs<D>(dv, pa, do_s); /* dV += P^T dO */
-            gemm_rs<D>(dk, da, q_s);  /* dK += dS^T Q */
+            wgmma_commit();
+            wgmma_wait<1>(); /* dP^T done (the dV product may still run) */
+            reg_fence<32>(dp);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) dp[4 * j + e] = x[4 * j + e] * (dp[4 * j + e] - dd[8 * j + 2 * t + (e & 1)]);
+            to_frags(dp, da);
+            reg_fence<D / 2>(dk);
+            reg_fence<16>(&da[0][0]);
+            wgmma_fence();
+            gemm_rs<D>(dk, da, q_s); /* dK += dS^T Q */
             wgmma_commit();
             wgmma_wait<0>();
             reg_fence<D / 2>(dk);
             reg_fence<D / 2>(dv);
+            reg_fence<16>(&pa[0][0]);
+            reg_fence<16>(&da[0][0]); /* the A fragments stay allocated until their products are done */
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty(s));
@@ -6835,21 +6845,26 @@ __global__ void __launch_bounds__(THREADS, 1)
             float x[32], dp[32]; /* S then P; dP then dS: 64 rows x 64 keys */
             wgmma_fence();
             gemm_abt<D, Q_ROWS>(x, a_q, k_s);
+            wgmma_commit();
             gemm_abt<D, Q_ROWS>(dp, a_do, v_s);
             wgmma_commit();
-            wgmma_wait<0>();
+            wgmma_wait<1>(); /* S done: P is computed while dP runs */
             reg_fence<32>(x);
-            reg_fence<32>(dp);
             const bool mask = n0 + Q_KB > T || n0 + Q_KB - 1 > wq0;
 #pragma unroll
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int col = n0 + 8 * j + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
-                    float pv = fa::exp2_approx(fmaf(x[4 * j + e], sl2, -(e < 2 ? l0 : l1)));
-                    if (mask && (col > row || col >= T)) pv = 0.0f;
-                    dp[4 * j + e] = pv * (dp[4 * j + e] - (e < 2 ? d0 : d1));
+                    const float pv = fa::exp2_approx(fmaf(x[4 * j + e], sl2, -(e < 2 ? l0 : l1)));
+                    x[4 * j + e] = mask && (col > row || col >= T) ? 0.0f : pv;
                 }
+            wgmma_wait<0>();
+            reg_fence<32>(dp);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) dp[4 * j + e] = x[4 * j + e] * (dp[4 * j + e] - (e < 2 ? d0 : d1));
             uint32_t da[4][4];
             to_frags(dp, da);
             reg_fence<D / 2>(dq);
@@ -6859,6 +6874,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             wgmma_commit();
             wgmma_wait<0>();
             reg_fence<D / 2>(dq);
+            reg_fence<16>(&da[0][0]); /* the A fragments stay allocated until the product is done */
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty(s));
