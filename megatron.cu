@@ -6687,14 +6687,18 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (q0 + KV_QB - 1 >= wk0) { /* else every query here is before every key of this warpgroup */
             const uint32_t q_s = sQ + s * L::TILE_Q, do_s = sdO + s * L::TILE_Q;
             float x[32], dp[32]; /* S^T then P^T; dP^T then dS^T: keys (rows) x 64 queries */
-            /* four commit groups: S^T, dP^T, dV += P^T dO, dK += dS^T Q; P^T is computed while dP^T runs and
-             * dS^T while the dV product runs */
+            /* d = 64: four commit groups (S^T, dP^T, dV += P^T dO, dK += dS^T Q); P^T is computed while dP^T
+             * runs and dS^T while the dV product runs. d = 128: S^T and dP^T in one group, then dV and dK in
+             * one (the overlap would keep P^T, its fragments and dP^T live beside dK and dV: ptxas then runs
+             * out of the 232 registers and serialises the wgmmas) */
+            constexpr bool OVERLAP = D == 64;
             wgmma_fence();
             gemm_abt<D, KV_KEYS>(x, a_k, q_s);
-            wgmma_commit();
+            if constexpr (OVERLAP) wgmma_commit();
             gemm_abt<D, KV_KEYS>(dp, a_v, do_s);
             wgmma_commit();
-            wgmma_wait<1>(); /* S^T done */
+            if constexpr (OVERLAP) wgmma_wait<1>(); /* S^T done */
+            else wgmma_wait<0>();
             reg_fence<32>(x);
             const float* l = sL + s * KV_QB;
             const float* dd = sD + s * KV_QB;
@@ -6708,23 +6712,31 @@ __global__ void __launch_bounds__(THREADS, 1)
                     x[4 * j + e] = mask && (q0 + col < key || q0 + col >= T) ? 0.0f : pv;
                 }
             uint32_t pa[4][4], da[4][4];
-            to_frags(x, pa);
-            reg_fence<D / 2>(dv);
-            reg_fence<16>(&pa[0][0]);
-            wgmma_fence();
-            gemm_rs<D>(dv, pa, do_s); /* dV += P^T dO */
-            wgmma_commit();
-            wgmma_wait<1>(); /* dP^T done (the dV product may still run) */
+            if constexpr (OVERLAP) {
+                to_frags(x, pa);
+                reg_fence<D / 2>(dv);
+                reg_fence<16>(&pa[0][0]);
+                wgmma_fence();
+                gemm_rs<D>(dv, pa, do_s); /* dV += P^T dO */
+                wgmma_commit();
+                wgmma_wait<1>(); /* dP^T done (the dV product may still run) */
+            }
             reg_fence<32>(dp);
 #pragma unroll
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) dp[4 * j + e] = x[4 * j + e] * (dp[4 * j + e] - dd[8 * j + 2 * t + (e & 1)]);
+            if constexpr (!OVERLAP) to_frags(x, pa);
             to_frags(dp, da);
             reg_fence<D / 2>(dk);
             reg_fence<16>(&da[0][0]);
+            if constexpr (!OVERLAP) {
+                reg_fence<D / 2>(dv);
+                reg_fence<16>(&pa[0][0]);
+            }
             wgmma_fence();
-            gemm_rs<D>(dk, da, q_s); /* dK += dS^T Q */
+            if constexpr (!OVERLAP) gemm_rs<D>(dv, pa, do_s); /* dV += P^T dO */
+            gemm_rs<D>(dk, da, q_s);                          /* dK += dS^T Q */
             wgmma_commit();
             wgmma_wait<0>();
             reg_fence<D / 2>(dk);
