@@ -42,6 +42,7 @@
  *   13. GEMM
  *       13.1 Hopper grouped GEMM (wgmma, TMA)
  *       13.2 Hopper attention forward (FlashAttention-3 style: TMA, wgmma, warp specialisation)
+ *       13.3 Hopper attention backward (FlashAttention-3 style: TMA, wgmma, warp specialisation)
  *   14. Mixture of experts: routing, permutation, the experts' activation
  *   22. Generation kernels: the KV cache, decode attention and sampling
  *   Part II: the model and the trainer
@@ -4747,6 +4748,7 @@ typedef struct {
     int sms;
     void* encode;
     int attn; /* section 13.2's attention forward: 0 not yet probed, 1 it runs here, -1 it does not */
+    int attn_bwd; /* section 13.3's attention backward, likewise */
 } mt_hopper_gemm_state;
 
 /* The handles, the workspace and the plan cache (mt_exec.gemm points here; the stream and the
@@ -6564,6 +6566,645 @@ static cudaError_t attention_forward_fast(mt_hopper_gemm_state* st, int mode, at
         if (e != cudaErrorInvalidValue) return e; /* a view it does not take falls through to section 9's */
     }
     return flash_attention_forward(O, LSE, Q, K, V, B, H, Hkv, T, d, stream, drop, doc);
+}
+
+/* ============================================================================================== */
+/* 13.3 Hopper attention backward (FlashAttention-3 style: TMA, wgmma, warp specialisation)       */
+/*    The causal bf16 attention backward at head dims 64 and 128 on Hopper, an alternative to     */
+/*    section 9's FA2 backward (mma.sync; 196 TFLOP/s fwd+bwd at d = 128, T = 32k on an H200).    */
+/*    The same split as section 9.3, deterministic by construction: Dsum = rowsum(dO * O)         */
+/*    (section 9's kernel), a dK/dV kernel per (key tile, kv head, batch) and a dQ kernel per     */
+/*    (query tile, head, batch); every gradient element is one thread's fp32 sum in a fixed       */
+/*    order, no atomics. Same arguments and outputs as flash_attention_backward (views read and   */
+/*    written in place), without dropout, document masks or the QKV-bias column sums. Its lab:    */
+/*    dev/cuda/flash_attention_hopper_bwd.cu. PTX wrappers: section 13.1's (hg), plus the m64n64  */
+/*    shapes below. Selection (attention_backward_fast): this path where it runs and the call     */
+/*    fits, else section 9's; MT_ATTN_BWD=fa2 forces section 9's (attn_bwd_parse).                */
+/*    defines: namespace fa3b (the kernels), hopper_attention_backward_available,                 */
+/*    hopper_attention_backward, attn_bwd_parse, hopper_backward_wanted,                          */
+/*    attention_backward_fast.                                                                    */
+/* ============================================================================================== */
+/*
+ * ---- The products, and why no P or dS goes through shared memory ------------------------------------
+ *   dK/dV works transposed (keys as the M rows), as section 9.3's kernel does:
+ *     S^T = K Q^T, dP^T = V dO^T      wgmma SS m64n64k16: A = K (or V) rows, B = Q (or dO) rows, both
+ *                                      K-major (d contiguous) in shared memory;
+ *     P^T = exp(scale S^T - LSE[q]) (0 where key > query or query >= T), dS^T = P^T (dP^T - Dsum[q]);
+ *     dV += P^T dO, dK += dS^T Q       wgmma RS m64n{d}k16: A = P^T (dS^T) from registers (the
+ *                                      accumulator layout of a k16 slice is the register-A layout, as
+ *                                      section 13.2's P), B = dO (Q) read N-major (imm-trans-b = 1).
+ *   dQ works untransposed (queries as rows): S = Q K^T, dP = dO V^T (SS, K-major both), P, dS as above
+ *   with LSE and Dsum of the thread's two rows, dQ += dS K (RS, K read N-major).
+ *   So every MN-major operand is a TMA-loaded tile (dO, Q, K), never P or dS: the one layout wgmma's
+ *   A cannot take from shared memory (MN-major) is never needed, and P, dS stay in registers.
+ *
+ * ---- The dK/dV CTA: 384 threads, 128 keys of one (b, kv head); grid (ceil(T / 128), Hkv, B) ---------
+ *   warpgroup 0 producer (setmaxnreg.dec 40): warp 0's lane 0 loads the K and V tiles once, then for
+ *     iteration it = (query head j of the group, query tile q0 from the key tile's diagonal on) the Q and
+ *     dO tiles [64 rows x d] into stage it % 2 after its "empty" mbarrier; warp 1's 32 lanes copy that
+ *     tile's LSE (times log2 e; +inf past T) and Dsum (0 past T) into the stage and arrive on the same
+ *     "full" mbarrier (1 + 32 arrivals and the TMA bytes complete a phase).
+ *   warpgroups 1, 2 consumers (setmaxnreg.inc 232), keys 64 cw .. 64 cw + 63 each: the five products
+ *     above per iteration; dK, dV (d/2 fp32 each per thread) stay in registers over all iterations. A
+ *     query tile wholly before the warpgroup's first key adds nothing: skipped (still released).
+ *     Epilogue: dK * scale and dV as bf16 into the views, rows >= T not stored.
+ *   Low key tiles have the most query tiles: blockIdx.x ascending launches them first.
+ *
+ * ---- The dQ CTA: 384 threads, 128 query rows of one (b, h); grid (ceil(T / 128), H, B) ----------------
+ *   producer: Q and dO tiles [128 x d] once, then key tiles n = 0 .. of 64 keys (K and V) into stage
+ *   n % 2 up to the CTA's diagonal. Consumers: rows 64 cw .. 64 cw + 63; LSE and Dsum of the thread's two
+ *   rows read once; a key tile wholly after the warpgroup's last row is skipped. blockIdx.x reversed.
+ *
+ * ---- Tensor maps and descriptors ----------------------------------------------------------------
+ *   5-D maps over the strided views as section 13.2's (c, t, h % qpg, h / qpg, b), boxes [rows][64
+ *   columns] with the 128-byte swizzle (fa3b_tensor_map: d and the box rows as parameters); a box past
+ *   T is zero-filled inside its own head. A tile of R rows is d/64 column halves of R x 128 bytes.
+ *   K-major (section 13.1's make_desc): k-slice kk of d at half kk / 4, byte (kk % 4) * 32; a
+ *   warpgroup's 64 rows start 64 * 128 bytes on. N-major B (make_desc_n_major): k-slice kk (rows 16 kk
+ *   ..) 2048 kk bytes on, leading byte offset R * 128 (the next column half), stride 1024 (8 rows).
+ *
+ * ---- Numerics and determinism ----------------------------------------------------------------------
+ *   fp32 S, dP; P = 2^(S scale log2e - LSE log2e) (section 9.3's formula); P and dS rounded to bf16
+ *   for their products (as section 9.3); dK scaled once at the end, dQ likewise. Each output is one
+ *   thread's sum in a fixed order (heads, then query tiles ascending; key tiles ascending): bitwise
+ *   the same from run to run. Section 9.3 sums in other tile orders: the two agree to rounding.
+ *
+ * ---- Watchdog ---------------------------------------------------------------------------------------
+ *   Every mbarrier wait is section 13.1's bounded wait (hg::mbar_wait; 20 s unless hg::options says
+ *   otherwise), then trap: a deadlock ends the kernel with an error instead of hanging.
+ */
+namespace fa3b {
+constexpr int THREADS = 384;
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232; /* 40*128 + 232*256 = 168*384: the register file */
+constexpr int STAGES = 2;
+constexpr int KV_KEYS = 128, KV_QB = 64; /* dK/dV: keys per CTA, query rows per iteration */
+constexpr int Q_ROWS = 128, Q_KB = 64;   /* dQ: query rows per CTA, keys per iteration */
+constexpr unsigned long long TIMEOUT_NS = 20000000000ull;
+/* watchdog "stage" field: which barrier was waited for */
+enum { WAIT_KV_FULL = 0, WAIT_FULL, WAIT_EMPTY, WAIT_STATS_EMPTY };
+
+/* Shared memory of the dK/dV kernel: K, V [128 x D]; per stage Q, dO [64 x D], LSE, Dsum [64] fp32; barriers. */
+template <int D>
+struct kv_smem {
+    static constexpr int TILE_KV = KV_KEYS * D * 2, TILE_Q = KV_QB * D * 2;
+    static constexpr int OFF_K = 0, OFF_V = TILE_KV, OFF_Q = 2 * TILE_KV, OFF_DO = OFF_Q + STAGES * TILE_Q;
+    static constexpr int OFF_L = OFF_DO + STAGES * TILE_Q, OFF_D = OFF_L + STAGES * KV_QB * 4;
+    static constexpr int OFF_BAR = OFF_D + STAGES * KV_QB * 4;
+    static constexpr int NBAR = 1 + 2 * STAGES; /* K/V full; full, empty per stage */
+    static constexpr int SMEM = OFF_BAR + NBAR * 8 + 1024;
+    static_assert(SMEM <= 227 * 1024, "shared memory");
+};
+/* Shared memory of the dQ kernel: Q, dO [128 x D]; per stage K, V [64 x D]; barriers. */
+template <int D>
+struct q_smem {
+    static constexpr int TILE_Q = Q_ROWS * D * 2, TILE_KV = Q_KB * D * 2;
+    static constexpr int OFF_Q = 0, OFF_DO = TILE_Q, OFF_K = 2 * TILE_Q, OFF_V = OFF_K + STAGES * TILE_KV;
+    static constexpr int OFF_BAR = OFF_V + STAGES * TILE_KV;
+    static constexpr int NBAR = 1 + 2 * STAGES; /* Q/dO full; full, empty per stage */
+    static constexpr int SMEM = OFF_BAR + NBAR * 8 + 1024;
+    static_assert(SMEM <= 227 * 1024, "shared memory");
+};
+
+/* What the kernels take besides the tensor maps. */
+struct params {
+    fa::heads_view<bf16> dQ, dK, dV;
+    const float* LSE;  /* [B, H, T] */
+    const float* Dsum; /* [B, H, T] */
+    int H, Hkv, T;
+    float scale;      /* 1/sqrt(D) */
+    float scale_log2; /* scale * log2(e) */
+    hg::watchdog* wd; /* NULL: a timed-out wait just traps */
+    unsigned long long timeout_ns;
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* D[64 x 64] (+)= A[64 x 16] B[64 x 16]^T, both K-major in shared memory; 32 fp32 accumulators per thread. */
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+/* D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers (as hg::wgmma_m64n128k16_rs), B N-major. */
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float* d, const uint32_t* a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+/* X[64 x 64] = A[64 x D] B[64 x D]^T: A = a warpgroup's 64 rows of a tile of RA rows (column halves RA * 128
+ * bytes apart), B = a tile of 64 rows; both K-major, d contiguous. */
+template <int D, int RA>
+__device__ __forceinline__ void gemm_abt(float (&x)[32], uint32_t a_base, uint32_t b_base) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++)
+        wgmma_m64n64k16_ss(x, hg::make_desc(a_base + (kk / 4) * (RA * 128) + (kk % 4) * 32),
+                           hg::make_desc(b_base + (kk / 4) * (64 * 128) + (kk % 4) * 32), kk > 0);
+}
+/* acc[64 x D] += A[64 x 64] B[64 x D]: A as bf16 register fragments (4 k16 slices), B a tile of 64 rows read
+ * N-major (column halves 64 * 128 bytes apart). */
+template <int D>
+__device__ __forceinline__ void gemm_rs(float (&acc)[D / 2], const uint32_t (&a)[4][4], uint32_t b_base) {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        const uint64_t db = hg::make_desc_n_major(b_base + kk * 16 * 128, 64 * 128);
+        if constexpr (D == 128) hg::wgmma_m64n128k16_rs(acc, a[kk], db, 1);
+        else wgmma_m64n64k16_rs(acc, a[kk], db, 1);
+    }
+}
+/* fp32 accumulators of a 64 x 64 block -> bf16 register-A fragments, one per k16 slice */
+__device__ __forceinline__ void to_frags(const float (&x)[32], uint32_t (&a)[4][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        a[kk][0] = fa::pack_bf16(x[8 * kk], x[8 * kk + 1]);
+        a[kk][1] = fa::pack_bf16(x[8 * kk + 2], x[8 * kk + 3]);
+        a[kk][2] = fa::pack_bf16(x[8 * kk + 4], x[8 * kk + 5]);
+        a[kk][3] = fa::pack_bf16(x[8 * kk + 6], x[8 * kk + 7]);
+    }
+}
+/* consumers' wait: the wgmma that follows is .sync.aligned, so the warp reconverges after the spin */
+__device__ __forceinline__ void wait_warp(uint32_t bar, uint32_t parity, const params& p, int role, int what, int tile,
+                                          int n) {
+    hg::mbar_wait(bar, parity, p.wd, p.timeout_ns, role, what, tile, n);
+    __syncwarp();
+}
+#endif /* __CUDA_ARCH_FEAT_SM90_ALL */
+
+/* dK, dV of 128 keys (see the section's banner). Maps: Q, dO boxes 64 rows; K, V boxes 128 rows. */
+template <int D>
+__global__ void __launch_bounds__(THREADS, 1)
+    dkdv_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
+                const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v, params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace hg;
+    using L = kv_smem<D>;
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t raw = hg::smem_u32(smem_raw);
+    const uint32_t sbase = (raw + 1023u) & ~1023u;
+    uint8_t* sgen = smem_raw + (sbase - raw); /* the same bytes through a generic pointer */
+    const uint32_t sK = sbase + L::OFF_K, sV = sbase + L::OFF_V, sQ = sbase + L::OFF_Q, sdO = sbase + L::OFF_DO;
+    float* sL = reinterpret_cast<float*>(sgen + L::OFF_L); /* [STAGES][64]: LSE * log2(e), +inf past T */
+    float* sD = reinterpret_cast<float*>(sgen + L::OFF_D); /* [STAGES][64]: Dsum, 0 past T */
+    const uint32_t bars = sbase + L::OFF_BAR;
+    const uint32_t kv_full = bars;
+    auto full = [&](int s) { return bars + 8u * (1 + s); };
+    auto empty = [&](int s) { return bars + 8u * (1 + STAGES + s); };
+
+    const int kt = blockIdx.x, hkv = blockIdx.y, b = blockIdx.z;
+    const int T = p.T, qpg = p.H / p.Hkv;
+    const int k0 = kt * KV_KEYS;
+    const int qt_first = k0 / KV_QB;                      /* the first query tile that sees a key of this tile */
+    const int per_head = (T + KV_QB - 1) / KV_QB - qt_first; /* >= 1: k0 < T */
+    const int n_it = qpg * per_head;
+    const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0), lane = threadIdx.x % 32, wg = warp / 4;
+
+    if (threadIdx.x == 0) {
+        mbar_init(kv_full, 1);
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(full(s), 1 + 32); /* the TMA thread's arrive.expect_tx and warp 1's 32 lanes */
+            mbar_init(empty(s), 8);     /* lane 0 of each of the 8 consumer warps */
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        /* ---- producer ---- */
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (warp == 0 && lane == 0) {
+            tma_prefetch_desc(&tm_q);
+            tma_prefetch_desc(&tm_do);
+            tma_prefetch_desc(&tm_k);
+            tma_prefetch_desc(&tm_v);
+            mbar_arrive_expect_tx(kv_full, 2 * L::TILE_KV);
+#pragma unroll
+            for (int c = 0; c < D / 64; c++) {
+                tma_load_5d(sK + c * KV_KEYS * 128, &tm_k, kv_full, 64 * c, k0, 0, hkv, b);
+                tma_load_5d(sV + c * KV_KEYS * 128, &tm_v, kv_full, 64 * c, k0, 0, hkv, b);
+            }
+            for (int it = 0; it < n_it; it++) {
+                const int s = it % STAGES, j = it / per_head, q0 = (qt_first + it % per_head) * KV_QB;
+                mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1, p.wd, p.timeout_ns, 0, WAIT_EMPTY, kt, it);
+                mbar_arrive_expect_tx(full(s), 2 * L::TILE_Q);
+#pragma unroll
+                for (int c = 0; c < D / 64; c++) {
+                    tma_load_5d(sQ + s * L::TILE_Q + c * KV_QB * 128, &tm_q, full(s), 64 * c, q0, j, hkv, b);
+                    tma_load_5d(sdO + s * L::TILE_Q + c * KV_QB * 128, &tm_do, full(s), 64 * c, q0, j, hkv, b);
+                }
+            }
+        } else if (warp == 1) {
+            for (int it = 0; it < n_it; it++) {
+                const int s = it % STAGES, h = hkv * qpg + it / per_head, q0 = (qt_first + it % per_head) * KV_QB;
+                mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1, p.wd, p.timeout_ns, 0, WAIT_STATS_EMPTY, kt, it);
+                const size_t row = ((size_t)b * p.H + h) * T;
+#pragma unroll
+                for (int i = lane; i < KV_QB; i += 32) {
+                    const int q = q0 + i;
+                    sL[s * KV_QB + i] = q < T ? p.LSE[row + q] * fa::LOG2E : INFINITY;
+                    sD[s * KV_QB + i] = q < T ? p.Dsum[row + q] : 0.0f;
+                }
+                mbar_arrive(full(s)); /* release: the stores above are seen by whoever waits on the phase */
+            }
+        }
+        return;
+    }
+
+    /* ---- consumers ---- */
+    setmaxnreg_inc<CONSUMER_REGS>();
+    const int cw = wg - 1;
+    const int w = warp % 4, g = lane / 4, t = lane % 4;
+    const int wk0 = k0 + 64 * cw;               /* the warpgroup's first key */
+    const int key0 = wk0 + 16 * w + g, key1 = key0 + 8; /* this thread's two key rows */
+    const uint32_t a_k = sK + cw * 64 * 128, a_v = sV + cw * 64 * 128;
+    const float sl2 = p.scale_log2;
+
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) dk[i] = dv[i] = 0.0f;
+
+    wait_warp(kv_full, 0, p, 1, WAIT_KV_FULL, kt, 0);
+    for (int it = 0; it < n_it; it++) {
+        const int s = it % STAGES, q0 = (qt_first + it % per_head) * KV_QB;
+        wait_warp(full(s), (it / STAGES) & 1, p, 1, WAIT_FULL, kt, it);
+        if (q0 + KV_QB - 1 >= wk0) { /* else every query here is before every key of this warpgroup */
+            const uint32_t q_s = sQ + s * L::TILE_Q, do_s = sdO + s * L::TILE_Q;
+            float x[32], dp[32]; /* S^T then P^T; dP^T then dS^T: keys (rows) x 64 queries */
+            /* d = 64: four commit groups (S^T, dP^T, dV += P^T dO, dK += dS^T Q); P^T is computed while dP^T
+             * runs and dS^T while the dV product runs. d = 128: S^T and dP^T in one group, then dV and dK in
+             * one (the overlap would keep P^T, its fragments and dP^T live beside dK and dV: ptxas then runs
+             * out of the 232 registers and serialises the wgmmas) */
+            constexpr bool OVERLAP = D == 64;
+            wgmma_fence();
+            gemm_abt<D, KV_KEYS>(x, a_k, q_s);
+            if constexpr (OVERLAP) wgmma_commit();
+            gemm_abt<D, KV_KEYS>(dp, a_v, do_s);
+            wgmma_commit();
+            if constexpr (OVERLAP) wgmma_wait<1>(); /* S^T done */
+            else wgmma_wait<0>();
+            reg_fence<32>(x);
+            const float* l = sL + s * KV_QB;
+            const float* dd = sD + s * KV_QB;
+            const bool mask = q0 < wk0 + 64 || q0 + KV_QB > T;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int col = 8 * j + 2 * t + (e & 1), key = e < 2 ? key0 : key1;
+                    const float pv = fa::exp2_approx(fmaf(x[4 * j + e], sl2, -l[col]));
+                    x[4 * j + e] = mask && (q0 + col < key || q0 + col >= T) ? 0.0f : pv;
+                }
+            uint32_t pa[4][4], da[4][4];
+            if constexpr (OVERLAP) {
+                to_frags(x, pa);
+                reg_fence<D / 2>(dv);
+                reg_fence<16>(&pa[0][0]);
+                wgmma_fence();
+                gemm_rs<D>(dv, pa, do_s); /* dV += P^T dO */
+                wgmma_commit();
+                wgmma_wait<1>(); /* dP^T done (the dV product may still run) */
+            }
+            reg_fence<32>(dp);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) dp[4 * j + e] = x[4 * j + e] * (dp[4 * j + e] - dd[8 * j + 2 * t + (e & 1)]);
+            if constexpr (!OVERLAP) to_frags(x, pa);
+            to_frags(dp, da);
+            reg_fence<D / 2>(dk);
+            reg_fence<16>(&da[0][0]);
+            if constexpr (!OVERLAP) {
+                reg_fence<D / 2>(dv);
+                reg_fence<16>(&pa[0][0]);
+            }
+            wgmma_fence();
+            if constexpr (!OVERLAP) gemm_rs<D>(dv, pa, do_s); /* dV += P^T dO */
+            gemm_rs<D>(dk, da, q_s);                          /* dK += dS^T Q */
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence<D / 2>(dk);
+            reg_fence<D / 2>(dv);
+            reg_fence<16>(&pa[0][0]);
+            reg_fence<16>(&da[0][0]); /* the A fragments stay allocated until their products are done */
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));
+    }
+
+    /* ---- epilogue: dK * scale and dV into the views (kv head hkv, qpg 1), rows >= T not stored ---- */
+    bf16* kh = p.dK.at(b, hkv, 1) + 2 * t;
+    bf16* vh = p.dV.at(b, hkv, 1) + 2 * t;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int key = r == 0 ? key0 : key1;
+        if (key >= T) continue;
+        bf16* ko = kh + (int64_t)key * p.dK.row;
+        bf16* vo = vh + (int64_t)key * p.dV.row;
+#pragma unroll
+        for (int j = 0; j < D / 8; j++) {
+            *reinterpret_cast<uint32_t*>(ko + 8 * j) =
+                fa::pack_bf16(dk[4 * j + 2 * r] * p.scale, dk[4 * j + 2 * r + 1] * p.scale);
+            *reinterpret_cast<uint32_t*>(vo + 8 * j) = fa::pack_bf16(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+        }
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap(); /* built without sm_90a: never launched (hopper_attention_backward_available says no) */
+#endif
+}
+
+/* dQ of 128 query rows (see the section's banner). Maps: Q, dO boxes 128 rows; K, V boxes 64 rows. */
+template <int D>
+__global__ void __launch_bounds__(THREADS, 1)
+    dq_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
+              const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v, params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace hg;
+    using L = q_smem<D>;
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t raw = hg::smem_u32(smem_raw);
+    const uint32_t sbase = (raw + 1023u) & ~1023u;
+    const uint32_t sQ = sbase + L::OFF_Q, sdO = sbase + L::OFF_DO, sK = sbase + L::OFF_K, sV = sbase + L::OFF_V;
+    const uint32_t bars = sbase + L::OFF_BAR;
+    const uint32_t q_full = bars;
+    auto full = [&](int s) { return bars + 8u * (1 + s); };
+    auto empty = [&](int s) { return bars + 8u * (1 + STAGES + s); };
+
+    const int m_block = gridDim.x - 1 - blockIdx.x; /* the longest rows first */
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int T = p.T, qpg = p.H / p.Hkv, hkv = h / qpg;
+    const int n_tiles = (min(T, (m_block + 1) * Q_ROWS) + Q_KB - 1) / Q_KB;
+    const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0), lane = threadIdx.x % 32, wg = warp / 4;
+
+    if (threadIdx.x == 0) {
+        mbar_init(q_full, 1);
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(full(s), 1);
+            mbar_init(empty(s), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        /* ---- producer ---- */
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (warp == 0 && lane == 0) {
+            tma_prefetch_desc(&tm_q);
+            tma_prefetch_desc(&tm_do);
+            tma_prefetch_desc(&tm_k);
+            tma_prefetch_desc(&tm_v);
+            mbar_arrive_expect_tx(q_full, 2 * L::TILE_Q);
+#pragma unroll
+            for (int c = 0; c < D / 64; c++) {
+                tma_load_5d(sQ + c * Q_ROWS * 128, &tm_q, q_full, 64 * c, m_block * Q_ROWS, h % qpg, hkv, b);
+                tma_load_5d(sdO + c * Q_ROWS * 128, &tm_do, q_full, 64 * c, m_block * Q_ROWS, h % qpg, hkv, b);
+            }
+            for (int n = 0; n < n_tiles; n++) {
+                const int s = n % STAGES;
+                mbar_wait(empty(s), ((n / STAGES) & 1) ^ 1, p.wd, p.timeout_ns, 0, WAIT_EMPTY, m_block, n);
+                mbar_arrive_expect_tx(full(s), 2 * L::TILE_KV);
+#pragma unroll
+                for (int c = 0; c < D / 64; c++) {
+                    tma_load_5d(sK + s * L::TILE_KV + c * Q_KB * 128, &tm_k, full(s), 64 * c, n * Q_KB, 0, hkv, b);
+                    tma_load_5d(sV + s * L::TILE_KV + c * Q_KB * 128, &tm_v, full(s), 64 * c, n * Q_KB, 0, hkv, b);
+                }
+            }
+        }
+        return;
+    }
+
+    /* ---- consumers ---- */
+    setmaxnreg_inc<CONSUMER_REGS>();
+    const int cw = wg - 1;
+    const int w = warp % 4, g = lane / 4, t = lane % 4;
+    const int wq0 = m_block * Q_ROWS + 64 * cw; /* the warpgroup's first query row */
+    const int row0 = wq0 + 16 * w + g, row1 = row0 + 8;
+    const size_t bh = (size_t)b * p.H + h;
+    const float l0 = row0 < T ? p.LSE[bh * T + row0] * fa::LOG2E : INFINITY;
+    const float l1 = row1 < T ? p.LSE[bh * T + row1] * fa::LOG2E : INFINITY;
+    const float d0 = row0 < T ? p.Dsum[bh * T + row0] : 0.0f;
+    const float d1 = row1 < T ? p.Dsum[bh * T + row1] : 0.0f;
+    const uint32_t a_q = sQ + cw * 64 * 128, a_do = sdO + cw * 64 * 128;
+    const float sl2 = p.scale_log2;
+
+    float dq[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) dq[i] = 0.0f;
+
+    wait_warp(q_full, 0, p, 1, WAIT_KV_FULL, m_block, 0);
+    for (int n = 0; n < n_tiles; n++) {
+        const int s = n % STAGES, n0 = n * Q_KB;
+        wait_warp(full(s), (n / STAGES) & 1, p, 1, WAIT_FULL, m_block, n);
+        if (n0 <= wq0 + 63) { /* else every key here is after every row of this warpgroup */
+            const uint32_t k_s = sK + s * L::TILE_KV, v_s = sV + s * L::TILE_KV;
+            float x[32], dp[32]; /* S then P; dP then dS: 64 rows x 64 keys */
+            wgmma_fence();
+            gemm_abt<D, Q_ROWS>(x, a_q, k_s);
+            wgmma_commit();
+            gemm_abt<D, Q_ROWS>(dp, a_do, v_s);
+            wgmma_commit();
+            wgmma_wait<1>(); /* S done: P is computed while dP runs */
+            reg_fence<32>(x);
+            const bool mask = n0 + Q_KB > T || n0 + Q_KB - 1 > wq0;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int col = n0 + 8 * j + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
+                    const float pv = fa::exp2_approx(fmaf(x[4 * j + e], sl2, -(e < 2 ? l0 : l1)));
+                    x[4 * j + e] = mask && (col > row || col >= T) ? 0.0f : pv;
+                }
+            wgmma_wait<0>();
+            reg_fence<32>(dp);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) dp[4 * j + e] = x[4 * j + e] * (dp[4 * j + e] - (e < 2 ? d0 : d1));
+            uint32_t da[4][4];
+            to_frags(dp, da);
+            reg_fence<D / 2>(dq);
+            reg_fence<16>(&da[0][0]);
+            wgmma_fence();
+            gemm_rs<D>(dq, da, k_s); /* dQ += dS K */
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence<D / 2>(dq);
+            reg_fence<16>(&da[0][0]); /* the A fragments stay allocated until the product is done */
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));
+    }
+
+    /* ---- epilogue: dQ * scale into the view, rows >= T not stored ---- */
+    bf16* qh = p.dQ.at(b, h, qpg) + 2 * t;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = r == 0 ? row0 : row1;
+        if (row >= T) continue;
+        bf16* qo = qh + (int64_t)row * p.dQ.row;
+#pragma unroll
+        for (int j = 0; j < D / 8; j++)
+            *reinterpret_cast<uint32_t*>(qo + 8 * j) =
+                fa::pack_bf16(dq[4 * j + 2 * r] * p.scale, dq[4 * j + 2 * r + 1] * p.scale);
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap();
+#endif
+}
+} /* namespace fa3b */
+
+/* Whether this process's GPU runs section 13.3's kernels: section 13.1's probe (compute 9.x, the driver's
+ * cuTensorMapEncodeTiled) and the four kernels built for sm_90a with the registers setmaxnreg's 40/232 split
+ * needs and their shared memory allowed. Probed once into s->attn_bwd; a failed probe leaves no CUDA error. */
+static bool hopper_attention_backward_available(mt_hopper_gemm_state* s) {
+    if (s->attn_bwd) return s->attn_bwd > 0;
+    if (!hopper_gemm_available(s)) {
+        s->attn_bwd = -1;
+        return false;
+    }
+    int dev = 0, optin = 0;
+    bool ok = cudaGetDevice(&dev) == cudaSuccess &&
+              cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess;
+    const void* kernels[4] = {(const void*)fa3b::dkdv_kernel<64>, (const void*)fa3b::dkdv_kernel<128>,
+                              (const void*)fa3b::dq_kernel<64>, (const void*)fa3b::dq_kernel<128>};
+    const int smem[4] = {fa3b::kv_smem<64>::SMEM, fa3b::kv_smem<128>::SMEM, fa3b::q_smem<64>::SMEM,
+                         fa3b::q_smem<128>::SMEM};
+    for (int i = 0; ok && i < 4; i++) {
+        cudaFuncAttributes a;
+        ok = cudaFuncGetAttributes(&a, kernels[i]) == cudaSuccess &&
+             a.numRegs * fa3b::THREADS >= fa3b::PRODUCER_REGS * 128 + fa3b::CONSUMER_REGS * 256 && smem[i] <= optin &&
+             cudaFuncSetAttribute(kernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize, smem[i]) == cudaSuccess;
+    }
+    (void)cudaGetLastError();
+    s->attn_bwd = ok ? 1 : -1;
+    return ok;
+}
+
+/* A view of H heads (qpg per group) as a 5-D TMA map (section 13.2's banner): boxes of 64 columns x box_rows
+ * rows, head dim d. A dimension of size 1 takes a stride that is always valid (its coordinate is always 0). */
+static bool fa3b_tensor_map(hg_encode_tiled_fn encode, CUtensorMap* m, attn_cview v, int B, int H, int qpg, int T, int d,
+                            int box_rows) {
+    const int64_t big = (int64_t)T * v.row * 2;
+    const cuuint64_t dims[5] = {(cuuint64_t)d, (cuuint64_t)T, (cuuint64_t)qpg, (cuuint64_t)(H / qpg), (cuuint64_t)B};
+    const cuuint64_t strides[4] = {(cuuint64_t)v.row * 2, (cuuint64_t)(qpg > 1 ? v.head * 2 : big),
+                                   (cuuint64_t)(H / qpg > 1 ? v.group * 2 : big), (cuuint64_t)(B > 1 ? v.batch * 2 : big)};
+    const cuuint32_t box[5] = {64, (cuuint32_t)box_rows, 1, 1, 1};
+    const cuuint32_t estr[5] = {1, 1, 1, 1, 1};
+    for (int i = 0; i < 4; i++)
+        if (strides[i] == 0 || strides[i] % 16 != 0 || strides[i] >= ((cuuint64_t)1 << 40)) return false;
+    return encode(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, (void*)v.p, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int D>
+static cudaError_t fa3b_launch(const CUtensorMap* maps, const fa3b::params& p, int B, int H, int Hkv, int T,
+                               cudaStream_t stream) {
+    const dim3 grid_kv((T + fa3b::KV_KEYS - 1) / fa3b::KV_KEYS, Hkv, B);
+    fa3b::dkdv_kernel<D><<<grid_kv, fa3b::THREADS, fa3b::kv_smem<D>::SMEM, stream>>>(maps[0], maps[1], maps[2], maps[3], p);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    const dim3 grid_q((T + fa3b::Q_ROWS - 1) / fa3b::Q_ROWS, H, B);
+    fa3b::dq_kernel<D><<<grid_q, fa3b::THREADS, fa3b::q_smem<D>::SMEM, stream>>>(maps[4], maps[5], maps[6], maps[7], p);
+    return cudaGetLastError();
+}
+
+/* Causal attention backward on section 13.3's kernels, as flash_attention_backward without dropout, documents
+ * or column sums: dQ (H heads), dK, dV (Hkv heads) from dO and the forward's Q, K, V, O, LSE; Dsum [B, H, T]
+ * fp32 scratch; d = 64 or 128; views of any layout fa::view_ok takes. cudaErrorInvalidValue (nothing queued)
+ * for what it does not take; cudaErrorNotSupported where the kernels do not run
+ * (hopper_attention_backward_available). opt: the lab's and tests' watchdog record and wait limit (NULL:
+ * trap only, 20 s). */
+static cudaError_t hopper_attention_backward(mt_hopper_gemm_state* st, attn_view dQ, attn_view dK, attn_view dV,
+                                             float* Dsum, attn_cview dO, attn_cview Q, attn_cview K, attn_cview V,
+                                             attn_cview O, const float* LSE, int B, int H, int Hkv, int T, int d,
+                                             cudaStream_t stream, const hg::options* opt = NULL) {
+    attn_cview views[] = {cview(dQ), cview(dK), cview(dV), dO, Q, K, V, O};
+    bool ok = fa::shape_ok(B, H, Hkv, T, d) && H <= 65535 && B <= 65535;
+    for (const attn_cview& v : views) ok = ok && fa::view_ok(v);
+    if (!ok) return cudaErrorInvalidValue;
+    if (!hopper_attention_backward_available(st)) return cudaErrorNotSupported;
+    const hg_encode_tiled_fn encode = (hg_encode_tiled_fn)st->encode;
+    const int qpg = H / Hkv;
+    CUtensorMap maps[8]; /* dK/dV's Q, dO, K, V; dQ's Q, dO, K, V */
+    if (!fa3b_tensor_map(encode, &maps[0], Q, B, H, qpg, T, d, fa3b::KV_QB) ||
+        !fa3b_tensor_map(encode, &maps[1], dO, B, H, qpg, T, d, fa3b::KV_QB) ||
+        !fa3b_tensor_map(encode, &maps[2], K, B, Hkv, 1, T, d, fa3b::KV_KEYS) ||
+        !fa3b_tensor_map(encode, &maps[3], V, B, Hkv, 1, T, d, fa3b::KV_KEYS) ||
+        !fa3b_tensor_map(encode, &maps[4], Q, B, H, qpg, T, d, fa3b::Q_ROWS) ||
+        !fa3b_tensor_map(encode, &maps[5], dO, B, H, qpg, T, d, fa3b::Q_ROWS) ||
+        !fa3b_tensor_map(encode, &maps[6], K, B, Hkv, 1, T, d, fa3b::Q_KB) ||
+        !fa3b_tensor_map(encode, &maps[7], V, B, Hkv, 1, T, d, fa3b::Q_KB))
+        return cudaErrorInvalidValue;
+    fa3b::params p;
+    p.dQ = dQ;
+    p.dK = dK;
+    p.dV = dV;
+    p.LSE = LSE;
+    p.Dsum = Dsum;
+    p.H = H;
+    p.Hkv = Hkv;
+    p.T = T;
+    p.scale = 1.0f / sqrtf((float)d); /* as section 9 */
+    p.scale_log2 = p.scale * fa::LOG2E;
+    p.wd = opt ? opt->wd : NULL;
+    p.timeout_ns = opt && opt->timeout_ns ? opt->timeout_ns : fa3b::TIMEOUT_NS;
+    /* Dsum = rowsum(dO * O): section 9.3's kernel */
+    cudaError_t e = d == 64 ? fa::backward_dot<64>(Dsum, dO, O, B, H, Hkv, T, stream)
+                            : fa::backward_dot<128>(Dsum, dO, O, B, H, Hkv, T, stream);
+    if (e != cudaSuccess) return e;
+    return d == 64 ? fa3b_launch<64>(maps, p, B, H, Hkv, T, stream) : fa3b_launch<128>(maps, p, B, H, Hkv, T, stream);
+}
+
+/* MT_ATTN_BWD's value, as MT_ATTN_FWD's (attn_fwd_parse): unset or empty the rule (section 13.3's kernels where
+ * they run and the call fits, else section 9's); fa2, section 9's backward always; fa3, the rule, and an error
+ * where the GPU or build has no kernel (checked when the trainer is made). Anything else refused in one line. */
+enum { MT_ATTN_BWD_DEFAULT = 0, MT_ATTN_BWD_FA2 = 1, MT_ATTN_BWD_FA3 = 2 };
+static mt_status attn_bwd_parse(const char* value, int* mode, mt_error* err) {
+    *mode = MT_ATTN_BWD_DEFAULT;
+    if (!value || !*value) return MT_OK;
+    if (!strcmp(value, "fa2")) *mode = MT_ATTN_BWD_FA2;
+    else if (!strcmp(value, "fa3")) *mode = MT_ATTN_BWD_FA3;
+    else return mt_fail(err, MT_ERR_ARG, "MT_ATTN_BWD=%.64s: expected fa2 or fa3 (unset: fa3 where it runs)", value);
+    return MT_OK;
+}
+
+/* Whether a backward call with these settings goes to section 13.3's kernels (a view they do not take still
+ * falls back to section 9's inside attention_backward_fast). The trainer asks first: this path has no column
+ * sums, so the QKV bias gradient is then summed by the caller. st NULL: never. */
+static bool hopper_backward_wanted(mt_hopper_gemm_state* st, int mode, int d, const mt_dropout& drop, const int32_t* doc) {
+    return st && mode != MT_ATTN_BWD_FA2 && (d == 64 || d == 128) && !drop.on && !doc &&
+           hopper_attention_backward_available(st);
+}
+
+/* The causal flash backward of one call: section 13.3's kernels where hopper_backward_wanted says so and no
+ * column sums are asked for, else section 9's flash_attention_backward (same arguments). */
+static cudaError_t attention_backward_fast(mt_hopper_gemm_state* st, int mode, attn_view dQ, attn_view dK, attn_view dV,
+                                           float* Dsum, attn_cview dO, attn_cview Q, attn_cview K, attn_cview V,
+                                           attn_cview O, const float* LSE, int B, int H, int Hkv, int T, int d,
+                                           cudaStream_t stream, float* colsum, const mt_dropout& drop,
+                                           const int32_t* doc) {
+    if (!colsum && hopper_backward_wanted(st, mode, d, drop, doc)) {
+        const cudaError_t e = hopper_attention_backward(st, dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, d, stream);
+        if (e != cudaErrorInvalidValue) return e; /* a view it does not take falls through to section 9's */
+    }
+    return flash_attention_backward(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, d, stream, colsum, drop, doc);
 }
 
 /* ============================================================================================== */
@@ -9633,6 +10274,7 @@ struct mt_trainer {
     size_t elem;              /* bytes per model element */
     int flash;                /* attention by the flash kernels (bf16, head dim 64/128), else exact */
     int attn_fwd;             /* MT_ATTN_FWD (attn_fwd_parse, read once at creation): which flash forward */
+    int attn_bwd;             /* MT_ATTN_BWD (attn_bwd_parse, read once at creation): which flash backward */
     float* rope_cos;          /* [T, rot/2] RoPE tables (NULL without RoPE) */
     float* rope_sin;
     /* parameters and gradients share one buffer layout (megatron.h, mt_buffer_layout): reverse model
@@ -10311,7 +10953,11 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
             const int chunks = flash_colsum_chunks(s.B, s.S);
-            sums = dbias && s.rot == 0 && !s.qk_norm && !a2a && !cp_p2p(s) && chunks <= t->colsum.max_chunks;
+            /* section 13.3's backward where it runs and fits (not under context parallelism); it has no column
+             * sums, so the QKV bias gradient is then summed by the caller */
+            mt_hopper_gemm_state* hopper = a2a || cp_p2p(s) ? NULL : &t->gemm.hopper;
+            const bool fa3_bwd = hopper_backward_wanted(hopper, t->attn_bwd, sa.d, drop, da.doc_start);
+            sums = dbias && s.rot == 0 && !s.qk_norm && !a2a && !cp_p2p(s) && !fa3_bwd && chunks <= t->colsum.max_chunks;
             T *in_rows = rows, *out_rows = dqkv;
             const T *o_rows = attn, *do_rows = dattn;
             if (a2a) { /* the forward's rows (unrotated: it rotated its copy), O and dO of the whole sequence */
@@ -10329,13 +10975,13 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
                                            s.groups, s.S, s.d, drop, dims.doc_start, t->act.cp,
                                            t->act.cp_bytes);
             else
-                CUDA_CHECK(ex->error, flash_attention_backward(out.q, out.k, out.v, a->dsum,
-                                                               cview(heads_rows_view(sa, (void*)do_rows)), cview(in.q),
-                                                               cview(in.k), cview(in.v),
-                                                               cview(heads_rows_view(sa, (void*)o_rows)), lse, sa.B,
-                                                               sa.heads, sa.groups, sa.S, sa.d, ex->stream,
-                                                               sums ? t->colsum.partial_a : (float*)NULL, drop,
-                                                               da.doc_start));
+                CUDA_CHECK(ex->error, attention_backward_fast(hopper, t->attn_bwd, out.q, out.k, out.v, a->dsum,
+                                                              cview(heads_rows_view(sa, (void*)do_rows)), cview(in.q),
+                                                              cview(in.k), cview(in.v),
+                                                              cview(heads_rows_view(sa, (void*)o_rows)), lse, sa.B,
+                                                              sa.heads, sa.groups, sa.S, sa.d, ex->stream,
+                                                              sums ? t->colsum.partial_a : (float*)NULL, drop,
+                                                              da.doc_start));
             rope_qkv_rows<T>(ex, da, out_rows, true);
             if (a2a) cp_a2a_to_rows<T>(t, ex, s, cb.dqkv, dqkv, sa.qkv_width, cb.qkv, cb.xfer);
             if (sums) column_final_sums(ex, 1, chunks, s.qkv_width, dbias, t->colsum.partial_a);
@@ -13975,6 +14621,14 @@ mt_status mt_trainer_create(mt_trainer** out, const mt_config* cfg, mt_error* er
             mt_gpu_fail(&t->error, MT_ERR_ARG,
                         "MT_ATTN_FWD=fa3: the Hopper attention forward needs --bf16 flash attention (head dim 64 or "
                         "128), a compute capability 9.x GPU and a build for it (GPU_ARCH=90 builds sm_90a)");
+    }
+    { /* MT_ATTN_BWD, read once here (section 13.3) */
+        mt_error attn_error;
+        if (attn_bwd_parse(getenv("MT_ATTN_BWD"), &t->attn_bwd, &attn_error) != MT_OK)
+            mt_gpu_fail(&t->error, MT_ERR_ARG, "%s", attn_error.message);
+        else if (t->attn_bwd == MT_ATTN_BWD_FA3 && !(t->flash && hopper_attention_backward_available(&t->gemm.hopper)))
+            mt_gpu_fail(&t->error, MT_ERR_ARG, "MT_ATTN_BWD=fa3: the Hopper attention backward needs --bf16 flash attention, "
+                                               "a compute capability 9.x GPU and a build for it (GPU_ARCH=90 builds sm_90a)");
     }
     mt_param_layout_shard(cfg, t->params_info);
     mt_param_layout(cfg, t->params_info_full);

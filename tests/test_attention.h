@@ -691,6 +691,158 @@ static test_result test_hopper_attention_forward(void) {
     return TEST_PASS;
 }
 
+/* Section 13.3's Hopper backward against section 9's FA2 backward on the model's row layouts (q, k, v read in
+ * place from the fused QKV rows, dq, dk, dv written into the gradient's QKV rows), from the same forward (FA2's
+ * O and LSE), and a second run of it bitwise the same (no atomics; the gradient rows start as NaN each run, so
+ * an element not written fails). Per element |x - y| <= 2^-5 (|y| + rms), rms over that gradient (dQ, dK or
+ * dV) as a whole: both kernels round P and dS to bf16 (2^-9 relative) before their products and the result
+ * once, in different summation orders, so they differ by a few bf16 ulps of the tensor's scale, while a wrong
+ * mask, tile, stride or head gives errors of the order of rms. Per tensor 1e-2 norm-wise (the FA2 tests'
+ * reference bound is 2e-2; the two kernels are closer to each other than either is to float64). */
+static int fa3b_check_shape(const flash_shape* s, mt_hopper_gemm_state* st) {
+    int ok = 1;
+    const int qpg = s->H / s->Hkv, d = s->d, T = s->T, W = s->Hkv * (qpg + 2) * d, C = s->H * d;
+    const size_t BT = (size_t)s->B * T, n_qkv = BT * W, n_rows = BT * C, n_lse = (size_t)s->B * s->H * T;
+    uint16_t *h_qkv = (uint16_t*)malloc(n_qkv * 2), *h_dout = (uint16_t*)malloc(n_rows * 2);
+    uint16_t *h_g2 = (uint16_t*)malloc(n_qkv * 2), *h_g3 = (uint16_t*)malloc(n_qkv * 2), *h_g3b = (uint16_t*)malloc(n_qkv * 2);
+    bf16 *qkv = NULL, *dout = NULL, *out = NULL, *dqkv = NULL;
+    float *lse = NULL, *dsum = NULL;
+    uint64_t rng = 0xFA3B0ull + (uint64_t)T * 131 + s->H * 7 + d;
+    flash_fill(h_qkv, n_qkv, 1.7f, &rng);
+    flash_fill(h_dout, n_rows, 1.0f, &rng);
+    FLASH_CUDA(cudaMalloc(&qkv, n_qkv * 2));
+    FLASH_CUDA(cudaMalloc(&dqkv, n_qkv * 2));
+    FLASH_CUDA(cudaMalloc(&dout, n_rows * 2));
+    FLASH_CUDA(cudaMalloc(&out, n_rows * 2));
+    FLASH_CUDA(cudaMalloc(&lse, n_lse * 4));
+    FLASH_CUDA(cudaMalloc(&dsum, n_lse * 4));
+    FLASH_CUDA(cudaMemcpy(qkv, h_qkv, n_qkv * 2, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaMemcpy(dout, h_dout, n_rows * 2, cudaMemcpyHostToDevice));
+    {
+        attn_view q = qkv_rows_view(qkv, T, s->Hkv, d, qpg, 0), k = qkv_rows_view(qkv, T, s->Hkv, d, qpg, qpg),
+                  v = qkv_rows_view(qkv, T, s->Hkv, d, qpg, qpg + 1);
+        attn_view dq = qkv_rows_view(dqkv, T, s->Hkv, d, qpg, 0), dk = qkv_rows_view(dqkv, T, s->Hkv, d, qpg, qpg),
+                  dv = qkv_rows_view(dqkv, T, s->Hkv, d, qpg, qpg + 1);
+        attn_view o = attention_rows_view(out, T, s->H, d, qpg), go = attention_rows_view(dout, T, s->H, d, qpg);
+        FLASH_CUDA(flash_attention_forward(o, lse, cview(q), cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0));
+        for (int pass = 0; pass < 3; pass++) { /* 0: FA2, 1: Hopper, 2: Hopper again */
+            FLASH_CUDA(cudaMemset(dqkv, 0xFF, n_qkv * 2));
+            FLASH_CUDA(cudaMemset(dsum, 0xFF, n_lse * 4));
+            if (pass == 0)
+                FLASH_CUDA(flash_attention_backward(dq, dk, dv, dsum, cview(go), cview(q), cview(k), cview(v), cview(o),
+                                                    lse, s->B, s->H, s->Hkv, T, d, 0));
+            else
+                FLASH_CUDA(hopper_attention_backward(st, dq, dk, dv, dsum, cview(go), cview(q), cview(k), cview(v),
+                                                     cview(o), lse, s->B, s->H, s->Hkv, T, d, 0));
+            FLASH_CUDA(cudaDeviceSynchronize());
+            FLASH_CUDA(cudaMemcpy(pass == 0 ? h_g2 : pass == 1 ? h_g3 : h_g3b, dqkv, n_qkv * 2, cudaMemcpyDeviceToHost));
+        }
+    }
+    {
+        /* per gradient (kind 0 dQ, 1 dK, 2 dV): its rms, then the per-element excess and the norm-wise error */
+        double worst[3] = {0, 0, 0}, rel[3];
+        for (int kind = 0; kind < 3; kind++) {
+            const int heads = kind == 0 ? s->H : s->Hkv;
+            double ss = 0.0, se = 0.0;
+            for (size_t r = 0; r < BT; r++)
+                for (int hh = 0; hh < heads; hh++)
+                    for (int e = 0; e < d; e++) {
+                        const double y = flash_bf2d(h_g2[r * W + flash_head_column(kind, hh, qpg, d) + e]);
+                        ss += y * y;
+                    }
+            const double rms = sqrt(ss / ((double)BT * heads * d));
+            for (size_t r = 0; r < BT; r++)
+                for (int hh = 0; hh < heads; hh++)
+                    for (int e = 0; e < d; e++) {
+                        const size_t i = r * W + flash_head_column(kind, hh, qpg, d) + e;
+                        const double x = flash_bf2d(h_g3[i]), y = flash_bf2d(h_g2[i]);
+                        se += (x - y) * (x - y);
+                        const double excess = fabs(x - y) / (0x1p-5 * (fabs(y) + rms) + 1e-30);
+                        if (!(excess <= worst[kind])) worst[kind] = excess; /* NaN (an unwritten element) sticks */
+                    }
+            rel[kind] = ss > 0.0 ? sqrt(se / ss) : sqrt(se);
+        }
+        const bool same = !memcmp(h_g3, h_g3b, n_qkv * 2);
+        printf("      B=%d H=%d Hkv=%d T=%d d=%d: dQ %.3f / %.2e, dK %.3f / %.2e, dV %.3f / %.2e (worst of the per-element "
+               "bound / norm-wise); repeat %s\n", s->B, s->H, s->Hkv, T, d, worst[0], rel[0], worst[1], rel[1], worst[2],
+               rel[2], same ? "bitwise" : "DIFFERS");
+        for (int kind = 0; kind < 3; kind++)
+            if (!(worst[kind] <= 1.0) || !(rel[kind] <= 1e-2)) ok = 0;
+        if (!same) ok = 0;
+        if (!ok) printf("    FAIL the Hopper attention backward is off section 9's\n");
+    }
+done:
+    cudaFree(qkv); cudaFree(dqkv); cudaFree(dout); cudaFree(out); cudaFree(lse); cudaFree(dsum);
+    free(h_qkv); free(h_dout); free(h_g2); free(h_g3); free(h_g3b);
+    return ok;
+}
+
+static test_result test_hopper_attention_backward(void) {
+    REQUIRE_GPU();
+    mt_hopper_gemm_state probe = {0, 0, NULL, 0, 0};
+    if (!hopper_attention_backward_available(&probe)) {
+        int dev = 0, major = 0;
+        cudaGetDevice(&dev);
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+        cudaGetLastError();
+        if (major == 9) SKIP_OR_FAIL_STRICT("a Hopper GPU, but no sm_90a kernel in this build (GPU_ARCH=90 builds it)");
+        SKIP("the Hopper attention backward needs a compute capability 9.x GPU");
+    }
+    const flash_shape shapes[] = {
+        {2, 4, 2, 200, 64, NULL},   /* GQA, d 64, T = 1.56 key tiles of 128 */
+        {2, 4, 2, 200, 128, NULL},  /* the same at d 128 */
+        {1, 8, 2, 1000, 128, NULL}, /* four query heads per kv head, the last tiles partial */
+        {2, 3, 3, 256, 64, NULL},   /* multi-head, whole tiles */
+        {1, 2, 1, 17, 128, NULL},   /* T below one 64-row tile */
+        {1, 4, 4, 1, 64, NULL},     /* one position */
+        {1, 4, 1, 129, 64, NULL},   /* one row past a tile */
+    };
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
+        if (!fa3b_check_shape(&shapes[i], &probe)) return TEST_FAIL;
+    /* what it does not take is refused, not launched: head dim 96, a row stride of 12 elements */
+    attn_view bad = {(bf16*)NULL, 8, 12, 8, 8};
+    EXPECT(hopper_attention_backward(&probe, bad, bad, bad, NULL, cview(bad), cview(bad), cview(bad), cview(bad),
+                                     cview(bad), NULL, 1, 1, 1, 8, 128, 0) == cudaErrorInvalidValue,
+           "a row stride of 12 elements was accepted");
+    attn_view d96 = {(bf16*)NULL, 96, 96, 96, 96};
+    EXPECT(hopper_attention_backward(&probe, d96, d96, d96, NULL, cview(d96), cview(d96), cview(d96), cview(d96),
+                                     cview(d96), NULL, 1, 1, 1, 8, 96, 0) == cudaErrorInvalidValue,
+           "head dim 96 was accepted");
+    return TEST_PASS;
+}
+
+/* MT_ATTN_BWD's parser, as MT_ATTN_FWD's: unset or empty the default, fa2 / fa3 their modes, anything else
+ * refused in one line naming the value. */
+static test_result test_attention_backward_choice(void) {
+    int mode = -1;
+    mt_error err;
+    memset(&err, 0, sizeof(err));
+    EXPECT(attn_bwd_parse(NULL, &mode, &err) == MT_OK && mode == MT_ATTN_BWD_DEFAULT, "unset is not the default");
+    EXPECT(attn_bwd_parse("", &mode, &err) == MT_OK && mode == MT_ATTN_BWD_DEFAULT, "empty is not the default");
+    EXPECT(attn_bwd_parse("fa2", &mode, &err) == MT_OK && mode == MT_ATTN_BWD_FA2, "fa2 is not FA2");
+    EXPECT(attn_bwd_parse("fa3", &mode, &err) == MT_OK && mode == MT_ATTN_BWD_FA3, "fa3 is not FA3");
+    EXPECT(attn_bwd_parse("fa4", &mode, &err) == MT_ERR_ARG && strstr(err.message, "MT_ATTN_BWD=fa4") &&
+               !strchr(err.message, '\n'),
+           "an unknown value was not refused in one line");
+    /* the selection: never without a probe state, with MT_ATTN_BWD=fa2, dropout or documents */
+    const mt_dropout none = mt_dropout();
+    EXPECT(!hopper_backward_wanted(NULL, MT_ATTN_BWD_DEFAULT, 128, none, NULL), "no probe state, yet wanted");
+    mt_hopper_gemm_state yes = {1, 1, NULL, 1, 1}; /* probed: runs here */
+    EXPECT(hopper_backward_wanted(&yes, MT_ATTN_BWD_DEFAULT, 64, none, NULL) &&
+               hopper_backward_wanted(&yes, MT_ATTN_BWD_FA3, 128, none, NULL),
+           "not wanted where it runs");
+    EXPECT(!hopper_backward_wanted(&yes, MT_ATTN_BWD_FA2, 128, none, NULL), "MT_ATTN_BWD=fa2 not honoured");
+    mt_dropout drop = mt_dropout();
+    drop.on = 1;
+    const int32_t doc[1] = {0};
+    EXPECT(!hopper_backward_wanted(&yes, MT_ATTN_BWD_DEFAULT, 128, drop, NULL) &&
+               !hopper_backward_wanted(&yes, MT_ATTN_BWD_DEFAULT, 128, none, doc),
+           "wanted with dropout or documents");
+    mt_hopper_gemm_state no = {-1, 0, NULL, -1, -1}; /* probed: does not run here */
+    EXPECT(!hopper_backward_wanted(&no, MT_ATTN_BWD_FA3, 128, none, NULL), "wanted where it does not run");
+    return TEST_PASS;
+}
+
 /* MT_ATTN_FWD's parser: unset or empty the default, fa2 / fa3 their modes, anything else refused in one line
  * naming the value. */
 static test_result test_attention_forward_choice(void) {
@@ -709,10 +861,12 @@ static test_result test_attention_forward_choice(void) {
 
 static const test_case attention_host_tests[] = {
     {"attention_forward_choice_parses", test_attention_forward_choice},
+    {"attention_backward_choice_parses", test_attention_backward_choice},
 };
 
 static const test_case attention_gpu_tests[] = {
     {"hopper_attention_forward_matches_fa2", test_hopper_attention_forward},
+    {"hopper_attention_backward_matches_fa2", test_hopper_attention_backward},
     {"flash_attention_document_masks_match_reference", test_flash_attention_document_masks},
     {"flash_attention_document_speed", test_flash_attention_document_speed},
     {"flash_attention_row_layouts_match_reference", test_flash_attention_row_layouts},
