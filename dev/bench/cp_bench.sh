@@ -3,7 +3,7 @@
 #
 # Parts (arguments; default: attention cp1, and cp2 long too when two GPUs are visible):
 #   attention  one GPU: causal attention forward and backward, bf16, B=1, H=32, Hkv=8, d=128, at T=32768 and
-#              131072: ours (dev/cuda/flash_attention --bench, megatron.cu's flash kernels) against PyTorch's
+#              131072: ours (dev/cuda/flash_attention --bench: the kernels the trainer takes) against PyTorch's
 #              SDPA with only its FlashAttention backend (dev/bench/attention_sdpa.py), CUDA events, median
 #              of 7 after 2 warm-ups; TFLOP/s by the causal count 2*B*H*T^2*d forward, 2.5x that backward.
 #   cp1        one GPU: the Llama-3-8B layer shape (hidden 4096, ffn 14336 SwiGLU, 32 heads in 8 query groups,

@@ -482,7 +482,8 @@ static void bench_shape(Shape s) {
 }
 
 /* --bench B,H,Hkv,T,d: one shape timed alone, without the reference's buffers (its T x T score matrices
- * would not fit at long T). The same causal FLOP count as bench_shape (and as attention_sdpa.py):
+ * would not fit at long T), through the kernels the trainer would take (attention_forward_fast and
+ * attention_backward_fast: the Hopper ones where they run; MT_ATTN_FWD=fa2 / MT_ATTN_BWD=fa2 force section 9's). The same causal FLOP count as bench_shape (and as attention_sdpa.py):
  * forward 2*B*H*T^2*d, backward 2.5x that. CUDA events around each call, WARMUP calls first, the median
  * of REPS; the backward reads the forward's O and LSE, made once before it. */
 static int bench_one(const char* spec) {
@@ -504,19 +505,43 @@ static int bench_one(const char* spec) {
                 free_b / (double)(1 << 30));
         return 1;
     }
+    /* the trainer's choice of kernels (MT_ATTN_FWD / MT_ATTN_BWD as it reads them): sections 13.2 / 13.3 on
+     * Hopper where they take the call, else section 9's */
+    int fwd_mode = 0, bwd_mode = 0;
+    mt_error why;
+    if (attn_fwd_parse(getenv("MT_ATTN_FWD"), &fwd_mode, &why) != MT_OK ||
+        attn_bwd_parse(getenv("MT_ATTN_BWD"), &bwd_mode, &why) != MT_OK) {
+        fprintf(stderr, "flash_attention: %s\n", why.message);
+        return 2;
+    }
+    mt_hopper_gemm_state st;
+    memset(&st, 0, sizeof(st));
+    const mt_dropout no_dropout = mt_dropout();
+    const bool fa3_fwd = fwd_mode != MT_ATTN_FWD_FA2 && fa3::head_dim_ok(s.d) && hopper_attention_available(&st);
+    const bool fa3_bwd = hopper_backward_wanted(&st, bwd_mode, s.d, no_dropout, NULL);
     Buffers x;
     alloc_buffers(&x, s, false, true);
+    auto forward = [&] {
+        LAB_CHECK(attention_forward_fast(&st, fwd_mode, qv(x.O, s), x.LSE, cview(qv(x.Q, s)), cview(kv(x.K, s)),
+                                         cview(kv(x.V, s)), s.B, s.H, s.Hkv, s.T, s.d, 0, no_dropout, NULL));
+    };
+    auto backward = [&] {
+        LAB_CHECK(attention_backward_fast(&st, bwd_mode, qv(x.dQ, s), kv(x.dK, s), kv(x.dV, s), x.Dsum,
+                                          cview(qv(x.dO, s)), cview(qv(x.Q, s)), cview(kv(x.K, s)), cview(kv(x.V, s)),
+                                          cview(qv(x.O, s)), x.LSE, s.B, s.H, s.Hkv, s.T, s.d, 0, NULL, no_dropout,
+                                          NULL));
+    };
     const double fwd_flop = 2.0 * 2.0 * s.B * s.H * (double)s.T * s.T * s.d / 2.0, bwd_flop = 2.5 * fwd_flop;
     const int WARMUP = 2, REPS = 7;
-    flash_forward(&x);
+    forward();
     LAB_CHECK(cudaDeviceSynchronize());
-    float f_ms = median_ms([&] { flash_forward(&x); }, WARMUP, REPS);
-    float b_ms = median_ms([&] { flash_backward(&x); }, WARMUP, REPS);
+    float f_ms = median_ms(forward, WARMUP, REPS);
+    float b_ms = median_ms(backward, WARMUP, REPS);
     LAB_CHECK(cudaGetLastError());
     printf("BENCH B=%d H=%d Hkv=%d T=%d d=%d causal bf16 fwd_ms=%.3f fwd_tflops=%.1f bwd_ms=%.3f bwd_tflops=%.1f "
-           "fwdbwd_tflops=%.1f\n",
+           "fwdbwd_tflops=%.1f fwd=%s bwd=%s\n",
            s.B, s.H, s.Hkv, s.T, s.d, f_ms, fwd_flop / f_ms * 1e-9, b_ms, bwd_flop / b_ms * 1e-9,
-           (fwd_flop + bwd_flop) / (f_ms + b_ms) * 1e-9);
+           (fwd_flop + bwd_flop) / (f_ms + b_ms) * 1e-9, fa3_fwd ? "fa3" : "fa2", fa3_bwd ? "fa3" : "fa2");
     fflush(stdout);
     free_buffers(&x);
     return 0;
