@@ -6495,14 +6495,15 @@ static bool hopper_attention_available(mt_hopper_gemm_state* s) {
 }
 
 /* A view of H heads (qpg per group) of d columns as a 5-D TMA map (see the section's banner): boxes of 64
- * columns x 128 rows. A dimension of size 1 takes a stride that is always valid (its coordinate is always 0). */
+ * columns x box_rows rows (the forward's 128; section 13.3 takes 64 too). A dimension of size 1 takes a stride that
+ * is always valid (its coordinate is always 0). */
 static bool fa3_tensor_map(hg_encode_tiled_fn encode, CUtensorMap* m, attn_cview v, int B, int H, int qpg, int T,
-                           int d) {
+                           int d, int box_rows = fa3::BM) {
     const int64_t big = (int64_t)T * v.row * 2;
     const cuuint64_t dims[5] = {(cuuint64_t)d, (cuuint64_t)T, (cuuint64_t)qpg, (cuuint64_t)(H / qpg), (cuuint64_t)B};
     const cuuint64_t strides[4] = {(cuuint64_t)v.row * 2, (cuuint64_t)(qpg > 1 ? v.head * 2 : big),
                                    (cuuint64_t)(H / qpg > 1 ? v.group * 2 : big), (cuuint64_t)(B > 1 ? v.batch * 2 : big)};
-    const cuuint32_t box[5] = {64, (cuuint32_t)fa3::BM, 1, 1, 1};
+    const cuuint32_t box[5] = {64, (cuuint32_t)box_rows, 1, 1, 1};
     const cuuint32_t estr[5] = {1, 1, 1, 1, 1};
     for (int i = 0; i < 4; i++)
         if (strides[i] == 0 || strides[i] % 16 != 0 || strides[i] >= ((cuuint64_t)1 << 40)) return false;
@@ -6617,8 +6618,8 @@ static cudaError_t attention_forward_fast(mt_hopper_gemm_state* st, int mode, at
  *
  * ---- Tensor maps and descriptors ----------------------------------------------------------------
  *   5-D maps over the strided views as section 13.2's (c, t, h % qpg, h / qpg, b), boxes [rows][64
- *   columns] with the 128-byte swizzle (fa3b_tensor_map: d and the box rows as parameters); a box past
- *   T is zero-filled inside its own head. A tile of R rows is d/64 column halves of R x 128 bytes.
+ *   columns] with the 128-byte swizzle (section 13.2's fa3_tensor_map, the box rows a parameter); a box
+ *   past T is zero-filled inside its own head. A tile of R rows is d/64 column halves of R x 128 bytes.
  *   K-major (section 13.1's make_desc): k-slice kk of d at half kk / 4, byte (kk % 4) * 32; a
  *   warpgroup's 64 rows start 64 * 128 bytes on. N-major B (make_desc_n_major): k-slice kk (rows 16 kk
  *   ..) 2048 kk bytes on, leading byte offset R * 128 (the next column half), stride 1024 (8 rows).
@@ -6693,21 +6694,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, uint64_t desc_a, ui
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
-/* D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers (as hg::wgmma_m64n128k16_rs), B N-major. */
-__device__ __forceinline__ void wgmma_m64n64k16_rs(float* d, const uint32_t* a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "setp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
 
 /* X[64 x 64] = A[64 x D] B[64 x D]^T: A = a warpgroup's 64 rows of a tile of RA rows (column halves RA * 128
  * bytes apart), B = a tile of 64 rows; both K-major, d contiguous. */
@@ -6726,7 +6712,7 @@ __device__ __forceinline__ void gemm_rs(float (&acc)[D / 2], const uint32_t (&a)
     for (int kk = 0; kk < 4; kk++) {
         const uint64_t db = hg::make_desc_n_major(b_base + kk * 16 * 128, 64 * 128);
         if constexpr (D == 128) hg::wgmma_m64n128k16_rs(acc, a[kk], db, 1);
-        else wgmma_m64n64k16_rs(acc, a[kk], db, 1);
+        else fa3::wgmma_m64n64k16_rs(acc, a[kk], db, 1); /* section 13.2's P V shape */
     }
 }
 /* fp32 accumulators of a 64 x 64 block -> bf16 register-A fragments, one per k16 slice */
@@ -7096,23 +7082,6 @@ static bool hopper_attention_backward_available(mt_hopper_gemm_state* s) {
     return ok;
 }
 
-/* A view of H heads (qpg per group) as a 5-D TMA map (section 13.2's banner): boxes of 64 columns x box_rows
- * rows, head dim d. A dimension of size 1 takes a stride that is always valid (its coordinate is always 0). */
-static bool fa3b_tensor_map(hg_encode_tiled_fn encode, CUtensorMap* m, attn_cview v, int B, int H, int qpg, int T, int d,
-                            int box_rows) {
-    const int64_t big = (int64_t)T * v.row * 2;
-    const cuuint64_t dims[5] = {(cuuint64_t)d, (cuuint64_t)T, (cuuint64_t)qpg, (cuuint64_t)(H / qpg), (cuuint64_t)B};
-    const cuuint64_t strides[4] = {(cuuint64_t)v.row * 2, (cuuint64_t)(qpg > 1 ? v.head * 2 : big),
-                                   (cuuint64_t)(H / qpg > 1 ? v.group * 2 : big), (cuuint64_t)(B > 1 ? v.batch * 2 : big)};
-    const cuuint32_t box[5] = {64, (cuuint32_t)box_rows, 1, 1, 1};
-    const cuuint32_t estr[5] = {1, 1, 1, 1, 1};
-    for (int i = 0; i < 4; i++)
-        if (strides[i] == 0 || strides[i] % 16 != 0 || strides[i] >= ((cuuint64_t)1 << 40)) return false;
-    return encode(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, (void*)v.p, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 template <int D>
 static cudaError_t fa3b_launch(const CUtensorMap* maps, const fa3b::params& p, int B, int H, int Hkv, int T,
                                cudaStream_t stream) {
@@ -7143,14 +7112,14 @@ static cudaError_t hopper_attention_backward(mt_hopper_gemm_state* st, attn_view
     const hg_encode_tiled_fn encode = (hg_encode_tiled_fn)st->encode;
     const int qpg = H / Hkv;
     CUtensorMap maps[8]; /* dK/dV's Q, dO, K, V; dQ's Q, dO, K, V */
-    if (!fa3b_tensor_map(encode, &maps[0], Q, B, H, qpg, T, d, fa3b::KV_QB) ||
-        !fa3b_tensor_map(encode, &maps[1], dO, B, H, qpg, T, d, fa3b::KV_QB) ||
-        !fa3b_tensor_map(encode, &maps[2], K, B, Hkv, 1, T, d, fa3b::KV_KEYS) ||
-        !fa3b_tensor_map(encode, &maps[3], V, B, Hkv, 1, T, d, fa3b::KV_KEYS) ||
-        !fa3b_tensor_map(encode, &maps[4], Q, B, H, qpg, T, d, fa3b::Q_ROWS) ||
-        !fa3b_tensor_map(encode, &maps[5], dO, B, H, qpg, T, d, fa3b::Q_ROWS) ||
-        !fa3b_tensor_map(encode, &maps[6], K, B, Hkv, 1, T, d, fa3b::Q_KB) ||
-        !fa3b_tensor_map(encode, &maps[7], V, B, Hkv, 1, T, d, fa3b::Q_KB))
+    if (!fa3_tensor_map(encode, &maps[0], Q, B, H, qpg, T, d, fa3b::KV_QB) ||
+        !fa3_tensor_map(encode, &maps[1], dO, B, H, qpg, T, d, fa3b::KV_QB) ||
+        !fa3_tensor_map(encode, &maps[2], K, B, Hkv, 1, T, d, fa3b::KV_KEYS) ||
+        !fa3_tensor_map(encode, &maps[3], V, B, Hkv, 1, T, d, fa3b::KV_KEYS) ||
+        !fa3_tensor_map(encode, &maps[4], Q, B, H, qpg, T, d, fa3b::Q_ROWS) ||
+        !fa3_tensor_map(encode, &maps[5], dO, B, H, qpg, T, d, fa3b::Q_ROWS) ||
+        !fa3_tensor_map(encode, &maps[6], K, B, Hkv, 1, T, d, fa3b::Q_KB) ||
+        !fa3_tensor_map(encode, &maps[7], V, B, Hkv, 1, T, d, fa3b::Q_KB))
         return cudaErrorInvalidValue;
     fa3b::params p;
     p.dQ = dQ;

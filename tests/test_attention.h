@@ -647,16 +647,8 @@ done:
 }
 
 static test_result test_hopper_attention_forward(void) {
-    REQUIRE_GPU();
-    mt_hopper_gemm_state probe = {0, 0, NULL, 0};
-    if (!hopper_attention_available(&probe)) {
-        int dev = 0, major = 0;
-        cudaGetDevice(&dev);
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-        cudaGetLastError();
-        if (major == 9) SKIP_OR_FAIL_STRICT("a Hopper GPU, but no sm_90a kernel in this build (GPU_ARCH=90 builds it)");
-        SKIP("the Hopper attention forward needs a compute capability 9.x GPU");
-    }
+    mt_hopper_gemm_state probe;
+    REQUIRE_HOPPER(hopper_attention_available, &probe, "the Hopper attention forward");
     int apart[2] = {0, 0}; /* d = 64, 128: a shape where FA2's and the Hopper forward's outputs differ */
     const flash_shape shapes[] = {
         {2, 4, 2, 200, 128, NULL},  /* GQA, T = 1.56 tiles */
@@ -778,16 +770,8 @@ done:
 }
 
 static test_result test_hopper_attention_backward(void) {
-    REQUIRE_GPU();
-    mt_hopper_gemm_state probe = {0, 0, NULL, 0, 0};
-    if (!hopper_attention_backward_available(&probe)) {
-        int dev = 0, major = 0;
-        cudaGetDevice(&dev);
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-        cudaGetLastError();
-        if (major == 9) SKIP_OR_FAIL_STRICT("a Hopper GPU, but no sm_90a kernel in this build (GPU_ARCH=90 builds it)");
-        SKIP("the Hopper attention backward needs a compute capability 9.x GPU");
-    }
+    mt_hopper_gemm_state probe;
+    REQUIRE_HOPPER(hopper_attention_backward_available, &probe, "the Hopper attention backward");
     const flash_shape shapes[] = {
         {2, 4, 2, 200, 64, NULL},   /* GQA, d 64, T = 1.56 key tiles of 128 */
         {2, 4, 2, 200, 128, NULL},  /* the same at d 128 */

@@ -138,14 +138,14 @@ static int gpu_available(void) {
     do { if (!gpu_available()) SKIP(TEST_SKIP_NO_GPU); } while (0)
 
 /* A test of one of section 13's Hopper (sm_90a) kernels, `available` its probe (hopper_gemm_available,
- * hopper_attention_available): skips without a GPU or on another compute capability; on a Hopper GPU whose
- * build lacks the sm_90a code it fails under MT_TEST_STRICT (GPU_ARCH=90 builds it), else skips. */
-#define REQUIRE_HOPPER(available, what)                                                                    \
+ * hopper_attention_available, ...) run into *state (zeroed first; the test may pass it on): skips without a
+ * GPU or on another compute capability; on a Hopper GPU whose build lacks the sm_90a code it fails under
+ * MT_TEST_STRICT (GPU_ARCH=90 builds it), else skips. */
+#define REQUIRE_HOPPER(available, state, what)                                                             \
     do {                                                                                                   \
         REQUIRE_GPU();                                                                                     \
-        mt_hopper_gemm_state hopper_probe_;                                                                \
-        memset(&hopper_probe_, 0, sizeof hopper_probe_);                                                   \
-        if (!available(&hopper_probe_)) {                                                                  \
+        memset((state), 0, sizeof *(state));                                                               \
+        if (!available(state)) {                                                                           \
             int dev_ = 0, major_ = 0;                                                                      \
             cudaGetDevice(&dev_);                                                                          \
             cudaDeviceGetAttribute(&major_, cudaDevAttrComputeCapabilityMajor, dev_);                      \

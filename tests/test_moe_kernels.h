@@ -1849,7 +1849,8 @@ static int mh_case(kt_ctx* k, kt_cover* cov, const char* name, int layout, const
  * experts, uneven, wider) shapes, edges (N and K not multiples of the tile, K not of 64), both tile widths, both
  * B layouts (the forward's W [N, K] and the input gradient's W [K, N]). */
 static test_result test_moe_hopper_grouped_gemm(void) {
-    REQUIRE_HOPPER(hopper_gemm_available, "the Hopper grouped GEMM");
+    mt_hopper_gemm_state probe;
+    REQUIRE_HOPPER(hopper_gemm_available, &probe, "the Hopper grouped GEMM");
     kt_ctx k;
     if (!kt_ctx_init(&k)) return TEST_FAIL;
     static const char* variants[] = {"128x256", "128x128", "128x256 B [K, N]", "128x128 B [K, N]"};
@@ -1956,7 +1957,8 @@ static int mw_case(kt_ctx* k, kt_cover* cov, const char* name, const std::vector
 /* Qwen3-like counts (zeros, single rows, up to 61: partial k-blocks everywhere) and uneven larger groups with
  * edges (M, N not multiples of the tile), both tile widths, beta 0 and 1. */
 static test_result test_moe_hopper_grouped_wgrad(void) {
-    REQUIRE_HOPPER(hopper_gemm_available, "the Hopper grouped GEMM");
+    mt_hopper_gemm_state probe;
+    REQUIRE_HOPPER(hopper_gemm_available, &probe, "the Hopper grouped GEMM");
     kt_ctx k;
     if (!kt_ctx_init(&k)) return TEST_FAIL;
     static const char* variants[] = {"wgrad 128x256", "wgrad 128x128"};
