@@ -8896,32 +8896,10 @@ __device__ __forceinline__ int4 gen_load_stream(const int4* p) {
     return v;
 }
 
-/* The next linear's weights, which a GEMV may pull into L2 while its own stream from HBM (MT_GEN_L2_NEXT=1,
- * an experiment): the decode step's kernels are each too short to keep HBM busy through their own launch,
- * ramp and tail, and the next weights depend on nothing in the step. bytes 0: nothing. */
-typedef struct {
-    const void* p;
-    int64_t bytes;
-} gen_l2_next;
-
-/* Every thread of the grid asks L2 for its share of the next weights' 128-byte lines, kept with the
- * evict_last priority so that this kernel's own streaming lines leave L2 before them. */
-__device__ __forceinline__ void gen_l2_prefetch(const gen_l2_next nx) {
-    const int64_t lines = (nx.bytes + 127) / 128, stride = (int64_t)gridDim.x * blockDim.x;
-    const char* base = (const char*)nx.p;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < lines; i += stride)
-        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(base + i * 128));
-#else
-    (void)lines, (void)stride, (void)base;
-#endif
-}
-
 template <typename T, int NR, int EPI>
 __global__ void __launch_bounds__(32 * GEN_GEMV_WARPS) gemv_rows_kernel(T* out, int ldo, const T* x, int ldx,
                                                                         const T* W, const T* bias, int n, int cols,
-                                                                        int K, gen_gemv_split p, gen_gemv_rope rp,
-                                                                        gen_l2_next nx) {
+                                                                        int K, gen_gemv_split p, gen_gemv_rope rp) {
     constexpr int V = vec16<T>::N;
     constexpr int C = GEN_GEMV_COLS;
     constexpr int R = EPI == GEMV_SWIGLU ? 2 : 1;
@@ -8958,7 +8936,6 @@ __global__ void __launch_bounds__(32 * GEN_GEMV_WARPS) gemv_rows_kernel(T* out, 
         }
     };
     load_round(kb); /* before the wait: the weights depend on nothing earlier in the step */
-    if (nx.bytes > 0) gen_l2_prefetch(nx); /* after this kernel's first round is on its way */
     gen_pdl_wait();
     float acc[R][C][NR];
 #pragma unroll
@@ -9063,7 +9040,7 @@ static bool gemv_rope_supported(int d, int rot, int qpg, int cols) {
  * GEMV_ROPE, rope with gemv_rope_supported). pdl: a programmatic dependent launch (gen_launch). */
 template <typename T>
 static void gemv_rows(const mt_exec* ex, int epi, T* out, int ldo, const T* x, int ldx, const T* W, const T* bias, int n,
-                      int cols, int K, bool pdl = false, const gen_gemv_rope* rope = NULL, gen_l2_next next = {NULL, 0}) {
+                      int cols, int K, bool pdl = false, const gen_gemv_rope* rope = NULL) {
     if (n == 0) return;
     if (!gemv_rows_supported<T>(n, K, x, ldx, W)) {
         mt_gpu_fail(ex->error, MT_ERR_CONFIG, "gemv_rows: %d rows of K %d (ldx %d) it does not take", n, K, ldx);
@@ -9081,7 +9058,7 @@ static void gemv_rows(const mt_exec* ex, int epi, T* out, int ldo, const T* x, i
     const gen_gemv_split p = gen_gemv_plan(cols, K / vec16<T>::N, epi == GEMV_SWIGLU ? 2 : 1);
     const dim3 grid(p.blocks), block(32 * GEN_GEMV_WARPS);
 #define GEN_GEMV_LAUNCH(NR, E) \
-    gen_launch(ex, pdl, gemv_rows_kernel<T, NR, E>, grid, block, 0, out, ldo, x, ldx, W, bias, n, cols, K, p, rp, next)
+    gen_launch(ex, pdl, gemv_rows_kernel<T, NR, E>, grid, block, 0, out, ldo, x, ldx, W, bias, n, cols, K, p, rp)
 #define GEN_GEMV_EPI(NR)                                                  \
     switch (epi) {                                                        \
         case GEMV_GELU: GEN_GEMV_LAUNCH(NR, GEMV_GELU); break;            \
@@ -15277,9 +15254,6 @@ struct mt_generator {
     int use_gemv;
     /* the decode kernels as programmatic dependent launches (gen_launch); off with MT_GEN_PDL=0 */
     int use_pdl;
-    /* each decode GEMV pulls the next linear's weights into L2 (gen_l2_next); on with MT_GEN_L2_NEXT=1 (an
-     * experiment, off by default) */
-    int l2_next;
 };
 
 static void gen_release_blocks(mt_generator* g, gen_request* r, int slot) {
@@ -15445,8 +15419,6 @@ mt_status mt_generator_create(mt_generator** out, mt_trainer* t, const mt_genera
     g->use_gemv = !(gemv && !strcmp(gemv, "0"));
     const char* pdl = getenv("MT_GEN_PDL");
     g->use_pdl = !(pdl && !strcmp(pdl, "0"));
-    const char* l2_next = getenv("MT_GEN_L2_NEXT");
-    g->l2_next = l2_next && !strcmp(l2_next, "1");
     int ok = g->h_tables && g->free_list && g->req && g->retired && g->row_request && g->graphs;
     for (int i = 0; ok && i < r.max_batch; i++) ok = (g->req[i].tokens = (int32_t*)malloc(4 * (size_t)r.max_context)) != NULL;
     if (!ok) {
@@ -15555,9 +15527,9 @@ mt_status mt_generator_prompt_logprobs(mt_generator* g, int64_t id, float* out, 
  * for GEMV_PLAIN) and the forward's elementwise kernel. */
 template <typename T>
 static void gen_linear(const mt_generator* g, const mt_exec* ex, int epi, T* out, T* pre, const T* in, int K, const T* W,
-                       const T* bias, int n, int cols, gen_l2_next next = {NULL, 0}) {
+                       const T* bias, int n, int cols) {
     if (g->use_gemv && gemv_rows_supported<T>(n, K, in, K, W)) {
-        gemv_rows<T>(ex, epi, out, cols, in, K, W, bias, n, cols, K, g->use_pdl, NULL, g->l2_next ? next : gen_l2_next{NULL, 0});
+        gemv_rows<T>(ex, epi, out, cols, in, K, W, bias, n, cols, K, g->use_pdl);
         return;
     }
     const int width = epi == GEMV_SWIGLU ? 2 * cols : cols;
@@ -15598,18 +15570,10 @@ static void gen_forward(mt_generator* g, int n, int n_sel, bool decode_only) {
         const gen_gemv_rope rope = {g->rope_cos, g->rope_sin, positions, s.d, s.rot, g->qpg};
         const bool fused_rope = s.rot > 0 && !s.qk_norm && g->use_gemv && gemv_rows_supported<T>(n, s.h, ln, s.h, p.qkv_w) &&
                                 gemv_rope_supported(s.d, s.rot, g->qpg, s.qkv_width);
-        /* MT_GEN_L2_NEXT: each GEMV's next linear (proj, fc1, fc2, the next layer's QKV) */
-        const layer_tensors<T> nl = layer_params<T>(t, l + 1 < s.L ? l + 1 : l);
-        const int f1 = s.swiglu ? 2 * s.f : s.f;
-        const gen_l2_next next_proj = {p.proj_w, (int64_t)s.h * s.attn_width * (int64_t)sizeof(T)};
-        const gen_l2_next next_fc1 = {p.fc1_w, (int64_t)f1 * s.h * (int64_t)sizeof(T)};
-        const gen_l2_next next_fc2 = {p.fc2_w, (int64_t)s.h * s.f * (int64_t)sizeof(T)};
-        const gen_l2_next next_qkv = {l + 1 < s.L ? nl.qkv_w : NULL, l + 1 < s.L ? (int64_t)s.qkv_width * s.h * (int64_t)sizeof(T) : 0};
         if (fused_rope)
-            gemv_rows<T>(&ex, GEMV_ROPE, qkv, s.qkv_width, ln, s.h, p.qkv_w, p.qkv_b, n, s.qkv_width, s.h, pdl, &rope,
-                         g->l2_next ? next_proj : gen_l2_next{NULL, 0});
+            gemv_rows<T>(&ex, GEMV_ROPE, qkv, s.qkv_width, ln, s.h, p.qkv_w, p.qkv_b, n, s.qkv_width, s.h, pdl, &rope);
         else
-            gen_linear<T>(g, &ex, GEMV_PLAIN, qkv, NULL, ln, s.h, p.qkv_w, p.qkv_b, n, s.qkv_width, next_proj);
+            gen_linear<T>(g, &ex, GEMV_PLAIN, qkv, NULL, ln, s.h, p.qkv_w, p.qkv_b, n, s.qkv_width);
         T* rows = qkv;
         if (s.qk_norm) {
             qk_norm_forward<T>(&ex, dims, (T*)g->qk_rows, g->qk_stats, qkv, p.q_ln_w, p.q_ln_b, p.k_ln_w, p.k_ln_b, eps,
@@ -15627,11 +15591,11 @@ static void gen_forward(mt_generator* g, int n, int n_sel, bool decode_only) {
                                 g->tables, g->max_blocks, m, s.groups, g->qpg, s.d, l, s.L, g->gc.block_tokens,
                                 g->max_splits);
         }
-        gen_linear<T>(g, &ex, GEMV_PLAIN, branch, NULL, attn, s.attn_width, p.proj_w, NULL, n, s.h, next_fc1);
+        gen_linear<T>(g, &ex, GEMV_PLAIN, branch, NULL, attn, s.attn_width, p.proj_w, NULL, n, s.h);
         norm_rows<T>(&ex, mid, ln, g->mean, g->rstd, x, branch, p.proj_b, p.ln2_w, p.ln2_b, n, s.h, eps, s.rms, s.norm_w1,
                      pdl);
-        gen_linear<T>(g, &ex, epi, (T*)g->act, (T*)g->fc1, ln, s.h, p.fc1_w, p.fc1_b, n, s.f, next_fc2);
-        gen_linear<T>(g, &ex, GEMV_PLAIN, branch, NULL, (T*)g->act, s.f, p.fc2_w, NULL, n, s.h, next_qkv);
+        gen_linear<T>(g, &ex, epi, (T*)g->act, (T*)g->fc1, ln, s.h, p.fc1_w, p.fc1_b, n, s.f);
+        gen_linear<T>(g, &ex, GEMV_PLAIN, branch, NULL, (T*)g->act, s.f, p.fc2_w, NULL, n, s.h);
         const bool last = l == s.L - 1;
         const layer_tensors<T> np = layer_params<T>(t, last ? l : l + 1);
         norm_rows<T>(&ex, x, ln, g->mean, g->rstd, mid, branch, p.fc2_b, last ? param_ptr<T>(t, MT_P_FINAL_LN_WEIGHT) : np.ln1_w,

@@ -2006,8 +2006,7 @@ mt_status mt_decode_gemv_benchmark(mt_trainer* t, int n, int M, int K, double* g
  *    beside it (bitwise), larger steps go to cuBLAS over all rows together, which may pick another kernel
  *    for another row count: a request's logits can then differ in the last bits with the batch (its
  *    tokens only at a near-tie). MT_GEN_GEMV=0 in the environment sends every step to cuBLAS;
- *    MT_GEN_PDL=0 launches the decode kernels without programmatic dependent launch; MT_GEN_L2_NEXT=1 (an
- *    experiment, off by default) has each decode GEMV pull the next linear's weights into L2. */
+ *    MT_GEN_PDL=0 launches the decode kernels without programmatic dependent launch. */
 #define MT_GEN_MAX_QPG 8
 #define MT_GEN_MAX_STOP_TOKENS 16
 #define MT_GEN_MAX_BATCH 4096

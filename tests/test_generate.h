@@ -879,13 +879,6 @@ static test_result tgen_gemv_case(int n, int cols, int K, int epi, bool with_bia
     cudaMemcpy(hy2.data(), dy, ny * sizeof(T), cudaMemcpyDeviceToHost);
     EXPECT(cudaDeviceSynchronize() == cudaSuccess && err.status == MT_OK, "gemv_rows: %s", err.error.message);
     EXPECT(!memcmp(hy.data(), hy2.data(), ny * sizeof(T)), "two runs differ");
-    /* MT_GEN_L2_NEXT's prefetch of a next weight (here the operands themselves, a partial last line) changes nothing */
-    const gen_l2_next l2_next = {dw, (int64_t)nw * (int64_t)sizeof(T) - 8};
-    gemv_rows<T>(&ex, epi, dy, cols, dx, K, dw, with_bias ? db : NULL, n, cols, K, true, NULL, l2_next);
-    cudaMemcpy(hy2.data(), dy, ny * sizeof(T), cudaMemcpyDeviceToHost);
-    EXPECT(cudaDeviceSynchronize() == cudaSuccess && err.status == MT_OK, "gemv_rows with the L2 prefetch: %s",
-           err.error.message);
-    EXPECT(!memcmp(hy.data(), hy2.data(), ny * sizeof(T)), "the run with the L2 prefetch differs");
     for (int r = 0; n > 1 && r < n; r++) { /* row r alone */
         gemv_rows<T>(&ex, epi, dy, cols, dx + (size_t)r * K, K, dw, with_bias ? db : NULL, 1, cols, K);
         cudaMemcpy(h1.data(), dy, cols * sizeof(T), cudaMemcpyDeviceToHost);
