@@ -16,10 +16,11 @@
  *
  * ---- Stages (each says what a failure points at) ----------------------------------------------------
  *   1 float64 CPU reference of dQ, dK, dV on small shapes (T below, at and across the 64/128-row tiles,
- *     GQA and MHA, d 64 and 128): per element |got - want| <= 2^-5 (|want| + rms(want)) and norm-wise
+ *     GQA and MHA, d 64 and 128): per element |got - want| <= 2^-4 (|want| + rms(want)) + 2^-20 (see compare:
+ *     measured on an H200, FA2's own backward needs it) and norm-wise
  *     ||got - want|| / ||want|| <= 2e-2. Why these: the kernels round P and dS to bf16 (relative 2^-9)
  *     before their products and each gradient to bf16 once (2^-9), and Dsum uses the bf16 O; summed over
- *     up to T terms the rounding stays far below 2^-5 of the tensor's scale, while a wrong mask, a missing
+ *     up to T terms the rounding stays below 2^-4 of the tensor's scale, while a wrong mask, a missing
  *     tile or a swapped operand is an error of the order of rms itself. 2e-2 norm-wise is section 9's
  *     own check (dev/cuda/flash_attention.cu). The reference takes O and LSE exactly (float64 softmax),
  *     so it also bounds the FA2 forward's rounding that both backwards read.
@@ -245,7 +246,7 @@ static Ref cpu_reference(const Problem& p) {
 }
 
 // ---- Comparisons ------------------------------------------------------------------------------------------
-// worst per-element excess over the bound 2^-5 (|want| + rms(want)) (<= 1 passes; NaN sticks) and the norm-wise
+// worst per-element excess over the bound 2^-4 (|want| + rms(want)) + 2^-20 (<= 1 passes; NaN sticks) and the norm-wise
 // relative error
 struct Err {
     double worst, rel;
@@ -257,7 +258,10 @@ static Err compare(const std::vector<uint16_t>& got, const double* want, size_t 
     for (size_t i = 0; i < n; i++) {
         const double x = bf2d(got[i]), y = want[i], e = x - y;
         se += e * e;
-        const double excess = fabs(e) / (0x1p-5 * (fabs(y) + rms) + 1e-30);
+        /* 2^-4 (|y| + rms) + 2^-20: on an H200 (tree of 52a3ece) section 9's FA2 backward itself reached 1.54 x
+         * 2^-5 (|y| + rms) at B=1 H=4 Hkv=1 T=200 d=128, and at T = 1 the reference is exactly 0 while both
+         * kernels leave ~1e-7 (rowsum(dO O) and dO V^T summed in different orders): the floor covers that */
+        const double excess = fabs(e) / (0x1p-4 * (fabs(y) + rms) + 0x1p-20);
         if (!(excess <= worst)) worst = excess;
     }
     return {worst, ss > 0 ? sqrt(se / ss) : sqrt(se)};
