@@ -6070,7 +6070,7 @@ static void hopper_grouped_wgrad(const mt_exec* ex, float* dW, const __nv_bfloat
 /*    probed once into mt_hopper_gemm_state.attn), d = 64 or 128 (fa3::head_dim_ok), no dropout,  */
 /*    no document mask, no context parallelism; MT_ATTN_FWD=fa2 forces section 9's forward.       */
 /*    defines: namespace fa3 (the kernel, a template on d), hopper_attention_available,           */
-/*    hopper_attention_forward, attn_fwd_parse, attention_forward_fast.                           */
+/*    hopper_attention_forward, attn_choice_parse, attn_fwd_parse, attention_forward_fast.        */
 /* ============================================================================================== */
 /*
  * ---- The CTA: 384 threads, 128 query rows of one (b, h); grid (ceil(T / 128), H, B) ----------------
@@ -6543,17 +6543,22 @@ static cudaError_t hopper_attention_forward(mt_hopper_gemm_state* st, attn_view 
     return cudaGetLastError();
 }
 
-/* MT_ATTN_FWD's value: unset or empty, the rule (section 13.2's kernel where it runs and the call fits, else
- * section 9's); fa2, section 9's forward always; fa3, the rule, and an error where the GPU or build has no
- * kernel (checked when the trainer is made). Anything else refused in one line (MT_ERR_ARG). */
-enum { MT_ATTN_FWD_DEFAULT = 0, MT_ATTN_FWD_FA2 = 1, MT_ATTN_FWD_FA3 = 2 };
-static mt_status attn_fwd_parse(const char* value, int* mode, mt_error* err) {
-    *mode = MT_ATTN_FWD_DEFAULT;
+/* MT_ATTN_FWD's and MT_ATTN_BWD's values (attn_choice_parse, the one rule for both): unset or empty, the rule
+ * (sections 13.2 / 13.3's kernels where they run and the call fits, else section 9's); fa2, section 9's always;
+ * fa3, the rule, and an error where the GPU or build has no kernel (checked when the trainer is made). Anything
+ * else refused in one line (MT_ERR_ARG) naming the variable. */
+enum { MT_ATTN_DEFAULT = 0, MT_ATTN_FA2 = 1, MT_ATTN_FA3 = 2 };
+static mt_status attn_choice_parse(const char* var, const char* value, int* mode, mt_error* err) {
+    *mode = MT_ATTN_DEFAULT;
     if (!value || !*value) return MT_OK;
-    if (!strcmp(value, "fa2")) *mode = MT_ATTN_FWD_FA2;
-    else if (!strcmp(value, "fa3")) *mode = MT_ATTN_FWD_FA3;
-    else return mt_fail(err, MT_ERR_ARG, "MT_ATTN_FWD=%.64s: expected fa2 or fa3 (unset: fa3 where it runs)", value);
+    if (!strcmp(value, "fa2")) *mode = MT_ATTN_FA2;
+    else if (!strcmp(value, "fa3")) *mode = MT_ATTN_FA3;
+    else return mt_fail(err, MT_ERR_ARG, "%s=%.64s: expected fa2 or fa3 (unset: fa3 where it runs)", var, value);
     return MT_OK;
+}
+enum { MT_ATTN_FWD_DEFAULT = MT_ATTN_DEFAULT, MT_ATTN_FWD_FA2 = MT_ATTN_FA2, MT_ATTN_FWD_FA3 = MT_ATTN_FA3 };
+static mt_status attn_fwd_parse(const char* value, int* mode, mt_error* err) {
+    return attn_choice_parse("MT_ATTN_FWD", value, mode, err);
 }
 
 /* The causal flash forward of one call: section 13.2's kernel where mode allows it, it runs here and the call
@@ -7141,17 +7146,11 @@ static cudaError_t hopper_attention_backward(mt_hopper_gemm_state* st, attn_view
     return d == 64 ? fa3b_launch<64>(maps, p, B, H, Hkv, T, stream) : fa3b_launch<128>(maps, p, B, H, Hkv, T, stream);
 }
 
-/* MT_ATTN_BWD's value, as MT_ATTN_FWD's (attn_fwd_parse): unset or empty the rule (section 13.3's kernels where
- * they run and the call fits, else section 9's); fa2, section 9's backward always; fa3, the rule, and an error
- * where the GPU or build has no kernel (checked when the trainer is made). Anything else refused in one line. */
-enum { MT_ATTN_BWD_DEFAULT = 0, MT_ATTN_BWD_FA2 = 1, MT_ATTN_BWD_FA3 = 2 };
+/* MT_ATTN_BWD's value: section 13.2's attn_choice_parse (its rule: unset, section 13.3's kernels where they run
+ * and the call fits, else section 9's; fa2, section 9's backward always; fa3, an error where they cannot run). */
+enum { MT_ATTN_BWD_DEFAULT = MT_ATTN_DEFAULT, MT_ATTN_BWD_FA2 = MT_ATTN_FA2, MT_ATTN_BWD_FA3 = MT_ATTN_FA3 };
 static mt_status attn_bwd_parse(const char* value, int* mode, mt_error* err) {
-    *mode = MT_ATTN_BWD_DEFAULT;
-    if (!value || !*value) return MT_OK;
-    if (!strcmp(value, "fa2")) *mode = MT_ATTN_BWD_FA2;
-    else if (!strcmp(value, "fa3")) *mode = MT_ATTN_BWD_FA3;
-    else return mt_fail(err, MT_ERR_ARG, "MT_ATTN_BWD=%.64s: expected fa2 or fa3 (unset: fa3 where it runs)", value);
-    return MT_OK;
+    return attn_choice_parse("MT_ATTN_BWD", value, mode, err);
 }
 
 /* Whether a backward call with these settings goes to section 13.3's kernels (a view they do not take still
