@@ -6604,7 +6604,18 @@ static cudaError_t attention_forward_fast(mt_hopper_gemm_state* st, int mode, at
  *   So every MN-major operand is a TMA-loaded tile (dO, Q, K), never P or dS: the one layout wgmma's
  *   A cannot take from shared memory (MN-major) is never needed, and P, dS stay in registers.
  *
- * ---- The dK/dV CTA: 384 threads, 128 keys of one (b, kv head); grid (ceil(T / 128), Hkv, B) ---------
+ * ---- Persistent CTAs ----------------------------------------------------------------------------------
+ *   Each kernel runs one CTA per SM (its registers allow no second) over a list of tiles in longest-first
+ *   order: the dK/dV kernel's tile i is key tile i / (Hkv B) (key tile 0 sees every query tile), the dQ
+ *   kernel's is query tile ceil(T / 128) - 1 - i / (H B); CTA c takes tiles c, c + grid, c + 2 grid, ...
+ *   (static, so deterministic; with the heaviest first every CTA's sum comes out near the mean). The
+ *   stage ring's index and phase run on a count over all of the CTA's tiles, and a tile's fixed operands
+ *   (K, V; Q, dO) have an "empty" mbarrier the consumers arrive on after the tile's last product: the
+ *   producer loads the next tile's operands while the consumers store this tile's gradients, so no SM
+ *   idles through a CTA's prologue and epilogue (at GPT-2 124M's T = 1024 about 1500 CTAs of ~8 us).
+ *   Each tile's arithmetic is the non-persistent kernel's: the gradients are bitwise the same.
+ *
+ * ---- The dK/dV tile: 384 threads, 128 keys of one (b, kv head) --------------------------------------
  *   warpgroup 0 producer (setmaxnreg.dec 40): warp 0's lane 0 loads the K and V tiles once, then for
  *     iteration it = (query head j of the group, query tile q0 from the key tile's diagonal on) the Q and
  *     dO tiles [64 rows x d] into stage it % 2 after its "empty" mbarrier; warp 1's 32 lanes copy that
@@ -6614,12 +6625,11 @@ static cudaError_t attention_forward_fast(mt_hopper_gemm_state* st, int mode, at
  *     above per iteration; dK, dV (d/2 fp32 each per thread) stay in registers over all iterations. A
  *     query tile wholly before the warpgroup's first key adds nothing: skipped (still released).
  *     Epilogue: dK * scale and dV as bf16 into the views, rows >= T not stored.
- *   Low key tiles have the most query tiles: blockIdx.x ascending launches them first.
  *
- * ---- The dQ CTA: 384 threads, 128 query rows of one (b, h); grid (ceil(T / 128), H, B) ----------------
+ * ---- The dQ tile: 384 threads, 128 query rows of one (b, h) ------------------------------------------
  *   producer: Q and dO tiles [128 x d] once, then key tiles n = 0 .. of 64 keys (K and V) into stage
  *   n % 2 up to the CTA's diagonal. Consumers: rows 64 cw .. 64 cw + 63; LSE and Dsum of the thread's two
- *   rows read once; a key tile wholly after the warpgroup's last row is skipped. blockIdx.x reversed.
+ *   rows read once; a key tile wholly after the warpgroup's last row is skipped.
  *
  * ---- Tensor maps and descriptors ----------------------------------------------------------------
  *   5-D maps over the strided views as section 13.2's (c, t, h % qpg, h / qpg, b), boxes [rows][64
@@ -6647,7 +6657,7 @@ constexpr int KV_KEYS = 128, KV_QB = 64; /* dK/dV: keys per CTA, query rows per 
 constexpr int Q_ROWS = 128, Q_KB = 64;   /* dQ: query rows per CTA, keys per iteration */
 constexpr unsigned long long TIMEOUT_NS = 20000000000ull;
 /* watchdog "stage" field: which barrier was waited for */
-enum { WAIT_KV_FULL = 0, WAIT_FULL, WAIT_EMPTY, WAIT_STATS_EMPTY };
+enum { WAIT_KV_FULL = 0, WAIT_FULL, WAIT_EMPTY, WAIT_STATS_EMPTY, WAIT_KV_EMPTY, WAIT_Q_EMPTY };
 
 /* Shared memory of the dK/dV kernel: K, V [128 x D]; per stage Q, dO [64 x D], LSE, Dsum [64] fp32; barriers. */
 template <int D>
@@ -6656,7 +6666,7 @@ struct kv_smem {
     static constexpr int OFF_K = 0, OFF_V = TILE_KV, OFF_Q = 2 * TILE_KV, OFF_DO = OFF_Q + STAGES * TILE_Q;
     static constexpr int OFF_L = OFF_DO + STAGES * TILE_Q, OFF_D = OFF_L + STAGES * KV_QB * 4;
     static constexpr int OFF_BAR = OFF_D + STAGES * KV_QB * 4;
-    static constexpr int NBAR = 1 + 2 * STAGES; /* K/V full; full, empty per stage */
+    static constexpr int NBAR = 2 + 2 * STAGES; /* K/V full; full, empty per stage; K/V empty */
     static constexpr int SMEM = OFF_BAR + NBAR * 8 + 1024;
     static_assert(SMEM <= 227 * 1024, "shared memory");
 };
@@ -6666,7 +6676,7 @@ struct q_smem {
     static constexpr int TILE_Q = Q_ROWS * D * 2, TILE_KV = Q_KB * D * 2;
     static constexpr int OFF_Q = 0, OFF_DO = TILE_Q, OFF_K = 2 * TILE_Q, OFF_V = OFF_K + STAGES * TILE_KV;
     static constexpr int OFF_BAR = OFF_V + STAGES * TILE_KV;
-    static constexpr int NBAR = 1 + 2 * STAGES; /* Q/dO full; full, empty per stage */
+    static constexpr int NBAR = 2 + 2 * STAGES; /* Q/dO full; full, empty per stage; Q/dO empty */
     static constexpr int SMEM = OFF_BAR + NBAR * 8 + 1024;
     static_assert(SMEM <= 227 * 1024, "shared memory");
 };
@@ -6676,12 +6686,27 @@ struct params {
     fa::heads_view<bf16> dQ, dK, dV;
     const float* LSE;  /* [B, H, T] */
     const float* Dsum; /* [B, H, T] */
-    int H, Hkv, T;
+    int H, Hkv, T, B;
     float scale;      /* 1/sqrt(D) */
     float scale_log2; /* scale * log2(e) */
     hg::watchdog* wd; /* NULL: a timed-out wait just traps */
     unsigned long long timeout_ns;
 };
+
+/* The persistent CTAs' work lists (see the banner): tile i of the dK/dV kernel's ceil(T / 128) * Hkv * B, and
+ * of the dQ kernel's ceil(T / 128) * H * B, in longest-first order. */
+__device__ __forceinline__ void kv_tile_of(int i, const params& p, int& kt, int& hkv, int& b) {
+    const int heads = p.Hkv * p.B;
+    kt = i / heads; /* key tile 0 sees every query tile: the most work */
+    hkv = (i % heads) % p.Hkv;
+    b = (i % heads) / p.Hkv;
+}
+__device__ __forceinline__ void q_tile_of(int i, const params& p, int& m_block, int& h, int& b) {
+    const int heads = p.H * p.B;
+    m_block = (p.T + Q_ROWS - 1) / Q_ROWS - 1 - i / heads; /* the last query tile sees every key tile */
+    h = (i % heads) % p.H;
+    b = (i % heads) / p.H;
+}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 /* D[64 x 64] (+)= A[64 x 16] B[64 x 16]^T, both K-major in shared memory; 32 fp32 accumulators per thread. */
@@ -6757,17 +6782,16 @@ __global__ void __launch_bounds__(THREADS, 1)
     const uint32_t kv_full = bars;
     auto full = [&](int s) { return bars + 8u * (1 + s); };
     auto empty = [&](int s) { return bars + 8u * (1 + STAGES + s); };
+    const uint32_t kv_empty = bars + 8u * (1 + 2 * STAGES);
 
-    const int kt = blockIdx.x, hkv = blockIdx.y, b = blockIdx.z;
     const int T = p.T, qpg = p.H / p.Hkv;
-    const int k0 = kt * KV_KEYS;
-    const int qt_first = k0 / KV_QB;                      /* the first query tile that sees a key of this tile */
-    const int per_head = (T + KV_QB - 1) / KV_QB - qt_first; /* >= 1: k0 < T */
-    const int n_it = qpg * per_head;
+    const int tiles = (T + KV_KEYS - 1) / KV_KEYS * p.Hkv * p.B;
+    const int q_tiles = (T + KV_QB - 1) / KV_QB;
     const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0), lane = threadIdx.x % 32, wg = warp / 4;
 
     if (threadIdx.x == 0) {
         mbar_init(kv_full, 1);
+        mbar_init(kv_empty, 8); /* lane 0 of each of the 8 consumer warps, after a tile's last product */
         for (int s = 0; s < STAGES; s++) {
             mbar_init(full(s), 1 + 32); /* the TMA thread's arrive.expect_tx and warp 1's 32 lanes */
             mbar_init(empty(s), 8);     /* lane 0 of each of the 8 consumer warps */
@@ -6784,34 +6808,48 @@ __global__ void __launch_bounds__(THREADS, 1)
             tma_prefetch_desc(&tm_do);
             tma_prefetch_desc(&tm_k);
             tma_prefetch_desc(&tm_v);
-            mbar_arrive_expect_tx(kv_full, 2 * L::TILE_KV);
-#pragma unroll
-            for (int c = 0; c < D / 64; c++) {
-                tma_load_5d(sK + c * KV_KEYS * 128, &tm_k, kv_full, 64 * c, k0, 0, hkv, b);
-                tma_load_5d(sV + c * KV_KEYS * 128, &tm_v, kv_full, 64 * c, k0, 0, hkv, b);
-            }
-            for (int it = 0; it < n_it; it++) {
-                const int s = it % STAGES, j = it / per_head, q0 = (qt_first + it % per_head) * KV_QB;
-                mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1, p.wd, p.timeout_ns, 0, WAIT_EMPTY, kt, it);
-                mbar_arrive_expect_tx(full(s), 2 * L::TILE_Q);
+            int gi = 0; /* the stage ring's iteration count, over all of this CTA's tiles */
+            for (int tile = blockIdx.x, lt = 0; tile < tiles; tile += gridDim.x, lt++) {
+                int kt, hkv, b;
+                kv_tile_of(tile, p, kt, hkv, b);
+                const int qt_first = kt * KV_KEYS / KV_QB, per_head = q_tiles - qt_first, n_it = qpg * per_head;
+                /* K, V of this tile once the consumers' last product of the previous one is done */
+                mbar_wait(kv_empty, (lt & 1) ^ 1, p.wd, p.timeout_ns, 0, WAIT_KV_EMPTY, tile, 0);
+                mbar_arrive_expect_tx(kv_full, 2 * L::TILE_KV);
 #pragma unroll
                 for (int c = 0; c < D / 64; c++) {
-                    tma_load_5d(sQ + s * L::TILE_Q + c * KV_QB * 128, &tm_q, full(s), 64 * c, q0, j, hkv, b);
-                    tma_load_5d(sdO + s * L::TILE_Q + c * KV_QB * 128, &tm_do, full(s), 64 * c, q0, j, hkv, b);
+                    tma_load_5d(sK + c * KV_KEYS * 128, &tm_k, kv_full, 64 * c, kt * KV_KEYS, 0, hkv, b);
+                    tma_load_5d(sV + c * KV_KEYS * 128, &tm_v, kv_full, 64 * c, kt * KV_KEYS, 0, hkv, b);
+                }
+                for (int it = 0; it < n_it; it++, gi++) {
+                    const int s = gi % STAGES, j = it / per_head, q0 = (qt_first + it % per_head) * KV_QB;
+                    mbar_wait(empty(s), ((gi / STAGES) & 1) ^ 1, p.wd, p.timeout_ns, 0, WAIT_EMPTY, tile, it);
+                    mbar_arrive_expect_tx(full(s), 2 * L::TILE_Q);
+#pragma unroll
+                    for (int c = 0; c < D / 64; c++) {
+                        tma_load_5d(sQ + s * L::TILE_Q + c * KV_QB * 128, &tm_q, full(s), 64 * c, q0, j, hkv, b);
+                        tma_load_5d(sdO + s * L::TILE_Q + c * KV_QB * 128, &tm_do, full(s), 64 * c, q0, j, hkv, b);
+                    }
                 }
             }
         } else if (warp == 1) {
-            for (int it = 0; it < n_it; it++) {
-                const int s = it % STAGES, h = hkv * qpg + it / per_head, q0 = (qt_first + it % per_head) * KV_QB;
-                mbar_wait(empty(s), ((it / STAGES) & 1) ^ 1, p.wd, p.timeout_ns, 0, WAIT_STATS_EMPTY, kt, it);
-                const size_t row = ((size_t)b * p.H + h) * T;
+            int gi = 0;
+            for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+                int kt, hkv, b;
+                kv_tile_of(tile, p, kt, hkv, b);
+                const int qt_first = kt * KV_KEYS / KV_QB, per_head = q_tiles - qt_first, n_it = qpg * per_head;
+                for (int it = 0; it < n_it; it++, gi++) {
+                    const int s = gi % STAGES, h = hkv * qpg + it / per_head, q0 = (qt_first + it % per_head) * KV_QB;
+                    mbar_wait(empty(s), ((gi / STAGES) & 1) ^ 1, p.wd, p.timeout_ns, 0, WAIT_STATS_EMPTY, tile, it);
+                    const size_t row = ((size_t)b * p.H + h) * T;
 #pragma unroll
-                for (int i = lane; i < KV_QB; i += 32) {
-                    const int q = q0 + i;
-                    sL[s * KV_QB + i] = q < T ? p.LSE[row + q] * fa::LOG2E : INFINITY;
-                    sD[s * KV_QB + i] = q < T ? p.Dsum[row + q] : 0.0f;
+                    for (int i = lane; i < KV_QB; i += 32) {
+                        const int q = q0 + i;
+                        sL[s * KV_QB + i] = q < T ? p.LSE[row + q] * fa::LOG2E : INFINITY;
+                        sD[s * KV_QB + i] = q < T ? p.Dsum[row + q] : 0.0f;
+                    }
+                    mbar_arrive(full(s)); /* release: the stores above are seen by whoever waits on the phase */
                 }
-                mbar_arrive(full(s)); /* release: the stores above are seen by whoever waits on the phase */
             }
         }
         return;
@@ -6821,99 +6859,108 @@ __global__ void __launch_bounds__(THREADS, 1)
     setmaxnreg_inc<CONSUMER_REGS>();
     const int cw = wg - 1;
     const int w = warp % 4, g = lane / 4, t = lane % 4;
-    const int wk0 = k0 + 64 * cw;               /* the warpgroup's first key */
-    const int key0 = wk0 + 16 * w + g, key1 = key0 + 8; /* this thread's two key rows */
     const uint32_t a_k = sK + cw * 64 * 128, a_v = sV + cw * 64 * 128;
     const float sl2 = p.scale_log2;
+    int gi = 0; /* as the producer's */
+    for (int tile = blockIdx.x, lt = 0; tile < tiles; tile += gridDim.x, lt++) {
+        int kt, hkv, b;
+        kv_tile_of(tile, p, kt, hkv, b);
+        const int qt_first = kt * KV_KEYS / KV_QB, per_head = q_tiles - qt_first, n_it = qpg * per_head;
+        const int wk0 = kt * KV_KEYS + 64 * cw;             /* the warpgroup's first key */
+        const int key0 = wk0 + 16 * w + g, key1 = key0 + 8; /* this thread's two key rows */
 
-    float dk[D / 2], dv[D / 2];
+        float dk[D / 2], dv[D / 2];
 #pragma unroll
-    for (int i = 0; i < D / 2; i++) dk[i] = dv[i] = 0.0f;
+        for (int i = 0; i < D / 2; i++) dk[i] = dv[i] = 0.0f;
 
-    wait_warp(kv_full, 0, p, 1, WAIT_KV_FULL, kt, 0);
-    for (int it = 0; it < n_it; it++) {
-        const int s = it % STAGES, q0 = (qt_first + it % per_head) * KV_QB;
-        wait_warp(full(s), (it / STAGES) & 1, p, 1, WAIT_FULL, kt, it);
-        if (q0 + KV_QB - 1 >= wk0) { /* else every query here is before every key of this warpgroup */
-            const uint32_t q_s = sQ + s * L::TILE_Q, do_s = sdO + s * L::TILE_Q;
-            float x[32], dp[32]; /* S^T then P^T; dP^T then dS^T: keys (rows) x 64 queries */
-            /* d = 64: four commit groups (S^T, dP^T, dV += P^T dO, dK += dS^T Q); P^T is computed while dP^T
-             * runs and dS^T while the dV product runs. d = 128: S^T and dP^T in one group, then dV and dK in
-             * one (the overlap would keep P^T, its fragments and dP^T live beside dK and dV: ptxas then runs
-             * out of the 232 registers and serialises the wgmmas) */
-            constexpr bool OVERLAP = D == 64;
-            wgmma_fence();
-            gemm_abt<D, KV_KEYS>(x, a_k, q_s);
-            if constexpr (OVERLAP) wgmma_commit();
-            gemm_abt<D, KV_KEYS>(dp, a_v, do_s);
-            wgmma_commit();
-            if constexpr (OVERLAP) wgmma_wait<1>(); /* S^T done */
-            else wgmma_wait<0>();
-            reg_fence<32>(x);
-            const float* l = sL + s * KV_QB;
-            const float* dd = sD + s * KV_QB;
-            const bool mask = q0 < wk0 + 64 || q0 + KV_QB > T;
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int col = 8 * j + 2 * t + (e & 1), key = e < 2 ? key0 : key1;
-                    const float pv = fa::exp2_approx(fmaf(x[4 * j + e], sl2, -l[col]));
-                    x[4 * j + e] = mask && (q0 + col < key || q0 + col >= T) ? 0.0f : pv;
-                }
-            uint32_t pa[4][4], da[4][4];
-            if constexpr (OVERLAP) {
-                to_frags(x, pa);
-                reg_fence<D / 2>(dv);
-                reg_fence<16>(&pa[0][0]);
+        wait_warp(kv_full, lt & 1, p, 1, WAIT_KV_FULL, tile, 0);
+        for (int it = 0; it < n_it; it++, gi++) {
+            const int s = gi % STAGES, q0 = (qt_first + it % per_head) * KV_QB;
+            wait_warp(full(s), (gi / STAGES) & 1, p, 1, WAIT_FULL, tile, it);
+            if (q0 + KV_QB - 1 >= wk0) { /* else every query here is before every key of this warpgroup */
+                const uint32_t q_s = sQ + s * L::TILE_Q, do_s = sdO + s * L::TILE_Q;
+                float x[32], dp[32]; /* S^T then P^T; dP^T then dS^T: keys (rows) x 64 queries */
+                /* d = 64: four commit groups (S^T, dP^T, dV += P^T dO, dK += dS^T Q); P^T is computed while dP^T
+                 * runs and dS^T while the dV product runs. d = 128: S^T and dP^T in one group, then dV and dK in
+                 * one (the overlap would keep P^T, its fragments and dP^T live beside dK and dV: ptxas then runs
+                 * out of the 232 registers and serialises the wgmmas) */
+                constexpr bool OVERLAP = D == 64;
                 wgmma_fence();
-                gemm_rs<D>(dv, pa, do_s); /* dV += P^T dO */
+                gemm_abt<D, KV_KEYS>(x, a_k, q_s);
+                if constexpr (OVERLAP) wgmma_commit();
+                gemm_abt<D, KV_KEYS>(dp, a_v, do_s);
                 wgmma_commit();
-                wgmma_wait<1>(); /* dP^T done (the dV product may still run) */
-            }
-            reg_fence<32>(dp);
+                if constexpr (OVERLAP) wgmma_wait<1>(); /* S^T done */
+                else wgmma_wait<0>();
+                reg_fence<32>(x);
+                const float* l = sL + s * KV_QB;
+                const float* dd = sD + s * KV_QB;
+                const bool mask = q0 < wk0 + 64 || q0 + KV_QB > T;
 #pragma unroll
-            for (int j = 0; j < 8; j++)
+                for (int j = 0; j < 8; j++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) dp[4 * j + e] = x[4 * j + e] * (dp[4 * j + e] - dd[8 * j + 2 * t + (e & 1)]);
-            if constexpr (!OVERLAP) to_frags(x, pa);
-            to_frags(dp, da);
-            reg_fence<D / 2>(dk);
-            reg_fence<16>(&da[0][0]);
-            if constexpr (!OVERLAP) {
+                    for (int e = 0; e < 4; e++) {
+                        const int col = 8 * j + 2 * t + (e & 1), key = e < 2 ? key0 : key1;
+                        const float pv = fa::exp2_approx(fmaf(x[4 * j + e], sl2, -l[col]));
+                        x[4 * j + e] = mask && (q0 + col < key || q0 + col >= T) ? 0.0f : pv;
+                    }
+                uint32_t pa[4][4], da[4][4];
+                if constexpr (OVERLAP) {
+                    to_frags(x, pa);
+                    reg_fence<D / 2>(dv);
+                    reg_fence<16>(&pa[0][0]);
+                    wgmma_fence();
+                    gemm_rs<D>(dv, pa, do_s); /* dV += P^T dO */
+                    wgmma_commit();
+                    wgmma_wait<1>(); /* dP^T done (the dV product may still run) */
+                }
+                reg_fence<32>(dp);
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) dp[4 * j + e] = x[4 * j + e] * (dp[4 * j + e] - dd[8 * j + 2 * t + (e & 1)]);
+                if constexpr (!OVERLAP) to_frags(x, pa);
+                to_frags(dp, da);
+                reg_fence<D / 2>(dk);
+                reg_fence<16>(&da[0][0]);
+                if constexpr (!OVERLAP) {
+                    reg_fence<D / 2>(dv);
+                    reg_fence<16>(&pa[0][0]);
+                }
+                wgmma_fence();
+                if constexpr (!OVERLAP) gemm_rs<D>(dv, pa, do_s); /* dV += P^T dO */
+                gemm_rs<D>(dk, da, q_s);                          /* dK += dS^T Q */
+                wgmma_commit();
+                wgmma_wait<0>();
+                reg_fence<D / 2>(dk);
                 reg_fence<D / 2>(dv);
                 reg_fence<16>(&pa[0][0]);
+                reg_fence<16>(&da[0][0]); /* the A fragments stay allocated until their products are done */
             }
-            wgmma_fence();
-            if constexpr (!OVERLAP) gemm_rs<D>(dv, pa, do_s); /* dV += P^T dO */
-            gemm_rs<D>(dk, da, q_s);                          /* dK += dS^T Q */
-            wgmma_commit();
-            wgmma_wait<0>();
-            reg_fence<D / 2>(dk);
-            reg_fence<D / 2>(dv);
-            reg_fence<16>(&pa[0][0]);
-            reg_fence<16>(&da[0][0]); /* the A fragments stay allocated until their products are done */
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty(s));
         }
+        /* every product of this tile is done (wgmma_wait<0> above): K and V may be replaced while we store */
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty(s));
-    }
+        if (lane == 0) mbar_arrive(kv_empty);
 
-    /* ---- epilogue: dK * scale and dV into the views (kv head hkv, qpg 1), rows >= T not stored ---- */
-    bf16* kh = p.dK.at(b, hkv, 1) + 2 * t;
-    bf16* vh = p.dV.at(b, hkv, 1) + 2 * t;
+        /* ---- epilogue: dK * scale and dV into the views (kv head hkv, qpg 1), rows >= T not stored ---- */
+        bf16* kh = p.dK.at(b, hkv, 1) + 2 * t;
+        bf16* vh = p.dV.at(b, hkv, 1) + 2 * t;
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int key = r == 0 ? key0 : key1;
-        if (key >= T) continue;
-        bf16* ko = kh + (int64_t)key * p.dK.row;
-        bf16* vo = vh + (int64_t)key * p.dV.row;
+        for (int r = 0; r < 2; r++) {
+            const int key = r == 0 ? key0 : key1;
+            if (key >= T) continue;
+            bf16* ko = kh + (int64_t)key * p.dK.row;
+            bf16* vo = vh + (int64_t)key * p.dV.row;
 #pragma unroll
-        for (int j = 0; j < D / 8; j++) {
-            *reinterpret_cast<uint32_t*>(ko + 8 * j) =
-                fa::pack_bf16(dk[4 * j + 2 * r] * p.scale, dk[4 * j + 2 * r + 1] * p.scale);
-            *reinterpret_cast<uint32_t*>(vo + 8 * j) = fa::pack_bf16(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+            for (int j = 0; j < D / 8; j++) {
+                *reinterpret_cast<uint32_t*>(ko + 8 * j) =
+                    fa::pack_bf16(dk[4 * j + 2 * r] * p.scale, dk[4 * j + 2 * r + 1] * p.scale);
+                *reinterpret_cast<uint32_t*>(vo + 8 * j) = fa::pack_bf16(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+            }
         }
-    }
+    } /* tile */
 #elif defined(__CUDA_ARCH__)
     __trap(); /* built without sm_90a: never launched (hopper_attention_backward_available says no) */
 #endif
@@ -6935,15 +6982,15 @@ __global__ void __launch_bounds__(THREADS, 1)
     const uint32_t q_full = bars;
     auto full = [&](int s) { return bars + 8u * (1 + s); };
     auto empty = [&](int s) { return bars + 8u * (1 + STAGES + s); };
+    const uint32_t q_empty = bars + 8u * (1 + 2 * STAGES);
 
-    const int m_block = gridDim.x - 1 - blockIdx.x; /* the longest rows first */
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int T = p.T, qpg = p.H / p.Hkv, hkv = h / qpg;
-    const int n_tiles = (min(T, (m_block + 1) * Q_ROWS) + Q_KB - 1) / Q_KB;
+    const int T = p.T, qpg = p.H / p.Hkv;
+    const int tiles = (T + Q_ROWS - 1) / Q_ROWS * p.H * p.B;
     const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0), lane = threadIdx.x % 32, wg = warp / 4;
 
     if (threadIdx.x == 0) {
         mbar_init(q_full, 1);
+        mbar_init(q_empty, 8); /* lane 0 of each of the 8 consumer warps, after a tile's last product */
         for (int s = 0; s < STAGES; s++) {
             mbar_init(full(s), 1);
             mbar_init(empty(s), 8);
@@ -6960,20 +7007,28 @@ __global__ void __launch_bounds__(THREADS, 1)
             tma_prefetch_desc(&tm_do);
             tma_prefetch_desc(&tm_k);
             tma_prefetch_desc(&tm_v);
-            mbar_arrive_expect_tx(q_full, 2 * L::TILE_Q);
-#pragma unroll
-            for (int c = 0; c < D / 64; c++) {
-                tma_load_5d(sQ + c * Q_ROWS * 128, &tm_q, q_full, 64 * c, m_block * Q_ROWS, h % qpg, hkv, b);
-                tma_load_5d(sdO + c * Q_ROWS * 128, &tm_do, q_full, 64 * c, m_block * Q_ROWS, h % qpg, hkv, b);
-            }
-            for (int n = 0; n < n_tiles; n++) {
-                const int s = n % STAGES;
-                mbar_wait(empty(s), ((n / STAGES) & 1) ^ 1, p.wd, p.timeout_ns, 0, WAIT_EMPTY, m_block, n);
-                mbar_arrive_expect_tx(full(s), 2 * L::TILE_KV);
+            int gi = 0; /* the stage ring's key-tile count, over all of this CTA's tiles */
+            for (int tile = blockIdx.x, lt = 0; tile < tiles; tile += gridDim.x, lt++) {
+                int m_block, h, b;
+                q_tile_of(tile, p, m_block, h, b);
+                const int hkv = h / qpg, n_tiles = (min(T, (m_block + 1) * Q_ROWS) + Q_KB - 1) / Q_KB;
+                /* Q, dO of this tile once the consumers' last product of the previous one is done */
+                mbar_wait(q_empty, (lt & 1) ^ 1, p.wd, p.timeout_ns, 0, WAIT_Q_EMPTY, tile, 0);
+                mbar_arrive_expect_tx(q_full, 2 * L::TILE_Q);
 #pragma unroll
                 for (int c = 0; c < D / 64; c++) {
-                    tma_load_5d(sK + s * L::TILE_KV + c * Q_KB * 128, &tm_k, full(s), 64 * c, n * Q_KB, 0, hkv, b);
-                    tma_load_5d(sV + s * L::TILE_KV + c * Q_KB * 128, &tm_v, full(s), 64 * c, n * Q_KB, 0, hkv, b);
+                    tma_load_5d(sQ + c * Q_ROWS * 128, &tm_q, q_full, 64 * c, m_block * Q_ROWS, h % qpg, hkv, b);
+                    tma_load_5d(sdO + c * Q_ROWS * 128, &tm_do, q_full, 64 * c, m_block * Q_ROWS, h % qpg, hkv, b);
+                }
+                for (int n = 0; n < n_tiles; n++, gi++) {
+                    const int s = gi % STAGES;
+                    mbar_wait(empty(s), ((gi / STAGES) & 1) ^ 1, p.wd, p.timeout_ns, 0, WAIT_EMPTY, tile, n);
+                    mbar_arrive_expect_tx(full(s), 2 * L::TILE_KV);
+#pragma unroll
+                    for (int c = 0; c < D / 64; c++) {
+                        tma_load_5d(sK + s * L::TILE_KV + c * Q_KB * 128, &tm_k, full(s), 64 * c, n * Q_KB, 0, hkv, b);
+                        tma_load_5d(sV + s * L::TILE_KV + c * Q_KB * 128, &tm_v, full(s), 64 * c, n * Q_KB, 0, hkv, b);
+                    }
                 }
             }
         }
@@ -6984,76 +7039,85 @@ __global__ void __launch_bounds__(THREADS, 1)
     setmaxnreg_inc<CONSUMER_REGS>();
     const int cw = wg - 1;
     const int w = warp % 4, g = lane / 4, t = lane % 4;
-    const int wq0 = m_block * Q_ROWS + 64 * cw; /* the warpgroup's first query row */
-    const int row0 = wq0 + 16 * w + g, row1 = row0 + 8;
-    const size_t bh = (size_t)b * p.H + h;
-    const float l0 = row0 < T ? p.LSE[bh * T + row0] * fa::LOG2E : INFINITY;
-    const float l1 = row1 < T ? p.LSE[bh * T + row1] * fa::LOG2E : INFINITY;
-    const float d0 = row0 < T ? p.Dsum[bh * T + row0] : 0.0f;
-    const float d1 = row1 < T ? p.Dsum[bh * T + row1] : 0.0f;
     const uint32_t a_q = sQ + cw * 64 * 128, a_do = sdO + cw * 64 * 128;
     const float sl2 = p.scale_log2;
+    int gi = 0; /* as the producer's */
+    for (int tile = blockIdx.x, lt = 0; tile < tiles; tile += gridDim.x, lt++) {
+        int m_block, h, b;
+        q_tile_of(tile, p, m_block, h, b);
+        const int n_tiles = (min(T, (m_block + 1) * Q_ROWS) + Q_KB - 1) / Q_KB;
+        const int wq0 = m_block * Q_ROWS + 64 * cw; /* the warpgroup's first query row */
+        const int row0 = wq0 + 16 * w + g, row1 = row0 + 8;
+        const size_t bh = (size_t)b * p.H + h;
+        const float l0 = row0 < T ? p.LSE[bh * T + row0] * fa::LOG2E : INFINITY;
+        const float l1 = row1 < T ? p.LSE[bh * T + row1] * fa::LOG2E : INFINITY;
+        const float d0 = row0 < T ? p.Dsum[bh * T + row0] : 0.0f;
+        const float d1 = row1 < T ? p.Dsum[bh * T + row1] : 0.0f;
 
-    float dq[D / 2];
+        float dq[D / 2];
 #pragma unroll
-    for (int i = 0; i < D / 2; i++) dq[i] = 0.0f;
+        for (int i = 0; i < D / 2; i++) dq[i] = 0.0f;
 
-    wait_warp(q_full, 0, p, 1, WAIT_KV_FULL, m_block, 0);
-    for (int n = 0; n < n_tiles; n++) {
-        const int s = n % STAGES, n0 = n * Q_KB;
-        wait_warp(full(s), (n / STAGES) & 1, p, 1, WAIT_FULL, m_block, n);
-        if (n0 <= wq0 + 63) { /* else every key here is after every row of this warpgroup */
-            const uint32_t k_s = sK + s * L::TILE_KV, v_s = sV + s * L::TILE_KV;
-            float x[32], dp[32]; /* S then P; dP then dS: 64 rows x 64 keys */
-            wgmma_fence();
-            gemm_abt<D, Q_ROWS>(x, a_q, k_s);
-            wgmma_commit();
-            gemm_abt<D, Q_ROWS>(dp, a_do, v_s);
-            wgmma_commit();
-            wgmma_wait<1>(); /* S done: P is computed while dP runs */
-            reg_fence<32>(x);
-            const bool mask = n0 + Q_KB > T || n0 + Q_KB - 1 > wq0;
+        wait_warp(q_full, lt & 1, p, 1, WAIT_KV_FULL, tile, 0);
+        for (int n = 0; n < n_tiles; n++, gi++) {
+            const int s = gi % STAGES, n0 = n * Q_KB;
+            wait_warp(full(s), (gi / STAGES) & 1, p, 1, WAIT_FULL, tile, n);
+            if (n0 <= wq0 + 63) { /* else every key here is after every row of this warpgroup */
+                const uint32_t k_s = sK + s * L::TILE_KV, v_s = sV + s * L::TILE_KV;
+                float x[32], dp[32]; /* S then P; dP then dS: 64 rows x 64 keys */
+                wgmma_fence();
+                gemm_abt<D, Q_ROWS>(x, a_q, k_s);
+                wgmma_commit();
+                gemm_abt<D, Q_ROWS>(dp, a_do, v_s);
+                wgmma_commit();
+                wgmma_wait<1>(); /* S done: P is computed while dP runs */
+                reg_fence<32>(x);
+                const bool mask = n0 + Q_KB > T || n0 + Q_KB - 1 > wq0;
 #pragma unroll
-            for (int j = 0; j < 8; j++)
+                for (int j = 0; j < 8; j++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int col = n0 + 8 * j + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
-                    const float pv = fa::exp2_approx(fmaf(x[4 * j + e], sl2, -(e < 2 ? l0 : l1)));
-                    x[4 * j + e] = mask && (col > row || col >= T) ? 0.0f : pv;
-                }
-            wgmma_wait<0>();
-            reg_fence<32>(dp);
+                    for (int e = 0; e < 4; e++) {
+                        const int col = n0 + 8 * j + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
+                        const float pv = fa::exp2_approx(fmaf(x[4 * j + e], sl2, -(e < 2 ? l0 : l1)));
+                        x[4 * j + e] = mask && (col > row || col >= T) ? 0.0f : pv;
+                    }
+                wgmma_wait<0>();
+                reg_fence<32>(dp);
 #pragma unroll
-            for (int j = 0; j < 8; j++)
+                for (int j = 0; j < 8; j++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) dp[4 * j + e] = x[4 * j + e] * (dp[4 * j + e] - (e < 2 ? d0 : d1));
-            uint32_t da[4][4];
-            to_frags(dp, da);
-            reg_fence<D / 2>(dq);
-            reg_fence<16>(&da[0][0]);
-            wgmma_fence();
-            gemm_rs<D>(dq, da, k_s); /* dQ += dS K */
-            wgmma_commit();
-            wgmma_wait<0>();
-            reg_fence<D / 2>(dq);
-            reg_fence<16>(&da[0][0]); /* the A fragments stay allocated until the product is done */
+                    for (int e = 0; e < 4; e++) dp[4 * j + e] = x[4 * j + e] * (dp[4 * j + e] - (e < 2 ? d0 : d1));
+                uint32_t da[4][4];
+                to_frags(dp, da);
+                reg_fence<D / 2>(dq);
+                reg_fence<16>(&da[0][0]);
+                wgmma_fence();
+                gemm_rs<D>(dq, da, k_s); /* dQ += dS K */
+                wgmma_commit();
+                wgmma_wait<0>();
+                reg_fence<D / 2>(dq);
+                reg_fence<16>(&da[0][0]); /* the A fragments stay allocated until the product is done */
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty(s));
         }
+        /* every product of this tile is done (wgmma_wait<0> above): Q and dO may be replaced while we store */
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty(s));
-    }
+        if (lane == 0) mbar_arrive(q_empty);
 
-    /* ---- epilogue: dQ * scale into the view, rows >= T not stored ---- */
-    bf16* qh = p.dQ.at(b, h, qpg) + 2 * t;
+        /* ---- epilogue: dQ * scale into the view, rows >= T not stored ---- */
+        bf16* qh = p.dQ.at(b, h, qpg) + 2 * t;
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = r == 0 ? row0 : row1;
-        if (row >= T) continue;
-        bf16* qo = qh + (int64_t)row * p.dQ.row;
+        for (int r = 0; r < 2; r++) {
+            const int row = r == 0 ? row0 : row1;
+            if (row >= T) continue;
+            bf16* qo = qh + (int64_t)row * p.dQ.row;
 #pragma unroll
-        for (int j = 0; j < D / 8; j++)
-            *reinterpret_cast<uint32_t*>(qo + 8 * j) =
-                fa::pack_bf16(dq[4 * j + 2 * r] * p.scale, dq[4 * j + 2 * r + 1] * p.scale);
-    }
+            for (int j = 0; j < D / 8; j++)
+                *reinterpret_cast<uint32_t*>(qo + 8 * j) =
+                    fa::pack_bf16(dq[4 * j + 2 * r] * p.scale, dq[4 * j + 2 * r + 1] * p.scale);
+        }
+    } /* tile */
 #elif defined(__CUDA_ARCH__)
     __trap();
 #endif
@@ -7088,13 +7152,15 @@ static bool hopper_attention_backward_available(mt_hopper_gemm_state* s) {
 }
 
 template <int D>
-static cudaError_t fa3b_launch(const CUtensorMap* maps, const fa3b::params& p, int B, int H, int Hkv, int T,
+static cudaError_t fa3b_launch(const CUtensorMap* maps, const fa3b::params& p, int B, int H, int Hkv, int T, int sms,
                                cudaStream_t stream) {
-    const dim3 grid_kv((T + fa3b::KV_KEYS - 1) / fa3b::KV_KEYS, Hkv, B);
+    /* persistent: one CTA per SM (the kernels' registers allow no more), each walking the tile list */
+    const int kv_tiles = (T + fa3b::KV_KEYS - 1) / fa3b::KV_KEYS * Hkv * B, q_tiles = (T + fa3b::Q_ROWS - 1) / fa3b::Q_ROWS * H * B;
+    const dim3 grid_kv(kv_tiles < sms ? kv_tiles : sms);
     fa3b::dkdv_kernel<D><<<grid_kv, fa3b::THREADS, fa3b::kv_smem<D>::SMEM, stream>>>(maps[0], maps[1], maps[2], maps[3], p);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
-    const dim3 grid_q((T + fa3b::Q_ROWS - 1) / fa3b::Q_ROWS, H, B);
+    const dim3 grid_q(q_tiles < sms ? q_tiles : sms);
     fa3b::dq_kernel<D><<<grid_q, fa3b::THREADS, fa3b::q_smem<D>::SMEM, stream>>>(maps[4], maps[5], maps[6], maps[7], p);
     return cudaGetLastError();
 }
@@ -7110,7 +7176,7 @@ static cudaError_t hopper_attention_backward(mt_hopper_gemm_state* st, attn_view
                                              attn_cview O, const float* LSE, int B, int H, int Hkv, int T, int d,
                                              cudaStream_t stream, const hg::options* opt = NULL) {
     attn_cview views[] = {cview(dQ), cview(dK), cview(dV), dO, Q, K, V, O};
-    bool ok = fa::shape_ok(B, H, Hkv, T, d) && H <= 65535 && B <= 65535;
+    bool ok = fa::shape_ok(B, H, Hkv, T, d) && (int64_t)((T + 63) / 64) * H * B < INT_MAX; /* the tile lists */
     for (const attn_cview& v : views) ok = ok && fa::view_ok(v);
     if (!ok) return cudaErrorInvalidValue;
     if (!hopper_attention_backward_available(st)) return cudaErrorNotSupported;
@@ -7135,6 +7201,7 @@ static cudaError_t hopper_attention_backward(mt_hopper_gemm_state* st, attn_view
     p.H = H;
     p.Hkv = Hkv;
     p.T = T;
+    p.B = B;
     p.scale = 1.0f / sqrtf((float)d); /* as section 9 */
     p.scale_log2 = p.scale * fa::LOG2E;
     p.wd = opt ? opt->wd : NULL;
@@ -7143,7 +7210,8 @@ static cudaError_t hopper_attention_backward(mt_hopper_gemm_state* st, attn_view
     cudaError_t e = d == 64 ? fa::backward_dot<64>(Dsum, dO, O, B, H, Hkv, T, stream)
                             : fa::backward_dot<128>(Dsum, dO, O, B, H, Hkv, T, stream);
     if (e != cudaSuccess) return e;
-    return d == 64 ? fa3b_launch<64>(maps, p, B, H, Hkv, T, stream) : fa3b_launch<128>(maps, p, B, H, Hkv, T, stream);
+    return d == 64 ? fa3b_launch<64>(maps, p, B, H, Hkv, T, st->sms, stream)
+                   : fa3b_launch<128>(maps, p, B, H, Hkv, T, st->sms, stream);
 }
 
 /* MT_ATTN_BWD's value: section 13.2's attn_choice_parse (its rule: unset, section 13.3's kernels where they run
