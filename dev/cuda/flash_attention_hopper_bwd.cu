@@ -166,14 +166,15 @@ static hg::options lab_options() {
 struct Grads {
     std::vector<uint16_t> dq, dk, dv;
 };
-static Grads run_backward(Problem& p, bool fa3) {
+static Grads run_backward(Problem& p, bool fa3, int max_ctas = 0) {
     const Shape& s = p.s;
     CK(cudaMemset(p.dq, 0xFF, p.nq * 2)); CK(cudaMemset(p.dk, 0xFF, p.nk * 2)); CK(cudaMemset(p.dv, 0xFF, p.nk * 2));
     const attn_view dq = qview(p.dq, s), dk = kview(p.dk, s), dv = kview(p.dv, s);
     const attn_cview dO = cview(qview(p.dO, s)), q = cview(qview(p.q, s)), k = cview(kview(p.k, s)),
                      v = cview(kview(p.v, s)), o = cview(qview(p.o, s));
     if (fa3) {
-        const hg::options opt = lab_options();
+        hg::options opt = lab_options();
+        opt.max_ctas = max_ctas;
         CK(hopper_attention_backward(&g_probe, dq, dk, dv, p.dsum, dO, q, k, v, o, p.lse, s.B, s.H, s.Hkv, s.T, s.d, 0,
                                      &opt));
     } else {
@@ -302,7 +303,8 @@ static void stage1_cpu_reference() {
 }
 
 static void stage2_3_against_fa2() {
-    printf("stage 2: against section 9's FA2 backward; stage 3: bitwise repeat (a failure of 3 alone: a race)\n");
+    printf("stage 2: against section 9's FA2 backward; stage 3: bitwise repeat, and bitwise the same with 1, 5 and\n"
+           "  one-tile-per-CTA persistent grids (a failure of 3 alone: a race, or the tile schedule's barrier phases)\n");
     const int Ts[] = {1, 100, 128, 1000, 4096};
     for (int d : {64, 128})
         for (int hkv : {2, 8})
@@ -318,6 +320,15 @@ static void stage2_3_against_fa2() {
                 if (!same) {
                     printf("    FAIL stage 3: a second run differs bitwise\n");
                     g_failures++;
+                }
+                /* other grids: every CTA walks many tiles (1 CTA: all of them, both snake directions) or one */
+                for (int ctas : {1, 5, 1 << 30}) {
+                    if (ctas == 1 && T > 1000) continue; /* one CTA over the whole problem: seconds, not a check */
+                    const Grads h = run_backward(p, true, ctas);
+                    if (!(h.dq == g.dq && h.dk == g.dk && h.dv == g.dv)) {
+                        printf("    FAIL stage 3: %d CTA(s) give other bits than one per SM\n", ctas);
+                        g_failures++;
+                    }
                 }
                 free_problem(p);
             }
@@ -411,10 +422,10 @@ static double time_ms(F&& f, int reps = 20) {
 }
 static void bench() {
     printf("benchmark: B*T = 32768, H 32, Hkv 8; median of 20 (ms, TFLOP/s; causal bwd FLOPs = 2.5 x fwd's 2 B H T^2 d)\n");
-    printf("  %-6s %-4s | %-9s %-7s | %-9s %-7s | %-8s | %-8s %-8s\n", "T", "d", "fa2 bwd", "TF/s", "ours bwd", "TF/s",
-           "speedup", "f+b fa2", "f+b ours");
+    printf("  %-6s %-4s | %-9s %-7s | %-9s %-7s | %-8s | %-8s %-8s | %s\n", "T", "d", "fa2 bwd", "TF/s", "ours bwd", "TF/s",
+           "speedup", "f+b fa2", "f+b ours", "ours, one tile per CTA: ms TF/s");
     for (int d : {64, 128})
-        for (int T : {4096, 8192, 16384, 32768}) {
+        for (int T : {1024, 4096, 8192, 16384, 32768}) {
             const Shape s = {32768 / T, 32, 8, T, d};
             Problem p = make_problem(s);
             const attn_view dq = qview(p.dq, s), dk = kview(p.dk, s), dv = kview(p.dv, s), ov = qview(p.o, s);
@@ -429,13 +440,19 @@ static void bench() {
                 CK(hopper_attention_backward(&g_probe, dq, dk, dv, p.dsum, dO, q, k, v, o, p.lse, s.B, s.H, s.Hkv, T, d,
                                              0, &opt));
             });
+            hg::options one = opt;
+            one.max_ctas = 1 << 30;
+            const double t1 = time_ms([&] {
+                CK(hopper_attention_backward(&g_probe, dq, dk, dv, p.dsum, dO, q, k, v, o, p.lse, s.B, s.H, s.Hkv, T, d,
+                                             0, &one));
+            });
             const double tf2 = time_ms([&] { CK(flash_attention_forward(ov, p.lse, q, k, v, s.B, s.H, s.Hkv, T, d, 0)); });
             double tf3 = tf2;
             if (d == 128 && hopper_attention_available(&g_probe))
                 tf3 = time_ms([&] { CK(hopper_attention_forward(&g_probe, ov, p.lse, q, k, v, s.B, s.H, s.Hkv, T, d, 0)); });
-            printf("  %-6d %-4d | %-9.3f %-7.0f | %-9.3f %-7.0f | %-8.2f | %-8.0f %-8.0f\n", T, d, t2, bwd_flops / t2 / 1e9,
-                   t3, bwd_flops / t3 / 1e9, t2 / t3, 3.5 * fwd_flops / (tf2 + t2) / 1e9,
-                   3.5 * fwd_flops / (tf3 + t3) / 1e9);
+            printf("  %-6d %-4d | %-9.3f %-7.0f | %-9.3f %-7.0f | %-8.2f | %-8.0f %-8.0f | %.3f %.0f\n", T, d, t2,
+                   bwd_flops / t2 / 1e9, t3, bwd_flops / t3 / 1e9, t2 / t3, 3.5 * fwd_flops / (tf2 + t2) / 1e9,
+                   3.5 * fwd_flops / (tf3 + t3) / 1e9, t1, bwd_flops / t1 / 1e9);
             free_problem(p);
         }
 }
