@@ -6085,13 +6085,22 @@ static void hopper_grouped_wgrad(const mt_exec* ex, float* dW, const __nv_bfloat
 /*    hopper_attention_forward, attn_choice_parse, attn_fwd_parse, attention_forward_fast.        */
 /* ============================================================================================== */
 /*
- * ---- The CTA: 384 threads, 128 query rows of one (b, h); grid (ceil(T / 128), H, B) ----------------
+ * ---- The CTA: 384 threads, persistent over work tiles of 128 query rows of one (b, h) ---------------
+ *   Grid min(tiles, SMs), 1-D; the work tiles (m_block, h, b), ceil(T / 128) * H * B of them, numbered
+ *   longest first (fa3::tile_of: the last m_block, with the most key tiles under the causal mask, first;
+ *   h fastest), CTA c takes tiles c, c + grid, ... (a static stride: deterministic and near-balanced).
+ *   One CTA per SM runs the whole grid, so the next tile's Q and first K/V loads overlap this tile's last
+ *   P V and epilogue (with one short CTA per tile, ~1536 at GPT-2 124M's shape, each CTA's prologue and
+ *   epilogue left the tensor cores idle). Each tile is computed exactly as a one-tile CTA would, so the
+ *   outputs do not depend on the grid.
  *   One shape at both head dims d, the lab's (its d = 64 numbers above are this shape): 128 query rows x
  *   128-key tiles, 2 K/V stages, overlap and ping-pong; only the d-wide parts (the Q, K, V tiles, O, the
  *   N of P V) follow d.
- *   warpgroup 0 producer (setmaxnreg.dec 24): one thread loads the Q tile once, then for key tile n the
- *     K tile and the V tile into stage n % 2, each after that stage's "empty" mbarrier (8 consumer-warp
- *     arrivals) says the consumers are done with it. K and V have their own full/empty barriers.
+ *   warpgroup 0 producer (setmaxnreg.dec 24): one thread, per work tile, loads the Q tile once the
+ *     consumers are past the previous tile's last S ("Q empty", 8 consumer-warp arrivals), then for key
+ *     tile n the K tile and the V tile into the ring's next stage (a CTA-wide count, across tiles), each
+ *     after that stage's "empty" mbarrier (8 consumer-warp arrivals) says the consumers are done with it.
+ *     K and V have their own full/empty barriers.
  *   warpgroups 1, 2 consumers (setmaxnreg.inc 240), 64 query rows each: S_n = Q K_n^T (wgmma m64n128k16,
  *     both K-major in shared memory, d / 16 of them), the online softmax in registers (running max m,
  *     sum l; exp2 of scale*log2(e)-scaled scores), O += P V (wgmma m64n{d}k16, P from registers as
@@ -6099,7 +6108,7 @@ static void hopper_grouped_wgrad(const mt_exec* ex, float* dW, const __nv_bfloat
  *     are issued back to back and the softmax of S_n runs while the second is in flight. Ping-pong: the
  *     two consumers take turns to issue (two "turn" mbarriers, 4 arrivals each), so one's softmax
  *     overlaps the other's products.
- *   Causal: a CTA stops at its diagonal key tile; blockIdx.x is reversed (the longest rows start first).
+ *   Causal: a work tile stops at its diagonal key tile; the longest tiles are taken first (above).
  *
  * ---- Tensor maps over the strided views (built per call on the host) --------------------------------
  *   A view (fa::heads_view) puts element c of row t of head h of batch b at
@@ -6153,7 +6162,8 @@ struct layout {
     static constexpr int TILE_Q = BM * D * 2, TILE_KV = BN * D * 2; /* 32 KiB each at d = 128, 16 at d = 64 */
     static constexpr int OFF_Q = 0, OFF_K = TILE_Q, OFF_V = OFF_K + STAGES * TILE_KV;
     static constexpr int OFF_BAR = OFF_V + STAGES * TILE_KV;
-    static constexpr int NBAR = 1 + 4 * STAGES + 2; /* Q full; K full, V full, K empty, V empty per stage; 2 turns */
+    static constexpr int NBAR = 1 + 4 * STAGES + 2 + 1; /* Q full; K full, V full, K empty, V empty per stage; 2 turns;
+                                                           Q empty */
     static constexpr int SMEM = OFF_BAR + NBAR * 8 + 1024; /* + slack to align the base: 160 / 80 KiB + */
     static_assert(SMEM <= 227 * 1024, "shared memory");
     static_assert(TILE_Q % 1024 == 0 && TILE_KV % 1024 == 0, "tiles on 1024-byte swizzle atoms");
@@ -6163,7 +6173,9 @@ struct layout {
 struct params {
     fa::heads_view<bf16> O;
     float* LSE;
-    int H, Hkv, T;
+    int B, H, Hkv, T;
+    int m_blocks;     /* ceil(T / BM): query tiles per (b, h) */
+    int tiles;        /* work tiles m_blocks * H * B (tile_of's numbering); the grid strides over them */
     float scale;      /* 1/sqrt(d) */
     float scale_log2; /* scale * log2(e): exp(scale x) = exp2(scale_log2 x) */
     hg::watchdog* wd; /* NULL: a timed-out wait just traps */
@@ -6285,10 +6297,29 @@ __device__ __forceinline__ void wait_warp(uint32_t bar, uint32_t parity, hg::wat
     hg::mbar_wait(bar, parity, wd, TIMEOUT_NS, role, what, tile, n);
     __syncwarp();
 }
+
+/* Work tile i (0 <= i < p.tiles) of the persistent grid: 128 query rows m_block of head h of batch b, and its
+ * key tile count under the causal mask. Longest first (LPT): i / (H B) counts m_blocks down from the last, whose
+ * rows see the most keys, so with the static stride (CTA c takes c, c + grid, ...) every CTA's sum of key
+ * tiles is near equal and the short tiles fill the tail. Within an m_block h runs fastest: the CTAs running
+ * at once take the heads of one sequence, so under GQA the qpg heads of a group read the same K/V tiles
+ * from L2. */
+struct work {
+    int m_block, h, b, n_tiles;
+};
+__device__ __forceinline__ work tile_of(int i, const params& p) {
+    const int hb = p.H * p.B;
+    work w;
+    w.m_block = p.m_blocks - 1 - i / hb;
+    w.h = (i % hb) % p.H;
+    w.b = (i % hb) / p.H;
+    w.n_tiles = (min(p.T, (w.m_block + 1) * BM) + BN - 1) / BN;
+    return w;
+}
 #endif /* __CUDA_ARCH_FEAT_SM90_ALL */
 
 /* watchdog "stage" field: which barrier was waited for */
-enum { WAIT_Q_FULL = 0, WAIT_K_FULL, WAIT_V_FULL, WAIT_K_EMPTY, WAIT_V_EMPTY, WAIT_TURN };
+enum { WAIT_Q_FULL = 0, WAIT_K_FULL, WAIT_V_FULL, WAIT_K_EMPTY, WAIT_V_EMPTY, WAIT_TURN, WAIT_Q_EMPTY };
 
 /* D: the head dim, 64 or 128 (layout's static_assert) */
 template <int D>
@@ -6302,25 +6333,22 @@ __global__ void __launch_bounds__(THREADS, 1)
     const uint32_t raw = hg::smem_u32(smem_raw);
     const uint32_t sbase = (raw + 1023u) & ~1023u;
     const uint32_t sQ = sbase + L::OFF_Q, sK = sbase + L::OFF_K, sV = sbase + L::OFF_V, bars = sbase + L::OFF_BAR;
-    const uint32_t q_full = bars;
+    const uint32_t q_full = bars, q_empty = bars + 8u * (1 + 4 * STAGES + 2); /* after the turns */
     auto k_full = [&](int s) { return bars + 8u * (1 + s); };
     auto v_full = [&](int s) { return bars + 8u * (1 + STAGES + s); };
     auto k_empty = [&](int s) { return bars + 8u * (1 + 2 * STAGES + s); };
     auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * STAGES + s); };
     auto turn = [&](int w) { return bars + 8u * (1 + 4 * STAGES + w); }; /* consumer w may issue its GEMMs */
 
-    const int m_block = gridDim.x - 1 - blockIdx.x; /* the longest rows first */
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int qpg = p.H / p.Hkv, hkv = h / qpg;
+    const int qpg = p.H / p.Hkv;
     const int T = p.T;
-    const int key_end = min(T, (m_block + 1) * BM);
-    const int n_tiles = (key_end + BN - 1) / BN;
     /* warp-uniform by construction (a broadcast from lane 0): ptxas then gives each role's branch the
      * register budget its setmaxnreg sets */
     const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0), lane = threadIdx.x % 32, wg = warp / 4;
 
     if (threadIdx.x == 0) {
         mbar_init(q_full, 1);
+        mbar_init(q_empty, 8); /* lane 0 of each of the 8 consumer warps, after its tile's last S = Q K^T */
         for (int s = 0; s < STAGES; s++) {
             mbar_init(k_full(s), 1);
             mbar_init(v_full(s), 1);
@@ -6333,6 +6361,17 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     __syncthreads();
 
+    /* Persistence: this CTA takes work tiles i = blockIdx.x, + gridDim.x, ... (tile_of); j counts them. The
+     * phases run on CTA-wide counters, never restarted per tile, so every barrier sees one unbroken sequence:
+     *   Q: tile j fills q_full's phase j (consumers wait parity j & 1); the producer reloads Q only after
+     *     q_empty's phase j - 1 (all 8 consumer warps past tile j-1's last S; wait parity (j & 1) ^ 1, which
+     *     passes at once for j = 0), so q_full is never a phase ahead of a consumer still on tile j - 1.
+     *   K/V: key tile n of a work tile is this CTA's ring entry g = kv + n (kv: the entries of its earlier
+     *     tiles): stage g % STAGES, phase (g / STAGES) & 1, as the one-tile kernel's n.
+     *   turn: issue slots are numbered across tiles (slot: the earlier tiles' n_tiles + 1 each), and both
+     *     warpgroups work the same tile, so the ping-pong alternates without a break (turn_wait's comment).
+     * The next tile's Q and first K/V stages load while the consumers finish this tile's last P V and
+     * epilogue; a CTA with no tile (the grid never exceeds p.tiles) skips both loops. */
     if (wg == 0) {
         /* ---- producer ---- */
         setmaxnreg_dec<PRODUCER_REGS>();
@@ -6340,23 +6379,30 @@ __global__ void __launch_bounds__(THREADS, 1)
             tma_prefetch_desc(&tm_q);
             tma_prefetch_desc(&tm_k);
             tma_prefetch_desc(&tm_v);
-            mbar_arrive_expect_tx(q_full, L::TILE_Q);
-#pragma unroll
-            for (int c = 0; c < D / 64; c++)
-                tma_load_5d(sQ + c * BM * 128, &tm_q, q_full, 64 * c, m_block * BM, h % qpg, h / qpg, b);
-            for (int n = 0; n < n_tiles; n++) {
-                const int s = n % STAGES;
-                const uint32_t ph = (n / STAGES) & 1;
-                mbar_wait(k_empty(s), ph ^ 1, p.wd, TIMEOUT_NS, 0, WAIT_K_EMPTY, m_block, n);
-                mbar_arrive_expect_tx(k_full(s), L::TILE_KV);
+            int kv = 0, j = 0;
+            for (int i = blockIdx.x; i < p.tiles; i += gridDim.x, j++) {
+                const work wk = tile_of(i, p);
+                const int hkv = wk.h / qpg;
+                mbar_wait(q_empty, (j & 1) ^ 1, p.wd, TIMEOUT_NS, 0, WAIT_Q_EMPTY, i, 0);
+                mbar_arrive_expect_tx(q_full, L::TILE_Q);
 #pragma unroll
                 for (int c = 0; c < D / 64; c++)
-                    tma_load_5d(sK + s * L::TILE_KV + c * BN * 128, &tm_k, k_full(s), 64 * c, n * BN, 0, hkv, b);
-                mbar_wait(v_empty(s), ph ^ 1, p.wd, TIMEOUT_NS, 0, WAIT_V_EMPTY, m_block, n);
-                mbar_arrive_expect_tx(v_full(s), L::TILE_KV);
+                    tma_load_5d(sQ + c * BM * 128, &tm_q, q_full, 64 * c, wk.m_block * BM, wk.h % qpg, wk.h / qpg, wk.b);
+                for (int n = 0; n < wk.n_tiles; n++) {
+                    const int g = kv + n, s = g % STAGES;
+                    const uint32_t ph = (g / STAGES) & 1;
+                    mbar_wait(k_empty(s), ph ^ 1, p.wd, TIMEOUT_NS, 0, WAIT_K_EMPTY, i, n);
+                    mbar_arrive_expect_tx(k_full(s), L::TILE_KV);
 #pragma unroll
-                for (int c = 0; c < D / 64; c++)
-                    tma_load_5d(sV + s * L::TILE_KV + c * BN * 128, &tm_v, v_full(s), 64 * c, n * BN, 0, hkv, b);
+                    for (int c = 0; c < D / 64; c++)
+                        tma_load_5d(sK + s * L::TILE_KV + c * BN * 128, &tm_k, k_full(s), 64 * c, n * BN, 0, hkv, wk.b);
+                    mbar_wait(v_empty(s), ph ^ 1, p.wd, TIMEOUT_NS, 0, WAIT_V_EMPTY, i, n);
+                    mbar_arrive_expect_tx(v_full(s), L::TILE_KV);
+#pragma unroll
+                    for (int c = 0; c < D / 64; c++)
+                        tma_load_5d(sV + s * L::TILE_KV + c * BN * 128, &tm_v, v_full(s), 64 * c, n * BN, 0, hkv, wk.b);
+                }
+                kv += wk.n_tiles;
             }
         }
         return;
@@ -6366,109 +6412,136 @@ __global__ void __launch_bounds__(THREADS, 1)
     setmaxnreg_inc<CONSUMER_REGS>();
     const int cw = wg - 1;                              /* consumer warpgroup 0 or 1 */
     const int w = warp % 4, g = lane / 4, t = lane % 4; /* warp in the warpgroup, row group, column pair */
-    const int wg_row0 = m_block * BM + cw * 64;         /* the warpgroup's first query row */
-    const int row0 = wg_row0 + 16 * w + g, row1 = row0 + 8;
     const uint32_t q_base = sQ + cw * 64 * 128;
     const float sl2 = p.scale_log2;
-    /* a tile needs masking when it reaches past T or its last key is after the warpgroup's first row */
-    auto needs_mask = [&](int n) { return (n + 1) * BN > T || (n + 1) * BN - 1 > wg_row0; };
 
     float o[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; i++) o[i] = 0.0f;
     float s[BN / 2];
     uint32_t pa[BN / 16][4];
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f, c0, c1;
-    /* Ping-pong: issue slot k (0: S_0; 1 .. n_tiles-1: S_k and P_{k-1} V_{k-1}; n_tiles: the last P V) of
-     * warpgroup 0 waits for warpgroup 1's slot k-1, that of warpgroup 1 for warpgroup 0's slot k; each
-     * arrives on the other's turn barrier once it has issued. A barrier is never more than one phase ahead
-     * of its waiter, so the parity names the phase. */
-    auto turn_wait = [&](int k) {
-        if (cw == 0 && k > 0) wait_warp(turn(0), (k - 1) & 1, p.wd, 2, WAIT_TURN, m_block, k);
-        if (cw == 1) wait_warp(turn(1), k & 1, p.wd, 2, WAIT_TURN, m_block, k);
+    /* Ping-pong: issue slot k (per tile 0: S_0; 1 .. n_tiles-1: S_k and P_{k-1} V_{k-1}; n_tiles: the last
+     * P V), numbered across this CTA's tiles, of warpgroup 0 waits for warpgroup 1's slot k-1, that of
+     * warpgroup 1 for warpgroup 0's slot k; each arrives on the other's turn barrier once it has issued.
+     * turn(0) completes a phase per slot of warpgroup 1, turn(1) one per slot of warpgroup 0. When
+     * warpgroup 0 waits for slot k, warpgroup 1 has issued k-1 slots (it needed ours of k-1) and at most k
+     * (its slot k needs ours): turn(0) has completed k-1 or k phases, parity (k-1) & 1 passes at k only;
+     * likewise warpgroup 1 at slot k finds turn(1) at k or k+1 phases and waits for parity k & 1. A barrier
+     * is thus never more than one phase ahead of its waiter, so the parity names the phase; both warpgroups
+     * take the same tiles with the same n_tiles, so the counts agree at every tile boundary. tile: the work
+     * tile (the watchdog's record). */
+    auto turn_wait = [&](int k, int tile, int n) {
+        if (cw == 0 && k > 0) wait_warp(turn(0), (k - 1) & 1, p.wd, 2, WAIT_TURN, tile, n);
+        if (cw == 1) wait_warp(turn(1), k & 1, p.wd, 2, WAIT_TURN, tile, n);
     };
     auto turn_pass = [&]() {
         __syncwarp();
         if (lane == 0) mbar_arrive(turn(1 - cw));
     };
 
-    wait_warp(q_full, 0, p.wd, 1, WAIT_Q_FULL, m_block, 0);
-    /* tile 0: S_0 and its softmax (O is zero: no rescale) */
-    wait_warp(k_full(0), 0, p.wd, 1, WAIT_K_FULL, m_block, 0);
-    turn_wait(0);
-    wgmma_fence();
-    gemm_qk<D>(s, q_base, sK);
-    wgmma_commit();
-    turn_pass();
-    wgmma_wait<0>();
-    reg_fence<BN / 2>(s);
-    if (lane == 0) mbar_arrive(k_empty(0));
-    if (needs_mask(0)) mask_tile(s, 0, row0, row1, T, t);
-    softmax_tile(s, m0, m1, l0, l1, c0, c1, sl2);
-    convert_p(s, pa);
-    for (int n = 1; n < n_tiles; n++) {
-        const int st = n % STAGES, pst = (n - 1) % STAGES;
-        const uint32_t ph = (n / STAGES) & 1, pph = ((n - 1) / STAGES) & 1;
-        wait_warp(k_full(st), ph, p.wd, 1, WAIT_K_FULL, m_block, n);
-        wait_warp(v_full(pst), pph, p.wd, 1, WAIT_V_FULL, m_block, n - 1);
-        turn_wait(n);
-        reg_fence<D / 2>(o);
-        reg_fence<BN / 4>(&pa[0][0]);
-        wgmma_fence();
-        gemm_qk<D>(s, q_base, sK + st * L::TILE_KV); /* S_n */
-        wgmma_commit();
-        gemm_pv<D>(o, pa, sV + pst * L::TILE_KV); /* O += P_{n-1} V_{n-1}, in flight during the softmax */
-        wgmma_commit();
-        turn_pass();
-        wgmma_wait<1>(); /* S_n done */
-        reg_fence<BN / 2>(s);
-        if (lane == 0) mbar_arrive(k_empty(st));
-        if (needs_mask(n)) mask_tile(s, n, row0, row1, T, t);
-        softmax_tile(s, m0, m1, l0, l1, c0, c1, sl2);
-        wgmma_wait<0>(); /* P_{n-1} V_{n-1} done: O and pa are free */
-        reg_fence<D / 2>(o);
-        reg_fence<BN / 4>(&pa[0][0]);
-        if (lane == 0) mbar_arrive(v_empty(pst));
-        rescale_o<D>(o, c0, c1);
-        convert_p(s, pa);
-    }
-    {
-        const int st = (n_tiles - 1) % STAGES;
-        const uint32_t ph = ((n_tiles - 1) / STAGES) & 1;
-        wait_warp(v_full(st), ph, p.wd, 1, WAIT_V_FULL, m_block, n_tiles - 1);
-        turn_wait(n_tiles);
-        reg_fence<D / 2>(o);
-        reg_fence<BN / 4>(&pa[0][0]);
-        wgmma_fence();
-        gemm_pv<D>(o, pa, sV + st * L::TILE_KV);
-        wgmma_commit();
-        turn_pass();
-        wgmma_wait<0>();
-        reg_fence<D / 2>(o);
-        if (lane == 0) mbar_arrive(v_empty(st));
-    }
+    int kv = 0, slot = 0, j = 0; /* this CTA's K/V ring entries, issue slots and work tiles so far */
+    for (int i = blockIdx.x; i < p.tiles; i += gridDim.x, j++) {
+        const work wk = tile_of(i, p);
+        const int m_block = wk.m_block, h = wk.h, b = wk.b, n_tiles = wk.n_tiles;
+        const int wg_row0 = m_block * BM + cw * 64; /* the warpgroup's first query row */
+        const int row0 = wg_row0 + 16 * w + g, row1 = row0 + 8;
+        /* a tile needs masking when it reaches past T or its last key is after the warpgroup's first row */
+        auto needs_mask = [&](int n) { return (n + 1) * BN > T || (n + 1) * BN - 1 > wg_row0; };
+        /* after S_n is read: K stage st is free, and after the tile's last S so is Q */
+        auto k_done = [&](int st, int n) {
+            if (lane == 0) {
+                mbar_arrive(k_empty(st));
+                if (n == n_tiles - 1) mbar_arrive(q_empty);
+            }
+        };
 
-    /* ---- epilogue: O / l into O's view, LSE = scale * m + log(l) ---- */
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-    const size_t bh = (size_t)b * p.H + h;
-    bf16* oh = p.O.at(b, h, qpg) + 2 * t;
-    if (row0 < T) {
-        bf16* out = oh + (int64_t)row0 * p.O.row;
 #pragma unroll
-        for (int j = 0; j < D / 8; j++)
-            *reinterpret_cast<uint32_t*>(out + 8 * j) = fa::pack_bf16(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-        if (t == 0) p.LSE[bh * T + row0] = m0 * p.scale + logf(l0);
-    }
-    if (row1 < T) {
-        bf16* out = oh + (int64_t)row1 * p.O.row;
+        for (int e = 0; e < D / 2; e++) o[e] = 0.0f;
+        float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f, c0, c1;
+
+        wait_warp(q_full, j & 1, p.wd, 1, WAIT_Q_FULL, i, 0);
+        /* key tile 0: S_0 and its softmax (O is zero: no rescale) */
+        {
+            const int st = kv % STAGES;
+            const uint32_t ph = (kv / STAGES) & 1;
+            wait_warp(k_full(st), ph, p.wd, 1, WAIT_K_FULL, i, 0);
+            turn_wait(slot, i, 0);
+            wgmma_fence();
+            gemm_qk<D>(s, q_base, sK + st * L::TILE_KV);
+            wgmma_commit();
+            turn_pass();
+            wgmma_wait<0>();
+            reg_fence<BN / 2>(s);
+            k_done(st, 0);
+        }
+        if (needs_mask(0)) mask_tile(s, 0, row0, row1, T, t);
+        softmax_tile(s, m0, m1, l0, l1, c0, c1, sl2);
+        convert_p(s, pa);
+        for (int n = 1; n < n_tiles; n++) {
+            const int gn = kv + n, st = gn % STAGES, pst = (gn - 1) % STAGES;
+            const uint32_t ph = (gn / STAGES) & 1, pph = ((gn - 1) / STAGES) & 1;
+            wait_warp(k_full(st), ph, p.wd, 1, WAIT_K_FULL, i, n);
+            wait_warp(v_full(pst), pph, p.wd, 1, WAIT_V_FULL, i, n - 1);
+            turn_wait(slot + n, i, n);
+            reg_fence<D / 2>(o);
+            reg_fence<BN / 4>(&pa[0][0]);
+            wgmma_fence();
+            gemm_qk<D>(s, q_base, sK + st * L::TILE_KV); /* S_n */
+            wgmma_commit();
+            gemm_pv<D>(o, pa, sV + pst * L::TILE_KV); /* O += P_{n-1} V_{n-1}, in flight during the softmax */
+            wgmma_commit();
+            turn_pass();
+            wgmma_wait<1>(); /* S_n done */
+            reg_fence<BN / 2>(s);
+            k_done(st, n);
+            if (needs_mask(n)) mask_tile(s, n, row0, row1, T, t);
+            softmax_tile(s, m0, m1, l0, l1, c0, c1, sl2);
+            wgmma_wait<0>(); /* P_{n-1} V_{n-1} done: O and pa are free */
+            reg_fence<D / 2>(o);
+            reg_fence<BN / 4>(&pa[0][0]);
+            if (lane == 0) mbar_arrive(v_empty(pst));
+            rescale_o<D>(o, c0, c1);
+            convert_p(s, pa);
+        }
+        {
+            const int gn = kv + n_tiles - 1, st = gn % STAGES;
+            const uint32_t ph = (gn / STAGES) & 1;
+            wait_warp(v_full(st), ph, p.wd, 1, WAIT_V_FULL, i, n_tiles - 1);
+            turn_wait(slot + n_tiles, i, n_tiles);
+            reg_fence<D / 2>(o);
+            reg_fence<BN / 4>(&pa[0][0]);
+            wgmma_fence();
+            gemm_pv<D>(o, pa, sV + st * L::TILE_KV);
+            wgmma_commit();
+            turn_pass();
+            wgmma_wait<0>();
+            reg_fence<D / 2>(o);
+            if (lane == 0) mbar_arrive(v_empty(st));
+        }
+        kv += n_tiles;
+        slot += n_tiles + 1;
+
+        /* ---- epilogue: O / l into O's view, LSE = scale * m + log(l); straight from registers, so the
+         * producer's loads of the next tile run under it ---- */
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+        const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+        const size_t bh = (size_t)b * p.H + h;
+        bf16* oh = p.O.at(b, h, qpg) + 2 * t;
+        if (row0 < T) {
+            bf16* out = oh + (int64_t)row0 * p.O.row;
 #pragma unroll
-        for (int j = 0; j < D / 8; j++)
-            *reinterpret_cast<uint32_t*>(out + 8 * j) = fa::pack_bf16(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
-        if (t == 0) p.LSE[bh * T + row1] = m1 * p.scale + logf(l1);
+            for (int jj = 0; jj < D / 8; jj++)
+                *reinterpret_cast<uint32_t*>(out + 8 * jj) = fa::pack_bf16(o[4 * jj] * inv0, o[4 * jj + 1] * inv0);
+            if (t == 0) p.LSE[bh * T + row0] = m0 * p.scale + logf(l0);
+        }
+        if (row1 < T) {
+            bf16* out = oh + (int64_t)row1 * p.O.row;
+#pragma unroll
+            for (int jj = 0; jj < D / 8; jj++)
+                *reinterpret_cast<uint32_t*>(out + 8 * jj) = fa::pack_bf16(o[4 * jj + 2] * inv1, o[4 * jj + 3] * inv1);
+            if (t == 0) p.LSE[bh * T + row1] = m1 * p.scale + logf(l1);
+        }
     }
 #elif defined(__CUDA_ARCH__)
     __trap(); /* built without sm_90a: never launched (hopper_attention_available says no) */
@@ -6527,12 +6600,15 @@ static bool fa3_tensor_map(hg_encode_tiled_fn encode, CUtensorMap* m, attn_cview
 /* Causal attention forward on section 13.2's kernel, as flash_attention_forward without dropout or documents:
  * O (H heads), LSE [B, H, T] fp32 from Q (H heads), K, V (Hkv heads), views of any layout fa::view_ok takes,
  * d = 64 or 128. cudaErrorInvalidValue (nothing queued) for what it does not take; cudaErrorNotSupported where
- * the kernel does not run (hopper_attention_available). wd: the tests' watchdog record (NULL: trap only). */
+ * the kernel does not run (hopper_attention_available). wd: the tests' watchdog record (NULL: trap only);
+ * max_ctas > 0: at most that many CTAs (the test's many-tiles-per-CTA run; the outputs do not depend on it). */
 static cudaError_t hopper_attention_forward(mt_hopper_gemm_state* st, attn_view O, float* LSE, attn_cview Q, attn_cview K,
                                             attn_cview V, int B, int H, int Hkv, int T, int d, cudaStream_t stream,
-                                            hg::watchdog* wd = NULL) {
+                                            hg::watchdog* wd = NULL, int max_ctas = 0) {
+    const int m_blocks = (T + fa3::BM - 1) / fa3::BM;
+    const int64_t tiles = (int64_t)m_blocks * H * B; /* B, H >= 1 once shape_ok says yes */
     if (!fa3::head_dim_ok(d) || !fa::shape_ok(B, H, Hkv, T, d) || !fa::view_ok(O) || !fa::view_ok(Q) ||
-        !fa::view_ok(K) || !fa::view_ok(V) || H > 65535 || B > 65535)
+        !fa::view_ok(K) || !fa::view_ok(V) || tiles > INT_MAX / 2) /* / 2: the kernel's i + gridDim.x stays an int */
         return cudaErrorInvalidValue;
     if (!hopper_attention_available(st)) return cudaErrorNotSupported;
     const hg_encode_tiled_fn encode = (hg_encode_tiled_fn)st->encode;
@@ -6543,13 +6619,20 @@ static cudaError_t hopper_attention_forward(mt_hopper_gemm_state* st, attn_view 
     fa3::params p;
     p.O = O;
     p.LSE = LSE;
+    p.B = B;
     p.H = H;
     p.Hkv = Hkv;
     p.T = T;
+    p.m_blocks = m_blocks;
+    p.tiles = (int)tiles;
     p.scale = 1.0f / sqrtf((float)d); /* as section 9's forward */
     p.scale_log2 = p.scale * 1.4426950408889634f;
     p.wd = wd;
-    const dim3 grid((T + fa3::BM - 1) / fa3::BM, H, B);
+    /* persistent: one CTA per SM (fewer where there are fewer tiles, so none is idle), each striding over the
+     * work tiles (fa3::tile_of) */
+    int64_t ctas = st->sms > 0 ? st->sms : 1;
+    if (max_ctas > 0 && max_ctas < ctas) ctas = max_ctas;
+    const unsigned grid = (unsigned)(tiles < ctas ? tiles : ctas);
     if (d == 64) fa3::fa3_fwd_kernel<64><<<grid, fa3::THREADS, fa3::layout<64>::SMEM, stream>>>(mq, mk, mv, p);
     else fa3::fa3_fwd_kernel<128><<<grid, fa3::THREADS, fa3::layout<128>::SMEM, stream>>>(mq, mk, mv, p);
     return cudaGetLastError();

@@ -529,8 +529,10 @@ done:
 /* Section 13.2's Hopper attention forward against section 9's FA2 forward, on the model's layouts: q, k, v
  * read in place from the fused QKV rows, O written into the attention rows (poisoned with NaN first: a row
  * not written fails), causal, head dims 64 and 128, GQA and MHA, B > 1, T not a multiple of the 128-row
- * tile, T below one tile and T = 1. Then the Hopper forward again: bitwise the same O and LSE (fixed
- * summation order). Then section 9's backward from the Hopper forward's O and LSE must match the backward
+ * tile, T below one tile and T = 1, and shapes with more work tiles than an H200's 132 SMs (the persistent
+ * grid's CTAs take several tiles each). Then the Hopper forward again on only 3 CTAs (each strides over many
+ * tiles, so the barrier phases run across tile boundaries many times): bitwise the same O and LSE (each tile
+ * is summed in a fixed order whatever CTA takes it). Then section 9's backward from the Hopper forward's O and LSE must match the backward
  * from FA2's to bf16 tolerance (what the trainer runs: the new forward feeding the unchanged backward).
  * Then the selection (attention_forward_fast): by default bitwise the Hopper forward's O and LSE, under
  * MT_ATTN_FWD=fa2 bitwise FA2's (a shape where the two differ proves which one ran).
@@ -582,8 +584,9 @@ static int fa3_check_shape(const flash_shape* s, mt_hopper_gemm_state* st, int* 
             FLASH_CUDA(cudaMemset(dqkv, 0xFF, n_qkv * 2));
             if (pass == 0)
                 FLASH_CUDA(flash_attention_forward(o, lse, cview(q), cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0));
-            else if (pass <= 2)
-                FLASH_CUDA(hopper_attention_forward(st, o, lse, cview(q), cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0));
+            else if (pass <= 2) /* the second run on 3 CTAs: each strides over many work tiles */
+                FLASH_CUDA(hopper_attention_forward(st, o, lse, cview(q), cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0,
+                                                    NULL, pass == 2 ? 3 : 0));
             else
                 FLASH_CUDA(attention_forward_fast(st, pass == 3 ? MT_ATTN_FWD_DEFAULT : MT_ATTN_FWD_FA2, o, lse, cview(q),
                                                   cview(k), cview(v), s->B, s->H, s->Hkv, T, d, 0, mt_dropout(), NULL));
@@ -663,6 +666,9 @@ static test_result test_hopper_attention_forward(void) {
         {2, 3, 3, 256, 64, NULL},   /* multi-head, whole tiles */
         {1, 2, 1, 17, 64, NULL},    /* T below one tile */
         {3, 4, 2, 1, 64, NULL},     /* T = 1 */
+        {4, 12, 12, 1024, 64, NULL}, /* GPT-2 124M's heads at T = 1024: 384 work tiles, more than the SMs */
+        {2, 8, 2, 2000, 128, NULL},  /* GQA, 16 m_blocks (the last partial) x 16 (b, h): 256 work tiles */
+        {40, 4, 2, 1, 64, NULL},     /* T = 1, 160 work tiles of one key tile each */
     };
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
         int differ = 0;
