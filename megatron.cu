@@ -5277,7 +5277,8 @@ struct watchdog {
 /* The lab's and the tests' knobs; the model passes none (NULL: the defaults). */
 struct options {
     int variant;                   /* -1: chosen from N; 0: 128 x 256 tiles, 3 stages; 1: 128 x 128, 5 stages */
-    int max_ctas;                  /* > 0: at most this many CTAs (the lab's "many tiles per CTA" checks) */
+    int max_ctas;                  /* > 0: this many CTAs, at most one per tile (the labs' and tests' "many tiles
+                                    * per CTA" checks; section 13.3's lab also times one tile per CTA) */
     watchdog* wd;                  /* where a timed-out wait reports (NULL: it just traps) */
     unsigned long long timeout_ns; /* 0: 20 s */
 };
@@ -6088,7 +6089,7 @@ static void hopper_grouped_wgrad(const mt_exec* ex, float* dW, const __nv_bfloat
  * ---- The CTA: 384 threads, persistent over work tiles of 128 query rows of one (b, h) ---------------
  *   Grid min(tiles, SMs), 1-D; the work tiles (m_block, h, b), ceil(T / 128) * H * B of them, numbered
  *   longest first (fa3::tile_of: the last m_block, with the most key tiles under the causal mask, first;
- *   h fastest), CTA c takes tiles c, c + grid, ... (a static stride: deterministic and near-balanced).
+ *   h fastest), taken in section 13.1's snake order (hg::snake_tile: static, every CTA's sum near the mean).
  *   One CTA per SM runs the whole grid, so the next tile's Q and first K/V loads overlap this tile's last
  *   P V and epilogue (with one short CTA per tile, ~1536 at GPT-2 124M's shape, each CTA's prologue and
  *   epilogue left the tensor cores idle). Each tile is computed exactly as a one-tile CTA would, so the
@@ -6300,8 +6301,8 @@ __device__ __forceinline__ void wait_warp(uint32_t bar, uint32_t parity, hg::wat
 
 /* Work tile i (0 <= i < p.tiles) of the persistent grid: 128 query rows m_block of head h of batch b, and its
  * key tile count under the causal mask. Longest first (LPT): i / (H B) counts m_blocks down from the last, whose
- * rows see the most keys, so with the static stride (CTA c takes c, c + grid, ...) every CTA's sum of key
- * tiles is near equal and the short tiles fill the tail. Within an m_block h runs fastest: the CTAs running
+ * rows see the most keys, so with the snake order (hg::snake_tile) every CTA's sum of key tiles is near
+ * equal and the short tiles fill the tail. Within an m_block h runs fastest: the CTAs running
  * at once take the heads of one sequence, so under GQA the qpg heads of a group read the same K/V tiles
  * from L2. */
 struct work {
@@ -6361,7 +6362,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     __syncthreads();
 
-    /* Persistence: this CTA takes work tiles i = blockIdx.x, + gridDim.x, ... (tile_of); j counts them. The
+    /* Persistence: this CTA takes work tiles in section 13.1's snake order (hg::snake_tile; tile_of); j counts them. The
      * phases run on CTA-wide counters, never restarted per tile, so every barrier sees one unbroken sequence:
      *   Q: tile j fills q_full's phase j (consumers wait parity j & 1); the producer reloads Q only after
      *     q_empty's phase j - 1 (all 8 consumer warps past tile j-1's last S; wait parity (j & 1) ^ 1, which
@@ -6380,7 +6381,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             tma_prefetch_desc(&tm_k);
             tma_prefetch_desc(&tm_v);
             int kv = 0, j = 0;
-            for (int i = blockIdx.x; i < p.tiles; i += gridDim.x, j++) {
+            for (int i; (i = hg::snake_tile(j, p.tiles)) >= 0; j++) {
                 const work wk = tile_of(i, p);
                 const int hkv = wk.h / qpg;
                 mbar_wait(q_empty, (j & 1) ^ 1, p.wd, TIMEOUT_NS, 0, WAIT_Q_EMPTY, i, 0);
@@ -6438,7 +6439,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     };
 
     int kv = 0, slot = 0, j = 0; /* this CTA's K/V ring entries, issue slots and work tiles so far */
-    for (int i = blockIdx.x; i < p.tiles; i += gridDim.x, j++) {
+    for (int i; (i = hg::snake_tile(j, p.tiles)) >= 0; j++) {
         const work wk = tile_of(i, p);
         const int m_block = wk.m_block, h = wk.h, b = wk.b, n_tiles = wk.n_tiles;
         const int wg_row0 = m_block * BM + cw * 64; /* the warpgroup's first query row */
@@ -6601,14 +6602,15 @@ static bool fa3_tensor_map(hg_encode_tiled_fn encode, CUtensorMap* m, attn_cview
  * O (H heads), LSE [B, H, T] fp32 from Q (H heads), K, V (Hkv heads), views of any layout fa::view_ok takes,
  * d = 64 or 128. cudaErrorInvalidValue (nothing queued) for what it does not take; cudaErrorNotSupported where
  * the kernel does not run (hopper_attention_available). wd: the tests' watchdog record (NULL: trap only);
- * max_ctas > 0: at most that many CTAs (the test's many-tiles-per-CTA run; the outputs do not depend on it). */
+ * max_ctas > 0: that many CTAs, at most one per tile (the test's many-tiles-per-CTA run, the lab's
+ * one-tile-per-CTA timing; the outputs do not depend on it). */
 static cudaError_t hopper_attention_forward(mt_hopper_gemm_state* st, attn_view O, float* LSE, attn_cview Q, attn_cview K,
                                             attn_cview V, int B, int H, int Hkv, int T, int d, cudaStream_t stream,
                                             hg::watchdog* wd = NULL, int max_ctas = 0) {
     const int m_blocks = (T + fa3::BM - 1) / fa3::BM;
     const int64_t tiles = (int64_t)m_blocks * H * B; /* B, H >= 1 once shape_ok says yes */
     if (!fa3::head_dim_ok(d) || !fa::shape_ok(B, H, Hkv, T, d) || !fa::view_ok(O) || !fa::view_ok(Q) ||
-        !fa::view_ok(K) || !fa::view_ok(V) || tiles > INT_MAX / 2) /* / 2: the kernel's i + gridDim.x stays an int */
+        !fa::view_ok(K) || !fa::view_ok(V) || tiles > INT_MAX / 2) /* a tile index stays an int */
         return cudaErrorInvalidValue;
     if (!hopper_attention_available(st)) return cudaErrorNotSupported;
     const hg_encode_tiled_fn encode = (hg_encode_tiled_fn)st->encode;
@@ -6628,10 +6630,10 @@ static cudaError_t hopper_attention_forward(mt_hopper_gemm_state* st, attn_view 
     p.scale = 1.0f / sqrtf((float)d); /* as section 9's forward */
     p.scale_log2 = p.scale * 1.4426950408889634f;
     p.wd = wd;
-    /* persistent: one CTA per SM (fewer where there are fewer tiles, so none is idle), each striding over the
-     * work tiles (fa3::tile_of) */
+    /* persistent: one CTA per SM (fewer where there are fewer tiles, so none is idle), each walking the work
+     * tiles (fa3::tile_of) in hg::snake_tile's order */
     int64_t ctas = st->sms > 0 ? st->sms : 1;
-    if (max_ctas > 0 && max_ctas < ctas) ctas = max_ctas;
+    if (max_ctas > 0) ctas = max_ctas;
     const unsigned grid = (unsigned)(tiles < ctas ? tiles : ctas);
     if (d == 64) fa3::fa3_fwd_kernel<64><<<grid, fa3::THREADS, fa3::layout<64>::SMEM, stream>>>(mq, mk, mv, p);
     else fa3::fa3_fwd_kernel<128><<<grid, fa3::THREADS, fa3::layout<128>::SMEM, stream>>>(mq, mk, mv, p);
