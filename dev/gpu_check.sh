@@ -93,16 +93,17 @@ if [ $run_single = 1 ]; then
   check_skips single $(for ((k = 0; k < shards; k++)); do echo "$OUT/test_shard$k.log"; done)
 fi
 # multi-GPU tests: over 2 and (with 4 GPUs) 4 ranks, each against one GPU (NPS: the rank counts to
-# run, default "2 4"; GROUPS_MULTI: the feature groups, default all)
+# run, default "2 4"; GROUPS_MULTI: the feature groups, default all; MULTI_TIMEOUT: seconds a group
+# may take, default 240)
 MPIRUN="mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE=0"
 if [ $run_multi = 1 ] && [ "$ngpu" -gt 1 ] && command -v mpirun >/dev/null; then
   for np in ${NPS:-2 4}; do
     [ "$ngpu" -ge "$np" ] || continue
-    # one mpirun per feature, each cut at 240 s (a hang must not eat the session's GPU time)
+    # one mpirun per feature, each cut at MULTI_TIMEOUT s (a hang must not eat the session's GPU time)
     for g in ${GROUPS_MULTI:-data_parallel expert_parallel context_parallel tensor_parallel pipeline memory checkpoint_tool recompute faults cp_attention}; do
       start=$(date +%s)
       rm -f /tmp/mt_test_rank*.log
-      timeout 240 $MPIRUN -x MT_TEST_STRICT=1 -np "$np" ./test_megatron multigpu.$g > "$OUT/test_mpi${np}_$g.log" 2>&1
+      timeout "${MULTI_TIMEOUT:-240}" $MPIRUN -x MT_TEST_STRICT=1 -np "$np" ./test_megatron multigpu.$g > "$OUT/test_mpi${np}_$g.log" 2>&1
       grep -E "FAIL|^failed" "$OUT/test_mpi${np}_$g.log" | head -5
       for f in /tmp/mt_test_rank*.log; do # the other ranks' output
         [ -f "$f" ] || continue
