@@ -3963,8 +3963,6 @@ MT_DEF mt_status mt_config_check_supported(const mt_config* c, mt_error* err) {
         if (c->num_experts > 0)
             return mt_fail(err, MT_ERR_CONFIG, "--context-parallel-size %d with mixture of experts (and expert "
                            "parallelism) is not built yet: use 1", cp);
-        if (c->fp8_format != MT_FP8_NONE)
-            return mt_fail(err, MT_ERR_CONFIG, "--context-parallel-size %d with FP8 is not built yet: drop --fp8-format", cp);
         if (c->cp_comm_type == MT_CP_P2P && !mt_flash_attention(c))
             return mt_fail(err, MT_ERR_CONFIG, "--cp-comm-type p2p (the default) runs the ring on the bf16 flash attention "
                            "kernels (head dim 64 or 128); this model's attention is the exact path: give --cp-comm-type "
