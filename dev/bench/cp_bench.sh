@@ -11,6 +11,8 @@
 #              llama8b-layers) with LAYERS layers at sequence 16384 and 32768, micro-batch 1, global batch 1.
 #   cp2        two GPUs: the same at --context-parallel-size 2 --cp-comm-type p2p (mpirun -np 2), and the
 #              ratio of its TFLOP/s/GPU to cp1's at the same sequence (the issue's goal: at least 0.90).
+#   cp2a2a     two GPUs: the same at --cp-comm-type a2a (Ulysses: attention on whole sequences of half the heads,
+#              the Hopper kernels where they run), beside p2p's rows.
 #   long       two GPUs: sequence 131072 at CP=2: --plan for one GPU (with full recompute of every layer, the
 #              least memory short of offloading the optimizer: must say it does not fit) and for two (the
 #              recompute chosen as below: must fit), then LONG_ITERS training iterations.
@@ -32,7 +34,7 @@
 # Run from the repository root on a GPU machine (builds what it needs: make train_gpt, and the lab):
 #   dev/bench/cp_bench.sh                       # everything the visible GPUs allow
 #   dev/bench/cp_bench.sh attention cp1         # the one-GPU parts (about 5-6 minutes on an H200, build included)
-#   dev/bench/cp_bench.sh cp2 long              # the two-GPU parts (about 4-5 minutes once built)
+#   dev/bench/cp_bench.sh cp2 cp2a2a long       # the two-GPU parts (about 4-5 minutes once built)
 # Environment: CPB_OUT (/tmp/cp_bench: logs, plans, one result file per row; a later call adds its rows to
 # the earlier call's, so the final table shows both), ITERS (6), LONG_ITERS (3), LAYERS, GPU_GIB, MARGIN_GIB
 # (2), RUN_TIMEOUT (300 s a training run), LONG_TIMEOUT (420 s), PYTHON (python3). A part that fails or times
@@ -48,6 +50,7 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-300}
 LONG_TIMEOUT=${LONG_TIMEOUT:-420}
 MARGIN=${MARGIN_GIB:-2}
 PY=${PYTHON:-python3}
+COMM=p2p # the CP runs' --cp-comm-type (the cp2a2a part: a2a)
 mkdir -p "$OUTD" || exit 1
 case "$ITERS" in '' | *[!0-9]*) echo "cp_bench: ITERS must be a number >= 2" >&2; exit 2 ;; esac
 case "$LONG_ITERS" in '' | *[!0-9]*) echo "cp_bench: LONG_ITERS must be a number >= 1" >&2; exit 2 ;; esac
@@ -64,18 +67,18 @@ BUDGET=$(awk -v g="$GIB" -v m="$MARGIN" 'BEGIN { printf "%.1f", g - m }')
 parts=("$@")
 if [ ${#parts[@]} -eq 0 ]; then
   parts=(attention cp1)
-  [ "$ngpu" -ge 2 ] && parts+=(cp2 long)
+  [ "$ngpu" -ge 2 ] && parts+=(cp2 cp2a2a long)
 fi
 want() { local p; for p in "${parts[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 for p in "${parts[@]}"; do
-  case "$p" in attention | cp1 | cp2 | long) ;; *) echo "cp_bench: unknown part '$p' (attention cp1 cp2 long)" >&2; exit 2 ;; esac
+  case "$p" in attention | cp1 | cp2 | cp2a2a | long) ;; *) echo "cp_bench: unknown part '$p' (attention cp1 cp2 cp2a2a long)" >&2; exit 2 ;; esac
 done
 echo "cp_bench: parts ${parts[*]}; $ngpu GPU(s) (${gpu:-none}), plans against $BUDGET GiB ($GIB less $MARGIN); logs in $OUTD"
-{ want cp2 || want long; } && [ "$ngpu" -lt 2 ] && echo "cp_bench: cp2 and long need two GPUs ($ngpu visible): their rows will say so"
+{ want cp2 || want cp2a2a || want long; } && [ "$ngpu" -lt 2 ] && echo "cp_bench: cp2 and long need two GPUs ($ngpu visible): their rows will say so"
 
 # ---- build: train_gpt and the attention lab side by side (each compiles megatron.cu once) ----
 build_start=$(date +%s)
-if want cp1 || want cp2 || want long; then
+if want cp1 || want cp2 || want cp2a2a || want long; then
   timeout 480 make -j"$(nproc)" train_gpt >"$OUTD/build_train_gpt.log" 2>&1 &
   bt=$!
 fi
@@ -123,7 +126,7 @@ MPIRUN=(mpirun --allow-run-as-root --bind-to none -x NCCL_NVLS_ENABLE=0 -np 2)
 # plan LOG WORLD L S [flags...] -> train_gpt --plan's exit status (0 fits, 1 does not, 2 refused), output in LOG
 plan() {
   local log=$1 world=$2 L=$3 S=$4; shift 4
-  local cp=(); [ "$world" = 2 ] && cp=(--context-parallel-size 2 --cp-comm-type p2p)
+  local cp=(); [ "$world" = 2 ] && cp=(--context-parallel-size 2 --cp-comm-type "$COMM")
   ./train_gpt --plan --world-size "$world" --gpu-memory-gib "$BUDGET" "${MODEL[@]}" "${RUN[@]}" "${cp[@]}" \
     --num-layers "$L" --seq-length "$S" --max-position-embeddings "$S" --train-iters "$ITERS" "$@" >"$log" 2>&1
 }
@@ -172,7 +175,7 @@ recompute_name() { # flags -> a short name
 train() {
   local tag=$1 world=$2 S=$3 iters=$4 interval=$5 tmo=$6 flags=$7 log="$OUTD/train_$1.log" row="$OUTD/train_$1.row"
   local launch=(./train_gpt) cp=()
-  [ "$world" = 2 ] && launch=("${MPIRUN[@]}" ./train_gpt) && cp=(--context-parallel-size 2 --cp-comm-type p2p)
+  [ "$world" = 2 ] && launch=("${MPIRUN[@]}" ./train_gpt) && cp=(--context-parallel-size 2 --cp-comm-type "$COMM")
   # shellcheck disable=SC2206
   local cmd=(timeout "$tmo" "${launch[@]}" "${MODEL[@]}" "${RUN[@]}" "${cp[@]}" --num-layers "$L" --seq-length "$S"
     --max-position-embeddings "$S" --train-iters "$iters" --log-interval "$interval" $flags)
@@ -197,10 +200,10 @@ train() {
   echo "  -> $ms ms/iter, $tps tokens/s/GPU, $tf TFLOP/s/GPU, $mem GiB in use (plan $planned); $(($(date +%s) - start)) s"
 }
 
-if want cp1 || want cp2 || want long; then
+if want cp1 || want cp2 || want cp2a2a || want long; then
   if [ ! -x ./train_gpt ]; then
     echo "cp_bench: no ./train_gpt (the build failed: $OUTD/build_train_gpt.log)"
-    for p in cp1 cp2 long; do want $p && echo "$p|-|-|-|-|FAILED (no train_gpt)|||||" >"$OUTD/train_${p}_nobuild.row"; done
+    for p in cp1 cp2 cp2a2a long; do want $p && echo "$p|-|-|-|-|FAILED (no train_gpt)|||||" >"$OUTD/train_${p}_nobuild.row"; done
   else
     rm -f "$OUTD"/train_*_nobuild.row
     L=${LAYERS:-$(pick_layers)}
@@ -229,6 +232,7 @@ run_seq() { # WORLD S TAG
 if [ -x ./train_gpt ] && [ "${L:-0}" -ge 1 ]; then
   if want cp1; then for S in 16384 32768; do run_seq 1 "$S" "cp1_s$S"; done; fi
   if want cp2; then for S in 16384 32768; do run_seq 2 "$S" "cp2_s$S"; done; fi
+  if want cp2a2a; then COMM=a2a; for S in 16384 32768; do run_seq 2 "$S" "cp2a2a_s$S"; done; COMM=p2p; fi
   if want long; then
     S=131072
     rm -f "$OUTD/train_long.row" "$OUTD/long_verdict.txt"
@@ -292,16 +296,17 @@ table="$OUTD/cp_bench.md"
   echo
   echo "| sequence | CP (GPUs) | layers | recompute | ms/iter | tokens/s/GPU | TFLOP/s/GPU | GiB in use (plan) | CP2 / CP1 |"
   echo "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"
-  for f in "$OUTD"/train_cp1_s16384.row "$OUTD"/train_cp2_s16384.row "$OUTD"/train_cp1_s32768.row \
-    "$OUTD"/train_cp2_s32768.row "$OUTD"/train_long.row "$OUTD"/train_*_nobuild.row "$OUTD"/train_layers_none.row; do
+  for f in "$OUTD"/train_cp1_s16384.row "$OUTD"/train_cp2_s16384.row "$OUTD"/train_cp2a2a_s16384.row \
+    "$OUTD"/train_cp1_s32768.row "$OUTD"/train_cp2_s32768.row "$OUTD"/train_cp2a2a_s32768.row "$OUTD"/train_long.row "$OUTD"/train_*_nobuild.row "$OUTD"/train_layers_none.row; do
     [ -s "$f" ] || continue
     IFS='|' read -r tag S world layers rec ms tps tf mem planned <"$f"
     ratio=""
-    if [ "${tag#cp2_}" != "$tag" ] && [ -s "$OUTD/train_cp1_s$S.row" ]; then
+    comm=""; [ "$world" = 2 ] && comm=" p2p"; [ "${tag#cp2a2a_}" != "$tag" ] && comm=" a2a"
+    if [ "${tag#cp2}" != "$tag" ] && [ -s "$OUTD/train_cp1_s$S.row" ]; then
       tf1=$(cut -d'|' -f8 "$OUTD/train_cp1_s$S.row")
       ratio=$(awk -v a="$tf" -v b="$tf1" 'BEGIN { if (a > 0 && b > 0) printf "**%.2f**", a / b }')
     fi
-    echo "| $S | $world | $layers | $rec | $ms | $tps | $tf | ${mem:+$mem ($planned)} | $ratio |"
+    echo "| $S | $world$comm | $layers | $rec | $ms | $tps | $tf | ${mem:+$mem ($planned)} | $ratio |"
   done
   if [ -s "$OUTD/long_verdict.txt" ]; then
     echo
