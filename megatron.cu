@@ -43,6 +43,7 @@
  *       13.1 Hopper grouped GEMM (wgmma, TMA)
  *       13.2 Hopper attention forward (FlashAttention-3 style: TMA, wgmma, warp specialisation)
  *       13.3 Hopper attention backward (FlashAttention-3 style: TMA, wgmma, warp specialisation)
+ *       13.4 Context-parallel ring steps on the Hopper kernels
  *   14. Mixture of experts: routing, permutation, the experts' activation
  *   22. Generation kernels: the KV cache, decode attention and sampling
  *   Part II: the model and the trainer
@@ -3427,7 +3428,9 @@ static cudaError_t flash_attention_backward_span(attn_view dQ, attn_view dK, att
 /*    next to the step's work. Fixed ring order everywhere: deterministic.                        */
 /*    Dropout masks are drawn by global (sample, head, query, key) positions (section 9.1), the   */
 /*    masks of CP = 1. The QKV bias column sums (flash_attention_backward's colsum) are not       */
-/*    taken here: the caller sums the columns.                                                    */
+/*    taken here: the caller sums the columns. On Hopper, without dropout or documents, each      */
+/*    step runs on sections 13.2 / 13.3's kernels instead (section 13.4; the drivers below choose */
+/*    per call, the transfers and their order unchanged).                                         */
 /*    defines: mt_cp_ring, cp_ring_create, cp_ring_destroy, cp_chunk_span, */
 /*    cp_attention_forward_block, cp_attention_dsum, cp_attention_backward_block,                 */
 /*    cp_pack_kv, cp_store_kv_grads, cp_ring_attention_forward, cp_ring_attention_backward.       */
@@ -3479,11 +3482,15 @@ static fa::geom cp_block_geom(int q_rank, int kv_rank, int cp, int T) {
 
 /* The ring's scratch, 256-byte aligned pieces: two K/V blocks (bf16 [2][B][Hkv][T][d]: K then V,
  * packed), the fp32 accumulator [B][H][T][d] (the forward's O, the backward's dQ), two travelling
- * dK/dV sums (fp32 [2][B][Hkv][T][d]). The forward uses the first three pieces. T: local rows. */
+ * dK/dV sums (fp32 [2][B][Hkv][T][d]); then the step outputs of section 13.4's Hopper steps: O or dQ
+ * (bf16 [B][H][T][d]), the step's LSE (fp32 [B][H][T]) and dK/dV (bf16 [2][B][Hkv][T][d]). T: local rows. */
 typedef struct {
     bf16* kv[2];
     float* acc;
     float* dkv[2];
+    bf16* step_o;    /* a Hopper step's O (forward) or dQ (backward) */
+    float* step_lse; /* a Hopper step's LSE */
+    bf16* step_dkv;  /* a Hopper step's dK then dV */
 } cp_ring_scratch;
 static size_t cp_align(size_t n) { return (n + 255) & ~(size_t)255; }
 static cp_ring_scratch cp_scratch_layout(void* scratch, int B, int H, int Hkv, int T, int d) {
@@ -3493,8 +3500,26 @@ static cp_ring_scratch cp_scratch_layout(void* scratch, int B, int H, int Hkv, i
     for (int i = 0; i < 2; i++) s.kv[i] = (bf16*)p, p += cp_align(kv * sizeof(bf16));
     s.acc = (float*)p, p += cp_align((size_t)B * H * T * d * sizeof(float));
     for (int i = 0; i < 2; i++) s.dkv[i] = (float*)p, p += cp_align(kv * sizeof(float));
+    s.step_o = (bf16*)p, p += cp_align((size_t)B * H * T * d * sizeof(bf16));
+    s.step_lse = (float*)p, p += cp_align((size_t)B * H * T * sizeof(float));
+    s.step_dkv = (bf16*)p;
     return s;
 }
+
+/* Section 13.4's ring steps on the Hopper kernels (declared here, defined after sections 13.2 and 13.3):
+ * whether a call takes them, a step's forward (into O's fp32 accumulator and the running LSE), a step's
+ * backward kernels and its dQ (into the accumulator), and its dK/dV added to the travelling sums. */
+struct mt_hopper_gemm_state;
+static bool cp_fast_wanted(mt_hopper_gemm_state* hs, bool backward, int d, const mt_dropout& drop, const int32_t* doc);
+static cudaError_t cp_fast_forward_step(mt_hopper_gemm_state* hs, attn_view O, float* LSE, const cp_ring_scratch& s,
+                                        int first, int last, attn_cview Q, attn_cview K, attn_cview V, int B, int H,
+                                        int Hkv, int T, int q_rank, int kv_rank, int d, cudaStream_t st);
+static cudaError_t cp_fast_backward_step(mt_hopper_gemm_state* hs, attn_view dQ, const cp_ring_scratch& s, int first,
+                                         int last, attn_cview dO, attn_cview Q, attn_cview K, attn_cview V,
+                                         const float* LSE, const float* Dsum, int B, int H, int Hkv, int T, int q_rank,
+                                         int kv_rank, int d, cudaStream_t st);
+static cudaError_t cp_fast_backward_add(const cp_ring_scratch& s, const float* dkv_in, float* dkv_out, int B, int Hkv,
+                                        int T, int q_rank, int kv_rank, int d, cudaStream_t st);
 
 /* One ring step's forward: rank q_rank's queries against rank kv_rank's K/V block, merged into the
  * running (acc, LSE) (first: the first block; last: O rounded into the O view). T: local rows. */
@@ -3617,13 +3642,17 @@ static bool cp_ring_kv_step(const mt_exec* ex, const mt_cp_ring* r, cp_ring_scra
  * fp32 from the local Q, K, V (section 17's row views), the rows' positions those of cp_chunk_span
  * (ring->rank); doc [B, T]: the local rows' document starts as sequence positions (NULL: none); drop:
  * the layer's attention dropout site (its masks indexed by global positions in the S = CP*T sequence).
- * Errors go to ex->error (false returned). Scratch: (size_t)mt_cp_ring_scratch_bytes(B, H, Hkv, T, d). */
+ * hopper: section 13.1's probe state; not NULL, the steps run on the Hopper kernels where they run and
+ * take the call (section 13.4: no dropout, no documents), else on section 9's. Errors go to ex->error
+ * (false returned). Scratch: (size_t)mt_cp_ring_scratch_bytes(B, H, Hkv, T, d). */
 [[maybe_unused]]
 static bool cp_ring_attention_forward(const mt_exec* ex, const mt_cp_ring* ring, attn_view O, float* LSE, attn_cview Q,
                                       attn_cview K, attn_cview V, int B, int H, int Hkv, int T, int d,
-                                      const mt_dropout& drop, const int32_t* doc, void* scratch, size_t scratch_bytes) {
+                                      const mt_dropout& drop, const int32_t* doc, void* scratch, size_t scratch_bytes,
+                                      mt_hopper_gemm_state* hopper = NULL) {
     const attn_cview views[] = {cview(O), Q, K, V};
     if (!cp_ring_args_ok(ex, ring, views, 4, B, H, Hkv, T, d, scratch, scratch_bytes, "forward")) return false;
+    const bool fast = cp_fast_wanted(hopper, false, d, drop, doc);
     mt_gpu_error* e = ex->error;
     const int P = ring->size, r = ring->rank;
     cudaStream_t st = ex->stream;
@@ -3637,8 +3666,10 @@ static bool cp_ring_attention_forward(const mt_exec* ex, const mt_cp_ring* ring,
         if (i > 0 && !CUDA_CHECK(e, cudaStreamWaitEvent(st, ring->ready[cur], 0))) return false;
         const attn_cview k = cview(packed_heads_view(s.kv[cur], Hkv, T, d, 1)),
                          v = cview(packed_heads_view(s.kv[cur] + kv_elems, Hkv, T, d, 1));
-        if (!CUDA_CHECK(e, cp_attention_forward_block(O, LSE, s.acc, i == 0, i == P - 1, Q, k, v, B, H, Hkv, T, r, j, P,
-                                                      d, st, drop, doc)))
+        if (!CUDA_CHECK(e, fast ? cp_fast_forward_step(hopper, O, LSE, s, i == 0, i == P - 1, Q, k, v, B, H, Hkv, T, r,
+                                                       j, d, st)
+                                : cp_attention_forward_block(O, LSE, s.acc, i == 0, i == P - 1, Q, k, v, B, H, Hkv, T, r,
+                                                             j, P, d, st, drop, doc)))
             return false;
         if (P > 1 && !CUDA_CHECK(e, cudaEventRecord(ring->freed[cur], st))) return false;
     }
@@ -3647,15 +3678,16 @@ static bool cp_ring_attention_forward(const mt_exec* ex, const mt_cp_ring* ring,
 
 /* Ring attention backward on ex->stream: dQ (H heads), dK, dV (Hkv heads; views of the local rows) from
  * the local dO, Q, K, V and the forward's final O and LSE; Dsum [B, H, T] fp32 is scratch (as
- * flash_attention_backward's). Other arguments as the forward's. */
+ * flash_attention_backward's). Other arguments as the forward's (hopper: the backward kernels' probe). */
 [[maybe_unused]]
 static bool cp_ring_attention_backward(const mt_exec* ex, const mt_cp_ring* ring, attn_view dQ, attn_view dK,
                                        attn_view dV, float* Dsum, attn_cview dO, attn_cview Q, attn_cview K,
                                        attn_cview V, attn_cview O, const float* LSE, int B, int H, int Hkv, int T,
                                        int d, const mt_dropout& drop, const int32_t* doc, void* scratch,
-                                       size_t scratch_bytes) {
+                                       size_t scratch_bytes, mt_hopper_gemm_state* hopper = NULL) {
     const attn_cview views[] = {cview(dQ), cview(dK), cview(dV), dO, Q, K, V, O};
     if (!cp_ring_args_ok(ex, ring, views, 8, B, H, Hkv, T, d, scratch, scratch_bytes, "backward")) return false;
+    const bool fast = cp_fast_wanted(hopper, true, d, drop, doc);
     mt_gpu_error* e = ex->error;
     const int P = ring->size, r = ring->rank;
     cudaStream_t st = ex->stream;
@@ -3672,15 +3704,19 @@ static bool cp_ring_attention_backward(const mt_exec* ex, const mt_cp_ring* ring
         if (i > 0 && !CUDA_CHECK(e, cudaStreamWaitEvent(st, ring->ready[cur], 0))) return false;
         const attn_cview k = cview(packed_heads_view(s.kv[cur], Hkv, T, d, 1)),
                          v = cview(packed_heads_view(s.kv[cur] + kv_elems, Hkv, T, d, 1));
-        /* dQ first: it needs no travelling sums, so it overlaps their arrival */
-        if (!CUDA_CHECK(e, cp_attention_backward_block(2, dQ, s.acc, i == 0, i == P - 1, NULL, NULL, dO, Q, k, v, LSE,
-                                                       Dsum, B, H, Hkv, T, r, j, P, d, st, drop, doc)))
+        /* dQ first: it needs no travelling sums, so it overlaps their arrival (the Hopper step: both kernels
+         * into the step's scratch, dQ added) */
+        if (!CUDA_CHECK(e, fast ? cp_fast_backward_step(hopper, dQ, s, i == 0, i == P - 1, dO, Q, k, v, LSE, Dsum, B, H,
+                                                        Hkv, T, r, j, d, st)
+                                : cp_attention_backward_block(2, dQ, s.acc, i == 0, i == P - 1, NULL, NULL, dO, Q, k, v,
+                                                              LSE, Dsum, B, H, Hkv, T, r, j, P, d, st, drop, doc)))
             return false;
         /* the sums for rank j's block arrived in dkv[1] (from rank r-1's step i-1); this step's go to dkv[0] */
         if (i > 0 && !CUDA_CHECK(e, cudaStreamWaitEvent(st, ring->grad_ready, 0))) return false;
-        if (!CUDA_CHECK(e, cp_attention_backward_block(1, dQ, s.acc, i == 0, i == P - 1, i > 0 ? s.dkv[1] : NULL,
-                                                       s.dkv[0], dO, Q, k, v, LSE, Dsum, B, H, Hkv, T, r, j, P, d, st,
-                                                       drop, doc)))
+        if (!CUDA_CHECK(e, fast ? cp_fast_backward_add(s, i > 0 ? s.dkv[1] : NULL, s.dkv[0], B, Hkv, T, r, j, d, st)
+                                : cp_attention_backward_block(1, dQ, s.acc, i == 0, i == P - 1, i > 0 ? s.dkv[1] : NULL,
+                                                              s.dkv[0], dO, Q, k, v, LSE, Dsum, B, H, Hkv, T, r, j, P,
+                                                              d, st, drop, doc)))
             return false;
         if (P > 1) { /* the sums move on with the block (after the last step: home to their owner) */
             if (!CUDA_CHECK(e, cudaEventRecord(ring->freed[cur], st)) ||
@@ -4743,7 +4779,7 @@ typedef struct {
 #define GEMM_MAX_PLANS 256
 /* Section 13.1's probe of this GPU, made once (hopper_gemm_available): state 0 not yet, 1 the Hopper grouped
  * GEMM runs here, -1 it does not; then the SM count and the driver's cuTensorMapEncodeTiled. */
-typedef struct {
+typedef struct mt_hopper_gemm_state {
     int state;
     int sms;
     void* encode;
@@ -6081,9 +6117,12 @@ static void hopper_grouped_wgrad(const mt_exec* ex, float* dW, const __nv_bfloat
 /*    changes. PTX wrappers: section 13.1's (hg), and fa3's own m64n64k16 for P V at d = 64.      */
 /*    Selection (attention_forward_fast): this kernel where it runs (sm_90a build, compute 9.x,   */
 /*    probed once into mt_hopper_gemm_state.attn), d = 64 or 128 (fa3::head_dim_ok), no dropout,  */
-/*    no document mask, no context parallelism; MT_ATTN_FWD=fa2 forces section 9's forward.       */
-/*    defines: namespace fa3 (the kernel, a template on d), hopper_attention_available,           */
-/*    hopper_attention_forward, attn_choice_parse, attn_fwd_parse, attention_forward_fast.        */
+/*    no document mask; MT_ATTN_FWD=fa2 forces section 9's forward. Also without the causal mask  */
+/*    on a window of Tq query rows against Tk keys with a strided LSE (hopper_attention_forward_  */
+/*    rect): the context-parallel ring's steps against another rank's block (section 13.4).       */
+/*    defines: namespace fa3 (the kernel, a template on d and CAUSAL), hopper_attention_available,*/
+/*    hopper_attention_forward_rect, hopper_attention_forward, attn_choice_parse, attn_fwd_parse,  */
+/*    attention_forward_fast.                                                                     */
 /* ============================================================================================== */
 /*
  * ---- The CTA: 384 threads, persistent over work tiles of 128 query rows of one (b, h) ---------------
@@ -6170,11 +6209,14 @@ struct layout {
     static_assert(TILE_Q % 1024 == 0 && TILE_KV % 1024 == 0, "tiles on 1024-byte swizzle atoms");
 };
 
-/* What the kernel takes besides the tensor maps: O's view (written with plain stores), LSE [B, H, T]. */
+/* What the kernel takes besides the tensor maps: O's view (written with plain stores), LSE (row t of head h of
+ * batch b at LSE[(b H + h) lse_stride + t]). T query rows, Tk keys (causal: Tk == T, lse_stride == T). */
 struct params {
     fa::heads_view<bf16> O;
     float* LSE;
     int B, H, Hkv, T;
+    int Tk;           /* keys */
+    int lse_stride;   /* LSE's row count per (b, h) */
     int m_blocks;     /* ceil(T / BM): query tiles per (b, h) */
     int tiles;        /* work tiles m_blocks * H * B (tile_of's numbering); the grid strides over them */
     float scale;      /* 1/sqrt(d) */
@@ -6183,16 +6225,17 @@ struct params {
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* s[BN/2]: this thread's scores of key tile n (rows row0 = 16w+g, row1 = row0+8); keys >= T and keys after
- * the row (causal) become -inf */
-__device__ __forceinline__ void mask_tile(float (&s)[BN / 2], int n, int row0, int row1, int T, int t) {
+/* s[BN/2]: this thread's scores of key tile n (rows row0 = 16w+g, row1 = row0+8); keys >= Tk and, CAUSAL, keys
+ * after the row become -inf */
+template <bool CAUSAL>
+__device__ __forceinline__ void mask_tile(float (&s)[BN / 2], int n, int row0, int row1, int Tk, int t) {
 #pragma unroll
     for (int j = 0; j < BN / 8; j++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int col = n * BN + 8 * j + 2 * t + (e & 1);
             const int row = e < 2 ? row0 : row1;
-            if (col >= T || col > row) s[4 * j + e] = -INFINITY;
+            if (col >= Tk || (CAUSAL && col > row)) s[4 * j + e] = -INFINITY;
         }
 }
 
@@ -6300,7 +6343,7 @@ __device__ __forceinline__ void wait_warp(uint32_t bar, uint32_t parity, hg::wat
 }
 
 /* Work tile i (0 <= i < p.tiles) of the persistent grid: 128 query rows m_block of head h of batch b, and its
- * key tile count under the causal mask. Longest first (LPT): i / (H B) counts m_blocks down from the last, whose
+ * key tile count (under the causal mask; without it every tile has all ceil(Tk / BN)). Longest first (LPT): i / (H B) counts m_blocks down from the last, whose
  * rows see the most keys, so with the snake order (hg::snake_tile) every CTA's sum of key tiles is near
  * equal and the short tiles fill the tail. Within an m_block h runs fastest: the CTAs running
  * at once take the heads of one sequence, so under GQA the qpg heads of a group read the same K/V tiles
@@ -6308,13 +6351,14 @@ __device__ __forceinline__ void wait_warp(uint32_t bar, uint32_t parity, hg::wat
 struct work {
     int m_block, h, b, n_tiles;
 };
+template <bool CAUSAL>
 __device__ __forceinline__ work tile_of(int i, const params& p) {
     const int hb = p.H * p.B;
     work w;
     w.m_block = p.m_blocks - 1 - i / hb;
     w.h = (i % hb) % p.H;
     w.b = (i % hb) / p.H;
-    w.n_tiles = (min(p.T, (w.m_block + 1) * BM) + BN - 1) / BN;
+    w.n_tiles = CAUSAL ? (min(p.T, (w.m_block + 1) * BM) + BN - 1) / BN : (p.Tk + BN - 1) / BN;
     return w;
 }
 #endif /* __CUDA_ARCH_FEAT_SM90_ALL */
@@ -6322,8 +6366,9 @@ __device__ __forceinline__ work tile_of(int i, const params& p) {
 /* watchdog "stage" field: which barrier was waited for */
 enum { WAIT_Q_FULL = 0, WAIT_K_FULL, WAIT_V_FULL, WAIT_K_EMPTY, WAIT_V_EMPTY, WAIT_TURN, WAIT_Q_EMPTY };
 
-/* D: the head dim, 64 or 128 (layout's static_assert) */
-template <int D>
+/* D: the head dim, 64 or 128 (layout's static_assert); CAUSAL: the causal mask (Tk == T), else every query
+ * sees all Tk keys (section 9.5's ring steps against another rank's block) */
+template <int D, bool CAUSAL>
 __global__ void __launch_bounds__(THREADS, 1)
     fa3_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                    const __grid_constant__ CUtensorMap tm_v, params p) {
@@ -6342,7 +6387,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     auto turn = [&](int w) { return bars + 8u * (1 + 4 * STAGES + w); }; /* consumer w may issue its GEMMs */
 
     const int qpg = p.H / p.Hkv;
-    const int T = p.T;
+    const int T = p.T, Tk = p.Tk;
     /* warp-uniform by construction (a broadcast from lane 0): ptxas then gives each role's branch the
      * register budget its setmaxnreg sets */
     const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0), lane = threadIdx.x % 32, wg = warp / 4;
@@ -6382,7 +6427,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             tma_prefetch_desc(&tm_v);
             int kv = 0, j = 0;
             for (int i; (i = hg::snake_tile(j, p.tiles)) >= 0; j++) {
-                const work wk = tile_of(i, p);
+                const work wk = tile_of<CAUSAL>(i, p);
                 const int hkv = wk.h / qpg;
                 mbar_wait(q_empty, (j & 1) ^ 1, p.wd, TIMEOUT_NS, 0, WAIT_Q_EMPTY, i, 0);
                 mbar_arrive_expect_tx(q_full, L::TILE_Q);
@@ -6440,12 +6485,12 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     int kv = 0, slot = 0, j = 0; /* this CTA's K/V ring entries, issue slots and work tiles so far */
     for (int i; (i = hg::snake_tile(j, p.tiles)) >= 0; j++) {
-        const work wk = tile_of(i, p);
+        const work wk = tile_of<CAUSAL>(i, p);
         const int m_block = wk.m_block, h = wk.h, b = wk.b, n_tiles = wk.n_tiles;
         const int wg_row0 = m_block * BM + cw * 64; /* the warpgroup's first query row */
         const int row0 = wg_row0 + 16 * w + g, row1 = row0 + 8;
-        /* a tile needs masking when it reaches past T or its last key is after the warpgroup's first row */
-        auto needs_mask = [&](int n) { return (n + 1) * BN > T || (n + 1) * BN - 1 > wg_row0; };
+        /* a tile needs masking when it reaches past Tk or (causal) its last key is after the warpgroup's first row */
+        auto needs_mask = [&](int n) { return (n + 1) * BN > Tk || (CAUSAL && (n + 1) * BN - 1 > wg_row0); };
         /* after S_n is read: K stage st is free, and after the tile's last S so is Q */
         auto k_done = [&](int st, int n) {
             if (lane == 0) {
@@ -6473,7 +6518,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             reg_fence<BN / 2>(s);
             k_done(st, 0);
         }
-        if (needs_mask(0)) mask_tile(s, 0, row0, row1, T, t);
+        if (needs_mask(0)) mask_tile<CAUSAL>(s, 0, row0, row1, Tk, t);
         softmax_tile(s, m0, m1, l0, l1, c0, c1, sl2);
         convert_p(s, pa);
         for (int n = 1; n < n_tiles; n++) {
@@ -6493,7 +6538,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             wgmma_wait<1>(); /* S_n done */
             reg_fence<BN / 2>(s);
             k_done(st, n);
-            if (needs_mask(n)) mask_tile(s, n, row0, row1, T, t);
+            if (needs_mask(n)) mask_tile<CAUSAL>(s, n, row0, row1, Tk, t);
             softmax_tile(s, m0, m1, l0, l1, c0, c1, sl2);
             wgmma_wait<0>(); /* P_{n-1} V_{n-1} done: O and pa are free */
             reg_fence<D / 2>(o);
@@ -6534,14 +6579,14 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
             for (int jj = 0; jj < D / 8; jj++)
                 *reinterpret_cast<uint32_t*>(out + 8 * jj) = fa::pack_bf16(o[4 * jj] * inv0, o[4 * jj + 1] * inv0);
-            if (t == 0) p.LSE[bh * T + row0] = m0 * p.scale + logf(l0);
+            if (t == 0) p.LSE[bh * p.lse_stride + row0] = m0 * p.scale + logf(l0);
         }
         if (row1 < T) {
             bf16* out = oh + (int64_t)row1 * p.O.row;
 #pragma unroll
             for (int jj = 0; jj < D / 8; jj++)
                 *reinterpret_cast<uint32_t*>(out + 8 * jj) = fa::pack_bf16(o[4 * jj + 2] * inv1, o[4 * jj + 3] * inv1);
-            if (t == 0) p.LSE[bh * T + row1] = m1 * p.scale + logf(l1);
+            if (t == 0) p.LSE[bh * p.lse_stride + row1] = m1 * p.scale + logf(l1);
         }
     }
 #elif defined(__CUDA_ARCH__)
@@ -6550,15 +6595,15 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 } /* namespace fa3 */
 
-/* One head dim's kernel built for sm_90a with the registers setmaxnreg's 24/240 split needs, and its shared
- * memory allowed (the opt-in limit optin) and set. */
-template <int D>
+/* One head dim's kernel (causal or not) built for sm_90a with the registers setmaxnreg's 24/240 split needs,
+ * and its shared memory allowed (the opt-in limit optin) and set. */
+template <int D, bool CAUSAL>
 static bool fa3_kernel_ready(int optin) {
     cudaFuncAttributes a;
-    return cudaFuncGetAttributes(&a, fa3::fa3_fwd_kernel<D>) == cudaSuccess &&
+    return cudaFuncGetAttributes(&a, fa3::fa3_fwd_kernel<D, CAUSAL>) == cudaSuccess &&
            a.numRegs * fa3::THREADS >= fa3::PRODUCER_REGS * 128 + fa3::CONSUMER_REGS * 256 &&
            fa3::layout<D>::SMEM <= optin &&
-           cudaFuncSetAttribute(fa3::fa3_fwd_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+           cudaFuncSetAttribute(fa3::fa3_fwd_kernel<D, CAUSAL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 fa3::layout<D>::SMEM) == cudaSuccess;
 }
 
@@ -6574,7 +6619,8 @@ static bool hopper_attention_available(mt_hopper_gemm_state* s) {
     int dev = 0, optin = 0;
     const bool ok = cudaGetDevice(&dev) == cudaSuccess &&
                     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
-                    fa3_kernel_ready<128>(optin) && fa3_kernel_ready<64>(optin);
+                    fa3_kernel_ready<128, true>(optin) && fa3_kernel_ready<64, true>(optin) &&
+                    fa3_kernel_ready<128, false>(optin) && fa3_kernel_ready<64, false>(optin);
     (void)cudaGetLastError();
     s->attn = ok ? 1 : -1;
     return ok;
@@ -6598,25 +6644,29 @@ static bool fa3_tensor_map(hg_encode_tiled_fn encode, CUtensorMap* m, attn_cview
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-/* Causal attention forward on section 13.2's kernel, as flash_attention_forward without dropout or documents:
- * O (H heads), LSE [B, H, T] fp32 from Q (H heads), K, V (Hkv heads), views of any layout fa::view_ok takes,
- * d = 64 or 128. cudaErrorInvalidValue (nothing queued) for what it does not take; cudaErrorNotSupported where
- * the kernel does not run (hopper_attention_available). wd: the tests' watchdog record (NULL: trap only);
- * max_ctas > 0: that many CTAs, at most one per tile (the test's many-tiles-per-CTA run, the lab's
- * one-tile-per-CTA timing; the outputs do not depend on it). */
-static cudaError_t hopper_attention_forward(mt_hopper_gemm_state* st, attn_view O, float* LSE, attn_cview Q, attn_cview K,
-                                            attn_cview V, int B, int H, int Hkv, int T, int d, cudaStream_t stream,
-                                            hg::watchdog* wd = NULL, int max_ctas = 0) {
-    const int m_blocks = (T + fa3::BM - 1) / fa3::BM;
+/* Attention forward on section 13.2's kernel, without dropout or documents: O (H heads, Tq rows), LSE (row t of
+ * head h of batch b at LSE[(b H + h) lse_stride + t], fp32) from Q (H heads, Tq rows), K, V (Hkv heads, Tk
+ * rows), views of any layout fa::view_ok takes, d = 64 or 128. causal: the causal mask (Tq == Tk needed), else
+ * every query sees every key (section 9.5's ring steps against another rank's block). cudaErrorInvalidValue
+ * (nothing queued) for what it does not take; cudaErrorNotSupported where the kernel does not run
+ * (hopper_attention_available). wd: the tests' watchdog record (NULL: trap only); max_ctas > 0: that many
+ * CTAs, at most one per tile (the test's many-tiles-per-CTA run, the lab's one-tile-per-CTA timing; the
+ * outputs do not depend on it). */
+static cudaError_t hopper_attention_forward_rect(mt_hopper_gemm_state* st, attn_view O, float* LSE, int lse_stride,
+                                                 attn_cview Q, attn_cview K, attn_cview V, int B, int H, int Hkv, int Tq,
+                                                 int Tk, int d, bool causal, cudaStream_t stream,
+                                                 hg::watchdog* wd = NULL, int max_ctas = 0) {
+    const int m_blocks = (Tq + fa3::BM - 1) / fa3::BM;
     const int64_t tiles = (int64_t)m_blocks * H * B; /* B, H >= 1 once shape_ok says yes */
-    if (!fa3::head_dim_ok(d) || !fa::shape_ok(B, H, Hkv, T, d) || !fa::view_ok(O) || !fa::view_ok(Q) ||
-        !fa::view_ok(K) || !fa::view_ok(V) || tiles > INT_MAX / 2) /* a tile index stays an int */
+    if (!fa3::head_dim_ok(d) || !fa::shape_ok(B, H, Hkv, Tq, d) || !fa::shape_ok(B, H, Hkv, Tk, d) ||
+        (causal && Tq != Tk) || lse_stride < Tq || !fa::view_ok(O) || !fa::view_ok(Q) || !fa::view_ok(K) ||
+        !fa::view_ok(V) || tiles > INT_MAX / 2) /* a tile index stays an int */
         return cudaErrorInvalidValue;
     if (!hopper_attention_available(st)) return cudaErrorNotSupported;
     const hg_encode_tiled_fn encode = (hg_encode_tiled_fn)st->encode;
     CUtensorMap mq, mk, mv;
-    if (!fa3_tensor_map(encode, &mq, Q, B, H, H / Hkv, T, d) || !fa3_tensor_map(encode, &mk, K, B, Hkv, 1, T, d) ||
-        !fa3_tensor_map(encode, &mv, V, B, Hkv, 1, T, d))
+    if (!fa3_tensor_map(encode, &mq, Q, B, H, H / Hkv, Tq, d) || !fa3_tensor_map(encode, &mk, K, B, Hkv, 1, Tk, d) ||
+        !fa3_tensor_map(encode, &mv, V, B, Hkv, 1, Tk, d))
         return cudaErrorInvalidValue;
     fa3::params p;
     p.O = O;
@@ -6624,7 +6674,9 @@ static cudaError_t hopper_attention_forward(mt_hopper_gemm_state* st, attn_view 
     p.B = B;
     p.H = H;
     p.Hkv = Hkv;
-    p.T = T;
+    p.T = Tq;
+    p.Tk = Tk;
+    p.lse_stride = lse_stride;
     p.m_blocks = m_blocks;
     p.tiles = (int)tiles;
     p.scale = 1.0f / sqrtf((float)d); /* as section 9's forward */
@@ -6635,9 +6687,21 @@ static cudaError_t hopper_attention_forward(mt_hopper_gemm_state* st, attn_view 
     int64_t ctas = st->sms > 0 ? st->sms : 1;
     if (max_ctas > 0) ctas = max_ctas;
     const unsigned grid = (unsigned)(tiles < ctas ? tiles : ctas);
-    if (d == 64) fa3::fa3_fwd_kernel<64><<<grid, fa3::THREADS, fa3::layout<64>::SMEM, stream>>>(mq, mk, mv, p);
-    else fa3::fa3_fwd_kernel<128><<<grid, fa3::THREADS, fa3::layout<128>::SMEM, stream>>>(mq, mk, mv, p);
+    constexpr int S64 = fa3::layout<64>::SMEM, S128 = fa3::layout<128>::SMEM;
+    if (d == 64 && causal) fa3::fa3_fwd_kernel<64, true><<<grid, fa3::THREADS, S64, stream>>>(mq, mk, mv, p);
+    else if (d == 64) fa3::fa3_fwd_kernel<64, false><<<grid, fa3::THREADS, S64, stream>>>(mq, mk, mv, p);
+    else if (causal) fa3::fa3_fwd_kernel<128, true><<<grid, fa3::THREADS, S128, stream>>>(mq, mk, mv, p);
+    else fa3::fa3_fwd_kernel<128, false><<<grid, fa3::THREADS, S128, stream>>>(mq, mk, mv, p);
     return cudaGetLastError();
+}
+
+/* Causal attention forward on section 13.2's kernel, as flash_attention_forward without dropout or documents:
+ * O (H heads), LSE [B, H, T] fp32 from Q (H heads), K, V (Hkv heads); the rest as
+ * hopper_attention_forward_rect's. */
+static cudaError_t hopper_attention_forward(mt_hopper_gemm_state* st, attn_view O, float* LSE, attn_cview Q, attn_cview K,
+                                            attn_cview V, int B, int H, int Hkv, int T, int d, cudaStream_t stream,
+                                            hg::watchdog* wd = NULL, int max_ctas = 0) {
+    return hopper_attention_forward_rect(st, O, LSE, T, Q, K, V, B, H, Hkv, T, T, d, true, stream, wd, max_ctas);
 }
 
 /* MT_ATTN_FWD's and MT_ATTN_BWD's values (attn_choice_parse, the one rule for both): unset or empty, the rule
@@ -6682,8 +6746,11 @@ static cudaError_t attention_forward_fast(mt_hopper_gemm_state* st, int mode, at
 /*    written in place), without dropout, document masks or the QKV-bias column sums. Its lab:    */
 /*    dev/cuda/flash_attention_hopper_bwd.cu. PTX wrappers: section 13.1's (hg), plus the m64n64  */
 /*    shapes below. Selection (attention_backward_fast): this path where it runs and the call     */
-/*    fits, else section 9's; MT_ATTN_BWD=fa2 forces section 9's (attn_bwd_parse).                */
-/*    defines: namespace fa3b (the kernels), hopper_attention_backward_available,                 */
+/*    fits, else section 9's; MT_ATTN_BWD=fa2 forces section 9's (attn_bwd_parse). Like 13.2's,   */
+/*    also unmasked on a window of Tq query rows against Tk keys with a given Dsum and strided     */
+/*    LSE (hopper_attention_backward_rect: section 13.4's ring steps).                            */
+/*    defines: namespace fa3b (the kernels, templates on d and CAUSAL),                           */
+/*    hopper_attention_backward_available, hopper_attention_backward_rect,                        */
 /*    hopper_attention_backward, attn_bwd_parse, hopper_backward_wanted,                          */
 /*    attention_backward_fast.                                                                    */
 /* ============================================================================================== */
@@ -6781,17 +6848,19 @@ struct q_smem {
 /* What the kernels take besides the tensor maps. */
 struct params {
     fa::heads_view<bf16> dQ, dK, dV;
-    const float* LSE;  /* [B, H, T] */
-    const float* Dsum; /* [B, H, T] */
-    int H, Hkv, T, B;
+    const float* LSE;  /* row t of head h of batch b at (b H + h) lse_stride + t */
+    const float* Dsum; /* likewise */
+    int H, Hkv, T, B;  /* T: query rows */
+    int Tk;            /* keys (causal: T) */
+    int lse_stride;    /* LSE's and Dsum's rows per (b, h) (causal: T) */
     float scale;      /* 1/sqrt(D) */
     float scale_log2; /* scale * log2(e) */
     hg::watchdog* wd; /* NULL: a timed-out wait just traps */
     unsigned long long timeout_ns;
 };
 
-/* The persistent CTAs' work lists (see the banner): tile i of the dK/dV kernel's ceil(T / 128) * Hkv * B, and
- * of the dQ kernel's ceil(T / 128) * H * B, in longest-first order. */
+/* The persistent CTAs' work lists (see the banner): tile i of the dK/dV kernel's ceil(Tk / 128) * Hkv * B, and
+ * of the dQ kernel's ceil(T / 128) * H * B, in longest-first order (without the causal mask all are equal). */
 __device__ __forceinline__ void kv_tile_of(int i, const params& p, int& kt, int& hkv, int& b) {
     const int heads = p.Hkv * p.B;
     kt = i / heads; /* key tile 0 sees every query tile: the most work */
@@ -6860,8 +6929,9 @@ __device__ __forceinline__ void wait_warp(uint32_t bar, uint32_t parity, const p
 }
 #endif /* __CUDA_ARCH_FEAT_SM90_ALL */
 
-/* dK, dV of 128 keys (see the section's banner). Maps: Q, dO boxes 64 rows; K, V boxes 128 rows. */
-template <int D>
+/* dK, dV of 128 keys (see the section's banner). Maps: Q, dO boxes 64 rows; K, V boxes 128 rows. CAUSAL: the
+ * causal mask (Tk == T), else every query sees every key (section 9.5's ring steps). */
+template <int D, bool CAUSAL>
 __global__ void __launch_bounds__(THREADS, 1)
     dkdv_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                 const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v, params p) {
@@ -6881,8 +6951,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     auto empty = [&](int s) { return bars + 8u * (1 + STAGES + s); };
     const uint32_t kv_empty = bars + 8u * (1 + 2 * STAGES);
 
-    const int T = p.T, qpg = p.H / p.Hkv;
-    const int tiles = (T + KV_KEYS - 1) / KV_KEYS * p.Hkv * p.B;
+    const int T = p.T, Tk = p.Tk, qpg = p.H / p.Hkv;
+    const int tiles = (Tk + KV_KEYS - 1) / KV_KEYS * p.Hkv * p.B;
     const int q_tiles = (T + KV_QB - 1) / KV_QB;
     const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0), lane = threadIdx.x % 32, wg = warp / 4;
 
@@ -6909,7 +6979,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             for (int lt = 0, tile; (tile = hg::snake_tile(lt, tiles)) >= 0; lt++) {
                 int kt, hkv, b;
                 kv_tile_of(tile, p, kt, hkv, b);
-                const int qt_first = kt * KV_KEYS / KV_QB, per_head = q_tiles - qt_first, n_it = qpg * per_head;
+                const int qt_first = CAUSAL ? kt * KV_KEYS / KV_QB : 0, per_head = q_tiles - qt_first, n_it = qpg * per_head;
                 /* K, V of this tile once the consumers' last product of the previous one is done */
                 mbar_wait(kv_empty, (lt & 1) ^ 1, p.wd, p.timeout_ns, 0, WAIT_KV_EMPTY, tile, 0);
                 mbar_arrive_expect_tx(kv_full, 2 * L::TILE_KV);
@@ -6934,11 +7004,11 @@ __global__ void __launch_bounds__(THREADS, 1)
             for (int lt = 0, tile; (tile = hg::snake_tile(lt, tiles)) >= 0; lt++) {
                 int kt, hkv, b;
                 kv_tile_of(tile, p, kt, hkv, b);
-                const int qt_first = kt * KV_KEYS / KV_QB, per_head = q_tiles - qt_first, n_it = qpg * per_head;
+                const int qt_first = CAUSAL ? kt * KV_KEYS / KV_QB : 0, per_head = q_tiles - qt_first, n_it = qpg * per_head;
                 for (int it = 0; it < n_it; it++, gi++) {
                     const int s = gi % STAGES, h = hkv * qpg + it / per_head, q0 = (qt_first + it % per_head) * KV_QB;
                     mbar_wait(empty(s), ((gi / STAGES) & 1) ^ 1, p.wd, p.timeout_ns, 0, WAIT_STATS_EMPTY, tile, it);
-                    const size_t row = ((size_t)b * p.H + h) * T;
+                    const size_t row = ((size_t)b * p.H + h) * p.lse_stride;
 #pragma unroll
                     for (int i = lane; i < KV_QB; i += 32) {
                         const int q = q0 + i;
@@ -6962,7 +7032,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int lt = 0, tile; (tile = hg::snake_tile(lt, tiles)) >= 0; lt++) {
         int kt, hkv, b;
         kv_tile_of(tile, p, kt, hkv, b);
-        const int qt_first = kt * KV_KEYS / KV_QB, per_head = q_tiles - qt_first, n_it = qpg * per_head;
+        const int qt_first = CAUSAL ? kt * KV_KEYS / KV_QB : 0, per_head = q_tiles - qt_first, n_it = qpg * per_head;
         const int wk0 = kt * KV_KEYS + 64 * cw;             /* the warpgroup's first key */
         const int key0 = wk0 + 16 * w + g, key1 = key0 + 8; /* this thread's two key rows */
 
@@ -6974,7 +7044,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int it = 0; it < n_it; it++, gi++) {
             const int s = gi % STAGES, q0 = (qt_first + it % per_head) * KV_QB;
             wait_warp(full(s), (gi / STAGES) & 1, p, 1, WAIT_FULL, tile, it);
-            if (q0 + KV_QB - 1 >= wk0) { /* else every query here is before every key of this warpgroup */
+            if (!CAUSAL || q0 + KV_QB - 1 >= wk0) { /* else every query here is before every key of this warpgroup */
                 const uint32_t q_s = sQ + s * L::TILE_Q, do_s = sdO + s * L::TILE_Q;
                 float x[32], dp[32]; /* S^T then P^T; dP^T then dS^T: keys (rows) x 64 queries */
                 /* d = 64: four commit groups (S^T, dP^T, dV += P^T dO, dK += dS^T Q); P^T is computed while dP^T
@@ -6992,14 +7062,14 @@ __global__ void __launch_bounds__(THREADS, 1)
                 reg_fence<32>(x);
                 const float* l = sL + s * KV_QB;
                 const float* dd = sD + s * KV_QB;
-                const bool mask = q0 < wk0 + 64 || q0 + KV_QB > T;
+                const bool mask = (CAUSAL && q0 < wk0 + 64) || q0 + KV_QB > T;
 #pragma unroll
                 for (int j = 0; j < 8; j++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const int col = 8 * j + 2 * t + (e & 1), key = e < 2 ? key0 : key1;
                         const float pv = fa::exp2_approx(fmaf(x[4 * j + e], sl2, -l[col]));
-                        x[4 * j + e] = mask && (q0 + col < key || q0 + col >= T) ? 0.0f : pv;
+                        x[4 * j + e] = mask && ((CAUSAL && q0 + col < key) || q0 + col >= T) ? 0.0f : pv;
                     }
                 uint32_t pa[4][4], da[4][4];
                 if constexpr (OVERLAP) {
@@ -7041,13 +7111,13 @@ __global__ void __launch_bounds__(THREADS, 1)
         __syncwarp();
         if (lane == 0) mbar_arrive(kv_empty);
 
-        /* ---- epilogue: dK * scale and dV into the views (kv head hkv, qpg 1), rows >= T not stored ---- */
+        /* ---- epilogue: dK * scale and dV into the views (kv head hkv, qpg 1), rows >= Tk not stored ---- */
         bf16* kh = p.dK.at(b, hkv, 1) + 2 * t;
         bf16* vh = p.dV.at(b, hkv, 1) + 2 * t;
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const int key = r == 0 ? key0 : key1;
-            if (key >= T) continue;
+            if (key >= Tk) continue;
             bf16* ko = kh + (int64_t)key * p.dK.row;
             bf16* vo = vh + (int64_t)key * p.dV.row;
 #pragma unroll
@@ -7063,8 +7133,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-/* dQ of 128 query rows (see the section's banner). Maps: Q, dO boxes 128 rows; K, V boxes 64 rows. */
-template <int D>
+/* dQ of 128 query rows (see the section's banner). Maps: Q, dO boxes 128 rows; K, V boxes 64 rows. CAUSAL as
+ * dkdv_kernel's. */
+template <int D, bool CAUSAL>
 __global__ void __launch_bounds__(THREADS, 1)
     dq_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
               const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v, params p) {
@@ -7081,7 +7152,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     auto empty = [&](int s) { return bars + 8u * (1 + STAGES + s); };
     const uint32_t q_empty = bars + 8u * (1 + 2 * STAGES);
 
-    const int T = p.T, qpg = p.H / p.Hkv;
+    const int T = p.T, Tk = p.Tk, qpg = p.H / p.Hkv;
     const int tiles = (T + Q_ROWS - 1) / Q_ROWS * p.H * p.B;
     const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0), lane = threadIdx.x % 32, wg = warp / 4;
 
@@ -7108,7 +7179,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             for (int lt = 0, tile; (tile = hg::snake_tile(lt, tiles)) >= 0; lt++) {
                 int m_block, h, b;
                 q_tile_of(tile, p, m_block, h, b);
-                const int hkv = h / qpg, n_tiles = (min(T, (m_block + 1) * Q_ROWS) + Q_KB - 1) / Q_KB;
+                const int hkv = h / qpg,
+                          n_tiles = CAUSAL ? (min(T, (m_block + 1) * Q_ROWS) + Q_KB - 1) / Q_KB : (Tk + Q_KB - 1) / Q_KB;
                 /* Q, dO of this tile once the consumers' last product of the previous one is done */
                 mbar_wait(q_empty, (lt & 1) ^ 1, p.wd, p.timeout_ns, 0, WAIT_Q_EMPTY, tile, 0);
                 mbar_arrive_expect_tx(q_full, 2 * L::TILE_Q);
@@ -7142,14 +7214,15 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int lt = 0, tile; (tile = hg::snake_tile(lt, tiles)) >= 0; lt++) {
         int m_block, h, b;
         q_tile_of(tile, p, m_block, h, b);
-        const int n_tiles = (min(T, (m_block + 1) * Q_ROWS) + Q_KB - 1) / Q_KB;
+        const int n_tiles = CAUSAL ? (min(T, (m_block + 1) * Q_ROWS) + Q_KB - 1) / Q_KB : (Tk + Q_KB - 1) / Q_KB;
         const int wq0 = m_block * Q_ROWS + 64 * cw; /* the warpgroup's first query row */
         const int row0 = wq0 + 16 * w + g, row1 = row0 + 8;
         const size_t bh = (size_t)b * p.H + h;
-        const float l0 = row0 < T ? p.LSE[bh * T + row0] * fa::LOG2E : INFINITY;
-        const float l1 = row1 < T ? p.LSE[bh * T + row1] * fa::LOG2E : INFINITY;
-        const float d0 = row0 < T ? p.Dsum[bh * T + row0] : 0.0f;
-        const float d1 = row1 < T ? p.Dsum[bh * T + row1] : 0.0f;
+        const size_t rs = (size_t)p.lse_stride;
+        const float l0 = row0 < T ? p.LSE[bh * rs + row0] * fa::LOG2E : INFINITY;
+        const float l1 = row1 < T ? p.LSE[bh * rs + row1] * fa::LOG2E : INFINITY;
+        const float d0 = row0 < T ? p.Dsum[bh * rs + row0] : 0.0f;
+        const float d1 = row1 < T ? p.Dsum[bh * rs + row1] : 0.0f;
 
         float dq[D / 2];
 #pragma unroll
@@ -7159,7 +7232,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int n = 0; n < n_tiles; n++, gi++) {
             const int s = gi % STAGES, n0 = n * Q_KB;
             wait_warp(full(s), (gi / STAGES) & 1, p, 1, WAIT_FULL, tile, n);
-            if (n0 <= wq0 + 63) { /* else every key here is after every row of this warpgroup */
+            if (!CAUSAL || n0 <= wq0 + 63) { /* else every key here is after every row of this warpgroup */
                 const uint32_t k_s = sK + s * L::TILE_KV, v_s = sV + s * L::TILE_KV;
                 float x[32], dp[32]; /* S then P; dP then dS: 64 rows x 64 keys */
                 wgmma_fence();
@@ -7169,14 +7242,14 @@ __global__ void __launch_bounds__(THREADS, 1)
                 wgmma_commit();
                 wgmma_wait<1>(); /* S done: P is computed while dP runs */
                 reg_fence<32>(x);
-                const bool mask = n0 + Q_KB > T || n0 + Q_KB - 1 > wq0;
+                const bool mask = n0 + Q_KB > Tk || (CAUSAL && n0 + Q_KB - 1 > wq0);
 #pragma unroll
                 for (int j = 0; j < 8; j++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const int col = n0 + 8 * j + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
                         const float pv = fa::exp2_approx(fmaf(x[4 * j + e], sl2, -(e < 2 ? l0 : l1)));
-                        x[4 * j + e] = mask && (col > row || col >= T) ? 0.0f : pv;
+                        x[4 * j + e] = mask && ((CAUSAL && col > row) || col >= Tk) ? 0.0f : pv;
                     }
                 wgmma_wait<0>();
                 reg_fence<32>(dp);
@@ -7222,7 +7295,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 } /* namespace fa3b */
 
 /* Whether this process's GPU runs section 13.3's kernels: section 13.1's probe (compute 9.x, the driver's
- * cuTensorMapEncodeTiled) and the four kernels built for sm_90a with the registers setmaxnreg's 40/232 split
+ * cuTensorMapEncodeTiled) and the eight kernels (two head dims, causal or not) built for sm_90a with the registers setmaxnreg's 40/232 split
  * needs and their shared memory allowed. Probed once into s->attn_bwd; a failed probe leaves no CUDA error. */
 static bool hopper_attention_backward_available(mt_hopper_gemm_state* s) {
     if (s->attn_bwd) return s->attn_bwd > 0;
@@ -7233,62 +7306,71 @@ static bool hopper_attention_backward_available(mt_hopper_gemm_state* s) {
     int dev = 0, optin = 0;
     bool ok = cudaGetDevice(&dev) == cudaSuccess &&
               cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess;
-    const void* kernels[4] = {(const void*)fa3b::dkdv_kernel<64>, (const void*)fa3b::dkdv_kernel<128>,
-                              (const void*)fa3b::dq_kernel<64>, (const void*)fa3b::dq_kernel<128>};
+    const void* kernels[8] = {(const void*)fa3b::dkdv_kernel<64, true>,  (const void*)fa3b::dkdv_kernel<128, true>,
+                              (const void*)fa3b::dq_kernel<64, true>,    (const void*)fa3b::dq_kernel<128, true>,
+                              (const void*)fa3b::dkdv_kernel<64, false>, (const void*)fa3b::dkdv_kernel<128, false>,
+                              (const void*)fa3b::dq_kernel<64, false>,   (const void*)fa3b::dq_kernel<128, false>};
     const int smem[4] = {fa3b::kv_smem<64>::SMEM, fa3b::kv_smem<128>::SMEM, fa3b::q_smem<64>::SMEM,
                          fa3b::q_smem<128>::SMEM};
-    for (int i = 0; ok && i < 4; i++) {
+    for (int i = 0; ok && i < 8; i++) {
         cudaFuncAttributes a;
         ok = cudaFuncGetAttributes(&a, kernels[i]) == cudaSuccess &&
-             a.numRegs * fa3b::THREADS >= fa3b::PRODUCER_REGS * 128 + fa3b::CONSUMER_REGS * 256 && smem[i] <= optin &&
-             cudaFuncSetAttribute(kernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize, smem[i]) == cudaSuccess;
+             a.numRegs * fa3b::THREADS >= fa3b::PRODUCER_REGS * 128 + fa3b::CONSUMER_REGS * 256 && smem[i % 4] <= optin &&
+             cudaFuncSetAttribute(kernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize, smem[i % 4]) == cudaSuccess;
     }
     (void)cudaGetLastError();
     s->attn_bwd = ok ? 1 : -1;
     return ok;
 }
 
-template <int D>
-static cudaError_t fa3b_launch(const CUtensorMap* maps, const fa3b::params& p, int B, int H, int Hkv, int T, int sms,
-                               cudaStream_t stream) {
+template <int D, bool CAUSAL>
+static cudaError_t fa3b_launch(const CUtensorMap* maps, const fa3b::params& p, int B, int H, int Hkv, int Tq, int Tk,
+                               int sms, cudaStream_t stream) {
     /* persistent: sms CTAs (one per SM: the kernels' registers allow no more), each walking the tile list; a
      * cap >= the tile count gives one tile per CTA */
-    const int kv_tiles = (T + fa3b::KV_KEYS - 1) / fa3b::KV_KEYS * Hkv * B, q_tiles = (T + fa3b::Q_ROWS - 1) / fa3b::Q_ROWS * H * B;
+    const int kv_tiles = (Tk + fa3b::KV_KEYS - 1) / fa3b::KV_KEYS * Hkv * B,
+              q_tiles = (Tq + fa3b::Q_ROWS - 1) / fa3b::Q_ROWS * H * B;
     const dim3 grid_kv(kv_tiles < sms ? kv_tiles : sms);
-    fa3b::dkdv_kernel<D><<<grid_kv, fa3b::THREADS, fa3b::kv_smem<D>::SMEM, stream>>>(maps[0], maps[1], maps[2], maps[3], p);
+    fa3b::dkdv_kernel<D, CAUSAL>
+        <<<grid_kv, fa3b::THREADS, fa3b::kv_smem<D>::SMEM, stream>>>(maps[0], maps[1], maps[2], maps[3], p);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     const dim3 grid_q(q_tiles < sms ? q_tiles : sms);
-    fa3b::dq_kernel<D><<<grid_q, fa3b::THREADS, fa3b::q_smem<D>::SMEM, stream>>>(maps[4], maps[5], maps[6], maps[7], p);
+    fa3b::dq_kernel<D, CAUSAL>
+        <<<grid_q, fa3b::THREADS, fa3b::q_smem<D>::SMEM, stream>>>(maps[4], maps[5], maps[6], maps[7], p);
     return cudaGetLastError();
 }
 
-/* Causal attention backward on section 13.3's kernels, as flash_attention_backward without dropout, documents
- * or column sums: dQ (H heads), dK, dV (Hkv heads) from dO and the forward's Q, K, V, O, LSE; Dsum [B, H, T]
- * fp32 scratch; d = 64 or 128; views of any layout fa::view_ok takes. cudaErrorInvalidValue (nothing queued)
- * for what it does not take; cudaErrorNotSupported where the kernels do not run
- * (hopper_attention_backward_available). opt: the lab's and tests' watchdog record and wait limit (NULL:
- * trap only, 20 s), and max_ctas (0: one CTA per SM) to try other schedules. */
-static cudaError_t hopper_attention_backward(mt_hopper_gemm_state* st, attn_view dQ, attn_view dK, attn_view dV,
-                                             float* Dsum, attn_cview dO, attn_cview Q, attn_cview K, attn_cview V,
-                                             attn_cview O, const float* LSE, int B, int H, int Hkv, int T, int d,
-                                             cudaStream_t stream, const hg::options* opt = NULL) {
-    attn_cview views[] = {cview(dQ), cview(dK), cview(dV), dO, Q, K, V, O};
-    bool ok = fa::shape_ok(B, H, Hkv, T, d) && (int64_t)((T + 63) / 64) * H * B < INT_MAX; /* the tile lists */
+/* Attention backward on section 13.3's kernels without dropout, documents or column sums, from a Dsum already
+ * made: dQ (H heads, Tq rows), dK, dV (Hkv heads, Tk rows) from dO, Q (Tq rows), K, V (Tk rows) and the
+ * forward's LSE, with Dsum = rowsum(dO * O) (both: row t of head h of batch b at (b H + h) lse_stride + t).
+ * causal: the causal mask (Tq == Tk), else every query sees every key (section 9.5's ring steps). d = 64 or
+ * 128; views of any layout fa::view_ok takes. cudaErrorInvalidValue (nothing queued) for what it does not
+ * take; cudaErrorNotSupported where the kernels do not run (hopper_attention_backward_available). opt: the
+ * lab's and tests' watchdog record and wait limit (NULL: trap only, 20 s), and max_ctas (0: one CTA per SM). */
+static cudaError_t hopper_attention_backward_rect(mt_hopper_gemm_state* st, attn_view dQ, attn_view dK, attn_view dV,
+                                                  const float* Dsum, int lse_stride, attn_cview dO, attn_cview Q,
+                                                  attn_cview K, attn_cview V, const float* LSE, int B, int H, int Hkv,
+                                                  int Tq, int Tk, int d, bool causal, cudaStream_t stream,
+                                                  const hg::options* opt = NULL) {
+    attn_cview views[] = {cview(dQ), cview(dK), cview(dV), dO, Q, K, V};
+    bool ok = fa3::head_dim_ok(d) && fa::shape_ok(B, H, Hkv, Tq, d) && fa::shape_ok(B, H, Hkv, Tk, d) &&
+              (!causal || Tq == Tk) && lse_stride >= Tq && (int64_t)((Tq + 63) / 64) * H * B < INT_MAX &&
+              (int64_t)((Tk + 63) / 64) * H * B < INT_MAX; /* the tile lists */
     for (const attn_cview& v : views) ok = ok && fa::view_ok(v);
     if (!ok) return cudaErrorInvalidValue;
     if (!hopper_attention_backward_available(st)) return cudaErrorNotSupported;
     const hg_encode_tiled_fn encode = (hg_encode_tiled_fn)st->encode;
     const int qpg = H / Hkv;
     CUtensorMap maps[8]; /* dK/dV's Q, dO, K, V; dQ's Q, dO, K, V */
-    if (!fa3_tensor_map(encode, &maps[0], Q, B, H, qpg, T, d, fa3b::KV_QB) ||
-        !fa3_tensor_map(encode, &maps[1], dO, B, H, qpg, T, d, fa3b::KV_QB) ||
-        !fa3_tensor_map(encode, &maps[2], K, B, Hkv, 1, T, d, fa3b::KV_KEYS) ||
-        !fa3_tensor_map(encode, &maps[3], V, B, Hkv, 1, T, d, fa3b::KV_KEYS) ||
-        !fa3_tensor_map(encode, &maps[4], Q, B, H, qpg, T, d, fa3b::Q_ROWS) ||
-        !fa3_tensor_map(encode, &maps[5], dO, B, H, qpg, T, d, fa3b::Q_ROWS) ||
-        !fa3_tensor_map(encode, &maps[6], K, B, Hkv, 1, T, d, fa3b::Q_KB) ||
-        !fa3_tensor_map(encode, &maps[7], V, B, Hkv, 1, T, d, fa3b::Q_KB))
+    if (!fa3_tensor_map(encode, &maps[0], Q, B, H, qpg, Tq, d, fa3b::KV_QB) ||
+        !fa3_tensor_map(encode, &maps[1], dO, B, H, qpg, Tq, d, fa3b::KV_QB) ||
+        !fa3_tensor_map(encode, &maps[2], K, B, Hkv, 1, Tk, d, fa3b::KV_KEYS) ||
+        !fa3_tensor_map(encode, &maps[3], V, B, Hkv, 1, Tk, d, fa3b::KV_KEYS) ||
+        !fa3_tensor_map(encode, &maps[4], Q, B, H, qpg, Tq, d, fa3b::Q_ROWS) ||
+        !fa3_tensor_map(encode, &maps[5], dO, B, H, qpg, Tq, d, fa3b::Q_ROWS) ||
+        !fa3_tensor_map(encode, &maps[6], K, B, Hkv, 1, Tk, d, fa3b::Q_KB) ||
+        !fa3_tensor_map(encode, &maps[7], V, B, Hkv, 1, Tk, d, fa3b::Q_KB))
         return cudaErrorInvalidValue;
     fa3b::params p;
     p.dQ = dQ;
@@ -7298,19 +7380,39 @@ static cudaError_t hopper_attention_backward(mt_hopper_gemm_state* st, attn_view
     p.Dsum = Dsum;
     p.H = H;
     p.Hkv = Hkv;
-    p.T = T;
+    p.T = Tq;
+    p.Tk = Tk;
+    p.lse_stride = lse_stride;
     p.B = B;
     p.scale = 1.0f / sqrtf((float)d); /* as section 9 */
     p.scale_log2 = p.scale * fa::LOG2E;
     p.wd = opt ? opt->wd : NULL;
     p.timeout_ns = opt && opt->timeout_ns ? opt->timeout_ns : fa3b::TIMEOUT_NS;
-    /* Dsum = rowsum(dO * O): section 9.3's kernel */
+    const int ctas = opt && opt->max_ctas > 0 ? opt->max_ctas : st->sms; /* the lab tries others */
+    if (d == 64)
+        return causal ? fa3b_launch<64, true>(maps, p, B, H, Hkv, Tq, Tk, ctas, stream)
+                      : fa3b_launch<64, false>(maps, p, B, H, Hkv, Tq, Tk, ctas, stream);
+    return causal ? fa3b_launch<128, true>(maps, p, B, H, Hkv, Tq, Tk, ctas, stream)
+                  : fa3b_launch<128, false>(maps, p, B, H, Hkv, Tq, Tk, ctas, stream);
+}
+
+/* Causal attention backward on section 13.3's kernels, as flash_attention_backward without dropout, documents
+ * or column sums: dQ (H heads), dK, dV (Hkv heads) from dO and the forward's Q, K, V, O, LSE; Dsum [B, H, T]
+ * fp32 scratch (made here: rowsum(dO * O), section 9.3's kernel); the rest as hopper_attention_backward_rect's. */
+static cudaError_t hopper_attention_backward(mt_hopper_gemm_state* st, attn_view dQ, attn_view dK, attn_view dV,
+                                             float* Dsum, attn_cview dO, attn_cview Q, attn_cview K, attn_cview V,
+                                             attn_cview O, const float* LSE, int B, int H, int Hkv, int T, int d,
+                                             cudaStream_t stream, const hg::options* opt = NULL) {
+    attn_cview views[] = {cview(dQ), cview(dK), cview(dV), dO, Q, K, V, O};
+    bool ok = fa3::head_dim_ok(d) && fa::shape_ok(B, H, Hkv, T, d) && (int64_t)((T + 63) / 64) * H * B < INT_MAX;
+    for (const attn_cview& v : views) ok = ok && fa::view_ok(v);
+    if (!ok) return cudaErrorInvalidValue;
+    if (!hopper_attention_backward_available(st)) return cudaErrorNotSupported;
     cudaError_t e = d == 64 ? fa::backward_dot<64>(Dsum, dO, O, B, H, Hkv, T, stream)
                             : fa::backward_dot<128>(Dsum, dO, O, B, H, Hkv, T, stream);
     if (e != cudaSuccess) return e;
-    const int ctas = opt && opt->max_ctas > 0 ? opt->max_ctas : st->sms; /* the lab tries others */
-    return d == 64 ? fa3b_launch<64>(maps, p, B, H, Hkv, T, ctas, stream)
-                   : fa3b_launch<128>(maps, p, B, H, Hkv, T, ctas, stream);
+    return hopper_attention_backward_rect(st, dQ, dK, dV, Dsum, T, dO, Q, K, V, LSE, B, H, Hkv, T, T, d, true, stream,
+                                          opt);
 }
 
 /* MT_ATTN_BWD's value: section 13.2's attn_choice_parse (its rule: unset, section 13.3's kernels where they run
@@ -7340,6 +7442,186 @@ static cudaError_t attention_backward_fast(mt_hopper_gemm_state* st, int mode, a
         if (e != cudaErrorInvalidValue) return e; /* a view it does not take falls through to section 9's */
     }
     return flash_attention_backward(dQ, dK, dV, Dsum, dO, Q, K, V, O, LSE, B, H, Hkv, T, d, stream, colsum, drop, doc);
+}
+
+/* ============================================================================================== */
+/* 13.4 Context-parallel ring steps on the Hopper kernels                                         */
+/*    Section 9.5's ring (--cp-comm-type p2p) with each step on sections 13.2 / 13.3's kernels    */
+/*    instead of section 9's: at CP = 2 the ring on section 9's kernels reached 0.64-0.72 of      */
+/*    CP = 1's TFLOP/s per GPU at 16k-32k tokens (dev/bench/results/cp_ep_h200x2.md), CP = 1      */
+/*    running on these kernels. A step of rank r (local rows T = 2C: chunks r and 2CP-1-r)        */
+/*    against rank j's K/V block (its chunks j and 2CP-1-j) is one plain attention call:          */
+/*      j == r: causal over the T local rows (both chunks' positions grow with the row, so the    */
+/*              local causal mask is the global one);                                             */
+/*      j <  r: all T queries against the block's first chunk (keys 0 .. C), no mask;             */
+/*      j >  r: the queries' second chunk (rows C .. T) against the whole block, no mask          */
+/*    (cp_step_of; section 9.1's positions give the same, tile by tile). The kernels write the    */
+/*    step's O (bf16) and LSE into the ring's scratch; cp_merge_step_kernel folds them into the   */
+/*    fp32 accumulator and the running LSE by log-sum-exp (last step: O rounded into its view).   */
+/*    Backward with the final LSE and Dsum: the step's dQ (bf16) is added to the fp32 accumulator */
+/*    and its dK/dV (bf16) to the travelling fp32 sums (cp_add_step_kernel), which section 9.5    */
+/*    moves on as before. Numerics: each step's O, dQ, dK, dV are rounded to bf16 once before     */
+/*    they are summed in fp32 (section 9's steps add in registers), so the ring's outputs differ  */
+/*    from one GPU's by a few bf16 ulps, not one (tests/test_cp_attention.h's bounds). Fixed      */
+/*    order, no atomics: bitwise repeatable. No dropout or documents (their masks are section     */
+/*    9's): cp_fast_wanted sends those calls to section 9's steps.                                */
+/*    defines: cp_step, cp_step_of, cp_rows, cp_merge_step_kernel, cp_add_step_kernel,           */
+/*    cp_fast_wanted, cp_fast_forward_step, cp_fast_backward_step, cp_fast_backward_add.          */
+/* ============================================================================================== */
+
+/* The rows of a ring step: queries q0 .. q0 + tq of the local rows against keys k0 .. k0 + tk of the block. */
+typedef struct {
+    int q0, tq, k0, tk;
+    bool causal;
+} cp_step;
+static cp_step cp_step_of(int q_rank, int kv_rank, int T) {
+    const int C = T / 2;
+    if (q_rank == kv_rank) return {0, T, 0, T, true};
+    if (kv_rank < q_rank) return {0, T, 0, C, false};
+    return {C, C, 0, T, false};
+}
+/* A view starting r0 rows further down. */
+static attn_view cp_rows(attn_view v, int r0) {
+    v.p += (int64_t)r0 * v.row;
+    return v;
+}
+static attn_cview cp_rows(attn_cview v, int r0) {
+    v.p += (int64_t)r0 * v.row;
+    return v;
+}
+
+/* One warp per (b, h, t) row of the local rows, rows = B H T: rows t in [q0, q1) take the step's O (step_o,
+ * packed [B][H][T][d]) and LSE (step_lse [B][H][T]) into the running ones (first: they are the running ones):
+ * LSE' = log(e^LSE + e^LSE_step), acc' = e^(LSE - LSE') acc + e^(LSE_step - LSE') O_step. last: the result
+ * (other rows: the accumulator as it is) rounded into O's view, the accumulator not written. Each lane owns
+ * d / 32 columns (pairs, 64 columns apart); the LSE is read by every lane before lane 0 writes it. */
+__global__ void cp_merge_step_kernel(attn_view O, float* __restrict__ LSE, float* __restrict__ acc,
+                                     const bf16* __restrict__ step_o, const float* __restrict__ step_lse, int H, int qpg,
+                                     int T, int d, int q0, int q1, int first, int last, int64_t rows) {
+    const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const int t = (int)(row % T), bh = (int)(row / T), b = bh / H, h = bh % H;
+    const bool in = t >= q0 && t < q1;
+    if (!in && !last && !first) return; /* nothing of this row changes */
+    float wa = 0.0f, wb = 0.0f, lse = -INFINITY;
+    if (in) {
+        const float lb = step_lse[row], la = first ? -INFINITY : LSE[row], m = fmaxf(la, lb);
+        if (m != -INFINITY) {
+            lse = m + logf(expf(la - m) + expf(lb - m));
+            wa = expf(la - lse), wb = expf(lb - lse);
+        }
+    } else if (!first) {
+        lse = LSE[row], wa = 1.0f; /* the running values pass through */
+    }
+    __syncwarp();
+    if (lane == 0 && (in || first)) LSE[row] = lse;
+    float* a = acc + row * d;
+    const bf16* x = step_o + row * d;
+    bf16* out = O.at(b, h, qpg) + (int64_t)t * O.row;
+    for (int c = 2 * lane; c < d; c += 64) {
+        float v0 = 0.0f, v1 = 0.0f;
+        if (wa != 0.0f) v0 = wa * a[c], v1 = wa * a[c + 1];
+        if (wb != 0.0f) {
+            const __nv_bfloat162 xb = *reinterpret_cast<const __nv_bfloat162*>(x + c);
+            v0 += wb * __bfloat162float(xb.x), v1 += wb * __bfloat162float(xb.y);
+        }
+        if (last) *reinterpret_cast<uint32_t*>(out + c) = fa::pack_bf16(v0, v1);
+        else a[c] = v0, a[c + 1] = v1;
+    }
+}
+
+/* 8 elements per thread over rows = (heads) x T rows of d: out = in (NULL: 0) + the step's bf16 values where
+ * the row t is in [r0, r1). final.p != NULL: the sum rounded into that view (H heads, qpg per group) instead
+ * of out. in == out is allowed (each element read and written by one thread). */
+__global__ void cp_add_step_kernel(float* out, const float* in, const bf16* __restrict__ step, attn_view final,
+                                   int H, int qpg, int T, int d, int r0, int r1, size_t vecs) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vecs) return;
+    const size_t row = i / (d / 8);
+    const int e8 = (int)(i % (d / 8)), t = (int)(row % T);
+    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (in) {
+        const float4 a = *reinterpret_cast<const float4*>(in + i * 8), c = *reinterpret_cast<const float4*>(in + i * 8 + 4);
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = c.x, v[5] = c.y, v[6] = c.z, v[7] = c.w;
+    }
+    if (t >= r0 && t < r1) {
+        const uint4 u = *reinterpret_cast<const uint4*>(step + i * 8);
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+        for (int k = 0; k < 4; k++) {
+            const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(&w[k]);
+            v[2 * k] += __bfloat162float(x.x), v[2 * k + 1] += __bfloat162float(x.y);
+        }
+    }
+    if (final.p) {
+        const int bh = (int)(row / T), b = bh / H, h = bh % H;
+        uint4 u;
+        u.x = fa::pack_bf16(v[0], v[1]), u.y = fa::pack_bf16(v[2], v[3]);
+        u.z = fa::pack_bf16(v[4], v[5]), u.w = fa::pack_bf16(v[6], v[7]);
+        *reinterpret_cast<uint4*>(final.at(b, h, qpg) + (int64_t)t * final.row + e8 * 8) = u;
+    } else {
+        *reinterpret_cast<float4*>(out + i * 8) = make_float4(v[0], v[1], v[2], v[3]);
+        *reinterpret_cast<float4*>(out + i * 8 + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    }
+}
+static cudaError_t cp_add_step(float* out, const float* in, const bf16* step, attn_view final, int B, int H, int qpg,
+                               int T, int d, int r0, int r1, cudaStream_t st) {
+    const size_t vecs = (size_t)B * H * T * (d / 8);
+    cp_add_step_kernel<<<(unsigned)((vecs + 255) / 256), 256, 0, st>>>(out, in, step, final, H, qpg, T, d, r0, r1, vecs);
+    return cudaGetLastError();
+}
+
+/* Whether a ring call takes the Hopper steps: a probe state, the kernels running here (forward, or with
+ * backward the backward's too), head dim 64 or 128, no dropout, no documents. */
+static bool cp_fast_wanted(mt_hopper_gemm_state* hs, bool backward, int d, const mt_dropout& drop, const int32_t* doc) {
+    return hs && fa3::head_dim_ok(d) && !drop.on && !doc && hopper_attention_available(hs) &&
+           (!backward || hopper_attention_backward_available(hs));
+}
+
+/* One ring step's forward (rank q_rank's queries against rank kv_rank's block K, V of T rows) merged into
+ * the accumulator s.acc and the running LSE [B, H, T]; first: the first step; last: O written. */
+static cudaError_t cp_fast_forward_step(mt_hopper_gemm_state* hs, attn_view O, float* LSE, const cp_ring_scratch& s,
+                                        int first, int last, attn_cview Q, attn_cview K, attn_cview V, int B, int H,
+                                        int Hkv, int T, int q_rank, int kv_rank, int d, cudaStream_t st) {
+    const cp_step g = cp_step_of(q_rank, kv_rank, T);
+    const int qpg = H / Hkv;
+    const attn_view step_o = cp_rows(packed_heads_view(s.step_o, H, T, d, qpg), g.q0);
+    cudaError_t e = hopper_attention_forward_rect(hs, step_o, s.step_lse + g.q0, T, cp_rows(Q, g.q0), cp_rows(K, g.k0),
+                                                  cp_rows(V, g.k0), B, H, Hkv, g.tq, g.tk, d, g.causal, st);
+    if (e != cudaSuccess) return e;
+    const int64_t rows = (int64_t)B * H * T;
+    cp_merge_step_kernel<<<(unsigned)((rows + 7) / 8), 256, 0, st>>>(O, LSE, s.acc, s.step_o, s.step_lse, H, qpg, T, d,
+                                                                      g.q0, g.q0 + g.tq, first, last, rows);
+    return cudaGetLastError();
+}
+
+/* One ring step's backward kernels with the final LSE and Dsum [B, H, T]: the block's dK/dV into s.step_dkv
+ * (for cp_fast_backward_add), dQ added to the accumulator s.acc (first / last as the forward's; last: dQ
+ * written). */
+static cudaError_t cp_fast_backward_step(mt_hopper_gemm_state* hs, attn_view dQ, const cp_ring_scratch& s, int first,
+                                         int last, attn_cview dO, attn_cview Q, attn_cview K, attn_cview V,
+                                         const float* LSE, const float* Dsum, int B, int H, int Hkv, int T, int q_rank,
+                                         int kv_rank, int d, cudaStream_t st) {
+    const cp_step g = cp_step_of(q_rank, kv_rank, T);
+    const int qpg = H / Hkv;
+    const size_t kv_elems = (size_t)B * Hkv * T * d;
+    const attn_view step_dq = cp_rows(packed_heads_view(s.step_o, H, T, d, qpg), g.q0),
+                    step_dk = cp_rows(packed_heads_view(s.step_dkv, Hkv, T, d, 1), g.k0),
+                    step_dv = cp_rows(packed_heads_view(s.step_dkv + kv_elems, Hkv, T, d, 1), g.k0);
+    cudaError_t e = hopper_attention_backward_rect(hs, step_dq, step_dk, step_dv, Dsum + g.q0, T, cp_rows(dO, g.q0),
+                                                   cp_rows(Q, g.q0), cp_rows(K, g.k0), cp_rows(V, g.k0), LSE + g.q0, B,
+                                                   H, Hkv, g.tq, g.tk, d, g.causal, st);
+    if (e != cudaSuccess) return e;
+    return cp_add_step(s.acc, first ? NULL : s.acc, s.step_o, last ? dQ : attn_view{}, B, H, qpg, T, d, g.q0,
+                       g.q0 + g.tq, st);
+}
+
+/* The step's dK/dV (s.step_dkv, from cp_fast_backward_step) added to the travelling sums dkv_in (NULL: none
+ * yet) into dkv_out, fp32 [2][B][Hkv][T][d]; in place allowed. */
+static cudaError_t cp_fast_backward_add(const cp_ring_scratch& s, const float* dkv_in, float* dkv_out, int B, int Hkv,
+                                        int T, int q_rank, int kv_rank, int d, cudaStream_t st) {
+    const cp_step g = cp_step_of(q_rank, kv_rank, T);
+    return cp_add_step(dkv_out, dkv_in, s.step_dkv, attn_view{}, 2 * B, Hkv, 1, T, d, g.k0, g.k0 + g.tk, st);
 }
 
 /* ============================================================================================== */
@@ -11017,9 +11299,11 @@ static void attention_forward(mt_trainer* t, const mt_exec* ex, T* qkv, T* probs
             if (cp_p2p(s)) /* the ring over the CP group (section 9.5); its scratch is act.cp */
                 cp_ring_attention_forward(ex, &t->groups.cp_ring, heads_rows_view(s, out), lse, cview(in.q),
                                           cview(in.k), cview(in.v), s.B, s.heads, s.groups, s.S, s.d, drop,
-                                          dims.doc_start, t->act.cp, t->act.cp_bytes);
-            else /* section 13.2's forward where it runs and fits (not under context parallelism), else section 9's */
-                CUDA_CHECK(ex->error, attention_forward_fast(a2a ? NULL : &t->gemm.hopper, t->attn_fwd,
+                                          dims.doc_start, t->act.cp, t->act.cp_bytes,
+                                          t->attn_fwd == MT_ATTN_FWD_FA2 ? NULL : &t->gemm.hopper);
+            else /* section 13.2's forward where it runs and fits, else section 9's (a2a: the whole sequence of this
+                  * rank's heads, a plain causal call) */
+                CUDA_CHECK(ex->error, attention_forward_fast(&t->gemm.hopper, t->attn_fwd,
                                                              heads_rows_view(sa, out), lse, cview(in.q), cview(in.k),
                                                              cview(in.v), sa.B, sa.heads, sa.groups, sa.S, sa.d,
                                                              ex->stream, drop, da.doc_start));
@@ -11065,9 +11349,9 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
         if (t->flash) {
             const int chunks = flash_colsum_chunks(s.B, s.S);
-            /* section 13.3's backward where it runs and fits (not under context parallelism); it has no column
-             * sums, so the QKV bias gradient is then summed by the caller */
-            mt_hopper_gemm_state* hopper = a2a || cp_p2p(s) ? NULL : &t->gemm.hopper;
+            /* section 13.3's backward where it runs and fits (the p2p ring chooses its own steps, section 13.4);
+             * it has no column sums, so the QKV bias gradient is then summed by the caller */
+            mt_hopper_gemm_state* hopper = cp_p2p(s) ? NULL : &t->gemm.hopper;
             const bool fa3_bwd = hopper_backward_wanted(hopper, t->attn_bwd, sa.d, drop, da.doc_start);
             sums = dbias && s.rot == 0 && !s.qk_norm && !a2a && !cp_p2p(s) && !fa3_bwd && chunks <= t->colsum.max_chunks;
             T *in_rows = rows, *out_rows = dqkv;
@@ -11085,7 +11369,7 @@ static bool attention_backward(mt_trainer* t, const mt_exec* ex, T* dqkv, const 
                                            cview(heads_rows_view(s, (void*)do_rows)), cview(in.q), cview(in.k),
                                            cview(in.v), cview(heads_rows_view(s, (void*)o_rows)), lse, s.B, s.heads,
                                            s.groups, s.S, s.d, drop, dims.doc_start, t->act.cp,
-                                           t->act.cp_bytes);
+                                           t->act.cp_bytes, t->attn_bwd == MT_ATTN_BWD_FA2 ? NULL : &t->gemm.hopper);
             else
                 CUDA_CHECK(ex->error, attention_backward_fast(hopper, t->attn_bwd, out.q, out.k, out.v, a->dsum,
                                                               cview(heads_rows_view(sa, (void*)do_rows)), cview(in.q),

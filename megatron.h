@@ -1206,8 +1206,10 @@ MT_DEF int mt_explicit_positions(const mt_config* cfg);
 MT_DEF int64_t mt_cp_scratch_bytes(const mt_config* cfg);
 /* The p2p ring's scratch (megatron.cu section 9.5, cp_scratch_layout), 256-byte aligned pieces: two K/V
  * blocks in bf16 (2 [B, Hkv, T, d] each), the fp32 accumulator [B, H, T, d] (the forward's O, the
- * backward's dQ) and two travelling fp32 dK/dV sums (2 [B, Hkv, T, d] each), for B samples, H query and
- * Hkv K/V heads per TP rank, T = S / CP local rows and head dim d. */
+ * backward's dQ), two travelling fp32 dK/dV sums (2 [B, Hkv, T, d] each), and the outputs of one step on
+ * the Hopper kernels (section 13.4): O or dQ in bf16 [B, H, T, d], its LSE fp32 [B, H, T], dK/dV in bf16
+ * (2 [B, Hkv, T, d]); for B samples, H query and Hkv K/V heads per TP rank, T = S / CP local rows and
+ * head dim d. */
 MT_DEF int64_t mt_cp_ring_scratch_bytes(int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t d);
 
 /* Megatron's documents in a micro-batch (gpt_dataset.py _get_ltor_masks_and_position_ids, for
@@ -5843,9 +5845,13 @@ static int64_t mt__size_align256(int64_t n) { return n > MT__SIZE_MAX - 255 ? MT
 MT_DEF int64_t mt_cp_ring_scratch_bytes(int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t d) {
     const int64_t kv = mt__size_mul(2, mt__size_mul(mt__size_mul(B, Hkv), mt__size_mul(T, d))); /* one block's K, V */
     const int64_t acc = mt__size_mul(mt__size_mul(B, H), mt__size_mul(T, d));
-    return mt__size_add(mt__size_add(mt__size_mul(2, mt__size_align256(mt__size_mul(kv, 2))),
-                                     mt__size_align256(mt__size_mul(acc, 4))),
-                        mt__size_mul(2, mt__size_align256(mt__size_mul(kv, 4))));
+    const int64_t ring = mt__size_add(mt__size_add(mt__size_mul(2, mt__size_align256(mt__size_mul(kv, 2))),
+                                                   mt__size_align256(mt__size_mul(acc, 4))),
+                                      mt__size_mul(2, mt__size_align256(mt__size_mul(kv, 4))));
+    const int64_t step = mt__size_add(mt__size_add(mt__size_align256(mt__size_mul(acc, 2)),
+                                                   mt__size_align256(mt__size_mul(mt__size_mul(B, H), mt__size_mul(T, 4)))),
+                                      mt__size_align256(mt__size_mul(kv, 2)));
+    return mt__size_add(ring, step);
 }
 
 MT_DEF int64_t mt_cp_scratch_bytes(const mt_config* c) {

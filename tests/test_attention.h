@@ -807,6 +807,230 @@ static test_result test_hopper_attention_backward(void) {
     return TEST_PASS;
 }
 
+/* Sections 13.2 / 13.3's kernels on a window of rows (hopper_attention_forward_rect / _backward_rect, what
+ * section 13.4's ring steps call): queries q0 .. q0 + tq of a [B, H, TQ, d] tensor against keys k0 .. k0 + tk
+ * of [B, Hkv, TK, d], LSE and Dsum read and written at a row stride of TQ, with no mask (every query sees
+ * every key: a ring step against another rank's block) or causal; against a double-precision CPU reference
+ * from the same bf16 values (the backward from the reference's LSE and Dsum, rounded to fp32 as the ring
+ * hands them over). Shapes: tq, tk not multiples of the tiles, below one tile and 1, GQA and MHA, both
+ * head dims, more work tiles than SMs. Every output row outside the window must keep its NaN poison (the
+ * views write only their rows), and a second run on 3 CTAs must be bitwise the same.
+ * Tolerances (per output tensor O, dQ, dK, dV): norm-wise 1e-2 and per element |x - y| <= 2^-5 (|y| + rms):
+ * P and dS are rounded to bf16 (2^-9 relative) before their products and the outputs once, summed in fp32,
+ * which the norm-wise bound covers with a margin of ~5 (the FA2 tests measure a few 1e-3 for the same
+ * roundings); the per-element bound allows a few bf16 ulps of the element or of the tensor's scale (dS's
+ * cancellation leaves elements near zero), while a missing key tile, a wrong mask, a window offset or a
+ * stride mistake is off by the order of rms. LSE: fp32 throughout, 1e-4 of max(1, |LSE|). */
+typedef struct {
+    int B, H, Hkv, d, TQ, q0, tq, TK, k0, tk;
+    bool causal;
+} rect_case;
+
+static int rect_check(const rect_case* c, mt_hopper_gemm_state* st) {
+    int ok = 1;
+    const int B = c->B, H = c->H, Hkv = c->Hkv, d = c->d, qpg = H / Hkv, TQ = c->TQ, TK = c->TK;
+    const size_t nq = (size_t)B * H * TQ * d, nk = (size_t)B * Hkv * TK * d, nl = (size_t)B * H * TQ;
+    uint16_t *hq = (uint16_t*)malloc(nq * 2), *hdo = (uint16_t*)malloc(nq * 2), *hk = (uint16_t*)malloc(nk * 2),
+             *hv = (uint16_t*)malloc(nk * 2);
+    uint16_t *ho[2] = {(uint16_t*)malloc(nq * 2), (uint16_t*)malloc(nq * 2)},
+             *hdq[2] = {(uint16_t*)malloc(nq * 2), (uint16_t*)malloc(nq * 2)},
+             *hdk[2] = {(uint16_t*)malloc(nk * 2), (uint16_t*)malloc(nk * 2)},
+             *hdv[2] = {(uint16_t*)malloc(nk * 2), (uint16_t*)malloc(nk * 2)};
+    float *hl[2] = {(float*)malloc(nl * 4), (float*)malloc(nl * 4)}, *hls = (float*)malloc(nl * 4),
+          *hds = (float*)malloc(nl * 4);
+    double *ro = (double*)calloc(nq, 8), *rdq = (double*)calloc(nq, 8), *rdk = (double*)calloc(nk, 8),
+           *rdv = (double*)calloc(nk, 8), *rl = (double*)calloc(nl, 8), *pr = (double*)malloc(sizeof(double) * TK);
+    bf16 *q = NULL, *k = NULL, *v = NULL, *go = NULL, *o = NULL, *dq = NULL, *dk = NULL, *dv = NULL;
+    float *lse = NULL, *lse_in = NULL, *dsum = NULL;
+    const double scale = 1.0 / sqrt((double)d);
+    uint64_t rng = 0x5EC7ull + (uint64_t)c->tq * 7919 + c->tk * 31 + d + c->causal;
+    if (!hq || !hdo || !hk || !hv || !ho[1] || !hdq[1] || !hdk[1] || !hdv[1] || !hl[1] || !hls || !hds || !ro ||
+        !rdq || !rdk || !rdv || !rl || !pr) {
+        printf("    FAIL out of host memory\n");
+        ok = 0;
+        goto done;
+    }
+    flash_fill(hq, nq, 1.7f, &rng);
+    flash_fill(hk, nk, 1.7f, &rng);
+    flash_fill(hv, nk, 1.0f, &rng);
+    flash_fill(hdo, nq, 1.0f, &rng);
+    /* the reference over the window */
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            const size_t qb = ((size_t)b * H + h) * TQ, kb = ((size_t)b * Hkv + h / qpg) * TK;
+            for (int i = c->q0; i < c->q0 + c->tq; i++) {
+                const int keys = c->causal ? i - c->q0 + 1 : c->tk; /* causal: the window's own diagonal */
+                double m = -INFINITY, l = 0.0, dsum = 0.0;
+                for (int j = 0; j < keys; j++) {
+                    double x = 0.0;
+                    for (int e = 0; e < d; e++)
+                        x += flash_bf2d(hq[(qb + i) * d + e]) * flash_bf2d(hk[(kb + c->k0 + j) * d + e]);
+                    pr[j] = x * scale;
+                    m = std::max(m, pr[j]);
+                }
+                for (int j = 0; j < keys; j++) l += exp(pr[j] - m);
+                const double L = m + log(l);
+                rl[qb + i] = L;
+                for (int j = 0; j < keys; j++) pr[j] = exp(pr[j] - L);
+                for (int e = 0; e < d; e++) {
+                    double y = 0.0;
+                    for (int j = 0; j < keys; j++) y += pr[j] * flash_bf2d(hv[(kb + c->k0 + j) * d + e]);
+                    ro[(qb + i) * d + e] = y;
+                    dsum += y * flash_bf2d(hdo[(qb + i) * d + e]);
+                }
+                hls[qb + i] = (float)L, hds[qb + i] = (float)dsum;
+                for (int j = 0; j < keys; j++) {
+                    const size_t kr = (kb + c->k0 + j) * d;
+                    double dp = 0.0;
+                    for (int e = 0; e < d; e++) dp += flash_bf2d(hdo[(qb + i) * d + e]) * flash_bf2d(hv[kr + e]);
+                    const double ds = pr[j] * (dp - dsum);
+                    for (int e = 0; e < d; e++) {
+                        rdq[(qb + i) * d + e] += scale * ds * flash_bf2d(hk[kr + e]);
+                        rdk[kr + e] += scale * ds * flash_bf2d(hq[(qb + i) * d + e]);
+                        rdv[kr + e] += pr[j] * flash_bf2d(hdo[(qb + i) * d + e]);
+                    }
+                }
+            }
+        }
+    FLASH_CUDA(cudaMalloc(&q, nq * 2));
+    FLASH_CUDA(cudaMalloc(&go, nq * 2));
+    FLASH_CUDA(cudaMalloc(&o, nq * 2));
+    FLASH_CUDA(cudaMalloc(&dq, nq * 2));
+    FLASH_CUDA(cudaMalloc(&k, nk * 2));
+    FLASH_CUDA(cudaMalloc(&v, nk * 2));
+    FLASH_CUDA(cudaMalloc(&dk, nk * 2));
+    FLASH_CUDA(cudaMalloc(&dv, nk * 2));
+    FLASH_CUDA(cudaMalloc(&lse, nl * 4));
+    FLASH_CUDA(cudaMalloc(&lse_in, nl * 4));
+    FLASH_CUDA(cudaMalloc(&dsum, nl * 4));
+    FLASH_CUDA(cudaMemcpy(q, hq, nq * 2, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaMemcpy(go, hdo, nq * 2, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaMemcpy(k, hk, nk * 2, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaMemcpy(v, hv, nk * 2, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaMemcpy(lse_in, hls, nl * 4, cudaMemcpyHostToDevice));
+    FLASH_CUDA(cudaMemcpy(dsum, hds, nl * 4, cudaMemcpyHostToDevice));
+    for (int run = 0; run < 2; run++) {
+        const attn_view vq = cp_rows(packed_heads_view(q, H, TQ, d, qpg), c->q0),
+                        vgo = cp_rows(packed_heads_view(go, H, TQ, d, qpg), c->q0),
+                        vo = cp_rows(packed_heads_view(o, H, TQ, d, qpg), c->q0),
+                        vdq = cp_rows(packed_heads_view(dq, H, TQ, d, qpg), c->q0),
+                        vk = cp_rows(packed_heads_view(k, Hkv, TK, d, 1), c->k0),
+                        vv = cp_rows(packed_heads_view(v, Hkv, TK, d, 1), c->k0),
+                        vdk = cp_rows(packed_heads_view(dk, Hkv, TK, d, 1), c->k0),
+                        vdv = cp_rows(packed_heads_view(dv, Hkv, TK, d, 1), c->k0);
+        hg::options three = {-1, 3, NULL, 0};
+        FLASH_CUDA(cudaMemset(o, 0xFF, nq * 2));
+        FLASH_CUDA(cudaMemset(dq, 0xFF, nq * 2));
+        FLASH_CUDA(cudaMemset(dk, 0xFF, nk * 2));
+        FLASH_CUDA(cudaMemset(dv, 0xFF, nk * 2));
+        FLASH_CUDA(cudaMemset(lse, 0xFF, nl * 4));
+        FLASH_CUDA(hopper_attention_forward_rect(st, vo, lse + c->q0, TQ, cview(vq), cview(vk), cview(vv), B, H, Hkv,
+                                                 c->tq, c->tk, d, c->causal, 0, NULL, run ? 3 : 0));
+        FLASH_CUDA(hopper_attention_backward_rect(st, vdq, vdk, vdv, dsum + c->q0, TQ, cview(vgo), cview(vq), cview(vk),
+                                                  cview(vv), lse_in + c->q0, B, H, Hkv, c->tq, c->tk, d, c->causal, 0,
+                                                  run ? &three : NULL));
+        FLASH_CUDA(cudaDeviceSynchronize());
+        FLASH_CUDA(cudaMemcpy(ho[run], o, nq * 2, cudaMemcpyDeviceToHost));
+        FLASH_CUDA(cudaMemcpy(hdq[run], dq, nq * 2, cudaMemcpyDeviceToHost));
+        FLASH_CUDA(cudaMemcpy(hdk[run], dk, nk * 2, cudaMemcpyDeviceToHost));
+        FLASH_CUDA(cudaMemcpy(hdv[run], dv, nk * 2, cudaMemcpyDeviceToHost));
+        FLASH_CUDA(cudaMemcpy(hl[run], lse, nl * 4, cudaMemcpyDeviceToHost));
+    }
+    {
+        /* per tensor: rms of the reference over the window, worst per-element excess, norm-wise error; rows
+         * outside the window must still be poison (0xFFFF: a NaN) */
+        const uint16_t* got[4] = {ho[0], hdq[0], hdk[0], hdv[0]};
+        const double* ref[4] = {ro, rdq, rdk, rdv};
+        const char* name[4] = {"O", "dQ", "dK", "dV"};
+        double worst[4], rel[4], lse_worst = 0.0;
+        size_t outside = 0;
+        for (int t = 0; t < 4; t++) {
+            const bool isq = t < 2;
+            const int heads = isq ? H : Hkv, rows = isq ? TQ : TK, r0 = isq ? c->q0 : c->k0, r1 = r0 + (isq ? c->tq : c->tk);
+            double ss = 0.0, se = 0.0, n = 0.0;
+            worst[t] = 0.0;
+            for (int pass = 0; pass < 2; pass++)
+                for (size_t bh = 0; bh < (size_t)B * heads; bh++)
+                    for (int r = 0; r < rows; r++)
+                        for (int e = 0; e < d; e++) {
+                            const size_t i = (bh * rows + r) * d + e;
+                            if (r < r0 || r >= r1) {
+                                if (pass == 0) outside += got[t][i] != 0xFFFF;
+                                continue;
+                            }
+                            const double y = ref[t][i], x = flash_bf2d(got[t][i]);
+                            if (pass == 0) ss += y * y, se += (x - y) * (x - y), n += 1.0;
+                            else {
+                                const double rms = sqrt(ss / n), ex = fabs(x - y) / (0x1p-5 * (fabs(y) + rms) + 1e-30);
+                                if (!(ex <= worst[t])) worst[t] = ex;
+                            }
+                        }
+            rel[t] = ss > 0.0 ? sqrt(se / ss) : sqrt(se);
+        }
+        for (size_t bh = 0; bh < (size_t)B * H; bh++)
+            for (int r = 0; r < TQ; r++) {
+                const size_t i = bh * TQ + r;
+                uint32_t bits;
+                memcpy(&bits, &hl[0][i], 4);
+                if (r < c->q0 || r >= c->q0 + c->tq) outside += bits != 0xFFFFFFFFu;
+                else {
+                    const double e = fabs(hl[0][i] - rl[i]) / std::max(1.0, fabs(rl[i]));
+                    if (!(e <= lse_worst)) lse_worst = e;
+                }
+            }
+        const bool same = !memcmp(ho[0], ho[1], nq * 2) && !memcmp(hdq[0], hdq[1], nq * 2) &&
+                          !memcmp(hdk[0], hdk[1], nk * 2) && !memcmp(hdv[0], hdv[1], nk * 2) &&
+                          !memcmp(hl[0], hl[1], nl * 4);
+        printf("      B=%d H=%d Hkv=%d d=%d rows %d+%d of %d x keys %d+%d of %d%s:", B, H, Hkv, d, c->q0, c->tq, TQ, c->k0,
+               c->tk, TK, c->causal ? " causal" : "");
+        for (int t = 0; t < 4; t++) printf(" %s %.2e (%.2f)", name[t], rel[t], worst[t]);
+        printf(" LSE %.1e; outside %zu; repeat %s\n", lse_worst, outside, same ? "bitwise on 3 CTAs" : "DIFFERS");
+        for (int t = 0; t < 4; t++)
+            if (!(rel[t] <= 1e-2) || !(worst[t] <= 1.0)) {
+                printf("    FAIL %s off the reference\n", name[t]);
+                ok = 0;
+            }
+        if (!(lse_worst <= 1e-4) || outside || !same) {
+            printf("    FAIL LSE %.2e, %zu elements outside the window written, repeat %s\n", lse_worst, outside,
+                   same ? "bitwise" : "differs");
+            ok = 0;
+        }
+    }
+done:
+    cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(go), cudaFree(o), cudaFree(dq), cudaFree(dk), cudaFree(dv);
+    cudaFree(lse), cudaFree(lse_in), cudaFree(dsum);
+    free(hq), free(hdo), free(hk), free(hv), free(hls), free(hds), free(ro), free(rdq), free(rdk), free(rdv), free(rl);
+    free(pr);
+    for (int i = 0; i < 2; i++) free(ho[i]), free(hdq[i]), free(hdk[i]), free(hdv[i]), free(hl[i]);
+    return ok;
+}
+
+static test_result test_hopper_attention_rectangles(void) {
+    mt_hopper_gemm_state probe;
+    REQUIRE_HOPPER(hopper_attention_backward_available, &probe, "the Hopper attention kernels");
+    EXPECT(hopper_attention_available(&probe), "the Hopper backward runs here but not the forward");
+    const rect_case cases[] = {
+        {2, 4, 2, 64, 384, 128, 256, 320, 64, 200, false},  /* GQA, d 64, keys 1.56 tiles */
+        {1, 8, 2, 128, 300, 40, 260, 128, 0, 128, false},   /* d 128, one whole key tile, the rows start mid-tile */
+        {2, 4, 4, 128, 128, 64, 64, 128, 0, 128, false},     /* a ring step of C = 64 rows against its block (j > r) */
+        {1, 2, 1, 128, 128, 0, 128, 128, 0, 64, false},      /* ... all rows against a 64-row chunk (j < r) */
+        {1, 2, 2, 64, 8, 3, 1, 8, 5, 1, false},              /* one query, one key */
+        {2, 4, 4, 128, 400, 100, 250, 400, 100, 250, true},  /* causal on a window, LSE stride 400 */
+        {2, 12, 12, 64, 1300, 20, 1280, 300, 0, 300, false}, /* 240 work tiles: more than the SMs */
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+        if (!rect_check(&cases[i], &probe)) return TEST_FAIL;
+    /* what it does not take is refused: causal with Tq != Tk, an LSE stride below the rows */
+    attn_view pk = packed_heads_view(NULL, 1, 64, 64, 1);
+    EXPECT(hopper_attention_forward_rect(&probe, pk, NULL, 64, cview(pk), cview(pk), cview(pk), 1, 1, 1, 64, 32, 64,
+                                         true, 0) == cudaErrorInvalidValue,
+           "causal with 64 queries and 32 keys was accepted");
+    EXPECT(hopper_attention_backward_rect(&probe, pk, pk, pk, NULL, 32, cview(pk), cview(pk), cview(pk), cview(pk), NULL,
+                                          1, 1, 1, 64, 64, 64, false, 0) == cudaErrorInvalidValue,
+           "an LSE stride of 32 for 64 rows was accepted");
+    return TEST_PASS;
+}
+
 /* MT_ATTN_BWD's parser, as MT_ATTN_FWD's: unset or empty the default, fa2 / fa3 their modes, anything else
  * refused in one line naming the value. */
 static test_result test_attention_backward_choice(void) {
@@ -863,6 +1087,7 @@ static const test_case attention_host_tests[] = {
 static const test_case attention_gpu_tests[] = {
     {"hopper_attention_forward_matches_fa2", test_hopper_attention_forward},
     {"hopper_attention_backward_matches_fa2", test_hopper_attention_backward},
+    {"hopper_attention_rectangles_match_reference", test_hopper_attention_rectangles},
     {"flash_attention_document_masks_match_reference", test_flash_attention_document_masks},
     {"flash_attention_document_speed", test_flash_attention_document_speed},
     {"flash_attention_row_layouts_match_reference", test_flash_attention_row_layouts},

@@ -249,11 +249,13 @@ static test_result test_cp_plan(void) {
     /* the position index comes with CP (the rows' positions are not their row numbers) */
     EXPECT((int64_t)Lg.bytes[MT_ACT_EMBED_INDEX] == (3 * BT + 2 + S + 1 + BT) * 4, "embedding index %zu",
            Lg.bytes[MT_ACT_EMBED_INDEX]);
-    /* the ring's scratch: two bf16 K/V blocks, the fp32 accumulator of the rank's heads, two fp32 dK/dV sums
-     * (B 2, H 8, Hkv 4, T 32, d 16: every piece a multiple of 256 bytes already), and a piece rounded up */
+    /* the ring's scratch: two bf16 K/V blocks, the fp32 accumulator of the rank's heads, two fp32 dK/dV sums,
+     * then a Hopper step's bf16 O, fp32 LSE and bf16 dK/dV (B 2, H 8, Hkv 4, T 32, d 16: every piece a multiple
+     * of 256 bytes already), and pieces rounded up */
     EXPECT(mt_cp_ring_scratch_bytes(2, 8, 4, 32, 16) == 2 * (2 * 2 * 4 * 32 * 16 * 2) + 2 * 8 * 32 * 16 * 4 +
-                                                         2 * (2 * 2 * 4 * 32 * 16 * 4), "ring bytes");
-    EXPECT(mt_cp_ring_scratch_bytes(1, 1, 1, 1, 1) == 5 * 256, "ring bytes rounded to 256 per piece");
+                                                         2 * (2 * 2 * 4 * 32 * 16 * 4) + 2 * 8 * 32 * 16 * 2 +
+                                                         2 * 8 * 32 * 4 + 2 * 2 * 4 * 32 * 16 * 2, "ring bytes");
+    EXPECT(mt_cp_ring_scratch_bytes(1, 1, 1, 1, 1) == 8 * 256, "ring bytes rounded to 256 per piece");
     mt_memory_plan p1, p2;
     mt_plan_options o;
     mt_plan_options_defaults(&o);
@@ -673,6 +675,22 @@ static test_result cp_matches_cp1_fp8(test_flavour flavour, mt_fp8_recipe recipe
 }
 static test_result test_cp_llama_fp8_delayed_p2p(void) { return cp_matches_cp1_fp8(TEST_LLAMA, MT_FP8_DELAYED, MT_CP_P2P); }
 static test_result test_cp_gpt2_fp8_tensorwise_a2a(void) { return cp_matches_cp1_fp8(TEST_GPT2, MT_FP8_TENSORWISE, MT_CP_A2A); }
+/* Plain causal attention (no dropout, no documents): on Hopper the ring's steps run on sections 13.2 / 13.3's
+ * kernels (section 13.4) and a2a's whole-sequence attention on them too, as CP = 1's does; bf16's bounds
+ * (each Hopper step's O, dQ, dK, dV are rounded to bf16 once more than section 9's in-register merge: a
+ * few bf16 roundings, inside 1e-3 on the losses). Where they do not run this is the section 9 path again. */
+static test_result cp_matches_cp1_hopper(test_flavour flavour, mt_cp_comm_type kind) {
+    mt_config c = cp_model(flavour, MT_BF16);
+    if (flavour == TEST_GPT2) test_config_attention(&c, 2, 2, 64, 0);
+    c.hidden_dropout = 0.0, c.attention_dropout = 0.0;
+    c.reset_position_ids = 0, c.reset_attention_mask = 0, c.eod_mask_loss = 0;
+    c.seq_length = 512;
+    c.max_position_embeddings = 512;
+    return cp_matches_cp1_model(c, flavour, MT_BF16, kind, flavour == TEST_LLAMA);
+}
+static test_result test_cp_llama_bf16_p2p_hopper(void) { return cp_matches_cp1_hopper(TEST_LLAMA, MT_CP_P2P); }
+static test_result test_cp_gpt2_bf16_p2p_hopper(void) { return cp_matches_cp1_hopper(TEST_GPT2, MT_CP_P2P); }
+static test_result test_cp_llama_bf16_a2a_hopper(void) { return cp_matches_cp1_hopper(TEST_LLAMA, MT_CP_A2A); }
 static test_result test_cp_gpt2_bf16_p2p(void) { return cp_matches_cp1_p2p(TEST_GPT2, 0); }
 static test_result test_cp_llama_bf16_p2p_dist(void) { return cp_matches_cp1_p2p(TEST_LLAMA, 1); }
 static test_result test_cp_gpt2_fp32_all_gather(void) { return cp_matches_cp1(TEST_GPT2, MT_FP32, MT_CP_ALL_GATHER, 0); }
@@ -732,6 +750,9 @@ static const test_case context_parallel_multigpu_tests[] = {
     {"cp2_matches_cp1_llama_bf16_p2p_ring_distributed_optimizer", test_cp_llama_bf16_p2p_dist},
     {"cp2_matches_cp1_llama_fp8_delayed_p2p_ring_distributed_optimizer", test_cp_llama_fp8_delayed_p2p},
     {"cp2_matches_cp1_gpt2_fp8_tensorwise_a2a", test_cp_gpt2_fp8_tensorwise_a2a},
+    {"cp2_matches_cp1_llama_bf16_p2p_hopper_kernels", test_cp_llama_bf16_p2p_hopper},
+    {"cp2_matches_cp1_gpt2_bf16_p2p_hopper_kernels", test_cp_gpt2_bf16_p2p_hopper},
+    {"cp2_matches_cp1_llama_bf16_a2a_hopper_kernels", test_cp_llama_bf16_a2a_hopper},
     {"cp2_save_load_at_cp1", test_cp_save_cp2_load_cp1},
 };
 
