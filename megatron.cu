@@ -12699,6 +12699,28 @@ static int build_embedding_index(int32_t* index, const int32_t* inputs, int BT, 
     return n;
 }
 
+/* The word embedding's backward index of the inputs stage_micro_batch just staged (its host rows; with
+ * explicit positions the position index after it, from the staged positions) built on the host and copied
+ * to act.embed_index on the stream; *unique_out: the distinct token count. At PP = 1 the trainer calls it
+ * after launching the forward (the counting sort, ~0.3 ms at 16k tokens, then runs while the GPU works:
+ * it left the GPU idle at the start of every GPT-2 124M step, dev/bench/trace_step.sh); the backward,
+ * which reads it, is queued after the copy. */
+static void stage_embedding_index(mt_trainer* t, int* unique_out) {
+    const mt_shape s = model_shape(t);
+    const int32_t* inputs = t->loop.host_tokens;
+    int32_t* counts = t->loop.host_tokens + 2 * s.BT;
+    const int32_t* docs = t->loop.host_tokens + 2 * s.BT + s.V_full; /* stage_micro_batch's doc_start, positions */
+    *unique_out = build_embedding_index(t->loop.host_index, inputs, s.BT, s.vocab_start, s.V, counts);
+    size_t words = 3 * (size_t)s.BT + 2;
+    if (mt_explicit_positions(&t->cfg)) { /* the position index after the word index (MT_ACT_EMBED_INDEX) */
+        int32_t* pos_index = t->loop.host_index + words;
+        mt_position_index(docs + s.BT, s.BT, s.S_full, pos_index, pos_index + s.S_full + 1);
+        words += (size_t)s.S_full + 1 + s.BT;
+    }
+    CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.embed_index, t->loop.host_index, sizeof(int32_t) * words,
+                                          cudaMemcpyHostToDevice, t->stream));
+}
+
 /* Copies micro-batch `mb` of tokens [*, B, S+1] to the device as inputs/targets (+ backward index);
  * with --reset-position-ids / --reset-attention-mask also its documents into the running slot's
  * act.docs (mt_document_boundaries), and with reset positions the position index after the word index.
@@ -12749,18 +12771,7 @@ static mt_status stage_micro_batch(mt_trainer* t, const int32_t* tokens, int mb,
         CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.docs, docs, sizeof(int32_t) * 2 * s.BT, cudaMemcpyHostToDevice,
                                               t->stream));
     }
-    if (with_index) {
-        int32_t* counts = t->loop.host_tokens + 2 * s.BT;
-        *unique_out = build_embedding_index(t->loop.host_index, inputs, s.BT, s.vocab_start, s.V, counts);
-        size_t words = 3 * (size_t)s.BT + 2;
-        if (mt_explicit_positions(c)) { /* the position index after the word index (MT_ACT_EMBED_INDEX) */
-            int32_t* pos_index = t->loop.host_index + words;
-            mt_position_index(docs + s.BT, s.BT, s.S_full, pos_index, pos_index + s.S_full + 1);
-            words += (size_t)s.S_full + 1 + s.BT;
-        }
-        CUDA_CHECK(&t->error, cudaMemcpyAsync(t->act.embed_index, t->loop.host_index, sizeof(int32_t) * words,
-                                              cudaMemcpyHostToDevice, t->stream));
-    }
+    if (with_index) stage_embedding_index(t, unique_out);
     return mt_gpu_error_return(&t->error, err);
 }
 
@@ -13019,11 +13030,11 @@ static mt_status run_schedule_step(mt_trainer* t, micro_batch_pass* p, const mt_
     const bool index_now = ch.embedding && train && (forward ? pp == 1 : pp > 1);
     const bool docs = mt_explicit_positions(c) || c->reset_attention_mask; /* every forward stages the slot's */
     if ((forward && (ch.embedding || ch.head || docs)) || index_now) {
-        mt_status st = stage_micro_batch(t, p->tokens, op->micro_batch, index_now, &unique, err);
+        /* at PP = 1 the index is built once the forward is queued (stage_embedding_index) */
+        mt_status st = stage_micro_batch(t, p->tokens, op->micro_batch, index_now && !forward, &unique, err);
         if (st != MT_OK) return st;
     }
     if (!forward && pp == 1) unique = t->loop.pp_unique;
-    if (forward && index_now) t->loop.pp_unique = unique;
     /* Megatron pre-scales each rank's gradients by 1/dp and sums them; a zero scale still runs the
      * backward (the first micro-batch writes every gradient) */
     double denominator = c->calculate_per_token_loss ? p->global_counted : p->counted[op->micro_batch] * count * dp;
@@ -13044,6 +13055,10 @@ static mt_status run_schedule_step(mt_trainer* t, micro_batch_pass* p, const mt_
         case MT_FP32: run_step<float>(t, &ex, op, grad_scale, unique); break;
         case MT_BF16: run_step<__nv_bfloat16>(t, &ex, op, grad_scale, unique); break;
         case MT_FP16: run_step<__half>(t, &ex, op, grad_scale, unique); break;
+    }
+    if (forward && index_now) { /* PP = 1: for this micro-batch's backward, which follows */
+        stage_embedding_index(t, &unique);
+        t->loop.pp_unique = unique;
     }
     if (forward && ch.head && train) zero_masked_gradients(t, p->tokens, op->micro_batch);
     if (forward && ch.head) p->total += micro_batch_loss_sum(t, p->tokens, op->micro_batch);
