@@ -1213,10 +1213,7 @@ __global__ void layernorm_backward_input_vec_kernel(T* dresidual, const T* dy, c
  * residual stream and the norm's saved input), then y = norm(sum). The row stays in registers
  * between the two (at most 32 * MAXV vectors per row; the launcher checks), so the sum is read
  * back from no memory at all. The stored sum is rounded to T before the statistics, exactly as if
- * the norm had read it back. Every load of the row's residual and branch is issued before any
- * arithmetic or store (the stores of a vector could alias the next one's loads, so the compiler
- * kept them in order: at GPT-2 124M's rows of 768 a warp then waited for three rounds of loads, 41 us
- * a call for ~100 MB, half the copy bandwidth). f8, out NULL: as layernorm_forward_vec_kernel's. */
+ * the norm had read it back. f8, out NULL: as layernorm_forward_vec_kernel's. */
 template <typename T, int MAXV>
 __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean_out, float* rstd_out,
                                                  const T* residual, const T* branch, const T* bias, const T* weight,
@@ -1227,21 +1224,14 @@ __global__ void residual_norm_forward_vec_kernel(T* sum_out, T* out, float* mean
     int lane = threadIdx.x % 32;
     if (row >= N) return;
     int64_t base = (int64_t)row * C;
-    float r[MAXV][V], br[MAXV][V], y[V], w[V];
+    float r[MAXV][V], y[V], w[V];
     float sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < MAXV; j++) {
         int c = (lane + 32 * j) * V;
         if (c >= C) break;
         load16(r[j], residual + base + c);
-        load16(br[j], branch + base + c);
-    }
-#pragma unroll
-    for (int j = 0; j < MAXV; j++) {
-        int c = (lane + 32 * j) * V;
-        if (c >= C) break;
-#pragma unroll
-        for (int i = 0; i < V; i++) y[i] = br[j][i];
+        load16(y, branch + base + c);
         if (bias) load16(w, bias + c);
         if (d.on) { /* residual + dropout(branch + bias) (see bias_residual_vec_kernel) */
 #pragma unroll
@@ -1546,12 +1536,8 @@ static bool residual_norm_forward(const mt_exec* ex, T* sum, T* out, float* mean
     constexpr int V = vec16<T>::N;
     if (C % V == 0 && C <= 32 * V * RESIDUAL_NORM_MAXV && aligned16(sum) && aligned16(out) && aligned16(residual) &&
         aligned16(branch) && aligned16(bias) && aligned16(w) && aligned16(b)) {
-        /* the smallest register arrays that hold the row (each thread's vectors) */
-        auto kernel = C <= 32 * V * 2   ? residual_norm_forward_vec_kernel<T, 2>
-                      : C <= 32 * V * 4 ? residual_norm_forward_vec_kernel<T, 4>
-                                        : residual_norm_forward_vec_kernel<T, RESIDUAL_NORM_MAXV>;
-        kernel<<<ceil_div(N, 8), 256, 0, ex->stream>>>(sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps,
-                                                      rms, w1, d, f8);
+        residual_norm_forward_vec_kernel<T, RESIDUAL_NORM_MAXV><<<ceil_div(N, 8), 256, 0, ex->stream>>>(
+            sum, out, mean, rstd, residual, branch, bias, w, b, N, C, eps, rms, w1, d, f8);
         LAUNCH_CHECK(ex->error);
         return f8.q != NULL;
     }
@@ -3779,26 +3765,6 @@ __global__ void cross_entropy_kernel(T* logits, float* losses, const int32_t* ta
     }
 }
 
-/* One 16-byte vector of a row into a thread's running (max, sum of exp(x - max)). */
-template <int W>
-__device__ __forceinline__ void softmax_stats_add(const float (&v)[W], float& mx, float& sum) {
-    float local = v[0];
-#pragma unroll
-    for (int k = 1; k < W; k++) local = fmaxf(local, v[k]);
-    if (local > mx) {
-        sum *= expf(mx - local);
-        mx = local;
-    }
-#pragma unroll
-    for (int k = 0; k < W; k++) sum += expf(v[k] - mx);
-}
-/* The block's (max, sum) from each thread's, combined in a fixed order. */
-__device__ __forceinline__ float2 softmax_stats_block(float mx, float sum) {
-    float block_mx = block_max(mx);
-    sum = mx == -INFINITY ? 0.0f : sum * expf(mx - block_mx);
-    return make_float2(block_mx, block_sum(sum));
-}
-
 /* One row's online softmax with 16-byte loads: each thread keeps a running max and its rescaled sum
  * of exponentials, the block combines them in a fixed order. Returns (max, sum of exp(x - max)). */
 template <typename T>
@@ -3809,7 +3775,15 @@ __device__ __forceinline__ float2 row_softmax_stats(const T* x, int V) {
     if (V % W == 0) { /* 16-byte loads: the row starts 16-byte aligned (the logits' base is) */
         for (int i = threadIdx.x * W; i < V; i += blockDim.x * W) {
             load16(v, x + i);
-            softmax_stats_add<W>(v, mx, sum);
+            float local = v[0];
+#pragma unroll
+            for (int k = 1; k < W; k++) local = fmaxf(local, v[k]);
+            if (local > mx) {
+                sum *= expf(mx - local);
+                mx = local;
+            }
+#pragma unroll
+            for (int k = 0; k < W; k++) sum += expf(v[k] - mx);
         }
     } else { /* a tensor-parallel rank's share of a vocabulary padded to no multiple of W x TP
               * (--make-vocab-size-divisible-by 1, or a resumed checkpoint's padding) */
@@ -3822,7 +3796,9 @@ __device__ __forceinline__ float2 row_softmax_stats(const T* x, int V) {
             sum += expf(e - mx);
         }
     }
-    return softmax_stats_block(mx, sum);
+    float block_mx = block_max(mx);
+    sum = mx == -INFINITY ? 0.0f : sum * expf(mx - block_mx);
+    return make_float2(block_mx, block_sum(sum));
 }
 
 /* The same with 16-byte loads and an online softmax: one pass for the statistics, a second pass
@@ -3849,45 +3825,6 @@ __global__ void cross_entropy_vec_kernel(T* logits, float* losses, const int32_t
         }
     }
 }
-
-/* cross_entropy_vec_kernel with the row kept in shared memory between its two passes (V sizeof(T) bytes
- * of dynamic shared memory: GPT-2's 50304 bf16 logits are 98 KiB, two rows per SM): one read of the logits
- * from memory instead of two. Each thread reads back only the vectors it stored, in the same order and with
- * the same arithmetic as cross_entropy_vec_kernel: bitwise its results. At GPT-2 124M's 16k rows the two
- * passes over 1.6 GB of logits took 1.23 ms of a 30.6 ms step on an H200 (dev/bench/trace_step.sh), where
- * one read and one write move 3.3 GB (~0.7 ms at the copy bandwidth). */
-template <typename T>
-__global__ void cross_entropy_smem_kernel(T* logits, float* losses, const int32_t* targets, int V, float grad_scale) {
-    constexpr int W = vec16<T>::N;
-    extern __shared__ int4 row_vectors[]; /* [V / W] */
-    T* x = logits + (int64_t)blockIdx.x * V;
-    float v[W];
-    float mx = -INFINITY, sum = 0.0f;
-    for (int i = threadIdx.x * W; i < V; i += blockDim.x * W) {
-        const int4 raw = *reinterpret_cast<const int4*>(x + i);
-        row_vectors[i / W] = raw;
-        const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-        for (int k = 0; k < W; k++) v[k] = to_float(e[k]);
-        softmax_stats_add<W>(v, mx, sum);
-    }
-    const float2 stats = softmax_stats_block(mx, sum);
-    const float lse = stats.x + logf(stats.y);
-    const int target = targets[blockIdx.x];
-    if (threadIdx.x == 0) losses[blockIdx.x] = lse - to_float(x[target]);
-    __syncthreads(); /* every read of x precedes the in-place writes */
-    if (grad_scale == 0.0f) return;
-    for (int i = threadIdx.x * W; i < V; i += blockDim.x * W) {
-        const int4 raw = row_vectors[i / W]; /* stored by this thread above */
-        const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-        for (int k = 0; k < W; k++) v[k] = (expf(to_float(e[k]) - lse) - (i + k == target ? 1.0f : 0.0f)) * grad_scale;
-        store16(x + i, v);
-    }
-}
-/* Rows up to this many bytes take cross_entropy_smem_kernel: two blocks' rows fit an H100's or H200's 228 KiB
- * of shared memory per SM. */
-constexpr int CE_SMEM_MAX_BYTES = 110 * 1024;
 
 /* Vocab-parallel cross entropy (Megatron's VocabParallelCrossEntropy, in fp32): each tensor-parallel
  * rank holds the logits of vocabulary columns [vocab_start, vocab_start + V). Pass 1 writes its
@@ -3952,13 +3889,7 @@ __global__ void cross_entropy_combine_kernel(T* logits, float* losses, const flo
 template <typename T>
 static void cross_entropy_fused(const mt_exec* ex, T* logits, float* losses, const int32_t* targets, int BT, int V,
                                 float grad_scale) {
-    const int row_bytes = V * (int)sizeof(T);
-    if (V % vec16<T>::N == 0 && row_bytes <= CE_SMEM_MAX_BYTES) {
-        if (!CUDA_CHECK(ex->error, cudaFuncSetAttribute(cross_entropy_smem_kernel<T>,
-                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, row_bytes)))
-            return;
-        cross_entropy_smem_kernel<T><<<BT, 512, row_bytes, ex->stream>>>(logits, losses, targets, V, grad_scale);
-    } else if (V % vec16<T>::N == 0)
+    if (V % vec16<T>::N == 0)
         cross_entropy_vec_kernel<T><<<BT, 512, 0, ex->stream>>>(logits, losses, targets, V, grad_scale);
     else
         cross_entropy_kernel<T><<<BT, 512, 0, ex->stream>>>(logits, losses, targets, V, grad_scale);
