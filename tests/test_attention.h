@@ -669,6 +669,8 @@ static test_result test_hopper_attention_forward(void) {
         {4, 12, 12, 1024, 64, NULL}, /* GPT-2 124M's heads at T = 1024: 384 work tiles, more than the SMs */
         {2, 8, 2, 2000, 128, NULL},  /* GQA, 16 m_blocks (the last partial) x 16 (b, h): 256 work tiles */
         {40, 4, 2, 1, 64, NULL},     /* T = 1, 160 work tiles of one key tile each */
+        {1, 4, 2, 4500, 128, NULL},  /* 36 m_blocks: two bands of the tile list (32 and 4; hg::banded_tile) */
+        {2, 3, 1, 9000, 64, NULL},   /* 71 m_blocks: three bands, B = 2 */
     };
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
         int differ = 0;
@@ -792,6 +794,8 @@ static test_result test_hopper_attention_backward(void) {
         {1, 4, 1, 129, 64, NULL},   /* one row past a tile */
         {4, 12, 12, 1024, 64, NULL}, /* GPT-2's heads: 384 tiles a kernel, more than one per SM */
         {8, 8, 2, 1500, 128, NULL},  /* GQA, 192 dK/dV and 768 dQ tiles, the last partial */
+        {1, 4, 2, 4500, 128, NULL},  /* 36 key and query tiles a head: two bands of the tile lists (hg::banded_tile) */
+        {2, 3, 1, 9000, 64, NULL},   /* 71: three bands, B = 2 */
     };
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
         if (!fa3b_check_shape(&shapes[i], &probe)) return TEST_FAIL;
