@@ -5373,25 +5373,6 @@ __device__ __forceinline__ int snake_tile(int k, int tiles) {
     return at < tiles ? (int)at : -1;
 }
 
-/* The attention kernels' tile lists: `blocks` row blocks (0 the longest) of each of `heads` (b, h) pairs, tile i
- * -> (blk, bh). Up to TILE_BAND blocks, blocks in order with the heads fastest (the CTAs running at once take
- * one block of every head: the same length, and under GQA the qpg heads of a group share their K/V tiles in
- * L2). Beyond, in bands of TILE_BAND blocks with the blocks fastest inside a band: the CTAs running at once
- * then work on a few heads, whose K/V (or Q/dO) stream fits L2, where one block of every head read every
- * head's (at 32k tokens, 32 heads in 8 groups: 8 x 16 MiB of K/V; the persistent kernels lost 7-17% against
- * one tile per CTA there, persistent_attn_h200.md). Longest first holds across bands and to within a band's
- * width inside one. A tile's arithmetic does not depend on its place in the list: the outputs do not change. */
-constexpr int TILE_BAND = 32;
-__device__ __forceinline__ void banded_tile(int i, int blocks, int heads, int& blk, int& bh) {
-    if (blocks <= TILE_BAND) {
-        blk = i / heads, bh = i % heads;
-        return;
-    }
-    const int k = i / (TILE_BAND * heads), r = i % (TILE_BAND * heads);
-    const int width = min(TILE_BAND, blocks - k * TILE_BAND); /* the last band may be narrower */
-    bh = r / width, blk = k * TILE_BAND + r % width;
-}
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 /* ---- PTX wrappers (sm_90a) ---- */
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -6147,8 +6128,7 @@ static void hopper_grouped_wgrad(const mt_exec* ex, float* dW, const __nv_bfloat
  * ---- The CTA: 384 threads, persistent over work tiles of 128 query rows of one (b, h) ---------------
  *   Grid min(tiles, SMs), 1-D; the work tiles (m_block, h, b), ceil(T / 128) * H * B of them, numbered
  *   longest first (fa3::tile_of: the last m_block, with the most key tiles under the causal mask, first;
- *   h fastest up to 32 m_blocks, beyond in bands of 32 m_blocks with the m_blocks fastest: hg::banded_tile),
- *   taken in section 13.1's snake order (hg::snake_tile: static, every CTA's sum near the mean).
+ *   h fastest), taken in section 13.1's snake order (hg::snake_tile: static, every CTA's sum near the mean).
  *   One CTA per SM runs the whole grid, so the next tile's Q and first K/V loads overlap this tile's last
  *   P V and epilogue (with one short CTA per tile, ~1536 at GPT-2 124M's shape, each CTA's prologue and
  *   epilogue left the tensor cores idle). Each tile is computed exactly as a one-tile CTA would, so the
@@ -6373,12 +6353,11 @@ struct work {
 };
 template <bool CAUSAL>
 __device__ __forceinline__ work tile_of(int i, const params& p) {
-    int blk, bh;
-    hg::banded_tile(i, p.m_blocks, p.H * p.B, blk, bh);
+    const int hb = p.H * p.B;
     work w;
-    w.m_block = p.m_blocks - 1 - blk;
-    w.h = bh % p.H;
-    w.b = bh / p.H;
+    w.m_block = p.m_blocks - 1 - i / hb;
+    w.h = (i % hb) % p.H;
+    w.b = (i % hb) / p.H;
     w.n_tiles = CAUSAL ? (min(p.T, (w.m_block + 1) * BM) + BN - 1) / BN : (p.Tk + BN - 1) / BN;
     return w;
 }
@@ -6792,8 +6771,7 @@ static cudaError_t attention_forward_fast(mt_hopper_gemm_state* st, int mode, at
  * ---- Persistent CTAs ----------------------------------------------------------------------------------
  *   Each kernel runs one CTA per SM (its registers allow no second) over a list of tiles in longest-first
  *   order: the dK/dV kernel's tile i is key tile i / (Hkv B) (key tile 0 sees every query tile), the dQ
- *   kernel's is query tile ceil(T / 128) - 1 - i / (H B) (beyond 32 tiles a head, in bands of 32 with the
- *   tiles fastest: hg::banded_tile); CTAs take them in section 13.1's snake order
+ *   kernel's is query tile ceil(T / 128) - 1 - i / (H B); CTAs take them in section 13.1's snake order
  *   (hg::snake_tile: static, and every CTA's sum near the mean). The
  *   stage ring's index and phase run on a count over all of the CTA's tiles, and a tile's fixed operands
  *   (K, V; Q, dO) have an "empty" mbarrier the consumers arrive on after the tile's last product: the
@@ -6882,21 +6860,18 @@ struct params {
 };
 
 /* The persistent CTAs' work lists (see the banner): tile i of the dK/dV kernel's ceil(Tk / 128) * Hkv * B, and
- * of the dQ kernel's ceil(T / 128) * H * B, in longest-first order (without the causal mask all are equal), banded
- * beyond 32 tiles a head (hg::banded_tile). */
+ * of the dQ kernel's ceil(T / 128) * H * B, in longest-first order (without the causal mask all are equal). */
 __device__ __forceinline__ void kv_tile_of(int i, const params& p, int& kt, int& hkv, int& b) {
-    int bh;
-    hg::banded_tile(i, (p.Tk + KV_KEYS - 1) / KV_KEYS, p.Hkv * p.B, kt, bh); /* key tile 0 sees every query tile */
-    hkv = bh % p.Hkv;
-    b = bh / p.Hkv;
+    const int heads = p.Hkv * p.B;
+    kt = i / heads; /* key tile 0 sees every query tile: the most work */
+    hkv = (i % heads) % p.Hkv;
+    b = (i % heads) / p.Hkv;
 }
 __device__ __forceinline__ void q_tile_of(int i, const params& p, int& m_block, int& h, int& b) {
-    const int blocks = (p.T + Q_ROWS - 1) / Q_ROWS;
-    int blk, bh;
-    hg::banded_tile(i, blocks, p.H * p.B, blk, bh);
-    m_block = blocks - 1 - blk; /* the last query tile sees every key tile */
-    h = bh % p.H;
-    b = bh / p.H;
+    const int heads = p.H * p.B;
+    m_block = (p.T + Q_ROWS - 1) / Q_ROWS - 1 - i / heads; /* the last query tile sees every key tile */
+    h = (i % heads) % p.H;
+    b = (i % heads) / p.H;
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
