@@ -8690,7 +8690,8 @@ static void moe_to_f32(const mt_exec* ex, float* dst, const T* src, int64_t n) {
 /*    deterministic). The decode steps' linears                                                   */
 /*    and norms of few rows have their own kernels here (gemv_rows, norm_rows: see there).        */
 /*    defines: GEN_SPLIT_TOKENS, GEN_MAX_QPG, gen_sample_params, gen_uniform, kv_cache_store,     */
-/*    decode_attention, sample_rows, gather_rows, GEN_GEMV_MAX_ROWS, gen_gemv_plan, gemv_rows,    */
+/*    decode_attention, sample_rows, gather_rows, GEN_GEMV_MAX_ROWS, GEN_GEMV_ENGINE_ROWS,       */
+/*    gen_gemv_plan, gemv_rows,                                                                   */
 /*    gemv_rows_supported, gen_gemv_rope, gemv_rope_supported, norm_rows.                         */
 /* ============================================================================================== */
 
@@ -9248,8 +9249,8 @@ static void sample_rows(const mt_exec* ex, int32_t* token, float* logprob, float
  * warp per norm row walking it serially, one key at a time per warp in the attention, one block per row
  * of logits). These kernels keep many independent 16-byte loads in flight instead.
  *
- * gemv_rows: out [n, M] = x [n, K] W[M, K]^T for n <= GEN_GEMV_MAX_ROWS rows (the engine's linears; cuBLAS
- * above that). The weights are read once a step and nothing else in it is: the kernel is a copy of W
+ * gemv_rows: out [n, M] = x [n, K] W[M, K]^T for n <= GEN_GEMV_MAX_ROWS rows (the engine's linears up to
+ * GEN_GEMV_ENGINE_ROWS rows; cuBLAS above that). The weights are read once a step and nothing else in it is: the kernel is a copy of W
  * into registers at the bandwidth of HBM, which needs some 32-64 KB in flight on every SM the whole
  * time. A warp takes GEN_GEMV_COLS output columns (weight rows) over one slice of K's 16-byte vectors:
  * each lane loads its vectors lane, lane + 32, ... of the slice, GEN_GEMV_UNROLL of them per weight row
@@ -9270,7 +9271,13 @@ static void sample_rows(const mt_exec* ex, int32_t* token, float* logprob, float
  * * up), or RoPE of the QKV rows (GEMV_ROPE, gen_gemv_rope; rope_qkv_rows' arithmetic). Needs K and the x
  * row stride multiples of the 16-byte vector and 16-byte-aligned x and W (gemv_rows_supported); the engine
  * falls back to cuBLAS and the separate kernels otherwise. */
-#define GEN_GEMV_MAX_ROWS 8 /* decode rows up to which the engine's linears run here (cuBLAS above) */
+#define GEN_GEMV_MAX_ROWS 8 /* rows gemv_rows takes (gemv_rows_supported) */
+/* Decode rows up to which the engine's linears run on gemv_rows, cuBLAS above (gen_linear, gen_forward). On an H200
+ * (dev/bench/results/cp_hopper_steps_h200.md, MT_GEN_GEMV=0 against the default in one call) gemv_rows gave
+ * more tokens/s than cuBLAS at 1 row (Llama-3.2-1B 908 against 820, GPT-2 1.5B 458 against 394) and as many or
+ * more at 2 (1642 / 1637, 838 / 784), but far fewer at 4 (2474 / 3213) and 8 (2711 / 6308): each row's
+ * products cost it as much as the weights' one read, where cuBLAS's tensor cores keep the step at ~1.25 ms. */
+#define GEN_GEMV_ENGINE_ROWS 2
 #define GEN_GEMV_WARPS 4    /* warps a block: the K slices of a column pair, or column pairs (slices = 1, 2, 4) */
 #define GEN_GEMV_COLS 2     /* output columns per warp (sharing the x loads) */
 #define GEN_GEMV_UNROLL 8   /* 16-byte weight vectors per lane and column in flight (SwiGLU: half, for two rows) */
@@ -15714,7 +15721,7 @@ struct mt_generator {
      * off with MT_GEN_GRAPHS=0 in the environment, or after a capture that failed (then eager launches) */
     cudaGraphExec_t* graphs;  /* [max_batch + 1], NULL where not captured yet */
     int use_graphs;
-    /* the linears of steps of at most GEN_GEMV_MAX_ROWS rows through gemv_rows (else cuBLAS); off with
+    /* the linears of steps of at most GEN_GEMV_ENGINE_ROWS rows through gemv_rows (else cuBLAS); off with
      * MT_GEN_GEMV=0 in the environment (to compare) */
     int use_gemv;
     /* the decode kernels as programmatic dependent launches (gen_launch); off with MT_GEN_PDL=0 */
@@ -15987,13 +15994,13 @@ mt_status mt_generator_prompt_logprobs(mt_generator* g, int64_t id, float* out, 
 
 /* One linear of the step: out [n, cols] = epilogue(in [n, K] W^T + bias) (epi: GEMV_PLAIN, GEMV_GELU,
  * GEMV_SQUARED_RELU, GEMV_SWIGLU; W [cols, K], for SwiGLU [2 cols, K]; bias may be NULL). Up to
- * GEN_GEMV_MAX_ROWS rows through gemv_rows (the epilogue fused); more rows (a prefill, a large batch), or
+ * GEN_GEMV_ENGINE_ROWS rows through gemv_rows (the epilogue fused); more rows (a prefill, a larger batch), or
  * operands gemv_rows does not take, through cuBLAS into pre ([n, cols] or for SwiGLU [n, 2 cols]; out itself
  * for GEMV_PLAIN) and the forward's elementwise kernel. */
 template <typename T>
 static void gen_linear(const mt_generator* g, const mt_exec* ex, int epi, T* out, T* pre, const T* in, int K, const T* W,
                        const T* bias, int n, int cols) {
-    if (g->use_gemv && gemv_rows_supported<T>(n, K, in, K, W)) {
+    if (g->use_gemv && n <= GEN_GEMV_ENGINE_ROWS && gemv_rows_supported<T>(n, K, in, K, W)) {
         gemv_rows<T>(ex, epi, out, cols, in, K, W, bias, n, cols, K, g->use_pdl);
         return;
     }
@@ -16033,7 +16040,8 @@ static void gen_forward(mt_generator* g, int n, int n_sel, bool decode_only) {
         const layer_tensors<T> p = layer_params<T>(t, l);
         /* RoPE in the QKV GEMV's epilogue where it takes the step (no --qk-layernorm between them) */
         const gen_gemv_rope rope = {g->rope_cos, g->rope_sin, positions, s.d, s.rot, g->qpg};
-        const bool fused_rope = s.rot > 0 && !s.qk_norm && g->use_gemv && gemv_rows_supported<T>(n, s.h, ln, s.h, p.qkv_w) &&
+        const bool fused_rope = s.rot > 0 && !s.qk_norm && g->use_gemv && n <= GEN_GEMV_ENGINE_ROWS &&
+                                gemv_rows_supported<T>(n, s.h, ln, s.h, p.qkv_w) &&
                                 gemv_rope_supported(s.d, s.rot, g->qpg, s.qkv_width);
         if (fused_rope)
             gemv_rows<T>(&ex, GEMV_ROPE, qkv, s.qkv_width, ln, s.h, p.qkv_w, p.qkv_b, n, s.qkv_width, s.h, pdl, &rope);
