@@ -7480,12 +7480,9 @@ static cp_step cp_step_of(int q_rank, int kv_rank, int T) {
     if (kv_rank < q_rank) return {0, T, 0, C, false};
     return {C, C, 0, T, false};
 }
-/* A view starting r0 rows further down. */
-static attn_view cp_rows(attn_view v, int r0) {
-    v.p += (int64_t)r0 * v.row;
-    return v;
-}
-static attn_cview cp_rows(attn_cview v, int r0) {
+/* A view (attn_view or attn_cview) starting r0 rows further down. */
+template <typename View>
+static View cp_rows(View v, int r0) {
     v.p += (int64_t)r0 * v.row;
     return v;
 }
